@@ -1,0 +1,61 @@
+"""Load a network file: run it as a Python module and return the `Loop` it defines.
+
+Any failure is turned into a one-line `DeepDSLError` naming the file and line: syntax errors, import errors, shape
+errors raised by layers, and any other exception raised while the file runs.
+"""
+from __future__ import annotations
+
+import contextvars
+import importlib.util
+import itertools
+import os
+import sys
+
+from deepdsl import dsl
+from deepdsl.dsl import Loop, Overrides
+from deepdsl.errors import DeepDSLError, NetworkFileError, SourceLocation, location_from_traceback
+
+_module_ids = itertools.count()
+
+
+def load(path: str, overrides: Overrides | None = None) -> Loop:
+    """The Loop defined by the network file at `path` (its variable `loop`, or its only Loop)."""
+    if not os.path.isfile(path):
+        raise NetworkFileError(f"{path}: no such network file")
+    ctx = contextvars.copy_context()
+    return ctx.run(_load, path, overrides or Overrides())
+
+
+def _load(path: str, overrides: Overrides) -> Loop:
+    dsl._overrides.set(overrides)
+    dsl._dropout_keys.set(None)
+    name = f"deepdsl_network_{next(_module_ids)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        source = open(path, encoding="utf-8").read()
+        code = compile(source, path, "exec")
+    except SyntaxError as err:
+        raise NetworkFileError(f"syntax error: {err.msg}", SourceLocation(path, err.lineno or 0)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise NetworkFileError(f"{path}: cannot read: {err}") from None
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except DeepDSLError:
+        raise
+    except ImportError as err:
+        raise NetworkFileError(f"import error: {err}", location_from_traceback(err, path)) from None
+    except Exception as err:   # noqa: BLE001 -- any error in user code becomes one line naming its place
+        raise NetworkFileError(f"{type(err).__name__}: {err}", location_from_traceback(err, path)) from None
+    finally:
+        sys.modules.pop(name, None)
+    loops = [v for v in module.__dict__.values() if isinstance(v, Loop)]
+    loop = module.__dict__.get("loop")
+    if not isinstance(loop, Loop):
+        if len(loops) != 1:
+            raise NetworkFileError(f"{path}: defines {'no' if not loops else 'several'} D.Loop; "
+                                   "name the one to compile `loop`")
+        loop = loops[0]
+    loop.source = path
+    return loop

@@ -1,0 +1,86 @@
+"""The op registry: each op keeps its shape rule, VJP rule, reference semantics and lowering in one class.
+
+Adding an op means writing one `Op` subclass here (plus its runtime kernel). The shape rule runs when a node is made
+(`deepdsl.ir.make`), the VJP rule during differentiation, `evaluate` in the reference interpreter (the numpy oracle
+for every pass), and `runtime_name` names the runtime function a generated program calls.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from deepdsl.errors import ShapeError
+from deepdsl.ir import Node
+
+_REGISTRY: dict[str, "Op"] = {}
+
+
+class EvalContext:
+    """What the reference interpreter passes to `Op.evaluate`: the float dtype and the random-number seed."""
+
+    def __init__(self, float_dtype=np.float32, seed: int = 0, step: int = 0):
+        self.float_dtype = float_dtype
+        self.seed = seed
+        self.step = step
+
+
+class Op:
+    """Base class of ops. Subclasses set `name` and override the rules they have."""
+
+    name: ClassVar[str]
+    view: ClassVar[bool] = False        # the output aliases input 0 (reshape): costs no memory
+    random: ClassVar[bool] = False      # draws random numbers: never hoisted, never merged across layers
+    commutative: ClassVar[bool] = False
+
+    def infer(self, *inputs: Node, **attrs: Any) -> tuple[tuple[int, ...], str]:
+        raise NotImplementedError(self.name)
+
+    def vjp(self, node: Node, g: Node) -> tuple[Node | None, ...]:
+        """One cotangent per input of `node` given the cotangent `g` of its output (None: no gradient)."""
+        raise NotImplementedError(f"op '{self.name}' has no VJP rule")
+
+    def evaluate(self, ctx: EvalContext, *args: np.ndarray, **attrs: Any) -> np.ndarray:
+        raise NotImplementedError(self.name)
+
+    def describe(self, node: Node) -> str:
+        """The op with its attributes as printed in IR dumps, e.g. `conv2d[stride=1,pad=0]`."""
+        shown = [f"{k}={_fmt(v)}" for k, v in node.attrs]
+        return f"{self.name}[{','.join(shown)}]" if shown else self.name
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(_fmt, value)) + ")"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def register(cls: type[Op]) -> type[Op]:
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get_op(name: str) -> Op:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown op '{name}'") from None
+
+
+def all_ops() -> dict[str, Op]:
+    return dict(_REGISTRY)
+
+
+def require(condition: bool, message: str) -> None:
+    """Shape rules state their preconditions with this; the DSL adds the layer name and file line."""
+    if not condition:
+        raise ShapeError(message)
+
+
+def dims(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+from deepdsl.ops import leaf, elementwise, shape, linalg, conv, pool, norm, loss  # noqa: E402,F401  (registration)

@@ -1,0 +1,116 @@
+"""2-D convolution (cross-correlation, PyTorch layouts: x (N,C,H,W), w (O,C,kh,kw), b (O,)) and its two
+backward ops. The reference semantics are im2col + GEMM, as the CPU runtime computes them."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl.ir import FLOAT, Node, make
+from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops.elementwise import reshape, sum_to
+
+
+def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
+    span = size + 2 * pad - kernel
+    if ceil:
+        out = -(-span // stride) + 1
+        if (out - 1) * stride >= size + pad:   # the last window must start inside the input (Caffe, PyTorch)
+            out -= 1
+        return out
+    return span // stride + 1
+
+
+def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float = 0.0) -> np.ndarray:
+    """(N, C, Ho, Wo, kh, kw) view of the padded input's sliding windows."""
+    if pad:
+        x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=fill)
+    view = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))
+    return view[:, :, ::stride, ::stride]
+
+
+def im2col(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
+    """(N*Ho*Wo, C*kh*kw) matrix of input patches."""
+    win = windows(x, kh, kw, stride, pad)
+    n, c, ho, wo = win.shape[:4]
+    return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kh * kw)
+
+
+def col2im(cols: np.ndarray, shape: tuple[int, ...], kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
+    """Adjoint of im2col: scatter-add (N*Ho*Wo, C*kh*kw) patches into an (N,C,H,W) tensor."""
+    n, c, h, w = shape
+    ho, wo = out_size(h, kh, stride, pad), out_size(w, kw, stride, pad)
+    cols = cols.reshape(n, ho, wo, c, kh, kw)
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=cols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            padded[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] += cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+    return padded[:, :, pad:pad + h, pad:pad + w]
+
+
+@register
+class Conv2d(Op):
+    name = "conv2d"
+
+    def infer(self, x: Node, w: Node, *b: Node, stride=1, pad=0):
+        require(len(x.shape) == 4, f"convolution input must be 4-D (N,C,H,W), got {dims(x.shape)}")
+        o, c, kh, kw = w.shape
+        require(x.shape[1] == c, f"input has {x.shape[1]} channels, weights expect {c}")
+        h, wd = x.shape[2] + 2 * pad, x.shape[3] + 2 * pad
+        require(kh <= h and kw <= wd,
+                f"kernel {kh}x{kw} is larger than its input {x.shape[2]}x{x.shape[3]} (padding {pad})")
+        require(stride >= 1, "stride must be >= 1")
+        if b:
+            require(b[0].shape == (o,), f"bias of shape {dims(b[0].shape)}, expected {o}")
+        n = x.shape[0]
+        return (n, o, out_size(x.shape[2], kh, stride, pad), out_size(x.shape[3], kw, stride, pad)), FLOAT
+
+    def vjp(self, node, g):
+        x, w, *b = node.inputs
+        s, p = node.attr("stride", 1), node.attr("pad", 0)
+        dx = make("conv2d_bwd_data", (g, w), stride=s, pad=p, size=x.shape[2:])
+        dw = make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=w.shape[2:])
+        if not b:
+            return dx, dw
+        return dx, dw, reshape(sum_to(g, (1, w.shape[0], 1, 1)), (w.shape[0],))
+
+    def evaluate(self, ctx, x, w, *b, stride=1, pad=0):
+        n, _, h, wd = x.shape
+        o, c, kh, kw = w.shape
+        ho, wo = out_size(h, kh, stride, pad), out_size(wd, kw, stride, pad)
+        out = im2col(x, kh, kw, stride, pad) @ w.reshape(o, -1).T
+        out = out.reshape(n, ho, wo, o).transpose(0, 3, 1, 2)
+        if b:
+            out = out + b[0].reshape(1, o, 1, 1)
+        return np.ascontiguousarray(out, dtype=ctx.float_dtype)
+
+
+@register
+class Conv2dBwdData(Op):
+    """Gradient of conv2d with respect to its input: col2im(G W)."""
+
+    name = "conv2d_bwd_data"
+
+    def infer(self, g: Node, w: Node, *, stride, pad, size):
+        require(g.shape[1] == w.shape[0], f"gradient has {g.shape[1]} channels, weights {w.shape[0]}")
+        return (g.shape[0], w.shape[1], *size), FLOAT
+
+    def evaluate(self, ctx, g, w, *, stride, pad, size):
+        n, o, ho, wo = g.shape
+        _, c, kh, kw = w.shape
+        cols = g.transpose(0, 2, 3, 1).reshape(n * ho * wo, o) @ w.reshape(o, -1)
+        return np.ascontiguousarray(col2im(cols, (n, c, *size), kh, kw, stride, pad), dtype=ctx.float_dtype)
+
+
+@register
+class Conv2dBwdFilter(Op):
+    """Gradient of conv2d with respect to its weights: G^T im2col(X)."""
+
+    name = "conv2d_bwd_filter"
+
+    def infer(self, g: Node, x: Node, *, stride, pad, kernel):
+        return (g.shape[1], x.shape[1], *kernel), FLOAT
+
+    def evaluate(self, ctx, g, x, *, stride, pad, kernel):
+        n, o, ho, wo = g.shape
+        kh, kw = kernel
+        dw = g.transpose(1, 0, 2, 3).reshape(o, -1) @ im2col(x, kh, kw, stride, pad)
+        return np.ascontiguousarray(dw.reshape(o, x.shape[1], kh, kw), dtype=ctx.float_dtype)

@@ -1,0 +1,43 @@
+"""Matrix multiply (fully connected layers): `op(A) @ op(B)` with op = transpose when `ta`/`tb` is set."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl.ir import FLOAT, Node, make
+from deepdsl.ops import Op, dims, register, require
+
+
+@register
+class MatMul(Op):
+    name = "matmul"
+
+    def infer(self, a: Node, b: Node, *, ta=False, tb=False):
+        require(len(a.shape) == 2 and len(b.shape) == 2, f"matmul of {dims(a.shape)} and {dims(b.shape)}")
+        m, k = a.shape[::-1] if ta else a.shape
+        k2, n = b.shape[::-1] if tb else b.shape
+        require(k == k2, f"inner sizes differ: {dims(a.shape)}{'ᵀ' if ta else ''} @ {dims(b.shape)}{'ᵀ' if tb else ''}")
+        return (m, n), FLOAT
+
+    def vjp(self, node, g):
+        a, b = node.inputs
+        ta, tb = node.attr("ta", False), node.attr("tb", False)
+        # C = op(A) op(B):  dop(A) = G op(B)^T,  dop(B) = op(A)^T G
+        ga = matmul(b, g, ta=tb, tb=True) if ta else matmul(g, b, ta=False, tb=not tb)
+        gb = matmul(g, a, ta=True, tb=ta) if tb else matmul(a, g, ta=not ta, tb=False)
+        return ga, gb
+
+    def evaluate(self, ctx, a, b, *, ta=False, tb=False):
+        return np.asarray((a.T if ta else a) @ (b.T if tb else b), dtype=ctx.float_dtype)
+
+    def describe(self, node):
+        ta, tb = node.attr("ta", False), node.attr("tb", False)
+        return "matmul" + ("[" + ",".join(n for n, f in (("ta", ta), ("tb", tb)) if f) + "]" if ta or tb else "")
+
+
+def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
+    attrs = {}
+    if ta:
+        attrs["ta"] = True
+    if tb:
+        attrs["tb"] = True
+    return make("matmul", (a, b), **attrs)

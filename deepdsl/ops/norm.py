@@ -1,0 +1,103 @@
+"""Normalization and regularization layers: local response normalization, batch normalization and dropout.
+
+`batch_norm` and `dropout` behave differently when training and testing; they stay as single nodes in the graph
+the user builds and the `specialize` pass rewrites them for the step being compiled (batch statistics and running
+statistic updates, or running statistics; a random mask, or the identity).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl.ir import FLOAT, UINT8, Node, make
+from deepdsl.ops import Op, dims, register, require
+
+
+def _channel_window_sum(a: np.ndarray, front: int, back: int) -> np.ndarray:
+    """out[:, c] = sum of a[:, c - front : c + back + 1] (clipped at the ends), for 2-D or 4-D `a`."""
+    c = a.shape[1]
+    padded = np.concatenate([np.zeros_like(a[:, :1]).repeat(front, 1), a, np.zeros_like(a[:, :1]).repeat(back, 1)], 1)
+    csum = np.concatenate([np.zeros_like(padded[:, :1]), np.cumsum(padded, axis=1)], 1)
+    return csum[:, front + back + 1:front + back + 1 + c] - csum[:, :c]
+
+
+def _lrn_scale(x, size, alpha, k):
+    return k + (alpha / size) * _channel_window_sum(x * x, size // 2, (size - 1) // 2)
+
+
+@register
+class LRN(Op):
+    """Local response normalization across channels (PyTorch's LocalResponseNorm, Caffe's ACROSS_CHANNELS):
+    y_c = x_c / (k + alpha/size * sum_{window(c)} x^2)^beta."""
+
+    name = "lrn"
+
+    def infer(self, x: Node, *, size, alpha, beta, k):
+        require(len(x.shape) in (2, 4), f"LRN input must be 2-D or 4-D, got {dims(x.shape)}")
+        return x.shape, FLOAT
+
+    def vjp(self, node, g):
+        return (make("lrn_bwd", (g, node.inputs[0]), **node.kwargs),)
+
+    def evaluate(self, ctx, x, *, size, alpha, beta, k):
+        return (x * _lrn_scale(x, size, alpha, k) ** -beta).astype(ctx.float_dtype)
+
+
+@register
+class LRNBwd(Op):
+    name = "lrn_bwd"
+
+    def infer(self, g, x, *, size, alpha, beta, k):
+        require(g.shape == x.shape, "lrn_bwd: gradient and input shapes differ")
+        return x.shape, FLOAT
+
+    def evaluate(self, ctx, g, x, *, size, alpha, beta, k):
+        s = _lrn_scale(x, size, alpha, k)
+        inner = g * x * s ** (-beta - 1)
+        # input j feeds outputs c with j in window(c), i.e. c in [j - back, j + front]
+        spread = _channel_window_sum(inner, (size - 1) // 2, size // 2)
+        return (g * s ** -beta - (2 * alpha * beta / size) * x * spread).astype(ctx.float_dtype)
+
+
+@register
+class BatchNorm(Op):
+    """Batch normalization over all axes but 1 (inputs: x, weight, bias, running_mean, running_var)."""
+
+    name = "batch_norm"
+
+    def infer(self, x, weight, bias, mean, var, *, eps, momentum):
+        require(len(x.shape) in (2, 4), f"batch norm input must be 2-D or 4-D, got {dims(x.shape)}")
+        c = x.shape[1]
+        for t, what in ((weight, "weight"), (bias, "bias"), (mean, "running mean"), (var, "running var")):
+            require(t.shape == (c,), f"batch norm {what} of shape {dims(t.shape)} for {c} channels")
+        return x.shape, FLOAT
+
+
+@register
+class Dropout(Op):
+    """Zero each element with probability `ratio` and scale the rest by 1/(1-ratio) when training; identity when
+    testing. `key` tells apart the places a dropout layer is applied, so each draws its own mask."""
+
+    name = "dropout"
+
+    def infer(self, x, *, ratio, key):
+        require(0.0 <= ratio < 1.0, f"dropout ratio {ratio} outside [0, 1)")
+        return x.shape, FLOAT
+
+
+@register
+class Bernoulli(Op):
+    """A random 0/1 mask, 1 with probability `keep`, drawn from (seed, step, key): reproducible from the seed."""
+
+    name = "bernoulli"
+    random = True
+
+    def infer(self, *, shape, keep, key):
+        return shape, UINT8
+
+    def evaluate(self, ctx, *, shape, keep, key):
+        return bernoulli_mask(ctx.seed, ctx.step, key, shape, keep)
+
+
+def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
+    rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
+    return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)

@@ -1,0 +1,92 @@
+"""Joining and splitting tensors along an axis (inception modules concatenate branches along channels)."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl.ir import Node, make
+from deepdsl.ops import Op, dims, register, require
+
+
+@register
+class Concat(Op):
+    name = "concat"
+
+    def infer(self, *inputs: Node, axis):
+        require(len(inputs) >= 1, "concat of nothing")
+        first = inputs[0].shape
+        require(all(len(i.shape) == len(first) for i in inputs),
+                "concat of tensors of different ranks: " + ", ".join(dims(i.shape) for i in inputs))
+        require(all(i.shape[:axis] + i.shape[axis + 1:] == first[:axis] + first[axis + 1:] for i in inputs),
+                f"concat along axis {axis} of tensors whose other sizes differ: "
+                + ", ".join(dims(i.shape) for i in inputs))
+        require(len({i.dtype for i in inputs}) == 1, "concat of tensors of different dtypes")
+        total = sum(i.shape[axis] for i in inputs)
+        return first[:axis] + (total,) + first[axis + 1:], inputs[0].dtype
+
+    def vjp(self, node, g):
+        axis = node.attr("axis")
+        result, start = [], 0
+        for x in node.inputs:
+            stop = start + x.shape[axis]
+            result.append(slice_axis(g, axis, start, stop))
+            start = stop
+        return tuple(result)
+
+    def evaluate(self, ctx, *args, axis):
+        return np.concatenate(args, axis=axis)
+
+
+@register
+class Slice(Op):
+    """`x[..., start:stop, ...]` along `axis`."""
+
+    name = "slice"
+
+    def infer(self, x: Node, *, axis, start, stop):
+        require(0 <= start < stop <= x.shape[axis], f"slice {start}:{stop} out of axis {axis} of {dims(x.shape)}")
+        return x.shape[:axis] + (stop - start,) + x.shape[axis + 1:], x.dtype
+
+    def vjp(self, node, g):
+        x = node.inputs[0]
+        return (make("pad_axis", (g,), axis=node.attr("axis"), start=node.attr("start"), size=x.shape[node.attr("axis")]),)
+
+    def evaluate(self, ctx, x, *, axis, start, stop):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return np.ascontiguousarray(x[tuple(index)])
+
+
+@register
+class PadAxis(Op):
+    """Place `x` at `start` of a zero tensor whose `axis` has `size` entries (the VJP of `slice`)."""
+
+    name = "pad_axis"
+
+    def infer(self, x: Node, *, axis, start, size):
+        require(0 <= start and start + x.shape[axis] <= size, f"pad_axis does not fit {dims(x.shape)}")
+        return x.shape[:axis] + (size,) + x.shape[axis + 1:], x.dtype
+
+    def vjp(self, node, g):
+        x = node.inputs[0]
+        a, s = node.attr("axis"), node.attr("start")
+        return (slice_axis(g, a, s, s + x.shape[a]),)
+
+    def evaluate(self, ctx, x, *, axis, start, size):
+        shape = list(x.shape)
+        shape[axis] = size
+        out = np.zeros(shape, dtype=x.dtype)
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, start + x.shape[axis])
+        out[tuple(index)] = x
+        return out
+
+
+def concat(inputs, axis: int = 1) -> Node:
+    inputs = tuple(inputs)
+    return inputs[0] if len(inputs) == 1 else make("concat", inputs, axis=axis)
+
+
+def slice_axis(x: Node, axis: int, start: int, stop: int) -> Node:
+    if start == 0 and stop == x.shape[axis]:
+        return x
+    return make("slice", (x,), axis=axis, start=start, stop=stop)

@@ -1,0 +1,3 @@
+"""Placeholder being replaced."""
+def fuse_elementwise(graph):
+    return graph

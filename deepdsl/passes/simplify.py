@@ -1,0 +1,3 @@
+"""Placeholder being replaced."""
+def simplify(graph):
+    return graph

@@ -1,0 +1,86 @@
+"""The SSA program: a straight-line sequence of statements, each defining one value once.
+
+A `Let` defines its node's value from the node's inputs; `Free` ends the life of values (added by the memory
+passes). Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted values); outputs map
+names to values. Names appear only when printing: leaves by their own names, statement values X1, X2, ... in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepdsl.ir import Node
+from deepdsl.ops import dims, get_op
+
+
+@dataclass(frozen=True, slots=True)
+class Let:
+    node: Node
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    nodes: tuple[Node, ...]
+
+
+Instr = Let | Free
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    inputs: tuple[Node, ...]
+    body: tuple[Instr, ...]
+    outputs: tuple[tuple[str, Node], ...]
+
+    def statements(self) -> list[Node]:
+        return [i.node for i in self.body if isinstance(i, Let)]
+
+    def names(self) -> dict[int, str]:
+        """Deterministic printing names: id(node) -> name."""
+        names = {id(n): n.name for n in self.inputs}
+        k = 0
+        for node in self.statements():
+            if id(node) not in names:
+                k += 1
+                names[id(node)] = f"X{k}"
+        return names
+
+    def text(self, shapes: bool = True) -> str:
+        return format_program(self, shapes)
+
+
+def format_expr(node: Node, names: dict[int, str]) -> str:
+    """The right-hand side of a statement: `conv2d[stride=1,pad=0](x, cv1_W, cv1_B)` or, for elementwise nodes,
+    their expression over argument names: `Max(X4, 0)`."""
+    args = [names.get(id(i)) or format_inline(i) for i in node.inputs]
+    if node.op == "ew":
+        import sympy
+        from deepdsl.ops.elementwise import sym
+        expr = node.attr("expr")
+        mapping = {sym(k): sympy.Symbol(a) for k, a in enumerate(args)}
+        return sympy.sstr(expr.xreplace(mapping))
+    return f"{get_op(node.op).describe(node)}({', '.join(args)})"
+
+
+def format_inline(node: Node) -> str:
+    if node.op == "const":
+        return get_op("const").describe(node)
+    return node.name or f"<{node.op}>"
+
+
+def format_program(program: Program, shapes: bool = True) -> str:
+    names = program.names()
+    lines = [f"program {program.name}(" + ", ".join(
+        f"{n.name}: {dims(n.shape)}" + ("" if n.dtype == "float" else f" {n.dtype}") for n in program.inputs) + ")"]
+    for instr in program.body:
+        if isinstance(instr, Let):
+            node = instr.node
+            text = f"  {names[id(node)]} = {format_expr(node, names)}"
+            if shapes:
+                tail = dims(node.shape) + ("" if node.dtype == "float" else f" {node.dtype}")
+                text = f"{text:<88} # {tail}"
+            lines.append(text.rstrip())
+        else:
+            lines.append("  free " + ", ".join(names[id(n)] for n in instr.nodes))
+    lines.append("  return " + ", ".join(f"{k}={names.get(id(v)) or format_inline(v)}" for k, v in program.outputs))
+    return "\n".join(lines) + "\n"

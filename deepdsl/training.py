@@ -1,0 +1,113 @@
+"""From a Loop to the graphs of one training step and one test step.
+
+Training step outputs: `loss`, then for every parameter its new value and its new optimizer state, then the new
+running statistics of batch-norm layers. Its leaves are the batch (`x`, `y`), parameters, optimizer and running
+state, and the hyperparameters fed each step (`lr`, `momentum`, `decay`; Adam: `lr`, `bias1`, `bias2`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from deepdsl.autodiff import gradients
+from deepdsl.dsl import Loop, Train
+from deepdsl.errors import DeepDSLError
+from deepdsl.ir import FLOAT, Graph, Node, make, toposort
+from deepdsl.ops.elementwise import add, elementwise, sum_to, sym
+from deepdsl.ops.leaf import Init
+from deepdsl.passes.specialize import specialize
+
+
+def number(value: float) -> sympy.Expr:
+    """An exact sympy number: integers stay integers so `1*x` simplifies away."""
+    return sympy.Integer(int(value)) if float(value).is_integer() else sympy.Float(value)
+
+
+def hyper(name: str) -> Node:
+    return make("input", (), name=name, shape=(), dtype=FLOAT, role="hyper")
+
+
+def optimizer_state(prefix: str, param: Node) -> Node:
+    return make("state", (), name=f"{prefix}_{param.name}", shape=param.shape, dtype=FLOAT,
+                init=Init("constant", value=0.0))
+
+
+@dataclass(frozen=True)
+class StepGraphs:
+    train: Graph
+    test: Graph
+    params: tuple[Node, ...]           # trained parameters, in order of first use
+    states: tuple[Node, ...]           # running statistics and optimizer buffers
+
+
+def parameters(loss: Node) -> list[Node]:
+    params = [n for n in toposort([loss]) if n.op == "param"]
+    seen: dict[str, Node] = {}
+    for p in params:
+        other = seen.setdefault(p.name, p)
+        if other is not p:
+            raise DeepDSLError(f"two different parameters are named '{p.name}' ({other.shape} and {p.shape}, "
+                               f"initializers {other.attr('init')} and {p.attr('init')}); give the layers distinct names")
+    return params
+
+
+def build_step_graphs(loop: Loop) -> StepGraphs:
+    name = loop.name
+    train = specialize(Graph(f"{name}_train", (("loss", loop.loss.node),)), "train")
+    loss = train.outputs[0][1]
+    params = parameters(loss)
+    if not params:
+        raise DeepDSLError("the loss depends on no parameter: nothing to train")
+    grads = gradients(loss, params)
+    updates = _sgd(params, grads, loop.solver) if loop.solver.optimizer == "sgd" else _adam(params, grads, loop.solver)
+    train = Graph(train.name, train.outputs[:1] + tuple(updates) + train.outputs[1:])
+    test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
+    states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
+    return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)))
+
+
+def _clipped(params, grads, solver: Train) -> dict[Node, Node]:
+    """Scale all gradients by min(1, clip / global L2 norm), as Caffe's clip_gradients and
+    torch.nn.utils.clip_grad_norm_ do."""
+    if not solver.clip:
+        return grads
+    squares = [sum_to(elementwise(sym(0) ** 2, [grads[p]]), ()) for p in params]
+    norm = elementwise(sympy.sqrt(sym(0)), [add(*squares)])
+    factor = elementwise(sympy.Min(1, solver.clip / (sym(0) + sympy.Float(1e-6))), [norm])
+    return {p: elementwise(sym(0) * sym(1), [grads[p], factor]) for p in params}
+
+
+def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
+    """PyTorch's SGD: g += decay * decay_mult * p;  v = momentum * v + g;  p -= lr * lr_mult * v."""
+    grads = _clipped(params, grads, solver)
+    lr, momentum, decay = hyper("lr"), hyper("momentum"), hyper("decay")
+    out = []
+    for p in params:
+        v = optimizer_state("V", p)
+        dm, lm = number(p.attr("decay_mult")), number(p.attr("lr_mult"))
+        # v0: velocity, v1: momentum, v2: gradient, v3: decay, v4: parameter
+        new_v = elementwise(sym(1) * sym(0) + sym(2) + dm * sym(3) * sym(4), [v, momentum, grads[p], decay, p])
+        new_p = elementwise(sym(0) - lm * sym(1) * sym(2), [p, lr, new_v])
+        out += [(p.name, new_p), (v.name, new_v)]
+    return out
+
+
+def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
+    """PyTorch's Adam with L2 decay: g += decay*p; m = b1 m + (1-b1) g; s = b2 s + (1-b2) g^2;
+    p -= lr * lr_mult / bias1 * m / (sqrt(s) / sqrt(bias2) + eps), bias_i = 1 - b_i^t fed each step."""
+    grads = _clipped(params, grads, solver)
+    lr, bias1, bias2, decay = hyper("lr"), hyper("bias1"), hyper("bias2"), hyper("decay")
+    b1, b2 = sympy.Float(solver.betas[0]), sympy.Float(solver.betas[1])
+    eps = sympy.Float(solver.eps)
+    out = []
+    for p in params:
+        m, s = optimizer_state("M", p), optimizer_state("S", p)
+        dm, lm = number(p.attr("decay_mult")), number(p.attr("lr_mult"))
+        g = elementwise(sym(0) + dm * sym(1) * sym(2), [grads[p], decay, p])
+        new_m = elementwise(b1 * sym(0) + (1 - b1) * sym(1), [m, g])
+        new_s = elementwise(b2 * sym(0) + (1 - b2) * sym(1) ** 2, [s, g])
+        new_p = elementwise(sym(0) - lm * sym(1) / sym(2) * sym(3) / (sympy.sqrt(sym(4)) / sympy.sqrt(sym(5)) + eps),
+                            [p, lr, bias1, new_m, new_s, bias2])
+        out += [(p.name, new_p), (m.name, new_m), (s.name, new_s)]
+    return out

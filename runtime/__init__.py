@@ -1,0 +1,1 @@
+"""deepdsl_runtime: what generated deepdsl programs import."""
