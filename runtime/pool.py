@@ -160,7 +160,7 @@ class PoolAllocator:
         # Merge with the left neighbour.
         if index > 0:
             left = offsets[index - 1]
-            if False:
+            if left + self._free_size[left] == offset:
                 self._free_size[left] += size
                 return
         offsets.insert(index, offset)
