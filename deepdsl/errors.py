@@ -15,7 +15,11 @@ class SourceLocation:
     lineno: int
 
     def __str__(self) -> str:
-        return f"{os.path.relpath(self.filename) if os.path.isabs(self.filename) else self.filename}:{self.lineno}"
+        name = self.filename
+        if os.path.isabs(name):
+            relative = os.path.relpath(name)
+            name = name if relative.startswith("..") else relative
+        return f"{name}:{self.lineno}"
 
 
 class DeepDSLError(Exception):

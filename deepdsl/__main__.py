@@ -1,0 +1,5 @@
+import sys
+
+from deepdsl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,162 @@
+"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`.
+
+Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
+line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deepdsl.errors import DeepDSLError
+
+
+def _image(text: str) -> tuple[int, int]:
+    parts = text.lower().replace("x", ",").split(",")
+    try:
+        sizes = [int(p) for p in parts if p]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"image size must be H or H,W (got '{text}')") from None
+    if len(sizes) == 1:
+        sizes *= 2
+    if len(sizes) != 2 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"image size must be H or H,W (got '{text}')")
+    return sizes[0], sizes[1]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return value
+
+
+def _add_network_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("network", help="network file (a Python module defining a D.Loop)")
+    p.add_argument("--batch", type=_positive, help="override the batch size the network file declares")
+    p.add_argument("--image", type=_image, metavar="H[,W]", help="override the input image height and width")
+    p.add_argument("--no-simplify", action="store_true", help="skip algebraic simplification")
+    p.add_argument("--no-fuse", action="store_true", help="skip elementwise fusion")
+    p.add_argument("--no-cse", action="store_true", help="skip common-subexpression elimination")
+    p.add_argument("--no-code-motion", action="store_true", help="skip hoisting and sinking")
+
+
+def _compile(args: argparse.Namespace):
+    import deepdsl
+    from deepdsl.dsl import Overrides
+
+    loop = deepdsl.load(args.network, Overrides(batch=args.batch, image=args.image))
+    options = deepdsl.CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
+                                     code_motion=not args.no_code_motion)
+    return deepdsl.compile(loop, options)
+
+
+def cmd_ir(args: argparse.Namespace) -> int:
+    compiled = _compile(args)
+    steps = ("setup", "train", "test") if args.step == "all" else (args.step,)
+    texts = [getattr(compiled, s).text() for s in steps if getattr(compiled, s).body or s == args.step]
+    sys.stdout.write("\n".join(texts))
+    return 0
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from deepdsl.graph import program_graph, write_dot
+
+    compiled = _compile(args)
+    program = getattr(compiled, args.step)
+    text = write_dot(program_graph(program), program.name)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} ({len(program.body)} statements)")
+    return 0
+
+
+def _default_output(network: str) -> Path:
+    return Path("generated") / Path(network).name
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from deepdsl.codegen import write_program
+
+    compiled = _compile(args)
+    out = Path(args.output) if args.output else _default_output(args.network)
+    path = write_program(compiled, out)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from deepdsl.codegen import run_program, write_program
+
+    compiled = _compile(args)
+    out = Path(args.output) if args.output else _default_output(args.network)
+    path = write_program(compiled, out)
+    print(f"wrote {path}; running it", flush=True)
+    return run_program(path, args.program_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deepdsl import __version__
+
+    parser = argparse.ArgumentParser(prog="deepdsl", description="Ahead-of-time compiler for deep learning.")
+    parser.add_argument("--version", action="version", version=f"deepdsl {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ir", help="print the optimized SSA programs of a network")
+    _add_network_options(p)
+    p.add_argument("--step", choices=("train", "test", "setup", "all"), default="all")
+    p.set_defaults(func=cmd_ir)
+
+    p = sub.add_parser("graph", help="write a step's dependency graph as Graphviz DOT")
+    _add_network_options(p)
+    p.add_argument("-o", "--output", help="DOT file to write (default: standard output)")
+    p.add_argument("--step", choices=("train", "test", "setup"), default="train")
+    p.set_defaults(func=cmd_graph)
+
+    p = sub.add_parser("compile", help="write the standalone training program of a network")
+    _add_network_options(p)
+    p.add_argument("-o", "--output", help="program to write (default: generated/<network>.py)")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("run", help="compile a network, then run its training program",
+                       description="Compile NET.py, then run the generated program; options after `--` go to it.")
+    _add_network_options(p)
+    p.add_argument("-o", "--output", help="program to write (default: generated/<network>.py)")
+    p.add_argument("program_args", nargs=argparse.REMAINDER, help="options for the generated program, after --")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "program_args", None) and args.program_args[:1] == ["--"]:
+        args.program_args = args.program_args[1:]
+    try:
+        return args.func(args)
+    except DeepDSLError as err:
+        if args.debug:
+            raise
+        print(f"deepdsl: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("deepdsl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:   # noqa: BLE001 -- an internal error: one line unless --debug
+        if args.debug:
+            raise
+        print(f"deepdsl: internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
