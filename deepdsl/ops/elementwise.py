@@ -32,8 +32,9 @@ def symbols(n: int) -> list[sympy.Symbol]:
 
 
 def _heaviside_zero_at_zero(expr: sympy.Expr) -> sympy.Expr:
-    """sympy's Heaviside(0) is 1/2; PyTorch's ReLU'(0) is 0. Use 0 so gradients match it exactly."""
-    return expr.replace(lambda e: isinstance(e, sympy.Heaviside) and len(e.args) == 1,
+    """sympy's Heaviside(0) is 1/2; PyTorch's ReLU'(0) is 0. Use 0 so gradients match it exactly.
+    (sympy >= 1.9 spells the default value out: `diff(Max(v, 0), v)` is Heaviside(v, 1/2), with two arguments.)"""
+    return expr.replace(lambda e: isinstance(e, sympy.Heaviside),
                         lambda e: sympy.Heaviside(e.args[0], 0))
 
 
@@ -99,7 +100,10 @@ def elementwise(expr: sympy.Expr, inputs: Sequence[Node], names: Sequence[sympy.
     returns a `const`. The result is broadcast to `shape` when given.
     """
     names = list(names) if names is not None else symbols(len(inputs))
-    target = shape if shape is not None else (np.broadcast_shapes(*(i.shape for i in inputs)) if inputs else ())
+    try:
+        target = shape if shape is not None else (np.broadcast_shapes(*(i.shape for i in inputs)) if inputs else ())
+    except ValueError:
+        raise_mismatch(inputs)
     subst: dict[sympy.Symbol, sympy.Expr] = {}
     kept: list[Node] = []
     for name, node in zip(names, inputs):

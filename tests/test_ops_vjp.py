@@ -1,0 +1,490 @@
+"""Every differentiable op's VJP rule against PyTorch autograd and central finite differences (float64).
+
+For an op application `out = op(inputs)` a case builds `loss = sum(out * R)` for a fixed random R, derives the input
+gradients with `deepdsl.autodiff.gradients`, runs forward and backward in the reference interpreter and checks
+  * the output against the PyTorch function,
+  * each input gradient against torch.autograd (relative error <= 1e-6),
+  * each input gradient against central differences of the interpreted loss (all entries of small inputs, random
+    directions of larger ones; relative error <= 1e-6).
+Inputs of non-smooth ops (ReLU, clipping, max pooling) stay away from their kinks so that differences are exact;
+the kinks themselves are checked against autograd alone. The cases form one table, `CASES`; the registry test
+builds every case's graph and fails when an op of `deepdsl.ops.all_ops()` appears in none of them and is not listed
+in `NOT_DIFFERENTIATED`, so a new op cannot arrive without a gradient test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from deepdsl import dsl as D
+from deepdsl.autodiff import gradients
+from deepdsl.interpret import run, run_graph
+from deepdsl.ir import FLOAT, INT32, Graph, Node, make, toposort
+from deepdsl.ops import all_ops, get_op
+from deepdsl.ops.elementwise import broadcast_to, elementwise, reshape, sum_to, sym
+from deepdsl.ops.linalg import matmul
+from deepdsl.ops.loss import cross_entropy, log_loss, nll
+from deepdsl.ops.norm import bernoulli_mask
+from deepdsl.ops.shape import concat, slice_axis
+from deepdsl.passes.linearize import linearize
+from deepdsl.passes.specialize import specialize
+
+torch.set_default_dtype(torch.float64)
+
+RTOL = 1e-6            # gradients vs autograd and vs finite differences
+FD_STEP = 1e-6         # central differences: O(h^2) truncation and O(eps / h) rounding, both far below RTOL
+FD_ALL_ENTRIES = 40    # inputs up to this size are differenced entry by entry, larger ones along random directions
+FD_DIRECTIONS = 6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the harness
+
+def leaf(name, shape, dtype=FLOAT) -> Node:
+    return make("input", (), name=name, shape=tuple(shape), dtype=dtype, role="label" if dtype == INT32 else "data")
+
+
+def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    scale, diff = np.linalg.norm(theirs), np.linalg.norm(ours - theirs)
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close(ours, theirs, what: str, rtol: float = RTOL):
+    theirs = theirs.detach().numpy() if isinstance(theirs, torch.Tensor) else np.asarray(theirs)
+    assert ours.shape == theirs.shape, f"{what}: shape {ours.shape} vs {theirs.shape}"
+    err = relative_error(ours, theirs)
+    assert err <= rtol, f"{what}: relative error {err:.3g}"
+
+
+def ops_in(*nodes: Node) -> set[str]:
+    return {n.op for n in toposort(nodes)}
+
+
+def build_case(build: Callable, arrays: dict, labels: dict) -> tuple[dict[str, Node], Node, dict[str, Node]]:
+    """The input leaves, the output node and the extra outputs of `build` applied to leaves for the inputs."""
+    nodes = {k: leaf(k, a.shape) for k, a in arrays.items()}
+    built = build(*nodes.values(), *(leaf(k, a.shape, INT32) for k, a in labels.items()))
+    out, extra = built if isinstance(built, tuple) else (built, {})
+    return nodes, out, extra
+
+
+def check_vjp(build: Callable, reference: Callable, arrays: dict[str, np.ndarray],
+              labels: dict[str, np.ndarray] | None = None, fixed: dict[str, np.ndarray] | None = None,
+              seed: int = 0, fd: bool = True) -> dict[str, np.ndarray]:
+    """Check `build(*leaves)` against `reference(*torch tensors)` forward, by autograd and by finite differences.
+
+    Both receive the inputs in order: `arrays`, then `labels`. `arrays` are the differentiated inputs (float leaves;
+    a DSL layer makes its own parameter leaves, named as the layer names them, and when the graph holds a leaf of an
+    input's name that is the one differentiated), `labels` int32 inputs, `fixed` other leaves the graph reads (fed
+    by name, not differentiated). `build` returns the output node, or (node, {name: node}) with extra outputs to
+    evaluate. Returns the interpreted values: `out`, `loss`, `d_<name>` and the extra outputs.
+    """
+    labels, fixed = labels or {}, fixed or {}
+    nodes, out, extra = build_case(build, arrays, labels)
+    in_graph = {n.name: n for n in toposort([out]) if n.is_leaf}
+    wrt = {k: in_graph.get(k, node) for k, node in nodes.items()}
+    r = np.random.default_rng(seed + 1000).standard_normal(out.shape)
+    loss = sum_to(elementwise(sym(0) * sym(1), [out, leaf("R", out.shape)]), ())
+    grads = gradients(loss, list(wrt.values()))
+    feeds = {**arrays, **labels, **fixed, "R": r}
+    results = run_graph(Graph("vjp", (("out", out), ("loss", loss))
+                              + tuple((f"d_{k}", grads[n]) for k, n in wrt.items()) + tuple(extra.items())),
+                        feeds, float_dtype=np.float64)
+
+    tensors = {k: torch.tensor(a, requires_grad=True) for k, a in arrays.items()}
+    expected = reference(*tensors.values(), *(torch.from_numpy(a.astype(np.int64)) for a in labels.values()))
+    assert_close(results["out"], expected, "forward")
+    (expected * torch.from_numpy(r)).sum().backward()
+    for k, tensor in tensors.items():
+        torch_grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+        assert_close(results[f"d_{k}"], torch_grad, f"d_{k} vs autograd")
+    if not fd:
+        return results
+
+    program = linearize(Graph("loss", (("loss", loss),)))
+
+    def f(name, value):
+        return float(run(program, {**feeds, name: value}, float_dtype=np.float64)["loss"])
+
+    rng = np.random.default_rng(seed + 2000)
+    for k, a in arrays.items():
+        if a.size <= FD_ALL_ENTRIES:
+            directions = np.eye(a.size).reshape(a.size, *a.shape)
+        else:
+            directions = rng.standard_normal((FD_DIRECTIONS, *a.shape))
+        fd_values = np.array([(f(k, a + FD_STEP * d) - f(k, a - FD_STEP * d)) / (2 * FD_STEP) for d in directions])
+        analytic = np.array([np.sum(results[f"d_{k}"] * d) for d in directions])
+        assert_close(analytic, fd_values, f"d_{k} vs finite differences")
+    return results
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return np.random.default_rng(seed).standard_normal(shape) * scale
+
+
+def away_from(x: np.ndarray, points, margin=0.05) -> np.ndarray:
+    """x with every entry at least `margin` from the kinks `points` (differences must not straddle a kink)."""
+    x = x.copy()
+    for p in points:
+        near = np.abs(x - p) < margin
+        x[near] = p + np.where(x[near] >= p, 2 * margin, -2 * margin)
+    return x
+
+
+def distinct(shape, seed=0):
+    """Values without ties, spaced 0.01 apart: every pooling window has a unique maximum."""
+    n = int(np.prod(shape))
+    return np.random.default_rng(seed).permutation(n).reshape(shape) * 0.01 - n * 0.005
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the table of cases
+
+@dataclass
+class Case:
+    build: Callable                     # leaves -> node, or (node, {name: extra output})
+    reference: Callable                 # torch tensors -> tensor
+    arrays: dict[str, np.ndarray]       # differentiated inputs
+    labels: dict[str, np.ndarray] = field(default_factory=dict)
+    fixed: dict[str, np.ndarray] = field(default_factory=dict)
+    after: Callable | None = None       # more assertions on the interpreted results
+    mode_ops: tuple[str, ...] = ()      # ops of the graph before `specialize` rewrote them
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name: str, build, reference, arrays, **kwargs):
+    assert name not in CASES, name
+    CASES[name] = Case(build, reference, arrays, **kwargs)
+
+
+def dsl(layer):
+    return lambda x: layer(D.Tensor(x)).node
+
+
+# elementwise: activations (the built-in ones differentiate through `out_grad`, a function of the output),
+# user-defined functions through sympy, arithmetic with broadcasting
+UNARY = {
+    # name: (graph builder, torch function, kinks to avoid)
+    "relu": (dsl(D.relu), torch.relu, [0.0]),
+    "tanh": (dsl(D.tanh), torch.tanh, []),
+    "sigmoid": (dsl(D.sigmoid), torch.sigmoid, []),
+    "clipped_relu": (dsl(D.clipped_relu(0.8)), lambda x: F.hardtanh(x, 0.0, 0.8), [0.0, 0.8]),
+    "swish": (dsl(D.elementwise("swish", "v / (1 + exp(-v))")), lambda x: x * torch.sigmoid(x), []),
+    "relu_by_sympy": (lambda x: elementwise(sympy.Max(sym(0), 0), [x]), torch.relu, [0.0]),
+    "clipped_by_sympy": (lambda x: elementwise(sympy.Min(sympy.Max(sym(0), 0), sympy.Float(0.8)), [x]),
+                         lambda x: F.hardtanh(x, 0.0, 0.8), [0.0, 0.8]),
+    "abs": (dsl(D.elementwise("abs", "Abs(v)")), torch.abs, [0.0]),
+    "softplus": (dsl(D.elementwise("softplus", lambda v: sympy.log(1 + sympy.exp(v)))), F.softplus, []),
+    "square_sin": (lambda x: elementwise(sym(0) ** 2 * sympy.sin(sym(0)), [x]), lambda x: x ** 2 * torch.sin(x), []),
+}
+for _name, (_build, _reference, _kinks) in UNARY.items():
+    case(f"ew_{_name}", _build, _reference, {"x": away_from(randn(3, 5, scale=1.5), _kinks)})
+
+case("ew_broadcast", lambda a, b, c: elementwise(sym(0) * sympy.sin(sym(1)) + sym(0) * sym(1) / sym(2)
+                                                 + sympy.exp(sym(2)) * sym(1), [a, b, c]),
+     lambda a, b, c: a * torch.sin(b) + a * b / c + torch.exp(c) * b,
+     {"a": randn(2, 3, 1), "b": randn(3, 4, seed=1), "c": away_from(randn(4, seed=2), [0.0], 0.3)})
+case("ew_repeated_input_and_scalar", lambda a, s: elementwise(sym(0) * sym(1) + sym(2) ** 3, [a, s, a]),
+     lambda a, s: a * s + a ** 3, {"a": randn(3, 4), "s": np.asarray(0.7)})
+case("ew_tensor_arithmetic",
+     lambda a, b: ((D.Tensor(a) - 0.5 * D.Tensor(b)) / D.Tensor(b) + 2 * -D.Tensor(a)).node,
+     lambda a, b: (a - 0.5 * b) / b + 2 * -a, {"a": randn(3, 4), "b": away_from(randn(3, 4, seed=1), [0.0], 0.3)})
+case("dsl_add", lambda a, b, c: D.add(D.Tensor(a), D.Tensor(b), D.Tensor(c)).node, lambda a, b, c: a + b + c,
+     {"a": randn(2, 3), "b": randn(2, 3, seed=1), "c": randn(2, 3, seed=2)})
+
+# summing, broadcasting, reshaping
+case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
+case("sum_to_middle", lambda x: sum_to(x, (2, 1, 4)), lambda x: x.sum_to_size(2, 1, 4), {"x": randn(2, 3, 4)})
+case("sum_to_scalar", lambda x: sum_to(x, ()), lambda x: x.sum(), {"x": randn(2, 3, 4)})
+case("broadcast_to", lambda y: broadcast_to(y, (2, 3, 4)), lambda y: y.expand(2, 3, 4), {"y": randn(3, 1)})
+case("broadcast_scalar", lambda y: broadcast_to(y, (2, 3)), lambda y: y.expand(2, 3), {"y": np.asarray(1.5)})
+case("reshape", lambda x: reshape(x, (4, 6)), lambda x: x.reshape(4, 6), {"x": randn(2, 3, 4)})
+case("dsl_flatten", dsl(D.flatten), lambda x: x.flatten(1), {"x": randn(2, 3, 2, 2)})
+
+# matrix multiply and fully connected layers
+for _ta in (False, True):
+    for _tb in (False, True):
+        case(f"matmul_ta{int(_ta)}_tb{int(_tb)}",
+             lambda a, b, ta=_ta, tb=_tb: matmul(a, b, ta=ta, tb=tb),
+             lambda a, b, ta=_ta, tb=_tb: (a.T if ta else a) @ (b.T if tb else b),
+             {"a": randn(*((4, 3) if _ta else (3, 4))), "b": randn(*((5, 4) if _tb else (4, 5)), seed=1)})
+case("dsl_full", lambda x, fc_W, fc_B: D.full("fc", 4)(D.Tensor(x)).node, F.linear,
+     {"x": randn(3, 5), "fc_W": randn(4, 5, seed=1), "fc_B": randn(4, seed=2)})
+case("dsl_full_no_bias", lambda x, fc2_W: D.full("fc2", 4, bias=False)(D.Tensor(x)).node, F.linear,
+     {"x": randn(3, 5), "fc2_W": randn(4, 5, seed=1)})
+
+# convolution: PyTorch layouts x (N,C,H,W), w (O,C,kh,kw), b (O,)
+for _stride, _pad, _bias, _hw in [(1, 0, True, (5, 6)), (1, 1, False, (5, 4)), (2, 0, True, (6, 5)),
+                                  (2, 1, False, (5, 7)), (2, 1, True, (4, 4)), (3, 2, True, (7, 5))]:
+    case(f"conv2d_s{_stride}_p{_pad}_{'bias' if _bias else 'nobias'}_{_hw[0]}x{_hw[1]}",
+         lambda x, w, *b, s=_stride, p=_pad: make("conv2d", (x, w, *b), stride=s, pad=p),
+         lambda x, w, *b, s=_stride, p=_pad: F.conv2d(x, w, *b, stride=s, padding=p),
+         {"x": randn(2, 3, *_hw), "w": randn(4, 3, 3, 2, seed=1)} | ({"b": randn(4, seed=2)} if _bias else {}))
+case("dsl_conv", lambda x, cv_W, cv_B: D.conv("cv", 3, 4, stride=2, padding=1)(D.Tensor(x)).node,
+     lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1),
+     {"x": randn(2, 3, 6, 5), "cv_W": randn(4, 3, 3, 3, seed=1), "cv_B": randn(4, seed=2)})
+
+# pooling: (h, w, kernel, stride, pad, ceil); the ceil cases include windows hanging over the padding
+POOLS = [(6, 6, 2, 2, 0, False), (5, 7, 3, 2, 0, False), (5, 7, 3, 2, 1, False), (5, 7, 3, 2, 0, True),
+         (5, 6, 2, 2, 1, True), (6, 4, 3, 2, 1, True), (4, 5, 3, 1, 1, False), (7, 5, 3, 3, 1, True),
+         (5, 5, 1, 3, 0, True)]
+for _h, _w, _k, _s, _p, _c in POOLS:
+    _geometry = f"{_h}x{_w}_k{_k}_s{_s}_p{_p}{'_ceil' if _c else ''}"
+    case(f"max_pool_{_geometry}",
+         lambda x, k=_k, s=_s, p=_p, c=_c: make("max_pool", (x,), kernel=k, stride=s, pad=p, ceil=c),
+         lambda x, k=_k, s=_s, p=_p, c=_c: F.max_pool2d(x, k, s, p, ceil_mode=c), {"x": distinct((2, 2, _h, _w))})
+    for _include in (True, False):
+        case(f"avg_pool_{_geometry}{'' if _include else '_exclude_pad'}",
+             lambda x, k=_k, s=_s, p=_p, c=_c, i=_include: make("avg_pool", (x,), kernel=k, stride=s, pad=p,
+                                                                 ceil=c, include_pad=i),
+             lambda x, k=_k, s=_s, p=_p, c=_c, i=_include: F.avg_pool2d(x, k, s, p, ceil_mode=c,
+                                                                         count_include_pad=i),
+             {"x": randn(2, 2, _h, _w)})
+case("dsl_global_avg_pool", dsl(D.avg_pool()), lambda x: F.adaptive_avg_pool2d(x, 1), {"x": randn(2, 3, 4, 4)})
+
+# local response normalization across channels, odd and even windows, 4-D and 2-D inputs
+for _size in (1, 2, 3, 4, 5, 8):
+    case(f"lrn_{_size}", lambda x, n=_size: make("lrn", (x,), size=n, alpha=0.7, beta=0.75, k=1.5),
+         lambda x, n=_size: F.local_response_norm(x, n, 0.7, 0.75, 1.5), {"x": randn(2, 6, 2, 3)})
+for _size in (2, 3):
+    case(f"lrn_{_size}_2d", lambda x, n=_size: make("lrn", (x,), size=n, alpha=0.5, beta=0.6, k=1.0),
+         lambda x, n=_size: F.local_response_norm(x[:, :, None], n, 0.5, 0.6, 1.0)[:, :, 0], {"x": randn(3, 5)})
+case("dsl_lrn", dsl(D.lrn(5)), lambda x: F.local_response_norm(x, 5, 1e-4, 0.75, 1.0), {"x": randn(2, 7, 2, 2)})
+
+# joining and splitting
+case("concat_channels", lambda a, b, c: concat([a, b, c], axis=1), lambda a, b, c: torch.cat([a, b, c], 1),
+     {"a": randn(2, 3, 2, 2), "b": randn(2, 1, 2, 2, seed=1), "c": randn(2, 2, 2, 2, seed=2)})
+case("concat_batch", lambda a, b: concat([a, b], axis=0), lambda a, b: torch.cat([a, b], 0),
+     {"a": randn(2, 3, 2, 2), "b": randn(1, 3, 2, 2, seed=1)})
+case("concat_same_input_twice", lambda a: concat([a, a], axis=1), lambda a: torch.cat([a, a], 1), {"a": randn(2, 3)})
+case("dsl_concat", lambda a, b: D.concat(D.Tensor(a), D.Tensor(b)).node, lambda a, b: torch.cat([a, b], 1),
+     {"a": randn(2, 3, 2, 2), "b": randn(2, 2, 2, 2, seed=1)})
+case("slice_middle", lambda x: slice_axis(x, 1, 1, 4), lambda x: x[:, 1:4], {"x": randn(2, 5, 3)})
+case("slice_last", lambda x: slice_axis(x, 2, 2, 3), lambda x: x[:, :, 2:3], {"x": randn(2, 5, 3)})
+case("pad_axis", lambda x: make("pad_axis", (x,), axis=1, start=2, size=8), lambda x: F.pad(x, (0, 0, 2, 1)),
+     {"x": randn(2, 5, 3)})
+
+# softmax, label-indexed ops and losses
+LABELS = np.array([2, 0, 3, 3], dtype=np.int32)
+_Y = {"y": LABELS}
+case("softmax", lambda x: make("softmax", (x,)), lambda x: F.softmax(x, 1), {"x": randn(4, 5, scale=2)})
+case("log_softmax", lambda x: make("log_softmax", (x,)), lambda x: F.log_softmax(x, 1), {"x": randn(4, 5, scale=2)})
+case("pick", lambda x, y: make("pick", (x, y)), lambda x, y: x.gather(1, y[:, None])[:, 0], {"x": randn(4, 5)},
+     labels=_Y)
+case("unpick", lambda g, y: make("unpick", (g, y), classes=5),
+     lambda g, y: torch.zeros(4, 5).scatter(1, y[:, None], g[:, None]), {"g": randn(4)}, labels=_Y)
+case("cross_entropy", cross_entropy, F.cross_entropy, {"x": randn(4, 5, scale=2)}, labels=_Y)
+case("nll_loss", nll, F.nll_loss, {"x": randn(4, 5)}, labels=_Y)
+case("nll_loss_after_log_softmax", lambda x, y: nll(make("log_softmax", (x,)), y),
+     lambda x, y: F.nll_loss(F.log_softmax(x, 1), y), {"x": randn(4, 5)}, labels=_Y)
+case("log_loss_after_softmax", lambda x, y: log_loss(make("softmax", (x,)), y),
+     lambda x, y: F.nll_loss(torch.log(F.softmax(x, 1)), y), {"x": randn(4, 5, scale=2)}, labels=_Y)
+case("dsl_log_loss_softmax", lambda x, y: (D.log_loss(D.Tensor(y)) @ D.softmax)(D.Tensor(x)).node,
+     F.cross_entropy, {"x": randn(4, 5)}, labels=_Y)
+case("dsl_cross_entropy", lambda x, y: D.cross_entropy(D.Tensor(y))(D.Tensor(x)).node, F.cross_entropy,
+     {"x": randn(4, 5)}, labels=_Y)
+
+
+# mode-dependent layers, through `specialize`
+def specialized(node: Node, mode: str) -> dict[str, Node]:
+    return dict(specialize(Graph("g", (("out", node),)), mode).outputs)
+
+
+def batch_norm_case(name, shape, mode):
+    mean, var = randn(shape[1], seed=3), np.abs(randn(shape[1], seed=4)) + 0.5
+    torch_mean, torch_var = torch.tensor(mean), torch.tensor(var)   # updated in place by F.batch_norm
+
+    def build(x, bn_W, bn_B):
+        outputs = specialized(D.batch_norm("bn", eps=1e-5, momentum=0.1)(D.Tensor(x)).node, mode)
+        assert set(outputs) == ({"out", "bn_mean", "bn_var"} if mode == "train" else {"out"})
+        return outputs.pop("out"), outputs
+
+    def reference(x, bn_W, bn_B):
+        torch_mean[:], torch_var[:] = torch.tensor(mean), torch.tensor(var)
+        return F.batch_norm(x, torch_mean, torch_var, bn_W, bn_B, training=mode == "train", momentum=0.1, eps=1e-5)
+
+    def after(results):
+        if mode == "train":
+            assert_close(results["bn_mean"], torch_mean, "running mean")
+            assert_close(results["bn_var"], torch_var, "running var")
+            assert not np.allclose(results["bn_var"], var)
+
+    case(name, build, reference, {"x": randn(*shape, scale=2) + 1.0, "bn_W": randn(shape[1], seed=1),
+                                  "bn_B": randn(shape[1], seed=2)},
+         fixed={"bn_mean": mean, "bn_var": var}, after=after, mode_ops=("batch_norm",))
+
+
+batch_norm_case("batch_norm_train_4d", (4, 3, 2, 3), "train")
+batch_norm_case("batch_norm_train_2d", (5, 3), "train")
+batch_norm_case("batch_norm_test_4d", (4, 3, 2, 2), "test")
+batch_norm_case("batch_norm_test_2d", (5, 3), "test")
+
+case("dropout_test", lambda x: specialized(D.dropout(0.4)(D.Tensor(x)).node, "test")["out"],
+     lambda x: F.dropout(x, 0.4, training=False), {"x": randn(3, 4)}, mode_ops=("dropout",))
+
+
+def _dropout_train():
+    """Training-mode dropout with the mask the interpreter draws at seed 0, step 0: y = mask * x / keep."""
+    ratio, shape, keys = 0.3, (6, 7), []
+
+    def build(x):
+        node = D.dropout(ratio)(D.Tensor(x)).node
+        keys.append(node.attr("key"))
+        return specialized(node, "train")["out"]
+
+    def reference(x):
+        mask = torch.from_numpy(bernoulli_mask(0, 0, keys[-1], shape, 1 - ratio).astype(np.float64))
+        assert 0 < mask.sum() < mask.numel()
+        return x * mask / (1 - ratio)
+
+    case("dropout_train", build, reference, {"x": randn(*shape)}, mode_ops=("dropout",))
+
+
+_dropout_train()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_vjp(name):
+    c = CASES[name]
+    results = check_vjp(c.build, c.reference, c.arrays, c.labels, c.fixed)
+    if c.after is not None:
+        c.after(results)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# random geometries
+
+@st.composite
+def conv_geometries(draw):
+    kh, kw, pad = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 1))
+    h, w = draw(st.integers(max(1, kh - 2 * pad), 6)), draw(st.integers(max(1, kw - 2 * pad), 6))
+    return dict(h=h, w=w, kh=kh, kw=kw, stride=draw(st.integers(1, 3)), pad=pad)
+
+
+@settings(max_examples=12, deadline=None)
+@given(g=conv_geometries(), seed=st.integers(0, 99))
+def test_conv2d_random_geometries(g, seed):
+    x, w, b = randn(2, 2, g["h"], g["w"], seed=seed), randn(3, 2, g["kh"], g["kw"], seed=seed + 1), randn(3)
+    check_vjp(lambda x, w, b: make("conv2d", (x, w, b), stride=g["stride"], pad=g["pad"]),
+              lambda x, w, b: F.conv2d(x, w, b, stride=g["stride"], padding=g["pad"]),
+              {"x": x, "w": w, "b": b}, seed=seed)
+
+
+@st.composite
+def pool_geometries(draw):
+    kernel = draw(st.integers(1, 4))
+    pad = draw(st.integers(0, kernel // 2))
+    h, w = (draw(st.integers(max(1, kernel - 2 * pad), 7)) for _ in range(2))
+    return dict(h=h, w=w, kernel=kernel, stride=draw(st.integers(1, 3)), pad=pad, ceil=draw(st.booleans()))
+
+
+@settings(max_examples=15, deadline=None)
+@given(g=pool_geometries(), include_pad=st.booleans(), seed=st.integers(0, 99))
+def test_pool_random_geometries(g, include_pad, seed):
+    h, w, kernel, stride, pad, ceil = g.values()
+    check_vjp(lambda x: make("max_pool", (x,), kernel=kernel, stride=stride, pad=pad, ceil=ceil),
+              lambda x: F.max_pool2d(x, kernel, stride, pad, ceil_mode=ceil), {"x": distinct((1, 2, h, w), seed)},
+              seed=seed)
+    check_vjp(lambda x: make("avg_pool", (x,), kernel=kernel, stride=stride, pad=pad, ceil=ceil,
+                             include_pad=include_pad),
+              lambda x: F.avg_pool2d(x, kernel, stride, pad, ceil_mode=ceil, count_include_pad=include_pad),
+              {"x": randn(1, 2, h, w, seed=seed)}, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kinks: the derivative chosen where there is none is PyTorch's (autograd only; differences are meaningless there)
+
+@pytest.mark.parametrize("name", ["relu", "relu_by_sympy", "clipped_relu", "clipped_by_sympy", "abs"])
+def test_activation_kinks_match_torch(name):
+    build, reference, kinks = UNARY[name]
+    x = np.array([[k - 0.5, k, k + 0.5] for k in kinks]).reshape(len(kinks), 3)
+    check_vjp(build, reference, {"x": x}, fd=False)
+
+
+def test_max_pool_ties_pick_the_first_maximum():
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 1, 1] = x[0, 0, 0, 1] = 1.0     # two maxima in the first window
+    check_vjp(lambda x: make("max_pool", (x,), kernel=2, stride=2, pad=0, ceil=False),
+              lambda x: F.max_pool2d(x, 2), {"x": x}, fd=False)
+
+
+@pytest.mark.parametrize("name", ["relu", "tanh", "sigmoid", "clipped_relu"])
+def test_activation_backward_reads_only_the_output(name):
+    """The built-in activations differentiate through `out_grad`, so their input can be freed after the forward."""
+    x = leaf("x", (3, 4))
+    y = UNARY[name][0](x)
+    assert y.attr("out_grad") is not None
+    dx = gradients(sum_to(y, ()), [x])[x]
+    readers = [n for n in toposort([dx]) if any(i is x for i in n.inputs)]
+    assert readers == [y], f"the gradient of {name} reads its input: {readers}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dropout's mask
+
+def test_dropout_train_mask():
+    ratio, shape = 0.3, (40, 50)
+    keep = 1 - ratio
+    x = leaf("x", shape)
+    out = specialized(D.dropout(ratio)(D.Tensor(x)).node, "train")["out"]
+    (mask_node,) = [n for n in toposort([out]) if n.op == "bernoulli"]
+    r = randn(*shape, seed=5)
+    dx = gradients(sum_to(elementwise(sym(0) * sym(1), [out, leaf("R", shape)]), ()), [x])[x]
+    xv = randn(*shape)
+    values = run_graph(Graph("g", (("out", out), ("dx", dx), ("mask", mask_node))), {"x": xv, "R": r},
+                       float_dtype=np.float64, seed=7, step=3)
+    mask = values["mask"]
+    assert mask.dtype == np.uint8 and set(np.unique(mask)) == {0, 1}
+    np.testing.assert_array_equal(mask, bernoulli_mask(7, 3, mask_node.attr("key"), shape, keep))
+    assert abs(mask.mean() - keep) < 4 * np.sqrt(keep * ratio / mask.size)     # within 4 standard deviations
+    assert_close(values["out"], xv * mask / keep, "dropout forward")
+    assert_close(values["dx"], mask * r / keep, "dropout gradient")
+    other_step = run_graph(Graph("g", (("mask", mask_node),)), {}, float_dtype=np.float64, seed=7, step=4)["mask"]
+    assert (other_step != mask).any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the registry: every op has a case in the table, or a reason not to
+
+NOT_DIFFERENTIATED = {
+    # leaves: gradients stop here
+    "input": "leaf", "param": "leaf", "state": "leaf", "const": "leaf",
+    # backward ops: they only appear in gradient graphs (no second derivatives)
+    "conv2d_bwd_data": "backward op", "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
+    "avg_pool_bwd": "backward op", "lrn_bwd": "backward op", "max_pool_argmax": "backward op (integer output)",
+    # non-differentiable outputs
+    "precision": "piecewise constant", "bernoulli": "random integer mask",
+}
+
+
+def test_every_op_has_a_vjp_case():
+    covered: set[str] = set()
+    for c in CASES.values():
+        _, out, extra = build_case(c.build, c.arrays, c.labels)
+        covered |= ops_in(out, *extra.values()) | set(c.mode_ops)
+    ops = set(all_ops())
+    assert set(NOT_DIFFERENTIATED) <= ops, f"unknown ops listed: {set(NOT_DIFFERENTIATED) - ops}"
+    missing = ops - set(NOT_DIFFERENTIATED) - covered
+    assert not missing, f"ops without a VJP case: {sorted(missing)} (add a case, or list them in NOT_DIFFERENTIATED)"
+    # the backward ops are exercised by the cases too (as parts of gradients)
+    assert "max_pool" in covered and "batch_norm" in covered and "dropout" in covered
+
+
+def test_non_differentiated_ops_give_no_gradient():
+    x, y = leaf("x", (3, 4)), leaf("y", (3,), INT32)
+    precision = make("precision", (x, y))
+    assert get_op("precision").vjp(precision, leaf("g", ())) == (None, None)
+    assert gradients(elementwise(sym(0) * 2, [precision]), [x])[x].op == "const"
+    g = leaf("g", (2, 3, 2, 2))
+    bwd = make("avg_pool_bwd", (g,), kernel=2, stride=2, pad=0, ceil=False, include_pad=True, size=(4, 4))
+    with pytest.raises(NotImplementedError):
+        get_op("avg_pool_bwd").vjp(bwd, leaf("h", bwd.shape))
