@@ -1,0 +1,379 @@
+"""The pycuda device layer: contexts, streams, events, device memory, cuBLAS, kernels.
+
+Shared by the tiled GEMM (``gemm_cuda.CudaDevice``) and the CUDA training
+backend.  pycuda is imported on first use only (``driver()``), so this module
+can be imported -- and its pure helpers tested -- on machines without CUDA.
+
+* ``CudaContext``: the *primary* context of one GPU (the one the CUDA runtime,
+  and therefore cuBLAS, also uses), made current in a thread with ``with ctx:``.
+* ``DeviceMemoryPool``: the runtime's ``PoolAllocator`` over one ``cuMemAlloc``
+  chunk, handing out ``DeviceTensor``s (a pointer, a shape, a dtype), the way
+  ``HostPool`` hands out numpy views.
+* ``PinnedStaging``: page-locked host buffers, a ring per stream, for
+  asynchronous host<->device copies of tiles gathered from strided host arrays.
+* ``Cublas``: ``cublas{S,D}gemm_v2`` through ctypes, from the ``nvidia-cublas``
+  wheel or the system; ``row_major_gemm`` maps a row-major GEMM onto cuBLAS's
+  column-major one.
+* ``GemmKernels``: our own tiled SGEMM/DGEMM (``kernels/gemm.cu``), compiled with
+  pycuda when cuBLAS is not available; ``gemm_launch_config`` is its grid.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .pool import DEFAULT_ALIGNMENT, PoolAllocator, PoolStats
+
+__all__ = [
+    "driver", "CudaContext", "DeviceTensor", "DeviceMemoryPool", "PinnedStaging", "Cublas", "CublasError",
+    "CublasGemm", "row_major_gemm", "cublas_library_candidates", "GemmKernels", "LaunchConfig",
+    "gemm_launch_config", "GEMM_KERNEL_SOURCE",
+]
+
+GEMM_KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "gemm.cu"
+GEMM_BLOCK_M = 64  # rows of C per thread block (GEMM_BM in gemm.cu)
+GEMM_BLOCK_N = 64  # columns of C per thread block (GEMM_BN)
+GEMM_THREADS = (16, 16, 1)  # GEMM_TX x GEMM_TY
+MAX_GRID_Y = 65535
+
+_driver = None
+_driver_lock = threading.Lock()
+
+
+def driver():
+    """``pycuda.driver``, imported and initialised on first call."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                import pycuda.driver as drv
+            except ImportError as error:
+                raise ImportError("CUDA devices need pycuda: pip install 'deepdsl[cuda]'") from error
+            drv.init()
+            _driver = drv
+    return _driver
+
+
+# -- launch geometry (pure) ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def gemm_launch_config(m: int, n: int) -> LaunchConfig:
+    """Grid and block of ``deepdsl_{s,d}gemm_tile`` for an ``m x n`` output tile."""
+    if m < 1 or n < 1:
+        raise ValueError(f"empty output tile {m}x{n}")
+    grid_y = -(-m // GEMM_BLOCK_M)
+    if grid_y > MAX_GRID_Y:
+        raise ValueError(f"{m} rows need {grid_y} blocks along y, more than {MAX_GRID_Y}")
+    return LaunchConfig((-(-n // GEMM_BLOCK_N), grid_y, 1), GEMM_THREADS)
+
+
+# -- cuBLAS argument mapping (pure) -----------------------------------------------------------
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class CublasGemm:
+    """Arguments of one column-major ``cublas?gemm`` call, operands named by role."""
+
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    first: str  # which row-major operand is cuBLAS's "A"
+    lda: int
+    second: str  # ... and cuBLAS's "B"
+    ldb: int
+    ldc: int
+
+
+def row_major_gemm(transa: bool, transb: bool, m: int, n: int, k: int, lda: int, ldb: int, ldc: int) -> CublasGemm:
+    """Map row-major ``C(m x n) = op(A) op(B)`` onto column-major cuBLAS.
+
+    A row-major matrix read column-major is its transpose, so the call computes
+    ``C.T (n x m) = op(B).T op(A).T``: operands swapped, dimensions swapped, the
+    transpose flags and leading dimensions (row strides) unchanged.
+    """
+    return CublasGemm(CUBLAS_OP_T if transb else CUBLAS_OP_N, CUBLAS_OP_T if transa else CUBLAS_OP_N,
+                      n, m, k, "B", ldb, "A", lda, ldc)
+
+
+def cublas_library_candidates() -> list[str]:
+    """Where to look for libcublas, best first: the nvidia-cublas wheel, then the system."""
+    candidates: list[str] = []
+    for base in sys.path:
+        for pattern in ("nvidia/cublas/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*"):
+            candidates += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+    for home in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
+        candidates += sorted(glob.glob(os.path.join(home, "lib64", "libcublas.so*")), reverse=True)
+    candidates += ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    found = ctypes.util.find_library("cublas")
+    if found:
+        candidates.append(found)
+    return list(dict.fromkeys(candidates))  # first occurrence wins
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+class Cublas:
+    """``cublas{S,D}gemm_v2`` and handle management through ctypes (host pointer mode)."""
+
+    def __init__(self, path: str | None = None):
+        errors = []
+        for candidate in [path] if path else cublas_library_candidates():
+            try:
+                self.lib = ctypes.CDLL(candidate)
+                self.path = candidate
+                break
+            except OSError as error:
+                errors.append(f"{candidate}: {error}")
+        else:
+            raise OSError("libcublas not found; tried " + "; ".join(errors))
+        lib, vp, i = self.lib, ctypes.c_void_p, ctypes.c_int
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasDestroy_v2.argtypes = [vp]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        for name, scalar in (("cublasSgemm_v2", ctypes.c_float), ("cublasDgemm_v2", ctypes.c_double)):
+            fn = getattr(lib, name)
+            fn.argtypes = [vp, i, i, i, i, i, ctypes.POINTER(scalar), vp, i, vp, i, ctypes.POINTER(scalar), vp, i]
+            fn.restype = i
+        for fn in (lib.cublasCreate_v2, lib.cublasDestroy_v2, lib.cublasSetStream_v2):
+            fn.restype = i
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise CublasError(f"{what} failed with cublasStatus_t {status}")
+
+    def create_handle(self) -> int:
+        """A handle bound to the context current in this thread."""
+        handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        return handle.value
+
+    def destroy_handle(self, handle: int) -> None:
+        self._check(self.lib.cublasDestroy_v2(ctypes.c_void_p(handle)), "cublasDestroy")
+
+    def gemm(self, handle: int, stream_handle: int, dtype, transa: bool, transb: bool, m: int, n: int, k: int,
+             alpha, a_ptr: int, lda: int, b_ptr: int, ldb: int, beta, c_ptr: int, ldc: int) -> None:
+        """Row-major ``C = alpha op(A) op(B) + beta C`` on ``stream_handle`` (C unread if beta == 0)."""
+        call = row_major_gemm(transa, transb, m, n, k, lda, ldb, ldc)
+        ptrs = {"A": a_ptr, "B": b_ptr}
+        if np.dtype(dtype) == np.float32:
+            fn, scalar = self.lib.cublasSgemm_v2, ctypes.c_float
+        else:
+            fn, scalar = self.lib.cublasDgemm_v2, ctypes.c_double
+        self._check(self.lib.cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream_handle)),
+                    "cublasSetStream")
+        self._check(fn(ctypes.c_void_p(handle), call.transa, call.transb, call.m, call.n, call.k,
+                       ctypes.byref(scalar(alpha)), ctypes.c_void_p(ptrs[call.first]), call.lda,
+                       ctypes.c_void_p(ptrs[call.second]), call.ldb, ctypes.byref(scalar(beta)),
+                       ctypes.c_void_p(c_ptr), call.ldc), "cublas?gemm")
+
+
+# -- contexts ----------------------------------------------------------------------------------
+class CudaContext:
+    """The primary context of GPU ``ordinal``; ``with ctx:`` makes it current in this thread."""
+
+    def __init__(self, ordinal: int = 0):
+        drv = driver()
+        count = drv.Device.count()
+        if not 0 <= ordinal < count:
+            raise ValueError(f"no CUDA device {ordinal} (found {count})")
+        self.ordinal = ordinal
+        self.device = drv.Device(ordinal)
+        self.context = self.device.retain_primary_context()
+
+    @property
+    def name(self) -> str:
+        return self.device.name()
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        return self.device.compute_capability()
+
+    def push(self) -> None:
+        self.context.push()
+
+    def pop(self) -> None:
+        driver().Context.pop()
+
+    def __enter__(self) -> "CudaContext":
+        self.push()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pop()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of this GPU."""
+        with self:
+            return driver().mem_get_info()
+
+    def can_access_peer(self, other: "CudaContext") -> bool:
+        return other.ordinal != self.ordinal and bool(self.device.can_access_peer(other.device))
+
+    def enable_peer_access(self, other: "CudaContext") -> bool:
+        """Let this context read ``other``'s memory directly; False when the GPUs cannot."""
+        if not self.can_access_peer(other):
+            return False
+        drv = driver()
+        with self:
+            try:
+                drv.Context.enable_peer_access(other.context)
+            except drv.Error as error:  # enabled before (by us or by someone else) is fine
+                if "ALREADY_ENABLED" not in str(error).upper().replace(" ", "_"):
+                    raise
+        return True
+
+    def stream(self):
+        """A new stream (this context must be current)."""
+        return driver().Stream()
+
+    def event(self):
+        """A new event without timing (cheapest to record and query)."""
+        drv = driver()
+        return drv.Event(drv.event_flags.DISABLE_TIMING)
+
+
+# -- device memory -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DeviceTensor:
+    """A C-contiguous array in device memory: what ``HostPool`` views are on the host."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int  # in the pool it came from
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+class DeviceMemoryPool:
+    """``PoolAllocator`` over one chunk of device memory (BLASX §IV-E).
+
+    The chunk is allocated once with ``cuMemAlloc``; allocations and frees are
+    bookkeeping only and never call the driver.
+    """
+
+    def __init__(self, context: CudaContext, capacity: int, alignment: int = DEFAULT_ALIGNMENT):
+        self.context = context
+        self.allocator = PoolAllocator(capacity, alignment)
+        with context:
+            self._chunk = driver().mem_alloc(max(self.allocator.capacity, alignment))
+        self.base = int(self._chunk)  # cuMemAlloc returns 256-byte aligned (at least) addresses
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def empty(self, shape: tuple[int, ...], dtype) -> DeviceTensor:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.view(self.allocator.alloc(nbytes), shape, dtype)
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype) -> DeviceTensor:
+        return DeviceTensor(self.base + offset, tuple(shape), np.dtype(dtype), offset)
+
+    def free(self, tensor_or_offset) -> None:
+        offset = tensor_or_offset.offset if isinstance(tensor_or_offset, DeviceTensor) else int(tensor_or_offset)
+        self.allocator.free(offset)
+
+    @property
+    def stats(self) -> PoolStats:
+        return self.allocator.stats
+
+    def release(self) -> None:
+        """Give the chunk back to the driver (the pool must not be used afterwards)."""
+        if self._chunk is not None:
+            with self.context:
+                self._chunk.free()
+            self._chunk = None
+
+
+class PinnedStaging:
+    """Page-locked host buffers, ``slots`` per stream, for asynchronous tile copies.
+
+    Pageable numpy memory cannot be copied asynchronously, so a tile is gathered
+    from its strided host view into a pinned slot and copied from there (and the
+    other way round for results).  A slot is reused only after the copy that last
+    used it has completed; the host side of a device-to-host copy (``then``) runs
+    at that point or at ``finish_all``.
+    """
+
+    def __init__(self, streams: int, slots: int, nbytes: int):
+        drv = driver()
+        self.nbytes = nbytes
+        self._buffers = [[drv.pagelocked_empty(nbytes, np.uint8) for _ in range(slots)] for _ in range(streams)]
+        self._busy: dict[tuple[int, int], tuple[object, object]] = {}  # (stream, slot) -> (event, then)
+        self._next = [0] * streams
+
+    def take(self, stream: int, shape: tuple[int, ...], dtype) -> tuple[tuple[int, int], np.ndarray]:
+        """A free slot of ``stream`` viewed as ``shape``/``dtype`` (waits if all are busy)."""
+        slot = self._next[stream]
+        self._next[stream] = (slot + 1) % len(self._buffers[stream])
+        self._finish((stream, slot))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        view = self._buffers[stream][slot][:nbytes].view(dtype).reshape(shape)
+        return (stream, slot), view
+
+    def busy(self, slot: tuple[int, int], event, then=None) -> None:
+        self._busy[slot] = (event, then)
+
+    def _finish(self, slot: tuple[int, int]) -> None:
+        entry = self._busy.pop(slot, None)
+        if entry is not None:
+            event, then = entry
+            event.synchronize()
+            if then is not None:
+                then()
+
+    def finish_all(self) -> None:
+        for slot in list(self._busy):
+            self._finish(slot)
+
+
+class GemmKernels:
+    """Our tiled SGEMM/DGEMM (``kernels/gemm.cu``), compiled once per context with pycuda."""
+
+    def __init__(self):
+        from pycuda.compiler import SourceModule
+
+        self.module = SourceModule(GEMM_KERNEL_SOURCE.read_text(), no_extern_c=True, options=["-O3"])
+        self._functions = {}
+        for dtype, name, scalar in ((np.float32, "deepdsl_sgemm_tile", "f"), (np.float64, "deepdsl_dgemm_tile", "d")):
+            fn = self.module.get_function(name)
+            fn.prepare("iii" + scalar + "Pii" + "Pii" + scalar + "Pi")
+            self._functions[np.dtype(dtype)] = fn
+
+    def gemm(self, stream, dtype, transa: bool, transb: bool, m: int, n: int, k: int, alpha,
+             a_ptr: int, lda: int, b_ptr: int, ldb: int, beta, c_ptr: int, ldc: int) -> None:
+        """Row-major ``C = alpha op(A) op(B) + beta C`` on ``stream`` (C unread if beta == 0)."""
+        dtype = np.dtype(dtype)
+        config = gemm_launch_config(m, n)
+        self._functions[dtype].prepared_async_call(
+            config.grid[:2], config.block, stream,
+            int(m), int(n), int(k), float(alpha),
+            int(a_ptr), int(lda), int(bool(transa)),
+            int(b_ptr), int(ldb), int(bool(transb)),
+            float(beta), int(c_ptr), int(ldc))
