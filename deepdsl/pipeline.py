@@ -20,8 +20,10 @@ from deepdsl.training import build_step_graphs
 
 Hook = Callable[[str, object], None]
 
+# CSE runs before fusion too: merging duplicates first gives fusion true reader counts
 GRAPH_STAGES: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("simplify", simplify),
+    ("cse", cse),
     ("fuse_elementwise", fuse_elementwise),
     ("cse", cse),
 )
@@ -91,7 +93,7 @@ def _lower(graph: Graph, options: CompileOptions, hook: Hook | None) -> Program:
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
     """Compile a Loop into its setup, training-step and test-step SSA programs."""
-    graphs = build_step_graphs(loop)
+    graphs = build_step_graphs(loop, forward=simplify if options.simplify else None)
     if hook:
         hook(f"{graphs.train.name}:autodiff", graphs.train)
     train = _optimize_graph(graphs.train, options, hook)

@@ -7,6 +7,7 @@ state, and the hyperparameters fed each step (`lr`, `momentum`, `decay`; Adam: `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import sympy
 
@@ -52,9 +53,13 @@ def parameters(loss: Node) -> list[Node]:
     return params
 
 
-def build_step_graphs(loop: Loop) -> StepGraphs:
+def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = None) -> StepGraphs:
+    """The step graphs of `loop`; `forward` (e.g. simplification) rewrites the training forward graph before it is
+    differentiated, so the gradients are derived from the rewritten forward computation."""
     name = loop.name
     train = specialize(Graph(f"{name}_train", (("loss", loop.loss.node),)), "train")
+    if forward is not None:
+        train = forward(train)
     loss = train.outputs[0][1]
     params = parameters(loss)
     if not params:
