@@ -296,7 +296,10 @@ def test_shape_errors():
     shape_error(lambda: make("conv2d", (x, leaf("w", (4, 2, 3, 3))), stride=1, pad=0))       # channel mismatch
     shape_error(lambda: make("conv2d", (x, leaf("w", (4, 3, 3, 3)), leaf("b", (3,))), stride=1, pad=0))
     shape_error(lambda: make("conv2d", (leaf("x3", (3, 5, 5)), leaf("w", (4, 3, 3, 3))), stride=1, pad=0))
+    shape_error(lambda: make("conv2d", (x, leaf("w3", (4, 3, 3))), stride=1, pad=0))         # weights not 4-D
     shape_error(lambda: make("max_pool", (x,), kernel=6, stride=1, pad=0, ceil=False))       # window > input
+    shape_error(lambda: make("max_pool", (x,), kernel=2, stride=0, pad=0, ceil=False))
+    shape_error(lambda: make("max_pool", (leaf("x2", (2, 3)),), kernel=1, stride=1, pad=0, ceil=False))
     shape_error(lambda: make("avg_pool", (x,), kernel=6, stride=1, pad=0, ceil=False, include_pad=True))
     shape_error(lambda: make("max_pool", (x,), kernel=3, stride=1, pad=2, ceil=False))       # pad > kernel / 2
     shape_error(lambda: concat([x, leaf("z", (2, 3, 4, 5))], axis=1))                        # spatial sizes differ

@@ -52,6 +52,7 @@ class Conv2d(Op):
 
     def infer(self, x: Node, w: Node, *b: Node, stride=1, pad=0):
         require(len(x.shape) == 4, f"convolution input must be 4-D (N,C,H,W), got {dims(x.shape)}")
+        require(len(w.shape) == 4, f"convolution weights must be 4-D (out,in,kh,kw), got {dims(w.shape)}")
         o, c, kh, kw = w.shape
         require(x.shape[1] == c, f"input has {x.shape[1]} channels, weights expect {c}")
         h, wd = x.shape[2] + 2 * pad, x.shape[3] + 2 * pad

@@ -38,6 +38,7 @@ def _scatter_windows(values: np.ndarray, shape, kernel, stride, pad, ceil) -> np
 class _Pool(Op):
     def infer(self, x: Node, *, kernel, stride, pad=0, ceil=False, **_):
         require(len(x.shape) == 4, f"pooling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
+        require(kernel >= 1 and stride >= 1, f"pooling window {kernel} and stride {stride} must be >= 1")
         require(kernel <= x.shape[2] + 2 * pad and kernel <= x.shape[3] + 2 * pad,
                 f"pooling window {kernel}x{kernel} is larger than its input {x.shape[2]}x{x.shape[3]}")
         require(pad <= kernel // 2, f"pooling padding {pad} exceeds half the window {kernel}")
