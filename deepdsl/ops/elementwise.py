@@ -78,6 +78,8 @@ class Elementwise(Op):
         return tuple(result)
 
     def evaluate(self, ctx, *args, expr, out_grad=None):
+        # a uint8 mask alone (after its float factor is folded into the expression) must not compute in uint8
+        args = tuple(a.astype(ctx.float_dtype) if a.dtype == np.uint8 else a for a in args)
         out = numpy_function(expr, len(args))(*args)
         shape = np.broadcast_shapes(*(a.shape for a in args)) if args else ()
         return np.asarray(np.broadcast_to(out, shape), dtype=ctx.float_dtype)
