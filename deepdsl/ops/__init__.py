@@ -6,7 +6,7 @@ for every pass), and `runtime_name` names the runtime function a generated progr
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -23,6 +23,26 @@ class EvalContext:
         self.float_dtype = float_dtype
         self.seed = seed
         self.step = step
+
+
+class Workspace(NamedTuple):
+    """Scratch memory a statement needs while it runs (im2col buffers): `nbytes`, and the number of chunks of the
+    batch it runs in to stay within a limit (1: the whole batch at once)."""
+
+    nbytes: int
+    chunks: int = 1
+
+
+def batch_chunks(batch: int, per_sample: int, limit: int | None) -> Workspace:
+    """The smallest number of batch chunks whose workspace (`per_sample` bytes per sample) fits `limit`; one sample
+    per chunk when even that does not fit (the workspace then exceeds the limit)."""
+    if per_sample <= 0 or batch <= 0:
+        return Workspace(0)
+    if limit is None or batch * per_sample <= limit:
+        return Workspace(batch * per_sample)
+    samples = limit // per_sample
+    chunks = batch if samples < 1 else -(-batch // samples)
+    return Workspace(-(-batch // chunks) * per_sample, chunks)
 
 
 class Op:
@@ -42,6 +62,10 @@ class Op:
 
     def evaluate(self, ctx: EvalContext, *args: np.ndarray, **attrs: Any) -> np.ndarray:
         raise NotImplementedError(self.name)
+
+    def workspace(self, node: Node, limit: int | None = None) -> Workspace:
+        """Scratch bytes `node` needs while it runs, within `limit` bytes where the op can split its work."""
+        return Workspace(0)
 
     def describe(self, node: Node) -> str:
         """The op with its attributes as printed in IR dumps, e.g. `conv2d[stride=1,pad=0]`."""

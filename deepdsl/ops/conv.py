@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import Op, batch_chunks, dims, register, require
 from deepdsl.ops.elementwise import reshape, sum_to
 
 
@@ -25,6 +25,11 @@ def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float 
         x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=fill)
     view = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))
     return view[:, :, ::stride, ::stride]
+
+
+def im2col_workspace(batch: int, rows: int, cols: int, limit: int | None):
+    """One sample's im2col matrix is (rows = Ho*Wo) x (cols = C*kh*kw) float32; batch chunks fit `limit`."""
+    return batch_chunks(batch, rows * cols * 4, limit)
 
 
 def im2col(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
@@ -83,6 +88,11 @@ class Conv2d(Op):
             out = out + b[0].reshape(1, o, 1, 1)
         return np.ascontiguousarray(out, dtype=ctx.float_dtype)
 
+    def workspace(self, node, limit=None):
+        n, _, ho, wo = node.shape
+        _, c, kh, kw = node.inputs[1].shape
+        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
+
 
 @register
 class Conv2dBwdData(Op):
@@ -100,6 +110,11 @@ class Conv2dBwdData(Op):
         cols = g.transpose(0, 2, 3, 1).reshape(n * ho * wo, o) @ w.reshape(o, -1)
         return np.ascontiguousarray(col2im(cols, (n, c, *size), kh, kw, stride, pad), dtype=ctx.float_dtype)
 
+    def workspace(self, node, limit=None):
+        n, _, ho, wo = node.inputs[0].shape
+        _, c, kh, kw = node.inputs[1].shape
+        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
+
 
 @register
 class Conv2dBwdFilter(Op):
@@ -115,3 +130,8 @@ class Conv2dBwdFilter(Op):
         kh, kw = kernel
         dw = g.transpose(1, 0, 2, 3).reshape(o, -1) @ im2col(x, kh, kw, stride, pad)
         return np.ascontiguousarray(dw.reshape(o, x.shape[1], kh, kw), dtype=ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        n, _, ho, wo = node.inputs[0].shape
+        o, c, kh, kw = node.shape
+        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
