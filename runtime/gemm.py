@@ -10,8 +10,10 @@ left out):
 * **Tasks.**  One task per output tile ``C[i, j]`` (it runs every ``k`` step);
   tasks are independent, so any device may run any task.
 * **Global queue, demand driven.**  Tasks wait in one queue shared by all
-  devices, in row-major order.  A device dequeues only when it needs work, so a
-  faster device takes more tasks.
+  devices.  A device dequeues only when it needs work, so a faster device takes
+  more tasks.  The queue walks C in bands of ``isqrt(streams)`` tile rows, column
+  by column, so consecutive tasks form square blocks (with 4 streams a batch
+  reads 2 A and 2 B tiles per step instead of 1 + 4 for a row of 4 tasks).
 * **Reservation stations.**  Each device holds up to ``reservation`` (4) upcoming
   tasks.  To start a batch of up to ``streams`` tasks it repeatedly takes the RS
   task of highest priority and refills the slot from the queue; the RS then
@@ -27,7 +29,9 @@ left out):
   peer's L1, then the host) and enqueues its tile GEMM on its stream; readers are
   released when the stream has passed the kernel.  Accumulators are written
   back when the task completes.  On GPUs copies and kernels of different
-  streams overlap.
+  streams overlap.  Consecutive batches of a device walk k in alternating
+  directions, so a batch starts with the tiles the previous one used last --
+  the ones an LRU cache smaller than the working set still holds.
 
 ``policy="round_robin"`` is the cuBLAS-XT baseline: output tiles are assigned
 statically, tile ``q`` (row-major) to device ``q mod n``; every tile is copied
@@ -39,6 +43,7 @@ devices and ``T^2`` back.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -282,7 +287,10 @@ class TiledGemm:
                                            peers=frozenset(peers)))
             device.pool.reset_peak()
         run = _Run(problem, shared, [self._batch_size(d, problem) for d in devices])
-        tasks = problem.tasks()
+        # blasx queues tasks in bands of isqrt(streams) rows, walked column by column, so a
+        # batch is a square block of C: with 4 streams it reads 2 A and 2 B tiles per step
+        # (a 1 x 4 row of tasks would read 1 + 4).
+        tasks = problem.tasks(band=math.isqrt(self.streams) if blasx else 1)
         run.scheduler = _BlasxScheduler(run, tasks, self.reservation) if blasx else _RoundRobinScheduler(run, tasks)
 
         start = time.perf_counter()
@@ -308,11 +316,15 @@ class TiledGemm:
         try:
             device.open(run.problem, self.streams)
             opened = True
+            reverse = False
             while True:
                 batch = run.scheduler.next_batch(d)
                 if not batch:
                     break
-                self._run_batch(run, store, device, batch)
+                self._run_batch(run, store, device, batch, reverse)
+                # Serpentine k order: the next batch starts with the tiles this one used
+                # last, which LRU is most likely to still hold when the cache is small.
+                reverse = not reverse
             store.finish()
         except BaseException as error:  # recorded and re-raised by the calling thread
             with run.shared.lock:
@@ -329,16 +341,18 @@ class TiledGemm:
                 device.close()
 
     @staticmethod
-    def _run_batch(run: _Run, store: TileStore, device, batch: list[Task]) -> None:
-        """Run ``batch`` in lock step over k, task ``s`` on stream ``s``."""
+    def _run_batch(run: _Run, store: TileStore, device, batch: list[Task], reverse: bool) -> None:
+        """Run ``batch`` in lock step over k (descending if ``reverse``), task ``s`` on stream ``s``."""
         p = run.problem
         one = p.dtype.type(1)
         accumulators = [store.output(("C", t.i, t.j), s, load=p.beta != 0) for s, t in enumerate(batch)]
-        for k in range(p.grid[2]):
+        kt = p.grid[2]
+        for step in range(kt):
+            k = kt - 1 - step if reverse else step
             for s, task in enumerate(batch):
                 a = store.acquire(p.a_key(task.i, k), s)
                 b = store.acquire(p.b_key(k, task.j), s)
-                device.gemm(s, p.transa, p.transb, p.alpha, a.buf, b.buf, p.beta if k == 0 else one,
+                device.gemm(s, p.transa, p.transb, p.alpha, a.buf, b.buf, p.beta if step == 0 else one,
                             accumulators[s].buf)
                 store.release([a, b], device.record(s))
             store.poll()

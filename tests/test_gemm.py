@@ -141,6 +141,15 @@ def test_conjugate_flag_bool_flags_and_empty_inner_dimension():
     assert np.all(c == 1.5)
 
 
+def test_task_order_bands():
+    x = np.zeros((9, 9))
+    problem = prepare_problem("N", "N", 1.0, x, x.copy(), 0.0, x.copy(), 3)[0]  # 3 x 3 tiles
+    assert [(t.i, t.j) for t in problem.tasks()] == [(i, j) for i in range(3) for j in range(3)]
+    banded = problem.tasks(band=2)
+    assert [(t.i, t.j) for t in banded] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert [t.seq for t in banded] == list(range(9))
+
+
 def test_rejects_bad_calls():
     gemm = TiledGemm([CpuDevice(memory_for(4, np.float64, 8))], tile=4)
     a, b, c = np.ones((3, 4)), np.ones((4, 5)), np.ones((3, 5))
@@ -518,7 +527,6 @@ def test_cuda_out_of_core():
     a, b, c = problem(512, np.float32)
     device = CudaDevice(0, memory_bytes=8 * 128 * 128 * 4)
     assert device.pool.capacity < a.nbytes
-    s = run("blasx", a, b, c.astype(np.float64), [device], 128) if False else None
     gemm = TiledGemm([device], tile=128)
     out = c.copy()
     gemm.gemm("N", "N", 1.0, a, b, 0.0, out)
