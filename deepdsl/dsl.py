@@ -123,7 +123,8 @@ def images(name: str, shape: tuple[int, int, int, int], dataset: str = "syntheti
     o = _overrides.get()
     n = o.batch or n
     h, w = o.image or (h, w)
-    node = make("input", (), name=name, shape=(n, c, h, w), dtype=FLOAT, role="data")
+    # the dataset rides on the node so that code generation finds the default `--data` from the compiled program
+    node = make("input", (), name=name, shape=(n, c, h, w), dtype=FLOAT, role="data", dataset=dataset)
     return Tensor(node, {"dataset": dataset})
 
 
