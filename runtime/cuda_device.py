@@ -324,6 +324,7 @@ class PinnedStaging:
     def __init__(self, streams: int, slots: int, nbytes: int):
         drv = driver()
         self.nbytes = nbytes
+        self.streams = streams
         self._buffers = [[drv.pagelocked_empty(nbytes, np.uint8) for _ in range(slots)] for _ in range(streams)]
         self._busy: dict[tuple[int, int], tuple[object, object]] = {}  # (stream, slot) -> (event, then)
         self._next = [0] * streams

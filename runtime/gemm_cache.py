@@ -163,7 +163,7 @@ class TileStore:
     """Tiles resident on one device during a call; see the module docstring."""
 
     def __init__(self, index: int, shared: Shared, *, caching: bool, cache_bytes: int | None,
-                 peers: tuple[int, ...]) -> None:
+                 peers: frozenset[int]) -> None:
         self.index = index
         self.shared = shared
         self.device = shared.devices[index]

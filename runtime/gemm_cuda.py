@@ -57,20 +57,24 @@ class CudaDevice:
         from .cuda_device import Cublas, GemmKernels, PinnedStaging
 
         self.context.push()
-        self._dtype = problem.dtype
-        while len(self._streams) < streams:
-            self._streams.append(self.context.stream())
-        nbytes = problem.max_tile_nbytes
-        if self._staging is None or self._staging.nbytes < nbytes or len(self._staging._buffers) < streams:
-            self._staging = PinnedStaging(streams, self.staging_slots, nbytes)
-        if self.use_cublas and self._handle is None:
-            try:
-                self._cublas = Cublas()
-                self._handle = self._cublas.create_handle()
-            except OSError:
-                self.use_cublas = False
-        if not self.use_cublas and self._kernels is None:
-            self._kernels = GemmKernels()
+        try:
+            self._dtype = problem.dtype
+            while len(self._streams) < streams:
+                self._streams.append(self.context.stream())
+            nbytes = problem.max_tile_nbytes
+            if self._staging is None or self._staging.nbytes < nbytes or self._staging.streams < streams:
+                self._staging = PinnedStaging(streams, self.staging_slots, nbytes)
+            if self.use_cublas and self._handle is None:
+                try:
+                    self._cublas = Cublas()
+                    self._handle = self._cublas.create_handle()
+                except OSError:  # no libcublas: fall back to our kernel
+                    self.use_cublas = False
+            if not self.use_cublas and self._kernels is None:
+                self._kernels = GemmKernels()
+        except BaseException:
+            self.context.pop()  # close() is only called after a successful open()
+            raise
 
     def close(self) -> None:
         try:
