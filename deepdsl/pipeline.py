@@ -1,7 +1,12 @@
 """The compiler pipeline: one readable tuple of named stages, with a hook after each for dumps and verification.
 
-    Loop ─build_step_graphs→ train/test Graphs ─simplify→ ─fuse_elementwise→ ─cse→ ─hoist_invariants→
-         ─linearize→ Programs ─sink→ Programs
+    Loop ─build_step_graphs→ train/test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→ ─fuse_elementwise→
+         ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─inplace→ ─dealloc→ Programs
+         ─plan_memory→ MemoryPlans
+
+The memory stages (schedule, in-place, dealloc) and the planner run on every program; `Compiled.plans` holds the
+plan of each program, and `Compiled.unplanned` the programs as they were before the memory stages (so what-if
+analyses can rerun those stages with other options).
 """
 from __future__ import annotations
 
@@ -11,9 +16,14 @@ from typing import Callable
 from deepdsl.dsl import Loop
 from deepdsl.ir import Graph, Node
 from deepdsl.passes.code_motion import hoist_invariants, sink
+from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.passes.cse import cse
+from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
+from deepdsl.passes.pool_backward import push_through_pool_backward
+from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.passes.simplify import simplify
 from deepdsl.program import Program
 from deepdsl.training import build_step_graphs
@@ -24,11 +34,18 @@ Hook = Callable[[str, object], None]
 GRAPH_STAGES: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("simplify", simplify),
     ("cse", cse),
+    ("push_through_pool_backward", push_through_pool_backward),
     ("fuse_elementwise", fuse_elementwise),
     ("cse", cse),
 )
 PROGRAM_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
     ("sink", sink),
+)
+# after these the program has its final order, in-place statements and frees; then plan_memory gives the plan
+MEMORY_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
+    ("schedule", schedule_for_memory),
+    ("inplace", compute_in_place),
+    ("dealloc", insert_frees),
 )
 
 
@@ -40,11 +57,14 @@ class CompileOptions:
     fuse: bool = True
     cse: bool = True
     code_motion: bool = True
+    schedule: bool = True                 # memory-aware scheduling
+    inplace: bool = True                  # in-place computation (activations, gradients, parameter updates)
+    workspace_limit: int | None = None    # bytes of convolution workspace: ops run over the batch in chunks to fit
     verify: bool = False
 
     def enabled(self, stage: str) -> bool:
         return {"simplify": self.simplify, "fuse_elementwise": self.fuse, "cse": self.cse,
-                "sink": self.code_motion}.get(stage, True)
+                "sink": self.code_motion, "schedule": self.schedule, "inplace": self.inplace}.get(stage, True)
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,20 @@ class Compiled:
     states: tuple[Node, ...]
     loop: Loop = field(repr=False, compare=False)
     options: CompileOptions = CompileOptions()
+    plans: dict[str, MemoryPlan] = field(default_factory=dict, repr=False, compare=False)   # "setup"/"train"/"test"
+    unplanned: dict[str, Program] = field(default_factory=dict, repr=False, compare=False)  # before memory stages
+
+    @property
+    def train_plan(self) -> MemoryPlan:
+        return self.plans["train"]
+
+    @property
+    def test_plan(self) -> MemoryPlan:
+        return self.plans["test"]
+
+    @property
+    def setup_plan(self) -> MemoryPlan:
+        return self.plans["setup"]
 
 
 def _optimize_graph(graph: Graph, options: CompileOptions, hook: Hook | None) -> Graph:
@@ -81,14 +115,31 @@ def _lower(graph: Graph, options: CompileOptions, hook: Hook | None) -> Program:
         verify(program)
     if hook:
         hook(f"{graph.name}:linearize", program)
-    for name, stage in PROGRAM_STAGES:
+    return _run_stages(program, PROGRAM_STAGES, options, hook)
+
+
+def _run_stages(program: Program, stages, options: CompileOptions, hook: Hook | None) -> Program:
+    from deepdsl.verify import verify
+    for name, stage in stages:
         if options.enabled(name):
             program = stage(program)
             if options.verify:
                 verify(program)
             if hook:
-                hook(f"{graph.name}:{name}", program)
+                hook(f"{program.name}:{name}", program)
     return program
+
+
+def plan_program(program: Program, options: CompileOptions = CompileOptions(),
+                 hook: Hook | None = None) -> tuple[Program, MemoryPlan]:
+    """Run the memory stages on an optimized program and plan its memory: (final program, its plan)."""
+    program = _run_stages(program, MEMORY_STAGES, options, hook)
+    plan = plan_memory(program, options.workspace_limit)
+    if options.verify:
+        plan.check()
+    if hook:
+        hook(f"{program.name}:plan_memory", plan)
+    return program, plan
 
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
@@ -104,14 +155,19 @@ def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook |
         setup_graph = Graph(f"{loop.name}_setup", ())
     if hook:
         hook(f"{loop.name}:hoist_invariants", setup_graph)
+    unplanned = {"setup": _lower(setup_graph, options, hook), "train": _lower(train, options, hook),
+                 "test": _lower(test, options, hook)}
+    planned = {step: plan_program(program, options, hook) for step, program in unplanned.items()}
     return Compiled(
         name=loop.name,
         source=loop.source,
-        setup=_lower(setup_graph, options, hook),
-        train=_lower(train, options, hook),
-        test=_lower(test, options, hook),
+        setup=planned["setup"][0],
+        train=planned["train"][0],
+        test=planned["test"][0],
         params=graphs.params,
         states=graphs.states,
         loop=loop,
         options=options,
+        plans={step: plan for step, (_, plan) in planned.items()},
+        unplanned=unplanned,
     )

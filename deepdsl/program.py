@@ -1,8 +1,10 @@
 """The SSA program: a straight-line sequence of statements, each defining one value once.
 
-A `Let` defines its node's value from the node's inputs; `Free` ends the life of values (added by the memory
-passes). Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted values); outputs map
-names to values. Names appear only when printing: leaves by their own names, statement values X1, X2, ... in order.
+A `Let` defines its node's value from the node's inputs; `Let(node, into=t)` writes that value over the storage of
+`t` (in-place computation: `t`, and every view of it, is dead from then on); `Free` ends the life of values (added
+by the memory passes). Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted
+values); outputs map names to values. Names appear only when printing: leaves by their own names, statement values
+X1, X2, ... in order.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from deepdsl.ops import dims, get_op
 @dataclass(frozen=True, slots=True)
 class Let:
     node: Node
+    into: Node | None = None     # the value (or persistent input) whose storage this statement overwrites
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,8 @@ def format_program(program: Program, shapes: bool = True) -> str:
         if isinstance(instr, Let):
             node = instr.node
             text = f"  {names[id(node)]} = {format_expr(node, names)}"
+            if instr.into is not None:
+                text += f"  (in place of {names.get(id(instr.into)) or format_inline(instr.into)})"
             if shapes:
                 tail = dims(node.shape) + ("" if node.dtype == "float" else f" {node.dtype}")
                 text = f"{text:<88} # {tail}"

@@ -4,6 +4,14 @@ Checks: inputs are leaves with distinct names; every value is defined once (sing
 (define-before-use); every statement's shape and dtype agree with its op's shape rule applied to its inputs; a freed
 value is not read or freed again and is no program output; outputs are defined. Errors quote the statements around
 the offending one.
+
+In-place statements (`Let(node, into=t)`, see `deepdsl.storage`): `t` is live and of the statement's shape and
+dtype; `t` is no batch input; a persistent `t` is overwritten only by the program output of its own name, an arena
+`t` only when no value stored with it is a program output; a statement reading the storage it overwrites is
+elementwise and reads it at its own shape; afterwards no value stored with `t` is read (they are overwritten).
+Once a program has Free statements (after the dealloc pass), every arena storage that holds no program output is
+freed exactly once, by the Free right after the last statement that defines or reads a value stored there, naming
+all of its values still alive; persistent values are never freed.
 """
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from deepdsl.errors import VerifyError
 from deepdsl.ir import Graph
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program
+from deepdsl.storage import analyze, is_batch_input, is_persistent
 
 
 def verify(program: Program) -> Program:
@@ -33,6 +42,10 @@ def verify(program: Program) -> Program:
         live.add(id(leaf))
     defined: set[int] = set(live)
     freed: set[int] = set()
+    overwritten: set[int] = set()
+    in_place = any(isinstance(i, Let) and i.into is not None for i in program.body)
+    storage = analyze(program) if in_place or any(isinstance(i, Free) for i in program.body) else None
+    outputs = {id(node) for _, node in program.outputs}
     for index, instr in enumerate(program.body):
         if isinstance(instr, Let):
             node = instr.node
@@ -41,10 +54,19 @@ def verify(program: Program) -> Program:
                     continue
                 if id(i) in freed:
                     fail(index, f"{names.get(id(i), i)} read after it was freed")
+                if id(i) in overwritten:
+                    fail(index, f"{names.get(id(i), i)} read after an in-place statement overwrote it")
                 if id(i) not in live:
                     fail(index, f"{names.get(id(i), repr(i))} read before it is defined")
             if id(node) in defined:
                 fail(index, f"{names[id(node)]} assigned twice")
+            if instr.into is not None:
+                _check_in_place(program, index, instr, storage, live, outputs, names, fail)
+                info = storage.of(instr.into)
+                for member in info.members:
+                    if info.defined_at[id(member)] < index and id(member) in live:
+                        live.discard(id(member))
+                        overwritten.add(id(member))
             try:
                 shape, dtype = get_op(node.op).infer(*node.inputs, **node.kwargs)
             except Exception as err:      # noqa: BLE001 -- report any shape-rule failure as a verify error
@@ -57,6 +79,8 @@ def verify(program: Program) -> Program:
             for node in instr.nodes:
                 if id(node) not in live:
                     fail(index, f"free of {names.get(id(node), node)} which is not live")
+                if storage is not None and storage.of(node).persistent:
+                    fail(index, f"free of {names.get(id(node), node)}, which is stored in a persistent input")
                 live.discard(id(node))
                 freed.add(id(node))
         else:
@@ -66,7 +90,57 @@ def verify(program: Program) -> Program:
             continue
         if id(node) not in live:
             raise VerifyError(f"{program.name}: output '{name}' is not defined or was freed")
+    if any(isinstance(i, Free) for i in program.body):
+        _check_frees(program, storage, names, fail)
     return program
+
+
+def _check_in_place(program, index, instr, storage, live, outputs, names, fail) -> None:
+    node, target = instr.node, instr.into
+    label = names.get(id(target)) or repr(target)
+    if id(target) not in live:
+        fail(index, f"in place of {label}, which is not live")
+    if target.shape != node.shape or target.dtype != node.dtype:
+        fail(index, f"in place of {label}: {target.shape} {target.dtype} cannot hold {node.shape} {node.dtype}")
+    info = storage.of(target)
+    if is_batch_input(info.root):
+        fail(index, f"in place of {label}, a value stored in the batch input {info.root.name}")
+    if info.persistent:
+        if not (is_persistent(target) and (target.name, node) in program.outputs):
+            fail(index, f"in place of the persistent {label} by a statement that is not its output '{label}'")
+    elif any(id(m) in outputs for m in info.members if info.defined_at[id(m)] < index):
+        fail(index, f"in place of {label}, whose storage holds a program output")
+    inside = [i for i in node.inputs if id(i) in storage.root and storage.root[id(i)] is info.root]
+    if inside and (node.op != "ew" or any(i.shape != node.shape for i in inside)):
+        fail(index, f"in place of {label}: {node.op} reads the storage it overwrites at other positions")
+    for m in info.members:
+        if info.defined_at[id(m)] < index and storage.last_read.get(id(m), -1) > index:
+            fail(index, f"in place of {label}, but {names.get(id(m), m)} (stored with it) is read later")
+
+
+def _check_frees(program, storage, names, fail) -> None:
+    """Every arena storage without a program output is freed once, right after its last use, by all live values."""
+    freed_at: dict[int, list[int]] = {}
+    for index, instr in enumerate(program.body):
+        if isinstance(instr, Free):
+            for node in instr.nodes:
+                freed_at.setdefault(id(storage.root[id(node)]), []).append(index)
+    for info in storage.arena():
+        label = names.get(id(info.root)) or repr(info.root)
+        where = sorted(set(freed_at.get(id(info.root), [])))
+        if info.output:
+            continue
+        if not where:
+            fail(info.last_use, f"{label} is never freed after its last use")
+        if len(where) > 1:
+            fail(where[1], f"{label} freed in two places")
+        expected = info.last_use + 1
+        if where[0] != expected:
+            fail(where[0], f"{label} freed at {where[0]}, not right after its last use at {info.last_use}")
+        named = {id(n) for n in program.body[where[0]].nodes}
+        missing = [m for m in info.live_members() if id(m) not in named]
+        if missing:
+            fail(where[0], f"free of {label} misses {', '.join(names.get(id(m), repr(m)) for m in missing)}")
 
 
 def verify_graph(graph: Graph) -> Graph:

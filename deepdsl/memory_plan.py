@@ -1,0 +1,324 @@
+"""The static memory plan of an SSA program: where every value lives, and when, as data.
+
+The planner is a pure function of a program that has been through the memory passes (schedule, in-place,
+dealloc). It gives every arena storage (a batch input, or a statement output with its views and in-place results,
+see `deepdsl.storage`) one `Buffer`: a byte range of one arena, and the body indices during which the range is in
+use. Code generation reads the plan to emit every statement with explicit output buffers; the memory table prints
+it. Both read the same object, so the table and the running program cannot disagree.
+
+Definitions (body indices count every instruction, `Let` and `Free`):
+- a buffer is *live* at body index i when `begin <= i < end`: `begin` is the index of the `Let` that allocates it
+  (0 for batch inputs, which are live when the step starts), `end` the index of the `Free` that releases it
+  (`len(body)` for a storage holding a program output, which lives until the step returns);
+- a buffer occupies `size` bytes: its exact `nbytes` rounded up to `ALIGNMENT` (256, what `cudaMalloc` and the
+  runtime pool guarantee), at least one unit; offsets are multiples of `ALIGNMENT`;
+- `live_bytes(i)` is the sum of the sizes of the buffers live at i, and the *peak live bytes* is its maximum: the
+  high-water mark of bytes of tensors allocated at once, counted by placed (rounded) size. It is exactly the
+  `peak_bytes_in_use` of the runtime pool allocator given the same allocations and frees in the same order, and
+  what a generated program reports. The same quantity over exact sizes is `peak_live_bytes_exact`.
+Invariants (`MemoryPlan.check`): buffers live at the same time never overlap in the arena; every buffer fits
+in `arena_bytes`; `peak_live_bytes <= arena_bytes`.
+
+Offsets come from interval packing: several greedy heuristics (by size, first-fit by size, by allocation order, as
+in TFLite's arena planner and XLA's buffer assignment) each place every buffer at the lowest (or best-fitting)
+offset that overlaps no buffer live at the same time, and the smallest arena wins.
+
+Persistent storage (parameters, optimizer state, running statistics, hyperparameters, hoisted constants) lies
+outside the arena, and so does the workspace: one region shared by all statements, as large as the largest
+`Op.workspace` of any statement (within `workspace_limit` when given, by running over the batch in chunks).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deepdsl.ir import Node
+from deepdsl.ops import get_op
+from deepdsl.program import Free, Let, Program
+from deepdsl.storage import analyze, is_inline, is_persistent, is_view, nbytes
+
+ALIGNMENT = 256
+
+
+def placed_size(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """Bytes a tensor of `nbytes` occupies in the arena: rounded up to the alignment, at least one unit."""
+    return max(alignment, -(-nbytes // alignment) * alignment)
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One arena block: bytes [offset, offset + size) hold `values` from body index `begin` (inclusive) to `end`
+    (exclusive)."""
+
+    index: int
+    value: Node                    # the root: the batch input or statement output that allocates it
+    nbytes: int                    # exact bytes of the root
+    size: int                      # placed bytes: nbytes rounded up to the alignment
+    offset: int                    # a multiple of the alignment
+    begin: int                     # body index of the allocating Let (0 for batch inputs)
+    end: int                       # body index of the releasing Free (len(body) if it holds a program output)
+    values: tuple[Node, ...]       # every value stored here in definition order: root, views, in-place results
+
+
+@dataclass(frozen=True, slots=True)
+class Persistent:
+    """Storage outside the arena that outlives a step: one input leaf."""
+
+    leaf: Node
+    kind: str                      # "param", "optimizer", "running", "hyper", "hoisted" or "other"
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one value lives: in arena buffer `buffer` at `offset`, or in the persistent input `leaf`."""
+
+    value: Node
+    buffer: int | None             # index into MemoryPlan.buffers; None when persistent
+    offset: int | None             # byte offset in the arena (the buffer's offset); None when persistent
+    leaf: Node | None              # the persistent input holding it; None when in the arena
+    view_of: Node | None = None    # a view (reshape): same bytes as this value, nothing computed
+    in_place_of: Node | None = None  # an in-place statement: overwrote this value's bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One body instruction as the runtime executes it."""
+
+    index: int                     # body index
+    instr: Let | Free
+    allocates: int | None          # buffer allocated by this Let (None: view, in place, persistent output)
+    releases: tuple[int, ...]      # buffers released by this Free
+    workspace: int                 # workspace bytes the statement uses (0 for Free)
+    chunks: int                    # batch chunks the statement runs in (1: whole batch)
+    live_bytes: int                # placed bytes of the buffers live at this index
+    live_bytes_exact: int          # the same, exact sizes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The static memory plan of one program (see the module docstring for definitions and invariants)."""
+
+    program: str
+    alignment: int
+    buffers: tuple[Buffer, ...]
+    steps: tuple[Step, ...]
+    persistent: tuple[Persistent, ...]
+    outputs: tuple[tuple[str, Placement | None], ...]   # None: an inline constant
+    arena_bytes: int
+    workspace_bytes: int
+    workspace_limit: int | None
+    peak_live_bytes: int
+    peak_live_bytes_exact: int
+    peak_step: int                 # first body index where live_bytes reaches the peak (-1 for an empty body)
+    packing: str                   # the heuristic whose offsets were kept
+    placements: dict[int, Placement] = field(repr=False, compare=False)   # id(value) -> placement
+
+    def placement(self, value: Node) -> Placement | None:
+        """Where `value` lives (None for inline constants)."""
+        return self.placements.get(id(value))
+
+    def persistent_bytes(self, kind: str) -> int:
+        return sum(p.nbytes for p in self.persistent if p.kind == kind)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.persistent_bytes("param")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.persistent_bytes("optimizer")
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the program needs at once: arena, workspace and persistent storage."""
+        return self.arena_bytes + self.workspace_bytes + sum(p.nbytes for p in self.persistent)
+
+    def check(self) -> "MemoryPlan":
+        """Raise AssertionError unless the invariants hold; return the plan."""
+        n = len(self.steps)
+        for b in self.buffers:
+            assert b.offset % self.alignment == 0 and b.size % self.alignment == 0, b
+            assert b.size >= b.nbytes and b.offset + b.size <= self.arena_bytes, b
+            assert 0 <= b.begin < b.end <= max(n, 1), b
+        events = sorted(self.buffers, key=lambda b: b.offset)
+        for i, a in enumerate(events):
+            for b in events[i + 1:]:
+                if b.offset >= a.offset + a.size:
+                    break
+                assert a.end <= b.begin or b.end <= a.begin, f"buffers {a.index} and {b.index} overlap"
+        assert self.peak_live_bytes <= self.arena_bytes
+        return self
+
+
+def plan_memory(program: Program, workspace_limit: int | None = None) -> MemoryPlan:
+    """The memory plan of `program` (see the module docstring)."""
+    storage = analyze(program)
+    n = len(program.body)
+    placements: dict[int, Placement] = {}
+    roots: list = []              # arena storages, by begin
+    for info in storage.infos.values():
+        if not info.persistent:
+            roots.append(info)
+    roots.sort(key=lambda info: (info.begin, info.defined_at[id(info.root)], info.root.serial))
+    # end of each storage: the Free naming its members, else the end of the body
+    free_index: dict[int, int] = {}
+    for k, instr in enumerate(program.body):
+        if isinstance(instr, Free):
+            for value in instr.nodes:
+                free_index.setdefault(id(storage.root[id(value)]), k)
+    intervals = []
+    for info in roots:
+        end = free_index.get(id(info.root), n)
+        if info.output:
+            end = n
+        intervals.append((max(info.begin, 0), max(end, info.begin + 1)))
+    sizes = [placed_size(nbytes(info.root)) for info in roots]
+    offsets, packing = pack(intervals, sizes, _peak(intervals, sizes))
+    buffers = tuple(Buffer(k, info.root, nbytes(info.root), sizes[k], offsets[k], intervals[k][0], intervals[k][1],
+                           tuple(info.members)) for k, info in enumerate(roots))
+    buffer_of = {id(b.value): b for b in buffers}
+
+    for info in storage.infos.values():
+        buf = None if info.persistent else buffer_of[id(info.root)]
+        for member in info.members:
+            into = program.body[info.defined_at[id(member)]].into if member is not info.root else None
+            view_of = member.inputs[0] if member is not info.root and into is None and is_view(member) else None
+            placements[id(member)] = Placement(member, buf.index if buf else None, buf.offset if buf else None,
+                                               None if buf else info.root, view_of=view_of, in_place_of=into)
+
+    steps, peak, peak_exact, peak_step, ws_max = _steps(program, storage, buffers, buffer_of, workspace_limit)
+    arena = max((b.offset + b.size for b in buffers), default=0)
+    params = {leaf.name for leaf in program.inputs if leaf.op == "param"}
+    persistent = tuple(Persistent(leaf, _kind(leaf, params), nbytes(leaf)) for leaf in program.inputs
+                       if is_persistent(leaf))
+    outputs = tuple((name, None if is_inline(node) else placements.get(id(node))) for name, node in program.outputs)
+    return MemoryPlan(program.name, ALIGNMENT, buffers, steps, persistent, outputs, arena, ws_max, workspace_limit,
+                      peak, peak_exact, peak_step, packing, placements)
+
+
+_OPTIMIZER = re.compile(r"^(V|M|S)_(.+)$")
+
+
+def _kind(leaf: Node, params: set[str]) -> str:
+    if leaf.op == "param":
+        return "param"
+    if leaf.op == "state":
+        match = _OPTIMIZER.match(leaf.name)
+        return "optimizer" if match and match.group(2) in params else "running"
+    role = leaf.attr("role")
+    return role if role in ("hyper", "hoisted") else "other"
+
+
+def _steps(program, storage, buffers, buffer_of, workspace_limit):
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for b in buffers:
+        starts.setdefault(b.begin, []).append(b)
+        ends.setdefault(b.end, []).append(b)
+    live = live_exact = 0
+    peak = peak_exact = 0
+    peak_step = -1
+    ws_max = 0
+    steps = []
+    for k, instr in enumerate(program.body):
+        for b in ends.get(k, ()):
+            live -= b.size
+            live_exact -= b.nbytes
+        allocated = None
+        for b in starts.get(k, ()):
+            live += b.size
+            live_exact += b.nbytes
+            if b.begin == k and isinstance(instr, Let) and b.value is instr.node:
+                allocated = b.index
+        workspace = chunks = 0
+        if isinstance(instr, Let):
+            workspace, chunks = get_op(instr.node.op).workspace(instr.node, workspace_limit)
+            ws_max = max(ws_max, workspace)
+        releases = tuple(b.index for b in ends.get(k, ())) if isinstance(instr, Free) else ()
+        steps.append(Step(k, instr, allocated, releases, workspace, max(chunks, 1), live, live_exact))
+        if live > peak:
+            peak, peak_step = live, k
+        peak_exact = max(peak_exact, live_exact)
+    return tuple(steps), peak, peak_exact, peak_step, ws_max
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# interval packing
+
+def _peak(intervals: list[tuple[int, int]], sizes: list[int]) -> int:
+    """Largest total size of blocks live at once: no packing can use a smaller arena."""
+    delta: dict[int, int] = {}
+    for (b, e), s in zip(intervals, sizes):
+        delta[b] = delta.get(b, 0) + s
+        delta[e] = delta.get(e, 0) - s
+    live = peak = 0
+    for t in sorted(delta):
+        live += delta[t]
+        peak = max(peak, live)
+    return peak
+
+
+def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 0) -> tuple[list[int], str]:
+    """Offsets for blocks of `sizes` live over half-open `intervals`, such that blocks live at the same time do
+    not overlap; the smallest arena among a few greedy orders, stopping at the first that reaches `lower_bound`
+    (the peak of live bytes: optimal). Returns (offsets, name of the heuristic)."""
+    if not sizes:
+        return [], "none"
+    begin = np.array([i[0] for i in intervals], dtype=np.int64)
+    end = np.array([i[1] for i in intervals], dtype=np.int64)
+    size = np.array(sizes, dtype=np.int64)
+    k = np.arange(len(sizes))
+    candidates = {
+        "size/first-fit": np.lexsort((k, begin, -size)),
+        "size/best-fit": np.lexsort((k, begin, -size)),
+        "size*duration/first-fit": np.lexsort((k, begin, -(size * (end - begin)))),
+        "allocation/first-fit": np.lexsort((k, begin)),
+    }
+    best = None
+    for name, order in candidates.items():
+        offsets = _place(order, begin, end, size, best_fit=name.endswith("best-fit"))
+        arena = int((offsets + size).max())
+        if best is None or arena < best[0]:
+            best = (arena, offsets, name)
+        if arena <= lower_bound:
+            break
+    return [int(o) for o in best[1]], best[2]
+
+
+def _place(order, begin, end, size, best_fit: bool) -> np.ndarray:
+    n = len(order)
+    placed_begin = np.empty(n, dtype=np.int64)
+    placed_end = np.empty(n, dtype=np.int64)
+    placed_lo = np.empty(n, dtype=np.int64)
+    placed_hi = np.empty(n, dtype=np.int64)
+    offsets = np.zeros(n, dtype=np.int64)
+    m = 0
+    for k in order:
+        b, e, s = begin[k], end[k], size[k]
+        if m:
+            mask = (placed_begin[:m] < e) & (placed_end[:m] > b)
+            lo = placed_lo[:m][mask]
+        else:
+            lo = placed_lo[:0]
+        if len(lo) == 0:
+            offset = 0
+        else:
+            hi = placed_hi[:m][mask]
+            by = np.argsort(lo, kind="stable")
+            lo, hi = lo[by], hi[by]
+            gap_start = np.concatenate(([0], np.maximum.accumulate(hi)))
+            gap_end = np.concatenate((lo, [np.iinfo(np.int64).max]))
+            room = gap_end - gap_start
+            fits = np.nonzero(room >= s)[0]
+            if best_fit:
+                choice = fits[np.argmin(room[fits])]
+            else:
+                choice = fits[0]
+            offset = int(gap_start[choice])
+        offsets[k] = offset
+        placed_begin[m], placed_end[m], placed_lo[m], placed_hi[m] = b, e, offset, offset + s
+        m += 1
+    return offsets

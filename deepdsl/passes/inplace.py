@@ -1,0 +1,135 @@
+"""In-place computation: let a statement write its result over storage whose value dies at that statement.
+
+Two kinds, both recorded as `Let(node, into=target)`:
+
+- updates: a program output named like a persistent input (a parameter's new value `cv1_W`, the new optimizer
+  state `V_cv1_W`, new batch-norm running statistics) is written straight over that input, when every other reader
+  of the old value comes before the statement (the scheduler arranges this) and the statement reads the old value,
+  if at all, elementwise at its own shape. When that is impossible (the output is an input, a view, shared by two
+  outputs, or some reader of the old value comes later), a copy `ew(v0)` into the input is added right after the
+  later of the value and the old value's last reader, so the runtime never copies state behind the plan's back.
+- activations: an elementwise statement (`ew`: activations, bias adds, scaling, gradient accumulation, optimizer
+  arithmetic) writes over an input of its own shape and dtype whose storage dies at this statement: the input and
+  all its views are read for the last time here, none is a program output, and the storage is no batch input.
+  Other ops never run in place: a convolution, matmul, pooling or reduction reads its input at other positions than
+  it writes, and a view (`reshape`) already costs nothing.
+
+Guarantees: same values (the interpreter deletes every overwritten value, so a wrong annotation fails loudly); no
+value is read after it is overwritten; program outputs and batch inputs are never overwritten; statement order is
+unchanged except for added copies.
+"""
+from __future__ import annotations
+
+import sympy
+
+from deepdsl.ir import Node, make
+from deepdsl.ops.elementwise import sym
+from deepdsl.program import Free, Let, Program
+from deepdsl.storage import analyze, is_batch_input, is_persistent, is_view
+
+
+def copy_of(value: Node) -> Node:
+    """A statement that copies `value` (elementwise identity; `elementwise()` would fold it away)."""
+    return make("ew", (value,), expr=sympy.sympify(sym(0)))
+
+
+def compute_in_place(program: Program, activations: bool = True, updates: bool = True) -> Program:
+    """The program with in-place statements marked (see the module docstring)."""
+    if any(isinstance(i, Free) or i.into is not None for i in program.body):
+        raise ValueError("compute_in_place runs once, before the dealloc pass")
+    if updates:
+        program = _updates_in_place(program)
+    if activations:
+        program = _activations_in_place(program)
+    return program
+
+
+def _updates_in_place(program: Program) -> Program:
+    body = list(program.body)
+    storage = analyze(program)
+    index = {id(instr.node): k for k, instr in enumerate(body)}
+    leaves = {leaf.name: leaf for leaf in program.inputs if is_persistent(leaf)}
+    into: dict[int, Node] = {}
+    copies: list[tuple[int, Node, Node]] = []          # (insert after body index, copy node, leaf)
+    outputs = list(program.outputs)
+    claimed: set[int] = set()
+    for position, (name, value) in enumerate(outputs):
+        leaf = leaves.get(name)
+        if leaf is None or value is leaf:
+            continue
+        info = storage.of(leaf)
+        members = {id(m) for m in info.members}
+        k = index.get(id(value))
+        last_reader = max((storage.last_read.get(id(m), -1) for m in info.members), default=-1)
+        direct = (k is not None and k not in claimed and not is_view(value) and value.shape == leaf.shape
+                  and value.dtype == leaf.dtype and _other_reads_before(k, info.members, body, storage))
+        if direct:
+            inside = [i for i in value.inputs if id(i) in members]
+            direct = not inside or (value.op == "ew" and all(i.shape == value.shape for i in inside))
+        if direct:
+            claimed.add(k)
+            into[k] = leaf
+            continue
+        copy = copy_of(value)
+        after = max(last_reader, k if k is not None else -1)
+        copies.append((after, copy, leaf))
+        outputs[position] = (name, copy)
+    new_body: list[Let] = []
+    pending = sorted(copies, key=lambda c: c[0])
+    for c in [c for c in pending if c[0] < 0]:
+        new_body.append(Let(c[1], into=c[2]))
+    for k, instr in enumerate(body):
+        new_body.append(Let(instr.node, into=into.get(k)))
+        for c in pending:
+            if c[0] == k:
+                new_body.append(Let(c[1], into=c[2]))
+    return Program(program.name, program.inputs, tuple(new_body), tuple(outputs))
+
+
+def _other_reads_before(k: int, members: list[Node], body, storage) -> bool:
+    """Whether every statement other than k that reads a value stored with the leaf comes before k."""
+    for m in members:
+        last = storage.last_read.get(id(m), -1)
+        if last > k:
+            return False
+    return True
+
+
+def _activations_in_place(program: Program) -> Program:
+    storage = analyze(program)              # last reads are fixed by the order; storages grow as we decide
+    outputs = {id(node) for _, node in program.outputs}
+    root: dict[int, Node] = {id(leaf): leaf for leaf in program.inputs}
+    last_read: dict[int, int] = {}          # id(root) -> last body index reading any value stored there
+    pinned: set[int] = set()                # ids of roots holding a program output
+
+    def join(node: Node, r: Node) -> None:
+        root[id(node)] = r
+        last_read[id(r)] = max(last_read.get(id(r), -1), storage.last_read.get(id(node), -1))
+        if id(node) in outputs:
+            pinned.add(id(r))
+
+    for leaf in program.inputs:
+        join(leaf, leaf)
+    result: list[Let] = []
+    for k, instr in enumerate(program.body):
+        node = instr.node
+        target = instr.into
+        if target is None and node.op == "ew":
+            target = _dying_input(node, k, root, last_read, pinned)
+        host = target if target is not None else (node.inputs[0] if is_view(node) else None)
+        join(node, root[id(host)] if host is not None and id(host) in root else node)
+        result.append(Let(node, into=target))
+    return Program(program.name, program.inputs, tuple(result), program.outputs)
+
+
+def _dying_input(node: Node, k: int, root, last_read, pinned) -> Node | None:
+    for candidate in node.inputs:
+        if id(candidate) not in root or candidate.shape != node.shape or candidate.dtype != node.dtype:
+            continue
+        r = root[id(candidate)]
+        if is_persistent(r) or is_batch_input(r) or id(r) in pinned or last_read[id(r)] > k:
+            continue
+        if any(root.get(id(i)) is r and i.shape != node.shape for i in node.inputs):
+            continue                        # reads the storage through a view of another shape: positions differ
+        return candidate
+    return None

@@ -1,0 +1,133 @@
+"""Which values of an SSA program share storage, and for how long each storage is in use.
+
+Every value lives in one *storage*, named by its root value:
+- a batch input (`x`, `y`) or a statement output owns an arena storage (the memory plan gives it an offset);
+- a persistent input (parameters, optimizer and running state, hyperparameters, hoisted constants) owns storage
+  that outlives the step; the statement computing a program output may write into the input of the same name
+  (`Let(node, into=leaf)`), which is how parameter updates happen in place;
+- a view (`reshape`, an op with `view = True`) computes nothing and lives in the storage of its input;
+- an in-place statement `Let(node, into=t)` lives in the storage of `t`.
+
+The analysis here is shared by the in-place and dealloc passes, the memory planner, the verifier and the
+interpreter, so all of them agree on what aliases what.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deepdsl.ir import ITEMSIZE, Node
+from deepdsl.ops import get_op
+from deepdsl.program import Free, Let, Program
+
+BATCH_ROLES = frozenset({"data", "label"})
+
+
+def is_batch_input(node: Node) -> bool:
+    """A per-step batch input: counted with the activations, as DeepDSL counted them."""
+    return node.op == "input" and node.attr("role") in BATCH_ROLES
+
+
+def is_persistent(node: Node) -> bool:
+    """An input whose storage outlives a step: parameters, state, hyperparameters, hoisted constants."""
+    return node.is_leaf and node.op != "const" and not is_batch_input(node)
+
+
+def is_view(node: Node) -> bool:
+    return bool(node.inputs) and get_op(node.op).view
+
+
+def nbytes(node: Node) -> int:
+    """`node.nbytes` without numpy's per-call overhead (the memory passes ask for thousands)."""
+    return math.prod(node.shape) * ITEMSIZE[node.dtype]
+
+
+def is_inline(node: Node) -> bool:
+    """A scalar constant: part of the expression that reads it, never stored."""
+    return node.op == "const" and node.shape == ()
+
+
+@dataclass(slots=True)
+class StorageInfo:
+    """One storage: its root (owner), the values stored in it in definition order, and its extent in the body."""
+
+    root: Node
+    persistent: bool
+    begin: int                  # body index of the root's Let (0 for inputs)
+    last_use: int               # last body index that defines or reads a member (begin if never read)
+    members: list[Node]
+    defined_at: dict[int, int]  # id(member) -> body index of its Let (inputs: -1)
+    output: bool = False        # some member is a program output: the storage lives to the end of the step
+    overwritten_at: int = -1    # body index of the last in-place statement into it (-1: none)
+
+    def live_members(self) -> list[Node]:
+        """Members alive after the last in-place overwrite (the overwritten ones are dead)."""
+        return [m for m in self.members if self.defined_at[id(m)] >= self.overwritten_at]
+
+
+@dataclass
+class Storage:
+    """The storage analysis of a program (see the module docstring)."""
+
+    root: dict[int, Node]                  # id(value) -> root of its storage
+    infos: dict[int, StorageInfo]          # id(root) -> storage
+    last_read: dict[int, int]              # id(value) -> last body index reading it (absent: never read)
+
+    def of(self, value: Node) -> StorageInfo:
+        return self.infos[id(self.root[id(value)])]
+
+    def arena(self) -> list[StorageInfo]:
+        return [info for info in self.infos.values() if not info.persistent]
+
+
+def analyze(program: Program) -> Storage:
+    """Storage of every value of `program`, in its current order (Free statements are ignored)."""
+    root: dict[int, Node] = {}
+    infos: dict[int, StorageInfo] = {}
+    last_read: dict[int, int] = {}
+
+    def new(node: Node, begin: int, defined: int, persistent: bool) -> None:
+        root[id(node)] = node
+        infos[id(node)] = StorageInfo(node, persistent, begin, begin, [node], {id(node): defined}, False, -1)
+
+    for leaf in program.inputs:
+        new(leaf, 0, -1, is_persistent(leaf))
+    for index, instr in enumerate(program.body):
+        if not isinstance(instr, Let):
+            continue
+        node = instr.node
+        for i in node.inputs:
+            if id(i) in root:
+                last_read[id(i)] = index
+                info = infos[id(root[id(i)])]
+                info.last_use = max(info.last_use, index)
+        host = instr.into if instr.into is not None else (node.inputs[0] if is_view(node) else None)
+        if host is not None and id(host) in root:
+            info = infos[id(root[id(host)])]
+            root[id(node)] = info.root
+            info.members.append(node)
+            info.defined_at[id(node)] = index
+            info.last_use = max(info.last_use, index)
+            if instr.into is not None:
+                info.overwritten_at = index
+        else:
+            new(node, index, index, False)
+    for _, node in program.outputs:
+        if id(node) in root:
+            infos[id(root[id(node)])].output = True
+    return Storage(root, infos, last_read)
+
+
+def frees_after(program: Program, storage: Storage | None = None) -> dict[int, list[Node]]:
+    """Body index -> the values to free right after it: for every arena storage that is no program output, its live
+    members, right after the last statement that defines or reads any of them."""
+    storage = storage or analyze(program)
+    result: dict[int, list[Node]] = {}
+    for info in storage.arena():
+        if not info.output:
+            result.setdefault(info.last_use, []).extend(info.live_members())
+    return result
+
+
+def body_without_frees(program: Program) -> list[Let]:
+    return [i for i in program.body if not isinstance(i, Free)]
