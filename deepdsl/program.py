@@ -8,10 +8,12 @@ X1, X2, ... in order.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 from deepdsl.ir import Node
-from deepdsl.ops import dims, get_op
+from deepdsl.ops import Op, _fmt, dims, get_op
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class Program:
 
 
 def format_expr(node: Node, names: dict[int, str]) -> str:
-    """The right-hand side of a statement: `conv2d[stride=1,pad=0](x, cv1_W, cv1_B)` or, for elementwise nodes,
+    """The right-hand side of a statement: `conv2d[stride=2](x, cv1_W, cv1_B)` or, for elementwise nodes,
     their expression over argument names: `Max(X4, 0)`."""
     args = [names.get(id(i)) or format_inline(i) for i in node.inputs]
     if node.op == "ew":
@@ -62,7 +64,35 @@ def format_expr(node: Node, names: dict[int, str]) -> str:
         expr = node.attr("expr")
         mapping = {sym(k): sympy.Symbol(a) for k, a in enumerate(args)}
         return sympy.sstr(expr.xreplace(mapping))
-    return f"{get_op(node.op).describe(node)}({', '.join(args)})"
+    described = describe(node)
+    return f"{described}({', '.join(args)})" if node.inputs else described
+
+
+def describe(node: Node) -> str:
+    """The op and its attributes, leaving out attributes equal to the op's declared defaults (`pad=0`, `ceil=False`):
+    `max_pool[kernel=2,stride=2]`. Ops that describe themselves are asked."""
+    op = get_op(node.op)
+    if type(op).describe is not Op.describe:
+        return op.describe(node)
+    defaults = _defaults(type(op))
+    shown = [f"{k}={_fmt(v)}" for k, v in node.attrs
+             if not (k in defaults and type(defaults[k]) is type(v) and defaults[k] == v)]
+    return f"{op.name}[{','.join(shown)}]" if shown else op.name
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict:
+    """Keyword defaults of the op's shape rule and reference semantics, over its class hierarchy."""
+    found: dict = {}
+    for klass in reversed(cls.__mro__):
+        for method in ("infer", "evaluate"):
+            fn = klass.__dict__.get(method)
+            if fn is None:
+                continue
+            for param in inspect.signature(fn).parameters.values():
+                if param.default is not inspect.Parameter.empty:
+                    found[param.name] = param.default
+    return found
 
 
 def format_inline(node: Node) -> str:
