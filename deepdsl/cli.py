@@ -1,4 +1,4 @@
-"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`.
+"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`.
 
 Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
 line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead.
@@ -101,6 +101,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_program(path, args.program_args)
 
 
+def _bytes(text: str) -> int:
+    """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables)."""
+    import re
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 67108864 or 64MB, got '{text}'")
+    value = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
+    return int(value)
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from deepdsl import memory_table
+    from deepdsl.memory_plan import plan_memory
+
+    compiled = _compile(args)
+    if args.workspace_limit is not None:     # the limit changes the plan only, not the programs
+        options = dataclasses.replace(compiled.options, workspace_limit=args.workspace_limit)
+        plans = {step: plan_memory(getattr(compiled, step), args.workspace_limit) for step in compiled.plans}
+        compiled = dataclasses.replace(compiled, options=options, plans=plans)
+    report = memory_table.memory_report(compiled, args.step)
+    if args.plot:
+        memory_table.plot(report, args.plot)
+    sys.stdout.write(memory_table.to_json(report) if args.json else memory_table.format_table(report))
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deepdsl import __version__
 
@@ -131,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="program to write (default: generated/<network>.py)")
     p.add_argument("program_args", nargs=argparse.REMAINDER, help="options for the generated program, after --")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("memory", help="print the static memory table of a step (peak, arena, workspace, what-ifs)")
+    _add_network_options(p)
+    p.add_argument("--step", choices=("train", "test", "setup"), default="train")
+    p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
+                   help="convolution workspace limit (ops run over the batch in chunks to fit), e.g. 64MB")
+    p.add_argument("--json", action="store_true", help="write the table as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
+    p.set_defaults(func=cmd_memory)
     return parser
 
 

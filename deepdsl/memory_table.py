@@ -1,0 +1,283 @@
+"""The static memory table of a compiled step (DeepDSL's Figure 3, exact): one row per instruction with the tensor
+it creates, its workspace, the live bytes after it and its arena offset; then the peak, the arena, a simulation of
+the runtime's pool allocator over the same allocations, persistent memory, workspace, and what each memory
+optimization bought.
+
+Everything is read from the `MemoryPlan` that code generation consumes, so the table is the program's memory.
+MB = 10^6 bytes. "live" counts placed sizes (256-byte aligned), the quantity the generated program measures.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+
+from deepdsl.memory_plan import MemoryPlan, plan_memory
+from deepdsl.ops import dims
+from deepdsl.passes.dealloc import insert_frees
+from deepdsl.passes.inplace import compute_in_place
+from deepdsl.passes.schedule import schedule_for_memory
+from deepdsl.program import Free, Let, Program, format_expr, format_inline
+from deepdsl.storage import is_batch_input
+
+MB = 1e6
+STATEMENT_WIDTH = 72
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    kind: str                 # "input", "let" or "free"
+    index: int                # body index (-1 for inputs)
+    name: str                 # value name (inputs, lets) or "" (frees)
+    text: str                 # the IR statement
+    dims: str
+    dtype: str
+    nbytes: int               # bytes of the tensor the row creates (0 for frees)
+    change: int               # change of live bytes (placed sizes; negative for frees)
+    workspace: int
+    chunks: int
+    live: int                 # live bytes after the row (placed sizes)
+    live_exact: int
+    offset: int | None        # arena offset of the tensor's buffer (None if persistent or freed)
+    where: str                # "arena", "in place of X4", "view of X5", "in cv1_W", ...
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the table prints (and `--json` writes)."""
+
+    network: str
+    program: Program
+    plan: MemoryPlan
+    rows: tuple[Row, ...]
+    pooled: dict
+    what_if: dict[str, int]
+
+
+def memory_report(compiled, step: str = "train") -> Report:
+    """The report of one step ("train", "test" or "setup") of a `Compiled`."""
+    program, plan = getattr(compiled, step), compiled.plans[step]
+    return Report(compiled.name, program, plan, tuple(rows(program, plan)), simulate_pool(plan),
+                  what_if(compiled.unplanned[step], compiled.options.workspace_limit))
+
+
+def rows(program: Program, plan: MemoryPlan) -> list[Row]:
+    names = program.names()
+    result: list[Row] = []
+    live = live_exact = 0
+    for leaf in program.inputs:
+        if not is_batch_input(leaf):
+            continue
+        p = plan.placement(leaf)
+        buf = plan.buffers[p.buffer]
+        live += buf.size
+        live_exact += buf.nbytes
+        result.append(Row("input", -1, leaf.name, f"input {leaf.name}", dims(leaf.shape), leaf.dtype, buf.nbytes,
+                          buf.size, 0, 1, live, live_exact, buf.offset, "arena"))
+    for step in plan.steps:
+        instr = step.instr
+        if isinstance(instr, Let):
+            node = instr.node
+            p = plan.placement(node)
+            change = plan.buffers[step.allocates].size if step.allocates is not None else 0
+            text = f"{names[id(node)]} = {format_expr(node, names)}"
+            result.append(Row("let", step.index, names[id(node)], text, dims(node.shape), node.dtype, node.nbytes,
+                              change, step.workspace, step.chunks, step.live_bytes, step.live_bytes_exact,
+                              p.offset, _where(p, names)))
+        else:
+            change = -sum(plan.buffers[b].size for b in step.releases)
+            text = "free " + ", ".join(names.get(id(n)) or format_inline(n) for n in instr.nodes)
+            result.append(Row("free", step.index, "", text, "", "", 0, change, 0, 1, step.live_bytes,
+                              step.live_bytes_exact, None, ""))
+    return result
+
+
+def _where(p, names) -> str:
+    label = lambda n: names.get(id(n)) or format_inline(n)   # noqa: E731
+    if p.in_place_of is not None:
+        return f"in place of {label(p.in_place_of)}"
+    if p.view_of is not None:
+        return f"view of {label(p.view_of)}"
+    if p.leaf is not None:
+        return f"in {p.leaf.name}"
+    return "arena"
+
+
+def _pool_allocator():
+    """The runtime's first-fit pool allocator (pure Python): from the installed runtime, else from the checkout."""
+    try:
+        return importlib.import_module("deepdsl_runtime.pool").PoolAllocator
+    except ImportError:
+        path = pathlib.Path(__file__).resolve().parents[1] / "runtime" / "pool.py"
+        name = "_deepdsl_runtime_pool"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module          # dataclasses look their module up while the file runs
+            spec.loader.exec_module(module)
+        return sys.modules[name].PoolAllocator
+
+
+def simulate_pool(plan: MemoryPlan) -> dict:
+    """Replay the plan's allocations and frees, in order, on the runtime's first-fit pool allocator (`pooled`
+    mode): the capacity the pool needs (highest byte handed out) and its peak of bytes in use."""
+    pool_cls = _pool_allocator()
+    pool = pool_cls(max(sum(b.size for b in plan.buffers), plan.alignment), plan.alignment)
+    offsets: dict[int, int] = {}
+    footprint = 0
+    for b in (b for b in plan.buffers if is_batch_input(b.value)):
+        offsets[b.index] = pool.alloc(b.nbytes)
+        footprint = max(footprint, offsets[b.index] + b.size)
+    for step in plan.steps:
+        if step.allocates is not None and step.allocates not in offsets:
+            b = plan.buffers[step.allocates]
+            offsets[b.index] = pool.alloc(b.nbytes)
+            footprint = max(footprint, offsets[b.index] + b.size)
+        for index in step.releases:
+            pool.free(offsets.pop(index))
+    stats = pool.stats
+    return {"footprint_bytes": footprint, "peak_bytes_in_use": stats.peak_bytes_in_use,
+            "allocs": stats.num_allocs, "frees": stats.num_frees}
+
+
+def what_if(unplanned: Program, workspace_limit: int | None = None) -> dict[str, int]:
+    """Peak live bytes of the same program with memory optimizations left out (each run on the program as the
+    optimization passes leave it, before the memory stages)."""
+    def peak(schedule: bool, activations: bool, updates: bool, free: bool = True) -> int:
+        program = schedule_for_memory(unplanned) if schedule else unplanned
+        program = compute_in_place(program, activations=activations, updates=updates)
+        if free:
+            program = insert_frees(program)
+        return plan_memory(program, workspace_limit).peak_live_bytes
+
+    return {
+        "without memory-aware scheduling": peak(False, True, True),
+        "without in-place activations and gradients": peak(True, False, True),
+        "without in-place parameter updates": peak(True, True, False),
+        "without scheduling and in-place computation": peak(False, False, False),
+        "without freeing (every tensor kept to the end)": peak(True, True, True, free=False),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# text
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / MB:.6f}"
+
+
+def _clip(text: str, width: int = STATEMENT_WIDTH) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def format_table(report: Report) -> str:
+    plan = report.plan
+    header = (f"{'IR statement':<{STATEMENT_WIDTH}}  {'dimensions':<18} {'tensor MB':>11} {'change MB':>11} "
+              f"{'workspace MB':>12} {'live MB':>11} {'offset':>11}  where")
+    lines = [f"memory plan of {plan.program} (MB = 10^6 bytes; change and live count sizes placed in the arena, "
+             f"rounded up to {plan.alignment} bytes; workspace/k: run in k batch chunks)", "", header]
+    for row in report.rows:
+        dims_text = row.dims + ("" if row.dtype in ("float", "") else f" {row.dtype}")
+        workspace = _mb(row.workspace) + (f"/{row.chunks}" if row.chunks > 1 else "") if row.workspace else ""
+        lines.append(f"{_clip(row.text):<{STATEMENT_WIDTH}}  {dims_text:<18} "
+                     f"{_mb(row.nbytes) if row.kind != 'free' else '':>11} {_mb(row.change):>11} {workspace:>12} "
+                     f"{_mb(row.live):>11} {'' if row.offset is None else row.offset:>11}  {row.where}".rstrip())
+    lines.append("")
+    lines += summary_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def summary_lines(report: Report) -> list[str]:
+    plan = report.plan
+    peak_row = next((r for r in report.rows if r.index == plan.peak_step and r.kind != "input"), None)
+    at = f" at {_clip(peak_row.text, 60)}" if peak_row else ""
+    limit = "none" if plan.workspace_limit is None else f"{plan.workspace_limit} bytes"
+    chunked = sum(1 for s in plan.steps if s.chunks > 1)
+    constants = plan.persistent_bytes("hyper") + plan.persistent_bytes("hoisted") + plan.persistent_bytes("other")
+    ratio = plan.arena_bytes / plan.peak_live_bytes if plan.peak_live_bytes else 1.0
+    pooled = report.pooled
+    lines = [
+        f"peak live bytes:          {_mb(plan.peak_live_bytes):>14} MB  ({plan.peak_live_bytes} bytes, sizes placed"
+        f" in the arena){at}",
+        f"peak live bytes, exact:   {_mb(plan.peak_live_bytes_exact):>14} MB  ({plan.peak_live_bytes_exact} bytes,"
+        f" tensor sizes)",
+        f"arena:                    {_mb(plan.arena_bytes):>14} MB  ({ratio:.4f} x peak; {len(plan.buffers)} buffers,"
+        f" offsets by {plan.packing})",
+        f"pooled (first-fit pool):  {_mb(pooled['footprint_bytes']):>14} MB  (capacity needed replaying the same"
+        f" allocations; peak in use {_mb(pooled['peak_bytes_in_use'])} MB)",
+        f"parameters:               {_mb(plan.param_bytes):>14} MB",
+        f"optimizer state:          {_mb(plan.optimizer_bytes):>14} MB",
+        f"running statistics:       {_mb(plan.persistent_bytes('running')):>14} MB",
+        f"constants:                {_mb(constants):>14} MB  (hyperparameters and values hoisted out of the step)",
+        f"workspace:                {_mb(plan.workspace_bytes):>14} MB  (one region shared by all statements; limit"
+        f" {limit}; {chunked} statements run in batch chunks)",
+        f"total:                    {_mb(plan.total_bytes):>14} MB  (arena + workspace + persistent)",
+        "what if (peak live bytes):",
+    ]
+    for label, value in report.what_if.items():
+        change = f"{value / plan.peak_live_bytes:.2f} x" if plan.peak_live_bytes else ""
+        lines.append(f"  {label + ':':<52} {_mb(value):>14} MB  ({change})")
+    return lines
+
+
+def to_json(report: Report) -> str:
+    plan = report.plan
+    data = {
+        "network": report.network,
+        "program": plan.program,
+        "alignment": plan.alignment,
+        "steps": [{"kind": r.kind, "index": r.index, "name": r.name, "statement": r.text, "dims": r.dims,
+                   "dtype": r.dtype, "bytes": r.nbytes, "change_bytes": r.change, "workspace_bytes": r.workspace,
+                   "chunks": r.chunks, "live_bytes": r.live, "live_bytes_exact": r.live_exact, "offset": r.offset,
+                   "where": r.where} for r in report.rows],
+        "peak_live_bytes": plan.peak_live_bytes,
+        "peak_live_bytes_exact": plan.peak_live_bytes_exact,
+        "peak_step": plan.peak_step,
+        "arena_bytes": plan.arena_bytes,
+        "packing": plan.packing,
+        "buffers": [{"index": b.index, "value": report.program.names().get(id(b.value)), "bytes": b.nbytes,
+                     "size": b.size, "offset": b.offset, "begin": b.begin, "end": b.end} for b in plan.buffers],
+        "pooled": report.pooled,
+        "param_bytes": plan.param_bytes,
+        "optimizer_bytes": plan.optimizer_bytes,
+        "running_bytes": plan.persistent_bytes("running"),
+        "constant_bytes": sum(plan.persistent_bytes(k) for k in ("hyper", "hoisted", "other")),
+        "workspace_bytes": plan.workspace_bytes,
+        "workspace_limit": plan.workspace_limit,
+        "total_bytes": plan.total_bytes,
+        "what_if": report.what_if,
+    }
+    return json.dumps(data, indent=1) + "\n"
+
+
+def plot(report: Report, path: str) -> None:
+    """Live bytes over the instructions, with the peak and the arena size (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from deepdsl.errors import DeepDSLError
+        raise DeepDSLError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+    plan = report.plan
+    xs = [s.index for s in plan.steps]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(xs, [s.live_bytes / MB for s in plan.steps], label="live (placed)", linewidth=1)
+    ax.axhline(plan.arena_bytes / MB, color="gray", linestyle="--", linewidth=0.8, label="arena")
+    if plan.peak_step >= 0:
+        ax.plot([plan.peak_step], [plan.peak_live_bytes / MB], "o", color="red", label="peak")
+    ax.set_xlabel("instruction")
+    ax.set_ylabel("MB")
+    ax.set_title(f"{plan.program}: live memory, peak {plan.peak_live_bytes / MB:.1f} MB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["Report", "Row", "memory_report", "format_table", "to_json", "plot", "simulate_pool", "what_if"]
