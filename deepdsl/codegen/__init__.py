@@ -1,0 +1,224 @@
+"""Code generation: a compiled network becomes a standalone Python training program.
+
+`generate(compiled)` renders `codegen_templates/program.py.jinja` (StrictUndefined) with the network's
+declarations and the bodies of its setup, training and test steps (built by `steps` from the SSA programs, one
+block per statement under the IR statement as a comment, calls from the per-op snippets of `lowering`,
+elementwise kernels from `ufuncs`, scratch sizes from `workspace`). The program imports only numpy and
+`deepdsl_runtime`; its loop, CLI machinery, data and checkpoints are in `deepdsl_runtime.program`.
+
+`python -m deepdsl.codegen.refresh` regenerates `generated/` from `networks/`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+__all__ = ["CodegenOptions", "generate", "run_program", "write_program"]
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "codegen_templates"
+DEFAULT_WORKSPACE_LIMIT = 256 << 20
+
+
+@dataclass(frozen=True)
+class CodegenOptions:
+    """How to render a program.
+
+    workspace_limit: bytes of im2col scratch a convolution may use (it then runs over the batch in chunks); default:
+        the compile options' `workspace_limit`, else `DEFAULT_WORKSPACE_LIMIT`.
+    source: the network file as named in the header (default: the path the network was loaded from, relative to
+        the current directory when inside it).
+    params_file: default of the program's --params (default: `<network>.params.npz`).
+    """
+
+    workspace_limit: int | None = None
+    source: str | None = None
+    params_file: str | None = None
+
+
+def structure_hash(compiled) -> str:
+    """Identifies the compiled training step (statements, shapes, inputs): checkpoints carry it."""
+    return hashlib.sha256(compiled.train.text().encode()).hexdigest()[:16]
+
+
+def _display_source(compiled, options: CodegenOptions) -> str:
+    if options.source:
+        return options.source
+    source = compiled.source or "<unknown>"
+    if os.path.isabs(source):
+        relative = os.path.relpath(source)
+        source = source if relative.startswith("..") else relative
+    return source.replace(os.sep, "/")
+
+
+def _class_name(name: str) -> str:
+    parts = [p for p in re.split(r"\W|_", name) if p]
+    text = "".join(p[:1].upper() + p[1:] for p in parts) or "Network"
+    return text if text.isidentifier() and not text[0].isdigit() else f"Net{text}"
+
+
+def _init_text(init) -> str:
+    if init.kind == "xavier":
+        return "xavier"
+    if init.kind == "gaussian":
+        return f"gaussian({float(init.std)!r})"
+    if init.kind == "constant":
+        return f"constant({float(init.value)!r})"
+    raise ValueError(f"unknown initializer {init}")
+
+
+def _options_text(compiled) -> str:
+    opts = compiled.options
+    shown = []
+    for f in fields(opts):
+        if f.name == "workspace_limit":
+            continue
+        value = getattr(opts, f.name)
+        if isinstance(value, bool):
+            shown.append(f.name if value else f"no-{f.name}")
+        else:
+            shown.append(f"{f.name}={value}")
+    return ", ".join(shown)
+
+
+def _number(value: float) -> str:
+    return repr(float(value))
+
+
+def context(compiled, options: CodegenOptions | None = None) -> dict:
+    """Everything the template needs, as plain data."""
+    from deepdsl import __version__
+    from deepdsl.codegen import steps
+    from deepdsl.codegen.lowering import literal
+
+    options = options or CodegenOptions()
+    limit = options.workspace_limit or getattr(compiled.options, "workspace_limit", None) or DEFAULT_WORKSPACE_LIMIT
+    solver = compiled.loop.solver
+    inputs = {n.name: n for p in (compiled.train, compiled.test) for n in p.inputs}
+    data = [n for n in inputs.values() if n.op == "input" and n.attr("role") == "data"]
+    label = [n for n in inputs.values() if n.op == "input" and n.attr("role") == "label"]
+    if len(data) != 1 or len(label) != 1:
+        raise steps.GenerateError("a generated program needs exactly one image input and one label input")
+    data, label = data[0], label[0]
+    n_classes = _classes(compiled)
+    optimizer = solver.optimizer
+    hyper = ("lr", "momentum", "decay") if optimizer == "sgd" else ("lr", "bias1", "bias2", "decay")
+    kernels = steps.Kernels()
+    data_name, label_name = steps.identifier(data.name), steps.identifier(label.name)
+    setup = steps.build_setup(compiled.setup, kernels, limit)
+    bad = [n.name for n in compiled.setup.inputs if n.name in ("bias1", "bias2")]
+    if bad:
+        raise steps.GenerateError(f"values hoisted out of the step depend on {bad}, which change every step")
+    train = steps.build_train(compiled.train, kernels, limit, data_name, label_name, hyper)
+    test = steps.build_test(compiled.test, kernels, limit, data_name, label_name)
+    optimizer_states = {f"{prefix}_{p.name}" for p in compiled.params for prefix in ("V", "M", "S")}
+    if optimizer == "sgd":
+        solver_text = (f"SGD, {solver.iters} iterations, lr {solver.lr:g}, momentum {solver.momentum:g}, "
+                       f"decay {solver.decay:g}" + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
+    else:
+        solver_text = (f"Adam, {solver.iters} iterations, lr {solver.lr:g}, betas {solver.betas}, eps {solver.eps:g}, "
+                       f"decay {solver.decay:g}" + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
+    params = []
+    for p in compiled.params:
+        lm, dm = float(p.attr("lr_mult", 1.0)), float(p.attr("decay_mult", 1.0))
+        mults = "" if (lm, dm) == (1.0, 1.0) else f", lr_mult={lm!r}, decay_mult={dm!r}"
+        params.append({"name": p.name, "shape": literal(p.shape), "init": _init_text(p.attr("init")), "mults": mults})
+    states = [{"name": s.name, "shape": literal(s.shape), "init": _init_text(s.attr("init")),
+               "optimizer": s.name in optimizer_states} for s in compiled.states]
+    return {
+        "name": compiled.name,
+        "cls": _class_name(compiled.name),
+        "version": __version__,
+        "source": _display_source(compiled, options),
+        "options": _options_text(compiled) + f"; convolution workspace limit {limit} bytes",
+        "filename": f"{compiled.name}.py",
+        "description": f"Train and test {compiled.name} (generated by deepdsl {__version__}).",
+        "data": "x".join(map(str, data.shape)),
+        "label": "x".join(map(str, label.shape)),
+        "classes": n_classes,
+        "dataset": data.attr("dataset") or "synthetic",
+        "solver": solver_text,
+        "structure_hash": structure_hash(compiled),
+        "optimizer": optimizer,
+        "betas": literal(tuple(float(b) for b in solver.betas)),
+        "batch_shape": literal(data.shape),
+        "params": params,
+        "states": states,
+        "setup_inputs": literal(tuple(n.name for n in compiled.setup.inputs if n.op == "input")),
+        "steps": [setup, train, test],
+        "kernels": kernels.items,
+        "iters": solver.iters,
+        "test_iters": solver.test_iters,
+        "lr": _number(solver.lr),
+        "momentum": _number(solver.momentum),
+        "decay": _number(solver.decay),
+        "params_file": options.params_file or f"{compiled.name}.params.npz",
+    }
+
+
+def _classes(compiled) -> int:
+    """Number of classes: the width of the scores the test step's precision reads."""
+    accuracy = dict(compiled.test.outputs)["accuracy"]
+    for node in compiled.test.statements() + [accuracy]:
+        if node.op == "precision":
+            return node.inputs[0].shape[1]
+    raise ValueError("the test step computes no precision")
+
+
+def generate(compiled, options: CodegenOptions | None = None) -> str:
+    """The source text of the standalone training program of `compiled` (a `deepdsl.Compiled`)."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    return env.get_template("program.py.jinja").render(**context(compiled, options))
+
+
+def write_program(compiled, path, options: CodegenOptions | None = None) -> Path:
+    """Write the program of `compiled` to `path` (directories are created); returns the path."""
+    path = Path(path)
+    text = generate(compiled, options)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def run_program(path, args: list[str]) -> int:
+    """Run a generated program with the same Python interpreter; returns its exit status.
+
+    `deepdsl_runtime` must be importable (installed with deepdsl); from a source checkout it is found through
+    a link to `runtime/` made on the fly."""
+    env = dict(os.environ)
+    extra = _runtime_path()
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
+    try:
+        return subprocess.call([sys.executable, str(path), *args], env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _runtime_path() -> str | None:
+    """A directory that makes `deepdsl_runtime` importable when it is not installed (a source checkout)."""
+    import importlib.util
+    if importlib.util.find_spec("deepdsl_runtime") is not None:
+        return None
+    runtime = Path(__file__).resolve().parents[2] / "runtime"
+    if not (runtime / "__init__.py").exists():
+        return None
+    import tempfile
+    home = Path(tempfile.gettempdir()) / f"deepdsl-runtime-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    link = home / "deepdsl_runtime"
+    home.mkdir(exist_ok=True)
+    if not link.exists():
+        try:
+            link.symlink_to(runtime, target_is_directory=True)
+        except FileExistsError:
+            pass
+    if link.resolve() != runtime.resolve():
+        return None
+    return str(home)

@@ -1,0 +1,79 @@
+"""Per-op statement snippets: how one SSA statement becomes a call of the runtime backend `rt`.
+
+The default rule covers most ops: `rt.<op>(<inputs>, out=<value>, <attributes>)`, the runtime function having
+the op's name, its inputs in order and its attributes as keywords; ops with scratch memory also get
+`workspace=`. The table below holds the exceptions: views (no `out`), elementwise kernels, random masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from deepdsl.ir import Node
+
+
+@dataclass(frozen=True)
+class Site:
+    """What a snippet knows about its statement: argument expressions, output name, workspace name or None,
+    and for `ew` the name of the kernel function."""
+
+    node: Node
+    args: tuple[str, ...]
+    out: str
+    workspace: str | None = None
+    kernel: str | None = None
+
+
+def literal(value) -> str:
+    """A Python literal for an attribute value (ints, floats, bools, tuples of those)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(literal(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, str):
+        return repr(value)
+    raise TypeError(f"attribute value {value!r} has no literal")
+
+
+def _attrs(node: Node, skip: tuple[str, ...] = ()) -> str:
+    return "".join(f", {k}={literal(v)}" for k, v in node.attrs if k not in skip)
+
+
+def default(site: Site) -> str:
+    args = "".join(f"{a}, " for a in site.args)
+    ws = f", workspace={site.workspace}" if site.workspace else ""
+    return f"rt.{site.node.op}({args}out={site.out}{_attrs(site.node)}{ws})"
+
+
+def view(site: Site) -> str:
+    """Views alias their input: the statement binds a name, there is no `out`."""
+    return f"{site.out} = rt.{site.node.op}({', '.join(site.args)}{_attrs(site.node)})"
+
+
+def elementwise(site: Site) -> str:
+    return f"rt.ew({site.kernel}, {site.out}{''.join(', ' + a for a in site.args)})"
+
+
+def bernoulli(site: Site) -> str:
+    """Masks are drawn from (seed, step, key): the run's seed and the iteration number complete the attributes."""
+    ws = f", workspace={site.workspace}" if site.workspace else ""
+    return f"rt.bernoulli(out={site.out}{_attrs(site.node)}, seed=self.seed, step=step{ws})"
+
+
+SNIPPETS: dict[str, Callable[[Site], str]] = {
+    "reshape": view,
+    "ew": elementwise,
+    "bernoulli": bernoulli,
+}
+
+# ops that never reach a generated program: leaves are inputs or inline constants; `batch_norm` and `dropout`
+# are rewritten by the `specialize` pass before any program exists
+NOT_LOWERED = frozenset({"input", "param", "state", "batch_norm", "dropout"})
+
+
+def lower(site: Site) -> str:
+    return SNIPPETS.get(site.node.op, default)(site)

@@ -1,0 +1,281 @@
+"""Datasets for generated training programs, chosen by a `--data SPEC` string, and the batch streams over them.
+
+Specs:
+- `digits`: scikit-learn's bundled 8x8 handwritten digits (1797 real images, no download), resized bilinearly to
+  the network's input size and scaled to [0, 1]; a fixed split keeps 300 images for testing.
+- `mnist:DIR`: the MNIST IDX files in DIR (`train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
+  `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, each optionally gzipped), scaled to [0, 1].
+- `cifar10:DIR`: the CIFAR-10 binary batches in DIR or DIR/cifar-10-batches-bin (`data_batch_*.bin`,
+  `test_batch.bin`; one label byte and 3072 pixel bytes per image), scaled to [0, 1].
+- `npz:PATH`: arrays `x` (N,C,H,W or N,H,W) and `y`, optionally `x_test` and `y_test` (else the training arrays
+  are also the test set); integer pixels are scaled by 1/255.
+- `synthetic`: normally distributed images and uniform labels (for timing; there is nothing to learn).
+Images must have the network's channels and size (only `digits` is resized); a mismatch is a `DataError` naming
+the spec. Labels must lie in [0, classes).
+
+Batches: training batches follow a fresh permutation each epoch, drawn from (seed, epoch) alone, so the position
+(epoch, offset) is the whole state of the stream and a resumed run sees exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Batches", "DataError", "Dataset", "load", "resize_bilinear"]
+
+DIGITS_TEST = 300
+
+
+class DataError(Exception):
+    """A dataset that cannot be read or does not fit the network (one line, naming the spec)."""
+
+
+@dataclass
+class Dataset:
+    spec: str
+    x_train: np.ndarray      # (N, C, H, W) float32
+    y_train: np.ndarray      # (N,) int32
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load(spec: str, image_shape: tuple[int, int, int], classes: int, seed: int = 0, batch: int = 1) -> Dataset:
+    """The dataset named by `spec`, checked against the network's (C, H, W) input and its number of classes."""
+    kind, _, arg = spec.partition(":")
+    if kind == "digits" and not arg:
+        data = _digits(spec, image_shape)
+    elif kind == "synthetic" and not arg:
+        data = _synthetic(spec, image_shape, classes, seed, batch)
+    elif kind == "mnist" and arg:
+        data = _mnist(spec, arg)
+    elif kind == "cifar10" and arg:
+        data = _cifar10(spec, arg)
+    elif kind == "npz" and arg:
+        data = _npz(spec, arg)
+    else:
+        raise DataError(f"unknown data spec '{spec}' (use digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH)")
+    for x, y, part in ((data.x_train, data.y_train, "training"), (data.x_test, data.y_test, "test")):
+        if x.shape[1:] != tuple(image_shape):
+            raise DataError(f"{spec}: {part} images are {_dims(x.shape[1:])} (CxHxW), the network takes "
+                            f"{_dims(image_shape)}")
+        if len(x) != len(y):
+            raise DataError(f"{spec}: {len(x)} {part} images but {len(y)} labels")
+        if len(x) == 0:
+            raise DataError(f"{spec}: no {part} images")
+        if y.size and (y.min() < 0 or y.max() >= classes):
+            raise DataError(f"{spec}: {part} labels range over [{y.min()}, {y.max()}], the network has {classes} "
+                            "classes")
+    return data
+
+
+def _dims(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sources
+
+def resize_bilinear(images: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Resize (N, H, W) images to `size` by bilinear interpolation with half-pixel centres (align_corners=False,
+    as PyTorch's `interpolate`)."""
+    def weights(n_in: int, n_out: int) -> np.ndarray:
+        src = np.clip((np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5, 0, n_in - 1)
+        lo = np.floor(src).astype(int)
+        hi = np.minimum(lo + 1, n_in - 1)
+        frac = src - lo
+        m = np.zeros((n_out, n_in))
+        m[np.arange(n_out), lo] += 1 - frac
+        m[np.arange(n_out), hi] += frac
+        return m
+
+    rows, cols = weights(images.shape[1], size[0]), weights(images.shape[2], size[1])
+    return np.einsum("ih,nhw,jw->nij", rows, images.astype(np.float64), cols)
+
+
+def _digits(spec: str, image_shape) -> Dataset:
+    c, h, w = image_shape
+    if c != 1:
+        raise DataError(f"{spec}: the digits have 1 channel, the network takes {c}")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError(f"{spec}: needs scikit-learn (pip install scikit-learn)") from None
+    bunch = load_digits()
+    images = resize_bilinear(bunch.images / 16.0, (h, w)).astype(np.float32)[:, None]
+    labels = bunch.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(labels))      # fixed split, whatever --seed is
+    test, train = order[:DIGITS_TEST], order[DIGITS_TEST:]
+    return Dataset(spec, images[train], labels[train], images[test], labels[test])
+
+
+def _synthetic(spec: str, image_shape, classes: int, seed: int, batch: int) -> Dataset:
+    rng = np.random.default_rng([seed, 12345])
+    n = max(2 * batch, 2)
+    x = rng.standard_normal((n + batch,) + tuple(image_shape), dtype=np.float32)
+    y = rng.integers(0, classes, n + batch, dtype=np.int32)
+    return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
+
+
+def _read(path: str) -> bytes:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        return f.read()
+
+
+def _find(spec: str, directory: str, names: list[str]) -> str:
+    for name in names:
+        for candidate in (name, name + ".gz"):
+            path = os.path.join(directory, candidate)
+            if os.path.isfile(path):
+                return path
+    raise DataError(f"{spec}: no {names[0]}[.gz] in {directory}")
+
+
+def read_idx(path: str, spec: str) -> np.ndarray:
+    """An array from an IDX file (MNIST's format: two zero bytes, a type byte, the rank, big-endian sizes)."""
+    try:
+        raw = _read(path)
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise DataError(f"{spec}: cannot read {os.path.basename(path)}: {err}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise DataError(f"{spec}: {os.path.basename(path)} is not an IDX file (bad magic number)")
+    types = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if raw[2] not in types:
+        raise DataError(f"{spec}: {os.path.basename(path)}: unknown IDX element type 0x{raw[2]:02x}")
+    rank = raw[3]
+    dims = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(rank))
+    dtype = np.dtype(types[raw[2]])
+    expected = 4 + 4 * rank + int(np.prod(dims)) * dtype.itemsize
+    if len(raw) != expected:
+        raise DataError(f"{spec}: {os.path.basename(path)} has {len(raw)} bytes, its header says {expected}")
+    return np.frombuffer(raw, dtype=dtype, offset=4 + 4 * rank).reshape(dims)
+
+
+def _mnist(spec: str, directory: str) -> Dataset:
+    if not os.path.isdir(directory):
+        raise DataError(f"{spec}: {directory} is not a directory")
+    arrays = []
+    for prefix in ("train", "t10k"):
+        images = read_idx(_find(spec, directory, [f"{prefix}-images-idx3-ubyte", f"{prefix}-images.idx3-ubyte"]), spec)
+        labels = read_idx(_find(spec, directory, [f"{prefix}-labels-idx1-ubyte", f"{prefix}-labels.idx1-ubyte"]), spec)
+        if images.ndim != 3 or labels.ndim != 1:
+            raise DataError(f"{spec}: {prefix} images must be a 3-D and labels a 1-D IDX array")
+        arrays += [(images.astype(np.float32) / 255.0)[:, None], labels.astype(np.int32)]
+    return Dataset(spec, *arrays)
+
+
+CIFAR_RECORD = 1 + 3 * 32 * 32
+
+
+def _cifar_file(spec: str, path: str) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except OSError as err:
+        raise DataError(f"{spec}: cannot read {os.path.basename(path)}: {err}") from None
+    if raw.size == 0 or raw.size % CIFAR_RECORD:
+        raise DataError(f"{spec}: {os.path.basename(path)} has {raw.size} bytes, not a multiple of the "
+                        f"{CIFAR_RECORD}-byte CIFAR-10 record")
+    records = raw.reshape(-1, CIFAR_RECORD)
+    images = records[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32) / 255.0
+    return images, records[:, 0].astype(np.int32)
+
+
+def _cifar10(spec: str, directory: str) -> Dataset:
+    nested = os.path.join(directory, "cifar-10-batches-bin")
+    if os.path.isdir(nested):
+        directory = nested
+    if not os.path.isdir(directory):
+        raise DataError(f"{spec}: {directory} is not a directory")
+    train_files = sorted(f for f in os.listdir(directory) if f.startswith("data_batch_") and f.endswith(".bin"))
+    if not train_files:
+        raise DataError(f"{spec}: no data_batch_*.bin in {directory}")
+    test_path = os.path.join(directory, "test_batch.bin")
+    if not os.path.isfile(test_path):
+        raise DataError(f"{spec}: no test_batch.bin in {directory}")
+    parts = [_cifar_file(spec, os.path.join(directory, f)) for f in train_files]
+    x_test, y_test = _cifar_file(spec, test_path)
+    return Dataset(spec, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                   x_test, y_test)
+
+
+def _npz(spec: str, path: str) -> Dataset:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError) as err:
+        raise DataError(f"{spec}: cannot read {path}: {err}") from None
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise DataError(f"{spec}: no array '{key}' in {path}")
+
+    def images(key):
+        x = arrays[key]
+        if x.ndim == 3:
+            x = x[:, None]
+        if x.ndim != 4:
+            raise DataError(f"{spec}: array '{key}' must be N,C,H,W or N,H,W, got shape {x.shape}")
+        scale = 1 / 255.0 if np.issubdtype(x.dtype, np.integer) else 1.0
+        return np.ascontiguousarray(x.astype(np.float32) * np.float32(scale))
+
+    def labels(key):
+        y = arrays[key]
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{spec}: array '{key}' must hold integer labels, got {y.dtype} of shape {y.shape}")
+        return y.astype(np.int32)
+
+    x, y = images("x"), labels("y")
+    if "x_test" in arrays and "y_test" in arrays:
+        return Dataset(spec, x, y, images("x_test"), labels("y_test"))
+    return Dataset(spec, x, y, x, y)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batch streams
+
+class Batches:
+    """Batches of `batch` examples into reused buffers. Shuffled: each epoch follows its own permutation drawn
+    from (seed, epoch), and a batch that crosses the end of an epoch continues into the next. Not shuffled: the
+    examples in order, wrapping around."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0, shuffle: bool = True):
+        self.x, self.y, self.batch, self.seed, self.shuffle = x, y, batch, seed, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+        self.xb = np.empty((batch,) + x.shape[1:], dtype=np.float32)
+        self.yb = np.empty((batch,), dtype=np.int32)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.x))
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.x)))
+        return self._order[1]
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        parts, need = [], self.batch
+        while need:
+            order = self.order(self.epoch)
+            take = order[self.offset:self.offset + need]
+            parts.append(take)
+            need -= len(take)
+            self.offset += len(take)
+            if self.offset == len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        index = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        np.take(self.x, index, axis=0, out=self.xb)
+        np.take(self.y, index, axis=0, out=self.yb)
+        return self.xb, self.yb
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.offset
+
+    @position.setter
+    def position(self, value: tuple[int, int]) -> None:
+        epoch, offset = (int(v) for v in value)
+        if epoch < 0 or not 0 <= offset < len(self.x):
+            raise ValueError(f"data position ({epoch}, {offset}) outside a dataset of {len(self.x)} examples")
+        self.epoch, self.offset = epoch, offset

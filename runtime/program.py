@@ -1,0 +1,378 @@
+"""What every generated training program shares: the model base class and the training loop behind its CLI.
+
+A generated program (`generated/<network>.py`) holds the network-specific parts: a `Model` subclass with the
+parameter and state declarations and the compiled `setup`, `train_step` and `test_step` methods, and a `main()`
+whose argparse options default to the network's `Train(...)`. `run(ModelClass, args)` does the rest: data, fresh
+initialization or resuming from a checkpoint, the loop with its progress bar, periodic and final checkpoints,
+SIGINT/SIGTERM handling, stopping on a non-finite loss, the test pass and the report.
+
+Exit status: 0 on success, 1 for a usage problem (bad data spec, unusable checkpoint, unavailable device),
+3 when the loss became NaN or infinite, 128 + signal number after an interrupted run saved its checkpoint.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from deepdsl_runtime import checkpoint as ckpt
+from deepdsl_runtime import data as datasets
+
+__all__ = ["Model", "Param", "RunError", "State", "backend", "initial_value", "run"]
+
+EXIT_USAGE, EXIT_DIVERGED = 1, 3
+
+
+class RunError(Exception):
+    """A problem reported as one line (exit status 1)."""
+
+
+def backend(device: str) -> ModuleType:
+    """The runtime module implementing the ops on `device` (`deepdsl_runtime.cpu`, `deepdsl_runtime.cuda`)."""
+    if device not in ("cpu", "cuda"):
+        raise RunError(f"unknown device '{device}' (use cpu or cuda)")
+    try:
+        return importlib.import_module(f"deepdsl_runtime.{device}")
+    except ImportError as err:
+        if device == "cuda":
+            reason = "this runtime has no CUDA backend module yet" if getattr(err, "name", "") == \
+                "deepdsl_runtime.cuda" else str(err)
+            raise RunError(f"CUDA backend not available: {reason}") from None
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# declarations and initialization
+
+@dataclass(frozen=True)
+class Param:
+    """A trained parameter: shape, initializer ("xavier", "gaussian(STD)", "constant(VALUE)") and the
+    learning-rate and weight-decay multipliers compiled into its update."""
+
+    shape: tuple[int, ...]
+    init: str
+    lr_mult: float = 1.0
+    decay_mult: float = 1.0
+
+
+@dataclass(frozen=True)
+class State:
+    """A carried tensor that gradients do not train: optimizer state (`optimizer=True`: momentum, Adam moments)
+    or model state (batch-norm running statistics)."""
+
+    shape: tuple[int, ...]
+    init: str
+    optimizer: bool = False
+
+
+def initial_value(shape: tuple[int, ...], init: str, rng: np.random.Generator) -> np.ndarray:
+    """A float32 array drawn by Caffe's filler rules: xavier is uniform in +-sqrt(3 / fan_in) with
+    fan_in = prod(shape[1:])."""
+    kind, _, rest = init.partition("(")
+    value = float(rest.rstrip(")")) if rest else 0.0
+    if kind == "xavier":
+        fan_in = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        bound = math.sqrt(3.0 / fan_in)
+        return rng.uniform(-bound, bound, shape).astype(np.float32)
+    if kind == "gaussian":
+        return rng.normal(0.0, value, shape).astype(np.float32)
+    if kind == "constant":
+        return np.full(shape, value, dtype=np.float32)
+    raise ValueError(f"unknown initializer '{init}'")
+
+
+class Model:
+    """Parameters, state and hoisted values of one network (in `tensors`, by name) plus its compiled steps.
+
+    Subclasses (generated) set the class attributes and define `setup`, `train_step(x, y, *, step, <hyper>)`
+    returning the loss, and `test_step(x, y)` returning (accuracy, loss)."""
+
+    name = ""
+    source = ""
+    structure_hash = ""
+    optimizer = "sgd"
+    betas = (0.9, 0.999)
+    batch_shape: tuple[int, ...] = ()
+    classes = 0
+    dataset = "synthetic"
+    defaults: dict = {}
+    params: dict[str, Param] = {}
+    states: dict[str, State] = {}
+    setup_inputs: tuple[str, ...] = ()
+
+    def __init__(self, device: str = "cpu", seed: int = 0):
+        self.rt = backend(device)
+        self.mem = self.rt.Recycler()
+        self.tensors: dict[str, object] = {}
+        self.seed = seed
+
+    # tensors ----------------------------------------------------------------------------------------------------
+    def initialize(self, seed: int) -> None:
+        """Fresh parameters (drawn in declaration order from one generator seeded with `seed`) and state."""
+        self.seed = seed
+        rng = np.random.default_rng(seed)
+        for name, p in self.params.items():
+            self.tensors[name] = self.rt.asarray(initial_value(p.shape, p.init, rng))
+        for name, s in self.states.items():
+            self.tensors[name] = self.rt.asarray(initial_value(s.shape, s.init, rng))
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**{k: p.shape for k, p in self.params.items()}, **{k: s.shape for k, s in self.states.items()}}
+
+    def host_tensors(self) -> dict[str, np.ndarray]:
+        """Parameters and state as numpy arrays, by name."""
+        return {name: self.rt.to_numpy(self.tensors[name]) for name in self.expected_shapes()}
+
+    def load_tensors(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, array in arrays.items():
+            self.tensors[name] = self.rt.asarray(np.asarray(array, dtype=np.float32))
+
+    def all_finite(self) -> bool:
+        return all(np.all(np.isfinite(a)) for a in self.host_tensors().values())
+
+    # steps --------------------------------------------------------------------------------------------------------
+    def hyper(self, lr: float, momentum: float, decay: float, iteration: int) -> dict[str, np.float32]:
+        """The hyperparameter inputs of training step `iteration` (0-based)."""
+        f = np.float32
+        if self.optimizer == "adam":
+            t = iteration + 1
+            return {"lr": f(lr), "bias1": f(1.0 - self.betas[0] ** t), "bias2": f(1.0 - self.betas[1] ** t),
+                    "decay": f(decay)}
+        return {"lr": f(lr), "momentum": f(momentum), "decay": f(decay)}
+
+    def prepare(self, hyper: dict) -> None:
+        """Compute the values hoisted out of the steps (once per run)."""
+        self.setup(**{k: hyper[k] for k in self.setup_inputs})
+
+    def setup(self, **hyper) -> None:
+        pass
+
+    def train_step(self, x, y, *, step: int, **hyper) -> float:
+        raise NotImplementedError
+
+    def test_step(self, x, y) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batches: int) -> tuple[float, float, int]:
+        """Mean test accuracy and loss over `batches` consecutive batches of (x, y) (at most one pass; the last
+        batch wraps around to the start when the set is not a multiple of the batch size)."""
+        n = self.batch_shape[0]
+        count = min(batches, -(-len(x) // n))
+        stream = datasets.Batches(x, y, n, shuffle=False)
+        accuracy = loss = 0.0
+        for _ in range(count):
+            xb, yb = stream.next()
+            a, l_ = self.test_step(xb, yb)
+            accuracy += a
+            loss += l_
+        return accuracy / count, loss / count, count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+
+class _Signals:
+    """Turn SIGINT/SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None:     # a second signal: stop now
+            signal.signal(signum, self._old[signum])
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def _say(args, text: str) -> None:
+    if not args.quiet:
+        print(text, flush=True)
+
+
+def _error(model_cls, text: str) -> int:
+    print(f"{model_cls.name}: error: {text}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def _check_args(args) -> None:
+    for key in ("iters", "test_iters", "save_every"):
+        if getattr(args, key) < 0:
+            raise RunError(f"--{key.replace('_', '-')} must be >= 0")
+    if args.lr <= 0:
+        raise RunError("--lr must be > 0")
+
+
+def _checkpoint(model: Model, iteration: int, stream: datasets.Batches, data_spec: str) -> ckpt.Checkpoint:
+    return ckpt.Checkpoint(path="", tensors=model.host_tensors(), network=model.name,
+                           structure_hash=model.structure_hash, iteration=iteration, seed=model.seed,
+                           data_position=stream.position, data=data_spec)
+
+
+def _resume(model: Model, path: str) -> ckpt.Checkpoint:
+    found = ckpt.read(path)
+    if found.network != model.name:
+        raise ckpt.CheckpointError(f"{path}: field '__network__': a checkpoint of '{found.network}', this program "
+                                   f"trains '{model.name}'")
+    if found.structure_hash != model.structure_hash:
+        raise ckpt.CheckpointError(
+            f"{path}: field '__structure_hash__': written by a program of another structure ({found.structure_hash}, "
+            f"this one is {model.structure_hash}); use --fresh, or --init-from to reuse matching parameters")
+    ckpt.check_tensors(found, model.expected_shapes())
+    return found
+
+
+def _init_from(model: Model, path: str, args) -> None:
+    source = ckpt.read(path)
+    loaded, skipped = [], []
+    candidates = {**model.params, **{k: s for k, s in model.states.items() if not s.optimizer}}
+    for name, spec in candidates.items():
+        array = source.tensors.get(name)
+        if array is None:
+            skipped.append(f"{name} (not in file)")
+        elif tuple(array.shape) != tuple(spec.shape):
+            skipped.append(f"{name} (shape {'x'.join(map(str, array.shape))} in file, "
+                           f"{'x'.join(map(str, spec.shape))} here)")
+        elif array.dtype.kind != "f" or not np.all(np.isfinite(array)):
+            skipped.append(f"{name} (not finite float data)")
+        else:
+            model.tensors[name] = model.rt.asarray(array.astype(np.float32))
+            loaded.append(name)
+    _say(args, f"initialized {len(loaded)} of {len(candidates)} tensors from {path}"
+               + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+
+
+def run(model_cls: type[Model], args) -> int:
+    """Train and test as the parsed command-line options say; returns the exit status."""
+    try:
+        return _run(model_cls, args)
+    except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
+        return _error(model_cls, str(err))
+
+
+def _run(model_cls: type[Model], args) -> int:
+    _check_args(args)
+    model = model_cls(args.device, args.seed)
+    params_path = args.params
+    resumed = None
+    if params_path and os.path.exists(params_path) and not args.fresh:
+        resumed = _resume(model, params_path)
+        model.seed = resumed.seed
+    if args.init_from and resumed is None:
+        ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
+    data_spec = args.data or model.dataset
+    n = model.batch_shape[0]
+    data = datasets.load(data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=n)
+    stream = datasets.Batches(data.x_train, data.y_train, n, seed=model.seed)
+
+    if resumed is not None:
+        model.load_tensors({k: resumed.tensors[k] for k in model.expected_shapes()})
+        stream.position = resumed.data_position
+        start = resumed.iteration
+        _say(args, f"resuming from {params_path} at iteration {start}")
+    else:
+        model.initialize(args.seed)
+        if args.init_from:
+            _init_from(model, args.init_from, args)
+        start = 0
+        if args.iters == 0:
+            if not params_path:
+                raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
+            ckpt.write(params_path, _checkpoint(model, 0, stream, data_spec))
+            _say(args, f"wrote initial parameters to {params_path}")
+            return 0
+
+    def save(iteration: int) -> None:
+        if params_path:
+            ckpt.write(params_path, _checkpoint(model, iteration, stream, data_spec))
+
+    hyper0 = model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, 0)
+    model.prepare(hyper0)
+    iteration, loss, elapsed = start, None, 0.0
+    status = 0
+    if args.iters > start:
+        _say(args, f"training {model.name} on {data_spec} ({len(data.x_train)} examples, batch {n}) on {args.device}: "
+                   f"iterations {start + 1} to {args.iters}")
+        bar = _progress(args, start)
+        with _Signals() as signals:
+            began = time.perf_counter()
+            while iteration < args.iters:
+                xb, yb = stream.next()
+                hyper = model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, iteration)
+                value = model.train_step(xb, yb, step=iteration, **hyper)
+                if not math.isfinite(value):
+                    elapsed = time.perf_counter() - began
+                    if bar is not None:
+                        bar.close()
+                    print(f"{model.name}: error: the loss is {value} at iteration {iteration + 1}; training stopped"
+                          + (f", {params_path} keeps the last good checkpoint" if params_path else ""),
+                          file=sys.stderr, flush=True)
+                    return EXIT_DIVERGED
+                iteration += 1
+                loss = value
+                if bar is not None:
+                    bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
+                    bar.update(1)
+                if signals.received is not None:
+                    break
+                if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
+                    save(iteration)
+            elapsed = time.perf_counter() - began
+            if bar is not None:
+                bar.close()
+            if signals.received is not None:
+                save(iteration)
+                name = signal.Signals(signals.received).name
+                print(f"{model.name}: {name} at iteration {iteration}"
+                      + (f"; saved {params_path}" if params_path else ""), file=sys.stderr, flush=True)
+                return 128 + signals.received
+        save(iteration)
+        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}"
+                   + (f"; saved {params_path}" if params_path else ""))
+    else:
+        _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
+
+    accuracy = test_loss = None
+    if args.test_iters:
+        accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
+        _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {n})")
+    done = iteration - start
+    per_iter = elapsed / done if done else None
+    if per_iter is not None:
+        _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
+    if args.report_json:
+        report = {"network": model.name, "device": args.device, "data": data_spec, "batch": n,
+                  "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
+                  "test_loss": test_loss, "seconds_per_iter": per_iter, "params": params_path or None}
+        with open(args.report_json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return status
+
+
+def _progress(args, start: int):
+    if args.quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=args.iters, initial=start, unit="it", dynamic_ncols=True, mininterval=0.5)

@@ -1,0 +1,308 @@
+"""Every op of the registry, run by the CPU runtime (`deepdsl_runtime.cpu`), against the op's reference `evaluate`.
+
+Each case builds a node, feeds random float32 inputs, and calls the runtime function the way generated code does:
+inputs positional, `out=` a buffer pre-filled with NaN (so an op that leaves elements unwritten fails), the node's
+attributes as keywords, and `workspace=` exactly the size code generation allocates, pre-filled with NaN (so an op
+relying on zeroed scratch, or carving more than it was given, fails). Convolutions also run with a workspace
+limit that forces several batch chunks. Elementwise nodes run through the kernels code generation renders,
+including the in-place variants where the output buffer is one of the inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy
+
+from deepdsl.codegen import lowering, ufuncs
+from deepdsl.codegen.workspace import workspace_size
+from deepdsl.ir import FLOAT, INT32, UINT8, make
+from deepdsl.ops import EvalContext, all_ops, get_op
+from deepdsl.ops.elementwise import sym
+from deepdsl.ops.norm import bernoulli_mask
+
+cpu = pytest.importorskip("deepdsl_runtime.cpu")
+
+RTOL = 1e-5
+UNLIMITED = 1 << 40
+
+
+def leaf(name, shape, dtype=FLOAT):
+    return make("input", (), name=name, shape=tuple(shape), dtype=dtype, role="data")
+
+
+def random_input(node, rng):
+    if node.dtype == INT32:
+        return rng.integers(0, 7, node.shape).astype(np.int32)
+    if node.dtype == UINT8:
+        return rng.integers(0, 2, node.shape).astype(np.uint8)
+    return rng.standard_normal(node.shape).astype(np.float32)
+
+
+def run_runtime(node, arrays, limit=UNLIMITED):
+    """Call the runtime function of `node` as generated code does."""
+    fn = getattr(cpu, node.op)
+    kwargs = dict(node.kwargs)
+    if get_op(node.op).view:
+        return fn(*arrays, **kwargs)
+    dtype = {FLOAT: np.float32, INT32: np.int32, UINT8: np.uint8}[node.dtype]
+    out = np.full(node.shape, np.nan if dtype == np.float32 else 255, dtype=dtype)
+    size = workspace_size(node, limit)
+    if size:
+        kwargs["workspace"] = np.full(size, np.nan, dtype=np.float32)
+    if node.op == "bernoulli":
+        kwargs.update(seed=3, step=5)
+    fn(*arrays, out=out, **kwargs)
+    return out
+
+
+def check(node, arrays=None, seed=0, limit=UNLIMITED, exact=False):
+    rng = np.random.default_rng(seed)
+    if arrays is None:
+        arrays = [random_input(i, rng) for i in node.inputs]
+    expected = get_op(node.op).evaluate(EvalContext(np.float32, seed=3, step=5), *arrays, **node.kwargs)
+    got = run_runtime(node, arrays, limit)
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (got.shape, got.dtype, expected.dtype)
+    if exact or got.dtype != np.float32:
+        np.testing.assert_array_equal(got, expected)
+    else:
+        scale = max(1.0, float(np.abs(expected).max()) if expected.size else 1.0)
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=RTOL * scale)
+    return got
+
+
+COVERED: set[str] = set()
+
+
+def covers(*ops):
+    COVERED.update(ops)
+
+    def mark(fn):
+        return fn
+    return mark
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# convolution
+
+CONV = [
+    # (N, C, H, W, O, k, stride, pad, bias)
+    (2, 3, 9, 9, 4, 3, 1, 1, True),
+    (3, 2, 10, 8, 5, 3, 2, 1, True),
+    (2, 4, 7, 7, 6, 1, 1, 0, True),      # pointwise: one batched GEMM, no im2col
+    (2, 4, 9, 9, 3, 1, 2, 0, False),     # strided 1x1 (ResNet projection)
+    (2, 3, 23, 23, 4, 11, 4, 2, True),   # AlexNet's first layer, small
+    (4, 2, 6, 6, 3, 5, 1, 2, False),
+    (2, 2, 5, 5, 2, 5, 1, 0, True),      # one output pixel
+    (3, 1, 8, 8, 2, 2, 3, 1, True),      # stride larger than the kernel: uncovered input positions
+]
+
+
+@covers("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
+@pytest.mark.parametrize("case", CONV)
+@pytest.mark.parametrize("limit", [UNLIMITED, 1])       # 1 byte: one sample per chunk
+def test_conv(case, limit):
+    n, c, h, w, o, k, s, p, bias = case
+    x, wt = leaf("x", (n, c, h, w)), leaf("w", (o, c, k, k))
+    inputs = [x, wt] + ([leaf("b", (o,))] if bias else [])
+    y = make("conv2d", inputs, stride=s, pad=p)
+    check(y, limit=limit)
+    g = leaf("g", y.shape)
+    check(make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w)), limit=limit)
+    check(make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=(k, k)), limit=limit)
+
+
+def test_conv_chunks_follow_the_workspace():
+    """With room for two of five samples the runtime runs three chunks and still gives the whole-batch result."""
+    x, wt, g = leaf("x", (5, 3, 8, 8)), leaf("w", (4, 3, 3, 3)), leaf("g", (5, 4, 8, 8))
+    node = make("conv2d_bwd_filter", (g, x), stride=1, pad=1, kernel=(3, 3))
+    per_sample = (3 * 9 + 4) * 64 * 4
+    assert workspace_size(node, 2 * per_sample) < workspace_size(node, UNLIMITED)
+    check(node, limit=2 * per_sample)
+    check(make("conv2d", (x, wt), stride=1, pad=1), limit=2 * 27 * 64 * 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pooling
+
+POOL = [
+    # (N, C, H, W, kernel, stride, pad, ceil)
+    (2, 3, 8, 8, 2, 2, 0, False),
+    (2, 2, 9, 7, 3, 2, 0, True),         # Caffe's overlapping 3x3/2 with rounding up
+    (2, 2, 7, 7, 3, 1, 1, False),        # inception's pooling branch
+    (1, 2, 10, 10, 3, 2, 1, True),
+    (2, 1, 5, 5, 5, 5, 0, False),        # global
+    (2, 2, 9, 9, 2, 3, 0, False),        # stride larger than the window
+]
+
+
+@covers("max_pool", "max_pool_argmax", "max_pool_bwd")
+@pytest.mark.parametrize("case", POOL)
+def test_max_pool(case):
+    n, c, h, w, k, s, p, ceil = case
+    x = leaf("x", (n, c, h, w))
+    attrs = dict(kernel=k, stride=s, pad=p, ceil=ceil)
+    rng = np.random.default_rng(1)
+    xv = rng.standard_normal(x.shape).astype(np.float32)
+    xv[0, 0, :2, :2] = 1.5                 # ties: the first maximum wins
+    y = make("max_pool", (x,), **attrs)
+    check(y, [xv])
+    argmax = make("max_pool_argmax", (x,), **attrs)
+    index = check(argmax, [xv])
+    g = leaf("g", y.shape)
+    bwd = make("max_pool_bwd", (g, leaf("a", y.shape, UINT8)), size=(h, w), **attrs)
+    check(bwd, [rng.standard_normal(y.shape).astype(np.float32), index])
+
+
+@covers("avg_pool", "avg_pool_bwd")
+@pytest.mark.parametrize("case", POOL)
+@pytest.mark.parametrize("include_pad", [True, False])
+def test_avg_pool(case, include_pad):
+    n, c, h, w, k, s, p, ceil = case
+    attrs = dict(kernel=k, stride=s, pad=p, ceil=ceil, include_pad=include_pad)
+    y = make("avg_pool", (leaf("x", (n, c, h, w)),), **attrs)
+    check(y)
+    check(make("avg_pool_bwd", (leaf("g", y.shape),), size=(h, w), **attrs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# normalization, losses
+
+@covers("lrn", "lrn_bwd")
+@pytest.mark.parametrize("shape", [(2, 7, 3, 3), (3, 6), (2, 2, 2, 2)])
+@pytest.mark.parametrize("size", [5, 4, 1])
+def test_lrn(shape, size):
+    attrs = dict(size=size, alpha=0.3, beta=0.75, k=2.0)
+    x = leaf("x", shape)
+    check(make("lrn", (x,), **attrs))
+    check(make("lrn_bwd", (leaf("g", shape), x), **attrs))
+
+
+@covers("softmax", "log_softmax", "pick", "unpick", "precision")
+def test_losses():
+    rng = np.random.default_rng(2)
+    x, labels = leaf("x", (6, 5)), leaf("y", (6,), INT32)
+    scores = (rng.standard_normal((6, 5)) * 20).astype(np.float32)       # large: needs the max shift
+    yv = rng.integers(0, 5, 6).astype(np.int32)
+    check(make("softmax", (x,)), [scores])
+    check(make("log_softmax", (x,)), [scores])
+    check(make("pick", (x, labels)), [scores, yv], exact=True)
+    check(make("unpick", (leaf("g", (6,)), labels), classes=5), [scores[:, 0].copy(), yv], exact=True)
+    check(make("precision", (x, labels)), [scores, yv], exact=True)
+
+
+@covers("bernoulli")
+def test_bernoulli_matches_the_reference_bit_for_bit():
+    node = make("bernoulli", (), shape=(4, 33), keep=0.7, key=2)
+    got = check(node, [], exact=True)
+    assert 0 < got.sum() < got.size
+    # the runtime's copy of the mask function agrees with the compiler's
+    for seed, step, key, keep in [(0, 0, 1, 0.5), (7, 123456, 3, 0.9), (2**31 - 1, 5, 65535, 0.1)]:
+        np.testing.assert_array_equal(cpu.bernoulli_mask(seed, step, key, (3, 17), keep),
+                                      bernoulli_mask(seed, step, key, (3, 17), keep))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shapes, data movement, matmul
+
+@covers("sum_to", "broadcast_to", "reshape", "const")
+def test_shape_ops():
+    x = leaf("x", (4, 3, 2, 5))
+    for shape in [(), (5,), (1, 3, 1, 1), (3, 1, 5), (4, 3, 2, 5), (1, 1, 1, 1)]:
+        check(make("sum_to", (x,), shape=shape))
+    for src, dst in [((), (3, 2)), ((5,), (4, 5)), ((1, 3, 1, 1), (2, 3, 4, 4))]:
+        check(make("broadcast_to", (leaf("s", src),), shape=dst), exact=True)
+    view = check(make("reshape", (x,), shape=(12, 10)), exact=True)
+    assert view.base is not None                                    # a view, no copy
+    check(make("const", (), value=-0.25, shape=(3, 4)), [], exact=True)
+
+
+@covers("concat", "slice", "pad_axis")
+def test_concat_slice_pad():
+    parts = [leaf(f"p{i}", (2, c, 3, 3)) for i, c in enumerate((1, 4, 2))]
+    check(make("concat", parts, axis=1), exact=True)
+    x = leaf("x", (2, 7, 3))
+    check(make("slice", (x,), axis=1, start=2, stop=6), exact=True)
+    check(make("pad_axis", (x,), axis=2, start=1, size=6), exact=True)
+
+
+@covers("matmul")
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_matmul(ta, tb):
+    a = leaf("a", (5, 3) if ta else (3, 5))
+    b = leaf("b", (4, 5) if tb else (5, 4))
+    check(make("matmul", (a, b), ta=ta, tb=tb))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# elementwise kernels
+
+v = [sym(i) for i in range(6)]
+EXPRESSIONS = [
+    sympy.Max(0, v[0]), v[0] * sympy.Heaviside(v[1], 0), 1 / (1 + sympy.exp(-v[0])), sympy.tanh(v[0] + v[1]),
+    1 - v[0] ** 2, -v[0] * v[1] + v[2], v[0] * v[1] + v[2] + v[3] * v[4], 0.9 * v[0] + 0.1 * v[1] ** 2,
+    v[0] - 2 * v[1] / v[2] * v[3] / (sympy.sqrt(v[4]) / sympy.sqrt(v[5]) + 1e-8), -v[0] / 500, -v[0] - v[1],
+    sympy.Min(sympy.Max(v[0], 0), 6), v[0] * (v[1] - v[2]), sympy.log(v[0] * v[1]), 2 / v[0], v[0] ** 3,
+    v[0] ** -0.5, sympy.Heaviside(v[0]), v[0] * v[1] / 0.8, sympy.Abs(v[0]) * sympy.exp(v[1]),
+]
+
+
+def kernel(expr, nargs, alias):
+    body = ufuncs.kernel_body(expr, alias)
+    namespace = {"np": np}
+    exec("def k(" + ", ".join(["out"] + [f"v{i}" for i in range(nargs)]) + "):\n    " + "\n    ".join(body), namespace)
+    return namespace["k"]
+
+
+@covers("ew")
+@pytest.mark.parametrize("expr", EXPRESSIONS, ids=str)
+def test_elementwise_kernels(expr):
+    nargs = max(int(s.name[1:]) for s in expr.free_symbols) + 1
+    rng = np.random.default_rng(4)
+    shapes = [(3, 4)] * nargs
+    if nargs > 1:
+        shapes[1] = (4,)                                  # a broadcast operand (a bias)
+    inputs = [leaf(f"a{i}", s) for i, s in enumerate(shapes)]
+    arrays = [rng.uniform(0.2, 2.0, s).astype(np.float32) for s in shapes]
+    node = make("ew", inputs, expr=expr)
+    expected = get_op("ew").evaluate(EvalContext(np.float32), *arrays, expr=expr)
+    for alias in [None] + [i for i, s in enumerate(shapes) if s == node.shape]:
+        k = kernel(expr, nargs, alias)
+        given = [a.copy() for a in arrays]
+        out = given[alias] if alias is not None else np.full(node.shape, np.nan, np.float32)
+        cpu.ew(k, out, *given)
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out, expected, rtol=RTOL, atol=1e-6)
+
+
+def test_mask_kernel_stays_float32():
+    """A dropout product reads a uint8 mask: the result is float32, not promoted."""
+    expr = v[0] * v[1] / 0.5
+    k = kernel(expr, 2, None)
+    x = np.ones((2, 3), np.float32)
+    mask = np.array([[1, 0, 1], [0, 1, 1]], np.uint8)
+    out = np.empty((2, 3), np.float32)
+    cpu.ew(k, out, x, mask)
+    np.testing.assert_array_equal(out, mask * 2.0)
+
+
+def test_every_op_is_covered():
+    """A new op needs its runtime kernel and a case here."""
+    lowered = set(all_ops()) - lowering.NOT_LOWERED
+    assert lowered - COVERED == set()
+    for op in lowered:
+        assert callable(getattr(cpu, op, None)), f"deepdsl_runtime.cpu has no function '{op}'"
+
+
+def test_recycler_reuses_buffers_of_finished_steps():
+    mem = cpu.Recycler()
+    a = mem.empty((3, 4), "float32")
+    b = mem.empty((3, 4), "float32")
+    mem.free(a)
+    assert mem.empty((3, 4), "float32") is a            # freed early: reused within the step
+    mem.reset()
+    again = {id(mem.empty((3, 4), "float32")), id(mem.empty((3, 4), "float32"))}
+    assert again == {id(a), id(b)}                      # next step: no new memory
+    assert mem.bytes_allocated == 2 * 48
+    with pytest.raises(ValueError):
+        mem.free(np.empty(3))
