@@ -2,7 +2,7 @@
 
 Shared by the tiled GEMM (``gemm_cuda.CudaDevice``) and the CUDA training
 backend.  pycuda is imported on first use only (``driver()``), so this module
-can be imported -- and its pure helpers tested -- on machines without CUDA.
+can be imported -- and its pure functions tested -- on machines without CUDA.
 
 * ``CudaContext``: the *primary* context of one GPU (the one the CUDA runtime,
   and therefore cuBLAS, also uses), made current in a thread with ``with ctx:``.
