@@ -45,6 +45,7 @@ def compute_in_place(program: Program, activations: bool = True, updates: bool =
 
 
 def _updates_in_place(program: Program) -> Program:
+    program = _copy_outputs_of_old_values(program)
     body = list(program.body)
     storage = analyze(program)
     index = {id(instr.node): k for k, instr in enumerate(body)}
@@ -84,6 +85,32 @@ def _updates_in_place(program: Program) -> Program:
             if c[0] == k:
                 new_body.append(Let(c[1], into=c[2]))
     return Program(program.name, program.inputs, tuple(new_body), tuple(outputs))
+
+
+def _copy_outputs_of_old_values(program: Program) -> Program:
+    """Outputs that are the old value of an updated persistent input (the input itself under another name, or a
+    view of it) must survive the update: each becomes a copy, made right after the value is defined."""
+    updated = {leaf.name for leaf in program.inputs if is_persistent(leaf)} & {
+        name for name, node in program.outputs if not (node.is_leaf and node.name == name)}
+    if not updated:
+        return program
+    storage = analyze(program)
+    copies: dict[int, Node] = {}                    # id(old value) -> its copy
+    outputs = []
+    for name, node in program.outputs:
+        root = storage.root.get(id(node))
+        if root is not None and storage.of(node).persistent and root.name in updated and name != root.name:
+            copies.setdefault(id(node), copy_of(node))
+            node = copies[id(node)]
+        outputs.append((name, node))
+    if not copies:
+        return program
+    body: list[Let] = [Let(copies[id(leaf)]) for leaf in program.inputs if id(leaf) in copies]
+    for instr in program.body:
+        body.append(instr)
+        if id(instr.node) in copies:
+            body.append(Let(copies[id(instr.node)]))
+    return Program(program.name, program.inputs, tuple(body), tuple(outputs))
 
 
 def _other_reads_before(k: int, members: list[Node], body, storage) -> bool:

@@ -1,0 +1,222 @@
+"""The static memory plan: interval packing, plans run byte-exact inside their arena, the pool replay, workspace,
+and the full-size networks against the original DeepDSL's figures (/work/shared/reference/README.md).
+
+The strongest check is `run_in_arena`: a program executed with every tensor at its planned offset of one byte
+array (freed bytes poisoned with NaNs) computes exactly what the reference interpreter computes. Overlapping live
+tensors, a read after a free or after an in-place overwrite would all change the results.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import deepdsl
+from deepdsl.dsl import Overrides
+from deepdsl.interpret import run
+from deepdsl.memory_plan import ALIGNMENT, pack, placed_size, plan_memory
+from deepdsl.memory_table import simulate_pool
+from deepdsl.ops import Workspace, batch_chunks, get_op
+from deepdsl.passes.code_motion import sink
+from deepdsl.passes.linearize import linearize
+from deepdsl.pipeline import CompileOptions, plan_program
+from deepdsl.program import Let
+from deepdsl.verify import verify
+
+from memory_programs import assert_same, reference, run_in_arena, step_programs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NETWORKS = sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MB = 1e6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# interval packing
+
+@st.composite
+def blocks(draw):
+    n = draw(st.integers(1, 40))
+    intervals, sizes = [], []
+    for _ in range(n):
+        begin = draw(st.integers(0, 30))
+        intervals.append((begin, begin + draw(st.integers(1, 12))))
+        sizes.append(placed_size(draw(st.integers(0, 5000))))
+    return intervals, sizes
+
+
+@SETTINGS
+@given(blocks())
+def test_packing_never_overlaps_live_blocks(case):
+    intervals, sizes = case
+    offsets, _ = pack(intervals, sizes)
+    for i, ((b1, e1), s1, o1) in enumerate(zip(intervals, sizes, offsets)):
+        assert o1 % ALIGNMENT == 0 and o1 >= 0
+        for (b2, e2), s2, o2 in list(zip(intervals, sizes, offsets))[i + 1:]:
+            if b1 < e2 and b2 < e1:                                   # live at the same time
+                assert o1 + s1 <= o2 or o2 + s2 <= o1, (i, (b1, e1, o1, s1), (b2, e2, o2, s2))
+    peak = max(sum(s for (b, e), s in zip(intervals, sizes) if b <= t < e) for t in range(45))
+    assert max(o + s for o, s in zip(offsets, sizes)) >= peak
+
+
+def test_placed_size_rounds_up_to_the_alignment():
+    assert placed_size(0) == 256 and placed_size(1) == 256 and placed_size(256) == 256 and placed_size(257) == 512
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plans of random programs, executed inside their arena
+
+def planned(graph, **options):
+    program = sink(linearize(graph))
+    return plan_program(program, CompileOptions(verify=True, **options))
+
+
+@SETTINGS
+@given(step_programs(), st.integers(0, 2**16))
+def test_random_programs_run_exactly_inside_their_plan(graph, seed):
+    from random_programs import feeds
+    program, plan = planned(graph)
+    plan.check()
+    values = feeds(program.inputs, seed)
+    assert_same(run_in_arena(program, plan, values), reference(program, values))
+    assert simulate_pool(plan)["peak_bytes_in_use"] == plan.peak_live_bytes
+
+
+@SETTINGS
+@given(step_programs())
+def test_live_bytes_are_the_sum_of_live_buffers(graph):
+    program, plan = planned(graph)
+    for step in plan.steps:
+        live = [b for b in plan.buffers if b.begin <= step.index < b.end]
+        assert step.live_bytes == sum(b.size for b in live)
+        assert step.live_bytes_exact == sum(b.nbytes for b in live)
+    assert plan.peak_live_bytes == max((s.live_bytes for s in plan.steps), default=0)
+
+
+SMALL = {"lenet": (28, 28), "mlp": None, "resnet_mini": (32, 32), "inception_mini": (32, 32)}
+# ReLU before overlapping and non-overlapping max pooling, LRN, dropout, Adam: what the networks above lack
+POOLED = """\
+from deepdsl import dsl as D
+x = D.images("x", (2, 3, 15, 15))
+y = D.labels("y", 2, classes=5)
+net = (D.full("fc", 5) @ D.dropout(0.5) @ D.flatten @ D.max_pool(3, stride=2, ceil=True) @ D.relu
+       @ D.conv("c2", kernel=3, channels=6, padding=1) @ D.max_pool(2) @ D.lrn(size=3) @ D.relu
+       @ D.conv("c1", kernel=3, channels=4))
+loop = D.Loop((D.log_loss(y) @ D.softmax @ net)(x), (D.precision(y) @ net)(x), D.Train("pooled", optimizer="adam"))
+"""
+
+
+def load_small(name: str, tmp_path: pathlib.Path):
+    if name == "pooled":
+        path = tmp_path / "pooled.py"
+        path.write_text(POOLED)
+        return deepdsl.load(path)
+    return deepdsl.load(ROOT / "networks" / f"{name}.py", Overrides(batch=2, image=SMALL[name]))
+
+
+@pytest.mark.parametrize("name", sorted(SMALL) + ["pooled"])
+def test_small_networks_run_exactly_inside_their_plans(name, tmp_path):
+    compiled = deepdsl.compile(load_small(name, tmp_path), CompileOptions(verify=True))
+    rng = np.random.default_rng(1)
+    setup = run(compiled.setup, {})
+    for step in ("train", "test"):
+        program, plan = getattr(compiled, step), compiled.plans[step]
+        plan.check()
+        values = dict(setup)
+        for leaf in program.inputs:
+            if leaf.name not in values:
+                values[leaf.name] = (rng.integers(0, 2, leaf.shape) if leaf.dtype == "int32"
+                                     else rng.standard_normal(leaf.shape).astype(np.float32) * 0.1)
+        expected = reference(compiled.unplanned[step], values)
+        assert_same(run_in_arena(program, plan, values), expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# workspace
+
+def test_batch_chunks_is_the_smallest_count_that_fits():
+    assert batch_chunks(500, 100, None) == Workspace(50000, 1)
+    assert batch_chunks(500, 100, 50000) == Workspace(50000, 1)
+    assert batch_chunks(500, 100, 49999) == Workspace(25000, 2)       # 499 samples fit: two chunks of 250
+    assert batch_chunks(10, 100, 350) == Workspace(300, 4)            # 3 samples fit: ceil(10/3) = 4 chunks of <= 3
+    assert batch_chunks(10, 100, 50) == Workspace(100, 10)            # not even one sample fits: one at a time
+    assert batch_chunks(10, 0, 50) == Workspace(0, 1)
+    for n in range(1, 40):
+        for limit in range(100, 4000, 170):
+            got = batch_chunks(n, 100, limit)
+            assert got.nbytes <= limit
+            assert got.chunks == 1 or -(-n // (got.chunks - 1)) * 100 > limit   # one chunk fewer would not fit
+
+
+def test_convolution_workspace_is_its_im2col_matrix():
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"))
+    plan = compiled.train_plan
+    convs = {}
+    for step in plan.steps:
+        if isinstance(step.instr, Let) and step.instr.node.op.startswith("conv2d"):
+            convs.setdefault(step.instr.node.op, []).append(step.workspace)
+    # N*Ho*Wo*C*kh*kw*4: conv1 500*24*24*1*25*4, conv2 500*8*8*20*25*4
+    assert sorted(convs["conv2d"]) == [28_800_000, 64_000_000]
+    assert sorted(convs["conv2d_bwd_filter"]) == [28_800_000, 64_000_000]
+    assert convs["conv2d_bwd_data"] == [64_000_000]
+    assert plan.workspace_bytes == 64_000_000
+
+
+def test_workspace_limit_chunks_the_batch():
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"),
+                               CompileOptions(workspace_limit=10_000_000))
+    plan = compiled.train_plan
+    assert plan.workspace_bytes <= 10_000_000 and plan.workspace_limit == 10_000_000
+    for step in plan.steps:
+        if isinstance(step.instr, Let):
+            node = step.instr.node
+            full = get_op(node.op).workspace(node).nbytes
+            if full > 10_000_000:
+                assert step.chunks > 1 and step.workspace == -(-500 // step.chunks) * (full // 500)
+            else:
+                assert step.chunks == 1 and step.workspace == full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# full-size networks
+
+DEEPDSL_PEAK_MB = {"alexnet": 745.4, "overfeat": 721.8, "vgg16": 3943.4, "resnet50": 3423.3}
+# at most this fraction of DeepDSL's peak (the lower bounds of alexnet and resnet50 are explained in docs/memory.md)
+TARGET = {"alexnet": 0.78, "overfeat": 0.7, "vgg16": 0.7, "resnet50": 0.75}
+
+
+@pytest.fixture(scope="module")
+def full_size():
+    return {name: deepdsl.compile(deepdsl.load(ROOT / "networks" / f"{name}.py")) for name in NETWORKS}
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_full_size_arena_is_within_five_percent_of_the_peak(full_size, name):
+    for step, plan in full_size[name].plans.items():
+        plan.check()
+        assert plan.arena_bytes <= 1.05 * plan.peak_live_bytes, (step, plan.arena_bytes, plan.peak_live_bytes)
+        assert simulate_pool(plan)["peak_bytes_in_use"] == plan.peak_live_bytes
+
+
+@pytest.mark.parametrize("name", sorted(DEEPDSL_PEAK_MB))
+def test_full_size_peak_against_deepdsl(full_size, name):
+    peak = full_size[name].train_plan.peak_live_bytes / MB
+    assert peak <= TARGET[name] * DEEPDSL_PEAK_MB[name], (name, peak, peak / DEEPDSL_PEAK_MB[name])
+
+
+def test_memory_stages_are_fast_on_resnet50(full_size):
+    import time
+    program = full_size["resnet50"].unplanned["train"]
+    start = time.perf_counter()
+    plan_program(program)
+    assert time.perf_counter() - start < 1.5        # typically ~0.2 s; generous for a loaded machine
+
+
+def test_plan_of_a_program_without_frees_keeps_everything():
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "mlp.py"))
+    program = compiled.unplanned["train"]
+    plan = plan_memory(verify(program)).check()
+    assert all(b.end == len(program.body) for b in plan.buffers)
+    assert plan.peak_live_bytes == sum(b.size for b in plan.buffers)
