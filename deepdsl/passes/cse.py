@@ -1,12 +1,14 @@
 """Common-subexpression elimination by hash-consing, in linear time.
 
-Nodes are hash-consed when made, so structurally equal subexpressions are already one object; this pass adds the
-canonical form that makes more of them equal: the inputs of an elementwise node are put in a canonical order
-(creation order, with the expression's symbols renumbered to match) so `a*b` and `b*a`, or `v0 - v1` over (a, b)
-and `v1 - v0` over (b, a), become one node; repeated inputs are merged and scalar constants inlined. The graph is
-rebuilt bottom-up through `make`, which returns the existing node for every equal one. The renumbering is cached
-per (expression, permutation), so sympy rebuilds each distinct pattern once (rebuilding `Max` is costly).
-Guarantees: same values; no two nodes compute the same canonical expression of the same inputs.
+Nodes are hash-consed when made, so structurally equal subexpressions are already one object. What hash-consing
+cannot see is elementwise nodes equal up to the order of their inputs: `a*b` and `b*a`, or `v0 - v1` over (a, b)
+and `v1 - v0` over (b, a). This pass gives each elementwise node a canonical key (its inputs in creation order, its
+expression renumbered to match, its shape and out_grad) and maps every node to the first node seen with its key;
+the graph is rebuilt bottom-up through `make`, so readers of merged nodes become equal and merge in turn, with
+every other op. Nodes that have no duplicate are kept as they are (no rebuild, so no cascade of new nodes); elementwise
+nodes with repeated inputs or scalar-constant inputs are first put in canonical form. The renumbering is cached per
+(expression, permutation), so sympy rebuilds each distinct pattern once (rebuilding `Max` is costly).
+Guarantees: same values; no two nodes compute the same canonical expression of the same inputs; idempotent.
 """
 from __future__ import annotations
 
@@ -14,31 +16,34 @@ import functools
 
 import sympy
 
-from deepdsl.ir import Graph, Node, make
+from deepdsl.ir import Graph, Node
 from deepdsl.ops.elementwise import elementwise, sym
 
 
-def canonical(node: Node) -> Node:
-    """`node` with its elementwise inputs in creation order (other nodes unchanged)."""
-    if node.op != "ew" or node.attr("out_grad") is not None:
-        return node
-    inputs = node.inputs
-    if len(set(map(id, inputs))) < len(inputs) or any(i.op == "const" and i.shape == () for i in inputs):
-        return elementwise(node.attr("expr"), inputs, shape=node.shape)
-    if len(inputs) < 2:
-        return node
-    order = tuple(sorted(range(len(inputs)), key=lambda i: inputs[i].serial))
-    if order == tuple(range(len(order))):
-        return node
-    return make("ew", [inputs[i] for i in order], expr=_renumber(node.attr("expr"), order))
+def cse(graph: Graph) -> Graph:
+    """The graph with equal computations merged into one node."""
+    seen: dict[tuple, Node] = {}
+
+    def merge(node: Node) -> Node:
+        if node.op != "ew":
+            return node
+        inputs = node.inputs
+        if len(set(map(id, inputs))) < len(inputs) or any(i.op == "const" and i.shape == () for i in inputs):
+            node = elementwise(node.attr("expr"), inputs, shape=node.shape, out_grad=node.attr("out_grad"))
+            if node.op != "ew":
+                return node
+            inputs = node.inputs
+        order = tuple(sorted(range(len(inputs)), key=lambda i: inputs[i].serial))
+        key = (tuple(id(inputs[i]) for i in order), _renumber(node.attr("expr"), order), node.shape,
+               node.attr("out_grad"))
+        return seen.setdefault(key, node)
+
+    return graph.map(merge)
 
 
 @functools.lru_cache(maxsize=8192)
 def _renumber(expr: sympy.Expr, order: tuple[int, ...]) -> sympy.Expr:
     """`expr` over inputs permuted so that new input j is old input order[j]."""
+    if order == tuple(range(len(order))):
+        return expr
     return expr.xreplace({sym(old): sym(new) for new, old in enumerate(order)})
-
-
-def cse(graph: Graph) -> Graph:
-    """The graph rebuilt in canonical form; equal computations become one node."""
-    return graph.map(canonical)

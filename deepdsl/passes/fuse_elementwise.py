@@ -21,7 +21,7 @@ import functools
 
 import sympy
 
-from deepdsl.ir import Graph, Node, make, toposort
+from deepdsl.ir import Graph, Node, make, rebuild, toposort
 from deepdsl.ops.elementwise import elementwise, sym, symbols
 
 MAX_INPUTS = 8
@@ -44,7 +44,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
             continue
         inputs = [memo[id(i)] for i in node.inputs]
         if node.op != "ew":
-            memo[id(node)] = make(node.op, inputs, **node.kwargs)
+            memo[id(node)] = rebuild(node, inputs)
             continue
         fusable = [old.op == "ew" and new.op == "ew" and id(old) not in outputs
                    and readers[id(old)] == {id(node)} and (new.shape == node.shape or new.shape == ())
@@ -74,7 +74,7 @@ def _fuse(node: Node, inputs: list[Node], fusable: list[bool]) -> Node:
         current = [candidate[j] for j in _firsts(sharing)]
         fused_any = True
     if not fused_any:
-        return make("ew", inputs, **node.kwargs)
+        return rebuild(node, inputs)
     if len(expr.free_symbols) < len(current):     # terms cancelled: drop the inputs no longer read
         return elementwise(expr, current, shape=node.shape)
     return make("ew", current, expr=expr)

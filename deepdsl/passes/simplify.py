@@ -211,6 +211,8 @@ def _pick_rule(node: Node) -> Node | None:
 
 def _log_softmax_rule(node: Node) -> Node | None:
     """log(pick(softmax(z), y)) -> pick(log_softmax(z), y); log(softmax(z)) -> log_softmax(z)."""
+    if not any(x.op in ("pick", "softmax") for x in node.inputs):
+        return None
     expr = node.attr("expr")
     if not expr.has(sympy.log):
         return None
@@ -239,6 +241,8 @@ def _direct_inputs_rule(node: Node) -> Node | None:
     """Read `a` for `broadcast_to(a)` and a number for a fill, while the result keeps its full shape; scalar
     constants become numbers in the expression (done by `elementwise`); no input left -> folded."""
     inputs = list(node.inputs)
+    if not any(x.op in ("broadcast_to", "const") for x in inputs) and len(set(map(id, inputs))) == len(inputs):
+        return None
     changed = False
     for k, x in enumerate(node.inputs):
         if x.op == "broadcast_to":
