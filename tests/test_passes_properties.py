@@ -148,6 +148,10 @@ def compile_graphs(graphs_: list[Graph], options: pipeline.CompileOptions):
 def test_pipeline_preserves_values(graph, seed):
     values = feeds(graph, seed)
     reference = run_graph(graph, values)
-    setup, (step,) = compile_graphs([graph], pipeline.CompileOptions(verify=True))
+    options = pipeline.CompileOptions(verify=True)
+    setup, (step,) = compile_graphs([graph], options)
     hoisted = evaluate(setup, values) if setup.body else {}
     assert_same(evaluate(step, {**values, **hoisted}), reference)
+    # and after the memory stages (schedule, in-place computation, frees), as `compile` returns the programs
+    final, _ = pipeline.plan_program(step, options)
+    assert_same(evaluate(final, {**values, **hoisted}), reference)
