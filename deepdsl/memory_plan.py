@@ -288,6 +288,9 @@ def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 
     return [int(o) for o in best[1]], best[2]
 
 
+_UNBOUNDED = np.array([np.iinfo(np.int64).max], dtype=np.int64)   # the gap above every placed block
+
+
 def _place(order, begin, end, size, best_fit: bool) -> np.ndarray:
     n = len(order)
     placed_begin = np.empty(n, dtype=np.int64)
@@ -310,7 +313,7 @@ def _place(order, begin, end, size, best_fit: bool) -> np.ndarray:
             by = np.argsort(lo, kind="stable")
             lo, hi = lo[by], hi[by]
             gap_start = np.concatenate(([0], np.maximum.accumulate(hi)))
-            gap_end = np.concatenate((lo, [np.iinfo(np.int64).max]))
+            gap_end = np.concatenate((lo, _UNBOUNDED))
             room = gap_end - gap_start
             fits = np.nonzero(room >= s)[0]
             if best_fit:

@@ -92,7 +92,7 @@ def _copy_outputs_of_old_values(program: Program) -> Program:
     view of it) must survive the update: each becomes a copy, made right after the value is defined."""
     updated = {leaf.name for leaf in program.inputs if is_persistent(leaf)} & {
         name for name, node in program.outputs if not (node.is_leaf and node.name == name)}
-    if not updated:
+    if not updated or not any(node.is_leaf or is_view(node) for _, node in program.outputs):
         return program
     storage = analyze(program)
     copies: dict[int, Node] = {}                    # id(old value) -> its copy
