@@ -284,9 +284,9 @@ def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None
         for j in range(kernel):
             if i or j:
                 win = _window(src, i, j, stride, ho, wo)
-                np.greater(win, best, out=better)
-                np.copyto(best, win, where=better)
-                np.copyto(out, np.uint8(i * kernel + j), where=better)
+                np.greater(win, best, out=better)        # strictly: the first maximum keeps its index
+                np.maximum(best, win, out=best)
+                np.putmask(out, better, i * kernel + j)
 
 
 def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None):

@@ -135,9 +135,6 @@ class Model:
         for name, array in arrays.items():
             self.tensors[name] = self.rt.asarray(np.asarray(array, dtype=np.float32))
 
-    def all_finite(self) -> bool:
-        return all(np.all(np.isfinite(a)) for a in self.host_tensors().values())
-
     # steps --------------------------------------------------------------------------------------------------------
     def hyper(self, lr: float, momentum: float, decay: float, iteration: int) -> dict[str, np.float32]:
         """The hyperparameter inputs of training step `iteration` (0-based)."""
@@ -280,9 +277,20 @@ def _run(model_cls: type[Model], args) -> int:
         ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
     data_spec = args.data or model.dataset
     n = model.batch_shape[0]
+
+    if resumed is None and args.iters == 0:
+        model.initialize(args.seed)
+        if args.init_from:
+            _init_from(model, args.init_from, args)
+        if not params_path:
+            raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
+        ckpt.write(params_path, ckpt.Checkpoint("", model.host_tensors(), model.name, model.structure_hash, 0,
+                                                model.seed, (0, 0), data_spec))
+        _say(args, f"wrote initial parameters to {params_path}")
+        return 0
+
     data = datasets.load(data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=n)
     stream = datasets.Batches(data.x_train, data.y_train, n, seed=model.seed)
-
     if resumed is not None:
         model.load_tensors({k: resumed.tensors[k] for k in model.expected_shapes()})
         stream.position = resumed.data_position
@@ -293,16 +301,18 @@ def _run(model_cls: type[Model], args) -> int:
         if args.init_from:
             _init_from(model, args.init_from, args)
         start = 0
-        if args.iters == 0:
-            if not params_path:
-                raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
-            ckpt.write(params_path, _checkpoint(model, 0, stream, data_spec))
-            _say(args, f"wrote initial parameters to {params_path}")
-            return 0
 
-    def save(iteration: int) -> None:
-        if params_path:
-            ckpt.write(params_path, _checkpoint(model, iteration, stream, data_spec))
+    def save(iteration: int) -> bool:
+        """Write the checkpoint unless the tensors went non-finite (the last good one stays)."""
+        if not params_path:
+            return False
+        state = _checkpoint(model, iteration, stream, data_spec)
+        if not all(np.all(np.isfinite(a)) for a in state.tensors.values()):
+            print(f"{model.name}: warning: NaN or infinite parameters at iteration {iteration}; "
+                  f"{params_path} is not overwritten", file=sys.stderr, flush=True)
+            return False
+        ckpt.write(params_path, state)
+        return True
 
     hyper0 = model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, 0)
     model.prepare(hyper0)
@@ -339,14 +349,13 @@ def _run(model_cls: type[Model], args) -> int:
             if bar is not None:
                 bar.close()
             if signals.received is not None:
-                save(iteration)
+                saved = save(iteration)
                 name = signal.Signals(signals.received).name
-                print(f"{model.name}: {name} at iteration {iteration}"
-                      + (f"; saved {params_path}" if params_path else ""), file=sys.stderr, flush=True)
+                print(f"{model.name}: {name} at iteration {iteration}" + (f"; saved {params_path}" if saved else ""),
+                      file=sys.stderr, flush=True)
                 return 128 + signals.received
-        save(iteration)
-        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}"
-                   + (f"; saved {params_path}" if params_path else ""))
+        saved = save(iteration)
+        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {params_path}" if saved else ""))
     else:
         _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
 

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["CodegenOptions", "generate", "run_program", "write_program"]
+__all__ = ["CodegenOptions", "generate", "program_env", "run_program", "write_program"]
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "codegen_templates"
 DEFAULT_WORKSPACE_LIMIT = 256 << 20
@@ -188,37 +188,38 @@ def write_program(compiled, path, options: CodegenOptions | None = None) -> Path
 
 
 def run_program(path, args: list[str]) -> int:
-    """Run a generated program with the same Python interpreter; returns its exit status.
-
-    `deepdsl_runtime` must be importable (installed with deepdsl); from a source checkout it is found through
-    a link to `runtime/` made on the fly."""
-    env = dict(os.environ)
-    extra = _runtime_path()
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
+    """Run a generated program with the same Python interpreter; returns its exit status."""
     try:
-        return subprocess.call([sys.executable, str(path), *args], env=env)
+        return subprocess.call([sys.executable, str(path), *args], env=program_env())
     except KeyboardInterrupt:
         return 130
 
 
+def program_env(base: dict | None = None) -> dict:
+    """The environment a generated program runs in: `deepdsl_runtime` importable. When it is not installed (a
+    source checkout), PYTHONPATH gains a directory holding a link `deepdsl_runtime -> runtime/`."""
+    env = dict(os.environ if base is None else base)
+    extra = _runtime_path()
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def _runtime_path() -> str | None:
-    """A directory that makes `deepdsl_runtime` importable when it is not installed (a source checkout)."""
-    import importlib.util
-    if importlib.util.find_spec("deepdsl_runtime") is not None:
+    import importlib.machinery
+    import tempfile
+
+    if importlib.machinery.PathFinder.find_spec("deepdsl_runtime") is not None:     # installed
         return None
     runtime = Path(__file__).resolve().parents[2] / "runtime"
     if not (runtime / "__init__.py").exists():
         return None
-    import tempfile
     home = Path(tempfile.gettempdir()) / f"deepdsl-runtime-{os.getuid() if hasattr(os, 'getuid') else 0}"
     link = home / "deepdsl_runtime"
     home.mkdir(exist_ok=True)
-    if not link.exists():
-        try:
-            link.symlink_to(runtime, target_is_directory=True)
-        except FileExistsError:
-            pass
-    if link.resolve() != runtime.resolve():
-        return None
+    if not link.is_symlink() or link.resolve() != runtime.resolve():
+        temporary = home / f".link-{os.getpid()}"
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(runtime, target_is_directory=True)
+        os.replace(temporary, link)           # atomic: concurrent runs never see a missing link
     return str(home)

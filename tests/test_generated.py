@@ -1,0 +1,278 @@
+"""Generated training programs against PyTorch, end to end.
+
+For LeNet, the MLP, a residual network with batch normalization (resnet_mini) and an inception network with
+concatenation and dropout (inception_mini), at a small batch: the generated program writes its initial parameters
+(`--iters 0`), the same parameters go into the network written independently in PyTorch (`tests/torch_nets.py`,
+LeNet below), and two SGD steps with momentum and weight decay run on both (the second step exercises the
+momentum buffer) on the same batches and the same dropout masks. Losses, new parameters, momentum buffers and
+batch-norm running statistics must agree to a relative error ||a - b|| / ||b|| <= 1e-4 (float32 on both sides;
+parameters are compared by their change, which is what the steps compute). An Adam network with gradient
+clipping and per-parameter multipliers is checked the same way against `torch.optim.Adam`.
+
+Also: LeNet trained on the real digits reaches 97% test accuracy in a short run; --device cuda fails cleanly;
+the report file has its fields.
+"""
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deepdsl.ops.norm import bernoulli_mask
+from deepdsl.program import Let
+from tests import torch_nets
+from tests.program_helpers import compile_program, import_program, model_class, run_cli
+
+TOLERANCE = 1e-4
+SEED = 3
+
+
+class LeNet(torch_nets.Twin):
+    """networks/lenet.py in PyTorch: its loss is -mean log(softmax(z)[y]), written as the network writes it."""
+
+    def __init__(self, image=(28, 28), classes=10):
+        super().__init__()
+        self.cv1 = self.add("cv1", nn.Conv2d(1, 20, 5))
+        self.cv2 = self.add("cv2", nn.Conv2d(20, 50, 5))
+        h, w = (((s - 4) // 2 - 4) // 2 for s in image)
+        self.fc1 = self.add("fc1", nn.Linear(50 * h * w, 500))
+        self.fc2 = self.add("fc2", nn.Linear(500, classes))
+
+    def logits(self, x):
+        x = F.max_pool2d(self.cv2(F.max_pool2d(self.cv1(x), 2)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+    def loss(self, x, y):
+        return F.nll_loss(torch.log(F.softmax(self.logits(x), dim=1)), y)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
+
+
+def initial_tensors(program, tmp_path) -> dict[str, np.ndarray]:
+    """The program's own initial parameters and state, through its CLI (`--iters 0`)."""
+    params = tmp_path / "init.npz"
+    done = run_cli(program, "--iters", "0", "--params", str(params), "--seed", str(SEED), "--quiet")
+    assert done.returncode == 0, done.stderr
+    with np.load(params, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files if not k.startswith("__")}
+
+
+def masks(compiled, step: int) -> list[np.ndarray]:
+    """The dropout masks of training step `step`, in the order the layers were applied (their keys)."""
+    draws = sorted((dict(s.node.attrs) for s in compiled.train.body if isinstance(s, Let)
+                    and s.node.op == "bernoulli"), key=lambda a: a["key"])
+    return [bernoulli_mask(SEED, step, a["key"], a["shape"], a["keep"]) for a in draws]
+
+
+def load_twin(twin, values):
+    tensors = twin.deepdsl_tensors()
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            assert tuple(tensor.shape) == values[key].shape, (key, tensor.shape, values[key].shape)
+            tensor.copy_(torch.from_numpy(values[key]))
+    return tensors
+
+
+def batches(compiled, count, rng):
+    shape = next(n.shape for n in compiled.train.inputs if n.name == "x")
+    classes = next(s.node.inputs[0].shape[1] for s in compiled.test.body
+                   if isinstance(s, Let) and s.node.op == "precision")
+    return [(rng.standard_normal(shape).astype(np.float32), rng.integers(0, classes, shape[0]).astype(np.int32))
+            for _ in range(count)]
+
+
+def run_generated(program, values, data, **hyper) -> tuple[object, list[float]]:
+    module = import_program(program)
+    model = model_class(module)("cpu", SEED)
+    model.load_tensors(values)
+    losses = []
+    for step, (x, y) in enumerate(data):
+        h = model.hyper(iteration=step, **hyper)
+        if step == 0:
+            model.prepare(h)
+        losses.append(model.train_step(x, y, step=step, **h))
+    return model, losses
+
+
+def groups(model, tensors, optimizer_kwargs):
+    return [{"params": [tensors[name]], "lr": optimizer_kwargs["lr"] * p.lr_mult,
+             "weight_decay": optimizer_kwargs["weight_decay"] * p.decay_mult}
+            for name, p in model.params.items()]
+
+
+CASES = [
+    ("lenet", LeNet, 8),
+    ("mlp", torch_nets.MLP, 8),
+    ("resnet_mini", torch_nets.ResNetMini, 4),
+    ("inception_mini", torch_nets.InceptionMini, 4),
+]
+
+
+@pytest.mark.parametrize("name,twin_class,batch", CASES, ids=[c[0] for c in CASES])
+def test_two_sgd_steps_match_pytorch(name, twin_class, batch, tmp_path):
+    compiled, program = compile_program(name, tmp_path, batch=batch)
+    values = initial_tensors(program, tmp_path)
+    data = batches(compiled, 2, np.random.default_rng(7))
+    lr, momentum, decay = 0.05, 0.9, 0.01
+    model, losses = run_generated(program, values, data, lr=lr, momentum=momentum, decay=decay)
+
+    twin = twin_class(image=(28, 28), classes=10)
+    tensors = load_twin(twin, values)
+    optimizer = torch.optim.SGD(groups(model, tensors, {"lr": lr, "weight_decay": decay}), lr=lr, momentum=momentum)
+    twin.train()
+    expected = []
+    for step, (x, y) in enumerate(data):
+        twin.masks = [torch.from_numpy(m.astype(np.float32)) for m in masks(compiled, step)]
+        loss = twin.loss(torch.from_numpy(x), torch.from_numpy(y).long())
+        assert twin.masks == []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+
+    errors = {f"loss {k}": rel_err(a, b) for k, (a, b) in enumerate(zip(losses, expected))}
+    now = model.host_tensors()
+    for p in model.params:
+        errors[p] = rel_err(now[p] - values[p], tensors[p].detach().numpy() - values[p])
+        errors[f"V_{p}"] = rel_err(now[f"V_{p}"], optimizer.state[tensors[p]]["momentum_buffer"].numpy())
+    for s, spec in model.states.items():
+        if not spec.optimizer:
+            errors[s] = rel_err(now[s], tensors[s].detach().numpy())
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= TOLERANCE, f"{name}: largest relative errors {worst}"
+    if name == "inception_mini":
+        assert masks(compiled, 0) and not np.array_equal(masks(compiled, 0)[0], masks(compiled, 1)[0])
+
+
+ADAM_NET = """
+from deepdsl import dsl as D
+
+x = D.images("x", (8, 1, 6, 6))
+y = D.labels("y", 8, classes=4)
+fc1 = D.full("fc1", 16)
+fc2 = D.full("fc2", 4, bias_init=D.constant(0.1, lr_mult=2, decay_mult=0))
+network = fc2 @ D.tanh @ fc1 @ D.flatten
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Adam("tiny_adam", iters=10, lr=0.01, betas=(0.8, 0.95), eps=1e-6, decay=0.01,
+                                     clip=0.5))
+"""
+
+
+class TinyAdam(torch_nets.Twin):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = self.add("fc1", nn.Linear(36, 16))
+        self.fc2 = self.add("fc2", nn.Linear(16, 4))
+
+    def logits(self, x):
+        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
+
+
+def test_adam_with_clipping_matches_pytorch(tmp_path):
+    network = tmp_path / "tiny_adam.py"
+    network.write_text(textwrap.dedent(ADAM_NET))
+    compiled, program = compile_program(network, tmp_path / "out")
+    values = initial_tensors(program, tmp_path)
+    data = batches(compiled, 3, np.random.default_rng(8))
+    lr, decay = 0.01, 0.01
+    model, losses = run_generated(program, values, data, lr=lr, momentum=0.0, decay=decay)
+
+    twin = TinyAdam()
+    tensors = load_twin(twin, values)
+    optimizer = torch.optim.Adam(groups(model, tensors, {"lr": lr, "weight_decay": decay}), lr=lr,
+                                 betas=(0.8, 0.95), eps=1e-6)
+    expected = []
+    for x, y in data:
+        loss = twin.loss(torch.from_numpy(x), torch.from_numpy(y).long())
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(tensors[p] for p in model.params), 0.5)
+        assert norm > 0.5, "the gradients are not clipped: the test would not see clipping"
+        optimizer.step()
+        expected.append(loss.item())
+    errors = {f"loss {k}": rel_err(a, b) for k, (a, b) in enumerate(zip(losses, expected))}
+    now = model.host_tensors()
+    for p in model.params:
+        state = optimizer.state[tensors[p]]
+        errors[p] = rel_err(now[p] - values[p], tensors[p].detach().numpy() - values[p])
+        errors[f"M_{p}"] = rel_err(now[f"M_{p}"], state["exp_avg"].numpy())
+        errors[f"S_{p}"] = rel_err(now[f"S_{p}"], state["exp_avg_sq"].numpy())
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= TOLERANCE, f"largest relative errors {worst}"
+
+
+def test_test_step_matches_pytorch_eval(tmp_path):
+    compiled, program = compile_program("resnet_mini", tmp_path, batch=4)
+    values = initial_tensors(program, tmp_path)
+    rng = np.random.default_rng(9)
+    values = {k: (v + 0.3 * rng.standard_normal(v.shape).astype(np.float32)) if k.endswith(("_mean", "_B"))
+              else v for k, v in values.items()}                  # running statistics that matter
+    model = model_class(import_program(program))("cpu", SEED)
+    model.load_tensors(values)
+    model.prepare(model.hyper(0.1, 0.9, 0.0, 0))
+    (x, y), = batches(compiled, 1, rng)
+    accuracy, loss = model.test_step(x, y)
+    twin = torch_nets.ResNetMini()
+    load_twin(twin, values)
+    twin.eval()
+    with torch.no_grad():
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
+        assert rel_err(loss, twin.loss(xt, yt).item()) <= TOLERANCE
+        assert accuracy == twin.accuracy(xt, yt).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line
+
+LENET_ITERS = 200     # batch 64, lr 0.02: measured 97.8-98.75 % test accuracy for seeds 0-2 (98.1-98.75 % at 250)
+
+
+def test_lenet_learns_the_digits(tmp_path):
+    """The real 8x8 digits resized to 28x28, 1497 for training and 300 held out: >= 97 % after a short run."""
+    _, program = compile_program("lenet", tmp_path, batch=64)
+    report = tmp_path / "report.json"
+    done = run_cli(program, "--iters", str(LENET_ITERS), "--lr", "0.02", "--params", str(tmp_path / "p.npz"),
+                   "--report-json", str(report), "--test-iters", "5", "--quiet", timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(report.read_text())
+    assert result["network"] == "lenet" and result["device"] == "cpu" and result["iterations"] == LENET_ITERS
+    assert math.isfinite(result["loss"]) and result["seconds_per_iter"] > 0
+    assert result["test_accuracy"] >= 0.97, result
+
+
+def test_cuda_device_is_a_clean_error(tmp_path):
+    _, program = compile_program("mlp", tmp_path, batch=4)
+    done = run_cli(program, "--device", "cuda", "--iters", "1", "--params", str(tmp_path / "p.npz"))
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA backend not available" in lines[0], done.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_help_shows_the_network_defaults(tmp_path):
+    _, program = compile_program("mlp", tmp_path, batch=4)
+    done = run_cli(program, "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for option in ("--iters", "--test-iters", "--lr", "--momentum", "--decay", "--data", "--params", "--init-from",
+                   "--save-every", "--fresh", "--seed", "--device", "--report-json", "--quiet"):
+        assert option in text, option
+    assert "default: 0.1" in text and "default: digits" in text           # mlp's Train(lr=0.1), dataset
+
+
+def test_generated_program_imports_only_the_runtime(tmp_path):
+    _, program = compile_program("inception_mini", tmp_path, batch=2)
+    imports = [line for line in program.read_text().splitlines() if line.startswith(("import ", "from "))]
+    assert sorted(imports) == ["from deepdsl_runtime import program as rp", "import argparse", "import numpy as np",
+                               "import sys"]
