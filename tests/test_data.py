@@ -1,0 +1,196 @@
+"""Data specs of generated programs: the bundled digits, tiny files in the real MNIST (IDX) and CIFAR-10 (binary)
+formats built here byte by byte, npz arrays, synthetic data; the batch streams; mismatches as one-line errors."""
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.program_helpers import compile_program, run_cli
+
+data = pytest.importorskip("deepdsl_runtime.data")
+
+
+def write_idx(path, array: np.ndarray, compress: bool = False) -> None:
+    """An IDX file as MNIST ships them: 0, 0, type 0x08 (unsigned byte), rank, big-endian sizes, the bytes."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    if compress:
+        with gzip.open(str(path) + ".gz", "wb") as f:
+            f.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+@pytest.fixture
+def mnist_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {"train-images-idx3-ubyte": rng.integers(0, 256, (12, 28, 28)),
+              "train-labels-idx1-ubyte": rng.integers(0, 10, 12),
+              "t10k-images-idx3-ubyte": rng.integers(0, 256, (5, 28, 28)),
+              "t10k-labels-idx1-ubyte": rng.integers(0, 10, 5)}
+    for i, (name, array) in enumerate(arrays.items()):
+        write_idx(tmp_path / name, array, compress=i % 2 == 0)     # gzipped and plain files mixed
+    return tmp_path, arrays
+
+
+def test_mnist(mnist_dir):
+    directory, arrays = mnist_dir
+    d = data.load(f"mnist:{directory}", (1, 28, 28), 10)
+    assert d.x_train.shape == (12, 1, 28, 28) and d.x_train.dtype == np.float32
+    np.testing.assert_allclose(d.x_train[:, 0], arrays["train-images-idx3-ubyte"] / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(d.y_train, arrays["train-labels-idx1-ubyte"])
+    np.testing.assert_array_equal(d.y_test, arrays["t10k-labels-idx1-ubyte"])
+    assert d.y_train.dtype == np.int32
+
+
+def test_mnist_errors(mnist_dir, tmp_path_factory):
+    directory, _ = mnist_dir
+    with pytest.raises(data.DataError, match=r"mnist:.*network takes 1x32x32"):
+        data.load(f"mnist:{directory}", (1, 32, 32), 10)
+    with pytest.raises(data.DataError, match="labels range over"):
+        data.load(f"mnist:{directory}", (1, 28, 28), 3)
+    broken = tmp_path_factory.mktemp("broken")
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"):
+        (broken / name).write_bytes((directory / name).read_bytes() if (directory / name).exists()
+                                    else gzip.open(str(directory / name) + ".gz").read())
+    with pytest.raises(data.DataError, match=r"no t10k-images-idx3-ubyte\[\.gz\]"):
+        data.load(f"mnist:{broken}", (1, 28, 28), 10)
+    (broken / "t10k-images-idx3-ubyte").write_bytes(b"\x08\x03" + bytes(20))
+    with pytest.raises(data.DataError, match="bad magic"):
+        data.load(f"mnist:{broken}", (1, 28, 28), 10)
+    (broken / "t10k-images-idx3-ubyte").write_bytes(bytes([0, 0, 8, 3]) + struct.pack(">III", 5, 28, 28) + bytes(7))
+    with pytest.raises(data.DataError, match="header says"):
+        data.load(f"mnist:{broken}", (1, 28, 28), 10)
+
+
+def write_cifar(path, images: np.ndarray, labels: np.ndarray) -> None:
+    """CIFAR-10's binary format: per image one label byte, then 1024 red, 1024 green, 1024 blue bytes."""
+    records = np.concatenate([labels.astype(np.uint8)[:, None], images.reshape(len(images), -1)], axis=1)
+    path.write_bytes(records.astype(np.uint8).tobytes())
+
+
+def test_cifar10(tmp_path):
+    rng = np.random.default_rng(1)
+    nested = tmp_path / "cifar-10-batches-bin"
+    nested.mkdir()
+    parts = [(rng.integers(0, 256, (4, 3, 32, 32)), rng.integers(0, 10, 4)) for _ in range(3)]
+    write_cifar(nested / "data_batch_1.bin", *parts[0])
+    write_cifar(nested / "data_batch_2.bin", *parts[1])
+    write_cifar(nested / "test_batch.bin", *parts[2])
+    d = data.load(f"cifar10:{tmp_path}", (3, 32, 32), 10)
+    assert d.x_train.shape == (8, 3, 32, 32)
+    red = parts[0][0][2, 0]
+    np.testing.assert_allclose(d.x_train[2, 0], red / 255.0, rtol=1e-6)               # channel planes in order
+    np.testing.assert_array_equal(d.y_train, np.concatenate([parts[0][1], parts[1][1]]))
+    np.testing.assert_array_equal(d.y_test, parts[2][1])
+    with pytest.raises(data.DataError, match=r"cifar10:.*are 3x32x32 \(CxHxW\), the network takes 1x28x28"):
+        data.load(f"cifar10:{tmp_path}", (1, 28, 28), 10)
+    (nested / "data_batch_2.bin").write_bytes(bytes(100))
+    with pytest.raises(data.DataError, match="not a multiple of the 3073-byte"):
+        data.load(f"cifar10:{tmp_path}", (3, 32, 32), 10)
+
+
+def test_npz(tmp_path):
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (10, 6, 6)).astype(np.uint8)
+    y = rng.integers(0, 3, 10)
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    d = data.load(f"npz:{tmp_path / 'a.npz'}", (1, 6, 6), 3)
+    assert d.x_train.shape == (10, 1, 6, 6)
+    np.testing.assert_allclose(d.x_train[:, 0], x / 255.0, rtol=1e-6)
+    assert d.x_test is d.x_train                                           # no test arrays: test on training
+    xf = rng.standard_normal((4, 2, 5, 5)).astype(np.float32)
+    np.savez(tmp_path / "b.npz", x=xf, y=np.arange(4), x_test=xf[:2], y_test=np.arange(2))
+    d = data.load(f"npz:{tmp_path / 'b.npz'}", (2, 5, 5), 4)
+    np.testing.assert_array_equal(d.x_train, xf)
+    assert len(d.x_test) == 2
+    np.savez(tmp_path / "c.npz", x=xf)
+    with pytest.raises(data.DataError, match="no array 'y'"):
+        data.load(f"npz:{tmp_path / 'c.npz'}", (2, 5, 5), 4)
+    with pytest.raises(data.DataError, match="cannot read"):
+        data.load(f"npz:{tmp_path / 'missing.npz'}", (2, 5, 5), 4)
+
+
+def test_digits():
+    d = data.load("digits", (1, 16, 12), 10)
+    assert d.x_train.shape == (1497, 1, 16, 12) and d.x_test.shape == (300, 1, 16, 12)
+    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+    assert set(np.unique(d.y_test)) == set(range(10))
+    again = data.load("digits", (1, 16, 12), 10)
+    np.testing.assert_array_equal(d.y_test, again.y_test)                 # a fixed split
+    with pytest.raises(data.DataError, match="digits: the digits have 1 channel, the network takes 3"):
+        data.load("digits", (3, 16, 16), 10)
+
+
+def test_bilinear_resize_matches_pytorch():
+    images = np.random.default_rng(3).random((3, 8, 8))
+    for size in [(28, 28), (5, 11), (8, 8)]:
+        expected = F.interpolate(torch.from_numpy(images)[:, None], size=size, mode="bilinear",
+                                 align_corners=False)[:, 0].numpy()
+        np.testing.assert_allclose(data.resize_bilinear(images, size), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_synthetic():
+    a = data.load("synthetic", (3, 4, 4), 5, seed=1, batch=6)
+    b = data.load("synthetic", (3, 4, 4), 5, seed=1, batch=6)
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    assert a.x_train.shape == (12, 3, 4, 4) and a.y_train.max() < 5
+
+
+def test_unknown_spec():
+    with pytest.raises(data.DataError, match="unknown data spec 'imagenet'"):
+        data.load("imagenet", (3, 4, 4), 5)
+
+
+def test_batches_shuffle_each_epoch_and_resume():
+    x = np.arange(10, dtype=np.float32).reshape(10, 1, 1, 1)
+    y = np.arange(10, dtype=np.int32)
+    stream = data.Batches(x, y, 4, seed=3)
+    seen = []
+    for _ in range(5):                                                     # 20 examples: two epochs
+        xb, yb = stream.next()
+        np.testing.assert_array_equal(xb.reshape(-1), yb)                  # images travel with their labels
+        seen.append(yb.copy())
+    order = np.concatenate(seen)
+    assert sorted(order[:10]) == list(range(10)) and sorted(order[10:]) == list(range(10))
+    assert list(order[:10]) != list(order[10:])                            # a new order each epoch
+    assert list(order[:10]) != list(range(10))
+
+    replay = data.Batches(x, y, 4, seed=3)
+    replay.next()
+    replay.next()
+    position = replay.position
+    assert position == (0, 8)
+    fresh = data.Batches(x, y, 4, seed=3)
+    fresh.position = position
+    for expected in seen[2:]:
+        np.testing.assert_array_equal(fresh.next()[1], expected)
+    other = data.Batches(x, y, 4, seed=4)
+    assert not all(np.array_equal(other.next()[1], s) for s in seen[:2])
+
+
+def test_program_trains_on_mnist_files(mnist_dir, tmp_path):
+    directory, _ = mnist_dir
+    _, program = compile_program("mlp", tmp_path / "p", batch=4)
+    done = run_cli(program, "--data", f"mnist:{directory}", "--iters", "3", "--params", str(tmp_path / "m.npz"),
+                   "--test-iters", "1")
+    assert done.returncode == 0, done.stderr
+    assert f"training mlp on mnist:{directory} (12 examples, batch 4)" in done.stdout
+    assert "test accuracy" in done.stdout
+
+
+def test_program_reports_a_data_mismatch_in_one_line(tmp_path):
+    rng = np.random.default_rng(4)
+    np.savez(tmp_path / "rgb.npz", x=rng.random((8, 3, 28, 28)).astype(np.float32), y=np.zeros(8, np.int64))
+    _, program = compile_program("mlp", tmp_path / "p", batch=4)
+    done = run_cli(program, "--data", f"npz:{tmp_path / 'rgb.npz'}", "--iters", "2",
+                   "--params", str(tmp_path / "m.npz"))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"npz:{tmp_path / 'rgb.npz'}" in lines[0] and "3x28x28" in lines[0], done.stderr
+    assert not (tmp_path / "m.npz").exists()
