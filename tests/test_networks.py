@@ -1,0 +1,181 @@
+"""Every network of `networks/` end to end against the same network written independently in PyTorch.
+
+Each network is loaded at batch 2 and a small image, compiled with the verifier on, and run by the reference
+interpreter in float32 on random inputs and parameters (the same values on both sides). The training step runs
+with lr=1, momentum=0, decay=0 and zero velocity, so the new velocity `V_<param>` it returns is the gradient; the new
+parameter must be `param - lr_mult * gradient`. Loss, every gradient and every new batch-norm running statistic
+must match PyTorch's `loss.backward()` in training mode to a relative error ||a - b|| / ||b|| <= 1e-4.
+
+PyTorch runs the twin in float64: its result is then exact to float32's needs, and the test asks deepdsl's float32
+result to be within 1e-4 of it. (PyTorch's own float32 gradients are not always: in a deep ReLU network a value
+within rounding of zero may fall on the other side of a ReLU or a max-pooling tie, and for ResNet-50 draws this
+puts them up to 0.4% away from exact. The draws are fixed, so deepdsl's float32 run meets no such flip.)
+
+Dropout is compared with the masks deepdsl draws: the test evaluates each `bernoulli` statement of the training
+program with `bernoulli_mask(seed, step, key, shape, keep)` (as the interpreter does) and hands the masks to the
+PyTorch twin, which applies them in its forward order. The masks are also checked to drop something, so a twin that
+ignored them could not pass.
+
+The test step (dropout off, batch norm on the running statistics) must give PyTorch's eval-mode loss and accuracy.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import deepdsl
+from deepdsl.dsl import Overrides
+from deepdsl.interpret import run
+from deepdsl.ops.norm import bernoulli_mask
+from deepdsl.pipeline import CompileOptions
+from deepdsl.program import Let
+
+from tests import torch_nets
+
+NETWORKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks")
+TOLERANCE = 1e-4
+SEED, STEP = 0, 0       # the interpreter's defaults: the masks the training step draws
+
+# network file, PyTorch twin, image size (the smallest valid one for the big strided networks; ResNet-50 at 64x64
+# so that the batch norms of its last stage see 2x2x2 values, not 2), and the batch-norm scales drawn small (see
+# `random_value`)
+CASES = [
+    ("mlp", torch_nets.MLP, (28, 28), None),
+    ("alexnet", torch_nets.AlexNet, (55, 55), None),
+    ("overfeat", torch_nets.Overfeat, (71, 71), None),
+    ("vgg16", torch_nets.VGG16, (32, 32), None),
+    ("googlenet", torch_nets.GoogLeNet, (79, 79), None),
+    ("resnet50", torch_nets.ResNet50, (64, 64), r"bn\d[a-f]_branch2c_W"),
+    ("resnet_mini", torch_nets.ResNetMini, (28, 28), r"res\d_b_bn_W"),
+    ("inception_mini", torch_nets.InceptionMini, (28, 28), None),
+]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
+
+
+def random_value(name: str, shape, rng, small_scales: str | None = None) -> np.ndarray:
+    """Parameters with He-scaled weights, so activations keep their size through deep networks.
+
+    The scale of the last batch norm of each residual branch (`small_scales`) is drawn near 0.1, as residual
+    networks are often initialized (Goyal et al. 2017 start it at 0): with scales near 1 a random ResNet-50 at batch
+    2 is chaotic, float32 rounding flips ReLUs in its last stage and PyTorch's own float32 gradients are 2% away from
+    its float64 ones, so no float32 implementation could agree with it to 1e-4.
+    """
+    if name.endswith("_W") and len(shape) > 1:
+        fan_in = int(np.prod(shape[1:]))
+        return rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
+    if name.endswith("_W"):                     # batch-norm scale
+        centre = 0.1 if small_scales and re.fullmatch(small_scales, name) else 1.0
+        return centre * (1.0 + 0.1 * rng.standard_normal(shape))
+    if name.endswith("_var"):
+        return rng.uniform(0.5, 2.0, shape)
+    return 0.1 * rng.standard_normal(shape)     # biases, batch-norm shifts and running means
+
+
+def dropout_masks(program) -> list[np.ndarray]:
+    """The masks the training step draws, in the order its dropout layers were applied (their keys)."""
+    draws = sorted((dict(s.node.attrs) for s in program.body if isinstance(s, Let) and s.node.op == "bernoulli"),
+                   key=lambda a: a["key"])
+    return [bernoulli_mask(SEED, STEP, a["key"], a["shape"], a["keep"]) for a in draws]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case(request):
+    name, twin_class, image, small_scales = request.param
+    loop = deepdsl.load(os.path.join(NETWORKS, f"{name}.py"), Overrides(batch=2, image=image))
+    compiled = deepdsl.compile(loop, CompileOptions(verify=True))
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    leaves = {leaf.name: leaf for leaf in compiled.train.inputs}
+    classes = _classes(compiled)
+    twin = twin_class(image=image, classes=classes).double()
+    values = {p.name: random_value(p.name, p.shape, rng, small_scales).astype(np.float32) for p in compiled.params}
+    values.update({s.name: random_value(s.name, s.shape, rng).astype(np.float32)
+                   for s in compiled.states if not s.name.startswith("V_")})
+    x = rng.standard_normal(leaves["x"].shape).astype(np.float32)
+    y = rng.integers(0, classes, size=leaves["y"].shape).astype(np.int32)
+    return name, compiled, twin, values, x, y
+
+
+def _classes(compiled) -> int:
+    """The number of classes: the width of the scores the test step's accuracy reads."""
+    return next(s.node.inputs[0].shape[1] for s in compiled.test.body
+                if isinstance(s, Let) and s.node.op == "precision")
+
+
+def _load_twin(twin, values):
+    tensors = twin.deepdsl_tensors()
+    assert sorted(tensors) == sorted(values), "the twin's parameters and statistics differ from the network's"
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            assert tuple(tensor.shape) == values[key].shape, (key, tensor.shape, values[key].shape)
+            tensor.copy_(torch.from_numpy(values[key].astype(np.float64)))
+
+
+def _feeds(program, given: dict[str, np.ndarray], hoisted: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    feeds = {}
+    for leaf in program.inputs:
+        if leaf.name in given:
+            feeds[leaf.name] = given[leaf.name]
+        elif leaf.name in hoisted:
+            feeds[leaf.name] = hoisted[leaf.name]
+        elif leaf.name.startswith("V_"):
+            feeds[leaf.name] = np.zeros(leaf.shape, np.float32)
+        else:
+            raise KeyError(f"no value for input '{leaf.name}'")
+    return feeds
+
+
+def test_training_step_matches_pytorch(case):
+    name, compiled, twin, values, x, y = case
+    hoisted = run(compiled.setup, {})
+    hyper = {"lr": np.float32(1), "momentum": np.float32(0), "decay": np.float32(0)}
+    out = run(compiled.train, _feeds(compiled.train, {**values, **hyper, "x": x, "y": y}, hoisted),
+              seed=SEED, step=STEP)
+
+    masks = dropout_masks(compiled.train)
+    assert all(0 < m.mean() < 1 for m in masks), "a dropout mask that drops nothing cannot tell masks apart"
+    _load_twin(twin, values)
+    twin.train()
+    twin.masks = [torch.from_numpy(m.astype(np.float64)) for m in masks]
+    loss = twin.loss(torch.from_numpy(x).double(), torch.from_numpy(y).long())
+    assert twin.masks == [], f"{len(twin.masks)} dropout masks left over: the twin applies fewer dropouts"
+    twin.zero_grad()
+    loss.backward()
+
+    errors = {"loss": rel_err(out["loss"], loss.item())}
+    tensors = twin.deepdsl_tensors()
+    for p in compiled.params:
+        grad = tensors[p.name].grad.numpy()
+        errors[f"d{p.name}"] = rel_err(out[f"V_{p.name}"], grad)
+        expected = values[p.name] - p.attr("lr_mult") * grad
+        errors[f"new {p.name}"] = rel_err(out[p.name] - values[p.name], expected - values[p.name])
+    for s in compiled.states:
+        if not s.name.startswith("V_"):
+            errors[s.name] = rel_err(out[s.name], tensors[s.name].detach().numpy())
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= TOLERANCE, f"{name}: largest relative errors {worst}"
+
+
+def test_test_step_matches_pytorch_eval(case):
+    name, compiled, twin, values, x, y = case
+    hoisted = run(compiled.setup, {})
+    out = run(compiled.test, _feeds(compiled.test, {**values, "x": x, "y": y}, hoisted))
+    _load_twin(twin, values)
+    twin.eval()
+    twin.masks = None
+    with torch.no_grad():
+        xt, yt = torch.from_numpy(x).double(), torch.from_numpy(y).long()
+        loss = twin.loss(xt, yt).item()
+        accuracy = twin.accuracy(xt, yt).item()
+    assert rel_err(out["loss"], loss) <= TOLERANCE, (float(out["loss"]), loss)
+    assert float(out["accuracy"]) == accuracy
