@@ -242,6 +242,9 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
         if live > peak:
             peak, peak_step = live, k
         peak_exact = max(peak_exact, live_exact)
+    if not program.body:            # only inputs: they are live while the (empty) step runs
+        peak = sum(b.size for b in buffers)
+        peak_exact = sum(b.nbytes for b in buffers)
     return tuple(steps), peak, peak_exact, peak_step, ws_max
 
 

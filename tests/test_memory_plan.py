@@ -2,8 +2,10 @@
 and the full-size networks against the original DeepDSL's figures (/work/shared/reference/README.md).
 
 The strongest check is `run_in_arena`: a program executed with every tensor at its planned offset of one byte
-array (freed bytes poisoned with NaNs) computes exactly what the reference interpreter computes. Overlapping live
-tensors, a read after a free or after an in-place overwrite would all change the results.
+array (freed bytes poisoned with NaNs) computes what the reference interpreter computes, up to float32 rounding
+(the arena's tensors are contiguous where a reference result may have another memory layout, which changes the
+order of a sum). Overlapping live tensors, a read after a free or after an in-place overwrite would change the
+results far beyond rounding, or make them NaN.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def test_random_programs_run_exactly_inside_their_plan(graph, seed):
     program, plan = planned(graph)
     plan.check()
     values = feeds(program.inputs, seed)
-    assert_same(run_in_arena(program, plan, values), reference(program, values))
+    assert_same(run_in_arena(program, plan, values), reference(program, values), rtol=1e-5)
     assert simulate_pool(plan)["peak_bytes_in_use"] == plan.peak_live_bytes
 
 
@@ -130,7 +132,7 @@ def test_small_networks_run_exactly_inside_their_plans(name, tmp_path):
                 values[leaf.name] = (rng.integers(0, 2, leaf.shape) if leaf.dtype == "int32"
                                      else rng.standard_normal(leaf.shape).astype(np.float32) * 0.1)
         expected = reference(compiled.unplanned[step], values)
-        assert_same(run_in_arena(program, plan, values), expected)
+        assert_same(run_in_arena(program, plan, values), expected, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
