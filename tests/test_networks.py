@@ -179,3 +179,37 @@ def test_test_step_matches_pytorch_eval(case):
         accuracy = twin.accuracy(xt, yt).item()
     assert rel_err(out["loss"], loss) <= TOLERANCE, (float(out["loss"]), loss)
     assert float(out["accuracy"]) == accuracy
+
+
+# Published parameter counts (weights and biases; batch-norm scales and shifts for ResNet-50), each worked out layer
+# by layer from the papers' tables: AlexNet on one device 62,378,344; OverFeat fast 145,920,872 (the paper's "145
+# million"); VGG-16 138,357,544; GoogLeNet without its auxiliary heads 6,998,552 (Caffe's bvlc_googlenet deploy
+# network); ResNet-50 25,557,032; the 784-300-100-10 MLP 266,610.
+FULL_SIZE = [
+    ("mlp", (100, 1, 28, 28), 266_610),
+    ("alexnet", (128, 3, 227, 227), 62_378_344),
+    ("overfeat", (128, 3, 231, 231), 145_920_872),
+    ("vgg16", (64, 3, 224, 224), 138_357_544),
+    ("googlenet", (128, 3, 224, 224), 6_998_552),
+    ("resnet50", (32, 3, 224, 224), 25_557_032),
+]
+
+
+@pytest.mark.parametrize("name,batch_shape,count", FULL_SIZE, ids=[c[0] for c in FULL_SIZE])
+def test_full_size_network_compiles_with_published_sizes(name, batch_shape, count):
+    compiled = deepdsl.compile(deepdsl.load(os.path.join(NETWORKS, f"{name}.py")))
+    x = next(leaf for leaf in compiled.train.inputs if leaf.name == "x")
+    assert x.shape == batch_shape
+    main = [p for p in compiled.params if not p.name.startswith(("loss1_", "loss2_"))]
+    assert sum(p.size for p in main) == count
+    assert [name for name, _ in compiled.train.outputs][0] == "loss"
+    assert [name for name, _ in compiled.test.outputs] == ["accuracy", "loss"]
+
+
+@pytest.mark.parametrize("name", ["alexnet", "googlenet"])
+def test_caffe_networks_train_biases_at_twice_the_rate_without_decay(name):
+    """As their Caffe prototxts declare: weights lr_mult 1 decay_mult 1, biases lr_mult 2 decay_mult 0."""
+    compiled = deepdsl.compile(deepdsl.load(os.path.join(NETWORKS, f"{name}.py")))
+    for p in compiled.params:
+        expected = (2.0, 0.0) if p.name.endswith("_B") else (1.0, 1.0)
+        assert (p.attr("lr_mult"), p.attr("decay_mult")) == expected, p.name
