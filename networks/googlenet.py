@@ -51,9 +51,11 @@ head = D.full("loss3_classifier", K, weight=w, bias_init=b0) @ D.dropout(0.4) @ 
     @ inception("inception_5b", 384, 192, 384, 48, 128, 128) @ inception("inception_5a", 256, 160, 320, 32, 128, 128) \
     @ pool @ inception("inception_4e", 256, 160, 320, 32, 128, 128)
 aux1, aux2 = auxiliary("loss1"), auxiliary("loss2")
+network = head @ to_4d @ to_4a
 
 
 def train_loss(image):
+    """The main classifier's loss plus 0.3 x each auxiliary classifier's (the side heads share the trunk)."""
     p4a = to_4a(image)
     p4d = to_4d(p4a)
     ce = D.cross_entropy(y)
@@ -61,7 +63,7 @@ def train_loss(image):
 
 
 loss = train_loss(x)
-accuracy = (D.precision(y) @ head @ to_4d @ to_4a)(x)
+accuracy = (D.precision(y) @ network)(x)
 
 # Caffe's quick_solver: base_lr 0.01, momentum 0.9, weight_decay 0.0002 (2.4M iterations at batch 32)
 solver = D.Train("googlenet", iters=2400000, test_iters=1000, lr=0.01, momentum=0.9, decay=0.0002)

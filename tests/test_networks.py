@@ -6,10 +6,10 @@ with lr=1, momentum=0, decay=0 and zero velocity, so the new velocity `V_<param>
 parameter must be `param - lr_mult * gradient`. Loss, every gradient and every new batch-norm running statistic
 must match PyTorch's `loss.backward()` in training mode to a relative error ||a - b|| / ||b|| <= 1e-4.
 
-PyTorch runs the twin in float64: its result is then exact to float32's needs, and the test asks deepdsl's float32
-result to be within 1e-4 of it. (PyTorch's own float32 gradients are not always: in a deep ReLU network a value
-within rounding of zero may fall on the other side of a ReLU or a max-pooling tie, and for ResNet-50 draws this
-puts them up to 0.4% away from exact. The draws are fixed, so deepdsl's float32 run meets no such flip.)
+PyTorch runs the twin in float64, so its result is exact as far as float32 can tell, and deepdsl's float32 result
+must be within 1e-4 of it. PyTorch's own float32 gradients are not always: in a deep ReLU network a value within
+rounding of zero may land on the other side of a ReLU or of a max-pooling near-tie, and for some ResNet-50 draws
+this puts them 0.4% away from exact. The draws here are fixed, and deepdsl's float32 run meets no such flip in them.
 
 Dropout is compared with the masks deepdsl draws: the test evaluates each `bernoulli` statement of the training
 program with `bernoulli_mask(seed, step, key, shape, keep)` (as the interpreter does) and hands the masks to the
