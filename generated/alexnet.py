@@ -119,7 +119,7 @@ class Alexnet(rp.Model):
         mem.free(X6)
         # X9 = conv2d[pad=2](X7, conv2_W, conv2_B)
         X9 = mem.empty((128, 256, 27, 27), 'float32')
-        ws = mem.empty((55987200,), 'float32')
+        ws = mem.empty((58939392,), 'float32')
         rt.conv2d(X7, T['conv2_W'], T['conv2_B'], out=X9, pad=2, stride=1, workspace=ws)
         mem.free(ws)
         # X10 = Max(0, X9)
@@ -142,7 +142,7 @@ class Alexnet(rp.Model):
         mem.free(X11)
         # X14 = conv2d[pad=1](X12, conv3_W, conv3_B)
         X14 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((49840128,), 'float32')
+        ws = mem.empty((57212928,), 'float32')
         rt.conv2d(X12, T['conv3_W'], T['conv3_B'], out=X14, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # X15 = Max(0, X14)
@@ -150,7 +150,7 @@ class Alexnet(rp.Model):
         rt.ew(ew1, X15, X14)
         # X16 = conv2d[pad=1](X15, conv4_W, conv4_B)
         X16 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((42909696,), 'float32')
         rt.conv2d(X15, T['conv4_W'], T['conv4_B'], out=X16, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # X17 = Max(0, X16)
@@ -158,7 +158,7 @@ class Alexnet(rp.Model):
         rt.ew(ew1, X17, X16)
         # X18 = conv2d[pad=1](X17, conv5_W, conv5_B)
         X18 = mem.empty((128, 256, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((42909696,), 'float32')
         rt.conv2d(X17, T['conv5_W'], T['conv5_B'], out=X18, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # X19 = Max(0, X18)
@@ -315,7 +315,7 @@ class Alexnet(rp.Model):
         rt.ew(ew8, X59, T['conv5_B'], lr, X58)
         # X60 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X55, X17)
         X60 = mem.empty((256, 384, 3, 3), 'float32')
-        ws = mem.empty((41033728,), 'float32')
+        ws = mem.empty((46563328,), 'float32')
         rt.conv2d_bwd_filter(X55, X17, out=X60, kernel=(3, 3), pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # X61 = V_conv5_W*momentum + X60 + conv5_W*decay
@@ -325,7 +325,7 @@ class Alexnet(rp.Model):
         mem.free(X60)
         # X62 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X55, conv5_W)
         X62 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((51904512,), 'float32')
         rt.conv2d_bwd_data(X55, T['conv5_W'], out=X62, pad=1, size=(13, 13), stride=1, workspace=ws)
         mem.free(ws)
         # free X55
@@ -353,7 +353,7 @@ class Alexnet(rp.Model):
         rt.ew(ew8, X68, T['conv4_B'], lr, X67)
         # X69 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X63, X15)
         X69 = mem.empty((384, 384, 3, 3), 'float32')
-        ws = mem.empty((42860544,), 'float32')
+        ws = mem.empty((48390144,), 'float32')
         rt.conv2d_bwd_filter(X63, X15, out=X69, kernel=(3, 3), pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # X70 = V_conv4_W*momentum + X69 + conv4_W*decay
@@ -363,7 +363,7 @@ class Alexnet(rp.Model):
         mem.free(X69)
         # X71 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X63, conv4_W)
         X71 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((53501952,), 'float32')
         rt.conv2d_bwd_data(X63, T['conv4_W'], out=X71, pad=1, size=(13, 13), stride=1, workspace=ws)
         mem.free(ws)
         # free X63
@@ -375,7 +375,7 @@ class Alexnet(rp.Model):
         mem.free(X14)
         # X73 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X72, X12)
         X73 = mem.empty((384, 256, 3, 3), 'float32')
-        ws = mem.empty((58146816,), 'float32')
+        ws = mem.empty((65519616,), 'float32')
         rt.conv2d_bwd_filter(X72, X12, out=X73, kernel=(3, 3), pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # free X12
@@ -393,7 +393,7 @@ class Alexnet(rp.Model):
         rt.sum_to(X72, out=X76, shape=(1, 384, 1, 1))
         # X77 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X72, conv3_W)
         X77 = mem.empty((128, 256, 13, 13), 'float32')
-        ws = mem.empty((49840128,), 'float32')
+        ws = mem.empty((74530816,), 'float32')
         rt.conv2d_bwd_data(X72, T['conv3_W'], out=X77, pad=1, size=(13, 13), stride=1, workspace=ws)
         mem.free(ws)
         # free X72
@@ -445,7 +445,7 @@ class Alexnet(rp.Model):
         mem.free(X9)
         # X88 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X87, X7)
         X88 = mem.empty((256, 96, 5, 5), 'float32')
-        ws = mem.empty((62573568,), 'float32')
+        ws = mem.empty((65525760,), 'float32')
         rt.conv2d_bwd_filter(X87, X7, out=X88, kernel=(5, 5), pad=2, stride=1, workspace=ws)
         mem.free(ws)
         # free X7
@@ -460,7 +460,7 @@ class Alexnet(rp.Model):
         rt.sum_to(X87, out=X90, shape=(1, 256, 1, 1))
         # X91 = conv2d_bwd_data[pad=2,size=(27,27),stride=1](X87, conv2_W)
         X91 = mem.empty((128, 96, 27, 27), 'float32')
-        ws = mem.empty((55987200,), 'float32')
+        ws = mem.empty((74102784,), 'float32')
         rt.conv2d_bwd_data(X87, T['conv2_W'], out=X91, pad=2, size=(27, 27), stride=1, workspace=ws)
         mem.free(ws)
         # free X87
@@ -567,7 +567,7 @@ class Alexnet(rp.Model):
         mem.free(X3)
         # X5 = conv2d[pad=2](X4, conv2_W, conv2_B)
         X5 = mem.empty((128, 256, 27, 27), 'float32')
-        ws = mem.empty((55987200,), 'float32')
+        ws = mem.empty((58939392,), 'float32')
         rt.conv2d(X4, T['conv2_W'], T['conv2_B'], out=X5, pad=2, stride=1, workspace=ws)
         mem.free(ws)
         # free X4
@@ -589,7 +589,7 @@ class Alexnet(rp.Model):
         mem.free(X7)
         # X9 = conv2d[pad=1](X8, conv3_W, conv3_B)
         X9 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((49840128,), 'float32')
+        ws = mem.empty((57212928,), 'float32')
         rt.conv2d(X8, T['conv3_W'], T['conv3_B'], out=X9, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # free X8
@@ -599,7 +599,7 @@ class Alexnet(rp.Model):
         rt.ew(ew1, X10, X9)
         # X11 = conv2d[pad=1](X10, conv4_W, conv4_B)
         X11 = mem.empty((128, 384, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((42909696,), 'float32')
         rt.conv2d(X10, T['conv4_W'], T['conv4_B'], out=X11, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # free X10
@@ -609,7 +609,7 @@ class Alexnet(rp.Model):
         rt.ew(ew1, X12, X11)
         # X13 = conv2d[pad=1](X12, conv5_W, conv5_B)
         X13 = mem.empty((128, 256, 13, 13), 'float32')
-        ws = mem.empty((37380096,), 'float32')
+        ws = mem.empty((42909696,), 'float32')
         rt.conv2d(X12, T['conv5_W'], T['conv5_B'], out=X13, pad=1, stride=1, workspace=ws)
         mem.free(ws)
         # free X12

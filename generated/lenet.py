@@ -219,7 +219,7 @@ class Lenet(rp.Model):
         mem.free(X35)
         # X37 = conv2d_bwd_data[pad=0,size=(12,12),stride=1](X34, cv2_W)
         X37 = mem.empty((500, 20, 12, 12), 'float32')
-        ws = mem.empty((16000000,), 'float32')
+        ws = mem.empty((27880000,), 'float32')
         rt.conv2d_bwd_data(X34, T['cv2_W'], out=X37, pad=0, size=(12, 12), stride=1, workspace=ws)
         mem.free(ws)
         # X38 = -X36*lr + cv2_W

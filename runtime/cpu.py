@@ -11,10 +11,9 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
 - `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote.
 
-Convolution is im2col + GEMM (Torch7's scheme): strided views of the input (one per kernel offset, zeros where
-the window hangs over the padding) are copied into the workspace as a (C*kh*kw, Ho*Wo) matrix per sample and
-multiplied by the (O, C*kh*kw) filter matrix in one batched `np.matmul` straight into the output. 1x1
-convolutions with stride 1 need no copy at all.
+Convolution is im2col + GEMM (Torch7's scheme): a strided view of the (zero-padded) input is copied into the
+workspace as a (C*kh*kw, Ho*Wo) matrix per sample and multiplied by the (O, C*kh*kw) filter matrix in one batched
+`np.matmul` straight into the output. 1x1 convolutions with stride 1 need no copy at all.
 """
 from __future__ import annotations
 
@@ -115,35 +114,36 @@ def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) ->
         strides=(sn, sc, sh, sw, sh * stride, sw * stride), writeable=False)
 
 
+def _padded_size(c: int, h: int, w: int, pad: int) -> int:
+    return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
+
+
+def _padded(x: np.ndarray, pad: int, scratch: _Scratch) -> np.ndarray:
+    """x with `pad` zeros around its last two axes, in scratch space (x itself when pad is 0)."""
+    if pad == 0:
+        return x
+    n, c, h, w = x.shape
+    xp = scratch.take((n, c, h + 2 * pad, w + 2 * pad))
+    xp[:, :, :pad] = 0
+    xp[:, :, h + pad:] = 0
+    xp[:, :, pad:h + pad, :pad] = 0
+    xp[:, :, pad:h + pad, w + pad:] = 0
+    xp[:, :, pad:h + pad, pad:w + pad] = x
+    return xp
+
+
+def _im2col(x: np.ndarray, cols: np.ndarray, stride: int, pad: int, scratch: _Scratch) -> None:
+    """cols[n, c, i, j, p, q] = x[n, c, i + stride*p - pad, j + stride*q - pad] (0 outside x): one strided copy
+    from x, or from a zero-padded copy of x in scratch space. `cols` may be a transposed view."""
+    kh, kw, ho, wo = cols.shape[2:]
+    np.copyto(cols, _windows(_padded(x, pad, scratch), kh, kw, stride, ho, wo))
+
+
 def _valid(offset: int, size: int, out: int, stride: int, pad: int) -> tuple[int, int]:
     """Output positions [p0, p1) whose input row offset + stride*p - pad lies inside [0, size)."""
     p0 = max(0, -(-(pad - offset) // stride))
     p1 = min(out, (size - 1 + pad - offset) // stride + 1)
     return p0, max(p0, p1)
-
-
-def _im2col(x: np.ndarray, cols: np.ndarray, stride: int, pad: int) -> None:
-    """cols[n, c, i, j, p, q] = x[n, c, i + stride*p - pad, j + stride*q - pad] (0 outside x).
-
-    `cols` may be any (N, C, kh, kw, Ho, Wo) view (a transposed layout too). Without padding one strided copy;
-    with padding one copy of the valid window per kernel offset, zeros around it."""
-    kh, kw, ho, wo = cols.shape[2:]
-    if pad == 0:
-        np.copyto(cols, _windows(x, kh, kw, stride, ho, wo))
-        return
-    h, w = x.shape[2:]
-    for i in range(kh):
-        p0, p1 = _valid(i, h, ho, stride, pad)
-        for j in range(kw):
-            q0, q1 = _valid(j, w, wo, stride, pad)
-            dst = cols[:, :, i, j]
-            if p0 or p1 < ho or q0 or q1 < wo:
-                dst[:, :, :p0] = 0
-                dst[:, :, p1:] = 0
-                dst[:, :, p0:p1, :q0] = 0
-                dst[:, :, p0:p1, q1:] = 0
-            r, c = i + stride * p0 - pad, j + stride * q0 - pad
-            dst[:, :, p0:p1, q0:q1] = x[:, :, r:r + stride * (p1 - p0):stride, c:c + stride * (q1 - q0):stride]
 
 
 def _col2im_add(dcols: np.ndarray, dx: np.ndarray, stride: int, pad: int) -> None:
@@ -166,7 +166,7 @@ def _is_pointwise(kh: int, kw: int, stride: int, pad: int) -> bool:
 def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
-    Workspace: the im2col matrices (C*kh*kw, Ho*Wo) of as many samples as fit."""
+    Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
@@ -175,11 +175,12 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
         np.matmul(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
     else:
         ckk = c * kh * kw
-        step = _chunk(n, workspace, ckk * ho * wo)
+        step = _chunk(n, workspace, ckk * ho * wo + _padded_size(c, h, wd, pad))
         for s in range(0, n, step):
             e = min(n, s + step)
-            cols = _Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
-            _im2col(x[s:e], cols, stride, pad)
+            scratch = _Scratch(workspace)
+            cols = scratch.take((e - s, c, kh, kw, ho, wo))
+            _im2col(x[s:e], cols, stride, pad, scratch)
             np.matmul(w2, cols.reshape(e - s, ckk, ho * wo), out=out[s:e].reshape(e - s, o, ho * wo))
     if b is not None:
         np.add(out, b.reshape(1, o, 1, 1), out=out)
@@ -188,7 +189,10 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
-    Workspace: the column gradients (C*kh*kw, Ho*Wo) of as many samples as fit."""
+    Stride 1 computes the column gradients on rows as wide as the padded input (the output gradient padded with
+    zero columns), so that adding each kernel offset's contribution is one contiguous run per channel. Workspace
+    per sample: the widened output gradient (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input
+    gradient (C, Hp*Wp + kw - 1). Other strides add strided windows: column gradients (C*kh*kw, Ho*Wo) only."""
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
@@ -197,6 +201,27 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
         np.matmul(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
         return
     ckk = c * kh * kw
+    if stride == 1:
+        hp, wp = h + 2 * pad, wd + 2 * pad
+        plane = hp * wp + kw - 1
+        step = _chunk(n, workspace, (o + ckk) * ho * wp + c * plane)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            m = e - s
+            scratch = _Scratch(workspace)
+            wide = scratch.take((m, o, ho, wp))
+            wide[..., :wo] = g[s:e]
+            wide[..., wo:] = 0
+            dcols = scratch.take((m, c, kh, kw, ho * wp))
+            np.matmul(w2t, wide.reshape(m, o, ho * wp), out=dcols.reshape(m, ckk, ho * wp))
+            dxp = scratch.take((m, c, plane))
+            dxp.fill(0)
+            for i in range(kh):
+                for j in range(kw):
+                    view = dxp[:, :, i * wp + j:i * wp + j + ho * wp]
+                    np.add(view, dcols[:, :, i, j], out=view)
+            np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
+        return
     step = _chunk(n, workspace, ckk * ho * wo)
     out.fill(0)
     for s in range(0, n, step):
@@ -209,22 +234,23 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
 def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
     """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM over all samples of a chunk.
 
-    Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo) and its gradient transposed to (O, Ho*Wo); plus an
-    (O, C*kh*kw) accumulator when the batch runs in several chunks."""
+    Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
+    padding the zero-padded input; plus an (O, C*kh*kw) accumulator when the batch runs in several chunks."""
     n, o, ho, wo = g.shape
-    c = x.shape[1]
+    c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
     out2 = out.reshape(o, ckk)
-    step = _chunk(n, workspace, ckk * ho * wo + o * ho * wo, fixed_if_split=o * ckk)
+    per = (ckk + o) * ho * wo + _padded_size(c, h, wd, pad)
+    step = _chunk(n, workspace, per, fixed_if_split=o * ckk)
     acc = _Scratch(workspace).take((o, ckk)) if step < n else None
     start = acc.size if acc is not None and workspace is not None else 0
     for s in range(0, n, step):
         e = min(n, s + step)
         scratch = _Scratch(workspace, start)
         cols = scratch.take((c, kh, kw, e - s, ho, wo))
-        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad)
         gt = scratch.take((o, e - s, ho, wo))
+        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         np.copyto(gt, g[s:e].transpose(1, 0, 2, 3))
         target = out2 if s == 0 else acc
         np.matmul(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
