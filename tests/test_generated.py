@@ -271,6 +271,29 @@ def test_help_shows_the_network_defaults(tmp_path):
     assert "default: 0.1" in text and "default: digits" in text           # mlp's Train(lr=0.1), dataset
 
 
+def test_run_program_api(tmp_path):
+    """`deepdsl.codegen.run_program` runs a program with this interpreter and returns its exit status."""
+    from deepdsl.codegen import run_program
+
+    _, program = compile_program("mlp", tmp_path, batch=4)
+    assert run_program(program, ["--iters", "0", "--params", str(tmp_path / "p.npz"), "--quiet"]) == 0
+    assert (tmp_path / "p.npz").exists()
+    assert run_program(program, ["--iters", "-1"]) == 1
+
+
+def test_unsupported_input_is_a_one_line_error(tmp_path):
+    from deepdsl.codegen import generate
+    from deepdsl.errors import DeepDSLError
+
+    network = tmp_path / "scaled.py"
+    network.write_text(textwrap.dedent(ADAM_NET).replace(
+        "loss = (D.cross_entropy(y) @ network)(x)", "loss = D.scalar('temperature') * (D.cross_entropy(y) @ network)(x)"))
+    import deepdsl
+    compiled = deepdsl.compile(deepdsl.load(str(network)))
+    with pytest.raises(DeepDSLError, match="temperature"):
+        generate(compiled)
+
+
 def test_generated_program_imports_only_the_runtime(tmp_path):
     _, program = compile_program("inception_mini", tmp_path, batch=2)
     imports = [line for line in program.read_text().splitlines() if line.startswith(("import ", "from "))]

@@ -20,6 +20,7 @@ import sympy
 
 from deepdsl.codegen import lowering, ufuncs
 from deepdsl.codegen.workspace import workspace_size
+from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program, format_expr
@@ -28,8 +29,8 @@ DTYPES = {"float": "float32", "int32": "int32", "uint8": "uint8"}
 TENSOR_ROLES = ("param", "state", "hoisted")
 
 
-class GenerateError(Exception):
-    """The program uses something code generation does not support."""
+class GenerateError(DeepDSLError):
+    """The program uses something code generation does not support (reported as one line)."""
 
 
 @dataclass
