@@ -218,10 +218,10 @@ def _check_args(args) -> None:
         raise RunError("--lr must be > 0")
 
 
-def _checkpoint(model: Model, iteration: int, stream: datasets.Batches, data_spec: str) -> ckpt.Checkpoint:
+def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
     return ckpt.Checkpoint(path="", tensors=model.host_tensors(), network=model.name,
                            structure_hash=model.structure_hash, iteration=iteration, seed=model.seed,
-                           data_position=stream.position, data=data_spec)
+                           data_position=position, data=data_spec)
 
 
 def _resume(model: Model, path: str) -> ckpt.Checkpoint:
@@ -260,121 +260,137 @@ def _init_from(model: Model, path: str, args) -> None:
 def run(model_cls: type[Model], args) -> int:
     """Train and test as the parsed command-line options say; returns the exit status."""
     try:
-        return _run(model_cls, args)
+        return _Run(model_cls, args).execute()
     except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
         return _error(model_cls, str(err))
 
 
-def _run(model_cls: type[Model], args) -> int:
-    _check_args(args)
-    model = model_cls(args.device, args.seed)
-    params_path = args.params
-    resumed = None
-    if params_path and os.path.exists(params_path) and not args.fresh:
-        resumed = _resume(model, params_path)
-        model.seed = resumed.seed
-    if args.init_from and resumed is None:
-        ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
-    data_spec = args.data or model.dataset
-    n = model.batch_shape[0]
+class _Run:
+    """One invocation of a generated program: start (fresh, resumed or fine-tuned), train, test, report."""
 
-    if resumed is None and args.iters == 0:
-        model.initialize(args.seed)
-        if args.init_from:
-            _init_from(model, args.init_from, args)
-        if not params_path:
-            raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
-        ckpt.write(params_path, ckpt.Checkpoint("", model.host_tensors(), model.name, model.structure_hash, 0,
-                                                model.seed, (0, 0), data_spec))
-        _say(args, f"wrote initial parameters to {params_path}")
+    def __init__(self, model_cls: type[Model], args):
+        _check_args(args)
+        self.args = args
+        self.model = model_cls(args.device, args.seed)
+        self.path = args.params
+        self.data_spec = args.data or self.model.dataset
+        self.batch = self.model.batch_shape[0]
+        self.resumed: ckpt.Checkpoint | None = None
+        if self.path and os.path.exists(self.path) and not args.fresh:
+            self.resumed = _resume(self.model, self.path)
+            self.model.seed = self.resumed.seed
+        if args.init_from and self.resumed is None:
+            ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
+
+    def execute(self) -> int:
+        args, model = self.args, self.model
+        if self.resumed is None and args.iters == 0:
+            return self.write_initial()
+        data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch)
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed)
+        if self.resumed is not None:
+            model.load_tensors({k: self.resumed.tensors[k] for k in model.expected_shapes()})
+            self.stream.position = self.resumed.data_position
+            start = self.resumed.iteration
+            _say(args, f"resuming from {self.path} at iteration {start}")
+        else:
+            self.fresh_start()
+            start = 0
+        model.prepare(self.hyper(0))
+        iteration, loss, elapsed = start, None, 0.0
+        if args.iters > start:
+            _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
+                       f"{self.batch}) on {args.device}: iterations {start + 1} to {args.iters}")
+            iteration, loss, elapsed, stopped = self.train(start)
+            if stopped is not None:
+                return stopped
+        else:
+            _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
+        accuracy = test_loss = None
+        if args.test_iters:
+            accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
+            _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {self.batch})")
+        done = iteration - start
+        per_iter = elapsed / done if done else None
+        if per_iter is not None:
+            _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
+        if args.report_json:
+            report = {"network": model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
+                      "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
+                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None}
+            with open(args.report_json, "w") as f:
+                json.dump(report, f, indent=2)
+                f.write("\n")
         return 0
 
-    data = datasets.load(data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=n)
-    stream = datasets.Batches(data.x_train, data.y_train, n, seed=model.seed)
-    if resumed is not None:
-        model.load_tensors({k: resumed.tensors[k] for k in model.expected_shapes()})
-        stream.position = resumed.data_position
-        start = resumed.iteration
-        _say(args, f"resuming from {params_path} at iteration {start}")
-    else:
-        model.initialize(args.seed)
-        if args.init_from:
-            _init_from(model, args.init_from, args)
-        start = 0
+    def hyper(self, iteration: int) -> dict:
+        args = self.args
+        return self.model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, iteration)
 
-    def save(iteration: int) -> bool:
+    def fresh_start(self) -> None:
+        self.model.initialize(self.args.seed)
+        if self.args.init_from:
+            _init_from(self.model, self.args.init_from, self.args)
+
+    def write_initial(self) -> int:
+        """--iters 0: the initial parameters go to --params."""
+        if not self.path:
+            raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
+        self.fresh_start()
+        ckpt.write(self.path, _checkpoint(self.model, 0, (0, 0), self.data_spec))
+        _say(self.args, f"wrote initial parameters to {self.path}")
+        return 0
+
+    def save(self, iteration: int) -> bool:
         """Write the checkpoint unless the tensors went non-finite (the last good one stays)."""
-        if not params_path:
+        if not self.path:
             return False
-        state = _checkpoint(model, iteration, stream, data_spec)
+        state = _checkpoint(self.model, iteration, self.stream.position, self.data_spec)
         if not all(np.all(np.isfinite(a)) for a in state.tensors.values()):
-            print(f"{model.name}: warning: NaN or infinite parameters at iteration {iteration}; "
-                  f"{params_path} is not overwritten", file=sys.stderr, flush=True)
+            print(f"{self.model.name}: warning: NaN or infinite parameters at iteration {iteration}; "
+                  f"{self.path} is not overwritten", file=sys.stderr, flush=True)
             return False
-        ckpt.write(params_path, state)
+        ckpt.write(self.path, state)
         return True
 
-    hyper0 = model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, 0)
-    model.prepare(hyper0)
-    iteration, loss, elapsed = start, None, 0.0
-    status = 0
-    if args.iters > start:
-        _say(args, f"training {model.name} on {data_spec} ({len(data.x_train)} examples, batch {n}) on {args.device}: "
-                   f"iterations {start + 1} to {args.iters}")
+    def train(self, start: int) -> tuple[int, float | None, float, int | None]:
+        """Train from iteration `start` to --iters: (iteration reached, last loss, seconds, exit status if the
+        run must stop here)."""
+        args, model = self.args, self.model
+        iteration, loss = start, None
         bar = _progress(args, start)
         with _Signals() as signals:
             began = time.perf_counter()
-            while iteration < args.iters:
-                xb, yb = stream.next()
-                hyper = model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, iteration)
-                value = model.train_step(xb, yb, step=iteration, **hyper)
-                if not math.isfinite(value):
-                    elapsed = time.perf_counter() - began
+            try:
+                while iteration < args.iters:
+                    xb, yb = self.stream.next()
+                    value = model.train_step(xb, yb, step=iteration, **self.hyper(iteration))
+                    if not math.isfinite(value):
+                        print(f"{model.name}: error: the loss is {value} at iteration {iteration + 1}; training "
+                              "stopped" + (f", {self.path} keeps the last good checkpoint" if self.path else ""),
+                              file=sys.stderr, flush=True)
+                        return iteration, loss, time.perf_counter() - began, EXIT_DIVERGED
+                    iteration, loss = iteration + 1, value
                     if bar is not None:
-                        bar.close()
-                    print(f"{model.name}: error: the loss is {value} at iteration {iteration + 1}; training stopped"
-                          + (f", {params_path} keeps the last good checkpoint" if params_path else ""),
-                          file=sys.stderr, flush=True)
-                    return EXIT_DIVERGED
-                iteration += 1
-                loss = value
+                        bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
+                        bar.update(1)
+                    if signals.received is not None:
+                        break
+                    if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
+                        self.save(iteration)
+            finally:
                 if bar is not None:
-                    bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
-                    bar.update(1)
-                if signals.received is not None:
-                    break
-                if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
-                    save(iteration)
+                    bar.close()
             elapsed = time.perf_counter() - began
-            if bar is not None:
-                bar.close()
             if signals.received is not None:
-                saved = save(iteration)
+                saved = self.save(iteration)
                 name = signal.Signals(signals.received).name
-                print(f"{model.name}: {name} at iteration {iteration}" + (f"; saved {params_path}" if saved else ""),
+                print(f"{model.name}: {name} at iteration {iteration}" + (f"; saved {self.path}" if saved else ""),
                       file=sys.stderr, flush=True)
-                return 128 + signals.received
-        saved = save(iteration)
-        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {params_path}" if saved else ""))
-    else:
-        _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
-
-    accuracy = test_loss = None
-    if args.test_iters:
-        accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
-        _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {n})")
-    done = iteration - start
-    per_iter = elapsed / done if done else None
-    if per_iter is not None:
-        _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
-    if args.report_json:
-        report = {"network": model.name, "device": args.device, "data": data_spec, "batch": n,
-                  "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
-                  "test_loss": test_loss, "seconds_per_iter": per_iter, "params": params_path or None}
-        with open(args.report_json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return status
+                return iteration, loss, elapsed, 128 + signals.received
+        saved = self.save(iteration)
+        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {self.path}" if saved else ""))
+        return iteration, loss, elapsed, None
 
 
 def _progress(args, start: int):
