@@ -126,7 +126,7 @@ def test_two_sgd_steps_match_pytorch(name, twin_class, batch, tmp_path):
     lr, momentum, decay = 0.05, 0.9, 0.01
     model, losses = run_generated(program, values, data, lr=lr, momentum=momentum, decay=decay)
 
-    twin = twin_class(image=(28, 28), classes=10)
+    twin = twin_class(image=(28, 28), classes=10).float()     # float32 whatever the default dtype
     tensors = load_twin(twin, values)
     optimizer = torch.optim.SGD(groups(model, tensors, {"lr": lr, "weight_decay": decay}), lr=lr, momentum=momentum)
     twin.train()
@@ -188,7 +188,7 @@ def test_adam_with_clipping_matches_pytorch(tmp_path):
     lr, decay = 0.01, 0.01
     model, losses = run_generated(program, values, data, lr=lr, momentum=0.0, decay=decay)
 
-    twin = TinyAdam()
+    twin = TinyAdam().float()
     tensors = load_twin(twin, values)
     optimizer = torch.optim.Adam(groups(model, tensors, {"lr": lr, "weight_decay": decay}), lr=lr,
                                  betas=(0.8, 0.95), eps=1e-6)
@@ -223,7 +223,7 @@ def test_test_step_matches_pytorch_eval(tmp_path):
     model.prepare(model.hyper(0.1, 0.9, 0.0, 0))
     (x, y), = batches(compiled, 1, rng)
     accuracy, loss = model.test_step(x, y)
-    twin = torch_nets.ResNetMini()
+    twin = torch_nets.ResNetMini().float()
     load_twin(twin, values)
     twin.eval()
     with torch.no_grad():
