@@ -86,9 +86,8 @@ class Mlp(rp.Model):
         rt.ew(ew2, X8, X7, T['fc3_B'])
         # X9 = log_softmax(X8)
         X9 = mem.empty((100, 10), 'float32')
-        ws = mem.empty((1000,), 'float32')
+        ws = mem.workspace(1000)
         rt.log_softmax(X8, out=X9, workspace=ws)
-        mem.free(ws)
         # free X8
         mem.free(X7)
         # X10 = pick(X9, y)
@@ -229,9 +228,8 @@ class Mlp(rp.Model):
         rt.precision(X7, y, out=X8)
         # X9 = log_softmax(X7)
         X9 = mem.empty((100, 10), 'float32')
-        ws = mem.empty((1000,), 'float32')
+        ws = mem.workspace(1000)
         rt.log_softmax(X7, out=X9, workspace=ws)
-        mem.free(ws)
         # free X7
         mem.free(X6)
         # X10 = pick(X9, y)

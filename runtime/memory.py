@@ -1,8 +1,10 @@
-"""Where a generated step gets its buffers: one allocator object with `empty(shape, dtype)` and `free(*buffers)`.
+"""Where a generated step gets its buffers: one allocator object with `empty(shape, dtype)`, `free(*buffers)`,
+`workspace(count)` and `reset()`.
 
 A generated step never creates arrays itself; every value and every op's scratch space comes from the allocator
 passed to it, in the order the compiler wrote the statements. That makes the allocator the single place a memory
-plan plugs in: an arena with planned offsets answers the same calls.
+plan plugs in: an arena with planned offsets answers the same calls. Scratch space (`workspace`) is one region
+shared by all statements, as the memory plan models it: a statement's scratch is dead once its op returns.
 
 - `Heap`: a fresh `np.empty` per request; `free` is a no-op and Python frees the array when its last reference
   goes. Used for values that must outlive a step (hoisted values computed once by the setup program).
@@ -26,6 +28,9 @@ class Heap:
     def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
 
+    def workspace(self, count: int) -> np.ndarray:
+        return np.empty(count, dtype=np.float32)
+
     def free(self, *buffers: np.ndarray) -> None:
         pass
 
@@ -39,7 +44,15 @@ class Recycler:
     def __init__(self):
         self._free: dict[tuple, list[np.ndarray]] = defaultdict(list)
         self._lent: dict[int, tuple[tuple, np.ndarray]] = {}
+        self._scratch = np.empty(0, dtype=np.float32)
         self.bytes_allocated = 0          # total size of every buffer this allocator ever created
+
+    def workspace(self, count: int) -> np.ndarray:
+        """`count` float32 elements of the scratch region (grown to the largest request, never shrunk)."""
+        if count > self._scratch.size:
+            self.bytes_allocated += 4 * (count - self._scratch.size)
+            self._scratch = np.empty(count, dtype=np.float32)
+        return self._scratch[:count]
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         key = (tuple(shape), np.dtype(dtype).str)

@@ -306,3 +306,5 @@ def test_recycler_reuses_buffers_of_finished_steps():
     assert mem.bytes_allocated == 2 * 48
     with pytest.raises(ValueError):
         mem.free(np.empty(3))
+    small, large = mem.workspace(10), mem.workspace(100)                 # one scratch region, grown to fit
+    assert small.dtype == np.float32 and large.size == 100 and mem.workspace(50).base is large.base

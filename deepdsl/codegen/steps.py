@@ -1,7 +1,8 @@
 """Turn the SSA programs of a compiled network into the Python bodies of its `setup`, `train_step` and `test_step`.
 
-Each `Let` becomes a block: the IR statement as a comment, then its buffer (`mem.empty`, or the parameter's own
-buffer for an in-place update, or nothing for a view), its workspace, and the runtime call (from `lowering`).
+Each `Let` becomes a block: the IR statement as a comment, then its buffer (`mem.empty`, or the buffer it
+overwrites in place, or nothing for a view), its scratch space (`mem.workspace`: one region shared by all
+statements), and the runtime call (from `lowering`).
 `Free` statements become `mem.free`. Elementwise statements call kernels (module-level numpy functions rendered
 by `ufuncs`, shared between steps when their expressions agree).
 
@@ -199,14 +200,12 @@ class StepBuilder:
             self.owner[id(node)] = name
         size = workspace_size(node, self.limit)
         if size:
-            lines.append(f"ws = mem.empty(({size},), 'float32')")
+            lines.append(f"ws = mem.workspace({size})")
         kernel = None
         if node.op == "ew":
             alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
             kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
         lines.append(lowering.lower(lowering.Site(node, args, name, "ws" if size else None, kernel)))
-        if size:
-            lines.append("mem.free(ws)")
         return Block(comment, lines)
 
     def lives_in(self, value: Node, leaf: Node) -> bool:
