@@ -65,6 +65,7 @@ def write(path: str, checkpoint: Checkpoint) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, temporary = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
         with os.fdopen(fd, "wb") as f:
             with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
                 for name, array in entries.items():
@@ -87,6 +88,16 @@ def write(path: str, checkpoint: Checkpoint) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def _mode_for(path: str) -> int:
+    """The permissions the checkpoint would have if written in place: the old file's, else 0666 minus umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def read(path: str) -> Checkpoint:

@@ -55,6 +55,9 @@ def test_initial_checkpoint_format(mlp, tmp_path):
     assert str(z["__format__"]) == "deepdsl-checkpoint-1" and str(z["__network__"]) == "mlp"
     assert int(z["__iteration__"]) == 0 and len(str(z["__structure_hash__"])) == 16
     assert [p.name for p in tmp_path.iterdir()] == ["init.npz"]            # no temporary file left behind
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask                     # not the 0600 of a temporary file
 
 
 def test_resume_is_bit_exact(inception, tmp_path):
