@@ -8,6 +8,8 @@ when it is made, so every graph that exists has been shape-checked.
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -48,7 +50,7 @@ class Node:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -76,47 +78,59 @@ _serial = itertools.count()
 
 def make(op: str, inputs: Iterable[Node] = (), **attrs: Any) -> Node:
     """The node `op(inputs, **attrs)`: shape-checked by the op's rule, hash-consed."""
-    from deepdsl.ops import get_op   # the registry imports this module
+    return _make(op, tuple(inputs), tuple(sorted(attrs.items())) if attrs else ())
 
-    inputs = tuple(inputs)
-    items = tuple(sorted(attrs.items()))
-    key = (op, tuple(id(i) for i in inputs), items)
+
+def _make(op: str, inputs: tuple[Node, ...], items: tuple[tuple[str, Any], ...]) -> Node:
+    """`make` with the attributes already as sorted pairs (rebuilding a node reuses its own)."""
+    key = (op, tuple(map(id, inputs)), items)
     found = _cache.get(key)
     if found is not None:
         return found
-    shape, dtype = get_op(op).infer(*inputs, **attrs)
-    node = Node(op, inputs, items, tuple(int(d) for d in shape), dtype, next(_serial))
+    shape, dtype = _get_op(op).infer(*inputs, **dict(items))
+    node = Node(op, inputs, items, tuple(map(int, shape)), dtype, next(_serial))
     _cache[key] = node
     return node
+
+
+def _get_op(name: str):
+    global _get_op
+    from deepdsl.ops import get_op   # the registry imports this module: bind it on first use
+    _get_op = get_op
+    return get_op(name)
 
 
 def rebuild(node: Node, inputs: Iterable[Node]) -> Node:
     """`node` with other inputs (same op and attributes)."""
     inputs = tuple(inputs)
-    if all(a is b for a, b in zip(inputs, node.inputs)) and len(inputs) == len(node.inputs):
+    old = node.inputs
+    if len(inputs) == len(old) and all(map(operator.is_, inputs, old)):
         return node
-    return make(node.op, inputs, **node.kwargs)
+    return _make(node.op, inputs, node.attrs)
 
 
 def toposort(roots: Iterable[Node]) -> list[Node]:
     """Every node reachable from `roots`, each after its inputs (iterative DFS, deterministic)."""
     order: list[Node] = []
-    seen: set[int] = set()
+    seen: set[Node] = set()      # nodes hash by identity
+    append, mark = order.append, seen.add
     for root in roots:
-        if id(root) in seen:
+        if root in seen:
             continue
+        mark(root)
         stack: list[tuple[Node, Iterator[Node]]] = [(root, iter(root.inputs))]
-        seen.add(id(root))
         while stack:
             node, it = stack[-1]
             for child in it:
-                if id(child) not in seen:
-                    seen.add(id(child))
-                    stack.append((child, iter(child.inputs)))
-                    break
+                if child not in seen:
+                    mark(child)
+                    if child.inputs:
+                        stack.append((child, iter(child.inputs)))
+                        break
+                    append(child)    # a leaf: done at once
             else:
                 stack.pop()
-                order.append(node)
+                append(node)
     return order
 
 
@@ -134,11 +148,10 @@ def transform(roots: Iterable[Node], rewrite: Callable[[Node], Node]) -> Callabl
 
     Returns the memoised mapping (old node -> new node); `rewrite` sees nodes whose inputs are already rewritten.
     """
-    memo: dict[int, Node] = {}
+    memo: dict[Node, Node] = {}     # nodes hash by identity
     for node in toposort(roots):
-        new = rebuild(node, [memo[id(i)] for i in node.inputs]) if node.inputs else node
-        memo[id(node)] = rewrite(new)
-    return lambda node: memo[id(node)]
+        memo[node] = rewrite(rebuild(node, [memo[i] for i in node.inputs]) if node.inputs else node)
+    return memo.__getitem__
 
 
 @dataclass(frozen=True)

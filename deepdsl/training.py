@@ -6,6 +6,7 @@ state, and the hyperparameters fed each step (`lr`, `momentum`, `decay`; Adam: `
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,12 +91,21 @@ def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
     out = []
     for p in params:
         v = optimizer_state("V", p)
-        dm, lm = number(p.attr("decay_mult")), number(p.attr("lr_mult"))
-        # v0: velocity, v1: momentum, v2: gradient, v3: decay, v4: parameter
-        new_v = elementwise(sym(1) * sym(0) + sym(2) + dm * sym(3) * sym(4), [v, momentum, grads[p], decay, p])
-        new_p = elementwise(sym(0) - lm * sym(1) * sym(2), [p, lr, new_v])
+        velocity, update = _sgd_exprs(p.attr("decay_mult"), p.attr("lr_mult"))
+        new_v = elementwise(velocity, [v, momentum, grads[p], decay, p])
+        new_p = elementwise(update, [p, lr, new_v])
         out += [(p.name, new_p), (v.name, new_v)]
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _sgd_exprs(decay_mult: float, lr_mult: float) -> tuple[sympy.Expr, sympy.Expr]:
+    """The velocity and parameter updates for one pair of multipliers (built once: sympy is slow to build them)."""
+    dm, lm = number(decay_mult), number(lr_mult)
+    # v0: velocity, v1: momentum, v2: gradient, v3: decay, v4: parameter
+    velocity = sym(1) * sym(0) + sym(2) + dm * sym(3) * sym(4)
+    # v0: parameter, v1: learning rate, v2: new velocity
+    return velocity, sym(0) - lm * sym(1) * sym(2)
 
 
 def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
@@ -103,16 +113,25 @@ def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
     p -= lr * lr_mult / bias1 * m / (sqrt(s) / sqrt(bias2) + eps), bias_i = 1 - b_i^t fed each step."""
     grads = _clipped(params, grads, solver)
     lr, bias1, bias2, decay = hyper("lr"), hyper("bias1"), hyper("bias2"), hyper("decay")
-    b1, b2 = sympy.Float(solver.betas[0]), sympy.Float(solver.betas[1])
-    eps = sympy.Float(solver.eps)
     out = []
     for p in params:
         m, s = optimizer_state("M", p), optimizer_state("S", p)
-        dm, lm = number(p.attr("decay_mult")), number(p.attr("lr_mult"))
-        g = elementwise(sym(0) + dm * sym(1) * sym(2), [grads[p], decay, p])
-        new_m = elementwise(b1 * sym(0) + (1 - b1) * sym(1), [m, g])
-        new_s = elementwise(b2 * sym(0) + (1 - b2) * sym(1) ** 2, [s, g])
-        new_p = elementwise(sym(0) - lm * sym(1) / sym(2) * sym(3) / (sympy.sqrt(sym(4)) / sympy.sqrt(sym(5)) + eps),
-                            [p, lr, bias1, new_m, new_s, bias2])
+        f = _adam_exprs(p.attr("decay_mult"), p.attr("lr_mult"), tuple(solver.betas), solver.eps)
+        g = elementwise(f[0], [grads[p], decay, p])
+        new_m = elementwise(f[1], [m, g])
+        new_s = elementwise(f[2], [s, g])
+        new_p = elementwise(f[3], [p, lr, bias1, new_m, new_s, bias2])
         out += [(p.name, new_p), (m.name, new_m), (s.name, new_s)]
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _adam_exprs(decay_mult: float, lr_mult: float, betas: tuple[float, float], eps: float) -> tuple[sympy.Expr, ...]:
+    """Adam's gradient with decay, first and second moments and parameter update (built once per multipliers)."""
+    b1, b2 = sympy.Float(betas[0]), sympy.Float(betas[1])
+    dm, lm = number(decay_mult), number(lr_mult)
+    return (sym(0) + dm * sym(1) * sym(2),                  # gradient, decay, parameter
+            b1 * sym(0) + (1 - b1) * sym(1),                # m, gradient
+            b2 * sym(0) + (1 - b2) * sym(1) ** 2,           # s, gradient
+            # parameter, lr, bias1, new m, new s, bias2
+            sym(0) - lm * sym(1) / sym(2) * sym(3) / (sympy.sqrt(sym(4)) / sympy.sqrt(sym(5)) + sympy.Float(eps)))

@@ -31,6 +31,28 @@ def symbols(n: int) -> list[sympy.Symbol]:
     return [sym(i) for i in range(n)]
 
 
+_V0 = sym(0)
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """`numpy.broadcast_shapes` for shape tuples (ValueError when they do not broadcast), without the arrays numpy
+    builds for it: shape rules run for every node made, and most operands have equal shapes."""
+    first = shapes[0] if shapes else ()
+    if all(shape == first for shape in shapes):
+        return tuple(first)
+    result = [1] * max(map(len, shapes))
+    for shape in shapes:
+        offset = len(result) - len(shape)
+        for k, d in enumerate(shape):
+            current = result[offset + k]
+            if d != current:
+                if current == 1:
+                    result[offset + k] = d
+                elif d != 1:
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+    return tuple(result)
+
+
 def _heaviside_zero_at_zero(expr: sympy.Expr) -> sympy.Expr:
     """sympy's Heaviside(0) is 1/2; PyTorch's ReLU'(0) is 0. Use 0 so gradients match it exactly.
     (sympy >= 1.9 spells the default value out: `diff(Max(v, 0), v)` is Heaviside(v, 1/2), with two arguments.)"""
@@ -44,6 +66,18 @@ def derivative(expr: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
 
 
 @functools.lru_cache(maxsize=4096)
+def cotangent_exprs(expr: sympy.Expr, n: int) -> tuple[sympy.Expr | None, ...]:
+    """For each input i of `expr` over v0..v{n-1}: `g * d expr / d v_i` over (g, inputs) as v0, v1..vn, or None
+    where the derivative is identically 0. Cached: every layer of one kind has the same expression."""
+    shift = {sym(j): sym(j + 1) for j in range(n)}    # simultaneous: v_j -> v_{j+1} cannot cascade
+    result = []
+    for i in range(n):
+        d = derivative(expr, sym(i))
+        result.append(None if d == 0 else sym(0) * d.xreplace(shift))
+    return tuple(result)
+
+
+@functools.lru_cache(maxsize=4096)
 def numpy_function(expr: sympy.Expr, n: int):
     return sympy.lambdify(symbols(n), expr, modules="numpy")
 
@@ -53,9 +87,10 @@ class Elementwise(Op):
     name = "ew"
 
     def infer(self, *inputs: Node, expr, out_grad=None):
-        require(all(i.dtype in (FLOAT, UINT8) for i in inputs), "elementwise op on an integer tensor")
+        for i in inputs:
+            require(i.dtype == FLOAT or i.dtype == UINT8, "elementwise op on an integer tensor")
         try:
-            shape = np.broadcast_shapes(*(i.shape for i in inputs)) if inputs else ()
+            shape = broadcast_shapes(*[i.shape for i in inputs])
         except ValueError:
             raise_mismatch(inputs)
         return shape, FLOAT
@@ -67,13 +102,11 @@ class Elementwise(Op):
             (x,) = node.inputs
             return (elementwise(G * out_grad, [g, node], names=(G, Y)),)
         result = []
-        for i, x in enumerate(node.inputs):
-            d = derivative(expr, sym(i))
-            if d == 0:
+        for x, cotangent in zip(node.inputs, cotangent_exprs(expr, len(node.inputs))):
+            if cotangent is None:
                 result.append(None)
                 continue
-            d = d.xreplace({s: sym(j + 1) for j, s in enumerate(symbols(len(node.inputs)))})
-            cot = elementwise(sym(0) * d, [g, *node.inputs], shape=node.shape)
+            cot = elementwise(cotangent, [g, *node.inputs], shape=node.shape)
             result.append(sum_to(cot, x.shape))
         return tuple(result)
 
@@ -101,39 +134,60 @@ def elementwise(expr: sympy.Expr, inputs: Sequence[Node], names: Sequence[sympy.
     equal computations are one node. An identity on a same-shape input returns that input; a constant expression
     returns a `const`. The result is broadcast to `shape` when given.
     """
-    names = list(names) if names is not None else symbols(len(inputs))
     try:
-        target = shape if shape is not None else (np.broadcast_shapes(*(i.shape for i in inputs)) if inputs else ())
+        target = shape if shape is not None else broadcast_shapes(*(i.shape for i in inputs))
     except ValueError:
         raise_mismatch(inputs)
-    subst: dict[sympy.Symbol, sympy.Expr] = {}
-    kept: list[Node] = []
-    for name, node in zip(names, inputs):
+    # the input pattern: each input is a scalar constant (its value) or the index of its first occurrence among the
+    # other inputs; the canonical expression depends on nothing else, so it is computed once per pattern
+    pattern: list = []
+    distinct: list[Node] = []
+    for node in inputs:
         if node.op == "const" and node.shape == ():
-            subst[name] = sympy.Float(node.attr("value")) if node.attr("value") != int(node.attr("value")) \
-                else sympy.Integer(int(node.attr("value")))
+            pattern.append((node.attr("value"),))
             continue
-        for j, other in enumerate(kept):
+        for j, other in enumerate(distinct):
             if other is node:
-                subst[name] = sym(j)
+                pattern.append(j)
                 break
         else:
-            subst[name] = sym(len(kept))
-            kept.append(node)
-    # rename through fresh placeholders so v-symbols in `names` and in the result cannot collide
-    tmp = {n: sympy.Dummy() for n in names}
-    expr = sympy.sympify(expr).xreplace(tmp).xreplace({tmp[n]: v for n, v in subst.items()})
-    used = sorted(expr.free_symbols & set(symbols(len(kept))), key=lambda s: int(s.name[1:]))
-    remap = {s: sym(j) for j, s in enumerate(used)}
-    expr = expr.xreplace(remap)
-    final = [kept[int(s.name[1:])] for s in used]
-    if not final:
-        value = float(expr)
+            pattern.append(len(distinct))
+            distinct.append(node)
+    if not isinstance(expr, sympy.Basic):
+        expr = sympy.sympify(expr)
+    canonical, used = _canonical(expr, tuple(names) if names is not None else None, tuple(pattern))
+    if not used:
+        value = float(canonical)
         return const(value, target) if target else const(value)
-    if expr == sym(0) and len(final) == 1 and final[0].shape == target:
+    final = [distinct[j] for j in used]
+    if canonical == _V0 and len(final) == 1 and final[0].shape == target:
         return final[0]
-    node = make("ew", final, expr=expr, **({"out_grad": out_grad} if out_grad is not None else {}))
+    node = make("ew", final, expr=canonical, **({"out_grad": out_grad} if out_grad is not None else {}))
     return node if node.shape == target else broadcast_to(node, target)
+
+
+@functools.lru_cache(maxsize=16384)
+def _canonical(expr: sympy.Expr, names: tuple[sympy.Symbol, ...] | None,
+               pattern: tuple) -> tuple[sympy.Expr, tuple[int, ...]]:
+    """`expr` over inputs with the given pattern (see `elementwise`) in canonical form: constants substituted,
+    symbols renumbered v0.. over the distinct inputs it still reads. Returns it with the indices of those inputs
+    among the distinct ones."""
+    names = names if names is not None else tuple(symbols(len(pattern)))
+    subst: dict[sympy.Symbol, sympy.Expr] = {}
+    for name, p in zip(names, pattern):
+        if isinstance(p, tuple):
+            (value,) = p
+            subst[name] = sympy.Float(value) if value != int(value) else sympy.Integer(int(value))
+        else:
+            subst[name] = sym(p)
+    # xreplace substitutes simultaneously, so v-symbols in `names` and in `subst` cannot capture each other
+    expr = expr.xreplace(subst)
+    distinct = sum(1 for p in pattern if not isinstance(p, tuple))
+    used = sorted(expr.free_symbols & set(symbols(distinct)), key=lambda s: int(s.name[1:]))
+    renumber = {s: sym(j) for j, s in enumerate(used) if s != sym(j)}
+    if renumber:
+        expr = expr.xreplace(renumber)
+    return expr, tuple(int(s.name[1:]) for s in used)
 
 
 def add(*terms: Node) -> Node:
@@ -178,7 +232,7 @@ class SumTo(Op):
         ok = len(shape) <= len(x.shape)
         if ok:
             try:
-                ok = np.broadcast_shapes(shape, x.shape) == x.shape
+                ok = broadcast_shapes(shape, x.shape) == x.shape
             except ValueError:
                 ok = False
         require(ok, f"cannot sum {dims(x.shape)} to {dims(shape)}")
@@ -201,7 +255,7 @@ class BroadcastTo(Op):
 
     def infer(self, x: Node, *, shape):
         try:
-            ok = np.broadcast_shapes(shape, x.shape) == tuple(shape)
+            ok = broadcast_shapes(shape, x.shape) == tuple(shape)
         except ValueError:
             ok = False
         require(ok, f"cannot broadcast {dims(x.shape)} to {dims(shape)}")

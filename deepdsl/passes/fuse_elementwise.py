@@ -22,7 +22,7 @@ import functools
 import sympy
 
 from deepdsl.ir import Graph, Node, make, rebuild, toposort
-from deepdsl.ops.elementwise import elementwise, sym, symbols
+from deepdsl.ops.elementwise import elementwise, sym
 
 MAX_INPUTS = 8
 MAX_EXPR_SIZE = 80
@@ -75,7 +75,7 @@ def _fuse(node: Node, inputs: list[Node], fusable: list[bool]) -> Node:
         fused_any = True
     if not fused_any:
         return rebuild(node, inputs)
-    if len(expr.free_symbols) < len(current):     # terms cancelled: drop the inputs no longer read
+    if _symbol_count(expr) < len(current):     # terms cancelled: drop the inputs no longer read
         return elementwise(expr, current, shape=node.shape)
     return make("ew", current, expr=expr)
 
@@ -108,14 +108,17 @@ def _compose(outer: sympy.Expr, n_outer: int, position: int, inner: sympy.Expr, 
         elif j > position:
             outer_map[sym(j)] = sym(new_index[j + n_inner - 1])
     inner_map = {sym(j): sym(new_index[position + j]) for j in range(n_inner)}
-    # rename through dummies so substitutions cannot capture each other's symbols
-    dummies = {s: sympy.Dummy() for s in symbols(max(n_outer, n_inner, len(sharing)))}
-    inner_d = inner.xreplace({s: dummies[t] for s, t in inner_map.items()})
-    outer_d = outer.xreplace({s: dummies[t] for s, t in outer_map.items()} | {sym(position): inner_d})
-    result = outer_d.xreplace({d: s for s, d in dummies.items()})
+    # xreplace substitutes simultaneously, so renamed symbols cannot capture each other (and each expression is
+    # rebuilt once: rebuilding `Max` is costly)
+    result = outer.xreplace(outer_map | {sym(position): inner.xreplace(inner_map)})
     if _size(result) > MAX_EXPR_SIZE:
         return None
     return result, len(unique)
+
+
+@functools.lru_cache(maxsize=8192)
+def _symbol_count(expr: sympy.Expr) -> int:
+    return len(expr.free_symbols)    # sympy walks the whole expression for this: once per fused expression
 
 
 @functools.lru_cache(maxsize=8192)

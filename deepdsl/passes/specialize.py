@@ -7,6 +7,9 @@ Guarantees: the result holds no `dropout` or `batch_norm` node.
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import sympy
 
 from deepdsl.ir import Graph, Node
@@ -36,21 +39,48 @@ def specialize(graph: Graph, mode: str) -> Graph:
 
 def _batch_norm(node: Node, mode: str, updates: dict[str, Node]) -> Node:
     x, weight, bias, running_mean, running_var = node.inputs
-    eps, momentum = node.attr("eps"), node.attr("momentum")
     c = x.shape[1]
     bshape = (1, c) + (1,) * (len(x.shape) - 2)
     w, b = reshape(weight, bshape), reshape(bias, bshape)
+    count = x.size // c
+    f = _batch_norm_exprs(node.attr("eps"), node.attr("momentum"), count)
     if mode == "test":
         mean, var = reshape(running_mean, bshape), reshape(running_var, bshape)
-        return elementwise((sym(0) - sym(1)) / sympy.sqrt(sym(2) + eps) * sym(3) + sym(4), [x, mean, var, w, b])
-    count = x.size // c
-    mean = elementwise(sym(0) / count, [sum_to(x, bshape)])
-    centered = elementwise(sym(0) - sym(1), [x, mean])
-    var = elementwise(sym(0) / count, [sum_to(elementwise(sym(0) ** 2, [centered]), bshape)])
-    inv_std = elementwise(1 / sympy.sqrt(sym(0) + eps), [var])
-    y = elementwise(sym(0) * sym(1) * sym(2) + sym(3), [centered, inv_std, w, b])
-    m = sympy.Float(momentum)
-    updates[running_mean.name] = elementwise((1 - m) * sym(0) + m * sym(1), [running_mean, reshape(mean, (c,))])
-    unbias = sympy.Rational(count, max(count - 1, 1))
-    updates[running_var.name] = elementwise((1 - m) * sym(0) + m * unbias * sym(1), [running_var, reshape(var, (c,))])
+        return elementwise(f.test, [x, mean, var, w, b])
+    mean = elementwise(f.mean, [sum_to(x, bshape)])
+    centered = elementwise(f.centered, [x, mean])
+    var = elementwise(f.mean, [sum_to(elementwise(f.square, [centered]), bshape)])
+    inv_std = elementwise(f.inv_std, [var])
+    y = elementwise(f.normalized, [centered, inv_std, w, b])
+    updates[running_mean.name] = elementwise(f.running_mean, [running_mean, reshape(mean, (c,))])
+    updates[running_var.name] = elementwise(f.running_var, [running_var, reshape(var, (c,))])
     return y
+
+
+class _BatchNormExprs(NamedTuple):
+    test: sympy.Expr            # (x - running mean) / sqrt(running var + eps) * w + b
+    mean: sympy.Expr            # sum / count
+    centered: sympy.Expr        # x - mean
+    square: sympy.Expr
+    inv_std: sympy.Expr         # 1 / sqrt(var + eps)
+    normalized: sympy.Expr      # centered * inv_std * w + b
+    running_mean: sympy.Expr    # (1 - m) * running + m * batch mean
+    running_var: sympy.Expr     # (1 - m) * running + m * unbiased batch variance
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_norm_exprs(eps: float, momentum: float, count: int) -> _BatchNormExprs:
+    """The expressions of one batch-norm layer, built once per (eps, momentum, count) (sympy is slow to build them
+    and every layer of a network usually shares them)."""
+    m = sympy.Float(momentum)
+    unbias = sympy.Rational(count, max(count - 1, 1))
+    return _BatchNormExprs(
+        test=(sym(0) - sym(1)) / sympy.sqrt(sym(2) + eps) * sym(3) + sym(4),
+        mean=sym(0) / count,
+        centered=sym(0) - sym(1),
+        square=sym(0) ** 2,
+        inv_std=1 / sympy.sqrt(sym(0) + eps),
+        normalized=sym(0) * sym(1) * sym(2) + sym(3),
+        running_mean=(1 - m) * sym(0) + m * sym(1),
+        running_var=(1 - m) * sym(0) + m * unbias * sym(1),
+    )
