@@ -35,6 +35,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables)."""
+    import re
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 67108864 or 64MB, got '{text}'")
+    value = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
+    return int(value)
+
+
 def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("network", help="network file (a Python module defining a D.Loop)")
     p.add_argument("--batch", type=_positive, help="override the batch size the network file declares")
@@ -43,6 +53,8 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse", action="store_true", help="skip elementwise fusion")
     p.add_argument("--no-cse", action="store_true", help="skip common-subexpression elimination")
     p.add_argument("--no-code-motion", action="store_true", help="skip hoisting and sinking")
+    p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
+                   help="convolution workspace limit (ops run over the batch in chunks to fit), e.g. 64MB")
 
 
 def _compile(args: argparse.Namespace):
@@ -51,7 +63,7 @@ def _compile(args: argparse.Namespace):
 
     loop = deepdsl.load(args.network, Overrides(batch=args.batch, image=args.image))
     options = deepdsl.CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
-                                     code_motion=not args.no_code_motion)
+                                     code_motion=not args.no_code_motion, workspace_limit=args.workspace_limit)
     return deepdsl.compile(loop, options)
 
 
@@ -95,20 +107,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from deepdsl.codegen import run_program, write_program
 
     compiled = _compile(args)
-    out = Path(args.output) if args.output else _default_output(args.network)
+    # a scratch copy: `run` may use overrides, so it never rewrites the checked-in generated/ programs
+    out = Path(args.output) if args.output else Path(".deepdsl") / Path(args.network).name
     path = write_program(compiled, out)
     print(f"wrote {path}; running it", flush=True)
     return run_program(path, args.program_args)
-
-
-def _bytes(text: str) -> int:
-    """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables)."""
-    import re
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 67108864 or 64MB, got '{text}'")
-    value = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
-    return int(value)
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -158,15 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="compile a network, then run its training program",
                        description="Compile NET.py, then run the generated program; options after `--` go to it.")
     _add_network_options(p)
-    p.add_argument("-o", "--output", help="program to write (default: generated/<network>.py)")
-    p.add_argument("program_args", nargs=argparse.REMAINDER, help="options for the generated program, after --")
-    p.set_defaults(func=cmd_run)
+    p.add_argument("-o", "--output", help="program to write (default: .deepdsl/<network>.py)")
+    p.set_defaults(func=cmd_run, program_args=[])
 
     p = sub.add_parser("memory", help="print the static memory table of a step (peak, arena, workspace, what-ifs)")
     _add_network_options(p)
     p.add_argument("--step", choices=("train", "test", "setup"), default="train")
-    p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
-                   help="convolution workspace limit (ops run over the batch in chunks to fit), e.g. 64MB")
     p.add_argument("--json", action="store_true", help="write the table as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
     p.set_defaults(func=cmd_memory)
@@ -175,10 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    program_args: list[str] = []
+    if "--" in argv:                     # `deepdsl run NET.py [options] -- program options`
+        cut = argv.index("--")
+        argv, program_args = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "program_args", None) and args.program_args[:1] == ["--"]:
-        args.program_args = args.program_args[1:]
+    if program_args and args.command != "run":
+        parser.error("options after `--` are for `deepdsl run` only")
+    args.program_args = program_args
     try:
         return args.func(args)
     except DeepDSLError as err:

@@ -20,7 +20,16 @@ from pathlib import Path
 
 __all__ = ["CodegenOptions", "generate", "program_env", "run_program", "write_program"]
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "codegen_templates"
+def _templates_dir() -> Path:
+    """`codegen_templates/` of a source checkout, else the copy installed as `deepdsl.codegen_templates`."""
+    checkout = Path(__file__).resolve().parents[2] / "codegen_templates"
+    if checkout.is_dir():
+        return checkout
+    import importlib.resources
+    return Path(str(importlib.resources.files("deepdsl.codegen_templates")))
+
+
+TEMPLATES = _templates_dir()
 DEFAULT_WORKSPACE_LIMIT = 256 << 20
 
 
