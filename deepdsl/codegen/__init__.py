@@ -25,8 +25,7 @@ def _templates_dir() -> Path:
     checkout = Path(__file__).resolve().parents[2] / "codegen_templates"
     if checkout.is_dir():
         return checkout
-    import importlib.resources
-    return Path(str(importlib.resources.files("deepdsl.codegen_templates")))
+    return Path(__file__).resolve().parents[1] / "codegen_templates"    # installed: deepdsl/codegen_templates
 
 
 TEMPLATES = _templates_dir()
