@@ -10,6 +10,8 @@ analyses can rerun those stages with other options).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -144,6 +146,26 @@ def plan_program(program: Program, options: CompileOptions = CompileOptions(),
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
     """Compile a Loop into its setup, training-step and test-step SSA programs."""
+    with _collector_paused():
+        return _compile(loop, options, hook)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause CPython's cyclic garbage collector while compiling. Compiling allocates many small objects, so the
+    collector would run a few hundred times (for ResNet-50), each time scanning the live graphs and sympy's caches:
+    about 15% of the compile time. What compiling drops is freed by reference counting as usual; the collector
+    resumes (if it was running) when the compiler returns or raises."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _compile(loop: Loop, options: CompileOptions, hook: Hook | None) -> Compiled:
     graphs = build_step_graphs(loop, forward=simplify if options.simplify else None)
     if hook:
         hook(f"{graphs.train.name}:autodiff", graphs.train)

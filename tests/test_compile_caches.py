@@ -138,3 +138,39 @@ def test_compiled_programs_do_not_depend_on_earlier_compilations(network):
         deepdsl.compile(deepdsl.load(str(ROOT / "networks" / f"{other}.py"), Overrides(batch=2)))
     c = deepdsl.compile(deepdsl.load(path, Overrides(batch=2)))
     assert c.setup.text() + c.train.text() + c.test.text() == fresh
+
+
+def test_compile_leaves_no_cyclic_garbage_and_restores_the_collector():
+    """The collector is paused while compiling (what compiling drops must be freed by reference counting, so no
+    cycles), and is running again afterwards, also when compiling fails; a paused collector stays paused."""
+    import gc
+
+    loop = deepdsl.load(str(ROOT / "networks" / "resnet_mini.py"), Overrides(batch=2))
+    deepdsl.compile(loop)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        compiled = deepdsl.compile(loop)
+        del compiled
+        gc.collect()
+        garbage = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert garbage == [], f"compiling left {len(garbage)} objects in reference cycles: {garbage[:10]}"
+    assert gc.isenabled()
+
+    from deepdsl import dsl as D
+    from deepdsl.errors import DeepDSLError
+    y = D.labels("y", 2, classes=16)
+    features = D.flatten(D.images("x", (2, 1, 4, 4)))
+    bad = D.Loop(D.cross_entropy(y)(features), D.precision(y)(features), D.Train("bad"))   # nothing to train
+    with pytest.raises(DeepDSLError):
+        deepdsl.compile(bad)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        deepdsl.compile(loop)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

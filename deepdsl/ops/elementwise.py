@@ -37,8 +37,13 @@ _V0 = sym(0)
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """`numpy.broadcast_shapes` for shape tuples (ValueError when they do not broadcast), without the arrays numpy
     builds for it: shape rules run for every node made, and most operands have equal shapes."""
-    first = shapes[0] if shapes else ()
-    if all(shape == first for shape in shapes):
+    if not shapes:
+        return ()
+    first = shapes[0]
+    for shape in shapes:
+        if shape != first:
+            break
+    else:
         return tuple(first)
     result = [1] * max(map(len, shapes))
     for shape in shapes:

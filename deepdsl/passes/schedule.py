@@ -247,6 +247,7 @@ def _views_at_first_use(graph: _Graph, order: list[int]) -> list[int]:
     for k in order:
         if k not in deferred:
             emit(k)
+    emit = None   # the recursive closure refers to itself: break the cycle so reference counting frees the graph
     return result
 
 
