@@ -100,11 +100,11 @@ class Conv2dBwdData(Op):
 
     name = "conv2d_bwd_data"
 
-    def infer(self, g: Node, w: Node, *, stride, pad, size):
+    def infer(self, g: Node, w: Node, *, stride=1, pad=0, size):
         require(g.shape[1] == w.shape[0], f"gradient has {g.shape[1]} channels, weights {w.shape[0]}")
         return (g.shape[0], w.shape[1], *size), FLOAT
 
-    def evaluate(self, ctx, g, w, *, stride, pad, size):
+    def evaluate(self, ctx, g, w, *, stride=1, pad=0, size):
         n, o, ho, wo = g.shape
         _, c, kh, kw = w.shape
         cols = g.transpose(0, 2, 3, 1).reshape(n * ho * wo, o) @ w.reshape(o, -1)
@@ -122,10 +122,10 @@ class Conv2dBwdFilter(Op):
 
     name = "conv2d_bwd_filter"
 
-    def infer(self, g: Node, x: Node, *, stride, pad, kernel):
+    def infer(self, g: Node, x: Node, *, stride=1, pad=0, kernel):
         return (g.shape[1], x.shape[1], *kernel), FLOAT
 
-    def evaluate(self, ctx, g, x, *, stride, pad, kernel):
+    def evaluate(self, ctx, g, x, *, stride=1, pad=0, kernel):
         n, o, ho, wo = g.shape
         kh, kw = kernel
         dw = g.transpose(1, 0, 2, 3).reshape(o, -1) @ im2col(x, kh, kw, stride, pad)
