@@ -4,7 +4,7 @@ Source network: networks/alexnet.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 128x3x227x227 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 450000 iterations, lr 0.01, momentum 0.9, decay 0.0005
-Structure hash: 9e7e9d833d3b3531
+Structure hash: c2fa88e2d56e3a07
 
 Usage: python alexnet.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Alexnet(rp.Model):
 
     name = "alexnet"
     source = "networks/alexnet.py"
-    structure_hash = "9e7e9d833d3b3531"
+    structure_hash = "c2fa88e2d56e3a07"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 227, 227)
@@ -299,7 +299,7 @@ class Alexnet(rp.Model):
         # X59 = -2*X58*lr + conv5_B
         X59 = T['conv5_B']  # in place: the new conv5_B
         rt.ew(ew8, X59, T['conv5_B'], lr, X58)
-        # X60 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X55, X17)
+        # X60 = conv2d_bwd_filter[kernel=(3,3),pad=1](X55, X17)
         X60 = mem.empty((256, 384, 3, 3), 'float32')
         ws = mem.workspace(46563328)
         rt.conv2d_bwd_filter(X55, X17, out=X60, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -308,7 +308,7 @@ class Alexnet(rp.Model):
         rt.ew(ew11, X61, T['V_conv5_W'], momentum, X60, decay, T['conv5_W'])
         # free X60
         mem.free(X60)
-        # X62 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X55, conv5_W)
+        # X62 = conv2d_bwd_data[pad=1,size=(13,13)](X55, conv5_W)
         X62 = mem.empty((128, 384, 13, 13), 'float32')
         ws = mem.workspace(51904512)
         rt.conv2d_bwd_data(X55, T['conv5_W'], out=X62, pad=1, size=(13, 13), stride=1, workspace=ws)
@@ -335,7 +335,7 @@ class Alexnet(rp.Model):
         # X68 = -2*X67*lr + conv4_B
         X68 = T['conv4_B']  # in place: the new conv4_B
         rt.ew(ew8, X68, T['conv4_B'], lr, X67)
-        # X69 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X63, X15)
+        # X69 = conv2d_bwd_filter[kernel=(3,3),pad=1](X63, X15)
         X69 = mem.empty((384, 384, 3, 3), 'float32')
         ws = mem.workspace(48390144)
         rt.conv2d_bwd_filter(X63, X15, out=X69, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -344,7 +344,7 @@ class Alexnet(rp.Model):
         rt.ew(ew11, X70, T['V_conv4_W'], momentum, X69, decay, T['conv4_W'])
         # free X69
         mem.free(X69)
-        # X71 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X63, conv4_W)
+        # X71 = conv2d_bwd_data[pad=1,size=(13,13)](X63, conv4_W)
         X71 = mem.empty((128, 384, 13, 13), 'float32')
         ws = mem.workspace(53501952)
         rt.conv2d_bwd_data(X63, T['conv4_W'], out=X71, pad=1, size=(13, 13), stride=1, workspace=ws)
@@ -355,7 +355,7 @@ class Alexnet(rp.Model):
         rt.ew(ew10, X72, X71, X15)
         # free X15
         mem.free(X14)
-        # X73 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X72, X12)
+        # X73 = conv2d_bwd_filter[kernel=(3,3),pad=1](X72, X12)
         X73 = mem.empty((384, 256, 3, 3), 'float32')
         ws = mem.workspace(65519616)
         rt.conv2d_bwd_filter(X72, X12, out=X73, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -372,7 +372,7 @@ class Alexnet(rp.Model):
         # X76 = sum_to[1x384x1x1](X72)
         X76 = mem.empty((1, 384, 1, 1), 'float32')
         rt.sum_to(X72, out=X76, shape=(1, 384, 1, 1))
-        # X77 = conv2d_bwd_data[pad=1,size=(13,13),stride=1](X72, conv3_W)
+        # X77 = conv2d_bwd_data[pad=1,size=(13,13)](X72, conv3_W)
         X77 = mem.empty((128, 256, 13, 13), 'float32')
         ws = mem.workspace(74530816)
         rt.conv2d_bwd_data(X72, T['conv3_W'], out=X77, pad=1, size=(13, 13), stride=1, workspace=ws)
@@ -421,7 +421,7 @@ class Alexnet(rp.Model):
         rt.ew(ew10, X87, X86, X10)
         # free X10
         mem.free(X9)
-        # X88 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X87, X7)
+        # X88 = conv2d_bwd_filter[kernel=(5,5),pad=2](X87, X7)
         X88 = mem.empty((256, 96, 5, 5), 'float32')
         ws = mem.workspace(65525760)
         rt.conv2d_bwd_filter(X87, X7, out=X88, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -435,7 +435,7 @@ class Alexnet(rp.Model):
         # X90 = sum_to[1x256x1x1](X87)
         X90 = mem.empty((1, 256, 1, 1), 'float32')
         rt.sum_to(X87, out=X90, shape=(1, 256, 1, 1))
-        # X91 = conv2d_bwd_data[pad=2,size=(27,27),stride=1](X87, conv2_W)
+        # X91 = conv2d_bwd_data[pad=2,size=(27,27)](X87, conv2_W)
         X91 = mem.empty((128, 96, 27, 27), 'float32')
         ws = mem.workspace(74102784)
         rt.conv2d_bwd_data(X87, T['conv2_W'], out=X91, pad=2, size=(27, 27), stride=1, workspace=ws)
@@ -471,7 +471,7 @@ class Alexnet(rp.Model):
         rt.ew(ew10, X98, X97, X5)
         # free X5
         mem.free(X4)
-        # X99 = conv2d_bwd_filter[kernel=(11,11),pad=0,stride=4](X98, x)
+        # X99 = conv2d_bwd_filter[kernel=(11,11),stride=4](X98, x)
         X99 = mem.empty((96, 3, 11, 11), 'float32')
         ws = mem.workspace(59739273)
         rt.conv2d_bwd_filter(X98, x, out=X99, kernel=(11, 11), pad=0, stride=4, workspace=ws)

@@ -4,7 +4,7 @@ Source network: networks/googlenet.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 128x3x224x224 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 2400000 iterations, lr 0.01, momentum 0.9, decay 0.0002
-Structure hash: b36060beb07c0899
+Structure hash: b7cd2a39d533c90b
 
 Usage: python googlenet.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Googlenet(rp.Model):
 
     name = "googlenet"
     source = "networks/googlenet.py"
-    structure_hash = "b36060beb07c0899"
+    structure_hash = "b7cd2a39d533c90b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 224, 224)
@@ -1016,7 +1016,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X195, X194, X177)
         # free X177
         mem.free(X176)
-        # X196 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X195, inception_5b_1x1_W)
+        # X196 = conv2d_bwd_data[size=(7,7)](X195, inception_5b_1x1_W)
         X196 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X195, T['inception_5b_1x1_W'], out=X196, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1028,14 +1028,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X198, X197, X175)
         # free X175
         mem.free(X174)
-        # X199 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X198, inception_5b_3x3_W)
+        # X199 = conv2d_bwd_data[pad=1,size=(7,7)](X198, inception_5b_3x3_W)
         X199 = mem.empty((128, 192, 7, 7), 'float32')
         ws = mem.workspace(19070976)
         rt.conv2d_bwd_data(X198, T['inception_5b_3x3_W'], out=X199, pad=1, size=(7, 7), stride=1, workspace=ws)
         # X200 = X199*Heaviside(X173, 0)
         X200 = X199  # in place: over X199
         rt.ew(ew8, X200, X199, X173)
-        # X201 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X198, X173)
+        # X201 = conv2d_bwd_filter[kernel=(3,3),pad=1](X198, X173)
         X201 = mem.empty((384, 192, 3, 3), 'float32')
         ws = mem.workspace(15237120)
         rt.conv2d_bwd_filter(X198, X173, out=X201, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1064,7 +1064,7 @@ class Googlenet(rp.Model):
         # X207 = -2*X206*lr + inception_5b_3x3_B
         X207 = T['inception_5b_3x3_B']  # in place: the new inception_5b_3x3_B
         rt.ew(ew12, X207, T['inception_5b_3x3_B'], lr, X206)
-        # X208 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X200, inception_5b_3x3_reduce_W)
+        # X208 = conv2d_bwd_data[size=(7,7)](X200, inception_5b_3x3_reduce_W)
         X208 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X200, T['inception_5b_3x3_reduce_W'], out=X208, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1086,7 +1086,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X212, X211, X167)
         # free X167
         mem.free(X166)
-        # X213 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X212, X164)
+        # X213 = conv2d_bwd_filter[kernel=(1,1)](X212, X164)
         X213 = mem.empty((128, 832, 1, 1), 'float32')
         ws = mem.workspace(6021120)
         rt.conv2d_bwd_filter(X212, X164, out=X213, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1097,14 +1097,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X214, T['V_inception_5b_pool_proj_W'], momentum, X213, decay, T['inception_5b_pool_proj_W'])
         # free X213
         mem.free(X213)
-        # X215 = conv2d_bwd_data[pad=2,size=(7,7),stride=1](X210, inception_5b_5x5_W)
+        # X215 = conv2d_bwd_data[pad=2,size=(7,7)](X210, inception_5b_5x5_W)
         X215 = mem.empty((128, 48, 7, 7), 'float32')
         ws = mem.workspace(13856768)
         rt.conv2d_bwd_data(X210, T['inception_5b_5x5_W'], out=X215, pad=2, size=(7, 7), stride=1, workspace=ws)
         # X216 = X215*Heaviside(X169, 0)
         X216 = X215  # in place: over X215
         rt.ew(ew8, X216, X215, X169)
-        # X217 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X210, X169)
+        # X217 = conv2d_bwd_filter[kernel=(5,5),pad=2](X210, X169)
         X217 = mem.empty((128, 48, 5, 5), 'float32')
         ws = mem.workspace(9072640)
         rt.conv2d_bwd_filter(X210, X169, out=X217, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -1133,11 +1133,11 @@ class Googlenet(rp.Model):
         # X223 = -2*X222*lr + inception_5b_5x5_B
         X223 = T['inception_5b_5x5_B']  # in place: the new inception_5b_5x5_B
         rt.ew(ew12, X223, T['inception_5b_5x5_B'], lr, X222)
-        # X224 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X216, inception_5b_5x5_reduce_W)
+        # X224 = conv2d_bwd_data[size=(7,7)](X216, inception_5b_5x5_reduce_W)
         X224 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X216, T['inception_5b_5x5_reduce_W'], out=X224, pad=0, size=(7, 7), stride=1, workspace=ws)
-        # X225 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X212, inception_5b_pool_proj_W)
+        # X225 = conv2d_bwd_data[size=(7,7)](X212, inception_5b_pool_proj_W)
         X225 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X212, T['inception_5b_pool_proj_W'], out=X225, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1178,7 +1178,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X234, X233, X162)
         # free X162
         mem.free(X161)
-        # X235 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X234, inception_5a_1x1_W)
+        # X235 = conv2d_bwd_data[size=(7,7)](X234, inception_5a_1x1_W)
         X235 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X234, T['inception_5a_1x1_W'], out=X235, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1190,14 +1190,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X237, X236, X160)
         # free X160
         mem.free(X159)
-        # X238 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X237, inception_5a_3x3_W)
+        # X238 = conv2d_bwd_data[pad=1,size=(7,7)](X237, inception_5a_3x3_W)
         X238 = mem.empty((128, 160, 7, 7), 'float32')
         ws = mem.workspace(15892480)
         rt.conv2d_bwd_data(X237, T['inception_5a_3x3_W'], out=X238, pad=1, size=(7, 7), stride=1, workspace=ws)
         # X239 = X238*Heaviside(X158, 0)
         X239 = X238  # in place: over X238
         rt.ew(ew8, X239, X238, X158)
-        # X240 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X237, X158)
+        # X240 = conv2d_bwd_filter[kernel=(3,3),pad=1](X237, X158)
         X240 = mem.empty((320, 160, 3, 3), 'float32')
         ws = mem.workspace(12697600)
         rt.conv2d_bwd_filter(X237, X158, out=X240, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1226,7 +1226,7 @@ class Googlenet(rp.Model):
         # X246 = -2*X245*lr + inception_5a_3x3_B
         X246 = T['inception_5a_3x3_B']  # in place: the new inception_5a_3x3_B
         rt.ew(ew12, X246, T['inception_5a_3x3_B'], lr, X245)
-        # X247 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X239, inception_5a_3x3_reduce_W)
+        # X247 = conv2d_bwd_data[size=(7,7)](X239, inception_5a_3x3_reduce_W)
         X247 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X239, T['inception_5a_3x3_reduce_W'], out=X247, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1248,7 +1248,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X251, X250, X152)
         # free X152
         mem.free(X151)
-        # X252 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X251, X149)
+        # X252 = conv2d_bwd_filter[kernel=(1,1)](X251, X149)
         X252 = mem.empty((128, 832, 1, 1), 'float32')
         ws = mem.workspace(6021120)
         rt.conv2d_bwd_filter(X251, X149, out=X252, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1259,14 +1259,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X253, T['V_inception_5a_pool_proj_W'], momentum, X252, decay, T['inception_5a_pool_proj_W'])
         # free X252
         mem.free(X252)
-        # X254 = conv2d_bwd_data[pad=2,size=(7,7),stride=1](X249, inception_5a_5x5_W)
+        # X254 = conv2d_bwd_data[pad=2,size=(7,7)](X249, inception_5a_5x5_W)
         X254 = mem.empty((128, 32, 7, 7), 'float32')
         ws = mem.workspace(9658368)
         rt.conv2d_bwd_data(X249, T['inception_5a_5x5_W'], out=X254, pad=2, size=(7, 7), stride=1, workspace=ws)
         # X255 = X254*Heaviside(X154, 0)
         X255 = X254  # in place: over X254
         rt.ew(ew8, X255, X254, X154)
-        # X256 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X249, X154)
+        # X256 = conv2d_bwd_filter[kernel=(5,5),pad=2](X249, X154)
         X256 = mem.empty((128, 32, 5, 5), 'float32')
         ws = mem.workspace(6316032)
         rt.conv2d_bwd_filter(X249, X154, out=X256, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -1295,11 +1295,11 @@ class Googlenet(rp.Model):
         # X262 = -2*X261*lr + inception_5a_5x5_B
         X262 = T['inception_5a_5x5_B']  # in place: the new inception_5a_5x5_B
         rt.ew(ew12, X262, T['inception_5a_5x5_B'], lr, X261)
-        # X263 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X255, inception_5a_5x5_reduce_W)
+        # X263 = conv2d_bwd_data[size=(7,7)](X255, inception_5a_5x5_reduce_W)
         X263 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X255, T['inception_5a_5x5_reduce_W'], out=X263, pad=0, size=(7, 7), stride=1, workspace=ws)
-        # X264 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X251, inception_5a_pool_proj_W)
+        # X264 = conv2d_bwd_data[size=(7,7)](X251, inception_5a_pool_proj_W)
         X264 = mem.empty((128, 832, 7, 7), 'float32')
         ws = mem.workspace(5218304)
         rt.conv2d_bwd_data(X251, T['inception_5a_pool_proj_W'], out=X264, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -1346,7 +1346,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X274, X273, X145)
         # free X145
         mem.free(X144)
-        # X275 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X274, inception_4e_1x1_W)
+        # X275 = conv2d_bwd_data[size=(14,14)](X274, inception_4e_1x1_W)
         X275 = mem.empty((128, 528, 14, 14), 'float32')
         ws = mem.workspace(13246464)
         rt.conv2d_bwd_data(X274, T['inception_4e_1x1_W'], out=X275, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1358,14 +1358,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X277, X276, X143)
         # free X143
         mem.free(X142)
-        # X278 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X277, inception_4e_3x3_W)
+        # X278 = conv2d_bwd_data[pad=1,size=(14,14)](X277, inception_4e_3x3_W)
         X278 = mem.empty((128, 160, 14, 14), 'float32')
         ws = mem.workspace(55746560)
         rt.conv2d_bwd_data(X277, T['inception_4e_3x3_W'], out=X278, pad=1, size=(14, 14), stride=1, workspace=ws)
         # X279 = X278*Heaviside(X141, 0)
         X279 = X278  # in place: over X278
         rt.ew(ew8, X279, X278, X141)
-        # X280 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X277, X141)
+        # X280 = conv2d_bwd_filter[kernel=(3,3),pad=1](X277, X141)
         X280 = mem.empty((320, 160, 3, 3), 'float32')
         ws = mem.workspace(49397760)
         rt.conv2d_bwd_filter(X277, X141, out=X280, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1394,7 +1394,7 @@ class Googlenet(rp.Model):
         # X286 = -2*X285*lr + inception_4e_3x3_B
         X286 = T['inception_4e_3x3_B']  # in place: the new inception_4e_3x3_B
         rt.ew(ew12, X286, T['inception_4e_3x3_B'], lr, X285)
-        # X287 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X279, inception_4e_3x3_reduce_W)
+        # X287 = conv2d_bwd_data[size=(14,14)](X279, inception_4e_3x3_reduce_W)
         X287 = mem.empty((128, 528, 14, 14), 'float32')
         ws = mem.workspace(13246464)
         rt.conv2d_bwd_data(X279, T['inception_4e_3x3_reduce_W'], out=X287, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1416,7 +1416,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X291, X290, X135)
         # free X135
         mem.free(X134)
-        # X292 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X291, X132)
+        # X292 = conv2d_bwd_filter[kernel=(1,1)](X291, X132)
         X292 = mem.empty((128, 528, 1, 1), 'float32')
         ws = mem.workspace(16457728)
         rt.conv2d_bwd_filter(X291, X132, out=X292, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1427,14 +1427,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X293, T['V_inception_4e_pool_proj_W'], momentum, X292, decay, T['inception_4e_pool_proj_W'])
         # free X292
         mem.free(X292)
-        # X294 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X289, inception_4e_5x5_W)
+        # X294 = conv2d_bwd_data[pad=2,size=(14,14)](X289, inception_4e_5x5_W)
         X294 = mem.empty((128, 32, 14, 14), 'float32')
         ws = mem.workspace(31277056)
         rt.conv2d_bwd_data(X289, T['inception_4e_5x5_W'], out=X294, pad=2, size=(14, 14), stride=1, workspace=ws)
         # X295 = X294*Heaviside(X137, 0)
         X295 = X294  # in place: over X294
         rt.ew(ew8, X295, X294, X137)
-        # X296 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X289, X137)
+        # X296 = conv2d_bwd_filter[kernel=(5,5),pad=2](X289, X137)
         X296 = mem.empty((128, 32, 5, 5), 'float32')
         ws = mem.workspace(24608768)
         rt.conv2d_bwd_filter(X289, X137, out=X296, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -1463,11 +1463,11 @@ class Googlenet(rp.Model):
         # X302 = -2*X301*lr + inception_4e_5x5_B
         X302 = T['inception_4e_5x5_B']  # in place: the new inception_4e_5x5_B
         rt.ew(ew12, X302, T['inception_4e_5x5_B'], lr, X301)
-        # X303 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X295, inception_4e_5x5_reduce_W)
+        # X303 = conv2d_bwd_data[size=(14,14)](X295, inception_4e_5x5_reduce_W)
         X303 = mem.empty((128, 528, 14, 14), 'float32')
         ws = mem.workspace(13246464)
         rt.conv2d_bwd_data(X295, T['inception_4e_5x5_reduce_W'], out=X303, pad=0, size=(14, 14), stride=1, workspace=ws)
-        # X304 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X291, inception_4e_pool_proj_W)
+        # X304 = conv2d_bwd_data[size=(14,14)](X291, inception_4e_pool_proj_W)
         X304 = mem.empty((128, 528, 14, 14), 'float32')
         ws = mem.workspace(13246464)
         rt.conv2d_bwd_data(X291, T['inception_4e_pool_proj_W'], out=X304, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1522,7 +1522,7 @@ class Googlenet(rp.Model):
         # X318 = X317*Heaviside(X108, 0)
         X318 = X317  # in place: over X317
         rt.ew(ew8, X318, X317, X108)
-        # X319 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X318, X106)
+        # X319 = conv2d_bwd_filter[kernel=(1,1)](X318, X106)
         X319 = mem.empty((128, 528, 1, 1), 'float32')
         ws = mem.workspace(1343488)
         rt.conv2d_bwd_filter(X318, X106, out=X319, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1533,7 +1533,7 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X320, T['V_loss2_conv_W'], momentum, X319, decay, T['loss2_conv_W'])
         # free X319
         mem.free(X319)
-        # X321 = conv2d_bwd_data[pad=0,size=(4,4),stride=1](X318, loss2_conv_W)
+        # X321 = conv2d_bwd_data[size=(4,4)](X318, loss2_conv_W)
         X321 = mem.empty((128, 528, 4, 4), 'float32')
         ws = mem.workspace(1081344)
         rt.conv2d_bwd_data(X318, T['loss2_conv_W'], out=X321, pad=0, size=(4, 4), stride=1, workspace=ws)
@@ -1574,7 +1574,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X330, X329, X104)
         # free X104
         mem.free(X103)
-        # X331 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X330, inception_4d_1x1_W)
+        # X331 = conv2d_bwd_data[size=(14,14)](X330, inception_4d_1x1_W)
         X331 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X330, T['inception_4d_1x1_W'], out=X331, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1586,14 +1586,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X333, X332, X102)
         # free X102
         mem.free(X101)
-        # X334 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X333, inception_4d_3x3_W)
+        # X334 = conv2d_bwd_data[pad=1,size=(14,14)](X333, inception_4d_3x3_W)
         X334 = mem.empty((128, 144, 14, 14), 'float32')
         ws = mem.workspace(50171904)
         rt.conv2d_bwd_data(X333, T['inception_4d_3x3_W'], out=X334, pad=1, size=(14, 14), stride=1, workspace=ws)
         # X335 = X334*Heaviside(X100, 0)
         X335 = X334  # in place: over X334
         rt.ew(ew8, X335, X334, X100)
-        # X336 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X333, X100)
+        # X336 = conv2d_bwd_filter[kernel=(3,3),pad=1](X333, X100)
         X336 = mem.empty((288, 144, 3, 3), 'float32')
         ws = mem.workspace(44457984)
         rt.conv2d_bwd_filter(X333, X100, out=X336, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1622,7 +1622,7 @@ class Googlenet(rp.Model):
         # X342 = -2*X341*lr + inception_4d_3x3_B
         X342 = T['inception_4d_3x3_B']  # in place: the new inception_4d_3x3_B
         rt.ew(ew12, X342, T['inception_4d_3x3_B'], lr, X341)
-        # X343 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X335, inception_4d_3x3_reduce_W)
+        # X343 = conv2d_bwd_data[size=(14,14)](X335, inception_4d_3x3_reduce_W)
         X343 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X335, T['inception_4d_3x3_reduce_W'], out=X343, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1644,7 +1644,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X347, X346, X94)
         # free X94
         mem.free(X93)
-        # X348 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X347, X91)
+        # X348 = conv2d_bwd_filter[kernel=(1,1)](X347, X91)
         X348 = mem.empty((64, 512, 1, 1), 'float32')
         ws = mem.workspace(14450688)
         rt.conv2d_bwd_filter(X347, X91, out=X348, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1655,14 +1655,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X349, T['V_inception_4d_pool_proj_W'], momentum, X348, decay, T['inception_4d_pool_proj_W'])
         # free X348
         mem.free(X348)
-        # X350 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X345, inception_4d_5x5_W)
+        # X350 = conv2d_bwd_data[pad=2,size=(14,14)](X345, inception_4d_5x5_W)
         X350 = mem.empty((128, 32, 14, 14), 'float32')
         ws = mem.workspace(29212672)
         rt.conv2d_bwd_data(X345, T['inception_4d_5x5_W'], out=X350, pad=2, size=(14, 14), stride=1, workspace=ws)
         # X351 = X350*Heaviside(X96, 0)
         X351 = X350  # in place: over X350
         rt.ew(ew8, X351, X350, X96)
-        # X352 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X345, X96)
+        # X352 = conv2d_bwd_filter[kernel=(5,5),pad=2](X345, X96)
         X352 = mem.empty((64, 32, 5, 5), 'float32')
         ws = mem.workspace(23003136)
         rt.conv2d_bwd_filter(X345, X96, out=X352, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -1691,11 +1691,11 @@ class Googlenet(rp.Model):
         # X358 = -2*X357*lr + inception_4d_5x5_B
         X358 = T['inception_4d_5x5_B']  # in place: the new inception_4d_5x5_B
         rt.ew(ew12, X358, T['inception_4d_5x5_B'], lr, X357)
-        # X359 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X351, inception_4d_5x5_reduce_W)
+        # X359 = conv2d_bwd_data[size=(14,14)](X351, inception_4d_5x5_reduce_W)
         X359 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X351, T['inception_4d_5x5_reduce_W'], out=X359, pad=0, size=(14, 14), stride=1, workspace=ws)
-        # X360 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X347, inception_4d_pool_proj_W)
+        # X360 = conv2d_bwd_data[size=(14,14)](X347, inception_4d_pool_proj_W)
         X360 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X347, T['inception_4d_pool_proj_W'], out=X360, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1736,7 +1736,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X369, X368, X89)
         # free X89
         mem.free(X88)
-        # X370 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X369, inception_4c_1x1_W)
+        # X370 = conv2d_bwd_data[size=(14,14)](X369, inception_4c_1x1_W)
         X370 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X369, T['inception_4c_1x1_W'], out=X370, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1748,14 +1748,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X372, X371, X87)
         # free X87
         mem.free(X86)
-        # X373 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X372, inception_4c_3x3_W)
+        # X373 = conv2d_bwd_data[pad=1,size=(14,14)](X372, inception_4c_3x3_W)
         X373 = mem.empty((128, 128, 14, 14), 'float32')
         ws = mem.workspace(44597248)
         rt.conv2d_bwd_data(X372, T['inception_4c_3x3_W'], out=X373, pad=1, size=(14, 14), stride=1, workspace=ws)
         # X374 = X373*Heaviside(X85, 0)
         X374 = X373  # in place: over X373
         rt.ew(ew8, X374, X373, X85)
-        # X375 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X372, X85)
+        # X375 = conv2d_bwd_filter[kernel=(3,3),pad=1](X372, X85)
         X375 = mem.empty((256, 128, 3, 3), 'float32')
         ws = mem.workspace(39518208)
         rt.conv2d_bwd_filter(X372, X85, out=X375, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1784,7 +1784,7 @@ class Googlenet(rp.Model):
         # X381 = -2*X380*lr + inception_4c_3x3_B
         X381 = T['inception_4c_3x3_B']  # in place: the new inception_4c_3x3_B
         rt.ew(ew12, X381, T['inception_4c_3x3_B'], lr, X380)
-        # X382 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X374, inception_4c_3x3_reduce_W)
+        # X382 = conv2d_bwd_data[size=(14,14)](X374, inception_4c_3x3_reduce_W)
         X382 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X374, T['inception_4c_3x3_reduce_W'], out=X382, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1806,7 +1806,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X386, X385, X79)
         # free X79
         mem.free(X78)
-        # X387 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X386, X76)
+        # X387 = conv2d_bwd_filter[kernel=(1,1)](X386, X76)
         X387 = mem.empty((64, 512, 1, 1), 'float32')
         ws = mem.workspace(14450688)
         rt.conv2d_bwd_filter(X386, X76, out=X387, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1817,14 +1817,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X388, T['V_inception_4c_pool_proj_W'], momentum, X387, decay, T['inception_4c_pool_proj_W'])
         # free X387
         mem.free(X387)
-        # X389 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X384, inception_4c_5x5_W)
+        # X389 = conv2d_bwd_data[pad=2,size=(14,14)](X384, inception_4c_5x5_W)
         X389 = mem.empty((128, 24, 14, 14), 'float32')
         ws = mem.workspace(22425600)
         rt.conv2d_bwd_data(X384, T['inception_4c_5x5_W'], out=X389, pad=2, size=(14, 14), stride=1, workspace=ws)
         # X390 = X389*Heaviside(X81, 0)
         X390 = X389  # in place: over X389
         rt.ew(ew8, X390, X389, X81)
-        # X391 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X384, X81)
+        # X391 = conv2d_bwd_filter[kernel=(5,5),pad=2](X384, X81)
         X391 = mem.empty((64, 24, 5, 5), 'float32')
         ws = mem.workspace(17653760)
         rt.conv2d_bwd_filter(X384, X81, out=X391, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -1853,11 +1853,11 @@ class Googlenet(rp.Model):
         # X397 = -2*X396*lr + inception_4c_5x5_B
         X397 = T['inception_4c_5x5_B']  # in place: the new inception_4c_5x5_B
         rt.ew(ew12, X397, T['inception_4c_5x5_B'], lr, X396)
-        # X398 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X390, inception_4c_5x5_reduce_W)
+        # X398 = conv2d_bwd_data[size=(14,14)](X390, inception_4c_5x5_reduce_W)
         X398 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X390, T['inception_4c_5x5_reduce_W'], out=X398, pad=0, size=(14, 14), stride=1, workspace=ws)
-        # X399 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X386, inception_4c_pool_proj_W)
+        # X399 = conv2d_bwd_data[size=(14,14)](X386, inception_4c_pool_proj_W)
         X399 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X386, T['inception_4c_pool_proj_W'], out=X399, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1898,7 +1898,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X408, X407, X74)
         # free X74
         mem.free(X73)
-        # X409 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X408, inception_4b_1x1_W)
+        # X409 = conv2d_bwd_data[size=(14,14)](X408, inception_4b_1x1_W)
         X409 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X408, T['inception_4b_1x1_W'], out=X409, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1910,14 +1910,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X411, X410, X72)
         # free X72
         mem.free(X71)
-        # X412 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X411, inception_4b_3x3_W)
+        # X412 = conv2d_bwd_data[pad=1,size=(14,14)](X411, inception_4b_3x3_W)
         X412 = mem.empty((128, 112, 14, 14), 'float32')
         ws = mem.workspace(39022592)
         rt.conv2d_bwd_data(X411, T['inception_4b_3x3_W'], out=X412, pad=1, size=(14, 14), stride=1, workspace=ws)
         # X413 = X412*Heaviside(X70, 0)
         X413 = X412  # in place: over X412
         rt.ew(ew8, X413, X412, X70)
-        # X414 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X411, X70)
+        # X414 = conv2d_bwd_filter[kernel=(3,3),pad=1](X411, X70)
         X414 = mem.empty((224, 112, 3, 3), 'float32')
         ws = mem.workspace(34578432)
         rt.conv2d_bwd_filter(X411, X70, out=X414, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1946,7 +1946,7 @@ class Googlenet(rp.Model):
         # X420 = -2*X419*lr + inception_4b_3x3_B
         X420 = T['inception_4b_3x3_B']  # in place: the new inception_4b_3x3_B
         rt.ew(ew12, X420, T['inception_4b_3x3_B'], lr, X419)
-        # X421 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X413, inception_4b_3x3_reduce_W)
+        # X421 = conv2d_bwd_data[size=(14,14)](X413, inception_4b_3x3_reduce_W)
         X421 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X413, T['inception_4b_3x3_reduce_W'], out=X421, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -1968,7 +1968,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X425, X424, X64)
         # free X64
         mem.free(X63)
-        # X426 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X425, X61)
+        # X426 = conv2d_bwd_filter[kernel=(1,1)](X425, X61)
         X426 = mem.empty((64, 512, 1, 1), 'float32')
         ws = mem.workspace(14450688)
         rt.conv2d_bwd_filter(X425, X61, out=X426, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -1979,14 +1979,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X427, T['V_inception_4b_pool_proj_W'], momentum, X426, decay, T['inception_4b_pool_proj_W'])
         # free X426
         mem.free(X426)
-        # X428 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X423, inception_4b_5x5_W)
+        # X428 = conv2d_bwd_data[pad=2,size=(14,14)](X423, inception_4b_5x5_W)
         X428 = mem.empty((128, 24, 14, 14), 'float32')
         ws = mem.workspace(22425600)
         rt.conv2d_bwd_data(X423, T['inception_4b_5x5_W'], out=X428, pad=2, size=(14, 14), stride=1, workspace=ws)
         # X429 = X428*Heaviside(X66, 0)
         X429 = X428  # in place: over X428
         rt.ew(ew8, X429, X428, X66)
-        # X430 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X423, X66)
+        # X430 = conv2d_bwd_filter[kernel=(5,5),pad=2](X423, X66)
         X430 = mem.empty((64, 24, 5, 5), 'float32')
         ws = mem.workspace(17653760)
         rt.conv2d_bwd_filter(X423, X66, out=X430, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -2015,11 +2015,11 @@ class Googlenet(rp.Model):
         # X436 = -2*X435*lr + inception_4b_5x5_B
         X436 = T['inception_4b_5x5_B']  # in place: the new inception_4b_5x5_B
         rt.ew(ew12, X436, T['inception_4b_5x5_B'], lr, X435)
-        # X437 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X429, inception_4b_5x5_reduce_W)
+        # X437 = conv2d_bwd_data[size=(14,14)](X429, inception_4b_5x5_reduce_W)
         X437 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X429, T['inception_4b_5x5_reduce_W'], out=X437, pad=0, size=(14, 14), stride=1, workspace=ws)
-        # X438 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X425, inception_4b_pool_proj_W)
+        # X438 = conv2d_bwd_data[size=(14,14)](X425, inception_4b_pool_proj_W)
         X438 = mem.empty((128, 512, 14, 14), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X425, T['inception_4b_pool_proj_W'], out=X438, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -2063,7 +2063,7 @@ class Googlenet(rp.Model):
         # X449 = X448*Heaviside(X121, 0)
         X449 = X448  # in place: over X448
         rt.ew(ew8, X449, X448, X121)
-        # X450 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X449, X119)
+        # X450 = conv2d_bwd_filter[kernel=(1,1)](X449, X119)
         X450 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(1310720)
         rt.conv2d_bwd_filter(X449, X119, out=X450, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2074,7 +2074,7 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X451, T['V_loss1_conv_W'], momentum, X450, decay, T['loss1_conv_W'])
         # free X450
         mem.free(X450)
-        # X452 = conv2d_bwd_data[pad=0,size=(4,4),stride=1](X449, loss1_conv_W)
+        # X452 = conv2d_bwd_data[size=(4,4)](X449, loss1_conv_W)
         X452 = mem.empty((128, 512, 4, 4), 'float32')
         ws = mem.workspace(1048576)
         rt.conv2d_bwd_data(X449, T['loss1_conv_W'], out=X452, pad=0, size=(4, 4), stride=1, workspace=ws)
@@ -2115,7 +2115,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X461, X460, X59)
         # free X59
         mem.free(X58)
-        # X462 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X461, inception_4a_1x1_W)
+        # X462 = conv2d_bwd_data[size=(14,14)](X461, inception_4a_1x1_W)
         X462 = mem.empty((128, 480, 14, 14), 'float32')
         ws = mem.workspace(12042240)
         rt.conv2d_bwd_data(X461, T['inception_4a_1x1_W'], out=X462, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -2127,14 +2127,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X464, X463, X57)
         # free X57
         mem.free(X56)
-        # X465 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X464, inception_4a_3x3_W)
+        # X465 = conv2d_bwd_data[pad=1,size=(14,14)](X464, inception_4a_3x3_W)
         X465 = mem.empty((128, 96, 14, 14), 'float32')
         ws = mem.workspace(33906688)
         rt.conv2d_bwd_data(X464, T['inception_4a_3x3_W'], out=X465, pad=1, size=(14, 14), stride=1, workspace=ws)
         # X466 = X465*Heaviside(X55, 0)
         X466 = X465  # in place: over X465
         rt.ew(ew8, X466, X465, X55)
-        # X467 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X464, X55)
+        # X467 = conv2d_bwd_filter[kernel=(3,3),pad=1](X464, X55)
         X467 = mem.empty((208, 96, 3, 3), 'float32')
         ws = mem.workspace(30040064)
         rt.conv2d_bwd_filter(X464, X55, out=X467, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -2163,7 +2163,7 @@ class Googlenet(rp.Model):
         # X473 = -2*X472*lr + inception_4a_3x3_B
         X473 = T['inception_4a_3x3_B']  # in place: the new inception_4a_3x3_B
         rt.ew(ew12, X473, T['inception_4a_3x3_B'], lr, X472)
-        # X474 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X466, inception_4a_3x3_reduce_W)
+        # X474 = conv2d_bwd_data[size=(14,14)](X466, inception_4a_3x3_reduce_W)
         X474 = mem.empty((128, 480, 14, 14), 'float32')
         ws = mem.workspace(12042240)
         rt.conv2d_bwd_data(X466, T['inception_4a_3x3_reduce_W'], out=X474, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -2185,7 +2185,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X478, X477, X49)
         # free X49
         mem.free(X48)
-        # X479 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X478, X46)
+        # X479 = conv2d_bwd_filter[kernel=(1,1)](X478, X46)
         X479 = mem.empty((64, 480, 1, 1), 'float32')
         ws = mem.workspace(13647872)
         rt.conv2d_bwd_filter(X478, X46, out=X479, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2196,14 +2196,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X480, T['V_inception_4a_pool_proj_W'], momentum, X479, decay, T['inception_4a_pool_proj_W'])
         # free X479
         mem.free(X479)
-        # X481 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X476, inception_4a_5x5_W)
+        # X481 = conv2d_bwd_data[pad=2,size=(14,14)](X476, inception_4a_5x5_W)
         X481 = mem.empty((128, 16, 14, 14), 'float32')
         ws = mem.workspace(15122432)
         rt.conv2d_bwd_data(X476, T['inception_4a_5x5_W'], out=X481, pad=2, size=(14, 14), stride=1, workspace=ws)
         # X482 = X481*Heaviside(X51, 0)
         X482 = X481  # in place: over X481
         rt.ew(ew8, X482, X481, X51)
-        # X483 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X476, X51)
+        # X483 = conv2d_bwd_filter[kernel=(5,5),pad=2](X476, X51)
         X483 = mem.empty((48, 16, 5, 5), 'float32')
         ws = mem.workspace(11902976)
         rt.conv2d_bwd_filter(X476, X51, out=X483, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -2232,11 +2232,11 @@ class Googlenet(rp.Model):
         # X489 = -2*X488*lr + inception_4a_5x5_B
         X489 = T['inception_4a_5x5_B']  # in place: the new inception_4a_5x5_B
         rt.ew(ew12, X489, T['inception_4a_5x5_B'], lr, X488)
-        # X490 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X482, inception_4a_5x5_reduce_W)
+        # X490 = conv2d_bwd_data[size=(14,14)](X482, inception_4a_5x5_reduce_W)
         X490 = mem.empty((128, 480, 14, 14), 'float32')
         ws = mem.workspace(12042240)
         rt.conv2d_bwd_data(X482, T['inception_4a_5x5_reduce_W'], out=X490, pad=0, size=(14, 14), stride=1, workspace=ws)
-        # X491 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X478, inception_4a_pool_proj_W)
+        # X491 = conv2d_bwd_data[size=(14,14)](X478, inception_4a_pool_proj_W)
         X491 = mem.empty((128, 480, 14, 14), 'float32')
         ws = mem.workspace(12042240)
         rt.conv2d_bwd_data(X478, T['inception_4a_pool_proj_W'], out=X491, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -2283,7 +2283,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X501, X500, X42)
         # free X42
         mem.free(X41)
-        # X502 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X501, inception_3b_1x1_W)
+        # X502 = conv2d_bwd_data[size=(28,28)](X501, inception_3b_1x1_W)
         X502 = mem.empty((128, 256, 28, 28), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X501, T['inception_3b_1x1_W'], out=X502, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2295,14 +2295,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X504, X503, X40)
         # free X40
         mem.free(X39)
-        # X505 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X504, inception_3b_3x3_W)
+        # X505 = conv2d_bwd_data[pad=1,size=(28,28)](X504, inception_3b_3x3_W)
         X505 = mem.empty((128, 128, 28, 28), 'float32')
         ws = mem.workspace(79642624)
         rt.conv2d_bwd_data(X504, T['inception_3b_3x3_W'], out=X505, pad=1, size=(28, 28), stride=1, workspace=ws)
         # X506 = X505*Heaviside(X38, 0)
         X506 = X505  # in place: over X505
         rt.ew(ew8, X506, X505, X38)
-        # X507 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X504, X38)
+        # X507 = conv2d_bwd_filter[kernel=(3,3),pad=1](X504, X38)
         X507 = mem.empty((192, 128, 3, 3), 'float32')
         ws = mem.workspace(75030528)
         rt.conv2d_bwd_filter(X504, X38, out=X507, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -2331,7 +2331,7 @@ class Googlenet(rp.Model):
         # X513 = -2*X512*lr + inception_3b_3x3_B
         X513 = T['inception_3b_3x3_B']  # in place: the new inception_3b_3x3_B
         rt.ew(ew12, X513, T['inception_3b_3x3_B'], lr, X512)
-        # X514 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X506, inception_3b_3x3_reduce_W)
+        # X514 = conv2d_bwd_data[size=(28,28)](X506, inception_3b_3x3_reduce_W)
         X514 = mem.empty((128, 256, 28, 28), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X506, T['inception_3b_3x3_reduce_W'], out=X514, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2353,7 +2353,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X518, X517, X32)
         # free X32
         mem.free(X31)
-        # X519 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X518, X29)
+        # X519 = conv2d_bwd_filter[kernel=(1,1)](X518, X29)
         X519 = mem.empty((64, 256, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X518, X29, out=X519, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2364,14 +2364,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X520, T['V_inception_3b_pool_proj_W'], momentum, X519, decay, T['inception_3b_pool_proj_W'])
         # free X519
         mem.free(X519)
-        # X521 = conv2d_bwd_data[pad=2,size=(28,28),stride=1](X516, inception_3b_5x5_W)
+        # X521 = conv2d_bwd_data[pad=2,size=(28,28)](X516, inception_3b_5x5_W)
         X521 = mem.empty((128, 32, 28, 28), 'float32')
         ws = mem.workspace(53485568)
         rt.conv2d_bwd_data(X516, T['inception_3b_5x5_W'], out=X521, pad=2, size=(28, 28), stride=1, workspace=ws)
         # X522 = X521*Heaviside(X34, 0)
         X522 = X521  # in place: over X521
         rt.ew(ew8, X522, X521, X34)
-        # X523 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X516, X34)
+        # X523 = conv2d_bwd_filter[kernel=(5,5),pad=2](X516, X34)
         X523 = mem.empty((96, 32, 5, 5), 'float32')
         ws = mem.workspace(47131648)
         rt.conv2d_bwd_filter(X516, X34, out=X523, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -2400,11 +2400,11 @@ class Googlenet(rp.Model):
         # X529 = -2*X528*lr + inception_3b_5x5_B
         X529 = T['inception_3b_5x5_B']  # in place: the new inception_3b_5x5_B
         rt.ew(ew12, X529, T['inception_3b_5x5_B'], lr, X528)
-        # X530 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X522, inception_3b_5x5_reduce_W)
+        # X530 = conv2d_bwd_data[size=(28,28)](X522, inception_3b_5x5_reduce_W)
         X530 = mem.empty((128, 256, 28, 28), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X522, T['inception_3b_5x5_reduce_W'], out=X530, pad=0, size=(28, 28), stride=1, workspace=ws)
-        # X531 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X518, inception_3b_pool_proj_W)
+        # X531 = conv2d_bwd_data[size=(28,28)](X518, inception_3b_pool_proj_W)
         X531 = mem.empty((128, 256, 28, 28), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X518, T['inception_3b_pool_proj_W'], out=X531, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2445,7 +2445,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X540, X539, X27)
         # free X27
         mem.free(X26)
-        # X541 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X540, inception_3a_1x1_W)
+        # X541 = conv2d_bwd_data[size=(28,28)](X540, inception_3a_1x1_W)
         X541 = mem.empty((128, 192, 28, 28), 'float32')
         ws = mem.workspace(19267584)
         rt.conv2d_bwd_data(X540, T['inception_3a_1x1_W'], out=X541, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2457,14 +2457,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X543, X542, X25)
         # free X25
         mem.free(X24)
-        # X544 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X543, inception_3a_3x3_W)
+        # X544 = conv2d_bwd_data[pad=1,size=(28,28)](X543, inception_3a_3x3_W)
         X544 = mem.empty((128, 96, 28, 28), 'float32')
         ws = mem.workspace(58871808)
         rt.conv2d_bwd_data(X543, T['inception_3a_3x3_W'], out=X544, pad=1, size=(28, 28), stride=1, workspace=ws)
         # X545 = X544*Heaviside(X23, 0)
         X545 = X544  # in place: over X544
         rt.ew(ew8, X545, X544, X23)
-        # X546 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X543, X23)
+        # X546 = conv2d_bwd_filter[kernel=(3,3),pad=1](X543, X23)
         X546 = mem.empty((128, 96, 3, 3), 'float32')
         ws = mem.workspace(55414784)
         rt.conv2d_bwd_filter(X543, X23, out=X546, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -2493,7 +2493,7 @@ class Googlenet(rp.Model):
         # X552 = -2*X551*lr + inception_3a_3x3_B
         X552 = T['inception_3a_3x3_B']  # in place: the new inception_3a_3x3_B
         rt.ew(ew12, X552, T['inception_3a_3x3_B'], lr, X551)
-        # X553 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X545, inception_3a_3x3_reduce_W)
+        # X553 = conv2d_bwd_data[size=(28,28)](X545, inception_3a_3x3_reduce_W)
         X553 = mem.empty((128, 192, 28, 28), 'float32')
         ws = mem.workspace(19267584)
         rt.conv2d_bwd_data(X545, T['inception_3a_3x3_reduce_W'], out=X553, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2515,7 +2515,7 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X557, X556, X17)
         # free X17
         mem.free(X16)
-        # X558 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X557, X14)
+        # X558 = conv2d_bwd_filter[kernel=(1,1)](X557, X14)
         X558 = mem.empty((32, 192, 1, 1), 'float32')
         ws = mem.workspace(22478848)
         rt.conv2d_bwd_filter(X557, X14, out=X558, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2526,14 +2526,14 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X559, T['V_inception_3a_pool_proj_W'], momentum, X558, decay, T['inception_3a_pool_proj_W'])
         # free X558
         mem.free(X558)
-        # X560 = conv2d_bwd_data[pad=2,size=(28,28),stride=1](X555, inception_3a_5x5_W)
+        # X560 = conv2d_bwd_data[pad=2,size=(28,28)](X555, inception_3a_5x5_W)
         X560 = mem.empty((128, 16, 28, 28), 'float32')
         ws = mem.workspace(51650560)
         rt.conv2d_bwd_data(X555, T['inception_3a_5x5_W'], out=X560, pad=2, size=(28, 28), stride=1, workspace=ws)
         # X561 = X560*Heaviside(X19, 0)
         X561 = X560  # in place: over X560
         rt.ew(ew8, X561, X560, X19)
-        # X562 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X555, X19)
+        # X562 = conv2d_bwd_filter[kernel=(5,5),pad=2](X555, X19)
         X562 = mem.empty((32, 16, 5, 5), 'float32')
         ws = mem.workspace(45449216)
         rt.conv2d_bwd_filter(X555, X19, out=X562, kernel=(5, 5), pad=2, stride=1, workspace=ws)
@@ -2562,11 +2562,11 @@ class Googlenet(rp.Model):
         # X568 = -2*X567*lr + inception_3a_5x5_B
         X568 = T['inception_3a_5x5_B']  # in place: the new inception_3a_5x5_B
         rt.ew(ew12, X568, T['inception_3a_5x5_B'], lr, X567)
-        # X569 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X561, inception_3a_5x5_reduce_W)
+        # X569 = conv2d_bwd_data[size=(28,28)](X561, inception_3a_5x5_reduce_W)
         X569 = mem.empty((128, 192, 28, 28), 'float32')
         ws = mem.workspace(19267584)
         rt.conv2d_bwd_data(X561, T['inception_3a_5x5_reduce_W'], out=X569, pad=0, size=(28, 28), stride=1, workspace=ws)
-        # X570 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X557, inception_3a_pool_proj_W)
+        # X570 = conv2d_bwd_data[size=(28,28)](X557, inception_3a_pool_proj_W)
         X570 = mem.empty((128, 192, 28, 28), 'float32')
         ws = mem.workspace(19267584)
         rt.conv2d_bwd_data(X557, T['inception_3a_pool_proj_W'], out=X570, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -2616,14 +2616,14 @@ class Googlenet(rp.Model):
         rt.ew(ew8, X580, X579, X10)
         # free X10
         mem.free(X9)
-        # X581 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X580, conv2_3x3_W)
+        # X581 = conv2d_bwd_data[pad=1,size=(56,56)](X580, conv2_3x3_W)
         X581 = mem.empty((128, 64, 56, 56), 'float32')
         ws = mem.workspace(86716416)
         rt.conv2d_bwd_data(X580, T['conv2_3x3_W'], out=X581, pad=1, size=(56, 56), stride=1, workspace=ws)
         # X582 = X581*Heaviside(X8, 0)
         X582 = X581  # in place: over X581
         rt.ew(ew8, X582, X581, X8)
-        # X583 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X582, X6)
+        # X583 = conv2d_bwd_filter[kernel=(1,1)](X582, X6)
         X583 = mem.empty((64, 64, 1, 1), 'float32')
         ws = mem.workspace(51380224)
         rt.conv2d_bwd_filter(X582, X6, out=X583, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2634,7 +2634,7 @@ class Googlenet(rp.Model):
         rt.ew(ew9, X584, T['V_conv2_3x3_reduce_W'], momentum, X583, decay, T['conv2_3x3_reduce_W'])
         # free X583
         mem.free(X583)
-        # X585 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X580, X8)
+        # X585 = conv2d_bwd_filter[kernel=(3,3),pad=1](X580, X8)
         X585 = mem.empty((192, 64, 3, 3), 'float32')
         ws = mem.workspace(84070400)
         rt.conv2d_bwd_filter(X580, X8, out=X585, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -2663,7 +2663,7 @@ class Googlenet(rp.Model):
         # X591 = -2*X590*lr + conv2_3x3_B
         X591 = T['conv2_3x3_B']  # in place: the new conv2_3x3_B
         rt.ew(ew12, X591, T['conv2_3x3_B'], lr, X590)
-        # X592 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X582, conv2_3x3_reduce_W)
+        # X592 = conv2d_bwd_data[size=(56,56)](X582, conv2_3x3_reduce_W)
         X592 = mem.empty((128, 64, 56, 56), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X582, T['conv2_3x3_reduce_W'], out=X592, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -2729,7 +2729,7 @@ class Googlenet(rp.Model):
         # X607 = -2*X606*lr + conv1_7x7_s2_B
         X607 = T['conv1_7x7_s2_B']  # in place: the new conv1_7x7_s2_B
         rt.ew(ew12, X607, T['conv1_7x7_s2_B'], lr, X606)
-        # X608 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X540, X12)
+        # X608 = conv2d_bwd_filter[kernel=(1,1)](X540, X12)
         X608 = mem.empty((64, 192, 1, 1), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_filter(X540, X12, out=X608, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2756,7 +2756,7 @@ class Googlenet(rp.Model):
         # X614 = -2*X613*lr + inception_3a_1x1_B
         X614 = T['inception_3a_1x1_B']  # in place: the new inception_3a_1x1_B
         rt.ew(ew12, X614, T['inception_3a_1x1_B'], lr, X613)
-        # X615 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X545, X12)
+        # X615 = conv2d_bwd_filter[kernel=(1,1)](X545, X12)
         X615 = mem.empty((96, 192, 1, 1), 'float32')
         ws = mem.workspace(28901376)
         rt.conv2d_bwd_filter(X545, X12, out=X615, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2783,7 +2783,7 @@ class Googlenet(rp.Model):
         # X621 = -2*X620*lr + inception_3a_3x3_reduce_B
         X621 = T['inception_3a_3x3_reduce_B']  # in place: the new inception_3a_3x3_reduce_B
         rt.ew(ew12, X621, T['inception_3a_3x3_reduce_B'], lr, X620)
-        # X622 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X561, X12)
+        # X622 = conv2d_bwd_filter[kernel=(1,1)](X561, X12)
         X622 = mem.empty((16, 192, 1, 1), 'float32')
         ws = mem.workspace(20873216)
         rt.conv2d_bwd_filter(X561, X12, out=X622, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2812,7 +2812,7 @@ class Googlenet(rp.Model):
         # X628 = -2*X627*lr + inception_3a_5x5_reduce_B
         X628 = T['inception_3a_5x5_reduce_B']  # in place: the new inception_3a_5x5_reduce_B
         rt.ew(ew12, X628, T['inception_3a_5x5_reduce_B'], lr, X627)
-        # X629 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X501, X28)
+        # X629 = conv2d_bwd_filter[kernel=(1,1)](X501, X28)
         X629 = mem.empty((128, 256, 1, 1), 'float32')
         ws = mem.workspace(38535168)
         rt.conv2d_bwd_filter(X501, X28, out=X629, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2839,7 +2839,7 @@ class Googlenet(rp.Model):
         # X635 = -2*X634*lr + inception_3b_1x1_B
         X635 = T['inception_3b_1x1_B']  # in place: the new inception_3b_1x1_B
         rt.ew(ew12, X635, T['inception_3b_1x1_B'], lr, X634)
-        # X636 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X506, X28)
+        # X636 = conv2d_bwd_filter[kernel=(1,1)](X506, X28)
         X636 = mem.empty((128, 256, 1, 1), 'float32')
         ws = mem.workspace(38535168)
         rt.conv2d_bwd_filter(X506, X28, out=X636, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2866,7 +2866,7 @@ class Googlenet(rp.Model):
         # X642 = -2*X641*lr + inception_3b_3x3_reduce_B
         X642 = T['inception_3b_3x3_reduce_B']  # in place: the new inception_3b_3x3_reduce_B
         rt.ew(ew12, X642, T['inception_3b_3x3_reduce_B'], lr, X641)
-        # X643 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X522, X28)
+        # X643 = conv2d_bwd_filter[kernel=(1,1)](X522, X28)
         X643 = mem.empty((32, 256, 1, 1), 'float32')
         ws = mem.workspace(28901376)
         rt.conv2d_bwd_filter(X522, X28, out=X643, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2895,7 +2895,7 @@ class Googlenet(rp.Model):
         # X649 = -2*X648*lr + inception_3b_5x5_reduce_B
         X649 = T['inception_3b_5x5_reduce_B']  # in place: the new inception_3b_5x5_reduce_B
         rt.ew(ew12, X649, T['inception_3b_5x5_reduce_B'], lr, X648)
-        # X650 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X461, X44)
+        # X650 = conv2d_bwd_filter[kernel=(1,1)](X461, X44)
         X650 = mem.empty((192, 480, 1, 1), 'float32')
         ws = mem.workspace(16859136)
         rt.conv2d_bwd_filter(X461, X44, out=X650, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2922,7 +2922,7 @@ class Googlenet(rp.Model):
         # X656 = -2*X655*lr + inception_4a_1x1_B
         X656 = T['inception_4a_1x1_B']  # in place: the new inception_4a_1x1_B
         rt.ew(ew12, X656, T['inception_4a_1x1_B'], lr, X655)
-        # X657 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X466, X44)
+        # X657 = conv2d_bwd_filter[kernel=(1,1)](X466, X44)
         X657 = mem.empty((96, 480, 1, 1), 'float32')
         ws = mem.workspace(14450688)
         rt.conv2d_bwd_filter(X466, X44, out=X657, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2949,7 +2949,7 @@ class Googlenet(rp.Model):
         # X663 = -2*X662*lr + inception_4a_3x3_reduce_B
         X663 = T['inception_4a_3x3_reduce_B']  # in place: the new inception_4a_3x3_reduce_B
         rt.ew(ew12, X663, T['inception_4a_3x3_reduce_B'], lr, X662)
-        # X664 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X482, X44)
+        # X664 = conv2d_bwd_filter[kernel=(1,1)](X482, X44)
         X664 = mem.empty((16, 480, 1, 1), 'float32')
         ws = mem.workspace(12443648)
         rt.conv2d_bwd_filter(X482, X44, out=X664, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -2978,7 +2978,7 @@ class Googlenet(rp.Model):
         # X670 = -2*X669*lr + inception_4a_5x5_reduce_B
         X670 = T['inception_4a_5x5_reduce_B']  # in place: the new inception_4a_5x5_reduce_B
         rt.ew(ew12, X670, T['inception_4a_5x5_reduce_B'], lr, X669)
-        # X671 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X408, X60)
+        # X671 = conv2d_bwd_filter[kernel=(1,1)](X408, X60)
         X671 = mem.empty((160, 512, 1, 1), 'float32')
         ws = mem.workspace(16859136)
         rt.conv2d_bwd_filter(X408, X60, out=X671, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3005,7 +3005,7 @@ class Googlenet(rp.Model):
         # X677 = -2*X676*lr + inception_4b_1x1_B
         X677 = T['inception_4b_1x1_B']  # in place: the new inception_4b_1x1_B
         rt.ew(ew12, X677, T['inception_4b_1x1_B'], lr, X676)
-        # X678 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X413, X60)
+        # X678 = conv2d_bwd_filter[kernel=(1,1)](X413, X60)
         X678 = mem.empty((112, 512, 1, 1), 'float32')
         ws = mem.workspace(15654912)
         rt.conv2d_bwd_filter(X413, X60, out=X678, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3032,7 +3032,7 @@ class Googlenet(rp.Model):
         # X684 = -2*X683*lr + inception_4b_3x3_reduce_B
         X684 = T['inception_4b_3x3_reduce_B']  # in place: the new inception_4b_3x3_reduce_B
         rt.ew(ew12, X684, T['inception_4b_3x3_reduce_B'], lr, X683)
-        # X685 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X429, X60)
+        # X685 = conv2d_bwd_filter[kernel=(1,1)](X429, X60)
         X685 = mem.empty((24, 512, 1, 1), 'float32')
         ws = mem.workspace(13447168)
         rt.conv2d_bwd_filter(X429, X60, out=X685, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3061,7 +3061,7 @@ class Googlenet(rp.Model):
         # X691 = -2*X690*lr + inception_4b_5x5_reduce_B
         X691 = T['inception_4b_5x5_reduce_B']  # in place: the new inception_4b_5x5_reduce_B
         rt.ew(ew12, X691, T['inception_4b_5x5_reduce_B'], lr, X690)
-        # X692 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X369, X75)
+        # X692 = conv2d_bwd_filter[kernel=(1,1)](X369, X75)
         X692 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X369, X75, out=X692, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3088,7 +3088,7 @@ class Googlenet(rp.Model):
         # X698 = -2*X697*lr + inception_4c_1x1_B
         X698 = T['inception_4c_1x1_B']  # in place: the new inception_4c_1x1_B
         rt.ew(ew12, X698, T['inception_4c_1x1_B'], lr, X697)
-        # X699 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X374, X75)
+        # X699 = conv2d_bwd_filter[kernel=(1,1)](X374, X75)
         X699 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X374, X75, out=X699, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3115,7 +3115,7 @@ class Googlenet(rp.Model):
         # X705 = -2*X704*lr + inception_4c_3x3_reduce_B
         X705 = T['inception_4c_3x3_reduce_B']  # in place: the new inception_4c_3x3_reduce_B
         rt.ew(ew12, X705, T['inception_4c_3x3_reduce_B'], lr, X704)
-        # X706 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X390, X75)
+        # X706 = conv2d_bwd_filter[kernel=(1,1)](X390, X75)
         X706 = mem.empty((24, 512, 1, 1), 'float32')
         ws = mem.workspace(13447168)
         rt.conv2d_bwd_filter(X390, X75, out=X706, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3144,7 +3144,7 @@ class Googlenet(rp.Model):
         # X712 = -2*X711*lr + inception_4c_5x5_reduce_B
         X712 = T['inception_4c_5x5_reduce_B']  # in place: the new inception_4c_5x5_reduce_B
         rt.ew(ew12, X712, T['inception_4c_5x5_reduce_B'], lr, X711)
-        # X713 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X330, X90)
+        # X713 = conv2d_bwd_filter[kernel=(1,1)](X330, X90)
         X713 = mem.empty((112, 512, 1, 1), 'float32')
         ws = mem.workspace(15654912)
         rt.conv2d_bwd_filter(X330, X90, out=X713, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3171,7 +3171,7 @@ class Googlenet(rp.Model):
         # X719 = -2*X718*lr + inception_4d_1x1_B
         X719 = T['inception_4d_1x1_B']  # in place: the new inception_4d_1x1_B
         rt.ew(ew12, X719, T['inception_4d_1x1_B'], lr, X718)
-        # X720 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X335, X90)
+        # X720 = conv2d_bwd_filter[kernel=(1,1)](X335, X90)
         X720 = mem.empty((144, 512, 1, 1), 'float32')
         ws = mem.workspace(16457728)
         rt.conv2d_bwd_filter(X335, X90, out=X720, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3198,7 +3198,7 @@ class Googlenet(rp.Model):
         # X726 = -2*X725*lr + inception_4d_3x3_reduce_B
         X726 = T['inception_4d_3x3_reduce_B']  # in place: the new inception_4d_3x3_reduce_B
         rt.ew(ew12, X726, T['inception_4d_3x3_reduce_B'], lr, X725)
-        # X727 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X351, X90)
+        # X727 = conv2d_bwd_filter[kernel=(1,1)](X351, X90)
         X727 = mem.empty((32, 512, 1, 1), 'float32')
         ws = mem.workspace(13647872)
         rt.conv2d_bwd_filter(X351, X90, out=X727, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3227,7 +3227,7 @@ class Googlenet(rp.Model):
         # X733 = -2*X732*lr + inception_4d_5x5_reduce_B
         X733 = T['inception_4d_5x5_reduce_B']  # in place: the new inception_4d_5x5_reduce_B
         rt.ew(ew12, X733, T['inception_4d_5x5_reduce_B'], lr, X732)
-        # X734 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X274, X105)
+        # X734 = conv2d_bwd_filter[kernel=(1,1)](X274, X105)
         X734 = mem.empty((256, 528, 1, 1), 'float32')
         ws = mem.workspace(19668992)
         rt.conv2d_bwd_filter(X274, X105, out=X734, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3254,7 +3254,7 @@ class Googlenet(rp.Model):
         # X740 = -2*X739*lr + inception_4e_1x1_B
         X740 = T['inception_4e_1x1_B']  # in place: the new inception_4e_1x1_B
         rt.ew(ew12, X740, T['inception_4e_1x1_B'], lr, X739)
-        # X741 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X279, X105)
+        # X741 = conv2d_bwd_filter[kernel=(1,1)](X279, X105)
         X741 = mem.empty((160, 528, 1, 1), 'float32')
         ws = mem.workspace(17260544)
         rt.conv2d_bwd_filter(X279, X105, out=X741, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3281,7 +3281,7 @@ class Googlenet(rp.Model):
         # X747 = -2*X746*lr + inception_4e_3x3_reduce_B
         X747 = T['inception_4e_3x3_reduce_B']  # in place: the new inception_4e_3x3_reduce_B
         rt.ew(ew12, X747, T['inception_4e_3x3_reduce_B'], lr, X746)
-        # X748 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X295, X105)
+        # X748 = conv2d_bwd_filter[kernel=(1,1)](X295, X105)
         X748 = mem.empty((32, 528, 1, 1), 'float32')
         ws = mem.workspace(14049280)
         rt.conv2d_bwd_filter(X295, X105, out=X748, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3310,7 +3310,7 @@ class Googlenet(rp.Model):
         # X754 = -2*X753*lr + inception_4e_5x5_reduce_B
         X754 = T['inception_4e_5x5_reduce_B']  # in place: the new inception_4e_5x5_reduce_B
         rt.ew(ew12, X754, T['inception_4e_5x5_reduce_B'], lr, X753)
-        # X755 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X234, X147)
+        # X755 = conv2d_bwd_filter[kernel=(1,1)](X234, X147)
         X755 = mem.empty((256, 832, 1, 1), 'float32')
         ws = mem.workspace(6823936)
         rt.conv2d_bwd_filter(X234, X147, out=X755, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3337,7 +3337,7 @@ class Googlenet(rp.Model):
         # X761 = -2*X760*lr + inception_5a_1x1_B
         X761 = T['inception_5a_1x1_B']  # in place: the new inception_5a_1x1_B
         rt.ew(ew12, X761, T['inception_5a_1x1_B'], lr, X760)
-        # X762 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X239, X147)
+        # X762 = conv2d_bwd_filter[kernel=(1,1)](X239, X147)
         X762 = mem.empty((160, 832, 1, 1), 'float32')
         ws = mem.workspace(6221824)
         rt.conv2d_bwd_filter(X239, X147, out=X762, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3364,7 +3364,7 @@ class Googlenet(rp.Model):
         # X768 = -2*X767*lr + inception_5a_3x3_reduce_B
         X768 = T['inception_5a_3x3_reduce_B']  # in place: the new inception_5a_3x3_reduce_B
         rt.ew(ew12, X768, T['inception_5a_3x3_reduce_B'], lr, X767)
-        # X769 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X255, X147)
+        # X769 = conv2d_bwd_filter[kernel=(1,1)](X255, X147)
         X769 = mem.empty((32, 832, 1, 1), 'float32')
         ws = mem.workspace(5419008)
         rt.conv2d_bwd_filter(X255, X147, out=X769, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3393,7 +3393,7 @@ class Googlenet(rp.Model):
         # X775 = -2*X774*lr + inception_5a_5x5_reduce_B
         X775 = T['inception_5a_5x5_reduce_B']  # in place: the new inception_5a_5x5_reduce_B
         rt.ew(ew12, X775, T['inception_5a_5x5_reduce_B'], lr, X774)
-        # X776 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X195, X163)
+        # X776 = conv2d_bwd_filter[kernel=(1,1)](X195, X163)
         X776 = mem.empty((384, 832, 1, 1), 'float32')
         ws = mem.workspace(7626752)
         rt.conv2d_bwd_filter(X195, X163, out=X776, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3420,7 +3420,7 @@ class Googlenet(rp.Model):
         # X782 = -2*X781*lr + inception_5b_1x1_B
         X782 = T['inception_5b_1x1_B']  # in place: the new inception_5b_1x1_B
         rt.ew(ew12, X782, T['inception_5b_1x1_B'], lr, X781)
-        # X783 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X200, X163)
+        # X783 = conv2d_bwd_filter[kernel=(1,1)](X200, X163)
         X783 = mem.empty((192, 832, 1, 1), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_filter(X200, X163, out=X783, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3447,7 +3447,7 @@ class Googlenet(rp.Model):
         # X789 = -2*X788*lr + inception_5b_3x3_reduce_B
         X789 = T['inception_5b_3x3_reduce_B']  # in place: the new inception_5b_3x3_reduce_B
         rt.ew(ew12, X789, T['inception_5b_3x3_reduce_B'], lr, X788)
-        # X790 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X216, X163)
+        # X790 = conv2d_bwd_filter[kernel=(1,1)](X216, X163)
         X790 = mem.empty((48, 832, 1, 1), 'float32')
         ws = mem.workspace(5519360)
         rt.conv2d_bwd_filter(X216, X163, out=X790, kernel=(1, 1), pad=0, stride=1, workspace=ws)

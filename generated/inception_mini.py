@@ -4,7 +4,7 @@ Source network: networks/inception_mini.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
-Structure hash: bc54a6b450543795
+Structure hash: d6e216fa311c63b0
 
 Usage: python inception_mini.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class InceptionMini(rp.Model):
 
     name = "inception_mini"
     source = "networks/inception_mini.py"
-    structure_hash = "bc54a6b450543795"
+    structure_hash = "d6e216fa311c63b0"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -344,11 +344,11 @@ class InceptionMini(rp.Model):
         # X64 = -2*X63*lr + inception_b_5x5_B
         X64 = T['inception_b_5x5_B']  # in place: the new inception_b_5x5_B
         rt.ew(ew10, X64, T['inception_b_5x5_B'], lr, X63)
-        # X65 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X60, X25)
+        # X65 = conv2d_bwd_filter[kernel=(5,5),pad=2](X60, X25)
         X65 = mem.empty((16, 8, 5, 5), 'float32')
         ws = mem.workspace(1155200)
         rt.conv2d_bwd_filter(X60, X25, out=X65, kernel=(5, 5), pad=2, stride=1, workspace=ws)
-        # X66 = conv2d_bwd_data[pad=2,size=(7,7),stride=1](X60, inception_b_5x5_W)
+        # X66 = conv2d_bwd_data[pad=2,size=(7,7)](X60, inception_b_5x5_W)
         X66 = mem.empty((100, 8, 7, 7), 'float32')
         ws = mem.workspace(1763200)
         rt.conv2d_bwd_data(X60, T['inception_b_5x5_W'], out=X66, pad=2, size=(7, 7), stride=1, workspace=ws)
@@ -380,7 +380,7 @@ class InceptionMini(rp.Model):
         # X73 = -2*X72*lr + inception_b_5x5_reduce_B
         X73 = T['inception_b_5x5_reduce_B']  # in place: the new inception_b_5x5_reduce_B
         rt.ew(ew10, X73, T['inception_b_5x5_reduce_B'], lr, X72)
-        # X74 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X67, X22)
+        # X74 = conv2d_bwd_filter[kernel=(1,1)](X67, X22)
         X74 = mem.empty((8, 64, 1, 1), 'float32')
         ws = mem.workspace(352800)
         rt.conv2d_bwd_filter(X67, X22, out=X74, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -397,7 +397,7 @@ class InceptionMini(rp.Model):
         rt.ew(ew8, X77, X76, X31)
         # free X31
         mem.free(X30)
-        # X78 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X77, X28)
+        # X78 = conv2d_bwd_filter[kernel=(1,1)](X77, X28)
         X78 = mem.empty((16, 64, 1, 1), 'float32')
         ws = mem.workspace(392000)
         rt.conv2d_bwd_filter(X77, X28, out=X78, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -465,7 +465,7 @@ class InceptionMini(rp.Model):
         # X95 = -2*X94*lr + inception_b_3x3_B
         X95 = T['inception_b_3x3_B']  # in place: the new inception_b_3x3_B
         rt.ew(ew10, X95, T['inception_b_3x3_B'], lr, X94)
-        # X96 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X87, X22)
+        # X96 = conv2d_bwd_filter[kernel=(1,1)](X87, X22)
         X96 = mem.empty((32, 64, 1, 1), 'float32')
         ws = mem.workspace(470400)
         rt.conv2d_bwd_filter(X87, X22, out=X96, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -474,11 +474,11 @@ class InceptionMini(rp.Model):
         rt.ew(ew5, X97, T['V_inception_b_1x1_W'], momentum, X96, decay, T['inception_b_1x1_W'])
         # free X96
         mem.free(X96)
-        # X98 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X86, X33)
+        # X98 = conv2d_bwd_filter[kernel=(3,3),pad=1](X86, X33)
         X98 = mem.empty((48, 32, 3, 3), 'float32')
         ws = mem.workspace(1905600)
         rt.conv2d_bwd_filter(X86, X33, out=X98, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X99 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X86, inception_b_3x3_W)
+        # X99 = conv2d_bwd_data[pad=1,size=(7,7)](X86, inception_b_3x3_W)
         X99 = mem.empty((100, 32, 7, 7), 'float32')
         ws = mem.workspace(2382400)
         rt.conv2d_bwd_data(X86, T['inception_b_3x3_W'], out=X99, pad=1, size=(7, 7), stride=1, workspace=ws)
@@ -489,7 +489,7 @@ class InceptionMini(rp.Model):
         rt.ew(ew8, X100, X99, X33)
         # free X33
         mem.free(X32)
-        # X101 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X100, X22)
+        # X101 = conv2d_bwd_filter[kernel=(1,1)](X100, X22)
         X101 = mem.empty((32, 64, 1, 1), 'float32')
         ws = mem.workspace(470400)
         rt.conv2d_bwd_filter(X100, X22, out=X101, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -521,7 +521,7 @@ class InceptionMini(rp.Model):
         # X108 = -2*X107*lr + inception_b_3x3_reduce_B
         X108 = T['inception_b_3x3_reduce_B']  # in place: the new inception_b_3x3_reduce_B
         rt.ew(ew10, X108, T['inception_b_3x3_reduce_B'], lr, X107)
-        # X109 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X87, inception_b_1x1_W)
+        # X109 = conv2d_bwd_data[size=(7,7)](X87, inception_b_1x1_W)
         X109 = mem.empty((100, 64, 7, 7), 'float32')
         ws = mem.workspace(313600)
         rt.conv2d_bwd_data(X87, T['inception_b_1x1_W'], out=X109, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -530,7 +530,7 @@ class InceptionMini(rp.Model):
         # X110 = -X97*lr + inception_b_1x1_W
         X110 = T['inception_b_1x1_W']  # in place: the new inception_b_1x1_W
         rt.ew(ew7, X110, T['inception_b_1x1_W'], lr, X97)
-        # X111 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X100, inception_b_3x3_reduce_W)
+        # X111 = conv2d_bwd_data[size=(7,7)](X100, inception_b_3x3_reduce_W)
         X111 = mem.empty((100, 64, 7, 7), 'float32')
         ws = mem.workspace(313600)
         rt.conv2d_bwd_data(X100, T['inception_b_3x3_reduce_W'], out=X111, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -539,7 +539,7 @@ class InceptionMini(rp.Model):
         # X112 = -X103*lr + inception_b_3x3_reduce_W
         X112 = T['inception_b_3x3_reduce_W']  # in place: the new inception_b_3x3_reduce_W
         rt.ew(ew7, X112, T['inception_b_3x3_reduce_W'], lr, X103)
-        # X113 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X77, inception_b_pool_proj_W)
+        # X113 = conv2d_bwd_data[size=(7,7)](X77, inception_b_pool_proj_W)
         X113 = mem.empty((100, 64, 7, 7), 'float32')
         ws = mem.workspace(313600)
         rt.conv2d_bwd_data(X77, T['inception_b_pool_proj_W'], out=X113, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -554,7 +554,7 @@ class InceptionMini(rp.Model):
         # X115 = -X79*lr + inception_b_pool_proj_W
         X115 = T['inception_b_pool_proj_W']  # in place: the new inception_b_pool_proj_W
         rt.ew(ew7, X115, T['inception_b_pool_proj_W'], lr, X79)
-        # X116 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X67, inception_b_5x5_reduce_W)
+        # X116 = conv2d_bwd_data[size=(7,7)](X67, inception_b_5x5_reduce_W)
         X116 = mem.empty((100, 64, 7, 7), 'float32')
         ws = mem.workspace(313600)
         rt.conv2d_bwd_data(X67, T['inception_b_5x5_reduce_W'], out=X116, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -595,11 +595,11 @@ class InceptionMini(rp.Model):
         # X125 = -2*X124*lr + inception_a_5x5_B
         X125 = T['inception_a_5x5_B']  # in place: the new inception_a_5x5_B
         rt.ew(ew10, X125, T['inception_a_5x5_B'], lr, X124)
-        # X126 = conv2d_bwd_filter[kernel=(5,5),pad=2,stride=1](X121, X8)
+        # X126 = conv2d_bwd_filter[kernel=(5,5),pad=2](X121, X8)
         X126 = mem.empty((8, 4, 5, 5), 'float32')
         ws = mem.workspace(2246400)
         rt.conv2d_bwd_filter(X121, X8, out=X126, kernel=(5, 5), pad=2, stride=1, workspace=ws)
-        # X127 = conv2d_bwd_data[pad=2,size=(14,14),stride=1](X121, inception_a_5x5_W)
+        # X127 = conv2d_bwd_data[pad=2,size=(14,14)](X121, inception_a_5x5_W)
         X127 = mem.empty((100, 4, 14, 14), 'float32')
         ws = mem.workspace(2852800)
         rt.conv2d_bwd_data(X121, T['inception_a_5x5_W'], out=X127, pad=2, size=(14, 14), stride=1, workspace=ws)
@@ -631,7 +631,7 @@ class InceptionMini(rp.Model):
         # X134 = -2*X133*lr + inception_a_5x5_reduce_B
         X134 = T['inception_a_5x5_reduce_B']  # in place: the new inception_a_5x5_reduce_B
         rt.ew(ew10, X134, T['inception_a_5x5_reduce_B'], lr, X133)
-        # X135 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X128, X5)
+        # X135 = conv2d_bwd_filter[kernel=(1,1)](X128, X5)
         X135 = mem.empty((4, 32, 1, 1), 'float32')
         ws = mem.workspace(705600)
         rt.conv2d_bwd_filter(X128, X5, out=X135, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -661,7 +661,7 @@ class InceptionMini(rp.Model):
         # X142 = -2*X141*lr + inception_a_1x1_B
         X142 = T['inception_a_1x1_B']  # in place: the new inception_a_1x1_B
         rt.ew(ew10, X142, T['inception_a_1x1_B'], lr, X141)
-        # X143 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X138, X5)
+        # X143 = conv2d_bwd_filter[kernel=(1,1)](X138, X5)
         X143 = mem.empty((16, 32, 1, 1), 'float32')
         ws = mem.workspace(940800)
         rt.conv2d_bwd_filter(X138, X5, out=X143, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -670,7 +670,7 @@ class InceptionMini(rp.Model):
         rt.ew(ew5, X144, T['V_inception_a_1x1_W'], momentum, X143, decay, T['inception_a_1x1_W'])
         # free X143
         mem.free(X143)
-        # X145 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X138, inception_a_1x1_W)
+        # X145 = conv2d_bwd_data[size=(14,14)](X138, inception_a_1x1_W)
         X145 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(627200)
         rt.conv2d_bwd_data(X138, T['inception_a_1x1_W'], out=X145, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -697,7 +697,7 @@ class InceptionMini(rp.Model):
         rt.ew(ew8, X150, X147, X14)
         # free X14
         mem.free(X13)
-        # X151 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X150, X11)
+        # X151 = conv2d_bwd_filter[kernel=(1,1)](X150, X11)
         X151 = mem.empty((16, 32, 1, 1), 'float32')
         ws = mem.workspace(940800)
         rt.conv2d_bwd_filter(X150, X11, out=X151, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -734,11 +734,11 @@ class InceptionMini(rp.Model):
         # X160 = -2*X159*lr + inception_a_pool_proj_B
         X160 = T['inception_a_pool_proj_B']  # in place: the new inception_a_pool_proj_B
         rt.ew(ew10, X160, T['inception_a_pool_proj_B'], lr, X159)
-        # X161 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X149, X16)
+        # X161 = conv2d_bwd_filter[kernel=(3,3),pad=1](X149, X16)
         X161 = mem.empty((24, 16, 3, 3), 'float32')
         ws = mem.workspace(3702400)
         rt.conv2d_bwd_filter(X149, X16, out=X161, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X162 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X149, inception_a_3x3_W)
+        # X162 = conv2d_bwd_data[pad=1,size=(14,14)](X149, inception_a_3x3_W)
         X162 = mem.empty((100, 16, 14, 14), 'float32')
         ws = mem.workspace(4176000)
         rt.conv2d_bwd_data(X149, T['inception_a_3x3_W'], out=X162, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -770,7 +770,7 @@ class InceptionMini(rp.Model):
         # X169 = -2*X168*lr + inception_a_3x3_reduce_B
         X169 = T['inception_a_3x3_reduce_B']  # in place: the new inception_a_3x3_reduce_B
         rt.ew(ew10, X169, T['inception_a_3x3_reduce_B'], lr, X168)
-        # X170 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X163, X5)
+        # X170 = conv2d_bwd_filter[kernel=(1,1)](X163, X5)
         X170 = mem.empty((16, 32, 1, 1), 'float32')
         ws = mem.workspace(940800)
         rt.conv2d_bwd_filter(X163, X5, out=X170, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -779,7 +779,7 @@ class InceptionMini(rp.Model):
         rt.ew(ew5, X171, T['V_inception_a_3x3_reduce_W'], momentum, X170, decay, T['inception_a_3x3_reduce_W'])
         # free X170
         mem.free(X170)
-        # X172 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X163, inception_a_3x3_reduce_W)
+        # X172 = conv2d_bwd_data[size=(14,14)](X163, inception_a_3x3_reduce_W)
         X172 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(627200)
         rt.conv2d_bwd_data(X163, T['inception_a_3x3_reduce_W'], out=X172, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -788,7 +788,7 @@ class InceptionMini(rp.Model):
         # X173 = -X171*lr + inception_a_3x3_reduce_W
         X173 = T['inception_a_3x3_reduce_W']  # in place: the new inception_a_3x3_reduce_W
         rt.ew(ew7, X173, T['inception_a_3x3_reduce_W'], lr, X171)
-        # X174 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X150, inception_a_pool_proj_W)
+        # X174 = conv2d_bwd_data[size=(14,14)](X150, inception_a_pool_proj_W)
         X174 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(627200)
         rt.conv2d_bwd_data(X150, T['inception_a_pool_proj_W'], out=X174, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -803,7 +803,7 @@ class InceptionMini(rp.Model):
         # X176 = -X152*lr + inception_a_pool_proj_W
         X176 = T['inception_a_pool_proj_W']  # in place: the new inception_a_pool_proj_W
         rt.ew(ew7, X176, T['inception_a_pool_proj_W'], lr, X152)
-        # X177 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X128, inception_a_5x5_reduce_W)
+        # X177 = conv2d_bwd_data[size=(14,14)](X128, inception_a_5x5_reduce_W)
         X177 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(627200)
         rt.conv2d_bwd_data(X128, T['inception_a_5x5_reduce_W'], out=X177, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -823,7 +823,7 @@ class InceptionMini(rp.Model):
         rt.max_pool_bwd(X178, X6, out=X180, ceil=False, kernel=2, pad=0, size=(28, 28), stride=2, workspace=ws)
         # free X6, X178
         mem.free(X6, X175)
-        # X181 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X180, x)
+        # X181 = conv2d_bwd_filter[kernel=(3,3),pad=1](X180, x)
         X181 = mem.empty((32, 1, 3, 3), 'float32')
         ws = mem.workspace(3304400)
         rt.conv2d_bwd_filter(X180, x, out=X181, kernel=(3, 3), pad=1, stride=1, workspace=ws)

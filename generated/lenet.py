@@ -4,7 +4,7 @@ Source network: networks/lenet.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 500x1x28x28 float32 images, 500 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.01, momentum 0.9, decay 0.0005
-Structure hash: cfbfd6c021e45707
+Structure hash: 262b5ab75d48a298
 
 Usage: python lenet.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Lenet(rp.Model):
 
     name = "lenet"
     source = "networks/lenet.py"
-    structure_hash = "cfbfd6c021e45707"
+    structure_hash = "262b5ab75d48a298"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (500, 1, 28, 28)
@@ -199,7 +199,7 @@ class Lenet(rp.Model):
         rt.max_pool_bwd(X33, X6, out=X34, ceil=False, kernel=2, pad=0, size=(8, 8), stride=2, workspace=ws)
         # free X6, X28, X33
         mem.free(X6, X28)
-        # X35 = conv2d_bwd_filter[kernel=(5,5),pad=0,stride=1](X34, X2)
+        # X35 = conv2d_bwd_filter[kernel=(5,5)](X34, X2)
         X35 = mem.empty((50, 20, 5, 5), 'float32')
         ws = mem.workspace(17600000)
         rt.conv2d_bwd_filter(X34, X2, out=X35, kernel=(5, 5), pad=0, stride=1, workspace=ws)
@@ -210,7 +210,7 @@ class Lenet(rp.Model):
         rt.ew(ew6, X36, T['V_cv2_W'], momentum, X35, decay, T['cv2_W'])
         # free X35
         mem.free(X35)
-        # X37 = conv2d_bwd_data[pad=0,size=(12,12),stride=1](X34, cv2_W)
+        # X37 = conv2d_bwd_data[size=(12,12)](X34, cv2_W)
         X37 = mem.empty((500, 20, 12, 12), 'float32')
         ws = mem.workspace(27880000)
         rt.conv2d_bwd_data(X34, T['cv2_W'], out=X37, pad=0, size=(12, 12), stride=1, workspace=ws)
@@ -238,7 +238,7 @@ class Lenet(rp.Model):
         rt.max_pool_bwd(X37, X3, out=X43, ceil=False, kernel=2, pad=0, size=(24, 24), stride=2, workspace=ws)
         # free X3, X37
         mem.free(X3, X37)
-        # X44 = conv2d_bwd_filter[kernel=(5,5),pad=0,stride=1](X43, x)
+        # X44 = conv2d_bwd_filter[kernel=(5,5)](X43, x)
         X44 = mem.empty((20, 1, 5, 5), 'float32')
         ws = mem.workspace(12960000)
         rt.conv2d_bwd_filter(X43, x, out=X44, kernel=(5, 5), pad=0, stride=1, workspace=ws)

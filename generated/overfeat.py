@@ -4,7 +4,7 @@ Source network: networks/overfeat.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 128x3x231x231 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 100000 iterations, lr 0.05, momentum 0.6, decay 1e-05
-Structure hash: 08a6581aed263644
+Structure hash: 8b00afdde67bc849
 
 Usage: python overfeat.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Overfeat(rp.Model):
 
     name = "overfeat"
     source = "networks/overfeat.py"
-    structure_hash = "08a6581aed263644"
+    structure_hash = "8b00afdde67bc849"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 231, 231)
@@ -304,7 +304,7 @@ class Overfeat(rp.Model):
         # X60 = -X59*lr + conv5_B
         X60 = T['conv5_B']  # in place: the new conv5_B
         rt.ew(ew8, X60, T['conv5_B'], lr, X59)
-        # X61 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X56, X15)
+        # X61 = conv2d_bwd_filter[kernel=(3,3),pad=1](X56, X15)
         X61 = mem.empty((1024, 1024, 3, 3), 'float32')
         ws = mem.workspace(81473536)
         rt.conv2d_bwd_filter(X56, X15, out=X61, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -313,7 +313,7 @@ class Overfeat(rp.Model):
         rt.ew(ew7, X62, T['V_conv5_W'], momentum, X61, decay, T['conv5_W'])
         # free X61
         mem.free(X61)
-        # X63 = conv2d_bwd_data[pad=1,size=(12,12),stride=1](X56, conv5_W)
+        # X63 = conv2d_bwd_data[pad=1,size=(12,12)](X56, conv5_W)
         X63 = mem.empty((128, 1024, 12, 12), 'float32')
         ws = mem.workspace(82692096)
         rt.conv2d_bwd_data(X56, T['conv5_W'], out=X63, pad=1, size=(12, 12), stride=1, workspace=ws)
@@ -340,11 +340,11 @@ class Overfeat(rp.Model):
         # X69 = -X68*lr + conv4_B
         X69 = T['conv4_B']  # in place: the new conv4_B
         rt.ew(ew8, X69, T['conv4_B'], lr, X68)
-        # X70 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X64, X13)
+        # X70 = conv2d_bwd_filter[kernel=(3,3),pad=1](X64, X13)
         X70 = mem.empty((1024, 512, 3, 3), 'float32')
         ws = mem.workspace(63045632)
         rt.conv2d_bwd_filter(X64, X13, out=X70, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X71 = conv2d_bwd_data[pad=1,size=(12,12),stride=1](X64, conv4_W)
+        # X71 = conv2d_bwd_data[pad=1,size=(12,12)](X64, conv4_W)
         X71 = mem.empty((128, 512, 12, 12), 'float32')
         ws = mem.workspace(67043328)
         rt.conv2d_bwd_data(X64, T['conv4_W'], out=X71, pad=1, size=(12, 12), stride=1, workspace=ws)
@@ -376,11 +376,11 @@ class Overfeat(rp.Model):
         # X78 = -X77*lr + conv3_B
         X78 = T['conv3_B']  # in place: the new conv3_B
         rt.ew(ew8, X78, T['conv3_B'], lr, X77)
-        # X79 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X72, X10)
+        # X79 = conv2d_bwd_filter[kernel=(3,3),pad=1](X72, X10)
         X79 = mem.empty((512, 256, 3, 3), 'float32')
         ws = mem.workspace(58327040)
         rt.conv2d_bwd_filter(X72, X10, out=X79, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X80 = conv2d_bwd_data[pad=1,size=(12,12),stride=1](X72, conv3_W)
+        # X80 = conv2d_bwd_data[pad=1,size=(12,12)](X72, conv3_W)
         X80 = mem.empty((128, 256, 12, 12), 'float32')
         ws = mem.workspace(67043328)
         rt.conv2d_bwd_data(X72, T['conv3_W'], out=X80, pad=1, size=(12, 12), stride=1, workspace=ws)
@@ -418,11 +418,11 @@ class Overfeat(rp.Model):
         # X88 = -X87*lr + conv2_B
         X88 = T['conv2_B']  # in place: the new conv2_B
         rt.ew(ew8, X88, T['conv2_B'], lr, X87)
-        # X89 = conv2d_bwd_filter[kernel=(5,5),pad=0,stride=1](X84, X6)
+        # X89 = conv2d_bwd_filter[kernel=(5,5)](X84, X6)
         X89 = mem.empty((256, 96, 5, 5), 'float32')
         ws = mem.workspace(66398208)
         rt.conv2d_bwd_filter(X84, X6, out=X89, kernel=(5, 5), pad=0, stride=1, workspace=ws)
-        # X90 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X84, conv2_W)
+        # X90 = conv2d_bwd_data[size=(28,28)](X84, conv2_W)
         X90 = mem.empty((128, 96, 28, 28), 'float32')
         ws = mem.workspace(80000640)
         rt.conv2d_bwd_data(X84, T['conv2_W'], out=X90, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -447,7 +447,7 @@ class Overfeat(rp.Model):
         rt.max_pool_bwd(X91, X7, out=X94, ceil=False, kernel=2, pad=0, size=(56, 56), stride=2, workspace=ws)
         # free X7, X91
         mem.free(X7, X90)
-        # X95 = conv2d_bwd_filter[kernel=(11,11),pad=0,stride=4](X94, x)
+        # X95 = conv2d_bwd_filter[kernel=(11,11),stride=4](X94, x)
         X95 = mem.empty((96, 3, 11, 11), 'float32')
         ws = mem.workspace(61930080)
         rt.conv2d_bwd_filter(X94, x, out=X95, kernel=(11, 11), pad=0, stride=4, workspace=ws)

@@ -4,7 +4,7 @@ Source network: networks/resnet50.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
-Structure hash: 2d75eb3c2ed0bb2a
+Structure hash: 84814c1e9306981f
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "2d75eb3c2ed0bb2a"
+    structure_hash = "84814c1e9306981f"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3056,11 +3056,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X830, X821, X829)
         # free X829
         mem.free(X828)
-        # X831 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X830, res5c_branch2c_W)
+        # X831 = conv2d_bwd_data[size=(7,7)](X830, res5c_branch2c_W)
         X831 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(802816)
         rt.conv2d_bwd_data(X830, T['res5c_branch2c_W'], out=X831, pad=0, size=(7, 7), stride=1, workspace=ws)
-        # X832 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X830, X779)
+        # X832 = conv2d_bwd_filter[kernel=(1,1)](X830, X779)
         X832 = mem.empty((2048, 512, 1, 1), 'float32')
         ws = mem.workspace(4014080)
         rt.conv2d_bwd_filter(X830, X779, out=X832, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3146,7 +3146,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X852, X843, X851)
         # free X851
         mem.free(X850)
-        # X853 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X852, res5c_branch2b_W)
+        # X853 = conv2d_bwd_data[pad=1,size=(7,7)](X852, res5c_branch2b_W)
         X853 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(11681792)
         rt.conv2d_bwd_data(X852, T['res5c_branch2b_W'], out=X853, pad=1, size=(7, 7), stride=1, workspace=ws)
@@ -3166,7 +3166,7 @@ class Resnet50(rp.Model):
         # X858 = -X857*lr + bn5c_branch2a_B
         X858 = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
         rt.ew(ew22, X858, T['bn5c_branch2a_B'], lr, X857)
-        # X859 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X852, X764)
+        # X859 = conv2d_bwd_filter[kernel=(3,3),pad=1](X852, X764)
         X859 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(9355264)
         rt.conv2d_bwd_filter(X852, X764, out=X859, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -3234,7 +3234,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X874, X865, X873)
         # free X873
         mem.free(X872)
-        # X875 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X874, X749)
+        # X875 = conv2d_bwd_filter[kernel=(1,1)](X874, X749)
         X875 = mem.empty((512, 2048, 1, 1), 'float32')
         ws = mem.workspace(4014080)
         rt.conv2d_bwd_filter(X874, X749, out=X875, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3243,7 +3243,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X876, T['V_res5c_branch2a_W'], momentum, X875, decay, T['res5c_branch2a_W'])
         # free X875
         mem.free(X875)
-        # X877 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X874, res5c_branch2a_W)
+        # X877 = conv2d_bwd_data[size=(7,7)](X874, res5c_branch2a_W)
         X877 = mem.empty((32, 2048, 7, 7), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X874, T['res5c_branch2a_W'], out=X877, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -3324,11 +3324,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X896, X887, X895)
         # free X895
         mem.free(X894)
-        # X897 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X896, res5b_branch2c_W)
+        # X897 = conv2d_bwd_data[size=(7,7)](X896, res5b_branch2c_W)
         X897 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(802816)
         rt.conv2d_bwd_data(X896, T['res5b_branch2c_W'], out=X897, pad=0, size=(7, 7), stride=1, workspace=ws)
-        # X898 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X896, X734)
+        # X898 = conv2d_bwd_filter[kernel=(1,1)](X896, X734)
         X898 = mem.empty((2048, 512, 1, 1), 'float32')
         ws = mem.workspace(4014080)
         rt.conv2d_bwd_filter(X896, X734, out=X898, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3414,7 +3414,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X918, X909, X917)
         # free X917
         mem.free(X916)
-        # X919 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X918, res5b_branch2b_W)
+        # X919 = conv2d_bwd_data[pad=1,size=(7,7)](X918, res5b_branch2b_W)
         X919 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(11681792)
         rt.conv2d_bwd_data(X918, T['res5b_branch2b_W'], out=X919, pad=1, size=(7, 7), stride=1, workspace=ws)
@@ -3434,7 +3434,7 @@ class Resnet50(rp.Model):
         # X924 = -X923*lr + bn5b_branch2a_B
         X924 = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
         rt.ew(ew22, X924, T['bn5b_branch2a_B'], lr, X923)
-        # X925 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X918, X719)
+        # X925 = conv2d_bwd_filter[kernel=(3,3),pad=1](X918, X719)
         X925 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(9355264)
         rt.conv2d_bwd_filter(X918, X719, out=X925, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -3502,7 +3502,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X940, X931, X939)
         # free X939
         mem.free(X938)
-        # X941 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X940, X704)
+        # X941 = conv2d_bwd_filter[kernel=(1,1)](X940, X704)
         X941 = mem.empty((512, 2048, 1, 1), 'float32')
         ws = mem.workspace(4014080)
         rt.conv2d_bwd_filter(X940, X704, out=X941, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3511,7 +3511,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X942, T['V_res5b_branch2a_W'], momentum, X941, decay, T['res5b_branch2a_W'])
         # free X941
         mem.free(X941)
-        # X943 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X940, res5b_branch2a_W)
+        # X943 = conv2d_bwd_data[size=(7,7)](X940, res5b_branch2a_W)
         X943 = mem.empty((32, 2048, 7, 7), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X940, T['res5b_branch2a_W'], out=X943, pad=0, size=(7, 7), stride=1, workspace=ws)
@@ -3598,11 +3598,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X964, X955, X963)
         # free X963
         mem.free(X962)
-        # X965 = conv2d_bwd_data[pad=0,size=(7,7),stride=1](X964, res5a_branch2c_W)
+        # X965 = conv2d_bwd_data[size=(7,7)](X964, res5a_branch2c_W)
         X965 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(802816)
         rt.conv2d_bwd_data(X964, T['res5a_branch2c_W'], out=X965, pad=0, size=(7, 7), stride=1, workspace=ws)
-        # X966 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X964, X675)
+        # X966 = conv2d_bwd_filter[kernel=(1,1)](X964, X675)
         X966 = mem.empty((2048, 512, 1, 1), 'float32')
         ws = mem.workspace(4014080)
         rt.conv2d_bwd_filter(X964, X675, out=X966, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -3688,7 +3688,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X986, X977, X985)
         # free X985
         mem.free(X984)
-        # X987 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X986, res5a_branch2b_W)
+        # X987 = conv2d_bwd_data[pad=1,size=(7,7)](X986, res5a_branch2b_W)
         X987 = mem.empty((32, 512, 7, 7), 'float32')
         ws = mem.workspace(11681792)
         rt.conv2d_bwd_data(X986, T['res5a_branch2b_W'], out=X987, pad=1, size=(7, 7), stride=1, workspace=ws)
@@ -3708,7 +3708,7 @@ class Resnet50(rp.Model):
         # X992 = -X991*lr + bn5a_branch2a_B
         X992 = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
         rt.ew(ew22, X992, T['bn5a_branch2a_B'], lr, X991)
-        # X993 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X986, X660)
+        # X993 = conv2d_bwd_filter[kernel=(3,3),pad=1](X986, X660)
         X993 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(9355264)
         rt.conv2d_bwd_filter(X986, X660, out=X993, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -3776,7 +3776,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1008, X999, X1007)
         # free X1007
         mem.free(X1006)
-        # X1009 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1008, X645)
+        # X1009 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1008, X645)
         X1009 = mem.empty((512, 1024, 1, 1), 'float32')
         ws = mem.workspace(2408448)
         rt.conv2d_bwd_filter(X1008, X645, out=X1009, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -3839,7 +3839,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1023, X1014, X1022)
         # free X1022
         mem.free(X1021)
-        # X1024 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1023, X645)
+        # X1024 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1023, X645)
         X1024 = mem.empty((2048, 1024, 1, 1), 'float32')
         ws = mem.workspace(4816896)
         rt.conv2d_bwd_filter(X1023, X645, out=X1024, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -3848,7 +3848,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1025, T['V_res5a_branch1_W'], momentum, X1024, decay, T['res5a_branch1_W'])
         # free X1024
         mem.free(X1024)
-        # X1026 = conv2d_bwd_data[pad=0,size=(14,14),stride=2](X1023, res5a_branch1_W)
+        # X1026 = conv2d_bwd_data[size=(14,14),stride=2](X1023, res5a_branch1_W)
         X1026 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1023, T['res5a_branch1_W'], out=X1026, pad=0, size=(14, 14), stride=2, workspace=ws)
@@ -3857,7 +3857,7 @@ class Resnet50(rp.Model):
         # X1027 = -X1025*lr + res5a_branch1_W
         X1027 = T['res5a_branch1_W']  # in place: the new res5a_branch1_W
         rt.ew(ew22, X1027, T['res5a_branch1_W'], lr, X1025)
-        # X1028 = conv2d_bwd_data[pad=0,size=(14,14),stride=2](X1008, res5a_branch2a_W)
+        # X1028 = conv2d_bwd_data[size=(14,14),stride=2](X1008, res5a_branch2a_W)
         X1028 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1008, T['res5a_branch2a_W'], out=X1028, pad=0, size=(14, 14), stride=2, workspace=ws)
@@ -3938,11 +3938,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1047, X1038, X1046)
         # free X1046
         mem.free(X1045)
-        # X1048 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1047, X630)
+        # X1048 = conv2d_bwd_filter[kernel=(1,1)](X1047, X630)
         X1048 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1047, X630, out=X1048, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1049 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1047, res4f_branch2c_W)
+        # X1049 = conv2d_bwd_data[size=(14,14)](X1047, res4f_branch2c_W)
         X1049 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1047, T['res4f_branch2c_W'], out=X1049, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4028,7 +4028,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1069, X1060, X1068)
         # free X1068
         mem.free(X1067)
-        # X1070 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1069, X615)
+        # X1070 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1069, X615)
         X1070 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1069, X615, out=X1070, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -4037,7 +4037,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1071, T['V_res4f_branch2b_W'], momentum, X1070, decay, T['res4f_branch2b_W'])
         # free X1070
         mem.free(X1070)
-        # X1072 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1069, res4f_branch2b_W)
+        # X1072 = conv2d_bwd_data[pad=1,size=(14,14)](X1069, res4f_branch2b_W)
         X1072 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1069, T['res4f_branch2b_W'], out=X1072, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -4118,7 +4118,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1091, X1082, X1090)
         # free X1090
         mem.free(X1089)
-        # X1092 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1091, X600)
+        # X1092 = conv2d_bwd_filter[kernel=(1,1)](X1091, X600)
         X1092 = mem.empty((256, 1024, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1091, X600, out=X1092, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -4127,7 +4127,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1093, T['V_res4f_branch2a_W'], momentum, X1092, decay, T['res4f_branch2a_W'])
         # free X1092
         mem.free(X1092)
-        # X1094 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1091, res4f_branch2a_W)
+        # X1094 = conv2d_bwd_data[size=(14,14)](X1091, res4f_branch2a_W)
         X1094 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1091, T['res4f_branch2a_W'], out=X1094, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4208,11 +4208,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1113, X1104, X1112)
         # free X1112
         mem.free(X1111)
-        # X1114 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1113, X585)
+        # X1114 = conv2d_bwd_filter[kernel=(1,1)](X1113, X585)
         X1114 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1113, X585, out=X1114, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1115 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1113, res4e_branch2c_W)
+        # X1115 = conv2d_bwd_data[size=(14,14)](X1113, res4e_branch2c_W)
         X1115 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1113, T['res4e_branch2c_W'], out=X1115, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4298,7 +4298,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1135, X1126, X1134)
         # free X1134
         mem.free(X1133)
-        # X1136 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1135, X570)
+        # X1136 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1135, X570)
         X1136 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1135, X570, out=X1136, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -4307,7 +4307,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1137, T['V_res4e_branch2b_W'], momentum, X1136, decay, T['res4e_branch2b_W'])
         # free X1136
         mem.free(X1136)
-        # X1138 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1135, res4e_branch2b_W)
+        # X1138 = conv2d_bwd_data[pad=1,size=(14,14)](X1135, res4e_branch2b_W)
         X1138 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1135, T['res4e_branch2b_W'], out=X1138, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -4388,7 +4388,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1157, X1148, X1156)
         # free X1156
         mem.free(X1155)
-        # X1158 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1157, X555)
+        # X1158 = conv2d_bwd_filter[kernel=(1,1)](X1157, X555)
         X1158 = mem.empty((256, 1024, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1157, X555, out=X1158, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -4397,7 +4397,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1159, T['V_res4e_branch2a_W'], momentum, X1158, decay, T['res4e_branch2a_W'])
         # free X1158
         mem.free(X1158)
-        # X1160 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1157, res4e_branch2a_W)
+        # X1160 = conv2d_bwd_data[size=(14,14)](X1157, res4e_branch2a_W)
         X1160 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1157, T['res4e_branch2a_W'], out=X1160, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4478,11 +4478,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1179, X1170, X1178)
         # free X1178
         mem.free(X1177)
-        # X1180 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1179, X540)
+        # X1180 = conv2d_bwd_filter[kernel=(1,1)](X1179, X540)
         X1180 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1179, X540, out=X1180, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1181 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1179, res4d_branch2c_W)
+        # X1181 = conv2d_bwd_data[size=(14,14)](X1179, res4d_branch2c_W)
         X1181 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1179, T['res4d_branch2c_W'], out=X1181, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4568,7 +4568,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1201, X1192, X1200)
         # free X1200
         mem.free(X1199)
-        # X1202 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1201, X525)
+        # X1202 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1201, X525)
         X1202 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1201, X525, out=X1202, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -4577,7 +4577,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1203, T['V_res4d_branch2b_W'], momentum, X1202, decay, T['res4d_branch2b_W'])
         # free X1202
         mem.free(X1202)
-        # X1204 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1201, res4d_branch2b_W)
+        # X1204 = conv2d_bwd_data[pad=1,size=(14,14)](X1201, res4d_branch2b_W)
         X1204 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1201, T['res4d_branch2b_W'], out=X1204, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -4658,7 +4658,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1223, X1214, X1222)
         # free X1222
         mem.free(X1221)
-        # X1224 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1223, X510)
+        # X1224 = conv2d_bwd_filter[kernel=(1,1)](X1223, X510)
         X1224 = mem.empty((256, 1024, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1223, X510, out=X1224, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -4667,7 +4667,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1225, T['V_res4d_branch2a_W'], momentum, X1224, decay, T['res4d_branch2a_W'])
         # free X1224
         mem.free(X1224)
-        # X1226 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1223, res4d_branch2a_W)
+        # X1226 = conv2d_bwd_data[size=(14,14)](X1223, res4d_branch2a_W)
         X1226 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1223, T['res4d_branch2a_W'], out=X1226, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4748,11 +4748,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1245, X1236, X1244)
         # free X1244
         mem.free(X1243)
-        # X1246 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1245, X495)
+        # X1246 = conv2d_bwd_filter[kernel=(1,1)](X1245, X495)
         X1246 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1245, X495, out=X1246, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1247 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1245, res4c_branch2c_W)
+        # X1247 = conv2d_bwd_data[size=(14,14)](X1245, res4c_branch2c_W)
         X1247 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1245, T['res4c_branch2c_W'], out=X1247, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -4838,7 +4838,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1267, X1258, X1266)
         # free X1266
         mem.free(X1265)
-        # X1268 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1267, X480)
+        # X1268 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1267, X480)
         X1268 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1267, X480, out=X1268, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -4847,7 +4847,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1269, T['V_res4c_branch2b_W'], momentum, X1268, decay, T['res4c_branch2b_W'])
         # free X1268
         mem.free(X1268)
-        # X1270 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1267, res4c_branch2b_W)
+        # X1270 = conv2d_bwd_data[pad=1,size=(14,14)](X1267, res4c_branch2b_W)
         X1270 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1267, T['res4c_branch2b_W'], out=X1270, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -4928,7 +4928,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1289, X1280, X1288)
         # free X1288
         mem.free(X1287)
-        # X1290 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1289, X465)
+        # X1290 = conv2d_bwd_filter[kernel=(1,1)](X1289, X465)
         X1290 = mem.empty((256, 1024, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1289, X465, out=X1290, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -4937,7 +4937,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1291, T['V_res4c_branch2a_W'], momentum, X1290, decay, T['res4c_branch2a_W'])
         # free X1290
         mem.free(X1290)
-        # X1292 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1289, res4c_branch2a_W)
+        # X1292 = conv2d_bwd_data[size=(14,14)](X1289, res4c_branch2a_W)
         X1292 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1289, T['res4c_branch2a_W'], out=X1292, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -5018,11 +5018,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1311, X1302, X1310)
         # free X1310
         mem.free(X1309)
-        # X1312 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1311, X450)
+        # X1312 = conv2d_bwd_filter[kernel=(1,1)](X1311, X450)
         X1312 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1311, X450, out=X1312, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1313 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1311, res4b_branch2c_W)
+        # X1313 = conv2d_bwd_data[size=(14,14)](X1311, res4b_branch2c_W)
         X1313 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1311, T['res4b_branch2c_W'], out=X1313, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -5108,7 +5108,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1333, X1324, X1332)
         # free X1332
         mem.free(X1331)
-        # X1334 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1333, X435)
+        # X1334 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1333, X435)
         X1334 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1333, X435, out=X1334, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -5117,7 +5117,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1335, T['V_res4b_branch2b_W'], momentum, X1334, decay, T['res4b_branch2b_W'])
         # free X1334
         mem.free(X1334)
-        # X1336 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1333, res4b_branch2b_W)
+        # X1336 = conv2d_bwd_data[pad=1,size=(14,14)](X1333, res4b_branch2b_W)
         X1336 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1333, T['res4b_branch2b_W'], out=X1336, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -5198,7 +5198,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1355, X1346, X1354)
         # free X1354
         mem.free(X1353)
-        # X1356 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1355, X420)
+        # X1356 = conv2d_bwd_filter[kernel=(1,1)](X1355, X420)
         X1356 = mem.empty((256, 1024, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1355, X420, out=X1356, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -5207,7 +5207,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1357, T['V_res4b_branch2a_W'], momentum, X1356, decay, T['res4b_branch2a_W'])
         # free X1356
         mem.free(X1356)
-        # X1358 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1355, res4b_branch2a_W)
+        # X1358 = conv2d_bwd_data[size=(14,14)](X1355, res4b_branch2a_W)
         X1358 = mem.empty((32, 1024, 14, 14), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1355, T['res4b_branch2a_W'], out=X1358, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -5294,11 +5294,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1379, X1370, X1378)
         # free X1378
         mem.free(X1377)
-        # X1380 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1379, X391)
+        # X1380 = conv2d_bwd_filter[kernel=(1,1)](X1379, X391)
         X1380 = mem.empty((1024, 256, 1, 1), 'float32')
         ws = mem.workspace(8028160)
         rt.conv2d_bwd_filter(X1379, X391, out=X1380, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1381 = conv2d_bwd_data[pad=0,size=(14,14),stride=1](X1379, res4a_branch2c_W)
+        # X1381 = conv2d_bwd_data[size=(14,14)](X1379, res4a_branch2c_W)
         X1381 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(1605632)
         rt.conv2d_bwd_data(X1379, T['res4a_branch2c_W'], out=X1381, pad=0, size=(14, 14), stride=1, workspace=ws)
@@ -5384,7 +5384,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1401, X1392, X1400)
         # free X1400
         mem.free(X1399)
-        # X1402 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1401, X376)
+        # X1402 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1401, X376)
         X1402 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(18153472)
         rt.conv2d_bwd_filter(X1401, X376, out=X1402, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -5393,7 +5393,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1403, T['V_res4a_branch2b_W'], momentum, X1402, decay, T['res4a_branch2b_W'])
         # free X1402
         mem.free(X1402)
-        # X1404 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X1401, res4a_branch2b_W)
+        # X1404 = conv2d_bwd_data[pad=1,size=(14,14)](X1401, res4a_branch2b_W)
         X1404 = mem.empty((32, 256, 14, 14), 'float32')
         ws = mem.workspace(20463616)
         rt.conv2d_bwd_data(X1401, T['res4a_branch2b_W'], out=X1404, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -5474,7 +5474,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1423, X1414, X1422)
         # free X1422
         mem.free(X1421)
-        # X1424 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1423, X361)
+        # X1424 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1423, X361)
         X1424 = mem.empty((256, 512, 1, 1), 'float32')
         ws = mem.workspace(4816896)
         rt.conv2d_bwd_filter(X1423, X361, out=X1424, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -5537,7 +5537,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1438, X1429, X1437)
         # free X1437
         mem.free(X1436)
-        # X1439 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1438, X361)
+        # X1439 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1438, X361)
         X1439 = mem.empty((1024, 512, 1, 1), 'float32')
         ws = mem.workspace(9633792)
         rt.conv2d_bwd_filter(X1438, X361, out=X1439, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -5546,7 +5546,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1440, T['V_res4a_branch1_W'], momentum, X1439, decay, T['res4a_branch1_W'])
         # free X1439
         mem.free(X1439)
-        # X1441 = conv2d_bwd_data[pad=0,size=(28,28),stride=2](X1438, res4a_branch1_W)
+        # X1441 = conv2d_bwd_data[size=(28,28),stride=2](X1438, res4a_branch1_W)
         X1441 = mem.empty((32, 512, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1438, T['res4a_branch1_W'], out=X1441, pad=0, size=(28, 28), stride=2, workspace=ws)
@@ -5555,7 +5555,7 @@ class Resnet50(rp.Model):
         # X1442 = -X1440*lr + res4a_branch1_W
         X1442 = T['res4a_branch1_W']  # in place: the new res4a_branch1_W
         rt.ew(ew22, X1442, T['res4a_branch1_W'], lr, X1440)
-        # X1443 = conv2d_bwd_data[pad=0,size=(28,28),stride=2](X1423, res4a_branch2a_W)
+        # X1443 = conv2d_bwd_data[size=(28,28),stride=2](X1423, res4a_branch2a_W)
         X1443 = mem.empty((32, 512, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1423, T['res4a_branch2a_W'], out=X1443, pad=0, size=(28, 28), stride=2, workspace=ws)
@@ -5636,11 +5636,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1462, X1453, X1461)
         # free X1461
         mem.free(X1460)
-        # X1463 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1462, X346)
+        # X1463 = conv2d_bwd_filter[kernel=(1,1)](X1462, X346)
         X1463 = mem.empty((512, 128, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1462, X346, out=X1463, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1464 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1462, res3d_branch2c_W)
+        # X1464 = conv2d_bwd_data[size=(28,28)](X1462, res3d_branch2c_W)
         X1464 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1462, T['res3d_branch2c_W'], out=X1464, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -5726,7 +5726,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1484, X1475, X1483)
         # free X1483
         mem.free(X1482)
-        # X1485 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1484, X331)
+        # X1485 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1484, X331)
         X1485 = mem.empty((128, 128, 3, 3), 'float32')
         ws = mem.workspace(35799040)
         rt.conv2d_bwd_filter(X1484, X331, out=X1485, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -5735,7 +5735,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1486, T['V_res3d_branch2b_W'], momentum, X1485, decay, T['res3d_branch2b_W'])
         # free X1485
         mem.free(X1485)
-        # X1487 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X1484, res3d_branch2b_W)
+        # X1487 = conv2d_bwd_data[pad=1,size=(28,28)](X1484, res3d_branch2b_W)
         X1487 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(38100992)
         rt.conv2d_bwd_data(X1484, T['res3d_branch2b_W'], out=X1487, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -5816,7 +5816,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1506, X1497, X1505)
         # free X1505
         mem.free(X1504)
-        # X1507 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1506, X316)
+        # X1507 = conv2d_bwd_filter[kernel=(1,1)](X1506, X316)
         X1507 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1506, X316, out=X1507, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -5825,7 +5825,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1508, T['V_res3d_branch2a_W'], momentum, X1507, decay, T['res3d_branch2a_W'])
         # free X1507
         mem.free(X1507)
-        # X1509 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1506, res3d_branch2a_W)
+        # X1509 = conv2d_bwd_data[size=(28,28)](X1506, res3d_branch2a_W)
         X1509 = mem.empty((32, 512, 28, 28), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X1506, T['res3d_branch2a_W'], out=X1509, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -5906,11 +5906,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1528, X1519, X1527)
         # free X1527
         mem.free(X1526)
-        # X1529 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1528, X301)
+        # X1529 = conv2d_bwd_filter[kernel=(1,1)](X1528, X301)
         X1529 = mem.empty((512, 128, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1528, X301, out=X1529, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1530 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1528, res3c_branch2c_W)
+        # X1530 = conv2d_bwd_data[size=(28,28)](X1528, res3c_branch2c_W)
         X1530 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1528, T['res3c_branch2c_W'], out=X1530, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -5996,7 +5996,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1550, X1541, X1549)
         # free X1549
         mem.free(X1548)
-        # X1551 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1550, X286)
+        # X1551 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1550, X286)
         X1551 = mem.empty((128, 128, 3, 3), 'float32')
         ws = mem.workspace(35799040)
         rt.conv2d_bwd_filter(X1550, X286, out=X1551, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -6005,7 +6005,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1552, T['V_res3c_branch2b_W'], momentum, X1551, decay, T['res3c_branch2b_W'])
         # free X1551
         mem.free(X1551)
-        # X1553 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X1550, res3c_branch2b_W)
+        # X1553 = conv2d_bwd_data[pad=1,size=(28,28)](X1550, res3c_branch2b_W)
         X1553 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(38100992)
         rt.conv2d_bwd_data(X1550, T['res3c_branch2b_W'], out=X1553, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -6086,7 +6086,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1572, X1563, X1571)
         # free X1571
         mem.free(X1570)
-        # X1573 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1572, X271)
+        # X1573 = conv2d_bwd_filter[kernel=(1,1)](X1572, X271)
         X1573 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1572, X271, out=X1573, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -6095,7 +6095,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1574, T['V_res3c_branch2a_W'], momentum, X1573, decay, T['res3c_branch2a_W'])
         # free X1573
         mem.free(X1573)
-        # X1575 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1572, res3c_branch2a_W)
+        # X1575 = conv2d_bwd_data[size=(28,28)](X1572, res3c_branch2a_W)
         X1575 = mem.empty((32, 512, 28, 28), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X1572, T['res3c_branch2a_W'], out=X1575, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -6176,11 +6176,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1594, X1585, X1593)
         # free X1593
         mem.free(X1592)
-        # X1595 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1594, X256)
+        # X1595 = conv2d_bwd_filter[kernel=(1,1)](X1594, X256)
         X1595 = mem.empty((512, 128, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1594, X256, out=X1595, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1596 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1594, res3b_branch2c_W)
+        # X1596 = conv2d_bwd_data[size=(28,28)](X1594, res3b_branch2c_W)
         X1596 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1594, T['res3b_branch2c_W'], out=X1596, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -6266,7 +6266,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1616, X1607, X1615)
         # free X1615
         mem.free(X1614)
-        # X1617 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1616, X241)
+        # X1617 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1616, X241)
         X1617 = mem.empty((128, 128, 3, 3), 'float32')
         ws = mem.workspace(35799040)
         rt.conv2d_bwd_filter(X1616, X241, out=X1617, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -6275,7 +6275,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1618, T['V_res3b_branch2b_W'], momentum, X1617, decay, T['res3b_branch2b_W'])
         # free X1617
         mem.free(X1617)
-        # X1619 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X1616, res3b_branch2b_W)
+        # X1619 = conv2d_bwd_data[pad=1,size=(28,28)](X1616, res3b_branch2b_W)
         X1619 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(38100992)
         rt.conv2d_bwd_data(X1616, T['res3b_branch2b_W'], out=X1619, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -6356,7 +6356,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1638, X1629, X1637)
         # free X1637
         mem.free(X1636)
-        # X1639 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1638, X226)
+        # X1639 = conv2d_bwd_filter[kernel=(1,1)](X1638, X226)
         X1639 = mem.empty((128, 512, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1638, X226, out=X1639, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -6365,7 +6365,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1640, T['V_res3b_branch2a_W'], momentum, X1639, decay, T['res3b_branch2a_W'])
         # free X1639
         mem.free(X1639)
-        # X1641 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1638, res3b_branch2a_W)
+        # X1641 = conv2d_bwd_data[size=(28,28)](X1638, res3b_branch2a_W)
         X1641 = mem.empty((32, 512, 28, 28), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_data(X1638, T['res3b_branch2a_W'], out=X1641, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -6452,11 +6452,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1662, X1653, X1661)
         # free X1661
         mem.free(X1660)
-        # X1663 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1662, X197)
+        # X1663 = conv2d_bwd_filter[kernel=(1,1)](X1662, X197)
         X1663 = mem.empty((512, 128, 1, 1), 'float32')
         ws = mem.workspace(16056320)
         rt.conv2d_bwd_filter(X1662, X197, out=X1663, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1664 = conv2d_bwd_data[pad=0,size=(28,28),stride=1](X1662, res3a_branch2c_W)
+        # X1664 = conv2d_bwd_data[size=(28,28)](X1662, res3a_branch2c_W)
         X1664 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(3211264)
         rt.conv2d_bwd_data(X1662, T['res3a_branch2c_W'], out=X1664, pad=0, size=(28, 28), stride=1, workspace=ws)
@@ -6542,7 +6542,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1684, X1675, X1683)
         # free X1683
         mem.free(X1682)
-        # X1685 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1684, X182)
+        # X1685 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1684, X182)
         X1685 = mem.empty((128, 128, 3, 3), 'float32')
         ws = mem.workspace(35799040)
         rt.conv2d_bwd_filter(X1684, X182, out=X1685, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -6551,7 +6551,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1686, T['V_res3a_branch2b_W'], momentum, X1685, decay, T['res3a_branch2b_W'])
         # free X1685
         mem.free(X1685)
-        # X1687 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X1684, res3a_branch2b_W)
+        # X1687 = conv2d_bwd_data[pad=1,size=(28,28)](X1684, res3a_branch2b_W)
         X1687 = mem.empty((32, 128, 28, 28), 'float32')
         ws = mem.workspace(38100992)
         rt.conv2d_bwd_data(X1684, T['res3a_branch2b_W'], out=X1687, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -6632,7 +6632,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1706, X1697, X1705)
         # free X1705
         mem.free(X1704)
-        # X1707 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1706, X167)
+        # X1707 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1706, X167)
         X1707 = mem.empty((128, 256, 1, 1), 'float32')
         ws = mem.workspace(9633792)
         rt.conv2d_bwd_filter(X1706, X167, out=X1707, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -6695,7 +6695,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1721, X1712, X1720)
         # free X1720
         mem.free(X1719)
-        # X1722 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X1721, X167)
+        # X1722 = conv2d_bwd_filter[kernel=(1,1),stride=2](X1721, X167)
         X1722 = mem.empty((512, 256, 1, 1), 'float32')
         ws = mem.workspace(19267584)
         rt.conv2d_bwd_filter(X1721, X167, out=X1722, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -6704,7 +6704,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1723, T['V_res3a_branch1_W'], momentum, X1722, decay, T['res3a_branch1_W'])
         # free X1722
         mem.free(X1722)
-        # X1724 = conv2d_bwd_data[pad=0,size=(56,56),stride=2](X1721, res3a_branch1_W)
+        # X1724 = conv2d_bwd_data[size=(56,56),stride=2](X1721, res3a_branch1_W)
         X1724 = mem.empty((32, 256, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1721, T['res3a_branch1_W'], out=X1724, pad=0, size=(56, 56), stride=2, workspace=ws)
@@ -6713,7 +6713,7 @@ class Resnet50(rp.Model):
         # X1725 = -X1723*lr + res3a_branch1_W
         X1725 = T['res3a_branch1_W']  # in place: the new res3a_branch1_W
         rt.ew(ew22, X1725, T['res3a_branch1_W'], lr, X1723)
-        # X1726 = conv2d_bwd_data[pad=0,size=(56,56),stride=2](X1706, res3a_branch2a_W)
+        # X1726 = conv2d_bwd_data[size=(56,56),stride=2](X1706, res3a_branch2a_W)
         X1726 = mem.empty((32, 256, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1706, T['res3a_branch2a_W'], out=X1726, pad=0, size=(56, 56), stride=2, workspace=ws)
@@ -6794,11 +6794,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1745, X1736, X1744)
         # free X1744
         mem.free(X1743)
-        # X1746 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1745, X152)
+        # X1746 = conv2d_bwd_filter[kernel=(1,1)](X1745, X152)
         X1746 = mem.empty((256, 64, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1745, X152, out=X1746, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1747 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1745, res2c_branch2c_W)
+        # X1747 = conv2d_bwd_data[size=(56,56)](X1745, res2c_branch2c_W)
         X1747 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1745, T['res2c_branch2c_W'], out=X1747, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -6884,7 +6884,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1767, X1758, X1766)
         # free X1766
         mem.free(X1765)
-        # X1768 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1767, X137)
+        # X1768 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1767, X137)
         X1768 = mem.empty((64, 64, 3, 3), 'float32')
         ws = mem.workspace(71114752)
         rt.conv2d_bwd_filter(X1767, X137, out=X1768, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -6893,7 +6893,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1769, T['V_res2c_branch2b_W'], momentum, X1768, decay, T['res2c_branch2b_W'])
         # free X1768
         mem.free(X1768)
-        # X1770 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X1767, res2c_branch2b_W)
+        # X1770 = conv2d_bwd_data[pad=1,size=(56,56)](X1767, res2c_branch2b_W)
         X1770 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(73412608)
         rt.conv2d_bwd_data(X1767, T['res2c_branch2b_W'], out=X1770, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -6974,7 +6974,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1789, X1780, X1788)
         # free X1788
         mem.free(X1787)
-        # X1790 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1789, X122)
+        # X1790 = conv2d_bwd_filter[kernel=(1,1)](X1789, X122)
         X1790 = mem.empty((64, 256, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1789, X122, out=X1790, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -6983,7 +6983,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1791, T['V_res2c_branch2a_W'], momentum, X1790, decay, T['res2c_branch2a_W'])
         # free X1790
         mem.free(X1790)
-        # X1792 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1789, res2c_branch2a_W)
+        # X1792 = conv2d_bwd_data[size=(56,56)](X1789, res2c_branch2a_W)
         X1792 = mem.empty((32, 256, 56, 56), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X1789, T['res2c_branch2a_W'], out=X1792, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -7064,11 +7064,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1811, X1802, X1810)
         # free X1810
         mem.free(X1809)
-        # X1812 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1811, X107)
+        # X1812 = conv2d_bwd_filter[kernel=(1,1)](X1811, X107)
         X1812 = mem.empty((256, 64, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1811, X107, out=X1812, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1813 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1811, res2b_branch2c_W)
+        # X1813 = conv2d_bwd_data[size=(56,56)](X1811, res2b_branch2c_W)
         X1813 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1811, T['res2b_branch2c_W'], out=X1813, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -7154,7 +7154,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1833, X1824, X1832)
         # free X1832
         mem.free(X1831)
-        # X1834 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1833, X92)
+        # X1834 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1833, X92)
         X1834 = mem.empty((64, 64, 3, 3), 'float32')
         ws = mem.workspace(71114752)
         rt.conv2d_bwd_filter(X1833, X92, out=X1834, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -7163,7 +7163,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1835, T['V_res2b_branch2b_W'], momentum, X1834, decay, T['res2b_branch2b_W'])
         # free X1834
         mem.free(X1834)
-        # X1836 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X1833, res2b_branch2b_W)
+        # X1836 = conv2d_bwd_data[pad=1,size=(56,56)](X1833, res2b_branch2b_W)
         X1836 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(73412608)
         rt.conv2d_bwd_data(X1833, T['res2b_branch2b_W'], out=X1836, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -7244,7 +7244,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1855, X1846, X1854)
         # free X1854
         mem.free(X1853)
-        # X1856 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1855, X77)
+        # X1856 = conv2d_bwd_filter[kernel=(1,1)](X1855, X77)
         X1856 = mem.empty((64, 256, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1855, X77, out=X1856, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -7253,7 +7253,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1857, T['V_res2b_branch2a_W'], momentum, X1856, decay, T['res2b_branch2a_W'])
         # free X1856
         mem.free(X1856)
-        # X1858 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1855, res2b_branch2a_W)
+        # X1858 = conv2d_bwd_data[size=(56,56)](X1855, res2b_branch2a_W)
         X1858 = mem.empty((32, 256, 56, 56), 'float32')
         ws = mem.workspace(25690112)
         rt.conv2d_bwd_data(X1855, T['res2b_branch2a_W'], out=X1858, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -7340,11 +7340,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1879, X1870, X1878)
         # free X1878
         mem.free(X1877)
-        # X1880 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1879, X48)
+        # X1880 = conv2d_bwd_filter[kernel=(1,1)](X1879, X48)
         X1880 = mem.empty((256, 64, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1879, X48, out=X1880, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1881 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1879, res2a_branch2c_W)
+        # X1881 = conv2d_bwd_data[size=(56,56)](X1879, res2a_branch2c_W)
         X1881 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1879, T['res2a_branch2c_W'], out=X1881, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -7430,7 +7430,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1901, X1892, X1900)
         # free X1900
         mem.free(X1899)
-        # X1902 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X1901, X33)
+        # X1902 = conv2d_bwd_filter[kernel=(3,3),pad=1](X1901, X33)
         X1902 = mem.empty((64, 64, 3, 3), 'float32')
         ws = mem.workspace(71114752)
         rt.conv2d_bwd_filter(X1901, X33, out=X1902, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -7439,7 +7439,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1903, T['V_res2a_branch2b_W'], momentum, X1902, decay, T['res2a_branch2b_W'])
         # free X1902
         mem.free(X1902)
-        # X1904 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X1901, res2a_branch2b_W)
+        # X1904 = conv2d_bwd_data[pad=1,size=(56,56)](X1901, res2a_branch2b_W)
         X1904 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(73412608)
         rt.conv2d_bwd_data(X1901, T['res2a_branch2b_W'], out=X1904, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -7520,7 +7520,7 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1923, X1914, X1922)
         # free X1922
         mem.free(X1921)
-        # X1924 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1923, X17)
+        # X1924 = conv2d_bwd_filter[kernel=(1,1)](X1923, X17)
         X1924 = mem.empty((64, 64, 1, 1), 'float32')
         ws = mem.workspace(12845056)
         rt.conv2d_bwd_filter(X1923, X17, out=X1924, kernel=(1, 1), pad=0, stride=1, workspace=ws)
@@ -7529,7 +7529,7 @@ class Resnet50(rp.Model):
         rt.ew(ew21, X1925, T['V_res2a_branch2a_W'], momentum, X1924, decay, T['res2a_branch2a_W'])
         # free X1924
         mem.free(X1924)
-        # X1926 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1923, res2a_branch2a_W)
+        # X1926 = conv2d_bwd_data[size=(56,56)](X1923, res2a_branch2a_W)
         X1926 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1923, T['res2a_branch2a_W'], out=X1926, pad=0, size=(56, 56), stride=1, workspace=ws)
@@ -7592,11 +7592,11 @@ class Resnet50(rp.Model):
         rt.ew(ew18, X1940, X1931, X1939)
         # free X1939
         mem.free(X1938)
-        # X1941 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=1](X1940, X17)
+        # X1941 = conv2d_bwd_filter[kernel=(1,1)](X1940, X17)
         X1941 = mem.empty((256, 64, 1, 1), 'float32')
         ws = mem.workspace(32112640)
         rt.conv2d_bwd_filter(X1940, X17, out=X1941, kernel=(1, 1), pad=0, stride=1, workspace=ws)
-        # X1942 = conv2d_bwd_data[pad=0,size=(56,56),stride=1](X1940, res2a_branch1_W)
+        # X1942 = conv2d_bwd_data[size=(56,56)](X1940, res2a_branch1_W)
         X1942 = mem.empty((32, 64, 56, 56), 'float32')
         ws = mem.workspace(6422528)
         rt.conv2d_bwd_data(X1940, T['res2a_branch1_W'], out=X1942, pad=0, size=(56, 56), stride=1, workspace=ws)

@@ -4,7 +4,7 @@ Source network: networks/resnet_mini.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
-Structure hash: f7894dca030da1f3
+Structure hash: 34e53fd4bd15a9cc
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "f7894dca030da1f3"
+    structure_hash = "34e53fd4bd15a9cc"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -684,7 +684,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X172, X163, X171)
         # free X171
         mem.free(X170)
-        # X173 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X172, X117)
+        # X173 = conv2d_bwd_filter[kernel=(3,3),pad=1](X172, X117)
         X173 = mem.empty((64, 64, 3, 3), 'float32')
         ws = mem.workspace(3654400)
         rt.conv2d_bwd_filter(X172, X117, out=X173, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -693,7 +693,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X174, T['V_res4_b_W'], momentum, X173, decay, T['res4_b_W'])
         # free X173
         mem.free(X173)
-        # X175 = conv2d_bwd_data[pad=1,size=(7,7),stride=1](X172, res4_b_W)
+        # X175 = conv2d_bwd_data[pad=1,size=(7,7)](X172, res4_b_W)
         X175 = mem.empty((100, 64, 7, 7), 'float32')
         ws = mem.workspace(4563200)
         rt.conv2d_bwd_data(X172, T['res4_b_W'], out=X175, pad=1, size=(7, 7), stride=1, workspace=ws)
@@ -846,7 +846,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X211, X202, X210)
         # free X210
         mem.free(X209)
-        # X212 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X211, X90)
+        # X212 = conv2d_bwd_filter[kernel=(1,1),stride=2](X211, X90)
         X212 = mem.empty((64, 32, 1, 1), 'float32')
         ws = mem.workspace(470400)
         rt.conv2d_bwd_filter(X211, X90, out=X212, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -855,7 +855,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X213, T['V_res4_proj_W'], momentum, X212, decay, T['res4_proj_W'])
         # free X212
         mem.free(X212)
-        # X214 = conv2d_bwd_data[pad=0,size=(14,14),stride=2](X211, res4_proj_W)
+        # X214 = conv2d_bwd_data[size=(14,14),stride=2](X211, res4_proj_W)
         X214 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(156800)
         rt.conv2d_bwd_data(X211, T['res4_proj_W'], out=X214, pad=0, size=(14, 14), stride=2, workspace=ws)
@@ -942,7 +942,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X235, X226, X234)
         # free X234
         mem.free(X233)
-        # X236 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X235, X73)
+        # X236 = conv2d_bwd_filter[kernel=(3,3),pad=1](X235, X73)
         X236 = mem.empty((32, 32, 3, 3), 'float32')
         ws = mem.workspace(7091200)
         rt.conv2d_bwd_filter(X235, X73, out=X236, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -951,7 +951,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X237, T['V_res3_b_W'], momentum, X236, decay, T['res3_b_W'])
         # free X236
         mem.free(X236)
-        # X238 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X235, res3_b_W)
+        # X238 = conv2d_bwd_data[pad=1,size=(14,14)](X235, res3_b_W)
         X238 = mem.empty((100, 32, 14, 14), 'float32')
         ws = mem.workspace(7993600)
         rt.conv2d_bwd_data(X235, T['res3_b_W'], out=X238, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -1104,7 +1104,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X274, X265, X273)
         # free X273
         mem.free(X272)
-        # X275 = conv2d_bwd_filter[kernel=(1,1),pad=0,stride=2](X274, X46)
+        # X275 = conv2d_bwd_filter[kernel=(1,1),stride=2](X274, X46)
         X275 = mem.empty((32, 16, 1, 1), 'float32')
         ws = mem.workspace(940800)
         rt.conv2d_bwd_filter(X274, X46, out=X275, kernel=(1, 1), pad=0, stride=2, workspace=ws)
@@ -1113,7 +1113,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X276, T['V_res3_proj_W'], momentum, X275, decay, T['res3_proj_W'])
         # free X275
         mem.free(X275)
-        # X277 = conv2d_bwd_data[pad=0,size=(28,28),stride=2](X274, res3_proj_W)
+        # X277 = conv2d_bwd_data[size=(28,28),stride=2](X274, res3_proj_W)
         X277 = mem.empty((100, 16, 28, 28), 'float32')
         ws = mem.workspace(313600)
         rt.conv2d_bwd_data(X274, T['res3_proj_W'], out=X277, pad=0, size=(28, 28), stride=2, workspace=ws)
@@ -1194,7 +1194,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X296, X287, X295)
         # free X295
         mem.free(X294)
-        # X297 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X296, X31)
+        # X297 = conv2d_bwd_filter[kernel=(3,3),pad=1](X296, X31)
         X297 = mem.empty((16, 16, 3, 3), 'float32')
         ws = mem.workspace(13984000)
         rt.conv2d_bwd_filter(X296, X31, out=X297, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1203,7 +1203,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X298, T['V_res2_b_W'], momentum, X297, decay, T['res2_b_W'])
         # free X297
         mem.free(X297)
-        # X299 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X296, res2_b_W)
+        # X299 = conv2d_bwd_data[pad=1,size=(28,28)](X296, res2_b_W)
         X299 = mem.empty((100, 16, 28, 28), 'float32')
         ws = mem.workspace(14883200)
         rt.conv2d_bwd_data(X296, T['res2_b_W'], out=X299, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -1284,7 +1284,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X318, X309, X317)
         # free X317
         mem.free(X316)
-        # X319 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X318, X16)
+        # X319 = conv2d_bwd_filter[kernel=(3,3),pad=1](X318, X16)
         X319 = mem.empty((16, 16, 3, 3), 'float32')
         ws = mem.workspace(13984000)
         rt.conv2d_bwd_filter(X318, X16, out=X319, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -1293,7 +1293,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew16, X320, T['V_res2_a_W'], momentum, X319, decay, T['res2_a_W'])
         # free X319
         mem.free(X319)
-        # X321 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X318, res2_a_W)
+        # X321 = conv2d_bwd_data[pad=1,size=(28,28)](X318, res2_a_W)
         X321 = mem.empty((100, 16, 28, 28), 'float32')
         ws = mem.workspace(14883200)
         rt.conv2d_bwd_data(X318, T['res2_a_W'], out=X321, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -1374,7 +1374,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew14, X340, X331, X339)
         # free X339
         mem.free(X338)
-        # X341 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X340, x)
+        # X341 = conv2d_bwd_filter[kernel=(3,3),pad=1](X340, x)
         X341 = mem.empty((16, 1, 3, 3), 'float32')
         ws = mem.workspace(2050000)
         rt.conv2d_bwd_filter(X340, x, out=X341, kernel=(3, 3), pad=1, stride=1, workspace=ws)

@@ -4,7 +4,7 @@ Source network: networks/vgg16.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, inplace, no-verify; convolution workspace limit 268435456 bytes
 Input: 64x3x224x224 float32 images, 64 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 370000 iterations, lr 0.01, momentum 0.9, decay 0.0005
-Structure hash: ed005d8a28974476
+Structure hash: 2ccbcd3f2fcde694
 
 Usage: python vgg16.py [--iters N] [--data SPEC] [--params PATH] ...   (--help lists every option)
 It imports only numpy and deepdsl_runtime; the steps below are the compiled programs, each statement under the IR
@@ -23,7 +23,7 @@ class Vgg16(rp.Model):
 
     name = "vgg16"
     source = "networks/vgg16.py"
-    structure_hash = "ed005d8a28974476"
+    structure_hash = "2ccbcd3f2fcde694"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (64, 3, 224, 224)
@@ -397,7 +397,7 @@ class Vgg16(rp.Model):
         # X77 = -X76*lr + conv5_3_B
         X77 = T['conv5_3_B']  # in place: the new conv5_3_B
         rt.ew(ew8, X77, T['conv5_3_B'], lr, X76)
-        # X78 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X73, X35)
+        # X78 = conv2d_bwd_filter[kernel=(3,3),pad=1](X73, X35)
         X78 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(72613888)
         rt.conv2d_bwd_filter(X73, X35, out=X78, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -406,7 +406,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X79, T['V_conv5_3_W'], momentum, X78, decay, T['conv5_3_W'])
         # free X78
         mem.free(X78)
-        # X80 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X73, conv5_3_W)
+        # X80 = conv2d_bwd_data[pad=1,size=(14,14)](X73, conv5_3_W)
         X80 = mem.empty((64, 512, 14, 14), 'float32')
         ws = mem.workspace(81854464)
         rt.conv2d_bwd_data(X73, T['conv5_3_W'], out=X80, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -433,7 +433,7 @@ class Vgg16(rp.Model):
         # X86 = -X85*lr + conv5_2_B
         X86 = T['conv5_2_B']  # in place: the new conv5_2_B
         rt.ew(ew8, X86, T['conv5_2_B'], lr, X85)
-        # X87 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X81, X33)
+        # X87 = conv2d_bwd_filter[kernel=(3,3),pad=1](X81, X33)
         X87 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(72613888)
         rt.conv2d_bwd_filter(X81, X33, out=X87, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -442,7 +442,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X88, T['V_conv5_2_W'], momentum, X87, decay, T['conv5_2_W'])
         # free X87
         mem.free(X87)
-        # X89 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X81, conv5_2_W)
+        # X89 = conv2d_bwd_data[pad=1,size=(14,14)](X81, conv5_2_W)
         X89 = mem.empty((64, 512, 14, 14), 'float32')
         ws = mem.workspace(81854464)
         rt.conv2d_bwd_data(X81, T['conv5_2_W'], out=X89, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -469,7 +469,7 @@ class Vgg16(rp.Model):
         # X95 = -X94*lr + conv5_1_B
         X95 = T['conv5_1_B']  # in place: the new conv5_1_B
         rt.ew(ew8, X95, T['conv5_1_B'], lr, X94)
-        # X96 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X90, X30)
+        # X96 = conv2d_bwd_filter[kernel=(3,3),pad=1](X90, X30)
         X96 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(72613888)
         rt.conv2d_bwd_filter(X90, X30, out=X96, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -478,7 +478,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X97, T['V_conv5_1_W'], momentum, X96, decay, T['conv5_1_W'])
         # free X96
         mem.free(X96)
-        # X98 = conv2d_bwd_data[pad=1,size=(14,14),stride=1](X90, conv5_1_W)
+        # X98 = conv2d_bwd_data[pad=1,size=(14,14)](X90, conv5_1_W)
         X98 = mem.empty((64, 512, 14, 14), 'float32')
         ws = mem.workspace(81854464)
         rt.conv2d_bwd_data(X90, T['conv5_1_W'], out=X98, pad=1, size=(14, 14), stride=1, workspace=ws)
@@ -524,7 +524,7 @@ class Vgg16(rp.Model):
         # X108 = -X107*lr + conv4_3_B
         X108 = T['conv4_3_B']  # in place: the new conv4_3_B
         rt.ew(ew8, X108, T['conv4_3_B'], lr, X107)
-        # X109 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X104, X27)
+        # X109 = conv2d_bwd_filter[kernel=(3,3),pad=1](X104, X27)
         X109 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(73957376)
         rt.conv2d_bwd_filter(X104, X27, out=X109, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -533,7 +533,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X110, T['V_conv4_3_W'], momentum, X109, decay, T['conv4_3_W'])
         # free X109
         mem.free(X109)
-        # X111 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X104, conv4_3_W)
+        # X111 = conv2d_bwd_data[pad=1,size=(28,28)](X104, conv4_3_W)
         X111 = mem.empty((64, 512, 28, 28), 'float32')
         ws = mem.workspace(76201984)
         rt.conv2d_bwd_data(X104, T['conv4_3_W'], out=X111, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -560,7 +560,7 @@ class Vgg16(rp.Model):
         # X117 = -X116*lr + conv4_2_B
         X117 = T['conv4_2_B']  # in place: the new conv4_2_B
         rt.ew(ew8, X117, T['conv4_2_B'], lr, X116)
-        # X118 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X112, X25)
+        # X118 = conv2d_bwd_filter[kernel=(3,3),pad=1](X112, X25)
         X118 = mem.empty((512, 512, 3, 3), 'float32')
         ws = mem.workspace(73957376)
         rt.conv2d_bwd_filter(X112, X25, out=X118, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -569,7 +569,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X119, T['V_conv4_2_W'], momentum, X118, decay, T['conv4_2_W'])
         # free X118
         mem.free(X118)
-        # X120 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X112, conv4_2_W)
+        # X120 = conv2d_bwd_data[pad=1,size=(28,28)](X112, conv4_2_W)
         X120 = mem.empty((64, 512, 28, 28), 'float32')
         ws = mem.workspace(76201984)
         rt.conv2d_bwd_data(X112, T['conv4_2_W'], out=X120, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -596,11 +596,11 @@ class Vgg16(rp.Model):
         # X126 = -X125*lr + conv4_1_B
         X126 = T['conv4_1_B']  # in place: the new conv4_1_B
         rt.ew(ew8, X126, T['conv4_1_B'], lr, X125)
-        # X127 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X121, X22)
+        # X127 = conv2d_bwd_filter[kernel=(3,3),pad=1](X121, X22)
         X127 = mem.empty((512, 256, 3, 3), 'float32')
         ws = mem.workspace(79200256)
         rt.conv2d_bwd_filter(X121, X22, out=X127, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X128 = conv2d_bwd_data[pad=1,size=(28,28),stride=1](X121, conv4_1_W)
+        # X128 = conv2d_bwd_data[pad=1,size=(28,28)](X121, conv4_1_W)
         X128 = mem.empty((64, 256, 28, 28), 'float32')
         ws = mem.workspace(83083264)
         rt.conv2d_bwd_data(X121, T['conv4_1_W'], out=X128, pad=1, size=(28, 28), stride=1, workspace=ws)
@@ -638,7 +638,7 @@ class Vgg16(rp.Model):
         # X136 = -X135*lr + conv3_3_B
         X136 = T['conv3_3_B']  # in place: the new conv3_3_B
         rt.ew(ew8, X136, T['conv3_3_B'], lr, X135)
-        # X137 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X132, X19)
+        # X137 = conv2d_bwd_filter[kernel=(3,3),pad=1](X132, X19)
         X137 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(71704576)
         rt.conv2d_bwd_filter(X132, X19, out=X137, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -647,7 +647,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X138, T['V_conv3_3_W'], momentum, X137, decay, T['conv3_3_W'])
         # free X137
         mem.free(X137)
-        # X139 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X132, conv3_3_W)
+        # X139 = conv2d_bwd_data[pad=1,size=(56,56)](X132, conv3_3_W)
         X139 = mem.empty((64, 256, 56, 56), 'float32')
         ws = mem.workspace(73412608)
         rt.conv2d_bwd_data(X132, T['conv3_3_W'], out=X139, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -674,7 +674,7 @@ class Vgg16(rp.Model):
         # X145 = -X144*lr + conv3_2_B
         X145 = T['conv3_2_B']  # in place: the new conv3_2_B
         rt.ew(ew8, X145, T['conv3_2_B'], lr, X144)
-        # X146 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X140, X17)
+        # X146 = conv2d_bwd_filter[kernel=(3,3),pad=1](X140, X17)
         X146 = mem.empty((256, 256, 3, 3), 'float32')
         ws = mem.workspace(71704576)
         rt.conv2d_bwd_filter(X140, X17, out=X146, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -683,7 +683,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X147, T['V_conv3_2_W'], momentum, X146, decay, T['conv3_2_W'])
         # free X146
         mem.free(X146)
-        # X148 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X140, conv3_2_W)
+        # X148 = conv2d_bwd_data[pad=1,size=(56,56)](X140, conv3_2_W)
         X148 = mem.empty((64, 256, 56, 56), 'float32')
         ws = mem.workspace(73412608)
         rt.conv2d_bwd_data(X140, T['conv3_2_W'], out=X148, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -710,11 +710,11 @@ class Vgg16(rp.Model):
         # X154 = -X153*lr + conv3_1_B
         X154 = T['conv3_1_B']  # in place: the new conv3_1_B
         rt.ew(ew8, X154, T['conv3_1_B'], lr, X153)
-        # X155 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X149, X14)
+        # X155 = conv2d_bwd_filter[kernel=(3,3),pad=1](X149, X14)
         X155 = mem.empty((256, 128, 3, 3), 'float32')
         ws = mem.workspace(77832192)
         rt.conv2d_bwd_filter(X149, X14, out=X155, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X156 = conv2d_bwd_data[pad=1,size=(56,56),stride=1](X149, conv3_1_W)
+        # X156 = conv2d_bwd_data[pad=1,size=(56,56)](X149, conv3_1_W)
         X156 = mem.empty((64, 128, 56, 56), 'float32')
         ws = mem.workspace(80064512)
         rt.conv2d_bwd_data(X149, T['conv3_1_W'], out=X156, pad=1, size=(56, 56), stride=1, workspace=ws)
@@ -752,7 +752,7 @@ class Vgg16(rp.Model):
         # X164 = -X163*lr + conv2_2_B
         X164 = T['conv2_2_B']  # in place: the new conv2_2_B
         rt.ew(ew8, X164, T['conv2_2_B'], lr, X163)
-        # X165 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X160, X11)
+        # X165 = conv2d_bwd_filter[kernel=(3,3),pad=1](X160, X11)
         X165 = mem.empty((128, 128, 3, 3), 'float32')
         ws = mem.workspace(71026688)
         rt.conv2d_bwd_filter(X160, X11, out=X165, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -761,7 +761,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X166, T['V_conv2_2_W'], momentum, X165, decay, T['conv2_2_W'])
         # free X165
         mem.free(X165)
-        # X167 = conv2d_bwd_data[pad=1,size=(112,112),stride=1](X160, conv2_2_W)
+        # X167 = conv2d_bwd_data[pad=1,size=(112,112)](X160, conv2_2_W)
         X167 = mem.empty((64, 128, 112, 112), 'float32')
         ws = mem.workspace(72027136)
         rt.conv2d_bwd_data(X160, T['conv2_2_W'], out=X167, pad=1, size=(112, 112), stride=1, workspace=ws)
@@ -788,11 +788,11 @@ class Vgg16(rp.Model):
         # X173 = -X172*lr + conv2_1_B
         X173 = T['conv2_1_B']  # in place: the new conv2_1_B
         rt.ew(ew8, X173, T['conv2_1_B'], lr, X172)
-        # X174 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X168, X8)
+        # X174 = conv2d_bwd_filter[kernel=(3,3),pad=1](X168, X8)
         X174 = mem.empty((128, 64, 3, 3), 'float32')
         ws = mem.workspace(77375488)
         rt.conv2d_bwd_filter(X168, X8, out=X174, kernel=(3, 3), pad=1, stride=1, workspace=ws)
-        # X175 = conv2d_bwd_data[pad=1,size=(112,112),stride=1](X168, conv2_1_W)
+        # X175 = conv2d_bwd_data[pad=1,size=(112,112)](X168, conv2_1_W)
         X175 = mem.empty((64, 64, 112, 112), 'float32')
         ws = mem.workspace(78564352)
         rt.conv2d_bwd_data(X168, T['conv2_1_W'], out=X175, pad=1, size=(112, 112), stride=1, workspace=ws)
@@ -843,7 +843,7 @@ class Vgg16(rp.Model):
         # X186 = -X185*lr + conv1_2_B
         X186 = T['conv1_2_B']  # in place: the new conv1_2_B
         rt.ew(ew8, X186, T['conv1_2_B'], lr, X185)
-        # X187 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X182, X5)
+        # X187 = conv2d_bwd_filter[kernel=(3,3),pad=1](X182, X5)
         X187 = mem.empty((64, 64, 3, 3), 'float32')
         ws = mem.workspace(70799872)
         rt.conv2d_bwd_filter(X182, X5, out=X187, kernel=(3, 3), pad=1, stride=1, workspace=ws)
@@ -852,7 +852,7 @@ class Vgg16(rp.Model):
         rt.ew(ew7, X188, T['V_conv1_2_W'], momentum, X187, decay, T['conv1_2_W'])
         # free X187
         mem.free(X187)
-        # X189 = conv2d_bwd_data[pad=1,size=(224,224),stride=1](X182, conv1_2_W)
+        # X189 = conv2d_bwd_data[pad=1,size=(224,224)](X182, conv1_2_W)
         X189 = mem.empty((64, 64, 224, 224), 'float32')
         ws = mem.workspace(71336704)
         rt.conv2d_bwd_data(X182, T['conv1_2_W'], out=X189, pad=1, size=(224, 224), stride=1, workspace=ws)
@@ -863,7 +863,7 @@ class Vgg16(rp.Model):
         rt.ew(ew10, X190, X189, X5)
         # free X5
         mem.free(X4)
-        # X191 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=1](X190, x)
+        # X191 = conv2d_bwd_filter[kernel=(3,3),pad=1](X190, x)
         X191 = mem.empty((64, 3, 3, 3), 'float32')
         ws = mem.workspace(151017536)
         rt.conv2d_bwd_filter(X190, x, out=X191, kernel=(3, 3), pad=1, stride=1, workspace=ws)
