@@ -1,0 +1,58 @@
+"""Program excerpts in the documentation are real output: every line of the worked example in docs/dsl.md is a line
+of `deepdsl ir networks/lenet.py --step train`, in order, where `...` stands for left-out lines or, inside a line,
+for left-out text."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import deepdsl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_block(markdown: str, heading: str) -> list[str]:
+    """The lines of the first fenced code block after `heading`."""
+    section = markdown[markdown.index(heading):]
+    match = re.search(r"```\n(.*?)```", section, re.S)
+    assert match, f"no code block after {heading!r}"
+    return match.group(1).splitlines()
+
+
+def matches(excerpt: str, line: str) -> bool:
+    if "..." not in excerpt:
+        return excerpt == line
+    pattern = ".*".join(re.escape(part) for part in excerpt.split("..."))
+    return re.fullmatch(pattern, line) is not None
+
+
+def assert_excerpt(excerpt: list[str], output: list[str]) -> None:
+    position = 0
+    for wanted in excerpt:
+        if wanted.strip() == "...":
+            continue
+        for k in range(position, len(output)):
+            if matches(wanted, output[k]):
+                position = k + 1
+                break
+        else:
+            raise AssertionError(f"documented line not in the output (or out of order):\n{wanted}\n"
+                                 "update the excerpt from the command's current output")
+
+
+def test_worked_example_in_the_dsl_guide_is_current_output():
+    compiled = deepdsl.compile(deepdsl.load(str(ROOT / "networks" / "lenet.py")))
+    excerpt = code_block((ROOT / "docs" / "dsl.md").read_text(), "## Worked example")
+    assert len([line for line in excerpt if line.strip() != "..."]) >= 10
+    assert_excerpt(excerpt, compiled.train.text().splitlines())
+
+
+def test_excerpt_check_rejects_what_is_not_output():
+    output = ["program p(x: 2)", "  X1 = exp(x)  # 2", "  return y=X1"]
+    assert_excerpt(["program p(...)", "...", "  return y=X1"], output)
+    for wrong in (["  X1 = log(x)  # 2"], ["  return y=X1", "  X1 = exp(x)  # 2"], ["program q(...)"]):
+        try:
+            assert_excerpt(wrong, output)
+        except AssertionError:
+            continue
+        raise AssertionError(f"accepted {wrong}")
