@@ -1,6 +1,6 @@
-"""Program excerpts in the documentation are real output: every line of the worked example in docs/dsl.md is a line
-of `deepdsl ir networks/lenet.py --step train`, in order, where `...` stands for left-out lines or, inside a line,
-for left-out text."""
+"""The documentation shows what the code does: every line of the worked example in docs/dsl.md is a line of
+`deepdsl ir networks/lenet.py --step train`, in order (`...` stands for left-out lines or, inside a line, for
+left-out text); docs/ir.md lists the pipeline's stages in their order, and its hook example runs."""
 from __future__ import annotations
 
 import re
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def code_block(markdown: str, heading: str) -> list[str]:
     """The lines of the first fenced code block after `heading`."""
     section = markdown[markdown.index(heading):]
-    match = re.search(r"```\n(.*?)```", section, re.S)
+    match = re.search(r"```\w*\n(.*?)```", section, re.S)
     assert match, f"no code block after {heading!r}"
     return match.group(1).splitlines()
 
@@ -56,3 +56,24 @@ def test_excerpt_check_rejects_what_is_not_output():
         except AssertionError:
             continue
         raise AssertionError(f"accepted {wrong}")
+
+
+def test_pipeline_table_in_the_ir_guide_lists_the_stages_in_order():
+    from deepdsl.pipeline import GRAPH_STAGES, MEMORY_STAGES, PROGRAM_STAGES
+
+    text = (ROOT / "docs" / "ir.md").read_text()
+    documented = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    actual = (["autodiff"] + [name for name, _ in GRAPH_STAGES] + ["hoist_invariants", "linearize"]
+              + [name for name, _ in PROGRAM_STAGES] + [name for name, _ in MEMORY_STAGES] + ["plan_memory"])
+    assert documented == actual
+
+
+def test_hook_example_in_the_ir_guide_dumps_every_stage(capsys):
+    text = (ROOT / "docs" / "ir.md").read_text()
+    example = code_block(text, "## Dumping after each stage")
+    exec(compile("\n".join(example), "docs/ir.md", "exec"), {"__name__": "docs_example"})
+    stages = re.findall(r"^== after (\S+?):?(?: |$)", capsys.readouterr().out, re.M)
+    assert stages[0] == "lenet_train:autodiff" and stages[-1] == "lenet_test:plan_memory"
+    for step in ("setup", "train", "test"):
+        for stage in ("linearize", "sink", "schedule", "inplace", "dealloc", "plan_memory"):
+            assert f"lenet_{step}:{stage}" in stages
