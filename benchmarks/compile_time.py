@@ -5,7 +5,8 @@
 Each network is measured in a fresh Python process, so its first run is cold (sympy's and the compiler's caches
 empty, as when a user compiles one network from the command line). A run is `deepdsl.load` + `deepdsl.compile`
 at the size the network file declares; the table gives that first run and the median of `--repeat` runs (the
-later runs find the caches warm), with the number of statements of the training step. Importing deepdsl (numpy,
+later runs find the caches warm) in wall-clock seconds, the median CPU seconds of the process (less sensitive to
+other work on a shared machine), and the number of statements of the training step. Importing deepdsl (numpy,
 sympy) is paid once per process, is not included, and is reported separately (median over the processes).
 """
 from __future__ import annotations
@@ -33,14 +34,15 @@ def measure(path: str, repeat: int) -> dict:
     import deepdsl
     import_seconds = time.perf_counter() - start
     from deepdsl.program import Let
-    times, statements = [], 0
+    times, cpu_times, statements = [], [], 0
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         compiled = deepdsl.compile(deepdsl.load(path))
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         statements = sum(1 for i in compiled.train.body if isinstance(i, Let))
         del compiled
-    return {"import": import_seconds, "times": times, "statements": statements}
+    return {"import": import_seconds, "times": times, "cpu_times": cpu_times, "statements": statements}
 
 
 def machine() -> str:
@@ -70,8 +72,10 @@ def main() -> None:
         return
 
     paths = [Path(p) for p in args.networks] or sorted((ROOT / "networks").glob("*.py"))
-    print(machine())
-    print(f"{'network':<16}{'statements':>11}{'first s':>9}{'median s':>10}{'DeepDSL s':>11}{'target s':>10}")
+    load = f" (load average {os.getloadavg()[0]:.2f})" if hasattr(os, "getloadavg") else ""
+    print(machine() + load)
+    print(f"{'network':<16}{'statements':>11}{'first s':>9}{'median s':>10}{'median CPU s':>14}{'DeepDSL s':>11}"
+          f"{'target s':>10}")
     imports = []
     for path in paths:
         out = subprocess.run([sys.executable, __file__, "--worker", str(path), "--repeat", str(args.repeat)],
@@ -81,6 +85,7 @@ def main() -> None:
         times, name = result["times"], path.stem
         ref, target = REFERENCE_SECONDS.get(name), TARGET_SECONDS.get(name)
         print(f"{name:<16}{result['statements']:>11}{times[0]:>9.3f}{statistics.median(times):>10.3f}"
+              f"{statistics.median(result['cpu_times']):>14.3f}"
               f"{(f'{ref:.1f}' if ref else '-'):>11}{(f'{target:.1f}' if target else '-'):>10}", flush=True)
     print(f"import deepdsl: {statistics.median(imports):.2f} s (once per process, not included above)")
 
