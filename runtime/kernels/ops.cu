@@ -1,0 +1,590 @@
+// The generic kernels of the CUDA backend (deepdsl_runtime.cuda): every op of the IR except matrix products
+// (cuBLAS, or gemm.cu) and the fused elementwise expressions (generated per network, generated/<net>.cu).
+//
+// Semantics are those of the CPU backend (deepdsl_runtime.cpu), including the order in which window sums add up,
+// so most results agree bit for bit and the rest (exp, log, pow, GEMM) to float32 rounding. Each kernel is a
+// DEEPDSL_HD function of one output element, row or column plus a __global__ wrapper; the wrappers' launch
+// geometry is computed by deepdsl_runtime.cuda_layout. See deepdsl_common.cuh for why the functions compile on
+// the host too.
+//
+// Aliasing the memory plan allows, and how the kernels honour it:
+// - softmax, log_softmax, lrn, lrn_bwd may write over their first input: one thread owns a whole row (softmax) or
+//   a whole channel column (LRN) and reads every value it needs of its input before it overwrites it (LRN keeps
+//   the window in a ring).
+// - elementwise kernels may write over an input of the output's shape: each thread reads its element first.
+// - pooling may write its output over its dying input from the same start ("takes over"): the launcher then runs
+//   the *_range kernels over sample ranges that cannot race, and the *_ordered kernels (one block, tiles in
+//   order, read then write) where no such range exists (cuda_layout.takeover_waves).
+#include "deepdsl_common.cuh"
+
+#ifdef __CUDA_ARCH__
+#define DEEPDSL_FMUL(a, b) __fmul_rn((a), (b))
+#define DEEPDSL_FADD(a, b) __fadd_rn((a), (b))
+#else
+#define DEEPDSL_FMUL(a, b) ((a) * (b))
+#define DEEPDSL_FADD(a, b) ((a) + (b))
+#endif
+
+#define DEEPDSL_LRN_MAX_SIZE 16
+#define DEEPDSL_ORDERED_THREADS 1024
+
+// ---------------------------------------------------------------------------------------------------------------
+// filling and copying
+
+DEEPDSL_HD void deepdsl_fill_u32_at(unsigned i, unsigned* out, unsigned bits) { out[i] = bits; }
+DEEPDSL_HD void deepdsl_fill_u8_at(unsigned i, deepdsl_u8* out, unsigned value) {
+    out[i] = static_cast<deepdsl_u8>(value);
+}
+
+// dst[r * dst_pitch + c] = src[r * src_pitch + c] for r < rows, c < cols (concat, slice, pad_axis): elements of
+// type T (4-byte words or bytes)
+template <typename T>
+DEEPDSL_HD void deepdsl_copy2d_at(unsigned i, unsigned cols, const T* src, unsigned src_pitch, T* dst,
+                                  unsigned dst_pitch) {
+    const unsigned r = i / cols, c = i % cols;
+    dst[r * dst_pitch + c] = src[r * src_pitch + c];
+}
+
+// broadcast_to: the identity with broadcasting (the elementwise machinery of deepdsl_common.cuh)
+template <int ND>
+DEEPDSL_HD void deepdsl_broadcast_at(unsigned i, const EwShape& s, float* out, const EwArg& a) {
+    out[i] = EwIndex<ND>(s, i).load(a);
+}
+
+// (A, B, S) -> (B, A, S): gradients regrouped by channel for the filter gradient's single GEMM
+DEEPDSL_HD void deepdsl_swap01_at(unsigned i, unsigned a, unsigned b, unsigned s, const float* src, float* dst) {
+    const unsigned k = i % s, t = i / s, ai = t % a, bi = t / a;    // i indexes dst (bi, ai, k)
+    dst[i] = src[(ai * b + bi) * s + k];
+}
+
+// out[n, o, :] += bias[o] for out (N, O, S)
+DEEPDSL_HD void deepdsl_add_bias_at(unsigned i, unsigned o, unsigned s, const float* bias, float* out) {
+    out[i] += bias[(i / s) % o];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// sum_to: the runtime collapses the reduction to out[b] = sum over a, c of x[(a * B + b) * C + c] (a leading and a
+// trailing summed block around the kept one) or, for other patterns, to up to four dimensions with a mask of the
+// summed ones (cuda_layout.sum_plan).
+
+// thread `lane` of `lanes` (threadIdx.y of blockDim.y) adds rows lane, lane + lanes, ... of column b (C == 1)
+DEEPDSL_HD float deepdsl_sum_rows_partial(unsigned col, unsigned lane, unsigned lanes, unsigned a, unsigned b,
+                                          const float* x) {
+    float s = 0.0f;
+    for (unsigned r = lane; r < a; r += lanes) s += x[r * b + col];
+    return s;
+}
+
+// thread `lane` of `lanes` adds elements lane, lane + lanes, ... of the (a, c) block of output b
+DEEPDSL_HD float deepdsl_sum_middle_partial(unsigned col, unsigned lane, unsigned lanes, unsigned a, unsigned b,
+                                            unsigned c, const float* x) {
+    float s = 0.0f;
+    const unsigned count = a * c;
+    for (unsigned k = lane; k < count; k += lanes) s += x[((k / c) * b + col) * c + k % c];
+    return s;
+}
+
+struct SumShape {
+    unsigned d[4];           // collapsed input dimensions
+    unsigned reduced;        // bit j: dimension j is summed
+};
+
+DEEPDSL_HD void deepdsl_sum_generic_at(unsigned o, const SumShape& s, unsigned count, const float* x, float* out) {
+    unsigned stride[4];
+    stride[3] = 1;
+    for (int j = 2; j >= 0; --j) stride[j] = stride[j + 1] * s.d[j + 1];
+    unsigned base = 0, t = o;
+    for (int j = 3; j >= 0; --j)
+        if (!((s.reduced >> j) & 1u)) {
+            base += (t % s.d[j]) * stride[j];
+            t /= s.d[j];
+        }
+    float acc = 0.0f;
+    for (unsigned r = 0; r < count; ++r) {
+        unsigned offset = base, u = r;
+        for (int j = 3; j >= 0; --j)
+            if ((s.reduced >> j) & 1u) {
+                offset += (u % s.d[j]) * stride[j];
+                u /= s.d[j];
+            }
+        acc += x[offset];
+    }
+    out[o] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// losses: one thread per row (rows are short: the classes)
+
+DEEPDSL_HD void deepdsl_softmax_row(unsigned i, unsigned classes, const float* x, float* out, int log_domain) {
+    const float* row = x + static_cast<size_t>(i) * classes;
+    float* o = out + static_cast<size_t>(i) * classes;
+    float m = row[0];
+    for (unsigned j = 1; j < classes; ++j) m = fmaxf(m, row[j]);
+    float total = 0.0f;
+    for (unsigned j = 0; j < classes; ++j) total += expf(row[j] - m);
+    if (log_domain) {
+        const float log_total = logf(total);
+        for (unsigned j = 0; j < classes; ++j) o[j] = (row[j] - m) - log_total;     // row[j] read before o[j]
+    } else {
+        for (unsigned j = 0; j < classes; ++j) o[j] = expf(row[j] - m) / total;
+    }
+}
+
+// out[i] = x[i, labels[i]]; NaN for a label outside [0, classes), so a bad label stops training (loss not finite)
+DEEPDSL_HD void deepdsl_pick_at(unsigned i, unsigned classes, const float* x, const int* labels, float* out) {
+    const int label = labels[i];
+    out[i] = (label >= 0 && static_cast<unsigned>(label) < classes) ? x[i * classes + label]
+                                                                      : nanf("");
+}
+
+DEEPDSL_HD void deepdsl_unpick_at(unsigned i, unsigned classes, const float* g, const int* labels, float* out) {
+    const unsigned row = i / classes;
+    out[i] = (static_cast<int>(i % classes) == labels[row]) ? g[row] : 0.0f;
+}
+
+// 1 when the row's first largest score is at its label
+DEEPDSL_HD unsigned deepdsl_precision_row(unsigned i, unsigned classes, const float* x, const int* labels) {
+    const float* row = x + static_cast<size_t>(i) * classes;
+    unsigned best = 0;
+    for (unsigned j = 1; j < classes; ++j)
+        if (row[j] > row[best]) best = j;
+    return static_cast<int>(best) == labels[i] ? 1u : 0u;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// pooling over (planes = N * C, H, W) -> (planes, Ho, Wo); windows k x k, `stride`, `pad`; positions outside the
+// input (padding, and in ceil mode the part of the last window beyond the edge) take no part.
+
+struct PoolGeom {
+    unsigned planes, h, w, ho, wo, k, stride, pad;
+};
+
+// best value and its window index (row * k + column) of the first maximum, as the CPU's strict comparison
+DEEPDSL_HD float deepdsl_max_window(unsigned o, const PoolGeom& g, const float* x, unsigned* arg) {
+    const unsigned q = o % g.wo, t = o / g.wo, p = t % g.ho, plane = t / g.ho;
+    const float* xp = x + static_cast<size_t>(plane) * g.h * g.w;
+    const int r0 = static_cast<int>(p * g.stride) - static_cast<int>(g.pad);
+    const int c0 = static_cast<int>(q * g.stride) - static_cast<int>(g.pad);
+    float best = DEEPDSL_NEG_INF;
+    unsigned best_at = 0;
+    for (unsigned i = 0; i < g.k; ++i) {
+        const int r = r0 + static_cast<int>(i);
+        for (unsigned j = 0; j < g.k; ++j) {
+            const int c = c0 + static_cast<int>(j);
+            const bool inside = r >= 0 && r < static_cast<int>(g.h) && c >= 0 && c < static_cast<int>(g.w);
+            const float v = inside ? xp[r * static_cast<int>(g.w) + c] : DEEPDSL_NEG_INF;
+            if ((i == 0 && j == 0) || v > best) {
+                best = v;
+                best_at = i * g.k + j;
+            }
+        }
+    }
+    *arg = best_at;
+    return best;
+}
+
+DEEPDSL_HD float deepdsl_max_pool_value(unsigned o, const PoolGeom& g, const float* x) {
+    unsigned arg;
+    return deepdsl_max_window(o, g, x, &arg);
+}
+
+DEEPDSL_HD deepdsl_u8 deepdsl_max_pool_argmax_value(unsigned o, const PoolGeom& g, const float* x) {
+    unsigned arg;
+    deepdsl_max_window(o, g, x, &arg);
+    return static_cast<deepdsl_u8>(arg);
+}
+
+// the number of elements window (p, q) divides by (PyTorch's rule, as cpu.avg_pool_divisor)
+DEEPDSL_HD unsigned deepdsl_avg_divisor(unsigned p, unsigned q, const PoolGeom& g, int include_pad) {
+    const int hs = static_cast<int>(p * g.stride) - static_cast<int>(g.pad);
+    const int ws = static_cast<int>(q * g.stride) - static_cast<int>(g.pad);
+    const int he = hs + static_cast<int>(g.k) < static_cast<int>(g.h + g.pad) ? hs + static_cast<int>(g.k)
+                                                                                 : static_cast<int>(g.h + g.pad);
+    const int we = ws + static_cast<int>(g.k) < static_cast<int>(g.w + g.pad) ? ws + static_cast<int>(g.k)
+                                                                                 : static_cast<int>(g.w + g.pad);
+    if (include_pad) return static_cast<unsigned>((he - hs) * (we - ws));
+    const int h0 = hs > 0 ? hs : 0, w0 = ws > 0 ? ws : 0;
+    const int h1 = he < static_cast<int>(g.h) ? he : static_cast<int>(g.h);
+    const int w1 = we < static_cast<int>(g.w) ? we : static_cast<int>(g.w);
+    return static_cast<unsigned>((h1 - h0) * (w1 - w0));
+}
+
+DEEPDSL_HD float deepdsl_avg_pool_value(unsigned o, const PoolGeom& g, int include_pad, const float* x) {
+    const unsigned q = o % g.wo, t = o / g.wo, p = t % g.ho, plane = t / g.ho;
+    const float* xp = x + static_cast<size_t>(plane) * g.h * g.w;
+    const int r0 = static_cast<int>(p * g.stride) - static_cast<int>(g.pad);
+    const int c0 = static_cast<int>(q * g.stride) - static_cast<int>(g.pad);
+    float total = 0.0f;
+    for (unsigned i = 0; i < g.k; ++i) {
+        const int r = r0 + static_cast<int>(i);
+        for (unsigned j = 0; j < g.k; ++j) {
+            const int c = c0 + static_cast<int>(j);
+            if (r >= 0 && r < static_cast<int>(g.h) && c >= 0 && c < static_cast<int>(g.w))
+                total += xp[r * static_cast<int>(g.w) + c];
+        }
+    }
+    return total / static_cast<float>(deepdsl_avg_divisor(p, q, g, include_pad));
+}
+
+// Backward ops gather: input position (plane, h, w) adds the gradients of the windows holding it, windows taken
+// by offset (i, j) in increasing order -- the order in which the CPU backend adds them up.
+struct PoolRange {
+    int lo, hi;              // windows lo..hi (inclusive) along one axis hold the position
+};
+
+DEEPDSL_HD PoolRange deepdsl_pool_windows(unsigned pos, unsigned out_size, const PoolGeom& g) {
+    const int padded = static_cast<int>(pos + g.pad), s = static_cast<int>(g.stride), k = static_cast<int>(g.k);
+    PoolRange r;
+    r.hi = padded / s;
+    if (r.hi > static_cast<int>(out_size) - 1) r.hi = static_cast<int>(out_size) - 1;
+    r.lo = padded >= k ? (padded - k) / s + 1 : 0;
+    return r;
+}
+
+DEEPDSL_HD float deepdsl_max_pool_bwd_value(unsigned idx, const PoolGeom& g, const float* grad,
+                                            const deepdsl_u8* argmax) {
+    const unsigned w = idx % g.w, t = idx / g.w, h = t % g.h, plane = t / g.h;
+    const PoolRange rp = deepdsl_pool_windows(h, g.ho, g), rq = deepdsl_pool_windows(w, g.wo, g);
+    const size_t base = static_cast<size_t>(plane) * g.ho * g.wo;
+    float total = 0.0f;
+    for (int p = rp.hi; p >= rp.lo; --p) {                 // window offset i = h + pad - p * stride increases
+        const unsigned i = h + g.pad - static_cast<unsigned>(p) * g.stride;
+        for (int q = rq.hi; q >= rq.lo; --q) {
+            const unsigned j = w + g.pad - static_cast<unsigned>(q) * g.stride;
+            const size_t o = base + static_cast<unsigned>(p) * g.wo + static_cast<unsigned>(q);
+            if (argmax[o] == i * g.k + j) total += grad[o];
+        }
+    }
+    return total;
+}
+
+DEEPDSL_HD float deepdsl_avg_pool_bwd_value(unsigned idx, const PoolGeom& g, int include_pad, const float* grad) {
+    const unsigned w = idx % g.w, t = idx / g.w, h = t % g.h, plane = t / g.h;
+    const PoolRange rp = deepdsl_pool_windows(h, g.ho, g), rq = deepdsl_pool_windows(w, g.wo, g);
+    const size_t base = static_cast<size_t>(plane) * g.ho * g.wo;
+    float total = 0.0f;
+    for (int p = rp.hi; p >= rp.lo; --p)
+        for (int q = rq.hi; q >= rq.lo; --q) {
+            const size_t o = base + static_cast<unsigned>(p) * g.wo + static_cast<unsigned>(q);
+            total += grad[o] / static_cast<float>(deepdsl_avg_divisor(p, q, g, include_pad));
+        }
+    return total;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// local response normalization across channels: one thread per (sample, spatial position) column, channels in
+// increasing order. s_c = k + alpha/size * sum of x^2 over channels c - size/2 .. c + (size-1)/2 (clipped), added
+// in the CPU's order; the products and sums are rounded separately (no fused multiply-add) as numpy computes them.
+
+DEEPDSL_HD float deepdsl_lrn_scale(const float* x, unsigned base, unsigned spatial, unsigned c, unsigned channels,
+                                   int size, float alpha_over_size, float k) {
+    const int front = size / 2, back = (size - 1) / 2;
+    const float xc = x[base + c * spatial];
+    float s = DEEPDSL_FMUL(xc, xc);
+    for (int d = 1; d <= front; ++d)
+        if (static_cast<int>(c) >= d) {
+            const float v = x[base + (c - d) * spatial];
+            s = DEEPDSL_FADD(s, DEEPDSL_FMUL(v, v));
+        }
+    for (int d = 1; d <= back; ++d)
+        if (c + d < channels) {
+            const float v = x[base + (c + d) * spatial];
+            s = DEEPDSL_FADD(s, DEEPDSL_FMUL(v, v));
+        }
+    return DEEPDSL_FADD(DEEPDSL_FMUL(s, alpha_over_size), k);
+}
+
+// forward; out may be x: the window of original values ahead of the write position is kept in a ring
+DEEPDSL_HD void deepdsl_lrn_column(unsigned col, unsigned channels, unsigned spatial, int size, float alpha_over_size,
+                                   float k, float neg_beta, const float* x, float* out) {
+    const unsigned base = (col / spatial) * channels * spatial + col % spatial;
+    const int front = size / 2, back = (size - 1) / 2, ring_size = size;
+    float ring[DEEPDSL_LRN_MAX_SIZE];                    // x[c'] at c' % size for c' in [c - front, c + back]
+    for (int c = 0; c <= back && c < static_cast<int>(channels); ++c) ring[c % ring_size] = x[base + c * spatial];
+    for (unsigned c = 0; c < channels; ++c) {
+        if (c > 0 && c + back < channels) ring[(c + back) % ring_size] = x[base + (c + back) * spatial];
+        const float xc = ring[c % ring_size];
+        float s = DEEPDSL_FMUL(xc, xc);
+        for (int d = 1; d <= front; ++d)
+            if (static_cast<int>(c) >= d) {
+                const float v = ring[(c - d) % ring_size];
+                s = DEEPDSL_FADD(s, DEEPDSL_FMUL(v, v));
+            }
+        for (int d = 1; d <= back; ++d)
+            if (c + d < channels) {
+                const float v = ring[(c + d) % ring_size];
+                s = DEEPDSL_FADD(s, DEEPDSL_FMUL(v, v));
+            }
+        s = DEEPDSL_FADD(DEEPDSL_FMUL(s, alpha_over_size), k);
+        out[base + c * spatial] = DEEPDSL_FMUL(xc, powf(s, neg_beta));
+    }
+}
+
+// backward: dx_c = g_c s_c^-beta - (2 alpha beta / size) x_c sum_{c'} g_c' x_c' s_c'^(-beta-1) over c' in
+// [c - (size-1)/2, c + size/2]; dx may be g: a_c' = g_c' x_c' s_c'^(-beta-1) is made (from g_c' not yet
+// overwritten) size/2 channels ahead and kept in a ring, with s_c'
+DEEPDSL_HD void deepdsl_lrn_bwd_column(unsigned col, unsigned channels, unsigned spatial, int size,
+                                       float alpha_over_size, float k, float neg_beta, float neg_beta_minus_one,
+                                       float two_alpha_beta_over_size, const float* g, const float* x, float* out) {
+    const unsigned base = (col / spatial) * channels * spatial + col % spatial;
+    const int behind = (size - 1) / 2, ahead = size / 2, ring_size = size;
+    float a_ring[DEEPDSL_LRN_MAX_SIZE], s_ring[DEEPDSL_LRN_MAX_SIZE];
+    for (int c = 0; c <= ahead && c < static_cast<int>(channels); ++c) {
+        const float s = deepdsl_lrn_scale(x, base, spatial, c, channels, size, alpha_over_size, k);
+        s_ring[c % ring_size] = s;
+        a_ring[c % ring_size] =
+            DEEPDSL_FMUL(DEEPDSL_FMUL(powf(s, neg_beta_minus_one), g[base + c * spatial]), x[base + c * spatial]);
+    }
+    for (unsigned c = 0; c < channels; ++c) {
+        const unsigned next = c + ahead;
+        if (c > 0 && next < channels) {
+            const float s = deepdsl_lrn_scale(x, base, spatial, next, channels, size, alpha_over_size, k);
+            s_ring[next % ring_size] = s;
+            a_ring[next % ring_size] =
+                DEEPDSL_FMUL(DEEPDSL_FMUL(powf(s, neg_beta_minus_one), g[base + next * spatial]), x[base + next * spatial]);
+        }
+        float spread = a_ring[c % ring_size];
+        for (int d = 1; d <= behind; ++d)
+            if (static_cast<int>(c) >= d) spread = DEEPDSL_FADD(spread, a_ring[(c - d) % ring_size]);
+        for (int d = 1; d <= ahead; ++d)
+            if (c + d < channels) spread = DEEPDSL_FADD(spread, a_ring[(c + d) % ring_size]);
+        const float xc = x[base + c * spatial];
+        spread = DEEPDSL_FMUL(DEEPDSL_FMUL(spread, xc), two_alpha_beta_over_size);
+        const float first = DEEPDSL_FMUL(powf(s_ring[c % ring_size], neg_beta), g[base + c * spatial]);
+        out[base + c * spatial] = first - spread;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// convolution: im2col + GEMM (cuBLAS strided batched), col2im by gathering
+
+struct ConvGeom {
+    unsigned c, h, w, kh, kw, ho, wo, stride, pad;
+};
+
+// cols[n * sample_stride + r * row_stride + s] = x[n, c, p*stride - pad + i, q*stride - pad + j] (0 outside x)
+// with r = (c * kh + i) * kw + j, s = p * wo + q, for the m samples of a chunk (x points at its first sample)
+DEEPDSL_HD void deepdsl_im2col_at(unsigned idx, const ConvGeom& g, unsigned sample_stride, unsigned row_stride,
+                                  const float* x, float* cols) {
+    const unsigned plane = g.ho * g.wo, ckk = g.c * g.kh * g.kw;
+    const unsigned s = idx % plane, t = idx / plane, r = t % ckk, n = t / ckk;
+    const unsigned q = s % g.wo, p = s / g.wo, j = r % g.kw, t2 = r / g.kw, i = t2 % g.kh, c = t2 / g.kh;
+    const int hh = static_cast<int>(p * g.stride + i) - static_cast<int>(g.pad);
+    const int ww = static_cast<int>(q * g.stride + j) - static_cast<int>(g.pad);
+    float v = 0.0f;
+    if (hh >= 0 && hh < static_cast<int>(g.h) && ww >= 0 && ww < static_cast<int>(g.w))
+        v = x[((static_cast<size_t>(n) * g.c + c) * g.h + hh) * g.w + ww];
+    cols[static_cast<size_t>(n) * sample_stride + static_cast<size_t>(r) * row_stride + s] = v;
+}
+
+// dx[n, c, h, w] = sum over kernel offsets (i, j) in increasing order of dcols[n, (c, i, j), p, q] with
+// h = p*stride - pad + i, w = q*stride - pad + j (dcols per sample: (C*kh*kw, Ho*Wo))
+DEEPDSL_HD void deepdsl_col2im_at(unsigned idx, const ConvGeom& g, const float* dcols, float* dx) {
+    const unsigned w = idx % g.w, t = idx / g.w, h = t % g.h, t2 = t / g.h, c = t2 % g.c, n = t2 / g.c;
+    const unsigned plane = g.ho * g.wo;
+    const float* base = dcols + static_cast<size_t>(n) * g.c * g.kh * g.kw * plane;
+    float total = 0.0f;
+    for (unsigned i = 0; i < g.kh; ++i) {
+        const int ph = static_cast<int>(h + g.pad) - static_cast<int>(i);
+        if (ph < 0 || ph % static_cast<int>(g.stride)) continue;
+        const unsigned p = static_cast<unsigned>(ph) / g.stride;
+        if (p >= g.ho) continue;
+        for (unsigned j = 0; j < g.kw; ++j) {
+            const int qw = static_cast<int>(w + g.pad) - static_cast<int>(j);
+            if (qw < 0 || qw % static_cast<int>(g.stride)) continue;
+            const unsigned q = static_cast<unsigned>(qw) / g.stride;
+            if (q >= g.wo) continue;
+            total += base[static_cast<size_t>((c * g.kh + i) * g.kw + j) * plane + p * g.wo + q];
+        }
+    }
+    dx[idx] = total;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dropout masks: Philox4x64-10 keyed by (seed, step * 65536 + key), counter = 1 + draw / 4, as numpy's
+// np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key])).random(dtype=np.float32): float e uses
+// 32 bits of 64-bit draw e / 2 (low half first), (bits >> 8) * 2^-24 < keep. One thread makes 8 mask bytes (one
+// Philox block of four 64-bit draws).
+DEEPDSL_HD void deepdsl_bernoulli_group(unsigned group, unsigned n, deepdsl_u64 seed, deepdsl_u64 stream,
+                                        float keep, deepdsl_u8* out) {
+    Philox4x64 ctr;
+    ctr.v[0] = static_cast<deepdsl_u64>(group) + 1;
+    ctr.v[1] = ctr.v[2] = ctr.v[3] = 0;
+    const Philox4x64 r = deepdsl_philox4x64_10(ctr, seed, stream);
+    for (unsigned t = 0; t < 8; ++t) {
+        const unsigned e = group * 8 + t;
+        if (e >= n) break;
+        const deepdsl_u64 draw = r.v[t >> 1];
+        const unsigned bits = static_cast<unsigned>((t & 1) ? (draw >> 32) : (draw & 0xffffffffULL));
+        const float uniform = static_cast<float>(bits >> 8) * (1.0f / 16777216.0f);
+        out[e] = uniform < keep ? 1 : 0;
+    }
+}
+
+// ===============================================================================================================
+// __global__ wrappers (nvcc only). Launch: 1-D grids of DEEPDSL_THREADS threads unless stated otherwise.
+#ifdef __CUDACC__
+
+#define DEEPDSL_KERNEL DEEPDSL_GLOBAL void __launch_bounds__(DEEPDSL_THREADS)
+
+DEEPDSL_KERNEL deepdsl_fill_u32(unsigned n, unsigned* out, unsigned bits) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_fill_u32_at(i, out, bits);
+}
+DEEPDSL_KERNEL deepdsl_fill_u8(unsigned n, deepdsl_u8* out, unsigned value) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_fill_u8_at(i, out, value);
+}
+DEEPDSL_KERNEL deepdsl_copy2d_u32(unsigned rows, unsigned cols, const unsigned* src, unsigned src_pitch,
+                                  unsigned* dst, unsigned dst_pitch) {
+    DEEPDSL_FOR(i, 0, rows * cols) deepdsl_copy2d_at<unsigned>(i, cols, src, src_pitch, dst, dst_pitch);
+}
+DEEPDSL_KERNEL deepdsl_copy2d_u8(unsigned rows, unsigned cols, const deepdsl_u8* src, unsigned src_pitch,
+                                 deepdsl_u8* dst, unsigned dst_pitch) {
+    DEEPDSL_FOR(i, 0, rows * cols) deepdsl_copy2d_at<deepdsl_u8>(i, cols, src, src_pitch, dst, dst_pitch);
+}
+DEEPDSL_KERNEL deepdsl_broadcast_1(EwShape s, float* out, EwArg a) { DEEPDSL_FOR(i, 0, s.n) deepdsl_broadcast_at<1>(i, s, out, a); }
+DEEPDSL_KERNEL deepdsl_broadcast_2(EwShape s, float* out, EwArg a) { DEEPDSL_FOR(i, 0, s.n) deepdsl_broadcast_at<2>(i, s, out, a); }
+DEEPDSL_KERNEL deepdsl_broadcast_4(EwShape s, float* out, EwArg a) { DEEPDSL_FOR(i, 0, s.n) deepdsl_broadcast_at<4>(i, s, out, a); }
+DEEPDSL_KERNEL deepdsl_swap01(unsigned a, unsigned b, unsigned s, const float* src, float* dst) {
+    DEEPDSL_FOR(i, 0, a * b * s) deepdsl_swap01_at(i, a, b, s, src, dst);
+}
+DEEPDSL_KERNEL deepdsl_add_bias(unsigned n, unsigned o, unsigned s, const float* bias, float* out) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_add_bias_at(i, o, s, bias, out);
+}
+
+// block (32, 8), grid ceil(b / 32)
+DEEPDSL_GLOBAL void __launch_bounds__(256) deepdsl_sum_rows(unsigned a, unsigned b, const float* x, float* out) {
+    __shared__ float part[8][33];
+    const unsigned col = blockIdx.x * 32 + threadIdx.x;
+    part[threadIdx.y][threadIdx.x] = col < b ? deepdsl_sum_rows_partial(col, threadIdx.y, 8, a, b, x) : 0.0f;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < b) {
+        float s = part[0][threadIdx.x];
+        for (int y = 1; y < 8; ++y) s += part[y][threadIdx.x];
+        out[col] = s;
+    }
+}
+
+// one block of DEEPDSL_THREADS (a power of two) per output; grid b
+DEEPDSL_KERNEL deepdsl_sum_middle(unsigned a, unsigned b, unsigned c, const float* x, float* out) {
+    __shared__ float part[DEEPDSL_THREADS];
+    part[threadIdx.x] = deepdsl_sum_middle_partial(blockIdx.x, threadIdx.x, DEEPDSL_THREADS, a, b, c, x);
+    __syncthreads();
+    for (unsigned half = DEEPDSL_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = part[0];
+}
+
+DEEPDSL_KERNEL deepdsl_sum_generic(unsigned n, SumShape s, unsigned count, const float* x, float* out) {
+    DEEPDSL_FOR(o, 0, n) deepdsl_sum_generic_at(o, s, count, x, out);
+}
+
+DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, float* out, int log_domain) {
+    DEEPDSL_FOR(i, 0, rows) deepdsl_softmax_row(i, classes, x, out, log_domain);
+}
+DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
+    DEEPDSL_FOR(i, 0, rows) deepdsl_pick_at(i, classes, x, labels, out);
+}
+DEEPDSL_KERNEL deepdsl_unpick(unsigned n, unsigned classes, const float* g, const int* labels, float* out) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_unpick_at(i, classes, g, labels, out);
+}
+
+// one block of DEEPDSL_THREADS
+DEEPDSL_KERNEL deepdsl_precision(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
+    __shared__ unsigned counts[DEEPDSL_THREADS];
+    unsigned count = 0;
+    for (unsigned i = threadIdx.x; i < rows; i += DEEPDSL_THREADS) count += deepdsl_precision_row(i, classes, x, labels);
+    counts[threadIdx.x] = count;
+    __syncthreads();
+    for (unsigned half = DEEPDSL_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) counts[threadIdx.x] += counts[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = static_cast<float>(counts[0]) / static_cast<float>(rows);
+}
+
+// pooling over output (forward) or input (backward) elements [begin, end)
+DEEPDSL_KERNEL deepdsl_max_pool_range(PoolGeom g, const float* x, float* out, unsigned begin, unsigned end) {
+    DEEPDSL_FOR(o, begin, end) out[o] = deepdsl_max_pool_value(o, g, x);
+}
+DEEPDSL_KERNEL deepdsl_max_pool_argmax(PoolGeom g, const float* x, deepdsl_u8* out, unsigned n) {
+    DEEPDSL_FOR(o, 0, n) out[o] = deepdsl_max_pool_argmax_value(o, g, x);
+}
+DEEPDSL_KERNEL deepdsl_avg_pool_range(PoolGeom g, int include_pad, const float* x, float* out, unsigned begin,
+                                      unsigned end) {
+    DEEPDSL_FOR(o, begin, end) out[o] = deepdsl_avg_pool_value(o, g, include_pad, x);
+}
+DEEPDSL_KERNEL deepdsl_max_pool_bwd_range(PoolGeom g, const float* grad, const deepdsl_u8* argmax, float* out,
+                                          unsigned begin, unsigned end) {
+    DEEPDSL_FOR(i, begin, end) out[i] = deepdsl_max_pool_bwd_value(i, g, grad, argmax);
+}
+DEEPDSL_KERNEL deepdsl_avg_pool_bwd_range(PoolGeom g, int include_pad, const float* grad, float* out,
+                                          unsigned begin, unsigned end) {
+    DEEPDSL_FOR(i, begin, end) out[i] = deepdsl_avg_pool_bwd_value(i, g, include_pad, grad);
+}
+
+// The ordered variants: one block walks [begin, end) in tiles of DEEPDSL_ORDERED_THREADS, increasing (forward) or
+// decreasing (backward); every thread reads what its element needs, the block synchronizes, then writes. Used
+// where an output overlaps its input from the same start (see the file comment).
+#define DEEPDSL_ORDERED_LOOP(ASCENDING, VALUE, STORE)                                                          \
+    const unsigned tiles = (end - begin + DEEPDSL_ORDERED_THREADS - 1) / DEEPDSL_ORDERED_THREADS;            \
+    for (unsigned tile = 0; tile < tiles; ++tile) {                                                           \
+        const unsigned start = (ASCENDING) ? begin + tile * DEEPDSL_ORDERED_THREADS                           \
+                                           : (end - begin > (tile + 1) * DEEPDSL_ORDERED_THREADS              \
+                                                  ? end - (tile + 1) * DEEPDSL_ORDERED_THREADS : begin);      \
+        const unsigned stop = (ASCENDING) ? start + DEEPDSL_ORDERED_THREADS : end - tile * DEEPDSL_ORDERED_THREADS; \
+        const unsigned at = start + threadIdx.x;                                                              \
+        const bool mine = at < stop && at < end;                                                              \
+        float value = 0.0f;                                                                                   \
+        if (mine) value = (VALUE);                                                                            \
+        __syncthreads();                                                                                      \
+        if (mine) STORE = value;                                                                              \
+        __syncthreads();                                                                                      \
+    }
+
+DEEPDSL_GLOBAL void __launch_bounds__(DEEPDSL_ORDERED_THREADS)
+deepdsl_max_pool_ordered(PoolGeom g, const float* x, float* out, unsigned begin, unsigned end) {
+    DEEPDSL_ORDERED_LOOP(true, deepdsl_max_pool_value(at, g, x), out[at])
+}
+DEEPDSL_GLOBAL void __launch_bounds__(DEEPDSL_ORDERED_THREADS)
+deepdsl_avg_pool_ordered(PoolGeom g, int include_pad, const float* x, float* out, unsigned begin, unsigned end) {
+    DEEPDSL_ORDERED_LOOP(true, deepdsl_avg_pool_value(at, g, include_pad, x), out[at])
+}
+DEEPDSL_GLOBAL void __launch_bounds__(DEEPDSL_ORDERED_THREADS)
+deepdsl_max_pool_bwd_ordered(PoolGeom g, const float* grad, const deepdsl_u8* argmax, float* out, unsigned begin,
+                             unsigned end) {
+    DEEPDSL_ORDERED_LOOP(false, deepdsl_max_pool_bwd_value(at, g, grad, argmax), out[at])
+}
+DEEPDSL_GLOBAL void __launch_bounds__(DEEPDSL_ORDERED_THREADS)
+deepdsl_avg_pool_bwd_ordered(PoolGeom g, int include_pad, const float* grad, float* out, unsigned begin,
+                             unsigned end) {
+    DEEPDSL_ORDERED_LOOP(false, deepdsl_avg_pool_bwd_value(at, g, include_pad, grad), out[at])
+}
+
+DEEPDSL_KERNEL deepdsl_lrn(unsigned columns, unsigned channels, unsigned spatial, int size, float alpha_over_size,
+                           float k, float neg_beta, const float* x, float* out) {
+    DEEPDSL_FOR(col, 0, columns) deepdsl_lrn_column(col, channels, spatial, size, alpha_over_size, k, neg_beta, x, out);
+}
+DEEPDSL_KERNEL deepdsl_lrn_bwd(unsigned columns, unsigned channels, unsigned spatial, int size,
+                               float alpha_over_size, float k, float neg_beta, float neg_beta_minus_one,
+                               float two_alpha_beta_over_size, const float* g, const float* x, float* out) {
+    DEEPDSL_FOR(col, 0, columns)
+        deepdsl_lrn_bwd_column(col, channels, spatial, size, alpha_over_size, k, neg_beta, neg_beta_minus_one,
+                               two_alpha_beta_over_size, g, x, out);
+}
+
+DEEPDSL_KERNEL deepdsl_im2col(unsigned n, ConvGeom g, unsigned sample_stride, unsigned row_stride, const float* x,
+                              float* cols) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_im2col_at(i, g, sample_stride, row_stride, x, cols);
+}
+DEEPDSL_KERNEL deepdsl_col2im(unsigned n, ConvGeom g, const float* dcols, float* dx) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_col2im_at(i, g, dcols, dx);
+}
+
+DEEPDSL_KERNEL deepdsl_bernoulli(unsigned groups, unsigned n, deepdsl_u64 seed, deepdsl_u64 stream, float keep,
+                                 deepdsl_u8* out) {
+    DEEPDSL_FOR(group, 0, groups) deepdsl_bernoulli_group(group, n, seed, stream, keep, out);
+}
+
+#endif  // __CUDACC__
