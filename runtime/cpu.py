@@ -4,7 +4,7 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
 - `op(*inputs, out=..., **attrs)`: inputs are positional in the IR's order, attributes are keywords named as in
   the IR, and the result is written into `out`, entirely (callers hand out recycled buffers with stale contents).
 - Ops that need scratch memory take `workspace=`, a 1-D float32 buffer whose size the compiler chose
-  (`deepdsl.codegen.workspace`); they carve it up in a fixed order and never allocate tensor-sized memory
+  (the op's `workspace` rule, `deepdsl.ops`); they carve it up in a fixed order and never allocate tensor-sized memory
   themselves. Convolutions process as many samples at a time as their workspace holds (im2col chunks), so a
   smaller workspace trades speed for memory without changing results. Without a workspace an op allocates its
   own scratch (handy interactively, never done by generated programs).
@@ -21,10 +21,8 @@ import builtins
 
 import numpy as np
 
-from deepdsl_runtime.memory import Heap, Recycler
-
 __all__ = [
-    "DEVICE", "Heap", "Recycler", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
+    "DEVICE", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
     "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "log_softmax",
     "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick",
     "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "unpick", "zeros",

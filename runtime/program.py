@@ -25,8 +25,10 @@ import numpy as np
 
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
+from deepdsl_runtime import memory
+from deepdsl_runtime.memory import StepPlan
 
-__all__ = ["Model", "Param", "RunError", "State", "backend", "initial_value", "run"]
+__all__ = ["Model", "Param", "RunError", "State", "StepPlan", "backend", "initial_value", "run"]
 
 EXIT_USAGE, EXIT_DIVERGED = 1, 3
 
@@ -93,7 +95,9 @@ class Model:
     """Parameters, state and hoisted values of one network (in `tensors`, by name) plus its compiled steps.
 
     Subclasses (generated) set the class attributes and define `setup`, `train_step(x, y, *, step, <hyper>)`
-    returning the loss, and `test_step(x, y)` returning (accuracy, loss)."""
+    returning the loss, and `test_step(x, y)` returning (accuracy, loss). `memory_plans` holds each step's memory
+    plan; the steps take their buffers from `self.mem`, an allocator of `memory_mode` (static, pooled, dynamic;
+    see `deepdsl_runtime.memory`) that also measures what they use."""
 
     name = ""
     source = ""
@@ -107,10 +111,13 @@ class Model:
     params: dict[str, Param] = {}
     states: dict[str, State] = {}
     setup_inputs: tuple[str, ...] = ()
+    memory_plans: dict[str, StepPlan] = {}
 
-    def __init__(self, device: str = "cpu", seed: int = 0):
+    def __init__(self, device: str = "cpu", seed: int = 0, memory_mode: str = "static", check_memory: bool = False):
         self.rt = backend(device)
-        self.mem = self.rt.Recycler()
+        if memory_mode not in memory.MODES:
+            raise RunError(f"unknown memory mode '{memory_mode}' (use {', '.join(memory.MODES)})")
+        self.mem = memory.allocator(memory_mode, self.memory_plans, check=check_memory)
         self.tensors: dict[str, object] = {}
         self.seed = seed
 
@@ -158,6 +165,26 @@ class Model:
     def test_step(self, x, y) -> tuple[float, float]:
         raise NotImplementedError
 
+    def memory_report(self) -> dict:
+        """The memory figures of the report: planned, and measured by the allocator in the steps that ran (None for
+        a step that did not run). `peak_bytes_*` and `workspace_bytes_*` are the training step's, `test_*` the test
+        step's; `arena_bytes` and `pool_bytes` what the static and pooled modes reserve, `reserved_bytes` what this
+        run's mode reserved, `max_rss_bytes` the process's resident-set high-water mark."""
+        usage, plans = self.mem.usage, self.memory_plans
+        result = {"memory_mode": self.mem.mode}
+        for prefix, step in (("", "train_step"), ("test_", "test_step")):
+            plan, used = plans.get(step, StepPlan()), usage.get(step)
+            result[f"{prefix}peak_bytes_measured"] = used.peak_bytes if used else None
+            result[f"{prefix}peak_bytes_planned"] = plan.planned_peak(self.mem.mode)
+            result[f"{prefix}workspace_bytes_measured"] = used.workspace_bytes if used else None
+            result[f"{prefix}workspace_bytes_planned"] = plan.workspace_bytes
+        steps = [p for name, p in plans.items() if name != "setup"]
+        result["arena_bytes"] = max((p.arena_bytes for p in steps), default=0)
+        result["pool_bytes"] = max((p.pool_bytes for p in steps), default=0)
+        result["reserved_bytes"] = self.mem.reserved_bytes
+        result["max_rss_bytes"] = _max_rss()
+        return result
+
     def evaluate(self, x: np.ndarray, y: np.ndarray, batches: int) -> tuple[float, float, int]:
         """Mean test accuracy and loss over `batches` consecutive batches of (x, y) (at most one pass; the last
         batch wraps around to the start when the set is not a multiple of the batch size)."""
@@ -171,6 +198,16 @@ class Model:
             accuracy += a
             loss += l_
         return accuracy / count, loss / count, count
+
+
+def _max_rss() -> int | None:
+    """High-water mark of the process's resident memory in bytes (None where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,7 +308,8 @@ class _Run:
     def __init__(self, model_cls: type[Model], args):
         _check_args(args)
         self.args = args
-        self.model = model_cls(args.device, args.seed)
+        self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
+                               getattr(args, "check_memory", False))
         self.path = args.params
         self.data_spec = args.data or self.model.dataset
         self.batch = self.model.batch_shape[0]
@@ -314,10 +352,15 @@ class _Run:
         per_iter = elapsed / done if done else None
         if per_iter is not None:
             _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
+        figures = model.memory_report()
+        if figures["peak_bytes_measured"] is not None:
+            _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
+                       f"measured, {figures['peak_bytes_planned'] / 1e6:.2f} MB planned; workspace "
+                       f"{figures['workspace_bytes_measured'] / 1e6:.2f} MB")
         if args.report_json:
             report = {"network": model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
                       "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
-                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None}
+                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None, **figures}
             with open(args.report_json, "w") as f:
                 json.dump(report, f, indent=2)
                 f.write("\n")

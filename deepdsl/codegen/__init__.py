@@ -1,10 +1,11 @@
 """Code generation: a compiled network becomes a standalone Python training program.
 
 `generate(compiled)` renders `codegen_templates/program.py.jinja` (StrictUndefined) with the network's
-declarations and the bodies of its setup, training and test steps (built by `steps` from the SSA programs, one
-block per statement under the IR statement as a comment, calls from the per-op snippets of `lowering`,
-elementwise kernels from `ufuncs`, scratch sizes from `workspace`). The program imports only numpy and
-`deepdsl_runtime`; its loop, CLI machinery, data and checkpoints are in `deepdsl_runtime.program`.
+declarations, the memory plans of its steps as data (`memory_plans`: each buffer's arena offset and bytes) and the
+bodies of its setup, training and test steps (built by `steps` from the SSA programs and their plans, one block per
+statement under the IR statement as a comment, calls from the per-op snippets of `lowering`, elementwise kernels
+from `ufuncs`, scratch sizes from the ops' `workspace` rules through the plan). The program imports only numpy and
+`deepdsl_runtime`; its loop, CLI machinery, data, checkpoints and allocators are in `deepdsl_runtime`.
 
 `python -m deepdsl.codegen.refresh` regenerates `generated/` from `networks/`.
 """
@@ -29,15 +30,15 @@ def _templates_dir() -> Path:
 
 
 TEMPLATES = _templates_dir()
-DEFAULT_WORKSPACE_LIMIT = 256 << 20
 
 
 @dataclass(frozen=True)
 class CodegenOptions:
     """How to render a program.
 
-    workspace_limit: bytes of im2col scratch a convolution may use (it then runs over the batch in chunks); default:
-        the compile options' `workspace_limit`, else `DEFAULT_WORKSPACE_LIMIT`.
+    workspace_limit: bytes of scratch a convolution may use (it then runs over the batch in chunks): the steps are
+        planned again with this limit, as `deepdsl memory --workspace-limit` does; default: the compiled plans
+        (the compile options' `workspace_limit`, no limit when that is None).
     source: the network file as named in the header (default: the path the network was loaded from, relative to
         the current directory when inside it).
     params_file: default of the program's --params (default: `<network>.params.npz`).
@@ -79,6 +80,47 @@ def _init_text(init) -> str:
     raise ValueError(f"unknown initializer {init}")
 
 
+def plans_for(compiled, options: CodegenOptions | None = None) -> dict:
+    """The memory plans the program follows: "setup", "train", "test" -> MemoryPlan. The compiled ones, or planned
+    again when the code generation options set another workspace limit."""
+    from deepdsl.memory_plan import plan_memory
+
+    options = options or CodegenOptions()
+    plans = dict(getattr(compiled, "plans", None) or {})
+    for step in ("setup", "train", "test"):
+        plan = plans.get(step)
+        limit = options.workspace_limit if options.workspace_limit is not None else \
+            getattr(compiled.options, "workspace_limit", None)
+        if plan is None or plan.workspace_limit != limit:
+            plans[step] = plan_memory(getattr(compiled, step), limit)
+    return plans
+
+
+def _plan_data(name: str, program, plan) -> dict:
+    """One step's plan as the template writes it (`rp.StepPlan`), with each buffer's value named in a comment."""
+    from deepdsl.codegen.steps import DTYPES
+    from deepdsl.memory_table import simulate_pool
+
+    names = program.names()
+    rows = []
+    for b in plan.buffers:
+        value = b.value
+        label = names.get(id(value)) or value.name
+        dims = "x".join(map(str, value.shape)) or "scalar"
+        rows.append({"offset": b.offset, "nbytes": b.nbytes, "comment": f"{b.index}: {label} {dims} {DTYPES[value.dtype]}"})
+    pool = simulate_pool(plan)
+    # the pooled and dynamic modes allocate a buffer that takes over another like any other (see
+    # deepdsl_runtime.memory): their peak is the pool replay's; written only where it differs from the plan's
+    pool_peak = pool["peak_bytes_in_use"] if pool["peak_bytes_in_use"] != plan.peak_live_bytes else 0
+    return {"name": name, "arena_bytes": plan.arena_bytes, "peak_bytes": plan.peak_live_bytes,
+            "workspace_bytes": plan.workspace_bytes, "pool_bytes": pool["footprint_bytes"],
+            "pool_peak": f", pool_peak_bytes={pool_peak}" if pool_peak else "", "buffers": rows}
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
+
+
 def _options_text(compiled) -> str:
     opts = compiled.options
     shown = []
@@ -104,7 +146,8 @@ def context(compiled, options: CodegenOptions | None = None) -> dict:
     from deepdsl.codegen.lowering import literal
 
     options = options or CodegenOptions()
-    limit = options.workspace_limit or getattr(compiled.options, "workspace_limit", None) or DEFAULT_WORKSPACE_LIMIT
+    plans = plans_for(compiled, options)
+    limit = plans["train"].workspace_limit
     solver = compiled.loop.solver
     inputs = {n.name: n for p in (compiled.train, compiled.test) for n in p.inputs}
     data = [n for n in inputs.values() if n.op == "input" and n.attr("role") == "data"]
@@ -117,12 +160,20 @@ def context(compiled, options: CodegenOptions | None = None) -> dict:
     hyper = ("lr", "momentum", "decay") if optimizer == "sgd" else ("lr", "bias1", "bias2", "decay")
     kernels = steps.Kernels()
     data_name, label_name = steps.identifier(data.name), steps.identifier(label.name)
-    setup = steps.build_setup(compiled.setup, kernels, limit)
+    setup = steps.build_setup(compiled.setup, plans["setup"], kernels)
     bad = [n.name for n in compiled.setup.inputs if n.name in ("bias1", "bias2")]
     if bad:
         raise steps.GenerateError(f"values hoisted out of the step depend on {bad}, which change every step")
-    train = steps.build_train(compiled.train, kernels, limit, data_name, label_name, hyper)
-    test = steps.build_test(compiled.test, kernels, limit, data_name, label_name)
+    train = steps.build_train(compiled.train, plans["train"], kernels, data_name, label_name, hyper)
+    test = steps.build_test(compiled.test, plans["test"], kernels, data_name, label_name)
+    memory_plans = [_plan_data(f"{step}_step" if step != "setup" else step, getattr(compiled, step), plans[step])
+                    for step in ("setup", "train", "test")]
+    train_plan, test_plan = memory_plans[1], memory_plans[2]
+    memory_text = (f"peak {_mb(train_plan['peak_bytes'])} of tensors planned for the training step "
+                   f"({_mb(test_plan['peak_bytes'])} testing); static arena "
+                   f"{_mb(max(train_plan['arena_bytes'], test_plan['arena_bytes']))}, pool "
+                   f"{_mb(max(train_plan['pool_bytes'], test_plan['pool_bytes']))}, workspace "
+                   f"{_mb(max(p['workspace_bytes'] for p in memory_plans))}")
     optimizer_states = {f"{prefix}_{p.name}" for p in compiled.params for prefix in ("V", "M", "S")}
     if optimizer == "sgd":
         solver_text = (f"SGD, {solver.iters} iterations, lr {solver.lr:g}, momentum {solver.momentum:g}, "
@@ -142,7 +193,9 @@ def context(compiled, options: CodegenOptions | None = None) -> dict:
         "cls": _class_name(compiled.name),
         "version": __version__,
         "source": _display_source(compiled, options),
-        "options": _options_text(compiled) + f"; convolution workspace limit {limit} bytes",
+        "options": _options_text(compiled) + "; workspace limit " + ("none" if limit is None else f"{limit} bytes"),
+        "memory": memory_text,
+        "memory_plans": memory_plans,
         "filename": f"{compiled.name}.py",
         "description": f"Train and test {compiled.name} (generated by deepdsl {__version__}).",
         "data": "x".join(map(str, data.shape)),

@@ -1,16 +1,18 @@
 """Turn the SSA programs of a compiled network into the Python bodies of its `setup`, `train_step` and `test_step`.
 
-Each `Let` becomes a block: the IR statement as a comment, then its buffer (`mem.empty`, or the buffer it
-overwrites in place, or nothing for a view), its scratch space (`mem.workspace`: one region shared by all
-statements), and the runtime call (from `lowering`).
-`Free` statements become `mem.free`. Elementwise statements call kernels (module-level numpy functions rendered
-by `ufuncs`, shared between steps when their expressions agree).
+Each `Let` becomes a block: the IR statement as a comment, then where its value lives and the runtime call (from
+`lowering`). Where values live is the step's memory plan (`deepdsl.memory_plan.MemoryPlan`), followed to the
+letter: a statement that allocates buffer k gets `mem.tensor(k, shape, dtype)`, an in-place statement the buffer
+it overwrites (or the persistent input it updates), a view nothing; its scratch is `mem.workspace(bytes)` of the
+plan's `Step.workspace`; each `Free` drops the step's names of the buffers it releases and returns them with
+`mem.free(k, ...)`; the batch inputs are copied into their buffers first (`mem.load`). So the allocator sees
+exactly the plan's allocations and frees, in order, and the peak it measures is the planned peak. Elementwise
+statements call kernels (module-level numpy functions rendered by `ufuncs`, shared between steps when their
+expressions agree).
 
-In-place updates: a training step's output `<name>` is the new value of input `<name>` (parameters, optimizer
-state, running statistics). Its statement writes straight into the input's buffer when that is safe: it is an
-`ew` statement of the same shape, no later statement reads the old value (or a view of it), no other output is
-the old value, and the kernel reads the old value no later than its first write. Otherwise the step computes a
-fresh buffer and copies it over the old value at the end.
+A training step's output `<name>` is the new value of input `<name>` (parameters, optimizer state, running
+statistics); the in-place pass writes it over the input (`Let(node, into=input)`), else the step copies it over
+the input at the end.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from dataclasses import dataclass, field
 import sympy
 
 from deepdsl.codegen import lowering, ufuncs
-from deepdsl.codegen.workspace import workspace_size
 from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
+from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program, format_expr
+from deepdsl.storage import is_batch_input
 
 DTYPES = {"float": "float32", "int32": "int32", "uint8": "uint8"}
 TENSOR_ROLES = ("param", "state", "hoisted")
@@ -91,47 +94,15 @@ def _is_view(node: Node) -> bool:
     return get_op(node.op).view
 
 
-def inplace_updates(program: Program) -> dict[int, Node]:
-    """id(statement) -> the input leaf whose buffer the statement may overwrite with its value (see module doc)."""
-    statements = program.statements()
-    position = {id(n): i for i, n in enumerate(statements)}
-    root: dict[int, int] = {}                 # id(value) -> id(value owning the memory)
-    for n in statements:
-        root[id(n)] = root.get(id(n.inputs[0]), id(n.inputs[0])) if _is_view(n) else id(n)
-    last_read: dict[int, int] = {}
-    for i, n in enumerate(statements):
-        if not _is_view(n):
-            for x in n.inputs:
-                last_read[root.get(id(x), id(x))] = i
-    leaves = {n.name: n for n in program.inputs if _role(n) in ("param", "state")}
-    result: dict[int, Node] = {}
-    for name, value in program.outputs:
-        leaf = leaves.get(name)
-        if leaf is None or value is leaf or value.op != "ew" or id(value) not in position or id(value) in result:
-            continue
-        if value.shape != leaf.shape or value.dtype != leaf.dtype:
-            continue
-        if last_read.get(id(leaf), -1) > position[id(value)]:
-            continue
-        if any(x is not leaf and root.get(id(x)) == id(leaf) for x in value.inputs):
-            continue
-        if any(k != name and root.get(id(v), id(v)) == id(leaf) for k, v in program.outputs):
-            continue
-        alias = next((i for i, x in enumerate(value.inputs) if x is leaf), None)
-        if ufuncs.render(value.attr("expr"), alias) is None:
-            continue
-        result[id(value)] = leaf
-    return result
-
-
 class StepBuilder:
-    """Builds one step's code. `py` maps values to Python expressions; `owner` maps values stored in a buffer
-    from `mem` to the name of the value that allocated it (views and in-place results share their host's)."""
+    """Builds one step's code from its program and memory plan. `py` maps values to Python expressions."""
 
-    def __init__(self, program: Program, kernels: Kernels, workspace_limit: int, inplace: bool):
+    def __init__(self, program: Program, plan: MemoryPlan, kernels: Kernels):
+        if len(plan.steps) != len(program.body):
+            raise GenerateError(f"the memory plan of '{program.name}' does not belong to its program")
         self.program = program
+        self.plan = plan
         self.kernels = kernels
-        self.limit = workspace_limit
         self.ir_names = program.names()
         self.py: dict[int, str] = {}
         for leaf in program.inputs:
@@ -142,11 +113,8 @@ class StepBuilder:
                 self.py[id(leaf)] = identifier(leaf.name)
             else:
                 raise GenerateError(f"input '{leaf.name}' of role '{role}' has no value in generated programs")
-        marked = {id(i.node): i.into for i in program.body if isinstance(i, Let) and getattr(i, "into", None)}
-        # the compiler's in-place marks when its memory passes ran; else the parameter updates found here
-        self.into: dict[int, Node] = marked or (inplace_updates(program) if inplace else {})
-        self.owner: dict[int, str] = {}
-        self.freed: set[str] = set()
+        self.into: dict[int, Node] = {id(i.node): i.into for i in program.body
+                                      if isinstance(i, Let) and getattr(i, "into", None) is not None}
 
     def arg(self, node: Node) -> str:
         if id(node) in self.py:
@@ -155,28 +123,32 @@ class StepBuilder:
             return lowering.literal(float(node.attr("value")))
         raise GenerateError(f"value {node!r} used before it is defined")
 
-    def stored_in(self, node: Node) -> str | None:
-        """The python name of the `mem` buffer holding `node` (None: an input's or persistent buffer)."""
-        return self.owner.get(id(node))
+    def value_name(self, node: Node) -> str:
+        return node.name if node.is_leaf else self.ir_names[id(node)]
+
+    def loads(self) -> list[str]:
+        """The batch inputs, copied into their arena buffers when the step starts (they are live from index 0)."""
+        lines = []
+        for b in self.plan.buffers:
+            if is_batch_input(b.value):
+                name = self.arg(b.value)
+                lines.append(f"{name} = mem.load({b.index}, {name})")
+        return lines
 
     def blocks(self) -> list[Block]:
         result = []
-        for instr in self.program.body:
+        for instr, step in zip(self.program.body, self.plan.steps):
             if isinstance(instr, Let):
-                result.append(self.let(instr.node))
-            elif isinstance(instr, Free):
-                buffers = []
-                for n in instr.nodes:
-                    owner = self.stored_in(n)
-                    if owner and owner not in self.freed:
-                        self.freed.add(owner)
-                        buffers.append(owner)
-                if buffers:
-                    result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes),
-                                        [f"mem.free({', '.join(buffers)})"]))
+                result.append(self.let(instr.node, step))
+            elif isinstance(instr, Free) and step.releases:
+                names = [self.py[id(v)] for k in step.releases for v in self.plan.buffers[k].values
+                         if id(v) in self.py and not self.py[id(v)].startswith("T[")]
+                lines = [f"del {', '.join(names)}"] if names else []
+                lines.append(f"mem.free({', '.join(str(k) for k in step.releases)})")
+                result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes), lines))
         return result
 
-    def let(self, node: Node) -> Block:
+    def let(self, node: Node, step) -> Block:
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -184,28 +156,24 @@ class StepBuilder:
         args = tuple(self.arg(x) for x in node.inputs)
         self.py[id(node)] = name
         if _is_view(node):
-            owner = self.stored_in(node.inputs[0])
-            if owner:
-                self.owner[id(node)] = owner
             return Block(comment, [lowering.lower(lowering.Site(node, args, name))])
         lines: list[str] = []
         target = self.into.get(id(node))
         if target is not None:
             what = f"the new {target.name}" if target.is_leaf else f"over {self.ir_names[id(target)]}"
             lines.append(f"{name} = {self.arg(target)}  # in place: {what}")
-            if self.stored_in(target):
-                self.owner[id(node)] = self.stored_in(target)
+        elif step.allocates is not None:
+            over = getattr(self.plan.buffers[step.allocates], "takes_over", None)
+            lines.append(f"{name} = mem.tensor({step.allocates}, {lowering.literal(node.shape)}, "
+                         f"{DTYPES[node.dtype]!r}" + ("" if over is None else f", over={over}") + ")")
         else:
-            lines.append(f"{name} = mem.empty({lowering.literal(node.shape)}, {DTYPES[node.dtype]!r})")
-            self.owner[id(node)] = name
-        size = workspace_size(node, self.limit)
-        if size:
-            lines.append(f"ws = mem.workspace({size})")
+            raise GenerateError(f"the memory plan gives statement {name} no buffer")
+        workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         kernel = None
         if node.op == "ew":
             alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
             kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
-        lines.append(lowering.lower(lowering.Site(node, args, name, "ws" if size else None, kernel)))
+        lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, lines)
 
     def lives_in(self, value: Node, leaf: Node) -> bool:
@@ -226,19 +194,20 @@ def _scalar(builder: StepBuilder, node: Node) -> str:
     return f"rt.scalar({builder.arg(node)})"
 
 
-def build_setup(program: Program, kernels: Kernels, limit: int) -> Step:
-    b = StepBuilder(program, kernels, limit, inplace=False)
+def build_setup(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
+    b = StepBuilder(program, plan, kernels)
     blocks = b.blocks()
-    epilogue = [f"T[{k!r}] = {b.arg(v)}" for k, v in program.outputs]
+    epilogue = [f"T[{k!r}] = {b.arg(v)}" for k, v in program.outputs] + ["mem.end()"]
     hyper = [identifier(n.name) for n in program.inputs if _role(n) == "hyper"]
     return Step("setup", ", ".join(["self"] + (["*"] + hyper if hyper else [])),
-                "Values computed once before training (hoisted out of the steps).",
-                ["rt, mem, T = self.rt, self.rt.Heap(), self.tensors"], blocks, epilogue)
+                "Values computed once before training (hoisted out of the steps); they outlive the step.",
+                ['rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors', *b.loads()],
+                blocks, epilogue)
 
 
-def build_train(program: Program, kernels: Kernels, limit: int, data: str, label: str,
+def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
                 hyper: tuple[str, ...]) -> Step:
-    b = StepBuilder(program, kernels, limit, inplace=True)
+    b = StepBuilder(program, plan, kernels)
     for n in program.inputs:
         if _role(n) == "hyper" and n.name not in hyper:
             raise GenerateError(f"the training step reads hyperparameter '{n.name}', which generated programs do "
@@ -255,19 +224,19 @@ def build_train(program: Program, kernels: Kernels, limit: int, data: str, label
             results.append((k, v))
     if [k for k, _ in results] != ["loss"]:
         raise GenerateError(f"the training step's results are {[k for k, _ in results]}, expected ['loss']")
-    epilogue += [f"loss = {_scalar(b, results[0][1])}", "mem.reset()", "return loss"]
+    epilogue += [f"loss = {_scalar(b, results[0][1])}", "mem.end()", "return loss"]
     signature = ", ".join(["self", data, label, "*", "step"] + list(hyper))
     return Step("train_step", signature,
                 "One training step on the batch: returns the loss; parameters and state are updated.",
-                ["rt, mem, T = self.rt, self.mem, self.tensors"], blocks, epilogue)
+                ['rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors', *b.loads()], blocks, epilogue)
 
 
-def build_test(program: Program, kernels: Kernels, limit: int, data: str, label: str) -> Step:
-    b = StepBuilder(program, kernels, limit, inplace=False)
+def build_test(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:
+    b = StepBuilder(program, plan, kernels)
     blocks = b.blocks()
     names = [k for k, _ in program.outputs]
     if names != ["accuracy", "loss"]:
         raise GenerateError(f"the test step's results are {names}, expected ['accuracy', 'loss']")
-    epilogue = [f"{k} = {_scalar(b, v)}" for k, v in program.outputs] + ["mem.reset()", "return accuracy, loss"]
+    epilogue = [f"{k} = {_scalar(b, v)}" for k, v in program.outputs] + ["mem.end()", "return accuracy, loss"]
     return Step("test_step", f"self, {data}, {label}", "Accuracy and loss of the batch (no update).",
-                ["rt, mem, T = self.rt, self.mem, self.tensors"], blocks, epilogue)
+                ['rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors', *b.loads()], blocks, epilogue)

@@ -26,23 +26,36 @@ class EvalContext:
 
 
 class Workspace(NamedTuple):
-    """Scratch memory a statement needs while it runs (im2col buffers): `nbytes`, and the number of chunks of the
-    batch it runs in to stay within a limit (1: the whole batch at once)."""
+    """Scratch memory a statement needs while it runs: `nbytes`, and the number of chunks of the batch it runs in to
+    stay within a limit (1: the whole batch at once). The figure is exactly what the CPU runtime's kernel carves out
+    of the workspace it is handed (`deepdsl_runtime.cpu`), so the memory plan's workspace is the one the program
+    uses; the runtime derives its chunk size from the size it is given, the same way as `batch_chunks`."""
 
     nbytes: int
     chunks: int = 1
 
 
-def batch_chunks(batch: int, per_sample: int, limit: int | None) -> Workspace:
-    """The smallest number of batch chunks whose workspace (`per_sample` bytes per sample) fits `limit`; one sample
-    per chunk when even that does not fit (the workspace then exceeds the limit)."""
+FLOAT_BYTES = 4     # runtime workspaces are float32 arrays; boolean scratch takes ceil(count / 4) of their elements
+
+
+def bool_bytes(count: int) -> int:
+    """Workspace bytes of `count` booleans carved from a float32 workspace."""
+    return -(-count // FLOAT_BYTES) * FLOAT_BYTES
+
+
+def batch_chunks(batch: int, per_sample: int, limit: int | None, fixed_if_split: int = 0) -> Workspace:
+    """The smallest number of batch chunks whose workspace (`per_sample` bytes per sample, plus `fixed_if_split`
+    bytes when there is more than one chunk) fits `limit`; one sample per chunk when even that does not fit (the
+    workspace then exceeds the limit)."""
     if per_sample <= 0 or batch <= 0:
         return Workspace(0)
-    if limit is None or batch * per_sample <= limit:
-        return Workspace(batch * per_sample)
-    samples = limit // per_sample
+    whole = batch * per_sample
+    if limit is None or whole <= limit:
+        return Workspace(whole)
+    samples = (limit - fixed_if_split) // per_sample
     chunks = batch if samples < 1 else -(-batch // samples)
-    return Workspace(-(-batch // chunks) * per_sample, chunks)
+    nbytes = -(-batch // chunks) * per_sample + fixed_if_split
+    return Workspace(whole) if nbytes >= whole else Workspace(nbytes, chunks)
 
 
 class Op:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, Node, make
-from deepdsl.ops import Op, batch_chunks, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, Workspace, batch_chunks, dims, register, require
 from deepdsl.ops.elementwise import reshape, sum_to
 
 
@@ -27,9 +27,18 @@ def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float 
     return view[:, :, ::stride, ::stride]
 
 
-def im2col_workspace(batch: int, rows: int, cols: int, limit: int | None):
-    """One sample's im2col matrix is (rows = Ho*Wo) x (cols = C*kh*kw) float32; batch chunks fit `limit`."""
-    return batch_chunks(batch, rows * cols * 4, limit)
+def _padded_elements(c: int, h: int, w: int, pad: int) -> int:
+    """Float32 elements of a zero-padded copy of one sample (none without padding)."""
+    return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
+
+
+def _pointwise(kh: int, kw: int, stride: int, pad: int) -> bool:
+    return kh == kw == 1 and stride == 1 and pad == 0
+
+
+def _chunked(batch: int, per_sample: int, limit: int | None, fixed_if_split: int = 0):
+    """Workspace of `per_sample` float32 elements per sample (plus `fixed_if_split` when chunked) within `limit`."""
+    return batch_chunks(batch, per_sample * FLOAT_BYTES, limit, fixed_if_split * FLOAT_BYTES)
 
 
 def im2col(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
@@ -89,9 +98,14 @@ class Conv2d(Op):
         return np.ascontiguousarray(out, dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        n, _, ho, wo = node.shape
-        _, c, kh, kw = node.inputs[1].shape
-        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
+        """The CPU kernel's scratch per sample: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the
+        zero-padded input; none for 1x1 stride-1 convolutions (one GEMM on the input itself)."""
+        (n, c, h, w), (_, _, kh, kw) = node.inputs[0].shape, node.inputs[1].shape
+        ho, wo = node.shape[2:]
+        s, p = node.attr("stride", 1), node.attr("pad", 0)
+        if _pointwise(kh, kw, s, p):
+            return Workspace(0)
+        return _chunked(n, c * kh * kw * ho * wo + _padded_elements(c, h, w, p), limit)
 
 
 @register
@@ -111,9 +125,18 @@ class Conv2dBwdData(Op):
         return np.ascontiguousarray(col2im(cols, (n, c, *size), kh, kw, stride, pad), dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        n, _, ho, wo = node.inputs[0].shape
-        _, c, kh, kw = node.inputs[1].shape
-        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
+        """The CPU kernel's scratch per sample. Stride 1: the output gradient widened to rows as wide as the padded
+        input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1);
+        other strides: the column gradients (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one GEMM)."""
+        (n, o, ho, wo), (_, c, kh, kw) = node.inputs[0].shape, node.inputs[1].shape
+        h, w = node.attr("size")
+        s, p = node.attr("stride", 1), node.attr("pad", 0)
+        if _pointwise(kh, kw, s, p):
+            return Workspace(0)
+        if s != 1:
+            return _chunked(n, c * kh * kw * ho * wo, limit)
+        wp = w + 2 * p
+        return _chunked(n, (o + c * kh * kw) * ho * wp + c * ((h + 2 * p) * wp + kw - 1), limit)
 
 
 @register
@@ -132,6 +155,11 @@ class Conv2dBwdFilter(Op):
         return np.ascontiguousarray(dw.reshape(o, x.shape[1], kh, kw), dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        n, _, ho, wo = node.inputs[0].shape
-        o, c, kh, kw = node.shape
-        return im2col_workspace(n, ho * wo, c * kh * kw, limit)
+        """The CPU kernel's scratch per sample: the im2col matrix (C*kh*kw, Ho*Wo), the output gradient transposed
+        (O, Ho*Wo) and with padding the zero-padded input; plus an (O, C*kh*kw) accumulator when the batch runs in
+        more than one chunk."""
+        (n, o, ho, wo), (_, c, h, w) = node.inputs[0].shape, node.inputs[1].shape
+        kh, kw = node.attr("kernel")
+        ckk = c * kh * kw
+        per_sample = (ckk + o) * ho * wo + _padded_elements(c, h, w, node.attr("pad", 0))
+        return _chunked(n, per_sample, limit, fixed_if_split=o * ckk)

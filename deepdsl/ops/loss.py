@@ -5,7 +5,7 @@ import numpy as np
 import sympy
 
 from deepdsl.ir import FLOAT, INT32, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, Workspace, dims, register, require
 from deepdsl.ops.elementwise import broadcast_to, elementwise, sum_to, sym
 
 
@@ -47,6 +47,10 @@ class LogSoftmax(Op):
     def evaluate(self, ctx, x):
         shifted = x - x.max(axis=1, keepdims=True)
         return (shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))).astype(ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """The CPU kernel's scratch: the exponentials, input-sized."""
+        return Workspace(node.size * FLOAT_BYTES)
 
 
 def _check_labels(x: Node, labels: Node):

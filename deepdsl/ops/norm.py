@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, Workspace, dims, register, require
 
 
 def _channel_window_sum(a: np.ndarray, front: int, back: int) -> np.ndarray:
@@ -41,6 +41,10 @@ class LRN(Op):
     def evaluate(self, ctx, x, *, size, alpha, beta, k):
         return (x * _lrn_scale(x, size, alpha, k) ** -beta).astype(ctx.float_dtype)
 
+    def workspace(self, node, limit=None):
+        """The CPU kernel's scratch: the scale and the squares, each input-sized."""
+        return Workspace(2 * node.size * FLOAT_BYTES)
+
 
 @register
 class LRNBwd(Op):
@@ -56,6 +60,10 @@ class LRNBwd(Op):
         # input j feeds outputs c with j in window(c), i.e. c in [j - back, j + front]
         spread = _channel_window_sum(inner, (size - 1) // 2, size // 2)
         return (g * s ** -beta - (2 * alpha * beta / size) * x * spread).astype(ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """The CPU kernel's scratch: the scale, the inner term and its window sum, each input-sized."""
+        return Workspace(3 * node.size * FLOAT_BYTES)
 
 
 @register
@@ -96,6 +104,10 @@ class Bernoulli(Op):
 
     def evaluate(self, ctx, *, shape, keep, key):
         return bernoulli_mask(ctx.seed, ctx.step, key, shape, keep)
+
+    def workspace(self, node, limit=None):
+        """The CPU kernel draws its float32 uniforms into the workspace (mask-sized)."""
+        return Workspace(node.size * FLOAT_BYTES)
 
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:

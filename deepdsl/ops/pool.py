@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, Workspace, bool_bytes, dims, register, require
 from deepdsl.ops.conv import out_size
 
 
@@ -35,7 +35,23 @@ def _scatter_windows(values: np.ndarray, shape, kernel, stride, pad, ceil) -> np
     return padded[:, :, pad:pad + h, pad:pad + w]
 
 
+def padded_source_bytes(input_shape, output_shape, kernel, stride, pad) -> int:
+    """Workspace bytes of the padded copy the CPU kernels pool from (or scatter into) when windows leave the input
+    (padding, or ceil mode's last window): (N, C, max(Hp, H+p), max(Wp, W+p)) float32; none otherwise."""
+    n, c, h, w = input_shape
+    ho, wo = output_shape[2:]
+    hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
+    if pad == 0 and hp <= h and wp <= w:
+        return 0
+    return n * c * max(hp, h + pad) * max(wp, w + pad) * FLOAT_BYTES
+
+
 class _Pool(Op):
+    def workspace(self, node, limit=None):
+        """The CPU kernel's scratch: the padded input when windows leave it."""
+        return Workspace(padded_source_bytes(node.inputs[0].shape, node.shape, node.attr("kernel"),
+                                             node.attr("stride"), node.attr("pad", 0)))
+
     def infer(self, x: Node, *, kernel, stride, pad=0, ceil=False, **_):
         require(len(x.shape) == 4, f"pooling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
         require(kernel >= 1 and stride >= 1, f"pooling window {kernel} and stride {stride} must be >= 1")
@@ -74,6 +90,12 @@ class MaxPoolArgmax(_Pool):
         win = _padded_windows(x, kernel, stride, pad, ceil, -np.inf)
         return win.reshape(*win.shape[:4], kernel * kernel).argmax(axis=4).astype(np.uint8)
 
+    def workspace(self, node, limit=None):
+        """The padded input when windows leave it, the running maximum (float32, output-sized) and a boolean
+        'better' mask (output-sized)."""
+        padded = super().workspace(node, limit).nbytes
+        return Workspace(padded + node.size * FLOAT_BYTES + bool_bytes(node.size))
+
 
 @register
 class MaxPoolBwd(Op):
@@ -87,6 +109,14 @@ class MaxPoolBwd(Op):
         onehot = argmax[..., None] == np.arange(kernel * kernel)
         values = (g[..., None] * onehot).reshape(*g.shape, kernel, kernel)
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """A padded gradient buffer when windows leave the input, a boolean 'hit' mask (gradient-sized), and when
+        windows overlap a float32 gradient-sized buffer of each window offset's share (added up)."""
+        g = node.inputs[0]
+        kernel, stride = node.attr("kernel"), node.attr("stride")
+        padded = padded_source_bytes(node.shape, g.shape, kernel, stride, node.attr("pad", 0))
+        return Workspace(padded + bool_bytes(g.size) + (g.size * FLOAT_BYTES if stride < kernel else 0))
 
 
 def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray:
@@ -128,3 +158,9 @@ class AvgPoolBwd(Op):
         share = g / avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad)
         values = np.broadcast_to(share[..., None, None], g.shape + (kernel, kernel))
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """A padded gradient buffer when windows leave the input, and each window's share (gradient-sized)."""
+        g = node.inputs[0]
+        padded = padded_source_bytes(node.shape, g.shape, node.attr("kernel"), node.attr("stride"), node.attr("pad", 0))
+        return Workspace(padded + g.size * FLOAT_BYTES)
