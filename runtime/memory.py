@@ -17,7 +17,9 @@ Modes (`--memory-mode`):
 - `pooled`: the runtime's first-fit `PoolAllocator` (`deepdsl_runtime.pool`) over one chunk of the largest
   `pool_bytes` of the steps: the capacity the compiler found replaying the same allocations and frees on the same
   allocator (the "pooled" line of `deepdsl memory`), so the replay at run time always fits.
-- `dynamic`: each tensor its own allocation, returned at its free (lowest resident memory, slowest).
+- `dynamic`: each tensor its own allocation, returned to the system at its free (large ones are memory mappings of
+  their own), and each statement's workspace too: the lowest resident memory, and the slowest (fresh pages are
+  zeroed by the system on first touch, at every step).
 Neither of the last two can hand a buffer the bytes of the one it takes over (a pool cannot grow a block in place,
 a separate allocation shares nothing), so there it is allocated like any other: their planned peak is
 `pool_peak_bytes`, the pool replay's peak of bytes in use, which equals `peak_bytes` when no buffer takes over.
@@ -35,6 +37,7 @@ the arena and overlaps no live buffer. A corrupted plan then fails loudly instea
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +61,17 @@ def _aligned_bytes(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     shift = (-raw.ctypes.data) % ALIGNMENT
     return raw[shift:shift + nbytes]
+
+
+MAPPED_BYTES = 1 << 16      # the dynamic mode maps allocations at least this large straight from the system
+
+
+def _mapped_bytes(nbytes: int) -> np.ndarray:
+    """A zero-filled uint8 array of `nbytes` in its own anonymous memory mapping (page-aligned), unmapped as soon as
+    the last array using it goes: its pages return to the system then, whatever the C allocator would keep."""
+    if nbytes < MAPPED_BYTES:
+        return _aligned_bytes(nbytes)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
 class MemoryPlanError(RuntimeError):
@@ -108,7 +122,7 @@ class Allocator:
         self.plans = dict(plans)
         self.check = check
         self.usage: dict[str, Usage] = {}
-        self.workspace_region = _aligned_bytes(max((p.workspace_bytes for p in self.plans.values()), default=0))
+        self.workspace_region = self._bytes(max((p.workspace_bytes for p in self.plans.values()), default=0))
         self._name = ""
         self._plan = StepPlan()
         self._persistent = False
@@ -149,7 +163,7 @@ class Allocator:
         if self.check:
             self._check_request(index, nbytes, over)
         size = placed_size(nbytes)
-        raw = _aligned_bytes(nbytes) if self._persistent else self._take(index, nbytes, size, over)
+        raw = self._bytes(nbytes) if self._persistent else self._take(index, nbytes, size, over)
         self._live[index] = size
         self._allocs += 1
         self._current += size - self._credit.get(index, 0)
@@ -160,7 +174,7 @@ class Allocator:
     def load(self, index: int, array: np.ndarray) -> np.ndarray:
         """Buffer `index` holding a copy of `array` (a batch input)."""
         buffer = self.tensor(index, array.shape, array.dtype)
-        np.copyto(buffer, array)
+        self._copy_in(buffer, array)
         return buffer
 
     def free(self, *indices: int) -> None:
@@ -196,6 +210,14 @@ class Allocator:
         return 0
 
     # -- subclass hooks ------------------------------------------------------------------------------------------
+    def _bytes(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of fresh memory starting at a multiple of ALIGNMENT (a device backend's allocators override
+        this and `_copy_in` to hold their bytes on the device: deepdsl_runtime.cuda_ops)."""
+        return _aligned_bytes(nbytes)
+
+    def _copy_in(self, buffer, array: np.ndarray) -> None:
+        np.copyto(buffer, array)
+
     def _take(self, index: int, nbytes: int, size: int, over: int | None) -> np.ndarray:
         raise NotImplementedError
 
@@ -231,7 +253,7 @@ class Static(Allocator):
 
     def __init__(self, plans: dict[str, StepPlan], check: bool = False):
         super().__init__(plans, check)
-        self.arena = _aligned_bytes(max((p.arena_bytes for p in self.plans.values()), default=0))
+        self.arena = self._bytes(max((p.arena_bytes for p in self.plans.values()), default=0))
         self._base = self.arena.ctypes.data
         self._views: dict[tuple[str, int], np.ndarray] = {}
 
@@ -271,8 +293,12 @@ class Pooled(Allocator):
 
     def __init__(self, plans: dict[str, StepPlan], check: bool = False):
         super().__init__(plans, check)
-        self.pool = HostPool(max((p.pool_bytes for p in self.plans.values()), default=0))
+        self.pool = self._make_pool(max((p.pool_bytes for p in self.plans.values()), default=0))
         self._offsets: dict[int, int] = {}
+
+    def _make_pool(self, capacity: int) -> HostPool:
+        """The first-fit pool over one chunk: `.allocator`, `.capacity`, `.view(offset, shape, dtype)`."""
+        return HostPool(capacity)
 
     @property
     def reserved_bytes(self) -> int:
@@ -309,24 +335,29 @@ class Pooled(Allocator):
 
 
 class Dynamic(Allocator):
-    """Each tensor its own allocation, dropped at its free (the step drops its names of the buffer too)."""
+    """Each tensor its own allocation, dropped at its free (the step drops its names of the buffer too). Large
+    ones are anonymous memory mappings, so freed memory leaves the process at once (the C allocator would keep
+    much of it for reuse, and the resident memory would not fall)."""
 
     mode = "dynamic"
 
     def __init__(self, plans: dict[str, StepPlan], check: bool = False):
         super().__init__(plans, check)
-        self.workspace_region = _aligned_bytes(0)
+        self.workspace_region = self._bytes(0)
         self._workspace_limit = max((p.workspace_bytes for p in self.plans.values()), default=0)
 
+    def _bytes(self, nbytes):
+        return _mapped_bytes(nbytes)
+
     def _take(self, index, nbytes, size, over):
-        return _aligned_bytes(nbytes)
+        return self._bytes(nbytes)
 
     def workspace(self, nbytes):
         if nbytes > self._workspace_limit:
             raise MemoryPlanError(f"step '{self._name}' asks for {nbytes} bytes of workspace; the plan has "
                                f"{self._workspace_limit}")
         self._workspace = max(self._workspace, nbytes)
-        return _aligned_bytes(nbytes).view(np.float32)
+        return self._bytes(nbytes).view(np.float32)
 
 
 def allocator(mode: str, plans: dict[str, StepPlan], check: bool = False) -> Allocator:
