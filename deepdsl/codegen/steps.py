@@ -59,6 +59,7 @@ class Kernel:
     params: str
     doc: str
     body: list[str]
+    expr: sympy.Expr | None = None      # what the body computes (the CUDA kernel of the same name prints it)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Kernels:
             name = f"ew{len(self.items) + 1}"
             params = ", ".join(["out"] + [f"v{i}" for i in range(nargs)])
             doc = f"out = {sympy.sstr(expr)}" + (f"   (out may be v{alias})" if alias is not None else "")
-            self.items.append(Kernel(name, params, doc, body))
+            self.items.append(Kernel(name, params, doc, body, expr))
             self._by_key[key] = name
         return self._by_key[key]
 
