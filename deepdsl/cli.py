@@ -99,8 +99,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compiled = _compile(args)
     out = Path(args.output) if args.output else _default_output(args.network)
     path = write_program(compiled, out)
-    print(f"wrote {path}")
+    print(f"wrote {path}, {path.with_suffix('.cu')}")
+    _build_kernels(path)
     return 0
+
+
+def _build_kernels(program: Path) -> None:
+    """With nvcc installed, the fat binary of the program's CUDA kernels (else the program compiles them when it
+    runs with --device cuda)."""
+    from deepdsl.codegen.cuda import build_fatbin, find_nvcc
+
+    if find_nvcc():
+        fatbin = build_fatbin(program.with_suffix(".cu"))
+        if fatbin is not None:
+            print(f"wrote {fatbin}")
+
+
+def _runs_on_cuda(program_args: list[str]) -> bool:
+    """Whether the program's own options ask for `--device cuda`."""
+    pairs = zip(program_args, program_args[1:] + [""])
+    return "--device=cuda" in program_args or any(a == "--device" and b == "cuda" for a, b in pairs)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -110,6 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # a scratch copy: `run` may use overrides, so it never rewrites the checked-in generated/ programs
     out = Path(args.output) if args.output else Path(".deepdsl") / Path(args.network).name
     path = write_program(compiled, out)
+    if _runs_on_cuda(args.program_args):
+        _build_kernels(path)
     print(f"wrote {path}; running it", flush=True)
     return run_program(path, args.program_args)
 

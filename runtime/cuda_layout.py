@@ -9,18 +9,21 @@
 - `conv_samples`: how many samples of a convolution fit the workspace at once.
 - `strided_batched_gemm`: a row-major batched product as a column-major `cublasSgemmStridedBatched` call.
 - `ew_entry`: the kernel name of a generated elementwise kernel.
+- `kernel_sources_digest`: what names a program's prebuilt fat binary (the compiler and the runtime both use it).
 
 Index arithmetic in the kernels is 32-bit: `check_elements` refuses larger tensors.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "THREADS", "MAX_BLOCKS", "MAX_ELEMENTS", "EW_F32", "EW_U8", "EW_VALUE", "LaunchConfig", "EwLayout", "SumPlan",
     "Wave", "GemmBatchedCall", "check_elements", "launch_1d", "ew_layout", "ew_entry", "sum_plan", "takeover_waves",
-    "conv_samples", "strided_batched_gemm", "windows_leave_input",
+    "conv_samples", "strided_batched_gemm", "windows_leave_input", "kernel_sources_digest", "KERNEL_SOURCES",
 ]
 
 THREADS = 256                   # DEEPDSL_THREADS
@@ -323,3 +326,20 @@ def strided_batched_gemm(transa: bool, transb: bool, m: int, n: int, k: int, lda
     return GemmBatchedCall(call.transa, call.transb, call.m, call.n, call.k, call.first, call.lda,
                            strides[call.first], call.second, call.ldb, strides[call.second], call.ldc, stride_c,
                            batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prebuilt kernels
+
+KERNEL_SOURCES = ("deepdsl_common.cuh", "ops.cu")      # what a program's .cu includes from the runtime
+
+
+def kernel_sources_digest(program_source: str, kernels: Path) -> str:
+    """16 hex digits naming a program's kernels: its `.cu` text and the runtime kernel sources in `kernels` it
+    includes. Its fat binary carries them in its name (`<program>.<digest>.fatbin`), so a binary built from other
+    sources is never loaded."""
+    digest = hashlib.sha256(program_source.encode())
+    for name in KERNEL_SOURCES:
+        digest.update(b"\0" + name.encode() + b"\0")
+        digest.update((Path(kernels) / name).read_bytes())
+    return digest.hexdigest()[:16]

@@ -240,11 +240,15 @@ def generate(compiled, options: CodegenOptions | None = None) -> str:
 
 
 def write_program(compiled, path, options: CodegenOptions | None = None) -> Path:
-    """Write the program of `compiled` to `path` (directories are created); returns the path."""
+    """Write the program of `compiled` to `path` (directories are created), and beside it its CUDA kernels
+    (`<name>.cu`, see `deepdsl.codegen.cuda`); returns the path of the program."""
+    from deepdsl.codegen.cuda import write_cuda
+
     path = Path(path)
     text = generate(compiled, options)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    write_cuda(compiled, path, options, build=False)
     return path
 
 

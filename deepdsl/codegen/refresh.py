@@ -1,4 +1,5 @@
-"""Regenerate the checked-in programs: every network file of `networks/` becomes `generated/<same name>.py`.
+"""Regenerate the checked-in programs: every network file of `networks/` becomes `generated/<same name>.py` and its
+CUDA kernels `generated/<same name>.cu`.
 
     python -m deepdsl.codegen.refresh            # rewrite generated/ from networks/
     python -m deepdsl.codegen.refresh --check    # only report stale or missing programs (exit status 1 if any)
@@ -16,16 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def expected_programs(networks: Path = ROOT / "networks") -> dict[str, str]:
-    """File name in generated/ -> the program text the current compiler writes for it."""
+    """File name in generated/ -> the text the current compiler writes for it (programs and their kernels)."""
     import deepdsl
     from deepdsl.codegen import CodegenOptions, generate
+    from deepdsl.codegen.cuda import generate_cuda
 
     result = {}
     for path in sorted(Path(networks).glob("*.py")):
         if path.name.startswith("_"):
             continue
         compiled = deepdsl.compile(deepdsl.load(str(path)))
-        result[path.name] = generate(compiled, CodegenOptions(source=f"networks/{path.name}"))
+        options = CodegenOptions(source=f"networks/{path.name}")
+        result[path.name] = generate(compiled, options)
+        result[f"{path.stem}.cu"] = generate_cuda(compiled, options, program=path.name)
     return result
 
 
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in stale:
         (args.out / name).write_text(programs[name])
         print(f"wrote {args.out / name}")
-    print(f"{len(programs)} programs, {len(stale)} rewritten")
+    print(f"{len(programs)} files, {len(stale)} rewritten")
     return 0
 
 

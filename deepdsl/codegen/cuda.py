@@ -1,0 +1,208 @@
+"""CUDA code generation: the kernels a generated program runs with `--device cuda`.
+
+`generate_cuda(compiled)` renders `codegen_templates/kernels.cu.jinja` into the text of `<program>.cu`: the
+program's elementwise kernels (`ew1`, `ew2`, ... -- the same functions, in the same order, as the numpy kernels of
+`<program>.py`), each printed from its sympy expression as float32 C by `CudaPrinter`, after `#include "ops.cu"`,
+the runtime's generic kernels. `write_cuda(compiled, program_path)` writes it next to the program and, when nvcc
+is installed, builds the fat binary `<program>.<digest>.fatbin` (SASS for sm_80 and sm_90 plus PTX for later GPUs)
+the runtime loads without compiling; the digest names the exact sources (`deepdsl_runtime.cuda_layout.kernel_sources_digest`), so a binary
+from other sources is never loaded, and fat binaries are build products (not checked in: .gitignore).
+
+    python -m deepdsl.codegen.cuda build generated/lenet.cu     # (re)build one program's fat binary
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import sympy
+from sympy.printing.c import C99CodePrinter
+
+__all__ = ["CudaPrinter", "ARCHS", "c_expression", "generate_cuda", "write_cuda", "build_fatbin", "find_nvcc",
+           "kernels_dir", "nvcc_command", "kernel_inputs", "sources_digest"]
+
+ARCHS = (80, 90)           # SASS in the fat binary; PTX of the last for newer GPUs
+
+
+class CudaPrinter(C99CodePrinter):
+    """sympy's C99 printer in float32 (`expf`, `fmaxf`, `0.5F`), with the functions our expressions use spelled
+    the way the numpy backend computes them: Heaviside(x, 0) as (x > 0 ? 1 : 0), the ReLU derivative PyTorch uses;
+    small integer powers as products (numpy's square); x**(-1/2) as 1/sqrtf(x); sign as (x > 0) - (x < 0)."""
+
+    def __init__(self, settings=None):
+        from sympy.codegen.ast import float32, real
+
+        super().__init__({"type_aliases": {real: float32}, **(settings or {})})
+
+    def _print_Heaviside(self, expr):
+        x = self._print(expr.args[0])
+        at_zero = expr.args[1] if len(expr.args) > 1 else sympy.Rational(1, 2)
+        if at_zero == 0:
+            return f"(({x}) > 0.0F ? 1.0F : 0.0F)"
+        if at_zero == 1:
+            return f"(({x}) >= 0.0F ? 1.0F : 0.0F)"
+        return f"(({x}) > 0.0F ? 1.0F : (({x}) < 0.0F ? 0.0F : {self._print(sympy.Float(at_zero))}))"
+
+    def _print_sign(self, expr):
+        x = self._print(expr.args[0])
+        return f"((float)(({x}) > 0.0F) - (float)(({x}) < 0.0F))"
+
+    def _print_Pow(self, expr):
+        base, exp = expr.args
+        if exp.is_Integer and 2 <= int(exp) <= 4:
+            b = self.parenthesize(base, 1000)
+            return "(" + "*".join([b] * int(exp)) + ")"
+        if exp == sympy.Rational(-1, 2):
+            return f"(1.0F/sqrtf({self._print(base)}))"
+        return super()._print_Pow(expr)
+
+
+_PRINTER = None
+
+
+def c_expression(expr: sympy.Expr) -> str:
+    """`expr` over v0, v1, ... as a float32 C expression."""
+    global _PRINTER
+    if _PRINTER is None:
+        _PRINTER = CudaPrinter()
+    return _PRINTER.doprint(expr)
+
+
+def kernel_inputs(kernel) -> int:
+    """Number of inputs of a numpy kernel of the program (its parameters after `out`)."""
+    return len(kernel.params.split(",")) - 1
+
+
+def kernels_dir() -> Path:
+    """The runtime's kernel sources (ops.cu, deepdsl_common.cuh): the checkout's runtime/kernels, else the
+    installed deepdsl_runtime's."""
+    checkout = Path(__file__).resolve().parents[2] / "runtime" / "kernels"
+    if checkout.is_dir():
+        return checkout
+    import deepdsl_runtime
+
+    return Path(deepdsl_runtime.__file__).resolve().parent / "kernels"
+
+
+def sources_digest(program_source: str) -> str:
+    """The runtime's `cuda_layout.kernel_sources_digest` of a program's `.cu` text (one rule for the compiler and
+    the runtime; the module is pure Python and is loaded from its file when the runtime is not installed)."""
+    try:
+        from deepdsl_runtime.cuda_layout import kernel_sources_digest
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_deepdsl_cuda_layout", kernels_dir().parent / "cuda_layout.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        kernel_sources_digest = module.kernel_sources_digest
+    return kernel_sources_digest(program_source, kernels_dir())
+
+
+def generate_cuda(compiled, options=None, program: str | None = None) -> str:
+    """The text of the `.cu` file of the program `deepdsl.codegen.generate(compiled, options)` writes."""
+    import jinja2
+
+    from deepdsl import __version__
+    from deepdsl.codegen import TEMPLATES, context
+
+    ctx = context(compiled, options)
+    kernels = []
+    for k in ctx["kernels"]:
+        expr = k.expr
+        kernels.append({"name": k.name, "text": sympy.sstr(expr), "c": c_expression(expr),
+                        "inputs": list(range(kernel_inputs(k)))})
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    return env.get_template("kernels.cu.jinja").render(
+        name=ctx["name"], program=program or ctx["filename"], version=__version__, source=ctx["source"],
+        structure_hash=ctx["structure_hash"], kernels=kernels)
+
+
+def write_cuda(compiled, program_path, options=None, build: bool = True) -> list[Path]:
+    """Write `<program>.cu` beside the program at `program_path` and, with `build` and nvcc installed, its fat
+    binary (older fat binaries of the program are removed). Returns the files written."""
+    program_path = Path(program_path)
+    cu = program_path.with_suffix(".cu")
+    cu.write_text(generate_cuda(compiled, options, program_path.name))
+    written = [cu]
+    if build and find_nvcc():
+        fatbin = build_fatbin(cu)
+        if fatbin is not None:
+            written.append(fatbin)
+    return written
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME or /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
+        candidate = Path(home) / "bin" / "nvcc"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def nvcc_command(cu: Path, output: Path, kind: str = "fatbin", archs=ARCHS, nvcc: str | None = None) -> list[str]:
+    """The nvcc command line compiling `cu` (with the runtime's kernel directory on the include path): a fat binary
+    for `archs` (PTX of the last one included), or with kind "cubin" one cubin for the single arch given."""
+    command = [nvcc or find_nvcc() or "nvcc", f"-{kind}", "-O3", "-std=c++17", "-I", str(kernels_dir())]
+    if kind == "cubin":
+        (arch,) = archs
+        command += [f"-arch=sm_{arch}"]
+    else:
+        for arch in archs:
+            code = f"[sm_{arch},compute_{arch}]" if arch == archs[-1] else f"sm_{arch}"
+            command += ["-gencode", f"arch=compute_{arch},code={code}"]
+    return command + ["-o", str(output), str(cu)]
+
+
+def build_fatbin(cu, nvcc: str | None = None) -> Path | None:
+    """Compile `cu` into `<stem>.<digest>.fatbin` beside it (None when nvcc fails: the program then compiles the
+    source when it starts, and nvcc's complaint is printed)."""
+    cu = Path(cu)
+    target = cu.with_name(f"{cu.stem}.{sources_digest(cu.read_text())}.fatbin")
+    for old in cu.parent.glob(f"{cu.stem}.*.fatbin"):
+        if old != target:
+            old.unlink()
+    if target.exists():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    result = subprocess.run(nvcc_command(cu, partial, nvcc=nvcc), capture_output=True, text=True)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        print(f"deepdsl: nvcc could not build {target.name}; the program will compile {cu.name} when it starts:\n"
+              f"{result.stderr.strip()}", file=sys.stderr)
+        return None
+    os.replace(partial, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepdsl.codegen.cuda", description="Build the fat binary of a "
+                                     "generated program's CUDA kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="compile <program>.cu into <program>.<digest>.fatbin beside it")
+    build.add_argument("cu", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    if not find_nvcc():
+        print("deepdsl: nvcc not found (install the CUDA toolkit or set CUDA_HOME)", file=sys.stderr)
+        return 1
+    status = 0
+    for cu in args.cu:
+        fatbin = build_fatbin(cu)
+        if fatbin is None:
+            status = 1
+        else:
+            print(f"wrote {fatbin}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

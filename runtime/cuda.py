@@ -1,0 +1,239 @@
+"""The CUDA backend of generated programs (`--device cuda`): every op on one NVIDIA GPU through pycuda.
+
+Importing this module starts the GPU: it raises ImportError with a one-line reason when pycuda is missing, the
+CUDA driver does not start or there is no GPU, and `deepdsl_runtime.program.backend` reports that line and exits.
+The ops themselves, with the same names and signatures as `deepdsl_runtime.cpu`, are in `cuda_ops` (written over
+an abstract device); this module supplies the device: `PycudaDevice`, built on the pycuda layer the tiled GEMM
+uses too (`cuda_device`: the primary context, cuBLAS through ctypes, our tiled SGEMM as the fallback, pinned
+staging buffers).
+
+Kernels: the generic ones are `kernels/ops.cu`; each generated program has its elementwise kernels in
+`<program>.cu` next to it, which includes ops.cu, so one module holds everything a program runs. A program binds
+its module when its model is made (`bind_program`): the fat binary `deepdsl compile` built with nvcc
+(`<program>.<hash>.fatbin`, SASS for sm_80 and sm_90 plus PTX) when one of the current sources exists, else the
+`.cu` compiled now by pycuda (`SourceModule`, cached on disk by pycuda). Ops called outside a program use ops.cu
+alone, compiled the same way.
+
+Streams: all work runs in order on one compute stream; a batch is copied from pinned memory on a second stream
+that first waits for the work already issued (its buffer may be memory that work still reads), and the compute
+stream waits for the copy, so the host's gathering of the next input and the copy overlap the kernels issued
+before them. `scalar` (the loss) synchronizes.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import cuda_device
+from .cuda_layout import kernel_sources_digest
+from .cuda_ops import *  # noqa: F401,F403  (the ops: this module is the backend)
+from .cuda_ops import __all__ as _ops_all
+from .cuda_ops import use_device
+
+__all__ = [*_ops_all, "PycudaDevice", "bind_program", "synchronize", "KERNELS"]
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+def _start():
+    try:
+        drv = cuda_device.driver()
+    except ImportError:
+        raise ImportError("pycuda is not installed (pip install 'deepdsl[cuda]')") from None
+    except Exception as err:            # pycuda's driver errors: no driver, no device, ...
+        raise ImportError(f"the CUDA driver does not start ({str(err).strip() or type(err).__name__})") from None
+    try:
+        count = drv.Device.count()
+    except Exception as err:
+        raise ImportError(f"the CUDA driver does not start ({str(err).strip() or type(err).__name__})") from None
+    if count == 0:
+        raise ImportError("no CUDA GPU found")
+    return drv
+
+
+_drv = _start()
+
+
+class PycudaDevice:
+    """GPU `ordinal` behind the ops: its primary context made current for the process, a compute and a copy stream,
+    cuBLAS (or our tiled SGEMM), the kernel modules and pinned staging for batches."""
+
+    def __init__(self, ordinal: int = 0, use_cublas: bool = True):
+        self.context = cuda_device.CudaContext(ordinal)
+        self.context.push()
+        atexit.register(self.close)
+        self.stream = _drv.Stream()
+        self.copy_stream = _drv.Stream()
+        self.name = self.context.name
+        self._functions: dict[tuple[int, str], object] = {}
+        self._ops_module = None
+        self.program_module = None
+        self._staging = None
+        self._scalar = _drv.pagelocked_empty(16, np.uint8)
+        self.cublas = self._handle = self._batched = self._tiled = None
+        if use_cublas:
+            try:
+                self.cublas = cuda_device.Cublas()
+                self._handle = self.cublas.create_handle()
+                self._bind_batched()
+            except OSError:
+                self.cublas = None
+        if self.cublas is None:
+            self._tiled = cuda_device.GemmKernels()
+
+    def close(self) -> None:
+        if self.context is None:
+            return
+        try:
+            self.stream.synchronize()
+            if self._handle is not None:
+                self.cublas.destroy_handle(self._handle)
+        finally:
+            self.context.pop()
+            self.context = None
+
+    # -- kernels -----------------------------------------------------------------------------------------------
+    def _compile(self, source: str):
+        from pycuda.compiler import SourceModule
+
+        return SourceModule(source, no_extern_c=True, include_dirs=[str(KERNELS)], options=["-O3"])
+
+    def ops_module(self):
+        """The module the generic kernels come from: the bound program's, else ops.cu alone."""
+        if self.program_module is not None:
+            return self.program_module
+        if self._ops_module is None:
+            self._ops_module = self._compile('#include "ops.cu"\n')
+        return self._ops_module
+
+    def load_program(self, cu_path: Path) -> None:
+        """Bind the kernels of the program whose `.cu` is `cu_path`: its current fat binary, else the source."""
+        source = cu_path.read_text()
+        fatbin = cu_path.with_name(f"{cu_path.stem}.{kernel_sources_digest(source, KERNELS)}.fatbin")
+        module = None
+        if fatbin.exists():
+            try:
+                module = _drv.module_from_buffer(fatbin.read_bytes())
+            except Exception as err:         # e.g. built by an nvcc newer than this driver: compile here instead
+                print(f"deepdsl: {fatbin.name} does not load ({str(err).strip()}); compiling {cu_path.name}",
+                      file=sys.stderr)
+        self.program_module = module if module is not None else self._compile(source)
+
+    def _function(self, module, name: str, fmt: str):
+        key = (id(module), name)
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = module.get_function(name)
+            fn.prepare(fmt)
+            self._functions[key] = fn
+        return fn
+
+    def launch(self, kernel, fmt, grid, block, args, program=None):
+        if program is not None and self.program_module is None:
+            bind_program(sys.modules[getattr(program, "__module__", "__main__")])
+        module = self.program_module if program is not None else self.ops_module()
+        self._function(module, kernel, fmt).prepared_async_call(grid, block, self.stream, *args)
+
+    # -- GEMM ------------------------------------------------------------------------------------------------
+    def _bind_batched(self) -> None:
+        import ctypes
+
+        lib, vp, i, ll = self.cublas.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn = lib.cublasSgemmStridedBatched
+        fn.argtypes = [vp, i, i, i, i, i, ctypes.POINTER(ctypes.c_float), vp, i, ll, vp, i, ll,
+                       ctypes.POINTER(ctypes.c_float), vp, i, ll, i]
+        fn.restype = i
+        self._batched = fn
+
+    def gemm(self, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        if self.cublas is not None:
+            self.cublas.gemm(self._handle, self.stream.handle, np.float32, transa, transb, m, n, k, alpha, a, lda,
+                             b, ldb, beta, c, ldc)
+        else:
+            self._tiled.gemm(self.stream, np.float32, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+
+    def gemm_batched(self, transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc, stride_c, batch):
+        import ctypes
+
+        from .cuda_layout import strided_batched_gemm
+
+        if self.cublas is None:
+            for i in range(batch):
+                self._tiled.gemm(self.stream, np.float32, transa, transb, m, n, k, 1.0, a + 4 * i * stride_a, lda,
+                                 b + 4 * i * stride_b, ldb, 0.0, c + 4 * i * stride_c, ldc)
+            return
+        call = strided_batched_gemm(transa, transb, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batch)
+        ptrs = {"A": a, "B": b}
+        status = self.cublas.lib.cublasSetStream_v2(ctypes.c_void_p(self._handle),
+                                                     ctypes.c_void_p(self.stream.handle))
+        if status == 0:
+            one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+            status = self._batched(ctypes.c_void_p(self._handle), call.transa, call.transb, call.m, call.n, call.k,
+                                   ctypes.byref(one), ctypes.c_void_p(ptrs[call.first]), call.lda,
+                                   call.stride_first, ctypes.c_void_p(ptrs[call.second]), call.ldb,
+                                   call.stride_second, ctypes.byref(zero), ctypes.c_void_p(c), call.ldc,
+                                   call.stride_c, call.batch)
+        if status != 0:
+            raise cuda_device.CublasError(f"cublasSgemmStridedBatched failed with cublasStatus_t {status}")
+
+    # -- memory --------------------------------------------------------------------------------------------------
+    def alloc(self, nbytes):
+        allocation = _drv.mem_alloc(nbytes)
+        return int(allocation), allocation
+
+    def copy(self, dst, src, nbytes):
+        _drv.memcpy_dtod_async(dst, src, nbytes, self.stream)
+
+    def upload(self, dst, array, staged=False):
+        if not staged:
+            self.stream.synchronize()       # the memory may still be read by work in flight
+            _drv.memcpy_htod(dst, array)
+            return
+        if self._staging is None or self._staging.nbytes < array.nbytes:
+            if self._staging is not None:
+                self._staging.finish_all()
+            self._staging = cuda_device.PinnedStaging(1, 2, max(array.nbytes, 1 << 20))
+        slot, pinned = self._staging.take(0, array.shape, array.dtype)
+        np.copyto(pinned, array)
+        issued = self.context.event()
+        issued.record(self.stream)
+        self.copy_stream.wait_for_event(issued)
+        _drv.memcpy_htod_async(dst, pinned, self.copy_stream)
+        landed = self.context.event()
+        landed.record(self.copy_stream)
+        self._staging.busy(slot, landed)
+        self.stream.wait_for_event(landed)
+
+    def download(self, array, src):
+        if array.nbytes <= self._scalar.nbytes:
+            _drv.memcpy_dtoh_async(self._scalar[:array.nbytes], src, self.stream)
+            self.stream.synchronize()
+            array.reshape(-1).view(np.uint8)[:] = self._scalar[:array.nbytes]
+            return
+        self.stream.synchronize()
+        _drv.memcpy_dtoh(array, src)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+_device = PycudaDevice()
+use_device(_device)
+
+
+def bind_program(program) -> None:
+    """Run the elementwise kernels of a generated program (its module, or the path of its `.py`): the `.cu` beside
+    it, from its fat binary when current."""
+    path = Path(program.__file__ if hasattr(program, "__file__") else program)
+    cu = path.with_suffix(".cu")
+    if not cu.exists():
+        raise FileNotFoundError(f"{cu} is missing: the CUDA kernels of {path.name} (deepdsl compile writes it)")
+    _device.load_program(cu)
+
+
+def synchronize() -> None:
+    """Wait for all work issued so far (timing)."""
+    _device.synchronize()
