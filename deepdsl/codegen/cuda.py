@@ -21,6 +21,7 @@ from pathlib import Path
 
 import sympy
 from sympy.printing.c import C99CodePrinter
+from sympy.printing.precedence import PRECEDENCE
 
 __all__ = ["CudaPrinter", "ARCHS", "c_expression", "generate_cuda", "write_cuda", "build_fatbin", "find_nvcc",
            "kernels_dir", "nvcc_command", "kernel_inputs", "sources_digest"]
@@ -54,7 +55,7 @@ class CudaPrinter(C99CodePrinter):
     def _print_Pow(self, expr):
         base, exp = expr.args
         if exp.is_Integer and 2 <= int(exp) <= 4:
-            b = self.parenthesize(base, 1000)
+            b = self.parenthesize(base, PRECEDENCE["Mul"])
             return "(" + "*".join([b] * int(exp)) + ")"
         if exp == sympy.Rational(-1, 2):
             return f"(1.0F/sqrtf({self._print(base)}))"

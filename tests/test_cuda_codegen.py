@@ -1,0 +1,449 @@
+"""The CUDA backend without a GPU: generated kernels compile, and everything the host decides is checked.
+
+- Every generated/<net>.cu compiles with nvcc for sm_80 and sm_90 (skipped without nvcc), and `deepdsl compile`'s
+  fat binary builds and is named by the digest the runtime looks for.
+- sympy expressions print as float32 C that computes what numpy computes (compiled with the host C compiler).
+- Broadcasting layouts, launch geometry, reduction plans, takeover waves, the batched-GEMM argument mapping and
+  workspace chunking, as pure functions, against numpy or by their stated invariants.
+- Every op of the CUDA backend (`cuda_ops`) on the host emulator (tests/cuda_emulator.py: the kernels' own code
+  compiled for the CPU, launches run in increasing, decreasing and shuffled thread order) against the CPU backend,
+  including writes over inputs that the memory plan allows; the dropout masks equal the CPU's bit for bit.
+- Generated programs' training and test steps on the emulator, in every memory mode, against the CPU backend:
+  same losses and parameters, and the device allocators measure exactly the planned peak.
+- Without pycuda, `--device cuda` is a one-line error naming what is missing.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sympy
+from hypothesis import given, settings, strategies as st
+
+from deepdsl.codegen.cuda import ARCHS, c_expression, find_nvcc, kernels_dir, nvcc_command, sources_digest
+from deepdsl.ops.elementwise import derivative, sym
+from deepdsl_runtime import cuda_layout as L
+from deepdsl_runtime.memory import MODES
+from tests import cuda_cases
+from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+
+GENERATED = ROOT / "generated"
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("gcc") is None, reason="needs gcc/g++")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nvcc
+
+@needs_nvcc
+def test_every_generated_cu_compiles_for_sm80_and_sm90(tmp_path):
+    files = sorted(GENERATED.glob("*.cu"))
+    assert {f.stem for f in files} == {f.stem for f in GENERATED.glob("*.py")}, "a program without its kernels"
+    jobs = [(cu, arch) for cu in files for arch in ARCHS]
+
+    def compile_one(job):
+        cu, arch = job
+        command = nvcc_command(cu, tmp_path / f"{cu.stem}.sm{arch}.cubin", kind="cubin", archs=(arch,))
+        done = subprocess.run(command, capture_output=True, text=True)
+        return cu.name, arch, done.returncode, done.stderr
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        failures = [f"{name} sm_{arch}:\n{err}" for name, arch, rc, err in pool.map(compile_one, jobs) if rc]
+    assert not failures, "\n".join(failures)
+    for cu in files:              # every elementwise kernel of the program has its three entry points
+        names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / f"{cu.stem}.sm80.cubin")],
+                               capture_output=True, text=True).stdout if shutil.which("cuobjdump") else ""
+        program = cu.with_suffix(".py").read_text()
+        for kernel in sorted(set(_ew_names(program))):
+            text = cu.read_text()
+            for nd in (1, 2, 4):
+                entry = L.ew_entry(kernel, nd)
+                assert f" {entry}(" in text, f"{cu.name} lacks {entry}"
+                if names:
+                    assert entry in names, f"{entry} missing from the cubin of {cu.name}"
+
+
+def _ew_names(program_text: str) -> list[str]:
+    return re.findall(r"^def (ew\d+)\(", program_text, re.M)
+
+
+@needs_nvcc
+def test_fat_binary_is_named_by_the_digest_the_runtime_looks_for(tmp_path):
+    from deepdsl.codegen.cuda import build_fatbin
+
+    cu = tmp_path / "mlp.cu"
+    shutil.copy(GENERATED / "mlp.cu", cu)
+    (tmp_path / "mlp.0123456789abcdef.fatbin").write_bytes(b"stale")
+    fatbin = build_fatbin(cu)
+    assert fatbin is not None and fatbin.name == f"mlp.{sources_digest(cu.read_text())}.fatbin"
+    assert [p.name for p in tmp_path.glob("*.fatbin")] == [fatbin.name]        # the stale one is gone
+    assert fatbin.read_bytes()[:4] == bytes.fromhex("50ed55ba")                 # a CUDA fat binary
+    cu.write_text(cu.read_text() + "\n// changed\n")
+    assert sources_digest(cu.read_text()) not in fatbin.name                     # other sources, other name
+
+
+def test_nvcc_command_lines():
+    cu, out = Path("x.cu"), Path("x.fatbin")
+    fat = nvcc_command(cu, out, nvcc="nvcc")
+    assert fat[:3] == ["nvcc", "-fatbin", "-O3"] and fat[-3:] == ["-o", "x.fatbin", "x.cu"]
+    assert ["-I", str(kernels_dir())] == fat[fat.index("-I"):fat.index("-I") + 2]
+    assert "arch=compute_80,code=sm_80" in fat and "arch=compute_90,code=[sm_90,compute_90]" in fat
+    assert "-arch=sm_90" in nvcc_command(cu, out, kind="cubin", archs=(90,), nvcc="nvcc")
+
+
+def test_runtime_and_compiler_agree_on_the_digest():
+    text = (GENERATED / "lenet.cu").read_text()
+    assert sources_digest(text) == L.kernel_sources_digest(text, ROOT / "runtime" / "kernels")
+    assert len(sources_digest(text)) == 16 and sources_digest(text) != sources_digest(text + " ")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# printing sympy as float32 C
+
+V0, V1, V2 = sym(0), sym(1), sym(2)
+EXPRESSIONS = [
+    sympy.Max(0, V0 + V1), V0 * sympy.Heaviside(V1, 0), derivative(sympy.Max(V0, 0), V0),
+    sympy.Heaviside(V0, 1), sympy.Heaviside(V0), 1 / (1 + sympy.exp(-V0)), sympy.tanh(V0) * V1,
+    sympy.log(sympy.Abs(V0) + 1), V0 ** 2 + V1 ** 3 - V2 ** 4, (V0 ** 2 + 1) ** sympy.Rational(-1, 2),
+    (sympy.Abs(V1) + 0.5) ** -0.75, sympy.sqrt(sympy.Abs(V2)), -V0 / 500, V0 + 0.002 * sympy.exp(V1),
+    V0 * V1 + V2 - sympy.Rational(1, 3) * V0, sympy.Min(6, sympy.Max(0, V0)), sympy.Min(V0, V1, V2),
+    sympy.sign(V0) * V1, V0 / (V1 ** 2 + 1), sympy.exp(V0 - V1) / (1 + sympy.exp(V2)),
+]
+
+
+def test_printed_expressions_read_as_intended():
+    assert c_expression(sympy.Max(0, V0 + V1)) == "fmaxf(0, v0 + v1)"
+    assert c_expression(V0 * sympy.Heaviside(V1, 0)) == "v0*((v1) > 0.0F ? 1.0F : 0.0F)"
+    assert c_expression(V0 ** 2) == "(v0*v0)"
+    assert c_expression((V0 + 1) ** 3) == "((v0 + 1)*(v0 + 1)*(v0 + 1))"
+    assert c_expression(V0 ** sympy.Rational(-1, 2)) == "(1.0F/sqrtf(v0))"
+    assert "expf(" in c_expression(sympy.exp(V0)) and "logf(" in c_expression(sympy.log(V0))
+    assert "powf(" in c_expression(V0 ** 0.75) and "fminf(" in c_expression(sympy.Min(V0, V1))
+    float32_functions = {"expf", "logf", "powf", "fmaxf", "fminf", "sqrtf", "tanhf", "fabsf"}
+    for expr in EXPRESSIONS:              # no double-precision function slips in
+        called = set(re.findall(r"([A-Za-z_]\w*)\(", c_expression(expr)))
+        assert called <= float32_functions, (str(expr), called - float32_functions)
+
+
+@needs_cxx
+def test_printed_expressions_compute_what_numpy_computes(tmp_path):
+    functions = "\n".join(f"float f{i}(float v0, float v1, float v2) {{ return {c_expression(e)}; }}"
+                          for i, e in enumerate(EXPRESSIONS))
+    source = tmp_path / "expressions.c"
+    source.write_text("#include <math.h>\n" + functions + "\n")
+    library = tmp_path / "expressions.so"
+    subprocess.run(["gcc", "-std=c99", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-o", str(library),
+                    str(source), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(library))
+    rng = np.random.default_rng(0)
+    points = np.concatenate([rng.uniform(-3, 3, (200, 3)), np.array([[0.0, 0.0, 0.0], [0.0, -1.0, 2.0],
+                                                                     [-2.0, 0.0, 0.0]])]).astype(np.float32)
+    for i, expr in enumerate(EXPRESSIONS):
+        fn = getattr(lib, f"f{i}")
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float] * 3
+        # numpy in float64 with the IR's Heaviside (value at 0 as written), the reference of the ew op
+        reference = sympy.lambdify([V0, V1, V2], expr, modules=[{"Heaviside": _heaviside}, "numpy"])
+        for p in points:
+            want = float(np.broadcast_to(reference(*p.astype(np.float64)), ()))
+            got = fn(*map(float, p))
+            assert math.isclose(got, want, rel_tol=2e-6, abs_tol=2e-6), (str(expr), p.tolist(), got, want)
+
+
+def _heaviside(x, at_zero=0.5):
+    return np.where(x > 0, 1.0, np.where(x < 0, 0.0, at_zero))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layouts and launch geometry (pure)
+
+@st.composite
+def broadcast_case(draw):
+    out = tuple(draw(st.lists(st.integers(1, 4), min_size=0, max_size=5)))
+    inputs = []
+    for _ in range(draw(st.integers(1, 4))):
+        if draw(st.booleans()) and draw(st.booleans()):
+            inputs.append(None)                                         # a host scalar
+            continue
+        drop = draw(st.integers(0, len(out)))
+        shape = tuple(1 if draw(st.booleans()) and draw(st.booleans()) else d for d in out[drop:])
+        inputs.append(shape)
+    return out, inputs
+
+
+@settings(max_examples=300, deadline=None)
+@given(broadcast_case())
+def test_ew_layout_reads_what_numpy_broadcasting_reads(case):
+    out, inputs = case
+    try:
+        layout = L.ew_layout(out, inputs)
+    except ValueError as err:
+        assert "dimensions" in str(err)                     # only refused beyond four collapsed dimensions
+        return
+    assert layout.size == math.prod(out) and layout.nd in (1, 2, 4)
+    for k, shape in enumerate(inputs):
+        if shape is None:
+            assert layout.strides[k] == (0, 0, 0, 0)
+            continue
+        expected = np.broadcast_to(np.arange(math.prod(shape)).reshape(shape), out).reshape(-1)
+        got = [layout.offset(i, k) for i in range(layout.size)]
+        assert got == expected.tolist(), (out, shape, layout)
+
+
+def test_ew_layout_collapses_what_it_can():
+    assert L.ew_layout((500, 500), [(500, 500), (500,)]) == L.EwLayout((1, 1, 500, 500), 2,
+                                                                      ((0, 0, 500, 1), (0, 0, 0, 1)))
+    assert L.ew_layout((8, 3, 5, 5), [(8, 3, 5, 5), (1, 3, 1, 1), None]).dims == (1, 8, 3, 25)
+    assert L.ew_layout((2, 3, 4), [(2, 3, 4), (2, 3, 4), ()]).nd == 1
+    with pytest.raises(ValueError, match="does not broadcast"):
+        L.ew_layout((2, 3), [(3, 2)])
+    with pytest.raises(ValueError, match="dimensions"):
+        L.ew_layout((2, 3, 4, 5, 6), [(2, 1, 4, 1, 6), (1, 3, 1, 5, 1)])
+
+
+def test_launch_geometry():
+    assert L.launch_1d(1).grid == (1, 1) and L.launch_1d(0).grid == (1, 1)
+    assert L.launch_1d(256).grid == (1, 1) and L.launch_1d(257).grid == (2, 1)
+    assert L.launch_1d(10 ** 9).grid == (L.MAX_BLOCKS, 1) and L.launch_1d(10 ** 9).block == (256, 1, 1)
+    with pytest.raises(ValueError, match="32 bits"):
+        L.launch_1d(1 << 31)
+
+
+def test_sum_plans():
+    assert L.sum_plan((8, 3, 5, 5), (1, 3, 1, 1)) == L.SumPlan("middle", 8, 3, 25)
+    assert L.sum_plan((500, 10), (10,)) == L.SumPlan("rows", 500, 10)
+    assert L.sum_plan((500,), ()) == L.SumPlan("middle", 1, 1, 500)
+    assert L.sum_plan((50, 10), (50, 1)) == L.SumPlan("middle", 1, 50, 10)
+    assert L.sum_plan((4, 5), (4, 5)).kind == "copy" and L.sum_plan((1, 5), (5,)).kind == "copy"
+    generic = L.sum_plan((2, 3, 4, 5), (2, 1, 4, 1))
+    assert generic.kind == "generic" and generic.dims == (2, 3, 4, 5) and generic.reduced == 0b1010
+    assert generic.count == 15
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 64), st.integers(1, 64), st.integers(0, 64), st.booleans())
+def test_takeover_waves_cover_the_output_once_without_races(samples, big, small, shift, backward):
+    """Launch by launch, as the GPU runs them: every output element is written by exactly one launch, in a parallel
+    launch no element is written that an element of the same launch or a later one still reads, and ordered
+    launches start where the earlier ones left off."""
+    if small > big:
+        big, small = small, big
+    size_in, size_out = (small, big) if backward else (big, small)
+    total_in, total_out = samples * size_in, samples * size_out
+    # element addresses (itemsize 1): the output starts `shift` below (forward) or above (backward) the input
+    in_addr, out_addr = (0, shift) if backward else (shift, 0)
+    waves = L.takeover_waves(samples, size_in, size_out, in_addr, out_addr, itemsize=1, backward=backward)
+    written = np.zeros(total_out, dtype=int)
+    for k, wave in enumerate(waves):
+        written[wave.begin:wave.end] += 1
+        if wave.ordered:
+            continue
+        # inputs this launch and later ones read, by sample: forward reads samples >= its first, backward <= its last
+        first, last = wave.begin // size_out, -(-wave.end // size_out)
+        reads = (in_addr + first * size_in, in_addr + total_in) if not backward else (in_addr, in_addr + last * size_in)
+        writes = (out_addr + wave.begin, out_addr + wave.end)
+        assert writes[1] <= reads[0] or reads[1] <= writes[0], (waves, k)
+    assert (written == 1).all(), waves
+    assert sum(w.ordered for w in waves) <= 1
+
+
+def test_strided_batched_gemm_mapping_computes_row_major_products():
+    rng = np.random.default_rng(0)
+    for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:
+        m, n, k, batch = 3, 4, 5, 2
+        a = rng.standard_normal((batch, k, m) if ta else (batch, m, k))
+        b = rng.standard_normal((batch, n, k) if tb else (batch, k, n))
+        call = L.strided_batched_gemm(ta, tb, m, n, k, a.shape[2], a[0].size, b.shape[2], b[0].size, n, m * n, batch)
+        operands = {"A": a.reshape(-1), "B": b.reshape(-1)}
+        c = np.zeros(batch * m * n)
+        for i in range(batch):       # what column-major cuBLAS computes from the call's arguments
+            first = operands[call.first][i * call.stride_first:]
+            second = operands[call.second][i * call.stride_second:]
+            opa = _column_major(first, call.m, call.k, call.lda, call.transa)
+            opb = _column_major(second, call.k, call.n, call.ldb, call.transb)
+            result = opa @ opb                                    # (call.m x call.n), column-major in C
+            for col in range(call.n):
+                c[i * call.stride_c + col * call.ldc:i * call.stride_c + col * call.ldc + call.m] = result[:, col]
+        want = np.stack([(a[i].T if ta else a[i]) @ (b[i].T if tb else b[i]) for i in range(batch)])
+        assert np.allclose(c.reshape(batch, m, n), want), (ta, tb)
+
+
+def _column_major(flat, rows, cols, ld, transposed):
+    """op(X) (rows x cols) of a column-major matrix X stored in `flat` with leading dimension `ld`."""
+    stored_rows, stored_cols = (cols, rows) if transposed else (rows, cols)
+    matrix = np.array([[flat[j * ld + i] for j in range(stored_cols)] for i in range(stored_rows)])
+    return matrix.T if transposed else matrix
+
+
+def test_conv_samples():
+    assert L.conv_samples(10, None, 7) == 10 and L.conv_samples(10, 70, 7) == 10
+    assert L.conv_samples(10, 69, 7) == 9 and L.conv_samples(10, 7, 7) == 1 and L.conv_samples(10, 0, 0) == 10
+    with pytest.raises(ValueError, match="holds no sample"):
+        L.conv_samples(10, 6, 7)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the ops on the host emulator
+
+@pytest.fixture(scope="module")
+def emulator():
+    from deepdsl_runtime import cuda_ops
+    from tests.cuda_emulator import HostDevice
+
+    device = HostDevice()
+    cuda_ops.use_device(device)
+    yield device
+    cuda_ops.use_device(None)
+
+
+@needs_cxx
+@pytest.mark.parametrize("order", [0, 1, 2], ids=["increasing", "decreasing", "shuffled"])
+@pytest.mark.parametrize("case", cuda_cases.CASES, ids=[c.__name__[5:] for c in cuda_cases.CASES])
+def test_ops_on_the_emulator_match_the_cpu_backend(case, order, emulator):
+    from deepdsl_runtime import cuda_ops
+
+    emulator.set_order(order, seed=17)
+    for label, got, expected, tolerance in case(cuda_ops, np.random.default_rng(4)):
+        cuda_cases.compare(cuda_ops, label, got, expected, tolerance)
+
+
+@needs_cxx
+def test_the_emulator_catches_a_racy_launch(emulator):
+    """Max pooling over its own input in one parallel launch (no waves) goes wrong in some thread order: the
+    emulator would expose a kernel schedule that races."""
+    from deepdsl_runtime import cpu, cuda_ops
+
+    x = np.random.default_rng(0).standard_normal((9, 3, 8, 8)).astype(np.float32)
+    ref = np.empty((9, 3, 4, 4), np.float32)
+    cpu.max_pool(x, out=ref, kernel=2, stride=2)
+    outcomes = []
+    for order in (0, 1, 2):
+        emulator.set_order(order, seed=3)
+        ptr, owner = emulator.alloc(x.nbytes)
+        emulator.upload(ptr, x)
+        config = L.launch_1d(ref.size)
+        emulator.launch("deepdsl_max_pool_range", "I" * 8 + "PPII", config.grid, config.block,
+                        (9 * 3, 8, 8, 4, 4, 2, 2, 0, ptr, ptr, 0, ref.size))
+        out = cuda_ops.DeviceArray(ptr, ref.shape, np.float32, owner)
+        outcomes.append(np.array_equal(cuda_ops.to_numpy(out), ref))
+    assert outcomes[0] and not all(outcomes)
+
+
+@needs_cxx
+def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator):
+    """Each ewK of generated/resnet_mini.cu against the numpy ewK of generated/resnet_mini.py, over random
+    broadcast shapes, float32, uint8 and host-scalar inputs, and in place."""
+    from deepdsl_runtime import cuda_ops
+
+    module = import_program(GENERATED / "resnet_mini.py")
+    emulator.add_program(module.__name__, (GENERATED / "resnet_mini.cu").read_text())
+    rng = np.random.default_rng(1)
+    checked = 0
+    for name in _ew_names((GENERATED / "resnet_mini.py").read_text()):
+        kernel = getattr(module, name)
+        nargs = kernel.__code__.co_argcount - 1
+        for trial in range(4):
+            emulator.set_order(trial % 3, seed=trial)
+            out_shape = (2, 3, 4, 5)
+            shapes = [None if (trial == 1 and k == nargs - 1) else
+                      ((3, 1, 1) if (trial == 2 and k == 0) else ((5,) if trial == 3 and k == 0 else out_shape))
+                      for k in range(nargs)]
+            args = [np.float32(rng.uniform(0.5, 1.5)) if s is None else
+                    rng.uniform(0.5, 1.5, s).astype(np.float32) for s in shapes]
+            if trial == 3 and nargs > 1:
+                args[1] = (rng.random(out_shape) < 0.5).astype(np.uint8)
+            want = np.empty(out_shape, np.float32)
+            kernel(want, *[a.astype(np.float32) if isinstance(a, np.ndarray) else a for a in args])
+            device_args = [cuda_ops.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+            out = cuda_ops.zeros(out_shape, "float32")
+            cuda_ops.ew(kernel, out, *device_args)
+            cuda_cases.compare(cuda_ops, f"{name} trial {trial}", out, want, 1e-5)
+            full = [k for k, s in enumerate(shapes) if s == out_shape and args[k].dtype == np.float32]
+            if full:                                            # in place over a full-size input
+                target = device_args[full[0]]
+                cuda_ops.ew(kernel, target, *device_args)
+                cuda_cases.compare(cuda_ops, f"{name} in place, trial {trial}", target, want, 1e-5)
+            checked += 1
+    assert checked >= 4 * 5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generated programs on the emulator
+
+# network, image, memory modes (alexnet, for its LRN and dropout, in one: its 4096-wide layers are slow to emulate)
+EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), ("static",)),
+            ("resnet_mini", None, MODES), ("inception_mini", None, MODES)]
+_compiled: dict = {}
+
+
+def _program(name, image, batch, tmp_path_factory):
+    if name not in _compiled:
+        compiled, path = compile_program(name, tmp_path_factory.mktemp(f"cuda-{name}"), batch=batch, image=image)
+        module = import_program(path)
+        _compiled[name] = compiled, module, path
+    return _compiled[name]
+
+
+def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
+    model.initialize(0)
+    model.prepare(model.hyper(*hyper, 0))
+    losses = [model.train_step(x, y, step=k, **model.hyper(*hyper, k)) for k, (x, y) in enumerate(data)]
+    accuracy, test_loss = model.test_step(*data[0])
+    return losses, accuracy, test_loss, model.host_tensors()
+
+
+@needs_cxx
+@pytest.mark.parametrize("name,image,modes", EMULATED, ids=[n for n, _, _ in EMULATED])
+def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, emulator, tmp_path_factory):
+    """Two training steps and a test step with device tensors and device allocators, in every memory mode: the
+    CPU's losses, accuracy and parameters (float32 rounding apart), and the planned peaks measured exactly."""
+    from deepdsl_runtime import cuda_ops
+
+    compiled, module, path = _program(name, image, 2, tmp_path_factory)
+    emulator.add_program(module.__name__, path.with_suffix(".cu").read_text())
+    cls = model_class(module)
+    rng = np.random.default_rng(7)
+    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
+             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    losses, accuracy, test_loss, tensors = _steps(cls("cpu", 0, "static"), data)
+    # thread orders: shuffled, decreasing, increasing (the fast one alone for a single mode)
+    for mode, order in zip(modes, (2, 1, 0)[3 - len(modes):]):
+        emulator.set_order(order, seed=11)
+        model = cls("cpu", 0, mode, True)
+        model.rt, model.mem = cuda_ops, cuda_ops.allocator(mode, cls.memory_plans, check=True)
+        got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
+        assert np.allclose(got_losses, losses, rtol=1e-4, atol=1e-6), (mode, got_losses, losses)
+        assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=1e-4), mode
+        for key, value in tensors.items():
+            scale = max(float(np.max(np.abs(value))), 1e-6)
+            assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= 1e-4, (mode, key)
+        for step in ("train_step", "test_step"):
+            plan = cls.memory_plans[step]
+            usage = model.mem.usage[step]
+            assert usage.peak_bytes == plan.planned_peak(mode), (mode, step)
+            assert usage.workspace_bytes == plan.workspace_bytes, (mode, step)
+        assert isinstance(model.mem.workspace_region, cuda_ops.DeviceArray)
+        if mode == "static":
+            assert isinstance(model.mem.arena, cuda_ops.DeviceArray)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# without a GPU
+
+@pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed here")
+def test_device_cuda_without_pycuda_is_one_line_naming_it(tmp_path):
+    _, program = compile_program("lenet", tmp_path, batch=4)
+    assert program.with_suffix(".cu").exists()
+    done = run_cli(program, "--device", "cuda", "--iters", "1", "--params", str(tmp_path / "p.npz"))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pycuda" in lines[0] and "CUDA backend not available" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "p.npz").exists()
