@@ -117,7 +117,15 @@ class Model:
         self.rt = backend(device)
         if memory_mode not in memory.MODES:
             raise RunError(f"unknown memory mode '{memory_mode}' (use {', '.join(memory.MODES)})")
-        self.mem = memory.allocator(memory_mode, self.memory_plans, check=check_memory)
+        # a device backend serves the plan from device memory (the same bookkeeping) and runs this program's kernels
+        self.mem = getattr(self.rt, "allocator", memory.allocator)(memory_mode, self.memory_plans, check=check_memory)
+        bind = getattr(self.rt, "bind_program", None)
+        program = getattr(type(self).train_step, "__globals__", {}).get("__file__")
+        if bind is not None and program:
+            try:
+                bind(program)
+            except FileNotFoundError as err:
+                raise RunError(str(err)) from None
         self.tensors: dict[str, object] = {}
         self.seed = seed
 
