@@ -69,6 +69,7 @@ class PycudaDevice:
         self.copy_stream = _drv.Stream()
         self.name = self.context.name
         self._functions: dict[tuple[int, str], object] = {}
+        self._modules: dict[str, object] = {}          # source digest -> loaded module
         self._ops_module = None
         self.program_module = None
         self._staging = None
@@ -110,17 +111,23 @@ class PycudaDevice:
         return self._ops_module
 
     def load_program(self, cu_path: Path) -> None:
-        """Bind the kernels of the program whose `.cu` is `cu_path`: its current fat binary, else the source."""
+        """Bind the kernels of the program whose `.cu` is `cu_path`: its current fat binary, else the source (a
+        module already loaded for the same sources is reused)."""
         source = cu_path.read_text()
-        fatbin = cu_path.with_name(f"{cu_path.stem}.{kernel_sources_digest(source, KERNELS)}.fatbin")
-        module = None
-        if fatbin.exists():
-            try:
-                module = _drv.module_from_buffer(fatbin.read_bytes())
-            except Exception as err:         # e.g. built by an nvcc newer than this driver: compile here instead
-                print(f"deepdsl: {fatbin.name} does not load ({str(err).strip()}); compiling {cu_path.name}",
-                      file=sys.stderr)
-        self.program_module = module if module is not None else self._compile(source)
+        digest = kernel_sources_digest(source, KERNELS)
+        module = self._modules.get(digest)
+        if module is None:
+            fatbin = cu_path.with_name(f"{cu_path.stem}.{digest}.fatbin")
+            if fatbin.exists():
+                try:
+                    module = _drv.module_from_buffer(fatbin.read_bytes())
+                except Exception as err:     # e.g. built by an nvcc newer than this driver: compile here instead
+                    print(f"deepdsl: {fatbin.name} does not load ({str(err).strip()}); compiling {cu_path.name}",
+                          file=sys.stderr)
+            if module is None:
+                module = self._compile(source)
+            self._modules[digest] = module   # kept: prepared functions are cached by module identity
+        self.program_module = module
 
     def _function(self, module, name: str, fmt: str):
         key = (id(module), name)
@@ -132,8 +139,8 @@ class PycudaDevice:
         return fn
 
     def launch(self, kernel, fmt, grid, block, args, program=None):
-        if program is not None and self.program_module is None:
-            bind_program(sys.modules[getattr(program, "__module__", "__main__")])
+        if program is not None and self.program_module is None:      # ops called outside a Model: the kernel's file
+            bind_program(program.__globals__["__file__"])
         module = self.program_module if program is not None else self.ops_module()
         self._function(module, kernel, fmt).prepared_async_call(grid, block, self.stream, *args)
 
@@ -225,8 +232,8 @@ use_device(_device)
 
 
 def bind_program(program) -> None:
-    """Run the elementwise kernels of a generated program (its module, or the path of its `.py`): the `.cu` beside
-    it, from its fat binary when current."""
+    """Run the kernels of a generated program (the path of its `.py`, or its module): the `.cu` beside it, from its
+    fat binary when that is current. `deepdsl_runtime.program.Model` calls this when a model is made."""
     path = Path(program.__file__ if hasattr(program, "__file__") else program)
     cu = path.with_suffix(".cu")
     if not cu.exists():

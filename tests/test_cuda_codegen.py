@@ -402,12 +402,20 @@ def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
 
 @needs_cxx
 @pytest.mark.parametrize("name,image,modes", EMULATED, ids=[n for n, _, _ in EMULATED])
-def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, emulator, tmp_path_factory):
+def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, emulator, tmp_path_factory,
+                                                          monkeypatch):
     """Two training steps and a test step with device tensors and device allocators, in every memory mode: the
-    CPU's losses, accuracy and parameters (float32 rounding apart), and the planned peaks measured exactly."""
-    from deepdsl_runtime import cuda_ops
+    CPU's losses, accuracy and parameters (float32 rounding apart), and the planned peaks measured exactly. The
+    model is made as `--device cuda` makes it, with the emulated device behind the CUDA ops."""
+    import types
+
+    from deepdsl_runtime import cuda_ops, program as runtime_program
 
     compiled, module, path = _program(name, image, 2, tmp_path_factory)
+    bound = []
+    backend = types.SimpleNamespace(**{n: getattr(cuda_ops, n) for n in cuda_ops.__all__}, bind_program=bound.append)
+    cpu_backend = runtime_program.backend
+    monkeypatch.setattr(runtime_program, "backend", lambda device: backend if device == "cuda" else cpu_backend(device))
     emulator.add_program(module.__name__, path.with_suffix(".cu").read_text())
     cls = model_class(module)
     rng = np.random.default_rng(7)
@@ -417,8 +425,8 @@ def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, e
     # thread orders: shuffled, decreasing, increasing (the fast one alone for a single mode)
     for mode, order in zip(modes, (2, 1, 0)[3 - len(modes):]):
         emulator.set_order(order, seed=11)
-        model = cls("cpu", 0, mode, True)
-        model.rt, model.mem = cuda_ops, cuda_ops.allocator(mode, cls.memory_plans, check=True)
+        model = cls("cuda", 0, mode, True)
+        assert bound[-1] == str(path) and model.mem.mode == mode
         got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
         assert np.allclose(got_losses, losses, rtol=1e-4, atol=1e-6), (mode, got_losses, losses)
         assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=1e-4), mode

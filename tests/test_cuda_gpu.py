@@ -1,0 +1,127 @@
+"""The CUDA backend on an NVIDIA GPU (marked `gpu`; skipped without pycuda and a GPU).
+
+- Every op, forward and backward, against the CPU backend (tests/cuda_cases.py: the cases the host emulator runs
+  too), relative error <= 1e-4, and bit for bit where the CPU's order of operations is reproduced (pooling, labels,
+  copies, dropout masks).
+- One training step and a test step of LeNet and of a branching network (inception_mini, concat) on the GPU equal
+  the CPU's, in every memory mode, and the device allocator measures exactly the planned peak.
+- LeNet trained on the digits with --device cuda reaches 97 % test accuracy; the report's measured peaks equal the
+  planned ones.
+- The fat binary `deepdsl compile` builds is what the program loads.
+- benchmarks/cuda_vs_pytorch.py runs (two steps per side).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import cuda_cases
+from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+
+pytestmark = pytest.mark.gpu
+GPU_TOLERANCE = 1e-4
+LENET_ITERS = 200        # as tests/test_generated.py: batch 64, lr 0.02 reach 97.8-98.75 % on the CPU
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return pytest.importorskip("deepdsl_runtime.cuda", reason="needs pycuda and an NVIDIA GPU")
+
+
+@pytest.mark.parametrize("case", cuda_cases.CASES, ids=[c.__name__[5:] for c in cuda_cases.CASES])
+def test_ops_on_the_gpu_match_the_cpu_backend(case, rt):
+    for label, got, expected, tolerance in case(rt, np.random.default_rng(4)):
+        cuda_cases.compare(rt, label, got, expected, 0 if tolerance == 0 else max(tolerance, GPU_TOLERANCE))
+
+
+def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
+    model.initialize(0)
+    model.prepare(model.hyper(*hyper, 0))
+    losses = [model.train_step(x, y, step=k, **model.hyper(*hyper, k)) for k, (x, y) in enumerate(data)]
+    accuracy, test_loss = model.test_step(*data[0])
+    return losses, accuracy, test_loss, model.host_tensors()
+
+
+@pytest.mark.parametrize("name,batch,image", [("lenet", 16, None), ("inception_mini", 4, None),
+                                              ("resnet_mini", 4, None), ("alexnet", 2, (67, 67))])
+def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, tmp_path):
+    from deepdsl_runtime.memory import MODES
+
+    _, path = compile_program(name, tmp_path, batch=batch, image=image)
+    cls = model_class(import_program(path))
+    rng = np.random.default_rng(2)
+    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
+             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    losses, accuracy, test_loss, tensors = _steps(cls("cpu", 0, "static"), data)
+    for mode in MODES:
+        model = cls("cuda", 0, mode, True)
+        assert isinstance(model.mem.workspace_region, rt.DeviceArray)
+        got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
+        assert np.allclose(got_losses, losses, rtol=GPU_TOLERANCE, atol=1e-6), (mode, got_losses, losses)
+        assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=GPU_TOLERANCE), mode
+        for key, value in tensors.items():
+            scale = max(float(np.max(np.abs(value))), 1e-6)
+            assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= GPU_TOLERANCE, (mode, key)
+        for step in ("train_step", "test_step"):
+            plan = cls.memory_plans[step]
+            assert model.mem.usage[step].peak_bytes == plan.planned_peak(mode), (mode, step)
+            assert model.mem.usage[step].workspace_bytes == plan.workspace_bytes, (mode, step)
+
+
+@pytest.mark.parametrize("mode", ["static", "pooled", "dynamic"])
+def test_lenet_learns_the_digits_on_the_gpu(mode, rt, tmp_path):
+    _, program = compile_program("lenet", tmp_path, batch=64)
+    report = tmp_path / "report.json"
+    done = run_cli(program, "--device", "cuda", "--memory-mode", mode, "--iters", str(LENET_ITERS), "--lr", "0.02",
+                   "--params", str(tmp_path / "p.npz"), "--report-json", str(report), "--test-iters", "5", "--quiet",
+                   timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(report.read_text())
+    assert result["device"] == "cuda" and result["iterations"] == LENET_ITERS
+    assert result["test_accuracy"] >= 0.97, result
+    assert result["peak_bytes_measured"] == result["peak_bytes_planned"], result
+    assert result["test_peak_bytes_measured"] == result["test_peak_bytes_planned"], result
+
+
+def test_the_program_loads_the_fat_binary_deepdsl_compile_built(rt, tmp_path):
+    from deepdsl.codegen.cuda import build_fatbin, find_nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    _, program = compile_program("mlp", tmp_path, batch=8)
+    fatbin = build_fatbin(program.with_suffix(".cu"))
+    assert fatbin is not None
+    module = import_program(program)
+    loaded = []
+    original = rt._drv.module_from_buffer
+    try:
+        rt._drv.module_from_buffer = lambda data: loaded.append(len(data)) or original(data)
+        model = model_class(module)("cuda", 0)
+    finally:
+        rt._drv.module_from_buffer = original
+    assert loaded == [fatbin.stat().st_size]
+    model.initialize(0)
+    x = np.random.default_rng(0).standard_normal(model.batch_shape).astype(np.float32)
+    y = np.zeros(model.batch_shape[0], np.int32)
+    assert math.isfinite(model.train_step(x, y, step=0, **model.hyper(0.1, 0.9, 0.0, 0)))
+
+
+def test_the_benchmark_runs(rt, tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_vs_pytorch.py"), "--networks", "lenet",
+                           "--warmup", "1", "--steps", "2", "--json", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["ours"]["tensor_peak_bytes"] == row["ours"]["tensor_peak_planned"]
+    assert row["ours"]["finite"] and row["pytorch"]["ms_per_step"] > 0
