@@ -39,10 +39,15 @@ KERNELS = Path(__file__).resolve().parent / "kernels"
 
 
 def _start():
+    import importlib.util
+
+    if importlib.util.find_spec("pycuda") is None:
+        raise ImportError("pycuda is not installed (pip install 'deepdsl[cuda]')")
     try:
         drv = cuda_device.driver()
-    except ImportError:
-        raise ImportError("pycuda is not installed (pip install 'deepdsl[cuda]')") from None
+    except ImportError as err:          # pycuda without a CUDA driver library, or built for another CUDA
+        cause = err.__cause__ or err
+        raise ImportError(f"pycuda does not load ({str(cause).strip() or type(cause).__name__})") from None
     except Exception as err:            # pycuda's driver errors: no driver, no device, ...
         raise ImportError(f"the CUDA driver does not start ({str(err).strip() or type(err).__name__})") from None
     try:
@@ -70,6 +75,7 @@ class PycudaDevice:
         self.name = self.context.name
         self._functions: dict[tuple[int, str], object] = {}
         self._modules: dict[str, object] = {}          # source digest -> loaded module
+        self._by_program: dict[str, object] = {}       # a program's .cu path -> its module
         self._ops_module = None
         self.program_module = None
         self._staging = None
@@ -80,8 +86,8 @@ class PycudaDevice:
                 self.cublas = cuda_device.Cublas()
                 self._handle = self.cublas.create_handle()
                 self._bind_batched()
-            except OSError:
-                self.cublas = None
+            except (OSError, AttributeError, cuda_device.CublasError):    # no usable cuBLAS: our tiled SGEMM
+                self.cublas = self._handle = None
         if self.cublas is None:
             self._tiled = cuda_device.GemmKernels()
 
@@ -110,9 +116,9 @@ class PycudaDevice:
             self._ops_module = self._compile('#include "ops.cu"\n')
         return self._ops_module
 
-    def load_program(self, cu_path: Path) -> None:
-        """Bind the kernels of the program whose `.cu` is `cu_path`: its current fat binary, else the source (a
-        module already loaded for the same sources is reused)."""
+    def load_program(self, cu_path: Path):
+        """The module of the program whose `.cu` is `cu_path`, which then also serves the generic kernels: its
+        current fat binary, else the source (a module already loaded for the same sources is reused)."""
         source = cu_path.read_text()
         digest = kernel_sources_digest(source, KERNELS)
         module = self._modules.get(digest)
@@ -127,7 +133,9 @@ class PycudaDevice:
             if module is None:
                 module = self._compile(source)
             self._modules[digest] = module   # kept: prepared functions are cached by module identity
+        self._by_program[str(cu_path)] = module
         self.program_module = module
+        return module
 
     def _function(self, module, name: str, fmt: str):
         key = (id(module), name)
@@ -139,9 +147,11 @@ class PycudaDevice:
         return fn
 
     def launch(self, kernel, fmt, grid, block, args, program=None):
-        if program is not None and self.program_module is None:      # ops called outside a Model: the kernel's file
-            bind_program(program.__globals__["__file__"])
-        module = self.program_module if program is not None else self.ops_module()
+        if program is None:
+            module = self.ops_module()
+        else:                   # an elementwise kernel: from the module of the program that defines its function
+            cu = str(Path(program.__globals__["__file__"]).with_suffix(".cu"))
+            module = self._by_program.get(cu) or self.load_program(Path(cu))
         self._function(module, kernel, fmt).prepared_async_call(grid, block, self.stream, *args)
 
     # -- GEMM ------------------------------------------------------------------------------------------------
