@@ -135,8 +135,8 @@ class Allocator:
     def begin(self, step: str, persistent: bool = False) -> "Allocator":
         """Start running `step` with its plan. `persistent`: the step's values outlive it (the setup step, whose
         results are kept as the model's tensors), so each gets its own allocation whatever the mode."""
-        if self._name:
-            raise MemoryPlanError(f"step '{step}' begins while step '{self._name}' has not ended")
+        for index in list(self._live):         # a step that raised never ended: its buffers are abandoned
+            self._release(index)
         self._name, self._plan, self._persistent = step, self.plans[step], persistent
         self._live.clear()
         self._credit.clear()

@@ -190,6 +190,23 @@ def test_a_corrupted_static_plan_fails_loudly(tmp_path_factory):
         mem.free(x1.index)
 
 
+def test_a_step_that_raised_leaves_the_pool_whole(tmp_path_factory):
+    """A step that stops half way (an error in a kernel, an interrupt) never calls `end`: the next step starts
+    from an empty pool all the same, and measures its own peak."""
+    compiled, model_cls = program("lenet", None, tmp_path_factory)
+    model = model_cls("cpu", 0, "pooled", True)
+    mem = model.mem.begin("train_step")
+    mem.load(0, np.zeros(model_cls.batch_shape, np.float32))
+    buffer = next(b for b in compiled.plans["train"].buffers if b.value.op != "input")
+    mem.tensor(buffer.index, buffer.value.shape, {"float": "float32", "uint8": "uint8"}[buffer.value.dtype])
+    data = batches(model_cls, 1)
+    model.initialize(0)
+    model.prepare(model.hyper(0.01, 0.9, 0.001, 0))
+    model.test_step(*data[0])
+    assert model.mem.pool.allocator.stats.bytes_in_use == 0
+    assert model.mem.usage["test_step"].peak_bytes == planned_peak(compiled.plans["test"], "pooled")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # workspace: each kernel uses what its op rule plans, exactly
 
