@@ -5,8 +5,9 @@ workspace, MB = 10^6 bytes).
     python benchmarks/memory_vs_deepdsl.py [--markdown]
 
 Columns: our peak of live bytes (placed sizes), DeepDSL's, their ratio, the arena over our peak, what the same
-program would peak at without memory-aware scheduling and without in-place computation, the workspace, the
-parameters, and the time of the memory stages and planner on the training step.
+program would peak at without memory-aware scheduling, without rematerialization, without in-place computation
+and without outputs taking over their dying inputs' storage, the workspace, the parameters, and the time of the
+memory stages and planner on the training step.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def measure(name: str) -> dict:
             "arena": plan.arena_bytes / plan.peak_live_bytes,
             "no_schedule": alternatives["without memory-aware scheduling"] / MB,
             "no_inplace": alternatives["without in-place activations and gradients"] / MB,
+            "no_remat": alternatives["without rematerialization"] / MB,
+            "no_takeover": alternatives["without taking over dying inputs' storage"] / MB,
             "workspace": plan.workspace_bytes / MB, "params": plan.param_bytes / MB, "seconds": seconds}
 
 
@@ -48,8 +51,8 @@ def main() -> None:
     parser.add_argument("networks", nargs="*", help="network names (default: every file in networks/)")
     args = parser.parse_args()
     names = args.networks or sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
-    header = ("network", "batch", "peak MB", "DeepDSL MB", "ratio", "arena/peak", "no sched. MB",
-              "no in-place MB", "workspace MB", "params MB", "plan s")
+    header = ("network", "batch", "peak MB", "DeepDSL MB", "ratio", "arena/peak", "no sched. MB", "no remat. MB",
+              "no in-place MB", "no takeover MB", "workspace MB", "params MB", "plan s")
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
@@ -59,7 +62,8 @@ def main() -> None:
         r = measure(name)
         ratio = f"{r['peak'] / r['deepdsl']:.3f}" if r["deepdsl"] else "-"
         cells = (r["name"], str(r["batch"]), f"{r['peak']:.1f}", f"{r['deepdsl']}" if r["deepdsl"] else "-", ratio,
-                 f"{r['arena']:.4f}", f"{r['no_schedule']:.1f}", f"{r['no_inplace']:.1f}", f"{r['workspace']:.1f}",
+                 f"{r['arena']:.4f}", f"{r['no_schedule']:.1f}", f"{r['no_remat']:.1f}", f"{r['no_inplace']:.1f}",
+                 f"{r['no_takeover']:.1f}", f"{r['workspace']:.1f}",
                  f"{r['params']:.1f}", f"{r['seconds']:.2f}")
         if args.markdown:
             print("| " + " | ".join(cells) + " |")

@@ -46,7 +46,10 @@ class Node:
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        return dict(self.attrs)
+        """The attributes the op sees (all but `remat`)."""
+        kwargs = dict(self.attrs)
+        kwargs.pop(REMAT, None)
+        return kwargs
 
     @property
     def size(self) -> int:
@@ -71,6 +74,9 @@ class Node:
 
 
 LEAF_OPS = frozenset({"input", "param", "state", "const"})
+# The attribute marking a recomputed copy of a value (`passes/rematerialize.py`): the copy must be another node than
+# the original, which hash-consing would otherwise return. No op sees it (`Node.kwargs` leaves it out).
+REMAT = "remat"
 
 _cache: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 _serial = itertools.count()
@@ -87,7 +93,9 @@ def _make(op: str, inputs: tuple[Node, ...], items: tuple[tuple[str, Any], ...])
     found = _cache.get(key)
     if found is not None:
         return found
-    shape, dtype = _get_op(op).infer(*inputs, **dict(items))
+    kwargs = dict(items)
+    kwargs.pop(REMAT, None)
+    shape, dtype = _get_op(op).infer(*inputs, **kwargs)
     node = Node(op, inputs, items, tuple(map(int, shape)), dtype, next(_serial))
     _cache[key] = node
     return node
@@ -107,6 +115,21 @@ def rebuild(node: Node, inputs: Iterable[Node]) -> Node:
     if len(inputs) == len(old) and all(map(operator.is_, inputs, old)):
         return node
     return _make(node.op, inputs, node.attrs)
+
+
+def substitute(node: Node, inputs: Iterable[Node], **extra: Any) -> Node:
+    """`node` over other inputs of the same shapes and dtypes (and with `extra` attributes added): its shape and dtype
+    are `node`'s, so no shape rule runs. For passes that swap a value for an equal one (a recomputed copy)."""
+    inputs = tuple(inputs)
+    items = tuple(sorted({**dict(node.attrs), **extra}.items())) if extra else node.attrs
+    key = (node.op, tuple(map(id, inputs)), items)
+    found = _cache.get(key)
+    if found is not None:
+        return found
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(inputs, node.inputs)), "not a substitute"
+    new = Node(node.op, inputs, items, node.shape, node.dtype, next(_serial))
+    _cache[key] = new
+    return new
 
 
 def toposort(roots: Iterable[Node]) -> list[Node]:

@@ -16,8 +16,15 @@ Definitions (body indices count every instruction, `Let` and `Free`):
   high-water mark of bytes of tensors allocated at once, counted by placed (rounded) size. It is exactly the
   `peak_bytes_in_use` of the runtime pool allocator given the same allocations and frees in the same order, and
   what a generated program reports. The same quantity over exact sizes is `peak_live_bytes_exact`.
-Invariants (`MemoryPlan.check`): buffers live at the same time never overlap in the arena; every buffer fits
-in `arena_bytes`; `peak_live_bytes <= arena_bytes`.
+- a pooling statement whose input dies at it *takes over* that input's buffer (`Op.takes_over`): its own buffer
+  starts at the same offset and begins at the statement that ends the input's buffer, so the two share bytes
+  during that one statement only, where the runtime kernel reads each sample before its bytes are overwritten.
+  Live bytes count the pair once, at the larger size: max pooling's output (1/4 of a 2x2-pooled input) costs
+  nothing while it is made and the input's tail is released right after; max pooling's backward grows its input
+  gradient over the dying output gradient.
+Invariants (`MemoryPlan.check`): buffers live at the same time never overlap in the arena, except a buffer and
+the one it takes over, at the same offset, during the one statement they share; every buffer fits in
+`arena_bytes`; `peak_live_bytes <= arena_bytes`.
 
 Offsets come from interval packing: several greedy heuristics (by size, first-fit by size, by allocation order, as
 in TFLite's arena planner and XLA's buffer assignment) each place every buffer at the lowest (or best-fitting)
@@ -29,6 +36,7 @@ outside the arena, and so does the workspace: one region shared by all statement
 """
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -37,7 +45,7 @@ import numpy as np
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program
-from deepdsl.storage import analyze, is_inline, is_persistent, is_view, nbytes
+from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
 
 ALIGNMENT = 256
 
@@ -60,6 +68,8 @@ class Buffer:
     begin: int                     # body index of the allocating Let (0 for batch inputs)
     end: int                       # body index of the releasing Free (len(body) if it holds a program output)
     values: tuple[Node, ...]       # every value stored here in definition order: root, views, in-place results
+    takes_over: int | None = None  # index of the buffer whose bytes this one takes over (same offset; that buffer
+                                   # ends right after this one's first statement, which reads it as it writes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +91,7 @@ class Placement:
     leaf: Node | None              # the persistent input holding it; None when in the arena
     view_of: Node | None = None    # a view (reshape): same bytes as this value, nothing computed
     in_place_of: Node | None = None  # an in-place statement: overwrote this value's bytes
+    takes_over: Node | None = None   # a statement whose buffer starts inside this dying input's (see Buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,18 +154,24 @@ class MemoryPlan:
             assert b.offset % self.alignment == 0 and b.size % self.alignment == 0, b
             assert b.size >= b.nbytes and b.offset + b.size <= self.arena_bytes, b
             assert 0 <= b.begin < b.end <= max(n, 1), b
+        for b in self.buffers:
+            if b.takes_over is not None:
+                a = self.buffers[b.takes_over]
+                assert a.offset == b.offset and a.end == b.begin + 1, (a, b)
         events = sorted(self.buffers, key=lambda b: b.offset)
         for i, a in enumerate(events):
             for b in events[i + 1:]:
                 if b.offset >= a.offset + a.size:
                     break
-                assert a.end <= b.begin or b.end <= a.begin, f"buffers {a.index} and {b.index} overlap"
+                handover = b.takes_over == a.index or a.takes_over == b.index
+                assert a.end <= b.begin or b.end <= a.begin or handover, f"buffers {a.index} and {b.index} overlap"
         assert self.peak_live_bytes <= self.arena_bytes
         return self
 
 
-def plan_memory(program: Program, workspace_limit: int | None = None) -> MemoryPlan:
-    """The memory plan of `program` (see the module docstring)."""
+def plan_memory(program: Program, workspace_limit: int | None = None, takeover: bool = True) -> MemoryPlan:
+    """The memory plan of `program` (see the module docstring); `takeover`: let pooling take over the storage of
+    its dying input."""
     storage = analyze(program)
     n = len(program.body)
     placements: dict[int, Placement] = {}
@@ -176,9 +193,11 @@ def plan_memory(program: Program, workspace_limit: int | None = None) -> MemoryP
             end = n
         intervals.append((max(info.begin, 0), max(end, info.begin + 1)))
     sizes = [placed_size(nbytes(info.root)) for info in roots]
-    offsets, packing = pack(intervals, sizes, _peak(intervals, sizes))
+    takes = _takeovers(program, storage, roots, intervals, sizes) if takeover else {}   # buffer -> buffer it takes over
+    pairs = [(a, b) for b, a in takes.items()]
+    offsets, packing = pack(intervals, sizes, _peak(intervals, sizes, pairs), pairs)
     buffers = tuple(Buffer(k, info.root, nbytes(info.root), sizes[k], offsets[k], intervals[k][0], intervals[k][1],
-                           tuple(info.members)) for k, info in enumerate(roots))
+                           tuple(info.members), takes.get(k)) for k, info in enumerate(roots))
     buffer_of = {id(b.value): b for b in buffers}
 
     for info in storage.infos.values():
@@ -186,8 +205,11 @@ def plan_memory(program: Program, workspace_limit: int | None = None) -> MemoryP
         for member in info.members:
             into = program.body[info.defined_at[id(member)]].into if member is not info.root else None
             view_of = member.inputs[0] if member is not info.root and into is None and is_view(member) else None
+            taken = (buffers[buf.takes_over].value if buf is not None and member is info.root
+                     and buf.takes_over is not None else None)
             placements[id(member)] = Placement(member, buf.index if buf else None, buf.offset if buf else None,
-                                               None if buf else info.root, view_of=view_of, in_place_of=into)
+                                               None if buf else info.root, view_of=view_of, in_place_of=into,
+                                               takes_over=taken)
 
     steps, peak, peak_exact, peak_step, ws_max = _steps(program, storage, buffers, buffer_of, workspace_limit)
     arena = max((b.offset + b.size for b in buffers), default=0)
@@ -212,12 +234,54 @@ def _kind(leaf: Node, params: set[str]) -> str:
     return role if role in ("hyper", "hoisted") else "other"
 
 
+def stage_bytes(input_bytes: int, output_bytes: int, batch: int) -> int:
+    """Workspace a statement taking over its input's bytes adds after its op's own scratch: one sample of the
+    smaller of input and output, through which the runtime kernel runs the samples it cannot run in place."""
+    return min(input_bytes // batch, output_bytes // batch) // 4 * 4
+
+
+def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int, int]],
+               sizes: list[int]) -> dict[int, int]:
+    """Buffer index -> index of the buffer it takes over: a statement of an op with `takes_over` whose input's arena
+    storage (no batch input, no program output, read through that input only) ends right after it. Only where it
+    lowers the peak: elsewhere sharing an offset would only constrain the packing."""
+    index = {id(info.root): k for k, info in enumerate(roots)}
+    result: dict[int, int] = {}
+    for k, instr in enumerate(program.body):
+        if not isinstance(instr, Let) or instr.into is not None:
+            continue
+        node = instr.node
+        j = get_op(node.op).takes_over
+        if j is None or id(node) not in index:
+            continue
+        source = storage.root.get(id(node.inputs[j]))
+        a = index.get(id(source))
+        if a is None or is_batch_input(source) or roots[a].output or intervals[a][1] != k + 1:
+            continue
+        if any(storage.root.get(id(i)) is source for n, i in enumerate(node.inputs) if n != j):
+            continue                # the kernel reads the storage through another input too
+        result[index[id(node)]] = a
+    if result:
+        live = _live(intervals, sizes, [(a, b) for b, a in result.items()])
+        times = sorted(live)
+        peak = max(live.values())
+        for b, a in list(result.items()):
+            t = intervals[b][0]             # a change point: the taking-over buffer begins there
+            if live[times[bisect.bisect_right(times, t) - 1]] + min(sizes[a], sizes[b]) <= peak:
+                del result[b]               # the step stays below the peak without sharing
+    return result
+
+
 def _steps(program, storage, buffers, buffer_of, workspace_limit):
     starts: dict[int, list] = {}
     ends: dict[int, list] = {}
+    shared: dict[int, tuple[int, int]] = {}       # body index -> bytes (placed, exact) two buffers share there
     for b in buffers:
         starts.setdefault(b.begin, []).append(b)
         ends.setdefault(b.end, []).append(b)
+        if b.takes_over is not None:
+            a = buffers[b.takes_over]
+            shared[b.begin] = (min(a.size, b.size), min(a.nbytes, b.nbytes))
     live = live_exact = 0
     peak = peak_exact = 0
     peak_step = -1
@@ -236,12 +300,17 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
         workspace = chunks = 0
         if isinstance(instr, Let):
             workspace, chunks = get_op(instr.node.op).workspace(instr.node, workspace_limit)
+            if allocated is not None and buffers[allocated].takes_over is not None:
+                workspace += stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes,
+                                         instr.node.shape[0])
             ws_max = max(ws_max, workspace)
         releases = tuple(b.index for b in ends.get(k, ())) if isinstance(instr, Free) else ()
-        steps.append(Step(k, instr, allocated, releases, workspace, max(chunks, 1), live, live_exact))
-        if live > peak:
-            peak, peak_step = live, k
-        peak_exact = max(peak_exact, live_exact)
+        common, common_exact = shared.get(k, (0, 0))
+        here, here_exact = live - common, live_exact - common_exact
+        steps.append(Step(k, instr, allocated, releases, workspace, max(chunks, 1), here, here_exact))
+        if here > peak:
+            peak, peak_step = here, k
+        peak_exact = max(peak_exact, here_exact)
     if not program.body:            # only inputs: they are live while the (empty) step runs
         peak = sum(b.size for b in buffers)
         peak_exact = sum(b.nbytes for b in buffers)
@@ -251,25 +320,39 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
 # ---------------------------------------------------------------------------------------------------------------
 # interval packing
 
-def _peak(intervals: list[tuple[int, int]], sizes: list[int]) -> int:
-    """Largest total size of blocks live at once: no packing can use a smaller arena."""
+def _peak(intervals: list[tuple[int, int]], sizes: list[int], pairs=()) -> int:
+    """Largest total size of blocks live at once (a block and the one it takes over counted once where they meet):
+    no packing can use a smaller arena."""
+    return max(_live(intervals, sizes, pairs).values(), default=0)
+
+
+def _live(intervals: list[tuple[int, int]], sizes: list[int], pairs=()) -> dict[int, int]:
+    """Live bytes from each index where they change on (blocks and pairs as in `_peak`)."""
     delta: dict[int, int] = {}
     for (b, e), s in zip(intervals, sizes):
         delta[b] = delta.get(b, 0) + s
         delta[e] = delta.get(e, 0) - s
-    live = peak = 0
+    for a, b in pairs:
+        t, common = intervals[b][0], min(sizes[a], sizes[b])
+        delta[t] = delta.get(t, 0) - common
+        delta[t + 1] = delta.get(t + 1, 0) + common
+    result: dict[int, int] = {}
+    live = 0
     for t in sorted(delta):
         live += delta[t]
-        peak = max(peak, live)
-    return peak
+        result[t] = live
+    return result
 
 
-def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 0) -> tuple[list[int], str]:
+def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 0,
+         same_offset: list[tuple[int, int]] = ()) -> tuple[list[int], str]:
     """Offsets for blocks of `sizes` live over half-open `intervals`, such that blocks live at the same time do
-    not overlap; the smallest arena among a few greedy orders, stopping at the first that reaches `lower_bound`
-    (the peak of live bytes: optimal). Returns (offsets, name of the heuristic)."""
+    not overlap, except the pairs `(a, b)` of `same_offset`, which are placed at one offset (b takes over a); the
+    smallest arena among a few greedy orders, stopping at the first that reaches `lower_bound` (the peak of live
+    bytes: optimal). Returns (offsets, name of the heuristic)."""
     if not sizes:
         return [], "none"
+    groups = _groups(len(sizes), same_offset)
     begin = np.array([i[0] for i in intervals], dtype=np.int64)
     end = np.array([i[1] for i in intervals], dtype=np.int64)
     size = np.array(sizes, dtype=np.int64)
@@ -277,12 +360,15 @@ def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 
     candidates = {
         "size/first-fit": np.lexsort((k, begin, -size)),
         "size/best-fit": np.lexsort((k, begin, -size)),
+        # equal sizes (a layer's activation and its gradient) with the later-ending first: long-lived blocks settle
+        # low before the short-lived ones of the same size
+        "size, later end first/first-fit": np.lexsort((k, -end, -size)),
         "size*duration/first-fit": np.lexsort((k, begin, -(size * (end - begin)))),
         "allocation/first-fit": np.lexsort((k, begin)),
     }
     best = None
     for name, order in candidates.items():
-        offsets = _place(order, begin, end, size, best_fit=name.endswith("best-fit"))
+        offsets = _place(order, begin, end, size, best_fit=name.endswith("best-fit"), groups=groups)
         arena = int((offsets + size).max())
         if best is None or arena < best[0]:
             best = (arena, offsets, name)
@@ -294,15 +380,65 @@ def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 
 _UNBOUNDED = np.array([np.iinfo(np.int64).max], dtype=np.int64)   # the gap above every placed block
 
 
-def _place(order, begin, end, size, best_fit: bool) -> np.ndarray:
+def _groups(n: int, pairs) -> dict[int, list[int]]:
+    """Block -> the blocks that must share its offset (chains of takeovers), for blocks in some pair."""
+    parent = list(range(n))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for a, b in pairs:
+        parent[find(b)] = find(a)
+    members: dict[int, list[int]] = {}
+    for a, b in pairs:
+        for k in (a, b):
+            group = members.setdefault(find(k), [])
+            if k not in group:
+                group.append(k)
+    return {k: group for group in members.values() for k in group}
+
+
+def _lowest_common_offset(members, begin, end, size, placed) -> int:
+    """The lowest offset at which every block of `members` overlaps no placed block live at the same time as it."""
+    placed_begin, placed_end, placed_lo, placed_hi = placed
+    forbidden = []                   # open ranges of offsets (lo - s, hi): a block of size s there would overlap
+    for k in members:
+        mask = (placed_begin < end[k]) & (placed_end > begin[k])
+        forbidden.extend(zip((placed_lo[mask] - size[k]).tolist(), placed_hi[mask].tolist()))
+    offset = 0
+    for lo, hi in sorted(forbidden):
+        if lo >= offset:
+            break                    # every later range starts above the offset too
+        offset = max(offset, hi)
+    return offset
+
+
+def _place(order, begin, end, size, best_fit: bool, groups: dict[int, list[int]] | None = None) -> np.ndarray:
     n = len(order)
     placed_begin = np.empty(n, dtype=np.int64)
     placed_end = np.empty(n, dtype=np.int64)
     placed_lo = np.empty(n, dtype=np.int64)
     placed_hi = np.empty(n, dtype=np.int64)
     offsets = np.zeros(n, dtype=np.int64)
+    done = np.zeros(n, dtype=bool)
     m = 0
     for k in order:
+        if done[k]:
+            continue
+        if groups and k in groups:
+            members = groups[k]
+            offset = _lowest_common_offset(members, begin, end, size,
+                                           (placed_begin[:m], placed_end[:m], placed_lo[:m], placed_hi[:m]))
+            for j in members:
+                offsets[j] = offset
+                done[j] = True
+                placed_begin[m], placed_end[m], placed_lo[m], placed_hi[m] = begin[j], end[j], offset, offset + size[j]
+                m += 1
+            continue
+        done[k] = True
         b, e, s = begin[k], end[k], size[k]
         if m:
             mask = (placed_begin[:m] < e) & (placed_end[:m] > b)

@@ -19,6 +19,7 @@ from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.ops import dims
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.inplace import compute_in_place
+from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.program import Free, Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
@@ -85,16 +86,23 @@ def rows(program: Program, plan: MemoryPlan) -> list[Row]:
             node = instr.node
             p = plan.placement(node)
             change = plan.buffers[step.allocates].size if step.allocates is not None else 0
+            if p.takes_over is not None:        # shares the bytes of the buffer it takes over
+                change -= min(change, plan.buffers[plan.placement(p.takes_over).buffer].size)
             text = f"{names[id(node)]} = {format_expr(node, names)}"
             result.append(Row("let", step.index, names[id(node)], text, dims(node.shape), node.dtype, node.nbytes,
                               change, step.workspace, step.chunks, step.live_bytes, step.live_bytes_exact,
                               p.offset, _where(p, names)))
         else:
-            change = -sum(plan.buffers[b].size for b in step.releases)
+            change = -sum(plan.buffers[b].size - _kept(plan, b) for b in step.releases)
             text = "free " + ", ".join(names.get(id(n)) or format_inline(n) for n in instr.nodes)
             result.append(Row("free", step.index, "", text, "", "", 0, change, 0, 1, step.live_bytes,
                               step.live_bytes_exact, None, ""))
     return result
+
+
+def _kept(plan: MemoryPlan, index: int) -> int:
+    """Bytes of a released buffer that the buffer taking it over keeps (0 when none does)."""
+    return max((min(t.size, plan.buffers[index].size) for t in plan.buffers if t.takes_over == index), default=0)
 
 
 def _where(p, names) -> str:
@@ -103,6 +111,8 @@ def _where(p, names) -> str:
         return f"in place of {label(p.in_place_of)}"
     if p.view_of is not None:
         return f"view of {label(p.view_of)}"
+    if p.takes_over is not None:
+        return f"arena, over {label(p.takes_over)}"
     if p.leaf is not None:
         return f"in {p.leaf.name}"
     return "arena"
@@ -125,7 +135,10 @@ def _pool_allocator():
 
 def simulate_pool(plan: MemoryPlan) -> dict:
     """Replay the plan's allocations and frees, in order, on the runtime's first-fit pool allocator (`pooled`
-    mode): the capacity the pool needs (highest byte handed out) and its peak of bytes in use."""
+    mode): the capacity the pool needs (highest byte handed out) and its peak of bytes in use. A first-fit pool
+    cannot promise to grow a block in place, so a buffer that takes over another's bytes in the plan gets a block
+    of its own here, like any other: where the plan lets buffers take over, the pool's peak may exceed the plan's
+    (by at most the smaller of the two buffers, at that statement)."""
     pool_cls = _pool_allocator()
     pool = pool_cls(max(sum(b.size for b in plan.buffers), plan.alignment), plan.alignment)
     offsets: dict[int, int] = {}
@@ -148,18 +161,26 @@ def simulate_pool(plan: MemoryPlan) -> dict:
 def what_if(unplanned: Program, workspace_limit: int | None = None) -> dict[str, int]:
     """Peak live bytes of the same program with memory optimizations left out (each run on the program as the
     optimization passes leave it, before the memory stages)."""
-    def peak(schedule: bool, activations: bool, updates: bool, free: bool = True) -> int:
-        program = schedule_for_memory(unplanned) if schedule else unplanned
+    scheduled = schedule_for_memory(unplanned)
+    recomputed = rematerialize(scheduled)
+
+    def peak(schedule: bool, activations: bool, updates: bool, free: bool = True, remat: bool = True,
+             takeover: bool = True) -> int:
+        program = (recomputed if remat else scheduled) if schedule else (
+            rematerialize(unplanned) if remat else unplanned)
         program = compute_in_place(program, activations=activations, updates=updates)
         if free:
             program = insert_frees(program)
-        return plan_memory(program, workspace_limit).peak_live_bytes
+        return plan_memory(program, workspace_limit, takeover=takeover).peak_live_bytes
 
     return {
         "without memory-aware scheduling": peak(False, True, True),
+        "without rematerialization": peak(True, True, True, remat=False),
         "without in-place activations and gradients": peak(True, False, True),
         "without in-place parameter updates": peak(True, True, False),
-        "without scheduling and in-place computation": peak(False, False, False),
+        "without taking over dying inputs' storage": peak(True, True, True, takeover=False),
+        "without scheduling, rematerialization, in-place computation and takeovers":
+            peak(False, False, False, remat=False, takeover=False),
         "without freeing (every tensor kept to the end)": peak(True, True, True, free=False),
     }
 

@@ -1,10 +1,10 @@
 """The compiler pipeline: one readable tuple of named stages, with a hook after each for dumps and verification.
 
     Loop ─build_step_graphs→ train/test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→ ─fuse_elementwise→
-         ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─inplace→ ─dealloc→ Programs
-         ─plan_memory→ MemoryPlans
+         ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→ ─inplace→ ─dealloc→
+         Programs ─plan_memory→ MemoryPlans
 
-The memory stages (schedule, in-place, dealloc) and the planner run on every program; `Compiled.plans` holds the
+The memory stages (schedule, rematerialize, in-place, dealloc) and the planner run on every program; `Compiled.plans` holds the
 plan of each program, and `Compiled.unplanned` the programs as they were before the memory stages (so what-if
 analyses can rerun those stages with other options).
 """
@@ -25,6 +25,7 @@ from deepdsl.passes.fuse_elementwise import fuse_elementwise
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
+from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.passes.simplify import simplify
 from deepdsl.program import Program
@@ -46,6 +47,7 @@ PROGRAM_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
 # after these the program has its final order, in-place statements and frees; then plan_memory gives the plan
 MEMORY_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
     ("schedule", schedule_for_memory),
+    ("rematerialize", rematerialize),        # needs the final order; before in-place decisions and frees
     ("inplace", compute_in_place),
     ("dealloc", insert_frees),
 )
@@ -60,13 +62,16 @@ class CompileOptions:
     cse: bool = True
     code_motion: bool = True
     schedule: bool = True                 # memory-aware scheduling
+    rematerialize: bool = True            # recompute cheap elementwise values before their late uses
     inplace: bool = True                  # in-place computation (activations, gradients, parameter updates)
+    takeover: bool = True                 # pooling outputs take over their dying inputs' storage (memory plan)
     workspace_limit: int | None = None    # bytes of convolution workspace: ops run over the batch in chunks to fit
     verify: bool = False
 
     def enabled(self, stage: str) -> bool:
         return {"simplify": self.simplify, "fuse_elementwise": self.fuse, "cse": self.cse,
-                "sink": self.code_motion, "schedule": self.schedule, "inplace": self.inplace}.get(stage, True)
+                "sink": self.code_motion, "schedule": self.schedule, "rematerialize": self.rematerialize,
+                "inplace": self.inplace}.get(stage, True)
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ def plan_program(program: Program, options: CompileOptions = CompileOptions(),
                  hook: Hook | None = None) -> tuple[Program, MemoryPlan]:
     """Run the memory stages on an optimized program and plan its memory: (final program, its plan)."""
     program = _run_stages(program, MEMORY_STAGES, options, hook)
-    plan = plan_memory(program, options.workspace_limit)
+    plan = plan_memory(program, options.workspace_limit, takeover=options.takeover)
     if options.verify:
         plan.check()
     if hook:

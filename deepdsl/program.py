@@ -12,7 +12,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-from deepdsl.ir import Node
+from deepdsl.ir import REMAT, Node
 from deepdsl.ops import Op, _fmt, dims, get_op
 
 
@@ -76,7 +76,7 @@ def describe(node: Node) -> str:
         return op.describe(node)
     defaults = _defaults(type(op))
     shown = [f"{k}={_fmt(v)}" for k, v in node.attrs
-             if not (k in defaults and type(defaults[k]) is type(v) and defaults[k] == v)]
+             if k != REMAT and not (k in defaults and type(defaults[k]) is type(v) and defaults[k] == v)]
     return f"{op.name}[{','.join(shown)}]" if shown else op.name
 
 
@@ -111,6 +111,8 @@ def format_program(program: Program, shapes: bool = True) -> str:
             text = f"  {names[id(node)]} = {format_expr(node, names)}"
             if instr.into is not None:
                 text += f"  (in place of {names.get(id(instr.into)) or format_inline(instr.into)})"
+            if node.attr(REMAT):
+                text += "  (recomputed)"
             if shapes:
                 tail = dims(node.shape) + ("" if node.dtype == "float" else f" {node.dtype}")
                 text = f"{text:<88} # {tail}"

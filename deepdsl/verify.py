@@ -8,7 +8,8 @@ the offending one.
 In-place statements (`Let(node, into=t)`, see `deepdsl.storage`): `t` is live and of the statement's shape and
 dtype; `t` is no batch input; a persistent `t` is overwritten only by the program output of its own name, an arena
 `t` only when no value stored with it is a program output; a statement reading the storage it overwrites is
-elementwise and reads it at its own shape; afterwards no value stored with `t` is read (they are overwritten).
+elementwise (or an op whose kernel may overwrite that input, `Op.overwritable`) and reads it at its own shape;
+afterwards no value stored with `t` is read (they are overwritten).
 Once a program has Free statements (after the dealloc pass), every arena storage that holds no program output is
 freed exactly once, by the Free right after the last statement that defines or reads a value stored there, naming
 all of its values still alive; persistent values are never freed.
@@ -111,7 +112,11 @@ def _check_in_place(program, index, instr, storage, live, outputs, names, fail) 
     elif any(id(m) in outputs for m in info.members if info.defined_at[id(m)] < index):
         fail(index, f"in place of {label}, whose storage holds a program output")
     inside = [i for i in node.inputs if id(i) in storage.root and storage.root[id(i)] is info.root]
-    if inside and (node.op != "ew" or any(i.shape != node.shape for i in inside)):
+    if info.persistent:
+        allowed = [i for i in node.inputs if node.op == "ew" and i.shape == node.shape]
+    else:
+        allowed = [node.inputs[j] for j in get_op(node.op).overwritable(node) if node.inputs[j].shape == node.shape]
+    if any(not any(i is a for a in allowed) for i in inside):
         fail(index, f"in place of {label}: {node.op} reads the storage it overwrites at other positions")
     for m in info.members:
         if info.defined_at[id(m)] < index and storage.last_read.get(id(m), -1) > index:

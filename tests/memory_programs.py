@@ -9,7 +9,9 @@ copy added after it), or an unchanged input as its own new value.
 `run_in_arena` executes a planned program the way generated code will: every arena value lives at its planned
 offset in one byte array (poisoned with NaN bytes at the start and wherever a buffer is freed), persistent values
 in their own arrays updated in place. If two tensors live at the same time overlapped, or a value were read after
-it is freed or overwritten, the results would differ from the reference interpreter's.
+it is freed or overwritten, the results would differ from the reference interpreter's. A statement whose output
+takes over its dying input's bytes reads its inputs before writing (the reference semantics); that the runtime
+kernels do the same on overlapping memory is tested in tests/test_runtime_cpu.py.
 """
 from __future__ import annotations
 
@@ -95,7 +97,9 @@ def run_in_arena(program: Program, plan: MemoryPlan, feeds: dict) -> dict:
         else:
             for index in step.releases:
                 b = plan.buffers[index]
-                arena[b.offset:b.offset + b.size] = 0xFF
+                # a buffer that took over this one's bytes keeps its part (it starts at the same offset)
+                kept = max((min(t.size, b.size) for t in plan.buffers if t.takes_over == index), default=0)
+                arena[b.offset + kept:b.offset + b.size] = 0xFF
     return {name: read(node) for name, node in program.outputs}
 
 
@@ -120,3 +124,48 @@ def assert_same(ours: dict, theirs: dict, rtol: float = 0.0) -> None:
             np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=name)
         else:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@st.composite
+def small_networks(draw):
+    """A random small convolutional network as a training Loop: a batch of images through 2 to 6 layers drawn from
+    convolutions, batch normalization with ReLU (the pattern rematerialization recomputes), ReLU, max and average
+    pooling (random windows, strides, padding and ceil mode: outputs that take over their input's storage), LRN
+    (its backward runs in place) and residual blocks, then a classifier, softmax and log loss. Sizes are tiny, so the
+    memory decisions come from the structure, not the scale."""
+    from deepdsl import dsl as D
+    from deepdsl.ops.conv import out_size
+
+    n, channels, size = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(5, 12))
+    x = D.images("x", (n, channels, size, size))
+    y = D.labels("y", n, classes=3)
+    layers = []
+    for i in range(draw(st.integers(2, 6))):
+        kind = draw(st.sampled_from(["conv", "bn_relu", "relu", "max_pool", "avg_pool", "lrn", "residual"]))
+        if kind == "conv":
+            kernel = draw(st.sampled_from([1, 3]))
+            channels = draw(st.integers(1, 4))
+            layers.append(D.conv(f"c{i}", kernel, channels, padding=kernel // 2))
+        elif kind == "bn_relu":
+            channels = draw(st.integers(1, 4))
+            layers.append(D.relu @ D.batch_norm(f"bn{i}") @ D.conv(f"c{i}", 3, channels, padding=1, bias=False))
+        elif kind == "relu":
+            layers.append(D.relu)
+        elif kind in ("max_pool", "avg_pool"):
+            kernel = draw(st.integers(1, min(3, size)))
+            stride = draw(st.integers(1, kernel))
+            pad = draw(st.integers(0, kernel // 2))
+            ceil = draw(st.booleans())
+            if out_size(size, kernel, stride, pad, ceil) < 1:
+                continue
+            layers.append((D.max_pool if kind == "max_pool" else D.avg_pool)(kernel, stride, pad, ceil))
+            size = out_size(size, kernel, stride, pad, ceil)
+        elif kind == "lrn":
+            layers.append(D.lrn(size=draw(st.sampled_from([1, 3, 5]))))
+        else:
+            block = D.batch_norm(f"rb{i}") @ D.conv(f"r{i}", 3, channels, padding=1, bias=False)
+            layers.append(D.relu @ D.fn(lambda p, block=block: D.add(block(p), p), f"res{i}"))
+    net = D.full("fc", 3) @ D.flatten
+    for layer in reversed(layers):
+        net = net @ layer
+    return D.Loop((D.log_loss(y) @ D.softmax @ net)(x), (D.precision(y) @ net)(x), D.Train("random"))

@@ -1,5 +1,6 @@
-"""The memory stages (schedule, in-place, dealloc, the max-pool gradient rewrite), the verifier's and interpreter's
-view of them, LeNet against the DeepDSL paper's Figure 3, the memory table (golden text) and `deepdsl memory`.
+"""The memory stages (schedule, rematerialize, in-place, dealloc, the max-pool gradient rewrite), the verifier's and
+interpreter's view of them, LeNet against the DeepDSL paper's Figure 3, the memory table (golden text) and
+`deepdsl memory`.
 
 Property tests run each stage on random step programs (`memory_programs.step_programs`: random graphs plus
 updates of persistent inputs) and check the verifier after every stage and the interpreter's results against the
@@ -26,9 +27,11 @@ from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
-from deepdsl.passes.schedule import peak_estimate, schedule_for_memory
+from deepdsl.passes.rematerialize import rematerialize
+from deepdsl.passes.schedule import live_profile, peak_estimate, schedule_for_memory, storage_graph
 from deepdsl.pipeline import CompileOptions
 from deepdsl.program import Free, Let, Program
+from deepdsl.storage import analyze
 from deepdsl.verify import verify
 
 from memory_programs import assert_same, reference, step_programs
@@ -56,7 +59,9 @@ def test_each_memory_stage_preserves_values(graph, seed):
     scheduled = verify(schedule_for_memory(program))
     assert sorted(id(n) for n in scheduled.statements()) == sorted(id(n) for n in program.statements())
     assert_same(reference(scheduled, values, np.float64), expected)
-    in_place = verify(compute_in_place(scheduled))
+    recomputed = verify(rematerialize(scheduled))
+    assert_same(reference(recomputed, values, np.float64), expected)
+    in_place = verify(compute_in_place(recomputed))
     assert_same(reference(in_place, values, np.float64), expected)
     freed = verify(insert_frees(in_place))
     assert_same(reference(freed, values, np.float64), expected)
@@ -69,6 +74,20 @@ def test_each_memory_stage_preserves_values(graph, seed):
 def test_scheduling_never_raises_the_peak(graph):
     program = sink(linearize(graph))
     assert peak_estimate(schedule_for_memory(program)) <= peak_estimate(program)
+
+
+@SETTINGS
+@given(step_programs())
+def test_rematerialization_never_raises_live_bytes(graph):
+    program = schedule_for_memory(sink(linearize(graph)))
+    recomputed = rematerialize(program)
+    before = live_profile(storage_graph(program), list(range(len(program.body))))
+    after = live_profile(storage_graph(recomputed), list(range(len(recomputed.body))))
+    # the statements of `program` in `recomputed`, at the same live bytes or fewer (copies are inserted before uses)
+    kept = [k for k, instr in enumerate(recomputed.body) if not instr.node.attr("remat")]
+    assert len(kept) == len(before)
+    assert all(after[k] <= b for k, b in zip(kept, before))
+    assert all(after[k] <= max(before) for k in range(len(after)))
 
 
 @SETTINGS
@@ -165,27 +184,41 @@ def test_lenet_tensor_sizes_match_figure_3(lenet):
     assert sizes["matmul"][:2] == [1_000_000, 20_000]
 
 
-def test_lenet_peak_is_the_lower_bound_of_its_ops(lenet):
+def test_lenet_peak_is_under_30_mb(lenet):
     plan = lenet.train_plan
-    # Two instants no order avoids: pooling conv1's output (x, y, conv1 23.04, pool1 5.76, argmax 1.44 MB live)
-    # and max_pool_bwd into conv1's gradient (x, its input 5.76, argmax 1.44 and the 23.04 MB result). The peak is
-    # the larger, up to the 256-byte rounding: 31.81 MB against the original DeepDSL's 59.168 MB.
-    forward = 1_568_000 + 2_000 + 23_040_000 + 5_760_000 + 1_440_000
-    backward = 1_568_000 + 5_760_000 + 1_440_000 + 23_040_000
+    # The peak is at conv1's pooling (Figure 3 sizes): x 1.568, y, conv1's output 23.04 and the argmax 1.44 MB are
+    # live; the pooled output (5.76 MB) takes over the head of conv1's output, which dies there. Max pooling's
+    # backward grows conv1's 23.04 MB gradient over its dying 5.76 MB input: x + argmax + 23.04 MB, just below. Without
+    # the takeovers both instants held 31.81 MB (x, conv1's output or gradient, the pooled output or its gradient,
+    # the argmax), the floor of separate buffers.
+    forward = 1_568_000 + 2_000 + 23_040_000 + 1_440_000
+    backward = 1_568_000 + 1_440_000 + 23_040_000
     assert plan.peak_live_bytes_exact == max(forward, backward)
     assert plan.peak_live_bytes - plan.peak_live_bytes_exact < 5 * 256
-    assert plan.peak_live_bytes < 0.54 * 59_168_000
+    assert plan.peak_live_bytes <= 30_000_000
+    without = deepdsl.pipeline.plan_program(lenet.unplanned["train"], CompileOptions(takeover=False))[1]
+    assert without.peak_live_bytes_exact == forward + 5_760_000
 
 
-def test_lenet_conv_outputs_die_in_the_forward_pass(lenet):
-    program = lenet.train
+def test_lenet_pooled_outputs_take_over_the_convolution_outputs(lenet):
+    program, plan = lenet.train, lenet.train_plan
     body = program.body
-    for k, instr in enumerate(body):
-        if isinstance(instr, Let) and instr.node.op == "max_pool":
-            conv = instr.node.inputs[0]
-            argmax = body[k + 1].node
-            assert argmax.op == "max_pool_argmax" and argmax.inputs[0] is conv     # fused pair, adjacent
-            assert isinstance(body[k + 2], Free) and conv in body[k + 2].nodes       # the conv output dies now
+    pools = [k for k, instr in enumerate(body) if isinstance(instr, Let) and instr.node.op == "max_pool"]
+    assert len(pools) == 2
+    for k in pools:
+        conv = body[k].node.inputs[0]
+        argmax = body[k - 1].node
+        assert argmax.op == "max_pool_argmax" and argmax.inputs[0] is conv     # the pair, adjacent, argmax first
+        assert isinstance(body[k + 1], Free) and conv in body[k + 1].nodes       # the conv output dies at the pooling
+    # conv1's pooling takes over conv1's output, pool1's backward takes over its gradient input: the two instants
+    # at the peak (conv2's pair stays below the peak and keeps its own buffers)
+    taken = {plan.buffers[b.takes_over].value.op: b.value.op for b in plan.buffers if b.takes_over is not None}
+    assert taken == {"conv2d": "max_pool", "conv2d_bwd_data": "max_pool_bwd"}
+    for b in plan.buffers:
+        if b.takes_over is not None:
+            a = plan.buffers[b.takes_over]
+            assert a.offset == b.offset and a.end == b.begin + 1
+            assert plan.placement(b.value).takes_over is a.value
 
 
 def test_lenet_updates_overwrite_parameters_and_momentum(lenet):
@@ -204,6 +237,8 @@ def test_lenet_optimizations_each_lower_the_peak(lenet):
     peak = report.plan.peak_live_bytes
     assert report.what_if["without memory-aware scheduling"] > 1.4 * peak
     assert report.what_if["without in-place parameter updates"] > peak
+    assert report.what_if["without taking over dying inputs' storage"] > peak
+    assert report.what_if["without rematerialization"] == peak          # LeNet has nothing worth recomputing
     assert report.what_if["without freeing (every tensor kept to the end)"] > 2 * peak
 
 
@@ -224,10 +259,90 @@ def test_relu_before_pooling_dies_at_the_pooling(tmp_path):
     for k in pools:
         pooled_input = body[k].node.inputs[0]
         readers = [j for j, i in enumerate(body) if isinstance(i, Let) and pooled_input in i.node.inputs]
-        assert max(readers) == k + 1                     # read by the pooling and its argmax only
+        assert readers == [k - 1, k]                     # read by its argmax and the pooling only
+        assert body[k - 1].node.op == "max_pool_argmax"
     reference_program = compiled.unplanned["train"]
     assert not any(i.node.op == "ew" and any(x.op == "max_pool_bwd" for x in i.node.inputs)
                    for i in reference_program.body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in-place LRN gradients, rematerialization
+
+def test_lrn_backward_writes_over_its_incoming_gradient(tmp_path):
+    from test_memory_plan import load_small
+    program = deepdsl.compile(load_small("pooled", tmp_path), CompileOptions(verify=True)).train
+    (instr,) = [i for i in program.body if isinstance(i, Let) and i.node.op == "lrn_bwd"]
+    g, x = instr.node.inputs
+    assert instr.into is g                              # dx over g, which dies there; never over the LRN input x
+
+
+def test_verifier_rejects_in_place_over_an_input_the_kernel_reads_elsewhere(tmp_path):
+    from test_memory_plan import load_small
+    program = deepdsl.compile(load_small("pooled", tmp_path), CompileOptions(inplace=False)).unplanned["train"]
+    program = compute_in_place(program, activations=False)
+    body = list(program.body)
+    k, instr = next((k, i) for k, i in enumerate(body) if i.node.op == "lrn_bwd")
+    g, x = instr.node.inputs
+    body[k] = Let(instr.node, into=x)                   # the kernel reads x at other positions than it writes
+    with pytest.raises(VerifyError, match="other positions"):
+        verify(Program(program.name, program.inputs, tuple(body), program.outputs))
+
+
+def test_rematerialization_recomputes_batch_norm_relus_in_the_backward_pass():
+    from deepdsl.dsl import Overrides
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "resnet_mini.py", Overrides(batch=16)),
+                               CompileOptions(verify=True))
+    program = compiled.train
+    copies = [i.node for i in program.body if isinstance(i, Let) and i.node.attr("remat")]
+    assert copies and all(c.op == "ew" and "Max(0" in str(c.attr("expr")) for c in copies)
+    assert program.text().count("(recomputed)") == len(copies)
+    originals = {id(n) for n in compiled.unplanned["train"].statements()}
+    storage = analyze(program)
+    position = {id(i.node): k for k, i in enumerate(program.body) if isinstance(i, Let)}
+    for copy in copies:
+        assert id(copy) not in originals                # a new node: the original keeps its identity
+        # it reads only storage that other statements read after it anyway (nothing is kept alive longer)
+        k = position[id(copy)]
+        for i in copy.inputs:
+            if i.op == "const" or storage.of(i).persistent:
+                continue
+            members = storage.of(i).members
+            assert any(m in instr.node.inputs for instr in program.body[k + 1:] if isinstance(instr, Let)
+                       for m in members)
+    without = deepdsl.pipeline.plan_program(compiled.unplanned["train"], CompileOptions(rematerialize=False))[1]
+    assert compiled.train_plan.peak_live_bytes < 0.8 * without.peak_live_bytes
+
+
+def test_rematerialization_splits_a_value_used_before_and_after_the_peak():
+    """v = 2*w (w a parameter, always alive) is read right away and again after a large temporary: recomputing v
+    before its late reader frees it during the temporary's life, so the peak drops by v's size."""
+    x = make("param", (), name="x", shape=(64, 64), dtype="float")
+    v = make("ew", (x,), expr=2 * sym(0))
+    early = make("ew", (v,), expr=3 * sym(0))
+    big = make("matmul", (early, early))
+    small = make("sum_to", (big,), shape=())
+    late = make("ew", (v, small), expr=sym(0) + sym(1))
+    program = verify(Program("p", (x,), tuple(Let(n) for n in (v, early, big, small, late)),
+                             (("out", late), ("e", small))))
+    recomputed = verify(rematerialize(program))
+    nodes = recomputed.statements()
+    assert [n.op for n in nodes] == ["ew", "ew", "matmul", "sum_to", "ew", "ew"]
+    copy = nodes[4]
+    assert copy.attr("remat") == 1 and copy.inputs == (x,) and nodes[5].inputs[0] is copy
+    assert peak_estimate(recomputed) == peak_estimate(program) - 64 * 64 * 4
+    values = {"x": np.random.default_rng(0).standard_normal((64, 64))}
+    assert_same(reference(recomputed, values, np.float64), reference(program, values, np.float64))
+    assert rematerialize(schedule_for_memory(program)).statements()[-2].attr("remat") == 1
+    # the same with x a batch input, dead after v: recomputing v would keep x alive instead, so v stays
+    x = make("input", (), name="x", shape=(64, 64), dtype="float", role="data")
+    nodes = [make("ew", (x,), expr=2 * sym(0))]
+    nodes.append(make("ew", (nodes[0],), expr=3 * sym(0)))
+    nodes.append(make("matmul", (nodes[1], nodes[1])))
+    nodes.append(make("sum_to", (nodes[2],), shape=()))
+    nodes.append(make("ew", (nodes[0], nodes[3]), expr=sym(0) + sym(1)))
+    program = Program("p", (x,), tuple(Let(n) for n in nodes), (("out", nodes[4]), ("e", nodes[3])))
+    assert rematerialize(program) is program
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from deepdsl.ir import Node
+from deepdsl.ir import REMAT, Node
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def literal(value) -> str:
 
 
 def _attrs(node: Node, skip: tuple[str, ...] = ()) -> str:
-    return "".join(f", {k}={literal(v)}" for k, v in node.attrs if k not in skip)
+    return "".join(f", {k}={literal(v)}" for k, v in node.attrs if k not in skip and k != REMAT)
 
 
 def default(site: Site) -> str:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from deepdsl.errors import ShapeError
-from deepdsl.ir import Node
+from deepdsl.ir import REMAT, Node
 
 _REGISTRY: dict[str, "Op"] = {}
 
@@ -65,6 +65,16 @@ class Op:
     view: ClassVar[bool] = False        # the output aliases input 0 (reshape): costs no memory
     random: ClassVar[bool] = False      # draws random numbers: never hoisted, never merged across layers
     commutative: ClassVar[bool] = False
+    # inputs the runtime kernel may overwrite with the output (same shape and dtype) when they die at the statement:
+    # it reads every position of such an input before it writes that position (the in-place pass, `passes/inplace.py`)
+    in_place: ClassVar[tuple[int, ...]] = ()
+    # an input whose storage the output may take over from its start when that input dies at the statement: the op
+    # computes each sample of its output from the same sample of that input, and the runtime kernel runs the samples
+    # in an order that reads each one before its bytes are overwritten (the memory plan, `deepdsl/memory_plan.py`)
+    takes_over: ClassVar[int | None] = None
+    # one pass over its inputs (elementwise, pooling or channel windows): the rematerialization pass may compute it
+    # again before late uses rather than keep it alive (`passes/rematerialize.py`)
+    cheap: ClassVar[bool] = False
 
     def infer(self, *inputs: Node, **attrs: Any) -> tuple[tuple[int, ...], str]:
         raise NotImplementedError(self.name)
@@ -76,13 +86,17 @@ class Op:
     def evaluate(self, ctx: EvalContext, *args: np.ndarray, **attrs: Any) -> np.ndarray:
         raise NotImplementedError(self.name)
 
+    def overwritable(self, node: Node) -> tuple[int, ...]:
+        """Positions of the inputs of `node` its output may be written over (see `in_place`)."""
+        return self.in_place
+
     def workspace(self, node: Node, limit: int | None = None) -> Workspace:
         """Scratch bytes `node` needs while it runs, within `limit` bytes where the op can split its work."""
         return Workspace(0)
 
     def describe(self, node: Node) -> str:
         """The op with its attributes as printed in IR dumps, e.g. `conv2d[stride=1,pad=0]`."""
-        shown = [f"{k}={_fmt(v)}" for k, v in node.attrs]
+        shown = [f"{k}={_fmt(v)}" for k, v in node.attrs if k != REMAT]
         return f"{self.name}[{','.join(shown)}]" if shown else self.name
 
 

@@ -113,6 +113,7 @@ class Conv2dBwdData(Op):
     """Gradient of conv2d with respect to its input: col2im(G W)."""
 
     name = "conv2d_bwd_data"
+    takes_over = 0            # the input gradient may take over the dying output gradient's storage (per sample)
 
     def infer(self, g: Node, w: Node, *, stride=1, pad=0, size):
         require(g.shape[1] == w.shape[0], f"gradient has {g.shape[1]} channels, weights {w.shape[0]}")

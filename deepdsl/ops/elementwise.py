@@ -90,6 +90,7 @@ def numpy_function(expr: sympy.Expr, n: int):
 @register
 class Elementwise(Op):
     name = "ew"
+    cheap = True
 
     def infer(self, *inputs: Node, expr, out_grad=None):
         for i in inputs:
@@ -114,6 +115,9 @@ class Elementwise(Op):
             cot = elementwise(cotangent, [g, *node.inputs], shape=node.shape)
             result.append(sum_to(cot, x.shape))
         return tuple(result)
+
+    def overwritable(self, node: Node) -> tuple[int, ...]:
+        return tuple(range(len(node.inputs)))         # any input (at the output's shape: see passes/inplace.py)
 
     def evaluate(self, ctx, *args, expr, out_grad=None):
         # a uint8 mask alone (after its float factor is folded into the expression) must not compute in uint8

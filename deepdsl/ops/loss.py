@@ -16,6 +16,7 @@ def _check_scores(x: Node, what: str):
 @register
 class Softmax(Op):
     name = "softmax"
+    in_place = (0,)           # each row's maximum and sum are taken before the row is written
 
     def infer(self, x: Node):
         _check_scores(x, "softmax")
@@ -34,6 +35,7 @@ class Softmax(Op):
 @register
 class LogSoftmax(Op):
     name = "log_softmax"
+    in_place = (0,)
 
     def infer(self, x: Node):
         _check_scores(x, "log_softmax")

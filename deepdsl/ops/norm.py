@@ -30,6 +30,8 @@ class LRN(Op):
     y_c = x_c / (k + alpha/size * sum_{window(c)} x^2)^beta."""
 
     name = "lrn"
+    in_place = (0,)           # the scale is computed from all of x before x * scale is written
+    cheap = True
 
     def infer(self, x: Node, *, size, alpha, beta, k):
         require(len(x.shape) in (2, 4), f"LRN input must be 2-D or 4-D, got {dims(x.shape)}")
@@ -49,6 +51,7 @@ class LRN(Op):
 @register
 class LRNBwd(Op):
     name = "lrn_bwd"
+    in_place = (0,)           # dx may overwrite g: every read of g comes before dx = g * s^-beta - ... is written
 
     def infer(self, g, x, *, size, alpha, beta, k):
         require(g.shape == x.shape, "lrn_bwd: gradient and input shapes differ")

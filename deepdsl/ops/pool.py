@@ -65,6 +65,8 @@ class _Pool(Op):
 @register
 class MaxPool(_Pool):
     name = "max_pool"
+    takes_over = 0            # the pooled output may take over its dying input's storage
+    cheap = True
 
     def vjp(self, node, g):
         x = node.inputs[0]
@@ -100,6 +102,7 @@ class MaxPoolArgmax(_Pool):
 @register
 class MaxPoolBwd(Op):
     name = "max_pool_bwd"
+    takes_over = 0            # the input gradient may grow over the dying output gradient's storage
 
     def infer(self, g, argmax, *, kernel, stride, pad=0, ceil=False, size):
         require(g.shape == argmax.shape, "max_pool_bwd: gradient and argmax shapes differ")
@@ -137,6 +140,8 @@ def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray
 @register
 class AvgPool(_Pool):
     name = "avg_pool"
+    takes_over = 0
+    cheap = True
 
     def vjp(self, node, g):
         x = node.inputs[0]
@@ -150,6 +155,7 @@ class AvgPool(_Pool):
 @register
 class AvgPoolBwd(Op):
     name = "avg_pool_bwd"
+    takes_over = 0
 
     def infer(self, g, *, kernel, stride, pad=0, ceil=False, include_pad=True, size):
         return g.shape[:2] + tuple(size), FLOAT

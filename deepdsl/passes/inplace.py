@@ -8,11 +8,15 @@ Two kinds, both recorded as `Let(node, into=target)`:
   if at all, elementwise at its own shape. When that is impossible (the output is an input, a view, shared by two
   outputs, or some reader of the old value comes later), a copy `ew(v0)` into the input is added right after the
   later of the value and the old value's last reader, so the runtime never copies state behind the plan's back.
-- activations: an elementwise statement (`ew`: activations, bias adds, scaling, gradient accumulation, optimizer
-  arithmetic) writes over an input of its own shape and dtype whose storage dies at this statement: the input and
-  all its views are read for the last time here, none is a program output, and the storage is no batch input.
-  Other ops never run in place: a convolution, matmul, pooling or reduction reads its input at other positions than
-  it writes, and a view (`reshape`) already costs nothing.
+- activations and gradients: a statement writes over an input of its own shape and dtype whose storage dies at
+  this statement (the input and all its views are read for the last time here, none is a program output, and the
+  storage is no batch input), when its op's kernel reads every position of that input before writing it
+  (`Op.overwritable`): an elementwise statement (`ew`: activations, bias adds, scaling, gradient accumulation,
+  optimizer arithmetic) over any input read at its own shape; LRN and its backward over their first input (the
+  backward's `dx` over the incoming gradient `g`: the kernel computes everything it needs of `g` before it writes
+  `dx`); softmax and log-softmax over their scores. A convolution, matmul or reduction reads its input at other
+  positions than it writes (pooling may instead take over its input's storage from the start, which the memory
+  plan decides, see `deepdsl.memory_plan`), and a view (`reshape`) already costs nothing.
 
 Guarantees: same values (the interpreter deletes every overwritten value, so a wrong annotation fails loudly); no
 value is read after it is overwritten; program outputs and batch inputs are never overwritten; statement order is
@@ -23,6 +27,7 @@ from __future__ import annotations
 import sympy
 
 from deepdsl.ir import Node, make
+from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import sym
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_persistent, is_view
@@ -141,7 +146,7 @@ def _activations_in_place(program: Program) -> Program:
     for k, instr in enumerate(program.body):
         node = instr.node
         target = instr.into
-        if target is None and node.op == "ew":
+        if target is None and node.inputs:
             target = _dying_input(node, k, root, last_read, pinned)
         host = target if target is not None else (node.inputs[0] if is_view(node) else None)
         join(node, root[id(host)] if host is not None and id(host) in root else node)
@@ -150,13 +155,20 @@ def _activations_in_place(program: Program) -> Program:
 
 
 def _dying_input(node: Node, k: int, root, last_read, pinned) -> Node | None:
-    for candidate in node.inputs:
+    positions = get_op(node.op).overwritable(node)
+    if not positions:
+        return None
+    allowed = [node.inputs[j] for j in positions]
+    for candidate in allowed:
         if id(candidate) not in root or candidate.shape != node.shape or candidate.dtype != node.dtype:
             continue
         r = root[id(candidate)]
         if is_persistent(r) or is_batch_input(r) or id(r) in pinned or last_read[id(r)] > k:
             continue
-        if any(root.get(id(i)) is r and i.shape != node.shape for i in node.inputs):
-            continue                        # reads the storage through a view of another shape: positions differ
+        # the statement must read the storage only through overwritable inputs at its own shape (a view of another
+        # shape, or an input the kernel reads at other positions, would see overwritten values)
+        if any(root.get(id(i)) is r and (i.shape != node.shape or not any(i is a for a in allowed))
+               for i in node.inputs):
+            continue
         return candidate
     return None

@@ -12,10 +12,11 @@ pass never makes the peak worse than it was):
 - `frees-first`: any statement that adds no bytes, else the input order (a depth-first order: one branch at a time);
 - `input`: the input order itself.
 
-Max pooling and its argmax are scheduled next to each other (the pooled input then dies at once; code generation
-fuses the pair into one kernel call). The peak is simulated as the memory planner counts it: sizes rounded to the
-arena alignment, views free, an elementwise statement over a same-shape input that dies there reusing that input's
-storage. Runs in O((n + e) log n).
+Max pooling and its argmax are scheduled next to each other, the argmax first: the pooled input then dies at the
+pooling, whose output takes over the input's storage (see `deepdsl.memory_plan`). The peak is simulated as the
+memory planner counts it: sizes rounded to the arena alignment, views free, a statement over a same-shape input
+that dies there and that its kernel may overwrite reusing that input's storage, a pooling over an input that dies
+there sharing that input's bytes. Runs in O((n + e) log n).
 Guarantees: same statements, each after its inputs; same inputs and outputs.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import heapq
 
 from deepdsl.ir import Node
+from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import is_batch_input, is_inline, is_persistent, is_view, nbytes
 
@@ -99,12 +101,29 @@ class _Graph:
                     self.partner[k], self.partner[p] = p, k
 
     def reuses(self, k: int, dying: list[int]) -> bool:
-        """Whether statement k (elementwise) can write over the storage of a same-shape input group that dies."""
+        """Whether statement k can write over the storage of a same-shape input group that dies (an elementwise
+        statement over any input, other ops over the inputs their kernel may overwrite)."""
         node = self.nodes[k]
-        if node.op != "ew" or self.alloc[k] == 0:
+        if self.alloc[k] == 0 or not dying:
             return False
-        return any(self.group_shape[g] == node.shape and not self.group_batch[g]
+        positions = get_op(node.op).overwritable(node)
+        if not positions:
+            return False
+        groups = {self.group_of.get(id(node.inputs[j])) for j in positions}
+        return any(g in groups and self.group_shape[g] == node.shape and not self.group_batch[g]
                    and self.group_size[g] == self.alloc[k] for g in dying)
+
+    def taken_over(self, k: int, dying: list[int]) -> int:
+        """Bytes statement k's output shares with the input whose storage it takes over from the start, when that
+        input dies here (pooling, see `Op.takes_over`): its output and that input together take the larger size."""
+        node = self.nodes[k]
+        j = get_op(node.op).takes_over
+        if j is None or self.alloc[k] == 0:
+            return 0
+        g = self.group_of.get(id(node.inputs[j]))
+        if g is None or g not in dying or self.group_batch[g]:
+            return 0
+        return min(self.alloc[k], self.group_size[g])
 
 
 def _update_targets(program: Program, index: dict[int, int], graph: _Graph) -> dict[int, int]:
@@ -198,7 +217,7 @@ def _list_schedule(graph: _Graph, priority: str) -> list[int]:
             continue                      # stale entry (its key changed) or already run
         partner = graph.partner.get(k)
         if partner is not None and not done[partner] and waiting[partner] == 0:
-            first, second = (k, partner) if graph.nodes[k].op == "max_pool" else (partner, k)
+            first, second = (partner, k) if graph.nodes[k].op == "max_pool" else (k, partner)
             run(first)
             run(second)
         else:
@@ -209,9 +228,15 @@ def _list_schedule(graph: _Graph, priority: str) -> list[int]:
 
 def simulated_peak(graph: _Graph, order: list[int]) -> int:
     """Peak of live bytes of `order`, counted as the memory planner counts them (see the module docstring)."""
+    batch = sum(graph.group_size[g] for g in range(len(graph.group_size)) if graph.group_batch[g])
+    return max(live_profile(graph, order), default=batch)
+
+
+def live_profile(graph: _Graph, order: list[int]) -> list[int]:
+    """Live bytes while each statement of `order` runs (its output included), as `simulated_peak` counts them."""
     remaining = [len(r) for r in graph.readers]
     live = sum(graph.group_size[g] for g in range(len(remaining)) if graph.group_batch[g])
-    peak = live
+    profile = []
     for k in order:
         dying = []
         for g in graph.reads[k]:
@@ -221,10 +246,15 @@ def simulated_peak(graph: _Graph, order: list[int]) -> int:
         own = graph.owned[k]
         if own is not None and not graph.readers[own] and not graph.group_pinned[own] and graph.alloc[k]:
             dying.append(own)             # never read: freed right after it is made
-        transient = live if graph.reuses(k, dying) else live + graph.alloc[k]
-        peak = max(peak, transient)
+        transient = live if graph.reuses(k, dying) else live + graph.alloc[k] - graph.taken_over(k, dying)
+        profile.append(transient)
         live += graph.alloc[k] - sum(graph.group_size[g] for g in dying)
-    return peak
+    return profile
+
+
+def storage_graph(program: Program) -> _Graph:
+    """Dependencies, storage groups and their sizes of a program without Free statements (for `live_profile`)."""
+    return _Graph(program)
 
 
 def _views_at_first_use(graph: _Graph, order: list[int]) -> list[int]:
@@ -276,4 +306,5 @@ def peak_estimate(program: Program) -> int:
     return simulated_peak(_Graph(program), list(range(len(program.body))))
 
 
-__all__ = ["schedule_for_memory", "simulated_peak", "peak_estimate", "aligned", "is_inline"]
+__all__ = ["schedule_for_memory", "simulated_peak", "live_profile", "storage_graph", "peak_estimate", "aligned",
+           "is_inline"]
