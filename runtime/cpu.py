@@ -10,14 +10,25 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
   own scratch (handy interactively, never done by generated programs).
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
 - `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote.
+- The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
+  product `gemm(a, b, out=c)` (c = a @ b, 2-D or batched as numpy's matmul; operands may be transposed views):
+  `np.matmul` by default. `with_gemm(gemm)` is this backend with another one bound, such as the tiled
+  multi-device GEMM (`deepdsl_runtime.gemm_backend.TiledProducts`).
 
 Convolution is im2col + GEMM (Torch7's scheme): a strided view of the (zero-padded) input is copied into the
-workspace as a (C*kh*kw, Ho*Wo) matrix per sample and multiplied by the (O, C*kh*kw) filter matrix in one batched
-`np.matmul` straight into the output. 1x1 convolutions with stride 1 need no copy at all.
+workspace as a (C*kh*kw, samples*Ho*Wo) matrix and multiplied by the (O, C*kh*kw) filter matrix, in one product for
+small output planes, per sample for large ones. 1x1 convolutions with stride 1 need no copy at all.
+
+Kernels run the batch in chunks of samples: as many as the workspace holds, and no more than keep about
+`CACHE_BYTES` of data per chunk, so that a kernel's several passes over its scratch (an im2col matrix, then its
+product; pooling windows one offset at a time) find it in the cache. Every float is float32: scalars enter ufuncs
+as Python floats or float32 (numpy keeps the array's precision), and no kernel upcasts.
 """
 from __future__ import annotations
 
 import builtins
+import functools
+import types
 
 import numpy as np
 
@@ -30,6 +41,15 @@ __all__ = [
 
 DEVICE = "cpu"
 _F32 = np.float32
+_PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
+
+
+def with_gemm(gemm) -> types.SimpleNamespace:
+    """This backend (every name of `__all__`) with the ops of `_PRODUCTS` computing their matrix products by
+    `gemm(a, b, out=c)` instead of `np.matmul`: what a generated program's `rt` is when its products run tiled."""
+    names = {name: globals()[name] for name in __all__}
+    names.update({name: functools.partial(globals()[name], gemm=gemm) for name in _PRODUCTS})
+    return types.SimpleNamespace(**names)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,14 +101,106 @@ class _Scratch:
         return self.take(((count + 3) // 4,)).view(np.bool_)[:count].reshape(shape)
 
 
-def _chunk(n: int, workspace: np.ndarray | None, per_sample: int, fixed_if_split: int = 0) -> int:
-    """How many samples fit the workspace at a time; `fixed_if_split` floats are reserved when not all do."""
-    if workspace is None or per_sample == 0 or workspace.size >= n * per_sample:
+CACHE_BYTES = 1 << 23     # data a kernel keeps per chunk of samples (two cores' L2 caches): passes over it stay cached
+
+
+def _chunk(n: int, workspace: np.ndarray | None, per_sample: int, fixed_if_split: int = 0,
+           cache_floats: int | None = None) -> int:
+    """How many samples a kernel runs at a time: as many as the workspace holds (`fixed_if_split` floats are
+    reserved when not all do), and no more than keep `cache_floats` of working set (default CACHE_BYTES): a kernel
+    makes several passes over its scratch, which then come from the cache instead of memory. The cache bound
+    only splits a batch where the workspace still holds the reserved part."""
+    if per_sample == 0:
         return n
+    if workspace is None or workspace.size >= n * per_sample:
+        cap = max(1, (CACHE_BYTES // 4 if cache_floats is None else cache_floats) // per_sample)
+        if cap >= n or (workspace is not None and workspace.size < cap * per_sample + fixed_if_split):
+            return n
+        return cap
     m = (workspace.size - fixed_if_split) // per_sample
     if m < 1:
         raise ValueError(f"workspace of {workspace.size} floats holds no sample (needs {per_sample + fixed_if_split})")
     return m
+
+
+def _samples(n: int, per_sample_floats: int):
+    """(start, stop) of the cache-sized chunks of samples a kernel without scratch runs at a time."""
+    step = _chunk(n, None, per_sample_floats)
+    return ((s, min(n, s + step)) for s in range(0, n, step))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# outputs that take over their input's bytes
+
+def _takes_over(x: np.ndarray, out: np.ndarray) -> bool:
+    """Whether `out` shares bytes with `x`: the memory plan then places it at the same start (a pooling output
+    taking over its dying input's storage, see `deepdsl.memory_plan`)."""
+    if not np.may_share_memory(x, out):
+        return False
+    if x.ctypes.data != out.ctypes.data or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("an output overlapping its input must start where the input starts (both contiguous)")
+    return True
+
+
+def _safe_chunks(n: int, bi: int, bo: int):
+    """(start, stop, staged) chunks of samples in an order that never overwrites an unread input sample, for an op
+    computing output sample i (`bo` bytes) from input sample i (`bi` bytes) with output and input starting at the
+    same byte. Shrinking (bo <= bi) runs forward: a chunk [s, e) is safe when its output ends before the first
+    unread input byte (e * bo <= s * bi). Growing runs backward: a chunk is safe when its output starts after the
+    last unread input byte (s * bo >= e * bi). The chunks grow geometrically by bi / bo; a sample with no safe
+    chunk (the first when shrinking, the last when growing, every one when bo == bi) is `staged` through scratch."""
+    if bo <= bi:
+        s = 0
+        while s < n:
+            e = min(n, s * bi // bo)
+            if e <= s:
+                yield s, s + 1, True
+                s += 1
+            else:
+                yield s, e, False
+                s = e
+    else:
+        e = n
+        while e > 0:
+            s = -(-e * bi // bo)
+            if s >= e:
+                yield e - 1, e, True
+                e -= 1
+            else:
+                yield s, e, False
+                e = s
+
+
+def _stage_floats(x: np.ndarray, out: np.ndarray) -> int:
+    """Workspace floats a taking-over kernel stages one sample through: the smaller of an input and an output
+    sample (the memory plan adds them to the statement's workspace, after the op's own scratch)."""
+    return min(x.nbytes // x.shape[0], out.nbytes // out.shape[0]) // 4
+
+
+def _over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | None) -> None:
+    """Run a per-sample op, `run(start, stop, x_chunk, out_chunk, workspace)`, whose output takes over the bytes of
+    its input `x`, chunk by chunk in a safe order (`_safe_chunks`), each call on non-overlapping memory. A staged
+    sample runs into (shrinking) or from (growing) one sample of scratch at the end of the workspace."""
+    n = x.shape[0]
+    bi, bo = x.nbytes // n, out.nbytes // n
+    count = _stage_floats(x, out)
+    if workspace is None:
+        inner, stage = None, np.empty(count, dtype=_F32)
+    else:
+        if workspace.size < count:
+            raise ValueError(f"workspace of {workspace.size} floats is too small (needs at least {count} to stage)")
+        inner, stage = workspace[:workspace.size - count], workspace[workspace.size - count:]
+    for s, e, staged in _safe_chunks(n, bi, bo):
+        if not staged:
+            run(s, e, x[s:e], out[s:e], inner)
+        elif bo <= bi:
+            result = stage.view(out.dtype)[:out[0].size].reshape((1,) + out.shape[1:])
+            run(s, e, x[s:e], result, inner)
+            np.copyto(out[s:e], result)
+        else:
+            source = stage.view(x.dtype)[:x[0].size].reshape((1,) + x.shape[1:])
+            np.copyto(source, x[s:e])
+            run(s, e, source, out[s:e], inner)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,42 +273,69 @@ def _is_pointwise(kh: int, kw: int, stride: int, pad: int) -> bool:
     return kh == 1 and kw == 1 and stride == 1 and pad == 0
 
 
-def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
+_WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
+
+
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul):
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
-    Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input."""
+    Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
+    planes (Ho*Wo < 256) make a chunk of samples one GEMM (O, C*kh*kw) x (C*kh*kw, samples*Ho*Wo) -- one large
+    product keeps every BLAS thread busy where small products per sample do not -- whose (O, samples, Ho*Wo)
+    result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
+    im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
+    one product straight into its output."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
     if _is_pointwise(kh, kw, stride, pad):
-        np.matmul(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
-    else:
-        ckk = c * kh * kw
-        step = _chunk(n, workspace, ckk * ho * wo + _padded_size(c, h, wd, pad))
-        for s in range(0, n, step):
-            e = min(n, s + step)
-            scratch = _Scratch(workspace)
-            cols = scratch.take((e - s, c, kh, kw, ho, wo))
-            _im2col(x[s:e], cols, stride, pad, scratch)
-            np.matmul(w2, cols.reshape(e - s, ckk, ho * wo), out=out[s:e].reshape(e - s, o, ho * wo))
-    if b is not None:
-        np.add(out, b.reshape(1, o, 1, 1), out=out)
+        gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
+        if b is not None:
+            np.add(out, b.reshape(1, o, 1, 1), out=out)
+        return
+    ckk, hw = c * kh * kw, ho * wo
+    step = _chunk(n, workspace, ckk * hw + _padded_size(c, h, wd, pad))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        m = e - s
+        scratch = _Scratch(workspace)
+        cols = scratch.take((c, kh, kw, m, ho, wo))
+        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        target = out[s:e].reshape(m, o, hw)
+        if hw < _WIDE_PLANE and ckk >= o:
+            block = target.reshape(o, m, hw)            # the chunk's output memory, read as (O, samples, Ho*Wo)
+            gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
+            regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
+            np.copyto(regrouped, block)
+            if b is None:
+                np.copyto(target.transpose(1, 0, 2), regrouped)
+            else:
+                np.add(regrouped, b.reshape(o, 1, 1), out=target.transpose(1, 0, 2))
+        else:
+            gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
+            if b is not None:
+                np.add(target, b.reshape(1, o, 1), out=target)
 
 
-def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
-    Stride 1 computes the column gradients on rows as wide as the padded input (the output gradient padded with
-    zero columns), so that adding each kernel offset's contribution is one contiguous run per channel. Workspace
-    per sample: the widened output gradient (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input
-    gradient (C, Hp*Wp + kw - 1). Other strides add strided windows: column gradients (C*kh*kw, Ho*Wo) only."""
+    Stride 1 computes the column gradients of a chunk of samples in one GEMM, on rows as wide as the padded input
+    (the output gradient transposed to (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's
+    contribution is one contiguous run per channel and sample. Workspace per sample: the widened output gradient
+    (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). Other strides
+    add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample. `out` may take over the
+    bytes of `g` (same start): samples then run in a safe order."""
+    if _takes_over(g, out):
+        return _over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
+            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
     w2t = w.reshape(o, c * kh * kw).T
     if _is_pointwise(kh, kw, stride, pad):
-        np.matmul(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
+        gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
         return
     ckk = c * kh * kw
     if stride == 1:
@@ -207,17 +346,18 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
             e = min(n, s + step)
             m = e - s
             scratch = _Scratch(workspace)
-            wide = scratch.take((m, o, ho, wp))
-            wide[..., :wo] = g[s:e]
+            wide = scratch.take((o, m, ho, wp))
+            np.copyto(wide[..., :wo], g[s:e].transpose(1, 0, 2, 3))
             wide[..., wo:] = 0
-            dcols = scratch.take((m, c, kh, kw, ho * wp))
-            np.matmul(w2t, wide.reshape(m, o, ho * wp), out=dcols.reshape(m, ckk, ho * wp))
+            dcols = scratch.take((c, kh, kw, m, ho * wp))
+            gemm(w2t, wide.reshape(o, m * ho * wp), out=dcols.reshape(ckk, m * ho * wp))
             dxp = scratch.take((m, c, plane))
             dxp.fill(0)
+            by_channel = dxp.transpose(1, 0, 2)
             for i in range(kh):
                 for j in range(kw):
-                    view = dxp[:, :, i * wp + j:i * wp + j + ho * wp]
-                    np.add(view, dcols[:, :, i, j], out=view)
+                    view = by_channel[:, :, i * wp + j:i * wp + j + ho * wp]
+                    np.add(view, dcols[:, i, j], out=view)
             np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
         return
     step = _chunk(n, workspace, ckk * ho * wo)
@@ -225,11 +365,11 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     for s in range(0, n, step):
         e = min(n, s + step)
         dcols = _Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
-        np.matmul(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
+        gemm(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
         _col2im_add(dcols, out[s:e], stride, pad)
 
 
-def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul):
     """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM over all samples of a chunk.
 
     Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
@@ -251,7 +391,7 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
         _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         np.copyto(gt, g[s:e].transpose(1, 0, 2, 3))
         target = out2 if s == 0 else acc
-        np.matmul(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
+        gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
         if s:
             np.add(out2, acc, out=out2)
 
@@ -285,54 +425,86 @@ def _window(a, i, j, stride, ho, wo):
     return a[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride]
 
 
+def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
+    """Float32 elements one sample of a pooling kernel touches: input, output and its scratch (cache chunking)."""
+    return sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in (x_shape, out_shape, *scratch_shapes))
+
+
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
+    """Maximum of each window. `out` may take over the bytes of `x` (same start): samples then run in a safe order."""
+    if _takes_over(x, out):
+        return _over_samples(lambda s, e, xs, os, ws: max_pool(
+            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, workspace=ws), x, out, workspace)
     ho, wo = out.shape[2:]
-    src = _pool_source(x, kernel, stride, pad, ho, wo, -np.inf, _Scratch(workspace))
-    np.copyto(out, _window(src, 0, 0, stride, ho, wo))
-    for i in range(kernel):
-        for j in range(kernel):
-            if i or j:
-                np.maximum(out, _window(src, i, j, stride, ho, wo), out=out)
+    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape)):
+        src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, _Scratch(workspace))
+        part = out[s:e]
+        np.copyto(part, _window(src, 0, 0, stride, ho, wo))
+        for p in range(1, kernel * kernel):
+            np.maximum(part, _window(src, p // kernel, p % kernel, stride, ho, wo), out=part)
 
 
 def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
-    """Index (row * kernel + column) of the first maximum of each window, as uint8."""
+    """Index (row * kernel + column) of the first maximum of each window, as uint8.
+
+    The window maxima first (as max_pool computes them), then the index from the last window position to the first:
+    r = 0 at the last position and r = (x_p != max) * (1 + r) before it, so r ends as the offset of the first
+    position holding the maximum. Per position one comparison of strided floats and two passes over uint8 bytes,
+    instead of keeping a running index next to a running maximum."""
     ho, wo = out.shape[2:]
-    scratch = _Scratch(workspace)
-    src = _pool_source(x, kernel, stride, pad, ho, wo, -np.inf, scratch)
-    best = scratch.take(out.shape)
-    better = scratch.take_bool(out.shape)
-    np.copyto(best, _window(src, 0, 0, stride, ho, wo))
-    out.fill(0)
-    for i in range(kernel):
-        for j in range(kernel):
-            if i or j:
-                win = _window(src, i, j, stride, ho, wo)
-                np.greater(win, best, out=better)        # strictly: the first maximum keeps its index
-                np.maximum(best, win, out=best)
-                np.putmask(out, better, i * kernel + j)
+    last = kernel * kernel - 1
+    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape, out.shape)):
+        scratch = _Scratch(workspace)
+        src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, scratch)
+        index = out[s:e]
+        best = scratch.take(index.shape)
+        differs = scratch.take_bool(index.shape)
+        np.copyto(best, _window(src, 0, 0, stride, ho, wo))
+        for p in range(1, last + 1):
+            np.maximum(best, _window(src, p // kernel, p % kernel, stride, ho, wo), out=best)
+        as_bytes = differs.view(np.uint8)
+        if last == 0:
+            index.fill(0)
+        for p in range(last - 1, -1, -1):
+            np.not_equal(_window(src, p // kernel, p % kernel, stride, ho, wo), best, out=differs)
+            if p == last - 1:
+                np.copyto(index, as_bytes)
+            else:
+                np.add(index, 1, out=index)
+                np.multiply(index, as_bytes, out=index)
 
 
 def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None):
-    """Each gradient goes to the position its window's argmax names; overlapping windows add up."""
+    """Each gradient goes to the position its window's argmax names; overlapping windows add up. `out` may take
+    over the bytes of `g` (same start): samples then run in a safe order."""
+    if _takes_over(g, out):
+        return _over_samples(lambda s, e, gs, os, ws: max_pool_bwd(
+            gs, argmax[s:e], out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, size=size, workspace=ws),
+            g, out, workspace)
     ho, wo = g.shape[2:]
     h, w = size
-    scratch = _Scratch(workspace)
-    dst = _scatter_target(out, size, kernel, stride, pad, ho, wo, scratch)
-    hit = scratch.take_bool(g.shape)
-    part = scratch.take(g.shape) if stride < kernel else None
-    dst.fill(0)
-    for i in range(kernel):
-        for j in range(kernel):
-            view = _window(dst, i, j, stride, ho, wo)
-            np.equal(argmax, i * kernel + j, out=hit)
-            if part is None:          # windows do not overlap: each position is written by one window only
-                np.multiply(g, hit, out=view)
-            else:
-                np.multiply(g, hit, out=part)
-                np.add(view, part, out=view)
-    if dst is not out:
-        np.copyto(out, dst[:, :, pad:pad + h, pad:pad + w])
+    overlap = stride < kernel
+    per_sample = _pool_per_sample(out.shape, g.shape, *((g.shape,) if overlap else ()))
+    for s, e in _samples(g.shape[0], per_sample):
+        scratch = _Scratch(workspace)
+        target = out[s:e]
+        dst = _scatter_target(target, size, kernel, stride, pad, ho, wo, scratch)
+        grad, index = g[s:e], argmax[s:e]
+        hit = scratch.take_bool(grad.shape)
+        part = scratch.take(grad.shape) if overlap else None
+        if overlap or stride > kernel or dst.shape[2:] != (kernel * ho, kernel * wo):
+            dst.fill(0)                   # otherwise the windows tile dst and write every position
+        for i in range(kernel):
+            for j in range(kernel):
+                view = _window(dst, i, j, stride, ho, wo)
+                np.equal(index, i * kernel + j, out=hit)
+                if part is None:          # windows do not overlap: each position is written by one window only
+                    np.multiply(grad, hit, out=view)
+                else:
+                    np.multiply(grad, hit, out=part)
+                    np.add(view, part, out=view)
+        if dst is not target:
+            np.copyto(target, dst[:, :, pad:pad + h, pad:pad + w])
 
 
 def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray:
@@ -347,10 +519,16 @@ def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray
             return np.minimum(end, n) - np.maximum(start, 0)
         return end - start
 
-    return np.outer(counts(h, ho), counts(w, wo))
+    # float32: an integer divisor would make numpy divide in float64 and round back
+    return np.outer(counts(h, ho), counts(w, wo)).astype(_F32)
 
 
 def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, workspace=None):
+    """Mean of each window. `out` may take over the bytes of `x` (same start): samples then run in a safe order."""
+    if _takes_over(x, out):
+        return _over_samples(lambda s, e, xs, os, ws: avg_pool(
+            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, workspace=ws),
+            x, out, workspace)
     ho, wo = out.shape[2:]
     src = _pool_source(x, kernel, stride, pad, ho, wo, 0.0, _Scratch(workspace))
     np.copyto(out, _window(src, 0, 0, stride, ho, wo))
@@ -362,6 +540,12 @@ def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, wor
 
 
 def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, size, workspace=None):
+    """Each window's mean gradient spread over the window. `out` may take over the bytes of `g` (same start):
+    samples then run in a safe order."""
+    if _takes_over(g, out):
+        return _over_samples(lambda s, e, gs, os, ws: avg_pool_bwd(
+            gs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, size=size,
+            workspace=ws), g, out, workspace)
     ho, wo = g.shape[2:]
     h, w = size
     scratch = _Scratch(workspace)
@@ -471,6 +655,13 @@ def sum_to(x, *, out, shape):
     if x.shape == tuple(shape):
         np.copyto(out, x)
         return
+    if x.ndim == 4 and tuple(shape) == (1, x.shape[1], 1, 1) and x.shape[2] * x.shape[3] > 1:
+        # per-channel sums (bias and batch-norm gradients): a matrix-vector product over each sample's planes runs
+        # at memory speed, numpy's reduction over axes (0, 2, 3) several times slower
+        n, c, h, w = x.shape
+        per_sample = np.matmul(x.reshape(n, c, h * w), np.ones(h * w, dtype=x.dtype))
+        np.sum(per_sample, axis=0, out=out.reshape(c))
+        return
     lead = x.ndim - len(shape)
     np.sum(x, axis=_reduced_axes(x.shape, tuple(shape)), keepdims=True, out=out.reshape((1,) * lead + tuple(shape)))
 
@@ -503,8 +694,8 @@ def pad_axis(x, *, out, axis, start, size):
     out[_axis_index(x.ndim, axis, start, start + x.shape[axis])] = x
 
 
-def matmul(a, b, *, out, ta=False, tb=False):
-    np.matmul(a.T if ta else a, b.T if tb else b, out=out)
+def matmul(a, b, *, out, ta=False, tb=False, gemm=np.matmul):
+    gemm(a.T if ta else a, b.T if tb else b, out=out)
 
 
 def const(*, out, value, shape=()):
