@@ -11,6 +11,7 @@ Exit status: 0 on success, 1 for a usage problem (bad data spec, unusable checkp
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
@@ -28,7 +29,8 @@ from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory
 from deepdsl_runtime.memory import StepPlan
 
-__all__ = ["Model", "Param", "RunError", "State", "StepPlan", "backend", "initial_value", "run"]
+__all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "backend", "initial_value",
+           "run"]
 
 EXIT_USAGE, EXIT_DIVERGED = 1, 3
 
@@ -263,6 +265,57 @@ def _check_args(args) -> None:
         raise RunError("--lr must be > 0")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# matrix products through the tiled multi-device GEMM
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """'65536', '64K', '256M', '2G' (binary units, an optional trailing 'B' or 'iB') as bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS and not t[-1:].isdigit() else ""
+    try:
+        value = int(float(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes (e.g. 65536, 64K, 256M, 2G)") from None
+    return value
+
+
+def add_gemm_options(parser) -> None:
+    """The command-line options that run the matrix products of the steps on the tiled multi-device GEMM."""
+    parser.add_argument("--gemm-devices", type=int, default=0, metavar="N",
+                        help="compute the matrix products (fully connected layers, convolutions) tiled over N "
+                             "devices (simulated CPU devices with --device cpu); 0: numpy's matmul in place")
+    parser.add_argument("--gemm-device-memory", type=_byte_size, metavar="BYTES",
+                        help="memory of each GEMM device (e.g. 64M; default 256M); given alone, one device")
+    parser.add_argument("--gemm-tile", type=int, default=512, metavar="T", help="GEMM tile edge in elements")
+
+
+def _tiled_products(args):
+    """The `gemm` function the options ask for (a TiledProducts), or None for numpy's own products."""
+    count = getattr(args, "gemm_devices", 0)
+    memory_bytes = getattr(args, "gemm_device_memory", None)
+    if count < 0:
+        raise RunError("--gemm-devices must be >= 0")
+    if count == 0 and memory_bytes is None:
+        return None
+    count = max(count, 1)
+    memory_bytes = (256 << 20) if memory_bytes is None else memory_bytes
+    tile = args.gemm_tile
+    if tile < 1:
+        raise RunError("--gemm-tile must be >= 1")
+    need = 5 * tile * tile * 4          # a device holds an accumulator, two operand tiles, a spare and its scratch
+    if memory_bytes < need:
+        raise RunError(f"--gemm-device-memory {memory_bytes} bytes holds fewer than 5 float32 tiles of "
+                       f"{tile}x{tile} (needs at least {need}); give more memory or a smaller --gemm-tile")
+    if args.device != "cpu":
+        raise RunError("--gemm-devices: only the CPU backend routes its matrix products through the tiled GEMM")
+    from deepdsl_runtime.gemm import TiledGemm
+    from deepdsl_runtime.gemm_backend import TiledProducts, cpu_devices
+    return TiledProducts(TiledGemm(cpu_devices(count, memory_bytes), tile=tile))
+
+
 def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
     return ckpt.Checkpoint(path="", tensors=model.host_tensors(), network=model.name,
                            structure_hash=model.structure_hash, iteration=iteration, seed=model.seed,
@@ -318,6 +371,9 @@ class _Run:
         self.args = args
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False))
+        self.products = _tiled_products(args)
+        if self.products is not None:
+            self.model.rt = self.model.rt.with_gemm(self.products)
         self.path = args.params
         self.data_spec = args.data or self.model.dataset
         self.batch = self.model.batch_shape[0]
@@ -360,6 +416,10 @@ class _Run:
         per_iter = elapsed / done if done else None
         if per_iter is not None:
             _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
+        if self.products is not None:
+            g = self.products.totals()
+            _say(args, f"matrix products: {g['calls']} tiled GEMMs on {g['devices']} devices, "
+                       f"{g['bytes_moved'] / 1e6:.2f} MB moved, output tiles per device {g['tasks_per_device']}")
         figures = model.memory_report()
         if figures["peak_bytes_measured"] is not None:
             _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
@@ -368,7 +428,8 @@ class _Run:
         if args.report_json:
             report = {"network": model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
                       "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
-                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None, **figures}
+                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None, **figures,
+                      "gemm": self.products.totals() if self.products is not None else None}
             with open(args.report_json, "w") as f:
                 json.dump(report, f, indent=2)
                 f.write("\n")
