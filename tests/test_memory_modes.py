@@ -255,6 +255,8 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
             key = node and (node.op, node.shape, tuple(x.shape for x in node.inputs), node.attrs)
             if node is None or not step.workspace or key in seen:
                 continue
+            if step.allocates is not None and plan.buffers[step.allocates].takes_over is not None:
+                continue        # adds one staged sample for running over its input (tests/test_runtime_cpu.py)
             seen.add(key)
             chunked += step.chunks > 1
             assert step.workspace == get_op(node.op).workspace(node, limit).nbytes

@@ -290,6 +290,107 @@ def test_mask_kernel_stays_float32():
     np.testing.assert_array_equal(out, mask * 2.0)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# outputs over their inputs' bytes: in place (same shape) and taking over (per sample, from the same start)
+
+def run_over(node, arrays, j, limit=UNLIMITED):
+    """Run `node` with its output in the same bytes as input j (from their common start), as the memory plan places
+    it, with the workspace the plan gives it (the op's rule plus, for an op taking over its input, one staged
+    sample), poisoned with NaN like every byte of the shared region that input j does not cover."""
+    x = node.inputs[j]
+    region = np.full(max(x.nbytes, node.nbytes), 0xFF, np.uint8)
+    source = region[:x.nbytes].view(np.float32).reshape(x.shape)
+    source[...] = arrays[j]
+    out = region[:node.nbytes].view(np.float32).reshape(node.shape)
+    args = list(arrays)
+    args[j] = source
+    n = node.shape[0]
+    floats = workspace_size(node, limit)
+    if get_op(node.op).takes_over == j:
+        floats += min(x.nbytes // n, node.nbytes // n) // 4
+    kwargs = dict(node.kwargs)
+    if floats:
+        kwargs["workspace"] = np.full(floats, np.nan, np.float32)
+    getattr(cpu, node.op)(*args, out=out, **kwargs)
+    return out
+
+
+def check_over(node, j=0, seed=0, limit=UNLIMITED):
+    rng = np.random.default_rng(seed)
+    arrays = [random_input(i, rng) for i in node.inputs]
+    if node.op == "max_pool_bwd":                               # window positions
+        arrays[1] = rng.integers(0, node.attr("kernel") ** 2, node.inputs[1].shape).astype(np.uint8)
+    expected = get_op(node.op).evaluate(EvalContext(np.float32), *arrays, **node.kwargs)
+    got = run_over(node, arrays, j, limit)
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=RTOL * scale)
+
+
+OVER_POOL = POOL + [
+    (7, 3, 8, 8, 2, 2, 0, False),        # several geometric chunks each way
+    (5, 4, 11, 11, 3, 2, 0, True),       # AlexNet's unpadded overlapping windows
+    (1, 2, 4, 4, 2, 2, 0, False),        # one sample: staged alone
+]
+
+
+@pytest.mark.parametrize("case", OVER_POOL)
+def test_pooling_takes_over_its_input(case):
+    """Pooling writes its output over the start of its input (shrinking: samples forward), its backward over the start
+    of its incoming gradient (growing: samples backward), a sample with no safe order staged in the workspace."""
+    n, c, h, w, k, s, p, ceil = case
+    x = leaf("x", (n, c, h, w))
+    for op in ("max_pool", "avg_pool"):
+        pooled = make(op, (x,), kernel=k, stride=s, pad=p, ceil=ceil)
+        check_over(pooled)
+        g = leaf("g", pooled.shape)
+        inputs = (g, leaf("a", pooled.shape, UINT8)) if op == "max_pool" else (g,)
+        check_over(make(f"{op}_bwd", inputs, kernel=k, stride=s, pad=p, ceil=ceil, size=(h, w)))
+
+
+@pytest.mark.parametrize("case", CONV)
+def test_convolution_input_gradient_takes_over_the_output_gradient(case):
+    n, c, h, w, o, k, s, p, _ = case
+    wt = leaf("w", (o, c, k, k))
+    g = leaf("g", make("conv2d", (leaf("x", (n, c, h, w)), wt), stride=s, pad=p).shape)
+    for limit in (UNLIMITED, 1):
+        check_over(make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w)), limit=limit)
+
+
+def test_safe_chunks_never_overwrite_an_unread_sample():
+    """Simulate the chunk order byte by byte: before a chunk runs, its output bytes hold no unread input sample, and
+    every sample runs exactly once; the chunks grow geometrically (a handful of calls, not one per sample)."""
+    for n in range(1, 40):
+        for bi, bo in [(16, 4), (4, 16), (9, 9), (25, 9), (9, 25), (7, 6)]:
+            unread = set(range(n))
+            calls = 0
+            for s, e, staged in cpu._safe_chunks(n, bi, bo):
+                calls += 1
+                # a chunk run in place writes while it reads its own samples; a staged sample is read (or computed
+                # into scratch) before its output bytes are written
+                at_risk = unread - {s} if staged else unread
+                assert staged == (e == s + 1 and not (e * bo <= s * bi or s * bo >= e * bi))
+                assert not any(s * bo < (m + 1) * bi and m * bi < e * bo for m in at_risk), (n, bi, bo, s, e)
+                assert unread >= set(range(s, e))
+                unread -= set(range(s, e))
+            assert not unread
+            if bi >= 2 * bo or bo >= 2 * bi:
+                assert calls <= 2 * np.log2(n + 1) + 3
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 4, 5), (4, 6)])
+def test_in_place_kernels_read_before_they_write(shape):
+    """The ops the in-place pass may run over their first input (`Op.in_place`) give the same results with the
+    output in the input's own buffer: LRN, its backward over the incoming gradient, softmax and log-softmax."""
+    x, g = leaf("x", shape), leaf("g", shape)
+    nodes = [make("lrn", (x,), size=5, alpha=1e-2, beta=0.75, k=1.0),
+             make("lrn_bwd", (g, x), size=3, alpha=1e-2, beta=0.75, k=2.0)]
+    if len(shape) == 2:
+        nodes += [make("softmax", (x,)), make("log_softmax", (x,))]
+    for node in nodes:
+        assert get_op(node.op).in_place == (0,)
+        check_over(node)
+
+
 def test_every_op_is_covered():
     """A new op needs its runtime kernel and a case here."""
     lowered = set(all_ops()) - lowering.NOT_LOWERED
