@@ -262,7 +262,8 @@ def to_json(report: Report) -> str:
         "arena_bytes": plan.arena_bytes,
         "packing": plan.packing,
         "buffers": [{"index": b.index, "value": report.program.names().get(id(b.value)), "bytes": b.nbytes,
-                     "size": b.size, "offset": b.offset, "begin": b.begin, "end": b.end} for b in plan.buffers],
+                     "size": b.size, "offset": b.offset, "begin": b.begin, "end": b.end, "takes_over": b.takes_over}
+                    for b in plan.buffers],
         "pooled": report.pooled,
         "param_bytes": plan.param_bytes,
         "optimizer_bytes": plan.optimizer_bytes,

@@ -357,6 +357,8 @@ def test_memory_command_json(capsys):
     assert max(s["live_bytes"] for s in data["steps"]) == data["peak_live_bytes"]
     assert data["param_bytes"] == data["optimizer_bytes"] == 1_724_320      # Figure 3: 1.72432 MB, x2 with momentum
     assert data["steps"][0]["name"] == "x" and data["steps"][0]["bytes"] == 100 * 28 * 28 * 4
+    taking = [b for b in data["buffers"] if b["takes_over"] is not None]
+    assert taking and all(b["offset"] == data["buffers"][b["takes_over"]]["offset"] for b in taking)
 
 
 def test_memory_command_workspace_limit(capsys):
