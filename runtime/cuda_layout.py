@@ -6,6 +6,7 @@
 - `sum_plan`: `sum_to` as one of three reductions (a column sum, a middle-axis sum, or the generic one).
 - `takeover_waves`: how pooling runs when the memory plan writes its output over its dying input from the same
   start: launches over sample ranges that cannot race, and ordered single-block passes where none can.
+- `safe_sample_chunks`: the order a per-sample op whose output takes over its input's bytes runs its samples in.
 - `conv_samples`: how many samples of a convolution fit the workspace at once.
 - `strided_batched_gemm`: a row-major batched product as a column-major `cublasSgemmStridedBatched` call.
 - `ew_entry`: the kernel name of a generated elementwise kernel.
@@ -23,7 +24,7 @@ from pathlib import Path
 __all__ = [
     "THREADS", "MAX_BLOCKS", "MAX_ELEMENTS", "EW_F32", "EW_U8", "EW_VALUE", "LaunchConfig", "EwLayout", "SumPlan",
     "Wave", "GemmBatchedCall", "check_elements", "launch_1d", "ew_layout", "ew_entry", "sum_plan", "takeover_waves",
-    "conv_samples", "strided_batched_gemm", "windows_leave_input", "kernel_sources_digest", "KERNEL_SOURCES",
+    "conv_samples", "safe_sample_chunks", "strided_batched_gemm", "windows_leave_input", "kernel_sources_digest", "KERNEL_SOURCES",
 ]
 
 THREADS = 256                   # DEEPDSL_THREADS
@@ -279,6 +280,30 @@ def takeover_waves(samples: int, in_per_sample: int, out_per_sample: int, in_add
     if e > 0:
         waves.append(Wave(True, 0, e * size_out))
     return waves
+
+
+def safe_sample_chunks(n: int, in_bytes: int, out_bytes: int) -> list[tuple[int, int, bool]]:
+    """(start, stop, staged) chunks of samples, in launch order, for an op computing output sample i (`out_bytes`)
+    from input sample i (`in_bytes`) when the output starts where the input starts (the CPU backend's rule).
+    Shrinking runs forward: chunk [s, e) is safe when its output ends before the first unread input byte
+    (e * out <= s * in); growing runs backward: when its output starts after the last unread input byte
+    (s * out >= e * in). A sample with no safe chunk (the first when shrinking, the last when growing, every one when
+    the sizes are equal) is `staged`: computed into scratch and copied (shrinking), or its input copied to scratch
+    first (growing)."""
+    chunks = []
+    if out_bytes <= in_bytes:
+        s = 0
+        while s < n:
+            e = min(n, s * in_bytes // out_bytes)
+            chunks.append((s, s + 1, True) if e <= s else (s, e, False))
+            s = s + 1 if e <= s else e
+    else:
+        e = n
+        while e > 0:
+            s = -(-e * in_bytes // out_bytes)
+            chunks.append((e - 1, e, True) if s >= e else (s, e, False))
+            e = e - 1 if s >= e else s
+    return chunks
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -437,19 +437,50 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
 
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G). Workspace per sample: the column gradients
-    (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one batched GEMM)."""
+    (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one batched GEMM).
+
+    The memory plan may let `out` take over the bytes of `g` from the same start. Chunks then run forward when the
+    gradient shrinks and backward when it grows: a chunk's GEMM reads all its samples of `g` before col2im writes
+    them, and col2im's writes reach only samples already read. 1x1 stride-1 products read `g` and write `out`
+    directly: they run in the CPU backend's safe chunk order, one sample staged through the end of the workspace."""
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
     hw, ckk = ho * wo, c * kh * kw
     device = current_device()
+    overlap = _overlap(out, g)
+    if overlap and out.ptr != g.ptr:
+        raise ValueError("conv2d_bwd_data: an output overlapping its input must start where the input starts")
     if _pointwise(kh, kw, stride, pad):
-        device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
+        if not overlap:
+            device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
+            return
+        per_in, per_out = o * hw, c * hw
+        floats = _floats(workspace) or 0
+        staged = min(per_in, per_out)
+        if floats < staged:
+            raise ValueError(f"conv2d_bwd_data over its input: the workspace ({floats} floats) cannot stage a "
+                             f"sample ({staged})")
+        stage = workspace.view(np.float32) if workspace.dtype != np.float32 else workspace
+        stage = stage[floats - staged:floats]
+        for s, e, through_stage in L.safe_sample_chunks(n, per_in * 4, per_out * 4):
+            source, target = g.ptr + s * per_in * 4, out.ptr + s * per_out * 4
+            if not through_stage:
+                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, e - s)
+            elif per_out <= per_in:
+                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, stage.ptr, hw, per_out, 1)
+                device.copy(target, stage.ptr, per_out * 4)
+            else:
+                device.copy(stage.ptr, source, per_in * 4)
+                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, stage.ptr, hw, per_in, target, hw, per_out, 1)
         return
     geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
     step = L.conv_samples(n, _floats(workspace), ckk * hw)
     dcols = _scratch(workspace, step * ckk * hw)
-    for s in range(0, n, step):
+    starts = range(0, n, step)
+    if overlap and c * h * wd > o * hw:
+        starts = reversed(starts)                   # a growing gradient: the last samples first
+    for s in starts:
         m = min(n, s + step) - s
         device.gemm_batched(True, False, ckk, hw, o, w.ptr, ckk, 0, g.ptr + s * o * hw * 4, hw, o * hw, dcols.ptr,
                             hw, ckk * hw, m)

@@ -58,6 +58,29 @@ def case_conv(g, rng):
     return result
 
 
+def case_conv_bwd_data_takes_over(g, rng):
+    """The input gradient written over the dying output gradient from the same start (the memory plan's takeover),
+    growing (C*H*W > O*Ho*Wo) and shrinking, 1x1 and not; the workspace as the plan gives it (the op's scratch plus
+    one staged sample)."""
+    result = []
+    for n, c, h, o, k, s, p in [(5, 6, 4, 2, 1, 1, 0), (5, 2, 4, 6, 1, 1, 0), (4, 3, 6, 2, 3, 1, 1),
+                                (4, 1, 7, 5, 3, 1, 1), (6, 2, 9, 3, 3, 2, 0), (3, 4, 5, 4, 1, 1, 0)]:
+        w = rng.standard_normal((o, c, k, k)).astype(F32)
+        ho = C.out_size(h, k, s, p)
+        gy = rng.standard_normal((n, o, ho, ho)).astype(F32)
+        ref = np.empty((n, c, h, h), F32)
+        C.conv2d_bwd_data(gy, w, out=ref, stride=s, pad=p, size=(h, h))
+        shared = _arena(g, max(gy.nbytes, ref.nbytes))
+        g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
+        g.current_device().upload(g_dev.ptr, gy)
+        out = shared[:ref.nbytes].view(F32).reshape(ref.shape)
+        scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
+        g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h),
+                          workspace=_out(g, (scratch + min(gy[0].size, ref[0].size),)))
+        result.append((f"conv2d_bwd_data over g n{n}c{c}h{h}o{o}k{k}s{s}p{p}", out, ref, 1e-5))
+    return result
+
+
 POOLS = [(2, 3, 8, 2, 2, 0, False), (2, 3, 7, 3, 2, 1, True), (2, 2, 9, 3, 1, 1, True), (2, 2, 13, 3, 2, 0, True),
          (1, 2, 7, 7, 1, 0, False), (3, 2, 6, 3, 3, 0, False)]
 
@@ -273,7 +296,7 @@ def case_dropout_masks(g, rng):
     return result
 
 
-CASES = [case_conv, case_pool, case_pool_takes_over, case_lrn, case_losses, case_reductions_and_shapes,
+CASES = [case_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn, case_losses, case_reductions_and_shapes,
          case_dropout_masks]
 
 

@@ -189,6 +189,18 @@ def _matrix(address: int, rows: int, cols: int, ld: int, transposed: bool) -> np
     return _view(address, (rows, cols), (ld, 1))
 
 
+def _span(address: int, rows: int, cols: int, ld: int) -> tuple[int, int]:
+    """Bytes [start, end) a row-major float32 matrix of `rows` x `cols` with row stride `ld` touches."""
+    return address, address + 4 * ((rows - 1) * ld + cols)
+
+
+def _disjoint(writes, reads, what: str) -> None:
+    for w0, w1 in writes:
+        for r0, r1 in reads:
+            if w0 < r1 and r0 < w1:
+                raise AssertionError(f"{what}: output bytes [{w0:#x}, {w1:#x}) overlap input bytes [{r0:#x}, {r1:#x})")
+
+
 class HostDevice:
     """The device interface of cuda_ops over host memory and the host-compiled kernels (see the module doc).
     `programs` maps a generated program's kernel functions' module name to the host library of its `.cu`."""
@@ -224,16 +236,24 @@ class HostDevice:
         self.launches.append(kernel)
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        _disjoint([_span(c, m, n, ldc)], [_span(a, *((k, m) if transa else (m, k)), lda),
+                                          _span(b, *((n, k) if transb else (k, n)), ldb)], "gemm")
         product = _matrix(a, m, k, lda, transa) @ _matrix(b, k, n, ldb, transb)        # float32, as cuBLAS
         target = _view(c, (m, n), (ldc, 1))
         target[...] = np.float32(alpha) * product + (np.float32(beta) * target if beta else np.float32(0))
 
     def gemm_batched(self, transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc, stride_c, batch):
+        """The products of a batch may run concurrently on a GPU: no output may overlap any operand."""
+        outputs = [_span(c + 4 * i * stride_c, m, n, ldc) for i in range(batch)]
+        operands = [_span(a + 4 * i * stride_a, *((k, m) if transa else (m, k)), lda) for i in range(batch)] + \
+                   [_span(b + 4 * i * stride_b, *((n, k) if transb else (k, n)), ldb) for i in range(batch)]
+        _disjoint(outputs, operands, "batched gemm")
         for i in range(batch):
             self.gemm(transa, transb, m, n, k, 1.0, a + 4 * i * stride_a, lda, b + 4 * i * stride_b, ldb, 0.0,
                       c + 4 * i * stride_c, ldc)
 
     def copy(self, dst, src, nbytes):
+        _disjoint([(dst, dst + nbytes)], [(src, src + nbytes)], "device copy")
         ctypes.memmove(dst, src, nbytes)
 
     def upload(self, dst, array, staged=False):

@@ -255,6 +255,25 @@ def test_takeover_waves_cover_the_output_once_without_races(samples, big, small,
     assert sum(w.ordered for w in waves) <= 1
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 64), st.integers(1, 64))
+def test_safe_sample_chunks_never_overwrite_an_unread_sample(samples, size_in, size_out):
+    """Chunks in launch order cover every sample once; a chunk run directly writes no byte of an input sample it or
+    a later chunk reads (output and input start at the same byte); staged chunks are single samples."""
+    chunks = L.safe_sample_chunks(samples, size_in, size_out)
+    done = np.zeros(samples, dtype=int)
+    for k, (s, e, staged) in enumerate(chunks):
+        done[s:e] += 1
+        unread = [i for (a, b, _) in chunks[k:] for i in range(a, b)]
+        if staged:
+            assert e == s + 1
+            continue
+        writes = (s * size_out, e * size_out)
+        for i in unread:                       # its own samples included: a launch reads and writes concurrently
+            assert writes[1] <= i * size_in or (i + 1) * size_in <= writes[0], (chunks, k, i)
+    assert (done == 1).all(), chunks
+
+
 def test_strided_batched_gemm_mapping_computes_row_major_products():
     rng = np.random.default_rng(0)
     for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:
