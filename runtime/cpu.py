@@ -326,13 +326,17 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
     contribution is one contiguous run per channel and sample. Workspace per sample: the widened output gradient
     (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). Other strides
     add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample. `out` may take over the
-    bytes of `g` (same start): samples then run in a safe order."""
-    if _takes_over(g, out):
-        return _over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
-            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
+    bytes of `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output
+    gradient (into the widened copy) before it writes any of its input gradient, so chunks of any size are safe in
+    the order that writes behind the unread samples: forward when a sample's input gradient is the smaller, backward
+    otherwise."""
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
+    over = _takes_over(g, out)
+    if over and (stride != 1 or _is_pointwise(kh, kw, stride, pad)):
+        return _over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
+            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
     w2t = w.reshape(o, c * kh * kw).T
     if _is_pointwise(kh, kw, stride, pad):
         gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
@@ -342,7 +346,10 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
         hp, wp = h + 2 * pad, wd + 2 * pad
         plane = hp * wp + kw - 1
         step = _chunk(n, workspace, (o + ckk) * ho * wp + c * plane)
-        for s in range(0, n, step):
+        starts = range(0, n, step)
+        if over and out.nbytes > g.nbytes:
+            starts = reversed(starts)
+        for s in starts:
             e = min(n, s + step)
             m = e - s
             scratch = _Scratch(workspace)
