@@ -16,12 +16,14 @@ Definitions (body indices count every instruction, `Let` and `Free`):
   high-water mark of bytes of tensors allocated at once, counted by placed (rounded) size. It is exactly the
   `peak_bytes_in_use` of the runtime pool allocator given the same allocations and frees in the same order, and
   what a generated program reports. The same quantity over exact sizes is `peak_live_bytes_exact`.
-- a pooling statement whose input dies at it *takes over* that input's buffer (`Op.takes_over`): its own buffer
-  starts at the same offset and begins at the statement that ends the input's buffer, so the two share bytes
-  during that one statement only, where the runtime kernel reads each sample before its bytes are overwritten.
-  Live bytes count the pair once, at the larger size: max pooling's output (1/4 of a 2x2-pooled input) costs
-  nothing while it is made and the input's tail is released right after; max pooling's backward grows its input
-  gradient over the dying output gradient.
+- a statement whose input dies at it may *take over* that input's buffer (`Op.takes_over`: pooling and its
+  backward, a convolution's input gradient; ops computing each sample from the same sample of that input): its
+  own buffer starts at the same offset and begins at the statement that ends the input's buffer, so the two share
+  bytes during that one statement only, where the runtime kernel reads each sample before its bytes are
+  overwritten. Live bytes count the pair once, at the larger size: max pooling's output (1/4 of a 2x2-pooled
+  input) costs nothing while it is made and the input's tail is released right after; max pooling's backward
+  grows its input gradient over the dying output gradient. Pairs are made only where they lower the peak (sharing
+  an offset constrains the packing), and the statement's workspace grows by one sample of the smaller of the two.
 Invariants (`MemoryPlan.check`): buffers live at the same time never overlap in the arena, except a buffer and
 the one it takes over, at the same offset, during the one statement they share; every buffer fits in
 `arena_bytes`; `peak_live_bytes <= arena_bytes`.
@@ -170,8 +172,8 @@ class MemoryPlan:
 
 
 def plan_memory(program: Program, workspace_limit: int | None = None, takeover: bool = True) -> MemoryPlan:
-    """The memory plan of `program` (see the module docstring); `takeover`: let pooling take over the storage of
-    its dying input."""
+    """The memory plan of `program` (see the module docstring); `takeover`: let statements take over the storage of
+    a dying input where that lowers the peak."""
     storage = analyze(program)
     n = len(program.body)
     placements: dict[int, Placement] = {}
