@@ -30,7 +30,7 @@ LENET_ITERS = 200        # as tests/test_generated.py: batch 64, lr 0.02 reach 9
 
 @pytest.fixture(scope="module")
 def rt():
-    return pytest.importorskip("deepdsl_runtime.cuda", reason="needs pycuda and an NVIDIA GPU")
+    return pytest.importorskip("deepdsl_runtime.cuda", reason="needs pycuda and an NVIDIA GPU", exc_type=ImportError)
 
 
 @pytest.mark.parametrize("case", cuda_cases.CASES, ids=[c.__name__[5:] for c in cuda_cases.CASES])
