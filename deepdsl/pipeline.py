@@ -4,9 +4,9 @@
          ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→ ─inplace→ ─dealloc→
          Programs ─plan_memory→ MemoryPlans
 
-The memory stages (schedule, rematerialize, in-place, dealloc) and the planner run on every program; `Compiled.plans` holds the
-plan of each program, and `Compiled.unplanned` the programs as they were before the memory stages (so what-if
-analyses can rerun those stages with other options).
+The memory stages (schedule, rematerialize, in-place, dealloc) and the planner run on every program;
+`Compiled.plans` holds the plan of each program, and `Compiled.unplanned` the programs as they were before the
+memory stages (so what-if analyses can rerun those stages with other options).
 """
 from __future__ import annotations
 
