@@ -181,7 +181,10 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
     for info in storage.infos.values():
         if not info.persistent:
             roots.append(info)
-    roots.sort(key=lambda info: (info.begin, info.defined_at[id(info.root)], info.root.serial))
+    # ties (inputs, all defined at -1) by the program's input order: node serials depend on which equal leaves
+    # earlier compiles left alive in the hash-cons cache, so they must not decide a plan
+    position = {id(leaf): k for k, leaf in enumerate(program.inputs)}
+    roots.sort(key=lambda info: (info.begin, info.defined_at[id(info.root)], position.get(id(info.root), -1)))
     # end of each storage: the Free naming its members, else the end of the body
     free_index: dict[int, int] = {}
     for k, instr in enumerate(program.body):

@@ -23,10 +23,12 @@ def insert_frees(program: Program) -> Program:
     for info in storage.arena():
         if not info.output:
             dying.setdefault(info.last_use, []).append(info)
+    position = {id(leaf): k for k, leaf in enumerate(program.inputs)}    # deterministic ties (not serials)
     body: list = []
     for k, instr in enumerate(program.body):
         body.append(instr)
         if k in dying:
-            infos = sorted(dying[k], key=lambda info: (info.begin, info.root.serial))
+            infos = sorted(dying[k], key=lambda info: (info.begin, info.defined_at[id(info.root)],
+                                                       position.get(id(info.root), -1)))
             body.append(Free(tuple(m for info in infos for m in info.live_members())))
     return Program(program.name, program.inputs, tuple(body), program.outputs)
