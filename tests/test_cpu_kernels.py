@@ -1,0 +1,135 @@
+"""Paths of the CPU kernels that the op tests' small shapes do not reach (`tests/test_runtime_cpu.py` checks every op
+once): cache-sized chunks of samples (`CACHE_BYTES` made tiny, so every kernel runs one sample at a time), the three
+product layouts of the forward convolution (one GEMM regrouped through the im2col matrix, one product per sample for
+large planes, and per sample when the filters outnumber the im2col rows), ties in max-pool windows, per-channel sums.
+Expected values always come from the ops' reference semantics (`Op.evaluate`) or numpy in float64.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepdsl.ir import UINT8, make
+from deepdsl.ops import EvalContext, get_op
+from tests.test_runtime_cpu import check, check_over, leaf, run_runtime
+
+cpu = pytest.importorskip("deepdsl_runtime.cpu")
+
+
+@pytest.fixture
+def tiny_cache(monkeypatch):
+    """Every kernel's cache bound holds one sample: chunk loops run once per sample."""
+    monkeypatch.setattr(cpu, "CACHE_BYTES", 1)
+
+
+CONV = [
+    # (N, C, H, W, O, k, stride, pad): small planes with C*k*k >= O (one GEMM, regrouped), large planes
+    # (Ho*Wo >= 256: one product per sample), more filters than im2col rows, padded, strided
+    (5, 3, 9, 9, 4, 3, 1, 1),
+    (3, 2, 19, 19, 3, 3, 1, 1),
+    (4, 2, 7, 7, 9, 1, 2, 0),
+    (4, 2, 6, 6, 9, 1, 1, 1),
+    (3, 3, 11, 11, 5, 3, 2, 2),
+]
+
+
+def conv_nodes(case):
+    n, c, h, w, o, k, s, p = case
+    x, wt, b = leaf("x", (n, c, h, w)), leaf("w", (o, c, k, k)), leaf("b", (o,))
+    y = make("conv2d", (x, wt, b), stride=s, pad=p)
+    g = leaf("g", y.shape)
+    return [y, make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w)),
+            make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=(k, k))]
+
+
+@pytest.mark.parametrize("case", CONV)
+def test_convolutions_in_every_layout(case):
+    for node in conv_nodes(case):
+        check(node)
+
+
+@pytest.mark.parametrize("case", CONV)
+def test_convolutions_in_cache_sized_chunks(case, tiny_cache):
+    """One sample per chunk, with the whole batch's workspace: the filter gradient adds chunks up in the part of
+    the workspace the batch does not need."""
+    for node in conv_nodes(case):
+        check(node)
+
+
+def test_cache_chunks_split_only_where_the_workspace_keeps_room():
+    per_sample = 10
+    assert cpu._chunk(4, None, per_sample) == 4                               # 8 MiB hold everything
+    assert cpu._chunk(4, None, per_sample, cache_floats=25) == 2
+    room = np.empty(4 * per_sample, np.float32)
+    assert cpu._chunk(4, room, per_sample, fixed_if_split=5, cache_floats=25) == 2      # 2 * 10 + 5 <= 40
+    assert cpu._chunk(4, room, per_sample, fixed_if_split=25, cache_floats=25) == 4     # no room to add chunks up
+    assert cpu._chunk(4, room[:25], per_sample, fixed_if_split=5) == 2                  # the workspace decides
+    with pytest.raises(ValueError, match="holds no sample"):
+        cpu._chunk(4, room[:12], per_sample, fixed_if_split=5)
+
+
+POOL = [
+    # (N, C, H, W, kernel, stride, pad, ceil)
+    (5, 3, 8, 8, 2, 2, 0, False),
+    (4, 2, 9, 7, 3, 2, 0, True),
+    (3, 2, 7, 7, 3, 1, 1, False),
+]
+
+
+def pool_nodes(case):
+    n, c, h, w, k, s, p, ceil = case
+    attrs = dict(kernel=k, stride=s, pad=p, ceil=ceil)
+    x = leaf("x", (n, c, h, w))
+    y = make("max_pool", (x,), **attrs)
+    return x, y, make("max_pool_argmax", (x,), **attrs), \
+        make("max_pool_bwd", (leaf("g", y.shape), leaf("a", y.shape, UINT8)), size=(h, w), **attrs)
+
+
+@pytest.mark.parametrize("case", POOL)
+def test_max_pooling_in_cache_sized_chunks(case, tiny_cache):
+    x, y, argmax, bwd = pool_nodes(case)
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal(x.shape).astype(np.float32)
+    check(y, [xv])
+    index = check(argmax, [xv])
+    check(bwd, [rng.standard_normal(y.shape).astype(np.float32), index])
+
+
+@pytest.mark.parametrize("o,c", [(4, 3), (2, 5)])       # the input gradient smaller (forward), larger (backward)
+def test_taking_over_in_cache_sized_chunks(o, c, tiny_cache):
+    check_over(make("max_pool", (leaf("x", (5, 3, 8, 8)),), kernel=2, stride=2))
+    check_over(make("conv2d_bwd_data", (leaf("g", (5, o, 6, 6)), leaf("w", (o, c, 3, 3))), stride=1, pad=1,
+                    size=(6, 6)))
+
+
+def test_argmax_picks_the_first_of_equal_maxima():
+    """Windows whose maximum appears at several positions, at every position, and nowhere but the last."""
+    k = 3
+    patterns = []
+    for first in range(k * k):
+        window = np.zeros(k * k, np.float32)
+        window[first:] = 2.0                       # maximum from `first` on: the index is `first`
+        patterns.append((window, first))
+    last = np.arange(k * k, dtype=np.float32)      # strictly increasing: the last position
+    patterns.append((last, k * k - 1))
+    patterns.append((np.full(k * k, -np.inf, np.float32), 0))
+    x = np.stack([w.reshape(k, k) for w, _ in patterns])[None]      # (1, windows, k, k): one window per channel
+    node = make("max_pool_argmax", (leaf("x", x.shape),), kernel=k, stride=k)
+    got = run_runtime(node, [x])
+    assert got.reshape(-1).tolist() == [index for _, index in patterns]
+    expected = get_op("max_pool_argmax").evaluate(EvalContext(np.float32), x, kernel=k, stride=k)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 5, 1, 1), (2, 3, 1, 9)])
+def test_per_channel_sums(shape):
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    out = np.full((1, shape[1], 1, 1), np.nan, np.float32)
+    cpu.sum_to(x, out=out, shape=(1, shape[1], 1, 1))
+    expected = x.astype(np.float64).sum(axis=(0, 2, 3), keepdims=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_average_pool_divides_in_float32():
+    divisor = cpu.avg_pool_divisor((7, 7), 3, 2, 1, True, False)
+    assert divisor.dtype == np.float32 and divisor.min() >= 1
