@@ -324,7 +324,11 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
     Stride 1 computes the column gradients of a chunk of samples in one GEMM, on rows as wide as the padded input
     (the output gradient transposed to (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's
     contribution is one contiguous run per channel and sample. Workspace per sample: the widened output gradient
-    (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). Other strides
+    (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). When
+    O*kw + kh*C < C*kh*kw the same room holds a cheaper scheme: the widened gradient shifted by each kernel column
+    (O*kw rows; a shift by j is an offset of j in rows that end in zero columns), one GEMM with the filters
+    regrouped to (kh*C, O*kw) giving each kernel row's contribution (kh*C rows), and kh shifted additions instead
+    of kh*kw. Other strides
     add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample. `out` may take over the
     bytes of `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output
     gradient (into the widened copy) before it writes any of its input gradient, so chunks of any size are safe in
@@ -349,22 +353,40 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
         starts = range(0, n, step)
         if over and out.nbytes > g.nbytes:
             starts = reversed(starts)
+        by_rows = None
         for s in starts:
             e = min(n, s + step)
-            m = e - s
+            m, rows = e - s, (e - s) * ho * wp
             scratch = _Scratch(workspace)
-            wide = scratch.take((o, m, ho, wp))
-            np.copyto(wide[..., :wo], g[s:e].transpose(1, 0, 2, 3))
-            wide[..., wo:] = 0
-            dcols = scratch.take((c, kh, kw, m, ho * wp))
-            gemm(w2t, wide.reshape(o, m * ho * wp), out=dcols.reshape(ckk, m * ho * wp))
+            if o * kw + kh * c < ckk and m * (ckk - o * kw - kh * c) * ho * wp >= o * (kw - 1):
+                # kernel rows: the output gradient shifted by each kernel column (kw contiguous copies), one GEMM
+                # by the filters regrouped (kh*C, O*kw), then kh shifted additions instead of kh*kw
+                wide = scratch.take((o, kw - 1 + rows))
+                wide[:, :kw - 1] = 0
+                body = wide[:, kw - 1:].reshape(o, m, ho, wp)
+                np.copyto(body[..., :wo], g[s:e].transpose(1, 0, 2, 3))
+                body[..., wo:] = 0
+                shifted = scratch.take((o, kw, rows))
+                for j in range(kw):
+                    np.copyto(shifted[:, j], wide[:, kw - 1 - j:kw - 1 - j + rows])
+                if by_rows is None:
+                    by_rows = np.ascontiguousarray(w.transpose(2, 1, 0, 3)).reshape(kh * c, o * kw)
+                partial = scratch.take((kh, c, m, ho * wp))
+                gemm(by_rows, shifted.reshape(o * kw, rows), out=partial.reshape(kh * c, rows))
+                offsets = [(i * wp, partial[i]) for i in range(kh)]
+            else:
+                wide = scratch.take((o, m, ho, wp))
+                np.copyto(wide[..., :wo], g[s:e].transpose(1, 0, 2, 3))
+                wide[..., wo:] = 0
+                dcols = scratch.take((c, kh, kw, m, ho * wp))
+                gemm(w2t, wide.reshape(o, rows), out=dcols.reshape(ckk, rows))
+                offsets = [(i * wp + j, dcols[:, i, j]) for i in range(kh) for j in range(kw)]
             dxp = scratch.take((m, c, plane))
             dxp.fill(0)
             by_channel = dxp.transpose(1, 0, 2)
-            for i in range(kh):
-                for j in range(kw):
-                    view = by_channel[:, :, i * wp + j:i * wp + j + ho * wp]
-                    np.add(view, dcols[:, i, j], out=view)
+            for offset, contribution in offsets:
+                view = by_channel[:, :, offset:offset + ho * wp]
+                np.add(view, contribution, out=view)
             np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
         return
     step = _chunk(n, workspace, ckk * ho * wo)

@@ -24,12 +24,14 @@ def tiny_cache(monkeypatch):
 
 CONV = [
     # (N, C, H, W, O, k, stride, pad): small planes with C*k*k >= O (one GEMM, regrouped), large planes
-    # (Ho*Wo >= 256: one product per sample), more filters than im2col rows, padded, strided
+    # (Ho*Wo >= 256: one product per sample), more filters than im2col rows, padded, strided; stride-1 input
+    # gradients by kernel rows (O*kw + kh*C < C*kh*kw) but for the last case
     (5, 3, 9, 9, 4, 3, 1, 1),
     (3, 2, 19, 19, 3, 3, 1, 1),
     (4, 2, 7, 7, 9, 1, 2, 0),
     (4, 2, 6, 6, 9, 1, 1, 1),
     (3, 3, 11, 11, 5, 3, 2, 2),
+    (3, 1, 8, 8, 6, 3, 1, 1),          # input gradient by kernel offsets (O*kw + kh*C >= C*kh*kw)
 ]
 
 
@@ -95,7 +97,7 @@ def test_max_pooling_in_cache_sized_chunks(case, tiny_cache):
     check(bwd, [rng.standard_normal(y.shape).astype(np.float32), index])
 
 
-@pytest.mark.parametrize("o,c", [(4, 3), (2, 5)])       # the input gradient smaller (forward), larger (backward)
+@pytest.mark.parametrize("o,c", [(4, 3), (2, 5), (9, 1)])    # input gradient smaller (forward), larger (backward)
 def test_taking_over_in_cache_sized_chunks(o, c, tiny_cache):
     check_over(make("max_pool", (leaf("x", (5, 3, 8, 8)),), kernel=2, stride=2))
     check_over(make("conv2d_bwd_data", (leaf("g", (5, o, 6, 6)), leaf("w", (o, c, 3, 3))), stride=1, pad=1,
