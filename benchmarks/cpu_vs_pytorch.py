@@ -15,9 +15,10 @@ well) on the same synthetic batches, generated before timing (no data loading on
   weight_decay; a step is zero_grad, forward, backward, optimizer step and `loss.item()`.
 
 Both use lr 0.01, momentum 0.9, weight decay 0.0005, float32. The first `--warmup` steps are not timed; the figure is
-the median of `--steps` timed steps. Peak RSS is `ru_maxrss` at the end of the process; "RSS rise" is the peak minus
-`ru_maxrss` after the imports, parameters and batches were in place (what the training steps themselves added).
-Ratios are ours / PyTorch: below 1 is faster or smaller.
+the median of `--steps` timed steps. Peak RSS is `ru_maxrss` at the end of the process; "RSS rise" is that peak minus
+the resident set (VmRSS) once the imports, parameters and batches were in place: what the training steps added.
+Ratios are ours / PyTorch: below 1 is faster or smaller. The machine's load average is printed before and after:
+on a shared machine other processes take cores from both sides.
 """
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
 
 
+def _resident_mib() -> float:
+    """The resident set now (Linux); the peak so far elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return _rss_mib()
+
+
 def _synthetic(batch: int, seed: int = 0):
     import numpy as np
     rng = np.random.default_rng(seed)
@@ -50,8 +63,8 @@ def _synthetic(batch: int, seed: int = 0):
 
 
 def _timed(step, warmup: int, steps: int) -> tuple[list[float], float]:
-    """Seconds of each timed step, and ru_maxrss (MiB) before the first step."""
-    base = _rss_mib()
+    """Seconds of each timed step, and the resident set (MiB) before the first step."""
+    base = _resident_mib()
     for i in range(warmup):
         step(i)
     times = []
@@ -140,6 +153,13 @@ def _spawn(args: list[str], env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def _program(batch: int, directory: pathlib.Path) -> pathlib.Path:
     import deepdsl
     from deepdsl.codegen import write_program
@@ -171,7 +191,7 @@ def main(argv=None) -> int:
     import numpy as np
     print(f"LeNet training step, {args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up "
           f"steps; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}, numpy {np.__version__}", flush=True)
+          f"{platform.python_version()}, numpy {np.__version__}; load average {_load()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batch:
@@ -201,6 +221,7 @@ def main(argv=None) -> int:
         print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
         for line in lines:
             print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print(f"load average after: {_load()}")
     for batch, ours, theirs in rows:
         print(f"batch {batch}: losses ours {ours['loss_first']:.4f} -> {ours['loss_last']:.4f}, "
               f"PyTorch {theirs['loss_first']:.4f} -> {theirs['loss_last']:.4f}; min/max ms ours "
