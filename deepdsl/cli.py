@@ -38,11 +38,20 @@ def _positive(text: str) -> int:
 def _bytes(text: str) -> int:
     """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables)."""
     import re
+    if text.strip().lower() in ("none", "unlimited"):
+        return -1                        # no limit
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*", text.lower())
     if not match:
         raise argparse.ArgumentTypeError(f"expected a number of bytes such as 67108864 or 64MB, got '{text}'")
     value = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
     return int(value)
+
+
+def _workspace_limit(args: argparse.Namespace) -> int | None:
+    from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT
+    if args.workspace_limit is None:
+        return DEFAULT_WORKSPACE_LIMIT
+    return None if args.workspace_limit < 0 else args.workspace_limit
 
 
 def _add_network_options(p: argparse.ArgumentParser) -> None:
@@ -54,7 +63,8 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cse", action="store_true", help="skip common-subexpression elimination")
     p.add_argument("--no-code-motion", action="store_true", help="skip hoisting and sinking")
     p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
-                   help="convolution workspace limit (ops run over the batch in chunks to fit), e.g. 64MB")
+                   help="scratch workspace limit (ops run over the batch in chunks to fit), e.g. 64MB; default "
+                        "256 MiB; 'none' for no limit")
 
 
 def _compile(args: argparse.Namespace):
@@ -63,7 +73,8 @@ def _compile(args: argparse.Namespace):
 
     loop = deepdsl.load(args.network, Overrides(batch=args.batch, image=args.image))
     options = deepdsl.CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
-                                     code_motion=not args.no_code_motion, workspace_limit=args.workspace_limit)
+                                     code_motion=not args.no_code_motion,
+                                     workspace_limit=_workspace_limit(args))
     return deepdsl.compile(loop, options)
 
 
@@ -135,16 +146,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from deepdsl import memory_table
-    from deepdsl.memory_plan import plan_memory
 
     compiled = _compile(args)
-    if args.workspace_limit is not None:     # the limit changes the plan only, not the programs
-        options = dataclasses.replace(compiled.options, workspace_limit=args.workspace_limit)
-        plans = {step: plan_memory(getattr(compiled, step), args.workspace_limit) for step in compiled.plans}
-        compiled = dataclasses.replace(compiled, options=options, plans=plans)
     report = memory_table.memory_report(compiled, args.step)
     if args.plot:
         memory_table.plot(report, args.plot)

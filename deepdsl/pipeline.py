@@ -53,6 +53,9 @@ MEMORY_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
 )
 
 
+DEFAULT_WORKSPACE_LIMIT = 256 * 2**20     # keeps big networks' im2col scratch bounded (VGG-16 would need 9 GB)
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """What to run. Every optimization can be switched off to see what it buys."""
@@ -65,7 +68,8 @@ class CompileOptions:
     rematerialize: bool = True            # recompute cheap elementwise values before their late uses
     inplace: bool = True                  # in-place computation (activations, gradients, parameter updates)
     takeover: bool = True                 # pooling outputs take over their dying inputs' storage (memory plan)
-    workspace_limit: int | None = None    # bytes of convolution workspace: ops run over the batch in chunks to fit
+    # bytes of shared scratch (im2col and the like): ops run over the batch in chunks to fit; None: no limit
+    workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT
     verify: bool = False
 
     def enabled(self, stage: str) -> bool:
