@@ -190,12 +190,11 @@ class Alexnet(rp.Model):
         # X6 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X5)
         X6 = mem.tensor(6, (128, 96, 55, 55), 'float32')
         rt.lrn(X5, out=X6, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(297369600))
-        # X7 = max_pool_argmax[ceil=True,kernel=3,stride=2](X6)
+        # X7 = max_pool_argmax[ceil=True,kernel=3,stride=2](X6)   (computed with the next statement)
         X7 = mem.tensor(7, (128, 96, 27, 27), 'uint8')
-        rt.max_pool_argmax(X6, out=X7, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(44789760))
         # X8 = max_pool[ceil=True,kernel=3,stride=2](X6)
         X8 = mem.tensor(8, (128, 96, 27, 27), 'float32')
-        rt.max_pool(X6, out=X8, ceil=True, kernel=3, pad=0, stride=2)
+        rt.max_pool(X6, out=X8, argmax=X7, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(44789760))
         # free X6
         del X6
         mem.free(6)
@@ -208,12 +207,11 @@ class Alexnet(rp.Model):
         # X11 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X10)
         X11 = mem.tensor(10, (128, 256, 27, 27), 'float32')
         rt.lrn(X10, out=X11, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(191102976))
-        # X12 = max_pool_argmax[ceil=True,kernel=3,stride=2](X11)
+        # X12 = max_pool_argmax[ceil=True,kernel=3,stride=2](X11)   (computed with the next statement)
         X12 = mem.tensor(11, (128, 256, 13, 13), 'uint8')
-        rt.max_pool_argmax(X11, out=X12, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(27688960))
         # X13 = max_pool[ceil=True,kernel=3,stride=2](X11)
         X13 = mem.tensor(12, (128, 256, 13, 13), 'float32')
-        rt.max_pool(X11, out=X13, ceil=True, kernel=3, pad=0, stride=2)
+        rt.max_pool(X11, out=X13, argmax=X12, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(27688960))
         # free X11
         del X11
         mem.free(10)
@@ -235,12 +233,11 @@ class Alexnet(rp.Model):
         # X19 = Max(0, X18)
         X19 = X18  # in place: over X18
         rt.ew(ew1, X19, X18)
-        # X20 = max_pool_argmax[ceil=True,kernel=3,stride=2](X19)
+        # X20 = max_pool_argmax[ceil=True,kernel=3,stride=2](X19)   (computed with the next statement)
         X20 = mem.tensor(16, (128, 256, 6, 6), 'uint8')
-        rt.max_pool_argmax(X19, out=X20, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(5898240))
         # X21 = max_pool[ceil=True,kernel=3,stride=2](X19)
         X21 = mem.tensor(17, (128, 256, 6, 6), 'float32')
-        rt.max_pool(X19, out=X21, ceil=True, kernel=3, pad=0, stride=2)
+        rt.max_pool(X19, out=X21, argmax=X20, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(5898240))
         # free X19
         del X18, X19
         mem.free(15)

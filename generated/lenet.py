@@ -129,24 +129,22 @@ class Lenet(rp.Model):
         # X1 = conv2d(x, cv1_W, cv1_B)
         X1 = mem.tensor(2, (500, 20, 24, 24), 'float32')
         rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=X1, pad=0, stride=1, workspace=mem.workspace(28800000))
-        # X2 = max_pool_argmax[kernel=2,stride=2](X1)
+        # X2 = max_pool_argmax[kernel=2,stride=2](X1)   (computed with the next statement)
         X2 = mem.tensor(3, (500, 20, 12, 12), 'uint8')
-        rt.max_pool_argmax(X1, out=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(7200000))
         # X3 = max_pool[kernel=2,stride=2](X1)
         X3 = mem.tensor(4, (500, 20, 12, 12), 'float32', over=2)
-        rt.max_pool(X1, out=X3, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
+        rt.max_pool(X1, out=X3, argmax=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(7200000))
         # free X1
         del X1
         mem.free(2)
         # X4 = conv2d(X3, cv2_W, cv2_B)
         X4 = mem.tensor(5, (500, 50, 8, 8), 'float32')
         rt.conv2d(X3, T['cv2_W'], T['cv2_B'], out=X4, pad=0, stride=1, workspace=mem.workspace(64000000))
-        # X5 = max_pool_argmax[kernel=2,stride=2](X4)
+        # X5 = max_pool_argmax[kernel=2,stride=2](X4)   (computed with the next statement)
         X5 = mem.tensor(6, (500, 50, 4, 4), 'uint8')
-        rt.max_pool_argmax(X4, out=X5, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(2000000))
         # X6 = max_pool[kernel=2,stride=2](X4)
         X6 = mem.tensor(7, (500, 50, 4, 4), 'float32')
-        rt.max_pool(X4, out=X6, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(2000000))
         # free X4
         del X4
         mem.free(5)

@@ -185,12 +185,11 @@ class Overfeat(rp.Model):
         # X5 = Max(0, X4)
         X5 = X4  # in place: over X4
         rt.ew(ew1, X5, X4)
-        # X6 = max_pool_argmax[kernel=2,stride=2](X5)
+        # X6 = max_pool_argmax[kernel=2,stride=2](X5)   (computed with the next statement)
         X6 = mem.tensor(6, (128, 96, 28, 28), 'uint8')
-        rt.max_pool_argmax(X5, out=X6, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(48168960))
         # X7 = max_pool[kernel=2,stride=2](X5)
         X7 = mem.tensor(7, (128, 96, 28, 28), 'float32')
-        rt.max_pool(X5, out=X7, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X5, out=X7, argmax=X6, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(48168960))
         # free X5
         del X4, X5
         mem.free(5)
@@ -200,12 +199,11 @@ class Overfeat(rp.Model):
         # X9 = Max(0, X8)
         X9 = X8  # in place: over X8
         rt.ew(ew1, X9, X8)
-        # X10 = max_pool_argmax[kernel=2,stride=2](X9)
+        # X10 = max_pool_argmax[kernel=2,stride=2](X9)   (computed with the next statement)
         X10 = mem.tensor(9, (128, 256, 12, 12), 'uint8')
-        rt.max_pool_argmax(X9, out=X10, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
         # X11 = max_pool[kernel=2,stride=2](X9)
         X11 = mem.tensor(10, (128, 256, 12, 12), 'float32')
-        rt.max_pool(X9, out=X11, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X9, out=X11, argmax=X10, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
         # free X9
         del X8, X9
         mem.free(8)
@@ -227,12 +225,11 @@ class Overfeat(rp.Model):
         # X17 = Max(0, X16)
         X17 = X16  # in place: over X16
         rt.ew(ew1, X17, X16)
-        # X18 = max_pool_argmax[kernel=2,stride=2](X17)
+        # X18 = max_pool_argmax[kernel=2,stride=2](X17)   (computed with the next statement)
         X18 = mem.tensor(14, (128, 1024, 6, 6), 'uint8')
-        rt.max_pool_argmax(X17, out=X18, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
         # X19 = max_pool[kernel=2,stride=2](X17)
         X19 = mem.tensor(15, (128, 1024, 6, 6), 'float32')
-        rt.max_pool(X17, out=X19, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X17, out=X19, argmax=X18, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
         # free X17
         del X16, X17
         mem.free(13)

@@ -1446,12 +1446,11 @@ class Resnet50(rp.Model):
         # X16 = Max(0, X13*X14*X5 + X15)
         X16 = mem.tensor(8, (32, 64, 112, 112), 'float32')
         rt.ew(ew7, X16, X5, X13, X14, X15)
-        # X17 = max_pool_argmax[ceil=True,kernel=3,stride=2](X16)
+        # X17 = max_pool_argmax[ceil=True,kernel=3,stride=2](X16)   (computed with the next statement)
         X17 = mem.tensor(9, (32, 64, 56, 56), 'uint8')
-        rt.max_pool_argmax(X16, out=X17, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(136716288))
         # X18 = max_pool[ceil=True,kernel=3,stride=2](X16)
         X18 = mem.tensor(10, (32, 64, 56, 56), 'float32')
-        rt.max_pool(X16, out=X18, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(104603648))
+        rt.max_pool(X16, out=X18, argmax=X17, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(136716288))
         # free X16
         del X16
         mem.free(8)

@@ -271,12 +271,11 @@ class Vgg16(rp.Model):
         # X7 = Max(0, X6)
         X7 = X6  # in place: over X6
         rt.ew(ew1, X7, X6)
-        # X8 = max_pool_argmax[kernel=2,stride=2](X7)
+        # X8 = max_pool_argmax[kernel=2,stride=2](X7)   (computed with the next statement)
         X8 = mem.tensor(7, (64, 64, 112, 112), 'uint8')
-        rt.max_pool_argmax(X7, out=X8, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(256901120))
         # X9 = max_pool[kernel=2,stride=2](X7)
         X9 = mem.tensor(8, (64, 64, 112, 112), 'float32')
-        rt.max_pool(X7, out=X9, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X7, out=X9, argmax=X8, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(256901120))
         # free X7
         del X6, X7
         mem.free(6)
@@ -292,12 +291,11 @@ class Vgg16(rp.Model):
         # X13 = Max(0, X12)
         X13 = X12  # in place: over X12
         rt.ew(ew1, X13, X12)
-        # X14 = max_pool_argmax[kernel=2,stride=2](X13)
+        # X14 = max_pool_argmax[kernel=2,stride=2](X13)   (computed with the next statement)
         X14 = mem.tensor(11, (64, 128, 56, 56), 'uint8')
-        rt.max_pool_argmax(X13, out=X14, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(128450560))
         # X15 = max_pool[kernel=2,stride=2](X13)
         X15 = mem.tensor(12, (64, 128, 56, 56), 'float32')
-        rt.max_pool(X13, out=X15, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X13, out=X15, argmax=X14, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(128450560))
         # free X13
         del X12, X13
         mem.free(10)
@@ -319,12 +317,11 @@ class Vgg16(rp.Model):
         # X21 = Max(0, X20)
         X21 = X20  # in place: over X20
         rt.ew(ew1, X21, X20)
-        # X22 = max_pool_argmax[kernel=2,stride=2](X21)
+        # X22 = max_pool_argmax[kernel=2,stride=2](X21)   (computed with the next statement)
         X22 = mem.tensor(16, (64, 256, 28, 28), 'uint8')
-        rt.max_pool_argmax(X21, out=X22, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(64225280))
         # X23 = max_pool[kernel=2,stride=2](X21)
         X23 = mem.tensor(17, (64, 256, 28, 28), 'float32')
-        rt.max_pool(X21, out=X23, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(64225280))
         # free X21
         del X20, X21
         mem.free(15)
@@ -346,12 +343,11 @@ class Vgg16(rp.Model):
         # X29 = Max(0, X28)
         X29 = X28  # in place: over X28
         rt.ew(ew1, X29, X28)
-        # X30 = max_pool_argmax[kernel=2,stride=2](X29)
+        # X30 = max_pool_argmax[kernel=2,stride=2](X29)   (computed with the next statement)
         X30 = mem.tensor(21, (64, 512, 14, 14), 'uint8')
-        rt.max_pool_argmax(X29, out=X30, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(32112640))
         # X31 = max_pool[kernel=2,stride=2](X29)
         X31 = mem.tensor(22, (64, 512, 14, 14), 'float32', over=20)
-        rt.max_pool(X29, out=X31, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(401408))
+        rt.max_pool(X29, out=X31, argmax=X30, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(32112640))
         # free X29
         del X28, X29
         mem.free(20)
@@ -373,12 +369,11 @@ class Vgg16(rp.Model):
         # X37 = Max(0, X36)
         X37 = X36  # in place: over X36
         rt.ew(ew1, X37, X36)
-        # X38 = max_pool_argmax[kernel=2,stride=2](X37)
+        # X38 = max_pool_argmax[kernel=2,stride=2](X37)   (computed with the next statement)
         X38 = mem.tensor(26, (64, 512, 7, 7), 'uint8')
-        rt.max_pool_argmax(X37, out=X38, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(8028160))
         # X39 = max_pool[kernel=2,stride=2](X37)
         X39 = mem.tensor(27, (64, 512, 7, 7), 'float32')
-        rt.max_pool(X37, out=X39, ceil=False, kernel=2, pad=0, stride=2)
+        rt.max_pool(X37, out=X39, argmax=X38, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(8028160))
         # free X37
         del X36, X37
         mem.free(25)

@@ -459,48 +459,61 @@ def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
     return sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in (x_shape, out_shape, *scratch_shapes))
 
 
-def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
-    """Maximum of each window. `out` may take over the bytes of `x` (same start): samples then run in a safe order."""
+def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
+    """Maximum of each window; with `argmax`, also the index `max_pool_argmax` computes, in the same pass over the
+    windows (the maxima are the argmax's reference values). `out` may take over the bytes of `x` (same start):
+    samples then run in a safe order."""
     if _takes_over(x, out):
         return _over_samples(lambda s, e, xs, os, ws: max_pool(
-            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, workspace=ws), x, out, workspace)
+            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil,
+            argmax=None if argmax is None else argmax[s:e], workspace=ws), x, out, workspace)
     ho, wo = out.shape[2:]
-    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape)):
-        src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, _Scratch(workspace))
+    extra = () if argmax is None else (out.shape, out.shape)
+    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape, *extra)):
+        scratch = _Scratch(workspace)
+        src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, scratch)
         part = out[s:e]
-        np.copyto(part, _window(src, 0, 0, stride, ho, wo))
-        for p in range(1, kernel * kernel):
-            np.maximum(part, _window(src, p // kernel, p % kernel, stride, ho, wo), out=part)
+        _window_max(src, part, kernel, stride, ho, wo)
+        if argmax is not None:
+            _window_argmax(src, part, argmax[s:e], scratch.take_bool(part.shape), kernel, stride, ho, wo)
+
+
+def _window_max(src, best, kernel, stride, ho, wo):
+    np.copyto(best, _window(src, 0, 0, stride, ho, wo))
+    for p in range(1, kernel * kernel):
+        np.maximum(best, _window(src, p // kernel, p % kernel, stride, ho, wo), out=best)
+
+
+def _window_argmax(src, best, index, differs, kernel, stride, ho, wo):
+    """The index from the last window position to the first: r = 0 at the last position and
+    r = (x_p != max) * (1 + r) before it, so r ends as the offset of the first position holding the maximum. Per
+    position one comparison of strided floats and two passes over uint8 bytes, instead of keeping a running index
+    next to a running maximum."""
+    last = kernel * kernel - 1
+    as_bytes = differs.view(np.uint8)
+    if last == 0:
+        index.fill(0)
+    for p in range(last - 1, -1, -1):
+        np.not_equal(_window(src, p // kernel, p % kernel, stride, ho, wo), best, out=differs)
+        if p == last - 1:
+            np.copyto(index, as_bytes)
+        else:
+            np.add(index, 1, out=index)
+            np.multiply(index, as_bytes, out=index)
 
 
 def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
-    """Index (row * kernel + column) of the first maximum of each window, as uint8.
-
-    The window maxima first (as max_pool computes them), then the index from the last window position to the first:
-    r = 0 at the last position and r = (x_p != max) * (1 + r) before it, so r ends as the offset of the first
-    position holding the maximum. Per position one comparison of strided floats and two passes over uint8 bytes,
-    instead of keeping a running index next to a running maximum."""
+    """Index (row * kernel + column) of the first maximum of each window, as uint8: the window maxima first (as
+    max_pool computes them), then the index from them (`_window_argmax`)."""
     ho, wo = out.shape[2:]
-    last = kernel * kernel - 1
     for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape, out.shape)):
         scratch = _Scratch(workspace)
         src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, scratch)
         index = out[s:e]
         best = scratch.take(index.shape)
         differs = scratch.take_bool(index.shape)
-        np.copyto(best, _window(src, 0, 0, stride, ho, wo))
-        for p in range(1, last + 1):
-            np.maximum(best, _window(src, p // kernel, p % kernel, stride, ho, wo), out=best)
-        as_bytes = differs.view(np.uint8)
-        if last == 0:
-            index.fill(0)
-        for p in range(last - 1, -1, -1):
-            np.not_equal(_window(src, p // kernel, p % kernel, stride, ho, wo), best, out=differs)
-            if p == last - 1:
-                np.copyto(index, as_bytes)
-            else:
-                np.add(index, 1, out=index)
-                np.multiply(index, as_bytes, out=index)
+        _window_max(src, best, kernel, stride, ho, wo)
+        _window_argmax(src, best, index, differs, kernel, stride, ho, wo)
 
 
 def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None):

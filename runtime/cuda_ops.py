@@ -554,7 +554,11 @@ def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom,
             device.launch(f"deepdsl_{kind}_range", fmt, config.grid, config.block, args)
 
 
-def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
+def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
+    """Maximum of each window; with `argmax`, also `max_pool_argmax` of the same windows (first, as `out` may
+    take over the bytes of `x`)."""
+    if argmax is not None:
+        max_pool_argmax(x, out=argmax, kernel=kernel, stride=stride, pad=pad, ceil=ceil)
     n, c, h, w = x.shape
     ho, wo = out.shape[2:]
     geom = _pool_geom(n * c, h, w, ho, wo, kernel, stride, pad)

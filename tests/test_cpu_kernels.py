@@ -135,3 +135,34 @@ def test_per_channel_sums(shape):
 def test_average_pool_divides_in_float32():
     divisor = cpu.avg_pool_divisor((7, 7), 3, 2, 1, True, False)
     assert divisor.dtype == np.float32 and divisor.min() >= 1
+
+
+@pytest.mark.parametrize("case", POOL)
+@pytest.mark.parametrize("over", [False, True])
+@pytest.mark.parametrize("cache", ["tiny", "default"])
+def test_max_pool_with_argmax_in_one_pass(case, over, cache, monkeypatch):
+    """`max_pool(x, out=, argmax=)` (what code generation emits for a max_pool and max_pool_argmax pair) gives
+    both ops' reference values, also when its output takes over the bytes of x (one sample is then staged through
+    the workspace's end) and in chunks of one sample."""
+    if cache == "tiny":
+        monkeypatch.setattr(cpu, "CACHE_BYTES", 1)
+    x, y, argmax, _ = pool_nodes(case)
+    attrs = dict(y.attrs)
+    rng = np.random.default_rng(5)
+    xv = rng.standard_normal(x.shape).astype(np.float32)
+    xv[:, :, :3, :3] = 0.5                                # ties: the first maximum wins
+    ctx = EvalContext(np.float32)
+    want = get_op("max_pool").evaluate(ctx, xv, **attrs)
+    want_index = get_op("max_pool_argmax").evaluate(ctx, xv, **attrs)
+    index = np.full(argmax.shape, 255, np.uint8)
+    workspace = np.empty(4 * xv.size, np.float32)         # more than any of these cases needs
+    if over:
+        memory = np.full(xv.size, np.nan, np.float32)
+        source = memory.reshape(xv.shape)
+        source[...] = xv
+        out = memory[:int(np.prod(y.shape))].reshape(y.shape)
+    else:
+        source, out = xv, np.full(y.shape, np.nan, np.float32)
+    cpu.max_pool(source, out=out, argmax=index, workspace=workspace, **attrs)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(index, want_index)

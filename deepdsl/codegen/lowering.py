@@ -64,6 +64,12 @@ def bernoulli(site: Site) -> str:
     return f"rt.bernoulli(out={site.out}{_attrs(site.node)}, seed=self.seed, step=step{ws})"
 
 
+def max_pool_pair(site: Site, argmax: str) -> str:
+    """A `max_pool` statement and the `max_pool_argmax` of the same windows in one call (see `steps`)."""
+    ws = f", workspace={site.workspace}" if site.workspace else ""
+    return f"rt.max_pool({site.args[0]}, out={site.out}, argmax={argmax}{_attrs(site.node)}{ws})"
+
+
 SNIPPETS: dict[str, Callable[[Site], str]] = {
     "reshape": view,
     "ew": elementwise,

@@ -138,9 +138,15 @@ class StepBuilder:
 
     def blocks(self) -> list[Block]:
         result = []
-        for instr, step in zip(self.program.body, self.plan.steps):
+        body, steps = self.program.body, self.plan.steps
+        for k, (instr, step) in enumerate(zip(body, steps)):
             if isinstance(instr, Let):
-                result.append(self.let(instr.node, step))
+                if k + 1 < len(body) and _pool_pair(instr, body[k + 1]):
+                    result.append(self.let(instr.node, step, call=False))
+                elif k > 0 and _pool_pair(body[k - 1], instr):
+                    result.append(self.let(instr.node, step, pair=(body[k - 1].node, steps[k - 1])))
+                else:
+                    result.append(self.let(instr.node, step))
             elif isinstance(instr, Free) and step.releases:
                 names = [self.py[id(v)] for k in step.releases for v in self.plan.buffers[k].values
                          if id(v) in self.py and not self.py[id(v)].startswith("T[")]
@@ -149,7 +155,11 @@ class StepBuilder:
                 result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes), lines))
         return result
 
-    def let(self, node: Node, step) -> Block:
+    def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
+        """The block of one statement. A `max_pool` and `max_pool_argmax` pair over the same windows (`_pool_pair`)
+        makes one pass: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's
+        node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in the larger of their two
+        workspaces (both are the plan's, so the plan is unchanged)."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -169,6 +179,16 @@ class StepBuilder:
                          f"{DTYPES[node.dtype]!r}" + ("" if over is None else f", over={over}") + ")")
         else:
             raise GenerateError(f"the memory plan gives statement {name} no buffer")
+        if not call:
+            return Block(comment + "   (computed with the next statement)", lines)
+        if pair is not None:
+            first, first_step = pair
+            pool, index = (first, node) if first.op == "max_pool" else (node, first)
+            nbytes = max(step.workspace, first_step.workspace)
+            workspace = f"mem.workspace({nbytes})" if nbytes else None
+            lines.append(lowering.max_pool_pair(
+                lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
+            return Block(comment, lines)
         workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         kernel = None
         if node.op == "ew":
@@ -189,6 +209,17 @@ class StepBuilder:
                 value = value.inputs[0]
             else:
                 return False
+
+
+def _pool_pair(a, b) -> bool:
+    """Whether consecutive statements `a`, `b` are a `max_pool` and a `max_pool_argmax` (either order) of the same
+    input with the same attributes, written in place of nothing: their windows' maxima are computed once."""
+    if not (isinstance(a, Let) and isinstance(b, Let)):
+        return False
+    if getattr(a, "into", None) is not None or getattr(b, "into", None) is not None:
+        return False
+    x, y = a.node, b.node
+    return ({x.op, y.op} == {"max_pool", "max_pool_argmax"} and x.inputs == y.inputs and x.attrs == y.attrs)
 
 
 def _scalar(builder: StepBuilder, node: Node) -> str:
