@@ -207,6 +207,7 @@ def _over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | N
 # convolution
 
 def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
+    """Window positions along one axis (the CUDA backend imports this one)."""
     span = size + 2 * pad - kernel
     if ceil:
         out = -(-span // stride) + 1

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import cuda_layout as L
 from . import memory
+from .cpu import out_size          # one window-count rule for both backends (cpu.py imports only numpy)
 from .cuda_layout import EW_F32, EW_U8, EW_VALUE
 
 __all__ = [
@@ -372,16 +373,6 @@ def matmul(a, b, *, out, ta=False, tb=False):
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     current_device().gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
-
-
-def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
-    span = size + 2 * pad - kernel
-    if ceil:
-        out = -(-span // stride) + 1
-        if (out - 1) * stride >= size + pad:   # the last window must start inside the input (Caffe, PyTorch)
-            out -= 1
-        return out
-    return span // stride + 1
 
 
 def _pointwise(kh, kw, stride, pad) -> bool:

@@ -101,11 +101,17 @@ def case_pool(g, rng):
             out = _out(g, ref.shape)
             getattr(g, op)(_in(g, x), out=out, **geo)
             result.append((f"{op} {tag}", out, ref, 0))
+            if op == "max_pool":
+                maxima = ref
         arg = np.empty((n, c, ho, ho), np.uint8)
         C.max_pool_argmax(x, out=arg, **geo)
         out = _out(g, arg.shape, "uint8")
         g.max_pool_argmax(_in(g, x), out=out, **geo)
         result.append((f"max_pool_argmax {tag}", out, arg, 0))
+        pooled, index = _out(g, arg.shape), _out(g, arg.shape, "uint8")     # both in one call, as generated
+        g.max_pool(_in(g, x), out=pooled, argmax=index, **geo)
+        result.append((f"max_pool with argmax {tag}", index, arg, 0))
+        result.append((f"max_pool with argmax, value {tag}", pooled, maxima, 0))
         ref = np.empty_like(x)
         C.max_pool_bwd(gy, arg, out=ref, size=(h, h), **geo)
         out = _out(g, x.shape)
