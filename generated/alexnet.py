@@ -194,7 +194,7 @@ class Alexnet(rp.Model):
         X7 = mem.tensor(7, (128, 96, 27, 27), 'uint8')
         # X8 = max_pool[ceil=True,kernel=3,stride=2](X6)
         X8 = mem.tensor(8, (128, 96, 27, 27), 'float32')
-        rt.max_pool(X6, out=X8, argmax=X7, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(44789760))
+        rt.max_pool(X6, out=X8, argmax=X7, ceil=True, kernel=3, pad=0, stride=2)
         # free X6
         del X6
         mem.free(6)
@@ -211,7 +211,7 @@ class Alexnet(rp.Model):
         X12 = mem.tensor(11, (128, 256, 13, 13), 'uint8')
         # X13 = max_pool[ceil=True,kernel=3,stride=2](X11)
         X13 = mem.tensor(12, (128, 256, 13, 13), 'float32')
-        rt.max_pool(X11, out=X13, argmax=X12, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(27688960))
+        rt.max_pool(X11, out=X13, argmax=X12, ceil=True, kernel=3, pad=0, stride=2)
         # free X11
         del X11
         mem.free(10)
@@ -237,7 +237,7 @@ class Alexnet(rp.Model):
         X20 = mem.tensor(16, (128, 256, 6, 6), 'uint8')
         # X21 = max_pool[ceil=True,kernel=3,stride=2](X19)
         X21 = mem.tensor(17, (128, 256, 6, 6), 'float32')
-        rt.max_pool(X19, out=X21, argmax=X20, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(5898240))
+        rt.max_pool(X19, out=X21, argmax=X20, ceil=True, kernel=3, pad=0, stride=2)
         # free X19
         del X18, X19
         mem.free(15)

@@ -257,7 +257,7 @@ class InceptionMini(rp.Model):
         X5 = mem.tensor(5, (100, 32, 14, 14), 'uint8')
         # X6 = max_pool[kernel=2,stride=2](X4)
         X6 = mem.tensor(6, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(3136000))
+        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2)
         # free X4
         del X3, X4
         mem.free(4)
@@ -277,7 +277,7 @@ class InceptionMini(rp.Model):
         X11 = mem.tensor(9, (100, 32, 14, 14), 'uint8')
         # X12 = max_pool[kernel=3,pad=1,stride=1](X6)
         X12 = mem.tensor(10, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X6, out=X12, argmax=X11, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(6412800))
+        rt.max_pool(X6, out=X12, argmax=X11, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
         # X13 = conv2d(X12, inception_a_pool_proj_W, inception_a_pool_proj_B)
         X13 = mem.tensor(11, (100, 16, 14, 14), 'float32')
         rt.conv2d(X12, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=X13, pad=0, stride=1)
@@ -312,7 +312,7 @@ class InceptionMini(rp.Model):
         X22 = mem.tensor(16, (100, 64, 7, 7), 'uint8')
         # X23 = max_pool[kernel=2,stride=2](X21)
         X23 = mem.tensor(17, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(1568000))
+        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2)
         # free X21
         del X21
         mem.free(15)
@@ -332,7 +332,7 @@ class InceptionMini(rp.Model):
         X28 = mem.tensor(20, (100, 64, 7, 7), 'uint8')
         # X29 = max_pool[kernel=3,pad=1,stride=1](X23)
         X29 = mem.tensor(21, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X23, out=X29, argmax=X28, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3641600))
+        rt.max_pool(X23, out=X29, argmax=X28, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
         # X30 = conv2d(X29, inception_b_pool_proj_W, inception_b_pool_proj_B)
         X30 = mem.tensor(22, (100, 16, 7, 7), 'float32')
         rt.conv2d(X29, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=X30, pad=0, stride=1)

@@ -133,7 +133,7 @@ class Lenet(rp.Model):
         X2 = mem.tensor(3, (500, 20, 12, 12), 'uint8')
         # X3 = max_pool[kernel=2,stride=2](X1)
         X3 = mem.tensor(4, (500, 20, 12, 12), 'float32', over=2)
-        rt.max_pool(X1, out=X3, argmax=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(7200000))
+        rt.max_pool(X1, out=X3, argmax=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
         # free X1
         del X1
         mem.free(2)
@@ -144,7 +144,7 @@ class Lenet(rp.Model):
         X5 = mem.tensor(6, (500, 50, 4, 4), 'uint8')
         # X6 = max_pool[kernel=2,stride=2](X4)
         X6 = mem.tensor(7, (500, 50, 4, 4), 'float32')
-        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(2000000))
+        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2)
         # free X4
         del X4
         mem.free(5)

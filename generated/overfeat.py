@@ -189,7 +189,7 @@ class Overfeat(rp.Model):
         X6 = mem.tensor(6, (128, 96, 28, 28), 'uint8')
         # X7 = max_pool[kernel=2,stride=2](X5)
         X7 = mem.tensor(7, (128, 96, 28, 28), 'float32')
-        rt.max_pool(X5, out=X7, argmax=X6, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(48168960))
+        rt.max_pool(X5, out=X7, argmax=X6, ceil=False, kernel=2, pad=0, stride=2)
         # free X5
         del X4, X5
         mem.free(5)
@@ -203,7 +203,7 @@ class Overfeat(rp.Model):
         X10 = mem.tensor(9, (128, 256, 12, 12), 'uint8')
         # X11 = max_pool[kernel=2,stride=2](X9)
         X11 = mem.tensor(10, (128, 256, 12, 12), 'float32')
-        rt.max_pool(X9, out=X11, argmax=X10, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
+        rt.max_pool(X9, out=X11, argmax=X10, ceil=False, kernel=2, pad=0, stride=2)
         # free X9
         del X8, X9
         mem.free(8)
@@ -229,7 +229,7 @@ class Overfeat(rp.Model):
         X18 = mem.tensor(14, (128, 1024, 6, 6), 'uint8')
         # X19 = max_pool[kernel=2,stride=2](X17)
         X19 = mem.tensor(15, (128, 1024, 6, 6), 'float32')
-        rt.max_pool(X17, out=X19, argmax=X18, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(23592960))
+        rt.max_pool(X17, out=X19, argmax=X18, ceil=False, kernel=2, pad=0, stride=2)
         # free X17
         del X16, X17
         mem.free(13)

@@ -1450,7 +1450,7 @@ class Resnet50(rp.Model):
         X17 = mem.tensor(9, (32, 64, 56, 56), 'uint8')
         # X18 = max_pool[ceil=True,kernel=3,stride=2](X16)
         X18 = mem.tensor(10, (32, 64, 56, 56), 'float32')
-        rt.max_pool(X16, out=X18, argmax=X17, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(136716288))
+        rt.max_pool(X16, out=X18, argmax=X17, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(104603648))
         # free X16
         del X16
         mem.free(8)

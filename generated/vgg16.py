@@ -275,7 +275,7 @@ class Vgg16(rp.Model):
         X8 = mem.tensor(7, (64, 64, 112, 112), 'uint8')
         # X9 = max_pool[kernel=2,stride=2](X7)
         X9 = mem.tensor(8, (64, 64, 112, 112), 'float32')
-        rt.max_pool(X7, out=X9, argmax=X8, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(256901120))
+        rt.max_pool(X7, out=X9, argmax=X8, ceil=False, kernel=2, pad=0, stride=2)
         # free X7
         del X6, X7
         mem.free(6)
@@ -295,7 +295,7 @@ class Vgg16(rp.Model):
         X14 = mem.tensor(11, (64, 128, 56, 56), 'uint8')
         # X15 = max_pool[kernel=2,stride=2](X13)
         X15 = mem.tensor(12, (64, 128, 56, 56), 'float32')
-        rt.max_pool(X13, out=X15, argmax=X14, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(128450560))
+        rt.max_pool(X13, out=X15, argmax=X14, ceil=False, kernel=2, pad=0, stride=2)
         # free X13
         del X12, X13
         mem.free(10)
@@ -321,7 +321,7 @@ class Vgg16(rp.Model):
         X22 = mem.tensor(16, (64, 256, 28, 28), 'uint8')
         # X23 = max_pool[kernel=2,stride=2](X21)
         X23 = mem.tensor(17, (64, 256, 28, 28), 'float32')
-        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(64225280))
+        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2)
         # free X21
         del X20, X21
         mem.free(15)
@@ -347,7 +347,7 @@ class Vgg16(rp.Model):
         X30 = mem.tensor(21, (64, 512, 14, 14), 'uint8')
         # X31 = max_pool[kernel=2,stride=2](X29)
         X31 = mem.tensor(22, (64, 512, 14, 14), 'float32', over=20)
-        rt.max_pool(X29, out=X31, argmax=X30, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(32112640))
+        rt.max_pool(X29, out=X31, argmax=X30, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(401408))
         # free X29
         del X28, X29
         mem.free(20)
@@ -373,7 +373,7 @@ class Vgg16(rp.Model):
         X38 = mem.tensor(26, (64, 512, 7, 7), 'uint8')
         # X39 = max_pool[kernel=2,stride=2](X37)
         X39 = mem.tensor(27, (64, 512, 7, 7), 'float32')
-        rt.max_pool(X37, out=X39, argmax=X38, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(8028160))
+        rt.max_pool(X37, out=X39, argmax=X38, ceil=False, kernel=2, pad=0, stride=2)
         # free X37
         del X36, X37
         mem.free(25)

@@ -166,3 +166,34 @@ def test_max_pool_with_argmax_in_one_pass(case, over, cache, monkeypatch):
     cpu.max_pool(source, out=out, argmax=index, workspace=workspace, **attrs)
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(index, want_index)
+
+
+def _update(out, v0, v1, v2, v3, v4):
+    """A momentum update as code generation renders it: out may be v0, and v3 * v4 is a temporary."""
+    np.multiply(v0, v1, out=out)
+    np.add(out, v3 * v4, out=out)
+    np.add(out, v2, out=out)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_elementwise_kernels_in_runs(chunk, monkeypatch):
+    """Large elementwise kernels run in runs of EW_CHUNK elements (7 does not divide the size): the result equals
+    one call of the kernel, in place over an input too; operands of another shape make one call."""
+    monkeypatch.setattr(cpu, "EW_CHUNK", chunk)
+    rng = np.random.default_rng(6)
+    v, g, w = (rng.standard_normal((37, 11)).astype(np.float32) for _ in range(3))
+    momentum, decay = np.float32(0.9), np.full((1, 1), 0.0005, np.float32)
+    want = np.empty_like(v)
+    _update(want, v, momentum, g, decay, w)                # one call: the same float32 operations, bit for bit
+    np.testing.assert_allclose(want, v.astype(np.float64) * 0.9 + g + 0.0005 * w.astype(np.float64),
+                               rtol=1e-5, atol=1e-6)
+    out = np.full_like(v, np.nan)
+    cpu.ew(_update, out, v, momentum, g, decay, w)
+    np.testing.assert_array_equal(out, want)
+    inplace = v.copy()
+    cpu.ew(_update, inplace, inplace, momentum, g, decay, w)
+    np.testing.assert_array_equal(inplace, out)
+    row = rng.standard_normal(11).astype(np.float32)      # broadcast along rows: one call
+    cpu.ew(_update, out, v, momentum, g, decay, row)
+    np.testing.assert_allclose(out, v.astype(np.float64) * 0.9 + g + 0.0005 * row.astype(np.float64),
+                               rtol=1e-5, atol=1e-6)

@@ -158,8 +158,9 @@ class StepBuilder:
     def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
         """The block of one statement. A `max_pool` and `max_pool_argmax` pair over the same windows (`_pool_pair`)
         makes one pass: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's
-        node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in the larger of their two
-        workspaces (both are the plan's, so the plan is unchanged)."""
+        node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in max_pool's workspace (the
+        kernel's small mask may be a temporary): both statements keep the plan's buffers and the call asks for no
+        more workspace than the plan gives max_pool, so every allocator mode stays within the plan."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -184,7 +185,7 @@ class StepBuilder:
         if pair is not None:
             first, first_step = pair
             pool, index = (first, node) if first.op == "max_pool" else (node, first)
-            nbytes = max(step.workspace, first_step.workspace)
+            nbytes = (step if pool is node else first_step).workspace
             workspace = f"mem.workspace({nbytes})" if nbytes else None
             lines.append(lowering.max_pool_pair(
                 lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
