@@ -119,27 +119,16 @@ def _fold(node: Node) -> Node | None:
 # ---------------------------------------------------------------------------------------------------------------
 # shape ops
 
-def _broadcast_rule(node: Node) -> Node | None:
+def _reshape_or_broadcast_rule(node: Node) -> Node | None:
+    """`reshape`/`broadcast_to` to the same shape is its input; of a fill, a fill; of the same op, one op."""
     (x,) = node.inputs
     shape = node.attr("shape")
     if x.shape == node.shape:
         return x
     if _is_fill(x):
         return _fill(_value(x), shape)
-    if x.op == "broadcast_to":
-        return broadcast_to(x.inputs[0], shape)
-    return None
-
-
-def _reshape_rule(node: Node) -> Node | None:
-    (x,) = node.inputs
-    shape = node.attr("shape")
-    if x.shape == node.shape:
-        return x
-    if _is_fill(x):
-        return _fill(_value(x), shape)
-    if x.op == "reshape":
-        return reshape(x.inputs[0], shape)
+    if x.op == node.op:
+        return (reshape if node.op == "reshape" else broadcast_to)(x.inputs[0], shape)
     return None
 
 
@@ -271,8 +260,8 @@ def _ew_rules(node: Node) -> Node | None:
 
 
 _RULES: dict[str, tuple[Rule, ...]] = {
-    "broadcast_to": (_broadcast_rule,),
-    "reshape": (_reshape_rule,),
+    "broadcast_to": (_reshape_or_broadcast_rule,),
+    "reshape": (_reshape_or_broadcast_rule,),
     "sum_to": (_sum_to_rule,),
     "slice": (_slice_rule,),
     "concat": (_concat_rule,),
