@@ -6,7 +6,7 @@ import sympy
 
 from deepdsl.ir import FLOAT, INT32, Node, make
 from deepdsl.ops import FLOAT_BYTES, Op, Workspace, dims, register, require
-from deepdsl.ops.elementwise import broadcast_to, elementwise, sum_to, sym
+from deepdsl.ops.elementwise import elementwise, sum_to, sym
 
 
 def _check_scores(x: Node, what: str):
@@ -136,5 +136,3 @@ def log_loss(probs: Node, labels: Node) -> Node:
 def cross_entropy(logits: Node, labels: Node) -> Node:
     return nll(make("log_softmax", (logits,)), labels)
 
-
-__all__ = ["broadcast_to", "cross_entropy", "log_loss", "nll"]
