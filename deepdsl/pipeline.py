@@ -109,14 +109,7 @@ class Compiled:
 
 def _optimize_graph(graph: Graph, options: CompileOptions, hook: Hook | None) -> Graph:
     from deepdsl.verify import verify_graph
-    for name, stage in GRAPH_STAGES:
-        if options.enabled(name):
-            graph = stage(graph)
-            if options.verify:
-                verify_graph(graph)
-            if hook:
-                hook(f"{graph.name}:{name}", graph)
-    return graph
+    return _run_stages(graph, GRAPH_STAGES, options, hook, verify_graph)
 
 
 def _lower(graph: Graph, options: CompileOptions, hook: Hook | None) -> Program:
@@ -129,16 +122,18 @@ def _lower(graph: Graph, options: CompileOptions, hook: Hook | None) -> Program:
     return _run_stages(program, PROGRAM_STAGES, options, hook)
 
 
-def _run_stages(program: Program, stages, options: CompileOptions, hook: Hook | None) -> Program:
-    from deepdsl.verify import verify
+def _run_stages(value, stages, options: CompileOptions, hook: Hook | None, check=None):
+    """Run the enabled stages on a Graph or Program, checking (`verify` by default) and hooking after each."""
+    if check is None:
+        from deepdsl.verify import verify as check
     for name, stage in stages:
         if options.enabled(name):
-            program = stage(program)
+            value = stage(value)
             if options.verify:
-                verify(program)
+                check(value)
             if hook:
-                hook(f"{program.name}:{name}", program)
-    return program
+                hook(f"{value.name}:{name}", value)
+    return value
 
 
 def plan_program(program: Program, options: CompileOptions = CompileOptions(),
