@@ -101,20 +101,11 @@ def worker_ours(program: str, batch: int, warmup: int, steps: int) -> dict:
 
 def worker_torch(batch: int, warmup: int, steps: int, threads: int) -> dict:
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
+    sys.path.insert(0, str(ROOT))
+    from tests.torch_nets import LeNet          # the twin the tests check our programs against
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-
-    class LeNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.cv1, self.cv2 = nn.Conv2d(1, 20, 5), nn.Conv2d(20, 50, 5)
-            self.fc1, self.fc2 = nn.Linear(800, 500), nn.Linear(500, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(self.cv2(F.max_pool2d(self.cv1(x), 2)), 2)
-            return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
     net = LeNet()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
@@ -124,7 +115,7 @@ def worker_torch(batch: int, warmup: int, steps: int, threads: int) -> dict:
     def step(i):
         x, y = data[i % BATCHES]
         optimizer.zero_grad()
-        loss = F.cross_entropy(net(x), y)
+        loss = F.cross_entropy(net.logits(x), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

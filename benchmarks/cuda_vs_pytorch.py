@@ -121,51 +121,13 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
 # PyTorch
 
 def _torch_network(network: str):
-    import torch.nn as nn
-    import torch.nn.functional as F
+    """The PyTorch twin the tests check our programs against (`tests/torch_nets.py`), at the benchmark's size."""
+    sys.path.insert(0, str(ROOT))
+    from tests import torch_nets
 
-    if network == "lenet":
-        class LeNet(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.cv1, self.cv2 = nn.Conv2d(1, 20, 5), nn.Conv2d(20, 50, 5)
-                self.fc1, self.fc2 = nn.Linear(800, 500), nn.Linear(500, 10)
-
-            def forward(self, x):
-                x = F.max_pool2d(self.cv2(F.max_pool2d(self.cv1(x), 2)), 2)
-                return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-            def loss(self, x, y):
-                return F.nll_loss(F.log_softmax(self(x), dim=1), y)
-
-        return LeNet()
-
-    class AlexNet(nn.Module):
-        """Caffe's AlexNet without channel groups, as networks/alexnet.py."""
-
-        def __init__(self, classes=1000):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 96, 11, stride=4)
-            self.conv2 = nn.Conv2d(96, 256, 5, padding=2)
-            self.conv3 = nn.Conv2d(256, 384, 3, padding=1)
-            self.conv4 = nn.Conv2d(384, 384, 3, padding=1)
-            self.conv5 = nn.Conv2d(384, 256, 3, padding=1)
-            self.pool = nn.MaxPool2d(3, 2, ceil_mode=True)
-            self.lrn = nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=1.0)
-            self.fc6, self.fc7, self.fc8 = nn.Linear(256 * 6 * 6, 4096), nn.Linear(4096, 4096), nn.Linear(4096, classes)
-            self.drop = nn.Dropout(0.5)
-
-        def forward(self, x):
-            x = self.pool(self.lrn(F.relu(self.conv1(x))))
-            x = self.pool(self.lrn(F.relu(self.conv2(x))))
-            x = self.pool(F.relu(self.conv5(F.relu(self.conv4(F.relu(self.conv3(x)))))))
-            x = self.drop(F.relu(self.fc6(x.flatten(1))))
-            return self.fc8(self.drop(F.relu(self.fc7(x))))
-
-        def loss(self, x, y):
-            return F.nll_loss(F.softmax(self(x), dim=1).log(), y)
-
-    return AlexNet()
+    config = CONFIG[network]
+    twin = {"lenet": torch_nets.LeNet, "alexnet": torch_nets.AlexNet}[network]
+    return twin(image=config["image"], classes=config["classes"])
 
 
 def worker_torch(network: str, warmup: int, steps: int, allow_tf32: bool, cudnn_benchmark: bool) -> dict:

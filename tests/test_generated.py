@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.program import Let
@@ -31,25 +30,6 @@ from tests.program_helpers import compile_program, import_program, model_class, 
 
 TOLERANCE = 1e-4
 SEED = 3
-
-
-class LeNet(torch_nets.Twin):
-    """networks/lenet.py in PyTorch: its loss is -mean log(softmax(z)[y]), written as the network writes it."""
-
-    def __init__(self, image=(28, 28), classes=10):
-        super().__init__()
-        self.cv1 = self.add("cv1", nn.Conv2d(1, 20, 5))
-        self.cv2 = self.add("cv2", nn.Conv2d(20, 50, 5))
-        h, w = (((s - 4) // 2 - 4) // 2 for s in image)
-        self.fc1 = self.add("fc1", nn.Linear(50 * h * w, 500))
-        self.fc2 = self.add("fc2", nn.Linear(500, classes))
-
-    def logits(self, x):
-        x = F.max_pool2d(self.cv2(F.max_pool2d(self.cv1(x), 2)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-    def loss(self, x, y):
-        return F.nll_loss(torch.log(F.softmax(self.logits(x), dim=1)), y)
 
 
 def rel_err(a, b) -> float:
@@ -111,7 +91,7 @@ def groups(model, tensors, optimizer_kwargs):
 
 
 CASES = [
-    ("lenet", LeNet, 8),
+    ("lenet", torch_nets.LeNet, 8),
     ("mlp", torch_nets.MLP, 8),
     ("resnet_mini", torch_nets.ResNetMini, 4),
     ("inception_mini", torch_nets.InceptionMini, 4),

@@ -60,6 +60,25 @@ def _features_size(features, channels: int, image: tuple[int, int]) -> int:
         return features(torch.zeros(1, channels, *image)).numel()
 
 
+class LeNet(Twin):
+    """networks/lenet.py in PyTorch: its loss is -mean log(softmax(z)[y]), written as the network writes it."""
+
+    def __init__(self, image=(28, 28), classes=10):
+        super().__init__()
+        self.cv1 = self.add("cv1", nn.Conv2d(1, 20, 5))
+        self.cv2 = self.add("cv2", nn.Conv2d(20, 50, 5))
+        h, w = (((s - 4) // 2 - 4) // 2 for s in image)
+        self.fc1 = self.add("fc1", nn.Linear(50 * h * w, 500))
+        self.fc2 = self.add("fc2", nn.Linear(500, classes))
+
+    def logits(self, x):
+        x = F.max_pool2d(self.cv2(F.max_pool2d(self.cv1(x), 2)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+    def loss(self, x, y):
+        return F.nll_loss(torch.log(F.softmax(self.logits(x), dim=1)), y)
+
+
 class MLP(Twin):
     def __init__(self, image=(28, 28), classes=10):
         super().__init__()
