@@ -21,7 +21,7 @@ from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
-from deepdsl.program import Free, Let, Program, format_expr, format_inline
+from deepdsl.program import Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
 
 MB = 1e6
