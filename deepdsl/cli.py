@@ -64,7 +64,7 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-code-motion", action="store_true", help="skip hoisting and sinking")
     p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
                    help="scratch workspace limit (ops run over the batch in chunks to fit), e.g. 64MB; default "
-                        "256 MiB; 'none' for no limit")
+                        "32 MiB; 'none' for no limit")
 
 
 def _compile(args: argparse.Namespace):

@@ -304,10 +304,13 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
                 allocated = b.index
         workspace = chunks = 0
         if isinstance(instr, Let):
-            workspace, chunks = get_op(instr.node.op).workspace(instr.node, workspace_limit)
+            stage = 0
             if allocated is not None and buffers[allocated].takes_over is not None:
-                workspace += stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes,
-                                         instr.node.shape[0])
+                stage = stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes,
+                                    instr.node.shape[0])
+            limit = None if workspace_limit is None else max(workspace_limit - stage, 0)
+            workspace, chunks = get_op(instr.node.op).workspace(instr.node, limit)
+            workspace += stage
             ws_max = max(ws_max, workspace)
         releases = tuple(b.index for b in ends.get(k, ())) if isinstance(instr, Free) else ()
         common, common_exact = shared.get(k, (0, 0))

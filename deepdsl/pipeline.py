@@ -53,7 +53,10 @@ MEMORY_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
 )
 
 
-DEFAULT_WORKSPACE_LIMIT = 256 * 2**20     # keeps big networks' im2col scratch bounded (VGG-16 would need 9 GB)
+# Scratch of one statement at most (im2col matrices, pooling and LRN buffers): ops run over the batch in chunks
+# to fit. Unbounded, VGG-16 would need 9 GB; the CPU kernels work in cache-sized chunks of samples anyway, so a
+# larger limit buys them nothing (docs/memory.md), while GPU GEMMs may gain from larger chunks (--workspace-limit).
+DEFAULT_WORKSPACE_LIMIT = 32 * 2**20
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,22 @@ def _samples(n: int, per_sample_floats: int):
     return ((s, min(n, s + step)) for s in range(0, n, step))
 
 
+def _sample_chunks(n: int, workspace: np.ndarray | None, scratch_floats: int, working_floats: int):
+    """(start, stop) chunks of samples for a kernel that works sample by sample: cache-sized by its working set
+    (`working_floats` per sample: inputs, outputs and scratch) and no larger than the workspace holds
+    (`scratch_floats` per sample). The memory plan gives such a kernel the scratch of the whole batch, or of the
+    chunks that keep it within the workspace limit (`deepdsl.ops.batch_chunks`), so its chunks here are never
+    more than the plan's."""
+    step = max(1, (CACHE_BYTES // 4) // max(working_floats, 1))
+    if workspace is not None and scratch_floats:
+        fit = workspace.size // scratch_floats
+        if fit < 1:
+            raise ValueError(f"workspace of {workspace.size} floats holds no sample (needs {scratch_floats})")
+        step = min(step, fit)
+    step = min(step, n)
+    return ((s, min(n, s + step)) for s in range(0, n, step))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # outputs that take over their input's bytes
 
@@ -464,6 +480,21 @@ def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
     return sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in (x_shape, out_shape, *scratch_shapes))
 
 
+def _per(shape) -> int:
+    """Elements of one sample."""
+    return int(np.prod(shape[1:], dtype=np.int64))
+
+
+def _padded_floats(size, pooled, kernel, stride, pad, channels) -> int:
+    """Floats per sample of the padded copy `_pool_source` / `_scatter_target` take from the workspace (0 when the
+    windows stay inside the input); `deepdsl.ops.pool.padded_source_bytes` plans the same."""
+    (h, w), (ho, wo) = size, pooled
+    hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
+    if pad == 0 and hp <= h and wp <= w:
+        return 0
+    return channels * max(hp, h + pad) * max(wp, w + pad)
+
+
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
     """Maximum of each window; with `argmax`, also the index `max_pool_argmax` computes, in the same pass over the
     windows (the maxima are the argmax's reference values; the workspace max_pool's plan gives it, which need not
@@ -475,7 +506,9 @@ def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspac
             argmax=None if argmax is None else argmax[s:e], workspace=ws), x, out, workspace)
     ho, wo = out.shape[2:]
     extra = () if argmax is None else (out.shape, out.shape)
-    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape, *extra)):
+    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
+    for s, e in _sample_chunks(x.shape[0], workspace, padded,
+                               _pool_per_sample(x.shape, out.shape, *extra) + padded):
         scratch = _Scratch(workspace)
         src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, scratch)
         part = out[s:e]
@@ -513,7 +546,10 @@ def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None
     """Index (row * kernel + column) of the first maximum of each window, as uint8: the window maxima first (as
     max_pool computes them), then the index from them (`_window_argmax`)."""
     ho, wo = out.shape[2:]
-    for s, e in _samples(x.shape[0], _pool_per_sample(x.shape, out.shape, out.shape)):
+    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
+    scratch_floats = padded + _per(out.shape) + -(-_per(out.shape) // 4)     # padded input, maxima, mask
+    for s, e in _sample_chunks(x.shape[0], workspace, scratch_floats,
+                               _pool_per_sample(x.shape, out.shape, out.shape) + padded):
         scratch = _Scratch(workspace)
         src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, -np.inf, scratch)
         index = out[s:e]
@@ -533,8 +569,10 @@ def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, wor
     ho, wo = g.shape[2:]
     h, w = size
     overlap = stride < kernel
-    per_sample = _pool_per_sample(out.shape, g.shape, *((g.shape,) if overlap else ()))
-    for s, e in _samples(g.shape[0], per_sample):
+    padded = _padded_floats(size, (ho, wo), kernel, stride, pad, out.shape[1])
+    scratch_floats = padded + -(-_per(g.shape) // 4) + (_per(g.shape) if overlap else 0)   # target, hits, shares
+    per_sample = _pool_per_sample(out.shape, g.shape, *((g.shape,) if overlap else ())) + padded
+    for s, e in _sample_chunks(g.shape[0], workspace, scratch_floats, per_sample):
         scratch = _Scratch(workspace)
         target = out[s:e]
         dst = _scatter_target(target, size, kernel, stride, pad, ho, wo, scratch)
@@ -579,13 +617,17 @@ def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, wor
             xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, workspace=ws),
             x, out, workspace)
     ho, wo = out.shape[2:]
-    src = _pool_source(x, kernel, stride, pad, ho, wo, 0.0, _Scratch(workspace))
-    np.copyto(out, _window(src, 0, 0, stride, ho, wo))
-    for i in range(kernel):
-        for j in range(kernel):
-            if i or j:
-                np.add(out, _window(src, i, j, stride, ho, wo), out=out)
-    np.divide(out, avg_pool_divisor(x.shape[2:], kernel, stride, pad, ceil, include_pad), out=out)
+    divisor = avg_pool_divisor(x.shape[2:], kernel, stride, pad, ceil, include_pad)
+    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
+    for s, e in _sample_chunks(x.shape[0], workspace, padded, _pool_per_sample(x.shape, out.shape) + padded):
+        src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, 0.0, _Scratch(workspace))
+        part = out[s:e]
+        np.copyto(part, _window(src, 0, 0, stride, ho, wo))
+        for i in range(kernel):
+            for j in range(kernel):
+                if i or j:
+                    np.add(part, _window(src, i, j, stride, ho, wo), out=part)
+        np.divide(part, divisor, out=part)
 
 
 def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, size, workspace=None):
@@ -597,20 +639,26 @@ def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True,
             workspace=ws), g, out, workspace)
     ho, wo = g.shape[2:]
     h, w = size
-    scratch = _Scratch(workspace)
-    dst = _scatter_target(out, size, kernel, stride, pad, ho, wo, scratch)
-    share = scratch.take(g.shape)
-    np.divide(g, avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad), out=share)
-    dst.fill(0)
-    for i in range(kernel):
-        for j in range(kernel):
-            view = _window(dst, i, j, stride, ho, wo)
-            if stride >= kernel:
-                np.copyto(view, share)
-            else:
-                np.add(view, share, out=view)
-    if dst is not out:
-        np.copyto(out, dst[:, :, pad:pad + h, pad:pad + w])
+    divisor = avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad)
+    padded = _padded_floats(size, (ho, wo), kernel, stride, pad, out.shape[1])
+    scratch_floats = padded + _per(g.shape)                                  # target, shares
+    for s, e in _sample_chunks(g.shape[0], workspace, scratch_floats,
+                               _pool_per_sample(out.shape, g.shape, g.shape) + padded):
+        scratch = _Scratch(workspace)
+        target = out[s:e]
+        dst = _scatter_target(target, size, kernel, stride, pad, ho, wo, scratch)
+        share = scratch.take(g[s:e].shape)
+        np.divide(g[s:e], divisor, out=share)
+        dst.fill(0)
+        for i in range(kernel):
+            for j in range(kernel):
+                view = _window(dst, i, j, stride, ho, wo)
+                if stride >= kernel:
+                    np.copyto(view, share)
+                else:
+                    np.add(view, share, out=view)
+        if dst is not target:
+            np.copyto(target, dst[:, :, pad:pad + h, pad:pad + w])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -635,28 +683,34 @@ def _lrn_scale(x, s, tmp, size, alpha, k):
 
 
 def lrn(x, *, out, size, alpha, beta, k, workspace=None):
-    scratch = _Scratch(workspace)
-    s, tmp = scratch.take(x.shape), scratch.take(x.shape)
-    _lrn_scale(x, s, tmp, size, alpha, k)
-    np.power(s, -beta, out=s)
-    np.multiply(x, s, out=out)
+    """out = x * s^-beta over channel windows, in chunks of samples (scratch: the scale and the squares)."""
+    per = _per(x.shape)
+    for a, b in _sample_chunks(x.shape[0], workspace, 2 * per, 4 * per):
+        xs, scratch = x[a:b], _Scratch(workspace)
+        s, tmp = scratch.take(xs.shape), scratch.take(xs.shape)
+        _lrn_scale(xs, s, tmp, size, alpha, k)
+        np.power(s, -beta, out=s)
+        np.multiply(xs, s, out=out[a:b])
 
 
 def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None):
-    """dx = g s^-beta - (2 alpha beta / size) x * window_sum'(g x s^(-beta-1))."""
-    scratch = _Scratch(workspace)
-    s, a, spread = scratch.take(x.shape), scratch.take(x.shape), scratch.take(x.shape)
-    _lrn_scale(x, s, a, size, alpha, k)
-    np.power(s, -beta - 1, out=a)
-    np.multiply(a, g, out=a)
-    np.multiply(a, x, out=a)
-    # input j feeds the outputs c with j in window(c): the window mirrored
-    _channel_window_sum(a, spread, (size - 1) // 2, size // 2)
-    np.multiply(spread, x, out=spread)
-    np.multiply(spread, 2 * alpha * beta / size, out=spread)
-    np.power(s, -beta, out=s)
-    np.multiply(s, g, out=out)
-    np.subtract(out, spread, out=out)
+    """dx = g s^-beta - (2 alpha beta / size) x * window_sum'(g x s^(-beta-1)), in chunks of samples (scratch: the
+    scale, the inner term and its window sum). `out` may be `g` (in place): each chunk reads g before writing."""
+    per = _per(x.shape)
+    for lo, hi in _sample_chunks(x.shape[0], workspace, 3 * per, 6 * per):
+        gs, xs, outs, scratch = g[lo:hi], x[lo:hi], out[lo:hi], _Scratch(workspace)
+        s, a, spread = scratch.take(xs.shape), scratch.take(xs.shape), scratch.take(xs.shape)
+        _lrn_scale(xs, s, a, size, alpha, k)
+        np.power(s, -beta - 1, out=a)
+        np.multiply(a, gs, out=a)
+        np.multiply(a, xs, out=a)
+        # input j feeds the outputs c with j in window(c): the window mirrored
+        _channel_window_sum(a, spread, (size - 1) // 2, size // 2)
+        np.multiply(spread, xs, out=spread)
+        np.multiply(spread, 2 * alpha * beta / size, out=spread)
+        np.power(s, -beta, out=s)
+        np.multiply(s, gs, out=outs)
+        np.subtract(outs, spread, out=outs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -669,10 +723,13 @@ def softmax(x, *, out):
 
 
 def log_softmax(x, *, out, workspace=None):
-    np.subtract(x, x.max(axis=1, keepdims=True), out=out)
-    e = _Scratch(workspace).take(x.shape)
-    np.exp(out, out=e)
-    np.subtract(out, np.log(e.sum(axis=1, keepdims=True)), out=out)
+    """Rows' log-softmax, in chunks of rows (scratch: the exponentials)."""
+    for a, b in _sample_chunks(x.shape[0], workspace, x.shape[1], 3 * x.shape[1]):
+        xs, outs = x[a:b], out[a:b]
+        np.subtract(xs, xs.max(axis=1, keepdims=True), out=outs)
+        e = _Scratch(workspace).take(xs.shape)
+        np.exp(outs, out=e)
+        np.subtract(outs, np.log(e.sum(axis=1, keepdims=True)), out=outs)
 
 
 def pick(x, labels, *, out):
@@ -797,6 +854,13 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     """out = 1 with probability `keep`, from the counter-based stream (seed, step, key): reproducible and
     independent of what ran before, so resuming a run draws the same masks."""
     rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
-    draws = _Scratch(workspace).take(tuple(shape))
-    rng.random(dtype=np.float32, out=draws)
-    np.less(draws, keep, out=out)
+    if not tuple(shape):
+        draws = _Scratch(workspace).take(())
+        rng.random(dtype=np.float32, out=draws)
+        np.less(draws, keep, out=out)
+        return
+    per = _per(tuple(shape))
+    for a, b in _sample_chunks(shape[0], workspace, per, 2 * per):   # consecutive draws: the same stream
+        draws = _Scratch(workspace).take((b - a,) + tuple(shape[1:]))
+        rng.random(dtype=np.float32, out=draws)
+        np.less(draws, keep, out=out[a:b])

@@ -515,34 +515,54 @@ def _pool_geom(planes, h, w, ho, wo, kernel, stride, pad) -> tuple[int, ...]:
 def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom, extra: tuple, samples: int,
           backward: bool, workspace, leaves_input: bool) -> None:
     """Run pooling kernel `kind` (deepdsl_<kind>_range / _ordered) over `out`, reading `source` (the input, or the
-    output gradient) and `others` (the argmax). When the memory plan has `out` overlap `source`: copy the source to
-    the workspace when windows leave the input (the plan then gives at least that much), else launch in
-    race-free waves (cuda_layout.takeover_waves)."""
+    output gradient) and `others` (the argmax). When the memory plan has `out` overlap `source` (from the same
+    start): where windows leave the input, the samples run in the CPU backend's safe chunk order, the samples with
+    no safe chunk through one sample of staging at the end of the workspace (which the plan adds for that);
+    otherwise all at once in race-free waves (cuda_layout.takeover_waves)."""
     device = current_device()
-    fmt_extra = "i" * len(extra)
-    fmt = _POOL + fmt_extra + "P" * (2 + len(others)) + "II"
-    waves = [L.Wave(False, 0, out.size)]
-    if _overlap(out, source):
-        if leaves_input:
-            floats = _floats(workspace) or 0
-            if floats < source.size:
-                raise ValueError(f"{kind}: the output overlaps the input and the workspace ({floats} floats) cannot "
-                                 f"hold a copy of it ({source.size})")
-            staged = _scratch(workspace, source.size)
-            device.copy(staged.ptr, source.ptr, source.nbytes)
-            source = staged.reshape(source.shape)
-        else:
-            waves = L.takeover_waves(samples, source.size // samples, out.size // samples, source.ptr, out.ptr,
-                                     4, backward)
-    for wave in waves:
-        if wave.end <= wave.begin:
-            continue
-        args = (*geom, *extra, source.ptr, *(a.ptr for a in others), out.ptr, wave.begin, wave.end)
-        if wave.ordered:
-            device.launch(f"deepdsl_{kind}_ordered", fmt, (1, 1), (L.ORDERED_THREADS, 1, 1), args)
-        else:
-            config = L.launch_1d(wave.end - wave.begin)
-            device.launch(f"deepdsl_{kind}_range", fmt, config.grid, config.block, args)
+    fmt = _POOL + "i" * len(extra) + "P" * (2 + len(others)) + "II"
+    per_source, per_out = source.size // samples, out.size // samples
+    per_others = tuple(a.size // samples for a in others)
+
+    def run(first, count, source_ptr, out_ptr, waves=None):
+        """Samples [first, first + count) from `source_ptr` into `out_ptr` (each pointing at sample `first`)."""
+        args = (geom[0] // samples * count, *geom[1:], *extra, source_ptr,
+                *(a.ptr + first * per * a.itemsize for a, per in zip(others, per_others)), out_ptr)
+        for wave in waves or [L.Wave(False, 0, count * per_out)]:
+            if wave.end <= wave.begin:
+                continue
+            if wave.ordered:
+                device.launch(f"deepdsl_{kind}_ordered", fmt, (1, 1), (L.ORDERED_THREADS, 1, 1),
+                              (*args, wave.begin, wave.end))
+            else:
+                config = L.launch_1d(wave.end - wave.begin)
+                device.launch(f"deepdsl_{kind}_range", fmt, config.grid, config.block, (*args, wave.begin, wave.end))
+
+    if not _overlap(out, source):
+        run(0, samples, source.ptr, out.ptr)
+        return
+    if out.ptr != source.ptr:
+        raise ValueError(f"{kind}: an output overlapping its input must start where the input starts")
+    if not leaves_input:
+        run(0, samples, source.ptr, out.ptr,
+            L.takeover_waves(samples, per_source, per_out, source.ptr, out.ptr, 4, backward))
+        return
+    staged = min(per_source, per_out)
+    floats = _floats(workspace) or 0
+    if floats < staged:
+        raise ValueError(f"{kind}: the output overlaps the input and the workspace ({floats} floats) cannot stage "
+                         f"a sample ({staged})")
+    stage = (workspace.view(np.float32) if workspace.dtype != np.float32 else workspace)[floats - staged:floats]
+    for s, e, through_stage in L.safe_sample_chunks(samples, per_source * 4, per_out * 4):
+        source_ptr, out_ptr = source.ptr + s * per_source * 4, out.ptr + s * per_out * 4
+        if not through_stage:
+            run(s, e - s, source_ptr, out_ptr)
+        elif per_out <= per_source:             # shrinking: the output sample lands in the stage first
+            run(s, 1, source_ptr, stage.ptr)
+            device.copy(out_ptr, stage.ptr, per_out * 4)
+        else:                                   # growing: the input sample is copied out of the way first
+            device.copy(stage.ptr, source_ptr, per_source * 4)
+            run(s, 1, stage.ptr, out_ptr)
 
 
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):

@@ -197,3 +197,38 @@ def test_elementwise_kernels_in_runs(chunk, monkeypatch):
     cpu.ew(_update, out, v, momentum, g, decay, row)
     np.testing.assert_allclose(out, v.astype(np.float64) * 0.9 + g + 0.0005 * row.astype(np.float64),
                                rtol=1e-5, atol=1e-6)
+
+
+def limited_nodes():
+    """Every op with scratch but the convolutions (tests above), at shapes where windows leave the input and
+    overlap, so each kernel carves all its buffers."""
+    x = leaf("x", (5, 6, 9, 9))
+    pooled = dict(kernel=3, stride=2, pad=1, ceil=True)
+    y = make("max_pool", (x,), **pooled)
+    avg = make("avg_pool", (x,), **pooled, include_pad=False)
+    return [
+        (y, None), (make("max_pool_argmax", (x,), **pooled), None),
+        (make("max_pool_bwd", (leaf("g", y.shape), leaf("a", y.shape, UINT8)), size=(9, 9), **pooled), 9),
+        (avg, None), (make("avg_pool_bwd", (leaf("g", avg.shape),), size=(9, 9), **pooled, include_pad=False), None),
+        (make("lrn", (x,), size=5, alpha=1e-3, beta=0.75, k=2.0), None),
+        (make("lrn_bwd", (leaf("g", x.shape), x), size=5, alpha=1e-3, beta=0.75, k=2.0), None),
+        (make("log_softmax", (leaf("s", (7, 10)),)), None),
+        (make("bernoulli", (), shape=(6, 50), keep=0.6, key=4), None),
+    ]
+
+
+@pytest.mark.parametrize("node,argmax_kernel", limited_nodes(), ids=lambda v: getattr(v, "op", ""))
+@pytest.mark.parametrize("samples", [1, 2, 3])
+def test_kernels_run_in_the_chunks_their_workspace_limit_sets(node, argmax_kernel, samples):
+    """Under a workspace limit of `samples` samples' scratch, the plan's workspace holds exactly that many and the
+    kernel, given it NaN-filled, computes the reference result chunk by chunk (dropout masks: the same bits as one
+    draw)."""
+    op = get_op(node.op)
+    batch = node.shape[0]
+    per_sample = op.workspace(node).nbytes // batch
+    planned = op.workspace(node, limit=samples * per_sample)
+    assert planned.nbytes == samples * per_sample and planned.chunks == -(-batch // samples)
+    rng = np.random.default_rng(samples)
+    arrays = [rng.integers(0, argmax_kernel, i.shape).astype(np.uint8) if i.dtype == UINT8 else
+              rng.standard_normal(i.shape).astype(np.float32) for i in node.inputs]
+    check(node, arrays, limit=samples * per_sample, exact=node.op == "bernoulli")

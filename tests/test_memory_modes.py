@@ -233,10 +233,12 @@ def random_input(node, rng, consumer):
 
 
 WORKSPACE_CASES = [("alexnet", (55, 55), None), ("googlenet", (79, 79), None), ("resnet_mini", None, None),
-                   ("inception_mini", None, None), ("lenet", None, 60_000)]     # the limit chunks LeNet's convolutions
+                   ("inception_mini", None, None), ("lenet", None, 60_000),      # the limit chunks LeNet's convolutions
+                   ("alexnet", (55, 55), 100_000)]           # and AlexNet's LRN, pooling and dropout at test size
 
 
-@pytest.mark.parametrize("name,image,limit", WORKSPACE_CASES, ids=[c[0] for c in WORKSPACE_CASES])
+@pytest.mark.parametrize("name,image,limit", WORKSPACE_CASES,
+                         ids=[c[0] + ("-limited" if c[2] else "") for c in WORKSPACE_CASES])
 def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_path_factory):
     """Every statement with scratch space, run by the CPU kernel with a NaN-filled workspace of exactly the planned
     size: the result equals the op's reference semantics (no NaN leaks in) and the kernel stays inside it. Kernels
@@ -273,8 +275,10 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
             np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(expected).max())))
             if not node.op.startswith("conv2d"):
                 assert workspace.reached == workspace.size, (node.op, workspace.reached, workspace.size)
-                with pytest.raises(ValueError, match="too small"):
-                    getattr(cpu, node.op)(*arrays, out=out, workspace=np.empty(workspace.size - 1, np.float32),
+                # the scratch of one chunk's samples, and not one element more: less than a sample's is refused
+                per_sample = workspace.size // -(-node.shape[0] // step.chunks)
+                with pytest.raises(ValueError, match="holds no sample"):
+                    getattr(cpu, node.op)(*arrays, out=out, workspace=np.empty(per_sample - 1, np.float32),
                                           **kwargs)
     assert seen and (chunked > 0) == (limit is not None)
 

@@ -23,7 +23,7 @@ from deepdsl.memory_table import simulate_pool
 from deepdsl.ops import Workspace, batch_chunks, get_op
 from deepdsl.passes.code_motion import sink
 from deepdsl.passes.linearize import linearize
-from deepdsl.pipeline import CompileOptions, plan_program
+from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT, CompileOptions, plan_program
 from deepdsl.program import Let
 from deepdsl.verify import verify
 
@@ -165,7 +165,7 @@ def test_batch_chunks_is_the_smallest_count_that_fits():
 
 
 def test_convolution_workspace_is_what_the_cpu_kernels_carve():
-    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"))
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"), CompileOptions(workspace_limit=None))
     plan = compiled.train_plan
     convs = {}
     for step in plan.steps:
@@ -242,6 +242,20 @@ def test_full_size_arena_is_within_five_percent_of_the_peak(full_size, name):
 
 def test_lenet_peak_is_under_30_mb(full_size):
     assert full_size["lenet"].train_plan.peak_live_bytes <= 30_000_000
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_every_statement_keeps_within_the_workspace_limit(full_size, name):
+    """The default limit holds for every statement of every network at full size (convolutions, pooling, LRN,
+    dropout masks and losses all run over the batch in chunks), except where a single sample's scratch exceeds it:
+    that statement then runs one sample at a time."""
+    for which, plan in full_size[name].plans.items():
+        assert plan.workspace_limit == DEFAULT_WORKSPACE_LIMIT
+        for step in plan.steps:
+            if step.workspace > plan.workspace_limit:
+                node = step.instr.node
+                batch = (node.inputs[0] if node.op == "conv2d_bwd_filter" else node).shape[0]
+                assert step.chunks == batch, (name, which, node.op, step.workspace, step.chunks)
 
 
 @pytest.mark.parametrize("name", sorted(DEEPDSL_PEAK_MB))

@@ -5,7 +5,7 @@ import numpy as np
 import sympy
 
 from deepdsl.ir import FLOAT, INT32, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, Workspace, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, dims, register, require
 from deepdsl.ops.elementwise import elementwise, sum_to, sym
 
 
@@ -51,8 +51,8 @@ class LogSoftmax(Op):
         return (shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the exponentials, input-sized."""
-        return Workspace(node.size * FLOAT_BYTES)
+        """The CPU kernel's scratch: the exponentials, input-sized, or row chunks' within `limit`."""
+        return batch_chunks(node.shape[0], node.shape[1] * FLOAT_BYTES, limit)
 
 
 def _check_labels(x: Node, labels: Node):

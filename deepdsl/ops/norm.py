@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, Workspace, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, Workspace, batch_chunks, dims, register, require
 
 
 def _channel_window_sum(a: np.ndarray, front: int, back: int) -> np.ndarray:
@@ -44,8 +44,9 @@ class LRN(Op):
         return (x * _lrn_scale(x, size, alpha, k) ** -beta).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the scale and the squares, each input-sized."""
-        return Workspace(2 * node.size * FLOAT_BYTES)
+        """The CPU kernel's scratch: the scale and the squares, each input-sized; for the whole batch, or for the
+        chunks of samples it runs in within `limit` (the window runs over channels, inside each sample)."""
+        return batch_chunks(node.shape[0], 2 * (node.size // node.shape[0]) * FLOAT_BYTES, limit)
 
 
 @register
@@ -65,8 +66,9 @@ class LRNBwd(Op):
         return (g * s ** -beta - (2 * alpha * beta / size) * x * spread).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the scale, the inner term and its window sum, each input-sized."""
-        return Workspace(3 * node.size * FLOAT_BYTES)
+        """The CPU kernel's scratch: the scale, the inner term and its window sum, each input-sized; for the whole
+        batch, or for the chunks of samples it runs in within `limit`."""
+        return batch_chunks(node.shape[0], 3 * (node.size // node.shape[0]) * FLOAT_BYTES, limit)
 
 
 @register
@@ -109,8 +111,11 @@ class Bernoulli(Op):
         return bernoulli_mask(ctx.seed, ctx.step, key, shape, keep)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel draws its float32 uniforms into the workspace (mask-sized)."""
-        return Workspace(node.size * FLOAT_BYTES)
+        """The CPU kernel draws its float32 uniforms into the workspace (mask-sized), or chunk by chunk of rows
+        within `limit` (consecutive draws of one generator: the same mask)."""
+        if not node.shape:
+            return Workspace(FLOAT_BYTES)
+        return batch_chunks(node.shape[0], (node.size // node.shape[0]) * FLOAT_BYTES, limit)
 
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:

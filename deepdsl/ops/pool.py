@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, Workspace, bool_bytes, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, bool_bytes, dims, register, require
 from deepdsl.ops.conv import out_size
 
 
@@ -36,21 +36,31 @@ def _scatter_windows(values: np.ndarray, shape, kernel, stride, pad, ceil) -> np
 
 
 def padded_source_bytes(input_shape, output_shape, kernel, stride, pad) -> int:
-    """Workspace bytes of the padded copy the CPU kernels pool from (or scatter into) when windows leave the input
-    (padding, or ceil mode's last window): (N, C, max(Hp, H+p), max(Wp, W+p)) float32; none otherwise."""
-    n, c, h, w = input_shape
+    """Workspace bytes per sample of the padded copy the CPU kernels pool from (or scatter into) when windows leave
+    the input (padding, or ceil mode's last window): (C, max(Hp, H+p), max(Wp, W+p)) float32; none otherwise."""
+    _, c, h, w = input_shape
     ho, wo = output_shape[2:]
     hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
     if pad == 0 and hp <= h and wp <= w:
         return 0
-    return n * c * max(hp, h + pad) * max(wp, w + pad) * FLOAT_BYTES
+    return c * max(hp, h + pad) * max(wp, w + pad) * FLOAT_BYTES
+
+
+def _per_sample(shape) -> int:
+    """Elements of one sample of a tensor of `shape`."""
+    return int(np.prod(shape[1:], dtype=np.int64))
 
 
 class _Pool(Op):
+    def scratch_per_sample(self, node) -> int:
+        """Bytes of CPU kernel scratch per sample: the padded input when windows leave it."""
+        return padded_source_bytes(node.inputs[0].shape, node.shape, node.attr("kernel"), node.attr("stride"),
+                                   node.attr("pad", 0))
+
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the padded input when windows leave it."""
-        return Workspace(padded_source_bytes(node.inputs[0].shape, node.shape, node.attr("kernel"),
-                                             node.attr("stride"), node.attr("pad", 0)))
+        """The scratch of the whole batch, or of the chunks of samples it runs in to stay within `limit` (the
+        kernels work sample by sample; the CPU runtime derives the chunk from the workspace it is given)."""
+        return batch_chunks(node.shape[0], self.scratch_per_sample(node), limit)
 
     def infer(self, x: Node, *, kernel, stride, pad=0, ceil=False, **_):
         require(len(x.shape) == 4, f"pooling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
@@ -92,11 +102,11 @@ class MaxPoolArgmax(_Pool):
         win = _padded_windows(x, kernel, stride, pad, ceil, -np.inf)
         return win.reshape(*win.shape[:4], kernel * kernel).argmax(axis=4).astype(np.uint8)
 
-    def workspace(self, node, limit=None):
+    def scratch_per_sample(self, node) -> int:
         """The padded input when windows leave it, the running maximum (float32, output-sized) and a boolean
-        'better' mask (output-sized)."""
-        padded = super().workspace(node, limit).nbytes
-        return Workspace(padded + node.size * FLOAT_BYTES + bool_bytes(node.size))
+        'better' mask (output-sized), per sample."""
+        out = _per_sample(node.shape)
+        return super().scratch_per_sample(node) + out * FLOAT_BYTES + bool_bytes(out)
 
 
 @register
@@ -114,12 +124,15 @@ class MaxPoolBwd(Op):
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """A padded gradient buffer when windows leave the input, a boolean 'hit' mask (gradient-sized), and when
-        windows overlap a float32 gradient-sized buffer of each window offset's share (added up)."""
+        """Per sample: a padded gradient buffer when windows leave the input, a boolean 'hit' mask (gradient-sized),
+        and when windows overlap a float32 gradient-sized buffer of each window offset's share (added up); the
+        whole batch's, or its chunks' within `limit`."""
         g = node.inputs[0]
         kernel, stride = node.attr("kernel"), node.attr("stride")
         padded = padded_source_bytes(node.shape, g.shape, kernel, stride, node.attr("pad", 0))
-        return Workspace(padded + bool_bytes(g.size) + (g.size * FLOAT_BYTES if stride < kernel else 0))
+        per_g = _per_sample(g.shape)
+        per_sample = padded + bool_bytes(per_g) + (per_g * FLOAT_BYTES if stride < kernel else 0)
+        return batch_chunks(node.shape[0], per_sample, limit)
 
 
 def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray:
@@ -166,7 +179,8 @@ class AvgPoolBwd(Op):
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """A padded gradient buffer when windows leave the input, and each window's share (gradient-sized)."""
+        """Per sample: a padded gradient buffer when windows leave the input, and each window's share
+        (gradient-sized); the whole batch's, or its chunks' within `limit`."""
         g = node.inputs[0]
         padded = padded_source_bytes(node.shape, g.shape, node.attr("kernel"), node.attr("stride"), node.attr("pad", 0))
-        return Workspace(padded + g.size * FLOAT_BYTES)
+        return batch_chunks(node.shape[0], padded + _per_sample(g.shape) * FLOAT_BYTES, limit)
