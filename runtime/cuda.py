@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -69,35 +70,44 @@ class PycudaDevice:
     def __init__(self, ordinal: int = 0, use_cublas: bool = True):
         self.context = cuda_device.CudaContext(ordinal)
         self.context.push()
-        atexit.register(self.close)
-        self.stream = _drv.Stream()
-        self.copy_stream = _drv.Stream()
-        self.name = self.context.name
-        self._functions: dict[tuple[int, str], object] = {}
-        self._modules: dict[str, object] = {}          # source digest -> loaded module
-        self._by_program: dict[str, object] = {}       # a program's .cu path -> its module
-        self._ops_module = None
-        self.program_module = None
-        self._staging = None
-        self._scalar = _drv.pagelocked_empty(16, np.uint8)
-        self.cublas = self._handle = self._batched = self._tiled = None
-        if use_cublas:
-            try:
-                self.cublas = cuda_device.Cublas()
-                self._handle = self.cublas.create_handle()
-                self._bind_batched()
-            except (OSError, AttributeError, cuda_device.CublasError):    # no usable cuBLAS: our tiled SGEMM
-                self.cublas = self._handle = None
-        if self.cublas is None:
-            self._tiled = cuda_device.GemmKernels()
+        self.stream = None
+        self.cublas = self._handle = self._tiled = None
+        self.cublas_error = None                       # why cuBLAS is not used, when it is not
+        try:
+            self.stream = _drv.Stream()
+            self.copy_stream = _drv.Stream()
+            self.name = self.context.name
+            self._functions: dict[tuple[int, str, str], object] = {}
+            self._modules: dict[str, object] = {}          # source digest -> loaded module
+            self._by_program: dict[str, object] = {}       # a program's .cu path -> its module
+            self._ops_module = None
+            self.program_module = None
+            self._staging = None
+            self._scalar = _drv.pagelocked_empty(16, np.uint8)
+            if use_cublas:
+                try:
+                    cublas = cuda_device.Cublas()
+                    self._handle = cublas.create_handle()
+                    self.cublas = cublas
+                except (OSError, AttributeError, cuda_device.CublasError) as err:   # our tiled SGEMM instead
+                    self.cublas_error = str(err).strip() or type(err).__name__
+            if self.cublas is None:
+                self._tiled = cuda_device.GemmKernels()
+        except BaseException:
+            self.close()         # pycuda aborts at exit when a pushed context is left on the stack
+            raise
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def close(self) -> None:
+        """Wait for the work issued, release the cuBLAS handle and pop the context (idempotent; at exit)."""
         if self.context is None:
             return
         try:
-            self.stream.synchronize()
+            if self.stream is not None:
+                self.stream.synchronize()
             if self._handle is not None:
                 self.cublas.destroy_handle(self._handle)
+                self._handle = None
         finally:
             self.context.pop()
             self.context = None
@@ -138,7 +148,7 @@ class PycudaDevice:
         return module
 
     def _function(self, module, name: str, fmt: str):
-        key = (id(module), name)
+        key = (id(module), name, fmt)
         fn = self._functions.get(key)
         if fn is None:
             fn = module.get_function(name)
@@ -155,16 +165,6 @@ class PycudaDevice:
         self._function(module, kernel, fmt).prepared_async_call(grid, block, self.stream, *args)
 
     # -- GEMM ------------------------------------------------------------------------------------------------
-    def _bind_batched(self) -> None:
-        import ctypes
-
-        lib, vp, i, ll = self.cublas.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn = lib.cublasSgemmStridedBatched
-        fn.argtypes = [vp, i, i, i, i, i, ctypes.POINTER(ctypes.c_float), vp, i, ll, vp, i, ll,
-                       ctypes.POINTER(ctypes.c_float), vp, i, ll, i]
-        fn.restype = i
-        self._batched = fn
-
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         if self.cublas is not None:
             self.cublas.gemm(self._handle, self.stream.handle, np.float32, transa, transb, m, n, k, alpha, a, lda,
@@ -173,28 +173,13 @@ class PycudaDevice:
             self._tiled.gemm(self.stream, np.float32, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 
     def gemm_batched(self, transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc, stride_c, batch):
-        import ctypes
-
-        from .cuda_layout import strided_batched_gemm
-
-        if self.cublas is None:
-            for i in range(batch):
-                self._tiled.gemm(self.stream, np.float32, transa, transb, m, n, k, 1.0, a + 4 * i * stride_a, lda,
-                                 b + 4 * i * stride_b, ldb, 0.0, c + 4 * i * stride_c, ldc)
+        if self.cublas is not None:
+            self.cublas.gemm_strided_batched(self._handle, self.stream.handle, transa, transb, m, n, k, a, lda,
+                                             stride_a, b, ldb, stride_b, c, ldc, stride_c, batch)
             return
-        call = strided_batched_gemm(transa, transb, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batch)
-        ptrs = {"A": a, "B": b}
-        status = self.cublas.lib.cublasSetStream_v2(ctypes.c_void_p(self._handle),
-                                                     ctypes.c_void_p(self.stream.handle))
-        if status == 0:
-            one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-            status = self._batched(ctypes.c_void_p(self._handle), call.transa, call.transb, call.m, call.n, call.k,
-                                   ctypes.byref(one), ctypes.c_void_p(ptrs[call.first]), call.lda,
-                                   call.stride_first, ctypes.c_void_p(ptrs[call.second]), call.ldb,
-                                   call.stride_second, ctypes.byref(zero), ctypes.c_void_p(c), call.ldc,
-                                   call.stride_c, call.batch)
-        if status != 0:
-            raise cuda_device.CublasError(f"cublasSgemmStridedBatched failed with cublasStatus_t {status}")
+        for i in range(batch):
+            self._tiled.gemm(self.stream, np.float32, transa, transb, m, n, k, 1.0, a + 4 * i * stride_a, lda,
+                             b + 4 * i * stride_b, ldb, 0.0, c + 4 * i * stride_c, ldc)
 
     # -- memory --------------------------------------------------------------------------------------------------
     def alloc(self, nbytes):
@@ -237,7 +222,15 @@ class PycudaDevice:
         self.stream.synchronize()
 
 
-_device = PycudaDevice()
+def _close_at_exit(device: "weakref.ref[PycudaDevice]") -> None:
+    if (alive := device()) is not None:
+        alive.close()
+
+
+try:
+    _device = PycudaDevice()
+except (_drv.Error, OSError) as _err:   # the GPU busy (exclusive compute mode), no memory, no nvcc for the kernels
+    raise ImportError(f"the CUDA device cannot be set up ({str(_err).strip() or type(_err).__name__})") from None
 use_device(_device)
 
 

@@ -11,9 +11,10 @@ can be imported -- and its pure functions tested -- on machines without CUDA.
   ``HostPool`` hands out numpy views.
 * ``PinnedStaging``: page-locked host buffers, a ring per stream, for
   asynchronous host<->device copies of tiles gathered from strided host arrays.
-* ``Cublas``: ``cublas{S,D}gemm_v2`` through ctypes, from the ``nvidia-cublas``
-  wheel or the system; ``row_major_gemm`` maps a row-major GEMM onto cuBLAS's
-  column-major one.
+* ``Cublas``: ``cublas{S,D}gemm_v2`` and ``cublasSgemmStridedBatched`` through
+  ctypes, from the ``nvidia-cublas`` wheel or the system, bound with the C
+  prototypes of ``CUBLAS_PROTOTYPES`` (copied from ``cublas_api.h``);
+  ``row_major_gemm`` maps a row-major GEMM onto cuBLAS's column-major one.
 * ``GemmKernels``: our own tiled SGEMM/DGEMM (``kernels/gemm.cu``), compiled with
   pycuda when cuBLAS is not available; ``gemm_launch_config`` is its grid.
 """
@@ -34,7 +35,7 @@ from .pool import DEFAULT_ALIGNMENT, PoolAllocator, PoolStats
 
 __all__ = [
     "driver", "CudaContext", "DeviceTensor", "DeviceMemoryPool", "PinnedStaging", "Cublas", "CublasError",
-    "CublasGemm", "row_major_gemm", "cublas_library_candidates", "GemmKernels", "LaunchConfig",
+    "CUBLAS_PROTOTYPES", "CublasGemm", "row_major_gemm", "cublas_library_candidates", "GemmKernels", "LaunchConfig",
     "gemm_launch_config", "GEMM_KERNEL_SOURCE",
 ]
 
@@ -129,30 +130,76 @@ class CublasError(RuntimeError):
     pass
 
 
-class Cublas:
-    """``cublas{S,D}gemm_v2`` and handle management through ctypes (host pointer mode)."""
+# The C prototypes of the cuBLAS functions we call, as cublas_api.h (CUDA 12 and 13) declares them: per parameter
+# its C type, its name in the header and the ctypes type it is passed as. Handles and streams are opaque pointers,
+# cublasOperation_t is an int enum (CUBLAS_OP_N = 0, CUBLAS_OP_T = 1), device matrices are passed as addresses
+# (c_void_p) and alpha/beta as host scalars by reference (pointer mode host). Every function returns a
+# cublasStatus_t, an int enum (0: success). tests/test_cublas_binding.py checks the table against a real header
+# and library; tests/fake_pycuda.py implements these prototypes for the tests without a GPU.
+_HANDLE = ("cublasHandle_t", "handle", ctypes.c_void_p)
+_OPS = (("cublasOperation_t", "transa", ctypes.c_int), ("cublasOperation_t", "transb", ctypes.c_int))
+_MNK = (("int", "m", ctypes.c_int), ("int", "n", ctypes.c_int), ("int", "k", ctypes.c_int))
+_FLOAT_P, _DOUBLE_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double)
 
-    def __init__(self, path: str | None = None):
-        errors = []
-        for candidate in [path] if path else cublas_library_candidates():
-            try:
-                self.lib = ctypes.CDLL(candidate)
-                self.path = candidate
-                break
-            except OSError as error:
-                errors.append(f"{candidate}: {error}")
+CUBLAS_STATUS = ("cublasStatus_t", ctypes.c_int)
+CUBLAS_PROTOTYPES: dict[str, tuple[tuple[str, str, type], ...]] = {
+    "cublasCreate_v2": (("cublasHandle_t*", "handle", ctypes.POINTER(ctypes.c_void_p)),),
+    "cublasDestroy_v2": (_HANDLE,),
+    "cublasSetStream_v2": (_HANDLE, ("cudaStream_t", "streamId", ctypes.c_void_p)),
+    "cublasSgemm_v2": (
+        _HANDLE, *_OPS, *_MNK,
+        ("const float*", "alpha", _FLOAT_P),
+        ("const float*", "A", ctypes.c_void_p), ("int", "lda", ctypes.c_int),
+        ("const float*", "B", ctypes.c_void_p), ("int", "ldb", ctypes.c_int),
+        ("const float*", "beta", _FLOAT_P),
+        ("float*", "C", ctypes.c_void_p), ("int", "ldc", ctypes.c_int)),
+    "cublasDgemm_v2": (
+        _HANDLE, *_OPS, *_MNK,
+        ("const double*", "alpha", _DOUBLE_P),
+        ("const double*", "A", ctypes.c_void_p), ("int", "lda", ctypes.c_int),
+        ("const double*", "B", ctypes.c_void_p), ("int", "ldb", ctypes.c_int),
+        ("const double*", "beta", _DOUBLE_P),
+        ("double*", "C", ctypes.c_void_p), ("int", "ldc", ctypes.c_int)),
+    "cublasSgemmStridedBatched": (
+        _HANDLE, *_OPS, *_MNK,
+        ("const float*", "alpha", _FLOAT_P),
+        ("const float*", "A", ctypes.c_void_p), ("int", "lda", ctypes.c_int),
+        ("long long int", "strideA", ctypes.c_longlong),
+        ("const float*", "B", ctypes.c_void_p), ("int", "ldb", ctypes.c_int),
+        ("long long int", "strideB", ctypes.c_longlong),
+        ("const float*", "beta", _FLOAT_P),
+        ("float*", "C", ctypes.c_void_p), ("int", "ldc", ctypes.c_int),
+        ("long long int", "strideC", ctypes.c_longlong),
+        ("int", "batchCount", ctypes.c_int)),
+}
+
+
+class Cublas:
+    """cuBLAS through ctypes (host pointer mode): handles, streams, ``cublas{S,D}gemm_v2`` and
+    ``cublasSgemmStridedBatched``, every function bound with its prototype from ``CUBLAS_PROTOTYPES``.
+
+    ``library``: an already loaded library object (anything with the functions as attributes) instead of
+    searching ``cublas_library_candidates()``. Raises OSError when no library loads and AttributeError when one
+    lacks a function; callers fall back to our tiled SGEMM on either, or on a ``CublasError`` from a call."""
+
+    def __init__(self, path: str | None = None, *, library=None):
+        if library is not None:
+            self.lib, self.path = library, getattr(library, "_name", repr(library))
         else:
-            raise OSError("libcublas not found; tried " + "; ".join(errors))
-        lib, vp, i = self.lib, ctypes.c_void_p, ctypes.c_int
-        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
-        lib.cublasDestroy_v2.argtypes = [vp]
-        lib.cublasSetStream_v2.argtypes = [vp, vp]
-        for name, scalar in (("cublasSgemm_v2", ctypes.c_float), ("cublasDgemm_v2", ctypes.c_double)):
-            fn = getattr(lib, name)
-            fn.argtypes = [vp, i, i, i, i, i, ctypes.POINTER(scalar), vp, i, vp, i, ctypes.POINTER(scalar), vp, i]
-            fn.restype = i
-        for fn in (lib.cublasCreate_v2, lib.cublasDestroy_v2, lib.cublasSetStream_v2):
-            fn.restype = i
+            errors = []
+            for candidate in [path] if path else cublas_library_candidates():
+                try:
+                    self.lib = ctypes.CDLL(candidate)
+                    self.path = candidate
+                    break
+                except OSError as error:
+                    errors.append(f"{candidate}: {error}")
+            else:
+                raise OSError("libcublas not found; tried " + "; ".join(errors))
+        for name, params in CUBLAS_PROTOTYPES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = [ctype for _, _, ctype in params]
+            fn.restype = CUBLAS_STATUS[1]
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -163,10 +210,16 @@ class Cublas:
         """A handle bound to the context current in this thread."""
         handle = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        if not handle.value:
+            raise CublasError("cublasCreate returned a null handle")
         return handle.value
 
     def destroy_handle(self, handle: int) -> None:
         self._check(self.lib.cublasDestroy_v2(ctypes.c_void_p(handle)), "cublasDestroy")
+
+    def set_stream(self, handle: int, stream_handle: int) -> None:
+        self._check(self.lib.cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream_handle)),
+                    "cublasSetStream")
 
     def gemm(self, handle: int, stream_handle: int, dtype, transa: bool, transb: bool, m: int, n: int, k: int,
              alpha, a_ptr: int, lda: int, b_ptr: int, ldb: int, beta, c_ptr: int, ldc: int) -> None:
@@ -177,12 +230,28 @@ class Cublas:
             fn, scalar = self.lib.cublasSgemm_v2, ctypes.c_float
         else:
             fn, scalar = self.lib.cublasDgemm_v2, ctypes.c_double
-        self._check(self.lib.cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream_handle)),
-                    "cublasSetStream")
+        self.set_stream(handle, stream_handle)
         self._check(fn(ctypes.c_void_p(handle), call.transa, call.transb, call.m, call.n, call.k,
                        ctypes.byref(scalar(alpha)), ctypes.c_void_p(ptrs[call.first]), call.lda,
                        ctypes.c_void_p(ptrs[call.second]), call.ldb, ctypes.byref(scalar(beta)),
                        ctypes.c_void_p(c_ptr), call.ldc), "cublas?gemm")
+
+    def gemm_strided_batched(self, handle: int, stream_handle: int, transa: bool, transb: bool, m: int, n: int,
+                             k: int, a_ptr: int, lda: int, stride_a: int, b_ptr: int, ldb: int, stride_b: int,
+                             c_ptr: int, ldc: int, stride_c: int, batch: int, alpha: float = 1.0,
+                             beta: float = 0.0) -> None:
+        """Row-major float32 ``C_i = alpha op(A_i) op(B_i) + beta C_i`` for ``i < batch``, operand ``i`` at its
+        address + ``i * stride`` elements, on ``stream_handle`` (one ``cublasSgemmStridedBatched``)."""
+        from .cuda_layout import strided_batched_gemm
+
+        call = strided_batched_gemm(transa, transb, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batch)
+        ptrs = {"A": a_ptr, "B": b_ptr}
+        self.set_stream(handle, stream_handle)
+        self._check(self.lib.cublasSgemmStridedBatched(
+            ctypes.c_void_p(handle), call.transa, call.transb, call.m, call.n, call.k,
+            ctypes.byref(ctypes.c_float(alpha)), ctypes.c_void_p(ptrs[call.first]), call.lda, call.stride_first,
+            ctypes.c_void_p(ptrs[call.second]), call.ldb, call.stride_second, ctypes.byref(ctypes.c_float(beta)),
+            ctypes.c_void_p(c_ptr), call.ldc, call.stride_c, call.batch), "cublasSgemmStridedBatched")
 
 
 # -- contexts ----------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class CudaDevice:
         return 0  # tile kernels accumulate in place
 
     def open(self, problem: GemmProblem, streams: int) -> None:
-        from .cuda_device import Cublas, GemmKernels, PinnedStaging
+        from .cuda_device import Cublas, CublasError, GemmKernels, PinnedStaging
 
         self.context.push()
         try:
@@ -66,9 +66,10 @@ class CudaDevice:
                 self._staging = PinnedStaging(streams, self.staging_slots, nbytes)
             if self.use_cublas and self._handle is None:
                 try:
-                    self._cublas = Cublas()
-                    self._handle = self._cublas.create_handle()
-                except OSError:  # no libcublas: fall back to our kernel
+                    cublas = Cublas()
+                    self._handle = cublas.create_handle()
+                    self._cublas = cublas
+                except (OSError, AttributeError, CublasError):  # no usable libcublas: our own kernel
                     self.use_cublas = False
             if not self.use_cublas and self._kernels is None:
                 self._kernels = GemmKernels()
@@ -107,12 +108,18 @@ class CudaDevice:
         return event
 
     def copy_peer(self, dst, peer: "CudaDevice", src, stream: int, after=None):
+        """Copy a tile from ``peer``'s memory (peer access enabled from this context: ``can_access_peer``).
+
+        With unified addressing a peer's allocation is reachable from this context under its own address, so a
+        plain device-to-device copy on our stream does it. (pycuda's ``memcpy_peer_async`` is avoided: up to at
+        least pycuda 2026.1 it ignores the contexts it is given, and dereferences a null one when they are left
+        out -- an inverted ``None`` check in ``py_memcpy_peer_async``.)"""
         from .cuda_device import driver
 
         s = self._streams[stream]
         if after is not None:
             s.wait_for_event(after)  # the source tile's own copy must have landed
-        driver().memcpy_peer_async(dst.ptr, src.ptr, src.nbytes, self.context.context, peer.context.context, s)
+        driver().memcpy_dtod_async(dst.ptr, src.ptr, src.nbytes, s)
         return self.record(stream)
 
     def can_access_peer(self, other) -> bool:

@@ -95,7 +95,9 @@ _BLOCK_KERNELS = {
 def _host_function(name: str, params, body: str) -> str:
     fields = "".join(f"    {t} {n};\n" for t, n in params)
     unpack = "".join(f"    auto {n} = p.{n}; (void){n};\n" for _, n in params)
+    last = params[-1][1]
     lines = [f"struct P_{name} {{\n{fields}}};",
+             f'extern "C" unsigned host_args_{name}() {{ return offsetof(P_{name}, {last}) + sizeof(P_{name}::{last}); }}',
              f'extern "C" int host_{name}(const void* raw, unsigned gx, unsigned bx, unsigned by) {{',
              f"    const P_{name}& p = *static_cast<const P_{name}*>(raw);", unpack.rstrip("\n"),
              "    (void)gx; (void)bx; (void)by;"]
@@ -153,7 +155,7 @@ def host_source(cu_text: str) -> str:
     """C++ source: `cu_text` (which includes ops.cu) plus a host entry point per kernel of it and of ops.cu."""
     kernels = parse_kernels((KERNELS / "ops.cu").read_text())
     kernels.update(parse_kernels(cu_text))
-    parts = ["#include <algorithm>", "#include <vector>", cu_text, _ORDER]
+    parts = ["#include <algorithm>", "#include <cstddef>", "#include <vector>", cu_text, _ORDER]
     parts += [_host_function(name, params, body) for name, (params, body) in kernels.items()]
     return "\n\n".join(parts) + "\n"
 
@@ -173,6 +175,39 @@ def build(cu_text: str = '#include "ops.cu"\n') -> ctypes.CDLL:
                         "-o", str(partial), str(source)], check=True, capture_output=True, text=True)
         partial.replace(library)
     return ctypes.CDLL(str(library))
+
+
+_BOUNDS = re.compile(r"(DEEPDSL_KERNEL|__launch_bounds__\((\w+)\))\s+(\w+)\(")
+_DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*$", re.M)
+
+
+def launch_bounds(cu_text: str = '#include "ops.cu"\n') -> dict[str, int]:
+    """name -> the most threads per block each kernel of a source (with ops.cu) may be launched with: its
+    `__launch_bounds__`, resolved through the numeric `#define`s of the kernel sources. A block larger than that
+    fails to launch on a GPU."""
+    sources = [(KERNELS / "deepdsl_common.cuh").read_text(), (KERNELS / "ops.cu").read_text(), cu_text]
+    values = {name: int(value) for text in sources for name, value in _DEFINE.findall(text)}
+    bounds = {}
+    for text in sources[1:]:
+        for match in _BOUNDS.finditer(text):
+            limit = "DEEPDSL_THREADS" if match.group(1) == "DEEPDSL_KERNEL" else match.group(2)
+            bounds[match.group(3)] = int(limit) if limit.isdigit() else values[limit]
+    return bounds
+
+
+def run_kernel(library: ctypes.CDLL, kernel: str, packed: bytes, grid, block) -> None:
+    """Run `kernel` of a host library (`build`) on an argument buffer packed as a launcher packs it for the GPU
+    (the kernel's parameters with native alignment, checked to be as long as the parameter list): its grid-stride
+    items in the order `HostDevice.set_order` chose, or its hand emulation, which first checks the launch geometry
+    it needs."""
+    expected = getattr(library, f"host_args_{kernel}")()
+    if len(packed) != expected:
+        raise AssertionError(f"{kernel}: {len(packed)} bytes of arguments for parameters of {expected} bytes")
+    entry = getattr(library, f"host_{kernel}")
+    status = entry(ctypes.c_char_p(bytes(packed)), ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
+                   ctypes.c_uint(block[1]))
+    if status:
+        raise AssertionError(f"{kernel}: launch geometry grid={grid} block={block} does not cover the work")
 
 
 def _view(address: int, shape: tuple[int, ...], strides_elements: tuple[int, ...]) -> np.ndarray:
@@ -228,11 +263,7 @@ class HostDevice:
 
     def launch(self, kernel, fmt, grid, block, args, program=None):
         library = self.ops if program is None else self.programs[getattr(program, "__module__", program)]
-        packed = struct.pack("@" + fmt, *args)
-        status = getattr(library, f"host_{kernel}")(ctypes.c_char_p(packed), ctypes.c_uint(grid[0]),
-                                                     ctypes.c_uint(block[0]), ctypes.c_uint(block[1]))
-        if status:
-            raise AssertionError(f"{kernel}: launch geometry grid={grid} block={block} does not cover the work")
+        run_kernel(library, kernel, struct.pack("@" + fmt, *args), grid, block)
         self.launches.append(kernel)
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
