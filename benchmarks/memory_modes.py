@@ -5,7 +5,8 @@ and time per iteration, from the program's own report (MB = 10^6 bytes).
                                       [NETWORK[:BATCH] ...]
 
 Default: LeNet at batch 500 and resnet_mini at batch 100 (the sizes their network files declare). Each network is
-compiled once (with `--workspace-limit`: convolutions run over the batch in chunks whose scratch fits); the program then runs as its users run it, one process per mode, on synthetic data:
+compiled once (under the compiler's default workspace limit, or `--workspace-limit BYTES` / `none`: ops with
+scratch run over the batch in chunks whose scratch fits); the program then runs as its users run it, one process per mode, on synthetic data:
 `--iters N --test-iters 1 --memory-mode MODE --report-json ...`, with OMP_NUM_THREADS=T (default 1) so the modes
 compete on equal terms on a shared machine. Columns per mode: the training step's planned peak of tensor bytes
 and the peak the allocator measured, the bytes the mode reserves for tensors between steps (static: the arena;
@@ -30,14 +31,18 @@ sys.path.insert(0, str(ROOT))
 import deepdsl  # noqa: E402
 from deepdsl.codegen import program_env, write_program  # noqa: E402
 from deepdsl.dsl import Overrides  # noqa: E402
-from deepdsl.pipeline import CompileOptions  # noqa: E402
+from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT, CompileOptions  # noqa: E402
+
+
+def _limit(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
 
 MODES = ("static", "pooled", "dynamic")
 MB = 1e6
 
 
 def measure(name: str, batch: int | None, iters: int, threads: int, directory: pathlib.Path,
-            workspace_limit: int | None = None) -> list[dict]:
+            workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT) -> list[dict]:
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / f"{name}.py", Overrides(batch=batch)),
                                CompileOptions(workspace_limit=workspace_limit))
     program = write_program(compiled, directory / f"{name}.py")
@@ -63,7 +68,8 @@ def main() -> None:
                         help="network names in networks/, optionally with :BATCH")
     parser.add_argument("--iters", type=int, default=20, help="training iterations per run")
     parser.add_argument("--threads", type=int, default=1, help="BLAS/OpenMP threads of the program")
-    parser.add_argument("--workspace-limit", type=int, metavar="BYTES", help="compile with this workspace limit")
+    parser.add_argument("--workspace-limit", type=_limit, default=DEFAULT_WORKSPACE_LIMIT, metavar="BYTES",
+                        help=f"compile with this workspace limit ('none': no limit; default {DEFAULT_WORKSPACE_LIMIT})")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
     header = ("network", "batch", "mode", "planned peak MB", "measured peak MB", "reserved MB", "workspace MB",

@@ -116,15 +116,15 @@ def _chunk(n: int, workspace: np.ndarray | None, per_sample: int, fixed_if_split
     only splits a batch where the workspace still holds the reserved part."""
     if per_sample == 0:
         return n
+    cap = max(1, (CACHE_BYTES // 4 if cache_floats is None else cache_floats) // per_sample)
     if workspace is None or workspace.size >= n * per_sample:
-        cap = max(1, (CACHE_BYTES // 4 if cache_floats is None else cache_floats) // per_sample)
         if cap >= n or (workspace is not None and workspace.size < cap * per_sample + fixed_if_split):
             return n
         return cap
     m = (workspace.size - fixed_if_split) // per_sample
     if m < 1:
         raise ValueError(f"workspace of {workspace.size} floats holds no sample (needs {per_sample + fixed_if_split})")
-    return m
+    return min(m, cap)      # a workspace holding less than the batch holds the reserved part already
 
 
 def _samples(n: int, per_sample_floats: int):
