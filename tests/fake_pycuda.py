@@ -152,15 +152,22 @@ def _no_context():
     _fail("explicit_context_dependent", "INVALID_CONTEXT", "no currently active context?")
 
 
+def _integer(value, what: str, bits: int = 64) -> int:
+    """An unsigned C++ integer parameter as Boost.Python converts it: a Python int only (`PyLong_Check`; numpy
+    integers and floats do not convert), in range."""
+    if not isinstance(value, int):
+        raise ArgumentError(f"{what}: {type(value).__name__} {value!r} does not convert to an unsigned C++ integer "
+                            "(Boost.Python takes Python ints only)")
+    if not 0 <= value < 1 << bits:
+        raise OverflowError(f"{what}: {value} is out of range")
+    return int(value)
+
+
 def _devptr(value, what: str) -> int:
     """A CUdeviceptr argument: an int, or a DeviceAllocation (implicitly convertible)."""
     if isinstance(value, DeviceAllocation):
         return int(value)
-    if isinstance(value, (bool, float)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentError(f"{what}: {type(value).__name__} is not a CUdeviceptr")
-    if not 0 <= int(value) < 1 << 64:
-        raise OverflowError(f"{what}: {value} is not a CUdeviceptr")
-    return int(value)
+    return _integer(value, what)
 
 
 def _stream_arg(stream, what: str) -> "Stream | None":
@@ -234,6 +241,7 @@ class FakeCuda:
         self._allocations: dict[int, _Allocation] = {}
         self._pinned: dict[int, tuple[int, _ContextState, bool]] = {}     # start -> (end, context, portable)
         self._graveyard: list = []           # buffers freed while queued work may still touch them
+        self._running = 0                    # operations executing (a stream waiting for an event nests)
         self._streams: dict[int, Stream] = {}                              # handle -> Stream
         self._binaries: dict[bytes, tuple[str, str]] = {}                  # image -> (kind, CUDA source)
         self._libraries: dict[str, ctypes.CDLL] = {}
@@ -308,10 +316,9 @@ class FakeCuda:
         """[address, address + nbytes) must lie in one live allocation the context (default: current) can access."""
         context = context or self.require_context()
         with self.lock:
-            k = bisect.bisect_right(self._starts, address) - 1
+            k = bisect.bisect_right(self._starts, address) - 1         # the last allocation starting at or before
             allocation = self._allocations[self._starts[k]] if k >= 0 else None
-        if allocation is None or not allocation.start <= address or address + nbytes > allocation.start + \
-                allocation.size:
+        if allocation is None or address + nbytes > allocation.start + allocation.size:
             _fail(routine, "INVALID_VALUE", f"[{address:#x}, {address + nbytes:#x}) is not in a live device "
                                             "allocation")
         if not context.can_access(allocation.context):
@@ -376,12 +383,14 @@ class FakeCuda:
             while stream._completed < upto:
                 operation, _ = stream._queue.popleft()
                 stream._running = True
+                self._running += 1
                 try:
                     operation()
                 finally:
                     stream._running = False
                     stream._completed += 1
-            if not self.pending():
+                    self._running -= 1
+            if not self._running and not self.pending():
                 self._graveyard.clear()
 
     def drain_context(self, context: _ContextState) -> None:
@@ -436,9 +445,11 @@ class Device:
     def __init__(self, ordinal):
         machine = _m()
         machine.require_init("cuDeviceGet")
-        if not isinstance(ordinal, (int, np.integer)) or not 0 <= ordinal < len(machine.gpus):
+        if not isinstance(ordinal, int):
+            raise ArgumentError(f"Device takes an int ordinal, not {type(ordinal).__name__}")
+        if not 0 <= ordinal < len(machine.gpus):
             _fail("cuDeviceGet", "INVALID_DEVICE")
-        self._gpu = machine.gpus[int(ordinal)]
+        self._gpu = machine.gpus[ordinal]
 
     @staticmethod
     def count():
@@ -586,11 +597,9 @@ class DeviceAllocation:
 def mem_alloc(bytes):  # noqa: A002 -- pycuda's parameter name
     machine = _m()
     context = machine.require_context()
-    if not isinstance(bytes, (int, np.integer)) or isinstance(bytes, bool):
-        raise ArgumentError(f"mem_alloc takes a size_t, not {type(bytes).__name__}")
-    if bytes <= 0:
+    if _integer(bytes, "mem_alloc") == 0:
         _fail("cuMemAlloc", "INVALID_VALUE")
-    return DeviceAllocation(machine.allocate(int(bytes), context))
+    return DeviceAllocation(machine.allocate(bytes, context))
 
 
 def mem_get_info():
@@ -603,14 +612,14 @@ def pagelocked_empty(shape, dtype, order="C", mem_flags=0):
     machine = _m()
     context = machine.require_context()
     dtype = np.dtype(dtype)
-    dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)         # npy_intp values: Python ints only
+    dims = tuple(_integer(d, "pagelocked_empty shape", 63) for d in dims)
     if order not in ("C", "F"):
         _fail("numpy_empty", "INVALID_VALUE", "unrecognized order specifier")
-    nbytes = max(int(np.prod(dims, dtype=np.int64)) * dtype.itemsize, 1)
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)                     # page-aligned, as cuMemHostAlloc
     shift = (-raw.ctypes.data) % 4096
-    array = raw[shift:shift + nbytes][:int(np.prod(dims, dtype=np.int64)) * dtype.itemsize].view(dtype)
-    array = array.reshape(dims, order=order)
+    array = raw[shift:shift + nbytes].view(dtype).reshape(dims, order=order)
     machine.register_pinned(raw, context, bool(mem_flags & host_alloc_flags.PORTABLE))
     return array
 
@@ -676,12 +685,10 @@ def memcpy_dtoh_async(dest, src, stream=None):
 
 def _dtod(dest, src, size, stream, routine):
     machine = _m()
-    dst, source = _devptr(dest, routine), _devptr(src, routine)
-    if not isinstance(size, (int, np.integer)) or size < 0:
-        raise ArgumentError(f"{routine}: size must be a size_t")
-    machine.check_device_range(dst, int(size), routine)
-    machine.check_device_range(source, int(size), routine)
-    machine.enqueue(stream, lambda: ctypes.memmove(dst, source, int(size)), routine)
+    dst, source, size = _devptr(dest, routine), _devptr(src, routine), _integer(size, routine)
+    machine.check_device_range(dst, size, routine)
+    machine.check_device_range(source, size, routine)
+    machine.enqueue(stream, lambda: _copy(dst, source, size), routine)
 
 
 def memcpy_dtod(dest, src, size):
@@ -796,8 +803,10 @@ def _struct_format(params: str) -> str:
 
 
 class Module:
-    """pycuda.driver.Module of a fake image: `kind` "emulated" (the emulator's host library of `source`) or
-    "gemm" (runtime/kernels/gemm.cu, emulated with numpy)."""
+    """pycuda.driver.Module of a fake image of `source`: its kernels run from the emulator's host library of the
+    source, or -- for runtime/kernels/gemm.cu, whose kernels use shared memory and a 2-D grid -- from `_gemm_tile`
+    (numpy). Per kernel: the struct format of its C parameters (gemm.cu; the emulator checks the others itself)
+    and its `__launch_bounds__`."""
 
     def __init__(self, source: str, context: _ContextState):
         machine = _m()
@@ -896,7 +905,7 @@ class Function:
         self._launch_kernel(grid, block, struct.pack(self.arg_format, *args), shared_size, stream)
 
     def _set_block_shape(self, x, y, z):
-        self._block = tuple(_unsigned(v, "set_block_shape") for v in (x, y, z))
+        self._block = tuple(_integer(v, "set_block_shape", 31) for v in (x, y, z))
 
     def _check_pointers(self, args) -> None:
         """Every pointer argument (`P`) must address memory the current context may access (or be null)."""
@@ -912,8 +921,8 @@ class Function:
             raise ArgumentError("_launch_kernel takes the grid and the block as tuples")
         if len(grid) > 3 or len(block) > 3:
             _fail("function::launch_kernel", "INVALID_HANDLE", "too many grid or block dimensions in kernel launch")
-        grid = tuple(_unsigned(v, "grid") for v in grid) + (1,) * (3 - len(grid))
-        block = tuple(_unsigned(v, "block") for v in block) + (1,) * (3 - len(block))
+        grid = tuple(_integer(v, "grid", 32) for v in grid) + (1,) * (3 - len(grid))
+        block = tuple(_integer(v, "block", 32) for v in block) + (1,) * (3 - len(block))
         stream = _stream_arg(stream, "_launch_kernel")
         context = machine.require_context()
         if self._module._state is not context:
@@ -936,14 +945,6 @@ class Function:
             operation = lambda: _gemm_tile(name, struct.unpack(fmt, packed), grid, block)  # noqa: E731
         machine.launches.append(name)
         machine.enqueue(stream, operation, f"cuLaunchKernel({name})")
-
-
-def _unsigned(value, what: str) -> int:
-    if isinstance(value, (bool, float)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentError(f"{what}: {value!r} is not an unsigned int")
-    if not 0 <= value < 1 << 32:
-        raise OverflowError(f"{what}: {value} is not an unsigned int")
-    return int(value)
 
 
 def _strided(address: int, shape: tuple[int, int], strides: tuple[int, int], dtype) -> np.ndarray:

@@ -57,8 +57,9 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda_device, "_driver", None)
     monkeypatch.delitem(sys.modules, "deepdsl_runtime.cuda", raising=False)
     monkeypatch.delattr(deepdsl_runtime, "cuda", raising=False)
+    previous = list(cuda_ops._active)
     yield machine
-    cuda_ops.use_device(None)
+    cuda_ops.use_device(previous[0] if previous else None)
 
 
 @pytest.fixture
@@ -341,6 +342,9 @@ def test_cuda_devices_copy_tiles_between_peer_gpus(monkeypatch, poll_keeping_eve
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
     first, second = CudaDevice(0, memory_bytes=1 << 20), CudaDevice(1, memory_bytes=1 << 20)
     assert first.can_access_peer(second) and second.can_access_peer(first) and first.can_access_peer(second)
+    other = CudaDevice(0, memory_bytes=1 << 20)                 # the same primary context: already enabled
+    assert other.can_access_peer(second) and not other.can_access_peer(first)
+    other.release()
     tile = np.arange(12.0).reshape(3, 4)
     problem = prepare_problem("N", "N", 1.0, tile, tile.T.copy(), 0.0, np.zeros((3, 3)), 4)[0]
     landed, copied, back, errors = {}, threading.Event(), np.zeros_like(tile), []
