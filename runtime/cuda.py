@@ -223,6 +223,7 @@ class PycudaDevice:
 
 
 def _close_at_exit(device: "weakref.ref[PycudaDevice]") -> None:
+    """Close a device still alive at exit: pycuda aborts the process when a pushed context is left on its stack."""
     if (alive := device()) is not None:
         alive.close()
 

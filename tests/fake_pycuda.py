@@ -365,9 +365,10 @@ class FakeCuda:
             stream._issued += 1
 
     def marks(self, stream: "Stream | None", context: _ContextState) -> list:
-        """What an event recorded now on `stream` waits for: (stream, operations issued) pairs."""
+        """What an event recorded now on `stream` waits for: (stream, operations issued) pairs; on the legacy
+        default stream (None), everything issued to the context's blocking streams."""
         if stream is None:
-            return [(s, s._issued) for s in list(context.streams)]
+            return [(s, s._issued) for s in list(context.streams) if s._blocking]
         return [(stream, stream._issued)]
 
     def run_marks(self, marks) -> None:
@@ -393,10 +394,13 @@ class FakeCuda:
             if not self._running and not self.pending():
                 self._graveyard.clear()
 
-    def drain_context(self, context: _ContextState) -> None:
+    def drain_context(self, context: _ContextState, blocking_only: bool = True) -> None:
+        """Run what the context's streams have queued: the blocking ones (what the legacy default stream waits
+        for), or all (a context synchronize)."""
         with self.lock:
             for stream in list(context.streams):
-                self.run_stream(stream)
+                if stream._blocking or not blocking_only:
+                    self.run_stream(stream)
 
     # -- kernels -------------------------------------------------------------------------------------------------
     def library(self, source: str) -> ctypes.CDLL:
@@ -539,7 +543,7 @@ class Context:
     @staticmethod
     def synchronize():
         machine = _m()
-        machine.drain_context(machine.require_context())
+        machine.drain_context(machine.require_context(), blocking_only=False)
 
     @staticmethod
     def enable_peer_access(peer, flags=0):
@@ -719,13 +723,15 @@ def memcpy_peer_async(dest, src, size, dest_context=None, src_context=None, stre
 
 
 class Stream:
-    """pycuda.driver.Stream (flags 0: a blocking stream, ordered after the legacy default stream)."""
+    """pycuda.driver.Stream: flags 0 a blocking stream (the legacy default stream waits for its work and it for the
+    legacy stream's), 1 (CU_STREAM_NON_BLOCKING) one that the legacy stream does not order."""
 
     _handles = iter(range(0x5A000000, 1 << 62, 0x100))
 
     def __init__(self, flags=0):
         machine = _m()
         self._state = machine.require_context()
+        self._blocking = not _integer(flags, "Stream flags", 32) & 1
         self._machine = machine
         self._queue: deque = deque()
         self._issued = self._completed = 0
@@ -758,7 +764,7 @@ class Event:
         machine = _m()
         self._state = machine.require_context()
         self._machine = machine
-        self._flags = int(flags)
+        self._flags = _integer(flags, "Event flags", 32)
         self._marks: list = []
 
     def record(self, stream=None):

@@ -10,8 +10,8 @@
   subprocess, so a crash would show as one.
 - (c) Everywhere: the fake cuBLAS of the tests without a GPU (tests/fake_pycuda.py) implements the same prototypes.
 
-(a) and (b) skip where no CUDA toolkit or nvidia-cublas wheel is installed, as in CI. To run them against the
-nvidia-cublas wheel unpacked at DIR (DIR/nvidia/cu13/{include,lib}):
+(a) and (b) skip where no CUDA toolkit or nvidia-cublas wheel is installed, as in CI; both have been run against
+the nvidia-cublas 13.10 wheel. To run them against the wheel unpacked at DIR (DIR/nvidia/cu13/{include,lib}):
 `DEEPDSL_CUBLAS_INCLUDE=DIR/nvidia/cu13/include PYTHONPATH=DIR python -m pytest tests/test_cublas_binding.py`.
 """
 from __future__ import annotations

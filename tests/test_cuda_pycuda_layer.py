@@ -438,6 +438,10 @@ def test_the_fake_is_strict(fake):
     context.push()
     try:
         memory, stream = drv.mem_alloc(64), drv.Stream()
+        with pytest.raises(TypeError):                              # Boost.Python converts Python ints only
+            drv.mem_alloc(np.int64(64))
+        with pytest.raises(TypeError):
+            drv.memcpy_dtod_async(memory, memory, np.uint64(4), stream)
         with pytest.raises(drv.LogicError, match="not page-locked"):
             drv.memcpy_htod_async(memory, np.zeros(4, np.float32), stream)
         with pytest.raises(drv.LogicError, match="not in a live device allocation"):
