@@ -95,9 +95,10 @@ _BLOCK_KERNELS = {
 def _host_function(name: str, params, body: str) -> str:
     fields = "".join(f"    {t} {n};\n" for t, n in params)
     unpack = "".join(f"    auto {n} = p.{n}; (void){n};\n" for _, n in params)
-    last = params[-1][1]
+    last = params[-1][1]                       # the parameter bytes a launch packs: up to the end of the last one
+    args_size = f"offsetof(P_{name}, {last}) + sizeof(P_{name}::{last})"
     lines = [f"struct P_{name} {{\n{fields}}};",
-             f'extern "C" unsigned host_args_{name}() {{ return offsetof(P_{name}, {last}) + sizeof(P_{name}::{last}); }}',
+             f'extern "C" unsigned host_args_{name}() {{ return {args_size}; }}',
              f'extern "C" int host_{name}(const void* raw, unsigned gx, unsigned bx, unsigned by) {{',
              f"    const P_{name}& p = *static_cast<const P_{name}*>(raw);", unpack.rstrip("\n"),
              "    (void)gx; (void)bx; (void)by;"]
