@@ -258,10 +258,10 @@ class TileStore:
         if not self._pending:
             return
         ready, waiting = [], []
-        for event, action in self._pending:
-            (ready if self.device.done(event) else waiting).append(action)
+        for pending in self._pending:               # (event, action): a waiting action keeps its event
+            (ready if self.device.done(pending[0]) else waiting).append(pending)
         self._pending = waiting
-        for action in ready:
+        for _, action in ready:
             action()
 
     def finish(self) -> None:

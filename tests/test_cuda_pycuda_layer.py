@@ -210,32 +210,10 @@ def test_generated_program_through_pycuda_matches_the_cpu(name, kernels, cublas,
 # ----------------------------------------------------------------------------------------------------------------
 # the tiled GEMM on CudaDevice
 
-def _poll_keeping_events(self) -> None:
-    """`TileStore.poll` as it should read: an action whose event has not completed stays pending *with* its event.
-    (runtime/gemm_cache.py keeps only the action, so the next poll fails to unpack it -- never seen with CpuDevice,
-    whose events are always done; see `test_tile_store_poll_keeps_waiting_events`.)"""
-    if not self._pending:
-        return
-    ready, waiting = [], []
-    for event, action in self._pending:
-        (ready if self.device.done(event) else waiting).append((event, action))
-    self._pending = waiting
-    for _, action in ready:
-        action()
-
-
-@pytest.fixture
-def poll_keeping_events(monkeypatch):
-    from deepdsl_runtime.gemm_cache import TileStore
-
-    monkeypatch.setattr(TileStore, "poll", _poll_keeping_events)
-
-
 @needs_cxx
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="runtime/gemm_cache.py TileStore.poll drops the event of an action still waiting")
 def test_tile_store_poll_keeps_waiting_events(fake, monkeypatch):
-    """The tiled GEMM on a device whose events complete later than they are polled (every GPU)."""
+    """The tiled GEMM on a device whose events complete later than they are polled (every GPU): an action whose
+    event has not completed stays pending with its event (`TileStore.poll`), and the product is right."""
     from deepdsl_runtime.gemm_cuda import CudaDevice
 
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
@@ -246,6 +224,7 @@ def test_tile_store_poll_keeps_waiting_events(fake, monkeypatch):
         TiledGemm(devices, tile=8, streams=2).gemm("N", "N", 1.0, a, a, 0.0, out)
     finally:
         devices[0].release()
+    np.testing.assert_array_equal(out, np.full((40, 40), 40.0))
 
 
 def _reference(transa, transb, alpha, a, b, beta, c):
@@ -256,7 +235,7 @@ def _reference(transa, transb, alpha, a, b, beta, c):
 
 @needs_cxx
 @pytest.mark.parametrize("use_cublas", [True, False], ids=["cublas", "tiled kernel"])
-def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, poll_keeping_events, use_cublas):
+def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, use_cublas):
     from deepdsl_runtime.gemm_cuda import CudaDevice
 
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
@@ -293,7 +272,7 @@ def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, poll_keepin
 
 
 @needs_cxx
-def test_tiled_gemm_counters_on_cuda_devices_equal_the_cpu_devices(fake, monkeypatch, poll_keeping_events):
+def test_tiled_gemm_counters_on_cuda_devices_equal_the_cpu_devices(fake, monkeypatch):
     """Round robin moves the same tiles whatever the device; blasx keeps its invariants."""
     from deepdsl_runtime.gemm_cuda import CudaDevice
 
@@ -328,7 +307,7 @@ def test_tiled_gemm_counters_on_cuda_devices_equal_the_cpu_devices(fake, monkeyp
 
 
 @needs_cxx
-def test_cuda_devices_copy_tiles_between_peer_gpus(monkeypatch, poll_keeping_events):
+def test_cuda_devices_copy_tiles_between_peer_gpus(monkeypatch):
     """Two fake GPUs: peer access is enabled both ways; a tile copied in on one GPU (its own thread, as the tiled
     GEMM's workers) is copied to the other device to device after its copy has landed (the streams run lazily: a
     missing wait would copy stale bytes); a TiledGemm over both is right."""
