@@ -345,6 +345,44 @@ def test_rematerialization_splits_a_value_used_before_and_after_the_peak():
     assert rematerialize(program) is program
 
 
+def test_rematerialization_reads_a_concatenated_piece_back_out_of_its_concatenation():
+    """b = x @ w (a product: not cheap to recompute) is concatenated with a into c; b is read again after a large
+    temporary, and c is read after that too. Keeping b over the temporary holds its bytes twice (in b and in c):
+    the pass reads it back as slice(c) before its late reader, and the peak drops by b's size."""
+    x = make("param", (), name="x", shape=(64, 64), dtype="float")
+    w = make("param", (), name="w", shape=(64, 32), dtype="float")
+    a = make("ew", (x,), expr=2 * sym(0))
+    b = make("matmul", (x, w))
+    c = make("concat", (a, b), axis=1)
+    big = make("matmul", (c, make("ew", (c,), expr=3 * sym(0))), tb=True)
+    small = make("sum_to", (big,), shape=())
+    late = make("ew", (b, small), expr=sym(0) * sym(1))
+    shifted = make("ew", (c, small), expr=sym(0) + sym(1))
+    after = make("sum_to", (shifted,), shape=())
+    body = (a, b, c, big.inputs[1], big, small, late, shifted, after)
+    program = verify(Program("p", (x, w), tuple(Let(n) for n in body), (("late", late), ("after", after))))
+    recomputed = verify(rematerialize(program))
+    copies = [n for n in recomputed.statements() if n.attr("remat")]
+    assert len(copies) == 1 and copies[0].op == "slice" and copies[0].inputs == (c,)
+    assert (copies[0].attr("axis"), copies[0].attr("start"), copies[0].attr("stop")) == (1, 64, 96)
+    assert recomputed.statements()[-3].inputs[0] is copies[0]            # the late reader reads the slice
+    assert peak_estimate(recomputed) == peak_estimate(program) - 64 * 32 * 4
+    rng = np.random.default_rng(1)
+    values = {"x": rng.standard_normal((64, 64)), "w": rng.standard_normal((64, 32))}
+    assert_same(reference(recomputed, values, np.float64), reference(program, values, np.float64))
+
+
+def test_rematerialization_reads_googlenet_branches_out_of_their_concatenations():
+    from deepdsl.dsl import Overrides
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "googlenet.py", Overrides(batch=2, image=(79, 79))),
+                               CompileOptions(verify=True))
+    copies = [i.node for i in compiled.train.body if isinstance(i, Let) and i.node.attr("remat")]
+    sliced = [c for c in copies if c.op == "slice"]
+    assert sliced and all(c.inputs[0].op == "concat" for c in sliced)
+    without = deepdsl.pipeline.plan_program(compiled.unplanned["train"], CompileOptions(rematerialize=False))[1]
+    assert compiled.train_plan.peak_live_bytes < without.peak_live_bytes
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the command line
 

@@ -21,6 +21,12 @@ no recomputation can lower, so every copy it adds helped lower the peak. The cop
 attribute `remat` (hash-consing would otherwise make it the original), which no op sees (`Node.kwargs`) and the
 printer shows as `(recomputed)`; the uses after the gap read the copy.
 
+A piece of a concatenation can also be recomputed as a slice of the concatenation, whatever op made it: an
+inception module's branch outputs `b1..b4` are read by their ReLU masks in the backward pass while their
+concatenation `c = concat(b1..b4)` is kept for the next module's weight gradients, so the same bytes would be kept
+twice; `slice(c)` right before the late use keeps them once. The copy is a `slice` node (with the `remat` attribute)
+reading the concatenation, which must be alive at that use, as a recomputation's inputs must.
+
 Cost: one pass of a cheap op per copy (ResNet-50, batch 32: 40 batch-norm ReLU outputs, 188 M elements, against
 ~740 GFLOP of convolutions per training step). Guarantees: same values (the copy computes the same op over the same
 values); statement order unchanged apart from the inserted copies; no statement's simulated live bytes rise.
@@ -31,7 +37,7 @@ import bisect
 
 import numpy as np
 
-from deepdsl.ir import REMAT, Node, substitute
+from deepdsl.ir import REMAT, Node, make, substitute
 from deepdsl.ops import get_op
 from deepdsl.passes.schedule import live_profile, storage_graph
 from deepdsl.program import Free, Let, Program
@@ -54,10 +60,12 @@ def rematerialize(program: Program) -> Program:
     # last statement reading each storage group, updated as recomputations move late reads to copies
     last_read = [max(r) if r else -1 for r in graph.readers]
     viewed = {graph.group_of[id(node)] for k, node in enumerate(nodes) if graph.owned[k] is None}
+    pieces = _concat_pieces(nodes, index)       # statement -> (concatenation statement, axis, start, stop)
     uses = {}                                  # candidate statement -> its reader positions, sorted
     for k, node in enumerate(nodes):
         g = graph.owned[k]
-        if not get_op(node.op).cheap or g is None or graph.group_pinned[g] or not graph.readers[g] or g in viewed:
+        if not (get_op(node.op).cheap or k in pieces) or g is None or graph.group_pinned[g] or not graph.readers[g] \
+                or g in viewed:
             continue                           # (a value read through a view would need the view recomputed too)
         uses[k] = sorted(graph.readers[g])
     if not uses:
@@ -68,6 +76,7 @@ def rematerialize(program: Program) -> Program:
     for k in uses:
         gaps.add(k, uses[k])
     chosen: dict[int, int] = {}                # candidate -> position of its first use after the gap
+    sliced: set[int] = set()                   # chosen candidates recomputed as a slice of their concatenation
 
     def alive_at(node: Node, position: int) -> bool:
         if is_inline(node) or (node.is_leaf and is_persistent(node)):
@@ -75,12 +84,21 @@ def rematerialize(program: Program) -> Program:
         g = graph.group_of.get(id(node))
         return g is not None and last_read[g] >= position
 
+    def sources(k: int, after: int) -> tuple[Node, ...] | None:
+        """What recomputing candidate k at `after` reads: its inputs if it is cheap and they are alive then, else
+        its concatenation if it is a piece of one made before `after` and alive then; None if neither."""
+        if get_op(nodes[k].op).cheap and all(alive_at(i, after) for i in nodes[k].inputs):
+            return nodes[k].inputs
+        if k in pieces and pieces[k][0] < after and alive_at(nodes[pieces[k][0]], after):
+            return (nodes[pieces[k][0]],)
+        return None
+
     def lowering(t: int, smallest: int) -> tuple[int, int, int] | None:
-        """The largest candidate whose gap holds statement t and whose inputs are alive after it."""
+        """The largest candidate whose gap holds statement t and that can be recomputed after it."""
         for k, before, after in gaps.covering(t, size_of):
             if size_of[k] < smallest:
                 break
-            if all(alive_at(i, after) for i in nodes[k].inputs):
+            if sources(k, after) is not None:
                 return k, before, after
         return None
 
@@ -91,11 +109,14 @@ def rematerialize(program: Program) -> Program:
         if not found or any(f is None for f in found):
             break                              # some statement at the peak cannot be lowered: stop
         k, before, after = found[0]            # recompute for the first statement at the peak
+        read = sources(k, after)
         chosen[k] = after
+        if read is not nodes[k].inputs:
+            sliced.add(k)
         gaps.drop(k)
         profile[before + 1:after] -= size_of[k]
         last_read[graph.owned[k]] = before
-        for i in nodes[k].inputs:             # the copy reads the inputs at `after`: they were read there or later
+        for i in read:                         # the copy reads its sources at `after`: they were read there or later
             gi = graph.group_of.get(id(i))
             if gi is not None:
                 last_read[gi] = max(last_read[gi], after)
@@ -106,7 +127,24 @@ def rematerialize(program: Program) -> Program:
                 gaps.add(ki, uses[ki])
     if not chosen:
         return program
-    return _insert_copies(program, nodes, chosen)
+    return _insert_copies(program, nodes, chosen, {k: pieces[k] for k in sliced})
+
+
+def _concat_pieces(nodes: list[Node], index: dict[int, int]) -> dict[int, tuple[int, int, int, int]]:
+    """Statement of each piece of a concatenation -> (the concatenation's statement, axis, start, stop) (a value
+    concatenated more than once: its first concatenation)."""
+    pieces: dict[int, tuple[int, int, int, int]] = {}
+    for c, node in enumerate(nodes):
+        if node.op != "concat":
+            continue
+        axis, start = node.attr("axis"), 0
+        for piece in node.inputs:
+            stop = start + piece.shape[axis]
+            k = index.get(id(piece))
+            if k is not None and k not in pieces:
+                pieces[k] = (c, axis, start, stop)
+            start = stop
+    return pieces
 
 
 class _Gaps:
@@ -140,7 +178,8 @@ class _Gaps:
         return sorted(map(tuple, hits), key=lambda r: (-size_of[r[0]], r[0]))
 
 
-def _insert_copies(program: Program, nodes: list[Node], chosen: dict[int, int]) -> Program:
+def _insert_copies(program: Program, nodes: list[Node], chosen: dict[int, int],
+                   sliced: dict[int, tuple[int, int, int, int]]) -> Program:
     at: dict[int, list[int]] = {}
     for k, position in chosen.items():
         at.setdefault(position, []).append(k)
@@ -149,8 +188,13 @@ def _insert_copies(program: Program, nodes: list[Node], chosen: dict[int, int]) 
     for position, node in enumerate(nodes):
         for k in sorted(at.get(position, ())):
             original = nodes[k]
-            copy = substitute(original, [subst.get(id(i), i) for i in original.inputs],
-                              **{REMAT: original.attr(REMAT, 0) + 1})
+            if k in sliced:                    # the piece, read back out of its concatenation
+                c, axis, start, stop = sliced[k]
+                whole = subst.get(id(nodes[c]), nodes[c])
+                copy = make("slice", (whole,), axis=axis, start=start, stop=stop, **{REMAT: 1})
+            else:
+                copy = substitute(original, [subst.get(id(i), i) for i in original.inputs],
+                                  **{REMAT: original.attr(REMAT, 0) + 1})
             body.append(Let(copy))
             subst[id(original)] = copy
         inputs = [subst.get(id(i), i) for i in node.inputs]
