@@ -33,10 +33,10 @@ What it models, and checks as strictly as the real stack would fail:
   `FakeCuda.accept_binary`, and refuses other bytes as the driver refuses an invalid image. `Function.prepare` and
   `prepared_call` / `prepared_async_call` are pycuda's own code (`function_prepare`, `_set_block_shape`,
   `struct.pack` of the format, native alignment like pycuda's `_pvt_struct`); `_launch_kernel` checks the grid and
-  block tuples as `cuLaunchKernel` and the kernel's `__launch_bounds__` do and runs the kernel through the emulator
-  (`cuda_emulator.run_kernel`, which checks the packed size against the kernel's parameter list). The tiled GEMM
-  of runtime/kernels/gemm.cu (shared memory, 2-D grid) is emulated with numpy on the raw memory after checking the
-  launch geometry and the packed parameters against its C signature.
+  block tuples as `cuLaunchKernel` and the kernel's `__launch_bounds__` do and runs the kernel's own code through
+  the emulator (`cuda_emulator.HostLibrary.run`, which checks the packed size against the kernel's parameter
+  list) -- the tiled GEMM of runtime/kernels/gemm.cu (shared memory, barriers, a 2-D grid) included, block by
+  block on the emulator's SIMT fibers.
 - **cuBLAS**: `FakeCuda.cublas_library` has `cublasCreate_v2`, `cublasDestroy_v2`, `cublasSetStream_v2`,
   `cublas{S,D}gemm_v2` and `cublasSgemmStridedBatched` as `ctypes.CFUNCTYPE` callbacks with the real C prototypes
   of cublas_api.h (CUDA 13), so ctypes marshals the caller's arguments through the real calling convention; they
@@ -244,7 +244,7 @@ class FakeCuda:
         self._running = 0                    # operations executing (a stream waiting for an event nests)
         self._streams: dict[int, Stream] = {}                              # handle -> Stream
         self._binaries: dict[bytes, tuple[str, str]] = {}                  # image -> (kind, CUDA source)
-        self._libraries: dict[str, ctypes.CDLL] = {}
+        self._libraries: dict[str, cuda_emulator.HostLibrary] = {}
         self.compiles: list[dict] = []
         self.loads: list[str] = []
         self.launches: list[str] = []
@@ -252,6 +252,7 @@ class FakeCuda:
         self.async_copies = 0
         self.peer_copies = 0
         self.cublas_library = FakeCublasLibrary(self)
+        self._order = (0, 1)
 
     # -- configuration -------------------------------------------------------------------------------------------
     def accept_binary(self, image: bytes, source: str) -> None:
@@ -259,9 +260,10 @@ class FakeCuda:
         self._binaries[bytes(image)] = ("fatbin", source)
 
     def set_order(self, mode: int, seed: int = 1) -> None:
-        """The order grid-stride items run in (see cuda_emulator.HostDevice.set_order), for every kernel library."""
+        """The order threads run in (see cuda_emulator.HostDevice.set_order), for every kernel library."""
+        self._order = (mode, seed)
         for library in self._libraries.values():
-            library.host_set_order(mode, seed)
+            library.set_order(mode, seed)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def require_init(self, routine: str) -> None:
@@ -403,10 +405,11 @@ class FakeCuda:
                     self.run_stream(stream)
 
     # -- kernels -------------------------------------------------------------------------------------------------
-    def library(self, source: str) -> ctypes.CDLL:
+    def library(self, source: str) -> cuda_emulator.HostLibrary:
         library = self._libraries.get(source)
         if library is None:
             library = self._libraries[source] = cuda_emulator.build(source)
+            library.set_order(*self._order)
         return library
 
 
@@ -793,43 +796,15 @@ class Event:
 
 # -- modules and functions ---------------------------------------------------------------------------------------
 
-_GEMM_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+__launch_bounds__\((\w+)\)\s+(\w+)\(([^)]*)\)')
-_C_CODES = {"int": "i", "unsigned": "I", "float": "f", "double": "d"}
-
-
-def _struct_format(params: str) -> str:
-    """The struct format of a C parameter list of scalars and pointers (native alignment, as the GPU lays out
-    kernel parameters)."""
-    codes = []
-    for param in params.split(","):
-        declaration = " ".join(param.replace("*", " * ").split())
-        base = declaration.replace("const ", "").replace("__restrict__ ", "").rsplit(" ", 1)[0]
-        codes.append("P" if "*" in base else _C_CODES[base.strip()])
-    return "@" + "".join(codes)
-
-
 class Module:
     """pycuda.driver.Module of a fake image of `source`: its kernels run from the emulator's host library of the
-    source, or -- for runtime/kernels/gemm.cu, whose kernels use shared memory and a 2-D grid -- from `_gemm_tile`
-    (numpy). Per kernel: the struct format of its C parameters (gemm.cu; the emulator checks the others itself)
-    and its `__launch_bounds__`."""
+    source; per kernel, its `__launch_bounds__`."""
 
     def __init__(self, source: str, context: _ContextState):
         machine = _m()
         self._state, self._machine, self._source = context, machine, source
-        if "deepdsl_sgemm_tile" in source:
-            defines = dict(re.findall(r"#define\s+(\w+)\s+\(?([\w *]+?)\)?\s*$", source, re.M))
-
-            def value(name: str) -> int:          # a number, or a product of defined names ("GEMM_TX * GEMM_TY")
-                text = defines.get(name, name)
-                return int(text) if text.isdigit() else int(np.prod([value(t.strip()) for t in text.split("*")]))
-
-            self._kernels = {name: (_struct_format(params), value(bound))
-                             for bound, name, params in _GEMM_SIGNATURE.findall(source)}
-            self._library = None
-        else:
-            self._library = machine.library(source)
-            self._kernels = {name: (None, threads) for name, threads in cuda_emulator.launch_bounds(source).items()}
+        self._library = machine.library(source)
+        self._kernels = self._library.bounds()
 
     def get_function(self, name):
         if name not in self._kernels:
@@ -936,19 +911,13 @@ class Function:
         if min(grid) < 1 or grid[0] > 2 ** 31 - 1 or max(grid[1:]) > 65535 or min(block) < 1 or \
                 max(block[:2]) > 1024 or block[2] > 64 or not 0 <= shared_size <= 48 << 10:
             _fail("cuLaunchKernel", "INVALID_VALUE", f"{self._name} grid={grid} block={block}")
-        fmt, threads = self._module._kernels[self._name]
+        threads = self._module._kernels[self._name]
         if block[0] * block[1] * block[2] > threads:
             _fail("cuLaunchKernel", "LAUNCH_OUT_OF_RESOURCES",
                   f"{self._name}: {block} is more threads than __launch_bounds__({threads})")
         packed = bytes(memoryview(arg_buf))
         name, library = self._name, self._module._library
-        if library is not None:
-            operation = lambda: cuda_emulator.run_kernel(library, name, packed, grid, block)  # noqa: E731
-        else:
-            if struct.calcsize(fmt) != len(packed):
-                _fail("cuLaunchKernel", "INVALID_VALUE",
-                      f"{name}: {len(packed)} bytes of arguments for parameters of {struct.calcsize(fmt)} bytes")
-            operation = lambda: _gemm_tile(name, struct.unpack(fmt, packed), grid, block)  # noqa: E731
+        operation = lambda: library.run(name, packed, grid, block)  # noqa: E731
         machine.launches.append(name)
         machine.enqueue(stream, operation, f"cuLaunchKernel({name})")
 
@@ -959,22 +928,6 @@ def _strided(address: int, shape: tuple[int, int], strides: tuple[int, int], dty
     span = 1 + sum((d - 1) * s for d, s in zip(shape, strides)) if all(shape) else 1
     base = np.frombuffer((ctypes.c_char * (span * dtype.itemsize)).from_address(address), dtype=dtype)
     return np.lib.stride_tricks.as_strided(base, shape, tuple(s * dtype.itemsize for s in strides))
-
-
-def _gemm_tile(name: str, args: tuple, grid, block) -> None:
-    """deepdsl_{s,d}gemm_tile of runtime/kernels/gemm.cu: row-major C = alpha op(A) op(B) + beta C (C unread when
-    beta == 0); each 16 x 16 block computes a 64 x 64 tile, the grid must cover C."""
-    m, n, k, alpha, a, lda, transa, b, ldb, transb, beta, c, ldc = args
-    dtype = np.float32 if name == "deepdsl_sgemm_tile" else np.float64
-    if block != (16, 16, 1) or grid[0] * 64 < n or grid[1] * 64 < m or grid[2] != 1:
-        raise AssertionError(f"{name}: grid={grid} block={block} does not cover a {m} x {n} output")
-    if m <= 0 or n <= 0:
-        return
-    op_a = _strided(a, (m, k), (1, lda) if transa else (lda, 1), dtype) if k else np.zeros((m, 0), dtype)
-    op_b = _strided(b, (k, n), (1, ldb) if transb else (ldb, 1), dtype) if k else np.zeros((0, n), dtype)
-    out = _strided(c, (m, n), (ldc, 1), dtype)
-    product = dtype(alpha) * (op_a @ op_b)
-    out[...] = product if beta == 0 else product + dtype(beta) * out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1021,15 +974,10 @@ def compile(source, nvcc="nvcc", options=None, keep=False, no_extern_c=False, ar
     _resolve_includes(source, include_dirs, None, command)
     machine.compiles.append({"source": source, "options": options, "include_dirs": include_dirs,
                              "no_extern_c": no_extern_c})
-    if "deepdsl_sgemm_tile" in source:
-        if not no_extern_c and "template" in source:
-            raise CompileError("nvcc compilation of kernel.cu failed", command,
-                               stderr="kernel.cu: error: this declaration may not have extern \"C\" linkage")
-    else:
-        try:
-            machine.library(source)           # the emulator's host build of the source (g++): must compile
-        except subprocess.CalledProcessError as err:
-            raise CompileError("nvcc compilation of kernel.cu failed", command, stderr=err.stderr) from None
+    try:
+        machine.library(source)               # the emulator's host build of the source (g++): must compile
+    except subprocess.CalledProcessError as err:
+        raise CompileError("nvcc compilation of kernel.cu failed", command, stderr=err.stderr) from None
     image = b"FAKE-CUBIN" + hashlib.sha256(source.encode()).digest()
     machine._binaries[image] = ("cubin", source)
     return image
