@@ -819,7 +819,7 @@ def module_from_buffer(buffer, options=[], message_handler=None):  # noqa: B006 
     machine = _m()
     context = machine.require_context()
     image = bytes(memoryview(buffer))
-    known = machine._binaries.get(image)
+    known = machine._binaries.get(image) or _built_fatbin(image)
     if known is None:
         _fail("cuModuleLoadDataEx", "INVALID_IMAGE")
     kind, source = known
@@ -1186,4 +1186,60 @@ def install(monkeypatch, **config) -> FakeCuda:
                       VERSION_TEXT=".".join(map(str, PYCUDA_VERSION)), driver=driver, compiler=compiler)
     for name, module in (("pycuda", package), ("pycuda.driver", driver), ("pycuda.compiler", compiler)):
         monkeypatch.setitem(sys.modules, name, module)
+    return machine
+
+
+def cublas_class(library):
+    """A `deepdsl_runtime.cuda_device.Cublas` that loads `library` (a `FakeCublasLibrary`) instead of searching the
+    system for libcublas."""
+    from deepdsl_runtime import cuda_device
+
+    class OfferedCublas(cuda_device.Cublas):
+        def __init__(self, path=None):
+            super().__init__(path, library=library)
+
+    return OfferedCublas
+
+
+FATBINS = cuda_emulator.CACHE / "fatbins"     # sha256 of a fat binary nvcc built -> the path of its .cu
+
+
+def _built_fatbin(image: bytes):
+    """("fatbin", source) of a fat binary `deepdsl.codegen.cuda.build_fatbin` built while the fake was installed
+    for the process (in this process or another), from the record it left; None for other bytes."""
+    record = FATBINS / hashlib.sha256(image).hexdigest()
+    if not record.exists():
+        return None
+    cu = Path(record.read_text())
+    return ("fatbin", cu.read_text()) if cu.exists() else None
+
+
+def _recording_build_fatbin(build):
+    """`build_fatbin` that also records each fat binary it returns, so `module_from_buffer` loads it as the module
+    of its `.cu` source (the driver would load the real image)."""
+    def build_and_record(cu, nvcc=None):
+        fatbin = build(cu, nvcc)
+        if fatbin is not None:
+            FATBINS.mkdir(parents=True, exist_ok=True)
+            record = FATBINS / hashlib.sha256(fatbin.read_bytes()).hexdigest()
+            record.write_text(str(Path(cu).resolve()))
+        return fatbin
+    return build_and_record
+
+
+def install_for_process(**config) -> FakeCuda:
+    """Install the fake pycuda, and its cuBLAS as the library `deepdsl_runtime` loads, for the rest of this
+    process: what `pytest --fake-gpu` does in the test process, and `tests/fake_gpu_site/sitecustomize.py` in the
+    processes it starts (generated programs, benchmark workers), so the GPU tests run end to end on the host."""
+    import pytest
+
+    from deepdsl_runtime import cuda_device
+
+    patch = pytest.MonkeyPatch()          # never undone: the process stays on the fake
+    machine = install(patch, **config)
+    patch.setattr(cuda_device, "Cublas", cublas_class(machine.cublas_library))
+    patch.setattr(cuda_device, "_driver", None)
+    from deepdsl.codegen import cuda as codegen_cuda
+
+    patch.setattr(codegen_cuda, "build_fatbin", _recording_build_fatbin(codegen_cuda.build_fatbin))
     return machine

@@ -419,6 +419,25 @@ def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
     return losses, accuracy, test_loss, model.host_tensors()
 
 
+def check_steps_equal_the_cpu(model, data, expected, tolerance=1e-4):
+    """Two training steps and a test step of `model` (a device model in some memory mode) on `data` give the CPU's
+    losses, accuracy, test loss and parameters (`expected`, from `_steps` on a CPU model) within `tolerance`, and
+    its allocator measures exactly the planned peaks and workspace of both steps."""
+    mode = model.mem.mode
+    losses, accuracy, test_loss, tensors = expected
+    got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
+    assert np.allclose(got_losses, losses, rtol=tolerance, atol=1e-6), (mode, got_losses, losses)
+    assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=tolerance), mode
+    for key, value in tensors.items():
+        scale = max(float(np.max(np.abs(value))), 1e-6)
+        assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= tolerance, (mode, key)
+    for step in ("train_step", "test_step"):
+        plan = type(model).memory_plans[step]
+        usage = model.mem.usage[step]
+        assert usage.peak_bytes == plan.planned_peak(mode), (mode, step)
+        assert usage.workspace_bytes == plan.workspace_bytes, (mode, step)
+
+
 @needs_cxx
 @pytest.mark.parametrize("name,image,modes", EMULATED, ids=[n for n, _, _ in EMULATED])
 def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, emulator, tmp_path_factory,
@@ -440,23 +459,13 @@ def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, e
     rng = np.random.default_rng(7)
     data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
              rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
-    losses, accuracy, test_loss, tensors = _steps(cls("cpu", 0, "static"), data)
+    expected = _steps(cls("cpu", 0, "static"), data)
     # thread orders: shuffled, decreasing, increasing (the fast one alone for a single mode)
     for mode, order in zip(modes, (2, 1, 0)[3 - len(modes):]):
         emulator.set_order(order, seed=11)
         model = cls("cuda", 0, mode, True)
         assert bound[-1] == str(path) and model.mem.mode == mode
-        got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
-        assert np.allclose(got_losses, losses, rtol=1e-4, atol=1e-6), (mode, got_losses, losses)
-        assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=1e-4), mode
-        for key, value in tensors.items():
-            scale = max(float(np.max(np.abs(value))), 1e-6)
-            assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= 1e-4, (mode, key)
-        for step in ("train_step", "test_step"):
-            plan = cls.memory_plans[step]
-            usage = model.mem.usage[step]
-            assert usage.peak_bytes == plan.planned_peak(mode), (mode, step)
-            assert usage.workspace_bytes == plan.workspace_bytes, (mode, step)
+        check_steps_equal_the_cpu(model, data, expected)
         assert isinstance(model.mem.workspace_region, cuda_ops.DeviceArray)
         if mode == "static":
             assert isinstance(model.mem.arena, cuda_ops.DeviceArray)

@@ -8,7 +8,11 @@
 - LeNet trained on the digits with --device cuda reaches 97 % test accuracy; the report's measured peaks equal the
   planned ones.
 - The fat binary `deepdsl compile` builds is what the program loads.
-- benchmarks/cuda_vs_pytorch.py runs (two steps per side).
+- benchmarks/cuda_vs_pytorch.py runs (two steps per side), and its worker for our program alone.
+
+`pytest --fake-gpu tests/test_cuda_gpu.py` runs them all on the host emulator of a GPU (tests/fake_pycuda.py), in
+this process and in the programs and benchmark workers they start: a check of the tests themselves and of every
+host-side path they take, not of a GPU (the PyTorch side of the benchmark is skipped there: no CUDA for PyTorch).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import pytest
 
 from tests import cuda_cases
 from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+from tests.test_cuda_codegen import _steps, check_steps_equal_the_cpu
 
 pytestmark = pytest.mark.gpu
 GPU_TOLERANCE = 1e-4
@@ -39,14 +44,6 @@ def test_ops_on_the_gpu_match_the_cpu_backend(case, rt):
         cuda_cases.compare(rt, label, got, expected, 0 if tolerance == 0 else max(tolerance, GPU_TOLERANCE))
 
 
-def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
-    model.initialize(0)
-    model.prepare(model.hyper(*hyper, 0))
-    losses = [model.train_step(x, y, step=k, **model.hyper(*hyper, k)) for k, (x, y) in enumerate(data)]
-    accuracy, test_loss = model.test_step(*data[0])
-    return losses, accuracy, test_loss, model.host_tensors()
-
-
 @pytest.mark.parametrize("name,batch,image", [("lenet", 16, None), ("inception_mini", 4, None),
                                               ("resnet_mini", 4, None), ("alexnet", 2, (67, 67))])
 def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, tmp_path):
@@ -57,20 +54,11 @@ def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, 
     rng = np.random.default_rng(2)
     data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
              rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
-    losses, accuracy, test_loss, tensors = _steps(cls("cpu", 0, "static"), data)
+    expected = _steps(cls("cpu", 0, "static"), data)
     for mode in MODES:
         model = cls("cuda", 0, mode, True)
         assert isinstance(model.mem.workspace_region, rt.DeviceArray)
-        got_losses, got_accuracy, got_test_loss, got_tensors = _steps(model, data)
-        assert np.allclose(got_losses, losses, rtol=GPU_TOLERANCE, atol=1e-6), (mode, got_losses, losses)
-        assert got_accuracy == accuracy and math.isclose(got_test_loss, test_loss, rel_tol=GPU_TOLERANCE), mode
-        for key, value in tensors.items():
-            scale = max(float(np.max(np.abs(value))), 1e-6)
-            assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= GPU_TOLERANCE, (mode, key)
-        for step in ("train_step", "test_step"):
-            plan = cls.memory_plans[step]
-            assert model.mem.usage[step].peak_bytes == plan.planned_peak(mode), (mode, step)
-            assert model.mem.usage[step].workspace_bytes == plan.workspace_bytes, (mode, step)
+        check_steps_equal_the_cpu(model, data, expected, GPU_TOLERANCE)
 
 
 @pytest.mark.parametrize("mode", ["static", "pooled", "dynamic"])
@@ -106,6 +94,7 @@ def test_the_program_loads_the_fat_binary_deepdsl_compile_built(rt, tmp_path):
         rt._drv.module_from_buffer = original
     assert loaded == [fatbin.stat().st_size]
     model.initialize(0)
+    model.prepare(model.hyper(0.1, 0.9, 0.0, 0))
     x = np.random.default_rng(0).standard_normal(model.batch_shape).astype(np.float32)
     y = np.zeros(model.batch_shape[0], np.int32)
     assert math.isfinite(model.train_step(x, y, step=0, **model.hyper(0.1, 0.9, 0.0, 0)))
@@ -125,3 +114,17 @@ def test_the_benchmark_runs(rt, tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["ours"]["tensor_peak_bytes"] == row["ours"]["tensor_peak_planned"]
     assert row["ours"]["finite"] and row["pytorch"]["ms_per_step"] > 0
+
+
+def test_the_benchmark_measures_our_program(rt, tmp_path):
+    """The benchmark's worker for our side alone (LeNet, batch 500, one warm-up and one timed step): it reports the
+    measured tensor peak equal to the planned one and a finite loss."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cuda_vs_pytorch as bench
+
+    program = bench.prepare_ours("lenet", tmp_path)
+    row = bench._run_worker(["--worker", "ours", "--network", "lenet", "--program", str(program), "--warmup", "1",
+                             "--steps", "1", "--memory-mode", "static"])
+    assert row["side"] == "ours" and row["finite"] and row["ms_per_step"] > 0
+    assert row["tensor_peak_bytes"] == row["tensor_peak_planned"] > 0
+    assert row["workspace_bytes"] > 0 and row["persistent_bytes"] > 0
