@@ -397,6 +397,32 @@ def _scratch(workspace, floats: int) -> DeviceArray:
     return workspace.view(np.float32)[:floats] if workspace.dtype != np.float32 else workspace[:floats]
 
 
+def _over_input(what: str, samples: int, in_floats: int, out_floats: int, in_ptr: int, out_ptr: int, workspace,
+                run) -> None:
+    """Run a per-sample op whose output starts where its input starts (the memory plan's takeover) in the CPU
+    backend's safe chunk order (`cuda_layout.safe_sample_chunks`): `run(first, count, source_ptr, target_ptr)`
+    computes samples [first, first + count) with both pointers at sample `first`, on memory that no unread sample
+    shares. A sample with no safe chunk goes through one sample of staging at the end of the workspace, which the
+    plan adds for that: the output lands there first when the op shrinks, the input is copied there first when it
+    grows."""
+    device = current_device()
+    staged = min(in_floats, out_floats)
+    floats = _floats(workspace) or 0
+    if floats < staged:
+        raise ValueError(f"{what} over its input: the workspace ({floats} floats) cannot stage a sample ({staged})")
+    stage = (workspace.view(np.float32) if workspace.dtype != np.float32 else workspace)[floats - staged:floats]
+    for s, e, through_stage in L.safe_sample_chunks(samples, in_floats * 4, out_floats * 4):
+        source, target = in_ptr + s * in_floats * 4, out_ptr + s * out_floats * 4
+        if not through_stage:
+            run(s, e - s, source, target)
+        elif out_floats <= in_floats:
+            run(s, 1, source, stage.ptr)
+            device.copy(target, stage.ptr, out_floats * 4)
+        else:
+            device.copy(stage.ptr, source, in_floats * 4)
+            run(s, 1, stage.ptr, target)
+
+
 def _im2col(x_ptr: int, geom, samples: int, sample_stride: int, row_stride: int, cols_ptr: int) -> None:
     c, _, _, kh, kw, ho, wo, _, _ = geom
     count = samples * c * kh * kw * ho * wo
@@ -447,23 +473,9 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
             device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
             return
         per_in, per_out = o * hw, c * hw
-        floats = _floats(workspace) or 0
-        staged = min(per_in, per_out)
-        if floats < staged:
-            raise ValueError(f"conv2d_bwd_data over its input: the workspace ({floats} floats) cannot stage a "
-                             f"sample ({staged})")
-        stage = workspace.view(np.float32) if workspace.dtype != np.float32 else workspace
-        stage = stage[floats - staged:floats]
-        for s, e, through_stage in L.safe_sample_chunks(n, per_in * 4, per_out * 4):
-            source, target = g.ptr + s * per_in * 4, out.ptr + s * per_out * 4
-            if not through_stage:
-                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, e - s)
-            elif per_out <= per_in:
-                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, stage.ptr, hw, per_out, 1)
-                device.copy(target, stage.ptr, per_out * 4)
-            else:
-                device.copy(stage.ptr, source, per_in * 4)
-                device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, stage.ptr, hw, per_in, target, hw, per_out, 1)
+        _over_input("conv2d_bwd_data", n, per_in, per_out, g.ptr, out.ptr, workspace,
+                    lambda s, count, source, target: device.gemm_batched(
+                        True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, count))
         return
     geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
     step = L.conv_samples(n, _floats(workspace), ckk * hw)
@@ -516,9 +528,8 @@ def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom,
           backward: bool, workspace, leaves_input: bool) -> None:
     """Run pooling kernel `kind` (deepdsl_<kind>_range / _ordered) over `out`, reading `source` (the input, or the
     output gradient) and `others` (the argmax). When the memory plan has `out` overlap `source` (from the same
-    start): where windows leave the input, the samples run in the CPU backend's safe chunk order, the samples with
-    no safe chunk through one sample of staging at the end of the workspace (which the plan adds for that);
-    otherwise all at once in race-free waves (cuda_layout.takeover_waves)."""
+    start): where windows leave the input, the samples run in the safe chunk order of `_over_input`; otherwise all
+    at once in race-free waves (cuda_layout.takeover_waves)."""
     device = current_device()
     fmt = _POOL + "i" * len(extra) + "P" * (2 + len(others)) + "II"
     per_source, per_out = source.size // samples, out.size // samples
@@ -547,22 +558,7 @@ def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom,
         run(0, samples, source.ptr, out.ptr,
             L.takeover_waves(samples, per_source, per_out, source.ptr, out.ptr, 4, backward))
         return
-    staged = min(per_source, per_out)
-    floats = _floats(workspace) or 0
-    if floats < staged:
-        raise ValueError(f"{kind}: the output overlaps the input and the workspace ({floats} floats) cannot stage "
-                         f"a sample ({staged})")
-    stage = (workspace.view(np.float32) if workspace.dtype != np.float32 else workspace)[floats - staged:floats]
-    for s, e, through_stage in L.safe_sample_chunks(samples, per_source * 4, per_out * 4):
-        source_ptr, out_ptr = source.ptr + s * per_source * 4, out.ptr + s * per_out * 4
-        if not through_stage:
-            run(s, e - s, source_ptr, out_ptr)
-        elif per_out <= per_source:             # shrinking: the output sample lands in the stage first
-            run(s, 1, source_ptr, stage.ptr)
-            device.copy(out_ptr, stage.ptr, per_out * 4)
-        else:                                   # growing: the input sample is copied out of the way first
-            device.copy(stage.ptr, source_ptr, per_source * 4)
-            run(s, 1, stage.ptr, out_ptr)
+    _over_input(kind, samples, per_source, per_out, source.ptr, out.ptr, workspace, run)
 
 
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
