@@ -116,7 +116,7 @@ def _chunk(n: int, workspace: np.ndarray | None, per_sample: int, fixed_if_split
     only splits a batch where the workspace still holds the reserved part."""
     if per_sample == 0:
         return n
-    cap = max(1, (CACHE_BYTES // 4 if cache_floats is None else cache_floats) // per_sample)
+    cap = _cache_samples(per_sample, cache_floats)
     if workspace is None or workspace.size >= n * per_sample:
         if cap >= n or (workspace is not None and workspace.size < cap * per_sample + fixed_if_split):
             return n
@@ -127,10 +127,9 @@ def _chunk(n: int, workspace: np.ndarray | None, per_sample: int, fixed_if_split
     return min(m, cap)      # a workspace holding less than the batch holds the reserved part already
 
 
-def _samples(n: int, per_sample_floats: int):
-    """(start, stop) of the cache-sized chunks of samples a kernel without scratch runs at a time."""
-    step = _chunk(n, None, per_sample_floats)
-    return ((s, min(n, s + step)) for s in range(0, n, step))
+def _cache_samples(per_sample_floats: int, cache_floats: int | None = None) -> int:
+    """Samples whose `per_sample_floats` each fit `cache_floats` (default CACHE_BYTES); at least one."""
+    return max(1, (CACHE_BYTES // 4 if cache_floats is None else cache_floats) // max(per_sample_floats, 1))
 
 
 def _sample_chunks(n: int, workspace: np.ndarray | None, scratch_floats: int, working_floats: int):
@@ -139,7 +138,7 @@ def _sample_chunks(n: int, workspace: np.ndarray | None, scratch_floats: int, wo
     (`scratch_floats` per sample). The memory plan gives such a kernel the scratch of the whole batch, or of the
     chunks that keep it within the workspace limit (`deepdsl.ops.batch_chunks`), so its chunks here are never
     more than the plan's."""
-    step = max(1, (CACHE_BYTES // 4) // max(working_floats, 1))
+    step = _cache_samples(working_floats)
     if workspace is not None and scratch_floats:
         fit = workspace.size // scratch_floats
         if fit < 1:
@@ -477,7 +476,7 @@ def _window(a, i, j, stride, ho, wo):
 
 def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
     """Float32 elements one sample of a pooling kernel touches: input, output and its scratch (cache chunking)."""
-    return sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in (x_shape, out_shape, *scratch_shapes))
+    return sum(map(_per, (x_shape, out_shape, *scratch_shapes)))
 
 
 def _per(shape) -> int:
@@ -854,13 +853,9 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     """out = 1 with probability `keep`, from the counter-based stream (seed, step, key): reproducible and
     independent of what ran before, so resuming a run draws the same masks."""
     rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
-    if not tuple(shape):
-        draws = _Scratch(workspace).take(())
+    rows = out.reshape(tuple(shape) or (1,))           # a scalar mask as one row
+    per = _per(rows.shape)
+    for a, b in _sample_chunks(rows.shape[0], workspace, per, 2 * per):   # consecutive draws: the same stream
+        draws = _Scratch(workspace).take((b - a,) + rows.shape[1:])
         rng.random(dtype=np.float32, out=draws)
-        np.less(draws, keep, out=out)
-        return
-    per = _per(tuple(shape))
-    for a, b in _sample_chunks(shape[0], workspace, per, 2 * per):   # consecutive draws: the same stream
-        draws = _Scratch(workspace).take((b - a,) + tuple(shape[1:]))
-        rng.random(dtype=np.float32, out=draws)
-        np.less(draws, keep, out=out[a:b])
+        np.less(draws, keep, out=rows[a:b])

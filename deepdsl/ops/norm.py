@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, Workspace, batch_chunks, dims, register, require
+from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, dims, register, require
 
 
 def _channel_window_sum(a: np.ndarray, front: int, back: int) -> np.ndarray:
@@ -113,9 +113,8 @@ class Bernoulli(Op):
     def workspace(self, node, limit=None):
         """The CPU kernel draws its float32 uniforms into the workspace (mask-sized), or chunk by chunk of rows
         within `limit` (consecutive draws of one generator: the same mask)."""
-        if not node.shape:
-            return Workspace(FLOAT_BYTES)
-        return batch_chunks(node.shape[0], (node.size // node.shape[0]) * FLOAT_BYTES, limit)
+        rows = node.shape[0] if node.shape else 1         # a scalar mask as one row
+        return batch_chunks(rows, (node.size // rows) * FLOAT_BYTES, limit)
 
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
