@@ -86,10 +86,8 @@ class PycudaDevice:
             self._scalar = _drv.pagelocked_empty(16, np.uint8)
             if use_cublas:
                 try:
-                    cublas = cuda_device.Cublas()
-                    self._handle = cublas.create_handle()
-                    self.cublas = cublas
-                except (OSError, AttributeError, cuda_device.CublasError) as err:   # our tiled SGEMM instead
+                    self.cublas, self._handle = cuda_device.open_cublas()
+                except cuda_device.CUBLAS_UNUSABLE as err:      # our tiled SGEMM instead
                     self.cublas_error = str(err).strip() or type(err).__name__
             if self.cublas is None:
                 self._tiled = cuda_device.GemmKernels()

@@ -35,8 +35,8 @@ from .pool import DEFAULT_ALIGNMENT, PoolAllocator, PoolStats
 
 __all__ = [
     "driver", "CudaContext", "DeviceTensor", "DeviceMemoryPool", "PinnedStaging", "Cublas", "CublasError",
-    "CUBLAS_PROTOTYPES", "CublasGemm", "row_major_gemm", "cublas_library_candidates", "GemmKernels", "LaunchConfig",
-    "gemm_launch_config", "GEMM_KERNEL_SOURCE",
+    "CUBLAS_PROTOTYPES", "CUBLAS_UNUSABLE", "open_cublas", "CublasGemm", "row_major_gemm",
+    "cublas_library_candidates", "GemmKernels", "LaunchConfig", "gemm_launch_config", "GEMM_KERNEL_SOURCE",
 ]
 
 GEMM_KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "gemm.cu"
@@ -252,6 +252,17 @@ class Cublas:
             ctypes.byref(ctypes.c_float(alpha)), ctypes.c_void_p(ptrs[call.first]), call.lda, call.stride_first,
             ctypes.c_void_p(ptrs[call.second]), call.ldb, call.stride_second, ctypes.byref(ctypes.c_float(beta)),
             ctypes.c_void_p(c_ptr), call.ldc, call.stride_c, call.batch), "cublasSgemmStridedBatched")
+
+
+# no usable cuBLAS: no library loads, one lacks a function we bind, or a call fails (cublasCreate without a GPU)
+CUBLAS_UNUSABLE = (OSError, AttributeError, CublasError)
+
+
+def open_cublas() -> tuple[Cublas, int]:
+    """cuBLAS and a handle bound to the context current in this thread; raises one of ``CUBLAS_UNUSABLE`` when
+    there is no usable cuBLAS (the callers then run our tiled SGEMM)."""
+    cublas = Cublas()
+    return cublas, cublas.create_handle()
 
 
 # -- contexts ----------------------------------------------------------------------------------

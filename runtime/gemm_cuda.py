@@ -54,7 +54,7 @@ class CudaDevice:
         return 0  # tile kernels accumulate in place
 
     def open(self, problem: GemmProblem, streams: int) -> None:
-        from .cuda_device import Cublas, CublasError, GemmKernels, PinnedStaging
+        from .cuda_device import CUBLAS_UNUSABLE, GemmKernels, PinnedStaging, open_cublas
 
         self.context.push()
         try:
@@ -66,10 +66,8 @@ class CudaDevice:
                 self._staging = PinnedStaging(streams, self.staging_slots, nbytes)
             if self.use_cublas and self._handle is None:
                 try:
-                    cublas = Cublas()
-                    self._handle = cublas.create_handle()
-                    self._cublas = cublas
-                except (OSError, AttributeError, CublasError):  # no usable libcublas: our own kernel
+                    self._cublas, self._handle = open_cublas()
+                except CUBLAS_UNUSABLE:  # our own kernel instead
                     self.use_cublas = False
             if not self.use_cublas and self._kernels is None:
                 self._kernels = GemmKernels()
