@@ -32,7 +32,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from timing import timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -65,14 +66,7 @@ def _synthetic(batch: int, seed: int = 0):
 def _timed(step, warmup: int, steps: int) -> tuple[list[float], float]:
     """Seconds of each timed step, and the resident set (MiB) before the first step."""
     base = _resident_mib()
-    for i in range(warmup):
-        step(i)
-    times = []
-    for i in range(warmup, warmup + steps):
-        began = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - began)
-    return times, base
+    return timed_steps(step, warmup, steps), base
 
 
 def worker_ours(program: str, batch: int, warmup: int, steps: int) -> dict:

@@ -31,8 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timing import timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -48,17 +49,6 @@ def _synthetic(network: str, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((cfg["batch"], cfg["channels"], *cfg["image"])).astype(np.float32),
              rng.integers(0, cfg["classes"], cfg["batch"]).astype(np.int32)) for _ in range(BATCHES)]
-
-
-def _timed(step, warmup: int, steps: int) -> list[float]:
-    for i in range(warmup):
-        step(i)
-    times = []
-    for i in range(warmup, warmup + steps):
-        began = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - began)
-    return times
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,7 +94,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
         x, y = data[i % BATCHES]
         losses.append(model.train_step(x, y, step=i, **model.hyper(LR, MOMENTUM, DECAY, i)))
 
-    times = _timed(step, warmup, steps)
+    times = timed_steps(step, warmup, steps)
     rt.synchronize()
     free_after, _ = drv.mem_get_info()
     usage = model.mem.usage["train_step"]
@@ -159,7 +149,7 @@ def worker_torch(network: str, warmup: int, steps: int, allow_tf32: bool, cudnn_
         optimizer.step()
         losses.append(loss.item())
 
-    times = _timed(step, warmup, steps)
+    times = timed_steps(step, warmup, steps)
     torch.cuda.synchronize()
     free_after, _ = torch.cuda.mem_get_info()
     return {"side": "pytorch", "network": network, "device": torch.cuda.get_device_name(),
