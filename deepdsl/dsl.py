@@ -3,20 +3,25 @@
     network = fc2 @ D.relu @ fc1 @ D.flatten @ mp @ cv2 @ mp @ cv1     # `@` composes, right to left
     loss = (D.log_loss(y) @ D.softmax @ network)(x)
 
-Applying a layer builds graph nodes right away, so shapes are checked while the network file runs; a mismatch is
-reported as a `ShapeError` naming the layer, the shapes and the network-file line that defined the layer.
+Every argument of a layer, input, initializer and solver is checked where it is given, and applying a layer builds
+graph nodes right away, so shapes are checked while the network file runs: a bad argument is an `ArgumentError` and
+a shape mismatch a `ShapeError`, each one line naming the layer and the network-file line that defined it.
 """
 from __future__ import annotations
 
 import contextvars
 import itertools
+import keyword
+import math
+import numbers
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import sympy
 
-from deepdsl.errors import DeepDSLError, ShapeError, SourceLocation, user_location
-from deepdsl.ir import FLOAT, INT32, Node, make
+from deepdsl.errors import ArgumentError, DeepDSLError, ShapeError, SourceLocation, user_location
+from deepdsl.ir import FLOAT, INT32, Node, make, toposort
 from deepdsl.ops import dims
 from deepdsl.ops import loss as L
 from deepdsl.ops.elementwise import Y, reshape, sym
@@ -35,6 +40,80 @@ v = sympy.Symbol("v", real=True)      # the variable of user-defined elementwise
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# argument checks: a bad argument is one line naming what it defines, the argument and the network-file line
+
+# user-chosen names become tensor names, file names, a class name and comments of the generated program
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+# the data and label inputs are arguments of the generated step functions (deepdsl/codegen/steps.py), so their names
+# must not be Python keywords nor the names those functions give their other arguments, locals and kernels
+_STEP_NAMES = frozenset({"self", "step", "lr", "momentum", "decay", "bias1", "bias2", "rt", "mem", "T", "loss",
+                         "accuracy"})
+_STEP_NAME_PATTERN = re.compile(r"(X|ew)[0-9]+")
+
+
+def _reject(what: str, message: str) -> NoReturn:
+    raise ArgumentError(f"{what}: {message}", user_location())
+
+
+def _name(what: str, name: Any) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        _reject(what, f"name must be ASCII letters, digits and underscores, got {name!r}")
+    return name
+
+
+def _input_name(kind: str, name: Any) -> str:
+    """How errors name a data or label input, once its name is checked."""
+    what = f"{kind} '{_name(f'D.{kind}', name)}'"
+    if keyword.iskeyword(name):
+        _reject(what, f"name '{name}' is a Python keyword; choose another")
+    if name in _STEP_NAMES or _STEP_NAME_PATTERN.fullmatch(name):
+        _reject(what, f"name '{name}' is taken by the generated step functions; choose another")
+    return what
+
+
+def _integer(what: str, field: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        kind = "a positive integer" if least == 1 else "a non-negative integer"
+        _reject(what, f"{field} must be {kind}, got {value!r}")
+    return int(value)
+
+
+def _positive_int(what: str, field: str, value: Any) -> int:
+    return _integer(what, field, value, 1)
+
+
+def _nonnegative_int(what: str, field: str, value: Any) -> int:
+    return _integer(what, field, value, 0)
+
+
+def _number(what: str, field: str, value: Any, rule: str = "a finite number",
+            fits: Callable[[float], bool] = lambda _: True) -> float:
+    """`value` as a float: a finite real number for which `fits` holds (`rule` says so in words)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not fits(float(value)):
+        _reject(what, f"{field} must be {rule}, got {value!r}")
+    return float(value)
+
+
+def _positive_number(what: str, field: str, value: Any) -> float:
+    return _number(what, field, value, "a positive finite number", lambda f: f > 0)
+
+
+def _nonnegative_number(what: str, field: str, value: Any) -> float:
+    return _number(what, field, value, "a non-negative finite number", lambda f: f >= 0)
+
+
+def _fraction(what: str, field: str, value: Any) -> float:
+    return _number(what, field, value, "a number in [0, 1)", lambda f: 0 <= f < 1)
+
+
+def _flag(what: str, field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        _reject(what, f"{field} must be True or False, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # size overrides (tests and benchmarks run networks at a small batch and image size)
 
 @dataclass(frozen=True)
@@ -44,9 +123,29 @@ class Overrides:
     batch: int | None = None
     image: tuple[int, int] | None = None
 
+    def __post_init__(self):
+        if self.batch is not None:
+            _positive_int("Overrides", "batch", self.batch)
+        if self.image is not None:
+            if not isinstance(self.image, (tuple, list)) or len(self.image) != 2:
+                _reject("Overrides", f"image must be (height, width), got {self.image!r}")
+            for what, size in zip(("image height", "image width"), self.image):
+                _positive_int("Overrides", what, size)
+
 
 _overrides: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deepdsl_overrides", default=Overrides())
 _dropout_keys: contextvars.ContextVar[Any] = contextvars.ContextVar("deepdsl_dropout_keys", default=None)
+# while a network file loads: each named leaf (input, parameter, running statistic) -> what made it and where, so
+# that `check_names` can point at the lines of two different leaves of one name
+_leaf_makers: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deepdsl_leaf_makers", default=None)
+
+
+def _made(node: Node, maker: str, location: SourceLocation | None) -> Node:
+    """`node`, noted as made by `maker` at `location` (the first maker of a hash-consed node is kept)."""
+    makers = _leaf_makers.get()
+    if makers is not None:
+        makers.setdefault(node, (maker, location))
+    return node
 
 
 def _next_dropout_key() -> int:
@@ -79,6 +178,7 @@ class Tensor:
 
     def _binary(self, other, expr, symbol: str) -> "Tensor":
         if isinstance(other, (int, float)):
+            _number(f"'{symbol}' of a tensor and a number", "the number", other)
             return Tensor(ew_node(expr.subs(sym(1), other), [self.node]))
         if not isinstance(other, Tensor):
             return NotImplemented
@@ -119,24 +219,36 @@ def _node(t: Tensor | Node) -> Node:
 
 def images(name: str, shape: tuple[int, int, int, int], dataset: str = "synthetic") -> Tensor:
     """The input batch (N, C, H, W) of `dataset` (the default `--data` of the generated program)."""
-    n, c, h, w = shape
+    what = _input_name("images", name)
+    if not isinstance(shape, (tuple, list)) or len(shape) != 4:
+        _reject(what, f"shape must be (N, C, H, W), got {shape!r}")
+    n, c, h, w = (_positive_int(what, axis, size) for axis, size in zip(("batch", "channels", "height", "width"),
+                                                                          shape))
+    # the spec is written into the generated program's docstring and options
+    if not isinstance(dataset, str) or not dataset or not dataset.isprintable() or '"' in dataset or "\\" in dataset:
+        _reject(what, f"dataset must be a data spec such as 'digits' or 'npz:PATH' (printable, no quotes or "
+                      f"backslashes), got {dataset!r}")
     o = _overrides.get()
     n = o.batch or n
     h, w = o.image or (h, w)
     # the dataset rides on the node so that code generation finds the default `--data` from the compiled program
     node = make("input", (), name=name, shape=(n, c, h, w), dtype=FLOAT, role="data", dataset=dataset)
-    return Tensor(node, {"dataset": dataset})
+    return Tensor(_made(node, what, user_location()), {"dataset": dataset})
 
 
 def labels(name: str, n: int, classes: int) -> Tensor:
     """Integer class labels (N,) in [0, classes)."""
+    what = _input_name("labels", name)
+    n, classes = _positive_int(what, "batch", n), _positive_int(what, "classes", classes)
     n = _overrides.get().batch or n
-    return Tensor(make("input", (), name=name, shape=(n,), dtype=INT32, role="label"), {"classes": classes})
+    node = make("input", (), name=name, shape=(n,), dtype=INT32, role="label")
+    return Tensor(_made(node, what, user_location()), {"classes": classes})
 
 
 def scalar(name: str) -> Tensor:
     """A named float fed to every step (a hyperparameter)."""
-    return Tensor(make("input", (), name=name, shape=(), dtype=FLOAT, role="hyper"))
+    what = f"scalar '{_name('D.scalar', name)}'"
+    return Tensor(_made(make("input", (), name=name, shape=(), dtype=FLOAT, role="hyper"), what, user_location()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,7 +301,10 @@ class Layer(Fn):
             raise DeepDSLError(f"layer '{self.label}' applied to {type(x).__name__}, expected a tensor",
                                self.defined_at)
         try:
-            return self.forward(x)
+            y = self.forward(x)
+            if any(size < 1 for size in y.shape):
+                raise ShapeError(f"output shape {dims(y.shape)} has a dimension below 1")
+            return y
         except ShapeError as err:
             if err.location is not None and getattr(err, "layer_done", False):
                 raise
@@ -213,6 +328,12 @@ class Param:
     lr_mult: float = 1.0
     decay_mult: float = 1.0
 
+    def __post_init__(self):
+        if not isinstance(self.init, Init):
+            _reject("D.Param", f"init must be an initializer, got {self.init!r}")
+        _nonnegative_number("D.Param", "lr_mult", self.lr_mult)
+        _nonnegative_number("D.Param", "decay_mult", self.decay_mult)
+
 
 def xavier(lr_mult: float = 1.0, decay_mult: float = 1.0) -> Param:
     """Caffe's xavier filler: uniform in +-sqrt(3 / fan_in)."""
@@ -220,11 +341,20 @@ def xavier(lr_mult: float = 1.0, decay_mult: float = 1.0) -> Param:
 
 
 def gaussian(std: float, lr_mult: float = 1.0, decay_mult: float = 1.0) -> Param:
-    return Param(Init("gaussian", std=float(std)), lr_mult, decay_mult)
+    return Param(Init("gaussian", std=_positive_number("D.gaussian", "std", std)), lr_mult, decay_mult)
 
 
 def constant(value: float = 0.0, lr_mult: float = 1.0, decay_mult: float = 1.0) -> Param:
-    return Param(Init("constant", value=float(value)), lr_mult, decay_mult)
+    return Param(Init("constant", value=_number("D.constant", "value", value)), lr_mult, decay_mult)
+
+
+def _spec(what: str, field: str, value: Any, default: Param) -> Param:
+    """A layer's initializer argument: `default` for None."""
+    if value is None:
+        return default
+    if not isinstance(value, Param):
+        _reject(what, f"{field} must be an initializer such as D.xavier() or D.constant(0.0), got {value!r}")
+    return value
 
 
 def _param(name: str, shape: tuple[int, ...], spec: Param) -> Node:
@@ -240,7 +370,8 @@ class _ParamLayer(Layer):
     """A layer with parameters: applying it twice shares its weights (the inputs must agree in size)."""
 
     def _weights(self, shapes: dict[str, tuple[int, ...]], specs: dict[str, Param]) -> dict[str, Node]:
-        made = {key: _param(f"{self.label}_{key}", shape, specs[key]) for key, shape in shapes.items()}
+        made = {key: _made(_param(f"{self.label}_{key}", shape, specs[key]), f"layer '{self.label}'", self.defined_at)
+                for key, shape in shapes.items()}
         previous = getattr(self, "_made", None)
         if previous is not None and any(previous[k] is not made[k] for k in made):
             raise ShapeError(f"used again on an input of another size: weights {dims(previous['W'].shape)} "
@@ -251,6 +382,11 @@ class _ParamLayer(Layer):
 
 # ----------------------------------------------------------------------------------------------------------------
 # layers
+
+def _layer(kind: str, name: Any) -> str:
+    """How errors name a layer with parameters, once its name is checked."""
+    return f"layer '{_name(kind, name)}'"
+
 
 class _Conv(_ParamLayer):
     def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init):
@@ -272,7 +408,11 @@ class _Conv(_ParamLayer):
 def conv(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 0, bias: bool = True,
          weight: Param | None = None, bias_init: Param | None = None) -> Layer:
     """2-D convolution with weights `<name>_W` (channels, in, kernel, kernel) and bias `<name>_B` (channels,)."""
-    return _Conv(name, kernel, channels, stride, padding, bias, weight or xavier(), bias_init or constant(0.0))
+    what = _layer("D.conv", name)
+    return _Conv(name, _positive_int(what, "kernel", kernel), _positive_int(what, "channels", channels),
+                 _positive_int(what, "stride", stride), _nonnegative_int(what, "padding", padding),
+                 _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
+                 _spec(what, "bias_init", bias_init, constant(0.0)))
 
 
 class _Full(_ParamLayer):
@@ -297,7 +437,9 @@ class _Full(_ParamLayer):
 def full(name: str, out: int, bias: bool = True, weight: Param | None = None,
          bias_init: Param | None = None) -> Layer:
     """Fully connected layer y = x W^T + b with `<name>_W` (out, in) and `<name>_B` (out,)."""
-    return _Full(name, out, bias, weight or xavier(), bias_init or constant(0.0))
+    what = _layer("D.full", name)
+    return _Full(name, _positive_int(what, "out", out), _flag(what, "bias", bias),
+                 _spec(what, "weight", weight, xavier()), _spec(what, "bias_init", bias_init, constant(0.0)))
 
 
 class _Op(Layer):
@@ -311,9 +453,20 @@ class _Op(Layer):
         return Tensor(self._build(x.node))
 
 
+def _pooling(what: str, kernel, stride, padding, ceil) -> tuple[int | None, int | None, int, bool]:
+    """A pooling layer's checked kernel (None: the whole plane), stride (None: the kernel), padding and ceil mode."""
+    kernel = None if kernel is None else _positive_int(what, "kernel", kernel)
+    stride = None if stride is None else _positive_int(what, "stride", stride)
+    padding = _nonnegative_int(what, "padding", padding)
+    if kernel is not None and padding > kernel // 2:
+        _reject(what, f"padding {padding} exceeds half the kernel {kernel}")
+    return kernel, stride, padding, _flag(what, "ceil", ceil)
+
+
 def max_pool(kernel: int, stride: int | None = None, padding: int = 0, ceil: bool = False) -> Layer:
     """Max pooling over kernel x kernel windows (stride defaults to the kernel; `ceil` rounds the output size up,
     as Caffe does)."""
+    kernel, stride, padding, ceil = _pooling("layer 'max_pool'", kernel, stride, padding, ceil)
     stride = stride or kernel
     return _Op(f"max_pool({kernel})", f"max pooling {kernel}x{kernel}, stride {stride}, padding {padding}",
                lambda x: make("max_pool", (x,), kernel=kernel, stride=stride, pad=padding, ceil=ceil))
@@ -322,6 +475,10 @@ def max_pool(kernel: int, stride: int | None = None, padding: int = 0, ceil: boo
 def avg_pool(kernel: int | None = None, stride: int | None = None, padding: int = 0, ceil: bool = False,
              include_pad: bool = True) -> Layer:
     """Average pooling; `kernel=None` averages each channel's whole plane (global average pooling)."""
+    what = "layer 'avg_pool'"
+    kernel, stride, padding, ceil = _pooling(what, kernel, stride, padding, ceil)
+    include_pad = _flag(what, "include_pad", include_pad)
+
     def build(x: Node) -> Node:
         if len(x.shape) == 4 and kernel is None and x.shape[2] != x.shape[3]:
             raise ShapeError(f"global average pooling needs a square input, got {dims(x.shape)}")
@@ -342,6 +499,7 @@ sigmoid = _activation("sigmoid", 1 / (1 + sympy.exp(-v)), out_grad=Y * (1 - Y))
 
 def clipped_relu(ceiling: float) -> Layer:
     """min(max(v, 0), ceiling)."""
+    ceiling = _positive_number("layer 'clipped_relu'", "ceiling", ceiling)
     return _activation(f"clipped_relu({ceiling:g})", sympy.Min(sympy.Max(v, 0), ceiling),
                        out_grad=sympy.Heaviside(Y, 0) * sympy.Heaviside(ceiling - Y, 0))
 
@@ -349,6 +507,7 @@ def clipped_relu(ceiling: float) -> Layer:
 def elementwise(name: str, f) -> Layer:
     """A user-defined elementwise function from a sympy expression in `D.v`, a string, or a Python function of one
     sympy symbol, e.g. swish: `D.elementwise("swish", "v / (1 + exp(-v))")`. Its derivative is derived by sympy."""
+    _name("D.elementwise", name)
     if isinstance(f, str):
         expr = sympy.sympify(f, locals={"v": v})
     elif callable(f) and not isinstance(f, sympy.Basic):
@@ -364,6 +523,9 @@ def elementwise(name: str, f) -> Layer:
 
 def lrn(size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Layer:
     """Local response normalization across `size` channels."""
+    what = "layer 'lrn'"
+    size, alpha = _positive_int(what, "size", size), _nonnegative_number(what, "alpha", alpha)
+    beta, k = _number(what, "beta", beta), _positive_number(what, "k", k)
     return _Op(f"lrn({size})", f"LRN size {size}",
                lambda x: make("lrn", (x,), size=size, alpha=float(alpha), beta=float(beta), k=float(k)))
 
@@ -380,7 +542,7 @@ class _Dropout(Layer):
 def dropout(ratio: float = 0.5) -> Layer:
     """Zero elements with probability `ratio` while training (each application draws its own mask); identity when
     testing."""
-    return _Dropout(ratio)
+    return _Dropout(_fraction("layer 'dropout'", "ratio", ratio))
 
 
 class _BatchNorm(_ParamLayer):
@@ -393,15 +555,17 @@ class _BatchNorm(_ParamLayer):
             raise ShapeError(f"batch norm input must be 2-D or 4-D, got {dims(x.shape)}")
         c = x.shape[1]
         p = self._weights({"W": (c,), "B": (c,)}, {"W": constant(1.0), "B": constant(0.0)})
-        mean = _state(f"{self.label}_mean", (c,), 0.0)
-        var = _state(f"{self.label}_var", (c,), 1.0)
+        mean = _made(_state(f"{self.label}_mean", (c,), 0.0), f"layer '{self.label}'", self.defined_at)
+        var = _made(_state(f"{self.label}_var", (c,), 1.0), f"layer '{self.label}'", self.defined_at)
         return Tensor(make("batch_norm", (x.node, p["W"], p["B"], mean, var), eps=self.eps, momentum=self.momentum))
 
 
 def batch_norm(name: str, eps: float = 1e-5, momentum: float = 0.1) -> Layer:
     """Batch normalization with weight `<name>_W`, bias `<name>_B` and running statistics `<name>_mean`,
     `<name>_var` (PyTorch's update rule and unbiased running variance; used when testing)."""
-    return _BatchNorm(name, eps, momentum)
+    what = _layer("D.batch_norm", name)
+    momentum = _number(what, "momentum", momentum, "a number in [0, 1]", lambda f: 0 <= f <= 1)
+    return _BatchNorm(name, _positive_number(what, "eps", eps), momentum)
 
 
 def concat(*tensors: Tensor) -> Tensor:
@@ -476,18 +640,26 @@ class Train:
     eps: float = 1e-8
 
     def __post_init__(self):
+        what = f"Train '{_name('D.Train', self.name)}'"
         if self.optimizer not in ("sgd", "adam"):
-            raise DeepDSLError(f"Train: unknown optimizer '{self.optimizer}' (use 'sgd' or 'adam')", user_location())
-        for key in ("iters", "test_iters"):
-            if getattr(self, key) < 0:
-                raise DeepDSLError(f"Train: {key} must be >= 0", user_location())
-        if self.lr <= 0:
-            raise DeepDSLError("Train: lr must be > 0", user_location())
+            _reject(what, f"unknown optimizer {self.optimizer!r} (use 'sgd' or 'adam')")
+        _nonnegative_int(what, "iters", self.iters)
+        _nonnegative_int(what, "test_iters", self.test_iters)
+        _positive_number(what, "lr", self.lr)
+        _fraction(what, "momentum", self.momentum)
+        _nonnegative_number(what, "decay", self.decay)
+        _nonnegative_number(what, "clip", self.clip)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            _reject(what, f"betas must be a pair of numbers in [0, 1), got {self.betas!r}")
+        for key, beta in zip(("betas[0]", "betas[1]"), self.betas):
+            _fraction(what, key, beta)
+        object.__setattr__(self, "betas", tuple(self.betas))   # frozen, and hashable
+        _positive_number(what, "eps", self.eps)
 
 
 def Adam(name: str, iters: int = 1000, test_iters: int = 10, lr: float = 1e-3, betas=(0.9, 0.999),
          eps: float = 1e-8, decay: float = 0.0, clip: float = 0.0) -> Train:
-    return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adam", tuple(betas), eps)
+    return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adam", betas, eps)
 
 
 @dataclass
@@ -512,3 +684,25 @@ class Loop:
     @property
     def name(self) -> str:
         return self.solver.name
+
+
+_LEAF_KINDS = {"input": "input", "param": "parameter", "state": "running statistic"}
+
+
+def check_names(loop: Loop) -> None:
+    """Two different tensors of one name among the inputs, parameters and running statistics of `loop` (two layers
+    named alike, an input named like a parameter) are an error at the line that made the later one."""
+    makers = _leaf_makers.get() or {}
+    first: dict[str, Node] = {}
+    for node in toposort([loop.loss.node, loop.accuracy.node]):
+        if node.op not in _LEAF_KINDS or first.setdefault(node.name, node) is node:
+            continue
+        earlier, later = sorted((first[node.name], node), key=lambda n: n.serial)
+        maker, location = makers.get(later, ("D.Loop", loop.defined_at))
+        other, other_location = makers.get(earlier, ("another definition", None))
+        if other_location is not None:
+            same_file = location is not None and other_location.filename == location.filename
+            other += f" at line {other_location.lineno}" if same_file else f" at {other_location}"
+        raise DeepDSLError(f"{maker}: {_LEAF_KINDS[later.op]} '{later.name}' ({dims(later.shape)}) is also the name of "
+                           f"the {_LEAF_KINDS[earlier.op]} ({dims(earlier.shape)}) made by {other}; "
+                           "give them distinct names", location or loop.defined_at)

@@ -38,6 +38,11 @@ class ShapeError(DeepDSLError):
     """A tensor's shape does not fit the layer it flows into."""
 
 
+class ArgumentError(DeepDSLError):
+    """A layer, input, initializer or solver is given an argument it cannot take: of the wrong type, out of range, or
+    a name the generated program cannot use."""
+
+
 class NetworkFileError(DeepDSLError):
     """The network file cannot be loaded (syntax error, import error, missing Loop)."""
 
@@ -53,11 +58,20 @@ def user_location(skip_package: str = _PACKAGE_DIR) -> SourceLocation | None:
     """The innermost stack frame outside the deepdsl package: the network-file line being executed."""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(skip_package + os.sep) and "importlib" not in filename:
+        if not _is_compiler_frame(frame, skip_package):
             return SourceLocation(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def _is_compiler_frame(frame, package_dir: str) -> bool:
+    """Whether a frame runs deepdsl itself: a module of the package, code the package generates when it is imported
+    (a dataclass's `__init__`, compiled from `<string>` with its module's globals), or the import machinery that runs
+    a network file."""
+    filename = os.path.abspath(frame.f_code.co_filename)
+    module = str(frame.f_globals.get("__name__", ""))
+    return filename.startswith(package_dir + os.sep) or "importlib" in filename or \
+        module == "deepdsl" or module.startswith("deepdsl.")
 
 
 def location_from_traceback(exc: BaseException, filename: str) -> SourceLocation | None:

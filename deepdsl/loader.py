@@ -1,7 +1,8 @@
 """Load a network file: run it as a Python module and return the `Loop` it defines.
 
 Any failure is turned into a one-line `DeepDSLError` naming the file and line: syntax errors, import errors, shape
-errors raised by layers, and any other exception raised while the file runs.
+errors raised by layers, any other exception raised while the file runs (`sys.exit` included), and two tensors of
+one name in the Loop.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ _module_ids = itertools.count()
 
 def load(path: str, overrides: Overrides | None = None) -> Loop:
     """The Loop defined by the network file at `path` (its variable `loop`, or its only Loop)."""
+    if os.path.isdir(path):
+        raise NetworkFileError(f"{path}: is a directory, not a network file")
     if not os.path.isfile(path):
         raise NetworkFileError(f"{path}: no such network file")
     ctx = contextvars.copy_context()
@@ -29,6 +32,7 @@ def load(path: str, overrides: Overrides | None = None) -> Loop:
 def _load(path: str, overrides: Overrides) -> Loop:
     dsl._overrides.set(overrides)
     dsl._dropout_keys.set(None)
+    dsl._leaf_makers.set({})
     name = f"deepdsl_network_{next(_module_ids)}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -44,6 +48,9 @@ def _load(path: str, overrides: Overrides) -> Loop:
         exec(code, module.__dict__)
     except DeepDSLError:
         raise
+    except SystemExit as err:
+        raise NetworkFileError(f"the network file called sys.exit({err.code!r}); a network file must run to its end",
+                               location_from_traceback(err, path)) from None
     except ImportError as err:
         raise NetworkFileError(f"import error: {err}", location_from_traceback(err, path)) from None
     except Exception as err:   # noqa: BLE001 -- any error in user code becomes one line naming its place
@@ -57,5 +64,6 @@ def _load(path: str, overrides: Overrides) -> Loop:
             raise NetworkFileError(f"{path}: defines {'no' if not loops else 'several'} D.Loop; "
                                    "name the one to compile `loop`")
         loop = loops[0]
+    dsl.check_names(loop)
     loop.source = path
     return loop
