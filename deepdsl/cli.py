@@ -1,11 +1,20 @@
 """The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`.
 
 Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
-line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead.
+line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead. Outputs (`-o`,
+`--plot`) are written after creating missing directories; one that would overwrite the network file, or whose
+location cannot be written, is such a one-line error naming it.
+
+`run` writes the program and its default checkpoint under `.deepdsl/`, named after the network file, the batch and
+the structure hash (so different compilations never share a checkpoint), prints both paths, and runs the program
+through `deepdsl.codegen.run_program`: SIGINT and SIGTERM reach the program once, `run` waits while it saves and
+exits with its status.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import sys
 from pathlib import Path
 
@@ -89,14 +98,19 @@ def cmd_ir(args: argparse.Namespace) -> int:
 def cmd_graph(args: argparse.Namespace) -> int:
     from deepdsl.graph import program_graph, write_dot
 
+    output = None if args.output in (None, "-") else Path(args.output)
+    if output is not None:
+        _check_output(args.network, "-o", output)
     compiled = _compile(args)
     program = getattr(compiled, args.step)
     text = write_dot(program_graph(program), program.name)
-    if args.output in (None, "-"):
+    if output is None:
         sys.stdout.write(text)
     else:
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output} ({len(program.body)} statements)")
+        with _writing(output):
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(text)
+        print(f"wrote {output} ({len(program.body)} statements)")
     return 0
 
 
@@ -104,12 +118,53 @@ def _default_output(network: str) -> Path:
     return Path("generated") / Path(network).name
 
 
-def cmd_compile(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _writing(path: Path):
+    """A failure to create `path` or its directories becomes a one-line error naming it."""
+    try:
+        yield
+    except OSError as err:
+        blocking = next((p for p in reversed(Path(path).parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            reason = f"{blocking} is not a directory"
+        else:
+            reason = err.strerror or str(err)
+            if err.filename and Path(err.filename) != Path(path):
+                reason = f"{reason}: {err.filename}"
+        raise DeepDSLError(f"cannot write {path}: {reason}") from None
+
+
+def _check_output(network: str, option: str, output: Path, program: bool = False) -> None:
+    """Refuse an output that would overwrite the network file: `output` itself or, for a program (`program`), the
+    files written beside it (`<stem>.cu`, `<stem>.<digest>.fatbin`)."""
+    source = Path(network).resolve()
+    target = output.resolve()
+    if target == source:
+        raise DeepDSLError(f"{option} {output} is the network file itself; choose another output")
+    if not program:
+        return
+    beside = target.with_suffix(".cu") == source or (
+        source.parent == target.parent and fnmatch.fnmatchcase(source.name, f"{target.stem}.*.fatbin*"))
+    if beside:
+        raise DeepDSLError(f"{option} {output} would overwrite the network file {network} (the program's "
+                           f"{source.suffix} file); choose another output")
+
+
+def _write(compiled, network: str, out: Path, options=None) -> Path:
+    """Write the program of `compiled` and its kernels to `out` (directories are created); a location that cannot
+    be written is a one-line error naming it."""
     from deepdsl.codegen import write_program
 
-    compiled = _compile(args)
+    _check_output(network, "-o", out, program=True)
+    with _writing(out):
+        return write_program(compiled, out, options)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else _default_output(args.network)
-    path = write_program(compiled, out)
+    _check_output(args.network, "-o", out, program=True)
+    compiled = _compile(args)
+    path = _write(compiled, args.network, out)
     print(f"wrote {path}, {path.with_suffix('.cu')}")
     _build_kernels(path)
     return 0
@@ -132,26 +187,82 @@ def _runs_on_cuda(program_args: list[str]) -> bool:
     return "--device=cuda" in program_args or any(a == "--device" and b == "cuda" for a, b in pairs)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from deepdsl.codegen import run_program, write_program
+def _program_params(program_args: list[str]) -> str | None:
+    """The checkpoint the program's own options name (`--params PATH`, `--params=PATH` or an abbreviation of the
+    option, as argparse accepts it), else None."""
+    found = None
+    for k, arg in enumerate(program_args):
+        option, equals, value = arg.partition("=")
+        if len(option) > 2 and option.startswith("--p") and "--params".startswith(option):
+            if equals:
+                found = value
+            elif k + 1 < len(program_args):
+                found = program_args[k + 1]
+    return found
 
+
+def _run_name(compiled, network: str) -> str:
+    """`<network>-b<batch>-<structure hash prefix>`: the same for compilations whose checkpoints are interchangeable
+    (same network file name, batch and training step), different otherwise."""
+    from deepdsl.codegen import structure_hash
+
+    data = [n for n in compiled.train.inputs if n.op == "input" and n.attr("role") == "data"]
+    batch = f"-b{data[0].shape[0]}" if data else ""
+    return f"{Path(network).stem}{batch}-{structure_hash(compiled)[:8]}"
+
+
+def _prepare_run(args: argparse.Namespace) -> tuple[Path, str]:
+    """Compile and write the program `run` starts: (its path, the checkpoint it will use, '' for none)."""
+    from deepdsl.codegen import CodegenOptions
+
+    if args.output:
+        _check_output(args.network, "-o", Path(args.output), program=True)
     compiled = _compile(args)
     # a scratch copy: `run` may use overrides, so it never rewrites the checked-in generated/ programs
-    out = Path(args.output) if args.output else Path(".deepdsl") / Path(args.network).name
-    path = write_program(compiled, out)
+    out = Path(args.output) if args.output else Path(".deepdsl") / f"{_run_name(compiled, args.network)}.py"
+    params = str(out.with_name(f"{out.stem}.params.npz"))
+    path = _write(compiled, args.network, out, CodegenOptions(params_file=params))
     if _runs_on_cuda(args.program_args):
         _build_kernels(path)
-    print(f"wrote {path}; running it", flush=True)
+    chosen = _program_params(args.program_args)
+    return path, params if chosen is None else chosen
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from deepdsl.codegen import run_program
+
+    path, params = _prepare_run(args)
+    print(f"wrote {path}; running it (" + (f"checkpoint: {params})" if params else "no checkpoint)"), flush=True)
     return run_program(path, args.program_args)
+
+
+def _check_plot_format(path: Path) -> None:
+    """A file name whose extension matplotlib cannot write is an error before anything is computed (without
+    matplotlib, `memory_table.plot` says it is missing)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = path.suffix[1:].lower()
+    if kind and kind not in kinds:
+        raise DeepDSLError(f"--plot {path}: matplotlib cannot write .{kind} files (use one of "
+                           f"{', '.join('.' + k for k in sorted(kinds))})")
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
     from deepdsl import memory_table
 
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None:
+        _check_output(args.network, "--plot", plot)
+        _check_plot_format(plot)
     compiled = _compile(args)
     report = memory_table.memory_report(compiled, args.step)
-    if args.plot:
-        memory_table.plot(report, args.plot)
+    if plot is not None:
+        with _writing(plot):
+            plot.parent.mkdir(parents=True, exist_ok=True)
+            memory_table.plot(report, args.plot)
     sys.stdout.write(memory_table.to_json(report) if args.json else memory_table.format_table(report))
     if args.plot:
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -185,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="compile a network, then run its training program",
                        description="Compile NET.py, then run the generated program; options after `--` go to it.")
     _add_network_options(p)
-    p.add_argument("-o", "--output", help="program to write (default: .deepdsl/<network>.py)")
+    p.add_argument("-o", "--output", help="program to write (default: .deepdsl/<network>-b<batch>-<hash>.py); its "
+                                          "checkpoint defaults to <program>.params.npz beside it")
     p.set_defaults(func=cmd_run, program_args=[])
 
     p = sub.add_parser("memory", help="print the static memory table of a step (peak, arena, workspace, what-ifs)")

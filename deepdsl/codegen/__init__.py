@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -41,7 +43,8 @@ class CodegenOptions:
         (the compile options' `workspace_limit`, no limit when that is None).
     source: the network file as named in the header (default: the path the network was loaded from, relative to
         the current directory when inside it).
-    params_file: default of the program's --params (default: `<network>.params.npz`).
+    params_file: default of the program's --params (default: `<network>.params.npz`; `deepdsl run` gives
+        `.deepdsl/<network>-b<batch>-<hash>.params.npz`, beside its program).
     """
 
     workspace_limit: int | None = None
@@ -253,11 +256,84 @@ def write_program(compiled, path, options: CodegenOptions | None = None) -> Path
 
 
 def run_program(path, args: list[str]) -> int:
-    """Run a generated program with the same Python interpreter; returns its exit status."""
-    try:
-        return subprocess.call([sys.executable, str(path), *args], env=program_env())
-    except KeyboardInterrupt:
-        return 130
+    """Run a generated program with the same Python interpreter until it ends; returns its exit status (128 + N
+    when signal N ended it).
+
+    On POSIX, called from the main thread, the program runs in a session of its own and this process relays the
+    signals it receives: SIGINT, SIGTERM, SIGHUP and SIGQUIT go to the program exactly once each (a Ctrl-C in the
+    terminal reaches the program through this process only, so a second Ctrl-C is the program's second signal), and
+    this process waits for the program to end however long it takes to save its checkpoint; Ctrl-C before the
+    program has started reaches it as soon as it exists. SIGTSTP (Ctrl-Z) stops the program and this process
+    together; both continue on SIGCONT. None of these signals ends this process before the program has ended.
+    Elsewhere the program runs in this process's group and receives the terminal's signals itself.
+    """
+    command = [sys.executable, str(path), *args]
+    if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+        try:
+            return _exit_status(subprocess.call(command, env=program_env()))
+        except KeyboardInterrupt:
+            return 130
+    with _Relay() as relay:
+        relay.attach(subprocess.Popen(command, env=program_env(), start_new_session=True))
+        return _exit_status(relay.child.wait())
+
+
+def _exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Relay:
+    """While active, the signals of `run_program` go to `child` (those received before it exists wait for it)."""
+
+    FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                      if hasattr(signal, name))
+
+    def __init__(self):
+        self.child: subprocess.Popen | None = None
+        self.pending: list[int] = []
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> "_Relay":
+        for sig in self.FORWARDED:
+            self._old[sig] = signal.signal(sig, self._forward)
+        if hasattr(signal, "SIGTSTP"):
+            self._old[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._suspend)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+    def attach(self, child: subprocess.Popen) -> None:
+        self.child = child
+        pending, self.pending = self.pending, []
+        for sig in pending:
+            self._send(sig)
+
+    def _send(self, sig: int) -> None:
+        if self.child is None:
+            self.pending.append(sig)
+            return
+        try:
+            self.child.send_signal(sig)           # a no-op once the child has been waited for
+        except ProcessLookupError:
+            pass
+
+    def _forward(self, signum, frame) -> None:
+        self._send(signum)
+
+    def _suspend(self, signum, frame) -> None:
+        """Stop the child (SIGTSTP would not stop it: its process group has no terminal), then this process; on
+        SIGCONT, continue the child."""
+        self._send(signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        try:
+            os.kill(os.getpid(), signal.SIGTSTP)
+        finally:
+            signal.signal(signal.SIGTSTP, self._suspend)
+            self._send(signal.SIGCONT)
 
 
 def program_env(base: dict | None = None) -> dict:
