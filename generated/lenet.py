@@ -13,12 +13,26 @@ each statement under the IR statement it implements. `mem.tensor(k, shape, dtype
 plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
 `mem.workspace(n)` is n bytes of the scratch region all statements share.
 """
-import argparse
+import signal
 import sys
 
-import numpy as np
 
-from deepdsl_runtime import program as rp
+def _interrupted_while_starting(signum, frame):
+    """SIGINT/SIGTERM before the run installs its own handlers (which save a checkpoint first): nothing has been
+    written yet, so say so and exit."""
+    print("lenet" + ": interrupted while starting; nothing was written", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    signal.signal(signal.SIGTERM, _interrupted_while_starting)
+
+import argparse  # noqa: E402  (after the handlers: importing numpy takes a while)
+
+import numpy as np  # noqa: E402
+
+from deepdsl_runtime import program as rp  # noqa: E402
 
 
 class Lenet(rp.Model):
@@ -472,16 +486,22 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
     parser.add_argument("--decay", type=float, default=0.0005, help="weight decay (L2, added to the gradient)")
-    parser.add_argument("--data", default="digits",
-                        help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH")
+    parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
+                        help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: " + "digits"
+                             + "; when resuming, the data the checkpoint was trained on)")
+    parser.add_argument("--switch-data", action="store_true",
+                        help="resume on another --data than the checkpoint's (no longer an exact continuation)")
     parser.add_argument("--params", default="lenet.params.npz",
                         help="checkpoint: resumed from when it exists, written at the end, every --save-every "
-                             "iterations and on SIGINT/SIGTERM")
+                             "iterations and on SIGINT/SIGTERM (never over a NaN state; a read-only file is refused)")
     parser.add_argument("--init-from", metavar="PATH",
-                        help="start from the parameters of this checkpoint whose names and shapes match")
+                        help="start a new run from the parameters of this checkpoint whose names and shapes match "
+                             "(optimizer state starts fresh; with an existing --params add --fresh; refused when "
+                             "nothing matches)")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="also write the checkpoint every N iterations (0: only at the end)")
-    parser.add_argument("--fresh", action="store_true", help="start over even if --params exists")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over even if --params exists (it is replaced at the first save)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters, data order and dropout")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--memory-mode", choices=("static", "pooled", "dynamic"), default="static",

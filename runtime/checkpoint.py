@@ -11,20 +11,27 @@ Contents (every entry a plain array; no pickled objects):
   `__data_offset__` (the data stream's position; with the seed they are its whole random state, since shuffling
   and dropout masks are drawn from counters), `__data__` (the data spec used).
 
-Files are written atomically: into a temporary file in the same directory, flushed and fsynced, then renamed over
-the target, so a crash or a signal mid-write leaves the previous checkpoint intact.
+Files are written atomically: into a temporary file in the same directory (`.NAME.PID-XXXXXXXX.tmp`: the writer's
+process id and a random suffix), flushed and fsynced, then renamed over the target, so a crash or a signal mid-write
+leaves the previous checkpoint intact. A process killed mid-write leaves its temporary behind;
+`remove_stale_temporaries` deletes those of a checkpoint whose writer no longer runs.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import stat
 import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable, IO
 
 import numpy as np
 
-__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "read", "write"]
+__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "atomic_write", "check_target", "read",
+           "remove_stale_temporaries", "write"]
 
 FORMAT = "deepdsl-checkpoint-1"
 
@@ -62,15 +69,26 @@ def write(path: str, checkpoint: Checkpoint) -> None:
         if name.startswith("__"):
             raise ValueError(f"tensor name '{name}' is reserved for metadata")
         entries[name] = np.ascontiguousarray(array)
+
+    def write_archive(f: IO[bytes]) -> None:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in entries.items():
+                with archive.open(name + ".npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, array, allow_pickle=False)
+
+    atomic_write(path, write_archive)
+
+
+def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
+    """Call `write_to` on a temporary file beside `path`, make it durable, then rename it over `path`: readers see
+    the old file or the new one, never a part. On any failure (a full disk, an interrupt) the temporary is removed
+    and the old file stays as it was."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
         os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
         with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-                for name, array in entries.items():
-                    with archive.open(name + ".npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, array, allow_pickle=False)
+            write_to(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -90,6 +108,82 @@ def write(path: str, checkpoint: Checkpoint) -> None:
         os.close(dir_fd)
 
 
+def _temporary_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.{os.getpid()}-"
+
+
+def _temporaries(path: str) -> list[tuple[str, int]]:
+    """(path, writer's process id) of every temporary of `path`'s writes in its directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(re.escape(f".{os.path.basename(path)}.") + r"(\d+)-[a-z0-9_]{8}\.tmp")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match:
+            found.append((os.path.join(directory, name), int(match.group(1))))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):      # another user's process (or an impossible id): leave its file alone
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Delete the temporaries a killed writer of `path` left (only files named as `atomic_write` names them, and
+    only those whose writing process no longer runs); returns the paths removed."""
+    removed = []
+    for temporary, pid in _temporaries(path):
+        if pid == os.getpid() or not _running(pid):
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                continue
+            removed.append(temporary)
+    return removed
+
+
+def check_target(path: str, option: str, nbytes: int = 0) -> None:
+    """Raise a one-line `CheckpointError` unless `atomic_write(path, ...)` of `nbytes` bytes can succeed: the
+    directory exists and takes a new file (tried with a temporary of the same pattern), `path` is not a directory
+    nor a read-only file, and the file system has room for the new file beside the old one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CheckpointError(f"{option} {path}: is a directory; name a file in it")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{option} {path}: directory {os.path.dirname(path) or '.'} does not exist")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise CheckpointError(f"{option} {path}: {err.strerror}") from None
+    if mode is not None and (not stat.S_ISREG(mode) or not mode & 0o222 or not os.access(path, os.W_OK)):
+        what = "read-only" if stat.S_ISREG(mode) else "not a regular file"
+        raise CheckpointError(f"{option} {path}: {what}; it would be replaced (make it writable or choose another "
+                              "path)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise CheckpointError(f"{option} {path}: cannot write in {os.path.dirname(path) or '.'}: "
+                              f"{err.strerror}") from None
+    free = shutil.disk_usage(directory).free
+    if nbytes > free:
+        raise CheckpointError(f"{option} {path}: {free / 1e6:.1f} MB free in {os.path.dirname(path) or '.'}, the "
+                              f"file needs {nbytes / 1e6:.1f} MB")
+
+
 def _mode_for(path: str) -> int:
     """The permissions the checkpoint would have if written in place: the old file's, else 0666 minus umask."""
     try:
@@ -102,10 +196,13 @@ def _mode_for(path: str) -> int:
 
 def read(path: str) -> Checkpoint:
     """Read a checkpoint; any damage is a `CheckpointError` naming the file (and the field, when one is bad)."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not hasattr(archive, "files"):
-                raise CheckpointError(f"{path}: not a deepdsl checkpoint (a single array, not an .npz archive)")
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise CheckpointError(f"{path}: not a deepdsl checkpoint (a single array, not an .npz archive)")
+        with archive:
             entries = {}
             for name in archive.files:
                 try:
@@ -116,7 +213,7 @@ def read(path: str) -> Checkpoint:
         raise
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as err:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: corrupt or not an .npz checkpoint ({type(err).__name__}: {err})") from None
 
     def meta(name: str, kind: str):

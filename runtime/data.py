@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import gzip
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,8 +140,8 @@ def read_idx(path: str, spec: str) -> np.ndarray:
     """An array from an IDX file (MNIST's format: two zero bytes, a type byte, the rank, big-endian sizes)."""
     try:
         raw = _read(path)
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
-        raise DataError(f"{spec}: cannot read {os.path.basename(path)}: {err}") from None
+    except (OSError, EOFError, zlib.error) as err:          # gzip.BadGzipFile is an OSError
+        raise DataError(f"{spec}: cannot read {os.path.basename(path)}: {type(err).__name__}: {err}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise DataError(f"{spec}: {os.path.basename(path)} is not an IDX file (bad magic number)")
     types = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -202,11 +204,19 @@ def _cifar10(spec: str, directory: str) -> Dataset:
 
 
 def _npz(spec: str, path: str) -> Dataset:
+    if os.path.isdir(path):
+        raise DataError(f"{spec}: {path} is a directory, not an .npz file")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as err:
-        raise DataError(f"{spec}: cannot read {path}: {err}") from None
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise DataError(f"{spec}: cannot read {path}: {type(err).__name__}: {err}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise DataError(f"{spec}: {path} holds a single array, not an .npz archive of arrays 'x' and 'y'")
+    try:
+        with loaded:
+            arrays = {k: loaded[k] for k in loaded.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as err:
+        raise DataError(f"{spec}: cannot read {path}: {type(err).__name__}: {err}") from None
     for key in ("x", "y"):
         if key not in arrays:
             raise DataError(f"{spec}: no array '{key}' in {path}")
@@ -217,8 +227,13 @@ def _npz(spec: str, path: str) -> Dataset:
             x = x[:, None]
         if x.ndim != 4:
             raise DataError(f"{spec}: array '{key}' must be N,C,H,W or N,H,W, got shape {x.shape}")
+        if x.dtype.kind not in "iuf":
+            raise DataError(f"{spec}: array '{key}' must hold numbers (integer or float pixels), got {x.dtype}")
         scale = 1 / 255.0 if np.issubdtype(x.dtype, np.integer) else 1.0
-        return np.ascontiguousarray(x.astype(np.float32) * np.float32(scale))
+        x = np.ascontiguousarray(x.astype(np.float32) * np.float32(scale))
+        if not np.all(np.isfinite(x)):
+            raise DataError(f"{spec}: array '{key}' holds NaN or infinite pixels")
+        return x
 
     def labels(key):
         y = arrays[key]

@@ -6,8 +6,10 @@ whose argparse options default to the network's `Train(...)`. `run(ModelClass, a
 initialization or resuming from a checkpoint, the loop with its progress bar, periodic and final checkpoints,
 SIGINT/SIGTERM handling, stopping on a non-finite loss, the test pass and the report.
 
-Exit status: 0 on success, 1 for a usage problem (bad data spec, unusable checkpoint, unavailable device),
-3 when the loss became NaN or infinite, 128 + signal number after an interrupted run saved its checkpoint.
+Exit status: 0 on success, 1 for a usage problem (bad option, data spec or output path, unusable checkpoint,
+unavailable device), 3 when the loss or the state became NaN or infinite (nothing is saved over the last good
+checkpoint), 4 when a checkpoint or report could not be written (a full disk: the previous checkpoint stays),
+128 + signal number after SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -32,11 +35,15 @@ from deepdsl_runtime.memory import StepPlan
 __all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "backend", "initial_value",
            "run"]
 
-EXIT_USAGE, EXIT_DIVERGED = 1, 3
+EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE = 1, 3, 4
 
 
 class RunError(Exception):
-    """A problem reported as one line (exit status 1)."""
+    """A problem reported as one line; `status` is the exit status (1: a usage problem)."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE):
+        super().__init__(message)
+        self.status = status
 
 
 def backend(device: str) -> ModuleType:
@@ -221,51 +228,6 @@ def _max_rss() -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the run
-
-class _Signals:
-    """Turn SIGINT/SIGTERM into a flag the loop checks after each step."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is not None:     # a second signal: stop now
-            signal.signal(signum, self._old[signum])
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        return False
-
-
-def _say(args, text: str) -> None:
-    if not args.quiet:
-        print(text, flush=True)
-
-
-def _error(model_cls, text: str) -> int:
-    print(f"{model_cls.name}: error: {text}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
-
-
-def _check_args(args) -> None:
-    for key in ("iters", "test_iters", "save_every"):
-        if getattr(args, key) < 0:
-            raise RunError(f"--{key.replace('_', '-')} must be >= 0")
-    if args.lr <= 0:
-        raise RunError("--lr must be > 0")
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # matrix products through the tiled multi-device GEMM
 
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -316,10 +278,70 @@ def _tiled_products(args):
     return TiledProducts(TiledGemm(cpu_devices(count, memory_bytes), tile=tile))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+
+class _Signals:
+    """SIGINT/SIGTERM/SIGHUP set a flag the run checks between steps (it then saves and stops); a second signal
+    raises KeyboardInterrupt where the program is (stop now: a checkpoint being written stays the previous one)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None:     # a second signal: stop now
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def _say(args, text: str) -> None:
+    if not args.quiet:
+        print(text, flush=True)
+
+
+def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:
+    print(f"{model_cls.name}: error: {text}", file=sys.stderr, flush=True)
+    return status
+
+
+def _check_args(args) -> None:
+    """Every numeric option in its range before anything runs."""
+    for key in ("iters", "test_iters", "save_every"):
+        if getattr(args, key) < 0:
+            raise RunError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise RunError(f"--lr must be a finite number > 0, got {args.lr}")
+    momentum = getattr(args, "momentum", None)
+    if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise RunError(f"--momentum must be in [0, 1), got {momentum}")
+    if not (math.isfinite(args.decay) and args.decay >= 0):
+        raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
+
+
 def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
     return ckpt.Checkpoint(path="", tensors=model.host_tensors(), network=model.name,
                            structure_hash=model.structure_hash, iteration=iteration, seed=model.seed,
                            data_position=position, data=data_spec)
+
+
+def _checkpoint_bytes(model: Model) -> int:
+    """An upper bound of the checkpoint's size: float32 tensors plus a page of zip and .npy headers per entry."""
+    shapes = model.expected_shapes()
+    return sum(4 * math.prod(shape) for shape in shapes.values()) + 4096 * (len(shapes) + 8)
 
 
 def _resume(model: Model, path: str) -> ckpt.Checkpoint:
@@ -330,12 +352,15 @@ def _resume(model: Model, path: str) -> ckpt.Checkpoint:
     if found.structure_hash != model.structure_hash:
         raise ckpt.CheckpointError(
             f"{path}: field '__structure_hash__': written by a program of another structure ({found.structure_hash}, "
-            f"this one is {model.structure_hash}); use --fresh, or --init-from to reuse matching parameters")
+            f"this one is {model.structure_hash}); start over with --fresh (adding --init-from {path} reuses its "
+            "parameters whose names and shapes match), or choose another --params")
     ckpt.check_tensors(found, model.expected_shapes())
     return found
 
 
 def _init_from(model: Model, path: str, args) -> None:
+    """Copy the parameters (and model state) of checkpoint `path` whose names and shapes match into a freshly
+    initialized model; none matching is an error."""
     source = ckpt.read(path)
     loaded, skipped = [], []
     candidates = {**model.params, **{k: s for k, s in model.states.items() if not s.optimizer}}
@@ -351,38 +376,121 @@ def _init_from(model: Model, path: str, args) -> None:
         else:
             model.tensors[name] = model.rt.asarray(array.astype(np.float32))
             loaded.append(name)
+    if not loaded:
+        raise RunError(f"--init-from {path}: none of its tensors matches this network's by name and shape "
+                       f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}); nothing to start from")
     _say(args, f"initialized {len(loaded)} of {len(candidates)} tensors from {path}"
                + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
 
 
 def run(model_cls: type[Model], args) -> int:
-    """Train and test as the parsed command-line options say; returns the exit status."""
-    try:
-        return _Run(model_cls, args).execute()
-    except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
-        return _error(model_cls, str(err))
+    """Train and test as the parsed command-line options say; returns the exit status. Every problem is one line on
+    standard error; numpy's floating-point warnings are silenced (a non-finite loss or state is reported as such)."""
+    with _Signals() as signals, np.errstate(all="ignore"), warnings.catch_warnings():
+        if args.quiet:
+            warnings.simplefilter("ignore")
+        session = None
+        try:
+            session = _Run(model_cls, args, signals)
+            return session.execute()
+        except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
+            return _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
+        except KeyboardInterrupt:
+            received = signals.received or signal.SIGINT
+            kept = session.kept() if session is not None else "nothing was written"
+            print(f"{model_cls.name}: {signal.Signals(received).name} again: stopped at once; {kept}",
+                  file=sys.stderr, flush=True)
+            return 128 + received
 
 
 class _Run:
-    """One invocation of a generated program: start (fresh, resumed or fine-tuned), train, test, report."""
+    """One invocation of a generated program: start (fresh, resumed or fine-tuned), train, test, report.
 
-    def __init__(self, model_cls: type[Model], args):
+    Before the first iteration every output is checked (--params and --report-json writable, with room for the
+    checkpoint; a read-only checkpoint is refused), and temporaries a killed run left beside the checkpoint are
+    removed. A checkpoint is written only over a finite state whose test loss on one batch is finite."""
+
+    def __init__(self, model_cls: type[Model], args, signals: _Signals):
         _check_args(args)
-        self.args = args
+        self.args, self.signals = args, signals
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False))
         self.products = _tiled_products(args)
         if self.products is not None:
             self.model.rt = self.model.rt.with_gemm(self.products)
         self.path = args.params
-        self.data_spec = args.data or self.model.dataset
         self.batch = self.model.batch_shape[0]
         self.resumed: ckpt.Checkpoint | None = None
+        self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
+        self.probe = None                                # one test batch each checkpoint's state is tried on
+        if self.path:
+            removed = ckpt.remove_stale_temporaries(self.path)
+            if removed:
+                _say(args, f"removed {len(removed)} temporary file(s) of an interrupted write of {self.path}")
         if self.path and os.path.exists(self.path) and not args.fresh:
+            if args.init_from:
+                raise RunError(f"--init-from starts a new run, but --params {self.path} exists and would be resumed; "
+                               f"add --fresh to start over from {args.init_from} (replacing {self.path}), or choose "
+                               "another --params")
             self.resumed = _resume(self.model, self.path)
             self.model.seed = self.resumed.seed
+            self.saved_iteration = self.resumed.iteration
+        self.data_spec = self.choose_data()
         if args.init_from and self.resumed is None:
             ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
+        self.check_outputs()
+
+    def choose_data(self) -> str:
+        """--data, else the data a resumed checkpoint was trained on, else the network's dataset. Resuming on other
+        data than the checkpoint's is refused unless --switch-data says so (the run is then no longer exact)."""
+        args, given = self.args, getattr(self.args, "data", None)
+        recorded = self.resumed.data if self.resumed is not None else ""
+        if not recorded:
+            return given or self.model.dataset
+        if given is None or given == recorded or getattr(args, "switch_data", False):
+            return given or recorded
+        raise ckpt.CheckpointError(f"{self.path}: field '__data__': trained on '{recorded}', this run asks for "
+                                   f"--data '{given}'; leave out --data to continue on '{recorded}', add "
+                                   "--switch-data to continue on other data (no longer an exact resume), or --fresh")
+
+    def check_outputs(self) -> None:
+        args = self.args
+        outputs = [("--params", self.path), ("--report-json", args.report_json)]
+        program = getattr(type(self.model).train_step, "__globals__", {}).get("__file__")
+        kind, _, data_file = self.data_spec.partition(":")
+        inputs = [("this program", program), ("--init-from", args.init_from),
+                  ("--data", data_file if kind == "npz" else None)]
+        seen = {}
+        for option, target in outputs:
+            if not target:
+                continue
+            real = os.path.realpath(target)
+            for what, source in inputs + list(seen.items()):
+                if source and os.path.realpath(source) == real and not (what == "--init-from" and option ==
+                                                                         "--params"):
+                    raise RunError(f"{option} {target} is {what if what == 'this program' else what + ' too'}; "
+                                   "choose another file")
+            seen[option] = target
+        if self.path:
+            ckpt.check_target(self.path, "--params", _checkpoint_bytes(self.model))
+        if args.report_json:
+            ckpt.check_target(args.report_json, "--report-json")
+
+    def kept(self) -> str:
+        """What the checkpoint file holds now, said after a run stops early."""
+        if not self.path:
+            return "nothing was saved (no --params)"
+        if self.saved_iteration is not None:
+            return f"{self.path} keeps the checkpoint of iteration {self.saved_iteration}"
+        if os.path.exists(self.path):
+            return f"{self.path} keeps its previous contents"
+        return "no checkpoint was written"
+
+    def interrupted(self, when: str, saved: bool = False) -> int:
+        received = self.signals.received
+        print(f"{self.model.name}: {signal.Signals(received).name} {when}; "
+              + (f"saved {self.path}" if saved else self.kept()), file=sys.stderr, flush=True)
+        return 128 + received
 
     def execute(self) -> int:
         args, model = self.args, self.model
@@ -390,19 +498,30 @@ class _Run:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch)
         self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed)
+        self.probe = tuple(np.copy(a) for a in
+                           datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:
             model.load_tensors({k: self.resumed.tensors[k] for k in model.expected_shapes()})
-            self.stream.position = self.resumed.data_position
+            try:
+                self.stream.position = self.resumed.data_position
+            except ValueError:
+                raise ckpt.CheckpointError(
+                    f"{self.path}: fields '__data_epoch__', '__data_offset__': position {self.resumed.data_position} "
+                    f"lies outside the {len(data.x_train)} training examples of '{self.data_spec}' (the data changed "
+                    "since the checkpoint was written; --fresh starts over)") from None
             start = self.resumed.iteration
             _say(args, f"resuming from {self.path} at iteration {start}")
         else:
             self.fresh_start()
             start = 0
         model.prepare(self.hyper(0))
+        if self.signals.received is not None:
+            return self.interrupted("before training started")
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
             _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
-                       f"{self.batch}) on {args.device}: iterations {start + 1} to {args.iters}")
+                       f"{self.batch}) on {args.device}: iterations {start + 1} to {args.iters}"
+                       + (f"; checkpoint {self.path}" if self.path else ""))
             iteration, loss, elapsed, stopped = self.train(start)
             if stopped is not None:
                 return stopped
@@ -411,7 +530,11 @@ class _Run:
         accuracy = test_loss = None
         if args.test_iters:
             accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
+            if not math.isfinite(test_loss):
+                raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED)
             _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {self.batch})")
+        if self.signals.received is not None:
+            return self.interrupted(f"after iteration {iteration}")
         done = iteration - start
         per_iter = elapsed / done if done else None
         if per_iter is not None:
@@ -430,9 +553,12 @@ class _Run:
                       "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
                       "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None, **figures,
                       "gemm": self.products.totals() if self.products is not None else None}
-            with open(args.report_json, "w") as f:
-                json.dump(report, f, indent=2)
-                f.write("\n")
+            text = (json.dumps(report, indent=2) + "\n").encode()
+            try:
+                ckpt.atomic_write(args.report_json, lambda f: f.write(text))
+            except OSError as err:
+                raise RunError(f"cannot write --report-json {args.report_json}: {err.strerror or err}",
+                               EXIT_SAVE) from None
         return 0
 
     def hyper(self, iteration: int) -> dict:
@@ -449,57 +575,66 @@ class _Run:
         if not self.path:
             raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
         self.fresh_start()
-        ckpt.write(self.path, _checkpoint(self.model, 0, (0, 0), self.data_spec))
+        self.save(0)
         _say(self.args, f"wrote initial parameters to {self.path}")
         return 0
 
     def save(self, iteration: int) -> bool:
-        """Write the checkpoint unless the tensors went non-finite (the last good one stays)."""
+        """Write the checkpoint of `iteration` to --params (False without one). A non-finite state, or one whose
+        test loss on one batch is not finite, is not written: the run stops (diverged) and the previous checkpoint
+        stays; so does a write that fails (a full disk)."""
         if not self.path:
             return False
-        state = _checkpoint(self.model, iteration, self.stream.position, self.data_spec)
-        if not all(np.all(np.isfinite(a)) for a in state.tensors.values()):
-            print(f"{self.model.name}: warning: NaN or infinite parameters at iteration {iteration}; "
-                  f"{self.path} is not overwritten", file=sys.stderr, flush=True)
-            return False
-        ckpt.write(self.path, state)
+        position = self.stream.position if self.probe is not None else (0, 0)
+        state = _checkpoint(self.model, iteration, position, self.data_spec)
+        bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
+        if bad is not None:
+            raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "
+                           f"{self.kept()}", EXIT_DIVERGED)
+        if self.probe is not None:
+            _, probe_loss = self.model.test_step(*self.probe)
+            if not math.isfinite(probe_loss):
+                raise RunError(f"the loss is {probe_loss} on a test batch at iteration {iteration}; training stopped, "
+                               f"{self.kept()}", EXIT_DIVERGED)
+        try:
+            ckpt.write(self.path, state)
+        except OSError as err:
+            raise RunError(f"cannot write {self.path}: {err.strerror or err}; training stopped at iteration "
+                           f"{iteration}, {self.kept()}", EXIT_SAVE) from None
+        self.saved_iteration = iteration
         return True
 
     def train(self, start: int) -> tuple[int, float | None, float, int | None]:
         """Train from iteration `start` to --iters: (iteration reached, last loss, seconds, exit status if the
-        run must stop here)."""
-        args, model = self.args, self.model
-        iteration, loss = start, None
+        run must stop here). The progress bar is closed before anything else is printed."""
+        args, model, signals = self.args, self.model, self.signals
+        iteration, loss, diverged = start, None, None
         bar = _progress(args, start)
-        with _Signals() as signals:
-            began = time.perf_counter()
-            try:
-                while iteration < args.iters:
-                    xb, yb = self.stream.next()
-                    value = model.train_step(xb, yb, step=iteration, **self.hyper(iteration))
-                    if not math.isfinite(value):
-                        print(f"{model.name}: error: the loss is {value} at iteration {iteration + 1}; training "
-                              "stopped" + (f", {self.path} keeps the last good checkpoint" if self.path else ""),
-                              file=sys.stderr, flush=True)
-                        return iteration, loss, time.perf_counter() - began, EXIT_DIVERGED
-                    iteration, loss = iteration + 1, value
-                    if bar is not None:
-                        bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
-                        bar.update(1)
-                    if signals.received is not None:
-                        break
-                    if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
-                        self.save(iteration)
-            finally:
+        began = time.perf_counter()
+        try:
+            while iteration < args.iters:
+                xb, yb = self.stream.next()
+                value = model.train_step(xb, yb, step=iteration, **self.hyper(iteration))
+                if not math.isfinite(value):
+                    diverged = value
+                    break
+                iteration, loss = iteration + 1, value
                 if bar is not None:
-                    bar.close()
-            elapsed = time.perf_counter() - began
-            if signals.received is not None:
-                saved = self.save(iteration)
-                name = signal.Signals(signals.received).name
-                print(f"{model.name}: {name} at iteration {iteration}" + (f"; saved {self.path}" if saved else ""),
-                      file=sys.stderr, flush=True)
-                return iteration, loss, elapsed, 128 + signals.received
+                    bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
+                    bar.update(1)
+                if signals.received is not None:
+                    break
+                if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
+                    self.save(iteration)
+        finally:
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - began
+        if diverged is not None:
+            raise RunError(f"the loss is {diverged} at iteration {iteration + 1}; training stopped, {self.kept()}",
+                           EXIT_DIVERGED)
+        if signals.received is not None:
+            return iteration, loss, elapsed, self.interrupted(f"at iteration {iteration}", saved=self.save(iteration))
         saved = self.save(iteration)
         _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {self.path}" if saved else ""))
         return iteration, loss, elapsed, None
