@@ -54,6 +54,19 @@ def parameters(loss: Node) -> list[Node]:
     return params
 
 
+def _distinct_names(tensors: list[Node]) -> None:
+    """Parameters and state are stored by name (checkpoints, the program's tensors): a layer named like another's
+    optimizer buffer (`V_fc` beside `fc`: `V_fc_W`) must not make two of one name."""
+    seen: dict[str, Node] = {}
+    for t in tensors:
+        other = seen.setdefault(t.name, t)
+        if other is not t:
+            raise DeepDSLError(f"two tensors of the training step are named '{t.name}' (a {other.op} of shape "
+                               f"{'x'.join(map(str, other.shape))} and a {t.op} of shape "
+                               f"{'x'.join(map(str, t.shape))}): optimizer buffers are named V_, M_ or S_ and "
+                               "the parameter's name; rename the layer")
+
+
 def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = None) -> StepGraphs:
     """The step graphs of `loop`; `forward` (e.g. simplification) rewrites the training forward graph before it is
     differentiated, so the gradients are derived from the rewritten forward computation."""
@@ -70,6 +83,7 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     train = Graph(train.name, train.outputs[:1] + tuple(updates) + train.outputs[1:])
     test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
     states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
+    _distinct_names([*params, *states])
     return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)))
 
 

@@ -140,3 +140,12 @@ def test_a_directory_is_not_a_network_file(tmp_path):
     done = deepdsl("compile", "net.py", "-o", "out.py", cwd=tmp_path)
     assert_one_line_error(done.returncode, done.stderr, "net.py: is a directory, not a network file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.py"]
+
+
+def test_a_layer_named_like_an_optimizer_buffer_is_an_error(tmp_path, capsys):
+    """`V_fc` beside `fc`: the parameter `V_fc_W` and the momentum of `fc_W` would share one name."""
+    path, _ = network(tmp_path, "fc", 'fc = D.full("V_cv1", 3)')
+    status = main(["compile", str(path), "-o", str(tmp_path / "out.py")])
+    assert_one_line_error(status, capsys.readouterr().err, "two tensors of the training step are named 'V_cv1_W'",
+                          "rename the layer")
+    assert_nothing_written(tmp_path)

@@ -355,7 +355,9 @@ def _runtime_path() -> str | None:
     runtime = Path(__file__).resolve().parents[2] / "runtime"
     if not (runtime / "__init__.py").exists():
         return None
-    home = Path(tempfile.gettempdir()) / f"deepdsl-runtime-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    checkout = hashlib.sha256(str(runtime.resolve()).encode()).hexdigest()[:12]    # one link per source tree
+    home = Path(tempfile.gettempdir()) / f"deepdsl-runtime-{user}-{checkout}"
     link = home / "deepdsl_runtime"
     home.mkdir(exist_ok=True)
     if not link.is_symlink() or link.resolve() != runtime.resolve():
