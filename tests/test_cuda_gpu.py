@@ -61,17 +61,20 @@ def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, 
         check_steps_equal_the_cpu(model, data, expected, GPU_TOLERANCE)
 
 
-@pytest.mark.parametrize("mode", ["static", "pooled", "dynamic"])
-def test_lenet_learns_the_digits_on_the_gpu(mode, rt, tmp_path):
+@pytest.mark.parametrize("mode, iters", [("static", LENET_ITERS), ("pooled", 5), ("dynamic", 5)])
+def test_lenet_learns_the_digits_on_the_gpu(mode, iters, rt, tmp_path):
+    """Trained in the static mode to its accuracy; the other modes compute the same steps (checked against the CPU
+    above), so a few iterations show their program runs end to end and measures its planned peaks."""
     _, program = compile_program("lenet", tmp_path, batch=64)
     report = tmp_path / "report.json"
-    done = run_cli(program, "--device", "cuda", "--memory-mode", mode, "--iters", str(LENET_ITERS), "--lr", "0.02",
+    done = run_cli(program, "--device", "cuda", "--memory-mode", mode, "--iters", str(iters), "--lr", "0.02",
                    "--params", str(tmp_path / "p.npz"), "--report-json", str(report), "--test-iters", "5", "--quiet",
                    timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(report.read_text())
-    assert result["device"] == "cuda" and result["iterations"] == LENET_ITERS
-    assert result["test_accuracy"] >= 0.97, result
+    assert result["device"] == "cuda" and result["iterations"] == iters
+    if iters == LENET_ITERS:
+        assert result["test_accuracy"] >= 0.97, result
     assert result["peak_bytes_measured"] == result["peak_bytes_planned"], result
     assert result["test_peak_bytes_measured"] == result["test_peak_bytes_planned"], result
 
