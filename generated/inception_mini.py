@@ -20,7 +20,7 @@ import sys
 def _interrupted_while_starting(signum, frame):
     """SIGINT/SIGTERM before the run installs its own handlers (which save a checkpoint first): nothing has been
     written yet, so say so and exit."""
-    print("inception_mini" + ": interrupted while starting; nothing was written", file=sys.stderr)
+    print("inception_mini: interrupted while starting; nothing was written", file=sys.stderr)
     raise SystemExit(128 + signum)
 
 
@@ -28,11 +28,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_starting)
     signal.signal(signal.SIGTERM, _interrupted_while_starting)
 
-import argparse  # noqa: E402  (after the handlers: importing numpy takes a while)
+# imported after the handlers are set: importing numpy takes a while
+import argparse
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from deepdsl_runtime import program as rp  # noqa: E402
+from deepdsl_runtime import program as rp
 
 
 class InceptionMini(rp.Model):
@@ -1301,8 +1302,8 @@ def main(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
     parser.add_argument("--decay", type=float, default=0.0001, help="weight decay (L2, added to the gradient)")
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
-                        help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: " + "digits"
-                             + "; when resuming, the data the checkpoint was trained on)")
+                        help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: digits; "
+                             "when resuming, the data the checkpoint was trained on)")
     parser.add_argument("--switch-data", action="store_true",
                         help="resume on another --data than the checkpoint's (no longer an exact continuation)")
     parser.add_argument("--params", default="inception_mini.params.npz",

@@ -86,7 +86,7 @@ def test_unusable_output_paths_fail_before_training(mlp, tmp_path, case):
         params = mlp
     before = digest(mlp)
     extra = ("--report-json", str(report)) if report is not None else ()
-    done = run_cli(mlp, "--iters", "200000", "--data", "synthetic", "--params", str(params), *extra)
+    done = run_cli(mlp, "--iters", "200000", "--data", "synthetic", "--params", str(params), "--fresh", *extra)
     line = error_line(done)
     assert str(report if report is not None and case != "report is the checkpoint" else params) in line, line
     assert "training" not in done.stdout                   # refused before the loop, not after it

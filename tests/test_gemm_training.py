@@ -157,7 +157,8 @@ def test_lenet_trains_the_same_with_tiled_products(tmp_path):
     model.prepare(hyper)
     for step in range(STEPS):
         model.train_step(x, y, step=step, **hyper)
-    model.test_step(x, y)
+    for _ in range(2):           # the test loss of one batch taken before the checkpoint is written, the test pass
+        model.test_step(x, y)
 
     gemm = report["gemm"]
     assert gemm["devices"] == 2 and gemm["tile"] == TILE and gemm["device_memory_bytes"] == [MEMORY, MEMORY]

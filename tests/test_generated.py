@@ -292,7 +292,7 @@ def test_generated_program_imports_only_the_runtime(tmp_path):
     _, program = compile_program("inception_mini", tmp_path, batch=2)
     imports = [line for line in program.read_text().splitlines() if line.startswith(("import ", "from "))]
     assert sorted(imports) == ["from deepdsl_runtime import program as rp", "import argparse", "import numpy as np",
-                               "import sys"]
+                               "import signal", "import sys"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
