@@ -1,4 +1,4 @@
-"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`.
+"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`, `refresh`.
 
 Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
 line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead. Outputs (`-o`,
@@ -269,6 +269,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from deepdsl.codegen.refresh import refresh
+
+    return refresh(Path(args.networks), Path(args.out), check=args.check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deepdsl import __version__
 
@@ -306,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="write the table as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
     p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("refresh", help="regenerate the programs of a directory of networks (generated/ from networks/)")
+    p.add_argument("--check", action="store_true", help="only list stale or missing programs (exit status 1 if any)")
+    p.add_argument("--networks", default="networks", metavar="DIR", help="directory of network files")
+    p.add_argument("--out", default="generated", metavar="DIR", help="directory of the generated programs")
+    p.set_defaults(func=cmd_refresh)
     return parser
 
 

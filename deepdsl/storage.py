@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from deepdsl.ir import ITEMSIZE, Node
 from deepdsl.ops import get_op
-from deepdsl.program import Free, Let, Program
+from deepdsl.program import Let, Program
 
 BATCH_ROLES = frozenset({"data", "label"})
 
@@ -116,18 +116,3 @@ def analyze(program: Program) -> Storage:
         if id(node) in root:
             infos[id(root[id(node)])].output = True
     return Storage(root, infos, last_read)
-
-
-def frees_after(program: Program, storage: Storage | None = None) -> dict[int, list[Node]]:
-    """Body index -> the values to free right after it: for every arena storage that is no program output, its live
-    members, right after the last statement that defines or reads any of them."""
-    storage = storage or analyze(program)
-    result: dict[int, list[Node]] = {}
-    for info in storage.arena():
-        if not info.output:
-            result.setdefault(info.last_use, []).extend(info.live_members())
-    return result
-
-
-def body_without_frees(program: Program) -> list[Let]:
-    return [i for i in program.body if not isinstance(i, Free)]

@@ -26,7 +26,7 @@ import torch.nn as nn
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.program import Let
 from tests import torch_nets
-from tests.program_helpers import compile_program, import_program, model_class, run_cli
+from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
 
 TOLERANCE = 1e-4
 SEED = 3
@@ -363,13 +363,10 @@ def test_generated_step_matches_the_interpreter(name, batch, image, tmp_path):
 # the checked-in programs
 
 def test_generated_programs_are_up_to_date():
-    """generated/ holds exactly what the compiler writes for networks/ today; refresh it with
-    `python -m deepdsl.codegen.refresh`."""
-    from deepdsl.codegen.refresh import ROOT, expected_programs
+    """generated/ holds exactly what the compiler writes for networks/ today; refresh it with `deepdsl refresh`."""
+    from deepdsl.codegen.refresh import stale_programs
 
-    programs = expected_programs()
-    stale = [name for name, text in programs.items()
-             if not (ROOT / "generated" / name).exists() or (ROOT / "generated" / name).read_text() != text]
-    assert not stale, f"stale generated programs {stale}: run `python -m deepdsl.codegen.refresh`"
+    programs, stale = stale_programs(ROOT / "networks", ROOT / "generated")
+    assert not stale, f"stale generated programs {stale}: run `deepdsl refresh`"
     orphans = sorted(p.name for p in (ROOT / "generated").glob("*.py") if p.name not in programs)
     assert not orphans, f"generated programs without a network file: {orphans}"

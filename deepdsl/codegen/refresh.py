@@ -1,64 +1,65 @@
-"""Regenerate the checked-in programs: every network file of `networks/` becomes `generated/<same name>.py` and its
-CUDA kernels `generated/<same name>.cu`.
+"""Regenerate checked-in programs (`deepdsl refresh`): every network file of a directory (default `networks/`)
+becomes `<out>/<same name>.py` and its CUDA kernels `<out>/<same name>.cu` (default `generated/`).
 
-    python -m deepdsl.codegen.refresh            # rewrite generated/ from networks/
-    python -m deepdsl.codegen.refresh --check    # only report stale or missing programs (exit status 1 if any)
+    deepdsl refresh            # rewrite generated/ from networks/, both in the current directory
+    deepdsl refresh --check    # only report stale or missing programs (exit status 1 if any)
 
 Networks compile at the sizes they declare, with the default compiler and code generation options; the header of
-each program names its network as `networks/<file>`, so the output does not depend on where the repository lives.
+each program names its network as `<directory name>/<file>` (`networks/lenet.py`), so the output does not depend on
+where the directories live.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from deepdsl.errors import DeepDSLError
 
 
-def expected_programs(networks: Path = ROOT / "networks") -> dict[str, str]:
-    """File name in generated/ -> the text the current compiler writes for it (programs and their kernels)."""
+def expected_programs(networks: Path) -> dict[str, str]:
+    """File name in the output directory -> the text the current compiler writes for it (programs and kernels)."""
     import deepdsl
     from deepdsl.codegen import CodegenOptions, generate
     from deepdsl.codegen.cuda import generate_cuda
 
+    networks = Path(networks)
+    if not networks.is_dir():
+        raise DeepDSLError(f"{networks}: no such directory of network files")
     result = {}
-    for path in sorted(Path(networks).glob("*.py")):
+    for path in sorted(networks.glob("*.py")):
         if path.name.startswith("_"):
             continue
         compiled = deepdsl.compile(deepdsl.load(str(path)))
-        options = CodegenOptions(source=f"networks/{path.name}")
+        options = CodegenOptions(source=f"{networks.resolve().name}/{path.name}")
         result[path.name] = generate(compiled, options)
         result[f"{path.stem}.cu"] = generate_cuda(compiled, options, program=path.name)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deepdsl.codegen.refresh", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="report stale programs instead of rewriting them")
-    parser.add_argument("--networks", type=Path, default=ROOT / "networks", help="directory of network files")
-    parser.add_argument("--out", type=Path, default=ROOT / "generated", help="directory of generated programs")
-    args = parser.parse_args(argv)
-    from deepdsl.errors import DeepDSLError
-
-    try:
-        programs = expected_programs(args.networks)
-    except DeepDSLError as err:
-        print(f"refresh: error: {err}", file=sys.stderr)
-        return 1
+def stale_programs(networks: Path, out: Path) -> tuple[dict[str, str], list[str]]:
+    """(every expected file by name, the names whose file in `out` is missing or differs)."""
+    programs = expected_programs(networks)
     stale = [name for name, text in programs.items()
-             if not (args.out / name).exists() or (args.out / name).read_text() != text]
-    if args.check:
+             if not (out / name).exists() or (out / name).read_text() != text]
+    return programs, stale
+
+
+def refresh(networks: Path, out: Path, check: bool = False) -> int:
+    """Rewrite the stale programs of `out` (with `check`, only list them); returns the exit status."""
+    programs, stale = stale_programs(Path(networks), Path(out))
+    if check:
         for name in stale:
-            print(f"stale: {args.out / name}")
+            print(f"stale: {Path(out) / name}")
         return 1 if stale else 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
     for name in stale:
-        (args.out / name).write_text(programs[name])
-        print(f"wrote {args.out / name}")
+        (Path(out) / name).write_text(programs[name])
+        print(f"wrote {Path(out) / name}")
     print(f"{len(programs)} files, {len(stale)} rewritten")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":          # the same as `deepdsl refresh`
+    from deepdsl.cli import main
+
+    sys.exit(main(["refresh", *sys.argv[1:]]))
