@@ -17,26 +17,12 @@ Every result is checked against numpy on a sample of rows.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 import sys
 import time
 
 import numpy as np
 
-
-def _import_runtime():
-    try:
-        import deepdsl_runtime  # noqa: F401  (installed package)
-    except ImportError:  # running from a source checkout
-        root = pathlib.Path(__file__).resolve().parents[1]
-        spec = importlib.util.spec_from_file_location("deepdsl_runtime", root / "runtime" / "__init__.py",
-                                                      submodule_search_locations=[str(root / "runtime")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["deepdsl_runtime"] = module
-        spec.loader.exec_module(module)
-    from deepdsl_runtime.gemm import CpuDevice, TiledGemm
-    return CpuDevice, TiledGemm
+from deepdsl_runtime.gemm import CpuDevice, TiledGemm
 
 
 MiB = 1 << 20
@@ -56,7 +42,6 @@ def main(argv=None) -> int:
     parser.add_argument("--check-rows", type=int, default=64, help="rows checked against numpy (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    CpuDevice, TiledGemm = _import_runtime()
 
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)

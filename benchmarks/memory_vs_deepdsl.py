@@ -30,11 +30,11 @@ MB = 1e6
 
 def measure(name: str) -> dict:
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / f"{name}.py"))
-    plan = compiled.train_plan
+    plan = compiled.steps["train"].plan
     start = time.perf_counter()
-    plan_program(compiled.unplanned["train"])
+    plan_program(compiled.steps["train"].unplanned)
     seconds = time.perf_counter() - start
-    alternatives = what_if(compiled.unplanned["train"])
+    alternatives = what_if(compiled.steps["train"].unplanned, compiled.options)
     batch = next(leaf.shape[0] for leaf in compiled.train.inputs if leaf.name == "x")
     return {"name": name, "batch": batch, "peak": plan.peak_live_bytes / MB, "deepdsl": DEEPDSL_MB.get(name),
             "arena": plan.arena_bytes / plan.peak_live_bytes,

@@ -46,7 +46,7 @@ def _model(network: str, batch: int, limit: int | None, directory: pathlib.Path)
     cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
     model = cls("cpu", 0)
     model.initialize(0)
-    return model, compiled.train_plan.workspace_bytes
+    return model, compiled.steps["train"].plan.workspace_bytes
 
 
 def main(argv=None) -> int:

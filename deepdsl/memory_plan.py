@@ -48,13 +48,7 @@ from deepdsl.ir import Node
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
-
-ALIGNMENT = 256
-
-
-def placed_size(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    """Bytes a tensor of `nbytes` occupies in the arena: rounded up to the alignment, at least one unit."""
-    return max(alignment, -(-nbytes // alignment) * alignment)
+from deepdsl_runtime.contract import ALIGNMENT, FLOAT_BYTES, placed_size, stage_floats
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +236,7 @@ def _kind(leaf: Node, params: set[str]) -> str:
 def stage_bytes(input_bytes: int, output_bytes: int, batch: int) -> int:
     """Workspace a statement taking over its input's bytes adds after its op's own scratch: one sample of the
     smaller of input and output, through which the runtime kernel runs the samples it cannot run in place."""
-    return min(input_bytes // batch, output_bytes // batch) // 4 * 4
+    return stage_floats(input_bytes, output_bytes, batch) * FLOAT_BYTES
 
 
 def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int, int]],

@@ -8,21 +8,15 @@ MB = 10^6 bytes. "live" counts placed sizes (256-byte aligned), the quantity the
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import pathlib
-import sys
 from dataclasses import dataclass
 
-from deepdsl.memory_plan import MemoryPlan, plan_memory
+from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import dims
-from deepdsl.passes.dealloc import insert_frees
-from deepdsl.passes.inplace import compute_in_place
-from deepdsl.passes.rematerialize import rematerialize
-from deepdsl.passes.schedule import schedule_for_memory
+from deepdsl.pipeline import CompileOptions, plan_steps
 from deepdsl.program import Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
+from deepdsl_runtime.pool import PoolAllocator
 
 MB = 1e6
 STATEMENT_WIDTH = 72
@@ -62,9 +56,10 @@ class Report:
 
 def memory_report(compiled, step: str = "train") -> Report:
     """The report of one step ("train", "test" or "setup") of a `Compiled`."""
-    program, plan = getattr(compiled, step), compiled.plans[step]
+    compiled_step = compiled.steps[step]
+    program, plan = compiled_step.program, compiled_step.plan
     return Report(compiled.name, program, plan, tuple(rows(program, plan)), simulate_pool(plan),
-                  what_if(compiled.unplanned[step], compiled.options.workspace_limit))
+                  what_if(compiled_step.unplanned, compiled.options))
 
 
 def rows(program: Program, plan: MemoryPlan) -> list[Row]:
@@ -118,29 +113,13 @@ def _where(p, names) -> str:
     return "arena"
 
 
-def _pool_allocator():
-    """The runtime's first-fit pool allocator (pure Python): from the installed runtime, else from the checkout."""
-    try:
-        return importlib.import_module("deepdsl_runtime.pool").PoolAllocator
-    except ImportError:
-        path = pathlib.Path(__file__).resolve().parents[1] / "runtime" / "pool.py"
-        name = "_deepdsl_runtime_pool"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module          # dataclasses look their module up while the file runs
-            spec.loader.exec_module(module)
-        return sys.modules[name].PoolAllocator
-
-
 def simulate_pool(plan: MemoryPlan) -> dict:
     """Replay the plan's allocations and frees, in order, on the runtime's first-fit pool allocator (`pooled`
     mode): the capacity the pool needs (highest byte handed out) and its peak of bytes in use. A first-fit pool
     cannot promise to grow a block in place, so a buffer that takes over another's bytes in the plan gets a block
     of its own here, like any other: where the plan lets buffers take over, the pool's peak may exceed the plan's
     (by at most the smaller of the two buffers, at that statement)."""
-    pool_cls = _pool_allocator()
-    pool = pool_cls(max(sum(b.size for b in plan.buffers), plan.alignment), plan.alignment)
+    pool = PoolAllocator(max(sum(b.size for b in plan.buffers), plan.alignment), plan.alignment)
     offsets: dict[int, int] = {}
     footprint = 0
     for b in (b for b in plan.buffers if is_batch_input(b.value)):
@@ -158,31 +137,28 @@ def simulate_pool(plan: MemoryPlan) -> dict:
             "allocs": stats.num_allocs, "frees": stats.num_frees}
 
 
-def what_if(unplanned: Program, workspace_limit: int | None = None) -> dict[str, int]:
-    """Peak live bytes of the same program with memory optimizations left out (each run on the program as the
-    optimization passes leave it, before the memory stages)."""
-    scheduled = schedule_for_memory(unplanned)
-    recomputed = rematerialize(scheduled)
+# what each memory optimization buys: the compile options without it (`CompileOptions.changed`; an option that does
+# not exist is an error)
+WHAT_IF: dict[str, dict[str, bool]] = {
+    "without memory-aware scheduling": {"schedule": False},
+    "without rematerialization": {"rematerialize": False},
+    "without in-place activations and gradients": {"inplace_activations": False},
+    "without in-place parameter updates": {"inplace_updates": False},
+    "without taking over dying inputs' storage": {"takeover": False},
+    "without scheduling, rematerialization, in-place computation and takeovers":
+        {"schedule": False, "rematerialize": False, "inplace": False, "takeover": False},
+    "without freeing (every tensor kept to the end)": {"dealloc": False},
+}
 
-    def peak(schedule: bool, activations: bool, updates: bool, free: bool = True, remat: bool = True,
-             takeover: bool = True) -> int:
-        program = (recomputed if remat else scheduled) if schedule else (
-            rematerialize(unplanned) if remat else unplanned)
-        program = compute_in_place(program, activations=activations, updates=updates)
-        if free:
-            program = insert_frees(program)
-        return plan_memory(program, workspace_limit, takeover=takeover).peak_live_bytes
 
-    return {
-        "without memory-aware scheduling": peak(False, True, True),
-        "without rematerialization": peak(True, True, True, remat=False),
-        "without in-place activations and gradients": peak(True, False, True),
-        "without in-place parameter updates": peak(True, True, False),
-        "without taking over dying inputs' storage": peak(True, True, True, takeover=False),
-        "without scheduling, rematerialization, in-place computation and takeovers":
-            peak(False, False, False, remat=False, takeover=False),
-        "without freeing (every tensor kept to the end)": peak(True, True, True, free=False),
-    }
+def what_if(unplanned: Program, options: CompileOptions = CompileOptions(),
+            variants: dict[str, dict[str, bool]] | None = None) -> dict[str, int]:
+    """Peak live bytes of the same program with memory optimizations left out: for each variant (label -> changes
+    of `options`, default `WHAT_IF`), the memory stages and the planner rerun by the pipeline (`plan_steps`) on the
+    program as the optimization stages leave it, so each figure is the peak a compile with those options plans."""
+    variants = WHAT_IF if variants is None else variants
+    return {label: plan_steps({"step": unplanned}, options.changed(**changes))["step"].plan.peak_live_bytes
+            for label, changes in variants.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,19 +1,24 @@
 """The compiler pipeline: one readable tuple of named stages, with a hook after each for dumps and verification.
 
-    Loop ─build_step_graphs→ train/test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→ ─fuse_elementwise→
-         ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→ ─inplace→ ─dealloc→
-         Programs ─plan_memory→ MemoryPlans
+    Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
+         ─fuse_elementwise→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→
+         ─inplace→ ─dealloc→ Programs ─plan_memory→ MemoryPlans
 
-The memory stages (schedule, rematerialize, in-place, dealloc) and the planner run on every program;
-`Compiled.plans` holds the plan of each program, and `Compiled.unplanned` the programs as they were before the
-memory stages (so what-if analyses can rerun those stages with other options).
+`STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the
+`CompileOptions` field that switches it on (None: it always runs). `run_stages` runs any slice of it with the
+verifier and the hook after every stage that runs; `compile` runs it up to the memory stages (`MEMORY_STAGES`,
+from `schedule` on), then `plan_steps` runs the rest. `plan_steps` is also how an analysis reruns the memory stages
+with other options (`deepdsl.memory_table.what_if`): the figures it gets are those of a compile with those options.
+A stage or option named anywhere that does not exist is an error, never silently enabled.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass, field
-from typing import Callable
+import itertools
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 from deepdsl.dsl import Loop
 from deepdsl.ir import Graph, Node
@@ -32,31 +37,16 @@ from deepdsl.program import Program
 from deepdsl.training import build_step_graphs
 
 Hook = Callable[[str, object], None]
-
-# CSE runs before fusion too: merging duplicates first gives fusion true reader counts
-GRAPH_STAGES: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
-    ("simplify", simplify),
-    ("cse", cse),
-    ("push_through_pool_backward", push_through_pool_backward),
-    ("fuse_elementwise", fuse_elementwise),
-    ("cse", cse),
-)
-PROGRAM_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
-    ("sink", sink),
-)
-# after these the program has its final order, in-place statements and frees; then plan_memory gives the plan
-MEMORY_STAGES: tuple[tuple[str, Callable[[Program], Program]], ...] = (
-    ("schedule", schedule_for_memory),
-    ("rematerialize", rematerialize),        # needs the final order; before in-place decisions and frees
-    ("inplace", compute_in_place),
-    ("dealloc", insert_frees),
-)
-
+STEPS = ("setup", "train", "test")
 
 # Scratch of one statement at most (im2col matrices, pooling and LRN buffers): ops run over the batch in chunks
 # to fit. Unbounded, VGG-16 would need 9 GB; the CPU kernels work in cache-sized chunks of samples anyway, so a
 # larger limit buys them nothing (docs/memory.md), while GPU GEMMs may gain from larger chunks (--workspace-limit).
 DEFAULT_WORKSPACE_LIMIT = 32 * 2**20
+
+# a bool option with this metadata is named in a generated program's header only when off: such options are on
+# except in what-if analyses, so a header names them only where they matter
+_NAMED_WHEN_OFF = {"header": "when off"}
 
 
 @dataclass(frozen=True)
@@ -69,90 +59,215 @@ class CompileOptions:
     code_motion: bool = True
     schedule: bool = True                 # memory-aware scheduling
     rematerialize: bool = True            # recompute cheap elementwise values before their late uses
-    inplace: bool = True                  # in-place computation (activations, gradients, parameter updates)
+    inplace: bool = True                  # in-place computation, of the two kinds below
+    inplace_activations: bool = field(default=True, metadata=_NAMED_WHEN_OFF)   # activations and gradients
+    inplace_updates: bool = field(default=True, metadata=_NAMED_WHEN_OFF)       # parameter and state updates
+    dealloc: bool = field(default=True, metadata=_NAMED_WHEN_OFF)   # free tensors after last use, else keep them
     takeover: bool = True                 # pooling outputs take over their dying inputs' storage (memory plan)
     # bytes of shared scratch (im2col and the like): ops run over the batch in chunks to fit; None: no limit
     workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT
     verify: bool = False
 
-    def enabled(self, stage: str) -> bool:
-        return {"simplify": self.simplify, "fuse_elementwise": self.fuse, "cse": self.cse,
-                "sink": self.code_motion, "schedule": self.schedule, "rematerialize": self.rematerialize,
-                "inplace": self.inplace}.get(stage, True)
+    def changed(self, **changes) -> "CompileOptions":
+        """These options with some fields changed; a name that is no field is a `ValueError` naming the fields."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ValueError(f"no compile option named {', '.join(map(repr, unknown))}; the options are "
+                             f"{', '.join(sorted(names))}")
+        return replace(self, **changes)
+
+    def without(self, *stages: str) -> "CompileOptions":
+        """These options with the named stages switched off; a name that is no stage, or a stage that always runs,
+        is a `ValueError`."""
+        switches = {}
+        for name in stages:
+            stage = stage_named(name)
+            if stage.option is None:
+                raise ValueError(f"stage {name!r} always runs; it has no option to switch it off")
+            switches[stage.option] = False
+        return self.changed(**switches)
+
+
+def _no_arguments(options: CompileOptions) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline.
+
+    name: how hooks, dumps and `CompileOptions.without` call it (two stages may share a name: `cse` runs twice).
+    function: a pure pass. A per-step stage maps one step's value to the next (Graph -> Graph, Graph -> Program,
+        Program -> Program or Program -> MemoryPlan); a stage `across` the steps maps all of them at once (a
+        mapping of step names to Graphs to another such mapping).
+    option: the `CompileOptions` bool field that switches the stage on, or None when it always runs. Checked when
+        the record is made: a misspelt option is an error here, never a stage that runs by default.
+    arguments: the keyword arguments the function takes from the options (for example the workspace limit).
+    """
+
+    name: str
+    function: Callable
+    option: str | None = None
+    arguments: Callable[[CompileOptions], dict] = _no_arguments
+    across: bool = False
+
+    def __post_init__(self):
+        switches = {f.name for f in fields(CompileOptions) if f.type in ("bool", bool)}
+        if self.option is not None and self.option not in switches:
+            raise ValueError(f"stage {self.name!r} is switched by {self.option!r}, which is no bool field of "
+                             f"CompileOptions ({', '.join(sorted(switches))})")
+
+    def enabled(self, options: CompileOptions) -> bool:
+        return self.option is None or getattr(options, self.option)
+
+    def __call__(self, value, options: CompileOptions):
+        return self.function(value, **self.arguments(options))
+
+
+def _hoist(steps: Mapping[str, Graph]) -> dict[str, Graph]:
+    """The "setup" step computes once what the other steps compute the same way every time (`hoist_invariants`)."""
+    names = [name for name in steps if name != "setup"]
+    setup, graphs = hoist_invariants(steps["setup"].name, [steps[name] for name in names])
+    return {"setup": setup, **dict(zip(names, graphs))}
+
+
+# CSE runs before fusion too: merging duplicates first gives fusion true reader counts. After `dealloc` the
+# programs have their final order, in-place statements and frees; `plan_memory` gives their plans.
+STAGES: tuple[Stage, ...] = (
+    Stage("simplify", simplify, "simplify"),
+    Stage("cse", cse, "cse"),
+    Stage("push_through_pool_backward", push_through_pool_backward),
+    Stage("fuse_elementwise", fuse_elementwise, "fuse"),
+    Stage("cse", cse, "cse"),
+    Stage("hoist_invariants", _hoist, "code_motion", across=True),
+    Stage("linearize", linearize),
+    Stage("sink", sink, "code_motion"),
+    Stage("schedule", schedule_for_memory, "schedule"),
+    Stage("rematerialize", rematerialize, "rematerialize"),   # needs the final order; before in-place and frees
+    Stage("inplace", compute_in_place, "inplace",
+          lambda o: {"activations": o.inplace_activations, "updates": o.inplace_updates}),
+    Stage("dealloc", insert_frees, "dealloc"),
+    Stage("plan_memory", plan_memory, None, lambda o: {"workspace_limit": o.workspace_limit, "takeover": o.takeover}),
+)
+
+
+def stage_named(name: str) -> Stage:
+    """The first stage named `name`; a name that is no stage is a `ValueError` naming the stages."""
+    return STAGES[stage_index(name)]
+
+
+def stage_index(name: str) -> int:
+    """Where the first stage named `name` is in `STAGES`; a name that is no stage is a `ValueError`."""
+    for k, stage in enumerate(STAGES):
+        if stage.name == name:
+            return k
+    raise ValueError(f"no stage named {name!r}; the stages are {', '.join(dict.fromkeys(s.name for s in STAGES))}")
+
+
+OPTIMIZATION_STAGES = STAGES[:stage_index("schedule")]                        # Graphs -> optimized Programs
+MEMORY_STAGES = STAGES[stage_index("schedule"):stage_index("plan_memory")]    # order, in-place statements, frees
+PLANNING_STAGES = STAGES[stage_index("plan_memory"):]                         # Programs -> MemoryPlans
+
+
+def run_stages(values: Mapping[str, object], stages: tuple[Stage, ...], options: CompileOptions,
+               hook: Hook | None = None) -> dict[str, object]:
+    """Run the enabled `stages` in order on every step's value (a mapping of step names to Graphs, Programs or
+    MemoryPlans), calling the verifier (with `options.verify`) and `hook("<value name>:<stage name>", value)` on
+    each step's result after every stage that runs. The per-step stages between two stages across the steps run
+    one step after another (each step through all of them, in the order of `values`). Returns the new mapping."""
+    values = dict(values)
+    enabled = [s for s in stages if s.enabled(options)]
+    for across, group in itertools.groupby(enabled, key=lambda s: s.across):
+        group = tuple(group)
+        if across:
+            for stage in group:
+                values = dict(stage(values, options))
+                for value in values.values():
+                    _after(stage, value, options, hook)
+            continue
+        for step in values:
+            for stage in group:
+                name = values[step].name
+                values[step] = stage(values[step], options)
+                _after(stage, values[step], options, hook, name)
+    return values
+
+
+def _after(stage: Stage, value, options: CompileOptions, hook: Hook | None, name: str | None = None) -> None:
+    """The verifier and the hook after a stage: `name` is the name of the value the stage ran on (a plan's program
+    has the name of the program it plans)."""
+    if options.verify:
+        _verify(value)
+    if hook:
+        hook(f"{name or value.name}:{stage.name}", value)
+
+
+def _verify(value) -> None:
+    from deepdsl.verify import verify, verify_graph
+
+    if isinstance(value, Graph):
+        verify_graph(value)
+    elif isinstance(value, Program):
+        verify(value)
+    else:
+        value.check()
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """One compiled step: its final `program`, the memory `plan` of that program, and the program as the
+    optimization stages left it, before the memory stages (`unplanned`), from which `plan_steps` reruns them."""
+
+    program: Program
+    plan: MemoryPlan = field(repr=False)
+    unplanned: Program = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """The result of compiling a Loop: programs for setup (values hoisted out of the step), training and testing."""
+    """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train" and "test" to
+    each step's program and memory plan; `setup`, `train` and `test` are the programs."""
 
     name: str
     source: str | None
-    setup: Program
-    train: Program
-    test: Program
+    steps: Mapping[str, CompiledStep]
     params: tuple[Node, ...]
     states: tuple[Node, ...]
     loop: Loop = field(repr=False, compare=False)
     options: CompileOptions = CompileOptions()
-    plans: dict[str, MemoryPlan] = field(default_factory=dict, repr=False, compare=False)   # "setup"/"train"/"test"
-    unplanned: dict[str, Program] = field(default_factory=dict, repr=False, compare=False)  # before memory stages
 
     @property
-    def train_plan(self) -> MemoryPlan:
-        return self.plans["train"]
+    def setup(self) -> Program:
+        return self.steps["setup"].program
 
     @property
-    def test_plan(self) -> MemoryPlan:
-        return self.plans["test"]
+    def train(self) -> Program:
+        return self.steps["train"].program
 
     @property
-    def setup_plan(self) -> MemoryPlan:
-        return self.plans["setup"]
+    def test(self) -> Program:
+        return self.steps["test"].program
 
 
-def _optimize_graph(graph: Graph, options: CompileOptions, hook: Hook | None) -> Graph:
-    from deepdsl.verify import verify_graph
-    return _run_stages(graph, GRAPH_STAGES, options, hook, verify_graph)
-
-
-def _lower(graph: Graph, options: CompileOptions, hook: Hook | None) -> Program:
-    from deepdsl.verify import verify
-    program = linearize(graph)
-    if options.verify:
-        verify(program)
-    if hook:
-        hook(f"{graph.name}:linearize", program)
-    return _run_stages(program, PROGRAM_STAGES, options, hook)
-
-
-def _run_stages(value, stages, options: CompileOptions, hook: Hook | None, check=None):
-    """Run the enabled stages on a Graph or Program, checking (`verify` by default) and hooking after each."""
-    if check is None:
-        from deepdsl.verify import verify as check
-    for name, stage in stages:
-        if options.enabled(name):
-            value = stage(value)
-            if options.verify:
-                check(value)
-            if hook:
-                hook(f"{value.name}:{name}", value)
-    return value
+def plan_steps(unplanned: Mapping[str, Program], options: CompileOptions = CompileOptions(),
+               hook: Hook | None = None) -> dict[str, CompiledStep]:
+    """Run the memory stages and `plan_memory` on programs as the optimization stages leave them (`unplanned`, by
+    step name): each step's final program and its plan, exactly as `compile` with these options gives them."""
+    final = run_stages(unplanned, MEMORY_STAGES, options, hook)
+    plans = run_stages(final, PLANNING_STAGES, options, hook)
+    return {step: CompiledStep(final[step], plans[step], unplanned[step]) for step in unplanned}
 
 
 def plan_program(program: Program, options: CompileOptions = CompileOptions(),
                  hook: Hook | None = None) -> tuple[Program, MemoryPlan]:
     """Run the memory stages on an optimized program and plan its memory: (final program, its plan)."""
-    program = _run_stages(program, MEMORY_STAGES, options, hook)
-    plan = plan_memory(program, options.workspace_limit, takeover=options.takeover)
-    if options.verify:
-        plan.check()
-    if hook:
-        hook(f"{program.name}:plan_memory", plan)
-    return program, plan
+    step = plan_steps({program.name: program}, options, hook)[program.name]
+    return step.program, step.plan
 
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
-    """Compile a Loop into its setup, training-step and test-step SSA programs."""
+    """Compile a Loop into its setup, training-step and test-step SSA programs and their memory plans."""
     with _collector_paused():
         return _compile(loop, options, hook)
 
@@ -176,27 +291,15 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None) -> Compiled
     graphs = build_step_graphs(loop, forward=simplify if options.simplify else None)
     if hook:
         hook(f"{graphs.train.name}:autodiff", graphs.train)
-    train = _optimize_graph(graphs.train, options, hook)
-    test = _optimize_graph(graphs.test, options, hook)
-    if options.code_motion:
-        setup_graph, (train, test) = hoist_invariants(f"{loop.name}_setup", [train, test])
-    else:
-        setup_graph = Graph(f"{loop.name}_setup", ())
-    if hook:
-        hook(f"{loop.name}:hoist_invariants", setup_graph)
-    unplanned = {"setup": _lower(setup_graph, options, hook), "train": _lower(train, options, hook),
-                 "test": _lower(test, options, hook)}
-    planned = {step: plan_program(program, options, hook) for step, program in unplanned.items()}
+    # the setup step starts empty: `hoist_invariants` (the `code_motion` option) moves values into it
+    steps = {"setup": Graph(f"{loop.name}_setup", ()), "train": graphs.train, "test": graphs.test}
+    unplanned = run_stages(steps, OPTIMIZATION_STAGES, options, hook)
     return Compiled(
         name=loop.name,
         source=loop.source,
-        setup=planned["setup"][0],
-        train=planned["train"][0],
-        test=planned["test"][0],
+        steps=MappingProxyType(plan_steps(unplanned, options, hook)),
         params=graphs.params,
         states=graphs.states,
         loop=loop,
         options=options,
-        plans={step: plan for step, (_, plan) in planned.items()},
-        unplanned=unplanned,
     )

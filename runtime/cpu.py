@@ -4,9 +4,10 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
 - `op(*inputs, out=..., **attrs)`: inputs are positional in the IR's order, attributes are keywords named as in
   the IR, and the result is written into `out`, entirely (callers hand out recycled buffers with stale contents).
 - Ops that need scratch memory take `workspace=`, a 1-D float32 buffer whose size the compiler chose
-  (the op's `workspace` rule, `deepdsl.ops`); they carve it up in a fixed order and never allocate tensor-sized memory
-  themselves. Convolutions process as many samples at a time as their workspace holds (im2col chunks), so a
-  smaller workspace trades speed for memory without changing results. Without a workspace an op allocates its
+  (the op's `workspace` rule, `deepdsl.ops`, from the scratch per sample `deepdsl_runtime.contract` states, which
+  the kernel here reads too); they carve it up in a fixed order and never allocate tensor-sized memory themselves.
+  Convolutions process as many samples at a time as their workspace holds (im2col chunks), so a smaller workspace
+  trades speed for memory without changing results. Without a workspace an op allocates its
   own scratch (handy interactively, never done by generated programs).
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
 - `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote.
@@ -31,6 +32,9 @@ import functools
 import types
 
 import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.contract import out_size
 
 __all__ = [
     "DEVICE", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
@@ -193,7 +197,7 @@ def _safe_chunks(n: int, bi: int, bo: int):
 def _stage_floats(x: np.ndarray, out: np.ndarray) -> int:
     """Workspace floats a taking-over kernel stages one sample through: the smaller of an input and an output
     sample (the memory plan adds them to the statement's workspace, after the op's own scratch)."""
-    return min(x.nbytes // x.shape[0], out.nbytes // out.shape[0]) // 4
+    return contract.stage_floats(x.nbytes, out.nbytes, x.shape[0])
 
 
 def _over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | None) -> None:
@@ -225,27 +229,12 @@ def _over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | N
 # ----------------------------------------------------------------------------------------------------------------
 # convolution
 
-def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
-    """Window positions along one axis (the CUDA backend imports this one)."""
-    span = size + 2 * pad - kernel
-    if ceil:
-        out = -(-span // stride) + 1
-        if (out - 1) * stride >= size + pad:   # the last window must start inside the input (Caffe, PyTorch)
-            out -= 1
-        return out
-    return span // stride + 1
-
-
 def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
     """(N, C, kh, kw, Ho, Wo) strided view: [n, c, i, j, p, q] = xp[n, c, i + stride*p, j + stride*q]."""
     sn, sc, sh, sw = xp.strides
     return np.lib.stride_tricks.as_strided(
         xp, shape=(xp.shape[0], xp.shape[1], kh, kw, ho, wo),
         strides=(sn, sc, sh, sw, sh * stride, sw * stride), writeable=False)
-
-
-def _padded_size(c: int, h: int, w: int, pad: int) -> int:
-    return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
 
 
 def _padded(x: np.ndarray, pad: int, scratch: _Scratch) -> np.ndarray:
@@ -289,10 +278,6 @@ def _col2im_add(dcols: np.ndarray, dx: np.ndarray, stride: int, pad: int) -> Non
             np.add(view, dcols[:, :, i, j, p0:p1, q0:q1], out=view)
 
 
-def _is_pointwise(kh: int, kw: int, stride: int, pad: int) -> bool:
-    return kh == 1 and kw == 1 and stride == 1 and pad == 0
-
-
 _WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
 
 
@@ -309,13 +294,13 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
-    if _is_pointwise(kh, kw, stride, pad):
+    if contract.pointwise_conv(kh, kw, stride, pad):
         gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
         if b is not None:
             np.add(out, b.reshape(1, o, 1, 1), out=out)
         return
     ckk, hw = c * kh * kw, ho * wo
-    step = _chunk(n, workspace, ckk * hw + _padded_size(c, h, wd, pad))
+    step = _chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad))
     for s in range(0, n, step):
         e = min(n, s + step)
         m = e - s
@@ -358,18 +343,19 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
     _, c, kh, kw = w.shape
     h, wd = size
     over = _takes_over(g, out)
-    if over and (stride != 1 or _is_pointwise(kh, kw, stride, pad)):
+    if over and (stride != 1 or contract.pointwise_conv(kh, kw, stride, pad)):
         return _over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
             gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
     w2t = w.reshape(o, c * kh * kw).T
-    if _is_pointwise(kh, kw, stride, pad):
+    if contract.pointwise_conv(kh, kw, stride, pad):
         gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
         return
     ckk = c * kh * kw
+    per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, size, stride, pad)
     if stride == 1:
         hp, wp = h + 2 * pad, wd + 2 * pad
         plane = hp * wp + kw - 1
-        step = _chunk(n, workspace, (o + ckk) * ho * wp + c * plane)
+        step = _chunk(n, workspace, per_sample)
         starts = range(0, n, step)
         if over and out.nbytes > g.nbytes:
             starts = reversed(starts)
@@ -409,7 +395,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
                 np.add(view, contribution, out=view)
             np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
         return
-    step = _chunk(n, workspace, ckk * ho * wo)
+    step = _chunk(n, workspace, per_sample)
     out.fill(0)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -428,8 +414,8 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np
     kh, kw = kernel
     ckk = c * kh * kw
     out2 = out.reshape(o, ckk)
-    per = (ckk + o) * ho * wo + _padded_size(c, h, wd, pad)
-    step = _chunk(n, workspace, per, fixed_if_split=o * ckk)
+    per_sample, accumulator = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, kernel, pad)
+    step = _chunk(n, workspace, per_sample, fixed_if_split=accumulator)
     acc = _Scratch(workspace).take((o, ckk)) if step < n else None
     start = acc.size if acc is not None and workspace is not None else 0
     for s in range(0, n, step):
@@ -484,16 +470,6 @@ def _per(shape) -> int:
     return int(np.prod(shape[1:], dtype=np.int64))
 
 
-def _padded_floats(size, pooled, kernel, stride, pad, channels) -> int:
-    """Floats per sample of the padded copy `_pool_source` / `_scatter_target` take from the workspace (0 when the
-    windows stay inside the input); `deepdsl.ops.pool.padded_source_bytes` plans the same."""
-    (h, w), (ho, wo) = size, pooled
-    hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
-    if pad == 0 and hp <= h and wp <= w:
-        return 0
-    return channels * max(hp, h + pad) * max(wp, w + pad)
-
-
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
     """Maximum of each window; with `argmax`, also the index `max_pool_argmax` computes, in the same pass over the
     windows (the maxima are the argmax's reference values; the workspace max_pool's plan gives it, which need not
@@ -505,7 +481,7 @@ def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspac
             argmax=None if argmax is None else argmax[s:e], workspace=ws), x, out, workspace)
     ho, wo = out.shape[2:]
     extra = () if argmax is None else (out.shape, out.shape)
-    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
+    padded = contract.max_pool_scratch(x.shape, out.shape, kernel, stride, pad)
     for s, e in _sample_chunks(x.shape[0], workspace, padded,
                                _pool_per_sample(x.shape, out.shape, *extra) + padded):
         scratch = _Scratch(workspace)
@@ -545,8 +521,8 @@ def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None
     """Index (row * kernel + column) of the first maximum of each window, as uint8: the window maxima first (as
     max_pool computes them), then the index from them (`_window_argmax`)."""
     ho, wo = out.shape[2:]
-    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
-    scratch_floats = padded + _per(out.shape) + -(-_per(out.shape) // 4)     # padded input, maxima, mask
+    padded = contract.max_pool_scratch(x.shape, out.shape, kernel, stride, pad)
+    scratch_floats = contract.max_pool_argmax_scratch(x.shape, out.shape, kernel, stride, pad)
     for s, e in _sample_chunks(x.shape[0], workspace, scratch_floats,
                                _pool_per_sample(x.shape, out.shape, out.shape) + padded):
         scratch = _Scratch(workspace)
@@ -568,8 +544,8 @@ def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, wor
     ho, wo = g.shape[2:]
     h, w = size
     overlap = stride < kernel
-    padded = _padded_floats(size, (ho, wo), kernel, stride, pad, out.shape[1])
-    scratch_floats = padded + -(-_per(g.shape) // 4) + (_per(g.shape) if overlap else 0)   # target, hits, shares
+    padded = contract.pool_padded_scratch(size, (ho, wo), kernel, stride, pad, out.shape[1])
+    scratch_floats = contract.max_pool_bwd_scratch(g.shape, out.shape, kernel, stride, pad)
     per_sample = _pool_per_sample(out.shape, g.shape, *((g.shape,) if overlap else ())) + padded
     for s, e in _sample_chunks(g.shape[0], workspace, scratch_floats, per_sample):
         scratch = _Scratch(workspace)
@@ -594,19 +570,9 @@ def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, wor
 
 
 def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray:
-    """(Ho, Wo) element counts each averaging window divides by (PyTorch's rule)."""
-    h, w = size
-    ho, wo = out_size(h, kernel, stride, pad, ceil), out_size(w, kernel, stride, pad, ceil)
-
-    def counts(n, on):
-        start = np.arange(on) * stride - pad
-        end = np.minimum(start + kernel, n + pad)
-        if not include_pad:
-            return np.minimum(end, n) - np.maximum(start, 0)
-        return end - start
-
+    """(Ho, Wo) element counts each averaging window divides by (`contract.avg_pool_divisor`), as float32."""
     # float32: an integer divisor would make numpy divide in float64 and round back
-    return np.outer(counts(h, ho), counts(w, wo)).astype(_F32)
+    return contract.avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad).astype(_F32)
 
 
 def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, workspace=None):
@@ -617,7 +583,7 @@ def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, wor
             x, out, workspace)
     ho, wo = out.shape[2:]
     divisor = avg_pool_divisor(x.shape[2:], kernel, stride, pad, ceil, include_pad)
-    padded = _padded_floats(x.shape[2:], (ho, wo), kernel, stride, pad, x.shape[1])
+    padded = contract.avg_pool_scratch(x.shape, out.shape, kernel, stride, pad)
     for s, e in _sample_chunks(x.shape[0], workspace, padded, _pool_per_sample(x.shape, out.shape) + padded):
         src = _pool_source(x[s:e], kernel, stride, pad, ho, wo, 0.0, _Scratch(workspace))
         part = out[s:e]
@@ -639,8 +605,8 @@ def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True,
     ho, wo = g.shape[2:]
     h, w = size
     divisor = avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad)
-    padded = _padded_floats(size, (ho, wo), kernel, stride, pad, out.shape[1])
-    scratch_floats = padded + _per(g.shape)                                  # target, shares
+    padded = contract.pool_padded_scratch(size, (ho, wo), kernel, stride, pad, out.shape[1])
+    scratch_floats = contract.avg_pool_bwd_scratch(g.shape, out.shape, kernel, stride, pad)
     for s, e in _sample_chunks(g.shape[0], workspace, scratch_floats,
                                _pool_per_sample(out.shape, g.shape, g.shape) + padded):
         scratch = _Scratch(workspace)
@@ -683,8 +649,8 @@ def _lrn_scale(x, s, tmp, size, alpha, k):
 
 def lrn(x, *, out, size, alpha, beta, k, workspace=None):
     """out = x * s^-beta over channel windows, in chunks of samples (scratch: the scale and the squares)."""
-    per = _per(x.shape)
-    for a, b in _sample_chunks(x.shape[0], workspace, 2 * per, 4 * per):
+    scratch_floats = contract.lrn_scratch(x.shape)
+    for a, b in _sample_chunks(x.shape[0], workspace, scratch_floats, 2 * scratch_floats):
         xs, scratch = x[a:b], _Scratch(workspace)
         s, tmp = scratch.take(xs.shape), scratch.take(xs.shape)
         _lrn_scale(xs, s, tmp, size, alpha, k)
@@ -695,8 +661,8 @@ def lrn(x, *, out, size, alpha, beta, k, workspace=None):
 def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None):
     """dx = g s^-beta - (2 alpha beta / size) x * window_sum'(g x s^(-beta-1)), in chunks of samples (scratch: the
     scale, the inner term and its window sum). `out` may be `g` (in place): each chunk reads g before writing."""
-    per = _per(x.shape)
-    for lo, hi in _sample_chunks(x.shape[0], workspace, 3 * per, 6 * per):
+    scratch_floats = contract.lrn_bwd_scratch(x.shape)
+    for lo, hi in _sample_chunks(x.shape[0], workspace, scratch_floats, 2 * scratch_floats):
         gs, xs, outs, scratch = g[lo:hi], x[lo:hi], out[lo:hi], _Scratch(workspace)
         s, a, spread = scratch.take(xs.shape), scratch.take(xs.shape), scratch.take(xs.shape)
         _lrn_scale(xs, s, a, size, alpha, k)
@@ -723,7 +689,8 @@ def softmax(x, *, out):
 
 def log_softmax(x, *, out, workspace=None):
     """Rows' log-softmax, in chunks of rows (scratch: the exponentials)."""
-    for a, b in _sample_chunks(x.shape[0], workspace, x.shape[1], 3 * x.shape[1]):
+    scratch_floats = contract.log_softmax_scratch(x.shape)
+    for a, b in _sample_chunks(x.shape[0], workspace, scratch_floats, 3 * scratch_floats):
         xs, outs = x[a:b], out[a:b]
         np.subtract(xs, xs.max(axis=1, keepdims=True), out=outs)
         e = _Scratch(workspace).take(xs.shape)
@@ -845,16 +812,16 @@ def ew(kernel, out, *args):
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
     """The mask the compiler's reference semantics draw (deepdsl.ops.norm.bernoulli_mask), bit for bit."""
-    rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
+    rng = contract.mask_generator(seed, step, key)
     return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
 
 
 def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     """out = 1 with probability `keep`, from the counter-based stream (seed, step, key): reproducible and
     independent of what ran before, so resuming a run draws the same masks."""
-    rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
+    rng = contract.mask_generator(seed, step, key)
     rows = out.reshape(tuple(shape) or (1,))           # a scalar mask as one row
-    per = _per(rows.shape)
+    per = contract.bernoulli_scratch(shape)
     for a, b in _sample_chunks(rows.shape[0], workspace, per, 2 * per):   # consecutive draws: the same stream
         draws = _Scratch(workspace).take((b - a,) + rows.shape[1:])
         rng.random(dtype=np.float32, out=draws)

@@ -21,9 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
+from . import contract, memory
 from . import cuda_layout as L
-from . import memory
-from .cpu import out_size          # one window-count rule for both backends (cpu.py imports only numpy)
+from .contract import out_size
 from .cuda_layout import EW_F32, EW_U8, EW_VALUE
 
 __all__ = [
@@ -375,10 +375,6 @@ def matmul(a, b, *, out, ta=False, tb=False):
     current_device().gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
 
 
-def _pointwise(kh, kw, stride, pad) -> bool:
-    return kh == 1 and kw == 1 and stride == 1 and pad == 0
-
-
 def _conv_geom(c, h, w, kh, kw, ho, wo, stride, pad) -> tuple[int, ...]:
     return (c, h, w, kh, kw, ho, wo, stride, pad)
 
@@ -437,7 +433,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
     ho, wo = out.shape[2:]
     hw, ckk = ho * wo, c * kh * kw
     device = current_device()
-    if _pointwise(kh, kw, stride, pad):
+    if contract.pointwise_conv(kh, kw, stride, pad):
         device.gemm_batched(False, False, o, hw, c, w.ptr, c, 0, x.ptr, hw, c * hw, out.ptr, hw, o * hw, n)
     else:
         geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
@@ -468,7 +464,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     overlap = _overlap(out, g)
     if overlap and out.ptr != g.ptr:
         raise ValueError("conv2d_bwd_data: an output overlapping its input must start where the input starts")
-    if _pointwise(kh, kw, stride, pad):
+    if contract.pointwise_conv(kh, kw, stride, pad):
         if not overlap:
             device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
             return
@@ -674,16 +670,17 @@ def _labels(labels) -> DeviceArray:
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
     """The mask the compiler's reference semantics draw (deepdsl.ops.norm.bernoulli_mask), on the host."""
-    rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
+    rng = contract.mask_generator(seed, step, key)
     return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
 
 
 def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     """out = 1 with probability `keep`: the same counter-based stream as the CPU backend (Philox4x64-10 keyed by
-    (seed, step * 65536 + key)), so the mask equals the CPU's bit for bit; each thread makes 8 bytes."""
+    (seed, `contract.counter_key(step, key)`)), so the mask equals the CPU's bit for bit; each thread makes 8
+    bytes."""
     n = out.size
     groups = -(-n // 8)
-    _launch("deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed), int(step) * 65536 + int(key),
+    _launch("deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed), contract.counter_key(step, key),
             np.float32(keep), out.ptr)
 
 

@@ -42,18 +42,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepdsl_runtime.pool import DEFAULT_ALIGNMENT, HostPool, PoolExhausted
+from deepdsl_runtime.contract import ALIGNMENT, placed_size
+from deepdsl_runtime.pool import HostPool, PoolExhausted
 
 __all__ = ["ALIGNMENT", "MODES", "Allocator", "Dynamic", "MemoryPlanError", "Pooled", "Static", "StepPlan", "Usage",
            "allocator", "placed_size"]
 
-ALIGNMENT = DEFAULT_ALIGNMENT
 MODES = ("static", "pooled", "dynamic")
-
-
-def placed_size(nbytes: int) -> int:
-    """Bytes a buffer of `nbytes` occupies: rounded up to the alignment, at least one unit (the plan's rule)."""
-    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
 def _aligned_bytes(nbytes: int) -> np.ndarray:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DEFAULT_ALIGNMENT", "PoolAllocator", "PoolExhausted", "PoolStats", "HostPool"]
+from deepdsl_runtime.contract import ALIGNMENT as DEFAULT_ALIGNMENT, placed_size
 
-DEFAULT_ALIGNMENT = 256
+__all__ = ["DEFAULT_ALIGNMENT", "PoolAllocator", "PoolExhausted", "PoolStats", "HostPool"]
 
 
 class PoolExhausted(MemoryError):
@@ -82,10 +82,6 @@ class PoolStats:
         return 1.0 - self.largest_free_block / self.total_free
 
 
-def _round_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
-
-
 class PoolAllocator:
     """First-fit allocator of aligned segments inside ``[0, capacity)``.
 
@@ -117,7 +113,7 @@ class PoolAllocator:
         """The size a request of ``nbytes`` really takes (zero-byte requests take one unit)."""
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
-        return max(self.alignment, _round_up(nbytes, self.alignment))
+        return placed_size(nbytes, self.alignment)
 
     def alloc(self, nbytes: int) -> int:
         """Reserve ``nbytes`` (rounded up to the alignment); return its offset.

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import deepdsl
-from deepdsl.codegen import CodegenOptions, program_env, write_program
+from deepdsl.codegen import program_env, write_program
 from deepdsl.dsl import Overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,14 +18,16 @@ _modules = itertools.count()
 
 
 def compile_program(network: str | Path, directory: Path, batch: int | None = None,
-                    image: tuple[int, int] | None = None, options: CodegenOptions | None = None):
-    """(compiled, path of the generated program) for a network file (a name in networks/ or a path)."""
+                    image: tuple[int, int] | None = None, options: deepdsl.CompileOptions | None = None):
+    """(compiled, path of the generated program) for a network file (a name in networks/ or a path), compiled
+    with `options` (default: the default compile options)."""
     path = Path(network)
     if not path.suffix:
         path = NETWORKS / f"{network}.py"
-    compiled = deepdsl.compile(deepdsl.load(str(path), Overrides(batch=batch, image=image)))
+    compiled = deepdsl.compile(deepdsl.load(str(path), Overrides(batch=batch, image=image)),
+                               options or deepdsl.CompileOptions())
     target = Path(directory) / f"{compiled.name}.py"
-    write_program(compiled, target, options)
+    write_program(compiled, target)
     return compiled, target
 
 

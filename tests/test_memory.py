@@ -185,7 +185,7 @@ def test_lenet_tensor_sizes_match_figure_3(lenet):
 
 
 def test_lenet_peak_is_under_30_mb(lenet):
-    plan = lenet.train_plan
+    plan = lenet.steps["train"].plan
     # The peak is at conv1's pooling (Figure 3 sizes): x 1.568, y, conv1's output 23.04 and the argmax 1.44 MB are
     # live; the pooled output (5.76 MB) takes over the head of conv1's output, which dies there. Max pooling's
     # backward grows conv1's 23.04 MB gradient over its dying 5.76 MB input: x + argmax + 23.04 MB, just below. Without
@@ -196,12 +196,12 @@ def test_lenet_peak_is_under_30_mb(lenet):
     assert plan.peak_live_bytes_exact == max(forward, backward)
     assert plan.peak_live_bytes - plan.peak_live_bytes_exact < 5 * 256
     assert plan.peak_live_bytes <= 30_000_000
-    without = deepdsl.pipeline.plan_program(lenet.unplanned["train"], CompileOptions(takeover=False))[1]
+    without = deepdsl.pipeline.plan_program(lenet.steps["train"].unplanned, CompileOptions(takeover=False))[1]
     assert without.peak_live_bytes_exact == forward + 5_760_000
 
 
 def test_lenet_pooled_outputs_take_over_the_convolution_outputs(lenet):
-    program, plan = lenet.train, lenet.train_plan
+    program, plan = lenet.train, lenet.steps["train"].plan
     body = program.body
     pools = [k for k, instr in enumerate(body) if isinstance(instr, Let) and instr.node.op == "max_pool"]
     assert len(pools) == 2
@@ -229,7 +229,7 @@ def test_lenet_updates_overwrite_parameters_and_momentum(lenet):
             continue
         target = into[id(node)]
         assert target is not None and target.name == name, name
-        assert lenet.train_plan.placement(node).leaf is target
+        assert lenet.steps["train"].plan.placement(node).leaf is target
 
 
 def test_lenet_optimizations_each_lower_the_peak(lenet):
@@ -261,7 +261,7 @@ def test_relu_before_pooling_dies_at_the_pooling(tmp_path):
         readers = [j for j, i in enumerate(body) if isinstance(i, Let) and pooled_input in i.node.inputs]
         assert readers == [k - 1, k]                     # read by its argmax and the pooling only
         assert body[k - 1].node.op == "max_pool_argmax"
-    reference_program = compiled.unplanned["train"]
+    reference_program = compiled.steps["train"].unplanned
     assert not any(i.node.op == "ew" and any(x.op == "max_pool_bwd" for x in i.node.inputs)
                    for i in reference_program.body)
 
@@ -279,7 +279,7 @@ def test_lrn_backward_writes_over_its_incoming_gradient(tmp_path):
 
 def test_verifier_rejects_in_place_over_an_input_the_kernel_reads_elsewhere(tmp_path):
     from test_memory_plan import load_small
-    program = deepdsl.compile(load_small("pooled", tmp_path), CompileOptions(inplace=False)).unplanned["train"]
+    program = deepdsl.compile(load_small("pooled", tmp_path), CompileOptions(inplace=False)).steps["train"].unplanned
     program = compute_in_place(program, activations=False)
     body = list(program.body)
     k, instr = next((k, i) for k, i in enumerate(body) if i.node.op == "lrn_bwd")
@@ -297,7 +297,7 @@ def test_rematerialization_recomputes_batch_norm_relus_in_the_backward_pass():
     copies = [i.node for i in program.body if isinstance(i, Let) and i.node.attr("remat")]
     assert copies and all(c.op == "ew" and "Max(0" in str(c.attr("expr")) for c in copies)
     assert program.text().count("(recomputed)") == len(copies)
-    originals = {id(n) for n in compiled.unplanned["train"].statements()}
+    originals = {id(n) for n in compiled.steps["train"].unplanned.statements()}
     storage = analyze(program)
     position = {id(i.node): k for k, i in enumerate(program.body) if isinstance(i, Let)}
     for copy in copies:
@@ -310,8 +310,8 @@ def test_rematerialization_recomputes_batch_norm_relus_in_the_backward_pass():
             members = storage.of(i).members
             assert any(m in instr.node.inputs for instr in program.body[k + 1:] if isinstance(instr, Let)
                        for m in members)
-    without = deepdsl.pipeline.plan_program(compiled.unplanned["train"], CompileOptions(rematerialize=False))[1]
-    assert compiled.train_plan.peak_live_bytes < 0.8 * without.peak_live_bytes
+    without = deepdsl.pipeline.plan_program(compiled.steps["train"].unplanned, CompileOptions(rematerialize=False))[1]
+    assert compiled.steps["train"].plan.peak_live_bytes < 0.8 * without.peak_live_bytes
 
 
 def test_rematerialization_splits_a_value_used_before_and_after_the_peak():
@@ -379,8 +379,8 @@ def test_rematerialization_reads_googlenet_branches_out_of_their_concatenations(
     copies = [i.node for i in compiled.train.body if isinstance(i, Let) and i.node.attr("remat")]
     sliced = [c for c in copies if c.op == "slice"]
     assert sliced and all(c.inputs[0].op == "concat" for c in sliced)
-    without = deepdsl.pipeline.plan_program(compiled.unplanned["train"], CompileOptions(rematerialize=False))[1]
-    assert compiled.train_plan.peak_live_bytes < without.peak_live_bytes
+    without = deepdsl.pipeline.plan_program(compiled.steps["train"].unplanned, CompileOptions(rematerialize=False))[1]
+    assert compiled.steps["train"].plan.peak_live_bytes < without.peak_live_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from deepdsl.codegen import CodegenOptions
 from deepdsl.ir import FLOAT, INT32, UINT8
 from deepdsl.memory_plan import plan_memory
 from deepdsl.memory_table import simulate_pool
 from deepdsl.ops import get_op
+from deepdsl.pipeline import CompileOptions
 from deepdsl.program import Let
 from tests.program_helpers import compile_program, import_program, model_class, run_cli
 
@@ -77,7 +77,7 @@ def run_steps(model_cls, mode, data, check=True):
 def test_every_mode_measures_the_planned_peak_and_computes_the_same_bits(name, image, tmp_path_factory):
     compiled, model_cls = program(name, image, tmp_path_factory)
     data = batches(model_cls, 2)
-    train, test = compiled.plans["train"], compiled.plans["test"]
+    train, test = compiled.steps["train"].plan, compiled.steps["test"].plan
     results = {}
     for mode in MODES:
         model, outputs = run_steps(model_cls, mode, data)
@@ -103,7 +103,7 @@ def test_report_fields_name_the_planned_and_measured_figures(tmp_path_factory):
     compiled, model_cls = program("lenet", None, tmp_path_factory)
     model, _ = run_steps(model_cls, "pooled", batches(model_cls, 2), check=False)
     report = model.memory_report()
-    train, test = compiled.plans["train"], compiled.plans["test"]
+    train, test = compiled.steps["train"].plan, compiled.steps["test"].plan
     assert report["memory_mode"] == "pooled"
     assert report["peak_bytes_measured"] == report["peak_bytes_planned"] == planned_peak(train, "pooled")
     assert report["test_peak_bytes_measured"] == report["test_peak_bytes_planned"] == planned_peak(test, "pooled")
@@ -122,7 +122,7 @@ def test_dynamic_mode_releases_what_the_plan_frees(tmp_path, monkeypatch):
     so that keeping every buffer (11.8 MB) would break the bound (about 6 MB). Large buffers come from numpy here
     instead of memory mappings of their own, which tracemalloc does not see; both go when their last array goes."""
     monkeypatch.setattr(memory, "MAPPED_BYTES", 1 << 62)
-    compiled, path = compile_program("lenet", tmp_path, batch=64, options=CodegenOptions(workspace_limit=1_000_000))
+    compiled, path = compile_program("lenet", tmp_path, batch=64, options=CompileOptions(workspace_limit=1_000_000))
     model_cls = model_class(import_program(path))
     plan = model_cls.memory_plans["train_step"]
     data = batches(model_cls, 2)
@@ -160,7 +160,7 @@ def corrupted(model_cls, step, change):
 
 def test_a_corrupted_static_plan_fails_loudly(tmp_path_factory):
     compiled, model_cls = program("lenet", None, tmp_path_factory)
-    plan = compiled.plans["train"]
+    plan = compiled.steps["train"].plan
     # two buffers live at the same time: X1 (conv1's output) and X2 (its pooling), put at the same offset
     x1, x2 = (next(b for b in plan.buffers if b.value is s.instr.node) for s in plan.steps[:2])
     assert x1.begin < x2.end and x2.begin < x1.end
@@ -197,14 +197,14 @@ def test_a_step_that_raised_leaves_the_pool_whole(tmp_path_factory):
     model = model_cls("cpu", 0, "pooled", True)
     mem = model.mem.begin("train_step")
     mem.load(0, np.zeros(model_cls.batch_shape, np.float32))
-    buffer = next(b for b in compiled.plans["train"].buffers if b.value.op != "input")
+    buffer = next(b for b in compiled.steps["train"].plan.buffers if b.value.op != "input")
     mem.tensor(buffer.index, buffer.value.shape, {"float": "float32", "uint8": "uint8"}[buffer.value.dtype])
     data = batches(model_cls, 1)
     model.initialize(0)
     model.prepare(model.hyper(0.01, 0.9, 0.001, 0))
     model.test_step(*data[0])
     assert model.mem.pool.allocator.stats.bytes_in_use == 0
-    assert model.mem.usage["test_step"].peak_bytes == planned_peak(compiled.plans["test"], "pooled")
+    assert model.mem.usage["test_step"].peak_bytes == planned_peak(compiled.steps["test"].plan, "pooled")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
     seen = set()
     chunked = 0
     for which in ("train", "test"):
-        plan = plan_memory(getattr(compiled, which), limit) if limit else compiled.plans[which]
+        plan = plan_memory(getattr(compiled, which), limit) if limit else compiled.steps[which].plan
         for step in plan.steps:
             node = step.instr.node if isinstance(step.instr, Let) else None
             key = node and (node.op, node.shape, tuple(x.shape for x in node.inputs), node.attrs)

@@ -94,7 +94,8 @@ def test_live_bytes_are_the_sum_of_live_buffers(graph):
         live = [b for b in plan.buffers if b.begin <= step.index < b.end]
         assert step.live_bytes == sum(b.size for b in live)
         assert step.live_bytes_exact == sum(b.nbytes for b in live)
-    assert plan.peak_live_bytes == max((s.live_bytes for s in plan.steps), default=0)
+    # a program of no statement (its output is an input) holds only its loaded inputs
+    assert plan.peak_live_bytes == max((s.live_bytes for s in plan.steps), default=sum(b.size for b in plan.buffers))
 
 
 SMALL = {"lenet": (28, 28), "mlp": None, "resnet_mini": (32, 32), "inception_mini": (32, 32)}
@@ -136,14 +137,14 @@ def check_inside_plans(compiled, seed: int) -> None:
     rng = np.random.default_rng(seed)
     setup = run(compiled.setup, {})
     for step in ("train", "test"):
-        program, plan = getattr(compiled, step), compiled.plans[step]
+        program, plan = getattr(compiled, step), compiled.steps[step].plan
         plan.check()
         values = dict(setup)
         for leaf in program.inputs:
             if leaf.name not in values:
                 values[leaf.name] = (rng.integers(0, 2, leaf.shape) if leaf.dtype == "int32"
                                      else rng.standard_normal(leaf.shape).astype(np.float32) * 0.1)
-        expected = reference(compiled.unplanned[step], values)
+        expected = reference(compiled.steps[step].unplanned, values)
         assert_same(run_in_arena(program, plan, values), expected, rtol=1e-5)
 
 
@@ -166,7 +167,7 @@ def test_batch_chunks_is_the_smallest_count_that_fits():
 
 def test_convolution_workspace_is_what_the_cpu_kernels_carve():
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"), CompileOptions(workspace_limit=None))
-    plan = compiled.train_plan
+    plan = compiled.steps["train"].plan
     convs = {}
     for step in plan.steps:
         if isinstance(step.instr, Let) and step.instr.node.op.startswith("conv2d"):
@@ -185,7 +186,7 @@ def test_convolution_workspace_is_what_the_cpu_kernels_carve():
 def test_workspace_limit_chunks_the_batch():
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py"),
                                CompileOptions(workspace_limit=10_000_000))
-    plan = compiled.train_plan
+    plan = compiled.steps["train"].plan
     assert plan.workspace_bytes <= 10_000_000 and plan.workspace_limit == 10_000_000
     for step in plan.steps:
         if isinstance(step.instr, Let):
@@ -211,7 +212,7 @@ def stage(plan, step) -> int:
 
 
 def test_taking_over_statements_stage_one_sample_in_their_workspace():
-    plan = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py")).train_plan
+    plan = deepdsl.compile(deepdsl.load(ROOT / "networks" / "lenet.py")).steps["train"].plan
     staged = {step.instr.node.op: step.workspace for step in plan.steps if stage(plan, step)}
     # conv1's pooling: one pooled sample (20x12x12 floats) after the op's own scratch (none, no padding);
     # pool1's backward: one sample of its gradient input (20x12x12) after its 'hit' mask (500x20x12x12 booleans)
@@ -232,16 +233,16 @@ def full_size():
 
 @pytest.mark.parametrize("name", NETWORKS)
 def test_full_size_arena_is_within_five_percent_of_the_peak(full_size, name):
-    for step, plan in full_size[name].plans.items():
-        plan.check()
+    for step, compiled_step in full_size[name].steps.items():
+        plan = compiled_step.plan.check()
         assert plan.arena_bytes <= 1.05 * plan.peak_live_bytes, (step, plan.arena_bytes, plan.peak_live_bytes)
         # a first-fit pool gives a taking-over buffer its own block: its peak is the plan's without takeovers
-        program = getattr(full_size[name], step)
+        program = compiled_step.program
         assert simulate_pool(plan)["peak_bytes_in_use"] == plan_memory(program, takeover=False).peak_live_bytes
 
 
 def test_lenet_peak_is_under_30_mb(full_size):
-    assert full_size["lenet"].train_plan.peak_live_bytes <= 30_000_000
+    assert full_size["lenet"].steps["train"].plan.peak_live_bytes <= 30_000_000
 
 
 @pytest.mark.parametrize("name", NETWORKS)
@@ -249,7 +250,8 @@ def test_every_statement_keeps_within_the_workspace_limit(full_size, name):
     """The default limit holds for every statement of every network at full size (convolutions, pooling, LRN,
     dropout masks and losses all run over the batch in chunks), except where a single sample's scratch exceeds it:
     that statement then runs one sample at a time."""
-    for which, plan in full_size[name].plans.items():
+    for which, compiled_step in full_size[name].steps.items():
+        plan = compiled_step.plan
         assert plan.workspace_limit == DEFAULT_WORKSPACE_LIMIT
         for step in plan.steps:
             if step.workspace > plan.workspace_limit:
@@ -260,13 +262,13 @@ def test_every_statement_keeps_within_the_workspace_limit(full_size, name):
 
 @pytest.mark.parametrize("name", sorted(DEEPDSL_PEAK_MB))
 def test_full_size_peak_against_deepdsl(full_size, name):
-    peak = full_size[name].train_plan.peak_live_bytes / MB
+    peak = full_size[name].steps["train"].plan.peak_live_bytes / MB
     assert peak <= TARGET * DEEPDSL_PEAK_MB[name], (name, peak, peak / DEEPDSL_PEAK_MB[name])
 
 
 def test_memory_stages_are_fast_on_resnet50(full_size):
     import time
-    program = full_size["resnet50"].unplanned["train"]
+    program = full_size["resnet50"].steps["train"].unplanned
     start = time.perf_counter()
     plan_program(program)
     assert time.perf_counter() - start < 1.5        # typically ~0.2 s; generous for a loaded machine
@@ -274,7 +276,7 @@ def test_memory_stages_are_fast_on_resnet50(full_size):
 
 def test_plan_of_a_program_without_frees_keeps_everything():
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "mlp.py"))
-    program = compiled.unplanned["train"]
+    program = compiled.steps["train"].unplanned
     plan = plan_memory(verify(program)).check()
     assert all(b.end == len(program.body) for b in plan.buffers)
     assert plan.peak_live_bytes == sum(b.size for b in plan.buffers)

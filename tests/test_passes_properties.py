@@ -138,9 +138,9 @@ def test_sink_preserves_values_and_matches_its_definition(graph, seed):
 
 def compile_graphs(graphs_: list[Graph], options: pipeline.CompileOptions):
     """The pipeline's stages after differentiation, with the verifier after each (as `compile` runs them)."""
-    optimized = [pipeline._optimize_graph(g, options, None) for g in graphs_]
-    setup, steps = hoist_invariants("setup", optimized) if options.code_motion else (Graph("setup", ()), optimized)
-    return pipeline._lower(setup, options, None), [pipeline._lower(g, options, None) for g in steps]
+    steps = {"setup": Graph("setup", ()), **{f"step{k}": g for k, g in enumerate(graphs_)}}
+    programs = pipeline.run_stages(steps, pipeline.OPTIMIZATION_STAGES, options)
+    return programs["setup"], [programs[f"step{k}"] for k in range(len(graphs_))]
 
 
 @SETTINGS

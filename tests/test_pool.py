@@ -5,13 +5,6 @@ that only remembers the live blocks: with correct coalescing the pool's free
 segments must be exactly the maximal gaps between live blocks, and first-fit must
 return the lowest gap that fits.
 """
-import importlib, sys, pathlib
-_root = pathlib.Path(__file__).resolve().parents[1]
-if "deepdsl_runtime" not in sys.modules:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("deepdsl_runtime", _root / "runtime" / "__init__.py", submodule_search_locations=[str(_root / "runtime")])
-    mod = importlib.util.module_from_spec(spec); sys.modules["deepdsl_runtime"] = mod; spec.loader.exec_module(mod)
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -38,16 +38,15 @@ TEMPLATES = _templates_dir()
 class CodegenOptions:
     """How to render a program.
 
-    workspace_limit: bytes of scratch a convolution may use (it then runs over the batch in chunks): the steps are
-        planned again with this limit, as `deepdsl memory --workspace-limit` does; default: the compiled plans
-        (the compile options' `workspace_limit`, no limit when that is None).
+    The program follows the memory plans in `compiled.steps` as they are: what they depend on (the workspace limit
+    among them) is a compile option.
+
     source: the network file as named in the header (default: the path the network was loaded from, relative to
         the current directory when inside it).
     params_file: default of the program's --params (default: `<network>.params.npz`; `deepdsl run` gives
         `.deepdsl/<network>-b<batch>-<hash>.params.npz`, beside its program).
     """
 
-    workspace_limit: int | None = None
     source: str | None = None
     params_file: str | None = None
 
@@ -83,22 +82,6 @@ def _init_text(init) -> str:
     raise ValueError(f"unknown initializer {init}")
 
 
-def plans_for(compiled, options: CodegenOptions | None = None) -> dict:
-    """The memory plans the program follows: "setup", "train", "test" -> MemoryPlan. The compiled ones, or planned
-    again when the code generation options set another workspace limit."""
-    from deepdsl.memory_plan import plan_memory
-
-    options = options or CodegenOptions()
-    plans = dict(getattr(compiled, "plans", None) or {})
-    for step in ("setup", "train", "test"):
-        plan = plans.get(step)
-        limit = options.workspace_limit if options.workspace_limit is not None else \
-            getattr(compiled.options, "workspace_limit", None)
-        if plan is None or plan.workspace_limit != limit:
-            plans[step] = plan_memory(getattr(compiled, step), limit)
-    return plans
-
-
 def _plan_data(name: str, program, plan) -> dict:
     """One step's plan as the template writes it (`rp.StepPlan`), with each buffer's value named in a comment."""
     from deepdsl.codegen.steps import DTYPES
@@ -128,9 +111,9 @@ def _options_text(compiled) -> str:
     opts = compiled.options
     shown = []
     for f in fields(opts):
-        if f.name == "workspace_limit":
-            continue
         value = getattr(opts, f.name)
+        if f.name == "workspace_limit" or (f.metadata.get("header") == "when off" and value):
+            continue
         if isinstance(value, bool):
             shown.append(f.name if value else f"no-{f.name}")
         else:
@@ -149,7 +132,7 @@ def context(compiled, options: CodegenOptions | None = None) -> dict:
     from deepdsl.codegen.lowering import literal
 
     options = options or CodegenOptions()
-    plans = plans_for(compiled, options)
+    plans = {step: compiled.steps[step].plan for step in ("setup", "train", "test")}
     limit = plans["train"].workspace_limit
     solver = compiled.loop.solver
     inputs = {n.name: n for p in (compiled.train, compiled.test) for n in p.inputs}
@@ -337,32 +320,7 @@ class _Relay:
 
 
 def program_env(base: dict | None = None) -> dict:
-    """The environment a generated program runs in: `deepdsl_runtime` importable. When it is not installed (a
-    source checkout), PYTHONPATH gains a directory holding a link `deepdsl_runtime -> runtime/`."""
-    env = dict(os.environ if base is None else base)
-    extra = _runtime_path()
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _runtime_path() -> str | None:
-    import importlib.machinery
-    import tempfile
-
-    if importlib.machinery.PathFinder.find_spec("deepdsl_runtime") is not None:     # installed
-        return None
-    runtime = Path(__file__).resolve().parents[2] / "runtime"
-    if not (runtime / "__init__.py").exists():
-        return None
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    checkout = hashlib.sha256(str(runtime.resolve()).encode()).hexdigest()[:12]    # one link per source tree
-    home = Path(tempfile.gettempdir()) / f"deepdsl-runtime-{user}-{checkout}"
-    link = home / "deepdsl_runtime"
-    home.mkdir(exist_ok=True)
-    if not link.is_symlink() or link.resolve() != runtime.resolve():
-        temporary = home / f".link-{os.getpid()}"
-        temporary.unlink(missing_ok=True)
-        temporary.symlink_to(runtime, target_is_directory=True)
-        os.replace(temporary, link)           # atomic: concurrent runs never see a missing link
-    return str(home)
+    """The environment a generated program runs in: a copy of `base` (default: this process's environment). The
+    program imports the runtime by its name, `deepdsl_runtime`, from wherever the package is installed (a source
+    checkout installs it with `pip install -e .`), so the environment needs nothing added."""
+    return dict(os.environ if base is None else base)

@@ -23,6 +23,9 @@ import sympy
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.precedence import PRECEDENCE
 
+import deepdsl_runtime
+from deepdsl_runtime.cuda_layout import kernel_sources_digest
+
 __all__ = ["CudaPrinter", "ARCHS", "c_expression", "generate_cuda", "write_cuda", "build_fatbin", "find_nvcc",
            "kernels_dir", "nvcc_command", "kernel_inputs", "sources_digest"]
 
@@ -79,28 +82,13 @@ def kernel_inputs(kernel) -> int:
 
 
 def kernels_dir() -> Path:
-    """The runtime's kernel sources (ops.cu, deepdsl_common.cuh): the checkout's runtime/kernels, else the
-    installed deepdsl_runtime's."""
-    checkout = Path(__file__).resolve().parents[2] / "runtime" / "kernels"
-    if checkout.is_dir():
-        return checkout
-    import deepdsl_runtime
-
+    """The runtime's kernel sources (ops.cu, deepdsl_common.cuh): the `kernels` folder of `deepdsl_runtime`."""
     return Path(deepdsl_runtime.__file__).resolve().parent / "kernels"
 
 
 def sources_digest(program_source: str) -> str:
     """The runtime's `cuda_layout.kernel_sources_digest` of a program's `.cu` text (one rule for the compiler and
-    the runtime; the module is pure Python and is loaded from its file when the runtime is not installed)."""
-    try:
-        from deepdsl_runtime.cuda_layout import kernel_sources_digest
-    except ImportError:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("_deepdsl_cuda_layout", kernels_dir().parent / "cuda_layout.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernel_sources_digest = module.kernel_sources_digest
+    the runtime)."""
     return kernel_sources_digest(program_source, kernels_dir())
 
 

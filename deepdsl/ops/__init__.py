@@ -12,6 +12,7 @@ import numpy as np
 
 from deepdsl.errors import ShapeError
 from deepdsl.ir import REMAT, Node
+from deepdsl_runtime.contract import FLOAT_BYTES
 
 _REGISTRY: dict[str, "Op"] = {}
 
@@ -28,19 +29,12 @@ class EvalContext:
 class Workspace(NamedTuple):
     """Scratch memory a statement needs while it runs: `nbytes`, and the number of chunks of the batch it runs in to
     stay within a limit (1: the whole batch at once). The figure is exactly what the CPU runtime's kernel carves out
-    of the workspace it is handed (`deepdsl_runtime.cpu`), so the memory plan's workspace is the one the program
-    uses; the runtime derives its chunk size from the size it is given, the same way as `batch_chunks`."""
+    of the workspace it is handed (`deepdsl_runtime.cpu`): both take the scratch of a sample from the same function
+    of `deepdsl_runtime.contract`, so the memory plan's workspace is the one the program uses; the runtime derives
+    its chunk size from the size it is given, the same way as `batch_chunks`."""
 
     nbytes: int
     chunks: int = 1
-
-
-FLOAT_BYTES = 4     # runtime workspaces are float32 arrays; boolean scratch takes ceil(count / 4) of their elements
-
-
-def bool_bytes(count: int) -> int:
-    """Workspace bytes of `count` booleans carved from a float32 workspace."""
-    return -(-count // FLOAT_BYTES) * FLOAT_BYTES
 
 
 def batch_chunks(batch: int, per_sample: int, limit: int | None, fixed_if_split: int = 0) -> Workspace:
@@ -56,6 +50,12 @@ def batch_chunks(batch: int, per_sample: int, limit: int | None, fixed_if_split:
     chunks = batch if samples < 1 else -(-batch // samples)
     nbytes = -(-batch // chunks) * per_sample + fixed_if_split
     return Workspace(whole) if nbytes >= whole else Workspace(nbytes, chunks)
+
+
+def scratch_chunks(batch: int, per_sample: int, limit: int | None, fixed_if_split: int = 0) -> Workspace:
+    """`batch_chunks` of a kernel's scratch stated as `deepdsl_runtime.contract` states it: in float32 elements of
+    the workspace (`per_sample` per sample, `fixed_if_split` once when the batch runs in more than one chunk)."""
+    return batch_chunks(batch, per_sample * FLOAT_BYTES, limit, fixed_if_split * FLOAT_BYTES)
 
 
 class Op:

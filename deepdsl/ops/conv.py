@@ -5,18 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, Workspace, batch_chunks, dims, register, require
+from deepdsl.ops import Op, dims, register, require, scratch_chunks
 from deepdsl.ops.elementwise import reshape, sum_to
-
-
-def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
-    span = size + 2 * pad - kernel
-    if ceil:
-        out = -(-span // stride) + 1
-        if (out - 1) * stride >= size + pad:   # the last window must start inside the input (Caffe, PyTorch)
-            out -= 1
-        return out
-    return span // stride + 1
+from deepdsl_runtime import contract
+from deepdsl_runtime.contract import out_size
 
 
 def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float = 0.0) -> np.ndarray:
@@ -25,20 +17,6 @@ def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float 
         x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=fill)
     view = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))
     return view[:, :, ::stride, ::stride]
-
-
-def _padded_elements(c: int, h: int, w: int, pad: int) -> int:
-    """Float32 elements of a zero-padded copy of one sample (none without padding)."""
-    return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
-
-
-def _pointwise(kh: int, kw: int, stride: int, pad: int) -> bool:
-    return kh == kw == 1 and stride == 1 and pad == 0
-
-
-def _chunked(batch: int, per_sample: int, limit: int | None, fixed_if_split: int = 0):
-    """Workspace of `per_sample` float32 elements per sample (plus `fixed_if_split` when chunked) within `limit`."""
-    return batch_chunks(batch, per_sample * FLOAT_BYTES, limit, fixed_if_split * FLOAT_BYTES)
 
 
 def im2col(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
@@ -98,14 +76,11 @@ class Conv2d(Op):
         return np.ascontiguousarray(out, dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch per sample: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the
-        zero-padded input; none for 1x1 stride-1 convolutions (one GEMM on the input itself)."""
-        (n, c, h, w), (_, _, kh, kw) = node.inputs[0].shape, node.inputs[1].shape
-        ho, wo = node.shape[2:]
-        s, p = node.attr("stride", 1), node.attr("pad", 0)
-        if _pointwise(kh, kw, s, p):
-            return Workspace(0)
-        return _chunked(n, c * kh * kw * ho * wo + _padded_elements(c, h, w, p), limit)
+        """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix and with padding the zero-padded
+        input; none for 1x1 stride-1 convolutions) for the whole batch, or its chunks' within `limit`."""
+        x, w = node.inputs[:2]
+        per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0))
+        return scratch_chunks(x.shape[0], per_sample, limit)
 
 
 @register
@@ -126,18 +101,13 @@ class Conv2dBwdData(Op):
         return np.ascontiguousarray(col2im(cols, (n, c, *size), kh, kw, stride, pad), dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch per sample. Stride 1: the output gradient widened to rows as wide as the padded
-        input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1);
-        other strides: the column gradients (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one GEMM)."""
-        (n, o, ho, wo), (_, c, kh, kw) = node.inputs[0].shape, node.inputs[1].shape
-        h, w = node.attr("size")
-        s, p = node.attr("stride", 1), node.attr("pad", 0)
-        if _pointwise(kh, kw, s, p):
-            return Workspace(0)
-        if s != 1:
-            return _chunked(n, c * kh * kw * ho * wo, limit)
-        wp = w + 2 * p
-        return _chunked(n, (o + c * kh * kw) * ho * wp + c * ((h + 2 * p) * wp + kw - 1), limit)
+        """The CPU kernel's scratch (`contract.conv2d_bwd_data_scratch`: the column gradients, with stride 1 on
+        rows as wide as the padded input, with the widened output gradient and the padded input gradient; none for
+        1x1 stride-1) for the whole batch, or its chunks' within `limit`."""
+        g, w = node.inputs
+        per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, node.attr("size"), node.attr("stride", 1),
+                                                      node.attr("pad", 0))
+        return scratch_chunks(g.shape[0], per_sample, limit)
 
 
 @register
@@ -156,11 +126,10 @@ class Conv2dBwdFilter(Op):
         return np.ascontiguousarray(dw.reshape(o, x.shape[1], kh, kw), dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch per sample: the im2col matrix (C*kh*kw, Ho*Wo), the output gradient transposed
-        (O, Ho*Wo) and with padding the zero-padded input; plus an (O, C*kh*kw) accumulator when the batch runs in
-        more than one chunk."""
-        (n, o, ho, wo), (_, c, h, w) = node.inputs[0].shape, node.inputs[1].shape
-        kh, kw = node.attr("kernel")
-        ckk = c * kh * kw
-        per_sample = (ckk + o) * ho * wo + _padded_elements(c, h, w, node.attr("pad", 0))
-        return _chunked(n, per_sample, limit, fixed_if_split=o * ckk)
+        """The CPU kernel's scratch (`contract.conv2d_bwd_filter_scratch`: per sample the im2col matrix, the output
+        gradient transposed and with padding the zero-padded input; an accumulator when the batch runs in more than
+        one chunk) for the whole batch, or its chunks' within `limit`."""
+        g, x = node.inputs
+        per_sample, fixed = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, node.attr("kernel"),
+                                                               node.attr("pad", 0))
+        return scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed)

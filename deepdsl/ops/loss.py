@@ -5,8 +5,9 @@ import numpy as np
 import sympy
 
 from deepdsl.ir import FLOAT, INT32, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, dims, register, require
+from deepdsl.ops import Op, dims, register, require, scratch_chunks
 from deepdsl.ops.elementwise import elementwise, sum_to, sym
+from deepdsl_runtime import contract
 
 
 def _check_scores(x: Node, what: str):
@@ -51,8 +52,9 @@ class LogSoftmax(Op):
         return (shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the exponentials, input-sized, or row chunks' within `limit`."""
-        return batch_chunks(node.shape[0], node.shape[1] * FLOAT_BYTES, limit)
+        """The CPU kernel's scratch (`contract.log_softmax_scratch`: the exponentials), input-sized, or row chunks'
+        within `limit`."""
+        return scratch_chunks(node.shape[0], contract.log_softmax_scratch(node.shape), limit)
 
 
 def _check_labels(x: Node, labels: Node):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, dims, register, require
+from deepdsl.ops import Op, dims, register, require, scratch_chunks
+from deepdsl_runtime import contract
 
 
 def _channel_window_sum(a: np.ndarray, front: int, back: int) -> np.ndarray:
@@ -44,9 +45,9 @@ class LRN(Op):
         return (x * _lrn_scale(x, size, alpha, k) ** -beta).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the scale and the squares, each input-sized; for the whole batch, or for the
-        chunks of samples it runs in within `limit` (the window runs over channels, inside each sample)."""
-        return batch_chunks(node.shape[0], 2 * (node.size // node.shape[0]) * FLOAT_BYTES, limit)
+        """The CPU kernel's scratch (`contract.lrn_scratch`: the scale and the squares); for the whole batch, or for
+        the chunks of samples it runs in within `limit` (the window runs over channels, inside each sample)."""
+        return scratch_chunks(node.shape[0], contract.lrn_scratch(node.shape), limit)
 
 
 @register
@@ -66,9 +67,9 @@ class LRNBwd(Op):
         return (g * s ** -beta - (2 * alpha * beta / size) * x * spread).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch: the scale, the inner term and its window sum, each input-sized; for the whole
-        batch, or for the chunks of samples it runs in within `limit`."""
-        return batch_chunks(node.shape[0], 3 * (node.size // node.shape[0]) * FLOAT_BYTES, limit)
+        """The CPU kernel's scratch (`contract.lrn_bwd_scratch`: the scale, the inner term and its window sum); for
+        the whole batch, or for the chunks of samples it runs in within `limit`."""
+        return scratch_chunks(node.shape[0], contract.lrn_bwd_scratch(node.shape), limit)
 
 
 @register
@@ -111,12 +112,13 @@ class Bernoulli(Op):
         return bernoulli_mask(ctx.seed, ctx.step, key, shape, keep)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel draws its float32 uniforms into the workspace (mask-sized), or chunk by chunk of rows
-        within `limit` (consecutive draws of one generator: the same mask)."""
+        """The CPU kernel draws its float32 uniforms into the workspace (`contract.bernoulli_scratch`, mask-sized),
+        or chunk by chunk of rows within `limit` (consecutive draws of one generator: the same mask)."""
         rows = node.shape[0] if node.shape else 1         # a scalar mask as one row
-        return batch_chunks(rows, (node.size // rows) * FLOAT_BYTES, limit)
+        return scratch_chunks(rows, contract.bernoulli_scratch(node.shape), limit)
 
 
 def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
-    rng = np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key]))
-    return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
+    """The mask of dropout `key` at `step`: 1 where the float32 uniform drawn from the contract's stream
+    (`contract.mask_generator`) is below `keep`."""
+    return (contract.mask_generator(seed, step, key).random(shape, dtype=np.float32) < keep).astype(np.uint8)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import FLOAT_BYTES, Op, batch_chunks, bool_bytes, dims, register, require
-from deepdsl.ops.conv import out_size
+from deepdsl.ops import Op, dims, register, require, scratch_chunks
+from deepdsl_runtime import contract
+from deepdsl_runtime.contract import avg_pool_divisor, out_size
 
 
 def _geometry(shape, kernel, stride, pad, ceil):
@@ -35,32 +36,15 @@ def _scatter_windows(values: np.ndarray, shape, kernel, stride, pad, ceil) -> np
     return padded[:, :, pad:pad + h, pad:pad + w]
 
 
-def padded_source_bytes(input_shape, output_shape, kernel, stride, pad) -> int:
-    """Workspace bytes per sample of the padded copy the CPU kernels pool from (or scatter into) when windows leave
-    the input (padding, or ceil mode's last window): (C, max(Hp, H+p), max(Wp, W+p)) float32; none otherwise."""
-    _, c, h, w = input_shape
-    ho, wo = output_shape[2:]
-    hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
-    if pad == 0 and hp <= h and wp <= w:
-        return 0
-    return c * max(hp, h + pad) * max(wp, w + pad) * FLOAT_BYTES
-
-
-def _per_sample(shape) -> int:
-    """Elements of one sample of a tensor of `shape`."""
-    return int(np.prod(shape[1:], dtype=np.int64))
-
-
 class _Pool(Op):
-    def scratch_per_sample(self, node) -> int:
-        """Bytes of CPU kernel scratch per sample: the padded input when windows leave it."""
-        return padded_source_bytes(node.inputs[0].shape, node.shape, node.attr("kernel"), node.attr("stride"),
-                                   node.attr("pad", 0))
+    scratch = staticmethod(contract.max_pool_scratch)     # the CPU kernel's scratch per sample, in float32 elements
 
     def workspace(self, node, limit=None):
         """The scratch of the whole batch, or of the chunks of samples it runs in to stay within `limit` (the
         kernels work sample by sample; the CPU runtime derives the chunk from the workspace it is given)."""
-        return batch_chunks(node.shape[0], self.scratch_per_sample(node), limit)
+        per_sample = self.scratch(node.inputs[0].shape, node.shape, node.attr("kernel"), node.attr("stride"),
+                                  node.attr("pad", 0))
+        return scratch_chunks(node.shape[0], per_sample, limit)
 
     def infer(self, x: Node, *, kernel, stride, pad=0, ceil=False, **_):
         require(len(x.shape) == 4, f"pooling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
@@ -102,11 +86,7 @@ class MaxPoolArgmax(_Pool):
         win = _padded_windows(x, kernel, stride, pad, ceil, -np.inf)
         return win.reshape(*win.shape[:4], kernel * kernel).argmax(axis=4).astype(np.uint8)
 
-    def scratch_per_sample(self, node) -> int:
-        """The padded input when windows leave it, the running maximum (float32, output-sized) and a boolean
-        'better' mask (output-sized), per sample."""
-        out = _per_sample(node.shape)
-        return super().scratch_per_sample(node) + out * FLOAT_BYTES + bool_bytes(out)
+    scratch = staticmethod(contract.max_pool_argmax_scratch)
 
 
 @register
@@ -124,30 +104,13 @@ class MaxPoolBwd(Op):
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """Per sample: a padded gradient buffer when windows leave the input, a boolean 'hit' mask (gradient-sized),
-        and when windows overlap a float32 gradient-sized buffer of each window offset's share (added up); the
-        whole batch's, or its chunks' within `limit`."""
+        """The CPU kernel's scratch (`contract.max_pool_bwd_scratch`: a padded gradient buffer when windows leave
+        the input, a boolean 'hit' mask and, when windows overlap, each window offset's share) for the whole
+        batch, or its chunks' within `limit`."""
         g = node.inputs[0]
-        kernel, stride = node.attr("kernel"), node.attr("stride")
-        padded = padded_source_bytes(node.shape, g.shape, kernel, stride, node.attr("pad", 0))
-        per_g = _per_sample(g.shape)
-        per_sample = padded + bool_bytes(per_g) + (per_g * FLOAT_BYTES if stride < kernel else 0)
-        return batch_chunks(node.shape[0], per_sample, limit)
-
-
-def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray:
-    """(Ho, Wo) number of elements each averaging window divides by (PyTorch's rule)."""
-    h, w = size
-    ho, wo = out_size(h, kernel, stride, pad, ceil), out_size(w, kernel, stride, pad, ceil)
-
-    def counts(n, on):
-        start = np.arange(on) * stride - pad
-        end = np.minimum(start + kernel, n + pad)
-        if not include_pad:
-            return np.minimum(end, n) - np.maximum(start, 0)
-        return end - start
-
-    return np.outer(counts(h, ho), counts(w, wo))
+        per_sample = contract.max_pool_bwd_scratch(g.shape, node.shape, node.attr("kernel"), node.attr("stride"),
+                                                   node.attr("pad", 0))
+        return scratch_chunks(node.shape[0], per_sample, limit)
 
 
 @register
@@ -155,6 +118,7 @@ class AvgPool(_Pool):
     name = "avg_pool"
     takes_over = 0
     cheap = True
+    scratch = staticmethod(contract.avg_pool_scratch)
 
     def vjp(self, node, g):
         x = node.inputs[0]
@@ -179,8 +143,9 @@ class AvgPoolBwd(Op):
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """Per sample: a padded gradient buffer when windows leave the input, and each window's share
-        (gradient-sized); the whole batch's, or its chunks' within `limit`."""
+        """The CPU kernel's scratch (`contract.avg_pool_bwd_scratch`: a padded gradient buffer when windows leave
+        the input, and each window's share) for the whole batch, or its chunks' within `limit`."""
         g = node.inputs[0]
-        padded = padded_source_bytes(node.shape, g.shape, node.attr("kernel"), node.attr("stride"), node.attr("pad", 0))
-        return batch_chunks(node.shape[0], padded + _per_sample(g.shape) * FLOAT_BYTES, limit)
+        per_sample = contract.avg_pool_bwd_scratch(g.shape, node.shape, node.attr("kernel"), node.attr("stride"),
+                                                   node.attr("pad", 0))
+        return scratch_chunks(node.shape[0], per_sample, limit)

@@ -27,13 +27,7 @@ from deepdsl.ir import Node
 from deepdsl.ops import get_op
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import is_batch_input, is_inline, is_persistent, is_view, nbytes
-
-ALIGNMENT = 256
-
-
-def aligned(nbytes: int) -> int:
-    """Bytes a tensor takes in the arena: rounded up to the alignment, at least one alignment unit."""
-    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+from deepdsl_runtime.contract import placed_size
 
 
 class _Graph:
@@ -54,7 +48,7 @@ class _Graph:
 
         def new_group(value: Node, pinned: bool) -> int:
             self.group_of[id(value)] = len(self.group_size)
-            self.group_size.append(aligned(nbytes(value)))
+            self.group_size.append(placed_size(nbytes(value)))
             self.group_pinned.append(pinned)
             self.group_shape.append(value.shape)
             self.group_batch.append(is_batch_input(value))
@@ -306,5 +300,4 @@ def peak_estimate(program: Program) -> int:
     return simulated_peak(_Graph(program), list(range(len(program.body))))
 
 
-__all__ = ["schedule_for_memory", "simulated_peak", "live_profile", "storage_graph", "peak_estimate", "aligned",
-           "is_inline"]
+__all__ = ["schedule_for_memory", "simulated_peak", "live_profile", "storage_graph", "peak_estimate", "is_inline"]

@@ -1,0 +1,212 @@
+"""The contract between the compiler and the runtime: every rule both must compute alike, written once.
+
+The compiler (`deepdsl`) imports this module to plan memory, infer shapes, state each op's scratch and define its
+reference semantics; the runtime's allocators and kernels import it to place buffers, carve scratch up and draw
+random masks. It imports only numpy and the standard library, so a generated program (which imports the runtime,
+never the compiler) and the compiler read the same rules, and a rule changed here changes on both sides at once.
+
+- Placement: every buffer starts at a multiple of `ALIGNMENT` bytes and occupies `placed_size(nbytes)` bytes (what
+  the memory plan counts, the arena packs and the pool allocator hands out).
+- Window geometry: `out_size` (window positions along one axis, for convolution and pooling) and
+  `avg_pool_divisor` (the element count each averaging window divides by).
+- Random masks: the mask of dropout `key` at training step `step` is drawn from `mask_generator(seed, step, key)`,
+  Philox keyed by (seed, `counter_key(step, key)`), the stream the CUDA kernel reproduces bit for bit.
+- Scratch: each CPU kernel's scratch per sample (per row for row-wise kernels), in float32 elements of the
+  workspace (`FLOAT_BYTES` each; boolean scratch takes `bool_floats(count)` of them). An op's `workspace` rule is
+  these figures times the samples of a chunk, in bytes; the kernel derives its chunk from the workspace it is
+  handed by the same figures, so the plan's workspace is exactly what the kernel uses.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
+    "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch", "conv2d_scratch",
+    "counter_key", "log_softmax_scratch", "lrn_bwd_scratch", "lrn_scratch", "mask_generator",
+    "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
+    "pointwise_conv", "pool_padded_scratch", "stage_floats",
+]
+
+# ----------------------------------------------------------------------------------------------------------------
+# placement
+
+ALIGNMENT = 256     # bytes; what cudaMalloc guarantees, so host and device buffers start alike
+
+
+def placed_size(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """Bytes a buffer of `nbytes` occupies: rounded up to a multiple of `alignment`, at least one unit."""
+    return max(alignment, -(-nbytes // alignment) * alignment)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# window geometry
+
+def out_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = False) -> int:
+    """Window positions along an axis of `size` elements padded by `pad` on each side. `ceil` counts a last,
+    partial window (Caffe's and PyTorch's ceil mode) as long as it starts inside the input or its left padding."""
+    span = size + 2 * pad - kernel
+    if ceil:
+        out = -(-span // stride) + 1
+        if (out - 1) * stride >= size + pad:   # the last window must start inside the input (Caffe, PyTorch)
+            out -= 1
+        return out
+    return span // stride + 1
+
+
+def avg_pool_divisor(size, kernel: int, stride: int, pad: int, ceil: bool, include_pad: bool) -> np.ndarray:
+    """(Ho, Wo) integer array: the number of elements each averaging window over an input of spatial `size` (H, W)
+    divides by (PyTorch's rule): the window clipped to the padded input, or with `include_pad` false to the input
+    itself."""
+    h, w = size
+    ho, wo = out_size(h, kernel, stride, pad, ceil), out_size(w, kernel, stride, pad, ceil)
+
+    def counts(n, on):
+        start = np.arange(on) * stride - pad
+        end = np.minimum(start + kernel, n + pad)
+        if not include_pad:
+            return np.minimum(end, n) - np.maximum(start, 0)
+        return end - start
+
+    return np.outer(counts(h, ho), counts(w, wo))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# random masks
+
+COUNTER_KEY_STEP = 65536     # dropout keys of one step: a network applies dropout at fewer than this many places
+
+
+def counter_key(step: int, key: int) -> int:
+    """The second Philox key word of the mask of dropout `key` at training step `step` (the first is the seed):
+    distinct for every (step, key), so every mask is independent of what ran before and reproducible on resume."""
+    return int(step) * COUNTER_KEY_STEP + int(key)
+
+
+def mask_generator(seed: int, step: int, key: int) -> np.random.Generator:
+    """The random stream the mask of dropout `key` at `step` draws its float32 uniforms from, in order."""
+    return np.random.Generator(np.random.Philox(key=[seed, counter_key(step, key)]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scratch: float32 elements per sample (or row) of each CPU kernel's workspace
+
+FLOAT_BYTES = 4     # workspaces are float32 arrays
+
+
+def bool_floats(count: int) -> int:
+    """Workspace elements `count` booleans take (four to an element)."""
+    return -(-count // FLOAT_BYTES)
+
+
+def _per_sample(shape) -> int:
+    """Elements of one sample (row) of a tensor of `shape`."""
+    return int(np.prod(shape[1:], dtype=np.int64))
+
+
+def pointwise_conv(kh: int, kw: int, stride: int, pad: int) -> bool:
+    """A 1x1 stride-1 unpadded convolution: one GEMM on the input itself, in every direction, without scratch."""
+    return kh == 1 and kw == 1 and stride == 1 and pad == 0
+
+
+def _padded_input(c: int, h: int, w: int, pad: int) -> int:
+    """Elements of a zero-padded copy of one (C, H, W) sample; none without padding."""
+    return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
+
+
+def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int) -> int:
+    """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input; none when pointwise."""
+    (_, c, h, w), (_, _, kh, kw), (ho, wo) = x_shape, w_shape, out_shape[2:]
+    if pointwise_conv(kh, kw, stride, pad):
+        return 0
+    return c * kh * kw * ho * wo + _padded_input(c, h, w, pad)
+
+
+def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int) -> int:
+    """conv2d_bwd_data, for an input of spatial `size`. Stride 1: the output gradient widened to rows as wide as the
+    padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
+    (C, Hp*Wp + kw - 1); other strides: the column gradients (C*kh*kw, Ho*Wo); none when pointwise."""
+    (_, o, ho, wo), (_, c, kh, kw), (h, w) = g_shape, w_shape, size
+    if pointwise_conv(kh, kw, stride, pad):
+        return 0
+    if stride != 1:
+        return c * kh * kw * ho * wo
+    hp, wp = h + 2 * pad, w + 2 * pad
+    return (o + c * kh * kw) * ho * wp + c * (hp * wp + kw - 1)
+
+
+def conv2d_bwd_filter_scratch(g_shape, x_shape, kernel, pad: int) -> tuple[int, int]:
+    """conv2d_bwd_filter: (per sample, once when the batch runs in more than one chunk). Per sample the im2col
+    matrix (C*kh*kw, Ho*Wo), the output gradient transposed (O, Ho*Wo) and with padding the zero-padded input; once
+    an (O, C*kh*kw) accumulator, at the start of the workspace."""
+    (_, o, ho, wo), (_, c, h, w), (kh, kw) = g_shape, x_shape, kernel
+    ckk = c * kh * kw
+    return (ckk + o) * ho * wo + _padded_input(c, h, w, pad), o * ckk
+
+
+def pool_padded_scratch(size, pooled, kernel: int, stride: int, pad: int, channels: int) -> int:
+    """The padded copy of one sample that pooling reads from (or its backward scatters into) when windows leave the
+    input (padding, or ceil mode's last window): (C, max(Hp, H+p), max(Wp, W+p)); none otherwise. `size` is the
+    input's (H, W), `pooled` the output's (Ho, Wo)."""
+    (h, w), (ho, wo) = size, pooled
+    hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
+    if pad == 0 and hp <= h and wp <= w:
+        return 0
+    return channels * max(hp, h + pad) * max(wp, w + pad)
+
+
+def max_pool_scratch(x_shape, out_shape, kernel: int, stride: int, pad: int) -> int:
+    """max_pool (and avg_pool): the padded input when windows leave it."""
+    return pool_padded_scratch(x_shape[2:], out_shape[2:], kernel, stride, pad, x_shape[1])
+
+
+avg_pool_scratch = max_pool_scratch
+
+
+def max_pool_argmax_scratch(x_shape, out_shape, kernel: int, stride: int, pad: int) -> int:
+    """max_pool_argmax: the padded input when windows leave it, the window maxima (output-sized) and a boolean
+    'differs' mask (output-sized)."""
+    out = _per_sample(out_shape)
+    return max_pool_scratch(x_shape, out_shape, kernel, stride, pad) + out + bool_floats(out)
+
+
+def max_pool_bwd_scratch(g_shape, out_shape, kernel: int, stride: int, pad: int) -> int:
+    """max_pool_bwd (`out_shape` the input gradient's): the padded gradient target when windows leave the input, a
+    boolean 'hit' mask (gradient-sized) and, when windows overlap, each window offset's share (gradient-sized)."""
+    per_g = _per_sample(g_shape)
+    padded = pool_padded_scratch(out_shape[2:], g_shape[2:], kernel, stride, pad, out_shape[1])
+    return padded + bool_floats(per_g) + (per_g if stride < kernel else 0)
+
+
+def avg_pool_bwd_scratch(g_shape, out_shape, kernel: int, stride: int, pad: int) -> int:
+    """avg_pool_bwd (`out_shape` the input gradient's): the padded gradient target when windows leave the input and
+    each window's share (gradient-sized)."""
+    padded = pool_padded_scratch(out_shape[2:], g_shape[2:], kernel, stride, pad, out_shape[1])
+    return padded + _per_sample(g_shape)
+
+
+def lrn_scratch(shape) -> int:
+    """lrn: the scale and the squares, each input-sized."""
+    return 2 * _per_sample(shape)
+
+
+def lrn_bwd_scratch(shape) -> int:
+    """lrn_bwd: the scale, the inner term and its window sum, each input-sized."""
+    return 3 * _per_sample(shape)
+
+
+def log_softmax_scratch(shape) -> int:
+    """log_softmax, per row: the exponentials."""
+    return _per_sample(shape)
+
+
+def bernoulli_scratch(shape) -> int:
+    """bernoulli, per row (a scalar mask is one row): the float32 uniforms it draws."""
+    shape = tuple(shape) or (1,)
+    return _per_sample(shape)
+
+
+def stage_floats(input_bytes: int, output_bytes: int, batch: int) -> int:
+    """Elements a kernel whose output takes over its input's bytes stages one sample through, at the end of its
+    workspace after the op's own scratch: one sample of the smaller of input and output."""
+    return min(input_bytes // batch, output_bytes // batch) // FLOAT_BYTES
