@@ -128,6 +128,20 @@ def test_ir_and_graph_commands(tmp_path, capsys):
     assert body.startswith('digraph "lenet_train"') and '"cv1_W" ->' in body
 
 
+def test_program_graph_has_an_edge_for_every_read():
+    from deepdsl.graph import program_graph
+    from deepdsl.program import Let
+
+    program = deepdsl.compile(deepdsl.load(str(ROOT / "networks/lenet.py"), Overrides(batch=2))).train
+    graph = program_graph(program)
+    names = program.names()
+    reads = {(names[id(i)], names[id(s.node)]) for s in program.body if isinstance(s, Let) for i in s.node.inputs
+             if id(i) in names}
+    outputs = {(names[id(node)], f"out:{key}") for key, node in program.outputs if id(node) in names}
+    assert set(graph.edges) == reads | outputs and len(graph.edges) == len(set(graph.edges))
+    assert [n.name for n in graph.nodes][:len(program.inputs)] == [leaf.name for leaf in program.inputs]
+
+
 def test_overrides_change_batch_and_image():
     loop = deepdsl.load(str(ROOT / "networks/lenet.py"), Overrides(batch=3, image=(32, 32)))
     assert loop.loss.node.shape == ()

@@ -2,7 +2,7 @@
 
 Adding an op means writing one `Op` subclass here (plus its runtime kernel). The shape rule runs when a node is made
 (`deepdsl.ir.make`), the VJP rule during differentiation, `evaluate` in the reference interpreter (the numpy oracle
-for every pass), and `runtime_name` names the runtime function a generated program calls.
+for every pass); the runtime function a generated program calls is named after the op (`rt.<name>`).
 """
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ class Op:
     name: ClassVar[str]
     view: ClassVar[bool] = False        # the output aliases input 0 (reshape): costs no memory
     random: ClassVar[bool] = False      # draws random numbers: never hoisted, never merged across layers
-    commutative: ClassVar[bool] = False
     # inputs the runtime kernel may overwrite with the output (same shape and dtype) when they die at the statement:
     # it reads every position of such an input before it writes that position (the in-place pass, `passes/inplace.py`)
     in_place: ClassVar[tuple[int, ...]] = ()

@@ -203,10 +203,6 @@ def add(*terms: Node) -> Node:
     return elementwise(sympy.Add(*symbols(len(terms))), terms)
 
 
-def mul(a: Node, b: Node) -> Node:
-    return elementwise(sym(0) * sym(1), [a, b])
-
-
 def scale(a: Node, factor) -> Node:
     return elementwise(sympy.sympify(factor) * sym(0), [a])
 

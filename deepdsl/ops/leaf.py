@@ -83,6 +83,3 @@ class Const(Op):
 def const(value: float, shape: tuple[int, ...] = ()) -> Node:
     return make("const", (), value=float(value), shape=tuple(shape))
 
-
-def is_const(node: Node, value: float | None = None) -> bool:
-    return node.op == "const" and (value is None or node.attr("value") == value)
