@@ -76,9 +76,11 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
     import numpy as np
 
     import deepdsl_runtime.cuda as rt
+    from deepdsl_runtime.cuda import driver as cuda_driver
     from deepdsl_runtime.program import Model
 
-    drv = rt.cuda_device.driver()
+    device = rt.start()
+    drv = cuda_driver.driver()
     free_before, total = drv.mem_get_info()
     spec = importlib.util.spec_from_file_location(f"{network}_program", program)
     module = importlib.util.module_from_spec(spec)
@@ -99,7 +101,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
     free_after, _ = drv.mem_get_info()
     usage = model.mem.usage["train_step"]
     persistent = sum(t.nbytes for t in model.tensors.values())
-    return {"side": "ours", "network": network, "device": rt._device.name, "ms_per_step": 1000 * statistics.median(times),
+    return {"side": "ours", "network": network, "device": device.name, "ms_per_step": 1000 * statistics.median(times),
             "ms_min": 1000 * min(times), "loss_first": losses[0], "loss_last": losses[-1],
             "tensor_peak_bytes": usage.peak_bytes, "tensor_peak_planned": cls.memory_plans["train_step"].planned_peak(
                 memory_mode), "workspace_bytes": usage.workspace_bytes, "persistent_bytes": persistent,

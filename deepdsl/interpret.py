@@ -3,7 +3,8 @@
 It is the oracle for pass tests (`run(p) == run(pass(p))`) and for gradients against PyTorch. Free statements are
 honoured (a freed value is deleted, so a read after free fails loudly), and so are in-place statements: after
 `Let(node, into=t)` the value `t` and every other value stored with it (its views) are deleted, so a wrong in-place
-annotation fails loudly too.
+annotation fails loudly too. Statements computed together (`Let(node, computes_also=v)`) are evaluated one by one:
+pairing them changes how the values are computed, not what they are.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ see `deepdsl.storage`) one `Buffer`: a byte range of one arena, and the body ind
 use. Code generation reads the plan to emit every statement with explicit output buffers; the memory table prints
 it. Both read the same object, so the table and the running program cannot disagree.
 
-Definitions (body indices count every instruction, `Let` and `Free`):
+Definitions (body indices count every instruction, `Let` and `Free`; the ranges and the live bytes are
+`deepdsl.liveness`'s, the model scheduling and rematerialization predict):
 - a buffer is *live* at body index i when `begin <= i < end`: `begin` is the index of the `Let` that allocates it
   (0 for batch inputs, which are live when the step starts), `end` the index of the `Free` that releases it
   (`len(body)` for a storage holding a program output, which lives until the step returns);
@@ -38,16 +39,16 @@ outside the arena, and so does the workspace: one region shared by all statement
 """
 from __future__ import annotations
 
-import bisect
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
+from deepdsl.liveness import changes_at, live_bytes, live_ranges, peak_bytes
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
+from deepdsl.training import is_optimizer_state
 from deepdsl_runtime.contract import ALIGNMENT, FLOAT_BYTES, placed_size, stage_floats
 
 
@@ -169,32 +170,14 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
     """The memory plan of `program` (see the module docstring); `takeover`: let statements take over the storage of
     a dying input where that lowers the peak."""
     storage = analyze(program)
-    n = len(program.body)
+    ranges = live_ranges(program, storage)
+    roots = [r.storage for r in ranges]
+    intervals = [(r.begin, r.end) for r in ranges]
+    sizes = [r.size for r in ranges]
     placements: dict[int, Placement] = {}
-    roots: list = []              # arena storages, by begin
-    for info in storage.infos.values():
-        if not info.persistent:
-            roots.append(info)
-    # ties (inputs, all defined at -1) by the program's input order: node serials depend on which equal leaves
-    # earlier compiles left alive in the hash-cons cache, so they must not decide a plan
-    position = {id(leaf): k for k, leaf in enumerate(program.inputs)}
-    roots.sort(key=lambda info: (info.begin, info.defined_at[id(info.root)], position.get(id(info.root), -1)))
-    # end of each storage: the Free naming its members, else the end of the body
-    free_index: dict[int, int] = {}
-    for k, instr in enumerate(program.body):
-        if isinstance(instr, Free):
-            for value in instr.nodes:
-                free_index.setdefault(id(storage.root[id(value)]), k)
-    intervals = []
-    for info in roots:
-        end = free_index.get(id(info.root), n)
-        if info.output:
-            end = n
-        intervals.append((max(info.begin, 0), max(end, info.begin + 1)))
-    sizes = [placed_size(nbytes(info.root)) for info in roots]
     takes = _takeovers(program, storage, roots, intervals, sizes) if takeover else {}   # buffer -> buffer it takes over
     pairs = [(a, b) for b, a in takes.items()]
-    offsets, packing = pack(intervals, sizes, _peak(intervals, sizes, pairs), pairs)
+    offsets, packing = pack(intervals, sizes, peak_bytes(intervals, sizes, pairs), pairs)
     buffers = tuple(Buffer(k, info.root, nbytes(info.root), sizes[k], offsets[k], intervals[k][0], intervals[k][1],
                            tuple(info.members), takes.get(k)) for k, info in enumerate(roots))
     buffer_of = {id(b.value): b for b in buffers}
@@ -210,25 +193,20 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
                                                None if buf else info.root, view_of=view_of, in_place_of=into,
                                                takes_over=taken)
 
-    steps, peak, peak_exact, peak_step, ws_max = _steps(program, storage, buffers, buffer_of, workspace_limit)
+    steps, peak, peak_exact, peak_step, ws_max = _steps(program, buffers, workspace_limit)
     arena = max((b.offset + b.size for b in buffers), default=0)
-    params = {leaf.name for leaf in program.inputs if leaf.op == "param"}
-    persistent = tuple(Persistent(leaf, _kind(leaf, params), nbytes(leaf)) for leaf in program.inputs
+    persistent = tuple(Persistent(leaf, _kind(leaf), nbytes(leaf)) for leaf in program.inputs
                        if is_persistent(leaf))
     outputs = tuple((name, None if is_inline(node) else placements.get(id(node))) for name, node in program.outputs)
     return MemoryPlan(program.name, ALIGNMENT, buffers, steps, persistent, outputs, arena, ws_max, workspace_limit,
                       peak, peak_exact, peak_step, packing, placements)
 
 
-_OPTIMIZER = re.compile(r"^(V|M|S)_(.+)$")
-
-
-def _kind(leaf: Node, params: set[str]) -> str:
+def _kind(leaf: Node) -> str:
     if leaf.op == "param":
         return "param"
     if leaf.op == "state":
-        match = _OPTIMIZER.match(leaf.name)
-        return "optimizer" if match and match.group(2) in params else "running"
+        return "optimizer" if is_optimizer_state(leaf) else "running"
     role = leaf.attr("role")
     return role if role in ("hyper", "hoisted") else "other"
 
@@ -261,43 +239,31 @@ def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int
             continue                # the kernel reads the storage through another input too
         result[index[id(node)]] = a
     if result:
-        live = _live(intervals, sizes, [(a, b) for b, a in result.items()])
-        times = sorted(live)
-        peak = max(live.values())
+        live = live_bytes(intervals, sizes, [(a, b) for b, a in result.items()])
+        peak = max(live)
         for b, a in list(result.items()):
-            t = intervals[b][0]             # a change point: the taking-over buffer begins there
-            if live[times[bisect.bisect_right(times, t) - 1]] + min(sizes[a], sizes[b]) <= peak:
+            if live[intervals[b][0]] + min(sizes[a], sizes[b]) <= peak:
                 del result[b]               # the step stays below the peak without sharing
     return result
 
 
-def _steps(program, storage, buffers, buffer_of, workspace_limit):
-    starts: dict[int, list] = {}
-    ends: dict[int, list] = {}
-    shared: dict[int, tuple[int, int]] = {}       # body index -> bytes (placed, exact) two buffers share there
-    for b in buffers:
-        starts.setdefault(b.begin, []).append(b)
-        ends.setdefault(b.end, []).append(b)
-        if b.takes_over is not None:
-            a = buffers[b.takes_over]
-            shared[b.begin] = (min(a.size, b.size), min(a.nbytes, b.nbytes))
-    live = live_exact = 0
+def _steps(program, buffers, workspace_limit):
+    intervals = [(b.begin, b.end) for b in buffers]
+    pairs = [(b.takes_over, b.index) for b in buffers if b.takes_over is not None]
+    n = len(program.body)
+    live = live_bytes(intervals, [b.size for b in buffers], pairs, n)
+    live_exact = live_bytes(intervals, [b.nbytes for b in buffers], pairs, n)
+    _, ends = changes_at(intervals)
+    allocates = {id(b.value): b.index for b in buffers}
     peak = peak_exact = 0
     peak_step = -1
     ws_max = 0
     steps = []
     for k, instr in enumerate(program.body):
-        for b in ends.get(k, ()):
-            live -= b.size
-            live_exact -= b.nbytes
         allocated = None
-        for b in starts.get(k, ()):
-            live += b.size
-            live_exact += b.nbytes
-            if b.begin == k and isinstance(instr, Let) and b.value is instr.node:
-                allocated = b.index
         workspace = chunks = 0
         if isinstance(instr, Let):
+            allocated = allocates.get(id(instr.node))
             stage = 0
             if allocated is not None and buffers[allocated].takes_over is not None:
                 stage = stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes,
@@ -306,9 +272,8 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
             workspace, chunks = get_op(instr.node.op).workspace(instr.node, limit)
             workspace += stage
             ws_max = max(ws_max, workspace)
-        releases = tuple(b.index for b in ends.get(k, ())) if isinstance(instr, Free) else ()
-        common, common_exact = shared.get(k, (0, 0))
-        here, here_exact = live - common, live_exact - common_exact
+        releases = tuple(ends.get(k, ())) if isinstance(instr, Free) else ()
+        here, here_exact = live[k], live_exact[k]
         steps.append(Step(k, instr, allocated, releases, workspace, max(chunks, 1), here, here_exact))
         if here > peak:
             peak, peak_step = here, k
@@ -321,30 +286,6 @@ def _steps(program, storage, buffers, buffer_of, workspace_limit):
 
 # ---------------------------------------------------------------------------------------------------------------
 # interval packing
-
-def _peak(intervals: list[tuple[int, int]], sizes: list[int], pairs=()) -> int:
-    """Largest total size of blocks live at once (a block and the one it takes over counted once where they meet):
-    no packing can use a smaller arena."""
-    return max(_live(intervals, sizes, pairs).values(), default=0)
-
-
-def _live(intervals: list[tuple[int, int]], sizes: list[int], pairs=()) -> dict[int, int]:
-    """Live bytes from each index where they change on (blocks and pairs as in `_peak`)."""
-    delta: dict[int, int] = {}
-    for (b, e), s in zip(intervals, sizes):
-        delta[b] = delta.get(b, 0) + s
-        delta[e] = delta.get(e, 0) - s
-    for a, b in pairs:
-        t, common = intervals[b][0], min(sizes[a], sizes[b])
-        delta[t] = delta.get(t, 0) - common
-        delta[t + 1] = delta.get(t + 1, 0) + common
-    result: dict[int, int] = {}
-    live = 0
-    for t in sorted(delta):
-        live += delta[t]
-        result[t] = live
-    return result
-
 
 def pack(intervals: list[tuple[int, int]], sizes: list[int], lower_bound: int = 0,
          same_offset: list[tuple[int, int]] = ()) -> tuple[list[int], str]:

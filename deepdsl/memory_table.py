@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from deepdsl.liveness import changes_at
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import dims
 from deepdsl.pipeline import CompileOptions, plan_steps
 from deepdsl.program import Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
-from deepdsl_runtime.pool import PoolAllocator
+from deepdsl_runtime.memory.first_fit import PoolAllocator
 
 MB = 1e6
 STATEMENT_WIDTH = 72
@@ -115,22 +116,21 @@ def _where(p, names) -> str:
 
 def simulate_pool(plan: MemoryPlan) -> dict:
     """Replay the plan's allocations and frees, in order, on the runtime's first-fit pool allocator (`pooled`
-    mode): the capacity the pool needs (highest byte handed out) and its peak of bytes in use. A first-fit pool
-    cannot promise to grow a block in place, so a buffer that takes over another's bytes in the plan gets a block
-    of its own here, like any other: where the plan lets buffers take over, the pool's peak may exceed the plan's
-    (by at most the smaller of the two buffers, at that statement)."""
+    mode), in the order of the buffers' live ranges (`deepdsl.liveness.changes_at`: at each instruction the
+    buffers it allocates, then those it releases): the capacity the pool needs (highest byte handed out) and its
+    peak of bytes in use. A first-fit pool cannot promise to grow a block in place, so a buffer that takes over
+    another's bytes in the plan gets a block of its own here, like any other: where the plan lets buffers take over,
+    the pool's peak may exceed the plan's (by at most the smaller of the two buffers, at that statement)."""
     pool = PoolAllocator(max(sum(b.size for b in plan.buffers), plan.alignment), plan.alignment)
+    starts, ends = changes_at([(b.begin, b.end) for b in plan.buffers])
     offsets: dict[int, int] = {}
     footprint = 0
-    for b in (b for b in plan.buffers if is_batch_input(b.value)):
-        offsets[b.index] = pool.alloc(b.nbytes)
-        footprint = max(footprint, offsets[b.index] + b.size)
-    for step in plan.steps:
-        if step.allocates is not None and step.allocates not in offsets:
-            b = plan.buffers[step.allocates]
-            offsets[b.index] = pool.alloc(b.nbytes)
-            footprint = max(footprint, offsets[b.index] + b.size)
-        for index in step.releases:
+    for k in range(max(len(plan.steps), 1)):     # a buffer ending at len(steps) lives until the step returns
+        for index in starts.get(k, ()):
+            b = plan.buffers[index]
+            offsets[index] = pool.alloc(b.nbytes)
+            footprint = max(footprint, offsets[index] + b.size)
+        for index in ends.get(k, ()):
             pool.free(offsets.pop(index))
     stats = pool.stats
     return {"footprint_bytes": footprint, "peak_bytes_in_use": stats.peak_bytes_in_use,

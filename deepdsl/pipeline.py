@@ -2,7 +2,7 @@
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
          ─fuse_elementwise→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→
-         ─inplace→ ─dealloc→ Programs ─plan_memory→ MemoryPlans
+         ─inplace→ ─dealloc→ ─fuse_pool_argmax→ Programs ─plan_memory→ MemoryPlans
 
 `STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the
 `CompileOptions` field that switches it on (None: it always runs). `run_stages` runs any slice of it with the
@@ -27,6 +27,7 @@ from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_pool_argmax import fuse_pool_argmax
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
@@ -133,7 +134,8 @@ def _hoist(steps: Mapping[str, Graph]) -> dict[str, Graph]:
 
 
 # CSE runs before fusion too: merging duplicates first gives fusion true reader counts. After `dealloc` the
-# programs have their final order, in-place statements and frees; `plan_memory` gives their plans.
+# programs have their final order, in-place statements and frees; `fuse_pool_argmax` marks the pooling statements
+# one call computes together; `plan_memory` gives their plans.
 STAGES: tuple[Stage, ...] = (
     Stage("simplify", simplify, "simplify"),
     Stage("cse", cse, "cse"),
@@ -148,6 +150,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("inplace", compute_in_place, "inplace",
           lambda o: {"activations": o.inplace_activations, "updates": o.inplace_updates}),
     Stage("dealloc", insert_frees, "dealloc"),
+    Stage("fuse_pool_argmax", fuse_pool_argmax),          # needs the final order, in-place statements and frees
     Stage("plan_memory", plan_memory, None, lambda o: {"workspace_limit": o.workspace_limit, "takeover": o.takeover}),
 )
 

@@ -2,7 +2,8 @@
 
 A `Let` defines its node's value from the node's inputs; `Let(node, into=t)` writes that value over the storage of
 `t` (in-place computation: `t`, and every view of it, is dead from then on); `Free` ends the life of values (added
-by the memory passes). Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted
+by the memory passes); `Let(node, computes_also=v)` computes `v`, defined by the statement before it, in the same
+kernel call. Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted
 values); outputs map names to values. Names appear only when printing: leaves by their own names, statement values
 X1, X2, ... in order.
 """
@@ -18,8 +19,17 @@ from deepdsl.ops import Op, _fmt, dims, get_op
 
 @dataclass(frozen=True, slots=True)
 class Let:
+    """Defines `node`'s value.
+
+    into: the value (or persistent input) whose storage this statement overwrites.
+    computes_also: the value of the `Let` just before this one, computed by this statement's kernel together with
+        its own (`passes.fuse_pool_argmax`); that statement then only binds its buffer. The values are those the
+        two statements define one by one, so the text of the program does not show it.
+    """
+
     node: Node
-    into: Node | None = None     # the value (or persistent input) whose storage this statement overwrites
+    into: Node | None = None
+    computes_also: Node | None = None
 
 
 @dataclass(frozen=True, slots=True)

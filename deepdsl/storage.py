@@ -9,7 +9,8 @@ Every value lives in one *storage*, named by its root value:
 - an in-place statement `Let(node, into=t)` lives in the storage of `t`.
 
 The analysis here is shared by the in-place and dealloc passes, the memory planner, the verifier and the
-interpreter, so all of them agree on what aliases what.
+interpreter, so all of them agree on what aliases what. When each storage is live, and how many bytes are live at
+each instruction, is `deepdsl.liveness`, built on the extents recorded here.
 """
 from __future__ import annotations
 

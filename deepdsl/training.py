@@ -26,13 +26,25 @@ def number(value: float) -> sympy.Expr:
     return sympy.Integer(int(value)) if float(value).is_integer() else sympy.Float(value)
 
 
+OPTIMIZER = "optimizer"      # the role of optimizer state (`optimizer_state`)
+
+
 def hyper(name: str) -> Node:
     return make("input", (), name=name, shape=(), dtype=FLOAT, role="hyper")
 
 
 def optimizer_state(prefix: str, param: Node) -> Node:
+    """The optimizer's buffer `prefix` of `param` (SGD's velocity `V`, Adam's moments `M` and `S`), zero at the
+    start. It is marked by its role (`role="optimizer"`, see `is_optimizer_state`), not by its name: a layer may be
+    named like one. Leaf attributes are not printed, so the role leaves program text and structure hashes as they
+    are."""
     return make("state", (), name=f"{prefix}_{param.name}", shape=param.shape, dtype=FLOAT,
-                init=Init("constant", value=0.0))
+                init=Init("constant", value=0.0), role=OPTIMIZER)
+
+
+def is_optimizer_state(node: Node) -> bool:
+    """Whether `node` is an optimizer buffer made by `optimizer_state` (other state: running statistics)."""
+    return node.op == "state" and node.attr("role") == OPTIMIZER
 
 
 @dataclass(frozen=True)

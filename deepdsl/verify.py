@@ -10,6 +10,9 @@ dtype; `t` is no batch input; a persistent `t` is overwritten only by the progra
 `t` only when no value stored with it is a program output; a statement reading the storage it overwrites is
 elementwise (or an op whose kernel may overwrite that input, `Op.overwritable`) and reads it at its own shape;
 afterwards no value stored with `t` is read (they are overwritten).
+A statement computed together with the one before it (`Let(node, computes_also=v)`): `v` is that statement's
+node, neither statement writes in place nor is computed with another, and one call can compute both
+(`passes.fuse_pool_argmax.computed_together`).
 Once a program has Free statements (after the dealloc pass), every arena storage that holds no program output is
 freed exactly once, by the Free right after the last statement that defines or reads a value stored there, naming
 all of its values still alive; persistent values are never freed.
@@ -61,6 +64,8 @@ def verify(program: Program) -> Program:
                     fail(index, f"{names.get(id(i), repr(i))} read before it is defined")
             if id(node) in defined:
                 fail(index, f"{names[id(node)]} assigned twice")
+            if instr.computes_also is not None:
+                _check_computed_together(program, index, instr, names, fail)
             if instr.into is not None:
                 _check_in_place(program, index, instr, storage, live, outputs, names, fail)
                 info = storage.of(instr.into)
@@ -94,6 +99,18 @@ def verify(program: Program) -> Program:
     if any(isinstance(i, Free) for i in program.body):
         _check_frees(program, storage, names, fail)
     return program
+
+
+def _check_computed_together(program, index, instr, names, fail) -> None:
+    from deepdsl.passes.fuse_pool_argmax import computed_together
+
+    before = program.body[index - 1] if index > 0 else None
+    if not isinstance(before, Let) or before.node is not instr.computes_also:
+        fail(index, f"{names[id(instr.node)]} computes a value that the statement before it does not define")
+    if before.into is not None or instr.into is not None or before.computes_also is not None:
+        fail(index, f"{names[id(instr.node)]} is computed with the statement before it, which one of them cannot be")
+    if not computed_together(before.node, instr.node):
+        fail(index, f"{names[id(instr.node)]} and the statement before it cannot be computed by one call")
 
 
 def _check_in_place(program, index, instr, storage, live, outputs, names, fail) -> None:

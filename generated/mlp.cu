@@ -7,7 +7,7 @@
 // (convolution, pooling, normalization, losses, reductions, copies) from the runtime's kernels/ops.cu, included
 // here, and below the program's elementwise kernels, one per `ewK` function of the program: the fused expression,
 // printed from its sympy form as float32 C. Each has three entry points, deepdsl_ewK_1, _2 and _4, for numpy
-// broadcasting collapsed to 1, 2 or 4 dimensions (deepdsl_runtime.cuda_layout.ew_layout); every input is a
+// broadcasting collapsed to 1, 2 or 4 dimensions (deepdsl_runtime.cuda.layout.ew_layout); every input is a
 // float32 or uint8 device array or a host scalar (EwArg), and every thread reads its inputs before it writes its
 // output element, so the output may be one of the inputs.
 //

@@ -47,11 +47,15 @@ class RunError(Exception):
 
 
 def backend(device: str) -> ModuleType:
-    """The runtime module implementing the ops on `device` (`deepdsl_runtime.cpu`, `deepdsl_runtime.cuda`)."""
+    """The runtime module implementing the ops on `device` (`deepdsl_runtime.cpu`, `deepdsl_runtime.cuda`), its
+    device started."""
     if device not in ("cpu", "cuda"):
         raise RunError(f"unknown device '{device}' (use cpu or cuda)")
     try:
-        return importlib.import_module(f"deepdsl_runtime.{device}")
+        module = importlib.import_module(f"deepdsl_runtime.{device}")
+        if device == "cuda":
+            module.start()
+        return module
     except ImportError as err:
         if device == "cuda":
             reason = "this runtime has no CUDA backend module yet" if getattr(err, "name", "") == \
@@ -274,7 +278,7 @@ def _tiled_products(args):
     if args.device != "cpu":
         raise RunError("--gemm-devices: only the CPU backend routes its matrix products through the tiled GEMM")
     from deepdsl_runtime.gemm import TiledGemm
-    from deepdsl_runtime.gemm_backend import TiledProducts, cpu_devices
+    from deepdsl_runtime.gemm.products import TiledProducts, cpu_devices
     return TiledProducts(TiledGemm(cpu_devices(count, memory_bytes), tile=tile))
 
 

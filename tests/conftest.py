@@ -21,19 +21,19 @@ def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite the files under tests/golden/ with the current output instead of comparing")
     parser.addoption("--fake-gpu", action="store_true", default=False,
-                     help="run the GPU tests on the host emulator of a GPU (tests/fake_pycuda.py), in this process "
-                          "and in the programs it starts")
+                     help="run the GPU tests on the host emulator of a GPU (tests/support/fake_pycuda.py), in this "
+                          "process and in the programs it starts")
 
 
 def pytest_configure(config):
     if config.getoption("--fake-gpu"):
         import os
 
-        from tests.fake_pycuda import install_for_process
+        from tests.support.fake_pycuda import install_for_process
 
         install_for_process()
         os.environ["DEEPDSL_FAKE_GPU"] = "1"
-        site = str(ROOT / "tests" / "fake_gpu_site")
+        site = str(ROOT / "tests" / "support" / "fake_gpu_site")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
 
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.program_helpers import compile_program, popen_cli, run_cli
+from tests.support.program_helpers import compile_program, popen_cli, run_cli
 
 ckpt = pytest.importorskip("deepdsl_runtime.checkpoint")
 

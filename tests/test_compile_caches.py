@@ -19,7 +19,7 @@ from deepdsl.dsl import Overrides
 from deepdsl.ir import FLOAT, Node, make, toposort
 from deepdsl.ops.elementwise import Y, _canonical, broadcast_shapes, cotangent_exprs, elementwise, sym
 from deepdsl.ops.leaf import const
-from random_programs import graphs
+from tests.support.random_programs import graphs
 
 ROOT = Path(__file__).resolve().parents[1]
 v0, v1, v2 = sym(0), sym(1), sym(2)

@@ -17,9 +17,9 @@ import deepdsl.ops.norm
 import deepdsl.ops.pool
 import deepdsl.passes.schedule
 import deepdsl_runtime.cpu
-import deepdsl_runtime.cuda_ops
+import deepdsl_runtime.cuda.ops
 import deepdsl_runtime.memory
-import deepdsl_runtime.pool
+import deepdsl_runtime.memory.first_fit
 from deepdsl.codegen import program_env
 from deepdsl.ops import get_op
 from deepdsl_runtime import contract
@@ -34,12 +34,11 @@ def _sources(*folders: str) -> list[Path]:
 
 @pytest.mark.parametrize("name, value", [
     ("memory_plan.placed_size", deepdsl.memory_plan.placed_size),
-    ("schedule.placed_size", deepdsl.passes.schedule.placed_size),
     ("runtime memory.placed_size", deepdsl_runtime.memory.placed_size),
     ("ops.conv.out_size", deepdsl.ops.conv.out_size),
     ("ops.pool.out_size", deepdsl.ops.pool.out_size),
     ("cpu.out_size", deepdsl_runtime.cpu.out_size),
-    ("cuda_ops.out_size", deepdsl_runtime.cuda_ops.out_size),
+    ("cuda.ops.out_size", deepdsl_runtime.cuda.ops.out_size),
     ("ops.pool.avg_pool_divisor", deepdsl.ops.pool.avg_pool_divisor),
 ])
 def test_compiler_and_runtime_names_are_the_contracts_functions(name, value):
@@ -48,8 +47,8 @@ def test_compiler_and_runtime_names_are_the_contracts_functions(name, value):
 
 def test_one_alignment():
     assert deepdsl.memory_plan.ALIGNMENT == deepdsl_runtime.memory.ALIGNMENT == contract.ALIGNMENT
-    assert deepdsl_runtime.pool.DEFAULT_ALIGNMENT == contract.ALIGNMENT
-    assert deepdsl_runtime.pool.PoolAllocator(1 << 12).aligned_size(1) == contract.placed_size(1)
+    assert deepdsl_runtime.memory.first_fit.DEFAULT_ALIGNMENT == contract.ALIGNMENT
+    assert deepdsl_runtime.memory.first_fit.PoolAllocator(1 << 12).aligned_size(1) == contract.placed_size(1)
 
 
 @pytest.mark.parametrize("op, rule", [("max_pool", contract.max_pool_scratch),
@@ -110,7 +109,7 @@ def test_the_runtime_never_imports_the_compiler(path):
 
 
 # modules loaded from a file: network files (the loader) and generated programs (the test helper), never the runtime
-_LOADED_BY_PATH = {"deepdsl/loader.py", "tests/program_helpers.py"}
+_LOADED_BY_PATH = {"deepdsl/loader.py", "tests/support/program_helpers.py"}
 
 
 def test_the_runtime_is_never_loaded_from_a_file():

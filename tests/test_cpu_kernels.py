@@ -14,12 +14,14 @@ from deepdsl.ops import EvalContext, get_op
 from tests.test_runtime_cpu import check, check_over, leaf, run_runtime
 
 cpu = pytest.importorskip("deepdsl_runtime.cpu")
+from deepdsl_runtime.cpu import elementwise as cpu_elementwise, scratch as cpu_scratch  # noqa: E402
+from deepdsl_runtime.cpu.scratch import samples_per_chunk  # noqa: E402
 
 
 @pytest.fixture
 def tiny_cache(monkeypatch):
     """Every kernel's cache bound holds one sample: chunk loops run once per sample."""
-    monkeypatch.setattr(cpu, "CACHE_BYTES", 1)
+    monkeypatch.setattr(cpu_scratch, "CACHE_BYTES", 1)
 
 
 CONV = [
@@ -60,14 +62,14 @@ def test_convolutions_in_cache_sized_chunks(case, tiny_cache):
 
 def test_cache_chunks_split_only_where_the_workspace_keeps_room():
     per_sample = 10
-    assert cpu._chunk(4, None, per_sample) == 4                               # 8 MiB hold everything
-    assert cpu._chunk(4, None, per_sample, cache_floats=25) == 2
+    assert samples_per_chunk(4, None, per_sample) == 4                               # 8 MiB hold everything
+    assert samples_per_chunk(4, None, per_sample, cache_floats=25) == 2
     room = np.empty(4 * per_sample, np.float32)
-    assert cpu._chunk(4, room, per_sample, fixed_if_split=5, cache_floats=25) == 2      # 2 * 10 + 5 <= 40
-    assert cpu._chunk(4, room, per_sample, fixed_if_split=25, cache_floats=25) == 4     # no room to add chunks up
-    assert cpu._chunk(4, room[:25], per_sample, fixed_if_split=5) == 2                  # the workspace decides
+    assert samples_per_chunk(4, room, per_sample, fixed_if_split=5, cache_floats=25) == 2      # 2 * 10 + 5 <= 40
+    assert samples_per_chunk(4, room, per_sample, fixed_if_split=25, cache_floats=25) == 4     # no room to add chunks up
+    assert samples_per_chunk(4, room[:25], per_sample, fixed_if_split=5) == 2                  # the workspace decides
     with pytest.raises(ValueError, match="holds no sample"):
-        cpu._chunk(4, room[:12], per_sample, fixed_if_split=5)
+        samples_per_chunk(4, room[:12], per_sample, fixed_if_split=5)
 
 
 POOL = [
@@ -145,7 +147,7 @@ def test_max_pool_with_argmax_in_one_pass(case, over, cache, monkeypatch):
     both ops' reference values, also when its output takes over the bytes of x (one sample is then staged through
     the workspace's end) and in chunks of one sample."""
     if cache == "tiny":
-        monkeypatch.setattr(cpu, "CACHE_BYTES", 1)
+        monkeypatch.setattr(cpu_scratch, "CACHE_BYTES", 1)
     x, y, argmax, _ = pool_nodes(case)
     attrs = dict(y.attrs)
     rng = np.random.default_rng(5)
@@ -179,7 +181,7 @@ def _update(out, v0, v1, v2, v3, v4):
 def test_elementwise_kernels_in_runs(chunk, monkeypatch):
     """Large elementwise kernels run in runs of EW_CHUNK elements (7 does not divide the size): the result equals
     one call of the kernel, in place over an input too; operands of another shape make one call."""
-    monkeypatch.setattr(cpu, "EW_CHUNK", chunk)
+    monkeypatch.setattr(cpu_elementwise, "EW_CHUNK", chunk)
     rng = np.random.default_rng(6)
     v, g, w = (rng.standard_normal((37, 11)).astype(np.float32) for _ in range(3))
     momentum, decay = np.float32(0.9), np.full((1, 1), 0.0005, np.float32)

@@ -8,7 +8,7 @@
 - (b) When a real libcublas loads (`cuda_device.cublas_library_candidates()`), it has every function of the table,
   and `Cublas.create_handle` either makes a handle (a GPU is there) or, without a GPU, raises `CublasError` -- in a
   subprocess, so a crash would show as one.
-- (c) Everywhere: the fake cuBLAS of the tests without a GPU (tests/fake_pycuda.py) implements the same prototypes.
+- (c) Everywhere: the fake cuBLAS of the tests without a GPU (tests/support/fake_pycuda.py) implements the same prototypes.
 
 (a) and (b) skip where no CUDA toolkit or nvidia-cublas wheel is installed, as in CI; both have been run against
 the nvidia-cublas 13.10 wheel. To run them against the wheel unpacked at DIR (DIR/nvidia/cu13/{include,lib}):
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from deepdsl_runtime.cuda_device import CUBLAS_PROTOTYPES, CUBLAS_STATUS, cublas_library_candidates
+from deepdsl_runtime.cuda.driver import CUBLAS_PROTOTYPES, CUBLAS_STATUS, cublas_library_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_table_ctypes_match_their_c_types():
 
 
 def test_the_fake_cublas_has_the_same_prototypes():
-    from tests.fake_pycuda import CUBLAS_HEADER_PROTOTYPES
+    from tests.support.fake_pycuda import CUBLAS_HEADER_PROTOTYPES
 
     assert set(CUBLAS_HEADER_PROTOTYPES) == set(CUBLAS_PROTOTYPES)
     for name, params in CUBLAS_PROTOTYPES.items():
@@ -110,7 +110,7 @@ def test_table_matches_the_cublas_header():
 
 _PROBE = """
 import json, sys
-from deepdsl_runtime import cuda_device
+from deepdsl_runtime.cuda import driver as cuda_device
 try:
     cublas = cuda_device.Cublas()
 except OSError as err:

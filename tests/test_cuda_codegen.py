@@ -5,7 +5,7 @@
 - sympy expressions print as float32 C that computes what numpy computes (compiled with the host C compiler).
 - Broadcasting layouts, launch geometry, reduction plans, takeover waves, the batched-GEMM argument mapping and
   workspace chunking, as pure functions, against numpy or by their stated invariants.
-- Every op of the CUDA backend (`cuda_ops`) on the host emulator (tests/cuda_emulator.py: the kernels' own code
+- Every op of the CUDA backend (`deepdsl_runtime.cuda.ops`) on the host emulator (tests/support/cuda_emulator.py: the kernels' own code
   compiled for the CPU, launches run in increasing, decreasing and shuffled thread order) against the CPU backend,
   including writes over inputs that the memory plan allows; the dropout masks equal the CPU's bit for bit.
 - Generated programs' training and test steps on the emulator, in every memory mode, against the CPU backend:
@@ -31,10 +31,10 @@ from hypothesis import given, settings, strategies as st
 
 from deepdsl.codegen.cuda import ARCHS, c_expression, find_nvcc, kernels_dir, nvcc_command, sources_digest
 from deepdsl.ops.elementwise import derivative, sym
-from deepdsl_runtime import cuda_layout as L
+from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.memory import MODES
-from tests import cuda_cases
-from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+from tests.support import cuda_cases
+from tests.support.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
 
 GENERATED = ROOT / "generated"
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
@@ -314,8 +314,8 @@ def test_conv_samples():
 
 @pytest.fixture(scope="module")
 def emulator():
-    from deepdsl_runtime import cuda_ops
-    from tests.cuda_emulator import HostDevice
+    from deepdsl_runtime.cuda import ops as cuda_ops
+    from tests.support.cuda_emulator import HostDevice
 
     device = HostDevice()
     cuda_ops.use_device(device)
@@ -327,7 +327,7 @@ def emulator():
 @pytest.mark.parametrize("order", [0, 1, 2], ids=["increasing", "decreasing", "shuffled"])
 @pytest.mark.parametrize("case", cuda_cases.CASES, ids=[c.__name__[5:] for c in cuda_cases.CASES])
 def test_ops_on_the_emulator_match_the_cpu_backend(case, order, emulator):
-    from deepdsl_runtime import cuda_ops
+    from deepdsl_runtime.cuda import ops as cuda_ops
 
     emulator.set_order(order, seed=17)
     for label, got, expected, tolerance in case(cuda_ops, np.random.default_rng(4)):
@@ -338,7 +338,8 @@ def test_ops_on_the_emulator_match_the_cpu_backend(case, order, emulator):
 def test_the_emulator_catches_a_racy_launch(emulator):
     """Max pooling over its own input in one parallel launch (no waves) goes wrong in some thread order: the
     emulator would expose a kernel schedule that races."""
-    from deepdsl_runtime import cpu, cuda_ops
+    from deepdsl_runtime import cpu
+    from deepdsl_runtime.cuda import ops as cuda_ops
 
     x = np.random.default_rng(0).standard_normal((9, 3, 8, 8)).astype(np.float32)
     ref = np.empty((9, 3, 4, 4), np.float32)
@@ -360,7 +361,7 @@ def test_the_emulator_catches_a_racy_launch(emulator):
 def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator):
     """Each ewK of generated/resnet_mini.cu against the numpy ewK of generated/resnet_mini.py, over random
     broadcast shapes, float32, uint8 and host-scalar inputs, and in place."""
-    from deepdsl_runtime import cuda_ops
+    from deepdsl_runtime.cuda import ops as cuda_ops
 
     module = import_program(GENERATED / "resnet_mini.py")
     emulator.add_program(module.__name__, (GENERATED / "resnet_mini.cu").read_text())
@@ -447,7 +448,8 @@ def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, e
     model is made as `--device cuda` makes it, with the emulated device behind the CUDA ops."""
     import types
 
-    from deepdsl_runtime import cuda_ops, program as runtime_program
+    from deepdsl_runtime import program as runtime_program
+    from deepdsl_runtime.cuda import ops as cuda_ops
 
     compiled, module, path = _program(name, image, 2, tmp_path_factory)
     bound = []

@@ -1,6 +1,6 @@
 """The CUDA backend on an NVIDIA GPU (marked `gpu`; skipped without pycuda and a GPU).
 
-- Every op, forward and backward, against the CPU backend (tests/cuda_cases.py: the cases the host emulator runs
+- Every op, forward and backward, against the CPU backend (tests/support/cuda_cases.py: the cases the host emulator runs
   too), relative error <= 1e-4, and bit for bit where the CPU's order of operations is reproduced (pooling, labels,
   copies, dropout masks).
 - One training step and a test step of LeNet and of a branching network (inception_mini, concat) on the GPU equal
@@ -10,12 +10,13 @@
 - The fat binary `deepdsl compile` builds is what the program loads.
 - benchmarks/cuda_vs_pytorch.py runs (two steps per side), and its worker for our program alone.
 
-`pytest --fake-gpu tests/test_cuda_gpu.py` runs them all on the host emulator of a GPU (tests/fake_pycuda.py), in
+`pytest --fake-gpu tests/test_cuda_gpu.py` runs them all on the host emulator of a GPU (tests/support/fake_pycuda.py), in
 this process and in the programs and benchmark workers they start: a check of the tests themselves and of every
 host-side path they take, not of a GPU (the PyTorch side of the benchmark is skipped there: no CUDA for PyTorch).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -24,8 +25,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests import cuda_cases
-from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+from tests.support import cuda_cases
+from tests.support.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
 from tests.test_cuda_codegen import _steps, check_steps_equal_the_cpu
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +36,12 @@ LENET_ITERS = 200        # as tests/test_generated.py: batch 64, lr 0.02 reach 9
 
 @pytest.fixture(scope="module")
 def rt():
-    return pytest.importorskip("deepdsl_runtime.cuda", reason="needs pycuda and an NVIDIA GPU", exc_type=ImportError)
+    cuda = importlib.import_module("deepdsl_runtime.cuda")
+    try:
+        cuda.start()
+    except ImportError as err:
+        pytest.skip(f"needs pycuda and an NVIDIA GPU ({err})")
+    return cuda
 
 
 @pytest.mark.parametrize("case", cuda_cases.CASES, ids=[c.__name__[5:] for c in cuda_cases.CASES])
@@ -89,12 +95,12 @@ def test_the_program_loads_the_fat_binary_deepdsl_compile_built(rt, tmp_path):
     assert fatbin is not None
     module = import_program(program)
     loaded = []
-    original = rt._drv.module_from_buffer
+    original = rt._device._drv.module_from_buffer
     try:
-        rt._drv.module_from_buffer = lambda data: loaded.append(len(data)) or original(data)
+        rt._device._drv.module_from_buffer = lambda data: loaded.append(len(data)) or original(data)
         model = model_class(module)("cuda", 0)
     finally:
-        rt._drv.module_from_buffer = original
+        rt._device._drv.module_from_buffer = original
     assert loaded == [fatbin.stat().st_size]
     model.initialize(0)
     model.prepare(model.hyper(0.1, 0.9, 0.0, 0))

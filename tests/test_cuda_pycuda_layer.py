@@ -1,13 +1,13 @@
-"""The pycuda layer of the CUDA backend, run on a strict fake of pycuda and cuBLAS (tests/fake_pycuda.py).
+"""The pycuda layer of the CUDA backend, run on a strict fake of pycuda and cuBLAS (tests/support/fake_pycuda.py).
 
-What the host emulator does not reach -- `runtime/cuda.py` (`_start`, `PycudaDevice`), `runtime/cuda_device.py`
-(contexts, `Cublas` through ctypes, `PinnedStaging`, `GemmKernels`, `DeviceMemoryPool`, peer access) and
-`runtime/gemm_cuda.py` (`CudaDevice`) -- runs here unchanged against a pycuda with the real API, argument
+What the host emulator does not reach -- `runtime/cuda/pycuda_device.py` (`start_driver`, `PycudaDevice`),
+`runtime/cuda/driver.py` (contexts, `Cublas` through ctypes, `PinnedStaging`, `GemmKernels`, `CudaContext.alloc`,
+peer access) and `runtime/gemm/cuda_device.py` (`CudaDevice`) -- runs here unchanged against a pycuda with the real API, argument
 conventions and failure modes (pycuda 2026.1), whose device memory is host memory and whose kernels are the
 emulator's host builds. Streams run lazily (work runs when something waits for it), so an ordering mistake computes
 wrong numbers. No GPU, no pycuda and no libcublas are needed; the kernels need g++ (skipped without it).
 
-- `import deepdsl_runtime.cuda` starts on the fake: cuBLAS when the library is offered, our tiled SGEMM when it
+- `deepdsl_runtime.cuda.start()` starts on the fake: cuBLAS when the library is offered, our tiled SGEMM when it
   cannot be loaded, lacks a function or cannot create a handle; the context is popped when the device closes.
 - Generated LeNet and inception_mini at batch 2: two training steps and a test step through `Model("cuda")` (the
   way `--device cuda` makes it) equal the CPU backend's in the static, pooled and dynamic memory modes with the
@@ -28,17 +28,19 @@ import numpy as np
 import pytest
 
 import deepdsl_runtime
-from deepdsl_runtime import cuda_device, cuda_ops
-from deepdsl_runtime.cuda_layout import kernel_sources_digest
+from deepdsl_runtime.cuda import driver as cuda_device
+from deepdsl_runtime.cuda import arrays as cuda_arrays
+from deepdsl_runtime.cuda import ops as cuda_ops
+from deepdsl_runtime.cuda.layout import kernel_sources_digest
 from deepdsl_runtime.gemm import CpuDevice, TiledGemm
 from deepdsl_runtime.memory import MODES
 from deepdsl_runtime.program import RunError, backend
-from tests import fake_pycuda
-from tests.program_helpers import import_program, model_class
+from tests.support import fake_pycuda
+from tests.support.program_helpers import import_program, model_class
 from tests.test_cuda_codegen import _program, _steps, check_steps_equal_the_cpu
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (kernels run on the host emulator)")
-KERNELS = deepdsl_runtime.cuda_device.GEMM_KERNEL_SOURCE.parent
+KERNELS = deepdsl_runtime.cuda.driver.GEMM_KERNEL_SOURCE.parent
 
 
 _offer = fake_pycuda.cublas_class
@@ -51,7 +53,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda_device, "_driver", None)
     monkeypatch.delitem(sys.modules, "deepdsl_runtime.cuda", raising=False)
     monkeypatch.delattr(deepdsl_runtime, "cuda", raising=False)
-    previous = list(cuda_ops._active)
+    previous = list(cuda_arrays._active)
     yield machine
     cuda_ops.use_device(previous[0] if previous else None)
     # the backend this test imported on the fake goes with it (monkeypatch restores only what was there before)
@@ -62,7 +64,7 @@ def fake(monkeypatch):
 
 @pytest.fixture
 def start(fake, monkeypatch, tmp_path):
-    """start(cublas): import `deepdsl_runtime.cuda` on the fake, with cuBLAS "offered" (the fake library), "missing"
+    """start(cublas): import and start `deepdsl_runtime.cuda` on the fake, with cuBLAS "offered" (the fake library), "missing"
     (no library loads), "incomplete" (a function missing) or "failing" (cublasCreate fails). Closes the device at
     the end and checks the context stack is empty again."""
     modules = []
@@ -79,6 +81,7 @@ def start(fake, monkeypatch, tmp_path):
             assert cublas == "missing"
             monkeypatch.setattr(cuda_device, "cublas_library_candidates", lambda: [str(tmp_path / "libcublas.so.0")])
         rt = importlib.import_module("deepdsl_runtime.cuda")
+        rt.start()
         modules.append(rt)
         return rt
 
@@ -152,7 +155,7 @@ PROGRAMS = [("lenet", "fatbin", "offered"), ("lenet", "source", "missing"),
 def test_generated_program_through_pycuda_matches_the_cpu(name, kernels, cublas, fake, start, tmp_path,
                                                           tmp_path_factory, capfd):
     """Two training steps and a test step of a generated program through `deepdsl_runtime.program.Model("cuda")`
-    on `runtime/cuda.py`'s `PycudaDevice` over the fake, in every memory mode: the CPU's losses, accuracy and
+    on `runtime/cuda/pycuda_device.py`'s `PycudaDevice` over the fake, in every memory mode: the CPU's losses, accuracy and
     parameters, and the planned peaks measured exactly. The kernels load from the program's fat binary, from its
     source through `SourceModule`, or from source after the driver refused the fat binary (one stderr line)."""
     _, cached, cached_path = _program(name, None, 2, tmp_path_factory)
@@ -203,7 +206,7 @@ def test_generated_program_through_pycuda_matches_the_cpu(name, kernels, cublas,
 def test_tile_store_poll_keeps_waiting_events(fake, monkeypatch):
     """The tiled GEMM on a device whose events complete later than they are polled (every GPU): an action whose
     event has not completed stays pending with its event (`TileStore.poll`), and the product is right."""
-    from deepdsl_runtime.gemm_cuda import CudaDevice
+    from deepdsl_runtime.gemm.cuda_device import CudaDevice
 
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
     devices = [CudaDevice(0, memory_bytes=1 << 20)]
@@ -225,7 +228,7 @@ def _reference(transa, transb, alpha, a, b, beta, c):
 @needs_cxx
 @pytest.mark.parametrize("use_cublas", [True, False], ids=["cublas", "tiled kernel"])
 def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, use_cublas):
-    from deepdsl_runtime.gemm_cuda import CudaDevice
+    from deepdsl_runtime.gemm.cuda_device import CudaDevice
 
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
     rng = np.random.default_rng(3)
@@ -263,7 +266,7 @@ def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, use_cublas)
 @needs_cxx
 def test_tiled_gemm_counters_on_cuda_devices_equal_the_cpu_devices(fake, monkeypatch):
     """Round robin moves the same tiles whatever the device; blasx keeps its invariants."""
-    from deepdsl_runtime.gemm_cuda import CudaDevice
+    from deepdsl_runtime.gemm.cuda_device import CudaDevice
 
     monkeypatch.setattr(cuda_device, "Cublas", _offer(fake.cublas_library))
     rng = np.random.default_rng(4)
@@ -302,8 +305,8 @@ def test_cuda_devices_copy_tiles_between_peer_gpus(monkeypatch):
     missing wait would copy stale bytes); a TiledGemm over both is right."""
     import threading
 
-    from deepdsl_runtime.gemm_cuda import CudaDevice
-    from deepdsl_runtime.gemm_tiles import prepare_problem
+    from deepdsl_runtime.gemm.cuda_device import CudaDevice
+    from deepdsl_runtime.gemm.tiles import prepare_problem
 
     fake = fake_pycuda.install(monkeypatch, devices=2)
     monkeypatch.setattr(cuda_device, "_driver", None)
@@ -379,7 +382,7 @@ def test_without_a_usable_gpu_the_cuda_backend_is_one_line(monkeypatch, config, 
     with pytest.raises(RunError) as error:
         backend("cuda")
     assert str(error.value) == f"CUDA backend not available: {line}"
-    assert fake.stack() == [] and "deepdsl_runtime.cuda" not in sys.modules
+    assert fake.stack() == [] and sys.modules["deepdsl_runtime.cuda"]._device is None
 
 
 def test_a_pycuda_that_does_not_load_is_one_line(monkeypatch):
@@ -471,7 +474,7 @@ def test_the_gpu_tests_pass_on_the_emulated_gpu():
     for PyTorch). Keeps the GPU tests runnable for the machines that have a GPU."""
     import subprocess
 
-    from tests.program_helpers import ROOT
+    from tests.support.program_helpers import ROOT
 
     if importlib.util.find_spec("pycuda") is not None:
         pytest.skip("a real pycuda is installed: run tests/test_cuda_gpu.py on the GPU instead")

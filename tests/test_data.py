@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.program_helpers import compile_program, run_cli
+from tests.support.program_helpers import compile_program, run_cli
 
 data = pytest.importorskip("deepdsl_runtime.data")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.program_helpers import NETWORKS, ROOT, program_env
+from tests.support.program_helpers import NETWORKS, ROOT, program_env
 
 ckpt = pytest.importorskip("deepdsl_runtime.checkpoint")
 

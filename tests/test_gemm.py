@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deepdsl_runtime.cuda_device import (GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_KERNEL_SOURCE, cublas_library_candidates,
+from deepdsl_runtime.cuda.driver import (GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_KERNEL_SOURCE, cublas_library_candidates,
                                          gemm_launch_config, row_major_gemm)
 from deepdsl_runtime.gemm import CpuDevice, GemmStats, TiledGemm
-from deepdsl_runtime.gemm_cache import Block, TileCache, TileDirectory
-from deepdsl_runtime.gemm_devices import blas_thread_limit
-from deepdsl_runtime.gemm_tiles import prepare_problem, tile_count
+from deepdsl_runtime.gemm.cache import Block, TileCache, TileDirectory
+from deepdsl_runtime.gemm.devices import blas_thread_limit
+from deepdsl_runtime.gemm.tiles import prepare_problem, tile_count
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -324,8 +324,8 @@ def test_failure_on_one_device_propagates_and_frees_memory():
 
 def test_priority_is_eq3_and_orders_the_reservation_station():
     from deepdsl_runtime.gemm import _BlasxScheduler, _Run
-    from deepdsl_runtime.gemm_cache import Shared, TileStore
-    from deepdsl_runtime.gemm_tiles import Task
+    from deepdsl_runtime.gemm.cache import Shared, TileStore
+    from deepdsl_runtime.gemm.tiles import Task
 
     x = np.zeros((12, 12))
     problem = prepare_problem("N", "N", 1.0, x, x.copy(), 0.0, x.copy(), 4)[0]  # 3 x 3 x 3 tiles
@@ -416,8 +416,7 @@ def test_cuda_kernel_compiles(arch, tmp_path):
 def test_launch_config_covers_the_tile(m, n):
     config = gemm_launch_config(m, n)
     assert config.block == (16, 16, 1)
-    gx, gy, gz = config.grid
-    assert gz == 1
+    gx, gy = config.grid
     assert (gx - 1) * GEMM_BLOCK_N < n <= gx * GEMM_BLOCK_N
     assert (gy - 1) * GEMM_BLOCK_M < m <= gy * GEMM_BLOCK_M
 
@@ -463,7 +462,7 @@ def test_cublas_candidates_are_paths_or_sonames():
 
 
 def test_runtime_imports_without_pycuda():
-    code = ("import sys; import deepdsl_runtime.gemm, deepdsl_runtime.cuda_device, deepdsl_runtime.gemm_cuda;"
+    code = ("import sys; import deepdsl_runtime.gemm, deepdsl_runtime.cuda.driver, deepdsl_runtime.gemm.cuda_device;"
             "assert 'pycuda' not in sys.modules, 'pycuda imported eagerly'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

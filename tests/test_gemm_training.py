@@ -1,5 +1,5 @@
 """The training runtime's matrix products through the tiled multi-device GEMM (`--gemm-devices`, `--gemm-device-memory`,
-`--gemm-tile`; `deepdsl_runtime.cpu.with_gemm`, `deepdsl_runtime.gemm_backend.TiledProducts`).
+`--gemm-tile`; `deepdsl_runtime.cpu.with_gemm`, `deepdsl_runtime.gemm.products.TiledProducts`).
 
 Tiles sum the inner dimension in another order than one BLAS call, so results agree within float32 rounding, not
 bit for bit. The expected figures come from numpy's own products (`np.matmul`), never from the tiled runs.
@@ -11,11 +11,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.program_helpers import compile_program, import_program, model_class, run_cli
+from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
 
 cpu = pytest.importorskip("deepdsl_runtime.cpu")
 from deepdsl_runtime.gemm import TiledGemm  # noqa: E402
-from deepdsl_runtime.gemm_backend import TiledProducts, cpu_devices  # noqa: E402
+from deepdsl_runtime.gemm.products import TiledProducts, cpu_devices  # noqa: E402
 
 TILE = 16
 MEMORY = 64 << 10          # 64 KiB per device: 16 tiles of 16x16 float32, so large operands are out of core

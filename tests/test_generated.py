@@ -2,7 +2,7 @@
 
 For LeNet, the MLP, a residual network with batch normalization (resnet_mini) and an inception network with
 concatenation and dropout (inception_mini), at a small batch: the generated program writes its initial parameters
-(`--iters 0`), the same parameters go into the network written independently in PyTorch (`tests/torch_nets.py`,
+(`--iters 0`), the same parameters go into the network written independently in PyTorch (`tests/support/torch_nets.py`,
 LeNet below), and two SGD steps with momentum and weight decay run on both (the second step exercises the
 momentum buffer) on the same batches and the same dropout masks. Losses, new parameters, momentum buffers and
 batch-norm running statistics must agree to a relative error ||a - b|| / ||b|| <= 1e-4 (float32 on both sides;
@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.program import Let
-from tests import torch_nets
-from tests.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
+from tests.support import torch_nets
+from tests.support.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
 
 TOLERANCE = 1e-4
 SEED = 3

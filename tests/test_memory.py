@@ -20,6 +20,7 @@ from deepdsl.cli import main
 from deepdsl.errors import VerifyError
 from deepdsl.interpret import run
 from deepdsl.ir import make
+from deepdsl.liveness import StorageGraph, live_profile, peak_estimate
 from deepdsl.memory_table import format_table, memory_report
 from deepdsl.ops.elementwise import sym
 from deepdsl.passes.code_motion import sink
@@ -28,14 +29,14 @@ from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
 from deepdsl.passes.rematerialize import rematerialize
-from deepdsl.passes.schedule import live_profile, peak_estimate, schedule_for_memory, storage_graph
+from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.pipeline import CompileOptions
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import analyze
 from deepdsl.verify import verify
 
-from memory_programs import assert_same, reference, step_programs
-from random_programs import feeds, graphs
+from tests.support.memory_programs import assert_same, reference, step_programs
+from tests.support.random_programs import feeds, graphs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LENET = ROOT / "networks" / "lenet.py"
@@ -81,8 +82,8 @@ def test_scheduling_never_raises_the_peak(graph):
 def test_rematerialization_never_raises_live_bytes(graph):
     program = schedule_for_memory(sink(linearize(graph)))
     recomputed = rematerialize(program)
-    before = live_profile(storage_graph(program), list(range(len(program.body))))
-    after = live_profile(storage_graph(recomputed), list(range(len(recomputed.body))))
+    before = live_profile(StorageGraph(program), list(range(len(program.body))))
+    after = live_profile(StorageGraph(recomputed), list(range(len(recomputed.body))))
     # the statements of `program` in `recomputed`, at the same live bytes or fewer (copies are inserted before uses)
     kept = [k for k, instr in enumerate(recomputed.body) if not instr.node.attr("remat")]
     assert len(kept) == len(before)

@@ -27,7 +27,7 @@ from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT, CompileOptions, plan_progr
 from deepdsl.program import Let
 from deepdsl.verify import verify
 
-from memory_programs import assert_same, reference, run_in_arena, small_networks, step_programs
+from tests.support.memory_programs import assert_same, reference, run_in_arena, small_networks, step_programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NETWORKS = sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
@@ -78,7 +78,7 @@ def planned(graph, **options):
 @SETTINGS
 @given(step_programs(), st.integers(0, 2**16))
 def test_random_programs_run_exactly_inside_their_plan(graph, seed):
-    from random_programs import feeds
+    from tests.support.random_programs import feeds
     program, plan = planned(graph)
     plan.check()
     values = feeds(program.inputs, seed)

@@ -36,7 +36,7 @@ from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.pipeline import CompileOptions
 from deepdsl.program import Let
 
-from tests import torch_nets
+from tests.support import torch_nets
 
 NETWORKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks")
 TOLERANCE = 1e-4

@@ -23,7 +23,7 @@ from deepdsl.passes.simplify import simplify
 from deepdsl.program import Let, Program
 from deepdsl.verify import verify, verify_graph
 
-from random_programs import SIZES, feeds, graphs
+from tests.support.random_programs import SIZES, feeds, graphs
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RTOL = 1e-9

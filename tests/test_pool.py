@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deepdsl_runtime.pool import HostPool, PoolAllocator, PoolExhausted
+from deepdsl_runtime.memory.first_fit import HostPool, PoolAllocator, PoolExhausted
 
 ALIGN = 256
 

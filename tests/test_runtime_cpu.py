@@ -20,6 +20,7 @@ from deepdsl.ops.elementwise import sym
 from deepdsl.ops.norm import bernoulli_mask
 
 cpu = pytest.importorskip("deepdsl_runtime.cpu")
+from deepdsl_runtime.cpu.scratch import safe_chunks  # noqa: E402
 
 RTOL = 1e-5
 UNLIMITED = 1 << 40
@@ -363,7 +364,7 @@ def test_safe_chunks_never_overwrite_an_unread_sample():
         for bi, bo in [(16, 4), (4, 16), (9, 9), (25, 9), (9, 25), (7, 6)]:
             unread = set(range(n))
             calls = 0
-            for s, e, staged in cpu._safe_chunks(n, bi, bo):
+            for s, e, staged in safe_chunks(n, bi, bo):
                 calls += 1
                 # a chunk run in place writes while it reads its own samples; a staged sample is read (or computed
                 # into scratch) before its output bytes are written

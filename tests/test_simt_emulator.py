@@ -1,4 +1,4 @@
-"""The host emulator's SIMT execution (tests/simt_host.h): kernels with shared memory and barriers run their own
+"""The host emulator's SIMT execution (tests/support/simt_host.h): kernels with shared memory and barriers run their own
 CUDA source on the CPU, block after block, each thread on a fiber, in increasing, decreasing and shuffled order.
 
 - The real block-level kernels of runtime/kernels -- `deepdsl_sum_rows`, `deepdsl_sum_middle`, `deepdsl_precision`,
@@ -30,7 +30,7 @@ F32, F64 = np.float32, np.float64
 
 @pytest.fixture(scope="module")
 def emulator():
-    from tests import cuda_emulator
+    from tests.support import cuda_emulator
     return cuda_emulator
 
 

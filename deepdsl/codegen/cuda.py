@@ -1,11 +1,12 @@
 """CUDA code generation: the kernels a generated program runs with `--device cuda`.
 
-`generate_cuda(compiled)` renders `codegen_templates/kernels.cu.jinja` into the text of `<program>.cu`: the
+`render_cuda(description)` renders `codegen_templates/kernels.cu.jinja` into the text of `<program>.cu` from the
+`ProgramDescription` the Python program is rendered from (`generate_cuda(compiled)` describes and renders): the
 program's elementwise kernels (`ew1`, `ew2`, ... -- the same functions, in the same order, as the numpy kernels of
 `<program>.py`), each printed from its sympy expression as float32 C by `CudaPrinter`, after `#include "ops.cu"`,
-the runtime's generic kernels. `write_cuda(compiled, program_path)` writes it next to the program and, when nvcc
+the runtime's generic kernels. `write_cuda(description, program_path)` writes it next to the program and, when nvcc
 is installed, builds the fat binary `<program>.<digest>.fatbin` (SASS for sm_80 and sm_90 plus PTX for later GPUs)
-the runtime loads without compiling; the digest names the exact sources (`deepdsl_runtime.cuda_layout.kernel_sources_digest`), so a binary
+the runtime loads without compiling; the digest names the exact sources (`deepdsl_runtime.cuda.layout.kernel_sources_digest`), so a binary
 from other sources is never loaded, and fat binaries are build products (not checked in: .gitignore).
 
     python -m deepdsl.codegen.cuda build generated/lenet.cu     # (re)build one program's fat binary
@@ -24,10 +25,10 @@ from sympy.printing.c import C99CodePrinter
 from sympy.printing.precedence import PRECEDENCE
 
 import deepdsl_runtime
-from deepdsl_runtime.cuda_layout import kernel_sources_digest
+from deepdsl_runtime.cuda.layout import kernel_sources_digest
 
-__all__ = ["CudaPrinter", "ARCHS", "c_expression", "generate_cuda", "write_cuda", "build_fatbin", "find_nvcc",
-           "kernels_dir", "nvcc_command", "kernel_inputs", "sources_digest"]
+__all__ = ["CudaPrinter", "ARCHS", "c_expression", "generate_cuda", "render_cuda", "write_cuda", "build_fatbin",
+           "find_nvcc", "kernels_dir", "nvcc_command", "sources_digest"]
 
 ARCHS = (80, 90)           # SASS in the fat binary; PTX of the last for newer GPUs
 
@@ -76,48 +77,43 @@ def c_expression(expr: sympy.Expr) -> str:
     return _PRINTER.doprint(expr)
 
 
-def kernel_inputs(kernel) -> int:
-    """Number of inputs of a numpy kernel of the program (its parameters after `out`)."""
-    return len(kernel.params.split(",")) - 1
-
-
 def kernels_dir() -> Path:
     """The runtime's kernel sources (ops.cu, deepdsl_common.cuh): the `kernels` folder of `deepdsl_runtime`."""
     return Path(deepdsl_runtime.__file__).resolve().parent / "kernels"
 
 
 def sources_digest(program_source: str) -> str:
-    """The runtime's `cuda_layout.kernel_sources_digest` of a program's `.cu` text (one rule for the compiler and
+    """The runtime's `cuda.layout.kernel_sources_digest` of a program's `.cu` text (one rule for the compiler and
     the runtime)."""
     return kernel_sources_digest(program_source, kernels_dir())
 
 
+def render_cuda(description, program: str | None = None) -> str:
+    """The text of the `.cu` file of a `ProgramDescription` (`deepdsl.codegen.description`): its kernels, each
+    with the expression and arity the description gives, printed as C. `program`: the program's file name as the
+    header names it (default: the description's)."""
+    from deepdsl.codegen import render
+
+    kernels = [{"name": k.name, "text": sympy.sstr(k.expr), "c": c_expression(k.expr), "inputs": list(range(k.arity))}
+               for k in description.kernels]
+    return render("kernels.cu.jinja", name=description.name, program=program or description.filename,
+                  version=description.version, source=description.source,
+                  structure_hash=description.structure_hash, kernels=kernels)
+
+
 def generate_cuda(compiled, options=None, program: str | None = None) -> str:
     """The text of the `.cu` file of the program `deepdsl.codegen.generate(compiled, options)` writes."""
-    import jinja2
+    from deepdsl.codegen.description import describe
 
-    from deepdsl import __version__
-    from deepdsl.codegen import TEMPLATES, context
-
-    ctx = context(compiled, options)
-    kernels = []
-    for k in ctx["kernels"]:
-        expr = k.expr
-        kernels.append({"name": k.name, "text": sympy.sstr(expr), "c": c_expression(expr),
-                        "inputs": list(range(kernel_inputs(k)))})
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
-    return env.get_template("kernels.cu.jinja").render(
-        name=ctx["name"], program=program or ctx["filename"], version=__version__, source=ctx["source"],
-        structure_hash=ctx["structure_hash"], kernels=kernels)
+    return render_cuda(describe(compiled, options), program)
 
 
-def write_cuda(compiled, program_path, options=None, build: bool = True) -> list[Path]:
-    """Write `<program>.cu` beside the program at `program_path` and, with `build` and nvcc installed, its fat
-    binary (older fat binaries of the program are removed). Returns the files written."""
+def write_cuda(description, program_path, build: bool = True) -> list[Path]:
+    """Write `<program>.cu` of a `ProgramDescription` beside the program at `program_path` and, with `build` and
+    nvcc installed, its fat binary (older fat binaries of the program are removed). Returns the files written."""
     program_path = Path(program_path)
     cu = program_path.with_suffix(".cu")
-    cu.write_text(generate_cuda(compiled, options, program_path.name))
+    cu.write_text(render_cuda(description, program_path.name))
     written = [cu]
     if build and find_nvcc():
         fatbin = build_fatbin(cu)

@@ -19,8 +19,9 @@ from deepdsl.errors import DeepDSLError
 def expected_programs(networks: Path) -> dict[str, str]:
     """File name in the output directory -> the text the current compiler writes for it (programs and kernels)."""
     import deepdsl
-    from deepdsl.codegen import CodegenOptions, generate
-    from deepdsl.codegen.cuda import generate_cuda
+    from deepdsl.codegen import CodegenOptions, render_program
+    from deepdsl.codegen.cuda import render_cuda
+    from deepdsl.codegen.description import describe
 
     networks = Path(networks)
     if not networks.is_dir():
@@ -31,8 +32,9 @@ def expected_programs(networks: Path) -> dict[str, str]:
             continue
         compiled = deepdsl.compile(deepdsl.load(str(path)))
         options = CodegenOptions(source=f"{networks.resolve().name}/{path.name}")
-        result[path.name] = generate(compiled, options)
-        result[f"{path.stem}.cu"] = generate_cuda(compiled, options, program=path.name)
+        description = describe(compiled, options)
+        result[path.name] = render_program(description)
+        result[f"{path.stem}.cu"] = render_cuda(description, program=path.name)
     return result
 
 

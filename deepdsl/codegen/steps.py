@@ -37,34 +37,51 @@ class GenerateError(DeepDSLError):
     """The program uses something code generation does not support (reported as one line)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Block:
+    """One statement's code: the IR statement as a comment, then its lines."""
+
     comment: str
-    lines: list[str]
+    lines: tuple[str, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
+    """One step method of the generated program: signature, docstring, prologue, statement blocks, epilogue."""
+
     name: str
     signature: str
     doc: str
-    prologue: list[str]
-    blocks: list[Block]
-    epilogue: list[str]
+    prologue: tuple[str, ...]
+    blocks: tuple[Block, ...]
+    epilogue: tuple[str, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Kernel:
+    """One elementwise kernel `out = expr(v0, ..., v<arity-1>)`: the numpy function `body` of the Python program
+    and the CUDA kernel of the same name both compute `expr` over `arity` inputs; with `alias` set, `out` may be
+    input `v<alias>`."""
+
     name: str
-    params: str
-    doc: str
-    body: list[str]
-    expr: sympy.Expr | None = None      # what the body computes (the CUDA kernel of the same name prints it)
+    expr: sympy.Expr
+    arity: int
+    alias: int | None
+    body: tuple[str, ...]
+
+    @property
+    def params(self) -> str:
+        return ", ".join(["out"] + [f"v{i}" for i in range(self.arity)])
+
+    @property
+    def doc(self) -> str:
+        return f"out = {sympy.sstr(self.expr)}" + (f"   (out may be v{self.alias})" if self.alias is not None else "")
 
 
 @dataclass
 class Kernels:
-    """Elementwise kernels of one generated program, numbered in order of first use."""
+    """Collects the elementwise kernels of one generated program while its steps are built, numbered in order of
+    first use (one kernel per expression, arity and alias)."""
 
     items: list[Kernel] = field(default_factory=list)
     _by_key: dict[tuple, str] = field(default_factory=dict)
@@ -72,11 +89,8 @@ class Kernels:
     def get(self, expr: sympy.Expr, nargs: int, alias: int | None) -> str:
         key = (sympy.srepr(expr), nargs, alias)
         if key not in self._by_key:
-            body = ufuncs.kernel_body(expr, alias)
             name = f"ew{len(self.items) + 1}"
-            params = ", ".join(["out"] + [f"v{i}" for i in range(nargs)])
-            doc = f"out = {sympy.sstr(expr)}" + (f"   (out may be v{alias})" if alias is not None else "")
-            self.items.append(Kernel(name, params, doc, body, expr))
+            self.items.append(Kernel(name, expr, nargs, alias, tuple(ufuncs.kernel_body(expr, alias))))
             self._by_key[key] = name
         return self._by_key[key]
 
@@ -136,15 +150,16 @@ class StepBuilder:
                 lines.append(f"{name} = mem.load({b.index}, {name})")
         return lines
 
-    def blocks(self) -> list[Block]:
+    def blocks(self) -> tuple[Block, ...]:
         result = []
         body, steps = self.program.body, self.plan.steps
+        deferred = {id(i.computes_also) for i in body if isinstance(i, Let) and i.computes_also is not None}
         for k, (instr, step) in enumerate(zip(body, steps)):
             if isinstance(instr, Let):
-                if k + 1 < len(body) and _pool_pair(instr, body[k + 1]):
+                if id(instr.node) in deferred:
                     result.append(self.let(instr.node, step, call=False))
-                elif k > 0 and _pool_pair(body[k - 1], instr):
-                    result.append(self.let(instr.node, step, pair=(body[k - 1].node, steps[k - 1])))
+                elif instr.computes_also is not None:
+                    result.append(self.let(instr.node, step, pair=(instr.computes_also, steps[k - 1])))
                 else:
                     result.append(self.let(instr.node, step))
             elif isinstance(instr, Free) and step.releases:
@@ -152,15 +167,16 @@ class StepBuilder:
                          if id(v) in self.py and not self.py[id(v)].startswith("T[")]
                 lines = [f"del {', '.join(names)}"] if names else []
                 lines.append(f"mem.free({', '.join(str(k) for k in step.releases)})")
-                result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes), lines))
-        return result
+                result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes), tuple(lines)))
+        return tuple(result)
 
     def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
-        """The block of one statement. A `max_pool` and `max_pool_argmax` pair over the same windows (`_pool_pair`)
-        makes one pass: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's
-        node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in max_pool's workspace (the
-        kernel's small mask may be a temporary): both statements keep the plan's buffers and the call asks for no
-        more workspace than the plan gives max_pool, so every allocator mode stays within the plan."""
+        """The block of one statement. A `max_pool` and `max_pool_argmax` pair over the same windows (marked by
+        `passes.fuse_pool_argmax`) makes one pass: the first statement only binds its buffer (`call=False`), the
+        second (`pair`: the first's node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in
+        max_pool's workspace (the kernel's small mask may be a temporary): both statements keep the plan's buffers
+        and the call asks for no more workspace than the plan gives max_pool, so every allocator mode stays within
+        the plan."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -168,7 +184,7 @@ class StepBuilder:
         args = tuple(self.arg(x) for x in node.inputs)
         self.py[id(node)] = name
         if _is_view(node):
-            return Block(comment, [lowering.lower(lowering.Site(node, args, name))])
+            return Block(comment, (lowering.lower(lowering.Site(node, args, name)),))
         lines: list[str] = []
         target = self.into.get(id(node))
         if target is not None:
@@ -181,7 +197,7 @@ class StepBuilder:
         else:
             raise GenerateError(f"the memory plan gives statement {name} no buffer")
         if not call:
-            return Block(comment + "   (computed with the next statement)", lines)
+            return Block(comment + "   (computed with the next statement)", tuple(lines))
         if pair is not None:
             first, first_step = pair
             pool, index = (first, node) if first.op == "max_pool" else (node, first)
@@ -189,14 +205,14 @@ class StepBuilder:
             workspace = f"mem.workspace({nbytes})" if nbytes else None
             lines.append(lowering.max_pool_pair(
                 lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
-            return Block(comment, lines)
+            return Block(comment, tuple(lines))
         workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         kernel = None
         if node.op == "ew":
             alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
             kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
-        return Block(comment, lines)
+        return Block(comment, tuple(lines))
 
     def lives_in(self, value: Node, leaf: Node) -> bool:
         """Whether the step leaves `value` in the persistent buffer of `leaf` (in place, or as a view of it)."""
@@ -212,17 +228,6 @@ class StepBuilder:
                 return False
 
 
-def _pool_pair(a, b) -> bool:
-    """Whether consecutive statements `a`, `b` are a `max_pool` and a `max_pool_argmax` (either order) of the same
-    input with the same attributes, written in place of nothing: their windows' maxima are computed once."""
-    if not (isinstance(a, Let) and isinstance(b, Let)):
-        return False
-    if getattr(a, "into", None) is not None or getattr(b, "into", None) is not None:
-        return False
-    x, y = a.node, b.node
-    return ({x.op, y.op} == {"max_pool", "max_pool_argmax"} and x.inputs == y.inputs and x.attrs == y.attrs)
-
-
 def _scalar(builder: StepBuilder, node: Node) -> str:
     return f"rt.scalar({builder.arg(node)})"
 
@@ -234,8 +239,8 @@ def build_setup(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
     hyper = [identifier(n.name) for n in program.inputs if _role(n) == "hyper"]
     return Step("setup", ", ".join(["self"] + (["*"] + hyper if hyper else [])),
                 "Values computed once before training (hoisted out of the steps); they outlive the step.",
-                ['rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors', *b.loads()],
-                blocks, epilogue)
+                ('rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors', *b.loads()),
+                blocks, tuple(epilogue))
 
 
 def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
@@ -261,7 +266,8 @@ def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str,
     signature = ", ".join(["self", data, label, "*", "step"] + list(hyper))
     return Step("train_step", signature,
                 "One training step on the batch: returns the loss; parameters and state are updated.",
-                ['rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors', *b.loads()], blocks, epilogue)
+                ('rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors', *b.loads()), blocks,
+                tuple(epilogue))
 
 
 def build_test(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:
@@ -272,4 +278,5 @@ def build_test(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, 
         raise GenerateError(f"the test step's results are {names}, expected ['accuracy', 'loss']")
     epilogue = [f"{k} = {_scalar(b, v)}" for k, v in program.outputs] + ["mem.end()", "return accuracy, loss"]
     return Step("test_step", f"self, {data}, {label}", "Accuracy and loss of the batch (no update).",
-                ['rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors', *b.loads()], blocks, epilogue)
+                ('rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors', *b.loads()), blocks,
+                tuple(epilogue))

@@ -15,7 +15,7 @@ move the copies back). Each statement of a cheap op whose value is no program ou
 candidate, split at each gap between consecutive uses; recomputing it at the first use after a gap frees its storage
 over that gap, provided every input it reads is still read at or after that use (so no lifetime grows, and no
 statement's live bytes rise). Greedily, while every statement at the peak of the simulated live bytes
-(`schedule.live_profile`) lies in the gap of some candidate of at least 1/`WORTHWHILE` of the peak, the largest
+(`liveness.live_profile`) lies in the gap of some candidate of at least 1/`WORTHWHILE` of the peak, the largest
 candidate covering the first of them is recomputed there; the pass stops at the first peak some statement of which
 no recomputation can lower, so every copy it adds helped lower the peak. The copy is the same node with an extra
 attribute `remat` (hash-consing would otherwise make it the original), which no op sees (`Node.kwargs`) and the
@@ -39,7 +39,7 @@ import numpy as np
 
 from deepdsl.ir import REMAT, Node, make, substitute
 from deepdsl.ops import get_op
-from deepdsl.passes.schedule import live_profile, storage_graph
+from deepdsl.liveness import StorageGraph, live_profile
 from deepdsl.program import Free, Let, Program
 from deepdsl.storage import is_inline, is_persistent
 
@@ -54,7 +54,7 @@ def rematerialize(program: Program) -> Program:
         raise ValueError("rematerialize runs before the in-place and dealloc passes")
     if len(program.body) < 3:
         return program
-    graph = storage_graph(program)
+    graph = StorageGraph(program)
     nodes = graph.nodes
     index = {id(node): k for k, node in enumerate(nodes)}
     # last statement reading each storage group, updated as recomputations move late reads to copies

@@ -34,7 +34,7 @@ typedef unsigned long long deepdsl_u64;
 // Elementwise kernels with numpy broadcasting.
 //
 // The runtime collapses the output shape and every input's broadcast pattern to at most four dimensions
-// (d0, d1, d2, d3), right-aligned (deepdsl_runtime.cuda_layout.ew_layout), and gives each input one element stride
+// (d0, d1, d2, d3), right-aligned (deepdsl_runtime.cuda.layout.ew_layout), and gives each input one element stride
 // per dimension: 0 where the input is broadcast. An input is a float32 or uint8 device array, or a host scalar
 // (a hyperparameter such as the learning rate) passed by value. ND is how many trailing dimensions are in use
 // (1, 2 or 4): the flat case needs no division at all.

@@ -11,7 +11,7 @@
 // contiguous).  The k dimension is walked in slabs of 16 staged in shared memory;
 // operand loads are coalesced along whichever axis is contiguous in memory.
 // Launch: grid = (ceil(n / 64), ceil(m / 64)), block = (16, 16)
-// (runtime/cuda_device.py: gemm_launch_config).
+// (runtime/cuda/driver.py: gemm_launch_config).
 
 #define GEMM_BM 64
 #define GEMM_BN 64

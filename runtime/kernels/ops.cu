@@ -4,7 +4,7 @@
 // Semantics are those of the CPU backend (deepdsl_runtime.cpu), including the order in which window sums add up,
 // so most results agree bit for bit and the rest (exp, log, pow, GEMM) to float32 rounding. Each kernel is a
 // DEEPDSL_HD function of one output element, row or column plus a __global__ wrapper; the wrappers' launch
-// geometry is computed by deepdsl_runtime.cuda_layout. See deepdsl_common.cuh for why the functions compile on
+// geometry is computed by deepdsl_runtime.cuda.layout. See deepdsl_common.cuh for why the functions compile on
 // the host too.
 //
 // Aliasing the memory plan allows, and how the kernels honour it:
@@ -14,7 +14,7 @@
 // - elementwise kernels may write over an input of the output's shape: each thread reads its element first.
 // - pooling may write its output over its dying input from the same start ("takes over"): the launcher then runs
 //   the *_range kernels over sample ranges that cannot race, and the *_ordered kernels (one block, tiles in
-//   order, read then write) where no such range exists (cuda_layout.takeover_waves).
+//   order, read then write) where no such range exists (deepdsl_runtime.cuda.layout.takeover_waves).
 #include "deepdsl_common.cuh"
 
 #ifdef __CUDA_ARCH__
@@ -65,7 +65,7 @@ DEEPDSL_HD void deepdsl_add_bias_at(unsigned i, unsigned o, unsigned s, const fl
 // ---------------------------------------------------------------------------------------------------------------
 // sum_to: the runtime collapses the reduction to out[b] = sum over a, c of x[(a * B + b) * C + c] (a leading and a
 // trailing summed block around the kept one) or, for other patterns, to up to four dimensions with a mask of the
-// summed ones (cuda_layout.sum_plan).
+// summed ones (deepdsl_runtime.cuda.layout.sum_plan).
 
 // thread `lane` of `lanes` (threadIdx.y of blockDim.y) adds rows lane, lane + lanes, ... of column b (C == 1)
 DEEPDSL_HD float deepdsl_sum_rows_partial(unsigned col, unsigned lane, unsigned lanes, unsigned a, unsigned b,

@@ -1,0 +1,65 @@
+"""The CPU backend: every op of the IR as a numpy function that writes its result into an explicit buffer.
+
+The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a CUDA module with the same names):
+- `op(*inputs, out=..., **attrs)`: inputs are positional in the IR's order, attributes are keywords named as in
+  the IR, and the result is written into `out`, entirely (callers hand out recycled buffers with stale contents).
+- Ops that need scratch memory take `workspace=`, a 1-D float32 buffer whose size the compiler chose
+  (the op's `workspace` rule, `deepdsl.ops`, from the scratch per sample `deepdsl_runtime.contract` states, which
+  the kernel here reads too); they carve it up in a fixed order and never allocate tensor-sized memory themselves.
+  Convolutions process as many samples at a time as their workspace holds (im2col chunks), so a smaller workspace
+  trades speed for memory without changing results. Without a workspace an op allocates its
+  own scratch (handy interactively, never done by generated programs).
+- Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
+- `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote.
+- The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
+  product `gemm(a, b, out=c)` (c = a @ b, 2-D or batched as numpy's matmul; operands may be transposed views):
+  `np.matmul` by default. `with_gemm(gemm)` is this backend with another one bound, such as the tiled
+  multi-device GEMM (`deepdsl_runtime.gemm.products.TiledProducts`).
+
+Convolution is im2col + GEMM (Torch7's scheme): a strided view of the (zero-padded) input is copied into the
+workspace as a (C*kh*kw, samples*Ho*Wo) matrix and multiplied by the (O, C*kh*kw) filter matrix, in one product for
+small output planes, per sample for large ones. 1x1 convolutions with stride 1 need no copy at all.
+
+Kernels run the batch in chunks of samples: as many as the workspace holds, and no more than keep about
+`CACHE_BYTES` of data per chunk, so that a kernel's several passes over its scratch (an im2col matrix, then its
+product; pooling windows one offset at a time) find it in the cache. Every float is float32: scalars enter ufuncs
+as Python floats or float32 (numpy keeps the array's precision), and no kernel upcasts.
+
+Modules, by op family: `transfer` (host <-> device), `scratch` (chunking and workspaces), `conv`, `pool`
+(pooling), `norm`, `loss`, `shape`, `linalg`, `elementwise`, `masks` (dropout); this package's namespace is the
+backend: every op of `__all__` is importable from here.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+from deepdsl_runtime.contract import out_size
+from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
+from deepdsl_runtime.cpu.elementwise import const, copy, ew
+from deepdsl_runtime.cpu.linalg import matmul
+from deepdsl_runtime.cpu.loss import log_softmax, pick, precision, softmax, unpick
+from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
+from deepdsl_runtime.cpu.norm import lrn, lrn_bwd
+from deepdsl_runtime.cpu.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
+from deepdsl_runtime.cpu.pool import avg_pool_divisor  # noqa: F401  (public, not an op)
+from deepdsl_runtime.cpu.shape import broadcast_to, concat, pad_axis, reshape, slice, sum_to
+from deepdsl_runtime.cpu.transfer import asarray, scalar, to_numpy, zeros
+
+__all__ = [
+    "DEVICE", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
+    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "log_softmax",
+    "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick",
+    "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "unpick", "zeros",
+]
+
+DEVICE = "cpu"
+_PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
+
+
+def with_gemm(gemm) -> types.SimpleNamespace:
+    """This backend (every name of `__all__`) with the ops of `_PRODUCTS` computing their matrix products by
+    `gemm(a, b, out=c)` instead of `np.matmul`: what a generated program's `rt` is when its products run tiled."""
+    names = {name: globals()[name] for name in __all__}
+    names.update({name: functools.partial(globals()[name], gemm=gemm) for name in _PRODUCTS})
+    return types.SimpleNamespace(**names)

@@ -1,0 +1,209 @@
+"""Convolution on the CPU: im2col + GEMM (Torch7's scheme), forward and both gradients."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.scratch import Scratch, over_samples, samples_per_chunk, takes_over
+
+
+def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
+    """(N, C, kh, kw, Ho, Wo) strided view: [n, c, i, j, p, q] = xp[n, c, i + stride*p, j + stride*q]."""
+    sn, sc, sh, sw = xp.strides
+    return np.lib.stride_tricks.as_strided(
+        xp, shape=(xp.shape[0], xp.shape[1], kh, kw, ho, wo),
+        strides=(sn, sc, sh, sw, sh * stride, sw * stride), writeable=False)
+
+
+def _padded(x: np.ndarray, pad: int, scratch: Scratch) -> np.ndarray:
+    """x with `pad` zeros around its last two axes, in scratch space (x itself when pad is 0)."""
+    if pad == 0:
+        return x
+    n, c, h, w = x.shape
+    xp = scratch.take((n, c, h + 2 * pad, w + 2 * pad))
+    xp[:, :, :pad] = 0
+    xp[:, :, h + pad:] = 0
+    xp[:, :, pad:h + pad, :pad] = 0
+    xp[:, :, pad:h + pad, w + pad:] = 0
+    xp[:, :, pad:h + pad, pad:w + pad] = x
+    return xp
+
+
+def _im2col(x: np.ndarray, cols: np.ndarray, stride: int, pad: int, scratch: Scratch) -> None:
+    """cols[n, c, i, j, p, q] = x[n, c, i + stride*p - pad, j + stride*q - pad] (0 outside x): one strided copy
+    from x, or from a zero-padded copy of x in scratch space. `cols` may be a transposed view."""
+    kh, kw, ho, wo = cols.shape[2:]
+    np.copyto(cols, _windows(_padded(x, pad, scratch), kh, kw, stride, ho, wo))
+
+
+def _valid(offset: int, size: int, out: int, stride: int, pad: int) -> tuple[int, int]:
+    """Output positions [p0, p1) whose input row offset + stride*p - pad lies inside [0, size)."""
+    p0 = max(0, -(-(pad - offset) // stride))
+    p1 = min(out, (size - 1 + pad - offset) // stride + 1)
+    return p0, max(p0, p1)
+
+
+def _col2im_add(dcols: np.ndarray, dx: np.ndarray, stride: int, pad: int) -> None:
+    """dx[n, c, i + stride*p - pad, j + stride*q - pad] += dcols[n, c, i, j, p, q] (the adjoint of _im2col)."""
+    kh, kw, ho, wo = dcols.shape[2:]
+    h, w = dx.shape[2:]
+    for i in range(kh):
+        p0, p1 = _valid(i, h, ho, stride, pad)
+        for j in range(kw):
+            q0, q1 = _valid(j, w, wo, stride, pad)
+            r, c = i + stride * p0 - pad, j + stride * q0 - pad
+            view = dx[:, :, r:r + stride * (p1 - p0):stride, c:c + stride * (q1 - q0):stride]
+            np.add(view, dcols[:, :, i, j, p0:p1, q0:q1], out=view)
+
+
+_WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
+
+
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul):
+    """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
+
+    Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
+    planes (Ho*Wo < 256) make a chunk of samples one GEMM (O, C*kh*kw) x (C*kh*kw, samples*Ho*Wo) -- one large
+    product keeps every BLAS thread busy where small products per sample do not -- whose (O, samples, Ho*Wo)
+    result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
+    im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
+    one product straight into its output."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    ho, wo = out.shape[2:]
+    w2 = w.reshape(o, c * kh * kw)
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
+        if b is not None:
+            np.add(out, b.reshape(1, o, 1, 1), out=out)
+        return
+    ckk, hw = c * kh * kw, ho * wo
+    step = samples_per_chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        m = e - s
+        scratch = Scratch(workspace)
+        cols = scratch.take((c, kh, kw, m, ho, wo))
+        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        target = out[s:e].reshape(m, o, hw)
+        if hw < _WIDE_PLANE and ckk >= o:
+            block = target.reshape(o, m, hw)            # the chunk's output memory, read as (O, samples, Ho*Wo)
+            gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
+            regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
+            np.copyto(regrouped, block)
+            if b is None:
+                np.copyto(target.transpose(1, 0, 2), regrouped)
+            else:
+                np.add(regrouped, b.reshape(o, 1, 1), out=target.transpose(1, 0, 2))
+        else:
+            gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
+            if b is not None:
+                np.add(target, b.reshape(1, o, 1), out=target)
+
+
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul):
+    """Gradient of conv2d with respect to its input: col2im(W^T G).
+
+    Stride 1 computes the column gradients of a chunk of samples in one GEMM, on rows as wide as the padded input
+    (the output gradient transposed to (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's
+    contribution is one contiguous run per channel and sample. Workspace per sample: the widened output gradient
+    (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). When
+    O*kw + kh*C < C*kh*kw the same room holds a cheaper scheme: the widened gradient shifted by each kernel column
+    (O*kw rows; a shift by j is an offset of j in rows that end in zero columns), one GEMM with the filters
+    regrouped to (kh*C, O*kw) giving each kernel row's contribution (kh*C rows), and kh shifted additions instead
+    of kh*kw. Other strides
+    add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample. `out` may take over the
+    bytes of `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output
+    gradient (into the widened copy) before it writes any of its input gradient, so chunks of any size are safe in
+    the order that writes behind the unread samples: forward when a sample's input gradient is the smaller, backward
+    otherwise."""
+    n, o, ho, wo = g.shape
+    _, c, kh, kw = w.shape
+    h, wd = size
+    over = takes_over(g, out)
+    if over and (stride != 1 or contract.pointwise_conv(kh, kw, stride, pad)):
+        return over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
+            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
+    w2t = w.reshape(o, c * kh * kw).T
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
+        return
+    ckk = c * kh * kw
+    per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, size, stride, pad)
+    if stride == 1:
+        hp, wp = h + 2 * pad, wd + 2 * pad
+        plane = hp * wp + kw - 1
+        step = samples_per_chunk(n, workspace, per_sample)
+        starts = range(0, n, step)
+        if over and out.nbytes > g.nbytes:
+            starts = reversed(starts)
+        by_rows = None
+        for s in starts:
+            e = min(n, s + step)
+            m, rows = e - s, (e - s) * ho * wp
+            scratch = Scratch(workspace)
+            if o * kw + kh * c < ckk and m * (ckk - o * kw - kh * c) * ho * wp >= o * (kw - 1):
+                # kernel rows: the output gradient shifted by each kernel column (kw contiguous copies), one GEMM
+                # by the filters regrouped (kh*C, O*kw), then kh shifted additions instead of kh*kw
+                wide = scratch.take((o, kw - 1 + rows))
+                wide[:, :kw - 1] = 0
+                body = wide[:, kw - 1:].reshape(o, m, ho, wp)
+                np.copyto(body[..., :wo], g[s:e].transpose(1, 0, 2, 3))
+                body[..., wo:] = 0
+                shifted = scratch.take((o, kw, rows))
+                for j in range(kw):
+                    np.copyto(shifted[:, j], wide[:, kw - 1 - j:kw - 1 - j + rows])
+                if by_rows is None:
+                    by_rows = np.ascontiguousarray(w.transpose(2, 1, 0, 3)).reshape(kh * c, o * kw)
+                partial = scratch.take((kh, c, m, ho * wp))
+                gemm(by_rows, shifted.reshape(o * kw, rows), out=partial.reshape(kh * c, rows))
+                offsets = [(i * wp, partial[i]) for i in range(kh)]
+            else:
+                wide = scratch.take((o, m, ho, wp))
+                np.copyto(wide[..., :wo], g[s:e].transpose(1, 0, 2, 3))
+                wide[..., wo:] = 0
+                dcols = scratch.take((c, kh, kw, m, ho * wp))
+                gemm(w2t, wide.reshape(o, rows), out=dcols.reshape(ckk, rows))
+                offsets = [(i * wp + j, dcols[:, i, j]) for i in range(kh) for j in range(kw)]
+            dxp = scratch.take((m, c, plane))
+            dxp.fill(0)
+            by_channel = dxp.transpose(1, 0, 2)
+            for offset, contribution in offsets:
+                view = by_channel[:, :, offset:offset + ho * wp]
+                np.add(view, contribution, out=view)
+            np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
+        return
+    step = samples_per_chunk(n, workspace, per_sample)
+    out.fill(0)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
+        gemm(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
+        _col2im_add(dcols, out[s:e], stride, pad)
+
+
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul):
+    """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM over all samples of a chunk.
+
+    Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
+    padding the zero-padded input; plus an (O, C*kh*kw) accumulator when the batch runs in several chunks."""
+    n, o, ho, wo = g.shape
+    c, h, wd = x.shape[1:]
+    kh, kw = kernel
+    ckk = c * kh * kw
+    out2 = out.reshape(o, ckk)
+    per_sample, accumulator = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, kernel, pad)
+    step = samples_per_chunk(n, workspace, per_sample, fixed_if_split=accumulator)
+    acc = Scratch(workspace).take((o, ckk)) if step < n else None
+    start = acc.size if acc is not None and workspace is not None else 0
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        scratch = Scratch(workspace, start)
+        cols = scratch.take((c, kh, kw, e - s, ho, wo))
+        gt = scratch.take((o, e - s, ho, wo))
+        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        np.copyto(gt, g[s:e].transpose(1, 0, 2, 3))
+        target = out2 if s == 0 else acc
+        gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
+        if s:
+            np.add(out2, acc, out=out2)

@@ -1,0 +1,40 @@
+"""Losses on the CPU: softmax, log-softmax, picking and unpicking labels, precision."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.scratch import Scratch, sample_chunks
+
+
+def softmax(x, *, out):
+    np.subtract(x, x.max(axis=1, keepdims=True), out=out)
+    np.exp(out, out=out)
+    np.divide(out, out.sum(axis=1, keepdims=True), out=out)
+
+
+def log_softmax(x, *, out, workspace=None):
+    """Rows' log-softmax, in chunks of rows (scratch: the exponentials)."""
+    scratch_floats = contract.log_softmax_scratch(x.shape)
+    for a, b in sample_chunks(x.shape[0], workspace, scratch_floats, 3 * scratch_floats):
+        xs, outs = x[a:b], out[a:b]
+        np.subtract(xs, xs.max(axis=1, keepdims=True), out=outs)
+        e = Scratch(workspace).take(xs.shape)
+        np.exp(outs, out=e)
+        np.subtract(outs, np.log(e.sum(axis=1, keepdims=True)), out=outs)
+
+
+def pick(x, labels, *, out):
+    """out[i] = x[i, labels[i]]."""
+    np.copyto(out, np.take_along_axis(x, labels.reshape(-1, 1).astype(np.intp, copy=False), axis=1).reshape(-1))
+
+
+def unpick(g, labels, *, out, classes):
+    """out[i, labels[i]] = g[i], zero elsewhere."""
+    out.fill(0)
+    np.put_along_axis(out, labels.reshape(-1, 1).astype(np.intp, copy=False), g.reshape(-1, 1), axis=1)
+
+
+def precision(x, labels, *, out):
+    """Fraction of rows whose first largest score is at the label."""
+    out[...] = np.mean(np.argmax(x, axis=1) == labels)

@@ -1,0 +1,25 @@
+"""Random masks on the CPU (dropout): a Bernoulli mask from (seed, step, key), the same on every backend."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.scratch import Scratch, sample_chunks
+
+
+def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
+    """The mask the compiler's reference semantics draw (deepdsl.ops.norm.bernoulli_mask), bit for bit."""
+    rng = contract.mask_generator(seed, step, key)
+    return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
+
+
+def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
+    """out = 1 with probability `keep`, from the counter-based stream (seed, step, key): reproducible and
+    independent of what ran before, so resuming a run draws the same masks."""
+    rng = contract.mask_generator(seed, step, key)
+    rows = out.reshape(tuple(shape) or (1,))           # a scalar mask as one row
+    per = contract.bernoulli_scratch(shape)
+    for a, b in sample_chunks(rows.shape[0], workspace, per, 2 * per):   # consecutive draws: the same stream
+        draws = Scratch(workspace).take((b - a,) + rows.shape[1:])
+        rng.random(dtype=np.float32, out=draws)
+        np.less(draws, keep, out=rows[a:b])

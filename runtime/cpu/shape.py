@@ -1,0 +1,56 @@
+"""Shapes and data movement on the CPU: reductions to and broadcasts from a shape, reshape (a view), concat,
+slices and padding along an axis."""
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+
+def _reduced_axes(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
+    lead = len(src) - len(dst)
+    return tuple(range(lead)) + tuple(lead + i for i, d in enumerate(dst) if d == 1 and src[lead + i] != 1)
+
+
+def sum_to(x, *, out, shape):
+    """Sum x down to `shape` (the inverse of broadcasting)."""
+    if x.shape == tuple(shape):
+        np.copyto(out, x)
+        return
+    if x.ndim == 4 and tuple(shape) == (1, x.shape[1], 1, 1) and x.shape[2] * x.shape[3] > 1:
+        # per-channel sums (bias and batch-norm gradients): a matrix-vector product over each sample's planes runs
+        # at memory speed, numpy's reduction over axes (0, 2, 3) several times slower
+        n, c, h, w = x.shape
+        per_sample = np.matmul(x.reshape(n, c, h * w), np.ones(h * w, dtype=x.dtype))
+        np.sum(per_sample, axis=0, out=out.reshape(c))
+        return
+    lead = x.ndim - len(shape)
+    np.sum(x, axis=_reduced_axes(x.shape, tuple(shape)), keepdims=True, out=out.reshape((1,) * lead + tuple(shape)))
+
+
+def broadcast_to(x, *, out, shape):
+    np.copyto(out, x)
+
+
+def reshape(x, *, shape):
+    """A view with another shape (no copy: x is contiguous)."""
+    return x.reshape(shape)
+
+
+def concat(*xs, out, axis):
+    np.concatenate(xs, axis=axis, out=out)
+
+
+def _axis_index(ndim, axis, start, stop):
+    index = [builtins.slice(None)] * ndim
+    index[axis] = builtins.slice(start, stop)
+    return tuple(index)
+
+
+def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
+    np.copyto(out, x[_axis_index(x.ndim, axis, start, stop)])
+
+
+def pad_axis(x, *, out, axis, start, size):
+    out.fill(0)
+    out[_axis_index(x.ndim, axis, start, start + x.shape[axis])] = x

@@ -1,0 +1,44 @@
+"""The allocators of `deepdsl_runtime.memory` with device bytes: the CUDA backend's `allocator`."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import memory
+from deepdsl_runtime.cuda.arrays import DeviceArray, DevicePool, current_device, raw_bytes
+
+
+class _OnDevice:
+    """Mixin: the allocator's bytes are device memory, batches are uploaded (staged through pinned memory)."""
+
+    def _bytes(self, nbytes: int) -> DeviceArray:
+        return raw_bytes(nbytes)
+
+    def _copy_in(self, buffer: DeviceArray, array: np.ndarray) -> None:
+        host = np.ascontiguousarray(array, dtype=buffer.dtype)
+        if host.shape != buffer.shape:
+            raise ValueError(f"batch of shape {host.shape} for a buffer of shape {buffer.shape}")
+        if host.nbytes:
+            current_device().upload(buffer.ptr, host, staged=True)
+
+    def _make_pool(self, capacity: int) -> DevicePool:
+        """The runtime's first-fit pool over one chunk of the device in use: what `memory.Pooled` asks of
+        `HostPool`."""
+        return DevicePool(capacity, current_device().alloc, memory.ALIGNMENT)
+
+
+def _device_class(base: type) -> type:
+    return type(f"Device{base.__name__}", (_OnDevice, base), {"__doc__": f"{base.__doc__} (device memory)"})
+
+
+_ALLOCATORS: dict[str, type] = {}
+
+
+def allocator(mode: str, plans: dict, check: bool = False) -> memory.Allocator:
+    """The allocator of `mode` ("static", "pooled", "dynamic") over device memory: the same bookkeeping (and so
+    the same measured peaks) as on the CPU (`deepdsl_runtime.memory`), the bytes on the GPU."""
+    classes = {"static": memory.Static, "pooled": memory.Pooled, "dynamic": memory.Dynamic}
+    if mode not in classes:
+        raise ValueError(f"unknown memory mode '{mode}' (use {', '.join(memory.MODES)})")
+    if mode not in _ALLOCATORS:
+        _ALLOCATORS[mode] = _device_class(classes[mode])
+    return _ALLOCATORS[mode](plans, check)

@@ -1,0 +1,150 @@
+"""Matrix products and convolution on the CUDA device: im2col + (strided batched) GEMM, forward and both gradients."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cuda import layout as L
+from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, device_array, launch_items, overlaps
+
+
+def matmul(a, b, *, out, ta=False, tb=False):
+    m, n = out.shape
+    k = a.shape[0] if ta else a.shape[1]
+    current_device().gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
+
+
+def _conv_geom(c, h, w, kh, kw, ho, wo, stride, pad) -> tuple[int, ...]:
+    return (c, h, w, kh, kw, ho, wo, stride, pad)
+
+
+_CONV = "I" * 9
+
+
+def _floats(workspace) -> int | None:
+    return None if workspace is None else workspace.nbytes // 4
+
+
+def _scratch(workspace, floats: int) -> DeviceArray:
+    """The first `floats` float32 of the workspace (or a temporary when none was given, as on the CPU)."""
+    if workspace is None:
+        return device_array(floats * 4, (floats,), np.float32)
+    return workspace.view(np.float32)[:floats] if workspace.dtype != np.float32 else workspace[:floats]
+
+
+def over_input(what: str, samples: int, in_floats: int, out_floats: int, in_ptr: int, out_ptr: int, workspace,
+               run) -> None:
+    """Run a per-sample op whose output starts where its input starts (the memory plan's takeover) in the CPU
+    backend's safe chunk order (`layout.safe_sample_chunks`): `run(first, count, source_ptr, target_ptr)`
+    computes samples [first, first + count) with both pointers at sample `first`, on memory that no unread sample
+    shares. A sample with no safe chunk goes through one sample of staging at the end of the workspace, which the
+    plan adds for that: the output lands there first when the op shrinks, the input is copied there first when it
+    grows."""
+    device = current_device()
+    staged = min(in_floats, out_floats)
+    floats = _floats(workspace) or 0
+    if floats < staged:
+        raise ValueError(f"{what} over its input: the workspace ({floats} floats) cannot stage a sample ({staged})")
+    stage = (workspace.view(np.float32) if workspace.dtype != np.float32 else workspace)[floats - staged:floats]
+    for s, e, through_stage in L.safe_sample_chunks(samples, in_floats * 4, out_floats * 4):
+        source, target = in_ptr + s * in_floats * 4, out_ptr + s * out_floats * 4
+        if not through_stage:
+            run(s, e - s, source, target)
+        elif out_floats <= in_floats:
+            run(s, 1, source, stage.ptr)
+            device.copy(target, stage.ptr, out_floats * 4)
+        else:
+            device.copy(stage.ptr, source, in_floats * 4)
+            run(s, 1, stage.ptr, target)
+
+
+def _im2col(x_ptr: int, geom, samples: int, sample_stride: int, row_stride: int, cols_ptr: int) -> None:
+    c, _, _, kh, kw, ho, wo, _, _ = geom
+    count = samples * c * kh * kw * ho * wo
+    launch_items("deepdsl_im2col", "I" + _CONV + "IIPP", count, count, *geom, sample_stride, row_stride, x_ptr,
+                 cols_ptr)
+
+
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
+    """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo). Workspace per sample: the im2col
+    matrix (C*kh*kw, Ho*Wo); none for 1x1 stride-1 convolutions (one batched GEMM on the input)."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    ho, wo = out.shape[2:]
+    hw, ckk = ho * wo, c * kh * kw
+    device = current_device()
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        device.gemm_batched(False, False, o, hw, c, w.ptr, c, 0, x.ptr, hw, c * hw, out.ptr, hw, o * hw, n)
+    else:
+        geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
+        step = L.conv_samples(n, _floats(workspace), ckk * hw)
+        cols = _scratch(workspace, step * ckk * hw)
+        for s in range(0, n, step):
+            m = min(n, s + step) - s
+            _im2col(x.ptr + s * c * h * wd * 4, geom, m, ckk * hw, hw, cols.ptr)
+            device.gemm_batched(False, False, o, hw, ckk, w.ptr, ckk, 0, cols.ptr, hw, ckk * hw,
+                                out.ptr + s * o * hw * 4, hw, o * hw, m)
+    if b is not None:
+        launch_items("deepdsl_add_bias", "IIIPP", out.size, out.size, o, hw, b.ptr, out.ptr)
+
+
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
+    """Gradient of conv2d with respect to its input: col2im(W^T G). Workspace per sample: the column gradients
+    (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one batched GEMM).
+
+    The memory plan may let `out` take over the bytes of `g` from the same start. Chunks then run forward when the
+    gradient shrinks and backward when it grows: a chunk's GEMM reads all its samples of `g` before col2im writes
+    them, and col2im's writes reach only samples already read. 1x1 stride-1 products read `g` and write `out`
+    directly: they run in the CPU backend's safe chunk order, one sample staged through the end of the workspace."""
+    n, o, ho, wo = g.shape
+    _, c, kh, kw = w.shape
+    h, wd = size
+    hw, ckk = ho * wo, c * kh * kw
+    device = current_device()
+    overlap = overlaps(out, g)
+    if overlap and out.ptr != g.ptr:
+        raise ValueError("conv2d_bwd_data: an output overlapping its input must start where the input starts")
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        if not overlap:
+            device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
+            return
+        per_in, per_out = o * hw, c * hw
+        over_input("conv2d_bwd_data", n, per_in, per_out, g.ptr, out.ptr, workspace,
+                   lambda s, count, source, target: device.gemm_batched(
+                       True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, count))
+        return
+    geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
+    step = L.conv_samples(n, _floats(workspace), ckk * hw)
+    dcols = _scratch(workspace, step * ckk * hw)
+    starts = range(0, n, step)
+    if overlap and c * h * wd > o * hw:
+        starts = reversed(starts)                   # a growing gradient: the last samples first
+    for s in starts:
+        m = min(n, s + step) - s
+        device.gemm_batched(True, False, ckk, hw, o, w.ptr, ckk, 0, g.ptr + s * o * hw * 4, hw, o * hw, dcols.ptr,
+                            hw, ckk * hw, m)
+        count = m * c * h * wd
+        launch_items("deepdsl_col2im", "I" + _CONV + "PP", count, count, *geom, dcols.ptr, out.ptr + s * c * h * wd * 4)
+
+
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
+    """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM per chunk of samples over the chunk's
+    im2col matrix laid out (C*kh*kw, samples*Ho*Wo) and its gradient regrouped to (O, samples*Ho*Wo); chunks after
+    the first accumulate in the GEMM (beta = 1). Workspace per sample: (C*kh*kw + O) * Ho*Wo."""
+    n, o, ho, wo = g.shape
+    c, h, wd = x.shape[1:]
+    kh, kw = kernel
+    hw, ckk = ho * wo, c * kh * kw
+    device = current_device()
+    geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
+    step = L.conv_samples(n, _floats(workspace), (ckk + o) * hw)
+    scratch = _scratch(workspace, step * (ckk + o) * hw)
+    for s in range(0, n, step):
+        m = min(n, s + step) - s
+        cols = scratch.ptr
+        regrouped = scratch.ptr + m * ckk * hw * 4
+        _im2col(x.ptr + s * c * h * wd * 4, geom, m, hw, m * hw, cols)
+        count = m * o * hw
+        launch_items("deepdsl_swap01", "IIIPP", count, m, o, hw, g.ptr + s * o * hw * 4, regrouped)
+        device.gemm(False, True, o, ckk, m * hw, 1.0, regrouped, m * hw, cols, m * hw, 0.0 if s == 0 else 1.0,
+                    out.ptr, ckk)

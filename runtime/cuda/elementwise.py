@@ -1,0 +1,102 @@
+"""Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`), broadcasts and reductions to a
+shape, copies and constants."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime.cuda import layout as L
+from deepdsl_runtime.cuda.layout import EW_F32, EW_U8, EW_VALUE
+from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, fill, launch_items, require
+
+
+_EW_ARG = "PfiIIII"
+
+
+def _ew_args(layout: L.EwLayout, args) -> list:
+    packed = []
+    for k, a in enumerate(args):
+        strides = layout.strides[k]
+        if isinstance(a, DeviceArray):
+            if a.dtype == np.float32:
+                kind = EW_F32
+            elif a.dtype == np.uint8:
+                kind = EW_U8
+            else:
+                raise TypeError(f"elementwise input {k} is a {a.dtype} device array (float32 or uint8 expected)")
+            packed += [a.ptr, 0.0, kind, *strides]
+        else:
+            packed += [0, float(np.float32(a)), EW_VALUE, *strides]
+    return packed
+
+
+def _layout(out: DeviceArray, args) -> L.EwLayout:
+    return _layout_cached(out.shape, tuple(a.shape if isinstance(a, DeviceArray) else None for a in args))
+
+
+_layouts: dict = {}
+
+
+def _layout_cached(out_shape, shapes) -> L.EwLayout:
+    key = (out_shape, shapes)
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = _layouts[key] = L.ew_layout(out_shape, list(shapes))
+    return layout
+
+
+def ew(kernel, out: DeviceArray, *args) -> None:
+    """Run generated elementwise kernel `kernel` (the program's function of that name: the device runs the CUDA
+    kernel of the same name from the program's `.cu`), numpy broadcasting over `args`: device arrays (float32,
+    uint8) or host scalars. `out` may be one of the args (in place)."""
+    require(out, "elementwise output")
+    if out.dtype != np.float32:
+        raise TypeError(f"elementwise output of dtype {out.dtype}")
+    layout = _layout(out, args)
+    name = kernel if isinstance(kernel, str) else kernel.__name__
+    d = layout.dims
+    config = L.launch_1d(layout.size)
+    current_device().launch(L.ew_entry(name, layout.nd), "IIIIP" + _EW_ARG * len(args), config.grid, config.block,
+                            (layout.size, d[1], d[2], d[3], out.ptr, *_ew_args(layout, args)), kernel)
+
+
+def broadcast_to(x, *, out, shape):
+    require(out, "broadcast_to output")
+    if out.dtype != np.float32:
+        raise TypeError(f"broadcast_to of dtype {out.dtype}")
+    layout = _layout(out, (x,))
+    d = layout.dims
+    launch_items(f"deepdsl_broadcast_{layout.nd}", "IIIIP" + _EW_ARG, layout.size, layout.size, d[1], d[2], d[3],
+                 out.ptr, *_ew_args(layout, (x,)))
+
+
+def sum_to(x, *, out, shape):
+    """Sum x down to `shape` (the inverse of broadcasting): a column sum, a middle-axis sum or the generic one."""
+    require(x, "sum_to input")
+    plan = L.sum_plan(x.shape, tuple(shape))
+    device = current_device()
+    if plan.kind == "copy":
+        copy(x, out=out)
+    elif plan.kind == "rows":
+        device.launch("deepdsl_sum_rows", "IIPP", (-(-plan.b // 32), 1), (32, 8, 1), (plan.a, plan.b, x.ptr, out.ptr))
+    elif plan.kind == "middle":
+        device.launch("deepdsl_sum_middle", "IIIPP", (plan.b, 1), (L.THREADS, 1, 1),
+                      (plan.a, plan.b, plan.c, x.ptr, out.ptr))
+    else:
+        launch_items("deepdsl_sum_generic", "IIIIIIIPP", out.size, out.size, *plan.dims, plan.reduced, plan.count,
+                     x.ptr, out.ptr)
+
+
+def reshape(x, *, shape):
+    """A view with another shape (no copy)."""
+    return x.reshape(shape)
+
+
+def copy(src, *, out):
+    if src.nbytes != out.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {out.nbytes}")
+    if out.nbytes and src.ptr != out.ptr:
+        current_device().copy(out.ptr, src.ptr, out.nbytes)
+
+
+def const(*, out, value, shape=()):
+    fill(out, value)

@@ -1,0 +1,23 @@
+"""Random masks on the CUDA device (dropout): the CPU backend's Bernoulli mask, uploaded."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cuda.arrays import launch_items
+
+
+def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
+    """The mask the compiler's reference semantics draw (deepdsl.ops.norm.bernoulli_mask), on the host."""
+    rng = contract.mask_generator(seed, step, key)
+    return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
+
+
+def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
+    """out = 1 with probability `keep`: the same counter-based stream as the CPU backend (Philox4x64-10 keyed by
+    (seed, `contract.counter_key(step, key)`)), so the mask equals the CPU's bit for bit; each thread makes 8
+    bytes."""
+    n = out.size
+    groups = -(-n // 8)
+    launch_items("deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed), contract.counter_key(step, key),
+                 np.float32(keep), out.ptr)

@@ -1,0 +1,42 @@
+"""The ops of the CUDA backend over an abstract device: what `deepdsl_runtime.cuda` exports with a GPU behind it.
+
+Same names, signatures and contract as `deepdsl_runtime.cpu` (explicit `out=` buffers, `workspace=` scratch the
+compiler sized); tensors are `DeviceArray`s (a device pointer, a shape, a dtype). Every op is a short sequence of
+kernel launches, GEMMs and copies on one device object (`arrays.Device`): `deepdsl_runtime.cuda` installs the
+pycuda one; the test suite installs a host emulator that runs the kernels' own per-element code compiled for the
+CPU, so everything here -- argument packing, chunking, workspace carving, launch order -- is exercised without a
+GPU. Launch geometry and layouts come from `deepdsl_runtime.cuda.layout`.
+
+Convolution is im2col + GEMM as on the CPU: a chunk of samples' im2col matrices in the workspace, one strided
+batched GEMM (cuBLAS) with the filter matrix straight into the output; the filter gradient regroups the output
+gradient by channel and makes one GEMM per chunk, accumulating over chunks in the GEMM itself (beta = 1); the input
+gradient is a batched GEMM then col2im gathering per input element (no atomics: deterministic). The device needs no
+more scratch per sample than the CPU kernels, so the workspace the plan gives is enough, often for larger chunks.
+
+Modules, by op family: `arrays` (the device, `DeviceArray`, copies, launches), `elementwise`, `shape`, `conv`
+(matrix products and convolution), `pool` (pooling), `norm`, `loss`, `masks` (dropout), `allocators`; this
+module's namespace is the backend without a device (the host emulator's), `deepdsl_runtime.cuda` the one with it.
+"""
+from __future__ import annotations
+
+from deepdsl_runtime.contract import out_size
+from deepdsl_runtime.cuda.allocators import allocator
+from deepdsl_runtime.cuda.arrays import (Device, DeviceArray, asarray, current_device, scalar, to_numpy, use_device,
+                                         zeros)
+from deepdsl_runtime.cuda.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter, matmul
+from deepdsl_runtime.cuda.elementwise import broadcast_to, const, copy, ew, reshape, sum_to
+from deepdsl_runtime.cuda.loss import log_softmax, pick, precision, softmax, unpick
+from deepdsl_runtime.cuda.masks import bernoulli, bernoulli_mask
+from deepdsl_runtime.cuda.norm import lrn, lrn_bwd
+from deepdsl_runtime.cuda.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
+from deepdsl_runtime.cuda.shape import concat, pad_axis, slice
+
+__all__ = [
+    "DEVICE", "DeviceArray", "Device", "allocator", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli",
+    "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
+    "ew", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size",
+    "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "unpick",
+    "use_device", "current_device", "zeros",
+]
+
+DEVICE = "cuda"

@@ -1,0 +1,32 @@
+"""Shapes on the CUDA device: concat, slices and padding along an axis."""
+from __future__ import annotations
+
+import math
+from deepdsl_runtime.cuda.arrays import copy2d, fill
+
+
+def _split(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    return math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+
+
+def concat(*xs, out, axis):
+    outer, inner = _split(out.shape, axis)
+    total, start = out.shape[axis], 0
+    for x in xs:
+        a = x.shape[axis]
+        copy2d(outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, total * inner,
+               out.itemsize)
+        start += a
+
+
+def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
+    outer, inner = _split(x.shape, axis)
+    copy2d(outer, (stop - start) * inner, x.ptr + start * inner * x.itemsize, x.shape[axis] * inner, out.ptr,
+           (stop - start) * inner, x.itemsize)
+
+
+def pad_axis(x, *, out, axis, start, size):
+    fill(out, 0)
+    outer, inner = _split(x.shape, axis)
+    a = x.shape[axis]
+    copy2d(outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, size * inner, out.itemsize)

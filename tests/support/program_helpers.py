@@ -1,0 +1,61 @@
+"""Shared by the tests of generated programs: compile a network into a program file, import it, run its CLI."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import deepdsl
+from deepdsl.codegen import program_env, write_program
+from deepdsl.dsl import Overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+NETWORKS = ROOT / "networks"
+_modules = itertools.count()
+
+
+def compile_program(network: str | Path, directory: Path, batch: int | None = None,
+                    image: tuple[int, int] | None = None, options: deepdsl.CompileOptions | None = None):
+    """(compiled, path of the generated program) for a network file (a name in networks/ or a path), compiled
+    with `options` (default: the default compile options)."""
+    path = Path(network)
+    if not path.suffix:
+        path = NETWORKS / f"{network}.py"
+    compiled = deepdsl.compile(deepdsl.load(str(path), Overrides(batch=batch, image=image)),
+                               options or deepdsl.CompileOptions())
+    target = Path(directory) / f"{compiled.name}.py"
+    write_program(compiled, target)
+    return compiled, target
+
+
+def import_program(path: Path):
+    """The generated program as a module (it imports only numpy and deepdsl_runtime)."""
+    spec = importlib.util.spec_from_file_location(f"generated_program_{next(_modules)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_class(module):
+    from deepdsl_runtime.program import Model
+    return next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+
+
+def run_cli(program: Path, *args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a generated program as its users do: a separate Python process."""
+    env = program_env()
+    env.setdefault("OMP_NUM_THREADS", "2")
+    return subprocess.run([sys.executable, str(program), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(cwd) if cwd else None)
+
+
+def popen_cli(program: Path, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+    env = program_env()
+    return subprocess.Popen([sys.executable, str(program), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=str(cwd) if cwd else None)
+
+
+__all__ = ["ROOT", "NETWORKS", "compile_program", "import_program", "model_class", "run_cli", "popen_cli", "os"]

@@ -1,0 +1,130 @@
+"""The liveness model (`deepdsl.liveness`): the scheduler's predicted peak is the peak the memory plan gives, on
+every network in `networks/`; live ranges, deaths and live bytes are what the dealloc pass and the planner use."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+
+import deepdsl
+from deepdsl.dsl import Overrides
+from deepdsl.liveness import (StorageGraph, changes_at, deaths, live_bytes, live_ranges, peak_bytes, peak_estimate,
+                              updates_in_place)
+from deepdsl.memory_plan import plan_memory
+from deepdsl.passes.code_motion import sink
+from deepdsl.passes.dealloc import insert_frees
+from deepdsl.passes.inplace import compute_in_place
+from deepdsl.passes.linearize import linearize
+from deepdsl.passes.rematerialize import rematerialize
+from deepdsl.passes.schedule import schedule_for_memory
+from deepdsl.pipeline import CompileOptions
+from deepdsl.program import Free
+
+from tests.support.memory_programs import small_networks, step_programs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# network, image (the smallest sizes the strided networks accept, as tests/test_memory_modes.py uses them)
+NETWORKS = [
+    ("lenet", None), ("mlp", None), ("alexnet", (55, 55)), ("overfeat", (71, 71)), ("vgg16", (32, 32)),
+    ("googlenet", (79, 79)), ("resnet50", (64, 64)), ("resnet_mini", None), ("inception_mini", None),
+]
+
+
+def test_every_network_is_checked():
+    assert sorted(name for name, _ in NETWORKS) == sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
+
+
+def compile_small(name, image, options=CompileOptions()):
+    """(compiled, step name -> that step's program as the stage before in-place computation leaves it)."""
+    before, done = {}, set()
+
+    def hook(label, value):
+        program, stage = label.rsplit(":", 1)
+        if stage == "inplace":
+            done.add(program)
+        elif program not in done:
+            before[program] = value         # the latest value until in-place computation runs
+
+    loop = deepdsl.load(ROOT / "networks" / f"{name}.py", Overrides(batch=2, image=image))
+    compiled = deepdsl.compile(loop, options, hook)
+    return compiled, {step: before[compiled.steps[step].program.name] for step in ("train", "test")}
+
+
+@pytest.mark.parametrize("name,image", NETWORKS, ids=[n for n, _ in NETWORKS])
+def test_the_estimate_is_the_planned_peak(name, image):
+    """The peak the scheduler and rematerialization see (`peak_estimate` of the order they leave) is the plan's
+    `peak_live_bytes` once the in-place and dealloc passes and the planner have run on that order."""
+    compiled, scheduled = compile_small(name, image)
+    for step in ("train", "test"):
+        assert updates_in_place(scheduled[step], StorageGraph(scheduled[step])), step
+        assert peak_estimate(scheduled[step]) == compiled.steps[step].plan.peak_live_bytes, step
+
+
+@pytest.mark.parametrize("name,image", [n for n in NETWORKS if n[0] in ("lenet", "resnet_mini", "inception_mini")],
+                         ids=["lenet", "resnet_mini", "inception_mini"])
+def test_the_scheduled_estimate_is_the_planned_peak_without_rematerialization(name, image):
+    """Without rematerialization the scheduler's order is the final one: its estimate is the planned peak."""
+    compiled, scheduled = compile_small(name, image, CompileOptions(rematerialize=False))
+    for step in ("train", "test"):
+        assert peak_estimate(scheduled[step]) == compiled.steps[step].plan.peak_live_bytes, step
+
+
+def test_live_ranges_are_the_plan_buffers_and_deaths_are_the_frees():
+    in_place = {}
+    compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "resnet_mini.py", Overrides(batch=2)),
+                               hook=lambda label, value: in_place.setdefault(label, value))
+    program, plan = compiled.train, compiled.steps["train"].plan
+    assert [(r.storage.root, r.begin, r.end, r.size) for r in live_ranges(program)] == \
+        [(b.value, b.begin, b.end, b.size) for b in plan.buffers]
+    # each storage dies at its last use, and the Free right after that statement releases it
+    before = in_place[f"{program.name}:inplace"]
+    position = [k for k, instr in enumerate(program.body) if not isinstance(instr, Free)]
+    dying = deaths(before)
+    assert dying
+    for k, infos in dying.items():
+        free = program.body[position[k] + 1]
+        assert isinstance(free, Free)
+        assert [id(m) for m in free.nodes] == [id(m) for info in infos for m in info.live_members()]
+        for info in infos:
+            assert plan.buffers[plan.placement(info.root).buffer].end == position[k] + 1
+
+
+def test_live_bytes_count_a_takeover_pair_once():
+    intervals, sizes = [(0, 3), (2, 5), (1, 2)], [512, 256, 1024]
+    assert live_bytes(intervals, sizes) == [512, 1536, 768, 256, 256]
+    # buffer 1 takes over buffer 0 at index 2: the two count once there, at the larger size
+    assert live_bytes(intervals, sizes, [(0, 1)]) == [512, 1536, 512, 256, 256]
+    assert peak_bytes(intervals, sizes, [(0, 1)]) == 1536
+    assert live_bytes(intervals, sizes, length=2) == [512, 1536]
+    assert peak_bytes([], []) == 0
+    assert changes_at(intervals) == ({0: [0], 2: [1], 1: [2]}, {3: [0], 5: [1], 2: [2]})
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(small_networks())
+def test_the_estimate_is_the_planned_peak_on_random_networks(loop):
+    before, done = {}, set()
+
+    def hook(label, value):
+        program, stage = label.rsplit(":", 1)
+        if stage == "inplace":
+            done.add(program)
+        elif program not in done:
+            before[program] = value
+
+    compiled = deepdsl.compile(loop, hook=hook)
+    for step in ("train", "test"):
+        final = compiled.steps[step]
+        assert peak_estimate(before[final.program.name]) == final.plan.peak_live_bytes, step
+
+
+@SETTINGS
+@given(step_programs())
+def test_the_estimate_is_the_planned_peak_on_random_programs(graph):
+    program = rematerialize(schedule_for_memory(sink(linearize(graph))))
+    assume(updates_in_place(program, StorageGraph(program)))
+    assert peak_estimate(program) == plan_memory(insert_frees(compute_in_place(program))).peak_live_bytes
