@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,6 +41,9 @@ NETWORKS = [
 ]
 BATCH = 2
 _programs: dict = {}
+# each network's planned peaks and workspace and, bit for bit, its two training losses, test accuracy and test loss
+# at this size (float.hex); a change of the compiler that changes any of them must say why and refresh the record
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "network_steps.json").read_text())
 
 
 def program(name, image, tmp_path_factory):
@@ -93,6 +97,12 @@ def test_every_mode_measures_the_planned_peak_and_computes_the_same_bits(name, i
         results[mode] = outputs, model.host_tensors()
     (reference, tensors), *others = results.values()
     assert all(np.isfinite(reference[0]))
+    recorded = GOLDEN[name]              # what the compiler planned and computed when the record was made
+    assert (train.peak_live_bytes, test.peak_live_bytes, train.workspace_bytes) == \
+        (recorded["train_peak_bytes"], recorded["test_peak_bytes"], recorded["train_workspace_bytes"])
+    losses, accuracy, test_loss = reference
+    assert [float(v).hex() for v in losses] == recorded["losses"], (losses, recorded["losses"])
+    assert (float(accuracy).hex(), float(test_loss).hex()) == (recorded["test_accuracy"], recorded["test_loss"])
     for mode, (outputs, values) in zip(MODES[1:], others):
         assert outputs == reference, f"{mode}: {outputs} != {reference}"
         for key, value in tensors.items():
