@@ -35,7 +35,7 @@ def test_every_network_is_checked():
     assert sorted(name for name, _ in NETWORKS) == sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
 
 
-def compile_small(name, image, options=CompileOptions()):
+def compile_before_inplace(loop, options=CompileOptions()):
     """(compiled, step name -> that step's program as the stage before in-place computation leaves it)."""
     before, done = {}, set()
 
@@ -46,9 +46,13 @@ def compile_small(name, image, options=CompileOptions()):
         elif program not in done:
             before[program] = value         # the latest value until in-place computation runs
 
-    loop = deepdsl.load(ROOT / "networks" / f"{name}.py", Overrides(batch=2, image=image))
     compiled = deepdsl.compile(loop, options, hook)
     return compiled, {step: before[compiled.steps[step].program.name] for step in ("train", "test")}
+
+
+def compile_small(name, image, options=CompileOptions()):
+    return compile_before_inplace(deepdsl.load(ROOT / "networks" / f"{name}.py", Overrides(batch=2, image=image)),
+                                  options)
 
 
 @pytest.mark.parametrize("name,image", NETWORKS, ids=[n for n, _ in NETWORKS])
@@ -107,19 +111,9 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 @SETTINGS
 @given(small_networks())
 def test_the_estimate_is_the_planned_peak_on_random_networks(loop):
-    before, done = {}, set()
-
-    def hook(label, value):
-        program, stage = label.rsplit(":", 1)
-        if stage == "inplace":
-            done.add(program)
-        elif program not in done:
-            before[program] = value
-
-    compiled = deepdsl.compile(loop, hook=hook)
+    compiled, before = compile_before_inplace(loop)
     for step in ("train", "test"):
-        final = compiled.steps[step]
-        assert peak_estimate(before[final.program.name]) == final.plan.peak_live_bytes, step
+        assert peak_estimate(before[step]) == compiled.steps[step].plan.peak_live_bytes, step
 
 
 @SETTINGS
