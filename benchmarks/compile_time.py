@@ -33,7 +33,7 @@ def measure(path: str, repeat: int) -> dict:
     start = time.perf_counter()
     import deepdsl
     import_seconds = time.perf_counter() - start
-    from deepdsl.program import Let
+    from deepdsl.ssa import Let
     times, cpu_times, statements = [], [], 0
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepdsl.ops import dims
-from deepdsl.program import Let, Program, format_expr
+from deepdsl.ssa import Let, Program, format_expr
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import numpy as np
 
 from deepdsl.ir import Graph, numpy_dtype
 from deepdsl.ops import EvalContext, get_op
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
-from deepdsl.program import Free, Program
+from deepdsl.ssa import Free, Program
 from deepdsl.storage import Storage, StorageInfo, analyze, is_batch_input, is_persistent, is_view, nbytes
 from deepdsl_runtime.contract import placed_size
 

@@ -46,7 +46,7 @@ import numpy as np
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
 from deepdsl.liveness import changes_at, live_bytes, live_ranges, peak_bytes
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
 from deepdsl.training import is_optimizer_state
 from deepdsl_runtime.contract import ALIGNMENT, FLOAT_BYTES, placed_size, stage_floats
@@ -109,7 +109,7 @@ class Step:
 class MemoryPlan:
     """The static memory plan of one program (see the module docstring for definitions and invariants)."""
 
-    program: str
+    name: str                      # the SSA program's name (lenet_train)
     alignment: int
     buffers: tuple[Buffer, ...]
     steps: tuple[Step, ...]

@@ -15,7 +15,7 @@ from deepdsl.liveness import changes_at
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import dims
 from deepdsl.pipeline import CompileOptions, plan_steps
-from deepdsl.program import Let, Program, format_expr, format_inline
+from deepdsl.ssa import Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
 from deepdsl_runtime.memory.first_fit import PoolAllocator
 
@@ -176,7 +176,7 @@ def format_table(report: Report) -> str:
     plan = report.plan
     header = (f"{'IR statement':<{STATEMENT_WIDTH}}  {'dimensions':<18} {'tensor MB':>11} {'change MB':>11} "
               f"{'workspace MB':>12} {'live MB':>11} {'offset':>11}  where")
-    lines = [f"memory plan of {plan.program} (MB = 10^6 bytes; change and live count sizes placed in the arena, "
+    lines = [f"memory plan of {plan.name} (MB = 10^6 bytes; change and live count sizes placed in the arena, "
              f"rounded up to {plan.alignment} bytes; workspace/k: run in k batch chunks)", "", header]
     for row in report.rows:
         dims_text = row.dims + ("" if row.dtype in ("float", "") else f" {row.dtype}")
@@ -226,7 +226,7 @@ def to_json(report: Report) -> str:
     plan = report.plan
     data = {
         "network": report.network,
-        "program": plan.program,
+        "program": plan.name,
         "alignment": plan.alignment,
         "steps": [{"kind": r.kind, "index": r.index, "name": r.name, "statement": r.text, "dims": r.dims,
                    "dtype": r.dtype, "bytes": r.nbytes, "change_bytes": r.change, "workspace_bytes": r.workspace,
@@ -271,7 +271,7 @@ def plot(report: Report, path: str) -> None:
         ax.plot([plan.peak_step], [plan.peak_live_bytes / MB], "o", color="red", label="peak")
     ax.set_xlabel("instruction")
     ax.set_ylabel("MB")
-    ax.set_title(f"{plan.program}: live memory, peak {plan.peak_live_bytes / MB:.1f} MB")
+    ax.set_title(f"{plan.name}: live memory, peak {plan.peak_live_bytes / MB:.1f} MB")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

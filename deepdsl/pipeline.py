@@ -34,7 +34,7 @@ from deepdsl.passes.pool_backward import push_through_pool_backward
 from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.passes.simplify import simplify
-from deepdsl.program import Program
+from deepdsl.ssa import Program
 from deepdsl.training import build_step_graphs
 
 Hook = Callable[[str, object], None]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from deepdsl.ir import ITEMSIZE, Node
 from deepdsl.ops import get_op
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 
 BATCH_ROLES = frozenset({"data", "label"})
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from deepdsl.errors import VerifyError
 from deepdsl.ir import Graph
 from deepdsl.ops import get_op
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_persistent
 
 

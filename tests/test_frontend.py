@@ -130,7 +130,7 @@ def test_ir_and_graph_commands(tmp_path, capsys):
 
 def test_program_graph_has_an_edge_for_every_read():
     from deepdsl.graph import program_graph
-    from deepdsl.program import Let
+    from deepdsl.ssa import Let
 
     program = deepdsl.compile(deepdsl.load(str(ROOT / "networks/lenet.py"), Overrides(batch=2))).train
     graph = program_graph(program)

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from deepdsl.ops.norm import bernoulli_mask
-from deepdsl.program import Let
+from deepdsl.ssa import Let
 from tests.support import torch_nets
 from tests.support.program_helpers import ROOT, compile_program, import_program, model_class, run_cli
 

@@ -19,7 +19,7 @@ from deepdsl.passes.linearize import linearize
 from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.pipeline import CompileOptions
-from deepdsl.program import Free
+from deepdsl.ssa import Free
 
 from tests.support.memory_programs import small_networks, step_programs
 

@@ -18,7 +18,7 @@ from deepdsl.dsl import Overrides
 from deepdsl.errors import VerifyError
 from deepdsl.ir import FLOAT, make
 from deepdsl.passes.fuse_pool_argmax import fuse_pool_argmax
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.training import is_optimizer_state
 from deepdsl.verify import verify
 

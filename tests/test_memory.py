@@ -31,7 +31,7 @@ from deepdsl.passes.pool_backward import push_through_pool_backward
 from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.pipeline import CompileOptions
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze
 from deepdsl.verify import verify
 

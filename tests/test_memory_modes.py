@@ -28,7 +28,7 @@ from deepdsl.memory_plan import plan_memory
 from deepdsl.memory_table import simulate_pool
 from deepdsl.ops import get_op
 from deepdsl.pipeline import CompileOptions
-from deepdsl.program import Let
+from deepdsl.ssa import Let
 from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
 
 from deepdsl_runtime import cpu, memory

@@ -24,7 +24,7 @@ from deepdsl.ops import Workspace, batch_chunks, get_op
 from deepdsl.passes.code_motion import sink
 from deepdsl.passes.linearize import linearize
 from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT, CompileOptions, plan_program
-from deepdsl.program import Let
+from deepdsl.ssa import Let
 from deepdsl.verify import verify
 
 from tests.support.memory_programs import assert_same, reference, run_in_arena, small_networks, step_programs

@@ -34,7 +34,7 @@ from deepdsl.dsl import Overrides
 from deepdsl.interpret import run
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.pipeline import CompileOptions
-from deepdsl.program import Let
+from deepdsl.ssa import Let
 
 from tests.support import torch_nets
 

@@ -20,7 +20,7 @@ from deepdsl.passes.cse import cse
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.simplify import simplify
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 from deepdsl.verify import verify, verify_graph
 
 from tests.support.random_programs import SIZES, feeds, graphs

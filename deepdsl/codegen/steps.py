@@ -26,7 +26,7 @@ from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import get_op
-from deepdsl.program import Free, Let, Program, format_expr
+from deepdsl.ssa import Free, Let, Program, format_expr
 from deepdsl.storage import is_batch_input
 
 DTYPES = {"float": "float32", "int32": "int32", "uint8": "uint8"}

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from deepdsl.ir import Graph, Node, make, toposort
 from deepdsl.ops import get_op
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 
 _VARIANT_ROLES = {"data", "label", "rng"}
 

@@ -12,7 +12,7 @@ once, right after its last use (the verifier checks this); statement order uncha
 from __future__ import annotations
 
 from deepdsl.liveness import deaths
-from deepdsl.program import Free, Program
+from deepdsl.ssa import Free, Program
 
 
 def insert_frees(program: Program) -> Program:

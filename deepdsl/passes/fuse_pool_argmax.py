@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deepdsl.ir import Node
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 
 __all__ = ["fuse_pool_argmax", "computed_together"]
 

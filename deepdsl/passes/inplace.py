@@ -29,7 +29,7 @@ import sympy
 from deepdsl.ir import Node, make
 from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import sym
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_persistent, is_view
 
 

@@ -8,7 +8,7 @@ Guarantees: every non-leaf node reachable from an output is defined exactly once
 from __future__ import annotations
 
 from deepdsl.ir import Graph, Node
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 
 
 def linearize(graph: Graph) -> Program:

@@ -40,7 +40,7 @@ import numpy as np
 from deepdsl.ir import REMAT, Node, make, substitute
 from deepdsl.ops import get_op
 from deepdsl.liveness import StorageGraph, live_profile
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import is_inline, is_persistent
 
 

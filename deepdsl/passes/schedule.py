@@ -24,7 +24,7 @@ import heapq
 
 from deepdsl.ir import Node
 from deepdsl.liveness import StorageGraph, simulated_peak
-from deepdsl.program import Free, Let, Program
+from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import is_view
 
 

@@ -24,7 +24,7 @@ from deepdsl.ir import Graph, numpy_dtype, toposort
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import EvalContext, get_op
 from deepdsl.ops.elementwise import elementwise, sum_to, sym
-from deepdsl.program import Let, Program
+from deepdsl.ssa import Let, Program
 from deepdsl.storage import is_batch_input
 
 from tests.support.random_programs import graphs
