@@ -27,6 +27,8 @@ def _interrupted_while_starting(signum, frame):
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_starting)
     signal.signal(signal.SIGTERM, _interrupted_while_starting)
+    if hasattr(signal, "pthread_sigmask"):      # `deepdsl run` starts the program with its signals blocked
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 
 # imported after the handlers are set: importing numpy takes a while
 import argparse

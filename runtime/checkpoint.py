@@ -83,7 +83,8 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
     """Call `write_to` on a temporary file beside `path`, make it durable, then rename it over `path`: readers see
     the old file or the new one, never a part. On any failure (a full disk, an interrupt) the temporary is removed
     and the old file stays as it was."""
-    directory = os.path.dirname(os.path.abspath(path))
+    path = os.path.realpath(path)               # a link is followed: the file it names is replaced, not the link
+    directory = os.path.dirname(path)
     fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
         os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
@@ -142,7 +143,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
     """Delete the temporaries a killed writer of `path` left (only files named as `atomic_write` names them, and
     only those whose writing process no longer runs); returns the paths removed."""
     removed = []
-    for temporary, pid in _temporaries(path):
+    for temporary, pid in _temporaries(os.path.realpath(path)):
         if pid == os.getpid() or not _running(pid):
             try:
                 os.unlink(temporary)
@@ -156,23 +157,24 @@ def check_target(path: str, option: str, nbytes: int = 0) -> None:
     """Raise a one-line `CheckpointError` unless `atomic_write(path, ...)` of `nbytes` bytes can succeed: the
     directory exists and takes a new file (tried with a temporary of the same pattern), `path` is not a directory
     nor a read-only file, and the file system has room for the new file beside the old one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
         raise CheckpointError(f"{option} {path}: is a directory; name a file in it")
+    real = os.path.realpath(path)               # where `atomic_write` writes: a link's target
+    directory = os.path.dirname(real)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{option} {path}: directory {os.path.dirname(path) or '.'} does not exist")
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(real).st_mode
     except FileNotFoundError:
         mode = None
     except OSError as err:
         raise CheckpointError(f"{option} {path}: {err.strerror}") from None
-    if mode is not None and (not stat.S_ISREG(mode) or not mode & 0o222 or not os.access(path, os.W_OK)):
+    if mode is not None and (not stat.S_ISREG(mode) or not mode & 0o222 or not os.access(real, os.W_OK)):
         what = "read-only" if stat.S_ISREG(mode) else "not a regular file"
         raise CheckpointError(f"{option} {path}: {what}; it would be replaced (make it writable or choose another "
                               "path)")
     try:
-        fd, probe = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+        fd, probe = tempfile.mkstemp(prefix=_temporary_prefix(real), suffix=".tmp", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
@@ -209,6 +211,8 @@ def read(path: str) -> Checkpoint:
                     entries[name] = archive[name]
                 except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
                     raise CheckpointError(f"{path}: field '{name}': unreadable ({err})") from None
+                if not isinstance(entries[name], np.ndarray):
+                    raise CheckpointError(f"{path}: field '{name}': not an .npy array")
     except CheckpointError:
         raise
     except FileNotFoundError:

@@ -217,6 +217,9 @@ def _npz(spec: str, path: str) -> Dataset:
             arrays = {k: loaded[k] for k in loaded.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as err:
         raise DataError(f"{spec}: cannot read {path}: {type(err).__name__}: {err}") from None
+    for key, value in arrays.items():
+        if not isinstance(value, np.ndarray):
+            raise DataError(f"{spec}: member '{key}' of {path} is not an .npy array")
     for key in ("x", "y"):
         if key not in arrays:
             raise DataError(f"{spec}: no array '{key}' in {path}")

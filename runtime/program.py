@@ -506,8 +506,12 @@ class _Run:
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:
             model.load_tensors({k: self.resumed.tensors[k] for k in model.expected_shapes()})
+            switched = self.resumed.data and self.resumed.data != self.data_spec
+            if switched:
+                _say(args, f"switching from '{self.resumed.data}' to '{self.data_spec}': its batches start from "
+                           "the beginning")
             try:
-                self.stream.position = self.resumed.data_position
+                self.stream.position = (0, 0) if switched else self.resumed.data_position
             except ValueError:
                 raise ckpt.CheckpointError(
                     f"{self.path}: fields '__data_epoch__', '__data_offset__': position {self.resumed.data_position} "

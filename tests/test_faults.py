@@ -439,3 +439,51 @@ def test_sigkill_while_saving_every_iteration_leaves_a_state_of_the_uninterrupte
     assert done.returncode == 0, done.stderr
     assert temporaries(directory) == []
     assert fingerprint(path) == states[reached[-1] + 1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paths and files that look almost right
+
+def test_a_linked_checkpoint_is_written_through_the_link(mlp, trained):
+    path, _ = trained
+    link = path.parent / "latest.npz"
+    link.symlink_to(path.name)
+    done = train(mlp, params=link, iters="4")
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and ckpt.read(str(path)).iteration == 4
+    assert temporaries(path.parent) == []
+
+
+def test_a_params_path_ending_in_a_separator_fails_before_training(mlp, tmp_path):
+    line = error_line(train(mlp, params=f"{tmp_path / 'out'}{os.sep}", iters="200000"))
+    assert "is a directory; name a file in it" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_switching_to_a_smaller_data_set_starts_its_batches_over(mlp, tmp_path):
+    path = tmp_path / "p.npz"
+    assert run_cli(mlp, "--iters", "3", "--params", str(path), "--test-iters", "0", "--quiet").returncode == 0
+    assert ckpt.read(str(path)).data_position[1] > 16                   # beyond the 16 synthetic examples
+    done = run_cli(mlp, "--iters", "4", "--params", str(path), "--data", "synthetic", "--switch-data",
+                   "--test-iters", "0")
+    assert done.returncode == 0, done.stderr
+    assert "switching from 'digits' to 'synthetic'" in done.stdout
+    assert ckpt.read(str(path)).data_position == (0, 8)
+
+
+def _with_raw_member(path, name: str) -> None:
+    import zipfile
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr(name, b"not an array")
+
+
+def test_a_member_that_is_not_an_array_is_one_line(mlp, trained, tmp_path):
+    path, _ = trained
+    _with_raw_member(path, "fc9_W")
+    line = error_line(train(mlp, params=path, iters="4"))
+    assert str(path) in line and "field 'fc9_W': not an .npy array" in line
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.zeros((16, 1, 28, 28), np.float32), y=np.zeros(16, np.int64))
+    _with_raw_member(data, "x_test")
+    line = error_line(run_cli(mlp, "--iters", "2", "--data", f"npz:{data}", "--params", str(tmp_path / "q.npz")))
+    assert f"npz:{data}" in line and "'x_test'" in line and "not an .npy array" in line

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.program_helpers import NETWORKS, ROOT, program_env
+from tests.support.program_helpers import NETWORKS, ROOT, compile_program, program_env
 
 ckpt = pytest.importorskip("deepdsl_runtime.checkpoint")
 
@@ -243,3 +243,26 @@ def test_a_plot_format_matplotlib_cannot_write_is_a_one_line_error(tmp_path):
     assert_one_line_error(deepdsl("memory", "mlp.py", "--plot", "live.txt", cwd=tmp_path),
                           "--plot live.txt", "cannot write .txt files")
     assert not (tmp_path / "live.txt").exists()
+
+
+EARLY_SIGNAL = """
+import os, signal, sys, threading, time
+from deepdsl.codegen import run_program
+
+def fire():
+    time.sleep(float(sys.argv[2]))
+    os.kill(os.getpid(), signal.SIGINT)          # a Ctrl-C reaching `deepdsl run` while the program starts
+
+threading.Thread(target=fire, daemon=True).start()
+sys.exit(run_program(sys.argv[1], ["--iters", "100000", "--params", "", "--quiet", "--data", "synthetic"]))
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.03])
+def test_a_signal_relayed_while_the_program_starts_is_one_line(tmp_path, delay):
+    """The program starts with the relayed signals blocked until its own handlers are set."""
+    _, program = compile_program("mlp", tmp_path, batch=8)
+    done = subprocess.run([sys.executable, "-c", EARLY_SIGNAL, str(program), str(delay)], capture_output=True,
+                          text=True, timeout=120, env=program_env())
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -114,7 +114,14 @@ def run_program(path, args: list[str]) -> int:
         except KeyboardInterrupt:
             return 130
     with _Relay() as relay:
-        relay.attach(subprocess.Popen(command, env=program_env(), start_new_session=True))
+        # the program starts with the relayed signals blocked and unblocks them once its own handlers are set, so
+        # a signal relayed while it starts waits for them instead of interrupting the interpreter's startup
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _Relay.FORWARDED)
+        try:
+            child = subprocess.Popen(command, env=program_env(), start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        relay.attach(child)
         return _exit_status(relay.child.wait())
 
 
