@@ -291,6 +291,7 @@ class _Signals:
 
     def __init__(self):
         self.received: int | None = None
+        self.again: int | None = None     # the second signal
         self._old = {}
 
     def __enter__(self):
@@ -301,6 +302,7 @@ class _Signals:
 
     def _handle(self, signum, frame):
         if self.received is not None:     # a second signal: stop now
+            self.again = signum
             raise KeyboardInterrupt
         self.received = signum
 
@@ -400,9 +402,10 @@ def run(model_cls: type[Model], args) -> int:
         except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
             return _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
         except KeyboardInterrupt:
-            received = signals.received or signal.SIGINT
+            received = signals.again or signals.received or signal.SIGINT
             kept = session.kept() if session is not None else "nothing was written"
-            print(f"{model_cls.name}: {signal.Signals(received).name} again: stopped at once; {kept}",
+            what = "again" if signals.received in (None, received) else f"after {signal.Signals(signals.received).name}"
+            print(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}",
                   file=sys.stderr, flush=True)
             return 128 + received
 
@@ -556,18 +559,27 @@ class _Run:
             _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
                        f"measured, {figures['peak_bytes_planned'] / 1e6:.2f} MB planned; workspace "
                        f"{figures['workspace_bytes_measured'] / 1e6:.2f} MB")
-        if args.report_json:
-            report = {"network": model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
-                      "iterations": iteration, "iterations_run": done, "loss": loss, "test_accuracy": accuracy,
-                      "test_loss": test_loss, "seconds_per_iter": per_iter, "params": self.path or None, **figures,
-                      "gemm": self.products.totals() if self.products is not None else None}
-            text = (json.dumps(report, indent=2) + "\n").encode()
-            try:
-                ckpt.atomic_write(args.report_json, lambda f: f.write(text))
-            except OSError as err:
-                raise RunError(f"cannot write --report-json {args.report_json}: {err.strerror or err}",
-                               EXIT_SAVE) from None
+        self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
+                          test_loss=test_loss, seconds_per_iter=per_iter, **figures)
         return 0
+
+    def write_report(self, **results) -> None:
+        """The --report-json file (atomically), when one is asked for."""
+        args = self.args
+        if not args.report_json:
+            return
+        report = {"network": self.model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
+                  "params": self.path or None, **results,
+                  "gemm": self.products.totals() if self.products is not None else None}
+        keys = ("network", "device", "data", "batch", "iterations", "iterations_run", "loss", "test_accuracy",
+                "test_loss", "seconds_per_iter", "params")
+        report = {**{k: report[k] for k in keys}, **{k: v for k, v in report.items() if k not in keys}}
+        text = (json.dumps(report, indent=2) + "\n").encode()
+        try:
+            ckpt.atomic_write(args.report_json, lambda f: f.write(text))
+        except OSError as err:
+            raise RunError(f"cannot write --report-json {args.report_json}: {err.strerror or err}",
+                           EXIT_SAVE) from None
 
     def hyper(self, iteration: int) -> dict:
         args = self.args
@@ -585,6 +597,8 @@ class _Run:
         self.fresh_start()
         self.save(0)
         _say(self.args, f"wrote initial parameters to {self.path}")
+        self.write_report(iterations=0, iterations_run=0, loss=None, test_accuracy=None, test_loss=None,
+                          seconds_per_iter=None, **self.model.memory_report())
         return 0
 
     def save(self, iteration: int) -> bool:
