@@ -128,12 +128,15 @@ def schedule_for_memory(program: Program, priorities: tuple[str, ...] = PRIORITI
         return program
     graph = StorageGraph(program)
     partners = _pool_partners(graph.nodes)
+    given = list(range(len(program.body)))
     best = None
     for priority in priorities:
         order = _list_schedule(graph, partners, priority)
         peak = simulated_peak(graph, order)
         if best is None or peak < best[0]:
             best = (peak, order)
+    if simulated_peak(graph, given) < best[0]:      # never worse than the order it was given
+        return program
     order = _views_at_first_use(graph, best[1])
     return Program(program.name, program.inputs, tuple(Let(graph.nodes[k]) for k in order), program.outputs)
 
