@@ -133,7 +133,7 @@ class Model:
         # a device backend serves the plan from device memory (the same bookkeeping) and runs this program's kernels
         self.mem = getattr(self.rt, "allocator", memory.allocator)(memory_mode, self.memory_plans, check=check_memory)
         bind = getattr(self.rt, "bind_program", None)
-        program = getattr(type(self).train_step, "__globals__", {}).get("__file__")
+        program = self.program_file()
         if bind is not None and program:
             try:
                 bind(program)
@@ -141,6 +141,11 @@ class Model:
                 raise RunError(str(err)) from None
         self.tensors: dict[str, object] = {}
         self.seed = seed
+
+    @classmethod
+    def program_file(cls) -> str | None:
+        """The generated program's own file (None for a class not defined in one)."""
+        return getattr(cls.train_step, "__globals__", {}).get("__file__")
 
     # tensors ----------------------------------------------------------------------------------------------------
     def initialize(self, seed: int) -> None:
@@ -463,7 +468,7 @@ class _Run:
     def check_outputs(self) -> None:
         args = self.args
         outputs = [("--params", self.path), ("--report-json", args.report_json)]
-        program = getattr(type(self.model).train_step, "__globals__", {}).get("__file__")
+        program = self.model.program_file()
         kind, _, data_file = self.data_spec.partition(":")
         inputs = [("this program", program), ("--init-from", args.init_from),
                   ("--data", data_file if kind == "npz" else None)]
