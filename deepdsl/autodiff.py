@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from deepdsl import provenance
 from deepdsl.ir import Node, toposort
 from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import add
@@ -30,11 +31,16 @@ def gradients(loss: Node, wrt: Sequence[Node]) -> dict[Node, Node]:
         parts = pending.pop(id(node), None)
         if parts is None:
             continue
-        g = parts[0] if len(parts) == 1 else add(*parts)
+        if len(parts) == 1:
+            g = parts[0]
+        else:
+            g = add(*parts)
+            provenance.record_sum(g, node)
         done[id(node)] = g
         if not node.inputs or not any(needed[id(i)] for i in node.inputs):
             continue
         cotangents = get_op(node.op).vjp(node, g)
+        provenance.record_backward(node, g, zip(node.inputs, cotangents))
         assert len(cotangents) == len(node.inputs), f"VJP of {node.op} gave {len(cotangents)} cotangents " \
                                                     f"for {len(node.inputs)} inputs"
         for x, c in zip(node.inputs, cotangents):

@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn
 import sympy
 
 from deepdsl.errors import ArgumentError, DeepDSLError, ShapeError, SourceLocation, user_location
+from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make, toposort
 from deepdsl.ops import dims
 from deepdsl.ops import loss as L
@@ -286,7 +287,11 @@ def fn(f: Callable[[Tensor], Tensor], label: str | None = None) -> Fn:
 
 
 class Layer(Fn):
-    """A tensor function with a name (for errors and parameter names) and the line that defined it."""
+    """A tensor function with a name (for errors and parameter names) and the line that defined it. The values an
+    application makes are recorded as this layer's (`deepdsl.provenance`): a `named` layer's under its own name,
+    another's (`relu`) under the name of the named layer before it (`fc1_relu`)."""
+
+    named = False
 
     def __init__(self, label: str, describe: str):
         super().__init__(self.forward, label)
@@ -304,6 +309,7 @@ class Layer(Fn):
             y = self.forward(x)
             if any(size < 1 for size in y.shape):
                 raise ShapeError(f"output shape {dims(y.shape)} has a dimension below 1")
+            provenance.record_layer(y.node, [x.node], self.label, self.describe, self.named)
             return y
         except ShapeError as err:
             if err.location is not None and getattr(err, "layer_done", False):
@@ -369,9 +375,13 @@ def _state(name: str, shape: tuple[int, ...], value: float) -> Node:
 class _ParamLayer(Layer):
     """A layer with parameters: applying it twice shares its weights (the inputs must agree in size)."""
 
+    named = True
+
     def _weights(self, shapes: dict[str, tuple[int, ...]], specs: dict[str, Param]) -> dict[str, Node]:
         made = {key: _made(_param(f"{self.label}_{key}", shape, specs[key]), f"layer '{self.label}'", self.defined_at)
                 for key, shape in shapes.items()}
+        for leaf in made.values():
+            provenance.record_leaf(leaf, self.label, self.describe)
         previous = getattr(self, "_made", None)
         if previous is not None and any(previous[k] is not made[k] for k in made):
             raise ShapeError(f"used again on an input of another size: weights {dims(previous['W'].shape)} "
@@ -557,6 +567,8 @@ class _BatchNorm(_ParamLayer):
         p = self._weights({"W": (c,), "B": (c,)}, {"W": constant(1.0), "B": constant(0.0)})
         mean = _made(_state(f"{self.label}_mean", (c,), 0.0), f"layer '{self.label}'", self.defined_at)
         var = _made(_state(f"{self.label}_var", (c,), 1.0), f"layer '{self.label}'", self.defined_at)
+        for leaf in (mean, var):
+            provenance.record_leaf(leaf, self.label, self.describe)
         return Tensor(make("batch_norm", (x.node, p["W"], p["B"], mean, var), eps=self.eps, momentum=self.momentum))
 
 
@@ -572,9 +584,11 @@ def concat(*tensors: Tensor) -> Tensor:
     """Concatenate along channels (axis 1)."""
     nodes = [_node(t) for t in tensors]
     try:
-        return Tensor(_concat(nodes, axis=1))
+        result = _concat(nodes, axis=1)
     except ShapeError as err:
         raise ShapeError(f"concat: {err.message}", user_location()) from None
+    provenance.record_layer(result, nodes, "concat", f"concatenation of {len(nodes)} branches", False)
+    return Tensor(result)
 
 
 def add(*tensors: Tensor) -> Tensor:
@@ -583,7 +597,9 @@ def add(*tensors: Tensor) -> Tensor:
     if len(shapes) > 1:
         raise ShapeError("add of tensors of different shapes: " + ", ".join(dims(t.shape) for t in tensors),
                          user_location())
-    return Tensor(ew_node(sympy.Add(*(sym(i) for i in range(len(tensors)))), [t.node for t in tensors]))
+    result = ew_node(sympy.Add(*(sym(i) for i in range(len(tensors)))), [t.node for t in tensors])
+    provenance.record_layer(result, [t.node for t in tensors], "add", f"sum of {len(tensors)} branches", False)
+    return Tensor(result)
 
 
 flatten = _Op("flatten", "flatten", lambda x: reshape(x, (x.shape[0], x.size // x.shape[0])))
@@ -670,8 +686,12 @@ class Loop:
     accuracy: Tensor
     solver: Train
     source: str | None = field(default=None, compare=False)
+    # where its values came from (`deepdsl.provenance`): the table of the network file that made it
+    origins: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.origins is None:
+            self.origins = provenance.table()
         for what in ("loss", "accuracy"):
             t = getattr(self, what)
             if not isinstance(t, Tensor) or t.shape != ():

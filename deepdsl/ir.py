@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from deepdsl.provenance import inherit
+
 FLOAT = "float"   # the training dtype: float32 in generated programs, float64 in gradient tests
 INT32 = "int32"   # labels
 UINT8 = "uint8"   # pooling argmax indices
@@ -114,7 +116,7 @@ def rebuild(node: Node, inputs: Iterable[Node]) -> Node:
     old = node.inputs
     if len(inputs) == len(old) and all(map(operator.is_, inputs, old)):
         return node
-    return _make(node.op, inputs, node.attrs)
+    return inherit(_make(node.op, inputs, node.attrs), node)
 
 
 def substitute(node: Node, inputs: Iterable[Node], **extra: Any) -> Node:
@@ -125,11 +127,11 @@ def substitute(node: Node, inputs: Iterable[Node], **extra: Any) -> Node:
     key = (node.op, tuple(map(id, inputs)), items)
     found = _cache.get(key)
     if found is not None:
-        return found
+        return inherit(found, node)
     assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(inputs, node.inputs)), "not a substitute"
     new = Node(node.op, inputs, items, node.shape, node.dtype, next(_serial))
     _cache[key] = new
-    return new
+    return inherit(new, node)
 
 
 def toposort(roots: Iterable[Node]) -> list[Node]:
@@ -173,7 +175,7 @@ def transform(roots: Iterable[Node], rewrite: Callable[[Node], Node]) -> Callabl
     """
     memo: dict[Node, Node] = {}     # nodes hash by identity
     for node in toposort(roots):
-        memo[node] = rewrite(rebuild(node, [memo[i] for i in node.inputs]) if node.inputs else node)
+        memo[node] = inherit(rewrite(rebuild(node, [memo[i] for i in node.inputs]) if node.inputs else node), node)
     return memo.__getitem__
 
 

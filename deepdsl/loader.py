@@ -12,7 +12,7 @@ import itertools
 import os
 import sys
 
-from deepdsl import dsl
+from deepdsl import dsl, provenance
 from deepdsl.dsl import Loop, Overrides
 from deepdsl.errors import DeepDSLError, NetworkFileError, SourceLocation, location_from_traceback
 
@@ -33,6 +33,7 @@ def _load(path: str, overrides: Overrides) -> Loop:
     dsl._overrides.set(overrides)
     dsl._dropout_keys.set(None)
     dsl._leaf_makers.set({})
+    provenance.begin()
     name = f"deepdsl_network_{next(_module_ids)}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

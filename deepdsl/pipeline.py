@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from deepdsl import provenance
 from deepdsl.dsl import Loop
 from deepdsl.ir import Graph, Node
 from deepdsl.passes.code_motion import hoist_invariants, sink
@@ -257,8 +258,10 @@ def plan_steps(unplanned: Mapping[str, Program], options: CompileOptions = Compi
                hook: Hook | None = None) -> dict[str, CompiledStep]:
     """Run the memory stages and `plan_memory` on programs as the optimization stages leave them (`unplanned`, by
     step name): each step's final program and its plan, exactly as `compile` with these options gives them."""
-    final = run_stages(unplanned, MEMORY_STAGES, options, hook)
-    plans = run_stages(final, PLANNING_STAGES, options, hook)
+    origins = next((p.origins for p in unplanned.values() if p.origins is not None), None)
+    with provenance.using(provenance.table() if origins is None else origins):     # recomputed copies are named
+        final = run_stages(unplanned, MEMORY_STAGES, options, hook)
+        plans = run_stages(final, PLANNING_STAGES, options, hook)
     return {step: CompiledStep(final[step], plans[step], unplanned[step]) for step in unplanned}
 
 
@@ -271,7 +274,7 @@ def plan_program(program: Program, options: CompileOptions = CompileOptions(),
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
     """Compile a Loop into its setup, training-step and test-step SSA programs and their memory plans."""
-    with _collector_paused():
+    with _collector_paused(), provenance.using(loop.origins):
         return _compile(loop, options, hook)
 
 

@@ -4,17 +4,26 @@ A `Let` defines its node's value from the node's inputs; `Let(node, into=t)` wri
 `t` (in-place computation: `t`, and every view of it, is dead from then on); `Free` ends the life of values (added
 by the memory passes); `Let(node, computes_also=v)` computes `v`, defined by the statement before it, in the same
 kernel call. Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted
-values); outputs map names to values. Names appear only when printing: leaves by their own names, statement values
-X1, X2, ... in order.
+values); outputs map names to values. Names appear only when printing: leaves by their own names, statement values after
+where they came from (`deepdsl.provenance`: `cv1`, `fc1_relu`, `d_cv1_W`; the new value of a parameter or state
+tensor `fc1_W_new`), made unique in order (`fc1_relu_2`).
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+import keyword
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from deepdsl.ir import REMAT, Node
 from deepdsl.ops import Op, _fmt, dims, get_op
+from deepdsl.provenance import base_name
+
+# names a value never takes: Python keywords and the names generated step functions give their arguments and locals
+RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(
+    {"self", "step", "lr", "momentum", "decay", "bias1", "bias2", "rt", "mem", "T", "loss", "accuracy", "np", "rp"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,38 +51,63 @@ Instr = Let | Free
 
 @dataclass(frozen=True)
 class Program:
+    """name, inputs (leaves), body (statements) and outputs (name -> value); `origins`: the provenance table of
+    the network it was compiled from (`deepdsl.provenance`), which names its values when it is printed."""
+
     name: str
     inputs: tuple[Node, ...]
     body: tuple[Instr, ...]
     outputs: tuple[tuple[str, Node], ...]
+    origins: Any = field(default=None, compare=False, repr=False)
+
+    def rewritten(self, body: tuple[Instr, ...], outputs: tuple[tuple[str, Node], ...] | None = None) -> "Program":
+        """This program with another body (and outputs): what a pass returns."""
+        return replace(self, body=body, outputs=self.outputs if outputs is None else outputs)
 
     def statements(self) -> list[Node]:
         return [i.node for i in self.body if isinstance(i, Let)]
 
-    def names(self) -> dict[int, str]:
-        """Deterministic printing names: id(node) -> name."""
+    def names(self, positional: bool = False) -> dict[int, str]:
+        """Deterministic printing names: id(node) -> name. Inputs keep their own; a statement's value is named
+        after its origin (the op where none was recorded), an output that is the new value of input `k` `k_new`,
+        each name a Python identifier distinct from the inputs', the reserved words and the names before it.
+        `positional`: X1, X2, ... in order instead (names that depend on the statements only)."""
         names = {id(n): n.name for n in self.inputs}
-        k = 0
-        for node in self.statements():
-            if id(node) not in names:
-                k += 1
+        if positional:
+            for k, node in enumerate((n for n in self.statements() if id(n) not in names), 1):
                 names[id(node)] = f"X{k}"
+            return names
+        taken = set(RESERVED) | set(names.values())
+        leaves = set(names.values())
+        new_value = {id(v): f"{k}_new" for k, v in self.outputs if k in leaves and not v.is_leaf}
+        for node in self.statements():
+            if id(node) in names:
+                continue
+            base = new_value.get(id(node)) or base_name(node, self.origins) or node.op
+            base = re.sub(r"\W", "_", base)
+            if not base.isidentifier() or base[0].isdigit():
+                base = f"v_{base}"
+            name, k = base, 1
+            while name in taken:
+                k += 1
+                name = f"{base}_{k}"
+            taken.add(name)
+            names[id(node)] = name
         return names
 
-    def text(self, shapes: bool = True) -> str:
-        return format_program(self, shapes)
+    def text(self, shapes: bool = True, positional: bool = False) -> str:
+        return format_program(self, shapes, positional)
 
 
 def format_expr(node: Node, names: dict[int, str]) -> str:
     """The right-hand side of a statement: `conv2d[stride=2](x, cv1_W, cv1_B)` or, for elementwise nodes,
-    their expression over argument names: `Max(X4, 0)`."""
+    their expression over argument names: `Max(0, cv1)`."""
     args = [names.get(id(i)) or format_inline(i) for i in node.inputs]
     if node.op == "ew":
+        # the expression as printed over its variables v0, v1, ... (the order its kernel shows), each variable
+        # replaced by its argument's name: renaming before printing would let the printer reorder the terms
         import sympy
-        from deepdsl.ops.elementwise import sym
-        expr = node.attr("expr")
-        mapping = {sym(k): sympy.Symbol(a) for k, a in enumerate(args)}
-        return sympy.sstr(expr.xreplace(mapping))
+        return re.sub(r"\bv(\d+)\b", lambda m: args[int(m.group(1))], sympy.sstr(node.attr("expr")))
     described = describe(node)
     return f"{described}({', '.join(args)})" if node.inputs else described
 
@@ -111,8 +145,8 @@ def format_inline(node: Node) -> str:
     return node.name or f"<{node.op}>"
 
 
-def format_program(program: Program, shapes: bool = True) -> str:
-    names = program.names()
+def format_program(program: Program, shapes: bool = True, positional: bool = False) -> str:
+    names = program.names(positional)
     lines = [f"program {program.name}(" + ", ".join(
         f"{n.name}: {dims(n.shape)}" + ("" if n.dtype == "float" else f" {n.dtype}") for n in program.inputs) + ")"]
     for instr in program.body:

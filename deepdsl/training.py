@@ -15,6 +15,7 @@ import sympy
 from deepdsl.autodiff import gradients
 from deepdsl.dsl import Loop, Train
 from deepdsl.errors import DeepDSLError
+from deepdsl import provenance
 from deepdsl.ir import FLOAT, Graph, Node, make, toposort
 from deepdsl.ops.elementwise import add, elementwise, sum_to, sym
 from deepdsl.ops.leaf import Init
@@ -83,6 +84,7 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     """The step graphs of `loop`; `forward` (e.g. simplification) rewrites the training forward graph before it is
     differentiated, so the gradients are derived from the rewritten forward computation."""
     name = loop.name
+    provenance.record_rest(loop.loss.node, "loss", "the loss the step minimizes", "total_loss")
     train = specialize(Graph(f"{name}_train", (("loss", loop.loss.node),)), "train")
     if forward is not None:
         train = forward(train)
@@ -107,7 +109,10 @@ def _clipped(params, grads, solver: Train) -> dict[Node, Node]:
     squares = [sum_to(elementwise(sym(0) ** 2, [grads[p]]), ()) for p in params]
     norm = elementwise(sympy.sqrt(sym(0)), [add(*squares)])
     factor = elementwise(sympy.Min(1, solver.clip / (sym(0) + sympy.Float(1e-6))), [norm])
-    return {p: elementwise(sym(0) * sym(1), [grads[p], factor]) for p in params}
+    clipped = {p: elementwise(sym(0) * sym(1), [grads[p], factor]) for p in params}
+    for p in params:
+        provenance.record_rest(clipped[p], "clip", "gradient clipping", f"d_{p.name}_clipped")
+    return clipped
 
 
 def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
@@ -120,7 +125,9 @@ def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
         velocity, update = _sgd_exprs(p.attr("decay_mult"), p.attr("lr_mult"))
         new_v = elementwise(velocity, [v, momentum, grads[p], decay, p])
         new_p = elementwise(update, [p, lr, new_v])
-        out += [(p.name, new_p), (v.name, new_v)]
+        made = [(p.name, new_p), (v.name, new_v)]
+        provenance.record_update(p, made, grads[p])
+        out += made
     return out
 
 
@@ -147,7 +154,9 @@ def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
         new_m = elementwise(f[1], [m, g])
         new_s = elementwise(f[2], [s, g])
         new_p = elementwise(f[3], [p, lr, bias1, new_m, new_s, bias2])
-        out += [(p.name, new_p), (m.name, new_m), (s.name, new_s)]
+        made = [(p.name, new_p), (m.name, new_m), (s.name, new_s)]
+        provenance.record_update(p, made, grads[p])
+        out += made
     return out
 
 

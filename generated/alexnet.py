@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x227x227 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 450000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 506.55 MB of tensors planned for the training step (227.83 MB testing); static arena 524.71 MB, pool 642.73 MB, workspace 33.46 MB
-Structure hash: 04f26cef9af40170
+Structure hash: 37387c575e9be15b
 
 Usage: python alexnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class Alexnet(rp.Model):
 
     name = "alexnet"
     source = "networks/alexnet.py"
-    structure_hash = "04f26cef9af40170"
+    structure_hash = "37387c575e9be15b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 227, 227)
@@ -90,98 +92,13 @@ class Alexnet(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
-            buffers=(
-                (0, 512),  # 0: X1 128 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=524711680, peak_bytes=506554112, workspace_bytes=33462792, pool_bytes=642725888, pool_peak_bytes=528705280,
-            buffers=(
-                (392921088, 79148544),  # 0: x 128x3x227x227 float32
-                (522102272, 512),  # 1: y 128 int32
-                (524199424, 512000),  # 2: X1 128x1000 float32
-                (521577984, 524288),  # 3: X2 128x4096 uint8
-                (523675136, 524288),  # 4: X3 128x4096 uint8
-                (148684800, 148684800),  # 5: X4 128x96x55x55 float32
-                (0, 148684800),  # 6: X6 128x96x55x55 float32
-                (507901440, 8957952),  # 7: X7 128x96x27x27 uint8
-                (472069632, 35831808),  # 8: X8 128x96x27x27 float32
-                (297369600, 95551488),  # 9: X9 128x256x27x27 float32
-                (0, 95551488),  # 10: X11 128x256x27x27 float32
-                (121831424, 5537792),  # 11: X12 128x256x13x13 uint8
-                (99680256, 22151168),  # 12: X13 128x256x13x13 float32
-                (33226752, 33226752),  # 13: X14 128x384x13x13 float32
-                (0, 33226752),  # 14: X16 128x384x13x13 float32
-                (66453504, 22151168),  # 15: X18 128x256x13x13 float32
-                (93323264, 1179648),  # 16: X20 128x256x6x6 uint8
-                (516859392, 4718592),  # 17: X21 128x256x6x6 float32
-                (66453504, 2097152),  # 18: X23 128x4096 float32
-                (127369216, 2097152),  # 19: X25 128x4096 float32
-                (68550656, 2097152),  # 20: X26 128x4096 float32
-                (82837504, 2097152),  # 21: X28 128x4096 float32
-                (70647808, 512000),  # 22: X29 128x1000 float32
-                (71159808, 512),  # 23: X32 128 float32
-                (524711424, 4),  # 24: X34 scalar float32
-                (70647808, 4000),  # 25: X36 1000 float32
-                (129466368, 2097152),  # 26: X39 128x4096 float32
-                (68550656, 16384),  # 27: X41 4096 float32
-                (521577984, 2097152),  # 28: X44 128x4096 float32
-                (66453504, 16384),  # 29: X46 4096 float32
-                (88604672, 4718592),  # 30: X49 128x9216 float32
-                (66453504, 16384000),  # 31: X52 1000x4096 float32
-                (66453504, 22151168),  # 32: X55 128x256x13x13 float32
-                (88604672, 1024),  # 33: X56 1x256x1x1 float32
-                (88604672, 3538944),  # 34: X60 256x384x3x3 float32
-                (66453504, 33226752),  # 35: X62 128x384x13x13 float32
-                (0, 1536),  # 36: X65 1x384x1x1 float32
-                (0, 5308416),  # 37: X69 384x384x3x3 float32
-                (0, 33226752),  # 38: X71 128x384x13x13 float32
-                (33226752, 3538944),  # 39: X73 384x256x3x3 float32
-                (33226752, 1536),  # 40: X76 1x384x1x1 float32
-                (95551488, 22151168),  # 41: X77 128x256x13x13 float32
-                (0, 67108864),  # 42: X82 4096x4096 float32
-                (0, 95551488),  # 43: X85 128x256x27x27 float32
-                (95551488, 2457600),  # 44: X88 256x96x5x5 float32
-                (95551488, 1024),  # 45: X90 1x256x1x1 float32
-                (297369600, 35831808),  # 46: X91 128x96x27x27 float32
-                (0, 148684800),  # 47: X96 128x96x55x55 float32
-                (148684800, 139392),  # 48: X99 96x3x11x11 float32
-                (148824320, 384),  # 49: X100 1x96x1x1 float32
-                (0, 150994944),  # 50: X106 4096x9216 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=227833856, peak_bytes=227833856, workspace_bytes=32845824, pool_bytes=227833856,
-            buffers=(
-                (148684800, 79148544),  # 0: x 128x3x227x227 float32
-                (227833344, 512),  # 1: y 128 int32
-                (0, 148684800),  # 2: X1 128x96x55x55 float32
-                (148684800, 35831808),  # 3: X4 128x96x27x27 float32
-                (0, 95551488),  # 4: X5 128x256x27x27 float32
-                (95551488, 22151168),  # 5: X8 128x256x13x13 float32
-                (0, 33226752),  # 6: X9 128x384x13x13 float32
-                (33226752, 33226752),  # 7: X11 128x384x13x13 float32
-                (0, 22151168),  # 8: X13 128x256x13x13 float32
-                (22151168, 4718592),  # 9: X15 128x256x6x6 float32
-                (0, 2097152),  # 10: X17 128x4096 float32
-                (2097152, 2097152),  # 11: X19 128x4096 float32
-                (0, 512000),  # 12: X21 128x1000 float32
-                (512512, 4),  # 13: X23 scalar float32
-                (512000, 512),  # 14: X25 128 float32
-                (0, 4),  # 15: X26 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.0078125)
-        X1 = mem.tensor(0, (128,), 'float32')
-        rt.const(out=X1, shape=(128,), value=-0.0078125)
-        T['H1'] = X1
+        # const = fill(-0.0078125)
+        const = mem.tensor(0, (128,), 'float32')
+        rt.const(out=const, shape=(128,), value=-0.0078125)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -189,447 +106,559 @@ class Alexnet(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = unpick[classes=1000](H1, y)
-        X1 = mem.tensor(2, (128, 1000), 'float32')
-        rt.unpick(T['H1'], y, out=X1, classes=1000)
-        # X2 = bernoulli[keep=0.5,key=2,shape=(128,4096)]
-        X2 = mem.tensor(3, (128, 4096), 'uint8')
-        rt.bernoulli(out=X2, keep=0.5, key=2, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
-        # X3 = bernoulli[keep=0.5,key=1,shape=(128,4096)]
-        X3 = mem.tensor(4, (128, 4096), 'uint8')
-        rt.bernoulli(out=X3, keep=0.5, key=1, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
-        # X4 = conv2d[stride=4](x, conv1_W, conv1_B)
-        X4 = mem.tensor(5, (128, 96, 55, 55), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X4, pad=0, stride=4, workspace=mem.workspace(30746100))
-        # X5 = Max(0, X4)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4)
-        # X6 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X5)
-        X6 = mem.tensor(6, (128, 96, 55, 55), 'float32')
-        rt.lrn(X5, out=X6, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30201600))
-        # X7 = max_pool_argmax[ceil=True,kernel=3,stride=2](X6)   (computed with the next statement)
-        X7 = mem.tensor(7, (128, 96, 27, 27), 'uint8')
-        # X8 = max_pool[ceil=True,kernel=3,stride=2](X6)
-        X8 = mem.tensor(8, (128, 96, 27, 27), 'float32')
-        rt.max_pool(X6, out=X8, argmax=X7, ceil=True, kernel=3, pad=0, stride=2)
-        # free X6
-        del X6
+
+        # ---- fc8_log_loss (log_loss), backward ----
+        # d_fc8_log_loss_log_softmax = unpick[classes=1000](H1, y)
+        d_fc8_log_loss_log_softmax = mem.tensor(2, (128, 1000), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc8_log_loss_log_softmax, classes=1000)
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout_mask = bernoulli[keep=0.5,key=2,shape=(128,4096)]
+        fc7_dropout_mask = mem.tensor(3, (128, 4096), 'uint8')
+        rt.bernoulli(out=fc7_dropout_mask, keep=0.5, key=2, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout_mask = bernoulli[keep=0.5,key=1,shape=(128,4096)]
+        fc6_dropout_mask = mem.tensor(4, (128, 4096), 'uint8')
+        rt.bernoulli(out=fc6_dropout_mask, keep=0.5, key=1, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), forward ----
+        # conv1 = conv2d[stride=4](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(5, (128, 96, 55, 55), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=0, stride=4, workspace=mem.workspace(30746100))
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_lrn (LRN size 5), forward ----
+        # conv1_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv1_relu)
+        conv1_lrn = mem.tensor(6, (128, 96, 55, 55), 'float32')
+        rt.lrn(conv1_relu, out=conv1_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30201600))
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv1_max_pool_argmax = max_pool_argmax[ceil=True,kernel=3,stride=2](conv1_lrn)   (computed with the next statement)
+        conv1_max_pool_argmax = mem.tensor(7, (128, 96, 27, 27), 'uint8')
+        # conv1_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv1_lrn)
+        conv1_max_pool = mem.tensor(8, (128, 96, 27, 27), 'float32')
+        rt.max_pool(conv1_lrn, out=conv1_max_pool, argmax=conv1_max_pool_argmax, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv1_lrn
+        del conv1_lrn
         mem.free(6)
-        # X9 = conv2d[pad=2](X8, conv2_W, conv2_B)
-        X9 = mem.tensor(9, (128, 256, 27, 27), 'float32')
-        rt.conv2d(X8, T['conv2_W'], T['conv2_B'], out=X9, pad=2, stride=1, workspace=mem.workspace(29469696))
-        # X10 = Max(0, X9)
-        X10 = X9  # in place: over X9
-        rt.ew(ew1, X10, X9)
-        # X11 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X10)
-        X11 = mem.tensor(10, (128, 256, 27, 27), 'float32')
-        rt.lrn(X10, out=X11, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(32845824))
-        # X12 = max_pool_argmax[ceil=True,kernel=3,stride=2](X11)   (computed with the next statement)
-        X12 = mem.tensor(11, (128, 256, 13, 13), 'uint8')
-        # X13 = max_pool[ceil=True,kernel=3,stride=2](X11)
-        X13 = mem.tensor(12, (128, 256, 13, 13), 'float32')
-        rt.max_pool(X11, out=X13, argmax=X12, ceil=True, kernel=3, pad=0, stride=2)
-        # free X11
-        del X11
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 2), forward ----
+        # conv2 = conv2d[pad=2](conv1_max_pool, conv2_W, conv2_B)
+        conv2 = mem.tensor(9, (128, 256, 27, 27), 'float32')
+        rt.conv2d(conv1_max_pool, T['conv2_W'], T['conv2_B'], out=conv2, pad=2, stride=1, workspace=mem.workspace(29469696))
+
+        # ---- conv2_relu (relu), forward ----
+        # conv2_relu = Max(0, conv2)
+        conv2_relu = conv2  # in place: over conv2
+        rt.ew(ew_relu, conv2_relu, conv2)
+
+        # ---- conv2_lrn (LRN size 5), forward ----
+        # conv2_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv2_relu)
+        conv2_lrn = mem.tensor(10, (128, 256, 27, 27), 'float32')
+        rt.lrn(conv2_relu, out=conv2_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(32845824))
+
+        # ---- conv2_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv2_max_pool_argmax = max_pool_argmax[ceil=True,kernel=3,stride=2](conv2_lrn)   (computed with the next statement)
+        conv2_max_pool_argmax = mem.tensor(11, (128, 256, 13, 13), 'uint8')
+        # conv2_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv2_lrn)
+        conv2_max_pool = mem.tensor(12, (128, 256, 13, 13), 'float32')
+        rt.max_pool(conv2_lrn, out=conv2_max_pool, argmax=conv2_max_pool_argmax, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv2_lrn
+        del conv2_lrn
         mem.free(10)
-        # X14 = conv2d[pad=1](X13, conv3_W, conv3_B)
-        X14 = mem.tensor(13, (128, 384, 13, 13), 'float32')
-        rt.conv2d(X13, T['conv3_W'], T['conv3_B'], out=X14, pad=1, stride=1, workspace=mem.workspace(28606464))
-        # X15 = Max(0, X14)
-        X15 = X14  # in place: over X14
-        rt.ew(ew1, X15, X14)
-        # X16 = conv2d[pad=1](X15, conv4_W, conv4_B)
-        X16 = mem.tensor(14, (128, 384, 13, 13), 'float32')
-        rt.conv2d(X15, T['conv4_W'], T['conv4_B'], out=X16, pad=1, stride=1, workspace=mem.workspace(32182272))
-        # X17 = Max(0, X16)
-        X17 = X16  # in place: over X16
-        rt.ew(ew1, X17, X16)
-        # X18 = conv2d[pad=1](X17, conv5_W, conv5_B)
-        X18 = mem.tensor(15, (128, 256, 13, 13), 'float32')
-        rt.conv2d(X17, T['conv5_W'], T['conv5_B'], out=X18, pad=1, stride=1, workspace=mem.workspace(32182272))
-        # X19 = Max(0, X18)
-        X19 = X18  # in place: over X18
-        rt.ew(ew1, X19, X18)
-        # X20 = max_pool_argmax[ceil=True,kernel=3,stride=2](X19)   (computed with the next statement)
-        X20 = mem.tensor(16, (128, 256, 6, 6), 'uint8')
-        # X21 = max_pool[ceil=True,kernel=3,stride=2](X19)
-        X21 = mem.tensor(17, (128, 256, 6, 6), 'float32')
-        rt.max_pool(X19, out=X21, argmax=X20, ceil=True, kernel=3, pad=0, stride=2)
-        # free X19
-        del X18, X19
+
+        # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
+        conv3 = mem.tensor(13, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
+
+        # ---- conv3_relu (relu), forward ----
+        # conv3_relu = Max(0, conv3)
+        conv3_relu = conv3  # in place: over conv3
+        rt.ew(ew_relu, conv3_relu, conv3)
+
+        # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
+        conv4 = mem.tensor(14, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
+
+        # ---- conv4_relu (relu), forward ----
+        # conv4_relu = Max(0, conv4)
+        conv4_relu = conv4  # in place: over conv4
+        rt.ew(ew_relu, conv4_relu, conv4)
+
+        # ---- conv5 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv5 = conv2d[pad=1](conv4_relu, conv5_W, conv5_B)
+        conv5 = mem.tensor(15, (128, 256, 13, 13), 'float32')
+        rt.conv2d(conv4_relu, T['conv5_W'], T['conv5_B'], out=conv5, pad=1, stride=1, workspace=mem.workspace(32182272))
+
+        # ---- conv5_relu (relu), forward ----
+        # conv5_relu = Max(0, conv5)
+        conv5_relu = conv5  # in place: over conv5
+        rt.ew(ew_relu, conv5_relu, conv5)
+
+        # ---- conv5_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv5_max_pool_argmax = max_pool_argmax[ceil=True,kernel=3,stride=2](conv5_relu)   (computed with the next statement)
+        conv5_max_pool_argmax = mem.tensor(16, (128, 256, 6, 6), 'uint8')
+        # conv5_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv5_relu)
+        conv5_max_pool = mem.tensor(17, (128, 256, 6, 6), 'float32')
+        rt.max_pool(conv5_relu, out=conv5_max_pool, argmax=conv5_max_pool_argmax, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv5, conv5_relu
+        del conv5, conv5_relu
         mem.free(15)
-        # X22 = reshape[128x9216](X21)
-        X22 = rt.reshape(X21, shape=(128, 9216))
-        # X23 = matmul[tb](X22, fc6_W)
-        X23 = mem.tensor(18, (128, 4096), 'float32')
-        rt.matmul(X22, T['fc6_W'], out=X23, tb=True)
-        # X24 = Max(0, X23 + fc6_B)
-        X24 = X23  # in place: over X23
-        rt.ew(ew2, X24, X23, T['fc6_B'])
-        # X25 = 2.0*X24*X3
-        X25 = mem.tensor(19, (128, 4096), 'float32')
-        rt.ew(ew3, X25, X24, X3)
-        # X26 = matmul[tb](X25, fc7_W)
-        X26 = mem.tensor(20, (128, 4096), 'float32')
-        rt.matmul(X25, T['fc7_W'], out=X26, tb=True)
-        # X27 = Max(0, X26 + fc7_B)
-        X27 = X26  # in place: over X26
-        rt.ew(ew2, X27, X26, T['fc7_B'])
-        # X28 = 2.0*X2*X27
-        X28 = mem.tensor(21, (128, 4096), 'float32')
-        rt.ew(ew3, X28, X27, X2)
-        # X29 = matmul[tb](X28, fc8_W)
-        X29 = mem.tensor(22, (128, 1000), 'float32')
-        rt.matmul(X28, T['fc8_W'], out=X29, tb=True)
-        # X30 = X29 + fc8_B
-        X30 = X29  # in place: over X29
-        rt.ew(ew4, X30, X29, T['fc8_B'])
-        # X31 = log_softmax(X30)
-        X31 = X30  # in place: over X30
-        rt.log_softmax(X30, out=X31, workspace=mem.workspace(512000))
-        # X32 = pick(X31, y)
-        X32 = mem.tensor(23, (128,), 'float32')
-        rt.pick(X31, y, out=X32)
+
+        # ---- conv5_flatten (flatten), forward ----
+        # conv5_flatten = reshape[128x9216](conv5_max_pool)
+        conv5_flatten = rt.reshape(conv5_max_pool, shape=(128, 9216))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_flatten, fc6_W)
+        fc6_matmul = mem.tensor(18, (128, 4096), 'float32')
+        rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
+        fc6_dropout = mem.tensor(19, (128, 4096), 'float32')
+        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
+        fc7_matmul = mem.tensor(20, (128, 4096), 'float32')
+        rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
+        fc7_dropout = mem.tensor(21, (128, 4096), 'float32')
+        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
+        fc8_matmul = mem.tensor(22, (128, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_log_loss (log_loss), forward ----
+        # fc8_log_loss_log_softmax = log_softmax(fc8)
+        fc8_log_loss_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_log_loss_log_softmax, workspace=mem.workspace(512000))
+        # fc8_log_loss_pick = pick(fc8_log_loss_log_softmax, y)
+        fc8_log_loss_pick = mem.tensor(23, (128,), 'float32')
+        rt.pick(fc8_log_loss_log_softmax, y, out=fc8_log_loss_pick)
         # free y
         del y
         mem.free(1)
-        # X33 = X1 + 0.0078125*exp(X31)
-        X33 = X1  # in place: over X1
-        rt.ew(ew5, X33, X1, X31)
-        # free X31
-        del X29, X30, X31
+
+        # ---- fc8_log_loss (log_loss), backward ----
+        # d_fc8 = d_fc8_log_loss_log_softmax + 0.0078125*exp(fc8_log_loss_log_softmax)
+        d_fc8 = d_fc8_log_loss_log_softmax  # in place: over d_fc8_log_loss_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc8, d_fc8_log_loss_log_softmax, fc8_log_loss_log_softmax)
+        # free fc8_matmul, fc8, fc8_log_loss_log_softmax
+        del fc8_matmul, fc8, fc8_log_loss_log_softmax
         mem.free(22)
-        # X34 = sum_to[scalar](X32)
-        X34 = mem.tensor(24, (), 'float32')
-        rt.sum_to(X32, out=X34, shape=())
-        # free X32
-        del X32
+
+        # ---- fc8_log_loss (log_loss), forward ----
+        # fc8_log_loss_sum_to = sum_to[scalar](fc8_log_loss_pick)
+        fc8_log_loss_sum_to = mem.tensor(24, (), 'float32')
+        rt.sum_to(fc8_log_loss_pick, out=fc8_log_loss_sum_to, shape=())
+        # free fc8_log_loss_pick
+        del fc8_log_loss_pick
         mem.free(23)
-        # X35 = -X34/128
-        X35 = X34  # in place: over X34
-        rt.ew(ew6, X35, X34)
-        # X36 = sum_to[1000](X33)
-        X36 = mem.tensor(25, (1000,), 'float32')
-        rt.sum_to(X33, out=X36, shape=(1000,))
-        # X37 = V_fc8_B*momentum + X36
-        X37 = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew7, X37, T['V_fc8_B'], momentum, X36)
-        # free X36
-        del X36
+        # fc8_log_loss = -fc8_log_loss_sum_to/128
+        fc8_log_loss = fc8_log_loss_sum_to  # in place: over fc8_log_loss_sum_to
+        rt.ew(ew_scale, fc8_log_loss, fc8_log_loss_sum_to)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_B = sum_to[1000](d_fc8)
+        d_fc8_B = mem.tensor(25, (1000,), 'float32')
+        rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B
+        V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
+        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B)
+        # free d_fc8_B
+        del d_fc8_B
         mem.free(25)
-        # X38 = -2*X37*lr + fc8_B
-        X38 = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew8, X38, T['fc8_B'], lr, X37)
-        # X39 = matmul(X33, fc8_W)
-        X39 = mem.tensor(26, (128, 4096), 'float32')
-        rt.matmul(X33, T['fc8_W'], out=X39)
-        # X40 = 2.0*X2*X39*Heaviside(X27, 0)
-        X40 = X39  # in place: over X39
-        rt.ew(ew9, X40, X39, X2, X27)
-        # free X2, X27
-        del X2, X26, X27
+        # fc8_B_new = fc8_B - 2*lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
+        # d_fc7_dropout = matmul(d_fc8, fc8_W)
+        d_fc7_dropout = mem.tensor(26, (128, 4096), 'float32')
+        rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
+
+        # ---- fc7_relu (relu), backward ----
+        # d_fc7 = 2.0*d_fc7_dropout*fc7_dropout_mask*Heaviside(fc7_relu, 0)
+        d_fc7 = d_fc7_dropout  # in place: over d_fc7_dropout
+        rt.ew(ew_step_mul, d_fc7, d_fc7_dropout, fc7_dropout_mask, fc7_relu)
+        # free fc7_dropout_mask, fc7_matmul, fc7_relu
+        del fc7_dropout_mask, fc7_matmul, fc7_relu
         mem.free(3, 20)
-        # X41 = sum_to[4096](X40)
-        X41 = mem.tensor(27, (4096,), 'float32')
-        rt.sum_to(X40, out=X41, shape=(4096,))
-        # X42 = V_fc7_B*momentum + X41
-        X42 = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew7, X42, T['V_fc7_B'], momentum, X41)
-        # free X41
-        del X41
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_B = sum_to[4096](d_fc7)
+        d_fc7_B = mem.tensor(27, (4096,), 'float32')
+        rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B
+        V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
+        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B)
+        # free d_fc7_B
+        del d_fc7_B
         mem.free(27)
-        # X43 = -2*X42*lr + fc7_B
-        X43 = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew8, X43, T['fc7_B'], lr, X42)
-        # X44 = matmul(X40, fc7_W)
-        X44 = mem.tensor(28, (128, 4096), 'float32')
-        rt.matmul(X40, T['fc7_W'], out=X44)
-        # X45 = 2.0*X3*X44*Heaviside(X24, 0)
-        X45 = X44  # in place: over X44
-        rt.ew(ew9, X45, X44, X3, X24)
-        # free X3, X24
-        del X3, X23, X24
+        # fc7_B_new = fc7_B - 2*lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
+        # d_fc6_dropout = matmul(d_fc7, fc7_W)
+        d_fc6_dropout = mem.tensor(28, (128, 4096), 'float32')
+        rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
+
+        # ---- fc6_relu (relu), backward ----
+        # d_fc6 = 2.0*d_fc6_dropout*fc6_dropout_mask*Heaviside(fc6_relu, 0)
+        d_fc6 = d_fc6_dropout  # in place: over d_fc6_dropout
+        rt.ew(ew_step_mul, d_fc6, d_fc6_dropout, fc6_dropout_mask, fc6_relu)
+        # free fc6_dropout_mask, fc6_matmul, fc6_relu
+        del fc6_dropout_mask, fc6_matmul, fc6_relu
         mem.free(4, 18)
-        # X46 = sum_to[4096](X45)
-        X46 = mem.tensor(29, (4096,), 'float32')
-        rt.sum_to(X45, out=X46, shape=(4096,))
-        # X47 = V_fc6_B*momentum + X46
-        X47 = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew7, X47, T['V_fc6_B'], momentum, X46)
-        # free X46
-        del X46
+
+        # ---- fc6 (fully connected, 4096 outputs), backward ----
+        # d_fc6_B = sum_to[4096](d_fc6)
+        d_fc6_B = mem.tensor(29, (4096,), 'float32')
+        rt.sum_to(d_fc6, out=d_fc6_B, shape=(4096,))
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B
+        V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
+        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B)
+        # free d_fc6_B
+        del d_fc6_B
         mem.free(29)
-        # X48 = -2*X47*lr + fc6_B
-        X48 = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew8, X48, T['fc6_B'], lr, X47)
-        # X49 = matmul(X45, fc6_W)
-        X49 = mem.tensor(30, (128, 9216), 'float32')
-        rt.matmul(X45, T['fc6_W'], out=X49)
-        # X50 = reshape[128x256x6x6](X49)
-        X50 = rt.reshape(X49, shape=(128, 256, 6, 6))
-        # X51 = X50*Heaviside(X21, 0)
-        X51 = X50  # in place: over X50
-        rt.ew(ew10, X51, X50, X21)
-        # X52 = matmul[ta](X33, X28)
-        X52 = mem.tensor(31, (1000, 4096), 'float32')
-        rt.matmul(X33, X28, out=X52, ta=True)
-        # free X33, X28
-        del X1, X33, X28
+        # fc6_B_new = fc6_B - 2*lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
+        # d_conv5_flatten = matmul(d_fc6, fc6_W)
+        d_conv5_flatten = mem.tensor(30, (128, 9216), 'float32')
+        rt.matmul(d_fc6, T['fc6_W'], out=d_conv5_flatten)
+
+        # ---- conv5_flatten (flatten), backward ----
+        # d_conv5_max_pool = reshape[128x256x6x6](d_conv5_flatten)
+        d_conv5_max_pool = rt.reshape(d_conv5_flatten, shape=(128, 256, 6, 6))
+
+        # ---- conv5_relu (relu), backward ----
+        # d_conv5 = d_conv5_max_pool*Heaviside(conv5_max_pool, 0)
+        d_conv5 = d_conv5_max_pool  # in place: over d_conv5_max_pool
+        rt.ew(ew_step_mul_2, d_conv5, d_conv5_max_pool, conv5_max_pool)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_W = matmul[ta](d_fc8, fc7_dropout)
+        d_fc8_W = mem.tensor(31, (1000, 4096), 'float32')
+        rt.matmul(d_fc8, fc7_dropout, out=d_fc8_W, ta=True)
+        # free d_fc8_log_loss_log_softmax, d_fc8, fc7_dropout
+        del d_fc8_log_loss_log_softmax, d_fc8, fc7_dropout
         mem.free(2, 21)
-        # X53 = V_fc8_W*momentum + X52 + decay*fc8_W
-        X53 = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew11, X53, T['V_fc8_W'], momentum, X52, decay, T['fc8_W'])
-        # free X52
-        del X52
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
+        rt.ew(ew_mul_add_2, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # free d_fc8_W
+        del d_fc8_W
         mem.free(31)
-        # X54 = -X53*lr + fc8_W
-        X54 = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew12, X54, T['fc8_W'], lr, X53)
-        # X55 = max_pool_bwd[ceil=True,kernel=3,size=(13,13),stride=2](X51, X20)
-        X55 = mem.tensor(32, (128, 256, 13, 13), 'float32')
-        rt.max_pool_bwd(X51, X20, out=X55, ceil=True, kernel=3, pad=0, size=(13, 13), stride=2, workspace=mem.workspace(5898240))
-        # free X20, X51
-        del X20, X49, X50, X51
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew(ew_mul_sub_2, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
+
+        # ---- conv5_relu (relu), backward ----
+        # d_conv5_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(13,13),stride=2](d_conv5, conv5_max_pool_argmax)
+        d_conv5_relu_max_pool_bwd = mem.tensor(32, (128, 256, 13, 13), 'float32')
+        rt.max_pool_bwd(d_conv5, conv5_max_pool_argmax, out=d_conv5_relu_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(13, 13), stride=2, workspace=mem.workspace(5898240))
+        # free conv5_max_pool_argmax, d_conv5_flatten, d_conv5_max_pool, d_conv5
+        del conv5_max_pool_argmax, d_conv5_flatten, d_conv5_max_pool, d_conv5
         mem.free(16, 30)
-        # X56 = sum_to[1x256x1x1](X55)
-        X56 = mem.tensor(33, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X55, out=X56, shape=(1, 256, 1, 1))
-        # X57 = reshape[256](X56)
-        X57 = rt.reshape(X56, shape=(256,))
-        # X58 = V_conv5_B*momentum + X57
-        X58 = T['V_conv5_B']  # in place: the new V_conv5_B
-        rt.ew(ew7, X58, T['V_conv5_B'], momentum, X57)
-        # free X56, X57
-        del X56, X57
+
+        # ---- conv5 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_conv5_sum_to = sum_to[1x256x1x1](d_conv5_relu_max_pool_bwd)
+        d_conv5_sum_to = mem.tensor(33, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv5_relu_max_pool_bwd, out=d_conv5_sum_to, shape=(1, 256, 1, 1))
+        # d_conv5_B = reshape[256](d_conv5_sum_to)
+        d_conv5_B = rt.reshape(d_conv5_sum_to, shape=(256,))
+        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B
+        V_conv5_B_new = T['V_conv5_B']  # in place: the new V_conv5_B
+        rt.ew(ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B)
+        # free d_conv5_sum_to, d_conv5_B
+        del d_conv5_sum_to, d_conv5_B
         mem.free(33)
-        # X59 = -2*X58*lr + conv5_B
-        X59 = T['conv5_B']  # in place: the new conv5_B
-        rt.ew(ew8, X59, T['conv5_B'], lr, X58)
-        # X60 = conv2d_bwd_filter[kernel=(3,3),pad=1](X55, X17)
-        X60 = mem.tensor(34, (256, 384, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X55, X17, out=X60, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32088064))
-        # X61 = V_conv5_W*momentum + X60 + conv5_W*decay
-        X61 = T['V_conv5_W']  # in place: the new V_conv5_W
-        rt.ew(ew11, X61, T['V_conv5_W'], momentum, X60, decay, T['conv5_W'])
-        # free X60
-        del X60
+        # conv5_B_new = conv5_B - 2*lr*V_conv5_B_new
+        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
+        rt.ew(ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new)
+        # d_conv5_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_relu_max_pool_bwd, conv4_relu)
+        d_conv5_W = mem.tensor(34, (256, 384, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv5_relu_max_pool_bwd, conv4_relu, out=d_conv5_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32088064))
+        # V_conv5_W_new = V_conv5_W*momentum + d_conv5_W + decay*conv5_W
+        V_conv5_W_new = T['V_conv5_W']  # in place: the new V_conv5_W
+        rt.ew(ew_mul_add_2, V_conv5_W_new, T['V_conv5_W'], momentum, d_conv5_W, decay, T['conv5_W'])
+        # free d_conv5_W
+        del d_conv5_W
         mem.free(34)
-        # X62 = conv2d_bwd_data[pad=1,size=(13,13)](X55, conv5_W)
-        X62 = mem.tensor(35, (128, 384, 13, 13), 'float32', over=32)
-        rt.conv2d_bwd_data(X55, T['conv5_W'], out=X62, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(32613376))
-        # free X55
-        del X55
+        # d_conv4_relu = conv2d_bwd_data[pad=1,size=(13,13)](d_conv5_relu_max_pool_bwd, conv5_W)
+        d_conv4_relu = mem.tensor(35, (128, 384, 13, 13), 'float32', over=32)
+        rt.conv2d_bwd_data(d_conv5_relu_max_pool_bwd, T['conv5_W'], out=d_conv4_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(32613376))
+        # free d_conv5_relu_max_pool_bwd
+        del d_conv5_relu_max_pool_bwd
         mem.free(32)
-        # X63 = X62*Heaviside(X17, 0)
-        X63 = X62  # in place: over X62
-        rt.ew(ew10, X63, X62, X17)
-        # free X17
-        del X16, X17
+
+        # ---- conv4_relu (relu), backward ----
+        # d_conv4 = d_conv4_relu*Heaviside(conv4_relu, 0)
+        d_conv4 = d_conv4_relu  # in place: over d_conv4_relu
+        rt.ew(ew_step_mul_2, d_conv4, d_conv4_relu, conv4_relu)
+        # free conv4, conv4_relu
+        del conv4, conv4_relu
         mem.free(14)
-        # X64 = -X61*lr + conv5_W
-        X64 = T['conv5_W']  # in place: the new conv5_W
-        rt.ew(ew12, X64, T['conv5_W'], lr, X61)
-        # X65 = sum_to[1x384x1x1](X63)
-        X65 = mem.tensor(36, (1, 384, 1, 1), 'float32')
-        rt.sum_to(X63, out=X65, shape=(1, 384, 1, 1))
-        # X66 = reshape[384](X65)
-        X66 = rt.reshape(X65, shape=(384,))
-        # X67 = V_conv4_B*momentum + X66
-        X67 = T['V_conv4_B']  # in place: the new V_conv4_B
-        rt.ew(ew7, X67, T['V_conv4_B'], momentum, X66)
-        # free X65, X66
-        del X65, X66
+
+        # ---- conv5 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # conv5_W_new = conv5_W - lr*V_conv5_W_new
+        conv5_W_new = T['conv5_W']  # in place: the new conv5_W
+        rt.ew(ew_mul_sub_2, conv5_W_new, T['conv5_W'], lr, V_conv5_W_new)
+
+        # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), backward ----
+        # d_conv4_sum_to = sum_to[1x384x1x1](d_conv4)
+        d_conv4_sum_to = mem.tensor(36, (1, 384, 1, 1), 'float32')
+        rt.sum_to(d_conv4, out=d_conv4_sum_to, shape=(1, 384, 1, 1))
+        # d_conv4_B = reshape[384](d_conv4_sum_to)
+        d_conv4_B = rt.reshape(d_conv4_sum_to, shape=(384,))
+        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B
+        V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
+        rt.ew(ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B)
+        # free d_conv4_sum_to, d_conv4_B
+        del d_conv4_sum_to, d_conv4_B
         mem.free(36)
-        # X68 = -2*X67*lr + conv4_B
-        X68 = T['conv4_B']  # in place: the new conv4_B
-        rt.ew(ew8, X68, T['conv4_B'], lr, X67)
-        # X69 = conv2d_bwd_filter[kernel=(3,3),pad=1](X63, X15)
-        X69 = mem.tensor(37, (384, 384, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X63, X15, out=X69, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31781376))
-        # X70 = V_conv4_W*momentum + X69 + conv4_W*decay
-        X70 = T['V_conv4_W']  # in place: the new V_conv4_W
-        rt.ew(ew11, X70, T['V_conv4_W'], momentum, X69, decay, T['conv4_W'])
-        # free X69
-        del X69
+        # conv4_B_new = conv4_B - 2*lr*V_conv4_B_new
+        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
+        rt.ew(ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new)
+        # d_conv4_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4, conv3_relu)
+        d_conv4_W = mem.tensor(37, (384, 384, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv4, conv3_relu, out=d_conv4_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31781376))
+        # V_conv4_W_new = V_conv4_W*momentum + d_conv4_W + decay*conv4_W
+        V_conv4_W_new = T['V_conv4_W']  # in place: the new V_conv4_W
+        rt.ew(ew_mul_add_2, V_conv4_W_new, T['V_conv4_W'], momentum, d_conv4_W, decay, T['conv4_W'])
+        # free d_conv4_W
+        del d_conv4_W
         mem.free(37)
-        # X71 = conv2d_bwd_data[pad=1,size=(13,13)](X63, conv4_W)
-        X71 = mem.tensor(38, (128, 384, 13, 13), 'float32')
-        rt.conv2d_bwd_data(X63, T['conv4_W'], out=X71, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(33438720))
-        # free X63
-        del X62, X63
+        # d_conv3_relu = conv2d_bwd_data[pad=1,size=(13,13)](d_conv4, conv4_W)
+        d_conv3_relu = mem.tensor(38, (128, 384, 13, 13), 'float32')
+        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(33438720))
+        # free d_conv4_relu, d_conv4
+        del d_conv4_relu, d_conv4
         mem.free(35)
-        # X72 = X71*Heaviside(X15, 0)
-        X72 = X71  # in place: over X71
-        rt.ew(ew10, X72, X71, X15)
-        # free X15
-        del X14, X15
+
+        # ---- conv3_relu (relu), backward ----
+        # d_conv3 = d_conv3_relu*Heaviside(conv3_relu, 0)
+        d_conv3 = d_conv3_relu  # in place: over d_conv3_relu
+        rt.ew(ew_step_mul_2, d_conv3, d_conv3_relu, conv3_relu)
+        # free conv3, conv3_relu
+        del conv3, conv3_relu
         mem.free(13)
-        # X73 = conv2d_bwd_filter[kernel=(3,3),pad=1](X72, X13)
-        X73 = mem.tensor(39, (384, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X72, X13, out=X73, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(30156288))
-        # free X13
-        del X13
+
+        # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), backward ----
+        # d_conv3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3, conv2_max_pool)
+        d_conv3_W = mem.tensor(39, (384, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv3, conv2_max_pool, out=d_conv3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(30156288))
+        # free conv2_max_pool
+        del conv2_max_pool
         mem.free(12)
-        # X74 = V_conv3_W*momentum + X73 + conv3_W*decay
-        X74 = T['V_conv3_W']  # in place: the new V_conv3_W
-        rt.ew(ew11, X74, T['V_conv3_W'], momentum, X73, decay, T['conv3_W'])
-        # free X73
-        del X73
+        # V_conv3_W_new = V_conv3_W*momentum + d_conv3_W + decay*conv3_W
+        V_conv3_W_new = T['V_conv3_W']  # in place: the new V_conv3_W
+        rt.ew(ew_mul_add_2, V_conv3_W_new, T['V_conv3_W'], momentum, d_conv3_W, decay, T['conv3_W'])
+        # free d_conv3_W
+        del d_conv3_W
         mem.free(39)
-        # X75 = -X70*lr + conv4_W
-        X75 = T['conv4_W']  # in place: the new conv4_W
-        rt.ew(ew12, X75, T['conv4_W'], lr, X70)
-        # X76 = sum_to[1x384x1x1](X72)
-        X76 = mem.tensor(40, (1, 384, 1, 1), 'float32')
-        rt.sum_to(X72, out=X76, shape=(1, 384, 1, 1))
-        # X77 = conv2d_bwd_data[pad=1,size=(13,13)](X72, conv3_W)
-        X77 = mem.tensor(41, (128, 256, 13, 13), 'float32')
-        rt.conv2d_bwd_data(X72, T['conv3_W'], out=X77, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30278144))
-        # free X72
-        del X71, X72
+
+        # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), backward ----
+        # conv4_W_new = conv4_W - lr*V_conv4_W_new
+        conv4_W_new = T['conv4_W']  # in place: the new conv4_W
+        rt.ew(ew_mul_sub_2, conv4_W_new, T['conv4_W'], lr, V_conv4_W_new)
+
+        # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), backward ----
+        # d_conv3_sum_to = sum_to[1x384x1x1](d_conv3)
+        d_conv3_sum_to = mem.tensor(40, (1, 384, 1, 1), 'float32')
+        rt.sum_to(d_conv3, out=d_conv3_sum_to, shape=(1, 384, 1, 1))
+        # d_conv2_max_pool = conv2d_bwd_data[pad=1,size=(13,13)](d_conv3, conv3_W)
+        d_conv2_max_pool = mem.tensor(41, (128, 256, 13, 13), 'float32')
+        rt.conv2d_bwd_data(d_conv3, T['conv3_W'], out=d_conv2_max_pool, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30278144))
+        # free d_conv3_relu, d_conv3
+        del d_conv3_relu, d_conv3
         mem.free(38)
-        # X78 = -X74*lr + conv3_W
-        X78 = T['conv3_W']  # in place: the new conv3_W
-        rt.ew(ew12, X78, T['conv3_W'], lr, X74)
-        # X79 = reshape[384](X76)
-        X79 = rt.reshape(X76, shape=(384,))
-        # X80 = V_conv3_B*momentum + X79
-        X80 = T['V_conv3_B']  # in place: the new V_conv3_B
-        rt.ew(ew7, X80, T['V_conv3_B'], momentum, X79)
-        # free X76, X79
-        del X76, X79
+        # conv3_W_new = conv3_W - lr*V_conv3_W_new
+        conv3_W_new = T['conv3_W']  # in place: the new conv3_W
+        rt.ew(ew_mul_sub_2, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new)
+        # d_conv3_B = reshape[384](d_conv3_sum_to)
+        d_conv3_B = rt.reshape(d_conv3_sum_to, shape=(384,))
+        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B
+        V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
+        rt.ew(ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B)
+        # free d_conv3_sum_to, d_conv3_B
+        del d_conv3_sum_to, d_conv3_B
         mem.free(40)
-        # X81 = -2*X80*lr + conv3_B
-        X81 = T['conv3_B']  # in place: the new conv3_B
-        rt.ew(ew8, X81, T['conv3_B'], lr, X80)
-        # X82 = matmul[ta](X40, X25)
-        X82 = mem.tensor(42, (4096, 4096), 'float32')
-        rt.matmul(X40, X25, out=X82, ta=True)
-        # free X25, X40
-        del X25, X39, X40
+        # conv3_B_new = conv3_B - 2*lr*V_conv3_B_new
+        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
+        rt.ew(ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new)
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_W = matmul[ta](d_fc7, fc6_dropout)
+        d_fc7_W = mem.tensor(42, (4096, 4096), 'float32')
+        rt.matmul(d_fc7, fc6_dropout, out=d_fc7_W, ta=True)
+        # free fc6_dropout, d_fc7_dropout, d_fc7
+        del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(19, 26)
-        # X83 = V_fc7_W*momentum + X82 + decay*fc7_W
-        X83 = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew11, X83, T['V_fc7_W'], momentum, X82, decay, T['fc7_W'])
-        # free X82
-        del X82
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
+        rt.ew(ew_mul_add_2, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # free d_fc7_W
+        del d_fc7_W
         mem.free(42)
-        # X84 = -X83*lr + fc7_W
-        X84 = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew12, X84, T['fc7_W'], lr, X83)
-        # X85 = max_pool_bwd[ceil=True,kernel=3,size=(27,27),stride=2](X77, X12)
-        X85 = mem.tensor(43, (128, 256, 27, 27), 'float32')
-        rt.max_pool_bwd(X77, X12, out=X85, ceil=True, kernel=3, pad=0, size=(27, 27), stride=2, workspace=mem.workspace(27688960))
-        # free X12, X77
-        del X12, X77
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew(ew_mul_sub_2, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
+
+        # ---- conv2_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
+        # d_conv2_lrn = max_pool_bwd[ceil=True,kernel=3,size=(27,27),stride=2](d_conv2_max_pool, conv2_max_pool_argmax)
+        d_conv2_lrn = mem.tensor(43, (128, 256, 27, 27), 'float32')
+        rt.max_pool_bwd(d_conv2_max_pool, conv2_max_pool_argmax, out=d_conv2_lrn, ceil=True, kernel=3, pad=0, size=(27, 27), stride=2, workspace=mem.workspace(27688960))
+        # free conv2_max_pool_argmax, d_conv2_max_pool
+        del conv2_max_pool_argmax, d_conv2_max_pool
         mem.free(11, 41)
-        # X86 = lrn_bwd[alpha=0.0001,beta=0.75,k=1.0,size=5](X85, X10)
-        X86 = X85  # in place: over X85
-        rt.lrn_bwd(X85, X10, out=X86, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(29113344))
-        # X87 = X86*Heaviside(X10, 0)
-        X87 = X86  # in place: over X86
-        rt.ew(ew10, X87, X86, X10)
-        # free X10
-        del X9, X10
+
+        # ---- conv2_lrn (LRN size 5), backward ----
+        # d_conv2_relu = lrn_bwd[alpha=0.0001,beta=0.75,k=1.0,size=5](d_conv2_lrn, conv2_relu)
+        d_conv2_relu = d_conv2_lrn  # in place: over d_conv2_lrn
+        rt.lrn_bwd(d_conv2_lrn, conv2_relu, out=d_conv2_relu, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(29113344))
+
+        # ---- conv2_relu (relu), backward ----
+        # d_conv2 = d_conv2_relu*Heaviside(conv2_relu, 0)
+        d_conv2 = d_conv2_relu  # in place: over d_conv2_relu
+        rt.ew(ew_step_mul_2, d_conv2, d_conv2_relu, conv2_relu)
+        # free conv2, conv2_relu
+        del conv2, conv2_relu
         mem.free(9)
-        # X88 = conv2d_bwd_filter[kernel=(5,5),pad=2](X87, X8)
-        X88 = mem.tensor(44, (256, 96, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X87, X8, out=X88, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(26799360))
-        # free X8
-        del X8
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 2), backward ----
+        # d_conv2_W = conv2d_bwd_filter[kernel=(5,5),pad=2](d_conv2, conv1_max_pool)
+        d_conv2_W = mem.tensor(44, (256, 96, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_conv2, conv1_max_pool, out=d_conv2_W, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(26799360))
+        # free conv1_max_pool
+        del conv1_max_pool
         mem.free(8)
-        # X89 = V_conv2_W*momentum + X88 + conv2_W*decay
-        X89 = T['V_conv2_W']  # in place: the new V_conv2_W
-        rt.ew(ew11, X89, T['V_conv2_W'], momentum, X88, decay, T['conv2_W'])
-        # free X88
-        del X88
+        # V_conv2_W_new = V_conv2_W*momentum + d_conv2_W + decay*conv2_W
+        V_conv2_W_new = T['V_conv2_W']  # in place: the new V_conv2_W
+        rt.ew(ew_mul_add_2, V_conv2_W_new, T['V_conv2_W'], momentum, d_conv2_W, decay, T['conv2_W'])
+        # free d_conv2_W
+        del d_conv2_W
         mem.free(44)
-        # X90 = sum_to[1x256x1x1](X87)
-        X90 = mem.tensor(45, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X87, out=X90, shape=(1, 256, 1, 1))
-        # X91 = conv2d_bwd_data[pad=2,size=(27,27)](X87, conv2_W)
-        X91 = mem.tensor(46, (128, 96, 27, 27), 'float32')
-        rt.conv2d_bwd_data(X87, T['conv2_W'], out=X91, pad=2, size=(27, 27), stride=1, workspace=mem.workspace(27788544))
-        # free X87
-        del X85, X86, X87
+        # d_conv2_sum_to = sum_to[1x256x1x1](d_conv2)
+        d_conv2_sum_to = mem.tensor(45, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv2, out=d_conv2_sum_to, shape=(1, 256, 1, 1))
+        # d_conv1_max_pool = conv2d_bwd_data[pad=2,size=(27,27)](d_conv2, conv2_W)
+        d_conv1_max_pool = mem.tensor(46, (128, 96, 27, 27), 'float32')
+        rt.conv2d_bwd_data(d_conv2, T['conv2_W'], out=d_conv1_max_pool, pad=2, size=(27, 27), stride=1, workspace=mem.workspace(27788544))
+        # free d_conv2_lrn, d_conv2_relu, d_conv2
+        del d_conv2_lrn, d_conv2_relu, d_conv2
         mem.free(43)
-        # X92 = -X89*lr + conv2_W
-        X92 = T['conv2_W']  # in place: the new conv2_W
-        rt.ew(ew12, X92, T['conv2_W'], lr, X89)
-        # X93 = reshape[256](X90)
-        X93 = rt.reshape(X90, shape=(256,))
-        # X94 = V_conv2_B*momentum + X93
-        X94 = T['V_conv2_B']  # in place: the new V_conv2_B
-        rt.ew(ew7, X94, T['V_conv2_B'], momentum, X93)
-        # free X90, X93
-        del X90, X93
+        # conv2_W_new = conv2_W - lr*V_conv2_W_new
+        conv2_W_new = T['conv2_W']  # in place: the new conv2_W
+        rt.ew(ew_mul_sub_2, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new)
+        # d_conv2_B = reshape[256](d_conv2_sum_to)
+        d_conv2_B = rt.reshape(d_conv2_sum_to, shape=(256,))
+        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B
+        V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
+        rt.ew(ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B)
+        # free d_conv2_sum_to, d_conv2_B
+        del d_conv2_sum_to, d_conv2_B
         mem.free(45)
-        # X95 = -2*X94*lr + conv2_B
-        X95 = T['conv2_B']  # in place: the new conv2_B
-        rt.ew(ew8, X95, T['conv2_B'], lr, X94)
-        # X96 = max_pool_bwd[ceil=True,kernel=3,size=(55,55),stride=2](X91, X7)
-        X96 = mem.tensor(47, (128, 96, 55, 55), 'float32')
-        rt.max_pool_bwd(X91, X7, out=X96, ceil=True, kernel=3, pad=0, size=(55, 55), stride=2, workspace=mem.workspace(22394880))
-        # free X7, X91
-        del X7, X91
+        # conv2_B_new = conv2_B - 2*lr*V_conv2_B_new
+        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
+        rt.ew(ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new)
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
+        # d_conv1_lrn = max_pool_bwd[ceil=True,kernel=3,size=(55,55),stride=2](d_conv1_max_pool, conv1_max_pool_argmax)
+        d_conv1_lrn = mem.tensor(47, (128, 96, 55, 55), 'float32')
+        rt.max_pool_bwd(d_conv1_max_pool, conv1_max_pool_argmax, out=d_conv1_lrn, ceil=True, kernel=3, pad=0, size=(55, 55), stride=2, workspace=mem.workspace(22394880))
+        # free conv1_max_pool_argmax, d_conv1_max_pool
+        del conv1_max_pool_argmax, d_conv1_max_pool
         mem.free(7, 46)
-        # X97 = lrn_bwd[alpha=0.0001,beta=0.75,k=1.0,size=5](X96, X5)
-        X97 = X96  # in place: over X96
-        rt.lrn_bwd(X96, X5, out=X97, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(31363200))
-        # X98 = X97*Heaviside(X5, 0)
-        X98 = X97  # in place: over X97
-        rt.ew(ew10, X98, X97, X5)
-        # free X5
-        del X4, X5
+
+        # ---- conv1_lrn (LRN size 5), backward ----
+        # d_conv1_relu = lrn_bwd[alpha=0.0001,beta=0.75,k=1.0,size=5](d_conv1_lrn, conv1_relu)
+        d_conv1_relu = d_conv1_lrn  # in place: over d_conv1_lrn
+        rt.lrn_bwd(d_conv1_lrn, conv1_relu, out=d_conv1_relu, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(31363200))
+
+        # ---- conv1_relu (relu), backward ----
+        # d_conv1 = d_conv1_relu*Heaviside(conv1_relu, 0)
+        d_conv1 = d_conv1_relu  # in place: over d_conv1_relu
+        rt.ew(ew_step_mul_2, d_conv1, d_conv1_relu, conv1_relu)
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
         mem.free(5)
-        # X99 = conv2d_bwd_filter[kernel=(11,11),stride=4](X98, x)
-        X99 = mem.tensor(48, (96, 3, 11, 11), 'float32')
-        rt.conv2d_bwd_filter(X98, x, out=X99, kernel=(11, 11), pad=0, stride=4, workspace=mem.workspace(33462792))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), backward ----
+        # d_conv1_W = conv2d_bwd_filter[kernel=(11,11),stride=4](d_conv1, x)
+        d_conv1_W = mem.tensor(48, (96, 3, 11, 11), 'float32')
+        rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(11, 11), pad=0, stride=4, workspace=mem.workspace(33462792))
         # free x
         del x
         mem.free(0)
-        # X100 = sum_to[1x96x1x1](X98)
-        X100 = mem.tensor(49, (1, 96, 1, 1), 'float32')
-        rt.sum_to(X98, out=X100, shape=(1, 96, 1, 1))
-        # free X98
-        del X96, X97, X98
+        # d_conv1_sum_to = sum_to[1x96x1x1](d_conv1)
+        d_conv1_sum_to = mem.tensor(49, (1, 96, 1, 1), 'float32')
+        rt.sum_to(d_conv1, out=d_conv1_sum_to, shape=(1, 96, 1, 1))
+        # free d_conv1_lrn, d_conv1_relu, d_conv1
+        del d_conv1_lrn, d_conv1_relu, d_conv1
         mem.free(47)
-        # X101 = V_conv1_W*momentum + X99 + conv1_W*decay
-        X101 = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew11, X101, T['V_conv1_W'], momentum, X99, decay, T['conv1_W'])
-        # free X99
-        del X99
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
+        rt.ew(ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # free d_conv1_W
+        del d_conv1_W
         mem.free(48)
-        # X102 = -X101*lr + conv1_W
-        X102 = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew12, X102, T['conv1_W'], lr, X101)
-        # X103 = reshape[96](X100)
-        X103 = rt.reshape(X100, shape=(96,))
-        # X104 = V_conv1_B*momentum + X103
-        X104 = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew7, X104, T['V_conv1_B'], momentum, X103)
-        # free X100, X103
-        del X100, X103
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew(ew_mul_sub_2, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
+        # d_conv1_B = reshape[96](d_conv1_sum_to)
+        d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(96,))
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B
+        V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
+        rt.ew(ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B)
+        # free d_conv1_sum_to, d_conv1_B
+        del d_conv1_sum_to, d_conv1_B
         mem.free(49)
-        # X105 = -2*X104*lr + conv1_B
-        X105 = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew8, X105, T['conv1_B'], lr, X104)
-        # X106 = matmul[ta](X45, X22)
-        X106 = mem.tensor(50, (4096, 9216), 'float32')
-        rt.matmul(X45, X22, out=X106, ta=True)
-        # free X21, X22, X45
-        del X21, X22, X44, X45
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew(ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
+
+        # ---- fc6 (fully connected, 4096 outputs), backward ----
+        # d_fc6_W = matmul[ta](d_fc6, conv5_flatten)
+        d_fc6_W = mem.tensor(50, (4096, 9216), 'float32')
+        rt.matmul(d_fc6, conv5_flatten, out=d_fc6_W, ta=True)
+        # free conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
+        del conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         mem.free(17, 28)
-        # X107 = V_fc6_W*momentum + X106 + decay*fc6_W
-        X107 = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew11, X107, T['V_fc6_W'], momentum, X106, decay, T['fc6_W'])
-        # free X106
-        del X106
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
+        rt.ew(ew_mul_add_2, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # free d_fc6_W
+        del d_fc6_W
         mem.free(50)
-        # X108 = -X107*lr + fc6_W
-        X108 = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew12, X108, T['fc6_W'], lr, X107)
-        loss = rt.scalar(X35)
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew(ew_mul_sub_2, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
+        loss = rt.scalar(fc8_log_loss)
         mem.end()
         return loss
 
@@ -638,198 +667,328 @@ class Alexnet(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d[stride=4](x, conv1_W, conv1_B)
-        X1 = mem.tensor(2, (128, 96, 55, 55), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X1, pad=0, stride=4, workspace=mem.workspace(30746100))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), forward ----
+        # conv1 = conv2d[stride=4](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(2, (128, 96, 55, 55), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=0, stride=4, workspace=mem.workspace(30746100))
         # free x
         del x
         mem.free(0)
-        # X2 = Max(0, X1)
-        X2 = X1  # in place: over X1
-        rt.ew(ew1, X2, X1)
-        # X3 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X2)
-        X3 = X2  # in place: over X2
-        rt.lrn(X2, out=X3, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30201600))
-        # X4 = max_pool[ceil=True,kernel=3,stride=2](X3)
-        X4 = mem.tensor(3, (128, 96, 27, 27), 'float32')
-        rt.max_pool(X3, out=X4, ceil=True, kernel=3, pad=0, stride=2)
-        # free X3
-        del X1, X2, X3
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_lrn (LRN size 5), forward ----
+        # conv1_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv1_relu)
+        conv1_lrn = conv1_relu  # in place: over conv1_relu
+        rt.lrn(conv1_relu, out=conv1_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30201600))
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv1_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv1_lrn)
+        conv1_max_pool = mem.tensor(3, (128, 96, 27, 27), 'float32')
+        rt.max_pool(conv1_lrn, out=conv1_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv1, conv1_relu, conv1_lrn
+        del conv1, conv1_relu, conv1_lrn
         mem.free(2)
-        # X5 = conv2d[pad=2](X4, conv2_W, conv2_B)
-        X5 = mem.tensor(4, (128, 256, 27, 27), 'float32')
-        rt.conv2d(X4, T['conv2_W'], T['conv2_B'], out=X5, pad=2, stride=1, workspace=mem.workspace(29469696))
-        # free X4
-        del X4
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 2), forward ----
+        # conv2 = conv2d[pad=2](conv1_max_pool, conv2_W, conv2_B)
+        conv2 = mem.tensor(4, (128, 256, 27, 27), 'float32')
+        rt.conv2d(conv1_max_pool, T['conv2_W'], T['conv2_B'], out=conv2, pad=2, stride=1, workspace=mem.workspace(29469696))
+        # free conv1_max_pool
+        del conv1_max_pool
         mem.free(3)
-        # X6 = Max(0, X5)
-        X6 = X5  # in place: over X5
-        rt.ew(ew1, X6, X5)
-        # X7 = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](X6)
-        X7 = X6  # in place: over X6
-        rt.lrn(X6, out=X7, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(32845824))
-        # X8 = max_pool[ceil=True,kernel=3,stride=2](X7)
-        X8 = mem.tensor(5, (128, 256, 13, 13), 'float32')
-        rt.max_pool(X7, out=X8, ceil=True, kernel=3, pad=0, stride=2)
-        # free X7
-        del X5, X6, X7
+
+        # ---- conv2_relu (relu), forward ----
+        # conv2_relu = Max(0, conv2)
+        conv2_relu = conv2  # in place: over conv2
+        rt.ew(ew_relu, conv2_relu, conv2)
+
+        # ---- conv2_lrn (LRN size 5), forward ----
+        # conv2_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv2_relu)
+        conv2_lrn = conv2_relu  # in place: over conv2_relu
+        rt.lrn(conv2_relu, out=conv2_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(32845824))
+
+        # ---- conv2_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv2_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv2_lrn)
+        conv2_max_pool = mem.tensor(5, (128, 256, 13, 13), 'float32')
+        rt.max_pool(conv2_lrn, out=conv2_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv2, conv2_relu, conv2_lrn
+        del conv2, conv2_relu, conv2_lrn
         mem.free(4)
-        # X9 = conv2d[pad=1](X8, conv3_W, conv3_B)
-        X9 = mem.tensor(6, (128, 384, 13, 13), 'float32')
-        rt.conv2d(X8, T['conv3_W'], T['conv3_B'], out=X9, pad=1, stride=1, workspace=mem.workspace(28606464))
-        # free X8
-        del X8
+
+        # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
+        conv3 = mem.tensor(6, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
+        # free conv2_max_pool
+        del conv2_max_pool
         mem.free(5)
-        # X10 = Max(0, X9)
-        X10 = X9  # in place: over X9
-        rt.ew(ew1, X10, X9)
-        # X11 = conv2d[pad=1](X10, conv4_W, conv4_B)
-        X11 = mem.tensor(7, (128, 384, 13, 13), 'float32')
-        rt.conv2d(X10, T['conv4_W'], T['conv4_B'], out=X11, pad=1, stride=1, workspace=mem.workspace(32182272))
-        # free X10
-        del X9, X10
+
+        # ---- conv3_relu (relu), forward ----
+        # conv3_relu = Max(0, conv3)
+        conv3_relu = conv3  # in place: over conv3
+        rt.ew(ew_relu, conv3_relu, conv3)
+
+        # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
+        conv4 = mem.tensor(7, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
+        # free conv3, conv3_relu
+        del conv3, conv3_relu
         mem.free(6)
-        # X12 = Max(0, X11)
-        X12 = X11  # in place: over X11
-        rt.ew(ew1, X12, X11)
-        # X13 = conv2d[pad=1](X12, conv5_W, conv5_B)
-        X13 = mem.tensor(8, (128, 256, 13, 13), 'float32')
-        rt.conv2d(X12, T['conv5_W'], T['conv5_B'], out=X13, pad=1, stride=1, workspace=mem.workspace(32182272))
-        # free X12
-        del X11, X12
+
+        # ---- conv4_relu (relu), forward ----
+        # conv4_relu = Max(0, conv4)
+        conv4_relu = conv4  # in place: over conv4
+        rt.ew(ew_relu, conv4_relu, conv4)
+
+        # ---- conv5 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv5 = conv2d[pad=1](conv4_relu, conv5_W, conv5_B)
+        conv5 = mem.tensor(8, (128, 256, 13, 13), 'float32')
+        rt.conv2d(conv4_relu, T['conv5_W'], T['conv5_B'], out=conv5, pad=1, stride=1, workspace=mem.workspace(32182272))
+        # free conv4, conv4_relu
+        del conv4, conv4_relu
         mem.free(7)
-        # X14 = Max(0, X13)
-        X14 = X13  # in place: over X13
-        rt.ew(ew1, X14, X13)
-        # X15 = max_pool[ceil=True,kernel=3,stride=2](X14)
-        X15 = mem.tensor(9, (128, 256, 6, 6), 'float32')
-        rt.max_pool(X14, out=X15, ceil=True, kernel=3, pad=0, stride=2)
-        # free X14
-        del X13, X14
+
+        # ---- conv5_relu (relu), forward ----
+        # conv5_relu = Max(0, conv5)
+        conv5_relu = conv5  # in place: over conv5
+        rt.ew(ew_relu, conv5_relu, conv5)
+
+        # ---- conv5_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv5_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv5_relu)
+        conv5_max_pool = mem.tensor(9, (128, 256, 6, 6), 'float32')
+        rt.max_pool(conv5_relu, out=conv5_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv5, conv5_relu
+        del conv5, conv5_relu
         mem.free(8)
-        # X16 = reshape[128x9216](X15)
-        X16 = rt.reshape(X15, shape=(128, 9216))
-        # X17 = matmul[tb](X16, fc6_W)
-        X17 = mem.tensor(10, (128, 4096), 'float32')
-        rt.matmul(X16, T['fc6_W'], out=X17, tb=True)
-        # free X15, X16
-        del X15, X16
+
+        # ---- conv5_flatten (flatten), forward ----
+        # conv5_flatten = reshape[128x9216](conv5_max_pool)
+        conv5_flatten = rt.reshape(conv5_max_pool, shape=(128, 9216))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_flatten, fc6_W)
+        fc6_matmul = mem.tensor(10, (128, 4096), 'float32')
+        rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+        # free conv5_max_pool, conv5_flatten
+        del conv5_max_pool, conv5_flatten
         mem.free(9)
-        # X18 = Max(0, X17 + fc6_B)
-        X18 = X17  # in place: over X17
-        rt.ew(ew2, X18, X17, T['fc6_B'])
-        # X19 = matmul[tb](X18, fc7_W)
-        X19 = mem.tensor(11, (128, 4096), 'float32')
-        rt.matmul(X18, T['fc7_W'], out=X19, tb=True)
-        # free X18
-        del X17, X18
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_relu, fc7_W)
+        fc7_matmul = mem.tensor(11, (128, 4096), 'float32')
+        rt.matmul(fc6_relu, T['fc7_W'], out=fc7_matmul, tb=True)
+        # free fc6_matmul, fc6_relu
+        del fc6_matmul, fc6_relu
         mem.free(10)
-        # X20 = Max(0, X19 + fc7_B)
-        X20 = X19  # in place: over X19
-        rt.ew(ew2, X20, X19, T['fc7_B'])
-        # X21 = matmul[tb](X20, fc8_W)
-        X21 = mem.tensor(12, (128, 1000), 'float32')
-        rt.matmul(X20, T['fc8_W'], out=X21, tb=True)
-        # free X20
-        del X19, X20
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
+        fc8_matmul = mem.tensor(12, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # free fc7_matmul, fc7_relu
+        del fc7_matmul, fc7_relu
         mem.free(11)
-        # X22 = X21 + fc8_B
-        X22 = X21  # in place: over X21
-        rt.ew(ew4, X22, X21, T['fc8_B'])
-        # X23 = precision(X22, y)
-        X23 = mem.tensor(13, (), 'float32')
-        rt.precision(X22, y, out=X23)
-        # X24 = log_softmax(X22)
-        X24 = X22  # in place: over X22
-        rt.log_softmax(X22, out=X24, workspace=mem.workspace(512000))
-        # X25 = pick(X24, y)
-        X25 = mem.tensor(14, (128,), 'float32')
-        rt.pick(X24, y, out=X25)
-        # free y, X24
-        del y, X21, X22, X24
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_precision (precision), forward ----
+        # fc8_precision = precision(fc8, y)
+        fc8_precision = mem.tensor(13, (), 'float32')
+        rt.precision(fc8, y, out=fc8_precision)
+
+        # ---- fc8_log_loss (log_loss), forward ----
+        # fc8_log_loss_log_softmax = log_softmax(fc8)
+        fc8_log_loss_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_log_loss_log_softmax, workspace=mem.workspace(512000))
+        # fc8_log_loss_pick = pick(fc8_log_loss_log_softmax, y)
+        fc8_log_loss_pick = mem.tensor(14, (128,), 'float32')
+        rt.pick(fc8_log_loss_log_softmax, y, out=fc8_log_loss_pick)
+        # free y, fc8_matmul, fc8, fc8_log_loss_log_softmax
+        del y, fc8_matmul, fc8, fc8_log_loss_log_softmax
         mem.free(1, 12)
-        # X26 = sum_to[scalar](X25)
-        X26 = mem.tensor(15, (), 'float32')
-        rt.sum_to(X25, out=X26, shape=())
-        # free X25
-        del X25
+        # fc8_log_loss_sum_to = sum_to[scalar](fc8_log_loss_pick)
+        fc8_log_loss_sum_to = mem.tensor(15, (), 'float32')
+        rt.sum_to(fc8_log_loss_pick, out=fc8_log_loss_sum_to, shape=())
+        # free fc8_log_loss_pick
+        del fc8_log_loss_pick
         mem.free(14)
-        # X27 = -X26/128
-        X27 = X26  # in place: over X26
-        rt.ew(ew6, X27, X26)
-        accuracy = rt.scalar(X23)
-        loss = rt.scalar(X27)
+        # fc8_log_loss = -fc8_log_loss_sum_to/128
+        fc8_log_loss = fc8_log_loss_sum_to  # in place: over fc8_log_loss_sum_to
+        rt.ew(ew_scale, fc8_log_loss, fc8_log_loss_sum_to)
+        accuracy = rt.scalar(fc8_precision)
+        loss = rt.scalar(fc8_log_loss)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
+            buffers=(
+                (0, 512),  # 0: const 128 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=524711680, peak_bytes=506554112, workspace_bytes=33462792, pool_bytes=642725888, pool_peak_bytes=528705280,
+            buffers=(
+                (392921088, 79148544),  # 0: x 128x3x227x227 float32
+                (522102272, 512),  # 1: y 128 int32
+                (524199424, 512000),  # 2: d_fc8_log_loss_log_softmax 128x1000 float32
+                (521577984, 524288),  # 3: fc7_dropout_mask 128x4096 uint8
+                (523675136, 524288),  # 4: fc6_dropout_mask 128x4096 uint8
+                (148684800, 148684800),  # 5: conv1 128x96x55x55 float32
+                (0, 148684800),  # 6: conv1_lrn 128x96x55x55 float32
+                (507901440, 8957952),  # 7: conv1_max_pool_argmax 128x96x27x27 uint8
+                (472069632, 35831808),  # 8: conv1_max_pool 128x96x27x27 float32
+                (297369600, 95551488),  # 9: conv2 128x256x27x27 float32
+                (0, 95551488),  # 10: conv2_lrn 128x256x27x27 float32
+                (121831424, 5537792),  # 11: conv2_max_pool_argmax 128x256x13x13 uint8
+                (99680256, 22151168),  # 12: conv2_max_pool 128x256x13x13 float32
+                (33226752, 33226752),  # 13: conv3 128x384x13x13 float32
+                (0, 33226752),  # 14: conv4 128x384x13x13 float32
+                (66453504, 22151168),  # 15: conv5 128x256x13x13 float32
+                (93323264, 1179648),  # 16: conv5_max_pool_argmax 128x256x6x6 uint8
+                (516859392, 4718592),  # 17: conv5_max_pool 128x256x6x6 float32
+                (66453504, 2097152),  # 18: fc6_matmul 128x4096 float32
+                (127369216, 2097152),  # 19: fc6_dropout 128x4096 float32
+                (68550656, 2097152),  # 20: fc7_matmul 128x4096 float32
+                (82837504, 2097152),  # 21: fc7_dropout 128x4096 float32
+                (70647808, 512000),  # 22: fc8_matmul 128x1000 float32
+                (71159808, 512),  # 23: fc8_log_loss_pick 128 float32
+                (524711424, 4),  # 24: fc8_log_loss_sum_to scalar float32
+                (70647808, 4000),  # 25: d_fc8_B 1000 float32
+                (129466368, 2097152),  # 26: d_fc7_dropout 128x4096 float32
+                (68550656, 16384),  # 27: d_fc7_B 4096 float32
+                (521577984, 2097152),  # 28: d_fc6_dropout 128x4096 float32
+                (66453504, 16384),  # 29: d_fc6_B 4096 float32
+                (88604672, 4718592),  # 30: d_conv5_flatten 128x9216 float32
+                (66453504, 16384000),  # 31: d_fc8_W 1000x4096 float32
+                (66453504, 22151168),  # 32: d_conv5_relu_max_pool_bwd 128x256x13x13 float32
+                (88604672, 1024),  # 33: d_conv5_sum_to 1x256x1x1 float32
+                (88604672, 3538944),  # 34: d_conv5_W 256x384x3x3 float32
+                (66453504, 33226752),  # 35: d_conv4_relu 128x384x13x13 float32
+                (0, 1536),  # 36: d_conv4_sum_to 1x384x1x1 float32
+                (0, 5308416),  # 37: d_conv4_W 384x384x3x3 float32
+                (0, 33226752),  # 38: d_conv3_relu 128x384x13x13 float32
+                (33226752, 3538944),  # 39: d_conv3_W 384x256x3x3 float32
+                (33226752, 1536),  # 40: d_conv3_sum_to 1x384x1x1 float32
+                (95551488, 22151168),  # 41: d_conv2_max_pool 128x256x13x13 float32
+                (0, 67108864),  # 42: d_fc7_W 4096x4096 float32
+                (0, 95551488),  # 43: d_conv2_lrn 128x256x27x27 float32
+                (95551488, 2457600),  # 44: d_conv2_W 256x96x5x5 float32
+                (95551488, 1024),  # 45: d_conv2_sum_to 1x256x1x1 float32
+                (297369600, 35831808),  # 46: d_conv1_max_pool 128x96x27x27 float32
+                (0, 148684800),  # 47: d_conv1_lrn 128x96x55x55 float32
+                (148684800, 139392),  # 48: d_conv1_W 96x3x11x11 float32
+                (148824320, 384),  # 49: d_conv1_sum_to 1x96x1x1 float32
+                (0, 150994944),  # 50: d_fc6_W 4096x9216 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=227833856, peak_bytes=227833856, workspace_bytes=32845824, pool_bytes=227833856,
+            buffers=(
+                (148684800, 79148544),  # 0: x 128x3x227x227 float32
+                (227833344, 512),  # 1: y 128 int32
+                (0, 148684800),  # 2: conv1 128x96x55x55 float32
+                (148684800, 35831808),  # 3: conv1_max_pool 128x96x27x27 float32
+                (0, 95551488),  # 4: conv2 128x256x27x27 float32
+                (95551488, 22151168),  # 5: conv2_max_pool 128x256x13x13 float32
+                (0, 33226752),  # 6: conv3 128x384x13x13 float32
+                (33226752, 33226752),  # 7: conv4 128x384x13x13 float32
+                (0, 22151168),  # 8: conv5 128x256x13x13 float32
+                (22151168, 4718592),  # 9: conv5_max_pool 128x256x6x6 float32
+                (0, 2097152),  # 10: fc6_matmul 128x4096 float32
+                (2097152, 2097152),  # 11: fc7_matmul 128x4096 float32
+                (0, 512000),  # 12: fc8_matmul 128x1000 float32
+                (512512, 4),  # 13: fc8_precision scalar float32
+                (512000, 512),  # 14: fc8_log_loss_pick 128 float32
+                (0, 4),  # 15: fc8_log_loss_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0):
+def ew_relu(out, v0):
     """out = Max(0, v0)   (out may be v0)"""
     np.maximum(v0, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew4(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew5(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.0078125*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.0078125, out=out)
 
 
-def ew6(out, v0):
+def ew_scale(out, v0):
     """out = -v0/128   (out may be v0)"""
     np.multiply(v0, -0.0078125, out=out)
 
 
-def ew7(out, v0, v1, v2):
+def ew_mul_add(out, v0, v1, v2):
     """out = v0*v1 + v2   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v2, out=out)
 
 
-def ew8(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - 2*v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2 * 2, out=out)
 
 
-def ew9(out, v0, v1, v2):
+def ew_step_mul(out, v0, v1, v2):
     """out = 2.0*v0*v1*Heaviside(v2, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v2, 0), out=out)
     np.multiply(out, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew10(out, v0, v1):
+def ew_step_mul_2(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 
 
-def ew11(out, v0, v1, v2, v3, v4):
+def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew12(out, v0, v1, v2):
+def ew_mul_sub_2(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 

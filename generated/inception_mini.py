@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 19.44 MB of tensors planned for the training step (10.35 MB testing); static arena 19.44 MB, pool 22.28 MB, workspace 16.70 MB
-Structure hash: da20d62abe6d495a
+Structure hash: c877573eb356530e
 
 Usage: python inception_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class InceptionMini(rp.Model):
 
     name = "inception_mini"
     source = "networks/inception_mini.py"
-    structure_hash = "da20d62abe6d495a"
+    structure_hash = "c877573eb356530e"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -114,143 +116,13 @@ class InceptionMini(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
-            buffers=(
-                (0, 400),  # 0: X1 100 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=19443712, peak_bytes=19443456, workspace_bytes=16704000, pool_bytes=22281472,
-            buffers=(
-                (18816000, 313600),  # 0: x 100x1x28x28 float32
-                (19144960, 400),  # 1: y 100 int32
-                (19140864, 4000),  # 2: X1 100x10 float32
-                (19129600, 11200),  # 3: X2 100x112 uint8
-                (0, 10035200),  # 4: X3 100x32x28x28 float32
-                (17561600, 627200),  # 5: X5 100x32x14x14 uint8
-                (12544000, 2508800),  # 6: X6 100x32x14x14 float32
-                (11289600, 313600),  # 7: X7 100x4x14x14 float32
-                (7526400, 627200),  # 8: X9 100x8x14x14 float32
-                (18188800, 627200),  # 9: X11 100x32x14x14 uint8
-                (0, 2508800),  # 10: X12 100x32x14x14 float32
-                (16307200, 1254400),  # 11: X13 100x16x14x14 float32
-                (15052800, 1254400),  # 12: X15 100x16x14x14 float32
-                (5017600, 1254400),  # 13: X17 100x16x14x14 float32
-                (9408000, 1881600),  # 14: X19 100x24x14x14 float32
-                (0, 5017600),  # 15: X21 100x64x14x14 float32
-                (11603200, 313600),  # 16: X22 100x64x7x7 uint8
-                (6272000, 1254400),  # 17: X23 100x64x7x7 float32
-                (19286528, 156800),  # 18: X24 100x8x7x7 float32
-                (12230400, 313600),  # 19: X26 100x16x7x7 float32
-                (11916800, 313600),  # 20: X28 100x64x7x7 uint8
-                (2195200, 1254400),  # 21: X29 100x64x7x7 float32
-                (4390400, 313600),  # 22: X30 100x16x7x7 float32
-                (8153600, 627200),  # 23: X32 100x32x7x7 float32
-                (8780800, 627200),  # 24: X34 100x32x7x7 float32
-                (3449600, 940800),  # 25: X36 100x48x7x7 float32
-                (0, 2195200),  # 26: X38 100x112x7x7 float32
-                (4704000, 44800),  # 27: X39 100x112x1x1 float32
-                (0, 4000),  # 28: X42 100x10 float32
-                (4608, 400),  # 29: X45 100 float32
-                (0, 4480),  # 30: X47 10x112 float32
-                (19443456, 4),  # 31: X49 scalar float32
-                (0, 40),  # 32: X51 10 float32
-                (4704000, 44800),  # 33: X54 100x112 float32
-                (0, 2195200),  # 34: X58 100x112x7x7 float32
-                (4704000, 313600),  # 35: X59 100x16x7x7 float32
-                (12230400, 64),  # 36: X61 1x16x1x1 float32
-                (12230400, 12800),  # 37: X65 16x8x5x5 float32
-                (19129600, 156800),  # 38: X66 100x8x7x7 float32
-                (4704000, 32),  # 39: X70 1x8x1x1 float32
-                (4704000, 2048),  # 40: X74 8x64x1x1 float32
-                (12230400, 313600),  # 41: X76 100x16x7x7 float32
-                (4390400, 4096),  # 42: X78 16x64x1x1 float32
-                (2195200, 64),  # 43: X80 1x16x1x1 float32
-                (4390400, 627200),  # 44: X84 100x32x7x7 float32
-                (2195200, 940800),  # 45: X85 100x48x7x7 float32
-                (0, 128),  # 46: X88 1x32x1x1 float32
-                (0, 192),  # 47: X92 1x48x1x1 float32
-                (0, 8192),  # 48: X96 32x64x1x1 float32
-                (0, 55296),  # 49: X98 48x32x3x3 float32
-                (3136000, 627200),  # 50: X99 100x32x7x7 float32
-                (55296, 8192),  # 51: X101 32x64x1x1 float32
-                (0, 128),  # 52: X105 1x32x1x1 float32
-                (0, 1254400),  # 53: X109 100x64x7x7 float32
-                (1254400, 1254400),  # 54: X111 100x64x7x7 float32
-                (2508800, 1254400),  # 55: X113 100x64x7x7 float32
-                (6272000, 1254400),  # 56: X114 100x64x7x7 float32
-                (2508800, 1254400),  # 57: X116 100x64x7x7 float32
-                (0, 5017600),  # 58: X119 100x64x14x14 float32
-                (6272000, 627200),  # 59: X120 100x8x14x14 float32
-                (6899200, 32),  # 60: X122 1x8x1x1 float32
-                (6899200, 3200),  # 61: X126 8x4x5x5 float32
-                (19129600, 313600),  # 62: X127 100x4x14x14 float32
-                (6272000, 16),  # 63: X131 1x4x1x1 float32
-                (6272000, 512),  # 64: X135 4x32x1x1 float32
-                (7526400, 1254400),  # 65: X137 100x16x14x14 float32
-                (5017600, 64),  # 66: X139 1x16x1x1 float32
-                (5017600, 2048),  # 67: X143 16x32x1x1 float32
-                (5017600, 2508800),  # 68: X145 100x32x14x14 float32
-                (11289600, 1254400),  # 69: X147 100x16x14x14 float32
-                (7526400, 1881600),  # 70: X148 100x24x14x14 float32
-                (0, 2508800),  # 71: X151 100x32x14x14 float32
-                (2508800, 2048),  # 72: X152 16x32x1x1 float32
-                (0, 96),  # 73: X154 1x24x1x1 float32
-                (0, 64),  # 74: X158 1x16x1x1 float32
-                (0, 13824),  # 75: X162 24x16x3x3 float32
-                (2508800, 1254400),  # 76: X163 100x16x14x14 float32
-                (0, 64),  # 77: X167 1x16x1x1 float32
-                (0, 2048),  # 78: X171 16x32x1x1 float32
-                (0, 2508800),  # 79: X173 100x32x14x14 float32
-                (2508800, 2508800),  # 80: X175 100x32x14x14 float32
-                (10035200, 2508800),  # 81: X176 100x32x14x14 float32
-                (2508800, 2508800),  # 82: X178 100x32x14x14 float32
-                (0, 10035200),  # 83: X181 100x32x28x28 float32
-                (10035200, 1152),  # 84: X182 32x1x3x3 float32
-                (10036480, 128),  # 85: X183 1x32x1x1 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=10349312, peak_bytes=10349312, workspace_bytes=12928000, pool_bytes=12858112, pool_peak_bytes=12544512,
-            buffers=(
-                (10035200, 313600),  # 0: x 100x1x28x28 float32
-                (10348800, 400),  # 1: y 100 int32
-                (0, 10035200),  # 2: X1 100x32x28x28 float32
-                (0, 2508800),  # 3: X3 100x32x14x14 float32
-                (2508800, 313600),  # 4: X4 100x4x14x14 float32
-                (9408000, 627200),  # 5: X6 100x8x14x14 float32
-                (2508800, 1254400),  # 6: X8 100x16x14x14 float32
-                (5017600, 1881600),  # 7: X10 100x24x14x14 float32
-                (6899200, 1254400),  # 8: X12 100x16x14x14 float32
-                (2508800, 2508800),  # 9: X13 100x32x14x14 float32
-                (8153600, 1254400),  # 10: X14 100x16x14x14 float32
-                (0, 5017600),  # 11: X17 100x64x14x14 float32
-                (5017600, 1254400),  # 12: X18 100x64x7x7 float32
-                (0, 156800),  # 13: X19 100x8x7x7 float32
-                (3763200, 313600),  # 14: X21 100x16x7x7 float32
-                (0, 627200),  # 15: X23 100x32x7x7 float32
-                (2195200, 940800),  # 16: X25 100x48x7x7 float32
-                (3136000, 627200),  # 17: X27 100x32x7x7 float32
-                (0, 1254400),  # 18: X28 100x64x7x7 float32
-                (4076800, 313600),  # 19: X29 100x16x7x7 float32
-                (0, 2195200),  # 20: X32 100x112x7x7 float32
-                (2195200, 44800),  # 21: X33 100x112x1x1 float32
-                (0, 4000),  # 22: X35 100x10 float32
-                (4608, 4),  # 23: X37 scalar float32
-                (4096, 400),  # 24: X39 100 float32
-                (0, 4),  # 25: X40 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.01)
-        X1 = mem.tensor(0, (100,), 'float32')
-        rt.const(out=X1, shape=(100,), value=-0.01)
-        T['H1'] = X1
+        # const = fill(-0.01)
+        const = mem.tensor(0, (100,), 'float32')
+        rt.const(out=const, shape=(100,), value=-0.01)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -258,780 +130,992 @@ class InceptionMini(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = unpick[classes=10](H1, y)
-        X1 = mem.tensor(2, (100, 10), 'float32')
-        rt.unpick(T['H1'], y, out=X1, classes=10)
-        # X2 = bernoulli[keep=0.8,key=1,shape=(100,112)]
-        X2 = mem.tensor(3, (100, 112), 'uint8')
-        rt.bernoulli(out=X2, keep=0.8, key=1, shape=(100, 112), seed=self.seed, step=step, workspace=mem.workspace(44800))
-        # X3 = conv2d[pad=1](x, conv1_W, conv1_B)
-        X3 = mem.tensor(4, (100, 32, 28, 28), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X3, pad=1, stride=1, workspace=mem.workspace(3182400))
-        # X4 = Max(0, X3)
-        X4 = X3  # in place: over X3
-        rt.ew(ew1, X4, X3)
-        # X5 = max_pool_argmax[kernel=2,stride=2](X4)   (computed with the next statement)
-        X5 = mem.tensor(5, (100, 32, 14, 14), 'uint8')
-        # X6 = max_pool[kernel=2,stride=2](X4)
-        X6 = mem.tensor(6, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2)
-        # free X4
-        del X3, X4
+
+        # ---- classifier_cross_entropy (cross_entropy), backward ----
+        # d_classifier_cross_entropy_log_softmax = unpick[classes=10](H1, y)
+        d_classifier_cross_entropy_log_softmax = mem.tensor(2, (100, 10), 'float32')
+        rt.unpick(T['H1'], y, out=d_classifier_cross_entropy_log_softmax, classes=10)
+
+        # ---- inception_b_1x1_dropout (dropout 0.2), forward ----
+        # inception_b_1x1_dropout_mask = bernoulli[keep=0.8,key=1,shape=(100,112)]
+        inception_b_1x1_dropout_mask = mem.tensor(3, (100, 112), 'uint8')
+        rt.bernoulli(out=inception_b_1x1_dropout_mask, keep=0.8, key=1, shape=(100, 112), seed=self.seed, step=step, workspace=mem.workspace(44800))
+
+        # ---- conv1 (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(4, (100, 32, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv1_relu)   (computed with the next statement)
+        conv1_max_pool_argmax = mem.tensor(5, (100, 32, 14, 14), 'uint8')
+        # conv1_max_pool = max_pool[kernel=2,stride=2](conv1_relu)
+        conv1_max_pool = mem.tensor(6, (100, 32, 14, 14), 'float32')
+        rt.max_pool(conv1_relu, out=conv1_max_pool, argmax=conv1_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
         mem.free(4)
-        # X7 = conv2d(X6, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
-        X7 = mem.tensor(7, (100, 4, 14, 14), 'float32')
-        rt.conv2d(X6, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=X7, pad=0, stride=1)
-        # X8 = Max(0, X7)
-        X8 = X7  # in place: over X7
-        rt.ew(ew1, X8, X7)
-        # X9 = conv2d[pad=2](X8, inception_a_5x5_W, inception_a_5x5_B)
-        X9 = mem.tensor(8, (100, 8, 14, 14), 'float32')
-        rt.conv2d(X8, T['inception_a_5x5_W'], T['inception_a_5x5_B'], out=X9, pad=2, stride=1, workspace=mem.workspace(8358400))
-        # X10 = Max(0, X9)
-        X10 = X9  # in place: over X9
-        rt.ew(ew1, X10, X9)
-        # X11 = max_pool_argmax[kernel=3,pad=1,stride=1](X6)   (computed with the next statement)
-        X11 = mem.tensor(9, (100, 32, 14, 14), 'uint8')
-        # X12 = max_pool[kernel=3,pad=1,stride=1](X6)
-        X12 = mem.tensor(10, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X6, out=X12, argmax=X11, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
-        # X13 = conv2d(X12, inception_a_pool_proj_W, inception_a_pool_proj_B)
-        X13 = mem.tensor(11, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X12, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=X13, pad=0, stride=1)
-        # free X12
-        del X12
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
+        # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
+        inception_a_5x5_reduce = mem.tensor(7, (100, 4, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_a_5x5_reduce_relu (relu), forward ----
+        # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
+        inception_a_5x5_reduce_relu = inception_a_5x5_reduce  # in place: over inception_a_5x5_reduce
+        rt.ew(ew_relu, inception_a_5x5_reduce_relu, inception_a_5x5_reduce)
+
+        # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), forward ----
+        # inception_a_5x5 = conv2d[pad=2](inception_a_5x5_reduce_relu, inception_a_5x5_W, inception_a_5x5_B)
+        inception_a_5x5 = mem.tensor(8, (100, 8, 14, 14), 'float32')
+        rt.conv2d(inception_a_5x5_reduce_relu, T['inception_a_5x5_W'], T['inception_a_5x5_B'], out=inception_a_5x5, pad=2, stride=1, workspace=mem.workspace(8358400))
+
+        # ---- inception_a_5x5_relu (relu), forward ----
+        # inception_a_5x5_relu = Max(0, inception_a_5x5)
+        inception_a_5x5_relu = inception_a_5x5  # in place: over inception_a_5x5
+        rt.ew(ew_relu, inception_a_5x5_relu, inception_a_5x5)
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # conv1_max_pool_argmax_2 = max_pool_argmax[kernel=3,pad=1,stride=1](conv1_max_pool)   (computed with the next statement)
+        conv1_max_pool_argmax_2 = mem.tensor(9, (100, 32, 14, 14), 'uint8')
+        # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
+        conv1_max_pool_2 = mem.tensor(10, (100, 32, 14, 14), 'float32')
+        rt.max_pool(conv1_max_pool, out=conv1_max_pool_2, argmax=conv1_max_pool_argmax_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
+        inception_a_pool_proj = mem.tensor(11, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
+        # free conv1_max_pool_2
+        del conv1_max_pool_2
         mem.free(10)
-        # X14 = Max(0, X13)
-        X14 = X13  # in place: over X13
-        rt.ew(ew1, X14, X13)
-        # X15 = conv2d(X6, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
-        X15 = mem.tensor(12, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X6, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=X15, pad=0, stride=1)
-        # X16 = Max(0, X15)
-        X16 = X15  # in place: over X15
-        rt.ew(ew1, X16, X15)
-        # X17 = conv2d(X6, inception_a_1x1_W, inception_a_1x1_B)
-        X17 = mem.tensor(13, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X6, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=X17, pad=0, stride=1)
-        # X18 = Max(0, X17)
-        X18 = X17  # in place: over X17
-        rt.ew(ew1, X18, X17)
-        # X19 = conv2d[pad=1](X16, inception_a_3x3_W, inception_a_3x3_B)
-        X19 = mem.tensor(14, (100, 24, 14, 14), 'float32')
-        rt.conv2d(X16, T['inception_a_3x3_W'], T['inception_a_3x3_B'], out=X19, pad=1, stride=1, workspace=mem.workspace(12928000))
-        # X20 = Max(0, X19)
-        X20 = X19  # in place: over X19
-        rt.ew(ew1, X20, X19)
-        # X21 = concat[axis=1](X18, X20, X10, X14)
-        X21 = mem.tensor(15, (100, 64, 14, 14), 'float32')
-        rt.concat(X18, X20, X10, X14, out=X21, axis=1)
-        # X22 = max_pool_argmax[kernel=2,stride=2](X21)   (computed with the next statement)
-        X22 = mem.tensor(16, (100, 64, 7, 7), 'uint8')
-        # X23 = max_pool[kernel=2,stride=2](X21)
-        X23 = mem.tensor(17, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2)
-        # free X21
-        del X21
+
+        # ---- inception_a_pool_proj_relu (relu), forward ----
+        # inception_a_pool_proj_relu = Max(0, inception_a_pool_proj)
+        inception_a_pool_proj_relu = inception_a_pool_proj  # in place: over inception_a_pool_proj
+        rt.ew(ew_relu, inception_a_pool_proj_relu, inception_a_pool_proj)
+
+        # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
+        inception_a_3x3_reduce = mem.tensor(12, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
+
+        # ---- inception_a_3x3_reduce_relu (relu), forward ----
+        # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
+        inception_a_3x3_reduce_relu = inception_a_3x3_reduce  # in place: over inception_a_3x3_reduce
+        rt.ew(ew_relu, inception_a_3x3_reduce_relu, inception_a_3x3_reduce)
+
+        # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
+        inception_a_1x1 = mem.tensor(13, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
+
+        # ---- inception_a_1x1_relu (relu), forward ----
+        # inception_a_1x1_relu = Max(0, inception_a_1x1)
+        inception_a_1x1_relu = inception_a_1x1  # in place: over inception_a_1x1
+        rt.ew(ew_relu, inception_a_1x1_relu, inception_a_1x1)
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), forward ----
+        # inception_a_3x3 = conv2d[pad=1](inception_a_3x3_reduce_relu, inception_a_3x3_W, inception_a_3x3_B)
+        inception_a_3x3 = mem.tensor(14, (100, 24, 14, 14), 'float32')
+        rt.conv2d(inception_a_3x3_reduce_relu, T['inception_a_3x3_W'], T['inception_a_3x3_B'], out=inception_a_3x3, pad=1, stride=1, workspace=mem.workspace(12928000))
+
+        # ---- inception_a_3x3_relu (relu), forward ----
+        # inception_a_3x3_relu = Max(0, inception_a_3x3)
+        inception_a_3x3_relu = inception_a_3x3  # in place: over inception_a_3x3
+        rt.ew(ew_relu, inception_a_3x3_relu, inception_a_3x3)
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_a_1x1_concat = concat[axis=1](inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu)
+        inception_a_1x1_concat = mem.tensor(15, (100, 64, 14, 14), 'float32')
+        rt.concat(inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu, out=inception_a_1x1_concat, axis=1)
+
+        # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # inception_a_1x1_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](inception_a_1x1_concat)   (computed with the next statement)
+        inception_a_1x1_max_pool_argmax = mem.tensor(16, (100, 64, 7, 7), 'uint8')
+        # inception_a_1x1_max_pool = max_pool[kernel=2,stride=2](inception_a_1x1_concat)
+        inception_a_1x1_max_pool = mem.tensor(17, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_concat, out=inception_a_1x1_max_pool, argmax=inception_a_1x1_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free inception_a_1x1_concat
+        del inception_a_1x1_concat
         mem.free(15)
-        # X24 = conv2d(X23, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
-        X24 = mem.tensor(18, (100, 8, 7, 7), 'float32')
-        rt.conv2d(X23, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=X24, pad=0, stride=1)
-        # X25 = Max(0, X24)
-        X25 = X24  # in place: over X24
-        rt.ew(ew1, X25, X24)
-        # X26 = conv2d[pad=2](X25, inception_b_5x5_W, inception_b_5x5_B)
-        X26 = mem.tensor(19, (100, 16, 7, 7), 'float32')
-        rt.conv2d(X25, T['inception_b_5x5_W'], T['inception_b_5x5_B'], out=X26, pad=2, stride=1, workspace=mem.workspace(4307200))
-        # X27 = Max(0, X26)
-        X27 = X26  # in place: over X26
-        rt.ew(ew1, X27, X26)
-        # X28 = max_pool_argmax[kernel=3,pad=1,stride=1](X23)   (computed with the next statement)
-        X28 = mem.tensor(20, (100, 64, 7, 7), 'uint8')
-        # X29 = max_pool[kernel=3,pad=1,stride=1](X23)
-        X29 = mem.tensor(21, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X23, out=X29, argmax=X28, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
-        # X30 = conv2d(X29, inception_b_pool_proj_W, inception_b_pool_proj_B)
-        X30 = mem.tensor(22, (100, 16, 7, 7), 'float32')
-        rt.conv2d(X29, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=X30, pad=0, stride=1)
-        # X31 = Max(0, X30)
-        X31 = X30  # in place: over X30
-        rt.ew(ew1, X31, X30)
-        # X32 = conv2d(X23, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
-        X32 = mem.tensor(23, (100, 32, 7, 7), 'float32')
-        rt.conv2d(X23, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=X32, pad=0, stride=1)
-        # X33 = Max(0, X32)
-        X33 = X32  # in place: over X32
-        rt.ew(ew1, X33, X32)
-        # X34 = conv2d(X23, inception_b_1x1_W, inception_b_1x1_B)
-        X34 = mem.tensor(24, (100, 32, 7, 7), 'float32')
-        rt.conv2d(X23, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=X34, pad=0, stride=1)
-        # X35 = Max(0, X34)
-        X35 = X34  # in place: over X34
-        rt.ew(ew1, X35, X34)
-        # X36 = conv2d[pad=1](X33, inception_b_3x3_W, inception_b_3x3_B)
-        X36 = mem.tensor(25, (100, 48, 7, 7), 'float32')
-        rt.conv2d(X33, T['inception_b_3x3_W'], T['inception_b_3x3_B'], out=X36, pad=1, stride=1, workspace=mem.workspace(6681600))
-        # X37 = Max(0, X36)
-        X37 = X36  # in place: over X36
-        rt.ew(ew1, X37, X36)
-        # X38 = concat[axis=1](X35, X37, X27, X31)
-        X38 = mem.tensor(26, (100, 112, 7, 7), 'float32')
-        rt.concat(X35, X37, X27, X31, out=X38, axis=1)
-        # X39 = avg_pool[kernel=7,stride=7](X38)
-        X39 = mem.tensor(27, (100, 112, 1, 1), 'float32')
-        rt.avg_pool(X38, out=X39, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
-        # free X38
-        del X38
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
+        # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
+        inception_b_5x5_reduce = mem.tensor(18, (100, 8, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_b_5x5_reduce_relu (relu), forward ----
+        # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
+        inception_b_5x5_reduce_relu = inception_b_5x5_reduce  # in place: over inception_b_5x5_reduce
+        rt.ew(ew_relu, inception_b_5x5_reduce_relu, inception_b_5x5_reduce)
+
+        # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), forward ----
+        # inception_b_5x5 = conv2d[pad=2](inception_b_5x5_reduce_relu, inception_b_5x5_W, inception_b_5x5_B)
+        inception_b_5x5 = mem.tensor(19, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_b_5x5_reduce_relu, T['inception_b_5x5_W'], T['inception_b_5x5_B'], out=inception_b_5x5, pad=2, stride=1, workspace=mem.workspace(4307200))
+
+        # ---- inception_b_5x5_relu (relu), forward ----
+        # inception_b_5x5_relu = Max(0, inception_b_5x5)
+        inception_b_5x5_relu = inception_b_5x5  # in place: over inception_b_5x5
+        rt.ew(ew_relu, inception_b_5x5_relu, inception_b_5x5)
+
+        # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_a_1x1_max_pool_argmax_2 = max_pool_argmax[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)   (computed with the next statement)
+        inception_a_1x1_max_pool_argmax_2 = mem.tensor(20, (100, 64, 7, 7), 'uint8')
+        # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
+        inception_a_1x1_max_pool_2 = mem.tensor(21, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_max_pool, out=inception_a_1x1_max_pool_2, argmax=inception_a_1x1_max_pool_argmax_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
+        inception_b_pool_proj = mem.tensor(22, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
+
+        # ---- inception_b_pool_proj_relu (relu), forward ----
+        # inception_b_pool_proj_relu = Max(0, inception_b_pool_proj)
+        inception_b_pool_proj_relu = inception_b_pool_proj  # in place: over inception_b_pool_proj
+        rt.ew(ew_relu, inception_b_pool_proj_relu, inception_b_pool_proj)
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
+        inception_b_3x3_reduce = mem.tensor(23, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
+
+        # ---- inception_b_3x3_reduce_relu (relu), forward ----
+        # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
+        inception_b_3x3_reduce_relu = inception_b_3x3_reduce  # in place: over inception_b_3x3_reduce
+        rt.ew(ew_relu, inception_b_3x3_reduce_relu, inception_b_3x3_reduce)
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
+        inception_b_1x1 = mem.tensor(24, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
+
+        # ---- inception_b_1x1_relu (relu), forward ----
+        # inception_b_1x1_relu = Max(0, inception_b_1x1)
+        inception_b_1x1_relu = inception_b_1x1  # in place: over inception_b_1x1
+        rt.ew(ew_relu, inception_b_1x1_relu, inception_b_1x1)
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), forward ----
+        # inception_b_3x3 = conv2d[pad=1](inception_b_3x3_reduce_relu, inception_b_3x3_W, inception_b_3x3_B)
+        inception_b_3x3 = mem.tensor(25, (100, 48, 7, 7), 'float32')
+        rt.conv2d(inception_b_3x3_reduce_relu, T['inception_b_3x3_W'], T['inception_b_3x3_B'], out=inception_b_3x3, pad=1, stride=1, workspace=mem.workspace(6681600))
+
+        # ---- inception_b_3x3_relu (relu), forward ----
+        # inception_b_3x3_relu = Max(0, inception_b_3x3)
+        inception_b_3x3_relu = inception_b_3x3  # in place: over inception_b_3x3
+        rt.ew(ew_relu, inception_b_3x3_relu, inception_b_3x3)
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_b_1x1_concat = concat[axis=1](inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu)
+        inception_b_1x1_concat = mem.tensor(26, (100, 112, 7, 7), 'float32')
+        rt.concat(inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu, out=inception_b_1x1_concat, axis=1)
+
+        # ---- inception_b_1x1_avg_pool (average pooling), forward ----
+        # inception_b_1x1_avg_pool = avg_pool[kernel=7,stride=7](inception_b_1x1_concat)
+        inception_b_1x1_avg_pool = mem.tensor(27, (100, 112, 1, 1), 'float32')
+        rt.avg_pool(inception_b_1x1_concat, out=inception_b_1x1_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free inception_b_1x1_concat
+        del inception_b_1x1_concat
         mem.free(26)
-        # X40 = reshape[100x112](X39)
-        X40 = rt.reshape(X39, shape=(100, 112))
-        # X41 = 1.25*X2*X40
-        X41 = X40  # in place: over X40
-        rt.ew(ew2, X41, X40, X2)
-        # X42 = matmul[tb](X41, classifier_W)
-        X42 = mem.tensor(28, (100, 10), 'float32')
-        rt.matmul(X41, T['classifier_W'], out=X42, tb=True)
-        # X43 = X42 + classifier_B
-        X43 = X42  # in place: over X42
-        rt.ew(ew3, X43, X42, T['classifier_B'])
-        # X44 = log_softmax(X43)
-        X44 = X43  # in place: over X43
-        rt.log_softmax(X43, out=X44, workspace=mem.workspace(4000))
-        # X45 = pick(X44, y)
-        X45 = mem.tensor(29, (100,), 'float32')
-        rt.pick(X44, y, out=X45)
+
+        # ---- inception_b_1x1_flatten (flatten), forward ----
+        # inception_b_1x1_flatten = reshape[100x112](inception_b_1x1_avg_pool)
+        inception_b_1x1_flatten = rt.reshape(inception_b_1x1_avg_pool, shape=(100, 112))
+
+        # ---- inception_b_1x1_dropout (dropout 0.2), forward ----
+        # inception_b_1x1_dropout = 1.25*inception_b_1x1_flatten*inception_b_1x1_dropout_mask
+        inception_b_1x1_dropout = inception_b_1x1_flatten  # in place: over inception_b_1x1_flatten
+        rt.ew(ew_mul, inception_b_1x1_dropout, inception_b_1x1_flatten, inception_b_1x1_dropout_mask)
+
+        # ---- classifier (fully connected, 10 outputs), forward ----
+        # classifier_matmul = matmul[tb](inception_b_1x1_dropout, classifier_W)
+        classifier_matmul = mem.tensor(28, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_dropout, T['classifier_W'], out=classifier_matmul, tb=True)
+        # classifier = classifier_matmul + classifier_B
+        classifier = classifier_matmul  # in place: over classifier_matmul
+        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
+
+        # ---- classifier_cross_entropy (cross_entropy), forward ----
+        # classifier_cross_entropy_log_softmax = log_softmax(classifier)
+        classifier_cross_entropy_log_softmax = classifier  # in place: over classifier
+        rt.log_softmax(classifier, out=classifier_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # classifier_cross_entropy_pick = pick(classifier_cross_entropy_log_softmax, y)
+        classifier_cross_entropy_pick = mem.tensor(29, (100,), 'float32')
+        rt.pick(classifier_cross_entropy_log_softmax, y, out=classifier_cross_entropy_pick)
         # free y
         del y
         mem.free(1)
-        # X46 = X1 + 0.01*exp(X44)
-        X46 = X1  # in place: over X1
-        rt.ew(ew4, X46, X1, X44)
-        # free X44
-        del X42, X43, X44
+
+        # ---- classifier_cross_entropy (cross_entropy), backward ----
+        # d_classifier = d_classifier_cross_entropy_log_softmax + 0.01*exp(classifier_cross_entropy_log_softmax)
+        d_classifier = d_classifier_cross_entropy_log_softmax  # in place: over d_classifier_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_classifier, d_classifier_cross_entropy_log_softmax, classifier_cross_entropy_log_softmax)
+        # free classifier_matmul, classifier, classifier_cross_entropy_log_softmax
+        del classifier_matmul, classifier, classifier_cross_entropy_log_softmax
         mem.free(28)
-        # X47 = matmul[ta](X46, X41)
-        X47 = mem.tensor(30, (10, 112), 'float32')
-        rt.matmul(X46, X41, out=X47, ta=True)
-        # free X41
-        del X39, X40, X41
+
+        # ---- classifier (fully connected, 10 outputs), backward ----
+        # d_classifier_W = matmul[ta](d_classifier, inception_b_1x1_dropout)
+        d_classifier_W = mem.tensor(30, (10, 112), 'float32')
+        rt.matmul(d_classifier, inception_b_1x1_dropout, out=d_classifier_W, ta=True)
+        # free inception_b_1x1_avg_pool, inception_b_1x1_flatten, inception_b_1x1_dropout
+        del inception_b_1x1_avg_pool, inception_b_1x1_flatten, inception_b_1x1_dropout
         mem.free(27)
-        # X48 = V_classifier_W*momentum + X47 + classifier_W*decay
-        X48 = T['V_classifier_W']  # in place: the new V_classifier_W
-        rt.ew(ew5, X48, T['V_classifier_W'], momentum, X47, decay, T['classifier_W'])
-        # free X47
-        del X47
+        # V_classifier_W_new = V_classifier_W*momentum + d_classifier_W + decay*classifier_W
+        V_classifier_W_new = T['V_classifier_W']  # in place: the new V_classifier_W
+        rt.ew(ew_mul_add, V_classifier_W_new, T['V_classifier_W'], momentum, d_classifier_W, decay, T['classifier_W'])
+        # free d_classifier_W
+        del d_classifier_W
         mem.free(30)
-        # X49 = sum_to[scalar](X45)
-        X49 = mem.tensor(31, (), 'float32')
-        rt.sum_to(X45, out=X49, shape=())
-        # free X45
-        del X45
+
+        # ---- classifier_cross_entropy (cross_entropy), forward ----
+        # classifier_cross_entropy_sum_to = sum_to[scalar](classifier_cross_entropy_pick)
+        classifier_cross_entropy_sum_to = mem.tensor(31, (), 'float32')
+        rt.sum_to(classifier_cross_entropy_pick, out=classifier_cross_entropy_sum_to, shape=())
+        # free classifier_cross_entropy_pick
+        del classifier_cross_entropy_pick
         mem.free(29)
-        # X50 = -X49/100
-        X50 = X49  # in place: over X49
-        rt.ew(ew6, X50, X49)
-        # X51 = sum_to[10](X46)
-        X51 = mem.tensor(32, (10,), 'float32')
-        rt.sum_to(X46, out=X51, shape=(10,))
-        # X52 = V_classifier_B*momentum + X51 + classifier_B*decay
-        X52 = T['V_classifier_B']  # in place: the new V_classifier_B
-        rt.ew(ew5, X52, T['V_classifier_B'], momentum, X51, decay, T['classifier_B'])
-        # free X51
-        del X51
+        # classifier_cross_entropy = -classifier_cross_entropy_sum_to/100
+        classifier_cross_entropy = classifier_cross_entropy_sum_to  # in place: over classifier_cross_entropy_sum_to
+        rt.ew(ew_scale, classifier_cross_entropy, classifier_cross_entropy_sum_to)
+
+        # ---- classifier (fully connected, 10 outputs), backward ----
+        # d_classifier_B = sum_to[10](d_classifier)
+        d_classifier_B = mem.tensor(32, (10,), 'float32')
+        rt.sum_to(d_classifier, out=d_classifier_B, shape=(10,))
+        # V_classifier_B_new = V_classifier_B*momentum + d_classifier_B + decay*classifier_B
+        V_classifier_B_new = T['V_classifier_B']  # in place: the new V_classifier_B
+        rt.ew(ew_mul_add, V_classifier_B_new, T['V_classifier_B'], momentum, d_classifier_B, decay, T['classifier_B'])
+        # free d_classifier_B
+        del d_classifier_B
         mem.free(32)
-        # X53 = -X52*lr + classifier_B
-        X53 = T['classifier_B']  # in place: the new classifier_B
-        rt.ew(ew7, X53, T['classifier_B'], lr, X52)
-        # X54 = matmul(X46, classifier_W)
-        X54 = mem.tensor(33, (100, 112), 'float32')
-        rt.matmul(X46, T['classifier_W'], out=X54)
-        # free X46
-        del X1, X46
+        # classifier_B_new = classifier_B - lr*V_classifier_B_new
+        classifier_B_new = T['classifier_B']  # in place: the new classifier_B
+        rt.ew(ew_mul_sub, classifier_B_new, T['classifier_B'], lr, V_classifier_B_new)
+        # d_inception_b_1x1_dropout = matmul(d_classifier, classifier_W)
+        d_inception_b_1x1_dropout = mem.tensor(33, (100, 112), 'float32')
+        rt.matmul(d_classifier, T['classifier_W'], out=d_inception_b_1x1_dropout)
+        # free d_classifier_cross_entropy_log_softmax, d_classifier
+        del d_classifier_cross_entropy_log_softmax, d_classifier
         mem.free(2)
-        # X55 = 1.25*X2*X54
-        X55 = X54  # in place: over X54
-        rt.ew(ew2, X55, X54, X2)
-        # free X2
-        del X2
+
+        # ---- inception_b_1x1_dropout (dropout 0.2), backward ----
+        # d_inception_b_1x1_flatten = 1.25*d_inception_b_1x1_dropout*inception_b_1x1_dropout_mask
+        d_inception_b_1x1_flatten = d_inception_b_1x1_dropout  # in place: over d_inception_b_1x1_dropout
+        rt.ew(ew_mul, d_inception_b_1x1_flatten, d_inception_b_1x1_dropout, inception_b_1x1_dropout_mask)
+        # free inception_b_1x1_dropout_mask
+        del inception_b_1x1_dropout_mask
         mem.free(3)
-        # X56 = -X48*lr + classifier_W
-        X56 = T['classifier_W']  # in place: the new classifier_W
-        rt.ew(ew7, X56, T['classifier_W'], lr, X48)
-        # X57 = reshape[100x112x1x1](X55)
-        X57 = rt.reshape(X55, shape=(100, 112, 1, 1))
-        # X58 = avg_pool_bwd[kernel=7,size=(7,7),stride=7](X57)
-        X58 = mem.tensor(34, (100, 112, 7, 7), 'float32')
-        rt.avg_pool_bwd(X57, out=X58, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(44800))
-        # free X55, X57
-        del X54, X55, X57
+
+        # ---- classifier (fully connected, 10 outputs), backward ----
+        # classifier_W_new = classifier_W - lr*V_classifier_W_new
+        classifier_W_new = T['classifier_W']  # in place: the new classifier_W
+        rt.ew(ew_mul_sub, classifier_W_new, T['classifier_W'], lr, V_classifier_W_new)
+
+        # ---- inception_b_1x1_flatten (flatten), backward ----
+        # d_inception_b_1x1_avg_pool = reshape[100x112x1x1](d_inception_b_1x1_flatten)
+        d_inception_b_1x1_avg_pool = rt.reshape(d_inception_b_1x1_flatten, shape=(100, 112, 1, 1))
+
+        # ---- inception_b_1x1_avg_pool (average pooling), backward ----
+        # d_inception_b_1x1_concat = avg_pool_bwd[kernel=7,size=(7,7),stride=7](d_inception_b_1x1_avg_pool)
+        d_inception_b_1x1_concat = mem.tensor(34, (100, 112, 7, 7), 'float32')
+        rt.avg_pool_bwd(d_inception_b_1x1_avg_pool, out=d_inception_b_1x1_concat, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(44800))
+        # free d_inception_b_1x1_dropout, d_inception_b_1x1_flatten, d_inception_b_1x1_avg_pool
+        del d_inception_b_1x1_dropout, d_inception_b_1x1_flatten, d_inception_b_1x1_avg_pool
         mem.free(33)
-        # X59 = slice[axis=1,start=80,stop=96](X58)
-        X59 = mem.tensor(35, (100, 16, 7, 7), 'float32')
-        rt.slice(X58, out=X59, axis=1, start=80, stop=96)
-        # X60 = X59*Heaviside(X27, 0)
-        X60 = X59  # in place: over X59
-        rt.ew(ew8, X60, X59, X27)
-        # free X27
-        del X26, X27
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_b_5x5_relu = slice[axis=1,start=80,stop=96](d_inception_b_1x1_concat)
+        d_inception_b_5x5_relu = mem.tensor(35, (100, 16, 7, 7), 'float32')
+        rt.slice(d_inception_b_1x1_concat, out=d_inception_b_5x5_relu, axis=1, start=80, stop=96)
+
+        # ---- inception_b_5x5_relu (relu), backward ----
+        # d_inception_b_5x5 = d_inception_b_5x5_relu*Heaviside(inception_b_5x5_relu, 0)
+        d_inception_b_5x5 = d_inception_b_5x5_relu  # in place: over d_inception_b_5x5_relu
+        rt.ew(ew_step_mul, d_inception_b_5x5, d_inception_b_5x5_relu, inception_b_5x5_relu)
+        # free inception_b_5x5, inception_b_5x5_relu
+        del inception_b_5x5, inception_b_5x5_relu
         mem.free(19)
-        # X61 = sum_to[1x16x1x1](X60)
-        X61 = mem.tensor(36, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X60, out=X61, shape=(1, 16, 1, 1))
-        # X62 = reshape[16](X61)
-        X62 = rt.reshape(X61, shape=(16,))
-        # X63 = V_inception_b_5x5_B*momentum + X62
-        X63 = T['V_inception_b_5x5_B']  # in place: the new V_inception_b_5x5_B
-        rt.ew(ew9, X63, T['V_inception_b_5x5_B'], momentum, X62)
-        # free X61, X62
-        del X61, X62
+
+        # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), backward ----
+        # d_inception_b_5x5_sum_to = sum_to[1x16x1x1](d_inception_b_5x5)
+        d_inception_b_5x5_sum_to = mem.tensor(36, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_5x5, out=d_inception_b_5x5_sum_to, shape=(1, 16, 1, 1))
+        # d_inception_b_5x5_B = reshape[16](d_inception_b_5x5_sum_to)
+        d_inception_b_5x5_B = rt.reshape(d_inception_b_5x5_sum_to, shape=(16,))
+        # V_inception_b_5x5_B_new = V_inception_b_5x5_B*momentum + d_inception_b_5x5_B
+        V_inception_b_5x5_B_new = T['V_inception_b_5x5_B']  # in place: the new V_inception_b_5x5_B
+        rt.ew(ew_mul_add_2, V_inception_b_5x5_B_new, T['V_inception_b_5x5_B'], momentum, d_inception_b_5x5_B)
+        # free d_inception_b_5x5_sum_to, d_inception_b_5x5_B
+        del d_inception_b_5x5_sum_to, d_inception_b_5x5_B
         mem.free(36)
-        # X64 = -2*X63*lr + inception_b_5x5_B
-        X64 = T['inception_b_5x5_B']  # in place: the new inception_b_5x5_B
-        rt.ew(ew10, X64, T['inception_b_5x5_B'], lr, X63)
-        # X65 = conv2d_bwd_filter[kernel=(5,5),pad=2](X60, X25)
-        X65 = mem.tensor(37, (16, 8, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X60, X25, out=X65, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(4620800))
-        # X66 = conv2d_bwd_data[pad=2,size=(7,7)](X60, inception_b_5x5_W)
-        X66 = mem.tensor(38, (100, 8, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X60, T['inception_b_5x5_W'], out=X66, pad=2, size=(7, 7), stride=1, workspace=mem.workspace(7052800))
-        # free X60
-        del X59, X60
+        # inception_b_5x5_B_new = inception_b_5x5_B - 2*lr*V_inception_b_5x5_B_new
+        inception_b_5x5_B_new = T['inception_b_5x5_B']  # in place: the new inception_b_5x5_B
+        rt.ew(ew_mul_sub_2, inception_b_5x5_B_new, T['inception_b_5x5_B'], lr, V_inception_b_5x5_B_new)
+        # d_inception_b_5x5_W = conv2d_bwd_filter[kernel=(5,5),pad=2](d_inception_b_5x5, inception_b_5x5_reduce_relu)
+        d_inception_b_5x5_W = mem.tensor(37, (16, 8, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_5x5, inception_b_5x5_reduce_relu, out=d_inception_b_5x5_W, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(4620800))
+        # d_inception_b_5x5_reduce_relu = conv2d_bwd_data[pad=2,size=(7,7)](d_inception_b_5x5, inception_b_5x5_W)
+        d_inception_b_5x5_reduce_relu = mem.tensor(38, (100, 8, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_5x5, T['inception_b_5x5_W'], out=d_inception_b_5x5_reduce_relu, pad=2, size=(7, 7), stride=1, workspace=mem.workspace(7052800))
+        # free d_inception_b_5x5_relu, d_inception_b_5x5
+        del d_inception_b_5x5_relu, d_inception_b_5x5
         mem.free(35)
-        # X67 = X66*Heaviside(X25, 0)
-        X67 = X66  # in place: over X66
-        rt.ew(ew8, X67, X66, X25)
-        # free X25
-        del X24, X25
+
+        # ---- inception_b_5x5_reduce_relu (relu), backward ----
+        # d_inception_b_5x5_reduce = d_inception_b_5x5_reduce_relu*Heaviside(inception_b_5x5_reduce_relu, 0)
+        d_inception_b_5x5_reduce = d_inception_b_5x5_reduce_relu  # in place: over d_inception_b_5x5_reduce_relu
+        rt.ew(ew_step_mul, d_inception_b_5x5_reduce, d_inception_b_5x5_reduce_relu, inception_b_5x5_reduce_relu)
+        # free inception_b_5x5_reduce, inception_b_5x5_reduce_relu
+        del inception_b_5x5_reduce, inception_b_5x5_reduce_relu
         mem.free(18)
-        # X68 = V_inception_b_5x5_W*momentum + X65 + decay*inception_b_5x5_W
-        X68 = T['V_inception_b_5x5_W']  # in place: the new V_inception_b_5x5_W
-        rt.ew(ew5, X68, T['V_inception_b_5x5_W'], momentum, X65, decay, T['inception_b_5x5_W'])
-        # free X65
-        del X65
+
+        # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), backward ----
+        # V_inception_b_5x5_W_new = V_inception_b_5x5_W*momentum + d_inception_b_5x5_W + decay*inception_b_5x5_W
+        V_inception_b_5x5_W_new = T['V_inception_b_5x5_W']  # in place: the new V_inception_b_5x5_W
+        rt.ew(ew_mul_add, V_inception_b_5x5_W_new, T['V_inception_b_5x5_W'], momentum, d_inception_b_5x5_W, decay, T['inception_b_5x5_W'])
+        # free d_inception_b_5x5_W
+        del d_inception_b_5x5_W
         mem.free(37)
-        # X69 = -X68*lr + inception_b_5x5_W
-        X69 = T['inception_b_5x5_W']  # in place: the new inception_b_5x5_W
-        rt.ew(ew7, X69, T['inception_b_5x5_W'], lr, X68)
-        # X70 = sum_to[1x8x1x1](X67)
-        X70 = mem.tensor(39, (1, 8, 1, 1), 'float32')
-        rt.sum_to(X67, out=X70, shape=(1, 8, 1, 1))
-        # X71 = reshape[8](X70)
-        X71 = rt.reshape(X70, shape=(8,))
-        # X72 = V_inception_b_5x5_reduce_B*momentum + X71
-        X72 = T['V_inception_b_5x5_reduce_B']  # in place: the new V_inception_b_5x5_reduce_B
-        rt.ew(ew9, X72, T['V_inception_b_5x5_reduce_B'], momentum, X71)
-        # free X70, X71
-        del X70, X71
+        # inception_b_5x5_W_new = inception_b_5x5_W - lr*V_inception_b_5x5_W_new
+        inception_b_5x5_W_new = T['inception_b_5x5_W']  # in place: the new inception_b_5x5_W
+        rt.ew(ew_mul_sub, inception_b_5x5_W_new, T['inception_b_5x5_W'], lr, V_inception_b_5x5_W_new)
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
+        # d_inception_b_5x5_reduce_sum_to = sum_to[1x8x1x1](d_inception_b_5x5_reduce)
+        d_inception_b_5x5_reduce_sum_to = mem.tensor(39, (1, 8, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_5x5_reduce, out=d_inception_b_5x5_reduce_sum_to, shape=(1, 8, 1, 1))
+        # d_inception_b_5x5_reduce_B = reshape[8](d_inception_b_5x5_reduce_sum_to)
+        d_inception_b_5x5_reduce_B = rt.reshape(d_inception_b_5x5_reduce_sum_to, shape=(8,))
+        # V_inception_b_5x5_reduce_B_new = V_inception_b_5x5_reduce_B*momentum + d_inception_b_5x5_reduce_B
+        V_inception_b_5x5_reduce_B_new = T['V_inception_b_5x5_reduce_B']  # in place: the new V_inception_b_5x5_reduce_B
+        rt.ew(ew_mul_add_2, V_inception_b_5x5_reduce_B_new, T['V_inception_b_5x5_reduce_B'], momentum, d_inception_b_5x5_reduce_B)
+        # free d_inception_b_5x5_reduce_sum_to, d_inception_b_5x5_reduce_B
+        del d_inception_b_5x5_reduce_sum_to, d_inception_b_5x5_reduce_B
         mem.free(39)
-        # X73 = -2*X72*lr + inception_b_5x5_reduce_B
-        X73 = T['inception_b_5x5_reduce_B']  # in place: the new inception_b_5x5_reduce_B
-        rt.ew(ew10, X73, T['inception_b_5x5_reduce_B'], lr, X72)
-        # X74 = conv2d_bwd_filter[kernel=(1,1)](X67, X23)
-        X74 = mem.tensor(40, (8, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X67, X23, out=X74, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1411200))
-        # X75 = V_inception_b_5x5_reduce_W*momentum + X74 + decay*inception_b_5x5_reduce_W
-        X75 = T['V_inception_b_5x5_reduce_W']  # in place: the new V_inception_b_5x5_reduce_W
-        rt.ew(ew5, X75, T['V_inception_b_5x5_reduce_W'], momentum, X74, decay, T['inception_b_5x5_reduce_W'])
-        # free X74
-        del X74
+        # inception_b_5x5_reduce_B_new = inception_b_5x5_reduce_B - 2*lr*V_inception_b_5x5_reduce_B_new
+        inception_b_5x5_reduce_B_new = T['inception_b_5x5_reduce_B']  # in place: the new inception_b_5x5_reduce_B
+        rt.ew(ew_mul_sub_2, inception_b_5x5_reduce_B_new, T['inception_b_5x5_reduce_B'], lr, V_inception_b_5x5_reduce_B_new)
+        # d_inception_b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_5x5_reduce, inception_a_1x1_max_pool)
+        d_inception_b_5x5_reduce_W = mem.tensor(40, (8, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_5x5_reduce, inception_a_1x1_max_pool, out=d_inception_b_5x5_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1411200))
+        # V_inception_b_5x5_reduce_W_new = V_inception_b_5x5_reduce_W*momentum + d_inception_b_5x5_reduce_W + decay*inception_b_5x5_reduce_W
+        V_inception_b_5x5_reduce_W_new = T['V_inception_b_5x5_reduce_W']  # in place: the new V_inception_b_5x5_reduce_W
+        rt.ew(ew_mul_add, V_inception_b_5x5_reduce_W_new, T['V_inception_b_5x5_reduce_W'], momentum, d_inception_b_5x5_reduce_W, decay, T['inception_b_5x5_reduce_W'])
+        # free d_inception_b_5x5_reduce_W
+        del d_inception_b_5x5_reduce_W
         mem.free(40)
-        # X76 = slice[axis=1,start=96,stop=112](X58)
-        X76 = mem.tensor(41, (100, 16, 7, 7), 'float32')
-        rt.slice(X58, out=X76, axis=1, start=96, stop=112)
-        # X77 = X76*Heaviside(X31, 0)
-        X77 = X76  # in place: over X76
-        rt.ew(ew8, X77, X76, X31)
-        # free X31
-        del X30, X31
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_b_pool_proj_relu = slice[axis=1,start=96,stop=112](d_inception_b_1x1_concat)
+        d_inception_b_pool_proj_relu = mem.tensor(41, (100, 16, 7, 7), 'float32')
+        rt.slice(d_inception_b_1x1_concat, out=d_inception_b_pool_proj_relu, axis=1, start=96, stop=112)
+
+        # ---- inception_b_pool_proj_relu (relu), backward ----
+        # d_inception_b_pool_proj = d_inception_b_pool_proj_relu*Heaviside(inception_b_pool_proj_relu, 0)
+        d_inception_b_pool_proj = d_inception_b_pool_proj_relu  # in place: over d_inception_b_pool_proj_relu
+        rt.ew(ew_step_mul, d_inception_b_pool_proj, d_inception_b_pool_proj_relu, inception_b_pool_proj_relu)
+        # free inception_b_pool_proj, inception_b_pool_proj_relu
+        del inception_b_pool_proj, inception_b_pool_proj_relu
         mem.free(22)
-        # X78 = conv2d_bwd_filter[kernel=(1,1)](X77, X29)
-        X78 = mem.tensor(42, (16, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X77, X29, out=X78, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1568000))
-        # free X29
-        del X29
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_b_pool_proj_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_pool_proj, inception_a_1x1_max_pool_2)
+        d_inception_b_pool_proj_W = mem.tensor(42, (16, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_pool_proj, inception_a_1x1_max_pool_2, out=d_inception_b_pool_proj_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1568000))
+        # free inception_a_1x1_max_pool_2
+        del inception_a_1x1_max_pool_2
         mem.free(21)
-        # X79 = V_inception_b_pool_proj_W*momentum + X78 + decay*inception_b_pool_proj_W
-        X79 = T['V_inception_b_pool_proj_W']  # in place: the new V_inception_b_pool_proj_W
-        rt.ew(ew5, X79, T['V_inception_b_pool_proj_W'], momentum, X78, decay, T['inception_b_pool_proj_W'])
-        # free X78
-        del X78
+        # V_inception_b_pool_proj_W_new = V_inception_b_pool_proj_W*momentum + d_inception_b_pool_proj_W + decay*inception_b_pool_proj_W
+        V_inception_b_pool_proj_W_new = T['V_inception_b_pool_proj_W']  # in place: the new V_inception_b_pool_proj_W
+        rt.ew(ew_mul_add, V_inception_b_pool_proj_W_new, T['V_inception_b_pool_proj_W'], momentum, d_inception_b_pool_proj_W, decay, T['inception_b_pool_proj_W'])
+        # free d_inception_b_pool_proj_W
+        del d_inception_b_pool_proj_W
         mem.free(42)
-        # X80 = sum_to[1x16x1x1](X77)
-        X80 = mem.tensor(43, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X77, out=X80, shape=(1, 16, 1, 1))
-        # X81 = reshape[16](X80)
-        X81 = rt.reshape(X80, shape=(16,))
-        # X82 = V_inception_b_pool_proj_B*momentum + X81
-        X82 = T['V_inception_b_pool_proj_B']  # in place: the new V_inception_b_pool_proj_B
-        rt.ew(ew9, X82, T['V_inception_b_pool_proj_B'], momentum, X81)
-        # free X80, X81
-        del X80, X81
+        # d_inception_b_pool_proj_sum_to = sum_to[1x16x1x1](d_inception_b_pool_proj)
+        d_inception_b_pool_proj_sum_to = mem.tensor(43, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_pool_proj, out=d_inception_b_pool_proj_sum_to, shape=(1, 16, 1, 1))
+        # d_inception_b_pool_proj_B = reshape[16](d_inception_b_pool_proj_sum_to)
+        d_inception_b_pool_proj_B = rt.reshape(d_inception_b_pool_proj_sum_to, shape=(16,))
+        # V_inception_b_pool_proj_B_new = V_inception_b_pool_proj_B*momentum + d_inception_b_pool_proj_B
+        V_inception_b_pool_proj_B_new = T['V_inception_b_pool_proj_B']  # in place: the new V_inception_b_pool_proj_B
+        rt.ew(ew_mul_add_2, V_inception_b_pool_proj_B_new, T['V_inception_b_pool_proj_B'], momentum, d_inception_b_pool_proj_B)
+        # free d_inception_b_pool_proj_sum_to, d_inception_b_pool_proj_B
+        del d_inception_b_pool_proj_sum_to, d_inception_b_pool_proj_B
         mem.free(43)
-        # X83 = -2*X82*lr + inception_b_pool_proj_B
-        X83 = T['inception_b_pool_proj_B']  # in place: the new inception_b_pool_proj_B
-        rt.ew(ew10, X83, T['inception_b_pool_proj_B'], lr, X82)
-        # X84 = slice[axis=1,start=0,stop=32](X58)
-        X84 = mem.tensor(44, (100, 32, 7, 7), 'float32')
-        rt.slice(X58, out=X84, axis=1, start=0, stop=32)
-        # X85 = slice[axis=1,start=32,stop=80](X58)
-        X85 = mem.tensor(45, (100, 48, 7, 7), 'float32')
-        rt.slice(X58, out=X85, axis=1, start=32, stop=80)
-        # free X58
-        del X58
+        # inception_b_pool_proj_B_new = inception_b_pool_proj_B - 2*lr*V_inception_b_pool_proj_B_new
+        inception_b_pool_proj_B_new = T['inception_b_pool_proj_B']  # in place: the new inception_b_pool_proj_B
+        rt.ew(ew_mul_sub_2, inception_b_pool_proj_B_new, T['inception_b_pool_proj_B'], lr, V_inception_b_pool_proj_B_new)
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_b_1x1_relu = slice[axis=1,start=0,stop=32](d_inception_b_1x1_concat)
+        d_inception_b_1x1_relu = mem.tensor(44, (100, 32, 7, 7), 'float32')
+        rt.slice(d_inception_b_1x1_concat, out=d_inception_b_1x1_relu, axis=1, start=0, stop=32)
+        # d_inception_b_3x3_relu = slice[axis=1,start=32,stop=80](d_inception_b_1x1_concat)
+        d_inception_b_3x3_relu = mem.tensor(45, (100, 48, 7, 7), 'float32')
+        rt.slice(d_inception_b_1x1_concat, out=d_inception_b_3x3_relu, axis=1, start=32, stop=80)
+        # free d_inception_b_1x1_concat
+        del d_inception_b_1x1_concat
         mem.free(34)
-        # X86 = X85*Heaviside(X37, 0)
-        X86 = X85  # in place: over X85
-        rt.ew(ew8, X86, X85, X37)
-        # free X37
-        del X36, X37
+
+        # ---- inception_b_3x3_relu (relu), backward ----
+        # d_inception_b_3x3 = d_inception_b_3x3_relu*Heaviside(inception_b_3x3_relu, 0)
+        d_inception_b_3x3 = d_inception_b_3x3_relu  # in place: over d_inception_b_3x3_relu
+        rt.ew(ew_step_mul, d_inception_b_3x3, d_inception_b_3x3_relu, inception_b_3x3_relu)
+        # free inception_b_3x3, inception_b_3x3_relu
+        del inception_b_3x3, inception_b_3x3_relu
         mem.free(25)
-        # X87 = X84*Heaviside(X35, 0)
-        X87 = X84  # in place: over X84
-        rt.ew(ew8, X87, X84, X35)
-        # free X35
-        del X34, X35
+
+        # ---- inception_b_1x1_relu (relu), backward ----
+        # d_inception_b_1x1 = d_inception_b_1x1_relu*Heaviside(inception_b_1x1_relu, 0)
+        d_inception_b_1x1 = d_inception_b_1x1_relu  # in place: over d_inception_b_1x1_relu
+        rt.ew(ew_step_mul, d_inception_b_1x1, d_inception_b_1x1_relu, inception_b_1x1_relu)
+        # free inception_b_1x1, inception_b_1x1_relu
+        del inception_b_1x1, inception_b_1x1_relu
         mem.free(24)
-        # X88 = sum_to[1x32x1x1](X87)
-        X88 = mem.tensor(46, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X87, out=X88, shape=(1, 32, 1, 1))
-        # X89 = reshape[32](X88)
-        X89 = rt.reshape(X88, shape=(32,))
-        # X90 = V_inception_b_1x1_B*momentum + X89
-        X90 = T['V_inception_b_1x1_B']  # in place: the new V_inception_b_1x1_B
-        rt.ew(ew9, X90, T['V_inception_b_1x1_B'], momentum, X89)
-        # free X88, X89
-        del X88, X89
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_b_1x1_sum_to = sum_to[1x32x1x1](d_inception_b_1x1)
+        d_inception_b_1x1_sum_to = mem.tensor(46, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_1x1, out=d_inception_b_1x1_sum_to, shape=(1, 32, 1, 1))
+        # d_inception_b_1x1_B = reshape[32](d_inception_b_1x1_sum_to)
+        d_inception_b_1x1_B = rt.reshape(d_inception_b_1x1_sum_to, shape=(32,))
+        # V_inception_b_1x1_B_new = V_inception_b_1x1_B*momentum + d_inception_b_1x1_B
+        V_inception_b_1x1_B_new = T['V_inception_b_1x1_B']  # in place: the new V_inception_b_1x1_B
+        rt.ew(ew_mul_add_2, V_inception_b_1x1_B_new, T['V_inception_b_1x1_B'], momentum, d_inception_b_1x1_B)
+        # free d_inception_b_1x1_sum_to, d_inception_b_1x1_B
+        del d_inception_b_1x1_sum_to, d_inception_b_1x1_B
         mem.free(46)
-        # X91 = -2*X90*lr + inception_b_1x1_B
-        X91 = T['inception_b_1x1_B']  # in place: the new inception_b_1x1_B
-        rt.ew(ew10, X91, T['inception_b_1x1_B'], lr, X90)
-        # X92 = sum_to[1x48x1x1](X86)
-        X92 = mem.tensor(47, (1, 48, 1, 1), 'float32')
-        rt.sum_to(X86, out=X92, shape=(1, 48, 1, 1))
-        # X93 = reshape[48](X92)
-        X93 = rt.reshape(X92, shape=(48,))
-        # X94 = V_inception_b_3x3_B*momentum + X93
-        X94 = T['V_inception_b_3x3_B']  # in place: the new V_inception_b_3x3_B
-        rt.ew(ew9, X94, T['V_inception_b_3x3_B'], momentum, X93)
-        # free X92, X93
-        del X92, X93
+        # inception_b_1x1_B_new = inception_b_1x1_B - 2*lr*V_inception_b_1x1_B_new
+        inception_b_1x1_B_new = T['inception_b_1x1_B']  # in place: the new inception_b_1x1_B
+        rt.ew(ew_mul_sub_2, inception_b_1x1_B_new, T['inception_b_1x1_B'], lr, V_inception_b_1x1_B_new)
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), backward ----
+        # d_inception_b_3x3_sum_to = sum_to[1x48x1x1](d_inception_b_3x3)
+        d_inception_b_3x3_sum_to = mem.tensor(47, (1, 48, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_3x3, out=d_inception_b_3x3_sum_to, shape=(1, 48, 1, 1))
+        # d_inception_b_3x3_B = reshape[48](d_inception_b_3x3_sum_to)
+        d_inception_b_3x3_B = rt.reshape(d_inception_b_3x3_sum_to, shape=(48,))
+        # V_inception_b_3x3_B_new = V_inception_b_3x3_B*momentum + d_inception_b_3x3_B
+        V_inception_b_3x3_B_new = T['V_inception_b_3x3_B']  # in place: the new V_inception_b_3x3_B
+        rt.ew(ew_mul_add_2, V_inception_b_3x3_B_new, T['V_inception_b_3x3_B'], momentum, d_inception_b_3x3_B)
+        # free d_inception_b_3x3_sum_to, d_inception_b_3x3_B
+        del d_inception_b_3x3_sum_to, d_inception_b_3x3_B
         mem.free(47)
-        # X95 = -2*X94*lr + inception_b_3x3_B
-        X95 = T['inception_b_3x3_B']  # in place: the new inception_b_3x3_B
-        rt.ew(ew10, X95, T['inception_b_3x3_B'], lr, X94)
-        # X96 = conv2d_bwd_filter[kernel=(1,1)](X87, X23)
-        X96 = mem.tensor(48, (32, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X87, X23, out=X96, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1881600))
-        # X97 = V_inception_b_1x1_W*momentum + X96 + decay*inception_b_1x1_W
-        X97 = T['V_inception_b_1x1_W']  # in place: the new V_inception_b_1x1_W
-        rt.ew(ew5, X97, T['V_inception_b_1x1_W'], momentum, X96, decay, T['inception_b_1x1_W'])
-        # free X96
-        del X96
+        # inception_b_3x3_B_new = inception_b_3x3_B - 2*lr*V_inception_b_3x3_B_new
+        inception_b_3x3_B_new = T['inception_b_3x3_B']  # in place: the new inception_b_3x3_B
+        rt.ew(ew_mul_sub_2, inception_b_3x3_B_new, T['inception_b_3x3_B'], lr, V_inception_b_3x3_B_new)
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_1x1, inception_a_1x1_max_pool)
+        d_inception_b_1x1_W = mem.tensor(48, (32, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_1x1, inception_a_1x1_max_pool, out=d_inception_b_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1881600))
+        # V_inception_b_1x1_W_new = V_inception_b_1x1_W*momentum + d_inception_b_1x1_W + decay*inception_b_1x1_W
+        V_inception_b_1x1_W_new = T['V_inception_b_1x1_W']  # in place: the new V_inception_b_1x1_W
+        rt.ew(ew_mul_add, V_inception_b_1x1_W_new, T['V_inception_b_1x1_W'], momentum, d_inception_b_1x1_W, decay, T['inception_b_1x1_W'])
+        # free d_inception_b_1x1_W
+        del d_inception_b_1x1_W
         mem.free(48)
-        # X98 = conv2d_bwd_filter[kernel=(3,3),pad=1](X86, X33)
-        X98 = mem.tensor(49, (48, 32, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X86, X33, out=X98, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(7622400))
-        # X99 = conv2d_bwd_data[pad=1,size=(7,7)](X86, inception_b_3x3_W)
-        X99 = mem.tensor(50, (100, 32, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X86, T['inception_b_3x3_W'], out=X99, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(9529600))
-        # free X86
-        del X85, X86
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), backward ----
+        # d_inception_b_3x3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_inception_b_3x3, inception_b_3x3_reduce_relu)
+        d_inception_b_3x3_W = mem.tensor(49, (48, 32, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_3x3, inception_b_3x3_reduce_relu, out=d_inception_b_3x3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(7622400))
+        # d_inception_b_3x3_reduce_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_inception_b_3x3, inception_b_3x3_W)
+        d_inception_b_3x3_reduce_relu = mem.tensor(50, (100, 32, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_3x3, T['inception_b_3x3_W'], out=d_inception_b_3x3_reduce_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(9529600))
+        # free d_inception_b_3x3_relu, d_inception_b_3x3
+        del d_inception_b_3x3_relu, d_inception_b_3x3
         mem.free(45)
-        # X100 = X99*Heaviside(X33, 0)
-        X100 = X99  # in place: over X99
-        rt.ew(ew8, X100, X99, X33)
-        # free X33
-        del X32, X33
+
+        # ---- inception_b_3x3_reduce_relu (relu), backward ----
+        # d_inception_b_3x3_reduce = d_inception_b_3x3_reduce_relu*Heaviside(inception_b_3x3_reduce_relu, 0)
+        d_inception_b_3x3_reduce = d_inception_b_3x3_reduce_relu  # in place: over d_inception_b_3x3_reduce_relu
+        rt.ew(ew_step_mul, d_inception_b_3x3_reduce, d_inception_b_3x3_reduce_relu, inception_b_3x3_reduce_relu)
+        # free inception_b_3x3_reduce, inception_b_3x3_reduce_relu
+        del inception_b_3x3_reduce, inception_b_3x3_reduce_relu
         mem.free(23)
-        # X101 = conv2d_bwd_filter[kernel=(1,1)](X100, X23)
-        X101 = mem.tensor(51, (32, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X100, X23, out=X101, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1881600))
-        # free X23
-        del X23
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_3x3_reduce, inception_a_1x1_max_pool)
+        d_inception_b_3x3_reduce_W = mem.tensor(51, (32, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_b_3x3_reduce, inception_a_1x1_max_pool, out=d_inception_b_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1881600))
+        # free inception_a_1x1_max_pool
+        del inception_a_1x1_max_pool
         mem.free(17)
-        # X102 = V_inception_b_3x3_W*momentum + X98 + decay*inception_b_3x3_W
-        X102 = T['V_inception_b_3x3_W']  # in place: the new V_inception_b_3x3_W
-        rt.ew(ew5, X102, T['V_inception_b_3x3_W'], momentum, X98, decay, T['inception_b_3x3_W'])
-        # free X98
-        del X98
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), backward ----
+        # V_inception_b_3x3_W_new = V_inception_b_3x3_W*momentum + d_inception_b_3x3_W + decay*inception_b_3x3_W
+        V_inception_b_3x3_W_new = T['V_inception_b_3x3_W']  # in place: the new V_inception_b_3x3_W
+        rt.ew(ew_mul_add, V_inception_b_3x3_W_new, T['V_inception_b_3x3_W'], momentum, d_inception_b_3x3_W, decay, T['inception_b_3x3_W'])
+        # free d_inception_b_3x3_W
+        del d_inception_b_3x3_W
         mem.free(49)
-        # X103 = V_inception_b_3x3_reduce_W*momentum + X101 + decay*inception_b_3x3_reduce_W
-        X103 = T['V_inception_b_3x3_reduce_W']  # in place: the new V_inception_b_3x3_reduce_W
-        rt.ew(ew5, X103, T['V_inception_b_3x3_reduce_W'], momentum, X101, decay, T['inception_b_3x3_reduce_W'])
-        # free X101
-        del X101
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # V_inception_b_3x3_reduce_W_new = V_inception_b_3x3_reduce_W*momentum + d_inception_b_3x3_reduce_W + decay*inception_b_3x3_reduce_W
+        V_inception_b_3x3_reduce_W_new = T['V_inception_b_3x3_reduce_W']  # in place: the new V_inception_b_3x3_reduce_W
+        rt.ew(ew_mul_add, V_inception_b_3x3_reduce_W_new, T['V_inception_b_3x3_reduce_W'], momentum, d_inception_b_3x3_reduce_W, decay, T['inception_b_3x3_reduce_W'])
+        # free d_inception_b_3x3_reduce_W
+        del d_inception_b_3x3_reduce_W
         mem.free(51)
-        # X104 = -X102*lr + inception_b_3x3_W
-        X104 = T['inception_b_3x3_W']  # in place: the new inception_b_3x3_W
-        rt.ew(ew7, X104, T['inception_b_3x3_W'], lr, X102)
-        # X105 = sum_to[1x32x1x1](X100)
-        X105 = mem.tensor(52, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X100, out=X105, shape=(1, 32, 1, 1))
-        # X106 = reshape[32](X105)
-        X106 = rt.reshape(X105, shape=(32,))
-        # X107 = V_inception_b_3x3_reduce_B*momentum + X106
-        X107 = T['V_inception_b_3x3_reduce_B']  # in place: the new V_inception_b_3x3_reduce_B
-        rt.ew(ew9, X107, T['V_inception_b_3x3_reduce_B'], momentum, X106)
-        # free X105, X106
-        del X105, X106
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), backward ----
+        # inception_b_3x3_W_new = inception_b_3x3_W - lr*V_inception_b_3x3_W_new
+        inception_b_3x3_W_new = T['inception_b_3x3_W']  # in place: the new inception_b_3x3_W
+        rt.ew(ew_mul_sub, inception_b_3x3_W_new, T['inception_b_3x3_W'], lr, V_inception_b_3x3_W_new)
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_b_3x3_reduce_sum_to = sum_to[1x32x1x1](d_inception_b_3x3_reduce)
+        d_inception_b_3x3_reduce_sum_to = mem.tensor(52, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_inception_b_3x3_reduce, out=d_inception_b_3x3_reduce_sum_to, shape=(1, 32, 1, 1))
+        # d_inception_b_3x3_reduce_B = reshape[32](d_inception_b_3x3_reduce_sum_to)
+        d_inception_b_3x3_reduce_B = rt.reshape(d_inception_b_3x3_reduce_sum_to, shape=(32,))
+        # V_inception_b_3x3_reduce_B_new = V_inception_b_3x3_reduce_B*momentum + d_inception_b_3x3_reduce_B
+        V_inception_b_3x3_reduce_B_new = T['V_inception_b_3x3_reduce_B']  # in place: the new V_inception_b_3x3_reduce_B
+        rt.ew(ew_mul_add_2, V_inception_b_3x3_reduce_B_new, T['V_inception_b_3x3_reduce_B'], momentum, d_inception_b_3x3_reduce_B)
+        # free d_inception_b_3x3_reduce_sum_to, d_inception_b_3x3_reduce_B
+        del d_inception_b_3x3_reduce_sum_to, d_inception_b_3x3_reduce_B
         mem.free(52)
-        # X108 = -2*X107*lr + inception_b_3x3_reduce_B
-        X108 = T['inception_b_3x3_reduce_B']  # in place: the new inception_b_3x3_reduce_B
-        rt.ew(ew10, X108, T['inception_b_3x3_reduce_B'], lr, X107)
-        # X109 = conv2d_bwd_data[size=(7,7)](X87, inception_b_1x1_W)
-        X109 = mem.tensor(53, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X87, T['inception_b_1x1_W'], out=X109, pad=0, size=(7, 7), stride=1)
-        # free X87
-        del X84, X87
+        # inception_b_3x3_reduce_B_new = inception_b_3x3_reduce_B - 2*lr*V_inception_b_3x3_reduce_B_new
+        inception_b_3x3_reduce_B_new = T['inception_b_3x3_reduce_B']  # in place: the new inception_b_3x3_reduce_B
+        rt.ew(ew_mul_sub_2, inception_b_3x3_reduce_B_new, T['inception_b_3x3_reduce_B'], lr, V_inception_b_3x3_reduce_B_new)
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_b_1x1, inception_b_1x1_W)
+        d_inception_a_1x1_max_pool = mem.tensor(53, (100, 64, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_1x1, T['inception_b_1x1_W'], out=d_inception_a_1x1_max_pool, pad=0, size=(7, 7), stride=1)
+        # free d_inception_b_1x1_relu, d_inception_b_1x1
+        del d_inception_b_1x1_relu, d_inception_b_1x1
         mem.free(44)
-        # X110 = -X97*lr + inception_b_1x1_W
-        X110 = T['inception_b_1x1_W']  # in place: the new inception_b_1x1_W
-        rt.ew(ew7, X110, T['inception_b_1x1_W'], lr, X97)
-        # X111 = conv2d_bwd_data[size=(7,7)](X100, inception_b_3x3_reduce_W)
-        X111 = mem.tensor(54, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X100, T['inception_b_3x3_reduce_W'], out=X111, pad=0, size=(7, 7), stride=1)
-        # free X100
-        del X99, X100
+        # inception_b_1x1_W_new = inception_b_1x1_W - lr*V_inception_b_1x1_W_new
+        inception_b_1x1_W_new = T['inception_b_1x1_W']  # in place: the new inception_b_1x1_W
+        rt.ew(ew_mul_sub, inception_b_1x1_W_new, T['inception_b_1x1_W'], lr, V_inception_b_1x1_W_new)
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
+        # d_inception_a_1x1_max_pool_2 = conv2d_bwd_data[size=(7,7)](d_inception_b_3x3_reduce, inception_b_3x3_reduce_W)
+        d_inception_a_1x1_max_pool_2 = mem.tensor(54, (100, 64, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_3x3_reduce, T['inception_b_3x3_reduce_W'], out=d_inception_a_1x1_max_pool_2, pad=0, size=(7, 7), stride=1)
+        # free d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
+        del d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
         mem.free(50)
-        # X112 = -X103*lr + inception_b_3x3_reduce_W
-        X112 = T['inception_b_3x3_reduce_W']  # in place: the new inception_b_3x3_reduce_W
-        rt.ew(ew7, X112, T['inception_b_3x3_reduce_W'], lr, X103)
-        # X113 = conv2d_bwd_data[size=(7,7)](X77, inception_b_pool_proj_W)
-        X113 = mem.tensor(55, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X77, T['inception_b_pool_proj_W'], out=X113, pad=0, size=(7, 7), stride=1)
-        # free X77
-        del X76, X77
+        # inception_b_3x3_reduce_W_new = inception_b_3x3_reduce_W - lr*V_inception_b_3x3_reduce_W_new
+        inception_b_3x3_reduce_W_new = T['inception_b_3x3_reduce_W']  # in place: the new inception_b_3x3_reduce_W
+        rt.ew(ew_mul_sub, inception_b_3x3_reduce_W_new, T['inception_b_3x3_reduce_W'], lr, V_inception_b_3x3_reduce_W_new)
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_a_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_b_pool_proj, inception_b_pool_proj_W)
+        d_inception_a_1x1_max_pool_3 = mem.tensor(55, (100, 64, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_pool_proj, T['inception_b_pool_proj_W'], out=d_inception_a_1x1_max_pool_3, pad=0, size=(7, 7), stride=1)
+        # free d_inception_b_pool_proj_relu, d_inception_b_pool_proj
+        del d_inception_b_pool_proj_relu, d_inception_b_pool_proj
         mem.free(41)
-        # X114 = max_pool_bwd[kernel=3,pad=1,size=(7,7),stride=1](X113, X28)
-        X114 = mem.tensor(56, (100, 64, 7, 7), 'float32')
-        rt.max_pool_bwd(X113, X28, out=X114, ceil=False, kernel=3, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(3641600))
-        # free X28, X113
-        del X28, X113
+
+        # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
+        # d_inception_a_1x1_max_pool_4 = max_pool_bwd[kernel=3,pad=1,size=(7,7),stride=1](d_inception_a_1x1_max_pool_3, inception_a_1x1_max_pool_argmax_2)
+        d_inception_a_1x1_max_pool_4 = mem.tensor(56, (100, 64, 7, 7), 'float32')
+        rt.max_pool_bwd(d_inception_a_1x1_max_pool_3, inception_a_1x1_max_pool_argmax_2, out=d_inception_a_1x1_max_pool_4, ceil=False, kernel=3, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(3641600))
+        # free inception_a_1x1_max_pool_argmax_2, d_inception_a_1x1_max_pool_3
+        del inception_a_1x1_max_pool_argmax_2, d_inception_a_1x1_max_pool_3
         mem.free(20, 55)
-        # X115 = -X79*lr + inception_b_pool_proj_W
-        X115 = T['inception_b_pool_proj_W']  # in place: the new inception_b_pool_proj_W
-        rt.ew(ew7, X115, T['inception_b_pool_proj_W'], lr, X79)
-        # X116 = conv2d_bwd_data[size=(7,7)](X67, inception_b_5x5_reduce_W)
-        X116 = mem.tensor(57, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X67, T['inception_b_5x5_reduce_W'], out=X116, pad=0, size=(7, 7), stride=1)
-        # free X67
-        del X66, X67
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # inception_b_pool_proj_W_new = inception_b_pool_proj_W - lr*V_inception_b_pool_proj_W_new
+        inception_b_pool_proj_W_new = T['inception_b_pool_proj_W']  # in place: the new inception_b_pool_proj_W
+        rt.ew(ew_mul_sub, inception_b_pool_proj_W_new, T['inception_b_pool_proj_W'], lr, V_inception_b_pool_proj_W_new)
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
+        # d_inception_a_1x1_max_pool_5 = conv2d_bwd_data[size=(7,7)](d_inception_b_5x5_reduce, inception_b_5x5_reduce_W)
+        d_inception_a_1x1_max_pool_5 = mem.tensor(57, (100, 64, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_inception_b_5x5_reduce, T['inception_b_5x5_reduce_W'], out=d_inception_a_1x1_max_pool_5, pad=0, size=(7, 7), stride=1)
+        # free d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
+        del d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
         mem.free(38)
-        # X117 = X109 + X111 + X114 + X116
-        X117 = X114  # in place: over X114
-        rt.ew(ew11, X117, X114, X116, X111, X109)
-        # free X109, X111, X116
-        del X109, X111, X116
+
+        # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
+        # d_inception_a_1x1_max_pool_6 = d_inception_a_1x1_max_pool_4 + d_inception_a_1x1_max_pool_5 + d_inception_a_1x1_max_pool_2 + d_inception_a_1x1_max_pool
+        d_inception_a_1x1_max_pool_6 = d_inception_a_1x1_max_pool_4  # in place: over d_inception_a_1x1_max_pool_4
+        rt.ew(ew_add_2, d_inception_a_1x1_max_pool_6, d_inception_a_1x1_max_pool_4, d_inception_a_1x1_max_pool_5, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool)
+        # free d_inception_a_1x1_max_pool, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool_5
+        del d_inception_a_1x1_max_pool, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool_5
         mem.free(53, 54, 57)
-        # X118 = -X75*lr + inception_b_5x5_reduce_W
-        X118 = T['inception_b_5x5_reduce_W']  # in place: the new inception_b_5x5_reduce_W
-        rt.ew(ew7, X118, T['inception_b_5x5_reduce_W'], lr, X75)
-        # X119 = max_pool_bwd[kernel=2,size=(14,14),stride=2](X117, X22)
-        X119 = mem.tensor(58, (100, 64, 14, 14), 'float32')
-        rt.max_pool_bwd(X117, X22, out=X119, ceil=False, kernel=2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(313600))
-        # free X22, X117
-        del X22, X114, X117
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
+        # inception_b_5x5_reduce_W_new = inception_b_5x5_reduce_W - lr*V_inception_b_5x5_reduce_W_new
+        inception_b_5x5_reduce_W_new = T['inception_b_5x5_reduce_W']  # in place: the new inception_b_5x5_reduce_W
+        rt.ew(ew_mul_sub, inception_b_5x5_reduce_W_new, T['inception_b_5x5_reduce_W'], lr, V_inception_b_5x5_reduce_W_new)
+
+        # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
+        # d_inception_a_1x1_concat = max_pool_bwd[kernel=2,size=(14,14),stride=2](d_inception_a_1x1_max_pool_6, inception_a_1x1_max_pool_argmax)
+        d_inception_a_1x1_concat = mem.tensor(58, (100, 64, 14, 14), 'float32')
+        rt.max_pool_bwd(d_inception_a_1x1_max_pool_6, inception_a_1x1_max_pool_argmax, out=d_inception_a_1x1_concat, ceil=False, kernel=2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(313600))
+        # free inception_a_1x1_max_pool_argmax, d_inception_a_1x1_max_pool_4, d_inception_a_1x1_max_pool_6
+        del inception_a_1x1_max_pool_argmax, d_inception_a_1x1_max_pool_4, d_inception_a_1x1_max_pool_6
         mem.free(16, 56)
-        # X120 = slice[axis=1,start=40,stop=48](X119)
-        X120 = mem.tensor(59, (100, 8, 14, 14), 'float32')
-        rt.slice(X119, out=X120, axis=1, start=40, stop=48)
-        # X121 = X120*Heaviside(X10, 0)
-        X121 = X120  # in place: over X120
-        rt.ew(ew8, X121, X120, X10)
-        # free X10
-        del X9, X10
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_a_5x5_relu = slice[axis=1,start=40,stop=48](d_inception_a_1x1_concat)
+        d_inception_a_5x5_relu = mem.tensor(59, (100, 8, 14, 14), 'float32')
+        rt.slice(d_inception_a_1x1_concat, out=d_inception_a_5x5_relu, axis=1, start=40, stop=48)
+
+        # ---- inception_a_5x5_relu (relu), backward ----
+        # d_inception_a_5x5 = d_inception_a_5x5_relu*Heaviside(inception_a_5x5_relu, 0)
+        d_inception_a_5x5 = d_inception_a_5x5_relu  # in place: over d_inception_a_5x5_relu
+        rt.ew(ew_step_mul, d_inception_a_5x5, d_inception_a_5x5_relu, inception_a_5x5_relu)
+        # free inception_a_5x5, inception_a_5x5_relu
+        del inception_a_5x5, inception_a_5x5_relu
         mem.free(8)
-        # X122 = sum_to[1x8x1x1](X121)
-        X122 = mem.tensor(60, (1, 8, 1, 1), 'float32')
-        rt.sum_to(X121, out=X122, shape=(1, 8, 1, 1))
-        # X123 = reshape[8](X122)
-        X123 = rt.reshape(X122, shape=(8,))
-        # X124 = V_inception_a_5x5_B*momentum + X123
-        X124 = T['V_inception_a_5x5_B']  # in place: the new V_inception_a_5x5_B
-        rt.ew(ew9, X124, T['V_inception_a_5x5_B'], momentum, X123)
-        # free X122, X123
-        del X122, X123
+
+        # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), backward ----
+        # d_inception_a_5x5_sum_to = sum_to[1x8x1x1](d_inception_a_5x5)
+        d_inception_a_5x5_sum_to = mem.tensor(60, (1, 8, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_5x5, out=d_inception_a_5x5_sum_to, shape=(1, 8, 1, 1))
+        # d_inception_a_5x5_B = reshape[8](d_inception_a_5x5_sum_to)
+        d_inception_a_5x5_B = rt.reshape(d_inception_a_5x5_sum_to, shape=(8,))
+        # V_inception_a_5x5_B_new = V_inception_a_5x5_B*momentum + d_inception_a_5x5_B
+        V_inception_a_5x5_B_new = T['V_inception_a_5x5_B']  # in place: the new V_inception_a_5x5_B
+        rt.ew(ew_mul_add_2, V_inception_a_5x5_B_new, T['V_inception_a_5x5_B'], momentum, d_inception_a_5x5_B)
+        # free d_inception_a_5x5_sum_to, d_inception_a_5x5_B
+        del d_inception_a_5x5_sum_to, d_inception_a_5x5_B
         mem.free(60)
-        # X125 = -2*X124*lr + inception_a_5x5_B
-        X125 = T['inception_a_5x5_B']  # in place: the new inception_a_5x5_B
-        rt.ew(ew10, X125, T['inception_a_5x5_B'], lr, X124)
-        # X126 = conv2d_bwd_filter[kernel=(5,5),pad=2](X121, X8)
-        X126 = mem.tensor(61, (8, 4, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X121, X8, out=X126, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(8985600))
-        # X127 = conv2d_bwd_data[pad=2,size=(14,14)](X121, inception_a_5x5_W)
-        X127 = mem.tensor(62, (100, 4, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X121, T['inception_a_5x5_W'], out=X127, pad=2, size=(14, 14), stride=1, workspace=mem.workspace(11411200))
-        # free X121
-        del X120, X121
+        # inception_a_5x5_B_new = inception_a_5x5_B - 2*lr*V_inception_a_5x5_B_new
+        inception_a_5x5_B_new = T['inception_a_5x5_B']  # in place: the new inception_a_5x5_B
+        rt.ew(ew_mul_sub_2, inception_a_5x5_B_new, T['inception_a_5x5_B'], lr, V_inception_a_5x5_B_new)
+        # d_inception_a_5x5_W = conv2d_bwd_filter[kernel=(5,5),pad=2](d_inception_a_5x5, inception_a_5x5_reduce_relu)
+        d_inception_a_5x5_W = mem.tensor(61, (8, 4, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_5x5, inception_a_5x5_reduce_relu, out=d_inception_a_5x5_W, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(8985600))
+        # d_inception_a_5x5_reduce_relu = conv2d_bwd_data[pad=2,size=(14,14)](d_inception_a_5x5, inception_a_5x5_W)
+        d_inception_a_5x5_reduce_relu = mem.tensor(62, (100, 4, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_5x5, T['inception_a_5x5_W'], out=d_inception_a_5x5_reduce_relu, pad=2, size=(14, 14), stride=1, workspace=mem.workspace(11411200))
+        # free d_inception_a_5x5_relu, d_inception_a_5x5
+        del d_inception_a_5x5_relu, d_inception_a_5x5
         mem.free(59)
-        # X128 = X127*Heaviside(X8, 0)
-        X128 = X127  # in place: over X127
-        rt.ew(ew8, X128, X127, X8)
-        # free X8
-        del X7, X8
+
+        # ---- inception_a_5x5_reduce_relu (relu), backward ----
+        # d_inception_a_5x5_reduce = d_inception_a_5x5_reduce_relu*Heaviside(inception_a_5x5_reduce_relu, 0)
+        d_inception_a_5x5_reduce = d_inception_a_5x5_reduce_relu  # in place: over d_inception_a_5x5_reduce_relu
+        rt.ew(ew_step_mul, d_inception_a_5x5_reduce, d_inception_a_5x5_reduce_relu, inception_a_5x5_reduce_relu)
+        # free inception_a_5x5_reduce, inception_a_5x5_reduce_relu
+        del inception_a_5x5_reduce, inception_a_5x5_reduce_relu
         mem.free(7)
-        # X129 = V_inception_a_5x5_W*momentum + X126 + decay*inception_a_5x5_W
-        X129 = T['V_inception_a_5x5_W']  # in place: the new V_inception_a_5x5_W
-        rt.ew(ew5, X129, T['V_inception_a_5x5_W'], momentum, X126, decay, T['inception_a_5x5_W'])
-        # free X126
-        del X126
+
+        # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), backward ----
+        # V_inception_a_5x5_W_new = V_inception_a_5x5_W*momentum + d_inception_a_5x5_W + decay*inception_a_5x5_W
+        V_inception_a_5x5_W_new = T['V_inception_a_5x5_W']  # in place: the new V_inception_a_5x5_W
+        rt.ew(ew_mul_add, V_inception_a_5x5_W_new, T['V_inception_a_5x5_W'], momentum, d_inception_a_5x5_W, decay, T['inception_a_5x5_W'])
+        # free d_inception_a_5x5_W
+        del d_inception_a_5x5_W
         mem.free(61)
-        # X130 = -X129*lr + inception_a_5x5_W
-        X130 = T['inception_a_5x5_W']  # in place: the new inception_a_5x5_W
-        rt.ew(ew7, X130, T['inception_a_5x5_W'], lr, X129)
-        # X131 = sum_to[1x4x1x1](X128)
-        X131 = mem.tensor(63, (1, 4, 1, 1), 'float32')
-        rt.sum_to(X128, out=X131, shape=(1, 4, 1, 1))
-        # X132 = reshape[4](X131)
-        X132 = rt.reshape(X131, shape=(4,))
-        # X133 = V_inception_a_5x5_reduce_B*momentum + X132
-        X133 = T['V_inception_a_5x5_reduce_B']  # in place: the new V_inception_a_5x5_reduce_B
-        rt.ew(ew9, X133, T['V_inception_a_5x5_reduce_B'], momentum, X132)
-        # free X131, X132
-        del X131, X132
+        # inception_a_5x5_W_new = inception_a_5x5_W - lr*V_inception_a_5x5_W_new
+        inception_a_5x5_W_new = T['inception_a_5x5_W']  # in place: the new inception_a_5x5_W
+        rt.ew(ew_mul_sub, inception_a_5x5_W_new, T['inception_a_5x5_W'], lr, V_inception_a_5x5_W_new)
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
+        # d_inception_a_5x5_reduce_sum_to = sum_to[1x4x1x1](d_inception_a_5x5_reduce)
+        d_inception_a_5x5_reduce_sum_to = mem.tensor(63, (1, 4, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_5x5_reduce, out=d_inception_a_5x5_reduce_sum_to, shape=(1, 4, 1, 1))
+        # d_inception_a_5x5_reduce_B = reshape[4](d_inception_a_5x5_reduce_sum_to)
+        d_inception_a_5x5_reduce_B = rt.reshape(d_inception_a_5x5_reduce_sum_to, shape=(4,))
+        # V_inception_a_5x5_reduce_B_new = V_inception_a_5x5_reduce_B*momentum + d_inception_a_5x5_reduce_B
+        V_inception_a_5x5_reduce_B_new = T['V_inception_a_5x5_reduce_B']  # in place: the new V_inception_a_5x5_reduce_B
+        rt.ew(ew_mul_add_2, V_inception_a_5x5_reduce_B_new, T['V_inception_a_5x5_reduce_B'], momentum, d_inception_a_5x5_reduce_B)
+        # free d_inception_a_5x5_reduce_sum_to, d_inception_a_5x5_reduce_B
+        del d_inception_a_5x5_reduce_sum_to, d_inception_a_5x5_reduce_B
         mem.free(63)
-        # X134 = -2*X133*lr + inception_a_5x5_reduce_B
-        X134 = T['inception_a_5x5_reduce_B']  # in place: the new inception_a_5x5_reduce_B
-        rt.ew(ew10, X134, T['inception_a_5x5_reduce_B'], lr, X133)
-        # X135 = conv2d_bwd_filter[kernel=(1,1)](X128, X6)
-        X135 = mem.tensor(64, (4, 32, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X128, X6, out=X135, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(2822400))
-        # X136 = V_inception_a_5x5_reduce_W*momentum + X135 + decay*inception_a_5x5_reduce_W
-        X136 = T['V_inception_a_5x5_reduce_W']  # in place: the new V_inception_a_5x5_reduce_W
-        rt.ew(ew5, X136, T['V_inception_a_5x5_reduce_W'], momentum, X135, decay, T['inception_a_5x5_reduce_W'])
-        # free X135
-        del X135
+        # inception_a_5x5_reduce_B_new = inception_a_5x5_reduce_B - 2*lr*V_inception_a_5x5_reduce_B_new
+        inception_a_5x5_reduce_B_new = T['inception_a_5x5_reduce_B']  # in place: the new inception_a_5x5_reduce_B
+        rt.ew(ew_mul_sub_2, inception_a_5x5_reduce_B_new, T['inception_a_5x5_reduce_B'], lr, V_inception_a_5x5_reduce_B_new)
+        # d_inception_a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_5x5_reduce, conv1_max_pool)
+        d_inception_a_5x5_reduce_W = mem.tensor(64, (4, 32, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_5x5_reduce, conv1_max_pool, out=d_inception_a_5x5_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(2822400))
+        # V_inception_a_5x5_reduce_W_new = V_inception_a_5x5_reduce_W*momentum + d_inception_a_5x5_reduce_W + decay*inception_a_5x5_reduce_W
+        V_inception_a_5x5_reduce_W_new = T['V_inception_a_5x5_reduce_W']  # in place: the new V_inception_a_5x5_reduce_W
+        rt.ew(ew_mul_add, V_inception_a_5x5_reduce_W_new, T['V_inception_a_5x5_reduce_W'], momentum, d_inception_a_5x5_reduce_W, decay, T['inception_a_5x5_reduce_W'])
+        # free d_inception_a_5x5_reduce_W
+        del d_inception_a_5x5_reduce_W
         mem.free(64)
-        # X137 = slice[axis=1,start=0,stop=16](X119)
-        X137 = mem.tensor(65, (100, 16, 14, 14), 'float32')
-        rt.slice(X119, out=X137, axis=1, start=0, stop=16)
-        # X138 = X137*Heaviside(X18, 0)
-        X138 = X137  # in place: over X137
-        rt.ew(ew8, X138, X137, X18)
-        # free X18
-        del X17, X18
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_a_1x1_relu = slice[axis=1,start=0,stop=16](d_inception_a_1x1_concat)
+        d_inception_a_1x1_relu = mem.tensor(65, (100, 16, 14, 14), 'float32')
+        rt.slice(d_inception_a_1x1_concat, out=d_inception_a_1x1_relu, axis=1, start=0, stop=16)
+
+        # ---- inception_a_1x1_relu (relu), backward ----
+        # d_inception_a_1x1 = d_inception_a_1x1_relu*Heaviside(inception_a_1x1_relu, 0)
+        d_inception_a_1x1 = d_inception_a_1x1_relu  # in place: over d_inception_a_1x1_relu
+        rt.ew(ew_step_mul, d_inception_a_1x1, d_inception_a_1x1_relu, inception_a_1x1_relu)
+        # free inception_a_1x1, inception_a_1x1_relu
+        del inception_a_1x1, inception_a_1x1_relu
         mem.free(13)
-        # X139 = sum_to[1x16x1x1](X138)
-        X139 = mem.tensor(66, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X138, out=X139, shape=(1, 16, 1, 1))
-        # X140 = reshape[16](X139)
-        X140 = rt.reshape(X139, shape=(16,))
-        # X141 = V_inception_a_1x1_B*momentum + X140
-        X141 = T['V_inception_a_1x1_B']  # in place: the new V_inception_a_1x1_B
-        rt.ew(ew9, X141, T['V_inception_a_1x1_B'], momentum, X140)
-        # free X139, X140
-        del X139, X140
+
+        # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_a_1x1_sum_to = sum_to[1x16x1x1](d_inception_a_1x1)
+        d_inception_a_1x1_sum_to = mem.tensor(66, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_1x1, out=d_inception_a_1x1_sum_to, shape=(1, 16, 1, 1))
+        # d_inception_a_1x1_B = reshape[16](d_inception_a_1x1_sum_to)
+        d_inception_a_1x1_B = rt.reshape(d_inception_a_1x1_sum_to, shape=(16,))
+        # V_inception_a_1x1_B_new = V_inception_a_1x1_B*momentum + d_inception_a_1x1_B
+        V_inception_a_1x1_B_new = T['V_inception_a_1x1_B']  # in place: the new V_inception_a_1x1_B
+        rt.ew(ew_mul_add_2, V_inception_a_1x1_B_new, T['V_inception_a_1x1_B'], momentum, d_inception_a_1x1_B)
+        # free d_inception_a_1x1_sum_to, d_inception_a_1x1_B
+        del d_inception_a_1x1_sum_to, d_inception_a_1x1_B
         mem.free(66)
-        # X142 = -2*X141*lr + inception_a_1x1_B
-        X142 = T['inception_a_1x1_B']  # in place: the new inception_a_1x1_B
-        rt.ew(ew10, X142, T['inception_a_1x1_B'], lr, X141)
-        # X143 = conv2d_bwd_filter[kernel=(1,1)](X138, X6)
-        X143 = mem.tensor(67, (16, 32, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X138, X6, out=X143, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
-        # X144 = V_inception_a_1x1_W*momentum + X143 + decay*inception_a_1x1_W
-        X144 = T['V_inception_a_1x1_W']  # in place: the new V_inception_a_1x1_W
-        rt.ew(ew5, X144, T['V_inception_a_1x1_W'], momentum, X143, decay, T['inception_a_1x1_W'])
-        # free X143
-        del X143
+        # inception_a_1x1_B_new = inception_a_1x1_B - 2*lr*V_inception_a_1x1_B_new
+        inception_a_1x1_B_new = T['inception_a_1x1_B']  # in place: the new inception_a_1x1_B
+        rt.ew(ew_mul_sub_2, inception_a_1x1_B_new, T['inception_a_1x1_B'], lr, V_inception_a_1x1_B_new)
+        # d_inception_a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_1x1, conv1_max_pool)
+        d_inception_a_1x1_W = mem.tensor(67, (16, 32, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_1x1, conv1_max_pool, out=d_inception_a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
+        # V_inception_a_1x1_W_new = V_inception_a_1x1_W*momentum + d_inception_a_1x1_W + decay*inception_a_1x1_W
+        V_inception_a_1x1_W_new = T['V_inception_a_1x1_W']  # in place: the new V_inception_a_1x1_W
+        rt.ew(ew_mul_add, V_inception_a_1x1_W_new, T['V_inception_a_1x1_W'], momentum, d_inception_a_1x1_W, decay, T['inception_a_1x1_W'])
+        # free d_inception_a_1x1_W
+        del d_inception_a_1x1_W
         mem.free(67)
-        # X145 = conv2d_bwd_data[size=(14,14)](X138, inception_a_1x1_W)
-        X145 = mem.tensor(68, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X138, T['inception_a_1x1_W'], out=X145, pad=0, size=(14, 14), stride=1)
-        # free X138
-        del X137, X138
+        # d_conv1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_a_1x1, inception_a_1x1_W)
+        d_conv1_max_pool = mem.tensor(68, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_1x1, T['inception_a_1x1_W'], out=d_conv1_max_pool, pad=0, size=(14, 14), stride=1)
+        # free d_inception_a_1x1_relu, d_inception_a_1x1
+        del d_inception_a_1x1_relu, d_inception_a_1x1
         mem.free(65)
-        # X146 = -X144*lr + inception_a_1x1_W
-        X146 = T['inception_a_1x1_W']  # in place: the new inception_a_1x1_W
-        rt.ew(ew7, X146, T['inception_a_1x1_W'], lr, X144)
-        # X147 = slice[axis=1,start=48,stop=64](X119)
-        X147 = mem.tensor(69, (100, 16, 14, 14), 'float32')
-        rt.slice(X119, out=X147, axis=1, start=48, stop=64)
-        # X148 = slice[axis=1,start=16,stop=40](X119)
-        X148 = mem.tensor(70, (100, 24, 14, 14), 'float32')
-        rt.slice(X119, out=X148, axis=1, start=16, stop=40)
-        # free X119
-        del X119
+        # inception_a_1x1_W_new = inception_a_1x1_W - lr*V_inception_a_1x1_W_new
+        inception_a_1x1_W_new = T['inception_a_1x1_W']  # in place: the new inception_a_1x1_W
+        rt.ew(ew_mul_sub, inception_a_1x1_W_new, T['inception_a_1x1_W'], lr, V_inception_a_1x1_W_new)
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), backward ----
+        # d_inception_a_pool_proj_relu = slice[axis=1,start=48,stop=64](d_inception_a_1x1_concat)
+        d_inception_a_pool_proj_relu = mem.tensor(69, (100, 16, 14, 14), 'float32')
+        rt.slice(d_inception_a_1x1_concat, out=d_inception_a_pool_proj_relu, axis=1, start=48, stop=64)
+        # d_inception_a_3x3_relu = slice[axis=1,start=16,stop=40](d_inception_a_1x1_concat)
+        d_inception_a_3x3_relu = mem.tensor(70, (100, 24, 14, 14), 'float32')
+        rt.slice(d_inception_a_1x1_concat, out=d_inception_a_3x3_relu, axis=1, start=16, stop=40)
+        # free d_inception_a_1x1_concat
+        del d_inception_a_1x1_concat
         mem.free(58)
-        # X149 = X148*Heaviside(X20, 0)
-        X149 = X148  # in place: over X148
-        rt.ew(ew8, X149, X148, X20)
-        # free X20
-        del X19, X20
+
+        # ---- inception_a_3x3_relu (relu), backward ----
+        # d_inception_a_3x3 = d_inception_a_3x3_relu*Heaviside(inception_a_3x3_relu, 0)
+        d_inception_a_3x3 = d_inception_a_3x3_relu  # in place: over d_inception_a_3x3_relu
+        rt.ew(ew_step_mul, d_inception_a_3x3, d_inception_a_3x3_relu, inception_a_3x3_relu)
+        # free inception_a_3x3, inception_a_3x3_relu
+        del inception_a_3x3, inception_a_3x3_relu
         mem.free(14)
-        # X150 = X147*Heaviside(X14, 0)
-        X150 = X147  # in place: over X147
-        rt.ew(ew8, X150, X147, X14)
-        # free X14
-        del X13, X14
+
+        # ---- inception_a_pool_proj_relu (relu), backward ----
+        # d_inception_a_pool_proj = d_inception_a_pool_proj_relu*Heaviside(inception_a_pool_proj_relu, 0)
+        d_inception_a_pool_proj = d_inception_a_pool_proj_relu  # in place: over d_inception_a_pool_proj_relu
+        rt.ew(ew_step_mul, d_inception_a_pool_proj, d_inception_a_pool_proj_relu, inception_a_pool_proj_relu)
+        # free inception_a_pool_proj, inception_a_pool_proj_relu
+        del inception_a_pool_proj, inception_a_pool_proj_relu
         mem.free(11)
-        # X151 = max_pool[kernel=3,pad=1,stride=1](X6)
-        X151 = mem.tensor(71, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X6, out=X151, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
-        # X152 = conv2d_bwd_filter[kernel=(1,1)](X150, X151)
-        X152 = mem.tensor(72, (16, 32, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X150, X151, out=X152, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
-        # free X151
-        del X151
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # conv1_max_pool_3 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
+        conv1_max_pool_3 = mem.tensor(71, (100, 32, 14, 14), 'float32')
+        rt.max_pool(conv1_max_pool, out=conv1_max_pool_3, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_a_pool_proj_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_pool_proj, conv1_max_pool_3)
+        d_inception_a_pool_proj_W = mem.tensor(72, (16, 32, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_pool_proj, conv1_max_pool_3, out=d_inception_a_pool_proj_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
+        # free conv1_max_pool_3
+        del conv1_max_pool_3
         mem.free(71)
-        # X153 = V_inception_a_pool_proj_W*momentum + X152 + decay*inception_a_pool_proj_W
-        X153 = T['V_inception_a_pool_proj_W']  # in place: the new V_inception_a_pool_proj_W
-        rt.ew(ew5, X153, T['V_inception_a_pool_proj_W'], momentum, X152, decay, T['inception_a_pool_proj_W'])
-        # free X152
-        del X152
+        # V_inception_a_pool_proj_W_new = V_inception_a_pool_proj_W*momentum + d_inception_a_pool_proj_W + decay*inception_a_pool_proj_W
+        V_inception_a_pool_proj_W_new = T['V_inception_a_pool_proj_W']  # in place: the new V_inception_a_pool_proj_W
+        rt.ew(ew_mul_add, V_inception_a_pool_proj_W_new, T['V_inception_a_pool_proj_W'], momentum, d_inception_a_pool_proj_W, decay, T['inception_a_pool_proj_W'])
+        # free d_inception_a_pool_proj_W
+        del d_inception_a_pool_proj_W
         mem.free(72)
-        # X154 = sum_to[1x24x1x1](X149)
-        X154 = mem.tensor(73, (1, 24, 1, 1), 'float32')
-        rt.sum_to(X149, out=X154, shape=(1, 24, 1, 1))
-        # X155 = reshape[24](X154)
-        X155 = rt.reshape(X154, shape=(24,))
-        # X156 = V_inception_a_3x3_B*momentum + X155
-        X156 = T['V_inception_a_3x3_B']  # in place: the new V_inception_a_3x3_B
-        rt.ew(ew9, X156, T['V_inception_a_3x3_B'], momentum, X155)
-        # free X154, X155
-        del X154, X155
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), backward ----
+        # d_inception_a_3x3_sum_to = sum_to[1x24x1x1](d_inception_a_3x3)
+        d_inception_a_3x3_sum_to = mem.tensor(73, (1, 24, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_3x3, out=d_inception_a_3x3_sum_to, shape=(1, 24, 1, 1))
+        # d_inception_a_3x3_B = reshape[24](d_inception_a_3x3_sum_to)
+        d_inception_a_3x3_B = rt.reshape(d_inception_a_3x3_sum_to, shape=(24,))
+        # V_inception_a_3x3_B_new = V_inception_a_3x3_B*momentum + d_inception_a_3x3_B
+        V_inception_a_3x3_B_new = T['V_inception_a_3x3_B']  # in place: the new V_inception_a_3x3_B
+        rt.ew(ew_mul_add_2, V_inception_a_3x3_B_new, T['V_inception_a_3x3_B'], momentum, d_inception_a_3x3_B)
+        # free d_inception_a_3x3_sum_to, d_inception_a_3x3_B
+        del d_inception_a_3x3_sum_to, d_inception_a_3x3_B
         mem.free(73)
-        # X157 = -2*X156*lr + inception_a_3x3_B
-        X157 = T['inception_a_3x3_B']  # in place: the new inception_a_3x3_B
-        rt.ew(ew10, X157, T['inception_a_3x3_B'], lr, X156)
-        # X158 = sum_to[1x16x1x1](X150)
-        X158 = mem.tensor(74, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X150, out=X158, shape=(1, 16, 1, 1))
-        # X159 = reshape[16](X158)
-        X159 = rt.reshape(X158, shape=(16,))
-        # X160 = V_inception_a_pool_proj_B*momentum + X159
-        X160 = T['V_inception_a_pool_proj_B']  # in place: the new V_inception_a_pool_proj_B
-        rt.ew(ew9, X160, T['V_inception_a_pool_proj_B'], momentum, X159)
-        # free X158, X159
-        del X158, X159
+        # inception_a_3x3_B_new = inception_a_3x3_B - 2*lr*V_inception_a_3x3_B_new
+        inception_a_3x3_B_new = T['inception_a_3x3_B']  # in place: the new inception_a_3x3_B
+        rt.ew(ew_mul_sub_2, inception_a_3x3_B_new, T['inception_a_3x3_B'], lr, V_inception_a_3x3_B_new)
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_a_pool_proj_sum_to = sum_to[1x16x1x1](d_inception_a_pool_proj)
+        d_inception_a_pool_proj_sum_to = mem.tensor(74, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_pool_proj, out=d_inception_a_pool_proj_sum_to, shape=(1, 16, 1, 1))
+        # d_inception_a_pool_proj_B = reshape[16](d_inception_a_pool_proj_sum_to)
+        d_inception_a_pool_proj_B = rt.reshape(d_inception_a_pool_proj_sum_to, shape=(16,))
+        # V_inception_a_pool_proj_B_new = V_inception_a_pool_proj_B*momentum + d_inception_a_pool_proj_B
+        V_inception_a_pool_proj_B_new = T['V_inception_a_pool_proj_B']  # in place: the new V_inception_a_pool_proj_B
+        rt.ew(ew_mul_add_2, V_inception_a_pool_proj_B_new, T['V_inception_a_pool_proj_B'], momentum, d_inception_a_pool_proj_B)
+        # free d_inception_a_pool_proj_sum_to, d_inception_a_pool_proj_B
+        del d_inception_a_pool_proj_sum_to, d_inception_a_pool_proj_B
         mem.free(74)
-        # X161 = -2*X160*lr + inception_a_pool_proj_B
-        X161 = T['inception_a_pool_proj_B']  # in place: the new inception_a_pool_proj_B
-        rt.ew(ew10, X161, T['inception_a_pool_proj_B'], lr, X160)
-        # X162 = conv2d_bwd_filter[kernel=(3,3),pad=1](X149, X16)
-        X162 = mem.tensor(75, (24, 16, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X149, X16, out=X162, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14809600))
-        # X163 = conv2d_bwd_data[pad=1,size=(14,14)](X149, inception_a_3x3_W)
-        X163 = mem.tensor(76, (100, 16, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X149, T['inception_a_3x3_W'], out=X163, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(16704000))
-        # free X149
-        del X148, X149
+        # inception_a_pool_proj_B_new = inception_a_pool_proj_B - 2*lr*V_inception_a_pool_proj_B_new
+        inception_a_pool_proj_B_new = T['inception_a_pool_proj_B']  # in place: the new inception_a_pool_proj_B
+        rt.ew(ew_mul_sub_2, inception_a_pool_proj_B_new, T['inception_a_pool_proj_B'], lr, V_inception_a_pool_proj_B_new)
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), backward ----
+        # d_inception_a_3x3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_inception_a_3x3, inception_a_3x3_reduce_relu)
+        d_inception_a_3x3_W = mem.tensor(75, (24, 16, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_3x3, inception_a_3x3_reduce_relu, out=d_inception_a_3x3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14809600))
+        # d_inception_a_3x3_reduce_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_inception_a_3x3, inception_a_3x3_W)
+        d_inception_a_3x3_reduce_relu = mem.tensor(76, (100, 16, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_3x3, T['inception_a_3x3_W'], out=d_inception_a_3x3_reduce_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(16704000))
+        # free d_inception_a_3x3_relu, d_inception_a_3x3
+        del d_inception_a_3x3_relu, d_inception_a_3x3
         mem.free(70)
-        # X164 = X163*Heaviside(X16, 0)
-        X164 = X163  # in place: over X163
-        rt.ew(ew8, X164, X163, X16)
-        # free X16
-        del X15, X16
+
+        # ---- inception_a_3x3_reduce_relu (relu), backward ----
+        # d_inception_a_3x3_reduce = d_inception_a_3x3_reduce_relu*Heaviside(inception_a_3x3_reduce_relu, 0)
+        d_inception_a_3x3_reduce = d_inception_a_3x3_reduce_relu  # in place: over d_inception_a_3x3_reduce_relu
+        rt.ew(ew_step_mul, d_inception_a_3x3_reduce, d_inception_a_3x3_reduce_relu, inception_a_3x3_reduce_relu)
+        # free inception_a_3x3_reduce, inception_a_3x3_reduce_relu
+        del inception_a_3x3_reduce, inception_a_3x3_reduce_relu
         mem.free(12)
-        # X165 = V_inception_a_3x3_W*momentum + X162 + decay*inception_a_3x3_W
-        X165 = T['V_inception_a_3x3_W']  # in place: the new V_inception_a_3x3_W
-        rt.ew(ew5, X165, T['V_inception_a_3x3_W'], momentum, X162, decay, T['inception_a_3x3_W'])
-        # free X162
-        del X162
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), backward ----
+        # V_inception_a_3x3_W_new = V_inception_a_3x3_W*momentum + d_inception_a_3x3_W + decay*inception_a_3x3_W
+        V_inception_a_3x3_W_new = T['V_inception_a_3x3_W']  # in place: the new V_inception_a_3x3_W
+        rt.ew(ew_mul_add, V_inception_a_3x3_W_new, T['V_inception_a_3x3_W'], momentum, d_inception_a_3x3_W, decay, T['inception_a_3x3_W'])
+        # free d_inception_a_3x3_W
+        del d_inception_a_3x3_W
         mem.free(75)
-        # X166 = -X165*lr + inception_a_3x3_W
-        X166 = T['inception_a_3x3_W']  # in place: the new inception_a_3x3_W
-        rt.ew(ew7, X166, T['inception_a_3x3_W'], lr, X165)
-        # X167 = sum_to[1x16x1x1](X164)
-        X167 = mem.tensor(77, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X164, out=X167, shape=(1, 16, 1, 1))
-        # X168 = reshape[16](X167)
-        X168 = rt.reshape(X167, shape=(16,))
-        # X169 = V_inception_a_3x3_reduce_B*momentum + X168
-        X169 = T['V_inception_a_3x3_reduce_B']  # in place: the new V_inception_a_3x3_reduce_B
-        rt.ew(ew9, X169, T['V_inception_a_3x3_reduce_B'], momentum, X168)
-        # free X167, X168
-        del X167, X168
+        # inception_a_3x3_W_new = inception_a_3x3_W - lr*V_inception_a_3x3_W_new
+        inception_a_3x3_W_new = T['inception_a_3x3_W']  # in place: the new inception_a_3x3_W
+        rt.ew(ew_mul_sub, inception_a_3x3_W_new, T['inception_a_3x3_W'], lr, V_inception_a_3x3_W_new)
+
+        # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_inception_a_3x3_reduce_sum_to = sum_to[1x16x1x1](d_inception_a_3x3_reduce)
+        d_inception_a_3x3_reduce_sum_to = mem.tensor(77, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_inception_a_3x3_reduce, out=d_inception_a_3x3_reduce_sum_to, shape=(1, 16, 1, 1))
+        # d_inception_a_3x3_reduce_B = reshape[16](d_inception_a_3x3_reduce_sum_to)
+        d_inception_a_3x3_reduce_B = rt.reshape(d_inception_a_3x3_reduce_sum_to, shape=(16,))
+        # V_inception_a_3x3_reduce_B_new = V_inception_a_3x3_reduce_B*momentum + d_inception_a_3x3_reduce_B
+        V_inception_a_3x3_reduce_B_new = T['V_inception_a_3x3_reduce_B']  # in place: the new V_inception_a_3x3_reduce_B
+        rt.ew(ew_mul_add_2, V_inception_a_3x3_reduce_B_new, T['V_inception_a_3x3_reduce_B'], momentum, d_inception_a_3x3_reduce_B)
+        # free d_inception_a_3x3_reduce_sum_to, d_inception_a_3x3_reduce_B
+        del d_inception_a_3x3_reduce_sum_to, d_inception_a_3x3_reduce_B
         mem.free(77)
-        # X170 = -2*X169*lr + inception_a_3x3_reduce_B
-        X170 = T['inception_a_3x3_reduce_B']  # in place: the new inception_a_3x3_reduce_B
-        rt.ew(ew10, X170, T['inception_a_3x3_reduce_B'], lr, X169)
-        # X171 = conv2d_bwd_filter[kernel=(1,1)](X164, X6)
-        X171 = mem.tensor(78, (16, 32, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X164, X6, out=X171, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
-        # X172 = V_inception_a_3x3_reduce_W*momentum + X171 + decay*inception_a_3x3_reduce_W
-        X172 = T['V_inception_a_3x3_reduce_W']  # in place: the new V_inception_a_3x3_reduce_W
-        rt.ew(ew5, X172, T['V_inception_a_3x3_reduce_W'], momentum, X171, decay, T['inception_a_3x3_reduce_W'])
-        # free X171
-        del X171
+        # inception_a_3x3_reduce_B_new = inception_a_3x3_reduce_B - 2*lr*V_inception_a_3x3_reduce_B_new
+        inception_a_3x3_reduce_B_new = T['inception_a_3x3_reduce_B']  # in place: the new inception_a_3x3_reduce_B
+        rt.ew(ew_mul_sub_2, inception_a_3x3_reduce_B_new, T['inception_a_3x3_reduce_B'], lr, V_inception_a_3x3_reduce_B_new)
+        # d_inception_a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_3x3_reduce, conv1_max_pool)
+        d_inception_a_3x3_reduce_W = mem.tensor(78, (16, 32, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_inception_a_3x3_reduce, conv1_max_pool, out=d_inception_a_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
+        # V_inception_a_3x3_reduce_W_new = V_inception_a_3x3_reduce_W*momentum + d_inception_a_3x3_reduce_W + decay*inception_a_3x3_reduce_W
+        V_inception_a_3x3_reduce_W_new = T['V_inception_a_3x3_reduce_W']  # in place: the new V_inception_a_3x3_reduce_W
+        rt.ew(ew_mul_add, V_inception_a_3x3_reduce_W_new, T['V_inception_a_3x3_reduce_W'], momentum, d_inception_a_3x3_reduce_W, decay, T['inception_a_3x3_reduce_W'])
+        # free d_inception_a_3x3_reduce_W
+        del d_inception_a_3x3_reduce_W
         mem.free(78)
-        # X173 = conv2d_bwd_data[size=(14,14)](X164, inception_a_3x3_reduce_W)
-        X173 = mem.tensor(79, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X164, T['inception_a_3x3_reduce_W'], out=X173, pad=0, size=(14, 14), stride=1)
-        # free X164
-        del X163, X164
+        # d_conv1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_a_3x3_reduce, inception_a_3x3_reduce_W)
+        d_conv1_max_pool_2 = mem.tensor(79, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_3x3_reduce, T['inception_a_3x3_reduce_W'], out=d_conv1_max_pool_2, pad=0, size=(14, 14), stride=1)
+        # free d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
+        del d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
         mem.free(76)
-        # X174 = -X172*lr + inception_a_3x3_reduce_W
-        X174 = T['inception_a_3x3_reduce_W']  # in place: the new inception_a_3x3_reduce_W
-        rt.ew(ew7, X174, T['inception_a_3x3_reduce_W'], lr, X172)
-        # X175 = conv2d_bwd_data[size=(14,14)](X150, inception_a_pool_proj_W)
-        X175 = mem.tensor(80, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X150, T['inception_a_pool_proj_W'], out=X175, pad=0, size=(14, 14), stride=1)
-        # free X150
-        del X147, X150
+        # inception_a_3x3_reduce_W_new = inception_a_3x3_reduce_W - lr*V_inception_a_3x3_reduce_W_new
+        inception_a_3x3_reduce_W_new = T['inception_a_3x3_reduce_W']  # in place: the new inception_a_3x3_reduce_W
+        rt.ew(ew_mul_sub, inception_a_3x3_reduce_W_new, T['inception_a_3x3_reduce_W'], lr, V_inception_a_3x3_reduce_W_new)
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # d_conv1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_a_pool_proj, inception_a_pool_proj_W)
+        d_conv1_max_pool_3 = mem.tensor(80, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_pool_proj, T['inception_a_pool_proj_W'], out=d_conv1_max_pool_3, pad=0, size=(14, 14), stride=1)
+        # free d_inception_a_pool_proj_relu, d_inception_a_pool_proj
+        del d_inception_a_pool_proj_relu, d_inception_a_pool_proj
         mem.free(69)
-        # X176 = max_pool_bwd[kernel=3,pad=1,size=(14,14),stride=1](X175, X11)
-        X176 = mem.tensor(81, (100, 32, 14, 14), 'float32')
-        rt.max_pool_bwd(X175, X11, out=X176, ceil=False, kernel=3, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(6412800))
-        # free X11, X175
-        del X11, X175
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
+        # d_conv1_max_pool_4 = max_pool_bwd[kernel=3,pad=1,size=(14,14),stride=1](d_conv1_max_pool_3, conv1_max_pool_argmax_2)
+        d_conv1_max_pool_4 = mem.tensor(81, (100, 32, 14, 14), 'float32')
+        rt.max_pool_bwd(d_conv1_max_pool_3, conv1_max_pool_argmax_2, out=d_conv1_max_pool_4, ceil=False, kernel=3, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(6412800))
+        # free conv1_max_pool_argmax_2, d_conv1_max_pool_3
+        del conv1_max_pool_argmax_2, d_conv1_max_pool_3
         mem.free(9, 80)
-        # X177 = -X153*lr + inception_a_pool_proj_W
-        X177 = T['inception_a_pool_proj_W']  # in place: the new inception_a_pool_proj_W
-        rt.ew(ew7, X177, T['inception_a_pool_proj_W'], lr, X153)
-        # X178 = conv2d_bwd_data[size=(14,14)](X128, inception_a_5x5_reduce_W)
-        X178 = mem.tensor(82, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X128, T['inception_a_5x5_reduce_W'], out=X178, pad=0, size=(14, 14), stride=1)
-        # free X128
-        del X127, X128
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
+        # inception_a_pool_proj_W_new = inception_a_pool_proj_W - lr*V_inception_a_pool_proj_W_new
+        inception_a_pool_proj_W_new = T['inception_a_pool_proj_W']  # in place: the new inception_a_pool_proj_W
+        rt.ew(ew_mul_sub, inception_a_pool_proj_W_new, T['inception_a_pool_proj_W'], lr, V_inception_a_pool_proj_W_new)
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
+        # d_conv1_max_pool_5 = conv2d_bwd_data[size=(14,14)](d_inception_a_5x5_reduce, inception_a_5x5_reduce_W)
+        d_conv1_max_pool_5 = mem.tensor(82, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_inception_a_5x5_reduce, T['inception_a_5x5_reduce_W'], out=d_conv1_max_pool_5, pad=0, size=(14, 14), stride=1)
+        # free d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
+        del d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
         mem.free(62)
-        # X179 = (X145 + X173 + X176 + X178)*Heaviside(X6, 0)
-        X179 = X176  # in place: over X176
-        rt.ew(ew12, X179, X176, X178, X173, X145, X6)
-        # free X6, X145, X173, X178
-        del X6, X145, X173, X178
+
+        # ---- conv1_relu (relu), backward ----
+        # d_conv1 = (d_conv1_max_pool_4 + d_conv1_max_pool_5 + d_conv1_max_pool_2 + d_conv1_max_pool)*Heaviside(conv1_max_pool, 0)
+        d_conv1 = d_conv1_max_pool_4  # in place: over d_conv1_max_pool_4
+        rt.ew(ew_add_step_mul, d_conv1, d_conv1_max_pool_4, d_conv1_max_pool_5, d_conv1_max_pool_2, d_conv1_max_pool, conv1_max_pool)
+        # free conv1_max_pool, d_conv1_max_pool, d_conv1_max_pool_2, d_conv1_max_pool_5
+        del conv1_max_pool, d_conv1_max_pool, d_conv1_max_pool_2, d_conv1_max_pool_5
         mem.free(6, 68, 79, 82)
-        # X180 = -X136*lr + inception_a_5x5_reduce_W
-        X180 = T['inception_a_5x5_reduce_W']  # in place: the new inception_a_5x5_reduce_W
-        rt.ew(ew7, X180, T['inception_a_5x5_reduce_W'], lr, X136)
-        # X181 = max_pool_bwd[kernel=2,size=(28,28),stride=2](X179, X5)
-        X181 = mem.tensor(83, (100, 32, 28, 28), 'float32')
-        rt.max_pool_bwd(X179, X5, out=X181, ceil=False, kernel=2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(627200))
-        # free X5, X179
-        del X5, X176, X179
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
+        # inception_a_5x5_reduce_W_new = inception_a_5x5_reduce_W - lr*V_inception_a_5x5_reduce_W_new
+        inception_a_5x5_reduce_W_new = T['inception_a_5x5_reduce_W']  # in place: the new inception_a_5x5_reduce_W
+        rt.ew(ew_mul_sub, inception_a_5x5_reduce_W_new, T['inception_a_5x5_reduce_W'], lr, V_inception_a_5x5_reduce_W_new)
+
+        # ---- conv1_relu (relu), backward ----
+        # d_conv1_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(28,28),stride=2](d_conv1, conv1_max_pool_argmax)
+        d_conv1_relu_max_pool_bwd = mem.tensor(83, (100, 32, 28, 28), 'float32')
+        rt.max_pool_bwd(d_conv1, conv1_max_pool_argmax, out=d_conv1_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(627200))
+        # free conv1_max_pool_argmax, d_conv1_max_pool_4, d_conv1
+        del conv1_max_pool_argmax, d_conv1_max_pool_4, d_conv1
         mem.free(5, 81)
-        # X182 = conv2d_bwd_filter[kernel=(3,3),pad=1](X181, x)
-        X182 = mem.tensor(84, (32, 1, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X181, x, out=X182, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(13217600))
+
+        # ---- conv1 (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1_relu_max_pool_bwd, x)
+        d_conv1_W = mem.tensor(84, (32, 1, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv1_relu_max_pool_bwd, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(13217600))
         # free x
         del x
         mem.free(0)
-        # X183 = sum_to[1x32x1x1](X181)
-        X183 = mem.tensor(85, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X181, out=X183, shape=(1, 32, 1, 1))
-        # free X181
-        del X181
+        # d_conv1_sum_to = sum_to[1x32x1x1](d_conv1_relu_max_pool_bwd)
+        d_conv1_sum_to = mem.tensor(85, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_conv1_relu_max_pool_bwd, out=d_conv1_sum_to, shape=(1, 32, 1, 1))
+        # free d_conv1_relu_max_pool_bwd
+        del d_conv1_relu_max_pool_bwd
         mem.free(83)
-        # X184 = V_conv1_W*momentum + X182 + conv1_W*decay
-        X184 = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew5, X184, T['V_conv1_W'], momentum, X182, decay, T['conv1_W'])
-        # free X182
-        del X182
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
+        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # free d_conv1_W
+        del d_conv1_W
         mem.free(84)
-        # X185 = -X184*lr + conv1_W
-        X185 = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew7, X185, T['conv1_W'], lr, X184)
-        # X186 = reshape[32](X183)
-        X186 = rt.reshape(X183, shape=(32,))
-        # X187 = V_conv1_B*momentum + X186
-        X187 = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew9, X187, T['V_conv1_B'], momentum, X186)
-        # free X183, X186
-        del X183, X186
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
+        # d_conv1_B = reshape[32](d_conv1_sum_to)
+        d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(32,))
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B
+        V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
+        rt.ew(ew_mul_add_2, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B)
+        # free d_conv1_sum_to, d_conv1_B
+        del d_conv1_sum_to, d_conv1_B
         mem.free(85)
-        # X188 = -2*X187*lr + conv1_B
-        X188 = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew10, X188, T['conv1_B'], lr, X187)
-        loss = rt.scalar(X50)
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew(ew_mul_sub_2, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
+        loss = rt.scalar(classifier_cross_entropy)
         mem.end()
         return loss
 
@@ -1040,251 +1124,454 @@ class InceptionMini(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d[pad=1](x, conv1_W, conv1_B)
-        X1 = mem.tensor(2, (100, 32, 28, 28), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X1, pad=1, stride=1, workspace=mem.workspace(3182400))
+
+        # ---- conv1 (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(2, (100, 32, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
         # free x
         del x
         mem.free(0)
-        # X2 = Max(0, X1)
-        X2 = X1  # in place: over X1
-        rt.ew(ew1, X2, X1)
-        # X3 = max_pool[kernel=2,stride=2](X2)
-        X3 = mem.tensor(3, (100, 32, 14, 14), 'float32', over=2)
-        rt.max_pool(X2, out=X3, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(25088))
-        # free X2
-        del X1, X2
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_max_pool = max_pool[kernel=2,stride=2](conv1_relu)
+        conv1_max_pool = mem.tensor(3, (100, 32, 14, 14), 'float32', over=2)
+        rt.max_pool(conv1_relu, out=conv1_max_pool, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(25088))
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
         mem.free(2)
-        # X4 = conv2d(X3, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
-        X4 = mem.tensor(4, (100, 4, 14, 14), 'float32')
-        rt.conv2d(X3, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=X4, pad=0, stride=1)
-        # X5 = Max(0, X4)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4)
-        # X6 = conv2d[pad=2](X5, inception_a_5x5_W, inception_a_5x5_B)
-        X6 = mem.tensor(5, (100, 8, 14, 14), 'float32')
-        rt.conv2d(X5, T['inception_a_5x5_W'], T['inception_a_5x5_B'], out=X6, pad=2, stride=1, workspace=mem.workspace(8358400))
-        # free X5
-        del X4, X5
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
+        # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
+        inception_a_5x5_reduce = mem.tensor(4, (100, 4, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_a_5x5_reduce_relu (relu), forward ----
+        # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
+        inception_a_5x5_reduce_relu = inception_a_5x5_reduce  # in place: over inception_a_5x5_reduce
+        rt.ew(ew_relu, inception_a_5x5_reduce_relu, inception_a_5x5_reduce)
+
+        # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), forward ----
+        # inception_a_5x5 = conv2d[pad=2](inception_a_5x5_reduce_relu, inception_a_5x5_W, inception_a_5x5_B)
+        inception_a_5x5 = mem.tensor(5, (100, 8, 14, 14), 'float32')
+        rt.conv2d(inception_a_5x5_reduce_relu, T['inception_a_5x5_W'], T['inception_a_5x5_B'], out=inception_a_5x5, pad=2, stride=1, workspace=mem.workspace(8358400))
+        # free inception_a_5x5_reduce, inception_a_5x5_reduce_relu
+        del inception_a_5x5_reduce, inception_a_5x5_reduce_relu
         mem.free(4)
-        # X7 = Max(0, X6)
-        X7 = X6  # in place: over X6
-        rt.ew(ew1, X7, X6)
-        # X8 = conv2d(X3, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
-        X8 = mem.tensor(6, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X3, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=X8, pad=0, stride=1)
-        # X9 = Max(0, X8)
-        X9 = X8  # in place: over X8
-        rt.ew(ew1, X9, X8)
-        # X10 = conv2d[pad=1](X9, inception_a_3x3_W, inception_a_3x3_B)
-        X10 = mem.tensor(7, (100, 24, 14, 14), 'float32')
-        rt.conv2d(X9, T['inception_a_3x3_W'], T['inception_a_3x3_B'], out=X10, pad=1, stride=1, workspace=mem.workspace(12928000))
-        # free X9
-        del X8, X9
+
+        # ---- inception_a_5x5_relu (relu), forward ----
+        # inception_a_5x5_relu = Max(0, inception_a_5x5)
+        inception_a_5x5_relu = inception_a_5x5  # in place: over inception_a_5x5
+        rt.ew(ew_relu, inception_a_5x5_relu, inception_a_5x5)
+
+        # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
+        inception_a_3x3_reduce = mem.tensor(6, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
+
+        # ---- inception_a_3x3_reduce_relu (relu), forward ----
+        # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
+        inception_a_3x3_reduce_relu = inception_a_3x3_reduce  # in place: over inception_a_3x3_reduce
+        rt.ew(ew_relu, inception_a_3x3_reduce_relu, inception_a_3x3_reduce)
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), forward ----
+        # inception_a_3x3 = conv2d[pad=1](inception_a_3x3_reduce_relu, inception_a_3x3_W, inception_a_3x3_B)
+        inception_a_3x3 = mem.tensor(7, (100, 24, 14, 14), 'float32')
+        rt.conv2d(inception_a_3x3_reduce_relu, T['inception_a_3x3_W'], T['inception_a_3x3_B'], out=inception_a_3x3, pad=1, stride=1, workspace=mem.workspace(12928000))
+        # free inception_a_3x3_reduce, inception_a_3x3_reduce_relu
+        del inception_a_3x3_reduce, inception_a_3x3_reduce_relu
         mem.free(6)
-        # X11 = Max(0, X10)
-        X11 = X10  # in place: over X10
-        rt.ew(ew1, X11, X10)
-        # X12 = conv2d(X3, inception_a_1x1_W, inception_a_1x1_B)
-        X12 = mem.tensor(8, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X3, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=X12, pad=0, stride=1)
-        # X13 = max_pool[kernel=3,pad=1,stride=1](X3)
-        X13 = mem.tensor(9, (100, 32, 14, 14), 'float32')
-        rt.max_pool(X3, out=X13, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
-        # free X3
-        del X3
+
+        # ---- inception_a_3x3_relu (relu), forward ----
+        # inception_a_3x3_relu = Max(0, inception_a_3x3)
+        inception_a_3x3_relu = inception_a_3x3  # in place: over inception_a_3x3
+        rt.ew(ew_relu, inception_a_3x3_relu, inception_a_3x3)
+
+        # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
+        inception_a_1x1 = mem.tensor(8, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
+        conv1_max_pool_2 = mem.tensor(9, (100, 32, 14, 14), 'float32')
+        rt.max_pool(conv1_max_pool, out=conv1_max_pool_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
+        # free conv1_max_pool
+        del conv1_max_pool
         mem.free(3)
-        # X14 = conv2d(X13, inception_a_pool_proj_W, inception_a_pool_proj_B)
-        X14 = mem.tensor(10, (100, 16, 14, 14), 'float32')
-        rt.conv2d(X13, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=X14, pad=0, stride=1)
-        # free X13
-        del X13
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
+        inception_a_pool_proj = mem.tensor(10, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
+        # free conv1_max_pool_2
+        del conv1_max_pool_2
         mem.free(9)
-        # X15 = Max(0, X14)
-        X15 = X14  # in place: over X14
-        rt.ew(ew1, X15, X14)
-        # X16 = Max(0, X12)
-        X16 = X12  # in place: over X12
-        rt.ew(ew1, X16, X12)
-        # X17 = concat[axis=1](X16, X11, X7, X15)
-        X17 = mem.tensor(11, (100, 64, 14, 14), 'float32')
-        rt.concat(X16, X11, X7, X15, out=X17, axis=1)
-        # free X7, X11, X16, X15
-        del X6, X7, X10, X11, X12, X16, X14, X15
+
+        # ---- inception_a_pool_proj_relu (relu), forward ----
+        # inception_a_pool_proj_relu = Max(0, inception_a_pool_proj)
+        inception_a_pool_proj_relu = inception_a_pool_proj  # in place: over inception_a_pool_proj
+        rt.ew(ew_relu, inception_a_pool_proj_relu, inception_a_pool_proj)
+
+        # ---- inception_a_1x1_relu (relu), forward ----
+        # inception_a_1x1_relu = Max(0, inception_a_1x1)
+        inception_a_1x1_relu = inception_a_1x1  # in place: over inception_a_1x1
+        rt.ew(ew_relu, inception_a_1x1_relu, inception_a_1x1)
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_a_1x1_concat = concat[axis=1](inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu)
+        inception_a_1x1_concat = mem.tensor(11, (100, 64, 14, 14), 'float32')
+        rt.concat(inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu, out=inception_a_1x1_concat, axis=1)
+        # free inception_a_5x5, inception_a_5x5_relu, inception_a_3x3, inception_a_3x3_relu, inception_a_1x1, inception_a_1x1_relu, inception_a_pool_proj, inception_a_pool_proj_relu
+        del inception_a_5x5, inception_a_5x5_relu, inception_a_3x3, inception_a_3x3_relu, inception_a_1x1, inception_a_1x1_relu, inception_a_pool_proj, inception_a_pool_proj_relu
         mem.free(5, 7, 8, 10)
-        # X18 = max_pool[kernel=2,stride=2](X17)
-        X18 = mem.tensor(12, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X17, out=X18, ceil=False, kernel=2, pad=0, stride=2)
-        # free X17
-        del X17
+
+        # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # inception_a_1x1_max_pool = max_pool[kernel=2,stride=2](inception_a_1x1_concat)
+        inception_a_1x1_max_pool = mem.tensor(12, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_concat, out=inception_a_1x1_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free inception_a_1x1_concat
+        del inception_a_1x1_concat
         mem.free(11)
-        # X19 = conv2d(X18, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
-        X19 = mem.tensor(13, (100, 8, 7, 7), 'float32')
-        rt.conv2d(X18, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=X19, pad=0, stride=1)
-        # X20 = Max(0, X19)
-        X20 = X19  # in place: over X19
-        rt.ew(ew1, X20, X19)
-        # X21 = conv2d[pad=2](X20, inception_b_5x5_W, inception_b_5x5_B)
-        X21 = mem.tensor(14, (100, 16, 7, 7), 'float32')
-        rt.conv2d(X20, T['inception_b_5x5_W'], T['inception_b_5x5_B'], out=X21, pad=2, stride=1, workspace=mem.workspace(4307200))
-        # free X20
-        del X19, X20
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
+        # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
+        inception_b_5x5_reduce = mem.tensor(13, (100, 8, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_b_5x5_reduce_relu (relu), forward ----
+        # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
+        inception_b_5x5_reduce_relu = inception_b_5x5_reduce  # in place: over inception_b_5x5_reduce
+        rt.ew(ew_relu, inception_b_5x5_reduce_relu, inception_b_5x5_reduce)
+
+        # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), forward ----
+        # inception_b_5x5 = conv2d[pad=2](inception_b_5x5_reduce_relu, inception_b_5x5_W, inception_b_5x5_B)
+        inception_b_5x5 = mem.tensor(14, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_b_5x5_reduce_relu, T['inception_b_5x5_W'], T['inception_b_5x5_B'], out=inception_b_5x5, pad=2, stride=1, workspace=mem.workspace(4307200))
+        # free inception_b_5x5_reduce, inception_b_5x5_reduce_relu
+        del inception_b_5x5_reduce, inception_b_5x5_reduce_relu
         mem.free(13)
-        # X22 = Max(0, X21)
-        X22 = X21  # in place: over X21
-        rt.ew(ew1, X22, X21)
-        # X23 = conv2d(X18, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
-        X23 = mem.tensor(15, (100, 32, 7, 7), 'float32')
-        rt.conv2d(X18, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=X23, pad=0, stride=1)
-        # X24 = Max(0, X23)
-        X24 = X23  # in place: over X23
-        rt.ew(ew1, X24, X23)
-        # X25 = conv2d[pad=1](X24, inception_b_3x3_W, inception_b_3x3_B)
-        X25 = mem.tensor(16, (100, 48, 7, 7), 'float32')
-        rt.conv2d(X24, T['inception_b_3x3_W'], T['inception_b_3x3_B'], out=X25, pad=1, stride=1, workspace=mem.workspace(6681600))
-        # free X24
-        del X23, X24
+
+        # ---- inception_b_5x5_relu (relu), forward ----
+        # inception_b_5x5_relu = Max(0, inception_b_5x5)
+        inception_b_5x5_relu = inception_b_5x5  # in place: over inception_b_5x5
+        rt.ew(ew_relu, inception_b_5x5_relu, inception_b_5x5)
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
+        inception_b_3x3_reduce = mem.tensor(15, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
+
+        # ---- inception_b_3x3_reduce_relu (relu), forward ----
+        # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
+        inception_b_3x3_reduce_relu = inception_b_3x3_reduce  # in place: over inception_b_3x3_reduce
+        rt.ew(ew_relu, inception_b_3x3_reduce_relu, inception_b_3x3_reduce)
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), forward ----
+        # inception_b_3x3 = conv2d[pad=1](inception_b_3x3_reduce_relu, inception_b_3x3_W, inception_b_3x3_B)
+        inception_b_3x3 = mem.tensor(16, (100, 48, 7, 7), 'float32')
+        rt.conv2d(inception_b_3x3_reduce_relu, T['inception_b_3x3_W'], T['inception_b_3x3_B'], out=inception_b_3x3, pad=1, stride=1, workspace=mem.workspace(6681600))
+        # free inception_b_3x3_reduce, inception_b_3x3_reduce_relu
+        del inception_b_3x3_reduce, inception_b_3x3_reduce_relu
         mem.free(15)
-        # X26 = Max(0, X25)
-        X26 = X25  # in place: over X25
-        rt.ew(ew1, X26, X25)
-        # X27 = conv2d(X18, inception_b_1x1_W, inception_b_1x1_B)
-        X27 = mem.tensor(17, (100, 32, 7, 7), 'float32')
-        rt.conv2d(X18, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=X27, pad=0, stride=1)
-        # X28 = max_pool[kernel=3,pad=1,stride=1](X18)
-        X28 = mem.tensor(18, (100, 64, 7, 7), 'float32')
-        rt.max_pool(X18, out=X28, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
-        # free X18
-        del X18
+
+        # ---- inception_b_3x3_relu (relu), forward ----
+        # inception_b_3x3_relu = Max(0, inception_b_3x3)
+        inception_b_3x3_relu = inception_b_3x3  # in place: over inception_b_3x3
+        rt.ew(ew_relu, inception_b_3x3_relu, inception_b_3x3)
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
+        inception_b_1x1 = mem.tensor(17, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
+
+        # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
+        inception_a_1x1_max_pool_2 = mem.tensor(18, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_max_pool, out=inception_a_1x1_max_pool_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
+        # free inception_a_1x1_max_pool
+        del inception_a_1x1_max_pool
         mem.free(12)
-        # X29 = conv2d(X28, inception_b_pool_proj_W, inception_b_pool_proj_B)
-        X29 = mem.tensor(19, (100, 16, 7, 7), 'float32')
-        rt.conv2d(X28, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=X29, pad=0, stride=1)
-        # free X28
-        del X28
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
+        inception_b_pool_proj = mem.tensor(19, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
+        # free inception_a_1x1_max_pool_2
+        del inception_a_1x1_max_pool_2
         mem.free(18)
-        # X30 = Max(0, X29)
-        X30 = X29  # in place: over X29
-        rt.ew(ew1, X30, X29)
-        # X31 = Max(0, X27)
-        X31 = X27  # in place: over X27
-        rt.ew(ew1, X31, X27)
-        # X32 = concat[axis=1](X31, X26, X22, X30)
-        X32 = mem.tensor(20, (100, 112, 7, 7), 'float32')
-        rt.concat(X31, X26, X22, X30, out=X32, axis=1)
-        # free X22, X26, X31, X30
-        del X21, X22, X25, X26, X27, X31, X29, X30
+
+        # ---- inception_b_pool_proj_relu (relu), forward ----
+        # inception_b_pool_proj_relu = Max(0, inception_b_pool_proj)
+        inception_b_pool_proj_relu = inception_b_pool_proj  # in place: over inception_b_pool_proj
+        rt.ew(ew_relu, inception_b_pool_proj_relu, inception_b_pool_proj)
+
+        # ---- inception_b_1x1_relu (relu), forward ----
+        # inception_b_1x1_relu = Max(0, inception_b_1x1)
+        inception_b_1x1_relu = inception_b_1x1  # in place: over inception_b_1x1
+        rt.ew(ew_relu, inception_b_1x1_relu, inception_b_1x1)
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_b_1x1_concat = concat[axis=1](inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu)
+        inception_b_1x1_concat = mem.tensor(20, (100, 112, 7, 7), 'float32')
+        rt.concat(inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu, out=inception_b_1x1_concat, axis=1)
+        # free inception_b_5x5, inception_b_5x5_relu, inception_b_3x3, inception_b_3x3_relu, inception_b_1x1, inception_b_1x1_relu, inception_b_pool_proj, inception_b_pool_proj_relu
+        del inception_b_5x5, inception_b_5x5_relu, inception_b_3x3, inception_b_3x3_relu, inception_b_1x1, inception_b_1x1_relu, inception_b_pool_proj, inception_b_pool_proj_relu
         mem.free(14, 16, 17, 19)
-        # X33 = avg_pool[kernel=7,stride=7](X32)
-        X33 = mem.tensor(21, (100, 112, 1, 1), 'float32')
-        rt.avg_pool(X32, out=X33, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
-        # free X32
-        del X32
+
+        # ---- inception_b_1x1_avg_pool (average pooling), forward ----
+        # inception_b_1x1_avg_pool = avg_pool[kernel=7,stride=7](inception_b_1x1_concat)
+        inception_b_1x1_avg_pool = mem.tensor(21, (100, 112, 1, 1), 'float32')
+        rt.avg_pool(inception_b_1x1_concat, out=inception_b_1x1_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free inception_b_1x1_concat
+        del inception_b_1x1_concat
         mem.free(20)
-        # X34 = reshape[100x112](X33)
-        X34 = rt.reshape(X33, shape=(100, 112))
-        # X35 = matmul[tb](X34, classifier_W)
-        X35 = mem.tensor(22, (100, 10), 'float32')
-        rt.matmul(X34, T['classifier_W'], out=X35, tb=True)
-        # free X33, X34
-        del X33, X34
+
+        # ---- inception_b_1x1_flatten (flatten), forward ----
+        # inception_b_1x1_flatten = reshape[100x112](inception_b_1x1_avg_pool)
+        inception_b_1x1_flatten = rt.reshape(inception_b_1x1_avg_pool, shape=(100, 112))
+
+        # ---- classifier (fully connected, 10 outputs), forward ----
+        # classifier_matmul = matmul[tb](inception_b_1x1_flatten, classifier_W)
+        classifier_matmul = mem.tensor(22, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], out=classifier_matmul, tb=True)
+        # free inception_b_1x1_avg_pool, inception_b_1x1_flatten
+        del inception_b_1x1_avg_pool, inception_b_1x1_flatten
         mem.free(21)
-        # X36 = X35 + classifier_B
-        X36 = X35  # in place: over X35
-        rt.ew(ew3, X36, X35, T['classifier_B'])
-        # X37 = precision(X36, y)
-        X37 = mem.tensor(23, (), 'float32')
-        rt.precision(X36, y, out=X37)
-        # X38 = log_softmax(X36)
-        X38 = X36  # in place: over X36
-        rt.log_softmax(X36, out=X38, workspace=mem.workspace(4000))
-        # X39 = pick(X38, y)
-        X39 = mem.tensor(24, (100,), 'float32')
-        rt.pick(X38, y, out=X39)
-        # free y, X38
-        del y, X35, X36, X38
+        # classifier = classifier_matmul + classifier_B
+        classifier = classifier_matmul  # in place: over classifier_matmul
+        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
+
+        # ---- classifier_precision (precision), forward ----
+        # classifier_precision = precision(classifier, y)
+        classifier_precision = mem.tensor(23, (), 'float32')
+        rt.precision(classifier, y, out=classifier_precision)
+
+        # ---- classifier_cross_entropy (cross_entropy), forward ----
+        # classifier_cross_entropy_log_softmax = log_softmax(classifier)
+        classifier_cross_entropy_log_softmax = classifier  # in place: over classifier
+        rt.log_softmax(classifier, out=classifier_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # classifier_cross_entropy_pick = pick(classifier_cross_entropy_log_softmax, y)
+        classifier_cross_entropy_pick = mem.tensor(24, (100,), 'float32')
+        rt.pick(classifier_cross_entropy_log_softmax, y, out=classifier_cross_entropy_pick)
+        # free y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
+        del y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
         mem.free(1, 22)
-        # X40 = sum_to[scalar](X39)
-        X40 = mem.tensor(25, (), 'float32')
-        rt.sum_to(X39, out=X40, shape=())
-        # free X39
-        del X39
+        # classifier_cross_entropy_sum_to = sum_to[scalar](classifier_cross_entropy_pick)
+        classifier_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
+        rt.sum_to(classifier_cross_entropy_pick, out=classifier_cross_entropy_sum_to, shape=())
+        # free classifier_cross_entropy_pick
+        del classifier_cross_entropy_pick
         mem.free(24)
-        # X41 = -X40/100
-        X41 = X40  # in place: over X40
-        rt.ew(ew6, X41, X40)
-        accuracy = rt.scalar(X37)
-        loss = rt.scalar(X41)
+        # classifier_cross_entropy = -classifier_cross_entropy_sum_to/100
+        classifier_cross_entropy = classifier_cross_entropy_sum_to  # in place: over classifier_cross_entropy_sum_to
+        rt.ew(ew_scale, classifier_cross_entropy, classifier_cross_entropy_sum_to)
+        accuracy = rt.scalar(classifier_precision)
+        loss = rt.scalar(classifier_cross_entropy)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
+            buffers=(
+                (0, 400),  # 0: const 100 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=19443712, peak_bytes=19443456, workspace_bytes=16704000, pool_bytes=22281472,
+            buffers=(
+                (18816000, 313600),  # 0: x 100x1x28x28 float32
+                (19144960, 400),  # 1: y 100 int32
+                (19140864, 4000),  # 2: d_classifier_cross_entropy_log_softmax 100x10 float32
+                (19129600, 11200),  # 3: inception_b_1x1_dropout_mask 100x112 uint8
+                (0, 10035200),  # 4: conv1 100x32x28x28 float32
+                (17561600, 627200),  # 5: conv1_max_pool_argmax 100x32x14x14 uint8
+                (12544000, 2508800),  # 6: conv1_max_pool 100x32x14x14 float32
+                (11289600, 313600),  # 7: inception_a_5x5_reduce 100x4x14x14 float32
+                (7526400, 627200),  # 8: inception_a_5x5 100x8x14x14 float32
+                (18188800, 627200),  # 9: conv1_max_pool_argmax_2 100x32x14x14 uint8
+                (0, 2508800),  # 10: conv1_max_pool_2 100x32x14x14 float32
+                (16307200, 1254400),  # 11: inception_a_pool_proj 100x16x14x14 float32
+                (15052800, 1254400),  # 12: inception_a_3x3_reduce 100x16x14x14 float32
+                (5017600, 1254400),  # 13: inception_a_1x1 100x16x14x14 float32
+                (9408000, 1881600),  # 14: inception_a_3x3 100x24x14x14 float32
+                (0, 5017600),  # 15: inception_a_1x1_concat 100x64x14x14 float32
+                (11603200, 313600),  # 16: inception_a_1x1_max_pool_argmax 100x64x7x7 uint8
+                (6272000, 1254400),  # 17: inception_a_1x1_max_pool 100x64x7x7 float32
+                (19286528, 156800),  # 18: inception_b_5x5_reduce 100x8x7x7 float32
+                (12230400, 313600),  # 19: inception_b_5x5 100x16x7x7 float32
+                (11916800, 313600),  # 20: inception_a_1x1_max_pool_argmax_2 100x64x7x7 uint8
+                (2195200, 1254400),  # 21: inception_a_1x1_max_pool_2 100x64x7x7 float32
+                (4390400, 313600),  # 22: inception_b_pool_proj 100x16x7x7 float32
+                (8153600, 627200),  # 23: inception_b_3x3_reduce 100x32x7x7 float32
+                (8780800, 627200),  # 24: inception_b_1x1 100x32x7x7 float32
+                (3449600, 940800),  # 25: inception_b_3x3 100x48x7x7 float32
+                (0, 2195200),  # 26: inception_b_1x1_concat 100x112x7x7 float32
+                (4704000, 44800),  # 27: inception_b_1x1_avg_pool 100x112x1x1 float32
+                (0, 4000),  # 28: classifier_matmul 100x10 float32
+                (4608, 400),  # 29: classifier_cross_entropy_pick 100 float32
+                (0, 4480),  # 30: d_classifier_W 10x112 float32
+                (19443456, 4),  # 31: classifier_cross_entropy_sum_to scalar float32
+                (0, 40),  # 32: d_classifier_B 10 float32
+                (4704000, 44800),  # 33: d_inception_b_1x1_dropout 100x112 float32
+                (0, 2195200),  # 34: d_inception_b_1x1_concat 100x112x7x7 float32
+                (4704000, 313600),  # 35: d_inception_b_5x5_relu 100x16x7x7 float32
+                (12230400, 64),  # 36: d_inception_b_5x5_sum_to 1x16x1x1 float32
+                (12230400, 12800),  # 37: d_inception_b_5x5_W 16x8x5x5 float32
+                (19129600, 156800),  # 38: d_inception_b_5x5_reduce_relu 100x8x7x7 float32
+                (4704000, 32),  # 39: d_inception_b_5x5_reduce_sum_to 1x8x1x1 float32
+                (4704000, 2048),  # 40: d_inception_b_5x5_reduce_W 8x64x1x1 float32
+                (12230400, 313600),  # 41: d_inception_b_pool_proj_relu 100x16x7x7 float32
+                (4390400, 4096),  # 42: d_inception_b_pool_proj_W 16x64x1x1 float32
+                (2195200, 64),  # 43: d_inception_b_pool_proj_sum_to 1x16x1x1 float32
+                (4390400, 627200),  # 44: d_inception_b_1x1_relu 100x32x7x7 float32
+                (2195200, 940800),  # 45: d_inception_b_3x3_relu 100x48x7x7 float32
+                (0, 128),  # 46: d_inception_b_1x1_sum_to 1x32x1x1 float32
+                (0, 192),  # 47: d_inception_b_3x3_sum_to 1x48x1x1 float32
+                (0, 8192),  # 48: d_inception_b_1x1_W 32x64x1x1 float32
+                (0, 55296),  # 49: d_inception_b_3x3_W 48x32x3x3 float32
+                (3136000, 627200),  # 50: d_inception_b_3x3_reduce_relu 100x32x7x7 float32
+                (55296, 8192),  # 51: d_inception_b_3x3_reduce_W 32x64x1x1 float32
+                (0, 128),  # 52: d_inception_b_3x3_reduce_sum_to 1x32x1x1 float32
+                (0, 1254400),  # 53: d_inception_a_1x1_max_pool 100x64x7x7 float32
+                (1254400, 1254400),  # 54: d_inception_a_1x1_max_pool_2 100x64x7x7 float32
+                (2508800, 1254400),  # 55: d_inception_a_1x1_max_pool_3 100x64x7x7 float32
+                (6272000, 1254400),  # 56: d_inception_a_1x1_max_pool_4 100x64x7x7 float32
+                (2508800, 1254400),  # 57: d_inception_a_1x1_max_pool_5 100x64x7x7 float32
+                (0, 5017600),  # 58: d_inception_a_1x1_concat 100x64x14x14 float32
+                (6272000, 627200),  # 59: d_inception_a_5x5_relu 100x8x14x14 float32
+                (6899200, 32),  # 60: d_inception_a_5x5_sum_to 1x8x1x1 float32
+                (6899200, 3200),  # 61: d_inception_a_5x5_W 8x4x5x5 float32
+                (19129600, 313600),  # 62: d_inception_a_5x5_reduce_relu 100x4x14x14 float32
+                (6272000, 16),  # 63: d_inception_a_5x5_reduce_sum_to 1x4x1x1 float32
+                (6272000, 512),  # 64: d_inception_a_5x5_reduce_W 4x32x1x1 float32
+                (7526400, 1254400),  # 65: d_inception_a_1x1_relu 100x16x14x14 float32
+                (5017600, 64),  # 66: d_inception_a_1x1_sum_to 1x16x1x1 float32
+                (5017600, 2048),  # 67: d_inception_a_1x1_W 16x32x1x1 float32
+                (5017600, 2508800),  # 68: d_conv1_max_pool 100x32x14x14 float32
+                (11289600, 1254400),  # 69: d_inception_a_pool_proj_relu 100x16x14x14 float32
+                (7526400, 1881600),  # 70: d_inception_a_3x3_relu 100x24x14x14 float32
+                (0, 2508800),  # 71: conv1_max_pool_3 100x32x14x14 float32
+                (2508800, 2048),  # 72: d_inception_a_pool_proj_W 16x32x1x1 float32
+                (0, 96),  # 73: d_inception_a_3x3_sum_to 1x24x1x1 float32
+                (0, 64),  # 74: d_inception_a_pool_proj_sum_to 1x16x1x1 float32
+                (0, 13824),  # 75: d_inception_a_3x3_W 24x16x3x3 float32
+                (2508800, 1254400),  # 76: d_inception_a_3x3_reduce_relu 100x16x14x14 float32
+                (0, 64),  # 77: d_inception_a_3x3_reduce_sum_to 1x16x1x1 float32
+                (0, 2048),  # 78: d_inception_a_3x3_reduce_W 16x32x1x1 float32
+                (0, 2508800),  # 79: d_conv1_max_pool_2 100x32x14x14 float32
+                (2508800, 2508800),  # 80: d_conv1_max_pool_3 100x32x14x14 float32
+                (10035200, 2508800),  # 81: d_conv1_max_pool_4 100x32x14x14 float32
+                (2508800, 2508800),  # 82: d_conv1_max_pool_5 100x32x14x14 float32
+                (0, 10035200),  # 83: d_conv1_relu_max_pool_bwd 100x32x28x28 float32
+                (10035200, 1152),  # 84: d_conv1_W 32x1x3x3 float32
+                (10036480, 128),  # 85: d_conv1_sum_to 1x32x1x1 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=10349312, peak_bytes=10349312, workspace_bytes=12928000, pool_bytes=12858112, pool_peak_bytes=12544512,
+            buffers=(
+                (10035200, 313600),  # 0: x 100x1x28x28 float32
+                (10348800, 400),  # 1: y 100 int32
+                (0, 10035200),  # 2: conv1 100x32x28x28 float32
+                (0, 2508800),  # 3: conv1_max_pool 100x32x14x14 float32
+                (2508800, 313600),  # 4: inception_a_5x5_reduce 100x4x14x14 float32
+                (9408000, 627200),  # 5: inception_a_5x5 100x8x14x14 float32
+                (2508800, 1254400),  # 6: inception_a_3x3_reduce 100x16x14x14 float32
+                (5017600, 1881600),  # 7: inception_a_3x3 100x24x14x14 float32
+                (6899200, 1254400),  # 8: inception_a_1x1 100x16x14x14 float32
+                (2508800, 2508800),  # 9: conv1_max_pool_2 100x32x14x14 float32
+                (8153600, 1254400),  # 10: inception_a_pool_proj 100x16x14x14 float32
+                (0, 5017600),  # 11: inception_a_1x1_concat 100x64x14x14 float32
+                (5017600, 1254400),  # 12: inception_a_1x1_max_pool 100x64x7x7 float32
+                (0, 156800),  # 13: inception_b_5x5_reduce 100x8x7x7 float32
+                (3763200, 313600),  # 14: inception_b_5x5 100x16x7x7 float32
+                (0, 627200),  # 15: inception_b_3x3_reduce 100x32x7x7 float32
+                (2195200, 940800),  # 16: inception_b_3x3 100x48x7x7 float32
+                (3136000, 627200),  # 17: inception_b_1x1 100x32x7x7 float32
+                (0, 1254400),  # 18: inception_a_1x1_max_pool_2 100x64x7x7 float32
+                (4076800, 313600),  # 19: inception_b_pool_proj 100x16x7x7 float32
+                (0, 2195200),  # 20: inception_b_1x1_concat 100x112x7x7 float32
+                (2195200, 44800),  # 21: inception_b_1x1_avg_pool 100x112x1x1 float32
+                (0, 4000),  # 22: classifier_matmul 100x10 float32
+                (4608, 4),  # 23: classifier_precision scalar float32
+                (4096, 400),  # 24: classifier_cross_entropy_pick 100 float32
+                (0, 4),  # 25: classifier_cross_entropy_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0):
+def ew_relu(out, v0):
     """out = Max(0, v0)   (out may be v0)"""
     np.maximum(v0, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_mul(out, v0, v1):
     """out = 1.25*v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 1.25, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew4(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.01, out=out)
 
 
-def ew5(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew6(out, v0):
+def ew_scale(out, v0):
     """out = -v0/100   (out may be v0)"""
     np.multiply(v0, -0.01, out=out)
 
 
-def ew7(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 
 
-def ew8(out, v0, v1):
+def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 
 
-def ew9(out, v0, v1, v2):
+def ew_mul_add_2(out, v0, v1, v2):
     """out = v0*v1 + v2   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v2, out=out)
 
 
-def ew10(out, v0, v1, v2):
+def ew_mul_sub_2(out, v0, v1, v2):
     """out = v0 - 2*v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2 * 2, out=out)
 
 
-def ew11(out, v0, v1, v2, v3):
+def ew_add_2(out, v0, v1, v2, v3):
     """out = v0 + v1 + v2 + v3   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
     np.add(out, v3, out=out)
 
 
-def ew12(out, v0, v1, v2, v3, v4):
+def ew_add_step_mul(out, v0, v1, v2, v3, v4):
     """out = (v0 + v1 + v2 + v3)*Heaviside(v4, 0)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)

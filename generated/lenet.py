@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 500x1x28x28 float32 images, 500 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 26.05 MB of tensors planned for the training step (24.61 MB testing); static arena 26.05 MB, pool 49.09 MB, workspace 32.00 MB
-Structure hash: 46bbafb10e94ea72
+Structure hash: 421730c0d2125b7b
 
 Usage: python lenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class Lenet(rp.Model):
 
     name = "lenet"
     source = "networks/lenet.py"
-    structure_hash = "46bbafb10e94ea72"
+    structure_hash = "421730c0d2125b7b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (500, 1, 28, 28)
@@ -74,68 +76,13 @@ class Lenet(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=2048, peak_bytes=2048, workspace_bytes=0, pool_bytes=2048,
-            buffers=(
-                (0, 2000),  # 0: X1 500 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=26050304, peak_bytes=26050048, workspace_bytes=32000000, pool_bytes=49090048, pool_peak_bytes=31810048,
-            buffers=(
-                (23040000, 1568000),  # 0: x 500x1x28x28 float32
-                (26048000, 2000),  # 1: y 500 int32
-                (0, 23040000),  # 2: X1 500x20x24x24 float32
-                (24608000, 1440000),  # 3: X2 500x20x12x12 uint8
-                (0, 5760000),  # 4: X3 500x20x12x12 float32
-                (5760000, 6400000),  # 5: X4 500x50x8x8 float32
-                (13760000, 400000),  # 6: X5 500x50x4x4 uint8
-                (12160000, 1600000),  # 7: X6 500x50x4x4 float32
-                (7360000, 1000000),  # 8: X8 500x500 float32
-                (5760000, 20000),  # 9: X10 500x10 float32
-                (5780224, 2000),  # 10: X13 500 float32
-                (26050048, 4),  # 11: X14 scalar float32
-                (9360384, 20000),  # 12: X16 500x10 float32
-                (8360192, 1000000),  # 13: X18 500x500 float32
-                (5760000, 1600000),  # 14: X20 500x800 float32
-                (5760000, 20000),  # 15: X22 10x500 float32
-                (5760000, 40),  # 16: X25 10 float32
-                (12160000, 1600000),  # 17: X28 500x800 float32
-                (5760000, 2000),  # 18: X30 500 float32
-                (5760000, 6400000),  # 19: X34 500x50x8x8 float32
-                (12160000, 100000),  # 20: X35 50x20x5x5 float32
-                (0, 5760000),  # 21: X37 500x20x12x12 float32
-                (12160000, 200),  # 22: X39 1x50x1x1 float32
-                (0, 23040000),  # 23: X43 500x20x24x24 float32
-                (24608000, 2000),  # 24: X44 20x1x5x5 float32
-                (23040000, 80),  # 25: X47 1x20x1x1 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=24610048, peak_bytes=24610048, workspace_bytes=32000000, pool_bytes=30370048, pool_peak_bytes=28802048,
-            buffers=(
-                (23040000, 1568000),  # 0: x 500x1x28x28 float32
-                (24608000, 2000),  # 1: y 500 int32
-                (0, 23040000),  # 2: X1 500x20x24x24 float32
-                (0, 5760000),  # 3: X2 500x20x12x12 float32
-                (5760000, 6400000),  # 4: X3 500x50x8x8 float32
-                (0, 1600000),  # 5: X4 500x50x4x4 float32
-                (1600000, 1000000),  # 6: X6 500x500 float32
-                (0, 20000),  # 7: X8 500x10 float32
-                (22272, 4),  # 8: X10 scalar float32
-                (20224, 2000),  # 9: X12 500 float32
-                (0, 4),  # 10: X13 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.002)
-        X1 = mem.tensor(0, (500,), 'float32')
-        rt.const(out=X1, shape=(500,), value=-0.002)
-        T['H1'] = X1
+        # const = fill(-0.002)
+        const = mem.tensor(0, (500,), 'float32')
+        rt.const(out=const, shape=(500,), value=-0.002)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -143,220 +90,260 @@ class Lenet(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d(x, cv1_W, cv1_B)
-        X1 = mem.tensor(2, (500, 20, 24, 24), 'float32')
-        rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=X1, pad=0, stride=1, workspace=mem.workspace(28800000))
-        # X2 = max_pool_argmax[kernel=2,stride=2](X1)   (computed with the next statement)
-        X2 = mem.tensor(3, (500, 20, 12, 12), 'uint8')
-        # X3 = max_pool[kernel=2,stride=2](X1)
-        X3 = mem.tensor(4, (500, 20, 12, 12), 'float32', over=2)
-        rt.max_pool(X1, out=X3, argmax=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
-        # free X1
-        del X1
+
+        # ---- cv1 (conv 5x5, 20 channels, stride 1, padding 0), forward ----
+        # cv1 = conv2d(x, cv1_W, cv1_B)
+        cv1 = mem.tensor(2, (500, 20, 24, 24), 'float32')
+        rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=cv1, pad=0, stride=1, workspace=mem.workspace(28800000))
+
+        # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv1_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](cv1)   (computed with the next statement)
+        cv1_max_pool_argmax = mem.tensor(3, (500, 20, 12, 12), 'uint8')
+        # cv1_max_pool = max_pool[kernel=2,stride=2](cv1)
+        cv1_max_pool = mem.tensor(4, (500, 20, 12, 12), 'float32', over=2)
+        rt.max_pool(cv1, out=cv1_max_pool, argmax=cv1_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
+        # free cv1
+        del cv1
         mem.free(2)
-        # X4 = conv2d(X3, cv2_W, cv2_B)
-        X4 = mem.tensor(5, (500, 50, 8, 8), 'float32')
-        rt.conv2d(X3, T['cv2_W'], T['cv2_B'], out=X4, pad=0, stride=1, workspace=mem.workspace(32000000))
-        # X5 = max_pool_argmax[kernel=2,stride=2](X4)   (computed with the next statement)
-        X5 = mem.tensor(6, (500, 50, 4, 4), 'uint8')
-        # X6 = max_pool[kernel=2,stride=2](X4)
-        X6 = mem.tensor(7, (500, 50, 4, 4), 'float32')
-        rt.max_pool(X4, out=X6, argmax=X5, ceil=False, kernel=2, pad=0, stride=2)
-        # free X4
-        del X4
+
+        # ---- cv2 (conv 5x5, 50 channels, stride 1, padding 0), forward ----
+        # cv2 = conv2d(cv1_max_pool, cv2_W, cv2_B)
+        cv2 = mem.tensor(5, (500, 50, 8, 8), 'float32')
+        rt.conv2d(cv1_max_pool, T['cv2_W'], T['cv2_B'], out=cv2, pad=0, stride=1, workspace=mem.workspace(32000000))
+
+        # ---- cv2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv2_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](cv2)   (computed with the next statement)
+        cv2_max_pool_argmax = mem.tensor(6, (500, 50, 4, 4), 'uint8')
+        # cv2_max_pool = max_pool[kernel=2,stride=2](cv2)
+        cv2_max_pool = mem.tensor(7, (500, 50, 4, 4), 'float32')
+        rt.max_pool(cv2, out=cv2_max_pool, argmax=cv2_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free cv2
+        del cv2
         mem.free(5)
-        # X7 = reshape[500x800](X6)
-        X7 = rt.reshape(X6, shape=(500, 800))
-        # X8 = matmul[tb](X7, fc1_W)
-        X8 = mem.tensor(8, (500, 500), 'float32')
-        rt.matmul(X7, T['fc1_W'], out=X8, tb=True)
-        # X9 = Max(0, X8 + fc1_B)
-        X9 = X8  # in place: over X8
-        rt.ew(ew1, X9, X8, T['fc1_B'])
-        # X10 = matmul[tb](X9, fc2_W)
-        X10 = mem.tensor(9, (500, 10), 'float32')
-        rt.matmul(X9, T['fc2_W'], out=X10, tb=True)
-        # X11 = X10 + fc2_B
-        X11 = X10  # in place: over X10
-        rt.ew(ew2, X11, X10, T['fc2_B'])
-        # X12 = log_softmax(X11)
-        X12 = X11  # in place: over X11
-        rt.log_softmax(X11, out=X12, workspace=mem.workspace(20000))
-        # X13 = pick(X12, y)
-        X13 = mem.tensor(10, (500,), 'float32')
-        rt.pick(X12, y, out=X13)
-        # X14 = sum_to[scalar](X13)
-        X14 = mem.tensor(11, (), 'float32')
-        rt.sum_to(X13, out=X14, shape=())
-        # free X13
-        del X13
+
+        # ---- cv2_flatten (flatten), forward ----
+        # cv2_flatten = reshape[500x800](cv2_max_pool)
+        cv2_flatten = rt.reshape(cv2_max_pool, shape=(500, 800))
+
+        # ---- fc1 (fully connected, 500 outputs), forward ----
+        # fc1_matmul = matmul[tb](cv2_flatten, fc1_W)
+        fc1_matmul = mem.tensor(8, (500, 500), 'float32')
+        rt.matmul(cv2_flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 10 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(9, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # fc2 = fc2_matmul + fc2_B
+        fc2 = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
+
+        # ---- fc2_log_loss (log_loss), forward ----
+        # fc2_log_loss_log_softmax = log_softmax(fc2)
+        fc2_log_loss_log_softmax = fc2  # in place: over fc2
+        rt.log_softmax(fc2, out=fc2_log_loss_log_softmax, workspace=mem.workspace(20000))
+        # fc2_log_loss_pick = pick(fc2_log_loss_log_softmax, y)
+        fc2_log_loss_pick = mem.tensor(10, (500,), 'float32')
+        rt.pick(fc2_log_loss_log_softmax, y, out=fc2_log_loss_pick)
+        # fc2_log_loss_sum_to = sum_to[scalar](fc2_log_loss_pick)
+        fc2_log_loss_sum_to = mem.tensor(11, (), 'float32')
+        rt.sum_to(fc2_log_loss_pick, out=fc2_log_loss_sum_to, shape=())
+        # free fc2_log_loss_pick
+        del fc2_log_loss_pick
         mem.free(10)
-        # X15 = -X14/500
-        X15 = X14  # in place: over X14
-        rt.ew(ew3, X15, X14)
-        # X16 = unpick[classes=10](H1, y)
-        X16 = mem.tensor(12, (500, 10), 'float32')
-        rt.unpick(T['H1'], y, out=X16, classes=10)
+        # fc2_log_loss = -fc2_log_loss_sum_to/500
+        fc2_log_loss = fc2_log_loss_sum_to  # in place: over fc2_log_loss_sum_to
+        rt.ew(ew_scale, fc2_log_loss, fc2_log_loss_sum_to)
+
+        # ---- fc2_log_loss (log_loss), backward ----
+        # d_fc2_log_loss_log_softmax = unpick[classes=10](H1, y)
+        d_fc2_log_loss_log_softmax = mem.tensor(12, (500, 10), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc2_log_loss_log_softmax, classes=10)
         # free y
         del y
         mem.free(1)
-        # X17 = X16 + 0.002*exp(X12)
-        X17 = X16  # in place: over X16
-        rt.ew(ew4, X17, X16, X12)
-        # free X12
-        del X10, X11, X12
+        # d_fc2 = d_fc2_log_loss_log_softmax + 0.002*exp(fc2_log_loss_log_softmax)
+        d_fc2 = d_fc2_log_loss_log_softmax  # in place: over d_fc2_log_loss_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc2, d_fc2_log_loss_log_softmax, fc2_log_loss_log_softmax)
+        # free fc2_matmul, fc2, fc2_log_loss_log_softmax
+        del fc2_matmul, fc2, fc2_log_loss_log_softmax
         mem.free(9)
-        # X18 = matmul(X17, fc2_W)
-        X18 = mem.tensor(13, (500, 500), 'float32')
-        rt.matmul(X17, T['fc2_W'], out=X18)
-        # X19 = X18*Heaviside(X9, 0)
-        X19 = X18  # in place: over X18
-        rt.ew(ew5, X19, X18, X9)
-        # X20 = matmul[ta](X19, X7)
-        X20 = mem.tensor(14, (500, 800), 'float32')
-        rt.matmul(X19, X7, out=X20, ta=True)
-        # free X6, X7
-        del X6, X7
+
+        # ---- fc2 (fully connected, 10 outputs), backward ----
+        # d_fc1_relu = matmul(d_fc2, fc2_W)
+        d_fc1_relu = mem.tensor(13, (500, 500), 'float32')
+        rt.matmul(d_fc2, T['fc2_W'], out=d_fc1_relu)
+
+        # ---- fc1_relu (relu), backward ----
+        # d_fc1 = d_fc1_relu*Heaviside(fc1_relu, 0)
+        d_fc1 = d_fc1_relu  # in place: over d_fc1_relu
+        rt.ew(ew_step_mul, d_fc1, d_fc1_relu, fc1_relu)
+
+        # ---- fc1 (fully connected, 500 outputs), backward ----
+        # d_fc1_W = matmul[ta](d_fc1, cv2_flatten)
+        d_fc1_W = mem.tensor(14, (500, 800), 'float32')
+        rt.matmul(d_fc1, cv2_flatten, out=d_fc1_W, ta=True)
+        # free cv2_max_pool, cv2_flatten
+        del cv2_max_pool, cv2_flatten
         mem.free(7)
-        # X21 = V_fc1_W*momentum + X20 + decay*fc1_W
-        X21 = T['V_fc1_W']  # in place: the new V_fc1_W
-        rt.ew(ew6, X21, T['V_fc1_W'], momentum, X20, decay, T['fc1_W'])
-        # free X20
-        del X20
+        # V_fc1_W_new = V_fc1_W*momentum + d_fc1_W + decay*fc1_W
+        V_fc1_W_new = T['V_fc1_W']  # in place: the new V_fc1_W
+        rt.ew(ew_mul_add, V_fc1_W_new, T['V_fc1_W'], momentum, d_fc1_W, decay, T['fc1_W'])
+        # free d_fc1_W
+        del d_fc1_W
         mem.free(14)
-        # X22 = matmul[ta](X17, X9)
-        X22 = mem.tensor(15, (10, 500), 'float32')
-        rt.matmul(X17, X9, out=X22, ta=True)
-        # free X9
-        del X8, X9
+
+        # ---- fc2 (fully connected, 10 outputs), backward ----
+        # d_fc2_W = matmul[ta](d_fc2, fc1_relu)
+        d_fc2_W = mem.tensor(15, (10, 500), 'float32')
+        rt.matmul(d_fc2, fc1_relu, out=d_fc2_W, ta=True)
+        # free fc1_matmul, fc1_relu
+        del fc1_matmul, fc1_relu
         mem.free(8)
-        # X23 = V_fc2_W*momentum + X22 + decay*fc2_W
-        X23 = T['V_fc2_W']  # in place: the new V_fc2_W
-        rt.ew(ew6, X23, T['V_fc2_W'], momentum, X22, decay, T['fc2_W'])
-        # free X22
-        del X22
+        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W
+        V_fc2_W_new = T['V_fc2_W']  # in place: the new V_fc2_W
+        rt.ew(ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W'])
+        # free d_fc2_W
+        del d_fc2_W
         mem.free(15)
-        # X24 = -X23*lr + fc2_W
-        X24 = T['fc2_W']  # in place: the new fc2_W
-        rt.ew(ew7, X24, T['fc2_W'], lr, X23)
-        # X25 = sum_to[10](X17)
-        X25 = mem.tensor(16, (10,), 'float32')
-        rt.sum_to(X17, out=X25, shape=(10,))
-        # free X17
-        del X16, X17
+        # fc2_W_new = fc2_W - lr*V_fc2_W_new
+        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
+        rt.ew(ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new)
+        # d_fc2_B = sum_to[10](d_fc2)
+        d_fc2_B = mem.tensor(16, (10,), 'float32')
+        rt.sum_to(d_fc2, out=d_fc2_B, shape=(10,))
+        # free d_fc2_log_loss_log_softmax, d_fc2
+        del d_fc2_log_loss_log_softmax, d_fc2
         mem.free(12)
-        # X26 = V_fc2_B*momentum + X25 + decay*fc2_B
-        X26 = T['V_fc2_B']  # in place: the new V_fc2_B
-        rt.ew(ew6, X26, T['V_fc2_B'], momentum, X25, decay, T['fc2_B'])
-        # free X25
-        del X25
+        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B
+        V_fc2_B_new = T['V_fc2_B']  # in place: the new V_fc2_B
+        rt.ew(ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B'])
+        # free d_fc2_B
+        del d_fc2_B
         mem.free(16)
-        # X27 = -X26*lr + fc2_B
-        X27 = T['fc2_B']  # in place: the new fc2_B
-        rt.ew(ew7, X27, T['fc2_B'], lr, X26)
-        # X28 = matmul(X19, fc1_W)
-        X28 = mem.tensor(17, (500, 800), 'float32')
-        rt.matmul(X19, T['fc1_W'], out=X28)
-        # X29 = -X21*lr + fc1_W
-        X29 = T['fc1_W']  # in place: the new fc1_W
-        rt.ew(ew7, X29, T['fc1_W'], lr, X21)
-        # X30 = sum_to[500](X19)
-        X30 = mem.tensor(18, (500,), 'float32')
-        rt.sum_to(X19, out=X30, shape=(500,))
-        # free X19
-        del X18, X19
+        # fc2_B_new = fc2_B - lr*V_fc2_B_new
+        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
+        rt.ew(ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new)
+
+        # ---- fc1 (fully connected, 500 outputs), backward ----
+        # d_cv2_flatten = matmul(d_fc1, fc1_W)
+        d_cv2_flatten = mem.tensor(17, (500, 800), 'float32')
+        rt.matmul(d_fc1, T['fc1_W'], out=d_cv2_flatten)
+        # fc1_W_new = fc1_W - lr*V_fc1_W_new
+        fc1_W_new = T['fc1_W']  # in place: the new fc1_W
+        rt.ew(ew_mul_sub, fc1_W_new, T['fc1_W'], lr, V_fc1_W_new)
+        # d_fc1_B = sum_to[500](d_fc1)
+        d_fc1_B = mem.tensor(18, (500,), 'float32')
+        rt.sum_to(d_fc1, out=d_fc1_B, shape=(500,))
+        # free d_fc1_relu, d_fc1
+        del d_fc1_relu, d_fc1
         mem.free(13)
-        # X31 = V_fc1_B*momentum + X30 + decay*fc1_B
-        X31 = T['V_fc1_B']  # in place: the new V_fc1_B
-        rt.ew(ew6, X31, T['V_fc1_B'], momentum, X30, decay, T['fc1_B'])
-        # free X30
-        del X30
+        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B
+        V_fc1_B_new = T['V_fc1_B']  # in place: the new V_fc1_B
+        rt.ew(ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B'])
+        # free d_fc1_B
+        del d_fc1_B
         mem.free(18)
-        # X32 = -X31*lr + fc1_B
-        X32 = T['fc1_B']  # in place: the new fc1_B
-        rt.ew(ew7, X32, T['fc1_B'], lr, X31)
-        # X33 = reshape[500x50x4x4](X28)
-        X33 = rt.reshape(X28, shape=(500, 50, 4, 4))
-        # X34 = max_pool_bwd[kernel=2,size=(8,8),stride=2](X33, X5)
-        X34 = mem.tensor(19, (500, 50, 8, 8), 'float32')
-        rt.max_pool_bwd(X33, X5, out=X34, ceil=False, kernel=2, pad=0, size=(8, 8), stride=2, workspace=mem.workspace(400000))
-        # free X5, X28, X33
-        del X5, X28, X33
+        # fc1_B_new = fc1_B - lr*V_fc1_B_new
+        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
+        rt.ew(ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new)
+
+        # ---- cv2_flatten (flatten), backward ----
+        # d_cv2_max_pool = reshape[500x50x4x4](d_cv2_flatten)
+        d_cv2_max_pool = rt.reshape(d_cv2_flatten, shape=(500, 50, 4, 4))
+
+        # ---- cv2_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
+        # d_cv2 = max_pool_bwd[kernel=2,size=(8,8),stride=2](d_cv2_max_pool, cv2_max_pool_argmax)
+        d_cv2 = mem.tensor(19, (500, 50, 8, 8), 'float32')
+        rt.max_pool_bwd(d_cv2_max_pool, cv2_max_pool_argmax, out=d_cv2, ceil=False, kernel=2, pad=0, size=(8, 8), stride=2, workspace=mem.workspace(400000))
+        # free cv2_max_pool_argmax, d_cv2_flatten, d_cv2_max_pool
+        del cv2_max_pool_argmax, d_cv2_flatten, d_cv2_max_pool
         mem.free(6, 17)
-        # X35 = conv2d_bwd_filter[kernel=(5,5)](X34, X3)
-        X35 = mem.tensor(20, (50, 20, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X34, X3, out=X35, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(23613600))
-        # free X3
-        del X3
+
+        # ---- cv2 (conv 5x5, 50 channels, stride 1, padding 0), backward ----
+        # d_cv2_W = conv2d_bwd_filter[kernel=(5,5)](d_cv2, cv1_max_pool)
+        d_cv2_W = mem.tensor(20, (50, 20, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_cv2, cv1_max_pool, out=d_cv2_W, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(23613600))
+        # free cv1_max_pool
+        del cv1_max_pool
         mem.free(4)
-        # X36 = V_cv2_W*momentum + X35 + cv2_W*decay
-        X36 = T['V_cv2_W']  # in place: the new V_cv2_W
-        rt.ew(ew6, X36, T['V_cv2_W'], momentum, X35, decay, T['cv2_W'])
-        # free X35
-        del X35
+        # V_cv2_W_new = V_cv2_W*momentum + d_cv2_W + decay*cv2_W
+        V_cv2_W_new = T['V_cv2_W']  # in place: the new V_cv2_W
+        rt.ew(ew_mul_add, V_cv2_W_new, T['V_cv2_W'], momentum, d_cv2_W, decay, T['cv2_W'])
+        # free d_cv2_W
+        del d_cv2_W
         mem.free(20)
-        # X37 = conv2d_bwd_data[size=(12,12)](X34, cv2_W)
-        X37 = mem.tensor(21, (500, 20, 12, 12), 'float32')
-        rt.conv2d_bwd_data(X34, T['cv2_W'], out=X37, pad=0, size=(12, 12), stride=1, workspace=mem.workspace(27880000))
-        # X38 = -X36*lr + cv2_W
-        X38 = T['cv2_W']  # in place: the new cv2_W
-        rt.ew(ew7, X38, T['cv2_W'], lr, X36)
-        # X39 = sum_to[1x50x1x1](X34)
-        X39 = mem.tensor(22, (1, 50, 1, 1), 'float32')
-        rt.sum_to(X34, out=X39, shape=(1, 50, 1, 1))
-        # free X34
-        del X34
+        # d_cv1_max_pool = conv2d_bwd_data[size=(12,12)](d_cv2, cv2_W)
+        d_cv1_max_pool = mem.tensor(21, (500, 20, 12, 12), 'float32')
+        rt.conv2d_bwd_data(d_cv2, T['cv2_W'], out=d_cv1_max_pool, pad=0, size=(12, 12), stride=1, workspace=mem.workspace(27880000))
+        # cv2_W_new = cv2_W - lr*V_cv2_W_new
+        cv2_W_new = T['cv2_W']  # in place: the new cv2_W
+        rt.ew(ew_mul_sub, cv2_W_new, T['cv2_W'], lr, V_cv2_W_new)
+        # d_cv2_sum_to = sum_to[1x50x1x1](d_cv2)
+        d_cv2_sum_to = mem.tensor(22, (1, 50, 1, 1), 'float32')
+        rt.sum_to(d_cv2, out=d_cv2_sum_to, shape=(1, 50, 1, 1))
+        # free d_cv2
+        del d_cv2
         mem.free(19)
-        # X40 = reshape[50](X39)
-        X40 = rt.reshape(X39, shape=(50,))
-        # X41 = V_cv2_B*momentum + X40 + cv2_B*decay
-        X41 = T['V_cv2_B']  # in place: the new V_cv2_B
-        rt.ew(ew6, X41, T['V_cv2_B'], momentum, X40, decay, T['cv2_B'])
-        # free X39, X40
-        del X39, X40
+        # d_cv2_B = reshape[50](d_cv2_sum_to)
+        d_cv2_B = rt.reshape(d_cv2_sum_to, shape=(50,))
+        # V_cv2_B_new = V_cv2_B*momentum + d_cv2_B + decay*cv2_B
+        V_cv2_B_new = T['V_cv2_B']  # in place: the new V_cv2_B
+        rt.ew(ew_mul_add, V_cv2_B_new, T['V_cv2_B'], momentum, d_cv2_B, decay, T['cv2_B'])
+        # free d_cv2_sum_to, d_cv2_B
+        del d_cv2_sum_to, d_cv2_B
         mem.free(22)
-        # X42 = -X41*lr + cv2_B
-        X42 = T['cv2_B']  # in place: the new cv2_B
-        rt.ew(ew7, X42, T['cv2_B'], lr, X41)
-        # X43 = max_pool_bwd[kernel=2,size=(24,24),stride=2](X37, X2)
-        X43 = mem.tensor(23, (500, 20, 24, 24), 'float32', over=21)
-        rt.max_pool_bwd(X37, X2, out=X43, ceil=False, kernel=2, pad=0, size=(24, 24), stride=2, workspace=mem.workspace(1451520))
-        # free X2, X37
-        del X2, X37
+        # cv2_B_new = cv2_B - lr*V_cv2_B_new
+        cv2_B_new = T['cv2_B']  # in place: the new cv2_B
+        rt.ew(ew_mul_sub, cv2_B_new, T['cv2_B'], lr, V_cv2_B_new)
+
+        # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
+        # d_cv1 = max_pool_bwd[kernel=2,size=(24,24),stride=2](d_cv1_max_pool, cv1_max_pool_argmax)
+        d_cv1 = mem.tensor(23, (500, 20, 24, 24), 'float32', over=21)
+        rt.max_pool_bwd(d_cv1_max_pool, cv1_max_pool_argmax, out=d_cv1, ceil=False, kernel=2, pad=0, size=(24, 24), stride=2, workspace=mem.workspace(1451520))
+        # free cv1_max_pool_argmax, d_cv1_max_pool
+        del cv1_max_pool_argmax, d_cv1_max_pool
         mem.free(3, 21)
-        # X44 = conv2d_bwd_filter[kernel=(5,5)](X43, x)
-        X44 = mem.tensor(24, (20, 1, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X43, x, out=X44, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(25922000))
+
+        # ---- cv1 (conv 5x5, 20 channels, stride 1, padding 0), backward ----
+        # d_cv1_W = conv2d_bwd_filter[kernel=(5,5)](d_cv1, x)
+        d_cv1_W = mem.tensor(24, (20, 1, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_cv1, x, out=d_cv1_W, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(25922000))
         # free x
         del x
         mem.free(0)
-        # X45 = V_cv1_W*momentum + X44 + cv1_W*decay
-        X45 = T['V_cv1_W']  # in place: the new V_cv1_W
-        rt.ew(ew6, X45, T['V_cv1_W'], momentum, X44, decay, T['cv1_W'])
-        # free X44
-        del X44
+        # V_cv1_W_new = V_cv1_W*momentum + d_cv1_W + decay*cv1_W
+        V_cv1_W_new = T['V_cv1_W']  # in place: the new V_cv1_W
+        rt.ew(ew_mul_add, V_cv1_W_new, T['V_cv1_W'], momentum, d_cv1_W, decay, T['cv1_W'])
+        # free d_cv1_W
+        del d_cv1_W
         mem.free(24)
-        # X46 = -X45*lr + cv1_W
-        X46 = T['cv1_W']  # in place: the new cv1_W
-        rt.ew(ew7, X46, T['cv1_W'], lr, X45)
-        # X47 = sum_to[1x20x1x1](X43)
-        X47 = mem.tensor(25, (1, 20, 1, 1), 'float32')
-        rt.sum_to(X43, out=X47, shape=(1, 20, 1, 1))
-        # free X43
-        del X43
+        # cv1_W_new = cv1_W - lr*V_cv1_W_new
+        cv1_W_new = T['cv1_W']  # in place: the new cv1_W
+        rt.ew(ew_mul_sub, cv1_W_new, T['cv1_W'], lr, V_cv1_W_new)
+        # d_cv1_sum_to = sum_to[1x20x1x1](d_cv1)
+        d_cv1_sum_to = mem.tensor(25, (1, 20, 1, 1), 'float32')
+        rt.sum_to(d_cv1, out=d_cv1_sum_to, shape=(1, 20, 1, 1))
+        # free d_cv1
+        del d_cv1
         mem.free(23)
-        # X48 = reshape[20](X47)
-        X48 = rt.reshape(X47, shape=(20,))
-        # X49 = V_cv1_B*momentum + X48 + cv1_B*decay
-        X49 = T['V_cv1_B']  # in place: the new V_cv1_B
-        rt.ew(ew6, X49, T['V_cv1_B'], momentum, X48, decay, T['cv1_B'])
-        # free X47, X48
-        del X47, X48
+        # d_cv1_B = reshape[20](d_cv1_sum_to)
+        d_cv1_B = rt.reshape(d_cv1_sum_to, shape=(20,))
+        # V_cv1_B_new = V_cv1_B*momentum + d_cv1_B + decay*cv1_B
+        V_cv1_B_new = T['V_cv1_B']  # in place: the new V_cv1_B
+        rt.ew(ew_mul_add, V_cv1_B_new, T['V_cv1_B'], momentum, d_cv1_B, decay, T['cv1_B'])
+        # free d_cv1_sum_to, d_cv1_B
+        del d_cv1_sum_to, d_cv1_B
         mem.free(25)
-        # X50 = -X49*lr + cv1_B
-        X50 = T['cv1_B']  # in place: the new cv1_B
-        rt.ew(ew7, X50, T['cv1_B'], lr, X49)
-        loss = rt.scalar(X15)
+        # cv1_B_new = cv1_B - lr*V_cv1_B_new
+        cv1_B_new = T['cv1_B']  # in place: the new cv1_B
+        rt.ew(ew_mul_sub, cv1_B_new, T['cv1_B'], lr, V_cv1_B_new)
+        loss = rt.scalar(fc2_log_loss)
         mem.end()
         return loss
 
@@ -365,115 +352,189 @@ class Lenet(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d(x, cv1_W, cv1_B)
-        X1 = mem.tensor(2, (500, 20, 24, 24), 'float32')
-        rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=X1, pad=0, stride=1, workspace=mem.workspace(28800000))
+
+        # ---- cv1 (conv 5x5, 20 channels, stride 1, padding 0), forward ----
+        # cv1 = conv2d(x, cv1_W, cv1_B)
+        cv1 = mem.tensor(2, (500, 20, 24, 24), 'float32')
+        rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=cv1, pad=0, stride=1, workspace=mem.workspace(28800000))
         # free x
         del x
         mem.free(0)
-        # X2 = max_pool[kernel=2,stride=2](X1)
-        X2 = mem.tensor(3, (500, 20, 12, 12), 'float32', over=2)
-        rt.max_pool(X1, out=X2, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
-        # free X1
-        del X1
+
+        # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv1_max_pool = max_pool[kernel=2,stride=2](cv1)
+        cv1_max_pool = mem.tensor(3, (500, 20, 12, 12), 'float32', over=2)
+        rt.max_pool(cv1, out=cv1_max_pool, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
+        # free cv1
+        del cv1
         mem.free(2)
-        # X3 = conv2d(X2, cv2_W, cv2_B)
-        X3 = mem.tensor(4, (500, 50, 8, 8), 'float32')
-        rt.conv2d(X2, T['cv2_W'], T['cv2_B'], out=X3, pad=0, stride=1, workspace=mem.workspace(32000000))
-        # free X2
-        del X2
+
+        # ---- cv2 (conv 5x5, 50 channels, stride 1, padding 0), forward ----
+        # cv2 = conv2d(cv1_max_pool, cv2_W, cv2_B)
+        cv2 = mem.tensor(4, (500, 50, 8, 8), 'float32')
+        rt.conv2d(cv1_max_pool, T['cv2_W'], T['cv2_B'], out=cv2, pad=0, stride=1, workspace=mem.workspace(32000000))
+        # free cv1_max_pool
+        del cv1_max_pool
         mem.free(3)
-        # X4 = max_pool[kernel=2,stride=2](X3)
-        X4 = mem.tensor(5, (500, 50, 4, 4), 'float32')
-        rt.max_pool(X3, out=X4, ceil=False, kernel=2, pad=0, stride=2)
-        # free X3
-        del X3
+
+        # ---- cv2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv2_max_pool = max_pool[kernel=2,stride=2](cv2)
+        cv2_max_pool = mem.tensor(5, (500, 50, 4, 4), 'float32')
+        rt.max_pool(cv2, out=cv2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free cv2
+        del cv2
         mem.free(4)
-        # X5 = reshape[500x800](X4)
-        X5 = rt.reshape(X4, shape=(500, 800))
-        # X6 = matmul[tb](X5, fc1_W)
-        X6 = mem.tensor(6, (500, 500), 'float32')
-        rt.matmul(X5, T['fc1_W'], out=X6, tb=True)
-        # free X4, X5
-        del X4, X5
+
+        # ---- cv2_flatten (flatten), forward ----
+        # cv2_flatten = reshape[500x800](cv2_max_pool)
+        cv2_flatten = rt.reshape(cv2_max_pool, shape=(500, 800))
+
+        # ---- fc1 (fully connected, 500 outputs), forward ----
+        # fc1_matmul = matmul[tb](cv2_flatten, fc1_W)
+        fc1_matmul = mem.tensor(6, (500, 500), 'float32')
+        rt.matmul(cv2_flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+        # free cv2_max_pool, cv2_flatten
+        del cv2_max_pool, cv2_flatten
         mem.free(5)
-        # X7 = Max(0, X6 + fc1_B)
-        X7 = X6  # in place: over X6
-        rt.ew(ew1, X7, X6, T['fc1_B'])
-        # X8 = matmul[tb](X7, fc2_W)
-        X8 = mem.tensor(7, (500, 10), 'float32')
-        rt.matmul(X7, T['fc2_W'], out=X8, tb=True)
-        # free X7
-        del X6, X7
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 10 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(7, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # free fc1_matmul, fc1_relu
+        del fc1_matmul, fc1_relu
         mem.free(6)
-        # X9 = X8 + fc2_B
-        X9 = X8  # in place: over X8
-        rt.ew(ew2, X9, X8, T['fc2_B'])
-        # X10 = precision(X9, y)
-        X10 = mem.tensor(8, (), 'float32')
-        rt.precision(X9, y, out=X10)
-        # X11 = log_softmax(X9)
-        X11 = X9  # in place: over X9
-        rt.log_softmax(X9, out=X11, workspace=mem.workspace(20000))
-        # X12 = pick(X11, y)
-        X12 = mem.tensor(9, (500,), 'float32')
-        rt.pick(X11, y, out=X12)
-        # free y, X11
-        del y, X8, X9, X11
+        # fc2 = fc2_matmul + fc2_B
+        fc2 = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
+
+        # ---- fc2_precision (precision), forward ----
+        # fc2_precision = precision(fc2, y)
+        fc2_precision = mem.tensor(8, (), 'float32')
+        rt.precision(fc2, y, out=fc2_precision)
+
+        # ---- fc2_log_loss (log_loss), forward ----
+        # fc2_log_loss_log_softmax = log_softmax(fc2)
+        fc2_log_loss_log_softmax = fc2  # in place: over fc2
+        rt.log_softmax(fc2, out=fc2_log_loss_log_softmax, workspace=mem.workspace(20000))
+        # fc2_log_loss_pick = pick(fc2_log_loss_log_softmax, y)
+        fc2_log_loss_pick = mem.tensor(9, (500,), 'float32')
+        rt.pick(fc2_log_loss_log_softmax, y, out=fc2_log_loss_pick)
+        # free y, fc2_matmul, fc2, fc2_log_loss_log_softmax
+        del y, fc2_matmul, fc2, fc2_log_loss_log_softmax
         mem.free(1, 7)
-        # X13 = sum_to[scalar](X12)
-        X13 = mem.tensor(10, (), 'float32')
-        rt.sum_to(X12, out=X13, shape=())
-        # free X12
-        del X12
+        # fc2_log_loss_sum_to = sum_to[scalar](fc2_log_loss_pick)
+        fc2_log_loss_sum_to = mem.tensor(10, (), 'float32')
+        rt.sum_to(fc2_log_loss_pick, out=fc2_log_loss_sum_to, shape=())
+        # free fc2_log_loss_pick
+        del fc2_log_loss_pick
         mem.free(9)
-        # X14 = -X13/500
-        X14 = X13  # in place: over X13
-        rt.ew(ew3, X14, X13)
-        accuracy = rt.scalar(X10)
-        loss = rt.scalar(X14)
+        # fc2_log_loss = -fc2_log_loss_sum_to/500
+        fc2_log_loss = fc2_log_loss_sum_to  # in place: over fc2_log_loss_sum_to
+        rt.ew(ew_scale, fc2_log_loss, fc2_log_loss_sum_to)
+        accuracy = rt.scalar(fc2_precision)
+        loss = rt.scalar(fc2_log_loss)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=2048, peak_bytes=2048, workspace_bytes=0, pool_bytes=2048,
+            buffers=(
+                (0, 2000),  # 0: const 500 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=26050304, peak_bytes=26050048, workspace_bytes=32000000, pool_bytes=49090048, pool_peak_bytes=31810048,
+            buffers=(
+                (23040000, 1568000),  # 0: x 500x1x28x28 float32
+                (26048000, 2000),  # 1: y 500 int32
+                (0, 23040000),  # 2: cv1 500x20x24x24 float32
+                (24608000, 1440000),  # 3: cv1_max_pool_argmax 500x20x12x12 uint8
+                (0, 5760000),  # 4: cv1_max_pool 500x20x12x12 float32
+                (5760000, 6400000),  # 5: cv2 500x50x8x8 float32
+                (13760000, 400000),  # 6: cv2_max_pool_argmax 500x50x4x4 uint8
+                (12160000, 1600000),  # 7: cv2_max_pool 500x50x4x4 float32
+                (7360000, 1000000),  # 8: fc1_matmul 500x500 float32
+                (5760000, 20000),  # 9: fc2_matmul 500x10 float32
+                (5780224, 2000),  # 10: fc2_log_loss_pick 500 float32
+                (26050048, 4),  # 11: fc2_log_loss_sum_to scalar float32
+                (9360384, 20000),  # 12: d_fc2_log_loss_log_softmax 500x10 float32
+                (8360192, 1000000),  # 13: d_fc1_relu 500x500 float32
+                (5760000, 1600000),  # 14: d_fc1_W 500x800 float32
+                (5760000, 20000),  # 15: d_fc2_W 10x500 float32
+                (5760000, 40),  # 16: d_fc2_B 10 float32
+                (12160000, 1600000),  # 17: d_cv2_flatten 500x800 float32
+                (5760000, 2000),  # 18: d_fc1_B 500 float32
+                (5760000, 6400000),  # 19: d_cv2 500x50x8x8 float32
+                (12160000, 100000),  # 20: d_cv2_W 50x20x5x5 float32
+                (0, 5760000),  # 21: d_cv1_max_pool 500x20x12x12 float32
+                (12160000, 200),  # 22: d_cv2_sum_to 1x50x1x1 float32
+                (0, 23040000),  # 23: d_cv1 500x20x24x24 float32
+                (24608000, 2000),  # 24: d_cv1_W 20x1x5x5 float32
+                (23040000, 80),  # 25: d_cv1_sum_to 1x20x1x1 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=24610048, peak_bytes=24610048, workspace_bytes=32000000, pool_bytes=30370048, pool_peak_bytes=28802048,
+            buffers=(
+                (23040000, 1568000),  # 0: x 500x1x28x28 float32
+                (24608000, 2000),  # 1: y 500 int32
+                (0, 23040000),  # 2: cv1 500x20x24x24 float32
+                (0, 5760000),  # 3: cv1_max_pool 500x20x12x12 float32
+                (5760000, 6400000),  # 4: cv2 500x50x8x8 float32
+                (0, 1600000),  # 5: cv2_max_pool 500x50x4x4 float32
+                (1600000, 1000000),  # 6: fc1_matmul 500x500 float32
+                (0, 20000),  # 7: fc2_matmul 500x10 float32
+                (22272, 4),  # 8: fc2_precision scalar float32
+                (20224, 2000),  # 9: fc2_log_loss_pick 500 float32
+                (0, 4),  # 10: fc2_log_loss_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0, v1):
+def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew3(out, v0):
+def ew_scale(out, v0):
     """out = -v0/500   (out may be v0)"""
     np.multiply(v0, -0.002, out=out)
 
 
-def ew4(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.002*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.002, out=out)
 
 
-def ew5(out, v0, v1):
+def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 
 
-def ew6(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew7(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 

@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.1, momentum 0.9, decay 0.0005
 Memory: peak 1.37 MB of tensors planned for the training step (0.43 MB testing); static arena 1.37 MB, pool 1.58 MB, workspace 0.00 MB
-Structure hash: d4df1b56a7dcda51
+Structure hash: fb64f87b4c3016d2
 
 Usage: python mlp.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class Mlp(rp.Model):
 
     name = "mlp"
     source = "networks/mlp.py"
-    structure_hash = "d4df1b56a7dcda51"
+    structure_hash = "fb64f87b4c3016d2"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -70,55 +72,13 @@ class Mlp(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
-            buffers=(
-                (0, 400),  # 0: X1 100 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=1374720, peak_bytes=1374720, workspace_bytes=4000, pool_bytes=1579520,
-            buffers=(
-                (940800, 313600),  # 0: x 100x1x28x28 float32
-                (168448, 400),  # 1: y 100 int32
-                (160256, 4000),  # 2: X1 100x10 float32
-                (0, 120000),  # 3: X3 100x300 float32
-                (120064, 40000),  # 4: X5 100x100 float32
-                (164352, 4000),  # 5: X7 100x10 float32
-                (168960, 400),  # 6: X10 100 float32
-                (1374464, 4),  # 7: X12 scalar float32
-                (164352, 40),  # 8: X14 10 float32
-                (164352, 4000),  # 9: X17 10x100 float32
-                (240128, 40000),  # 10: X19 100x100 float32
-                (120064, 400),  # 11: X22 100 float32
-                (1254400, 120000),  # 12: X25 100x300 float32
-                (120064, 120000),  # 13: X27 100x300 float32
-                (0, 1200),  # 14: X30 300 float32
-                (0, 940800),  # 15: X33 300x784 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=434176, peak_bytes=434176, workspace_bytes=4000, pool_bytes=434176,
-            buffers=(
-                (0, 313600),  # 0: x 100x1x28x28 float32
-                (433664, 400),  # 1: y 100 int32
-                (313600, 120000),  # 2: X2 100x300 float32
-                (0, 40000),  # 3: X4 100x100 float32
-                (40192, 4000),  # 4: X6 100x10 float32
-                (512, 4),  # 5: X8 scalar float32
-                (0, 400),  # 6: X10 100 float32
-                (768, 4),  # 7: X11 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.01)
-        X1 = mem.tensor(0, (100,), 'float32')
-        rt.const(out=X1, shape=(100,), value=-0.01)
-        T['H1'] = X1
+        # const = fill(-0.01)
+        const = mem.tensor(0, (100,), 'float32')
+        rt.const(out=const, shape=(100,), value=-0.01)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -126,150 +86,184 @@ class Mlp(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = unpick[classes=10](H1, y)
-        X1 = mem.tensor(2, (100, 10), 'float32')
-        rt.unpick(T['H1'], y, out=X1, classes=10)
-        # X2 = reshape[100x784](x)
-        X2 = rt.reshape(x, shape=(100, 784))
-        # X3 = matmul[tb](X2, fc1_W)
-        X3 = mem.tensor(3, (100, 300), 'float32')
-        rt.matmul(X2, T['fc1_W'], out=X3, tb=True)
-        # X4 = Max(0, X3 + fc1_B)
-        X4 = X3  # in place: over X3
-        rt.ew(ew1, X4, X3, T['fc1_B'])
-        # X5 = matmul[tb](X4, fc2_W)
-        X5 = mem.tensor(4, (100, 100), 'float32')
-        rt.matmul(X4, T['fc2_W'], out=X5, tb=True)
-        # X6 = Max(0, X5 + fc2_B)
-        X6 = X5  # in place: over X5
-        rt.ew(ew1, X6, X5, T['fc2_B'])
-        # X7 = matmul[tb](X6, fc3_W)
-        X7 = mem.tensor(5, (100, 10), 'float32')
-        rt.matmul(X6, T['fc3_W'], out=X7, tb=True)
-        # X8 = X7 + fc3_B
-        X8 = X7  # in place: over X7
-        rt.ew(ew2, X8, X7, T['fc3_B'])
-        # X9 = log_softmax(X8)
-        X9 = X8  # in place: over X8
-        rt.log_softmax(X8, out=X9, workspace=mem.workspace(4000))
-        # X10 = pick(X9, y)
-        X10 = mem.tensor(6, (100,), 'float32')
-        rt.pick(X9, y, out=X10)
+
+        # ---- fc3_cross_entropy (cross_entropy), backward ----
+        # d_fc3_cross_entropy_log_softmax = unpick[classes=10](H1, y)
+        d_fc3_cross_entropy_log_softmax = mem.tensor(2, (100, 10), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc3_cross_entropy_log_softmax, classes=10)
+
+        # ---- flatten (flatten), forward ----
+        # flatten = reshape[100x784](x)
+        flatten = rt.reshape(x, shape=(100, 784))
+
+        # ---- fc1 (fully connected, 300 outputs), forward ----
+        # fc1_matmul = matmul[tb](flatten, fc1_W)
+        fc1_matmul = mem.tensor(3, (100, 300), 'float32')
+        rt.matmul(flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 100 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(4, (100, 100), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+
+        # ---- fc2_relu (relu), forward ----
+        # fc2_relu = Max(0, fc2_matmul + fc2_B)
+        fc2_relu = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
+
+        # ---- fc3 (fully connected, 10 outputs), forward ----
+        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
+        fc3_matmul = mem.tensor(5, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
+        # fc3 = fc3_matmul + fc3_B
+        fc3 = fc3_matmul  # in place: over fc3_matmul
+        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
+
+        # ---- fc3_cross_entropy (cross_entropy), forward ----
+        # fc3_cross_entropy_log_softmax = log_softmax(fc3)
+        fc3_cross_entropy_log_softmax = fc3  # in place: over fc3
+        rt.log_softmax(fc3, out=fc3_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # fc3_cross_entropy_pick = pick(fc3_cross_entropy_log_softmax, y)
+        fc3_cross_entropy_pick = mem.tensor(6, (100,), 'float32')
+        rt.pick(fc3_cross_entropy_log_softmax, y, out=fc3_cross_entropy_pick)
         # free y
         del y
         mem.free(1)
-        # X11 = X1 + 0.01*exp(X9)
-        X11 = X1  # in place: over X1
-        rt.ew(ew3, X11, X1, X9)
-        # free X9
-        del X7, X8, X9
+
+        # ---- fc3_cross_entropy (cross_entropy), backward ----
+        # d_fc3 = d_fc3_cross_entropy_log_softmax + 0.01*exp(fc3_cross_entropy_log_softmax)
+        d_fc3 = d_fc3_cross_entropy_log_softmax  # in place: over d_fc3_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc3, d_fc3_cross_entropy_log_softmax, fc3_cross_entropy_log_softmax)
+        # free fc3_matmul, fc3, fc3_cross_entropy_log_softmax
+        del fc3_matmul, fc3, fc3_cross_entropy_log_softmax
         mem.free(5)
-        # X12 = sum_to[scalar](X10)
-        X12 = mem.tensor(7, (), 'float32')
-        rt.sum_to(X10, out=X12, shape=())
-        # free X10
-        del X10
+
+        # ---- fc3_cross_entropy (cross_entropy), forward ----
+        # fc3_cross_entropy_sum_to = sum_to[scalar](fc3_cross_entropy_pick)
+        fc3_cross_entropy_sum_to = mem.tensor(7, (), 'float32')
+        rt.sum_to(fc3_cross_entropy_pick, out=fc3_cross_entropy_sum_to, shape=())
+        # free fc3_cross_entropy_pick
+        del fc3_cross_entropy_pick
         mem.free(6)
-        # X13 = -X12/100
-        X13 = X12  # in place: over X12
-        rt.ew(ew4, X13, X12)
-        # X14 = sum_to[10](X11)
-        X14 = mem.tensor(8, (10,), 'float32')
-        rt.sum_to(X11, out=X14, shape=(10,))
-        # X15 = V_fc3_B*momentum + X14 + decay*fc3_B
-        X15 = T['V_fc3_B']  # in place: the new V_fc3_B
-        rt.ew(ew5, X15, T['V_fc3_B'], momentum, X14, decay, T['fc3_B'])
-        # free X14
-        del X14
+        # fc3_cross_entropy = -fc3_cross_entropy_sum_to/100
+        fc3_cross_entropy = fc3_cross_entropy_sum_to  # in place: over fc3_cross_entropy_sum_to
+        rt.ew(ew_scale, fc3_cross_entropy, fc3_cross_entropy_sum_to)
+
+        # ---- fc3 (fully connected, 10 outputs), backward ----
+        # d_fc3_B = sum_to[10](d_fc3)
+        d_fc3_B = mem.tensor(8, (10,), 'float32')
+        rt.sum_to(d_fc3, out=d_fc3_B, shape=(10,))
+        # V_fc3_B_new = V_fc3_B*momentum + d_fc3_B + decay*fc3_B
+        V_fc3_B_new = T['V_fc3_B']  # in place: the new V_fc3_B
+        rt.ew(ew_mul_add, V_fc3_B_new, T['V_fc3_B'], momentum, d_fc3_B, decay, T['fc3_B'])
+        # free d_fc3_B
+        del d_fc3_B
         mem.free(8)
-        # X16 = -X15*lr + fc3_B
-        X16 = T['fc3_B']  # in place: the new fc3_B
-        rt.ew(ew6, X16, T['fc3_B'], lr, X15)
-        # X17 = matmul[ta](X11, X6)
-        X17 = mem.tensor(9, (10, 100), 'float32')
-        rt.matmul(X11, X6, out=X17, ta=True)
-        # X18 = V_fc3_W*momentum + X17 + decay*fc3_W
-        X18 = T['V_fc3_W']  # in place: the new V_fc3_W
-        rt.ew(ew5, X18, T['V_fc3_W'], momentum, X17, decay, T['fc3_W'])
-        # free X17
-        del X17
+        # fc3_B_new = fc3_B - lr*V_fc3_B_new
+        fc3_B_new = T['fc3_B']  # in place: the new fc3_B
+        rt.ew(ew_mul_sub, fc3_B_new, T['fc3_B'], lr, V_fc3_B_new)
+        # d_fc3_W = matmul[ta](d_fc3, fc2_relu)
+        d_fc3_W = mem.tensor(9, (10, 100), 'float32')
+        rt.matmul(d_fc3, fc2_relu, out=d_fc3_W, ta=True)
+        # V_fc3_W_new = V_fc3_W*momentum + d_fc3_W + decay*fc3_W
+        V_fc3_W_new = T['V_fc3_W']  # in place: the new V_fc3_W
+        rt.ew(ew_mul_add, V_fc3_W_new, T['V_fc3_W'], momentum, d_fc3_W, decay, T['fc3_W'])
+        # free d_fc3_W
+        del d_fc3_W
         mem.free(9)
-        # X19 = matmul(X11, fc3_W)
-        X19 = mem.tensor(10, (100, 100), 'float32')
-        rt.matmul(X11, T['fc3_W'], out=X19)
-        # free X11
-        del X1, X11
+        # d_fc2_relu = matmul(d_fc3, fc3_W)
+        d_fc2_relu = mem.tensor(10, (100, 100), 'float32')
+        rt.matmul(d_fc3, T['fc3_W'], out=d_fc2_relu)
+        # free d_fc3_cross_entropy_log_softmax, d_fc3
+        del d_fc3_cross_entropy_log_softmax, d_fc3
         mem.free(2)
-        # X20 = X19*Heaviside(X6, 0)
-        X20 = X19  # in place: over X19
-        rt.ew(ew7, X20, X19, X6)
-        # free X6
-        del X5, X6
+
+        # ---- fc2_relu (relu), backward ----
+        # d_fc2 = d_fc2_relu*Heaviside(fc2_relu, 0)
+        d_fc2 = d_fc2_relu  # in place: over d_fc2_relu
+        rt.ew(ew_step_mul, d_fc2, d_fc2_relu, fc2_relu)
+        # free fc2_matmul, fc2_relu
+        del fc2_matmul, fc2_relu
         mem.free(4)
-        # X21 = -X18*lr + fc3_W
-        X21 = T['fc3_W']  # in place: the new fc3_W
-        rt.ew(ew6, X21, T['fc3_W'], lr, X18)
-        # X22 = sum_to[100](X20)
-        X22 = mem.tensor(11, (100,), 'float32')
-        rt.sum_to(X20, out=X22, shape=(100,))
-        # X23 = V_fc2_B*momentum + X22 + decay*fc2_B
-        X23 = T['V_fc2_B']  # in place: the new V_fc2_B
-        rt.ew(ew5, X23, T['V_fc2_B'], momentum, X22, decay, T['fc2_B'])
-        # free X22
-        del X22
+
+        # ---- fc3 (fully connected, 10 outputs), backward ----
+        # fc3_W_new = fc3_W - lr*V_fc3_W_new
+        fc3_W_new = T['fc3_W']  # in place: the new fc3_W
+        rt.ew(ew_mul_sub, fc3_W_new, T['fc3_W'], lr, V_fc3_W_new)
+
+        # ---- fc2 (fully connected, 100 outputs), backward ----
+        # d_fc2_B = sum_to[100](d_fc2)
+        d_fc2_B = mem.tensor(11, (100,), 'float32')
+        rt.sum_to(d_fc2, out=d_fc2_B, shape=(100,))
+        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B
+        V_fc2_B_new = T['V_fc2_B']  # in place: the new V_fc2_B
+        rt.ew(ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B'])
+        # free d_fc2_B
+        del d_fc2_B
         mem.free(11)
-        # X24 = -X23*lr + fc2_B
-        X24 = T['fc2_B']  # in place: the new fc2_B
-        rt.ew(ew6, X24, T['fc2_B'], lr, X23)
-        # X25 = matmul(X20, fc2_W)
-        X25 = mem.tensor(12, (100, 300), 'float32')
-        rt.matmul(X20, T['fc2_W'], out=X25)
-        # X26 = X25*Heaviside(X4, 0)
-        X26 = X25  # in place: over X25
-        rt.ew(ew7, X26, X25, X4)
-        # X27 = matmul[ta](X20, X4)
-        X27 = mem.tensor(13, (100, 300), 'float32')
-        rt.matmul(X20, X4, out=X27, ta=True)
-        # free X4, X20
-        del X3, X4, X19, X20
+        # fc2_B_new = fc2_B - lr*V_fc2_B_new
+        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
+        rt.ew(ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new)
+        # d_fc1_relu = matmul(d_fc2, fc2_W)
+        d_fc1_relu = mem.tensor(12, (100, 300), 'float32')
+        rt.matmul(d_fc2, T['fc2_W'], out=d_fc1_relu)
+
+        # ---- fc1_relu (relu), backward ----
+        # d_fc1 = d_fc1_relu*Heaviside(fc1_relu, 0)
+        d_fc1 = d_fc1_relu  # in place: over d_fc1_relu
+        rt.ew(ew_step_mul, d_fc1, d_fc1_relu, fc1_relu)
+
+        # ---- fc2 (fully connected, 100 outputs), backward ----
+        # d_fc2_W = matmul[ta](d_fc2, fc1_relu)
+        d_fc2_W = mem.tensor(13, (100, 300), 'float32')
+        rt.matmul(d_fc2, fc1_relu, out=d_fc2_W, ta=True)
+        # free fc1_matmul, fc1_relu, d_fc2_relu, d_fc2
+        del fc1_matmul, fc1_relu, d_fc2_relu, d_fc2
         mem.free(3, 10)
-        # X28 = V_fc2_W*momentum + X27 + decay*fc2_W
-        X28 = T['V_fc2_W']  # in place: the new V_fc2_W
-        rt.ew(ew5, X28, T['V_fc2_W'], momentum, X27, decay, T['fc2_W'])
-        # free X27
-        del X27
+        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W
+        V_fc2_W_new = T['V_fc2_W']  # in place: the new V_fc2_W
+        rt.ew(ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W'])
+        # free d_fc2_W
+        del d_fc2_W
         mem.free(13)
-        # X29 = -X28*lr + fc2_W
-        X29 = T['fc2_W']  # in place: the new fc2_W
-        rt.ew(ew6, X29, T['fc2_W'], lr, X28)
-        # X30 = sum_to[300](X26)
-        X30 = mem.tensor(14, (300,), 'float32')
-        rt.sum_to(X26, out=X30, shape=(300,))
-        # X31 = V_fc1_B*momentum + X30 + decay*fc1_B
-        X31 = T['V_fc1_B']  # in place: the new V_fc1_B
-        rt.ew(ew5, X31, T['V_fc1_B'], momentum, X30, decay, T['fc1_B'])
-        # free X30
-        del X30
+        # fc2_W_new = fc2_W - lr*V_fc2_W_new
+        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
+        rt.ew(ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new)
+
+        # ---- fc1 (fully connected, 300 outputs), backward ----
+        # d_fc1_B = sum_to[300](d_fc1)
+        d_fc1_B = mem.tensor(14, (300,), 'float32')
+        rt.sum_to(d_fc1, out=d_fc1_B, shape=(300,))
+        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B
+        V_fc1_B_new = T['V_fc1_B']  # in place: the new V_fc1_B
+        rt.ew(ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B'])
+        # free d_fc1_B
+        del d_fc1_B
         mem.free(14)
-        # X32 = -X31*lr + fc1_B
-        X32 = T['fc1_B']  # in place: the new fc1_B
-        rt.ew(ew6, X32, T['fc1_B'], lr, X31)
-        # X33 = matmul[ta](X26, X2)
-        X33 = mem.tensor(15, (300, 784), 'float32')
-        rt.matmul(X26, X2, out=X33, ta=True)
-        # free x, X2, X26
-        del x, X2, X25, X26
+        # fc1_B_new = fc1_B - lr*V_fc1_B_new
+        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
+        rt.ew(ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new)
+        # d_fc1_W = matmul[ta](d_fc1, flatten)
+        d_fc1_W = mem.tensor(15, (300, 784), 'float32')
+        rt.matmul(d_fc1, flatten, out=d_fc1_W, ta=True)
+        # free x, flatten, d_fc1_relu, d_fc1
+        del x, flatten, d_fc1_relu, d_fc1
         mem.free(0, 12)
-        # X34 = V_fc1_W*momentum + X33 + decay*fc1_W
-        X34 = T['V_fc1_W']  # in place: the new V_fc1_W
-        rt.ew(ew5, X34, T['V_fc1_W'], momentum, X33, decay, T['fc1_W'])
-        # free X33
-        del X33
+        # V_fc1_W_new = V_fc1_W*momentum + d_fc1_W + decay*fc1_W
+        V_fc1_W_new = T['V_fc1_W']  # in place: the new V_fc1_W
+        rt.ew(ew_mul_add, V_fc1_W_new, T['V_fc1_W'], momentum, d_fc1_W, decay, T['fc1_W'])
+        # free d_fc1_W
+        del d_fc1_W
         mem.free(15)
-        # X35 = -X34*lr + fc1_W
-        X35 = T['fc1_W']  # in place: the new fc1_W
-        rt.ew(ew6, X35, T['fc1_W'], lr, X34)
-        loss = rt.scalar(X13)
+        # fc1_W_new = fc1_W - lr*V_fc1_W_new
+        fc1_W_new = T['fc1_W']  # in place: the new fc1_W
+        rt.ew(ew_mul_sub, fc1_W_new, T['fc1_W'], lr, V_fc1_W_new)
+        loss = rt.scalar(fc3_cross_entropy)
         mem.end()
         return loss
 
@@ -278,100 +272,157 @@ class Mlp(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = reshape[100x784](x)
-        X1 = rt.reshape(x, shape=(100, 784))
-        # X2 = matmul[tb](X1, fc1_W)
-        X2 = mem.tensor(2, (100, 300), 'float32')
-        rt.matmul(X1, T['fc1_W'], out=X2, tb=True)
-        # free x, X1
-        del x, X1
+
+        # ---- flatten (flatten), forward ----
+        # flatten = reshape[100x784](x)
+        flatten = rt.reshape(x, shape=(100, 784))
+
+        # ---- fc1 (fully connected, 300 outputs), forward ----
+        # fc1_matmul = matmul[tb](flatten, fc1_W)
+        fc1_matmul = mem.tensor(2, (100, 300), 'float32')
+        rt.matmul(flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+        # free x, flatten
+        del x, flatten
         mem.free(0)
-        # X3 = Max(0, X2 + fc1_B)
-        X3 = X2  # in place: over X2
-        rt.ew(ew1, X3, X2, T['fc1_B'])
-        # X4 = matmul[tb](X3, fc2_W)
-        X4 = mem.tensor(3, (100, 100), 'float32')
-        rt.matmul(X3, T['fc2_W'], out=X4, tb=True)
-        # free X3
-        del X2, X3
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 100 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(3, (100, 100), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # free fc1_matmul, fc1_relu
+        del fc1_matmul, fc1_relu
         mem.free(2)
-        # X5 = Max(0, X4 + fc2_B)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4, T['fc2_B'])
-        # X6 = matmul[tb](X5, fc3_W)
-        X6 = mem.tensor(4, (100, 10), 'float32')
-        rt.matmul(X5, T['fc3_W'], out=X6, tb=True)
-        # free X5
-        del X4, X5
+
+        # ---- fc2_relu (relu), forward ----
+        # fc2_relu = Max(0, fc2_matmul + fc2_B)
+        fc2_relu = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
+
+        # ---- fc3 (fully connected, 10 outputs), forward ----
+        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
+        fc3_matmul = mem.tensor(4, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
+        # free fc2_matmul, fc2_relu
+        del fc2_matmul, fc2_relu
         mem.free(3)
-        # X7 = X6 + fc3_B
-        X7 = X6  # in place: over X6
-        rt.ew(ew2, X7, X6, T['fc3_B'])
-        # X8 = precision(X7, y)
-        X8 = mem.tensor(5, (), 'float32')
-        rt.precision(X7, y, out=X8)
-        # X9 = log_softmax(X7)
-        X9 = X7  # in place: over X7
-        rt.log_softmax(X7, out=X9, workspace=mem.workspace(4000))
-        # X10 = pick(X9, y)
-        X10 = mem.tensor(6, (100,), 'float32')
-        rt.pick(X9, y, out=X10)
-        # free y, X9
-        del y, X6, X7, X9
+        # fc3 = fc3_matmul + fc3_B
+        fc3 = fc3_matmul  # in place: over fc3_matmul
+        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
+
+        # ---- fc3_precision (precision), forward ----
+        # fc3_precision = precision(fc3, y)
+        fc3_precision = mem.tensor(5, (), 'float32')
+        rt.precision(fc3, y, out=fc3_precision)
+
+        # ---- fc3_cross_entropy (cross_entropy), forward ----
+        # fc3_cross_entropy_log_softmax = log_softmax(fc3)
+        fc3_cross_entropy_log_softmax = fc3  # in place: over fc3
+        rt.log_softmax(fc3, out=fc3_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # fc3_cross_entropy_pick = pick(fc3_cross_entropy_log_softmax, y)
+        fc3_cross_entropy_pick = mem.tensor(6, (100,), 'float32')
+        rt.pick(fc3_cross_entropy_log_softmax, y, out=fc3_cross_entropy_pick)
+        # free y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
+        del y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
         mem.free(1, 4)
-        # X11 = sum_to[scalar](X10)
-        X11 = mem.tensor(7, (), 'float32')
-        rt.sum_to(X10, out=X11, shape=())
-        # free X10
-        del X10
+        # fc3_cross_entropy_sum_to = sum_to[scalar](fc3_cross_entropy_pick)
+        fc3_cross_entropy_sum_to = mem.tensor(7, (), 'float32')
+        rt.sum_to(fc3_cross_entropy_pick, out=fc3_cross_entropy_sum_to, shape=())
+        # free fc3_cross_entropy_pick
+        del fc3_cross_entropy_pick
         mem.free(6)
-        # X12 = -X11/100
-        X12 = X11  # in place: over X11
-        rt.ew(ew4, X12, X11)
-        accuracy = rt.scalar(X8)
-        loss = rt.scalar(X12)
+        # fc3_cross_entropy = -fc3_cross_entropy_sum_to/100
+        fc3_cross_entropy = fc3_cross_entropy_sum_to  # in place: over fc3_cross_entropy_sum_to
+        rt.ew(ew_scale, fc3_cross_entropy, fc3_cross_entropy_sum_to)
+        accuracy = rt.scalar(fc3_precision)
+        loss = rt.scalar(fc3_cross_entropy)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
+            buffers=(
+                (0, 400),  # 0: const 100 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=1374720, peak_bytes=1374720, workspace_bytes=4000, pool_bytes=1579520,
+            buffers=(
+                (940800, 313600),  # 0: x 100x1x28x28 float32
+                (168448, 400),  # 1: y 100 int32
+                (160256, 4000),  # 2: d_fc3_cross_entropy_log_softmax 100x10 float32
+                (0, 120000),  # 3: fc1_matmul 100x300 float32
+                (120064, 40000),  # 4: fc2_matmul 100x100 float32
+                (164352, 4000),  # 5: fc3_matmul 100x10 float32
+                (168960, 400),  # 6: fc3_cross_entropy_pick 100 float32
+                (1374464, 4),  # 7: fc3_cross_entropy_sum_to scalar float32
+                (164352, 40),  # 8: d_fc3_B 10 float32
+                (164352, 4000),  # 9: d_fc3_W 10x100 float32
+                (240128, 40000),  # 10: d_fc2_relu 100x100 float32
+                (120064, 400),  # 11: d_fc2_B 100 float32
+                (1254400, 120000),  # 12: d_fc1_relu 100x300 float32
+                (120064, 120000),  # 13: d_fc2_W 100x300 float32
+                (0, 1200),  # 14: d_fc1_B 300 float32
+                (0, 940800),  # 15: d_fc1_W 300x784 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=434176, peak_bytes=434176, workspace_bytes=4000, pool_bytes=434176,
+            buffers=(
+                (0, 313600),  # 0: x 100x1x28x28 float32
+                (433664, 400),  # 1: y 100 int32
+                (313600, 120000),  # 2: fc1_matmul 100x300 float32
+                (0, 40000),  # 3: fc2_matmul 100x100 float32
+                (40192, 4000),  # 4: fc3_matmul 100x10 float32
+                (512, 4),  # 5: fc3_precision scalar float32
+                (0, 400),  # 6: fc3_cross_entropy_pick 100 float32
+                (768, 4),  # 7: fc3_cross_entropy_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0, v1):
+def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.01, out=out)
 
 
-def ew4(out, v0):
+def ew_scale(out, v0):
     """out = -v0/100   (out may be v0)"""
     np.multiply(v0, -0.01, out=out)
 
 
-def ew5(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew6(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 
 
-def ew7(out, v0, v1):
+def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 

@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x231x231 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 100000 iterations, lr 0.05, momentum 0.6, decay 1e-05
 Memory: peak 473.43 MB of tensors planned for the training step (236.10 MB testing); static arena 473.43 MB, pool 602.44 MB, workspace 44.45 MB
-Structure hash: 98afd0f81ca1dd67
+Structure hash: d52da9d14a7d0578
 
 Usage: python overfeat.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class Overfeat(rp.Model):
 
     name = "overfeat"
     source = "networks/overfeat.py"
-    structure_hash = "98afd0f81ca1dd67"
+    structure_hash = "d52da9d14a7d0578"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 231, 231)
@@ -90,96 +92,13 @@ class Overfeat(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
-            buffers=(
-                (0, 512),  # 0: X1 128 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=473432320, peak_bytes=473432320, workspace_bytes=44449792, pool_bytes=602437632,
-            buffers=(
-                (154140672, 81962496),  # 0: x 128x3x231x231 float32
-                (237532672, 512),  # 1: y 128 int32
-                (237139456, 393216),  # 2: X1 128x3072 uint8
-                (236627456, 512000),  # 3: X2 128x1000 float32
-                (236103168, 524288),  # 4: X3 128x4096 uint8
-                (0, 154140672),  # 5: X4 128x96x56x56 float32
-                (406758912, 9633792),  # 6: X6 128x96x28x28 uint8
-                (311600640, 38535168),  # 7: X7 128x96x28x28 float32
-                (0, 75497472),  # 8: X8 128x256x24x24 float32
-                (416392704, 4718592),  # 9: X10 128x256x12x12 uint8
-                (387884544, 18874368),  # 10: X11 128x256x12x12 float32
-                (350135808, 37748736),  # 11: X12 128x512x12x12 float32
-                (0, 75497472),  # 12: X14 128x1024x12x12 float32
-                (75497472, 75497472),  # 13: X16 128x1024x12x12 float32
-                (254977536, 4718592),  # 14: X18 128x1024x6x6 uint8
-                (452984832, 18874368),  # 15: X19 128x1024x6x6 float32
-                (77594624, 1572864),  # 16: X21 128x3072 float32
-                (127926272, 1572864),  # 17: X23 128x3072 float32
-                (75497472, 2097152),  # 18: X24 128x4096 float32
-                (91881472, 2097152),  # 19: X26 128x4096 float32
-                (79167488, 512000),  # 20: X27 128x1000 float32
-                (79679488, 512),  # 21: X30 128 float32
-                (473432064, 4),  # 22: X32 scalar float32
-                (79167488, 4000),  # 23: X34 1000 float32
-                (125829120, 2097152),  # 24: X37 128x4096 float32
-                (75497472, 16384),  # 25: X39 4096 float32
-                (471859200, 1572864),  # 26: X42 128x3072 float32
-                (75497472, 12288),  # 27: X44 3072 float32
-                (75497472, 16384000),  # 28: X47 1000x4096 float32
-                (236103168, 18874368),  # 29: X50 128x36864 float32
-                (75497472, 50331648),  # 30: X53 4096x3072 float32
-                (75497472, 75497472),  # 31: X56 128x1024x12x12 float32
-                (150994944, 4096),  # 32: X57 1x1024x1x1 float32
-                (236103168, 37748736),  # 33: X61 1024x1024x3x3 float32
-                (236103168, 75497472),  # 34: X63 128x1024x12x12 float32
-                (0, 4096),  # 35: X66 1x1024x1x1 float32
-                (37748736, 18874368),  # 36: X70 1024x512x3x3 float32
-                (0, 37748736),  # 37: X71 128x512x12x12 float32
-                (37748736, 2048),  # 38: X75 1x512x1x1 float32
-                (37748736, 4718592),  # 39: X79 512x256x3x3 float32
-                (75497472, 18874368),  # 40: X80 128x256x12x12 float32
-                (0, 75497472),  # 41: X84 128x256x24x24 float32
-                (75497472, 1024),  # 42: X85 1x256x1x1 float32
-                (75497472, 2457600),  # 43: X89 256x96x5x5 float32
-                (236103168, 38535168),  # 44: X90 128x96x28x28 float32
-                (0, 154140672),  # 45: X94 128x96x56x56 float32
-                (236103168, 139392),  # 46: X95 96x3x11x11 float32
-                (154140672, 384),  # 47: X96 1x96x1x1 float32
-                (0, 452984832),  # 48: X102 3072x36864 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=236103680, peak_bytes=236103680, workspace_bytes=33177600, pool_bytes=236103680,
-            buffers=(
-                (154140672, 81962496),  # 0: x 128x3x231x231 float32
-                (236103168, 512),  # 1: y 128 int32
-                (0, 154140672),  # 2: X1 128x96x56x56 float32
-                (154140672, 38535168),  # 3: X3 128x96x28x28 float32
-                (0, 75497472),  # 4: X4 128x256x24x24 float32
-                (113246208, 18874368),  # 5: X6 128x256x12x12 float32
-                (75497472, 37748736),  # 6: X7 128x512x12x12 float32
-                (0, 75497472),  # 7: X9 128x1024x12x12 float32
-                (75497472, 75497472),  # 8: X11 128x1024x12x12 float32
-                (0, 18874368),  # 9: X13 128x1024x6x6 float32
-                (18874368, 1572864),  # 10: X15 128x3072 float32
-                (0, 2097152),  # 11: X17 128x4096 float32
-                (2097152, 512000),  # 12: X19 128x1000 float32
-                (512, 4),  # 13: X21 scalar float32
-                (0, 512),  # 14: X23 128 float32
-                (768, 4),  # 15: X24 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.0078125)
-        X1 = mem.tensor(0, (128,), 'float32')
-        rt.const(out=X1, shape=(128,), value=-0.0078125)
-        T['H1'] = X1
+        # const = fill(-0.0078125)
+        const = mem.tensor(0, (128,), 'float32')
+        rt.const(out=const, shape=(128,), value=-0.0078125)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -187,429 +106,537 @@ class Overfeat(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = bernoulli[keep=0.5,key=1,shape=(128,3072)]
-        X1 = mem.tensor(2, (128, 3072), 'uint8')
-        rt.bernoulli(out=X1, keep=0.5, key=1, shape=(128, 3072), seed=self.seed, step=step, workspace=mem.workspace(1572864))
-        # X2 = unpick[classes=1000](H1, y)
-        X2 = mem.tensor(3, (128, 1000), 'float32')
-        rt.unpick(T['H1'], y, out=X2, classes=1000)
-        # X3 = bernoulli[keep=0.5,key=2,shape=(128,4096)]
-        X3 = mem.tensor(4, (128, 4096), 'uint8')
-        rt.bernoulli(out=X3, keep=0.5, key=2, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
-        # X4 = conv2d[stride=4](x, conv1_W, conv1_B)
-        X4 = mem.tensor(5, (128, 96, 56, 56), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X4, pad=0, stride=4, workspace=mem.workspace(31874304))
-        # X5 = Max(0, X4)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4)
-        # X6 = max_pool_argmax[kernel=2,stride=2](X5)   (computed with the next statement)
-        X6 = mem.tensor(6, (128, 96, 28, 28), 'uint8')
-        # X7 = max_pool[kernel=2,stride=2](X5)
-        X7 = mem.tensor(7, (128, 96, 28, 28), 'float32')
-        rt.max_pool(X5, out=X7, argmax=X6, ceil=False, kernel=2, pad=0, stride=2)
-        # free X5
-        del X4, X5
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout_mask = bernoulli[keep=0.5,key=1,shape=(128,3072)]
+        fc6_dropout_mask = mem.tensor(2, (128, 3072), 'uint8')
+        rt.bernoulli(out=fc6_dropout_mask, keep=0.5, key=1, shape=(128, 3072), seed=self.seed, step=step, workspace=mem.workspace(1572864))
+
+        # ---- fc8_cross_entropy (cross_entropy), backward ----
+        # d_fc8_cross_entropy_log_softmax = unpick[classes=1000](H1, y)
+        d_fc8_cross_entropy_log_softmax = mem.tensor(3, (128, 1000), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc8_cross_entropy_log_softmax, classes=1000)
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout_mask = bernoulli[keep=0.5,key=2,shape=(128,4096)]
+        fc7_dropout_mask = mem.tensor(4, (128, 4096), 'uint8')
+        rt.bernoulli(out=fc7_dropout_mask, keep=0.5, key=2, shape=(128, 4096), seed=self.seed, step=step, workspace=mem.workspace(2097152))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), forward ----
+        # conv1 = conv2d[stride=4](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(5, (128, 96, 56, 56), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=0, stride=4, workspace=mem.workspace(31874304))
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv1_relu)   (computed with the next statement)
+        conv1_max_pool_argmax = mem.tensor(6, (128, 96, 28, 28), 'uint8')
+        # conv1_max_pool = max_pool[kernel=2,stride=2](conv1_relu)
+        conv1_max_pool = mem.tensor(7, (128, 96, 28, 28), 'float32')
+        rt.max_pool(conv1_relu, out=conv1_max_pool, argmax=conv1_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
         mem.free(5)
-        # X8 = conv2d(X7, conv2_W, conv2_B)
-        X8 = mem.tensor(8, (128, 256, 24, 24), 'float32')
-        rt.conv2d(X7, T['conv2_W'], T['conv2_B'], out=X8, pad=0, stride=1, workspace=mem.workspace(33177600))
-        # X9 = Max(0, X8)
-        X9 = X8  # in place: over X8
-        rt.ew(ew1, X9, X8)
-        # X10 = max_pool_argmax[kernel=2,stride=2](X9)   (computed with the next statement)
-        X10 = mem.tensor(9, (128, 256, 12, 12), 'uint8')
-        # X11 = max_pool[kernel=2,stride=2](X9)
-        X11 = mem.tensor(10, (128, 256, 12, 12), 'float32')
-        rt.max_pool(X9, out=X11, argmax=X10, ceil=False, kernel=2, pad=0, stride=2)
-        # free X9
-        del X8, X9
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 0), forward ----
+        # conv2 = conv2d(conv1_max_pool, conv2_W, conv2_B)
+        conv2 = mem.tensor(8, (128, 256, 24, 24), 'float32')
+        rt.conv2d(conv1_max_pool, T['conv2_W'], T['conv2_B'], out=conv2, pad=0, stride=1, workspace=mem.workspace(33177600))
+
+        # ---- conv2_relu (relu), forward ----
+        # conv2_relu = Max(0, conv2)
+        conv2_relu = conv2  # in place: over conv2
+        rt.ew(ew_relu, conv2_relu, conv2)
+
+        # ---- conv2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv2_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv2_relu)   (computed with the next statement)
+        conv2_max_pool_argmax = mem.tensor(9, (128, 256, 12, 12), 'uint8')
+        # conv2_max_pool = max_pool[kernel=2,stride=2](conv2_relu)
+        conv2_max_pool = mem.tensor(10, (128, 256, 12, 12), 'float32')
+        rt.max_pool(conv2_relu, out=conv2_max_pool, argmax=conv2_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv2, conv2_relu
+        del conv2, conv2_relu
         mem.free(8)
-        # X12 = conv2d[pad=1](X11, conv3_W, conv3_B)
-        X12 = mem.tensor(11, (128, 512, 12, 12), 'float32')
-        rt.conv2d(X11, T['conv3_W'], T['conv3_B'], out=X12, pad=1, stride=1, workspace=mem.workspace(29028352))
-        # X13 = Max(0, X12)
-        X13 = X12  # in place: over X12
-        rt.ew(ew1, X13, X12)
-        # X14 = conv2d[pad=1](X13, conv4_W, conv4_B)
-        X14 = mem.tensor(12, (128, 1024, 12, 12), 'float32')
-        rt.conv2d(X13, T['conv4_W'], T['conv4_B'], out=X14, pad=1, stride=1, workspace=mem.workspace(30556160))
-        # X15 = Max(0, X14)
-        X15 = X14  # in place: over X14
-        rt.ew(ew1, X15, X14)
-        # X16 = conv2d[pad=1](X15, conv5_W, conv5_B)
-        X16 = mem.tensor(13, (128, 1024, 12, 12), 'float32')
-        rt.conv2d(X15, T['conv5_W'], T['conv5_B'], out=X16, pad=1, stride=1, workspace=mem.workspace(30556160))
-        # X17 = Max(0, X16)
-        X17 = X16  # in place: over X16
-        rt.ew(ew1, X17, X16)
-        # X18 = max_pool_argmax[kernel=2,stride=2](X17)   (computed with the next statement)
-        X18 = mem.tensor(14, (128, 1024, 6, 6), 'uint8')
-        # X19 = max_pool[kernel=2,stride=2](X17)
-        X19 = mem.tensor(15, (128, 1024, 6, 6), 'float32')
-        rt.max_pool(X17, out=X19, argmax=X18, ceil=False, kernel=2, pad=0, stride=2)
-        # free X17
-        del X16, X17
+
+        # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
+        conv3 = mem.tensor(11, (128, 512, 12, 12), 'float32')
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(29028352))
+
+        # ---- conv3_relu (relu), forward ----
+        # conv3_relu = Max(0, conv3)
+        conv3_relu = conv3  # in place: over conv3
+        rt.ew(ew_relu, conv3_relu, conv3)
+
+        # ---- conv4 (conv 3x3, 1024 channels, stride 1, padding 1), forward ----
+        # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
+        conv4 = mem.tensor(12, (128, 1024, 12, 12), 'float32')
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(30556160))
+
+        # ---- conv4_relu (relu), forward ----
+        # conv4_relu = Max(0, conv4)
+        conv4_relu = conv4  # in place: over conv4
+        rt.ew(ew_relu, conv4_relu, conv4)
+
+        # ---- conv5 (conv 3x3, 1024 channels, stride 1, padding 1), forward ----
+        # conv5 = conv2d[pad=1](conv4_relu, conv5_W, conv5_B)
+        conv5 = mem.tensor(13, (128, 1024, 12, 12), 'float32')
+        rt.conv2d(conv4_relu, T['conv5_W'], T['conv5_B'], out=conv5, pad=1, stride=1, workspace=mem.workspace(30556160))
+
+        # ---- conv5_relu (relu), forward ----
+        # conv5_relu = Max(0, conv5)
+        conv5_relu = conv5  # in place: over conv5
+        rt.ew(ew_relu, conv5_relu, conv5)
+
+        # ---- conv5_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv5_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv5_relu)   (computed with the next statement)
+        conv5_max_pool_argmax = mem.tensor(14, (128, 1024, 6, 6), 'uint8')
+        # conv5_max_pool = max_pool[kernel=2,stride=2](conv5_relu)
+        conv5_max_pool = mem.tensor(15, (128, 1024, 6, 6), 'float32')
+        rt.max_pool(conv5_relu, out=conv5_max_pool, argmax=conv5_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv5, conv5_relu
+        del conv5, conv5_relu
         mem.free(13)
-        # X20 = reshape[128x36864](X19)
-        X20 = rt.reshape(X19, shape=(128, 36864))
-        # X21 = matmul[tb](X20, fc6_W)
-        X21 = mem.tensor(16, (128, 3072), 'float32')
-        rt.matmul(X20, T['fc6_W'], out=X21, tb=True)
-        # X22 = Max(0, X21 + fc6_B)
-        X22 = X21  # in place: over X21
-        rt.ew(ew2, X22, X21, T['fc6_B'])
-        # X23 = 2.0*X1*X22
-        X23 = mem.tensor(17, (128, 3072), 'float32')
-        rt.ew(ew3, X23, X22, X1)
-        # X24 = matmul[tb](X23, fc7_W)
-        X24 = mem.tensor(18, (128, 4096), 'float32')
-        rt.matmul(X23, T['fc7_W'], out=X24, tb=True)
-        # X25 = Max(0, X24 + fc7_B)
-        X25 = X24  # in place: over X24
-        rt.ew(ew2, X25, X24, T['fc7_B'])
-        # X26 = 2.0*X25*X3
-        X26 = mem.tensor(19, (128, 4096), 'float32')
-        rt.ew(ew3, X26, X25, X3)
-        # X27 = matmul[tb](X26, fc8_W)
-        X27 = mem.tensor(20, (128, 1000), 'float32')
-        rt.matmul(X26, T['fc8_W'], out=X27, tb=True)
-        # X28 = X27 + fc8_B
-        X28 = X27  # in place: over X27
-        rt.ew(ew4, X28, X27, T['fc8_B'])
-        # X29 = log_softmax(X28)
-        X29 = X28  # in place: over X28
-        rt.log_softmax(X28, out=X29, workspace=mem.workspace(512000))
-        # X30 = pick(X29, y)
-        X30 = mem.tensor(21, (128,), 'float32')
-        rt.pick(X29, y, out=X30)
+
+        # ---- conv5_flatten (flatten), forward ----
+        # conv5_flatten = reshape[128x36864](conv5_max_pool)
+        conv5_flatten = rt.reshape(conv5_max_pool, shape=(128, 36864))
+
+        # ---- fc6 (fully connected, 3072 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_flatten, fc6_W)
+        fc6_matmul = mem.tensor(16, (128, 3072), 'float32')
+        rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
+        fc6_dropout = mem.tensor(17, (128, 3072), 'float32')
+        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
+        fc7_matmul = mem.tensor(18, (128, 4096), 'float32')
+        rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
+        fc7_dropout = mem.tensor(19, (128, 4096), 'float32')
+        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
+        fc8_matmul = mem.tensor(20, (128, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_log_softmax = log_softmax(fc8)
+        fc8_cross_entropy_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_cross_entropy_log_softmax, workspace=mem.workspace(512000))
+        # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
+        fc8_cross_entropy_pick = mem.tensor(21, (128,), 'float32')
+        rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
         # free y
         del y
         mem.free(1)
-        # X31 = X2 + 0.0078125*exp(X29)
-        X31 = X2  # in place: over X2
-        rt.ew(ew5, X31, X2, X29)
-        # free X29
-        del X27, X28, X29
+
+        # ---- fc8_cross_entropy (cross_entropy), backward ----
+        # d_fc8 = d_fc8_cross_entropy_log_softmax + 0.0078125*exp(fc8_cross_entropy_log_softmax)
+        d_fc8 = d_fc8_cross_entropy_log_softmax  # in place: over d_fc8_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc8, d_fc8_cross_entropy_log_softmax, fc8_cross_entropy_log_softmax)
+        # free fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        del fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         mem.free(20)
-        # X32 = sum_to[scalar](X30)
-        X32 = mem.tensor(22, (), 'float32')
-        rt.sum_to(X30, out=X32, shape=())
-        # free X30
-        del X30
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
+        fc8_cross_entropy_sum_to = mem.tensor(22, (), 'float32')
+        rt.sum_to(fc8_cross_entropy_pick, out=fc8_cross_entropy_sum_to, shape=())
+        # free fc8_cross_entropy_pick
+        del fc8_cross_entropy_pick
         mem.free(21)
-        # X33 = -X32/128
-        X33 = X32  # in place: over X32
-        rt.ew(ew6, X33, X32)
-        # X34 = sum_to[1000](X31)
-        X34 = mem.tensor(23, (1000,), 'float32')
-        rt.sum_to(X31, out=X34, shape=(1000,))
-        # X35 = V_fc8_B*momentum + X34 + decay*fc8_B
-        X35 = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew7, X35, T['V_fc8_B'], momentum, X34, decay, T['fc8_B'])
-        # free X34
-        del X34
+        # fc8_cross_entropy = -fc8_cross_entropy_sum_to/128
+        fc8_cross_entropy = fc8_cross_entropy_sum_to  # in place: over fc8_cross_entropy_sum_to
+        rt.ew(ew_scale, fc8_cross_entropy, fc8_cross_entropy_sum_to)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_B = sum_to[1000](d_fc8)
+        d_fc8_B = mem.tensor(23, (1000,), 'float32')
+        rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B
+        V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
+        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B'])
+        # free d_fc8_B
+        del d_fc8_B
         mem.free(23)
-        # X36 = -X35*lr + fc8_B
-        X36 = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew8, X36, T['fc8_B'], lr, X35)
-        # X37 = matmul(X31, fc8_W)
-        X37 = mem.tensor(24, (128, 4096), 'float32')
-        rt.matmul(X31, T['fc8_W'], out=X37)
-        # X38 = 2.0*X3*X37*Heaviside(X25, 0)
-        X38 = X37  # in place: over X37
-        rt.ew(ew9, X38, X37, X3, X25)
-        # free X3, X25
-        del X3, X24, X25
+        # fc8_B_new = fc8_B - lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
+        # d_fc7_dropout = matmul(d_fc8, fc8_W)
+        d_fc7_dropout = mem.tensor(24, (128, 4096), 'float32')
+        rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
+
+        # ---- fc7_relu (relu), backward ----
+        # d_fc7 = 2.0*d_fc7_dropout*fc7_dropout_mask*Heaviside(fc7_relu, 0)
+        d_fc7 = d_fc7_dropout  # in place: over d_fc7_dropout
+        rt.ew(ew_step_mul, d_fc7, d_fc7_dropout, fc7_dropout_mask, fc7_relu)
+        # free fc7_dropout_mask, fc7_matmul, fc7_relu
+        del fc7_dropout_mask, fc7_matmul, fc7_relu
         mem.free(4, 18)
-        # X39 = sum_to[4096](X38)
-        X39 = mem.tensor(25, (4096,), 'float32')
-        rt.sum_to(X38, out=X39, shape=(4096,))
-        # X40 = V_fc7_B*momentum + X39 + decay*fc7_B
-        X40 = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew7, X40, T['V_fc7_B'], momentum, X39, decay, T['fc7_B'])
-        # free X39
-        del X39
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_B = sum_to[4096](d_fc7)
+        d_fc7_B = mem.tensor(25, (4096,), 'float32')
+        rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B
+        V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
+        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B'])
+        # free d_fc7_B
+        del d_fc7_B
         mem.free(25)
-        # X41 = -X40*lr + fc7_B
-        X41 = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew8, X41, T['fc7_B'], lr, X40)
-        # X42 = matmul(X38, fc7_W)
-        X42 = mem.tensor(26, (128, 3072), 'float32')
-        rt.matmul(X38, T['fc7_W'], out=X42)
-        # X43 = 2.0*X1*X42*Heaviside(X22, 0)
-        X43 = X42  # in place: over X42
-        rt.ew(ew9, X43, X42, X1, X22)
-        # free X1, X22
-        del X1, X21, X22
+        # fc7_B_new = fc7_B - lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
+        # d_fc6_dropout = matmul(d_fc7, fc7_W)
+        d_fc6_dropout = mem.tensor(26, (128, 3072), 'float32')
+        rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
+
+        # ---- fc6_relu (relu), backward ----
+        # d_fc6 = 2.0*d_fc6_dropout*fc6_dropout_mask*Heaviside(fc6_relu, 0)
+        d_fc6 = d_fc6_dropout  # in place: over d_fc6_dropout
+        rt.ew(ew_step_mul, d_fc6, d_fc6_dropout, fc6_dropout_mask, fc6_relu)
+        # free fc6_dropout_mask, fc6_matmul, fc6_relu
+        del fc6_dropout_mask, fc6_matmul, fc6_relu
         mem.free(2, 16)
-        # X44 = sum_to[3072](X43)
-        X44 = mem.tensor(27, (3072,), 'float32')
-        rt.sum_to(X43, out=X44, shape=(3072,))
-        # X45 = V_fc6_B*momentum + X44 + decay*fc6_B
-        X45 = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew7, X45, T['V_fc6_B'], momentum, X44, decay, T['fc6_B'])
-        # free X44
-        del X44
+
+        # ---- fc6 (fully connected, 3072 outputs), backward ----
+        # d_fc6_B = sum_to[3072](d_fc6)
+        d_fc6_B = mem.tensor(27, (3072,), 'float32')
+        rt.sum_to(d_fc6, out=d_fc6_B, shape=(3072,))
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B
+        V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
+        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B'])
+        # free d_fc6_B
+        del d_fc6_B
         mem.free(27)
-        # X46 = -X45*lr + fc6_B
-        X46 = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew8, X46, T['fc6_B'], lr, X45)
-        # X47 = matmul[ta](X31, X26)
-        X47 = mem.tensor(28, (1000, 4096), 'float32')
-        rt.matmul(X31, X26, out=X47, ta=True)
-        # free X31, X26
-        del X2, X31, X26
+        # fc6_B_new = fc6_B - lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_W = matmul[ta](d_fc8, fc7_dropout)
+        d_fc8_W = mem.tensor(28, (1000, 4096), 'float32')
+        rt.matmul(d_fc8, fc7_dropout, out=d_fc8_W, ta=True)
+        # free d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
+        del d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         mem.free(3, 19)
-        # X48 = V_fc8_W*momentum + X47 + decay*fc8_W
-        X48 = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew7, X48, T['V_fc8_W'], momentum, X47, decay, T['fc8_W'])
-        # free X47
-        del X47
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
+        rt.ew(ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # free d_fc8_W
+        del d_fc8_W
         mem.free(28)
-        # X49 = -X48*lr + fc8_W
-        X49 = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew8, X49, T['fc8_W'], lr, X48)
-        # X50 = matmul(X43, fc6_W)
-        X50 = mem.tensor(29, (128, 36864), 'float32')
-        rt.matmul(X43, T['fc6_W'], out=X50)
-        # X51 = reshape[128x1024x6x6](X50)
-        X51 = rt.reshape(X50, shape=(128, 1024, 6, 6))
-        # X52 = X51*Heaviside(X19, 0)
-        X52 = X51  # in place: over X51
-        rt.ew(ew10, X52, X51, X19)
-        # X53 = matmul[ta](X38, X23)
-        X53 = mem.tensor(30, (4096, 3072), 'float32')
-        rt.matmul(X38, X23, out=X53, ta=True)
-        # free X23, X38
-        del X23, X37, X38
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew(ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
+
+        # ---- fc6 (fully connected, 3072 outputs), backward ----
+        # d_conv5_flatten = matmul(d_fc6, fc6_W)
+        d_conv5_flatten = mem.tensor(29, (128, 36864), 'float32')
+        rt.matmul(d_fc6, T['fc6_W'], out=d_conv5_flatten)
+
+        # ---- conv5_flatten (flatten), backward ----
+        # d_conv5_max_pool = reshape[128x1024x6x6](d_conv5_flatten)
+        d_conv5_max_pool = rt.reshape(d_conv5_flatten, shape=(128, 1024, 6, 6))
+
+        # ---- conv5_relu (relu), backward ----
+        # d_conv5 = d_conv5_max_pool*Heaviside(conv5_max_pool, 0)
+        d_conv5 = d_conv5_max_pool  # in place: over d_conv5_max_pool
+        rt.ew(ew_step_mul_2, d_conv5, d_conv5_max_pool, conv5_max_pool)
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_W = matmul[ta](d_fc7, fc6_dropout)
+        d_fc7_W = mem.tensor(30, (4096, 3072), 'float32')
+        rt.matmul(d_fc7, fc6_dropout, out=d_fc7_W, ta=True)
+        # free fc6_dropout, d_fc7_dropout, d_fc7
+        del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(17, 24)
-        # X54 = V_fc7_W*momentum + X53 + decay*fc7_W
-        X54 = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew7, X54, T['V_fc7_W'], momentum, X53, decay, T['fc7_W'])
-        # free X53
-        del X53
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
+        rt.ew(ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # free d_fc7_W
+        del d_fc7_W
         mem.free(30)
-        # X55 = -X54*lr + fc7_W
-        X55 = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew8, X55, T['fc7_W'], lr, X54)
-        # X56 = max_pool_bwd[kernel=2,size=(12,12),stride=2](X52, X18)
-        X56 = mem.tensor(31, (128, 1024, 12, 12), 'float32')
-        rt.max_pool_bwd(X52, X18, out=X56, ceil=False, kernel=2, pad=0, size=(12, 12), stride=2, workspace=mem.workspace(4718592))
-        # free X18, X52
-        del X18, X50, X51, X52
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew(ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
+
+        # ---- conv5_relu (relu), backward ----
+        # d_conv5_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(12,12),stride=2](d_conv5, conv5_max_pool_argmax)
+        d_conv5_relu_max_pool_bwd = mem.tensor(31, (128, 1024, 12, 12), 'float32')
+        rt.max_pool_bwd(d_conv5, conv5_max_pool_argmax, out=d_conv5_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(12, 12), stride=2, workspace=mem.workspace(4718592))
+        # free conv5_max_pool_argmax, d_conv5_flatten, d_conv5_max_pool, d_conv5
+        del conv5_max_pool_argmax, d_conv5_flatten, d_conv5_max_pool, d_conv5
         mem.free(14, 29)
-        # X57 = sum_to[1x1024x1x1](X56)
-        X57 = mem.tensor(32, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(X56, out=X57, shape=(1, 1024, 1, 1))
-        # X58 = reshape[1024](X57)
-        X58 = rt.reshape(X57, shape=(1024,))
-        # X59 = V_conv5_B*momentum + X58 + conv5_B*decay
-        X59 = T['V_conv5_B']  # in place: the new V_conv5_B
-        rt.ew(ew7, X59, T['V_conv5_B'], momentum, X58, decay, T['conv5_B'])
-        # free X57, X58
-        del X57, X58
+
+        # ---- conv5 (conv 3x3, 1024 channels, stride 1, padding 1), backward ----
+        # d_conv5_sum_to = sum_to[1x1024x1x1](d_conv5_relu_max_pool_bwd)
+        d_conv5_sum_to = mem.tensor(32, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_conv5_relu_max_pool_bwd, out=d_conv5_sum_to, shape=(1, 1024, 1, 1))
+        # d_conv5_B = reshape[1024](d_conv5_sum_to)
+        d_conv5_B = rt.reshape(d_conv5_sum_to, shape=(1024,))
+        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B + decay*conv5_B
+        V_conv5_B_new = T['V_conv5_B']  # in place: the new V_conv5_B
+        rt.ew(ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B, decay, T['conv5_B'])
+        # free d_conv5_sum_to, d_conv5_B
+        del d_conv5_sum_to, d_conv5_B
         mem.free(32)
-        # X60 = -X59*lr + conv5_B
-        X60 = T['conv5_B']  # in place: the new conv5_B
-        rt.ew(ew8, X60, T['conv5_B'], lr, X59)
-        # X61 = conv2d_bwd_filter[kernel=(3,3),pad=1](X56, X15)
-        X61 = mem.tensor(33, (1024, 1024, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X56, X15, out=X61, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(44449792))
-        # X62 = V_conv5_W*momentum + X61 + conv5_W*decay
-        X62 = T['V_conv5_W']  # in place: the new V_conv5_W
-        rt.ew(ew7, X62, T['V_conv5_W'], momentum, X61, decay, T['conv5_W'])
-        # free X61
-        del X61
+        # conv5_B_new = conv5_B - lr*V_conv5_B_new
+        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
+        rt.ew(ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new)
+        # d_conv5_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_relu_max_pool_bwd, conv4_relu)
+        d_conv5_W = mem.tensor(33, (1024, 1024, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv5_relu_max_pool_bwd, conv4_relu, out=d_conv5_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(44449792))
+        # V_conv5_W_new = V_conv5_W*momentum + d_conv5_W + decay*conv5_W
+        V_conv5_W_new = T['V_conv5_W']  # in place: the new V_conv5_W
+        rt.ew(ew_mul_add, V_conv5_W_new, T['V_conv5_W'], momentum, d_conv5_W, decay, T['conv5_W'])
+        # free d_conv5_W
+        del d_conv5_W
         mem.free(33)
-        # X63 = conv2d_bwd_data[pad=1,size=(12,12)](X56, conv5_W)
-        X63 = mem.tensor(34, (128, 1024, 12, 12), 'float32')
-        rt.conv2d_bwd_data(X56, T['conv5_W'], out=X63, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(30769152))
-        # free X56
-        del X56
+        # d_conv4_relu = conv2d_bwd_data[pad=1,size=(12,12)](d_conv5_relu_max_pool_bwd, conv5_W)
+        d_conv4_relu = mem.tensor(34, (128, 1024, 12, 12), 'float32')
+        rt.conv2d_bwd_data(d_conv5_relu_max_pool_bwd, T['conv5_W'], out=d_conv4_relu, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(30769152))
+        # free d_conv5_relu_max_pool_bwd
+        del d_conv5_relu_max_pool_bwd
         mem.free(31)
-        # X64 = X63*Heaviside(X15, 0)
-        X64 = X63  # in place: over X63
-        rt.ew(ew10, X64, X63, X15)
-        # free X15
-        del X14, X15
+
+        # ---- conv4_relu (relu), backward ----
+        # d_conv4 = d_conv4_relu*Heaviside(conv4_relu, 0)
+        d_conv4 = d_conv4_relu  # in place: over d_conv4_relu
+        rt.ew(ew_step_mul_2, d_conv4, d_conv4_relu, conv4_relu)
+        # free conv4, conv4_relu
+        del conv4, conv4_relu
         mem.free(12)
-        # X65 = -X62*lr + conv5_W
-        X65 = T['conv5_W']  # in place: the new conv5_W
-        rt.ew(ew8, X65, T['conv5_W'], lr, X62)
-        # X66 = sum_to[1x1024x1x1](X64)
-        X66 = mem.tensor(35, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(X64, out=X66, shape=(1, 1024, 1, 1))
-        # X67 = reshape[1024](X66)
-        X67 = rt.reshape(X66, shape=(1024,))
-        # X68 = V_conv4_B*momentum + X67 + conv4_B*decay
-        X68 = T['V_conv4_B']  # in place: the new V_conv4_B
-        rt.ew(ew7, X68, T['V_conv4_B'], momentum, X67, decay, T['conv4_B'])
-        # free X66, X67
-        del X66, X67
+
+        # ---- conv5 (conv 3x3, 1024 channels, stride 1, padding 1), backward ----
+        # conv5_W_new = conv5_W - lr*V_conv5_W_new
+        conv5_W_new = T['conv5_W']  # in place: the new conv5_W
+        rt.ew(ew_mul_sub, conv5_W_new, T['conv5_W'], lr, V_conv5_W_new)
+
+        # ---- conv4 (conv 3x3, 1024 channels, stride 1, padding 1), backward ----
+        # d_conv4_sum_to = sum_to[1x1024x1x1](d_conv4)
+        d_conv4_sum_to = mem.tensor(35, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_conv4, out=d_conv4_sum_to, shape=(1, 1024, 1, 1))
+        # d_conv4_B = reshape[1024](d_conv4_sum_to)
+        d_conv4_B = rt.reshape(d_conv4_sum_to, shape=(1024,))
+        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B + decay*conv4_B
+        V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
+        rt.ew(ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B, decay, T['conv4_B'])
+        # free d_conv4_sum_to, d_conv4_B
+        del d_conv4_sum_to, d_conv4_B
         mem.free(35)
-        # X69 = -X68*lr + conv4_B
-        X69 = T['conv4_B']  # in place: the new conv4_B
-        rt.ew(ew8, X69, T['conv4_B'], lr, X68)
-        # X70 = conv2d_bwd_filter[kernel=(3,3),pad=1](X64, X13)
-        X70 = mem.tensor(36, (1024, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X64, X13, out=X70, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(33456128))
-        # X71 = conv2d_bwd_data[pad=1,size=(12,12)](X64, conv4_W)
-        X71 = mem.tensor(37, (128, 512, 12, 12), 'float32')
-        rt.conv2d_bwd_data(X64, T['conv4_W'], out=X71, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(33521664))
-        # free X64
-        del X63, X64
+        # conv4_B_new = conv4_B - lr*V_conv4_B_new
+        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
+        rt.ew(ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new)
+        # d_conv4_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4, conv3_relu)
+        d_conv4_W = mem.tensor(36, (1024, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv4, conv3_relu, out=d_conv4_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(33456128))
+        # d_conv3_relu = conv2d_bwd_data[pad=1,size=(12,12)](d_conv4, conv4_W)
+        d_conv3_relu = mem.tensor(37, (128, 512, 12, 12), 'float32')
+        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(33521664))
+        # free d_conv4_relu, d_conv4
+        del d_conv4_relu, d_conv4
         mem.free(34)
-        # X72 = X71*Heaviside(X13, 0)
-        X72 = X71  # in place: over X71
-        rt.ew(ew10, X72, X71, X13)
-        # free X13
-        del X12, X13
+
+        # ---- conv3_relu (relu), backward ----
+        # d_conv3 = d_conv3_relu*Heaviside(conv3_relu, 0)
+        d_conv3 = d_conv3_relu  # in place: over d_conv3_relu
+        rt.ew(ew_step_mul_2, d_conv3, d_conv3_relu, conv3_relu)
+        # free conv3, conv3_relu
+        del conv3, conv3_relu
         mem.free(11)
-        # X73 = V_conv4_W*momentum + X70 + conv4_W*decay
-        X73 = T['V_conv4_W']  # in place: the new V_conv4_W
-        rt.ew(ew7, X73, T['V_conv4_W'], momentum, X70, decay, T['conv4_W'])
-        # free X70
-        del X70
+
+        # ---- conv4 (conv 3x3, 1024 channels, stride 1, padding 1), backward ----
+        # V_conv4_W_new = V_conv4_W*momentum + d_conv4_W + decay*conv4_W
+        V_conv4_W_new = T['V_conv4_W']  # in place: the new V_conv4_W
+        rt.ew(ew_mul_add, V_conv4_W_new, T['V_conv4_W'], momentum, d_conv4_W, decay, T['conv4_W'])
+        # free d_conv4_W
+        del d_conv4_W
         mem.free(36)
-        # X74 = -X73*lr + conv4_W
-        X74 = T['conv4_W']  # in place: the new conv4_W
-        rt.ew(ew8, X74, T['conv4_W'], lr, X73)
-        # X75 = sum_to[1x512x1x1](X72)
-        X75 = mem.tensor(38, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X72, out=X75, shape=(1, 512, 1, 1))
-        # X76 = reshape[512](X75)
-        X76 = rt.reshape(X75, shape=(512,))
-        # X77 = V_conv3_B*momentum + X76 + conv3_B*decay
-        X77 = T['V_conv3_B']  # in place: the new V_conv3_B
-        rt.ew(ew7, X77, T['V_conv3_B'], momentum, X76, decay, T['conv3_B'])
-        # free X75, X76
-        del X75, X76
+        # conv4_W_new = conv4_W - lr*V_conv4_W_new
+        conv4_W_new = T['conv4_W']  # in place: the new conv4_W
+        rt.ew(ew_mul_sub, conv4_W_new, T['conv4_W'], lr, V_conv4_W_new)
+
+        # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv3_sum_to = sum_to[1x512x1x1](d_conv3)
+        d_conv3_sum_to = mem.tensor(38, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv3, out=d_conv3_sum_to, shape=(1, 512, 1, 1))
+        # d_conv3_B = reshape[512](d_conv3_sum_to)
+        d_conv3_B = rt.reshape(d_conv3_sum_to, shape=(512,))
+        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B + decay*conv3_B
+        V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
+        rt.ew(ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B, decay, T['conv3_B'])
+        # free d_conv3_sum_to, d_conv3_B
+        del d_conv3_sum_to, d_conv3_B
         mem.free(38)
-        # X78 = -X77*lr + conv3_B
-        X78 = T['conv3_B']  # in place: the new conv3_B
-        rt.ew(ew8, X78, T['conv3_B'], lr, X77)
-        # X79 = conv2d_bwd_filter[kernel=(3,3),pad=1](X72, X11)
-        X79 = mem.tensor(39, (512, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X72, X11, out=X79, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32059392))
-        # X80 = conv2d_bwd_data[pad=1,size=(12,12)](X72, conv3_W)
-        X80 = mem.tensor(40, (128, 256, 12, 12), 'float32')
-        rt.conv2d_bwd_data(X72, T['conv3_W'], out=X80, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(33521664))
-        # free X72
-        del X71, X72
+        # conv3_B_new = conv3_B - lr*V_conv3_B_new
+        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
+        rt.ew(ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new)
+        # d_conv3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3, conv2_max_pool)
+        d_conv3_W = mem.tensor(39, (512, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv3, conv2_max_pool, out=d_conv3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32059392))
+        # d_conv2_max_pool = conv2d_bwd_data[pad=1,size=(12,12)](d_conv3, conv3_W)
+        d_conv2_max_pool = mem.tensor(40, (128, 256, 12, 12), 'float32')
+        rt.conv2d_bwd_data(d_conv3, T['conv3_W'], out=d_conv2_max_pool, pad=1, size=(12, 12), stride=1, workspace=mem.workspace(33521664))
+        # free d_conv3_relu, d_conv3
+        del d_conv3_relu, d_conv3
         mem.free(37)
-        # X81 = X80*Heaviside(X11, 0)
-        X81 = X80  # in place: over X80
-        rt.ew(ew10, X81, X80, X11)
-        # free X11
-        del X11
+
+        # ---- conv2_relu (relu), backward ----
+        # d_conv2 = d_conv2_max_pool*Heaviside(conv2_max_pool, 0)
+        d_conv2 = d_conv2_max_pool  # in place: over d_conv2_max_pool
+        rt.ew(ew_step_mul_2, d_conv2, d_conv2_max_pool, conv2_max_pool)
+        # free conv2_max_pool
+        del conv2_max_pool
         mem.free(10)
-        # X82 = V_conv3_W*momentum + X79 + conv3_W*decay
-        X82 = T['V_conv3_W']  # in place: the new V_conv3_W
-        rt.ew(ew7, X82, T['V_conv3_W'], momentum, X79, decay, T['conv3_W'])
-        # free X79
-        del X79
+
+        # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # V_conv3_W_new = V_conv3_W*momentum + d_conv3_W + decay*conv3_W
+        V_conv3_W_new = T['V_conv3_W']  # in place: the new V_conv3_W
+        rt.ew(ew_mul_add, V_conv3_W_new, T['V_conv3_W'], momentum, d_conv3_W, decay, T['conv3_W'])
+        # free d_conv3_W
+        del d_conv3_W
         mem.free(39)
-        # X83 = -X82*lr + conv3_W
-        X83 = T['conv3_W']  # in place: the new conv3_W
-        rt.ew(ew8, X83, T['conv3_W'], lr, X82)
-        # X84 = max_pool_bwd[kernel=2,size=(24,24),stride=2](X81, X10)
-        X84 = mem.tensor(41, (128, 256, 24, 24), 'float32')
-        rt.max_pool_bwd(X81, X10, out=X84, ceil=False, kernel=2, pad=0, size=(24, 24), stride=2, workspace=mem.workspace(4718592))
-        # free X10, X81
-        del X10, X80, X81
+        # conv3_W_new = conv3_W - lr*V_conv3_W_new
+        conv3_W_new = T['conv3_W']  # in place: the new conv3_W
+        rt.ew(ew_mul_sub, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new)
+
+        # ---- conv2_relu (relu), backward ----
+        # d_conv2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(24,24),stride=2](d_conv2, conv2_max_pool_argmax)
+        d_conv2_relu_max_pool_bwd = mem.tensor(41, (128, 256, 24, 24), 'float32')
+        rt.max_pool_bwd(d_conv2, conv2_max_pool_argmax, out=d_conv2_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(24, 24), stride=2, workspace=mem.workspace(4718592))
+        # free conv2_max_pool_argmax, d_conv2_max_pool, d_conv2
+        del conv2_max_pool_argmax, d_conv2_max_pool, d_conv2
         mem.free(9, 40)
-        # X85 = sum_to[1x256x1x1](X84)
-        X85 = mem.tensor(42, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X84, out=X85, shape=(1, 256, 1, 1))
-        # X86 = reshape[256](X85)
-        X86 = rt.reshape(X85, shape=(256,))
-        # X87 = V_conv2_B*momentum + X86 + conv2_B*decay
-        X87 = T['V_conv2_B']  # in place: the new V_conv2_B
-        rt.ew(ew7, X87, T['V_conv2_B'], momentum, X86, decay, T['conv2_B'])
-        # free X85, X86
-        del X85, X86
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 0), backward ----
+        # d_conv2_sum_to = sum_to[1x256x1x1](d_conv2_relu_max_pool_bwd)
+        d_conv2_sum_to = mem.tensor(42, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv2_relu_max_pool_bwd, out=d_conv2_sum_to, shape=(1, 256, 1, 1))
+        # d_conv2_B = reshape[256](d_conv2_sum_to)
+        d_conv2_B = rt.reshape(d_conv2_sum_to, shape=(256,))
+        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B + decay*conv2_B
+        V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
+        rt.ew(ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B, decay, T['conv2_B'])
+        # free d_conv2_sum_to, d_conv2_B
+        del d_conv2_sum_to, d_conv2_B
         mem.free(42)
-        # X88 = -X87*lr + conv2_B
-        X88 = T['conv2_B']  # in place: the new conv2_B
-        rt.ew(ew8, X88, T['conv2_B'], lr, X87)
-        # X89 = conv2d_bwd_filter[kernel=(5,5)](X84, X7)
-        X89 = mem.tensor(43, (256, 96, 5, 5), 'float32')
-        rt.conv2d_bwd_filter(X84, X7, out=X89, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(33054720))
-        # X90 = conv2d_bwd_data[size=(28,28)](X84, conv2_W)
-        X90 = mem.tensor(44, (128, 96, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X84, T['conv2_W'], out=X90, pad=0, size=(28, 28), stride=1, workspace=mem.workspace(29767680))
-        # free X84
-        del X84
+        # conv2_B_new = conv2_B - lr*V_conv2_B_new
+        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
+        rt.ew(ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new)
+        # d_conv2_W = conv2d_bwd_filter[kernel=(5,5)](d_conv2_relu_max_pool_bwd, conv1_max_pool)
+        d_conv2_W = mem.tensor(43, (256, 96, 5, 5), 'float32')
+        rt.conv2d_bwd_filter(d_conv2_relu_max_pool_bwd, conv1_max_pool, out=d_conv2_W, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(33054720))
+        # d_conv1_max_pool = conv2d_bwd_data[size=(28,28)](d_conv2_relu_max_pool_bwd, conv2_W)
+        d_conv1_max_pool = mem.tensor(44, (128, 96, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_conv2_relu_max_pool_bwd, T['conv2_W'], out=d_conv1_max_pool, pad=0, size=(28, 28), stride=1, workspace=mem.workspace(29767680))
+        # free d_conv2_relu_max_pool_bwd
+        del d_conv2_relu_max_pool_bwd
         mem.free(41)
-        # X91 = X90*Heaviside(X7, 0)
-        X91 = X90  # in place: over X90
-        rt.ew(ew10, X91, X90, X7)
-        # free X7
-        del X7
+
+        # ---- conv1_relu (relu), backward ----
+        # d_conv1 = d_conv1_max_pool*Heaviside(conv1_max_pool, 0)
+        d_conv1 = d_conv1_max_pool  # in place: over d_conv1_max_pool
+        rt.ew(ew_step_mul_2, d_conv1, d_conv1_max_pool, conv1_max_pool)
+        # free conv1_max_pool
+        del conv1_max_pool
         mem.free(7)
-        # X92 = V_conv2_W*momentum + X89 + conv2_W*decay
-        X92 = T['V_conv2_W']  # in place: the new V_conv2_W
-        rt.ew(ew7, X92, T['V_conv2_W'], momentum, X89, decay, T['conv2_W'])
-        # free X89
-        del X89
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 0), backward ----
+        # V_conv2_W_new = V_conv2_W*momentum + d_conv2_W + decay*conv2_W
+        V_conv2_W_new = T['V_conv2_W']  # in place: the new V_conv2_W
+        rt.ew(ew_mul_add, V_conv2_W_new, T['V_conv2_W'], momentum, d_conv2_W, decay, T['conv2_W'])
+        # free d_conv2_W
+        del d_conv2_W
         mem.free(43)
-        # X93 = -X92*lr + conv2_W
-        X93 = T['conv2_W']  # in place: the new conv2_W
-        rt.ew(ew8, X93, T['conv2_W'], lr, X92)
-        # X94 = max_pool_bwd[kernel=2,size=(56,56),stride=2](X91, X6)
-        X94 = mem.tensor(45, (128, 96, 56, 56), 'float32')
-        rt.max_pool_bwd(X91, X6, out=X94, ceil=False, kernel=2, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(9633792))
-        # free X6, X91
-        del X6, X90, X91
+        # conv2_W_new = conv2_W - lr*V_conv2_W_new
+        conv2_W_new = T['conv2_W']  # in place: the new conv2_W
+        rt.ew(ew_mul_sub, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new)
+
+        # ---- conv1_relu (relu), backward ----
+        # d_conv1_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(56,56),stride=2](d_conv1, conv1_max_pool_argmax)
+        d_conv1_relu_max_pool_bwd = mem.tensor(45, (128, 96, 56, 56), 'float32')
+        rt.max_pool_bwd(d_conv1, conv1_max_pool_argmax, out=d_conv1_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(9633792))
+        # free conv1_max_pool_argmax, d_conv1_max_pool, d_conv1
+        del conv1_max_pool_argmax, d_conv1_max_pool, d_conv1
         mem.free(6, 44)
-        # X95 = conv2d_bwd_filter[kernel=(11,11),stride=4](X94, x)
-        X95 = mem.tensor(46, (96, 3, 11, 11), 'float32')
-        rt.conv2d_bwd_filter(X94, x, out=X95, kernel=(11, 11), pad=0, stride=4, workspace=mem.workspace(28927872))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), backward ----
+        # d_conv1_W = conv2d_bwd_filter[kernel=(11,11),stride=4](d_conv1_relu_max_pool_bwd, x)
+        d_conv1_W = mem.tensor(46, (96, 3, 11, 11), 'float32')
+        rt.conv2d_bwd_filter(d_conv1_relu_max_pool_bwd, x, out=d_conv1_W, kernel=(11, 11), pad=0, stride=4, workspace=mem.workspace(28927872))
         # free x
         del x
         mem.free(0)
-        # X96 = sum_to[1x96x1x1](X94)
-        X96 = mem.tensor(47, (1, 96, 1, 1), 'float32')
-        rt.sum_to(X94, out=X96, shape=(1, 96, 1, 1))
-        # free X94
-        del X94
+        # d_conv1_sum_to = sum_to[1x96x1x1](d_conv1_relu_max_pool_bwd)
+        d_conv1_sum_to = mem.tensor(47, (1, 96, 1, 1), 'float32')
+        rt.sum_to(d_conv1_relu_max_pool_bwd, out=d_conv1_sum_to, shape=(1, 96, 1, 1))
+        # free d_conv1_relu_max_pool_bwd
+        del d_conv1_relu_max_pool_bwd
         mem.free(45)
-        # X97 = V_conv1_W*momentum + X95 + conv1_W*decay
-        X97 = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew7, X97, T['V_conv1_W'], momentum, X95, decay, T['conv1_W'])
-        # free X95
-        del X95
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
+        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # free d_conv1_W
+        del d_conv1_W
         mem.free(46)
-        # X98 = -X97*lr + conv1_W
-        X98 = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew8, X98, T['conv1_W'], lr, X97)
-        # X99 = reshape[96](X96)
-        X99 = rt.reshape(X96, shape=(96,))
-        # X100 = V_conv1_B*momentum + X99 + conv1_B*decay
-        X100 = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew7, X100, T['V_conv1_B'], momentum, X99, decay, T['conv1_B'])
-        # free X96, X99
-        del X96, X99
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
+        # d_conv1_B = reshape[96](d_conv1_sum_to)
+        d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(96,))
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B + decay*conv1_B
+        V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
+        rt.ew(ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B, decay, T['conv1_B'])
+        # free d_conv1_sum_to, d_conv1_B
+        del d_conv1_sum_to, d_conv1_B
         mem.free(47)
-        # X101 = -X100*lr + conv1_B
-        X101 = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew8, X101, T['conv1_B'], lr, X100)
-        # X102 = matmul[ta](X43, X20)
-        X102 = mem.tensor(48, (3072, 36864), 'float32')
-        rt.matmul(X43, X20, out=X102, ta=True)
-        # free X19, X20, X43
-        del X19, X20, X42, X43
+        # conv1_B_new = conv1_B - lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew(ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
+
+        # ---- fc6 (fully connected, 3072 outputs), backward ----
+        # d_fc6_W = matmul[ta](d_fc6, conv5_flatten)
+        d_fc6_W = mem.tensor(48, (3072, 36864), 'float32')
+        rt.matmul(d_fc6, conv5_flatten, out=d_fc6_W, ta=True)
+        # free conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
+        del conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         mem.free(15, 26)
-        # X103 = V_fc6_W*momentum + X102 + decay*fc6_W
-        X103 = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew7, X103, T['V_fc6_W'], momentum, X102, decay, T['fc6_W'])
-        # free X102
-        del X102
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
+        rt.ew(ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # free d_fc6_W
+        del d_fc6_W
         mem.free(48)
-        # X104 = -X103*lr + fc6_W
-        X104 = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew8, X104, T['fc6_W'], lr, X103)
-        loss = rt.scalar(X33)
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew(ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
+        loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return loss
 
@@ -618,181 +645,305 @@ class Overfeat(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d[stride=4](x, conv1_W, conv1_B)
-        X1 = mem.tensor(2, (128, 96, 56, 56), 'float32')
-        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=X1, pad=0, stride=4, workspace=mem.workspace(31874304))
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), forward ----
+        # conv1 = conv2d[stride=4](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(2, (128, 96, 56, 56), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=0, stride=4, workspace=mem.workspace(31874304))
         # free x
         del x
         mem.free(0)
-        # X2 = Max(0, X1)
-        X2 = X1  # in place: over X1
-        rt.ew(ew1, X2, X1)
-        # X3 = max_pool[kernel=2,stride=2](X2)
-        X3 = mem.tensor(3, (128, 96, 28, 28), 'float32')
-        rt.max_pool(X2, out=X3, ceil=False, kernel=2, pad=0, stride=2)
-        # free X2
-        del X1, X2
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_max_pool = max_pool[kernel=2,stride=2](conv1_relu)
+        conv1_max_pool = mem.tensor(3, (128, 96, 28, 28), 'float32')
+        rt.max_pool(conv1_relu, out=conv1_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
         mem.free(2)
-        # X4 = conv2d(X3, conv2_W, conv2_B)
-        X4 = mem.tensor(4, (128, 256, 24, 24), 'float32')
-        rt.conv2d(X3, T['conv2_W'], T['conv2_B'], out=X4, pad=0, stride=1, workspace=mem.workspace(33177600))
-        # free X3
-        del X3
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 0), forward ----
+        # conv2 = conv2d(conv1_max_pool, conv2_W, conv2_B)
+        conv2 = mem.tensor(4, (128, 256, 24, 24), 'float32')
+        rt.conv2d(conv1_max_pool, T['conv2_W'], T['conv2_B'], out=conv2, pad=0, stride=1, workspace=mem.workspace(33177600))
+        # free conv1_max_pool
+        del conv1_max_pool
         mem.free(3)
-        # X5 = Max(0, X4)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4)
-        # X6 = max_pool[kernel=2,stride=2](X5)
-        X6 = mem.tensor(5, (128, 256, 12, 12), 'float32')
-        rt.max_pool(X5, out=X6, ceil=False, kernel=2, pad=0, stride=2)
-        # free X5
-        del X4, X5
+
+        # ---- conv2_relu (relu), forward ----
+        # conv2_relu = Max(0, conv2)
+        conv2_relu = conv2  # in place: over conv2
+        rt.ew(ew_relu, conv2_relu, conv2)
+
+        # ---- conv2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv2_max_pool = max_pool[kernel=2,stride=2](conv2_relu)
+        conv2_max_pool = mem.tensor(5, (128, 256, 12, 12), 'float32')
+        rt.max_pool(conv2_relu, out=conv2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv2, conv2_relu
+        del conv2, conv2_relu
         mem.free(4)
-        # X7 = conv2d[pad=1](X6, conv3_W, conv3_B)
-        X7 = mem.tensor(6, (128, 512, 12, 12), 'float32')
-        rt.conv2d(X6, T['conv3_W'], T['conv3_B'], out=X7, pad=1, stride=1, workspace=mem.workspace(29028352))
-        # free X6
-        del X6
+
+        # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
+        conv3 = mem.tensor(6, (128, 512, 12, 12), 'float32')
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(29028352))
+        # free conv2_max_pool
+        del conv2_max_pool
         mem.free(5)
-        # X8 = Max(0, X7)
-        X8 = X7  # in place: over X7
-        rt.ew(ew1, X8, X7)
-        # X9 = conv2d[pad=1](X8, conv4_W, conv4_B)
-        X9 = mem.tensor(7, (128, 1024, 12, 12), 'float32')
-        rt.conv2d(X8, T['conv4_W'], T['conv4_B'], out=X9, pad=1, stride=1, workspace=mem.workspace(30556160))
-        # free X8
-        del X7, X8
+
+        # ---- conv3_relu (relu), forward ----
+        # conv3_relu = Max(0, conv3)
+        conv3_relu = conv3  # in place: over conv3
+        rt.ew(ew_relu, conv3_relu, conv3)
+
+        # ---- conv4 (conv 3x3, 1024 channels, stride 1, padding 1), forward ----
+        # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
+        conv4 = mem.tensor(7, (128, 1024, 12, 12), 'float32')
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(30556160))
+        # free conv3, conv3_relu
+        del conv3, conv3_relu
         mem.free(6)
-        # X10 = Max(0, X9)
-        X10 = X9  # in place: over X9
-        rt.ew(ew1, X10, X9)
-        # X11 = conv2d[pad=1](X10, conv5_W, conv5_B)
-        X11 = mem.tensor(8, (128, 1024, 12, 12), 'float32')
-        rt.conv2d(X10, T['conv5_W'], T['conv5_B'], out=X11, pad=1, stride=1, workspace=mem.workspace(30556160))
-        # free X10
-        del X9, X10
+
+        # ---- conv4_relu (relu), forward ----
+        # conv4_relu = Max(0, conv4)
+        conv4_relu = conv4  # in place: over conv4
+        rt.ew(ew_relu, conv4_relu, conv4)
+
+        # ---- conv5 (conv 3x3, 1024 channels, stride 1, padding 1), forward ----
+        # conv5 = conv2d[pad=1](conv4_relu, conv5_W, conv5_B)
+        conv5 = mem.tensor(8, (128, 1024, 12, 12), 'float32')
+        rt.conv2d(conv4_relu, T['conv5_W'], T['conv5_B'], out=conv5, pad=1, stride=1, workspace=mem.workspace(30556160))
+        # free conv4, conv4_relu
+        del conv4, conv4_relu
         mem.free(7)
-        # X12 = Max(0, X11)
-        X12 = X11  # in place: over X11
-        rt.ew(ew1, X12, X11)
-        # X13 = max_pool[kernel=2,stride=2](X12)
-        X13 = mem.tensor(9, (128, 1024, 6, 6), 'float32')
-        rt.max_pool(X12, out=X13, ceil=False, kernel=2, pad=0, stride=2)
-        # free X12
-        del X11, X12
+
+        # ---- conv5_relu (relu), forward ----
+        # conv5_relu = Max(0, conv5)
+        conv5_relu = conv5  # in place: over conv5
+        rt.ew(ew_relu, conv5_relu, conv5)
+
+        # ---- conv5_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv5_max_pool = max_pool[kernel=2,stride=2](conv5_relu)
+        conv5_max_pool = mem.tensor(9, (128, 1024, 6, 6), 'float32')
+        rt.max_pool(conv5_relu, out=conv5_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv5, conv5_relu
+        del conv5, conv5_relu
         mem.free(8)
-        # X14 = reshape[128x36864](X13)
-        X14 = rt.reshape(X13, shape=(128, 36864))
-        # X15 = matmul[tb](X14, fc6_W)
-        X15 = mem.tensor(10, (128, 3072), 'float32')
-        rt.matmul(X14, T['fc6_W'], out=X15, tb=True)
-        # free X13, X14
-        del X13, X14
+
+        # ---- conv5_flatten (flatten), forward ----
+        # conv5_flatten = reshape[128x36864](conv5_max_pool)
+        conv5_flatten = rt.reshape(conv5_max_pool, shape=(128, 36864))
+
+        # ---- fc6 (fully connected, 3072 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_flatten, fc6_W)
+        fc6_matmul = mem.tensor(10, (128, 3072), 'float32')
+        rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+        # free conv5_max_pool, conv5_flatten
+        del conv5_max_pool, conv5_flatten
         mem.free(9)
-        # X16 = Max(0, X15 + fc6_B)
-        X16 = X15  # in place: over X15
-        rt.ew(ew2, X16, X15, T['fc6_B'])
-        # X17 = matmul[tb](X16, fc7_W)
-        X17 = mem.tensor(11, (128, 4096), 'float32')
-        rt.matmul(X16, T['fc7_W'], out=X17, tb=True)
-        # free X16
-        del X15, X16
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_relu, fc7_W)
+        fc7_matmul = mem.tensor(11, (128, 4096), 'float32')
+        rt.matmul(fc6_relu, T['fc7_W'], out=fc7_matmul, tb=True)
+        # free fc6_matmul, fc6_relu
+        del fc6_matmul, fc6_relu
         mem.free(10)
-        # X18 = Max(0, X17 + fc7_B)
-        X18 = X17  # in place: over X17
-        rt.ew(ew2, X18, X17, T['fc7_B'])
-        # X19 = matmul[tb](X18, fc8_W)
-        X19 = mem.tensor(12, (128, 1000), 'float32')
-        rt.matmul(X18, T['fc8_W'], out=X19, tb=True)
-        # free X18
-        del X17, X18
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
+        fc8_matmul = mem.tensor(12, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # free fc7_matmul, fc7_relu
+        del fc7_matmul, fc7_relu
         mem.free(11)
-        # X20 = X19 + fc8_B
-        X20 = X19  # in place: over X19
-        rt.ew(ew4, X20, X19, T['fc8_B'])
-        # X21 = precision(X20, y)
-        X21 = mem.tensor(13, (), 'float32')
-        rt.precision(X20, y, out=X21)
-        # X22 = log_softmax(X20)
-        X22 = X20  # in place: over X20
-        rt.log_softmax(X20, out=X22, workspace=mem.workspace(512000))
-        # X23 = pick(X22, y)
-        X23 = mem.tensor(14, (128,), 'float32')
-        rt.pick(X22, y, out=X23)
-        # free y, X22
-        del y, X19, X20, X22
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_precision (precision), forward ----
+        # fc8_precision = precision(fc8, y)
+        fc8_precision = mem.tensor(13, (), 'float32')
+        rt.precision(fc8, y, out=fc8_precision)
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_log_softmax = log_softmax(fc8)
+        fc8_cross_entropy_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_cross_entropy_log_softmax, workspace=mem.workspace(512000))
+        # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
+        fc8_cross_entropy_pick = mem.tensor(14, (128,), 'float32')
+        rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
+        # free y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        del y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         mem.free(1, 12)
-        # X24 = sum_to[scalar](X23)
-        X24 = mem.tensor(15, (), 'float32')
-        rt.sum_to(X23, out=X24, shape=())
-        # free X23
-        del X23
+        # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
+        fc8_cross_entropy_sum_to = mem.tensor(15, (), 'float32')
+        rt.sum_to(fc8_cross_entropy_pick, out=fc8_cross_entropy_sum_to, shape=())
+        # free fc8_cross_entropy_pick
+        del fc8_cross_entropy_pick
         mem.free(14)
-        # X25 = -X24/128
-        X25 = X24  # in place: over X24
-        rt.ew(ew6, X25, X24)
-        accuracy = rt.scalar(X21)
-        loss = rt.scalar(X25)
+        # fc8_cross_entropy = -fc8_cross_entropy_sum_to/128
+        fc8_cross_entropy = fc8_cross_entropy_sum_to  # in place: over fc8_cross_entropy_sum_to
+        rt.ew(ew_scale, fc8_cross_entropy, fc8_cross_entropy_sum_to)
+        accuracy = rt.scalar(fc8_precision)
+        loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
+            buffers=(
+                (0, 512),  # 0: const 128 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=473432320, peak_bytes=473432320, workspace_bytes=44449792, pool_bytes=602437632,
+            buffers=(
+                (154140672, 81962496),  # 0: x 128x3x231x231 float32
+                (237532672, 512),  # 1: y 128 int32
+                (237139456, 393216),  # 2: fc6_dropout_mask 128x3072 uint8
+                (236627456, 512000),  # 3: d_fc8_cross_entropy_log_softmax 128x1000 float32
+                (236103168, 524288),  # 4: fc7_dropout_mask 128x4096 uint8
+                (0, 154140672),  # 5: conv1 128x96x56x56 float32
+                (406758912, 9633792),  # 6: conv1_max_pool_argmax 128x96x28x28 uint8
+                (311600640, 38535168),  # 7: conv1_max_pool 128x96x28x28 float32
+                (0, 75497472),  # 8: conv2 128x256x24x24 float32
+                (416392704, 4718592),  # 9: conv2_max_pool_argmax 128x256x12x12 uint8
+                (387884544, 18874368),  # 10: conv2_max_pool 128x256x12x12 float32
+                (350135808, 37748736),  # 11: conv3 128x512x12x12 float32
+                (0, 75497472),  # 12: conv4 128x1024x12x12 float32
+                (75497472, 75497472),  # 13: conv5 128x1024x12x12 float32
+                (254977536, 4718592),  # 14: conv5_max_pool_argmax 128x1024x6x6 uint8
+                (452984832, 18874368),  # 15: conv5_max_pool 128x1024x6x6 float32
+                (77594624, 1572864),  # 16: fc6_matmul 128x3072 float32
+                (127926272, 1572864),  # 17: fc6_dropout 128x3072 float32
+                (75497472, 2097152),  # 18: fc7_matmul 128x4096 float32
+                (91881472, 2097152),  # 19: fc7_dropout 128x4096 float32
+                (79167488, 512000),  # 20: fc8_matmul 128x1000 float32
+                (79679488, 512),  # 21: fc8_cross_entropy_pick 128 float32
+                (473432064, 4),  # 22: fc8_cross_entropy_sum_to scalar float32
+                (79167488, 4000),  # 23: d_fc8_B 1000 float32
+                (125829120, 2097152),  # 24: d_fc7_dropout 128x4096 float32
+                (75497472, 16384),  # 25: d_fc7_B 4096 float32
+                (471859200, 1572864),  # 26: d_fc6_dropout 128x3072 float32
+                (75497472, 12288),  # 27: d_fc6_B 3072 float32
+                (75497472, 16384000),  # 28: d_fc8_W 1000x4096 float32
+                (236103168, 18874368),  # 29: d_conv5_flatten 128x36864 float32
+                (75497472, 50331648),  # 30: d_fc7_W 4096x3072 float32
+                (75497472, 75497472),  # 31: d_conv5_relu_max_pool_bwd 128x1024x12x12 float32
+                (150994944, 4096),  # 32: d_conv5_sum_to 1x1024x1x1 float32
+                (236103168, 37748736),  # 33: d_conv5_W 1024x1024x3x3 float32
+                (236103168, 75497472),  # 34: d_conv4_relu 128x1024x12x12 float32
+                (0, 4096),  # 35: d_conv4_sum_to 1x1024x1x1 float32
+                (37748736, 18874368),  # 36: d_conv4_W 1024x512x3x3 float32
+                (0, 37748736),  # 37: d_conv3_relu 128x512x12x12 float32
+                (37748736, 2048),  # 38: d_conv3_sum_to 1x512x1x1 float32
+                (37748736, 4718592),  # 39: d_conv3_W 512x256x3x3 float32
+                (75497472, 18874368),  # 40: d_conv2_max_pool 128x256x12x12 float32
+                (0, 75497472),  # 41: d_conv2_relu_max_pool_bwd 128x256x24x24 float32
+                (75497472, 1024),  # 42: d_conv2_sum_to 1x256x1x1 float32
+                (75497472, 2457600),  # 43: d_conv2_W 256x96x5x5 float32
+                (236103168, 38535168),  # 44: d_conv1_max_pool 128x96x28x28 float32
+                (0, 154140672),  # 45: d_conv1_relu_max_pool_bwd 128x96x56x56 float32
+                (236103168, 139392),  # 46: d_conv1_W 96x3x11x11 float32
+                (154140672, 384),  # 47: d_conv1_sum_to 1x96x1x1 float32
+                (0, 452984832),  # 48: d_fc6_W 3072x36864 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=236103680, peak_bytes=236103680, workspace_bytes=33177600, pool_bytes=236103680,
+            buffers=(
+                (154140672, 81962496),  # 0: x 128x3x231x231 float32
+                (236103168, 512),  # 1: y 128 int32
+                (0, 154140672),  # 2: conv1 128x96x56x56 float32
+                (154140672, 38535168),  # 3: conv1_max_pool 128x96x28x28 float32
+                (0, 75497472),  # 4: conv2 128x256x24x24 float32
+                (113246208, 18874368),  # 5: conv2_max_pool 128x256x12x12 float32
+                (75497472, 37748736),  # 6: conv3 128x512x12x12 float32
+                (0, 75497472),  # 7: conv4 128x1024x12x12 float32
+                (75497472, 75497472),  # 8: conv5 128x1024x12x12 float32
+                (0, 18874368),  # 9: conv5_max_pool 128x1024x6x6 float32
+                (18874368, 1572864),  # 10: fc6_matmul 128x3072 float32
+                (0, 2097152),  # 11: fc7_matmul 128x4096 float32
+                (2097152, 512000),  # 12: fc8_matmul 128x1000 float32
+                (512, 4),  # 13: fc8_precision scalar float32
+                (0, 512),  # 14: fc8_cross_entropy_pick 128 float32
+                (768, 4),  # 15: fc8_cross_entropy_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0):
+def ew_relu(out, v0):
     """out = Max(0, v0)   (out may be v0)"""
     np.maximum(v0, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew4(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew5(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.0078125*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.0078125, out=out)
 
 
-def ew6(out, v0):
+def ew_scale(out, v0):
     """out = -v0/128   (out may be v0)"""
     np.multiply(v0, -0.0078125, out=out)
 
 
-def ew7(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew8(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 
 
-def ew9(out, v0, v1, v2):
+def ew_step_mul(out, v0, v1, v2):
     """out = 2.0*v0*v1*Heaviside(v2, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v2, 0), out=out)
     np.multiply(out, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew10(out, v0, v1):
+def ew_step_mul_2(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 

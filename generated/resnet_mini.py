@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 36.70 MB of tensors planned for the training step (15.05 MB testing); static arena 36.70 MB, pool 41.71 MB, workspace 31.97 MB
-Structure hash: 089b25e0332ddd94
+Structure hash: b366e68273956604
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "089b25e0332ddd94"
+    structure_hash = "b366e68273956604"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -134,191 +136,13 @@ class ResnetMini(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
-            buffers=(
-                (0, 400),  # 0: X1 100 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=36695296, peak_bytes=36695296, workspace_bytes=31974400, pool_bytes=41713664,
-            buffers=(
-                (36377600, 313600),  # 0: x 100x1x28x28 float32
-                (33902592, 400),  # 1: y 100 int32
-                (33894400, 4000),  # 2: X1 100x10 float32
-                (0, 5017600),  # 3: X2 100x16x28x28 float32
-                (5017600, 64),  # 4: X3 1x16x1x1 float32
-                (5017600, 5017600),  # 5: X8 100x16x28x28 float32
-                (36691200, 64),  # 6: X9 1x16x1x1 float32
-                (36691456, 64),  # 7: X13 1x16x1x1 float32
-                (5017600, 5017600),  # 8: X16 100x16x28x28 float32
-                (10035200, 5017600),  # 9: X17 100x16x28x28 float32
-                (15052800, 64),  # 10: X18 1x16x1x1 float32
-                (15052800, 5017600),  # 11: X23 100x16x28x28 float32
-                (36691712, 64),  # 12: X24 1x16x1x1 float32
-                (36691968, 64),  # 13: X28 1x16x1x1 float32
-                (15052800, 5017600),  # 14: X31 100x16x28x28 float32
-                (20070400, 5017600),  # 15: X32 100x16x28x28 float32
-                (15052800, 64),  # 16: X33 1x16x1x1 float32
-                (15052800, 5017600),  # 17: X38 100x16x28x28 float32
-                (36692224, 64),  # 18: X39 1x16x1x1 float32
-                (36692480, 64),  # 19: X43 1x16x1x1 float32
-                (25088000, 2508800),  # 20: X47 100x32x14x14 float32
-                (15052800, 128),  # 21: X48 1x32x1x1 float32
-                (15052800, 2508800),  # 22: X53 100x32x14x14 float32
-                (36692736, 128),  # 23: X54 1x32x1x1 float32
-                (36692992, 128),  # 24: X58 1x32x1x1 float32
-                (15052800, 2508800),  # 25: X59 100x32x14x14 float32
-                (17561600, 128),  # 26: X60 1x32x1x1 float32
-                (17561600, 2508800),  # 27: X65 100x32x14x14 float32
-                (36693248, 128),  # 28: X66 1x32x1x1 float32
-                (36693504, 128),  # 29: X70 1x32x1x1 float32
-                (17561600, 2508800),  # 30: X73 100x32x14x14 float32
-                (27596800, 2508800),  # 31: X74 100x32x14x14 float32
-                (17561600, 128),  # 32: X75 1x32x1x1 float32
-                (17561600, 2508800),  # 33: X80 100x32x14x14 float32
-                (36693760, 128),  # 34: X81 1x32x1x1 float32
-                (36694016, 128),  # 35: X85 1x32x1x1 float32
-                (17561600, 2508800),  # 36: X90 100x32x14x14 float32
-                (32614400, 1254400),  # 37: X91 100x64x7x7 float32
-                (30105600, 256),  # 38: X92 1x64x1x1 float32
-                (30105600, 1254400),  # 39: X97 100x64x7x7 float32
-                (36694272, 256),  # 40: X98 1x64x1x1 float32
-                (36694528, 256),  # 41: X102 1x64x1x1 float32
-                (30105600, 1254400),  # 42: X103 100x64x7x7 float32
-                (17561600, 256),  # 43: X104 1x64x1x1 float32
-                (17561600, 1254400),  # 44: X109 100x64x7x7 float32
-                (35148800, 256),  # 45: X110 1x64x1x1 float32
-                (36694784, 256),  # 46: X114 1x64x1x1 float32
-                (17561600, 1254400),  # 47: X117 100x64x7x7 float32
-                (18816000, 1254400),  # 48: X118 100x64x7x7 float32
-                (31360000, 256),  # 49: X119 1x64x1x1 float32
-                (31360000, 1254400),  # 50: X124 100x64x7x7 float32
-                (35149056, 256),  # 51: X125 1x64x1x1 float32
-                (35149312, 256),  # 52: X129 1x64x1x1 float32
-                (31360000, 1254400),  # 53: X134 100x64x7x7 float32
-                (33868800, 25600),  # 54: X135 100x64x1x1 float32
-                (33898496, 4000),  # 55: X137 100x10 float32
-                (33903104, 400),  # 56: X140 100 float32
-                (33898496, 2560),  # 57: X142 10x64 float32
-                (36695040, 4),  # 58: X144 scalar float32
-                (33868800, 40),  # 59: X146 10 float32
-                (35123200, 25600),  # 60: X149 100x64 float32
-                (33868800, 1254400),  # 61: X152 100x64x7x7 float32
-                (31360000, 256),  # 62: X154 1x64x1x1 float32
-                (31360000, 1254400),  # 63: X160 100x64x7x7 float32
-                (35123200, 256),  # 64: X161 1x64x1x1 float32
-                (31360000, 1254400),  # 65: X163 100x64x7x7 float32
-                (35123200, 256),  # 66: X165 1x64x1x1 float32
-                (18816000, 1254400),  # 67: X169 100x64x7x7 float32
-                (35123200, 256),  # 68: X170 1x64x1x1 float32
-                (18816000, 147456),  # 69: X173 64x64x3x3 float32
-                (18816000, 1254400),  # 70: X175 100x64x7x7 float32
-                (17561600, 256),  # 71: X178 1x64x1x1 float32
-                (17561600, 1254400),  # 72: X182 100x64x7x7 float32
-                (31360000, 256),  # 73: X183 1x64x1x1 float32
-                (35123200, 1254400),  # 74: X185 100x64x7x7 float32
-                (17561600, 256),  # 75: X187 1x64x1x1 float32
-                (17561600, 1254400),  # 76: X191 100x64x7x7 float32
-                (18816000, 256),  # 77: X192 1x64x1x1 float32
-                (17561600, 2508800),  # 78: X195 100x32x14x14 float32
-                (30105600, 73728),  # 79: X196 64x32x3x3 float32
-                (30105600, 2508800),  # 80: X198 100x32x14x14 float32
-                (35123200, 1254400),  # 81: X200 100x64x7x7 float32
-                (36694784, 256),  # 82: X201 1x64x1x1 float32
-                (35123200, 1254400),  # 83: X203 100x64x7x7 float32
-                (32614400, 256),  # 84: X205 1x64x1x1 float32
-                (32614400, 1254400),  # 85: X209 100x64x7x7 float32
-                (33868800, 256),  # 86: X210 1x64x1x1 float32
-                (32614400, 8192),  # 87: X213 64x32x1x1 float32
-                (32614400, 2508800),  # 88: X215 100x32x14x14 float32
-                (17561600, 128),  # 89: X218 1x32x1x1 float32
-                (17561600, 2508800),  # 90: X224 100x32x14x14 float32
-                (30105600, 128),  # 91: X225 1x32x1x1 float32
-                (17561600, 2508800),  # 92: X227 100x32x14x14 float32
-                (30105600, 128),  # 93: X229 1x32x1x1 float32
-                (27596800, 2508800),  # 94: X233 100x32x14x14 float32
-                (30105600, 128),  # 95: X234 1x32x1x1 float32
-                (27596800, 2508800),  # 96: X237 100x32x14x14 float32
-                (30105600, 36864),  # 97: X238 32x32x3x3 float32
-                (30105600, 2508800),  # 98: X240 100x32x14x14 float32
-                (17561600, 128),  # 99: X243 1x32x1x1 float32
-                (17561600, 2508800),  # 100: X247 100x32x14x14 float32
-                (35123200, 128),  # 101: X248 1x32x1x1 float32
-                (27596800, 2508800),  # 102: X250 100x32x14x14 float32
-                (15052800, 128),  # 103: X252 1x32x1x1 float32
-                (15052800, 2508800),  # 104: X256 100x32x14x14 float32
-                (17561600, 128),  # 105: X257 1x32x1x1 float32
-                (15052800, 18432),  # 106: X260 32x16x3x3 float32
-                (15052800, 5017600),  # 107: X262 100x16x28x28 float32
-                (27596800, 2508800),  # 108: X264 100x32x14x14 float32
-                (35123200, 128),  # 109: X265 1x32x1x1 float32
-                (30105600, 2508800),  # 110: X267 100x32x14x14 float32
-                (25088000, 128),  # 111: X269 1x32x1x1 float32
-                (25088000, 2508800),  # 112: X273 100x32x14x14 float32
-                (27596800, 128),  # 113: X274 1x32x1x1 float32
-                (25088000, 2048),  # 114: X277 32x16x1x1 float32
-                (25088000, 5017600),  # 115: X279 100x16x28x28 float32
-                (5017600, 64),  # 116: X282 1x16x1x1 float32
-                (5017600, 5017600),  # 117: X286 100x16x28x28 float32
-                (15052800, 64),  # 118: X287 1x16x1x1 float32
-                (5017600, 5017600),  # 119: X289 100x16x28x28 float32
-                (15052800, 64),  # 120: X291 1x16x1x1 float32
-                (15052800, 5017600),  # 121: X295 100x16x28x28 float32
-                (20070400, 64),  # 122: X296 1x16x1x1 float32
-                (15052800, 5017600),  # 123: X299 100x16x28x28 float32
-                (20070400, 9216),  # 124: X300 16x16x3x3 float32
-                (20070400, 5017600),  # 125: X302 100x16x28x28 float32
-                (5017600, 64),  # 126: X305 1x16x1x1 float32
-                (5017600, 5017600),  # 127: X309 100x16x28x28 float32
-                (15052800, 64),  # 128: X310 1x16x1x1 float32
-                (5017600, 5017600),  # 129: X312 100x16x28x28 float32
-                (10035200, 64),  # 130: X314 1x16x1x1 float32
-                (10035200, 5017600),  # 131: X318 100x16x28x28 float32
-                (15052800, 64),  # 132: X319 1x16x1x1 float32
-                (10035200, 5017600),  # 133: X322 100x16x28x28 float32
-                (15052800, 9216),  # 134: X323 16x16x3x3 float32
-                (15052800, 5017600),  # 135: X325 100x16x28x28 float32
-                (5017600, 64),  # 136: X328 1x16x1x1 float32
-                (5017600, 5017600),  # 137: X332 100x16x28x28 float32
-                (10035200, 64),  # 138: X333 1x16x1x1 float32
-                (5017600, 5017600),  # 139: X335 100x16x28x28 float32
-                (0, 64),  # 140: X337 1x16x1x1 float32
-                (0, 5017600),  # 141: X341 100x16x28x28 float32
-                (10035200, 64),  # 142: X342 1x16x1x1 float32
-                (0, 576),  # 143: X345 16x1x3x3 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=15053312, peak_bytes=15053312, workspace_bytes=25856000, pool_bytes=15366912,
-            buffers=(
-                (5017600, 313600),  # 0: x 100x1x28x28 float32
-                (15052800, 400),  # 1: y 100 int32
-                (0, 5017600),  # 2: X1 100x16x28x28 float32
-                (5017600, 5017600),  # 3: X7 100x16x28x28 float32
-                (10035200, 5017600),  # 4: X13 100x16x28x28 float32
-                (0, 2508800),  # 5: X19 100x32x14x14 float32
-                (2508800, 2508800),  # 6: X20 100x32x14x14 float32
-                (5017600, 2508800),  # 7: X31 100x32x14x14 float32
-                (0, 1254400),  # 8: X37 100x64x7x7 float32
-                (1254400, 1254400),  # 9: X38 100x64x7x7 float32
-                (2508800, 1254400),  # 10: X49 100x64x7x7 float32
-                (0, 25600),  # 11: X55 100x64x1x1 float32
-                (25600, 4000),  # 12: X57 100x10 float32
-                (512, 4),  # 13: X59 scalar float32
-                (0, 400),  # 14: X61 100 float32
-                (768, 4),  # 15: X62 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.01)
-        X1 = mem.tensor(0, (100,), 'float32')
-        rt.const(out=X1, shape=(100,), value=-0.01)
-        T['H1'] = X1
+        # const = fill(-0.01)
+        const = mem.tensor(0, (100,), 'float32')
+        rt.const(out=const, shape=(100,), value=-0.01)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -326,1393 +150,1571 @@ class ResnetMini(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = unpick[classes=10](H1, y)
-        X1 = mem.tensor(2, (100, 10), 'float32')
-        rt.unpick(T['H1'], y, out=X1, classes=10)
-        # X2 = conv2d[pad=1](x, conv1_W)
-        X2 = mem.tensor(3, (100, 16, 28, 28), 'float32')
-        rt.conv2d(x, T['conv1_W'], out=X2, pad=1, stride=1, workspace=mem.workspace(3182400))
-        # X3 = sum_to[1x16x1x1](X2)
-        X3 = mem.tensor(4, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X2, out=X3, shape=(1, 16, 1, 1))
-        # X4 = X3/78400
-        X4 = X3  # in place: over X3
-        rt.ew(ew1, X4, X3)
-        # X5 = X2 - X4
-        X5 = X2  # in place: over X2
-        rt.ew(ew2, X5, X2, X4)
-        # X6 = reshape[16](X4)
-        X6 = rt.reshape(X4, shape=(16,))
-        # X7 = 0.1*X6 + 0.9*conv1_bn_mean
-        X7 = T['conv1_bn_mean']  # in place: the new conv1_bn_mean
-        rt.ew(ew3, X7, T['conv1_bn_mean'], X6)
-        # free X4, X6
-        del X3, X4, X6
+
+        # ---- fc_cross_entropy (cross_entropy), backward ----
+        # d_fc_cross_entropy_log_softmax = unpick[classes=10](H1, y)
+        d_fc_cross_entropy_log_softmax = mem.tensor(2, (100, 10), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc_cross_entropy_log_softmax, classes=10)
+
+        # ---- conv1 (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W)
+        conv1 = mem.tensor(3, (100, 16, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
+
+        # ---- conv1_bn (batch norm), forward ----
+        # conv1_bn_sum = sum_to[1x16x1x1](conv1)
+        conv1_bn_sum = mem.tensor(4, (1, 16, 1, 1), 'float32')
+        rt.sum_to(conv1, out=conv1_bn_sum, shape=(1, 16, 1, 1))
+        # conv1_bn_batch_mean = conv1_bn_sum/78400
+        conv1_bn_batch_mean = conv1_bn_sum  # in place: over conv1_bn_sum
+        rt.ew(ew_scale, conv1_bn_batch_mean, conv1_bn_sum)
+        # conv1_bn_centered = conv1 - conv1_bn_batch_mean
+        conv1_bn_centered = conv1  # in place: over conv1
+        rt.ew(ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean)
+        # conv1_bn_batch_mean_flat = reshape[16](conv1_bn_batch_mean)
+        conv1_bn_batch_mean_flat = rt.reshape(conv1_bn_batch_mean, shape=(16,))
+        # conv1_bn_mean_new = 0.9*conv1_bn_mean + 0.1*conv1_bn_batch_mean_flat
+        conv1_bn_mean_new = T['conv1_bn_mean']  # in place: the new conv1_bn_mean
+        rt.ew(ew_scale_add, conv1_bn_mean_new, T['conv1_bn_mean'], conv1_bn_batch_mean_flat)
+        # free conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
+        del conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         mem.free(4)
-        # X8 = X5**2
-        X8 = mem.tensor(5, (100, 16, 28, 28), 'float32')
-        rt.ew(ew4, X8, X5)
-        # X9 = sum_to[1x16x1x1](X8)
-        X9 = mem.tensor(6, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X8, out=X9, shape=(1, 16, 1, 1))
-        # free X8
-        del X8
+        # conv1_bn_square = conv1_bn_centered**2
+        conv1_bn_square = mem.tensor(5, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_square, conv1_bn_square, conv1_bn_centered)
+        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_square)
+        conv1_bn_sum_of_squares = mem.tensor(6, (1, 16, 1, 1), 'float32')
+        rt.sum_to(conv1_bn_square, out=conv1_bn_sum_of_squares, shape=(1, 16, 1, 1))
+        # free conv1_bn_square
+        del conv1_bn_square
         mem.free(5)
-        # X10 = X9/78400
-        X10 = X9  # in place: over X9
-        rt.ew(ew1, X10, X9)
-        # X11 = reshape[16](X10)
-        X11 = rt.reshape(X10, shape=(16,))
-        # X12 = 0.100001275526474*X11 + 0.9*conv1_bn_var
-        X12 = T['conv1_bn_var']  # in place: the new conv1_bn_var
-        rt.ew(ew5, X12, T['conv1_bn_var'], X11)
-        # X13 = 1/sqrt(X10 + 1.0e-5)
-        X13 = mem.tensor(7, (1, 16, 1, 1), 'float32')
-        rt.ew(ew6, X13, X10)
-        # X14 = reshape[1x16x1x1](conv1_bn_B)
-        X14 = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
-        # X15 = reshape[1x16x1x1](conv1_bn_W)
-        X15 = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
-        # X16 = Max(0, X13*X15*X5 + X14)
-        X16 = mem.tensor(8, (100, 16, 28, 28), 'float32')
-        rt.ew(ew7, X16, X5, X13, X15, X14)
-        # X17 = conv2d[pad=1](X16, res2_a_W)
-        X17 = mem.tensor(9, (100, 16, 28, 28), 'float32')
-        rt.conv2d(X16, T['res2_a_W'], out=X17, pad=1, stride=1, workspace=mem.workspace(25459200))
-        # X18 = sum_to[1x16x1x1](X17)
-        X18 = mem.tensor(10, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X17, out=X18, shape=(1, 16, 1, 1))
-        # X19 = X18/78400
-        X19 = X18  # in place: over X18
-        rt.ew(ew1, X19, X18)
-        # X20 = X17 - X19
-        X20 = X17  # in place: over X17
-        rt.ew(ew2, X20, X17, X19)
-        # X21 = reshape[16](X19)
-        X21 = rt.reshape(X19, shape=(16,))
-        # X22 = 0.1*X21 + 0.9*res2_a_bn_mean
-        X22 = T['res2_a_bn_mean']  # in place: the new res2_a_bn_mean
-        rt.ew(ew3, X22, T['res2_a_bn_mean'], X21)
-        # free X19, X21
-        del X18, X19, X21
+        # conv1_bn_batch_var = conv1_bn_sum_of_squares/78400
+        conv1_bn_batch_var = conv1_bn_sum_of_squares  # in place: over conv1_bn_sum_of_squares
+        rt.ew(ew_scale, conv1_bn_batch_var, conv1_bn_sum_of_squares)
+        # conv1_bn_batch_var_flat = reshape[16](conv1_bn_batch_var)
+        conv1_bn_batch_var_flat = rt.reshape(conv1_bn_batch_var, shape=(16,))
+        # conv1_bn_var_new = 0.9*conv1_bn_var + 0.100001275526474*conv1_bn_batch_var_flat
+        conv1_bn_var_new = T['conv1_bn_var']  # in place: the new conv1_bn_var
+        rt.ew(ew_scale_add_2, conv1_bn_var_new, T['conv1_bn_var'], conv1_bn_batch_var_flat)
+        # conv1_bn_inv_std = 1/sqrt(conv1_bn_batch_var + 1.0e-5)
+        conv1_bn_inv_std = mem.tensor(7, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, conv1_bn_inv_std, conv1_bn_batch_var)
+        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
+        # conv1_bn_weight = reshape[1x16x1x1](conv1_bn_W)
+        conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
+        conv1_bn_relu = mem.tensor(8, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, conv1_bn_relu, conv1_bn_centered, conv1_bn_inv_std, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_a = conv2d[pad=1](conv1_bn_relu, res2_a_W)
+        res2_a = mem.tensor(9, (100, 16, 28, 28), 'float32')
+        rt.conv2d(conv1_bn_relu, T['res2_a_W'], out=res2_a, pad=1, stride=1, workspace=mem.workspace(25459200))
+
+        # ---- res2_a_bn (batch norm), forward ----
+        # res2_a_bn_sum = sum_to[1x16x1x1](res2_a)
+        res2_a_bn_sum = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        rt.sum_to(res2_a, out=res2_a_bn_sum, shape=(1, 16, 1, 1))
+        # res2_a_bn_batch_mean = res2_a_bn_sum/78400
+        res2_a_bn_batch_mean = res2_a_bn_sum  # in place: over res2_a_bn_sum
+        rt.ew(ew_scale, res2_a_bn_batch_mean, res2_a_bn_sum)
+        # res2_a_bn_centered = res2_a - res2_a_bn_batch_mean
+        res2_a_bn_centered = res2_a  # in place: over res2_a
+        rt.ew(ew_sub, res2_a_bn_centered, res2_a, res2_a_bn_batch_mean)
+        # res2_a_bn_batch_mean_flat = reshape[16](res2_a_bn_batch_mean)
+        res2_a_bn_batch_mean_flat = rt.reshape(res2_a_bn_batch_mean, shape=(16,))
+        # res2_a_bn_mean_new = 0.9*res2_a_bn_mean + 0.1*res2_a_bn_batch_mean_flat
+        res2_a_bn_mean_new = T['res2_a_bn_mean']  # in place: the new res2_a_bn_mean
+        rt.ew(ew_scale_add, res2_a_bn_mean_new, T['res2_a_bn_mean'], res2_a_bn_batch_mean_flat)
+        # free res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
+        del res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         mem.free(10)
-        # X23 = X20**2
-        X23 = mem.tensor(11, (100, 16, 28, 28), 'float32')
-        rt.ew(ew4, X23, X20)
-        # X24 = sum_to[1x16x1x1](X23)
-        X24 = mem.tensor(12, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X23, out=X24, shape=(1, 16, 1, 1))
-        # free X23
-        del X23
+        # res2_a_bn_square = res2_a_bn_centered**2
+        res2_a_bn_square = mem.tensor(11, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_square, res2_a_bn_square, res2_a_bn_centered)
+        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_square)
+        res2_a_bn_sum_of_squares = mem.tensor(12, (1, 16, 1, 1), 'float32')
+        rt.sum_to(res2_a_bn_square, out=res2_a_bn_sum_of_squares, shape=(1, 16, 1, 1))
+        # free res2_a_bn_square
+        del res2_a_bn_square
         mem.free(11)
-        # X25 = X24/78400
-        X25 = X24  # in place: over X24
-        rt.ew(ew1, X25, X24)
-        # X26 = reshape[16](X25)
-        X26 = rt.reshape(X25, shape=(16,))
-        # X27 = 0.100001275526474*X26 + 0.9*res2_a_bn_var
-        X27 = T['res2_a_bn_var']  # in place: the new res2_a_bn_var
-        rt.ew(ew5, X27, T['res2_a_bn_var'], X26)
-        # X28 = 1/sqrt(X25 + 1.0e-5)
-        X28 = mem.tensor(13, (1, 16, 1, 1), 'float32')
-        rt.ew(ew6, X28, X25)
-        # X29 = reshape[1x16x1x1](res2_a_bn_B)
-        X29 = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
-        # X30 = reshape[1x16x1x1](res2_a_bn_W)
-        X30 = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
-        # X31 = Max(0, X20*X28*X30 + X29)
-        X31 = mem.tensor(14, (100, 16, 28, 28), 'float32')
-        rt.ew(ew7, X31, X20, X28, X30, X29)
-        # X32 = conv2d[pad=1](X31, res2_b_W)
-        X32 = mem.tensor(15, (100, 16, 28, 28), 'float32')
-        rt.conv2d(X31, T['res2_b_W'], out=X32, pad=1, stride=1, workspace=mem.workspace(25459200))
-        # free X31
-        del X31
+        # res2_a_bn_batch_var = res2_a_bn_sum_of_squares/78400
+        res2_a_bn_batch_var = res2_a_bn_sum_of_squares  # in place: over res2_a_bn_sum_of_squares
+        rt.ew(ew_scale, res2_a_bn_batch_var, res2_a_bn_sum_of_squares)
+        # res2_a_bn_batch_var_flat = reshape[16](res2_a_bn_batch_var)
+        res2_a_bn_batch_var_flat = rt.reshape(res2_a_bn_batch_var, shape=(16,))
+        # res2_a_bn_var_new = 0.9*res2_a_bn_var + 0.100001275526474*res2_a_bn_batch_var_flat
+        res2_a_bn_var_new = T['res2_a_bn_var']  # in place: the new res2_a_bn_var
+        rt.ew(ew_scale_add_2, res2_a_bn_var_new, T['res2_a_bn_var'], res2_a_bn_batch_var_flat)
+        # res2_a_bn_inv_std = 1/sqrt(res2_a_bn_batch_var + 1.0e-5)
+        res2_a_bn_inv_std = mem.tensor(13, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res2_a_bn_inv_std, res2_a_bn_batch_var)
+        # res2_a_bn_bias = reshape[1x16x1x1](res2_a_bn_B)
+        res2_a_bn_bias = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
+        # res2_a_bn_weight = reshape[1x16x1x1](res2_a_bn_W)
+        res2_a_bn_weight = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
+
+        # ---- res2_a_bn_relu (relu), forward ----
+        # res2_a_bn_relu = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
+        res2_a_bn_relu = mem.tensor(14, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, res2_a_bn_relu, res2_a_bn_centered, res2_a_bn_inv_std, res2_a_bn_weight, res2_a_bn_bias)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_b = conv2d[pad=1](res2_a_bn_relu, res2_b_W)
+        res2_b = mem.tensor(15, (100, 16, 28, 28), 'float32')
+        rt.conv2d(res2_a_bn_relu, T['res2_b_W'], out=res2_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free res2_a_bn_relu
+        del res2_a_bn_relu
         mem.free(14)
-        # X33 = sum_to[1x16x1x1](X32)
-        X33 = mem.tensor(16, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X32, out=X33, shape=(1, 16, 1, 1))
-        # X34 = X33/78400
-        X34 = X33  # in place: over X33
-        rt.ew(ew1, X34, X33)
-        # X35 = X32 - X34
-        X35 = X32  # in place: over X32
-        rt.ew(ew2, X35, X32, X34)
-        # X36 = reshape[16](X34)
-        X36 = rt.reshape(X34, shape=(16,))
-        # X37 = 0.1*X36 + 0.9*res2_b_bn_mean
-        X37 = T['res2_b_bn_mean']  # in place: the new res2_b_bn_mean
-        rt.ew(ew3, X37, T['res2_b_bn_mean'], X36)
-        # free X34, X36
-        del X33, X34, X36
+
+        # ---- res2_b_bn (batch norm), forward ----
+        # res2_b_bn_sum = sum_to[1x16x1x1](res2_b)
+        res2_b_bn_sum = mem.tensor(16, (1, 16, 1, 1), 'float32')
+        rt.sum_to(res2_b, out=res2_b_bn_sum, shape=(1, 16, 1, 1))
+        # res2_b_bn_batch_mean = res2_b_bn_sum/78400
+        res2_b_bn_batch_mean = res2_b_bn_sum  # in place: over res2_b_bn_sum
+        rt.ew(ew_scale, res2_b_bn_batch_mean, res2_b_bn_sum)
+        # res2_b_bn_centered = res2_b - res2_b_bn_batch_mean
+        res2_b_bn_centered = res2_b  # in place: over res2_b
+        rt.ew(ew_sub, res2_b_bn_centered, res2_b, res2_b_bn_batch_mean)
+        # res2_b_bn_batch_mean_flat = reshape[16](res2_b_bn_batch_mean)
+        res2_b_bn_batch_mean_flat = rt.reshape(res2_b_bn_batch_mean, shape=(16,))
+        # res2_b_bn_mean_new = 0.9*res2_b_bn_mean + 0.1*res2_b_bn_batch_mean_flat
+        res2_b_bn_mean_new = T['res2_b_bn_mean']  # in place: the new res2_b_bn_mean
+        rt.ew(ew_scale_add, res2_b_bn_mean_new, T['res2_b_bn_mean'], res2_b_bn_batch_mean_flat)
+        # free res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
+        del res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         mem.free(16)
-        # X38 = X35**2
-        X38 = mem.tensor(17, (100, 16, 28, 28), 'float32')
-        rt.ew(ew4, X38, X35)
-        # X39 = sum_to[1x16x1x1](X38)
-        X39 = mem.tensor(18, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X38, out=X39, shape=(1, 16, 1, 1))
-        # free X38
-        del X38
+        # res2_b_bn_square = res2_b_bn_centered**2
+        res2_b_bn_square = mem.tensor(17, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_square, res2_b_bn_square, res2_b_bn_centered)
+        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_square)
+        res2_b_bn_sum_of_squares = mem.tensor(18, (1, 16, 1, 1), 'float32')
+        rt.sum_to(res2_b_bn_square, out=res2_b_bn_sum_of_squares, shape=(1, 16, 1, 1))
+        # free res2_b_bn_square
+        del res2_b_bn_square
         mem.free(17)
-        # X40 = X39/78400
-        X40 = X39  # in place: over X39
-        rt.ew(ew1, X40, X39)
-        # X41 = reshape[16](X40)
-        X41 = rt.reshape(X40, shape=(16,))
-        # X42 = 0.100001275526474*X41 + 0.9*res2_b_bn_var
-        X42 = T['res2_b_bn_var']  # in place: the new res2_b_bn_var
-        rt.ew(ew5, X42, T['res2_b_bn_var'], X41)
-        # X43 = 1/sqrt(X40 + 1.0e-5)
-        X43 = mem.tensor(19, (1, 16, 1, 1), 'float32')
-        rt.ew(ew6, X43, X40)
-        # X44 = reshape[1x16x1x1](res2_b_bn_B)
-        X44 = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
-        # X45 = reshape[1x16x1x1](res2_b_bn_W)
-        X45 = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
-        # X46 = Max(0, X16 + X35*X43*X45 + X44)
-        X46 = X16  # in place: over X16
-        rt.ew(ew8, X46, X35, X43, X45, X44, X16)
-        # X47 = conv2d[stride=2](X46, res3_proj_W)
-        X47 = mem.tensor(20, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X46, T['res3_proj_W'], out=X47, pad=0, stride=2, workspace=mem.workspace(1254400))
-        # X48 = sum_to[1x32x1x1](X47)
-        X48 = mem.tensor(21, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X47, out=X48, shape=(1, 32, 1, 1))
-        # X49 = X48/19600
-        X49 = X48  # in place: over X48
-        rt.ew(ew9, X49, X48)
-        # X50 = X47 - X49
-        X50 = X47  # in place: over X47
-        rt.ew(ew2, X50, X47, X49)
-        # X51 = reshape[32](X49)
-        X51 = rt.reshape(X49, shape=(32,))
-        # X52 = 0.1*X51 + 0.9*res3_proj_bn_mean
-        X52 = T['res3_proj_bn_mean']  # in place: the new res3_proj_bn_mean
-        rt.ew(ew3, X52, T['res3_proj_bn_mean'], X51)
-        # free X49, X51
-        del X48, X49, X51
+        # res2_b_bn_batch_var = res2_b_bn_sum_of_squares/78400
+        res2_b_bn_batch_var = res2_b_bn_sum_of_squares  # in place: over res2_b_bn_sum_of_squares
+        rt.ew(ew_scale, res2_b_bn_batch_var, res2_b_bn_sum_of_squares)
+        # res2_b_bn_batch_var_flat = reshape[16](res2_b_bn_batch_var)
+        res2_b_bn_batch_var_flat = rt.reshape(res2_b_bn_batch_var, shape=(16,))
+        # res2_b_bn_var_new = 0.9*res2_b_bn_var + 0.100001275526474*res2_b_bn_batch_var_flat
+        res2_b_bn_var_new = T['res2_b_bn_var']  # in place: the new res2_b_bn_var
+        rt.ew(ew_scale_add_2, res2_b_bn_var_new, T['res2_b_bn_var'], res2_b_bn_batch_var_flat)
+        # res2_b_bn_inv_std = 1/sqrt(res2_b_bn_batch_var + 1.0e-5)
+        res2_b_bn_inv_std = mem.tensor(19, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res2_b_bn_inv_std, res2_b_bn_batch_var)
+        # res2_b_bn_bias = reshape[1x16x1x1](res2_b_bn_B)
+        res2_b_bn_bias = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
+        # res2_b_bn_weight = reshape[1x16x1x1](res2_b_bn_W)
+        res2_b_bn_weight = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
+
+        # ---- res2_b_bn_relu (relu), forward ----
+        # res2_b_bn_relu = Max(0, res2_b_bn_centered*res2_b_bn_inv_std*res2_b_bn_weight + res2_b_bn_bias + conv1_bn_relu)
+        res2_b_bn_relu = conv1_bn_relu  # in place: over conv1_bn_relu
+        rt.ew(ew_mul_add_relu_2, res2_b_bn_relu, res2_b_bn_centered, res2_b_bn_inv_std, res2_b_bn_weight, res2_b_bn_bias, conv1_bn_relu)
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
+        # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
+        res3_proj = mem.tensor(20, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+
+        # ---- res3_proj_bn (batch norm), forward ----
+        # res3_proj_bn_sum = sum_to[1x32x1x1](res3_proj)
+        res3_proj_bn_sum = mem.tensor(21, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_proj, out=res3_proj_bn_sum, shape=(1, 32, 1, 1))
+        # res3_proj_bn_batch_mean = res3_proj_bn_sum/19600
+        res3_proj_bn_batch_mean = res3_proj_bn_sum  # in place: over res3_proj_bn_sum
+        rt.ew(ew_scale_2, res3_proj_bn_batch_mean, res3_proj_bn_sum)
+        # res3_proj_bn_centered = res3_proj - res3_proj_bn_batch_mean
+        res3_proj_bn_centered = res3_proj  # in place: over res3_proj
+        rt.ew(ew_sub, res3_proj_bn_centered, res3_proj, res3_proj_bn_batch_mean)
+        # res3_proj_bn_batch_mean_flat = reshape[32](res3_proj_bn_batch_mean)
+        res3_proj_bn_batch_mean_flat = rt.reshape(res3_proj_bn_batch_mean, shape=(32,))
+        # res3_proj_bn_mean_new = 0.9*res3_proj_bn_mean + 0.1*res3_proj_bn_batch_mean_flat
+        res3_proj_bn_mean_new = T['res3_proj_bn_mean']  # in place: the new res3_proj_bn_mean
+        rt.ew(ew_scale_add, res3_proj_bn_mean_new, T['res3_proj_bn_mean'], res3_proj_bn_batch_mean_flat)
+        # free res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
+        del res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         mem.free(21)
-        # X53 = X50**2
-        X53 = mem.tensor(22, (100, 32, 14, 14), 'float32')
-        rt.ew(ew4, X53, X50)
-        # X54 = sum_to[1x32x1x1](X53)
-        X54 = mem.tensor(23, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X53, out=X54, shape=(1, 32, 1, 1))
-        # free X53
-        del X53
+        # res3_proj_bn_square = res3_proj_bn_centered**2
+        res3_proj_bn_square = mem.tensor(22, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_square, res3_proj_bn_square, res3_proj_bn_centered)
+        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_square)
+        res3_proj_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_proj_bn_square, out=res3_proj_bn_sum_of_squares, shape=(1, 32, 1, 1))
+        # free res3_proj_bn_square
+        del res3_proj_bn_square
         mem.free(22)
-        # X55 = X54/19600
-        X55 = X54  # in place: over X54
-        rt.ew(ew9, X55, X54)
-        # X56 = reshape[32](X55)
-        X56 = rt.reshape(X55, shape=(32,))
-        # X57 = 0.100005102301138*X56 + 0.9*res3_proj_bn_var
-        X57 = T['res3_proj_bn_var']  # in place: the new res3_proj_bn_var
-        rt.ew(ew10, X57, T['res3_proj_bn_var'], X56)
-        # X58 = 1/sqrt(X55 + 1.0e-5)
-        X58 = mem.tensor(24, (1, 32, 1, 1), 'float32')
-        rt.ew(ew6, X58, X55)
-        # X59 = conv2d[pad=1,stride=2](X46, res3_a_W)
-        X59 = mem.tensor(25, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X46, T['res3_a_W'], out=X59, pad=1, stride=2, workspace=mem.workspace(17049600))
-        # X60 = sum_to[1x32x1x1](X59)
-        X60 = mem.tensor(26, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X59, out=X60, shape=(1, 32, 1, 1))
-        # X61 = X60/19600
-        X61 = X60  # in place: over X60
-        rt.ew(ew9, X61, X60)
-        # X62 = X59 - X61
-        X62 = X59  # in place: over X59
-        rt.ew(ew2, X62, X59, X61)
-        # X63 = reshape[32](X61)
-        X63 = rt.reshape(X61, shape=(32,))
-        # X64 = 0.1*X63 + 0.9*res3_a_bn_mean
-        X64 = T['res3_a_bn_mean']  # in place: the new res3_a_bn_mean
-        rt.ew(ew3, X64, T['res3_a_bn_mean'], X63)
-        # free X61, X63
-        del X60, X61, X63
+        # res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares/19600
+        res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares  # in place: over res3_proj_bn_sum_of_squares
+        rt.ew(ew_scale_2, res3_proj_bn_batch_var, res3_proj_bn_sum_of_squares)
+        # res3_proj_bn_batch_var_flat = reshape[32](res3_proj_bn_batch_var)
+        res3_proj_bn_batch_var_flat = rt.reshape(res3_proj_bn_batch_var, shape=(32,))
+        # res3_proj_bn_var_new = 0.9*res3_proj_bn_var + 0.100005102301138*res3_proj_bn_batch_var_flat
+        res3_proj_bn_var_new = T['res3_proj_bn_var']  # in place: the new res3_proj_bn_var
+        rt.ew(ew_scale_add_3, res3_proj_bn_var_new, T['res3_proj_bn_var'], res3_proj_bn_batch_var_flat)
+        # res3_proj_bn_inv_std = 1/sqrt(res3_proj_bn_batch_var + 1.0e-5)
+        res3_proj_bn_inv_std = mem.tensor(24, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
+        # res3_a = conv2d[pad=1,stride=2](res2_b_bn_relu, res3_a_W)
+        res3_a = mem.tensor(25, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_a_W'], out=res3_a, pad=1, stride=2, workspace=mem.workspace(17049600))
+
+        # ---- res3_a_bn (batch norm), forward ----
+        # res3_a_bn_sum = sum_to[1x32x1x1](res3_a)
+        res3_a_bn_sum = mem.tensor(26, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_a, out=res3_a_bn_sum, shape=(1, 32, 1, 1))
+        # res3_a_bn_batch_mean = res3_a_bn_sum/19600
+        res3_a_bn_batch_mean = res3_a_bn_sum  # in place: over res3_a_bn_sum
+        rt.ew(ew_scale_2, res3_a_bn_batch_mean, res3_a_bn_sum)
+        # res3_a_bn_centered = res3_a - res3_a_bn_batch_mean
+        res3_a_bn_centered = res3_a  # in place: over res3_a
+        rt.ew(ew_sub, res3_a_bn_centered, res3_a, res3_a_bn_batch_mean)
+        # res3_a_bn_batch_mean_flat = reshape[32](res3_a_bn_batch_mean)
+        res3_a_bn_batch_mean_flat = rt.reshape(res3_a_bn_batch_mean, shape=(32,))
+        # res3_a_bn_mean_new = 0.9*res3_a_bn_mean + 0.1*res3_a_bn_batch_mean_flat
+        res3_a_bn_mean_new = T['res3_a_bn_mean']  # in place: the new res3_a_bn_mean
+        rt.ew(ew_scale_add, res3_a_bn_mean_new, T['res3_a_bn_mean'], res3_a_bn_batch_mean_flat)
+        # free res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
+        del res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         mem.free(26)
-        # X65 = X62**2
-        X65 = mem.tensor(27, (100, 32, 14, 14), 'float32')
-        rt.ew(ew4, X65, X62)
-        # X66 = sum_to[1x32x1x1](X65)
-        X66 = mem.tensor(28, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X65, out=X66, shape=(1, 32, 1, 1))
-        # free X65
-        del X65
+        # res3_a_bn_square = res3_a_bn_centered**2
+        res3_a_bn_square = mem.tensor(27, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_square, res3_a_bn_square, res3_a_bn_centered)
+        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_square)
+        res3_a_bn_sum_of_squares = mem.tensor(28, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_a_bn_square, out=res3_a_bn_sum_of_squares, shape=(1, 32, 1, 1))
+        # free res3_a_bn_square
+        del res3_a_bn_square
         mem.free(27)
-        # X67 = X66/19600
-        X67 = X66  # in place: over X66
-        rt.ew(ew9, X67, X66)
-        # X68 = reshape[32](X67)
-        X68 = rt.reshape(X67, shape=(32,))
-        # X69 = 0.100005102301138*X68 + 0.9*res3_a_bn_var
-        X69 = T['res3_a_bn_var']  # in place: the new res3_a_bn_var
-        rt.ew(ew10, X69, T['res3_a_bn_var'], X68)
-        # X70 = 1/sqrt(X67 + 1.0e-5)
-        X70 = mem.tensor(29, (1, 32, 1, 1), 'float32')
-        rt.ew(ew6, X70, X67)
-        # X71 = reshape[1x32x1x1](res3_a_bn_W)
-        X71 = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
-        # X72 = reshape[1x32x1x1](res3_a_bn_B)
-        X72 = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
-        # X73 = Max(0, X62*X70*X71 + X72)
-        X73 = mem.tensor(30, (100, 32, 14, 14), 'float32')
-        rt.ew(ew7, X73, X62, X70, X71, X72)
-        # X74 = conv2d[pad=1](X73, res3_b_W)
-        X74 = mem.tensor(31, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X73, T['res3_b_W'], out=X74, pad=1, stride=1, workspace=mem.workspace(25856000))
-        # free X73
-        del X73
+        # res3_a_bn_batch_var = res3_a_bn_sum_of_squares/19600
+        res3_a_bn_batch_var = res3_a_bn_sum_of_squares  # in place: over res3_a_bn_sum_of_squares
+        rt.ew(ew_scale_2, res3_a_bn_batch_var, res3_a_bn_sum_of_squares)
+        # res3_a_bn_batch_var_flat = reshape[32](res3_a_bn_batch_var)
+        res3_a_bn_batch_var_flat = rt.reshape(res3_a_bn_batch_var, shape=(32,))
+        # res3_a_bn_var_new = 0.9*res3_a_bn_var + 0.100005102301138*res3_a_bn_batch_var_flat
+        res3_a_bn_var_new = T['res3_a_bn_var']  # in place: the new res3_a_bn_var
+        rt.ew(ew_scale_add_3, res3_a_bn_var_new, T['res3_a_bn_var'], res3_a_bn_batch_var_flat)
+        # res3_a_bn_inv_std = 1/sqrt(res3_a_bn_batch_var + 1.0e-5)
+        res3_a_bn_inv_std = mem.tensor(29, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res3_a_bn_inv_std, res3_a_bn_batch_var)
+        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
+        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
+        # res3_a_bn_bias = reshape[1x32x1x1](res3_a_bn_B)
+        res3_a_bn_bias = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
+        res3_a_bn_relu = mem.tensor(30, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu, res3_a_bn_relu, res3_a_bn_centered, res3_a_bn_inv_std, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # res3_b = conv2d[pad=1](res3_a_bn_relu, res3_b_W)
+        res3_b = mem.tensor(31, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res3_a_bn_relu, T['res3_b_W'], out=res3_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free res3_a_bn_relu
+        del res3_a_bn_relu
         mem.free(30)
-        # X75 = sum_to[1x32x1x1](X74)
-        X75 = mem.tensor(32, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X74, out=X75, shape=(1, 32, 1, 1))
-        # X76 = X75/19600
-        X76 = X75  # in place: over X75
-        rt.ew(ew9, X76, X75)
-        # X77 = X74 - X76
-        X77 = X74  # in place: over X74
-        rt.ew(ew2, X77, X74, X76)
-        # X78 = reshape[32](X76)
-        X78 = rt.reshape(X76, shape=(32,))
-        # X79 = 0.1*X78 + 0.9*res3_b_bn_mean
-        X79 = T['res3_b_bn_mean']  # in place: the new res3_b_bn_mean
-        rt.ew(ew3, X79, T['res3_b_bn_mean'], X78)
-        # free X76, X78
-        del X75, X76, X78
+
+        # ---- res3_b_bn (batch norm), forward ----
+        # res3_b_bn_sum = sum_to[1x32x1x1](res3_b)
+        res3_b_bn_sum = mem.tensor(32, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_b, out=res3_b_bn_sum, shape=(1, 32, 1, 1))
+        # res3_b_bn_batch_mean = res3_b_bn_sum/19600
+        res3_b_bn_batch_mean = res3_b_bn_sum  # in place: over res3_b_bn_sum
+        rt.ew(ew_scale_2, res3_b_bn_batch_mean, res3_b_bn_sum)
+        # res3_b_bn_centered = res3_b - res3_b_bn_batch_mean
+        res3_b_bn_centered = res3_b  # in place: over res3_b
+        rt.ew(ew_sub, res3_b_bn_centered, res3_b, res3_b_bn_batch_mean)
+        # res3_b_bn_batch_mean_flat = reshape[32](res3_b_bn_batch_mean)
+        res3_b_bn_batch_mean_flat = rt.reshape(res3_b_bn_batch_mean, shape=(32,))
+        # res3_b_bn_mean_new = 0.9*res3_b_bn_mean + 0.1*res3_b_bn_batch_mean_flat
+        res3_b_bn_mean_new = T['res3_b_bn_mean']  # in place: the new res3_b_bn_mean
+        rt.ew(ew_scale_add, res3_b_bn_mean_new, T['res3_b_bn_mean'], res3_b_bn_batch_mean_flat)
+        # free res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
+        del res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         mem.free(32)
-        # X80 = X77**2
-        X80 = mem.tensor(33, (100, 32, 14, 14), 'float32')
-        rt.ew(ew4, X80, X77)
-        # X81 = sum_to[1x32x1x1](X80)
-        X81 = mem.tensor(34, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X80, out=X81, shape=(1, 32, 1, 1))
-        # free X80
-        del X80
+        # res3_b_bn_square = res3_b_bn_centered**2
+        res3_b_bn_square = mem.tensor(33, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_square, res3_b_bn_square, res3_b_bn_centered)
+        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_square)
+        res3_b_bn_sum_of_squares = mem.tensor(34, (1, 32, 1, 1), 'float32')
+        rt.sum_to(res3_b_bn_square, out=res3_b_bn_sum_of_squares, shape=(1, 32, 1, 1))
+        # free res3_b_bn_square
+        del res3_b_bn_square
         mem.free(33)
-        # X82 = X81/19600
-        X82 = X81  # in place: over X81
-        rt.ew(ew9, X82, X81)
-        # X83 = reshape[32](X82)
-        X83 = rt.reshape(X82, shape=(32,))
-        # X84 = 0.100005102301138*X83 + 0.9*res3_b_bn_var
-        X84 = T['res3_b_bn_var']  # in place: the new res3_b_bn_var
-        rt.ew(ew10, X84, T['res3_b_bn_var'], X83)
-        # X85 = 1/sqrt(X82 + 1.0e-5)
-        X85 = mem.tensor(35, (1, 32, 1, 1), 'float32')
-        rt.ew(ew6, X85, X82)
-        # X86 = reshape[1x32x1x1](res3_proj_bn_B)
-        X86 = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
-        # X87 = reshape[1x32x1x1](res3_proj_bn_W)
-        X87 = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
-        # X88 = reshape[1x32x1x1](res3_b_bn_B)
-        X88 = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
-        # X89 = reshape[1x32x1x1](res3_b_bn_W)
-        X89 = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
-        # X90 = Max(0, X50*X58*X87 + X77*X85*X89 + X86 + X88)
-        X90 = mem.tensor(36, (100, 32, 14, 14), 'float32')
-        rt.ew(ew11, X90, X77, X85, X89, X88, X50, X58, X87, X86)
-        # X91 = conv2d[stride=2](X90, res4_proj_W)
-        X91 = mem.tensor(37, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X90, T['res4_proj_W'], out=X91, pad=0, stride=2, workspace=mem.workspace(627200))
-        # X92 = sum_to[1x64x1x1](X91)
-        X92 = mem.tensor(38, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X91, out=X92, shape=(1, 64, 1, 1))
-        # X93 = X92/4900
-        X93 = X92  # in place: over X92
-        rt.ew(ew12, X93, X92)
-        # X94 = X91 - X93
-        X94 = X91  # in place: over X91
-        rt.ew(ew2, X94, X91, X93)
-        # X95 = reshape[64](X93)
-        X95 = rt.reshape(X93, shape=(64,))
-        # X96 = 0.1*X95 + 0.9*res4_proj_bn_mean
-        X96 = T['res4_proj_bn_mean']  # in place: the new res4_proj_bn_mean
-        rt.ew(ew3, X96, T['res4_proj_bn_mean'], X95)
-        # free X93, X95
-        del X92, X93, X95
+        # res3_b_bn_batch_var = res3_b_bn_sum_of_squares/19600
+        res3_b_bn_batch_var = res3_b_bn_sum_of_squares  # in place: over res3_b_bn_sum_of_squares
+        rt.ew(ew_scale_2, res3_b_bn_batch_var, res3_b_bn_sum_of_squares)
+        # res3_b_bn_batch_var_flat = reshape[32](res3_b_bn_batch_var)
+        res3_b_bn_batch_var_flat = rt.reshape(res3_b_bn_batch_var, shape=(32,))
+        # res3_b_bn_var_new = 0.9*res3_b_bn_var + 0.100005102301138*res3_b_bn_batch_var_flat
+        res3_b_bn_var_new = T['res3_b_bn_var']  # in place: the new res3_b_bn_var
+        rt.ew(ew_scale_add_3, res3_b_bn_var_new, T['res3_b_bn_var'], res3_b_bn_batch_var_flat)
+        # res3_b_bn_inv_std = 1/sqrt(res3_b_bn_batch_var + 1.0e-5)
+        res3_b_bn_inv_std = mem.tensor(35, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res3_b_bn_inv_std, res3_b_bn_batch_var)
+
+        # ---- res3_proj_bn (batch norm), forward ----
+        # res3_proj_bn_bias = reshape[1x32x1x1](res3_proj_bn_B)
+        res3_proj_bn_bias = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_weight = reshape[1x32x1x1](res3_proj_bn_W)
+        res3_proj_bn_weight = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
+
+        # ---- res3_b_bn (batch norm), forward ----
+        # res3_b_bn_bias = reshape[1x32x1x1](res3_b_bn_B)
+        res3_b_bn_bias = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
+        # res3_b_bn_weight = reshape[1x32x1x1](res3_b_bn_W)
+        res3_b_bn_weight = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
+
+        # ---- res3_b_bn_relu (relu), forward ----
+        # res3_b_bn_relu = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
+        res3_b_bn_relu = mem.tensor(36, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu_3, res3_b_bn_relu, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn_centered, res3_proj_bn_inv_std, res3_proj_bn_weight, res3_proj_bn_bias)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
+        # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
+        res4_proj = mem.tensor(37, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+
+        # ---- res4_proj_bn (batch norm), forward ----
+        # res4_proj_bn_sum = sum_to[1x64x1x1](res4_proj)
+        res4_proj_bn_sum = mem.tensor(38, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_proj, out=res4_proj_bn_sum, shape=(1, 64, 1, 1))
+        # res4_proj_bn_batch_mean = res4_proj_bn_sum/4900
+        res4_proj_bn_batch_mean = res4_proj_bn_sum  # in place: over res4_proj_bn_sum
+        rt.ew(ew_scale_3, res4_proj_bn_batch_mean, res4_proj_bn_sum)
+        # res4_proj_bn_centered = res4_proj - res4_proj_bn_batch_mean
+        res4_proj_bn_centered = res4_proj  # in place: over res4_proj
+        rt.ew(ew_sub, res4_proj_bn_centered, res4_proj, res4_proj_bn_batch_mean)
+        # res4_proj_bn_batch_mean_flat = reshape[64](res4_proj_bn_batch_mean)
+        res4_proj_bn_batch_mean_flat = rt.reshape(res4_proj_bn_batch_mean, shape=(64,))
+        # res4_proj_bn_mean_new = 0.9*res4_proj_bn_mean + 0.1*res4_proj_bn_batch_mean_flat
+        res4_proj_bn_mean_new = T['res4_proj_bn_mean']  # in place: the new res4_proj_bn_mean
+        rt.ew(ew_scale_add, res4_proj_bn_mean_new, T['res4_proj_bn_mean'], res4_proj_bn_batch_mean_flat)
+        # free res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
+        del res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         mem.free(38)
-        # X97 = X94**2
-        X97 = mem.tensor(39, (100, 64, 7, 7), 'float32')
-        rt.ew(ew4, X97, X94)
-        # X98 = sum_to[1x64x1x1](X97)
-        X98 = mem.tensor(40, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X97, out=X98, shape=(1, 64, 1, 1))
-        # free X97
-        del X97
+        # res4_proj_bn_square = res4_proj_bn_centered**2
+        res4_proj_bn_square = mem.tensor(39, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_square, res4_proj_bn_square, res4_proj_bn_centered)
+        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_square)
+        res4_proj_bn_sum_of_squares = mem.tensor(40, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_proj_bn_square, out=res4_proj_bn_sum_of_squares, shape=(1, 64, 1, 1))
+        # free res4_proj_bn_square
+        del res4_proj_bn_square
         mem.free(39)
-        # X99 = X98/4900
-        X99 = X98  # in place: over X98
-        rt.ew(ew12, X99, X98)
-        # X100 = reshape[64](X99)
-        X100 = rt.reshape(X99, shape=(64,))
-        # X101 = 0.100020412329047*X100 + 0.9*res4_proj_bn_var
-        X101 = T['res4_proj_bn_var']  # in place: the new res4_proj_bn_var
-        rt.ew(ew13, X101, T['res4_proj_bn_var'], X100)
-        # X102 = 1/sqrt(X99 + 1.0e-5)
-        X102 = mem.tensor(41, (1, 64, 1, 1), 'float32')
-        rt.ew(ew6, X102, X99)
-        # X103 = conv2d[pad=1,stride=2](X90, res4_a_W)
-        X103 = mem.tensor(42, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X90, T['res4_a_W'], out=X103, pad=1, stride=2, workspace=mem.workspace(8921600))
-        # free X90
-        del X90
+        # res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares/4900
+        res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares  # in place: over res4_proj_bn_sum_of_squares
+        rt.ew(ew_scale_3, res4_proj_bn_batch_var, res4_proj_bn_sum_of_squares)
+        # res4_proj_bn_batch_var_flat = reshape[64](res4_proj_bn_batch_var)
+        res4_proj_bn_batch_var_flat = rt.reshape(res4_proj_bn_batch_var, shape=(64,))
+        # res4_proj_bn_var_new = 0.9*res4_proj_bn_var + 0.100020412329047*res4_proj_bn_batch_var_flat
+        res4_proj_bn_var_new = T['res4_proj_bn_var']  # in place: the new res4_proj_bn_var
+        rt.ew(ew_scale_add_4, res4_proj_bn_var_new, T['res4_proj_bn_var'], res4_proj_bn_batch_var_flat)
+        # res4_proj_bn_inv_std = 1/sqrt(res4_proj_bn_batch_var + 1.0e-5)
+        res4_proj_bn_inv_std = mem.tensor(41, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
+        # res4_a = conv2d[pad=1,stride=2](res3_b_bn_relu, res4_a_W)
+        res4_a = mem.tensor(42, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_a_W'], out=res4_a, pad=1, stride=2, workspace=mem.workspace(8921600))
+        # free res3_b_bn_relu
+        del res3_b_bn_relu
         mem.free(36)
-        # X104 = sum_to[1x64x1x1](X103)
-        X104 = mem.tensor(43, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X103, out=X104, shape=(1, 64, 1, 1))
-        # X105 = X104/4900
-        X105 = X104  # in place: over X104
-        rt.ew(ew12, X105, X104)
-        # X106 = X103 - X105
-        X106 = X103  # in place: over X103
-        rt.ew(ew2, X106, X103, X105)
-        # X107 = reshape[64](X105)
-        X107 = rt.reshape(X105, shape=(64,))
-        # X108 = 0.1*X107 + 0.9*res4_a_bn_mean
-        X108 = T['res4_a_bn_mean']  # in place: the new res4_a_bn_mean
-        rt.ew(ew3, X108, T['res4_a_bn_mean'], X107)
-        # free X105, X107
-        del X104, X105, X107
+
+        # ---- res4_a_bn (batch norm), forward ----
+        # res4_a_bn_sum = sum_to[1x64x1x1](res4_a)
+        res4_a_bn_sum = mem.tensor(43, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_a, out=res4_a_bn_sum, shape=(1, 64, 1, 1))
+        # res4_a_bn_batch_mean = res4_a_bn_sum/4900
+        res4_a_bn_batch_mean = res4_a_bn_sum  # in place: over res4_a_bn_sum
+        rt.ew(ew_scale_3, res4_a_bn_batch_mean, res4_a_bn_sum)
+        # res4_a_bn_centered = res4_a - res4_a_bn_batch_mean
+        res4_a_bn_centered = res4_a  # in place: over res4_a
+        rt.ew(ew_sub, res4_a_bn_centered, res4_a, res4_a_bn_batch_mean)
+        # res4_a_bn_batch_mean_flat = reshape[64](res4_a_bn_batch_mean)
+        res4_a_bn_batch_mean_flat = rt.reshape(res4_a_bn_batch_mean, shape=(64,))
+        # res4_a_bn_mean_new = 0.9*res4_a_bn_mean + 0.1*res4_a_bn_batch_mean_flat
+        res4_a_bn_mean_new = T['res4_a_bn_mean']  # in place: the new res4_a_bn_mean
+        rt.ew(ew_scale_add, res4_a_bn_mean_new, T['res4_a_bn_mean'], res4_a_bn_batch_mean_flat)
+        # free res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
+        del res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         mem.free(43)
-        # X109 = X106**2
-        X109 = mem.tensor(44, (100, 64, 7, 7), 'float32')
-        rt.ew(ew4, X109, X106)
-        # X110 = sum_to[1x64x1x1](X109)
-        X110 = mem.tensor(45, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X109, out=X110, shape=(1, 64, 1, 1))
-        # free X109
-        del X109
+        # res4_a_bn_square = res4_a_bn_centered**2
+        res4_a_bn_square = mem.tensor(44, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_square, res4_a_bn_square, res4_a_bn_centered)
+        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_square)
+        res4_a_bn_sum_of_squares = mem.tensor(45, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_a_bn_square, out=res4_a_bn_sum_of_squares, shape=(1, 64, 1, 1))
+        # free res4_a_bn_square
+        del res4_a_bn_square
         mem.free(44)
-        # X111 = X110/4900
-        X111 = X110  # in place: over X110
-        rt.ew(ew12, X111, X110)
-        # X112 = reshape[64](X111)
-        X112 = rt.reshape(X111, shape=(64,))
-        # X113 = 0.100020412329047*X112 + 0.9*res4_a_bn_var
-        X113 = T['res4_a_bn_var']  # in place: the new res4_a_bn_var
-        rt.ew(ew13, X113, T['res4_a_bn_var'], X112)
-        # X114 = 1/sqrt(X111 + 1.0e-5)
-        X114 = mem.tensor(46, (1, 64, 1, 1), 'float32')
-        rt.ew(ew6, X114, X111)
-        # X115 = reshape[1x64x1x1](res4_a_bn_W)
-        X115 = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
-        # X116 = reshape[1x64x1x1](res4_a_bn_B)
-        X116 = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
-        # X117 = Max(0, X106*X114*X115 + X116)
-        X117 = mem.tensor(47, (100, 64, 7, 7), 'float32')
-        rt.ew(ew7, X117, X106, X114, X115, X116)
-        # X118 = conv2d[pad=1](X117, res4_b_W)
-        X118 = mem.tensor(48, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X117, T['res4_b_W'], out=X118, pad=1, stride=1, workspace=mem.workspace(13363200))
-        # X119 = sum_to[1x64x1x1](X118)
-        X119 = mem.tensor(49, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X118, out=X119, shape=(1, 64, 1, 1))
-        # X120 = X119/4900
-        X120 = X119  # in place: over X119
-        rt.ew(ew12, X120, X119)
-        # X121 = X118 - X120
-        X121 = X118  # in place: over X118
-        rt.ew(ew2, X121, X118, X120)
-        # X122 = reshape[64](X120)
-        X122 = rt.reshape(X120, shape=(64,))
-        # X123 = 0.1*X122 + 0.9*res4_b_bn_mean
-        X123 = T['res4_b_bn_mean']  # in place: the new res4_b_bn_mean
-        rt.ew(ew3, X123, T['res4_b_bn_mean'], X122)
-        # free X120, X122
-        del X119, X120, X122
+        # res4_a_bn_batch_var = res4_a_bn_sum_of_squares/4900
+        res4_a_bn_batch_var = res4_a_bn_sum_of_squares  # in place: over res4_a_bn_sum_of_squares
+        rt.ew(ew_scale_3, res4_a_bn_batch_var, res4_a_bn_sum_of_squares)
+        # res4_a_bn_batch_var_flat = reshape[64](res4_a_bn_batch_var)
+        res4_a_bn_batch_var_flat = rt.reshape(res4_a_bn_batch_var, shape=(64,))
+        # res4_a_bn_var_new = 0.9*res4_a_bn_var + 0.100020412329047*res4_a_bn_batch_var_flat
+        res4_a_bn_var_new = T['res4_a_bn_var']  # in place: the new res4_a_bn_var
+        rt.ew(ew_scale_add_4, res4_a_bn_var_new, T['res4_a_bn_var'], res4_a_bn_batch_var_flat)
+        # res4_a_bn_inv_std = 1/sqrt(res4_a_bn_batch_var + 1.0e-5)
+        res4_a_bn_inv_std = mem.tensor(46, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res4_a_bn_inv_std, res4_a_bn_batch_var)
+        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
+        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
+        # res4_a_bn_bias = reshape[1x64x1x1](res4_a_bn_B)
+        res4_a_bn_bias = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
+
+        # ---- res4_a_bn_relu (relu), forward ----
+        # res4_a_bn_relu = Max(0, res4_a_bn_centered*res4_a_bn_inv_std*res4_a_bn_weight + res4_a_bn_bias)
+        res4_a_bn_relu = mem.tensor(47, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul_add_relu, res4_a_bn_relu, res4_a_bn_centered, res4_a_bn_inv_std, res4_a_bn_weight, res4_a_bn_bias)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res4_b = conv2d[pad=1](res4_a_bn_relu, res4_b_W)
+        res4_b = mem.tensor(48, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res4_a_bn_relu, T['res4_b_W'], out=res4_b, pad=1, stride=1, workspace=mem.workspace(13363200))
+
+        # ---- res4_b_bn (batch norm), forward ----
+        # res4_b_bn_sum = sum_to[1x64x1x1](res4_b)
+        res4_b_bn_sum = mem.tensor(49, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_b, out=res4_b_bn_sum, shape=(1, 64, 1, 1))
+        # res4_b_bn_batch_mean = res4_b_bn_sum/4900
+        res4_b_bn_batch_mean = res4_b_bn_sum  # in place: over res4_b_bn_sum
+        rt.ew(ew_scale_3, res4_b_bn_batch_mean, res4_b_bn_sum)
+        # res4_b_bn_centered = res4_b - res4_b_bn_batch_mean
+        res4_b_bn_centered = res4_b  # in place: over res4_b
+        rt.ew(ew_sub, res4_b_bn_centered, res4_b, res4_b_bn_batch_mean)
+        # res4_b_bn_batch_mean_flat = reshape[64](res4_b_bn_batch_mean)
+        res4_b_bn_batch_mean_flat = rt.reshape(res4_b_bn_batch_mean, shape=(64,))
+        # res4_b_bn_mean_new = 0.9*res4_b_bn_mean + 0.1*res4_b_bn_batch_mean_flat
+        res4_b_bn_mean_new = T['res4_b_bn_mean']  # in place: the new res4_b_bn_mean
+        rt.ew(ew_scale_add, res4_b_bn_mean_new, T['res4_b_bn_mean'], res4_b_bn_batch_mean_flat)
+        # free res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
+        del res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         mem.free(49)
-        # X124 = X121**2
-        X124 = mem.tensor(50, (100, 64, 7, 7), 'float32')
-        rt.ew(ew4, X124, X121)
-        # X125 = sum_to[1x64x1x1](X124)
-        X125 = mem.tensor(51, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X124, out=X125, shape=(1, 64, 1, 1))
-        # free X124
-        del X124
+        # res4_b_bn_square = res4_b_bn_centered**2
+        res4_b_bn_square = mem.tensor(50, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_square, res4_b_bn_square, res4_b_bn_centered)
+        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_square)
+        res4_b_bn_sum_of_squares = mem.tensor(51, (1, 64, 1, 1), 'float32')
+        rt.sum_to(res4_b_bn_square, out=res4_b_bn_sum_of_squares, shape=(1, 64, 1, 1))
+        # free res4_b_bn_square
+        del res4_b_bn_square
         mem.free(50)
-        # X126 = X125/4900
-        X126 = X125  # in place: over X125
-        rt.ew(ew12, X126, X125)
-        # X127 = reshape[64](X126)
-        X127 = rt.reshape(X126, shape=(64,))
-        # X128 = 0.100020412329047*X127 + 0.9*res4_b_bn_var
-        X128 = T['res4_b_bn_var']  # in place: the new res4_b_bn_var
-        rt.ew(ew13, X128, T['res4_b_bn_var'], X127)
-        # X129 = 1/sqrt(X126 + 1.0e-5)
-        X129 = mem.tensor(52, (1, 64, 1, 1), 'float32')
-        rt.ew(ew6, X129, X126)
-        # X130 = reshape[1x64x1x1](res4_proj_bn_B)
-        X130 = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
-        # X131 = reshape[1x64x1x1](res4_proj_bn_W)
-        X131 = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
-        # X132 = reshape[1x64x1x1](res4_b_bn_B)
-        X132 = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
-        # X133 = reshape[1x64x1x1](res4_b_bn_W)
-        X133 = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
-        # X134 = Max(0, X102*X131*X94 + X121*X129*X133 + X130 + X132)
-        X134 = mem.tensor(53, (100, 64, 7, 7), 'float32')
-        rt.ew(ew11, X134, X121, X129, X133, X132, X94, X102, X131, X130)
-        # X135 = avg_pool[kernel=7,stride=7](X134)
-        X135 = mem.tensor(54, (100, 64, 1, 1), 'float32')
-        rt.avg_pool(X134, out=X135, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
-        # X136 = reshape[100x64](X135)
-        X136 = rt.reshape(X135, shape=(100, 64))
-        # X137 = matmul[tb](X136, fc_W)
-        X137 = mem.tensor(55, (100, 10), 'float32')
-        rt.matmul(X136, T['fc_W'], out=X137, tb=True)
-        # X138 = X137 + fc_B
-        X138 = X137  # in place: over X137
-        rt.ew(ew14, X138, X137, T['fc_B'])
-        # X139 = log_softmax(X138)
-        X139 = X138  # in place: over X138
-        rt.log_softmax(X138, out=X139, workspace=mem.workspace(4000))
-        # X140 = pick(X139, y)
-        X140 = mem.tensor(56, (100,), 'float32')
-        rt.pick(X139, y, out=X140)
+        # res4_b_bn_batch_var = res4_b_bn_sum_of_squares/4900
+        res4_b_bn_batch_var = res4_b_bn_sum_of_squares  # in place: over res4_b_bn_sum_of_squares
+        rt.ew(ew_scale_3, res4_b_bn_batch_var, res4_b_bn_sum_of_squares)
+        # res4_b_bn_batch_var_flat = reshape[64](res4_b_bn_batch_var)
+        res4_b_bn_batch_var_flat = rt.reshape(res4_b_bn_batch_var, shape=(64,))
+        # res4_b_bn_var_new = 0.9*res4_b_bn_var + 0.100020412329047*res4_b_bn_batch_var_flat
+        res4_b_bn_var_new = T['res4_b_bn_var']  # in place: the new res4_b_bn_var
+        rt.ew(ew_scale_add_4, res4_b_bn_var_new, T['res4_b_bn_var'], res4_b_bn_batch_var_flat)
+        # res4_b_bn_inv_std = 1/sqrt(res4_b_bn_batch_var + 1.0e-5)
+        res4_b_bn_inv_std = mem.tensor(52, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_add_rsqrt, res4_b_bn_inv_std, res4_b_bn_batch_var)
+
+        # ---- res4_proj_bn (batch norm), forward ----
+        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
+        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_weight = reshape[1x64x1x1](res4_proj_bn_W)
+        res4_proj_bn_weight = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
+
+        # ---- res4_b_bn (batch norm), forward ----
+        # res4_b_bn_bias = reshape[1x64x1x1](res4_b_bn_B)
+        res4_b_bn_bias = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
+        # res4_b_bn_weight = reshape[1x64x1x1](res4_b_bn_W)
+        res4_b_bn_weight = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
+
+        # ---- res4_b_bn_relu (relu), forward ----
+        # res4_b_bn_relu = Max(0, res4_b_bn_centered*res4_b_bn_inv_std*res4_b_bn_weight + res4_b_bn_bias + res4_proj_bn_centered*res4_proj_bn_inv_std*res4_proj_bn_weight + res4_proj_bn_bias)
+        res4_b_bn_relu = mem.tensor(53, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul_add_relu_3, res4_b_bn_relu, res4_b_bn_centered, res4_b_bn_inv_std, res4_b_bn_weight, res4_b_bn_bias, res4_proj_bn_centered, res4_proj_bn_inv_std, res4_proj_bn_weight, res4_proj_bn_bias)
+
+        # ---- res4_b_bn_avg_pool (average pooling), forward ----
+        # res4_b_bn_avg_pool = avg_pool[kernel=7,stride=7](res4_b_bn_relu)
+        res4_b_bn_avg_pool = mem.tensor(54, (100, 64, 1, 1), 'float32')
+        rt.avg_pool(res4_b_bn_relu, out=res4_b_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+
+        # ---- res4_b_bn_flatten (flatten), forward ----
+        # res4_b_bn_flatten = reshape[100x64](res4_b_bn_avg_pool)
+        res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
+
+        # ---- fc (fully connected, 10 outputs), forward ----
+        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
+        fc_matmul = mem.tensor(55, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = fc_matmul + fc_B
+        fc = fc_matmul  # in place: over fc_matmul
+        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+
+        # ---- fc_cross_entropy (cross_entropy), forward ----
+        # fc_cross_entropy_log_softmax = log_softmax(fc)
+        fc_cross_entropy_log_softmax = fc  # in place: over fc
+        rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
+        fc_cross_entropy_pick = mem.tensor(56, (100,), 'float32')
+        rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
         # free y
         del y
         mem.free(1)
-        # X141 = X1 + 0.01*exp(X139)
-        X141 = X1  # in place: over X1
-        rt.ew(ew15, X141, X1, X139)
-        # free X139
-        del X137, X138, X139
+
+        # ---- fc_cross_entropy (cross_entropy), backward ----
+        # d_fc = d_fc_cross_entropy_log_softmax + 0.01*exp(fc_cross_entropy_log_softmax)
+        d_fc = d_fc_cross_entropy_log_softmax  # in place: over d_fc_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc, d_fc_cross_entropy_log_softmax, fc_cross_entropy_log_softmax)
+        # free fc_matmul, fc, fc_cross_entropy_log_softmax
+        del fc_matmul, fc, fc_cross_entropy_log_softmax
         mem.free(55)
-        # X142 = matmul[ta](X141, X136)
-        X142 = mem.tensor(57, (10, 64), 'float32')
-        rt.matmul(X141, X136, out=X142, ta=True)
-        # free X135, X136
-        del X135, X136
+
+        # ---- fc (fully connected, 10 outputs), backward ----
+        # d_fc_W = matmul[ta](d_fc, res4_b_bn_flatten)
+        d_fc_W = mem.tensor(57, (10, 64), 'float32')
+        rt.matmul(d_fc, res4_b_bn_flatten, out=d_fc_W, ta=True)
+        # free res4_b_bn_avg_pool, res4_b_bn_flatten
+        del res4_b_bn_avg_pool, res4_b_bn_flatten
         mem.free(54)
-        # X143 = V_fc_W*momentum + X142 + decay*fc_W
-        X143 = T['V_fc_W']  # in place: the new V_fc_W
-        rt.ew(ew16, X143, T['V_fc_W'], momentum, X142, decay, T['fc_W'])
-        # free X142
-        del X142
+        # V_fc_W_new = V_fc_W*momentum + d_fc_W + decay*fc_W
+        V_fc_W_new = T['V_fc_W']  # in place: the new V_fc_W
+        rt.ew(ew_mul_add, V_fc_W_new, T['V_fc_W'], momentum, d_fc_W, decay, T['fc_W'])
+        # free d_fc_W
+        del d_fc_W
         mem.free(57)
-        # X144 = sum_to[scalar](X140)
-        X144 = mem.tensor(58, (), 'float32')
-        rt.sum_to(X140, out=X144, shape=())
-        # free X140
-        del X140
+
+        # ---- fc_cross_entropy (cross_entropy), forward ----
+        # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
+        fc_cross_entropy_sum_to = mem.tensor(58, (), 'float32')
+        rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
+        # free fc_cross_entropy_pick
+        del fc_cross_entropy_pick
         mem.free(56)
-        # X145 = -X144/100
-        X145 = X144  # in place: over X144
-        rt.ew(ew17, X145, X144)
-        # X146 = sum_to[10](X141)
-        X146 = mem.tensor(59, (10,), 'float32')
-        rt.sum_to(X141, out=X146, shape=(10,))
-        # X147 = V_fc_B*momentum + X146 + decay*fc_B
-        X147 = T['V_fc_B']  # in place: the new V_fc_B
-        rt.ew(ew16, X147, T['V_fc_B'], momentum, X146, decay, T['fc_B'])
-        # free X146
-        del X146
+        # fc_cross_entropy = -fc_cross_entropy_sum_to/100
+        fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
+        rt.ew(ew_scale_4, fc_cross_entropy, fc_cross_entropy_sum_to)
+
+        # ---- fc (fully connected, 10 outputs), backward ----
+        # d_fc_B = sum_to[10](d_fc)
+        d_fc_B = mem.tensor(59, (10,), 'float32')
+        rt.sum_to(d_fc, out=d_fc_B, shape=(10,))
+        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B
+        V_fc_B_new = T['V_fc_B']  # in place: the new V_fc_B
+        rt.ew(ew_mul_add, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B'])
+        # free d_fc_B
+        del d_fc_B
         mem.free(59)
-        # X148 = -X147*lr + fc_B
-        X148 = T['fc_B']  # in place: the new fc_B
-        rt.ew(ew18, X148, T['fc_B'], lr, X147)
-        # X149 = matmul(X141, fc_W)
-        X149 = mem.tensor(60, (100, 64), 'float32')
-        rt.matmul(X141, T['fc_W'], out=X149)
-        # free X141
-        del X1, X141
+        # fc_B_new = fc_B - lr*V_fc_B_new
+        fc_B_new = T['fc_B']  # in place: the new fc_B
+        rt.ew(ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new)
+        # d_res4_b_bn_flatten = matmul(d_fc, fc_W)
+        d_res4_b_bn_flatten = mem.tensor(60, (100, 64), 'float32')
+        rt.matmul(d_fc, T['fc_W'], out=d_res4_b_bn_flatten)
+        # free d_fc_cross_entropy_log_softmax, d_fc
+        del d_fc_cross_entropy_log_softmax, d_fc
         mem.free(2)
-        # X150 = -X143*lr + fc_W
-        X150 = T['fc_W']  # in place: the new fc_W
-        rt.ew(ew18, X150, T['fc_W'], lr, X143)
-        # X151 = reshape[100x64x1x1](X149)
-        X151 = rt.reshape(X149, shape=(100, 64, 1, 1))
-        # X152 = avg_pool_bwd[kernel=7,size=(7,7),stride=7](X151)
-        X152 = mem.tensor(61, (100, 64, 7, 7), 'float32')
-        rt.avg_pool_bwd(X151, out=X152, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(25600))
-        # free X149, X151
-        del X149, X151
+        # fc_W_new = fc_W - lr*V_fc_W_new
+        fc_W_new = T['fc_W']  # in place: the new fc_W
+        rt.ew(ew_mul_sub, fc_W_new, T['fc_W'], lr, V_fc_W_new)
+
+        # ---- res4_b_bn_flatten (flatten), backward ----
+        # d_res4_b_bn_avg_pool = reshape[100x64x1x1](d_res4_b_bn_flatten)
+        d_res4_b_bn_avg_pool = rt.reshape(d_res4_b_bn_flatten, shape=(100, 64, 1, 1))
+
+        # ---- res4_b_bn_avg_pool (average pooling), backward ----
+        # d_res4_b_bn_relu = avg_pool_bwd[kernel=7,size=(7,7),stride=7](d_res4_b_bn_avg_pool)
+        d_res4_b_bn_relu = mem.tensor(61, (100, 64, 7, 7), 'float32')
+        rt.avg_pool_bwd(d_res4_b_bn_avg_pool, out=d_res4_b_bn_relu, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(25600))
+        # free d_res4_b_bn_flatten, d_res4_b_bn_avg_pool
+        del d_res4_b_bn_flatten, d_res4_b_bn_avg_pool
         mem.free(60)
-        # X153 = X152*Heaviside(X134, 0)
-        X153 = X152  # in place: over X152
-        rt.ew(ew19, X153, X152, X134)
-        # free X134
-        del X134
+
+        # ---- res4_b_bn_relu (relu), backward ----
+        # d_res4_b_bn_add = d_res4_b_bn_relu*Heaviside(res4_b_bn_relu, 0)
+        d_res4_b_bn_add = d_res4_b_bn_relu  # in place: over d_res4_b_bn_relu
+        rt.ew(ew_step_mul, d_res4_b_bn_add, d_res4_b_bn_relu, res4_b_bn_relu)
+        # free res4_b_bn_relu
+        del res4_b_bn_relu
         mem.free(53)
-        # X154 = sum_to[1x64x1x1](X153)
-        X154 = mem.tensor(62, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X153, out=X154, shape=(1, 64, 1, 1))
-        # X155 = reshape[64](X154)
-        X155 = rt.reshape(X154, shape=(64,))
-        # X156 = V_res4_b_bn_B*momentum + X155 + decay*res4_b_bn_B
-        X156 = T['V_res4_b_bn_B']  # in place: the new V_res4_b_bn_B
-        rt.ew(ew16, X156, T['V_res4_b_bn_B'], momentum, X155, decay, T['res4_b_bn_B'])
-        # X157 = V_res4_proj_bn_B*momentum + X155 + decay*res4_proj_bn_B
-        X157 = T['V_res4_proj_bn_B']  # in place: the new V_res4_proj_bn_B
-        rt.ew(ew16, X157, T['V_res4_proj_bn_B'], momentum, X155, decay, T['res4_proj_bn_B'])
-        # free X154, X155
-        del X154, X155
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_b_bn_add)
+        d_res4_proj_bn_bias = mem.tensor(62, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_b_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
+        # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
+        d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
+
+        # ---- res4_b_bn (batch norm), backward ----
+        # V_res4_b_bn_B_new = V_res4_b_bn_B*momentum + d_res4_proj_bn_B + decay*res4_b_bn_B
+        V_res4_b_bn_B_new = T['V_res4_b_bn_B']  # in place: the new V_res4_b_bn_B
+        rt.ew(ew_mul_add, V_res4_b_bn_B_new, T['V_res4_b_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_b_bn_B'])
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # V_res4_proj_bn_B_new = V_res4_proj_bn_B*momentum + d_res4_proj_bn_B + decay*res4_proj_bn_B
+        V_res4_proj_bn_B_new = T['V_res4_proj_bn_B']  # in place: the new V_res4_proj_bn_B
+        rt.ew(ew_mul_add, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B'])
+        # free d_res4_proj_bn_bias, d_res4_proj_bn_B
+        del d_res4_proj_bn_bias, d_res4_proj_bn_B
         mem.free(62)
-        # X158 = -X156*lr + res4_b_bn_B
-        X158 = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
-        rt.ew(ew18, X158, T['res4_b_bn_B'], lr, X156)
-        # X159 = -X157*lr + res4_proj_bn_B
-        X159 = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
-        rt.ew(ew18, X159, T['res4_proj_bn_B'], lr, X157)
-        # X160 = X121*X133*X153
-        X160 = mem.tensor(63, (100, 64, 7, 7), 'float32')
-        rt.ew(ew20, X160, X153, X121, X133)
-        # X161 = sum_to[1x64x1x1](X160)
-        X161 = mem.tensor(64, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X160, out=X161, shape=(1, 64, 1, 1))
-        # free X160
-        del X160
+
+        # ---- res4_b_bn (batch norm), backward ----
+        # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
+        res4_b_bn_B_new = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
+        rt.ew(ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new)
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
+        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
+        rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
+
+        # ---- res4_b_bn (batch norm), backward ----
+        # d_res4_b_bn_mul = d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_weight
+        d_res4_b_bn_mul = mem.tensor(63, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul, d_res4_b_bn_mul, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_weight)
+        # d_res4_b_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_mul)
+        d_res4_b_bn_inv_std = mem.tensor(64, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_b_bn_mul, out=d_res4_b_bn_inv_std, shape=(1, 64, 1, 1))
+        # free d_res4_b_bn_mul
+        del d_res4_b_bn_mul
         mem.free(63)
-        # X162 = -X161/(9800*(X126 + 1.0e-5)**(3/2))
-        X162 = X161  # in place: over X161
-        rt.ew(ew21, X162, X161, X126)
-        # free X126, X127
-        del X125, X126, X127
+        # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
+        # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
+        del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(51)
-        # X163 = 2*X121*X162 + X129*X133*X153
-        X163 = mem.tensor(65, (100, 64, 7, 7), 'float32')
-        rt.ew(ew22, X163, X153, X129, X133, X162, X121)
-        # free X162
-        del X161, X162
+        # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
+        d_res4_b_bn_centered = mem.tensor(65, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
+        # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
         mem.free(64)
-        # X164 = X121*X129*X153
-        X164 = X121  # in place: over X121
-        rt.ew(ew23, X164, X153, X121, X129)
-        # free X129
-        del X129
+        # d_res4_b_bn_mul_2 = d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_inv_std
+        d_res4_b_bn_mul_2 = res4_b_bn_centered  # in place: over res4_b_bn_centered
+        rt.ew(ew_mul_2, d_res4_b_bn_mul_2, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_inv_std)
+        # free res4_b_bn_inv_std
+        del res4_b_bn_inv_std
         mem.free(52)
-        # X165 = sum_to[1x64x1x1](X164)
-        X165 = mem.tensor(66, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X164, out=X165, shape=(1, 64, 1, 1))
-        # free X164
-        del X118, X121, X164
+        # d_res4_b_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_mul_2)
+        d_res4_b_bn_weight = mem.tensor(66, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_b_bn_mul_2, out=d_res4_b_bn_weight, shape=(1, 64, 1, 1))
+        # free res4_b, res4_b_bn_centered, d_res4_b_bn_mul_2
+        del res4_b, res4_b_bn_centered, d_res4_b_bn_mul_2
         mem.free(48)
-        # X166 = reshape[64](X165)
-        X166 = rt.reshape(X165, shape=(64,))
-        # X167 = V_res4_b_bn_W*momentum + X166 + decay*res4_b_bn_W
-        X167 = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
-        rt.ew(ew16, X167, T['V_res4_b_bn_W'], momentum, X166, decay, T['res4_b_bn_W'])
-        # free X165, X166
-        del X165, X166
+        # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
+        d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
+        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
+        V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
+        rt.ew(ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
+        # free d_res4_b_bn_weight, d_res4_b_bn_W
+        del d_res4_b_bn_weight, d_res4_b_bn_W
         mem.free(66)
-        # X168 = -X167*lr + res4_b_bn_W
-        X168 = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
-        rt.ew(ew18, X168, T['res4_b_bn_W'], lr, X167)
-        # X169 = -X163
-        X169 = mem.tensor(67, (100, 64, 7, 7), 'float32')
-        rt.ew(ew24, X169, X163)
-        # X170 = sum_to[1x64x1x1](X169)
-        X170 = mem.tensor(68, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X169, out=X170, shape=(1, 64, 1, 1))
-        # free X169
-        del X169
+        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
+        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
+        rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
+        # d_res4_b_bn_neg = -d_res4_b_bn_centered
+        d_res4_b_bn_neg = mem.tensor(67, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_neg, d_res4_b_bn_neg, d_res4_b_bn_centered)
+        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](d_res4_b_bn_neg)
+        d_res4_b_bn_batch_mean = mem.tensor(68, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_b_bn_neg, out=d_res4_b_bn_batch_mean, shape=(1, 64, 1, 1))
+        # free d_res4_b_bn_neg
+        del d_res4_b_bn_neg
         mem.free(67)
-        # X171 = X170/4900
-        X171 = X170  # in place: over X170
-        rt.ew(ew12, X171, X170)
-        # X172 = X163 + X171
-        X172 = X163  # in place: over X163
-        rt.ew(ew14, X172, X163, X171)
-        # free X171
-        del X170, X171
+        # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
+        d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
+        rt.ew(ew_scale_3, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_res4_b = d_res4_b_bn_centered + d_res4_b_bn_sum
+        d_res4_b = d_res4_b_bn_centered  # in place: over d_res4_b_bn_centered
+        rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
+        # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
+        del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
         mem.free(68)
-        # X173 = conv2d_bwd_filter[kernel=(3,3),pad=1](X172, X117)
-        X173 = mem.tensor(69, (64, 64, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X172, X117, out=X173, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14617600))
-        # X174 = V_res4_b_W*momentum + X173 + decay*res4_b_W
-        X174 = T['V_res4_b_W']  # in place: the new V_res4_b_W
-        rt.ew(ew16, X174, T['V_res4_b_W'], momentum, X173, decay, T['res4_b_W'])
-        # free X173
-        del X173
+        # d_res4_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4_b, res4_a_bn_relu)
+        d_res4_b_W = mem.tensor(69, (64, 64, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res4_b, res4_a_bn_relu, out=d_res4_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14617600))
+        # V_res4_b_W_new = V_res4_b_W*momentum + d_res4_b_W + decay*res4_b_W
+        V_res4_b_W_new = T['V_res4_b_W']  # in place: the new V_res4_b_W
+        rt.ew(ew_mul_add, V_res4_b_W_new, T['V_res4_b_W'], momentum, d_res4_b_W, decay, T['res4_b_W'])
+        # free d_res4_b_W
+        del d_res4_b_W
         mem.free(69)
-        # X175 = conv2d_bwd_data[pad=1,size=(7,7)](X172, res4_b_W)
-        X175 = mem.tensor(70, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(X172, T['res4_b_W'], out=X175, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(18252800))
-        # free X172
-        del X163, X172
+        # d_res4_a_bn_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res4_b, res4_b_W)
+        d_res4_a_bn_relu = mem.tensor(70, (100, 64, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_res4_b, T['res4_b_W'], out=d_res4_a_bn_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(18252800))
+        # free d_res4_b_bn_centered, d_res4_b
+        del d_res4_b_bn_centered, d_res4_b
         mem.free(65)
-        # X176 = X175*Heaviside(X117, 0)
-        X176 = X175  # in place: over X175
-        rt.ew(ew19, X176, X175, X117)
-        # free X117
-        del X117
+
+        # ---- res4_a_bn_relu (relu), backward ----
+        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu, 0)
+        d_res4_a_bn = d_res4_a_bn_relu  # in place: over d_res4_a_bn_relu
+        rt.ew(ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu)
+        # free res4_a_bn_relu
+        del res4_a_bn_relu
         mem.free(47)
-        # X177 = -X174*lr + res4_b_W
-        X177 = T['res4_b_W']  # in place: the new res4_b_W
-        rt.ew(ew18, X177, T['res4_b_W'], lr, X174)
-        # X178 = sum_to[1x64x1x1](X176)
-        X178 = mem.tensor(71, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X176, out=X178, shape=(1, 64, 1, 1))
-        # X179 = reshape[64](X178)
-        X179 = rt.reshape(X178, shape=(64,))
-        # X180 = V_res4_a_bn_B*momentum + X179 + decay*res4_a_bn_B
-        X180 = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
-        rt.ew(ew16, X180, T['V_res4_a_bn_B'], momentum, X179, decay, T['res4_a_bn_B'])
-        # free X178, X179
-        del X178, X179
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # res4_b_W_new = res4_b_W - lr*V_res4_b_W_new
+        res4_b_W_new = T['res4_b_W']  # in place: the new res4_b_W
+        rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
+
+        # ---- res4_a_bn (batch norm), backward ----
+        # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
+        d_res4_a_bn_bias = mem.tensor(71, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
+        # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
+        d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
+        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B
+        V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
+        rt.ew(ew_mul_add, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B'])
+        # free d_res4_a_bn_bias, d_res4_a_bn_B
+        del d_res4_a_bn_bias, d_res4_a_bn_B
         mem.free(71)
-        # X181 = -X180*lr + res4_a_bn_B
-        X181 = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
-        rt.ew(ew18, X181, T['res4_a_bn_B'], lr, X180)
-        # X182 = X106*X115*X176
-        X182 = mem.tensor(72, (100, 64, 7, 7), 'float32')
-        rt.ew(ew20, X182, X176, X106, X115)
-        # X183 = sum_to[1x64x1x1](X182)
-        X183 = mem.tensor(73, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X182, out=X183, shape=(1, 64, 1, 1))
-        # free X182
-        del X182
+        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
+        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
+        rt.ew(ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new)
+        # d_res4_a_bn_mul = d_res4_a_bn*res4_a_bn_centered*res4_a_bn_weight
+        d_res4_a_bn_mul = mem.tensor(72, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul, d_res4_a_bn_mul, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_weight)
+        # d_res4_a_bn_inv_std = sum_to[1x64x1x1](d_res4_a_bn_mul)
+        d_res4_a_bn_inv_std = mem.tensor(73, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_a_bn_mul, out=d_res4_a_bn_inv_std, shape=(1, 64, 1, 1))
+        # free d_res4_a_bn_mul
+        del d_res4_a_bn_mul
         mem.free(72)
-        # X184 = -X183/(9800*(X111 + 1.0e-5)**(3/2))
-        X184 = X183  # in place: over X183
-        rt.ew(ew21, X184, X183, X111)
-        # free X111, X112
-        del X110, X111, X112
+        # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
+        # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
+        del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(45)
-        # X185 = 2*X106*X184 + X114*X115*X176
-        X185 = mem.tensor(74, (100, 64, 7, 7), 'float32')
-        rt.ew(ew22, X185, X176, X114, X115, X184, X106)
-        # free X184
-        del X183, X184
+        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
+        d_res4_a_bn_centered = mem.tensor(74, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
+        # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
         mem.free(73)
-        # X186 = X106*X114*X176
-        X186 = X176  # in place: over X176
-        rt.ew(ew25, X186, X176, X106, X114)
-        # free X106, X114
-        del X103, X106, X114
+        # d_res4_a_bn_mul_2 = d_res4_a_bn*res4_a_bn_centered*res4_a_bn_inv_std
+        d_res4_a_bn_mul_2 = d_res4_a_bn  # in place: over d_res4_a_bn
+        rt.ew(ew_mul_3, d_res4_a_bn_mul_2, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_inv_std)
+        # free res4_a, res4_a_bn_centered, res4_a_bn_inv_std
+        del res4_a, res4_a_bn_centered, res4_a_bn_inv_std
         mem.free(42, 46)
-        # X187 = sum_to[1x64x1x1](X186)
-        X187 = mem.tensor(75, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X186, out=X187, shape=(1, 64, 1, 1))
-        # free X186
-        del X175, X176, X186
+        # d_res4_a_bn_weight = sum_to[1x64x1x1](d_res4_a_bn_mul_2)
+        d_res4_a_bn_weight = mem.tensor(75, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_a_bn_mul_2, out=d_res4_a_bn_weight, shape=(1, 64, 1, 1))
+        # free d_res4_a_bn_relu, d_res4_a_bn, d_res4_a_bn_mul_2
+        del d_res4_a_bn_relu, d_res4_a_bn, d_res4_a_bn_mul_2
         mem.free(70)
-        # X188 = reshape[64](X187)
-        X188 = rt.reshape(X187, shape=(64,))
-        # X189 = V_res4_a_bn_W*momentum + X188 + decay*res4_a_bn_W
-        X189 = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
-        rt.ew(ew16, X189, T['V_res4_a_bn_W'], momentum, X188, decay, T['res4_a_bn_W'])
-        # free X187, X188
-        del X187, X188
+        # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
+        d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
+        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
+        V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
+        rt.ew(ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
+        # free d_res4_a_bn_weight, d_res4_a_bn_W
+        del d_res4_a_bn_weight, d_res4_a_bn_W
         mem.free(75)
-        # X190 = -X189*lr + res4_a_bn_W
-        X190 = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
-        rt.ew(ew18, X190, T['res4_a_bn_W'], lr, X189)
-        # X191 = -X185
-        X191 = mem.tensor(76, (100, 64, 7, 7), 'float32')
-        rt.ew(ew24, X191, X185)
-        # X192 = sum_to[1x64x1x1](X191)
-        X192 = mem.tensor(77, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X191, out=X192, shape=(1, 64, 1, 1))
-        # free X191
-        del X191
+        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
+        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
+        rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
+        # d_res4_a_bn_neg = -d_res4_a_bn_centered
+        d_res4_a_bn_neg = mem.tensor(76, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_neg, d_res4_a_bn_neg, d_res4_a_bn_centered)
+        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](d_res4_a_bn_neg)
+        d_res4_a_bn_batch_mean = mem.tensor(77, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_a_bn_neg, out=d_res4_a_bn_batch_mean, shape=(1, 64, 1, 1))
+        # free d_res4_a_bn_neg
+        del d_res4_a_bn_neg
         mem.free(76)
-        # X193 = X192/4900
-        X193 = X192  # in place: over X192
-        rt.ew(ew12, X193, X192)
-        # X194 = X185 + X193
-        X194 = X185  # in place: over X185
-        rt.ew(ew14, X194, X185, X193)
-        # free X193
-        del X192, X193
+        # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
+        d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
+        rt.ew(ew_scale_3, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), backward ----
+        # d_res4_a = d_res4_a_bn_centered + d_res4_a_bn_sum
+        d_res4_a = d_res4_a_bn_centered  # in place: over d_res4_a_bn_centered
+        rt.ew(ew_add, d_res4_a, d_res4_a_bn_centered, d_res4_a_bn_sum)
+        # free d_res4_a_bn_batch_mean, d_res4_a_bn_sum
+        del d_res4_a_bn_batch_mean, d_res4_a_bn_sum
         mem.free(77)
-        # X195 = Max(0, X50*X58*X87 + X77*X85*X89 + X86 + X88)
-        X195 = mem.tensor(78, (100, 32, 14, 14), 'float32')
-        rt.ew(ew11, X195, X77, X85, X89, X88, X50, X58, X87, X86)
-        # X196 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](X194, X195)
-        X196 = mem.tensor(79, (64, 32, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X194, X195, out=X196, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
-        # X197 = V_res4_a_W*momentum + X196 + decay*res4_a_W
-        X197 = T['V_res4_a_W']  # in place: the new V_res4_a_W
-        rt.ew(ew16, X197, T['V_res4_a_W'], momentum, X196, decay, T['res4_a_W'])
-        # free X196
-        del X196
+
+        # ---- res3_b_bn_relu (relu), forward ----
+        # res3_b_bn_relu_2 = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
+        res3_b_bn_relu_2 = mem.tensor(78, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu_3, res3_b_bn_relu_2, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn_centered, res3_proj_bn_inv_std, res3_proj_bn_weight, res3_proj_bn_bias)
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), backward ----
+        # d_res4_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res4_a, res3_b_bn_relu_2)
+        d_res4_a_W = mem.tensor(79, (64, 32, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res4_a, res3_b_bn_relu_2, out=d_res4_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
+        # V_res4_a_W_new = V_res4_a_W*momentum + d_res4_a_W + decay*res4_a_W
+        V_res4_a_W_new = T['V_res4_a_W']  # in place: the new V_res4_a_W
+        rt.ew(ew_mul_add, V_res4_a_W_new, T['V_res4_a_W'], momentum, d_res4_a_W, decay, T['res4_a_W'])
+        # free d_res4_a_W
+        del d_res4_a_W
         mem.free(79)
-        # X198 = conv2d_bwd_data[pad=1,size=(14,14),stride=2](X194, res4_a_W)
-        X198 = mem.tensor(80, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X194, T['res4_a_W'], out=X198, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
-        # free X194
-        del X185, X194
+        # d_res3_b_bn_relu = conv2d_bwd_data[pad=1,size=(14,14),stride=2](d_res4_a, res4_a_W)
+        d_res3_b_bn_relu = mem.tensor(80, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_b_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
+        # free d_res4_a_bn_centered, d_res4_a
+        del d_res4_a_bn_centered, d_res4_a
         mem.free(74)
-        # X199 = -X197*lr + res4_a_W
-        X199 = T['res4_a_W']  # in place: the new res4_a_W
-        rt.ew(ew18, X199, T['res4_a_W'], lr, X197)
-        # X200 = X131*X153*X94
-        X200 = mem.tensor(81, (100, 64, 7, 7), 'float32')
-        rt.ew(ew20, X200, X153, X94, X131)
-        # X201 = sum_to[1x64x1x1](X200)
-        X201 = mem.tensor(82, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X200, out=X201, shape=(1, 64, 1, 1))
-        # free X200
-        del X200
+        # res4_a_W_new = res4_a_W - lr*V_res4_a_W_new
+        res4_a_W_new = T['res4_a_W']  # in place: the new res4_a_W
+        rt.ew(ew_mul_sub, res4_a_W_new, T['res4_a_W'], lr, V_res4_a_W_new)
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # d_res4_proj_bn_mul = d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_weight
+        d_res4_proj_bn_mul = mem.tensor(81, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul, d_res4_proj_bn_mul, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_weight)
+        # d_res4_proj_bn_inv_std = sum_to[1x64x1x1](d_res4_proj_bn_mul)
+        d_res4_proj_bn_inv_std = mem.tensor(82, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_proj_bn_mul, out=d_res4_proj_bn_inv_std, shape=(1, 64, 1, 1))
+        # free d_res4_proj_bn_mul
+        del d_res4_proj_bn_mul
         mem.free(81)
-        # X202 = -X201/(9800*(X99 + 1.0e-5)**(3/2))
-        X202 = X201  # in place: over X201
-        rt.ew(ew21, X202, X201, X99)
-        # free X99, X100
-        del X98, X99, X100
+        # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+        # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
+        del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(40)
-        # X203 = X102*X131*X153 + 2*X202*X94
-        X203 = mem.tensor(83, (100, 64, 7, 7), 'float32')
-        rt.ew(ew22, X203, X153, X102, X131, X202, X94)
-        # free X202
-        del X201, X202
+        # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
+        d_res4_proj_bn_centered = mem.tensor(83, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_mul_add_2, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
+        # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
         mem.free(82)
-        # X204 = X102*X153*X94
-        X204 = X153  # in place: over X153
-        rt.ew(ew25, X204, X153, X94, X102)
-        # free X94, X102
-        del X91, X94, X102
+        # d_res4_proj_bn_mul_2 = d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_inv_std
+        d_res4_proj_bn_mul_2 = d_res4_b_bn_add  # in place: over d_res4_b_bn_add
+        rt.ew(ew_mul_3, d_res4_proj_bn_mul_2, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_inv_std)
+        # free res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std
+        del res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std
         mem.free(37, 41)
-        # X205 = sum_to[1x64x1x1](X204)
-        X205 = mem.tensor(84, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X204, out=X205, shape=(1, 64, 1, 1))
-        # free X204
-        del X152, X153, X204
+        # d_res4_proj_bn_weight = sum_to[1x64x1x1](d_res4_proj_bn_mul_2)
+        d_res4_proj_bn_weight = mem.tensor(84, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_proj_bn_mul_2, out=d_res4_proj_bn_weight, shape=(1, 64, 1, 1))
+        # free d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_mul_2
+        del d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_mul_2
         mem.free(61)
-        # X206 = reshape[64](X205)
-        X206 = rt.reshape(X205, shape=(64,))
-        # X207 = V_res4_proj_bn_W*momentum + X206 + decay*res4_proj_bn_W
-        X207 = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
-        rt.ew(ew16, X207, T['V_res4_proj_bn_W'], momentum, X206, decay, T['res4_proj_bn_W'])
-        # free X205, X206
-        del X205, X206
+        # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
+        d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
+        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
+        V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
+        rt.ew(ew_mul_add, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
+        # free d_res4_proj_bn_weight, d_res4_proj_bn_W
+        del d_res4_proj_bn_weight, d_res4_proj_bn_W
         mem.free(84)
-        # X208 = -X207*lr + res4_proj_bn_W
-        X208 = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
-        rt.ew(ew18, X208, T['res4_proj_bn_W'], lr, X207)
-        # X209 = -X203
-        X209 = mem.tensor(85, (100, 64, 7, 7), 'float32')
-        rt.ew(ew24, X209, X203)
-        # X210 = sum_to[1x64x1x1](X209)
-        X210 = mem.tensor(86, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X209, out=X210, shape=(1, 64, 1, 1))
-        # free X209
-        del X209
+        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
+        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
+        rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
+        # d_res4_proj_bn_neg = -d_res4_proj_bn_centered
+        d_res4_proj_bn_neg = mem.tensor(85, (100, 64, 7, 7), 'float32')
+        rt.ew(ew_neg, d_res4_proj_bn_neg, d_res4_proj_bn_centered)
+        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](d_res4_proj_bn_neg)
+        d_res4_proj_bn_batch_mean = mem.tensor(86, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_proj_bn_neg, out=d_res4_proj_bn_batch_mean, shape=(1, 64, 1, 1))
+        # free d_res4_proj_bn_neg
+        del d_res4_proj_bn_neg
         mem.free(85)
-        # X211 = X210/4900
-        X211 = X210  # in place: over X210
-        rt.ew(ew12, X211, X210)
-        # X212 = X203 + X211
-        X212 = X203  # in place: over X203
-        rt.ew(ew14, X212, X203, X211)
-        # free X211
-        del X210, X211
+        # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
+        d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
+        rt.ew(ew_scale_3, d_res4_proj_bn_sum, d_res4_proj_bn_batch_mean)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
+        # d_res4_proj = d_res4_proj_bn_centered + d_res4_proj_bn_sum
+        d_res4_proj = d_res4_proj_bn_centered  # in place: over d_res4_proj_bn_centered
+        rt.ew(ew_add, d_res4_proj, d_res4_proj_bn_centered, d_res4_proj_bn_sum)
+        # free d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
+        del d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
         mem.free(86)
-        # X213 = conv2d_bwd_filter[kernel=(1,1),stride=2](X212, X195)
-        X213 = mem.tensor(87, (64, 32, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X212, X195, out=X213, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(1881600))
-        # X214 = V_res4_proj_W*momentum + X213 + decay*res4_proj_W
-        X214 = T['V_res4_proj_W']  # in place: the new V_res4_proj_W
-        rt.ew(ew16, X214, T['V_res4_proj_W'], momentum, X213, decay, T['res4_proj_W'])
-        # free X213
-        del X213
+        # d_res4_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4_proj, res3_b_bn_relu_2)
+        d_res4_proj_W = mem.tensor(87, (64, 32, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res4_proj, res3_b_bn_relu_2, out=d_res4_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(1881600))
+        # V_res4_proj_W_new = V_res4_proj_W*momentum + d_res4_proj_W + decay*res4_proj_W
+        V_res4_proj_W_new = T['V_res4_proj_W']  # in place: the new V_res4_proj_W
+        rt.ew(ew_mul_add, V_res4_proj_W_new, T['V_res4_proj_W'], momentum, d_res4_proj_W, decay, T['res4_proj_W'])
+        # free d_res4_proj_W
+        del d_res4_proj_W
         mem.free(87)
-        # X215 = conv2d_bwd_data[size=(14,14),stride=2](X212, res4_proj_W)
-        X215 = mem.tensor(88, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X212, T['res4_proj_W'], out=X215, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(627200))
-        # free X212
-        del X203, X212
+        # d_res3_b_bn_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res4_proj, res4_proj_W)
+        d_res3_b_bn_relu_2 = mem.tensor(88, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_b_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(627200))
+        # free d_res4_proj_bn_centered, d_res4_proj
+        del d_res4_proj_bn_centered, d_res4_proj
         mem.free(83)
-        # X216 = (X198 + X215)*Heaviside(X195, 0)
-        X216 = X215  # in place: over X215
-        rt.ew(ew26, X216, X215, X198, X195)
-        # free X195, X198
-        del X195, X198
+
+        # ---- res3_b_bn_relu (relu), backward ----
+        # d_res3_b_bn_add = (d_res3_b_bn_relu_2 + d_res3_b_bn_relu)*Heaviside(res3_b_bn_relu_2, 0)
+        d_res3_b_bn_add = d_res3_b_bn_relu_2  # in place: over d_res3_b_bn_relu_2
+        rt.ew(ew_add_step_mul, d_res3_b_bn_add, d_res3_b_bn_relu_2, d_res3_b_bn_relu, res3_b_bn_relu_2)
+        # free res3_b_bn_relu_2, d_res3_b_bn_relu
+        del res3_b_bn_relu_2, d_res3_b_bn_relu
         mem.free(78, 80)
-        # X217 = -X214*lr + res4_proj_W
-        X217 = T['res4_proj_W']  # in place: the new res4_proj_W
-        rt.ew(ew18, X217, T['res4_proj_W'], lr, X214)
-        # X218 = sum_to[1x32x1x1](X216)
-        X218 = mem.tensor(89, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X216, out=X218, shape=(1, 32, 1, 1))
-        # X219 = reshape[32](X218)
-        X219 = rt.reshape(X218, shape=(32,))
-        # X220 = V_res3_b_bn_B*momentum + X219 + decay*res3_b_bn_B
-        X220 = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
-        rt.ew(ew16, X220, T['V_res3_b_bn_B'], momentum, X219, decay, T['res3_b_bn_B'])
-        # X221 = V_res3_proj_bn_B*momentum + X219 + decay*res3_proj_bn_B
-        X221 = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
-        rt.ew(ew16, X221, T['V_res3_proj_bn_B'], momentum, X219, decay, T['res3_proj_bn_B'])
-        # free X218, X219
-        del X218, X219
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
+        # res4_proj_W_new = res4_proj_W - lr*V_res4_proj_W_new
+        res4_proj_W_new = T['res4_proj_W']  # in place: the new res4_proj_W
+        rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_b_bn_add)
+        d_res3_proj_bn_bias = mem.tensor(89, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_b_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
+        # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
+        d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
+
+        # ---- res3_b_bn (batch norm), backward ----
+        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_proj_bn_B + decay*res3_b_bn_B
+        V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
+        rt.ew(ew_mul_add, V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_b_bn_B'])
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B
+        V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
+        rt.ew(ew_mul_add, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
+        # free d_res3_proj_bn_bias, d_res3_proj_bn_B
+        del d_res3_proj_bn_bias, d_res3_proj_bn_B
         mem.free(89)
-        # X222 = -X220*lr + res3_b_bn_B
-        X222 = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
-        rt.ew(ew18, X222, T['res3_b_bn_B'], lr, X220)
-        # X223 = -X221*lr + res3_proj_bn_B
-        X223 = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
-        rt.ew(ew18, X223, T['res3_proj_bn_B'], lr, X221)
-        # X224 = X216*X77*X89
-        X224 = mem.tensor(90, (100, 32, 14, 14), 'float32')
-        rt.ew(ew20, X224, X216, X77, X89)
-        # X225 = sum_to[1x32x1x1](X224)
-        X225 = mem.tensor(91, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X224, out=X225, shape=(1, 32, 1, 1))
-        # free X224
-        del X224
+
+        # ---- res3_b_bn (batch norm), backward ----
+        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
+        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
+        rt.ew(ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new)
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
+        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
+        rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
+
+        # ---- res3_b_bn (batch norm), backward ----
+        # d_res3_b_bn_mul = d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_weight
+        d_res3_b_bn_mul = mem.tensor(90, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul, d_res3_b_bn_mul, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_weight)
+        # d_res3_b_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_mul)
+        d_res3_b_bn_inv_std = mem.tensor(91, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_b_bn_mul, out=d_res3_b_bn_inv_std, shape=(1, 32, 1, 1))
+        # free d_res3_b_bn_mul
+        del d_res3_b_bn_mul
         mem.free(90)
-        # X226 = -X225/(39200*(X82 + 1.0e-5)**(3/2))
-        X226 = X225  # in place: over X225
-        rt.ew(ew27, X226, X225, X82)
-        # free X82, X83
-        del X81, X82, X83
+        # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
+        # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
+        del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(34)
-        # X227 = X216*X85*X89 + 2*X226*X77
-        X227 = mem.tensor(92, (100, 32, 14, 14), 'float32')
-        rt.ew(ew22, X227, X216, X85, X89, X226, X77)
-        # free X226
-        del X225, X226
+        # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
+        d_res3_b_bn_centered = mem.tensor(92, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
+        # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
         mem.free(91)
-        # X228 = X216*X77*X85
-        X228 = X77  # in place: over X77
-        rt.ew(ew23, X228, X216, X77, X85)
-        # free X85
-        del X85
+        # d_res3_b_bn_mul_2 = d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_inv_std
+        d_res3_b_bn_mul_2 = res3_b_bn_centered  # in place: over res3_b_bn_centered
+        rt.ew(ew_mul_2, d_res3_b_bn_mul_2, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_inv_std)
+        # free res3_b_bn_inv_std
+        del res3_b_bn_inv_std
         mem.free(35)
-        # X229 = sum_to[1x32x1x1](X228)
-        X229 = mem.tensor(93, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X228, out=X229, shape=(1, 32, 1, 1))
-        # free X228
-        del X74, X77, X228
+        # d_res3_b_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_mul_2)
+        d_res3_b_bn_weight = mem.tensor(93, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_b_bn_mul_2, out=d_res3_b_bn_weight, shape=(1, 32, 1, 1))
+        # free res3_b, res3_b_bn_centered, d_res3_b_bn_mul_2
+        del res3_b, res3_b_bn_centered, d_res3_b_bn_mul_2
         mem.free(31)
-        # X230 = reshape[32](X229)
-        X230 = rt.reshape(X229, shape=(32,))
-        # X231 = V_res3_b_bn_W*momentum + X230 + decay*res3_b_bn_W
-        X231 = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        rt.ew(ew16, X231, T['V_res3_b_bn_W'], momentum, X230, decay, T['res3_b_bn_W'])
-        # free X229, X230
-        del X229, X230
+        # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
+        d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
+        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
+        rt.ew(ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
+        # free d_res3_b_bn_weight, d_res3_b_bn_W
+        del d_res3_b_bn_weight, d_res3_b_bn_W
         mem.free(93)
-        # X232 = -X231*lr + res3_b_bn_W
-        X232 = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew(ew18, X232, T['res3_b_bn_W'], lr, X231)
-        # X233 = -X227
-        X233 = mem.tensor(94, (100, 32, 14, 14), 'float32')
-        rt.ew(ew24, X233, X227)
-        # X234 = sum_to[1x32x1x1](X233)
-        X234 = mem.tensor(95, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X233, out=X234, shape=(1, 32, 1, 1))
-        # free X233
-        del X233
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
+        # d_res3_b_bn_neg = -d_res3_b_bn_centered
+        d_res3_b_bn_neg = mem.tensor(94, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_neg, d_res3_b_bn_neg, d_res3_b_bn_centered)
+        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](d_res3_b_bn_neg)
+        d_res3_b_bn_batch_mean = mem.tensor(95, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_b_bn_neg, out=d_res3_b_bn_batch_mean, shape=(1, 32, 1, 1))
+        # free d_res3_b_bn_neg
+        del d_res3_b_bn_neg
         mem.free(94)
-        # X235 = X234/19600
-        X235 = X234  # in place: over X234
-        rt.ew(ew9, X235, X234)
-        # X236 = X227 + X235
-        X236 = X227  # in place: over X227
-        rt.ew(ew14, X236, X227, X235)
-        # free X235
-        del X234, X235
+        # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
+        d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
+        rt.ew(ew_scale_2, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # d_res3_b = d_res3_b_bn_centered + d_res3_b_bn_sum
+        d_res3_b = d_res3_b_bn_centered  # in place: over d_res3_b_bn_centered
+        rt.ew(ew_add, d_res3_b, d_res3_b_bn_centered, d_res3_b_bn_sum)
+        # free d_res3_b_bn_batch_mean, d_res3_b_bn_sum
+        del d_res3_b_bn_batch_mean, d_res3_b_bn_sum
         mem.free(95)
-        # X237 = Max(0, X62*X70*X71 + X72)
-        X237 = mem.tensor(96, (100, 32, 14, 14), 'float32')
-        rt.ew(ew7, X237, X62, X70, X71, X72)
-        # X238 = conv2d_bwd_filter[kernel=(3,3),pad=1](X236, X237)
-        X238 = mem.tensor(97, (32, 32, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X236, X237, out=X238, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # X239 = V_res3_b_W*momentum + X238 + decay*res3_b_W
-        X239 = T['V_res3_b_W']  # in place: the new V_res3_b_W
-        rt.ew(ew16, X239, T['V_res3_b_W'], momentum, X238, decay, T['res3_b_W'])
-        # free X238
-        del X238
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu_2 = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
+        res3_a_bn_relu_2 = mem.tensor(96, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu, res3_a_bn_relu_2, res3_a_bn_centered, res3_a_bn_inv_std, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # d_res3_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3_b, res3_a_bn_relu_2)
+        d_res3_b_W = mem.tensor(97, (32, 32, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res3_b, res3_a_bn_relu_2, out=d_res3_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
+        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W
+        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
+        rt.ew(ew_mul_add, V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W'])
+        # free d_res3_b_W
+        del d_res3_b_W
         mem.free(97)
-        # X240 = conv2d_bwd_data[pad=1,size=(14,14)](X236, res3_b_W)
-        X240 = mem.tensor(98, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X236, T['res3_b_W'], out=X240, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
-        # free X236
-        del X227, X236
+        # d_res3_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res3_b, res3_b_W)
+        d_res3_a_bn_relu = mem.tensor(98, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res3_b, T['res3_b_W'], out=d_res3_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
+        # free d_res3_b_bn_centered, d_res3_b
+        del d_res3_b_bn_centered, d_res3_b
         mem.free(92)
-        # X241 = X240*Heaviside(X237, 0)
-        X241 = X240  # in place: over X240
-        rt.ew(ew19, X241, X240, X237)
-        # free X237
-        del X237
+
+        # ---- res3_a_bn_relu (relu), backward ----
+        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)
+        d_res3_a_bn = d_res3_a_bn_relu  # in place: over d_res3_a_bn_relu
+        rt.ew(ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2)
+        # free res3_a_bn_relu_2
+        del res3_a_bn_relu_2
         mem.free(96)
-        # X242 = -X239*lr + res3_b_W
-        X242 = T['res3_b_W']  # in place: the new res3_b_W
-        rt.ew(ew18, X242, T['res3_b_W'], lr, X239)
-        # X243 = sum_to[1x32x1x1](X241)
-        X243 = mem.tensor(99, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X241, out=X243, shape=(1, 32, 1, 1))
-        # X244 = reshape[32](X243)
-        X244 = rt.reshape(X243, shape=(32,))
-        # X245 = V_res3_a_bn_B*momentum + X244 + decay*res3_a_bn_B
-        X245 = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        rt.ew(ew16, X245, T['V_res3_a_bn_B'], momentum, X244, decay, T['res3_a_bn_B'])
-        # free X243, X244
-        del X243, X244
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new
+        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
+        rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
+
+        # ---- res3_a_bn (batch norm), backward ----
+        # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
+        d_res3_a_bn_bias = mem.tensor(99, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
+        # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
+        d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B
+        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
+        rt.ew(ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B'])
+        # free d_res3_a_bn_bias, d_res3_a_bn_B
+        del d_res3_a_bn_bias, d_res3_a_bn_B
         mem.free(99)
-        # X246 = -X245*lr + res3_a_bn_B
-        X246 = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew(ew18, X246, T['res3_a_bn_B'], lr, X245)
-        # X247 = X241*X62*X71
-        X247 = mem.tensor(100, (100, 32, 14, 14), 'float32')
-        rt.ew(ew20, X247, X241, X62, X71)
-        # X248 = sum_to[1x32x1x1](X247)
-        X248 = mem.tensor(101, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X247, out=X248, shape=(1, 32, 1, 1))
-        # free X247
-        del X247
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        rt.ew(ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new)
+        # d_res3_a_bn_mul = d_res3_a_bn*res3_a_bn_centered*res3_a_bn_weight
+        d_res3_a_bn_mul = mem.tensor(100, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul, d_res3_a_bn_mul, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_weight)
+        # d_res3_a_bn_inv_std = sum_to[1x32x1x1](d_res3_a_bn_mul)
+        d_res3_a_bn_inv_std = mem.tensor(101, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_a_bn_mul, out=d_res3_a_bn_inv_std, shape=(1, 32, 1, 1))
+        # free d_res3_a_bn_mul
+        del d_res3_a_bn_mul
         mem.free(100)
-        # X249 = -X248/(39200*(X67 + 1.0e-5)**(3/2))
-        X249 = X248  # in place: over X248
-        rt.ew(ew27, X249, X248, X67)
-        # free X67, X68
-        del X66, X67, X68
+        # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
+        # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
+        del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(28)
-        # X250 = X241*X70*X71 + 2*X249*X62
-        X250 = mem.tensor(102, (100, 32, 14, 14), 'float32')
-        rt.ew(ew22, X250, X241, X70, X71, X249, X62)
-        # free X249
-        del X248, X249
+        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
+        d_res3_a_bn_centered = mem.tensor(102, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
+        # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
         mem.free(101)
-        # X251 = X241*X62*X70
-        X251 = X241  # in place: over X241
-        rt.ew(ew25, X251, X241, X62, X70)
-        # free X62, X70
-        del X59, X62, X70
+        # d_res3_a_bn_mul_2 = d_res3_a_bn*res3_a_bn_centered*res3_a_bn_inv_std
+        d_res3_a_bn_mul_2 = d_res3_a_bn  # in place: over d_res3_a_bn
+        rt.ew(ew_mul_3, d_res3_a_bn_mul_2, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_inv_std)
+        # free res3_a, res3_a_bn_centered, res3_a_bn_inv_std
+        del res3_a, res3_a_bn_centered, res3_a_bn_inv_std
         mem.free(25, 29)
-        # X252 = sum_to[1x32x1x1](X251)
-        X252 = mem.tensor(103, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X251, out=X252, shape=(1, 32, 1, 1))
-        # free X251
-        del X240, X241, X251
+        # d_res3_a_bn_weight = sum_to[1x32x1x1](d_res3_a_bn_mul_2)
+        d_res3_a_bn_weight = mem.tensor(103, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_a_bn_mul_2, out=d_res3_a_bn_weight, shape=(1, 32, 1, 1))
+        # free d_res3_a_bn_relu, d_res3_a_bn, d_res3_a_bn_mul_2
+        del d_res3_a_bn_relu, d_res3_a_bn, d_res3_a_bn_mul_2
         mem.free(98)
-        # X253 = reshape[32](X252)
-        X253 = rt.reshape(X252, shape=(32,))
-        # X254 = V_res3_a_bn_W*momentum + X253 + decay*res3_a_bn_W
-        X254 = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        rt.ew(ew16, X254, T['V_res3_a_bn_W'], momentum, X253, decay, T['res3_a_bn_W'])
-        # free X252, X253
-        del X252, X253
+        # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
+        d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
+        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
+        rt.ew(ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
+        # free d_res3_a_bn_weight, d_res3_a_bn_W
+        del d_res3_a_bn_weight, d_res3_a_bn_W
         mem.free(103)
-        # X255 = -X254*lr + res3_a_bn_W
-        X255 = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew(ew18, X255, T['res3_a_bn_W'], lr, X254)
-        # X256 = -X250
-        X256 = mem.tensor(104, (100, 32, 14, 14), 'float32')
-        rt.ew(ew24, X256, X250)
-        # X257 = sum_to[1x32x1x1](X256)
-        X257 = mem.tensor(105, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X256, out=X257, shape=(1, 32, 1, 1))
-        # free X256
-        del X256
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
+        # d_res3_a_bn_neg = -d_res3_a_bn_centered
+        d_res3_a_bn_neg = mem.tensor(104, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_neg, d_res3_a_bn_neg, d_res3_a_bn_centered)
+        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](d_res3_a_bn_neg)
+        d_res3_a_bn_batch_mean = mem.tensor(105, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_a_bn_neg, out=d_res3_a_bn_batch_mean, shape=(1, 32, 1, 1))
+        # free d_res3_a_bn_neg
+        del d_res3_a_bn_neg
         mem.free(104)
-        # X258 = X257/19600
-        X258 = X257  # in place: over X257
-        rt.ew(ew9, X258, X257)
-        # X259 = X250 + X258
-        X259 = X250  # in place: over X250
-        rt.ew(ew14, X259, X250, X258)
-        # free X258
-        del X257, X258
+        # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
+        d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
+        rt.ew(ew_scale_2, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), backward ----
+        # d_res3_a = d_res3_a_bn_centered + d_res3_a_bn_sum
+        d_res3_a = d_res3_a_bn_centered  # in place: over d_res3_a_bn_centered
+        rt.ew(ew_add, d_res3_a, d_res3_a_bn_centered, d_res3_a_bn_sum)
+        # free d_res3_a_bn_batch_mean, d_res3_a_bn_sum
+        del d_res3_a_bn_batch_mean, d_res3_a_bn_sum
         mem.free(105)
-        # X260 = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](X259, X46)
-        X260 = mem.tensor(106, (32, 16, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X259, X46, out=X260, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
-        # X261 = V_res3_a_W*momentum + X260 + decay*res3_a_W
-        X261 = T['V_res3_a_W']  # in place: the new V_res3_a_W
-        rt.ew(ew16, X261, T['V_res3_a_W'], momentum, X260, decay, T['res3_a_W'])
-        # free X260
-        del X260
+        # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, res2_b_bn_relu)
+        d_res3_a_W = mem.tensor(106, (32, 16, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res3_a, res2_b_bn_relu, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
+        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W
+        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
+        rt.ew(ew_mul_add, V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W'])
+        # free d_res3_a_W
+        del d_res3_a_W
         mem.free(106)
-        # X262 = conv2d_bwd_data[pad=1,size=(28,28),stride=2](X259, res3_a_W)
-        X262 = mem.tensor(107, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X259, T['res3_a_W'], out=X262, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
-        # free X259
-        del X250, X259
+        # d_res2_b_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
+        d_res2_b_bn_relu = mem.tensor(107, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
+        # free d_res3_a_bn_centered, d_res3_a
+        del d_res3_a_bn_centered, d_res3_a
         mem.free(102)
-        # X263 = -X261*lr + res3_a_W
-        X263 = T['res3_a_W']  # in place: the new res3_a_W
-        rt.ew(ew18, X263, T['res3_a_W'], lr, X261)
-        # X264 = X216*X50*X87
-        X264 = mem.tensor(108, (100, 32, 14, 14), 'float32')
-        rt.ew(ew20, X264, X216, X50, X87)
-        # X265 = sum_to[1x32x1x1](X264)
-        X265 = mem.tensor(109, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X264, out=X265, shape=(1, 32, 1, 1))
-        # free X264
-        del X264
+        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new
+        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
+        rt.ew(ew_mul_sub, res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new)
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # d_res3_proj_bn_mul = d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_weight
+        d_res3_proj_bn_mul = mem.tensor(108, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul, d_res3_proj_bn_mul, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_weight)
+        # d_res3_proj_bn_inv_std = sum_to[1x32x1x1](d_res3_proj_bn_mul)
+        d_res3_proj_bn_inv_std = mem.tensor(109, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_proj_bn_mul, out=d_res3_proj_bn_inv_std, shape=(1, 32, 1, 1))
+        # free d_res3_proj_bn_mul
+        del d_res3_proj_bn_mul
         mem.free(108)
-        # X266 = -X265/(39200*(X55 + 1.0e-5)**(3/2))
-        X266 = X265  # in place: over X265
-        rt.ew(ew27, X266, X265, X55)
-        # free X55, X56
-        del X54, X55, X56
+        # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+        # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
+        del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(23)
-        # X267 = X216*X58*X87 + 2*X266*X50
-        X267 = mem.tensor(110, (100, 32, 14, 14), 'float32')
-        rt.ew(ew22, X267, X216, X58, X87, X266, X50)
-        # free X266
-        del X265, X266
+        # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
+        d_res3_proj_bn_centered = mem.tensor(110, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_2, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
+        # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
         mem.free(109)
-        # X268 = X216*X50*X58
-        X268 = X216  # in place: over X216
-        rt.ew(ew25, X268, X216, X50, X58)
-        # free X50, X58
-        del X47, X50, X58
+        # d_res3_proj_bn_mul_2 = d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_inv_std
+        d_res3_proj_bn_mul_2 = d_res3_b_bn_add  # in place: over d_res3_b_bn_add
+        rt.ew(ew_mul_3, d_res3_proj_bn_mul_2, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_inv_std)
+        # free res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std
+        del res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std
         mem.free(20, 24)
-        # X269 = sum_to[1x32x1x1](X268)
-        X269 = mem.tensor(111, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X268, out=X269, shape=(1, 32, 1, 1))
-        # free X268
-        del X215, X216, X268
+        # d_res3_proj_bn_weight = sum_to[1x32x1x1](d_res3_proj_bn_mul_2)
+        d_res3_proj_bn_weight = mem.tensor(111, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_proj_bn_mul_2, out=d_res3_proj_bn_weight, shape=(1, 32, 1, 1))
+        # free d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_mul_2
+        del d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_mul_2
         mem.free(88)
-        # X270 = reshape[32](X269)
-        X270 = rt.reshape(X269, shape=(32,))
-        # X271 = V_res3_proj_bn_W*momentum + X270 + decay*res3_proj_bn_W
-        X271 = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
-        rt.ew(ew16, X271, T['V_res3_proj_bn_W'], momentum, X270, decay, T['res3_proj_bn_W'])
-        # free X269, X270
-        del X269, X270
+        # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
+        d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
+        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
+        V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
+        rt.ew(ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
+        # free d_res3_proj_bn_weight, d_res3_proj_bn_W
+        del d_res3_proj_bn_weight, d_res3_proj_bn_W
         mem.free(111)
-        # X272 = -X271*lr + res3_proj_bn_W
-        X272 = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
-        rt.ew(ew18, X272, T['res3_proj_bn_W'], lr, X271)
-        # X273 = -X267
-        X273 = mem.tensor(112, (100, 32, 14, 14), 'float32')
-        rt.ew(ew24, X273, X267)
-        # X274 = sum_to[1x32x1x1](X273)
-        X274 = mem.tensor(113, (1, 32, 1, 1), 'float32')
-        rt.sum_to(X273, out=X274, shape=(1, 32, 1, 1))
-        # free X273
-        del X273
+        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
+        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
+        rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
+        # d_res3_proj_bn_neg = -d_res3_proj_bn_centered
+        d_res3_proj_bn_neg = mem.tensor(112, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_neg, d_res3_proj_bn_neg, d_res3_proj_bn_centered)
+        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](d_res3_proj_bn_neg)
+        d_res3_proj_bn_batch_mean = mem.tensor(113, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_proj_bn_neg, out=d_res3_proj_bn_batch_mean, shape=(1, 32, 1, 1))
+        # free d_res3_proj_bn_neg
+        del d_res3_proj_bn_neg
         mem.free(112)
-        # X275 = X274/19600
-        X275 = X274  # in place: over X274
-        rt.ew(ew9, X275, X274)
-        # X276 = X267 + X275
-        X276 = X267  # in place: over X267
-        rt.ew(ew14, X276, X267, X275)
-        # free X275
-        del X274, X275
+        # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
+        d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
+        rt.ew(ew_scale_2, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
+        # d_res3_proj = d_res3_proj_bn_centered + d_res3_proj_bn_sum
+        d_res3_proj = d_res3_proj_bn_centered  # in place: over d_res3_proj_bn_centered
+        rt.ew(ew_add, d_res3_proj, d_res3_proj_bn_centered, d_res3_proj_bn_sum)
+        # free d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
+        del d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
         mem.free(113)
-        # X277 = conv2d_bwd_filter[kernel=(1,1),stride=2](X276, X46)
-        X277 = mem.tensor(114, (32, 16, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(X276, X46, out=X277, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
-        # X278 = V_res3_proj_W*momentum + X277 + decay*res3_proj_W
-        X278 = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
-        rt.ew(ew16, X278, T['V_res3_proj_W'], momentum, X277, decay, T['res3_proj_W'])
-        # free X277
-        del X277
+        # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, res2_b_bn_relu)
+        d_res3_proj_W = mem.tensor(114, (32, 16, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res3_proj, res2_b_bn_relu, out=d_res3_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
+        # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W
+        V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
+        rt.ew(ew_mul_add, V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W'])
+        # free d_res3_proj_W
+        del d_res3_proj_W
         mem.free(114)
-        # X279 = conv2d_bwd_data[size=(28,28),stride=2](X276, res3_proj_W)
-        X279 = mem.tensor(115, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X276, T['res3_proj_W'], out=X279, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(1254400))
-        # free X276
-        del X267, X276
+        # d_res2_b_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
+        d_res2_b_bn_relu_2 = mem.tensor(115, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_res2_b_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(1254400))
+        # free d_res3_proj_bn_centered, d_res3_proj
+        del d_res3_proj_bn_centered, d_res3_proj
         mem.free(110)
-        # X280 = (X262 + X279)*Heaviside(X46, 0)
-        X280 = X279  # in place: over X279
-        rt.ew(ew26, X280, X279, X262, X46)
-        # free X46, X262
-        del X16, X46, X262
+
+        # ---- res2_b_bn_relu (relu), backward ----
+        # d_res2_b_bn_add = (d_res2_b_bn_relu_2 + d_res2_b_bn_relu)*Heaviside(res2_b_bn_relu, 0)
+        d_res2_b_bn_add = d_res2_b_bn_relu_2  # in place: over d_res2_b_bn_relu_2
+        rt.ew(ew_add_step_mul, d_res2_b_bn_add, d_res2_b_bn_relu_2, d_res2_b_bn_relu, res2_b_bn_relu)
+        # free conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
+        del conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         mem.free(8, 107)
-        # X281 = -X278*lr + res3_proj_W
-        X281 = T['res3_proj_W']  # in place: the new res3_proj_W
-        rt.ew(ew18, X281, T['res3_proj_W'], lr, X278)
-        # X282 = sum_to[1x16x1x1](X280)
-        X282 = mem.tensor(116, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X280, out=X282, shape=(1, 16, 1, 1))
-        # X283 = reshape[16](X282)
-        X283 = rt.reshape(X282, shape=(16,))
-        # X284 = V_res2_b_bn_B*momentum + X283 + decay*res2_b_bn_B
-        X284 = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        rt.ew(ew16, X284, T['V_res2_b_bn_B'], momentum, X283, decay, T['res2_b_bn_B'])
-        # free X282, X283
-        del X282, X283
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
+        # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new
+        res3_proj_W_new = T['res3_proj_W']  # in place: the new res3_proj_W
+        rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
+
+        # ---- res2_b_bn (batch norm), backward ----
+        # d_res2_b_bn_bias = sum_to[1x16x1x1](d_res2_b_bn_add)
+        d_res2_b_bn_bias = mem.tensor(116, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_b_bn_add, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
+        # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
+        d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B
+        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
+        rt.ew(ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B'])
+        # free d_res2_b_bn_bias, d_res2_b_bn_B
+        del d_res2_b_bn_bias, d_res2_b_bn_B
         mem.free(116)
-        # X285 = -X284*lr + res2_b_bn_B
-        X285 = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew(ew18, X285, T['res2_b_bn_B'], lr, X284)
-        # X286 = X280*X35*X45
-        X286 = mem.tensor(117, (100, 16, 28, 28), 'float32')
-        rt.ew(ew20, X286, X280, X35, X45)
-        # X287 = sum_to[1x16x1x1](X286)
-        X287 = mem.tensor(118, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X286, out=X287, shape=(1, 16, 1, 1))
-        # free X286
-        del X286
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        rt.ew(ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new)
+        # d_res2_b_bn_mul = d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_weight
+        d_res2_b_bn_mul = mem.tensor(117, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul, d_res2_b_bn_mul, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_weight)
+        # d_res2_b_bn_inv_std = sum_to[1x16x1x1](d_res2_b_bn_mul)
+        d_res2_b_bn_inv_std = mem.tensor(118, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_b_bn_mul, out=d_res2_b_bn_inv_std, shape=(1, 16, 1, 1))
+        # free d_res2_b_bn_mul
+        del d_res2_b_bn_mul
         mem.free(117)
-        # X288 = -X287/(156800*(X40 + 1.0e-5)**(3/2))
-        X288 = X287  # in place: over X287
-        rt.ew(ew28, X288, X287, X40)
-        # free X40, X41
-        del X39, X40, X41
+        # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
+        d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
+        rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
+        # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
+        del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(18)
-        # X289 = X280*X43*X45 + 2*X288*X35
-        X289 = mem.tensor(119, (100, 16, 28, 28), 'float32')
-        rt.ew(ew22, X289, X280, X43, X45, X288, X35)
-        # free X288
-        del X287, X288
+        # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
+        d_res2_b_bn_centered = mem.tensor(119, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
+        # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
         mem.free(118)
-        # X290 = X280*X35*X43
-        X290 = X35  # in place: over X35
-        rt.ew(ew23, X290, X280, X35, X43)
-        # free X43
-        del X43
+        # d_res2_b_bn_mul_2 = d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_inv_std
+        d_res2_b_bn_mul_2 = res2_b_bn_centered  # in place: over res2_b_bn_centered
+        rt.ew(ew_mul_2, d_res2_b_bn_mul_2, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_inv_std)
+        # free res2_b_bn_inv_std
+        del res2_b_bn_inv_std
         mem.free(19)
-        # X291 = sum_to[1x16x1x1](X290)
-        X291 = mem.tensor(120, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X290, out=X291, shape=(1, 16, 1, 1))
-        # free X290
-        del X32, X35, X290
+        # d_res2_b_bn_weight = sum_to[1x16x1x1](d_res2_b_bn_mul_2)
+        d_res2_b_bn_weight = mem.tensor(120, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_b_bn_mul_2, out=d_res2_b_bn_weight, shape=(1, 16, 1, 1))
+        # free res2_b, res2_b_bn_centered, d_res2_b_bn_mul_2
+        del res2_b, res2_b_bn_centered, d_res2_b_bn_mul_2
         mem.free(15)
-        # X292 = reshape[16](X291)
-        X292 = rt.reshape(X291, shape=(16,))
-        # X293 = V_res2_b_bn_W*momentum + X292 + decay*res2_b_bn_W
-        X293 = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
-        rt.ew(ew16, X293, T['V_res2_b_bn_W'], momentum, X292, decay, T['res2_b_bn_W'])
-        # free X291, X292
-        del X291, X292
+        # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
+        d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
+        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
+        V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
+        rt.ew(ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
+        # free d_res2_b_bn_weight, d_res2_b_bn_W
+        del d_res2_b_bn_weight, d_res2_b_bn_W
         mem.free(120)
-        # X294 = -X293*lr + res2_b_bn_W
-        X294 = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
-        rt.ew(ew18, X294, T['res2_b_bn_W'], lr, X293)
-        # X295 = -X289
-        X295 = mem.tensor(121, (100, 16, 28, 28), 'float32')
-        rt.ew(ew24, X295, X289)
-        # X296 = sum_to[1x16x1x1](X295)
-        X296 = mem.tensor(122, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X295, out=X296, shape=(1, 16, 1, 1))
-        # free X295
-        del X295
+        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
+        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
+        rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
+        # d_res2_b_bn_neg = -d_res2_b_bn_centered
+        d_res2_b_bn_neg = mem.tensor(121, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_neg, d_res2_b_bn_neg, d_res2_b_bn_centered)
+        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](d_res2_b_bn_neg)
+        d_res2_b_bn_batch_mean = mem.tensor(122, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_b_bn_neg, out=d_res2_b_bn_batch_mean, shape=(1, 16, 1, 1))
+        # free d_res2_b_bn_neg
+        del d_res2_b_bn_neg
         mem.free(121)
-        # X297 = X296/78400
-        X297 = X296  # in place: over X296
-        rt.ew(ew1, X297, X296)
-        # X298 = X289 + X297
-        X298 = X289  # in place: over X289
-        rt.ew(ew14, X298, X289, X297)
-        # free X297
-        del X296, X297
+        # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
+        d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
+        rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # d_res2_b = d_res2_b_bn_centered + d_res2_b_bn_sum
+        d_res2_b = d_res2_b_bn_centered  # in place: over d_res2_b_bn_centered
+        rt.ew(ew_add, d_res2_b, d_res2_b_bn_centered, d_res2_b_bn_sum)
+        # free d_res2_b_bn_batch_mean, d_res2_b_bn_sum
+        del d_res2_b_bn_batch_mean, d_res2_b_bn_sum
         mem.free(122)
-        # X299 = Max(0, X20*X28*X30 + X29)
-        X299 = mem.tensor(123, (100, 16, 28, 28), 'float32')
-        rt.ew(ew7, X299, X20, X28, X30, X29)
-        # X300 = conv2d_bwd_filter[kernel=(3,3),pad=1](X298, X299)
-        X300 = mem.tensor(124, (16, 16, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X298, X299, out=X300, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # X301 = V_res2_b_W*momentum + X300 + decay*res2_b_W
-        X301 = T['V_res2_b_W']  # in place: the new V_res2_b_W
-        rt.ew(ew16, X301, T['V_res2_b_W'], momentum, X300, decay, T['res2_b_W'])
-        # free X300
-        del X300
+
+        # ---- res2_a_bn_relu (relu), forward ----
+        # res2_a_bn_relu_2 = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
+        res2_a_bn_relu_2 = mem.tensor(123, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, res2_a_bn_relu_2, res2_a_bn_centered, res2_a_bn_inv_std, res2_a_bn_weight, res2_a_bn_bias)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # d_res2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_b, res2_a_bn_relu_2)
+        d_res2_b_W = mem.tensor(124, (16, 16, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res2_b, res2_a_bn_relu_2, out=d_res2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
+        # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W
+        V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
+        rt.ew(ew_mul_add, V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W'])
+        # free d_res2_b_W
+        del d_res2_b_W
         mem.free(124)
-        # X302 = conv2d_bwd_data[pad=1,size=(28,28)](X298, res2_b_W)
-        X302 = mem.tensor(125, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X298, T['res2_b_W'], out=X302, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
-        # free X298
-        del X289, X298
+        # d_res2_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_b, res2_b_W)
+        d_res2_a_bn_relu = mem.tensor(125, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res2_b, T['res2_b_W'], out=d_res2_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
+        # free d_res2_b_bn_centered, d_res2_b
+        del d_res2_b_bn_centered, d_res2_b
         mem.free(119)
-        # X303 = X302*Heaviside(X299, 0)
-        X303 = X302  # in place: over X302
-        rt.ew(ew19, X303, X302, X299)
-        # free X299
-        del X299
+
+        # ---- res2_a_bn_relu (relu), backward ----
+        # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)
+        d_res2_a_bn = d_res2_a_bn_relu  # in place: over d_res2_a_bn_relu
+        rt.ew(ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2)
+        # free res2_a_bn_relu_2
+        del res2_a_bn_relu_2
         mem.free(123)
-        # X304 = -X301*lr + res2_b_W
-        X304 = T['res2_b_W']  # in place: the new res2_b_W
-        rt.ew(ew18, X304, T['res2_b_W'], lr, X301)
-        # X305 = sum_to[1x16x1x1](X303)
-        X305 = mem.tensor(126, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X303, out=X305, shape=(1, 16, 1, 1))
-        # X306 = reshape[16](X305)
-        X306 = rt.reshape(X305, shape=(16,))
-        # X307 = V_res2_a_bn_B*momentum + X306 + decay*res2_a_bn_B
-        X307 = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        rt.ew(ew16, X307, T['V_res2_a_bn_B'], momentum, X306, decay, T['res2_a_bn_B'])
-        # free X305, X306
-        del X305, X306
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new
+        res2_b_W_new = T['res2_b_W']  # in place: the new res2_b_W
+        rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
+
+        # ---- res2_a_bn (batch norm), backward ----
+        # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
+        d_res2_a_bn_bias = mem.tensor(126, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
+        # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
+        d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B
+        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
+        rt.ew(ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B'])
+        # free d_res2_a_bn_bias, d_res2_a_bn_B
+        del d_res2_a_bn_bias, d_res2_a_bn_B
         mem.free(126)
-        # X308 = -X307*lr + res2_a_bn_B
-        X308 = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew(ew18, X308, T['res2_a_bn_B'], lr, X307)
-        # X309 = X20*X30*X303
-        X309 = mem.tensor(127, (100, 16, 28, 28), 'float32')
-        rt.ew(ew20, X309, X303, X20, X30)
-        # X310 = sum_to[1x16x1x1](X309)
-        X310 = mem.tensor(128, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X309, out=X310, shape=(1, 16, 1, 1))
-        # free X309
-        del X309
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        rt.ew(ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new)
+        # d_res2_a_bn_mul = d_res2_a_bn*res2_a_bn_centered*res2_a_bn_weight
+        d_res2_a_bn_mul = mem.tensor(127, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul, d_res2_a_bn_mul, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_weight)
+        # d_res2_a_bn_inv_std = sum_to[1x16x1x1](d_res2_a_bn_mul)
+        d_res2_a_bn_inv_std = mem.tensor(128, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_a_bn_mul, out=d_res2_a_bn_inv_std, shape=(1, 16, 1, 1))
+        # free d_res2_a_bn_mul
+        del d_res2_a_bn_mul
         mem.free(127)
-        # X311 = -X310/(156800*(X25 + 1.0e-5)**(3/2))
-        X311 = X310  # in place: over X310
-        rt.ew(ew28, X311, X310, X25)
-        # free X25, X26
-        del X24, X25, X26
+        # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
+        d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
+        rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
+        # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
+        del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(12)
-        # X312 = 2*X20*X311 + X28*X30*X303
-        X312 = mem.tensor(129, (100, 16, 28, 28), 'float32')
-        rt.ew(ew22, X312, X303, X28, X30, X311, X20)
-        # free X311
-        del X310, X311
+        # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
+        d_res2_a_bn_centered = mem.tensor(129, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_2, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
+        # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
         mem.free(128)
-        # X313 = X20*X28*X303
-        X313 = X303  # in place: over X303
-        rt.ew(ew25, X313, X303, X20, X28)
-        # free X20, X28
-        del X17, X20, X28
+        # d_res2_a_bn_mul_2 = d_res2_a_bn*res2_a_bn_centered*res2_a_bn_inv_std
+        d_res2_a_bn_mul_2 = d_res2_a_bn  # in place: over d_res2_a_bn
+        rt.ew(ew_mul_3, d_res2_a_bn_mul_2, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_inv_std)
+        # free res2_a, res2_a_bn_centered, res2_a_bn_inv_std
+        del res2_a, res2_a_bn_centered, res2_a_bn_inv_std
         mem.free(9, 13)
-        # X314 = sum_to[1x16x1x1](X313)
-        X314 = mem.tensor(130, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X313, out=X314, shape=(1, 16, 1, 1))
-        # free X313
-        del X302, X303, X313
+        # d_res2_a_bn_weight = sum_to[1x16x1x1](d_res2_a_bn_mul_2)
+        d_res2_a_bn_weight = mem.tensor(130, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_a_bn_mul_2, out=d_res2_a_bn_weight, shape=(1, 16, 1, 1))
+        # free d_res2_a_bn_relu, d_res2_a_bn, d_res2_a_bn_mul_2
+        del d_res2_a_bn_relu, d_res2_a_bn, d_res2_a_bn_mul_2
         mem.free(125)
-        # X315 = reshape[16](X314)
-        X315 = rt.reshape(X314, shape=(16,))
-        # X316 = V_res2_a_bn_W*momentum + X315 + decay*res2_a_bn_W
-        X316 = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
-        rt.ew(ew16, X316, T['V_res2_a_bn_W'], momentum, X315, decay, T['res2_a_bn_W'])
-        # free X314, X315
-        del X314, X315
+        # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
+        d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
+        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
+        V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
+        rt.ew(ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
+        # free d_res2_a_bn_weight, d_res2_a_bn_W
+        del d_res2_a_bn_weight, d_res2_a_bn_W
         mem.free(130)
-        # X317 = -X316*lr + res2_a_bn_W
-        X317 = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
-        rt.ew(ew18, X317, T['res2_a_bn_W'], lr, X316)
-        # X318 = -X312
-        X318 = mem.tensor(131, (100, 16, 28, 28), 'float32')
-        rt.ew(ew24, X318, X312)
-        # X319 = sum_to[1x16x1x1](X318)
-        X319 = mem.tensor(132, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X318, out=X319, shape=(1, 16, 1, 1))
-        # free X318
-        del X318
+        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
+        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
+        rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
+        # d_res2_a_bn_neg = -d_res2_a_bn_centered
+        d_res2_a_bn_neg = mem.tensor(131, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_neg, d_res2_a_bn_neg, d_res2_a_bn_centered)
+        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](d_res2_a_bn_neg)
+        d_res2_a_bn_batch_mean = mem.tensor(132, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_a_bn_neg, out=d_res2_a_bn_batch_mean, shape=(1, 16, 1, 1))
+        # free d_res2_a_bn_neg
+        del d_res2_a_bn_neg
         mem.free(131)
-        # X320 = X319/78400
-        X320 = X319  # in place: over X319
-        rt.ew(ew1, X320, X319)
-        # X321 = X312 + X320
-        X321 = X312  # in place: over X312
-        rt.ew(ew14, X321, X312, X320)
-        # free X320
-        del X319, X320
+        # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
+        d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
+        rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # d_res2_a = d_res2_a_bn_centered + d_res2_a_bn_sum
+        d_res2_a = d_res2_a_bn_centered  # in place: over d_res2_a_bn_centered
+        rt.ew(ew_add, d_res2_a, d_res2_a_bn_centered, d_res2_a_bn_sum)
+        # free d_res2_a_bn_batch_mean, d_res2_a_bn_sum
+        del d_res2_a_bn_batch_mean, d_res2_a_bn_sum
         mem.free(132)
-        # X322 = Max(0, X13*X15*X5 + X14)
-        X322 = mem.tensor(133, (100, 16, 28, 28), 'float32')
-        rt.ew(ew7, X322, X5, X13, X15, X14)
-        # X323 = conv2d_bwd_filter[kernel=(3,3),pad=1](X321, X322)
-        X323 = mem.tensor(134, (16, 16, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X321, X322, out=X323, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # X324 = V_res2_a_W*momentum + X323 + decay*res2_a_W
-        X324 = T['V_res2_a_W']  # in place: the new V_res2_a_W
-        rt.ew(ew16, X324, T['V_res2_a_W'], momentum, X323, decay, T['res2_a_W'])
-        # free X323
-        del X323
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu_2 = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
+        conv1_bn_relu_2 = mem.tensor(133, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, conv1_bn_relu_2, conv1_bn_centered, conv1_bn_inv_std, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # d_res2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_a, conv1_bn_relu_2)
+        d_res2_a_W = mem.tensor(134, (16, 16, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res2_a, conv1_bn_relu_2, out=d_res2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
+        # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W
+        V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
+        rt.ew(ew_mul_add, V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W'])
+        # free d_res2_a_W
+        del d_res2_a_W
         mem.free(134)
-        # X325 = conv2d_bwd_data[pad=1,size=(28,28)](X321, res2_a_W)
-        X325 = mem.tensor(135, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X321, T['res2_a_W'], out=X325, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
-        # free X321
-        del X312, X321
+        # d_conv1_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_a, res2_a_W)
+        d_conv1_bn_relu = mem.tensor(135, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res2_a, T['res2_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
+        # free d_res2_a_bn_centered, d_res2_a
+        del d_res2_a_bn_centered, d_res2_a
         mem.free(129)
-        # X326 = (X280 + X325)*Heaviside(X322, 0)
-        X326 = X280  # in place: over X280
-        rt.ew(ew26, X326, X280, X325, X322)
-        # free X322, X325
-        del X322, X325
+
+        # ---- conv1_bn_relu (relu), backward ----
+        # d_conv1_bn = (d_res2_b_bn_add + d_conv1_bn_relu)*Heaviside(conv1_bn_relu_2, 0)
+        d_conv1_bn = d_res2_b_bn_add  # in place: over d_res2_b_bn_add
+        rt.ew(ew_add_step_mul, d_conv1_bn, d_res2_b_bn_add, d_conv1_bn_relu, conv1_bn_relu_2)
+        # free conv1_bn_relu_2, d_conv1_bn_relu
+        del conv1_bn_relu_2, d_conv1_bn_relu
         mem.free(133, 135)
-        # X327 = -X324*lr + res2_a_W
-        X327 = T['res2_a_W']  # in place: the new res2_a_W
-        rt.ew(ew18, X327, T['res2_a_W'], lr, X324)
-        # X328 = sum_to[1x16x1x1](X326)
-        X328 = mem.tensor(136, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X326, out=X328, shape=(1, 16, 1, 1))
-        # X329 = reshape[16](X328)
-        X329 = rt.reshape(X328, shape=(16,))
-        # X330 = V_conv1_bn_B*momentum + X329 + conv1_bn_B*decay
-        X330 = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        rt.ew(ew16, X330, T['V_conv1_bn_B'], momentum, X329, decay, T['conv1_bn_B'])
-        # free X328, X329
-        del X328, X329
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new
+        res2_a_W_new = T['res2_a_W']  # in place: the new res2_a_W
+        rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
+
+        # ---- conv1_bn (batch norm), backward ----
+        # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
+        d_conv1_bn_bias = mem.tensor(136, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
+        # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
+        d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
+        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
+        rt.ew(ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
+        # free d_conv1_bn_bias, d_conv1_bn_B
+        del d_conv1_bn_bias, d_conv1_bn_B
         mem.free(136)
-        # X331 = -X330*lr + conv1_bn_B
-        X331 = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew(ew18, X331, T['conv1_bn_B'], lr, X330)
-        # X332 = X15*X326*X5
-        X332 = mem.tensor(137, (100, 16, 28, 28), 'float32')
-        rt.ew(ew20, X332, X326, X5, X15)
-        # X333 = sum_to[1x16x1x1](X332)
-        X333 = mem.tensor(138, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X332, out=X333, shape=(1, 16, 1, 1))
-        # free X332
-        del X332
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
+        # d_conv1_bn_mul = d_conv1_bn*conv1_bn_centered*conv1_bn_weight
+        d_conv1_bn_mul = mem.tensor(137, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul, d_conv1_bn_mul, d_conv1_bn, conv1_bn_centered, conv1_bn_weight)
+        # d_conv1_bn_inv_std = sum_to[1x16x1x1](d_conv1_bn_mul)
+        d_conv1_bn_inv_std = mem.tensor(138, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_conv1_bn_mul, out=d_conv1_bn_inv_std, shape=(1, 16, 1, 1))
+        # free d_conv1_bn_mul
+        del d_conv1_bn_mul
         mem.free(137)
-        # X334 = -X333/(156800*(X10 + 1.0e-5)**(3/2))
-        X334 = X333  # in place: over X333
-        rt.ew(ew28, X334, X333, X10)
-        # free X10, X11
-        del X9, X10, X11
+        # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
+        d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
+        rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
+        # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
+        del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(6)
-        # X335 = X13*X15*X326 + 2*X334*X5
-        X335 = mem.tensor(139, (100, 16, 28, 28), 'float32')
-        rt.ew(ew22, X335, X326, X13, X15, X334, X5)
-        # free X334
-        del X333, X334
+        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
+        d_conv1_bn_centered = mem.tensor(139, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_mul_add_2, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
+        # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         mem.free(138)
-        # X336 = X13*X326*X5
-        X336 = X326  # in place: over X326
-        rt.ew(ew25, X336, X326, X5, X13)
-        # free X5, X13
-        del X2, X5, X13
+        # d_conv1_bn_mul_2 = d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std
+        d_conv1_bn_mul_2 = d_conv1_bn  # in place: over d_conv1_bn
+        rt.ew(ew_mul_3, d_conv1_bn_mul_2, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std)
+        # free conv1, conv1_bn_centered, conv1_bn_inv_std
+        del conv1, conv1_bn_centered, conv1_bn_inv_std
         mem.free(3, 7)
-        # X337 = sum_to[1x16x1x1](X336)
-        X337 = mem.tensor(140, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X336, out=X337, shape=(1, 16, 1, 1))
-        # free X336
-        del X279, X280, X326, X336
+        # d_conv1_bn_weight = sum_to[1x16x1x1](d_conv1_bn_mul_2)
+        d_conv1_bn_weight = mem.tensor(140, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_conv1_bn_mul_2, out=d_conv1_bn_weight, shape=(1, 16, 1, 1))
+        # free d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn, d_conv1_bn_mul_2
+        del d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn, d_conv1_bn_mul_2
         mem.free(115)
-        # X338 = reshape[16](X337)
-        X338 = rt.reshape(X337, shape=(16,))
-        # X339 = V_conv1_bn_W*momentum + X338 + conv1_bn_W*decay
-        X339 = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        rt.ew(ew16, X339, T['V_conv1_bn_W'], momentum, X338, decay, T['conv1_bn_W'])
-        # free X337, X338
-        del X337, X338
+        # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
+        d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
+        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
+        rt.ew(ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
+        # free d_conv1_bn_weight, d_conv1_bn_W
+        del d_conv1_bn_weight, d_conv1_bn_W
         mem.free(140)
-        # X340 = -X339*lr + conv1_bn_W
-        X340 = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew(ew18, X340, T['conv1_bn_W'], lr, X339)
-        # X341 = -X335
-        X341 = mem.tensor(141, (100, 16, 28, 28), 'float32')
-        rt.ew(ew24, X341, X335)
-        # X342 = sum_to[1x16x1x1](X341)
-        X342 = mem.tensor(142, (1, 16, 1, 1), 'float32')
-        rt.sum_to(X341, out=X342, shape=(1, 16, 1, 1))
-        # free X341
-        del X341
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
+        # d_conv1_bn_neg = -d_conv1_bn_centered
+        d_conv1_bn_neg = mem.tensor(141, (100, 16, 28, 28), 'float32')
+        rt.ew(ew_neg, d_conv1_bn_neg, d_conv1_bn_centered)
+        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](d_conv1_bn_neg)
+        d_conv1_bn_batch_mean = mem.tensor(142, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_conv1_bn_neg, out=d_conv1_bn_batch_mean, shape=(1, 16, 1, 1))
+        # free d_conv1_bn_neg
+        del d_conv1_bn_neg
         mem.free(141)
-        # X343 = X342/78400
-        X343 = X342  # in place: over X342
-        rt.ew(ew1, X343, X342)
-        # X344 = X335 + X343
-        X344 = X335  # in place: over X335
-        rt.ew(ew14, X344, X335, X343)
-        # free X343
-        del X342, X343
+        # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
+        d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
+        rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
+
+        # ---- conv1 (conv 3x3, 16 channels, stride 1, padding 1), backward ----
+        # d_conv1 = d_conv1_bn_centered + d_conv1_bn_sum
+        d_conv1 = d_conv1_bn_centered  # in place: over d_conv1_bn_centered
+        rt.ew(ew_add, d_conv1, d_conv1_bn_centered, d_conv1_bn_sum)
+        # free d_conv1_bn_batch_mean, d_conv1_bn_sum
+        del d_conv1_bn_batch_mean, d_conv1_bn_sum
         mem.free(142)
-        # X345 = conv2d_bwd_filter[kernel=(3,3),pad=1](X344, x)
-        X345 = mem.tensor(143, (16, 1, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X344, x, out=X345, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
-        # free x, X344
-        del x, X335, X344
+        # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1, x)
+        d_conv1_W = mem.tensor(143, (16, 1, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
+        # free x, d_conv1_bn_centered, d_conv1
+        del x, d_conv1_bn_centered, d_conv1
         mem.free(0, 139)
-        # X346 = V_conv1_W*momentum + X345 + conv1_W*decay
-        X346 = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew16, X346, T['V_conv1_W'], momentum, X345, decay, T['conv1_W'])
-        # free X345
-        del X345
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
+        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # free d_conv1_W
+        del d_conv1_W
         mem.free(143)
-        # X347 = -X346*lr + conv1_W
-        X347 = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew18, X347, T['conv1_W'], lr, X346)
-        loss = rt.scalar(X145)
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
+        loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss
 
@@ -1721,242 +1723,479 @@ class ResnetMini(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d[pad=1](x, conv1_W)
-        X1 = mem.tensor(2, (100, 16, 28, 28), 'float32')
-        rt.conv2d(x, T['conv1_W'], out=X1, pad=1, stride=1, workspace=mem.workspace(3182400))
+
+        # ---- conv1 (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W)
+        conv1 = mem.tensor(2, (100, 16, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
         # free x
         del x
         mem.free(0)
-        # X2 = reshape[1x16x1x1](conv1_bn_B)
-        X2 = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
-        # X3 = reshape[1x16x1x1](conv1_bn_W)
-        X3 = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
-        # X4 = reshape[1x16x1x1](conv1_bn_var)
-        X4 = rt.reshape(T['conv1_bn_var'], shape=(1, 16, 1, 1))
-        # X5 = reshape[1x16x1x1](conv1_bn_mean)
-        X5 = rt.reshape(T['conv1_bn_mean'], shape=(1, 16, 1, 1))
-        # X6 = Max(0, X2 + X3*(X1 - X5)/sqrt(X4 + 1.0e-5))
-        X6 = X1  # in place: over X1
-        rt.ew(ew29, X6, X1, X5, X4, X3, X2)
-        # X7 = conv2d[pad=1](X6, res2_a_W)
-        X7 = mem.tensor(3, (100, 16, 28, 28), 'float32')
-        rt.conv2d(X6, T['res2_a_W'], out=X7, pad=1, stride=1, workspace=mem.workspace(25459200))
-        # X8 = reshape[1x16x1x1](res2_a_bn_B)
-        X8 = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
-        # X9 = reshape[1x16x1x1](res2_a_bn_W)
-        X9 = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
-        # X10 = reshape[1x16x1x1](res2_a_bn_var)
-        X10 = rt.reshape(T['res2_a_bn_var'], shape=(1, 16, 1, 1))
-        # X11 = reshape[1x16x1x1](res2_a_bn_mean)
-        X11 = rt.reshape(T['res2_a_bn_mean'], shape=(1, 16, 1, 1))
-        # X12 = Max(0, X8 + X9*(-X11 + X7)/sqrt(X10 + 1.0e-5))
-        X12 = X7  # in place: over X7
-        rt.ew(ew29, X12, X7, X11, X10, X9, X8)
-        # X13 = conv2d[pad=1](X12, res2_b_W)
-        X13 = mem.tensor(4, (100, 16, 28, 28), 'float32')
-        rt.conv2d(X12, T['res2_b_W'], out=X13, pad=1, stride=1, workspace=mem.workspace(25459200))
-        # free X12
-        del X7, X12
+
+        # ---- conv1_bn (batch norm), forward ----
+        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
+        # conv1_bn_weight = reshape[1x16x1x1](conv1_bn_W)
+        conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_var = reshape[1x16x1x1](conv1_bn_var)
+        conv1_bn_running_var = rt.reshape(T['conv1_bn_var'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_mean = reshape[1x16x1x1](conv1_bn_mean)
+        conv1_bn_running_mean = rt.reshape(T['conv1_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu = Max(0, conv1_bn_weight*(conv1 - conv1_bn_running_mean)/sqrt(conv1_bn_running_var + 1.0e-5) + conv1_bn_bias)
+        conv1_bn_relu = conv1  # in place: over conv1
+        rt.ew(ew_add_rsqrt_sub_mul, conv1_bn_relu, conv1, conv1_bn_running_mean, conv1_bn_running_var, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_a = conv2d[pad=1](conv1_bn_relu, res2_a_W)
+        res2_a = mem.tensor(3, (100, 16, 28, 28), 'float32')
+        rt.conv2d(conv1_bn_relu, T['res2_a_W'], out=res2_a, pad=1, stride=1, workspace=mem.workspace(25459200))
+
+        # ---- res2_a_bn (batch norm), forward ----
+        # res2_a_bn_bias = reshape[1x16x1x1](res2_a_bn_B)
+        res2_a_bn_bias = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
+        # res2_a_bn_weight = reshape[1x16x1x1](res2_a_bn_W)
+        res2_a_bn_weight = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_var = reshape[1x16x1x1](res2_a_bn_var)
+        res2_a_bn_running_var = rt.reshape(T['res2_a_bn_var'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_mean = reshape[1x16x1x1](res2_a_bn_mean)
+        res2_a_bn_running_mean = rt.reshape(T['res2_a_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- res2_a_bn_relu (relu), forward ----
+        # res2_a_bn_relu = Max(0, res2_a_bn_weight*(res2_a - res2_a_bn_running_mean)/sqrt(res2_a_bn_running_var + 1.0e-5) + res2_a_bn_bias)
+        res2_a_bn_relu = res2_a  # in place: over res2_a
+        rt.ew(ew_add_rsqrt_sub_mul, res2_a_bn_relu, res2_a, res2_a_bn_running_mean, res2_a_bn_running_var, res2_a_bn_weight, res2_a_bn_bias)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_b = conv2d[pad=1](res2_a_bn_relu, res2_b_W)
+        res2_b = mem.tensor(4, (100, 16, 28, 28), 'float32')
+        rt.conv2d(res2_a_bn_relu, T['res2_b_W'], out=res2_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free res2_a, res2_a_bn_relu
+        del res2_a, res2_a_bn_relu
         mem.free(3)
-        # X14 = reshape[1x16x1x1](res2_b_bn_B)
-        X14 = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
-        # X15 = reshape[1x16x1x1](res2_b_bn_W)
-        X15 = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
-        # X16 = reshape[1x16x1x1](res2_b_bn_var)
-        X16 = rt.reshape(T['res2_b_bn_var'], shape=(1, 16, 1, 1))
-        # X17 = reshape[1x16x1x1](res2_b_bn_mean)
-        X17 = rt.reshape(T['res2_b_bn_mean'], shape=(1, 16, 1, 1))
-        # X18 = Max(0, X14 + X15*(X13 - X17)/sqrt(X16 + 1.0e-5) + X6)
-        X18 = X13  # in place: over X13
-        rt.ew(ew30, X18, X13, X17, X16, X15, X14, X6)
-        # free X6
-        del X1, X6
+
+        # ---- res2_b_bn (batch norm), forward ----
+        # res2_b_bn_bias = reshape[1x16x1x1](res2_b_bn_B)
+        res2_b_bn_bias = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
+        # res2_b_bn_weight = reshape[1x16x1x1](res2_b_bn_W)
+        res2_b_bn_weight = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_var = reshape[1x16x1x1](res2_b_bn_var)
+        res2_b_bn_running_var = rt.reshape(T['res2_b_bn_var'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_mean = reshape[1x16x1x1](res2_b_bn_mean)
+        res2_b_bn_running_mean = rt.reshape(T['res2_b_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- res2_b_bn_relu (relu), forward ----
+        # res2_b_bn_relu = Max(0, res2_b_bn_weight*(res2_b - res2_b_bn_running_mean)/sqrt(res2_b_bn_running_var + 1.0e-5) + res2_b_bn_bias + conv1_bn_relu)
+        res2_b_bn_relu = res2_b  # in place: over res2_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res2_b_bn_relu, res2_b, res2_b_bn_running_mean, res2_b_bn_running_var, res2_b_bn_weight, res2_b_bn_bias, conv1_bn_relu)
+        # free conv1, conv1_bn_relu
+        del conv1, conv1_bn_relu
         mem.free(2)
-        # X19 = conv2d[stride=2](X18, res3_proj_W)
-        X19 = mem.tensor(5, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X18, T['res3_proj_W'], out=X19, pad=0, stride=2, workspace=mem.workspace(1254400))
-        # X20 = conv2d[pad=1,stride=2](X18, res3_a_W)
-        X20 = mem.tensor(6, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X18, T['res3_a_W'], out=X20, pad=1, stride=2, workspace=mem.workspace(17049600))
-        # free X18
-        del X13, X18
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
+        # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
+        res3_proj = mem.tensor(5, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
+        # res3_a = conv2d[pad=1,stride=2](res2_b_bn_relu, res3_a_W)
+        res3_a = mem.tensor(6, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_a_W'], out=res3_a, pad=1, stride=2, workspace=mem.workspace(17049600))
+        # free res2_b, res2_b_bn_relu
+        del res2_b, res2_b_bn_relu
         mem.free(4)
-        # X21 = reshape[1x32x1x1](res3_proj_bn_B)
-        X21 = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
-        # X22 = reshape[1x32x1x1](res3_proj_bn_W)
-        X22 = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
-        # X23 = reshape[1x32x1x1](res3_proj_bn_var)
-        X23 = rt.reshape(T['res3_proj_bn_var'], shape=(1, 32, 1, 1))
-        # X24 = reshape[1x32x1x1](res3_proj_bn_mean)
-        X24 = rt.reshape(T['res3_proj_bn_mean'], shape=(1, 32, 1, 1))
-        # X25 = X21 + X22*(X19 - X24)/sqrt(X23 + 1.0e-5)
-        X25 = X19  # in place: over X19
-        rt.ew(ew31, X25, X19, X24, X23, X22, X21)
-        # X26 = reshape[1x32x1x1](res3_a_bn_B)
-        X26 = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
-        # X27 = reshape[1x32x1x1](res3_a_bn_W)
-        X27 = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
-        # X28 = reshape[1x32x1x1](res3_a_bn_var)
-        X28 = rt.reshape(T['res3_a_bn_var'], shape=(1, 32, 1, 1))
-        # X29 = reshape[1x32x1x1](res3_a_bn_mean)
-        X29 = rt.reshape(T['res3_a_bn_mean'], shape=(1, 32, 1, 1))
-        # X30 = Max(0, X26 + X27*(X20 - X29)/sqrt(X28 + 1.0e-5))
-        X30 = X20  # in place: over X20
-        rt.ew(ew29, X30, X20, X29, X28, X27, X26)
-        # X31 = conv2d[pad=1](X30, res3_b_W)
-        X31 = mem.tensor(7, (100, 32, 14, 14), 'float32')
-        rt.conv2d(X30, T['res3_b_W'], out=X31, pad=1, stride=1, workspace=mem.workspace(25856000))
-        # free X30
-        del X20, X30
+
+        # ---- res3_proj_bn (batch norm), forward ----
+        # res3_proj_bn_bias = reshape[1x32x1x1](res3_proj_bn_B)
+        res3_proj_bn_bias = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_weight = reshape[1x32x1x1](res3_proj_bn_W)
+        res3_proj_bn_weight = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_var = reshape[1x32x1x1](res3_proj_bn_var)
+        res3_proj_bn_running_var = rt.reshape(T['res3_proj_bn_var'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_mean = reshape[1x32x1x1](res3_proj_bn_mean)
+        res3_proj_bn_running_mean = rt.reshape(T['res3_proj_bn_mean'], shape=(1, 32, 1, 1))
+        # res3_proj_bn = res3_proj_bn_weight*(res3_proj - res3_proj_bn_running_mean)/sqrt(res3_proj_bn_running_var + 1.0e-5) + res3_proj_bn_bias
+        res3_proj_bn = res3_proj  # in place: over res3_proj
+        rt.ew(ew_add_rsqrt_sub_mul_3, res3_proj_bn, res3_proj, res3_proj_bn_running_mean, res3_proj_bn_running_var, res3_proj_bn_weight, res3_proj_bn_bias)
+
+        # ---- res3_a_bn (batch norm), forward ----
+        # res3_a_bn_bias = reshape[1x32x1x1](res3_a_bn_B)
+        res3_a_bn_bias = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
+        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
+        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_var = reshape[1x32x1x1](res3_a_bn_var)
+        res3_a_bn_running_var = rt.reshape(T['res3_a_bn_var'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_mean = reshape[1x32x1x1](res3_a_bn_mean)
+        res3_a_bn_running_mean = rt.reshape(T['res3_a_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu = Max(0, res3_a_bn_weight*(res3_a - res3_a_bn_running_mean)/sqrt(res3_a_bn_running_var + 1.0e-5) + res3_a_bn_bias)
+        res3_a_bn_relu = res3_a  # in place: over res3_a
+        rt.ew(ew_add_rsqrt_sub_mul, res3_a_bn_relu, res3_a, res3_a_bn_running_mean, res3_a_bn_running_var, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # res3_b = conv2d[pad=1](res3_a_bn_relu, res3_b_W)
+        res3_b = mem.tensor(7, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res3_a_bn_relu, T['res3_b_W'], out=res3_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free res3_a, res3_a_bn_relu
+        del res3_a, res3_a_bn_relu
         mem.free(6)
-        # X32 = reshape[1x32x1x1](res3_b_bn_B)
-        X32 = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
-        # X33 = reshape[1x32x1x1](res3_b_bn_W)
-        X33 = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
-        # X34 = reshape[1x32x1x1](res3_b_bn_var)
-        X34 = rt.reshape(T['res3_b_bn_var'], shape=(1, 32, 1, 1))
-        # X35 = reshape[1x32x1x1](res3_b_bn_mean)
-        X35 = rt.reshape(T['res3_b_bn_mean'], shape=(1, 32, 1, 1))
-        # X36 = Max(0, X25 + X32 + X33*(X31 - X35)/sqrt(X34 + 1.0e-5))
-        X36 = X31  # in place: over X31
-        rt.ew(ew30, X36, X31, X35, X34, X33, X32, X25)
-        # free X25
-        del X19, X25
+
+        # ---- res3_b_bn (batch norm), forward ----
+        # res3_b_bn_bias = reshape[1x32x1x1](res3_b_bn_B)
+        res3_b_bn_bias = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
+        # res3_b_bn_weight = reshape[1x32x1x1](res3_b_bn_W)
+        res3_b_bn_weight = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_var = reshape[1x32x1x1](res3_b_bn_var)
+        res3_b_bn_running_var = rt.reshape(T['res3_b_bn_var'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_mean = reshape[1x32x1x1](res3_b_bn_mean)
+        res3_b_bn_running_mean = rt.reshape(T['res3_b_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_b_bn_relu (relu), forward ----
+        # res3_b_bn_relu = Max(0, res3_b_bn_weight*(res3_b - res3_b_bn_running_mean)/sqrt(res3_b_bn_running_var + 1.0e-5) + res3_b_bn_bias + res3_proj_bn)
+        res3_b_bn_relu = res3_b  # in place: over res3_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res3_b_bn_relu, res3_b, res3_b_bn_running_mean, res3_b_bn_running_var, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn)
+        # free res3_proj, res3_proj_bn
+        del res3_proj, res3_proj_bn
         mem.free(5)
-        # X37 = conv2d[stride=2](X36, res4_proj_W)
-        X37 = mem.tensor(8, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X36, T['res4_proj_W'], out=X37, pad=0, stride=2, workspace=mem.workspace(627200))
-        # X38 = conv2d[pad=1,stride=2](X36, res4_a_W)
-        X38 = mem.tensor(9, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X36, T['res4_a_W'], out=X38, pad=1, stride=2, workspace=mem.workspace(8921600))
-        # free X36
-        del X31, X36
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
+        # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
+        res4_proj = mem.tensor(8, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
+        # res4_a = conv2d[pad=1,stride=2](res3_b_bn_relu, res4_a_W)
+        res4_a = mem.tensor(9, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_a_W'], out=res4_a, pad=1, stride=2, workspace=mem.workspace(8921600))
+        # free res3_b, res3_b_bn_relu
+        del res3_b, res3_b_bn_relu
         mem.free(7)
-        # X39 = reshape[1x64x1x1](res4_proj_bn_B)
-        X39 = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
-        # X40 = reshape[1x64x1x1](res4_proj_bn_W)
-        X40 = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
-        # X41 = reshape[1x64x1x1](res4_proj_bn_var)
-        X41 = rt.reshape(T['res4_proj_bn_var'], shape=(1, 64, 1, 1))
-        # X42 = reshape[1x64x1x1](res4_proj_bn_mean)
-        X42 = rt.reshape(T['res4_proj_bn_mean'], shape=(1, 64, 1, 1))
-        # X43 = X39 + X40*(X37 - X42)/sqrt(X41 + 1.0e-5)
-        X43 = X37  # in place: over X37
-        rt.ew(ew31, X43, X37, X42, X41, X40, X39)
-        # X44 = reshape[1x64x1x1](res4_a_bn_B)
-        X44 = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
-        # X45 = reshape[1x64x1x1](res4_a_bn_W)
-        X45 = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
-        # X46 = reshape[1x64x1x1](res4_a_bn_var)
-        X46 = rt.reshape(T['res4_a_bn_var'], shape=(1, 64, 1, 1))
-        # X47 = reshape[1x64x1x1](res4_a_bn_mean)
-        X47 = rt.reshape(T['res4_a_bn_mean'], shape=(1, 64, 1, 1))
-        # X48 = Max(0, X44 + X45*(X38 - X47)/sqrt(X46 + 1.0e-5))
-        X48 = X38  # in place: over X38
-        rt.ew(ew29, X48, X38, X47, X46, X45, X44)
-        # X49 = conv2d[pad=1](X48, res4_b_W)
-        X49 = mem.tensor(10, (100, 64, 7, 7), 'float32')
-        rt.conv2d(X48, T['res4_b_W'], out=X49, pad=1, stride=1, workspace=mem.workspace(13363200))
-        # free X48
-        del X38, X48
+
+        # ---- res4_proj_bn (batch norm), forward ----
+        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
+        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_weight = reshape[1x64x1x1](res4_proj_bn_W)
+        res4_proj_bn_weight = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_var = reshape[1x64x1x1](res4_proj_bn_var)
+        res4_proj_bn_running_var = rt.reshape(T['res4_proj_bn_var'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_mean = reshape[1x64x1x1](res4_proj_bn_mean)
+        res4_proj_bn_running_mean = rt.reshape(T['res4_proj_bn_mean'], shape=(1, 64, 1, 1))
+        # res4_proj_bn = res4_proj_bn_weight*(res4_proj - res4_proj_bn_running_mean)/sqrt(res4_proj_bn_running_var + 1.0e-5) + res4_proj_bn_bias
+        res4_proj_bn = res4_proj  # in place: over res4_proj
+        rt.ew(ew_add_rsqrt_sub_mul_3, res4_proj_bn, res4_proj, res4_proj_bn_running_mean, res4_proj_bn_running_var, res4_proj_bn_weight, res4_proj_bn_bias)
+
+        # ---- res4_a_bn (batch norm), forward ----
+        # res4_a_bn_bias = reshape[1x64x1x1](res4_a_bn_B)
+        res4_a_bn_bias = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
+        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
+        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
+        # res4_a_bn_running_var = reshape[1x64x1x1](res4_a_bn_var)
+        res4_a_bn_running_var = rt.reshape(T['res4_a_bn_var'], shape=(1, 64, 1, 1))
+        # res4_a_bn_running_mean = reshape[1x64x1x1](res4_a_bn_mean)
+        res4_a_bn_running_mean = rt.reshape(T['res4_a_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- res4_a_bn_relu (relu), forward ----
+        # res4_a_bn_relu = Max(0, res4_a_bn_weight*(res4_a - res4_a_bn_running_mean)/sqrt(res4_a_bn_running_var + 1.0e-5) + res4_a_bn_bias)
+        res4_a_bn_relu = res4_a  # in place: over res4_a
+        rt.ew(ew_add_rsqrt_sub_mul, res4_a_bn_relu, res4_a, res4_a_bn_running_mean, res4_a_bn_running_var, res4_a_bn_weight, res4_a_bn_bias)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res4_b = conv2d[pad=1](res4_a_bn_relu, res4_b_W)
+        res4_b = mem.tensor(10, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res4_a_bn_relu, T['res4_b_W'], out=res4_b, pad=1, stride=1, workspace=mem.workspace(13363200))
+        # free res4_a, res4_a_bn_relu
+        del res4_a, res4_a_bn_relu
         mem.free(9)
-        # X50 = reshape[1x64x1x1](res4_b_bn_B)
-        X50 = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
-        # X51 = reshape[1x64x1x1](res4_b_bn_W)
-        X51 = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
-        # X52 = reshape[1x64x1x1](res4_b_bn_var)
-        X52 = rt.reshape(T['res4_b_bn_var'], shape=(1, 64, 1, 1))
-        # X53 = reshape[1x64x1x1](res4_b_bn_mean)
-        X53 = rt.reshape(T['res4_b_bn_mean'], shape=(1, 64, 1, 1))
-        # X54 = Max(0, X43 + X50 + X51*(X49 - X53)/sqrt(X52 + 1.0e-5))
-        X54 = X49  # in place: over X49
-        rt.ew(ew30, X54, X49, X53, X52, X51, X50, X43)
-        # free X43
-        del X37, X43
+
+        # ---- res4_b_bn (batch norm), forward ----
+        # res4_b_bn_bias = reshape[1x64x1x1](res4_b_bn_B)
+        res4_b_bn_bias = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
+        # res4_b_bn_weight = reshape[1x64x1x1](res4_b_bn_W)
+        res4_b_bn_weight = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_var = reshape[1x64x1x1](res4_b_bn_var)
+        res4_b_bn_running_var = rt.reshape(T['res4_b_bn_var'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_mean = reshape[1x64x1x1](res4_b_bn_mean)
+        res4_b_bn_running_mean = rt.reshape(T['res4_b_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- res4_b_bn_relu (relu), forward ----
+        # res4_b_bn_relu = Max(0, res4_b_bn_weight*(res4_b - res4_b_bn_running_mean)/sqrt(res4_b_bn_running_var + 1.0e-5) + res4_b_bn_bias + res4_proj_bn)
+        res4_b_bn_relu = res4_b  # in place: over res4_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res4_b_bn_relu, res4_b, res4_b_bn_running_mean, res4_b_bn_running_var, res4_b_bn_weight, res4_b_bn_bias, res4_proj_bn)
+        # free res4_proj, res4_proj_bn
+        del res4_proj, res4_proj_bn
         mem.free(8)
-        # X55 = avg_pool[kernel=7,stride=7](X54)
-        X55 = mem.tensor(11, (100, 64, 1, 1), 'float32')
-        rt.avg_pool(X54, out=X55, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
-        # free X54
-        del X49, X54
+
+        # ---- res4_b_bn_avg_pool (average pooling), forward ----
+        # res4_b_bn_avg_pool = avg_pool[kernel=7,stride=7](res4_b_bn_relu)
+        res4_b_bn_avg_pool = mem.tensor(11, (100, 64, 1, 1), 'float32')
+        rt.avg_pool(res4_b_bn_relu, out=res4_b_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free res4_b, res4_b_bn_relu
+        del res4_b, res4_b_bn_relu
         mem.free(10)
-        # X56 = reshape[100x64](X55)
-        X56 = rt.reshape(X55, shape=(100, 64))
-        # X57 = matmul[tb](X56, fc_W)
-        X57 = mem.tensor(12, (100, 10), 'float32')
-        rt.matmul(X56, T['fc_W'], out=X57, tb=True)
-        # free X55, X56
-        del X55, X56
+
+        # ---- res4_b_bn_flatten (flatten), forward ----
+        # res4_b_bn_flatten = reshape[100x64](res4_b_bn_avg_pool)
+        res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
+
+        # ---- fc (fully connected, 10 outputs), forward ----
+        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
+        fc_matmul = mem.tensor(12, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # free res4_b_bn_avg_pool, res4_b_bn_flatten
+        del res4_b_bn_avg_pool, res4_b_bn_flatten
         mem.free(11)
-        # X58 = X57 + fc_B
-        X58 = X57  # in place: over X57
-        rt.ew(ew14, X58, X57, T['fc_B'])
-        # X59 = precision(X58, y)
-        X59 = mem.tensor(13, (), 'float32')
-        rt.precision(X58, y, out=X59)
-        # X60 = log_softmax(X58)
-        X60 = X58  # in place: over X58
-        rt.log_softmax(X58, out=X60, workspace=mem.workspace(4000))
-        # X61 = pick(X60, y)
-        X61 = mem.tensor(14, (100,), 'float32')
-        rt.pick(X60, y, out=X61)
-        # free y, X60
-        del y, X57, X58, X60
+        # fc = fc_matmul + fc_B
+        fc = fc_matmul  # in place: over fc_matmul
+        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+
+        # ---- fc_precision (precision), forward ----
+        # fc_precision = precision(fc, y)
+        fc_precision = mem.tensor(13, (), 'float32')
+        rt.precision(fc, y, out=fc_precision)
+
+        # ---- fc_cross_entropy (cross_entropy), forward ----
+        # fc_cross_entropy_log_softmax = log_softmax(fc)
+        fc_cross_entropy_log_softmax = fc  # in place: over fc
+        rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
+        fc_cross_entropy_pick = mem.tensor(14, (100,), 'float32')
+        rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
+        # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
+        del y, fc_matmul, fc, fc_cross_entropy_log_softmax
         mem.free(1, 12)
-        # X62 = sum_to[scalar](X61)
-        X62 = mem.tensor(15, (), 'float32')
-        rt.sum_to(X61, out=X62, shape=())
-        # free X61
-        del X61
+        # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
+        fc_cross_entropy_sum_to = mem.tensor(15, (), 'float32')
+        rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
+        # free fc_cross_entropy_pick
+        del fc_cross_entropy_pick
         mem.free(14)
-        # X63 = -X62/100
-        X63 = X62  # in place: over X62
-        rt.ew(ew17, X63, X62)
-        accuracy = rt.scalar(X59)
-        loss = rt.scalar(X63)
+        # fc_cross_entropy = -fc_cross_entropy_sum_to/100
+        fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
+        rt.ew(ew_scale_4, fc_cross_entropy, fc_cross_entropy_sum_to)
+        accuracy = rt.scalar(fc_precision)
+        loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=512, peak_bytes=512, workspace_bytes=0, pool_bytes=512,
+            buffers=(
+                (0, 400),  # 0: const 100 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=36695296, peak_bytes=36695296, workspace_bytes=31974400, pool_bytes=41713664,
+            buffers=(
+                (36377600, 313600),  # 0: x 100x1x28x28 float32
+                (33902592, 400),  # 1: y 100 int32
+                (33894400, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
+                (0, 5017600),  # 3: conv1 100x16x28x28 float32
+                (5017600, 64),  # 4: conv1_bn_sum 1x16x1x1 float32
+                (5017600, 5017600),  # 5: conv1_bn_square 100x16x28x28 float32
+                (36691200, 64),  # 6: conv1_bn_sum_of_squares 1x16x1x1 float32
+                (36691456, 64),  # 7: conv1_bn_inv_std 1x16x1x1 float32
+                (5017600, 5017600),  # 8: conv1_bn_relu 100x16x28x28 float32
+                (10035200, 5017600),  # 9: res2_a 100x16x28x28 float32
+                (15052800, 64),  # 10: res2_a_bn_sum 1x16x1x1 float32
+                (15052800, 5017600),  # 11: res2_a_bn_square 100x16x28x28 float32
+                (36691712, 64),  # 12: res2_a_bn_sum_of_squares 1x16x1x1 float32
+                (36691968, 64),  # 13: res2_a_bn_inv_std 1x16x1x1 float32
+                (15052800, 5017600),  # 14: res2_a_bn_relu 100x16x28x28 float32
+                (20070400, 5017600),  # 15: res2_b 100x16x28x28 float32
+                (15052800, 64),  # 16: res2_b_bn_sum 1x16x1x1 float32
+                (15052800, 5017600),  # 17: res2_b_bn_square 100x16x28x28 float32
+                (36692224, 64),  # 18: res2_b_bn_sum_of_squares 1x16x1x1 float32
+                (36692480, 64),  # 19: res2_b_bn_inv_std 1x16x1x1 float32
+                (25088000, 2508800),  # 20: res3_proj 100x32x14x14 float32
+                (15052800, 128),  # 21: res3_proj_bn_sum 1x32x1x1 float32
+                (15052800, 2508800),  # 22: res3_proj_bn_square 100x32x14x14 float32
+                (36692736, 128),  # 23: res3_proj_bn_sum_of_squares 1x32x1x1 float32
+                (36692992, 128),  # 24: res3_proj_bn_inv_std 1x32x1x1 float32
+                (15052800, 2508800),  # 25: res3_a 100x32x14x14 float32
+                (17561600, 128),  # 26: res3_a_bn_sum 1x32x1x1 float32
+                (17561600, 2508800),  # 27: res3_a_bn_square 100x32x14x14 float32
+                (36693248, 128),  # 28: res3_a_bn_sum_of_squares 1x32x1x1 float32
+                (36693504, 128),  # 29: res3_a_bn_inv_std 1x32x1x1 float32
+                (17561600, 2508800),  # 30: res3_a_bn_relu 100x32x14x14 float32
+                (27596800, 2508800),  # 31: res3_b 100x32x14x14 float32
+                (17561600, 128),  # 32: res3_b_bn_sum 1x32x1x1 float32
+                (17561600, 2508800),  # 33: res3_b_bn_square 100x32x14x14 float32
+                (36693760, 128),  # 34: res3_b_bn_sum_of_squares 1x32x1x1 float32
+                (36694016, 128),  # 35: res3_b_bn_inv_std 1x32x1x1 float32
+                (17561600, 2508800),  # 36: res3_b_bn_relu 100x32x14x14 float32
+                (32614400, 1254400),  # 37: res4_proj 100x64x7x7 float32
+                (30105600, 256),  # 38: res4_proj_bn_sum 1x64x1x1 float32
+                (30105600, 1254400),  # 39: res4_proj_bn_square 100x64x7x7 float32
+                (36694272, 256),  # 40: res4_proj_bn_sum_of_squares 1x64x1x1 float32
+                (36694528, 256),  # 41: res4_proj_bn_inv_std 1x64x1x1 float32
+                (30105600, 1254400),  # 42: res4_a 100x64x7x7 float32
+                (17561600, 256),  # 43: res4_a_bn_sum 1x64x1x1 float32
+                (17561600, 1254400),  # 44: res4_a_bn_square 100x64x7x7 float32
+                (35148800, 256),  # 45: res4_a_bn_sum_of_squares 1x64x1x1 float32
+                (36694784, 256),  # 46: res4_a_bn_inv_std 1x64x1x1 float32
+                (17561600, 1254400),  # 47: res4_a_bn_relu 100x64x7x7 float32
+                (18816000, 1254400),  # 48: res4_b 100x64x7x7 float32
+                (31360000, 256),  # 49: res4_b_bn_sum 1x64x1x1 float32
+                (31360000, 1254400),  # 50: res4_b_bn_square 100x64x7x7 float32
+                (35149056, 256),  # 51: res4_b_bn_sum_of_squares 1x64x1x1 float32
+                (35149312, 256),  # 52: res4_b_bn_inv_std 1x64x1x1 float32
+                (31360000, 1254400),  # 53: res4_b_bn_relu 100x64x7x7 float32
+                (33868800, 25600),  # 54: res4_b_bn_avg_pool 100x64x1x1 float32
+                (33898496, 4000),  # 55: fc_matmul 100x10 float32
+                (33903104, 400),  # 56: fc_cross_entropy_pick 100 float32
+                (33898496, 2560),  # 57: d_fc_W 10x64 float32
+                (36695040, 4),  # 58: fc_cross_entropy_sum_to scalar float32
+                (33868800, 40),  # 59: d_fc_B 10 float32
+                (35123200, 25600),  # 60: d_res4_b_bn_flatten 100x64 float32
+                (33868800, 1254400),  # 61: d_res4_b_bn_relu 100x64x7x7 float32
+                (31360000, 256),  # 62: d_res4_proj_bn_bias 1x64x1x1 float32
+                (31360000, 1254400),  # 63: d_res4_b_bn_mul 100x64x7x7 float32
+                (35123200, 256),  # 64: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (31360000, 1254400),  # 65: d_res4_b_bn_centered 100x64x7x7 float32
+                (35123200, 256),  # 66: d_res4_b_bn_weight 1x64x1x1 float32
+                (18816000, 1254400),  # 67: d_res4_b_bn_neg 100x64x7x7 float32
+                (35123200, 256),  # 68: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (18816000, 147456),  # 69: d_res4_b_W 64x64x3x3 float32
+                (18816000, 1254400),  # 70: d_res4_a_bn_relu 100x64x7x7 float32
+                (17561600, 256),  # 71: d_res4_a_bn_bias 1x64x1x1 float32
+                (17561600, 1254400),  # 72: d_res4_a_bn_mul 100x64x7x7 float32
+                (31360000, 256),  # 73: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (35123200, 1254400),  # 74: d_res4_a_bn_centered 100x64x7x7 float32
+                (17561600, 256),  # 75: d_res4_a_bn_weight 1x64x1x1 float32
+                (17561600, 1254400),  # 76: d_res4_a_bn_neg 100x64x7x7 float32
+                (18816000, 256),  # 77: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (17561600, 2508800),  # 78: res3_b_bn_relu_2 100x32x14x14 float32
+                (30105600, 73728),  # 79: d_res4_a_W 64x32x3x3 float32
+                (30105600, 2508800),  # 80: d_res3_b_bn_relu 100x32x14x14 float32
+                (35123200, 1254400),  # 81: d_res4_proj_bn_mul 100x64x7x7 float32
+                (36694784, 256),  # 82: d_res4_proj_bn_inv_std 1x64x1x1 float32
+                (35123200, 1254400),  # 83: d_res4_proj_bn_centered 100x64x7x7 float32
+                (32614400, 256),  # 84: d_res4_proj_bn_weight 1x64x1x1 float32
+                (32614400, 1254400),  # 85: d_res4_proj_bn_neg 100x64x7x7 float32
+                (33868800, 256),  # 86: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (32614400, 8192),  # 87: d_res4_proj_W 64x32x1x1 float32
+                (32614400, 2508800),  # 88: d_res3_b_bn_relu_2 100x32x14x14 float32
+                (17561600, 128),  # 89: d_res3_proj_bn_bias 1x32x1x1 float32
+                (17561600, 2508800),  # 90: d_res3_b_bn_mul 100x32x14x14 float32
+                (30105600, 128),  # 91: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (17561600, 2508800),  # 92: d_res3_b_bn_centered 100x32x14x14 float32
+                (30105600, 128),  # 93: d_res3_b_bn_weight 1x32x1x1 float32
+                (27596800, 2508800),  # 94: d_res3_b_bn_neg 100x32x14x14 float32
+                (30105600, 128),  # 95: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (27596800, 2508800),  # 96: res3_a_bn_relu_2 100x32x14x14 float32
+                (30105600, 36864),  # 97: d_res3_b_W 32x32x3x3 float32
+                (30105600, 2508800),  # 98: d_res3_a_bn_relu 100x32x14x14 float32
+                (17561600, 128),  # 99: d_res3_a_bn_bias 1x32x1x1 float32
+                (17561600, 2508800),  # 100: d_res3_a_bn_mul 100x32x14x14 float32
+                (35123200, 128),  # 101: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (27596800, 2508800),  # 102: d_res3_a_bn_centered 100x32x14x14 float32
+                (15052800, 128),  # 103: d_res3_a_bn_weight 1x32x1x1 float32
+                (15052800, 2508800),  # 104: d_res3_a_bn_neg 100x32x14x14 float32
+                (17561600, 128),  # 105: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (15052800, 18432),  # 106: d_res3_a_W 32x16x3x3 float32
+                (15052800, 5017600),  # 107: d_res2_b_bn_relu 100x16x28x28 float32
+                (27596800, 2508800),  # 108: d_res3_proj_bn_mul 100x32x14x14 float32
+                (35123200, 128),  # 109: d_res3_proj_bn_inv_std 1x32x1x1 float32
+                (30105600, 2508800),  # 110: d_res3_proj_bn_centered 100x32x14x14 float32
+                (25088000, 128),  # 111: d_res3_proj_bn_weight 1x32x1x1 float32
+                (25088000, 2508800),  # 112: d_res3_proj_bn_neg 100x32x14x14 float32
+                (27596800, 128),  # 113: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (25088000, 2048),  # 114: d_res3_proj_W 32x16x1x1 float32
+                (25088000, 5017600),  # 115: d_res2_b_bn_relu_2 100x16x28x28 float32
+                (5017600, 64),  # 116: d_res2_b_bn_bias 1x16x1x1 float32
+                (5017600, 5017600),  # 117: d_res2_b_bn_mul 100x16x28x28 float32
+                (15052800, 64),  # 118: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (5017600, 5017600),  # 119: d_res2_b_bn_centered 100x16x28x28 float32
+                (15052800, 64),  # 120: d_res2_b_bn_weight 1x16x1x1 float32
+                (15052800, 5017600),  # 121: d_res2_b_bn_neg 100x16x28x28 float32
+                (20070400, 64),  # 122: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (15052800, 5017600),  # 123: res2_a_bn_relu_2 100x16x28x28 float32
+                (20070400, 9216),  # 124: d_res2_b_W 16x16x3x3 float32
+                (20070400, 5017600),  # 125: d_res2_a_bn_relu 100x16x28x28 float32
+                (5017600, 64),  # 126: d_res2_a_bn_bias 1x16x1x1 float32
+                (5017600, 5017600),  # 127: d_res2_a_bn_mul 100x16x28x28 float32
+                (15052800, 64),  # 128: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (5017600, 5017600),  # 129: d_res2_a_bn_centered 100x16x28x28 float32
+                (10035200, 64),  # 130: d_res2_a_bn_weight 1x16x1x1 float32
+                (10035200, 5017600),  # 131: d_res2_a_bn_neg 100x16x28x28 float32
+                (15052800, 64),  # 132: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (10035200, 5017600),  # 133: conv1_bn_relu_2 100x16x28x28 float32
+                (15052800, 9216),  # 134: d_res2_a_W 16x16x3x3 float32
+                (15052800, 5017600),  # 135: d_conv1_bn_relu 100x16x28x28 float32
+                (5017600, 64),  # 136: d_conv1_bn_bias 1x16x1x1 float32
+                (5017600, 5017600),  # 137: d_conv1_bn_mul 100x16x28x28 float32
+                (10035200, 64),  # 138: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017600, 5017600),  # 139: d_conv1_bn_centered 100x16x28x28 float32
+                (0, 64),  # 140: d_conv1_bn_weight 1x16x1x1 float32
+                (0, 5017600),  # 141: d_conv1_bn_neg 100x16x28x28 float32
+                (10035200, 64),  # 142: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (0, 576),  # 143: d_conv1_W 16x1x3x3 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=15053312, peak_bytes=15053312, workspace_bytes=25856000, pool_bytes=15366912,
+            buffers=(
+                (5017600, 313600),  # 0: x 100x1x28x28 float32
+                (15052800, 400),  # 1: y 100 int32
+                (0, 5017600),  # 2: conv1 100x16x28x28 float32
+                (5017600, 5017600),  # 3: res2_a 100x16x28x28 float32
+                (10035200, 5017600),  # 4: res2_b 100x16x28x28 float32
+                (0, 2508800),  # 5: res3_proj 100x32x14x14 float32
+                (2508800, 2508800),  # 6: res3_a 100x32x14x14 float32
+                (5017600, 2508800),  # 7: res3_b 100x32x14x14 float32
+                (0, 1254400),  # 8: res4_proj 100x64x7x7 float32
+                (1254400, 1254400),  # 9: res4_a 100x64x7x7 float32
+                (2508800, 1254400),  # 10: res4_b 100x64x7x7 float32
+                (0, 25600),  # 11: res4_b_bn_avg_pool 100x64x1x1 float32
+                (25600, 4000),  # 12: fc_matmul 100x10 float32
+                (512, 4),  # 13: fc_precision scalar float32
+                (0, 400),  # 14: fc_cross_entropy_pick 100 float32
+                (768, 4),  # 15: fc_cross_entropy_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0):
+def ew_scale(out, v0):
     """out = v0/78400   (out may be v0)"""
     np.multiply(v0, 1.2755102040816327e-05, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_sub(out, v0, v1):
     """out = v0 - v1   (out may be v0)"""
     np.subtract(v0, v1, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(out, v1 * 0.1, out=out)
 
 
-def ew4(out, v0):
+def ew_square(out, v0):
     """out = v0**2"""
     np.square(v0, out=out)
 
 
-def ew5(out, v0, v1):
+def ew_scale_add_2(out, v0, v1):
     """out = 0.9*v0 + 0.100001275526474*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(out, v1 * 0.10000127552647356, out=out)
 
 
-def ew6(out, v0):
+def ew_add_rsqrt(out, v0):
     """out = 1/sqrt(v0 + 1.0e-5)"""
     np.add(v0, 1e-05, out=out)
     np.sqrt(out, out=out)
     np.divide(1.0, out, out=out)
 
 
-def ew7(out, v0, v1, v2, v3):
+def ew_mul_add_relu(out, v0, v1, v2, v3):
     """out = Max(0, v0*v1*v2 + v3)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
@@ -1964,25 +2203,25 @@ def ew7(out, v0, v1, v2, v3):
     np.maximum(out, 0, out=out)
 
 
-def ew8(out, v0, v1, v2, v3, v4):
+def ew_mul_add_relu_2(out, v0, v1, v2, v3, v4):
     """out = Max(0, v0*v1*v2 + v3 + v4)   (out may be v4)"""
     np.add(v4, v0 * v1 * v2, out=out)
     np.add(out, v3, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew9(out, v0):
+def ew_scale_2(out, v0):
     """out = v0/19600   (out may be v0)"""
     np.multiply(v0, 5.102040816326531e-05, out=out)
 
 
-def ew10(out, v0, v1):
+def ew_scale_add_3(out, v0, v1):
     """out = 0.9*v0 + 0.100005102301138*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(out, v1 * 0.10000510230113782, out=out)
 
 
-def ew11(out, v0, v1, v2, v3, v4, v5, v6, v7):
+def ew_mul_add_relu_3(out, v0, v1, v2, v3, v4, v5, v6, v7):
     """out = Max(0, v0*v1*v2 + v3 + v4*v5*v6 + v7)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
@@ -1992,104 +2231,104 @@ def ew11(out, v0, v1, v2, v3, v4, v5, v6, v7):
     np.maximum(out, 0, out=out)
 
 
-def ew12(out, v0):
+def ew_scale_3(out, v0):
     """out = v0/4900   (out may be v0)"""
     np.multiply(v0, 0.00020408163265306123, out=out)
 
 
-def ew13(out, v0, v1):
+def ew_scale_add_4(out, v0, v1):
     """out = 0.9*v0 + 0.100020412329047*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(out, v1 * 0.10002041232904675, out=out)
 
 
-def ew14(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew15(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.01, out=out)
 
 
-def ew16(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew17(out, v0):
+def ew_scale_4(out, v0):
     """out = -v0/100   (out may be v0)"""
     np.multiply(v0, -0.01, out=out)
 
 
-def ew18(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 
 
-def ew19(out, v0, v1):
+def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 
 
-def ew20(out, v0, v1, v2):
+def ew_mul(out, v0, v1, v2):
     """out = v0*v1*v2"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
 
 
-def ew21(out, v0, v1):
+def ew_add_pow_mul(out, v0, v1):
     """out = -v0/(9800*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -0.00010204081632653062, out=out)
     np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
 
 
-def ew22(out, v0, v1, v2, v3, v4):
+def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     """out = v0*v1*v2 + 2*v3*v4"""
     np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew23(out, v0, v1, v2):
+def ew_mul_2(out, v0, v1, v2):
     """out = v0*v1*v2   (out may be v1)"""
     np.multiply(v1, v0, out=out)
     np.multiply(out, v2, out=out)
 
 
-def ew24(out, v0):
+def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
 
 
-def ew25(out, v0, v1, v2):
+def ew_mul_3(out, v0, v1, v2):
     """out = v0*v1*v2   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
 
 
-def ew26(out, v0, v1, v2):
+def ew_add_step_mul(out, v0, v1, v2):
     """out = (v0 + v1)*Heaviside(v2, 0)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.multiply(out, np.greater(v2, 0), out=out)
 
 
-def ew27(out, v0, v1):
+def ew_add_pow_mul_2(out, v0, v1):
     """out = -v0/(39200*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -2.5510204081632654e-05, out=out)
     np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
 
 
-def ew28(out, v0, v1):
+def ew_add_pow_mul_3(out, v0, v1):
     """out = -v0/(156800*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -6.3775510204081635e-06, out=out)
     np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
 
 
-def ew29(out, v0, v1, v2, v3, v4):
+def ew_add_rsqrt_sub_mul(out, v0, v1, v2, v3, v4):
     """out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4)   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
@@ -2098,7 +2337,7 @@ def ew29(out, v0, v1, v2, v3, v4):
     np.maximum(out, 0, out=out)
 
 
-def ew30(out, v0, v1, v2, v3, v4, v5):
+def ew_add_rsqrt_sub_mul_2(out, v0, v1, v2, v3, v4, v5):
     """out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4 + v5)   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
@@ -2108,7 +2347,7 @@ def ew30(out, v0, v1, v2, v3, v4, v5):
     np.maximum(out, 0, out=out)
 
 
-def ew31(out, v0, v1, v2, v3, v4):
+def ew_add_rsqrt_sub_mul_3(out, v0, v1, v2, v3, v4):
     """out = v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)

@@ -5,13 +5,15 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 64x3x224x224 float32 images, 64 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 370000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 2465.99 MB of tensors planned for the training step (1644.17 MB testing); static arena 2549.74 MB, pool 2653.28 MB, workspace 155.52 MB
-Structure hash: 156fb1d4b476ba24
+Structure hash: 1be0774d06fa0a23
 
 Usage: python vgg16.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
-each statement under the IR statement it implements. `mem.tensor(k, shape, dtype)` is buffer k of the step's memory
-plan (`memory_plans`: its offset in the static arena and its bytes), `mem.free(k, ...)` returns buffers,
-`mem.workspace(n)` is n bytes of the scratch region all statements share.
+in sections by layer and direction (forward, backward, update), each statement under the IR statement it
+implements; values are named after their layers (`d_` is a gradient, `_new` a parameter's or state's new value).
+`mem.tensor(k, shape, dtype)` is buffer k of the step's memory plan (`memory_plans`, after the steps: its offset in
+the static arena and its bytes), `mem.free(k, ...)` returns buffers, `mem.workspace(n)` is n bytes of the scratch
+region all statements share.
 """
 import signal
 import sys
@@ -43,7 +45,7 @@ class Vgg16(rp.Model):
 
     name = "vgg16"
     source = "networks/vgg16.py"
-    structure_hash = "156fb1d4b476ba24"
+    structure_hash = "1be0774d06fa0a23"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (64, 3, 224, 224)
@@ -122,144 +124,13 @@ class Vgg16(rp.Model):
     }
     setup_inputs = ()
 
-    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
-    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
-    memory_plans = {
-        "setup": rp.StepPlan(
-            arena_bytes=256, peak_bytes=256, workspace_bytes=0, pool_bytes=256,
-            buffers=(
-                (0, 256),  # 0: X1 64 float32
-            )),
-        "train_step": rp.StepPlan(
-            arena_bytes=2549743616, peak_bytes=2465988864, workspace_bytes=155518464, pool_bytes=2653284608, pool_peak_bytes=2550792448,
-            buffers=(
-                (2466250752, 38535168),  # 0: x 64x3x224x224 float32
-                (2030043136, 256),  # 1: y 64 int32
-                (2037547008, 256000),  # 2: X1 64x1000 float32
-                (2029780992, 262144),  # 3: X2 64x4096 uint8
-                (2029518848, 262144),  # 4: X3 64x4096 uint8
-                (822083584, 822083584),  # 5: X4 64x64x224x224 float32
-                (0, 822083584),  # 6: X6 64x64x224x224 float32
-                (2363490304, 51380224),  # 7: X8 64x64x112x112 uint8
-                (2055208960, 205520896),  # 8: X9 64x64x112x112 float32
-                (411041792, 411041792),  # 9: X10 64x128x112x112 float32
-                (0, 411041792),  # 10: X12 64x128x112x112 float32
-                (2504785920, 25690112),  # 11: X14 64x128x56x56 uint8
-                (1849688064, 102760448),  # 12: X15 64x128x56x56 float32
-                (205520896, 205520896),  # 13: X16 64x256x56x56 float32
-                (0, 205520896),  # 14: X18 64x256x56x56 float32
-                (1644167168, 205520896),  # 15: X20 64x256x56x56 float32
-                (2530476032, 12845056),  # 16: X22 64x256x28x28 uint8
-                (2414870528, 51380224),  # 17: X23 64x256x28x28 float32
-                (1746927616, 102760448),  # 18: X24 64x512x28x28 float32
-                (1644167168, 102760448),  # 19: X26 64x512x28x28 float32
-                (2260729856, 102760448),  # 20: X28 64x512x28x28 float32
-                (2543321088, 6422528),  # 21: X30 64x512x14x14 uint8
-                (2260729856, 25690112),  # 22: X31 64x512x14x14 float32
-                (1952448512, 25690112),  # 23: X32 64x512x14x14 float32
-                (1978138624, 25690112),  # 24: X34 64x512x14x14 float32
-                (2003828736, 25690112),  # 25: X36 64x512x14x14 float32
-                (2035941376, 1605632),  # 26: X38 64x512x7x7 uint8
-                (2286419968, 6422528),  # 27: X39 64x512x7x7 float32
-                (2003828736, 1048576),  # 28: X41 64x4096 float32
-                (2045247488, 1048576),  # 29: X43 64x4096 float32
-                (2004877312, 1048576),  # 30: X44 64x4096 float32
-                (2020212736, 1048576),  # 31: X46 64x4096 float32
-                (2005925888, 256000),  # 32: X47 64x1000 float32
-                (2006181888, 256),  # 33: X50 64 float32
-                (2293891072, 4),  # 34: X52 scalar float32
-                (2005925888, 4000),  # 35: X54 1000 float32
-                (2046296064, 1048576),  # 36: X57 64x4096 float32
-                (2004877312, 16384),  # 37: X59 4096 float32
-                (2292842496, 1048576),  # 38: X62 64x4096 float32
-                (2003828736, 16384),  # 39: X64 4096 float32
-                (2029518848, 6422528),  # 40: X67 64x25088 float32
-                (2003828736, 16384000),  # 41: X70 1000x4096 float32
-                (2003828736, 25690112),  # 42: X73 64x512x14x14 float32
-                (2029518848, 2048),  # 43: X74 1x512x1x1 float32
-                (2029518848, 9437184),  # 44: X78 512x512x3x3 float32
-                (2003828736, 25690112),  # 45: X80 64x512x14x14 float32
-                (1978138624, 2048),  # 46: X83 1x512x1x1 float32
-                (1978138624, 9437184),  # 47: X87 512x512x3x3 float32
-                (1978138624, 25690112),  # 48: X89 64x512x14x14 float32
-                (1952448512, 2048),  # 49: X92 1x512x1x1 float32
-                (1952448512, 9437184),  # 50: X96 512x512x3x3 float32
-                (1952448512, 25690112),  # 51: X98 64x512x14x14 float32
-                (1978138624, 67108864),  # 52: X101 4096x4096 float32
-                (1952448512, 102760448),  # 53: X104 64x512x28x28 float32
-                (2260729856, 2048),  # 54: X105 1x512x1x1 float32
-                (2260729856, 9437184),  # 55: X109 512x512x3x3 float32
-                (1952448512, 102760448),  # 56: X111 64x512x28x28 float32
-                (1644167168, 2048),  # 57: X114 1x512x1x1 float32
-                (1644167168, 9437184),  # 58: X118 512x512x3x3 float32
-                (1644167168, 102760448),  # 59: X120 64x512x28x28 float32
-                (1746927616, 2048),  # 60: X123 1x512x1x1 float32
-                (1746927616, 4718592),  # 61: X127 512x256x3x3 float32
-                (1952448512, 51380224),  # 62: X128 64x256x28x28 float32
-                (1644167168, 205520896),  # 63: X132 64x256x56x56 float32
-                (1952448512, 1024),  # 64: X133 1x256x1x1 float32
-                (1952448512, 2359296),  # 65: X137 256x256x3x3 float32
-                (1644167168, 205520896),  # 66: X139 64x256x56x56 float32
-                (0, 1024),  # 67: X142 1x256x1x1 float32
-                (0, 2359296),  # 68: X146 256x256x3x3 float32
-                (0, 205520896),  # 69: X148 64x256x56x56 float32
-                (205520896, 1024),  # 70: X151 1x256x1x1 float32
-                (308281344, 1179648),  # 71: X155 256x128x3x3 float32
-                (205520896, 102760448),  # 72: X156 64x128x56x56 float32
-                (1644167168, 411041792),  # 73: X160 64x128x112x112 float32
-                (0, 512),  # 74: X161 1x128x1x1 float32
-                (0, 589824),  # 75: X165 128x128x3x3 float32
-                (0, 411041792),  # 76: X167 64x128x112x112 float32
-                (411041792, 512),  # 77: X170 1x128x1x1 float32
-                (411041792, 294912),  # 78: X174 128x64x3x3 float32
-                (1644167168, 205520896),  # 79: X175 64x64x112x112 float32
-                (0, 411041792),  # 80: X179 4096x25088 float32
-                (0, 822083584),  # 81: X182 64x64x224x224 float32
-                (1644167168, 256),  # 82: X183 1x64x1x1 float32
-                (1644167168, 147456),  # 83: X187 64x64x3x3 float32
-                (0, 822083584),  # 84: X189 64x64x224x224 float32
-                (822083584, 6912),  # 85: X191 64x3x3x3 float32
-                (822090496, 256),  # 86: X192 1x64x1x1 float32
-            )),
-        "test_step": rp.StepPlan(
-            arena_bytes=1644167424, peak_bytes=1644167424, workspace_bytes=128680960, pool_bytes=1682702592,
-            buffers=(
-                (822083584, 38535168),  # 0: x 64x3x224x224 float32
-                (1644167168, 256),  # 1: y 64 int32
-                (0, 822083584),  # 2: X1 64x64x224x224 float32
-                (822083584, 822083584),  # 3: X3 64x64x224x224 float32
-                (411041792, 205520896),  # 4: X5 64x64x112x112 float32
-                (0, 411041792),  # 5: X6 64x128x112x112 float32
-                (411041792, 411041792),  # 6: X8 64x128x112x112 float32
-                (205520896, 102760448),  # 7: X10 64x128x56x56 float32
-                (0, 205520896),  # 8: X11 64x256x56x56 float32
-                (205520896, 205520896),  # 9: X13 64x256x56x56 float32
-                (0, 205520896),  # 10: X15 64x256x56x56 float32
-                (205520896, 51380224),  # 11: X17 64x256x28x28 float32
-                (0, 102760448),  # 12: X18 64x512x28x28 float32
-                (102760448, 102760448),  # 13: X20 64x512x28x28 float32
-                (0, 102760448),  # 14: X22 64x512x28x28 float32
-                (102760448, 25690112),  # 15: X24 64x512x14x14 float32
-                (0, 25690112),  # 16: X25 64x512x14x14 float32
-                (25690112, 25690112),  # 17: X27 64x512x14x14 float32
-                (0, 25690112),  # 18: X29 64x512x14x14 float32
-                (25690112, 6422528),  # 19: X31 64x512x7x7 float32
-                (0, 1048576),  # 20: X33 64x4096 float32
-                (1048576, 1048576),  # 21: X35 64x4096 float32
-                (0, 256000),  # 22: X37 64x1000 float32
-                (256000, 4),  # 23: X39 scalar float32
-                (256256, 256),  # 24: X41 64 float32
-                (0, 4),  # 25: X42 scalar float32
-            )),
-    }
-
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # X1 = fill(-0.015625)
-        X1 = mem.tensor(0, (64,), 'float32')
-        rt.const(out=X1, shape=(64,), value=-0.015625)
-        T['H1'] = X1
+        # const = fill(-0.015625)
+        const = mem.tensor(0, (64,), 'float32')
+        rt.const(out=const, shape=(64,), value=-0.015625)
+        T['H1'] = const
         mem.end()
 
     def train_step(self, x, y, *, step, lr, momentum, decay):
@@ -267,809 +138,1003 @@ class Vgg16(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = unpick[classes=1000](H1, y)
-        X1 = mem.tensor(2, (64, 1000), 'float32')
-        rt.unpick(T['H1'], y, out=X1, classes=1000)
-        # X2 = bernoulli[keep=0.5,key=2,shape=(64,4096)]
-        X2 = mem.tensor(3, (64, 4096), 'uint8')
-        rt.bernoulli(out=X2, keep=0.5, key=2, shape=(64, 4096), seed=self.seed, step=step, workspace=mem.workspace(1048576))
-        # X3 = bernoulli[keep=0.5,key=1,shape=(64,4096)]
-        X3 = mem.tensor(4, (64, 4096), 'uint8')
-        rt.bernoulli(out=X3, keep=0.5, key=1, shape=(64, 4096), seed=self.seed, step=step, workspace=mem.workspace(1048576))
-        # X4 = conv2d[pad=1](x, conv1_1_W, conv1_1_B)
-        X4 = mem.tensor(5, (64, 64, 224, 224), 'float32')
-        rt.conv2d(x, T['conv1_1_W'], T['conv1_1_B'], out=X4, pad=1, stride=1, workspace=mem.workspace(30159600))
-        # X5 = Max(0, X4)
-        X5 = X4  # in place: over X4
-        rt.ew(ew1, X5, X4)
-        # X6 = conv2d[pad=1](X5, conv1_2_W, conv1_2_B)
-        X6 = mem.tensor(6, (64, 64, 224, 224), 'float32')
-        rt.conv2d(X5, T['conv1_2_W'], T['conv1_2_B'], out=X6, pad=1, stride=1, workspace=mem.workspace(128680960))
-        # X7 = Max(0, X6)
-        X7 = X6  # in place: over X6
-        rt.ew(ew1, X7, X6)
-        # X8 = max_pool_argmax[kernel=2,stride=2](X7)   (computed with the next statement)
-        X8 = mem.tensor(7, (64, 64, 112, 112), 'uint8')
-        # X9 = max_pool[kernel=2,stride=2](X7)
-        X9 = mem.tensor(8, (64, 64, 112, 112), 'float32')
-        rt.max_pool(X7, out=X9, argmax=X8, ceil=False, kernel=2, pad=0, stride=2)
-        # free X7
-        del X6, X7
+
+        # ---- fc8_cross_entropy (cross_entropy), backward ----
+        # d_fc8_cross_entropy_log_softmax = unpick[classes=1000](H1, y)
+        d_fc8_cross_entropy_log_softmax = mem.tensor(2, (64, 1000), 'float32')
+        rt.unpick(T['H1'], y, out=d_fc8_cross_entropy_log_softmax, classes=1000)
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout_mask = bernoulli[keep=0.5,key=2,shape=(64,4096)]
+        fc7_dropout_mask = mem.tensor(3, (64, 4096), 'uint8')
+        rt.bernoulli(out=fc7_dropout_mask, keep=0.5, key=2, shape=(64, 4096), seed=self.seed, step=step, workspace=mem.workspace(1048576))
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout_mask = bernoulli[keep=0.5,key=1,shape=(64,4096)]
+        fc6_dropout_mask = mem.tensor(4, (64, 4096), 'uint8')
+        rt.bernoulli(out=fc6_dropout_mask, keep=0.5, key=1, shape=(64, 4096), seed=self.seed, step=step, workspace=mem.workspace(1048576))
+
+        # ---- conv1_1 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_1 = conv2d[pad=1](x, conv1_1_W, conv1_1_B)
+        conv1_1 = mem.tensor(5, (64, 64, 224, 224), 'float32')
+        rt.conv2d(x, T['conv1_1_W'], T['conv1_1_B'], out=conv1_1, pad=1, stride=1, workspace=mem.workspace(30159600))
+
+        # ---- conv1_1_relu (relu), forward ----
+        # conv1_1_relu = Max(0, conv1_1)
+        conv1_1_relu = conv1_1  # in place: over conv1_1
+        rt.ew(ew_relu, conv1_1_relu, conv1_1)
+
+        # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_2 = conv2d[pad=1](conv1_1_relu, conv1_2_W, conv1_2_B)
+        conv1_2 = mem.tensor(6, (64, 64, 224, 224), 'float32')
+        rt.conv2d(conv1_1_relu, T['conv1_2_W'], T['conv1_2_B'], out=conv1_2, pad=1, stride=1, workspace=mem.workspace(128680960))
+
+        # ---- conv1_2_relu (relu), forward ----
+        # conv1_2_relu = Max(0, conv1_2)
+        conv1_2_relu = conv1_2  # in place: over conv1_2
+        rt.ew(ew_relu, conv1_2_relu, conv1_2)
+
+        # ---- conv1_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_2_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv1_2_relu)   (computed with the next statement)
+        conv1_2_max_pool_argmax = mem.tensor(7, (64, 64, 112, 112), 'uint8')
+        # conv1_2_max_pool = max_pool[kernel=2,stride=2](conv1_2_relu)
+        conv1_2_max_pool = mem.tensor(8, (64, 64, 112, 112), 'float32')
+        rt.max_pool(conv1_2_relu, out=conv1_2_max_pool, argmax=conv1_2_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1_2, conv1_2_relu
+        del conv1_2, conv1_2_relu
         mem.free(6)
-        # X10 = conv2d[pad=1](X9, conv2_1_W, conv2_1_B)
-        X10 = mem.tensor(9, (64, 128, 112, 112), 'float32')
-        rt.conv2d(X9, T['conv2_1_W'], T['conv2_1_B'], out=X10, pad=1, stride=1, workspace=mem.workspace(32228352))
-        # X11 = Max(0, X10)
-        X11 = X10  # in place: over X10
-        rt.ew(ew1, X11, X10)
-        # X12 = conv2d[pad=1](X11, conv2_2_W, conv2_2_B)
-        X12 = mem.tensor(10, (64, 128, 112, 112), 'float32')
-        rt.conv2d(X11, T['conv2_2_W'], T['conv2_2_B'], out=X12, pad=1, stride=1, workspace=mem.workspace(64456704))
-        # X13 = Max(0, X12)
-        X13 = X12  # in place: over X12
-        rt.ew(ew1, X13, X12)
-        # X14 = max_pool_argmax[kernel=2,stride=2](X13)   (computed with the next statement)
-        X14 = mem.tensor(11, (64, 128, 56, 56), 'uint8')
-        # X15 = max_pool[kernel=2,stride=2](X13)
-        X15 = mem.tensor(12, (64, 128, 56, 56), 'float32')
-        rt.max_pool(X13, out=X15, argmax=X14, ceil=False, kernel=2, pad=0, stride=2)
-        # free X13
-        del X12, X13
+
+        # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_1 = conv2d[pad=1](conv1_2_max_pool, conv2_1_W, conv2_1_B)
+        conv2_1 = mem.tensor(9, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv1_2_max_pool, T['conv2_1_W'], T['conv2_1_B'], out=conv2_1, pad=1, stride=1, workspace=mem.workspace(32228352))
+
+        # ---- conv2_1_relu (relu), forward ----
+        # conv2_1_relu = Max(0, conv2_1)
+        conv2_1_relu = conv2_1  # in place: over conv2_1
+        rt.ew(ew_relu, conv2_1_relu, conv2_1)
+
+        # ---- conv2_2 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_2 = conv2d[pad=1](conv2_1_relu, conv2_2_W, conv2_2_B)
+        conv2_2 = mem.tensor(10, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv2_1_relu, T['conv2_2_W'], T['conv2_2_B'], out=conv2_2, pad=1, stride=1, workspace=mem.workspace(64456704))
+
+        # ---- conv2_2_relu (relu), forward ----
+        # conv2_2_relu = Max(0, conv2_2)
+        conv2_2_relu = conv2_2  # in place: over conv2_2
+        rt.ew(ew_relu, conv2_2_relu, conv2_2)
+
+        # ---- conv2_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv2_2_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv2_2_relu)   (computed with the next statement)
+        conv2_2_max_pool_argmax = mem.tensor(11, (64, 128, 56, 56), 'uint8')
+        # conv2_2_max_pool = max_pool[kernel=2,stride=2](conv2_2_relu)
+        conv2_2_max_pool = mem.tensor(12, (64, 128, 56, 56), 'float32')
+        rt.max_pool(conv2_2_relu, out=conv2_2_max_pool, argmax=conv2_2_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv2_2, conv2_2_relu
+        del conv2_2, conv2_2_relu
         mem.free(10)
-        # X16 = conv2d[pad=1](X15, conv3_1_W, conv3_1_B)
-        X16 = mem.tensor(13, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X15, T['conv3_1_W'], T['conv3_1_B'], out=X16, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # X17 = Max(0, X16)
-        X17 = X16  # in place: over X16
-        rt.ew(ew1, X17, X16)
-        # X18 = conv2d[pad=1](X17, conv3_2_W, conv3_2_B)
-        X18 = mem.tensor(14, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X17, T['conv3_2_W'], T['conv3_2_B'], out=X18, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # X19 = Max(0, X18)
-        X19 = X18  # in place: over X18
-        rt.ew(ew1, X19, X18)
-        # X20 = conv2d[pad=1](X19, conv3_3_W, conv3_3_B)
-        X20 = mem.tensor(15, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X19, T['conv3_3_W'], T['conv3_3_B'], out=X20, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # X21 = Max(0, X20)
-        X21 = X20  # in place: over X20
-        rt.ew(ew1, X21, X20)
-        # X22 = max_pool_argmax[kernel=2,stride=2](X21)   (computed with the next statement)
-        X22 = mem.tensor(16, (64, 256, 28, 28), 'uint8')
-        # X23 = max_pool[kernel=2,stride=2](X21)
-        X23 = mem.tensor(17, (64, 256, 28, 28), 'float32')
-        rt.max_pool(X21, out=X23, argmax=X22, ceil=False, kernel=2, pad=0, stride=2)
-        # free X21
-        del X20, X21
+
+        # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_1 = conv2d[pad=1](conv2_2_max_pool, conv3_1_W, conv3_1_B)
+        conv3_1 = mem.tensor(13, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv2_2_max_pool, T['conv3_1_W'], T['conv3_1_B'], out=conv3_1, pad=1, stride=1, workspace=mem.workspace(32346112))
+
+        # ---- conv3_1_relu (relu), forward ----
+        # conv3_1_relu = Max(0, conv3_1)
+        conv3_1_relu = conv3_1  # in place: over conv3_1
+        rt.ew(ew_relu, conv3_1_relu, conv3_1)
+
+        # ---- conv3_2 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_2 = conv2d[pad=1](conv3_1_relu, conv3_2_W, conv3_2_B)
+        conv3_2 = mem.tensor(14, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_1_relu, T['conv3_2_W'], T['conv3_2_B'], out=conv3_2, pad=1, stride=1, workspace=mem.workspace(32346112))
+
+        # ---- conv3_2_relu (relu), forward ----
+        # conv3_2_relu = Max(0, conv3_2)
+        conv3_2_relu = conv3_2  # in place: over conv3_2
+        rt.ew(ew_relu, conv3_2_relu, conv3_2)
+
+        # ---- conv3_3 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_3 = conv2d[pad=1](conv3_2_relu, conv3_3_W, conv3_3_B)
+        conv3_3 = mem.tensor(15, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_2_relu, T['conv3_3_W'], T['conv3_3_B'], out=conv3_3, pad=1, stride=1, workspace=mem.workspace(32346112))
+
+        # ---- conv3_3_relu (relu), forward ----
+        # conv3_3_relu = Max(0, conv3_3)
+        conv3_3_relu = conv3_3  # in place: over conv3_3
+        rt.ew(ew_relu, conv3_3_relu, conv3_3)
+
+        # ---- conv3_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv3_3_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv3_3_relu)   (computed with the next statement)
+        conv3_3_max_pool_argmax = mem.tensor(16, (64, 256, 28, 28), 'uint8')
+        # conv3_3_max_pool = max_pool[kernel=2,stride=2](conv3_3_relu)
+        conv3_3_max_pool = mem.tensor(17, (64, 256, 28, 28), 'float32')
+        rt.max_pool(conv3_3_relu, out=conv3_3_max_pool, argmax=conv3_3_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv3_3, conv3_3_relu
+        del conv3_3, conv3_3_relu
         mem.free(15)
-        # X24 = conv2d[pad=1](X23, conv4_1_W, conv4_1_B)
-        X24 = mem.tensor(18, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X23, T['conv4_1_W'], T['conv4_1_B'], out=X24, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # X25 = Max(0, X24)
-        X25 = X24  # in place: over X24
-        rt.ew(ew1, X25, X24)
-        # X26 = conv2d[pad=1](X25, conv4_2_W, conv4_2_B)
-        X26 = mem.tensor(19, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X25, T['conv4_2_W'], T['conv4_2_B'], out=X26, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # X27 = Max(0, X26)
-        X27 = X26  # in place: over X26
-        rt.ew(ew1, X27, X26)
-        # X28 = conv2d[pad=1](X27, conv4_3_W, conv4_3_B)
-        X28 = mem.tensor(20, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X27, T['conv4_3_W'], T['conv4_3_B'], out=X28, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # X29 = Max(0, X28)
-        X29 = X28  # in place: over X28
-        rt.ew(ew1, X29, X28)
-        # X30 = max_pool_argmax[kernel=2,stride=2](X29)   (computed with the next statement)
-        X30 = mem.tensor(21, (64, 512, 14, 14), 'uint8')
-        # X31 = max_pool[kernel=2,stride=2](X29)
-        X31 = mem.tensor(22, (64, 512, 14, 14), 'float32', over=20)
-        rt.max_pool(X29, out=X31, argmax=X30, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(401408))
-        # free X29
-        del X28, X29
+
+        # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_1 = conv2d[pad=1](conv3_3_max_pool, conv4_1_W, conv4_1_B)
+        conv4_1 = mem.tensor(18, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv3_3_max_pool, T['conv4_1_W'], T['conv4_1_B'], out=conv4_1, pad=1, stride=1, workspace=mem.workspace(32587776))
+
+        # ---- conv4_1_relu (relu), forward ----
+        # conv4_1_relu = Max(0, conv4_1)
+        conv4_1_relu = conv4_1  # in place: over conv4_1
+        rt.ew(ew_relu, conv4_1_relu, conv4_1)
+
+        # ---- conv4_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_2 = conv2d[pad=1](conv4_1_relu, conv4_2_W, conv4_2_B)
+        conv4_2 = mem.tensor(19, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_1_relu, T['conv4_2_W'], T['conv4_2_B'], out=conv4_2, pad=1, stride=1, workspace=mem.workspace(32587776))
+
+        # ---- conv4_2_relu (relu), forward ----
+        # conv4_2_relu = Max(0, conv4_2)
+        conv4_2_relu = conv4_2  # in place: over conv4_2
+        rt.ew(ew_relu, conv4_2_relu, conv4_2)
+
+        # ---- conv4_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_3 = conv2d[pad=1](conv4_2_relu, conv4_3_W, conv4_3_B)
+        conv4_3 = mem.tensor(20, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_2_relu, T['conv4_3_W'], T['conv4_3_B'], out=conv4_3, pad=1, stride=1, workspace=mem.workspace(32587776))
+
+        # ---- conv4_3_relu (relu), forward ----
+        # conv4_3_relu = Max(0, conv4_3)
+        conv4_3_relu = conv4_3  # in place: over conv4_3
+        rt.ew(ew_relu, conv4_3_relu, conv4_3)
+
+        # ---- conv4_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv4_3_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv4_3_relu)   (computed with the next statement)
+        conv4_3_max_pool_argmax = mem.tensor(21, (64, 512, 14, 14), 'uint8')
+        # conv4_3_max_pool = max_pool[kernel=2,stride=2](conv4_3_relu)
+        conv4_3_max_pool = mem.tensor(22, (64, 512, 14, 14), 'float32', over=20)
+        rt.max_pool(conv4_3_relu, out=conv4_3_max_pool, argmax=conv4_3_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(401408))
+        # free conv4_3, conv4_3_relu
+        del conv4_3, conv4_3_relu
         mem.free(20)
-        # X32 = conv2d[pad=1](X31, conv5_1_W, conv5_1_B)
-        X32 = mem.tensor(23, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X31, T['conv5_1_W'], T['conv5_1_B'], out=X32, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # X33 = Max(0, X32)
-        X33 = X32  # in place: over X32
-        rt.ew(ew1, X33, X32)
-        # X34 = conv2d[pad=1](X33, conv5_2_W, conv5_2_B)
-        X34 = mem.tensor(24, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X33, T['conv5_2_W'], T['conv5_2_B'], out=X34, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # X35 = Max(0, X34)
-        X35 = X34  # in place: over X34
-        rt.ew(ew1, X35, X34)
-        # X36 = conv2d[pad=1](X35, conv5_3_W, conv5_3_B)
-        X36 = mem.tensor(25, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X35, T['conv5_3_W'], T['conv5_3_B'], out=X36, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # X37 = Max(0, X36)
-        X37 = X36  # in place: over X36
-        rt.ew(ew1, X37, X36)
-        # X38 = max_pool_argmax[kernel=2,stride=2](X37)   (computed with the next statement)
-        X38 = mem.tensor(26, (64, 512, 7, 7), 'uint8')
-        # X39 = max_pool[kernel=2,stride=2](X37)
-        X39 = mem.tensor(27, (64, 512, 7, 7), 'float32')
-        rt.max_pool(X37, out=X39, argmax=X38, ceil=False, kernel=2, pad=0, stride=2)
-        # free X37
-        del X36, X37
+
+        # ---- conv5_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_1 = conv2d[pad=1](conv4_3_max_pool, conv5_1_W, conv5_1_B)
+        conv5_1 = mem.tensor(23, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv4_3_max_pool, T['conv5_1_W'], T['conv5_1_B'], out=conv5_1, pad=1, stride=1, workspace=mem.workspace(33095680))
+
+        # ---- conv5_1_relu (relu), forward ----
+        # conv5_1_relu = Max(0, conv5_1)
+        conv5_1_relu = conv5_1  # in place: over conv5_1
+        rt.ew(ew_relu, conv5_1_relu, conv5_1)
+
+        # ---- conv5_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_2 = conv2d[pad=1](conv5_1_relu, conv5_2_W, conv5_2_B)
+        conv5_2 = mem.tensor(24, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_1_relu, T['conv5_2_W'], T['conv5_2_B'], out=conv5_2, pad=1, stride=1, workspace=mem.workspace(33095680))
+
+        # ---- conv5_2_relu (relu), forward ----
+        # conv5_2_relu = Max(0, conv5_2)
+        conv5_2_relu = conv5_2  # in place: over conv5_2
+        rt.ew(ew_relu, conv5_2_relu, conv5_2)
+
+        # ---- conv5_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_3 = conv2d[pad=1](conv5_2_relu, conv5_3_W, conv5_3_B)
+        conv5_3 = mem.tensor(25, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_2_relu, T['conv5_3_W'], T['conv5_3_B'], out=conv5_3, pad=1, stride=1, workspace=mem.workspace(33095680))
+
+        # ---- conv5_3_relu (relu), forward ----
+        # conv5_3_relu = Max(0, conv5_3)
+        conv5_3_relu = conv5_3  # in place: over conv5_3
+        rt.ew(ew_relu, conv5_3_relu, conv5_3)
+
+        # ---- conv5_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv5_3_max_pool_argmax = max_pool_argmax[kernel=2,stride=2](conv5_3_relu)   (computed with the next statement)
+        conv5_3_max_pool_argmax = mem.tensor(26, (64, 512, 7, 7), 'uint8')
+        # conv5_3_max_pool = max_pool[kernel=2,stride=2](conv5_3_relu)
+        conv5_3_max_pool = mem.tensor(27, (64, 512, 7, 7), 'float32')
+        rt.max_pool(conv5_3_relu, out=conv5_3_max_pool, argmax=conv5_3_max_pool_argmax, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv5_3, conv5_3_relu
+        del conv5_3, conv5_3_relu
         mem.free(25)
-        # X40 = reshape[64x25088](X39)
-        X40 = rt.reshape(X39, shape=(64, 25088))
-        # X41 = matmul[tb](X40, fc6_W)
-        X41 = mem.tensor(28, (64, 4096), 'float32')
-        rt.matmul(X40, T['fc6_W'], out=X41, tb=True)
-        # X42 = Max(0, X41 + fc6_B)
-        X42 = X41  # in place: over X41
-        rt.ew(ew2, X42, X41, T['fc6_B'])
-        # X43 = 2.0*X3*X42
-        X43 = mem.tensor(29, (64, 4096), 'float32')
-        rt.ew(ew3, X43, X42, X3)
-        # X44 = matmul[tb](X43, fc7_W)
-        X44 = mem.tensor(30, (64, 4096), 'float32')
-        rt.matmul(X43, T['fc7_W'], out=X44, tb=True)
-        # X45 = Max(0, X44 + fc7_B)
-        X45 = X44  # in place: over X44
-        rt.ew(ew2, X45, X44, T['fc7_B'])
-        # X46 = 2.0*X2*X45
-        X46 = mem.tensor(31, (64, 4096), 'float32')
-        rt.ew(ew3, X46, X45, X2)
-        # X47 = matmul[tb](X46, fc8_W)
-        X47 = mem.tensor(32, (64, 1000), 'float32')
-        rt.matmul(X46, T['fc8_W'], out=X47, tb=True)
-        # X48 = X47 + fc8_B
-        X48 = X47  # in place: over X47
-        rt.ew(ew4, X48, X47, T['fc8_B'])
-        # X49 = log_softmax(X48)
-        X49 = X48  # in place: over X48
-        rt.log_softmax(X48, out=X49, workspace=mem.workspace(256000))
-        # X50 = pick(X49, y)
-        X50 = mem.tensor(33, (64,), 'float32')
-        rt.pick(X49, y, out=X50)
+
+        # ---- conv5_3_flatten (flatten), forward ----
+        # conv5_3_flatten = reshape[64x25088](conv5_3_max_pool)
+        conv5_3_flatten = rt.reshape(conv5_3_max_pool, shape=(64, 25088))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_3_flatten, fc6_W)
+        fc6_matmul = mem.tensor(28, (64, 4096), 'float32')
+        rt.matmul(conv5_3_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc6_dropout (dropout 0.5), forward ----
+        # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
+        fc6_dropout = mem.tensor(29, (64, 4096), 'float32')
+        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
+        fc7_matmul = mem.tensor(30, (64, 4096), 'float32')
+        rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc7_dropout (dropout 0.5), forward ----
+        # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
+        fc7_dropout = mem.tensor(31, (64, 4096), 'float32')
+        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
+        fc8_matmul = mem.tensor(32, (64, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_log_softmax = log_softmax(fc8)
+        fc8_cross_entropy_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_cross_entropy_log_softmax, workspace=mem.workspace(256000))
+        # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
+        fc8_cross_entropy_pick = mem.tensor(33, (64,), 'float32')
+        rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
         # free y
         del y
         mem.free(1)
-        # X51 = X1 + 0.015625*exp(X49)
-        X51 = X1  # in place: over X1
-        rt.ew(ew5, X51, X1, X49)
-        # free X49
-        del X47, X48, X49
+
+        # ---- fc8_cross_entropy (cross_entropy), backward ----
+        # d_fc8 = d_fc8_cross_entropy_log_softmax + 0.015625*exp(fc8_cross_entropy_log_softmax)
+        d_fc8 = d_fc8_cross_entropy_log_softmax  # in place: over d_fc8_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_fc8, d_fc8_cross_entropy_log_softmax, fc8_cross_entropy_log_softmax)
+        # free fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        del fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         mem.free(32)
-        # X52 = sum_to[scalar](X50)
-        X52 = mem.tensor(34, (), 'float32')
-        rt.sum_to(X50, out=X52, shape=())
-        # free X50
-        del X50
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
+        fc8_cross_entropy_sum_to = mem.tensor(34, (), 'float32')
+        rt.sum_to(fc8_cross_entropy_pick, out=fc8_cross_entropy_sum_to, shape=())
+        # free fc8_cross_entropy_pick
+        del fc8_cross_entropy_pick
         mem.free(33)
-        # X53 = -X52/64
-        X53 = X52  # in place: over X52
-        rt.ew(ew6, X53, X52)
-        # X54 = sum_to[1000](X51)
-        X54 = mem.tensor(35, (1000,), 'float32')
-        rt.sum_to(X51, out=X54, shape=(1000,))
-        # X55 = V_fc8_B*momentum + X54 + decay*fc8_B
-        X55 = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew7, X55, T['V_fc8_B'], momentum, X54, decay, T['fc8_B'])
-        # free X54
-        del X54
+        # fc8_cross_entropy = -fc8_cross_entropy_sum_to/64
+        fc8_cross_entropy = fc8_cross_entropy_sum_to  # in place: over fc8_cross_entropy_sum_to
+        rt.ew(ew_scale, fc8_cross_entropy, fc8_cross_entropy_sum_to)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_B = sum_to[1000](d_fc8)
+        d_fc8_B = mem.tensor(35, (1000,), 'float32')
+        rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B
+        V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
+        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B'])
+        # free d_fc8_B
+        del d_fc8_B
         mem.free(35)
-        # X56 = -X55*lr + fc8_B
-        X56 = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew8, X56, T['fc8_B'], lr, X55)
-        # X57 = matmul(X51, fc8_W)
-        X57 = mem.tensor(36, (64, 4096), 'float32')
-        rt.matmul(X51, T['fc8_W'], out=X57)
-        # X58 = 2.0*X2*X57*Heaviside(X45, 0)
-        X58 = X57  # in place: over X57
-        rt.ew(ew9, X58, X57, X2, X45)
-        # free X2, X45
-        del X2, X44, X45
+        # fc8_B_new = fc8_B - lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
+        # d_fc7_dropout = matmul(d_fc8, fc8_W)
+        d_fc7_dropout = mem.tensor(36, (64, 4096), 'float32')
+        rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
+
+        # ---- fc7_relu (relu), backward ----
+        # d_fc7 = 2.0*d_fc7_dropout*fc7_dropout_mask*Heaviside(fc7_relu, 0)
+        d_fc7 = d_fc7_dropout  # in place: over d_fc7_dropout
+        rt.ew(ew_step_mul, d_fc7, d_fc7_dropout, fc7_dropout_mask, fc7_relu)
+        # free fc7_dropout_mask, fc7_matmul, fc7_relu
+        del fc7_dropout_mask, fc7_matmul, fc7_relu
         mem.free(3, 30)
-        # X59 = sum_to[4096](X58)
-        X59 = mem.tensor(37, (4096,), 'float32')
-        rt.sum_to(X58, out=X59, shape=(4096,))
-        # X60 = V_fc7_B*momentum + X59 + decay*fc7_B
-        X60 = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew7, X60, T['V_fc7_B'], momentum, X59, decay, T['fc7_B'])
-        # free X59
-        del X59
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_B = sum_to[4096](d_fc7)
+        d_fc7_B = mem.tensor(37, (4096,), 'float32')
+        rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B
+        V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
+        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B'])
+        # free d_fc7_B
+        del d_fc7_B
         mem.free(37)
-        # X61 = -X60*lr + fc7_B
-        X61 = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew8, X61, T['fc7_B'], lr, X60)
-        # X62 = matmul(X58, fc7_W)
-        X62 = mem.tensor(38, (64, 4096), 'float32')
-        rt.matmul(X58, T['fc7_W'], out=X62)
-        # X63 = 2.0*X3*X62*Heaviside(X42, 0)
-        X63 = X62  # in place: over X62
-        rt.ew(ew9, X63, X62, X3, X42)
-        # free X3, X42
-        del X3, X41, X42
+        # fc7_B_new = fc7_B - lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
+        # d_fc6_dropout = matmul(d_fc7, fc7_W)
+        d_fc6_dropout = mem.tensor(38, (64, 4096), 'float32')
+        rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
+
+        # ---- fc6_relu (relu), backward ----
+        # d_fc6 = 2.0*d_fc6_dropout*fc6_dropout_mask*Heaviside(fc6_relu, 0)
+        d_fc6 = d_fc6_dropout  # in place: over d_fc6_dropout
+        rt.ew(ew_step_mul, d_fc6, d_fc6_dropout, fc6_dropout_mask, fc6_relu)
+        # free fc6_dropout_mask, fc6_matmul, fc6_relu
+        del fc6_dropout_mask, fc6_matmul, fc6_relu
         mem.free(4, 28)
-        # X64 = sum_to[4096](X63)
-        X64 = mem.tensor(39, (4096,), 'float32')
-        rt.sum_to(X63, out=X64, shape=(4096,))
-        # X65 = V_fc6_B*momentum + X64 + decay*fc6_B
-        X65 = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew7, X65, T['V_fc6_B'], momentum, X64, decay, T['fc6_B'])
-        # free X64
-        del X64
+
+        # ---- fc6 (fully connected, 4096 outputs), backward ----
+        # d_fc6_B = sum_to[4096](d_fc6)
+        d_fc6_B = mem.tensor(39, (4096,), 'float32')
+        rt.sum_to(d_fc6, out=d_fc6_B, shape=(4096,))
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B
+        V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
+        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B'])
+        # free d_fc6_B
+        del d_fc6_B
         mem.free(39)
-        # X66 = -X65*lr + fc6_B
-        X66 = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew8, X66, T['fc6_B'], lr, X65)
-        # X67 = matmul(X63, fc6_W)
-        X67 = mem.tensor(40, (64, 25088), 'float32')
-        rt.matmul(X63, T['fc6_W'], out=X67)
-        # X68 = reshape[64x512x7x7](X67)
-        X68 = rt.reshape(X67, shape=(64, 512, 7, 7))
-        # X69 = X68*Heaviside(X39, 0)
-        X69 = X68  # in place: over X68
-        rt.ew(ew10, X69, X68, X39)
-        # X70 = matmul[ta](X51, X46)
-        X70 = mem.tensor(41, (1000, 4096), 'float32')
-        rt.matmul(X51, X46, out=X70, ta=True)
-        # free X51, X46
-        del X1, X51, X46
+        # fc6_B_new = fc6_B - lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
+        # d_conv5_3_flatten = matmul(d_fc6, fc6_W)
+        d_conv5_3_flatten = mem.tensor(40, (64, 25088), 'float32')
+        rt.matmul(d_fc6, T['fc6_W'], out=d_conv5_3_flatten)
+
+        # ---- conv5_3_flatten (flatten), backward ----
+        # d_conv5_3_max_pool = reshape[64x512x7x7](d_conv5_3_flatten)
+        d_conv5_3_max_pool = rt.reshape(d_conv5_3_flatten, shape=(64, 512, 7, 7))
+
+        # ---- conv5_3_relu (relu), backward ----
+        # d_conv5_3 = d_conv5_3_max_pool*Heaviside(conv5_3_max_pool, 0)
+        d_conv5_3 = d_conv5_3_max_pool  # in place: over d_conv5_3_max_pool
+        rt.ew(ew_step_mul_2, d_conv5_3, d_conv5_3_max_pool, conv5_3_max_pool)
+
+        # ---- fc8 (fully connected, 1000 outputs), backward ----
+        # d_fc8_W = matmul[ta](d_fc8, fc7_dropout)
+        d_fc8_W = mem.tensor(41, (1000, 4096), 'float32')
+        rt.matmul(d_fc8, fc7_dropout, out=d_fc8_W, ta=True)
+        # free d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
+        del d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         mem.free(2, 31)
-        # X71 = V_fc8_W*momentum + X70 + decay*fc8_W
-        X71 = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew7, X71, T['V_fc8_W'], momentum, X70, decay, T['fc8_W'])
-        # free X70
-        del X70
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
+        rt.ew(ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # free d_fc8_W
+        del d_fc8_W
         mem.free(41)
-        # X72 = -X71*lr + fc8_W
-        X72 = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew8, X72, T['fc8_W'], lr, X71)
-        # X73 = max_pool_bwd[kernel=2,size=(14,14),stride=2](X69, X38)
-        X73 = mem.tensor(42, (64, 512, 14, 14), 'float32')
-        rt.max_pool_bwd(X69, X38, out=X73, ceil=False, kernel=2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(1605632))
-        # free X38, X69
-        del X38, X67, X68, X69
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew(ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
+
+        # ---- conv5_3_relu (relu), backward ----
+        # d_conv5_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(14,14),stride=2](d_conv5_3, conv5_3_max_pool_argmax)
+        d_conv5_3_relu_max_pool_bwd = mem.tensor(42, (64, 512, 14, 14), 'float32')
+        rt.max_pool_bwd(d_conv5_3, conv5_3_max_pool_argmax, out=d_conv5_3_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(1605632))
+        # free conv5_3_max_pool_argmax, d_conv5_3_flatten, d_conv5_3_max_pool, d_conv5_3
+        del conv5_3_max_pool_argmax, d_conv5_3_flatten, d_conv5_3_max_pool, d_conv5_3
         mem.free(26, 40)
-        # X74 = sum_to[1x512x1x1](X73)
-        X74 = mem.tensor(43, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X73, out=X74, shape=(1, 512, 1, 1))
-        # X75 = reshape[512](X74)
-        X75 = rt.reshape(X74, shape=(512,))
-        # X76 = V_conv5_3_B*momentum + X75 + conv5_3_B*decay
-        X76 = T['V_conv5_3_B']  # in place: the new V_conv5_3_B
-        rt.ew(ew7, X76, T['V_conv5_3_B'], momentum, X75, decay, T['conv5_3_B'])
-        # free X74, X75
-        del X74, X75
+
+        # ---- conv5_3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv5_3_sum_to = sum_to[1x512x1x1](d_conv5_3_relu_max_pool_bwd)
+        d_conv5_3_sum_to = mem.tensor(43, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv5_3_relu_max_pool_bwd, out=d_conv5_3_sum_to, shape=(1, 512, 1, 1))
+        # d_conv5_3_B = reshape[512](d_conv5_3_sum_to)
+        d_conv5_3_B = rt.reshape(d_conv5_3_sum_to, shape=(512,))
+        # V_conv5_3_B_new = V_conv5_3_B*momentum + d_conv5_3_B + decay*conv5_3_B
+        V_conv5_3_B_new = T['V_conv5_3_B']  # in place: the new V_conv5_3_B
+        rt.ew(ew_mul_add, V_conv5_3_B_new, T['V_conv5_3_B'], momentum, d_conv5_3_B, decay, T['conv5_3_B'])
+        # free d_conv5_3_sum_to, d_conv5_3_B
+        del d_conv5_3_sum_to, d_conv5_3_B
         mem.free(43)
-        # X77 = -X76*lr + conv5_3_B
-        X77 = T['conv5_3_B']  # in place: the new conv5_3_B
-        rt.ew(ew8, X77, T['conv5_3_B'], lr, X76)
-        # X78 = conv2d_bwd_filter[kernel=(3,3),pad=1](X73, X35)
-        X78 = mem.tensor(44, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X73, X35, out=X78, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
-        # X79 = V_conv5_3_W*momentum + X78 + conv5_3_W*decay
-        X79 = T['V_conv5_3_W']  # in place: the new V_conv5_3_W
-        rt.ew(ew7, X79, T['V_conv5_3_W'], momentum, X78, decay, T['conv5_3_W'])
-        # free X78
-        del X78
+        # conv5_3_B_new = conv5_3_B - lr*V_conv5_3_B_new
+        conv5_3_B_new = T['conv5_3_B']  # in place: the new conv5_3_B
+        rt.ew(ew_mul_sub, conv5_3_B_new, T['conv5_3_B'], lr, V_conv5_3_B_new)
+        # d_conv5_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_3_relu_max_pool_bwd, conv5_2_relu)
+        d_conv5_3_W = mem.tensor(44, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv5_3_relu_max_pool_bwd, conv5_2_relu, out=d_conv5_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
+        # V_conv5_3_W_new = V_conv5_3_W*momentum + d_conv5_3_W + decay*conv5_3_W
+        V_conv5_3_W_new = T['V_conv5_3_W']  # in place: the new V_conv5_3_W
+        rt.ew(ew_mul_add, V_conv5_3_W_new, T['V_conv5_3_W'], momentum, d_conv5_3_W, decay, T['conv5_3_W'])
+        # free d_conv5_3_W
+        del d_conv5_3_W
         mem.free(44)
-        # X80 = conv2d_bwd_data[pad=1,size=(14,14)](X73, conv5_3_W)
-        X80 = mem.tensor(45, (64, 512, 14, 14), 'float32', over=42)
-        rt.conv2d_bwd_data(X73, T['conv5_3_W'], out=X80, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31096832))
-        # free X73
-        del X73
+        # d_conv5_2_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_conv5_3_relu_max_pool_bwd, conv5_3_W)
+        d_conv5_2_relu = mem.tensor(45, (64, 512, 14, 14), 'float32', over=42)
+        rt.conv2d_bwd_data(d_conv5_3_relu_max_pool_bwd, T['conv5_3_W'], out=d_conv5_2_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31096832))
+        # free d_conv5_3_relu_max_pool_bwd
+        del d_conv5_3_relu_max_pool_bwd
         mem.free(42)
-        # X81 = X80*Heaviside(X35, 0)
-        X81 = X80  # in place: over X80
-        rt.ew(ew10, X81, X80, X35)
-        # free X35
-        del X34, X35
+
+        # ---- conv5_2_relu (relu), backward ----
+        # d_conv5_2 = d_conv5_2_relu*Heaviside(conv5_2_relu, 0)
+        d_conv5_2 = d_conv5_2_relu  # in place: over d_conv5_2_relu
+        rt.ew(ew_step_mul_2, d_conv5_2, d_conv5_2_relu, conv5_2_relu)
+        # free conv5_2, conv5_2_relu
+        del conv5_2, conv5_2_relu
         mem.free(24)
-        # X82 = -X79*lr + conv5_3_W
-        X82 = T['conv5_3_W']  # in place: the new conv5_3_W
-        rt.ew(ew8, X82, T['conv5_3_W'], lr, X79)
-        # X83 = sum_to[1x512x1x1](X81)
-        X83 = mem.tensor(46, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X81, out=X83, shape=(1, 512, 1, 1))
-        # X84 = reshape[512](X83)
-        X84 = rt.reshape(X83, shape=(512,))
-        # X85 = V_conv5_2_B*momentum + X84 + conv5_2_B*decay
-        X85 = T['V_conv5_2_B']  # in place: the new V_conv5_2_B
-        rt.ew(ew7, X85, T['V_conv5_2_B'], momentum, X84, decay, T['conv5_2_B'])
-        # free X83, X84
-        del X83, X84
+
+        # ---- conv5_3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # conv5_3_W_new = conv5_3_W - lr*V_conv5_3_W_new
+        conv5_3_W_new = T['conv5_3_W']  # in place: the new conv5_3_W
+        rt.ew(ew_mul_sub, conv5_3_W_new, T['conv5_3_W'], lr, V_conv5_3_W_new)
+
+        # ---- conv5_2 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv5_2_sum_to = sum_to[1x512x1x1](d_conv5_2)
+        d_conv5_2_sum_to = mem.tensor(46, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv5_2, out=d_conv5_2_sum_to, shape=(1, 512, 1, 1))
+        # d_conv5_2_B = reshape[512](d_conv5_2_sum_to)
+        d_conv5_2_B = rt.reshape(d_conv5_2_sum_to, shape=(512,))
+        # V_conv5_2_B_new = V_conv5_2_B*momentum + d_conv5_2_B + decay*conv5_2_B
+        V_conv5_2_B_new = T['V_conv5_2_B']  # in place: the new V_conv5_2_B
+        rt.ew(ew_mul_add, V_conv5_2_B_new, T['V_conv5_2_B'], momentum, d_conv5_2_B, decay, T['conv5_2_B'])
+        # free d_conv5_2_sum_to, d_conv5_2_B
+        del d_conv5_2_sum_to, d_conv5_2_B
         mem.free(46)
-        # X86 = -X85*lr + conv5_2_B
-        X86 = T['conv5_2_B']  # in place: the new conv5_2_B
-        rt.ew(ew8, X86, T['conv5_2_B'], lr, X85)
-        # X87 = conv2d_bwd_filter[kernel=(3,3),pad=1](X81, X33)
-        X87 = mem.tensor(47, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X81, X33, out=X87, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
-        # X88 = V_conv5_2_W*momentum + X87 + conv5_2_W*decay
-        X88 = T['V_conv5_2_W']  # in place: the new V_conv5_2_W
-        rt.ew(ew7, X88, T['V_conv5_2_W'], momentum, X87, decay, T['conv5_2_W'])
-        # free X87
-        del X87
+        # conv5_2_B_new = conv5_2_B - lr*V_conv5_2_B_new
+        conv5_2_B_new = T['conv5_2_B']  # in place: the new conv5_2_B
+        rt.ew(ew_mul_sub, conv5_2_B_new, T['conv5_2_B'], lr, V_conv5_2_B_new)
+        # d_conv5_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_2, conv5_1_relu)
+        d_conv5_2_W = mem.tensor(47, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv5_2, conv5_1_relu, out=d_conv5_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
+        # V_conv5_2_W_new = V_conv5_2_W*momentum + d_conv5_2_W + decay*conv5_2_W
+        V_conv5_2_W_new = T['V_conv5_2_W']  # in place: the new V_conv5_2_W
+        rt.ew(ew_mul_add, V_conv5_2_W_new, T['V_conv5_2_W'], momentum, d_conv5_2_W, decay, T['conv5_2_W'])
+        # free d_conv5_2_W
+        del d_conv5_2_W
         mem.free(47)
-        # X89 = conv2d_bwd_data[pad=1,size=(14,14)](X81, conv5_2_W)
-        X89 = mem.tensor(48, (64, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X81, T['conv5_2_W'], out=X89, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(30695424))
-        # free X81
-        del X80, X81
+        # d_conv5_1_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_conv5_2, conv5_2_W)
+        d_conv5_1_relu = mem.tensor(48, (64, 512, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_conv5_2, T['conv5_2_W'], out=d_conv5_1_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(30695424))
+        # free d_conv5_2_relu, d_conv5_2
+        del d_conv5_2_relu, d_conv5_2
         mem.free(45)
-        # X90 = X89*Heaviside(X33, 0)
-        X90 = X89  # in place: over X89
-        rt.ew(ew10, X90, X89, X33)
-        # free X33
-        del X32, X33
+
+        # ---- conv5_1_relu (relu), backward ----
+        # d_conv5_1 = d_conv5_1_relu*Heaviside(conv5_1_relu, 0)
+        d_conv5_1 = d_conv5_1_relu  # in place: over d_conv5_1_relu
+        rt.ew(ew_step_mul_2, d_conv5_1, d_conv5_1_relu, conv5_1_relu)
+        # free conv5_1, conv5_1_relu
+        del conv5_1, conv5_1_relu
         mem.free(23)
-        # X91 = -X88*lr + conv5_2_W
-        X91 = T['conv5_2_W']  # in place: the new conv5_2_W
-        rt.ew(ew8, X91, T['conv5_2_W'], lr, X88)
-        # X92 = sum_to[1x512x1x1](X90)
-        X92 = mem.tensor(49, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X90, out=X92, shape=(1, 512, 1, 1))
-        # X93 = reshape[512](X92)
-        X93 = rt.reshape(X92, shape=(512,))
-        # X94 = V_conv5_1_B*momentum + X93 + conv5_1_B*decay
-        X94 = T['V_conv5_1_B']  # in place: the new V_conv5_1_B
-        rt.ew(ew7, X94, T['V_conv5_1_B'], momentum, X93, decay, T['conv5_1_B'])
-        # free X92, X93
-        del X92, X93
+
+        # ---- conv5_2 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # conv5_2_W_new = conv5_2_W - lr*V_conv5_2_W_new
+        conv5_2_W_new = T['conv5_2_W']  # in place: the new conv5_2_W
+        rt.ew(ew_mul_sub, conv5_2_W_new, T['conv5_2_W'], lr, V_conv5_2_W_new)
+
+        # ---- conv5_1 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv5_1_sum_to = sum_to[1x512x1x1](d_conv5_1)
+        d_conv5_1_sum_to = mem.tensor(49, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv5_1, out=d_conv5_1_sum_to, shape=(1, 512, 1, 1))
+        # d_conv5_1_B = reshape[512](d_conv5_1_sum_to)
+        d_conv5_1_B = rt.reshape(d_conv5_1_sum_to, shape=(512,))
+        # V_conv5_1_B_new = V_conv5_1_B*momentum + d_conv5_1_B + decay*conv5_1_B
+        V_conv5_1_B_new = T['V_conv5_1_B']  # in place: the new V_conv5_1_B
+        rt.ew(ew_mul_add, V_conv5_1_B_new, T['V_conv5_1_B'], momentum, d_conv5_1_B, decay, T['conv5_1_B'])
+        # free d_conv5_1_sum_to, d_conv5_1_B
+        del d_conv5_1_sum_to, d_conv5_1_B
         mem.free(49)
-        # X95 = -X94*lr + conv5_1_B
-        X95 = T['conv5_1_B']  # in place: the new conv5_1_B
-        rt.ew(ew8, X95, T['conv5_1_B'], lr, X94)
-        # X96 = conv2d_bwd_filter[kernel=(3,3),pad=1](X90, X31)
-        X96 = mem.tensor(50, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X90, X31, out=X96, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
-        # X97 = V_conv5_1_W*momentum + X96 + conv5_1_W*decay
-        X97 = T['V_conv5_1_W']  # in place: the new V_conv5_1_W
-        rt.ew(ew7, X97, T['V_conv5_1_W'], momentum, X96, decay, T['conv5_1_W'])
-        # free X96
-        del X96
+        # conv5_1_B_new = conv5_1_B - lr*V_conv5_1_B_new
+        conv5_1_B_new = T['conv5_1_B']  # in place: the new conv5_1_B
+        rt.ew(ew_mul_sub, conv5_1_B_new, T['conv5_1_B'], lr, V_conv5_1_B_new)
+        # d_conv5_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_1, conv4_3_max_pool)
+        d_conv5_1_W = mem.tensor(50, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv5_1, conv4_3_max_pool, out=d_conv5_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
+        # V_conv5_1_W_new = V_conv5_1_W*momentum + d_conv5_1_W + decay*conv5_1_W
+        V_conv5_1_W_new = T['V_conv5_1_W']  # in place: the new V_conv5_1_W
+        rt.ew(ew_mul_add, V_conv5_1_W_new, T['V_conv5_1_W'], momentum, d_conv5_1_W, decay, T['conv5_1_W'])
+        # free d_conv5_1_W
+        del d_conv5_1_W
         mem.free(50)
-        # X98 = conv2d_bwd_data[pad=1,size=(14,14)](X90, conv5_1_W)
-        X98 = mem.tensor(51, (64, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(X90, T['conv5_1_W'], out=X98, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(30695424))
-        # free X90
-        del X89, X90
+        # d_conv4_3_max_pool = conv2d_bwd_data[pad=1,size=(14,14)](d_conv5_1, conv5_1_W)
+        d_conv4_3_max_pool = mem.tensor(51, (64, 512, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_conv5_1, T['conv5_1_W'], out=d_conv4_3_max_pool, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(30695424))
+        # free d_conv5_1_relu, d_conv5_1
+        del d_conv5_1_relu, d_conv5_1
         mem.free(48)
-        # X99 = X98*Heaviside(X31, 0)
-        X99 = X98  # in place: over X98
-        rt.ew(ew10, X99, X98, X31)
-        # free X31
-        del X31
+
+        # ---- conv4_3_relu (relu), backward ----
+        # d_conv4_3 = d_conv4_3_max_pool*Heaviside(conv4_3_max_pool, 0)
+        d_conv4_3 = d_conv4_3_max_pool  # in place: over d_conv4_3_max_pool
+        rt.ew(ew_step_mul_2, d_conv4_3, d_conv4_3_max_pool, conv4_3_max_pool)
+        # free conv4_3_max_pool
+        del conv4_3_max_pool
         mem.free(22)
-        # X100 = -X97*lr + conv5_1_W
-        X100 = T['conv5_1_W']  # in place: the new conv5_1_W
-        rt.ew(ew8, X100, T['conv5_1_W'], lr, X97)
-        # X101 = matmul[ta](X58, X43)
-        X101 = mem.tensor(52, (4096, 4096), 'float32')
-        rt.matmul(X58, X43, out=X101, ta=True)
-        # free X43, X58
-        del X43, X57, X58
+
+        # ---- conv5_1 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # conv5_1_W_new = conv5_1_W - lr*V_conv5_1_W_new
+        conv5_1_W_new = T['conv5_1_W']  # in place: the new conv5_1_W
+        rt.ew(ew_mul_sub, conv5_1_W_new, T['conv5_1_W'], lr, V_conv5_1_W_new)
+
+        # ---- fc7 (fully connected, 4096 outputs), backward ----
+        # d_fc7_W = matmul[ta](d_fc7, fc6_dropout)
+        d_fc7_W = mem.tensor(52, (4096, 4096), 'float32')
+        rt.matmul(d_fc7, fc6_dropout, out=d_fc7_W, ta=True)
+        # free fc6_dropout, d_fc7_dropout, d_fc7
+        del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(29, 36)
-        # X102 = V_fc7_W*momentum + X101 + decay*fc7_W
-        X102 = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew7, X102, T['V_fc7_W'], momentum, X101, decay, T['fc7_W'])
-        # free X101
-        del X101
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
+        rt.ew(ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # free d_fc7_W
+        del d_fc7_W
         mem.free(52)
-        # X103 = -X102*lr + fc7_W
-        X103 = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew8, X103, T['fc7_W'], lr, X102)
-        # X104 = max_pool_bwd[kernel=2,size=(28,28),stride=2](X99, X30)
-        X104 = mem.tensor(53, (64, 512, 28, 28), 'float32', over=51)
-        rt.max_pool_bwd(X99, X30, out=X104, ceil=False, kernel=2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(6823936))
-        # free X30, X99
-        del X30, X98, X99
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew(ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
+
+        # ---- conv4_3_relu (relu), backward ----
+        # d_conv4_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(28,28),stride=2](d_conv4_3, conv4_3_max_pool_argmax)
+        d_conv4_3_relu_max_pool_bwd = mem.tensor(53, (64, 512, 28, 28), 'float32', over=51)
+        rt.max_pool_bwd(d_conv4_3, conv4_3_max_pool_argmax, out=d_conv4_3_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(6823936))
+        # free conv4_3_max_pool_argmax, d_conv4_3_max_pool, d_conv4_3
+        del conv4_3_max_pool_argmax, d_conv4_3_max_pool, d_conv4_3
         mem.free(21, 51)
-        # X105 = sum_to[1x512x1x1](X104)
-        X105 = mem.tensor(54, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X104, out=X105, shape=(1, 512, 1, 1))
-        # X106 = reshape[512](X105)
-        X106 = rt.reshape(X105, shape=(512,))
-        # X107 = V_conv4_3_B*momentum + X106 + conv4_3_B*decay
-        X107 = T['V_conv4_3_B']  # in place: the new V_conv4_3_B
-        rt.ew(ew7, X107, T['V_conv4_3_B'], momentum, X106, decay, T['conv4_3_B'])
-        # free X105, X106
-        del X105, X106
+
+        # ---- conv4_3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv4_3_sum_to = sum_to[1x512x1x1](d_conv4_3_relu_max_pool_bwd)
+        d_conv4_3_sum_to = mem.tensor(54, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv4_3_relu_max_pool_bwd, out=d_conv4_3_sum_to, shape=(1, 512, 1, 1))
+        # d_conv4_3_B = reshape[512](d_conv4_3_sum_to)
+        d_conv4_3_B = rt.reshape(d_conv4_3_sum_to, shape=(512,))
+        # V_conv4_3_B_new = V_conv4_3_B*momentum + d_conv4_3_B + decay*conv4_3_B
+        V_conv4_3_B_new = T['V_conv4_3_B']  # in place: the new V_conv4_3_B
+        rt.ew(ew_mul_add, V_conv4_3_B_new, T['V_conv4_3_B'], momentum, d_conv4_3_B, decay, T['conv4_3_B'])
+        # free d_conv4_3_sum_to, d_conv4_3_B
+        del d_conv4_3_sum_to, d_conv4_3_B
         mem.free(54)
-        # X108 = -X107*lr + conv4_3_B
-        X108 = T['conv4_3_B']  # in place: the new conv4_3_B
-        rt.ew(ew8, X108, T['conv4_3_B'], lr, X107)
-        # X109 = conv2d_bwd_filter[kernel=(3,3),pad=1](X104, X27)
-        X109 = mem.tensor(55, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X104, X27, out=X109, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
-        # X110 = V_conv4_3_W*momentum + X109 + conv4_3_W*decay
-        X110 = T['V_conv4_3_W']  # in place: the new V_conv4_3_W
-        rt.ew(ew7, X110, T['V_conv4_3_W'], momentum, X109, decay, T['conv4_3_W'])
-        # free X109
-        del X109
+        # conv4_3_B_new = conv4_3_B - lr*V_conv4_3_B_new
+        conv4_3_B_new = T['conv4_3_B']  # in place: the new conv4_3_B
+        rt.ew(ew_mul_sub, conv4_3_B_new, T['conv4_3_B'], lr, V_conv4_3_B_new)
+        # d_conv4_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_3_relu_max_pool_bwd, conv4_2_relu)
+        d_conv4_3_W = mem.tensor(55, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv4_3_relu_max_pool_bwd, conv4_2_relu, out=d_conv4_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
+        # V_conv4_3_W_new = V_conv4_3_W*momentum + d_conv4_3_W + decay*conv4_3_W
+        V_conv4_3_W_new = T['V_conv4_3_W']  # in place: the new V_conv4_3_W
+        rt.ew(ew_mul_add, V_conv4_3_W_new, T['V_conv4_3_W'], momentum, d_conv4_3_W, decay, T['conv4_3_W'])
+        # free d_conv4_3_W
+        del d_conv4_3_W
         mem.free(55)
-        # X111 = conv2d_bwd_data[pad=1,size=(28,28)](X104, conv4_3_W)
-        X111 = mem.tensor(56, (64, 512, 28, 28), 'float32', over=53)
-        rt.conv2d_bwd_data(X104, T['conv4_3_W'], out=X111, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(20656128))
-        # free X104
-        del X104
+        # d_conv4_2_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_conv4_3_relu_max_pool_bwd, conv4_3_W)
+        d_conv4_2_relu = mem.tensor(56, (64, 512, 28, 28), 'float32', over=53)
+        rt.conv2d_bwd_data(d_conv4_3_relu_max_pool_bwd, T['conv4_3_W'], out=d_conv4_2_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(20656128))
+        # free d_conv4_3_relu_max_pool_bwd
+        del d_conv4_3_relu_max_pool_bwd
         mem.free(53)
-        # X112 = X111*Heaviside(X27, 0)
-        X112 = X111  # in place: over X111
-        rt.ew(ew10, X112, X111, X27)
-        # free X27
-        del X26, X27
+
+        # ---- conv4_2_relu (relu), backward ----
+        # d_conv4_2 = d_conv4_2_relu*Heaviside(conv4_2_relu, 0)
+        d_conv4_2 = d_conv4_2_relu  # in place: over d_conv4_2_relu
+        rt.ew(ew_step_mul_2, d_conv4_2, d_conv4_2_relu, conv4_2_relu)
+        # free conv4_2, conv4_2_relu
+        del conv4_2, conv4_2_relu
         mem.free(19)
-        # X113 = -X110*lr + conv4_3_W
-        X113 = T['conv4_3_W']  # in place: the new conv4_3_W
-        rt.ew(ew8, X113, T['conv4_3_W'], lr, X110)
-        # X114 = sum_to[1x512x1x1](X112)
-        X114 = mem.tensor(57, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X112, out=X114, shape=(1, 512, 1, 1))
-        # X115 = reshape[512](X114)
-        X115 = rt.reshape(X114, shape=(512,))
-        # X116 = V_conv4_2_B*momentum + X115 + conv4_2_B*decay
-        X116 = T['V_conv4_2_B']  # in place: the new V_conv4_2_B
-        rt.ew(ew7, X116, T['V_conv4_2_B'], momentum, X115, decay, T['conv4_2_B'])
-        # free X114, X115
-        del X114, X115
+
+        # ---- conv4_3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # conv4_3_W_new = conv4_3_W - lr*V_conv4_3_W_new
+        conv4_3_W_new = T['conv4_3_W']  # in place: the new conv4_3_W
+        rt.ew(ew_mul_sub, conv4_3_W_new, T['conv4_3_W'], lr, V_conv4_3_W_new)
+
+        # ---- conv4_2 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv4_2_sum_to = sum_to[1x512x1x1](d_conv4_2)
+        d_conv4_2_sum_to = mem.tensor(57, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv4_2, out=d_conv4_2_sum_to, shape=(1, 512, 1, 1))
+        # d_conv4_2_B = reshape[512](d_conv4_2_sum_to)
+        d_conv4_2_B = rt.reshape(d_conv4_2_sum_to, shape=(512,))
+        # V_conv4_2_B_new = V_conv4_2_B*momentum + d_conv4_2_B + decay*conv4_2_B
+        V_conv4_2_B_new = T['V_conv4_2_B']  # in place: the new V_conv4_2_B
+        rt.ew(ew_mul_add, V_conv4_2_B_new, T['V_conv4_2_B'], momentum, d_conv4_2_B, decay, T['conv4_2_B'])
+        # free d_conv4_2_sum_to, d_conv4_2_B
+        del d_conv4_2_sum_to, d_conv4_2_B
         mem.free(57)
-        # X117 = -X116*lr + conv4_2_B
-        X117 = T['conv4_2_B']  # in place: the new conv4_2_B
-        rt.ew(ew8, X117, T['conv4_2_B'], lr, X116)
-        # X118 = conv2d_bwd_filter[kernel=(3,3),pad=1](X112, X25)
-        X118 = mem.tensor(58, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X112, X25, out=X118, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
-        # X119 = V_conv4_2_W*momentum + X118 + conv4_2_W*decay
-        X119 = T['V_conv4_2_W']  # in place: the new V_conv4_2_W
-        rt.ew(ew7, X119, T['V_conv4_2_W'], momentum, X118, decay, T['conv4_2_W'])
-        # free X118
-        del X118
+        # conv4_2_B_new = conv4_2_B - lr*V_conv4_2_B_new
+        conv4_2_B_new = T['conv4_2_B']  # in place: the new conv4_2_B
+        rt.ew(ew_mul_sub, conv4_2_B_new, T['conv4_2_B'], lr, V_conv4_2_B_new)
+        # d_conv4_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_2, conv4_1_relu)
+        d_conv4_2_W = mem.tensor(58, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv4_2, conv4_1_relu, out=d_conv4_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
+        # V_conv4_2_W_new = V_conv4_2_W*momentum + d_conv4_2_W + decay*conv4_2_W
+        V_conv4_2_W_new = T['V_conv4_2_W']  # in place: the new V_conv4_2_W
+        rt.ew(ew_mul_add, V_conv4_2_W_new, T['V_conv4_2_W'], momentum, d_conv4_2_W, decay, T['conv4_2_W'])
+        # free d_conv4_2_W
+        del d_conv4_2_W
         mem.free(58)
-        # X120 = conv2d_bwd_data[pad=1,size=(28,28)](X112, conv4_2_W)
-        X120 = mem.tensor(59, (64, 512, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X112, T['conv4_2_W'], out=X120, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(19050496))
-        # free X112
-        del X111, X112
+        # d_conv4_1_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_conv4_2, conv4_2_W)
+        d_conv4_1_relu = mem.tensor(59, (64, 512, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_conv4_2, T['conv4_2_W'], out=d_conv4_1_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(19050496))
+        # free d_conv4_2_relu, d_conv4_2
+        del d_conv4_2_relu, d_conv4_2
         mem.free(56)
-        # X121 = X120*Heaviside(X25, 0)
-        X121 = X120  # in place: over X120
-        rt.ew(ew10, X121, X120, X25)
-        # free X25
-        del X24, X25
+
+        # ---- conv4_1_relu (relu), backward ----
+        # d_conv4_1 = d_conv4_1_relu*Heaviside(conv4_1_relu, 0)
+        d_conv4_1 = d_conv4_1_relu  # in place: over d_conv4_1_relu
+        rt.ew(ew_step_mul_2, d_conv4_1, d_conv4_1_relu, conv4_1_relu)
+        # free conv4_1, conv4_1_relu
+        del conv4_1, conv4_1_relu
         mem.free(18)
-        # X122 = -X119*lr + conv4_2_W
-        X122 = T['conv4_2_W']  # in place: the new conv4_2_W
-        rt.ew(ew8, X122, T['conv4_2_W'], lr, X119)
-        # X123 = sum_to[1x512x1x1](X121)
-        X123 = mem.tensor(60, (1, 512, 1, 1), 'float32')
-        rt.sum_to(X121, out=X123, shape=(1, 512, 1, 1))
-        # X124 = reshape[512](X123)
-        X124 = rt.reshape(X123, shape=(512,))
-        # X125 = V_conv4_1_B*momentum + X124 + conv4_1_B*decay
-        X125 = T['V_conv4_1_B']  # in place: the new V_conv4_1_B
-        rt.ew(ew7, X125, T['V_conv4_1_B'], momentum, X124, decay, T['conv4_1_B'])
-        # free X123, X124
-        del X123, X124
+
+        # ---- conv4_2 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # conv4_2_W_new = conv4_2_W - lr*V_conv4_2_W_new
+        conv4_2_W_new = T['conv4_2_W']  # in place: the new conv4_2_W
+        rt.ew(ew_mul_sub, conv4_2_W_new, T['conv4_2_W'], lr, V_conv4_2_W_new)
+
+        # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_conv4_1_sum_to = sum_to[1x512x1x1](d_conv4_1)
+        d_conv4_1_sum_to = mem.tensor(60, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_conv4_1, out=d_conv4_1_sum_to, shape=(1, 512, 1, 1))
+        # d_conv4_1_B = reshape[512](d_conv4_1_sum_to)
+        d_conv4_1_B = rt.reshape(d_conv4_1_sum_to, shape=(512,))
+        # V_conv4_1_B_new = V_conv4_1_B*momentum + d_conv4_1_B + decay*conv4_1_B
+        V_conv4_1_B_new = T['V_conv4_1_B']  # in place: the new V_conv4_1_B
+        rt.ew(ew_mul_add, V_conv4_1_B_new, T['V_conv4_1_B'], momentum, d_conv4_1_B, decay, T['conv4_1_B'])
+        # free d_conv4_1_sum_to, d_conv4_1_B
+        del d_conv4_1_sum_to, d_conv4_1_B
         mem.free(60)
-        # X126 = -X125*lr + conv4_1_B
-        X126 = T['conv4_1_B']  # in place: the new conv4_1_B
-        rt.ew(ew8, X126, T['conv4_1_B'], lr, X125)
-        # X127 = conv2d_bwd_filter[kernel=(3,3),pad=1](X121, X23)
-        X127 = mem.tensor(61, (512, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X121, X23, out=X127, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24223744))
-        # X128 = conv2d_bwd_data[pad=1,size=(28,28)](X121, conv4_1_W)
-        X128 = mem.tensor(62, (64, 256, 28, 28), 'float32')
-        rt.conv2d_bwd_data(X121, T['conv4_1_W'], out=X128, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(31156224))
-        # free X121
-        del X120, X121
+        # conv4_1_B_new = conv4_1_B - lr*V_conv4_1_B_new
+        conv4_1_B_new = T['conv4_1_B']  # in place: the new conv4_1_B
+        rt.ew(ew_mul_sub, conv4_1_B_new, T['conv4_1_B'], lr, V_conv4_1_B_new)
+        # d_conv4_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_1, conv3_3_max_pool)
+        d_conv4_1_W = mem.tensor(61, (512, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv4_1, conv3_3_max_pool, out=d_conv4_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24223744))
+        # d_conv3_3_max_pool = conv2d_bwd_data[pad=1,size=(28,28)](d_conv4_1, conv4_1_W)
+        d_conv3_3_max_pool = mem.tensor(62, (64, 256, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_conv4_1, T['conv4_1_W'], out=d_conv3_3_max_pool, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(31156224))
+        # free d_conv4_1_relu, d_conv4_1
+        del d_conv4_1_relu, d_conv4_1
         mem.free(59)
-        # X129 = X128*Heaviside(X23, 0)
-        X129 = X128  # in place: over X128
-        rt.ew(ew10, X129, X128, X23)
-        # free X23
-        del X23
+
+        # ---- conv3_3_relu (relu), backward ----
+        # d_conv3_3 = d_conv3_3_max_pool*Heaviside(conv3_3_max_pool, 0)
+        d_conv3_3 = d_conv3_3_max_pool  # in place: over d_conv3_3_max_pool
+        rt.ew(ew_step_mul_2, d_conv3_3, d_conv3_3_max_pool, conv3_3_max_pool)
+        # free conv3_3_max_pool
+        del conv3_3_max_pool
         mem.free(17)
-        # X130 = V_conv4_1_W*momentum + X127 + conv4_1_W*decay
-        X130 = T['V_conv4_1_W']  # in place: the new V_conv4_1_W
-        rt.ew(ew7, X130, T['V_conv4_1_W'], momentum, X127, decay, T['conv4_1_W'])
-        # free X127
-        del X127
+
+        # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # V_conv4_1_W_new = V_conv4_1_W*momentum + d_conv4_1_W + decay*conv4_1_W
+        V_conv4_1_W_new = T['V_conv4_1_W']  # in place: the new V_conv4_1_W
+        rt.ew(ew_mul_add, V_conv4_1_W_new, T['V_conv4_1_W'], momentum, d_conv4_1_W, decay, T['conv4_1_W'])
+        # free d_conv4_1_W
+        del d_conv4_1_W
         mem.free(61)
-        # X131 = -X130*lr + conv4_1_W
-        X131 = T['conv4_1_W']  # in place: the new conv4_1_W
-        rt.ew(ew8, X131, T['conv4_1_W'], lr, X130)
-        # X132 = max_pool_bwd[kernel=2,size=(56,56),stride=2](X129, X22)
-        X132 = mem.tensor(63, (64, 256, 56, 56), 'float32')
-        rt.max_pool_bwd(X129, X22, out=X132, ceil=False, kernel=2, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(12845056))
-        # free X22, X129
-        del X22, X128, X129
+        # conv4_1_W_new = conv4_1_W - lr*V_conv4_1_W_new
+        conv4_1_W_new = T['conv4_1_W']  # in place: the new conv4_1_W
+        rt.ew(ew_mul_sub, conv4_1_W_new, T['conv4_1_W'], lr, V_conv4_1_W_new)
+
+        # ---- conv3_3_relu (relu), backward ----
+        # d_conv3_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(56,56),stride=2](d_conv3_3, conv3_3_max_pool_argmax)
+        d_conv3_3_relu_max_pool_bwd = mem.tensor(63, (64, 256, 56, 56), 'float32')
+        rt.max_pool_bwd(d_conv3_3, conv3_3_max_pool_argmax, out=d_conv3_3_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(12845056))
+        # free conv3_3_max_pool_argmax, d_conv3_3_max_pool, d_conv3_3
+        del conv3_3_max_pool_argmax, d_conv3_3_max_pool, d_conv3_3
         mem.free(16, 62)
-        # X133 = sum_to[1x256x1x1](X132)
-        X133 = mem.tensor(64, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X132, out=X133, shape=(1, 256, 1, 1))
-        # X134 = reshape[256](X133)
-        X134 = rt.reshape(X133, shape=(256,))
-        # X135 = V_conv3_3_B*momentum + X134 + conv3_3_B*decay
-        X135 = T['V_conv3_3_B']  # in place: the new V_conv3_3_B
-        rt.ew(ew7, X135, T['V_conv3_3_B'], momentum, X134, decay, T['conv3_3_B'])
-        # free X133, X134
-        del X133, X134
+
+        # ---- conv3_3 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_conv3_3_sum_to = sum_to[1x256x1x1](d_conv3_3_relu_max_pool_bwd)
+        d_conv3_3_sum_to = mem.tensor(64, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv3_3_relu_max_pool_bwd, out=d_conv3_3_sum_to, shape=(1, 256, 1, 1))
+        # d_conv3_3_B = reshape[256](d_conv3_3_sum_to)
+        d_conv3_3_B = rt.reshape(d_conv3_3_sum_to, shape=(256,))
+        # V_conv3_3_B_new = V_conv3_3_B*momentum + d_conv3_3_B + decay*conv3_3_B
+        V_conv3_3_B_new = T['V_conv3_3_B']  # in place: the new V_conv3_3_B
+        rt.ew(ew_mul_add, V_conv3_3_B_new, T['V_conv3_3_B'], momentum, d_conv3_3_B, decay, T['conv3_3_B'])
+        # free d_conv3_3_sum_to, d_conv3_3_B
+        del d_conv3_3_sum_to, d_conv3_3_B
         mem.free(64)
-        # X136 = -X135*lr + conv3_3_B
-        X136 = T['conv3_3_B']  # in place: the new conv3_3_B
-        rt.ew(ew8, X136, T['conv3_3_B'], lr, X135)
-        # X137 = conv2d_bwd_filter[kernel=(3,3),pad=1](X132, X19)
-        X137 = mem.tensor(65, (256, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X132, X19, out=X137, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
-        # X138 = V_conv3_3_W*momentum + X137 + conv3_3_W*decay
-        X138 = T['V_conv3_3_W']  # in place: the new V_conv3_3_W
-        rt.ew(ew7, X138, T['V_conv3_3_W'], momentum, X137, decay, T['conv3_3_W'])
-        # free X137
-        del X137
+        # conv3_3_B_new = conv3_3_B - lr*V_conv3_3_B_new
+        conv3_3_B_new = T['conv3_3_B']  # in place: the new conv3_3_B
+        rt.ew(ew_mul_sub, conv3_3_B_new, T['conv3_3_B'], lr, V_conv3_3_B_new)
+        # d_conv3_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_3_relu_max_pool_bwd, conv3_2_relu)
+        d_conv3_3_W = mem.tensor(65, (256, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv3_3_relu_max_pool_bwd, conv3_2_relu, out=d_conv3_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
+        # V_conv3_3_W_new = V_conv3_3_W*momentum + d_conv3_3_W + decay*conv3_3_W
+        V_conv3_3_W_new = T['V_conv3_3_W']  # in place: the new V_conv3_3_W
+        rt.ew(ew_mul_add, V_conv3_3_W_new, T['V_conv3_3_W'], momentum, d_conv3_3_W, decay, T['conv3_3_W'])
+        # free d_conv3_3_W
+        del d_conv3_3_W
         mem.free(65)
-        # X139 = conv2d_bwd_data[pad=1,size=(56,56)](X132, conv3_3_W)
-        X139 = mem.tensor(66, (64, 256, 56, 56), 'float32', over=63)
-        rt.conv2d_bwd_data(X132, T['conv3_3_W'], out=X139, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(39917568))
-        # free X132
-        del X132
+        # d_conv3_2_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_conv3_3_relu_max_pool_bwd, conv3_3_W)
+        d_conv3_2_relu = mem.tensor(66, (64, 256, 56, 56), 'float32', over=63)
+        rt.conv2d_bwd_data(d_conv3_3_relu_max_pool_bwd, T['conv3_3_W'], out=d_conv3_2_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(39917568))
+        # free d_conv3_3_relu_max_pool_bwd
+        del d_conv3_3_relu_max_pool_bwd
         mem.free(63)
-        # X140 = X139*Heaviside(X19, 0)
-        X140 = X139  # in place: over X139
-        rt.ew(ew10, X140, X139, X19)
-        # free X19
-        del X18, X19
+
+        # ---- conv3_2_relu (relu), backward ----
+        # d_conv3_2 = d_conv3_2_relu*Heaviside(conv3_2_relu, 0)
+        d_conv3_2 = d_conv3_2_relu  # in place: over d_conv3_2_relu
+        rt.ew(ew_step_mul_2, d_conv3_2, d_conv3_2_relu, conv3_2_relu)
+        # free conv3_2, conv3_2_relu
+        del conv3_2, conv3_2_relu
         mem.free(14)
-        # X141 = -X138*lr + conv3_3_W
-        X141 = T['conv3_3_W']  # in place: the new conv3_3_W
-        rt.ew(ew8, X141, T['conv3_3_W'], lr, X138)
-        # X142 = sum_to[1x256x1x1](X140)
-        X142 = mem.tensor(67, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X140, out=X142, shape=(1, 256, 1, 1))
-        # X143 = reshape[256](X142)
-        X143 = rt.reshape(X142, shape=(256,))
-        # X144 = V_conv3_2_B*momentum + X143 + conv3_2_B*decay
-        X144 = T['V_conv3_2_B']  # in place: the new V_conv3_2_B
-        rt.ew(ew7, X144, T['V_conv3_2_B'], momentum, X143, decay, T['conv3_2_B'])
-        # free X142, X143
-        del X142, X143
+
+        # ---- conv3_3 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # conv3_3_W_new = conv3_3_W - lr*V_conv3_3_W_new
+        conv3_3_W_new = T['conv3_3_W']  # in place: the new conv3_3_W
+        rt.ew(ew_mul_sub, conv3_3_W_new, T['conv3_3_W'], lr, V_conv3_3_W_new)
+
+        # ---- conv3_2 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_conv3_2_sum_to = sum_to[1x256x1x1](d_conv3_2)
+        d_conv3_2_sum_to = mem.tensor(67, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv3_2, out=d_conv3_2_sum_to, shape=(1, 256, 1, 1))
+        # d_conv3_2_B = reshape[256](d_conv3_2_sum_to)
+        d_conv3_2_B = rt.reshape(d_conv3_2_sum_to, shape=(256,))
+        # V_conv3_2_B_new = V_conv3_2_B*momentum + d_conv3_2_B + decay*conv3_2_B
+        V_conv3_2_B_new = T['V_conv3_2_B']  # in place: the new V_conv3_2_B
+        rt.ew(ew_mul_add, V_conv3_2_B_new, T['V_conv3_2_B'], momentum, d_conv3_2_B, decay, T['conv3_2_B'])
+        # free d_conv3_2_sum_to, d_conv3_2_B
+        del d_conv3_2_sum_to, d_conv3_2_B
         mem.free(67)
-        # X145 = -X144*lr + conv3_2_B
-        X145 = T['conv3_2_B']  # in place: the new conv3_2_B
-        rt.ew(ew8, X145, T['conv3_2_B'], lr, X144)
-        # X146 = conv2d_bwd_filter[kernel=(3,3),pad=1](X140, X17)
-        X146 = mem.tensor(68, (256, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X140, X17, out=X146, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
-        # X147 = V_conv3_2_W*momentum + X146 + conv3_2_W*decay
-        X147 = T['V_conv3_2_W']  # in place: the new V_conv3_2_W
-        rt.ew(ew7, X147, T['V_conv3_2_W'], momentum, X146, decay, T['conv3_2_W'])
-        # free X146
-        del X146
+        # conv3_2_B_new = conv3_2_B - lr*V_conv3_2_B_new
+        conv3_2_B_new = T['conv3_2_B']  # in place: the new conv3_2_B
+        rt.ew(ew_mul_sub, conv3_2_B_new, T['conv3_2_B'], lr, V_conv3_2_B_new)
+        # d_conv3_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_2, conv3_1_relu)
+        d_conv3_2_W = mem.tensor(68, (256, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv3_2, conv3_1_relu, out=d_conv3_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
+        # V_conv3_2_W_new = V_conv3_2_W*momentum + d_conv3_2_W + decay*conv3_2_W
+        V_conv3_2_W_new = T['V_conv3_2_W']  # in place: the new V_conv3_2_W
+        rt.ew(ew_mul_add, V_conv3_2_W_new, T['V_conv3_2_W'], momentum, d_conv3_2_W, decay, T['conv3_2_W'])
+        # free d_conv3_2_W
+        del d_conv3_2_W
         mem.free(68)
-        # X148 = conv2d_bwd_data[pad=1,size=(56,56)](X140, conv3_2_W)
-        X148 = mem.tensor(69, (64, 256, 56, 56), 'float32')
-        rt.conv2d_bwd_data(X140, T['conv3_2_W'], out=X148, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(36706304))
-        # free X140
-        del X139, X140
+        # d_conv3_1_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_conv3_2, conv3_2_W)
+        d_conv3_1_relu = mem.tensor(69, (64, 256, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_conv3_2, T['conv3_2_W'], out=d_conv3_1_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(36706304))
+        # free d_conv3_2_relu, d_conv3_2
+        del d_conv3_2_relu, d_conv3_2
         mem.free(66)
-        # X149 = X148*Heaviside(X17, 0)
-        X149 = X148  # in place: over X148
-        rt.ew(ew10, X149, X148, X17)
-        # free X17
-        del X16, X17
+
+        # ---- conv3_1_relu (relu), backward ----
+        # d_conv3_1 = d_conv3_1_relu*Heaviside(conv3_1_relu, 0)
+        d_conv3_1 = d_conv3_1_relu  # in place: over d_conv3_1_relu
+        rt.ew(ew_step_mul_2, d_conv3_1, d_conv3_1_relu, conv3_1_relu)
+        # free conv3_1, conv3_1_relu
+        del conv3_1, conv3_1_relu
         mem.free(13)
-        # X150 = -X147*lr + conv3_2_W
-        X150 = T['conv3_2_W']  # in place: the new conv3_2_W
-        rt.ew(ew8, X150, T['conv3_2_W'], lr, X147)
-        # X151 = sum_to[1x256x1x1](X149)
-        X151 = mem.tensor(70, (1, 256, 1, 1), 'float32')
-        rt.sum_to(X149, out=X151, shape=(1, 256, 1, 1))
-        # X152 = reshape[256](X151)
-        X152 = rt.reshape(X151, shape=(256,))
-        # X153 = V_conv3_1_B*momentum + X152 + conv3_1_B*decay
-        X153 = T['V_conv3_1_B']  # in place: the new V_conv3_1_B
-        rt.ew(ew7, X153, T['V_conv3_1_B'], momentum, X152, decay, T['conv3_1_B'])
-        # free X151, X152
-        del X151, X152
+
+        # ---- conv3_2 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # conv3_2_W_new = conv3_2_W - lr*V_conv3_2_W_new
+        conv3_2_W_new = T['conv3_2_W']  # in place: the new conv3_2_W
+        rt.ew(ew_mul_sub, conv3_2_W_new, T['conv3_2_W'], lr, V_conv3_2_W_new)
+
+        # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_conv3_1_sum_to = sum_to[1x256x1x1](d_conv3_1)
+        d_conv3_1_sum_to = mem.tensor(70, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_conv3_1, out=d_conv3_1_sum_to, shape=(1, 256, 1, 1))
+        # d_conv3_1_B = reshape[256](d_conv3_1_sum_to)
+        d_conv3_1_B = rt.reshape(d_conv3_1_sum_to, shape=(256,))
+        # V_conv3_1_B_new = V_conv3_1_B*momentum + d_conv3_1_B + decay*conv3_1_B
+        V_conv3_1_B_new = T['V_conv3_1_B']  # in place: the new V_conv3_1_B
+        rt.ew(ew_mul_add, V_conv3_1_B_new, T['V_conv3_1_B'], momentum, d_conv3_1_B, decay, T['conv3_1_B'])
+        # free d_conv3_1_sum_to, d_conv3_1_B
+        del d_conv3_1_sum_to, d_conv3_1_B
         mem.free(70)
-        # X154 = -X153*lr + conv3_1_B
-        X154 = T['conv3_1_B']  # in place: the new conv3_1_B
-        rt.ew(ew8, X154, T['conv3_1_B'], lr, X153)
-        # X155 = conv2d_bwd_filter[kernel=(3,3),pad=1](X149, X15)
-        X155 = mem.tensor(71, (256, 128, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X149, X15, out=X155, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20563968))
-        # X156 = conv2d_bwd_data[pad=1,size=(56,56)](X149, conv3_1_W)
-        X156 = mem.tensor(72, (64, 128, 56, 56), 'float32')
-        rt.conv2d_bwd_data(X149, T['conv3_1_W'], out=X156, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(20016128))
-        # free X149
-        del X148, X149
+        # conv3_1_B_new = conv3_1_B - lr*V_conv3_1_B_new
+        conv3_1_B_new = T['conv3_1_B']  # in place: the new conv3_1_B
+        rt.ew(ew_mul_sub, conv3_1_B_new, T['conv3_1_B'], lr, V_conv3_1_B_new)
+        # d_conv3_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_1, conv2_2_max_pool)
+        d_conv3_1_W = mem.tensor(71, (256, 128, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv3_1, conv2_2_max_pool, out=d_conv3_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20563968))
+        # d_conv2_2_max_pool = conv2d_bwd_data[pad=1,size=(56,56)](d_conv3_1, conv3_1_W)
+        d_conv2_2_max_pool = mem.tensor(72, (64, 128, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_conv3_1, T['conv3_1_W'], out=d_conv2_2_max_pool, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(20016128))
+        # free d_conv3_1_relu, d_conv3_1
+        del d_conv3_1_relu, d_conv3_1
         mem.free(69)
-        # X157 = X156*Heaviside(X15, 0)
-        X157 = X156  # in place: over X156
-        rt.ew(ew10, X157, X156, X15)
-        # free X15
-        del X15
+
+        # ---- conv2_2_relu (relu), backward ----
+        # d_conv2_2 = d_conv2_2_max_pool*Heaviside(conv2_2_max_pool, 0)
+        d_conv2_2 = d_conv2_2_max_pool  # in place: over d_conv2_2_max_pool
+        rt.ew(ew_step_mul_2, d_conv2_2, d_conv2_2_max_pool, conv2_2_max_pool)
+        # free conv2_2_max_pool
+        del conv2_2_max_pool
         mem.free(12)
-        # X158 = V_conv3_1_W*momentum + X155 + conv3_1_W*decay
-        X158 = T['V_conv3_1_W']  # in place: the new V_conv3_1_W
-        rt.ew(ew7, X158, T['V_conv3_1_W'], momentum, X155, decay, T['conv3_1_W'])
-        # free X155
-        del X155
+
+        # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # V_conv3_1_W_new = V_conv3_1_W*momentum + d_conv3_1_W + decay*conv3_1_W
+        V_conv3_1_W_new = T['V_conv3_1_W']  # in place: the new V_conv3_1_W
+        rt.ew(ew_mul_add, V_conv3_1_W_new, T['V_conv3_1_W'], momentum, d_conv3_1_W, decay, T['conv3_1_W'])
+        # free d_conv3_1_W
+        del d_conv3_1_W
         mem.free(71)
-        # X159 = -X158*lr + conv3_1_W
-        X159 = T['conv3_1_W']  # in place: the new conv3_1_W
-        rt.ew(ew8, X159, T['conv3_1_W'], lr, X158)
-        # X160 = max_pool_bwd[kernel=2,size=(112,112),stride=2](X157, X14)
-        X160 = mem.tensor(73, (64, 128, 112, 112), 'float32')
-        rt.max_pool_bwd(X157, X14, out=X160, ceil=False, kernel=2, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(25690112))
-        # free X14, X157
-        del X14, X156, X157
+        # conv3_1_W_new = conv3_1_W - lr*V_conv3_1_W_new
+        conv3_1_W_new = T['conv3_1_W']  # in place: the new conv3_1_W
+        rt.ew(ew_mul_sub, conv3_1_W_new, T['conv3_1_W'], lr, V_conv3_1_W_new)
+
+        # ---- conv2_2_relu (relu), backward ----
+        # d_conv2_2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(112,112),stride=2](d_conv2_2, conv2_2_max_pool_argmax)
+        d_conv2_2_relu_max_pool_bwd = mem.tensor(73, (64, 128, 112, 112), 'float32')
+        rt.max_pool_bwd(d_conv2_2, conv2_2_max_pool_argmax, out=d_conv2_2_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(25690112))
+        # free conv2_2_max_pool_argmax, d_conv2_2_max_pool, d_conv2_2
+        del conv2_2_max_pool_argmax, d_conv2_2_max_pool, d_conv2_2
         mem.free(11, 72)
-        # X161 = sum_to[1x128x1x1](X160)
-        X161 = mem.tensor(74, (1, 128, 1, 1), 'float32')
-        rt.sum_to(X160, out=X161, shape=(1, 128, 1, 1))
-        # X162 = reshape[128](X161)
-        X162 = rt.reshape(X161, shape=(128,))
-        # X163 = V_conv2_2_B*momentum + X162 + conv2_2_B*decay
-        X163 = T['V_conv2_2_B']  # in place: the new V_conv2_2_B
-        rt.ew(ew7, X163, T['V_conv2_2_B'], momentum, X162, decay, T['conv2_2_B'])
-        # free X161, X162
-        del X161, X162
+
+        # ---- conv2_2 (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # d_conv2_2_sum_to = sum_to[1x128x1x1](d_conv2_2_relu_max_pool_bwd)
+        d_conv2_2_sum_to = mem.tensor(74, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_conv2_2_relu_max_pool_bwd, out=d_conv2_2_sum_to, shape=(1, 128, 1, 1))
+        # d_conv2_2_B = reshape[128](d_conv2_2_sum_to)
+        d_conv2_2_B = rt.reshape(d_conv2_2_sum_to, shape=(128,))
+        # V_conv2_2_B_new = V_conv2_2_B*momentum + d_conv2_2_B + decay*conv2_2_B
+        V_conv2_2_B_new = T['V_conv2_2_B']  # in place: the new V_conv2_2_B
+        rt.ew(ew_mul_add, V_conv2_2_B_new, T['V_conv2_2_B'], momentum, d_conv2_2_B, decay, T['conv2_2_B'])
+        # free d_conv2_2_sum_to, d_conv2_2_B
+        del d_conv2_2_sum_to, d_conv2_2_B
         mem.free(74)
-        # X164 = -X163*lr + conv2_2_B
-        X164 = T['conv2_2_B']  # in place: the new conv2_2_B
-        rt.ew(ew8, X164, T['conv2_2_B'], lr, X163)
-        # X165 = conv2d_bwd_filter[kernel=(3,3),pad=1](X160, X11)
-        X165 = mem.tensor(75, (128, 128, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X160, X11, out=X165, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(71469056))
-        # X166 = V_conv2_2_W*momentum + X165 + conv2_2_W*decay
-        X166 = T['V_conv2_2_W']  # in place: the new V_conv2_2_W
-        rt.ew(ew7, X166, T['V_conv2_2_W'], momentum, X165, decay, T['conv2_2_W'])
-        # free X165
-        del X165
+        # conv2_2_B_new = conv2_2_B - lr*V_conv2_2_B_new
+        conv2_2_B_new = T['conv2_2_B']  # in place: the new conv2_2_B
+        rt.ew(ew_mul_sub, conv2_2_B_new, T['conv2_2_B'], lr, V_conv2_2_B_new)
+        # d_conv2_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_2_relu_max_pool_bwd, conv2_1_relu)
+        d_conv2_2_W = mem.tensor(75, (128, 128, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv2_2_relu_max_pool_bwd, conv2_1_relu, out=d_conv2_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(71469056))
+        # V_conv2_2_W_new = V_conv2_2_W*momentum + d_conv2_2_W + decay*conv2_2_W
+        V_conv2_2_W_new = T['V_conv2_2_W']  # in place: the new V_conv2_2_W
+        rt.ew(ew_mul_add, V_conv2_2_W_new, T['V_conv2_2_W'], momentum, d_conv2_2_W, decay, T['conv2_2_W'])
+        # free d_conv2_2_W
+        del d_conv2_2_W
         mem.free(75)
-        # X167 = conv2d_bwd_data[pad=1,size=(112,112)](X160, conv2_2_W)
-        X167 = mem.tensor(76, (64, 128, 112, 112), 'float32')
-        rt.conv2d_bwd_data(X160, T['conv2_2_W'], out=X167, pad=1, size=(112, 112), stride=1, workspace=mem.workspace(72027136))
-        # free X160
-        del X160
+        # d_conv2_1_relu = conv2d_bwd_data[pad=1,size=(112,112)](d_conv2_2_relu_max_pool_bwd, conv2_2_W)
+        d_conv2_1_relu = mem.tensor(76, (64, 128, 112, 112), 'float32')
+        rt.conv2d_bwd_data(d_conv2_2_relu_max_pool_bwd, T['conv2_2_W'], out=d_conv2_1_relu, pad=1, size=(112, 112), stride=1, workspace=mem.workspace(72027136))
+        # free d_conv2_2_relu_max_pool_bwd
+        del d_conv2_2_relu_max_pool_bwd
         mem.free(73)
-        # X168 = X167*Heaviside(X11, 0)
-        X168 = X167  # in place: over X167
-        rt.ew(ew10, X168, X167, X11)
-        # free X11
-        del X10, X11
+
+        # ---- conv2_1_relu (relu), backward ----
+        # d_conv2_1 = d_conv2_1_relu*Heaviside(conv2_1_relu, 0)
+        d_conv2_1 = d_conv2_1_relu  # in place: over d_conv2_1_relu
+        rt.ew(ew_step_mul_2, d_conv2_1, d_conv2_1_relu, conv2_1_relu)
+        # free conv2_1, conv2_1_relu
+        del conv2_1, conv2_1_relu
         mem.free(9)
-        # X169 = -X166*lr + conv2_2_W
-        X169 = T['conv2_2_W']  # in place: the new conv2_2_W
-        rt.ew(ew8, X169, T['conv2_2_W'], lr, X166)
-        # X170 = sum_to[1x128x1x1](X168)
-        X170 = mem.tensor(77, (1, 128, 1, 1), 'float32')
-        rt.sum_to(X168, out=X170, shape=(1, 128, 1, 1))
-        # X171 = reshape[128](X170)
-        X171 = rt.reshape(X170, shape=(128,))
-        # X172 = V_conv2_1_B*momentum + X171 + conv2_1_B*decay
-        X172 = T['V_conv2_1_B']  # in place: the new V_conv2_1_B
-        rt.ew(ew7, X172, T['V_conv2_1_B'], momentum, X171, decay, T['conv2_1_B'])
-        # free X170, X171
-        del X170, X171
+
+        # ---- conv2_2 (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # conv2_2_W_new = conv2_2_W - lr*V_conv2_2_W_new
+        conv2_2_W_new = T['conv2_2_W']  # in place: the new conv2_2_W
+        rt.ew(ew_mul_sub, conv2_2_W_new, T['conv2_2_W'], lr, V_conv2_2_W_new)
+
+        # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # d_conv2_1_sum_to = sum_to[1x128x1x1](d_conv2_1)
+        d_conv2_1_sum_to = mem.tensor(77, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_conv2_1, out=d_conv2_1_sum_to, shape=(1, 128, 1, 1))
+        # d_conv2_1_B = reshape[128](d_conv2_1_sum_to)
+        d_conv2_1_B = rt.reshape(d_conv2_1_sum_to, shape=(128,))
+        # V_conv2_1_B_new = V_conv2_1_B*momentum + d_conv2_1_B + decay*conv2_1_B
+        V_conv2_1_B_new = T['V_conv2_1_B']  # in place: the new V_conv2_1_B
+        rt.ew(ew_mul_add, V_conv2_1_B_new, T['V_conv2_1_B'], momentum, d_conv2_1_B, decay, T['conv2_1_B'])
+        # free d_conv2_1_sum_to, d_conv2_1_B
+        del d_conv2_1_sum_to, d_conv2_1_B
         mem.free(77)
-        # X173 = -X172*lr + conv2_1_B
-        X173 = T['conv2_1_B']  # in place: the new conv2_1_B
-        rt.ew(ew8, X173, T['conv2_1_B'], lr, X172)
-        # X174 = conv2d_bwd_filter[kernel=(3,3),pad=1](X168, X9)
-        X174 = mem.tensor(78, (128, 64, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X168, X9, out=X174, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(38945792))
-        # X175 = conv2d_bwd_data[pad=1,size=(112,112)](X168, conv2_1_W)
-        X175 = mem.tensor(79, (64, 64, 112, 112), 'float32')
-        rt.conv2d_bwd_data(X168, T['conv2_1_W'], out=X175, pad=1, size=(112, 112), stride=1, workspace=mem.workspace(39282176))
-        # free X168
-        del X167, X168
+        # conv2_1_B_new = conv2_1_B - lr*V_conv2_1_B_new
+        conv2_1_B_new = T['conv2_1_B']  # in place: the new conv2_1_B
+        rt.ew(ew_mul_sub, conv2_1_B_new, T['conv2_1_B'], lr, V_conv2_1_B_new)
+        # d_conv2_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_1, conv1_2_max_pool)
+        d_conv2_1_W = mem.tensor(78, (128, 64, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv2_1, conv1_2_max_pool, out=d_conv2_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(38945792))
+        # d_conv1_2_max_pool = conv2d_bwd_data[pad=1,size=(112,112)](d_conv2_1, conv2_1_W)
+        d_conv1_2_max_pool = mem.tensor(79, (64, 64, 112, 112), 'float32')
+        rt.conv2d_bwd_data(d_conv2_1, T['conv2_1_W'], out=d_conv1_2_max_pool, pad=1, size=(112, 112), stride=1, workspace=mem.workspace(39282176))
+        # free d_conv2_1_relu, d_conv2_1
+        del d_conv2_1_relu, d_conv2_1
         mem.free(76)
-        # X176 = X175*Heaviside(X9, 0)
-        X176 = X175  # in place: over X175
-        rt.ew(ew10, X176, X175, X9)
-        # free X9
-        del X9
+
+        # ---- conv1_2_relu (relu), backward ----
+        # d_conv1_2 = d_conv1_2_max_pool*Heaviside(conv1_2_max_pool, 0)
+        d_conv1_2 = d_conv1_2_max_pool  # in place: over d_conv1_2_max_pool
+        rt.ew(ew_step_mul_2, d_conv1_2, d_conv1_2_max_pool, conv1_2_max_pool)
+        # free conv1_2_max_pool
+        del conv1_2_max_pool
         mem.free(8)
-        # X177 = V_conv2_1_W*momentum + X174 + conv2_1_W*decay
-        X177 = T['V_conv2_1_W']  # in place: the new V_conv2_1_W
-        rt.ew(ew7, X177, T['V_conv2_1_W'], momentum, X174, decay, T['conv2_1_W'])
-        # free X174
-        del X174
+
+        # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # V_conv2_1_W_new = V_conv2_1_W*momentum + d_conv2_1_W + decay*conv2_1_W
+        V_conv2_1_W_new = T['V_conv2_1_W']  # in place: the new V_conv2_1_W
+        rt.ew(ew_mul_add, V_conv2_1_W_new, T['V_conv2_1_W'], momentum, d_conv2_1_W, decay, T['conv2_1_W'])
+        # free d_conv2_1_W
+        del d_conv2_1_W
         mem.free(78)
-        # X178 = -X177*lr + conv2_1_W
-        X178 = T['conv2_1_W']  # in place: the new conv2_1_W
-        rt.ew(ew8, X178, T['conv2_1_W'], lr, X177)
-        # X179 = matmul[ta](X63, X40)
-        X179 = mem.tensor(80, (4096, 25088), 'float32')
-        rt.matmul(X63, X40, out=X179, ta=True)
-        # free X39, X40, X63
-        del X39, X40, X62, X63
+        # conv2_1_W_new = conv2_1_W - lr*V_conv2_1_W_new
+        conv2_1_W_new = T['conv2_1_W']  # in place: the new conv2_1_W
+        rt.ew(ew_mul_sub, conv2_1_W_new, T['conv2_1_W'], lr, V_conv2_1_W_new)
+
+        # ---- fc6 (fully connected, 4096 outputs), backward ----
+        # d_fc6_W = matmul[ta](d_fc6, conv5_3_flatten)
+        d_fc6_W = mem.tensor(80, (4096, 25088), 'float32')
+        rt.matmul(d_fc6, conv5_3_flatten, out=d_fc6_W, ta=True)
+        # free conv5_3_max_pool, conv5_3_flatten, d_fc6_dropout, d_fc6
+        del conv5_3_max_pool, conv5_3_flatten, d_fc6_dropout, d_fc6
         mem.free(27, 38)
-        # X180 = V_fc6_W*momentum + X179 + decay*fc6_W
-        X180 = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew7, X180, T['V_fc6_W'], momentum, X179, decay, T['fc6_W'])
-        # free X179
-        del X179
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
+        rt.ew(ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # free d_fc6_W
+        del d_fc6_W
         mem.free(80)
-        # X181 = -X180*lr + fc6_W
-        X181 = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew8, X181, T['fc6_W'], lr, X180)
-        # X182 = max_pool_bwd[kernel=2,size=(224,224),stride=2](X176, X8)
-        X182 = mem.tensor(81, (64, 64, 224, 224), 'float32')
-        rt.max_pool_bwd(X176, X8, out=X182, ceil=False, kernel=2, pad=0, size=(224, 224), stride=2, workspace=mem.workspace(25690112))
-        # free X8, X176
-        del X8, X175, X176
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew(ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
+
+        # ---- conv1_2_relu (relu), backward ----
+        # d_conv1_2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(224,224),stride=2](d_conv1_2, conv1_2_max_pool_argmax)
+        d_conv1_2_relu_max_pool_bwd = mem.tensor(81, (64, 64, 224, 224), 'float32')
+        rt.max_pool_bwd(d_conv1_2, conv1_2_max_pool_argmax, out=d_conv1_2_relu_max_pool_bwd, ceil=False, kernel=2, pad=0, size=(224, 224), stride=2, workspace=mem.workspace(25690112))
+        # free conv1_2_max_pool_argmax, d_conv1_2_max_pool, d_conv1_2
+        del conv1_2_max_pool_argmax, d_conv1_2_max_pool, d_conv1_2
         mem.free(7, 79)
-        # X183 = sum_to[1x64x1x1](X182)
-        X183 = mem.tensor(82, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X182, out=X183, shape=(1, 64, 1, 1))
-        # X184 = reshape[64](X183)
-        X184 = rt.reshape(X183, shape=(64,))
-        # X185 = V_conv1_2_B*momentum + X184 + conv1_2_B*decay
-        X185 = T['V_conv1_2_B']  # in place: the new V_conv1_2_B
-        rt.ew(ew7, X185, T['V_conv1_2_B'], momentum, X184, decay, T['conv1_2_B'])
-        # free X183, X184
-        del X183, X184
+
+        # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_conv1_2_sum_to = sum_to[1x64x1x1](d_conv1_2_relu_max_pool_bwd)
+        d_conv1_2_sum_to = mem.tensor(82, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_conv1_2_relu_max_pool_bwd, out=d_conv1_2_sum_to, shape=(1, 64, 1, 1))
+        # d_conv1_2_B = reshape[64](d_conv1_2_sum_to)
+        d_conv1_2_B = rt.reshape(d_conv1_2_sum_to, shape=(64,))
+        # V_conv1_2_B_new = V_conv1_2_B*momentum + d_conv1_2_B + decay*conv1_2_B
+        V_conv1_2_B_new = T['V_conv1_2_B']  # in place: the new V_conv1_2_B
+        rt.ew(ew_mul_add, V_conv1_2_B_new, T['V_conv1_2_B'], momentum, d_conv1_2_B, decay, T['conv1_2_B'])
+        # free d_conv1_2_sum_to, d_conv1_2_B
+        del d_conv1_2_sum_to, d_conv1_2_B
         mem.free(82)
-        # X186 = -X185*lr + conv1_2_B
-        X186 = T['conv1_2_B']  # in place: the new conv1_2_B
-        rt.ew(ew8, X186, T['conv1_2_B'], lr, X185)
-        # X187 = conv2d_bwd_filter[kernel=(3,3),pad=1](X182, X5)
-        X187 = mem.tensor(83, (64, 64, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X182, X5, out=X187, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(141673472))
-        # X188 = V_conv1_2_W*momentum + X187 + conv1_2_W*decay
-        X188 = T['V_conv1_2_W']  # in place: the new V_conv1_2_W
-        rt.ew(ew7, X188, T['V_conv1_2_W'], momentum, X187, decay, T['conv1_2_W'])
-        # free X187
-        del X187
+        # conv1_2_B_new = conv1_2_B - lr*V_conv1_2_B_new
+        conv1_2_B_new = T['conv1_2_B']  # in place: the new conv1_2_B
+        rt.ew(ew_mul_sub, conv1_2_B_new, T['conv1_2_B'], lr, V_conv1_2_B_new)
+        # d_conv1_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1_2_relu_max_pool_bwd, conv1_1_relu)
+        d_conv1_2_W = mem.tensor(83, (64, 64, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv1_2_relu_max_pool_bwd, conv1_1_relu, out=d_conv1_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(141673472))
+        # V_conv1_2_W_new = V_conv1_2_W*momentum + d_conv1_2_W + decay*conv1_2_W
+        V_conv1_2_W_new = T['V_conv1_2_W']  # in place: the new V_conv1_2_W
+        rt.ew(ew_mul_add, V_conv1_2_W_new, T['V_conv1_2_W'], momentum, d_conv1_2_W, decay, T['conv1_2_W'])
+        # free d_conv1_2_W
+        del d_conv1_2_W
         mem.free(83)
-        # X189 = conv2d_bwd_data[pad=1,size=(224,224)](X182, conv1_2_W)
-        X189 = mem.tensor(84, (64, 64, 224, 224), 'float32', over=81)
-        rt.conv2d_bwd_data(X182, T['conv1_2_W'], out=X189, pad=1, size=(224, 224), stride=1, workspace=mem.workspace(155518464))
-        # free X182
-        del X182
+        # d_conv1_1_relu = conv2d_bwd_data[pad=1,size=(224,224)](d_conv1_2_relu_max_pool_bwd, conv1_2_W)
+        d_conv1_1_relu = mem.tensor(84, (64, 64, 224, 224), 'float32', over=81)
+        rt.conv2d_bwd_data(d_conv1_2_relu_max_pool_bwd, T['conv1_2_W'], out=d_conv1_1_relu, pad=1, size=(224, 224), stride=1, workspace=mem.workspace(155518464))
+        # free d_conv1_2_relu_max_pool_bwd
+        del d_conv1_2_relu_max_pool_bwd
         mem.free(81)
-        # X190 = X189*Heaviside(X5, 0)
-        X190 = X189  # in place: over X189
-        rt.ew(ew10, X190, X189, X5)
-        # free X5
-        del X4, X5
+
+        # ---- conv1_1_relu (relu), backward ----
+        # d_conv1_1 = d_conv1_1_relu*Heaviside(conv1_1_relu, 0)
+        d_conv1_1 = d_conv1_1_relu  # in place: over d_conv1_1_relu
+        rt.ew(ew_step_mul_2, d_conv1_1, d_conv1_1_relu, conv1_1_relu)
+        # free conv1_1, conv1_1_relu
+        del conv1_1, conv1_1_relu
         mem.free(5)
-        # X191 = conv2d_bwd_filter[kernel=(3,3),pad=1](X190, x)
-        X191 = mem.tensor(85, (64, 3, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(X190, x, out=X191, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(18883888))
+
+        # ---- conv1_1 (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_conv1_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1_1, x)
+        d_conv1_1_W = mem.tensor(85, (64, 3, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_conv1_1, x, out=d_conv1_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(18883888))
         # free x
         del x
         mem.free(0)
-        # X192 = sum_to[1x64x1x1](X190)
-        X192 = mem.tensor(86, (1, 64, 1, 1), 'float32')
-        rt.sum_to(X190, out=X192, shape=(1, 64, 1, 1))
-        # free X190
-        del X189, X190
+        # d_conv1_1_sum_to = sum_to[1x64x1x1](d_conv1_1)
+        d_conv1_1_sum_to = mem.tensor(86, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_conv1_1, out=d_conv1_1_sum_to, shape=(1, 64, 1, 1))
+        # free d_conv1_1_relu, d_conv1_1
+        del d_conv1_1_relu, d_conv1_1
         mem.free(84)
-        # X193 = V_conv1_1_W*momentum + X191 + conv1_1_W*decay
-        X193 = T['V_conv1_1_W']  # in place: the new V_conv1_1_W
-        rt.ew(ew7, X193, T['V_conv1_1_W'], momentum, X191, decay, T['conv1_1_W'])
-        # free X191
-        del X191
+        # V_conv1_1_W_new = V_conv1_1_W*momentum + d_conv1_1_W + decay*conv1_1_W
+        V_conv1_1_W_new = T['V_conv1_1_W']  # in place: the new V_conv1_1_W
+        rt.ew(ew_mul_add, V_conv1_1_W_new, T['V_conv1_1_W'], momentum, d_conv1_1_W, decay, T['conv1_1_W'])
+        # free d_conv1_1_W
+        del d_conv1_1_W
         mem.free(85)
-        # X194 = -X193*lr + conv1_1_W
-        X194 = T['conv1_1_W']  # in place: the new conv1_1_W
-        rt.ew(ew8, X194, T['conv1_1_W'], lr, X193)
-        # X195 = reshape[64](X192)
-        X195 = rt.reshape(X192, shape=(64,))
-        # X196 = V_conv1_1_B*momentum + X195 + conv1_1_B*decay
-        X196 = T['V_conv1_1_B']  # in place: the new V_conv1_1_B
-        rt.ew(ew7, X196, T['V_conv1_1_B'], momentum, X195, decay, T['conv1_1_B'])
-        # free X192, X195
-        del X192, X195
+        # conv1_1_W_new = conv1_1_W - lr*V_conv1_1_W_new
+        conv1_1_W_new = T['conv1_1_W']  # in place: the new conv1_1_W
+        rt.ew(ew_mul_sub, conv1_1_W_new, T['conv1_1_W'], lr, V_conv1_1_W_new)
+        # d_conv1_1_B = reshape[64](d_conv1_1_sum_to)
+        d_conv1_1_B = rt.reshape(d_conv1_1_sum_to, shape=(64,))
+        # V_conv1_1_B_new = V_conv1_1_B*momentum + d_conv1_1_B + decay*conv1_1_B
+        V_conv1_1_B_new = T['V_conv1_1_B']  # in place: the new V_conv1_1_B
+        rt.ew(ew_mul_add, V_conv1_1_B_new, T['V_conv1_1_B'], momentum, d_conv1_1_B, decay, T['conv1_1_B'])
+        # free d_conv1_1_sum_to, d_conv1_1_B
+        del d_conv1_1_sum_to, d_conv1_1_B
         mem.free(86)
-        # X197 = -X196*lr + conv1_1_B
-        X197 = T['conv1_1_B']  # in place: the new conv1_1_B
-        rt.ew(ew8, X197, T['conv1_1_B'], lr, X196)
-        # X198 = -X188*lr + conv1_2_W
-        X198 = T['conv1_2_W']  # in place: the new conv1_2_W
-        rt.ew(ew8, X198, T['conv1_2_W'], lr, X188)
-        loss = rt.scalar(X53)
+        # conv1_1_B_new = conv1_1_B - lr*V_conv1_1_B_new
+        conv1_1_B_new = T['conv1_1_B']  # in place: the new conv1_1_B
+        rt.ew(ew_mul_sub, conv1_1_B_new, T['conv1_1_B'], lr, V_conv1_1_B_new)
+
+        # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # conv1_2_W_new = conv1_2_W - lr*V_conv1_2_W_new
+        conv1_2_W_new = T['conv1_2_W']  # in place: the new conv1_2_W
+        rt.ew(ew_mul_sub, conv1_2_W_new, T['conv1_2_W'], lr, V_conv1_2_W_new)
+        loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return loss
 
@@ -1078,265 +1143,473 @@ class Vgg16(rp.Model):
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
-        # X1 = conv2d[pad=1](x, conv1_1_W, conv1_1_B)
-        X1 = mem.tensor(2, (64, 64, 224, 224), 'float32')
-        rt.conv2d(x, T['conv1_1_W'], T['conv1_1_B'], out=X1, pad=1, stride=1, workspace=mem.workspace(30159600))
+
+        # ---- conv1_1 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_1 = conv2d[pad=1](x, conv1_1_W, conv1_1_B)
+        conv1_1 = mem.tensor(2, (64, 64, 224, 224), 'float32')
+        rt.conv2d(x, T['conv1_1_W'], T['conv1_1_B'], out=conv1_1, pad=1, stride=1, workspace=mem.workspace(30159600))
         # free x
         del x
         mem.free(0)
-        # X2 = Max(0, X1)
-        X2 = X1  # in place: over X1
-        rt.ew(ew1, X2, X1)
-        # X3 = conv2d[pad=1](X2, conv1_2_W, conv1_2_B)
-        X3 = mem.tensor(3, (64, 64, 224, 224), 'float32')
-        rt.conv2d(X2, T['conv1_2_W'], T['conv1_2_B'], out=X3, pad=1, stride=1, workspace=mem.workspace(128680960))
-        # free X2
-        del X1, X2
+
+        # ---- conv1_1_relu (relu), forward ----
+        # conv1_1_relu = Max(0, conv1_1)
+        conv1_1_relu = conv1_1  # in place: over conv1_1
+        rt.ew(ew_relu, conv1_1_relu, conv1_1)
+
+        # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_2 = conv2d[pad=1](conv1_1_relu, conv1_2_W, conv1_2_B)
+        conv1_2 = mem.tensor(3, (64, 64, 224, 224), 'float32')
+        rt.conv2d(conv1_1_relu, T['conv1_2_W'], T['conv1_2_B'], out=conv1_2, pad=1, stride=1, workspace=mem.workspace(128680960))
+        # free conv1_1, conv1_1_relu
+        del conv1_1, conv1_1_relu
         mem.free(2)
-        # X4 = Max(0, X3)
-        X4 = X3  # in place: over X3
-        rt.ew(ew1, X4, X3)
-        # X5 = max_pool[kernel=2,stride=2](X4)
-        X5 = mem.tensor(4, (64, 64, 112, 112), 'float32')
-        rt.max_pool(X4, out=X5, ceil=False, kernel=2, pad=0, stride=2)
-        # free X4
-        del X3, X4
+
+        # ---- conv1_2_relu (relu), forward ----
+        # conv1_2_relu = Max(0, conv1_2)
+        conv1_2_relu = conv1_2  # in place: over conv1_2
+        rt.ew(ew_relu, conv1_2_relu, conv1_2)
+
+        # ---- conv1_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_2_max_pool = max_pool[kernel=2,stride=2](conv1_2_relu)
+        conv1_2_max_pool = mem.tensor(4, (64, 64, 112, 112), 'float32')
+        rt.max_pool(conv1_2_relu, out=conv1_2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1_2, conv1_2_relu
+        del conv1_2, conv1_2_relu
         mem.free(3)
-        # X6 = conv2d[pad=1](X5, conv2_1_W, conv2_1_B)
-        X6 = mem.tensor(5, (64, 128, 112, 112), 'float32')
-        rt.conv2d(X5, T['conv2_1_W'], T['conv2_1_B'], out=X6, pad=1, stride=1, workspace=mem.workspace(32228352))
-        # free X5
-        del X5
+
+        # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_1 = conv2d[pad=1](conv1_2_max_pool, conv2_1_W, conv2_1_B)
+        conv2_1 = mem.tensor(5, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv1_2_max_pool, T['conv2_1_W'], T['conv2_1_B'], out=conv2_1, pad=1, stride=1, workspace=mem.workspace(32228352))
+        # free conv1_2_max_pool
+        del conv1_2_max_pool
         mem.free(4)
-        # X7 = Max(0, X6)
-        X7 = X6  # in place: over X6
-        rt.ew(ew1, X7, X6)
-        # X8 = conv2d[pad=1](X7, conv2_2_W, conv2_2_B)
-        X8 = mem.tensor(6, (64, 128, 112, 112), 'float32')
-        rt.conv2d(X7, T['conv2_2_W'], T['conv2_2_B'], out=X8, pad=1, stride=1, workspace=mem.workspace(64456704))
-        # free X7
-        del X6, X7
+
+        # ---- conv2_1_relu (relu), forward ----
+        # conv2_1_relu = Max(0, conv2_1)
+        conv2_1_relu = conv2_1  # in place: over conv2_1
+        rt.ew(ew_relu, conv2_1_relu, conv2_1)
+
+        # ---- conv2_2 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_2 = conv2d[pad=1](conv2_1_relu, conv2_2_W, conv2_2_B)
+        conv2_2 = mem.tensor(6, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv2_1_relu, T['conv2_2_W'], T['conv2_2_B'], out=conv2_2, pad=1, stride=1, workspace=mem.workspace(64456704))
+        # free conv2_1, conv2_1_relu
+        del conv2_1, conv2_1_relu
         mem.free(5)
-        # X9 = Max(0, X8)
-        X9 = X8  # in place: over X8
-        rt.ew(ew1, X9, X8)
-        # X10 = max_pool[kernel=2,stride=2](X9)
-        X10 = mem.tensor(7, (64, 128, 56, 56), 'float32')
-        rt.max_pool(X9, out=X10, ceil=False, kernel=2, pad=0, stride=2)
-        # free X9
-        del X8, X9
+
+        # ---- conv2_2_relu (relu), forward ----
+        # conv2_2_relu = Max(0, conv2_2)
+        conv2_2_relu = conv2_2  # in place: over conv2_2
+        rt.ew(ew_relu, conv2_2_relu, conv2_2)
+
+        # ---- conv2_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv2_2_max_pool = max_pool[kernel=2,stride=2](conv2_2_relu)
+        conv2_2_max_pool = mem.tensor(7, (64, 128, 56, 56), 'float32')
+        rt.max_pool(conv2_2_relu, out=conv2_2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv2_2, conv2_2_relu
+        del conv2_2, conv2_2_relu
         mem.free(6)
-        # X11 = conv2d[pad=1](X10, conv3_1_W, conv3_1_B)
-        X11 = mem.tensor(8, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X10, T['conv3_1_W'], T['conv3_1_B'], out=X11, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # free X10
-        del X10
+
+        # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_1 = conv2d[pad=1](conv2_2_max_pool, conv3_1_W, conv3_1_B)
+        conv3_1 = mem.tensor(8, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv2_2_max_pool, T['conv3_1_W'], T['conv3_1_B'], out=conv3_1, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv2_2_max_pool
+        del conv2_2_max_pool
         mem.free(7)
-        # X12 = Max(0, X11)
-        X12 = X11  # in place: over X11
-        rt.ew(ew1, X12, X11)
-        # X13 = conv2d[pad=1](X12, conv3_2_W, conv3_2_B)
-        X13 = mem.tensor(9, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X12, T['conv3_2_W'], T['conv3_2_B'], out=X13, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # free X12
-        del X11, X12
+
+        # ---- conv3_1_relu (relu), forward ----
+        # conv3_1_relu = Max(0, conv3_1)
+        conv3_1_relu = conv3_1  # in place: over conv3_1
+        rt.ew(ew_relu, conv3_1_relu, conv3_1)
+
+        # ---- conv3_2 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_2 = conv2d[pad=1](conv3_1_relu, conv3_2_W, conv3_2_B)
+        conv3_2 = mem.tensor(9, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_1_relu, T['conv3_2_W'], T['conv3_2_B'], out=conv3_2, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv3_1, conv3_1_relu
+        del conv3_1, conv3_1_relu
         mem.free(8)
-        # X14 = Max(0, X13)
-        X14 = X13  # in place: over X13
-        rt.ew(ew1, X14, X13)
-        # X15 = conv2d[pad=1](X14, conv3_3_W, conv3_3_B)
-        X15 = mem.tensor(10, (64, 256, 56, 56), 'float32')
-        rt.conv2d(X14, T['conv3_3_W'], T['conv3_3_B'], out=X15, pad=1, stride=1, workspace=mem.workspace(32346112))
-        # free X14
-        del X13, X14
+
+        # ---- conv3_2_relu (relu), forward ----
+        # conv3_2_relu = Max(0, conv3_2)
+        conv3_2_relu = conv3_2  # in place: over conv3_2
+        rt.ew(ew_relu, conv3_2_relu, conv3_2)
+
+        # ---- conv3_3 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_3 = conv2d[pad=1](conv3_2_relu, conv3_3_W, conv3_3_B)
+        conv3_3 = mem.tensor(10, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_2_relu, T['conv3_3_W'], T['conv3_3_B'], out=conv3_3, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv3_2, conv3_2_relu
+        del conv3_2, conv3_2_relu
         mem.free(9)
-        # X16 = Max(0, X15)
-        X16 = X15  # in place: over X15
-        rt.ew(ew1, X16, X15)
-        # X17 = max_pool[kernel=2,stride=2](X16)
-        X17 = mem.tensor(11, (64, 256, 28, 28), 'float32')
-        rt.max_pool(X16, out=X17, ceil=False, kernel=2, pad=0, stride=2)
-        # free X16
-        del X15, X16
+
+        # ---- conv3_3_relu (relu), forward ----
+        # conv3_3_relu = Max(0, conv3_3)
+        conv3_3_relu = conv3_3  # in place: over conv3_3
+        rt.ew(ew_relu, conv3_3_relu, conv3_3)
+
+        # ---- conv3_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv3_3_max_pool = max_pool[kernel=2,stride=2](conv3_3_relu)
+        conv3_3_max_pool = mem.tensor(11, (64, 256, 28, 28), 'float32')
+        rt.max_pool(conv3_3_relu, out=conv3_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv3_3, conv3_3_relu
+        del conv3_3, conv3_3_relu
         mem.free(10)
-        # X18 = conv2d[pad=1](X17, conv4_1_W, conv4_1_B)
-        X18 = mem.tensor(12, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X17, T['conv4_1_W'], T['conv4_1_B'], out=X18, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # free X17
-        del X17
+
+        # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_1 = conv2d[pad=1](conv3_3_max_pool, conv4_1_W, conv4_1_B)
+        conv4_1 = mem.tensor(12, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv3_3_max_pool, T['conv4_1_W'], T['conv4_1_B'], out=conv4_1, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv3_3_max_pool
+        del conv3_3_max_pool
         mem.free(11)
-        # X19 = Max(0, X18)
-        X19 = X18  # in place: over X18
-        rt.ew(ew1, X19, X18)
-        # X20 = conv2d[pad=1](X19, conv4_2_W, conv4_2_B)
-        X20 = mem.tensor(13, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X19, T['conv4_2_W'], T['conv4_2_B'], out=X20, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # free X19
-        del X18, X19
+
+        # ---- conv4_1_relu (relu), forward ----
+        # conv4_1_relu = Max(0, conv4_1)
+        conv4_1_relu = conv4_1  # in place: over conv4_1
+        rt.ew(ew_relu, conv4_1_relu, conv4_1)
+
+        # ---- conv4_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_2 = conv2d[pad=1](conv4_1_relu, conv4_2_W, conv4_2_B)
+        conv4_2 = mem.tensor(13, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_1_relu, T['conv4_2_W'], T['conv4_2_B'], out=conv4_2, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv4_1, conv4_1_relu
+        del conv4_1, conv4_1_relu
         mem.free(12)
-        # X21 = Max(0, X20)
-        X21 = X20  # in place: over X20
-        rt.ew(ew1, X21, X20)
-        # X22 = conv2d[pad=1](X21, conv4_3_W, conv4_3_B)
-        X22 = mem.tensor(14, (64, 512, 28, 28), 'float32')
-        rt.conv2d(X21, T['conv4_3_W'], T['conv4_3_B'], out=X22, pad=1, stride=1, workspace=mem.workspace(32587776))
-        # free X21
-        del X20, X21
+
+        # ---- conv4_2_relu (relu), forward ----
+        # conv4_2_relu = Max(0, conv4_2)
+        conv4_2_relu = conv4_2  # in place: over conv4_2
+        rt.ew(ew_relu, conv4_2_relu, conv4_2)
+
+        # ---- conv4_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_3 = conv2d[pad=1](conv4_2_relu, conv4_3_W, conv4_3_B)
+        conv4_3 = mem.tensor(14, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_2_relu, T['conv4_3_W'], T['conv4_3_B'], out=conv4_3, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv4_2, conv4_2_relu
+        del conv4_2, conv4_2_relu
         mem.free(13)
-        # X23 = Max(0, X22)
-        X23 = X22  # in place: over X22
-        rt.ew(ew1, X23, X22)
-        # X24 = max_pool[kernel=2,stride=2](X23)
-        X24 = mem.tensor(15, (64, 512, 14, 14), 'float32')
-        rt.max_pool(X23, out=X24, ceil=False, kernel=2, pad=0, stride=2)
-        # free X23
-        del X22, X23
+
+        # ---- conv4_3_relu (relu), forward ----
+        # conv4_3_relu = Max(0, conv4_3)
+        conv4_3_relu = conv4_3  # in place: over conv4_3
+        rt.ew(ew_relu, conv4_3_relu, conv4_3)
+
+        # ---- conv4_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv4_3_max_pool = max_pool[kernel=2,stride=2](conv4_3_relu)
+        conv4_3_max_pool = mem.tensor(15, (64, 512, 14, 14), 'float32')
+        rt.max_pool(conv4_3_relu, out=conv4_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv4_3, conv4_3_relu
+        del conv4_3, conv4_3_relu
         mem.free(14)
-        # X25 = conv2d[pad=1](X24, conv5_1_W, conv5_1_B)
-        X25 = mem.tensor(16, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X24, T['conv5_1_W'], T['conv5_1_B'], out=X25, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # free X24
-        del X24
+
+        # ---- conv5_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_1 = conv2d[pad=1](conv4_3_max_pool, conv5_1_W, conv5_1_B)
+        conv5_1 = mem.tensor(16, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv4_3_max_pool, T['conv5_1_W'], T['conv5_1_B'], out=conv5_1, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv4_3_max_pool
+        del conv4_3_max_pool
         mem.free(15)
-        # X26 = Max(0, X25)
-        X26 = X25  # in place: over X25
-        rt.ew(ew1, X26, X25)
-        # X27 = conv2d[pad=1](X26, conv5_2_W, conv5_2_B)
-        X27 = mem.tensor(17, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X26, T['conv5_2_W'], T['conv5_2_B'], out=X27, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # free X26
-        del X25, X26
+
+        # ---- conv5_1_relu (relu), forward ----
+        # conv5_1_relu = Max(0, conv5_1)
+        conv5_1_relu = conv5_1  # in place: over conv5_1
+        rt.ew(ew_relu, conv5_1_relu, conv5_1)
+
+        # ---- conv5_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_2 = conv2d[pad=1](conv5_1_relu, conv5_2_W, conv5_2_B)
+        conv5_2 = mem.tensor(17, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_1_relu, T['conv5_2_W'], T['conv5_2_B'], out=conv5_2, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv5_1, conv5_1_relu
+        del conv5_1, conv5_1_relu
         mem.free(16)
-        # X28 = Max(0, X27)
-        X28 = X27  # in place: over X27
-        rt.ew(ew1, X28, X27)
-        # X29 = conv2d[pad=1](X28, conv5_3_W, conv5_3_B)
-        X29 = mem.tensor(18, (64, 512, 14, 14), 'float32')
-        rt.conv2d(X28, T['conv5_3_W'], T['conv5_3_B'], out=X29, pad=1, stride=1, workspace=mem.workspace(33095680))
-        # free X28
-        del X27, X28
+
+        # ---- conv5_2_relu (relu), forward ----
+        # conv5_2_relu = Max(0, conv5_2)
+        conv5_2_relu = conv5_2  # in place: over conv5_2
+        rt.ew(ew_relu, conv5_2_relu, conv5_2)
+
+        # ---- conv5_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_3 = conv2d[pad=1](conv5_2_relu, conv5_3_W, conv5_3_B)
+        conv5_3 = mem.tensor(18, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_2_relu, T['conv5_3_W'], T['conv5_3_B'], out=conv5_3, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv5_2, conv5_2_relu
+        del conv5_2, conv5_2_relu
         mem.free(17)
-        # X30 = Max(0, X29)
-        X30 = X29  # in place: over X29
-        rt.ew(ew1, X30, X29)
-        # X31 = max_pool[kernel=2,stride=2](X30)
-        X31 = mem.tensor(19, (64, 512, 7, 7), 'float32')
-        rt.max_pool(X30, out=X31, ceil=False, kernel=2, pad=0, stride=2)
-        # free X30
-        del X29, X30
+
+        # ---- conv5_3_relu (relu), forward ----
+        # conv5_3_relu = Max(0, conv5_3)
+        conv5_3_relu = conv5_3  # in place: over conv5_3
+        rt.ew(ew_relu, conv5_3_relu, conv5_3)
+
+        # ---- conv5_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv5_3_max_pool = max_pool[kernel=2,stride=2](conv5_3_relu)
+        conv5_3_max_pool = mem.tensor(19, (64, 512, 7, 7), 'float32')
+        rt.max_pool(conv5_3_relu, out=conv5_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv5_3, conv5_3_relu
+        del conv5_3, conv5_3_relu
         mem.free(18)
-        # X32 = reshape[64x25088](X31)
-        X32 = rt.reshape(X31, shape=(64, 25088))
-        # X33 = matmul[tb](X32, fc6_W)
-        X33 = mem.tensor(20, (64, 4096), 'float32')
-        rt.matmul(X32, T['fc6_W'], out=X33, tb=True)
-        # free X31, X32
-        del X31, X32
+
+        # ---- conv5_3_flatten (flatten), forward ----
+        # conv5_3_flatten = reshape[64x25088](conv5_3_max_pool)
+        conv5_3_flatten = rt.reshape(conv5_3_max_pool, shape=(64, 25088))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_3_flatten, fc6_W)
+        fc6_matmul = mem.tensor(20, (64, 4096), 'float32')
+        rt.matmul(conv5_3_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+        # free conv5_3_max_pool, conv5_3_flatten
+        del conv5_3_max_pool, conv5_3_flatten
         mem.free(19)
-        # X34 = Max(0, X33 + fc6_B)
-        X34 = X33  # in place: over X33
-        rt.ew(ew2, X34, X33, T['fc6_B'])
-        # X35 = matmul[tb](X34, fc7_W)
-        X35 = mem.tensor(21, (64, 4096), 'float32')
-        rt.matmul(X34, T['fc7_W'], out=X35, tb=True)
-        # free X34
-        del X33, X34
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_relu, fc7_W)
+        fc7_matmul = mem.tensor(21, (64, 4096), 'float32')
+        rt.matmul(fc6_relu, T['fc7_W'], out=fc7_matmul, tb=True)
+        # free fc6_matmul, fc6_relu
+        del fc6_matmul, fc6_relu
         mem.free(20)
-        # X36 = Max(0, X35 + fc7_B)
-        X36 = X35  # in place: over X35
-        rt.ew(ew2, X36, X35, T['fc7_B'])
-        # X37 = matmul[tb](X36, fc8_W)
-        X37 = mem.tensor(22, (64, 1000), 'float32')
-        rt.matmul(X36, T['fc8_W'], out=X37, tb=True)
-        # free X36
-        del X35, X36
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
+        fc8_matmul = mem.tensor(22, (64, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # free fc7_matmul, fc7_relu
+        del fc7_matmul, fc7_relu
         mem.free(21)
-        # X38 = X37 + fc8_B
-        X38 = X37  # in place: over X37
-        rt.ew(ew4, X38, X37, T['fc8_B'])
-        # X39 = precision(X38, y)
-        X39 = mem.tensor(23, (), 'float32')
-        rt.precision(X38, y, out=X39)
-        # X40 = log_softmax(X38)
-        X40 = X38  # in place: over X38
-        rt.log_softmax(X38, out=X40, workspace=mem.workspace(256000))
-        # X41 = pick(X40, y)
-        X41 = mem.tensor(24, (64,), 'float32')
-        rt.pick(X40, y, out=X41)
-        # free y, X40
-        del y, X37, X38, X40
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_precision (precision), forward ----
+        # fc8_precision = precision(fc8, y)
+        fc8_precision = mem.tensor(23, (), 'float32')
+        rt.precision(fc8, y, out=fc8_precision)
+
+        # ---- fc8_cross_entropy (cross_entropy), forward ----
+        # fc8_cross_entropy_log_softmax = log_softmax(fc8)
+        fc8_cross_entropy_log_softmax = fc8  # in place: over fc8
+        rt.log_softmax(fc8, out=fc8_cross_entropy_log_softmax, workspace=mem.workspace(256000))
+        # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
+        fc8_cross_entropy_pick = mem.tensor(24, (64,), 'float32')
+        rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
+        # free y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        del y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         mem.free(1, 22)
-        # X42 = sum_to[scalar](X41)
-        X42 = mem.tensor(25, (), 'float32')
-        rt.sum_to(X41, out=X42, shape=())
-        # free X41
-        del X41
+        # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
+        fc8_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
+        rt.sum_to(fc8_cross_entropy_pick, out=fc8_cross_entropy_sum_to, shape=())
+        # free fc8_cross_entropy_pick
+        del fc8_cross_entropy_pick
         mem.free(24)
-        # X43 = -X42/64
-        X43 = X42  # in place: over X42
-        rt.ew(ew6, X43, X42)
-        accuracy = rt.scalar(X39)
-        loss = rt.scalar(X43)
+        # fc8_cross_entropy = -fc8_cross_entropy_sum_to/64
+        fc8_cross_entropy = fc8_cross_entropy_sum_to  # in place: over fc8_cross_entropy_sum_to
+        rt.ew(ew_scale, fc8_cross_entropy, fc8_cross_entropy_sum_to)
+        accuracy = rt.scalar(fc8_precision)
+        loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return accuracy, loss
 
+    # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
+    # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
+    memory_plans = {
+        "setup": rp.StepPlan(
+            arena_bytes=256, peak_bytes=256, workspace_bytes=0, pool_bytes=256,
+            buffers=(
+                (0, 256),  # 0: const 64 float32
+            )),
+        "train_step": rp.StepPlan(
+            arena_bytes=2549743616, peak_bytes=2465988864, workspace_bytes=155518464, pool_bytes=2653284608, pool_peak_bytes=2550792448,
+            buffers=(
+                (2466250752, 38535168),  # 0: x 64x3x224x224 float32
+                (2030043136, 256),  # 1: y 64 int32
+                (2037547008, 256000),  # 2: d_fc8_cross_entropy_log_softmax 64x1000 float32
+                (2029780992, 262144),  # 3: fc7_dropout_mask 64x4096 uint8
+                (2029518848, 262144),  # 4: fc6_dropout_mask 64x4096 uint8
+                (822083584, 822083584),  # 5: conv1_1 64x64x224x224 float32
+                (0, 822083584),  # 6: conv1_2 64x64x224x224 float32
+                (2363490304, 51380224),  # 7: conv1_2_max_pool_argmax 64x64x112x112 uint8
+                (2055208960, 205520896),  # 8: conv1_2_max_pool 64x64x112x112 float32
+                (411041792, 411041792),  # 9: conv2_1 64x128x112x112 float32
+                (0, 411041792),  # 10: conv2_2 64x128x112x112 float32
+                (2504785920, 25690112),  # 11: conv2_2_max_pool_argmax 64x128x56x56 uint8
+                (1849688064, 102760448),  # 12: conv2_2_max_pool 64x128x56x56 float32
+                (205520896, 205520896),  # 13: conv3_1 64x256x56x56 float32
+                (0, 205520896),  # 14: conv3_2 64x256x56x56 float32
+                (1644167168, 205520896),  # 15: conv3_3 64x256x56x56 float32
+                (2530476032, 12845056),  # 16: conv3_3_max_pool_argmax 64x256x28x28 uint8
+                (2414870528, 51380224),  # 17: conv3_3_max_pool 64x256x28x28 float32
+                (1746927616, 102760448),  # 18: conv4_1 64x512x28x28 float32
+                (1644167168, 102760448),  # 19: conv4_2 64x512x28x28 float32
+                (2260729856, 102760448),  # 20: conv4_3 64x512x28x28 float32
+                (2543321088, 6422528),  # 21: conv4_3_max_pool_argmax 64x512x14x14 uint8
+                (2260729856, 25690112),  # 22: conv4_3_max_pool 64x512x14x14 float32
+                (1952448512, 25690112),  # 23: conv5_1 64x512x14x14 float32
+                (1978138624, 25690112),  # 24: conv5_2 64x512x14x14 float32
+                (2003828736, 25690112),  # 25: conv5_3 64x512x14x14 float32
+                (2035941376, 1605632),  # 26: conv5_3_max_pool_argmax 64x512x7x7 uint8
+                (2286419968, 6422528),  # 27: conv5_3_max_pool 64x512x7x7 float32
+                (2003828736, 1048576),  # 28: fc6_matmul 64x4096 float32
+                (2045247488, 1048576),  # 29: fc6_dropout 64x4096 float32
+                (2004877312, 1048576),  # 30: fc7_matmul 64x4096 float32
+                (2020212736, 1048576),  # 31: fc7_dropout 64x4096 float32
+                (2005925888, 256000),  # 32: fc8_matmul 64x1000 float32
+                (2006181888, 256),  # 33: fc8_cross_entropy_pick 64 float32
+                (2293891072, 4),  # 34: fc8_cross_entropy_sum_to scalar float32
+                (2005925888, 4000),  # 35: d_fc8_B 1000 float32
+                (2046296064, 1048576),  # 36: d_fc7_dropout 64x4096 float32
+                (2004877312, 16384),  # 37: d_fc7_B 4096 float32
+                (2292842496, 1048576),  # 38: d_fc6_dropout 64x4096 float32
+                (2003828736, 16384),  # 39: d_fc6_B 4096 float32
+                (2029518848, 6422528),  # 40: d_conv5_3_flatten 64x25088 float32
+                (2003828736, 16384000),  # 41: d_fc8_W 1000x4096 float32
+                (2003828736, 25690112),  # 42: d_conv5_3_relu_max_pool_bwd 64x512x14x14 float32
+                (2029518848, 2048),  # 43: d_conv5_3_sum_to 1x512x1x1 float32
+                (2029518848, 9437184),  # 44: d_conv5_3_W 512x512x3x3 float32
+                (2003828736, 25690112),  # 45: d_conv5_2_relu 64x512x14x14 float32
+                (1978138624, 2048),  # 46: d_conv5_2_sum_to 1x512x1x1 float32
+                (1978138624, 9437184),  # 47: d_conv5_2_W 512x512x3x3 float32
+                (1978138624, 25690112),  # 48: d_conv5_1_relu 64x512x14x14 float32
+                (1952448512, 2048),  # 49: d_conv5_1_sum_to 1x512x1x1 float32
+                (1952448512, 9437184),  # 50: d_conv5_1_W 512x512x3x3 float32
+                (1952448512, 25690112),  # 51: d_conv4_3_max_pool 64x512x14x14 float32
+                (1978138624, 67108864),  # 52: d_fc7_W 4096x4096 float32
+                (1952448512, 102760448),  # 53: d_conv4_3_relu_max_pool_bwd 64x512x28x28 float32
+                (2260729856, 2048),  # 54: d_conv4_3_sum_to 1x512x1x1 float32
+                (2260729856, 9437184),  # 55: d_conv4_3_W 512x512x3x3 float32
+                (1952448512, 102760448),  # 56: d_conv4_2_relu 64x512x28x28 float32
+                (1644167168, 2048),  # 57: d_conv4_2_sum_to 1x512x1x1 float32
+                (1644167168, 9437184),  # 58: d_conv4_2_W 512x512x3x3 float32
+                (1644167168, 102760448),  # 59: d_conv4_1_relu 64x512x28x28 float32
+                (1746927616, 2048),  # 60: d_conv4_1_sum_to 1x512x1x1 float32
+                (1746927616, 4718592),  # 61: d_conv4_1_W 512x256x3x3 float32
+                (1952448512, 51380224),  # 62: d_conv3_3_max_pool 64x256x28x28 float32
+                (1644167168, 205520896),  # 63: d_conv3_3_relu_max_pool_bwd 64x256x56x56 float32
+                (1952448512, 1024),  # 64: d_conv3_3_sum_to 1x256x1x1 float32
+                (1952448512, 2359296),  # 65: d_conv3_3_W 256x256x3x3 float32
+                (1644167168, 205520896),  # 66: d_conv3_2_relu 64x256x56x56 float32
+                (0, 1024),  # 67: d_conv3_2_sum_to 1x256x1x1 float32
+                (0, 2359296),  # 68: d_conv3_2_W 256x256x3x3 float32
+                (0, 205520896),  # 69: d_conv3_1_relu 64x256x56x56 float32
+                (205520896, 1024),  # 70: d_conv3_1_sum_to 1x256x1x1 float32
+                (308281344, 1179648),  # 71: d_conv3_1_W 256x128x3x3 float32
+                (205520896, 102760448),  # 72: d_conv2_2_max_pool 64x128x56x56 float32
+                (1644167168, 411041792),  # 73: d_conv2_2_relu_max_pool_bwd 64x128x112x112 float32
+                (0, 512),  # 74: d_conv2_2_sum_to 1x128x1x1 float32
+                (0, 589824),  # 75: d_conv2_2_W 128x128x3x3 float32
+                (0, 411041792),  # 76: d_conv2_1_relu 64x128x112x112 float32
+                (411041792, 512),  # 77: d_conv2_1_sum_to 1x128x1x1 float32
+                (411041792, 294912),  # 78: d_conv2_1_W 128x64x3x3 float32
+                (1644167168, 205520896),  # 79: d_conv1_2_max_pool 64x64x112x112 float32
+                (0, 411041792),  # 80: d_fc6_W 4096x25088 float32
+                (0, 822083584),  # 81: d_conv1_2_relu_max_pool_bwd 64x64x224x224 float32
+                (1644167168, 256),  # 82: d_conv1_2_sum_to 1x64x1x1 float32
+                (1644167168, 147456),  # 83: d_conv1_2_W 64x64x3x3 float32
+                (0, 822083584),  # 84: d_conv1_1_relu 64x64x224x224 float32
+                (822083584, 6912),  # 85: d_conv1_1_W 64x3x3x3 float32
+                (822090496, 256),  # 86: d_conv1_1_sum_to 1x64x1x1 float32
+            )),
+        "test_step": rp.StepPlan(
+            arena_bytes=1644167424, peak_bytes=1644167424, workspace_bytes=128680960, pool_bytes=1682702592,
+            buffers=(
+                (822083584, 38535168),  # 0: x 64x3x224x224 float32
+                (1644167168, 256),  # 1: y 64 int32
+                (0, 822083584),  # 2: conv1_1 64x64x224x224 float32
+                (822083584, 822083584),  # 3: conv1_2 64x64x224x224 float32
+                (411041792, 205520896),  # 4: conv1_2_max_pool 64x64x112x112 float32
+                (0, 411041792),  # 5: conv2_1 64x128x112x112 float32
+                (411041792, 411041792),  # 6: conv2_2 64x128x112x112 float32
+                (205520896, 102760448),  # 7: conv2_2_max_pool 64x128x56x56 float32
+                (0, 205520896),  # 8: conv3_1 64x256x56x56 float32
+                (205520896, 205520896),  # 9: conv3_2 64x256x56x56 float32
+                (0, 205520896),  # 10: conv3_3 64x256x56x56 float32
+                (205520896, 51380224),  # 11: conv3_3_max_pool 64x256x28x28 float32
+                (0, 102760448),  # 12: conv4_1 64x512x28x28 float32
+                (102760448, 102760448),  # 13: conv4_2 64x512x28x28 float32
+                (0, 102760448),  # 14: conv4_3 64x512x28x28 float32
+                (102760448, 25690112),  # 15: conv4_3_max_pool 64x512x14x14 float32
+                (0, 25690112),  # 16: conv5_1 64x512x14x14 float32
+                (25690112, 25690112),  # 17: conv5_2 64x512x14x14 float32
+                (0, 25690112),  # 18: conv5_3 64x512x14x14 float32
+                (25690112, 6422528),  # 19: conv5_3_max_pool 64x512x7x7 float32
+                (0, 1048576),  # 20: fc6_matmul 64x4096 float32
+                (1048576, 1048576),  # 21: fc7_matmul 64x4096 float32
+                (0, 256000),  # 22: fc8_matmul 64x1000 float32
+                (256000, 4),  # 23: fc8_precision scalar float32
+                (256256, 256),  # 24: fc8_cross_entropy_pick 64 float32
+                (0, 4),  # 25: fc8_cross_entropy_sum_to scalar float32
+            )),
+    }
 
 # ------------------------------------------------------------------------------------------------------------------
 # elementwise kernels: fused expressions of the steps, as numpy ufunc calls writing into `out`
 
 
-def ew1(out, v0):
+def ew_relu(out, v0):
     """out = Max(0, v0)   (out may be v0)"""
     np.maximum(v0, 0, out=out)
 
 
-def ew2(out, v0, v1):
+def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
 
 
-def ew3(out, v0, v1):
+def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew4(out, v0, v1):
+def ew_add(out, v0, v1):
     """out = v0 + v1   (out may be v0)"""
     np.add(v0, v1, out=out)
 
 
-def ew5(out, v0, v1):
+def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.015625*exp(v1)   (out may be v0)"""
     np.add(v0, np.exp(v1) * 0.015625, out=out)
 
 
-def ew6(out, v0):
+def ew_scale(out, v0):
     """out = -v0/64   (out may be v0)"""
     np.multiply(v0, -0.015625, out=out)
 
 
-def ew7(out, v0, v1, v2, v3, v4):
+def ew_mul_add(out, v0, v1, v2, v3, v4):
     """out = v0*v1 + v2 + v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.add(out, v3 * v4, out=out)
     np.add(out, v2, out=out)
 
 
-def ew8(out, v0, v1, v2):
+def ew_mul_sub(out, v0, v1, v2):
     """out = v0 - v1*v2   (out may be v0)"""
     np.subtract(v0, v1 * v2, out=out)
 
 
-def ew9(out, v0, v1, v2):
+def ew_step_mul(out, v0, v1, v2):
     """out = 2.0*v0*v1*Heaviside(v2, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v2, 0), out=out)
     np.multiply(out, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
-def ew10(out, v0, v1):
+def ew_step_mul_2(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
     np.multiply(v0, np.greater(v1, 0), out=out)
 

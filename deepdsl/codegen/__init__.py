@@ -54,8 +54,9 @@ class CodegenOptions:
 
 
 def structure_hash(compiled) -> str:
-    """Identifies the compiled training step (statements, shapes, inputs): checkpoints carry it."""
-    return hashlib.sha256(compiled.train.text().encode()).hexdigest()[:16]
+    """Identifies the compiled training step (statements, shapes, inputs; not how its values are named):
+    checkpoints carry it."""
+    return hashlib.sha256(compiled.train.text(positional=True).encode()).hexdigest()[:16]
 
 
 def render(template: str, **values) -> str:

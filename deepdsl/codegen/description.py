@@ -181,7 +181,9 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     n_classes = _classes(compiled)
     optimizer = solver.optimizer
     hyper = ("lr", "momentum", "decay") if optimizer == "sgd" else ("lr", "bias1", "bias2", "decay")
-    kernels = steps.Kernels()
+    # kernels are module-level functions the steps call: no value of a step may hide one
+    kernels = steps.Kernels(taken={name for program in (compiled.setup, compiled.train, compiled.test)
+                                   for name in program.names().values()})
     data_name, label_name = steps.identifier(data.name), steps.identifier(label.name)
     setup = steps.build_setup(compiled.setup, plans["setup"], kernels)
     bad = [n.name for n in compiled.setup.inputs if n.name in ("bias1", "bias2")]

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from deepdsl import provenance
 from deepdsl.codegen import lowering, ufuncs
 from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops import get_op
+from deepdsl.ops.elementwise import operation_word
 from deepdsl.ssa import Free, Let, Program, format_expr
 from deepdsl.storage import is_batch_input
 
@@ -39,10 +41,12 @@ class GenerateError(DeepDSLError):
 
 @dataclass(frozen=True)
 class Block:
-    """One statement's code: the IR statement as a comment, then its lines."""
+    """One statement's code: the IR statement as a comment, then its lines; `banner`: the title of the section
+    (a layer and direction) the statement opens, if it opens one."""
 
     comment: str
     lines: tuple[str, ...]
+    banner: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,19 +84,44 @@ class Kernel:
 
 @dataclass
 class Kernels:
-    """Collects the elementwise kernels of one generated program while its steps are built, numbered in order of
-    first use (one kernel per expression, arity and alias)."""
+    """Collects the elementwise kernels of one generated program while its steps are built, in order of first use
+    (one kernel per expression, arity and alias), each named after what it computes (`ew_add_relu`) and distinct
+    from `taken` (the values' names of every step) and from the kernels before it."""
 
+    taken: set[str] = field(default_factory=set)
     items: list[Kernel] = field(default_factory=list)
     _by_key: dict[tuple, str] = field(default_factory=dict)
 
     def get(self, expr: sympy.Expr, nargs: int, alias: int | None) -> str:
         key = (sympy.srepr(expr), nargs, alias)
         if key not in self._by_key:
-            name = f"ew{len(self.items) + 1}"
+            base = kernel_name(expr)
+            name, k = base, 1
+            while name in self.taken:
+                k += 1
+                name = f"{base}_{k}"
+            self.taken.add(name)
             self.items.append(Kernel(name, expr, nargs, alias, tuple(ufuncs.kernel_body(expr, alias))))
             self._by_key[key] = name
         return self._by_key[key]
+
+
+def kernel_name(expr: sympy.Expr, most: int = 4) -> str:
+    """`ew_` and the operations of `expr` in the order they apply, each once (at most `most` of them):
+    Max(0, v0 + v1) is `ew_add_relu`, v0*Heaviside(v1, 0) `ew_step_mul`, -v0/500 `ew_scale`, v0 - v1*v2
+    `ew_mul_sub`."""
+    words: list[str] = []
+
+    def visit(e: sympy.Expr, parent: sympy.Expr | None = None) -> None:
+        for a in e.args:
+            visit(a, e)
+        if isinstance(parent, sympy.Add) and isinstance(e, sympy.Mul) and e.args[0] == -1 and len(e.args) == 2:
+            return          # a negated term: the sum is a difference (`sub`)
+        word = operation_word(e)
+        if word and word not in words:
+            words.append(word)
+    visit(expr)
+    return "_".join(["ew"] + (words[:most] or ["copy"]))
 
 
 def identifier(name: str) -> str:
@@ -151,23 +180,36 @@ class StepBuilder:
         return lines
 
     def blocks(self) -> tuple[Block, ...]:
+        """The statements' blocks; the first statement of each layer and direction opens a section (`banner`)."""
         result = []
         body, steps = self.program.body, self.plan.steps
         deferred = {id(i.computes_also) for i in body if isinstance(i, Let) and i.computes_also is not None}
+        section = None
         for k, (instr, step) in enumerate(zip(body, steps)):
             if isinstance(instr, Let):
                 if id(instr.node) in deferred:
-                    result.append(self.let(instr.node, step, call=False))
+                    block = self.let(instr.node, step, call=False)
                 elif instr.computes_also is not None:
-                    result.append(self.let(instr.node, step, pair=(instr.computes_also, steps[k - 1])))
+                    block = self.let(instr.node, step, pair=(instr.computes_also, steps[k - 1]))
                 else:
-                    result.append(self.let(instr.node, step))
+                    block = self.let(instr.node, step)
+                found = provenance.origin(instr.node, self.program.origins)
+                here = found.section if found is not None else None
+                if here != section:
+                    section = here
+                    title = f"{here[0]} ({found.what}), {here[1]}" if found is not None else "values of no layer"
+                    block = Block(block.comment, block.lines, f"---- {title} ----")
+                result.append(block)
             elif isinstance(instr, Free) and step.releases:
+                # the step's names of the released buffers: the freed values and the values they were computed
+                # over in place (or that are views of them)
                 names = [self.py[id(v)] for k in step.releases for v in self.plan.buffers[k].values
                          if id(v) in self.py and not self.py[id(v)].startswith("T[")]
+                buffers = ", ".join(str(k) for k in step.releases)
                 lines = [f"del {', '.join(names)}"] if names else []
-                lines.append(f"mem.free({', '.join(str(k) for k in step.releases)})")
-                result.append(Block("free " + ", ".join(self.ir_names[id(n)] for n in instr.nodes), tuple(lines)))
+                lines.append(f"mem.free({buffers})")
+                what = ", ".join(names) if names else f"buffer{'s' if len(step.releases) > 1 else ''} {buffers}"
+                result.append(Block(f"free {what}", tuple(lines)))
         return tuple(result)
 
     def let(self, node: Node, step, call: bool = True, pair=None) -> Block:

@@ -295,3 +295,24 @@ class Reshape(Op):
 
     def describe(self, node):
         return f"reshape[{dims(node.attr('shape'))}]"
+
+
+def operation_word(e: sympy.Expr) -> str | None:
+    """One word for the operation at the top of `e` (None for symbols and numbers): `relu`, `scale`, `sub`,
+    `rsqrt`, ... (kernel and value names of generated programs)."""
+    if e.is_Atom:
+        return None
+    if isinstance(e, sympy.Max):
+        return "relu" if any(a == 0 for a in e.args) else "max"
+    if isinstance(e, sympy.Mul):
+        if e.args[0] == -1 and len(e.args) == 2:
+            return "neg"
+        return "scale" if sum(1 for a in e.args if not a.is_Number) == 1 else "mul"
+    if isinstance(e, sympy.Pow):
+        exponent = e.args[1]
+        return {2: "square", sympy.Rational(1, 2): "sqrt", -1: "recip", sympy.Rational(-1, 2): "rsqrt"}.get(
+            exponent, "pow")
+    if isinstance(e, sympy.Add):
+        return "sub" if any(a.could_extract_minus_sign() for a in e.args) else "add"
+    name = type(e).__name__
+    return {"Min": "min", "Heaviside": "step", "Abs": "abs"}.get(name, name.lower())

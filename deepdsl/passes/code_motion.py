@@ -14,6 +14,7 @@ from typing import Sequence
 
 from deepdsl.ir import Graph, Node, make, toposort
 from deepdsl.ops import get_op
+from deepdsl.provenance import inherit
 from deepdsl.ssa import Let, Program
 
 _VARIANT_ROLES = {"data", "label", "rng"}
@@ -65,7 +66,7 @@ def hoist_invariants(name: str, graphs: Sequence[Graph]) -> tuple[Graph, list[Gr
         if id(node) in hoisted:
             memo[id(node)] = hoisted[id(node)]
         elif node.inputs:
-            memo[id(node)] = make(node.op, [memo[id(i)] for i in node.inputs], **node.kwargs)
+            memo[id(node)] = inherit(make(node.op, [memo[id(i)] for i in node.inputs], **node.kwargs), node)
         else:
             memo[id(node)] = node
     result = [Graph(g.name, tuple((k, memo[id(v)]) for k, v in g.outputs)) for g in graphs]
@@ -152,4 +153,4 @@ def sink(program: Program) -> Program:
         else:
             stack.append((v, True))
             stack.extend((c, False) for c in reversed(children[v]))
-    return Program(program.name, program.inputs, tuple(lets[k] for k in order), program.outputs)
+    return program.rewritten(tuple(lets[k] for k in order))

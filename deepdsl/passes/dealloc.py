@@ -25,4 +25,4 @@ def insert_frees(program: Program) -> Program:
         body.append(instr)
         if k in dying:
             body.append(Free(tuple(m for info in dying[k] for m in info.live_members())))
-    return Program(program.name, program.inputs, tuple(body), program.outputs)
+    return program.rewritten(tuple(body))

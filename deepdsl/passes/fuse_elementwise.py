@@ -22,6 +22,7 @@ import functools
 import sympy
 
 from deepdsl.ir import Graph, Node, make, rebuild, toposort
+from deepdsl.provenance import inherit
 from deepdsl.ops.elementwise import elementwise, sym
 
 MAX_INPUTS = 8
@@ -49,7 +50,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
         fusable = [old.op == "ew" and new.op == "ew" and id(old) not in outputs
                    and readers[id(old)] == {id(node)} and (new.shape == node.shape or new.shape == ())
                    for old, new in zip(node.inputs, inputs)]
-        memo[id(node)] = _fuse(node, inputs, fusable)
+        memo[id(node)] = inherit(_fuse(node, inputs, fusable), node)
     return Graph(graph.name, tuple((k, memo[id(v)]) for k, v in graph.outputs))
 
 

@@ -89,7 +89,7 @@ def _updates_in_place(program: Program) -> Program:
         for c in pending:
             if c[0] == k:
                 new_body.append(Let(c[1], into=c[2]))
-    return Program(program.name, program.inputs, tuple(new_body), tuple(outputs))
+    return program.rewritten(tuple(new_body), tuple(outputs))
 
 
 def _copy_outputs_of_old_values(program: Program) -> Program:
@@ -115,7 +115,7 @@ def _copy_outputs_of_old_values(program: Program) -> Program:
         body.append(instr)
         if id(instr.node) in copies:
             body.append(Let(copies[id(instr.node)]))
-    return Program(program.name, program.inputs, tuple(body), tuple(outputs))
+    return program.rewritten(tuple(body), tuple(outputs))
 
 
 def _other_reads_before(k: int, members: list[Node], body, storage) -> bool:
@@ -151,7 +151,7 @@ def _activations_in_place(program: Program) -> Program:
         host = target if target is not None else (node.inputs[0] if is_view(node) else None)
         join(node, root[id(host)] if host is not None and id(host) in root else node)
         result.append(Let(node, into=target))
-    return Program(program.name, program.inputs, tuple(result), program.outputs)
+    return program.rewritten(tuple(result))
 
 
 def _dying_input(node: Node, k: int, root, last_read, pinned) -> Node | None:

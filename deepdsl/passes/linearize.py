@@ -7,6 +7,7 @@ Guarantees: every non-leaf node reachable from an output is defined exactly once
 """
 from __future__ import annotations
 
+from deepdsl import provenance
 from deepdsl.ir import Graph, Node
 from deepdsl.ssa import Let, Program
 
@@ -22,4 +23,5 @@ def linearize(graph: Graph) -> Program:
         return (role.get(n.attr("role") if n.op == "input" else n.op, 6), n.name)
 
     body = [Let(n) for n in order if not n.is_leaf or (n.op == "const" and n.shape != ())]
-    return Program(graph.name, tuple(sorted(inputs, key=key)), tuple(body), graph.outputs)
+    return Program(graph.name, tuple(sorted(inputs, key=key)), tuple(body), graph.outputs,
+                   origins=provenance.table())

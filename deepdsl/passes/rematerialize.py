@@ -203,4 +203,4 @@ def _insert_copies(program: Program, nodes: list[Node], chosen: dict[int, int],
             subst[id(node)] = new
         body.append(Let(new))
     outputs = tuple((name, subst.get(id(v), v)) for name, v in program.outputs)
-    return Program(program.name, program.inputs, tuple(body), outputs)
+    return program.rewritten(tuple(body), outputs)

@@ -138,7 +138,7 @@ def schedule_for_memory(program: Program, priorities: tuple[str, ...] = PRIORITI
     if simulated_peak(graph, given) < best[0]:      # never worse than the order it was given
         return program
     order = _views_at_first_use(graph, best[1])
-    return Program(program.name, program.inputs, tuple(Let(graph.nodes[k]) for k in order), program.outputs)
+    return program.rewritten(tuple(Let(graph.nodes[k]) for k in order))
 
 
 __all__ = ["schedule_for_memory"]

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import sympy
 
-from deepdsl.ir import Graph, Node
-from deepdsl.ir import make
+from deepdsl import provenance
+from deepdsl.ir import Graph, Node, make
 from deepdsl.ops.elementwise import elementwise, reshape, sum_to, sym
 
 
@@ -27,6 +27,7 @@ def specialize(graph: Graph, mode: str) -> Graph:
                 return node.inputs[0]
             keep = 1.0 - node.attr("ratio")
             mask = make("bernoulli", (), shape=node.shape, keep=keep, key=node.attr("key"))
+            provenance.record_parts(node, {"mask": mask})
             return elementwise(sym(0) * sym(1) / sympy.Float(keep), [node.inputs[0], mask])
         if node.op == "batch_norm":
             return _batch_norm(node, mode, updates)
@@ -46,14 +47,24 @@ def _batch_norm(node: Node, mode: str, updates: dict[str, Node]) -> Node:
     f = _batch_norm_exprs(node.attr("eps"), node.attr("momentum"), count)
     if mode == "test":
         mean, var = reshape(running_mean, bshape), reshape(running_var, bshape)
+        provenance.record_parts(node, {"weight": w, "bias": b, "running_mean": mean, "running_var": var})
         return elementwise(f.test, [x, mean, var, w, b])
-    mean = elementwise(f.mean, [sum_to(x, bshape)])
+    total = sum_to(x, bshape)
+    mean = elementwise(f.mean, [total])
     centered = elementwise(f.centered, [x, mean])
-    var = elementwise(f.mean, [sum_to(elementwise(f.square, [centered]), bshape)])
+    square = elementwise(f.square, [centered])
+    squares = sum_to(square, bshape)
+    var = elementwise(f.mean, [squares])
     inv_std = elementwise(f.inv_std, [var])
     y = elementwise(f.normalized, [centered, inv_std, w, b])
-    updates[running_mean.name] = elementwise(f.running_mean, [running_mean, reshape(mean, (c,))])
-    updates[running_var.name] = elementwise(f.running_var, [running_var, reshape(var, (c,))])
+    batch_mean, batch_var = reshape(mean, (c,)), reshape(var, (c,))
+    updates[running_mean.name] = elementwise(f.running_mean, [running_mean, batch_mean])
+    updates[running_var.name] = elementwise(f.running_var, [running_var, batch_var])
+    provenance.record_parts(node, {
+        "weight": w, "bias": b, "sum": total, "batch_mean": mean, "centered": centered, "square": square,
+        "sum_of_squares": squares, "batch_var": var, "inv_std": inv_std, "batch_mean_flat": batch_mean,
+        "batch_var_flat": batch_var,
+        "running_mean": updates[running_mean.name], "running_var": updates[running_var.name]})
     return y
 
 
