@@ -49,7 +49,6 @@ _NAME = re.compile(r"[A-Za-z0-9_]+")
 # must not be Python keywords nor the names those functions give their other arguments, locals and kernels
 _STEP_NAMES = frozenset({"self", "step", "lr", "momentum", "decay", "bias1", "bias2", "rt", "mem", "T", "loss",
                          "accuracy"})
-_STEP_NAME_PATTERN = re.compile(r"(X|ew)[0-9]+")
 
 
 def _reject(what: str, message: str) -> NoReturn:
@@ -67,7 +66,7 @@ def _input_name(kind: str, name: Any) -> str:
     what = f"{kind} '{_name(f'D.{kind}', name)}'"
     if keyword.iskeyword(name):
         _reject(what, f"name '{name}' is a Python keyword; choose another")
-    if name in _STEP_NAMES or _STEP_NAME_PATTERN.fullmatch(name):
+    if name in _STEP_NAMES:
         _reject(what, f"name '{name}' is taken by the generated step functions; choose another")
     return what
 
