@@ -200,15 +200,11 @@ def record_backward(node: "Node", g: "Node", cotangents: Iterable[tuple["Node", 
 def _independent(made: list["Node"], cotangent: "Node") -> set["Node"]:
     """Those of `made` (the new nodes of one VJP rule) that do not read the `cotangent` it was given, even
     indirectly: values computed from forward values only."""
-    made_set = set(made)
-    dependent: dict = {}
-
-    def reads(n: "Node") -> bool:
-        if n not in dependent:
-            dependent[n] = False
-            dependent[n] = any(i is cotangent or (i in made_set and reads(i)) for i in n.inputs)
-        return dependent[n]
-    return {n for n in made if not reads(n)}
+    dependent: set = set()
+    for n in sorted(made, key=lambda m: m.serial):       # a node is made after its inputs
+        if any(i is cotangent or i in dependent for i in n.inputs):
+            dependent.add(n)
+    return set(made) - dependent
 
 
 def record_sum(total: "Node", of: "Node") -> None:
