@@ -314,13 +314,9 @@ def test_conv_samples():
 
 @pytest.fixture(scope="module")
 def emulator():
-    from deepdsl_runtime.cuda import ops as cuda_ops
     from tests.support.cuda_emulator import HostDevice
 
-    device = HostDevice()
-    cuda_ops.use_device(device)
-    yield device
-    cuda_ops.use_device(None)
+    return HostDevice()
 
 
 @needs_cxx
@@ -330,8 +326,32 @@ def test_ops_on_the_emulator_match_the_cpu_backend(case, order, emulator):
     from deepdsl_runtime.cuda import ops as cuda_ops
 
     emulator.set_order(order, seed=17)
-    for label, got, expected, tolerance in case(cuda_ops, np.random.default_rng(4)):
+    for label, got, expected, tolerance in case(cuda_ops.on(emulator), np.random.default_rng(4)):
         cuda_cases.compare(cuda_ops, label, got, expected, tolerance)
+
+
+@needs_cxx
+def test_ops_run_on_the_device_of_their_arrays():
+    """No current device: two devices side by side, each op runs on its output's device, interleaved."""
+    from deepdsl_runtime import cpu
+    from deepdsl_runtime.cuda import ops as cuda_ops
+    from tests.support.cuda_emulator import HostDevice
+
+    assert not hasattr(cuda_ops, "use_device") and not hasattr(cuda_ops, "current_device")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    want = np.empty((2, 4, 5, 5), np.float32)
+    cpu.conv2d(x, w, out=want, stride=1, pad=0)
+    devices = [HostDevice(), HostDevice()]
+    backends = [cuda_ops.on(d) for d in devices]
+    outs = [g.zeros(want.shape, "float32") for g in backends]
+    inputs = [(g.asarray(x), g.asarray(w)) for g in backends]
+    assert [o.device for o in outs] == devices and inputs[1][0].reshape(-1).device is devices[1]
+    for k in (1, 0):
+        backends[k].conv2d(*inputs[k], out=outs[k], stride=1, pad=0)
+    for out in outs:
+        np.testing.assert_allclose(cuda_ops.to_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_cxx
@@ -352,7 +372,7 @@ def test_the_emulator_catches_a_racy_launch(emulator):
         config = L.launch_1d(ref.size)
         emulator.launch("deepdsl_max_pool_range", "I" * 8 + "PPII", config.grid, config.block,
                         (9 * 3, 8, 8, 4, 4, 2, 2, 0, ptr, ptr, 0, ref.size))
-        out = cuda_ops.DeviceArray(ptr, ref.shape, np.float32, owner)
+        out = cuda_ops.DeviceArray(ptr, ref.shape, np.float32, owner, emulator)
         outcomes.append(np.array_equal(cuda_ops.to_numpy(out), ref))
     assert outcomes[0] and not all(outcomes)
 
@@ -382,8 +402,8 @@ def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator):
                 args[1] = (rng.random(out_shape) < 0.5).astype(np.uint8)
             want = np.empty(out_shape, np.float32)
             kernel(want, *[a.astype(np.float32) if isinstance(a, np.ndarray) else a for a in args])
-            device_args = [cuda_ops.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-            out = cuda_ops.zeros(out_shape, "float32")
+            device_args = [cuda_ops.asarray(a, device=emulator) if isinstance(a, np.ndarray) else a for a in args]
+            out = cuda_ops.zeros(out_shape, "float32", device=emulator)
             cuda_ops.ew(kernel, out, *device_args)
             cuda_cases.compare(cuda_ops, f"{name} trial {trial}", out, want, 1e-5)
             full = [k for k, s in enumerate(shapes) if s == out_shape and args[k].dtype == np.float32]
@@ -453,7 +473,7 @@ def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, e
 
     compiled, module, path = _program(name, image, 2, tmp_path_factory)
     bound = []
-    backend = types.SimpleNamespace(**{n: getattr(cuda_ops, n) for n in cuda_ops.__all__}, bind_program=bound.append)
+    backend = types.SimpleNamespace(**vars(cuda_ops.on(emulator)), bind_program=bound.append)
     cpu_backend = runtime_program.backend
     monkeypatch.setattr(runtime_program, "backend", lambda device: backend if device == "cuda" else cpu_backend(device))
     emulator.add_program(module.__name__, path.with_suffix(".cu").read_text())

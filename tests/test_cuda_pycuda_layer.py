@@ -29,8 +29,6 @@ import pytest
 
 import deepdsl_runtime
 from deepdsl_runtime.cuda import driver as cuda_device
-from deepdsl_runtime.cuda import arrays as cuda_arrays
-from deepdsl_runtime.cuda import ops as cuda_ops
 from deepdsl_runtime.cuda.layout import kernel_sources_digest
 from deepdsl_runtime.gemm import CpuDevice, TiledGemm
 from deepdsl_runtime.memory import MODES
@@ -53,9 +51,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda_device, "_driver", None)
     monkeypatch.delitem(sys.modules, "deepdsl_runtime.cuda", raising=False)
     monkeypatch.delattr(deepdsl_runtime, "cuda", raising=False)
-    previous = list(cuda_arrays._active)
     yield machine
-    cuda_ops.use_device(previous[0] if previous else None)
     # the backend this test imported on the fake goes with it (monkeypatch restores only what was there before)
     sys.modules.pop("deepdsl_runtime.cuda", None)
     if hasattr(deepdsl_runtime, "cuda"):

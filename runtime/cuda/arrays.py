@@ -1,5 +1,7 @@
-"""Device arrays of the CUDA backend over an abstract device: the `Device` the ops need, the device they run on
-(`use_device`), `DeviceArray`, host <-> device copies and kernel launches."""
+"""Device arrays of the CUDA backend over an abstract device: the `Device` the ops need, `DeviceArray` (which
+knows its device: an op runs on the device of its output), host <-> device copies and kernel launches. There is
+no current device: arrays are made on a device given by name (`asarray(..., device=)`, `zeros(..., device=)`, an
+allocator's), and everything else follows from them."""
 from __future__ import annotations
 
 import builtins
@@ -40,22 +42,6 @@ class Device(Protocol):
         """Device to host, after all work issued so far."""
 
 
-_active: list[Device] = []
-
-
-def use_device(device: Device | None) -> None:
-    """Make `device` the one the ops run on (None: back to the default)."""
-    _active.clear()
-    if device is not None:
-        _active.append(device)
-
-
-def current_device() -> Device:
-    if not _active:
-        raise RuntimeError("no CUDA device is in use (deepdsl_runtime.cuda.start())")
-    return _active[0]
-
-
 class _Address:
     """`array.ctypes.data` for a device array: its address (what the allocators' placement checks read)."""
 
@@ -66,17 +52,18 @@ class _Address:
 
 
 class DeviceArray:
-    """A C-contiguous tensor in device memory: address, shape, dtype, and the allocation it lives in (`owner`, kept
-    alive by every view). Supports the slice of numpy the allocators use: 1-D `[start:stop]`, `view(dtype)`,
-    `reshape`, `size`, `nbytes`, `ctypes.data`."""
+    """A C-contiguous tensor in device memory: address, shape, dtype, the `device` it is on and the allocation it
+    lives in (`owner`, kept alive by every view). Supports the slice of numpy the allocators use: 1-D
+    `[start:stop]`, `view(dtype)`, `reshape`, `size`, `nbytes`, `ctypes.data`."""
 
-    __slots__ = ("ptr", "shape", "dtype", "owner")
+    __slots__ = ("ptr", "shape", "dtype", "owner", "device")
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None):
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None, device: Device | None = None):
         self.ptr = int(ptr)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.owner = owner
+        self.device = device
 
     @property
     def size(self) -> int:
@@ -105,20 +92,20 @@ class DeviceArray:
             shape = tuple(self.size // known if d == -1 else d for d in shape)
         if math.prod(shape) != self.size:
             raise ValueError(f"cannot reshape a device array of {self.size} elements to {shape}")
-        return DeviceArray(self.ptr, shape, self.dtype, self.owner)
+        return DeviceArray(self.ptr, shape, self.dtype, self.owner, self.device)
 
     def view(self, dtype) -> "DeviceArray":
         dtype = np.dtype(dtype)
         if self.ndim != 1 or self.nbytes % dtype.itemsize:
             raise ValueError(f"cannot view {self.nbytes} bytes of shape {self.shape} as {dtype}")
-        return DeviceArray(self.ptr, (self.nbytes // dtype.itemsize,), dtype, self.owner)
+        return DeviceArray(self.ptr, (self.nbytes // dtype.itemsize,), dtype, self.owner, self.device)
 
     def __getitem__(self, key) -> "DeviceArray":
         if self.ndim != 1 or not isinstance(key, builtins.slice) or key.step not in (None, 1):
             raise TypeError("device arrays support only 1-D [start:stop] slices")
         start, stop, _ = key.indices(self.size)
         stop = max(start, stop)
-        return DeviceArray(self.ptr + start * self.itemsize, (stop - start,), self.dtype, self.owner)
+        return DeviceArray(self.ptr + start * self.itemsize, (stop - start,), self.dtype, self.owner, self.device)
 
     def get(self) -> np.ndarray:
         return to_numpy(self)
@@ -131,12 +118,15 @@ class DevicePool:
     """The runtime's first-fit `PoolAllocator` over one chunk of device memory, handing out `DeviceArray` views the
     way `HostPool` hands out numpy views (BLASX §IV-E): allocating and freeing are bookkeeping only, never a driver
     call. The chunk comes from `alloc(nbytes) -> (address, owner)` (a `Device`'s, or a `CudaContext`'s) and lives
-    while the pool or a view of it does; `release()` gives it back at once through `free(owner)`, when given."""
+    while the pool or a view of it does; `release()` gives it back at once through `free(owner)`, when given. Its
+    arrays are on `device` (the `Device` the ops run them on, when they do)."""
 
-    def __init__(self, capacity: int, alloc, alignment: int = DEFAULT_ALIGNMENT, free=None):
+    def __init__(self, capacity: int, alloc, alignment: int = DEFAULT_ALIGNMENT, free=None,
+                 device: Device | None = None):
         self.allocator = PoolAllocator(capacity, alignment)
         self.base, self._chunk = alloc(max(self.allocator.capacity, alignment))
         self._release = free
+        self.device = device
 
     @property
     def capacity(self) -> int:
@@ -151,7 +141,7 @@ class DevicePool:
         return self.view(self.allocator.alloc(math.prod(shape) * dtype.itemsize), shape, dtype)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype) -> DeviceArray:
-        return DeviceArray(self.base + offset, shape, dtype, self._chunk)
+        return DeviceArray(self.base + offset, shape, dtype, self._chunk, self.device)
 
     def free(self, array_or_offset) -> None:
         """Free an array `empty` made, or the allocation at an offset."""
@@ -166,13 +156,14 @@ class DevicePool:
             self._chunk = None
 
 
-def device_array(nbytes: int, shape, dtype) -> DeviceArray:
-    ptr, owner = current_device().alloc(max(nbytes, 1))
-    return DeviceArray(ptr, shape, dtype, owner)
+def device_array(device: Device, nbytes: int, shape, dtype) -> DeviceArray:
+    """A new allocation of `nbytes` on `device`, as an array of `shape` and `dtype`."""
+    ptr, owner = device.alloc(max(nbytes, 1))
+    return DeviceArray(ptr, shape, dtype, owner, device)
 
 
-def raw_bytes(nbytes: int) -> DeviceArray:
-    return device_array(nbytes, (nbytes,), np.uint8)
+def raw_bytes(device: Device, nbytes: int) -> DeviceArray:
+    return device_array(device, nbytes, (nbytes,), np.uint8)
 
 
 def require(array, what: str) -> DeviceArray:
@@ -186,12 +177,12 @@ def overlaps(a: DeviceArray, b: DeviceArray) -> bool:
     return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
-def asarray(array: np.ndarray, dtype=None) -> DeviceArray:
-    """A device array holding a copy of a host array (its own allocation: parameters, state)."""
+def asarray(array: np.ndarray, dtype=None, *, device: Device) -> DeviceArray:
+    """A device array on `device` holding a copy of a host array (its own allocation: parameters, state)."""
     host = np.ascontiguousarray(array, dtype=dtype or np.asarray(array).dtype)
-    out = device_array(host.nbytes, host.shape, host.dtype)
+    out = device_array(device, host.nbytes, host.shape, host.dtype)
     if host.nbytes:
-        current_device().upload(out.ptr, host)
+        device.upload(out.ptr, host)
     return out
 
 
@@ -200,13 +191,13 @@ def to_numpy(buffer) -> np.ndarray:
         return np.array(buffer, copy=True)
     host = np.empty(buffer.shape, dtype=buffer.dtype)
     if host.nbytes:
-        current_device().download(host, buffer.ptr)
+        buffer.device.download(host, buffer.ptr)
     return host
 
 
-def zeros(shape: tuple[int, ...], dtype: str) -> DeviceArray:
+def zeros(shape: tuple[int, ...], dtype: str, *, device: Device) -> DeviceArray:
     dtype = np.dtype(dtype)
-    out = device_array(math.prod(shape) * dtype.itemsize, shape, dtype)
+    out = device_array(device, math.prod(shape) * dtype.itemsize, shape, dtype)
     fill(out, 0)
     return out
 
@@ -218,9 +209,10 @@ def scalar(buffer) -> float:
     return float(buffer)
 
 
-def launch_items(kernel: str, fmt: str, items: int, *args, program=None) -> None:
+def launch_items(device: Device, kernel: str, fmt: str, items: int, *args, program=None) -> None:
+    """Run `kernel` on `device` over `items` work items (one thread each, `layout.launch_1d`)."""
     config = L.launch_1d(items)
-    current_device().launch(kernel, fmt, config.grid, config.block, args, program)
+    device.launch(kernel, fmt, config.grid, config.block, args, program)
 
 
 def fill(out: DeviceArray, value: float) -> None:
@@ -228,18 +220,19 @@ def fill(out: DeviceArray, value: float) -> None:
         return
     if out.itemsize == 4:
         bits = int(np.array(value, dtype=out.dtype).view(np.uint32))
-        launch_items("deepdsl_fill_u32", "IPI", out.size, out.size, out.ptr, bits)
+        launch_items(out.device, "deepdsl_fill_u32", "IPI", out.size, out.size, out.ptr, bits)
     elif out.itemsize == 1:
-        launch_items("deepdsl_fill_u8", "IPI", out.size, out.size, out.ptr, int(value))
+        launch_items(out.device, "deepdsl_fill_u8", "IPI", out.size, out.size, out.ptr, int(value))
     else:
         raise TypeError(f"cannot fill a device array of {out.dtype}")
 
 
-def copy2d(rows: int, cols: int, src: int, src_pitch: int, dst: int, dst_pitch: int, itemsize: int) -> None:
-    """rows x cols elements from src (row pitch in elements) to dst."""
+def copy2d(device: Device, rows: int, cols: int, src: int, src_pitch: int, dst: int, dst_pitch: int,
+           itemsize: int) -> None:
+    """rows x cols elements from src (row pitch in elements) to dst, on `device`."""
     if rows * cols == 0:
         return
     kernel = {4: "deepdsl_copy2d_u32", 1: "deepdsl_copy2d_u8"}.get(itemsize)
     if kernel is None:
         raise TypeError(f"no copy kernel for {itemsize}-byte elements")
-    launch_items(kernel, "IIPIPI", rows * cols, rows, cols, src, src_pitch, dst, dst_pitch)
+    launch_items(device, kernel, "IIPIPI", rows * cols, rows, cols, src, src_pitch, dst, dst_pitch)

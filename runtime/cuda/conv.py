@@ -5,13 +5,13 @@ import numpy as np
 
 from deepdsl_runtime import contract
 from deepdsl_runtime.cuda import layout as L
-from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, device_array, launch_items, overlaps
+from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, launch_items, overlaps
 
 
 def matmul(a, b, *, out, ta=False, tb=False):
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
-    current_device().gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
+    out.device.gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
 
 
 def _conv_geom(c, h, w, kh, kw, ho, wo, stride, pad) -> tuple[int, ...]:
@@ -25,22 +25,22 @@ def _floats(workspace) -> int | None:
     return None if workspace is None else workspace.nbytes // 4
 
 
-def _scratch(workspace, floats: int) -> DeviceArray:
-    """The first `floats` float32 of the workspace (or a temporary when none was given, as on the CPU)."""
+def _scratch(device, workspace, floats: int) -> DeviceArray:
+    """The first `floats` float32 of the workspace (or a temporary on `device` when none was given, as on the
+    CPU)."""
     if workspace is None:
-        return device_array(floats * 4, (floats,), np.float32)
+        return device_array(device, floats * 4, (floats,), np.float32)
     return workspace.view(np.float32)[:floats] if workspace.dtype != np.float32 else workspace[:floats]
 
 
-def over_input(what: str, samples: int, in_floats: int, out_floats: int, in_ptr: int, out_ptr: int, workspace,
-               run) -> None:
+def over_input(device, what: str, samples: int, in_floats: int, out_floats: int, in_ptr: int, out_ptr: int,
+               workspace, run) -> None:
     """Run a per-sample op whose output starts where its input starts (the memory plan's takeover) in the CPU
     backend's safe chunk order (`layout.safe_sample_chunks`): `run(first, count, source_ptr, target_ptr)`
     computes samples [first, first + count) with both pointers at sample `first`, on memory that no unread sample
     shares. A sample with no safe chunk goes through one sample of staging at the end of the workspace, which the
     plan adds for that: the output lands there first when the op shrinks, the input is copied there first when it
-    grows."""
-    device = current_device()
+    grows. The copies run on `device`."""
     staged = min(in_floats, out_floats)
     floats = _floats(workspace) or 0
     if floats < staged:
@@ -58,10 +58,10 @@ def over_input(what: str, samples: int, in_floats: int, out_floats: int, in_ptr:
             run(s, 1, stage.ptr, target)
 
 
-def _im2col(x_ptr: int, geom, samples: int, sample_stride: int, row_stride: int, cols_ptr: int) -> None:
+def _im2col(device, x_ptr: int, geom, samples: int, sample_stride: int, row_stride: int, cols_ptr: int) -> None:
     c, _, _, kh, kw, ho, wo, _, _ = geom
     count = samples * c * kh * kw * ho * wo
-    launch_items("deepdsl_im2col", "I" + _CONV + "IIPP", count, count, *geom, sample_stride, row_stride, x_ptr,
+    launch_items(device, "deepdsl_im2col", "I" + _CONV + "IIPP", count, count, *geom, sample_stride, row_stride, x_ptr,
                  cols_ptr)
 
 
@@ -72,20 +72,20 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
     hw, ckk = ho * wo, c * kh * kw
-    device = current_device()
+    device = out.device
     if contract.pointwise_conv(kh, kw, stride, pad):
         device.gemm_batched(False, False, o, hw, c, w.ptr, c, 0, x.ptr, hw, c * hw, out.ptr, hw, o * hw, n)
     else:
         geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
         step = L.conv_samples(n, _floats(workspace), ckk * hw)
-        cols = _scratch(workspace, step * ckk * hw)
+        cols = _scratch(device, workspace, step * ckk * hw)
         for s in range(0, n, step):
             m = min(n, s + step) - s
-            _im2col(x.ptr + s * c * h * wd * 4, geom, m, ckk * hw, hw, cols.ptr)
+            _im2col(device, x.ptr + s * c * h * wd * 4, geom, m, ckk * hw, hw, cols.ptr)
             device.gemm_batched(False, False, o, hw, ckk, w.ptr, ckk, 0, cols.ptr, hw, ckk * hw,
                                 out.ptr + s * o * hw * 4, hw, o * hw, m)
     if b is not None:
-        launch_items("deepdsl_add_bias", "IIIPP", out.size, out.size, o, hw, b.ptr, out.ptr)
+        launch_items(device, "deepdsl_add_bias", "IIIPP", out.size, out.size, o, hw, b.ptr, out.ptr)
 
 
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
@@ -100,7 +100,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     _, c, kh, kw = w.shape
     h, wd = size
     hw, ckk = ho * wo, c * kh * kw
-    device = current_device()
+    device = out.device
     overlap = overlaps(out, g)
     if overlap and out.ptr != g.ptr:
         raise ValueError("conv2d_bwd_data: an output overlapping its input must start where the input starts")
@@ -109,13 +109,13 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
             device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
             return
         per_in, per_out = o * hw, c * hw
-        over_input("conv2d_bwd_data", n, per_in, per_out, g.ptr, out.ptr, workspace,
+        over_input(device, "conv2d_bwd_data", n, per_in, per_out, g.ptr, out.ptr, workspace,
                    lambda s, count, source, target: device.gemm_batched(
                        True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, count))
         return
     geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
     step = L.conv_samples(n, _floats(workspace), ckk * hw)
-    dcols = _scratch(workspace, step * ckk * hw)
+    dcols = _scratch(device, workspace, step * ckk * hw)
     starts = range(0, n, step)
     if overlap and c * h * wd > o * hw:
         starts = reversed(starts)                   # a growing gradient: the last samples first
@@ -124,7 +124,8 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
         device.gemm_batched(True, False, ckk, hw, o, w.ptr, ckk, 0, g.ptr + s * o * hw * 4, hw, o * hw, dcols.ptr,
                             hw, ckk * hw, m)
         count = m * c * h * wd
-        launch_items("deepdsl_col2im", "I" + _CONV + "PP", count, count, *geom, dcols.ptr, out.ptr + s * c * h * wd * 4)
+        launch_items(device, "deepdsl_col2im", "I" + _CONV + "PP", count, count, *geom, dcols.ptr,
+                     out.ptr + s * c * h * wd * 4)
 
 
 def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
@@ -135,16 +136,16 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     hw, ckk = ho * wo, c * kh * kw
-    device = current_device()
+    device = out.device
     geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
     step = L.conv_samples(n, _floats(workspace), (ckk + o) * hw)
-    scratch = _scratch(workspace, step * (ckk + o) * hw)
+    scratch = _scratch(device, workspace, step * (ckk + o) * hw)
     for s in range(0, n, step):
         m = min(n, s + step) - s
         cols = scratch.ptr
         regrouped = scratch.ptr + m * ckk * hw * 4
-        _im2col(x.ptr + s * c * h * wd * 4, geom, m, hw, m * hw, cols)
+        _im2col(device, x.ptr + s * c * h * wd * 4, geom, m, hw, m * hw, cols)
         count = m * o * hw
-        launch_items("deepdsl_swap01", "IIIPP", count, m, o, hw, g.ptr + s * o * hw * 4, regrouped)
+        launch_items(device, "deepdsl_swap01", "IIIPP", count, m, o, hw, g.ptr + s * o * hw * 4, regrouped)
         device.gemm(False, True, o, ckk, m * hw, 1.0, regrouped, m * hw, cols, m * hw, 0.0 if s == 0 else 1.0,
                     out.ptr, ckk)

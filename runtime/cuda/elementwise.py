@@ -6,7 +6,7 @@ import numpy as np
 
 from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.layout import EW_F32, EW_U8, EW_VALUE
-from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, fill, launch_items, require
+from deepdsl_runtime.cuda.arrays import DeviceArray, fill, launch_items, require
 
 
 _EW_ARG = "PfiIIII"
@@ -55,8 +55,8 @@ def ew(kernel, out: DeviceArray, *args) -> None:
     name = kernel if isinstance(kernel, str) else kernel.__name__
     d = layout.dims
     config = L.launch_1d(layout.size)
-    current_device().launch(L.ew_entry(name, layout.nd), "IIIIP" + _EW_ARG * len(args), config.grid, config.block,
-                            (layout.size, d[1], d[2], d[3], out.ptr, *_ew_args(layout, args)), kernel)
+    out.device.launch(L.ew_entry(name, layout.nd), "IIIIP" + _EW_ARG * len(args), config.grid, config.block,
+                      (layout.size, d[1], d[2], d[3], out.ptr, *_ew_args(layout, args)), kernel)
 
 
 def broadcast_to(x, *, out, shape):
@@ -65,15 +65,15 @@ def broadcast_to(x, *, out, shape):
         raise TypeError(f"broadcast_to of dtype {out.dtype}")
     layout = _layout(out, (x,))
     d = layout.dims
-    launch_items(f"deepdsl_broadcast_{layout.nd}", "IIIIP" + _EW_ARG, layout.size, layout.size, d[1], d[2], d[3],
-                 out.ptr, *_ew_args(layout, (x,)))
+    launch_items(out.device, f"deepdsl_broadcast_{layout.nd}", "IIIIP" + _EW_ARG, layout.size, layout.size, d[1],
+                 d[2], d[3], out.ptr, *_ew_args(layout, (x,)))
 
 
 def sum_to(x, *, out, shape):
     """Sum x down to `shape` (the inverse of broadcasting): a column sum, a middle-axis sum or the generic one."""
     require(x, "sum_to input")
     plan = L.sum_plan(x.shape, tuple(shape))
-    device = current_device()
+    device = out.device
     if plan.kind == "copy":
         copy(x, out=out)
     elif plan.kind == "rows":
@@ -82,8 +82,8 @@ def sum_to(x, *, out, shape):
         device.launch("deepdsl_sum_middle", "IIIPP", (plan.b, 1), (L.THREADS, 1, 1),
                       (plan.a, plan.b, plan.c, x.ptr, out.ptr))
     else:
-        launch_items("deepdsl_sum_generic", "IIIIIIIPP", out.size, out.size, *plan.dims, plan.reduced, plan.count,
-                     x.ptr, out.ptr)
+        launch_items(device, "deepdsl_sum_generic", "IIIIIIIPP", out.size, out.size, *plan.dims, plan.reduced,
+                     plan.count, x.ptr, out.ptr)
 
 
 def reshape(x, *, shape):
@@ -95,7 +95,7 @@ def copy(src, *, out):
     if src.nbytes != out.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into {out.nbytes}")
     if out.nbytes and src.ptr != out.ptr:
-        current_device().copy(out.ptr, src.ptr, out.nbytes)
+        out.device.copy(out.ptr, src.ptr, out.nbytes)
 
 
 def const(*, out, value, shape=()):

@@ -4,34 +4,35 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl_runtime.cuda import layout as L
-from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, launch_items
+from deepdsl_runtime.cuda.arrays import DeviceArray, launch_items
 
 
 def softmax(x, *, out):
     rows, classes = x.shape
-    launch_items("deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 0)
+    launch_items(out.device, "deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 0)
 
 
 def log_softmax(x, *, out, workspace=None):
     rows, classes = x.shape
-    launch_items("deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 1)
+    launch_items(out.device, "deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 1)
 
 
 def pick(x, labels, *, out):
     """out[i] = x[i, labels[i]] (NaN for a label out of range)."""
     rows, classes = x.shape
-    launch_items("deepdsl_pick", "IIPPP", rows, rows, classes, x.ptr, _labels(labels).ptr, out.ptr)
+    launch_items(out.device, "deepdsl_pick", "IIPPP", rows, rows, classes, x.ptr, _labels(labels).ptr, out.ptr)
 
 
 def unpick(g, labels, *, out, classes):
-    launch_items("deepdsl_unpick", "IIPPP", out.size, out.size, classes, g.ptr, _labels(labels).ptr, out.ptr)
+    launch_items(out.device, "deepdsl_unpick", "IIPPP", out.size, out.size, classes, g.ptr, _labels(labels).ptr,
+                 out.ptr)
 
 
 def precision(x, labels, *, out):
     """Fraction of rows whose first largest score is at the label."""
     rows, classes = x.shape
-    current_device().launch("deepdsl_precision", "IIPPP", (1, 1), (L.THREADS, 1, 1),
-                            (rows, classes, x.ptr, _labels(labels).ptr, out.ptr))
+    out.device.launch("deepdsl_precision", "IIPPP", (1, 1), (L.THREADS, 1, 1),
+                      (rows, classes, x.ptr, _labels(labels).ptr, out.ptr))
 
 
 def _labels(labels) -> DeviceArray:

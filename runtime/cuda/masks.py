@@ -19,5 +19,5 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     bytes."""
     n = out.size
     groups = -(-n // 8)
-    launch_items("deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed), contract.counter_key(step, key),
-                 np.float32(keep), out.ptr)
+    launch_items(out.device, "deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed),
+                 contract.counter_key(step, key), np.float32(keep), out.ptr)

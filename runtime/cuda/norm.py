@@ -20,12 +20,12 @@ def _lrn_columns(x: DeviceArray, size: int) -> tuple[int, int, int]:
 def lrn(x, *, out, size, alpha, beta, k, workspace=None):
     columns, channels, spatial = _lrn_columns(x, size)
     f = np.float32
-    launch_items("deepdsl_lrn", "IIIifffPP", columns, columns, channels, spatial, size, f(alpha / size), f(k), f(-beta),
-                 x.ptr, out.ptr)
+    launch_items(out.device, "deepdsl_lrn", "IIIifffPP", columns, columns, channels, spatial, size, f(alpha / size),
+                 f(k), f(-beta), x.ptr, out.ptr)
 
 
 def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None):
     columns, channels, spatial = _lrn_columns(x, size)
     f = np.float32
-    launch_items("deepdsl_lrn_bwd", "IIIifffffPPP", columns, columns, channels, spatial, size, f(alpha / size), f(k),
-                 f(-beta), f(-beta - 1), f(2 * alpha * beta / size), g.ptr, x.ptr, out.ptr)
+    launch_items(out.device, "deepdsl_lrn_bwd", "IIIifffffPPP", columns, columns, channels, spatial, size,
+                 f(alpha / size), f(k), f(-beta), f(-beta - 1), f(2 * alpha * beta / size), g.ptr, x.ptr, out.ptr)

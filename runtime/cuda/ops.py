@@ -14,15 +14,19 @@ gradient is a batched GEMM then col2im gathering per input element (no atomics: 
 more scratch per sample than the CPU kernels, so the workspace the plan gives is enough, often for larger chunks.
 
 Modules, by op family: `arrays` (the device, `DeviceArray`, copies, launches), `elementwise`, `shape`, `conv`
-(matrix products and convolution), `pool` (pooling), `norm`, `loss`, `masks` (dropout), `allocators`; this
-module's namespace is the backend without a device (the host emulator's), `deepdsl_runtime.cuda` the one with it.
+(matrix products and convolution), `pool` (pooling), `norm`, `loss`, `masks` (dropout), `allocators`. An op runs on
+the device of its output; only making arrays names a device (`asarray`, `zeros` and `allocator` take `device=`).
+`on(device)` is the backend with one device behind it (what the host emulator's tests use);
+`deepdsl_runtime.cuda` is the one with the process's GPU behind it.
 """
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cuda.allocators import allocator
-from deepdsl_runtime.cuda.arrays import (Device, DeviceArray, asarray, current_device, scalar, to_numpy, use_device,
-                                         zeros)
+from deepdsl_runtime.cuda.arrays import Device, DeviceArray, asarray, scalar, to_numpy, zeros
 from deepdsl_runtime.cuda.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter, matmul
 from deepdsl_runtime.cuda.elementwise import broadcast_to, const, copy, ew, reshape, sum_to
 from deepdsl_runtime.cuda.loss import log_softmax, pick, precision, softmax, unpick
@@ -36,7 +40,17 @@ __all__ = [
     "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
     "ew", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size",
     "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "unpick",
-    "use_device", "current_device", "zeros",
+    "zeros", "on",
 ]
 
 DEVICE = "cuda"
+_MAKERS = ("asarray", "zeros", "allocator")     # the functions that make arrays: they take the device
+
+
+def on(device: Device) -> SimpleNamespace:
+    """The backend with `device` behind it: every op, and `asarray`, `zeros`, `allocator` making their arrays on
+    `device` (also its attribute `device`)."""
+    here = globals()
+    names = {name: here[name] for name in __all__ if name != "on"}
+    names.update({name: functools.partial(here[name], device=device) for name in _MAKERS})
+    return SimpleNamespace(device=device, **names)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 from deepdsl_runtime.cuda import layout as L
-from deepdsl_runtime.cuda.arrays import DeviceArray, current_device, launch_items, overlaps
+from deepdsl_runtime.cuda.arrays import DeviceArray, launch_items, overlaps
 from deepdsl_runtime.cuda.conv import over_input
 
 
@@ -20,7 +20,7 @@ def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom,
     output gradient) and `others` (the argmax). When the memory plan has `out` overlap `source` (from the same
     start): where windows leave the input, the samples run in the safe chunk order of `_over_input`; otherwise all
     at once in race-free waves (layout.takeover_waves)."""
-    device = current_device()
+    device = out.device
     fmt = _POOL + "i" * len(extra) + "P" * (2 + len(others)) + "II"
     per_source, per_out = source.size // samples, out.size // samples
     per_others = tuple(a.size // samples for a in others)
@@ -48,7 +48,7 @@ def _pool(kind: str, source: DeviceArray, others: tuple, out: DeviceArray, geom,
         run(0, samples, source.ptr, out.ptr,
             L.takeover_waves(samples, per_source, per_out, source.ptr, out.ptr, 4, backward))
         return
-    over_input(kind, samples, per_source, per_out, source.ptr, out.ptr, workspace, run)
+    over_input(device, kind, samples, per_source, per_out, source.ptr, out.ptr, workspace, run)
 
 
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
@@ -68,7 +68,7 @@ def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None
     n, c, h, w = x.shape
     ho, wo = out.shape[2:]
     geom = _pool_geom(n * c, h, w, ho, wo, kernel, stride, pad)
-    launch_items("deepdsl_max_pool_argmax", _POOL + "PPI", out.size, *geom, x.ptr, out.ptr, out.size)
+    launch_items(out.device, "deepdsl_max_pool_argmax", _POOL + "PPI", out.size, *geom, x.ptr, out.ptr, out.size)
 
 
 def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None):

@@ -14,19 +14,20 @@ def concat(*xs, out, axis):
     total, start = out.shape[axis], 0
     for x in xs:
         a = x.shape[axis]
-        copy2d(outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, total * inner,
-               out.itemsize)
+        copy2d(out.device, outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize,
+               total * inner, out.itemsize)
         start += a
 
 
 def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
     outer, inner = _split(x.shape, axis)
-    copy2d(outer, (stop - start) * inner, x.ptr + start * inner * x.itemsize, x.shape[axis] * inner, out.ptr,
-           (stop - start) * inner, x.itemsize)
+    copy2d(out.device, outer, (stop - start) * inner, x.ptr + start * inner * x.itemsize, x.shape[axis] * inner,
+           out.ptr, (stop - start) * inner, x.itemsize)
 
 
 def pad_axis(x, *, out, axis, start, size):
     fill(out, 0)
     outer, inner = _split(x.shape, axis)
     a = x.shape[axis]
-    copy2d(outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, size * inner, out.itemsize)
+    copy2d(out.device, outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, size * inner,
+           out.itemsize)

@@ -1,11 +1,11 @@
 """Op-by-op cases of the CUDA backend against the CPU backend, shared by the emulator tests (test_cuda_codegen.py,
 any machine) and the GPU tests (test_cuda_gpu.py).
 
-A case runs one op (forward or backward) with the CUDA backend module `g` (`deepdsl_runtime.cuda` on a GPU,
-`deepdsl_runtime.cuda.ops` on the host emulator) and with `deepdsl_runtime.cpu`, and returns what to compare:
-(label, CUDA result, CPU result, relative tolerance; 0 = bit for bit). Cases cover the ops' geometry (strides,
-padding, ceil mode, chunked workspaces), the writes the memory plan allows over inputs (in place, pooling taking over
-its input from the same start) and the counter-based dropout masks.
+A case runs one op (forward or backward) with the CUDA backend `g` (`deepdsl_runtime.cuda` on a GPU,
+`deepdsl_runtime.cuda.ops.on(emulator)` on the host emulator) and with `deepdsl_runtime.cpu`, and returns what to
+compare: (label, CUDA result, CPU result, relative tolerance; 0 = bit for bit). Cases cover the ops' geometry
+(strides, padding, ceil mode, chunked workspaces), the writes the memory plan allows over inputs (in place, pooling
+taking over its input from the same start) and the counter-based dropout masks.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ F32 = np.float32
 
 def _arena(g, nbytes: int):
     """A fresh device byte buffer (to lay out overlapping tensors by hand)."""
-    ptr, owner = g.current_device().alloc(nbytes)
-    return g.DeviceArray(ptr, (nbytes,), np.uint8, owner)
+    return g.zeros((nbytes,), "uint8")
 
 
 def _in(g, array):
@@ -72,7 +71,7 @@ def case_conv_bwd_data_takes_over(g, rng):
         C.conv2d_bwd_data(gy, w, out=ref, stride=s, pad=p, size=(h, h))
         shared = _arena(g, max(gy.nbytes, ref.nbytes))
         g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
-        g.current_device().upload(g_dev.ptr, gy)
+        g_dev.device.upload(g_dev.ptr, gy)
         out = shared[:ref.nbytes].view(F32).reshape(ref.shape)
         scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
         g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h),
@@ -149,7 +148,7 @@ def case_pool_takes_over(g, rng):
             getattr(C, op)(x, out=ref, **geo)
             shared = _arena(g, max(x.nbytes, ref.nbytes))
             x_dev = shared[:x.nbytes].view(F32).reshape(x.shape)
-            g.current_device().upload(x_dev.ptr, x)
+            x_dev.device.upload(x_dev.ptr, x)
             out = shared[:ref.nbytes].view(F32).reshape(ref.shape)
             getattr(g, op)(x_dev, out=out, workspace=_out(g, (min(x.size, ref.size) // n,)), **geo)
             result.append((f"{op} over its input {tag}", out, ref, 0))
@@ -158,7 +157,7 @@ def case_pool_takes_over(g, rng):
             getattr(C, op)(gy, *extra, out=ref, size=(h, h), **geo)
             shared = _arena(g, max(x.nbytes, gy.nbytes))
             g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
-            g.current_device().upload(g_dev.ptr, gy)
+            g_dev.device.upload(g_dev.ptr, gy)
             out = shared[:x.nbytes].view(F32).reshape(x.shape)
             workspace = _out(g, (min(x.size, gy.size) // n,))
             getattr(g, op)(g_dev, *(_in(g, e) for e in extra), out=out, size=(h, h), workspace=workspace, **geo)
