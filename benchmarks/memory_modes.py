@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from timing import print_row  # benchmarks/ is on the path of a script run from it
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -77,11 +79,7 @@ def main() -> None:
     print(f"# {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{args.threads} thread(s), {args.iters} iterations, workspace limit {args.workspace_limit}, load average "
           f"{os.getloadavg()[0]:.1f}")
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-    else:
-        print("  ".join(f"{h:>16}" for h in header))
+    print_row(header, args.markdown, 16, header=True)
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.networks:
             name, _, batch = spec.partition(":")
@@ -91,10 +89,7 @@ def main() -> None:
                          f"{r['peak_bytes_measured'] / MB:.3f}", f"{r['reserved_bytes'] / MB:.3f}",
                          f"{r['workspace_bytes_planned'] / MB:.3f}", f"{r['max_rss_bytes'] / MB:.1f}",
                          f"{r['seconds_per_iter'] * 1000:.1f}")
-                if args.markdown:
-                    print("| " + " | ".join(cells) + " |")
-                else:
-                    print("  ".join(f"{c:>16}" for c in cells))
+                print_row(cells, args.markdown, 16)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 import deepdsl  # noqa: E402
 from deepdsl.memory_table import what_if  # noqa: E402
 from deepdsl.pipeline import plan_program  # noqa: E402
+from timing import print_row  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 
 DEEPDSL_MB = {"lenet": 59.168, "alexnet": 745.4, "overfeat": 721.8, "vgg16": 3943.4, "googlenet": 2709.1,
               "resnet50": 3423.3}
@@ -53,11 +54,7 @@ def main() -> None:
     names = args.networks or sorted(p.stem for p in (ROOT / "networks").glob("*.py"))
     header = ("network", "batch", "peak MB", "DeepDSL MB", "ratio", "arena/peak", "no sched. MB", "no remat. MB",
               "no in-place MB", "no takeover MB", "workspace MB", "params MB", "plan s")
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-    else:
-        print("  ".join(f"{h:>13}" for h in header))
+    print_row(header, args.markdown, 13, header=True)
     for name in names:
         r = measure(name)
         ratio = f"{r['peak'] / r['deepdsl']:.3f}" if r["deepdsl"] else "-"
@@ -65,10 +62,7 @@ def main() -> None:
                  f"{r['arena']:.4f}", f"{r['no_schedule']:.1f}", f"{r['no_remat']:.1f}", f"{r['no_inplace']:.1f}",
                  f"{r['no_takeover']:.1f}", f"{r['workspace']:.1f}",
                  f"{r['params']:.1f}", f"{r['seconds']:.2f}")
-        if args.markdown:
-            print("| " + " | ".join(cells) + " |")
-        else:
-            print("  ".join(f"{c:>13}" for c in cells))
+        print_row(cells, args.markdown, 13)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The timing loop the benchmarks share."""
+"""What the benchmarks share: the timing loop and their tables' rows."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 
 def timed_steps(step, warmup: int, steps: int) -> list[float]:
@@ -14,3 +15,13 @@ def timed_steps(step, warmup: int, steps: int) -> list[float]:
         step(i)
         times.append(time.perf_counter() - began)
     return times
+
+
+def print_row(cells: Sequence[str], markdown: bool, width: int, header: bool = False) -> None:
+    """One row of a results table: Markdown (a header row gets its rule) or columns right-aligned to `width`."""
+    if markdown:
+        print("| " + " | ".join(cells) + " |")
+        if header:
+            print("|" + "---|" * len(cells))
+    else:
+        print("  ".join(f"{c:>{width}}" for c in cells))

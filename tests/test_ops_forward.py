@@ -21,6 +21,7 @@ from deepdsl.ops.elementwise import broadcast_to, elementwise, reshape, sum_to, 
 from deepdsl.ops.linalg import matmul
 from deepdsl.ops.loss import cross_entropy, log_loss, nll
 from deepdsl.ops.shape import concat, slice_axis
+from tests.support.random_programs import pool_geometries
 
 torch.set_default_dtype(torch.float64)
 
@@ -107,15 +108,6 @@ def distinct(shape, seed=0):
     """Values without ties (so a window's maximum is unique), spaced 0.01 apart."""
     n = int(np.prod(shape))
     return np.random.default_rng(seed).permutation(n).reshape(shape) * 0.01 - n * 0.005
-
-
-@st.composite
-def pool_geometries(draw):
-    """Valid pooling geometries: padding at most half the window, window no larger than the padded input."""
-    kernel = draw(st.integers(1, 4))
-    pad = draw(st.integers(0, kernel // 2))
-    h, w = (draw(st.integers(max(1, kernel - 2 * pad), 8)) for _ in range(2))
-    return dict(h=h, w=w, kernel=kernel, stride=draw(st.integers(1, 3)), pad=pad, ceil=draw(st.booleans()))
 
 
 @settings(max_examples=60, deadline=None)

@@ -20,6 +20,26 @@
 #define GEMM_TY 16
 #define GEMM_THREADS (GEMM_TX * GEMM_TY)
 
+// Stage a GEMM_BK-deep slab of one operand into shared memory as S[kk][r]: rows [first, first + ROWS) and depth
+// [k0, k0 + GEMM_BK) of an operand of rows x k elements, stored rows x k (contiguous in k) or, when `stored_by_k`,
+// k x rows (contiguous in rows); zero past its edges. Loads are coalesced along the contiguous axis. op(A) is
+// A's rows (stored by k when transposed), op(B) B's columns (stored by k unless transposed).
+template <typename T, int ROWS>
+__device__ __forceinline__ void gemm_stage(T (*S)[ROWS + 1], const T* __restrict__ M, int ld, int stored_by_k,
+                                           int rows, int k, int first, int k0, int tid) {
+#pragma unroll
+    for (int l = 0; l < (ROWS * GEMM_BK) / GEMM_THREADS; ++l) {
+        const int idx = tid + l * GEMM_THREADS;
+        int r, kk;
+        if (stored_by_k) { kk = idx / ROWS; r = idx % ROWS; }
+        else             { r = idx / GEMM_BK; kk = idx % GEMM_BK; }
+        const int gr = first + r, gk = k0 + kk;
+        T v = T(0);
+        if (gr < rows && gk < k) v = stored_by_k ? M[(long long)gk * ld + gr] : M[(long long)gr * ld + gk];
+        S[kk][r] = v;
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void gemm_tile_body(int m, int n, int k, T alpha,
                                                const T* __restrict__ A, int lda, int transa,
@@ -42,28 +62,8 @@ __device__ __forceinline__ void gemm_tile_body(int m, int n, int k, T alpha,
 
     for (int k0 = 0; k0 < k; k0 += GEMM_BK) {
         // Stage op(A)[row0 : row0 + 64, k0 : k0 + 16] and op(B)[k0 : k0 + 16, col0 : col0 + 64].
-#pragma unroll
-        for (int l = 0; l < (GEMM_BM * GEMM_BK) / GEMM_THREADS; ++l) {
-            const int idx = tid + l * GEMM_THREADS;
-            int r, kk;
-            if (transa) { kk = idx / GEMM_BM; r = idx % GEMM_BM; }  // stored A is k x m: contiguous in r
-            else        { r = idx / GEMM_BK; kk = idx % GEMM_BK; }  // stored A is m x k: contiguous in kk
-            const int gr = row0 + r, gk = k0 + kk;
-            T v = T(0);
-            if (gr < m && gk < k) v = transa ? A[(long long)gk * lda + gr] : A[(long long)gr * lda + gk];
-            As[kk][r] = v;
-        }
-#pragma unroll
-        for (int l = 0; l < (GEMM_BN * GEMM_BK) / GEMM_THREADS; ++l) {
-            const int idx = tid + l * GEMM_THREADS;
-            int c, kk;
-            if (transb) { c = idx / GEMM_BK; kk = idx % GEMM_BK; }  // stored B is n x k: contiguous in kk
-            else        { kk = idx / GEMM_BN; c = idx % GEMM_BN; }  // stored B is k x n: contiguous in c
-            const int gc = col0 + c, gk = k0 + kk;
-            T v = T(0);
-            if (gc < n && gk < k) v = transb ? B[(long long)gc * ldb + gk] : B[(long long)gk * ldb + gc];
-            Bs[kk][c] = v;
-        }
+        gemm_stage<T, GEMM_BM>(As, A, lda, transa, m, k, row0, k0, tid);
+        gemm_stage<T, GEMM_BN>(Bs, B, ldb, !transb, n, k, col0, k0, tid);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < GEMM_BK; ++kk) {

@@ -11,7 +11,7 @@ the simplifier rewrites). Some nodes are built with `make` directly, bypassing t
 so passes also see non-canonical input. Values stay moderate: the leaves are drawn in [-1, 1] and the unary
 functions are bounded or contracting.
 
-`feeds(graph, seed)` draws the inputs of a graph's leaves.
+`feeds(graph, seed)` draws the inputs of a graph's leaves; `pool_geometries(largest)` valid pooling geometries.
 """
 from __future__ import annotations
 
@@ -287,3 +287,13 @@ def feeds(graph_or_leaves, seed: int) -> dict[str, np.ndarray]:
 
 
 __all__ = ["SIZES", "feeds", "graphs", "leaves"]
+
+
+@st.composite
+def pool_geometries(draw, largest: int = 8):
+    """Valid pooling geometries: padding at most half the window, the window no larger than the padded input (of
+    at most `largest` rows and columns)."""
+    kernel = draw(st.integers(1, 4))
+    pad = draw(st.integers(0, kernel // 2))
+    h, w = (draw(st.integers(max(1, kernel - 2 * pad), largest)) for _ in range(2))
+    return dict(h=h, w=w, kernel=kernel, stride=draw(st.integers(1, 3)), pad=pad, ceil=draw(st.booleans()))
