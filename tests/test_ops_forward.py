@@ -21,7 +21,7 @@ from deepdsl.ops.elementwise import broadcast_to, elementwise, reshape, sum_to, 
 from deepdsl.ops.linalg import matmul
 from deepdsl.ops.loss import cross_entropy, log_loss, nll
 from deepdsl.ops.shape import concat, slice_axis
-from tests.support.random_programs import pool_geometries
+from tests.support.random_programs import conv_geometries, pool_geometries
 
 torch.set_default_dtype(torch.float64)
 
@@ -63,13 +63,6 @@ def test_dsl_conv_is_torch_conv2d(stride, padding, bias):
     feeds = {"x": x, "cv_W": w} | ({"cv_B": b} if bias else {})
     expected = F.conv2d(t(x), t(w), t(b) if bias else None, stride=stride, padding=padding)
     assert_same(evaluate(node, feeds), expected)
-
-
-@st.composite
-def conv_geometries(draw):
-    kh, kw, pad = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(0, 2))
-    h, w = draw(st.integers(max(1, kh - 2 * pad), 8)), draw(st.integers(max(1, kw - 2 * pad), 8))
-    return dict(h=h, w=w, kh=kh, kw=kw, stride=draw(st.integers(1, 3)), pad=pad)
 
 
 @settings(max_examples=40, deadline=None)

@@ -11,7 +11,8 @@ the simplifier rewrites). Some nodes are built with `make` directly, bypassing t
 so passes also see non-canonical input. Values stay moderate: the leaves are drawn in [-1, 1] and the unary
 functions are bounded or contracting.
 
-`feeds(graph, seed)` draws the inputs of a graph's leaves; `pool_geometries(largest)` valid pooling geometries.
+`feeds(graph, seed)` draws the inputs of a graph's leaves; `conv_geometries` and
+`pool_geometries` valid convolution and pooling geometries.
 """
 from __future__ import annotations
 
@@ -297,3 +298,12 @@ def pool_geometries(draw, largest: int = 8):
     pad = draw(st.integers(0, kernel // 2))
     h, w = (draw(st.integers(max(1, kernel - 2 * pad), largest)) for _ in range(2))
     return dict(h=h, w=w, kernel=kernel, stride=draw(st.integers(1, 3)), pad=pad, ceil=draw(st.booleans()))
+
+
+@st.composite
+def conv_geometries(draw, kernel: int = 4, pad: int = 2, largest: int = 8):
+    """Valid convolution geometries: kernels up to `kernel` rows and columns, padding up to `pad`, the window no
+    larger than the padded input (of at most `largest` rows and columns)."""
+    kh, kw, pad = draw(st.integers(1, kernel)), draw(st.integers(1, kernel)), draw(st.integers(0, pad))
+    h, w = draw(st.integers(max(1, kh - 2 * pad), largest)), draw(st.integers(max(1, kw - 2 * pad), largest))
+    return dict(h=h, w=w, kh=kh, kw=kw, stride=draw(st.integers(1, 3)), pad=pad)
