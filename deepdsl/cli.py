@@ -166,7 +166,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compiled = _compile(args)
     path = _write(compiled, args.network, out)
     print(f"wrote {path}, {path.with_suffix('.cu')}")
-    _build_kernels(path)
+    if args.cuda_binary:
+        _build_kernels(path)
     return 0
 
 
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="write the standalone training program of a network")
     _add_network_options(p)
     p.add_argument("-o", "--output", help="program to write (default: generated/<network>.py)")
+    p.add_argument("--cuda-binary", action="store_true",
+                   help="also build the fat binary of the CUDA kernels with nvcc (otherwise `--device cuda` compiles "
+                        "them when the program starts; `deepdsl run ... -- --device cuda` builds it)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="compile a network, then run its training program",
