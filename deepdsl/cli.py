@@ -136,15 +136,16 @@ def _writing(path: Path):
 
 def _check_output(network: str, option: str, output: Path, program: bool = False) -> None:
     """Refuse an output that would overwrite the network file: `output` itself or, for a program (`program`), the
-    files written beside it (`<stem>.cu`, `<stem>.<digest>.fatbin`)."""
+    files written beside it (`<stem>.cu`, `<stem>.c`, `<stem>.<digest>.fatbin`, `<stem>.<digest>.so`)."""
     source = Path(network).resolve()
     target = output.resolve()
     if target == source:
         raise DeepDSLError(f"{option} {output} is the network file itself; choose another output")
     if not program:
         return
-    beside = target.with_suffix(".cu") == source or (
-        source.parent == target.parent and fnmatch.fnmatchcase(source.name, f"{target.stem}.*.fatbin*"))
+    beside = source in (target.with_suffix(".cu"), target.with_suffix(".c")) or (
+        source.parent == target.parent and any(fnmatch.fnmatchcase(source.name, f"{target.stem}.*.{kind}*")
+                                               for kind in ("fatbin", "so")))
     if beside:
         raise DeepDSLError(f"{option} {output} would overwrite the network file {network} (the program's "
                            f"{source.suffix} file); choose another output")
@@ -165,10 +166,23 @@ def cmd_compile(args: argparse.Namespace) -> int:
     _check_output(args.network, "-o", out, program=True)
     compiled = _compile(args)
     path = _write(compiled, args.network, out)
-    print(f"wrote {path}, {path.with_suffix('.cu')}")
+    print(f"wrote {path}, {path.with_suffix('.cu')}, {path.with_suffix('.c')}")
+    _build_cpu_kernels(path)
     if args.cuda_binary:
         _build_kernels(path)
     return 0
+
+
+def _build_cpu_kernels(program: Path, say_built: bool = True) -> None:
+    """The library of the program's compiled CPU kernels, with a C compiler (else the program runs numpy's kernels
+    and says so)."""
+    from deepdsl.codegen.native import build_library
+
+    built, why = build_library(program.with_suffix(".c"))
+    if built is None:
+        print(f"compiled CPU kernels not built ({why}): the program runs numpy's")
+    elif say_built:
+        print(f"wrote {built}")
 
 
 def _build_kernels(program: Path) -> None:
@@ -225,6 +239,8 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Path, str]:
     path = _write(compiled, args.network, out, CodegenOptions(params_file=params))
     if _runs_on_cuda(args.program_args):
         _build_kernels(path)
+    else:
+        _build_cpu_kernels(path, say_built=False)
     chosen = _program_params(args.program_args)
     return path, params if chosen is None else chosen
 

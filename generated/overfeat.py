@@ -986,6 +986,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     return rp.run(Overfeat, parser.parse_args(argv))
 

@@ -126,8 +126,13 @@ class Model:
     setup_inputs: tuple[str, ...] = ()
     memory_plans: dict[str, StepPlan] = {}
 
-    def __init__(self, device: str = "cpu", seed: int = 0, memory_mode: str = "static", check_memory: bool = False):
+    def __init__(self, device: str = "cpu", seed: int = 0, memory_mode: str = "static", check_memory: bool = False,
+                 kernels: str = "auto", threads: int | None = None):
         self.rt = backend(device)
+        # on the CPU: the program's compiled kernels where its library is built ("auto"), else numpy's
+        self.kernels = f"{device} kernels"
+        if device == "cpu":
+            self.rt = self.rt.backend(self._compiled_kernels(kernels, threads))
         if memory_mode not in memory.MODES:
             raise RunError(f"unknown memory mode '{memory_mode}' (use {', '.join(memory.MODES)})")
         # a device backend serves the plan from device memory (the same bookkeeping) and runs this program's kernels
@@ -141,6 +146,32 @@ class Model:
                 raise RunError(str(err)) from None
         self.tensors: dict[str, object] = {}
         self.seed = seed
+
+    def _compiled_kernels(self, kernels: str, threads: int | None):
+        """The program's compiled CPU kernels (`deepdsl_runtime.cpu.native`), or None for numpy's; `kernels` is
+        "auto" (compiled where built), "compiled" (an error where not) or "numpy". `self.kernels` says which run
+        and why. Sets the compiled kernels' and the matrix products' threads (default: the cores available)."""
+        from deepdsl_runtime.cpu import native as compiled
+
+        if kernels not in KERNELS:
+            raise RunError(f"unknown kernels '{kernels}' (use {', '.join(KERNELS)})")
+        if threads is not None and threads < 1:
+            raise RunError("--threads must be >= 1")
+        threads = threads or compiled.threads_available()
+        compiled.set_blas_threads(threads)
+        if kernels == "numpy":
+            self.kernels = "numpy kernels"
+            return None
+        program = self.program_file()
+        found, why = compiled.load(program) if program else (None, "not a generated program")
+        if found is None:
+            if kernels == "compiled":
+                raise RunError(f"compiled CPU kernels: {why}")
+            self.kernels = f"numpy kernels: {why}"
+            return None
+        found.set_threads(threads)
+        self.kernels = f"compiled kernels, {threads} thread{'s' if threads > 1 else ''}"
+        return found
 
     @classmethod
     def program_file(cls) -> str | None:
@@ -251,6 +282,19 @@ def _byte_size(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes (e.g. 65536, 64K, 256M, 2G)") from None
     return value
+
+
+KERNELS = ("auto", "compiled", "numpy")
+
+
+def add_kernel_options(parser) -> None:
+    """The command-line options choosing the CPU kernels and their threads."""
+    parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                        help="CPU kernels: the program's compiled library where it is built (auto), only those "
+                             "(compiled), or numpy's")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads of the compiled kernels and the matrix products (default: the cores this "
+                             "process may use)")
 
 
 def add_gemm_options(parser) -> None:
@@ -426,7 +470,8 @@ class _Run:
         _check_args(args)
         self.args, self.signals = args, signals
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
-                               getattr(args, "check_memory", False))
+                               getattr(args, "check_memory", False), getattr(args, "kernels", "auto"),
+                               getattr(args, "threads", None))
         self.products = _tiled_products(args)
         if self.products is not None:
             self.model.rt = self.model.rt.with_gemm(self.products)
@@ -536,7 +581,7 @@ class _Run:
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
             _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
-                       f"{self.batch}) on {args.device}: iterations {start + 1} to {args.iters}"
+                       f"{self.batch}) on {args.device} ({model.kernels}): iterations {start + 1} to {args.iters}"
                        + (f"; checkpoint {self.path}" if self.path else ""))
             iteration, loss, elapsed, stopped = self.train(start)
             if stopped is not None:

@@ -83,16 +83,18 @@ def generate(compiled, options: CodegenOptions | None = None) -> str:
 
 def write_program(compiled, path, options: CodegenOptions | None = None) -> Path:
     """Write the program of `compiled` to `path` (directories are created), and beside it its CUDA kernels
-    (`<name>.cu`, see `deepdsl.codegen.cuda`), both rendered from one `ProgramDescription`; returns the path of
-    the program."""
+    (`<name>.cu`, see `deepdsl.codegen.cuda`) and its compiled CPU kernels' source (`<name>.c`, see
+    `deepdsl.codegen.native`), all rendered from one `ProgramDescription`; returns the path of the program."""
     from deepdsl.codegen.cuda import write_cuda
     from deepdsl.codegen.description import describe
+    from deepdsl.codegen.native import render_c
 
     path = Path(path)
     description = describe(compiled, options)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_program(description))
     write_cuda(description, path, build=False)
+    path.with_suffix(".c").write_text(render_c(description, path.name))
     return path
 
 

@@ -60,7 +60,8 @@ class TensorDecl:
 class ProgramDescription:
     """Everything the Python program and its CUDA kernels are rendered from, as frozen data: texts are final,
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
-    and arity; `steps` are setup, training step and test step; `memory_plans` their plans, in that order."""
+    and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`); `steps`
+    are setup, training step and test step; `memory_plans` their plans, in that order."""
 
     name: str
     cls: str
@@ -85,6 +86,7 @@ class ProgramDescription:
     setup_inputs: str
     steps: tuple[Step, ...]
     kernels: tuple[Kernel, ...]
+    kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
     iters: int
     test_iters: int
     lr: str
@@ -236,6 +238,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "setup_inputs": literal(tuple(n.name for n in compiled.setup.inputs if n.op == "input")),
         "steps": (setup, train, test),
         "kernels": tuple(kernels.items),
+        "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),
         "iters": solver.iters,
         "test_iters": solver.test_iters,
         "lr": _number(solver.lr),

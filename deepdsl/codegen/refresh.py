@@ -1,5 +1,6 @@
 """Regenerate checked-in programs (`deepdsl refresh`): every network file of a directory (default `networks/`)
-becomes `<out>/<same name>.py` and its CUDA kernels `<out>/<same name>.cu` (default `generated/`).
+becomes `<out>/<same name>.py`, its CUDA kernels `<out>/<same name>.cu` and its compiled CPU kernels' source
+`<out>/<same name>.c` (default `generated/`).
 
     deepdsl refresh            # rewrite generated/ from networks/, both in the current directory
     deepdsl refresh --check    # only report stale or missing programs (exit status 1 if any)
@@ -22,6 +23,7 @@ def expected_programs(networks: Path) -> dict[str, str]:
     from deepdsl.codegen import CodegenOptions, render_program
     from deepdsl.codegen.cuda import render_cuda
     from deepdsl.codegen.description import describe
+    from deepdsl.codegen.native import render_c
 
     networks = Path(networks)
     if not networks.is_dir():
@@ -35,6 +37,7 @@ def expected_programs(networks: Path) -> dict[str, str]:
         description = describe(compiled, options)
         result[path.name] = render_program(description)
         result[f"{path.stem}.cu"] = render_cuda(description, program=path.name)
+        result[f"{path.stem}.c"] = render_c(description, program=path.name)
     return result
 
 

@@ -90,7 +90,16 @@ class Kernels:
 
     taken: set[str] = field(default_factory=set)
     items: list[Kernel] = field(default_factory=list)
+    # kernel name -> the operand patterns it is called with (`operand_pattern`), in order of first use: the
+    # compiled CPU library has one function for each
+    patterns: dict[str, list[str]] = field(default_factory=dict)
     _by_key: dict[tuple, str] = field(default_factory=dict)
+
+    def use(self, name: str, pattern: str | None) -> None:
+        """Note a call of kernel `name` with operands of `pattern` (None: broadcast operands, which the compiled
+        library leaves to numpy)."""
+        if pattern is not None and pattern not in self.patterns.setdefault(name, []):
+            self.patterns[name].append(pattern)
 
     def get(self, expr: sympy.Expr, nargs: int, alias: int | None) -> str:
         key = (sympy.srepr(expr), nargs, alias)
@@ -104,6 +113,21 @@ class Kernels:
             self.items.append(Kernel(name, expr, nargs, alias, tuple(ufuncs.kernel_body(expr, alias))))
             self._by_key[key] = name
         return self._by_key[key]
+
+
+def operand_pattern(node: Node) -> str | None:
+    """How an elementwise statement's operands reach its kernel, one letter each: `f` a float32 tensor of the
+    output's size, `u` a uint8 one, `s` a scalar (one element, or a number); None when one is broadcast. The rule
+    is the runtime's (`deepdsl_runtime.cpu.native.Native.ew`), which picks the compiled function by it."""
+    letters = []
+    for x in node.inputs:
+        if x.size == node.size:
+            letters.append("u" if x.dtype == "uint8" else "f")
+        elif x.size == 1:
+            letters.append("s")
+        else:
+            return None
+    return "".join(letters)
 
 
 def kernel_name(expr: sympy.Expr, most: int = 4) -> str:
@@ -253,6 +277,7 @@ class StepBuilder:
         if node.op == "ew":
             alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
             kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
+            self.kernels.use(kernel, operand_pattern(node))
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, tuple(lines))
 

@@ -55,11 +55,22 @@ __all__ = [
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
+_COMPILED = ("conv2d", "conv2d_bwd_filter", "ew")
+
+
+def backend(native=None, gemm=None) -> types.SimpleNamespace:
+    """This backend (every name of `__all__`) with the ops of `_PRODUCTS` computing their matrix products by
+    `gemm(a, b, out=c)` instead of `np.matmul` (the tiled GEMM), and those of `_COMPILED` running the compiled
+    kernels `native` has (`deepdsl_runtime.cpu.native`): what a generated program's `rt` is. Its `with_gemm` keeps
+    the compiled kernels; `native` is the `Native` (or None)."""
+    names = {name: globals()[name] for name in __all__}
+    if gemm is not None:
+        names.update({name: functools.partial(names[name], gemm=gemm) for name in _PRODUCTS})
+    if native is not None:
+        names.update({name: functools.partial(names[name], native=native) for name in _COMPILED})
+    return types.SimpleNamespace(**names, native=native, with_gemm=lambda g: backend(native, g))
 
 
 def with_gemm(gemm) -> types.SimpleNamespace:
-    """This backend (every name of `__all__`) with the ops of `_PRODUCTS` computing their matrix products by
-    `gemm(a, b, out=c)` instead of `np.matmul`: what a generated program's `rt` is when its products run tiled."""
-    names = {name: globals()[name] for name in __all__}
-    names.update({name: functools.partial(globals()[name], gemm=gemm) for name in _PRODUCTS})
-    return types.SimpleNamespace(**names)
+    """This backend with its matrix products computed by `gemm` (`backend(gemm=gemm)`)."""
+    return backend(gemm=gemm)

@@ -56,10 +56,23 @@ def _col2im_add(dcols: np.ndarray, dx: np.ndarray, stride: int, pad: int) -> Non
             np.add(view, dcols[:, :, i, j, p0:p1, q0:q1], out=view)
 
 
+class _NumpyPasses:
+    """The copying passes of the convolutions as numpy runs them (compiled kernels replace them: `native=`)."""
+
+    @staticmethod
+    def im2col(x, cols, stride, pad, scratch):
+        _im2col(x, cols, stride, pad, scratch)
+
+    @staticmethod
+    def swap01(src, dst):
+        np.copyto(dst, src.swapaxes(0, 1))
+
+
+_NUMPY = _NumpyPasses()
 _WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
 
 
-def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul):
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul, native=None):
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
     Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
@@ -67,7 +80,8 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
     product keeps every BLAS thread busy where small products per sample do not -- whose (O, samples, Ho*Wo)
     result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
     im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
-    one product straight into its output."""
+    one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
+    im2col copies and the regrouping run compiled."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
@@ -84,14 +98,18 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
         m = e - s
         scratch = Scratch(workspace)
         cols = scratch.take((c, kh, kw, m, ho, wo))
-        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        (native or _NUMPY).im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         target = out[s:e].reshape(m, o, hw)
         if hw < _WIDE_PLANE and ckk >= o:
             block = target.reshape(o, m, hw)            # the chunk's output memory, read as (O, samples, Ho*Wo)
             gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
             regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
             np.copyto(regrouped, block)
-            if b is None:
+            if native is not None:
+                native.swap01(regrouped, target)
+                if b is not None:
+                    np.add(target, b.reshape(1, o, 1), out=target)
+            elif b is None:
                 np.copyto(target.transpose(1, 0, 2), regrouped)
             else:
                 np.add(regrouped, b.reshape(o, 1, 1), out=target.transpose(1, 0, 2))
@@ -182,7 +200,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
         _col2im_add(dcols, out[s:e], stride, pad)
 
 
-def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul):
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM over all samples of a chunk.
 
     Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
@@ -201,8 +219,9 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np
         scratch = Scratch(workspace, start)
         cols = scratch.take((c, kh, kw, e - s, ho, wo))
         gt = scratch.take((o, e - s, ho, wo))
-        _im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
-        np.copyto(gt, g[s:e].transpose(1, 0, 2, 3))
+        kernels = native or _NUMPY
+        kernels.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        kernels.swap01(g[s:e], gt)
         target = out2 if s == 0 else acc
         gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
         if s:

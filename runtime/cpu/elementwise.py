@@ -16,13 +16,16 @@ def copy(src, *, out):
 EW_CHUNK = 1 << 14        # elements per call of a large elementwise kernel: its temporaries stay in the L1/L2 cache
 
 
-def ew(kernel, out, *args):
+def ew(kernel, out, *args, native=None):
     """Run an elementwise kernel of the generated program (a numpy function writing `out`). A large one whose
     arrays all have the output's shape and layout (an optimizer update, say) runs in runs of EW_CHUNK elements:
     the temporaries numpy makes for a product inside a sum are then small and cached, instead of each a pass over
     memory (fc1's momentum update in LeNet: 400,000 floats, about a third faster). Elementwise results do not
     depend on how the elements are grouped, and an output that is one of the inputs is read before it is written
-    in every run."""
+    in every run. With `native`, the program's compiled kernel of the same name runs where it has one for these
+    operands (whole tensors and scalars)."""
+    if native is not None and native.ew(kernel, out, args):
+        return None
     n = out.size
     if n < 2 * EW_CHUNK or not out.flags.c_contiguous:
         return kernel(out, *args)

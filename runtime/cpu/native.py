@@ -1,0 +1,187 @@
+"""The compiled CPU kernels of a generated program: `<program>.<digest>.so`, built from `<program>.c` (the runtime's
+generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) with OpenMP, loaded with ctypes.
+
+`load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
+names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
+loaded) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
+the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, and every elementwise
+statement whose inputs are whole tensors or scalars (a broadcast one runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
+so the memory plan is the same with or without them. `threads` sets the kernels' OpenMP threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads", "threads_available", "BUILD_FLAGS",
+           "KERNELS_DIR"]
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+# -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do
+BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+
+_F = ctypes.c_float
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_long
+
+
+def _processor() -> str:
+    """What `-march=native` compiles for: the processor's model and feature flags (Linux), else its name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines) or platform.processor()
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def sources_digest(program_source: str) -> str:
+    """16 hex digits naming a library: the program's C text, the generic kernels, the build flags and the
+    processor (one rule for the compiler, which builds the library, and the runtime, which loads it)."""
+    h = hashlib.sha256()
+    for part in (program_source, (KERNELS_DIR / "cpu_ops.c").read_text(), " ".join(BUILD_FLAGS), _processor()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def library_path(source: Path) -> Path:
+    """Where the library of the C file `source` (`<program>.c`) is: `<program>.<digest>.so` beside it."""
+    source = Path(source)
+    return source.with_name(f"{source.stem}.{sources_digest(source.read_text())}.so")
+
+
+def load(program) -> tuple["Native | None", str]:
+    """(the compiled kernels of the generated program at path `program`, "") or (None, why not)."""
+    source = Path(program).with_suffix(".c")
+    if not source.exists():
+        return None, f"no {source.name} beside the program"
+    try:
+        path = library_path(source)
+    except OSError as err:
+        return None, f"cannot read {source}: {err.strerror or err}"
+    if not path.exists():
+        return None, f"{path.name} is not built (deepdsl compile builds it with a C compiler)"
+    # idle OpenMP threads sleep instead of spinning: other processes on the cores (and OpenBLAS's threads between
+    # our kernels) keep their time
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    try:
+        return Native(ctypes.CDLL(str(path))), ""
+    except OSError as err:
+        return None, f"cannot load {path.name}: {err}"
+
+
+class Native:
+    """The kernels of one loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
+        lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P]
+        lib.deepdsl_set_threads.argtypes = [_I]
+        lib.deepdsl_threads.restype = _I
+        self._ew: dict[tuple[str, str], object] = {}
+
+    @property
+    def threads(self) -> int:
+        return self.lib.deepdsl_threads()
+
+    def set_threads(self, threads: int) -> None:
+        self.lib.deepdsl_set_threads(int(threads))
+
+    # convolution ----------------------------------------------------------------------------------------------
+
+    def im2col(self, x: np.ndarray, cols: np.ndarray, stride: int, pad: int, scratch=None) -> None:
+        """`cols` (C, kh, kw, m, Ho, Wo) of the m samples of `x`, read through its (m, C, kh, kw, Ho, Wo)
+        transposed view as runtime/cpu/conv.py passes it (no scratch: padding is read as zeros)."""
+        base = cols.transpose(1, 2, 3, 0, 4, 5)
+        if not (x.flags.c_contiguous and base.flags.c_contiguous):
+            from deepdsl_runtime.cpu.conv import _NUMPY
+            return _NUMPY.im2col(x, cols, stride, pad, scratch)
+        m, c, h, w = x.shape
+        _, kh, kw, _, ho, wo = base.shape
+        self.lib.deepdsl_im2col(x.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride, pad, base.ctypes.data)
+
+    def swap01(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """dst = src with its first two axes swapped (dst contiguous (B, A, ...) from contiguous (A, B, ...))."""
+        if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+            np.copyto(dst, src.swapaxes(0, 1))
+            return
+        a, b = src.shape[:2]
+        self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1), dst.ctypes.data)
+
+    # elementwise ----------------------------------------------------------------------------------------------
+
+    def ew(self, kernel, out: np.ndarray, args) -> bool:
+        """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`)
+        when its inputs are whole tensors or scalars; False when the library has no such kernel (the caller runs
+        the numpy one)."""
+        if not out.flags.c_contiguous or out.dtype != np.float32:
+            return False
+        pattern = []
+        for a in args:
+            if isinstance(a, np.ndarray) and a.size == out.size and a.flags.c_contiguous \
+                    and a.dtype in (np.float32, np.uint8):
+                pattern.append("f" if a.dtype == np.float32 else "u")
+            elif not isinstance(a, np.ndarray) or a.size == 1:
+                pattern.append("s")
+            else:
+                return False
+        key = (kernel.__name__, "".join(pattern))
+        function = self._ew.get(key)
+        if function is None:
+            try:
+                function = getattr(self.lib, f"deepdsl_{key[0]}_{key[1]}")
+            except AttributeError:
+                function = False
+            else:
+                function.argtypes = [_L, _P, _P, _P]
+            self._ew[key] = function
+        if function is False:
+            return False
+        n = len(args)
+        pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
+        values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
+                            for a, p in zip(args, pattern)))
+        function(out.size, out.ctypes.data, pointers, values)
+        return True
+
+
+_BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                 "scipy_openblas_set_num_threads")
+
+
+def set_blas_threads(threads: int) -> bool:
+    """Set the threads of the OpenBLAS numpy's matrix products run on (found among the libraries this process has
+    loaded); False when there is none to set."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _BLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter.argtypes = [ctypes.c_int]
+                setter(int(threads))
+                return True
+    return False
+
+
+def threads_available() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -1,0 +1,207 @@
+"""The compiled CPU kernels (`<program>.c` built into `<program>.<digest>.so`, deepdsl_runtime.cpu.native) against
+the numpy kernels they replace: im2col and the axis swap on odd geometries into NaN-filled buffers, every
+elementwise kernel of a program in each operand pattern it is called with (also in place), the convolutions under
+NaN-filled workspaces of exactly their planned size, and two training steps and a test step of every network with
+the compiled kernels against the numpy backend. Also: how a program finds, refuses and reports its library."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu import conv, native
+from deepdsl_runtime.cpu.scratch import Scratch
+from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
+from tests.test_cuda_codegen import _steps
+from tests.test_memory_modes import NETWORKS
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="needs a C compiler")
+_built: dict = {}
+
+
+def _program(name, image, tmp_path_factory):
+    """(compiled, module, path) of network `name` at batch 2, its library built."""
+    from deepdsl.codegen.native import build_library
+
+    if name not in _built:
+        compiled, path = compile_program(name, tmp_path_factory.mktemp(f"native-{name}"), batch=2, image=image)
+        built, why = build_library(path.with_suffix(".c"))
+        assert built is not None, why
+        _built[name] = compiled, import_program(path), path
+    return _built[name]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    _, _, path = _program("resnet_mini", None, tmp_path_factory)
+    found, why = native.load(path)
+    assert found is not None, why
+    return found
+
+
+GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
+    (3, 2, 7, 5, 3, 3, 1, 1), (2, 3, 9, 9, 3, 3, 2, 0), (1, 1, 5, 8, 5, 1, 1, 2), (4, 2, 6, 6, 1, 1, 3, 0),
+    (2, 1, 11, 4, 4, 2, 2, 2), (1, 3, 3, 3, 3, 3, 1, 2),
+]
+
+
+@needs_cc
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+def test_im2col_and_swap_equal_numpy_bit_for_bit(lib, geometry):
+    n, c, h, w, kh, kw, stride, pad = geometry
+    ho, wo = contract.out_size(h, kh, stride, pad), contract.out_size(w, kw, stride, pad)
+    x = np.random.default_rng(1).standard_normal((n, c, h, w)).astype(np.float32)
+    got = np.full((c, kh, kw, n, ho, wo), np.nan, np.float32)
+    want = np.full_like(got, np.nan)
+    scratch = np.full(n * c * (h + 2 * pad) * (w + 2 * pad), np.nan, np.float32)
+    conv._NUMPY.im2col(x, want.transpose(3, 0, 1, 2, 4, 5), stride, pad, Scratch(scratch))
+    lib.im2col(x, got.transpose(3, 0, 1, 2, 4, 5), stride, pad)
+    assert np.array_equal(got, want)
+    swapped = np.full((c, n, h, w), np.nan, np.float32)
+    lib.swap01(x, swapped)
+    assert np.array_equal(swapped, x.swapaxes(0, 1))
+
+
+def _operands(pattern, shape, rng):
+    args = []
+    for letter in pattern:
+        if letter == "f":
+            args.append(rng.uniform(0.5, 1.5, shape).astype(np.float32))
+        elif letter == "u":
+            args.append((rng.random(shape) < 0.5).astype(np.uint8))
+        else:
+            args.append(np.float32(rng.uniform(0.5, 1.5)))
+    return args
+
+
+@needs_cc
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet"])
+def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory):
+    compiled, module, path = _program(name, dict(NETWORKS)[name], tmp_path_factory)
+    found, why = native.load(path)
+    assert found is not None, why
+    from deepdsl.codegen.description import describe
+
+    rng = np.random.default_rng(3)
+    checked = 0
+    for kernel_name, patterns in describe(compiled).kernel_patterns:
+        kernel = getattr(module, kernel_name)
+        for pattern in patterns:
+            for shape in ((3, 5, 7), (1,), (40000,)):        # odd, one element, and threaded
+                args = _operands(pattern, shape, rng)
+                want = np.empty(shape, np.float32)
+                kernel(want, *args)
+                got = np.full(shape, np.nan, np.float32)
+                assert found.ew(kernel, got, args), (kernel_name, pattern)
+                np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, err_msg=f"{kernel_name} {pattern}")
+                full = [k for k, letter in enumerate(pattern) if letter == "f"]
+                if full:                                       # in place over an input, as the plan allows
+                    target = args[full[0]]
+                    assert found.ew(kernel, target, args)
+                    np.testing.assert_allclose(target, want, rtol=2e-6, atol=1e-7)
+                checked += 1
+    assert checked >= 3
+
+
+@needs_cc
+def test_broadcast_operands_run_numpy(lib):
+    def kernel(out, v0, v1):
+        np.add(v0, v1, out=out)
+    kernel.__name__ = "ew_add"
+    out = np.empty((4, 3), np.float32)
+    assert not lib.ew(kernel, out, (np.ones((4, 3), np.float32), np.ones(3, np.float32)))
+
+
+@needs_cc
+@pytest.mark.parametrize("geometry", GEOMETRIES[:4], ids=[str(g) for g in GEOMETRIES[:4]])
+def test_convolutions_under_their_planned_workspace(lib, geometry):
+    """conv2d and its filter gradient with the compiled passes equal numpy's, in chunks of one sample and of all,
+    with workspaces of exactly the planned size filled with NaN."""
+    n, c, h, w, kh, kw, stride, pad = geometry
+    o = 3
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = rng.standard_normal((o, c, kh, kw)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    ho, wo = contract.out_size(h, kh, stride, pad), contract.out_size(w, kw, stride, pad)
+    g = rng.standard_normal((n, o, ho, wo)).astype(np.float32)
+    per = contract.conv2d_scratch(x.shape, wt.shape, (n, o, ho, wo), stride, pad)
+    per_f, acc = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, (kh, kw), pad)
+    for samples in (1, n):
+        results = []
+        for kernels in (None, lib):
+            ws = np.full(samples * per, np.nan, np.float32)
+            out = np.full((n, o, ho, wo), np.nan, np.float32)
+            conv.conv2d(x, wt, b, out=out, stride=stride, pad=pad, workspace=ws if per else None, native=kernels)
+            ws = np.full(samples * per_f + (acc if samples < n else 0), np.nan, np.float32)
+            dw = np.full(wt.shape, np.nan, np.float32)
+            conv.conv2d_bwd_filter(g, x, out=dw, stride=stride, pad=pad, kernel=(kh, kw), workspace=ws,
+                                   native=kernels)
+            results.append((out, dw))
+        for got, want in zip(results[1], results[0]):
+            assert not np.isnan(got).any()
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_cc
+@pytest.mark.parametrize("name,image", NETWORKS, ids=[n for n, _ in NETWORKS])
+def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_factory):
+    """Every network: a training step and a test step with the compiled kernels equal the numpy backend's within
+    float32 tolerance (the convolutions bit for bit; elementwise kernels round as C's float32 functions do, and
+    further steps of an ill-conditioned network at this size amplify that), and the allocator measures the planned
+    peaks (the plan is the same)."""
+    _, module, _ = _program(name, image, tmp_path_factory)
+    cls = model_class(module)
+    rng = np.random.default_rng(7)
+    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
+             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    reference = cls("cpu", 0, "static", kernels="numpy")
+    losses, _, _, tensors = _steps(reference, data[:1])
+    model = cls("cpu", 0, "static", kernels="compiled")
+    assert model.kernels.startswith("compiled kernels") and model.rt.native is not None
+    got_losses, _, _, got_tensors = _steps(model, data[:1])
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-4, atol=1e-6)
+    for key, value in tensors.items():
+        scale = max(float(np.max(np.abs(value))), 1e-6)
+        assert float(np.max(np.abs(got_tensors[key] - value))) / scale <= 1e-4, key
+    model.load_tensors(tensors)            # the test step on the same tensors
+    got, want = model.test_step(*data[1]), reference.test_step(*data[1])
+    assert got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-4), (got, want)
+    for step in ("train_step", "test_step"):
+        assert model.mem.usage[step].peak_bytes == cls.memory_plans[step].peak_bytes, step
+
+
+def test_a_missing_library_runs_numpy_or_is_refused(tmp_path):
+    from deepdsl_runtime.program import RunError
+
+    _, path = compile_program("mlp", tmp_path, batch=2)
+    cls = model_class(import_program(path))
+    model = cls("cpu", 0)
+    assert model.rt.native is None and model.kernels.startswith("numpy kernels: ") and ".so" in model.kernels
+    with pytest.raises(RunError, match="compiled CPU kernels: .*is not built"):
+        cls("cpu", 0, kernels="compiled")
+    done = run_cli(path, "--iters", "1", "--test-iters", "1", "--data", "synthetic", "--params",
+                   str(tmp_path / "p.npz"), "--kernels", "compiled")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "is not built" in done.stderr, done.stderr
+
+
+@needs_cc
+def test_compile_builds_the_library_the_program_uses(tmp_path):
+    from deepdsl.cli import main
+
+    out = tmp_path / "lenet.py"
+    assert main(["compile", "networks/lenet.py", "--batch", "8", "-o", str(out)]) == 0
+    libraries = list(tmp_path.glob("lenet.*.so"))
+    assert len(libraries) == 1 and libraries[0] == native.library_path(out.with_suffix(".c"))
+    done = run_cli(out, "--iters", "2", "--test-iters", "1", "--data", "synthetic", "--params",
+                   str(tmp_path / "p.npz"), "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    assert "(compiled kernels, 1 thread)" in done.stdout
+    # a library of other sources is not loaded: the digest names the sources
+    source = out.with_suffix(".c")
+    source.write_text(source.read_text() + "\n// changed\n")
+    assert native.load(out)[0] is None and math.isfinite(len(native.load(out)[1]))
