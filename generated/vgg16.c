@@ -5,7 +5,8 @@
 //
 // `python vgg16.py` runs these where the library built from this file is current (deepdsl compile builds
 // `<program>.<digest>.so` with a C compiler; deepdsl_runtime.cpu.native loads it, else numpy's kernels run): the
-// runtime's generic kernels (the convolutions' im2col and axis swaps: kernels/cpu_ops.c, included here)
+// runtime's generic kernels (the convolutions' im2col and axis swaps, max pooling and its gradient:
+// kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
 // with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
 // float32 over the flat elements.

@@ -1,5 +1,7 @@
 """The compiled CPU kernels (`<program>.c` built into `<program>.<digest>.so`, deepdsl_runtime.cpu.native) against
-the numpy kernels they replace: im2col and the axis swap on odd geometries into NaN-filled buffers, every
+the numpy kernels they replace: im2col and the axis swap on odd geometries into NaN-filled buffers, max pooling
+with its argmax and its gradient on random geometries (padding, ceil mode, NaN inputs, ties, an output taking
+over its input) under NaN-filled workspaces of exactly their planned size, every
 elementwise kernel of a program in each operand pattern it is called with (also in place), the convolutions under
 NaN-filled workspaces of exactly their planned size, and two training steps and a test step of every network with
 the compiled kernels against the numpy backend. Also: how a program finds, refuses and reports its library."""
@@ -11,11 +13,14 @@ import shutil
 import numpy as np
 import pytest
 
+from hypothesis import given, settings, strategies as st
+
 from deepdsl_runtime import contract
-from deepdsl_runtime.cpu import conv, native
+from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
 from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
 from tests.test_cuda_codegen import _steps
+from tests.support.random_programs import pool_geometries
 from tests.test_memory_modes import NETWORKS
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -64,6 +69,80 @@ def test_im2col_and_swap_equal_numpy_bit_for_bit(lib, geometry):
     swapped = np.full((c, n, h, w), np.nan, np.float32)
     lib.swap01(x, swapped)
     assert np.array_equal(swapped, x.swapaxes(0, 1))
+
+
+def _pool_input(n, c, h, w, rng):
+    """Values with ties (rounded), a NaN and negative zeros: what the argmax's first-maximum rule must handle."""
+    x = np.round(rng.standard_normal((n, c, h, w)), 1).astype(np.float32)
+    x.reshape(-1)[rng.integers(0, x.size)] = np.nan
+    x[x == 0] = -0.0
+    return x
+
+
+@needs_cc
+@settings(max_examples=40, deadline=None)
+@given(geometry=pool_geometries(9), n=st.integers(1, 3), c=st.integers(1, 3), seed=st.integers(0, 99))
+def test_max_pool_and_its_gradient_equal_numpy(lib, geometry, n, c, seed):
+    h, w, k, stride, pad, ceil = (geometry[key] for key in ("h", "w", "kernel", "stride", "pad", "ceil"))
+    ho, wo = contract.out_size(h, k, stride, pad, ceil), contract.out_size(w, k, stride, pad, ceil)
+    rng = np.random.default_rng(seed)
+    x = _pool_input(n, c, h, w, rng)
+    planned = contract.max_pool_scratch(x.shape, (n, c, ho, wo), k, stride, pad)
+    results = []
+    for kernels in (None, lib):
+        out = np.full((n, c, ho, wo), np.nan, np.float32)
+        argmax = np.full(out.shape, 255, np.uint8)
+        ws = np.full(max(planned * n, 1), np.nan, np.float32)
+        pool.max_pool(x, out=out, argmax=argmax, kernel=k, stride=stride, pad=pad, ceil=ceil, workspace=ws,
+                      native=kernels)
+        alone = np.full(out.shape, 255, np.uint8)
+        ws = np.full(contract.max_pool_argmax_scratch(x.shape, out.shape, k, stride, pad) * n, np.nan, np.float32)
+        pool.max_pool_argmax(x, out=alone, kernel=k, stride=stride, pad=pad, ceil=ceil, workspace=ws,
+                             native=kernels)
+        g = np.round(rng.standard_normal(out.shape), 1).astype(np.float32) if kernels is None else results[0][3]
+        dx = np.full(x.shape, np.nan, np.float32)
+        ws = np.full(max(contract.max_pool_bwd_scratch(g.shape, x.shape, k, stride, pad) * n, 1), np.nan,
+                     np.float32)
+        pool.max_pool_bwd(g, argmax, out=dx, kernel=k, stride=stride, pad=pad, ceil=ceil, size=(h, w),
+                          workspace=ws, native=kernels)
+        results.append((out, argmax, alone, g, dx))
+    want, got = results
+    np.testing.assert_array_equal(got[0], want[0])            # maxima (NaN where numpy has NaN)
+    np.testing.assert_array_equal(got[1], want[1])            # argmax with max_pool
+    np.testing.assert_array_equal(got[2], want[1])            # argmax alone
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-6, atol=1e-6)
+
+
+@needs_cc
+@pytest.mark.parametrize("kernel,stride,pad", [(2, 2, 0), (3, 2, 0), (3, 2, 1)])
+def test_pooling_over_its_own_input(lib, kernel, stride, pad):
+    """An output taking over its input's bytes (same start), as the memory plan lays it out: the compiled kernels
+    run in numpy's safe sample order and give numpy's results."""
+    rng = np.random.default_rng(5)
+    n, c, h, w = 5, 3, 9, 9
+    ho, wo = contract.out_size(h, kernel, stride, pad), contract.out_size(w, kernel, stride, pad)
+    x = _pool_input(n, c, h, w, rng)
+    want = np.empty((n, c, ho, wo), np.float32)
+    pool.max_pool(x, out=want, kernel=kernel, stride=stride, pad=pad)
+    g = rng.standard_normal(want.shape).astype(np.float32)
+    argmax = np.empty(want.shape, np.uint8)
+    pool.max_pool_argmax(x, out=argmax, kernel=kernel, stride=stride, pad=pad)
+    want_dx = np.empty_like(x)
+    pool.max_pool_bwd(g, argmax, out=want_dx, kernel=kernel, stride=stride, pad=pad, size=(h, w))
+    stage = contract.stage_floats(x.nbytes, want.nbytes, n)
+    planned = contract.max_pool_scratch(x.shape, want.shape, kernel, stride, pad) * n + stage
+    arena = np.full(x.size, np.nan, np.float32)
+    arena[:] = x.reshape(-1)
+    pool.max_pool(arena.reshape(x.shape), out=arena[:want.size].reshape(want.shape), kernel=kernel, stride=stride,
+                  pad=pad, workspace=np.full(planned, np.nan, np.float32), native=lib)
+    np.testing.assert_array_equal(arena[:want.size].reshape(want.shape), want)
+    grows = np.full(x.size, np.nan, np.float32)
+    grows[:g.size] = g.reshape(-1)
+    planned = contract.max_pool_bwd_scratch(g.shape, x.shape, kernel, stride, pad) * n + stage
+    pool.max_pool_bwd(grows[:g.size].reshape(g.shape), argmax, out=grows.reshape(x.shape), kernel=kernel,
+                      stride=stride, pad=pad, size=(h, w), workspace=np.full(planned, np.nan, np.float32),
+                      native=lib)
+    np.testing.assert_allclose(grows.reshape(x.shape), want_dx, rtol=1e-6, atol=1e-6)
 
 
 def _operands(pattern, shape, rng):

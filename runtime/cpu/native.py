@@ -4,8 +4,9 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 `load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
 loaded) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
-the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, and every elementwise
-statement whose inputs are whole tensors or scalars (a broadcast one runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
+the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, max pooling with its argmax
+and its gradient, and every elementwise statement whose inputs are whole tensors or scalars (a broadcast one runs
+numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
 so the memory plan is the same with or without them. `threads` sets the kernels' OpenMP threads.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do
-BUILD_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
 
 _F = ctypes.c_float
 _P = ctypes.c_void_p
@@ -84,6 +85,8 @@ class Native:
         self.lib = lib
         lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P]
+        lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
+        lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
         self._ew: dict[tuple[str, str], object] = {}
@@ -115,6 +118,33 @@ class Native:
             return
         a, b = src.shape[:2]
         self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1), dst.ctypes.data)
+
+    # pooling --------------------------------------------------------------------------------------------------
+
+    def max_pool(self, x: np.ndarray, out: np.ndarray | None, argmax: np.ndarray | None, kernel: int, stride: int,
+                 pad: int, workspace: np.ndarray | None) -> None:
+        """Max pooling of contiguous arrays into `out` and/or `argmax` (`deepdsl_max_pool`). Windows that leave
+        the plane read a padded copy of it in `workspace` (the one numpy's kernel pads in, whose plan holds at
+        least one sample's padded planes), one plane per thread."""
+        n, c, h, w = x.shape
+        ho, wo = (out if out is not None else argmax).shape[2:]
+        hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
+        plane = hp * wp
+        if workspace is None:       # (as numpy's kernel, which then pads in a temporary)
+            leaves = pad > 0 or hp > h or wp > w
+            workspace = np.empty(plane * self.threads if leaves else 1, np.float32)
+        self.lib.deepdsl_max_pool(x.ctypes.data, n * c, h, w, ho, wo, kernel, stride, pad,
+                                  None if out is None else out.ctypes.data,
+                                  None if argmax is None else argmax.ctypes.data, workspace.ctypes.data,
+                                  min(workspace.size // max(plane, 1), 1 << 30))
+
+    def max_pool_bwd(self, g: np.ndarray, argmax: np.ndarray, out: np.ndarray, kernel: int, stride: int,
+                     pad: int) -> None:
+        """The gradient of max pooling, of contiguous arrays (`deepdsl_max_pool_bwd`)."""
+        n, c, ho, wo = g.shape
+        h, w = out.shape[2:]
+        self.lib.deepdsl_max_pool_bwd(g.ctypes.data, argmax.ctypes.data, n * c, h, w, ho, wo, kernel, stride, pad,
+                                      out.ctypes.data)
 
     # elementwise ----------------------------------------------------------------------------------------------
 

@@ -31,6 +31,10 @@ def _scatter_target(out, size, kernel, stride, pad, ho, wo, scratch):
     return scratch.take((n, c, max(hp, h + pad), max(wp, w + pad)))
 
 
+def _contiguous(*arrays) -> bool:
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
 def _window(a, i, j, stride, ho, wo):
     return a[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride]
 
@@ -45,15 +49,17 @@ def _per(shape) -> int:
     return int(np.prod(shape[1:], dtype=np.int64))
 
 
-def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None):
+def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None, native=None):
     """Maximum of each window; with `argmax`, also the index `max_pool_argmax` computes, in the same pass over the
     windows (the maxima are the argmax's reference values; the workspace max_pool's plan gives it, which need not
     hold the argmax's one-byte mask). `out` may take over the bytes of `x` (same start): samples then run in a
-    safe order."""
+    safe order. With `native` (compiled kernels) one compiled pass computes both."""
     if takes_over(x, out):
         return over_samples(lambda s, e, xs, os, ws: max_pool(
             xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil,
-            argmax=None if argmax is None else argmax[s:e], workspace=ws), x, out, workspace)
+            argmax=None if argmax is None else argmax[s:e], workspace=ws, native=native), x, out, workspace)
+    if native is not None and _contiguous(x, out, argmax):
+        return native.max_pool(x, out, argmax, kernel, stride, pad, workspace)
     ho, wo = out.shape[2:]
     extra = () if argmax is None else (out.shape, out.shape)
     padded = contract.max_pool_scratch(x.shape, out.shape, kernel, stride, pad)
@@ -92,9 +98,11 @@ def _window_argmax(src, best, index, differs, kernel, stride, ho, wo):
             np.multiply(index, as_bytes, out=index)
 
 
-def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None):
+def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None, native=None):
     """Index (row * kernel + column) of the first maximum of each window, as uint8: the window maxima first (as
     max_pool computes them), then the index from them (`_window_argmax`)."""
+    if native is not None and _contiguous(x, out):
+        return native.max_pool(x, None, out, kernel, stride, pad, workspace)
     ho, wo = out.shape[2:]
     padded = contract.max_pool_scratch(x.shape, out.shape, kernel, stride, pad)
     scratch_floats = contract.max_pool_argmax_scratch(x.shape, out.shape, kernel, stride, pad)
@@ -109,13 +117,16 @@ def max_pool_argmax(x, *, out, kernel, stride, pad=0, ceil=False, workspace=None
         _window_argmax(src, best, index, differs, kernel, stride, ho, wo)
 
 
-def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None):
+def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, workspace=None, native=None):
     """Each gradient goes to the position its window's argmax names; overlapping windows add up. `out` may take
-    over the bytes of `g` (same start): samples then run in a safe order."""
+    over the bytes of `g` (same start): samples then run in a safe order. With `native`, one compiled pass (the
+    same additions in the same order)."""
     if takes_over(g, out):
         return over_samples(lambda s, e, gs, os, ws: max_pool_bwd(
-            gs, argmax[s:e], out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, size=size, workspace=ws),
-            g, out, workspace)
+            gs, argmax[s:e], out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, size=size, workspace=ws,
+            native=native), g, out, workspace)
+    if native is not None and _contiguous(g, argmax, out):
+        return native.max_pool_bwd(g, argmax, out, kernel, stride, pad)
     ho, wo = g.shape[2:]
     h, w = size
     overlap = stride < kernel

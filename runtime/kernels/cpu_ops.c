@@ -1,6 +1,6 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
-// the im2col copies and axis swaps of the convolutions.
+// the im2col copies and axis swaps of the convolutions, max pooling with its argmax, and its gradient.
 //
 // Each kernel computes exactly what the numpy kernel it replaces computes (runtime/cpu/), on the same memory: no
 // scratch beyond what that kernel's plan gives (these need none), outputs never overlapping inputs (the Python
@@ -81,4 +81,165 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, float* dst) 
     for (long b = 0; b < nb; ++b)
         for (long a = 0; a < na; ++a)
             memcpy(dst + (b * na + a) * inner, src + (a * nb + b) * inner, sizeof(float) * inner);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// max pooling: numpy's results (runtime/cpu/pool.py) -- the maximum by np.maximum's rule (NaN wins; of equal values
+// the first stays), the argmax the offset row * kernel + column of the first position holding it (the last
+// position when none does: NaN windows), positions outside the plane -inf -- window by window, branch-free
+
+static inline __attribute__((always_inline)) void deepdsl_window_max(const float* at, long w, int K, float* best_out, uint8_t* index_out) {
+    float best = at[0];
+    int nan = best != best;
+    for (int i = 0; i < K; ++i)
+        for (int j = 0; j < K; ++j) {
+            const float v = at[i * w + j];
+            best = v > best ? v : best;
+            nan |= v != v;
+        }
+    best = nan ? NAN : best;
+    int index = K * K - 1;
+    for (int k = K * K - 2; k >= 0; --k) index = at[(k / K) * w + k % K] == best ? k : index;
+    *best_out = best;
+    *index_out = (uint8_t)index;
+}
+
+// Per-plane work is in functions of their own (not inlined into the parallel regions, where every variable shared
+// by the threads would be read again after each store through a pointer): their arguments are plain locals.
+#define DEEPDSL_PLANE static __attribute__((noinline))
+
+// A 2x2 window, written out.
+static inline __attribute__((always_inline)) void deepdsl_window_max2(const float* at, long w, float* best_out,
+                                                                     uint8_t* index_out) {
+    const float a = at[0], b = at[1], c = at[w], d = at[w + 1];
+    float best = a;
+    best = b > best ? b : best;
+    best = c > best ? c : best;
+    best = d > best ? d : best;
+    best = ((a != a) | (b != b) | (c != c) | (d != d)) ? NAN : best;
+    int index = 3;
+    index = c == best ? 2 : index;
+    index = b == best ? 1 : index;
+    index = a == best ? 0 : index;
+    *best_out = best;
+    *index_out = (uint8_t)index;
+}
+
+// The windows of one plane whose windows all lie inside it (rows `w` apart); `out` or `argmax` may be NULL.
+DEEPDSL_PLANE void deepdsl_max_pool_plane(const float* src, long w, int ho, int wo, int K, int stride, float* out,
+                                          uint8_t* argmax) {
+    float best;
+    uint8_t index;
+    if (K == 2 && out && argmax) {                  /* the common case, without a test per window */
+        for (int p = 0; p < ho; ++p) {
+            const float* row = src + (long)p * stride * w;
+            for (int q = 0; q < wo; ++q) {
+                deepdsl_window_max2(row + (long)q * stride, w, &best, &index);
+                out[(long)p * wo + q] = best;
+                argmax[(long)p * wo + q] = index;
+            }
+        }
+        return;
+    }
+    for (int p = 0; p < ho; ++p) {
+        const float* row = src + (long)p * stride * w;
+        for (int q = 0; q < wo; ++q) {
+            if (K == 2) deepdsl_window_max2(row + (long)q * stride, w, &best, &index);
+            else if (K == 3) deepdsl_window_max(row + (long)q * stride, w, 3, &best, &index);
+            else deepdsl_window_max(row + (long)q * stride, w, K, &best, &index);
+            if (out) out[(long)p * wo + q] = best;
+            if (argmax) argmax[(long)p * wo + q] = index;
+        }
+    }
+}
+
+// padded (hp x wp) = the plane src (h x w) at (pad, pad), -inf around it.
+DEEPDSL_PLANE void deepdsl_pad_plane(const float* src, int h, int w, int hp, int wp, int pad, float* padded) {
+    for (int y = 0; y < hp; ++y)
+        for (int c = 0; c < wp; ++c) {
+            const int sy = y - pad, sx = c - pad;
+            padded[(long)y * wp + c] = (sy >= 0 && sy < h && sx >= 0 && sx < w) ? src[(long)sy * w + sx] : -INFINITY;
+        }
+}
+
+// Max pooling of `planes` (N*C) planes h x w into ho x wo (`out` and/or `argmax`, either may be NULL), windows
+// kernel x kernel with `stride` and `pad`. A plane some window leaves (padding, ceil mode) is first copied with a
+// -inf border into `scratch`, which holds `scratch_planes` padded planes: one per thread (no more threads run).
+void deepdsl_max_pool(const float* x, long planes, int h, int w, int ho, int wo, int kernel, int stride, int pad,
+                      float* out, uint8_t* argmax, float* scratch, int scratch_planes) {
+    const int hp = (ho - 1) * stride + kernel, wp = (wo - 1) * stride + kernel;
+    const int inside = pad == 0 && hp <= h && wp <= w;
+    int threads = deepdsl_threads();
+    if (!inside && threads > scratch_planes) threads = scratch_planes > 0 ? scratch_planes : 1;
+#pragma omp parallel num_threads(threads) if (planes * h * w >= DEEPDSL_PARALLEL_MIN)
+    {
+#ifdef _OPENMP
+        float* padded = inside ? 0 : scratch + (long)omp_get_thread_num() * hp * wp;
+#else
+        float* padded = inside ? 0 : scratch;
+#endif
+#pragma omp for schedule(static)
+        for (long pl = 0; pl < planes; ++pl) {
+            const float* src = x + pl * h * w;
+            long width = w;
+            if (!inside) {
+                deepdsl_pad_plane(src, h, w, hp, wp, pad, padded);
+                src = padded;
+                width = wp;
+            }
+            deepdsl_max_pool_plane(src, width, ho, wo, kernel, stride, out ? out + pl * ho * wo : 0,
+                                   argmax ? argmax + pl * ho * wo : 0);
+        }
+    }
+}
+
+// One input row of a tiling pooling's gradient: position q * K + j of the row gets g[q] where the window's argmax
+// is row i, column j, else g[q] * 0 (numpy's product by the 0/1 mask: NaN stays NaN).
+static inline __attribute__((always_inline)) void deepdsl_grad_row(float* dst, const float* g, const uint8_t* argmax, int wo, int K, int i) {
+    for (int q = 0; q < wo; ++q) {
+        const float grad = g[q], zero = grad * 0.0f;
+        const int at = argmax[q] - i * K;
+        for (int j = 0; j < K; ++j) dst[q * K + j] = at == j ? grad : zero;
+    }
+}
+
+// The gradient of max pooling in one plane: each window adds g * (argmax == offset) to the input position at each
+// offset. Windows that tile the plane (stride == kernel, no padding, inside) write its rows once each; others add
+// in numpy's order (offset by offset, each over all windows).
+DEEPDSL_PLANE void deepdsl_max_pool_bwd_plane(const float* g, const uint8_t* argmax, int h, int w, int ho, int wo,
+                                              int kernel, int stride, int pad, float* o) {
+    if (stride == kernel && pad == 0 && ho * kernel <= h && wo * kernel <= w) {
+        for (int p = 0; p < ho; ++p)
+            for (int i = 0; i < kernel; ++i) {
+                float* dst = o + ((long)p * kernel + i) * w;
+                if (kernel == 2) deepdsl_grad_row(dst, g + (long)p * wo, argmax + (long)p * wo, wo, 2, i);
+                else deepdsl_grad_row(dst, g + (long)p * wo, argmax + (long)p * wo, wo, kernel, i);
+                for (int x = wo * kernel; x < w; ++x) dst[x] = 0.0f;
+            }
+        for (long y = (long)ho * kernel; y < h; ++y) memset(o + y * w, 0, sizeof(float) * w);
+        return;
+    }
+    memset(o, 0, sizeof(float) * h * w);
+    for (int k = 0; k < kernel * kernel; ++k) {
+        const int i = k / kernel, j = k % kernel;
+        int q0, q1;
+        deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
+        for (int p = 0; p < ho; ++p) {
+            const int y = p * stride - pad + i;
+            if (y < 0 || y >= h) continue;
+            float* row = o + (long)y * w + j - pad;
+            const float* gr = g + (long)p * wo;
+            const uint8_t* ar = argmax + (long)p * wo;
+            for (int q = q0; q < q1; ++q) row[(long)stride * q] += gr[q] * (float)(ar[q] == k);
+        }
+    }
+}
+
+// The gradient of max pooling of `planes` planes; a thread owns whole planes.
+void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, int h, int w, int ho, int wo,
+                          int kernel, int stride, int pad, float* out) {
+#pragma omp parallel for schedule(static) if (planes * h * w >= DEEPDSL_PARALLEL_MIN)
+    for (long pl = 0; pl < planes; ++pl)
+        deepdsl_max_pool_bwd_plane(g + pl * ho * wo, argmax + pl * ho * wo, h, w, ho, wo, kernel, stride, pad,
+                                   out + pl * h * w);
 }
