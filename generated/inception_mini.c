@@ -9,54 +9,86 @@
 // kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
 // with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
-// float32 over the flat elements.
+// float32 over the flat elements, each thread a contiguous share (`_range`: a function of its own, so that its
+// loop reads its operands from locals and vectorizes).
 #include "cpu_ops.c"
 
 // ew_relu: out = Max(0, v0)
-void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_relu_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = fmaxf(0, v0);
     }
 }
 
+void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_relu_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul: out = 1.25*v0*v1
-void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_fu_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const uint8_t* p1 = (const uint8_t*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 1.25F*v0*v1;
     }
 }
 
+void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_fu_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add: out = v0 + v1
 
 // ew_exp_scale_add: out = v0 + 0.01*exp(v1)
-void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0 + 0.01F*expf(v1);
     }
 }
 
+void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_add: out = v0*v1 + v2 + v3*v4
-void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
     const float v3 = value[3];
     const float* p4 = (const float*)in[4];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         const float v4 = (float)p4[i];
@@ -64,75 +96,135 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
     }
 }
 
+void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale: out = -v0/100
-void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = -1.0F/100.0F*v0;
     }
 }
 
+void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_sub: out = v0 - v1*v2
-void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         out[i] = v0 - v1*v2;
     }
 }
 
+void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_step_mul: out = v0*Heaviside(v1, 0)
-void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
     }
 }
 
+void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_add_2: out = v0*v1 + v2
-void deepdsl_ew_mul_add_2_fsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         out[i] = v0*v1 + v2;
     }
 }
 
+void deepdsl_ew_mul_add_2_fsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_add_2_fsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_sub_2: out = v0 - 2*v1*v2
-void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_sub_2_fsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         out[i] = v0 - 2*v1*v2;
     }
 }
 
+void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_sub_2_fsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_2: out = v0 + v1 + v2 + v3
-void deepdsl_ew_add_2_ffff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_2_ffff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* p2 = (const float*)in[2];
     const float* p3 = (const float*)in[3];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         const float v2 = (float)p2[i];
@@ -141,20 +233,39 @@ void deepdsl_ew_add_2_ffff(long n, float* out, const void* const* in, const floa
     }
 }
 
+void deepdsl_ew_add_2_ffff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_2_ffff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_step_mul: out = (v0 + v1 + v2 + v3)*Heaviside(v4, 0)
-void deepdsl_ew_add_step_mul_fffff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fffff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* p2 = (const float*)in[2];
     const float* p3 = (const float*)in[3];
     const float* p4 = (const float*)in[4];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         const float v2 = (float)p2[i];
         const float v3 = (float)p3[i];
         const float v4 = (float)p4[i];
         out[i] = (v0 + v1 + v2 + v3)*((v4) > 0.0F ? 1.0F : 0.0F);
+    }
+}
+
+void deepdsl_ew_add_step_mul_fffff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_step_mul_fffff_range(begin, end, out, in, value);
     }
 }

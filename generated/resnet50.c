@@ -9,86 +9,157 @@
 // kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
 // with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
-// float32 over the flat elements.
+// float32 over the flat elements, each thread a contiguous share (`_range`: a function of its own, so that its
+// loop reads its operands from locals and vectorizes).
 #include "cpu_ops.c"
 
 // ew_scale: out = v0/401408
-void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/401408.0F)*v0;
+    }
+}
+
+void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
 
 // ew_sub: out = v0 - v1
 
 // ew_scale_add: out = 0.9*v0 + 0.1*v1
-void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.1F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_square: out = v0**2
-void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (v0*v0);
     }
 }
 
+void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_square_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_2: out = 0.9*v0 + 0.100000249123707*v1
-void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_2_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100000249F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_2_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_rsqrt: out = 1/sqrt(v0 + 1.0e-5)
-void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/sqrtf(v0 + 1.0e-5F));
+    }
+}
+
+void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_rsqrt_f_range(begin, end, out, in, value);
     }
 }
 
 // ew_mul_add_relu: out = Max(0, v0*v1*v2 + v3)
 
 // ew_scale_2: out = v0/100352
-void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/100352.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_2_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_3: out = 0.9*v0 + 0.100000996502277*v1
-void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_3_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100000997F*v1;
+    }
+}
+
+void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_3_ff_range(begin, end, out, in, value);
     }
 }
 
@@ -99,104 +170,185 @@ void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const 
 // ew_mul_add_relu_4: out = Max(0, v0*v1*v2 + v3 + v4)
 
 // ew_scale_3: out = v0/25088
-void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/25088.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_3_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_4: out = 0.9*v0 + 0.100003986128274*v1
-void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_4_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100003986F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_4_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_4: out = v0/6272
-void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_4_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/6272.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_4_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_5: out = 0.9*v0 + 0.100015946420029*v1
-void deepdsl_ew_scale_add_5_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_5_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100015946F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_5_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_5_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_5: out = v0/1568
-void deepdsl_ew_scale_5_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_5_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/1568.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_5_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_5_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_6: out = 0.9*v0 + 0.100063816209317*v1
-void deepdsl_ew_scale_add_6_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_6_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100063816F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_6_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_6_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add: out = v0 + v1
 
 // ew_exp_scale_add: out = v0 + 0.03125*exp(v1)
-void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0 + 0.03125F*expf(v1);
     }
 }
 
+void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_6: out = -v0/32
-void deepdsl_ew_scale_6_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_6_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = -1.0F/32.0F*v0;
     }
 }
 
+void deepdsl_ew_scale_6_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_6_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_add: out = v0*v1 + v2 + v3*v4
-void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
     const float v3 = value[3];
     const float* p4 = (const float*)in[4];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         const float v4 = (float)p4[i];
@@ -204,42 +356,81 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
     }
 }
 
+void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_sub: out = v0 - v1*v2
-void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         out[i] = v0 - v1*v2;
     }
 }
 
+void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_step_mul: out = v0*Heaviside(v1, 0)
-void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
     }
 }
 
+void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul: out = v0*v1*v2
 
 // ew_add_pow_mul: out = -v0/(3136*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/3136.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
+    }
+}
+
+void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_ff_range(begin, end, out, in, value);
     }
 }
 
@@ -248,24 +439,35 @@ void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const 
 // ew_mul_2: out = v0*v1*v2
 
 // ew_neg: out = -v0
-void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = -v0;
+    }
+}
+
+void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_neg_f_range(begin, end, out, in, value);
     }
 }
 
 // ew_mul_3: out = v0*v1*v2
 
 // ew_add_step_mul: out = (v0 + v1)*Heaviside(v2, 0)
-void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         const float v2 = (float)p2[i];
@@ -273,51 +475,100 @@ void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, cons
     }
 }
 
+void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_step_mul_fff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_2: out = -v0/(12544*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_2_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/12544.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
     }
 }
 
+void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_2_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_3: out = -v0/(50176*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/50176.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
     }
 }
 
+void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_3_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_4: out = -v0/(200704*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_4_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_4_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/200704.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
     }
 }
 
+void deepdsl_ew_add_pow_mul_4_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_4_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_5: out = -v0/(802816*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_5_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_5_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/802816.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
+    }
+}
+
+void deepdsl_ew_add_pow_mul_5_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_5_ff_range(begin, end, out, in, value);
     }
 }
 

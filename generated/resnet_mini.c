@@ -9,62 +9,113 @@
 // kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
 // with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
-// float32 over the flat elements.
+// float32 over the flat elements, each thread a contiguous share (`_range`: a function of its own, so that its
+// loop reads its operands from locals and vectorizes).
 #include "cpu_ops.c"
 
 // ew_scale: out = v0/78400
-void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/78400.0F)*v0;
+    }
+}
+
+void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
 
 // ew_sub: out = v0 - v1
 
 // ew_scale_add: out = 0.9*v0 + 0.1*v1
-void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.1F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_square: out = v0**2
-void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (v0*v0);
     }
 }
 
+void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_square_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_2: out = 0.9*v0 + 0.100001275526474*v1
-void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_2_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100001276F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_2_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_rsqrt: out = 1/sqrt(v0 + 1.0e-5)
-void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/sqrtf(v0 + 1.0e-5F));
+    }
+}
+
+void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_rsqrt_f_range(begin, end, out, in, value);
     }
 }
 
@@ -73,74 +124,125 @@ void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const flo
 // ew_mul_add_relu_2: out = Max(0, v0*v1*v2 + v3 + v4)
 
 // ew_scale_2: out = v0/19600
-void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/19600.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_2_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_3: out = 0.9*v0 + 0.100005102301138*v1
-void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_3_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100005102F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_3_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_add_relu_3: out = Max(0, v0*v1*v2 + v3 + v4*v5*v6 + v7)
 
 // ew_scale_3: out = v0/4900
-void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = (1.0F/4900.0F)*v0;
     }
 }
 
+void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_3_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_add_4: out = 0.9*v0 + 0.100020412329047*v1
-void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_add_4_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = 0.9F*v0 + 0.100020412F*v1;
     }
 }
 
+void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_add_4_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add: out = v0 + v1
 
 // ew_exp_scale_add: out = v0 + 0.01*exp(v1)
-void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0 + 0.01F*expf(v1);
     }
 }
 
+void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_add: out = v0*v1 + v2 + v3*v4
-void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
     const float v3 = value[3];
     const float* p4 = (const float*)in[4];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         const float v4 = (float)p4[i];
@@ -148,52 +250,101 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
     }
 }
 
+void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_scale_4: out = -v0/100
-void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_scale_4_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = -1.0F/100.0F*v0;
     }
 }
 
+void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_scale_4_f_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul_sub: out = v0 - v1*v2
-void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v2 = (float)p2[i];
         out[i] = v0 - v1*v2;
     }
 }
 
+void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
+    }
+}
+
 // ew_step_mul: out = v0*Heaviside(v1, 0)
-void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
     }
 }
 
+void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_mul: out = v0*v1*v2
 
 // ew_add_pow_mul: out = -v0/(9800*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/9800.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
+    }
+}
+
+void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_ff_range(begin, end, out, in, value);
     }
 }
 
@@ -202,24 +353,35 @@ void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const 
 // ew_mul_2: out = v0*v1*v2
 
 // ew_neg: out = -v0
-void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         out[i] = -v0;
+    }
+}
+
+void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_neg_f_range(begin, end, out, in, value);
     }
 }
 
 // ew_mul_3: out = v0*v1*v2
 
 // ew_add_step_mul: out = (v0 + v1)*Heaviside(v2, 0)
-void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* p2 = (const float*)in[2];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         const float v2 = (float)p2[i];
@@ -227,27 +389,56 @@ void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, cons
     }
 }
 
+void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_step_mul_fff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_2: out = -v0/(39200*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_2_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/39200.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
     }
 }
 
+void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_2_ff_range(begin, end, out, in, value);
+    }
+}
+
 // ew_add_pow_mul_3: out = -v0/(156800*(v1 + 1.0e-5)**(3/2))
-void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
+static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long begin, long end, float* out,
+                                                                 const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-#pragma omp parallel for simd schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
-    for (long i = 0; i < n; ++i) {
+#pragma omp simd
+    for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
         out[i] = -1.0F/156800.0F*v0/powf(v1 + 1.0e-5F, 3.0F/2.0F);
+    }
+}
+
+void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
+#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(n, &begin, &end);
+        deepdsl_ew_add_pow_mul_3_ff_range(begin, end, out, in, value);
     }
 }
 

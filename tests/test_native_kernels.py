@@ -170,7 +170,7 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
     for kernel_name, patterns in describe(compiled).kernel_patterns:
         kernel = getattr(module, kernel_name)
         for pattern in patterns:
-            for shape in ((3, 5, 7), (1,), (40000,)):        # odd, one element, and threaded
+            for shape in ((3, 5, 7 * native.EW_NATIVE_MIN), (native.EW_NATIVE_MIN + 1,), (1 << 19,)):  # odd, threaded
                 args = _operands(pattern, shape, rng)
                 want = np.empty(shape, np.float32)
                 kernel(want, *args)
@@ -187,12 +187,14 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
 
 
 @needs_cc
-def test_broadcast_operands_run_numpy(lib):
+def test_broadcast_and_small_operands_run_numpy(lib):
     def kernel(out, v0, v1):
         np.add(v0, v1, out=out)
     kernel.__name__ = "ew_add"
-    out = np.empty((4, 3), np.float32)
-    assert not lib.ew(kernel, out, (np.ones((4, 3), np.float32), np.ones(3, np.float32)))
+    out = np.empty((native.EW_NATIVE_MIN, 3), np.float32)
+    assert not lib.ew(kernel, out, (np.ones(out.shape, np.float32), np.ones(3, np.float32)))
+    small = np.empty(native.EW_NATIVE_MIN - 1, np.float32)
+    assert not lib.ew(kernel, small, (small, small))          # a small one: numpy's call costs less
 
 
 @needs_cc

@@ -23,8 +23,11 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
            "KERNELS_DIR"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-# -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do
-BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+# -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
+# (x > 0 ? v : 0) may be computed branch-free (no program reads floating-point exception flags); -O2: gcc's -O3
+# made the pooling kernels' short loops several times slower here
+BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing",
+               "-shared", "-fPIC")
 
 _F = ctypes.c_float
 _P = ctypes.c_void_p
@@ -150,9 +153,9 @@ class Native:
 
     def ew(self, kernel, out: np.ndarray, args) -> bool:
         """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`)
-        when its inputs are whole tensors or scalars; False when the library has no such kernel (the caller runs
-        the numpy one)."""
-        if not out.flags.c_contiguous or out.dtype != np.float32:
+        when its inputs are whole tensors or scalars and it has at least EW_NATIVE_MIN elements; False otherwise
+        (the caller runs the numpy one)."""
+        if out.size < EW_NATIVE_MIN or not out.flags.c_contiguous or out.dtype != np.float32:
             return False
         pattern = []
         for a in args:
@@ -183,6 +186,7 @@ class Native:
         return True
 
 
+EW_NATIVE_MIN = 1 << 15       # smaller elementwise statements stay with numpy: a ctypes call costs more than they do
 _BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
                  "scipy_openblas_set_num_threads")
 

@@ -14,6 +14,8 @@
 #endif
 
 #define DEEPDSL_PARALLEL_MIN 16384      /* below this many elements a kernel runs on one thread */
+/* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
+#define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
 
 void deepdsl_set_threads(int threads) {
 #ifdef _OPENMP
@@ -29,6 +31,18 @@ int deepdsl_threads(void) {
 #else
     return 1;
 #endif
+}
+
+// [*begin, *end): this thread's share of n elements in an OpenMP team (all of them outside one), in blocks of 16.
+static inline void deepdsl_share(long n, long* begin, long* end) {
+#ifdef _OPENMP
+    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const long threads = 1, me = 0;
+#endif
+    const long blocks = (n + 15) / 16, per = (blocks + threads - 1) / threads;
+    *begin = me * per * 16 < n ? me * per * 16 : n;
+    *end = (me + 1) * per * 16 < n ? (me + 1) * per * 16 : n;
 }
 
 // Output positions [*lo, *hi) whose input coordinate offset + stride * p - pad lies in [0, size).
