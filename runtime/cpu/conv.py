@@ -67,6 +67,10 @@ class _NumpyPasses:
     def swap01(src, dst):
         np.copyto(dst, src.swapaxes(0, 1))
 
+    @staticmethod
+    def add_bias(x, b):
+        np.add(x, b.reshape((1, -1) + (1,) * (x.ndim - 2)), out=x)
+
 
 _NUMPY = _NumpyPasses()
 _WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
@@ -89,7 +93,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
     if contract.pointwise_conv(kh, kw, stride, pad):
         gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
         if b is not None:
-            np.add(out, b.reshape(1, o, 1, 1), out=out)
+            (native or _NUMPY).add_bias(out, b)
         return
     ckk, hw = c * kh * kw, ho * wo
     step = samples_per_chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad))
@@ -106,9 +110,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
             regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
             np.copyto(regrouped, block)
             if native is not None:
-                native.swap01(regrouped, target)
-                if b is not None:
-                    np.add(target, b.reshape(1, o, 1), out=target)
+                native.swap01(regrouped, target, b)
             elif b is None:
                 np.copyto(target.transpose(1, 0, 2), regrouped)
             else:
@@ -116,7 +118,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
         else:
             gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
             if b is not None:
-                np.add(target, b.reshape(1, o, 1), out=target)
+                (native or _NUMPY).add_bias(target, b)
 
 
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul):

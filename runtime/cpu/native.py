@@ -87,7 +87,8 @@ class Native:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
-        lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P]
+        lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P, _P]
+        lib.deepdsl_add_bias.argtypes = [_P, _L, _L, _L, _P]
         lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
@@ -114,13 +115,24 @@ class Native:
         _, kh, kw, _, ho, wo = base.shape
         self.lib.deepdsl_im2col(x.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride, pad, base.ctypes.data)
 
-    def swap01(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """dst = src with its first two axes swapped (dst contiguous (B, A, ...) from contiguous (A, B, ...))."""
-        if not (src.flags.c_contiguous and dst.flags.c_contiguous):
-            np.copyto(dst, src.swapaxes(0, 1))
-            return
+    def swap01(self, src: np.ndarray, dst: np.ndarray, bias: np.ndarray | None = None) -> None:
+        """dst = src with its first two axes swapped (dst contiguous (B, A, ...) from contiguous (A, B, ...)), plus
+        bias[a] when given (the sum numpy's `np.add(src, bias)` makes, element for element)."""
         a, b = src.shape[:2]
-        self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1), dst.ctypes.data)
+        if not (src.flags.c_contiguous and dst.flags.c_contiguous and (bias is None or bias.flags.c_contiguous)):
+            np.copyto(dst, src.swapaxes(0, 1)) if bias is None else \
+                np.add(src.swapaxes(0, 1), bias.reshape((1, a) + (1,) * (src.ndim - 2)), out=dst)
+            return
+        self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1),
+                                None if bias is None else bias.ctypes.data, dst.ctypes.data)
+
+    def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
+        """x (N, C, ...) += bias (C,) broadcast over the samples and the trailing axes."""
+        if not (x.flags.c_contiguous and bias.flags.c_contiguous):
+            np.add(x, bias.reshape((1, -1) + (1,) * (x.ndim - 2)), out=x)
+            return
+        n, c = x.shape[:2]
+        self.lib.deepdsl_add_bias(x.ctypes.data, n, c, x.size // max(n * c, 1), bias.ctypes.data)
 
     # pooling --------------------------------------------------------------------------------------------------
 

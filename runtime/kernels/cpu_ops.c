@@ -33,6 +33,10 @@ int deepdsl_threads(void) {
 #endif
 }
 
+// Row loops called from parallel regions are functions of their own: their arguments are locals (inside a region a
+// variable the threads share is read again after every store through a pointer), so their loops vectorize.
+#define DEEPDSL_ROW static __attribute__((noinline))
+
 // [*begin, *end): this thread's share of n elements in an OpenMP team (all of them outside one), in blocks of 16.
 static inline void deepdsl_share(long n, long* begin, long* end) {
 #ifdef _OPENMP
@@ -89,12 +93,29 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     }
 }
 
-// dst[b][a][k] = src[a][b][k] for a < na, b < nb, k < inner (swapping the two outer axes).
-void deepdsl_swap01(const float* src, long na, long nb, long inner, float* dst) {
+DEEPDSL_ROW void deepdsl_copy_row(float* dst, const float* src, long n, float add) {
+    for (long k = 0; k < n; ++k) dst[k] = src[k] + add;
+}
+
+// dst[b][a][k] = src[a][b][k] (+ bias[a] when `bias` is not NULL) for a < na, b < nb, k < inner: the two outer
+// axes swapped (a convolution's (O, samples, Ho*Wo) product regrouped by sample, its bias added on the way).
+void deepdsl_swap01(const float* src, long na, long nb, long inner, const float* bias, float* dst) {
 #pragma omp parallel for collapse(2) schedule(static) if (na * nb * inner >= DEEPDSL_PARALLEL_MIN)
     for (long b = 0; b < nb; ++b)
-        for (long a = 0; a < na; ++a)
-            memcpy(dst + (b * na + a) * inner, src + (a * nb + b) * inner, sizeof(float) * inner);
+        for (long a = 0; a < na; ++a) {
+            if (bias) deepdsl_copy_row(dst + (b * na + a) * inner, src + (a * nb + b) * inner, inner, bias[a]);
+            else memcpy(dst + (b * na + a) * inner, src + (a * nb + b) * inner, sizeof(float) * inner);
+        }
+}
+
+// x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).
+void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* bias) {
+#pragma omp parallel for collapse(2) schedule(static) if (n * channels * inner >= DEEPDSL_PARALLEL_MIN)
+    for (long s = 0; s < n; ++s)
+        for (long c = 0; c < channels; ++c) {
+            float* row = x + (s * channels + c) * inner;
+            deepdsl_copy_row(row, row, inner, bias[c]);
+        }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
