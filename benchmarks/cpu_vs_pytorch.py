@@ -97,7 +97,7 @@ def worker_torch(batch: int, warmup: int, steps: int, threads: int) -> dict:
     import torch
     import torch.nn.functional as F
     sys.path.insert(0, str(ROOT))
-    from tests.torch_nets import LeNet          # the twin the tests check our programs against
+    from tests.support.torch_nets import LeNet  # the twin the tests check our programs against
     torch.set_num_threads(threads)
     torch.manual_seed(0)
 

@@ -113,9 +113,10 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
 # PyTorch
 
 def _torch_network(network: str):
-    """The PyTorch twin the tests check our programs against (`tests/torch_nets.py`), at the benchmark's size."""
+    """The PyTorch twin the tests check our programs against (`tests/support/torch_nets.py`), at the benchmark's
+    size."""
     sys.path.insert(0, str(ROOT))
-    from tests import torch_nets
+    from tests.support import torch_nets
 
     config = CONFIG[network]
     twin = {"lenet": torch_nets.LeNet, "alexnet": torch_nets.AlexNet}[network]

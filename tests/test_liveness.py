@@ -122,3 +122,27 @@ def test_the_estimate_is_the_planned_peak_on_random_programs(graph):
     program = rematerialize(schedule_for_memory(sink(linearize(graph))))
     assume(updates_in_place(program, StorageGraph(program)))
     assert peak_estimate(program) == plan_memory(insert_frees(compute_in_place(program))).peak_live_bytes
+
+
+def test_a_kept_order_still_lets_updates_be_written_in_place():
+    """The scheduler keeps the order it was given only where that order runs every update after the other readers
+    of the value it overwrites: here the given order updates w before the product reading w, and keeping it would
+    make the in-place pass copy (a planned peak above the estimate)."""
+    import sympy
+
+    from deepdsl.ir import Graph, make
+    from deepdsl.ops.elementwise import sym
+
+    w = make("param", (), name="w", shape=(1, 1), dtype="float")
+    u = make("param", (), name="u", shape=(1, 1), dtype="float")
+    product = make("matmul", (w, u))
+    zeros = make("const", (), shape=(1,), value=0.0)
+    decay = sym(0) * sympy.Rational(9, 10) - sym(1) / 4
+    graph = Graph("step", (("out0", product), ("out1", zeros),
+                           ("w", make("ew", (w, make("sum_to", (zeros,), shape=())), expr=decay)),
+                           ("u", make("ew", (u, product), expr=decay))))
+    program = rematerialize(schedule_for_memory(sink(linearize(graph))))
+    body = [i.node.op for i in program.body]
+    assert body.index("matmul") < [k for k, i in enumerate(program.body) if i.node.inputs[:1] == (w,)
+                                   and i.node.op == "ew"][0]
+    assert peak_estimate(program) == plan_memory(insert_frees(compute_in_place(program))).peak_live_bytes

@@ -286,3 +286,21 @@ def test_compile_builds_the_library_the_program_uses(tmp_path):
     source = out.with_suffix(".c")
     source.write_text(source.read_text() + "\n// changed\n")
     assert native.load(out)[0] is None and math.isfinite(len(native.load(out)[1]))
+
+
+@needs_cc
+def test_the_peer_benchmark_runs(tmp_path):
+    """benchmarks/cpu_vs_peers.py end to end at a tiny size (ours, numpy and PyTorch eager; one round): every side
+    reports a step time."""
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), "lenet:8", "--threads", "1",
+                           "--rounds", "1", "--warmup", "1", "--steps", "2", "--sides", "ours", "numpy", "eager"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
+    assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
+    assert all(float(r[4]) > 0 for r in rows), done.stdout

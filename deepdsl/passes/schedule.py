@@ -120,6 +120,12 @@ def _views_at_first_use(graph: StorageGraph, order: list[int]) -> list[int]:
 PRIORITIES = ("net", "frees-first", "input")
 
 
+def _respects(graph: StorageGraph, order: list[int]) -> bool:
+    """Whether `order` runs every statement after all its predecessors in `graph`."""
+    position = {k: i for i, k in enumerate(order)}
+    return all(position[p] < position[k] for k in order for p in graph.preds[k])
+
+
 def schedule_for_memory(program: Program, priorities: tuple[str, ...] = PRIORITIES) -> Program:
     """The program reordered for a low peak of live bytes (see the module docstring)."""
     if any(isinstance(i, Free) or i.into is not None for i in program.body):
@@ -135,7 +141,9 @@ def schedule_for_memory(program: Program, priorities: tuple[str, ...] = PRIORITI
         peak = simulated_peak(graph, order)
         if best is None or peak < best[0]:
             best = (peak, order)
-    if simulated_peak(graph, given) < best[0]:      # never worse than the order it was given
+    # never worse than the order it was given, where that order lets every update be written in place (after all
+    # other readers of the value it overwrites: the edges the storage graph adds)
+    if _respects(graph, given) and simulated_peak(graph, given) < best[0]:
         return program
     order = _views_at_first_use(graph, best[1])
     return program.rewritten(tuple(Let(graph.nodes[k]) for k in order))

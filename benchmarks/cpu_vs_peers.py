@@ -1,0 +1,266 @@
+"""Generated training programs on the CPU against PyTorch eager, torch.compile and JAX, side by side.
+
+    python benchmarks/cpu_vs_peers.py [NET:BATCH[:IMAGE] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
+                                      [--steps 10] [--sides ours numpy eager compile max-autotune jax] [--markdown]
+
+Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (IMAGE: the input's height and width). Each
+network is compiled once with `deepdsl compile` (its wall time is reported as ours' compile time; the command also
+builds the program's compiled kernels). Then, for each thread count, the sides run in rounds, interleaved (one
+process per side per round, so a busy moment of a shared machine falls on all sides alike), each on the same
+synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and torch.set_num_threads):
+
+- ours: the generated program's `train_step` with its compiled kernels (`--kernels compiled`); numpy: the same
+  program with numpy's kernels;
+- eager: the PyTorch twin the tests check our programs against (tests/support/torch_nets.py), `torch.optim.SGD`
+  with the same momentum and weight decay; compile: its loss under `torch.compile` (default mode);
+  max-autotune: `torch.compile(mode="max-autotune-no-cudagraphs")`;
+- jax: LeNet in jax.numpy under `jax.jit` (the step: loss, gradients and the SGD update in one jitted function),
+  where jax is installed; other networks have no JAX version here.
+
+A side's figure for a round is the median of its `--steps` timed steps after `--warmup` untimed ones; the table
+gives the median over rounds, its ratio to ours (above 1: slower than ours), the peak RSS (ru_maxrss) and its
+ratio, and the first step's seconds (for torch.compile: compiling; for jax: tracing and compiling). The load
+average is printed before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from timing import print_row, timed_steps  # benchmarks/ is on the path of a script run from it
+
+ROOT = Path(__file__).resolve().parents[1]
+LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
+SIDES = ("ours", "numpy", "eager", "compile", "max-autotune", "jax")
+TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50"}
+BATCHES = 2
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _data(shape, classes, seed=0):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape).astype(np.float32), rng.integers(0, classes, shape[0]).astype(np.int32))
+            for _ in range(BATCHES)]
+
+
+def _measure(step, warmup: int, steps: int) -> dict:
+    began = time.perf_counter()
+    step(0)
+    first = time.perf_counter() - began
+    times = timed_steps(lambda i: step(i + 1), max(warmup - 1, 0), steps)
+    return {"ms": statistics.median(times) * 1000, "first_s": first, "peak_mib": _peak_mib()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# workers (one process each)
+
+def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: int) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_program", program)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from deepdsl_runtime.program import Model
+    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    model = cls("cpu", 0, "static", kernels=kernels, threads=threads)
+    model.initialize(0)
+    data = _data(cls.batch_shape, cls.classes)
+
+    def step(i):
+        hyper = model.hyper(LR, MOMENTUM, DECAY, i)
+        if i == 0:
+            model.prepare(hyper)
+        x, y = data[i % BATCHES]
+        model.train_step(x, y, step=i, **hyper)
+
+    return {**_measure(step, warmup, steps), "kernels": model.kernels}
+
+
+def worker_torch(network: str, shape, classes: int, mode: str, threads: int, warmup: int, steps: int) -> dict:
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from tests.support import torch_nets
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    twin_cls = getattr(torch_nets, TWINS[network])
+    twin = twin_cls() if network == "lenet" else twin_cls(image=tuple(shape[2:]), classes=classes)
+    twin.train()
+    optimizer = torch.optim.SGD(twin.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
+    loss_fn = twin.loss if mode == "eager" else torch.compile(
+        twin.loss, mode=None if mode == "compile" else "max-autotune-no-cudagraphs")
+    data = [(torch.from_numpy(x), torch.from_numpy(y).long()) for x, y in _data(shape, classes)]
+
+    def step(i):
+        x, y = data[i % BATCHES]
+        optimizer.zero_grad()
+        loss = loss_fn(x, y)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+
+    return {**_measure(step, warmup, steps), "torch": torch.__version__}
+
+
+def worker_jax(shape, classes: int, warmup: int, steps: int) -> dict:
+    """LeNet (conv 20 5x5, max-pool 2, conv 50 5x5, max-pool 2, fc 500, ReLU, fc 10, cross entropy) in jax.numpy,
+    SGD with momentum and weight decay, the whole step jitted."""
+    import jax
+    import jax.numpy as jnp
+
+    def init(key):
+        shapes = {"c1": (20, shape[1], 5, 5), "c2": (50, 20, 5, 5), "f1": (500, 800), "f2": (classes, 500)}
+        params = {}
+        for name, s in shapes.items():
+            key, sub = jax.random.split(key)
+            params[name + "_W"] = jax.random.uniform(sub, s, minval=-0.1, maxval=0.1)
+            params[name + "_B"] = jnp.zeros(s[0])
+        return params
+
+    def pool(x):
+        return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+
+    def loss(p, x, y):
+        conv = lambda a, w, b: jax.lax.conv(a, w, (1, 1), "VALID") + b[None, :, None, None]   # noqa: E731
+        h = pool(conv(x, p["c1_W"], p["c1_B"]))
+        h = pool(conv(h, p["c2_W"], p["c2_B"])).reshape(x.shape[0], -1)
+        h = jax.nn.relu(h @ p["f1_W"].T + p["f1_B"])
+        logits = h @ p["f2_W"].T + p["f2_B"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(x.shape[0]), y])
+
+    @jax.jit
+    def train(p, v, x, y):
+        grads = jax.grad(loss)(p, x, y)
+        v = {k: MOMENTUM * v[k] + grads[k] + DECAY * p[k] for k in p}
+        return {k: p[k] - LR * v[k] for k in p}, v
+
+    params = init(jax.random.PRNGKey(0))
+    state = [params, {k: jnp.zeros_like(a) for k, a in params.items()}]
+    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _data(shape, classes)]
+
+    def step(i):
+        x, y = data[i % BATCHES]
+        state[0], state[1] = train(state[0], state[1], x, y)
+        jax.block_until_ready(state[0])
+
+    return {**_measure(step, warmup, steps), "jax": jax.__version__}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the driver
+
+def _spawn(args: list[str], threads: int) -> dict:
+    env = dict(os.environ)
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[key] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compile(name: str, batch: int, image: str | None, directory: Path) -> tuple[Path, float, dict]:
+    program = directory / f"{name}_{batch}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program),
+               "--batch", str(batch)] + (["--image", image] if image else [])
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {name}: {done.stderr.strip()}")
+    sys.path.insert(0, str(ROOT))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("probe_program", program)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from deepdsl_runtime.program import Model
+    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    return program, seconds, {"shape": list(cls.batch_shape), "classes": cls.classes}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("networks", nargs="*", default=["lenet:64", "lenet:500", "alexnet:16:227", "resnet50:8:112"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        job = json.loads(args.worker)
+        side, threads = job["side"], job["threads"]
+        if side in ("ours", "numpy"):
+            result = worker_ours(job["program"], "compiled" if side == "ours" else "numpy", threads, args.warmup,
+                                 args.steps)
+        elif side == "jax":
+            result = worker_jax(job["shape"], job["classes"], args.warmup, args.steps)
+        else:
+            result = worker_torch(job["network"], job["shape"], job["classes"], side, threads, args.warmup,
+                                  args.steps)
+        print(json.dumps(result))
+        return 0
+
+    print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up steps, {args.rounds} rounds interleaved; "
+          f"load average before: {_load()}", flush=True)
+    print_row(("network", "batch", "threads", "side", "ms/step", "vs ours", "peak RSS MiB", "vs ours",
+               "first step s"), args.markdown, 12, header=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.networks:
+            name, batch, *image = spec.split(":")
+            program, compile_s, info = _compile(name, int(batch), image[0] if image else None, Path(tmp))
+            sides = [s for s in args.sides if s != "jax" or name == "lenet"]
+            for threads in args.threads:
+                runs: dict[str, list[dict]] = {s: [] for s in sides}
+                for _ in range(args.rounds):
+                    for side in sides:
+                        job = {"side": side, "threads": threads, "program": str(program), "network": name, **info}
+                        runs[side].append(_spawn(["--worker", json.dumps(job), "--warmup", str(args.warmup),
+                                                  "--steps", str(args.steps)], threads))
+                ours = _summary(runs["ours"]) if "ours" in runs else None
+                for side in sides:
+                    s = _summary(runs[side])
+                    if s is None:
+                        error = next((r["error"] for r in runs[side] if "error" in r), "failed")
+                        print_row((name, batch, str(threads), side, "-", "-", "-", "-", error[:60]), args.markdown,
+                                  12)
+                        continue
+                    first = compile_s if side == "ours" else s["first_s"]
+                    print_row((name, batch, str(threads), side, f"{s['ms']:.1f}",
+                               f"{s['ms'] / ours['ms']:.2f}x" if ours else "-", f"{s['peak_mib']:.0f}",
+                               f"{s['peak_mib'] / ours['peak_mib']:.2f}x" if ours else "-",
+                               f"{first:.1f}" + (" (compile)" if side == "ours" else "")), args.markdown, 12)
+    print(f"load average after: {_load()}")
+    return 0
+
+
+def _summary(runs: list[dict]) -> dict | None:
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return None
+    return {key: statistics.median(r[key] for r in good) for key in ("ms", "first_s", "peak_mib")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
