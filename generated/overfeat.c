@@ -8,9 +8,10 @@
 // runtime's generic kernels (the convolutions' im2col and axis swaps, max pooling and its gradient:
 // kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
-// with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
-// float32 over the flat elements, each thread a contiguous share (`_range`: a function of its own, so that its
-// loop reads its operands from locals and vectorizes).
+// with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the output's size, u a uint8 one, s a
+// scalar, c one value per channel, r one value per position of the last axis), computing the same expression in
+// float32 over the elements, each thread a contiguous share (`_range`: a function of its own, so that its loop
+// reads its operands from locals and vectorizes); with c or r operands, over rows of the output.
 #include "cpu_ops.c"
 
 // ew_relu: out = Max(0, v0)
@@ -34,6 +35,32 @@ void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* v
 }
 
 // ew_add_relu: out = Max(0, v0 + v1)
+static __attribute__((noinline)) void deepdsl_ew_add_relu_fr_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = p1[i];
+            o[i] = fmaxf(0, v0 + v1);
+        }
+    }
+}
+
+void deepdsl_ew_add_relu_fr(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_relu_fr_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_mul: out = 2.0*v0*v1
 static __attribute__((noinline)) void deepdsl_ew_mul_fu_range(long begin, long end, float* out,
@@ -58,6 +85,32 @@ void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* v
 }
 
 // ew_add: out = v0 + v1
+static __attribute__((noinline)) void deepdsl_ew_add_fr_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = p1[i];
+            o[i] = v0 + v1;
+        }
+    }
+}
+
+void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_exp_scale_add: out = v0 + 0.0078125*exp(v1)
 static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long begin, long end, float* out,

@@ -8,9 +8,10 @@
 // runtime's generic kernels (the convolutions' im2col and axis swaps, max pooling and its gradient:
 // kernels/cpu_ops.c, included here)
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
-// with (f: a float32 tensor of the output's size, u: a uint8 one, s: a scalar), computing the same expression in
-// float32 over the flat elements, each thread a contiguous share (`_range`: a function of its own, so that its
-// loop reads its operands from locals and vectorizes).
+// with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the output's size, u a uint8 one, s a
+// scalar, c one value per channel, r one value per position of the last axis), computing the same expression in
+// float32 over the elements, each thread a contiguous share (`_range`: a function of its own, so that its loop
+// reads its operands from locals and vectorizes); with c or r operands, over rows of the output.
 #include "cpu_ops.c"
 
 // ew_scale: out = v0/401408
@@ -34,6 +35,32 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 }
 
 // ew_sub: out = v0 - v1
+static __attribute__((noinline)) void deepdsl_ew_sub_fc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0 - v1;
+        }
+    }
+}
+
+void deepdsl_ew_sub_fc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_sub_fc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_add: out = 0.9*v0 + 0.1*v1
 static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, long end, float* out,
@@ -120,6 +147,36 @@ void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const flo
 }
 
 // ew_mul_add_relu: out = Max(0, v0*v1*v2 + v3)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_fccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = fmaxf(0, v0*v1*v2 + v3);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_fccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_relu_fccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_2: out = v0/100352
 static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, long end, float* out,
@@ -164,10 +221,115 @@ void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const 
 }
 
 // ew_mul_add_relu_2: out = Max(0, v0*v1*v2 + v3 + v4*v5*v6 + v7)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_2_fcccfccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    const float* p5 = (const float*)in[5];
+    const float* p6 = (const float*)in[6];
+    const float* p7 = (const float*)in[7];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float* q4 = p4 + r * inner;
+        const float v5 = p5[r % channels];
+        const float v6 = p6[r % channels];
+        const float v7 = p7[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v4 = (float)q4[i];
+            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4*v5*v6 + v7);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_2_fcccfccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_relu_2_fcccfccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_mul_add_relu_3: out = Max(0, v0*v1*v2 + v3 + v4)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_3_fcccf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float* q4 = p4 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v4 = (float)q4[i];
+            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_3_fcccf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_relu_3_fcccf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_mul_add_relu_4: out = Max(0, v0*v1*v2 + v3 + v4)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_4_fcccf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float* q4 = p4 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v4 = (float)q4[i];
+            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_4_fcccf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_relu_4_fcccf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_3: out = v0/25088
 static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, long end, float* out,
@@ -296,6 +458,58 @@ void deepdsl_ew_scale_add_6_ff(long n, float* out, const void* const* in, const 
 }
 
 // ew_add: out = v0 + v1
+static __attribute__((noinline)) void deepdsl_ew_add_fr_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = p1[i];
+            o[i] = v0 + v1;
+        }
+    }
+}
+
+void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
+    }
+}
+static __attribute__((noinline)) void deepdsl_ew_add_fc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0 + v1;
+        }
+    }
+}
+
+void deepdsl_ew_add_fc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_fc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_exp_scale_add: out = v0 + 0.03125*exp(v1)
 static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long begin, long end, float* out,
@@ -411,6 +625,63 @@ void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const flo
 }
 
 // ew_mul: out = v0*v1*v2
+static __attribute__((noinline)) void deepdsl_ew_mul_ffc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float* q1 = p1 + r * inner;
+        const float v2 = p2[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = (float)q1[i];
+            o[i] = v0*v1*v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_ffc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_ffc_range(begin, end, channels, inner, out, in, value);
+    }
+}
+static __attribute__((noinline)) void deepdsl_ew_mul_fcc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0*v1*v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_fcc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_fcc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_pow_mul: out = -v0/(3136*(v1 + 1.0e-5)**(3/2))
 static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin, long end, float* out,
@@ -435,8 +706,70 @@ void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const 
 }
 
 // ew_mul_add_2: out = v0*v1*v2 + 2*v3*v4
+static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fcccf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float* q4 = p4 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v4 = (float)q4[i];
+            o[i] = v0*v1*v2 + 2*v3*v4;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_2_fcccf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_2_fcccf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_mul_2: out = v0*v1*v2
+static __attribute__((noinline)) void deepdsl_ew_mul_2_ffc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float* q1 = p1 + r * inner;
+        const float v2 = p2[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = (float)q1[i];
+            o[i] = v0*v1*v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_2_ffc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_2_ffc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_neg: out = -v0
 static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long end, float* out,
@@ -459,6 +792,35 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
 }
 
 // ew_mul_3: out = v0*v1*v2
+static __attribute__((noinline)) void deepdsl_ew_mul_3_ffc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float* q1 = p1 + r * inner;
+        const float v2 = p2[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = (float)q1[i];
+            o[i] = v0*v1*v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_3_ffc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_3_ffc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_step_mul: out = (v0 + v1)*Heaviside(v2, 0)
 static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long begin, long end, float* out,
@@ -573,9 +935,137 @@ void deepdsl_ew_add_pow_mul_5_ff(long n, float* out, const void* const* in, cons
 }
 
 // ew_mul_add_3: out = v0 + 2*v1*v2
+static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float* q2 = p2 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v2 = (float)q2[i];
+            o[i] = v0 + 2*v1*v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_3_fcf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_mul_add_3_fcf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_rsqrt_sub_mul: out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4)
+static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_sub_mul_fcccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float v4 = p4[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4);
+        }
+    }
+}
+
+void deepdsl_ew_add_rsqrt_sub_mul_fcccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_rsqrt_sub_mul_fcccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_rsqrt_sub_mul_2: out = v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4
+static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_sub_mul_2_fcccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float v4 = p4[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4;
+        }
+    }
+}
+
+void deepdsl_ew_add_rsqrt_sub_mul_2_fcccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_rsqrt_sub_mul_2_fcccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_rsqrt_sub_mul_3: out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4 + v5)
+static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_sub_mul_3_fccccf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    const float* p5 = (const float*)in[5];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r % channels];
+        const float v2 = p2[r % channels];
+        const float v3 = p3[r % channels];
+        const float v4 = p4[r % channels];
+        const float* q5 = p5 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v5 = (float)q5[i];
+            o[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4 + v5);
+        }
+    }
+}
+
+void deepdsl_ew_add_rsqrt_sub_mul_3_fccccf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_ew_add_rsqrt_sub_mul_3_fccccf_range(begin, end, channels, inner, out, in, value);
+    }
+}

@@ -18,6 +18,8 @@ never the compiler) and the compiler read the same rules, and a rule changed her
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
@@ -25,7 +27,7 @@ __all__ = [
     "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch", "conv2d_scratch",
     "counter_key", "log_softmax_scratch", "lrn_bwd_scratch", "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
-    "pointwise_conv", "pool_padded_scratch", "stage_floats",
+    "pointwise_conv", "pool_padded_scratch", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,3 +212,49 @@ def stage_floats(input_bytes: int, output_bytes: int, batch: int) -> int:
     """Elements a kernel whose output takes over its input's bytes stages one sample through, at the end of its
     workspace after the op's own scratch: one sample of the smaller of input and output."""
     return min(input_bytes // batch, output_bytes // batch) // FLOAT_BYTES
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compiled elementwise kernels
+
+def operand_letter(shape, uint8: bool, out_shape) -> str | None:
+    """How an operand of shape `shape` reaches a compiled elementwise kernel writing `out_shape` (the compiler
+    picks the kernels to compile by it, the runtime the kernel to call): `f` a float32 tensor of the output's size
+    (`u` a uint8 one), `s` one element, `c` one value per channel (axis 1 of an output of 3 or more axes: a (1, C,
+    1, 1) batch-norm or bias operand), `r` one value per position of the last axis (a bias of a fully connected
+    layer); None for any other broadcast."""
+    size, out_size_ = math.prod(shape), math.prod(out_shape)
+    if size == out_size_:
+        return "u" if uint8 else "f"
+    if size == 1:
+        return "s"
+    if len(shape) > len(out_shape):
+        return None
+    padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
+    if len(out_shape) >= 3 and padded == (1, out_shape[1]) + (1,) * (len(out_shape) - 2):
+        return "c"
+    if len(out_shape) >= 2 and padded == (1,) * (len(out_shape) - 1) + (out_shape[-1],):
+        return "r"
+    return None
+
+
+def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
+    """The letters of a kernel call's operands (`operand_letter`), or None when one is broadcast otherwise or
+    channel and last-axis operands meet in one call."""
+    letters = [operand_letter(shape, uint8, out_shape) for shape, uint8 in shapes_and_uint8]
+    if None in letters or ("c" in letters and "r" in letters):
+        return None
+    return "".join(letters)
+
+
+def kernel_rows(pattern: str, out_shape) -> tuple[int, int, int]:
+    """(rows, channels, inner) a compiled kernel of `pattern` runs over: the output as rows of `inner` elements,
+    the channel of row k being k % channels (channel operands) or each row's position i reading element i of a
+    last-axis operand."""
+    size = math.prod(out_shape)
+    if "c" in pattern:
+        inner = math.prod(out_shape[2:])
+        return size // max(inner, 1), out_shape[1], inner
+    if "r" in pattern:
+        return size // max(out_shape[-1], 1), 1, out_shape[-1]
+    return 1, 1, size

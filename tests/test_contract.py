@@ -126,3 +126,18 @@ def test_programs_import_the_runtime_by_name(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=program_env(), capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_operand_letters_of_compiled_elementwise_kernels():
+    from deepdsl_runtime.contract import kernel_rows, operand_letter, operand_pattern
+
+    out = (8, 16, 5, 5)
+    assert [operand_letter(s, False, out) for s in (out, (8 * 16 * 25,), (), (1, 1), (1, 16, 1, 1), (16, 1, 1),
+                                                    (5,), (1, 1, 1, 5), (16,), (8, 1, 1, 1))] == \
+        ["f", "f", "s", "s", "c", "c", "r", "r", None, None]
+    assert operand_letter(out, True, out) == "u" and operand_letter((1, 16), False, (8, 16)) == "r"
+    assert operand_letter((1, 16, 1), False, (8, 16, 5)) == "c" and operand_letter((2, 16, 1, 1), False, out) is None
+    assert operand_pattern([(out, False), ((1, 16, 1, 1), False), ((5,), False)], out) is None   # c and r
+    assert operand_pattern([(out, False), ((1, 16, 1, 1), False), ((), False)], out) == "fcs"
+    assert kernel_rows("fcs", out) == (8 * 16, 16, 25) and kernel_rows("fr", out) == (8 * 16 * 5, 1, 5)
+    assert kernel_rows("fs", out) == (1, 1, 8 * 16 * 25)

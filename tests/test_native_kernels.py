@@ -146,19 +146,16 @@ def test_pooling_over_its_own_input(lib, kernel, stride, pad):
 
 
 def _operands(pattern, shape, rng):
-    args = []
-    for letter in pattern:
-        if letter == "f":
-            args.append(rng.uniform(0.5, 1.5, shape).astype(np.float32))
-        elif letter == "u":
-            args.append((rng.random(shape) < 0.5).astype(np.uint8))
-        else:
-            args.append(np.float32(rng.uniform(0.5, 1.5)))
-    return args
+    """Operands of each letter (`contract.operand_letter`) for an output of `shape`."""
+    channel = (1, shape[1]) + (1,) * (len(shape) - 2)
+    made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "u": lambda: (rng.random(shape) < 0.5),
+            "c": lambda: rng.uniform(0.5, 1.5, channel), "r": lambda: rng.uniform(0.5, 1.5, shape[-1:]),
+            "s": lambda: rng.uniform(0.5, 1.5)}
+    return [np.uint8(made[k]()) if k == "u" else np.float32(made[k]()) for k in pattern]
 
 
 @needs_cc
-@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet"])
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet"])
 def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory):
     compiled, module, path = _program(name, dict(NETWORKS)[name], tmp_path_factory)
     found, why = native.load(path)
@@ -170,7 +167,7 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
     for kernel_name, patterns in describe(compiled).kernel_patterns:
         kernel = getattr(module, kernel_name)
         for pattern in patterns:
-            for shape in ((3, 5, 7 * native.EW_NATIVE_MIN), (native.EW_NATIVE_MIN + 1,), (1 << 19,)):  # odd, threaded
+            for shape in ((3, 5, native.EW_NATIVE_MIN // 8 + 3), (2, 7, 3, 1 << 15)):     # odd sizes; threaded
                 args = _operands(pattern, shape, rng)
                 want = np.empty(shape, np.float32)
                 kernel(want, *args)
@@ -184,6 +181,9 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
                     np.testing.assert_allclose(target, want, rtol=2e-6, atol=1e-7)
                 checked += 1
     assert checked >= 3
+    if name == "resnet_mini":          # batch norm's per-channel operands and the bias of its last layer
+        letters = "".join(p for _, patterns in describe(compiled).kernel_patterns for p in patterns)
+        assert "c" in letters and "r" in letters, letters
 
 
 @needs_cc
@@ -192,7 +192,7 @@ def test_broadcast_and_small_operands_run_numpy(lib):
         np.add(v0, v1, out=out)
     kernel.__name__ = "ew_add"
     out = np.empty((native.EW_NATIVE_MIN, 3), np.float32)
-    assert not lib.ew(kernel, out, (np.ones(out.shape, np.float32), np.ones(3, np.float32)))
+    assert not lib.ew(kernel, out, (np.ones(out.shape, np.float32), np.ones((native.EW_NATIVE_MIN, 1), np.float32)))
     small = np.empty(native.EW_NATIVE_MIN - 1, np.float32)
     assert not lib.ew(kernel, small, (small, small))          # a small one: numpy's call costs less
 

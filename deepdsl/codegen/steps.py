@@ -23,6 +23,7 @@ import sympy
 
 from deepdsl import provenance
 from deepdsl.codegen import lowering, ufuncs
+from deepdsl_runtime import contract
 from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.memory_plan import MemoryPlan
@@ -116,18 +117,10 @@ class Kernels:
 
 
 def operand_pattern(node: Node) -> str | None:
-    """How an elementwise statement's operands reach its kernel, one letter each: `f` a float32 tensor of the
-    output's size, `u` a uint8 one, `s` a scalar (one element, or a number); None when one is broadcast. The rule
-    is the runtime's (`deepdsl_runtime.cpu.native.Native.ew`), which picks the compiled function by it."""
-    letters = []
-    for x in node.inputs:
-        if x.size == node.size:
-            letters.append("u" if x.dtype == "uint8" else "f")
-        elif x.size == 1:
-            letters.append("s")
-        else:
-            return None
-    return "".join(letters)
+    """How an elementwise statement's operands reach its compiled kernel, one letter each
+    (`deepdsl_runtime.contract.operand_pattern`, the rule the runtime picks the kernel by); None where numpy's
+    kernel runs."""
+    return contract.operand_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], node.shape)
 
 
 def kernel_name(expr: sympy.Expr, most: int = 4) -> str:

@@ -5,8 +5,8 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
 loaded) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
 the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, max pooling with its argmax
-and its gradient, and every elementwise statement whose inputs are whole tensors or scalars (a broadcast one runs
-numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
+and its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or
+last-axis vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
 so the memory plan is the same with or without them. `threads` sets the kernels' OpenMP threads.
 """
 from __future__ import annotations
@@ -19,15 +19,18 @@ from pathlib import Path
 
 import numpy as np
 
+from deepdsl_runtime import contract
+
 __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads", "threads_available", "BUILD_FLAGS",
            "KERNELS_DIR"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
-# (x > 0 ? v : 0) may be computed branch-free (no program reads floating-point exception flags); -O2: gcc's -O3
+# (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
+# loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
 # made the pooling kernels' short loops several times slower here
-BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing",
-               "-shared", "-fPIC")
+BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
+               "-fno-strict-aliasing", "-shared", "-fPIC")
 
 _F = ctypes.c_float
 _P = ctypes.c_void_p
@@ -164,21 +167,23 @@ class Native:
     # elementwise ----------------------------------------------------------------------------------------------
 
     def ew(self, kernel, out: np.ndarray, args) -> bool:
-        """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`)
-        when its inputs are whole tensors or scalars and it has at least EW_NATIVE_MIN elements; False otherwise
-        (the caller runs the numpy one)."""
+        """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`,
+        `pattern` by `contract.operand_pattern`) when the library has it and the output has at least EW_NATIVE_MIN
+        elements; False otherwise (the caller runs the numpy one)."""
         if out.size < EW_NATIVE_MIN or not out.flags.c_contiguous or out.dtype != np.float32:
             return False
-        pattern = []
+        shapes = []
         for a in args:
-            if isinstance(a, np.ndarray) and a.size == out.size and a.flags.c_contiguous \
-                    and a.dtype in (np.float32, np.uint8):
-                pattern.append("f" if a.dtype == np.float32 else "u")
-            elif not isinstance(a, np.ndarray) or a.size == 1:
-                pattern.append("s")
-            else:
+            if not isinstance(a, np.ndarray):
+                shapes.append(((), False))
+            elif a.dtype not in (np.float32, np.uint8) or not a.flags.c_contiguous:
                 return False
-        key = (kernel.__name__, "".join(pattern))
+            else:
+                shapes.append((a.shape, a.dtype == np.uint8))
+        pattern = contract.operand_pattern(shapes, out.shape)
+        if pattern is None:
+            return False
+        key = (kernel.__name__, pattern)
         function = self._ew.get(key)
         if function is None:
             try:
@@ -186,15 +191,19 @@ class Native:
             except AttributeError:
                 function = False
             else:
-                function.argtypes = [_L, _P, _P, _P]
+                rows = "c" in pattern or "r" in pattern
+                function.argtypes = ([_L, _L, _L] if rows else [_L]) + [_P, _P, _P]
             self._ew[key] = function
         if function is False:
             return False
         n = len(args)
-        pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
+        pointers = (_P * n)(*(a.ctypes.data if p not in "s" else None for a, p in zip(args, pattern)))
         values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
                             for a, p in zip(args, pattern)))
-        function(out.size, out.ctypes.data, pointers, values)
+        if "c" in pattern or "r" in pattern:
+            function(*contract.kernel_rows(pattern, out.shape), out.ctypes.data, pointers, values)
+        else:
+            function(out.size, out.ctypes.data, pointers, values)
         return True
 
 

@@ -49,6 +49,18 @@ static inline void deepdsl_share(long n, long* begin, long* end) {
     *end = (me + 1) * per * 16 < n ? (me + 1) * per * 16 : n;
 }
 
+// [*begin, *end): this thread's share of `rows` rows.
+static inline void deepdsl_share_rows(long rows, long* begin, long* end) {
+#ifdef _OPENMP
+    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const long threads = 1, me = 0;
+#endif
+    const long per = (rows + threads - 1) / threads;
+    *begin = me * per < rows ? me * per : rows;
+    *end = (me + 1) * per < rows ? (me + 1) * per : rows;
+}
+
 // Output positions [*lo, *hi) whose input coordinate offset + stride * p - pad lies in [0, size).
 static inline void deepdsl_valid(int offset, int size, int out, int stride, int pad, int* lo, int* hi) {
     int p0 = pad - offset > 0 ? (pad - offset + stride - 1) / stride : 0;
