@@ -29,7 +29,7 @@ void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_relu_f_range(begin, end, out, in, value);
     }
 }
@@ -57,7 +57,7 @@ void deepdsl_ew_add_relu_fr(long rows, long channels, long inner, float* out, co
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_relu_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -79,7 +79,7 @@ void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_fu_range(begin, end, out, in, value);
     }
 }
@@ -107,7 +107,7 @@ void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -129,7 +129,7 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -149,7 +149,7 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
@@ -172,7 +172,7 @@ void deepdsl_ew_mul_add_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_fsf_range(begin, end, out, in, value);
     }
 }
@@ -195,7 +195,7 @@ void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
     }
 }
@@ -219,7 +219,7 @@ void deepdsl_ew_step_mul_fuf(long n, float* out, const void* const* in, const fl
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_fuf_range(begin, end, out, in, value);
     }
 }
@@ -241,7 +241,7 @@ void deepdsl_ew_step_mul_2_ff(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -267,7 +267,7 @@ void deepdsl_ew_mul_add_2_fsfsf(long n, float* out, const void* const* in, const
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_2_fsfsf_range(begin, end, out, in, value);
     }
 }
@@ -290,7 +290,7 @@ void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_2_fsf_range(begin, end, out, in, value);
     }
 }

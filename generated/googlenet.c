@@ -29,7 +29,7 @@ void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_relu_f_range(begin, end, out, in, value);
     }
 }
@@ -57,7 +57,7 @@ void deepdsl_ew_add_relu_fr(long rows, long channels, long inner, float* out, co
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_relu_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -79,7 +79,7 @@ void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_fu_range(begin, end, out, in, value);
     }
 }
@@ -107,7 +107,7 @@ void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -129,7 +129,7 @@ void deepdsl_ew_mul_2_fu(long n, float* out, const void* const* in, const float*
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_2_fu_range(begin, end, out, in, value);
     }
 }
@@ -153,7 +153,7 @@ void deepdsl_ew_scale_sub_fff(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_sub_fff_range(begin, end, out, in, value);
     }
 }
@@ -175,7 +175,7 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -197,7 +197,7 @@ void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -223,7 +223,7 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
     }
 }
@@ -246,7 +246,7 @@ void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
     }
 }
@@ -269,7 +269,7 @@ void deepdsl_ew_mul_add_2_fsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_2_fsf_range(begin, end, out, in, value);
     }
 }
@@ -292,7 +292,7 @@ void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_2_fsf_range(begin, end, out, in, value);
     }
 }
@@ -318,7 +318,7 @@ void deepdsl_ew_add_2_ffff(long n, float* out, const void* const* in, const floa
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_2_ffff_range(begin, end, out, in, value);
     }
 }
@@ -340,7 +340,7 @@ void deepdsl_ew_exp_scale_add_2_ff(long n, float* out, const void* const* in, co
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -362,7 +362,7 @@ void deepdsl_ew_exp_scale_add_3_ff(long n, float* out, const void* const* in, co
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_3_ff_range(begin, end, out, in, value);
     }
 }
@@ -386,7 +386,7 @@ void deepdsl_ew_step_mul_2_fuf(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_2_fuf_range(begin, end, out, in, value);
     }
 }
@@ -414,7 +414,7 @@ void deepdsl_ew_add_3_fffff(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_3_fffff_range(begin, end, out, in, value);
     }
 }

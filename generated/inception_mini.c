@@ -29,7 +29,7 @@ void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_relu_f_range(begin, end, out, in, value);
     }
 }
@@ -51,7 +51,7 @@ void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* v
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_fu_range(begin, end, out, in, value);
     }
 }
@@ -79,7 +79,7 @@ void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -101,7 +101,7 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -127,7 +127,7 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
     }
 }
@@ -147,7 +147,7 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
@@ -170,7 +170,7 @@ void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
     }
 }
@@ -192,7 +192,7 @@ void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -215,7 +215,7 @@ void deepdsl_ew_mul_add_2_fsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_2_fsf_range(begin, end, out, in, value);
     }
 }
@@ -238,7 +238,7 @@ void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_2_fsf_range(begin, end, out, in, value);
     }
 }
@@ -264,7 +264,7 @@ void deepdsl_ew_add_2_ffff(long n, float* out, const void* const* in, const floa
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_2_ffff_range(begin, end, out, in, value);
     }
 }
@@ -292,7 +292,7 @@ void deepdsl_ew_add_step_mul_fffff(long n, float* out, const void* const* in, co
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_step_mul_fffff_range(begin, end, out, in, value);
     }
 }

@@ -29,7 +29,7 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
@@ -57,7 +57,7 @@ void deepdsl_ew_sub_fc(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_sub_fc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -79,7 +79,7 @@ void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const fl
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -99,7 +99,7 @@ void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float*
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_square_f_range(begin, end, out, in, value);
     }
 }
@@ -121,7 +121,7 @@ void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -141,7 +141,7 @@ void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_rsqrt_f_range(begin, end, out, in, value);
     }
 }
@@ -173,7 +173,7 @@ void deepdsl_ew_mul_add_relu_fccc(long rows, long channels, long inner, float* o
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_fccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -193,7 +193,7 @@ void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_2_f_range(begin, end, out, in, value);
     }
 }
@@ -215,7 +215,7 @@ void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_3_ff_range(begin, end, out, in, value);
     }
 }
@@ -256,7 +256,7 @@ void deepdsl_ew_mul_add_relu_2_fcccfccc(long rows, long channels, long inner, fl
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_2_fcccfccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -291,7 +291,7 @@ void deepdsl_ew_mul_add_relu_3_fcccf(long rows, long channels, long inner, float
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_3_fcccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -326,7 +326,7 @@ void deepdsl_ew_mul_add_relu_4_fcccf(long rows, long channels, long inner, float
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_4_fcccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -346,7 +346,7 @@ void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_3_f_range(begin, end, out, in, value);
     }
 }
@@ -368,7 +368,7 @@ void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_4_ff_range(begin, end, out, in, value);
     }
 }
@@ -388,7 +388,7 @@ void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_4_f_range(begin, end, out, in, value);
     }
 }
@@ -410,7 +410,7 @@ void deepdsl_ew_scale_add_5_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_5_ff_range(begin, end, out, in, value);
     }
 }
@@ -430,7 +430,7 @@ void deepdsl_ew_scale_5_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_5_f_range(begin, end, out, in, value);
     }
 }
@@ -452,7 +452,7 @@ void deepdsl_ew_scale_add_6_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_6_ff_range(begin, end, out, in, value);
     }
 }
@@ -480,7 +480,7 @@ void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -506,7 +506,7 @@ void deepdsl_ew_add_fc(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -528,7 +528,7 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -548,7 +548,7 @@ void deepdsl_ew_scale_6_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_6_f_range(begin, end, out, in, value);
     }
 }
@@ -574,7 +574,7 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
     }
 }
@@ -597,7 +597,7 @@ void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
     }
 }
@@ -619,7 +619,7 @@ void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -650,7 +650,7 @@ void deepdsl_ew_mul_ffc(long rows, long channels, long inner, float* out, const 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -678,7 +678,7 @@ void deepdsl_ew_mul_fcc(long rows, long channels, long inner, float* out, const 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_fcc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -700,7 +700,7 @@ void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -735,7 +735,7 @@ void deepdsl_ew_mul_add_2_fcccf(long rows, long channels, long inner, float* out
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_2_fcccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -766,7 +766,7 @@ void deepdsl_ew_mul_2_ffc(long rows, long channels, long inner, float* out, cons
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_2_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -786,7 +786,7 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_neg_f_range(begin, end, out, in, value);
     }
 }
@@ -817,7 +817,7 @@ void deepdsl_ew_mul_3_ffc(long rows, long channels, long inner, float* out, cons
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_3_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -841,7 +841,7 @@ void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_step_mul_fff_range(begin, end, out, in, value);
     }
 }
@@ -863,7 +863,7 @@ void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -885,7 +885,7 @@ void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_3_ff_range(begin, end, out, in, value);
     }
 }
@@ -907,7 +907,7 @@ void deepdsl_ew_add_pow_mul_4_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_4_ff_range(begin, end, out, in, value);
     }
 }
@@ -929,7 +929,7 @@ void deepdsl_ew_add_pow_mul_5_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_5_ff_range(begin, end, out, in, value);
     }
 }
@@ -960,7 +960,7 @@ void deepdsl_ew_mul_add_3_fcf(long rows, long channels, long inner, float* out, 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_3_fcf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -994,7 +994,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_fcccc(long rows, long channels, long inner, fl
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_fcccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -1028,7 +1028,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_2_fcccc(long rows, long channels, long inner, 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_2_fcccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -1065,7 +1065,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_3_fccccf(long rows, long channels, long inner,
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_3_fccccf_range(begin, end, channels, inner, out, in, value);
     }
 }

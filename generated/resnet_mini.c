@@ -29,7 +29,7 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_f_range(begin, end, out, in, value);
     }
 }
@@ -57,7 +57,7 @@ void deepdsl_ew_sub_fc(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_sub_fc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -79,7 +79,7 @@ void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const fl
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -99,7 +99,7 @@ void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float*
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_square_f_range(begin, end, out, in, value);
     }
 }
@@ -121,7 +121,7 @@ void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -141,7 +141,7 @@ void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_rsqrt_f_range(begin, end, out, in, value);
     }
 }
@@ -173,7 +173,7 @@ void deepdsl_ew_mul_add_relu_fccc(long rows, long channels, long inner, float* o
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_fccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -208,7 +208,7 @@ void deepdsl_ew_mul_add_relu_2_fcccf(long rows, long channels, long inner, float
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_2_fcccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -228,7 +228,7 @@ void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_2_f_range(begin, end, out, in, value);
     }
 }
@@ -250,7 +250,7 @@ void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_3_ff_range(begin, end, out, in, value);
     }
 }
@@ -291,7 +291,7 @@ void deepdsl_ew_mul_add_relu_3_fcccfccc(long rows, long channels, long inner, fl
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_relu_3_fcccfccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -311,7 +311,7 @@ void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_3_f_range(begin, end, out, in, value);
     }
 }
@@ -333,7 +333,7 @@ void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_4_ff_range(begin, end, out, in, value);
     }
 }
@@ -361,7 +361,7 @@ void deepdsl_ew_add_fr(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fr_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -387,7 +387,7 @@ void deepdsl_ew_add_fc(long rows, long channels, long inner, float* out, const v
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_fc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -409,7 +409,7 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_exp_scale_add_ff_range(begin, end, out, in, value);
     }
 }
@@ -435,7 +435,7 @@ void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const f
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_add_fsfsf_range(begin, end, out, in, value);
     }
 }
@@ -455,7 +455,7 @@ void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_4_f_range(begin, end, out, in, value);
     }
 }
@@ -478,7 +478,7 @@ void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_sub_fsf_range(begin, end, out, in, value);
     }
 }
@@ -500,7 +500,7 @@ void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const flo
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_step_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -531,7 +531,7 @@ void deepdsl_ew_mul_ffc(long rows, long channels, long inner, float* out, const 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -553,7 +553,7 @@ void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const 
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_ff_range(begin, end, out, in, value);
     }
 }
@@ -588,7 +588,7 @@ void deepdsl_ew_mul_add_2_fcccf(long rows, long channels, long inner, float* out
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_add_2_fcccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -619,7 +619,7 @@ void deepdsl_ew_mul_2_ffc(long rows, long channels, long inner, float* out, cons
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_2_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -639,7 +639,7 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_neg_f_range(begin, end, out, in, value);
     }
 }
@@ -670,7 +670,7 @@ void deepdsl_ew_mul_3_ffc(long rows, long channels, long inner, float* out, cons
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_mul_3_ffc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -694,7 +694,7 @@ void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_step_mul_fff_range(begin, end, out, in, value);
     }
 }
@@ -716,7 +716,7 @@ void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_2_ff_range(begin, end, out, in, value);
     }
 }
@@ -738,7 +738,7 @@ void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, cons
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share(n, &begin, &end);
+        deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_add_pow_mul_3_ff_range(begin, end, out, in, value);
     }
 }
@@ -772,7 +772,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_fcccc(long rows, long channels, long inner, fl
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_fcccc_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -809,7 +809,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_2_fccccf(long rows, long channels, long inner,
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_2_fccccf_range(begin, end, channels, inner, out, in, value);
     }
 }
@@ -843,7 +843,7 @@ void deepdsl_ew_add_rsqrt_sub_mul_3_fcccc(long rows, long channels, long inner, 
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_share_rows(rows, &begin, &end);
+        deepdsl_share(rows, 1, &begin, &end);
         deepdsl_ew_add_rsqrt_sub_mul_3_fcccc_range(begin, end, channels, inner, out, in, value);
     }
 }

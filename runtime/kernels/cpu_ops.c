@@ -37,28 +37,17 @@ int deepdsl_threads(void) {
 // variable the threads share is read again after every store through a pointer), so their loops vectorize.
 #define DEEPDSL_ROW static __attribute__((noinline))
 
-// [*begin, *end): this thread's share of n elements in an OpenMP team (all of them outside one), in blocks of 16.
-static inline void deepdsl_share(long n, long* begin, long* end) {
+// [*begin, *end): this thread's share of n items in an OpenMP team (all of them outside one), in whole blocks of
+// `block` items (16 elements: a vector's worth; 1 row).
+static inline void deepdsl_share(long n, long block, long* begin, long* end) {
 #ifdef _OPENMP
     const long threads = omp_get_num_threads(), me = omp_get_thread_num();
 #else
     const long threads = 1, me = 0;
 #endif
-    const long blocks = (n + 15) / 16, per = (blocks + threads - 1) / threads;
-    *begin = me * per * 16 < n ? me * per * 16 : n;
-    *end = (me + 1) * per * 16 < n ? (me + 1) * per * 16 : n;
-}
-
-// [*begin, *end): this thread's share of `rows` rows.
-static inline void deepdsl_share_rows(long rows, long* begin, long* end) {
-#ifdef _OPENMP
-    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
-#else
-    const long threads = 1, me = 0;
-#endif
-    const long per = (rows + threads - 1) / threads;
-    *begin = me * per < rows ? me * per : rows;
-    *end = (me + 1) * per < rows ? (me + 1) * per : rows;
+    const long blocks = (n + block - 1) / block, per = (blocks + threads - 1) / threads;
+    *begin = me * per * block < n ? me * per * block : n;
+    *end = (me + 1) * per * block < n ? (me + 1) * per * block : n;
 }
 
 // Output positions [*lo, *hi) whose input coordinate offset + stride * p - pad lies in [0, size).
