@@ -167,7 +167,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compiled = _compile(args)
     path = _write(compiled, args.network, out)
     print(f"wrote {path}, {path.with_suffix('.cu')}, {path.with_suffix('.c')}")
-    _build_cpu_kernels(path)
+    from deepdsl.codegen.native import build_in_background
+    print(build_in_background(path.with_suffix(".c")))
     if args.cuda_binary:
         _build_kernels(path)
     return 0

@@ -276,12 +276,14 @@ def test_compile_builds_the_library_the_program_uses(tmp_path):
 
     out = tmp_path / "lenet.py"
     assert main(["compile", "networks/lenet.py", "--batch", "8", "-o", str(out)]) == 0
-    libraries = list(tmp_path.glob("lenet.*.so"))
-    assert len(libraries) == 1 and libraries[0] == native.library_path(out.with_suffix(".c"))
+    # the library builds in the background; the program started at once waits for it
     done = run_cli(out, "--iters", "2", "--test-iters", "1", "--data", "synthetic", "--params",
                    str(tmp_path / "p.npz"), "--threads", "1")
     assert done.returncode == 0, done.stderr
     assert "(compiled kernels, 1 thread)" in done.stdout
+    libraries = list(tmp_path.glob("lenet.*.so"))
+    assert len(libraries) == 1 and libraries[0] == native.library_path(out.with_suffix(".c"))
+    assert not list(tmp_path.glob(".lenet.*.tmp"))
     # a library of other sources is not loaded: the digest names the sources
     source = out.with_suffix(".c")
     source.write_text(source.read_text() + "\n// changed\n")
@@ -304,3 +306,31 @@ def test_the_peer_benchmark_runs(tmp_path):
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
     assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
     assert all(float(r[4]) > 0 for r in rows), done.stdout
+
+
+@needs_cc
+def test_a_build_in_progress_is_waited_for_and_a_dead_one_ignored(tmp_path):
+    import os
+    import threading
+
+    _, path = compile_program("mlp", tmp_path, batch=2)
+    target = native.library_path(path.with_suffix(".c"))
+    dead = target.with_name(f".{target.name}.{2 ** 22 + 12345}.tmp")          # no such process
+    dead.touch()
+    assert native.building(target) == [] and native.load(path)[0] is None
+    live = target.with_name(f".{target.name}.{os.getpid()}.tmp")               # this process "builds"
+    live.touch()
+    assert native.building(target) == [live]
+
+    results = []
+
+    def finish():                      # the build (in this process: it writes and renames the claimed file)
+        from deepdsl.codegen.native import build_library
+        results.append(build_library(path.with_suffix(".c")))
+        live.unlink(missing_ok=True)
+    timer = threading.Timer(0.2, finish)
+    timer.start()
+    found, why = native.load(path)                       # waits for the build in progress
+    timer.join()
+    assert results and results[0][0] == target, results
+    assert found is not None, why

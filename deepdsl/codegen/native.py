@@ -77,6 +77,24 @@ def build_library(source, compiler: str | None = None) -> tuple[Path | None, str
     return target, ""
 
 
+def build_in_background(source) -> str:
+    """Start building the library of `source` in a process of its own and return at once (what it will write);
+    the program waits for a build in progress when it starts (`deepdsl_runtime.cpu.native.load`)."""
+    source = Path(source)
+    target = library_path(source)
+    if target.exists():
+        return f"{target} is current"
+    if find_compiler() is None:
+        return "compiled CPU kernels not built (no C compiler: cc, gcc or $CC): the program runs numpy's"
+    root = str(Path(__file__).resolve().parents[2])        # a source checkout's root (harmless when installed)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    child = subprocess.Popen([sys.executable, "-m", "deepdsl.codegen.native", "build", str(source)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    # claim the build under the child's name before returning: a program started after this sees it in progress
+    target.with_name(f".{target.name}.{child.pid}.tmp").touch()
+    return f"building {target.name} in the background"
+
+
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "build":
         print("usage: python -m deepdsl.codegen.native build PROGRAM.c", file=sys.stderr)

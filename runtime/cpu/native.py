@@ -3,7 +3,7 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 
 `load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
-loaded) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
+loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
 the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, max pooling with its argmax
 and its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or
 last-axis vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,28 @@ def library_path(source: Path) -> Path:
     return source.with_name(f"{source.stem}.{sources_digest(source.read_text())}.so")
 
 
+def building(path: Path) -> list[Path]:
+    """The partial files of builds of library `path` in progress: `.<name>.<pid>.tmp` of a running process."""
+    found = []
+    for partial in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            os.kill(int(partial.name.rsplit(".", 2)[-2]), 0)
+        except (ValueError, ProcessLookupError):
+            continue
+        except PermissionError:
+            pass
+        found.append(partial)
+    return found
+
+
+def _built_meanwhile(path: Path, timeout: float = 300.0) -> bool:
+    """Wait for a build of `path` in progress (`deepdsl compile` builds in the background); whether it is there."""
+    deadline = time.monotonic() + timeout
+    while building(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
 def load(program) -> tuple["Native | None", str]:
     """(the compiled kernels of the generated program at path `program`, "") or (None, why not)."""
     source = Path(program).with_suffix(".c")
@@ -73,7 +96,7 @@ def load(program) -> tuple["Native | None", str]:
         path = library_path(source)
     except OSError as err:
         return None, f"cannot read {source}: {err.strerror or err}"
-    if not path.exists():
+    if not path.exists() and not _built_meanwhile(path):
         return None, f"{path.name} is not built (deepdsl compile builds it with a C compiler)"
     # idle OpenMP threads sleep instead of spinning: other processes on the cores (and OpenBLAS's threads between
     # our kernels) keep their time
