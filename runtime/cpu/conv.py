@@ -121,7 +121,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
                 (native or _NUMPY).add_bias(target, b)
 
 
-def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul):
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
     Stride 1 computes the column gradients of a chunk of samples in one GEMM, on rows as wide as the padded input
@@ -136,14 +136,16 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
     bytes of `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output
     gradient (into the widened copy) before it writes any of its input gradient, so chunks of any size are safe in
     the order that writes behind the unread samples: forward when a sample's input gradient is the smaller, backward
-    otherwise."""
+    otherwise. With `native` the shifted additions and the crop are one compiled gathering pass (same additions, same
+    order)."""
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
     over = takes_over(g, out)
     if over and (stride != 1 or contract.pointwise_conv(kh, kw, stride, pad)):
         return over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
-            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm), g, out, workspace)
+            gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm, native=native), g, out,
+            workspace)
     w2t = w.reshape(o, c * kh * kw).T
     if contract.pointwise_conv(kh, kw, stride, pad):
         gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
@@ -186,6 +188,8 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
                 gemm(w2t, wide.reshape(o, rows), out=dcols.reshape(ckk, rows))
                 offsets = [(i * wp + j, dcols[:, i, j]) for i in range(kh) for j in range(kw)]
             dxp = scratch.take((m, c, plane))
+            if native is not None and native.shifted_sums(offsets, out[s:e], wp, pad):
+                continue
             dxp.fill(0)
             by_channel = dxp.transpose(1, 0, 2)
             for offset, contribution in offsets:

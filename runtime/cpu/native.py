@@ -4,7 +4,8 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 `load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
 loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
-the kernels that replace numpy passes: im2col and axis swaps inside the convolutions, max pooling with its argmax
+the kernels that replace numpy passes: im2col, axis swaps and the input gradient's shifted sums inside the
+convolutions, max pooling with its argmax
 and its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or
 last-axis vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
 so the memory plan is the same with or without them. `threads` sets the kernels' OpenMP threads.
@@ -115,6 +116,7 @@ class Native:
         lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P, _P]
         lib.deepdsl_add_bias.argtypes = [_P, _L, _L, _L, _P]
+        lib.deepdsl_shifted_sums.argtypes = [_P, _L, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _P]
         lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
@@ -159,6 +161,26 @@ class Native:
             return
         n, c = x.shape[:2]
         self.lib.deepdsl_add_bias(x.ctypes.data, n, c, x.size // max(n * c, 1), bias.ctypes.data)
+
+    def shifted_sums(self, offsets, out: np.ndarray, wp: int, pad: int) -> bool:
+        """out (m, C, h, w) = the crop at `pad` of the (m, C) planes of rows `wp` wide that adding each contribution
+        at its offset gives (`offsets`: (offset, contribution (C, m, rows)) pairs as runtime/cpu/conv.py makes
+        them for a stride-1 input gradient); False (nothing written) where the contributions are not views of one
+        array laid out as that needs."""
+        first = offsets[0][1]
+        c, m, rows = first.shape
+        strides = [a.strides for _, a in offsets]
+        if not out.flags.c_contiguous or any(s != strides[0] for s in strides) or strides[0][2] != 4 \
+                or strides[0][1] != rows * 4:
+            return False
+        starts = [a.ctypes.data for _, a in offsets]
+        k_stride = (starts[1] - starts[0]) // 4 if len(starts) > 1 else 0
+        if any(b - a != k_stride * 4 for a, b in zip(starts, starts[1:])):
+            return False
+        positions = (_L * len(offsets))(*(o for o, _ in offsets))
+        self.lib.deepdsl_shifted_sums(starts[0], len(offsets), positions, k_stride, strides[0][0] // 4, rows, m, c,
+                                      out.shape[2], out.shape[3], wp, pad, out.ctypes.data)
+        return True
 
     # pooling --------------------------------------------------------------------------------------------------
 

@@ -109,6 +109,35 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, const float*
         }
 }
 
+// The input gradient of a stride-1 convolution from its column gradients, gathered: out[s][ch][y][x] (m samples of
+// ch < channels planes h x w) is the sum, in the order k = 0, 1, ..., of contribution k at position
+// (y + pad) * wp + x + pad - offsets[k] of its row (ch, s), where that lies in [0, rows) -- what adding each
+// contribution over a zeroed padded plane at its offset and cropping gives (runtime/cpu/conv.py), in one pass.
+// Contribution k, row (ch, s) starts at contributions + k * k_stride + ch * c_stride + s * rows.
+DEEPDSL_ROW void deepdsl_shifted_sums_plane(const float* base, long count, const long* offsets, long k_stride,
+                                            long rows, long h, long w, long wp, long pad, float* o) {
+    for (long y = 0; y < h; ++y)
+        for (long x = 0; x < w; ++x) {
+            const long at = (y + pad) * wp + x + pad;
+            float sum = 0.0f;
+            for (long k = 0; k < count; ++k) {
+                const long t = at - offsets[k];
+                if (t >= 0 && t < rows) sum += base[k * k_stride + t];
+            }
+            o[y * w + x] = sum;
+        }
+}
+
+void deepdsl_shifted_sums(const float* contributions, long count, const long* offsets, long k_stride,
+                          long c_stride, long rows, long m, long channels, long h, long w, long wp, long pad,
+                          float* out) {
+#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * count >= DEEPDSL_PARALLEL_MIN)
+    for (long s = 0; s < m; ++s)
+        for (long ch = 0; ch < channels; ++ch)
+            deepdsl_shifted_sums_plane(contributions + ch * c_stride + s * rows, count, offsets, k_stride, rows, h, w,
+                                       wp, pad, out + (s * channels + ch) * h * w);
+}
+
 // x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).
 void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* bias) {
 #pragma omp parallel for collapse(2) schedule(static) if (n * channels * inner >= DEEPDSL_PARALLEL_MIN)
