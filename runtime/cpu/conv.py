@@ -57,15 +57,20 @@ def _col2im_add(dcols: np.ndarray, dx: np.ndarray, stride: int, pad: int) -> Non
 
 
 class _NumpyPasses:
-    """The copying passes of the convolutions as numpy runs them (compiled kernels replace them: `native=`)."""
+    """The copying passes of the convolutions as numpy runs them (compiled kernels replace them: `native=`, and
+    fall back to these on arrays they do not take)."""
 
     @staticmethod
     def im2col(x, cols, stride, pad, scratch):
         _im2col(x, cols, stride, pad, scratch)
 
     @staticmethod
-    def swap01(src, dst):
-        np.copyto(dst, src.swapaxes(0, 1))
+    def swap01(src, dst, bias=None):
+        """dst = src with its first two axes swapped, plus bias[a] along the first axis of src when given."""
+        if bias is None:
+            np.copyto(dst, src.swapaxes(0, 1))
+        else:
+            np.add(src.swapaxes(0, 1), bias.reshape((1, -1) + (1,) * (src.ndim - 2)), out=dst)
 
     @staticmethod
     def add_bias(x, b):
@@ -109,12 +114,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
             gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
             regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
             np.copyto(regrouped, block)
-            if native is not None:
-                native.swap01(regrouped, target, b)
-            elif b is None:
-                np.copyto(target.transpose(1, 0, 2), regrouped)
-            else:
-                np.add(regrouped, b.reshape(o, 1, 1), out=target.transpose(1, 0, 2))
+            (native or _NUMPY).swap01(regrouped, target, b)
         else:
             gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
             if b is not None:
@@ -225,9 +225,9 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np
         scratch = Scratch(workspace, start)
         cols = scratch.take((c, kh, kw, e - s, ho, wo))
         gt = scratch.take((o, e - s, ho, wo))
-        kernels = native or _NUMPY
-        kernels.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
-        kernels.swap01(g[s:e], gt)
+        passes = native or _NUMPY
+        passes.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+        passes.swap01(g[s:e], gt)
         target = out2 if s == 0 else acc
         gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
         if s:

@@ -3,17 +3,19 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 
 `load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
-loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None and the reason: the program then runs the numpy kernels). `Native` runs
-the kernels that replace numpy passes: im2col, axis swaps and the input gradient's shifted sums inside the
-convolutions, max pooling with its argmax
-and its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or
-last-axis vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel writes, into the same buffers; none needs scratch memory,
-so the memory plan is the same with or without them. `threads` sets the kernels' OpenMP threads.
+loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None
+and the reason: the program then runs the numpy kernels). `Native` runs the kernels that replace numpy passes:
+im2col, axis swaps and the input gradient's shifted sums inside the convolutions, max pooling with its argmax and
+its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
+vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
+writes, into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
+without them. `set_threads` sets the kernels' OpenMP threads.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import time
@@ -108,6 +110,12 @@ def load(program) -> tuple["Native | None", str]:
         return None, f"cannot load {path.name}: {err}"
 
 
+def _numpy_passes():
+    """The convolutions' numpy passes, which the compiled ones fall back to on arrays they do not take."""
+    from deepdsl_runtime.cpu.conv import _NUMPY       # (conv takes a Native: imported when first needed)
+    return _NUMPY
+
+
 class Native:
     """The kernels of one loaded library."""
 
@@ -121,7 +129,8 @@ class Native:
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
-        self._ew: dict[tuple[str, str], object] = {}
+        # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
+        self._ew: dict[tuple, object] = {}
 
     @property
     def threads(self) -> int:
@@ -137,8 +146,7 @@ class Native:
         transposed view as runtime/cpu/conv.py passes it (no scratch: padding is read as zeros)."""
         base = cols.transpose(1, 2, 3, 0, 4, 5)
         if not (x.flags.c_contiguous and base.flags.c_contiguous):
-            from deepdsl_runtime.cpu.conv import _NUMPY
-            return _NUMPY.im2col(x, cols, stride, pad, scratch)
+            return _numpy_passes().im2col(x, cols, stride, pad, scratch)
         m, c, h, w = x.shape
         _, kh, kw, _, ho, wo = base.shape
         self.lib.deepdsl_im2col(x.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride, pad, base.ctypes.data)
@@ -148,17 +156,14 @@ class Native:
         bias[a] when given (the sum numpy's `np.add(src, bias)` makes, element for element)."""
         a, b = src.shape[:2]
         if not (src.flags.c_contiguous and dst.flags.c_contiguous and (bias is None or bias.flags.c_contiguous)):
-            np.copyto(dst, src.swapaxes(0, 1)) if bias is None else \
-                np.add(src.swapaxes(0, 1), bias.reshape((1, a) + (1,) * (src.ndim - 2)), out=dst)
-            return
+            return _numpy_passes().swap01(src, dst, bias)
         self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1),
                                 None if bias is None else bias.ctypes.data, dst.ctypes.data)
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
         """x (N, C, ...) += bias (C,) broadcast over the samples and the trailing axes."""
         if not (x.flags.c_contiguous and bias.flags.c_contiguous):
-            np.add(x, bias.reshape((1, -1) + (1,) * (x.ndim - 2)), out=x)
-            return
+            return _numpy_passes().add_bias(x, bias)
         n, c = x.shape[:2]
         self.lib.deepdsl_add_bias(x.ctypes.data, n, c, x.size // max(n * c, 1), bias.ctypes.data)
 
@@ -217,39 +222,43 @@ class Native:
         elements; False otherwise (the caller runs the numpy one)."""
         if out.size < EW_NATIVE_MIN or not out.flags.c_contiguous or out.dtype != np.float32:
             return False
+        if any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
+            return False
+        key = (kernel.__name__, out.shape,
+               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args))
+        found = self._ew.get(key)
+        if found is None:
+            found = self._ew[key] = self._ew_function(key[0], out.shape, args)
+        if found is False:
+            return False
+        function, pattern, sizes = found
+        n = len(args)
+        pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
+        values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
+                            for a, p in zip(args, pattern)))
+        function(*sizes, out.ctypes.data, pointers, values)
+        return True
+
+    def _ew_function(self, name: str, out_shape, args):
+        """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or
+        False where there is none (operands it does not take, or a pattern the program does not call it with)."""
         shapes = []
         for a in args:
             if not isinstance(a, np.ndarray):
                 shapes.append(((), False))
-            elif a.dtype not in (np.float32, np.uint8) or not a.flags.c_contiguous:
+            elif a.dtype not in (np.float32, np.uint8):
                 return False
             else:
                 shapes.append((a.shape, a.dtype == np.uint8))
-        pattern = contract.operand_pattern(shapes, out.shape)
-        if pattern is None:
-            return False
-        key = (kernel.__name__, pattern)
-        function = self._ew.get(key)
+        pattern = contract.operand_pattern(shapes, out_shape)
+        function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}", None)
         if function is None:
-            try:
-                function = getattr(self.lib, f"deepdsl_{key[0]}_{key[1]}")
-            except AttributeError:
-                function = False
-            else:
-                rows = "c" in pattern or "r" in pattern
-                function.argtypes = ([_L, _L, _L] if rows else [_L]) + [_P, _P, _P]
-            self._ew[key] = function
-        if function is False:
             return False
-        n = len(args)
-        pointers = (_P * n)(*(a.ctypes.data if p not in "s" else None for a, p in zip(args, pattern)))
-        values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
-                            for a, p in zip(args, pattern)))
-        if "c" in pattern or "r" in pattern:
-            function(*contract.kernel_rows(pattern, out.shape), out.ctypes.data, pointers, values)
-        else:
-            function(out.size, out.ctypes.data, pointers, values)
-        return True
+        # over rows (rows, channels, inner) with channel or last-axis operands, else over the n flat elements
+        rows = "c" in pattern or "r" in pattern
+        sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
+        function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
+        return function, pattern, sizes
 
 
 EW_NATIVE_MIN = 1 << 15       # smaller elementwise statements stay with numpy: a ctypes call costs more than they do
