@@ -116,16 +116,18 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, const float*
 // Contribution k, row (ch, s) starts at contributions + k * k_stride + ch * c_stride + s * rows.
 DEEPDSL_ROW void deepdsl_shifted_sums_plane(const float* base, long count, const long* offsets, long k_stride,
                                             long rows, long h, long w, long wp, long pad, float* o) {
-    for (long y = 0; y < h; ++y)
-        for (long x = 0; x < w; ++x) {
-            const long at = (y + pad) * wp + x + pad;
-            float sum = 0.0f;
-            for (long k = 0; k < count; ++k) {
-                const long t = at - offsets[k];
-                if (t >= 0 && t < rows) sum += base[k * k_stride + t];
-            }
-            o[y * w + x] = sum;
+    memset(o, 0, sizeof(float) * h * w);
+    for (long k = 0; k < count; ++k) {            /* each element adds its contributions in the order k */
+        const float* src = base + k * k_stride;
+        for (long y = 0; y < h; ++y) {
+            /* t = start + x for x < w, kept within [0, rows) */
+            const long start = (y + pad) * wp + pad - offsets[k];
+            const long x0 = start < 0 ? -start : 0;
+            const long x1 = rows - start < w ? rows - start : w;
+            float* row = o + y * w;
+            for (long x = x0; x < x1; ++x) row[x] += src[start + x];
         }
+    }
 }
 
 void deepdsl_shifted_sums(const float* contributions, long count, const long* offsets, long k_stride,
