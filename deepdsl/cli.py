@@ -174,16 +174,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_cpu_kernels(program: Path, say_built: bool = True) -> None:
+def _build_cpu_kernels(program: Path) -> None:
     """The library of the program's compiled CPU kernels, with a C compiler (else the program runs numpy's kernels
     and says so)."""
-    from deepdsl.codegen.native import build_library
+    from deepdsl.codegen.native import build_library, not_built
 
     built, why = build_library(program.with_suffix(".c"))
     if built is None:
-        print(f"compiled CPU kernels not built ({why}): the program runs numpy's")
-    elif say_built:
-        print(f"wrote {built}")
+        print(not_built(why))
 
 
 def _build_kernels(program: Path) -> None:
@@ -241,7 +239,7 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Path, str]:
     if _runs_on_cuda(args.program_args):
         _build_kernels(path)
     else:
-        _build_cpu_kernels(path, say_built=False)
+        _build_cpu_kernels(path)
     chosen = _program_params(args.program_args)
     return path, params if chosen is None else chosen
 

@@ -22,7 +22,7 @@ import sympy
 
 from deepdsl_runtime.cpu.native import BUILD_FLAGS, KERNELS_DIR, library_path
 
-__all__ = ["render_c", "build_library", "find_compiler", "compile_command"]
+__all__ = ["render_c", "build_library", "build_in_background", "find_compiler", "compile_command", "not_built"]
 
 
 def render_c(description, program: str | None = None) -> str:
@@ -37,6 +37,14 @@ def render_c(description, program: str | None = None) -> str:
     return render("kernels.c.jinja", name=description.name, program=program or description.filename,
                   version=description.version, source=description.source,
                   structure_hash=description.structure_hash, kernels=kernels)
+
+
+NO_COMPILER = "no C compiler (cc, gcc or $CC)"
+
+
+def not_built(why: str) -> str:
+    """What `deepdsl compile` and `deepdsl run` say when the library is not built."""
+    return f"compiled CPU kernels not built ({why}): the program runs numpy's"
 
 
 def find_compiler() -> str | None:
@@ -55,7 +63,7 @@ def build_library(source, compiler: str | None = None) -> tuple[Path | None, str
     source = Path(source)
     compiler = compiler or find_compiler()
     if compiler is None:
-        return None, "no C compiler (cc, gcc or $CC)"
+        return None, NO_COMPILER
     target = library_path(source)
     if target.exists():
         return target, ""
@@ -85,7 +93,7 @@ def build_in_background(source) -> str:
     if target.exists():
         return f"{target} is current"
     if find_compiler() is None:
-        return "compiled CPU kernels not built (no C compiler: cc, gcc or $CC): the program runs numpy's"
+        return not_built(NO_COMPILER)
     root = str(Path(__file__).resolve().parents[2])        # a source checkout's root (harmless when installed)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen([sys.executable, "-m", "deepdsl.codegen.native", "build", str(source)],
