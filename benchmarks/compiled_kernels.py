@@ -20,13 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from timing import print_row  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _run(program: Path, kernels: str, threads: int, iters: int, tmp: Path) -> float:
@@ -49,7 +45,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
-    print(f"load average before: {_load()}")
+    print(f"load average before: {load_average()}")
     print_row(("network", "batch", "threads", "compiled ms", "numpy ms", "numpy/compiled"), args.markdown, 14,
               header=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +66,7 @@ def main() -> int:
                 ours, theirs = (statistics.median(times[k]) for k in ("compiled", "numpy"))
                 print_row((name, batch or "-", str(threads), f"{ours:.1f}", f"{theirs:.1f}", f"{theirs / ours:.2f}x"),
                           args.markdown, 14)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
     return 0
 
 

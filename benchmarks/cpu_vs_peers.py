@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import print_row, timed_steps  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -47,10 +47,6 @@ BATCHES = 2
 
 def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _data(shape, classes, seed=0):
@@ -223,7 +219,7 @@ def main(argv=None) -> int:
 
     print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"median of {args.steps} steps after {args.warmup} warm-up steps, {args.rounds} rounds interleaved; "
-          f"load average before: {_load()}", flush=True)
+          f"load average before: {load_average()}", flush=True)
     print_row(("network", "batch", "threads", "side", "ms/step", "vs ours", "peak RSS MiB", "vs ours",
                "first step s"), args.markdown, 12, header=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,7 +247,7 @@ def main(argv=None) -> int:
                                f"{s['ms'] / ours['ms']:.2f}x" if ours else "-", f"{s['peak_mib']:.0f}",
                                f"{s['peak_mib'] / ours['peak_mib']:.2f}x" if ours else "-",
                                f"{first:.1f}" + (" (compile)" if side == "ours" else "")), args.markdown, 12)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
     return 0
 
 

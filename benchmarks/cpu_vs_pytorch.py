@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-from timing import timed_steps  # benchmarks/ is on the path of a script run from it
+from timing import load_average, timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -138,13 +138,6 @@ def _spawn(args: list[str], env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 def _program(batch: int, directory: pathlib.Path) -> pathlib.Path:
     import deepdsl
     from deepdsl.codegen import write_program
@@ -176,7 +169,7 @@ def main(argv=None) -> int:
     import numpy as np
     print(f"LeNet training step, {args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up "
           f"steps; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}, numpy {np.__version__}; load average {_load()}", flush=True)
+          f"{platform.python_version()}, numpy {np.__version__}; load average {load_average()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batch:
@@ -206,7 +199,7 @@ def main(argv=None) -> int:
         print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
         for line in lines:
             print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
     for batch, ours, theirs in rows:
         print(f"batch {batch}: losses ours {ours['loss_first']:.4f} -> {ours['loss_last']:.4f}, "
               f"PyTorch {theirs['loss_first']:.4f} -> {theirs['loss_last']:.4f}; min/max ms ours "

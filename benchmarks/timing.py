@@ -1,6 +1,7 @@
 """What the benchmarks share: the timing loop and their tables' rows."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Sequence
 
@@ -25,3 +26,11 @@ def print_row(cells: Sequence[str], markdown: bool, width: int, header: bool = F
             print("|" + "---|" * len(cells))
     else:
         print("  ".join(f"{c:>{width}}" for c in cells))
+
+
+def load_average() -> str:
+    """The machine's 1-, 5- and 15-minute load averages ("unknown" where the system has none)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return "unknown"
