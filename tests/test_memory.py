@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import deepdsl
 from deepdsl.cli import main
@@ -29,7 +29,7 @@ from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
 from deepdsl.passes.rematerialize import rematerialize
-from deepdsl.passes.schedule import schedule_for_memory
+from deepdsl.passes.schedule import respects, schedule_for_memory
 from deepdsl.pipeline import CompileOptions
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze
@@ -73,7 +73,10 @@ def test_each_memory_stage_preserves_values(graph, seed):
 @SETTINGS
 @given(step_programs())
 def test_scheduling_never_raises_the_peak(graph):
+    """Against the order it was given, where that order lets every update be written in place: only there is the
+    estimate of that order its peak (elsewhere the in-place pass would copy, which the estimate does not count)."""
     program = sink(linearize(graph))
+    assume(respects(StorageGraph(program), list(range(len(program.body)))))
     assert peak_estimate(schedule_for_memory(program)) <= peak_estimate(program)
 
 

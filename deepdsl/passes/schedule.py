@@ -120,7 +120,7 @@ def _views_at_first_use(graph: StorageGraph, order: list[int]) -> list[int]:
 PRIORITIES = ("net", "frees-first", "input")
 
 
-def _respects(graph: StorageGraph, order: list[int]) -> bool:
+def respects(graph: StorageGraph, order: list[int]) -> bool:
     """Whether `order` runs every statement after all its predecessors in `graph`."""
     position = {k: i for i, k in enumerate(order)}
     return all(position[p] < position[k] for k in order for p in graph.preds[k])
@@ -143,10 +143,10 @@ def schedule_for_memory(program: Program, priorities: tuple[str, ...] = PRIORITI
             best = (peak, order)
     # never worse than the order it was given, where that order lets every update be written in place (after all
     # other readers of the value it overwrites: the edges the storage graph adds)
-    if _respects(graph, given) and simulated_peak(graph, given) < best[0]:
+    if respects(graph, given) and simulated_peak(graph, given) < best[0]:
         return program
     order = _views_at_first_use(graph, best[1])
     return program.rewritten(tuple(Let(graph.nodes[k]) for k in order))
 
 
-__all__ = ["schedule_for_memory"]
+__all__ = ["respects", "schedule_for_memory"]
