@@ -35,9 +35,12 @@ if __name__ == "__main__":
 # imported after the handlers are set: importing numpy takes a while
 import argparse
 
-import numpy as np
+import deepdsl_runtime
 
-from deepdsl_runtime import program as rp
+deepdsl_runtime.idle_threads_sleep()       # before numpy loads its BLAS, which reads it then
+import numpy as np  # noqa: E402
+
+from deepdsl_runtime import program as rp  # noqa: E402
 
 
 class InceptionMini(rp.Model):

@@ -83,7 +83,23 @@ def _pool_input(n, c, h, w, rng):
 @settings(max_examples=40, deadline=None)
 @given(geometry=pool_geometries(9), n=st.integers(1, 3), c=st.integers(1, 3), seed=st.integers(0, 99))
 def test_max_pool_and_its_gradient_equal_numpy(lib, geometry, n, c, seed):
-    h, w, k, stride, pad, ceil = (geometry[key] for key in ("h", "w", "kernel", "stride", "pad", "ceil"))
+    _check_max_pool(lib, n, c, *(geometry[key] for key in ("h", "w", "kernel", "stride", "pad", "ceil")), seed)
+
+
+WIDE_POOLS = [  # (H, W, pad, ceil): rows of 2x2 windows of stride 2 that fill vectors of 8 and 4 windows and more
+    (24, 24, 0, False), (6, 37, 0, True), (5, 16, 1, False), (9, 34, 0, False), (4, 26, 1, True)]
+
+
+@needs_cc
+@pytest.mark.parametrize("h,w,pad,ceil", WIDE_POOLS, ids=[str(g) for g in WIDE_POOLS])
+def test_wide_2x2_pooling_equals_numpy(lib, h, w, pad, ceil):
+    """The vector path (8 and 4 windows at once) on rows long enough to take it, with ties, -0.0 and NaN."""
+    for seed in range(3):
+        _check_max_pool(lib, 2, 3, h, w, 2, 2, pad, ceil, seed)
+
+
+def _check_max_pool(lib, n, c, h, w, k, stride, pad, ceil, seed):
+    """Max pooling, its argmax alone and its gradient, compiled against numpy on the same input."""
     ho, wo = contract.out_size(h, k, stride, pad, ceil), contract.out_size(w, k, stride, pad, ceil)
     rng = np.random.default_rng(seed)
     x = _pool_input(n, c, h, w, rng)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+import deepdsl_runtime
 from deepdsl_runtime import contract
 
 __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads", "threads_available", "BUILD_FLAGS",
@@ -101,9 +102,7 @@ def load(program) -> tuple["Native | None", str]:
         return None, f"cannot read {source}: {err.strerror or err}"
     if not path.exists() and not _built_meanwhile(path):
         return None, f"{path.name} is not built (deepdsl compile builds it with a C compiler)"
-    # idle OpenMP threads sleep instead of spinning: other processes on the cores (and OpenBLAS's threads between
-    # our kernels) keep their time
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    deepdsl_runtime.idle_threads_sleep()        # (the program did so before numpy; another caller may not have)
     try:
         return Native(ctypes.CDLL(str(path))), ""
     except OSError as err:

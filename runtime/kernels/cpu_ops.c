@@ -13,6 +13,16 @@
 #include <omp.h>
 #endif
 
+// Vectors of 8 and 4 floats (GCC's vector extensions: SIMD code on any target, AVX2 here), where the compiler does
+// not vectorize a loop by itself. A comparison gives a mask of all ones or zeros per lane; `select` blends by it.
+typedef float deepdsl_v8f __attribute__((vector_size(32)));
+typedef int deepdsl_v8i __attribute__((vector_size(32)));
+typedef uint8_t deepdsl_v8b __attribute__((vector_size(8)));
+typedef float deepdsl_v4f __attribute__((vector_size(16)));
+typedef int deepdsl_v4i __attribute__((vector_size(16)));
+typedef uint8_t deepdsl_v4b __attribute__((vector_size(4)));
+#define DEEPDSL_SELECT(VF, VI, mask, a, b) ((VF)(((VI)(a) & (mask)) | ((VI)(b) & ~(mask))))
+
 #define DEEPDSL_PARALLEL_MIN 16384      /* below this many elements a kernel runs on one thread */
 /* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
 #define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
@@ -60,6 +70,18 @@ static inline void deepdsl_valid(int offset, int size, int out, int stride, int 
     *hi = p1 > p0 ? p1 : p0;
 }
 
+// dst[k] = src[k] for k < n: short runs (a convolution's output rows, often 8 to 32 floats) copied inline, which
+// a call of memcpy per run costs several times over.
+static inline __attribute__((always_inline)) void deepdsl_copy_floats(float* dst, const float* src, long n) {
+    long k = 0;
+    for (; k + 8 <= n; k += 8) {
+        deepdsl_v8f v;
+        memcpy(&v, src + k, sizeof v);
+        memcpy(dst + k, &v, sizeof v);
+    }
+    for (; k < n; ++k) dst[k] = src[k];
+}
+
 // cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
 // samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
 void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
@@ -84,7 +106,7 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
                 const float* row = src + (long)y * w + j - pad;
                 for (int q = 0; q < q0; ++q) d[q] = 0.0f;
                 if (stride == 1) {
-                    memcpy(d + q0, row + q0, sizeof(float) * (q1 - q0));
+                    deepdsl_copy_floats(d + q0, row + q0, q1 - q0);
                 } else {
                     for (int q = q0; q < q1; ++q) d[q] = row[(long)stride * q];
                 }
@@ -175,7 +197,8 @@ static inline __attribute__((always_inline)) void deepdsl_window_max(const float
 // by the threads would be read again after each store through a pointer): their arguments are plain locals.
 #define DEEPDSL_PLANE static __attribute__((noinline))
 
-// A 2x2 window, written out.
+// A 2x2 window, written out: the first position holding the maximum is the count of those before it that do not
+// (integer arithmetic on the comparisons, so the compiler emits no branch: which one wins is unpredictable).
 static inline __attribute__((always_inline)) void deepdsl_window_max2(const float* at, long w, float* best_out,
                                                                      uint8_t* index_out) {
     const float a = at[0], b = at[1], c = at[w], d = at[w + 1];
@@ -183,13 +206,55 @@ static inline __attribute__((always_inline)) void deepdsl_window_max2(const floa
     best = b > best ? b : best;
     best = c > best ? c : best;
     best = d > best ? d : best;
-    best = ((a != a) | (b != b) | (c != c) | (d != d)) ? NAN : best;
-    int index = 3;
-    index = c == best ? 2 : index;
-    index = b == best ? 1 : index;
-    index = a == best ? 0 : index;
+    best = (__builtin_isunordered(a, b) | __builtin_isunordered(c, d)) ? NAN : best;
+    const int na = a != best, nb = b != best, nc = c != best;
     *best_out = best;
-    *index_out = (uint8_t)index;
+    *index_out = (uint8_t)(na + (na & nb) + (na & nb & nc));
+}
+
+
+// The 2x2 windows of stride 2, the most common pooling, in vectors: the branch-free rule of deepdsl_window_max2 on
+// N windows at once, their columns separated by shuffles.
+// Windows q .. q+N-1 of rows r0, r1 (2x2, stride 2) into o and am; N = 8 or 4, EVEN/ODD the shuffles that take the
+// even and odd columns of 2N consecutive floats.
+#define DEEPDSL_WINDOWS2(VF, VI, VB, N, EVEN, ODD)                                                               \
+    do {                                                                                                         \
+        VF t0, t1, u0, u1;                                                                                       \
+        memcpy(&t0, r0 + 2 * q, sizeof t0);                                                                      \
+        memcpy(&t1, r0 + 2 * q + N, sizeof t1);                                                                  \
+        memcpy(&u0, r1 + 2 * q, sizeof u0);                                                                      \
+        memcpy(&u1, r1 + 2 * q + N, sizeof u1);                                                                  \
+        const VF a = __builtin_shuffle(t0, t1, EVEN), b = __builtin_shuffle(t0, t1, ODD);                        \
+        const VF c = __builtin_shuffle(u0, u1, EVEN), d = __builtin_shuffle(u0, u1, ODD);                        \
+        VF best = a;                                                                                             \
+        best = DEEPDSL_SELECT(VF, VI, b > best, b, best);                                                        \
+        best = DEEPDSL_SELECT(VF, VI, c > best, c, best);                                                        \
+        best = DEEPDSL_SELECT(VF, VI, d > best, d, best);                                                        \
+        best = DEEPDSL_SELECT(VF, VI, (a != a) | (b != b) | (c != c) | (d != d), (VF){0} + NAN, best);           \
+        const VI na = a != best, nb = b != best, nc = c != best;  /* -1 where not the maximum */                \
+        const VB index = __builtin_convertvector(-(na + (na & nb) + (na & nb & nc)), VB);                         \
+        memcpy(o + q, &best, sizeof best);                                                                       \
+        memcpy(am + q, &index, sizeof index);                                                                    \
+    } while (0)
+
+// Rows of 2x2 windows of stride 2 (`ho` x `wo` windows inside the plane, its rows `w` apart) into out and argmax:
+// 8 windows at a time, then 4, then one by one (the first position holding the maximum: the count of those before
+// it that do not).
+DEEPDSL_PLANE void deepdsl_max_pool_plane2(const float* src, long w, int ho, int wo, float* out, uint8_t* argmax) {
+    for (int p = 0; p < ho; ++p) {
+        const float* r0 = src + (long)p * 2 * w;
+        const float* r1 = r0 + w;
+        float* o = out + (long)p * wo;
+        uint8_t* am = argmax + (long)p * wo;
+        int q = 0;
+        for (; q + 8 <= wo; q += 8)
+            DEEPDSL_WINDOWS2(deepdsl_v8f, deepdsl_v8i, deepdsl_v8b, 8, ((deepdsl_v8i){0, 2, 4, 6, 8, 10, 12, 14}),
+                             ((deepdsl_v8i){1, 3, 5, 7, 9, 11, 13, 15}));
+        for (; q + 4 <= wo; q += 4)
+            DEEPDSL_WINDOWS2(deepdsl_v4f, deepdsl_v4i, deepdsl_v4b, 4, ((deepdsl_v4i){0, 2, 4, 6}),
+                             ((deepdsl_v4i){1, 3, 5, 7}));
+        for (; q < wo; ++q) deepdsl_window_max2(r0 + 2 * q, w, o + q, am + q);
+    }
 }
 
 // The windows of one plane whose windows all lie inside it (rows `w` apart); `out` or `argmax` may be NULL.
@@ -197,7 +262,11 @@ DEEPDSL_PLANE void deepdsl_max_pool_plane(const float* src, long w, int ho, int 
                                           uint8_t* argmax) {
     float best;
     uint8_t index;
-    if (K == 2 && out && argmax) {                  /* the common case, without a test per window */
+    if (K == 2 && stride == 2 && out && argmax) {   /* the most common case: vectors */
+        deepdsl_max_pool_plane2(src, w, ho, wo, out, argmax);
+        return;
+    }
+    if (K == 2 && out && argmax) {                  /* without a test per window */
         for (int p = 0; p < ho; ++p) {
             const float* row = src + (long)p * stride * w;
             for (int q = 0; q < wo; ++q) {

@@ -1,0 +1,133 @@
+"""Where a generated program's training step spends its time, op by op.
+
+    python benchmarks/op_profile.py NET[:BATCH[:IMAGE]] [--threads 2] [--kernels compiled] [--warmup 2]
+                                    [--steps 5] [--top 25] [--markdown]
+
+The network is compiled with `deepdsl compile` (which builds its compiled kernels), its program imported, and every
+op of its backend (`model.rt`) wrapped in a timer; `--warmup` steps run untimed, then `--steps` timed. Printed per
+op kind (`conv2d`, `max_pool`, an elementwise kernel by its name, ...) and input shapes: calls per step, the median
+over steps of its milliseconds per step, its share of the step; then the sum over ops against the step's median
+(the rest is Python: the step's glue and the timers). The load average is printed before and after. Idle threads
+sleep at once, as in the generated program (`deepdsl_runtime.idle_threads_sleep`).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import deepdsl_runtime
+
+deepdsl_runtime.idle_threads_sleep()        # as the generated program does, before numpy loads its BLAS
+import numpy as np  # noqa: E402
+
+from timing import load_average, print_row  # benchmarks/ is on the path of a script run from it
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compile(spec: str, directory: Path) -> Path:
+    name, batch, image = (spec.split(":") + ["", ""])[:3]
+    program = directory / f"{name}{batch}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program)]
+    command += (["--batch", batch] if batch else []) + (["--image", image] if image else [])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {spec}: {done.stdout.strip()} {done.stderr.strip()}")
+    return program
+
+
+def _model(program: Path, kernels: str, threads: int):
+    spec = importlib.util.spec_from_file_location(program.stem, program)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from deepdsl_runtime import program as rp
+    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, rp.Model) and v is not rp.Model)
+    model = cls(kernels=kernels, threads=threads)
+    model.initialize(0)
+    return model
+
+
+def _shape(a) -> str:
+    return "x".join(map(str, a.shape)) if isinstance(a, np.ndarray) else ""
+
+
+def _label(name: str, args) -> str:
+    if name == "ew":
+        kernel, rest = args[0], args[2:]
+        return f"ew {kernel.__name__} {_shape(args[1])}"
+    return f"{name} " + ",".join(s for s in map(_shape, args) if s)
+
+
+def _timed(rt, times: dict):
+    """`rt` with every op timed into times[label] (seconds, summed until the caller reads them)."""
+    def wrap(name, op):
+        @functools.wraps(op)
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            result = op(*args, **kwargs)
+            times[_label(name, args)] += time.perf_counter() - began
+            calls[_label(name, args)] += 1
+            return result
+        return timed
+    calls = collections.Counter()
+    for name in dir(rt):
+        op = getattr(rt, name)
+        if callable(op) and not name.startswith("_") and name not in ("backend", "with_gemm", "asarray",
+                                                                        "to_numpy", "scalar", "reshape"):
+            setattr(rt, name, wrap(name, op))
+    return calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("network")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kernels", default="compiled", choices=("compiled", "numpy", "auto"))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    print(f"load average before: {load_average()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _model(_compile(args.network, Path(tmp)), args.kernels, args.threads)
+        print(f"{args.network}: {model.kernels}")
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(model.batch_shape, dtype=np.float32)
+        y = rng.integers(0, model.classes, model.batch_shape[0]).astype(np.int32)
+        hyper = model.hyper(0.01, 0.9, 0.0005, 0)
+        model.prepare(hyper)
+        totals = collections.defaultdict(float)
+        calls = _timed(model.rt, totals)
+        per_step, steps = collections.defaultdict(list), []
+        for i in range(args.warmup + args.steps):
+            totals.clear()
+            began = time.perf_counter()
+            model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
+            elapsed = time.perf_counter() - began
+            if i >= args.warmup:
+                steps.append(elapsed)
+                for label, seconds in totals.items():
+                    per_step[label].append(seconds)
+    step_ms = statistics.median(steps) * 1000
+    rows = sorted(((statistics.median(v) * 1000, k) for k, v in per_step.items()), reverse=True)
+    print_row(("op and shapes", "calls", "ms/step", "share"), args.markdown, 12, header=True)
+    for ms, label in rows[:args.top]:
+        print_row((label, str(calls[label] // (args.warmup + args.steps)), f"{ms:.2f}", f"{ms / step_ms:.1%}"),
+                  args.markdown, 12)
+    ops_ms = sum(ms for ms, _ in rows)
+    print(f"step {step_ms:.1f} ms (median of {args.steps}); ops {ops_ms:.1f} ms; rest {step_ms - ops_ms:.1f} ms")
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
