@@ -21,7 +21,7 @@ static __attribute__((noinline)) void deepdsl_ew_relu_f_range(long begin, long e
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
-        out[i] = fmaxf(0, v0);
+        out[i] = deepdsl_maxf(v0, 0);
     }
 }
 
@@ -47,7 +47,7 @@ static __attribute__((noinline)) void deepdsl_ew_add_relu_fr_range(long row0, lo
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v1 = p1[i];
-            o[i] = fmaxf(0, v0 + v1);
+            o[i] = deepdsl_maxf(v0 + v1, 0);
         }
     }
 }

@@ -20,7 +20,7 @@ template <int ND>
 DEEPDSL_HD void deepdsl_ew_relu_at(unsigned i, const EwShape& s, float* out, const EwArg& a0) {
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
-    out[i] = fmaxf(0, v0);
+    out[i] = deepdsl_maxf(v0, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_relu_1(EwShape s, float* out, EwArg a0) {
@@ -40,7 +40,7 @@ DEEPDSL_HD void deepdsl_ew_add_relu_at(unsigned i, const EwShape& s, float* out,
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
     const float v1 = at.load(a1);
-    out[i] = fmaxf(0, v0 + v1);
+    out[i] = deepdsl_maxf(v0 + v1, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_add_relu_1(EwShape s, float* out, EwArg a0, EwArg a1) {

@@ -21,7 +21,7 @@ static __attribute__((noinline)) void deepdsl_ew_relu_f_range(long begin, long e
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
-        out[i] = fmaxf(0, v0);
+        out[i] = deepdsl_maxf(v0, 0);
     }
 }
 

@@ -20,7 +20,7 @@ template <int ND>
 DEEPDSL_HD void deepdsl_ew_relu_at(unsigned i, const EwShape& s, float* out, const EwArg& a0) {
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
-    out[i] = fmaxf(0, v0);
+    out[i] = deepdsl_maxf(v0, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_relu_1(EwShape s, float* out, EwArg a0) {

@@ -27,7 +27,7 @@ static __attribute__((noinline)) void deepdsl_ew_add_relu_fr_range(long row0, lo
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v1 = p1[i];
-            o[i] = fmaxf(0, v0 + v1);
+            o[i] = deepdsl_maxf(v0 + v1, 0);
         }
     }
 }

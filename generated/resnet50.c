@@ -163,7 +163,7 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_fccc_range(long ro
 #pragma omp simd
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
-            o[i] = fmaxf(0, v0*v1*v2 + v3);
+            o[i] = deepdsl_maxf(v0*v1*v2 + v3, 0);
         }
     }
 }
@@ -246,7 +246,7 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_2_fcccfccc_range(l
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v4 = (float)q4[i];
-            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4*v5*v6 + v7);
+            o[i] = deepdsl_maxf(v0*v1*v2 + v3 + v4*v5*v6 + v7, 0);
         }
     }
 }
@@ -281,7 +281,7 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_3_fcccf_range(long
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v4 = (float)q4[i];
-            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4);
+            o[i] = deepdsl_maxf(v0*v1*v2 + v3 + v4, 0);
         }
     }
 }
@@ -316,7 +316,7 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_4_fcccf_range(long
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v4 = (float)q4[i];
-            o[i] = fmaxf(0, v0*v1*v2 + v3 + v4);
+            o[i] = deepdsl_maxf(v0*v1*v2 + v3 + v4, 0);
         }
     }
 }
@@ -984,7 +984,7 @@ static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_sub_mul_fcccc_range(l
 #pragma omp simd
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
-            o[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4);
+            o[i] = deepdsl_maxf(v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4, 0);
         }
     }
 }
@@ -1055,7 +1055,7 @@ static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_sub_mul_3_fccccf_rang
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v5 = (float)q5[i];
-            o[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4 + v5);
+            o[i] = deepdsl_maxf(v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4 + v5, 0);
         }
     }
 }

@@ -140,7 +140,7 @@ DEEPDSL_HD void deepdsl_ew_mul_add_relu_at(unsigned i, const EwShape& s, float* 
     const float v1 = at.load(a1);
     const float v2 = at.load(a2);
     const float v3 = at.load(a3);
-    out[i] = fmaxf(0, v0*v1*v2 + v3);
+    out[i] = deepdsl_maxf(v0*v1*v2 + v3, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_mul_add_relu_1(EwShape s, float* out, EwArg a0, EwArg a1, EwArg a2, EwArg a3) {
@@ -163,7 +163,7 @@ DEEPDSL_HD void deepdsl_ew_mul_add_relu_2_at(unsigned i, const EwShape& s, float
     const float v2 = at.load(a2);
     const float v3 = at.load(a3);
     const float v4 = at.load(a4);
-    out[i] = fmaxf(0, v0*v1*v2 + v3 + v4);
+    out[i] = deepdsl_maxf(v0*v1*v2 + v3 + v4, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_mul_add_relu_2_1(EwShape s, float* out, EwArg a0, EwArg a1, EwArg a2, EwArg a3, EwArg a4) {
@@ -228,7 +228,7 @@ DEEPDSL_HD void deepdsl_ew_mul_add_relu_3_at(unsigned i, const EwShape& s, float
     const float v5 = at.load(a5);
     const float v6 = at.load(a6);
     const float v7 = at.load(a7);
-    out[i] = fmaxf(0, v0*v1*v2 + v3 + v4*v5*v6 + v7);
+    out[i] = deepdsl_maxf(v0*v1*v2 + v3 + v4*v5*v6 + v7, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_mul_add_relu_3_1(EwShape s, float* out, EwArg a0, EwArg a1, EwArg a2, EwArg a3, EwArg a4, EwArg a5, EwArg a6, EwArg a7) {
@@ -599,7 +599,7 @@ DEEPDSL_HD void deepdsl_ew_add_rsqrt_sub_mul_at(unsigned i, const EwShape& s, fl
     const float v2 = at.load(a2);
     const float v3 = at.load(a3);
     const float v4 = at.load(a4);
-    out[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4);
+    out[i] = deepdsl_maxf(v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_add_rsqrt_sub_mul_1(EwShape s, float* out, EwArg a0, EwArg a1, EwArg a2, EwArg a3, EwArg a4) {
@@ -623,7 +623,7 @@ DEEPDSL_HD void deepdsl_ew_add_rsqrt_sub_mul_2_at(unsigned i, const EwShape& s, 
     const float v3 = at.load(a3);
     const float v4 = at.load(a4);
     const float v5 = at.load(a5);
-    out[i] = fmaxf(0, v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4 + v5);
+    out[i] = deepdsl_maxf(v3*(v0 - v1)/sqrtf(v2 + 1.0e-5F) + v4 + v5, 0);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_add_rsqrt_sub_mul_2_1(EwShape s, float* out, EwArg a0, EwArg a1, EwArg a2, EwArg a3, EwArg a4, EwArg a5) {

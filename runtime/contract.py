@@ -127,7 +127,8 @@ def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int) -> int:
 def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int) -> int:
     """conv2d_bwd_data, for an input of spatial `size`. Stride 1: the output gradient widened to rows as wide as the
     padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
-    (C, Hp*Wp + kw - 1); other strides: the column gradients (C*kh*kw, Ho*Wo); none when pointwise."""
+    (C, Hp*Wp + kw - 1), which also holds each other scheme of runtime/cpu/conv.py (the "columns" one needs
+    (O + C*kh*kw) * Ho*Wo); other strides: the column gradients (C*kh*kw, Ho*Wo); none when pointwise."""
     (_, o, ho, wo), (_, c, kh, kw), (h, w) = g_shape, w_shape, size
     if pointwise_conv(kh, kw, stride, pad):
         return 0

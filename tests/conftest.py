@@ -58,3 +58,26 @@ def golden(request):
             pytest.fail(f"output differs from golden/{name} (accept with --update-golden):\n{diff}", pytrace=False)
 
     return check
+
+
+STRIDE1_SCHEMES = ("columns", "widened", "kernel rows")
+
+
+@pytest.fixture(params=STRIDE1_SCHEMES)
+def stride1_scheme(request, monkeypatch):
+    """Each scheme of a stride-1 convolution's input gradient in turn (where it applies; elsewhere the least
+    costly), whichever the cost model would pick. Its value: `forced`, the scheme, and `ran`, those that ran."""
+    import types
+
+    from deepdsl_runtime.cpu import conv
+
+    forced, ran = request.param, set()
+
+    def scheme(*shape):
+        costs = conv.stride1_costs(*shape)
+        chosen = forced if forced in costs else min(costs, key=costs.get)
+        ran.add(chosen)
+        return chosen
+
+    monkeypatch.setattr(conv, "stride1_scheme", scheme)
+    return types.SimpleNamespace(forced=forced, ran=ran)

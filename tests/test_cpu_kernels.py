@@ -47,17 +47,24 @@ def conv_nodes(case):
 
 
 @pytest.mark.parametrize("case", CONV)
-def test_convolutions_in_every_layout(case):
+def test_convolutions_in_every_layout(case, stride1_scheme):
     for node in conv_nodes(case):
         check(node)
 
 
 @pytest.mark.parametrize("case", CONV)
-def test_convolutions_in_cache_sized_chunks(case, tiny_cache):
+def test_convolutions_in_cache_sized_chunks(case, tiny_cache, stride1_scheme):
     """One sample per chunk, with the whole batch's workspace: the filter gradient adds chunks up in the part of
     the workspace the batch does not need."""
     for node in conv_nodes(case):
         check(node)
+
+
+def test_every_stride1_scheme_runs_on_these_cases(stride1_scheme):
+    """The fixture forces each scheme of the stride-1 input gradient on at least one case of CONV."""
+    for case in CONV:
+        check(conv_nodes(case)[1])
+    assert stride1_scheme.forced in stride1_scheme.ran
 
 
 def test_cache_chunks_split_only_where_the_workspace_keeps_room():
@@ -100,7 +107,7 @@ def test_max_pooling_in_cache_sized_chunks(case, tiny_cache):
 
 
 @pytest.mark.parametrize("o,c", [(4, 3), (2, 5), (9, 1)])    # input gradient smaller (forward), larger (backward)
-def test_taking_over_in_cache_sized_chunks(o, c, tiny_cache):
+def test_taking_over_in_cache_sized_chunks(o, c, tiny_cache, stride1_scheme):
     check_over(make("max_pool", (leaf("x", (5, 3, 8, 8)),), kernel=2, stride=2))
     check_over(make("conv2d_bwd_data", (leaf("g", (5, o, 6, 6)), leaf("w", (o, c, 3, 3))), stride=1, pad=1,
                     size=(6, 6)))

@@ -215,7 +215,7 @@ def test_broadcast_and_small_operands_run_numpy(lib):
 
 @needs_cc
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
-def test_convolutions_under_their_planned_workspace(lib, geometry):
+def test_convolutions_under_their_planned_workspace(lib, geometry, stride1_scheme):
     """conv2d and both its gradients with the compiled passes equal numpy's (the input gradient bit for bit: the
     same additions in the same order), in chunks of one sample and of all, with workspaces of exactly the planned
     size filled with NaN."""

@@ -349,7 +349,7 @@ def test_pooling_takes_over_its_input(case):
 
 
 @pytest.mark.parametrize("case", CONV)
-def test_convolution_input_gradient_takes_over_the_output_gradient(case):
+def test_convolution_input_gradient_takes_over_the_output_gradient(case, stride1_scheme):
     n, c, h, w, o, k, s, p, _ = case
     wt = leaf("w", (o, c, k, k))
     g = leaf("g", make("conv2d", (leaf("x", (n, c, h, w)), wt), stride=s, pad=p).shape)

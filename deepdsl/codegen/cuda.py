@@ -34,9 +34,10 @@ ARCHS = (80, 90)           # SASS in the fat binary; PTX of the last for newer G
 
 
 class CudaPrinter(C99CodePrinter):
-    """sympy's C99 printer in float32 (`expf`, `fmaxf`, `0.5F`), with the functions our expressions use spelled
-    the way the numpy backend computes them: Heaviside(x, 0) as (x > 0 ? 1 : 0), the ReLU derivative PyTorch uses;
-    small integer powers as products (numpy's square); x**(-1/2) as 1/sqrtf(x); sign as (x > 0) - (x < 0)."""
+    """sympy's C99 printer in float32 (`expf`, `0.5F`), with the functions our expressions use spelled the way the
+    numpy backend computes them: Heaviside(x, 0) as (x > 0 ? 1 : 0), the ReLU derivative PyTorch uses; small integer
+    powers as products (numpy's square); x**(-1/2) as 1/sqrtf(x); sign as (x > 0) - (x < 0); Max and Min as
+    numpy's maximum and minimum (NaN wins: `deepdsl_maxf`, runtime/kernels/deepdsl_math.h)."""
 
     def __init__(self, settings=None):
         from sympy.codegen.ast import float32, real
@@ -55,6 +56,22 @@ class CudaPrinter(C99CodePrinter):
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
         return f"((float)(({x}) > 0.0F) - (float)(({x}) < 0.0F))"
+
+    def _print_Max(self, expr):
+        return self._fold("deepdsl_maxf", expr)
+
+    def _print_Min(self, expr):
+        return self._fold("deepdsl_minf", expr)
+
+    def _fold(self, name, expr):
+        """name(name(a, b), c) ... over the operands in the order numpy's kernel applies them."""
+        from deepdsl.codegen.ufuncs import ordered_operands
+
+        args = ordered_operands(list(expr.args), None)
+        code = self._print(args[0])
+        for a in args[1:]:
+            code = f"{name}({code}, {self._print(a)})"
+        return code
 
     def _print_Pow(self, expr):
         base, exp = expr.args

@@ -129,7 +129,7 @@ def operand(expr: sympy.Expr) -> tuple[str, int]:
         return f"{func}({operand(expr.args[0])[0]})", _ATOM
     if isinstance(expr, (sympy.Max, sympy.Min)):
         name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
-        args = _ordered(list(expr.args), None)
+        args = ordered_operands(list(expr.args), None)
         code = operand(args[0])[0]
         for a in args[1:]:
             code = f"{name}({code}, {operand(a)[0]})"
@@ -165,7 +165,7 @@ def _fallback(expr: sympy.Expr) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # the spine: calls writing into out
 
-def _ordered(args: list[sympy.Expr], alias: int | None) -> list[sympy.Expr]:
+def ordered_operands(args: list[sympy.Expr], alias: int | None) -> list[sympy.Expr]:
     """Operands of a commutative op: the one holding the aliased input first, then the largest computed one
     (so it is built in `out` without a temporary), numbers last."""
     def key(a):
@@ -190,7 +190,7 @@ def _spine(expr: sympy.Expr, alias: int | None) -> list[Call]:
         return _apply(func, expr.args[0], alias)
     if isinstance(expr, (sympy.Max, sympy.Min)):
         name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
-        return _fold(name, _ordered(list(expr.args), alias), alias)
+        return _fold(name, ordered_operands(list(expr.args), alias), alias)
     if isinstance(expr, sympy.Heaviside):
         return [Call(_heaviside(expr, operand(expr.args[0])[0], "out"), _reads(expr))]
     return [Call(f"out[...] = {_fallback(expr)}", _reads(expr))]
@@ -222,7 +222,7 @@ def _fold(op: str, args: list[sympy.Expr], alias: int | None, ops: list[str] | N
 
 def _add(expr: sympy.Expr, alias: int | None) -> list[Call]:
     signed = [_split_sign(t) for t in expr.args]
-    terms = _ordered([m for _, m in signed], alias)
+    terms = ordered_operands([m for _, m in signed], alias)
     negative = {id(m): n for n, m in signed}
     # a positive term leads when there is one (a leading negative term costs a separate negation)
     positive = [t for t in terms if not negative[id(t)]]
@@ -239,7 +239,7 @@ def _add(expr: sympy.Expr, alias: int | None) -> list[Call]:
 
 def _mul(expr: sympy.Expr, alias: int | None) -> list[Call]:
     coeff, num, den = _factors(expr)
-    num = _ordered(num, alias)
+    num = ordered_operands(num, alias)
     if not num:                                   # c / d
         denominator = sympy.Mul(*den)
         if denominator.is_Atom:

@@ -65,6 +65,11 @@ class _NumpyPasses:
         _im2col(x, cols, stride, pad, scratch)
 
     @staticmethod
+    def col2im(dcols, out, stride, pad):
+        out.fill(0)
+        _col2im_add(dcols, out, stride, pad)
+
+    @staticmethod
     def swap01(src, dst, bias=None):
         """dst = src with its first two axes swapped, plus bias[a] along the first axis of src when given."""
         if bias is None:
@@ -121,23 +126,49 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
                 (native or _NUMPY).add_bias(target, b)
 
 
+# What moving one float (an addition or a copy in a memory-bound pass) costs, in the floating-point operations a matrix
+# product does meanwhile: measured here (2 cores; col2im at about 0.35 ns a float against products at 150 GFLOP/s)
+ADD_COST_FLOPS = 50
+
+
+def stride1_costs(o, c, kh, kw, ho, wo, wp, m) -> dict[str, int]:
+    """The schemes conv2d_bwd_data can compute a stride-1 chunk of m samples by, and what each costs: matrix-product
+    FLOPs plus ADD_COST_FLOPS per float its other passes move. "columns": a GEMM of the forward's FLOPs, then col2im
+    adds C*kh*kw values per input position; "widened": the GEMM over rows Wp wide (Wp/Wo times the FLOPs), the same
+    additions; "kernel rows" (where its copies fit the workspace): that GEMM, kh additions instead of kh*kw, and kw
+    copies of the output gradient."""
+    ckk, rows = c * kh * kw, m * ho * wp
+    costs = {"columns": 2 * o * ckk * m * ho * wo + ADD_COST_FLOPS * (o + ckk) * m * ho * wo,
+             "widened": 2 * o * ckk * rows + ADD_COST_FLOPS * (o + ckk) * rows}
+    if o * kw + kh * c < ckk and m * (ckk - o * kw - kh * c) * ho * wp >= o * (kw - 1):
+        costs["kernel rows"] = 2 * o * ckk * rows + ADD_COST_FLOPS * (o * (kw + 1) + kh * c) * rows
+    return costs
+
+
+def stride1_scheme(o, c, kh, kw, ho, wo, wp, m) -> str:
+    """The scheme of least cost (`stride1_costs`)."""
+    costs = stride1_costs(o, c, kh, kw, ho, wo, wp, m)
+    return min(costs, key=costs.get)
+
+
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
-    Stride 1 computes the column gradients of a chunk of samples in one GEMM, on rows as wide as the padded input
-    (the output gradient transposed to (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's
-    contribution is one contiguous run per channel and sample. Workspace per sample: the widened output gradient
-    (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient (C, Hp*Wp + kw - 1). When
-    O*kw + kh*C < C*kh*kw the same room holds a cheaper scheme: the widened gradient shifted by each kernel column
-    (O*kw rows; a shift by j is an offset of j in rows that end in zero columns), one GEMM with the filters
-    regrouped to (kh*C, O*kw) giving each kernel row's contribution (kh*C rows), and kh shifted additions instead
-    of kh*kw. Other strides
-    add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample. `out` may take over the
-    bytes of `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output
-    gradient (into the widened copy) before it writes any of its input gradient, so chunks of any size are safe in
-    the order that writes behind the unread samples: forward when a sample's input gradient is the smaller, backward
-    otherwise. With `native` the shifted additions and the crop are one compiled gathering pass (same additions, same
-    order)."""
+    Stride 1 runs chunks of samples by the scheme of least cost (`stride1_costs`) within one workspace per sample:
+    the widened output gradient (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
+    (C, Hp*Wp + kw - 1). "columns": the output gradient regrouped to (O, samples*Ho*Wo), one GEMM for the chunk's
+    column gradients (C*kh*kw, samples*Ho*Wo), then col2im (the forward's FLOPs; C*kh*kw additions per input
+    position). "widened": the GEMM on rows as wide as the padded input (the output gradient transposed to
+    (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's contribution is one contiguous run
+    per channel and sample. "kernel rows" (where O*kw + kh*C < C*kh*kw): the widened gradient shifted by each kernel
+    column (O*kw rows; a shift by j is an offset of j in rows that end in zero columns), one GEMM with the filters
+    regrouped to (kh*C, O*kw) giving each kernel row's contribution (kh*C rows), and kh shifted additions instead of
+    kh*kw. Other strides add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample, then
+    col2im. `out` may take over the bytes of `g` (same start): samples then run in a safe order. With stride 1 a
+    chunk reads all of its output gradient (into a copy) before it writes any of its input gradient, so chunks of
+    any size are safe in the order that writes behind the unread samples: forward when a sample's input gradient is
+    the smaller, backward otherwise. With `native` the regrouping, col2im and the shifted additions with the crop run
+    compiled (the same additions in the same order)."""
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
@@ -164,9 +195,19 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
             e = min(n, s + step)
             m, rows = e - s, (e - s) * ho * wp
             scratch = Scratch(workspace)
-            if o * kw + kh * c < ckk and m * (ckk - o * kw - kh * c) * ho * wp >= o * (kw - 1):
-                # kernel rows: the output gradient shifted by each kernel column (kw contiguous copies), one GEMM
-                # by the filters regrouped (kh*C, O*kw), then kh shifted additions instead of kh*kw
+            scheme = stride1_scheme(o, c, kh, kw, ho, wo, wp, m)
+            if scheme == "columns":
+                # the column gradients of the chunk in one GEMM by the output gradient regrouped (O, samples*Ho*Wo),
+                # then col2im
+                gt = scratch.take((o, m, ho * wo))
+                (native or _NUMPY).swap01(g[s:e].reshape(m, o, ho * wo), gt)
+                dcols = scratch.take((c, kh, kw, m, ho, wo))
+                gemm(w2t, gt.reshape(o, m * ho * wo), out=dcols.reshape(ckk, m * ho * wo))
+                (native or _NUMPY).col2im(dcols.transpose(3, 0, 1, 2, 4, 5), out[s:e], stride, pad)
+                continue
+            if scheme == "kernel rows":
+                # the output gradient shifted by each kernel column (kw contiguous copies), one GEMM by the
+                # filters regrouped (kh*C, O*kw), then kh shifted additions instead of kh*kw
                 wide = scratch.take((o, kw - 1 + rows))
                 wide[:, :kw - 1] = 0
                 body = wide[:, kw - 1:].reshape(o, m, ho, wp)
@@ -198,12 +239,11 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
             np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
         return
     step = samples_per_chunk(n, workspace, per_sample)
-    out.fill(0)
     for s in range(0, n, step):
         e = min(n, s + step)
         dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
         gemm(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
-        _col2im_add(dcols, out[s:e], stride, pad)
+        (native or _NUMPY).col2im(dcols, out[s:e], stride, pad)
 
 
 def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul, native=None):

@@ -30,6 +30,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
            "KERNELS_DIR"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+KERNEL_SOURCES = ("cpu_ops.c", "deepdsl_math.h")      # what a program's .c includes from the runtime
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -57,7 +58,8 @@ def sources_digest(program_source: str) -> str:
     """16 hex digits naming a library: the program's C text, the generic kernels, the build flags and the
     processor (one rule for the compiler, which builds the library, and the runtime, which loads it)."""
     h = hashlib.sha256()
-    for part in (program_source, (KERNELS_DIR / "cpu_ops.c").read_text(), " ".join(BUILD_FLAGS), _processor()):
+    sources = [(KERNELS_DIR / name).read_text() for name in KERNEL_SOURCES]
+    for part in (program_source, *sources, " ".join(BUILD_FLAGS), _processor()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -122,6 +124,7 @@ class Native:
         self.lib = lib
         lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P, _P]
+        lib.deepdsl_col2im.argtypes = [_P, _L, _L, _L, _L, _I, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_add_bias.argtypes = [_P, _L, _L, _L, _P]
         lib.deepdsl_shifted_sums.argtypes = [_P, _L, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _P]
         lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
@@ -149,6 +152,17 @@ class Native:
         m, c, h, w = x.shape
         _, kh, kw, _, ho, wo = base.shape
         self.lib.deepdsl_im2col(x.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride, pad, base.ctypes.data)
+
+    def col2im(self, dcols: np.ndarray, out: np.ndarray, stride: int, pad: int) -> None:
+        """out (m, C, H, W) = the col2im of the column gradients `dcols`, an (m, C, kh, kw, Ho, Wo) view whose
+        (C, kh, kw) rows are evenly spaced and (Ho, Wo) planes contiguous (`deepdsl_col2im`)."""
+        m, c, kh, kw, ho, wo = dcols.shape
+        ss, cs, is_, js, ps, qs = (st // 4 for st in dcols.strides)
+        if not (out.flags.c_contiguous and dcols.dtype == np.float32 and qs == 1 and ps == wo and is_ == kw * js
+                and cs == kh * is_):
+            return _numpy_passes().col2im(dcols, out, stride, pad)
+        h, w = out.shape[2:]
+        self.lib.deepdsl_col2im(dcols.ctypes.data, ss, js, m, c, h, w, kh, kw, ho, wo, stride, pad, out.ctypes.data)
 
     def swap01(self, src: np.ndarray, dst: np.ndarray, bias: np.ndarray | None = None) -> None:
         """dst = src with its first two axes swapped (dst contiguous (B, A, ...) from contiguous (A, B, ...)), plus

@@ -1,6 +1,7 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
-// the im2col copies and axis swaps of the convolutions, max pooling with its argmax, and its gradient.
+// the im2col copies, col2im additions and axis swaps of the convolutions, max pooling with its argmax, and its
+// gradient.
 //
 // Each kernel computes exactly what the numpy kernel it replaces computes (runtime/cpu/), on the same memory: no
 // scratch beyond what that kernel's plan gives (these need none), outputs never overlapping inputs (the Python
@@ -9,6 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "deepdsl_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -160,6 +162,47 @@ void deepdsl_shifted_sums(const float* contributions, long count, const long* of
         for (long ch = 0; ch < channels; ++ch)
             deepdsl_shifted_sums_plane(contributions + ch * c_stride + s * rows, count, offsets, k_stride, rows, h, w,
                                        wp, pad, out + (s * channels + ch) * h * w);
+}
+
+// d[k] += s[k] for k < n (the arrays do not overlap: the loop vectorizes).
+static inline __attribute__((always_inline)) void deepdsl_add_floats(float* restrict d, const float* restrict s,
+                                                                    long n) {
+    for (long k = 0; k < n; ++k) d[k] += s[k];
+}
+
+// One plane of col2im: o (h x w) = 0, then for each kernel offset (i, j) in order, o[stride*p - pad + i]
+// [stride*q - pad + j] += cols[(i*kw + j) * row_stride + p*wo + q] over the positions inside the plane -- the
+// additions of runtime/cpu/conv.py's _col2im_add, in its order.
+DEEPDSL_ROW void deepdsl_col2im_plane(const float* cols, long row_stride, int h, int w, int kh, int kw, int ho,
+                                      int wo, int stride, int pad, float* o) {
+    memset(o, 0, sizeof(float) * h * w);
+    for (int i = 0; i < kh; ++i) {
+        int p0, p1;
+        deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
+        for (int j = 0; j < kw; ++j) {
+            int q0, q1;
+            deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
+            const float* src = cols + (long)(i * kw + j) * row_stride;
+            for (int p = p0; p < p1; ++p) {
+                float* row = o + (long)(stride * p - pad + i) * w + j - pad;
+                const float* from = src + (long)p * wo;
+                if (stride == 1) deepdsl_add_floats(row + q0, from + q0, q1 - q0);
+                else for (int q = q0; q < q1; ++q) row[(long)stride * q] += from[q];
+            }
+        }
+    }
+}
+
+// out (m, channels, h, w) = col2im of the column gradients: element (s, ch, i, j, p, q) at cols + s * sample_stride
+// + ((ch * kh + i) * kw + j) * row_stride + p * wo + q (a chunk's (C*kh*kw, m*Ho*Wo) product or per-sample ones);
+// a thread owns whole planes.
+void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
+                    int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
+#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
+    for (long s = 0; s < m; ++s)
+        for (long ch = 0; ch < channels; ++ch)
+            deepdsl_col2im_plane(cols + s * sample_stride + ch * kh * kw * row_stride, row_stride, h, w, kh, kw, ho,
+                                 wo, stride, pad, out + (s * channels + ch) * h * w);
 }
 
 // x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).

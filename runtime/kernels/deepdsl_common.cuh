@@ -18,6 +18,8 @@
 #define DEEPDSL_HD inline
 #endif
 
+#include "deepdsl_math.h"
+
 #define DEEPDSL_THREADS 256
 #define DEEPDSL_NEG_INF (-__builtin_huge_valf())
 
