@@ -5,9 +5,11 @@
 
 The network is compiled with `deepdsl compile` (which builds its compiled kernels), its program imported, and every
 op of its backend (`model.rt`) wrapped in a timer; `--warmup` steps run untimed, then `--steps` timed. Printed per
-op kind (`conv2d`, `max_pool`, an elementwise kernel by its name, ...) and input shapes: calls per step, the median
-over steps of its milliseconds per step, its share of the step; then the sum over ops against the step's median
-(the rest is Python: the step's glue and the timers). The load average is printed before and after. Idle threads
+op kind (`conv2d`, `max_pool`, an elementwise kernel by its name, ...) with its input and output shapes: calls per step, the median
+over steps of its milliseconds per step, its share of the step and, for the ops that multiply matrices, their
+rate in GFLOP/s; then the milliseconds by op (every elementwise
+kernel as `ew`), and the sum over ops against the step's median (the rest is Python: the step's glue and the
+timers). The load average is printed before and after. Idle threads
 sleep at once, as in the generated program (`deepdsl_runtime.idle_threads_sleep`).
 """
 from __future__ import annotations
@@ -59,11 +61,26 @@ def _shape(a) -> str:
     return "x".join(map(str, a.shape)) if isinstance(a, np.ndarray) else ""
 
 
-def _label(name: str, args) -> str:
+def _label(name: str, args, kwargs) -> str:
     if name == "ew":
-        kernel, rest = args[0], args[2:]
-        return f"ew {kernel.__name__} {_shape(args[1])}"
-    return f"{name} " + ",".join(s for s in map(_shape, args) if s)
+        return f"ew {args[0].__name__} {_shape(args[1])}"
+    out = kwargs.get("out")
+    return f"{name} " + ",".join(s for s in map(_shape, args) if s) + (f"->{_shape(out)}" if out is not None else "")
+
+
+def _flops(name: str, args, kwargs) -> int:
+    """The multiply-add FLOPs of a matrix-product op (0 for the others)."""
+    out = kwargs.get("out")
+    if name in ("conv2d", "conv2d_bwd_data"):
+        o, c, kh, kw = args[1].shape
+        return 2 * (out.size if name == "conv2d" else args[0].size) * c * kh * kw
+    if name == "conv2d_bwd_filter":
+        return 2 * args[0].size * out[0].size
+    if name == "matmul":
+        a = args[0]
+        inner = a.shape[-2] if kwargs.get("ta") else a.shape[-1]
+        return 2 * out.size * inner
+    return 0
 
 
 def _timed(rt, times: dict):
@@ -73,17 +90,19 @@ def _timed(rt, times: dict):
         def timed(*args, **kwargs):
             began = time.perf_counter()
             result = op(*args, **kwargs)
-            times[_label(name, args)] += time.perf_counter() - began
-            calls[_label(name, args)] += 1
+            label = _label(name, args, kwargs)
+            times[label] += time.perf_counter() - began
+            calls[label] += 1
+            flops[label] = _flops(name, args, kwargs)
             return result
         return timed
-    calls = collections.Counter()
+    calls, flops = collections.Counter(), {}
     for name in dir(rt):
         op = getattr(rt, name)
         if callable(op) and not name.startswith("_") and name not in ("backend", "with_gemm", "asarray",
                                                                         "to_numpy", "scalar", "reshape"):
             setattr(rt, name, wrap(name, op))
-    return calls
+    return calls, flops
 
 
 def main() -> int:
@@ -106,7 +125,7 @@ def main() -> int:
         hyper = model.hyper(0.01, 0.9, 0.0005, 0)
         model.prepare(hyper)
         totals = collections.defaultdict(float)
-        calls = _timed(model.rt, totals)
+        calls, flops = _timed(model.rt, totals)
         per_step, steps = collections.defaultdict(list), []
         for i in range(args.warmup + args.steps):
             totals.clear()
@@ -119,10 +138,20 @@ def main() -> int:
                     per_step[label].append(seconds)
     step_ms = statistics.median(steps) * 1000
     rows = sorted(((statistics.median(v) * 1000, k) for k, v in per_step.items()), reverse=True)
-    print_row(("op and shapes", "calls", "ms/step", "share"), args.markdown, 12, header=True)
+    print_row(("op and shapes", "calls", "ms/step", "share", "GFLOP/s"), args.markdown, 12, header=True)
+    runs = args.warmup + args.steps
     for ms, label in rows[:args.top]:
-        print_row((label, str(calls[label] // (args.warmup + args.steps)), f"{ms:.2f}", f"{ms / step_ms:.1%}"),
-                  args.markdown, 12)
+        n = calls[label] // runs
+        rate = f"{flops[label] * n / ms / 1e6:.0f}" if flops.get(label) else ""
+        print_row((label, str(n), f"{ms:.2f}", f"{ms / step_ms:.1%}", rate), args.markdown, 12)
+    kinds = collections.defaultdict(float)
+    for ms, label in rows:
+        kinds["ew" if label.startswith("ew ") else label.split()[0]] += ms
+    print("by op:", ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    product_ms = sum(ms for ms, label in rows if flops.get(label))
+    product_flops = sum(flops[label] * calls[label] // runs for _, label in rows if flops.get(label))
+    print(f"matrix-product ops: {product_flops / 1e9:.2f} GFLOP in {product_ms:.1f} ms "
+          f"({product_flops / product_ms / 1e6:.0f} GFLOP/s)")
     ops_ms = sum(ms for ms, _ in rows)
     print(f"step {step_ms:.1f} ms (median of {args.steps}); ops {ops_ms:.1f} ms; rest {step_ms - ops_ms:.1f} ms")
     print(f"load average after: {load_average()}")
