@@ -357,3 +357,41 @@ def test_a_build_in_progress_is_waited_for_and_a_dead_one_ignored(tmp_path):
     timer.join()
     assert results and results[0][0] == target, results
     assert found is not None, why
+
+
+LRN_CASES = [  # (shape, size, alpha, beta, k): odd sizes (window wider than the channels), 2-D input, AlexNet's
+    ((3, 7, 5, 3), 5, 1e-4, 0.75, 2.0), ((2, 3, 4, 4), 5, 0.3, 0.75, 1.0), ((4, 6), 3, 0.5, 0.6, 1.5),
+    ((2, 5, 3, 7), 4, 2e-3, 1.3, 0.5), ((1, 1, 2, 2), 5, 1.0, 0.75, 1.0)]
+
+
+@needs_cc
+@pytest.mark.parametrize("case", LRN_CASES, ids=[str(c[0]) for c in LRN_CASES])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("samples", [1, None])             # chunks of one sample, or the whole batch
+def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
+    """The compiled LRN and its gradient give numpy's float32 results bit for bit (the same operations in the same
+    order), under NaN-filled workspaces of exactly their planned size, also writing over their input (lrn over x,
+    lrn_bwd over g, as the in-place pass allows)."""
+    from deepdsl_runtime.cpu import norm
+
+    shape, size, alpha, beta, k = case
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    n = samples or shape[0]
+    attrs = dict(size=size, alpha=alpha, beta=beta, k=k)
+    results = []
+    for kernels in (None, lib):
+        xin = x.copy()
+        out = xin if in_place else np.full(shape, np.nan, np.float32)
+        ws = np.full(contract.lrn_scratch(shape) * n, np.nan, np.float32)
+        norm.lrn(xin, out=out, workspace=ws, native=kernels, **attrs)
+        gin = g.copy()
+        dx = gin if in_place else np.full(shape, np.nan, np.float32)
+        ws = np.full(contract.lrn_bwd_scratch(shape) * n, np.nan, np.float32)
+        norm.lrn_bwd(gin, x, out=dx, workspace=ws, native=kernels, **attrs)
+        results.append((out, dx))
+    (want_y, want_dx), (got_y, got_dx) = results
+    assert not np.isnan(got_y).any() and not np.isnan(got_dx).any()
+    np.testing.assert_array_equal(got_y, want_y)
+    np.testing.assert_array_equal(got_dx, want_dx)

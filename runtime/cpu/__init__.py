@@ -55,7 +55,8 @@ __all__ = [
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
-_COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "max_pool", "max_pool_argmax", "max_pool_bwd", "ew")
+_COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
+             "max_pool_bwd", "ew")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

@@ -129,6 +129,8 @@ class Native:
         lib.deepdsl_shifted_sums.argtypes = [_P, _L, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _P]
         lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
+        lib.deepdsl_lrn.argtypes = [_P, _L, _L, _L, _I, _F, _F, _F, _P, _P]
+        lib.deepdsl_lrn_bwd.argtypes = [_P, _P, _L, _L, _L, _I, _F, _F, _F, _F, _F, _P, _P, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
@@ -227,6 +229,31 @@ class Native:
         self.lib.deepdsl_max_pool_bwd(g.ctypes.data, argmax.ctypes.data, n * c, h, w, ho, wo, kernel, stride, pad,
                                       out.ctypes.data)
 
+    # local response normalization -----------------------------------------------------------------------------
+
+    def lrn(self, x: np.ndarray, s: np.ndarray, out: np.ndarray, size: int, alpha: float, beta: float,
+            k: float) -> bool:
+        """out = LRN of the samples x (2-D or 4-D), the scale in `s` (scratch of x's shape); False (nothing
+        written) where the arrays are not contiguous float32."""
+        if not _contiguous32(x, s, out):
+            return False
+        m, c = x.shape[:2]
+        self.lib.deepdsl_lrn(x.ctypes.data, m, c, x.size // max(m * c, 1), size, alpha / size, k, -beta,
+                             s.ctypes.data, out.ctypes.data)
+        return True
+
+    def lrn_bwd(self, g: np.ndarray, x: np.ndarray, t: np.ndarray, a: np.ndarray, out: np.ndarray, size: int,
+                alpha: float, beta: float, k: float) -> bool:
+        """out = the gradient of LRN (`t`, `a`: scratch of x's shape); False where not contiguous float32. The
+        scalars are rounded to float32 as numpy rounds them (ctypes does so)."""
+        if not _contiguous32(g, x, t, a, out):
+            return False
+        m, c = x.shape[:2]
+        self.lib.deepdsl_lrn_bwd(g.ctypes.data, x.ctypes.data, m, c, x.size // max(m * c, 1), size, alpha / size, k,
+                                 -beta, -beta - 1, 2 * alpha * beta / size, t.ctypes.data, a.ctypes.data,
+                                 out.ctypes.data)
+        return True
+
     # elementwise ----------------------------------------------------------------------------------------------
 
     def ew(self, kernel, out: np.ndarray, args) -> bool:
@@ -272,6 +299,10 @@ class Native:
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
         return function, pattern, sizes
+
+
+def _contiguous32(*arrays) -> bool:
+    return all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays)
 
 
 EW_NATIVE_MIN = 1 << 15       # smaller elementwise statements stay with numpy: a ctypes call costs more than they do

@@ -216,6 +216,87 @@ void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// local response normalization (runtime/cpu/norm.py): the same float32 operations in the same order, each (sample,
+// channel) row a thread's, in two passes with a barrier between them (the second may overwrite the input the first
+// read: lrn in place over x, lrn_bwd over g)
+
+// row[p] = the sum over channel window [ch - front, ch + back] (clipped to [0, channels)) of a(ch', p), in numpy's
+// order: a(ch) first, then ch - 1, ch - 2, ..., then ch + 1, ch + 2, ...; a(ch', p) = x[ch'][p]^2 (`square`) or
+// v[ch'][p] (rows `hw` apart).
+DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, long ch, int front, int back,
+                                        int square, float* row) {
+    const float* at = v + ch * hw;
+    if (square) for (long p = 0; p < hw; ++p) row[p] = at[p] * at[p];
+    else memcpy(row, at, sizeof(float) * hw);
+    for (long d = 1; d <= front && d <= ch; ++d) {
+        const float* src = v + (ch - d) * hw;
+        if (square) for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
+        else for (long p = 0; p < hw; ++p) row[p] += src[p];
+    }
+    for (long d = 1; d <= back && ch + d < channels; ++d) {
+        const float* src = v + (ch + d) * hw;
+        if (square) for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
+        else for (long p = 0; p < hw; ++p) row[p] += src[p];
+    }
+}
+
+// LRN of m samples (channels x hw each): s (m, channels, hw) = (window sum of x^2 * scale + k)^power (power =
+// -beta), then out = x * s. `out` may be `x`.
+void deepdsl_lrn(const float* x, long m, long channels, long hw, int size, float scale, float k, float power,
+                 float* s, float* out) {
+    const long rows = m * channels;
+#pragma omp parallel if (rows * hw >= DEEPDSL_PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; ++r) {
+            float* row = s + r * hw;
+            deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
+                                   (size - 1) / 2, 1, row);
+            for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; ++r)
+            for (long p = 0; p < hw; ++p) out[r * hw + p] = x[r * hw + p] * s[r * hw + p];
+    }
+}
+
+// The gradient of LRN: with s = window sum of x^2 * scale + k, inner a = s^(power - 1) * g * x and t = s^power * g
+// (power = -beta; into `t`, `a`: (m, channels, hw) each), then out = t - (mirrored window sum of a) * x * coef
+// (coef = 2 alpha beta / size). `out` may be `g`: the second pass reads t, a and x only. The exponents come as
+// float32 values computed as numpy's kernel computes them.
+void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long hw, int size, float scale, float k,
+                     float power, float power_inner, float coef, float* t, float* a, float* out) {
+    const long rows = m * channels;
+#pragma omp parallel if (rows * hw >= DEEPDSL_PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; ++r) {
+            float* tr = t + r * hw;
+            float* ar = a + r * hw;
+            const float* gr = g + r * hw;
+            const float* xr = x + r * hw;
+            deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
+                                   (size - 1) / 2, 1, tr);
+            for (long p = 0; p < hw; ++p) {
+                const float sv = tr[p] * scale + k;
+                ar[p] = powf(sv, power_inner) * gr[p] * xr[p];
+                tr[p] = powf(sv, power) * gr[p];
+            }
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; ++r) {
+            float* o = out + r * hw;
+            const float* tr = t + r * hw;
+            const float* xr = x + r * hw;
+            /* the window sum lands in the output row, then becomes t - sum * x * coef element by element */
+            deepdsl_window_sum_row(a + (r / channels) * channels * hw, channels, hw, r % channels, (size - 1) / 2,
+                                   size / 2, 0, o);
+            for (long p = 0; p < hw; ++p) o[p] = tr[p] - o[p] * xr[p] * coef;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // max pooling: numpy's results (runtime/cpu/pool.py) -- the maximum by np.maximum's rule (NaN wins; of equal values
 // the first stays), the argmax the offset row * kernel + column of the first position holding it (the last
 // position when none does: NaN windows), positions outside the plane -inf -- window by window, branch-free
