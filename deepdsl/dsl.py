@@ -25,7 +25,7 @@ from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make, toposort
 from deepdsl.ops import dims
 from deepdsl.ops import loss as L
-from deepdsl.ops.elementwise import Y, reshape, sym
+from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
@@ -513,20 +513,46 @@ def clipped_relu(ceiling: float) -> Layer:
                        out_grad=sympy.Heaviside(Y, 0) * sympy.Heaviside(ceiling - Y, 0))
 
 
+# the functions an elementwise expression may call: every backend computes them (numpy, C, CUDA)
+ELEMENTWISE_FUNCTIONS = {f.__name__: f for f in (
+    sympy.exp, sympy.log, sympy.sqrt, sympy.tanh, sympy.sinh, sympy.cosh, sympy.sin, sympy.cos, sympy.tan,
+    sympy.atan, sympy.Abs, sympy.sign, sympy.erf, sympy.Max, sympy.Min, sympy.Heaviside)}
+# besides them, the logistic function and softplus (written out, they are found and replaced by these: see
+# `stable_forms`)
+ELEMENTWISE_HELPERS = {"sigmoid": Sigmoid, "softplus": Softplus}
+
+
 def elementwise(name: str, f) -> Layer:
     """A user-defined elementwise function from a sympy expression in `D.v`, a string, or a Python function of one
-    sympy symbol, e.g. swish: `D.elementwise("swish", "v / (1 + exp(-v))")`. Its derivative is derived by sympy."""
+    sympy symbol, e.g. swish: `D.elementwise("swish", "v / (1 + exp(-v))")`, exact GELU:
+    `"v * (1 + erf(v / sqrt(2))) / 2"`, Mish: `"v * tanh(softplus(v))"`. It may call the functions of
+    ELEMENTWISE_FUNCTIONS and `sigmoid` and `softplus` (which a string names as such; written out as 1/(1 + exp(-u))
+    and log(1 + exp(u)) they are found and computed in forms that do not overflow). Its derivative is derived by
+    sympy."""
     _name("D.elementwise", name)
-    if isinstance(f, str):
-        expr = sympy.sympify(f, locals={"v": v})
-    elif callable(f) and not isinstance(f, sympy.Basic):
-        expr = sympy.sympify(f(v))
-    else:
-        expr = sympy.sympify(f)
+    try:
+        if isinstance(f, str):
+            expr = sympy.sympify(f, locals={"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS})
+        elif callable(f) and not isinstance(f, sympy.Basic):
+            expr = sympy.sympify(f(v))
+        else:
+            expr = sympy.sympify(f)
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError) as err:
+        raise DeepDSLError(f"elementwise function '{name}': cannot read {f!r} as an expression in v",
+                           user_location()) from None
+    if not isinstance(expr, sympy.Expr):
+        raise DeepDSLError(f"elementwise function '{name}': {f!r} is not an expression in v", user_location())
     extra = expr.free_symbols - {v}
     if extra:
         raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))}; "
                            "write it in terms of v", user_location())
+    expr = stable_forms(expr)
+    known = (*ELEMENTWISE_FUNCTIONS.values(), *ELEMENTWISE_HELPERS.values())
+    unknown = sorted({type(e).__name__ for e in expr.atoms(sympy.Function) if type(e) not in known})
+    if unknown:
+        known = ", ".join(sorted(ELEMENTWISE_FUNCTIONS, key=str.lower) + sorted(ELEMENTWISE_HELPERS))
+        raise DeepDSLError(f"elementwise function '{name}' calls {', '.join(unknown)}, which deepdsl cannot compute "
+                           f"(it knows {known})", user_location())
     return _activation(name, expr)
 
 

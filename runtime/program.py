@@ -14,6 +14,7 @@ checkpoint), 4 when a checkpoint or report could not be written (a full disk: th
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import math
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -450,13 +452,27 @@ def run(model_cls: type[Model], args) -> int:
             return session.execute()
         except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
             return _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
+            _release_quietly(interrupt)
             received = signals.again or signals.received or signal.SIGINT
             kept = session.kept() if session is not None else "nothing was written"
             what = "again" if signals.received in (None, received) else f"after {signal.Signals(signals.received).name}"
             print(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}",
                   file=sys.stderr, flush=True)
             return 128 + received
+
+
+def _release_quietly(interrupt: BaseException) -> None:
+    """Free now what the frames an interrupt stopped still hold, without the reports of their `__del__`s: a zip
+    archive interrupted inside its constructor (the checkpoint being written) raises AttributeError when freed,
+    which Python would print as a traceback after the one line the program says."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        traceback.clear_frames(interrupt.__traceback__)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 class _Run:

@@ -386,16 +386,24 @@ def test_the_emulator_catches_a_racy_launch(emulator):
 
 
 @needs_cxx
-def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator):
-    """Each ewK of generated/resnet_mini.cu against the numpy ewK of generated/resnet_mini.py, over random
-    broadcast shapes, float32, uint8 and host-scalar inputs, and in place."""
+@pytest.mark.parametrize("network", ["resnet_mini", "user_functions"])
+def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator, network, tmp_path):
+    """Each ewK of a program's .cu against the numpy ewK of its .py, over random broadcast shapes, float32, uint8
+    and host-scalar inputs, and in place: generated/resnet_mini, and a network of user functions (erf, Mish through
+    softplus, sign: tests/test_generated.py's USER_FUNCTIONS_NET)."""
     from deepdsl_runtime.cuda import ops as cuda_ops
+    from tests.test_generated import USER_FUNCTIONS_NET
 
-    module = import_program(GENERATED / "resnet_mini.py")
-    emulator.add_program(module.__name__, (GENERATED / "resnet_mini.cu").read_text())
+    if network == "user_functions":
+        (tmp_path / "user_functions.py").write_text(USER_FUNCTIONS_NET)
+        _, path = compile_program(tmp_path / "user_functions.py", tmp_path)
+    else:
+        path = GENERATED / "resnet_mini.py"
+    module = import_program(path)
+    emulator.add_program(module.__name__, path.with_suffix(".cu").read_text())
     rng = np.random.default_rng(1)
     checked = 0
-    for name in _ew_names((GENERATED / "resnet_mini.py").read_text()):
+    for name in _ew_names(path.read_text()):
         kernel = getattr(module, name)
         nargs = kernel.__code__.co_argcount - 1
         for trial in range(4):
@@ -420,7 +428,7 @@ def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator):
                 cuda_ops.ew(kernel, target, *device_args)
                 cuda_cases.compare(cuda_ops, f"{name} in place, trial {trial}", target, want, 1e-5)
             checked += 1
-    assert checked >= 4 * 5
+    assert checked >= 4 * 4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -513,3 +521,49 @@ def test_device_cuda_without_pycuda_is_one_line_naming_it(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "pycuda" in lines[0] and "CUDA backend not available" in lines[0], done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "p.npz").exists()
+
+
+STABLE = {  # user functions whose written-out forms overflow in float32, with PyTorch's own (torch, F, x)
+    "mish": ("v * tanh(log(1 + exp(v)))", lambda torch, F, x: x * torch.tanh(F.softplus(x))),
+    "swish": ("v / (1 + exp(-v))", lambda torch, F, x: x * torch.sigmoid(x)),
+    "softplus": ("log(1 + exp(v))", lambda torch, F, x: F.softplus(x)),
+    "gelu": ("v * (1 + erf(v / sqrt(2))) / 2", lambda torch, F, x: F.gelu(x)),
+}
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", sorted(STABLE))
+def test_user_functions_and_their_gradients_stay_finite_at_extremes(name, tmp_path):
+    """Far in both tails (|v| up to 200, where exp overflows float32) the numpy kernel and the C kernel of a user
+    function and of its derivative give PyTorch's float32 values, not NaN or inf."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from deepdsl import dsl as D
+    from deepdsl.codegen.ufuncs import kernel_body, runtime_imports
+    from tests.test_runtime_cpu import leaf
+
+    text, reference = STABLE[name]
+    expr = D.elementwise(name, text)(D.Tensor(leaf("x", (8,)))).node.attr("expr")
+    xs = np.array([-200.0, -90.0, -20.0, -0.5, 0.5, 20.0, 90.0, 200.0], np.float32)
+    x = torch.tensor(xs, requires_grad=True)
+    value = reference(torch, F, x)
+    value.sum().backward()
+    for k, (e, want) in enumerate(((expr, value.detach().numpy()), (derivative(expr, sym(0)), x.grad.numpy()))):
+        body = kernel_body(e)
+        scope = {"np": np}
+        for line in runtime_imports([body]):
+            exec(line, scope)
+        exec("def kernel(out, v0):\n" + "".join(f"    {line}\n" for line in body), scope)
+        out = np.empty_like(xs)
+        with np.errstate(over="raise", invalid="raise"):         # no overflow or NaN on the way either
+            scope["kernel"](out, xs)
+        np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-6, err_msg=f"numpy {e}")
+        source = tmp_path / f"f{k}.c"
+        source.write_text(f'#include <math.h>\n#include "deepdsl_math.h"\nfloat f(float v0) {{ return {c_expression(e)}; }}\n')
+        library = tmp_path / f"f{k}.so"
+        subprocess.run(["gcc", "-std=c99", "-O2", "-ffp-contract=off", "-fPIC", "-shared", "-I", str(kernels_dir()),
+                        "-o", str(library), str(source), "-lm"], check=True, capture_output=True)
+        fn = ctypes.CDLL(str(library)).f
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+        got = np.array([fn(float(v)) for v in xs], np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, err_msg=f"C {c_expression(e)}")

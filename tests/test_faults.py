@@ -16,6 +16,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -503,3 +504,31 @@ def test_the_report_of_an_initial_checkpoint(mlp, tmp_path):
     figures = json.loads(report.read_text())
     assert figures["iterations"] == 0 and figures["iterations_run"] == 0 and figures["loss"] is None
     assert figures["params"] == str(tmp_path / "p.npz") and figures["peak_bytes_measured"] is None
+
+
+def test_an_archive_interrupted_in_its_constructor_is_freed_without_a_traceback(tmp_path):
+    """A second SIGINT can land inside zipfile.ZipFile's constructor while the checkpoint is written; freed later,
+    such an archive raises in its __del__ and Python prints a traceback after the program's one line. The run frees
+    what the interrupted frames hold at once, quietly (`program._release_quietly`)."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent("""
+        import io, sys, zipfile
+        from deepdsl_runtime.program import _release_quietly
+
+        class Interrupting(io.BytesIO):
+            @property
+            def name(self):                  # read by ZipFile.__init__ before it sets `_writing`
+                raise KeyboardInterrupt
+
+        try:
+            with zipfile.ZipFile(Interrupting(), "w"):
+                pass
+        except KeyboardInterrupt as interrupt:
+            if sys.argv[1] == "release":
+                _release_quietly(interrupt)
+            print("stopped", file=sys.stderr)
+        """))
+    quiet = subprocess.run([sys.executable, str(script), "release"], capture_output=True, text=True)
+    assert quiet.stderr == "stopped\n"
+    noisy = subprocess.run([sys.executable, str(script), "keep"], capture_output=True, text=True)
+    assert "Traceback" in noisy.stderr          # what the release prevents (the premise of this test)

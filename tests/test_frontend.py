@@ -12,6 +12,7 @@ import pytest
 import deepdsl
 from deepdsl import dsl as D
 from deepdsl.cli import main
+from deepdsl.ir import make
 from deepdsl.dsl import Overrides
 from deepdsl.errors import DeepDSLError, ShapeError
 from deepdsl.interpret import run
@@ -206,6 +207,30 @@ def test_user_elementwise_function_and_weighted_loss_sum():
     a = run(deepdsl.compile(aux_only).test, feeds, np.float64)["loss"]
     assert np.isclose(out["loss"], m + 0.3 * a) and np.isclose(test["loss"], m + 0.3 * a)
     assert "h2_W" in out and not np.allclose(out["h2_W"], feeds["h2_W"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sigmoid_of(v) * v", "calls sigmoid_of, which deepdsl cannot compute"),
+    ("gamma(v)", "calls gamma, which deepdsl cannot compute"),
+    ("v +", "cannot read 'v \\+' as an expression in v"),
+    ("w * v", r"unknown symbols \['w'\]"),
+])
+def test_a_user_function_deepdsl_cannot_compute_is_refused_where_it_is_defined(text, message):
+    with pytest.raises(DeepDSLError, match=message) as raised:
+        D.elementwise("act", text)
+    assert raised.value.location.filename == __file__          # the line defining it
+
+
+def test_user_functions_get_their_stable_forms():
+    """Written out or by name, the logistic function and softplus become Sigmoid and Softplus (no overflow), and the
+    functions every backend computes (erf for the exact GELU, sign, Heaviside) pass."""
+    from deepdsl.ops.elementwise import Sigmoid, Softplus
+    x = D.Tensor(make("input", (), name="x", shape=(2, 3)))
+    for text, cls in [("v * tanh(log(1 + exp(v)))", Softplus), ("v * tanh(softplus(v))", Softplus),
+                      ("v / (1 + exp(-v))", Sigmoid), ("sigmoid(v)", Sigmoid)]:
+        assert D.elementwise("act", text)(x).node.attr("expr").has(cls), text
+    for text in ("v * (1 + erf(v / sqrt(2))) / 2", "sign(v) * v", "Heaviside(v) * v", "Abs(atan(v))"):
+        assert D.elementwise("act", text)(x).node.op == "ew"
 
 
 def test_train_options_are_validated():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import textwrap
 
 import numpy as np
@@ -329,10 +330,43 @@ def well_scaled(name: str, shape, rng) -> np.ndarray:
 def test_generated_step_matches_the_interpreter(name, batch, image, tmp_path):
     """One training step and one test step of the generated program equal the compiled programs run by the
     reference interpreter (float32 both), for every network of networks/ at a small size."""
+    _check_against_the_interpreter(name, batch, image, tmp_path)
+
+
+USER_FUNCTIONS_NET = """
+from deepdsl import dsl as D
+x = D.images("x", (4, 1, 8, 8))
+y = D.labels("y", 4, classes=3)
+gelu = D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2")
+mish = D.elementwise("mish", "v * tanh(log(1 + exp(v)))")
+signed = D.elementwise("signed", "v + sign(v) / 10")
+net = D.full("fc2", 3) @ mish @ D.full("fc1", 8) @ D.flatten @ signed @ gelu @ D.conv("cv", kernel=3, channels=4)
+loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train("user_functions", lr=0.1))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "compiled"])
+def test_user_functions_run_in_the_generated_program(kernels, tmp_path):
+    """Exact GELU (erf: the runtime's, numpy has none; erff in C), Mish written out (computed through softplus) and
+    sign (whose derivative is 0, not a DiracDelta no backend computes) train in the generated program with numpy's
+    and with the compiled kernels as the reference interpreter computes them."""
+    if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler")
+    network = tmp_path / "user_functions.py"
+    network.write_text(USER_FUNCTIONS_NET)
+    _check_against_the_interpreter(network, None, None, tmp_path, kernels)
+
+
+def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"):
     from deepdsl.interpret import run
 
     compiled, program = compile_program(name, tmp_path, batch=batch, image=image)
-    model = model_class(import_program(program))("cpu", SEED)
+    if kernels == "compiled":
+        from deepdsl.codegen.native import build_library
+        built, why = build_library(program.with_suffix(".c"))
+        assert built is not None, why
+    model = model_class(import_program(program))("cpu", SEED, kernels=kernels)
+    assert model.kernels.startswith(kernels)
     rng = np.random.default_rng(11)
     values = {k: well_scaled(k, shape, rng) for k, shape in model.expected_shapes().items()}
     model.load_tensors(values)

@@ -170,6 +170,8 @@ ACTIVATIONS = {
     "clipped_relu": (D.clipped_relu(1.5), lambda x: F.hardtanh(x, 0.0, 1.5)),
     "swish": (D.elementwise("swish", SWISH), lambda x: x * torch.sigmoid(x)),
     "softplus": (D.elementwise("softplus", lambda v: sympy.log(1 + sympy.exp(v))), F.softplus),
+    "gelu_exact": (D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2"), F.gelu),
+    "mish": (D.elementwise("mish", "v * tanh(softplus(v))"), F.mish),
 }
 
 

@@ -186,6 +186,12 @@ UNARY = {
     "abs": (dsl(D.elementwise("abs", "Abs(v)")), torch.abs, [0.0]),
     "softplus": (dsl(D.elementwise("softplus", lambda v: sympy.log(1 + sympy.exp(v)))), F.softplus, []),
     "square_sin": (lambda x: elementwise(sym(0) ** 2 * sympy.sin(sym(0)), [x]), lambda x: x ** 2 * torch.sin(x), []),
+    "gelu_exact": (dsl(D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2")), F.gelu, []),
+    "mish": (dsl(D.elementwise("mish", "v * tanh(log(1 + exp(v)))")), F.mish, []),
+    "mish_named": (dsl(D.elementwise("mish", "v * tanh(softplus(v))")), F.mish, []),
+    "sigmoid_named": (dsl(D.elementwise("sig", "sigmoid(2 * v)")), lambda x: torch.sigmoid(2 * x), []),
+    "sign_square": (dsl(D.elementwise("sign_square", "sign(v) * v**2 + Heaviside(v)")),
+                    lambda x: torch.sign(x) * x ** 2 + torch.heaviside(x.detach(), torch.zeros_like(x)), [0.0]),
 }
 for _name, (_build, _reference, _kinks) in UNARY.items():
     case(f"ew_{_name}", _build, _reference, {"x": away_from(randn(3, 5, scale=1.5), _kinks)})

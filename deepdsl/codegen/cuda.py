@@ -37,12 +37,21 @@ class CudaPrinter(C99CodePrinter):
     """sympy's C99 printer in float32 (`expf`, `0.5F`), with the functions our expressions use spelled the way the
     numpy backend computes them: Heaviside(x, 0) as (x > 0 ? 1 : 0), the ReLU derivative PyTorch uses; small integer
     powers as products (numpy's square); x**(-1/2) as 1/sqrtf(x); sign as (x > 0) - (x < 0); Max and Min as
-    numpy's maximum and minimum (NaN wins: `deepdsl_maxf`, runtime/kernels/deepdsl_math.h)."""
+    numpy's maximum and minimum (NaN wins: `deepdsl_maxf`, runtime/kernels/deepdsl_math.h); Sigmoid and Softplus by
+    the forms of deepdsl_math.h that do not overflow."""
 
     def __init__(self, settings=None):
         from sympy.codegen.ast import float32, real
 
-        super().__init__({"type_aliases": {real: float32}, **(settings or {})})
+        # no math.h macros (M_SQRT2, M_PI): they are double constants, which would make the kernel compute in double
+        super().__init__({"type_aliases": {real: float32}, "math_macros": {},
+                          "user_functions": {"Sigmoid": "deepdsl_sigmoidf", "Softplus": "deepdsl_softplusf"},
+                          **(settings or {})})
+
+    def _print_NumberSymbol(self, expr):
+        return self._print(sympy.Float(expr.evalf(20), 20))
+
+    _print_Pi = _print_Exp1 = _print_EulerGamma = _print_GoldenRatio = _print_Catalan = _print_NumberSymbol
 
     def _print_Heaviside(self, expr):
         x = self._print(expr.args[0])

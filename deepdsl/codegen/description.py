@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from deepdsl.codegen import CodegenOptions, structure_hash
+from deepdsl.codegen import CodegenOptions, structure_hash, ufuncs
 from deepdsl.codegen.steps import Kernel, Step
 
 __all__ = ["BufferRow", "PlanTable", "TensorDecl", "ProgramDescription", "describe"]
@@ -86,6 +86,7 @@ class ProgramDescription:
     setup_inputs: str
     steps: tuple[Step, ...]
     kernels: tuple[Kernel, ...]
+    kernel_imports: tuple[str, ...]
     kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
     iters: int
     test_iters: int
@@ -238,6 +239,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "setup_inputs": literal(tuple(n.name for n in compiled.setup.inputs if n.op == "input")),
         "steps": (setup, train, test),
         "kernels": tuple(kernels.items),
+        "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),
         "iters": solver.iters,
         "test_iters": solver.test_iters,

@@ -14,16 +14,27 @@ value), the spine starts at the term holding that input and `render` checks that
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import sympy
 from sympy.printing.numpy import NumPyPrinter
 
+from deepdsl.ops.elementwise import Sigmoid, Softplus
+
 _UNARY = {
     sympy.exp: "np.exp", sympy.log: "np.log", sympy.tanh: "np.tanh", sympy.sinh: "np.sinh", sympy.cosh: "np.cosh",
     sympy.sin: "np.sin", sympy.cos: "np.cos", sympy.tan: "np.tan", sympy.atan: "np.arctan",
-    sympy.Abs: "np.abs", sympy.sign: "np.sign", sympy.erf: None,
+    sympy.Abs: "np.abs", sympy.sign: "np.sign", sympy.erf: "erf",
 }
+# functions the kernels call from the runtime (numpy has no ufunc for them): name -> the import that provides it
+RUNTIME_FUNCTIONS = {"erf": "from deepdsl_runtime.cpu.elementwise import erf"}
+
+
+def runtime_imports(bodies) -> tuple[str, ...]:
+    """The import lines of the runtime functions that kernel bodies (lines of code) call."""
+    text = "\n".join(line for body in bodies for line in body)
+    return tuple(line for name, line in RUNTIME_FUNCTIONS.items() if re.search(rf"(?<![\w.]){name}\(", text))
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,10 @@ def operand(expr: sympy.Expr) -> tuple[str, int]:
     func = _unary_name(expr)
     if func:
         return f"{func}({operand(expr.args[0])[0]})", _ATOM
+    if isinstance(expr, Softplus):
+        return f"np.logaddexp({operand(expr.args[0])[0]}, 0)", _ATOM
+    if isinstance(expr, Sigmoid):
+        return f"np.exp(-np.logaddexp({operand(-expr.args[0])[0]}, 0))", _ATOM
     if isinstance(expr, (sympy.Max, sympy.Min)):
         name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
         args = ordered_operands(list(expr.args), None)
@@ -188,6 +203,11 @@ def _spine(expr: sympy.Expr, alias: int | None) -> list[Call]:
     func = _unary_name(expr)
     if func:
         return _apply(func, expr.args[0], alias)
+    if isinstance(expr, Softplus):              # log(1 + exp(x)) without overflow
+        return _apply("np.logaddexp", expr.args[0], alias, ", 0")
+    if isinstance(expr, Sigmoid):               # exp(-log(1 + exp(-x))): no overflow, accurate in both tails
+        return _apply("np.logaddexp", -expr.args[0], alias, ", 0") + [
+            Call("np.negative(out, out=out)", frozenset()), Call("np.exp(out, out=out)", frozenset())]
     if isinstance(expr, (sympy.Max, sympy.Min)):
         name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
         return _fold(name, ordered_operands(list(expr.args), alias), alias)

@@ -17,6 +17,7 @@ import sympy
 from deepdsl.ir import FLOAT, UINT8, Node, make
 from deepdsl.ops import Op, dims, register, require
 from deepdsl.ops.leaf import const
+from deepdsl_runtime.cpu.elementwise import erf
 
 Y = sympy.Symbol("y", real=True)
 G = sympy.Symbol("g", real=True)
@@ -65,9 +66,70 @@ def _heaviside_zero_at_zero(expr: sympy.Expr) -> sympy.Expr:
                         lambda e: sympy.Heaviside(e.args[0], 0))
 
 
+class Sigmoid(sympy.Function):
+    """1 / (1 + exp(-x)), computed without overflow: its derivative is Sigmoid(x) (1 - Sigmoid(x)), where the
+    written-out exp(-x) / (1 + exp(-x))^2 is inf / inf = NaN once exp(-x) overflows (x < -88 in float32)."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0]) * (1 - Sigmoid(self.args[0]))
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return 1 / (1 + sympy.exp(-x))
+
+
+class Softplus(sympy.Function):
+    """log(1 + exp(x)), computed without overflow (log(1 + inf) is inf for x > 88 in float32, where the value is
+    x); its derivative is Sigmoid(x)."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0])
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return sympy.log(1 + sympy.exp(x))
+
+
+def stable_forms(expr: sympy.Expr) -> sympy.Expr:
+    """`expr` with the written-out sigmoid 1 / (1 + exp(-u)) and softplus log(1 + exp(u)) as `Sigmoid` and
+    `Softplus`, whose values and derivatives do not overflow (Mish, v tanh(log(1 + exp(v))), has a NaN gradient
+    beyond v = 88.7 written out; PyTorch's is 1)."""
+    def softplus(e):
+        return isinstance(e, sympy.log) and e.args[0].is_Add and len(e.args[0].args) == 2 \
+            and sympy.S.One in e.args[0].args and any(isinstance(a, sympy.exp) for a in e.args[0].args)
+
+    def sigmoid(e):
+        return e.is_Pow and e.exp == -1 and e.base.is_Add and len(e.base.args) == 2 and sympy.S.One in e.base.args \
+            and any(isinstance(a, sympy.exp) for a in e.base.args)
+
+    def exponent(add):
+        return next(a for a in add.args if isinstance(a, sympy.exp)).args[0]
+
+    expr = expr.replace(softplus, lambda e: Softplus(exponent(e.args[0])))
+    return expr.replace(sigmoid, lambda e: Sigmoid(-exponent(e.base)))
+
+
+def sigmoid_values(x):
+    """Sigmoid in numpy, exp(-log(1 + exp(-x))) through logaddexp: no overflow, accurate in both tails."""
+    return np.exp(-np.logaddexp(0, -x))
+
+
+def softplus_values(x):
+    return np.logaddexp(0, x)
+
+
+def _no_dirac_delta(expr: sympy.Expr) -> sympy.Expr:
+    """The derivative of a step (sign, Heaviside) is a DiracDelta, zero wherever it has a value: PyTorch's gradient
+    of sign is 0, and no backend can compute a DiracDelta."""
+    return expr.replace(lambda e: isinstance(e, sympy.DiracDelta), lambda e: sympy.S.Zero) \
+        if expr.has(sympy.DiracDelta) else expr
+
+
 @functools.lru_cache(maxsize=4096)
 def derivative(expr: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
-    return _heaviside_zero_at_zero(sympy.diff(expr, var))
+    return _heaviside_zero_at_zero(_no_dirac_delta(sympy.diff(expr, var)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -84,7 +146,10 @@ def cotangent_exprs(expr: sympy.Expr, n: int) -> tuple[sympy.Expr | None, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def numpy_function(expr: sympy.Expr, n: int):
-    return sympy.lambdify(symbols(n), expr, modules="numpy")
+    """`expr` over v0..v<n-1> as a numpy function (the runtime's `erf`, which numpy lacks, for erf; Sigmoid and
+    Softplus in their stable forms)."""
+    return sympy.lambdify(symbols(n), expr, modules=[
+        {"erf": erf, "Sigmoid": sigmoid_values, "Softplus": softplus_values}, "numpy"])
 
 
 @register
