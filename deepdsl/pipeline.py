@@ -1,8 +1,8 @@
 """The compiler pipeline: one readable tuple of named stages, with a hook after each for dumps and verification.
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
-         ─fuse_elementwise→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→ ─rematerialize→
-         ─inplace→ ─dealloc→ ─fuse_pool_argmax→ Programs ─plan_memory→ MemoryPlans
+         ─fuse_elementwise→ ─fuse_reductions→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→
+         ─rematerialize→ ─inplace→ ─dealloc→ ─fuse_pool_argmax→ Programs ─plan_memory→ MemoryPlans
 
 `STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the
 `CompileOptions` field that switches it on (None: it always runs). `run_stages` runs any slice of it with the
@@ -29,6 +29,7 @@ from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
 from deepdsl.passes.fuse_pool_argmax import fuse_pool_argmax
+from deepdsl.passes.fuse_reductions import fuse_reductions
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.pool_backward import push_through_pool_backward
@@ -142,6 +143,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("cse", cse, "cse"),
     Stage("push_through_pool_backward", push_through_pool_backward),
     Stage("fuse_elementwise", fuse_elementwise, "fuse"),
+    Stage("fuse_reductions", fuse_reductions, "fuse"),
     Stage("cse", cse, "cse"),
     Stage("hoist_invariants", _hoist, "code_motion", across=True),
     Stage("linearize", linearize),

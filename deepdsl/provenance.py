@@ -120,15 +120,16 @@ def _record(node: "Node", found: Origin) -> None:
         origins[node] = found
 
 
-def inherit(new: "Node", old: "Node") -> "Node":
+def inherit(new: "Node", old: "Node", same_name: bool = False) -> "Node":
     """`new` (a pass's rewrite of `old`) takes `old`'s origin unless it has one, and so do the nodes under it
     that the table does not hold (those the rewrite made), each named after its op unless it is the rewrite of a
-    layer's output or of the same op; returns `new`."""
+    layer's output or of the same op, or `same_name` (the rewrite computes what `old`'s name says in one node, as a
+    fused sum does); returns `new`."""
     found = table().get(old)
     if found is None or new is old:
         return new
     for node in _made([new]):
-        keeps = node.op == old.op or (node is new and found.name == found.layer)
+        keeps = node.op == old.op or (node is new and (found.name == found.layer or same_name))
         word = f"{found.layer}_{_op_word(node, found.kind)}"
         _record(node, found if keeps else found.named(f"d_{word}" if found.direction == BACKWARD else word))
     return new

@@ -101,13 +101,14 @@ class Program:
 
 def format_expr(node: Node, names: dict[int, str]) -> str:
     """The right-hand side of a statement: `conv2d[stride=2](x, cv1_W, cv1_B)` or, for elementwise nodes,
-    their expression over argument names: `Max(0, cv1)`."""
+    their expression over argument names: `Max(0, cv1)` (`sum_to[1x16x1x1](centered**2)` for their sums)."""
     args = [names.get(id(i)) or format_inline(i) for i in node.inputs]
-    if node.op == "ew":
+    if node.op in ("ew", "ew_sum"):
         # the expression as printed over its variables v0, v1, ... (the order its kernel shows), each variable
         # replaced by its argument's name: renaming before printing would let the printer reorder the terms
         import sympy
-        return re.sub(r"\bv(\d+)\b", lambda m: args[int(m.group(1))], sympy.sstr(node.attr("expr")))
+        text = re.sub(r"\bv(\d+)\b", lambda m: args[int(m.group(1))], sympy.sstr(node.attr("expr")))
+        return text if node.op == "ew" else f"sum_to[{'x'.join(map(str, node.attr('shape'))) or 'scalar'}]({text})"
     described = describe(node)
     return f"{described}({', '.join(args)})" if node.inputs else described
 

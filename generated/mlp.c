@@ -11,7 +11,8 @@
 // with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the output's size, u a uint8 one, s a
 // scalar, c one value per channel, r one value per position of the last axis), computing the same expression in
 // float32 over the elements, each thread a contiguous share (`_range`: a function of its own, so that its loop
-// reads its operands from locals and vectorizes); with c or r operands, over rows of the output.
+// reads its operands from locals and vectorizes); with c or r operands, over rows of the output. A kernel whose
+// values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
 #include "cpu_ops.c"
 
 // ew_add_relu: out = Max(0, v0 + v1)

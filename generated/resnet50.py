@@ -4,8 +4,8 @@ Source network: networks/resnet50.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
-Memory: peak 1727.88 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.88 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: 42db2cdc8b79191d
+Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
+Structure hash: 0c61e216e3443045
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -48,7 +48,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "42db2cdc8b79191d"
+    structure_hash = "0c61e216e3443045"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -534,15 +534,9 @@ class Resnet50(rp.Model):
         # free bn_conv1_sum, bn_conv1_batch_mean, bn_conv1_batch_mean_flat
         del bn_conv1_sum, bn_conv1_batch_mean, bn_conv1_batch_mean_flat
         mem.free(4)
-        # bn_conv1_square = bn_conv1_centered**2
-        bn_conv1_square = mem.tensor(5, (32, 64, 112, 112), 'float32')
-        rt.ew(ew_square, bn_conv1_square, bn_conv1_centered)
-        # bn_conv1_sum_of_squares = sum_to[1x64x1x1](bn_conv1_square)
-        bn_conv1_sum_of_squares = mem.tensor(6, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn_conv1_square, out=bn_conv1_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn_conv1_square
-        del bn_conv1_square
-        mem.free(5)
+        # bn_conv1_sum_of_squares = sum_to[1x64x1x1](bn_conv1_centered**2)
+        bn_conv1_sum_of_squares = mem.tensor(5, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn_conv1_sum_of_squares, bn_conv1_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn_conv1_batch_var = bn_conv1_sum_of_squares/401408
         bn_conv1_batch_var = bn_conv1_sum_of_squares  # in place: over bn_conv1_sum_of_squares
         rt.ew(ew_scale, bn_conv1_batch_var, bn_conv1_sum_of_squares)
@@ -552,7 +546,7 @@ class Resnet50(rp.Model):
         bn_conv1_var_new = T['bn_conv1_var']  # in place: the new bn_conv1_var
         rt.ew(ew_scale_add_2, bn_conv1_var_new, T['bn_conv1_var'], bn_conv1_batch_var_flat)
         # bn_conv1_inv_std = 1/sqrt(bn_conv1_batch_var + 1.0e-5)
-        bn_conv1_inv_std = mem.tensor(7, (1, 64, 1, 1), 'float32')
+        bn_conv1_inv_std = mem.tensor(6, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn_conv1_inv_std, bn_conv1_batch_var)
         # bn_conv1_weight = reshape[1x64x1x1](bn_conv1_W)
         bn_conv1_weight = rt.reshape(T['bn_conv1_W'], shape=(1, 64, 1, 1))
@@ -561,27 +555,27 @@ class Resnet50(rp.Model):
 
         # ---- bn_conv1_relu (relu), forward ----
         # bn_conv1_relu = Max(0, bn_conv1_centered*bn_conv1_inv_std*bn_conv1_weight + bn_conv1_bias)
-        bn_conv1_relu = mem.tensor(8, (32, 64, 112, 112), 'float32')
+        bn_conv1_relu = mem.tensor(7, (32, 64, 112, 112), 'float32')
         rt.ew(ew_mul_add_relu, bn_conv1_relu, bn_conv1_centered, bn_conv1_inv_std, bn_conv1_weight, bn_conv1_bias)
 
         # ---- bn_conv1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
         # bn_conv1_max_pool_argmax = max_pool_argmax[ceil=True,kernel=3,stride=2](bn_conv1_relu)   (computed with the next statement)
-        bn_conv1_max_pool_argmax = mem.tensor(9, (32, 64, 56, 56), 'uint8')
+        bn_conv1_max_pool_argmax = mem.tensor(8, (32, 64, 56, 56), 'uint8')
         # bn_conv1_max_pool = max_pool[ceil=True,kernel=3,stride=2](bn_conv1_relu)
-        bn_conv1_max_pool = mem.tensor(10, (32, 64, 56, 56), 'float32')
+        bn_conv1_max_pool = mem.tensor(9, (32, 64, 56, 56), 'float32')
         rt.max_pool(bn_conv1_relu, out=bn_conv1_max_pool, argmax=bn_conv1_max_pool_argmax, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(26150912))
         # free bn_conv1_relu
         del bn_conv1_relu
-        mem.free(8)
+        mem.free(7)
 
         # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # res2a_branch2a = conv2d(bn_conv1_max_pool, res2a_branch2a_W)
-        res2a_branch2a = mem.tensor(11, (32, 64, 56, 56), 'float32')
+        res2a_branch2a = mem.tensor(10, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn_conv1_max_pool, T['res2a_branch2a_W'], out=res2a_branch2a, pad=0, stride=1)
 
         # ---- bn2a_branch2a (batch norm), forward ----
         # bn2a_branch2a_sum = sum_to[1x64x1x1](res2a_branch2a)
-        bn2a_branch2a_sum = mem.tensor(12, (1, 64, 1, 1), 'float32')
+        bn2a_branch2a_sum = mem.tensor(11, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2a_branch2a, out=bn2a_branch2a_sum, shape=(1, 64, 1, 1))
         # bn2a_branch2a_batch_mean = bn2a_branch2a_sum/100352
         bn2a_branch2a_batch_mean = bn2a_branch2a_sum  # in place: over bn2a_branch2a_sum
@@ -596,16 +590,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2a_branch2a_mean_new, T['bn2a_branch2a_mean'], bn2a_branch2a_batch_mean_flat)
         # free bn2a_branch2a_sum, bn2a_branch2a_batch_mean, bn2a_branch2a_batch_mean_flat
         del bn2a_branch2a_sum, bn2a_branch2a_batch_mean, bn2a_branch2a_batch_mean_flat
-        mem.free(12)
-        # bn2a_branch2a_square = bn2a_branch2a_centered**2
-        bn2a_branch2a_square = mem.tensor(13, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2a_branch2a_square, bn2a_branch2a_centered)
-        # bn2a_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2a_square)
-        bn2a_branch2a_sum_of_squares = mem.tensor(14, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2a_branch2a_square, out=bn2a_branch2a_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2a_branch2a_square
-        del bn2a_branch2a_square
-        mem.free(13)
+        mem.free(11)
+        # bn2a_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2a_centered**2)
+        bn2a_branch2a_sum_of_squares = mem.tensor(12, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2a_batch_var = bn2a_branch2a_sum_of_squares/100352
         bn2a_branch2a_batch_var = bn2a_branch2a_sum_of_squares  # in place: over bn2a_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2a_batch_var, bn2a_branch2a_sum_of_squares)
@@ -615,7 +603,7 @@ class Resnet50(rp.Model):
         bn2a_branch2a_var_new = T['bn2a_branch2a_var']  # in place: the new bn2a_branch2a_var
         rt.ew(ew_scale_add_3, bn2a_branch2a_var_new, T['bn2a_branch2a_var'], bn2a_branch2a_batch_var_flat)
         # bn2a_branch2a_inv_std = 1/sqrt(bn2a_branch2a_batch_var + 1.0e-5)
-        bn2a_branch2a_inv_std = mem.tensor(15, (1, 64, 1, 1), 'float32')
+        bn2a_branch2a_inv_std = mem.tensor(13, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2a_branch2a_inv_std, bn2a_branch2a_batch_var)
         # bn2a_branch2a_bias = reshape[1x64x1x1](bn2a_branch2a_B)
         bn2a_branch2a_bias = rt.reshape(T['bn2a_branch2a_B'], shape=(1, 64, 1, 1))
@@ -624,20 +612,20 @@ class Resnet50(rp.Model):
 
         # ---- bn2a_branch2a_relu (relu), forward ----
         # bn2a_branch2a_relu = Max(0, bn2a_branch2a_centered*bn2a_branch2a_inv_std*bn2a_branch2a_weight + bn2a_branch2a_bias)
-        bn2a_branch2a_relu = mem.tensor(16, (32, 64, 56, 56), 'float32')
+        bn2a_branch2a_relu = mem.tensor(14, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2a_branch2a_relu, bn2a_branch2a_centered, bn2a_branch2a_inv_std, bn2a_branch2a_weight, bn2a_branch2a_bias)
 
         # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
         # res2a_branch2b = conv2d[pad=1](bn2a_branch2a_relu, res2a_branch2b_W)
-        res2a_branch2b = mem.tensor(17, (32, 64, 56, 56), 'float32')
+        res2a_branch2b = mem.tensor(15, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn2a_branch2a_relu, T['res2a_branch2b_W'], out=res2a_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
         # free bn2a_branch2a_relu
         del bn2a_branch2a_relu
-        mem.free(16)
+        mem.free(14)
 
         # ---- bn2a_branch2b (batch norm), forward ----
         # bn2a_branch2b_sum = sum_to[1x64x1x1](res2a_branch2b)
-        bn2a_branch2b_sum = mem.tensor(18, (1, 64, 1, 1), 'float32')
+        bn2a_branch2b_sum = mem.tensor(16, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2a_branch2b, out=bn2a_branch2b_sum, shape=(1, 64, 1, 1))
         # bn2a_branch2b_batch_mean = bn2a_branch2b_sum/100352
         bn2a_branch2b_batch_mean = bn2a_branch2b_sum  # in place: over bn2a_branch2b_sum
@@ -652,16 +640,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2a_branch2b_mean_new, T['bn2a_branch2b_mean'], bn2a_branch2b_batch_mean_flat)
         # free bn2a_branch2b_sum, bn2a_branch2b_batch_mean, bn2a_branch2b_batch_mean_flat
         del bn2a_branch2b_sum, bn2a_branch2b_batch_mean, bn2a_branch2b_batch_mean_flat
-        mem.free(18)
-        # bn2a_branch2b_square = bn2a_branch2b_centered**2
-        bn2a_branch2b_square = mem.tensor(19, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2a_branch2b_square, bn2a_branch2b_centered)
-        # bn2a_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2b_square)
-        bn2a_branch2b_sum_of_squares = mem.tensor(20, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2a_branch2b_square, out=bn2a_branch2b_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2a_branch2b_square
-        del bn2a_branch2b_square
-        mem.free(19)
+        mem.free(16)
+        # bn2a_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2b_centered**2)
+        bn2a_branch2b_sum_of_squares = mem.tensor(17, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2b_batch_var = bn2a_branch2b_sum_of_squares/100352
         bn2a_branch2b_batch_var = bn2a_branch2b_sum_of_squares  # in place: over bn2a_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2b_batch_var, bn2a_branch2b_sum_of_squares)
@@ -671,7 +653,7 @@ class Resnet50(rp.Model):
         bn2a_branch2b_var_new = T['bn2a_branch2b_var']  # in place: the new bn2a_branch2b_var
         rt.ew(ew_scale_add_3, bn2a_branch2b_var_new, T['bn2a_branch2b_var'], bn2a_branch2b_batch_var_flat)
         # bn2a_branch2b_inv_std = 1/sqrt(bn2a_branch2b_batch_var + 1.0e-5)
-        bn2a_branch2b_inv_std = mem.tensor(21, (1, 64, 1, 1), 'float32')
+        bn2a_branch2b_inv_std = mem.tensor(18, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2a_branch2b_inv_std, bn2a_branch2b_batch_var)
         # bn2a_branch2b_bias = reshape[1x64x1x1](bn2a_branch2b_B)
         bn2a_branch2b_bias = rt.reshape(T['bn2a_branch2b_B'], shape=(1, 64, 1, 1))
@@ -680,17 +662,17 @@ class Resnet50(rp.Model):
 
         # ---- bn2a_branch2b_relu (relu), forward ----
         # bn2a_branch2b_relu = Max(0, bn2a_branch2b_centered*bn2a_branch2b_inv_std*bn2a_branch2b_weight + bn2a_branch2b_bias)
-        bn2a_branch2b_relu = mem.tensor(22, (32, 64, 56, 56), 'float32')
+        bn2a_branch2b_relu = mem.tensor(19, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2a_branch2b_relu, bn2a_branch2b_centered, bn2a_branch2b_inv_std, bn2a_branch2b_weight, bn2a_branch2b_bias)
 
         # ---- res2a_branch1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res2a_branch1 = conv2d(bn_conv1_max_pool, res2a_branch1_W)
-        res2a_branch1 = mem.tensor(23, (32, 256, 56, 56), 'float32')
+        res2a_branch1 = mem.tensor(20, (32, 256, 56, 56), 'float32')
         rt.conv2d(bn_conv1_max_pool, T['res2a_branch1_W'], out=res2a_branch1, pad=0, stride=1)
 
         # ---- bn2a_branch1 (batch norm), forward ----
         # bn2a_branch1_sum = sum_to[1x256x1x1](res2a_branch1)
-        bn2a_branch1_sum = mem.tensor(24, (1, 256, 1, 1), 'float32')
+        bn2a_branch1_sum = mem.tensor(21, (1, 256, 1, 1), 'float32')
         rt.sum_to(res2a_branch1, out=bn2a_branch1_sum, shape=(1, 256, 1, 1))
         # bn2a_branch1_batch_mean = bn2a_branch1_sum/100352
         bn2a_branch1_batch_mean = bn2a_branch1_sum  # in place: over bn2a_branch1_sum
@@ -705,16 +687,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2a_branch1_mean_new, T['bn2a_branch1_mean'], bn2a_branch1_batch_mean_flat)
         # free bn2a_branch1_sum, bn2a_branch1_batch_mean, bn2a_branch1_batch_mean_flat
         del bn2a_branch1_sum, bn2a_branch1_batch_mean, bn2a_branch1_batch_mean_flat
-        mem.free(24)
-        # bn2a_branch1_square = bn2a_branch1_centered**2
-        bn2a_branch1_square = mem.tensor(25, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_square, bn2a_branch1_square, bn2a_branch1_centered)
-        # bn2a_branch1_sum_of_squares = sum_to[1x256x1x1](bn2a_branch1_square)
-        bn2a_branch1_sum_of_squares = mem.tensor(26, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn2a_branch1_square, out=bn2a_branch1_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn2a_branch1_square
-        del bn2a_branch1_square
-        mem.free(25)
+        mem.free(21)
+        # bn2a_branch1_sum_of_squares = sum_to[1x256x1x1](bn2a_branch1_centered**2)
+        bn2a_branch1_sum_of_squares = mem.tensor(22, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2a_branch1_sum_of_squares, bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch1_batch_var = bn2a_branch1_sum_of_squares/100352
         bn2a_branch1_batch_var = bn2a_branch1_sum_of_squares  # in place: over bn2a_branch1_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch1_batch_var, bn2a_branch1_sum_of_squares)
@@ -724,20 +700,20 @@ class Resnet50(rp.Model):
         bn2a_branch1_var_new = T['bn2a_branch1_var']  # in place: the new bn2a_branch1_var
         rt.ew(ew_scale_add_3, bn2a_branch1_var_new, T['bn2a_branch1_var'], bn2a_branch1_batch_var_flat)
         # bn2a_branch1_inv_std = 1/sqrt(bn2a_branch1_batch_var + 1.0e-5)
-        bn2a_branch1_inv_std = mem.tensor(27, (1, 256, 1, 1), 'float32')
+        bn2a_branch1_inv_std = mem.tensor(23, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2a_branch1_inv_std, bn2a_branch1_batch_var)
 
         # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res2a_branch2c = conv2d(bn2a_branch2b_relu, res2a_branch2c_W)
-        res2a_branch2c = mem.tensor(28, (32, 256, 56, 56), 'float32')
+        res2a_branch2c = mem.tensor(24, (32, 256, 56, 56), 'float32')
         rt.conv2d(bn2a_branch2b_relu, T['res2a_branch2c_W'], out=res2a_branch2c, pad=0, stride=1)
         # free bn2a_branch2b_relu
         del bn2a_branch2b_relu
-        mem.free(22)
+        mem.free(19)
 
         # ---- bn2a_branch2c (batch norm), forward ----
         # bn2a_branch2c_sum = sum_to[1x256x1x1](res2a_branch2c)
-        bn2a_branch2c_sum = mem.tensor(29, (1, 256, 1, 1), 'float32')
+        bn2a_branch2c_sum = mem.tensor(25, (1, 256, 1, 1), 'float32')
         rt.sum_to(res2a_branch2c, out=bn2a_branch2c_sum, shape=(1, 256, 1, 1))
         # bn2a_branch2c_batch_mean = bn2a_branch2c_sum/100352
         bn2a_branch2c_batch_mean = bn2a_branch2c_sum  # in place: over bn2a_branch2c_sum
@@ -752,16 +728,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2a_branch2c_mean_new, T['bn2a_branch2c_mean'], bn2a_branch2c_batch_mean_flat)
         # free bn2a_branch2c_sum, bn2a_branch2c_batch_mean, bn2a_branch2c_batch_mean_flat
         del bn2a_branch2c_sum, bn2a_branch2c_batch_mean, bn2a_branch2c_batch_mean_flat
-        mem.free(29)
-        # bn2a_branch2c_square = bn2a_branch2c_centered**2
-        bn2a_branch2c_square = mem.tensor(30, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_square, bn2a_branch2c_square, bn2a_branch2c_centered)
-        # bn2a_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2a_branch2c_square)
-        bn2a_branch2c_sum_of_squares = mem.tensor(31, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn2a_branch2c_square, out=bn2a_branch2c_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn2a_branch2c_square
-        del bn2a_branch2c_square
-        mem.free(30)
+        mem.free(25)
+        # bn2a_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2a_branch2c_centered**2)
+        bn2a_branch2c_sum_of_squares = mem.tensor(26, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch2c_batch_var = bn2a_branch2c_sum_of_squares/100352
         bn2a_branch2c_batch_var = bn2a_branch2c_sum_of_squares  # in place: over bn2a_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2c_batch_var, bn2a_branch2c_sum_of_squares)
@@ -771,7 +741,7 @@ class Resnet50(rp.Model):
         bn2a_branch2c_var_new = T['bn2a_branch2c_var']  # in place: the new bn2a_branch2c_var
         rt.ew(ew_scale_add_3, bn2a_branch2c_var_new, T['bn2a_branch2c_var'], bn2a_branch2c_batch_var_flat)
         # bn2a_branch2c_inv_std = 1/sqrt(bn2a_branch2c_batch_var + 1.0e-5)
-        bn2a_branch2c_inv_std = mem.tensor(32, (1, 256, 1, 1), 'float32')
+        bn2a_branch2c_inv_std = mem.tensor(27, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2a_branch2c_inv_std, bn2a_branch2c_batch_var)
         # bn2a_branch2c_bias = reshape[1x256x1x1](bn2a_branch2c_B)
         bn2a_branch2c_bias = rt.reshape(T['bn2a_branch2c_B'], shape=(1, 256, 1, 1))
@@ -786,17 +756,17 @@ class Resnet50(rp.Model):
 
         # ---- bn2a_branch2c_relu (relu), forward ----
         # bn2a_branch2c_relu = Max(0, bn2a_branch2c_centered*bn2a_branch2c_inv_std*bn2a_branch2c_weight + bn2a_branch2c_bias + bn2a_branch1_centered*bn2a_branch1_inv_std*bn2a_branch1_weight + bn2a_branch1_bias)
-        bn2a_branch2c_relu = mem.tensor(33, (32, 256, 56, 56), 'float32')
+        bn2a_branch2c_relu = mem.tensor(28, (32, 256, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu_2, bn2a_branch2c_relu, bn2a_branch2c_centered, bn2a_branch2c_inv_std, bn2a_branch2c_weight, bn2a_branch2c_bias, bn2a_branch1_centered, bn2a_branch1_inv_std, bn2a_branch1_weight, bn2a_branch1_bias)
 
         # ---- res2b_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # res2b_branch2a = conv2d(bn2a_branch2c_relu, res2b_branch2a_W)
-        res2b_branch2a = mem.tensor(34, (32, 64, 56, 56), 'float32')
+        res2b_branch2a = mem.tensor(29, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn2a_branch2c_relu, T['res2b_branch2a_W'], out=res2b_branch2a, pad=0, stride=1)
 
         # ---- bn2b_branch2a (batch norm), forward ----
         # bn2b_branch2a_sum = sum_to[1x64x1x1](res2b_branch2a)
-        bn2b_branch2a_sum = mem.tensor(35, (1, 64, 1, 1), 'float32')
+        bn2b_branch2a_sum = mem.tensor(30, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2b_branch2a, out=bn2b_branch2a_sum, shape=(1, 64, 1, 1))
         # bn2b_branch2a_batch_mean = bn2b_branch2a_sum/100352
         bn2b_branch2a_batch_mean = bn2b_branch2a_sum  # in place: over bn2b_branch2a_sum
@@ -811,16 +781,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2b_branch2a_mean_new, T['bn2b_branch2a_mean'], bn2b_branch2a_batch_mean_flat)
         # free bn2b_branch2a_sum, bn2b_branch2a_batch_mean, bn2b_branch2a_batch_mean_flat
         del bn2b_branch2a_sum, bn2b_branch2a_batch_mean, bn2b_branch2a_batch_mean_flat
-        mem.free(35)
-        # bn2b_branch2a_square = bn2b_branch2a_centered**2
-        bn2b_branch2a_square = mem.tensor(36, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2b_branch2a_square, bn2b_branch2a_centered)
-        # bn2b_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2a_square)
-        bn2b_branch2a_sum_of_squares = mem.tensor(37, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2b_branch2a_square, out=bn2b_branch2a_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2b_branch2a_square
-        del bn2b_branch2a_square
-        mem.free(36)
+        mem.free(30)
+        # bn2b_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2a_centered**2)
+        bn2b_branch2a_sum_of_squares = mem.tensor(31, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2a_batch_var = bn2b_branch2a_sum_of_squares/100352
         bn2b_branch2a_batch_var = bn2b_branch2a_sum_of_squares  # in place: over bn2b_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2a_batch_var, bn2b_branch2a_sum_of_squares)
@@ -830,29 +794,29 @@ class Resnet50(rp.Model):
         bn2b_branch2a_var_new = T['bn2b_branch2a_var']  # in place: the new bn2b_branch2a_var
         rt.ew(ew_scale_add_3, bn2b_branch2a_var_new, T['bn2b_branch2a_var'], bn2b_branch2a_batch_var_flat)
         # bn2b_branch2a_inv_std = 1/sqrt(bn2b_branch2a_batch_var + 1.0e-5)
-        bn2b_branch2a_inv_std = mem.tensor(38, (1, 64, 1, 1), 'float32')
+        bn2b_branch2a_inv_std = mem.tensor(32, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2b_branch2a_inv_std, bn2b_branch2a_batch_var)
-        # bn2b_branch2a_weight = reshape[1x64x1x1](bn2b_branch2a_W)
-        bn2b_branch2a_weight = rt.reshape(T['bn2b_branch2a_W'], shape=(1, 64, 1, 1))
         # bn2b_branch2a_bias = reshape[1x64x1x1](bn2b_branch2a_B)
         bn2b_branch2a_bias = rt.reshape(T['bn2b_branch2a_B'], shape=(1, 64, 1, 1))
+        # bn2b_branch2a_weight = reshape[1x64x1x1](bn2b_branch2a_W)
+        bn2b_branch2a_weight = rt.reshape(T['bn2b_branch2a_W'], shape=(1, 64, 1, 1))
 
         # ---- bn2b_branch2a_relu (relu), forward ----
         # bn2b_branch2a_relu = Max(0, bn2b_branch2a_centered*bn2b_branch2a_inv_std*bn2b_branch2a_weight + bn2b_branch2a_bias)
-        bn2b_branch2a_relu = mem.tensor(39, (32, 64, 56, 56), 'float32')
+        bn2b_branch2a_relu = mem.tensor(33, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2b_branch2a_relu, bn2b_branch2a_centered, bn2b_branch2a_inv_std, bn2b_branch2a_weight, bn2b_branch2a_bias)
 
         # ---- res2b_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
         # res2b_branch2b = conv2d[pad=1](bn2b_branch2a_relu, res2b_branch2b_W)
-        res2b_branch2b = mem.tensor(40, (32, 64, 56, 56), 'float32')
+        res2b_branch2b = mem.tensor(34, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn2b_branch2a_relu, T['res2b_branch2b_W'], out=res2b_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
         # free bn2b_branch2a_relu
         del bn2b_branch2a_relu
-        mem.free(39)
+        mem.free(33)
 
         # ---- bn2b_branch2b (batch norm), forward ----
         # bn2b_branch2b_sum = sum_to[1x64x1x1](res2b_branch2b)
-        bn2b_branch2b_sum = mem.tensor(41, (1, 64, 1, 1), 'float32')
+        bn2b_branch2b_sum = mem.tensor(35, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2b_branch2b, out=bn2b_branch2b_sum, shape=(1, 64, 1, 1))
         # bn2b_branch2b_batch_mean = bn2b_branch2b_sum/100352
         bn2b_branch2b_batch_mean = bn2b_branch2b_sum  # in place: over bn2b_branch2b_sum
@@ -867,16 +831,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2b_branch2b_mean_new, T['bn2b_branch2b_mean'], bn2b_branch2b_batch_mean_flat)
         # free bn2b_branch2b_sum, bn2b_branch2b_batch_mean, bn2b_branch2b_batch_mean_flat
         del bn2b_branch2b_sum, bn2b_branch2b_batch_mean, bn2b_branch2b_batch_mean_flat
-        mem.free(41)
-        # bn2b_branch2b_square = bn2b_branch2b_centered**2
-        bn2b_branch2b_square = mem.tensor(42, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2b_branch2b_square, bn2b_branch2b_centered)
-        # bn2b_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2b_square)
-        bn2b_branch2b_sum_of_squares = mem.tensor(43, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2b_branch2b_square, out=bn2b_branch2b_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2b_branch2b_square
-        del bn2b_branch2b_square
-        mem.free(42)
+        mem.free(35)
+        # bn2b_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2b_centered**2)
+        bn2b_branch2b_sum_of_squares = mem.tensor(36, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2b_batch_var = bn2b_branch2b_sum_of_squares/100352
         bn2b_branch2b_batch_var = bn2b_branch2b_sum_of_squares  # in place: over bn2b_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2b_batch_var, bn2b_branch2b_sum_of_squares)
@@ -886,29 +844,29 @@ class Resnet50(rp.Model):
         bn2b_branch2b_var_new = T['bn2b_branch2b_var']  # in place: the new bn2b_branch2b_var
         rt.ew(ew_scale_add_3, bn2b_branch2b_var_new, T['bn2b_branch2b_var'], bn2b_branch2b_batch_var_flat)
         # bn2b_branch2b_inv_std = 1/sqrt(bn2b_branch2b_batch_var + 1.0e-5)
-        bn2b_branch2b_inv_std = mem.tensor(44, (1, 64, 1, 1), 'float32')
+        bn2b_branch2b_inv_std = mem.tensor(37, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2b_branch2b_inv_std, bn2b_branch2b_batch_var)
-        # bn2b_branch2b_bias = reshape[1x64x1x1](bn2b_branch2b_B)
-        bn2b_branch2b_bias = rt.reshape(T['bn2b_branch2b_B'], shape=(1, 64, 1, 1))
         # bn2b_branch2b_weight = reshape[1x64x1x1](bn2b_branch2b_W)
         bn2b_branch2b_weight = rt.reshape(T['bn2b_branch2b_W'], shape=(1, 64, 1, 1))
+        # bn2b_branch2b_bias = reshape[1x64x1x1](bn2b_branch2b_B)
+        bn2b_branch2b_bias = rt.reshape(T['bn2b_branch2b_B'], shape=(1, 64, 1, 1))
 
         # ---- bn2b_branch2b_relu (relu), forward ----
         # bn2b_branch2b_relu = Max(0, bn2b_branch2b_centered*bn2b_branch2b_inv_std*bn2b_branch2b_weight + bn2b_branch2b_bias)
-        bn2b_branch2b_relu = mem.tensor(45, (32, 64, 56, 56), 'float32')
+        bn2b_branch2b_relu = mem.tensor(38, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2b_branch2b_relu, bn2b_branch2b_centered, bn2b_branch2b_inv_std, bn2b_branch2b_weight, bn2b_branch2b_bias)
 
         # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res2b_branch2c = conv2d(bn2b_branch2b_relu, res2b_branch2c_W)
-        res2b_branch2c = mem.tensor(46, (32, 256, 56, 56), 'float32')
+        res2b_branch2c = mem.tensor(39, (32, 256, 56, 56), 'float32')
         rt.conv2d(bn2b_branch2b_relu, T['res2b_branch2c_W'], out=res2b_branch2c, pad=0, stride=1)
         # free bn2b_branch2b_relu
         del bn2b_branch2b_relu
-        mem.free(45)
+        mem.free(38)
 
         # ---- bn2b_branch2c (batch norm), forward ----
         # bn2b_branch2c_sum = sum_to[1x256x1x1](res2b_branch2c)
-        bn2b_branch2c_sum = mem.tensor(47, (1, 256, 1, 1), 'float32')
+        bn2b_branch2c_sum = mem.tensor(40, (1, 256, 1, 1), 'float32')
         rt.sum_to(res2b_branch2c, out=bn2b_branch2c_sum, shape=(1, 256, 1, 1))
         # bn2b_branch2c_batch_mean = bn2b_branch2c_sum/100352
         bn2b_branch2c_batch_mean = bn2b_branch2c_sum  # in place: over bn2b_branch2c_sum
@@ -923,16 +881,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2b_branch2c_mean_new, T['bn2b_branch2c_mean'], bn2b_branch2c_batch_mean_flat)
         # free bn2b_branch2c_sum, bn2b_branch2c_batch_mean, bn2b_branch2c_batch_mean_flat
         del bn2b_branch2c_sum, bn2b_branch2c_batch_mean, bn2b_branch2c_batch_mean_flat
-        mem.free(47)
-        # bn2b_branch2c_square = bn2b_branch2c_centered**2
-        bn2b_branch2c_square = mem.tensor(48, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_square, bn2b_branch2c_square, bn2b_branch2c_centered)
-        # bn2b_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2b_branch2c_square)
-        bn2b_branch2c_sum_of_squares = mem.tensor(49, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn2b_branch2c_square, out=bn2b_branch2c_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn2b_branch2c_square
-        del bn2b_branch2c_square
-        mem.free(48)
+        mem.free(40)
+        # bn2b_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2b_branch2c_centered**2)
+        bn2b_branch2c_sum_of_squares = mem.tensor(41, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2b_branch2c_batch_var = bn2b_branch2c_sum_of_squares/100352
         bn2b_branch2c_batch_var = bn2b_branch2c_sum_of_squares  # in place: over bn2b_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2c_batch_var, bn2b_branch2c_sum_of_squares)
@@ -942,7 +894,7 @@ class Resnet50(rp.Model):
         bn2b_branch2c_var_new = T['bn2b_branch2c_var']  # in place: the new bn2b_branch2c_var
         rt.ew(ew_scale_add_3, bn2b_branch2c_var_new, T['bn2b_branch2c_var'], bn2b_branch2c_batch_var_flat)
         # bn2b_branch2c_inv_std = 1/sqrt(bn2b_branch2c_batch_var + 1.0e-5)
-        bn2b_branch2c_inv_std = mem.tensor(50, (1, 256, 1, 1), 'float32')
+        bn2b_branch2c_inv_std = mem.tensor(42, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2b_branch2c_inv_std, bn2b_branch2c_batch_var)
         # bn2b_branch2c_bias = reshape[1x256x1x1](bn2b_branch2c_B)
         bn2b_branch2c_bias = rt.reshape(T['bn2b_branch2c_B'], shape=(1, 256, 1, 1))
@@ -956,12 +908,12 @@ class Resnet50(rp.Model):
 
         # ---- res2c_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # res2c_branch2a = conv2d(bn2b_branch2c_relu, res2c_branch2a_W)
-        res2c_branch2a = mem.tensor(51, (32, 64, 56, 56), 'float32')
+        res2c_branch2a = mem.tensor(43, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn2b_branch2c_relu, T['res2c_branch2a_W'], out=res2c_branch2a, pad=0, stride=1)
 
         # ---- bn2c_branch2a (batch norm), forward ----
         # bn2c_branch2a_sum = sum_to[1x64x1x1](res2c_branch2a)
-        bn2c_branch2a_sum = mem.tensor(52, (1, 64, 1, 1), 'float32')
+        bn2c_branch2a_sum = mem.tensor(44, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2c_branch2a, out=bn2c_branch2a_sum, shape=(1, 64, 1, 1))
         # bn2c_branch2a_batch_mean = bn2c_branch2a_sum/100352
         bn2c_branch2a_batch_mean = bn2c_branch2a_sum  # in place: over bn2c_branch2a_sum
@@ -976,16 +928,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2c_branch2a_mean_new, T['bn2c_branch2a_mean'], bn2c_branch2a_batch_mean_flat)
         # free bn2c_branch2a_sum, bn2c_branch2a_batch_mean, bn2c_branch2a_batch_mean_flat
         del bn2c_branch2a_sum, bn2c_branch2a_batch_mean, bn2c_branch2a_batch_mean_flat
-        mem.free(52)
-        # bn2c_branch2a_square = bn2c_branch2a_centered**2
-        bn2c_branch2a_square = mem.tensor(53, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2c_branch2a_square, bn2c_branch2a_centered)
-        # bn2c_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2a_square)
-        bn2c_branch2a_sum_of_squares = mem.tensor(54, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2c_branch2a_square, out=bn2c_branch2a_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2c_branch2a_square
-        del bn2c_branch2a_square
-        mem.free(53)
+        mem.free(44)
+        # bn2c_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2a_centered**2)
+        bn2c_branch2a_sum_of_squares = mem.tensor(45, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2a_batch_var = bn2c_branch2a_sum_of_squares/100352
         bn2c_branch2a_batch_var = bn2c_branch2a_sum_of_squares  # in place: over bn2c_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2a_batch_var, bn2c_branch2a_sum_of_squares)
@@ -995,7 +941,7 @@ class Resnet50(rp.Model):
         bn2c_branch2a_var_new = T['bn2c_branch2a_var']  # in place: the new bn2c_branch2a_var
         rt.ew(ew_scale_add_3, bn2c_branch2a_var_new, T['bn2c_branch2a_var'], bn2c_branch2a_batch_var_flat)
         # bn2c_branch2a_inv_std = 1/sqrt(bn2c_branch2a_batch_var + 1.0e-5)
-        bn2c_branch2a_inv_std = mem.tensor(55, (1, 64, 1, 1), 'float32')
+        bn2c_branch2a_inv_std = mem.tensor(46, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2c_branch2a_inv_std, bn2c_branch2a_batch_var)
         # bn2c_branch2a_bias = reshape[1x64x1x1](bn2c_branch2a_B)
         bn2c_branch2a_bias = rt.reshape(T['bn2c_branch2a_B'], shape=(1, 64, 1, 1))
@@ -1004,20 +950,20 @@ class Resnet50(rp.Model):
 
         # ---- bn2c_branch2a_relu (relu), forward ----
         # bn2c_branch2a_relu = Max(0, bn2c_branch2a_centered*bn2c_branch2a_inv_std*bn2c_branch2a_weight + bn2c_branch2a_bias)
-        bn2c_branch2a_relu = mem.tensor(56, (32, 64, 56, 56), 'float32')
+        bn2c_branch2a_relu = mem.tensor(47, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2c_branch2a_relu, bn2c_branch2a_centered, bn2c_branch2a_inv_std, bn2c_branch2a_weight, bn2c_branch2a_bias)
 
         # ---- res2c_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
         # res2c_branch2b = conv2d[pad=1](bn2c_branch2a_relu, res2c_branch2b_W)
-        res2c_branch2b = mem.tensor(57, (32, 64, 56, 56), 'float32')
+        res2c_branch2b = mem.tensor(48, (32, 64, 56, 56), 'float32')
         rt.conv2d(bn2c_branch2a_relu, T['res2c_branch2b_W'], out=res2c_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
         # free bn2c_branch2a_relu
         del bn2c_branch2a_relu
-        mem.free(56)
+        mem.free(47)
 
         # ---- bn2c_branch2b (batch norm), forward ----
         # bn2c_branch2b_sum = sum_to[1x64x1x1](res2c_branch2b)
-        bn2c_branch2b_sum = mem.tensor(58, (1, 64, 1, 1), 'float32')
+        bn2c_branch2b_sum = mem.tensor(49, (1, 64, 1, 1), 'float32')
         rt.sum_to(res2c_branch2b, out=bn2c_branch2b_sum, shape=(1, 64, 1, 1))
         # bn2c_branch2b_batch_mean = bn2c_branch2b_sum/100352
         bn2c_branch2b_batch_mean = bn2c_branch2b_sum  # in place: over bn2c_branch2b_sum
@@ -1032,16 +978,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2c_branch2b_mean_new, T['bn2c_branch2b_mean'], bn2c_branch2b_batch_mean_flat)
         # free bn2c_branch2b_sum, bn2c_branch2b_batch_mean, bn2c_branch2b_batch_mean_flat
         del bn2c_branch2b_sum, bn2c_branch2b_batch_mean, bn2c_branch2b_batch_mean_flat
-        mem.free(58)
-        # bn2c_branch2b_square = bn2c_branch2b_centered**2
-        bn2c_branch2b_square = mem.tensor(59, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_square, bn2c_branch2b_square, bn2c_branch2b_centered)
-        # bn2c_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2b_square)
-        bn2c_branch2b_sum_of_squares = mem.tensor(60, (1, 64, 1, 1), 'float32')
-        rt.sum_to(bn2c_branch2b_square, out=bn2c_branch2b_sum_of_squares, shape=(1, 64, 1, 1))
-        # free bn2c_branch2b_square
-        del bn2c_branch2b_square
-        mem.free(59)
+        mem.free(49)
+        # bn2c_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2b_centered**2)
+        bn2c_branch2b_sum_of_squares = mem.tensor(50, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2b_batch_var = bn2c_branch2b_sum_of_squares/100352
         bn2c_branch2b_batch_var = bn2c_branch2b_sum_of_squares  # in place: over bn2c_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2b_batch_var, bn2c_branch2b_sum_of_squares)
@@ -1051,29 +991,29 @@ class Resnet50(rp.Model):
         bn2c_branch2b_var_new = T['bn2c_branch2b_var']  # in place: the new bn2c_branch2b_var
         rt.ew(ew_scale_add_3, bn2c_branch2b_var_new, T['bn2c_branch2b_var'], bn2c_branch2b_batch_var_flat)
         # bn2c_branch2b_inv_std = 1/sqrt(bn2c_branch2b_batch_var + 1.0e-5)
-        bn2c_branch2b_inv_std = mem.tensor(61, (1, 64, 1, 1), 'float32')
+        bn2c_branch2b_inv_std = mem.tensor(51, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2c_branch2b_inv_std, bn2c_branch2b_batch_var)
-        # bn2c_branch2b_weight = reshape[1x64x1x1](bn2c_branch2b_W)
-        bn2c_branch2b_weight = rt.reshape(T['bn2c_branch2b_W'], shape=(1, 64, 1, 1))
         # bn2c_branch2b_bias = reshape[1x64x1x1](bn2c_branch2b_B)
         bn2c_branch2b_bias = rt.reshape(T['bn2c_branch2b_B'], shape=(1, 64, 1, 1))
+        # bn2c_branch2b_weight = reshape[1x64x1x1](bn2c_branch2b_W)
+        bn2c_branch2b_weight = rt.reshape(T['bn2c_branch2b_W'], shape=(1, 64, 1, 1))
 
         # ---- bn2c_branch2b_relu (relu), forward ----
         # bn2c_branch2b_relu = Max(0, bn2c_branch2b_centered*bn2c_branch2b_inv_std*bn2c_branch2b_weight + bn2c_branch2b_bias)
-        bn2c_branch2b_relu = mem.tensor(62, (32, 64, 56, 56), 'float32')
+        bn2c_branch2b_relu = mem.tensor(52, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2c_branch2b_relu, bn2c_branch2b_centered, bn2c_branch2b_inv_std, bn2c_branch2b_weight, bn2c_branch2b_bias)
 
         # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res2c_branch2c = conv2d(bn2c_branch2b_relu, res2c_branch2c_W)
-        res2c_branch2c = mem.tensor(63, (32, 256, 56, 56), 'float32')
+        res2c_branch2c = mem.tensor(53, (32, 256, 56, 56), 'float32')
         rt.conv2d(bn2c_branch2b_relu, T['res2c_branch2c_W'], out=res2c_branch2c, pad=0, stride=1)
         # free bn2c_branch2b_relu
         del bn2c_branch2b_relu
-        mem.free(62)
+        mem.free(52)
 
         # ---- bn2c_branch2c (batch norm), forward ----
         # bn2c_branch2c_sum = sum_to[1x256x1x1](res2c_branch2c)
-        bn2c_branch2c_sum = mem.tensor(64, (1, 256, 1, 1), 'float32')
+        bn2c_branch2c_sum = mem.tensor(54, (1, 256, 1, 1), 'float32')
         rt.sum_to(res2c_branch2c, out=bn2c_branch2c_sum, shape=(1, 256, 1, 1))
         # bn2c_branch2c_batch_mean = bn2c_branch2c_sum/100352
         bn2c_branch2c_batch_mean = bn2c_branch2c_sum  # in place: over bn2c_branch2c_sum
@@ -1088,16 +1028,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn2c_branch2c_mean_new, T['bn2c_branch2c_mean'], bn2c_branch2c_batch_mean_flat)
         # free bn2c_branch2c_sum, bn2c_branch2c_batch_mean, bn2c_branch2c_batch_mean_flat
         del bn2c_branch2c_sum, bn2c_branch2c_batch_mean, bn2c_branch2c_batch_mean_flat
-        mem.free(64)
-        # bn2c_branch2c_square = bn2c_branch2c_centered**2
-        bn2c_branch2c_square = mem.tensor(65, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_square, bn2c_branch2c_square, bn2c_branch2c_centered)
-        # bn2c_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2c_branch2c_square)
-        bn2c_branch2c_sum_of_squares = mem.tensor(66, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn2c_branch2c_square, out=bn2c_branch2c_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn2c_branch2c_square
-        del bn2c_branch2c_square
-        mem.free(65)
+        mem.free(54)
+        # bn2c_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2c_branch2c_centered**2)
+        bn2c_branch2c_sum_of_squares = mem.tensor(55, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2c_branch2c_batch_var = bn2c_branch2c_sum_of_squares/100352
         bn2c_branch2c_batch_var = bn2c_branch2c_sum_of_squares  # in place: over bn2c_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2c_batch_var, bn2c_branch2c_sum_of_squares)
@@ -1107,7 +1041,7 @@ class Resnet50(rp.Model):
         bn2c_branch2c_var_new = T['bn2c_branch2c_var']  # in place: the new bn2c_branch2c_var
         rt.ew(ew_scale_add_3, bn2c_branch2c_var_new, T['bn2c_branch2c_var'], bn2c_branch2c_batch_var_flat)
         # bn2c_branch2c_inv_std = 1/sqrt(bn2c_branch2c_batch_var + 1.0e-5)
-        bn2c_branch2c_inv_std = mem.tensor(67, (1, 256, 1, 1), 'float32')
+        bn2c_branch2c_inv_std = mem.tensor(56, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn2c_branch2c_inv_std, bn2c_branch2c_batch_var)
         # bn2c_branch2c_bias = reshape[1x256x1x1](bn2c_branch2c_B)
         bn2c_branch2c_bias = rt.reshape(T['bn2c_branch2c_B'], shape=(1, 256, 1, 1))
@@ -1116,17 +1050,17 @@ class Resnet50(rp.Model):
 
         # ---- bn2c_branch2c_relu (relu), forward ----
         # bn2c_branch2c_relu = Max(0, bn2c_branch2c_centered*bn2c_branch2c_inv_std*bn2c_branch2c_weight + bn2c_branch2c_bias + bn2b_branch2c_relu)
-        bn2c_branch2c_relu = mem.tensor(68, (32, 256, 56, 56), 'float32')
+        bn2c_branch2c_relu = mem.tensor(57, (32, 256, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu_4, bn2c_branch2c_relu, bn2c_branch2c_centered, bn2c_branch2c_inv_std, bn2c_branch2c_weight, bn2c_branch2c_bias, bn2b_branch2c_relu)
 
         # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), forward ----
         # res3a_branch2a = conv2d[stride=2](bn2c_branch2c_relu, res3a_branch2a_W)
-        res3a_branch2a = mem.tensor(69, (32, 128, 28, 28), 'float32')
+        res3a_branch2a = mem.tensor(58, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn2c_branch2c_relu, T['res3a_branch2a_W'], out=res3a_branch2a, pad=0, stride=2, workspace=mem.workspace(25690112))
 
         # ---- bn3a_branch2a (batch norm), forward ----
         # bn3a_branch2a_sum = sum_to[1x128x1x1](res3a_branch2a)
-        bn3a_branch2a_sum = mem.tensor(70, (1, 128, 1, 1), 'float32')
+        bn3a_branch2a_sum = mem.tensor(59, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3a_branch2a, out=bn3a_branch2a_sum, shape=(1, 128, 1, 1))
         # bn3a_branch2a_batch_mean = bn3a_branch2a_sum/25088
         bn3a_branch2a_batch_mean = bn3a_branch2a_sum  # in place: over bn3a_branch2a_sum
@@ -1141,16 +1075,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3a_branch2a_mean_new, T['bn3a_branch2a_mean'], bn3a_branch2a_batch_mean_flat)
         # free bn3a_branch2a_sum, bn3a_branch2a_batch_mean, bn3a_branch2a_batch_mean_flat
         del bn3a_branch2a_sum, bn3a_branch2a_batch_mean, bn3a_branch2a_batch_mean_flat
-        mem.free(70)
-        # bn3a_branch2a_square = bn3a_branch2a_centered**2
-        bn3a_branch2a_square = mem.tensor(71, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3a_branch2a_square, bn3a_branch2a_centered)
-        # bn3a_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2a_square)
-        bn3a_branch2a_sum_of_squares = mem.tensor(72, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3a_branch2a_square, out=bn3a_branch2a_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3a_branch2a_square
-        del bn3a_branch2a_square
-        mem.free(71)
+        mem.free(59)
+        # bn3a_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2a_centered**2)
+        bn3a_branch2a_sum_of_squares = mem.tensor(60, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2a_batch_var = bn3a_branch2a_sum_of_squares/25088
         bn3a_branch2a_batch_var = bn3a_branch2a_sum_of_squares  # in place: over bn3a_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2a_batch_var, bn3a_branch2a_sum_of_squares)
@@ -1160,29 +1088,29 @@ class Resnet50(rp.Model):
         bn3a_branch2a_var_new = T['bn3a_branch2a_var']  # in place: the new bn3a_branch2a_var
         rt.ew(ew_scale_add_4, bn3a_branch2a_var_new, T['bn3a_branch2a_var'], bn3a_branch2a_batch_var_flat)
         # bn3a_branch2a_inv_std = 1/sqrt(bn3a_branch2a_batch_var + 1.0e-5)
-        bn3a_branch2a_inv_std = mem.tensor(73, (1, 128, 1, 1), 'float32')
+        bn3a_branch2a_inv_std = mem.tensor(61, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3a_branch2a_inv_std, bn3a_branch2a_batch_var)
-        # bn3a_branch2a_bias = reshape[1x128x1x1](bn3a_branch2a_B)
-        bn3a_branch2a_bias = rt.reshape(T['bn3a_branch2a_B'], shape=(1, 128, 1, 1))
         # bn3a_branch2a_weight = reshape[1x128x1x1](bn3a_branch2a_W)
         bn3a_branch2a_weight = rt.reshape(T['bn3a_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3a_branch2a_bias = reshape[1x128x1x1](bn3a_branch2a_B)
+        bn3a_branch2a_bias = rt.reshape(T['bn3a_branch2a_B'], shape=(1, 128, 1, 1))
 
         # ---- bn3a_branch2a_relu (relu), forward ----
         # bn3a_branch2a_relu = Max(0, bn3a_branch2a_centered*bn3a_branch2a_inv_std*bn3a_branch2a_weight + bn3a_branch2a_bias)
-        bn3a_branch2a_relu = mem.tensor(74, (32, 128, 28, 28), 'float32')
+        bn3a_branch2a_relu = mem.tensor(62, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3a_branch2a_relu, bn3a_branch2a_centered, bn3a_branch2a_inv_std, bn3a_branch2a_weight, bn3a_branch2a_bias)
 
         # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
         # res3a_branch2b = conv2d[pad=1](bn3a_branch2a_relu, res3a_branch2b_W)
-        res3a_branch2b = mem.tensor(75, (32, 128, 28, 28), 'float32')
+        res3a_branch2b = mem.tensor(63, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3a_branch2a_relu, T['res3a_branch2b_W'], out=res3a_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
         # free bn3a_branch2a_relu
         del bn3a_branch2a_relu
-        mem.free(74)
+        mem.free(62)
 
         # ---- bn3a_branch2b (batch norm), forward ----
         # bn3a_branch2b_sum = sum_to[1x128x1x1](res3a_branch2b)
-        bn3a_branch2b_sum = mem.tensor(76, (1, 128, 1, 1), 'float32')
+        bn3a_branch2b_sum = mem.tensor(64, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3a_branch2b, out=bn3a_branch2b_sum, shape=(1, 128, 1, 1))
         # bn3a_branch2b_batch_mean = bn3a_branch2b_sum/25088
         bn3a_branch2b_batch_mean = bn3a_branch2b_sum  # in place: over bn3a_branch2b_sum
@@ -1197,16 +1125,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3a_branch2b_mean_new, T['bn3a_branch2b_mean'], bn3a_branch2b_batch_mean_flat)
         # free bn3a_branch2b_sum, bn3a_branch2b_batch_mean, bn3a_branch2b_batch_mean_flat
         del bn3a_branch2b_sum, bn3a_branch2b_batch_mean, bn3a_branch2b_batch_mean_flat
-        mem.free(76)
-        # bn3a_branch2b_square = bn3a_branch2b_centered**2
-        bn3a_branch2b_square = mem.tensor(77, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3a_branch2b_square, bn3a_branch2b_centered)
-        # bn3a_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2b_square)
-        bn3a_branch2b_sum_of_squares = mem.tensor(78, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3a_branch2b_square, out=bn3a_branch2b_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3a_branch2b_square
-        del bn3a_branch2b_square
-        mem.free(77)
+        mem.free(64)
+        # bn3a_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2b_centered**2)
+        bn3a_branch2b_sum_of_squares = mem.tensor(65, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2b_batch_var = bn3a_branch2b_sum_of_squares/25088
         bn3a_branch2b_batch_var = bn3a_branch2b_sum_of_squares  # in place: over bn3a_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2b_batch_var, bn3a_branch2b_sum_of_squares)
@@ -1216,7 +1138,7 @@ class Resnet50(rp.Model):
         bn3a_branch2b_var_new = T['bn3a_branch2b_var']  # in place: the new bn3a_branch2b_var
         rt.ew(ew_scale_add_4, bn3a_branch2b_var_new, T['bn3a_branch2b_var'], bn3a_branch2b_batch_var_flat)
         # bn3a_branch2b_inv_std = 1/sqrt(bn3a_branch2b_batch_var + 1.0e-5)
-        bn3a_branch2b_inv_std = mem.tensor(79, (1, 128, 1, 1), 'float32')
+        bn3a_branch2b_inv_std = mem.tensor(66, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3a_branch2b_inv_std, bn3a_branch2b_batch_var)
         # bn3a_branch2b_bias = reshape[1x128x1x1](bn3a_branch2b_B)
         bn3a_branch2b_bias = rt.reshape(T['bn3a_branch2b_B'], shape=(1, 128, 1, 1))
@@ -1225,20 +1147,20 @@ class Resnet50(rp.Model):
 
         # ---- bn3a_branch2b_relu (relu), forward ----
         # bn3a_branch2b_relu = Max(0, bn3a_branch2b_centered*bn3a_branch2b_inv_std*bn3a_branch2b_weight + bn3a_branch2b_bias)
-        bn3a_branch2b_relu = mem.tensor(80, (32, 128, 28, 28), 'float32')
+        bn3a_branch2b_relu = mem.tensor(67, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3a_branch2b_relu, bn3a_branch2b_centered, bn3a_branch2b_inv_std, bn3a_branch2b_weight, bn3a_branch2b_bias)
 
         # ---- res3a_branch1 (conv 1x1, 512 channels, stride 2, padding 0), forward ----
         # res3a_branch1 = conv2d[stride=2](bn2c_branch2c_relu, res3a_branch1_W)
-        res3a_branch1 = mem.tensor(81, (32, 512, 28, 28), 'float32')
+        res3a_branch1 = mem.tensor(68, (32, 512, 28, 28), 'float32')
         rt.conv2d(bn2c_branch2c_relu, T['res3a_branch1_W'], out=res3a_branch1, pad=0, stride=2, workspace=mem.workspace(25690112))
         # free bn2c_branch2c_relu
         del bn2c_branch2c_relu
-        mem.free(68)
+        mem.free(57)
 
         # ---- bn3a_branch1 (batch norm), forward ----
         # bn3a_branch1_sum = sum_to[1x512x1x1](res3a_branch1)
-        bn3a_branch1_sum = mem.tensor(82, (1, 512, 1, 1), 'float32')
+        bn3a_branch1_sum = mem.tensor(69, (1, 512, 1, 1), 'float32')
         rt.sum_to(res3a_branch1, out=bn3a_branch1_sum, shape=(1, 512, 1, 1))
         # bn3a_branch1_batch_mean = bn3a_branch1_sum/25088
         bn3a_branch1_batch_mean = bn3a_branch1_sum  # in place: over bn3a_branch1_sum
@@ -1253,16 +1175,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3a_branch1_mean_new, T['bn3a_branch1_mean'], bn3a_branch1_batch_mean_flat)
         # free bn3a_branch1_sum, bn3a_branch1_batch_mean, bn3a_branch1_batch_mean_flat
         del bn3a_branch1_sum, bn3a_branch1_batch_mean, bn3a_branch1_batch_mean_flat
-        mem.free(82)
-        # bn3a_branch1_square = bn3a_branch1_centered**2
-        bn3a_branch1_square = mem.tensor(83, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_square, bn3a_branch1_square, bn3a_branch1_centered)
-        # bn3a_branch1_sum_of_squares = sum_to[1x512x1x1](bn3a_branch1_square)
-        bn3a_branch1_sum_of_squares = mem.tensor(84, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn3a_branch1_square, out=bn3a_branch1_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn3a_branch1_square
-        del bn3a_branch1_square
-        mem.free(83)
+        mem.free(69)
+        # bn3a_branch1_sum_of_squares = sum_to[1x512x1x1](bn3a_branch1_centered**2)
+        bn3a_branch1_sum_of_squares = mem.tensor(70, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3a_branch1_sum_of_squares, bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch1_batch_var = bn3a_branch1_sum_of_squares/25088
         bn3a_branch1_batch_var = bn3a_branch1_sum_of_squares  # in place: over bn3a_branch1_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch1_batch_var, bn3a_branch1_sum_of_squares)
@@ -1272,20 +1188,20 @@ class Resnet50(rp.Model):
         bn3a_branch1_var_new = T['bn3a_branch1_var']  # in place: the new bn3a_branch1_var
         rt.ew(ew_scale_add_4, bn3a_branch1_var_new, T['bn3a_branch1_var'], bn3a_branch1_batch_var_flat)
         # bn3a_branch1_inv_std = 1/sqrt(bn3a_branch1_batch_var + 1.0e-5)
-        bn3a_branch1_inv_std = mem.tensor(85, (1, 512, 1, 1), 'float32')
+        bn3a_branch1_inv_std = mem.tensor(71, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3a_branch1_inv_std, bn3a_branch1_batch_var)
 
         # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res3a_branch2c = conv2d(bn3a_branch2b_relu, res3a_branch2c_W)
-        res3a_branch2c = mem.tensor(86, (32, 512, 28, 28), 'float32')
+        res3a_branch2c = mem.tensor(72, (32, 512, 28, 28), 'float32')
         rt.conv2d(bn3a_branch2b_relu, T['res3a_branch2c_W'], out=res3a_branch2c, pad=0, stride=1)
         # free bn3a_branch2b_relu
         del bn3a_branch2b_relu
-        mem.free(80)
+        mem.free(67)
 
         # ---- bn3a_branch2c (batch norm), forward ----
         # bn3a_branch2c_sum = sum_to[1x512x1x1](res3a_branch2c)
-        bn3a_branch2c_sum = mem.tensor(87, (1, 512, 1, 1), 'float32')
+        bn3a_branch2c_sum = mem.tensor(73, (1, 512, 1, 1), 'float32')
         rt.sum_to(res3a_branch2c, out=bn3a_branch2c_sum, shape=(1, 512, 1, 1))
         # bn3a_branch2c_batch_mean = bn3a_branch2c_sum/25088
         bn3a_branch2c_batch_mean = bn3a_branch2c_sum  # in place: over bn3a_branch2c_sum
@@ -1300,16 +1216,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3a_branch2c_mean_new, T['bn3a_branch2c_mean'], bn3a_branch2c_batch_mean_flat)
         # free bn3a_branch2c_sum, bn3a_branch2c_batch_mean, bn3a_branch2c_batch_mean_flat
         del bn3a_branch2c_sum, bn3a_branch2c_batch_mean, bn3a_branch2c_batch_mean_flat
-        mem.free(87)
-        # bn3a_branch2c_square = bn3a_branch2c_centered**2
-        bn3a_branch2c_square = mem.tensor(88, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_square, bn3a_branch2c_square, bn3a_branch2c_centered)
-        # bn3a_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3a_branch2c_square)
-        bn3a_branch2c_sum_of_squares = mem.tensor(89, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn3a_branch2c_square, out=bn3a_branch2c_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn3a_branch2c_square
-        del bn3a_branch2c_square
-        mem.free(88)
+        mem.free(73)
+        # bn3a_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3a_branch2c_centered**2)
+        bn3a_branch2c_sum_of_squares = mem.tensor(74, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch2c_batch_var = bn3a_branch2c_sum_of_squares/25088
         bn3a_branch2c_batch_var = bn3a_branch2c_sum_of_squares  # in place: over bn3a_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2c_batch_var, bn3a_branch2c_sum_of_squares)
@@ -1319,7 +1229,7 @@ class Resnet50(rp.Model):
         bn3a_branch2c_var_new = T['bn3a_branch2c_var']  # in place: the new bn3a_branch2c_var
         rt.ew(ew_scale_add_4, bn3a_branch2c_var_new, T['bn3a_branch2c_var'], bn3a_branch2c_batch_var_flat)
         # bn3a_branch2c_inv_std = 1/sqrt(bn3a_branch2c_batch_var + 1.0e-5)
-        bn3a_branch2c_inv_std = mem.tensor(90, (1, 512, 1, 1), 'float32')
+        bn3a_branch2c_inv_std = mem.tensor(75, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3a_branch2c_inv_std, bn3a_branch2c_batch_var)
 
         # ---- bn3a_branch1 (batch norm), forward ----
@@ -1336,17 +1246,17 @@ class Resnet50(rp.Model):
 
         # ---- bn3a_branch2c_relu (relu), forward ----
         # bn3a_branch2c_relu = Max(0, bn3a_branch2c_centered*bn3a_branch2c_inv_std*bn3a_branch2c_weight + bn3a_branch2c_bias + bn3a_branch1_centered*bn3a_branch1_inv_std*bn3a_branch1_weight + bn3a_branch1_bias)
-        bn3a_branch2c_relu = mem.tensor(91, (32, 512, 28, 28), 'float32')
+        bn3a_branch2c_relu = mem.tensor(76, (32, 512, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu_2, bn3a_branch2c_relu, bn3a_branch2c_centered, bn3a_branch2c_inv_std, bn3a_branch2c_weight, bn3a_branch2c_bias, bn3a_branch1_centered, bn3a_branch1_inv_std, bn3a_branch1_weight, bn3a_branch1_bias)
 
         # ---- res3b_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # res3b_branch2a = conv2d(bn3a_branch2c_relu, res3b_branch2a_W)
-        res3b_branch2a = mem.tensor(92, (32, 128, 28, 28), 'float32')
+        res3b_branch2a = mem.tensor(77, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3a_branch2c_relu, T['res3b_branch2a_W'], out=res3b_branch2a, pad=0, stride=1)
 
         # ---- bn3b_branch2a (batch norm), forward ----
         # bn3b_branch2a_sum = sum_to[1x128x1x1](res3b_branch2a)
-        bn3b_branch2a_sum = mem.tensor(93, (1, 128, 1, 1), 'float32')
+        bn3b_branch2a_sum = mem.tensor(78, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3b_branch2a, out=bn3b_branch2a_sum, shape=(1, 128, 1, 1))
         # bn3b_branch2a_batch_mean = bn3b_branch2a_sum/25088
         bn3b_branch2a_batch_mean = bn3b_branch2a_sum  # in place: over bn3b_branch2a_sum
@@ -1361,16 +1271,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3b_branch2a_mean_new, T['bn3b_branch2a_mean'], bn3b_branch2a_batch_mean_flat)
         # free bn3b_branch2a_sum, bn3b_branch2a_batch_mean, bn3b_branch2a_batch_mean_flat
         del bn3b_branch2a_sum, bn3b_branch2a_batch_mean, bn3b_branch2a_batch_mean_flat
-        mem.free(93)
-        # bn3b_branch2a_square = bn3b_branch2a_centered**2
-        bn3b_branch2a_square = mem.tensor(94, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3b_branch2a_square, bn3b_branch2a_centered)
-        # bn3b_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2a_square)
-        bn3b_branch2a_sum_of_squares = mem.tensor(95, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3b_branch2a_square, out=bn3b_branch2a_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3b_branch2a_square
-        del bn3b_branch2a_square
-        mem.free(94)
+        mem.free(78)
+        # bn3b_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2a_centered**2)
+        bn3b_branch2a_sum_of_squares = mem.tensor(79, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2a_batch_var = bn3b_branch2a_sum_of_squares/25088
         bn3b_branch2a_batch_var = bn3b_branch2a_sum_of_squares  # in place: over bn3b_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2a_batch_var, bn3b_branch2a_sum_of_squares)
@@ -1380,29 +1284,29 @@ class Resnet50(rp.Model):
         bn3b_branch2a_var_new = T['bn3b_branch2a_var']  # in place: the new bn3b_branch2a_var
         rt.ew(ew_scale_add_4, bn3b_branch2a_var_new, T['bn3b_branch2a_var'], bn3b_branch2a_batch_var_flat)
         # bn3b_branch2a_inv_std = 1/sqrt(bn3b_branch2a_batch_var + 1.0e-5)
-        bn3b_branch2a_inv_std = mem.tensor(96, (1, 128, 1, 1), 'float32')
+        bn3b_branch2a_inv_std = mem.tensor(80, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3b_branch2a_inv_std, bn3b_branch2a_batch_var)
-        # bn3b_branch2a_weight = reshape[1x128x1x1](bn3b_branch2a_W)
-        bn3b_branch2a_weight = rt.reshape(T['bn3b_branch2a_W'], shape=(1, 128, 1, 1))
         # bn3b_branch2a_bias = reshape[1x128x1x1](bn3b_branch2a_B)
         bn3b_branch2a_bias = rt.reshape(T['bn3b_branch2a_B'], shape=(1, 128, 1, 1))
+        # bn3b_branch2a_weight = reshape[1x128x1x1](bn3b_branch2a_W)
+        bn3b_branch2a_weight = rt.reshape(T['bn3b_branch2a_W'], shape=(1, 128, 1, 1))
 
         # ---- bn3b_branch2a_relu (relu), forward ----
         # bn3b_branch2a_relu = Max(0, bn3b_branch2a_centered*bn3b_branch2a_inv_std*bn3b_branch2a_weight + bn3b_branch2a_bias)
-        bn3b_branch2a_relu = mem.tensor(97, (32, 128, 28, 28), 'float32')
+        bn3b_branch2a_relu = mem.tensor(81, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3b_branch2a_relu, bn3b_branch2a_centered, bn3b_branch2a_inv_std, bn3b_branch2a_weight, bn3b_branch2a_bias)
 
         # ---- res3b_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
         # res3b_branch2b = conv2d[pad=1](bn3b_branch2a_relu, res3b_branch2b_W)
-        res3b_branch2b = mem.tensor(98, (32, 128, 28, 28), 'float32')
+        res3b_branch2b = mem.tensor(82, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3b_branch2a_relu, T['res3b_branch2b_W'], out=res3b_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
         # free bn3b_branch2a_relu
         del bn3b_branch2a_relu
-        mem.free(97)
+        mem.free(81)
 
         # ---- bn3b_branch2b (batch norm), forward ----
         # bn3b_branch2b_sum = sum_to[1x128x1x1](res3b_branch2b)
-        bn3b_branch2b_sum = mem.tensor(99, (1, 128, 1, 1), 'float32')
+        bn3b_branch2b_sum = mem.tensor(83, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3b_branch2b, out=bn3b_branch2b_sum, shape=(1, 128, 1, 1))
         # bn3b_branch2b_batch_mean = bn3b_branch2b_sum/25088
         bn3b_branch2b_batch_mean = bn3b_branch2b_sum  # in place: over bn3b_branch2b_sum
@@ -1417,16 +1321,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3b_branch2b_mean_new, T['bn3b_branch2b_mean'], bn3b_branch2b_batch_mean_flat)
         # free bn3b_branch2b_sum, bn3b_branch2b_batch_mean, bn3b_branch2b_batch_mean_flat
         del bn3b_branch2b_sum, bn3b_branch2b_batch_mean, bn3b_branch2b_batch_mean_flat
-        mem.free(99)
-        # bn3b_branch2b_square = bn3b_branch2b_centered**2
-        bn3b_branch2b_square = mem.tensor(100, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3b_branch2b_square, bn3b_branch2b_centered)
-        # bn3b_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2b_square)
-        bn3b_branch2b_sum_of_squares = mem.tensor(101, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3b_branch2b_square, out=bn3b_branch2b_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3b_branch2b_square
-        del bn3b_branch2b_square
-        mem.free(100)
+        mem.free(83)
+        # bn3b_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2b_centered**2)
+        bn3b_branch2b_sum_of_squares = mem.tensor(84, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2b_batch_var = bn3b_branch2b_sum_of_squares/25088
         bn3b_branch2b_batch_var = bn3b_branch2b_sum_of_squares  # in place: over bn3b_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2b_batch_var, bn3b_branch2b_sum_of_squares)
@@ -1436,29 +1334,29 @@ class Resnet50(rp.Model):
         bn3b_branch2b_var_new = T['bn3b_branch2b_var']  # in place: the new bn3b_branch2b_var
         rt.ew(ew_scale_add_4, bn3b_branch2b_var_new, T['bn3b_branch2b_var'], bn3b_branch2b_batch_var_flat)
         # bn3b_branch2b_inv_std = 1/sqrt(bn3b_branch2b_batch_var + 1.0e-5)
-        bn3b_branch2b_inv_std = mem.tensor(102, (1, 128, 1, 1), 'float32')
+        bn3b_branch2b_inv_std = mem.tensor(85, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3b_branch2b_inv_std, bn3b_branch2b_batch_var)
-        # bn3b_branch2b_weight = reshape[1x128x1x1](bn3b_branch2b_W)
-        bn3b_branch2b_weight = rt.reshape(T['bn3b_branch2b_W'], shape=(1, 128, 1, 1))
         # bn3b_branch2b_bias = reshape[1x128x1x1](bn3b_branch2b_B)
         bn3b_branch2b_bias = rt.reshape(T['bn3b_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3b_branch2b_weight = reshape[1x128x1x1](bn3b_branch2b_W)
+        bn3b_branch2b_weight = rt.reshape(T['bn3b_branch2b_W'], shape=(1, 128, 1, 1))
 
         # ---- bn3b_branch2b_relu (relu), forward ----
         # bn3b_branch2b_relu = Max(0, bn3b_branch2b_centered*bn3b_branch2b_inv_std*bn3b_branch2b_weight + bn3b_branch2b_bias)
-        bn3b_branch2b_relu = mem.tensor(103, (32, 128, 28, 28), 'float32')
+        bn3b_branch2b_relu = mem.tensor(86, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3b_branch2b_relu, bn3b_branch2b_centered, bn3b_branch2b_inv_std, bn3b_branch2b_weight, bn3b_branch2b_bias)
 
         # ---- res3b_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res3b_branch2c = conv2d(bn3b_branch2b_relu, res3b_branch2c_W)
-        res3b_branch2c = mem.tensor(104, (32, 512, 28, 28), 'float32')
+        res3b_branch2c = mem.tensor(87, (32, 512, 28, 28), 'float32')
         rt.conv2d(bn3b_branch2b_relu, T['res3b_branch2c_W'], out=res3b_branch2c, pad=0, stride=1)
         # free bn3b_branch2b_relu
         del bn3b_branch2b_relu
-        mem.free(103)
+        mem.free(86)
 
         # ---- bn3b_branch2c (batch norm), forward ----
         # bn3b_branch2c_sum = sum_to[1x512x1x1](res3b_branch2c)
-        bn3b_branch2c_sum = mem.tensor(105, (1, 512, 1, 1), 'float32')
+        bn3b_branch2c_sum = mem.tensor(88, (1, 512, 1, 1), 'float32')
         rt.sum_to(res3b_branch2c, out=bn3b_branch2c_sum, shape=(1, 512, 1, 1))
         # bn3b_branch2c_batch_mean = bn3b_branch2c_sum/25088
         bn3b_branch2c_batch_mean = bn3b_branch2c_sum  # in place: over bn3b_branch2c_sum
@@ -1473,16 +1371,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3b_branch2c_mean_new, T['bn3b_branch2c_mean'], bn3b_branch2c_batch_mean_flat)
         # free bn3b_branch2c_sum, bn3b_branch2c_batch_mean, bn3b_branch2c_batch_mean_flat
         del bn3b_branch2c_sum, bn3b_branch2c_batch_mean, bn3b_branch2c_batch_mean_flat
-        mem.free(105)
-        # bn3b_branch2c_square = bn3b_branch2c_centered**2
-        bn3b_branch2c_square = mem.tensor(106, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_square, bn3b_branch2c_square, bn3b_branch2c_centered)
-        # bn3b_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3b_branch2c_square)
-        bn3b_branch2c_sum_of_squares = mem.tensor(107, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn3b_branch2c_square, out=bn3b_branch2c_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn3b_branch2c_square
-        del bn3b_branch2c_square
-        mem.free(106)
+        mem.free(88)
+        # bn3b_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3b_branch2c_centered**2)
+        bn3b_branch2c_sum_of_squares = mem.tensor(89, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3b_branch2c_batch_var = bn3b_branch2c_sum_of_squares/25088
         bn3b_branch2c_batch_var = bn3b_branch2c_sum_of_squares  # in place: over bn3b_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2c_batch_var, bn3b_branch2c_sum_of_squares)
@@ -1492,7 +1384,7 @@ class Resnet50(rp.Model):
         bn3b_branch2c_var_new = T['bn3b_branch2c_var']  # in place: the new bn3b_branch2c_var
         rt.ew(ew_scale_add_4, bn3b_branch2c_var_new, T['bn3b_branch2c_var'], bn3b_branch2c_batch_var_flat)
         # bn3b_branch2c_inv_std = 1/sqrt(bn3b_branch2c_batch_var + 1.0e-5)
-        bn3b_branch2c_inv_std = mem.tensor(108, (1, 512, 1, 1), 'float32')
+        bn3b_branch2c_inv_std = mem.tensor(90, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3b_branch2c_inv_std, bn3b_branch2c_batch_var)
         # bn3b_branch2c_bias = reshape[1x512x1x1](bn3b_branch2c_B)
         bn3b_branch2c_bias = rt.reshape(T['bn3b_branch2c_B'], shape=(1, 512, 1, 1))
@@ -1506,12 +1398,12 @@ class Resnet50(rp.Model):
 
         # ---- res3c_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # res3c_branch2a = conv2d(bn3b_branch2c_relu, res3c_branch2a_W)
-        res3c_branch2a = mem.tensor(109, (32, 128, 28, 28), 'float32')
+        res3c_branch2a = mem.tensor(91, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3b_branch2c_relu, T['res3c_branch2a_W'], out=res3c_branch2a, pad=0, stride=1)
 
         # ---- bn3c_branch2a (batch norm), forward ----
         # bn3c_branch2a_sum = sum_to[1x128x1x1](res3c_branch2a)
-        bn3c_branch2a_sum = mem.tensor(110, (1, 128, 1, 1), 'float32')
+        bn3c_branch2a_sum = mem.tensor(92, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3c_branch2a, out=bn3c_branch2a_sum, shape=(1, 128, 1, 1))
         # bn3c_branch2a_batch_mean = bn3c_branch2a_sum/25088
         bn3c_branch2a_batch_mean = bn3c_branch2a_sum  # in place: over bn3c_branch2a_sum
@@ -1526,16 +1418,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3c_branch2a_mean_new, T['bn3c_branch2a_mean'], bn3c_branch2a_batch_mean_flat)
         # free bn3c_branch2a_sum, bn3c_branch2a_batch_mean, bn3c_branch2a_batch_mean_flat
         del bn3c_branch2a_sum, bn3c_branch2a_batch_mean, bn3c_branch2a_batch_mean_flat
-        mem.free(110)
-        # bn3c_branch2a_square = bn3c_branch2a_centered**2
-        bn3c_branch2a_square = mem.tensor(111, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3c_branch2a_square, bn3c_branch2a_centered)
-        # bn3c_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2a_square)
-        bn3c_branch2a_sum_of_squares = mem.tensor(112, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3c_branch2a_square, out=bn3c_branch2a_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3c_branch2a_square
-        del bn3c_branch2a_square
-        mem.free(111)
+        mem.free(92)
+        # bn3c_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2a_centered**2)
+        bn3c_branch2a_sum_of_squares = mem.tensor(93, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2a_batch_var = bn3c_branch2a_sum_of_squares/25088
         bn3c_branch2a_batch_var = bn3c_branch2a_sum_of_squares  # in place: over bn3c_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2a_batch_var, bn3c_branch2a_sum_of_squares)
@@ -1545,29 +1431,29 @@ class Resnet50(rp.Model):
         bn3c_branch2a_var_new = T['bn3c_branch2a_var']  # in place: the new bn3c_branch2a_var
         rt.ew(ew_scale_add_4, bn3c_branch2a_var_new, T['bn3c_branch2a_var'], bn3c_branch2a_batch_var_flat)
         # bn3c_branch2a_inv_std = 1/sqrt(bn3c_branch2a_batch_var + 1.0e-5)
-        bn3c_branch2a_inv_std = mem.tensor(113, (1, 128, 1, 1), 'float32')
+        bn3c_branch2a_inv_std = mem.tensor(94, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3c_branch2a_inv_std, bn3c_branch2a_batch_var)
-        # bn3c_branch2a_bias = reshape[1x128x1x1](bn3c_branch2a_B)
-        bn3c_branch2a_bias = rt.reshape(T['bn3c_branch2a_B'], shape=(1, 128, 1, 1))
         # bn3c_branch2a_weight = reshape[1x128x1x1](bn3c_branch2a_W)
         bn3c_branch2a_weight = rt.reshape(T['bn3c_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3c_branch2a_bias = reshape[1x128x1x1](bn3c_branch2a_B)
+        bn3c_branch2a_bias = rt.reshape(T['bn3c_branch2a_B'], shape=(1, 128, 1, 1))
 
         # ---- bn3c_branch2a_relu (relu), forward ----
         # bn3c_branch2a_relu = Max(0, bn3c_branch2a_centered*bn3c_branch2a_inv_std*bn3c_branch2a_weight + bn3c_branch2a_bias)
-        bn3c_branch2a_relu = mem.tensor(114, (32, 128, 28, 28), 'float32')
+        bn3c_branch2a_relu = mem.tensor(95, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3c_branch2a_relu, bn3c_branch2a_centered, bn3c_branch2a_inv_std, bn3c_branch2a_weight, bn3c_branch2a_bias)
 
         # ---- res3c_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
         # res3c_branch2b = conv2d[pad=1](bn3c_branch2a_relu, res3c_branch2b_W)
-        res3c_branch2b = mem.tensor(115, (32, 128, 28, 28), 'float32')
+        res3c_branch2b = mem.tensor(96, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3c_branch2a_relu, T['res3c_branch2b_W'], out=res3c_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
         # free bn3c_branch2a_relu
         del bn3c_branch2a_relu
-        mem.free(114)
+        mem.free(95)
 
         # ---- bn3c_branch2b (batch norm), forward ----
         # bn3c_branch2b_sum = sum_to[1x128x1x1](res3c_branch2b)
-        bn3c_branch2b_sum = mem.tensor(116, (1, 128, 1, 1), 'float32')
+        bn3c_branch2b_sum = mem.tensor(97, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3c_branch2b, out=bn3c_branch2b_sum, shape=(1, 128, 1, 1))
         # bn3c_branch2b_batch_mean = bn3c_branch2b_sum/25088
         bn3c_branch2b_batch_mean = bn3c_branch2b_sum  # in place: over bn3c_branch2b_sum
@@ -1582,16 +1468,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3c_branch2b_mean_new, T['bn3c_branch2b_mean'], bn3c_branch2b_batch_mean_flat)
         # free bn3c_branch2b_sum, bn3c_branch2b_batch_mean, bn3c_branch2b_batch_mean_flat
         del bn3c_branch2b_sum, bn3c_branch2b_batch_mean, bn3c_branch2b_batch_mean_flat
-        mem.free(116)
-        # bn3c_branch2b_square = bn3c_branch2b_centered**2
-        bn3c_branch2b_square = mem.tensor(117, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3c_branch2b_square, bn3c_branch2b_centered)
-        # bn3c_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2b_square)
-        bn3c_branch2b_sum_of_squares = mem.tensor(118, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3c_branch2b_square, out=bn3c_branch2b_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3c_branch2b_square
-        del bn3c_branch2b_square
-        mem.free(117)
+        mem.free(97)
+        # bn3c_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2b_centered**2)
+        bn3c_branch2b_sum_of_squares = mem.tensor(98, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2b_batch_var = bn3c_branch2b_sum_of_squares/25088
         bn3c_branch2b_batch_var = bn3c_branch2b_sum_of_squares  # in place: over bn3c_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2b_batch_var, bn3c_branch2b_sum_of_squares)
@@ -1601,29 +1481,29 @@ class Resnet50(rp.Model):
         bn3c_branch2b_var_new = T['bn3c_branch2b_var']  # in place: the new bn3c_branch2b_var
         rt.ew(ew_scale_add_4, bn3c_branch2b_var_new, T['bn3c_branch2b_var'], bn3c_branch2b_batch_var_flat)
         # bn3c_branch2b_inv_std = 1/sqrt(bn3c_branch2b_batch_var + 1.0e-5)
-        bn3c_branch2b_inv_std = mem.tensor(119, (1, 128, 1, 1), 'float32')
+        bn3c_branch2b_inv_std = mem.tensor(99, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3c_branch2b_inv_std, bn3c_branch2b_batch_var)
-        # bn3c_branch2b_weight = reshape[1x128x1x1](bn3c_branch2b_W)
-        bn3c_branch2b_weight = rt.reshape(T['bn3c_branch2b_W'], shape=(1, 128, 1, 1))
         # bn3c_branch2b_bias = reshape[1x128x1x1](bn3c_branch2b_B)
         bn3c_branch2b_bias = rt.reshape(T['bn3c_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3c_branch2b_weight = reshape[1x128x1x1](bn3c_branch2b_W)
+        bn3c_branch2b_weight = rt.reshape(T['bn3c_branch2b_W'], shape=(1, 128, 1, 1))
 
         # ---- bn3c_branch2b_relu (relu), forward ----
         # bn3c_branch2b_relu = Max(0, bn3c_branch2b_centered*bn3c_branch2b_inv_std*bn3c_branch2b_weight + bn3c_branch2b_bias)
-        bn3c_branch2b_relu = mem.tensor(120, (32, 128, 28, 28), 'float32')
+        bn3c_branch2b_relu = mem.tensor(100, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3c_branch2b_relu, bn3c_branch2b_centered, bn3c_branch2b_inv_std, bn3c_branch2b_weight, bn3c_branch2b_bias)
 
         # ---- res3c_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res3c_branch2c = conv2d(bn3c_branch2b_relu, res3c_branch2c_W)
-        res3c_branch2c = mem.tensor(121, (32, 512, 28, 28), 'float32')
+        res3c_branch2c = mem.tensor(101, (32, 512, 28, 28), 'float32')
         rt.conv2d(bn3c_branch2b_relu, T['res3c_branch2c_W'], out=res3c_branch2c, pad=0, stride=1)
         # free bn3c_branch2b_relu
         del bn3c_branch2b_relu
-        mem.free(120)
+        mem.free(100)
 
         # ---- bn3c_branch2c (batch norm), forward ----
         # bn3c_branch2c_sum = sum_to[1x512x1x1](res3c_branch2c)
-        bn3c_branch2c_sum = mem.tensor(122, (1, 512, 1, 1), 'float32')
+        bn3c_branch2c_sum = mem.tensor(102, (1, 512, 1, 1), 'float32')
         rt.sum_to(res3c_branch2c, out=bn3c_branch2c_sum, shape=(1, 512, 1, 1))
         # bn3c_branch2c_batch_mean = bn3c_branch2c_sum/25088
         bn3c_branch2c_batch_mean = bn3c_branch2c_sum  # in place: over bn3c_branch2c_sum
@@ -1638,16 +1518,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3c_branch2c_mean_new, T['bn3c_branch2c_mean'], bn3c_branch2c_batch_mean_flat)
         # free bn3c_branch2c_sum, bn3c_branch2c_batch_mean, bn3c_branch2c_batch_mean_flat
         del bn3c_branch2c_sum, bn3c_branch2c_batch_mean, bn3c_branch2c_batch_mean_flat
-        mem.free(122)
-        # bn3c_branch2c_square = bn3c_branch2c_centered**2
-        bn3c_branch2c_square = mem.tensor(123, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_square, bn3c_branch2c_square, bn3c_branch2c_centered)
-        # bn3c_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3c_branch2c_square)
-        bn3c_branch2c_sum_of_squares = mem.tensor(124, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn3c_branch2c_square, out=bn3c_branch2c_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn3c_branch2c_square
-        del bn3c_branch2c_square
-        mem.free(123)
+        mem.free(102)
+        # bn3c_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3c_branch2c_centered**2)
+        bn3c_branch2c_sum_of_squares = mem.tensor(103, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3c_branch2c_batch_var = bn3c_branch2c_sum_of_squares/25088
         bn3c_branch2c_batch_var = bn3c_branch2c_sum_of_squares  # in place: over bn3c_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2c_batch_var, bn3c_branch2c_sum_of_squares)
@@ -1657,26 +1531,26 @@ class Resnet50(rp.Model):
         bn3c_branch2c_var_new = T['bn3c_branch2c_var']  # in place: the new bn3c_branch2c_var
         rt.ew(ew_scale_add_4, bn3c_branch2c_var_new, T['bn3c_branch2c_var'], bn3c_branch2c_batch_var_flat)
         # bn3c_branch2c_inv_std = 1/sqrt(bn3c_branch2c_batch_var + 1.0e-5)
-        bn3c_branch2c_inv_std = mem.tensor(125, (1, 512, 1, 1), 'float32')
+        bn3c_branch2c_inv_std = mem.tensor(104, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3c_branch2c_inv_std, bn3c_branch2c_batch_var)
-        # bn3c_branch2c_weight = reshape[1x512x1x1](bn3c_branch2c_W)
-        bn3c_branch2c_weight = rt.reshape(T['bn3c_branch2c_W'], shape=(1, 512, 1, 1))
         # bn3c_branch2c_bias = reshape[1x512x1x1](bn3c_branch2c_B)
         bn3c_branch2c_bias = rt.reshape(T['bn3c_branch2c_B'], shape=(1, 512, 1, 1))
+        # bn3c_branch2c_weight = reshape[1x512x1x1](bn3c_branch2c_W)
+        bn3c_branch2c_weight = rt.reshape(T['bn3c_branch2c_W'], shape=(1, 512, 1, 1))
 
         # ---- bn3c_branch2c_relu (relu), forward ----
         # bn3c_branch2c_relu = Max(0, bn3c_branch2c_centered*bn3c_branch2c_inv_std*bn3c_branch2c_weight + bn3c_branch2c_bias + bn3b_branch2c_relu)
-        bn3c_branch2c_relu = mem.tensor(126, (32, 512, 28, 28), 'float32')
+        bn3c_branch2c_relu = mem.tensor(105, (32, 512, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu_4, bn3c_branch2c_relu, bn3c_branch2c_centered, bn3c_branch2c_inv_std, bn3c_branch2c_weight, bn3c_branch2c_bias, bn3b_branch2c_relu)
 
         # ---- res3d_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # res3d_branch2a = conv2d(bn3c_branch2c_relu, res3d_branch2a_W)
-        res3d_branch2a = mem.tensor(127, (32, 128, 28, 28), 'float32')
+        res3d_branch2a = mem.tensor(106, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3c_branch2c_relu, T['res3d_branch2a_W'], out=res3d_branch2a, pad=0, stride=1)
 
         # ---- bn3d_branch2a (batch norm), forward ----
         # bn3d_branch2a_sum = sum_to[1x128x1x1](res3d_branch2a)
-        bn3d_branch2a_sum = mem.tensor(128, (1, 128, 1, 1), 'float32')
+        bn3d_branch2a_sum = mem.tensor(107, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3d_branch2a, out=bn3d_branch2a_sum, shape=(1, 128, 1, 1))
         # bn3d_branch2a_batch_mean = bn3d_branch2a_sum/25088
         bn3d_branch2a_batch_mean = bn3d_branch2a_sum  # in place: over bn3d_branch2a_sum
@@ -1691,16 +1565,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3d_branch2a_mean_new, T['bn3d_branch2a_mean'], bn3d_branch2a_batch_mean_flat)
         # free bn3d_branch2a_sum, bn3d_branch2a_batch_mean, bn3d_branch2a_batch_mean_flat
         del bn3d_branch2a_sum, bn3d_branch2a_batch_mean, bn3d_branch2a_batch_mean_flat
-        mem.free(128)
-        # bn3d_branch2a_square = bn3d_branch2a_centered**2
-        bn3d_branch2a_square = mem.tensor(129, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3d_branch2a_square, bn3d_branch2a_centered)
-        # bn3d_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2a_square)
-        bn3d_branch2a_sum_of_squares = mem.tensor(130, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3d_branch2a_square, out=bn3d_branch2a_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3d_branch2a_square
-        del bn3d_branch2a_square
-        mem.free(129)
+        mem.free(107)
+        # bn3d_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2a_centered**2)
+        bn3d_branch2a_sum_of_squares = mem.tensor(108, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2a_batch_var = bn3d_branch2a_sum_of_squares/25088
         bn3d_branch2a_batch_var = bn3d_branch2a_sum_of_squares  # in place: over bn3d_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2a_batch_var, bn3d_branch2a_sum_of_squares)
@@ -1710,29 +1578,29 @@ class Resnet50(rp.Model):
         bn3d_branch2a_var_new = T['bn3d_branch2a_var']  # in place: the new bn3d_branch2a_var
         rt.ew(ew_scale_add_4, bn3d_branch2a_var_new, T['bn3d_branch2a_var'], bn3d_branch2a_batch_var_flat)
         # bn3d_branch2a_inv_std = 1/sqrt(bn3d_branch2a_batch_var + 1.0e-5)
-        bn3d_branch2a_inv_std = mem.tensor(131, (1, 128, 1, 1), 'float32')
+        bn3d_branch2a_inv_std = mem.tensor(109, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3d_branch2a_inv_std, bn3d_branch2a_batch_var)
-        # bn3d_branch2a_bias = reshape[1x128x1x1](bn3d_branch2a_B)
-        bn3d_branch2a_bias = rt.reshape(T['bn3d_branch2a_B'], shape=(1, 128, 1, 1))
         # bn3d_branch2a_weight = reshape[1x128x1x1](bn3d_branch2a_W)
         bn3d_branch2a_weight = rt.reshape(T['bn3d_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3d_branch2a_bias = reshape[1x128x1x1](bn3d_branch2a_B)
+        bn3d_branch2a_bias = rt.reshape(T['bn3d_branch2a_B'], shape=(1, 128, 1, 1))
 
         # ---- bn3d_branch2a_relu (relu), forward ----
         # bn3d_branch2a_relu = Max(0, bn3d_branch2a_centered*bn3d_branch2a_inv_std*bn3d_branch2a_weight + bn3d_branch2a_bias)
-        bn3d_branch2a_relu = mem.tensor(132, (32, 128, 28, 28), 'float32')
+        bn3d_branch2a_relu = mem.tensor(110, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3d_branch2a_relu, bn3d_branch2a_centered, bn3d_branch2a_inv_std, bn3d_branch2a_weight, bn3d_branch2a_bias)
 
         # ---- res3d_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
         # res3d_branch2b = conv2d[pad=1](bn3d_branch2a_relu, res3d_branch2b_W)
-        res3d_branch2b = mem.tensor(133, (32, 128, 28, 28), 'float32')
+        res3d_branch2b = mem.tensor(111, (32, 128, 28, 28), 'float32')
         rt.conv2d(bn3d_branch2a_relu, T['res3d_branch2b_W'], out=res3d_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
         # free bn3d_branch2a_relu
         del bn3d_branch2a_relu
-        mem.free(132)
+        mem.free(110)
 
         # ---- bn3d_branch2b (batch norm), forward ----
         # bn3d_branch2b_sum = sum_to[1x128x1x1](res3d_branch2b)
-        bn3d_branch2b_sum = mem.tensor(134, (1, 128, 1, 1), 'float32')
+        bn3d_branch2b_sum = mem.tensor(112, (1, 128, 1, 1), 'float32')
         rt.sum_to(res3d_branch2b, out=bn3d_branch2b_sum, shape=(1, 128, 1, 1))
         # bn3d_branch2b_batch_mean = bn3d_branch2b_sum/25088
         bn3d_branch2b_batch_mean = bn3d_branch2b_sum  # in place: over bn3d_branch2b_sum
@@ -1747,16 +1615,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3d_branch2b_mean_new, T['bn3d_branch2b_mean'], bn3d_branch2b_batch_mean_flat)
         # free bn3d_branch2b_sum, bn3d_branch2b_batch_mean, bn3d_branch2b_batch_mean_flat
         del bn3d_branch2b_sum, bn3d_branch2b_batch_mean, bn3d_branch2b_batch_mean_flat
-        mem.free(134)
-        # bn3d_branch2b_square = bn3d_branch2b_centered**2
-        bn3d_branch2b_square = mem.tensor(135, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_square, bn3d_branch2b_square, bn3d_branch2b_centered)
-        # bn3d_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2b_square)
-        bn3d_branch2b_sum_of_squares = mem.tensor(136, (1, 128, 1, 1), 'float32')
-        rt.sum_to(bn3d_branch2b_square, out=bn3d_branch2b_sum_of_squares, shape=(1, 128, 1, 1))
-        # free bn3d_branch2b_square
-        del bn3d_branch2b_square
-        mem.free(135)
+        mem.free(112)
+        # bn3d_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2b_centered**2)
+        bn3d_branch2b_sum_of_squares = mem.tensor(113, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2b_batch_var = bn3d_branch2b_sum_of_squares/25088
         bn3d_branch2b_batch_var = bn3d_branch2b_sum_of_squares  # in place: over bn3d_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2b_batch_var, bn3d_branch2b_sum_of_squares)
@@ -1766,29 +1628,29 @@ class Resnet50(rp.Model):
         bn3d_branch2b_var_new = T['bn3d_branch2b_var']  # in place: the new bn3d_branch2b_var
         rt.ew(ew_scale_add_4, bn3d_branch2b_var_new, T['bn3d_branch2b_var'], bn3d_branch2b_batch_var_flat)
         # bn3d_branch2b_inv_std = 1/sqrt(bn3d_branch2b_batch_var + 1.0e-5)
-        bn3d_branch2b_inv_std = mem.tensor(137, (1, 128, 1, 1), 'float32')
+        bn3d_branch2b_inv_std = mem.tensor(114, (1, 128, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3d_branch2b_inv_std, bn3d_branch2b_batch_var)
-        # bn3d_branch2b_bias = reshape[1x128x1x1](bn3d_branch2b_B)
-        bn3d_branch2b_bias = rt.reshape(T['bn3d_branch2b_B'], shape=(1, 128, 1, 1))
         # bn3d_branch2b_weight = reshape[1x128x1x1](bn3d_branch2b_W)
         bn3d_branch2b_weight = rt.reshape(T['bn3d_branch2b_W'], shape=(1, 128, 1, 1))
+        # bn3d_branch2b_bias = reshape[1x128x1x1](bn3d_branch2b_B)
+        bn3d_branch2b_bias = rt.reshape(T['bn3d_branch2b_B'], shape=(1, 128, 1, 1))
 
         # ---- bn3d_branch2b_relu (relu), forward ----
         # bn3d_branch2b_relu = Max(0, bn3d_branch2b_centered*bn3d_branch2b_inv_std*bn3d_branch2b_weight + bn3d_branch2b_bias)
-        bn3d_branch2b_relu = mem.tensor(138, (32, 128, 28, 28), 'float32')
+        bn3d_branch2b_relu = mem.tensor(115, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3d_branch2b_relu, bn3d_branch2b_centered, bn3d_branch2b_inv_std, bn3d_branch2b_weight, bn3d_branch2b_bias)
 
         # ---- res3d_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res3d_branch2c = conv2d(bn3d_branch2b_relu, res3d_branch2c_W)
-        res3d_branch2c = mem.tensor(139, (32, 512, 28, 28), 'float32')
+        res3d_branch2c = mem.tensor(116, (32, 512, 28, 28), 'float32')
         rt.conv2d(bn3d_branch2b_relu, T['res3d_branch2c_W'], out=res3d_branch2c, pad=0, stride=1)
         # free bn3d_branch2b_relu
         del bn3d_branch2b_relu
-        mem.free(138)
+        mem.free(115)
 
         # ---- bn3d_branch2c (batch norm), forward ----
         # bn3d_branch2c_sum = sum_to[1x512x1x1](res3d_branch2c)
-        bn3d_branch2c_sum = mem.tensor(140, (1, 512, 1, 1), 'float32')
+        bn3d_branch2c_sum = mem.tensor(117, (1, 512, 1, 1), 'float32')
         rt.sum_to(res3d_branch2c, out=bn3d_branch2c_sum, shape=(1, 512, 1, 1))
         # bn3d_branch2c_batch_mean = bn3d_branch2c_sum/25088
         bn3d_branch2c_batch_mean = bn3d_branch2c_sum  # in place: over bn3d_branch2c_sum
@@ -1803,16 +1665,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn3d_branch2c_mean_new, T['bn3d_branch2c_mean'], bn3d_branch2c_batch_mean_flat)
         # free bn3d_branch2c_sum, bn3d_branch2c_batch_mean, bn3d_branch2c_batch_mean_flat
         del bn3d_branch2c_sum, bn3d_branch2c_batch_mean, bn3d_branch2c_batch_mean_flat
-        mem.free(140)
-        # bn3d_branch2c_square = bn3d_branch2c_centered**2
-        bn3d_branch2c_square = mem.tensor(141, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_square, bn3d_branch2c_square, bn3d_branch2c_centered)
-        # bn3d_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3d_branch2c_square)
-        bn3d_branch2c_sum_of_squares = mem.tensor(142, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn3d_branch2c_square, out=bn3d_branch2c_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn3d_branch2c_square
-        del bn3d_branch2c_square
-        mem.free(141)
+        mem.free(117)
+        # bn3d_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3d_branch2c_centered**2)
+        bn3d_branch2c_sum_of_squares = mem.tensor(118, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3d_branch2c_batch_var = bn3d_branch2c_sum_of_squares/25088
         bn3d_branch2c_batch_var = bn3d_branch2c_sum_of_squares  # in place: over bn3d_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2c_batch_var, bn3d_branch2c_sum_of_squares)
@@ -1822,7 +1678,7 @@ class Resnet50(rp.Model):
         bn3d_branch2c_var_new = T['bn3d_branch2c_var']  # in place: the new bn3d_branch2c_var
         rt.ew(ew_scale_add_4, bn3d_branch2c_var_new, T['bn3d_branch2c_var'], bn3d_branch2c_batch_var_flat)
         # bn3d_branch2c_inv_std = 1/sqrt(bn3d_branch2c_batch_var + 1.0e-5)
-        bn3d_branch2c_inv_std = mem.tensor(143, (1, 512, 1, 1), 'float32')
+        bn3d_branch2c_inv_std = mem.tensor(119, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn3d_branch2c_inv_std, bn3d_branch2c_batch_var)
         # bn3d_branch2c_bias = reshape[1x512x1x1](bn3d_branch2c_B)
         bn3d_branch2c_bias = rt.reshape(T['bn3d_branch2c_B'], shape=(1, 512, 1, 1))
@@ -1836,12 +1692,12 @@ class Resnet50(rp.Model):
 
         # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), forward ----
         # res4a_branch2a = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch2a_W)
-        res4a_branch2a = mem.tensor(144, (32, 256, 14, 14), 'float32')
+        res4a_branch2a = mem.tensor(120, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn3d_branch2c_relu, T['res4a_branch2a_W'], out=res4a_branch2a, pad=0, stride=2, workspace=mem.workspace(12845056))
 
         # ---- bn4a_branch2a (batch norm), forward ----
         # bn4a_branch2a_sum = sum_to[1x256x1x1](res4a_branch2a)
-        bn4a_branch2a_sum = mem.tensor(145, (1, 256, 1, 1), 'float32')
+        bn4a_branch2a_sum = mem.tensor(121, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4a_branch2a, out=bn4a_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4a_branch2a_batch_mean = bn4a_branch2a_sum/6272
         bn4a_branch2a_batch_mean = bn4a_branch2a_sum  # in place: over bn4a_branch2a_sum
@@ -1856,16 +1712,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4a_branch2a_mean_new, T['bn4a_branch2a_mean'], bn4a_branch2a_batch_mean_flat)
         # free bn4a_branch2a_sum, bn4a_branch2a_batch_mean, bn4a_branch2a_batch_mean_flat
         del bn4a_branch2a_sum, bn4a_branch2a_batch_mean, bn4a_branch2a_batch_mean_flat
-        mem.free(145)
-        # bn4a_branch2a_square = bn4a_branch2a_centered**2
-        bn4a_branch2a_square = mem.tensor(146, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4a_branch2a_square, bn4a_branch2a_centered)
-        # bn4a_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2a_square)
-        bn4a_branch2a_sum_of_squares = mem.tensor(147, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4a_branch2a_square, out=bn4a_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4a_branch2a_square
-        del bn4a_branch2a_square
-        mem.free(146)
+        mem.free(121)
+        # bn4a_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2a_centered**2)
+        bn4a_branch2a_sum_of_squares = mem.tensor(122, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2a_batch_var = bn4a_branch2a_sum_of_squares/6272
         bn4a_branch2a_batch_var = bn4a_branch2a_sum_of_squares  # in place: over bn4a_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2a_batch_var, bn4a_branch2a_sum_of_squares)
@@ -1875,29 +1725,29 @@ class Resnet50(rp.Model):
         bn4a_branch2a_var_new = T['bn4a_branch2a_var']  # in place: the new bn4a_branch2a_var
         rt.ew(ew_scale_add_5, bn4a_branch2a_var_new, T['bn4a_branch2a_var'], bn4a_branch2a_batch_var_flat)
         # bn4a_branch2a_inv_std = 1/sqrt(bn4a_branch2a_batch_var + 1.0e-5)
-        bn4a_branch2a_inv_std = mem.tensor(148, (1, 256, 1, 1), 'float32')
+        bn4a_branch2a_inv_std = mem.tensor(123, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4a_branch2a_inv_std, bn4a_branch2a_batch_var)
-        # bn4a_branch2a_bias = reshape[1x256x1x1](bn4a_branch2a_B)
-        bn4a_branch2a_bias = rt.reshape(T['bn4a_branch2a_B'], shape=(1, 256, 1, 1))
         # bn4a_branch2a_weight = reshape[1x256x1x1](bn4a_branch2a_W)
         bn4a_branch2a_weight = rt.reshape(T['bn4a_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4a_branch2a_bias = reshape[1x256x1x1](bn4a_branch2a_B)
+        bn4a_branch2a_bias = rt.reshape(T['bn4a_branch2a_B'], shape=(1, 256, 1, 1))
 
         # ---- bn4a_branch2a_relu (relu), forward ----
         # bn4a_branch2a_relu = Max(0, bn4a_branch2a_centered*bn4a_branch2a_inv_std*bn4a_branch2a_weight + bn4a_branch2a_bias)
-        bn4a_branch2a_relu = mem.tensor(149, (32, 256, 14, 14), 'float32')
+        bn4a_branch2a_relu = mem.tensor(124, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4a_branch2a_relu, bn4a_branch2a_centered, bn4a_branch2a_inv_std, bn4a_branch2a_weight, bn4a_branch2a_bias)
 
         # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4a_branch2b = conv2d[pad=1](bn4a_branch2a_relu, res4a_branch2b_W)
-        res4a_branch2b = mem.tensor(150, (32, 256, 14, 14), 'float32')
+        res4a_branch2b = mem.tensor(125, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4a_branch2a_relu, T['res4a_branch2b_W'], out=res4a_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4a_branch2a_relu
         del bn4a_branch2a_relu
-        mem.free(149)
+        mem.free(124)
 
         # ---- bn4a_branch2b (batch norm), forward ----
         # bn4a_branch2b_sum = sum_to[1x256x1x1](res4a_branch2b)
-        bn4a_branch2b_sum = mem.tensor(151, (1, 256, 1, 1), 'float32')
+        bn4a_branch2b_sum = mem.tensor(126, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4a_branch2b, out=bn4a_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4a_branch2b_batch_mean = bn4a_branch2b_sum/6272
         bn4a_branch2b_batch_mean = bn4a_branch2b_sum  # in place: over bn4a_branch2b_sum
@@ -1912,16 +1762,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4a_branch2b_mean_new, T['bn4a_branch2b_mean'], bn4a_branch2b_batch_mean_flat)
         # free bn4a_branch2b_sum, bn4a_branch2b_batch_mean, bn4a_branch2b_batch_mean_flat
         del bn4a_branch2b_sum, bn4a_branch2b_batch_mean, bn4a_branch2b_batch_mean_flat
-        mem.free(151)
-        # bn4a_branch2b_square = bn4a_branch2b_centered**2
-        bn4a_branch2b_square = mem.tensor(152, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4a_branch2b_square, bn4a_branch2b_centered)
-        # bn4a_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2b_square)
-        bn4a_branch2b_sum_of_squares = mem.tensor(153, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4a_branch2b_square, out=bn4a_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4a_branch2b_square
-        del bn4a_branch2b_square
-        mem.free(152)
+        mem.free(126)
+        # bn4a_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2b_centered**2)
+        bn4a_branch2b_sum_of_squares = mem.tensor(127, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2b_batch_var = bn4a_branch2b_sum_of_squares/6272
         bn4a_branch2b_batch_var = bn4a_branch2b_sum_of_squares  # in place: over bn4a_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2b_batch_var, bn4a_branch2b_sum_of_squares)
@@ -1931,26 +1775,26 @@ class Resnet50(rp.Model):
         bn4a_branch2b_var_new = T['bn4a_branch2b_var']  # in place: the new bn4a_branch2b_var
         rt.ew(ew_scale_add_5, bn4a_branch2b_var_new, T['bn4a_branch2b_var'], bn4a_branch2b_batch_var_flat)
         # bn4a_branch2b_inv_std = 1/sqrt(bn4a_branch2b_batch_var + 1.0e-5)
-        bn4a_branch2b_inv_std = mem.tensor(154, (1, 256, 1, 1), 'float32')
+        bn4a_branch2b_inv_std = mem.tensor(128, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4a_branch2b_inv_std, bn4a_branch2b_batch_var)
-        # bn4a_branch2b_weight = reshape[1x256x1x1](bn4a_branch2b_W)
-        bn4a_branch2b_weight = rt.reshape(T['bn4a_branch2b_W'], shape=(1, 256, 1, 1))
         # bn4a_branch2b_bias = reshape[1x256x1x1](bn4a_branch2b_B)
         bn4a_branch2b_bias = rt.reshape(T['bn4a_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4a_branch2b_weight = reshape[1x256x1x1](bn4a_branch2b_W)
+        bn4a_branch2b_weight = rt.reshape(T['bn4a_branch2b_W'], shape=(1, 256, 1, 1))
 
         # ---- bn4a_branch2b_relu (relu), forward ----
         # bn4a_branch2b_relu = Max(0, bn4a_branch2b_centered*bn4a_branch2b_inv_std*bn4a_branch2b_weight + bn4a_branch2b_bias)
-        bn4a_branch2b_relu = mem.tensor(155, (32, 256, 14, 14), 'float32')
+        bn4a_branch2b_relu = mem.tensor(129, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4a_branch2b_relu, bn4a_branch2b_centered, bn4a_branch2b_inv_std, bn4a_branch2b_weight, bn4a_branch2b_bias)
 
         # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), forward ----
         # res4a_branch1 = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch1_W)
-        res4a_branch1 = mem.tensor(156, (32, 1024, 14, 14), 'float32')
+        res4a_branch1 = mem.tensor(130, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
 
         # ---- bn4a_branch1 (batch norm), forward ----
         # bn4a_branch1_sum = sum_to[1x1024x1x1](res4a_branch1)
-        bn4a_branch1_sum = mem.tensor(157, (1, 1024, 1, 1), 'float32')
+        bn4a_branch1_sum = mem.tensor(131, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4a_branch1, out=bn4a_branch1_sum, shape=(1, 1024, 1, 1))
         # bn4a_branch1_batch_mean = bn4a_branch1_sum/6272
         bn4a_branch1_batch_mean = bn4a_branch1_sum  # in place: over bn4a_branch1_sum
@@ -1965,16 +1809,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4a_branch1_mean_new, T['bn4a_branch1_mean'], bn4a_branch1_batch_mean_flat)
         # free bn4a_branch1_sum, bn4a_branch1_batch_mean, bn4a_branch1_batch_mean_flat
         del bn4a_branch1_sum, bn4a_branch1_batch_mean, bn4a_branch1_batch_mean_flat
-        mem.free(157)
-        # bn4a_branch1_square = bn4a_branch1_centered**2
-        bn4a_branch1_square = mem.tensor(158, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4a_branch1_square, bn4a_branch1_centered)
-        # bn4a_branch1_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch1_square)
-        bn4a_branch1_sum_of_squares = mem.tensor(159, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4a_branch1_square, out=bn4a_branch1_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4a_branch1_square
-        del bn4a_branch1_square
-        mem.free(158)
+        mem.free(131)
+        # bn4a_branch1_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch1_centered**2)
+        bn4a_branch1_sum_of_squares = mem.tensor(132, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4a_branch1_sum_of_squares, bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch1_batch_var = bn4a_branch1_sum_of_squares/6272
         bn4a_branch1_batch_var = bn4a_branch1_sum_of_squares  # in place: over bn4a_branch1_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch1_batch_var, bn4a_branch1_sum_of_squares)
@@ -1984,20 +1822,20 @@ class Resnet50(rp.Model):
         bn4a_branch1_var_new = T['bn4a_branch1_var']  # in place: the new bn4a_branch1_var
         rt.ew(ew_scale_add_5, bn4a_branch1_var_new, T['bn4a_branch1_var'], bn4a_branch1_batch_var_flat)
         # bn4a_branch1_inv_std = 1/sqrt(bn4a_branch1_batch_var + 1.0e-5)
-        bn4a_branch1_inv_std = mem.tensor(160, (1, 1024, 1, 1), 'float32')
+        bn4a_branch1_inv_std = mem.tensor(133, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4a_branch1_inv_std, bn4a_branch1_batch_var)
 
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
-        res4a_branch2c = mem.tensor(161, (32, 1024, 14, 14), 'float32')
+        res4a_branch2c = mem.tensor(134, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
         # free bn4a_branch2b_relu
         del bn4a_branch2b_relu
-        mem.free(155)
+        mem.free(129)
 
         # ---- bn4a_branch2c (batch norm), forward ----
         # bn4a_branch2c_sum = sum_to[1x1024x1x1](res4a_branch2c)
-        bn4a_branch2c_sum = mem.tensor(162, (1, 1024, 1, 1), 'float32')
+        bn4a_branch2c_sum = mem.tensor(135, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4a_branch2c, out=bn4a_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4a_branch2c_batch_mean = bn4a_branch2c_sum/6272
         bn4a_branch2c_batch_mean = bn4a_branch2c_sum  # in place: over bn4a_branch2c_sum
@@ -2012,16 +1850,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4a_branch2c_mean_new, T['bn4a_branch2c_mean'], bn4a_branch2c_batch_mean_flat)
         # free bn4a_branch2c_sum, bn4a_branch2c_batch_mean, bn4a_branch2c_batch_mean_flat
         del bn4a_branch2c_sum, bn4a_branch2c_batch_mean, bn4a_branch2c_batch_mean_flat
-        mem.free(162)
-        # bn4a_branch2c_square = bn4a_branch2c_centered**2
-        bn4a_branch2c_square = mem.tensor(163, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4a_branch2c_square, bn4a_branch2c_centered)
-        # bn4a_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch2c_square)
-        bn4a_branch2c_sum_of_squares = mem.tensor(164, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4a_branch2c_square, out=bn4a_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4a_branch2c_square
-        del bn4a_branch2c_square
-        mem.free(163)
+        mem.free(135)
+        # bn4a_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch2c_centered**2)
+        bn4a_branch2c_sum_of_squares = mem.tensor(136, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch2c_batch_var = bn4a_branch2c_sum_of_squares/6272
         bn4a_branch2c_batch_var = bn4a_branch2c_sum_of_squares  # in place: over bn4a_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2c_batch_var, bn4a_branch2c_sum_of_squares)
@@ -2031,8 +1863,12 @@ class Resnet50(rp.Model):
         bn4a_branch2c_var_new = T['bn4a_branch2c_var']  # in place: the new bn4a_branch2c_var
         rt.ew(ew_scale_add_5, bn4a_branch2c_var_new, T['bn4a_branch2c_var'], bn4a_branch2c_batch_var_flat)
         # bn4a_branch2c_inv_std = 1/sqrt(bn4a_branch2c_batch_var + 1.0e-5)
-        bn4a_branch2c_inv_std = mem.tensor(165, (1, 1024, 1, 1), 'float32')
+        bn4a_branch2c_inv_std = mem.tensor(137, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4a_branch2c_inv_std, bn4a_branch2c_batch_var)
+        # bn4a_branch2c_bias = reshape[1x1024x1x1](bn4a_branch2c_B)
+        bn4a_branch2c_bias = rt.reshape(T['bn4a_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4a_branch2c_weight = reshape[1x1024x1x1](bn4a_branch2c_W)
+        bn4a_branch2c_weight = rt.reshape(T['bn4a_branch2c_W'], shape=(1, 1024, 1, 1))
 
         # ---- bn4a_branch1 (batch norm), forward ----
         # bn4a_branch1_bias = reshape[1x1024x1x1](bn4a_branch1_B)
@@ -2040,25 +1876,19 @@ class Resnet50(rp.Model):
         # bn4a_branch1_weight = reshape[1x1024x1x1](bn4a_branch1_W)
         bn4a_branch1_weight = rt.reshape(T['bn4a_branch1_W'], shape=(1, 1024, 1, 1))
 
-        # ---- bn4a_branch2c (batch norm), forward ----
-        # bn4a_branch2c_bias = reshape[1x1024x1x1](bn4a_branch2c_B)
-        bn4a_branch2c_bias = rt.reshape(T['bn4a_branch2c_B'], shape=(1, 1024, 1, 1))
-        # bn4a_branch2c_weight = reshape[1x1024x1x1](bn4a_branch2c_W)
-        bn4a_branch2c_weight = rt.reshape(T['bn4a_branch2c_W'], shape=(1, 1024, 1, 1))
-
         # ---- bn4a_branch2c_relu (relu), forward ----
         # bn4a_branch2c_relu = Max(0, bn4a_branch2c_centered*bn4a_branch2c_inv_std*bn4a_branch2c_weight + bn4a_branch2c_bias + bn4a_branch1_centered*bn4a_branch1_inv_std*bn4a_branch1_weight + bn4a_branch1_bias)
-        bn4a_branch2c_relu = mem.tensor(166, (32, 1024, 14, 14), 'float32')
+        bn4a_branch2c_relu = mem.tensor(138, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_2, bn4a_branch2c_relu, bn4a_branch2c_centered, bn4a_branch2c_inv_std, bn4a_branch2c_weight, bn4a_branch2c_bias, bn4a_branch1_centered, bn4a_branch1_inv_std, bn4a_branch1_weight, bn4a_branch1_bias)
 
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
-        res4b_branch2a = mem.tensor(167, (32, 256, 14, 14), 'float32')
+        res4b_branch2a = mem.tensor(139, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_sum = sum_to[1x256x1x1](res4b_branch2a)
-        bn4b_branch2a_sum = mem.tensor(168, (1, 256, 1, 1), 'float32')
+        bn4b_branch2a_sum = mem.tensor(140, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4b_branch2a, out=bn4b_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4b_branch2a_batch_mean = bn4b_branch2a_sum/6272
         bn4b_branch2a_batch_mean = bn4b_branch2a_sum  # in place: over bn4b_branch2a_sum
@@ -2073,16 +1903,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4b_branch2a_mean_new, T['bn4b_branch2a_mean'], bn4b_branch2a_batch_mean_flat)
         # free bn4b_branch2a_sum, bn4b_branch2a_batch_mean, bn4b_branch2a_batch_mean_flat
         del bn4b_branch2a_sum, bn4b_branch2a_batch_mean, bn4b_branch2a_batch_mean_flat
-        mem.free(168)
-        # bn4b_branch2a_square = bn4b_branch2a_centered**2
-        bn4b_branch2a_square = mem.tensor(169, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4b_branch2a_square, bn4b_branch2a_centered)
-        # bn4b_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2a_square)
-        bn4b_branch2a_sum_of_squares = mem.tensor(170, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4b_branch2a_square, out=bn4b_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4b_branch2a_square
-        del bn4b_branch2a_square
-        mem.free(169)
+        mem.free(140)
+        # bn4b_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2a_centered**2)
+        bn4b_branch2a_sum_of_squares = mem.tensor(141, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2a_batch_var = bn4b_branch2a_sum_of_squares/6272
         bn4b_branch2a_batch_var = bn4b_branch2a_sum_of_squares  # in place: over bn4b_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2a_batch_var, bn4b_branch2a_sum_of_squares)
@@ -2092,7 +1916,7 @@ class Resnet50(rp.Model):
         bn4b_branch2a_var_new = T['bn4b_branch2a_var']  # in place: the new bn4b_branch2a_var
         rt.ew(ew_scale_add_5, bn4b_branch2a_var_new, T['bn4b_branch2a_var'], bn4b_branch2a_batch_var_flat)
         # bn4b_branch2a_inv_std = 1/sqrt(bn4b_branch2a_batch_var + 1.0e-5)
-        bn4b_branch2a_inv_std = mem.tensor(171, (1, 256, 1, 1), 'float32')
+        bn4b_branch2a_inv_std = mem.tensor(142, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4b_branch2a_inv_std, bn4b_branch2a_batch_var)
         # bn4b_branch2a_bias = reshape[1x256x1x1](bn4b_branch2a_B)
         bn4b_branch2a_bias = rt.reshape(T['bn4b_branch2a_B'], shape=(1, 256, 1, 1))
@@ -2101,20 +1925,20 @@ class Resnet50(rp.Model):
 
         # ---- bn4b_branch2a_relu (relu), forward ----
         # bn4b_branch2a_relu = Max(0, bn4b_branch2a_centered*bn4b_branch2a_inv_std*bn4b_branch2a_weight + bn4b_branch2a_bias)
-        bn4b_branch2a_relu = mem.tensor(172, (32, 256, 14, 14), 'float32')
+        bn4b_branch2a_relu = mem.tensor(143, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4b_branch2a_relu, bn4b_branch2a_centered, bn4b_branch2a_inv_std, bn4b_branch2a_weight, bn4b_branch2a_bias)
 
         # ---- res4b_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4b_branch2b = conv2d[pad=1](bn4b_branch2a_relu, res4b_branch2b_W)
-        res4b_branch2b = mem.tensor(173, (32, 256, 14, 14), 'float32')
+        res4b_branch2b = mem.tensor(144, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4b_branch2a_relu, T['res4b_branch2b_W'], out=res4b_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4b_branch2a_relu
         del bn4b_branch2a_relu
-        mem.free(172)
+        mem.free(143)
 
         # ---- bn4b_branch2b (batch norm), forward ----
         # bn4b_branch2b_sum = sum_to[1x256x1x1](res4b_branch2b)
-        bn4b_branch2b_sum = mem.tensor(174, (1, 256, 1, 1), 'float32')
+        bn4b_branch2b_sum = mem.tensor(145, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4b_branch2b, out=bn4b_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4b_branch2b_batch_mean = bn4b_branch2b_sum/6272
         bn4b_branch2b_batch_mean = bn4b_branch2b_sum  # in place: over bn4b_branch2b_sum
@@ -2129,16 +1953,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4b_branch2b_mean_new, T['bn4b_branch2b_mean'], bn4b_branch2b_batch_mean_flat)
         # free bn4b_branch2b_sum, bn4b_branch2b_batch_mean, bn4b_branch2b_batch_mean_flat
         del bn4b_branch2b_sum, bn4b_branch2b_batch_mean, bn4b_branch2b_batch_mean_flat
-        mem.free(174)
-        # bn4b_branch2b_square = bn4b_branch2b_centered**2
-        bn4b_branch2b_square = mem.tensor(175, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4b_branch2b_square, bn4b_branch2b_centered)
-        # bn4b_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2b_square)
-        bn4b_branch2b_sum_of_squares = mem.tensor(176, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4b_branch2b_square, out=bn4b_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4b_branch2b_square
-        del bn4b_branch2b_square
-        mem.free(175)
+        mem.free(145)
+        # bn4b_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2b_centered**2)
+        bn4b_branch2b_sum_of_squares = mem.tensor(146, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2b_batch_var = bn4b_branch2b_sum_of_squares/6272
         bn4b_branch2b_batch_var = bn4b_branch2b_sum_of_squares  # in place: over bn4b_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2b_batch_var, bn4b_branch2b_sum_of_squares)
@@ -2148,29 +1966,29 @@ class Resnet50(rp.Model):
         bn4b_branch2b_var_new = T['bn4b_branch2b_var']  # in place: the new bn4b_branch2b_var
         rt.ew(ew_scale_add_5, bn4b_branch2b_var_new, T['bn4b_branch2b_var'], bn4b_branch2b_batch_var_flat)
         # bn4b_branch2b_inv_std = 1/sqrt(bn4b_branch2b_batch_var + 1.0e-5)
-        bn4b_branch2b_inv_std = mem.tensor(177, (1, 256, 1, 1), 'float32')
+        bn4b_branch2b_inv_std = mem.tensor(147, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4b_branch2b_inv_std, bn4b_branch2b_batch_var)
-        # bn4b_branch2b_bias = reshape[1x256x1x1](bn4b_branch2b_B)
-        bn4b_branch2b_bias = rt.reshape(T['bn4b_branch2b_B'], shape=(1, 256, 1, 1))
         # bn4b_branch2b_weight = reshape[1x256x1x1](bn4b_branch2b_W)
         bn4b_branch2b_weight = rt.reshape(T['bn4b_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4b_branch2b_bias = reshape[1x256x1x1](bn4b_branch2b_B)
+        bn4b_branch2b_bias = rt.reshape(T['bn4b_branch2b_B'], shape=(1, 256, 1, 1))
 
         # ---- bn4b_branch2b_relu (relu), forward ----
         # bn4b_branch2b_relu = Max(0, bn4b_branch2b_centered*bn4b_branch2b_inv_std*bn4b_branch2b_weight + bn4b_branch2b_bias)
-        bn4b_branch2b_relu = mem.tensor(178, (32, 256, 14, 14), 'float32')
+        bn4b_branch2b_relu = mem.tensor(148, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4b_branch2b_relu, bn4b_branch2b_centered, bn4b_branch2b_inv_std, bn4b_branch2b_weight, bn4b_branch2b_bias)
 
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
-        res4b_branch2c = mem.tensor(179, (32, 1024, 14, 14), 'float32')
+        res4b_branch2c = mem.tensor(149, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
         # free bn4b_branch2b_relu
         del bn4b_branch2b_relu
-        mem.free(178)
+        mem.free(148)
 
         # ---- bn4b_branch2c (batch norm), forward ----
         # bn4b_branch2c_sum = sum_to[1x1024x1x1](res4b_branch2c)
-        bn4b_branch2c_sum = mem.tensor(180, (1, 1024, 1, 1), 'float32')
+        bn4b_branch2c_sum = mem.tensor(150, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4b_branch2c, out=bn4b_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4b_branch2c_batch_mean = bn4b_branch2c_sum/6272
         bn4b_branch2c_batch_mean = bn4b_branch2c_sum  # in place: over bn4b_branch2c_sum
@@ -2185,16 +2003,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4b_branch2c_mean_new, T['bn4b_branch2c_mean'], bn4b_branch2c_batch_mean_flat)
         # free bn4b_branch2c_sum, bn4b_branch2c_batch_mean, bn4b_branch2c_batch_mean_flat
         del bn4b_branch2c_sum, bn4b_branch2c_batch_mean, bn4b_branch2c_batch_mean_flat
-        mem.free(180)
-        # bn4b_branch2c_square = bn4b_branch2c_centered**2
-        bn4b_branch2c_square = mem.tensor(181, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4b_branch2c_square, bn4b_branch2c_centered)
-        # bn4b_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4b_branch2c_square)
-        bn4b_branch2c_sum_of_squares = mem.tensor(182, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4b_branch2c_square, out=bn4b_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4b_branch2c_square
-        del bn4b_branch2c_square
-        mem.free(181)
+        mem.free(150)
+        # bn4b_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4b_branch2c_centered**2)
+        bn4b_branch2c_sum_of_squares = mem.tensor(151, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4b_branch2c_batch_var = bn4b_branch2c_sum_of_squares/6272
         bn4b_branch2c_batch_var = bn4b_branch2c_sum_of_squares  # in place: over bn4b_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2c_batch_var, bn4b_branch2c_sum_of_squares)
@@ -2204,7 +2016,7 @@ class Resnet50(rp.Model):
         bn4b_branch2c_var_new = T['bn4b_branch2c_var']  # in place: the new bn4b_branch2c_var
         rt.ew(ew_scale_add_5, bn4b_branch2c_var_new, T['bn4b_branch2c_var'], bn4b_branch2c_batch_var_flat)
         # bn4b_branch2c_inv_std = 1/sqrt(bn4b_branch2c_batch_var + 1.0e-5)
-        bn4b_branch2c_inv_std = mem.tensor(183, (1, 1024, 1, 1), 'float32')
+        bn4b_branch2c_inv_std = mem.tensor(152, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4b_branch2c_inv_std, bn4b_branch2c_batch_var)
         # bn4b_branch2c_bias = reshape[1x1024x1x1](bn4b_branch2c_B)
         bn4b_branch2c_bias = rt.reshape(T['bn4b_branch2c_B'], shape=(1, 1024, 1, 1))
@@ -2218,12 +2030,12 @@ class Resnet50(rp.Model):
 
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
-        res4c_branch2a = mem.tensor(184, (32, 256, 14, 14), 'float32')
+        res4c_branch2a = mem.tensor(153, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_sum = sum_to[1x256x1x1](res4c_branch2a)
-        bn4c_branch2a_sum = mem.tensor(185, (1, 256, 1, 1), 'float32')
+        bn4c_branch2a_sum = mem.tensor(154, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4c_branch2a, out=bn4c_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4c_branch2a_batch_mean = bn4c_branch2a_sum/6272
         bn4c_branch2a_batch_mean = bn4c_branch2a_sum  # in place: over bn4c_branch2a_sum
@@ -2238,16 +2050,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4c_branch2a_mean_new, T['bn4c_branch2a_mean'], bn4c_branch2a_batch_mean_flat)
         # free bn4c_branch2a_sum, bn4c_branch2a_batch_mean, bn4c_branch2a_batch_mean_flat
         del bn4c_branch2a_sum, bn4c_branch2a_batch_mean, bn4c_branch2a_batch_mean_flat
-        mem.free(185)
-        # bn4c_branch2a_square = bn4c_branch2a_centered**2
-        bn4c_branch2a_square = mem.tensor(186, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4c_branch2a_square, bn4c_branch2a_centered)
-        # bn4c_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2a_square)
-        bn4c_branch2a_sum_of_squares = mem.tensor(187, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4c_branch2a_square, out=bn4c_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4c_branch2a_square
-        del bn4c_branch2a_square
-        mem.free(186)
+        mem.free(154)
+        # bn4c_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2a_centered**2)
+        bn4c_branch2a_sum_of_squares = mem.tensor(155, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2a_batch_var = bn4c_branch2a_sum_of_squares/6272
         bn4c_branch2a_batch_var = bn4c_branch2a_sum_of_squares  # in place: over bn4c_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2a_batch_var, bn4c_branch2a_sum_of_squares)
@@ -2257,7 +2063,7 @@ class Resnet50(rp.Model):
         bn4c_branch2a_var_new = T['bn4c_branch2a_var']  # in place: the new bn4c_branch2a_var
         rt.ew(ew_scale_add_5, bn4c_branch2a_var_new, T['bn4c_branch2a_var'], bn4c_branch2a_batch_var_flat)
         # bn4c_branch2a_inv_std = 1/sqrt(bn4c_branch2a_batch_var + 1.0e-5)
-        bn4c_branch2a_inv_std = mem.tensor(188, (1, 256, 1, 1), 'float32')
+        bn4c_branch2a_inv_std = mem.tensor(156, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4c_branch2a_inv_std, bn4c_branch2a_batch_var)
         # bn4c_branch2a_weight = reshape[1x256x1x1](bn4c_branch2a_W)
         bn4c_branch2a_weight = rt.reshape(T['bn4c_branch2a_W'], shape=(1, 256, 1, 1))
@@ -2266,20 +2072,20 @@ class Resnet50(rp.Model):
 
         # ---- bn4c_branch2a_relu (relu), forward ----
         # bn4c_branch2a_relu = Max(0, bn4c_branch2a_centered*bn4c_branch2a_inv_std*bn4c_branch2a_weight + bn4c_branch2a_bias)
-        bn4c_branch2a_relu = mem.tensor(189, (32, 256, 14, 14), 'float32')
+        bn4c_branch2a_relu = mem.tensor(157, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4c_branch2a_relu, bn4c_branch2a_centered, bn4c_branch2a_inv_std, bn4c_branch2a_weight, bn4c_branch2a_bias)
 
         # ---- res4c_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4c_branch2b = conv2d[pad=1](bn4c_branch2a_relu, res4c_branch2b_W)
-        res4c_branch2b = mem.tensor(190, (32, 256, 14, 14), 'float32')
+        res4c_branch2b = mem.tensor(158, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4c_branch2a_relu, T['res4c_branch2b_W'], out=res4c_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4c_branch2a_relu
         del bn4c_branch2a_relu
-        mem.free(189)
+        mem.free(157)
 
         # ---- bn4c_branch2b (batch norm), forward ----
         # bn4c_branch2b_sum = sum_to[1x256x1x1](res4c_branch2b)
-        bn4c_branch2b_sum = mem.tensor(191, (1, 256, 1, 1), 'float32')
+        bn4c_branch2b_sum = mem.tensor(159, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4c_branch2b, out=bn4c_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4c_branch2b_batch_mean = bn4c_branch2b_sum/6272
         bn4c_branch2b_batch_mean = bn4c_branch2b_sum  # in place: over bn4c_branch2b_sum
@@ -2294,16 +2100,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4c_branch2b_mean_new, T['bn4c_branch2b_mean'], bn4c_branch2b_batch_mean_flat)
         # free bn4c_branch2b_sum, bn4c_branch2b_batch_mean, bn4c_branch2b_batch_mean_flat
         del bn4c_branch2b_sum, bn4c_branch2b_batch_mean, bn4c_branch2b_batch_mean_flat
-        mem.free(191)
-        # bn4c_branch2b_square = bn4c_branch2b_centered**2
-        bn4c_branch2b_square = mem.tensor(192, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4c_branch2b_square, bn4c_branch2b_centered)
-        # bn4c_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2b_square)
-        bn4c_branch2b_sum_of_squares = mem.tensor(193, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4c_branch2b_square, out=bn4c_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4c_branch2b_square
-        del bn4c_branch2b_square
-        mem.free(192)
+        mem.free(159)
+        # bn4c_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2b_centered**2)
+        bn4c_branch2b_sum_of_squares = mem.tensor(160, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2b_batch_var = bn4c_branch2b_sum_of_squares/6272
         bn4c_branch2b_batch_var = bn4c_branch2b_sum_of_squares  # in place: over bn4c_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2b_batch_var, bn4c_branch2b_sum_of_squares)
@@ -2313,7 +2113,7 @@ class Resnet50(rp.Model):
         bn4c_branch2b_var_new = T['bn4c_branch2b_var']  # in place: the new bn4c_branch2b_var
         rt.ew(ew_scale_add_5, bn4c_branch2b_var_new, T['bn4c_branch2b_var'], bn4c_branch2b_batch_var_flat)
         # bn4c_branch2b_inv_std = 1/sqrt(bn4c_branch2b_batch_var + 1.0e-5)
-        bn4c_branch2b_inv_std = mem.tensor(194, (1, 256, 1, 1), 'float32')
+        bn4c_branch2b_inv_std = mem.tensor(161, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4c_branch2b_inv_std, bn4c_branch2b_batch_var)
         # bn4c_branch2b_bias = reshape[1x256x1x1](bn4c_branch2b_B)
         bn4c_branch2b_bias = rt.reshape(T['bn4c_branch2b_B'], shape=(1, 256, 1, 1))
@@ -2322,20 +2122,20 @@ class Resnet50(rp.Model):
 
         # ---- bn4c_branch2b_relu (relu), forward ----
         # bn4c_branch2b_relu = Max(0, bn4c_branch2b_centered*bn4c_branch2b_inv_std*bn4c_branch2b_weight + bn4c_branch2b_bias)
-        bn4c_branch2b_relu = mem.tensor(195, (32, 256, 14, 14), 'float32')
+        bn4c_branch2b_relu = mem.tensor(162, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4c_branch2b_relu, bn4c_branch2b_centered, bn4c_branch2b_inv_std, bn4c_branch2b_weight, bn4c_branch2b_bias)
 
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
-        res4c_branch2c = mem.tensor(196, (32, 1024, 14, 14), 'float32')
+        res4c_branch2c = mem.tensor(163, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
         # free bn4c_branch2b_relu
         del bn4c_branch2b_relu
-        mem.free(195)
+        mem.free(162)
 
         # ---- bn4c_branch2c (batch norm), forward ----
         # bn4c_branch2c_sum = sum_to[1x1024x1x1](res4c_branch2c)
-        bn4c_branch2c_sum = mem.tensor(197, (1, 1024, 1, 1), 'float32')
+        bn4c_branch2c_sum = mem.tensor(164, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4c_branch2c, out=bn4c_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4c_branch2c_batch_mean = bn4c_branch2c_sum/6272
         bn4c_branch2c_batch_mean = bn4c_branch2c_sum  # in place: over bn4c_branch2c_sum
@@ -2350,16 +2150,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4c_branch2c_mean_new, T['bn4c_branch2c_mean'], bn4c_branch2c_batch_mean_flat)
         # free bn4c_branch2c_sum, bn4c_branch2c_batch_mean, bn4c_branch2c_batch_mean_flat
         del bn4c_branch2c_sum, bn4c_branch2c_batch_mean, bn4c_branch2c_batch_mean_flat
-        mem.free(197)
-        # bn4c_branch2c_square = bn4c_branch2c_centered**2
-        bn4c_branch2c_square = mem.tensor(198, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4c_branch2c_square, bn4c_branch2c_centered)
-        # bn4c_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4c_branch2c_square)
-        bn4c_branch2c_sum_of_squares = mem.tensor(199, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4c_branch2c_square, out=bn4c_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4c_branch2c_square
-        del bn4c_branch2c_square
-        mem.free(198)
+        mem.free(164)
+        # bn4c_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4c_branch2c_centered**2)
+        bn4c_branch2c_sum_of_squares = mem.tensor(165, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4c_branch2c_batch_var = bn4c_branch2c_sum_of_squares/6272
         bn4c_branch2c_batch_var = bn4c_branch2c_sum_of_squares  # in place: over bn4c_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2c_batch_var, bn4c_branch2c_sum_of_squares)
@@ -2369,7 +2163,7 @@ class Resnet50(rp.Model):
         bn4c_branch2c_var_new = T['bn4c_branch2c_var']  # in place: the new bn4c_branch2c_var
         rt.ew(ew_scale_add_5, bn4c_branch2c_var_new, T['bn4c_branch2c_var'], bn4c_branch2c_batch_var_flat)
         # bn4c_branch2c_inv_std = 1/sqrt(bn4c_branch2c_batch_var + 1.0e-5)
-        bn4c_branch2c_inv_std = mem.tensor(200, (1, 1024, 1, 1), 'float32')
+        bn4c_branch2c_inv_std = mem.tensor(166, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4c_branch2c_inv_std, bn4c_branch2c_batch_var)
         # bn4c_branch2c_bias = reshape[1x1024x1x1](bn4c_branch2c_B)
         bn4c_branch2c_bias = rt.reshape(T['bn4c_branch2c_B'], shape=(1, 1024, 1, 1))
@@ -2378,17 +2172,17 @@ class Resnet50(rp.Model):
 
         # ---- bn4c_branch2c_relu (relu), forward ----
         # bn4c_branch2c_relu = Max(0, bn4c_branch2c_centered*bn4c_branch2c_inv_std*bn4c_branch2c_weight + bn4c_branch2c_bias + bn4b_branch2c_relu)
-        bn4c_branch2c_relu = mem.tensor(201, (32, 1024, 14, 14), 'float32')
+        bn4c_branch2c_relu = mem.tensor(167, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_4, bn4c_branch2c_relu, bn4c_branch2c_centered, bn4c_branch2c_inv_std, bn4c_branch2c_weight, bn4c_branch2c_bias, bn4b_branch2c_relu)
 
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
-        res4d_branch2a = mem.tensor(202, (32, 256, 14, 14), 'float32')
+        res4d_branch2a = mem.tensor(168, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_sum = sum_to[1x256x1x1](res4d_branch2a)
-        bn4d_branch2a_sum = mem.tensor(203, (1, 256, 1, 1), 'float32')
+        bn4d_branch2a_sum = mem.tensor(169, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4d_branch2a, out=bn4d_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4d_branch2a_batch_mean = bn4d_branch2a_sum/6272
         bn4d_branch2a_batch_mean = bn4d_branch2a_sum  # in place: over bn4d_branch2a_sum
@@ -2403,16 +2197,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4d_branch2a_mean_new, T['bn4d_branch2a_mean'], bn4d_branch2a_batch_mean_flat)
         # free bn4d_branch2a_sum, bn4d_branch2a_batch_mean, bn4d_branch2a_batch_mean_flat
         del bn4d_branch2a_sum, bn4d_branch2a_batch_mean, bn4d_branch2a_batch_mean_flat
-        mem.free(203)
-        # bn4d_branch2a_square = bn4d_branch2a_centered**2
-        bn4d_branch2a_square = mem.tensor(204, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4d_branch2a_square, bn4d_branch2a_centered)
-        # bn4d_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2a_square)
-        bn4d_branch2a_sum_of_squares = mem.tensor(205, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4d_branch2a_square, out=bn4d_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4d_branch2a_square
-        del bn4d_branch2a_square
-        mem.free(204)
+        mem.free(169)
+        # bn4d_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2a_centered**2)
+        bn4d_branch2a_sum_of_squares = mem.tensor(170, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2a_batch_var = bn4d_branch2a_sum_of_squares/6272
         bn4d_branch2a_batch_var = bn4d_branch2a_sum_of_squares  # in place: over bn4d_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2a_batch_var, bn4d_branch2a_sum_of_squares)
@@ -2422,29 +2210,29 @@ class Resnet50(rp.Model):
         bn4d_branch2a_var_new = T['bn4d_branch2a_var']  # in place: the new bn4d_branch2a_var
         rt.ew(ew_scale_add_5, bn4d_branch2a_var_new, T['bn4d_branch2a_var'], bn4d_branch2a_batch_var_flat)
         # bn4d_branch2a_inv_std = 1/sqrt(bn4d_branch2a_batch_var + 1.0e-5)
-        bn4d_branch2a_inv_std = mem.tensor(206, (1, 256, 1, 1), 'float32')
+        bn4d_branch2a_inv_std = mem.tensor(171, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4d_branch2a_inv_std, bn4d_branch2a_batch_var)
-        # bn4d_branch2a_weight = reshape[1x256x1x1](bn4d_branch2a_W)
-        bn4d_branch2a_weight = rt.reshape(T['bn4d_branch2a_W'], shape=(1, 256, 1, 1))
         # bn4d_branch2a_bias = reshape[1x256x1x1](bn4d_branch2a_B)
         bn4d_branch2a_bias = rt.reshape(T['bn4d_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4d_branch2a_weight = reshape[1x256x1x1](bn4d_branch2a_W)
+        bn4d_branch2a_weight = rt.reshape(T['bn4d_branch2a_W'], shape=(1, 256, 1, 1))
 
         # ---- bn4d_branch2a_relu (relu), forward ----
         # bn4d_branch2a_relu = Max(0, bn4d_branch2a_centered*bn4d_branch2a_inv_std*bn4d_branch2a_weight + bn4d_branch2a_bias)
-        bn4d_branch2a_relu = mem.tensor(207, (32, 256, 14, 14), 'float32')
+        bn4d_branch2a_relu = mem.tensor(172, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4d_branch2a_relu, bn4d_branch2a_centered, bn4d_branch2a_inv_std, bn4d_branch2a_weight, bn4d_branch2a_bias)
 
         # ---- res4d_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4d_branch2b = conv2d[pad=1](bn4d_branch2a_relu, res4d_branch2b_W)
-        res4d_branch2b = mem.tensor(208, (32, 256, 14, 14), 'float32')
+        res4d_branch2b = mem.tensor(173, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4d_branch2a_relu, T['res4d_branch2b_W'], out=res4d_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4d_branch2a_relu
         del bn4d_branch2a_relu
-        mem.free(207)
+        mem.free(172)
 
         # ---- bn4d_branch2b (batch norm), forward ----
         # bn4d_branch2b_sum = sum_to[1x256x1x1](res4d_branch2b)
-        bn4d_branch2b_sum = mem.tensor(209, (1, 256, 1, 1), 'float32')
+        bn4d_branch2b_sum = mem.tensor(174, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4d_branch2b, out=bn4d_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4d_branch2b_batch_mean = bn4d_branch2b_sum/6272
         bn4d_branch2b_batch_mean = bn4d_branch2b_sum  # in place: over bn4d_branch2b_sum
@@ -2459,16 +2247,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4d_branch2b_mean_new, T['bn4d_branch2b_mean'], bn4d_branch2b_batch_mean_flat)
         # free bn4d_branch2b_sum, bn4d_branch2b_batch_mean, bn4d_branch2b_batch_mean_flat
         del bn4d_branch2b_sum, bn4d_branch2b_batch_mean, bn4d_branch2b_batch_mean_flat
-        mem.free(209)
-        # bn4d_branch2b_square = bn4d_branch2b_centered**2
-        bn4d_branch2b_square = mem.tensor(210, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4d_branch2b_square, bn4d_branch2b_centered)
-        # bn4d_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2b_square)
-        bn4d_branch2b_sum_of_squares = mem.tensor(211, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4d_branch2b_square, out=bn4d_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4d_branch2b_square
-        del bn4d_branch2b_square
-        mem.free(210)
+        mem.free(174)
+        # bn4d_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2b_centered**2)
+        bn4d_branch2b_sum_of_squares = mem.tensor(175, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2b_batch_var = bn4d_branch2b_sum_of_squares/6272
         bn4d_branch2b_batch_var = bn4d_branch2b_sum_of_squares  # in place: over bn4d_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2b_batch_var, bn4d_branch2b_sum_of_squares)
@@ -2478,29 +2260,29 @@ class Resnet50(rp.Model):
         bn4d_branch2b_var_new = T['bn4d_branch2b_var']  # in place: the new bn4d_branch2b_var
         rt.ew(ew_scale_add_5, bn4d_branch2b_var_new, T['bn4d_branch2b_var'], bn4d_branch2b_batch_var_flat)
         # bn4d_branch2b_inv_std = 1/sqrt(bn4d_branch2b_batch_var + 1.0e-5)
-        bn4d_branch2b_inv_std = mem.tensor(212, (1, 256, 1, 1), 'float32')
+        bn4d_branch2b_inv_std = mem.tensor(176, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4d_branch2b_inv_std, bn4d_branch2b_batch_var)
-        # bn4d_branch2b_bias = reshape[1x256x1x1](bn4d_branch2b_B)
-        bn4d_branch2b_bias = rt.reshape(T['bn4d_branch2b_B'], shape=(1, 256, 1, 1))
         # bn4d_branch2b_weight = reshape[1x256x1x1](bn4d_branch2b_W)
         bn4d_branch2b_weight = rt.reshape(T['bn4d_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4d_branch2b_bias = reshape[1x256x1x1](bn4d_branch2b_B)
+        bn4d_branch2b_bias = rt.reshape(T['bn4d_branch2b_B'], shape=(1, 256, 1, 1))
 
         # ---- bn4d_branch2b_relu (relu), forward ----
         # bn4d_branch2b_relu = Max(0, bn4d_branch2b_centered*bn4d_branch2b_inv_std*bn4d_branch2b_weight + bn4d_branch2b_bias)
-        bn4d_branch2b_relu = mem.tensor(213, (32, 256, 14, 14), 'float32')
+        bn4d_branch2b_relu = mem.tensor(177, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4d_branch2b_relu, bn4d_branch2b_centered, bn4d_branch2b_inv_std, bn4d_branch2b_weight, bn4d_branch2b_bias)
 
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
-        res4d_branch2c = mem.tensor(214, (32, 1024, 14, 14), 'float32')
+        res4d_branch2c = mem.tensor(178, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
         # free bn4d_branch2b_relu
         del bn4d_branch2b_relu
-        mem.free(213)
+        mem.free(177)
 
         # ---- bn4d_branch2c (batch norm), forward ----
         # bn4d_branch2c_sum = sum_to[1x1024x1x1](res4d_branch2c)
-        bn4d_branch2c_sum = mem.tensor(215, (1, 1024, 1, 1), 'float32')
+        bn4d_branch2c_sum = mem.tensor(179, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4d_branch2c, out=bn4d_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4d_branch2c_batch_mean = bn4d_branch2c_sum/6272
         bn4d_branch2c_batch_mean = bn4d_branch2c_sum  # in place: over bn4d_branch2c_sum
@@ -2515,16 +2297,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4d_branch2c_mean_new, T['bn4d_branch2c_mean'], bn4d_branch2c_batch_mean_flat)
         # free bn4d_branch2c_sum, bn4d_branch2c_batch_mean, bn4d_branch2c_batch_mean_flat
         del bn4d_branch2c_sum, bn4d_branch2c_batch_mean, bn4d_branch2c_batch_mean_flat
-        mem.free(215)
-        # bn4d_branch2c_square = bn4d_branch2c_centered**2
-        bn4d_branch2c_square = mem.tensor(216, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4d_branch2c_square, bn4d_branch2c_centered)
-        # bn4d_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4d_branch2c_square)
-        bn4d_branch2c_sum_of_squares = mem.tensor(217, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4d_branch2c_square, out=bn4d_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4d_branch2c_square
-        del bn4d_branch2c_square
-        mem.free(216)
+        mem.free(179)
+        # bn4d_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4d_branch2c_centered**2)
+        bn4d_branch2c_sum_of_squares = mem.tensor(180, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4d_branch2c_batch_var = bn4d_branch2c_sum_of_squares/6272
         bn4d_branch2c_batch_var = bn4d_branch2c_sum_of_squares  # in place: over bn4d_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2c_batch_var, bn4d_branch2c_sum_of_squares)
@@ -2534,7 +2310,7 @@ class Resnet50(rp.Model):
         bn4d_branch2c_var_new = T['bn4d_branch2c_var']  # in place: the new bn4d_branch2c_var
         rt.ew(ew_scale_add_5, bn4d_branch2c_var_new, T['bn4d_branch2c_var'], bn4d_branch2c_batch_var_flat)
         # bn4d_branch2c_inv_std = 1/sqrt(bn4d_branch2c_batch_var + 1.0e-5)
-        bn4d_branch2c_inv_std = mem.tensor(218, (1, 1024, 1, 1), 'float32')
+        bn4d_branch2c_inv_std = mem.tensor(181, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4d_branch2c_inv_std, bn4d_branch2c_batch_var)
         # bn4d_branch2c_bias = reshape[1x1024x1x1](bn4d_branch2c_B)
         bn4d_branch2c_bias = rt.reshape(T['bn4d_branch2c_B'], shape=(1, 1024, 1, 1))
@@ -2548,12 +2324,12 @@ class Resnet50(rp.Model):
 
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
-        res4e_branch2a = mem.tensor(219, (32, 256, 14, 14), 'float32')
+        res4e_branch2a = mem.tensor(182, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_sum = sum_to[1x256x1x1](res4e_branch2a)
-        bn4e_branch2a_sum = mem.tensor(220, (1, 256, 1, 1), 'float32')
+        bn4e_branch2a_sum = mem.tensor(183, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4e_branch2a, out=bn4e_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4e_branch2a_batch_mean = bn4e_branch2a_sum/6272
         bn4e_branch2a_batch_mean = bn4e_branch2a_sum  # in place: over bn4e_branch2a_sum
@@ -2568,16 +2344,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4e_branch2a_mean_new, T['bn4e_branch2a_mean'], bn4e_branch2a_batch_mean_flat)
         # free bn4e_branch2a_sum, bn4e_branch2a_batch_mean, bn4e_branch2a_batch_mean_flat
         del bn4e_branch2a_sum, bn4e_branch2a_batch_mean, bn4e_branch2a_batch_mean_flat
-        mem.free(220)
-        # bn4e_branch2a_square = bn4e_branch2a_centered**2
-        bn4e_branch2a_square = mem.tensor(221, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4e_branch2a_square, bn4e_branch2a_centered)
-        # bn4e_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2a_square)
-        bn4e_branch2a_sum_of_squares = mem.tensor(222, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4e_branch2a_square, out=bn4e_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4e_branch2a_square
-        del bn4e_branch2a_square
-        mem.free(221)
+        mem.free(183)
+        # bn4e_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2a_centered**2)
+        bn4e_branch2a_sum_of_squares = mem.tensor(184, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2a_batch_var = bn4e_branch2a_sum_of_squares/6272
         bn4e_branch2a_batch_var = bn4e_branch2a_sum_of_squares  # in place: over bn4e_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2a_batch_var, bn4e_branch2a_sum_of_squares)
@@ -2587,29 +2357,29 @@ class Resnet50(rp.Model):
         bn4e_branch2a_var_new = T['bn4e_branch2a_var']  # in place: the new bn4e_branch2a_var
         rt.ew(ew_scale_add_5, bn4e_branch2a_var_new, T['bn4e_branch2a_var'], bn4e_branch2a_batch_var_flat)
         # bn4e_branch2a_inv_std = 1/sqrt(bn4e_branch2a_batch_var + 1.0e-5)
-        bn4e_branch2a_inv_std = mem.tensor(223, (1, 256, 1, 1), 'float32')
+        bn4e_branch2a_inv_std = mem.tensor(185, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4e_branch2a_inv_std, bn4e_branch2a_batch_var)
-        # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
-        bn4e_branch2a_bias = rt.reshape(T['bn4e_branch2a_B'], shape=(1, 256, 1, 1))
         # bn4e_branch2a_weight = reshape[1x256x1x1](bn4e_branch2a_W)
         bn4e_branch2a_weight = rt.reshape(T['bn4e_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
+        bn4e_branch2a_bias = rt.reshape(T['bn4e_branch2a_B'], shape=(1, 256, 1, 1))
 
         # ---- bn4e_branch2a_relu (relu), forward ----
         # bn4e_branch2a_relu = Max(0, bn4e_branch2a_centered*bn4e_branch2a_inv_std*bn4e_branch2a_weight + bn4e_branch2a_bias)
-        bn4e_branch2a_relu = mem.tensor(224, (32, 256, 14, 14), 'float32')
+        bn4e_branch2a_relu = mem.tensor(186, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4e_branch2a_relu, bn4e_branch2a_centered, bn4e_branch2a_inv_std, bn4e_branch2a_weight, bn4e_branch2a_bias)
 
         # ---- res4e_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4e_branch2b = conv2d[pad=1](bn4e_branch2a_relu, res4e_branch2b_W)
-        res4e_branch2b = mem.tensor(225, (32, 256, 14, 14), 'float32')
+        res4e_branch2b = mem.tensor(187, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4e_branch2a_relu, T['res4e_branch2b_W'], out=res4e_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4e_branch2a_relu
         del bn4e_branch2a_relu
-        mem.free(224)
+        mem.free(186)
 
         # ---- bn4e_branch2b (batch norm), forward ----
         # bn4e_branch2b_sum = sum_to[1x256x1x1](res4e_branch2b)
-        bn4e_branch2b_sum = mem.tensor(226, (1, 256, 1, 1), 'float32')
+        bn4e_branch2b_sum = mem.tensor(188, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4e_branch2b, out=bn4e_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4e_branch2b_batch_mean = bn4e_branch2b_sum/6272
         bn4e_branch2b_batch_mean = bn4e_branch2b_sum  # in place: over bn4e_branch2b_sum
@@ -2624,16 +2394,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4e_branch2b_mean_new, T['bn4e_branch2b_mean'], bn4e_branch2b_batch_mean_flat)
         # free bn4e_branch2b_sum, bn4e_branch2b_batch_mean, bn4e_branch2b_batch_mean_flat
         del bn4e_branch2b_sum, bn4e_branch2b_batch_mean, bn4e_branch2b_batch_mean_flat
-        mem.free(226)
-        # bn4e_branch2b_square = bn4e_branch2b_centered**2
-        bn4e_branch2b_square = mem.tensor(227, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4e_branch2b_square, bn4e_branch2b_centered)
-        # bn4e_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2b_square)
-        bn4e_branch2b_sum_of_squares = mem.tensor(228, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4e_branch2b_square, out=bn4e_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4e_branch2b_square
-        del bn4e_branch2b_square
-        mem.free(227)
+        mem.free(188)
+        # bn4e_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2b_centered**2)
+        bn4e_branch2b_sum_of_squares = mem.tensor(189, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2b_batch_var = bn4e_branch2b_sum_of_squares/6272
         bn4e_branch2b_batch_var = bn4e_branch2b_sum_of_squares  # in place: over bn4e_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2b_batch_var, bn4e_branch2b_sum_of_squares)
@@ -2643,29 +2407,29 @@ class Resnet50(rp.Model):
         bn4e_branch2b_var_new = T['bn4e_branch2b_var']  # in place: the new bn4e_branch2b_var
         rt.ew(ew_scale_add_5, bn4e_branch2b_var_new, T['bn4e_branch2b_var'], bn4e_branch2b_batch_var_flat)
         # bn4e_branch2b_inv_std = 1/sqrt(bn4e_branch2b_batch_var + 1.0e-5)
-        bn4e_branch2b_inv_std = mem.tensor(229, (1, 256, 1, 1), 'float32')
+        bn4e_branch2b_inv_std = mem.tensor(190, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4e_branch2b_inv_std, bn4e_branch2b_batch_var)
-        # bn4e_branch2b_weight = reshape[1x256x1x1](bn4e_branch2b_W)
-        bn4e_branch2b_weight = rt.reshape(T['bn4e_branch2b_W'], shape=(1, 256, 1, 1))
         # bn4e_branch2b_bias = reshape[1x256x1x1](bn4e_branch2b_B)
         bn4e_branch2b_bias = rt.reshape(T['bn4e_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4e_branch2b_weight = reshape[1x256x1x1](bn4e_branch2b_W)
+        bn4e_branch2b_weight = rt.reshape(T['bn4e_branch2b_W'], shape=(1, 256, 1, 1))
 
         # ---- bn4e_branch2b_relu (relu), forward ----
         # bn4e_branch2b_relu = Max(0, bn4e_branch2b_centered*bn4e_branch2b_inv_std*bn4e_branch2b_weight + bn4e_branch2b_bias)
-        bn4e_branch2b_relu = mem.tensor(230, (32, 256, 14, 14), 'float32')
+        bn4e_branch2b_relu = mem.tensor(191, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4e_branch2b_relu, bn4e_branch2b_centered, bn4e_branch2b_inv_std, bn4e_branch2b_weight, bn4e_branch2b_bias)
 
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
-        res4e_branch2c = mem.tensor(231, (32, 1024, 14, 14), 'float32')
+        res4e_branch2c = mem.tensor(192, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
         # free bn4e_branch2b_relu
         del bn4e_branch2b_relu
-        mem.free(230)
+        mem.free(191)
 
         # ---- bn4e_branch2c (batch norm), forward ----
         # bn4e_branch2c_sum = sum_to[1x1024x1x1](res4e_branch2c)
-        bn4e_branch2c_sum = mem.tensor(232, (1, 1024, 1, 1), 'float32')
+        bn4e_branch2c_sum = mem.tensor(193, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4e_branch2c, out=bn4e_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4e_branch2c_batch_mean = bn4e_branch2c_sum/6272
         bn4e_branch2c_batch_mean = bn4e_branch2c_sum  # in place: over bn4e_branch2c_sum
@@ -2680,16 +2444,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4e_branch2c_mean_new, T['bn4e_branch2c_mean'], bn4e_branch2c_batch_mean_flat)
         # free bn4e_branch2c_sum, bn4e_branch2c_batch_mean, bn4e_branch2c_batch_mean_flat
         del bn4e_branch2c_sum, bn4e_branch2c_batch_mean, bn4e_branch2c_batch_mean_flat
-        mem.free(232)
-        # bn4e_branch2c_square = bn4e_branch2c_centered**2
-        bn4e_branch2c_square = mem.tensor(233, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4e_branch2c_square, bn4e_branch2c_centered)
-        # bn4e_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4e_branch2c_square)
-        bn4e_branch2c_sum_of_squares = mem.tensor(234, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4e_branch2c_square, out=bn4e_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4e_branch2c_square
-        del bn4e_branch2c_square
-        mem.free(233)
+        mem.free(193)
+        # bn4e_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4e_branch2c_centered**2)
+        bn4e_branch2c_sum_of_squares = mem.tensor(194, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4e_branch2c_batch_var = bn4e_branch2c_sum_of_squares/6272
         bn4e_branch2c_batch_var = bn4e_branch2c_sum_of_squares  # in place: over bn4e_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2c_batch_var, bn4e_branch2c_sum_of_squares)
@@ -2699,7 +2457,7 @@ class Resnet50(rp.Model):
         bn4e_branch2c_var_new = T['bn4e_branch2c_var']  # in place: the new bn4e_branch2c_var
         rt.ew(ew_scale_add_5, bn4e_branch2c_var_new, T['bn4e_branch2c_var'], bn4e_branch2c_batch_var_flat)
         # bn4e_branch2c_inv_std = 1/sqrt(bn4e_branch2c_batch_var + 1.0e-5)
-        bn4e_branch2c_inv_std = mem.tensor(235, (1, 1024, 1, 1), 'float32')
+        bn4e_branch2c_inv_std = mem.tensor(195, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4e_branch2c_inv_std, bn4e_branch2c_batch_var)
         # bn4e_branch2c_bias = reshape[1x1024x1x1](bn4e_branch2c_B)
         bn4e_branch2c_bias = rt.reshape(T['bn4e_branch2c_B'], shape=(1, 1024, 1, 1))
@@ -2708,17 +2466,17 @@ class Resnet50(rp.Model):
 
         # ---- bn4e_branch2c_relu (relu), forward ----
         # bn4e_branch2c_relu = Max(0, bn4e_branch2c_centered*bn4e_branch2c_inv_std*bn4e_branch2c_weight + bn4e_branch2c_bias + bn4d_branch2c_relu)
-        bn4e_branch2c_relu = mem.tensor(236, (32, 1024, 14, 14), 'float32')
+        bn4e_branch2c_relu = mem.tensor(196, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_4, bn4e_branch2c_relu, bn4e_branch2c_centered, bn4e_branch2c_inv_std, bn4e_branch2c_weight, bn4e_branch2c_bias, bn4d_branch2c_relu)
 
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
-        res4f_branch2a = mem.tensor(237, (32, 256, 14, 14), 'float32')
+        res4f_branch2a = mem.tensor(197, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_sum = sum_to[1x256x1x1](res4f_branch2a)
-        bn4f_branch2a_sum = mem.tensor(238, (1, 256, 1, 1), 'float32')
+        bn4f_branch2a_sum = mem.tensor(198, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4f_branch2a, out=bn4f_branch2a_sum, shape=(1, 256, 1, 1))
         # bn4f_branch2a_batch_mean = bn4f_branch2a_sum/6272
         bn4f_branch2a_batch_mean = bn4f_branch2a_sum  # in place: over bn4f_branch2a_sum
@@ -2733,16 +2491,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4f_branch2a_mean_new, T['bn4f_branch2a_mean'], bn4f_branch2a_batch_mean_flat)
         # free bn4f_branch2a_sum, bn4f_branch2a_batch_mean, bn4f_branch2a_batch_mean_flat
         del bn4f_branch2a_sum, bn4f_branch2a_batch_mean, bn4f_branch2a_batch_mean_flat
-        mem.free(238)
-        # bn4f_branch2a_square = bn4f_branch2a_centered**2
-        bn4f_branch2a_square = mem.tensor(239, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4f_branch2a_square, bn4f_branch2a_centered)
-        # bn4f_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2a_square)
-        bn4f_branch2a_sum_of_squares = mem.tensor(240, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4f_branch2a_square, out=bn4f_branch2a_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4f_branch2a_square
-        del bn4f_branch2a_square
-        mem.free(239)
+        mem.free(198)
+        # bn4f_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2a_centered**2)
+        bn4f_branch2a_sum_of_squares = mem.tensor(199, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2a_batch_var = bn4f_branch2a_sum_of_squares/6272
         bn4f_branch2a_batch_var = bn4f_branch2a_sum_of_squares  # in place: over bn4f_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2a_batch_var, bn4f_branch2a_sum_of_squares)
@@ -2752,7 +2504,7 @@ class Resnet50(rp.Model):
         bn4f_branch2a_var_new = T['bn4f_branch2a_var']  # in place: the new bn4f_branch2a_var
         rt.ew(ew_scale_add_5, bn4f_branch2a_var_new, T['bn4f_branch2a_var'], bn4f_branch2a_batch_var_flat)
         # bn4f_branch2a_inv_std = 1/sqrt(bn4f_branch2a_batch_var + 1.0e-5)
-        bn4f_branch2a_inv_std = mem.tensor(241, (1, 256, 1, 1), 'float32')
+        bn4f_branch2a_inv_std = mem.tensor(200, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4f_branch2a_inv_std, bn4f_branch2a_batch_var)
         # bn4f_branch2a_bias = reshape[1x256x1x1](bn4f_branch2a_B)
         bn4f_branch2a_bias = rt.reshape(T['bn4f_branch2a_B'], shape=(1, 256, 1, 1))
@@ -2761,20 +2513,20 @@ class Resnet50(rp.Model):
 
         # ---- bn4f_branch2a_relu (relu), forward ----
         # bn4f_branch2a_relu = Max(0, bn4f_branch2a_centered*bn4f_branch2a_inv_std*bn4f_branch2a_weight + bn4f_branch2a_bias)
-        bn4f_branch2a_relu = mem.tensor(242, (32, 256, 14, 14), 'float32')
+        bn4f_branch2a_relu = mem.tensor(201, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4f_branch2a_relu, bn4f_branch2a_centered, bn4f_branch2a_inv_std, bn4f_branch2a_weight, bn4f_branch2a_bias)
 
         # ---- res4f_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
         # res4f_branch2b = conv2d[pad=1](bn4f_branch2a_relu, res4f_branch2b_W)
-        res4f_branch2b = mem.tensor(243, (32, 256, 14, 14), 'float32')
+        res4f_branch2b = mem.tensor(202, (32, 256, 14, 14), 'float32')
         rt.conv2d(bn4f_branch2a_relu, T['res4f_branch2b_W'], out=res4f_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
         # free bn4f_branch2a_relu
         del bn4f_branch2a_relu
-        mem.free(242)
+        mem.free(201)
 
         # ---- bn4f_branch2b (batch norm), forward ----
         # bn4f_branch2b_sum = sum_to[1x256x1x1](res4f_branch2b)
-        bn4f_branch2b_sum = mem.tensor(244, (1, 256, 1, 1), 'float32')
+        bn4f_branch2b_sum = mem.tensor(203, (1, 256, 1, 1), 'float32')
         rt.sum_to(res4f_branch2b, out=bn4f_branch2b_sum, shape=(1, 256, 1, 1))
         # bn4f_branch2b_batch_mean = bn4f_branch2b_sum/6272
         bn4f_branch2b_batch_mean = bn4f_branch2b_sum  # in place: over bn4f_branch2b_sum
@@ -2789,16 +2541,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4f_branch2b_mean_new, T['bn4f_branch2b_mean'], bn4f_branch2b_batch_mean_flat)
         # free bn4f_branch2b_sum, bn4f_branch2b_batch_mean, bn4f_branch2b_batch_mean_flat
         del bn4f_branch2b_sum, bn4f_branch2b_batch_mean, bn4f_branch2b_batch_mean_flat
-        mem.free(244)
-        # bn4f_branch2b_square = bn4f_branch2b_centered**2
-        bn4f_branch2b_square = mem.tensor(245, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_square, bn4f_branch2b_square, bn4f_branch2b_centered)
-        # bn4f_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2b_square)
-        bn4f_branch2b_sum_of_squares = mem.tensor(246, (1, 256, 1, 1), 'float32')
-        rt.sum_to(bn4f_branch2b_square, out=bn4f_branch2b_sum_of_squares, shape=(1, 256, 1, 1))
-        # free bn4f_branch2b_square
-        del bn4f_branch2b_square
-        mem.free(245)
+        mem.free(203)
+        # bn4f_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2b_centered**2)
+        bn4f_branch2b_sum_of_squares = mem.tensor(204, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2b_batch_var = bn4f_branch2b_sum_of_squares/6272
         bn4f_branch2b_batch_var = bn4f_branch2b_sum_of_squares  # in place: over bn4f_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2b_batch_var, bn4f_branch2b_sum_of_squares)
@@ -2808,29 +2554,29 @@ class Resnet50(rp.Model):
         bn4f_branch2b_var_new = T['bn4f_branch2b_var']  # in place: the new bn4f_branch2b_var
         rt.ew(ew_scale_add_5, bn4f_branch2b_var_new, T['bn4f_branch2b_var'], bn4f_branch2b_batch_var_flat)
         # bn4f_branch2b_inv_std = 1/sqrt(bn4f_branch2b_batch_var + 1.0e-5)
-        bn4f_branch2b_inv_std = mem.tensor(247, (1, 256, 1, 1), 'float32')
+        bn4f_branch2b_inv_std = mem.tensor(205, (1, 256, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4f_branch2b_inv_std, bn4f_branch2b_batch_var)
-        # bn4f_branch2b_bias = reshape[1x256x1x1](bn4f_branch2b_B)
-        bn4f_branch2b_bias = rt.reshape(T['bn4f_branch2b_B'], shape=(1, 256, 1, 1))
         # bn4f_branch2b_weight = reshape[1x256x1x1](bn4f_branch2b_W)
         bn4f_branch2b_weight = rt.reshape(T['bn4f_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4f_branch2b_bias = reshape[1x256x1x1](bn4f_branch2b_B)
+        bn4f_branch2b_bias = rt.reshape(T['bn4f_branch2b_B'], shape=(1, 256, 1, 1))
 
         # ---- bn4f_branch2b_relu (relu), forward ----
         # bn4f_branch2b_relu = Max(0, bn4f_branch2b_centered*bn4f_branch2b_inv_std*bn4f_branch2b_weight + bn4f_branch2b_bias)
-        bn4f_branch2b_relu = mem.tensor(248, (32, 256, 14, 14), 'float32')
+        bn4f_branch2b_relu = mem.tensor(206, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4f_branch2b_relu, bn4f_branch2b_centered, bn4f_branch2b_inv_std, bn4f_branch2b_weight, bn4f_branch2b_bias)
 
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
-        res4f_branch2c = mem.tensor(249, (32, 1024, 14, 14), 'float32')
+        res4f_branch2c = mem.tensor(207, (32, 1024, 14, 14), 'float32')
         rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
         # free bn4f_branch2b_relu
         del bn4f_branch2b_relu
-        mem.free(248)
+        mem.free(206)
 
         # ---- bn4f_branch2c (batch norm), forward ----
         # bn4f_branch2c_sum = sum_to[1x1024x1x1](res4f_branch2c)
-        bn4f_branch2c_sum = mem.tensor(250, (1, 1024, 1, 1), 'float32')
+        bn4f_branch2c_sum = mem.tensor(208, (1, 1024, 1, 1), 'float32')
         rt.sum_to(res4f_branch2c, out=bn4f_branch2c_sum, shape=(1, 1024, 1, 1))
         # bn4f_branch2c_batch_mean = bn4f_branch2c_sum/6272
         bn4f_branch2c_batch_mean = bn4f_branch2c_sum  # in place: over bn4f_branch2c_sum
@@ -2845,16 +2591,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn4f_branch2c_mean_new, T['bn4f_branch2c_mean'], bn4f_branch2c_batch_mean_flat)
         # free bn4f_branch2c_sum, bn4f_branch2c_batch_mean, bn4f_branch2c_batch_mean_flat
         del bn4f_branch2c_sum, bn4f_branch2c_batch_mean, bn4f_branch2c_batch_mean_flat
-        mem.free(250)
-        # bn4f_branch2c_square = bn4f_branch2c_centered**2
-        bn4f_branch2c_square = mem.tensor(251, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_square, bn4f_branch2c_square, bn4f_branch2c_centered)
-        # bn4f_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4f_branch2c_square)
-        bn4f_branch2c_sum_of_squares = mem.tensor(252, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(bn4f_branch2c_square, out=bn4f_branch2c_sum_of_squares, shape=(1, 1024, 1, 1))
-        # free bn4f_branch2c_square
-        del bn4f_branch2c_square
-        mem.free(251)
+        mem.free(208)
+        # bn4f_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4f_branch2c_centered**2)
+        bn4f_branch2c_sum_of_squares = mem.tensor(209, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4f_branch2c_batch_var = bn4f_branch2c_sum_of_squares/6272
         bn4f_branch2c_batch_var = bn4f_branch2c_sum_of_squares  # in place: over bn4f_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2c_batch_var, bn4f_branch2c_sum_of_squares)
@@ -2864,7 +2604,7 @@ class Resnet50(rp.Model):
         bn4f_branch2c_var_new = T['bn4f_branch2c_var']  # in place: the new bn4f_branch2c_var
         rt.ew(ew_scale_add_5, bn4f_branch2c_var_new, T['bn4f_branch2c_var'], bn4f_branch2c_batch_var_flat)
         # bn4f_branch2c_inv_std = 1/sqrt(bn4f_branch2c_batch_var + 1.0e-5)
-        bn4f_branch2c_inv_std = mem.tensor(253, (1, 1024, 1, 1), 'float32')
+        bn4f_branch2c_inv_std = mem.tensor(210, (1, 1024, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn4f_branch2c_inv_std, bn4f_branch2c_batch_var)
         # bn4f_branch2c_bias = reshape[1x1024x1x1](bn4f_branch2c_B)
         bn4f_branch2c_bias = rt.reshape(T['bn4f_branch2c_B'], shape=(1, 1024, 1, 1))
@@ -2878,12 +2618,12 @@ class Resnet50(rp.Model):
 
         # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), forward ----
         # res5a_branch2a = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch2a_W)
-        res5a_branch2a = mem.tensor(254, (32, 512, 7, 7), 'float32')
+        res5a_branch2a = mem.tensor(211, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn4f_branch2c_relu, T['res5a_branch2a_W'], out=res5a_branch2a, pad=0, stride=2, workspace=mem.workspace(6422528))
 
         # ---- bn5a_branch2a (batch norm), forward ----
         # bn5a_branch2a_sum = sum_to[1x512x1x1](res5a_branch2a)
-        bn5a_branch2a_sum = mem.tensor(255, (1, 512, 1, 1), 'float32')
+        bn5a_branch2a_sum = mem.tensor(212, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5a_branch2a, out=bn5a_branch2a_sum, shape=(1, 512, 1, 1))
         # bn5a_branch2a_batch_mean = bn5a_branch2a_sum/1568
         bn5a_branch2a_batch_mean = bn5a_branch2a_sum  # in place: over bn5a_branch2a_sum
@@ -2898,16 +2638,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5a_branch2a_mean_new, T['bn5a_branch2a_mean'], bn5a_branch2a_batch_mean_flat)
         # free bn5a_branch2a_sum, bn5a_branch2a_batch_mean, bn5a_branch2a_batch_mean_flat
         del bn5a_branch2a_sum, bn5a_branch2a_batch_mean, bn5a_branch2a_batch_mean_flat
-        mem.free(255)
-        # bn5a_branch2a_square = bn5a_branch2a_centered**2
-        bn5a_branch2a_square = mem.tensor(256, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5a_branch2a_square, bn5a_branch2a_centered)
-        # bn5a_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2a_square)
-        bn5a_branch2a_sum_of_squares = mem.tensor(257, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5a_branch2a_square, out=bn5a_branch2a_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5a_branch2a_square
-        del bn5a_branch2a_square
-        mem.free(256)
+        mem.free(212)
+        # bn5a_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2a_centered**2)
+        bn5a_branch2a_sum_of_squares = mem.tensor(213, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2a_batch_var = bn5a_branch2a_sum_of_squares/1568
         bn5a_branch2a_batch_var = bn5a_branch2a_sum_of_squares  # in place: over bn5a_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2a_batch_var, bn5a_branch2a_sum_of_squares)
@@ -2917,7 +2651,7 @@ class Resnet50(rp.Model):
         bn5a_branch2a_var_new = T['bn5a_branch2a_var']  # in place: the new bn5a_branch2a_var
         rt.ew(ew_scale_add_6, bn5a_branch2a_var_new, T['bn5a_branch2a_var'], bn5a_branch2a_batch_var_flat)
         # bn5a_branch2a_inv_std = 1/sqrt(bn5a_branch2a_batch_var + 1.0e-5)
-        bn5a_branch2a_inv_std = mem.tensor(258, (1, 512, 1, 1), 'float32')
+        bn5a_branch2a_inv_std = mem.tensor(214, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5a_branch2a_inv_std, bn5a_branch2a_batch_var)
         # bn5a_branch2a_bias = reshape[1x512x1x1](bn5a_branch2a_B)
         bn5a_branch2a_bias = rt.reshape(T['bn5a_branch2a_B'], shape=(1, 512, 1, 1))
@@ -2926,20 +2660,20 @@ class Resnet50(rp.Model):
 
         # ---- bn5a_branch2a_relu (relu), forward ----
         # bn5a_branch2a_relu = Max(0, bn5a_branch2a_centered*bn5a_branch2a_inv_std*bn5a_branch2a_weight + bn5a_branch2a_bias)
-        bn5a_branch2a_relu = mem.tensor(259, (32, 512, 7, 7), 'float32')
+        bn5a_branch2a_relu = mem.tensor(215, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5a_branch2a_relu, bn5a_branch2a_centered, bn5a_branch2a_inv_std, bn5a_branch2a_weight, bn5a_branch2a_bias)
 
         # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # res5a_branch2b = conv2d[pad=1](bn5a_branch2a_relu, res5a_branch2b_W)
-        res5a_branch2b = mem.tensor(260, (32, 512, 7, 7), 'float32')
+        res5a_branch2b = mem.tensor(216, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn5a_branch2a_relu, T['res5a_branch2b_W'], out=res5a_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
         # free bn5a_branch2a_relu
         del bn5a_branch2a_relu
-        mem.free(259)
+        mem.free(215)
 
         # ---- bn5a_branch2b (batch norm), forward ----
         # bn5a_branch2b_sum = sum_to[1x512x1x1](res5a_branch2b)
-        bn5a_branch2b_sum = mem.tensor(261, (1, 512, 1, 1), 'float32')
+        bn5a_branch2b_sum = mem.tensor(217, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5a_branch2b, out=bn5a_branch2b_sum, shape=(1, 512, 1, 1))
         # bn5a_branch2b_batch_mean = bn5a_branch2b_sum/1568
         bn5a_branch2b_batch_mean = bn5a_branch2b_sum  # in place: over bn5a_branch2b_sum
@@ -2954,16 +2688,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5a_branch2b_mean_new, T['bn5a_branch2b_mean'], bn5a_branch2b_batch_mean_flat)
         # free bn5a_branch2b_sum, bn5a_branch2b_batch_mean, bn5a_branch2b_batch_mean_flat
         del bn5a_branch2b_sum, bn5a_branch2b_batch_mean, bn5a_branch2b_batch_mean_flat
-        mem.free(261)
-        # bn5a_branch2b_square = bn5a_branch2b_centered**2
-        bn5a_branch2b_square = mem.tensor(262, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5a_branch2b_square, bn5a_branch2b_centered)
-        # bn5a_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2b_square)
-        bn5a_branch2b_sum_of_squares = mem.tensor(263, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5a_branch2b_square, out=bn5a_branch2b_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5a_branch2b_square
-        del bn5a_branch2b_square
-        mem.free(262)
+        mem.free(217)
+        # bn5a_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2b_centered**2)
+        bn5a_branch2b_sum_of_squares = mem.tensor(218, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2b_batch_var = bn5a_branch2b_sum_of_squares/1568
         bn5a_branch2b_batch_var = bn5a_branch2b_sum_of_squares  # in place: over bn5a_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2b_batch_var, bn5a_branch2b_sum_of_squares)
@@ -2973,26 +2701,26 @@ class Resnet50(rp.Model):
         bn5a_branch2b_var_new = T['bn5a_branch2b_var']  # in place: the new bn5a_branch2b_var
         rt.ew(ew_scale_add_6, bn5a_branch2b_var_new, T['bn5a_branch2b_var'], bn5a_branch2b_batch_var_flat)
         # bn5a_branch2b_inv_std = 1/sqrt(bn5a_branch2b_batch_var + 1.0e-5)
-        bn5a_branch2b_inv_std = mem.tensor(264, (1, 512, 1, 1), 'float32')
+        bn5a_branch2b_inv_std = mem.tensor(219, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5a_branch2b_inv_std, bn5a_branch2b_batch_var)
-        # bn5a_branch2b_weight = reshape[1x512x1x1](bn5a_branch2b_W)
-        bn5a_branch2b_weight = rt.reshape(T['bn5a_branch2b_W'], shape=(1, 512, 1, 1))
         # bn5a_branch2b_bias = reshape[1x512x1x1](bn5a_branch2b_B)
         bn5a_branch2b_bias = rt.reshape(T['bn5a_branch2b_B'], shape=(1, 512, 1, 1))
+        # bn5a_branch2b_weight = reshape[1x512x1x1](bn5a_branch2b_W)
+        bn5a_branch2b_weight = rt.reshape(T['bn5a_branch2b_W'], shape=(1, 512, 1, 1))
 
         # ---- bn5a_branch2b_relu (relu), forward ----
         # bn5a_branch2b_relu = Max(0, bn5a_branch2b_centered*bn5a_branch2b_inv_std*bn5a_branch2b_weight + bn5a_branch2b_bias)
-        bn5a_branch2b_relu = mem.tensor(265, (32, 512, 7, 7), 'float32')
+        bn5a_branch2b_relu = mem.tensor(220, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5a_branch2b_relu, bn5a_branch2b_centered, bn5a_branch2b_inv_std, bn5a_branch2b_weight, bn5a_branch2b_bias)
 
         # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), forward ----
         # res5a_branch1 = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch1_W)
-        res5a_branch1 = mem.tensor(266, (32, 2048, 7, 7), 'float32')
+        res5a_branch1 = mem.tensor(221, (32, 2048, 7, 7), 'float32')
         rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(6422528))
 
         # ---- bn5a_branch1 (batch norm), forward ----
         # bn5a_branch1_sum = sum_to[1x2048x1x1](res5a_branch1)
-        bn5a_branch1_sum = mem.tensor(267, (1, 2048, 1, 1), 'float32')
+        bn5a_branch1_sum = mem.tensor(222, (1, 2048, 1, 1), 'float32')
         rt.sum_to(res5a_branch1, out=bn5a_branch1_sum, shape=(1, 2048, 1, 1))
         # bn5a_branch1_batch_mean = bn5a_branch1_sum/1568
         bn5a_branch1_batch_mean = bn5a_branch1_sum  # in place: over bn5a_branch1_sum
@@ -3007,16 +2735,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5a_branch1_mean_new, T['bn5a_branch1_mean'], bn5a_branch1_batch_mean_flat)
         # free bn5a_branch1_sum, bn5a_branch1_batch_mean, bn5a_branch1_batch_mean_flat
         del bn5a_branch1_sum, bn5a_branch1_batch_mean, bn5a_branch1_batch_mean_flat
-        mem.free(267)
-        # bn5a_branch1_square = bn5a_branch1_centered**2
-        bn5a_branch1_square = mem.tensor(268, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_square, bn5a_branch1_square, bn5a_branch1_centered)
-        # bn5a_branch1_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch1_square)
-        bn5a_branch1_sum_of_squares = mem.tensor(269, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(bn5a_branch1_square, out=bn5a_branch1_sum_of_squares, shape=(1, 2048, 1, 1))
-        # free bn5a_branch1_square
-        del bn5a_branch1_square
-        mem.free(268)
+        mem.free(222)
+        # bn5a_branch1_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch1_centered**2)
+        bn5a_branch1_sum_of_squares = mem.tensor(223, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5a_branch1_sum_of_squares, bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch1_batch_var = bn5a_branch1_sum_of_squares/1568
         bn5a_branch1_batch_var = bn5a_branch1_sum_of_squares  # in place: over bn5a_branch1_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch1_batch_var, bn5a_branch1_sum_of_squares)
@@ -3026,20 +2748,20 @@ class Resnet50(rp.Model):
         bn5a_branch1_var_new = T['bn5a_branch1_var']  # in place: the new bn5a_branch1_var
         rt.ew(ew_scale_add_6, bn5a_branch1_var_new, T['bn5a_branch1_var'], bn5a_branch1_batch_var_flat)
         # bn5a_branch1_inv_std = 1/sqrt(bn5a_branch1_batch_var + 1.0e-5)
-        bn5a_branch1_inv_std = mem.tensor(270, (1, 2048, 1, 1), 'float32')
+        bn5a_branch1_inv_std = mem.tensor(224, (1, 2048, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5a_branch1_inv_std, bn5a_branch1_batch_var)
 
         # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5a_branch2c = conv2d(bn5a_branch2b_relu, res5a_branch2c_W)
-        res5a_branch2c = mem.tensor(271, (32, 2048, 7, 7), 'float32')
+        res5a_branch2c = mem.tensor(225, (32, 2048, 7, 7), 'float32')
         rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1)
         # free bn5a_branch2b_relu
         del bn5a_branch2b_relu
-        mem.free(265)
+        mem.free(220)
 
         # ---- bn5a_branch2c (batch norm), forward ----
         # bn5a_branch2c_sum = sum_to[1x2048x1x1](res5a_branch2c)
-        bn5a_branch2c_sum = mem.tensor(272, (1, 2048, 1, 1), 'float32')
+        bn5a_branch2c_sum = mem.tensor(226, (1, 2048, 1, 1), 'float32')
         rt.sum_to(res5a_branch2c, out=bn5a_branch2c_sum, shape=(1, 2048, 1, 1))
         # bn5a_branch2c_batch_mean = bn5a_branch2c_sum/1568
         bn5a_branch2c_batch_mean = bn5a_branch2c_sum  # in place: over bn5a_branch2c_sum
@@ -3054,16 +2776,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5a_branch2c_mean_new, T['bn5a_branch2c_mean'], bn5a_branch2c_batch_mean_flat)
         # free bn5a_branch2c_sum, bn5a_branch2c_batch_mean, bn5a_branch2c_batch_mean_flat
         del bn5a_branch2c_sum, bn5a_branch2c_batch_mean, bn5a_branch2c_batch_mean_flat
-        mem.free(272)
-        # bn5a_branch2c_square = bn5a_branch2c_centered**2
-        bn5a_branch2c_square = mem.tensor(273, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_square, bn5a_branch2c_square, bn5a_branch2c_centered)
-        # bn5a_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch2c_square)
-        bn5a_branch2c_sum_of_squares = mem.tensor(274, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(bn5a_branch2c_square, out=bn5a_branch2c_sum_of_squares, shape=(1, 2048, 1, 1))
-        # free bn5a_branch2c_square
-        del bn5a_branch2c_square
-        mem.free(273)
+        mem.free(226)
+        # bn5a_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch2c_centered**2)
+        bn5a_branch2c_sum_of_squares = mem.tensor(227, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch2c_batch_var = bn5a_branch2c_sum_of_squares/1568
         bn5a_branch2c_batch_var = bn5a_branch2c_sum_of_squares  # in place: over bn5a_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2c_batch_var, bn5a_branch2c_sum_of_squares)
@@ -3073,7 +2789,7 @@ class Resnet50(rp.Model):
         bn5a_branch2c_var_new = T['bn5a_branch2c_var']  # in place: the new bn5a_branch2c_var
         rt.ew(ew_scale_add_6, bn5a_branch2c_var_new, T['bn5a_branch2c_var'], bn5a_branch2c_batch_var_flat)
         # bn5a_branch2c_inv_std = 1/sqrt(bn5a_branch2c_batch_var + 1.0e-5)
-        bn5a_branch2c_inv_std = mem.tensor(275, (1, 2048, 1, 1), 'float32')
+        bn5a_branch2c_inv_std = mem.tensor(228, (1, 2048, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5a_branch2c_inv_std, bn5a_branch2c_batch_var)
         # bn5a_branch2c_bias = reshape[1x2048x1x1](bn5a_branch2c_B)
         bn5a_branch2c_bias = rt.reshape(T['bn5a_branch2c_B'], shape=(1, 2048, 1, 1))
@@ -3081,24 +2797,24 @@ class Resnet50(rp.Model):
         bn5a_branch2c_weight = rt.reshape(T['bn5a_branch2c_W'], shape=(1, 2048, 1, 1))
 
         # ---- bn5a_branch1 (batch norm), forward ----
-        # bn5a_branch1_weight = reshape[1x2048x1x1](bn5a_branch1_W)
-        bn5a_branch1_weight = rt.reshape(T['bn5a_branch1_W'], shape=(1, 2048, 1, 1))
         # bn5a_branch1_bias = reshape[1x2048x1x1](bn5a_branch1_B)
         bn5a_branch1_bias = rt.reshape(T['bn5a_branch1_B'], shape=(1, 2048, 1, 1))
+        # bn5a_branch1_weight = reshape[1x2048x1x1](bn5a_branch1_W)
+        bn5a_branch1_weight = rt.reshape(T['bn5a_branch1_W'], shape=(1, 2048, 1, 1))
 
         # ---- bn5a_branch2c_relu (relu), forward ----
         # bn5a_branch2c_relu = Max(0, bn5a_branch2c_centered*bn5a_branch2c_inv_std*bn5a_branch2c_weight + bn5a_branch2c_bias + bn5a_branch1_centered*bn5a_branch1_inv_std*bn5a_branch1_weight + bn5a_branch1_bias)
-        bn5a_branch2c_relu = mem.tensor(276, (32, 2048, 7, 7), 'float32')
+        bn5a_branch2c_relu = mem.tensor(229, (32, 2048, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu_2, bn5a_branch2c_relu, bn5a_branch2c_centered, bn5a_branch2c_inv_std, bn5a_branch2c_weight, bn5a_branch2c_bias, bn5a_branch1_centered, bn5a_branch1_inv_std, bn5a_branch1_weight, bn5a_branch1_bias)
 
         # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5b_branch2a = conv2d(bn5a_branch2c_relu, res5b_branch2a_W)
-        res5b_branch2a = mem.tensor(277, (32, 512, 7, 7), 'float32')
+        res5b_branch2a = mem.tensor(230, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1)
 
         # ---- bn5b_branch2a (batch norm), forward ----
         # bn5b_branch2a_sum = sum_to[1x512x1x1](res5b_branch2a)
-        bn5b_branch2a_sum = mem.tensor(278, (1, 512, 1, 1), 'float32')
+        bn5b_branch2a_sum = mem.tensor(231, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5b_branch2a, out=bn5b_branch2a_sum, shape=(1, 512, 1, 1))
         # bn5b_branch2a_batch_mean = bn5b_branch2a_sum/1568
         bn5b_branch2a_batch_mean = bn5b_branch2a_sum  # in place: over bn5b_branch2a_sum
@@ -3113,16 +2829,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5b_branch2a_mean_new, T['bn5b_branch2a_mean'], bn5b_branch2a_batch_mean_flat)
         # free bn5b_branch2a_sum, bn5b_branch2a_batch_mean, bn5b_branch2a_batch_mean_flat
         del bn5b_branch2a_sum, bn5b_branch2a_batch_mean, bn5b_branch2a_batch_mean_flat
-        mem.free(278)
-        # bn5b_branch2a_square = bn5b_branch2a_centered**2
-        bn5b_branch2a_square = mem.tensor(279, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5b_branch2a_square, bn5b_branch2a_centered)
-        # bn5b_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2a_square)
-        bn5b_branch2a_sum_of_squares = mem.tensor(280, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5b_branch2a_square, out=bn5b_branch2a_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5b_branch2a_square
-        del bn5b_branch2a_square
-        mem.free(279)
+        mem.free(231)
+        # bn5b_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2a_centered**2)
+        bn5b_branch2a_sum_of_squares = mem.tensor(232, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2a_batch_var = bn5b_branch2a_sum_of_squares/1568
         bn5b_branch2a_batch_var = bn5b_branch2a_sum_of_squares  # in place: over bn5b_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2a_batch_var, bn5b_branch2a_sum_of_squares)
@@ -3132,7 +2842,7 @@ class Resnet50(rp.Model):
         bn5b_branch2a_var_new = T['bn5b_branch2a_var']  # in place: the new bn5b_branch2a_var
         rt.ew(ew_scale_add_6, bn5b_branch2a_var_new, T['bn5b_branch2a_var'], bn5b_branch2a_batch_var_flat)
         # bn5b_branch2a_inv_std = 1/sqrt(bn5b_branch2a_batch_var + 1.0e-5)
-        bn5b_branch2a_inv_std = mem.tensor(281, (1, 512, 1, 1), 'float32')
+        bn5b_branch2a_inv_std = mem.tensor(233, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5b_branch2a_inv_std, bn5b_branch2a_batch_var)
         # bn5b_branch2a_bias = reshape[1x512x1x1](bn5b_branch2a_B)
         bn5b_branch2a_bias = rt.reshape(T['bn5b_branch2a_B'], shape=(1, 512, 1, 1))
@@ -3141,20 +2851,20 @@ class Resnet50(rp.Model):
 
         # ---- bn5b_branch2a_relu (relu), forward ----
         # bn5b_branch2a_relu = Max(0, bn5b_branch2a_centered*bn5b_branch2a_inv_std*bn5b_branch2a_weight + bn5b_branch2a_bias)
-        bn5b_branch2a_relu = mem.tensor(282, (32, 512, 7, 7), 'float32')
+        bn5b_branch2a_relu = mem.tensor(234, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5b_branch2a_relu, bn5b_branch2a_centered, bn5b_branch2a_inv_std, bn5b_branch2a_weight, bn5b_branch2a_bias)
 
         # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # res5b_branch2b = conv2d[pad=1](bn5b_branch2a_relu, res5b_branch2b_W)
-        res5b_branch2b = mem.tensor(283, (32, 512, 7, 7), 'float32')
+        res5b_branch2b = mem.tensor(235, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn5b_branch2a_relu, T['res5b_branch2b_W'], out=res5b_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
         # free bn5b_branch2a_relu
         del bn5b_branch2a_relu
-        mem.free(282)
+        mem.free(234)
 
         # ---- bn5b_branch2b (batch norm), forward ----
         # bn5b_branch2b_sum = sum_to[1x512x1x1](res5b_branch2b)
-        bn5b_branch2b_sum = mem.tensor(284, (1, 512, 1, 1), 'float32')
+        bn5b_branch2b_sum = mem.tensor(236, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5b_branch2b, out=bn5b_branch2b_sum, shape=(1, 512, 1, 1))
         # bn5b_branch2b_batch_mean = bn5b_branch2b_sum/1568
         bn5b_branch2b_batch_mean = bn5b_branch2b_sum  # in place: over bn5b_branch2b_sum
@@ -3169,16 +2879,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5b_branch2b_mean_new, T['bn5b_branch2b_mean'], bn5b_branch2b_batch_mean_flat)
         # free bn5b_branch2b_sum, bn5b_branch2b_batch_mean, bn5b_branch2b_batch_mean_flat
         del bn5b_branch2b_sum, bn5b_branch2b_batch_mean, bn5b_branch2b_batch_mean_flat
-        mem.free(284)
-        # bn5b_branch2b_square = bn5b_branch2b_centered**2
-        bn5b_branch2b_square = mem.tensor(285, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5b_branch2b_square, bn5b_branch2b_centered)
-        # bn5b_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2b_square)
-        bn5b_branch2b_sum_of_squares = mem.tensor(286, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5b_branch2b_square, out=bn5b_branch2b_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5b_branch2b_square
-        del bn5b_branch2b_square
-        mem.free(285)
+        mem.free(236)
+        # bn5b_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2b_centered**2)
+        bn5b_branch2b_sum_of_squares = mem.tensor(237, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2b_batch_var = bn5b_branch2b_sum_of_squares/1568
         bn5b_branch2b_batch_var = bn5b_branch2b_sum_of_squares  # in place: over bn5b_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2b_batch_var, bn5b_branch2b_sum_of_squares)
@@ -3188,7 +2892,7 @@ class Resnet50(rp.Model):
         bn5b_branch2b_var_new = T['bn5b_branch2b_var']  # in place: the new bn5b_branch2b_var
         rt.ew(ew_scale_add_6, bn5b_branch2b_var_new, T['bn5b_branch2b_var'], bn5b_branch2b_batch_var_flat)
         # bn5b_branch2b_inv_std = 1/sqrt(bn5b_branch2b_batch_var + 1.0e-5)
-        bn5b_branch2b_inv_std = mem.tensor(287, (1, 512, 1, 1), 'float32')
+        bn5b_branch2b_inv_std = mem.tensor(238, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5b_branch2b_inv_std, bn5b_branch2b_batch_var)
         # bn5b_branch2b_bias = reshape[1x512x1x1](bn5b_branch2b_B)
         bn5b_branch2b_bias = rt.reshape(T['bn5b_branch2b_B'], shape=(1, 512, 1, 1))
@@ -3197,20 +2901,20 @@ class Resnet50(rp.Model):
 
         # ---- bn5b_branch2b_relu (relu), forward ----
         # bn5b_branch2b_relu = Max(0, bn5b_branch2b_centered*bn5b_branch2b_inv_std*bn5b_branch2b_weight + bn5b_branch2b_bias)
-        bn5b_branch2b_relu = mem.tensor(288, (32, 512, 7, 7), 'float32')
+        bn5b_branch2b_relu = mem.tensor(239, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5b_branch2b_relu, bn5b_branch2b_centered, bn5b_branch2b_inv_std, bn5b_branch2b_weight, bn5b_branch2b_bias)
 
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5b_branch2c = conv2d(bn5b_branch2b_relu, res5b_branch2c_W)
-        res5b_branch2c = mem.tensor(289, (32, 2048, 7, 7), 'float32')
+        res5b_branch2c = mem.tensor(240, (32, 2048, 7, 7), 'float32')
         rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1)
         # free bn5b_branch2b_relu
         del bn5b_branch2b_relu
-        mem.free(288)
+        mem.free(239)
 
         # ---- bn5b_branch2c (batch norm), forward ----
         # bn5b_branch2c_sum = sum_to[1x2048x1x1](res5b_branch2c)
-        bn5b_branch2c_sum = mem.tensor(290, (1, 2048, 1, 1), 'float32')
+        bn5b_branch2c_sum = mem.tensor(241, (1, 2048, 1, 1), 'float32')
         rt.sum_to(res5b_branch2c, out=bn5b_branch2c_sum, shape=(1, 2048, 1, 1))
         # bn5b_branch2c_batch_mean = bn5b_branch2c_sum/1568
         bn5b_branch2c_batch_mean = bn5b_branch2c_sum  # in place: over bn5b_branch2c_sum
@@ -3225,16 +2929,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5b_branch2c_mean_new, T['bn5b_branch2c_mean'], bn5b_branch2c_batch_mean_flat)
         # free bn5b_branch2c_sum, bn5b_branch2c_batch_mean, bn5b_branch2c_batch_mean_flat
         del bn5b_branch2c_sum, bn5b_branch2c_batch_mean, bn5b_branch2c_batch_mean_flat
-        mem.free(290)
-        # bn5b_branch2c_square = bn5b_branch2c_centered**2
-        bn5b_branch2c_square = mem.tensor(291, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_square, bn5b_branch2c_square, bn5b_branch2c_centered)
-        # bn5b_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5b_branch2c_square)
-        bn5b_branch2c_sum_of_squares = mem.tensor(292, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(bn5b_branch2c_square, out=bn5b_branch2c_sum_of_squares, shape=(1, 2048, 1, 1))
-        # free bn5b_branch2c_square
-        del bn5b_branch2c_square
-        mem.free(291)
+        mem.free(241)
+        # bn5b_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5b_branch2c_centered**2)
+        bn5b_branch2c_sum_of_squares = mem.tensor(242, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5b_branch2c_batch_var = bn5b_branch2c_sum_of_squares/1568
         bn5b_branch2c_batch_var = bn5b_branch2c_sum_of_squares  # in place: over bn5b_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2c_batch_var, bn5b_branch2c_sum_of_squares)
@@ -3244,7 +2942,7 @@ class Resnet50(rp.Model):
         bn5b_branch2c_var_new = T['bn5b_branch2c_var']  # in place: the new bn5b_branch2c_var
         rt.ew(ew_scale_add_6, bn5b_branch2c_var_new, T['bn5b_branch2c_var'], bn5b_branch2c_batch_var_flat)
         # bn5b_branch2c_inv_std = 1/sqrt(bn5b_branch2c_batch_var + 1.0e-5)
-        bn5b_branch2c_inv_std = mem.tensor(293, (1, 2048, 1, 1), 'float32')
+        bn5b_branch2c_inv_std = mem.tensor(243, (1, 2048, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5b_branch2c_inv_std, bn5b_branch2c_batch_var)
         # bn5b_branch2c_bias = reshape[1x2048x1x1](bn5b_branch2c_B)
         bn5b_branch2c_bias = rt.reshape(T['bn5b_branch2c_B'], shape=(1, 2048, 1, 1))
@@ -3258,12 +2956,12 @@ class Resnet50(rp.Model):
 
         # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5c_branch2a = conv2d(bn5b_branch2c_relu, res5c_branch2a_W)
-        res5c_branch2a = mem.tensor(294, (32, 512, 7, 7), 'float32')
+        res5c_branch2a = mem.tensor(244, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1)
 
         # ---- bn5c_branch2a (batch norm), forward ----
         # bn5c_branch2a_sum = sum_to[1x512x1x1](res5c_branch2a)
-        bn5c_branch2a_sum = mem.tensor(295, (1, 512, 1, 1), 'float32')
+        bn5c_branch2a_sum = mem.tensor(245, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5c_branch2a, out=bn5c_branch2a_sum, shape=(1, 512, 1, 1))
         # bn5c_branch2a_batch_mean = bn5c_branch2a_sum/1568
         bn5c_branch2a_batch_mean = bn5c_branch2a_sum  # in place: over bn5c_branch2a_sum
@@ -3278,16 +2976,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5c_branch2a_mean_new, T['bn5c_branch2a_mean'], bn5c_branch2a_batch_mean_flat)
         # free bn5c_branch2a_sum, bn5c_branch2a_batch_mean, bn5c_branch2a_batch_mean_flat
         del bn5c_branch2a_sum, bn5c_branch2a_batch_mean, bn5c_branch2a_batch_mean_flat
-        mem.free(295)
-        # bn5c_branch2a_square = bn5c_branch2a_centered**2
-        bn5c_branch2a_square = mem.tensor(296, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5c_branch2a_square, bn5c_branch2a_centered)
-        # bn5c_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2a_square)
-        bn5c_branch2a_sum_of_squares = mem.tensor(297, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5c_branch2a_square, out=bn5c_branch2a_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5c_branch2a_square
-        del bn5c_branch2a_square
-        mem.free(296)
+        mem.free(245)
+        # bn5c_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2a_centered**2)
+        bn5c_branch2a_sum_of_squares = mem.tensor(246, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2a_batch_var = bn5c_branch2a_sum_of_squares/1568
         bn5c_branch2a_batch_var = bn5c_branch2a_sum_of_squares  # in place: over bn5c_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2a_batch_var, bn5c_branch2a_sum_of_squares)
@@ -3297,29 +2989,29 @@ class Resnet50(rp.Model):
         bn5c_branch2a_var_new = T['bn5c_branch2a_var']  # in place: the new bn5c_branch2a_var
         rt.ew(ew_scale_add_6, bn5c_branch2a_var_new, T['bn5c_branch2a_var'], bn5c_branch2a_batch_var_flat)
         # bn5c_branch2a_inv_std = 1/sqrt(bn5c_branch2a_batch_var + 1.0e-5)
-        bn5c_branch2a_inv_std = mem.tensor(298, (1, 512, 1, 1), 'float32')
+        bn5c_branch2a_inv_std = mem.tensor(247, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5c_branch2a_inv_std, bn5c_branch2a_batch_var)
-        # bn5c_branch2a_bias = reshape[1x512x1x1](bn5c_branch2a_B)
-        bn5c_branch2a_bias = rt.reshape(T['bn5c_branch2a_B'], shape=(1, 512, 1, 1))
         # bn5c_branch2a_weight = reshape[1x512x1x1](bn5c_branch2a_W)
         bn5c_branch2a_weight = rt.reshape(T['bn5c_branch2a_W'], shape=(1, 512, 1, 1))
+        # bn5c_branch2a_bias = reshape[1x512x1x1](bn5c_branch2a_B)
+        bn5c_branch2a_bias = rt.reshape(T['bn5c_branch2a_B'], shape=(1, 512, 1, 1))
 
         # ---- bn5c_branch2a_relu (relu), forward ----
         # bn5c_branch2a_relu = Max(0, bn5c_branch2a_centered*bn5c_branch2a_inv_std*bn5c_branch2a_weight + bn5c_branch2a_bias)
-        bn5c_branch2a_relu = mem.tensor(299, (32, 512, 7, 7), 'float32')
+        bn5c_branch2a_relu = mem.tensor(248, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5c_branch2a_relu, bn5c_branch2a_centered, bn5c_branch2a_inv_std, bn5c_branch2a_weight, bn5c_branch2a_bias)
 
         # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # res5c_branch2b = conv2d[pad=1](bn5c_branch2a_relu, res5c_branch2b_W)
-        res5c_branch2b = mem.tensor(300, (32, 512, 7, 7), 'float32')
+        res5c_branch2b = mem.tensor(249, (32, 512, 7, 7), 'float32')
         rt.conv2d(bn5c_branch2a_relu, T['res5c_branch2b_W'], out=res5c_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
         # free bn5c_branch2a_relu
         del bn5c_branch2a_relu
-        mem.free(299)
+        mem.free(248)
 
         # ---- bn5c_branch2b (batch norm), forward ----
         # bn5c_branch2b_sum = sum_to[1x512x1x1](res5c_branch2b)
-        bn5c_branch2b_sum = mem.tensor(301, (1, 512, 1, 1), 'float32')
+        bn5c_branch2b_sum = mem.tensor(250, (1, 512, 1, 1), 'float32')
         rt.sum_to(res5c_branch2b, out=bn5c_branch2b_sum, shape=(1, 512, 1, 1))
         # bn5c_branch2b_batch_mean = bn5c_branch2b_sum/1568
         bn5c_branch2b_batch_mean = bn5c_branch2b_sum  # in place: over bn5c_branch2b_sum
@@ -3334,16 +3026,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5c_branch2b_mean_new, T['bn5c_branch2b_mean'], bn5c_branch2b_batch_mean_flat)
         # free bn5c_branch2b_sum, bn5c_branch2b_batch_mean, bn5c_branch2b_batch_mean_flat
         del bn5c_branch2b_sum, bn5c_branch2b_batch_mean, bn5c_branch2b_batch_mean_flat
-        mem.free(301)
-        # bn5c_branch2b_square = bn5c_branch2b_centered**2
-        bn5c_branch2b_square = mem.tensor(302, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_square, bn5c_branch2b_square, bn5c_branch2b_centered)
-        # bn5c_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2b_square)
-        bn5c_branch2b_sum_of_squares = mem.tensor(303, (1, 512, 1, 1), 'float32')
-        rt.sum_to(bn5c_branch2b_square, out=bn5c_branch2b_sum_of_squares, shape=(1, 512, 1, 1))
-        # free bn5c_branch2b_square
-        del bn5c_branch2b_square
-        mem.free(302)
+        mem.free(250)
+        # bn5c_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2b_centered**2)
+        bn5c_branch2b_sum_of_squares = mem.tensor(251, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2b_batch_var = bn5c_branch2b_sum_of_squares/1568
         bn5c_branch2b_batch_var = bn5c_branch2b_sum_of_squares  # in place: over bn5c_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2b_batch_var, bn5c_branch2b_sum_of_squares)
@@ -3353,7 +3039,7 @@ class Resnet50(rp.Model):
         bn5c_branch2b_var_new = T['bn5c_branch2b_var']  # in place: the new bn5c_branch2b_var
         rt.ew(ew_scale_add_6, bn5c_branch2b_var_new, T['bn5c_branch2b_var'], bn5c_branch2b_batch_var_flat)
         # bn5c_branch2b_inv_std = 1/sqrt(bn5c_branch2b_batch_var + 1.0e-5)
-        bn5c_branch2b_inv_std = mem.tensor(304, (1, 512, 1, 1), 'float32')
+        bn5c_branch2b_inv_std = mem.tensor(252, (1, 512, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5c_branch2b_inv_std, bn5c_branch2b_batch_var)
         # bn5c_branch2b_bias = reshape[1x512x1x1](bn5c_branch2b_B)
         bn5c_branch2b_bias = rt.reshape(T['bn5c_branch2b_B'], shape=(1, 512, 1, 1))
@@ -3362,20 +3048,20 @@ class Resnet50(rp.Model):
 
         # ---- bn5c_branch2b_relu (relu), forward ----
         # bn5c_branch2b_relu = Max(0, bn5c_branch2b_centered*bn5c_branch2b_inv_std*bn5c_branch2b_weight + bn5c_branch2b_bias)
-        bn5c_branch2b_relu = mem.tensor(305, (32, 512, 7, 7), 'float32')
+        bn5c_branch2b_relu = mem.tensor(253, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5c_branch2b_relu, bn5c_branch2b_centered, bn5c_branch2b_inv_std, bn5c_branch2b_weight, bn5c_branch2b_bias)
 
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5c_branch2c = conv2d(bn5c_branch2b_relu, res5c_branch2c_W)
-        res5c_branch2c = mem.tensor(306, (32, 2048, 7, 7), 'float32')
+        res5c_branch2c = mem.tensor(254, (32, 2048, 7, 7), 'float32')
         rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1)
         # free bn5c_branch2b_relu
         del bn5c_branch2b_relu
-        mem.free(305)
+        mem.free(253)
 
         # ---- bn5c_branch2c (batch norm), forward ----
         # bn5c_branch2c_sum = sum_to[1x2048x1x1](res5c_branch2c)
-        bn5c_branch2c_sum = mem.tensor(307, (1, 2048, 1, 1), 'float32')
+        bn5c_branch2c_sum = mem.tensor(255, (1, 2048, 1, 1), 'float32')
         rt.sum_to(res5c_branch2c, out=bn5c_branch2c_sum, shape=(1, 2048, 1, 1))
         # bn5c_branch2c_batch_mean = bn5c_branch2c_sum/1568
         bn5c_branch2c_batch_mean = bn5c_branch2c_sum  # in place: over bn5c_branch2c_sum
@@ -3390,16 +3076,10 @@ class Resnet50(rp.Model):
         rt.ew(ew_scale_add, bn5c_branch2c_mean_new, T['bn5c_branch2c_mean'], bn5c_branch2c_batch_mean_flat)
         # free bn5c_branch2c_sum, bn5c_branch2c_batch_mean, bn5c_branch2c_batch_mean_flat
         del bn5c_branch2c_sum, bn5c_branch2c_batch_mean, bn5c_branch2c_batch_mean_flat
-        mem.free(307)
-        # bn5c_branch2c_square = bn5c_branch2c_centered**2
-        bn5c_branch2c_square = mem.tensor(308, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_square, bn5c_branch2c_square, bn5c_branch2c_centered)
-        # bn5c_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5c_branch2c_square)
-        bn5c_branch2c_sum_of_squares = mem.tensor(309, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(bn5c_branch2c_square, out=bn5c_branch2c_sum_of_squares, shape=(1, 2048, 1, 1))
-        # free bn5c_branch2c_square
-        del bn5c_branch2c_square
-        mem.free(308)
+        mem.free(255)
+        # bn5c_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5c_branch2c_centered**2)
+        bn5c_branch2c_sum_of_squares = mem.tensor(256, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_square, bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5c_branch2c_batch_var = bn5c_branch2c_sum_of_squares/1568
         bn5c_branch2c_batch_var = bn5c_branch2c_sum_of_squares  # in place: over bn5c_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2c_batch_var, bn5c_branch2c_sum_of_squares)
@@ -3409,7 +3089,7 @@ class Resnet50(rp.Model):
         bn5c_branch2c_var_new = T['bn5c_branch2c_var']  # in place: the new bn5c_branch2c_var
         rt.ew(ew_scale_add_6, bn5c_branch2c_var_new, T['bn5c_branch2c_var'], bn5c_branch2c_batch_var_flat)
         # bn5c_branch2c_inv_std = 1/sqrt(bn5c_branch2c_batch_var + 1.0e-5)
-        bn5c_branch2c_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
+        bn5c_branch2c_inv_std = mem.tensor(257, (1, 2048, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, bn5c_branch2c_inv_std, bn5c_branch2c_batch_var)
         # bn5c_branch2c_bias = reshape[1x2048x1x1](bn5c_branch2c_B)
         bn5c_branch2c_bias = rt.reshape(T['bn5c_branch2c_B'], shape=(1, 2048, 1, 1))
@@ -3418,13 +3098,16 @@ class Resnet50(rp.Model):
 
         # ---- bn5c_branch2c_relu (relu), forward ----
         # bn5c_branch2c_relu = Max(0, bn5c_branch2c_centered*bn5c_branch2c_inv_std*bn5c_branch2c_weight + bn5c_branch2c_bias + bn5b_branch2c_relu)
-        bn5c_branch2c_relu = mem.tensor(311, (32, 2048, 7, 7), 'float32')
+        bn5c_branch2c_relu = mem.tensor(258, (32, 2048, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu_4, bn5c_branch2c_relu, bn5c_branch2c_centered, bn5c_branch2c_inv_std, bn5c_branch2c_weight, bn5c_branch2c_bias, bn5b_branch2c_relu)
 
         # ---- bn5c_branch2c_avg_pool (average pooling), forward ----
         # bn5c_branch2c_avg_pool = avg_pool[kernel=7,stride=7](bn5c_branch2c_relu)
-        bn5c_branch2c_avg_pool = mem.tensor(312, (32, 2048, 1, 1), 'float32')
+        bn5c_branch2c_avg_pool = mem.tensor(259, (32, 2048, 1, 1), 'float32')
         rt.avg_pool(bn5c_branch2c_relu, out=bn5c_branch2c_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free bn5c_branch2c_relu
+        del bn5c_branch2c_relu
+        mem.free(258)
 
         # ---- bn5c_branch2c_flatten (flatten), forward ----
         # bn5c_branch2c_flatten = reshape[32x2048](bn5c_branch2c_avg_pool)
@@ -3432,7 +3115,7 @@ class Resnet50(rp.Model):
 
         # ---- fc1000 (fully connected, 1000 outputs), forward ----
         # fc1000_matmul = matmul[tb](bn5c_branch2c_flatten, fc1000_W)
-        fc1000_matmul = mem.tensor(313, (32, 1000), 'float32')
+        fc1000_matmul = mem.tensor(260, (32, 1000), 'float32')
         rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], out=fc1000_matmul, tb=True)
         # fc1000 = fc1000_matmul + fc1000_B
         fc1000 = fc1000_matmul  # in place: over fc1000_matmul
@@ -3443,7 +3126,7 @@ class Resnet50(rp.Model):
         fc1000_cross_entropy_log_softmax = fc1000  # in place: over fc1000
         rt.log_softmax(fc1000, out=fc1000_cross_entropy_log_softmax, workspace=mem.workspace(128000))
         # fc1000_cross_entropy_pick = pick(fc1000_cross_entropy_log_softmax, y)
-        fc1000_cross_entropy_pick = mem.tensor(314, (32,), 'float32')
+        fc1000_cross_entropy_pick = mem.tensor(261, (32,), 'float32')
         rt.pick(fc1000_cross_entropy_log_softmax, y, out=fc1000_cross_entropy_pick)
         # free y
         del y
@@ -3455,47 +3138,47 @@ class Resnet50(rp.Model):
         rt.ew(ew_exp_scale_add, d_fc1000, d_fc1000_cross_entropy_log_softmax, fc1000_cross_entropy_log_softmax)
         # free fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
         del fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
-        mem.free(313)
+        mem.free(260)
 
         # ---- fc1000_cross_entropy (cross_entropy), forward ----
         # fc1000_cross_entropy_sum_to = sum_to[scalar](fc1000_cross_entropy_pick)
-        fc1000_cross_entropy_sum_to = mem.tensor(315, (), 'float32')
+        fc1000_cross_entropy_sum_to = mem.tensor(262, (), 'float32')
         rt.sum_to(fc1000_cross_entropy_pick, out=fc1000_cross_entropy_sum_to, shape=())
         # free fc1000_cross_entropy_pick
         del fc1000_cross_entropy_pick
-        mem.free(314)
+        mem.free(261)
         # fc1000_cross_entropy = -fc1000_cross_entropy_sum_to/32
         fc1000_cross_entropy = fc1000_cross_entropy_sum_to  # in place: over fc1000_cross_entropy_sum_to
         rt.ew(ew_scale_6, fc1000_cross_entropy, fc1000_cross_entropy_sum_to)
 
         # ---- fc1000 (fully connected, 1000 outputs), backward ----
         # d_fc1000_B = sum_to[1000](d_fc1000)
-        d_fc1000_B = mem.tensor(316, (1000,), 'float32')
+        d_fc1000_B = mem.tensor(263, (1000,), 'float32')
         rt.sum_to(d_fc1000, out=d_fc1000_B, shape=(1000,))
         # V_fc1000_B_new = V_fc1000_B*momentum + d_fc1000_B + decay*fc1000_B
         V_fc1000_B_new = T['V_fc1000_B']  # in place: the new V_fc1000_B
         rt.ew(ew_mul_add, V_fc1000_B_new, T['V_fc1000_B'], momentum, d_fc1000_B, decay, T['fc1000_B'])
         # free d_fc1000_B
         del d_fc1000_B
-        mem.free(316)
+        mem.free(263)
         # fc1000_B_new = fc1000_B - lr*V_fc1000_B_new
         fc1000_B_new = T['fc1000_B']  # in place: the new fc1000_B
         rt.ew(ew_mul_sub, fc1000_B_new, T['fc1000_B'], lr, V_fc1000_B_new)
         # d_bn5c_branch2c_flatten = matmul(d_fc1000, fc1000_W)
-        d_bn5c_branch2c_flatten = mem.tensor(317, (32, 2048), 'float32')
+        d_bn5c_branch2c_flatten = mem.tensor(264, (32, 2048), 'float32')
         rt.matmul(d_fc1000, T['fc1000_W'], out=d_bn5c_branch2c_flatten)
         # d_fc1000_W = matmul[ta](d_fc1000, bn5c_branch2c_flatten)
-        d_fc1000_W = mem.tensor(318, (1000, 2048), 'float32')
+        d_fc1000_W = mem.tensor(265, (1000, 2048), 'float32')
         rt.matmul(d_fc1000, bn5c_branch2c_flatten, out=d_fc1000_W, ta=True)
         # free d_fc1000_cross_entropy_log_softmax, d_fc1000, bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         del d_fc1000_cross_entropy_log_softmax, d_fc1000, bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
-        mem.free(2, 312)
+        mem.free(2, 259)
         # V_fc1000_W_new = V_fc1000_W*momentum + d_fc1000_W + decay*fc1000_W
         V_fc1000_W_new = T['V_fc1000_W']  # in place: the new V_fc1000_W
         rt.ew(ew_mul_add, V_fc1000_W_new, T['V_fc1000_W'], momentum, d_fc1000_W, decay, T['fc1000_W'])
         # free d_fc1000_W
         del d_fc1000_W
-        mem.free(318)
+        mem.free(265)
         # fc1000_W_new = fc1000_W - lr*V_fc1000_W_new
         fc1000_W_new = T['fc1000_W']  # in place: the new fc1000_W
         rt.ew(ew_mul_sub, fc1000_W_new, T['fc1000_W'], lr, V_fc1000_W_new)
@@ -3506,68 +3189,44 @@ class Resnet50(rp.Model):
 
         # ---- bn5c_branch2c_avg_pool (average pooling), backward ----
         # d_bn5c_branch2c_relu = avg_pool_bwd[kernel=7,size=(7,7),stride=7](d_bn5c_branch2c_avg_pool)
-        d_bn5c_branch2c_relu = mem.tensor(319, (32, 2048, 7, 7), 'float32', over=317)
-        rt.avg_pool_bwd(d_bn5c_branch2c_avg_pool, out=d_bn5c_branch2c_relu, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(270336))
+        d_bn5c_branch2c_relu = mem.tensor(266, (32, 2048, 7, 7), 'float32')
+        rt.avg_pool_bwd(d_bn5c_branch2c_avg_pool, out=d_bn5c_branch2c_relu, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(262144))
         # free d_bn5c_branch2c_flatten, d_bn5c_branch2c_avg_pool
         del d_bn5c_branch2c_flatten, d_bn5c_branch2c_avg_pool
-        mem.free(317)
+        mem.free(264)
+
+        # ---- bn5c_branch2c_relu (relu), forward ----
+        # bn5c_branch2c_relu_2 = Max(0, bn5c_branch2c_centered*bn5c_branch2c_inv_std*bn5c_branch2c_weight + bn5c_branch2c_bias + bn5b_branch2c_relu)
+        bn5c_branch2c_relu_2 = mem.tensor(267, (32, 2048, 7, 7), 'float32')
+        rt.ew(ew_mul_add_relu_4, bn5c_branch2c_relu_2, bn5c_branch2c_centered, bn5c_branch2c_inv_std, bn5c_branch2c_weight, bn5c_branch2c_bias, bn5b_branch2c_relu)
 
         # ---- bn5c_branch2c_relu (relu), backward ----
-        # d_bn5c_branch2c_add = d_bn5c_branch2c_relu*Heaviside(bn5c_branch2c_relu, 0)
+        # d_bn5c_branch2c_add = d_bn5c_branch2c_relu*Heaviside(bn5c_branch2c_relu_2, 0)
         d_bn5c_branch2c_add = d_bn5c_branch2c_relu  # in place: over d_bn5c_branch2c_relu
-        rt.ew(ew_step_mul, d_bn5c_branch2c_add, d_bn5c_branch2c_relu, bn5c_branch2c_relu)
-        # free bn5c_branch2c_relu
-        del bn5c_branch2c_relu
-        mem.free(311)
+        rt.ew(ew_step_mul, d_bn5c_branch2c_add, d_bn5c_branch2c_relu, bn5c_branch2c_relu_2)
+        # free bn5c_branch2c_relu_2
+        del bn5c_branch2c_relu_2
+        mem.free(267)
 
         # ---- bn5c_branch2c (batch norm), backward ----
-        # d_bn5c_branch2c_bias = sum_to[1x2048x1x1](d_bn5c_branch2c_add)
-        d_bn5c_branch2c_bias = mem.tensor(320, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2c_add, out=d_bn5c_branch2c_bias, shape=(1, 2048, 1, 1))
-        # d_bn5c_branch2c_B = reshape[2048](d_bn5c_branch2c_bias)
-        d_bn5c_branch2c_B = rt.reshape(d_bn5c_branch2c_bias, shape=(2048,))
-        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B
-        V_bn5c_branch2c_B_new = T['V_bn5c_branch2c_B']  # in place: the new V_bn5c_branch2c_B
-        rt.ew(ew_mul_add, V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B'])
-        # free d_bn5c_branch2c_bias, d_bn5c_branch2c_B
-        del d_bn5c_branch2c_bias, d_bn5c_branch2c_B
-        mem.free(320)
-        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new
-        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
-        rt.ew(ew_mul_sub, bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new)
-        # d_bn5c_branch2c_mul = d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_weight
-        d_bn5c_branch2c_mul = mem.tensor(321, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2c_mul, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_weight)
-        # d_bn5c_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5c_branch2c_mul)
-        d_bn5c_branch2c_inv_std = mem.tensor(322, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2c_mul, out=d_bn5c_branch2c_inv_std, shape=(1, 2048, 1, 1))
-        # free d_bn5c_branch2c_mul
-        del d_bn5c_branch2c_mul
-        mem.free(321)
+        # d_bn5c_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_weight)
+        d_bn5c_branch2c_inv_std = mem.tensor(268, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5c_branch2c_sum_of_squares = -d_bn5c_branch2c_inv_std/(3136*(bn5c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2c_sum_of_squares = d_bn5c_branch2c_inv_std  # in place: over d_bn5c_branch2c_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2c_sum_of_squares, d_bn5c_branch2c_inv_std, bn5c_branch2c_batch_var)
         # free bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         del bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
-        mem.free(309)
+        mem.free(256)
+        # d_bn5c_branch2c_weight = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_inv_std)
+        d_bn5c_branch2c_weight = mem.tensor(269, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2c_weight, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5c_branch2c_centered = d_bn5c_branch2c_add*bn5c_branch2c_inv_std*bn5c_branch2c_weight + 2*d_bn5c_branch2c_sum_of_squares*bn5c_branch2c_centered
-        d_bn5c_branch2c_centered = mem.tensor(323, (32, 2048, 7, 7), 'float32')
+        d_bn5c_branch2c_centered = bn5c_branch2c_centered  # in place: over bn5c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2c_centered, d_bn5c_branch2c_add, bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered)
-        # free d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
-        del d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
-        mem.free(322)
-        # d_bn5c_branch2c_mul_2 = d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_inv_std
-        d_bn5c_branch2c_mul_2 = bn5c_branch2c_centered  # in place: over bn5c_branch2c_centered
-        rt.ew(ew_mul_2, d_bn5c_branch2c_mul_2, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_inv_std)
-        # free bn5c_branch2c_inv_std
-        del bn5c_branch2c_inv_std
-        mem.free(310)
-        # d_bn5c_branch2c_weight = sum_to[1x2048x1x1](d_bn5c_branch2c_mul_2)
-        d_bn5c_branch2c_weight = mem.tensor(324, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2c_mul_2, out=d_bn5c_branch2c_weight, shape=(1, 2048, 1, 1))
-        # free res5c_branch2c, bn5c_branch2c_centered, d_bn5c_branch2c_mul_2
-        del res5c_branch2c, bn5c_branch2c_centered, d_bn5c_branch2c_mul_2
-        mem.free(306)
+        # free bn5c_branch2c_inv_std, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
+        del bn5c_branch2c_inv_std, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
+        mem.free(257, 268)
         # d_bn5c_branch2c_W = reshape[2048](d_bn5c_branch2c_weight)
         d_bn5c_branch2c_W = rt.reshape(d_bn5c_branch2c_weight, shape=(2048,))
         # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W
@@ -3575,19 +3234,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W'])
         # free d_bn5c_branch2c_weight, d_bn5c_branch2c_W
         del d_bn5c_branch2c_weight, d_bn5c_branch2c_W
-        mem.free(324)
+        mem.free(269)
         # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new
         bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
         rt.ew(ew_mul_sub, bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new)
-        # d_bn5c_branch2c_neg = -d_bn5c_branch2c_centered
-        d_bn5c_branch2c_neg = mem.tensor(325, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5c_branch2c_neg, d_bn5c_branch2c_centered)
-        # d_bn5c_branch2c_batch_mean = sum_to[1x2048x1x1](d_bn5c_branch2c_neg)
-        d_bn5c_branch2c_batch_mean = mem.tensor(326, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2c_neg, out=d_bn5c_branch2c_batch_mean, shape=(1, 2048, 1, 1))
-        # free d_bn5c_branch2c_neg
-        del d_bn5c_branch2c_neg
-        mem.free(325)
+        # d_bn5c_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5c_branch2c_centered)
+        d_bn5c_branch2c_batch_mean = mem.tensor(270, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean/1568
         d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean  # in place: over d_bn5c_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2c_sum, d_bn5c_branch2c_batch_mean)
@@ -3598,29 +3251,47 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5c_branch2c, d_bn5c_branch2c_centered, d_bn5c_branch2c_sum)
         # free d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_sum
         del d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_sum
-        mem.free(326)
+        mem.free(270)
+
+        # ---- bn5c_branch2c (batch norm), backward ----
+        # d_bn5c_branch2c_bias = sum_to[1x2048x1x1](d_bn5c_branch2c_add)
+        d_bn5c_branch2c_bias = mem.tensor(271, (1, 2048, 1, 1), 'float32')
+        rt.sum_to(d_bn5c_branch2c_add, out=d_bn5c_branch2c_bias, shape=(1, 2048, 1, 1))
+        # d_bn5c_branch2c_B = reshape[2048](d_bn5c_branch2c_bias)
+        d_bn5c_branch2c_B = rt.reshape(d_bn5c_branch2c_bias, shape=(2048,))
+        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B
+        V_bn5c_branch2c_B_new = T['V_bn5c_branch2c_B']  # in place: the new V_bn5c_branch2c_B
+        rt.ew(ew_mul_add, V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B'])
+        # free d_bn5c_branch2c_bias, d_bn5c_branch2c_B
+        del d_bn5c_branch2c_bias, d_bn5c_branch2c_B
+        mem.free(271)
+        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new
+        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
+        rt.ew(ew_mul_sub, bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new)
+
+        # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5c_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2c, res5c_branch2c_W)
-        d_bn5c_branch2b_relu = mem.tensor(327, (32, 512, 7, 7), 'float32')
+        d_bn5c_branch2b_relu = mem.tensor(272, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5c_branch2c, T['res5c_branch2c_W'], out=d_bn5c_branch2b_relu, pad=0, size=(7, 7), stride=1)
 
         # ---- bn5c_branch2b_relu (relu), forward ----
         # bn5c_branch2b_relu_2 = Max(0, bn5c_branch2b_centered*bn5c_branch2b_inv_std*bn5c_branch2b_weight + bn5c_branch2b_bias)
-        bn5c_branch2b_relu_2 = mem.tensor(328, (32, 512, 7, 7), 'float32')
+        bn5c_branch2b_relu_2 = mem.tensor(273, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5c_branch2b_relu_2, bn5c_branch2b_centered, bn5c_branch2b_inv_std, bn5c_branch2b_weight, bn5c_branch2b_bias)
 
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_res5c_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res5c_branch2c, bn5c_branch2b_relu_2)
-        d_res5c_branch2c_W = mem.tensor(329, (2048, 512, 1, 1), 'float32')
+        d_res5c_branch2c_W = mem.tensor(274, (2048, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5c_branch2c, bn5c_branch2b_relu_2, out=d_res5c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
-        # free d_bn5c_branch2c_centered, d_res5c_branch2c
-        del d_bn5c_branch2c_centered, d_res5c_branch2c
-        mem.free(323)
+        # free res5c_branch2c, bn5c_branch2c_centered, d_bn5c_branch2c_centered, d_res5c_branch2c
+        del res5c_branch2c, bn5c_branch2c_centered, d_bn5c_branch2c_centered, d_res5c_branch2c
+        mem.free(254)
         # V_res5c_branch2c_W_new = V_res5c_branch2c_W*momentum + d_res5c_branch2c_W + decay*res5c_branch2c_W
         V_res5c_branch2c_W_new = T['V_res5c_branch2c_W']  # in place: the new V_res5c_branch2c_W
         rt.ew(ew_mul_add, V_res5c_branch2c_W_new, T['V_res5c_branch2c_W'], momentum, d_res5c_branch2c_W, decay, T['res5c_branch2c_W'])
         # free d_res5c_branch2c_W
         del d_res5c_branch2c_W
-        mem.free(329)
+        mem.free(274)
 
         # ---- bn5c_branch2b_relu (relu), backward ----
         # d_bn5c_branch2b = d_bn5c_branch2b_relu*Heaviside(bn5c_branch2b_relu_2, 0)
@@ -3628,7 +3299,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5c_branch2b, d_bn5c_branch2b_relu, bn5c_branch2b_relu_2)
         # free bn5c_branch2b_relu_2
         del bn5c_branch2b_relu_2
-        mem.free(328)
+        mem.free(273)
 
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # res5c_branch2c_W_new = res5c_branch2c_W - lr*V_res5c_branch2c_W_new
@@ -3636,53 +3307,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2c_W_new, T['res5c_branch2c_W'], lr, V_res5c_branch2c_W_new)
 
         # ---- bn5c_branch2b (batch norm), backward ----
-        # d_bn5c_branch2b_bias = sum_to[1x512x1x1](d_bn5c_branch2b)
-        d_bn5c_branch2b_bias = mem.tensor(330, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2b, out=d_bn5c_branch2b_bias, shape=(1, 512, 1, 1))
-        # d_bn5c_branch2b_B = reshape[512](d_bn5c_branch2b_bias)
-        d_bn5c_branch2b_B = rt.reshape(d_bn5c_branch2b_bias, shape=(512,))
-        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B
-        V_bn5c_branch2b_B_new = T['V_bn5c_branch2b_B']  # in place: the new V_bn5c_branch2b_B
-        rt.ew(ew_mul_add, V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B'])
-        # free d_bn5c_branch2b_bias, d_bn5c_branch2b_B
-        del d_bn5c_branch2b_bias, d_bn5c_branch2b_B
-        mem.free(330)
-        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new
-        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
-        rt.ew(ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new)
-        # d_bn5c_branch2b_mul = d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_weight
-        d_bn5c_branch2b_mul = mem.tensor(331, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2b_mul, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_weight)
-        # d_bn5c_branch2b_inv_std = sum_to[1x512x1x1](d_bn5c_branch2b_mul)
-        d_bn5c_branch2b_inv_std = mem.tensor(332, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2b_mul, out=d_bn5c_branch2b_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2b_mul
-        del d_bn5c_branch2b_mul
-        mem.free(331)
+        # d_bn5c_branch2b_inv_std = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_weight)
+        d_bn5c_branch2b_inv_std = mem.tensor(275, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2b_inv_std, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2b_sum_of_squares = -d_bn5c_branch2b_inv_std/(3136*(bn5c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2b_sum_of_squares = d_bn5c_branch2b_inv_std  # in place: over d_bn5c_branch2b_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2b_sum_of_squares, d_bn5c_branch2b_inv_std, bn5c_branch2b_batch_var)
         # free bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         del bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
-        mem.free(303)
+        mem.free(251)
+        # d_bn5c_branch2b_weight = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_inv_std)
+        d_bn5c_branch2b_weight = mem.tensor(276, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2b_weight, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2b_centered = d_bn5c_branch2b*bn5c_branch2b_inv_std*bn5c_branch2b_weight + 2*d_bn5c_branch2b_sum_of_squares*bn5c_branch2b_centered
-        d_bn5c_branch2b_centered = mem.tensor(333, (32, 512, 7, 7), 'float32')
+        d_bn5c_branch2b_centered = bn5c_branch2b_centered  # in place: over bn5c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2b_centered, d_bn5c_branch2b, bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered)
-        # free d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
-        del d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
-        mem.free(332)
-        # d_bn5c_branch2b_mul_2 = d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_inv_std
-        d_bn5c_branch2b_mul_2 = d_bn5c_branch2b  # in place: over d_bn5c_branch2b
-        rt.ew(ew_mul_3, d_bn5c_branch2b_mul_2, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_inv_std)
-        # free res5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_inv_std
-        del res5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_inv_std
-        mem.free(300, 304)
-        # d_bn5c_branch2b_weight = sum_to[1x512x1x1](d_bn5c_branch2b_mul_2)
-        d_bn5c_branch2b_weight = mem.tensor(334, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2b_mul_2, out=d_bn5c_branch2b_weight, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2b_relu, d_bn5c_branch2b, d_bn5c_branch2b_mul_2
-        del d_bn5c_branch2b_relu, d_bn5c_branch2b, d_bn5c_branch2b_mul_2
-        mem.free(327)
+        # free bn5c_branch2b_inv_std, d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
+        del bn5c_branch2b_inv_std, d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
+        mem.free(252, 275)
+        # d_bn5c_branch2b_bias = sum_to[1x512x1x1](d_bn5c_branch2b)
+        d_bn5c_branch2b_bias = mem.tensor(277, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5c_branch2b, out=d_bn5c_branch2b_bias, shape=(1, 512, 1, 1))
+        # free d_bn5c_branch2b_relu, d_bn5c_branch2b
+        del d_bn5c_branch2b_relu, d_bn5c_branch2b
+        mem.free(272)
         # d_bn5c_branch2b_W = reshape[512](d_bn5c_branch2b_weight)
         d_bn5c_branch2b_W = rt.reshape(d_bn5c_branch2b_weight, shape=(512,))
         # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W
@@ -3690,19 +3338,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W'])
         # free d_bn5c_branch2b_weight, d_bn5c_branch2b_W
         del d_bn5c_branch2b_weight, d_bn5c_branch2b_W
-        mem.free(334)
+        mem.free(276)
         # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new
         bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
         rt.ew(ew_mul_sub, bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new)
-        # d_bn5c_branch2b_neg = -d_bn5c_branch2b_centered
-        d_bn5c_branch2b_neg = mem.tensor(335, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5c_branch2b_neg, d_bn5c_branch2b_centered)
-        # d_bn5c_branch2b_batch_mean = sum_to[1x512x1x1](d_bn5c_branch2b_neg)
-        d_bn5c_branch2b_batch_mean = mem.tensor(336, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2b_neg, out=d_bn5c_branch2b_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2b_neg
-        del d_bn5c_branch2b_neg
-        mem.free(335)
+        # d_bn5c_branch2b_B = reshape[512](d_bn5c_branch2b_bias)
+        d_bn5c_branch2b_B = rt.reshape(d_bn5c_branch2b_bias, shape=(512,))
+        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B
+        V_bn5c_branch2b_B_new = T['V_bn5c_branch2b_B']  # in place: the new V_bn5c_branch2b_B
+        rt.ew(ew_mul_add, V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B'])
+        # free d_bn5c_branch2b_bias, d_bn5c_branch2b_B
+        del d_bn5c_branch2b_bias, d_bn5c_branch2b_B
+        mem.free(277)
+        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new
+        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
+        rt.ew(ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new)
+        # d_bn5c_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2b_centered)
+        d_bn5c_branch2b_batch_mean = mem.tensor(278, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean/1568
         d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean  # in place: over d_bn5c_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2b_sum, d_bn5c_branch2b_batch_mean)
@@ -3713,14 +3366,14 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5c_branch2b, d_bn5c_branch2b_centered, d_bn5c_branch2b_sum)
         # free d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_sum
         del d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_sum
-        mem.free(336)
+        mem.free(278)
         # d_bn5c_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5c_branch2b, res5c_branch2b_W)
-        d_bn5c_branch2a_relu = mem.tensor(337, (32, 512, 7, 7), 'float32')
+        d_bn5c_branch2a_relu = mem.tensor(279, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5c_branch2b, T['res5c_branch2b_W'], out=d_bn5c_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
 
         # ---- bn5c_branch2a_relu (relu), forward ----
         # bn5c_branch2a_relu_2 = Max(0, bn5c_branch2a_centered*bn5c_branch2a_inv_std*bn5c_branch2a_weight + bn5c_branch2a_bias)
-        bn5c_branch2a_relu_2 = mem.tensor(338, (32, 512, 7, 7), 'float32')
+        bn5c_branch2a_relu_2 = mem.tensor(280, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5c_branch2a_relu_2, bn5c_branch2a_centered, bn5c_branch2a_inv_std, bn5c_branch2a_weight, bn5c_branch2a_bias)
 
         # ---- bn5c_branch2a_relu (relu), backward ----
@@ -3729,72 +3382,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5c_branch2a, d_bn5c_branch2a_relu, bn5c_branch2a_relu_2)
 
         # ---- bn5c_branch2a (batch norm), backward ----
-        # d_bn5c_branch2a_bias = sum_to[1x512x1x1](d_bn5c_branch2a)
-        d_bn5c_branch2a_bias = mem.tensor(339, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2a, out=d_bn5c_branch2a_bias, shape=(1, 512, 1, 1))
-        # d_bn5c_branch2a_B = reshape[512](d_bn5c_branch2a_bias)
-        d_bn5c_branch2a_B = rt.reshape(d_bn5c_branch2a_bias, shape=(512,))
-        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B
-        V_bn5c_branch2a_B_new = T['V_bn5c_branch2a_B']  # in place: the new V_bn5c_branch2a_B
-        rt.ew(ew_mul_add, V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B'])
-        # free d_bn5c_branch2a_bias, d_bn5c_branch2a_B
-        del d_bn5c_branch2a_bias, d_bn5c_branch2a_B
-        mem.free(339)
-        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new
-        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
-        rt.ew(ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new)
-
-        # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # d_res5c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5c_branch2b, bn5c_branch2a_relu_2)
-        d_res5c_branch2b_W = mem.tensor(340, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5c_branch2b, bn5c_branch2a_relu_2, out=d_res5c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
-        # free d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
-        del d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
-        mem.free(333, 338)
-        # V_res5c_branch2b_W_new = V_res5c_branch2b_W*momentum + d_res5c_branch2b_W + decay*res5c_branch2b_W
-        V_res5c_branch2b_W_new = T['V_res5c_branch2b_W']  # in place: the new V_res5c_branch2b_W
-        rt.ew(ew_mul_add, V_res5c_branch2b_W_new, T['V_res5c_branch2b_W'], momentum, d_res5c_branch2b_W, decay, T['res5c_branch2b_W'])
-        # free d_res5c_branch2b_W
-        del d_res5c_branch2b_W
-        mem.free(340)
-        # res5c_branch2b_W_new = res5c_branch2b_W - lr*V_res5c_branch2b_W_new
-        res5c_branch2b_W_new = T['res5c_branch2b_W']  # in place: the new res5c_branch2b_W
-        rt.ew(ew_mul_sub, res5c_branch2b_W_new, T['res5c_branch2b_W'], lr, V_res5c_branch2b_W_new)
-
-        # ---- bn5c_branch2a (batch norm), backward ----
-        # d_bn5c_branch2a_mul = d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_weight
-        d_bn5c_branch2a_mul = mem.tensor(341, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2a_mul, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_weight)
-        # d_bn5c_branch2a_inv_std = sum_to[1x512x1x1](d_bn5c_branch2a_mul)
-        d_bn5c_branch2a_inv_std = mem.tensor(342, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2a_mul, out=d_bn5c_branch2a_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2a_mul
-        del d_bn5c_branch2a_mul
-        mem.free(341)
+        # d_bn5c_branch2a_inv_std = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_weight)
+        d_bn5c_branch2a_inv_std = mem.tensor(281, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2a_inv_std, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2a_sum_of_squares = -d_bn5c_branch2a_inv_std/(3136*(bn5c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2a_sum_of_squares = d_bn5c_branch2a_inv_std  # in place: over d_bn5c_branch2a_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2a_sum_of_squares, d_bn5c_branch2a_inv_std, bn5c_branch2a_batch_var)
         # free bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         del bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
-        mem.free(297)
+        mem.free(246)
+        # d_bn5c_branch2a_weight = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_inv_std)
+        d_bn5c_branch2a_weight = mem.tensor(282, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2a_weight, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2a_centered = d_bn5c_branch2a*bn5c_branch2a_inv_std*bn5c_branch2a_weight + 2*d_bn5c_branch2a_sum_of_squares*bn5c_branch2a_centered
-        d_bn5c_branch2a_centered = mem.tensor(343, (32, 512, 7, 7), 'float32')
+        d_bn5c_branch2a_centered = bn5c_branch2a_centered  # in place: over bn5c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2a_centered, d_bn5c_branch2a, bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered)
-        # free d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
-        del d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
-        mem.free(342)
-        # d_bn5c_branch2a_mul_2 = d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_inv_std
-        d_bn5c_branch2a_mul_2 = d_bn5c_branch2a  # in place: over d_bn5c_branch2a
-        rt.ew(ew_mul_3, d_bn5c_branch2a_mul_2, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_inv_std)
-        # free res5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_inv_std
-        del res5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_inv_std
-        mem.free(294, 298)
-        # d_bn5c_branch2a_weight = sum_to[1x512x1x1](d_bn5c_branch2a_mul_2)
-        d_bn5c_branch2a_weight = mem.tensor(344, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2a_mul_2, out=d_bn5c_branch2a_weight, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2a_relu, d_bn5c_branch2a, d_bn5c_branch2a_mul_2
-        del d_bn5c_branch2a_relu, d_bn5c_branch2a, d_bn5c_branch2a_mul_2
-        mem.free(337)
+        # free bn5c_branch2a_inv_std, d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
+        del bn5c_branch2a_inv_std, d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
+        mem.free(247, 281)
+        # d_bn5c_branch2a_bias = sum_to[1x512x1x1](d_bn5c_branch2a)
+        d_bn5c_branch2a_bias = mem.tensor(283, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5c_branch2a, out=d_bn5c_branch2a_bias, shape=(1, 512, 1, 1))
+        # free d_bn5c_branch2a_relu, d_bn5c_branch2a
+        del d_bn5c_branch2a_relu, d_bn5c_branch2a
+        mem.free(279)
         # d_bn5c_branch2a_W = reshape[512](d_bn5c_branch2a_weight)
         d_bn5c_branch2a_W = rt.reshape(d_bn5c_branch2a_weight, shape=(512,))
         # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W
@@ -3802,19 +3413,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W'])
         # free d_bn5c_branch2a_weight, d_bn5c_branch2a_W
         del d_bn5c_branch2a_weight, d_bn5c_branch2a_W
-        mem.free(344)
+        mem.free(282)
         # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new
         bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
         rt.ew(ew_mul_sub, bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new)
-        # d_bn5c_branch2a_neg = -d_bn5c_branch2a_centered
-        d_bn5c_branch2a_neg = mem.tensor(345, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5c_branch2a_neg, d_bn5c_branch2a_centered)
-        # d_bn5c_branch2a_batch_mean = sum_to[1x512x1x1](d_bn5c_branch2a_neg)
-        d_bn5c_branch2a_batch_mean = mem.tensor(346, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5c_branch2a_neg, out=d_bn5c_branch2a_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5c_branch2a_neg
-        del d_bn5c_branch2a_neg
-        mem.free(345)
+        # d_bn5c_branch2a_B = reshape[512](d_bn5c_branch2a_bias)
+        d_bn5c_branch2a_B = rt.reshape(d_bn5c_branch2a_bias, shape=(512,))
+        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B
+        V_bn5c_branch2a_B_new = T['V_bn5c_branch2a_B']  # in place: the new V_bn5c_branch2a_B
+        rt.ew(ew_mul_add, V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B'])
+        # free d_bn5c_branch2a_bias, d_bn5c_branch2a_B
+        del d_bn5c_branch2a_bias, d_bn5c_branch2a_B
+        mem.free(283)
+        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new
+        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
+        rt.ew(ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new)
+        # d_bn5c_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2a_centered)
+        d_bn5c_branch2a_batch_mean = mem.tensor(284, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean/1568
         d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean  # in place: over d_bn5c_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2a_sum, d_bn5c_branch2a_batch_mean)
@@ -3825,22 +3441,41 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5c_branch2a, d_bn5c_branch2a_centered, d_bn5c_branch2a_sum)
         # free d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_sum
         del d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_sum
-        mem.free(346)
+        mem.free(284)
+
+        # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_res5c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5c_branch2b, bn5c_branch2a_relu_2)
+        d_res5c_branch2b_W = mem.tensor(285, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res5c_branch2b, bn5c_branch2a_relu_2, out=d_res5c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
+        # free res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
+        del res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
+        mem.free(249, 280)
+        # V_res5c_branch2b_W_new = V_res5c_branch2b_W*momentum + d_res5c_branch2b_W + decay*res5c_branch2b_W
+        V_res5c_branch2b_W_new = T['V_res5c_branch2b_W']  # in place: the new V_res5c_branch2b_W
+        rt.ew(ew_mul_add, V_res5c_branch2b_W_new, T['V_res5c_branch2b_W'], momentum, d_res5c_branch2b_W, decay, T['res5c_branch2b_W'])
+        # free d_res5c_branch2b_W
+        del d_res5c_branch2b_W
+        mem.free(285)
+        # res5c_branch2b_W_new = res5c_branch2b_W - lr*V_res5c_branch2b_W_new
+        res5c_branch2b_W_new = T['res5c_branch2b_W']  # in place: the new res5c_branch2b_W
+        rt.ew(ew_mul_sub, res5c_branch2b_W_new, T['res5c_branch2b_W'], lr, V_res5c_branch2b_W_new)
+
+        # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res5c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res5c_branch2a, bn5b_branch2c_relu)
-        d_res5c_branch2a_W = mem.tensor(347, (512, 2048, 1, 1), 'float32')
+        d_res5c_branch2a_W = mem.tensor(286, (512, 2048, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5c_branch2a, bn5b_branch2c_relu, out=d_res5c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
         # V_res5c_branch2a_W_new = V_res5c_branch2a_W*momentum + d_res5c_branch2a_W + decay*res5c_branch2a_W
         V_res5c_branch2a_W_new = T['V_res5c_branch2a_W']  # in place: the new V_res5c_branch2a_W
         rt.ew(ew_mul_add, V_res5c_branch2a_W_new, T['V_res5c_branch2a_W'], momentum, d_res5c_branch2a_W, decay, T['res5c_branch2a_W'])
         # free d_res5c_branch2a_W
         del d_res5c_branch2a_W
-        mem.free(347)
+        mem.free(286)
         # d_bn5b_branch2c_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2a, res5c_branch2a_W)
-        d_bn5b_branch2c_relu = mem.tensor(348, (32, 2048, 7, 7), 'float32')
+        d_bn5b_branch2c_relu = mem.tensor(287, (32, 2048, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5c_branch2a, T['res5c_branch2a_W'], out=d_bn5b_branch2c_relu, pad=0, size=(7, 7), stride=1)
-        # free d_bn5c_branch2a_centered, d_res5c_branch2a
-        del d_bn5c_branch2a_centered, d_res5c_branch2a
-        mem.free(343)
+        # free res5c_branch2a, bn5c_branch2a_centered, d_bn5c_branch2a_centered, d_res5c_branch2a
+        del res5c_branch2a, bn5c_branch2a_centered, d_bn5c_branch2a_centered, d_res5c_branch2a
+        mem.free(244)
 
         # ---- bn5b_branch2c_relu (relu), backward ----
         # d_bn5b_branch2c_add = (d_bn5c_branch2c_add + d_bn5b_branch2c_relu)*Heaviside(bn5b_branch2c_relu, 0)
@@ -3848,7 +3483,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn5b_branch2c_add, d_bn5c_branch2c_add, d_bn5b_branch2c_relu, bn5b_branch2c_relu)
         # free bn5a_branch2c_relu, bn5b_branch2c_relu, d_bn5b_branch2c_relu
         del bn5a_branch2c_relu, bn5b_branch2c_relu, d_bn5b_branch2c_relu
-        mem.free(276, 348)
+        mem.free(229, 287)
 
         # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # res5c_branch2a_W_new = res5c_branch2a_W - lr*V_res5c_branch2a_W_new
@@ -3856,53 +3491,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2a_W_new, T['res5c_branch2a_W'], lr, V_res5c_branch2a_W_new)
 
         # ---- bn5b_branch2c (batch norm), backward ----
-        # d_bn5b_branch2c_bias = sum_to[1x2048x1x1](d_bn5b_branch2c_add)
-        d_bn5b_branch2c_bias = mem.tensor(349, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2c_add, out=d_bn5b_branch2c_bias, shape=(1, 2048, 1, 1))
-        # d_bn5b_branch2c_B = reshape[2048](d_bn5b_branch2c_bias)
-        d_bn5b_branch2c_B = rt.reshape(d_bn5b_branch2c_bias, shape=(2048,))
-        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B
-        V_bn5b_branch2c_B_new = T['V_bn5b_branch2c_B']  # in place: the new V_bn5b_branch2c_B
-        rt.ew(ew_mul_add, V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B'])
-        # free d_bn5b_branch2c_bias, d_bn5b_branch2c_B
-        del d_bn5b_branch2c_bias, d_bn5b_branch2c_B
-        mem.free(349)
-        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new
-        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
-        rt.ew(ew_mul_sub, bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new)
-        # d_bn5b_branch2c_mul = d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_weight
-        d_bn5b_branch2c_mul = mem.tensor(350, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2c_mul, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_weight)
-        # d_bn5b_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5b_branch2c_mul)
-        d_bn5b_branch2c_inv_std = mem.tensor(351, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2c_mul, out=d_bn5b_branch2c_inv_std, shape=(1, 2048, 1, 1))
-        # free d_bn5b_branch2c_mul
-        del d_bn5b_branch2c_mul
-        mem.free(350)
+        # d_bn5b_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_weight)
+        d_bn5b_branch2c_inv_std = mem.tensor(288, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_sum_of_squares = -d_bn5b_branch2c_inv_std/(3136*(bn5b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2c_sum_of_squares = d_bn5b_branch2c_inv_std  # in place: over d_bn5b_branch2c_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2c_sum_of_squares, d_bn5b_branch2c_inv_std, bn5b_branch2c_batch_var)
         # free bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         del bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
-        mem.free(292)
+        mem.free(242)
+        # d_bn5b_branch2c_weight = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_inv_std)
+        d_bn5b_branch2c_weight = mem.tensor(289, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2c_weight, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_centered = d_bn5b_branch2c_add*bn5b_branch2c_inv_std*bn5b_branch2c_weight + 2*d_bn5b_branch2c_sum_of_squares*bn5b_branch2c_centered
-        d_bn5b_branch2c_centered = mem.tensor(352, (32, 2048, 7, 7), 'float32')
+        d_bn5b_branch2c_centered = bn5b_branch2c_centered  # in place: over bn5b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2c_centered, d_bn5b_branch2c_add, bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered)
-        # free d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
-        del d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
-        mem.free(351)
-        # d_bn5b_branch2c_mul_2 = d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_inv_std
-        d_bn5b_branch2c_mul_2 = bn5b_branch2c_centered  # in place: over bn5b_branch2c_centered
-        rt.ew(ew_mul_2, d_bn5b_branch2c_mul_2, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_inv_std)
-        # free bn5b_branch2c_inv_std
-        del bn5b_branch2c_inv_std
-        mem.free(293)
-        # d_bn5b_branch2c_weight = sum_to[1x2048x1x1](d_bn5b_branch2c_mul_2)
-        d_bn5b_branch2c_weight = mem.tensor(353, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2c_mul_2, out=d_bn5b_branch2c_weight, shape=(1, 2048, 1, 1))
-        # free res5b_branch2c, bn5b_branch2c_centered, d_bn5b_branch2c_mul_2
-        del res5b_branch2c, bn5b_branch2c_centered, d_bn5b_branch2c_mul_2
-        mem.free(289)
+        # free bn5b_branch2c_inv_std, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
+        del bn5b_branch2c_inv_std, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
+        mem.free(243, 288)
         # d_bn5b_branch2c_W = reshape[2048](d_bn5b_branch2c_weight)
         d_bn5b_branch2c_W = rt.reshape(d_bn5b_branch2c_weight, shape=(2048,))
         # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W
@@ -3910,19 +3516,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W'])
         # free d_bn5b_branch2c_weight, d_bn5b_branch2c_W
         del d_bn5b_branch2c_weight, d_bn5b_branch2c_W
-        mem.free(353)
+        mem.free(289)
         # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new
         bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
         rt.ew(ew_mul_sub, bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new)
-        # d_bn5b_branch2c_neg = -d_bn5b_branch2c_centered
-        d_bn5b_branch2c_neg = mem.tensor(354, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5b_branch2c_neg, d_bn5b_branch2c_centered)
-        # d_bn5b_branch2c_batch_mean = sum_to[1x2048x1x1](d_bn5b_branch2c_neg)
-        d_bn5b_branch2c_batch_mean = mem.tensor(355, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2c_neg, out=d_bn5b_branch2c_batch_mean, shape=(1, 2048, 1, 1))
-        # free d_bn5b_branch2c_neg
-        del d_bn5b_branch2c_neg
-        mem.free(354)
+        # d_bn5b_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5b_branch2c_centered)
+        d_bn5b_branch2c_batch_mean = mem.tensor(290, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean/1568
         d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean  # in place: over d_bn5b_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2c_sum, d_bn5b_branch2c_batch_mean)
@@ -3933,29 +3533,47 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5b_branch2c, d_bn5b_branch2c_centered, d_bn5b_branch2c_sum)
         # free d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_sum
         del d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_sum
-        mem.free(355)
+        mem.free(290)
+
+        # ---- bn5b_branch2c (batch norm), backward ----
+        # d_bn5b_branch2c_bias = sum_to[1x2048x1x1](d_bn5b_branch2c_add)
+        d_bn5b_branch2c_bias = mem.tensor(291, (1, 2048, 1, 1), 'float32')
+        rt.sum_to(d_bn5b_branch2c_add, out=d_bn5b_branch2c_bias, shape=(1, 2048, 1, 1))
+        # d_bn5b_branch2c_B = reshape[2048](d_bn5b_branch2c_bias)
+        d_bn5b_branch2c_B = rt.reshape(d_bn5b_branch2c_bias, shape=(2048,))
+        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B
+        V_bn5b_branch2c_B_new = T['V_bn5b_branch2c_B']  # in place: the new V_bn5b_branch2c_B
+        rt.ew(ew_mul_add, V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B'])
+        # free d_bn5b_branch2c_bias, d_bn5b_branch2c_B
+        del d_bn5b_branch2c_bias, d_bn5b_branch2c_B
+        mem.free(291)
+        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new
+        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
+        rt.ew(ew_mul_sub, bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new)
+
+        # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5b_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2c, res5b_branch2c_W)
-        d_bn5b_branch2b_relu = mem.tensor(356, (32, 512, 7, 7), 'float32')
+        d_bn5b_branch2b_relu = mem.tensor(292, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5b_branch2c, T['res5b_branch2c_W'], out=d_bn5b_branch2b_relu, pad=0, size=(7, 7), stride=1)
 
         # ---- bn5b_branch2b_relu (relu), forward ----
         # bn5b_branch2b_relu_2 = Max(0, bn5b_branch2b_centered*bn5b_branch2b_inv_std*bn5b_branch2b_weight + bn5b_branch2b_bias)
-        bn5b_branch2b_relu_2 = mem.tensor(357, (32, 512, 7, 7), 'float32')
+        bn5b_branch2b_relu_2 = mem.tensor(293, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5b_branch2b_relu_2, bn5b_branch2b_centered, bn5b_branch2b_inv_std, bn5b_branch2b_weight, bn5b_branch2b_bias)
 
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_res5b_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res5b_branch2c, bn5b_branch2b_relu_2)
-        d_res5b_branch2c_W = mem.tensor(358, (2048, 512, 1, 1), 'float32')
+        d_res5b_branch2c_W = mem.tensor(294, (2048, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5b_branch2c, bn5b_branch2b_relu_2, out=d_res5b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
-        # free d_bn5b_branch2c_centered, d_res5b_branch2c
-        del d_bn5b_branch2c_centered, d_res5b_branch2c
-        mem.free(352)
+        # free res5b_branch2c, bn5b_branch2c_centered, d_bn5b_branch2c_centered, d_res5b_branch2c
+        del res5b_branch2c, bn5b_branch2c_centered, d_bn5b_branch2c_centered, d_res5b_branch2c
+        mem.free(240)
         # V_res5b_branch2c_W_new = V_res5b_branch2c_W*momentum + d_res5b_branch2c_W + decay*res5b_branch2c_W
         V_res5b_branch2c_W_new = T['V_res5b_branch2c_W']  # in place: the new V_res5b_branch2c_W
         rt.ew(ew_mul_add, V_res5b_branch2c_W_new, T['V_res5b_branch2c_W'], momentum, d_res5b_branch2c_W, decay, T['res5b_branch2c_W'])
         # free d_res5b_branch2c_W
         del d_res5b_branch2c_W
-        mem.free(358)
+        mem.free(294)
 
         # ---- bn5b_branch2b_relu (relu), backward ----
         # d_bn5b_branch2b = d_bn5b_branch2b_relu*Heaviside(bn5b_branch2b_relu_2, 0)
@@ -3963,7 +3581,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5b_branch2b, d_bn5b_branch2b_relu, bn5b_branch2b_relu_2)
         # free bn5b_branch2b_relu_2
         del bn5b_branch2b_relu_2
-        mem.free(357)
+        mem.free(293)
 
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # res5b_branch2c_W_new = res5b_branch2c_W - lr*V_res5b_branch2c_W_new
@@ -3971,53 +3589,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5b_branch2c_W_new, T['res5b_branch2c_W'], lr, V_res5b_branch2c_W_new)
 
         # ---- bn5b_branch2b (batch norm), backward ----
-        # d_bn5b_branch2b_bias = sum_to[1x512x1x1](d_bn5b_branch2b)
-        d_bn5b_branch2b_bias = mem.tensor(359, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2b, out=d_bn5b_branch2b_bias, shape=(1, 512, 1, 1))
-        # d_bn5b_branch2b_B = reshape[512](d_bn5b_branch2b_bias)
-        d_bn5b_branch2b_B = rt.reshape(d_bn5b_branch2b_bias, shape=(512,))
-        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B
-        V_bn5b_branch2b_B_new = T['V_bn5b_branch2b_B']  # in place: the new V_bn5b_branch2b_B
-        rt.ew(ew_mul_add, V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B'])
-        # free d_bn5b_branch2b_bias, d_bn5b_branch2b_B
-        del d_bn5b_branch2b_bias, d_bn5b_branch2b_B
-        mem.free(359)
-        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new
-        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
-        rt.ew(ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new)
-        # d_bn5b_branch2b_mul = d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_weight
-        d_bn5b_branch2b_mul = mem.tensor(360, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2b_mul, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_weight)
-        # d_bn5b_branch2b_inv_std = sum_to[1x512x1x1](d_bn5b_branch2b_mul)
-        d_bn5b_branch2b_inv_std = mem.tensor(361, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2b_mul, out=d_bn5b_branch2b_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2b_mul
-        del d_bn5b_branch2b_mul
-        mem.free(360)
+        # d_bn5b_branch2b_inv_std = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_weight)
+        d_bn5b_branch2b_inv_std = mem.tensor(295, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2b_inv_std, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2b_sum_of_squares = -d_bn5b_branch2b_inv_std/(3136*(bn5b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2b_sum_of_squares = d_bn5b_branch2b_inv_std  # in place: over d_bn5b_branch2b_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2b_sum_of_squares, d_bn5b_branch2b_inv_std, bn5b_branch2b_batch_var)
         # free bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         del bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
-        mem.free(286)
+        mem.free(237)
+        # d_bn5b_branch2b_weight = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_inv_std)
+        d_bn5b_branch2b_weight = mem.tensor(296, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2b_weight, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2b_centered = d_bn5b_branch2b*bn5b_branch2b_inv_std*bn5b_branch2b_weight + 2*d_bn5b_branch2b_sum_of_squares*bn5b_branch2b_centered
-        d_bn5b_branch2b_centered = mem.tensor(362, (32, 512, 7, 7), 'float32')
+        d_bn5b_branch2b_centered = bn5b_branch2b_centered  # in place: over bn5b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2b_centered, d_bn5b_branch2b, bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered)
-        # free d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
-        del d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
-        mem.free(361)
-        # d_bn5b_branch2b_mul_2 = d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_inv_std
-        d_bn5b_branch2b_mul_2 = d_bn5b_branch2b  # in place: over d_bn5b_branch2b
-        rt.ew(ew_mul_3, d_bn5b_branch2b_mul_2, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_inv_std)
-        # free res5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_inv_std
-        del res5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_inv_std
-        mem.free(283, 287)
-        # d_bn5b_branch2b_weight = sum_to[1x512x1x1](d_bn5b_branch2b_mul_2)
-        d_bn5b_branch2b_weight = mem.tensor(363, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2b_mul_2, out=d_bn5b_branch2b_weight, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2b_relu, d_bn5b_branch2b, d_bn5b_branch2b_mul_2
-        del d_bn5b_branch2b_relu, d_bn5b_branch2b, d_bn5b_branch2b_mul_2
-        mem.free(356)
+        # free bn5b_branch2b_inv_std, d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
+        del bn5b_branch2b_inv_std, d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
+        mem.free(238, 295)
+        # d_bn5b_branch2b_bias = sum_to[1x512x1x1](d_bn5b_branch2b)
+        d_bn5b_branch2b_bias = mem.tensor(297, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5b_branch2b, out=d_bn5b_branch2b_bias, shape=(1, 512, 1, 1))
+        # free d_bn5b_branch2b_relu, d_bn5b_branch2b
+        del d_bn5b_branch2b_relu, d_bn5b_branch2b
+        mem.free(292)
         # d_bn5b_branch2b_W = reshape[512](d_bn5b_branch2b_weight)
         d_bn5b_branch2b_W = rt.reshape(d_bn5b_branch2b_weight, shape=(512,))
         # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W
@@ -4025,19 +3620,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W'])
         # free d_bn5b_branch2b_weight, d_bn5b_branch2b_W
         del d_bn5b_branch2b_weight, d_bn5b_branch2b_W
-        mem.free(363)
+        mem.free(296)
         # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new
         bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
         rt.ew(ew_mul_sub, bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new)
-        # d_bn5b_branch2b_neg = -d_bn5b_branch2b_centered
-        d_bn5b_branch2b_neg = mem.tensor(364, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5b_branch2b_neg, d_bn5b_branch2b_centered)
-        # d_bn5b_branch2b_batch_mean = sum_to[1x512x1x1](d_bn5b_branch2b_neg)
-        d_bn5b_branch2b_batch_mean = mem.tensor(365, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2b_neg, out=d_bn5b_branch2b_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2b_neg
-        del d_bn5b_branch2b_neg
-        mem.free(364)
+        # d_bn5b_branch2b_B = reshape[512](d_bn5b_branch2b_bias)
+        d_bn5b_branch2b_B = rt.reshape(d_bn5b_branch2b_bias, shape=(512,))
+        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B
+        V_bn5b_branch2b_B_new = T['V_bn5b_branch2b_B']  # in place: the new V_bn5b_branch2b_B
+        rt.ew(ew_mul_add, V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B'])
+        # free d_bn5b_branch2b_bias, d_bn5b_branch2b_B
+        del d_bn5b_branch2b_bias, d_bn5b_branch2b_B
+        mem.free(297)
+        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new
+        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
+        rt.ew(ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new)
+        # d_bn5b_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2b_centered)
+        d_bn5b_branch2b_batch_mean = mem.tensor(298, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean/1568
         d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean  # in place: over d_bn5b_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2b_sum, d_bn5b_branch2b_batch_mean)
@@ -4048,14 +3648,14 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5b_branch2b, d_bn5b_branch2b_centered, d_bn5b_branch2b_sum)
         # free d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_sum
         del d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_sum
-        mem.free(365)
+        mem.free(298)
         # d_bn5b_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5b_branch2b, res5b_branch2b_W)
-        d_bn5b_branch2a_relu = mem.tensor(366, (32, 512, 7, 7), 'float32')
+        d_bn5b_branch2a_relu = mem.tensor(299, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5b_branch2b, T['res5b_branch2b_W'], out=d_bn5b_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
 
         # ---- bn5b_branch2a_relu (relu), forward ----
         # bn5b_branch2a_relu_2 = Max(0, bn5b_branch2a_centered*bn5b_branch2a_inv_std*bn5b_branch2a_weight + bn5b_branch2a_bias)
-        bn5b_branch2a_relu_2 = mem.tensor(367, (32, 512, 7, 7), 'float32')
+        bn5b_branch2a_relu_2 = mem.tensor(300, (32, 512, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, bn5b_branch2a_relu_2, bn5b_branch2a_centered, bn5b_branch2a_inv_std, bn5b_branch2a_weight, bn5b_branch2a_bias)
 
         # ---- bn5b_branch2a_relu (relu), backward ----
@@ -4064,72 +3664,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5b_branch2a, d_bn5b_branch2a_relu, bn5b_branch2a_relu_2)
 
         # ---- bn5b_branch2a (batch norm), backward ----
-        # d_bn5b_branch2a_bias = sum_to[1x512x1x1](d_bn5b_branch2a)
-        d_bn5b_branch2a_bias = mem.tensor(368, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2a, out=d_bn5b_branch2a_bias, shape=(1, 512, 1, 1))
-        # d_bn5b_branch2a_B = reshape[512](d_bn5b_branch2a_bias)
-        d_bn5b_branch2a_B = rt.reshape(d_bn5b_branch2a_bias, shape=(512,))
-        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B
-        V_bn5b_branch2a_B_new = T['V_bn5b_branch2a_B']  # in place: the new V_bn5b_branch2a_B
-        rt.ew(ew_mul_add, V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B'])
-        # free d_bn5b_branch2a_bias, d_bn5b_branch2a_B
-        del d_bn5b_branch2a_bias, d_bn5b_branch2a_B
-        mem.free(368)
-        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new
-        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
-        rt.ew(ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new)
-
-        # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # d_res5b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5b_branch2b, bn5b_branch2a_relu_2)
-        d_res5b_branch2b_W = mem.tensor(369, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5b_branch2b, bn5b_branch2a_relu_2, out=d_res5b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
-        # free d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
-        del d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
-        mem.free(362, 367)
-        # V_res5b_branch2b_W_new = V_res5b_branch2b_W*momentum + d_res5b_branch2b_W + decay*res5b_branch2b_W
-        V_res5b_branch2b_W_new = T['V_res5b_branch2b_W']  # in place: the new V_res5b_branch2b_W
-        rt.ew(ew_mul_add, V_res5b_branch2b_W_new, T['V_res5b_branch2b_W'], momentum, d_res5b_branch2b_W, decay, T['res5b_branch2b_W'])
-        # free d_res5b_branch2b_W
-        del d_res5b_branch2b_W
-        mem.free(369)
-        # res5b_branch2b_W_new = res5b_branch2b_W - lr*V_res5b_branch2b_W_new
-        res5b_branch2b_W_new = T['res5b_branch2b_W']  # in place: the new res5b_branch2b_W
-        rt.ew(ew_mul_sub, res5b_branch2b_W_new, T['res5b_branch2b_W'], lr, V_res5b_branch2b_W_new)
-
-        # ---- bn5b_branch2a (batch norm), backward ----
-        # d_bn5b_branch2a_mul = d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_weight
-        d_bn5b_branch2a_mul = mem.tensor(370, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2a_mul, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_weight)
-        # d_bn5b_branch2a_inv_std = sum_to[1x512x1x1](d_bn5b_branch2a_mul)
-        d_bn5b_branch2a_inv_std = mem.tensor(371, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2a_mul, out=d_bn5b_branch2a_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2a_mul
-        del d_bn5b_branch2a_mul
-        mem.free(370)
+        # d_bn5b_branch2a_inv_std = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_weight)
+        d_bn5b_branch2a_inv_std = mem.tensor(301, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2a_inv_std, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2a_sum_of_squares = -d_bn5b_branch2a_inv_std/(3136*(bn5b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2a_sum_of_squares = d_bn5b_branch2a_inv_std  # in place: over d_bn5b_branch2a_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2a_sum_of_squares, d_bn5b_branch2a_inv_std, bn5b_branch2a_batch_var)
         # free bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         del bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
-        mem.free(280)
+        mem.free(232)
+        # d_bn5b_branch2a_weight = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_inv_std)
+        d_bn5b_branch2a_weight = mem.tensor(302, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2a_weight, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2a_centered = d_bn5b_branch2a*bn5b_branch2a_inv_std*bn5b_branch2a_weight + 2*d_bn5b_branch2a_sum_of_squares*bn5b_branch2a_centered
-        d_bn5b_branch2a_centered = mem.tensor(372, (32, 512, 7, 7), 'float32')
+        d_bn5b_branch2a_centered = bn5b_branch2a_centered  # in place: over bn5b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2a_centered, d_bn5b_branch2a, bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered)
-        # free d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
-        del d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
-        mem.free(371)
-        # d_bn5b_branch2a_mul_2 = d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_inv_std
-        d_bn5b_branch2a_mul_2 = d_bn5b_branch2a  # in place: over d_bn5b_branch2a
-        rt.ew(ew_mul_3, d_bn5b_branch2a_mul_2, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_inv_std)
-        # free res5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_inv_std
-        del res5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_inv_std
-        mem.free(277, 281)
-        # d_bn5b_branch2a_weight = sum_to[1x512x1x1](d_bn5b_branch2a_mul_2)
-        d_bn5b_branch2a_weight = mem.tensor(373, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2a_mul_2, out=d_bn5b_branch2a_weight, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2a_relu, d_bn5b_branch2a, d_bn5b_branch2a_mul_2
-        del d_bn5b_branch2a_relu, d_bn5b_branch2a, d_bn5b_branch2a_mul_2
-        mem.free(366)
+        # free bn5b_branch2a_inv_std, d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
+        del bn5b_branch2a_inv_std, d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
+        mem.free(233, 301)
+        # d_bn5b_branch2a_bias = sum_to[1x512x1x1](d_bn5b_branch2a)
+        d_bn5b_branch2a_bias = mem.tensor(303, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5b_branch2a, out=d_bn5b_branch2a_bias, shape=(1, 512, 1, 1))
+        # free d_bn5b_branch2a_relu, d_bn5b_branch2a
+        del d_bn5b_branch2a_relu, d_bn5b_branch2a
+        mem.free(299)
         # d_bn5b_branch2a_W = reshape[512](d_bn5b_branch2a_weight)
         d_bn5b_branch2a_W = rt.reshape(d_bn5b_branch2a_weight, shape=(512,))
         # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W
@@ -4137,19 +3695,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W'])
         # free d_bn5b_branch2a_weight, d_bn5b_branch2a_W
         del d_bn5b_branch2a_weight, d_bn5b_branch2a_W
-        mem.free(373)
+        mem.free(302)
         # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new
         bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
         rt.ew(ew_mul_sub, bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new)
-        # d_bn5b_branch2a_neg = -d_bn5b_branch2a_centered
-        d_bn5b_branch2a_neg = mem.tensor(374, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5b_branch2a_neg, d_bn5b_branch2a_centered)
-        # d_bn5b_branch2a_batch_mean = sum_to[1x512x1x1](d_bn5b_branch2a_neg)
-        d_bn5b_branch2a_batch_mean = mem.tensor(375, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5b_branch2a_neg, out=d_bn5b_branch2a_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5b_branch2a_neg
-        del d_bn5b_branch2a_neg
-        mem.free(374)
+        # d_bn5b_branch2a_B = reshape[512](d_bn5b_branch2a_bias)
+        d_bn5b_branch2a_B = rt.reshape(d_bn5b_branch2a_bias, shape=(512,))
+        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B
+        V_bn5b_branch2a_B_new = T['V_bn5b_branch2a_B']  # in place: the new V_bn5b_branch2a_B
+        rt.ew(ew_mul_add, V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B'])
+        # free d_bn5b_branch2a_bias, d_bn5b_branch2a_B
+        del d_bn5b_branch2a_bias, d_bn5b_branch2a_B
+        mem.free(303)
+        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new
+        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
+        rt.ew(ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new)
+        # d_bn5b_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2a_centered)
+        d_bn5b_branch2a_batch_mean = mem.tensor(304, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean/1568
         d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean  # in place: over d_bn5b_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2a_sum, d_bn5b_branch2a_batch_mean)
@@ -4160,29 +3723,46 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5b_branch2a, d_bn5b_branch2a_centered, d_bn5b_branch2a_sum)
         # free d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_sum
         del d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_sum
-        mem.free(375)
+        mem.free(304)
+
+        # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_res5b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5b_branch2b, bn5b_branch2a_relu_2)
+        d_res5b_branch2b_W = mem.tensor(305, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res5b_branch2b, bn5b_branch2a_relu_2, out=d_res5b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
+        # free res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
+        del res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
+        mem.free(235, 300)
+        # V_res5b_branch2b_W_new = V_res5b_branch2b_W*momentum + d_res5b_branch2b_W + decay*res5b_branch2b_W
+        V_res5b_branch2b_W_new = T['V_res5b_branch2b_W']  # in place: the new V_res5b_branch2b_W
+        rt.ew(ew_mul_add, V_res5b_branch2b_W_new, T['V_res5b_branch2b_W'], momentum, d_res5b_branch2b_W, decay, T['res5b_branch2b_W'])
+        # free d_res5b_branch2b_W
+        del d_res5b_branch2b_W
+        mem.free(305)
+        # res5b_branch2b_W_new = res5b_branch2b_W - lr*V_res5b_branch2b_W_new
+        res5b_branch2b_W_new = T['res5b_branch2b_W']  # in place: the new res5b_branch2b_W
+        rt.ew(ew_mul_sub, res5b_branch2b_W_new, T['res5b_branch2b_W'], lr, V_res5b_branch2b_W_new)
 
         # ---- bn5a_branch2c_relu (relu), forward ----
         # bn5a_branch2c_relu_2 = Max(0, bn5a_branch2c_centered*bn5a_branch2c_inv_std*bn5a_branch2c_weight + bn5a_branch2c_bias + bn5a_branch1_centered*bn5a_branch1_inv_std*bn5a_branch1_weight + bn5a_branch1_bias)
-        bn5a_branch2c_relu_2 = mem.tensor(376, (32, 2048, 7, 7), 'float32')
+        bn5a_branch2c_relu_2 = mem.tensor(306, (32, 2048, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu_2, bn5a_branch2c_relu_2, bn5a_branch2c_centered, bn5a_branch2c_inv_std, bn5a_branch2c_weight, bn5a_branch2c_bias, bn5a_branch1_centered, bn5a_branch1_inv_std, bn5a_branch1_weight, bn5a_branch1_bias)
 
         # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res5b_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res5b_branch2a, bn5a_branch2c_relu_2)
-        d_res5b_branch2a_W = mem.tensor(377, (512, 2048, 1, 1), 'float32')
+        d_res5b_branch2a_W = mem.tensor(307, (512, 2048, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5b_branch2a, bn5a_branch2c_relu_2, out=d_res5b_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
         # V_res5b_branch2a_W_new = V_res5b_branch2a_W*momentum + d_res5b_branch2a_W + decay*res5b_branch2a_W
         V_res5b_branch2a_W_new = T['V_res5b_branch2a_W']  # in place: the new V_res5b_branch2a_W
         rt.ew(ew_mul_add, V_res5b_branch2a_W_new, T['V_res5b_branch2a_W'], momentum, d_res5b_branch2a_W, decay, T['res5b_branch2a_W'])
         # free d_res5b_branch2a_W
         del d_res5b_branch2a_W
-        mem.free(377)
+        mem.free(307)
         # d_bn5a_branch2c_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2a, res5b_branch2a_W)
-        d_bn5a_branch2c_relu = mem.tensor(378, (32, 2048, 7, 7), 'float32')
+        d_bn5a_branch2c_relu = mem.tensor(308, (32, 2048, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5b_branch2a, T['res5b_branch2a_W'], out=d_bn5a_branch2c_relu, pad=0, size=(7, 7), stride=1)
-        # free d_bn5b_branch2a_centered, d_res5b_branch2a
-        del d_bn5b_branch2a_centered, d_res5b_branch2a
-        mem.free(372)
+        # free res5b_branch2a, bn5b_branch2a_centered, d_bn5b_branch2a_centered, d_res5b_branch2a
+        del res5b_branch2a, bn5b_branch2a_centered, d_bn5b_branch2a_centered, d_res5b_branch2a
+        mem.free(230)
 
         # ---- bn5a_branch2c_relu (relu), backward ----
         # d_bn5a_branch2c_add = (d_bn5b_branch2c_add + d_bn5a_branch2c_relu)*Heaviside(bn5a_branch2c_relu_2, 0)
@@ -4190,16 +3770,74 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn5a_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_relu, bn5a_branch2c_relu_2)
         # free bn5a_branch2c_relu_2, d_bn5a_branch2c_relu
         del bn5a_branch2c_relu_2, d_bn5a_branch2c_relu
-        mem.free(376, 378)
+        mem.free(306, 308)
 
         # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # res5b_branch2a_W_new = res5b_branch2a_W - lr*V_res5b_branch2a_W_new
         res5b_branch2a_W_new = T['res5b_branch2a_W']  # in place: the new res5b_branch2a_W
         rt.ew(ew_mul_sub, res5b_branch2a_W_new, T['res5b_branch2a_W'], lr, V_res5b_branch2a_W_new)
 
+        # ---- bn5a_branch2c (batch norm), backward ----
+        # d_bn5a_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_weight)
+        d_bn5a_branch2c_inv_std = mem.tensor(309, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch2c_sum_of_squares = -d_bn5a_branch2c_inv_std/(3136*(bn5a_branch2c_batch_var + 1.0e-5)**(3/2))
+        d_bn5a_branch2c_sum_of_squares = d_bn5a_branch2c_inv_std  # in place: over d_bn5a_branch2c_inv_std
+        rt.ew(ew_add_pow_mul, d_bn5a_branch2c_sum_of_squares, d_bn5a_branch2c_inv_std, bn5a_branch2c_batch_var)
+        # free bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
+        del bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
+        mem.free(227)
+
+        # ---- bn5a_branch1 (batch norm), backward ----
+        # d_bn5a_branch1_inv_std = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_weight)
+        d_bn5a_branch1_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch1_inv_std, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch1_sum_of_squares = -d_bn5a_branch1_inv_std/(3136*(bn5a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn5a_branch1_sum_of_squares = d_bn5a_branch1_inv_std  # in place: over d_bn5a_branch1_inv_std
+        rt.ew(ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var)
+        # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
+        del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
+        mem.free(223)
+
+        # ---- bn5a_branch2c (batch norm), backward ----
+        # d_bn5a_branch2c_weight = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_inv_std)
+        d_bn5a_branch2c_weight = mem.tensor(311, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2c_weight, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch2c_centered = d_bn5a_branch2c_add*bn5a_branch2c_inv_std*bn5a_branch2c_weight + 2*d_bn5a_branch2c_sum_of_squares*bn5a_branch2c_centered
+        d_bn5a_branch2c_centered = bn5a_branch2c_centered  # in place: over bn5a_branch2c_centered
+        rt.ew(ew_mul_add_2, d_bn5a_branch2c_centered, d_bn5a_branch2c_add, bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered)
+        # free bn5a_branch2c_inv_std, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
+        del bn5a_branch2c_inv_std, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
+        mem.free(228, 309)
+        # d_bn5a_branch2c_W = reshape[2048](d_bn5a_branch2c_weight)
+        d_bn5a_branch2c_W = rt.reshape(d_bn5a_branch2c_weight, shape=(2048,))
+        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W
+        V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
+        rt.ew(ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W'])
+        # free d_bn5a_branch2c_weight, d_bn5a_branch2c_W
+        del d_bn5a_branch2c_weight, d_bn5a_branch2c_W
+        mem.free(311)
+        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
+        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
+        rt.ew(ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new)
+        # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch2c_centered)
+        d_bn5a_branch2c_batch_mean = mem.tensor(312, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean/1568
+        d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean  # in place: over d_bn5a_branch2c_batch_mean
+        rt.ew(ew_scale_5, d_bn5a_branch2c_sum, d_bn5a_branch2c_batch_mean)
+
+        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
+        # d_res5a_branch2c = d_bn5a_branch2c_centered + d_bn5a_branch2c_sum
+        d_res5a_branch2c = d_bn5a_branch2c_centered  # in place: over d_bn5a_branch2c_centered
+        rt.ew(ew_add, d_res5a_branch2c, d_bn5a_branch2c_centered, d_bn5a_branch2c_sum)
+        # free d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
+        del d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
+        mem.free(312)
+
         # ---- bn5a_branch1 (batch norm), backward ----
         # d_bn5a_branch1_bias = sum_to[1x2048x1x1](d_bn5a_branch2c_add)
-        d_bn5a_branch1_bias = mem.tensor(379, (1, 2048, 1, 1), 'float32')
+        d_bn5a_branch1_bias = mem.tensor(313, (1, 2048, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2c_add, out=d_bn5a_branch1_bias, shape=(1, 2048, 1, 1))
         # d_bn5a_branch1_B = reshape[2048](d_bn5a_branch1_bias)
         d_bn5a_branch1_B = rt.reshape(d_bn5a_branch1_bias, shape=(2048,))
@@ -4215,7 +3853,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5a_branch1_B_new, T['V_bn5a_branch1_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch1_B'])
         # free d_bn5a_branch1_bias, d_bn5a_branch1_B
         del d_bn5a_branch1_bias, d_bn5a_branch1_B
-        mem.free(379)
+        mem.free(313)
 
         # ---- bn5a_branch2c (batch norm), backward ----
         # bn5a_branch2c_B_new = bn5a_branch2c_B - lr*V_bn5a_branch2c_B_new
@@ -4226,343 +3864,15 @@ class Resnet50(rp.Model):
         # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
         bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
         rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
-
-        # ---- bn5a_branch2c (batch norm), backward ----
-        # d_bn5a_branch2c_mul = d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_weight
-        d_bn5a_branch2c_mul = mem.tensor(380, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2c_mul, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_weight)
-        # d_bn5a_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5a_branch2c_mul)
-        d_bn5a_branch2c_inv_std = mem.tensor(381, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2c_mul, out=d_bn5a_branch2c_inv_std, shape=(1, 2048, 1, 1))
-        # free d_bn5a_branch2c_mul
-        del d_bn5a_branch2c_mul
-        mem.free(380)
-        # d_bn5a_branch2c_sum_of_squares = -d_bn5a_branch2c_inv_std/(3136*(bn5a_branch2c_batch_var + 1.0e-5)**(3/2))
-        d_bn5a_branch2c_sum_of_squares = d_bn5a_branch2c_inv_std  # in place: over d_bn5a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2c_sum_of_squares, d_bn5a_branch2c_inv_std, bn5a_branch2c_batch_var)
-        # free bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
-        del bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
-        mem.free(274)
-        # d_bn5a_branch2c_centered = d_bn5a_branch2c_add*bn5a_branch2c_inv_std*bn5a_branch2c_weight + 2*d_bn5a_branch2c_sum_of_squares*bn5a_branch2c_centered
-        d_bn5a_branch2c_centered = mem.tensor(382, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_bn5a_branch2c_centered, d_bn5a_branch2c_add, bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered)
-        # free d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
-        del d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
-        mem.free(381)
-        # d_bn5a_branch2c_mul_2 = d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_inv_std
-        d_bn5a_branch2c_mul_2 = bn5a_branch2c_centered  # in place: over bn5a_branch2c_centered
-        rt.ew(ew_mul_2, d_bn5a_branch2c_mul_2, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_inv_std)
-        # free bn5a_branch2c_inv_std
-        del bn5a_branch2c_inv_std
-        mem.free(275)
-        # d_bn5a_branch2c_weight = sum_to[1x2048x1x1](d_bn5a_branch2c_mul_2)
-        d_bn5a_branch2c_weight = mem.tensor(383, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2c_mul_2, out=d_bn5a_branch2c_weight, shape=(1, 2048, 1, 1))
-        # free res5a_branch2c, bn5a_branch2c_centered, d_bn5a_branch2c_mul_2
-        del res5a_branch2c, bn5a_branch2c_centered, d_bn5a_branch2c_mul_2
-        mem.free(271)
-        # d_bn5a_branch2c_W = reshape[2048](d_bn5a_branch2c_weight)
-        d_bn5a_branch2c_W = rt.reshape(d_bn5a_branch2c_weight, shape=(2048,))
-        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W
-        V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
-        rt.ew(ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W'])
-        # free d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        del d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        mem.free(383)
-        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
-        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
-        rt.ew(ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new)
-        # d_bn5a_branch2c_neg = -d_bn5a_branch2c_centered
-        d_bn5a_branch2c_neg = mem.tensor(384, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5a_branch2c_neg, d_bn5a_branch2c_centered)
-        # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](d_bn5a_branch2c_neg)
-        d_bn5a_branch2c_batch_mean = mem.tensor(385, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2c_neg, out=d_bn5a_branch2c_batch_mean, shape=(1, 2048, 1, 1))
-        # free d_bn5a_branch2c_neg
-        del d_bn5a_branch2c_neg
-        mem.free(384)
-        # d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean/1568
-        d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean  # in place: over d_bn5a_branch2c_batch_mean
-        rt.ew(ew_scale_5, d_bn5a_branch2c_sum, d_bn5a_branch2c_batch_mean)
-
-        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
-        # d_res5a_branch2c = d_bn5a_branch2c_centered + d_bn5a_branch2c_sum
-        d_res5a_branch2c = d_bn5a_branch2c_centered  # in place: over d_bn5a_branch2c_centered
-        rt.ew(ew_add, d_res5a_branch2c, d_bn5a_branch2c_centered, d_bn5a_branch2c_sum)
-        # free d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
-        del d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
-        mem.free(385)
-        # d_bn5a_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5a_branch2c, res5a_branch2c_W)
-        d_bn5a_branch2b_relu = mem.tensor(386, (32, 512, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5a_branch2c, T['res5a_branch2c_W'], out=d_bn5a_branch2b_relu, pad=0, size=(7, 7), stride=1)
-
-        # ---- bn5a_branch2b_relu (relu), forward ----
-        # bn5a_branch2b_relu_2 = Max(0, bn5a_branch2b_centered*bn5a_branch2b_inv_std*bn5a_branch2b_weight + bn5a_branch2b_bias)
-        bn5a_branch2b_relu_2 = mem.tensor(387, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu, bn5a_branch2b_relu_2, bn5a_branch2b_centered, bn5a_branch2b_inv_std, bn5a_branch2b_weight, bn5a_branch2b_bias)
-
-        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
-        # d_res5a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res5a_branch2c, bn5a_branch2b_relu_2)
-        d_res5a_branch2c_W = mem.tensor(388, (2048, 512, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res5a_branch2c, bn5a_branch2b_relu_2, out=d_res5a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
-        # free d_bn5a_branch2c_centered, d_res5a_branch2c
-        del d_bn5a_branch2c_centered, d_res5a_branch2c
-        mem.free(382)
-        # V_res5a_branch2c_W_new = V_res5a_branch2c_W*momentum + d_res5a_branch2c_W + decay*res5a_branch2c_W
-        V_res5a_branch2c_W_new = T['V_res5a_branch2c_W']  # in place: the new V_res5a_branch2c_W
-        rt.ew(ew_mul_add, V_res5a_branch2c_W_new, T['V_res5a_branch2c_W'], momentum, d_res5a_branch2c_W, decay, T['res5a_branch2c_W'])
-        # free d_res5a_branch2c_W
-        del d_res5a_branch2c_W
-        mem.free(388)
-
-        # ---- bn5a_branch2b_relu (relu), backward ----
-        # d_bn5a_branch2b = d_bn5a_branch2b_relu*Heaviside(bn5a_branch2b_relu_2, 0)
-        d_bn5a_branch2b = d_bn5a_branch2b_relu  # in place: over d_bn5a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn5a_branch2b, d_bn5a_branch2b_relu, bn5a_branch2b_relu_2)
-        # free bn5a_branch2b_relu_2
-        del bn5a_branch2b_relu_2
-        mem.free(387)
-
-        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
-        # res5a_branch2c_W_new = res5a_branch2c_W - lr*V_res5a_branch2c_W_new
-        res5a_branch2c_W_new = T['res5a_branch2c_W']  # in place: the new res5a_branch2c_W
-        rt.ew(ew_mul_sub, res5a_branch2c_W_new, T['res5a_branch2c_W'], lr, V_res5a_branch2c_W_new)
-
-        # ---- bn5a_branch2b (batch norm), backward ----
-        # d_bn5a_branch2b_bias = sum_to[1x512x1x1](d_bn5a_branch2b)
-        d_bn5a_branch2b_bias = mem.tensor(389, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2b, out=d_bn5a_branch2b_bias, shape=(1, 512, 1, 1))
-        # d_bn5a_branch2b_B = reshape[512](d_bn5a_branch2b_bias)
-        d_bn5a_branch2b_B = rt.reshape(d_bn5a_branch2b_bias, shape=(512,))
-        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B
-        V_bn5a_branch2b_B_new = T['V_bn5a_branch2b_B']  # in place: the new V_bn5a_branch2b_B
-        rt.ew(ew_mul_add, V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B'])
-        # free d_bn5a_branch2b_bias, d_bn5a_branch2b_B
-        del d_bn5a_branch2b_bias, d_bn5a_branch2b_B
-        mem.free(389)
-        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new
-        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
-        rt.ew(ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new)
-        # d_bn5a_branch2b_mul = d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_weight
-        d_bn5a_branch2b_mul = mem.tensor(390, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2b_mul, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_weight)
-        # d_bn5a_branch2b_inv_std = sum_to[1x512x1x1](d_bn5a_branch2b_mul)
-        d_bn5a_branch2b_inv_std = mem.tensor(391, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2b_mul, out=d_bn5a_branch2b_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2b_mul
-        del d_bn5a_branch2b_mul
-        mem.free(390)
-        # d_bn5a_branch2b_sum_of_squares = -d_bn5a_branch2b_inv_std/(3136*(bn5a_branch2b_batch_var + 1.0e-5)**(3/2))
-        d_bn5a_branch2b_sum_of_squares = d_bn5a_branch2b_inv_std  # in place: over d_bn5a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2b_sum_of_squares, d_bn5a_branch2b_inv_std, bn5a_branch2b_batch_var)
-        # free bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
-        del bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
-        mem.free(263)
-        # d_bn5a_branch2b_centered = d_bn5a_branch2b*bn5a_branch2b_inv_std*bn5a_branch2b_weight + 2*d_bn5a_branch2b_sum_of_squares*bn5a_branch2b_centered
-        d_bn5a_branch2b_centered = mem.tensor(392, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_bn5a_branch2b_centered, d_bn5a_branch2b, bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered)
-        # free d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
-        del d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
-        mem.free(391)
-        # d_bn5a_branch2b_mul_2 = d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_inv_std
-        d_bn5a_branch2b_mul_2 = d_bn5a_branch2b  # in place: over d_bn5a_branch2b
-        rt.ew(ew_mul_3, d_bn5a_branch2b_mul_2, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_inv_std)
-        # free res5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_inv_std
-        del res5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_inv_std
-        mem.free(260, 264)
-        # d_bn5a_branch2b_weight = sum_to[1x512x1x1](d_bn5a_branch2b_mul_2)
-        d_bn5a_branch2b_weight = mem.tensor(393, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2b_mul_2, out=d_bn5a_branch2b_weight, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2b_relu, d_bn5a_branch2b, d_bn5a_branch2b_mul_2
-        del d_bn5a_branch2b_relu, d_bn5a_branch2b, d_bn5a_branch2b_mul_2
-        mem.free(386)
-        # d_bn5a_branch2b_W = reshape[512](d_bn5a_branch2b_weight)
-        d_bn5a_branch2b_W = rt.reshape(d_bn5a_branch2b_weight, shape=(512,))
-        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W
-        V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
-        rt.ew(ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W'])
-        # free d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        del d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        mem.free(393)
-        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
-        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
-        rt.ew(ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new)
-        # d_bn5a_branch2b_neg = -d_bn5a_branch2b_centered
-        d_bn5a_branch2b_neg = mem.tensor(394, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5a_branch2b_neg, d_bn5a_branch2b_centered)
-        # d_bn5a_branch2b_batch_mean = sum_to[1x512x1x1](d_bn5a_branch2b_neg)
-        d_bn5a_branch2b_batch_mean = mem.tensor(395, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2b_neg, out=d_bn5a_branch2b_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2b_neg
-        del d_bn5a_branch2b_neg
-        mem.free(394)
-        # d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean/1568
-        d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean  # in place: over d_bn5a_branch2b_batch_mean
-        rt.ew(ew_scale_5, d_bn5a_branch2b_sum, d_bn5a_branch2b_batch_mean)
-
-        # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # d_res5a_branch2b = d_bn5a_branch2b_centered + d_bn5a_branch2b_sum
-        d_res5a_branch2b = d_bn5a_branch2b_centered  # in place: over d_bn5a_branch2b_centered
-        rt.ew(ew_add, d_res5a_branch2b, d_bn5a_branch2b_centered, d_bn5a_branch2b_sum)
-        # free d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
-        del d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
-        mem.free(395)
-        # d_bn5a_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5a_branch2b, res5a_branch2b_W)
-        d_bn5a_branch2a_relu = mem.tensor(396, (32, 512, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5a_branch2b, T['res5a_branch2b_W'], out=d_bn5a_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
-
-        # ---- bn5a_branch2a_relu (relu), forward ----
-        # bn5a_branch2a_relu_2 = Max(0, bn5a_branch2a_centered*bn5a_branch2a_inv_std*bn5a_branch2a_weight + bn5a_branch2a_bias)
-        bn5a_branch2a_relu_2 = mem.tensor(397, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu, bn5a_branch2a_relu_2, bn5a_branch2a_centered, bn5a_branch2a_inv_std, bn5a_branch2a_weight, bn5a_branch2a_bias)
-
-        # ---- bn5a_branch2a_relu (relu), backward ----
-        # d_bn5a_branch2a = d_bn5a_branch2a_relu*Heaviside(bn5a_branch2a_relu_2, 0)
-        d_bn5a_branch2a = d_bn5a_branch2a_relu  # in place: over d_bn5a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn5a_branch2a, d_bn5a_branch2a_relu, bn5a_branch2a_relu_2)
-
-        # ---- bn5a_branch2a (batch norm), backward ----
-        # d_bn5a_branch2a_bias = sum_to[1x512x1x1](d_bn5a_branch2a)
-        d_bn5a_branch2a_bias = mem.tensor(398, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2a, out=d_bn5a_branch2a_bias, shape=(1, 512, 1, 1))
-        # d_bn5a_branch2a_B = reshape[512](d_bn5a_branch2a_bias)
-        d_bn5a_branch2a_B = rt.reshape(d_bn5a_branch2a_bias, shape=(512,))
-        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B
-        V_bn5a_branch2a_B_new = T['V_bn5a_branch2a_B']  # in place: the new V_bn5a_branch2a_B
-        rt.ew(ew_mul_add, V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B'])
-        # free d_bn5a_branch2a_bias, d_bn5a_branch2a_B
-        del d_bn5a_branch2a_bias, d_bn5a_branch2a_B
-        mem.free(398)
-        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new
-        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
-        rt.ew(ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new)
-
-        # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # d_res5a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5a_branch2b, bn5a_branch2a_relu_2)
-        d_res5a_branch2b_W = mem.tensor(399, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5a_branch2b, bn5a_branch2a_relu_2, out=d_res5a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
-        # free d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
-        del d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
-        mem.free(392, 397)
-        # V_res5a_branch2b_W_new = V_res5a_branch2b_W*momentum + d_res5a_branch2b_W + decay*res5a_branch2b_W
-        V_res5a_branch2b_W_new = T['V_res5a_branch2b_W']  # in place: the new V_res5a_branch2b_W
-        rt.ew(ew_mul_add, V_res5a_branch2b_W_new, T['V_res5a_branch2b_W'], momentum, d_res5a_branch2b_W, decay, T['res5a_branch2b_W'])
-        # free d_res5a_branch2b_W
-        del d_res5a_branch2b_W
-        mem.free(399)
-        # res5a_branch2b_W_new = res5a_branch2b_W - lr*V_res5a_branch2b_W_new
-        res5a_branch2b_W_new = T['res5a_branch2b_W']  # in place: the new res5a_branch2b_W
-        rt.ew(ew_mul_sub, res5a_branch2b_W_new, T['res5a_branch2b_W'], lr, V_res5a_branch2b_W_new)
-
-        # ---- bn5a_branch2a (batch norm), backward ----
-        # d_bn5a_branch2a_mul = d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_weight
-        d_bn5a_branch2a_mul = mem.tensor(400, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2a_mul, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_weight)
-        # d_bn5a_branch2a_inv_std = sum_to[1x512x1x1](d_bn5a_branch2a_mul)
-        d_bn5a_branch2a_inv_std = mem.tensor(401, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2a_mul, out=d_bn5a_branch2a_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2a_mul
-        del d_bn5a_branch2a_mul
-        mem.free(400)
-        # d_bn5a_branch2a_sum_of_squares = -d_bn5a_branch2a_inv_std/(3136*(bn5a_branch2a_batch_var + 1.0e-5)**(3/2))
-        d_bn5a_branch2a_sum_of_squares = d_bn5a_branch2a_inv_std  # in place: over d_bn5a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2a_sum_of_squares, d_bn5a_branch2a_inv_std, bn5a_branch2a_batch_var)
-        # free bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
-        del bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
-        mem.free(257)
-        # d_bn5a_branch2a_centered = d_bn5a_branch2a*bn5a_branch2a_inv_std*bn5a_branch2a_weight + 2*d_bn5a_branch2a_sum_of_squares*bn5a_branch2a_centered
-        d_bn5a_branch2a_centered = mem.tensor(402, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_bn5a_branch2a_centered, d_bn5a_branch2a, bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered)
-        # free d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
-        del d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
-        mem.free(401)
-        # d_bn5a_branch2a_mul_2 = d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_inv_std
-        d_bn5a_branch2a_mul_2 = d_bn5a_branch2a  # in place: over d_bn5a_branch2a
-        rt.ew(ew_mul_3, d_bn5a_branch2a_mul_2, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_inv_std)
-        # free res5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_inv_std
-        del res5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_inv_std
-        mem.free(254, 258)
-        # d_bn5a_branch2a_weight = sum_to[1x512x1x1](d_bn5a_branch2a_mul_2)
-        d_bn5a_branch2a_weight = mem.tensor(403, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2a_mul_2, out=d_bn5a_branch2a_weight, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2a_relu, d_bn5a_branch2a, d_bn5a_branch2a_mul_2
-        del d_bn5a_branch2a_relu, d_bn5a_branch2a, d_bn5a_branch2a_mul_2
-        mem.free(396)
-        # d_bn5a_branch2a_W = reshape[512](d_bn5a_branch2a_weight)
-        d_bn5a_branch2a_W = rt.reshape(d_bn5a_branch2a_weight, shape=(512,))
-        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W
-        V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
-        rt.ew(ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W'])
-        # free d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        del d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        mem.free(403)
-        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
-        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
-        rt.ew(ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new)
-        # d_bn5a_branch2a_neg = -d_bn5a_branch2a_centered
-        d_bn5a_branch2a_neg = mem.tensor(404, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5a_branch2a_neg, d_bn5a_branch2a_centered)
-        # d_bn5a_branch2a_batch_mean = sum_to[1x512x1x1](d_bn5a_branch2a_neg)
-        d_bn5a_branch2a_batch_mean = mem.tensor(405, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch2a_neg, out=d_bn5a_branch2a_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn5a_branch2a_neg
-        del d_bn5a_branch2a_neg
-        mem.free(404)
-        # d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean/1568
-        d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean  # in place: over d_bn5a_branch2a_batch_mean
-        rt.ew(ew_scale_5, d_bn5a_branch2a_sum, d_bn5a_branch2a_batch_mean)
-
-        # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), backward ----
-        # d_res5a_branch2a = d_bn5a_branch2a_centered + d_bn5a_branch2a_sum
-        d_res5a_branch2a = d_bn5a_branch2a_centered  # in place: over d_bn5a_branch2a_centered
-        rt.ew(ew_add, d_res5a_branch2a, d_bn5a_branch2a_centered, d_bn5a_branch2a_sum)
-        # free d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
-        del d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
-        mem.free(405)
-        # d_res5a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res5a_branch2a, bn4f_branch2c_relu)
-        d_res5a_branch2a_W = mem.tensor(406, (512, 1024, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res5a_branch2a, bn4f_branch2c_relu, out=d_res5a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(9633792))
-        # V_res5a_branch2a_W_new = V_res5a_branch2a_W*momentum + d_res5a_branch2a_W + decay*res5a_branch2a_W
-        V_res5a_branch2a_W_new = T['V_res5a_branch2a_W']  # in place: the new V_res5a_branch2a_W
-        rt.ew(ew_mul_add, V_res5a_branch2a_W_new, T['V_res5a_branch2a_W'], momentum, d_res5a_branch2a_W, decay, T['res5a_branch2a_W'])
-        # free d_res5a_branch2a_W
-        del d_res5a_branch2a_W
-        mem.free(406)
-
-        # ---- bn5a_branch1 (batch norm), backward ----
-        # d_bn5a_branch1_mul = d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_weight
-        d_bn5a_branch1_mul = mem.tensor(407, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch1_mul, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_weight)
-        # d_bn5a_branch1_inv_std = sum_to[1x2048x1x1](d_bn5a_branch1_mul)
-        d_bn5a_branch1_inv_std = mem.tensor(408, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch1_mul, out=d_bn5a_branch1_inv_std, shape=(1, 2048, 1, 1))
-        # free d_bn5a_branch1_mul
-        del d_bn5a_branch1_mul
-        mem.free(407)
-        # d_bn5a_branch1_sum_of_squares = -d_bn5a_branch1_inv_std/(3136*(bn5a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn5a_branch1_sum_of_squares = d_bn5a_branch1_inv_std  # in place: over d_bn5a_branch1_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var)
-        # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
-        del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
-        mem.free(269)
+        # d_bn5a_branch1_weight = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_inv_std)
+        d_bn5a_branch1_weight = mem.tensor(314, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch1_weight, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch1_centered = d_bn5a_branch2c_add*bn5a_branch1_inv_std*bn5a_branch1_weight + 2*d_bn5a_branch1_sum_of_squares*bn5a_branch1_centered
-        d_bn5a_branch1_centered = mem.tensor(409, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered)
-        # free d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
-        del d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
-        mem.free(408)
-        # d_bn5a_branch1_mul_2 = d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_inv_std
-        d_bn5a_branch1_mul_2 = d_bn5a_branch2c_add  # in place: over d_bn5a_branch2c_add
-        rt.ew(ew_mul_3, d_bn5a_branch1_mul_2, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_inv_std)
-        # free res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std
-        del res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std
-        mem.free(266, 270)
-        # d_bn5a_branch1_weight = sum_to[1x2048x1x1](d_bn5a_branch1_mul_2)
-        d_bn5a_branch1_weight = mem.tensor(410, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch1_mul_2, out=d_bn5a_branch1_weight, shape=(1, 2048, 1, 1))
-        # free d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_mul_2
-        del d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_mul_2
-        mem.free(319)
+        d_bn5a_branch1_centered = d_bn5a_branch2c_add  # in place: over d_bn5a_branch2c_add
+        rt.ew(ew_mul_add_3, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered)
+        # free res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std, d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
+        del res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std, d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
+        mem.free(221, 224, 310)
         # d_bn5a_branch1_W = reshape[2048](d_bn5a_branch1_weight)
         d_bn5a_branch1_W = rt.reshape(d_bn5a_branch1_weight, shape=(2048,))
         # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W
@@ -4570,19 +3880,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W'])
         # free d_bn5a_branch1_weight, d_bn5a_branch1_W
         del d_bn5a_branch1_weight, d_bn5a_branch1_W
-        mem.free(410)
+        mem.free(314)
         # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new
         bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
         rt.ew(ew_mul_sub, bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new)
-        # d_bn5a_branch1_neg = -d_bn5a_branch1_centered
-        d_bn5a_branch1_neg = mem.tensor(411, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_neg, d_bn5a_branch1_neg, d_bn5a_branch1_centered)
-        # d_bn5a_branch1_batch_mean = sum_to[1x2048x1x1](d_bn5a_branch1_neg)
-        d_bn5a_branch1_batch_mean = mem.tensor(412, (1, 2048, 1, 1), 'float32')
-        rt.sum_to(d_bn5a_branch1_neg, out=d_bn5a_branch1_batch_mean, shape=(1, 2048, 1, 1))
-        # free d_bn5a_branch1_neg
-        del d_bn5a_branch1_neg
-        mem.free(411)
+        # d_bn5a_branch1_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch1_centered)
+        d_bn5a_branch1_batch_mean = mem.tensor(315, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5a_branch1_batch_mean, d_bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean/1568
         d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean  # in place: over d_bn5a_branch1_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch1_sum, d_bn5a_branch1_batch_mean)
@@ -4593,33 +3897,235 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5a_branch1, d_bn5a_branch1_centered, d_bn5a_branch1_sum)
         # free d_bn5a_branch1_batch_mean, d_bn5a_branch1_sum
         del d_bn5a_branch1_batch_mean, d_bn5a_branch1_sum
-        mem.free(412)
+        mem.free(315)
+
+        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
+        # d_bn5a_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5a_branch2c, res5a_branch2c_W)
+        d_bn5a_branch2b_relu = mem.tensor(316, (32, 512, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_res5a_branch2c, T['res5a_branch2c_W'], out=d_bn5a_branch2b_relu, pad=0, size=(7, 7), stride=1)
+
+        # ---- bn5a_branch2b_relu (relu), forward ----
+        # bn5a_branch2b_relu_2 = Max(0, bn5a_branch2b_centered*bn5a_branch2b_inv_std*bn5a_branch2b_weight + bn5a_branch2b_bias)
+        bn5a_branch2b_relu_2 = mem.tensor(317, (32, 512, 7, 7), 'float32')
+        rt.ew(ew_mul_add_relu, bn5a_branch2b_relu_2, bn5a_branch2b_centered, bn5a_branch2b_inv_std, bn5a_branch2b_weight, bn5a_branch2b_bias)
+
+        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
+        # d_res5a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res5a_branch2c, bn5a_branch2b_relu_2)
+        d_res5a_branch2c_W = mem.tensor(318, (2048, 512, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res5a_branch2c, bn5a_branch2b_relu_2, out=d_res5a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16056320))
+        # free res5a_branch2c, bn5a_branch2c_centered, d_bn5a_branch2c_centered, d_res5a_branch2c
+        del res5a_branch2c, bn5a_branch2c_centered, d_bn5a_branch2c_centered, d_res5a_branch2c
+        mem.free(225)
+        # V_res5a_branch2c_W_new = V_res5a_branch2c_W*momentum + d_res5a_branch2c_W + decay*res5a_branch2c_W
+        V_res5a_branch2c_W_new = T['V_res5a_branch2c_W']  # in place: the new V_res5a_branch2c_W
+        rt.ew(ew_mul_add, V_res5a_branch2c_W_new, T['V_res5a_branch2c_W'], momentum, d_res5a_branch2c_W, decay, T['res5a_branch2c_W'])
+        # free d_res5a_branch2c_W
+        del d_res5a_branch2c_W
+        mem.free(318)
+
+        # ---- bn5a_branch2b_relu (relu), backward ----
+        # d_bn5a_branch2b = d_bn5a_branch2b_relu*Heaviside(bn5a_branch2b_relu_2, 0)
+        d_bn5a_branch2b = d_bn5a_branch2b_relu  # in place: over d_bn5a_branch2b_relu
+        rt.ew(ew_step_mul, d_bn5a_branch2b, d_bn5a_branch2b_relu, bn5a_branch2b_relu_2)
+        # free bn5a_branch2b_relu_2
+        del bn5a_branch2b_relu_2
+        mem.free(317)
+
+        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
+        # res5a_branch2c_W_new = res5a_branch2c_W - lr*V_res5a_branch2c_W_new
+        res5a_branch2c_W_new = T['res5a_branch2c_W']  # in place: the new res5a_branch2c_W
+        rt.ew(ew_mul_sub, res5a_branch2c_W_new, T['res5a_branch2c_W'], lr, V_res5a_branch2c_W_new)
+
+        # ---- bn5a_branch2b (batch norm), backward ----
+        # d_bn5a_branch2b_inv_std = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_weight)
+        d_bn5a_branch2b_inv_std = mem.tensor(319, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2b_inv_std, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2b_sum_of_squares = -d_bn5a_branch2b_inv_std/(3136*(bn5a_branch2b_batch_var + 1.0e-5)**(3/2))
+        d_bn5a_branch2b_sum_of_squares = d_bn5a_branch2b_inv_std  # in place: over d_bn5a_branch2b_inv_std
+        rt.ew(ew_add_pow_mul, d_bn5a_branch2b_sum_of_squares, d_bn5a_branch2b_inv_std, bn5a_branch2b_batch_var)
+        # free bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
+        del bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
+        mem.free(218)
+        # d_bn5a_branch2b_weight = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_inv_std)
+        d_bn5a_branch2b_weight = mem.tensor(320, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2b_weight, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2b_centered = d_bn5a_branch2b*bn5a_branch2b_inv_std*bn5a_branch2b_weight + 2*d_bn5a_branch2b_sum_of_squares*bn5a_branch2b_centered
+        d_bn5a_branch2b_centered = bn5a_branch2b_centered  # in place: over bn5a_branch2b_centered
+        rt.ew(ew_mul_add_2, d_bn5a_branch2b_centered, d_bn5a_branch2b, bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered)
+        # free bn5a_branch2b_inv_std, d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
+        del bn5a_branch2b_inv_std, d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
+        mem.free(219, 319)
+        # d_bn5a_branch2b_bias = sum_to[1x512x1x1](d_bn5a_branch2b)
+        d_bn5a_branch2b_bias = mem.tensor(321, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5a_branch2b, out=d_bn5a_branch2b_bias, shape=(1, 512, 1, 1))
+        # free d_bn5a_branch2b_relu, d_bn5a_branch2b
+        del d_bn5a_branch2b_relu, d_bn5a_branch2b
+        mem.free(316)
+        # d_bn5a_branch2b_W = reshape[512](d_bn5a_branch2b_weight)
+        d_bn5a_branch2b_W = rt.reshape(d_bn5a_branch2b_weight, shape=(512,))
+        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W
+        V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
+        rt.ew(ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W'])
+        # free d_bn5a_branch2b_weight, d_bn5a_branch2b_W
+        del d_bn5a_branch2b_weight, d_bn5a_branch2b_W
+        mem.free(320)
+        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
+        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
+        rt.ew(ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new)
+        # d_bn5a_branch2b_B = reshape[512](d_bn5a_branch2b_bias)
+        d_bn5a_branch2b_B = rt.reshape(d_bn5a_branch2b_bias, shape=(512,))
+        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B
+        V_bn5a_branch2b_B_new = T['V_bn5a_branch2b_B']  # in place: the new V_bn5a_branch2b_B
+        rt.ew(ew_mul_add, V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B'])
+        # free d_bn5a_branch2b_bias, d_bn5a_branch2b_B
+        del d_bn5a_branch2b_bias, d_bn5a_branch2b_B
+        mem.free(321)
+        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new
+        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
+        rt.ew(ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new)
+        # d_bn5a_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2b_centered)
+        d_bn5a_branch2b_batch_mean = mem.tensor(322, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean/1568
+        d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean  # in place: over d_bn5a_branch2b_batch_mean
+        rt.ew(ew_scale_5, d_bn5a_branch2b_sum, d_bn5a_branch2b_batch_mean)
+
+        # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_res5a_branch2b = d_bn5a_branch2b_centered + d_bn5a_branch2b_sum
+        d_res5a_branch2b = d_bn5a_branch2b_centered  # in place: over d_bn5a_branch2b_centered
+        rt.ew(ew_add, d_res5a_branch2b, d_bn5a_branch2b_centered, d_bn5a_branch2b_sum)
+        # free d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
+        del d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
+        mem.free(322)
+        # d_bn5a_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5a_branch2b, res5a_branch2b_W)
+        d_bn5a_branch2a_relu = mem.tensor(323, (32, 512, 7, 7), 'float32')
+        rt.conv2d_bwd_data(d_res5a_branch2b, T['res5a_branch2b_W'], out=d_bn5a_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
+
+        # ---- bn5a_branch2a_relu (relu), forward ----
+        # bn5a_branch2a_relu_2 = Max(0, bn5a_branch2a_centered*bn5a_branch2a_inv_std*bn5a_branch2a_weight + bn5a_branch2a_bias)
+        bn5a_branch2a_relu_2 = mem.tensor(324, (32, 512, 7, 7), 'float32')
+        rt.ew(ew_mul_add_relu, bn5a_branch2a_relu_2, bn5a_branch2a_centered, bn5a_branch2a_inv_std, bn5a_branch2a_weight, bn5a_branch2a_bias)
+
+        # ---- bn5a_branch2a_relu (relu), backward ----
+        # d_bn5a_branch2a = d_bn5a_branch2a_relu*Heaviside(bn5a_branch2a_relu_2, 0)
+        d_bn5a_branch2a = d_bn5a_branch2a_relu  # in place: over d_bn5a_branch2a_relu
+        rt.ew(ew_step_mul, d_bn5a_branch2a, d_bn5a_branch2a_relu, bn5a_branch2a_relu_2)
+
+        # ---- bn5a_branch2a (batch norm), backward ----
+        # d_bn5a_branch2a_inv_std = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_weight)
+        d_bn5a_branch2a_inv_std = mem.tensor(325, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2a_inv_std, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2a_sum_of_squares = -d_bn5a_branch2a_inv_std/(3136*(bn5a_branch2a_batch_var + 1.0e-5)**(3/2))
+        d_bn5a_branch2a_sum_of_squares = d_bn5a_branch2a_inv_std  # in place: over d_bn5a_branch2a_inv_std
+        rt.ew(ew_add_pow_mul, d_bn5a_branch2a_sum_of_squares, d_bn5a_branch2a_inv_std, bn5a_branch2a_batch_var)
+        # free bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
+        del bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
+        mem.free(213)
+        # d_bn5a_branch2a_weight = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_inv_std)
+        d_bn5a_branch2a_weight = mem.tensor(326, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2a_weight, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2a_centered = d_bn5a_branch2a*bn5a_branch2a_inv_std*bn5a_branch2a_weight + 2*d_bn5a_branch2a_sum_of_squares*bn5a_branch2a_centered
+        d_bn5a_branch2a_centered = bn5a_branch2a_centered  # in place: over bn5a_branch2a_centered
+        rt.ew(ew_mul_add_2, d_bn5a_branch2a_centered, d_bn5a_branch2a, bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered)
+        # free bn5a_branch2a_inv_std, d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
+        del bn5a_branch2a_inv_std, d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
+        mem.free(214, 325)
+        # d_bn5a_branch2a_bias = sum_to[1x512x1x1](d_bn5a_branch2a)
+        d_bn5a_branch2a_bias = mem.tensor(327, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn5a_branch2a, out=d_bn5a_branch2a_bias, shape=(1, 512, 1, 1))
+        # free d_bn5a_branch2a_relu, d_bn5a_branch2a
+        del d_bn5a_branch2a_relu, d_bn5a_branch2a
+        mem.free(323)
+        # d_bn5a_branch2a_W = reshape[512](d_bn5a_branch2a_weight)
+        d_bn5a_branch2a_W = rt.reshape(d_bn5a_branch2a_weight, shape=(512,))
+        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W
+        V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
+        rt.ew(ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W'])
+        # free d_bn5a_branch2a_weight, d_bn5a_branch2a_W
+        del d_bn5a_branch2a_weight, d_bn5a_branch2a_W
+        mem.free(326)
+        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
+        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
+        rt.ew(ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new)
+        # d_bn5a_branch2a_B = reshape[512](d_bn5a_branch2a_bias)
+        d_bn5a_branch2a_B = rt.reshape(d_bn5a_branch2a_bias, shape=(512,))
+        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B
+        V_bn5a_branch2a_B_new = T['V_bn5a_branch2a_B']  # in place: the new V_bn5a_branch2a_B
+        rt.ew(ew_mul_add, V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B'])
+        # free d_bn5a_branch2a_bias, d_bn5a_branch2a_B
+        del d_bn5a_branch2a_bias, d_bn5a_branch2a_B
+        mem.free(327)
+        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new
+        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
+        rt.ew(ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new)
+        # d_bn5a_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2a_centered)
+        d_bn5a_branch2a_batch_mean = mem.tensor(328, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean/1568
+        d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean  # in place: over d_bn5a_branch2a_batch_mean
+        rt.ew(ew_scale_5, d_bn5a_branch2a_sum, d_bn5a_branch2a_batch_mean)
+
+        # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), backward ----
+        # d_res5a_branch2a = d_bn5a_branch2a_centered + d_bn5a_branch2a_sum
+        d_res5a_branch2a = d_bn5a_branch2a_centered  # in place: over d_bn5a_branch2a_centered
+        rt.ew(ew_add, d_res5a_branch2a, d_bn5a_branch2a_centered, d_bn5a_branch2a_sum)
+        # free d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
+        del d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
+        mem.free(328)
+        # d_res5a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res5a_branch2a, bn4f_branch2c_relu)
+        d_res5a_branch2a_W = mem.tensor(329, (512, 1024, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res5a_branch2a, bn4f_branch2c_relu, out=d_res5a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(9633792))
+        # V_res5a_branch2a_W_new = V_res5a_branch2a_W*momentum + d_res5a_branch2a_W + decay*res5a_branch2a_W
+        V_res5a_branch2a_W_new = T['V_res5a_branch2a_W']  # in place: the new V_res5a_branch2a_W
+        rt.ew(ew_mul_add, V_res5a_branch2a_W_new, T['V_res5a_branch2a_W'], momentum, d_res5a_branch2a_W, decay, T['res5a_branch2a_W'])
+        # free d_res5a_branch2a_W
+        del d_res5a_branch2a_W
+        mem.free(329)
+
+        # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
+        # d_res5a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5a_branch2b, bn5a_branch2a_relu_2)
+        d_res5a_branch2b_W = mem.tensor(330, (512, 512, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res5a_branch2b, bn5a_branch2a_relu_2, out=d_res5a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
+        # free res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
+        del res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
+        mem.free(216, 324)
+        # V_res5a_branch2b_W_new = V_res5a_branch2b_W*momentum + d_res5a_branch2b_W + decay*res5a_branch2b_W
+        V_res5a_branch2b_W_new = T['V_res5a_branch2b_W']  # in place: the new V_res5a_branch2b_W
+        rt.ew(ew_mul_add, V_res5a_branch2b_W_new, T['V_res5a_branch2b_W'], momentum, d_res5a_branch2b_W, decay, T['res5a_branch2b_W'])
+        # free d_res5a_branch2b_W
+        del d_res5a_branch2b_W
+        mem.free(330)
+        # res5a_branch2b_W_new = res5a_branch2b_W - lr*V_res5a_branch2b_W_new
+        res5a_branch2b_W_new = T['res5a_branch2b_W']  # in place: the new res5a_branch2b_W
+        rt.ew(ew_mul_sub, res5a_branch2b_W_new, T['res5a_branch2b_W'], lr, V_res5a_branch2b_W_new)
+
+        # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), backward ----
         # d_res5a_branch1_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res5a_branch1, bn4f_branch2c_relu)
-        d_res5a_branch1_W = mem.tensor(413, (2048, 1024, 1, 1), 'float32')
+        d_res5a_branch1_W = mem.tensor(331, (2048, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5a_branch1, bn4f_branch2c_relu, out=d_res5a_branch1_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19267584))
         # V_res5a_branch1_W_new = V_res5a_branch1_W*momentum + d_res5a_branch1_W + decay*res5a_branch1_W
         V_res5a_branch1_W_new = T['V_res5a_branch1_W']  # in place: the new V_res5a_branch1_W
         rt.ew(ew_mul_add, V_res5a_branch1_W_new, T['V_res5a_branch1_W'], momentum, d_res5a_branch1_W, decay, T['res5a_branch1_W'])
         # free d_res5a_branch1_W
         del d_res5a_branch1_W
-        mem.free(413)
+        mem.free(331)
         # d_bn4f_branch2c_relu = conv2d_bwd_data[size=(14,14),stride=2](d_res5a_branch1, res5a_branch1_W)
-        d_bn4f_branch2c_relu = mem.tensor(414, (32, 1024, 14, 14), 'float32')
+        d_bn4f_branch2c_relu = mem.tensor(332, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res5a_branch1, T['res5a_branch1_W'], out=d_bn4f_branch2c_relu, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(6422528))
-        # free d_bn5a_branch1_centered, d_res5a_branch1
-        del d_bn5a_branch1_centered, d_res5a_branch1
-        mem.free(409)
+        # free d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_centered, d_res5a_branch1
+        del d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_centered, d_res5a_branch1
+        mem.free(266)
         # res5a_branch1_W_new = res5a_branch1_W - lr*V_res5a_branch1_W_new
         res5a_branch1_W_new = T['res5a_branch1_W']  # in place: the new res5a_branch1_W
         rt.ew(ew_mul_sub, res5a_branch1_W_new, T['res5a_branch1_W'], lr, V_res5a_branch1_W_new)
 
         # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), backward ----
         # d_bn4f_branch2c_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res5a_branch2a, res5a_branch2a_W)
-        d_bn4f_branch2c_relu_2 = mem.tensor(415, (32, 1024, 14, 14), 'float32')
+        d_bn4f_branch2c_relu_2 = mem.tensor(333, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res5a_branch2a, T['res5a_branch2a_W'], out=d_bn4f_branch2c_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(6422528))
-        # free d_bn5a_branch2a_centered, d_res5a_branch2a
-        del d_bn5a_branch2a_centered, d_res5a_branch2a
-        mem.free(402)
+        # free res5a_branch2a, bn5a_branch2a_centered, d_bn5a_branch2a_centered, d_res5a_branch2a
+        del res5a_branch2a, bn5a_branch2a_centered, d_bn5a_branch2a_centered, d_res5a_branch2a
+        mem.free(211)
 
         # ---- bn4f_branch2c_relu (relu), backward ----
         # d_bn4f_branch2c_add = (d_bn4f_branch2c_relu + d_bn4f_branch2c_relu_2)*Heaviside(bn4f_branch2c_relu, 0)
@@ -4627,7 +4133,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4f_branch2c_add, d_bn4f_branch2c_relu, d_bn4f_branch2c_relu_2, bn4f_branch2c_relu)
         # free bn4e_branch2c_relu, bn4f_branch2c_relu, d_bn4f_branch2c_relu_2
         del bn4e_branch2c_relu, bn4f_branch2c_relu, d_bn4f_branch2c_relu_2
-        mem.free(236, 415)
+        mem.free(196, 333)
 
         # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), backward ----
         # res5a_branch2a_W_new = res5a_branch2a_W - lr*V_res5a_branch2a_W_new
@@ -4635,53 +4141,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5a_branch2a_W_new, T['res5a_branch2a_W'], lr, V_res5a_branch2a_W_new)
 
         # ---- bn4f_branch2c (batch norm), backward ----
-        # d_bn4f_branch2c_bias = sum_to[1x1024x1x1](d_bn4f_branch2c_add)
-        d_bn4f_branch2c_bias = mem.tensor(416, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2c_add, out=d_bn4f_branch2c_bias, shape=(1, 1024, 1, 1))
-        # d_bn4f_branch2c_B = reshape[1024](d_bn4f_branch2c_bias)
-        d_bn4f_branch2c_B = rt.reshape(d_bn4f_branch2c_bias, shape=(1024,))
-        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B
-        V_bn4f_branch2c_B_new = T['V_bn4f_branch2c_B']  # in place: the new V_bn4f_branch2c_B
-        rt.ew(ew_mul_add, V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B'])
-        # free d_bn4f_branch2c_bias, d_bn4f_branch2c_B
-        del d_bn4f_branch2c_bias, d_bn4f_branch2c_B
-        mem.free(416)
-        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new
-        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
-        rt.ew(ew_mul_sub, bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new)
-        # d_bn4f_branch2c_mul = d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_weight
-        d_bn4f_branch2c_mul = mem.tensor(417, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2c_mul, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_weight)
-        # d_bn4f_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4f_branch2c_mul)
-        d_bn4f_branch2c_inv_std = mem.tensor(418, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2c_mul, out=d_bn4f_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4f_branch2c_mul
-        del d_bn4f_branch2c_mul
-        mem.free(417)
+        # d_bn4f_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_weight)
+        d_bn4f_branch2c_inv_std = mem.tensor(334, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_sum_of_squares = -d_bn4f_branch2c_inv_std/(12544*(bn4f_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2c_sum_of_squares = d_bn4f_branch2c_inv_std  # in place: over d_bn4f_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2c_sum_of_squares, d_bn4f_branch2c_inv_std, bn4f_branch2c_batch_var)
         # free bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         del bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
-        mem.free(252)
+        mem.free(209)
+        # d_bn4f_branch2c_weight = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_inv_std)
+        d_bn4f_branch2c_weight = mem.tensor(335, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2c_weight, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_centered = d_bn4f_branch2c_add*bn4f_branch2c_inv_std*bn4f_branch2c_weight + 2*d_bn4f_branch2c_sum_of_squares*bn4f_branch2c_centered
-        d_bn4f_branch2c_centered = mem.tensor(419, (32, 1024, 14, 14), 'float32')
+        d_bn4f_branch2c_centered = bn4f_branch2c_centered  # in place: over bn4f_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2c_centered, d_bn4f_branch2c_add, bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered)
-        # free d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
-        del d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
-        mem.free(418)
-        # d_bn4f_branch2c_mul_2 = d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_inv_std
-        d_bn4f_branch2c_mul_2 = bn4f_branch2c_centered  # in place: over bn4f_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4f_branch2c_mul_2, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_inv_std)
-        # free bn4f_branch2c_inv_std
-        del bn4f_branch2c_inv_std
-        mem.free(253)
-        # d_bn4f_branch2c_weight = sum_to[1x1024x1x1](d_bn4f_branch2c_mul_2)
-        d_bn4f_branch2c_weight = mem.tensor(420, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2c_mul_2, out=d_bn4f_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_mul_2
-        del res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_mul_2
-        mem.free(249)
+        # free bn4f_branch2c_inv_std, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
+        del bn4f_branch2c_inv_std, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
+        mem.free(210, 334)
         # d_bn4f_branch2c_W = reshape[1024](d_bn4f_branch2c_weight)
         d_bn4f_branch2c_W = rt.reshape(d_bn4f_branch2c_weight, shape=(1024,))
         # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W
@@ -4689,19 +4166,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W'])
         # free d_bn4f_branch2c_weight, d_bn4f_branch2c_W
         del d_bn4f_branch2c_weight, d_bn4f_branch2c_W
-        mem.free(420)
+        mem.free(335)
         # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new
         bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
         rt.ew(ew_mul_sub, bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new)
-        # d_bn4f_branch2c_neg = -d_bn4f_branch2c_centered
-        d_bn4f_branch2c_neg = mem.tensor(421, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4f_branch2c_neg, d_bn4f_branch2c_centered)
-        # d_bn4f_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4f_branch2c_neg)
-        d_bn4f_branch2c_batch_mean = mem.tensor(422, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2c_neg, out=d_bn4f_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4f_branch2c_neg
-        del d_bn4f_branch2c_neg
-        mem.free(421)
+        # d_bn4f_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4f_branch2c_centered)
+        d_bn4f_branch2c_batch_mean = mem.tensor(336, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean/6272
         d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean  # in place: over d_bn4f_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2c_sum, d_bn4f_branch2c_batch_mean)
@@ -4712,23 +4183,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4f_branch2c, d_bn4f_branch2c_centered, d_bn4f_branch2c_sum)
         # free d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_sum
         del d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_sum
-        mem.free(422)
+        mem.free(336)
+
+        # ---- bn4f_branch2c (batch norm), backward ----
+        # d_bn4f_branch2c_bias = sum_to[1x1024x1x1](d_bn4f_branch2c_add)
+        d_bn4f_branch2c_bias = mem.tensor(337, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_bn4f_branch2c_add, out=d_bn4f_branch2c_bias, shape=(1, 1024, 1, 1))
+        # d_bn4f_branch2c_B = reshape[1024](d_bn4f_branch2c_bias)
+        d_bn4f_branch2c_B = rt.reshape(d_bn4f_branch2c_bias, shape=(1024,))
+        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B
+        V_bn4f_branch2c_B_new = T['V_bn4f_branch2c_B']  # in place: the new V_bn4f_branch2c_B
+        rt.ew(ew_mul_add, V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B'])
+        # free d_bn4f_branch2c_bias, d_bn4f_branch2c_B
+        del d_bn4f_branch2c_bias, d_bn4f_branch2c_B
+        mem.free(337)
+        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new
+        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
+        rt.ew(ew_mul_sub, bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new)
 
         # ---- bn4f_branch2b_relu (relu), forward ----
         # bn4f_branch2b_relu_2 = Max(0, bn4f_branch2b_centered*bn4f_branch2b_inv_std*bn4f_branch2b_weight + bn4f_branch2b_bias)
-        bn4f_branch2b_relu_2 = mem.tensor(423, (32, 256, 14, 14), 'float32')
+        bn4f_branch2b_relu_2 = mem.tensor(338, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4f_branch2b_relu_2, bn4f_branch2b_centered, bn4f_branch2b_inv_std, bn4f_branch2b_weight, bn4f_branch2b_bias)
 
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # d_res4f_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4f_branch2c, bn4f_branch2b_relu_2)
-        d_res4f_branch2c_W = mem.tensor(424, (1024, 256, 1, 1), 'float32')
+        d_res4f_branch2c_W = mem.tensor(339, (1024, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4f_branch2c, bn4f_branch2b_relu_2, out=d_res4f_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4f_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2c, res4f_branch2c_W)
-        d_bn4f_branch2b_relu = mem.tensor(425, (32, 256, 14, 14), 'float32')
+        d_bn4f_branch2b_relu = mem.tensor(340, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4f_branch2c, T['res4f_branch2c_W'], out=d_bn4f_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4f_branch2c_centered, d_res4f_branch2c
-        del d_bn4f_branch2c_centered, d_res4f_branch2c
-        mem.free(419)
+        # free res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
+        del res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
+        mem.free(207)
 
         # ---- bn4f_branch2b_relu (relu), backward ----
         # d_bn4f_branch2b = d_bn4f_branch2b_relu*Heaviside(bn4f_branch2b_relu_2, 0)
@@ -4736,7 +4223,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4f_branch2b, d_bn4f_branch2b_relu, bn4f_branch2b_relu_2)
         # free bn4f_branch2b_relu_2
         del bn4f_branch2b_relu_2
-        mem.free(423)
+        mem.free(338)
 
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # V_res4f_branch2c_W_new = V_res4f_branch2c_W*momentum + d_res4f_branch2c_W + decay*res4f_branch2c_W
@@ -4744,59 +4231,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res4f_branch2c_W_new, T['V_res4f_branch2c_W'], momentum, d_res4f_branch2c_W, decay, T['res4f_branch2c_W'])
         # free d_res4f_branch2c_W
         del d_res4f_branch2c_W
-        mem.free(424)
+        mem.free(339)
         # res4f_branch2c_W_new = res4f_branch2c_W - lr*V_res4f_branch2c_W_new
         res4f_branch2c_W_new = T['res4f_branch2c_W']  # in place: the new res4f_branch2c_W
         rt.ew(ew_mul_sub, res4f_branch2c_W_new, T['res4f_branch2c_W'], lr, V_res4f_branch2c_W_new)
 
         # ---- bn4f_branch2b (batch norm), backward ----
-        # d_bn4f_branch2b_bias = sum_to[1x256x1x1](d_bn4f_branch2b)
-        d_bn4f_branch2b_bias = mem.tensor(426, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2b, out=d_bn4f_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4f_branch2b_B = reshape[256](d_bn4f_branch2b_bias)
-        d_bn4f_branch2b_B = rt.reshape(d_bn4f_branch2b_bias, shape=(256,))
-        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B
-        V_bn4f_branch2b_B_new = T['V_bn4f_branch2b_B']  # in place: the new V_bn4f_branch2b_B
-        rt.ew(ew_mul_add, V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B'])
-        # free d_bn4f_branch2b_bias, d_bn4f_branch2b_B
-        del d_bn4f_branch2b_bias, d_bn4f_branch2b_B
-        mem.free(426)
-        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new
-        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
-        rt.ew(ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new)
-        # d_bn4f_branch2b_mul = d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_weight
-        d_bn4f_branch2b_mul = mem.tensor(427, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2b_mul, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_weight)
-        # d_bn4f_branch2b_inv_std = sum_to[1x256x1x1](d_bn4f_branch2b_mul)
-        d_bn4f_branch2b_inv_std = mem.tensor(428, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2b_mul, out=d_bn4f_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2b_mul
-        del d_bn4f_branch2b_mul
-        mem.free(427)
+        # d_bn4f_branch2b_inv_std = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_weight)
+        d_bn4f_branch2b_inv_std = mem.tensor(341, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2b_inv_std, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2b_sum_of_squares = -d_bn4f_branch2b_inv_std/(12544*(bn4f_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2b_sum_of_squares = d_bn4f_branch2b_inv_std  # in place: over d_bn4f_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2b_sum_of_squares, d_bn4f_branch2b_inv_std, bn4f_branch2b_batch_var)
         # free bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         del bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
-        mem.free(246)
+        mem.free(204)
+        # d_bn4f_branch2b_weight = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_inv_std)
+        d_bn4f_branch2b_weight = mem.tensor(342, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2b_weight, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2b_centered = d_bn4f_branch2b*bn4f_branch2b_inv_std*bn4f_branch2b_weight + 2*d_bn4f_branch2b_sum_of_squares*bn4f_branch2b_centered
-        d_bn4f_branch2b_centered = mem.tensor(429, (32, 256, 14, 14), 'float32')
+        d_bn4f_branch2b_centered = bn4f_branch2b_centered  # in place: over bn4f_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2b_centered, d_bn4f_branch2b, bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered)
-        # free d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
-        del d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
-        mem.free(428)
-        # d_bn4f_branch2b_mul_2 = d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_inv_std
-        d_bn4f_branch2b_mul_2 = d_bn4f_branch2b  # in place: over d_bn4f_branch2b
-        rt.ew(ew_mul_3, d_bn4f_branch2b_mul_2, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_inv_std)
-        # free res4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_inv_std
-        del res4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_inv_std
-        mem.free(243, 247)
-        # d_bn4f_branch2b_weight = sum_to[1x256x1x1](d_bn4f_branch2b_mul_2)
-        d_bn4f_branch2b_weight = mem.tensor(430, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2b_mul_2, out=d_bn4f_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2b_relu, d_bn4f_branch2b, d_bn4f_branch2b_mul_2
-        del d_bn4f_branch2b_relu, d_bn4f_branch2b, d_bn4f_branch2b_mul_2
-        mem.free(425)
+        # free bn4f_branch2b_inv_std, d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
+        del bn4f_branch2b_inv_std, d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
+        mem.free(205, 341)
+        # d_bn4f_branch2b_bias = sum_to[1x256x1x1](d_bn4f_branch2b)
+        d_bn4f_branch2b_bias = mem.tensor(343, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4f_branch2b, out=d_bn4f_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4f_branch2b_relu, d_bn4f_branch2b
+        del d_bn4f_branch2b_relu, d_bn4f_branch2b
+        mem.free(340)
         # d_bn4f_branch2b_W = reshape[256](d_bn4f_branch2b_weight)
         d_bn4f_branch2b_W = rt.reshape(d_bn4f_branch2b_weight, shape=(256,))
         # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W
@@ -4804,19 +4268,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W'])
         # free d_bn4f_branch2b_weight, d_bn4f_branch2b_W
         del d_bn4f_branch2b_weight, d_bn4f_branch2b_W
-        mem.free(430)
+        mem.free(342)
         # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new
         bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
         rt.ew(ew_mul_sub, bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new)
-        # d_bn4f_branch2b_neg = -d_bn4f_branch2b_centered
-        d_bn4f_branch2b_neg = mem.tensor(431, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4f_branch2b_neg, d_bn4f_branch2b_centered)
-        # d_bn4f_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4f_branch2b_neg)
-        d_bn4f_branch2b_batch_mean = mem.tensor(432, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2b_neg, out=d_bn4f_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2b_neg
-        del d_bn4f_branch2b_neg
-        mem.free(431)
+        # d_bn4f_branch2b_B = reshape[256](d_bn4f_branch2b_bias)
+        d_bn4f_branch2b_B = rt.reshape(d_bn4f_branch2b_bias, shape=(256,))
+        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B
+        V_bn4f_branch2b_B_new = T['V_bn4f_branch2b_B']  # in place: the new V_bn4f_branch2b_B
+        rt.ew(ew_mul_add, V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B'])
+        # free d_bn4f_branch2b_bias, d_bn4f_branch2b_B
+        del d_bn4f_branch2b_bias, d_bn4f_branch2b_B
+        mem.free(343)
+        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new
+        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
+        rt.ew(ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new)
+        # d_bn4f_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2b_centered)
+        d_bn4f_branch2b_batch_mean = mem.tensor(344, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean/6272
         d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean  # in place: over d_bn4f_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2b_sum, d_bn4f_branch2b_batch_mean)
@@ -4827,29 +4296,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4f_branch2b, d_bn4f_branch2b_centered, d_bn4f_branch2b_sum)
         # free d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_sum
         del d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_sum
-        mem.free(432)
+        mem.free(344)
 
         # ---- bn4f_branch2a_relu (relu), forward ----
         # bn4f_branch2a_relu_2 = Max(0, bn4f_branch2a_centered*bn4f_branch2a_inv_std*bn4f_branch2a_weight + bn4f_branch2a_bias)
-        bn4f_branch2a_relu_2 = mem.tensor(433, (32, 256, 14, 14), 'float32')
+        bn4f_branch2a_relu_2 = mem.tensor(345, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4f_branch2a_relu_2, bn4f_branch2a_centered, bn4f_branch2a_inv_std, bn4f_branch2a_weight, bn4f_branch2a_bias)
 
         # ---- res4f_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # d_res4f_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4f_branch2b, bn4f_branch2a_relu_2)
-        d_res4f_branch2b_W = mem.tensor(434, (256, 256, 3, 3), 'float32')
+        d_res4f_branch2b_W = mem.tensor(346, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4f_branch2b, bn4f_branch2a_relu_2, out=d_res4f_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
         # V_res4f_branch2b_W_new = V_res4f_branch2b_W*momentum + d_res4f_branch2b_W + decay*res4f_branch2b_W
         V_res4f_branch2b_W_new = T['V_res4f_branch2b_W']  # in place: the new V_res4f_branch2b_W
         rt.ew(ew_mul_add, V_res4f_branch2b_W_new, T['V_res4f_branch2b_W'], momentum, d_res4f_branch2b_W, decay, T['res4f_branch2b_W'])
         # free d_res4f_branch2b_W
         del d_res4f_branch2b_W
-        mem.free(434)
+        mem.free(346)
         # d_bn4f_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4f_branch2b, res4f_branch2b_W)
-        d_bn4f_branch2a_relu = mem.tensor(435, (32, 256, 14, 14), 'float32')
+        d_bn4f_branch2a_relu = mem.tensor(347, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4f_branch2b, T['res4f_branch2b_W'], out=d_bn4f_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4f_branch2b_centered, d_res4f_branch2b
-        del d_bn4f_branch2b_centered, d_res4f_branch2b
-        mem.free(429)
+        # free res4f_branch2b, bn4f_branch2b_centered, d_bn4f_branch2b_centered, d_res4f_branch2b
+        del res4f_branch2b, bn4f_branch2b_centered, d_bn4f_branch2b_centered, d_res4f_branch2b
+        mem.free(202)
 
         # ---- bn4f_branch2a_relu (relu), backward ----
         # d_bn4f_branch2a = d_bn4f_branch2a_relu*Heaviside(bn4f_branch2a_relu_2, 0)
@@ -4857,7 +4326,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4f_branch2a, d_bn4f_branch2a_relu, bn4f_branch2a_relu_2)
         # free bn4f_branch2a_relu_2
         del bn4f_branch2a_relu_2
-        mem.free(433)
+        mem.free(345)
 
         # ---- res4f_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # res4f_branch2b_W_new = res4f_branch2b_W - lr*V_res4f_branch2b_W_new
@@ -4865,53 +4334,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2b_W_new, T['res4f_branch2b_W'], lr, V_res4f_branch2b_W_new)
 
         # ---- bn4f_branch2a (batch norm), backward ----
-        # d_bn4f_branch2a_bias = sum_to[1x256x1x1](d_bn4f_branch2a)
-        d_bn4f_branch2a_bias = mem.tensor(436, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2a, out=d_bn4f_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4f_branch2a_B = reshape[256](d_bn4f_branch2a_bias)
-        d_bn4f_branch2a_B = rt.reshape(d_bn4f_branch2a_bias, shape=(256,))
-        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B
-        V_bn4f_branch2a_B_new = T['V_bn4f_branch2a_B']  # in place: the new V_bn4f_branch2a_B
-        rt.ew(ew_mul_add, V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B'])
-        # free d_bn4f_branch2a_bias, d_bn4f_branch2a_B
-        del d_bn4f_branch2a_bias, d_bn4f_branch2a_B
-        mem.free(436)
-        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new
-        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
-        rt.ew(ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new)
-        # d_bn4f_branch2a_mul = d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_weight
-        d_bn4f_branch2a_mul = mem.tensor(437, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2a_mul, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_weight)
-        # d_bn4f_branch2a_inv_std = sum_to[1x256x1x1](d_bn4f_branch2a_mul)
-        d_bn4f_branch2a_inv_std = mem.tensor(438, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2a_mul, out=d_bn4f_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2a_mul
-        del d_bn4f_branch2a_mul
-        mem.free(437)
+        # d_bn4f_branch2a_inv_std = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_weight)
+        d_bn4f_branch2a_inv_std = mem.tensor(348, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2a_inv_std, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2a_sum_of_squares = -d_bn4f_branch2a_inv_std/(12544*(bn4f_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2a_sum_of_squares = d_bn4f_branch2a_inv_std  # in place: over d_bn4f_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2a_sum_of_squares, d_bn4f_branch2a_inv_std, bn4f_branch2a_batch_var)
         # free bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         del bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
-        mem.free(240)
+        mem.free(199)
+        # d_bn4f_branch2a_weight = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_inv_std)
+        d_bn4f_branch2a_weight = mem.tensor(349, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2a_weight, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2a_centered = d_bn4f_branch2a*bn4f_branch2a_inv_std*bn4f_branch2a_weight + 2*d_bn4f_branch2a_sum_of_squares*bn4f_branch2a_centered
-        d_bn4f_branch2a_centered = mem.tensor(439, (32, 256, 14, 14), 'float32')
+        d_bn4f_branch2a_centered = bn4f_branch2a_centered  # in place: over bn4f_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2a_centered, d_bn4f_branch2a, bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered)
-        # free d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
-        del d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
-        mem.free(438)
-        # d_bn4f_branch2a_mul_2 = d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_inv_std
-        d_bn4f_branch2a_mul_2 = d_bn4f_branch2a  # in place: over d_bn4f_branch2a
-        rt.ew(ew_mul_3, d_bn4f_branch2a_mul_2, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_inv_std)
-        # free res4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_inv_std
-        del res4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_inv_std
-        mem.free(237, 241)
-        # d_bn4f_branch2a_weight = sum_to[1x256x1x1](d_bn4f_branch2a_mul_2)
-        d_bn4f_branch2a_weight = mem.tensor(440, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2a_mul_2, out=d_bn4f_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2a_relu, d_bn4f_branch2a, d_bn4f_branch2a_mul_2
-        del d_bn4f_branch2a_relu, d_bn4f_branch2a, d_bn4f_branch2a_mul_2
-        mem.free(435)
+        # free bn4f_branch2a_inv_std, d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
+        del bn4f_branch2a_inv_std, d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
+        mem.free(200, 348)
+        # d_bn4f_branch2a_bias = sum_to[1x256x1x1](d_bn4f_branch2a)
+        d_bn4f_branch2a_bias = mem.tensor(350, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4f_branch2a, out=d_bn4f_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4f_branch2a_relu, d_bn4f_branch2a
+        del d_bn4f_branch2a_relu, d_bn4f_branch2a
+        mem.free(347)
         # d_bn4f_branch2a_W = reshape[256](d_bn4f_branch2a_weight)
         d_bn4f_branch2a_W = rt.reshape(d_bn4f_branch2a_weight, shape=(256,))
         # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W
@@ -4919,19 +4365,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W'])
         # free d_bn4f_branch2a_weight, d_bn4f_branch2a_W
         del d_bn4f_branch2a_weight, d_bn4f_branch2a_W
-        mem.free(440)
+        mem.free(349)
         # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new
         bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
         rt.ew(ew_mul_sub, bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new)
-        # d_bn4f_branch2a_neg = -d_bn4f_branch2a_centered
-        d_bn4f_branch2a_neg = mem.tensor(441, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4f_branch2a_neg, d_bn4f_branch2a_centered)
-        # d_bn4f_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4f_branch2a_neg)
-        d_bn4f_branch2a_batch_mean = mem.tensor(442, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4f_branch2a_neg, out=d_bn4f_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4f_branch2a_neg
-        del d_bn4f_branch2a_neg
-        mem.free(441)
+        # d_bn4f_branch2a_B = reshape[256](d_bn4f_branch2a_bias)
+        d_bn4f_branch2a_B = rt.reshape(d_bn4f_branch2a_bias, shape=(256,))
+        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B
+        V_bn4f_branch2a_B_new = T['V_bn4f_branch2a_B']  # in place: the new V_bn4f_branch2a_B
+        rt.ew(ew_mul_add, V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B'])
+        # free d_bn4f_branch2a_bias, d_bn4f_branch2a_B
+        del d_bn4f_branch2a_bias, d_bn4f_branch2a_B
+        mem.free(350)
+        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new
+        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
+        rt.ew(ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new)
+        # d_bn4f_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2a_centered)
+        d_bn4f_branch2a_batch_mean = mem.tensor(351, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean/6272
         d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean  # in place: over d_bn4f_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2a_sum, d_bn4f_branch2a_batch_mean)
@@ -4942,29 +4393,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4f_branch2a, d_bn4f_branch2a_centered, d_bn4f_branch2a_sum)
         # free d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_sum
         del d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_sum
-        mem.free(442)
+        mem.free(351)
 
         # ---- bn4e_branch2c_relu (relu), forward ----
         # bn4e_branch2c_relu_2 = Max(0, bn4e_branch2c_centered*bn4e_branch2c_inv_std*bn4e_branch2c_weight + bn4e_branch2c_bias + bn4d_branch2c_relu)
-        bn4e_branch2c_relu_2 = mem.tensor(443, (32, 1024, 14, 14), 'float32')
+        bn4e_branch2c_relu_2 = mem.tensor(352, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_4, bn4e_branch2c_relu_2, bn4e_branch2c_centered, bn4e_branch2c_inv_std, bn4e_branch2c_weight, bn4e_branch2c_bias, bn4d_branch2c_relu)
 
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res4f_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4f_branch2a, bn4e_branch2c_relu_2)
-        d_res4f_branch2a_W = mem.tensor(444, (256, 1024, 1, 1), 'float32')
+        d_res4f_branch2a_W = mem.tensor(353, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4f_branch2a, bn4e_branch2c_relu_2, out=d_res4f_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # V_res4f_branch2a_W_new = V_res4f_branch2a_W*momentum + d_res4f_branch2a_W + decay*res4f_branch2a_W
         V_res4f_branch2a_W_new = T['V_res4f_branch2a_W']  # in place: the new V_res4f_branch2a_W
         rt.ew(ew_mul_add, V_res4f_branch2a_W_new, T['V_res4f_branch2a_W'], momentum, d_res4f_branch2a_W, decay, T['res4f_branch2a_W'])
         # free d_res4f_branch2a_W
         del d_res4f_branch2a_W
-        mem.free(444)
+        mem.free(353)
         # d_bn4e_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2a, res4f_branch2a_W)
-        d_bn4e_branch2c_relu = mem.tensor(445, (32, 1024, 14, 14), 'float32')
+        d_bn4e_branch2c_relu = mem.tensor(354, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4f_branch2a, T['res4f_branch2a_W'], out=d_bn4e_branch2c_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4f_branch2a_centered, d_res4f_branch2a
-        del d_bn4f_branch2a_centered, d_res4f_branch2a
-        mem.free(439)
+        # free res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
+        del res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
+        mem.free(197)
 
         # ---- bn4e_branch2c_relu (relu), backward ----
         # d_bn4e_branch2c_add = (d_bn4f_branch2c_add + d_bn4e_branch2c_relu)*Heaviside(bn4e_branch2c_relu_2, 0)
@@ -4972,7 +4423,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4e_branch2c_add, d_bn4f_branch2c_add, d_bn4e_branch2c_relu, bn4e_branch2c_relu_2)
         # free bn4e_branch2c_relu_2, d_bn4e_branch2c_relu
         del bn4e_branch2c_relu_2, d_bn4e_branch2c_relu
-        mem.free(443, 445)
+        mem.free(352, 354)
 
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # res4f_branch2a_W_new = res4f_branch2a_W - lr*V_res4f_branch2a_W_new
@@ -4980,53 +4431,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2a_W_new, T['res4f_branch2a_W'], lr, V_res4f_branch2a_W_new)
 
         # ---- bn4e_branch2c (batch norm), backward ----
-        # d_bn4e_branch2c_bias = sum_to[1x1024x1x1](d_bn4e_branch2c_add)
-        d_bn4e_branch2c_bias = mem.tensor(446, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2c_add, out=d_bn4e_branch2c_bias, shape=(1, 1024, 1, 1))
-        # d_bn4e_branch2c_B = reshape[1024](d_bn4e_branch2c_bias)
-        d_bn4e_branch2c_B = rt.reshape(d_bn4e_branch2c_bias, shape=(1024,))
-        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B
-        V_bn4e_branch2c_B_new = T['V_bn4e_branch2c_B']  # in place: the new V_bn4e_branch2c_B
-        rt.ew(ew_mul_add, V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B'])
-        # free d_bn4e_branch2c_bias, d_bn4e_branch2c_B
-        del d_bn4e_branch2c_bias, d_bn4e_branch2c_B
-        mem.free(446)
-        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new
-        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
-        rt.ew(ew_mul_sub, bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new)
-        # d_bn4e_branch2c_mul = d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_weight
-        d_bn4e_branch2c_mul = mem.tensor(447, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2c_mul, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_weight)
-        # d_bn4e_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4e_branch2c_mul)
-        d_bn4e_branch2c_inv_std = mem.tensor(448, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2c_mul, out=d_bn4e_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4e_branch2c_mul
-        del d_bn4e_branch2c_mul
-        mem.free(447)
+        # d_bn4e_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_weight)
+        d_bn4e_branch2c_inv_std = mem.tensor(355, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_sum_of_squares = -d_bn4e_branch2c_inv_std/(12544*(bn4e_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2c_sum_of_squares = d_bn4e_branch2c_inv_std  # in place: over d_bn4e_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2c_sum_of_squares, d_bn4e_branch2c_inv_std, bn4e_branch2c_batch_var)
         # free bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         del bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
-        mem.free(234)
+        mem.free(194)
+        # d_bn4e_branch2c_weight = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_inv_std)
+        d_bn4e_branch2c_weight = mem.tensor(356, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2c_weight, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_centered = d_bn4e_branch2c_add*bn4e_branch2c_inv_std*bn4e_branch2c_weight + 2*d_bn4e_branch2c_sum_of_squares*bn4e_branch2c_centered
-        d_bn4e_branch2c_centered = mem.tensor(449, (32, 1024, 14, 14), 'float32')
+        d_bn4e_branch2c_centered = bn4e_branch2c_centered  # in place: over bn4e_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2c_centered, d_bn4e_branch2c_add, bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered)
-        # free d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
-        del d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
-        mem.free(448)
-        # d_bn4e_branch2c_mul_2 = d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_inv_std
-        d_bn4e_branch2c_mul_2 = bn4e_branch2c_centered  # in place: over bn4e_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4e_branch2c_mul_2, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_inv_std)
-        # free bn4e_branch2c_inv_std
-        del bn4e_branch2c_inv_std
-        mem.free(235)
-        # d_bn4e_branch2c_weight = sum_to[1x1024x1x1](d_bn4e_branch2c_mul_2)
-        d_bn4e_branch2c_weight = mem.tensor(450, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2c_mul_2, out=d_bn4e_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_mul_2
-        del res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_mul_2
-        mem.free(231)
+        # free bn4e_branch2c_inv_std, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
+        del bn4e_branch2c_inv_std, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
+        mem.free(195, 355)
         # d_bn4e_branch2c_W = reshape[1024](d_bn4e_branch2c_weight)
         d_bn4e_branch2c_W = rt.reshape(d_bn4e_branch2c_weight, shape=(1024,))
         # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W
@@ -5034,19 +4456,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W'])
         # free d_bn4e_branch2c_weight, d_bn4e_branch2c_W
         del d_bn4e_branch2c_weight, d_bn4e_branch2c_W
-        mem.free(450)
+        mem.free(356)
         # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new
         bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
         rt.ew(ew_mul_sub, bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new)
-        # d_bn4e_branch2c_neg = -d_bn4e_branch2c_centered
-        d_bn4e_branch2c_neg = mem.tensor(451, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4e_branch2c_neg, d_bn4e_branch2c_centered)
-        # d_bn4e_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4e_branch2c_neg)
-        d_bn4e_branch2c_batch_mean = mem.tensor(452, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2c_neg, out=d_bn4e_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4e_branch2c_neg
-        del d_bn4e_branch2c_neg
-        mem.free(451)
+        # d_bn4e_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4e_branch2c_centered)
+        d_bn4e_branch2c_batch_mean = mem.tensor(357, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean/6272
         d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean  # in place: over d_bn4e_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2c_sum, d_bn4e_branch2c_batch_mean)
@@ -5057,23 +4473,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4e_branch2c, d_bn4e_branch2c_centered, d_bn4e_branch2c_sum)
         # free d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_sum
         del d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_sum
-        mem.free(452)
+        mem.free(357)
+
+        # ---- bn4e_branch2c (batch norm), backward ----
+        # d_bn4e_branch2c_bias = sum_to[1x1024x1x1](d_bn4e_branch2c_add)
+        d_bn4e_branch2c_bias = mem.tensor(358, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_bn4e_branch2c_add, out=d_bn4e_branch2c_bias, shape=(1, 1024, 1, 1))
+        # d_bn4e_branch2c_B = reshape[1024](d_bn4e_branch2c_bias)
+        d_bn4e_branch2c_B = rt.reshape(d_bn4e_branch2c_bias, shape=(1024,))
+        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B
+        V_bn4e_branch2c_B_new = T['V_bn4e_branch2c_B']  # in place: the new V_bn4e_branch2c_B
+        rt.ew(ew_mul_add, V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B'])
+        # free d_bn4e_branch2c_bias, d_bn4e_branch2c_B
+        del d_bn4e_branch2c_bias, d_bn4e_branch2c_B
+        mem.free(358)
+        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new
+        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
+        rt.ew(ew_mul_sub, bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new)
 
         # ---- bn4e_branch2b_relu (relu), forward ----
         # bn4e_branch2b_relu_2 = Max(0, bn4e_branch2b_centered*bn4e_branch2b_inv_std*bn4e_branch2b_weight + bn4e_branch2b_bias)
-        bn4e_branch2b_relu_2 = mem.tensor(453, (32, 256, 14, 14), 'float32')
+        bn4e_branch2b_relu_2 = mem.tensor(359, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4e_branch2b_relu_2, bn4e_branch2b_centered, bn4e_branch2b_inv_std, bn4e_branch2b_weight, bn4e_branch2b_bias)
 
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # d_res4e_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4e_branch2c, bn4e_branch2b_relu_2)
-        d_res4e_branch2c_W = mem.tensor(454, (1024, 256, 1, 1), 'float32')
+        d_res4e_branch2c_W = mem.tensor(360, (1024, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4e_branch2c, bn4e_branch2b_relu_2, out=d_res4e_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4e_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2c, res4e_branch2c_W)
-        d_bn4e_branch2b_relu = mem.tensor(455, (32, 256, 14, 14), 'float32')
+        d_bn4e_branch2b_relu = mem.tensor(361, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4e_branch2c, T['res4e_branch2c_W'], out=d_bn4e_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4e_branch2c_centered, d_res4e_branch2c
-        del d_bn4e_branch2c_centered, d_res4e_branch2c
-        mem.free(449)
+        # free res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
+        del res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
+        mem.free(192)
 
         # ---- bn4e_branch2b_relu (relu), backward ----
         # d_bn4e_branch2b = d_bn4e_branch2b_relu*Heaviside(bn4e_branch2b_relu_2, 0)
@@ -5081,7 +4513,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4e_branch2b, d_bn4e_branch2b_relu, bn4e_branch2b_relu_2)
         # free bn4e_branch2b_relu_2
         del bn4e_branch2b_relu_2
-        mem.free(453)
+        mem.free(359)
 
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # V_res4e_branch2c_W_new = V_res4e_branch2c_W*momentum + d_res4e_branch2c_W + decay*res4e_branch2c_W
@@ -5089,59 +4521,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res4e_branch2c_W_new, T['V_res4e_branch2c_W'], momentum, d_res4e_branch2c_W, decay, T['res4e_branch2c_W'])
         # free d_res4e_branch2c_W
         del d_res4e_branch2c_W
-        mem.free(454)
+        mem.free(360)
         # res4e_branch2c_W_new = res4e_branch2c_W - lr*V_res4e_branch2c_W_new
         res4e_branch2c_W_new = T['res4e_branch2c_W']  # in place: the new res4e_branch2c_W
         rt.ew(ew_mul_sub, res4e_branch2c_W_new, T['res4e_branch2c_W'], lr, V_res4e_branch2c_W_new)
 
         # ---- bn4e_branch2b (batch norm), backward ----
-        # d_bn4e_branch2b_bias = sum_to[1x256x1x1](d_bn4e_branch2b)
-        d_bn4e_branch2b_bias = mem.tensor(456, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2b, out=d_bn4e_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4e_branch2b_B = reshape[256](d_bn4e_branch2b_bias)
-        d_bn4e_branch2b_B = rt.reshape(d_bn4e_branch2b_bias, shape=(256,))
-        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B
-        V_bn4e_branch2b_B_new = T['V_bn4e_branch2b_B']  # in place: the new V_bn4e_branch2b_B
-        rt.ew(ew_mul_add, V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B'])
-        # free d_bn4e_branch2b_bias, d_bn4e_branch2b_B
-        del d_bn4e_branch2b_bias, d_bn4e_branch2b_B
-        mem.free(456)
-        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new
-        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
-        rt.ew(ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new)
-        # d_bn4e_branch2b_mul = d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_weight
-        d_bn4e_branch2b_mul = mem.tensor(457, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2b_mul, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_weight)
-        # d_bn4e_branch2b_inv_std = sum_to[1x256x1x1](d_bn4e_branch2b_mul)
-        d_bn4e_branch2b_inv_std = mem.tensor(458, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2b_mul, out=d_bn4e_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2b_mul
-        del d_bn4e_branch2b_mul
-        mem.free(457)
+        # d_bn4e_branch2b_inv_std = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_weight)
+        d_bn4e_branch2b_inv_std = mem.tensor(362, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2b_inv_std, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2b_sum_of_squares = -d_bn4e_branch2b_inv_std/(12544*(bn4e_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2b_sum_of_squares = d_bn4e_branch2b_inv_std  # in place: over d_bn4e_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2b_sum_of_squares, d_bn4e_branch2b_inv_std, bn4e_branch2b_batch_var)
         # free bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         del bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
-        mem.free(228)
+        mem.free(189)
+        # d_bn4e_branch2b_weight = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_inv_std)
+        d_bn4e_branch2b_weight = mem.tensor(363, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2b_weight, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2b_centered = d_bn4e_branch2b*bn4e_branch2b_inv_std*bn4e_branch2b_weight + 2*d_bn4e_branch2b_sum_of_squares*bn4e_branch2b_centered
-        d_bn4e_branch2b_centered = mem.tensor(459, (32, 256, 14, 14), 'float32')
+        d_bn4e_branch2b_centered = bn4e_branch2b_centered  # in place: over bn4e_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2b_centered, d_bn4e_branch2b, bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered)
-        # free d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
-        del d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
-        mem.free(458)
-        # d_bn4e_branch2b_mul_2 = d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_inv_std
-        d_bn4e_branch2b_mul_2 = d_bn4e_branch2b  # in place: over d_bn4e_branch2b
-        rt.ew(ew_mul_3, d_bn4e_branch2b_mul_2, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_inv_std)
-        # free res4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_inv_std
-        del res4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_inv_std
-        mem.free(225, 229)
-        # d_bn4e_branch2b_weight = sum_to[1x256x1x1](d_bn4e_branch2b_mul_2)
-        d_bn4e_branch2b_weight = mem.tensor(460, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2b_mul_2, out=d_bn4e_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2b_relu, d_bn4e_branch2b, d_bn4e_branch2b_mul_2
-        del d_bn4e_branch2b_relu, d_bn4e_branch2b, d_bn4e_branch2b_mul_2
-        mem.free(455)
+        # free bn4e_branch2b_inv_std, d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
+        del bn4e_branch2b_inv_std, d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
+        mem.free(190, 362)
+        # d_bn4e_branch2b_bias = sum_to[1x256x1x1](d_bn4e_branch2b)
+        d_bn4e_branch2b_bias = mem.tensor(364, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4e_branch2b, out=d_bn4e_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4e_branch2b_relu, d_bn4e_branch2b
+        del d_bn4e_branch2b_relu, d_bn4e_branch2b
+        mem.free(361)
         # d_bn4e_branch2b_W = reshape[256](d_bn4e_branch2b_weight)
         d_bn4e_branch2b_W = rt.reshape(d_bn4e_branch2b_weight, shape=(256,))
         # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W
@@ -5149,19 +4558,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W'])
         # free d_bn4e_branch2b_weight, d_bn4e_branch2b_W
         del d_bn4e_branch2b_weight, d_bn4e_branch2b_W
-        mem.free(460)
+        mem.free(363)
         # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new
         bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
         rt.ew(ew_mul_sub, bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new)
-        # d_bn4e_branch2b_neg = -d_bn4e_branch2b_centered
-        d_bn4e_branch2b_neg = mem.tensor(461, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4e_branch2b_neg, d_bn4e_branch2b_centered)
-        # d_bn4e_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4e_branch2b_neg)
-        d_bn4e_branch2b_batch_mean = mem.tensor(462, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2b_neg, out=d_bn4e_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2b_neg
-        del d_bn4e_branch2b_neg
-        mem.free(461)
+        # d_bn4e_branch2b_B = reshape[256](d_bn4e_branch2b_bias)
+        d_bn4e_branch2b_B = rt.reshape(d_bn4e_branch2b_bias, shape=(256,))
+        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B
+        V_bn4e_branch2b_B_new = T['V_bn4e_branch2b_B']  # in place: the new V_bn4e_branch2b_B
+        rt.ew(ew_mul_add, V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B'])
+        # free d_bn4e_branch2b_bias, d_bn4e_branch2b_B
+        del d_bn4e_branch2b_bias, d_bn4e_branch2b_B
+        mem.free(364)
+        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new
+        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
+        rt.ew(ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new)
+        # d_bn4e_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2b_centered)
+        d_bn4e_branch2b_batch_mean = mem.tensor(365, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean/6272
         d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean  # in place: over d_bn4e_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2b_sum, d_bn4e_branch2b_batch_mean)
@@ -5172,29 +4586,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4e_branch2b, d_bn4e_branch2b_centered, d_bn4e_branch2b_sum)
         # free d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_sum
         del d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_sum
-        mem.free(462)
+        mem.free(365)
 
         # ---- bn4e_branch2a_relu (relu), forward ----
         # bn4e_branch2a_relu_2 = Max(0, bn4e_branch2a_centered*bn4e_branch2a_inv_std*bn4e_branch2a_weight + bn4e_branch2a_bias)
-        bn4e_branch2a_relu_2 = mem.tensor(463, (32, 256, 14, 14), 'float32')
+        bn4e_branch2a_relu_2 = mem.tensor(366, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4e_branch2a_relu_2, bn4e_branch2a_centered, bn4e_branch2a_inv_std, bn4e_branch2a_weight, bn4e_branch2a_bias)
 
         # ---- res4e_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # d_res4e_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4e_branch2b, bn4e_branch2a_relu_2)
-        d_res4e_branch2b_W = mem.tensor(464, (256, 256, 3, 3), 'float32')
+        d_res4e_branch2b_W = mem.tensor(367, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4e_branch2b, bn4e_branch2a_relu_2, out=d_res4e_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
         # V_res4e_branch2b_W_new = V_res4e_branch2b_W*momentum + d_res4e_branch2b_W + decay*res4e_branch2b_W
         V_res4e_branch2b_W_new = T['V_res4e_branch2b_W']  # in place: the new V_res4e_branch2b_W
         rt.ew(ew_mul_add, V_res4e_branch2b_W_new, T['V_res4e_branch2b_W'], momentum, d_res4e_branch2b_W, decay, T['res4e_branch2b_W'])
         # free d_res4e_branch2b_W
         del d_res4e_branch2b_W
-        mem.free(464)
+        mem.free(367)
         # d_bn4e_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4e_branch2b, res4e_branch2b_W)
-        d_bn4e_branch2a_relu = mem.tensor(465, (32, 256, 14, 14), 'float32')
+        d_bn4e_branch2a_relu = mem.tensor(368, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4e_branch2b, T['res4e_branch2b_W'], out=d_bn4e_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4e_branch2b_centered, d_res4e_branch2b
-        del d_bn4e_branch2b_centered, d_res4e_branch2b
-        mem.free(459)
+        # free res4e_branch2b, bn4e_branch2b_centered, d_bn4e_branch2b_centered, d_res4e_branch2b
+        del res4e_branch2b, bn4e_branch2b_centered, d_bn4e_branch2b_centered, d_res4e_branch2b
+        mem.free(187)
 
         # ---- bn4e_branch2a_relu (relu), backward ----
         # d_bn4e_branch2a = d_bn4e_branch2a_relu*Heaviside(bn4e_branch2a_relu_2, 0)
@@ -5202,7 +4616,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4e_branch2a, d_bn4e_branch2a_relu, bn4e_branch2a_relu_2)
         # free bn4e_branch2a_relu_2
         del bn4e_branch2a_relu_2
-        mem.free(463)
+        mem.free(366)
 
         # ---- res4e_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # res4e_branch2b_W_new = res4e_branch2b_W - lr*V_res4e_branch2b_W_new
@@ -5210,53 +4624,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2b_W_new, T['res4e_branch2b_W'], lr, V_res4e_branch2b_W_new)
 
         # ---- bn4e_branch2a (batch norm), backward ----
-        # d_bn4e_branch2a_bias = sum_to[1x256x1x1](d_bn4e_branch2a)
-        d_bn4e_branch2a_bias = mem.tensor(466, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2a, out=d_bn4e_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4e_branch2a_B = reshape[256](d_bn4e_branch2a_bias)
-        d_bn4e_branch2a_B = rt.reshape(d_bn4e_branch2a_bias, shape=(256,))
-        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B
-        V_bn4e_branch2a_B_new = T['V_bn4e_branch2a_B']  # in place: the new V_bn4e_branch2a_B
-        rt.ew(ew_mul_add, V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B'])
-        # free d_bn4e_branch2a_bias, d_bn4e_branch2a_B
-        del d_bn4e_branch2a_bias, d_bn4e_branch2a_B
-        mem.free(466)
-        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new
-        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
-        rt.ew(ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new)
-        # d_bn4e_branch2a_mul = d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_weight
-        d_bn4e_branch2a_mul = mem.tensor(467, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2a_mul, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_weight)
-        # d_bn4e_branch2a_inv_std = sum_to[1x256x1x1](d_bn4e_branch2a_mul)
-        d_bn4e_branch2a_inv_std = mem.tensor(468, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2a_mul, out=d_bn4e_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2a_mul
-        del d_bn4e_branch2a_mul
-        mem.free(467)
+        # d_bn4e_branch2a_inv_std = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_weight)
+        d_bn4e_branch2a_inv_std = mem.tensor(369, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2a_inv_std, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2a_sum_of_squares = -d_bn4e_branch2a_inv_std/(12544*(bn4e_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2a_sum_of_squares = d_bn4e_branch2a_inv_std  # in place: over d_bn4e_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2a_sum_of_squares, d_bn4e_branch2a_inv_std, bn4e_branch2a_batch_var)
         # free bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         del bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
-        mem.free(222)
+        mem.free(184)
+        # d_bn4e_branch2a_weight = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_inv_std)
+        d_bn4e_branch2a_weight = mem.tensor(370, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2a_weight, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2a_centered = d_bn4e_branch2a*bn4e_branch2a_inv_std*bn4e_branch2a_weight + 2*d_bn4e_branch2a_sum_of_squares*bn4e_branch2a_centered
-        d_bn4e_branch2a_centered = mem.tensor(469, (32, 256, 14, 14), 'float32')
+        d_bn4e_branch2a_centered = bn4e_branch2a_centered  # in place: over bn4e_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2a_centered, d_bn4e_branch2a, bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered)
-        # free d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
-        del d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
-        mem.free(468)
-        # d_bn4e_branch2a_mul_2 = d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_inv_std
-        d_bn4e_branch2a_mul_2 = d_bn4e_branch2a  # in place: over d_bn4e_branch2a
-        rt.ew(ew_mul_3, d_bn4e_branch2a_mul_2, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_inv_std)
-        # free res4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_inv_std
-        del res4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_inv_std
-        mem.free(219, 223)
-        # d_bn4e_branch2a_weight = sum_to[1x256x1x1](d_bn4e_branch2a_mul_2)
-        d_bn4e_branch2a_weight = mem.tensor(470, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2a_mul_2, out=d_bn4e_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2a_relu, d_bn4e_branch2a, d_bn4e_branch2a_mul_2
-        del d_bn4e_branch2a_relu, d_bn4e_branch2a, d_bn4e_branch2a_mul_2
-        mem.free(465)
+        # free bn4e_branch2a_inv_std, d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
+        del bn4e_branch2a_inv_std, d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
+        mem.free(185, 369)
+        # d_bn4e_branch2a_bias = sum_to[1x256x1x1](d_bn4e_branch2a)
+        d_bn4e_branch2a_bias = mem.tensor(371, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4e_branch2a, out=d_bn4e_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4e_branch2a_relu, d_bn4e_branch2a
+        del d_bn4e_branch2a_relu, d_bn4e_branch2a
+        mem.free(368)
         # d_bn4e_branch2a_W = reshape[256](d_bn4e_branch2a_weight)
         d_bn4e_branch2a_W = rt.reshape(d_bn4e_branch2a_weight, shape=(256,))
         # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W
@@ -5264,19 +4655,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W'])
         # free d_bn4e_branch2a_weight, d_bn4e_branch2a_W
         del d_bn4e_branch2a_weight, d_bn4e_branch2a_W
-        mem.free(470)
+        mem.free(370)
         # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new
         bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
         rt.ew(ew_mul_sub, bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new)
-        # d_bn4e_branch2a_neg = -d_bn4e_branch2a_centered
-        d_bn4e_branch2a_neg = mem.tensor(471, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4e_branch2a_neg, d_bn4e_branch2a_centered)
-        # d_bn4e_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4e_branch2a_neg)
-        d_bn4e_branch2a_batch_mean = mem.tensor(472, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4e_branch2a_neg, out=d_bn4e_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4e_branch2a_neg
-        del d_bn4e_branch2a_neg
-        mem.free(471)
+        # d_bn4e_branch2a_B = reshape[256](d_bn4e_branch2a_bias)
+        d_bn4e_branch2a_B = rt.reshape(d_bn4e_branch2a_bias, shape=(256,))
+        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B
+        V_bn4e_branch2a_B_new = T['V_bn4e_branch2a_B']  # in place: the new V_bn4e_branch2a_B
+        rt.ew(ew_mul_add, V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B'])
+        # free d_bn4e_branch2a_bias, d_bn4e_branch2a_B
+        del d_bn4e_branch2a_bias, d_bn4e_branch2a_B
+        mem.free(371)
+        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new
+        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
+        rt.ew(ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new)
+        # d_bn4e_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2a_centered)
+        d_bn4e_branch2a_batch_mean = mem.tensor(372, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean/6272
         d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean  # in place: over d_bn4e_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2a_sum, d_bn4e_branch2a_batch_mean)
@@ -5287,22 +4683,22 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4e_branch2a, d_bn4e_branch2a_centered, d_bn4e_branch2a_sum)
         # free d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_sum
         del d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_sum
-        mem.free(472)
+        mem.free(372)
         # d_res4e_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4e_branch2a, bn4d_branch2c_relu)
-        d_res4e_branch2a_W = mem.tensor(473, (256, 1024, 1, 1), 'float32')
+        d_res4e_branch2a_W = mem.tensor(373, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4e_branch2a, bn4d_branch2c_relu, out=d_res4e_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # V_res4e_branch2a_W_new = V_res4e_branch2a_W*momentum + d_res4e_branch2a_W + decay*res4e_branch2a_W
         V_res4e_branch2a_W_new = T['V_res4e_branch2a_W']  # in place: the new V_res4e_branch2a_W
         rt.ew(ew_mul_add, V_res4e_branch2a_W_new, T['V_res4e_branch2a_W'], momentum, d_res4e_branch2a_W, decay, T['res4e_branch2a_W'])
         # free d_res4e_branch2a_W
         del d_res4e_branch2a_W
-        mem.free(473)
+        mem.free(373)
         # d_bn4d_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2a, res4e_branch2a_W)
-        d_bn4d_branch2c_relu = mem.tensor(474, (32, 1024, 14, 14), 'float32')
+        d_bn4d_branch2c_relu = mem.tensor(374, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4e_branch2a, T['res4e_branch2a_W'], out=d_bn4d_branch2c_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4e_branch2a_centered, d_res4e_branch2a
-        del d_bn4e_branch2a_centered, d_res4e_branch2a
-        mem.free(469)
+        # free res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
+        del res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
+        mem.free(182)
 
         # ---- bn4d_branch2c_relu (relu), backward ----
         # d_bn4d_branch2c_add = (d_bn4e_branch2c_add + d_bn4d_branch2c_relu)*Heaviside(bn4d_branch2c_relu, 0)
@@ -5310,7 +4706,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4d_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_relu, bn4d_branch2c_relu)
         # free bn4c_branch2c_relu, bn4d_branch2c_relu, d_bn4d_branch2c_relu
         del bn4c_branch2c_relu, bn4d_branch2c_relu, d_bn4d_branch2c_relu
-        mem.free(201, 474)
+        mem.free(167, 374)
 
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # res4e_branch2a_W_new = res4e_branch2a_W - lr*V_res4e_branch2a_W_new
@@ -5318,53 +4714,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2a_W_new, T['res4e_branch2a_W'], lr, V_res4e_branch2a_W_new)
 
         # ---- bn4d_branch2c (batch norm), backward ----
-        # d_bn4d_branch2c_bias = sum_to[1x1024x1x1](d_bn4d_branch2c_add)
-        d_bn4d_branch2c_bias = mem.tensor(475, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2c_add, out=d_bn4d_branch2c_bias, shape=(1, 1024, 1, 1))
-        # d_bn4d_branch2c_B = reshape[1024](d_bn4d_branch2c_bias)
-        d_bn4d_branch2c_B = rt.reshape(d_bn4d_branch2c_bias, shape=(1024,))
-        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B
-        V_bn4d_branch2c_B_new = T['V_bn4d_branch2c_B']  # in place: the new V_bn4d_branch2c_B
-        rt.ew(ew_mul_add, V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B'])
-        # free d_bn4d_branch2c_bias, d_bn4d_branch2c_B
-        del d_bn4d_branch2c_bias, d_bn4d_branch2c_B
-        mem.free(475)
-        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new
-        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
-        rt.ew(ew_mul_sub, bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new)
-        # d_bn4d_branch2c_mul = d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_weight
-        d_bn4d_branch2c_mul = mem.tensor(476, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2c_mul, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_weight)
-        # d_bn4d_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4d_branch2c_mul)
-        d_bn4d_branch2c_inv_std = mem.tensor(477, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2c_mul, out=d_bn4d_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4d_branch2c_mul
-        del d_bn4d_branch2c_mul
-        mem.free(476)
+        # d_bn4d_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_weight)
+        d_bn4d_branch2c_inv_std = mem.tensor(375, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_sum_of_squares = -d_bn4d_branch2c_inv_std/(12544*(bn4d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2c_sum_of_squares = d_bn4d_branch2c_inv_std  # in place: over d_bn4d_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2c_sum_of_squares, d_bn4d_branch2c_inv_std, bn4d_branch2c_batch_var)
         # free bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         del bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
-        mem.free(217)
+        mem.free(180)
+        # d_bn4d_branch2c_weight = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_inv_std)
+        d_bn4d_branch2c_weight = mem.tensor(376, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2c_weight, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_centered = d_bn4d_branch2c_add*bn4d_branch2c_inv_std*bn4d_branch2c_weight + 2*d_bn4d_branch2c_sum_of_squares*bn4d_branch2c_centered
-        d_bn4d_branch2c_centered = mem.tensor(478, (32, 1024, 14, 14), 'float32')
+        d_bn4d_branch2c_centered = bn4d_branch2c_centered  # in place: over bn4d_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2c_centered, d_bn4d_branch2c_add, bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered)
-        # free d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
-        del d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
-        mem.free(477)
-        # d_bn4d_branch2c_mul_2 = d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_inv_std
-        d_bn4d_branch2c_mul_2 = bn4d_branch2c_centered  # in place: over bn4d_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4d_branch2c_mul_2, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_inv_std)
-        # free bn4d_branch2c_inv_std
-        del bn4d_branch2c_inv_std
-        mem.free(218)
-        # d_bn4d_branch2c_weight = sum_to[1x1024x1x1](d_bn4d_branch2c_mul_2)
-        d_bn4d_branch2c_weight = mem.tensor(479, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2c_mul_2, out=d_bn4d_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_mul_2
-        del res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_mul_2
-        mem.free(214)
+        # free bn4d_branch2c_inv_std, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
+        del bn4d_branch2c_inv_std, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
+        mem.free(181, 375)
         # d_bn4d_branch2c_W = reshape[1024](d_bn4d_branch2c_weight)
         d_bn4d_branch2c_W = rt.reshape(d_bn4d_branch2c_weight, shape=(1024,))
         # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W
@@ -5372,19 +4739,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W'])
         # free d_bn4d_branch2c_weight, d_bn4d_branch2c_W
         del d_bn4d_branch2c_weight, d_bn4d_branch2c_W
-        mem.free(479)
+        mem.free(376)
         # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new
         bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
         rt.ew(ew_mul_sub, bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new)
-        # d_bn4d_branch2c_neg = -d_bn4d_branch2c_centered
-        d_bn4d_branch2c_neg = mem.tensor(480, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4d_branch2c_neg, d_bn4d_branch2c_centered)
-        # d_bn4d_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4d_branch2c_neg)
-        d_bn4d_branch2c_batch_mean = mem.tensor(481, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2c_neg, out=d_bn4d_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4d_branch2c_neg
-        del d_bn4d_branch2c_neg
-        mem.free(480)
+        # d_bn4d_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4d_branch2c_centered)
+        d_bn4d_branch2c_batch_mean = mem.tensor(377, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean/6272
         d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean  # in place: over d_bn4d_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2c_sum, d_bn4d_branch2c_batch_mean)
@@ -5395,23 +4756,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4d_branch2c, d_bn4d_branch2c_centered, d_bn4d_branch2c_sum)
         # free d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_sum
         del d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_sum
-        mem.free(481)
+        mem.free(377)
+
+        # ---- bn4d_branch2c (batch norm), backward ----
+        # d_bn4d_branch2c_bias = sum_to[1x1024x1x1](d_bn4d_branch2c_add)
+        d_bn4d_branch2c_bias = mem.tensor(378, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_bn4d_branch2c_add, out=d_bn4d_branch2c_bias, shape=(1, 1024, 1, 1))
+        # d_bn4d_branch2c_B = reshape[1024](d_bn4d_branch2c_bias)
+        d_bn4d_branch2c_B = rt.reshape(d_bn4d_branch2c_bias, shape=(1024,))
+        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B
+        V_bn4d_branch2c_B_new = T['V_bn4d_branch2c_B']  # in place: the new V_bn4d_branch2c_B
+        rt.ew(ew_mul_add, V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B'])
+        # free d_bn4d_branch2c_bias, d_bn4d_branch2c_B
+        del d_bn4d_branch2c_bias, d_bn4d_branch2c_B
+        mem.free(378)
+        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new
+        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
+        rt.ew(ew_mul_sub, bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new)
 
         # ---- bn4d_branch2b_relu (relu), forward ----
         # bn4d_branch2b_relu_2 = Max(0, bn4d_branch2b_centered*bn4d_branch2b_inv_std*bn4d_branch2b_weight + bn4d_branch2b_bias)
-        bn4d_branch2b_relu_2 = mem.tensor(482, (32, 256, 14, 14), 'float32')
+        bn4d_branch2b_relu_2 = mem.tensor(379, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4d_branch2b_relu_2, bn4d_branch2b_centered, bn4d_branch2b_inv_std, bn4d_branch2b_weight, bn4d_branch2b_bias)
 
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # d_res4d_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4d_branch2c, bn4d_branch2b_relu_2)
-        d_res4d_branch2c_W = mem.tensor(483, (1024, 256, 1, 1), 'float32')
+        d_res4d_branch2c_W = mem.tensor(380, (1024, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4d_branch2c, bn4d_branch2b_relu_2, out=d_res4d_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4d_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2c, res4d_branch2c_W)
-        d_bn4d_branch2b_relu = mem.tensor(484, (32, 256, 14, 14), 'float32')
+        d_bn4d_branch2b_relu = mem.tensor(381, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4d_branch2c, T['res4d_branch2c_W'], out=d_bn4d_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4d_branch2c_centered, d_res4d_branch2c
-        del d_bn4d_branch2c_centered, d_res4d_branch2c
-        mem.free(478)
+        # free res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
+        del res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
+        mem.free(178)
 
         # ---- bn4d_branch2b_relu (relu), backward ----
         # d_bn4d_branch2b = d_bn4d_branch2b_relu*Heaviside(bn4d_branch2b_relu_2, 0)
@@ -5419,7 +4796,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4d_branch2b, d_bn4d_branch2b_relu, bn4d_branch2b_relu_2)
         # free bn4d_branch2b_relu_2
         del bn4d_branch2b_relu_2
-        mem.free(482)
+        mem.free(379)
 
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # V_res4d_branch2c_W_new = V_res4d_branch2c_W*momentum + d_res4d_branch2c_W + decay*res4d_branch2c_W
@@ -5427,59 +4804,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res4d_branch2c_W_new, T['V_res4d_branch2c_W'], momentum, d_res4d_branch2c_W, decay, T['res4d_branch2c_W'])
         # free d_res4d_branch2c_W
         del d_res4d_branch2c_W
-        mem.free(483)
+        mem.free(380)
         # res4d_branch2c_W_new = res4d_branch2c_W - lr*V_res4d_branch2c_W_new
         res4d_branch2c_W_new = T['res4d_branch2c_W']  # in place: the new res4d_branch2c_W
         rt.ew(ew_mul_sub, res4d_branch2c_W_new, T['res4d_branch2c_W'], lr, V_res4d_branch2c_W_new)
 
         # ---- bn4d_branch2b (batch norm), backward ----
-        # d_bn4d_branch2b_bias = sum_to[1x256x1x1](d_bn4d_branch2b)
-        d_bn4d_branch2b_bias = mem.tensor(485, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2b, out=d_bn4d_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4d_branch2b_B = reshape[256](d_bn4d_branch2b_bias)
-        d_bn4d_branch2b_B = rt.reshape(d_bn4d_branch2b_bias, shape=(256,))
-        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B
-        V_bn4d_branch2b_B_new = T['V_bn4d_branch2b_B']  # in place: the new V_bn4d_branch2b_B
-        rt.ew(ew_mul_add, V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B'])
-        # free d_bn4d_branch2b_bias, d_bn4d_branch2b_B
-        del d_bn4d_branch2b_bias, d_bn4d_branch2b_B
-        mem.free(485)
-        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new
-        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
-        rt.ew(ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new)
-        # d_bn4d_branch2b_mul = d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_weight
-        d_bn4d_branch2b_mul = mem.tensor(486, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2b_mul, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_weight)
-        # d_bn4d_branch2b_inv_std = sum_to[1x256x1x1](d_bn4d_branch2b_mul)
-        d_bn4d_branch2b_inv_std = mem.tensor(487, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2b_mul, out=d_bn4d_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2b_mul
-        del d_bn4d_branch2b_mul
-        mem.free(486)
+        # d_bn4d_branch2b_inv_std = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_weight)
+        d_bn4d_branch2b_inv_std = mem.tensor(382, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2b_inv_std, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2b_sum_of_squares = -d_bn4d_branch2b_inv_std/(12544*(bn4d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2b_sum_of_squares = d_bn4d_branch2b_inv_std  # in place: over d_bn4d_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2b_sum_of_squares, d_bn4d_branch2b_inv_std, bn4d_branch2b_batch_var)
         # free bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         del bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
-        mem.free(211)
+        mem.free(175)
+        # d_bn4d_branch2b_weight = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_inv_std)
+        d_bn4d_branch2b_weight = mem.tensor(383, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2b_weight, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2b_centered = d_bn4d_branch2b*bn4d_branch2b_inv_std*bn4d_branch2b_weight + 2*d_bn4d_branch2b_sum_of_squares*bn4d_branch2b_centered
-        d_bn4d_branch2b_centered = mem.tensor(488, (32, 256, 14, 14), 'float32')
+        d_bn4d_branch2b_centered = bn4d_branch2b_centered  # in place: over bn4d_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2b_centered, d_bn4d_branch2b, bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered)
-        # free d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
-        del d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
-        mem.free(487)
-        # d_bn4d_branch2b_mul_2 = d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_inv_std
-        d_bn4d_branch2b_mul_2 = d_bn4d_branch2b  # in place: over d_bn4d_branch2b
-        rt.ew(ew_mul_3, d_bn4d_branch2b_mul_2, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_inv_std)
-        # free res4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_inv_std
-        del res4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_inv_std
-        mem.free(208, 212)
-        # d_bn4d_branch2b_weight = sum_to[1x256x1x1](d_bn4d_branch2b_mul_2)
-        d_bn4d_branch2b_weight = mem.tensor(489, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2b_mul_2, out=d_bn4d_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2b_relu, d_bn4d_branch2b, d_bn4d_branch2b_mul_2
-        del d_bn4d_branch2b_relu, d_bn4d_branch2b, d_bn4d_branch2b_mul_2
-        mem.free(484)
+        # free bn4d_branch2b_inv_std, d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
+        del bn4d_branch2b_inv_std, d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
+        mem.free(176, 382)
+        # d_bn4d_branch2b_bias = sum_to[1x256x1x1](d_bn4d_branch2b)
+        d_bn4d_branch2b_bias = mem.tensor(384, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4d_branch2b, out=d_bn4d_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4d_branch2b_relu, d_bn4d_branch2b
+        del d_bn4d_branch2b_relu, d_bn4d_branch2b
+        mem.free(381)
         # d_bn4d_branch2b_W = reshape[256](d_bn4d_branch2b_weight)
         d_bn4d_branch2b_W = rt.reshape(d_bn4d_branch2b_weight, shape=(256,))
         # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W
@@ -5487,19 +4841,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W'])
         # free d_bn4d_branch2b_weight, d_bn4d_branch2b_W
         del d_bn4d_branch2b_weight, d_bn4d_branch2b_W
-        mem.free(489)
+        mem.free(383)
         # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new
         bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
         rt.ew(ew_mul_sub, bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new)
-        # d_bn4d_branch2b_neg = -d_bn4d_branch2b_centered
-        d_bn4d_branch2b_neg = mem.tensor(490, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4d_branch2b_neg, d_bn4d_branch2b_centered)
-        # d_bn4d_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4d_branch2b_neg)
-        d_bn4d_branch2b_batch_mean = mem.tensor(491, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2b_neg, out=d_bn4d_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2b_neg
-        del d_bn4d_branch2b_neg
-        mem.free(490)
+        # d_bn4d_branch2b_B = reshape[256](d_bn4d_branch2b_bias)
+        d_bn4d_branch2b_B = rt.reshape(d_bn4d_branch2b_bias, shape=(256,))
+        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B
+        V_bn4d_branch2b_B_new = T['V_bn4d_branch2b_B']  # in place: the new V_bn4d_branch2b_B
+        rt.ew(ew_mul_add, V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B'])
+        # free d_bn4d_branch2b_bias, d_bn4d_branch2b_B
+        del d_bn4d_branch2b_bias, d_bn4d_branch2b_B
+        mem.free(384)
+        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new
+        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
+        rt.ew(ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new)
+        # d_bn4d_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2b_centered)
+        d_bn4d_branch2b_batch_mean = mem.tensor(385, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean/6272
         d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean  # in place: over d_bn4d_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2b_sum, d_bn4d_branch2b_batch_mean)
@@ -5510,29 +4869,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4d_branch2b, d_bn4d_branch2b_centered, d_bn4d_branch2b_sum)
         # free d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_sum
         del d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_sum
-        mem.free(491)
+        mem.free(385)
 
         # ---- bn4d_branch2a_relu (relu), forward ----
         # bn4d_branch2a_relu_2 = Max(0, bn4d_branch2a_centered*bn4d_branch2a_inv_std*bn4d_branch2a_weight + bn4d_branch2a_bias)
-        bn4d_branch2a_relu_2 = mem.tensor(492, (32, 256, 14, 14), 'float32')
+        bn4d_branch2a_relu_2 = mem.tensor(386, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4d_branch2a_relu_2, bn4d_branch2a_centered, bn4d_branch2a_inv_std, bn4d_branch2a_weight, bn4d_branch2a_bias)
 
         # ---- res4d_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # d_res4d_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4d_branch2b, bn4d_branch2a_relu_2)
-        d_res4d_branch2b_W = mem.tensor(493, (256, 256, 3, 3), 'float32')
+        d_res4d_branch2b_W = mem.tensor(387, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4d_branch2b, bn4d_branch2a_relu_2, out=d_res4d_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
         # V_res4d_branch2b_W_new = V_res4d_branch2b_W*momentum + d_res4d_branch2b_W + decay*res4d_branch2b_W
         V_res4d_branch2b_W_new = T['V_res4d_branch2b_W']  # in place: the new V_res4d_branch2b_W
         rt.ew(ew_mul_add, V_res4d_branch2b_W_new, T['V_res4d_branch2b_W'], momentum, d_res4d_branch2b_W, decay, T['res4d_branch2b_W'])
         # free d_res4d_branch2b_W
         del d_res4d_branch2b_W
-        mem.free(493)
+        mem.free(387)
         # d_bn4d_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4d_branch2b, res4d_branch2b_W)
-        d_bn4d_branch2a_relu = mem.tensor(494, (32, 256, 14, 14), 'float32')
+        d_bn4d_branch2a_relu = mem.tensor(388, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4d_branch2b, T['res4d_branch2b_W'], out=d_bn4d_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4d_branch2b_centered, d_res4d_branch2b
-        del d_bn4d_branch2b_centered, d_res4d_branch2b
-        mem.free(488)
+        # free res4d_branch2b, bn4d_branch2b_centered, d_bn4d_branch2b_centered, d_res4d_branch2b
+        del res4d_branch2b, bn4d_branch2b_centered, d_bn4d_branch2b_centered, d_res4d_branch2b
+        mem.free(173)
 
         # ---- bn4d_branch2a_relu (relu), backward ----
         # d_bn4d_branch2a = d_bn4d_branch2a_relu*Heaviside(bn4d_branch2a_relu_2, 0)
@@ -5540,7 +4899,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4d_branch2a, d_bn4d_branch2a_relu, bn4d_branch2a_relu_2)
         # free bn4d_branch2a_relu_2
         del bn4d_branch2a_relu_2
-        mem.free(492)
+        mem.free(386)
 
         # ---- res4d_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # res4d_branch2b_W_new = res4d_branch2b_W - lr*V_res4d_branch2b_W_new
@@ -5548,53 +4907,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2b_W_new, T['res4d_branch2b_W'], lr, V_res4d_branch2b_W_new)
 
         # ---- bn4d_branch2a (batch norm), backward ----
-        # d_bn4d_branch2a_bias = sum_to[1x256x1x1](d_bn4d_branch2a)
-        d_bn4d_branch2a_bias = mem.tensor(495, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2a, out=d_bn4d_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4d_branch2a_B = reshape[256](d_bn4d_branch2a_bias)
-        d_bn4d_branch2a_B = rt.reshape(d_bn4d_branch2a_bias, shape=(256,))
-        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B
-        V_bn4d_branch2a_B_new = T['V_bn4d_branch2a_B']  # in place: the new V_bn4d_branch2a_B
-        rt.ew(ew_mul_add, V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B'])
-        # free d_bn4d_branch2a_bias, d_bn4d_branch2a_B
-        del d_bn4d_branch2a_bias, d_bn4d_branch2a_B
-        mem.free(495)
-        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new
-        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
-        rt.ew(ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new)
-        # d_bn4d_branch2a_mul = d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_weight
-        d_bn4d_branch2a_mul = mem.tensor(496, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2a_mul, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_weight)
-        # d_bn4d_branch2a_inv_std = sum_to[1x256x1x1](d_bn4d_branch2a_mul)
-        d_bn4d_branch2a_inv_std = mem.tensor(497, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2a_mul, out=d_bn4d_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2a_mul
-        del d_bn4d_branch2a_mul
-        mem.free(496)
+        # d_bn4d_branch2a_inv_std = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_weight)
+        d_bn4d_branch2a_inv_std = mem.tensor(389, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2a_inv_std, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2a_sum_of_squares = -d_bn4d_branch2a_inv_std/(12544*(bn4d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2a_sum_of_squares = d_bn4d_branch2a_inv_std  # in place: over d_bn4d_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2a_sum_of_squares, d_bn4d_branch2a_inv_std, bn4d_branch2a_batch_var)
         # free bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         del bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
-        mem.free(205)
+        mem.free(170)
+        # d_bn4d_branch2a_weight = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_inv_std)
+        d_bn4d_branch2a_weight = mem.tensor(390, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2a_weight, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2a_centered = d_bn4d_branch2a*bn4d_branch2a_inv_std*bn4d_branch2a_weight + 2*d_bn4d_branch2a_sum_of_squares*bn4d_branch2a_centered
-        d_bn4d_branch2a_centered = mem.tensor(498, (32, 256, 14, 14), 'float32')
+        d_bn4d_branch2a_centered = bn4d_branch2a_centered  # in place: over bn4d_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2a_centered, d_bn4d_branch2a, bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered)
-        # free d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
-        del d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
-        mem.free(497)
-        # d_bn4d_branch2a_mul_2 = d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_inv_std
-        d_bn4d_branch2a_mul_2 = d_bn4d_branch2a  # in place: over d_bn4d_branch2a
-        rt.ew(ew_mul_3, d_bn4d_branch2a_mul_2, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_inv_std)
-        # free res4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_inv_std
-        del res4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_inv_std
-        mem.free(202, 206)
-        # d_bn4d_branch2a_weight = sum_to[1x256x1x1](d_bn4d_branch2a_mul_2)
-        d_bn4d_branch2a_weight = mem.tensor(499, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2a_mul_2, out=d_bn4d_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2a_relu, d_bn4d_branch2a, d_bn4d_branch2a_mul_2
-        del d_bn4d_branch2a_relu, d_bn4d_branch2a, d_bn4d_branch2a_mul_2
-        mem.free(494)
+        # free bn4d_branch2a_inv_std, d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
+        del bn4d_branch2a_inv_std, d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
+        mem.free(171, 389)
+        # d_bn4d_branch2a_bias = sum_to[1x256x1x1](d_bn4d_branch2a)
+        d_bn4d_branch2a_bias = mem.tensor(391, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4d_branch2a, out=d_bn4d_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4d_branch2a_relu, d_bn4d_branch2a
+        del d_bn4d_branch2a_relu, d_bn4d_branch2a
+        mem.free(388)
         # d_bn4d_branch2a_W = reshape[256](d_bn4d_branch2a_weight)
         d_bn4d_branch2a_W = rt.reshape(d_bn4d_branch2a_weight, shape=(256,))
         # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W
@@ -5602,19 +4938,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W'])
         # free d_bn4d_branch2a_weight, d_bn4d_branch2a_W
         del d_bn4d_branch2a_weight, d_bn4d_branch2a_W
-        mem.free(499)
+        mem.free(390)
         # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new
         bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
         rt.ew(ew_mul_sub, bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new)
-        # d_bn4d_branch2a_neg = -d_bn4d_branch2a_centered
-        d_bn4d_branch2a_neg = mem.tensor(500, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4d_branch2a_neg, d_bn4d_branch2a_centered)
-        # d_bn4d_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4d_branch2a_neg)
-        d_bn4d_branch2a_batch_mean = mem.tensor(501, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4d_branch2a_neg, out=d_bn4d_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4d_branch2a_neg
-        del d_bn4d_branch2a_neg
-        mem.free(500)
+        # d_bn4d_branch2a_B = reshape[256](d_bn4d_branch2a_bias)
+        d_bn4d_branch2a_B = rt.reshape(d_bn4d_branch2a_bias, shape=(256,))
+        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B
+        V_bn4d_branch2a_B_new = T['V_bn4d_branch2a_B']  # in place: the new V_bn4d_branch2a_B
+        rt.ew(ew_mul_add, V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B'])
+        # free d_bn4d_branch2a_bias, d_bn4d_branch2a_B
+        del d_bn4d_branch2a_bias, d_bn4d_branch2a_B
+        mem.free(391)
+        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new
+        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
+        rt.ew(ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new)
+        # d_bn4d_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2a_centered)
+        d_bn4d_branch2a_batch_mean = mem.tensor(392, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean/6272
         d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean  # in place: over d_bn4d_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2a_sum, d_bn4d_branch2a_batch_mean)
@@ -5625,29 +4966,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4d_branch2a, d_bn4d_branch2a_centered, d_bn4d_branch2a_sum)
         # free d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_sum
         del d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_sum
-        mem.free(501)
+        mem.free(392)
 
         # ---- bn4c_branch2c_relu (relu), forward ----
         # bn4c_branch2c_relu_2 = Max(0, bn4c_branch2c_centered*bn4c_branch2c_inv_std*bn4c_branch2c_weight + bn4c_branch2c_bias + bn4b_branch2c_relu)
-        bn4c_branch2c_relu_2 = mem.tensor(502, (32, 1024, 14, 14), 'float32')
+        bn4c_branch2c_relu_2 = mem.tensor(393, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_4, bn4c_branch2c_relu_2, bn4c_branch2c_centered, bn4c_branch2c_inv_std, bn4c_branch2c_weight, bn4c_branch2c_bias, bn4b_branch2c_relu)
 
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res4d_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4d_branch2a, bn4c_branch2c_relu_2)
-        d_res4d_branch2a_W = mem.tensor(503, (256, 1024, 1, 1), 'float32')
+        d_res4d_branch2a_W = mem.tensor(394, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4d_branch2a, bn4c_branch2c_relu_2, out=d_res4d_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # V_res4d_branch2a_W_new = V_res4d_branch2a_W*momentum + d_res4d_branch2a_W + decay*res4d_branch2a_W
         V_res4d_branch2a_W_new = T['V_res4d_branch2a_W']  # in place: the new V_res4d_branch2a_W
         rt.ew(ew_mul_add, V_res4d_branch2a_W_new, T['V_res4d_branch2a_W'], momentum, d_res4d_branch2a_W, decay, T['res4d_branch2a_W'])
         # free d_res4d_branch2a_W
         del d_res4d_branch2a_W
-        mem.free(503)
+        mem.free(394)
         # d_bn4c_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2a, res4d_branch2a_W)
-        d_bn4c_branch2c_relu = mem.tensor(504, (32, 1024, 14, 14), 'float32')
+        d_bn4c_branch2c_relu = mem.tensor(395, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4d_branch2a, T['res4d_branch2a_W'], out=d_bn4c_branch2c_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4d_branch2a_centered, d_res4d_branch2a
-        del d_bn4d_branch2a_centered, d_res4d_branch2a
-        mem.free(498)
+        # free res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
+        del res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
+        mem.free(168)
 
         # ---- bn4c_branch2c_relu (relu), backward ----
         # d_bn4c_branch2c_add = (d_bn4d_branch2c_add + d_bn4c_branch2c_relu)*Heaviside(bn4c_branch2c_relu_2, 0)
@@ -5655,7 +4996,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4c_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_relu, bn4c_branch2c_relu_2)
         # free bn4c_branch2c_relu_2, d_bn4c_branch2c_relu
         del bn4c_branch2c_relu_2, d_bn4c_branch2c_relu
-        mem.free(502, 504)
+        mem.free(393, 395)
 
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # res4d_branch2a_W_new = res4d_branch2a_W - lr*V_res4d_branch2a_W_new
@@ -5663,53 +5004,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2a_W_new, T['res4d_branch2a_W'], lr, V_res4d_branch2a_W_new)
 
         # ---- bn4c_branch2c (batch norm), backward ----
-        # d_bn4c_branch2c_bias = sum_to[1x1024x1x1](d_bn4c_branch2c_add)
-        d_bn4c_branch2c_bias = mem.tensor(505, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2c_add, out=d_bn4c_branch2c_bias, shape=(1, 1024, 1, 1))
-        # d_bn4c_branch2c_B = reshape[1024](d_bn4c_branch2c_bias)
-        d_bn4c_branch2c_B = rt.reshape(d_bn4c_branch2c_bias, shape=(1024,))
-        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B
-        V_bn4c_branch2c_B_new = T['V_bn4c_branch2c_B']  # in place: the new V_bn4c_branch2c_B
-        rt.ew(ew_mul_add, V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B'])
-        # free d_bn4c_branch2c_bias, d_bn4c_branch2c_B
-        del d_bn4c_branch2c_bias, d_bn4c_branch2c_B
-        mem.free(505)
-        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new
-        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
-        rt.ew(ew_mul_sub, bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new)
-        # d_bn4c_branch2c_mul = d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_weight
-        d_bn4c_branch2c_mul = mem.tensor(506, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2c_mul, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_weight)
-        # d_bn4c_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4c_branch2c_mul)
-        d_bn4c_branch2c_inv_std = mem.tensor(507, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2c_mul, out=d_bn4c_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4c_branch2c_mul
-        del d_bn4c_branch2c_mul
-        mem.free(506)
+        # d_bn4c_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_weight)
+        d_bn4c_branch2c_inv_std = mem.tensor(396, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_sum_of_squares = -d_bn4c_branch2c_inv_std/(12544*(bn4c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2c_sum_of_squares = d_bn4c_branch2c_inv_std  # in place: over d_bn4c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2c_sum_of_squares, d_bn4c_branch2c_inv_std, bn4c_branch2c_batch_var)
         # free bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         del bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
-        mem.free(199)
+        mem.free(165)
+        # d_bn4c_branch2c_weight = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_inv_std)
+        d_bn4c_branch2c_weight = mem.tensor(397, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2c_weight, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_centered = d_bn4c_branch2c_add*bn4c_branch2c_inv_std*bn4c_branch2c_weight + 2*d_bn4c_branch2c_sum_of_squares*bn4c_branch2c_centered
-        d_bn4c_branch2c_centered = mem.tensor(508, (32, 1024, 14, 14), 'float32')
+        d_bn4c_branch2c_centered = bn4c_branch2c_centered  # in place: over bn4c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2c_centered, d_bn4c_branch2c_add, bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered)
-        # free d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
-        del d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
-        mem.free(507)
-        # d_bn4c_branch2c_mul_2 = d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_inv_std
-        d_bn4c_branch2c_mul_2 = bn4c_branch2c_centered  # in place: over bn4c_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4c_branch2c_mul_2, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_inv_std)
-        # free bn4c_branch2c_inv_std
-        del bn4c_branch2c_inv_std
-        mem.free(200)
-        # d_bn4c_branch2c_weight = sum_to[1x1024x1x1](d_bn4c_branch2c_mul_2)
-        d_bn4c_branch2c_weight = mem.tensor(509, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2c_mul_2, out=d_bn4c_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_mul_2
-        del res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_mul_2
-        mem.free(196)
+        # free bn4c_branch2c_inv_std, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
+        del bn4c_branch2c_inv_std, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
+        mem.free(166, 396)
         # d_bn4c_branch2c_W = reshape[1024](d_bn4c_branch2c_weight)
         d_bn4c_branch2c_W = rt.reshape(d_bn4c_branch2c_weight, shape=(1024,))
         # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W
@@ -5717,19 +5029,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W'])
         # free d_bn4c_branch2c_weight, d_bn4c_branch2c_W
         del d_bn4c_branch2c_weight, d_bn4c_branch2c_W
-        mem.free(509)
+        mem.free(397)
         # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new
         bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
         rt.ew(ew_mul_sub, bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new)
-        # d_bn4c_branch2c_neg = -d_bn4c_branch2c_centered
-        d_bn4c_branch2c_neg = mem.tensor(510, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4c_branch2c_neg, d_bn4c_branch2c_centered)
-        # d_bn4c_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4c_branch2c_neg)
-        d_bn4c_branch2c_batch_mean = mem.tensor(511, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2c_neg, out=d_bn4c_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4c_branch2c_neg
-        del d_bn4c_branch2c_neg
-        mem.free(510)
+        # d_bn4c_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4c_branch2c_centered)
+        d_bn4c_branch2c_batch_mean = mem.tensor(398, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean/6272
         d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean  # in place: over d_bn4c_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2c_sum, d_bn4c_branch2c_batch_mean)
@@ -5740,23 +5046,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4c_branch2c, d_bn4c_branch2c_centered, d_bn4c_branch2c_sum)
         # free d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_sum
         del d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_sum
-        mem.free(511)
+        mem.free(398)
+
+        # ---- bn4c_branch2c (batch norm), backward ----
+        # d_bn4c_branch2c_bias = sum_to[1x1024x1x1](d_bn4c_branch2c_add)
+        d_bn4c_branch2c_bias = mem.tensor(399, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_bn4c_branch2c_add, out=d_bn4c_branch2c_bias, shape=(1, 1024, 1, 1))
+        # d_bn4c_branch2c_B = reshape[1024](d_bn4c_branch2c_bias)
+        d_bn4c_branch2c_B = rt.reshape(d_bn4c_branch2c_bias, shape=(1024,))
+        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B
+        V_bn4c_branch2c_B_new = T['V_bn4c_branch2c_B']  # in place: the new V_bn4c_branch2c_B
+        rt.ew(ew_mul_add, V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B'])
+        # free d_bn4c_branch2c_bias, d_bn4c_branch2c_B
+        del d_bn4c_branch2c_bias, d_bn4c_branch2c_B
+        mem.free(399)
+        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new
+        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
+        rt.ew(ew_mul_sub, bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new)
 
         # ---- bn4c_branch2b_relu (relu), forward ----
         # bn4c_branch2b_relu_2 = Max(0, bn4c_branch2b_centered*bn4c_branch2b_inv_std*bn4c_branch2b_weight + bn4c_branch2b_bias)
-        bn4c_branch2b_relu_2 = mem.tensor(512, (32, 256, 14, 14), 'float32')
+        bn4c_branch2b_relu_2 = mem.tensor(400, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4c_branch2b_relu_2, bn4c_branch2b_centered, bn4c_branch2b_inv_std, bn4c_branch2b_weight, bn4c_branch2b_bias)
 
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # d_res4c_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4c_branch2c, bn4c_branch2b_relu_2)
-        d_res4c_branch2c_W = mem.tensor(513, (1024, 256, 1, 1), 'float32')
+        d_res4c_branch2c_W = mem.tensor(401, (1024, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4c_branch2c, bn4c_branch2b_relu_2, out=d_res4c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4c_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2c, res4c_branch2c_W)
-        d_bn4c_branch2b_relu = mem.tensor(514, (32, 256, 14, 14), 'float32')
+        d_bn4c_branch2b_relu = mem.tensor(402, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4c_branch2c, T['res4c_branch2c_W'], out=d_bn4c_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4c_branch2c_centered, d_res4c_branch2c
-        del d_bn4c_branch2c_centered, d_res4c_branch2c
-        mem.free(508)
+        # free res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
+        del res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
+        mem.free(163)
 
         # ---- bn4c_branch2b_relu (relu), backward ----
         # d_bn4c_branch2b = d_bn4c_branch2b_relu*Heaviside(bn4c_branch2b_relu_2, 0)
@@ -5764,7 +5086,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4c_branch2b, d_bn4c_branch2b_relu, bn4c_branch2b_relu_2)
         # free bn4c_branch2b_relu_2
         del bn4c_branch2b_relu_2
-        mem.free(512)
+        mem.free(400)
 
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # V_res4c_branch2c_W_new = V_res4c_branch2c_W*momentum + d_res4c_branch2c_W + decay*res4c_branch2c_W
@@ -5772,59 +5094,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res4c_branch2c_W_new, T['V_res4c_branch2c_W'], momentum, d_res4c_branch2c_W, decay, T['res4c_branch2c_W'])
         # free d_res4c_branch2c_W
         del d_res4c_branch2c_W
-        mem.free(513)
+        mem.free(401)
         # res4c_branch2c_W_new = res4c_branch2c_W - lr*V_res4c_branch2c_W_new
         res4c_branch2c_W_new = T['res4c_branch2c_W']  # in place: the new res4c_branch2c_W
         rt.ew(ew_mul_sub, res4c_branch2c_W_new, T['res4c_branch2c_W'], lr, V_res4c_branch2c_W_new)
 
         # ---- bn4c_branch2b (batch norm), backward ----
-        # d_bn4c_branch2b_bias = sum_to[1x256x1x1](d_bn4c_branch2b)
-        d_bn4c_branch2b_bias = mem.tensor(515, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2b, out=d_bn4c_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4c_branch2b_B = reshape[256](d_bn4c_branch2b_bias)
-        d_bn4c_branch2b_B = rt.reshape(d_bn4c_branch2b_bias, shape=(256,))
-        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B
-        V_bn4c_branch2b_B_new = T['V_bn4c_branch2b_B']  # in place: the new V_bn4c_branch2b_B
-        rt.ew(ew_mul_add, V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B'])
-        # free d_bn4c_branch2b_bias, d_bn4c_branch2b_B
-        del d_bn4c_branch2b_bias, d_bn4c_branch2b_B
-        mem.free(515)
-        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new
-        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
-        rt.ew(ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new)
-        # d_bn4c_branch2b_mul = d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_weight
-        d_bn4c_branch2b_mul = mem.tensor(516, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2b_mul, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_weight)
-        # d_bn4c_branch2b_inv_std = sum_to[1x256x1x1](d_bn4c_branch2b_mul)
-        d_bn4c_branch2b_inv_std = mem.tensor(517, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2b_mul, out=d_bn4c_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2b_mul
-        del d_bn4c_branch2b_mul
-        mem.free(516)
+        # d_bn4c_branch2b_inv_std = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_weight)
+        d_bn4c_branch2b_inv_std = mem.tensor(403, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2b_inv_std, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2b_sum_of_squares = -d_bn4c_branch2b_inv_std/(12544*(bn4c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2b_sum_of_squares = d_bn4c_branch2b_inv_std  # in place: over d_bn4c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2b_sum_of_squares, d_bn4c_branch2b_inv_std, bn4c_branch2b_batch_var)
         # free bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         del bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
-        mem.free(193)
+        mem.free(160)
+        # d_bn4c_branch2b_weight = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_inv_std)
+        d_bn4c_branch2b_weight = mem.tensor(404, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2b_weight, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2b_centered = d_bn4c_branch2b*bn4c_branch2b_inv_std*bn4c_branch2b_weight + 2*d_bn4c_branch2b_sum_of_squares*bn4c_branch2b_centered
-        d_bn4c_branch2b_centered = mem.tensor(518, (32, 256, 14, 14), 'float32')
+        d_bn4c_branch2b_centered = bn4c_branch2b_centered  # in place: over bn4c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2b_centered, d_bn4c_branch2b, bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered)
-        # free d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
-        del d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
-        mem.free(517)
-        # d_bn4c_branch2b_mul_2 = d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_inv_std
-        d_bn4c_branch2b_mul_2 = d_bn4c_branch2b  # in place: over d_bn4c_branch2b
-        rt.ew(ew_mul_3, d_bn4c_branch2b_mul_2, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_inv_std)
-        # free res4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_inv_std
-        del res4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_inv_std
-        mem.free(190, 194)
-        # d_bn4c_branch2b_weight = sum_to[1x256x1x1](d_bn4c_branch2b_mul_2)
-        d_bn4c_branch2b_weight = mem.tensor(519, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2b_mul_2, out=d_bn4c_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2b_relu, d_bn4c_branch2b, d_bn4c_branch2b_mul_2
-        del d_bn4c_branch2b_relu, d_bn4c_branch2b, d_bn4c_branch2b_mul_2
-        mem.free(514)
+        # free bn4c_branch2b_inv_std, d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
+        del bn4c_branch2b_inv_std, d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
+        mem.free(161, 403)
+        # d_bn4c_branch2b_bias = sum_to[1x256x1x1](d_bn4c_branch2b)
+        d_bn4c_branch2b_bias = mem.tensor(405, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4c_branch2b, out=d_bn4c_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4c_branch2b_relu, d_bn4c_branch2b
+        del d_bn4c_branch2b_relu, d_bn4c_branch2b
+        mem.free(402)
         # d_bn4c_branch2b_W = reshape[256](d_bn4c_branch2b_weight)
         d_bn4c_branch2b_W = rt.reshape(d_bn4c_branch2b_weight, shape=(256,))
         # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W
@@ -5832,19 +5131,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W'])
         # free d_bn4c_branch2b_weight, d_bn4c_branch2b_W
         del d_bn4c_branch2b_weight, d_bn4c_branch2b_W
-        mem.free(519)
+        mem.free(404)
         # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new
         bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
         rt.ew(ew_mul_sub, bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new)
-        # d_bn4c_branch2b_neg = -d_bn4c_branch2b_centered
-        d_bn4c_branch2b_neg = mem.tensor(520, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4c_branch2b_neg, d_bn4c_branch2b_centered)
-        # d_bn4c_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4c_branch2b_neg)
-        d_bn4c_branch2b_batch_mean = mem.tensor(521, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2b_neg, out=d_bn4c_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2b_neg
-        del d_bn4c_branch2b_neg
-        mem.free(520)
+        # d_bn4c_branch2b_B = reshape[256](d_bn4c_branch2b_bias)
+        d_bn4c_branch2b_B = rt.reshape(d_bn4c_branch2b_bias, shape=(256,))
+        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B
+        V_bn4c_branch2b_B_new = T['V_bn4c_branch2b_B']  # in place: the new V_bn4c_branch2b_B
+        rt.ew(ew_mul_add, V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B'])
+        # free d_bn4c_branch2b_bias, d_bn4c_branch2b_B
+        del d_bn4c_branch2b_bias, d_bn4c_branch2b_B
+        mem.free(405)
+        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new
+        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
+        rt.ew(ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new)
+        # d_bn4c_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2b_centered)
+        d_bn4c_branch2b_batch_mean = mem.tensor(406, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean/6272
         d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean  # in place: over d_bn4c_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2b_sum, d_bn4c_branch2b_batch_mean)
@@ -5855,29 +5159,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4c_branch2b, d_bn4c_branch2b_centered, d_bn4c_branch2b_sum)
         # free d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_sum
         del d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_sum
-        mem.free(521)
+        mem.free(406)
 
         # ---- bn4c_branch2a_relu (relu), forward ----
         # bn4c_branch2a_relu_2 = Max(0, bn4c_branch2a_centered*bn4c_branch2a_inv_std*bn4c_branch2a_weight + bn4c_branch2a_bias)
-        bn4c_branch2a_relu_2 = mem.tensor(522, (32, 256, 14, 14), 'float32')
+        bn4c_branch2a_relu_2 = mem.tensor(407, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4c_branch2a_relu_2, bn4c_branch2a_centered, bn4c_branch2a_inv_std, bn4c_branch2a_weight, bn4c_branch2a_bias)
 
         # ---- res4c_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # d_res4c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4c_branch2b, bn4c_branch2a_relu_2)
-        d_res4c_branch2b_W = mem.tensor(523, (256, 256, 3, 3), 'float32')
+        d_res4c_branch2b_W = mem.tensor(408, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4c_branch2b, bn4c_branch2a_relu_2, out=d_res4c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
         # V_res4c_branch2b_W_new = V_res4c_branch2b_W*momentum + d_res4c_branch2b_W + decay*res4c_branch2b_W
         V_res4c_branch2b_W_new = T['V_res4c_branch2b_W']  # in place: the new V_res4c_branch2b_W
         rt.ew(ew_mul_add, V_res4c_branch2b_W_new, T['V_res4c_branch2b_W'], momentum, d_res4c_branch2b_W, decay, T['res4c_branch2b_W'])
         # free d_res4c_branch2b_W
         del d_res4c_branch2b_W
-        mem.free(523)
+        mem.free(408)
         # d_bn4c_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4c_branch2b, res4c_branch2b_W)
-        d_bn4c_branch2a_relu = mem.tensor(524, (32, 256, 14, 14), 'float32')
+        d_bn4c_branch2a_relu = mem.tensor(409, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4c_branch2b, T['res4c_branch2b_W'], out=d_bn4c_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4c_branch2b_centered, d_res4c_branch2b
-        del d_bn4c_branch2b_centered, d_res4c_branch2b
-        mem.free(518)
+        # free res4c_branch2b, bn4c_branch2b_centered, d_bn4c_branch2b_centered, d_res4c_branch2b
+        del res4c_branch2b, bn4c_branch2b_centered, d_bn4c_branch2b_centered, d_res4c_branch2b
+        mem.free(158)
 
         # ---- bn4c_branch2a_relu (relu), backward ----
         # d_bn4c_branch2a = d_bn4c_branch2a_relu*Heaviside(bn4c_branch2a_relu_2, 0)
@@ -5885,7 +5189,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4c_branch2a, d_bn4c_branch2a_relu, bn4c_branch2a_relu_2)
         # free bn4c_branch2a_relu_2
         del bn4c_branch2a_relu_2
-        mem.free(522)
+        mem.free(407)
 
         # ---- res4c_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # res4c_branch2b_W_new = res4c_branch2b_W - lr*V_res4c_branch2b_W_new
@@ -5893,53 +5197,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2b_W_new, T['res4c_branch2b_W'], lr, V_res4c_branch2b_W_new)
 
         # ---- bn4c_branch2a (batch norm), backward ----
-        # d_bn4c_branch2a_bias = sum_to[1x256x1x1](d_bn4c_branch2a)
-        d_bn4c_branch2a_bias = mem.tensor(525, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2a, out=d_bn4c_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4c_branch2a_B = reshape[256](d_bn4c_branch2a_bias)
-        d_bn4c_branch2a_B = rt.reshape(d_bn4c_branch2a_bias, shape=(256,))
-        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B
-        V_bn4c_branch2a_B_new = T['V_bn4c_branch2a_B']  # in place: the new V_bn4c_branch2a_B
-        rt.ew(ew_mul_add, V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B'])
-        # free d_bn4c_branch2a_bias, d_bn4c_branch2a_B
-        del d_bn4c_branch2a_bias, d_bn4c_branch2a_B
-        mem.free(525)
-        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new
-        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
-        rt.ew(ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new)
-        # d_bn4c_branch2a_mul = d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_weight
-        d_bn4c_branch2a_mul = mem.tensor(526, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2a_mul, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_weight)
-        # d_bn4c_branch2a_inv_std = sum_to[1x256x1x1](d_bn4c_branch2a_mul)
-        d_bn4c_branch2a_inv_std = mem.tensor(527, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2a_mul, out=d_bn4c_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2a_mul
-        del d_bn4c_branch2a_mul
-        mem.free(526)
+        # d_bn4c_branch2a_inv_std = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_weight)
+        d_bn4c_branch2a_inv_std = mem.tensor(410, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2a_inv_std, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2a_sum_of_squares = -d_bn4c_branch2a_inv_std/(12544*(bn4c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2a_sum_of_squares = d_bn4c_branch2a_inv_std  # in place: over d_bn4c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2a_sum_of_squares, d_bn4c_branch2a_inv_std, bn4c_branch2a_batch_var)
         # free bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         del bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
-        mem.free(187)
+        mem.free(155)
+        # d_bn4c_branch2a_weight = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_inv_std)
+        d_bn4c_branch2a_weight = mem.tensor(411, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2a_weight, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2a_centered = d_bn4c_branch2a*bn4c_branch2a_inv_std*bn4c_branch2a_weight + 2*d_bn4c_branch2a_sum_of_squares*bn4c_branch2a_centered
-        d_bn4c_branch2a_centered = mem.tensor(528, (32, 256, 14, 14), 'float32')
+        d_bn4c_branch2a_centered = bn4c_branch2a_centered  # in place: over bn4c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2a_centered, d_bn4c_branch2a, bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered)
-        # free d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
-        del d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
-        mem.free(527)
-        # d_bn4c_branch2a_mul_2 = d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_inv_std
-        d_bn4c_branch2a_mul_2 = d_bn4c_branch2a  # in place: over d_bn4c_branch2a
-        rt.ew(ew_mul_3, d_bn4c_branch2a_mul_2, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_inv_std)
-        # free res4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_inv_std
-        del res4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_inv_std
-        mem.free(184, 188)
-        # d_bn4c_branch2a_weight = sum_to[1x256x1x1](d_bn4c_branch2a_mul_2)
-        d_bn4c_branch2a_weight = mem.tensor(529, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2a_mul_2, out=d_bn4c_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2a_relu, d_bn4c_branch2a, d_bn4c_branch2a_mul_2
-        del d_bn4c_branch2a_relu, d_bn4c_branch2a, d_bn4c_branch2a_mul_2
-        mem.free(524)
+        # free bn4c_branch2a_inv_std, d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
+        del bn4c_branch2a_inv_std, d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
+        mem.free(156, 410)
+        # d_bn4c_branch2a_bias = sum_to[1x256x1x1](d_bn4c_branch2a)
+        d_bn4c_branch2a_bias = mem.tensor(412, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4c_branch2a, out=d_bn4c_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4c_branch2a_relu, d_bn4c_branch2a
+        del d_bn4c_branch2a_relu, d_bn4c_branch2a
+        mem.free(409)
         # d_bn4c_branch2a_W = reshape[256](d_bn4c_branch2a_weight)
         d_bn4c_branch2a_W = rt.reshape(d_bn4c_branch2a_weight, shape=(256,))
         # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W
@@ -5947,19 +5228,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W'])
         # free d_bn4c_branch2a_weight, d_bn4c_branch2a_W
         del d_bn4c_branch2a_weight, d_bn4c_branch2a_W
-        mem.free(529)
+        mem.free(411)
         # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new
         bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
         rt.ew(ew_mul_sub, bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new)
-        # d_bn4c_branch2a_neg = -d_bn4c_branch2a_centered
-        d_bn4c_branch2a_neg = mem.tensor(530, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4c_branch2a_neg, d_bn4c_branch2a_centered)
-        # d_bn4c_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4c_branch2a_neg)
-        d_bn4c_branch2a_batch_mean = mem.tensor(531, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4c_branch2a_neg, out=d_bn4c_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4c_branch2a_neg
-        del d_bn4c_branch2a_neg
-        mem.free(530)
+        # d_bn4c_branch2a_B = reshape[256](d_bn4c_branch2a_bias)
+        d_bn4c_branch2a_B = rt.reshape(d_bn4c_branch2a_bias, shape=(256,))
+        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B
+        V_bn4c_branch2a_B_new = T['V_bn4c_branch2a_B']  # in place: the new V_bn4c_branch2a_B
+        rt.ew(ew_mul_add, V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B'])
+        # free d_bn4c_branch2a_bias, d_bn4c_branch2a_B
+        del d_bn4c_branch2a_bias, d_bn4c_branch2a_B
+        mem.free(412)
+        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new
+        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
+        rt.ew(ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new)
+        # d_bn4c_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2a_centered)
+        d_bn4c_branch2a_batch_mean = mem.tensor(413, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean/6272
         d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean  # in place: over d_bn4c_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2a_sum, d_bn4c_branch2a_batch_mean)
@@ -5970,22 +5256,22 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4c_branch2a, d_bn4c_branch2a_centered, d_bn4c_branch2a_sum)
         # free d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_sum
         del d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_sum
-        mem.free(531)
+        mem.free(413)
         # d_res4c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4c_branch2a, bn4b_branch2c_relu)
-        d_res4c_branch2a_W = mem.tensor(532, (256, 1024, 1, 1), 'float32')
+        d_res4c_branch2a_W = mem.tensor(414, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4c_branch2a, bn4b_branch2c_relu, out=d_res4c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # V_res4c_branch2a_W_new = V_res4c_branch2a_W*momentum + d_res4c_branch2a_W + decay*res4c_branch2a_W
         V_res4c_branch2a_W_new = T['V_res4c_branch2a_W']  # in place: the new V_res4c_branch2a_W
         rt.ew(ew_mul_add, V_res4c_branch2a_W_new, T['V_res4c_branch2a_W'], momentum, d_res4c_branch2a_W, decay, T['res4c_branch2a_W'])
         # free d_res4c_branch2a_W
         del d_res4c_branch2a_W
-        mem.free(532)
+        mem.free(414)
         # d_bn4b_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2a, res4c_branch2a_W)
-        d_bn4b_branch2c_relu = mem.tensor(533, (32, 1024, 14, 14), 'float32')
+        d_bn4b_branch2c_relu = mem.tensor(415, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4c_branch2a, T['res4c_branch2a_W'], out=d_bn4b_branch2c_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4c_branch2a_centered, d_res4c_branch2a
-        del d_bn4c_branch2a_centered, d_res4c_branch2a
-        mem.free(528)
+        # free res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
+        del res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
+        mem.free(153)
 
         # ---- bn4b_branch2c_relu (relu), backward ----
         # d_bn4b_branch2c_add = (d_bn4c_branch2c_add + d_bn4b_branch2c_relu)*Heaviside(bn4b_branch2c_relu, 0)
@@ -5993,7 +5279,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4b_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_relu, bn4b_branch2c_relu)
         # free bn4a_branch2c_relu, bn4b_branch2c_relu, d_bn4b_branch2c_relu
         del bn4a_branch2c_relu, bn4b_branch2c_relu, d_bn4b_branch2c_relu
-        mem.free(166, 533)
+        mem.free(138, 415)
 
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # res4c_branch2a_W_new = res4c_branch2a_W - lr*V_res4c_branch2a_W_new
@@ -6001,53 +5287,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2a_W_new, T['res4c_branch2a_W'], lr, V_res4c_branch2a_W_new)
 
         # ---- bn4b_branch2c (batch norm), backward ----
-        # d_bn4b_branch2c_bias = sum_to[1x1024x1x1](d_bn4b_branch2c_add)
-        d_bn4b_branch2c_bias = mem.tensor(534, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2c_add, out=d_bn4b_branch2c_bias, shape=(1, 1024, 1, 1))
-        # d_bn4b_branch2c_B = reshape[1024](d_bn4b_branch2c_bias)
-        d_bn4b_branch2c_B = rt.reshape(d_bn4b_branch2c_bias, shape=(1024,))
-        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B
-        V_bn4b_branch2c_B_new = T['V_bn4b_branch2c_B']  # in place: the new V_bn4b_branch2c_B
-        rt.ew(ew_mul_add, V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B'])
-        # free d_bn4b_branch2c_bias, d_bn4b_branch2c_B
-        del d_bn4b_branch2c_bias, d_bn4b_branch2c_B
-        mem.free(534)
-        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new
-        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
-        rt.ew(ew_mul_sub, bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new)
-        # d_bn4b_branch2c_mul = d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_weight
-        d_bn4b_branch2c_mul = mem.tensor(535, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2c_mul, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_weight)
-        # d_bn4b_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4b_branch2c_mul)
-        d_bn4b_branch2c_inv_std = mem.tensor(536, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2c_mul, out=d_bn4b_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4b_branch2c_mul
-        del d_bn4b_branch2c_mul
-        mem.free(535)
+        # d_bn4b_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_weight)
+        d_bn4b_branch2c_inv_std = mem.tensor(416, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_sum_of_squares = -d_bn4b_branch2c_inv_std/(12544*(bn4b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2c_sum_of_squares = d_bn4b_branch2c_inv_std  # in place: over d_bn4b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2c_sum_of_squares, d_bn4b_branch2c_inv_std, bn4b_branch2c_batch_var)
         # free bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         del bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
-        mem.free(182)
+        mem.free(151)
+        # d_bn4b_branch2c_weight = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_inv_std)
+        d_bn4b_branch2c_weight = mem.tensor(417, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2c_weight, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_centered = d_bn4b_branch2c_add*bn4b_branch2c_inv_std*bn4b_branch2c_weight + 2*d_bn4b_branch2c_sum_of_squares*bn4b_branch2c_centered
-        d_bn4b_branch2c_centered = mem.tensor(537, (32, 1024, 14, 14), 'float32')
+        d_bn4b_branch2c_centered = bn4b_branch2c_centered  # in place: over bn4b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2c_centered, d_bn4b_branch2c_add, bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered)
-        # free d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
-        del d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
-        mem.free(536)
-        # d_bn4b_branch2c_mul_2 = d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_inv_std
-        d_bn4b_branch2c_mul_2 = bn4b_branch2c_centered  # in place: over bn4b_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4b_branch2c_mul_2, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_inv_std)
-        # free bn4b_branch2c_inv_std
-        del bn4b_branch2c_inv_std
-        mem.free(183)
-        # d_bn4b_branch2c_weight = sum_to[1x1024x1x1](d_bn4b_branch2c_mul_2)
-        d_bn4b_branch2c_weight = mem.tensor(538, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2c_mul_2, out=d_bn4b_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_mul_2
-        del res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_mul_2
-        mem.free(179)
+        # free bn4b_branch2c_inv_std, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
+        del bn4b_branch2c_inv_std, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
+        mem.free(152, 416)
         # d_bn4b_branch2c_W = reshape[1024](d_bn4b_branch2c_weight)
         d_bn4b_branch2c_W = rt.reshape(d_bn4b_branch2c_weight, shape=(1024,))
         # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W
@@ -6055,19 +5312,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W'])
         # free d_bn4b_branch2c_weight, d_bn4b_branch2c_W
         del d_bn4b_branch2c_weight, d_bn4b_branch2c_W
-        mem.free(538)
+        mem.free(417)
         # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new
         bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
         rt.ew(ew_mul_sub, bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new)
-        # d_bn4b_branch2c_neg = -d_bn4b_branch2c_centered
-        d_bn4b_branch2c_neg = mem.tensor(539, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4b_branch2c_neg, d_bn4b_branch2c_centered)
-        # d_bn4b_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4b_branch2c_neg)
-        d_bn4b_branch2c_batch_mean = mem.tensor(540, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2c_neg, out=d_bn4b_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4b_branch2c_neg
-        del d_bn4b_branch2c_neg
-        mem.free(539)
+        # d_bn4b_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4b_branch2c_centered)
+        d_bn4b_branch2c_batch_mean = mem.tensor(418, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean/6272
         d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean  # in place: over d_bn4b_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2c_sum, d_bn4b_branch2c_batch_mean)
@@ -6078,23 +5329,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4b_branch2c, d_bn4b_branch2c_centered, d_bn4b_branch2c_sum)
         # free d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_sum
         del d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_sum
-        mem.free(540)
+        mem.free(418)
+
+        # ---- bn4b_branch2c (batch norm), backward ----
+        # d_bn4b_branch2c_bias = sum_to[1x1024x1x1](d_bn4b_branch2c_add)
+        d_bn4b_branch2c_bias = mem.tensor(419, (1, 1024, 1, 1), 'float32')
+        rt.sum_to(d_bn4b_branch2c_add, out=d_bn4b_branch2c_bias, shape=(1, 1024, 1, 1))
+        # d_bn4b_branch2c_B = reshape[1024](d_bn4b_branch2c_bias)
+        d_bn4b_branch2c_B = rt.reshape(d_bn4b_branch2c_bias, shape=(1024,))
+        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B
+        V_bn4b_branch2c_B_new = T['V_bn4b_branch2c_B']  # in place: the new V_bn4b_branch2c_B
+        rt.ew(ew_mul_add, V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B'])
+        # free d_bn4b_branch2c_bias, d_bn4b_branch2c_B
+        del d_bn4b_branch2c_bias, d_bn4b_branch2c_B
+        mem.free(419)
+        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new
+        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
+        rt.ew(ew_mul_sub, bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new)
 
         # ---- bn4b_branch2b_relu (relu), forward ----
         # bn4b_branch2b_relu_2 = Max(0, bn4b_branch2b_centered*bn4b_branch2b_inv_std*bn4b_branch2b_weight + bn4b_branch2b_bias)
-        bn4b_branch2b_relu_2 = mem.tensor(541, (32, 256, 14, 14), 'float32')
+        bn4b_branch2b_relu_2 = mem.tensor(420, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4b_branch2b_relu_2, bn4b_branch2b_centered, bn4b_branch2b_inv_std, bn4b_branch2b_weight, bn4b_branch2b_bias)
 
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # d_res4b_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4b_branch2c, bn4b_branch2b_relu_2)
-        d_res4b_branch2c_W = mem.tensor(542, (1024, 256, 1, 1), 'float32')
+        d_res4b_branch2c_W = mem.tensor(421, (1024, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4b_branch2c, bn4b_branch2b_relu_2, out=d_res4b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4b_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2c, res4b_branch2c_W)
-        d_bn4b_branch2b_relu = mem.tensor(543, (32, 256, 14, 14), 'float32')
+        d_bn4b_branch2b_relu = mem.tensor(422, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4b_branch2c, T['res4b_branch2c_W'], out=d_bn4b_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4b_branch2c_centered, d_res4b_branch2c
-        del d_bn4b_branch2c_centered, d_res4b_branch2c
-        mem.free(537)
+        # free res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
+        del res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
+        mem.free(149)
 
         # ---- bn4b_branch2b_relu (relu), backward ----
         # d_bn4b_branch2b = d_bn4b_branch2b_relu*Heaviside(bn4b_branch2b_relu_2, 0)
@@ -6102,7 +5369,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4b_branch2b, d_bn4b_branch2b_relu, bn4b_branch2b_relu_2)
         # free bn4b_branch2b_relu_2
         del bn4b_branch2b_relu_2
-        mem.free(541)
+        mem.free(420)
 
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
         # V_res4b_branch2c_W_new = V_res4b_branch2c_W*momentum + d_res4b_branch2c_W + decay*res4b_branch2c_W
@@ -6110,59 +5377,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res4b_branch2c_W_new, T['V_res4b_branch2c_W'], momentum, d_res4b_branch2c_W, decay, T['res4b_branch2c_W'])
         # free d_res4b_branch2c_W
         del d_res4b_branch2c_W
-        mem.free(542)
+        mem.free(421)
         # res4b_branch2c_W_new = res4b_branch2c_W - lr*V_res4b_branch2c_W_new
         res4b_branch2c_W_new = T['res4b_branch2c_W']  # in place: the new res4b_branch2c_W
         rt.ew(ew_mul_sub, res4b_branch2c_W_new, T['res4b_branch2c_W'], lr, V_res4b_branch2c_W_new)
 
         # ---- bn4b_branch2b (batch norm), backward ----
-        # d_bn4b_branch2b_bias = sum_to[1x256x1x1](d_bn4b_branch2b)
-        d_bn4b_branch2b_bias = mem.tensor(544, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2b, out=d_bn4b_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4b_branch2b_B = reshape[256](d_bn4b_branch2b_bias)
-        d_bn4b_branch2b_B = rt.reshape(d_bn4b_branch2b_bias, shape=(256,))
-        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B
-        V_bn4b_branch2b_B_new = T['V_bn4b_branch2b_B']  # in place: the new V_bn4b_branch2b_B
-        rt.ew(ew_mul_add, V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B'])
-        # free d_bn4b_branch2b_bias, d_bn4b_branch2b_B
-        del d_bn4b_branch2b_bias, d_bn4b_branch2b_B
-        mem.free(544)
-        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new
-        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
-        rt.ew(ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new)
-        # d_bn4b_branch2b_mul = d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_weight
-        d_bn4b_branch2b_mul = mem.tensor(545, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2b_mul, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_weight)
-        # d_bn4b_branch2b_inv_std = sum_to[1x256x1x1](d_bn4b_branch2b_mul)
-        d_bn4b_branch2b_inv_std = mem.tensor(546, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2b_mul, out=d_bn4b_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2b_mul
-        del d_bn4b_branch2b_mul
-        mem.free(545)
+        # d_bn4b_branch2b_inv_std = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_weight)
+        d_bn4b_branch2b_inv_std = mem.tensor(423, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2b_inv_std, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2b_sum_of_squares = -d_bn4b_branch2b_inv_std/(12544*(bn4b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2b_sum_of_squares = d_bn4b_branch2b_inv_std  # in place: over d_bn4b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2b_sum_of_squares, d_bn4b_branch2b_inv_std, bn4b_branch2b_batch_var)
         # free bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         del bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
-        mem.free(176)
+        mem.free(146)
+        # d_bn4b_branch2b_weight = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_inv_std)
+        d_bn4b_branch2b_weight = mem.tensor(424, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2b_weight, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2b_centered = d_bn4b_branch2b*bn4b_branch2b_inv_std*bn4b_branch2b_weight + 2*d_bn4b_branch2b_sum_of_squares*bn4b_branch2b_centered
-        d_bn4b_branch2b_centered = mem.tensor(547, (32, 256, 14, 14), 'float32')
+        d_bn4b_branch2b_centered = bn4b_branch2b_centered  # in place: over bn4b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2b_centered, d_bn4b_branch2b, bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered)
-        # free d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
-        del d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
-        mem.free(546)
-        # d_bn4b_branch2b_mul_2 = d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_inv_std
-        d_bn4b_branch2b_mul_2 = d_bn4b_branch2b  # in place: over d_bn4b_branch2b
-        rt.ew(ew_mul_3, d_bn4b_branch2b_mul_2, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_inv_std)
-        # free res4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_inv_std
-        del res4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_inv_std
-        mem.free(173, 177)
-        # d_bn4b_branch2b_weight = sum_to[1x256x1x1](d_bn4b_branch2b_mul_2)
-        d_bn4b_branch2b_weight = mem.tensor(548, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2b_mul_2, out=d_bn4b_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2b_relu, d_bn4b_branch2b, d_bn4b_branch2b_mul_2
-        del d_bn4b_branch2b_relu, d_bn4b_branch2b, d_bn4b_branch2b_mul_2
-        mem.free(543)
+        # free bn4b_branch2b_inv_std, d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
+        del bn4b_branch2b_inv_std, d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
+        mem.free(147, 423)
+        # d_bn4b_branch2b_bias = sum_to[1x256x1x1](d_bn4b_branch2b)
+        d_bn4b_branch2b_bias = mem.tensor(425, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4b_branch2b, out=d_bn4b_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4b_branch2b_relu, d_bn4b_branch2b
+        del d_bn4b_branch2b_relu, d_bn4b_branch2b
+        mem.free(422)
         # d_bn4b_branch2b_W = reshape[256](d_bn4b_branch2b_weight)
         d_bn4b_branch2b_W = rt.reshape(d_bn4b_branch2b_weight, shape=(256,))
         # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W
@@ -6170,19 +5414,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W'])
         # free d_bn4b_branch2b_weight, d_bn4b_branch2b_W
         del d_bn4b_branch2b_weight, d_bn4b_branch2b_W
-        mem.free(548)
+        mem.free(424)
         # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new
         bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
         rt.ew(ew_mul_sub, bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new)
-        # d_bn4b_branch2b_neg = -d_bn4b_branch2b_centered
-        d_bn4b_branch2b_neg = mem.tensor(549, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4b_branch2b_neg, d_bn4b_branch2b_centered)
-        # d_bn4b_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4b_branch2b_neg)
-        d_bn4b_branch2b_batch_mean = mem.tensor(550, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2b_neg, out=d_bn4b_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2b_neg
-        del d_bn4b_branch2b_neg
-        mem.free(549)
+        # d_bn4b_branch2b_B = reshape[256](d_bn4b_branch2b_bias)
+        d_bn4b_branch2b_B = rt.reshape(d_bn4b_branch2b_bias, shape=(256,))
+        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B
+        V_bn4b_branch2b_B_new = T['V_bn4b_branch2b_B']  # in place: the new V_bn4b_branch2b_B
+        rt.ew(ew_mul_add, V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B'])
+        # free d_bn4b_branch2b_bias, d_bn4b_branch2b_B
+        del d_bn4b_branch2b_bias, d_bn4b_branch2b_B
+        mem.free(425)
+        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new
+        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
+        rt.ew(ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new)
+        # d_bn4b_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2b_centered)
+        d_bn4b_branch2b_batch_mean = mem.tensor(426, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean/6272
         d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean  # in place: over d_bn4b_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2b_sum, d_bn4b_branch2b_batch_mean)
@@ -6193,29 +5442,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4b_branch2b, d_bn4b_branch2b_centered, d_bn4b_branch2b_sum)
         # free d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_sum
         del d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_sum
-        mem.free(550)
+        mem.free(426)
 
         # ---- bn4b_branch2a_relu (relu), forward ----
         # bn4b_branch2a_relu_2 = Max(0, bn4b_branch2a_centered*bn4b_branch2a_inv_std*bn4b_branch2a_weight + bn4b_branch2a_bias)
-        bn4b_branch2a_relu_2 = mem.tensor(551, (32, 256, 14, 14), 'float32')
+        bn4b_branch2a_relu_2 = mem.tensor(427, (32, 256, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, bn4b_branch2a_relu_2, bn4b_branch2a_centered, bn4b_branch2a_inv_std, bn4b_branch2a_weight, bn4b_branch2a_bias)
 
         # ---- res4b_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # d_res4b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4b_branch2b, bn4b_branch2a_relu_2)
-        d_res4b_branch2b_W = mem.tensor(552, (256, 256, 3, 3), 'float32')
+        d_res4b_branch2b_W = mem.tensor(428, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4b_branch2b, bn4b_branch2a_relu_2, out=d_res4b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
         # V_res4b_branch2b_W_new = V_res4b_branch2b_W*momentum + d_res4b_branch2b_W + decay*res4b_branch2b_W
         V_res4b_branch2b_W_new = T['V_res4b_branch2b_W']  # in place: the new V_res4b_branch2b_W
         rt.ew(ew_mul_add, V_res4b_branch2b_W_new, T['V_res4b_branch2b_W'], momentum, d_res4b_branch2b_W, decay, T['res4b_branch2b_W'])
         # free d_res4b_branch2b_W
         del d_res4b_branch2b_W
-        mem.free(552)
+        mem.free(428)
         # d_bn4b_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4b_branch2b, res4b_branch2b_W)
-        d_bn4b_branch2a_relu = mem.tensor(553, (32, 256, 14, 14), 'float32')
+        d_bn4b_branch2a_relu = mem.tensor(429, (32, 256, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4b_branch2b, T['res4b_branch2b_W'], out=d_bn4b_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4b_branch2b_centered, d_res4b_branch2b
-        del d_bn4b_branch2b_centered, d_res4b_branch2b
-        mem.free(547)
+        # free res4b_branch2b, bn4b_branch2b_centered, d_bn4b_branch2b_centered, d_res4b_branch2b
+        del res4b_branch2b, bn4b_branch2b_centered, d_bn4b_branch2b_centered, d_res4b_branch2b
+        mem.free(144)
 
         # ---- bn4b_branch2a_relu (relu), backward ----
         # d_bn4b_branch2a = d_bn4b_branch2a_relu*Heaviside(bn4b_branch2a_relu_2, 0)
@@ -6223,7 +5472,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn4b_branch2a, d_bn4b_branch2a_relu, bn4b_branch2a_relu_2)
         # free bn4b_branch2a_relu_2
         del bn4b_branch2a_relu_2
-        mem.free(551)
+        mem.free(427)
 
         # ---- res4b_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
         # res4b_branch2b_W_new = res4b_branch2b_W - lr*V_res4b_branch2b_W_new
@@ -6231,53 +5480,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2b_W_new, T['res4b_branch2b_W'], lr, V_res4b_branch2b_W_new)
 
         # ---- bn4b_branch2a (batch norm), backward ----
-        # d_bn4b_branch2a_bias = sum_to[1x256x1x1](d_bn4b_branch2a)
-        d_bn4b_branch2a_bias = mem.tensor(554, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2a, out=d_bn4b_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4b_branch2a_B = reshape[256](d_bn4b_branch2a_bias)
-        d_bn4b_branch2a_B = rt.reshape(d_bn4b_branch2a_bias, shape=(256,))
-        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B
-        V_bn4b_branch2a_B_new = T['V_bn4b_branch2a_B']  # in place: the new V_bn4b_branch2a_B
-        rt.ew(ew_mul_add, V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B'])
-        # free d_bn4b_branch2a_bias, d_bn4b_branch2a_B
-        del d_bn4b_branch2a_bias, d_bn4b_branch2a_B
-        mem.free(554)
-        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new
-        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
-        rt.ew(ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new)
-        # d_bn4b_branch2a_mul = d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_weight
-        d_bn4b_branch2a_mul = mem.tensor(555, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2a_mul, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_weight)
-        # d_bn4b_branch2a_inv_std = sum_to[1x256x1x1](d_bn4b_branch2a_mul)
-        d_bn4b_branch2a_inv_std = mem.tensor(556, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2a_mul, out=d_bn4b_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2a_mul
-        del d_bn4b_branch2a_mul
-        mem.free(555)
+        # d_bn4b_branch2a_inv_std = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_weight)
+        d_bn4b_branch2a_inv_std = mem.tensor(430, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2a_inv_std, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2a_sum_of_squares = -d_bn4b_branch2a_inv_std/(12544*(bn4b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2a_sum_of_squares = d_bn4b_branch2a_inv_std  # in place: over d_bn4b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2a_sum_of_squares, d_bn4b_branch2a_inv_std, bn4b_branch2a_batch_var)
         # free bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         del bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
-        mem.free(170)
+        mem.free(141)
+        # d_bn4b_branch2a_weight = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_inv_std)
+        d_bn4b_branch2a_weight = mem.tensor(431, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2a_weight, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2a_centered = d_bn4b_branch2a*bn4b_branch2a_inv_std*bn4b_branch2a_weight + 2*d_bn4b_branch2a_sum_of_squares*bn4b_branch2a_centered
-        d_bn4b_branch2a_centered = mem.tensor(557, (32, 256, 14, 14), 'float32')
+        d_bn4b_branch2a_centered = bn4b_branch2a_centered  # in place: over bn4b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2a_centered, d_bn4b_branch2a, bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered)
-        # free d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
-        del d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
-        mem.free(556)
-        # d_bn4b_branch2a_mul_2 = d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_inv_std
-        d_bn4b_branch2a_mul_2 = d_bn4b_branch2a  # in place: over d_bn4b_branch2a
-        rt.ew(ew_mul_3, d_bn4b_branch2a_mul_2, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_inv_std)
-        # free res4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_inv_std
-        del res4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_inv_std
-        mem.free(167, 171)
-        # d_bn4b_branch2a_weight = sum_to[1x256x1x1](d_bn4b_branch2a_mul_2)
-        d_bn4b_branch2a_weight = mem.tensor(558, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2a_mul_2, out=d_bn4b_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2a_relu, d_bn4b_branch2a, d_bn4b_branch2a_mul_2
-        del d_bn4b_branch2a_relu, d_bn4b_branch2a, d_bn4b_branch2a_mul_2
-        mem.free(553)
+        # free bn4b_branch2a_inv_std, d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
+        del bn4b_branch2a_inv_std, d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
+        mem.free(142, 430)
+        # d_bn4b_branch2a_bias = sum_to[1x256x1x1](d_bn4b_branch2a)
+        d_bn4b_branch2a_bias = mem.tensor(432, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4b_branch2a, out=d_bn4b_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4b_branch2a_relu, d_bn4b_branch2a
+        del d_bn4b_branch2a_relu, d_bn4b_branch2a
+        mem.free(429)
         # d_bn4b_branch2a_W = reshape[256](d_bn4b_branch2a_weight)
         d_bn4b_branch2a_W = rt.reshape(d_bn4b_branch2a_weight, shape=(256,))
         # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W
@@ -6285,19 +5511,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W'])
         # free d_bn4b_branch2a_weight, d_bn4b_branch2a_W
         del d_bn4b_branch2a_weight, d_bn4b_branch2a_W
-        mem.free(558)
+        mem.free(431)
         # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new
         bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
         rt.ew(ew_mul_sub, bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new)
-        # d_bn4b_branch2a_neg = -d_bn4b_branch2a_centered
-        d_bn4b_branch2a_neg = mem.tensor(559, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4b_branch2a_neg, d_bn4b_branch2a_centered)
-        # d_bn4b_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4b_branch2a_neg)
-        d_bn4b_branch2a_batch_mean = mem.tensor(560, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4b_branch2a_neg, out=d_bn4b_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4b_branch2a_neg
-        del d_bn4b_branch2a_neg
-        mem.free(559)
+        # d_bn4b_branch2a_B = reshape[256](d_bn4b_branch2a_bias)
+        d_bn4b_branch2a_B = rt.reshape(d_bn4b_branch2a_bias, shape=(256,))
+        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B
+        V_bn4b_branch2a_B_new = T['V_bn4b_branch2a_B']  # in place: the new V_bn4b_branch2a_B
+        rt.ew(ew_mul_add, V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B'])
+        # free d_bn4b_branch2a_bias, d_bn4b_branch2a_B
+        del d_bn4b_branch2a_bias, d_bn4b_branch2a_B
+        mem.free(432)
+        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new
+        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
+        rt.ew(ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new)
+        # d_bn4b_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2a_centered)
+        d_bn4b_branch2a_batch_mean = mem.tensor(433, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean/6272
         d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean  # in place: over d_bn4b_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2a_sum, d_bn4b_branch2a_batch_mean)
@@ -6308,29 +5539,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4b_branch2a, d_bn4b_branch2a_centered, d_bn4b_branch2a_sum)
         # free d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_sum
         del d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_sum
-        mem.free(560)
+        mem.free(433)
 
         # ---- bn4a_branch2c_relu (relu), forward ----
         # bn4a_branch2c_relu_2 = Max(0, bn4a_branch2c_centered*bn4a_branch2c_inv_std*bn4a_branch2c_weight + bn4a_branch2c_bias + bn4a_branch1_centered*bn4a_branch1_inv_std*bn4a_branch1_weight + bn4a_branch1_bias)
-        bn4a_branch2c_relu_2 = mem.tensor(561, (32, 1024, 14, 14), 'float32')
+        bn4a_branch2c_relu_2 = mem.tensor(434, (32, 1024, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_2, bn4a_branch2c_relu_2, bn4a_branch2c_centered, bn4a_branch2c_inv_std, bn4a_branch2c_weight, bn4a_branch2c_bias, bn4a_branch1_centered, bn4a_branch1_inv_std, bn4a_branch1_weight, bn4a_branch1_bias)
 
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res4b_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4b_branch2a, bn4a_branch2c_relu_2)
-        d_res4b_branch2a_W = mem.tensor(562, (256, 1024, 1, 1), 'float32')
+        d_res4b_branch2a_W = mem.tensor(435, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4b_branch2a, bn4a_branch2c_relu_2, out=d_res4b_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # V_res4b_branch2a_W_new = V_res4b_branch2a_W*momentum + d_res4b_branch2a_W + decay*res4b_branch2a_W
         V_res4b_branch2a_W_new = T['V_res4b_branch2a_W']  # in place: the new V_res4b_branch2a_W
         rt.ew(ew_mul_add, V_res4b_branch2a_W_new, T['V_res4b_branch2a_W'], momentum, d_res4b_branch2a_W, decay, T['res4b_branch2a_W'])
         # free d_res4b_branch2a_W
         del d_res4b_branch2a_W
-        mem.free(562)
+        mem.free(435)
         # d_bn4a_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2a, res4b_branch2a_W)
-        d_bn4a_branch2c_relu = mem.tensor(563, (32, 1024, 14, 14), 'float32')
+        d_bn4a_branch2c_relu = mem.tensor(436, (32, 1024, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res4b_branch2a, T['res4b_branch2a_W'], out=d_bn4a_branch2c_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4b_branch2a_centered, d_res4b_branch2a
-        del d_bn4b_branch2a_centered, d_res4b_branch2a
-        mem.free(557)
+        # free res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
+        del res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
+        mem.free(139)
 
         # ---- bn4a_branch2c_relu (relu), backward ----
         # d_bn4a_branch2c_add = (d_bn4b_branch2c_add + d_bn4a_branch2c_relu)*Heaviside(bn4a_branch2c_relu_2, 0)
@@ -6338,16 +5569,74 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn4a_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_relu, bn4a_branch2c_relu_2)
         # free bn4a_branch2c_relu_2, d_bn4a_branch2c_relu
         del bn4a_branch2c_relu_2, d_bn4a_branch2c_relu
-        mem.free(561, 563)
+        mem.free(434, 436)
 
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # res4b_branch2a_W_new = res4b_branch2a_W - lr*V_res4b_branch2a_W_new
         res4b_branch2a_W_new = T['res4b_branch2a_W']  # in place: the new res4b_branch2a_W
         rt.ew(ew_mul_sub, res4b_branch2a_W_new, T['res4b_branch2a_W'], lr, V_res4b_branch2a_W_new)
 
+        # ---- bn4a_branch2c (batch norm), backward ----
+        # d_bn4a_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_weight)
+        d_bn4a_branch2c_inv_std = mem.tensor(437, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch2c_sum_of_squares = -d_bn4a_branch2c_inv_std/(12544*(bn4a_branch2c_batch_var + 1.0e-5)**(3/2))
+        d_bn4a_branch2c_sum_of_squares = d_bn4a_branch2c_inv_std  # in place: over d_bn4a_branch2c_inv_std
+        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2c_sum_of_squares, d_bn4a_branch2c_inv_std, bn4a_branch2c_batch_var)
+        # free bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
+        del bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
+        mem.free(136)
+
+        # ---- bn4a_branch1 (batch norm), backward ----
+        # d_bn4a_branch1_inv_std = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_weight)
+        d_bn4a_branch1_inv_std = mem.tensor(438, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch1_inv_std, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch1_sum_of_squares = -d_bn4a_branch1_inv_std/(12544*(bn4a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn4a_branch1_sum_of_squares = d_bn4a_branch1_inv_std  # in place: over d_bn4a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var)
+        # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
+        del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
+        mem.free(132)
+
+        # ---- bn4a_branch2c (batch norm), backward ----
+        # d_bn4a_branch2c_weight = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_inv_std)
+        d_bn4a_branch2c_weight = mem.tensor(439, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2c_weight, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch2c_centered = d_bn4a_branch2c_add*bn4a_branch2c_inv_std*bn4a_branch2c_weight + 2*d_bn4a_branch2c_sum_of_squares*bn4a_branch2c_centered
+        d_bn4a_branch2c_centered = bn4a_branch2c_centered  # in place: over bn4a_branch2c_centered
+        rt.ew(ew_mul_add_2, d_bn4a_branch2c_centered, d_bn4a_branch2c_add, bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered)
+        # free bn4a_branch2c_inv_std, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
+        del bn4a_branch2c_inv_std, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
+        mem.free(137, 437)
+        # d_bn4a_branch2c_W = reshape[1024](d_bn4a_branch2c_weight)
+        d_bn4a_branch2c_W = rt.reshape(d_bn4a_branch2c_weight, shape=(1024,))
+        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W
+        V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
+        rt.ew(ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W'])
+        # free d_bn4a_branch2c_weight, d_bn4a_branch2c_W
+        del d_bn4a_branch2c_weight, d_bn4a_branch2c_W
+        mem.free(439)
+        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
+        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
+        rt.ew(ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new)
+        # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch2c_centered)
+        d_bn4a_branch2c_batch_mean = mem.tensor(440, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean/6272
+        d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean  # in place: over d_bn4a_branch2c_batch_mean
+        rt.ew(ew_scale_4, d_bn4a_branch2c_sum, d_bn4a_branch2c_batch_mean)
+
+        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
+        # d_res4a_branch2c = d_bn4a_branch2c_centered + d_bn4a_branch2c_sum
+        d_res4a_branch2c = d_bn4a_branch2c_centered  # in place: over d_bn4a_branch2c_centered
+        rt.ew(ew_add, d_res4a_branch2c, d_bn4a_branch2c_centered, d_bn4a_branch2c_sum)
+        # free d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
+        del d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
+        mem.free(440)
+
         # ---- bn4a_branch1 (batch norm), backward ----
         # d_bn4a_branch1_bias = sum_to[1x1024x1x1](d_bn4a_branch2c_add)
-        d_bn4a_branch1_bias = mem.tensor(564, (1, 1024, 1, 1), 'float32')
+        d_bn4a_branch1_bias = mem.tensor(441, (1, 1024, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2c_add, out=d_bn4a_branch1_bias, shape=(1, 1024, 1, 1))
         # d_bn4a_branch1_B = reshape[1024](d_bn4a_branch1_bias)
         d_bn4a_branch1_B = rt.reshape(d_bn4a_branch1_bias, shape=(1024,))
@@ -6363,7 +5652,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4a_branch1_B_new, T['V_bn4a_branch1_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch1_B'])
         # free d_bn4a_branch1_bias, d_bn4a_branch1_B
         del d_bn4a_branch1_bias, d_bn4a_branch1_B
-        mem.free(564)
+        mem.free(441)
 
         # ---- bn4a_branch2c (batch norm), backward ----
         # bn4a_branch2c_B_new = bn4a_branch2c_B - lr*V_bn4a_branch2c_B_new
@@ -6374,346 +5663,15 @@ class Resnet50(rp.Model):
         # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
         bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
         rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
-
-        # ---- bn4a_branch2c (batch norm), backward ----
-        # d_bn4a_branch2c_mul = d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_weight
-        d_bn4a_branch2c_mul = mem.tensor(565, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2c_mul, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_weight)
-        # d_bn4a_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4a_branch2c_mul)
-        d_bn4a_branch2c_inv_std = mem.tensor(566, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2c_mul, out=d_bn4a_branch2c_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4a_branch2c_mul
-        del d_bn4a_branch2c_mul
-        mem.free(565)
-        # d_bn4a_branch2c_sum_of_squares = -d_bn4a_branch2c_inv_std/(12544*(bn4a_branch2c_batch_var + 1.0e-5)**(3/2))
-        d_bn4a_branch2c_sum_of_squares = d_bn4a_branch2c_inv_std  # in place: over d_bn4a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2c_sum_of_squares, d_bn4a_branch2c_inv_std, bn4a_branch2c_batch_var)
-        # free bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
-        del bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
-        mem.free(164)
-        # d_bn4a_branch2c_centered = d_bn4a_branch2c_add*bn4a_branch2c_inv_std*bn4a_branch2c_weight + 2*d_bn4a_branch2c_sum_of_squares*bn4a_branch2c_centered
-        d_bn4a_branch2c_centered = mem.tensor(567, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_bn4a_branch2c_centered, d_bn4a_branch2c_add, bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered)
-        # free d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
-        del d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
-        mem.free(566)
-        # d_bn4a_branch2c_mul_2 = d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_inv_std
-        d_bn4a_branch2c_mul_2 = bn4a_branch2c_centered  # in place: over bn4a_branch2c_centered
-        rt.ew(ew_mul_2, d_bn4a_branch2c_mul_2, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_inv_std)
-        # free bn4a_branch2c_inv_std
-        del bn4a_branch2c_inv_std
-        mem.free(165)
-        # d_bn4a_branch2c_weight = sum_to[1x1024x1x1](d_bn4a_branch2c_mul_2)
-        d_bn4a_branch2c_weight = mem.tensor(568, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2c_mul_2, out=d_bn4a_branch2c_weight, shape=(1, 1024, 1, 1))
-        # free res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_mul_2
-        del res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_mul_2
-        mem.free(161)
-        # d_bn4a_branch2c_W = reshape[1024](d_bn4a_branch2c_weight)
-        d_bn4a_branch2c_W = rt.reshape(d_bn4a_branch2c_weight, shape=(1024,))
-        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W
-        V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
-        rt.ew(ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W'])
-        # free d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        del d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        mem.free(568)
-        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
-        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
-        rt.ew(ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new)
-        # d_bn4a_branch2c_neg = -d_bn4a_branch2c_centered
-        d_bn4a_branch2c_neg = mem.tensor(569, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4a_branch2c_neg, d_bn4a_branch2c_centered)
-        # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](d_bn4a_branch2c_neg)
-        d_bn4a_branch2c_batch_mean = mem.tensor(570, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2c_neg, out=d_bn4a_branch2c_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4a_branch2c_neg
-        del d_bn4a_branch2c_neg
-        mem.free(569)
-        # d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean/6272
-        d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean  # in place: over d_bn4a_branch2c_batch_mean
-        rt.ew(ew_scale_4, d_bn4a_branch2c_sum, d_bn4a_branch2c_batch_mean)
-
-        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # d_res4a_branch2c = d_bn4a_branch2c_centered + d_bn4a_branch2c_sum
-        d_res4a_branch2c = d_bn4a_branch2c_centered  # in place: over d_bn4a_branch2c_centered
-        rt.ew(ew_add, d_res4a_branch2c, d_bn4a_branch2c_centered, d_bn4a_branch2c_sum)
-        # free d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
-        del d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
-        mem.free(570)
-
-        # ---- bn4a_branch2b_relu (relu), forward ----
-        # bn4a_branch2b_relu_2 = Max(0, bn4a_branch2b_centered*bn4a_branch2b_inv_std*bn4a_branch2b_weight + bn4a_branch2b_bias)
-        bn4a_branch2b_relu_2 = mem.tensor(571, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul_add_relu, bn4a_branch2b_relu_2, bn4a_branch2b_centered, bn4a_branch2b_inv_std, bn4a_branch2b_weight, bn4a_branch2b_bias)
-
-        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # d_res4a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4a_branch2c, bn4a_branch2b_relu_2)
-        d_res4a_branch2c_W = mem.tensor(572, (1024, 256, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res4a_branch2c, bn4a_branch2b_relu_2, out=d_res4a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
-        # d_bn4a_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4a_branch2c, res4a_branch2c_W)
-        d_bn4a_branch2b_relu = mem.tensor(573, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1)
-        # free d_bn4a_branch2c_centered, d_res4a_branch2c
-        del d_bn4a_branch2c_centered, d_res4a_branch2c
-        mem.free(567)
-
-        # ---- bn4a_branch2b_relu (relu), backward ----
-        # d_bn4a_branch2b = d_bn4a_branch2b_relu*Heaviside(bn4a_branch2b_relu_2, 0)
-        d_bn4a_branch2b = d_bn4a_branch2b_relu  # in place: over d_bn4a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4a_branch2b, d_bn4a_branch2b_relu, bn4a_branch2b_relu_2)
-        # free bn4a_branch2b_relu_2
-        del bn4a_branch2b_relu_2
-        mem.free(571)
-
-        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4a_branch2c_W_new = V_res4a_branch2c_W*momentum + d_res4a_branch2c_W + decay*res4a_branch2c_W
-        V_res4a_branch2c_W_new = T['V_res4a_branch2c_W']  # in place: the new V_res4a_branch2c_W
-        rt.ew(ew_mul_add, V_res4a_branch2c_W_new, T['V_res4a_branch2c_W'], momentum, d_res4a_branch2c_W, decay, T['res4a_branch2c_W'])
-        # free d_res4a_branch2c_W
-        del d_res4a_branch2c_W
-        mem.free(572)
-        # res4a_branch2c_W_new = res4a_branch2c_W - lr*V_res4a_branch2c_W_new
-        res4a_branch2c_W_new = T['res4a_branch2c_W']  # in place: the new res4a_branch2c_W
-        rt.ew(ew_mul_sub, res4a_branch2c_W_new, T['res4a_branch2c_W'], lr, V_res4a_branch2c_W_new)
-
-        # ---- bn4a_branch2b (batch norm), backward ----
-        # d_bn4a_branch2b_bias = sum_to[1x256x1x1](d_bn4a_branch2b)
-        d_bn4a_branch2b_bias = mem.tensor(574, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2b, out=d_bn4a_branch2b_bias, shape=(1, 256, 1, 1))
-        # d_bn4a_branch2b_B = reshape[256](d_bn4a_branch2b_bias)
-        d_bn4a_branch2b_B = rt.reshape(d_bn4a_branch2b_bias, shape=(256,))
-        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B
-        V_bn4a_branch2b_B_new = T['V_bn4a_branch2b_B']  # in place: the new V_bn4a_branch2b_B
-        rt.ew(ew_mul_add, V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B'])
-        # free d_bn4a_branch2b_bias, d_bn4a_branch2b_B
-        del d_bn4a_branch2b_bias, d_bn4a_branch2b_B
-        mem.free(574)
-        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new
-        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
-        rt.ew(ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new)
-        # d_bn4a_branch2b_mul = d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_weight
-        d_bn4a_branch2b_mul = mem.tensor(575, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2b_mul, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_weight)
-        # d_bn4a_branch2b_inv_std = sum_to[1x256x1x1](d_bn4a_branch2b_mul)
-        d_bn4a_branch2b_inv_std = mem.tensor(576, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2b_mul, out=d_bn4a_branch2b_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2b_mul
-        del d_bn4a_branch2b_mul
-        mem.free(575)
-        # d_bn4a_branch2b_sum_of_squares = -d_bn4a_branch2b_inv_std/(12544*(bn4a_branch2b_batch_var + 1.0e-5)**(3/2))
-        d_bn4a_branch2b_sum_of_squares = d_bn4a_branch2b_inv_std  # in place: over d_bn4a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2b_sum_of_squares, d_bn4a_branch2b_inv_std, bn4a_branch2b_batch_var)
-        # free bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
-        del bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
-        mem.free(153)
-        # d_bn4a_branch2b_centered = d_bn4a_branch2b*bn4a_branch2b_inv_std*bn4a_branch2b_weight + 2*d_bn4a_branch2b_sum_of_squares*bn4a_branch2b_centered
-        d_bn4a_branch2b_centered = mem.tensor(577, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_bn4a_branch2b_centered, d_bn4a_branch2b, bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered)
-        # free d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
-        del d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
-        mem.free(576)
-        # d_bn4a_branch2b_mul_2 = d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_inv_std
-        d_bn4a_branch2b_mul_2 = d_bn4a_branch2b  # in place: over d_bn4a_branch2b
-        rt.ew(ew_mul_3, d_bn4a_branch2b_mul_2, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_inv_std)
-        # free res4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_inv_std
-        del res4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_inv_std
-        mem.free(150, 154)
-        # d_bn4a_branch2b_weight = sum_to[1x256x1x1](d_bn4a_branch2b_mul_2)
-        d_bn4a_branch2b_weight = mem.tensor(578, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2b_mul_2, out=d_bn4a_branch2b_weight, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2b_relu, d_bn4a_branch2b, d_bn4a_branch2b_mul_2
-        del d_bn4a_branch2b_relu, d_bn4a_branch2b, d_bn4a_branch2b_mul_2
-        mem.free(573)
-        # d_bn4a_branch2b_W = reshape[256](d_bn4a_branch2b_weight)
-        d_bn4a_branch2b_W = rt.reshape(d_bn4a_branch2b_weight, shape=(256,))
-        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W
-        V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
-        rt.ew(ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W'])
-        # free d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        del d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        mem.free(578)
-        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
-        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
-        rt.ew(ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new)
-        # d_bn4a_branch2b_neg = -d_bn4a_branch2b_centered
-        d_bn4a_branch2b_neg = mem.tensor(579, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4a_branch2b_neg, d_bn4a_branch2b_centered)
-        # d_bn4a_branch2b_batch_mean = sum_to[1x256x1x1](d_bn4a_branch2b_neg)
-        d_bn4a_branch2b_batch_mean = mem.tensor(580, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2b_neg, out=d_bn4a_branch2b_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2b_neg
-        del d_bn4a_branch2b_neg
-        mem.free(579)
-        # d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean/6272
-        d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean  # in place: over d_bn4a_branch2b_batch_mean
-        rt.ew(ew_scale_4, d_bn4a_branch2b_sum, d_bn4a_branch2b_batch_mean)
-
-        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
-        # d_res4a_branch2b = d_bn4a_branch2b_centered + d_bn4a_branch2b_sum
-        d_res4a_branch2b = d_bn4a_branch2b_centered  # in place: over d_bn4a_branch2b_centered
-        rt.ew(ew_add, d_res4a_branch2b, d_bn4a_branch2b_centered, d_bn4a_branch2b_sum)
-        # free d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
-        del d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
-        mem.free(580)
-
-        # ---- bn4a_branch2a_relu (relu), forward ----
-        # bn4a_branch2a_relu_2 = Max(0, bn4a_branch2a_centered*bn4a_branch2a_inv_std*bn4a_branch2a_weight + bn4a_branch2a_bias)
-        bn4a_branch2a_relu_2 = mem.tensor(581, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul_add_relu, bn4a_branch2a_relu_2, bn4a_branch2a_centered, bn4a_branch2a_inv_std, bn4a_branch2a_weight, bn4a_branch2a_bias)
-
-        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
-        # d_res4a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4a_branch2b, bn4a_branch2a_relu_2)
-        d_res4a_branch2b_W = mem.tensor(582, (256, 256, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res4a_branch2b, bn4a_branch2a_relu_2, out=d_res4a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
-        # V_res4a_branch2b_W_new = V_res4a_branch2b_W*momentum + d_res4a_branch2b_W + decay*res4a_branch2b_W
-        V_res4a_branch2b_W_new = T['V_res4a_branch2b_W']  # in place: the new V_res4a_branch2b_W
-        rt.ew(ew_mul_add, V_res4a_branch2b_W_new, T['V_res4a_branch2b_W'], momentum, d_res4a_branch2b_W, decay, T['res4a_branch2b_W'])
-        # free d_res4a_branch2b_W
-        del d_res4a_branch2b_W
-        mem.free(582)
-        # d_bn4a_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4a_branch2b, res4a_branch2b_W)
-        d_bn4a_branch2a_relu = mem.tensor(583, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch2b, T['res4a_branch2b_W'], out=d_bn4a_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
-        # free d_bn4a_branch2b_centered, d_res4a_branch2b
-        del d_bn4a_branch2b_centered, d_res4a_branch2b
-        mem.free(577)
-
-        # ---- bn4a_branch2a_relu (relu), backward ----
-        # d_bn4a_branch2a = d_bn4a_branch2a_relu*Heaviside(bn4a_branch2a_relu_2, 0)
-        d_bn4a_branch2a = d_bn4a_branch2a_relu  # in place: over d_bn4a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4a_branch2a, d_bn4a_branch2a_relu, bn4a_branch2a_relu_2)
-        # free bn4a_branch2a_relu_2
-        del bn4a_branch2a_relu_2
-        mem.free(581)
-
-        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
-        # res4a_branch2b_W_new = res4a_branch2b_W - lr*V_res4a_branch2b_W_new
-        res4a_branch2b_W_new = T['res4a_branch2b_W']  # in place: the new res4a_branch2b_W
-        rt.ew(ew_mul_sub, res4a_branch2b_W_new, T['res4a_branch2b_W'], lr, V_res4a_branch2b_W_new)
-
-        # ---- bn4a_branch2a (batch norm), backward ----
-        # d_bn4a_branch2a_bias = sum_to[1x256x1x1](d_bn4a_branch2a)
-        d_bn4a_branch2a_bias = mem.tensor(584, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2a, out=d_bn4a_branch2a_bias, shape=(1, 256, 1, 1))
-        # d_bn4a_branch2a_B = reshape[256](d_bn4a_branch2a_bias)
-        d_bn4a_branch2a_B = rt.reshape(d_bn4a_branch2a_bias, shape=(256,))
-        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B
-        V_bn4a_branch2a_B_new = T['V_bn4a_branch2a_B']  # in place: the new V_bn4a_branch2a_B
-        rt.ew(ew_mul_add, V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B'])
-        # free d_bn4a_branch2a_bias, d_bn4a_branch2a_B
-        del d_bn4a_branch2a_bias, d_bn4a_branch2a_B
-        mem.free(584)
-        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new
-        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
-        rt.ew(ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new)
-        # d_bn4a_branch2a_mul = d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_weight
-        d_bn4a_branch2a_mul = mem.tensor(585, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2a_mul, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_weight)
-        # d_bn4a_branch2a_inv_std = sum_to[1x256x1x1](d_bn4a_branch2a_mul)
-        d_bn4a_branch2a_inv_std = mem.tensor(586, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2a_mul, out=d_bn4a_branch2a_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2a_mul
-        del d_bn4a_branch2a_mul
-        mem.free(585)
-        # d_bn4a_branch2a_sum_of_squares = -d_bn4a_branch2a_inv_std/(12544*(bn4a_branch2a_batch_var + 1.0e-5)**(3/2))
-        d_bn4a_branch2a_sum_of_squares = d_bn4a_branch2a_inv_std  # in place: over d_bn4a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2a_sum_of_squares, d_bn4a_branch2a_inv_std, bn4a_branch2a_batch_var)
-        # free bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
-        del bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
-        mem.free(147)
-        # d_bn4a_branch2a_centered = d_bn4a_branch2a*bn4a_branch2a_inv_std*bn4a_branch2a_weight + 2*d_bn4a_branch2a_sum_of_squares*bn4a_branch2a_centered
-        d_bn4a_branch2a_centered = mem.tensor(587, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_bn4a_branch2a_centered, d_bn4a_branch2a, bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered)
-        # free d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
-        del d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
-        mem.free(586)
-        # d_bn4a_branch2a_mul_2 = d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_inv_std
-        d_bn4a_branch2a_mul_2 = d_bn4a_branch2a  # in place: over d_bn4a_branch2a
-        rt.ew(ew_mul_3, d_bn4a_branch2a_mul_2, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_inv_std)
-        # free res4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_inv_std
-        del res4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_inv_std
-        mem.free(144, 148)
-        # d_bn4a_branch2a_weight = sum_to[1x256x1x1](d_bn4a_branch2a_mul_2)
-        d_bn4a_branch2a_weight = mem.tensor(588, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2a_mul_2, out=d_bn4a_branch2a_weight, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2a_relu, d_bn4a_branch2a, d_bn4a_branch2a_mul_2
-        del d_bn4a_branch2a_relu, d_bn4a_branch2a, d_bn4a_branch2a_mul_2
-        mem.free(583)
-        # d_bn4a_branch2a_W = reshape[256](d_bn4a_branch2a_weight)
-        d_bn4a_branch2a_W = rt.reshape(d_bn4a_branch2a_weight, shape=(256,))
-        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W
-        V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
-        rt.ew(ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W'])
-        # free d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        del d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        mem.free(588)
-        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
-        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
-        rt.ew(ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new)
-        # d_bn4a_branch2a_neg = -d_bn4a_branch2a_centered
-        d_bn4a_branch2a_neg = mem.tensor(589, (32, 256, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4a_branch2a_neg, d_bn4a_branch2a_centered)
-        # d_bn4a_branch2a_batch_mean = sum_to[1x256x1x1](d_bn4a_branch2a_neg)
-        d_bn4a_branch2a_batch_mean = mem.tensor(590, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch2a_neg, out=d_bn4a_branch2a_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn4a_branch2a_neg
-        del d_bn4a_branch2a_neg
-        mem.free(589)
-        # d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean/6272
-        d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean  # in place: over d_bn4a_branch2a_batch_mean
-        rt.ew(ew_scale_4, d_bn4a_branch2a_sum, d_bn4a_branch2a_batch_mean)
-
-        # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), backward ----
-        # d_res4a_branch2a = d_bn4a_branch2a_centered + d_bn4a_branch2a_sum
-        d_res4a_branch2a = d_bn4a_branch2a_centered  # in place: over d_bn4a_branch2a_centered
-        rt.ew(ew_add, d_res4a_branch2a, d_bn4a_branch2a_centered, d_bn4a_branch2a_sum)
-        # free d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
-        del d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
-        mem.free(590)
-        # d_res4a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4a_branch2a, bn3d_branch2c_relu)
-        d_res4a_branch2a_W = mem.tensor(591, (256, 512, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res4a_branch2a, bn3d_branch2c_relu, out=d_res4a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19267584))
-        # V_res4a_branch2a_W_new = V_res4a_branch2a_W*momentum + d_res4a_branch2a_W + decay*res4a_branch2a_W
-        V_res4a_branch2a_W_new = T['V_res4a_branch2a_W']  # in place: the new V_res4a_branch2a_W
-        rt.ew(ew_mul_add, V_res4a_branch2a_W_new, T['V_res4a_branch2a_W'], momentum, d_res4a_branch2a_W, decay, T['res4a_branch2a_W'])
-        # free d_res4a_branch2a_W
-        del d_res4a_branch2a_W
-        mem.free(591)
-
-        # ---- bn4a_branch1 (batch norm), backward ----
-        # d_bn4a_branch1_mul = d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_weight
-        d_bn4a_branch1_mul = mem.tensor(592, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch1_mul, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_weight)
-        # d_bn4a_branch1_inv_std = sum_to[1x1024x1x1](d_bn4a_branch1_mul)
-        d_bn4a_branch1_inv_std = mem.tensor(593, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch1_mul, out=d_bn4a_branch1_inv_std, shape=(1, 1024, 1, 1))
-        # free d_bn4a_branch1_mul
-        del d_bn4a_branch1_mul
-        mem.free(592)
-        # d_bn4a_branch1_sum_of_squares = -d_bn4a_branch1_inv_std/(12544*(bn4a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn4a_branch1_sum_of_squares = d_bn4a_branch1_inv_std  # in place: over d_bn4a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var)
-        # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
-        del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
-        mem.free(159)
+        # d_bn4a_branch1_weight = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_inv_std)
+        d_bn4a_branch1_weight = mem.tensor(442, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch1_weight, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch1_centered = d_bn4a_branch2c_add*bn4a_branch1_inv_std*bn4a_branch1_weight + 2*d_bn4a_branch1_sum_of_squares*bn4a_branch1_centered
-        d_bn4a_branch1_centered = mem.tensor(594, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered)
-        # free d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
-        del d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
-        mem.free(593)
-        # d_bn4a_branch1_mul_2 = d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_inv_std
-        d_bn4a_branch1_mul_2 = d_bn4a_branch2c_add  # in place: over d_bn4a_branch2c_add
-        rt.ew(ew_mul_3, d_bn4a_branch1_mul_2, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_inv_std)
-        # free res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std
-        del res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std
-        mem.free(156, 160)
-        # d_bn4a_branch1_weight = sum_to[1x1024x1x1](d_bn4a_branch1_mul_2)
-        d_bn4a_branch1_weight = mem.tensor(595, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch1_mul_2, out=d_bn4a_branch1_weight, shape=(1, 1024, 1, 1))
-        # free d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_mul_2
-        del d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_mul_2
-        mem.free(414)
+        d_bn4a_branch1_centered = d_bn4a_branch2c_add  # in place: over d_bn4a_branch2c_add
+        rt.ew(ew_mul_add_3, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered)
+        # free res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std, d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
+        del res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std, d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
+        mem.free(130, 133, 438)
         # d_bn4a_branch1_W = reshape[1024](d_bn4a_branch1_weight)
         d_bn4a_branch1_W = rt.reshape(d_bn4a_branch1_weight, shape=(1024,))
         # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W
@@ -6721,19 +5679,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W'])
         # free d_bn4a_branch1_weight, d_bn4a_branch1_W
         del d_bn4a_branch1_weight, d_bn4a_branch1_W
-        mem.free(595)
+        mem.free(442)
         # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new
         bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
         rt.ew(ew_mul_sub, bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new)
-        # d_bn4a_branch1_neg = -d_bn4a_branch1_centered
-        d_bn4a_branch1_neg = mem.tensor(596, (32, 1024, 14, 14), 'float32')
-        rt.ew(ew_neg, d_bn4a_branch1_neg, d_bn4a_branch1_centered)
-        # d_bn4a_branch1_batch_mean = sum_to[1x1024x1x1](d_bn4a_branch1_neg)
-        d_bn4a_branch1_batch_mean = mem.tensor(597, (1, 1024, 1, 1), 'float32')
-        rt.sum_to(d_bn4a_branch1_neg, out=d_bn4a_branch1_batch_mean, shape=(1, 1024, 1, 1))
-        # free d_bn4a_branch1_neg
-        del d_bn4a_branch1_neg
-        mem.free(596)
+        # d_bn4a_branch1_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch1_centered)
+        d_bn4a_branch1_batch_mean = mem.tensor(443, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4a_branch1_batch_mean, d_bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean/6272
         d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean  # in place: over d_bn4a_branch1_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch1_sum, d_bn4a_branch1_batch_mean)
@@ -6744,33 +5696,240 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4a_branch1, d_bn4a_branch1_centered, d_bn4a_branch1_sum)
         # free d_bn4a_branch1_batch_mean, d_bn4a_branch1_sum
         del d_bn4a_branch1_batch_mean, d_bn4a_branch1_sum
-        mem.free(597)
+        mem.free(443)
+
+        # ---- bn4a_branch2b_relu (relu), forward ----
+        # bn4a_branch2b_relu_2 = Max(0, bn4a_branch2b_centered*bn4a_branch2b_inv_std*bn4a_branch2b_weight + bn4a_branch2b_bias)
+        bn4a_branch2b_relu_2 = mem.tensor(444, (32, 256, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu, bn4a_branch2b_relu_2, bn4a_branch2b_centered, bn4a_branch2b_inv_std, bn4a_branch2b_weight, bn4a_branch2b_bias)
+
+        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
+        # d_res4a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res4a_branch2c, bn4a_branch2b_relu_2)
+        d_res4a_branch2c_W = mem.tensor(445, (1024, 256, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res4a_branch2c, bn4a_branch2b_relu_2, out=d_res4a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
+        # d_bn4a_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4a_branch2c, res4a_branch2c_W)
+        d_bn4a_branch2b_relu = mem.tensor(446, (32, 256, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        # free res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
+        del res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
+        mem.free(134)
+
+        # ---- bn4a_branch2b_relu (relu), backward ----
+        # d_bn4a_branch2b = d_bn4a_branch2b_relu*Heaviside(bn4a_branch2b_relu_2, 0)
+        d_bn4a_branch2b = d_bn4a_branch2b_relu  # in place: over d_bn4a_branch2b_relu
+        rt.ew(ew_step_mul, d_bn4a_branch2b, d_bn4a_branch2b_relu, bn4a_branch2b_relu_2)
+        # free bn4a_branch2b_relu_2
+        del bn4a_branch2b_relu_2
+        mem.free(444)
+
+        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
+        # V_res4a_branch2c_W_new = V_res4a_branch2c_W*momentum + d_res4a_branch2c_W + decay*res4a_branch2c_W
+        V_res4a_branch2c_W_new = T['V_res4a_branch2c_W']  # in place: the new V_res4a_branch2c_W
+        rt.ew(ew_mul_add, V_res4a_branch2c_W_new, T['V_res4a_branch2c_W'], momentum, d_res4a_branch2c_W, decay, T['res4a_branch2c_W'])
+        # free d_res4a_branch2c_W
+        del d_res4a_branch2c_W
+        mem.free(445)
+        # res4a_branch2c_W_new = res4a_branch2c_W - lr*V_res4a_branch2c_W_new
+        res4a_branch2c_W_new = T['res4a_branch2c_W']  # in place: the new res4a_branch2c_W
+        rt.ew(ew_mul_sub, res4a_branch2c_W_new, T['res4a_branch2c_W'], lr, V_res4a_branch2c_W_new)
+
+        # ---- bn4a_branch2b (batch norm), backward ----
+        # d_bn4a_branch2b_inv_std = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_weight)
+        d_bn4a_branch2b_inv_std = mem.tensor(447, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2b_inv_std, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2b_sum_of_squares = -d_bn4a_branch2b_inv_std/(12544*(bn4a_branch2b_batch_var + 1.0e-5)**(3/2))
+        d_bn4a_branch2b_sum_of_squares = d_bn4a_branch2b_inv_std  # in place: over d_bn4a_branch2b_inv_std
+        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2b_sum_of_squares, d_bn4a_branch2b_inv_std, bn4a_branch2b_batch_var)
+        # free bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
+        del bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
+        mem.free(127)
+        # d_bn4a_branch2b_weight = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_inv_std)
+        d_bn4a_branch2b_weight = mem.tensor(448, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2b_weight, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2b_centered = d_bn4a_branch2b*bn4a_branch2b_inv_std*bn4a_branch2b_weight + 2*d_bn4a_branch2b_sum_of_squares*bn4a_branch2b_centered
+        d_bn4a_branch2b_centered = bn4a_branch2b_centered  # in place: over bn4a_branch2b_centered
+        rt.ew(ew_mul_add_2, d_bn4a_branch2b_centered, d_bn4a_branch2b, bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered)
+        # free bn4a_branch2b_inv_std, d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
+        del bn4a_branch2b_inv_std, d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
+        mem.free(128, 447)
+        # d_bn4a_branch2b_bias = sum_to[1x256x1x1](d_bn4a_branch2b)
+        d_bn4a_branch2b_bias = mem.tensor(449, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4a_branch2b, out=d_bn4a_branch2b_bias, shape=(1, 256, 1, 1))
+        # free d_bn4a_branch2b_relu, d_bn4a_branch2b
+        del d_bn4a_branch2b_relu, d_bn4a_branch2b
+        mem.free(446)
+        # d_bn4a_branch2b_W = reshape[256](d_bn4a_branch2b_weight)
+        d_bn4a_branch2b_W = rt.reshape(d_bn4a_branch2b_weight, shape=(256,))
+        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W
+        V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
+        rt.ew(ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W'])
+        # free d_bn4a_branch2b_weight, d_bn4a_branch2b_W
+        del d_bn4a_branch2b_weight, d_bn4a_branch2b_W
+        mem.free(448)
+        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
+        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
+        rt.ew(ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new)
+        # d_bn4a_branch2b_B = reshape[256](d_bn4a_branch2b_bias)
+        d_bn4a_branch2b_B = rt.reshape(d_bn4a_branch2b_bias, shape=(256,))
+        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B
+        V_bn4a_branch2b_B_new = T['V_bn4a_branch2b_B']  # in place: the new V_bn4a_branch2b_B
+        rt.ew(ew_mul_add, V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B'])
+        # free d_bn4a_branch2b_bias, d_bn4a_branch2b_B
+        del d_bn4a_branch2b_bias, d_bn4a_branch2b_B
+        mem.free(449)
+        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new
+        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
+        rt.ew(ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new)
+        # d_bn4a_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2b_centered)
+        d_bn4a_branch2b_batch_mean = mem.tensor(450, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean/6272
+        d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean  # in place: over d_bn4a_branch2b_batch_mean
+        rt.ew(ew_scale_4, d_bn4a_branch2b_sum, d_bn4a_branch2b_batch_mean)
+
+        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_res4a_branch2b = d_bn4a_branch2b_centered + d_bn4a_branch2b_sum
+        d_res4a_branch2b = d_bn4a_branch2b_centered  # in place: over d_bn4a_branch2b_centered
+        rt.ew(ew_add, d_res4a_branch2b, d_bn4a_branch2b_centered, d_bn4a_branch2b_sum)
+        # free d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
+        del d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
+        mem.free(450)
+
+        # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), backward ----
         # d_res4a_branch1_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4a_branch1, bn3d_branch2c_relu)
-        d_res4a_branch1_W = mem.tensor(598, (1024, 512, 1, 1), 'float32')
+        d_res4a_branch1_W = mem.tensor(451, (1024, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4a_branch1, bn3d_branch2c_relu, out=d_res4a_branch1_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(21364736))
         # V_res4a_branch1_W_new = V_res4a_branch1_W*momentum + d_res4a_branch1_W + decay*res4a_branch1_W
         V_res4a_branch1_W_new = T['V_res4a_branch1_W']  # in place: the new V_res4a_branch1_W
         rt.ew(ew_mul_add, V_res4a_branch1_W_new, T['V_res4a_branch1_W'], momentum, d_res4a_branch1_W, decay, T['res4a_branch1_W'])
         # free d_res4a_branch1_W
         del d_res4a_branch1_W
-        mem.free(598)
+        mem.free(451)
+
+        # ---- bn4a_branch2a_relu (relu), forward ----
+        # bn4a_branch2a_relu_2 = Max(0, bn4a_branch2a_centered*bn4a_branch2a_inv_std*bn4a_branch2a_weight + bn4a_branch2a_bias)
+        bn4a_branch2a_relu_2 = mem.tensor(452, (32, 256, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu, bn4a_branch2a_relu_2, bn4a_branch2a_centered, bn4a_branch2a_inv_std, bn4a_branch2a_weight, bn4a_branch2a_bias)
+
+        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # d_res4a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4a_branch2b, bn4a_branch2a_relu_2)
+        d_res4a_branch2b_W = mem.tensor(453, (256, 256, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res4a_branch2b, bn4a_branch2a_relu_2, out=d_res4a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27320320))
+        # V_res4a_branch2b_W_new = V_res4a_branch2b_W*momentum + d_res4a_branch2b_W + decay*res4a_branch2b_W
+        V_res4a_branch2b_W_new = T['V_res4a_branch2b_W']  # in place: the new V_res4a_branch2b_W
+        rt.ew(ew_mul_add, V_res4a_branch2b_W_new, T['V_res4a_branch2b_W'], momentum, d_res4a_branch2b_W, decay, T['res4a_branch2b_W'])
+        # free d_res4a_branch2b_W
+        del d_res4a_branch2b_W
+        mem.free(453)
+        # d_bn4a_branch2a_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res4a_branch2b, res4a_branch2b_W)
+        d_bn4a_branch2a_relu = mem.tensor(454, (32, 256, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res4a_branch2b, T['res4a_branch2b_W'], out=d_bn4a_branch2a_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(28137472))
+        # free res4a_branch2b, bn4a_branch2b_centered, d_bn4a_branch2b_centered, d_res4a_branch2b
+        del res4a_branch2b, bn4a_branch2b_centered, d_bn4a_branch2b_centered, d_res4a_branch2b
+        mem.free(125)
+
+        # ---- bn4a_branch2a_relu (relu), backward ----
+        # d_bn4a_branch2a = d_bn4a_branch2a_relu*Heaviside(bn4a_branch2a_relu_2, 0)
+        d_bn4a_branch2a = d_bn4a_branch2a_relu  # in place: over d_bn4a_branch2a_relu
+        rt.ew(ew_step_mul, d_bn4a_branch2a, d_bn4a_branch2a_relu, bn4a_branch2a_relu_2)
+        # free bn4a_branch2a_relu_2
+        del bn4a_branch2a_relu_2
+        mem.free(452)
+
+        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), backward ----
+        # res4a_branch2b_W_new = res4a_branch2b_W - lr*V_res4a_branch2b_W_new
+        res4a_branch2b_W_new = T['res4a_branch2b_W']  # in place: the new res4a_branch2b_W
+        rt.ew(ew_mul_sub, res4a_branch2b_W_new, T['res4a_branch2b_W'], lr, V_res4a_branch2b_W_new)
+
+        # ---- bn4a_branch2a (batch norm), backward ----
+        # d_bn4a_branch2a_inv_std = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_weight)
+        d_bn4a_branch2a_inv_std = mem.tensor(455, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2a_inv_std, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2a_sum_of_squares = -d_bn4a_branch2a_inv_std/(12544*(bn4a_branch2a_batch_var + 1.0e-5)**(3/2))
+        d_bn4a_branch2a_sum_of_squares = d_bn4a_branch2a_inv_std  # in place: over d_bn4a_branch2a_inv_std
+        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2a_sum_of_squares, d_bn4a_branch2a_inv_std, bn4a_branch2a_batch_var)
+        # free bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
+        del bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
+        mem.free(122)
+        # d_bn4a_branch2a_weight = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_inv_std)
+        d_bn4a_branch2a_weight = mem.tensor(456, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2a_weight, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2a_centered = d_bn4a_branch2a*bn4a_branch2a_inv_std*bn4a_branch2a_weight + 2*d_bn4a_branch2a_sum_of_squares*bn4a_branch2a_centered
+        d_bn4a_branch2a_centered = bn4a_branch2a_centered  # in place: over bn4a_branch2a_centered
+        rt.ew(ew_mul_add_2, d_bn4a_branch2a_centered, d_bn4a_branch2a, bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered)
+        # free bn4a_branch2a_inv_std, d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
+        del bn4a_branch2a_inv_std, d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
+        mem.free(123, 455)
+        # d_bn4a_branch2a_bias = sum_to[1x256x1x1](d_bn4a_branch2a)
+        d_bn4a_branch2a_bias = mem.tensor(457, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn4a_branch2a, out=d_bn4a_branch2a_bias, shape=(1, 256, 1, 1))
+        # free d_bn4a_branch2a_relu, d_bn4a_branch2a
+        del d_bn4a_branch2a_relu, d_bn4a_branch2a
+        mem.free(454)
+        # d_bn4a_branch2a_W = reshape[256](d_bn4a_branch2a_weight)
+        d_bn4a_branch2a_W = rt.reshape(d_bn4a_branch2a_weight, shape=(256,))
+        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W
+        V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
+        rt.ew(ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W'])
+        # free d_bn4a_branch2a_weight, d_bn4a_branch2a_W
+        del d_bn4a_branch2a_weight, d_bn4a_branch2a_W
+        mem.free(456)
+        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
+        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
+        rt.ew(ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new)
+        # d_bn4a_branch2a_B = reshape[256](d_bn4a_branch2a_bias)
+        d_bn4a_branch2a_B = rt.reshape(d_bn4a_branch2a_bias, shape=(256,))
+        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B
+        V_bn4a_branch2a_B_new = T['V_bn4a_branch2a_B']  # in place: the new V_bn4a_branch2a_B
+        rt.ew(ew_mul_add, V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B'])
+        # free d_bn4a_branch2a_bias, d_bn4a_branch2a_B
+        del d_bn4a_branch2a_bias, d_bn4a_branch2a_B
+        mem.free(457)
+        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new
+        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
+        rt.ew(ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new)
+        # d_bn4a_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2a_centered)
+        d_bn4a_branch2a_batch_mean = mem.tensor(458, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean/6272
+        d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean  # in place: over d_bn4a_branch2a_batch_mean
+        rt.ew(ew_scale_4, d_bn4a_branch2a_sum, d_bn4a_branch2a_batch_mean)
+
+        # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), backward ----
+        # d_res4a_branch2a = d_bn4a_branch2a_centered + d_bn4a_branch2a_sum
+        d_res4a_branch2a = d_bn4a_branch2a_centered  # in place: over d_bn4a_branch2a_centered
+        rt.ew(ew_add, d_res4a_branch2a, d_bn4a_branch2a_centered, d_bn4a_branch2a_sum)
+        # free d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
+        del d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
+        mem.free(458)
+        # d_res4a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4a_branch2a, bn3d_branch2c_relu)
+        d_res4a_branch2a_W = mem.tensor(459, (256, 512, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res4a_branch2a, bn3d_branch2c_relu, out=d_res4a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19267584))
+        # V_res4a_branch2a_W_new = V_res4a_branch2a_W*momentum + d_res4a_branch2a_W + decay*res4a_branch2a_W
+        V_res4a_branch2a_W_new = T['V_res4a_branch2a_W']  # in place: the new V_res4a_branch2a_W
+        rt.ew(ew_mul_add, V_res4a_branch2a_W_new, T['V_res4a_branch2a_W'], momentum, d_res4a_branch2a_W, decay, T['res4a_branch2a_W'])
+        # free d_res4a_branch2a_W
+        del d_res4a_branch2a_W
+        mem.free(459)
+
+        # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), backward ----
         # d_bn3d_branch2c_relu = conv2d_bwd_data[size=(28,28),stride=2](d_res4a_branch1, res4a_branch1_W)
-        d_bn3d_branch2c_relu = mem.tensor(599, (32, 512, 28, 28), 'float32')
+        d_bn3d_branch2c_relu = mem.tensor(460, (32, 512, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res4a_branch1, T['res4a_branch1_W'], out=d_bn3d_branch2c_relu, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(12845056))
-        # free d_bn4a_branch1_centered, d_res4a_branch1
-        del d_bn4a_branch1_centered, d_res4a_branch1
-        mem.free(594)
+        # free d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_centered, d_res4a_branch1
+        del d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_centered, d_res4a_branch1
+        mem.free(332)
         # res4a_branch1_W_new = res4a_branch1_W - lr*V_res4a_branch1_W_new
         res4a_branch1_W_new = T['res4a_branch1_W']  # in place: the new res4a_branch1_W
         rt.ew(ew_mul_sub, res4a_branch1_W_new, T['res4a_branch1_W'], lr, V_res4a_branch1_W_new)
 
         # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), backward ----
         # d_bn3d_branch2c_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res4a_branch2a, res4a_branch2a_W)
-        d_bn3d_branch2c_relu_2 = mem.tensor(600, (32, 512, 28, 28), 'float32')
+        d_bn3d_branch2c_relu_2 = mem.tensor(461, (32, 512, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res4a_branch2a, T['res4a_branch2a_W'], out=d_bn3d_branch2c_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(12845056))
-        # free d_bn4a_branch2a_centered, d_res4a_branch2a
-        del d_bn4a_branch2a_centered, d_res4a_branch2a
-        mem.free(587)
+        # free res4a_branch2a, bn4a_branch2a_centered, d_bn4a_branch2a_centered, d_res4a_branch2a
+        del res4a_branch2a, bn4a_branch2a_centered, d_bn4a_branch2a_centered, d_res4a_branch2a
+        mem.free(120)
 
         # ---- bn3d_branch2c_relu (relu), backward ----
         # d_bn3d_branch2c_add = (d_bn3d_branch2c_relu + d_bn3d_branch2c_relu_2)*Heaviside(bn3d_branch2c_relu, 0)
@@ -6778,7 +5937,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn3d_branch2c_add, d_bn3d_branch2c_relu, d_bn3d_branch2c_relu_2, bn3d_branch2c_relu)
         # free bn3c_branch2c_relu, bn3d_branch2c_relu, d_bn3d_branch2c_relu_2
         del bn3c_branch2c_relu, bn3d_branch2c_relu, d_bn3d_branch2c_relu_2
-        mem.free(126, 600)
+        mem.free(105, 461)
 
         # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), backward ----
         # res4a_branch2a_W_new = res4a_branch2a_W - lr*V_res4a_branch2a_W_new
@@ -6786,53 +5945,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2a_W_new, T['res4a_branch2a_W'], lr, V_res4a_branch2a_W_new)
 
         # ---- bn3d_branch2c (batch norm), backward ----
-        # d_bn3d_branch2c_bias = sum_to[1x512x1x1](d_bn3d_branch2c_add)
-        d_bn3d_branch2c_bias = mem.tensor(601, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2c_add, out=d_bn3d_branch2c_bias, shape=(1, 512, 1, 1))
-        # d_bn3d_branch2c_B = reshape[512](d_bn3d_branch2c_bias)
-        d_bn3d_branch2c_B = rt.reshape(d_bn3d_branch2c_bias, shape=(512,))
-        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B
-        V_bn3d_branch2c_B_new = T['V_bn3d_branch2c_B']  # in place: the new V_bn3d_branch2c_B
-        rt.ew(ew_mul_add, V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B'])
-        # free d_bn3d_branch2c_bias, d_bn3d_branch2c_B
-        del d_bn3d_branch2c_bias, d_bn3d_branch2c_B
-        mem.free(601)
-        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new
-        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
-        rt.ew(ew_mul_sub, bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new)
-        # d_bn3d_branch2c_mul = d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_weight
-        d_bn3d_branch2c_mul = mem.tensor(602, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2c_mul, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_weight)
-        # d_bn3d_branch2c_inv_std = sum_to[1x512x1x1](d_bn3d_branch2c_mul)
-        d_bn3d_branch2c_inv_std = mem.tensor(603, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2c_mul, out=d_bn3d_branch2c_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn3d_branch2c_mul
-        del d_bn3d_branch2c_mul
-        mem.free(602)
+        # d_bn3d_branch2c_inv_std = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_weight)
+        d_bn3d_branch2c_inv_std = mem.tensor(462, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_sum_of_squares = -d_bn3d_branch2c_inv_std/(50176*(bn3d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2c_sum_of_squares = d_bn3d_branch2c_inv_std  # in place: over d_bn3d_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2c_sum_of_squares, d_bn3d_branch2c_inv_std, bn3d_branch2c_batch_var)
         # free bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         del bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
-        mem.free(142)
+        mem.free(118)
+        # d_bn3d_branch2c_weight = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_inv_std)
+        d_bn3d_branch2c_weight = mem.tensor(463, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2c_weight, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_centered = d_bn3d_branch2c_add*bn3d_branch2c_inv_std*bn3d_branch2c_weight + 2*d_bn3d_branch2c_sum_of_squares*bn3d_branch2c_centered
-        d_bn3d_branch2c_centered = mem.tensor(604, (32, 512, 28, 28), 'float32')
+        d_bn3d_branch2c_centered = bn3d_branch2c_centered  # in place: over bn3d_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2c_centered, d_bn3d_branch2c_add, bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered)
-        # free d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
-        del d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
-        mem.free(603)
-        # d_bn3d_branch2c_mul_2 = d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_inv_std
-        d_bn3d_branch2c_mul_2 = bn3d_branch2c_centered  # in place: over bn3d_branch2c_centered
-        rt.ew(ew_mul_2, d_bn3d_branch2c_mul_2, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_inv_std)
-        # free bn3d_branch2c_inv_std
-        del bn3d_branch2c_inv_std
-        mem.free(143)
-        # d_bn3d_branch2c_weight = sum_to[1x512x1x1](d_bn3d_branch2c_mul_2)
-        d_bn3d_branch2c_weight = mem.tensor(605, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2c_mul_2, out=d_bn3d_branch2c_weight, shape=(1, 512, 1, 1))
-        # free res3d_branch2c, bn3d_branch2c_centered, d_bn3d_branch2c_mul_2
-        del res3d_branch2c, bn3d_branch2c_centered, d_bn3d_branch2c_mul_2
-        mem.free(139)
+        # free bn3d_branch2c_inv_std, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
+        del bn3d_branch2c_inv_std, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
+        mem.free(119, 462)
         # d_bn3d_branch2c_W = reshape[512](d_bn3d_branch2c_weight)
         d_bn3d_branch2c_W = rt.reshape(d_bn3d_branch2c_weight, shape=(512,))
         # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W
@@ -6840,19 +5970,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W'])
         # free d_bn3d_branch2c_weight, d_bn3d_branch2c_W
         del d_bn3d_branch2c_weight, d_bn3d_branch2c_W
-        mem.free(605)
+        mem.free(463)
         # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new
         bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
         rt.ew(ew_mul_sub, bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new)
-        # d_bn3d_branch2c_neg = -d_bn3d_branch2c_centered
-        d_bn3d_branch2c_neg = mem.tensor(606, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3d_branch2c_neg, d_bn3d_branch2c_centered)
-        # d_bn3d_branch2c_batch_mean = sum_to[1x512x1x1](d_bn3d_branch2c_neg)
-        d_bn3d_branch2c_batch_mean = mem.tensor(607, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2c_neg, out=d_bn3d_branch2c_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn3d_branch2c_neg
-        del d_bn3d_branch2c_neg
-        mem.free(606)
+        # d_bn3d_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3d_branch2c_centered)
+        d_bn3d_branch2c_batch_mean = mem.tensor(464, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean/25088
         d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean  # in place: over d_bn3d_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2c_sum, d_bn3d_branch2c_batch_mean)
@@ -6863,23 +5987,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3d_branch2c, d_bn3d_branch2c_centered, d_bn3d_branch2c_sum)
         # free d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_sum
         del d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_sum
-        mem.free(607)
+        mem.free(464)
+
+        # ---- bn3d_branch2c (batch norm), backward ----
+        # d_bn3d_branch2c_bias = sum_to[1x512x1x1](d_bn3d_branch2c_add)
+        d_bn3d_branch2c_bias = mem.tensor(465, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn3d_branch2c_add, out=d_bn3d_branch2c_bias, shape=(1, 512, 1, 1))
+        # d_bn3d_branch2c_B = reshape[512](d_bn3d_branch2c_bias)
+        d_bn3d_branch2c_B = rt.reshape(d_bn3d_branch2c_bias, shape=(512,))
+        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B
+        V_bn3d_branch2c_B_new = T['V_bn3d_branch2c_B']  # in place: the new V_bn3d_branch2c_B
+        rt.ew(ew_mul_add, V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B'])
+        # free d_bn3d_branch2c_bias, d_bn3d_branch2c_B
+        del d_bn3d_branch2c_bias, d_bn3d_branch2c_B
+        mem.free(465)
+        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new
+        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
+        rt.ew(ew_mul_sub, bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new)
 
         # ---- bn3d_branch2b_relu (relu), forward ----
         # bn3d_branch2b_relu_2 = Max(0, bn3d_branch2b_centered*bn3d_branch2b_inv_std*bn3d_branch2b_weight + bn3d_branch2b_bias)
-        bn3d_branch2b_relu_2 = mem.tensor(608, (32, 128, 28, 28), 'float32')
+        bn3d_branch2b_relu_2 = mem.tensor(466, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3d_branch2b_relu_2, bn3d_branch2b_centered, bn3d_branch2b_inv_std, bn3d_branch2b_weight, bn3d_branch2b_bias)
 
         # ---- res3d_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res3d_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res3d_branch2c, bn3d_branch2b_relu_2)
-        d_res3d_branch2c_W = mem.tensor(609, (512, 128, 1, 1), 'float32')
+        d_res3d_branch2c_W = mem.tensor(467, (512, 128, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3d_branch2c, bn3d_branch2b_relu_2, out=d_res3d_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # d_bn3d_branch2b_relu = conv2d_bwd_data[size=(28,28)](d_res3d_branch2c, res3d_branch2c_W)
-        d_bn3d_branch2b_relu = mem.tensor(610, (32, 128, 28, 28), 'float32')
+        d_bn3d_branch2b_relu = mem.tensor(468, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3d_branch2c, T['res3d_branch2c_W'], out=d_bn3d_branch2b_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3d_branch2c_centered, d_res3d_branch2c
-        del d_bn3d_branch2c_centered, d_res3d_branch2c
-        mem.free(604)
+        # free res3d_branch2c, bn3d_branch2c_centered, d_bn3d_branch2c_centered, d_res3d_branch2c
+        del res3d_branch2c, bn3d_branch2c_centered, d_bn3d_branch2c_centered, d_res3d_branch2c
+        mem.free(116)
 
         # ---- bn3d_branch2b_relu (relu), backward ----
         # d_bn3d_branch2b = d_bn3d_branch2b_relu*Heaviside(bn3d_branch2b_relu_2, 0)
@@ -6887,7 +6027,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3d_branch2b, d_bn3d_branch2b_relu, bn3d_branch2b_relu_2)
         # free bn3d_branch2b_relu_2
         del bn3d_branch2b_relu_2
-        mem.free(608)
+        mem.free(466)
 
         # ---- res3d_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # V_res3d_branch2c_W_new = V_res3d_branch2c_W*momentum + d_res3d_branch2c_W + decay*res3d_branch2c_W
@@ -6895,59 +6035,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res3d_branch2c_W_new, T['V_res3d_branch2c_W'], momentum, d_res3d_branch2c_W, decay, T['res3d_branch2c_W'])
         # free d_res3d_branch2c_W
         del d_res3d_branch2c_W
-        mem.free(609)
+        mem.free(467)
         # res3d_branch2c_W_new = res3d_branch2c_W - lr*V_res3d_branch2c_W_new
         res3d_branch2c_W_new = T['res3d_branch2c_W']  # in place: the new res3d_branch2c_W
         rt.ew(ew_mul_sub, res3d_branch2c_W_new, T['res3d_branch2c_W'], lr, V_res3d_branch2c_W_new)
 
         # ---- bn3d_branch2b (batch norm), backward ----
-        # d_bn3d_branch2b_bias = sum_to[1x128x1x1](d_bn3d_branch2b)
-        d_bn3d_branch2b_bias = mem.tensor(611, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2b, out=d_bn3d_branch2b_bias, shape=(1, 128, 1, 1))
-        # d_bn3d_branch2b_B = reshape[128](d_bn3d_branch2b_bias)
-        d_bn3d_branch2b_B = rt.reshape(d_bn3d_branch2b_bias, shape=(128,))
-        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B
-        V_bn3d_branch2b_B_new = T['V_bn3d_branch2b_B']  # in place: the new V_bn3d_branch2b_B
-        rt.ew(ew_mul_add, V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B'])
-        # free d_bn3d_branch2b_bias, d_bn3d_branch2b_B
-        del d_bn3d_branch2b_bias, d_bn3d_branch2b_B
-        mem.free(611)
-        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new
-        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
-        rt.ew(ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new)
-        # d_bn3d_branch2b_mul = d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_weight
-        d_bn3d_branch2b_mul = mem.tensor(612, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2b_mul, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_weight)
-        # d_bn3d_branch2b_inv_std = sum_to[1x128x1x1](d_bn3d_branch2b_mul)
-        d_bn3d_branch2b_inv_std = mem.tensor(613, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2b_mul, out=d_bn3d_branch2b_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2b_mul
-        del d_bn3d_branch2b_mul
-        mem.free(612)
+        # d_bn3d_branch2b_inv_std = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_weight)
+        d_bn3d_branch2b_inv_std = mem.tensor(469, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2b_inv_std, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2b_sum_of_squares = -d_bn3d_branch2b_inv_std/(50176*(bn3d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2b_sum_of_squares = d_bn3d_branch2b_inv_std  # in place: over d_bn3d_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2b_sum_of_squares, d_bn3d_branch2b_inv_std, bn3d_branch2b_batch_var)
         # free bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         del bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
-        mem.free(136)
+        mem.free(113)
+        # d_bn3d_branch2b_weight = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_inv_std)
+        d_bn3d_branch2b_weight = mem.tensor(470, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2b_weight, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2b_centered = d_bn3d_branch2b*bn3d_branch2b_inv_std*bn3d_branch2b_weight + 2*d_bn3d_branch2b_sum_of_squares*bn3d_branch2b_centered
-        d_bn3d_branch2b_centered = mem.tensor(614, (32, 128, 28, 28), 'float32')
+        d_bn3d_branch2b_centered = bn3d_branch2b_centered  # in place: over bn3d_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2b_centered, d_bn3d_branch2b, bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered)
-        # free d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
-        del d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
-        mem.free(613)
-        # d_bn3d_branch2b_mul_2 = d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_inv_std
-        d_bn3d_branch2b_mul_2 = d_bn3d_branch2b  # in place: over d_bn3d_branch2b
-        rt.ew(ew_mul_3, d_bn3d_branch2b_mul_2, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_inv_std)
-        # free res3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_inv_std
-        del res3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_inv_std
-        mem.free(133, 137)
-        # d_bn3d_branch2b_weight = sum_to[1x128x1x1](d_bn3d_branch2b_mul_2)
-        d_bn3d_branch2b_weight = mem.tensor(615, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2b_mul_2, out=d_bn3d_branch2b_weight, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2b_relu, d_bn3d_branch2b, d_bn3d_branch2b_mul_2
-        del d_bn3d_branch2b_relu, d_bn3d_branch2b, d_bn3d_branch2b_mul_2
-        mem.free(610)
+        # free bn3d_branch2b_inv_std, d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
+        del bn3d_branch2b_inv_std, d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
+        mem.free(114, 469)
+        # d_bn3d_branch2b_bias = sum_to[1x128x1x1](d_bn3d_branch2b)
+        d_bn3d_branch2b_bias = mem.tensor(471, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3d_branch2b, out=d_bn3d_branch2b_bias, shape=(1, 128, 1, 1))
+        # free d_bn3d_branch2b_relu, d_bn3d_branch2b
+        del d_bn3d_branch2b_relu, d_bn3d_branch2b
+        mem.free(468)
         # d_bn3d_branch2b_W = reshape[128](d_bn3d_branch2b_weight)
         d_bn3d_branch2b_W = rt.reshape(d_bn3d_branch2b_weight, shape=(128,))
         # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W
@@ -6955,19 +6072,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W'])
         # free d_bn3d_branch2b_weight, d_bn3d_branch2b_W
         del d_bn3d_branch2b_weight, d_bn3d_branch2b_W
-        mem.free(615)
+        mem.free(470)
         # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new
         bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
         rt.ew(ew_mul_sub, bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new)
-        # d_bn3d_branch2b_neg = -d_bn3d_branch2b_centered
-        d_bn3d_branch2b_neg = mem.tensor(616, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3d_branch2b_neg, d_bn3d_branch2b_centered)
-        # d_bn3d_branch2b_batch_mean = sum_to[1x128x1x1](d_bn3d_branch2b_neg)
-        d_bn3d_branch2b_batch_mean = mem.tensor(617, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2b_neg, out=d_bn3d_branch2b_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2b_neg
-        del d_bn3d_branch2b_neg
-        mem.free(616)
+        # d_bn3d_branch2b_B = reshape[128](d_bn3d_branch2b_bias)
+        d_bn3d_branch2b_B = rt.reshape(d_bn3d_branch2b_bias, shape=(128,))
+        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B
+        V_bn3d_branch2b_B_new = T['V_bn3d_branch2b_B']  # in place: the new V_bn3d_branch2b_B
+        rt.ew(ew_mul_add, V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B'])
+        # free d_bn3d_branch2b_bias, d_bn3d_branch2b_B
+        del d_bn3d_branch2b_bias, d_bn3d_branch2b_B
+        mem.free(471)
+        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new
+        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
+        rt.ew(ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new)
+        # d_bn3d_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2b_centered)
+        d_bn3d_branch2b_batch_mean = mem.tensor(472, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean/25088
         d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean  # in place: over d_bn3d_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2b_sum, d_bn3d_branch2b_batch_mean)
@@ -6978,29 +6100,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3d_branch2b, d_bn3d_branch2b_centered, d_bn3d_branch2b_sum)
         # free d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_sum
         del d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_sum
-        mem.free(617)
+        mem.free(472)
 
         # ---- bn3d_branch2a_relu (relu), forward ----
         # bn3d_branch2a_relu_2 = Max(0, bn3d_branch2a_centered*bn3d_branch2a_inv_std*bn3d_branch2a_weight + bn3d_branch2a_bias)
-        bn3d_branch2a_relu_2 = mem.tensor(618, (32, 128, 28, 28), 'float32')
+        bn3d_branch2a_relu_2 = mem.tensor(473, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3d_branch2a_relu_2, bn3d_branch2a_centered, bn3d_branch2a_inv_std, bn3d_branch2a_weight, bn3d_branch2a_bias)
 
         # ---- res3d_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # d_res3d_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3d_branch2b, bn3d_branch2a_relu_2)
-        d_res3d_branch2b_W = mem.tensor(619, (128, 128, 3, 3), 'float32')
+        d_res3d_branch2b_W = mem.tensor(474, (128, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3d_branch2b, bn3d_branch2a_relu_2, out=d_res3d_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31913984))
         # V_res3d_branch2b_W_new = V_res3d_branch2b_W*momentum + d_res3d_branch2b_W + decay*res3d_branch2b_W
         V_res3d_branch2b_W_new = T['V_res3d_branch2b_W']  # in place: the new V_res3d_branch2b_W
         rt.ew(ew_mul_add, V_res3d_branch2b_W_new, T['V_res3d_branch2b_W'], momentum, d_res3d_branch2b_W, decay, T['res3d_branch2b_W'])
         # free d_res3d_branch2b_W
         del d_res3d_branch2b_W
-        mem.free(619)
+        mem.free(474)
         # d_bn3d_branch2a_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res3d_branch2b, res3d_branch2b_W)
-        d_bn3d_branch2a_relu = mem.tensor(620, (32, 128, 28, 28), 'float32')
+        d_bn3d_branch2a_relu = mem.tensor(475, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3d_branch2b, T['res3d_branch2b_W'], out=d_bn3d_branch2a_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(33338368))
-        # free d_bn3d_branch2b_centered, d_res3d_branch2b
-        del d_bn3d_branch2b_centered, d_res3d_branch2b
-        mem.free(614)
+        # free res3d_branch2b, bn3d_branch2b_centered, d_bn3d_branch2b_centered, d_res3d_branch2b
+        del res3d_branch2b, bn3d_branch2b_centered, d_bn3d_branch2b_centered, d_res3d_branch2b
+        mem.free(111)
 
         # ---- bn3d_branch2a_relu (relu), backward ----
         # d_bn3d_branch2a = d_bn3d_branch2a_relu*Heaviside(bn3d_branch2a_relu_2, 0)
@@ -7008,7 +6130,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3d_branch2a, d_bn3d_branch2a_relu, bn3d_branch2a_relu_2)
         # free bn3d_branch2a_relu_2
         del bn3d_branch2a_relu_2
-        mem.free(618)
+        mem.free(473)
 
         # ---- res3d_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # res3d_branch2b_W_new = res3d_branch2b_W - lr*V_res3d_branch2b_W_new
@@ -7016,53 +6138,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2b_W_new, T['res3d_branch2b_W'], lr, V_res3d_branch2b_W_new)
 
         # ---- bn3d_branch2a (batch norm), backward ----
-        # d_bn3d_branch2a_bias = sum_to[1x128x1x1](d_bn3d_branch2a)
-        d_bn3d_branch2a_bias = mem.tensor(621, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2a, out=d_bn3d_branch2a_bias, shape=(1, 128, 1, 1))
-        # d_bn3d_branch2a_B = reshape[128](d_bn3d_branch2a_bias)
-        d_bn3d_branch2a_B = rt.reshape(d_bn3d_branch2a_bias, shape=(128,))
-        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B
-        V_bn3d_branch2a_B_new = T['V_bn3d_branch2a_B']  # in place: the new V_bn3d_branch2a_B
-        rt.ew(ew_mul_add, V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B'])
-        # free d_bn3d_branch2a_bias, d_bn3d_branch2a_B
-        del d_bn3d_branch2a_bias, d_bn3d_branch2a_B
-        mem.free(621)
-        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new
-        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
-        rt.ew(ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new)
-        # d_bn3d_branch2a_mul = d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_weight
-        d_bn3d_branch2a_mul = mem.tensor(622, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2a_mul, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_weight)
-        # d_bn3d_branch2a_inv_std = sum_to[1x128x1x1](d_bn3d_branch2a_mul)
-        d_bn3d_branch2a_inv_std = mem.tensor(623, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2a_mul, out=d_bn3d_branch2a_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2a_mul
-        del d_bn3d_branch2a_mul
-        mem.free(622)
+        # d_bn3d_branch2a_inv_std = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_weight)
+        d_bn3d_branch2a_inv_std = mem.tensor(476, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2a_inv_std, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2a_sum_of_squares = -d_bn3d_branch2a_inv_std/(50176*(bn3d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2a_sum_of_squares = d_bn3d_branch2a_inv_std  # in place: over d_bn3d_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2a_sum_of_squares, d_bn3d_branch2a_inv_std, bn3d_branch2a_batch_var)
         # free bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         del bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
-        mem.free(130)
+        mem.free(108)
+        # d_bn3d_branch2a_weight = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_inv_std)
+        d_bn3d_branch2a_weight = mem.tensor(477, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2a_weight, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2a_centered = d_bn3d_branch2a*bn3d_branch2a_inv_std*bn3d_branch2a_weight + 2*d_bn3d_branch2a_sum_of_squares*bn3d_branch2a_centered
-        d_bn3d_branch2a_centered = mem.tensor(624, (32, 128, 28, 28), 'float32')
+        d_bn3d_branch2a_centered = bn3d_branch2a_centered  # in place: over bn3d_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2a_centered, d_bn3d_branch2a, bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered)
-        # free d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
-        del d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
-        mem.free(623)
-        # d_bn3d_branch2a_mul_2 = d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_inv_std
-        d_bn3d_branch2a_mul_2 = d_bn3d_branch2a  # in place: over d_bn3d_branch2a
-        rt.ew(ew_mul_3, d_bn3d_branch2a_mul_2, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_inv_std)
-        # free res3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_inv_std
-        del res3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_inv_std
-        mem.free(127, 131)
-        # d_bn3d_branch2a_weight = sum_to[1x128x1x1](d_bn3d_branch2a_mul_2)
-        d_bn3d_branch2a_weight = mem.tensor(625, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2a_mul_2, out=d_bn3d_branch2a_weight, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2a_relu, d_bn3d_branch2a, d_bn3d_branch2a_mul_2
-        del d_bn3d_branch2a_relu, d_bn3d_branch2a, d_bn3d_branch2a_mul_2
-        mem.free(620)
+        # free bn3d_branch2a_inv_std, d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
+        del bn3d_branch2a_inv_std, d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
+        mem.free(109, 476)
+        # d_bn3d_branch2a_bias = sum_to[1x128x1x1](d_bn3d_branch2a)
+        d_bn3d_branch2a_bias = mem.tensor(478, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3d_branch2a, out=d_bn3d_branch2a_bias, shape=(1, 128, 1, 1))
+        # free d_bn3d_branch2a_relu, d_bn3d_branch2a
+        del d_bn3d_branch2a_relu, d_bn3d_branch2a
+        mem.free(475)
         # d_bn3d_branch2a_W = reshape[128](d_bn3d_branch2a_weight)
         d_bn3d_branch2a_W = rt.reshape(d_bn3d_branch2a_weight, shape=(128,))
         # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W
@@ -7070,19 +6169,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W'])
         # free d_bn3d_branch2a_weight, d_bn3d_branch2a_W
         del d_bn3d_branch2a_weight, d_bn3d_branch2a_W
-        mem.free(625)
+        mem.free(477)
         # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new
         bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
         rt.ew(ew_mul_sub, bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new)
-        # d_bn3d_branch2a_neg = -d_bn3d_branch2a_centered
-        d_bn3d_branch2a_neg = mem.tensor(626, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3d_branch2a_neg, d_bn3d_branch2a_centered)
-        # d_bn3d_branch2a_batch_mean = sum_to[1x128x1x1](d_bn3d_branch2a_neg)
-        d_bn3d_branch2a_batch_mean = mem.tensor(627, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3d_branch2a_neg, out=d_bn3d_branch2a_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3d_branch2a_neg
-        del d_bn3d_branch2a_neg
-        mem.free(626)
+        # d_bn3d_branch2a_B = reshape[128](d_bn3d_branch2a_bias)
+        d_bn3d_branch2a_B = rt.reshape(d_bn3d_branch2a_bias, shape=(128,))
+        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B
+        V_bn3d_branch2a_B_new = T['V_bn3d_branch2a_B']  # in place: the new V_bn3d_branch2a_B
+        rt.ew(ew_mul_add, V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B'])
+        # free d_bn3d_branch2a_bias, d_bn3d_branch2a_B
+        del d_bn3d_branch2a_bias, d_bn3d_branch2a_B
+        mem.free(478)
+        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new
+        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
+        rt.ew(ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new)
+        # d_bn3d_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2a_centered)
+        d_bn3d_branch2a_batch_mean = mem.tensor(479, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean/25088
         d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean  # in place: over d_bn3d_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2a_sum, d_bn3d_branch2a_batch_mean)
@@ -7093,29 +6197,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3d_branch2a, d_bn3d_branch2a_centered, d_bn3d_branch2a_sum)
         # free d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_sum
         del d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_sum
-        mem.free(627)
+        mem.free(479)
 
         # ---- bn3c_branch2c_relu (relu), forward ----
         # bn3c_branch2c_relu_2 = Max(0, bn3c_branch2c_centered*bn3c_branch2c_inv_std*bn3c_branch2c_weight + bn3c_branch2c_bias + bn3b_branch2c_relu)
-        bn3c_branch2c_relu_2 = mem.tensor(628, (32, 512, 28, 28), 'float32')
+        bn3c_branch2c_relu_2 = mem.tensor(480, (32, 512, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu_4, bn3c_branch2c_relu_2, bn3c_branch2c_centered, bn3c_branch2c_inv_std, bn3c_branch2c_weight, bn3c_branch2c_bias, bn3b_branch2c_relu)
 
         # ---- res3d_branch2a (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_res3d_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res3d_branch2a, bn3c_branch2c_relu_2)
-        d_res3d_branch2a_W = mem.tensor(629, (128, 512, 1, 1), 'float32')
+        d_res3d_branch2a_W = mem.tensor(481, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3d_branch2a, bn3c_branch2c_relu_2, out=d_res3d_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # V_res3d_branch2a_W_new = V_res3d_branch2a_W*momentum + d_res3d_branch2a_W + decay*res3d_branch2a_W
         V_res3d_branch2a_W_new = T['V_res3d_branch2a_W']  # in place: the new V_res3d_branch2a_W
         rt.ew(ew_mul_add, V_res3d_branch2a_W_new, T['V_res3d_branch2a_W'], momentum, d_res3d_branch2a_W, decay, T['res3d_branch2a_W'])
         # free d_res3d_branch2a_W
         del d_res3d_branch2a_W
-        mem.free(629)
+        mem.free(481)
         # d_bn3c_branch2c_relu = conv2d_bwd_data[size=(28,28)](d_res3d_branch2a, res3d_branch2a_W)
-        d_bn3c_branch2c_relu = mem.tensor(630, (32, 512, 28, 28), 'float32')
+        d_bn3c_branch2c_relu = mem.tensor(482, (32, 512, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3d_branch2a, T['res3d_branch2a_W'], out=d_bn3c_branch2c_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3d_branch2a_centered, d_res3d_branch2a
-        del d_bn3d_branch2a_centered, d_res3d_branch2a
-        mem.free(624)
+        # free res3d_branch2a, bn3d_branch2a_centered, d_bn3d_branch2a_centered, d_res3d_branch2a
+        del res3d_branch2a, bn3d_branch2a_centered, d_bn3d_branch2a_centered, d_res3d_branch2a
+        mem.free(106)
 
         # ---- bn3c_branch2c_relu (relu), backward ----
         # d_bn3c_branch2c_add = (d_bn3d_branch2c_add + d_bn3c_branch2c_relu)*Heaviside(bn3c_branch2c_relu_2, 0)
@@ -7123,7 +6227,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn3c_branch2c_add, d_bn3d_branch2c_add, d_bn3c_branch2c_relu, bn3c_branch2c_relu_2)
         # free bn3c_branch2c_relu_2, d_bn3c_branch2c_relu
         del bn3c_branch2c_relu_2, d_bn3c_branch2c_relu
-        mem.free(628, 630)
+        mem.free(480, 482)
 
         # ---- res3d_branch2a (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # res3d_branch2a_W_new = res3d_branch2a_W - lr*V_res3d_branch2a_W_new
@@ -7131,53 +6235,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2a_W_new, T['res3d_branch2a_W'], lr, V_res3d_branch2a_W_new)
 
         # ---- bn3c_branch2c (batch norm), backward ----
-        # d_bn3c_branch2c_bias = sum_to[1x512x1x1](d_bn3c_branch2c_add)
-        d_bn3c_branch2c_bias = mem.tensor(631, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2c_add, out=d_bn3c_branch2c_bias, shape=(1, 512, 1, 1))
-        # d_bn3c_branch2c_B = reshape[512](d_bn3c_branch2c_bias)
-        d_bn3c_branch2c_B = rt.reshape(d_bn3c_branch2c_bias, shape=(512,))
-        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B
-        V_bn3c_branch2c_B_new = T['V_bn3c_branch2c_B']  # in place: the new V_bn3c_branch2c_B
-        rt.ew(ew_mul_add, V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B'])
-        # free d_bn3c_branch2c_bias, d_bn3c_branch2c_B
-        del d_bn3c_branch2c_bias, d_bn3c_branch2c_B
-        mem.free(631)
-        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new
-        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
-        rt.ew(ew_mul_sub, bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new)
-        # d_bn3c_branch2c_mul = d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_weight
-        d_bn3c_branch2c_mul = mem.tensor(632, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2c_mul, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_weight)
-        # d_bn3c_branch2c_inv_std = sum_to[1x512x1x1](d_bn3c_branch2c_mul)
-        d_bn3c_branch2c_inv_std = mem.tensor(633, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2c_mul, out=d_bn3c_branch2c_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn3c_branch2c_mul
-        del d_bn3c_branch2c_mul
-        mem.free(632)
+        # d_bn3c_branch2c_inv_std = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_weight)
+        d_bn3c_branch2c_inv_std = mem.tensor(483, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_sum_of_squares = -d_bn3c_branch2c_inv_std/(50176*(bn3c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2c_sum_of_squares = d_bn3c_branch2c_inv_std  # in place: over d_bn3c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2c_sum_of_squares, d_bn3c_branch2c_inv_std, bn3c_branch2c_batch_var)
         # free bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         del bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
-        mem.free(124)
+        mem.free(103)
+        # d_bn3c_branch2c_weight = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_inv_std)
+        d_bn3c_branch2c_weight = mem.tensor(484, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2c_weight, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_centered = d_bn3c_branch2c_add*bn3c_branch2c_inv_std*bn3c_branch2c_weight + 2*d_bn3c_branch2c_sum_of_squares*bn3c_branch2c_centered
-        d_bn3c_branch2c_centered = mem.tensor(634, (32, 512, 28, 28), 'float32')
+        d_bn3c_branch2c_centered = bn3c_branch2c_centered  # in place: over bn3c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2c_centered, d_bn3c_branch2c_add, bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered)
-        # free d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
-        del d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
-        mem.free(633)
-        # d_bn3c_branch2c_mul_2 = d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_inv_std
-        d_bn3c_branch2c_mul_2 = bn3c_branch2c_centered  # in place: over bn3c_branch2c_centered
-        rt.ew(ew_mul_2, d_bn3c_branch2c_mul_2, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_inv_std)
-        # free bn3c_branch2c_inv_std
-        del bn3c_branch2c_inv_std
-        mem.free(125)
-        # d_bn3c_branch2c_weight = sum_to[1x512x1x1](d_bn3c_branch2c_mul_2)
-        d_bn3c_branch2c_weight = mem.tensor(635, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2c_mul_2, out=d_bn3c_branch2c_weight, shape=(1, 512, 1, 1))
-        # free res3c_branch2c, bn3c_branch2c_centered, d_bn3c_branch2c_mul_2
-        del res3c_branch2c, bn3c_branch2c_centered, d_bn3c_branch2c_mul_2
-        mem.free(121)
+        # free bn3c_branch2c_inv_std, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
+        del bn3c_branch2c_inv_std, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
+        mem.free(104, 483)
         # d_bn3c_branch2c_W = reshape[512](d_bn3c_branch2c_weight)
         d_bn3c_branch2c_W = rt.reshape(d_bn3c_branch2c_weight, shape=(512,))
         # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W
@@ -7185,19 +6260,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W'])
         # free d_bn3c_branch2c_weight, d_bn3c_branch2c_W
         del d_bn3c_branch2c_weight, d_bn3c_branch2c_W
-        mem.free(635)
+        mem.free(484)
         # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new
         bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
         rt.ew(ew_mul_sub, bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new)
-        # d_bn3c_branch2c_neg = -d_bn3c_branch2c_centered
-        d_bn3c_branch2c_neg = mem.tensor(636, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3c_branch2c_neg, d_bn3c_branch2c_centered)
-        # d_bn3c_branch2c_batch_mean = sum_to[1x512x1x1](d_bn3c_branch2c_neg)
-        d_bn3c_branch2c_batch_mean = mem.tensor(637, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2c_neg, out=d_bn3c_branch2c_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn3c_branch2c_neg
-        del d_bn3c_branch2c_neg
-        mem.free(636)
+        # d_bn3c_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3c_branch2c_centered)
+        d_bn3c_branch2c_batch_mean = mem.tensor(485, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean/25088
         d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean  # in place: over d_bn3c_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2c_sum, d_bn3c_branch2c_batch_mean)
@@ -7208,23 +6277,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3c_branch2c, d_bn3c_branch2c_centered, d_bn3c_branch2c_sum)
         # free d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_sum
         del d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_sum
-        mem.free(637)
+        mem.free(485)
+
+        # ---- bn3c_branch2c (batch norm), backward ----
+        # d_bn3c_branch2c_bias = sum_to[1x512x1x1](d_bn3c_branch2c_add)
+        d_bn3c_branch2c_bias = mem.tensor(486, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn3c_branch2c_add, out=d_bn3c_branch2c_bias, shape=(1, 512, 1, 1))
+        # d_bn3c_branch2c_B = reshape[512](d_bn3c_branch2c_bias)
+        d_bn3c_branch2c_B = rt.reshape(d_bn3c_branch2c_bias, shape=(512,))
+        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B
+        V_bn3c_branch2c_B_new = T['V_bn3c_branch2c_B']  # in place: the new V_bn3c_branch2c_B
+        rt.ew(ew_mul_add, V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B'])
+        # free d_bn3c_branch2c_bias, d_bn3c_branch2c_B
+        del d_bn3c_branch2c_bias, d_bn3c_branch2c_B
+        mem.free(486)
+        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new
+        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
+        rt.ew(ew_mul_sub, bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new)
 
         # ---- bn3c_branch2b_relu (relu), forward ----
         # bn3c_branch2b_relu_2 = Max(0, bn3c_branch2b_centered*bn3c_branch2b_inv_std*bn3c_branch2b_weight + bn3c_branch2b_bias)
-        bn3c_branch2b_relu_2 = mem.tensor(638, (32, 128, 28, 28), 'float32')
+        bn3c_branch2b_relu_2 = mem.tensor(487, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3c_branch2b_relu_2, bn3c_branch2b_centered, bn3c_branch2b_inv_std, bn3c_branch2b_weight, bn3c_branch2b_bias)
 
         # ---- res3c_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res3c_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res3c_branch2c, bn3c_branch2b_relu_2)
-        d_res3c_branch2c_W = mem.tensor(639, (512, 128, 1, 1), 'float32')
+        d_res3c_branch2c_W = mem.tensor(488, (512, 128, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3c_branch2c, bn3c_branch2b_relu_2, out=d_res3c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # d_bn3c_branch2b_relu = conv2d_bwd_data[size=(28,28)](d_res3c_branch2c, res3c_branch2c_W)
-        d_bn3c_branch2b_relu = mem.tensor(640, (32, 128, 28, 28), 'float32')
+        d_bn3c_branch2b_relu = mem.tensor(489, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3c_branch2c, T['res3c_branch2c_W'], out=d_bn3c_branch2b_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3c_branch2c_centered, d_res3c_branch2c
-        del d_bn3c_branch2c_centered, d_res3c_branch2c
-        mem.free(634)
+        # free res3c_branch2c, bn3c_branch2c_centered, d_bn3c_branch2c_centered, d_res3c_branch2c
+        del res3c_branch2c, bn3c_branch2c_centered, d_bn3c_branch2c_centered, d_res3c_branch2c
+        mem.free(101)
 
         # ---- bn3c_branch2b_relu (relu), backward ----
         # d_bn3c_branch2b = d_bn3c_branch2b_relu*Heaviside(bn3c_branch2b_relu_2, 0)
@@ -7232,7 +6317,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3c_branch2b, d_bn3c_branch2b_relu, bn3c_branch2b_relu_2)
         # free bn3c_branch2b_relu_2
         del bn3c_branch2b_relu_2
-        mem.free(638)
+        mem.free(487)
 
         # ---- res3c_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # V_res3c_branch2c_W_new = V_res3c_branch2c_W*momentum + d_res3c_branch2c_W + decay*res3c_branch2c_W
@@ -7240,59 +6325,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res3c_branch2c_W_new, T['V_res3c_branch2c_W'], momentum, d_res3c_branch2c_W, decay, T['res3c_branch2c_W'])
         # free d_res3c_branch2c_W
         del d_res3c_branch2c_W
-        mem.free(639)
+        mem.free(488)
         # res3c_branch2c_W_new = res3c_branch2c_W - lr*V_res3c_branch2c_W_new
         res3c_branch2c_W_new = T['res3c_branch2c_W']  # in place: the new res3c_branch2c_W
         rt.ew(ew_mul_sub, res3c_branch2c_W_new, T['res3c_branch2c_W'], lr, V_res3c_branch2c_W_new)
 
         # ---- bn3c_branch2b (batch norm), backward ----
-        # d_bn3c_branch2b_bias = sum_to[1x128x1x1](d_bn3c_branch2b)
-        d_bn3c_branch2b_bias = mem.tensor(641, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2b, out=d_bn3c_branch2b_bias, shape=(1, 128, 1, 1))
-        # d_bn3c_branch2b_B = reshape[128](d_bn3c_branch2b_bias)
-        d_bn3c_branch2b_B = rt.reshape(d_bn3c_branch2b_bias, shape=(128,))
-        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B
-        V_bn3c_branch2b_B_new = T['V_bn3c_branch2b_B']  # in place: the new V_bn3c_branch2b_B
-        rt.ew(ew_mul_add, V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B'])
-        # free d_bn3c_branch2b_bias, d_bn3c_branch2b_B
-        del d_bn3c_branch2b_bias, d_bn3c_branch2b_B
-        mem.free(641)
-        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new
-        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
-        rt.ew(ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new)
-        # d_bn3c_branch2b_mul = d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_weight
-        d_bn3c_branch2b_mul = mem.tensor(642, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2b_mul, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_weight)
-        # d_bn3c_branch2b_inv_std = sum_to[1x128x1x1](d_bn3c_branch2b_mul)
-        d_bn3c_branch2b_inv_std = mem.tensor(643, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2b_mul, out=d_bn3c_branch2b_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2b_mul
-        del d_bn3c_branch2b_mul
-        mem.free(642)
+        # d_bn3c_branch2b_inv_std = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_weight)
+        d_bn3c_branch2b_inv_std = mem.tensor(490, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2b_inv_std, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2b_sum_of_squares = -d_bn3c_branch2b_inv_std/(50176*(bn3c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2b_sum_of_squares = d_bn3c_branch2b_inv_std  # in place: over d_bn3c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2b_sum_of_squares, d_bn3c_branch2b_inv_std, bn3c_branch2b_batch_var)
         # free bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         del bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
-        mem.free(118)
+        mem.free(98)
+        # d_bn3c_branch2b_weight = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_inv_std)
+        d_bn3c_branch2b_weight = mem.tensor(491, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2b_weight, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2b_centered = d_bn3c_branch2b*bn3c_branch2b_inv_std*bn3c_branch2b_weight + 2*d_bn3c_branch2b_sum_of_squares*bn3c_branch2b_centered
-        d_bn3c_branch2b_centered = mem.tensor(644, (32, 128, 28, 28), 'float32')
+        d_bn3c_branch2b_centered = bn3c_branch2b_centered  # in place: over bn3c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2b_centered, d_bn3c_branch2b, bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered)
-        # free d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
-        del d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
-        mem.free(643)
-        # d_bn3c_branch2b_mul_2 = d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_inv_std
-        d_bn3c_branch2b_mul_2 = d_bn3c_branch2b  # in place: over d_bn3c_branch2b
-        rt.ew(ew_mul_3, d_bn3c_branch2b_mul_2, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_inv_std)
-        # free res3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_inv_std
-        del res3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_inv_std
-        mem.free(115, 119)
-        # d_bn3c_branch2b_weight = sum_to[1x128x1x1](d_bn3c_branch2b_mul_2)
-        d_bn3c_branch2b_weight = mem.tensor(645, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2b_mul_2, out=d_bn3c_branch2b_weight, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2b_relu, d_bn3c_branch2b, d_bn3c_branch2b_mul_2
-        del d_bn3c_branch2b_relu, d_bn3c_branch2b, d_bn3c_branch2b_mul_2
-        mem.free(640)
+        # free bn3c_branch2b_inv_std, d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
+        del bn3c_branch2b_inv_std, d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
+        mem.free(99, 490)
+        # d_bn3c_branch2b_bias = sum_to[1x128x1x1](d_bn3c_branch2b)
+        d_bn3c_branch2b_bias = mem.tensor(492, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3c_branch2b, out=d_bn3c_branch2b_bias, shape=(1, 128, 1, 1))
+        # free d_bn3c_branch2b_relu, d_bn3c_branch2b
+        del d_bn3c_branch2b_relu, d_bn3c_branch2b
+        mem.free(489)
         # d_bn3c_branch2b_W = reshape[128](d_bn3c_branch2b_weight)
         d_bn3c_branch2b_W = rt.reshape(d_bn3c_branch2b_weight, shape=(128,))
         # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W
@@ -7300,19 +6362,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W'])
         # free d_bn3c_branch2b_weight, d_bn3c_branch2b_W
         del d_bn3c_branch2b_weight, d_bn3c_branch2b_W
-        mem.free(645)
+        mem.free(491)
         # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new
         bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
         rt.ew(ew_mul_sub, bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new)
-        # d_bn3c_branch2b_neg = -d_bn3c_branch2b_centered
-        d_bn3c_branch2b_neg = mem.tensor(646, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3c_branch2b_neg, d_bn3c_branch2b_centered)
-        # d_bn3c_branch2b_batch_mean = sum_to[1x128x1x1](d_bn3c_branch2b_neg)
-        d_bn3c_branch2b_batch_mean = mem.tensor(647, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2b_neg, out=d_bn3c_branch2b_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2b_neg
-        del d_bn3c_branch2b_neg
-        mem.free(646)
+        # d_bn3c_branch2b_B = reshape[128](d_bn3c_branch2b_bias)
+        d_bn3c_branch2b_B = rt.reshape(d_bn3c_branch2b_bias, shape=(128,))
+        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B
+        V_bn3c_branch2b_B_new = T['V_bn3c_branch2b_B']  # in place: the new V_bn3c_branch2b_B
+        rt.ew(ew_mul_add, V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B'])
+        # free d_bn3c_branch2b_bias, d_bn3c_branch2b_B
+        del d_bn3c_branch2b_bias, d_bn3c_branch2b_B
+        mem.free(492)
+        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new
+        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
+        rt.ew(ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new)
+        # d_bn3c_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2b_centered)
+        d_bn3c_branch2b_batch_mean = mem.tensor(493, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean/25088
         d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean  # in place: over d_bn3c_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2b_sum, d_bn3c_branch2b_batch_mean)
@@ -7323,29 +6390,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3c_branch2b, d_bn3c_branch2b_centered, d_bn3c_branch2b_sum)
         # free d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_sum
         del d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_sum
-        mem.free(647)
+        mem.free(493)
 
         # ---- bn3c_branch2a_relu (relu), forward ----
         # bn3c_branch2a_relu_2 = Max(0, bn3c_branch2a_centered*bn3c_branch2a_inv_std*bn3c_branch2a_weight + bn3c_branch2a_bias)
-        bn3c_branch2a_relu_2 = mem.tensor(648, (32, 128, 28, 28), 'float32')
+        bn3c_branch2a_relu_2 = mem.tensor(494, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3c_branch2a_relu_2, bn3c_branch2a_centered, bn3c_branch2a_inv_std, bn3c_branch2a_weight, bn3c_branch2a_bias)
 
         # ---- res3c_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # d_res3c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3c_branch2b, bn3c_branch2a_relu_2)
-        d_res3c_branch2b_W = mem.tensor(649, (128, 128, 3, 3), 'float32')
+        d_res3c_branch2b_W = mem.tensor(495, (128, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3c_branch2b, bn3c_branch2a_relu_2, out=d_res3c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31913984))
         # V_res3c_branch2b_W_new = V_res3c_branch2b_W*momentum + d_res3c_branch2b_W + decay*res3c_branch2b_W
         V_res3c_branch2b_W_new = T['V_res3c_branch2b_W']  # in place: the new V_res3c_branch2b_W
         rt.ew(ew_mul_add, V_res3c_branch2b_W_new, T['V_res3c_branch2b_W'], momentum, d_res3c_branch2b_W, decay, T['res3c_branch2b_W'])
         # free d_res3c_branch2b_W
         del d_res3c_branch2b_W
-        mem.free(649)
+        mem.free(495)
         # d_bn3c_branch2a_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res3c_branch2b, res3c_branch2b_W)
-        d_bn3c_branch2a_relu = mem.tensor(650, (32, 128, 28, 28), 'float32')
+        d_bn3c_branch2a_relu = mem.tensor(496, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3c_branch2b, T['res3c_branch2b_W'], out=d_bn3c_branch2a_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(33338368))
-        # free d_bn3c_branch2b_centered, d_res3c_branch2b
-        del d_bn3c_branch2b_centered, d_res3c_branch2b
-        mem.free(644)
+        # free res3c_branch2b, bn3c_branch2b_centered, d_bn3c_branch2b_centered, d_res3c_branch2b
+        del res3c_branch2b, bn3c_branch2b_centered, d_bn3c_branch2b_centered, d_res3c_branch2b
+        mem.free(96)
 
         # ---- bn3c_branch2a_relu (relu), backward ----
         # d_bn3c_branch2a = d_bn3c_branch2a_relu*Heaviside(bn3c_branch2a_relu_2, 0)
@@ -7353,7 +6420,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3c_branch2a, d_bn3c_branch2a_relu, bn3c_branch2a_relu_2)
         # free bn3c_branch2a_relu_2
         del bn3c_branch2a_relu_2
-        mem.free(648)
+        mem.free(494)
 
         # ---- res3c_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # res3c_branch2b_W_new = res3c_branch2b_W - lr*V_res3c_branch2b_W_new
@@ -7361,53 +6428,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2b_W_new, T['res3c_branch2b_W'], lr, V_res3c_branch2b_W_new)
 
         # ---- bn3c_branch2a (batch norm), backward ----
-        # d_bn3c_branch2a_bias = sum_to[1x128x1x1](d_bn3c_branch2a)
-        d_bn3c_branch2a_bias = mem.tensor(651, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2a, out=d_bn3c_branch2a_bias, shape=(1, 128, 1, 1))
-        # d_bn3c_branch2a_B = reshape[128](d_bn3c_branch2a_bias)
-        d_bn3c_branch2a_B = rt.reshape(d_bn3c_branch2a_bias, shape=(128,))
-        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B
-        V_bn3c_branch2a_B_new = T['V_bn3c_branch2a_B']  # in place: the new V_bn3c_branch2a_B
-        rt.ew(ew_mul_add, V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B'])
-        # free d_bn3c_branch2a_bias, d_bn3c_branch2a_B
-        del d_bn3c_branch2a_bias, d_bn3c_branch2a_B
-        mem.free(651)
-        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new
-        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
-        rt.ew(ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new)
-        # d_bn3c_branch2a_mul = d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_weight
-        d_bn3c_branch2a_mul = mem.tensor(652, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2a_mul, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_weight)
-        # d_bn3c_branch2a_inv_std = sum_to[1x128x1x1](d_bn3c_branch2a_mul)
-        d_bn3c_branch2a_inv_std = mem.tensor(653, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2a_mul, out=d_bn3c_branch2a_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2a_mul
-        del d_bn3c_branch2a_mul
-        mem.free(652)
+        # d_bn3c_branch2a_inv_std = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_weight)
+        d_bn3c_branch2a_inv_std = mem.tensor(497, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2a_inv_std, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2a_sum_of_squares = -d_bn3c_branch2a_inv_std/(50176*(bn3c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2a_sum_of_squares = d_bn3c_branch2a_inv_std  # in place: over d_bn3c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2a_sum_of_squares, d_bn3c_branch2a_inv_std, bn3c_branch2a_batch_var)
         # free bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         del bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
-        mem.free(112)
+        mem.free(93)
+        # d_bn3c_branch2a_weight = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_inv_std)
+        d_bn3c_branch2a_weight = mem.tensor(498, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2a_weight, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2a_centered = d_bn3c_branch2a*bn3c_branch2a_inv_std*bn3c_branch2a_weight + 2*d_bn3c_branch2a_sum_of_squares*bn3c_branch2a_centered
-        d_bn3c_branch2a_centered = mem.tensor(654, (32, 128, 28, 28), 'float32')
+        d_bn3c_branch2a_centered = bn3c_branch2a_centered  # in place: over bn3c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2a_centered, d_bn3c_branch2a, bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered)
-        # free d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
-        del d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
-        mem.free(653)
-        # d_bn3c_branch2a_mul_2 = d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_inv_std
-        d_bn3c_branch2a_mul_2 = d_bn3c_branch2a  # in place: over d_bn3c_branch2a
-        rt.ew(ew_mul_3, d_bn3c_branch2a_mul_2, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_inv_std)
-        # free res3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_inv_std
-        del res3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_inv_std
-        mem.free(109, 113)
-        # d_bn3c_branch2a_weight = sum_to[1x128x1x1](d_bn3c_branch2a_mul_2)
-        d_bn3c_branch2a_weight = mem.tensor(655, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2a_mul_2, out=d_bn3c_branch2a_weight, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2a_relu, d_bn3c_branch2a, d_bn3c_branch2a_mul_2
-        del d_bn3c_branch2a_relu, d_bn3c_branch2a, d_bn3c_branch2a_mul_2
-        mem.free(650)
+        # free bn3c_branch2a_inv_std, d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
+        del bn3c_branch2a_inv_std, d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
+        mem.free(94, 497)
+        # d_bn3c_branch2a_bias = sum_to[1x128x1x1](d_bn3c_branch2a)
+        d_bn3c_branch2a_bias = mem.tensor(499, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3c_branch2a, out=d_bn3c_branch2a_bias, shape=(1, 128, 1, 1))
+        # free d_bn3c_branch2a_relu, d_bn3c_branch2a
+        del d_bn3c_branch2a_relu, d_bn3c_branch2a
+        mem.free(496)
         # d_bn3c_branch2a_W = reshape[128](d_bn3c_branch2a_weight)
         d_bn3c_branch2a_W = rt.reshape(d_bn3c_branch2a_weight, shape=(128,))
         # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W
@@ -7415,19 +6459,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W'])
         # free d_bn3c_branch2a_weight, d_bn3c_branch2a_W
         del d_bn3c_branch2a_weight, d_bn3c_branch2a_W
-        mem.free(655)
+        mem.free(498)
         # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new
         bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
         rt.ew(ew_mul_sub, bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new)
-        # d_bn3c_branch2a_neg = -d_bn3c_branch2a_centered
-        d_bn3c_branch2a_neg = mem.tensor(656, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3c_branch2a_neg, d_bn3c_branch2a_centered)
-        # d_bn3c_branch2a_batch_mean = sum_to[1x128x1x1](d_bn3c_branch2a_neg)
-        d_bn3c_branch2a_batch_mean = mem.tensor(657, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3c_branch2a_neg, out=d_bn3c_branch2a_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3c_branch2a_neg
-        del d_bn3c_branch2a_neg
-        mem.free(656)
+        # d_bn3c_branch2a_B = reshape[128](d_bn3c_branch2a_bias)
+        d_bn3c_branch2a_B = rt.reshape(d_bn3c_branch2a_bias, shape=(128,))
+        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B
+        V_bn3c_branch2a_B_new = T['V_bn3c_branch2a_B']  # in place: the new V_bn3c_branch2a_B
+        rt.ew(ew_mul_add, V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B'])
+        # free d_bn3c_branch2a_bias, d_bn3c_branch2a_B
+        del d_bn3c_branch2a_bias, d_bn3c_branch2a_B
+        mem.free(499)
+        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new
+        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
+        rt.ew(ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new)
+        # d_bn3c_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2a_centered)
+        d_bn3c_branch2a_batch_mean = mem.tensor(500, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean/25088
         d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean  # in place: over d_bn3c_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2a_sum, d_bn3c_branch2a_batch_mean)
@@ -7438,22 +6487,22 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3c_branch2a, d_bn3c_branch2a_centered, d_bn3c_branch2a_sum)
         # free d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_sum
         del d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_sum
-        mem.free(657)
+        mem.free(500)
         # d_res3c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res3c_branch2a, bn3b_branch2c_relu)
-        d_res3c_branch2a_W = mem.tensor(658, (128, 512, 1, 1), 'float32')
+        d_res3c_branch2a_W = mem.tensor(501, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3c_branch2a, bn3b_branch2c_relu, out=d_res3c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # V_res3c_branch2a_W_new = V_res3c_branch2a_W*momentum + d_res3c_branch2a_W + decay*res3c_branch2a_W
         V_res3c_branch2a_W_new = T['V_res3c_branch2a_W']  # in place: the new V_res3c_branch2a_W
         rt.ew(ew_mul_add, V_res3c_branch2a_W_new, T['V_res3c_branch2a_W'], momentum, d_res3c_branch2a_W, decay, T['res3c_branch2a_W'])
         # free d_res3c_branch2a_W
         del d_res3c_branch2a_W
-        mem.free(658)
+        mem.free(501)
         # d_bn3b_branch2c_relu = conv2d_bwd_data[size=(28,28)](d_res3c_branch2a, res3c_branch2a_W)
-        d_bn3b_branch2c_relu = mem.tensor(659, (32, 512, 28, 28), 'float32')
+        d_bn3b_branch2c_relu = mem.tensor(502, (32, 512, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3c_branch2a, T['res3c_branch2a_W'], out=d_bn3b_branch2c_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3c_branch2a_centered, d_res3c_branch2a
-        del d_bn3c_branch2a_centered, d_res3c_branch2a
-        mem.free(654)
+        # free res3c_branch2a, bn3c_branch2a_centered, d_bn3c_branch2a_centered, d_res3c_branch2a
+        del res3c_branch2a, bn3c_branch2a_centered, d_bn3c_branch2a_centered, d_res3c_branch2a
+        mem.free(91)
 
         # ---- bn3b_branch2c_relu (relu), backward ----
         # d_bn3b_branch2c_add = (d_bn3c_branch2c_add + d_bn3b_branch2c_relu)*Heaviside(bn3b_branch2c_relu, 0)
@@ -7461,7 +6510,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn3b_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_relu, bn3b_branch2c_relu)
         # free bn3a_branch2c_relu, bn3b_branch2c_relu, d_bn3b_branch2c_relu
         del bn3a_branch2c_relu, bn3b_branch2c_relu, d_bn3b_branch2c_relu
-        mem.free(91, 659)
+        mem.free(76, 502)
 
         # ---- res3c_branch2a (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # res3c_branch2a_W_new = res3c_branch2a_W - lr*V_res3c_branch2a_W_new
@@ -7469,53 +6518,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2a_W_new, T['res3c_branch2a_W'], lr, V_res3c_branch2a_W_new)
 
         # ---- bn3b_branch2c (batch norm), backward ----
-        # d_bn3b_branch2c_bias = sum_to[1x512x1x1](d_bn3b_branch2c_add)
-        d_bn3b_branch2c_bias = mem.tensor(660, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2c_add, out=d_bn3b_branch2c_bias, shape=(1, 512, 1, 1))
-        # d_bn3b_branch2c_B = reshape[512](d_bn3b_branch2c_bias)
-        d_bn3b_branch2c_B = rt.reshape(d_bn3b_branch2c_bias, shape=(512,))
-        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B
-        V_bn3b_branch2c_B_new = T['V_bn3b_branch2c_B']  # in place: the new V_bn3b_branch2c_B
-        rt.ew(ew_mul_add, V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B'])
-        # free d_bn3b_branch2c_bias, d_bn3b_branch2c_B
-        del d_bn3b_branch2c_bias, d_bn3b_branch2c_B
-        mem.free(660)
-        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new
-        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
-        rt.ew(ew_mul_sub, bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new)
-        # d_bn3b_branch2c_mul = d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_weight
-        d_bn3b_branch2c_mul = mem.tensor(661, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2c_mul, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_weight)
-        # d_bn3b_branch2c_inv_std = sum_to[1x512x1x1](d_bn3b_branch2c_mul)
-        d_bn3b_branch2c_inv_std = mem.tensor(662, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2c_mul, out=d_bn3b_branch2c_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn3b_branch2c_mul
-        del d_bn3b_branch2c_mul
-        mem.free(661)
+        # d_bn3b_branch2c_inv_std = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_weight)
+        d_bn3b_branch2c_inv_std = mem.tensor(503, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_sum_of_squares = -d_bn3b_branch2c_inv_std/(50176*(bn3b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2c_sum_of_squares = d_bn3b_branch2c_inv_std  # in place: over d_bn3b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2c_sum_of_squares, d_bn3b_branch2c_inv_std, bn3b_branch2c_batch_var)
         # free bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         del bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
-        mem.free(107)
+        mem.free(89)
+        # d_bn3b_branch2c_weight = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_inv_std)
+        d_bn3b_branch2c_weight = mem.tensor(504, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2c_weight, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_centered = d_bn3b_branch2c_add*bn3b_branch2c_inv_std*bn3b_branch2c_weight + 2*d_bn3b_branch2c_sum_of_squares*bn3b_branch2c_centered
-        d_bn3b_branch2c_centered = mem.tensor(663, (32, 512, 28, 28), 'float32')
+        d_bn3b_branch2c_centered = bn3b_branch2c_centered  # in place: over bn3b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2c_centered, d_bn3b_branch2c_add, bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered)
-        # free d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
-        del d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
-        mem.free(662)
-        # d_bn3b_branch2c_mul_2 = d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_inv_std
-        d_bn3b_branch2c_mul_2 = bn3b_branch2c_centered  # in place: over bn3b_branch2c_centered
-        rt.ew(ew_mul_2, d_bn3b_branch2c_mul_2, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_inv_std)
-        # free bn3b_branch2c_inv_std
-        del bn3b_branch2c_inv_std
-        mem.free(108)
-        # d_bn3b_branch2c_weight = sum_to[1x512x1x1](d_bn3b_branch2c_mul_2)
-        d_bn3b_branch2c_weight = mem.tensor(664, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2c_mul_2, out=d_bn3b_branch2c_weight, shape=(1, 512, 1, 1))
-        # free res3b_branch2c, bn3b_branch2c_centered, d_bn3b_branch2c_mul_2
-        del res3b_branch2c, bn3b_branch2c_centered, d_bn3b_branch2c_mul_2
-        mem.free(104)
+        # free bn3b_branch2c_inv_std, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
+        del bn3b_branch2c_inv_std, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
+        mem.free(90, 503)
         # d_bn3b_branch2c_W = reshape[512](d_bn3b_branch2c_weight)
         d_bn3b_branch2c_W = rt.reshape(d_bn3b_branch2c_weight, shape=(512,))
         # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W
@@ -7523,19 +6543,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W'])
         # free d_bn3b_branch2c_weight, d_bn3b_branch2c_W
         del d_bn3b_branch2c_weight, d_bn3b_branch2c_W
-        mem.free(664)
+        mem.free(504)
         # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new
         bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
         rt.ew(ew_mul_sub, bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new)
-        # d_bn3b_branch2c_neg = -d_bn3b_branch2c_centered
-        d_bn3b_branch2c_neg = mem.tensor(665, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3b_branch2c_neg, d_bn3b_branch2c_centered)
-        # d_bn3b_branch2c_batch_mean = sum_to[1x512x1x1](d_bn3b_branch2c_neg)
-        d_bn3b_branch2c_batch_mean = mem.tensor(666, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2c_neg, out=d_bn3b_branch2c_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn3b_branch2c_neg
-        del d_bn3b_branch2c_neg
-        mem.free(665)
+        # d_bn3b_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3b_branch2c_centered)
+        d_bn3b_branch2c_batch_mean = mem.tensor(505, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean/25088
         d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean  # in place: over d_bn3b_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2c_sum, d_bn3b_branch2c_batch_mean)
@@ -7546,23 +6560,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3b_branch2c, d_bn3b_branch2c_centered, d_bn3b_branch2c_sum)
         # free d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_sum
         del d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_sum
-        mem.free(666)
+        mem.free(505)
+
+        # ---- bn3b_branch2c (batch norm), backward ----
+        # d_bn3b_branch2c_bias = sum_to[1x512x1x1](d_bn3b_branch2c_add)
+        d_bn3b_branch2c_bias = mem.tensor(506, (1, 512, 1, 1), 'float32')
+        rt.sum_to(d_bn3b_branch2c_add, out=d_bn3b_branch2c_bias, shape=(1, 512, 1, 1))
+        # d_bn3b_branch2c_B = reshape[512](d_bn3b_branch2c_bias)
+        d_bn3b_branch2c_B = rt.reshape(d_bn3b_branch2c_bias, shape=(512,))
+        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B
+        V_bn3b_branch2c_B_new = T['V_bn3b_branch2c_B']  # in place: the new V_bn3b_branch2c_B
+        rt.ew(ew_mul_add, V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B'])
+        # free d_bn3b_branch2c_bias, d_bn3b_branch2c_B
+        del d_bn3b_branch2c_bias, d_bn3b_branch2c_B
+        mem.free(506)
+        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new
+        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
+        rt.ew(ew_mul_sub, bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new)
 
         # ---- bn3b_branch2b_relu (relu), forward ----
         # bn3b_branch2b_relu_2 = Max(0, bn3b_branch2b_centered*bn3b_branch2b_inv_std*bn3b_branch2b_weight + bn3b_branch2b_bias)
-        bn3b_branch2b_relu_2 = mem.tensor(667, (32, 128, 28, 28), 'float32')
+        bn3b_branch2b_relu_2 = mem.tensor(507, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3b_branch2b_relu_2, bn3b_branch2b_centered, bn3b_branch2b_inv_std, bn3b_branch2b_weight, bn3b_branch2b_bias)
 
         # ---- res3b_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res3b_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res3b_branch2c, bn3b_branch2b_relu_2)
-        d_res3b_branch2c_W = mem.tensor(668, (512, 128, 1, 1), 'float32')
+        d_res3b_branch2c_W = mem.tensor(508, (512, 128, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3b_branch2c, bn3b_branch2b_relu_2, out=d_res3b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # d_bn3b_branch2b_relu = conv2d_bwd_data[size=(28,28)](d_res3b_branch2c, res3b_branch2c_W)
-        d_bn3b_branch2b_relu = mem.tensor(669, (32, 128, 28, 28), 'float32')
+        d_bn3b_branch2b_relu = mem.tensor(509, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3b_branch2c, T['res3b_branch2c_W'], out=d_bn3b_branch2b_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3b_branch2c_centered, d_res3b_branch2c
-        del d_bn3b_branch2c_centered, d_res3b_branch2c
-        mem.free(663)
+        # free res3b_branch2c, bn3b_branch2c_centered, d_bn3b_branch2c_centered, d_res3b_branch2c
+        del res3b_branch2c, bn3b_branch2c_centered, d_bn3b_branch2c_centered, d_res3b_branch2c
+        mem.free(87)
 
         # ---- bn3b_branch2b_relu (relu), backward ----
         # d_bn3b_branch2b = d_bn3b_branch2b_relu*Heaviside(bn3b_branch2b_relu_2, 0)
@@ -7570,7 +6600,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3b_branch2b, d_bn3b_branch2b_relu, bn3b_branch2b_relu_2)
         # free bn3b_branch2b_relu_2
         del bn3b_branch2b_relu_2
-        mem.free(667)
+        mem.free(507)
 
         # ---- res3b_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # V_res3b_branch2c_W_new = V_res3b_branch2c_W*momentum + d_res3b_branch2c_W + decay*res3b_branch2c_W
@@ -7578,59 +6608,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res3b_branch2c_W_new, T['V_res3b_branch2c_W'], momentum, d_res3b_branch2c_W, decay, T['res3b_branch2c_W'])
         # free d_res3b_branch2c_W
         del d_res3b_branch2c_W
-        mem.free(668)
+        mem.free(508)
         # res3b_branch2c_W_new = res3b_branch2c_W - lr*V_res3b_branch2c_W_new
         res3b_branch2c_W_new = T['res3b_branch2c_W']  # in place: the new res3b_branch2c_W
         rt.ew(ew_mul_sub, res3b_branch2c_W_new, T['res3b_branch2c_W'], lr, V_res3b_branch2c_W_new)
 
         # ---- bn3b_branch2b (batch norm), backward ----
-        # d_bn3b_branch2b_bias = sum_to[1x128x1x1](d_bn3b_branch2b)
-        d_bn3b_branch2b_bias = mem.tensor(670, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2b, out=d_bn3b_branch2b_bias, shape=(1, 128, 1, 1))
-        # d_bn3b_branch2b_B = reshape[128](d_bn3b_branch2b_bias)
-        d_bn3b_branch2b_B = rt.reshape(d_bn3b_branch2b_bias, shape=(128,))
-        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B
-        V_bn3b_branch2b_B_new = T['V_bn3b_branch2b_B']  # in place: the new V_bn3b_branch2b_B
-        rt.ew(ew_mul_add, V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B'])
-        # free d_bn3b_branch2b_bias, d_bn3b_branch2b_B
-        del d_bn3b_branch2b_bias, d_bn3b_branch2b_B
-        mem.free(670)
-        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new
-        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
-        rt.ew(ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new)
-        # d_bn3b_branch2b_mul = d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_weight
-        d_bn3b_branch2b_mul = mem.tensor(671, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2b_mul, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_weight)
-        # d_bn3b_branch2b_inv_std = sum_to[1x128x1x1](d_bn3b_branch2b_mul)
-        d_bn3b_branch2b_inv_std = mem.tensor(672, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2b_mul, out=d_bn3b_branch2b_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2b_mul
-        del d_bn3b_branch2b_mul
-        mem.free(671)
+        # d_bn3b_branch2b_inv_std = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_weight)
+        d_bn3b_branch2b_inv_std = mem.tensor(510, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2b_inv_std, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2b_sum_of_squares = -d_bn3b_branch2b_inv_std/(50176*(bn3b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2b_sum_of_squares = d_bn3b_branch2b_inv_std  # in place: over d_bn3b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2b_sum_of_squares, d_bn3b_branch2b_inv_std, bn3b_branch2b_batch_var)
         # free bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         del bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
-        mem.free(101)
+        mem.free(84)
+        # d_bn3b_branch2b_weight = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_inv_std)
+        d_bn3b_branch2b_weight = mem.tensor(511, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2b_weight, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2b_centered = d_bn3b_branch2b*bn3b_branch2b_inv_std*bn3b_branch2b_weight + 2*d_bn3b_branch2b_sum_of_squares*bn3b_branch2b_centered
-        d_bn3b_branch2b_centered = mem.tensor(673, (32, 128, 28, 28), 'float32')
+        d_bn3b_branch2b_centered = bn3b_branch2b_centered  # in place: over bn3b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2b_centered, d_bn3b_branch2b, bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered)
-        # free d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
-        del d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
-        mem.free(672)
-        # d_bn3b_branch2b_mul_2 = d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_inv_std
-        d_bn3b_branch2b_mul_2 = d_bn3b_branch2b  # in place: over d_bn3b_branch2b
-        rt.ew(ew_mul_3, d_bn3b_branch2b_mul_2, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_inv_std)
-        # free res3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_inv_std
-        del res3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_inv_std
-        mem.free(98, 102)
-        # d_bn3b_branch2b_weight = sum_to[1x128x1x1](d_bn3b_branch2b_mul_2)
-        d_bn3b_branch2b_weight = mem.tensor(674, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2b_mul_2, out=d_bn3b_branch2b_weight, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2b_relu, d_bn3b_branch2b, d_bn3b_branch2b_mul_2
-        del d_bn3b_branch2b_relu, d_bn3b_branch2b, d_bn3b_branch2b_mul_2
-        mem.free(669)
+        # free bn3b_branch2b_inv_std, d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
+        del bn3b_branch2b_inv_std, d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
+        mem.free(85, 510)
+        # d_bn3b_branch2b_bias = sum_to[1x128x1x1](d_bn3b_branch2b)
+        d_bn3b_branch2b_bias = mem.tensor(512, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3b_branch2b, out=d_bn3b_branch2b_bias, shape=(1, 128, 1, 1))
+        # free d_bn3b_branch2b_relu, d_bn3b_branch2b
+        del d_bn3b_branch2b_relu, d_bn3b_branch2b
+        mem.free(509)
         # d_bn3b_branch2b_W = reshape[128](d_bn3b_branch2b_weight)
         d_bn3b_branch2b_W = rt.reshape(d_bn3b_branch2b_weight, shape=(128,))
         # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W
@@ -7638,19 +6645,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W'])
         # free d_bn3b_branch2b_weight, d_bn3b_branch2b_W
         del d_bn3b_branch2b_weight, d_bn3b_branch2b_W
-        mem.free(674)
+        mem.free(511)
         # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new
         bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
         rt.ew(ew_mul_sub, bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new)
-        # d_bn3b_branch2b_neg = -d_bn3b_branch2b_centered
-        d_bn3b_branch2b_neg = mem.tensor(675, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3b_branch2b_neg, d_bn3b_branch2b_centered)
-        # d_bn3b_branch2b_batch_mean = sum_to[1x128x1x1](d_bn3b_branch2b_neg)
-        d_bn3b_branch2b_batch_mean = mem.tensor(676, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2b_neg, out=d_bn3b_branch2b_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2b_neg
-        del d_bn3b_branch2b_neg
-        mem.free(675)
+        # d_bn3b_branch2b_B = reshape[128](d_bn3b_branch2b_bias)
+        d_bn3b_branch2b_B = rt.reshape(d_bn3b_branch2b_bias, shape=(128,))
+        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B
+        V_bn3b_branch2b_B_new = T['V_bn3b_branch2b_B']  # in place: the new V_bn3b_branch2b_B
+        rt.ew(ew_mul_add, V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B'])
+        # free d_bn3b_branch2b_bias, d_bn3b_branch2b_B
+        del d_bn3b_branch2b_bias, d_bn3b_branch2b_B
+        mem.free(512)
+        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new
+        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
+        rt.ew(ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new)
+        # d_bn3b_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2b_centered)
+        d_bn3b_branch2b_batch_mean = mem.tensor(513, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean/25088
         d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean  # in place: over d_bn3b_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2b_sum, d_bn3b_branch2b_batch_mean)
@@ -7661,29 +6673,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3b_branch2b, d_bn3b_branch2b_centered, d_bn3b_branch2b_sum)
         # free d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_sum
         del d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_sum
-        mem.free(676)
+        mem.free(513)
 
         # ---- bn3b_branch2a_relu (relu), forward ----
         # bn3b_branch2a_relu_2 = Max(0, bn3b_branch2a_centered*bn3b_branch2a_inv_std*bn3b_branch2a_weight + bn3b_branch2a_bias)
-        bn3b_branch2a_relu_2 = mem.tensor(677, (32, 128, 28, 28), 'float32')
+        bn3b_branch2a_relu_2 = mem.tensor(514, (32, 128, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, bn3b_branch2a_relu_2, bn3b_branch2a_centered, bn3b_branch2a_inv_std, bn3b_branch2a_weight, bn3b_branch2a_bias)
 
         # ---- res3b_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # d_res3b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3b_branch2b, bn3b_branch2a_relu_2)
-        d_res3b_branch2b_W = mem.tensor(678, (128, 128, 3, 3), 'float32')
+        d_res3b_branch2b_W = mem.tensor(515, (128, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3b_branch2b, bn3b_branch2a_relu_2, out=d_res3b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31913984))
         # V_res3b_branch2b_W_new = V_res3b_branch2b_W*momentum + d_res3b_branch2b_W + decay*res3b_branch2b_W
         V_res3b_branch2b_W_new = T['V_res3b_branch2b_W']  # in place: the new V_res3b_branch2b_W
         rt.ew(ew_mul_add, V_res3b_branch2b_W_new, T['V_res3b_branch2b_W'], momentum, d_res3b_branch2b_W, decay, T['res3b_branch2b_W'])
         # free d_res3b_branch2b_W
         del d_res3b_branch2b_W
-        mem.free(678)
+        mem.free(515)
         # d_bn3b_branch2a_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res3b_branch2b, res3b_branch2b_W)
-        d_bn3b_branch2a_relu = mem.tensor(679, (32, 128, 28, 28), 'float32')
+        d_bn3b_branch2a_relu = mem.tensor(516, (32, 128, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3b_branch2b, T['res3b_branch2b_W'], out=d_bn3b_branch2a_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(33338368))
-        # free d_bn3b_branch2b_centered, d_res3b_branch2b
-        del d_bn3b_branch2b_centered, d_res3b_branch2b
-        mem.free(673)
+        # free res3b_branch2b, bn3b_branch2b_centered, d_bn3b_branch2b_centered, d_res3b_branch2b
+        del res3b_branch2b, bn3b_branch2b_centered, d_bn3b_branch2b_centered, d_res3b_branch2b
+        mem.free(82)
 
         # ---- bn3b_branch2a_relu (relu), backward ----
         # d_bn3b_branch2a = d_bn3b_branch2a_relu*Heaviside(bn3b_branch2a_relu_2, 0)
@@ -7691,7 +6703,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn3b_branch2a, d_bn3b_branch2a_relu, bn3b_branch2a_relu_2)
         # free bn3b_branch2a_relu_2
         del bn3b_branch2a_relu_2
-        mem.free(677)
+        mem.free(514)
 
         # ---- res3b_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
         # res3b_branch2b_W_new = res3b_branch2b_W - lr*V_res3b_branch2b_W_new
@@ -7699,53 +6711,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2b_W_new, T['res3b_branch2b_W'], lr, V_res3b_branch2b_W_new)
 
         # ---- bn3b_branch2a (batch norm), backward ----
-        # d_bn3b_branch2a_bias = sum_to[1x128x1x1](d_bn3b_branch2a)
-        d_bn3b_branch2a_bias = mem.tensor(680, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2a, out=d_bn3b_branch2a_bias, shape=(1, 128, 1, 1))
-        # d_bn3b_branch2a_B = reshape[128](d_bn3b_branch2a_bias)
-        d_bn3b_branch2a_B = rt.reshape(d_bn3b_branch2a_bias, shape=(128,))
-        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B
-        V_bn3b_branch2a_B_new = T['V_bn3b_branch2a_B']  # in place: the new V_bn3b_branch2a_B
-        rt.ew(ew_mul_add, V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B'])
-        # free d_bn3b_branch2a_bias, d_bn3b_branch2a_B
-        del d_bn3b_branch2a_bias, d_bn3b_branch2a_B
-        mem.free(680)
-        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new
-        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
-        rt.ew(ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new)
-        # d_bn3b_branch2a_mul = d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_weight
-        d_bn3b_branch2a_mul = mem.tensor(681, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2a_mul, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_weight)
-        # d_bn3b_branch2a_inv_std = sum_to[1x128x1x1](d_bn3b_branch2a_mul)
-        d_bn3b_branch2a_inv_std = mem.tensor(682, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2a_mul, out=d_bn3b_branch2a_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2a_mul
-        del d_bn3b_branch2a_mul
-        mem.free(681)
+        # d_bn3b_branch2a_inv_std = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_weight)
+        d_bn3b_branch2a_inv_std = mem.tensor(517, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2a_inv_std, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2a_sum_of_squares = -d_bn3b_branch2a_inv_std/(50176*(bn3b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2a_sum_of_squares = d_bn3b_branch2a_inv_std  # in place: over d_bn3b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2a_sum_of_squares, d_bn3b_branch2a_inv_std, bn3b_branch2a_batch_var)
         # free bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         del bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
-        mem.free(95)
+        mem.free(79)
+        # d_bn3b_branch2a_weight = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_inv_std)
+        d_bn3b_branch2a_weight = mem.tensor(518, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2a_weight, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2a_centered = d_bn3b_branch2a*bn3b_branch2a_inv_std*bn3b_branch2a_weight + 2*d_bn3b_branch2a_sum_of_squares*bn3b_branch2a_centered
-        d_bn3b_branch2a_centered = mem.tensor(683, (32, 128, 28, 28), 'float32')
+        d_bn3b_branch2a_centered = bn3b_branch2a_centered  # in place: over bn3b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2a_centered, d_bn3b_branch2a, bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered)
-        # free d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
-        del d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
-        mem.free(682)
-        # d_bn3b_branch2a_mul_2 = d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_inv_std
-        d_bn3b_branch2a_mul_2 = d_bn3b_branch2a  # in place: over d_bn3b_branch2a
-        rt.ew(ew_mul_3, d_bn3b_branch2a_mul_2, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_inv_std)
-        # free res3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_inv_std
-        del res3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_inv_std
-        mem.free(92, 96)
-        # d_bn3b_branch2a_weight = sum_to[1x128x1x1](d_bn3b_branch2a_mul_2)
-        d_bn3b_branch2a_weight = mem.tensor(684, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2a_mul_2, out=d_bn3b_branch2a_weight, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2a_relu, d_bn3b_branch2a, d_bn3b_branch2a_mul_2
-        del d_bn3b_branch2a_relu, d_bn3b_branch2a, d_bn3b_branch2a_mul_2
-        mem.free(679)
+        # free bn3b_branch2a_inv_std, d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
+        del bn3b_branch2a_inv_std, d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
+        mem.free(80, 517)
+        # d_bn3b_branch2a_bias = sum_to[1x128x1x1](d_bn3b_branch2a)
+        d_bn3b_branch2a_bias = mem.tensor(519, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3b_branch2a, out=d_bn3b_branch2a_bias, shape=(1, 128, 1, 1))
+        # free d_bn3b_branch2a_relu, d_bn3b_branch2a
+        del d_bn3b_branch2a_relu, d_bn3b_branch2a
+        mem.free(516)
         # d_bn3b_branch2a_W = reshape[128](d_bn3b_branch2a_weight)
         d_bn3b_branch2a_W = rt.reshape(d_bn3b_branch2a_weight, shape=(128,))
         # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W
@@ -7753,19 +6742,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W'])
         # free d_bn3b_branch2a_weight, d_bn3b_branch2a_W
         del d_bn3b_branch2a_weight, d_bn3b_branch2a_W
-        mem.free(684)
+        mem.free(518)
         # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new
         bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
         rt.ew(ew_mul_sub, bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new)
-        # d_bn3b_branch2a_neg = -d_bn3b_branch2a_centered
-        d_bn3b_branch2a_neg = mem.tensor(685, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3b_branch2a_neg, d_bn3b_branch2a_centered)
-        # d_bn3b_branch2a_batch_mean = sum_to[1x128x1x1](d_bn3b_branch2a_neg)
-        d_bn3b_branch2a_batch_mean = mem.tensor(686, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3b_branch2a_neg, out=d_bn3b_branch2a_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3b_branch2a_neg
-        del d_bn3b_branch2a_neg
-        mem.free(685)
+        # d_bn3b_branch2a_B = reshape[128](d_bn3b_branch2a_bias)
+        d_bn3b_branch2a_B = rt.reshape(d_bn3b_branch2a_bias, shape=(128,))
+        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B
+        V_bn3b_branch2a_B_new = T['V_bn3b_branch2a_B']  # in place: the new V_bn3b_branch2a_B
+        rt.ew(ew_mul_add, V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B'])
+        # free d_bn3b_branch2a_bias, d_bn3b_branch2a_B
+        del d_bn3b_branch2a_bias, d_bn3b_branch2a_B
+        mem.free(519)
+        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new
+        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
+        rt.ew(ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new)
+        # d_bn3b_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2a_centered)
+        d_bn3b_branch2a_batch_mean = mem.tensor(520, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean/25088
         d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean  # in place: over d_bn3b_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2a_sum, d_bn3b_branch2a_batch_mean)
@@ -7776,29 +6770,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3b_branch2a, d_bn3b_branch2a_centered, d_bn3b_branch2a_sum)
         # free d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_sum
         del d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_sum
-        mem.free(686)
+        mem.free(520)
 
         # ---- bn3a_branch2c_relu (relu), forward ----
         # bn3a_branch2c_relu_2 = Max(0, bn3a_branch2c_centered*bn3a_branch2c_inv_std*bn3a_branch2c_weight + bn3a_branch2c_bias + bn3a_branch1_centered*bn3a_branch1_inv_std*bn3a_branch1_weight + bn3a_branch1_bias)
-        bn3a_branch2c_relu_2 = mem.tensor(687, (32, 512, 28, 28), 'float32')
+        bn3a_branch2c_relu_2 = mem.tensor(521, (32, 512, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu_2, bn3a_branch2c_relu_2, bn3a_branch2c_centered, bn3a_branch2c_inv_std, bn3a_branch2c_weight, bn3a_branch2c_bias, bn3a_branch1_centered, bn3a_branch1_inv_std, bn3a_branch1_weight, bn3a_branch1_bias)
 
         # ---- res3b_branch2a (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_res3b_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res3b_branch2a, bn3a_branch2c_relu_2)
-        d_res3b_branch2a_W = mem.tensor(688, (128, 512, 1, 1), 'float32')
+        d_res3b_branch2a_W = mem.tensor(522, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3b_branch2a, bn3a_branch2c_relu_2, out=d_res3b_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
         # V_res3b_branch2a_W_new = V_res3b_branch2a_W*momentum + d_res3b_branch2a_W + decay*res3b_branch2a_W
         V_res3b_branch2a_W_new = T['V_res3b_branch2a_W']  # in place: the new V_res3b_branch2a_W
         rt.ew(ew_mul_add, V_res3b_branch2a_W_new, T['V_res3b_branch2a_W'], momentum, d_res3b_branch2a_W, decay, T['res3b_branch2a_W'])
         # free d_res3b_branch2a_W
         del d_res3b_branch2a_W
-        mem.free(688)
+        mem.free(522)
         # d_bn3a_branch2c_relu = conv2d_bwd_data[size=(28,28)](d_res3b_branch2a, res3b_branch2a_W)
-        d_bn3a_branch2c_relu = mem.tensor(689, (32, 512, 28, 28), 'float32')
+        d_bn3a_branch2c_relu = mem.tensor(523, (32, 512, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3b_branch2a, T['res3b_branch2a_W'], out=d_bn3a_branch2c_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3b_branch2a_centered, d_res3b_branch2a
-        del d_bn3b_branch2a_centered, d_res3b_branch2a
-        mem.free(683)
+        # free res3b_branch2a, bn3b_branch2a_centered, d_bn3b_branch2a_centered, d_res3b_branch2a
+        del res3b_branch2a, bn3b_branch2a_centered, d_bn3b_branch2a_centered, d_res3b_branch2a
+        mem.free(77)
 
         # ---- bn3a_branch2c_relu (relu), backward ----
         # d_bn3a_branch2c_add = (d_bn3b_branch2c_add + d_bn3a_branch2c_relu)*Heaviside(bn3a_branch2c_relu_2, 0)
@@ -7806,16 +6800,74 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn3a_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_relu, bn3a_branch2c_relu_2)
         # free bn3a_branch2c_relu_2, d_bn3a_branch2c_relu
         del bn3a_branch2c_relu_2, d_bn3a_branch2c_relu
-        mem.free(687, 689)
+        mem.free(521, 523)
 
         # ---- res3b_branch2a (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # res3b_branch2a_W_new = res3b_branch2a_W - lr*V_res3b_branch2a_W_new
         res3b_branch2a_W_new = T['res3b_branch2a_W']  # in place: the new res3b_branch2a_W
         rt.ew(ew_mul_sub, res3b_branch2a_W_new, T['res3b_branch2a_W'], lr, V_res3b_branch2a_W_new)
 
+        # ---- bn3a_branch2c (batch norm), backward ----
+        # d_bn3a_branch2c_inv_std = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_weight)
+        d_bn3a_branch2c_inv_std = mem.tensor(524, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch2c_sum_of_squares = -d_bn3a_branch2c_inv_std/(50176*(bn3a_branch2c_batch_var + 1.0e-5)**(3/2))
+        d_bn3a_branch2c_sum_of_squares = d_bn3a_branch2c_inv_std  # in place: over d_bn3a_branch2c_inv_std
+        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2c_sum_of_squares, d_bn3a_branch2c_inv_std, bn3a_branch2c_batch_var)
+        # free bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
+        del bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
+        mem.free(74)
+
+        # ---- bn3a_branch1 (batch norm), backward ----
+        # d_bn3a_branch1_inv_std = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_weight)
+        d_bn3a_branch1_inv_std = mem.tensor(525, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch1_inv_std, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch1_sum_of_squares = -d_bn3a_branch1_inv_std/(50176*(bn3a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn3a_branch1_sum_of_squares = d_bn3a_branch1_inv_std  # in place: over d_bn3a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var)
+        # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
+        del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
+        mem.free(70)
+
+        # ---- bn3a_branch2c (batch norm), backward ----
+        # d_bn3a_branch2c_weight = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_inv_std)
+        d_bn3a_branch2c_weight = mem.tensor(526, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2c_weight, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch2c_centered = d_bn3a_branch2c_add*bn3a_branch2c_inv_std*bn3a_branch2c_weight + 2*d_bn3a_branch2c_sum_of_squares*bn3a_branch2c_centered
+        d_bn3a_branch2c_centered = bn3a_branch2c_centered  # in place: over bn3a_branch2c_centered
+        rt.ew(ew_mul_add_2, d_bn3a_branch2c_centered, d_bn3a_branch2c_add, bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered)
+        # free bn3a_branch2c_inv_std, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
+        del bn3a_branch2c_inv_std, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
+        mem.free(75, 524)
+        # d_bn3a_branch2c_W = reshape[512](d_bn3a_branch2c_weight)
+        d_bn3a_branch2c_W = rt.reshape(d_bn3a_branch2c_weight, shape=(512,))
+        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W
+        V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
+        rt.ew(ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W'])
+        # free d_bn3a_branch2c_weight, d_bn3a_branch2c_W
+        del d_bn3a_branch2c_weight, d_bn3a_branch2c_W
+        mem.free(526)
+        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
+        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
+        rt.ew(ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new)
+        # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch2c_centered)
+        d_bn3a_branch2c_batch_mean = mem.tensor(527, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean/25088
+        d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean  # in place: over d_bn3a_branch2c_batch_mean
+        rt.ew(ew_scale_3, d_bn3a_branch2c_sum, d_bn3a_branch2c_batch_mean)
+
+        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
+        # d_res3a_branch2c = d_bn3a_branch2c_centered + d_bn3a_branch2c_sum
+        d_res3a_branch2c = d_bn3a_branch2c_centered  # in place: over d_bn3a_branch2c_centered
+        rt.ew(ew_add, d_res3a_branch2c, d_bn3a_branch2c_centered, d_bn3a_branch2c_sum)
+        # free d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
+        del d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
+        mem.free(527)
+
         # ---- bn3a_branch1 (batch norm), backward ----
         # d_bn3a_branch1_bias = sum_to[1x512x1x1](d_bn3a_branch2c_add)
-        d_bn3a_branch1_bias = mem.tensor(690, (1, 512, 1, 1), 'float32')
+        d_bn3a_branch1_bias = mem.tensor(528, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2c_add, out=d_bn3a_branch1_bias, shape=(1, 512, 1, 1))
         # d_bn3a_branch1_B = reshape[512](d_bn3a_branch1_bias)
         d_bn3a_branch1_B = rt.reshape(d_bn3a_branch1_bias, shape=(512,))
@@ -7831,7 +6883,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3a_branch1_B_new, T['V_bn3a_branch1_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch1_B'])
         # free d_bn3a_branch1_bias, d_bn3a_branch1_B
         del d_bn3a_branch1_bias, d_bn3a_branch1_B
-        mem.free(690)
+        mem.free(528)
 
         # ---- bn3a_branch2c (batch norm), backward ----
         # bn3a_branch2c_B_new = bn3a_branch2c_B - lr*V_bn3a_branch2c_B_new
@@ -7842,353 +6894,15 @@ class Resnet50(rp.Model):
         # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
         bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
         rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
-
-        # ---- bn3a_branch2c (batch norm), backward ----
-        # d_bn3a_branch2c_mul = d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_weight
-        d_bn3a_branch2c_mul = mem.tensor(691, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2c_mul, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_weight)
-        # d_bn3a_branch2c_inv_std = sum_to[1x512x1x1](d_bn3a_branch2c_mul)
-        d_bn3a_branch2c_inv_std = mem.tensor(692, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2c_mul, out=d_bn3a_branch2c_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn3a_branch2c_mul
-        del d_bn3a_branch2c_mul
-        mem.free(691)
-        # d_bn3a_branch2c_sum_of_squares = -d_bn3a_branch2c_inv_std/(50176*(bn3a_branch2c_batch_var + 1.0e-5)**(3/2))
-        d_bn3a_branch2c_sum_of_squares = d_bn3a_branch2c_inv_std  # in place: over d_bn3a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2c_sum_of_squares, d_bn3a_branch2c_inv_std, bn3a_branch2c_batch_var)
-        # free bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
-        del bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
-        mem.free(89)
-        # d_bn3a_branch2c_centered = d_bn3a_branch2c_add*bn3a_branch2c_inv_std*bn3a_branch2c_weight + 2*d_bn3a_branch2c_sum_of_squares*bn3a_branch2c_centered
-        d_bn3a_branch2c_centered = mem.tensor(693, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul_add_2, d_bn3a_branch2c_centered, d_bn3a_branch2c_add, bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered)
-        # free d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
-        del d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
-        mem.free(692)
-        # d_bn3a_branch2c_mul_2 = d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_inv_std
-        d_bn3a_branch2c_mul_2 = bn3a_branch2c_centered  # in place: over bn3a_branch2c_centered
-        rt.ew(ew_mul_2, d_bn3a_branch2c_mul_2, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_inv_std)
-        # free bn3a_branch2c_inv_std
-        del bn3a_branch2c_inv_std
-        mem.free(90)
-        # d_bn3a_branch2c_weight = sum_to[1x512x1x1](d_bn3a_branch2c_mul_2)
-        d_bn3a_branch2c_weight = mem.tensor(694, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2c_mul_2, out=d_bn3a_branch2c_weight, shape=(1, 512, 1, 1))
-        # free res3a_branch2c, bn3a_branch2c_centered, d_bn3a_branch2c_mul_2
-        del res3a_branch2c, bn3a_branch2c_centered, d_bn3a_branch2c_mul_2
-        mem.free(86)
-        # d_bn3a_branch2c_W = reshape[512](d_bn3a_branch2c_weight)
-        d_bn3a_branch2c_W = rt.reshape(d_bn3a_branch2c_weight, shape=(512,))
-        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W
-        V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
-        rt.ew(ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W'])
-        # free d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        del d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        mem.free(694)
-        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
-        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
-        rt.ew(ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new)
-        # d_bn3a_branch2c_neg = -d_bn3a_branch2c_centered
-        d_bn3a_branch2c_neg = mem.tensor(695, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3a_branch2c_neg, d_bn3a_branch2c_centered)
-        # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](d_bn3a_branch2c_neg)
-        d_bn3a_branch2c_batch_mean = mem.tensor(696, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2c_neg, out=d_bn3a_branch2c_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn3a_branch2c_neg
-        del d_bn3a_branch2c_neg
-        mem.free(695)
-        # d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean/25088
-        d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean  # in place: over d_bn3a_branch2c_batch_mean
-        rt.ew(ew_scale_3, d_bn3a_branch2c_sum, d_bn3a_branch2c_batch_mean)
-
-        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # d_res3a_branch2c = d_bn3a_branch2c_centered + d_bn3a_branch2c_sum
-        d_res3a_branch2c = d_bn3a_branch2c_centered  # in place: over d_bn3a_branch2c_centered
-        rt.ew(ew_add, d_res3a_branch2c, d_bn3a_branch2c_centered, d_bn3a_branch2c_sum)
-        # free d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
-        del d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
-        mem.free(696)
-
-        # ---- bn3a_branch2b_relu (relu), forward ----
-        # bn3a_branch2b_relu_2 = Max(0, bn3a_branch2b_centered*bn3a_branch2b_inv_std*bn3a_branch2b_weight + bn3a_branch2b_bias)
-        bn3a_branch2b_relu_2 = mem.tensor(697, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul_add_relu, bn3a_branch2b_relu_2, bn3a_branch2b_centered, bn3a_branch2b_inv_std, bn3a_branch2b_weight, bn3a_branch2b_bias)
-
-        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # d_res3a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res3a_branch2c, bn3a_branch2b_relu_2)
-        d_res3a_branch2c_W = mem.tensor(698, (512, 128, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res3a_branch2c, bn3a_branch2b_relu_2, out=d_res3a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
-        # d_bn3a_branch2b_relu = conv2d_bwd_data[size=(28,28)](d_res3a_branch2c, res3a_branch2c_W)
-        d_bn3a_branch2b_relu = mem.tensor(699, (32, 128, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3a_branch2c, T['res3a_branch2c_W'], out=d_bn3a_branch2b_relu, pad=0, size=(28, 28), stride=1)
-        # free d_bn3a_branch2c_centered, d_res3a_branch2c
-        del d_bn3a_branch2c_centered, d_res3a_branch2c
-        mem.free(693)
-
-        # ---- bn3a_branch2b_relu (relu), backward ----
-        # d_bn3a_branch2b = d_bn3a_branch2b_relu*Heaviside(bn3a_branch2b_relu_2, 0)
-        d_bn3a_branch2b = d_bn3a_branch2b_relu  # in place: over d_bn3a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn3a_branch2b, d_bn3a_branch2b_relu, bn3a_branch2b_relu_2)
-        # free bn3a_branch2b_relu_2
-        del bn3a_branch2b_relu_2
-        mem.free(697)
-
-        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # V_res3a_branch2c_W_new = V_res3a_branch2c_W*momentum + d_res3a_branch2c_W + decay*res3a_branch2c_W
-        V_res3a_branch2c_W_new = T['V_res3a_branch2c_W']  # in place: the new V_res3a_branch2c_W
-        rt.ew(ew_mul_add, V_res3a_branch2c_W_new, T['V_res3a_branch2c_W'], momentum, d_res3a_branch2c_W, decay, T['res3a_branch2c_W'])
-        # free d_res3a_branch2c_W
-        del d_res3a_branch2c_W
-        mem.free(698)
-        # res3a_branch2c_W_new = res3a_branch2c_W - lr*V_res3a_branch2c_W_new
-        res3a_branch2c_W_new = T['res3a_branch2c_W']  # in place: the new res3a_branch2c_W
-        rt.ew(ew_mul_sub, res3a_branch2c_W_new, T['res3a_branch2c_W'], lr, V_res3a_branch2c_W_new)
-
-        # ---- bn3a_branch2b (batch norm), backward ----
-        # d_bn3a_branch2b_bias = sum_to[1x128x1x1](d_bn3a_branch2b)
-        d_bn3a_branch2b_bias = mem.tensor(700, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2b, out=d_bn3a_branch2b_bias, shape=(1, 128, 1, 1))
-        # d_bn3a_branch2b_B = reshape[128](d_bn3a_branch2b_bias)
-        d_bn3a_branch2b_B = rt.reshape(d_bn3a_branch2b_bias, shape=(128,))
-        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B
-        V_bn3a_branch2b_B_new = T['V_bn3a_branch2b_B']  # in place: the new V_bn3a_branch2b_B
-        rt.ew(ew_mul_add, V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B'])
-        # free d_bn3a_branch2b_bias, d_bn3a_branch2b_B
-        del d_bn3a_branch2b_bias, d_bn3a_branch2b_B
-        mem.free(700)
-        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new
-        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
-        rt.ew(ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new)
-        # d_bn3a_branch2b_mul = d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_weight
-        d_bn3a_branch2b_mul = mem.tensor(701, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2b_mul, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_weight)
-        # d_bn3a_branch2b_inv_std = sum_to[1x128x1x1](d_bn3a_branch2b_mul)
-        d_bn3a_branch2b_inv_std = mem.tensor(702, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2b_mul, out=d_bn3a_branch2b_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2b_mul
-        del d_bn3a_branch2b_mul
-        mem.free(701)
-        # d_bn3a_branch2b_sum_of_squares = -d_bn3a_branch2b_inv_std/(50176*(bn3a_branch2b_batch_var + 1.0e-5)**(3/2))
-        d_bn3a_branch2b_sum_of_squares = d_bn3a_branch2b_inv_std  # in place: over d_bn3a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2b_sum_of_squares, d_bn3a_branch2b_inv_std, bn3a_branch2b_batch_var)
-        # free bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
-        del bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
-        mem.free(78)
-        # d_bn3a_branch2b_centered = d_bn3a_branch2b*bn3a_branch2b_inv_std*bn3a_branch2b_weight + 2*d_bn3a_branch2b_sum_of_squares*bn3a_branch2b_centered
-        d_bn3a_branch2b_centered = mem.tensor(703, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul_add_2, d_bn3a_branch2b_centered, d_bn3a_branch2b, bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered)
-        # free d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
-        del d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
-        mem.free(702)
-        # d_bn3a_branch2b_mul_2 = d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_inv_std
-        d_bn3a_branch2b_mul_2 = d_bn3a_branch2b  # in place: over d_bn3a_branch2b
-        rt.ew(ew_mul_3, d_bn3a_branch2b_mul_2, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_inv_std)
-        # free res3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_inv_std
-        del res3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_inv_std
-        mem.free(75, 79)
-        # d_bn3a_branch2b_weight = sum_to[1x128x1x1](d_bn3a_branch2b_mul_2)
-        d_bn3a_branch2b_weight = mem.tensor(704, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2b_mul_2, out=d_bn3a_branch2b_weight, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2b_relu, d_bn3a_branch2b, d_bn3a_branch2b_mul_2
-        del d_bn3a_branch2b_relu, d_bn3a_branch2b, d_bn3a_branch2b_mul_2
-        mem.free(699)
-        # d_bn3a_branch2b_W = reshape[128](d_bn3a_branch2b_weight)
-        d_bn3a_branch2b_W = rt.reshape(d_bn3a_branch2b_weight, shape=(128,))
-        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W
-        V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
-        rt.ew(ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W'])
-        # free d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        del d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        mem.free(704)
-        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
-        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
-        rt.ew(ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new)
-        # d_bn3a_branch2b_neg = -d_bn3a_branch2b_centered
-        d_bn3a_branch2b_neg = mem.tensor(705, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3a_branch2b_neg, d_bn3a_branch2b_centered)
-        # d_bn3a_branch2b_batch_mean = sum_to[1x128x1x1](d_bn3a_branch2b_neg)
-        d_bn3a_branch2b_batch_mean = mem.tensor(706, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2b_neg, out=d_bn3a_branch2b_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2b_neg
-        del d_bn3a_branch2b_neg
-        mem.free(705)
-        # d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean/25088
-        d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean  # in place: over d_bn3a_branch2b_batch_mean
-        rt.ew(ew_scale_3, d_bn3a_branch2b_sum, d_bn3a_branch2b_batch_mean)
-
-        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
-        # d_res3a_branch2b = d_bn3a_branch2b_centered + d_bn3a_branch2b_sum
-        d_res3a_branch2b = d_bn3a_branch2b_centered  # in place: over d_bn3a_branch2b_centered
-        rt.ew(ew_add, d_res3a_branch2b, d_bn3a_branch2b_centered, d_bn3a_branch2b_sum)
-        # free d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
-        del d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
-        mem.free(706)
-
-        # ---- bn3a_branch2a_relu (relu), forward ----
-        # bn3a_branch2a_relu_2 = Max(0, bn3a_branch2a_centered*bn3a_branch2a_inv_std*bn3a_branch2a_weight + bn3a_branch2a_bias)
-        bn3a_branch2a_relu_2 = mem.tensor(707, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul_add_relu, bn3a_branch2a_relu_2, bn3a_branch2a_centered, bn3a_branch2a_inv_std, bn3a_branch2a_weight, bn3a_branch2a_bias)
-
-        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
-        # d_res3a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3a_branch2b, bn3a_branch2a_relu_2)
-        d_res3a_branch2b_W = mem.tensor(708, (128, 128, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res3a_branch2b, bn3a_branch2a_relu_2, out=d_res3a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31913984))
-        # V_res3a_branch2b_W_new = V_res3a_branch2b_W*momentum + d_res3a_branch2b_W + decay*res3a_branch2b_W
-        V_res3a_branch2b_W_new = T['V_res3a_branch2b_W']  # in place: the new V_res3a_branch2b_W
-        rt.ew(ew_mul_add, V_res3a_branch2b_W_new, T['V_res3a_branch2b_W'], momentum, d_res3a_branch2b_W, decay, T['res3a_branch2b_W'])
-        # free d_res3a_branch2b_W
-        del d_res3a_branch2b_W
-        mem.free(708)
-        # d_bn3a_branch2a_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res3a_branch2b, res3a_branch2b_W)
-        d_bn3a_branch2a_relu = mem.tensor(709, (32, 128, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3a_branch2b, T['res3a_branch2b_W'], out=d_bn3a_branch2a_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(33338368))
-        # free d_bn3a_branch2b_centered, d_res3a_branch2b
-        del d_bn3a_branch2b_centered, d_res3a_branch2b
-        mem.free(703)
-
-        # ---- bn3a_branch2a_relu (relu), backward ----
-        # d_bn3a_branch2a = d_bn3a_branch2a_relu*Heaviside(bn3a_branch2a_relu_2, 0)
-        d_bn3a_branch2a = d_bn3a_branch2a_relu  # in place: over d_bn3a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn3a_branch2a, d_bn3a_branch2a_relu, bn3a_branch2a_relu_2)
-        # free bn3a_branch2a_relu_2
-        del bn3a_branch2a_relu_2
-        mem.free(707)
-
-        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
-        # res3a_branch2b_W_new = res3a_branch2b_W - lr*V_res3a_branch2b_W_new
-        res3a_branch2b_W_new = T['res3a_branch2b_W']  # in place: the new res3a_branch2b_W
-        rt.ew(ew_mul_sub, res3a_branch2b_W_new, T['res3a_branch2b_W'], lr, V_res3a_branch2b_W_new)
-
-        # ---- bn3a_branch2a (batch norm), backward ----
-        # d_bn3a_branch2a_bias = sum_to[1x128x1x1](d_bn3a_branch2a)
-        d_bn3a_branch2a_bias = mem.tensor(710, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2a, out=d_bn3a_branch2a_bias, shape=(1, 128, 1, 1))
-        # d_bn3a_branch2a_B = reshape[128](d_bn3a_branch2a_bias)
-        d_bn3a_branch2a_B = rt.reshape(d_bn3a_branch2a_bias, shape=(128,))
-        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B
-        V_bn3a_branch2a_B_new = T['V_bn3a_branch2a_B']  # in place: the new V_bn3a_branch2a_B
-        rt.ew(ew_mul_add, V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B'])
-        # free d_bn3a_branch2a_bias, d_bn3a_branch2a_B
-        del d_bn3a_branch2a_bias, d_bn3a_branch2a_B
-        mem.free(710)
-        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new
-        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
-        rt.ew(ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new)
-        # d_bn3a_branch2a_mul = d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_weight
-        d_bn3a_branch2a_mul = mem.tensor(711, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2a_mul, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_weight)
-        # d_bn3a_branch2a_inv_std = sum_to[1x128x1x1](d_bn3a_branch2a_mul)
-        d_bn3a_branch2a_inv_std = mem.tensor(712, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2a_mul, out=d_bn3a_branch2a_inv_std, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2a_mul
-        del d_bn3a_branch2a_mul
-        mem.free(711)
-        # d_bn3a_branch2a_sum_of_squares = -d_bn3a_branch2a_inv_std/(50176*(bn3a_branch2a_batch_var + 1.0e-5)**(3/2))
-        d_bn3a_branch2a_sum_of_squares = d_bn3a_branch2a_inv_std  # in place: over d_bn3a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2a_sum_of_squares, d_bn3a_branch2a_inv_std, bn3a_branch2a_batch_var)
-        # free bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
-        del bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
-        mem.free(72)
-        # d_bn3a_branch2a_centered = d_bn3a_branch2a*bn3a_branch2a_inv_std*bn3a_branch2a_weight + 2*d_bn3a_branch2a_sum_of_squares*bn3a_branch2a_centered
-        d_bn3a_branch2a_centered = mem.tensor(713, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_mul_add_2, d_bn3a_branch2a_centered, d_bn3a_branch2a, bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered)
-        # free d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
-        del d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
-        mem.free(712)
-        # d_bn3a_branch2a_mul_2 = d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_inv_std
-        d_bn3a_branch2a_mul_2 = d_bn3a_branch2a  # in place: over d_bn3a_branch2a
-        rt.ew(ew_mul_3, d_bn3a_branch2a_mul_2, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_inv_std)
-        # free res3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_inv_std
-        del res3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_inv_std
-        mem.free(69, 73)
-        # d_bn3a_branch2a_weight = sum_to[1x128x1x1](d_bn3a_branch2a_mul_2)
-        d_bn3a_branch2a_weight = mem.tensor(714, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2a_mul_2, out=d_bn3a_branch2a_weight, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2a_relu, d_bn3a_branch2a, d_bn3a_branch2a_mul_2
-        del d_bn3a_branch2a_relu, d_bn3a_branch2a, d_bn3a_branch2a_mul_2
-        mem.free(709)
-        # d_bn3a_branch2a_W = reshape[128](d_bn3a_branch2a_weight)
-        d_bn3a_branch2a_W = rt.reshape(d_bn3a_branch2a_weight, shape=(128,))
-        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W
-        V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
-        rt.ew(ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W'])
-        # free d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        del d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        mem.free(714)
-        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
-        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
-        rt.ew(ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new)
-        # d_bn3a_branch2a_neg = -d_bn3a_branch2a_centered
-        d_bn3a_branch2a_neg = mem.tensor(715, (32, 128, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3a_branch2a_neg, d_bn3a_branch2a_centered)
-        # d_bn3a_branch2a_batch_mean = sum_to[1x128x1x1](d_bn3a_branch2a_neg)
-        d_bn3a_branch2a_batch_mean = mem.tensor(716, (1, 128, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch2a_neg, out=d_bn3a_branch2a_batch_mean, shape=(1, 128, 1, 1))
-        # free d_bn3a_branch2a_neg
-        del d_bn3a_branch2a_neg
-        mem.free(715)
-        # d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean/25088
-        d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean  # in place: over d_bn3a_branch2a_batch_mean
-        rt.ew(ew_scale_3, d_bn3a_branch2a_sum, d_bn3a_branch2a_batch_mean)
-
-        # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), backward ----
-        # d_res3a_branch2a = d_bn3a_branch2a_centered + d_bn3a_branch2a_sum
-        d_res3a_branch2a = d_bn3a_branch2a_centered  # in place: over d_bn3a_branch2a_centered
-        rt.ew(ew_add, d_res3a_branch2a, d_bn3a_branch2a_centered, d_bn3a_branch2a_sum)
-        # free d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
-        del d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
-        mem.free(716)
-
-        # ---- bn2c_branch2c_relu (relu), forward ----
-        # bn2c_branch2c_relu_2 = Max(0, bn2c_branch2c_centered*bn2c_branch2c_inv_std*bn2c_branch2c_weight + bn2c_branch2c_bias + bn2b_branch2c_relu)
-        bn2c_branch2c_relu_2 = mem.tensor(717, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul_add_relu_4, bn2c_branch2c_relu_2, bn2c_branch2c_centered, bn2c_branch2c_inv_std, bn2c_branch2c_weight, bn2c_branch2c_bias, bn2b_branch2c_relu)
-
-        # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), backward ----
-        # d_res3a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3a_branch2a, bn2c_branch2c_relu_2)
-        d_res3a_branch2a_W = mem.tensor(718, (128, 256, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res3a_branch2a, bn2c_branch2c_relu_2, out=d_res3a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19398656))
-        # V_res3a_branch2a_W_new = V_res3a_branch2a_W*momentum + d_res3a_branch2a_W + decay*res3a_branch2a_W
-        V_res3a_branch2a_W_new = T['V_res3a_branch2a_W']  # in place: the new V_res3a_branch2a_W
-        rt.ew(ew_mul_add, V_res3a_branch2a_W_new, T['V_res3a_branch2a_W'], momentum, d_res3a_branch2a_W, decay, T['res3a_branch2a_W'])
-        # free d_res3a_branch2a_W
-        del d_res3a_branch2a_W
-        mem.free(718)
-
-        # ---- bn3a_branch1 (batch norm), backward ----
-        # d_bn3a_branch1_mul = d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_weight
-        d_bn3a_branch1_mul = mem.tensor(719, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch1_mul, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_weight)
-        # d_bn3a_branch1_inv_std = sum_to[1x512x1x1](d_bn3a_branch1_mul)
-        d_bn3a_branch1_inv_std = mem.tensor(720, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch1_mul, out=d_bn3a_branch1_inv_std, shape=(1, 512, 1, 1))
-        # free d_bn3a_branch1_mul
-        del d_bn3a_branch1_mul
-        mem.free(719)
-        # d_bn3a_branch1_sum_of_squares = -d_bn3a_branch1_inv_std/(50176*(bn3a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn3a_branch1_sum_of_squares = d_bn3a_branch1_inv_std  # in place: over d_bn3a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var)
-        # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
-        del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
-        mem.free(84)
+        # d_bn3a_branch1_weight = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_inv_std)
+        d_bn3a_branch1_weight = mem.tensor(529, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch1_weight, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch1_centered = d_bn3a_branch2c_add*bn3a_branch1_inv_std*bn3a_branch1_weight + 2*d_bn3a_branch1_sum_of_squares*bn3a_branch1_centered
-        d_bn3a_branch1_centered = mem.tensor(721, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_mul_add_2, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered)
-        # free d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
-        del d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
-        mem.free(720)
-        # d_bn3a_branch1_mul_2 = d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_inv_std
-        d_bn3a_branch1_mul_2 = d_bn3a_branch2c_add  # in place: over d_bn3a_branch2c_add
-        rt.ew(ew_mul_3, d_bn3a_branch1_mul_2, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_inv_std)
-        # free res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std
-        del res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std
-        mem.free(81, 85)
-        # d_bn3a_branch1_weight = sum_to[1x512x1x1](d_bn3a_branch1_mul_2)
-        d_bn3a_branch1_weight = mem.tensor(722, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch1_mul_2, out=d_bn3a_branch1_weight, shape=(1, 512, 1, 1))
-        # free d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_mul_2
-        del d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_mul_2
-        mem.free(599)
+        d_bn3a_branch1_centered = d_bn3a_branch2c_add  # in place: over d_bn3a_branch2c_add
+        rt.ew(ew_mul_add_3, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered)
+        # free res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std, d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
+        del res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std, d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
+        mem.free(68, 71, 525)
         # d_bn3a_branch1_W = reshape[512](d_bn3a_branch1_weight)
         d_bn3a_branch1_W = rt.reshape(d_bn3a_branch1_weight, shape=(512,))
         # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W
@@ -8196,19 +6910,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W'])
         # free d_bn3a_branch1_weight, d_bn3a_branch1_W
         del d_bn3a_branch1_weight, d_bn3a_branch1_W
-        mem.free(722)
+        mem.free(529)
         # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new
         bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
         rt.ew(ew_mul_sub, bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new)
-        # d_bn3a_branch1_neg = -d_bn3a_branch1_centered
-        d_bn3a_branch1_neg = mem.tensor(723, (32, 512, 28, 28), 'float32')
-        rt.ew(ew_neg, d_bn3a_branch1_neg, d_bn3a_branch1_centered)
-        # d_bn3a_branch1_batch_mean = sum_to[1x512x1x1](d_bn3a_branch1_neg)
-        d_bn3a_branch1_batch_mean = mem.tensor(724, (1, 512, 1, 1), 'float32')
-        rt.sum_to(d_bn3a_branch1_neg, out=d_bn3a_branch1_batch_mean, shape=(1, 512, 1, 1))
-        # free d_bn3a_branch1_neg
-        del d_bn3a_branch1_neg
-        mem.free(723)
+        # d_bn3a_branch1_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch1_centered)
+        d_bn3a_branch1_batch_mean = mem.tensor(530, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3a_branch1_batch_mean, d_bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean/25088
         d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean  # in place: over d_bn3a_branch1_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch1_sum, d_bn3a_branch1_batch_mean)
@@ -8219,33 +6927,245 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3a_branch1, d_bn3a_branch1_centered, d_bn3a_branch1_sum)
         # free d_bn3a_branch1_batch_mean, d_bn3a_branch1_sum
         del d_bn3a_branch1_batch_mean, d_bn3a_branch1_sum
-        mem.free(724)
+        mem.free(530)
+
+        # ---- bn3a_branch2b_relu (relu), forward ----
+        # bn3a_branch2b_relu_2 = Max(0, bn3a_branch2b_centered*bn3a_branch2b_inv_std*bn3a_branch2b_weight + bn3a_branch2b_bias)
+        bn3a_branch2b_relu_2 = mem.tensor(531, (32, 128, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, bn3a_branch2b_relu_2, bn3a_branch2b_centered, bn3a_branch2b_inv_std, bn3a_branch2b_weight, bn3a_branch2b_bias)
+
+        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
+        # d_res3a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res3a_branch2c, bn3a_branch2b_relu_2)
+        d_res3a_branch2c_W = mem.tensor(532, (512, 128, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res3a_branch2c, bn3a_branch2b_relu_2, out=d_res3a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
+        # d_bn3a_branch2b_relu = conv2d_bwd_data[size=(28,28)](d_res3a_branch2c, res3a_branch2c_W)
+        d_bn3a_branch2b_relu = mem.tensor(533, (32, 128, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res3a_branch2c, T['res3a_branch2c_W'], out=d_bn3a_branch2b_relu, pad=0, size=(28, 28), stride=1)
+        # free res3a_branch2c, bn3a_branch2c_centered, d_bn3a_branch2c_centered, d_res3a_branch2c
+        del res3a_branch2c, bn3a_branch2c_centered, d_bn3a_branch2c_centered, d_res3a_branch2c
+        mem.free(72)
+
+        # ---- bn3a_branch2b_relu (relu), backward ----
+        # d_bn3a_branch2b = d_bn3a_branch2b_relu*Heaviside(bn3a_branch2b_relu_2, 0)
+        d_bn3a_branch2b = d_bn3a_branch2b_relu  # in place: over d_bn3a_branch2b_relu
+        rt.ew(ew_step_mul, d_bn3a_branch2b, d_bn3a_branch2b_relu, bn3a_branch2b_relu_2)
+        # free bn3a_branch2b_relu_2
+        del bn3a_branch2b_relu_2
+        mem.free(531)
+
+        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
+        # V_res3a_branch2c_W_new = V_res3a_branch2c_W*momentum + d_res3a_branch2c_W + decay*res3a_branch2c_W
+        V_res3a_branch2c_W_new = T['V_res3a_branch2c_W']  # in place: the new V_res3a_branch2c_W
+        rt.ew(ew_mul_add, V_res3a_branch2c_W_new, T['V_res3a_branch2c_W'], momentum, d_res3a_branch2c_W, decay, T['res3a_branch2c_W'])
+        # free d_res3a_branch2c_W
+        del d_res3a_branch2c_W
+        mem.free(532)
+        # res3a_branch2c_W_new = res3a_branch2c_W - lr*V_res3a_branch2c_W_new
+        res3a_branch2c_W_new = T['res3a_branch2c_W']  # in place: the new res3a_branch2c_W
+        rt.ew(ew_mul_sub, res3a_branch2c_W_new, T['res3a_branch2c_W'], lr, V_res3a_branch2c_W_new)
+
+        # ---- bn3a_branch2b (batch norm), backward ----
+        # d_bn3a_branch2b_inv_std = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_weight)
+        d_bn3a_branch2b_inv_std = mem.tensor(534, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2b_inv_std, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2b_sum_of_squares = -d_bn3a_branch2b_inv_std/(50176*(bn3a_branch2b_batch_var + 1.0e-5)**(3/2))
+        d_bn3a_branch2b_sum_of_squares = d_bn3a_branch2b_inv_std  # in place: over d_bn3a_branch2b_inv_std
+        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2b_sum_of_squares, d_bn3a_branch2b_inv_std, bn3a_branch2b_batch_var)
+        # free bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
+        del bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
+        mem.free(65)
+        # d_bn3a_branch2b_weight = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_inv_std)
+        d_bn3a_branch2b_weight = mem.tensor(535, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2b_weight, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2b_centered = d_bn3a_branch2b*bn3a_branch2b_inv_std*bn3a_branch2b_weight + 2*d_bn3a_branch2b_sum_of_squares*bn3a_branch2b_centered
+        d_bn3a_branch2b_centered = bn3a_branch2b_centered  # in place: over bn3a_branch2b_centered
+        rt.ew(ew_mul_add_2, d_bn3a_branch2b_centered, d_bn3a_branch2b, bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered)
+        # free bn3a_branch2b_inv_std, d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
+        del bn3a_branch2b_inv_std, d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
+        mem.free(66, 534)
+        # d_bn3a_branch2b_bias = sum_to[1x128x1x1](d_bn3a_branch2b)
+        d_bn3a_branch2b_bias = mem.tensor(536, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3a_branch2b, out=d_bn3a_branch2b_bias, shape=(1, 128, 1, 1))
+        # free d_bn3a_branch2b_relu, d_bn3a_branch2b
+        del d_bn3a_branch2b_relu, d_bn3a_branch2b
+        mem.free(533)
+        # d_bn3a_branch2b_W = reshape[128](d_bn3a_branch2b_weight)
+        d_bn3a_branch2b_W = rt.reshape(d_bn3a_branch2b_weight, shape=(128,))
+        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W
+        V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
+        rt.ew(ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W'])
+        # free d_bn3a_branch2b_weight, d_bn3a_branch2b_W
+        del d_bn3a_branch2b_weight, d_bn3a_branch2b_W
+        mem.free(535)
+        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
+        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
+        rt.ew(ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new)
+        # d_bn3a_branch2b_B = reshape[128](d_bn3a_branch2b_bias)
+        d_bn3a_branch2b_B = rt.reshape(d_bn3a_branch2b_bias, shape=(128,))
+        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B
+        V_bn3a_branch2b_B_new = T['V_bn3a_branch2b_B']  # in place: the new V_bn3a_branch2b_B
+        rt.ew(ew_mul_add, V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B'])
+        # free d_bn3a_branch2b_bias, d_bn3a_branch2b_B
+        del d_bn3a_branch2b_bias, d_bn3a_branch2b_B
+        mem.free(536)
+        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new
+        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
+        rt.ew(ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new)
+        # d_bn3a_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2b_centered)
+        d_bn3a_branch2b_batch_mean = mem.tensor(537, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean/25088
+        d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean  # in place: over d_bn3a_branch2b_batch_mean
+        rt.ew(ew_scale_3, d_bn3a_branch2b_sum, d_bn3a_branch2b_batch_mean)
+
+        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # d_res3a_branch2b = d_bn3a_branch2b_centered + d_bn3a_branch2b_sum
+        d_res3a_branch2b = d_bn3a_branch2b_centered  # in place: over d_bn3a_branch2b_centered
+        rt.ew(ew_add, d_res3a_branch2b, d_bn3a_branch2b_centered, d_bn3a_branch2b_sum)
+        # free d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
+        del d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
+        mem.free(537)
+
+        # ---- bn2c_branch2c_relu (relu), forward ----
+        # bn2c_branch2c_relu_2 = Max(0, bn2c_branch2c_centered*bn2c_branch2c_inv_std*bn2c_branch2c_weight + bn2c_branch2c_bias + bn2b_branch2c_relu)
+        bn2c_branch2c_relu_2 = mem.tensor(538, (32, 256, 56, 56), 'float32')
+        rt.ew(ew_mul_add_relu_4, bn2c_branch2c_relu_2, bn2c_branch2c_centered, bn2c_branch2c_inv_std, bn2c_branch2c_weight, bn2c_branch2c_bias, bn2b_branch2c_relu)
+
+        # ---- res3a_branch1 (conv 1x1, 512 channels, stride 2, padding 0), backward ----
         # d_res3a_branch1_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3a_branch1, bn2c_branch2c_relu_2)
-        d_res3a_branch1_W = mem.tensor(725, (512, 256, 1, 1), 'float32')
+        d_res3a_branch1_W = mem.tensor(539, (512, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3a_branch1, bn2c_branch2c_relu_2, out=d_res3a_branch1_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(27017216))
         # V_res3a_branch1_W_new = V_res3a_branch1_W*momentum + d_res3a_branch1_W + decay*res3a_branch1_W
         V_res3a_branch1_W_new = T['V_res3a_branch1_W']  # in place: the new V_res3a_branch1_W
         rt.ew(ew_mul_add, V_res3a_branch1_W_new, T['V_res3a_branch1_W'], momentum, d_res3a_branch1_W, decay, T['res3a_branch1_W'])
         # free d_res3a_branch1_W
         del d_res3a_branch1_W
-        mem.free(725)
+        mem.free(539)
+
+        # ---- bn3a_branch2a_relu (relu), forward ----
+        # bn3a_branch2a_relu_2 = Max(0, bn3a_branch2a_centered*bn3a_branch2a_inv_std*bn3a_branch2a_weight + bn3a_branch2a_bias)
+        bn3a_branch2a_relu_2 = mem.tensor(540, (32, 128, 28, 28), 'float32')
+        rt.ew(ew_mul_add_relu, bn3a_branch2a_relu_2, bn3a_branch2a_centered, bn3a_branch2a_inv_std, bn3a_branch2a_weight, bn3a_branch2a_bias)
+
+        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # d_res3a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3a_branch2b, bn3a_branch2a_relu_2)
+        d_res3a_branch2b_W = mem.tensor(541, (128, 128, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res3a_branch2b, bn3a_branch2a_relu_2, out=d_res3a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31913984))
+        # V_res3a_branch2b_W_new = V_res3a_branch2b_W*momentum + d_res3a_branch2b_W + decay*res3a_branch2b_W
+        V_res3a_branch2b_W_new = T['V_res3a_branch2b_W']  # in place: the new V_res3a_branch2b_W
+        rt.ew(ew_mul_add, V_res3a_branch2b_W_new, T['V_res3a_branch2b_W'], momentum, d_res3a_branch2b_W, decay, T['res3a_branch2b_W'])
+        # free d_res3a_branch2b_W
+        del d_res3a_branch2b_W
+        mem.free(541)
+        # d_bn3a_branch2a_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res3a_branch2b, res3a_branch2b_W)
+        d_bn3a_branch2a_relu = mem.tensor(542, (32, 128, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res3a_branch2b, T['res3a_branch2b_W'], out=d_bn3a_branch2a_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(33338368))
+        # free res3a_branch2b, bn3a_branch2b_centered, d_bn3a_branch2b_centered, d_res3a_branch2b
+        del res3a_branch2b, bn3a_branch2b_centered, d_bn3a_branch2b_centered, d_res3a_branch2b
+        mem.free(63)
+
+        # ---- bn3a_branch2a_relu (relu), backward ----
+        # d_bn3a_branch2a = d_bn3a_branch2a_relu*Heaviside(bn3a_branch2a_relu_2, 0)
+        d_bn3a_branch2a = d_bn3a_branch2a_relu  # in place: over d_bn3a_branch2a_relu
+        rt.ew(ew_step_mul, d_bn3a_branch2a, d_bn3a_branch2a_relu, bn3a_branch2a_relu_2)
+        # free bn3a_branch2a_relu_2
+        del bn3a_branch2a_relu_2
+        mem.free(540)
+
+        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), backward ----
+        # res3a_branch2b_W_new = res3a_branch2b_W - lr*V_res3a_branch2b_W_new
+        res3a_branch2b_W_new = T['res3a_branch2b_W']  # in place: the new res3a_branch2b_W
+        rt.ew(ew_mul_sub, res3a_branch2b_W_new, T['res3a_branch2b_W'], lr, V_res3a_branch2b_W_new)
+
+        # ---- bn3a_branch2a (batch norm), backward ----
+        # d_bn3a_branch2a_inv_std = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_weight)
+        d_bn3a_branch2a_inv_std = mem.tensor(543, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2a_inv_std, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2a_sum_of_squares = -d_bn3a_branch2a_inv_std/(50176*(bn3a_branch2a_batch_var + 1.0e-5)**(3/2))
+        d_bn3a_branch2a_sum_of_squares = d_bn3a_branch2a_inv_std  # in place: over d_bn3a_branch2a_inv_std
+        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2a_sum_of_squares, d_bn3a_branch2a_inv_std, bn3a_branch2a_batch_var)
+        # free bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
+        del bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
+        mem.free(60)
+        # d_bn3a_branch2a_weight = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_inv_std)
+        d_bn3a_branch2a_weight = mem.tensor(544, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2a_weight, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2a_centered = d_bn3a_branch2a*bn3a_branch2a_inv_std*bn3a_branch2a_weight + 2*d_bn3a_branch2a_sum_of_squares*bn3a_branch2a_centered
+        d_bn3a_branch2a_centered = bn3a_branch2a_centered  # in place: over bn3a_branch2a_centered
+        rt.ew(ew_mul_add_2, d_bn3a_branch2a_centered, d_bn3a_branch2a, bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered)
+        # free bn3a_branch2a_inv_std, d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
+        del bn3a_branch2a_inv_std, d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
+        mem.free(61, 543)
+        # d_bn3a_branch2a_bias = sum_to[1x128x1x1](d_bn3a_branch2a)
+        d_bn3a_branch2a_bias = mem.tensor(545, (1, 128, 1, 1), 'float32')
+        rt.sum_to(d_bn3a_branch2a, out=d_bn3a_branch2a_bias, shape=(1, 128, 1, 1))
+        # free d_bn3a_branch2a_relu, d_bn3a_branch2a
+        del d_bn3a_branch2a_relu, d_bn3a_branch2a
+        mem.free(542)
+        # d_bn3a_branch2a_W = reshape[128](d_bn3a_branch2a_weight)
+        d_bn3a_branch2a_W = rt.reshape(d_bn3a_branch2a_weight, shape=(128,))
+        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W
+        V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
+        rt.ew(ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W'])
+        # free d_bn3a_branch2a_weight, d_bn3a_branch2a_W
+        del d_bn3a_branch2a_weight, d_bn3a_branch2a_W
+        mem.free(544)
+        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
+        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
+        rt.ew(ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new)
+        # d_bn3a_branch2a_B = reshape[128](d_bn3a_branch2a_bias)
+        d_bn3a_branch2a_B = rt.reshape(d_bn3a_branch2a_bias, shape=(128,))
+        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B
+        V_bn3a_branch2a_B_new = T['V_bn3a_branch2a_B']  # in place: the new V_bn3a_branch2a_B
+        rt.ew(ew_mul_add, V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B'])
+        # free d_bn3a_branch2a_bias, d_bn3a_branch2a_B
+        del d_bn3a_branch2a_bias, d_bn3a_branch2a_B
+        mem.free(545)
+        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new
+        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
+        rt.ew(ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new)
+        # d_bn3a_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2a_centered)
+        d_bn3a_branch2a_batch_mean = mem.tensor(546, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean/25088
+        d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean  # in place: over d_bn3a_branch2a_batch_mean
+        rt.ew(ew_scale_3, d_bn3a_branch2a_sum, d_bn3a_branch2a_batch_mean)
+
+        # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), backward ----
+        # d_res3a_branch2a = d_bn3a_branch2a_centered + d_bn3a_branch2a_sum
+        d_res3a_branch2a = d_bn3a_branch2a_centered  # in place: over d_bn3a_branch2a_centered
+        rt.ew(ew_add, d_res3a_branch2a, d_bn3a_branch2a_centered, d_bn3a_branch2a_sum)
+        # free d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
+        del d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
+        mem.free(546)
+        # d_res3a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3a_branch2a, bn2c_branch2c_relu_2)
+        d_res3a_branch2a_W = mem.tensor(547, (128, 256, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res3a_branch2a, bn2c_branch2c_relu_2, out=d_res3a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19398656))
+        # V_res3a_branch2a_W_new = V_res3a_branch2a_W*momentum + d_res3a_branch2a_W + decay*res3a_branch2a_W
+        V_res3a_branch2a_W_new = T['V_res3a_branch2a_W']  # in place: the new V_res3a_branch2a_W
+        rt.ew(ew_mul_add, V_res3a_branch2a_W_new, T['V_res3a_branch2a_W'], momentum, d_res3a_branch2a_W, decay, T['res3a_branch2a_W'])
+        # free d_res3a_branch2a_W
+        del d_res3a_branch2a_W
+        mem.free(547)
+
+        # ---- res3a_branch1 (conv 1x1, 512 channels, stride 2, padding 0), backward ----
         # d_bn2c_branch2c_relu = conv2d_bwd_data[size=(56,56),stride=2](d_res3a_branch1, res3a_branch1_W)
-        d_bn2c_branch2c_relu = mem.tensor(726, (32, 256, 56, 56), 'float32')
+        d_bn2c_branch2c_relu = mem.tensor(548, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res3a_branch1, T['res3a_branch1_W'], out=d_bn2c_branch2c_relu, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(25690112))
-        # free d_bn3a_branch1_centered, d_res3a_branch1
-        del d_bn3a_branch1_centered, d_res3a_branch1
-        mem.free(721)
+        # free d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_centered, d_res3a_branch1
+        del d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_centered, d_res3a_branch1
+        mem.free(460)
         # res3a_branch1_W_new = res3a_branch1_W - lr*V_res3a_branch1_W_new
         res3a_branch1_W_new = T['res3a_branch1_W']  # in place: the new res3a_branch1_W
         rt.ew(ew_mul_sub, res3a_branch1_W_new, T['res3a_branch1_W'], lr, V_res3a_branch1_W_new)
 
         # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), backward ----
         # d_bn2c_branch2c_relu_2 = conv2d_bwd_data[size=(56,56),stride=2](d_res3a_branch2a, res3a_branch2a_W)
-        d_bn2c_branch2c_relu_2 = mem.tensor(727, (32, 256, 56, 56), 'float32')
+        d_bn2c_branch2c_relu_2 = mem.tensor(549, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res3a_branch2a, T['res3a_branch2a_W'], out=d_bn2c_branch2c_relu_2, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(25690112))
-        # free d_bn3a_branch2a_centered, d_res3a_branch2a
-        del d_bn3a_branch2a_centered, d_res3a_branch2a
-        mem.free(713)
+        # free res3a_branch2a, bn3a_branch2a_centered, d_bn3a_branch2a_centered, d_res3a_branch2a
+        del res3a_branch2a, bn3a_branch2a_centered, d_bn3a_branch2a_centered, d_res3a_branch2a
+        mem.free(58)
 
         # ---- bn2c_branch2c_relu (relu), backward ----
         # d_bn2c_branch2c_add = (d_bn2c_branch2c_relu + d_bn2c_branch2c_relu_2)*Heaviside(bn2c_branch2c_relu_2, 0)
@@ -8253,7 +7173,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn2c_branch2c_add, d_bn2c_branch2c_relu, d_bn2c_branch2c_relu_2, bn2c_branch2c_relu_2)
         # free bn2c_branch2c_relu_2, d_bn2c_branch2c_relu_2
         del bn2c_branch2c_relu_2, d_bn2c_branch2c_relu_2
-        mem.free(717, 727)
+        mem.free(538, 549)
 
         # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), backward ----
         # res3a_branch2a_W_new = res3a_branch2a_W - lr*V_res3a_branch2a_W_new
@@ -8261,53 +7181,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2a_W_new, T['res3a_branch2a_W'], lr, V_res3a_branch2a_W_new)
 
         # ---- bn2c_branch2c (batch norm), backward ----
-        # d_bn2c_branch2c_bias = sum_to[1x256x1x1](d_bn2c_branch2c_add)
-        d_bn2c_branch2c_bias = mem.tensor(728, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2c_add, out=d_bn2c_branch2c_bias, shape=(1, 256, 1, 1))
-        # d_bn2c_branch2c_B = reshape[256](d_bn2c_branch2c_bias)
-        d_bn2c_branch2c_B = rt.reshape(d_bn2c_branch2c_bias, shape=(256,))
-        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B
-        V_bn2c_branch2c_B_new = T['V_bn2c_branch2c_B']  # in place: the new V_bn2c_branch2c_B
-        rt.ew(ew_mul_add, V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B'])
-        # free d_bn2c_branch2c_bias, d_bn2c_branch2c_B
-        del d_bn2c_branch2c_bias, d_bn2c_branch2c_B
-        mem.free(728)
-        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new
-        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
-        rt.ew(ew_mul_sub, bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new)
-        # d_bn2c_branch2c_mul = d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_weight
-        d_bn2c_branch2c_mul = mem.tensor(729, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2c_mul, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_weight)
-        # d_bn2c_branch2c_inv_std = sum_to[1x256x1x1](d_bn2c_branch2c_mul)
-        d_bn2c_branch2c_inv_std = mem.tensor(730, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2c_mul, out=d_bn2c_branch2c_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn2c_branch2c_mul
-        del d_bn2c_branch2c_mul
-        mem.free(729)
+        # d_bn2c_branch2c_inv_std = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_weight)
+        d_bn2c_branch2c_inv_std = mem.tensor(550, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_sum_of_squares = -d_bn2c_branch2c_inv_std/(200704*(bn2c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2c_sum_of_squares = d_bn2c_branch2c_inv_std  # in place: over d_bn2c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2c_sum_of_squares, d_bn2c_branch2c_inv_std, bn2c_branch2c_batch_var)
         # free bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         del bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
-        mem.free(66)
+        mem.free(55)
+        # d_bn2c_branch2c_weight = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_inv_std)
+        d_bn2c_branch2c_weight = mem.tensor(551, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2c_weight, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_centered = d_bn2c_branch2c_add*bn2c_branch2c_inv_std*bn2c_branch2c_weight + 2*d_bn2c_branch2c_sum_of_squares*bn2c_branch2c_centered
-        d_bn2c_branch2c_centered = mem.tensor(731, (32, 256, 56, 56), 'float32')
+        d_bn2c_branch2c_centered = bn2c_branch2c_centered  # in place: over bn2c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2c_centered, d_bn2c_branch2c_add, bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered)
-        # free d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
-        del d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
-        mem.free(730)
-        # d_bn2c_branch2c_mul_2 = d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_inv_std
-        d_bn2c_branch2c_mul_2 = bn2c_branch2c_centered  # in place: over bn2c_branch2c_centered
-        rt.ew(ew_mul_2, d_bn2c_branch2c_mul_2, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_inv_std)
-        # free bn2c_branch2c_inv_std
-        del bn2c_branch2c_inv_std
-        mem.free(67)
-        # d_bn2c_branch2c_weight = sum_to[1x256x1x1](d_bn2c_branch2c_mul_2)
-        d_bn2c_branch2c_weight = mem.tensor(732, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2c_mul_2, out=d_bn2c_branch2c_weight, shape=(1, 256, 1, 1))
-        # free res2c_branch2c, bn2c_branch2c_centered, d_bn2c_branch2c_mul_2
-        del res2c_branch2c, bn2c_branch2c_centered, d_bn2c_branch2c_mul_2
-        mem.free(63)
+        # free bn2c_branch2c_inv_std, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
+        del bn2c_branch2c_inv_std, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
+        mem.free(56, 550)
         # d_bn2c_branch2c_W = reshape[256](d_bn2c_branch2c_weight)
         d_bn2c_branch2c_W = rt.reshape(d_bn2c_branch2c_weight, shape=(256,))
         # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W
@@ -8315,19 +7206,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W'])
         # free d_bn2c_branch2c_weight, d_bn2c_branch2c_W
         del d_bn2c_branch2c_weight, d_bn2c_branch2c_W
-        mem.free(732)
+        mem.free(551)
         # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new
         bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
         rt.ew(ew_mul_sub, bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new)
-        # d_bn2c_branch2c_neg = -d_bn2c_branch2c_centered
-        d_bn2c_branch2c_neg = mem.tensor(733, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2c_branch2c_neg, d_bn2c_branch2c_centered)
-        # d_bn2c_branch2c_batch_mean = sum_to[1x256x1x1](d_bn2c_branch2c_neg)
-        d_bn2c_branch2c_batch_mean = mem.tensor(734, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2c_neg, out=d_bn2c_branch2c_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn2c_branch2c_neg
-        del d_bn2c_branch2c_neg
-        mem.free(733)
+        # d_bn2c_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2c_branch2c_centered)
+        d_bn2c_branch2c_batch_mean = mem.tensor(552, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean/100352
         d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean  # in place: over d_bn2c_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2c_sum, d_bn2c_branch2c_batch_mean)
@@ -8338,23 +7223,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2c_branch2c, d_bn2c_branch2c_centered, d_bn2c_branch2c_sum)
         # free d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_sum
         del d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_sum
-        mem.free(734)
+        mem.free(552)
+
+        # ---- bn2c_branch2c (batch norm), backward ----
+        # d_bn2c_branch2c_bias = sum_to[1x256x1x1](d_bn2c_branch2c_add)
+        d_bn2c_branch2c_bias = mem.tensor(553, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn2c_branch2c_add, out=d_bn2c_branch2c_bias, shape=(1, 256, 1, 1))
+        # d_bn2c_branch2c_B = reshape[256](d_bn2c_branch2c_bias)
+        d_bn2c_branch2c_B = rt.reshape(d_bn2c_branch2c_bias, shape=(256,))
+        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B
+        V_bn2c_branch2c_B_new = T['V_bn2c_branch2c_B']  # in place: the new V_bn2c_branch2c_B
+        rt.ew(ew_mul_add, V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B'])
+        # free d_bn2c_branch2c_bias, d_bn2c_branch2c_B
+        del d_bn2c_branch2c_bias, d_bn2c_branch2c_B
+        mem.free(553)
+        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new
+        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
+        rt.ew(ew_mul_sub, bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new)
 
         # ---- bn2c_branch2b_relu (relu), forward ----
         # bn2c_branch2b_relu_2 = Max(0, bn2c_branch2b_centered*bn2c_branch2b_inv_std*bn2c_branch2b_weight + bn2c_branch2b_bias)
-        bn2c_branch2b_relu_2 = mem.tensor(735, (32, 64, 56, 56), 'float32')
+        bn2c_branch2b_relu_2 = mem.tensor(554, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2c_branch2b_relu_2, bn2c_branch2b_centered, bn2c_branch2b_inv_std, bn2c_branch2b_weight, bn2c_branch2b_bias)
 
         # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res2c_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res2c_branch2c, bn2c_branch2b_relu_2)
-        d_res2c_branch2c_W = mem.tensor(736, (256, 64, 1, 1), 'float32')
+        d_res2c_branch2c_W = mem.tensor(555, (256, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2c_branch2c, bn2c_branch2b_relu_2, out=d_res2c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
         # d_bn2c_branch2b_relu = conv2d_bwd_data[size=(56,56)](d_res2c_branch2c, res2c_branch2c_W)
-        d_bn2c_branch2b_relu = mem.tensor(737, (32, 64, 56, 56), 'float32')
+        d_bn2c_branch2b_relu = mem.tensor(556, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2c_branch2c, T['res2c_branch2c_W'], out=d_bn2c_branch2b_relu, pad=0, size=(56, 56), stride=1)
-        # free d_bn2c_branch2c_centered, d_res2c_branch2c
-        del d_bn2c_branch2c_centered, d_res2c_branch2c
-        mem.free(731)
+        # free res2c_branch2c, bn2c_branch2c_centered, d_bn2c_branch2c_centered, d_res2c_branch2c
+        del res2c_branch2c, bn2c_branch2c_centered, d_bn2c_branch2c_centered, d_res2c_branch2c
+        mem.free(53)
 
         # ---- bn2c_branch2b_relu (relu), backward ----
         # d_bn2c_branch2b = d_bn2c_branch2b_relu*Heaviside(bn2c_branch2b_relu_2, 0)
@@ -8362,7 +7263,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn2c_branch2b, d_bn2c_branch2b_relu, bn2c_branch2b_relu_2)
         # free bn2c_branch2b_relu_2
         del bn2c_branch2b_relu_2
-        mem.free(735)
+        mem.free(554)
 
         # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # V_res2c_branch2c_W_new = V_res2c_branch2c_W*momentum + d_res2c_branch2c_W + decay*res2c_branch2c_W
@@ -8370,59 +7271,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res2c_branch2c_W_new, T['V_res2c_branch2c_W'], momentum, d_res2c_branch2c_W, decay, T['res2c_branch2c_W'])
         # free d_res2c_branch2c_W
         del d_res2c_branch2c_W
-        mem.free(736)
+        mem.free(555)
         # res2c_branch2c_W_new = res2c_branch2c_W - lr*V_res2c_branch2c_W_new
         res2c_branch2c_W_new = T['res2c_branch2c_W']  # in place: the new res2c_branch2c_W
         rt.ew(ew_mul_sub, res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new)
 
         # ---- bn2c_branch2b (batch norm), backward ----
-        # d_bn2c_branch2b_bias = sum_to[1x64x1x1](d_bn2c_branch2b)
-        d_bn2c_branch2b_bias = mem.tensor(738, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2b, out=d_bn2c_branch2b_bias, shape=(1, 64, 1, 1))
-        # d_bn2c_branch2b_B = reshape[64](d_bn2c_branch2b_bias)
-        d_bn2c_branch2b_B = rt.reshape(d_bn2c_branch2b_bias, shape=(64,))
-        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B
-        V_bn2c_branch2b_B_new = T['V_bn2c_branch2b_B']  # in place: the new V_bn2c_branch2b_B
-        rt.ew(ew_mul_add, V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B'])
-        # free d_bn2c_branch2b_bias, d_bn2c_branch2b_B
-        del d_bn2c_branch2b_bias, d_bn2c_branch2b_B
-        mem.free(738)
-        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new
-        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
-        rt.ew(ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new)
-        # d_bn2c_branch2b_mul = d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_weight
-        d_bn2c_branch2b_mul = mem.tensor(739, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2b_mul, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_weight)
-        # d_bn2c_branch2b_inv_std = sum_to[1x64x1x1](d_bn2c_branch2b_mul)
-        d_bn2c_branch2b_inv_std = mem.tensor(740, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2b_mul, out=d_bn2c_branch2b_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2b_mul
-        del d_bn2c_branch2b_mul
-        mem.free(739)
+        # d_bn2c_branch2b_inv_std = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_weight)
+        d_bn2c_branch2b_inv_std = mem.tensor(557, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2b_inv_std, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2b_sum_of_squares = -d_bn2c_branch2b_inv_std/(200704*(bn2c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2b_sum_of_squares = d_bn2c_branch2b_inv_std  # in place: over d_bn2c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2b_sum_of_squares, d_bn2c_branch2b_inv_std, bn2c_branch2b_batch_var)
         # free bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         del bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
-        mem.free(60)
+        mem.free(50)
+        # d_bn2c_branch2b_weight = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_inv_std)
+        d_bn2c_branch2b_weight = mem.tensor(558, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2b_weight, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2b_centered = d_bn2c_branch2b*bn2c_branch2b_inv_std*bn2c_branch2b_weight + 2*d_bn2c_branch2b_sum_of_squares*bn2c_branch2b_centered
-        d_bn2c_branch2b_centered = mem.tensor(741, (32, 64, 56, 56), 'float32')
+        d_bn2c_branch2b_centered = bn2c_branch2b_centered  # in place: over bn2c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2b_centered, d_bn2c_branch2b, bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered)
-        # free d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
-        del d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
-        mem.free(740)
-        # d_bn2c_branch2b_mul_2 = d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_inv_std
-        d_bn2c_branch2b_mul_2 = d_bn2c_branch2b  # in place: over d_bn2c_branch2b
-        rt.ew(ew_mul_3, d_bn2c_branch2b_mul_2, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_inv_std)
-        # free res2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_inv_std
-        del res2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_inv_std
-        mem.free(57, 61)
-        # d_bn2c_branch2b_weight = sum_to[1x64x1x1](d_bn2c_branch2b_mul_2)
-        d_bn2c_branch2b_weight = mem.tensor(742, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2b_mul_2, out=d_bn2c_branch2b_weight, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2b_relu, d_bn2c_branch2b, d_bn2c_branch2b_mul_2
-        del d_bn2c_branch2b_relu, d_bn2c_branch2b, d_bn2c_branch2b_mul_2
-        mem.free(737)
+        # free bn2c_branch2b_inv_std, d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
+        del bn2c_branch2b_inv_std, d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
+        mem.free(51, 557)
+        # d_bn2c_branch2b_bias = sum_to[1x64x1x1](d_bn2c_branch2b)
+        d_bn2c_branch2b_bias = mem.tensor(559, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2c_branch2b, out=d_bn2c_branch2b_bias, shape=(1, 64, 1, 1))
+        # free d_bn2c_branch2b_relu, d_bn2c_branch2b
+        del d_bn2c_branch2b_relu, d_bn2c_branch2b
+        mem.free(556)
         # d_bn2c_branch2b_W = reshape[64](d_bn2c_branch2b_weight)
         d_bn2c_branch2b_W = rt.reshape(d_bn2c_branch2b_weight, shape=(64,))
         # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W
@@ -8430,19 +7308,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W'])
         # free d_bn2c_branch2b_weight, d_bn2c_branch2b_W
         del d_bn2c_branch2b_weight, d_bn2c_branch2b_W
-        mem.free(742)
+        mem.free(558)
         # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new
         bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
         rt.ew(ew_mul_sub, bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new)
-        # d_bn2c_branch2b_neg = -d_bn2c_branch2b_centered
-        d_bn2c_branch2b_neg = mem.tensor(743, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2c_branch2b_neg, d_bn2c_branch2b_centered)
-        # d_bn2c_branch2b_batch_mean = sum_to[1x64x1x1](d_bn2c_branch2b_neg)
-        d_bn2c_branch2b_batch_mean = mem.tensor(744, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2b_neg, out=d_bn2c_branch2b_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2b_neg
-        del d_bn2c_branch2b_neg
-        mem.free(743)
+        # d_bn2c_branch2b_B = reshape[64](d_bn2c_branch2b_bias)
+        d_bn2c_branch2b_B = rt.reshape(d_bn2c_branch2b_bias, shape=(64,))
+        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B
+        V_bn2c_branch2b_B_new = T['V_bn2c_branch2b_B']  # in place: the new V_bn2c_branch2b_B
+        rt.ew(ew_mul_add, V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B'])
+        # free d_bn2c_branch2b_bias, d_bn2c_branch2b_B
+        del d_bn2c_branch2b_bias, d_bn2c_branch2b_B
+        mem.free(559)
+        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new
+        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
+        rt.ew(ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new)
+        # d_bn2c_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2b_centered)
+        d_bn2c_branch2b_batch_mean = mem.tensor(560, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean/100352
         d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean  # in place: over d_bn2c_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2b_sum, d_bn2c_branch2b_batch_mean)
@@ -8453,29 +7336,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2c_branch2b, d_bn2c_branch2b_centered, d_bn2c_branch2b_sum)
         # free d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_sum
         del d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_sum
-        mem.free(744)
+        mem.free(560)
 
         # ---- bn2c_branch2a_relu (relu), forward ----
         # bn2c_branch2a_relu_2 = Max(0, bn2c_branch2a_centered*bn2c_branch2a_inv_std*bn2c_branch2a_weight + bn2c_branch2a_bias)
-        bn2c_branch2a_relu_2 = mem.tensor(745, (32, 64, 56, 56), 'float32')
+        bn2c_branch2a_relu_2 = mem.tensor(561, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2c_branch2a_relu_2, bn2c_branch2a_centered, bn2c_branch2a_inv_std, bn2c_branch2a_weight, bn2c_branch2a_bias)
 
         # ---- res2c_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # d_res2c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2c_branch2b, bn2c_branch2a_relu_2)
-        d_res2c_branch2b_W = mem.tensor(746, (64, 64, 3, 3), 'float32')
+        d_res2c_branch2b_W = mem.tensor(562, (64, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2c_branch2b, bn2c_branch2a_relu_2, out=d_res2c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26815488))
         # V_res2c_branch2b_W_new = V_res2c_branch2b_W*momentum + d_res2c_branch2b_W + decay*res2c_branch2b_W
         V_res2c_branch2b_W_new = T['V_res2c_branch2b_W']  # in place: the new V_res2c_branch2b_W
         rt.ew(ew_mul_add, V_res2c_branch2b_W_new, T['V_res2c_branch2b_W'], momentum, d_res2c_branch2b_W, decay, T['res2c_branch2b_W'])
         # free d_res2c_branch2b_W
         del d_res2c_branch2b_W
-        mem.free(746)
+        mem.free(562)
         # d_bn2c_branch2a_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_res2c_branch2b, res2c_branch2b_W)
-        d_bn2c_branch2a_relu = mem.tensor(747, (32, 64, 56, 56), 'float32')
+        d_bn2c_branch2a_relu = mem.tensor(563, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2c_branch2b, T['res2c_branch2b_W'], out=d_bn2c_branch2a_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(27529728))
-        # free d_bn2c_branch2b_centered, d_res2c_branch2b
-        del d_bn2c_branch2b_centered, d_res2c_branch2b
-        mem.free(741)
+        # free res2c_branch2b, bn2c_branch2b_centered, d_bn2c_branch2b_centered, d_res2c_branch2b
+        del res2c_branch2b, bn2c_branch2b_centered, d_bn2c_branch2b_centered, d_res2c_branch2b
+        mem.free(48)
 
         # ---- bn2c_branch2a_relu (relu), backward ----
         # d_bn2c_branch2a = d_bn2c_branch2a_relu*Heaviside(bn2c_branch2a_relu_2, 0)
@@ -8483,7 +7366,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn2c_branch2a, d_bn2c_branch2a_relu, bn2c_branch2a_relu_2)
         # free bn2c_branch2a_relu_2
         del bn2c_branch2a_relu_2
-        mem.free(745)
+        mem.free(561)
 
         # ---- res2c_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # res2c_branch2b_W_new = res2c_branch2b_W - lr*V_res2c_branch2b_W_new
@@ -8491,53 +7374,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2b_W_new, T['res2c_branch2b_W'], lr, V_res2c_branch2b_W_new)
 
         # ---- bn2c_branch2a (batch norm), backward ----
-        # d_bn2c_branch2a_bias = sum_to[1x64x1x1](d_bn2c_branch2a)
-        d_bn2c_branch2a_bias = mem.tensor(748, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2a, out=d_bn2c_branch2a_bias, shape=(1, 64, 1, 1))
-        # d_bn2c_branch2a_B = reshape[64](d_bn2c_branch2a_bias)
-        d_bn2c_branch2a_B = rt.reshape(d_bn2c_branch2a_bias, shape=(64,))
-        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B
-        V_bn2c_branch2a_B_new = T['V_bn2c_branch2a_B']  # in place: the new V_bn2c_branch2a_B
-        rt.ew(ew_mul_add, V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B'])
-        # free d_bn2c_branch2a_bias, d_bn2c_branch2a_B
-        del d_bn2c_branch2a_bias, d_bn2c_branch2a_B
-        mem.free(748)
-        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new
-        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
-        rt.ew(ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new)
-        # d_bn2c_branch2a_mul = d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_weight
-        d_bn2c_branch2a_mul = mem.tensor(749, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2a_mul, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_weight)
-        # d_bn2c_branch2a_inv_std = sum_to[1x64x1x1](d_bn2c_branch2a_mul)
-        d_bn2c_branch2a_inv_std = mem.tensor(750, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2a_mul, out=d_bn2c_branch2a_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2a_mul
-        del d_bn2c_branch2a_mul
-        mem.free(749)
+        # d_bn2c_branch2a_inv_std = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_weight)
+        d_bn2c_branch2a_inv_std = mem.tensor(564, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2a_inv_std, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2a_sum_of_squares = -d_bn2c_branch2a_inv_std/(200704*(bn2c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2a_sum_of_squares = d_bn2c_branch2a_inv_std  # in place: over d_bn2c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2a_sum_of_squares, d_bn2c_branch2a_inv_std, bn2c_branch2a_batch_var)
         # free bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         del bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
-        mem.free(54)
+        mem.free(45)
+        # d_bn2c_branch2a_weight = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_inv_std)
+        d_bn2c_branch2a_weight = mem.tensor(565, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2a_weight, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2a_centered = d_bn2c_branch2a*bn2c_branch2a_inv_std*bn2c_branch2a_weight + 2*d_bn2c_branch2a_sum_of_squares*bn2c_branch2a_centered
-        d_bn2c_branch2a_centered = mem.tensor(751, (32, 64, 56, 56), 'float32')
+        d_bn2c_branch2a_centered = bn2c_branch2a_centered  # in place: over bn2c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2a_centered, d_bn2c_branch2a, bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered)
-        # free d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
-        del d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
-        mem.free(750)
-        # d_bn2c_branch2a_mul_2 = d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_inv_std
-        d_bn2c_branch2a_mul_2 = d_bn2c_branch2a  # in place: over d_bn2c_branch2a
-        rt.ew(ew_mul_3, d_bn2c_branch2a_mul_2, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_inv_std)
-        # free res2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_inv_std
-        del res2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_inv_std
-        mem.free(51, 55)
-        # d_bn2c_branch2a_weight = sum_to[1x64x1x1](d_bn2c_branch2a_mul_2)
-        d_bn2c_branch2a_weight = mem.tensor(752, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2a_mul_2, out=d_bn2c_branch2a_weight, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2a_relu, d_bn2c_branch2a, d_bn2c_branch2a_mul_2
-        del d_bn2c_branch2a_relu, d_bn2c_branch2a, d_bn2c_branch2a_mul_2
-        mem.free(747)
+        # free bn2c_branch2a_inv_std, d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
+        del bn2c_branch2a_inv_std, d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
+        mem.free(46, 564)
+        # d_bn2c_branch2a_bias = sum_to[1x64x1x1](d_bn2c_branch2a)
+        d_bn2c_branch2a_bias = mem.tensor(566, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2c_branch2a, out=d_bn2c_branch2a_bias, shape=(1, 64, 1, 1))
+        # free d_bn2c_branch2a_relu, d_bn2c_branch2a
+        del d_bn2c_branch2a_relu, d_bn2c_branch2a
+        mem.free(563)
         # d_bn2c_branch2a_W = reshape[64](d_bn2c_branch2a_weight)
         d_bn2c_branch2a_W = rt.reshape(d_bn2c_branch2a_weight, shape=(64,))
         # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W
@@ -8545,19 +7405,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W'])
         # free d_bn2c_branch2a_weight, d_bn2c_branch2a_W
         del d_bn2c_branch2a_weight, d_bn2c_branch2a_W
-        mem.free(752)
+        mem.free(565)
         # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new
         bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
         rt.ew(ew_mul_sub, bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new)
-        # d_bn2c_branch2a_neg = -d_bn2c_branch2a_centered
-        d_bn2c_branch2a_neg = mem.tensor(753, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2c_branch2a_neg, d_bn2c_branch2a_centered)
-        # d_bn2c_branch2a_batch_mean = sum_to[1x64x1x1](d_bn2c_branch2a_neg)
-        d_bn2c_branch2a_batch_mean = mem.tensor(754, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2c_branch2a_neg, out=d_bn2c_branch2a_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2c_branch2a_neg
-        del d_bn2c_branch2a_neg
-        mem.free(753)
+        # d_bn2c_branch2a_B = reshape[64](d_bn2c_branch2a_bias)
+        d_bn2c_branch2a_B = rt.reshape(d_bn2c_branch2a_bias, shape=(64,))
+        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B
+        V_bn2c_branch2a_B_new = T['V_bn2c_branch2a_B']  # in place: the new V_bn2c_branch2a_B
+        rt.ew(ew_mul_add, V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B'])
+        # free d_bn2c_branch2a_bias, d_bn2c_branch2a_B
+        del d_bn2c_branch2a_bias, d_bn2c_branch2a_B
+        mem.free(566)
+        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new
+        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
+        rt.ew(ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new)
+        # d_bn2c_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2a_centered)
+        d_bn2c_branch2a_batch_mean = mem.tensor(567, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean/100352
         d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean  # in place: over d_bn2c_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2a_sum, d_bn2c_branch2a_batch_mean)
@@ -8568,22 +7433,22 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2c_branch2a, d_bn2c_branch2a_centered, d_bn2c_branch2a_sum)
         # free d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_sum
         del d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_sum
-        mem.free(754)
+        mem.free(567)
         # d_res2c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2c_branch2a, bn2b_branch2c_relu)
-        d_res2c_branch2a_W = mem.tensor(755, (64, 256, 1, 1), 'float32')
+        d_res2c_branch2a_W = mem.tensor(568, (64, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2c_branch2a, bn2b_branch2c_relu, out=d_res2c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
         # V_res2c_branch2a_W_new = V_res2c_branch2a_W*momentum + d_res2c_branch2a_W + decay*res2c_branch2a_W
         V_res2c_branch2a_W_new = T['V_res2c_branch2a_W']  # in place: the new V_res2c_branch2a_W
         rt.ew(ew_mul_add, V_res2c_branch2a_W_new, T['V_res2c_branch2a_W'], momentum, d_res2c_branch2a_W, decay, T['res2c_branch2a_W'])
         # free d_res2c_branch2a_W
         del d_res2c_branch2a_W
-        mem.free(755)
+        mem.free(568)
         # d_bn2b_branch2c_relu = conv2d_bwd_data[size=(56,56)](d_res2c_branch2a, res2c_branch2a_W)
-        d_bn2b_branch2c_relu = mem.tensor(756, (32, 256, 56, 56), 'float32')
+        d_bn2b_branch2c_relu = mem.tensor(569, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2c_branch2a, T['res2c_branch2a_W'], out=d_bn2b_branch2c_relu, pad=0, size=(56, 56), stride=1)
-        # free d_bn2c_branch2a_centered, d_res2c_branch2a
-        del d_bn2c_branch2a_centered, d_res2c_branch2a
-        mem.free(751)
+        # free res2c_branch2a, bn2c_branch2a_centered, d_bn2c_branch2a_centered, d_res2c_branch2a
+        del res2c_branch2a, bn2c_branch2a_centered, d_bn2c_branch2a_centered, d_res2c_branch2a
+        mem.free(43)
 
         # ---- bn2b_branch2c_relu (relu), backward ----
         # d_bn2b_branch2c_add = (d_bn2c_branch2c_add + d_bn2b_branch2c_relu)*Heaviside(bn2b_branch2c_relu, 0)
@@ -8591,7 +7456,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn2b_branch2c_add, d_bn2c_branch2c_add, d_bn2b_branch2c_relu, bn2b_branch2c_relu)
         # free bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
         del bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
-        mem.free(33, 756)
+        mem.free(28, 569)
 
         # ---- res2c_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # res2c_branch2a_W_new = res2c_branch2a_W - lr*V_res2c_branch2a_W_new
@@ -8599,53 +7464,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2a_W_new, T['res2c_branch2a_W'], lr, V_res2c_branch2a_W_new)
 
         # ---- bn2b_branch2c (batch norm), backward ----
-        # d_bn2b_branch2c_bias = sum_to[1x256x1x1](d_bn2b_branch2c_add)
-        d_bn2b_branch2c_bias = mem.tensor(757, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2c_add, out=d_bn2b_branch2c_bias, shape=(1, 256, 1, 1))
-        # d_bn2b_branch2c_B = reshape[256](d_bn2b_branch2c_bias)
-        d_bn2b_branch2c_B = rt.reshape(d_bn2b_branch2c_bias, shape=(256,))
-        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B
-        V_bn2b_branch2c_B_new = T['V_bn2b_branch2c_B']  # in place: the new V_bn2b_branch2c_B
-        rt.ew(ew_mul_add, V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B'])
-        # free d_bn2b_branch2c_bias, d_bn2b_branch2c_B
-        del d_bn2b_branch2c_bias, d_bn2b_branch2c_B
-        mem.free(757)
-        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new
-        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
-        rt.ew(ew_mul_sub, bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new)
-        # d_bn2b_branch2c_mul = d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_weight
-        d_bn2b_branch2c_mul = mem.tensor(758, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2c_mul, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_weight)
-        # d_bn2b_branch2c_inv_std = sum_to[1x256x1x1](d_bn2b_branch2c_mul)
-        d_bn2b_branch2c_inv_std = mem.tensor(759, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2c_mul, out=d_bn2b_branch2c_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn2b_branch2c_mul
-        del d_bn2b_branch2c_mul
-        mem.free(758)
+        # d_bn2b_branch2c_inv_std = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_weight)
+        d_bn2b_branch2c_inv_std = mem.tensor(570, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_sum_of_squares = -d_bn2b_branch2c_inv_std/(200704*(bn2b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2c_sum_of_squares = d_bn2b_branch2c_inv_std  # in place: over d_bn2b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2c_sum_of_squares, d_bn2b_branch2c_inv_std, bn2b_branch2c_batch_var)
         # free bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         del bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
-        mem.free(49)
+        mem.free(41)
+        # d_bn2b_branch2c_weight = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_inv_std)
+        d_bn2b_branch2c_weight = mem.tensor(571, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2c_weight, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_centered = d_bn2b_branch2c_add*bn2b_branch2c_inv_std*bn2b_branch2c_weight + 2*d_bn2b_branch2c_sum_of_squares*bn2b_branch2c_centered
-        d_bn2b_branch2c_centered = mem.tensor(760, (32, 256, 56, 56), 'float32')
+        d_bn2b_branch2c_centered = bn2b_branch2c_centered  # in place: over bn2b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2c_centered, d_bn2b_branch2c_add, bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered)
-        # free d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
-        del d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
-        mem.free(759)
-        # d_bn2b_branch2c_mul_2 = d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_inv_std
-        d_bn2b_branch2c_mul_2 = bn2b_branch2c_centered  # in place: over bn2b_branch2c_centered
-        rt.ew(ew_mul_2, d_bn2b_branch2c_mul_2, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_inv_std)
-        # free bn2b_branch2c_inv_std
-        del bn2b_branch2c_inv_std
-        mem.free(50)
-        # d_bn2b_branch2c_weight = sum_to[1x256x1x1](d_bn2b_branch2c_mul_2)
-        d_bn2b_branch2c_weight = mem.tensor(761, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2c_mul_2, out=d_bn2b_branch2c_weight, shape=(1, 256, 1, 1))
-        # free res2b_branch2c, bn2b_branch2c_centered, d_bn2b_branch2c_mul_2
-        del res2b_branch2c, bn2b_branch2c_centered, d_bn2b_branch2c_mul_2
-        mem.free(46)
+        # free bn2b_branch2c_inv_std, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
+        del bn2b_branch2c_inv_std, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
+        mem.free(42, 570)
         # d_bn2b_branch2c_W = reshape[256](d_bn2b_branch2c_weight)
         d_bn2b_branch2c_W = rt.reshape(d_bn2b_branch2c_weight, shape=(256,))
         # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W
@@ -8653,19 +7489,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W'])
         # free d_bn2b_branch2c_weight, d_bn2b_branch2c_W
         del d_bn2b_branch2c_weight, d_bn2b_branch2c_W
-        mem.free(761)
+        mem.free(571)
         # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new
         bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
         rt.ew(ew_mul_sub, bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new)
-        # d_bn2b_branch2c_neg = -d_bn2b_branch2c_centered
-        d_bn2b_branch2c_neg = mem.tensor(762, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2b_branch2c_neg, d_bn2b_branch2c_centered)
-        # d_bn2b_branch2c_batch_mean = sum_to[1x256x1x1](d_bn2b_branch2c_neg)
-        d_bn2b_branch2c_batch_mean = mem.tensor(763, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2c_neg, out=d_bn2b_branch2c_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn2b_branch2c_neg
-        del d_bn2b_branch2c_neg
-        mem.free(762)
+        # d_bn2b_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2b_branch2c_centered)
+        d_bn2b_branch2c_batch_mean = mem.tensor(572, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean/100352
         d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean  # in place: over d_bn2b_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2c_sum, d_bn2b_branch2c_batch_mean)
@@ -8676,23 +7506,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2b_branch2c, d_bn2b_branch2c_centered, d_bn2b_branch2c_sum)
         # free d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_sum
         del d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_sum
-        mem.free(763)
+        mem.free(572)
+
+        # ---- bn2b_branch2c (batch norm), backward ----
+        # d_bn2b_branch2c_bias = sum_to[1x256x1x1](d_bn2b_branch2c_add)
+        d_bn2b_branch2c_bias = mem.tensor(573, (1, 256, 1, 1), 'float32')
+        rt.sum_to(d_bn2b_branch2c_add, out=d_bn2b_branch2c_bias, shape=(1, 256, 1, 1))
+        # d_bn2b_branch2c_B = reshape[256](d_bn2b_branch2c_bias)
+        d_bn2b_branch2c_B = rt.reshape(d_bn2b_branch2c_bias, shape=(256,))
+        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B
+        V_bn2b_branch2c_B_new = T['V_bn2b_branch2c_B']  # in place: the new V_bn2b_branch2c_B
+        rt.ew(ew_mul_add, V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B'])
+        # free d_bn2b_branch2c_bias, d_bn2b_branch2c_B
+        del d_bn2b_branch2c_bias, d_bn2b_branch2c_B
+        mem.free(573)
+        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new
+        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
+        rt.ew(ew_mul_sub, bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new)
 
         # ---- bn2b_branch2b_relu (relu), forward ----
         # bn2b_branch2b_relu_2 = Max(0, bn2b_branch2b_centered*bn2b_branch2b_inv_std*bn2b_branch2b_weight + bn2b_branch2b_bias)
-        bn2b_branch2b_relu_2 = mem.tensor(764, (32, 64, 56, 56), 'float32')
+        bn2b_branch2b_relu_2 = mem.tensor(574, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2b_branch2b_relu_2, bn2b_branch2b_centered, bn2b_branch2b_inv_std, bn2b_branch2b_weight, bn2b_branch2b_bias)
 
         # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res2b_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res2b_branch2c, bn2b_branch2b_relu_2)
-        d_res2b_branch2c_W = mem.tensor(765, (256, 64, 1, 1), 'float32')
+        d_res2b_branch2c_W = mem.tensor(575, (256, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2b_branch2c, bn2b_branch2b_relu_2, out=d_res2b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
         # d_bn2b_branch2b_relu = conv2d_bwd_data[size=(56,56)](d_res2b_branch2c, res2b_branch2c_W)
-        d_bn2b_branch2b_relu = mem.tensor(766, (32, 64, 56, 56), 'float32')
+        d_bn2b_branch2b_relu = mem.tensor(576, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2b_branch2c, T['res2b_branch2c_W'], out=d_bn2b_branch2b_relu, pad=0, size=(56, 56), stride=1)
-        # free d_bn2b_branch2c_centered, d_res2b_branch2c
-        del d_bn2b_branch2c_centered, d_res2b_branch2c
-        mem.free(760)
+        # free res2b_branch2c, bn2b_branch2c_centered, d_bn2b_branch2c_centered, d_res2b_branch2c
+        del res2b_branch2c, bn2b_branch2c_centered, d_bn2b_branch2c_centered, d_res2b_branch2c
+        mem.free(39)
 
         # ---- bn2b_branch2b_relu (relu), backward ----
         # d_bn2b_branch2b = d_bn2b_branch2b_relu*Heaviside(bn2b_branch2b_relu_2, 0)
@@ -8700,7 +7546,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn2b_branch2b, d_bn2b_branch2b_relu, bn2b_branch2b_relu_2)
         # free bn2b_branch2b_relu_2
         del bn2b_branch2b_relu_2
-        mem.free(764)
+        mem.free(574)
 
         # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # V_res2b_branch2c_W_new = V_res2b_branch2c_W*momentum + d_res2b_branch2c_W + decay*res2b_branch2c_W
@@ -8708,59 +7554,36 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_res2b_branch2c_W_new, T['V_res2b_branch2c_W'], momentum, d_res2b_branch2c_W, decay, T['res2b_branch2c_W'])
         # free d_res2b_branch2c_W
         del d_res2b_branch2c_W
-        mem.free(765)
+        mem.free(575)
         # res2b_branch2c_W_new = res2b_branch2c_W - lr*V_res2b_branch2c_W_new
         res2b_branch2c_W_new = T['res2b_branch2c_W']  # in place: the new res2b_branch2c_W
         rt.ew(ew_mul_sub, res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new)
 
         # ---- bn2b_branch2b (batch norm), backward ----
-        # d_bn2b_branch2b_bias = sum_to[1x64x1x1](d_bn2b_branch2b)
-        d_bn2b_branch2b_bias = mem.tensor(767, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2b, out=d_bn2b_branch2b_bias, shape=(1, 64, 1, 1))
-        # d_bn2b_branch2b_B = reshape[64](d_bn2b_branch2b_bias)
-        d_bn2b_branch2b_B = rt.reshape(d_bn2b_branch2b_bias, shape=(64,))
-        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B
-        V_bn2b_branch2b_B_new = T['V_bn2b_branch2b_B']  # in place: the new V_bn2b_branch2b_B
-        rt.ew(ew_mul_add, V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B'])
-        # free d_bn2b_branch2b_bias, d_bn2b_branch2b_B
-        del d_bn2b_branch2b_bias, d_bn2b_branch2b_B
-        mem.free(767)
-        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new
-        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
-        rt.ew(ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new)
-        # d_bn2b_branch2b_mul = d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_weight
-        d_bn2b_branch2b_mul = mem.tensor(768, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2b_mul, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_weight)
-        # d_bn2b_branch2b_inv_std = sum_to[1x64x1x1](d_bn2b_branch2b_mul)
-        d_bn2b_branch2b_inv_std = mem.tensor(769, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2b_mul, out=d_bn2b_branch2b_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2b_mul
-        del d_bn2b_branch2b_mul
-        mem.free(768)
+        # d_bn2b_branch2b_inv_std = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_weight)
+        d_bn2b_branch2b_inv_std = mem.tensor(577, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2b_inv_std, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2b_sum_of_squares = -d_bn2b_branch2b_inv_std/(200704*(bn2b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2b_sum_of_squares = d_bn2b_branch2b_inv_std  # in place: over d_bn2b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2b_sum_of_squares, d_bn2b_branch2b_inv_std, bn2b_branch2b_batch_var)
         # free bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         del bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
-        mem.free(43)
+        mem.free(36)
+        # d_bn2b_branch2b_weight = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_inv_std)
+        d_bn2b_branch2b_weight = mem.tensor(578, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2b_weight, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2b_centered = d_bn2b_branch2b*bn2b_branch2b_inv_std*bn2b_branch2b_weight + 2*d_bn2b_branch2b_sum_of_squares*bn2b_branch2b_centered
-        d_bn2b_branch2b_centered = mem.tensor(770, (32, 64, 56, 56), 'float32')
+        d_bn2b_branch2b_centered = bn2b_branch2b_centered  # in place: over bn2b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2b_centered, d_bn2b_branch2b, bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered)
-        # free d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
-        del d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
-        mem.free(769)
-        # d_bn2b_branch2b_mul_2 = d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_inv_std
-        d_bn2b_branch2b_mul_2 = d_bn2b_branch2b  # in place: over d_bn2b_branch2b
-        rt.ew(ew_mul_3, d_bn2b_branch2b_mul_2, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_inv_std)
-        # free res2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_inv_std
-        del res2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_inv_std
-        mem.free(40, 44)
-        # d_bn2b_branch2b_weight = sum_to[1x64x1x1](d_bn2b_branch2b_mul_2)
-        d_bn2b_branch2b_weight = mem.tensor(771, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2b_mul_2, out=d_bn2b_branch2b_weight, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2b_relu, d_bn2b_branch2b, d_bn2b_branch2b_mul_2
-        del d_bn2b_branch2b_relu, d_bn2b_branch2b, d_bn2b_branch2b_mul_2
-        mem.free(766)
+        # free bn2b_branch2b_inv_std, d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
+        del bn2b_branch2b_inv_std, d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
+        mem.free(37, 577)
+        # d_bn2b_branch2b_bias = sum_to[1x64x1x1](d_bn2b_branch2b)
+        d_bn2b_branch2b_bias = mem.tensor(579, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2b_branch2b, out=d_bn2b_branch2b_bias, shape=(1, 64, 1, 1))
+        # free d_bn2b_branch2b_relu, d_bn2b_branch2b
+        del d_bn2b_branch2b_relu, d_bn2b_branch2b
+        mem.free(576)
         # d_bn2b_branch2b_W = reshape[64](d_bn2b_branch2b_weight)
         d_bn2b_branch2b_W = rt.reshape(d_bn2b_branch2b_weight, shape=(64,))
         # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W
@@ -8768,19 +7591,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W'])
         # free d_bn2b_branch2b_weight, d_bn2b_branch2b_W
         del d_bn2b_branch2b_weight, d_bn2b_branch2b_W
-        mem.free(771)
+        mem.free(578)
         # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new
         bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
         rt.ew(ew_mul_sub, bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new)
-        # d_bn2b_branch2b_neg = -d_bn2b_branch2b_centered
-        d_bn2b_branch2b_neg = mem.tensor(772, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2b_branch2b_neg, d_bn2b_branch2b_centered)
-        # d_bn2b_branch2b_batch_mean = sum_to[1x64x1x1](d_bn2b_branch2b_neg)
-        d_bn2b_branch2b_batch_mean = mem.tensor(773, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2b_neg, out=d_bn2b_branch2b_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2b_neg
-        del d_bn2b_branch2b_neg
-        mem.free(772)
+        # d_bn2b_branch2b_B = reshape[64](d_bn2b_branch2b_bias)
+        d_bn2b_branch2b_B = rt.reshape(d_bn2b_branch2b_bias, shape=(64,))
+        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B
+        V_bn2b_branch2b_B_new = T['V_bn2b_branch2b_B']  # in place: the new V_bn2b_branch2b_B
+        rt.ew(ew_mul_add, V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B'])
+        # free d_bn2b_branch2b_bias, d_bn2b_branch2b_B
+        del d_bn2b_branch2b_bias, d_bn2b_branch2b_B
+        mem.free(579)
+        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new
+        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
+        rt.ew(ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new)
+        # d_bn2b_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2b_centered)
+        d_bn2b_branch2b_batch_mean = mem.tensor(580, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean/100352
         d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean  # in place: over d_bn2b_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2b_sum, d_bn2b_branch2b_batch_mean)
@@ -8791,29 +7619,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2b_branch2b, d_bn2b_branch2b_centered, d_bn2b_branch2b_sum)
         # free d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_sum
         del d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_sum
-        mem.free(773)
+        mem.free(580)
 
         # ---- bn2b_branch2a_relu (relu), forward ----
         # bn2b_branch2a_relu_2 = Max(0, bn2b_branch2a_centered*bn2b_branch2a_inv_std*bn2b_branch2a_weight + bn2b_branch2a_bias)
-        bn2b_branch2a_relu_2 = mem.tensor(774, (32, 64, 56, 56), 'float32')
+        bn2b_branch2a_relu_2 = mem.tensor(581, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu, bn2b_branch2a_relu_2, bn2b_branch2a_centered, bn2b_branch2a_inv_std, bn2b_branch2a_weight, bn2b_branch2a_bias)
 
         # ---- res2b_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # d_res2b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2b_branch2b, bn2b_branch2a_relu_2)
-        d_res2b_branch2b_W = mem.tensor(775, (64, 64, 3, 3), 'float32')
+        d_res2b_branch2b_W = mem.tensor(582, (64, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2b_branch2b, bn2b_branch2a_relu_2, out=d_res2b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26815488))
         # V_res2b_branch2b_W_new = V_res2b_branch2b_W*momentum + d_res2b_branch2b_W + decay*res2b_branch2b_W
         V_res2b_branch2b_W_new = T['V_res2b_branch2b_W']  # in place: the new V_res2b_branch2b_W
         rt.ew(ew_mul_add, V_res2b_branch2b_W_new, T['V_res2b_branch2b_W'], momentum, d_res2b_branch2b_W, decay, T['res2b_branch2b_W'])
         # free d_res2b_branch2b_W
         del d_res2b_branch2b_W
-        mem.free(775)
+        mem.free(582)
         # d_bn2b_branch2a_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_res2b_branch2b, res2b_branch2b_W)
-        d_bn2b_branch2a_relu = mem.tensor(776, (32, 64, 56, 56), 'float32')
+        d_bn2b_branch2a_relu = mem.tensor(583, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2b_branch2b, T['res2b_branch2b_W'], out=d_bn2b_branch2a_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(27529728))
-        # free d_bn2b_branch2b_centered, d_res2b_branch2b
-        del d_bn2b_branch2b_centered, d_res2b_branch2b
-        mem.free(770)
+        # free res2b_branch2b, bn2b_branch2b_centered, d_bn2b_branch2b_centered, d_res2b_branch2b
+        del res2b_branch2b, bn2b_branch2b_centered, d_bn2b_branch2b_centered, d_res2b_branch2b
+        mem.free(34)
 
         # ---- bn2b_branch2a_relu (relu), backward ----
         # d_bn2b_branch2a = d_bn2b_branch2a_relu*Heaviside(bn2b_branch2a_relu_2, 0)
@@ -8821,7 +7649,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn2b_branch2a, d_bn2b_branch2a_relu, bn2b_branch2a_relu_2)
         # free bn2b_branch2a_relu_2
         del bn2b_branch2a_relu_2
-        mem.free(774)
+        mem.free(581)
 
         # ---- res2b_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # res2b_branch2b_W_new = res2b_branch2b_W - lr*V_res2b_branch2b_W_new
@@ -8829,53 +7657,30 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2b_W_new, T['res2b_branch2b_W'], lr, V_res2b_branch2b_W_new)
 
         # ---- bn2b_branch2a (batch norm), backward ----
-        # d_bn2b_branch2a_bias = sum_to[1x64x1x1](d_bn2b_branch2a)
-        d_bn2b_branch2a_bias = mem.tensor(777, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2a, out=d_bn2b_branch2a_bias, shape=(1, 64, 1, 1))
-        # d_bn2b_branch2a_B = reshape[64](d_bn2b_branch2a_bias)
-        d_bn2b_branch2a_B = rt.reshape(d_bn2b_branch2a_bias, shape=(64,))
-        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B
-        V_bn2b_branch2a_B_new = T['V_bn2b_branch2a_B']  # in place: the new V_bn2b_branch2a_B
-        rt.ew(ew_mul_add, V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B'])
-        # free d_bn2b_branch2a_bias, d_bn2b_branch2a_B
-        del d_bn2b_branch2a_bias, d_bn2b_branch2a_B
-        mem.free(777)
-        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new
-        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
-        rt.ew(ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new)
-        # d_bn2b_branch2a_mul = d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_weight
-        d_bn2b_branch2a_mul = mem.tensor(778, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2a_mul, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_weight)
-        # d_bn2b_branch2a_inv_std = sum_to[1x64x1x1](d_bn2b_branch2a_mul)
-        d_bn2b_branch2a_inv_std = mem.tensor(779, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2a_mul, out=d_bn2b_branch2a_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2a_mul
-        del d_bn2b_branch2a_mul
-        mem.free(778)
+        # d_bn2b_branch2a_inv_std = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_weight)
+        d_bn2b_branch2a_inv_std = mem.tensor(584, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2a_inv_std, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2a_sum_of_squares = -d_bn2b_branch2a_inv_std/(200704*(bn2b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2a_sum_of_squares = d_bn2b_branch2a_inv_std  # in place: over d_bn2b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2a_sum_of_squares, d_bn2b_branch2a_inv_std, bn2b_branch2a_batch_var)
         # free bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         del bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
-        mem.free(37)
+        mem.free(31)
+        # d_bn2b_branch2a_weight = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_inv_std)
+        d_bn2b_branch2a_weight = mem.tensor(585, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2a_weight, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2a_centered = d_bn2b_branch2a*bn2b_branch2a_inv_std*bn2b_branch2a_weight + 2*d_bn2b_branch2a_sum_of_squares*bn2b_branch2a_centered
-        d_bn2b_branch2a_centered = mem.tensor(780, (32, 64, 56, 56), 'float32')
+        d_bn2b_branch2a_centered = bn2b_branch2a_centered  # in place: over bn2b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2a_centered, d_bn2b_branch2a, bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered)
-        # free d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
-        del d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
-        mem.free(779)
-        # d_bn2b_branch2a_mul_2 = d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_inv_std
-        d_bn2b_branch2a_mul_2 = d_bn2b_branch2a  # in place: over d_bn2b_branch2a
-        rt.ew(ew_mul_3, d_bn2b_branch2a_mul_2, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_inv_std)
-        # free res2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_inv_std
-        del res2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_inv_std
-        mem.free(34, 38)
-        # d_bn2b_branch2a_weight = sum_to[1x64x1x1](d_bn2b_branch2a_mul_2)
-        d_bn2b_branch2a_weight = mem.tensor(781, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2a_mul_2, out=d_bn2b_branch2a_weight, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2a_relu, d_bn2b_branch2a, d_bn2b_branch2a_mul_2
-        del d_bn2b_branch2a_relu, d_bn2b_branch2a, d_bn2b_branch2a_mul_2
-        mem.free(776)
+        # free bn2b_branch2a_inv_std, d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
+        del bn2b_branch2a_inv_std, d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
+        mem.free(32, 584)
+        # d_bn2b_branch2a_bias = sum_to[1x64x1x1](d_bn2b_branch2a)
+        d_bn2b_branch2a_bias = mem.tensor(586, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2b_branch2a, out=d_bn2b_branch2a_bias, shape=(1, 64, 1, 1))
+        # free d_bn2b_branch2a_relu, d_bn2b_branch2a
+        del d_bn2b_branch2a_relu, d_bn2b_branch2a
+        mem.free(583)
         # d_bn2b_branch2a_W = reshape[64](d_bn2b_branch2a_weight)
         d_bn2b_branch2a_W = rt.reshape(d_bn2b_branch2a_weight, shape=(64,))
         # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W
@@ -8883,19 +7688,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W'])
         # free d_bn2b_branch2a_weight, d_bn2b_branch2a_W
         del d_bn2b_branch2a_weight, d_bn2b_branch2a_W
-        mem.free(781)
+        mem.free(585)
         # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new
         bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
         rt.ew(ew_mul_sub, bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new)
-        # d_bn2b_branch2a_neg = -d_bn2b_branch2a_centered
-        d_bn2b_branch2a_neg = mem.tensor(782, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2b_branch2a_neg, d_bn2b_branch2a_centered)
-        # d_bn2b_branch2a_batch_mean = sum_to[1x64x1x1](d_bn2b_branch2a_neg)
-        d_bn2b_branch2a_batch_mean = mem.tensor(783, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2b_branch2a_neg, out=d_bn2b_branch2a_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2b_branch2a_neg
-        del d_bn2b_branch2a_neg
-        mem.free(782)
+        # d_bn2b_branch2a_B = reshape[64](d_bn2b_branch2a_bias)
+        d_bn2b_branch2a_B = rt.reshape(d_bn2b_branch2a_bias, shape=(64,))
+        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B
+        V_bn2b_branch2a_B_new = T['V_bn2b_branch2a_B']  # in place: the new V_bn2b_branch2a_B
+        rt.ew(ew_mul_add, V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B'])
+        # free d_bn2b_branch2a_bias, d_bn2b_branch2a_B
+        del d_bn2b_branch2a_bias, d_bn2b_branch2a_B
+        mem.free(586)
+        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new
+        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
+        rt.ew(ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new)
+        # d_bn2b_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2a_centered)
+        d_bn2b_branch2a_batch_mean = mem.tensor(587, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean/100352
         d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean  # in place: over d_bn2b_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2a_sum, d_bn2b_branch2a_batch_mean)
@@ -8906,29 +7716,29 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2b_branch2a, d_bn2b_branch2a_centered, d_bn2b_branch2a_sum)
         # free d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_sum
         del d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_sum
-        mem.free(783)
+        mem.free(587)
 
         # ---- bn2a_branch2c_relu (relu), forward ----
         # bn2a_branch2c_relu_2 = Max(0, bn2a_branch2c_centered*bn2a_branch2c_inv_std*bn2a_branch2c_weight + bn2a_branch2c_bias + bn2a_branch1_centered*bn2a_branch1_inv_std*bn2a_branch1_weight + bn2a_branch1_bias)
-        bn2a_branch2c_relu_2 = mem.tensor(784, (32, 256, 56, 56), 'float32')
+        bn2a_branch2c_relu_2 = mem.tensor(588, (32, 256, 56, 56), 'float32')
         rt.ew(ew_mul_add_relu_2, bn2a_branch2c_relu_2, bn2a_branch2c_centered, bn2a_branch2c_inv_std, bn2a_branch2c_weight, bn2a_branch2c_bias, bn2a_branch1_centered, bn2a_branch1_inv_std, bn2a_branch1_weight, bn2a_branch1_bias)
 
         # ---- res2b_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_res2b_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2b_branch2a, bn2a_branch2c_relu_2)
-        d_res2b_branch2a_W = mem.tensor(785, (64, 256, 1, 1), 'float32')
+        d_res2b_branch2a_W = mem.tensor(589, (64, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2b_branch2a, bn2a_branch2c_relu_2, out=d_res2b_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
         # V_res2b_branch2a_W_new = V_res2b_branch2a_W*momentum + d_res2b_branch2a_W + decay*res2b_branch2a_W
         V_res2b_branch2a_W_new = T['V_res2b_branch2a_W']  # in place: the new V_res2b_branch2a_W
         rt.ew(ew_mul_add, V_res2b_branch2a_W_new, T['V_res2b_branch2a_W'], momentum, d_res2b_branch2a_W, decay, T['res2b_branch2a_W'])
         # free d_res2b_branch2a_W
         del d_res2b_branch2a_W
-        mem.free(785)
+        mem.free(589)
         # d_bn2a_branch2c_relu = conv2d_bwd_data[size=(56,56)](d_res2b_branch2a, res2b_branch2a_W)
-        d_bn2a_branch2c_relu = mem.tensor(786, (32, 256, 56, 56), 'float32')
+        d_bn2a_branch2c_relu = mem.tensor(590, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2b_branch2a, T['res2b_branch2a_W'], out=d_bn2a_branch2c_relu, pad=0, size=(56, 56), stride=1)
-        # free d_bn2b_branch2a_centered, d_res2b_branch2a
-        del d_bn2b_branch2a_centered, d_res2b_branch2a
-        mem.free(780)
+        # free res2b_branch2a, bn2b_branch2a_centered, d_bn2b_branch2a_centered, d_res2b_branch2a
+        del res2b_branch2a, bn2b_branch2a_centered, d_bn2b_branch2a_centered, d_res2b_branch2a
+        mem.free(29)
 
         # ---- bn2a_branch2c_relu (relu), backward ----
         # d_bn2a_branch2c_add = (d_bn2b_branch2c_add + d_bn2a_branch2c_relu)*Heaviside(bn2a_branch2c_relu_2, 0)
@@ -8936,16 +7746,74 @@ class Resnet50(rp.Model):
         rt.ew(ew_add_step_mul, d_bn2a_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_relu, bn2a_branch2c_relu_2)
         # free bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
         del bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
-        mem.free(784, 786)
+        mem.free(588, 590)
 
         # ---- res2b_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # res2b_branch2a_W_new = res2b_branch2a_W - lr*V_res2b_branch2a_W_new
         res2b_branch2a_W_new = T['res2b_branch2a_W']  # in place: the new res2b_branch2a_W
         rt.ew(ew_mul_sub, res2b_branch2a_W_new, T['res2b_branch2a_W'], lr, V_res2b_branch2a_W_new)
 
+        # ---- bn2a_branch2c (batch norm), backward ----
+        # d_bn2a_branch2c_inv_std = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_weight)
+        d_bn2a_branch2c_inv_std = mem.tensor(591, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
+        d_bn2a_branch2c_sum_of_squares = d_bn2a_branch2c_inv_std  # in place: over d_bn2a_branch2c_inv_std
+        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2c_sum_of_squares, d_bn2a_branch2c_inv_std, bn2a_branch2c_batch_var)
+        # free bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
+        del bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
+        mem.free(26)
+
+        # ---- bn2a_branch1 (batch norm), backward ----
+        # d_bn2a_branch1_inv_std = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_weight)
+        d_bn2a_branch1_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch1_inv_std, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn2a_branch1_sum_of_squares = d_bn2a_branch1_inv_std  # in place: over d_bn2a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var)
+        # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
+        del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
+        mem.free(22)
+
+        # ---- bn2a_branch2c (batch norm), backward ----
+        # d_bn2a_branch2c_weight = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_inv_std)
+        d_bn2a_branch2c_weight = mem.tensor(593, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2c_weight, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered
+        d_bn2a_branch2c_centered = bn2a_branch2c_centered  # in place: over bn2a_branch2c_centered
+        rt.ew(ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered)
+        # free bn2a_branch2c_inv_std, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
+        del bn2a_branch2c_inv_std, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
+        mem.free(27, 591)
+        # d_bn2a_branch2c_W = reshape[256](d_bn2a_branch2c_weight)
+        d_bn2a_branch2c_W = rt.reshape(d_bn2a_branch2c_weight, shape=(256,))
+        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W
+        V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
+        rt.ew(ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W'])
+        # free d_bn2a_branch2c_weight, d_bn2a_branch2c_W
+        del d_bn2a_branch2c_weight, d_bn2a_branch2c_W
+        mem.free(593)
+        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
+        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
+        rt.ew(ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new)
+        # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
+        d_bn2a_branch2c_batch_mean = mem.tensor(594, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean/100352
+        d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean  # in place: over d_bn2a_branch2c_batch_mean
+        rt.ew(ew_scale_2, d_bn2a_branch2c_sum, d_bn2a_branch2c_batch_mean)
+
+        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
+        # d_res2a_branch2c = d_bn2a_branch2c_centered + d_bn2a_branch2c_sum
+        d_res2a_branch2c = d_bn2a_branch2c_centered  # in place: over d_bn2a_branch2c_centered
+        rt.ew(ew_add, d_res2a_branch2c, d_bn2a_branch2c_centered, d_bn2a_branch2c_sum)
+        # free d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
+        del d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
+        mem.free(594)
+
         # ---- bn2a_branch1 (batch norm), backward ----
         # d_bn2a_branch1_bias = sum_to[1x256x1x1](d_bn2a_branch2c_add)
-        d_bn2a_branch1_bias = mem.tensor(787, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch1_bias = mem.tensor(595, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2c_add, out=d_bn2a_branch1_bias, shape=(1, 256, 1, 1))
         # d_bn2a_branch1_B = reshape[256](d_bn2a_branch1_bias)
         d_bn2a_branch1_B = rt.reshape(d_bn2a_branch1_bias, shape=(256,))
@@ -8961,7 +7829,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2a_branch1_B_new, T['V_bn2a_branch1_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch1_B'])
         # free d_bn2a_branch1_bias, d_bn2a_branch1_B
         del d_bn2a_branch1_bias, d_bn2a_branch1_B
-        mem.free(787)
+        mem.free(595)
 
         # ---- bn2a_branch2c (batch norm), backward ----
         # bn2a_branch2c_B_new = bn2a_branch2c_B - lr*V_bn2a_branch2c_B_new
@@ -8972,355 +7840,15 @@ class Resnet50(rp.Model):
         # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
         bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
         rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
-
-        # ---- bn2a_branch2c (batch norm), backward ----
-        # d_bn2a_branch2c_mul = d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_weight
-        d_bn2a_branch2c_mul = mem.tensor(788, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2c_mul, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_weight)
-        # d_bn2a_branch2c_inv_std = sum_to[1x256x1x1](d_bn2a_branch2c_mul)
-        d_bn2a_branch2c_inv_std = mem.tensor(789, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2c_mul, out=d_bn2a_branch2c_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn2a_branch2c_mul
-        del d_bn2a_branch2c_mul
-        mem.free(788)
-        # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
-        d_bn2a_branch2c_sum_of_squares = d_bn2a_branch2c_inv_std  # in place: over d_bn2a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2c_sum_of_squares, d_bn2a_branch2c_inv_std, bn2a_branch2c_batch_var)
-        # free bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
-        del bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
-        mem.free(31)
-        # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered
-        d_bn2a_branch2c_centered = mem.tensor(790, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered)
-        # free d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
-        del d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
-        mem.free(789)
-        # d_bn2a_branch2c_mul_2 = d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_inv_std
-        d_bn2a_branch2c_mul_2 = bn2a_branch2c_centered  # in place: over bn2a_branch2c_centered
-        rt.ew(ew_mul_2, d_bn2a_branch2c_mul_2, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_inv_std)
-        # free bn2a_branch2c_inv_std
-        del bn2a_branch2c_inv_std
-        mem.free(32)
-        # d_bn2a_branch2c_weight = sum_to[1x256x1x1](d_bn2a_branch2c_mul_2)
-        d_bn2a_branch2c_weight = mem.tensor(791, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2c_mul_2, out=d_bn2a_branch2c_weight, shape=(1, 256, 1, 1))
-        # free res2a_branch2c, bn2a_branch2c_centered, d_bn2a_branch2c_mul_2
-        del res2a_branch2c, bn2a_branch2c_centered, d_bn2a_branch2c_mul_2
-        mem.free(28)
-        # d_bn2a_branch2c_W = reshape[256](d_bn2a_branch2c_weight)
-        d_bn2a_branch2c_W = rt.reshape(d_bn2a_branch2c_weight, shape=(256,))
-        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W
-        V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
-        rt.ew(ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W'])
-        # free d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        del d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        mem.free(791)
-        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
-        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
-        rt.ew(ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new)
-        # d_bn2a_branch2c_neg = -d_bn2a_branch2c_centered
-        d_bn2a_branch2c_neg = mem.tensor(792, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2a_branch2c_neg, d_bn2a_branch2c_centered)
-        # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](d_bn2a_branch2c_neg)
-        d_bn2a_branch2c_batch_mean = mem.tensor(793, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2c_neg, out=d_bn2a_branch2c_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn2a_branch2c_neg
-        del d_bn2a_branch2c_neg
-        mem.free(792)
-        # d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean/100352
-        d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean  # in place: over d_bn2a_branch2c_batch_mean
-        rt.ew(ew_scale_2, d_bn2a_branch2c_sum, d_bn2a_branch2c_batch_mean)
-
-        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # d_res2a_branch2c = d_bn2a_branch2c_centered + d_bn2a_branch2c_sum
-        d_res2a_branch2c = d_bn2a_branch2c_centered  # in place: over d_bn2a_branch2c_centered
-        rt.ew(ew_add, d_res2a_branch2c, d_bn2a_branch2c_centered, d_bn2a_branch2c_sum)
-        # free d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
-        del d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
-        mem.free(793)
-
-        # ---- bn2a_branch2b_relu (relu), forward ----
-        # bn2a_branch2b_relu_2 = Max(0, bn2a_branch2b_centered*bn2a_branch2b_inv_std*bn2a_branch2b_weight + bn2a_branch2b_bias)
-        bn2a_branch2b_relu_2 = mem.tensor(794, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul_add_relu, bn2a_branch2b_relu_2, bn2a_branch2b_centered, bn2a_branch2b_inv_std, bn2a_branch2b_weight, bn2a_branch2b_bias)
-
-        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # d_res2a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2c, bn2a_branch2b_relu_2)
-        d_res2a_branch2c_W = mem.tensor(795, (256, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res2a_branch2c, bn2a_branch2b_relu_2, out=d_res2a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
-        # d_bn2a_branch2b_relu = conv2d_bwd_data[size=(56,56)](d_res2a_branch2c, res2a_branch2c_W)
-        d_bn2a_branch2b_relu = mem.tensor(796, (32, 64, 56, 56), 'float32')
-        rt.conv2d_bwd_data(d_res2a_branch2c, T['res2a_branch2c_W'], out=d_bn2a_branch2b_relu, pad=0, size=(56, 56), stride=1)
-        # free d_bn2a_branch2c_centered, d_res2a_branch2c
-        del d_bn2a_branch2c_centered, d_res2a_branch2c
-        mem.free(790)
-
-        # ---- bn2a_branch2b_relu (relu), backward ----
-        # d_bn2a_branch2b = d_bn2a_branch2b_relu*Heaviside(bn2a_branch2b_relu_2, 0)
-        d_bn2a_branch2b = d_bn2a_branch2b_relu  # in place: over d_bn2a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn2a_branch2b, d_bn2a_branch2b_relu, bn2a_branch2b_relu_2)
-        # free bn2a_branch2b_relu_2
-        del bn2a_branch2b_relu_2
-        mem.free(794)
-
-        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W
-        V_res2a_branch2c_W_new = T['V_res2a_branch2c_W']  # in place: the new V_res2a_branch2c_W
-        rt.ew(ew_mul_add, V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W'])
-        # free d_res2a_branch2c_W
-        del d_res2a_branch2c_W
-        mem.free(795)
-        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new
-        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
-        rt.ew(ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new)
-
-        # ---- bn2a_branch2b (batch norm), backward ----
-        # d_bn2a_branch2b_bias = sum_to[1x64x1x1](d_bn2a_branch2b)
-        d_bn2a_branch2b_bias = mem.tensor(797, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2b, out=d_bn2a_branch2b_bias, shape=(1, 64, 1, 1))
-        # d_bn2a_branch2b_B = reshape[64](d_bn2a_branch2b_bias)
-        d_bn2a_branch2b_B = rt.reshape(d_bn2a_branch2b_bias, shape=(64,))
-        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B
-        V_bn2a_branch2b_B_new = T['V_bn2a_branch2b_B']  # in place: the new V_bn2a_branch2b_B
-        rt.ew(ew_mul_add, V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B'])
-        # free d_bn2a_branch2b_bias, d_bn2a_branch2b_B
-        del d_bn2a_branch2b_bias, d_bn2a_branch2b_B
-        mem.free(797)
-        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new
-        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
-        rt.ew(ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new)
-        # d_bn2a_branch2b_mul = d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_weight
-        d_bn2a_branch2b_mul = mem.tensor(798, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2b_mul, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_weight)
-        # d_bn2a_branch2b_inv_std = sum_to[1x64x1x1](d_bn2a_branch2b_mul)
-        d_bn2a_branch2b_inv_std = mem.tensor(799, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2b_mul, out=d_bn2a_branch2b_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2b_mul
-        del d_bn2a_branch2b_mul
-        mem.free(798)
-        # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
-        d_bn2a_branch2b_sum_of_squares = d_bn2a_branch2b_inv_std  # in place: over d_bn2a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2b_sum_of_squares, d_bn2a_branch2b_inv_std, bn2a_branch2b_batch_var)
-        # free bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
-        del bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
-        mem.free(20)
-        # d_bn2a_branch2b_centered = d_bn2a_branch2b*bn2a_branch2b_inv_std*bn2a_branch2b_weight + 2*d_bn2a_branch2b_sum_of_squares*bn2a_branch2b_centered
-        d_bn2a_branch2b_centered = mem.tensor(800, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul_add_2, d_bn2a_branch2b_centered, d_bn2a_branch2b, bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered)
-        # free d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
-        del d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
-        mem.free(799)
-        # d_bn2a_branch2b_mul_2 = d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_inv_std
-        d_bn2a_branch2b_mul_2 = d_bn2a_branch2b  # in place: over d_bn2a_branch2b
-        rt.ew(ew_mul_3, d_bn2a_branch2b_mul_2, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_inv_std)
-        # free res2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_inv_std
-        del res2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_inv_std
-        mem.free(17, 21)
-        # d_bn2a_branch2b_weight = sum_to[1x64x1x1](d_bn2a_branch2b_mul_2)
-        d_bn2a_branch2b_weight = mem.tensor(801, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2b_mul_2, out=d_bn2a_branch2b_weight, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2b_relu, d_bn2a_branch2b, d_bn2a_branch2b_mul_2
-        del d_bn2a_branch2b_relu, d_bn2a_branch2b, d_bn2a_branch2b_mul_2
-        mem.free(796)
-        # d_bn2a_branch2b_W = reshape[64](d_bn2a_branch2b_weight)
-        d_bn2a_branch2b_W = rt.reshape(d_bn2a_branch2b_weight, shape=(64,))
-        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W
-        V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
-        rt.ew(ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W'])
-        # free d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        del d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        mem.free(801)
-        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
-        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
-        rt.ew(ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new)
-        # d_bn2a_branch2b_neg = -d_bn2a_branch2b_centered
-        d_bn2a_branch2b_neg = mem.tensor(802, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2a_branch2b_neg, d_bn2a_branch2b_centered)
-        # d_bn2a_branch2b_batch_mean = sum_to[1x64x1x1](d_bn2a_branch2b_neg)
-        d_bn2a_branch2b_batch_mean = mem.tensor(803, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2b_neg, out=d_bn2a_branch2b_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2b_neg
-        del d_bn2a_branch2b_neg
-        mem.free(802)
-        # d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean/100352
-        d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean  # in place: over d_bn2a_branch2b_batch_mean
-        rt.ew(ew_scale_2, d_bn2a_branch2b_sum, d_bn2a_branch2b_batch_mean)
-
-        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
-        # d_res2a_branch2b = d_bn2a_branch2b_centered + d_bn2a_branch2b_sum
-        d_res2a_branch2b = d_bn2a_branch2b_centered  # in place: over d_bn2a_branch2b_centered
-        rt.ew(ew_add, d_res2a_branch2b, d_bn2a_branch2b_centered, d_bn2a_branch2b_sum)
-        # free d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
-        del d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
-        mem.free(803)
-
-        # ---- bn2a_branch2a_relu (relu), forward ----
-        # bn2a_branch2a_relu_2 = Max(0, bn2a_branch2a_centered*bn2a_branch2a_inv_std*bn2a_branch2a_weight + bn2a_branch2a_bias)
-        bn2a_branch2a_relu_2 = mem.tensor(804, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul_add_relu, bn2a_branch2a_relu_2, bn2a_branch2a_centered, bn2a_branch2a_inv_std, bn2a_branch2a_weight, bn2a_branch2a_bias)
-
-        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
-        # d_res2a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2a_branch2b, bn2a_branch2a_relu_2)
-        d_res2a_branch2b_W = mem.tensor(805, (64, 64, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res2a_branch2b, bn2a_branch2a_relu_2, out=d_res2a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26815488))
-        # V_res2a_branch2b_W_new = V_res2a_branch2b_W*momentum + d_res2a_branch2b_W + decay*res2a_branch2b_W
-        V_res2a_branch2b_W_new = T['V_res2a_branch2b_W']  # in place: the new V_res2a_branch2b_W
-        rt.ew(ew_mul_add, V_res2a_branch2b_W_new, T['V_res2a_branch2b_W'], momentum, d_res2a_branch2b_W, decay, T['res2a_branch2b_W'])
-        # free d_res2a_branch2b_W
-        del d_res2a_branch2b_W
-        mem.free(805)
-        # d_bn2a_branch2a_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_res2a_branch2b, res2a_branch2b_W)
-        d_bn2a_branch2a_relu = mem.tensor(806, (32, 64, 56, 56), 'float32')
-        rt.conv2d_bwd_data(d_res2a_branch2b, T['res2a_branch2b_W'], out=d_bn2a_branch2a_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(27529728))
-        # free d_bn2a_branch2b_centered, d_res2a_branch2b
-        del d_bn2a_branch2b_centered, d_res2a_branch2b
-        mem.free(800)
-
-        # ---- bn2a_branch2a_relu (relu), backward ----
-        # d_bn2a_branch2a = d_bn2a_branch2a_relu*Heaviside(bn2a_branch2a_relu_2, 0)
-        d_bn2a_branch2a = d_bn2a_branch2a_relu  # in place: over d_bn2a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn2a_branch2a, d_bn2a_branch2a_relu, bn2a_branch2a_relu_2)
-        # free bn2a_branch2a_relu_2
-        del bn2a_branch2a_relu_2
-        mem.free(804)
-
-        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
-        # res2a_branch2b_W_new = res2a_branch2b_W - lr*V_res2a_branch2b_W_new
-        res2a_branch2b_W_new = T['res2a_branch2b_W']  # in place: the new res2a_branch2b_W
-        rt.ew(ew_mul_sub, res2a_branch2b_W_new, T['res2a_branch2b_W'], lr, V_res2a_branch2b_W_new)
-
-        # ---- bn2a_branch2a (batch norm), backward ----
-        # d_bn2a_branch2a_bias = sum_to[1x64x1x1](d_bn2a_branch2a)
-        d_bn2a_branch2a_bias = mem.tensor(807, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2a, out=d_bn2a_branch2a_bias, shape=(1, 64, 1, 1))
-        # d_bn2a_branch2a_B = reshape[64](d_bn2a_branch2a_bias)
-        d_bn2a_branch2a_B = rt.reshape(d_bn2a_branch2a_bias, shape=(64,))
-        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B
-        V_bn2a_branch2a_B_new = T['V_bn2a_branch2a_B']  # in place: the new V_bn2a_branch2a_B
-        rt.ew(ew_mul_add, V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B'])
-        # free d_bn2a_branch2a_bias, d_bn2a_branch2a_B
-        del d_bn2a_branch2a_bias, d_bn2a_branch2a_B
-        mem.free(807)
-        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new
-        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
-        rt.ew(ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new)
-        # d_bn2a_branch2a_mul = d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_weight
-        d_bn2a_branch2a_mul = mem.tensor(808, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2a_mul, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_weight)
-        # d_bn2a_branch2a_inv_std = sum_to[1x64x1x1](d_bn2a_branch2a_mul)
-        d_bn2a_branch2a_inv_std = mem.tensor(809, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2a_mul, out=d_bn2a_branch2a_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2a_mul
-        del d_bn2a_branch2a_mul
-        mem.free(808)
-        # d_bn2a_branch2a_sum_of_squares = -d_bn2a_branch2a_inv_std/(200704*(bn2a_branch2a_batch_var + 1.0e-5)**(3/2))
-        d_bn2a_branch2a_sum_of_squares = d_bn2a_branch2a_inv_std  # in place: over d_bn2a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2a_sum_of_squares, d_bn2a_branch2a_inv_std, bn2a_branch2a_batch_var)
-        # free bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
-        del bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
-        mem.free(14)
-        # d_bn2a_branch2a_centered = d_bn2a_branch2a*bn2a_branch2a_inv_std*bn2a_branch2a_weight + 2*d_bn2a_branch2a_sum_of_squares*bn2a_branch2a_centered
-        d_bn2a_branch2a_centered = mem.tensor(810, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul_add_2, d_bn2a_branch2a_centered, d_bn2a_branch2a, bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered)
-        # free d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
-        del d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
-        mem.free(809)
-        # d_bn2a_branch2a_mul_2 = d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_inv_std
-        d_bn2a_branch2a_mul_2 = d_bn2a_branch2a  # in place: over d_bn2a_branch2a
-        rt.ew(ew_mul_3, d_bn2a_branch2a_mul_2, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_inv_std)
-        # free res2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_inv_std
-        del res2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_inv_std
-        mem.free(11, 15)
-        # d_bn2a_branch2a_weight = sum_to[1x64x1x1](d_bn2a_branch2a_mul_2)
-        d_bn2a_branch2a_weight = mem.tensor(811, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2a_mul_2, out=d_bn2a_branch2a_weight, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2a_relu, d_bn2a_branch2a, d_bn2a_branch2a_mul_2
-        del d_bn2a_branch2a_relu, d_bn2a_branch2a, d_bn2a_branch2a_mul_2
-        mem.free(806)
-        # d_bn2a_branch2a_W = reshape[64](d_bn2a_branch2a_weight)
-        d_bn2a_branch2a_W = rt.reshape(d_bn2a_branch2a_weight, shape=(64,))
-        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W
-        V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
-        rt.ew(ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W'])
-        # free d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        del d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        mem.free(811)
-        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
-        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
-        rt.ew(ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new)
-        # d_bn2a_branch2a_neg = -d_bn2a_branch2a_centered
-        d_bn2a_branch2a_neg = mem.tensor(812, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2a_branch2a_neg, d_bn2a_branch2a_centered)
-        # d_bn2a_branch2a_batch_mean = sum_to[1x64x1x1](d_bn2a_branch2a_neg)
-        d_bn2a_branch2a_batch_mean = mem.tensor(813, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch2a_neg, out=d_bn2a_branch2a_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn2a_branch2a_neg
-        del d_bn2a_branch2a_neg
-        mem.free(812)
-        # d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean/100352
-        d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean  # in place: over d_bn2a_branch2a_batch_mean
-        rt.ew(ew_scale_2, d_bn2a_branch2a_sum, d_bn2a_branch2a_batch_mean)
-
-        # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # d_res2a_branch2a = d_bn2a_branch2a_centered + d_bn2a_branch2a_sum
-        d_res2a_branch2a = d_bn2a_branch2a_centered  # in place: over d_bn2a_branch2a_centered
-        rt.ew(ew_add, d_res2a_branch2a, d_bn2a_branch2a_centered, d_bn2a_branch2a_sum)
-        # free d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
-        del d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
-        mem.free(813)
-        # d_res2a_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2a, bn_conv1_max_pool)
-        d_res2a_branch2a_W = mem.tensor(814, (64, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res2a_branch2a, bn_conv1_max_pool, out=d_res2a_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25706496))
-        # V_res2a_branch2a_W_new = V_res2a_branch2a_W*momentum + d_res2a_branch2a_W + decay*res2a_branch2a_W
-        V_res2a_branch2a_W_new = T['V_res2a_branch2a_W']  # in place: the new V_res2a_branch2a_W
-        rt.ew(ew_mul_add, V_res2a_branch2a_W_new, T['V_res2a_branch2a_W'], momentum, d_res2a_branch2a_W, decay, T['res2a_branch2a_W'])
-        # free d_res2a_branch2a_W
-        del d_res2a_branch2a_W
-        mem.free(814)
-        # d_bn_conv1_max_pool = conv2d_bwd_data[size=(56,56)](d_res2a_branch2a, res2a_branch2a_W)
-        d_bn_conv1_max_pool = mem.tensor(815, (32, 64, 56, 56), 'float32')
-        rt.conv2d_bwd_data(d_res2a_branch2a, T['res2a_branch2a_W'], out=d_bn_conv1_max_pool, pad=0, size=(56, 56), stride=1)
-        # free d_bn2a_branch2a_centered, d_res2a_branch2a
-        del d_bn2a_branch2a_centered, d_res2a_branch2a
-        mem.free(810)
-        # res2a_branch2a_W_new = res2a_branch2a_W - lr*V_res2a_branch2a_W_new
-        res2a_branch2a_W_new = T['res2a_branch2a_W']  # in place: the new res2a_branch2a_W
-        rt.ew(ew_mul_sub, res2a_branch2a_W_new, T['res2a_branch2a_W'], lr, V_res2a_branch2a_W_new)
-
-        # ---- bn2a_branch1 (batch norm), backward ----
-        # d_bn2a_branch1_mul = d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_weight
-        d_bn2a_branch1_mul = mem.tensor(816, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch1_mul, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_weight)
-        # d_bn2a_branch1_inv_std = sum_to[1x256x1x1](d_bn2a_branch1_mul)
-        d_bn2a_branch1_inv_std = mem.tensor(817, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch1_mul, out=d_bn2a_branch1_inv_std, shape=(1, 256, 1, 1))
-        # free d_bn2a_branch1_mul
-        del d_bn2a_branch1_mul
-        mem.free(816)
-        # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn2a_branch1_sum_of_squares = d_bn2a_branch1_inv_std  # in place: over d_bn2a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var)
-        # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
-        del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
-        mem.free(26)
+        # d_bn2a_branch1_weight = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_inv_std)
+        d_bn2a_branch1_weight = mem.tensor(596, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch1_weight, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch1_centered = d_bn2a_branch2c_add*bn2a_branch1_inv_std*bn2a_branch1_weight + 2*d_bn2a_branch1_sum_of_squares*bn2a_branch1_centered
-        d_bn2a_branch1_centered = mem.tensor(818, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_mul_add_2, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered)
-        # free d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
-        del d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
-        mem.free(817)
-        # d_bn2a_branch1_mul_2 = d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_inv_std
-        d_bn2a_branch1_mul_2 = d_bn2a_branch2c_add  # in place: over d_bn2a_branch2c_add
-        rt.ew(ew_mul_3, d_bn2a_branch1_mul_2, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_inv_std)
-        # free res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std
-        del res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std
-        mem.free(23, 27)
-        # d_bn2a_branch1_weight = sum_to[1x256x1x1](d_bn2a_branch1_mul_2)
-        d_bn2a_branch1_weight = mem.tensor(819, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch1_mul_2, out=d_bn2a_branch1_weight, shape=(1, 256, 1, 1))
-        # free d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_mul_2
-        del d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_mul_2
-        mem.free(726)
+        d_bn2a_branch1_centered = d_bn2a_branch2c_add  # in place: over d_bn2a_branch2c_add
+        rt.ew(ew_mul_add_3, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered)
+        # free res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std, d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
+        del res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std, d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
+        mem.free(20, 23, 592)
         # d_bn2a_branch1_W = reshape[256](d_bn2a_branch1_weight)
         d_bn2a_branch1_W = rt.reshape(d_bn2a_branch1_weight, shape=(256,))
         # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W
@@ -9328,19 +7856,13 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W'])
         # free d_bn2a_branch1_weight, d_bn2a_branch1_W
         del d_bn2a_branch1_weight, d_bn2a_branch1_W
-        mem.free(819)
+        mem.free(596)
         # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new
         bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
         rt.ew(ew_mul_sub, bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new)
-        # d_bn2a_branch1_neg = -d_bn2a_branch1_centered
-        d_bn2a_branch1_neg = mem.tensor(820, (32, 256, 56, 56), 'float32')
-        rt.ew(ew_neg, d_bn2a_branch1_neg, d_bn2a_branch1_centered)
-        # d_bn2a_branch1_batch_mean = sum_to[1x256x1x1](d_bn2a_branch1_neg)
-        d_bn2a_branch1_batch_mean = mem.tensor(821, (1, 256, 1, 1), 'float32')
-        rt.sum_to(d_bn2a_branch1_neg, out=d_bn2a_branch1_batch_mean, shape=(1, 256, 1, 1))
-        # free d_bn2a_branch1_neg
-        del d_bn2a_branch1_neg
-        mem.free(820)
+        # d_bn2a_branch1_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch1_centered)
+        d_bn2a_branch1_batch_mean = mem.tensor(597, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2a_branch1_batch_mean, d_bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean/100352
         d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean  # in place: over d_bn2a_branch1_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch1_sum, d_bn2a_branch1_batch_mean)
@@ -9351,103 +7873,270 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch1, d_bn2a_branch1_centered, d_bn2a_branch1_sum)
         # free d_bn2a_branch1_batch_mean, d_bn2a_branch1_sum
         del d_bn2a_branch1_batch_mean, d_bn2a_branch1_sum
-        mem.free(821)
-        # d_res2a_branch1_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch1, bn_conv1_max_pool)
-        d_res2a_branch1_W = mem.tensor(822, (256, 64, 1, 1), 'float32')
-        rt.conv2d_bwd_filter(d_res2a_branch1, bn_conv1_max_pool, out=d_res2a_branch1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
-        # d_bn_conv1_max_pool_2 = conv2d_bwd_data[size=(56,56)](d_res2a_branch1, res2a_branch1_W)
-        d_bn_conv1_max_pool_2 = mem.tensor(823, (32, 64, 56, 56), 'float32')
-        rt.conv2d_bwd_data(d_res2a_branch1, T['res2a_branch1_W'], out=d_bn_conv1_max_pool_2, pad=0, size=(56, 56), stride=1)
-        # free d_bn2a_branch1_centered, d_res2a_branch1
-        del d_bn2a_branch1_centered, d_res2a_branch1
-        mem.free(818)
+        mem.free(597)
 
-        # ---- bn_conv1_relu (relu), backward ----
-        # d_bn_conv1 = (d_bn_conv1_max_pool_2 + d_bn_conv1_max_pool)*Heaviside(bn_conv1_max_pool, 0)
-        d_bn_conv1 = d_bn_conv1_max_pool_2  # in place: over d_bn_conv1_max_pool_2
-        rt.ew(ew_add_step_mul, d_bn_conv1, d_bn_conv1_max_pool_2, d_bn_conv1_max_pool, bn_conv1_max_pool)
-        # free bn_conv1_max_pool, d_bn_conv1_max_pool
-        del bn_conv1_max_pool, d_bn_conv1_max_pool
-        mem.free(10, 815)
+        # ---- bn2a_branch2b_relu (relu), forward ----
+        # bn2a_branch2b_relu_2 = Max(0, bn2a_branch2b_centered*bn2a_branch2b_inv_std*bn2a_branch2b_weight + bn2a_branch2b_bias)
+        bn2a_branch2b_relu_2 = mem.tensor(598, (32, 64, 56, 56), 'float32')
+        rt.ew(ew_mul_add_relu, bn2a_branch2b_relu_2, bn2a_branch2b_centered, bn2a_branch2b_inv_std, bn2a_branch2b_weight, bn2a_branch2b_bias)
+
+        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
+        # d_res2a_branch2c_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2c, bn2a_branch2b_relu_2)
+        d_res2a_branch2c_W = mem.tensor(599, (256, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res2a_branch2c, bn2a_branch2b_relu_2, out=d_res2a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
+        # d_bn2a_branch2b_relu = conv2d_bwd_data[size=(56,56)](d_res2a_branch2c, res2a_branch2c_W)
+        d_bn2a_branch2b_relu = mem.tensor(600, (32, 64, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_res2a_branch2c, T['res2a_branch2c_W'], out=d_bn2a_branch2b_relu, pad=0, size=(56, 56), stride=1)
+        # free res2a_branch2c, bn2a_branch2c_centered, d_bn2a_branch2c_centered, d_res2a_branch2c
+        del res2a_branch2c, bn2a_branch2c_centered, d_bn2a_branch2c_centered, d_res2a_branch2c
+        mem.free(24)
+
+        # ---- bn2a_branch2b_relu (relu), backward ----
+        # d_bn2a_branch2b = d_bn2a_branch2b_relu*Heaviside(bn2a_branch2b_relu_2, 0)
+        d_bn2a_branch2b = d_bn2a_branch2b_relu  # in place: over d_bn2a_branch2b_relu
+        rt.ew(ew_step_mul, d_bn2a_branch2b, d_bn2a_branch2b_relu, bn2a_branch2b_relu_2)
+        # free bn2a_branch2b_relu_2
+        del bn2a_branch2b_relu_2
+        mem.free(598)
+
+        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
+        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W
+        V_res2a_branch2c_W_new = T['V_res2a_branch2c_W']  # in place: the new V_res2a_branch2c_W
+        rt.ew(ew_mul_add, V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W'])
+        # free d_res2a_branch2c_W
+        del d_res2a_branch2c_W
+        mem.free(599)
+        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new
+        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
+        rt.ew(ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new)
+
+        # ---- bn2a_branch2b (batch norm), backward ----
+        # d_bn2a_branch2b_inv_std = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_weight)
+        d_bn2a_branch2b_inv_std = mem.tensor(601, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2b_inv_std, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
+        d_bn2a_branch2b_sum_of_squares = d_bn2a_branch2b_inv_std  # in place: over d_bn2a_branch2b_inv_std
+        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2b_sum_of_squares, d_bn2a_branch2b_inv_std, bn2a_branch2b_batch_var)
+        # free bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
+        del bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
+        mem.free(17)
+        # d_bn2a_branch2b_weight = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_inv_std)
+        d_bn2a_branch2b_weight = mem.tensor(602, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2b_weight, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2b_centered = d_bn2a_branch2b*bn2a_branch2b_inv_std*bn2a_branch2b_weight + 2*d_bn2a_branch2b_sum_of_squares*bn2a_branch2b_centered
+        d_bn2a_branch2b_centered = bn2a_branch2b_centered  # in place: over bn2a_branch2b_centered
+        rt.ew(ew_mul_add_2, d_bn2a_branch2b_centered, d_bn2a_branch2b, bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered)
+        # free bn2a_branch2b_inv_std, d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
+        del bn2a_branch2b_inv_std, d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
+        mem.free(18, 601)
+        # d_bn2a_branch2b_bias = sum_to[1x64x1x1](d_bn2a_branch2b)
+        d_bn2a_branch2b_bias = mem.tensor(603, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2a_branch2b, out=d_bn2a_branch2b_bias, shape=(1, 64, 1, 1))
+        # free d_bn2a_branch2b_relu, d_bn2a_branch2b
+        del d_bn2a_branch2b_relu, d_bn2a_branch2b
+        mem.free(600)
+        # d_bn2a_branch2b_W = reshape[64](d_bn2a_branch2b_weight)
+        d_bn2a_branch2b_W = rt.reshape(d_bn2a_branch2b_weight, shape=(64,))
+        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W
+        V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
+        rt.ew(ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W'])
+        # free d_bn2a_branch2b_weight, d_bn2a_branch2b_W
+        del d_bn2a_branch2b_weight, d_bn2a_branch2b_W
+        mem.free(602)
+        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
+        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
+        rt.ew(ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new)
+        # d_bn2a_branch2b_B = reshape[64](d_bn2a_branch2b_bias)
+        d_bn2a_branch2b_B = rt.reshape(d_bn2a_branch2b_bias, shape=(64,))
+        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B
+        V_bn2a_branch2b_B_new = T['V_bn2a_branch2b_B']  # in place: the new V_bn2a_branch2b_B
+        rt.ew(ew_mul_add, V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B'])
+        # free d_bn2a_branch2b_bias, d_bn2a_branch2b_B
+        del d_bn2a_branch2b_bias, d_bn2a_branch2b_B
+        mem.free(603)
+        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new
+        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
+        rt.ew(ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new)
+        # d_bn2a_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2b_centered)
+        d_bn2a_branch2b_batch_mean = mem.tensor(604, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean/100352
+        d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean  # in place: over d_bn2a_branch2b_batch_mean
+        rt.ew(ew_scale_2, d_bn2a_branch2b_sum, d_bn2a_branch2b_batch_mean)
+
+        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_res2a_branch2b = d_bn2a_branch2b_centered + d_bn2a_branch2b_sum
+        d_res2a_branch2b = d_bn2a_branch2b_centered  # in place: over d_bn2a_branch2b_centered
+        rt.ew(ew_add, d_res2a_branch2b, d_bn2a_branch2b_centered, d_bn2a_branch2b_sum)
+        # free d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
+        del d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
+        mem.free(604)
 
         # ---- res2a_branch1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
+        # d_res2a_branch1_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch1, bn_conv1_max_pool)
+        d_res2a_branch1_W = mem.tensor(605, (256, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res2a_branch1, bn_conv1_max_pool, out=d_res2a_branch1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
+        # d_bn_conv1_max_pool = conv2d_bwd_data[size=(56,56)](d_res2a_branch1, res2a_branch1_W)
+        d_bn_conv1_max_pool = mem.tensor(606, (32, 64, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_res2a_branch1, T['res2a_branch1_W'], out=d_bn_conv1_max_pool, pad=0, size=(56, 56), stride=1)
+        # free d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_centered, d_res2a_branch1
+        del d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_centered, d_res2a_branch1
+        mem.free(548)
         # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W
         V_res2a_branch1_W_new = T['V_res2a_branch1_W']  # in place: the new V_res2a_branch1_W
         rt.ew(ew_mul_add, V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W'])
         # free d_res2a_branch1_W
         del d_res2a_branch1_W
-        mem.free(822)
+        mem.free(605)
         # res2a_branch1_W_new = res2a_branch1_W - lr*V_res2a_branch1_W_new
         res2a_branch1_W_new = T['res2a_branch1_W']  # in place: the new res2a_branch1_W
         rt.ew(ew_mul_sub, res2a_branch1_W_new, T['res2a_branch1_W'], lr, V_res2a_branch1_W_new)
 
+        # ---- bn2a_branch2a_relu (relu), forward ----
+        # bn2a_branch2a_relu_2 = Max(0, bn2a_branch2a_centered*bn2a_branch2a_inv_std*bn2a_branch2a_weight + bn2a_branch2a_bias)
+        bn2a_branch2a_relu_2 = mem.tensor(607, (32, 64, 56, 56), 'float32')
+        rt.ew(ew_mul_add_relu, bn2a_branch2a_relu_2, bn2a_branch2a_centered, bn2a_branch2a_inv_std, bn2a_branch2a_weight, bn2a_branch2a_bias)
+
+        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_res2a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2a_branch2b, bn2a_branch2a_relu_2)
+        d_res2a_branch2b_W = mem.tensor(608, (64, 64, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res2a_branch2b, bn2a_branch2a_relu_2, out=d_res2a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26815488))
+        # V_res2a_branch2b_W_new = V_res2a_branch2b_W*momentum + d_res2a_branch2b_W + decay*res2a_branch2b_W
+        V_res2a_branch2b_W_new = T['V_res2a_branch2b_W']  # in place: the new V_res2a_branch2b_W
+        rt.ew(ew_mul_add, V_res2a_branch2b_W_new, T['V_res2a_branch2b_W'], momentum, d_res2a_branch2b_W, decay, T['res2a_branch2b_W'])
+        # free d_res2a_branch2b_W
+        del d_res2a_branch2b_W
+        mem.free(608)
+        # d_bn2a_branch2a_relu = conv2d_bwd_data[pad=1,size=(56,56)](d_res2a_branch2b, res2a_branch2b_W)
+        d_bn2a_branch2a_relu = mem.tensor(609, (32, 64, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_res2a_branch2b, T['res2a_branch2b_W'], out=d_bn2a_branch2a_relu, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(27529728))
+        # free res2a_branch2b, bn2a_branch2b_centered, d_bn2a_branch2b_centered, d_res2a_branch2b
+        del res2a_branch2b, bn2a_branch2b_centered, d_bn2a_branch2b_centered, d_res2a_branch2b
+        mem.free(15)
+
+        # ---- bn2a_branch2a_relu (relu), backward ----
+        # d_bn2a_branch2a = d_bn2a_branch2a_relu*Heaviside(bn2a_branch2a_relu_2, 0)
+        d_bn2a_branch2a = d_bn2a_branch2a_relu  # in place: over d_bn2a_branch2a_relu
+        rt.ew(ew_step_mul, d_bn2a_branch2a, d_bn2a_branch2a_relu, bn2a_branch2a_relu_2)
+        # free bn2a_branch2a_relu_2
+        del bn2a_branch2a_relu_2
+        mem.free(607)
+
+        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # res2a_branch2b_W_new = res2a_branch2b_W - lr*V_res2a_branch2b_W_new
+        res2a_branch2b_W_new = T['res2a_branch2b_W']  # in place: the new res2a_branch2b_W
+        rt.ew(ew_mul_sub, res2a_branch2b_W_new, T['res2a_branch2b_W'], lr, V_res2a_branch2b_W_new)
+
+        # ---- bn2a_branch2a (batch norm), backward ----
+        # d_bn2a_branch2a_inv_std = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_weight)
+        d_bn2a_branch2a_inv_std = mem.tensor(610, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2a_inv_std, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2a_sum_of_squares = -d_bn2a_branch2a_inv_std/(200704*(bn2a_branch2a_batch_var + 1.0e-5)**(3/2))
+        d_bn2a_branch2a_sum_of_squares = d_bn2a_branch2a_inv_std  # in place: over d_bn2a_branch2a_inv_std
+        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2a_sum_of_squares, d_bn2a_branch2a_inv_std, bn2a_branch2a_batch_var)
+        # free bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
+        del bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
+        mem.free(12)
+        # d_bn2a_branch2a_weight = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_inv_std)
+        d_bn2a_branch2a_weight = mem.tensor(611, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2a_weight, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2a_centered = d_bn2a_branch2a*bn2a_branch2a_inv_std*bn2a_branch2a_weight + 2*d_bn2a_branch2a_sum_of_squares*bn2a_branch2a_centered
+        d_bn2a_branch2a_centered = bn2a_branch2a_centered  # in place: over bn2a_branch2a_centered
+        rt.ew(ew_mul_add_2, d_bn2a_branch2a_centered, d_bn2a_branch2a, bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered)
+        # free bn2a_branch2a_inv_std, d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
+        del bn2a_branch2a_inv_std, d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
+        mem.free(13, 610)
+        # d_bn2a_branch2a_bias = sum_to[1x64x1x1](d_bn2a_branch2a)
+        d_bn2a_branch2a_bias = mem.tensor(612, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn2a_branch2a, out=d_bn2a_branch2a_bias, shape=(1, 64, 1, 1))
+        # free d_bn2a_branch2a_relu, d_bn2a_branch2a
+        del d_bn2a_branch2a_relu, d_bn2a_branch2a
+        mem.free(609)
+        # d_bn2a_branch2a_W = reshape[64](d_bn2a_branch2a_weight)
+        d_bn2a_branch2a_W = rt.reshape(d_bn2a_branch2a_weight, shape=(64,))
+        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W
+        V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
+        rt.ew(ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W'])
+        # free d_bn2a_branch2a_weight, d_bn2a_branch2a_W
+        del d_bn2a_branch2a_weight, d_bn2a_branch2a_W
+        mem.free(611)
+        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
+        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
+        rt.ew(ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new)
+        # d_bn2a_branch2a_B = reshape[64](d_bn2a_branch2a_bias)
+        d_bn2a_branch2a_B = rt.reshape(d_bn2a_branch2a_bias, shape=(64,))
+        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B
+        V_bn2a_branch2a_B_new = T['V_bn2a_branch2a_B']  # in place: the new V_bn2a_branch2a_B
+        rt.ew(ew_mul_add, V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B'])
+        # free d_bn2a_branch2a_bias, d_bn2a_branch2a_B
+        del d_bn2a_branch2a_bias, d_bn2a_branch2a_B
+        mem.free(612)
+        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new
+        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
+        rt.ew(ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new)
+        # d_bn2a_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2a_centered)
+        d_bn2a_branch2a_batch_mean = mem.tensor(613, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean/100352
+        d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean  # in place: over d_bn2a_branch2a_batch_mean
+        rt.ew(ew_scale_2, d_bn2a_branch2a_sum, d_bn2a_branch2a_batch_mean)
+
+        # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
+        # d_res2a_branch2a = d_bn2a_branch2a_centered + d_bn2a_branch2a_sum
+        d_res2a_branch2a = d_bn2a_branch2a_centered  # in place: over d_bn2a_branch2a_centered
+        rt.ew(ew_add, d_res2a_branch2a, d_bn2a_branch2a_centered, d_bn2a_branch2a_sum)
+        # free d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
+        del d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
+        mem.free(613)
+        # d_res2a_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2a, bn_conv1_max_pool)
+        d_res2a_branch2a_W = mem.tensor(614, (64, 64, 1, 1), 'float32')
+        rt.conv2d_bwd_filter(d_res2a_branch2a, bn_conv1_max_pool, out=d_res2a_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25706496))
+        # V_res2a_branch2a_W_new = V_res2a_branch2a_W*momentum + d_res2a_branch2a_W + decay*res2a_branch2a_W
+        V_res2a_branch2a_W_new = T['V_res2a_branch2a_W']  # in place: the new V_res2a_branch2a_W
+        rt.ew(ew_mul_add, V_res2a_branch2a_W_new, T['V_res2a_branch2a_W'], momentum, d_res2a_branch2a_W, decay, T['res2a_branch2a_W'])
+        # free d_res2a_branch2a_W
+        del d_res2a_branch2a_W
+        mem.free(614)
+        # d_bn_conv1_max_pool_2 = conv2d_bwd_data[size=(56,56)](d_res2a_branch2a, res2a_branch2a_W)
+        d_bn_conv1_max_pool_2 = mem.tensor(615, (32, 64, 56, 56), 'float32')
+        rt.conv2d_bwd_data(d_res2a_branch2a, T['res2a_branch2a_W'], out=d_bn_conv1_max_pool_2, pad=0, size=(56, 56), stride=1)
+        # free res2a_branch2a, bn2a_branch2a_centered, d_bn2a_branch2a_centered, d_res2a_branch2a
+        del res2a_branch2a, bn2a_branch2a_centered, d_bn2a_branch2a_centered, d_res2a_branch2a
+        mem.free(10)
+
+        # ---- bn_conv1_relu (relu), backward ----
+        # d_bn_conv1 = (d_bn_conv1_max_pool + d_bn_conv1_max_pool_2)*Heaviside(bn_conv1_max_pool, 0)
+        d_bn_conv1 = d_bn_conv1_max_pool  # in place: over d_bn_conv1_max_pool
+        rt.ew(ew_add_step_mul, d_bn_conv1, d_bn_conv1_max_pool, d_bn_conv1_max_pool_2, bn_conv1_max_pool)
+        # free bn_conv1_max_pool, d_bn_conv1_max_pool_2
+        del bn_conv1_max_pool, d_bn_conv1_max_pool_2
+        mem.free(9, 615)
+
+        # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
+        # res2a_branch2a_W_new = res2a_branch2a_W - lr*V_res2a_branch2a_W_new
+        res2a_branch2a_W_new = T['res2a_branch2a_W']  # in place: the new res2a_branch2a_W
+        rt.ew(ew_mul_sub, res2a_branch2a_W_new, T['res2a_branch2a_W'], lr, V_res2a_branch2a_W_new)
+
         # ---- bn_conv1 (batch norm), backward ----
         # d_bn_conv1_centered = d_bn_conv1*bn_conv1_inv_std*bn_conv1_weight
-        d_bn_conv1_centered = mem.tensor(824, (32, 64, 56, 56), 'float32')
+        d_bn_conv1_centered = mem.tensor(616, (32, 64, 56, 56), 'float32')
         rt.ew(ew_mul, d_bn_conv1_centered, d_bn_conv1, bn_conv1_inv_std, bn_conv1_weight)
 
         # ---- bn_conv1_relu (relu), backward ----
         # d_bn_conv1_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1, bn_conv1_max_pool_argmax)
-        d_bn_conv1_relu_max_pool_bwd = mem.tensor(825, (32, 64, 112, 112), 'float32')
+        d_bn_conv1_relu_max_pool_bwd = mem.tensor(617, (32, 64, 112, 112), 'float32')
         rt.max_pool_bwd(d_bn_conv1, bn_conv1_max_pool_argmax, out=d_bn_conv1_relu_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
-        # free d_bn_conv1_max_pool_2, d_bn_conv1
-        del d_bn_conv1_max_pool_2, d_bn_conv1
-        mem.free(823)
+        # free d_bn_conv1_max_pool, d_bn_conv1
+        del d_bn_conv1_max_pool, d_bn_conv1
+        mem.free(606)
 
         # ---- bn_conv1 (batch norm), backward ----
-        # d_bn_conv1_bias = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd)
-        d_bn_conv1_bias = mem.tensor(826, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn_conv1_relu_max_pool_bwd, out=d_bn_conv1_bias, shape=(1, 64, 1, 1))
-        # d_bn_conv1_B = reshape[64](d_bn_conv1_bias)
-        d_bn_conv1_B = rt.reshape(d_bn_conv1_bias, shape=(64,))
-        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B
-        V_bn_conv1_B_new = T['V_bn_conv1_B']  # in place: the new V_bn_conv1_B
-        rt.ew(ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B'])
-        # free d_bn_conv1_bias, d_bn_conv1_B
-        del d_bn_conv1_bias, d_bn_conv1_B
-        mem.free(826)
-        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
-        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
-        rt.ew(ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new)
-        # d_bn_conv1_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1_centered, bn_conv1_max_pool_argmax)
-        d_bn_conv1_max_pool_bwd = mem.tensor(827, (32, 64, 112, 112), 'float32')
-        rt.max_pool_bwd(d_bn_conv1_centered, bn_conv1_max_pool_argmax, out=d_bn_conv1_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
-        # free bn_conv1_max_pool_argmax, d_bn_conv1_centered
-        del bn_conv1_max_pool_argmax, d_bn_conv1_centered
-        mem.free(9, 824)
-        # d_bn_conv1_mul = d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_inv_std
-        d_bn_conv1_mul = mem.tensor(828, (32, 64, 112, 112), 'float32')
-        rt.ew(ew_mul, d_bn_conv1_mul, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_inv_std)
+        # d_bn_conv1_weight = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_inv_std)
+        d_bn_conv1_weight = mem.tensor(618, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn_conv1_weight, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn_conv1_inv_std
         del bn_conv1_inv_std
-        mem.free(7)
-        # d_bn_conv1_weight = sum_to[1x64x1x1](d_bn_conv1_mul)
-        d_bn_conv1_weight = mem.tensor(829, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn_conv1_mul, out=d_bn_conv1_weight, shape=(1, 64, 1, 1))
-        # free d_bn_conv1_mul
-        del d_bn_conv1_mul
-        mem.free(828)
-        # d_bn_conv1_mul_2 = d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_weight
-        d_bn_conv1_mul_2 = d_bn_conv1_relu_max_pool_bwd  # in place: over d_bn_conv1_relu_max_pool_bwd
-        rt.ew(ew_mul_3, d_bn_conv1_mul_2, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_weight)
-        # d_bn_conv1_inv_std = sum_to[1x64x1x1](d_bn_conv1_mul_2)
-        d_bn_conv1_inv_std = mem.tensor(830, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn_conv1_mul_2, out=d_bn_conv1_inv_std, shape=(1, 64, 1, 1))
-        # free d_bn_conv1_relu_max_pool_bwd, d_bn_conv1_mul_2
-        del d_bn_conv1_relu_max_pool_bwd, d_bn_conv1_mul_2
-        mem.free(825)
-        # d_bn_conv1_sum_of_squares = -d_bn_conv1_inv_std/(802816*(bn_conv1_batch_var + 1.0e-5)**(3/2))
-        d_bn_conv1_sum_of_squares = d_bn_conv1_inv_std  # in place: over d_bn_conv1_inv_std
-        rt.ew(ew_add_pow_mul_5, d_bn_conv1_sum_of_squares, d_bn_conv1_inv_std, bn_conv1_batch_var)
-        # free bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
-        del bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
         mem.free(6)
-        # d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd + 2*d_bn_conv1_sum_of_squares*bn_conv1_centered
-        d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd  # in place: over d_bn_conv1_max_pool_bwd
-        rt.ew(ew_mul_add_3, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered)
-        # free conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
-        del conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
-        mem.free(3, 830)
         # d_bn_conv1_W = reshape[64](d_bn_conv1_weight)
         d_bn_conv1_W = rt.reshape(d_bn_conv1_weight, shape=(64,))
         # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W
@@ -9455,19 +8144,51 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W'])
         # free d_bn_conv1_weight, d_bn_conv1_W
         del d_bn_conv1_weight, d_bn_conv1_W
-        mem.free(829)
+        mem.free(618)
+        # d_bn_conv1_inv_std = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_weight)
+        d_bn_conv1_inv_std = mem.tensor(619, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn_conv1_inv_std, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn_conv1_bias = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd)
+        d_bn_conv1_bias = mem.tensor(620, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_bn_conv1_relu_max_pool_bwd, out=d_bn_conv1_bias, shape=(1, 64, 1, 1))
+        # free d_bn_conv1_relu_max_pool_bwd
+        del d_bn_conv1_relu_max_pool_bwd
+        mem.free(617)
+        # d_bn_conv1_sum_of_squares = -d_bn_conv1_inv_std/(802816*(bn_conv1_batch_var + 1.0e-5)**(3/2))
+        d_bn_conv1_sum_of_squares = d_bn_conv1_inv_std  # in place: over d_bn_conv1_inv_std
+        rt.ew(ew_add_pow_mul_5, d_bn_conv1_sum_of_squares, d_bn_conv1_inv_std, bn_conv1_batch_var)
+        # free bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
+        del bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
+        mem.free(5)
         # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new
         bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
         rt.ew(ew_mul_sub, bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new)
-        # d_bn_conv1_neg = -d_bn_conv1_centered_2
-        d_bn_conv1_neg = mem.tensor(831, (32, 64, 112, 112), 'float32')
-        rt.ew(ew_neg, d_bn_conv1_neg, d_bn_conv1_centered_2)
-        # d_bn_conv1_batch_mean = sum_to[1x64x1x1](d_bn_conv1_neg)
-        d_bn_conv1_batch_mean = mem.tensor(832, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_bn_conv1_neg, out=d_bn_conv1_batch_mean, shape=(1, 64, 1, 1))
-        # free d_bn_conv1_neg
-        del d_bn_conv1_neg
-        mem.free(831)
+        # d_bn_conv1_B = reshape[64](d_bn_conv1_bias)
+        d_bn_conv1_B = rt.reshape(d_bn_conv1_bias, shape=(64,))
+        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B
+        V_bn_conv1_B_new = T['V_bn_conv1_B']  # in place: the new V_bn_conv1_B
+        rt.ew(ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B'])
+        # free d_bn_conv1_bias, d_bn_conv1_B
+        del d_bn_conv1_bias, d_bn_conv1_B
+        mem.free(620)
+        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
+        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
+        rt.ew(ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new)
+        # d_bn_conv1_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1_centered, bn_conv1_max_pool_argmax)
+        d_bn_conv1_max_pool_bwd = mem.tensor(621, (32, 64, 112, 112), 'float32')
+        rt.max_pool_bwd(d_bn_conv1_centered, bn_conv1_max_pool_argmax, out=d_bn_conv1_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
+        # free bn_conv1_max_pool_argmax, d_bn_conv1_centered
+        del bn_conv1_max_pool_argmax, d_bn_conv1_centered
+        mem.free(8, 616)
+        # d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd + 2*d_bn_conv1_sum_of_squares*bn_conv1_centered
+        d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd  # in place: over d_bn_conv1_max_pool_bwd
+        rt.ew(ew_mul_add_4, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered)
+        # free conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
+        del conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
+        mem.free(3, 619)
+        # d_bn_conv1_batch_mean = sum_to[1x64x1x1](-d_bn_conv1_centered_2)
+        d_bn_conv1_batch_mean = mem.tensor(622, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_bn_conv1_batch_mean, d_bn_conv1_centered_2, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn_conv1_sum = d_bn_conv1_batch_mean/401408
         d_bn_conv1_sum = d_bn_conv1_batch_mean  # in place: over d_bn_conv1_batch_mean
         rt.ew(ew_scale, d_bn_conv1_sum, d_bn_conv1_batch_mean)
@@ -9478,19 +8199,19 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_conv1, d_bn_conv1_centered_2, d_bn_conv1_sum)
         # free d_bn_conv1_batch_mean, d_bn_conv1_sum
         del d_bn_conv1_batch_mean, d_bn_conv1_sum
-        mem.free(832)
+        mem.free(622)
         # d_conv1_W = conv2d_bwd_filter[kernel=(7,7),pad=3,stride=2](d_conv1, x)
-        d_conv1_W = mem.tensor(833, (64, 3, 7, 7), 'float32')
+        d_conv1_W = mem.tensor(623, (64, 3, 7, 7), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(7, 7), pad=3, stride=2, workspace=mem.workspace(22481504))
         # free x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         del x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
-        mem.free(0, 827)
+        mem.free(0, 621)
         # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
         rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
         # free d_conv1_W
         del d_conv1_W
-        mem.free(833)
+        mem.free(623)
         # conv1_W_new = conv1_W - lr*V_conv1_W_new
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
         rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
@@ -10784,842 +9505,632 @@ class Resnet50(rp.Model):
                 (0, 128),  # 0: const 32 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=1727880960, peak_bytes=1727880960, workspace_bytes=33338368, pool_bytes=1737422336, pool_peak_bytes=1728134912,
+            arena_bytes=1727872768, peak_bytes=1727872768, workspace_bytes=33338368, pool_bytes=1737422592,
             buffers=(
                 (1464336384, 19267584),  # 0: x 32x3x224x224 float32
-                (1612182528, 128),  # 1: y 32 int32
-                (1620770816, 128000),  # 2: d_fc1000_cross_entropy_log_softmax 32x1000 float32
+                (1612316672, 128),  # 1: y 32 int32
+                (1612578816, 128000),  # 2: d_fc1000_cross_entropy_log_softmax 32x1000 float32
                 (0, 102760448),  # 3: conv1 32x64x112x112 float32
                 (102760448, 256),  # 4: bn_conv1_sum 1x64x1x1 float32
-                (102760448, 102760448),  # 5: bn_conv1_square 32x64x112x112 float32
-                (1727877120, 256),  # 6: bn_conv1_sum_of_squares 1x64x1x1 float32
-                (1727877376, 256),  # 7: bn_conv1_inv_std 1x64x1x1 float32
-                (102760448, 102760448),  # 8: bn_conv1_relu 32x64x112x112 float32
-                (1624899584, 6422528),  # 9: bn_conv1_max_pool_argmax 32x64x56x56 uint8
-                (1078984704, 25690112),  # 10: bn_conv1_max_pool 32x64x56x56 float32
-                (1104674816, 25690112),  # 11: res2a_branch2a 32x64x56x56 float32
-                (102760448, 256),  # 12: bn2a_branch2a_sum 1x64x1x1 float32
-                (102760448, 25690112),  # 13: bn2a_branch2a_square 32x64x56x56 float32
-                (1727877632, 256),  # 14: bn2a_branch2a_sum_of_squares 1x64x1x1 float32
-                (1727877888, 256),  # 15: bn2a_branch2a_inv_std 1x64x1x1 float32
-                (102760448, 25690112),  # 16: bn2a_branch2a_relu 32x64x56x56 float32
-                (1130364928, 25690112),  # 17: res2a_branch2b 32x64x56x56 float32
-                (102760448, 256),  # 18: bn2a_branch2b_sum 1x64x1x1 float32
-                (102760448, 25690112),  # 19: bn2a_branch2b_square 32x64x56x56 float32
-                (1727878144, 256),  # 20: bn2a_branch2b_sum_of_squares 1x64x1x1 float32
-                (1727878400, 256),  # 21: bn2a_branch2b_inv_std 1x64x1x1 float32
-                (308281344, 25690112),  # 22: bn2a_branch2b_relu 32x64x56x56 float32
-                (102760448, 102760448),  # 23: res2a_branch1 32x256x56x56 float32
-                (205520896, 1024),  # 24: bn2a_branch1_sum 1x256x1x1 float32
-                (205520896, 102760448),  # 25: bn2a_branch1_square 32x256x56x56 float32
-                (1727836160, 1024),  # 26: bn2a_branch1_sum_of_squares 1x256x1x1 float32
-                (1727837184, 1024),  # 27: bn2a_branch1_inv_std 1x256x1x1 float32
-                (205520896, 102760448),  # 28: res2a_branch2c 32x256x56x56 float32
-                (308281344, 1024),  # 29: bn2a_branch2c_sum 1x256x1x1 float32
-                (308281344, 102760448),  # 30: bn2a_branch2c_square 32x256x56x56 float32
-                (1727838208, 1024),  # 31: bn2a_branch2c_sum_of_squares 1x256x1x1 float32
-                (1727839232, 1024),  # 32: bn2a_branch2c_inv_std 1x256x1x1 float32
-                (308281344, 102760448),  # 33: bn2a_branch2c_relu 32x256x56x56 float32
-                (1156055040, 25690112),  # 34: res2b_branch2a 32x64x56x56 float32
-                (411041792, 256),  # 35: bn2b_branch2a_sum 1x64x1x1 float32
-                (411041792, 25690112),  # 36: bn2b_branch2a_square 32x64x56x56 float32
-                (1727878656, 256),  # 37: bn2b_branch2a_sum_of_squares 1x64x1x1 float32
-                (1727878912, 256),  # 38: bn2b_branch2a_inv_std 1x64x1x1 float32
-                (411041792, 25690112),  # 39: bn2b_branch2a_relu 32x64x56x56 float32
-                (1181745152, 25690112),  # 40: res2b_branch2b 32x64x56x56 float32
-                (411041792, 256),  # 41: bn2b_branch2b_sum 1x64x1x1 float32
-                (411041792, 25690112),  # 42: bn2b_branch2b_square 32x64x56x56 float32
-                (1727879168, 256),  # 43: bn2b_branch2b_sum_of_squares 1x64x1x1 float32
-                (1727879424, 256),  # 44: bn2b_branch2b_inv_std 1x64x1x1 float32
-                (513802240, 25690112),  # 45: bn2b_branch2b_relu 32x64x56x56 float32
-                (411041792, 102760448),  # 46: res2b_branch2c 32x256x56x56 float32
-                (513802240, 1024),  # 47: bn2b_branch2c_sum 1x256x1x1 float32
-                (513802240, 102760448),  # 48: bn2b_branch2c_square 32x256x56x56 float32
-                (1727840256, 1024),  # 49: bn2b_branch2c_sum_of_squares 1x256x1x1 float32
-                (1727841280, 1024),  # 50: bn2b_branch2c_inv_std 1x256x1x1 float32
-                (1207435264, 25690112),  # 51: res2c_branch2a 32x64x56x56 float32
-                (513802240, 256),  # 52: bn2c_branch2a_sum 1x64x1x1 float32
-                (513802240, 25690112),  # 53: bn2c_branch2a_square 32x64x56x56 float32
-                (1727879680, 256),  # 54: bn2c_branch2a_sum_of_squares 1x64x1x1 float32
-                (1727879936, 256),  # 55: bn2c_branch2a_inv_std 1x64x1x1 float32
-                (513802240, 25690112),  # 56: bn2c_branch2a_relu 32x64x56x56 float32
-                (1233125376, 25690112),  # 57: res2c_branch2b 32x64x56x56 float32
-                (513802240, 256),  # 58: bn2c_branch2b_sum 1x64x1x1 float32
-                (513802240, 25690112),  # 59: bn2c_branch2b_square 32x64x56x56 float32
-                (1727880192, 256),  # 60: bn2c_branch2b_sum_of_squares 1x64x1x1 float32
-                (1727880448, 256),  # 61: bn2c_branch2b_inv_std 1x64x1x1 float32
-                (616562688, 25690112),  # 62: bn2c_branch2b_relu 32x64x56x56 float32
-                (513802240, 102760448),  # 63: res2c_branch2c 32x256x56x56 float32
-                (616562688, 1024),  # 64: bn2c_branch2c_sum 1x256x1x1 float32
-                (616562688, 102760448),  # 65: bn2c_branch2c_square 32x256x56x56 float32
-                (1727842304, 1024),  # 66: bn2c_branch2c_sum_of_squares 1x256x1x1 float32
-                (1727843328, 1024),  # 67: bn2c_branch2c_inv_std 1x256x1x1 float32
-                (616562688, 102760448),  # 68: bn2c_branch2c_relu 32x256x56x56 float32
-                (1483603968, 12845056),  # 69: res3a_branch2a 32x128x28x28 float32
-                (719323136, 512),  # 70: bn3a_branch2a_sum 1x128x1x1 float32
-                (719323136, 12845056),  # 71: bn3a_branch2a_square 32x128x28x28 float32
-                (1727868928, 512),  # 72: bn3a_branch2a_sum_of_squares 1x128x1x1 float32
-                (1727869440, 512),  # 73: bn3a_branch2a_inv_std 1x128x1x1 float32
-                (719323136, 12845056),  # 74: bn3a_branch2a_relu 32x128x28x28 float32
-                (1496449024, 12845056),  # 75: res3a_branch2b 32x128x28x28 float32
-                (719323136, 512),  # 76: bn3a_branch2b_sum 1x128x1x1 float32
-                (719323136, 12845056),  # 77: bn3a_branch2b_square 32x128x28x28 float32
-                (1727869952, 512),  # 78: bn3a_branch2b_sum_of_squares 1x128x1x1 float32
-                (1727870464, 512),  # 79: bn3a_branch2b_inv_std 1x128x1x1 float32
-                (770703360, 12845056),  # 80: bn3a_branch2b_relu 32x128x28x28 float32
-                (719323136, 51380224),  # 81: res3a_branch1 32x512x28x28 float32
-                (616562688, 2048),  # 82: bn3a_branch1_sum 1x512x1x1 float32
-                (616562688, 51380224),  # 83: bn3a_branch1_square 32x512x28x28 float32
-                (1727791104, 2048),  # 84: bn3a_branch1_sum_of_squares 1x512x1x1 float32
-                (1727793152, 2048),  # 85: bn3a_branch1_inv_std 1x512x1x1 float32
-                (616562688, 51380224),  # 86: res3a_branch2c 32x512x28x28 float32
-                (667942912, 2048),  # 87: bn3a_branch2c_sum 1x512x1x1 float32
-                (667942912, 51380224),  # 88: bn3a_branch2c_square 32x512x28x28 float32
-                (1727795200, 2048),  # 89: bn3a_branch2c_sum_of_squares 1x512x1x1 float32
-                (1727797248, 2048),  # 90: bn3a_branch2c_inv_std 1x512x1x1 float32
-                (667942912, 51380224),  # 91: bn3a_branch2c_relu 32x512x28x28 float32
-                (1509294080, 12845056),  # 92: res3b_branch2a 32x128x28x28 float32
-                (770703360, 512),  # 93: bn3b_branch2a_sum 1x128x1x1 float32
-                (770703360, 12845056),  # 94: bn3b_branch2a_square 32x128x28x28 float32
-                (1727870976, 512),  # 95: bn3b_branch2a_sum_of_squares 1x128x1x1 float32
-                (1727871488, 512),  # 96: bn3b_branch2a_inv_std 1x128x1x1 float32
-                (770703360, 12845056),  # 97: bn3b_branch2a_relu 32x128x28x28 float32
-                (1522139136, 12845056),  # 98: res3b_branch2b 32x128x28x28 float32
-                (770703360, 512),  # 99: bn3b_branch2b_sum 1x128x1x1 float32
-                (770703360, 12845056),  # 100: bn3b_branch2b_square 32x128x28x28 float32
-                (1727872000, 512),  # 101: bn3b_branch2b_sum_of_squares 1x128x1x1 float32
-                (1727872512, 512),  # 102: bn3b_branch2b_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 103: bn3b_branch2b_relu 32x128x28x28 float32
-                (770703360, 51380224),  # 104: res3b_branch2c 32x512x28x28 float32
-                (822083584, 2048),  # 105: bn3b_branch2c_sum 1x512x1x1 float32
-                (822083584, 51380224),  # 106: bn3b_branch2c_square 32x512x28x28 float32
-                (1727799296, 2048),  # 107: bn3b_branch2c_sum_of_squares 1x512x1x1 float32
-                (1727801344, 2048),  # 108: bn3b_branch2c_inv_std 1x512x1x1 float32
-                (1534984192, 12845056),  # 109: res3c_branch2a 32x128x28x28 float32
-                (822083584, 512),  # 110: bn3c_branch2a_sum 1x128x1x1 float32
-                (822083584, 12845056),  # 111: bn3c_branch2a_square 32x128x28x28 float32
-                (1727873024, 512),  # 112: bn3c_branch2a_sum_of_squares 1x128x1x1 float32
-                (1727873536, 512),  # 113: bn3c_branch2a_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 114: bn3c_branch2a_relu 32x128x28x28 float32
-                (1547829248, 12845056),  # 115: res3c_branch2b 32x128x28x28 float32
-                (822083584, 512),  # 116: bn3c_branch2b_sum 1x128x1x1 float32
-                (822083584, 12845056),  # 117: bn3c_branch2b_square 32x128x28x28 float32
-                (1727874048, 512),  # 118: bn3c_branch2b_sum_of_squares 1x128x1x1 float32
-                (1727874560, 512),  # 119: bn3c_branch2b_inv_std 1x128x1x1 float32
-                (873463808, 12845056),  # 120: bn3c_branch2b_relu 32x128x28x28 float32
-                (822083584, 51380224),  # 121: res3c_branch2c 32x512x28x28 float32
-                (873463808, 2048),  # 122: bn3c_branch2c_sum 1x512x1x1 float32
-                (873463808, 51380224),  # 123: bn3c_branch2c_square 32x512x28x28 float32
-                (1727803392, 2048),  # 124: bn3c_branch2c_sum_of_squares 1x512x1x1 float32
-                (1727805440, 2048),  # 125: bn3c_branch2c_inv_std 1x512x1x1 float32
-                (873463808, 51380224),  # 126: bn3c_branch2c_relu 32x512x28x28 float32
-                (1560674304, 12845056),  # 127: res3d_branch2a 32x128x28x28 float32
-                (924844032, 512),  # 128: bn3d_branch2a_sum 1x128x1x1 float32
-                (924844032, 12845056),  # 129: bn3d_branch2a_square 32x128x28x28 float32
-                (1727875072, 512),  # 130: bn3d_branch2a_sum_of_squares 1x128x1x1 float32
-                (1727875584, 512),  # 131: bn3d_branch2a_inv_std 1x128x1x1 float32
-                (924844032, 12845056),  # 132: bn3d_branch2a_relu 32x128x28x28 float32
-                (1573519360, 12845056),  # 133: res3d_branch2b 32x128x28x28 float32
-                (924844032, 512),  # 134: bn3d_branch2b_sum 1x128x1x1 float32
-                (924844032, 12845056),  # 135: bn3d_branch2b_square 32x128x28x28 float32
-                (1727876096, 512),  # 136: bn3d_branch2b_sum_of_squares 1x128x1x1 float32
-                (1727876608, 512),  # 137: bn3d_branch2b_inv_std 1x128x1x1 float32
-                (976224256, 12845056),  # 138: bn3d_branch2b_relu 32x128x28x28 float32
-                (924844032, 51380224),  # 139: res3d_branch2c 32x512x28x28 float32
-                (976224256, 2048),  # 140: bn3d_branch2c_sum 1x512x1x1 float32
-                (976224256, 51380224),  # 141: bn3d_branch2c_square 32x512x28x28 float32
-                (1727807488, 2048),  # 142: bn3d_branch2c_sum_of_squares 1x512x1x1 float32
-                (1727809536, 2048),  # 143: bn3d_branch2c_inv_std 1x512x1x1 float32
-                (1631322112, 6422528),  # 144: res4a_branch2a 32x256x14x14 float32
-                (976224256, 1024),  # 145: bn4a_branch2a_sum 1x256x1x1 float32
-                (976224256, 6422528),  # 146: bn4a_branch2a_square 32x256x14x14 float32
-                (1727844352, 1024),  # 147: bn4a_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727845376, 1024),  # 148: bn4a_branch2a_inv_std 1x256x1x1 float32
-                (976224256, 6422528),  # 149: bn4a_branch2a_relu 32x256x14x14 float32
-                (1637744640, 6422528),  # 150: res4a_branch2b 32x256x14x14 float32
-                (976224256, 1024),  # 151: bn4a_branch2b_sum 1x256x1x1 float32
-                (976224256, 6422528),  # 152: bn4a_branch2b_square 32x256x14x14 float32
-                (1727846400, 1024),  # 153: bn4a_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727847424, 1024),  # 154: bn4a_branch2b_inv_std 1x256x1x1 float32
-                (1027604480, 6422528),  # 155: bn4a_branch2b_relu 32x256x14x14 float32
-                (976224256, 25690112),  # 156: res4a_branch1 32x1024x14x14 float32
-                (1001914368, 4096),  # 157: bn4a_branch1_sum 1x1024x1x1 float32
-                (1001914368, 25690112),  # 158: bn4a_branch1_square 32x1024x14x14 float32
-                (1727733760, 4096),  # 159: bn4a_branch1_sum_of_squares 1x1024x1x1 float32
-                (1727737856, 4096),  # 160: bn4a_branch1_inv_std 1x1024x1x1 float32
-                (1001914368, 25690112),  # 161: res4a_branch2c 32x1024x14x14 float32
-                (1027604480, 4096),  # 162: bn4a_branch2c_sum 1x1024x1x1 float32
-                (1027604480, 25690112),  # 163: bn4a_branch2c_square 32x1024x14x14 float32
-                (1727741952, 4096),  # 164: bn4a_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727746048, 4096),  # 165: bn4a_branch2c_inv_std 1x1024x1x1 float32
-                (1027604480, 25690112),  # 166: bn4a_branch2c_relu 32x1024x14x14 float32
-                (1644167168, 6422528),  # 167: res4b_branch2a 32x256x14x14 float32
-                (1053294592, 1024),  # 168: bn4b_branch2a_sum 1x256x1x1 float32
-                (1053294592, 6422528),  # 169: bn4b_branch2a_square 32x256x14x14 float32
-                (1727848448, 1024),  # 170: bn4b_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727849472, 1024),  # 171: bn4b_branch2a_inv_std 1x256x1x1 float32
-                (1053294592, 6422528),  # 172: bn4b_branch2a_relu 32x256x14x14 float32
-                (1650589696, 6422528),  # 173: res4b_branch2b 32x256x14x14 float32
-                (1053294592, 1024),  # 174: bn4b_branch2b_sum 1x256x1x1 float32
-                (1053294592, 6422528),  # 175: bn4b_branch2b_square 32x256x14x14 float32
-                (1727850496, 1024),  # 176: bn4b_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727851520, 1024),  # 177: bn4b_branch2b_inv_std 1x256x1x1 float32
-                (1258815488, 6422528),  # 178: bn4b_branch2b_relu 32x256x14x14 float32
-                (1053294592, 25690112),  # 179: res4b_branch2c 32x1024x14x14 float32
-                (1258815488, 4096),  # 180: bn4b_branch2c_sum 1x1024x1x1 float32
-                (1258815488, 25690112),  # 181: bn4b_branch2c_square 32x1024x14x14 float32
-                (1727750144, 4096),  # 182: bn4b_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727754240, 4096),  # 183: bn4b_branch2c_inv_std 1x1024x1x1 float32
-                (1657012224, 6422528),  # 184: res4c_branch2a 32x256x14x14 float32
-                (1258815488, 1024),  # 185: bn4c_branch2a_sum 1x256x1x1 float32
-                (1258815488, 6422528),  # 186: bn4c_branch2a_square 32x256x14x14 float32
-                (1727852544, 1024),  # 187: bn4c_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727853568, 1024),  # 188: bn4c_branch2a_inv_std 1x256x1x1 float32
-                (1258815488, 6422528),  # 189: bn4c_branch2a_relu 32x256x14x14 float32
-                (1663434752, 6422528),  # 190: res4c_branch2b 32x256x14x14 float32
-                (1258815488, 1024),  # 191: bn4c_branch2b_sum 1x256x1x1 float32
-                (1258815488, 6422528),  # 192: bn4c_branch2b_square 32x256x14x14 float32
-                (1727854592, 1024),  # 193: bn4c_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727855616, 1024),  # 194: bn4c_branch2b_inv_std 1x256x1x1 float32
-                (1284505600, 6422528),  # 195: bn4c_branch2b_relu 32x256x14x14 float32
-                (1258815488, 25690112),  # 196: res4c_branch2c 32x1024x14x14 float32
-                (1284505600, 4096),  # 197: bn4c_branch2c_sum 1x1024x1x1 float32
-                (1284505600, 25690112),  # 198: bn4c_branch2c_square 32x1024x14x14 float32
-                (1727758336, 4096),  # 199: bn4c_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727762432, 4096),  # 200: bn4c_branch2c_inv_std 1x1024x1x1 float32
-                (1284505600, 25690112),  # 201: bn4c_branch2c_relu 32x1024x14x14 float32
-                (1669857280, 6422528),  # 202: res4d_branch2a 32x256x14x14 float32
-                (1310195712, 1024),  # 203: bn4d_branch2a_sum 1x256x1x1 float32
-                (1310195712, 6422528),  # 204: bn4d_branch2a_square 32x256x14x14 float32
-                (1727856640, 1024),  # 205: bn4d_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727857664, 1024),  # 206: bn4d_branch2a_inv_std 1x256x1x1 float32
-                (1310195712, 6422528),  # 207: bn4d_branch2a_relu 32x256x14x14 float32
-                (1676279808, 6422528),  # 208: res4d_branch2b 32x256x14x14 float32
-                (1310195712, 1024),  # 209: bn4d_branch2b_sum 1x256x1x1 float32
-                (1310195712, 6422528),  # 210: bn4d_branch2b_square 32x256x14x14 float32
-                (1727858688, 1024),  # 211: bn4d_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727859712, 1024),  # 212: bn4d_branch2b_inv_std 1x256x1x1 float32
-                (1335885824, 6422528),  # 213: bn4d_branch2b_relu 32x256x14x14 float32
-                (1310195712, 25690112),  # 214: res4d_branch2c 32x1024x14x14 float32
-                (1335885824, 4096),  # 215: bn4d_branch2c_sum 1x1024x1x1 float32
-                (1335885824, 25690112),  # 216: bn4d_branch2c_square 32x1024x14x14 float32
-                (1727766528, 4096),  # 217: bn4d_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727770624, 4096),  # 218: bn4d_branch2c_inv_std 1x1024x1x1 float32
-                (1682702336, 6422528),  # 219: res4e_branch2a 32x256x14x14 float32
-                (1335885824, 1024),  # 220: bn4e_branch2a_sum 1x256x1x1 float32
-                (1335885824, 6422528),  # 221: bn4e_branch2a_square 32x256x14x14 float32
-                (1727860736, 1024),  # 222: bn4e_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727861760, 1024),  # 223: bn4e_branch2a_inv_std 1x256x1x1 float32
-                (1335885824, 6422528),  # 224: bn4e_branch2a_relu 32x256x14x14 float32
-                (1689124864, 6422528),  # 225: res4e_branch2b 32x256x14x14 float32
-                (1335885824, 1024),  # 226: bn4e_branch2b_sum 1x256x1x1 float32
-                (1335885824, 6422528),  # 227: bn4e_branch2b_square 32x256x14x14 float32
-                (1727862784, 1024),  # 228: bn4e_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727863808, 1024),  # 229: bn4e_branch2b_inv_std 1x256x1x1 float32
-                (1361575936, 6422528),  # 230: bn4e_branch2b_relu 32x256x14x14 float32
-                (1335885824, 25690112),  # 231: res4e_branch2c 32x1024x14x14 float32
-                (1361575936, 4096),  # 232: bn4e_branch2c_sum 1x1024x1x1 float32
-                (1361575936, 25690112),  # 233: bn4e_branch2c_square 32x1024x14x14 float32
-                (1727774720, 4096),  # 234: bn4e_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727778816, 4096),  # 235: bn4e_branch2c_inv_std 1x1024x1x1 float32
-                (1361575936, 25690112),  # 236: bn4e_branch2c_relu 32x1024x14x14 float32
-                (1695547392, 6422528),  # 237: res4f_branch2a 32x256x14x14 float32
-                (1387266048, 1024),  # 238: bn4f_branch2a_sum 1x256x1x1 float32
-                (1387266048, 6422528),  # 239: bn4f_branch2a_square 32x256x14x14 float32
-                (1727864832, 1024),  # 240: bn4f_branch2a_sum_of_squares 1x256x1x1 float32
-                (1727865856, 1024),  # 241: bn4f_branch2a_inv_std 1x256x1x1 float32
-                (1387266048, 6422528),  # 242: bn4f_branch2a_relu 32x256x14x14 float32
-                (1701969920, 6422528),  # 243: res4f_branch2b 32x256x14x14 float32
-                (1387266048, 1024),  # 244: bn4f_branch2b_sum 1x256x1x1 float32
-                (1387266048, 6422528),  # 245: bn4f_branch2b_square 32x256x14x14 float32
-                (1727866880, 1024),  # 246: bn4f_branch2b_sum_of_squares 1x256x1x1 float32
-                (1727867904, 1024),  # 247: bn4f_branch2b_inv_std 1x256x1x1 float32
-                (1412956160, 6422528),  # 248: bn4f_branch2b_relu 32x256x14x14 float32
-                (1387266048, 25690112),  # 249: res4f_branch2c 32x1024x14x14 float32
-                (1412956160, 4096),  # 250: bn4f_branch2c_sum 1x1024x1x1 float32
-                (1412956160, 25690112),  # 251: bn4f_branch2c_square 32x1024x14x14 float32
-                (1727782912, 4096),  # 252: bn4f_branch2c_sum_of_squares 1x1024x1x1 float32
-                (1727787008, 4096),  # 253: bn4f_branch2c_inv_std 1x1024x1x1 float32
-                (1708392448, 3211264),  # 254: res5a_branch2a 32x512x7x7 float32
-                (1412956160, 2048),  # 255: bn5a_branch2a_sum 1x512x1x1 float32
-                (1412956160, 3211264),  # 256: bn5a_branch2a_square 32x512x7x7 float32
-                (1727811584, 2048),  # 257: bn5a_branch2a_sum_of_squares 1x512x1x1 float32
-                (1727813632, 2048),  # 258: bn5a_branch2a_inv_std 1x512x1x1 float32
-                (1412956160, 3211264),  # 259: bn5a_branch2a_relu 32x512x7x7 float32
-                (1711603712, 3211264),  # 260: res5a_branch2b 32x512x7x7 float32
-                (1412956160, 2048),  # 261: bn5a_branch2b_sum 1x512x1x1 float32
-                (1412956160, 3211264),  # 262: bn5a_branch2b_square 32x512x7x7 float32
-                (1727815680, 2048),  # 263: bn5a_branch2b_sum_of_squares 1x512x1x1 float32
-                (1727817728, 2048),  # 264: bn5a_branch2b_inv_std 1x512x1x1 float32
-                (1438646272, 3211264),  # 265: bn5a_branch2b_relu 32x512x7x7 float32
-                (1412956160, 12845056),  # 266: res5a_branch1 32x2048x7x7 float32
-                (1425801216, 8192),  # 267: bn5a_branch1_sum 1x2048x1x1 float32
-                (1425801216, 12845056),  # 268: bn5a_branch1_square 32x2048x7x7 float32
-                (1727660032, 8192),  # 269: bn5a_branch1_sum_of_squares 1x2048x1x1 float32
-                (1727668224, 8192),  # 270: bn5a_branch1_inv_std 1x2048x1x1 float32
-                (1425801216, 12845056),  # 271: res5a_branch2c 32x2048x7x7 float32
-                (1438646272, 8192),  # 272: bn5a_branch2c_sum 1x2048x1x1 float32
-                (1438646272, 12845056),  # 273: bn5a_branch2c_square 32x2048x7x7 float32
-                (1727676416, 8192),  # 274: bn5a_branch2c_sum_of_squares 1x2048x1x1 float32
-                (1727684608, 8192),  # 275: bn5a_branch2c_inv_std 1x2048x1x1 float32
-                (1438646272, 12845056),  # 276: bn5a_branch2c_relu 32x2048x7x7 float32
-                (1714814976, 3211264),  # 277: res5b_branch2a 32x512x7x7 float32
-                (1451491328, 2048),  # 278: bn5b_branch2a_sum 1x512x1x1 float32
-                (1451491328, 3211264),  # 279: bn5b_branch2a_square 32x512x7x7 float32
-                (1727819776, 2048),  # 280: bn5b_branch2a_sum_of_squares 1x512x1x1 float32
-                (1727821824, 2048),  # 281: bn5b_branch2a_inv_std 1x512x1x1 float32
-                (1451491328, 3211264),  # 282: bn5b_branch2a_relu 32x512x7x7 float32
-                (1718026240, 3211264),  # 283: res5b_branch2b 32x512x7x7 float32
-                (1451491328, 2048),  # 284: bn5b_branch2b_sum 1x512x1x1 float32
-                (1451491328, 3211264),  # 285: bn5b_branch2b_square 32x512x7x7 float32
-                (1727823872, 2048),  # 286: bn5b_branch2b_sum_of_squares 1x512x1x1 float32
-                (1727825920, 2048),  # 287: bn5b_branch2b_inv_std 1x512x1x1 float32
-                (1586364416, 3211264),  # 288: bn5b_branch2b_relu 32x512x7x7 float32
-                (1451491328, 12845056),  # 289: res5b_branch2c 32x2048x7x7 float32
-                (1586364416, 8192),  # 290: bn5b_branch2c_sum 1x2048x1x1 float32
-                (1586364416, 12845056),  # 291: bn5b_branch2c_square 32x2048x7x7 float32
-                (1727692800, 8192),  # 292: bn5b_branch2c_sum_of_squares 1x2048x1x1 float32
-                (1727700992, 8192),  # 293: bn5b_branch2c_inv_std 1x2048x1x1 float32
-                (1721237504, 3211264),  # 294: res5c_branch2a 32x512x7x7 float32
-                (1586364416, 2048),  # 295: bn5c_branch2a_sum 1x512x1x1 float32
-                (1586364416, 3211264),  # 296: bn5c_branch2a_square 32x512x7x7 float32
-                (1727827968, 2048),  # 297: bn5c_branch2a_sum_of_squares 1x512x1x1 float32
-                (1727830016, 2048),  # 298: bn5c_branch2a_inv_std 1x512x1x1 float32
-                (1586364416, 3211264),  # 299: bn5c_branch2a_relu 32x512x7x7 float32
-                (1724448768, 3211264),  # 300: res5c_branch2b 32x512x7x7 float32
-                (1586364416, 2048),  # 301: bn5c_branch2b_sum 1x512x1x1 float32
-                (1586364416, 3211264),  # 302: bn5c_branch2b_square 32x512x7x7 float32
-                (1727832064, 2048),  # 303: bn5c_branch2b_sum_of_squares 1x512x1x1 float32
-                (1727834112, 2048),  # 304: bn5c_branch2b_inv_std 1x512x1x1 float32
-                (1599209472, 3211264),  # 305: bn5c_branch2b_relu 32x512x7x7 float32
-                (1586364416, 12845056),  # 306: res5c_branch2c 32x2048x7x7 float32
-                (1599209472, 8192),  # 307: bn5c_branch2c_sum 1x2048x1x1 float32
-                (1599209472, 12845056),  # 308: bn5c_branch2c_square 32x2048x7x7 float32
-                (1727709184, 8192),  # 309: bn5c_branch2c_sum_of_squares 1x2048x1x1 float32
-                (1727717376, 8192),  # 310: bn5c_branch2c_inv_std 1x2048x1x1 float32
-                (1599209472, 12845056),  # 311: bn5c_branch2c_relu 32x2048x7x7 float32
-                (1620508672, 262144),  # 312: bn5c_branch2c_avg_pool 32x2048x1x1 float32
-                (1612054528, 128000),  # 313: fc1000_matmul 32x1000 float32
-                (1612182784, 128),  # 314: fc1000_cross_entropy_pick 32 float32
-                (1727880704, 4),  # 315: fc1000_cross_entropy_sum_to scalar float32
-                (1612054528, 4000),  # 316: d_fc1000_B 1000 float32
-                (1612054528, 262144),  # 317: d_bn5c_branch2c_flatten 32x2048 float32
-                (1612316672, 8192000),  # 318: d_fc1000_W 1000x2048 float32
-                (1612054528, 12845056),  # 319: d_bn5c_branch2c_relu 32x2048x7x7 float32
-                (1599209472, 8192),  # 320: d_bn5c_branch2c_bias 1x2048x1x1 float32
-                (1599209472, 12845056),  # 321: d_bn5c_branch2c_mul 32x2048x7x7 float32
-                (1727725568, 8192),  # 322: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
-                (1599209472, 12845056),  # 323: d_bn5c_branch2c_centered 32x2048x7x7 float32
-                (1727709184, 8192),  # 324: d_bn5c_branch2c_weight 1x2048x1x1 float32
-                (1586364416, 12845056),  # 325: d_bn5c_branch2c_neg 32x2048x7x7 float32
-                (1727709184, 8192),  # 326: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
-                (1590558720, 3211264),  # 327: d_bn5c_branch2b_relu 32x512x7x7 float32
-                (1593769984, 3211264),  # 328: bn5c_branch2b_relu_2 32x512x7x7 float32
-                (1586364416, 4194304),  # 329: d_res5c_branch2c_W 2048x512x1x1 float32
-                (1586364416, 2048),  # 330: d_bn5c_branch2b_bias 1x512x1x1 float32
-                (1586364416, 3211264),  # 331: d_bn5c_branch2b_mul 32x512x7x7 float32
-                (1589575680, 2048),  # 332: d_bn5c_branch2b_inv_std 1x512x1x1 float32
-                (1595801600, 3211264),  # 333: d_bn5c_branch2b_centered 32x512x7x7 float32
-                (1586364416, 2048),  # 334: d_bn5c_branch2b_weight 1x512x1x1 float32
-                (1586364416, 3211264),  # 335: d_bn5c_branch2b_neg 32x512x7x7 float32
-                (1589575680, 2048),  # 336: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
-                (1599012864, 3211264),  # 337: d_bn5c_branch2a_relu 32x512x7x7 float32
-                (1602224128, 3211264),  # 338: bn5c_branch2a_relu_2 32x512x7x7 float32
-                (1586364416, 2048),  # 339: d_bn5c_branch2a_bias 1x512x1x1 float32
-                (1586364416, 9437184),  # 340: d_res5c_branch2b_W 512x512x3x3 float32
-                (1586364416, 3211264),  # 341: d_bn5c_branch2a_mul 32x512x7x7 float32
-                (1589575680, 2048),  # 342: d_bn5c_branch2a_inv_std 1x512x1x1 float32
-                (1602224128, 3211264),  # 343: d_bn5c_branch2a_centered 32x512x7x7 float32
-                (1586364416, 2048),  # 344: d_bn5c_branch2a_weight 1x512x1x1 float32
-                (1586364416, 3211264),  # 345: d_bn5c_branch2a_neg 32x512x7x7 float32
-                (1589575680, 2048),  # 346: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
-                (1586364416, 4194304),  # 347: d_res5c_branch2a_W 512x2048x1x1 float32
-                (1586364416, 12845056),  # 348: d_bn5b_branch2c_relu 32x2048x7x7 float32
-                (1438646272, 8192),  # 349: d_bn5b_branch2c_bias 1x2048x1x1 float32
-                (1438646272, 12845056),  # 350: d_bn5b_branch2c_mul 32x2048x7x7 float32
-                (1586364416, 8192),  # 351: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
-                (1438646272, 12845056),  # 352: d_bn5b_branch2c_centered 32x2048x7x7 float32
-                (1586364416, 8192),  # 353: d_bn5b_branch2c_weight 1x2048x1x1 float32
-                (1451491328, 12845056),  # 354: d_bn5b_branch2c_neg 32x2048x7x7 float32
-                (1586364416, 8192),  # 355: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
-                (1455685632, 3211264),  # 356: d_bn5b_branch2b_relu 32x512x7x7 float32
-                (1458896896, 3211264),  # 357: bn5b_branch2b_relu_2 32x512x7x7 float32
-                (1451491328, 4194304),  # 358: d_res5b_branch2c_W 2048x512x1x1 float32
-                (1438646272, 2048),  # 359: d_bn5b_branch2b_bias 1x512x1x1 float32
-                (1438646272, 3211264),  # 360: d_bn5b_branch2b_mul 32x512x7x7 float32
-                (1441857536, 2048),  # 361: d_bn5b_branch2b_inv_std 1x512x1x1 float32
-                (1448083456, 3211264),  # 362: d_bn5b_branch2b_centered 32x512x7x7 float32
-                (1438646272, 2048),  # 363: d_bn5b_branch2b_weight 1x512x1x1 float32
-                (1438646272, 3211264),  # 364: d_bn5b_branch2b_neg 32x512x7x7 float32
-                (1441857536, 2048),  # 365: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
-                (1451294720, 3211264),  # 366: d_bn5b_branch2a_relu 32x512x7x7 float32
-                (1454505984, 3211264),  # 367: bn5b_branch2a_relu_2 32x512x7x7 float32
-                (1438646272, 2048),  # 368: d_bn5b_branch2a_bias 1x512x1x1 float32
-                (1438646272, 9437184),  # 369: d_res5b_branch2b_W 512x512x3x3 float32
-                (1438646272, 3211264),  # 370: d_bn5b_branch2a_mul 32x512x7x7 float32
-                (1441857536, 2048),  # 371: d_bn5b_branch2a_inv_std 1x512x1x1 float32
-                (1586364416, 3211264),  # 372: d_bn5b_branch2a_centered 32x512x7x7 float32
-                (1438646272, 2048),  # 373: d_bn5b_branch2a_weight 1x512x1x1 float32
-                (1438646272, 3211264),  # 374: d_bn5b_branch2a_neg 32x512x7x7 float32
-                (1441857536, 2048),  # 375: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
-                (1438646272, 12845056),  # 376: bn5a_branch2c_relu_2 32x2048x7x7 float32
-                (1451491328, 4194304),  # 377: d_res5b_branch2a_W 512x2048x1x1 float32
-                (1451491328, 12845056),  # 378: d_bn5a_branch2c_relu 32x2048x7x7 float32
-                (1438646272, 8192),  # 379: d_bn5a_branch1_bias 1x2048x1x1 float32
-                (1438646272, 12845056),  # 380: d_bn5a_branch2c_mul 32x2048x7x7 float32
-                (1451491328, 8192),  # 381: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
-                (1438646272, 12845056),  # 382: d_bn5a_branch2c_centered 32x2048x7x7 float32
-                (1451491328, 8192),  # 383: d_bn5a_branch2c_weight 1x2048x1x1 float32
-                (1425801216, 12845056),  # 384: d_bn5a_branch2c_neg 32x2048x7x7 float32
-                (1451491328, 8192),  # 385: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
-                (1429995520, 3211264),  # 386: d_bn5a_branch2b_relu 32x512x7x7 float32
-                (1433206784, 3211264),  # 387: bn5a_branch2b_relu_2 32x512x7x7 float32
-                (1425801216, 4194304),  # 388: d_res5a_branch2c_W 2048x512x1x1 float32
-                (1425801216, 2048),  # 389: d_bn5a_branch2b_bias 1x512x1x1 float32
-                (1425801216, 3211264),  # 390: d_bn5a_branch2b_mul 32x512x7x7 float32
-                (1429012480, 2048),  # 391: d_bn5a_branch2b_inv_std 1x512x1x1 float32
-                (1435238400, 3211264),  # 392: d_bn5a_branch2b_centered 32x512x7x7 float32
-                (1425801216, 2048),  # 393: d_bn5a_branch2b_weight 1x512x1x1 float32
-                (1425801216, 3211264),  # 394: d_bn5a_branch2b_neg 32x512x7x7 float32
-                (1429012480, 2048),  # 395: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
-                (1438449664, 3211264),  # 396: d_bn5a_branch2a_relu 32x512x7x7 float32
-                (1441660928, 3211264),  # 397: bn5a_branch2a_relu_2 32x512x7x7 float32
-                (1425801216, 2048),  # 398: d_bn5a_branch2a_bias 1x512x1x1 float32
-                (1425801216, 9437184),  # 399: d_res5a_branch2b_W 512x512x3x3 float32
-                (1425801216, 3211264),  # 400: d_bn5a_branch2a_mul 32x512x7x7 float32
-                (1429012480, 2048),  # 401: d_bn5a_branch2a_inv_std 1x512x1x1 float32
-                (1586364416, 3211264),  # 402: d_bn5a_branch2a_centered 32x512x7x7 float32
-                (1425801216, 2048),  # 403: d_bn5a_branch2a_weight 1x512x1x1 float32
-                (1425801216, 3211264),  # 404: d_bn5a_branch2a_neg 32x512x7x7 float32
-                (1429012480, 2048),  # 405: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
-                (1425801216, 2097152),  # 406: d_res5a_branch2a_W 512x1024x1x1 float32
-                (1425801216, 12845056),  # 407: d_bn5a_branch1_mul 32x2048x7x7 float32
-                (1451491328, 8192),  # 408: d_bn5a_branch1_inv_std 1x2048x1x1 float32
-                (1438646272, 12845056),  # 409: d_bn5a_branch1_centered 32x2048x7x7 float32
-                (1412956160, 8192),  # 410: d_bn5a_branch1_weight 1x2048x1x1 float32
-                (1412956160, 12845056),  # 411: d_bn5a_branch1_neg 32x2048x7x7 float32
-                (1425801216, 8192),  # 412: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
-                (1412956160, 8388608),  # 413: d_res5a_branch1_W 2048x1024x1x1 float32
-                (1412956160, 25690112),  # 414: d_bn4f_branch2c_relu 32x1024x14x14 float32
-                (1438646272, 25690112),  # 415: d_bn4f_branch2c_relu_2 32x1024x14x14 float32
-                (1361575936, 4096),  # 416: d_bn4f_branch2c_bias 1x1024x1x1 float32
-                (1361575936, 25690112),  # 417: d_bn4f_branch2c_mul 32x1024x14x14 float32
-                (1438646272, 4096),  # 418: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
-                (1361575936, 25690112),  # 419: d_bn4f_branch2c_centered 32x1024x14x14 float32
-                (1438646272, 4096),  # 420: d_bn4f_branch2c_weight 1x1024x1x1 float32
-                (1387266048, 25690112),  # 421: d_bn4f_branch2c_neg 32x1024x14x14 float32
-                (1438646272, 4096),  # 422: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
-                (1387266048, 6422528),  # 423: bn4f_branch2b_relu_2 32x256x14x14 float32
-                (1400111104, 1048576),  # 424: d_res4f_branch2c_W 1024x256x1x1 float32
-                (1393688576, 6422528),  # 425: d_bn4f_branch2b_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 426: d_bn4f_branch2b_bias 1x256x1x1 float32
-                (1361575936, 6422528),  # 427: d_bn4f_branch2b_mul 32x256x14x14 float32
-                (1367998464, 1024),  # 428: d_bn4f_branch2b_inv_std 1x256x1x1 float32
-                (1361575936, 6422528),  # 429: d_bn4f_branch2b_centered 32x256x14x14 float32
-                (1367998464, 1024),  # 430: d_bn4f_branch2b_weight 1x256x1x1 float32
-                (1367998464, 6422528),  # 431: d_bn4f_branch2b_neg 32x256x14x14 float32
-                (1374420992, 1024),  # 432: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
-                (1367998464, 6422528),  # 433: bn4f_branch2a_relu_2 32x256x14x14 float32
-                (1374420992, 2359296),  # 434: d_res4f_branch2b_W 256x256x3x3 float32
-                (1374420992, 6422528),  # 435: d_bn4f_branch2a_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 436: d_bn4f_branch2a_bias 1x256x1x1 float32
-                (1361575936, 6422528),  # 437: d_bn4f_branch2a_mul 32x256x14x14 float32
-                (1367998464, 1024),  # 438: d_bn4f_branch2a_inv_std 1x256x1x1 float32
-                (1438646272, 6422528),  # 439: d_bn4f_branch2a_centered 32x256x14x14 float32
-                (1361575936, 1024),  # 440: d_bn4f_branch2a_weight 1x256x1x1 float32
-                (1361575936, 6422528),  # 441: d_bn4f_branch2a_neg 32x256x14x14 float32
-                (1367998464, 1024),  # 442: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
-                (1361575936, 25690112),  # 443: bn4e_branch2c_relu_2 32x1024x14x14 float32
-                (1387266048, 1048576),  # 444: d_res4f_branch2a_W 256x1024x1x1 float32
-                (1387266048, 25690112),  # 445: d_bn4e_branch2c_relu 32x1024x14x14 float32
-                (1361575936, 4096),  # 446: d_bn4e_branch2c_bias 1x1024x1x1 float32
-                (1361575936, 25690112),  # 447: d_bn4e_branch2c_mul 32x1024x14x14 float32
-                (1387266048, 4096),  # 448: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
-                (1361575936, 25690112),  # 449: d_bn4e_branch2c_centered 32x1024x14x14 float32
-                (1387266048, 4096),  # 450: d_bn4e_branch2c_weight 1x1024x1x1 float32
-                (1335885824, 25690112),  # 451: d_bn4e_branch2c_neg 32x1024x14x14 float32
-                (1387266048, 4096),  # 452: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
-                (1335885824, 6422528),  # 453: bn4e_branch2b_relu_2 32x256x14x14 float32
-                (1348730880, 1048576),  # 454: d_res4e_branch2c_W 1024x256x1x1 float32
-                (1342308352, 6422528),  # 455: d_bn4e_branch2b_relu 32x256x14x14 float32
-                (1335885824, 1024),  # 456: d_bn4e_branch2b_bias 1x256x1x1 float32
-                (1335885824, 6422528),  # 457: d_bn4e_branch2b_mul 32x256x14x14 float32
-                (1348730880, 1024),  # 458: d_bn4e_branch2b_inv_std 1x256x1x1 float32
-                (1335885824, 6422528),  # 459: d_bn4e_branch2b_centered 32x256x14x14 float32
-                (1348730880, 1024),  # 460: d_bn4e_branch2b_weight 1x256x1x1 float32
-                (1342308352, 6422528),  # 461: d_bn4e_branch2b_neg 32x256x14x14 float32
-                (1348730880, 1024),  # 462: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
-                (1342308352, 6422528),  # 463: bn4e_branch2a_relu_2 32x256x14x14 float32
-                (1348730880, 2359296),  # 464: d_res4e_branch2b_W 256x256x3x3 float32
-                (1348730880, 6422528),  # 465: d_bn4e_branch2a_relu 32x256x14x14 float32
-                (1335885824, 1024),  # 466: d_bn4e_branch2a_bias 1x256x1x1 float32
-                (1335885824, 6422528),  # 467: d_bn4e_branch2a_mul 32x256x14x14 float32
-                (1342308352, 1024),  # 468: d_bn4e_branch2a_inv_std 1x256x1x1 float32
-                (1361575936, 6422528),  # 469: d_bn4e_branch2a_centered 32x256x14x14 float32
-                (1335885824, 1024),  # 470: d_bn4e_branch2a_weight 1x256x1x1 float32
-                (1335885824, 6422528),  # 471: d_bn4e_branch2a_neg 32x256x14x14 float32
-                (1342308352, 1024),  # 472: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
-                (1335885824, 1048576),  # 473: d_res4e_branch2a_W 256x1024x1x1 float32
-                (1335885824, 25690112),  # 474: d_bn4d_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 475: d_bn4d_branch2c_bias 1x1024x1x1 float32
-                (1284505600, 25690112),  # 476: d_bn4d_branch2c_mul 32x1024x14x14 float32
-                (1335885824, 4096),  # 477: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
-                (1284505600, 25690112),  # 478: d_bn4d_branch2c_centered 32x1024x14x14 float32
-                (1335885824, 4096),  # 479: d_bn4d_branch2c_weight 1x1024x1x1 float32
-                (1310195712, 25690112),  # 480: d_bn4d_branch2c_neg 32x1024x14x14 float32
-                (1335885824, 4096),  # 481: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
-                (1310195712, 6422528),  # 482: bn4d_branch2b_relu_2 32x256x14x14 float32
-                (1323040768, 1048576),  # 483: d_res4d_branch2c_W 1024x256x1x1 float32
-                (1316618240, 6422528),  # 484: d_bn4d_branch2b_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 485: d_bn4d_branch2b_bias 1x256x1x1 float32
-                (1284505600, 6422528),  # 486: d_bn4d_branch2b_mul 32x256x14x14 float32
-                (1290928128, 1024),  # 487: d_bn4d_branch2b_inv_std 1x256x1x1 float32
-                (1284505600, 6422528),  # 488: d_bn4d_branch2b_centered 32x256x14x14 float32
-                (1290928128, 1024),  # 489: d_bn4d_branch2b_weight 1x256x1x1 float32
-                (1290928128, 6422528),  # 490: d_bn4d_branch2b_neg 32x256x14x14 float32
-                (1297350656, 1024),  # 491: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
-                (1290928128, 6422528),  # 492: bn4d_branch2a_relu_2 32x256x14x14 float32
-                (1297350656, 2359296),  # 493: d_res4d_branch2b_W 256x256x3x3 float32
-                (1297350656, 6422528),  # 494: d_bn4d_branch2a_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 495: d_bn4d_branch2a_bias 1x256x1x1 float32
-                (1284505600, 6422528),  # 496: d_bn4d_branch2a_mul 32x256x14x14 float32
-                (1290928128, 1024),  # 497: d_bn4d_branch2a_inv_std 1x256x1x1 float32
-                (1335885824, 6422528),  # 498: d_bn4d_branch2a_centered 32x256x14x14 float32
-                (1284505600, 1024),  # 499: d_bn4d_branch2a_weight 1x256x1x1 float32
-                (1284505600, 6422528),  # 500: d_bn4d_branch2a_neg 32x256x14x14 float32
-                (1290928128, 1024),  # 501: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
-                (1284505600, 25690112),  # 502: bn4c_branch2c_relu_2 32x1024x14x14 float32
-                (1310195712, 1048576),  # 503: d_res4d_branch2a_W 256x1024x1x1 float32
-                (1310195712, 25690112),  # 504: d_bn4c_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 505: d_bn4c_branch2c_bias 1x1024x1x1 float32
-                (1284505600, 25690112),  # 506: d_bn4c_branch2c_mul 32x1024x14x14 float32
-                (1310195712, 4096),  # 507: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
-                (1284505600, 25690112),  # 508: d_bn4c_branch2c_centered 32x1024x14x14 float32
-                (1310195712, 4096),  # 509: d_bn4c_branch2c_weight 1x1024x1x1 float32
-                (1258815488, 25690112),  # 510: d_bn4c_branch2c_neg 32x1024x14x14 float32
-                (1310195712, 4096),  # 511: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
-                (1258815488, 6422528),  # 512: bn4c_branch2b_relu_2 32x256x14x14 float32
-                (1271660544, 1048576),  # 513: d_res4c_branch2c_W 1024x256x1x1 float32
-                (1265238016, 6422528),  # 514: d_bn4c_branch2b_relu 32x256x14x14 float32
-                (1258815488, 1024),  # 515: d_bn4c_branch2b_bias 1x256x1x1 float32
-                (1258815488, 6422528),  # 516: d_bn4c_branch2b_mul 32x256x14x14 float32
-                (1271660544, 1024),  # 517: d_bn4c_branch2b_inv_std 1x256x1x1 float32
-                (1258815488, 6422528),  # 518: d_bn4c_branch2b_centered 32x256x14x14 float32
-                (1271660544, 1024),  # 519: d_bn4c_branch2b_weight 1x256x1x1 float32
-                (1265238016, 6422528),  # 520: d_bn4c_branch2b_neg 32x256x14x14 float32
-                (1271660544, 1024),  # 521: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
-                (1265238016, 6422528),  # 522: bn4c_branch2a_relu_2 32x256x14x14 float32
-                (1271660544, 2359296),  # 523: d_res4c_branch2b_W 256x256x3x3 float32
-                (1271660544, 6422528),  # 524: d_bn4c_branch2a_relu 32x256x14x14 float32
-                (1258815488, 1024),  # 525: d_bn4c_branch2a_bias 1x256x1x1 float32
-                (1258815488, 6422528),  # 526: d_bn4c_branch2a_mul 32x256x14x14 float32
-                (1265238016, 1024),  # 527: d_bn4c_branch2a_inv_std 1x256x1x1 float32
-                (1284505600, 6422528),  # 528: d_bn4c_branch2a_centered 32x256x14x14 float32
-                (1258815488, 1024),  # 529: d_bn4c_branch2a_weight 1x256x1x1 float32
-                (1258815488, 6422528),  # 530: d_bn4c_branch2a_neg 32x256x14x14 float32
-                (1265238016, 1024),  # 531: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
-                (1258815488, 1048576),  # 532: d_res4c_branch2a_W 256x1024x1x1 float32
-                (1258815488, 25690112),  # 533: d_bn4b_branch2c_relu 32x1024x14x14 float32
-                (1027604480, 4096),  # 534: d_bn4b_branch2c_bias 1x1024x1x1 float32
-                (1027604480, 25690112),  # 535: d_bn4b_branch2c_mul 32x1024x14x14 float32
-                (1258815488, 4096),  # 536: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
-                (1027604480, 25690112),  # 537: d_bn4b_branch2c_centered 32x1024x14x14 float32
-                (1258815488, 4096),  # 538: d_bn4b_branch2c_weight 1x1024x1x1 float32
-                (1053294592, 25690112),  # 539: d_bn4b_branch2c_neg 32x1024x14x14 float32
-                (1258815488, 4096),  # 540: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
-                (1053294592, 6422528),  # 541: bn4b_branch2b_relu_2 32x256x14x14 float32
-                (1066139648, 1048576),  # 542: d_res4b_branch2c_W 1024x256x1x1 float32
-                (1059717120, 6422528),  # 543: d_bn4b_branch2b_relu 32x256x14x14 float32
-                (1027604480, 1024),  # 544: d_bn4b_branch2b_bias 1x256x1x1 float32
-                (1027604480, 6422528),  # 545: d_bn4b_branch2b_mul 32x256x14x14 float32
-                (1034027008, 1024),  # 546: d_bn4b_branch2b_inv_std 1x256x1x1 float32
-                (1027604480, 6422528),  # 547: d_bn4b_branch2b_centered 32x256x14x14 float32
-                (1034027008, 1024),  # 548: d_bn4b_branch2b_weight 1x256x1x1 float32
-                (1034027008, 6422528),  # 549: d_bn4b_branch2b_neg 32x256x14x14 float32
-                (1040449536, 1024),  # 550: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
-                (1034027008, 6422528),  # 551: bn4b_branch2a_relu_2 32x256x14x14 float32
-                (1040449536, 2359296),  # 552: d_res4b_branch2b_W 256x256x3x3 float32
-                (1040449536, 6422528),  # 553: d_bn4b_branch2a_relu 32x256x14x14 float32
-                (1027604480, 1024),  # 554: d_bn4b_branch2a_bias 1x256x1x1 float32
-                (1027604480, 6422528),  # 555: d_bn4b_branch2a_mul 32x256x14x14 float32
-                (1034027008, 1024),  # 556: d_bn4b_branch2a_inv_std 1x256x1x1 float32
-                (1258815488, 6422528),  # 557: d_bn4b_branch2a_centered 32x256x14x14 float32
-                (1027604480, 1024),  # 558: d_bn4b_branch2a_weight 1x256x1x1 float32
-                (1027604480, 6422528),  # 559: d_bn4b_branch2a_neg 32x256x14x14 float32
-                (1034027008, 1024),  # 560: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
-                (1027604480, 25690112),  # 561: bn4a_branch2c_relu_2 32x1024x14x14 float32
-                (1053294592, 1048576),  # 562: d_res4b_branch2a_W 256x1024x1x1 float32
-                (1053294592, 25690112),  # 563: d_bn4a_branch2c_relu 32x1024x14x14 float32
-                (1027604480, 4096),  # 564: d_bn4a_branch1_bias 1x1024x1x1 float32
-                (1027604480, 25690112),  # 565: d_bn4a_branch2c_mul 32x1024x14x14 float32
-                (1053294592, 4096),  # 566: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
-                (1027604480, 25690112),  # 567: d_bn4a_branch2c_centered 32x1024x14x14 float32
-                (1053294592, 4096),  # 568: d_bn4a_branch2c_weight 1x1024x1x1 float32
-                (1001914368, 25690112),  # 569: d_bn4a_branch2c_neg 32x1024x14x14 float32
-                (1053294592, 4096),  # 570: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
-                (1001914368, 6422528),  # 571: bn4a_branch2b_relu_2 32x256x14x14 float32
-                (1014759424, 1048576),  # 572: d_res4a_branch2c_W 1024x256x1x1 float32
-                (1008336896, 6422528),  # 573: d_bn4a_branch2b_relu 32x256x14x14 float32
-                (1001914368, 1024),  # 574: d_bn4a_branch2b_bias 1x256x1x1 float32
-                (1001914368, 6422528),  # 575: d_bn4a_branch2b_mul 32x256x14x14 float32
-                (1014759424, 1024),  # 576: d_bn4a_branch2b_inv_std 1x256x1x1 float32
-                (1001914368, 6422528),  # 577: d_bn4a_branch2b_centered 32x256x14x14 float32
-                (1014759424, 1024),  # 578: d_bn4a_branch2b_weight 1x256x1x1 float32
-                (1008336896, 6422528),  # 579: d_bn4a_branch2b_neg 32x256x14x14 float32
-                (1014759424, 1024),  # 580: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
-                (1008336896, 6422528),  # 581: bn4a_branch2a_relu_2 32x256x14x14 float32
-                (1014759424, 2359296),  # 582: d_res4a_branch2b_W 256x256x3x3 float32
-                (1014759424, 6422528),  # 583: d_bn4a_branch2a_relu 32x256x14x14 float32
-                (1001914368, 1024),  # 584: d_bn4a_branch2a_bias 1x256x1x1 float32
-                (1001914368, 6422528),  # 585: d_bn4a_branch2a_mul 32x256x14x14 float32
-                (1008336896, 1024),  # 586: d_bn4a_branch2a_inv_std 1x256x1x1 float32
-                (1258815488, 6422528),  # 587: d_bn4a_branch2a_centered 32x256x14x14 float32
-                (1001914368, 1024),  # 588: d_bn4a_branch2a_weight 1x256x1x1 float32
-                (1001914368, 6422528),  # 589: d_bn4a_branch2a_neg 32x256x14x14 float32
-                (1008336896, 1024),  # 590: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
-                (1001914368, 524288),  # 591: d_res4a_branch2a_W 256x512x1x1 float32
-                (1001914368, 25690112),  # 592: d_bn4a_branch1_mul 32x1024x14x14 float32
-                (1053294592, 4096),  # 593: d_bn4a_branch1_inv_std 1x1024x1x1 float32
-                (1027604480, 25690112),  # 594: d_bn4a_branch1_centered 32x1024x14x14 float32
-                (976224256, 4096),  # 595: d_bn4a_branch1_weight 1x1024x1x1 float32
-                (976224256, 25690112),  # 596: d_bn4a_branch1_neg 32x1024x14x14 float32
-                (1001914368, 4096),  # 597: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
-                (976224256, 2097152),  # 598: d_res4a_branch1_W 1024x512x1x1 float32
-                (976224256, 51380224),  # 599: d_bn3d_branch2c_relu 32x512x28x28 float32
-                (1027604480, 51380224),  # 600: d_bn3d_branch2c_relu_2 32x512x28x28 float32
-                (873463808, 2048),  # 601: d_bn3d_branch2c_bias 1x512x1x1 float32
-                (873463808, 51380224),  # 602: d_bn3d_branch2c_mul 32x512x28x28 float32
-                (1027604480, 2048),  # 603: d_bn3d_branch2c_inv_std 1x512x1x1 float32
-                (873463808, 51380224),  # 604: d_bn3d_branch2c_centered 32x512x28x28 float32
-                (1027604480, 2048),  # 605: d_bn3d_branch2c_weight 1x512x1x1 float32
-                (924844032, 51380224),  # 606: d_bn3d_branch2c_neg 32x512x28x28 float32
-                (1027604480, 2048),  # 607: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
-                (924844032, 12845056),  # 608: bn3d_branch2b_relu_2 32x128x28x28 float32
-                (950534144, 262144),  # 609: d_res3d_branch2c_W 512x128x1x1 float32
-                (937689088, 12845056),  # 610: d_bn3d_branch2b_relu 32x128x28x28 float32
-                (873463808, 512),  # 611: d_bn3d_branch2b_bias 1x128x1x1 float32
-                (873463808, 12845056),  # 612: d_bn3d_branch2b_mul 32x128x28x28 float32
-                (886308864, 512),  # 613: d_bn3d_branch2b_inv_std 1x128x1x1 float32
-                (873463808, 12845056),  # 614: d_bn3d_branch2b_centered 32x128x28x28 float32
-                (886308864, 512),  # 615: d_bn3d_branch2b_weight 1x128x1x1 float32
-                (886308864, 12845056),  # 616: d_bn3d_branch2b_neg 32x128x28x28 float32
-                (899153920, 512),  # 617: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
-                (886308864, 12845056),  # 618: bn3d_branch2a_relu_2 32x128x28x28 float32
-                (899153920, 589824),  # 619: d_res3d_branch2b_W 128x128x3x3 float32
-                (899153920, 12845056),  # 620: d_bn3d_branch2a_relu 32x128x28x28 float32
-                (873463808, 512),  # 621: d_bn3d_branch2a_bias 1x128x1x1 float32
-                (873463808, 12845056),  # 622: d_bn3d_branch2a_mul 32x128x28x28 float32
-                (886308864, 512),  # 623: d_bn3d_branch2a_inv_std 1x128x1x1 float32
-                (1027604480, 12845056),  # 624: d_bn3d_branch2a_centered 32x128x28x28 float32
-                (873463808, 512),  # 625: d_bn3d_branch2a_weight 1x128x1x1 float32
-                (873463808, 12845056),  # 626: d_bn3d_branch2a_neg 32x128x28x28 float32
-                (886308864, 512),  # 627: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
-                (873463808, 51380224),  # 628: bn3c_branch2c_relu_2 32x512x28x28 float32
-                (924844032, 262144),  # 629: d_res3d_branch2a_W 128x512x1x1 float32
-                (924844032, 51380224),  # 630: d_bn3c_branch2c_relu 32x512x28x28 float32
-                (873463808, 2048),  # 631: d_bn3c_branch2c_bias 1x512x1x1 float32
-                (873463808, 51380224),  # 632: d_bn3c_branch2c_mul 32x512x28x28 float32
-                (924844032, 2048),  # 633: d_bn3c_branch2c_inv_std 1x512x1x1 float32
-                (873463808, 51380224),  # 634: d_bn3c_branch2c_centered 32x512x28x28 float32
-                (924844032, 2048),  # 635: d_bn3c_branch2c_weight 1x512x1x1 float32
-                (822083584, 51380224),  # 636: d_bn3c_branch2c_neg 32x512x28x28 float32
-                (924844032, 2048),  # 637: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
-                (822083584, 12845056),  # 638: bn3c_branch2b_relu_2 32x128x28x28 float32
-                (847773696, 262144),  # 639: d_res3c_branch2c_W 512x128x1x1 float32
-                (834928640, 12845056),  # 640: d_bn3c_branch2b_relu 32x128x28x28 float32
-                (822083584, 512),  # 641: d_bn3c_branch2b_bias 1x128x1x1 float32
-                (822083584, 12845056),  # 642: d_bn3c_branch2b_mul 32x128x28x28 float32
-                (847773696, 512),  # 643: d_bn3c_branch2b_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 644: d_bn3c_branch2b_centered 32x128x28x28 float32
-                (847773696, 512),  # 645: d_bn3c_branch2b_weight 1x128x1x1 float32
-                (834928640, 12845056),  # 646: d_bn3c_branch2b_neg 32x128x28x28 float32
-                (847773696, 512),  # 647: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
-                (834928640, 12845056),  # 648: bn3c_branch2a_relu_2 32x128x28x28 float32
-                (847773696, 589824),  # 649: d_res3c_branch2b_W 128x128x3x3 float32
-                (847773696, 12845056),  # 650: d_bn3c_branch2a_relu 32x128x28x28 float32
-                (822083584, 512),  # 651: d_bn3c_branch2a_bias 1x128x1x1 float32
-                (822083584, 12845056),  # 652: d_bn3c_branch2a_mul 32x128x28x28 float32
-                (834928640, 512),  # 653: d_bn3c_branch2a_inv_std 1x128x1x1 float32
-                (873463808, 12845056),  # 654: d_bn3c_branch2a_centered 32x128x28x28 float32
-                (822083584, 512),  # 655: d_bn3c_branch2a_weight 1x128x1x1 float32
-                (822083584, 12845056),  # 656: d_bn3c_branch2a_neg 32x128x28x28 float32
-                (834928640, 512),  # 657: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
-                (822083584, 262144),  # 658: d_res3c_branch2a_W 128x512x1x1 float32
-                (822083584, 51380224),  # 659: d_bn3b_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 660: d_bn3b_branch2c_bias 1x512x1x1 float32
-                (667942912, 51380224),  # 661: d_bn3b_branch2c_mul 32x512x28x28 float32
-                (822083584, 2048),  # 662: d_bn3b_branch2c_inv_std 1x512x1x1 float32
-                (667942912, 51380224),  # 663: d_bn3b_branch2c_centered 32x512x28x28 float32
-                (822083584, 2048),  # 664: d_bn3b_branch2c_weight 1x512x1x1 float32
-                (770703360, 51380224),  # 665: d_bn3b_branch2c_neg 32x512x28x28 float32
-                (822083584, 2048),  # 666: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
-                (770703360, 12845056),  # 667: bn3b_branch2b_relu_2 32x128x28x28 float32
-                (796393472, 262144),  # 668: d_res3b_branch2c_W 512x128x1x1 float32
-                (783548416, 12845056),  # 669: d_bn3b_branch2b_relu 32x128x28x28 float32
-                (667942912, 512),  # 670: d_bn3b_branch2b_bias 1x128x1x1 float32
-                (667942912, 12845056),  # 671: d_bn3b_branch2b_mul 32x128x28x28 float32
-                (680787968, 512),  # 672: d_bn3b_branch2b_inv_std 1x128x1x1 float32
-                (667942912, 12845056),  # 673: d_bn3b_branch2b_centered 32x128x28x28 float32
-                (680787968, 512),  # 674: d_bn3b_branch2b_weight 1x128x1x1 float32
-                (680787968, 12845056),  # 675: d_bn3b_branch2b_neg 32x128x28x28 float32
-                (693633024, 512),  # 676: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
-                (680787968, 12845056),  # 677: bn3b_branch2a_relu_2 32x128x28x28 float32
-                (693633024, 589824),  # 678: d_res3b_branch2b_W 128x128x3x3 float32
-                (693633024, 12845056),  # 679: d_bn3b_branch2a_relu 32x128x28x28 float32
-                (667942912, 512),  # 680: d_bn3b_branch2a_bias 1x128x1x1 float32
-                (667942912, 12845056),  # 681: d_bn3b_branch2a_mul 32x128x28x28 float32
-                (680787968, 512),  # 682: d_bn3b_branch2a_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 683: d_bn3b_branch2a_centered 32x128x28x28 float32
-                (667942912, 512),  # 684: d_bn3b_branch2a_weight 1x128x1x1 float32
-                (667942912, 12845056),  # 685: d_bn3b_branch2a_neg 32x128x28x28 float32
-                (680787968, 512),  # 686: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
-                (667942912, 51380224),  # 687: bn3a_branch2c_relu_2 32x512x28x28 float32
-                (770703360, 262144),  # 688: d_res3b_branch2a_W 128x512x1x1 float32
-                (770703360, 51380224),  # 689: d_bn3a_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 690: d_bn3a_branch1_bias 1x512x1x1 float32
-                (667942912, 51380224),  # 691: d_bn3a_branch2c_mul 32x512x28x28 float32
-                (770703360, 2048),  # 692: d_bn3a_branch2c_inv_std 1x512x1x1 float32
-                (667942912, 51380224),  # 693: d_bn3a_branch2c_centered 32x512x28x28 float32
-                (770703360, 2048),  # 694: d_bn3a_branch2c_weight 1x512x1x1 float32
-                (616562688, 51380224),  # 695: d_bn3a_branch2c_neg 32x512x28x28 float32
-                (770703360, 2048),  # 696: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
-                (616562688, 12845056),  # 697: bn3a_branch2b_relu_2 32x128x28x28 float32
-                (642252800, 262144),  # 698: d_res3a_branch2c_W 512x128x1x1 float32
-                (629407744, 12845056),  # 699: d_bn3a_branch2b_relu 32x128x28x28 float32
-                (616562688, 512),  # 700: d_bn3a_branch2b_bias 1x128x1x1 float32
-                (616562688, 12845056),  # 701: d_bn3a_branch2b_mul 32x128x28x28 float32
-                (642252800, 512),  # 702: d_bn3a_branch2b_inv_std 1x128x1x1 float32
-                (616562688, 12845056),  # 703: d_bn3a_branch2b_centered 32x128x28x28 float32
-                (642252800, 512),  # 704: d_bn3a_branch2b_weight 1x128x1x1 float32
-                (629407744, 12845056),  # 705: d_bn3a_branch2b_neg 32x128x28x28 float32
-                (642252800, 512),  # 706: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
-                (629407744, 12845056),  # 707: bn3a_branch2a_relu_2 32x128x28x28 float32
-                (642252800, 589824),  # 708: d_res3a_branch2b_W 128x128x3x3 float32
-                (642252800, 12845056),  # 709: d_bn3a_branch2a_relu 32x128x28x28 float32
-                (616562688, 512),  # 710: d_bn3a_branch2a_bias 1x128x1x1 float32
-                (616562688, 12845056),  # 711: d_bn3a_branch2a_mul 32x128x28x28 float32
-                (629407744, 512),  # 712: d_bn3a_branch2a_inv_std 1x128x1x1 float32
-                (924844032, 12845056),  # 713: d_bn3a_branch2a_centered 32x128x28x28 float32
-                (616562688, 512),  # 714: d_bn3a_branch2a_weight 1x128x1x1 float32
-                (616562688, 12845056),  # 715: d_bn3a_branch2a_neg 32x128x28x28 float32
-                (629407744, 512),  # 716: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
-                (616562688, 102760448),  # 717: bn2c_branch2c_relu_2 32x256x56x56 float32
-                (770703360, 131072),  # 718: d_res3a_branch2a_W 128x256x1x1 float32
-                (770703360, 51380224),  # 719: d_bn3a_branch1_mul 32x512x28x28 float32
-                (873463808, 2048),  # 720: d_bn3a_branch1_inv_std 1x512x1x1 float32
-                (822083584, 51380224),  # 721: d_bn3a_branch1_centered 32x512x28x28 float32
-                (719323136, 2048),  # 722: d_bn3a_branch1_weight 1x512x1x1 float32
-                (719323136, 51380224),  # 723: d_bn3a_branch1_neg 32x512x28x28 float32
-                (770703360, 2048),  # 724: d_bn3a_branch1_batch_mean 1x512x1x1 float32
-                (719323136, 524288),  # 725: d_res3a_branch1_W 512x256x1x1 float32
-                (719323136, 102760448),  # 726: d_bn2c_branch2c_relu 32x256x56x56 float32
-                (822083584, 102760448),  # 727: d_bn2c_branch2c_relu_2 32x256x56x56 float32
-                (616562688, 1024),  # 728: d_bn2c_branch2c_bias 1x256x1x1 float32
-                (616562688, 102760448),  # 729: d_bn2c_branch2c_mul 32x256x56x56 float32
-                (822083584, 1024),  # 730: d_bn2c_branch2c_inv_std 1x256x1x1 float32
-                (616562688, 102760448),  # 731: d_bn2c_branch2c_centered 32x256x56x56 float32
-                (822083584, 1024),  # 732: d_bn2c_branch2c_weight 1x256x1x1 float32
-                (513802240, 102760448),  # 733: d_bn2c_branch2c_neg 32x256x56x56 float32
-                (822083584, 1024),  # 734: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
-                (513802240, 25690112),  # 735: bn2c_branch2b_relu_2 32x64x56x56 float32
-                (565182464, 65536),  # 736: d_res2c_branch2c_W 256x64x1x1 float32
-                (539492352, 25690112),  # 737: d_bn2c_branch2b_relu 32x64x56x56 float32
-                (513802240, 256),  # 738: d_bn2c_branch2b_bias 1x64x1x1 float32
-                (513802240, 25690112),  # 739: d_bn2c_branch2b_mul 32x64x56x56 float32
-                (565182464, 256),  # 740: d_bn2c_branch2b_inv_std 1x64x1x1 float32
-                (513802240, 25690112),  # 741: d_bn2c_branch2b_centered 32x64x56x56 float32
-                (565182464, 256),  # 742: d_bn2c_branch2b_weight 1x64x1x1 float32
-                (539492352, 25690112),  # 743: d_bn2c_branch2b_neg 32x64x56x56 float32
-                (565182464, 256),  # 744: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
-                (539492352, 25690112),  # 745: bn2c_branch2a_relu_2 32x64x56x56 float32
-                (565182464, 147456),  # 746: d_res2c_branch2b_W 64x64x3x3 float32
-                (565182464, 25690112),  # 747: d_bn2c_branch2a_relu 32x64x56x56 float32
-                (513802240, 256),  # 748: d_bn2c_branch2a_bias 1x64x1x1 float32
-                (513802240, 25690112),  # 749: d_bn2c_branch2a_mul 32x64x56x56 float32
-                (539492352, 256),  # 750: d_bn2c_branch2a_inv_std 1x64x1x1 float32
-                (616562688, 25690112),  # 751: d_bn2c_branch2a_centered 32x64x56x56 float32
-                (513802240, 256),  # 752: d_bn2c_branch2a_weight 1x64x1x1 float32
-                (513802240, 25690112),  # 753: d_bn2c_branch2a_neg 32x64x56x56 float32
-                (539492352, 256),  # 754: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
-                (513802240, 65536),  # 755: d_res2c_branch2a_W 64x256x1x1 float32
-                (513802240, 102760448),  # 756: d_bn2b_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 757: d_bn2b_branch2c_bias 1x256x1x1 float32
-                (308281344, 102760448),  # 758: d_bn2b_branch2c_mul 32x256x56x56 float32
-                (513802240, 1024),  # 759: d_bn2b_branch2c_inv_std 1x256x1x1 float32
-                (308281344, 102760448),  # 760: d_bn2b_branch2c_centered 32x256x56x56 float32
-                (513802240, 1024),  # 761: d_bn2b_branch2c_weight 1x256x1x1 float32
-                (411041792, 102760448),  # 762: d_bn2b_branch2c_neg 32x256x56x56 float32
-                (513802240, 1024),  # 763: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
-                (411041792, 25690112),  # 764: bn2b_branch2b_relu_2 32x64x56x56 float32
-                (462422016, 65536),  # 765: d_res2b_branch2c_W 256x64x1x1 float32
-                (436731904, 25690112),  # 766: d_bn2b_branch2b_relu 32x64x56x56 float32
-                (308281344, 256),  # 767: d_bn2b_branch2b_bias 1x64x1x1 float32
-                (308281344, 25690112),  # 768: d_bn2b_branch2b_mul 32x64x56x56 float32
-                (333971456, 256),  # 769: d_bn2b_branch2b_inv_std 1x64x1x1 float32
-                (308281344, 25690112),  # 770: d_bn2b_branch2b_centered 32x64x56x56 float32
-                (333971456, 256),  # 771: d_bn2b_branch2b_weight 1x64x1x1 float32
-                (333971456, 25690112),  # 772: d_bn2b_branch2b_neg 32x64x56x56 float32
-                (359661568, 256),  # 773: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
-                (333971456, 25690112),  # 774: bn2b_branch2a_relu_2 32x64x56x56 float32
-                (359661568, 147456),  # 775: d_res2b_branch2b_W 64x64x3x3 float32
-                (359661568, 25690112),  # 776: d_bn2b_branch2a_relu 32x64x56x56 float32
-                (308281344, 256),  # 777: d_bn2b_branch2a_bias 1x64x1x1 float32
-                (308281344, 25690112),  # 778: d_bn2b_branch2a_mul 32x64x56x56 float32
-                (333971456, 256),  # 779: d_bn2b_branch2a_inv_std 1x64x1x1 float32
-                (513802240, 25690112),  # 780: d_bn2b_branch2a_centered 32x64x56x56 float32
-                (308281344, 256),  # 781: d_bn2b_branch2a_weight 1x64x1x1 float32
-                (308281344, 25690112),  # 782: d_bn2b_branch2a_neg 32x64x56x56 float32
-                (333971456, 256),  # 783: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
-                (308281344, 102760448),  # 784: bn2a_branch2c_relu_2 32x256x56x56 float32
-                (411041792, 65536),  # 785: d_res2b_branch2a_W 64x256x1x1 float32
-                (411041792, 102760448),  # 786: d_bn2a_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 787: d_bn2a_branch1_bias 1x256x1x1 float32
-                (308281344, 102760448),  # 788: d_bn2a_branch2c_mul 32x256x56x56 float32
-                (411041792, 1024),  # 789: d_bn2a_branch2c_inv_std 1x256x1x1 float32
-                (308281344, 102760448),  # 790: d_bn2a_branch2c_centered 32x256x56x56 float32
-                (411041792, 1024),  # 791: d_bn2a_branch2c_weight 1x256x1x1 float32
-                (205520896, 102760448),  # 792: d_bn2a_branch2c_neg 32x256x56x56 float32
-                (411041792, 1024),  # 793: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
-                (205520896, 25690112),  # 794: bn2a_branch2b_relu_2 32x64x56x56 float32
-                (256901120, 65536),  # 795: d_res2a_branch2c_W 256x64x1x1 float32
-                (231211008, 25690112),  # 796: d_bn2a_branch2b_relu 32x64x56x56 float32
-                (205520896, 256),  # 797: d_bn2a_branch2b_bias 1x64x1x1 float32
-                (205520896, 25690112),  # 798: d_bn2a_branch2b_mul 32x64x56x56 float32
-                (256901120, 256),  # 799: d_bn2a_branch2b_inv_std 1x64x1x1 float32
-                (205520896, 25690112),  # 800: d_bn2a_branch2b_centered 32x64x56x56 float32
-                (256901120, 256),  # 801: d_bn2a_branch2b_weight 1x64x1x1 float32
-                (231211008, 25690112),  # 802: d_bn2a_branch2b_neg 32x64x56x56 float32
-                (256901120, 256),  # 803: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
-                (231211008, 25690112),  # 804: bn2a_branch2a_relu_2 32x64x56x56 float32
-                (256901120, 147456),  # 805: d_res2a_branch2b_W 64x64x3x3 float32
-                (256901120, 25690112),  # 806: d_bn2a_branch2a_relu 32x64x56x56 float32
-                (205520896, 256),  # 807: d_bn2a_branch2a_bias 1x64x1x1 float32
-                (205520896, 25690112),  # 808: d_bn2a_branch2a_mul 32x64x56x56 float32
-                (231211008, 256),  # 809: d_bn2a_branch2a_inv_std 1x64x1x1 float32
-                (205520896, 25690112),  # 810: d_bn2a_branch2a_centered 32x64x56x56 float32
-                (231211008, 256),  # 811: d_bn2a_branch2a_weight 1x64x1x1 float32
-                (231211008, 25690112),  # 812: d_bn2a_branch2a_neg 32x64x56x56 float32
-                (256901120, 256),  # 813: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
-                (231211008, 16384),  # 814: d_res2a_branch2a_W 64x64x1x1 float32
-                (308281344, 25690112),  # 815: d_bn_conv1_max_pool 32x64x56x56 float32
-                (205520896, 102760448),  # 816: d_bn2a_branch1_mul 32x256x56x56 float32
-                (333971456, 1024),  # 817: d_bn2a_branch1_inv_std 1x256x1x1 float32
-                (205520896, 102760448),  # 818: d_bn2a_branch1_centered 32x256x56x56 float32
-                (102760448, 1024),  # 819: d_bn2a_branch1_weight 1x256x1x1 float32
-                (102760448, 102760448),  # 820: d_bn2a_branch1_neg 32x256x56x56 float32
-                (333971456, 1024),  # 821: d_bn2a_branch1_batch_mean 1x256x1x1 float32
-                (102760448, 65536),  # 822: d_res2a_branch1_W 256x64x1x1 float32
-                (333971456, 25690112),  # 823: d_bn_conv1_max_pool_2 32x64x56x56 float32
-                (308281344, 25690112),  # 824: d_bn_conv1_centered 32x64x56x56 float32
-                (102760448, 102760448),  # 825: d_bn_conv1_relu_max_pool_bwd 32x64x112x112 float32
-                (205520896, 256),  # 826: d_bn_conv1_bias 1x64x1x1 float32
-                (205520896, 102760448),  # 827: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
-                (308281344, 102760448),  # 828: d_bn_conv1_mul 32x64x112x112 float32
-                (411041792, 256),  # 829: d_bn_conv1_weight 1x64x1x1 float32
-                (308281344, 256),  # 830: d_bn_conv1_inv_std 1x64x1x1 float32
-                (0, 102760448),  # 831: d_bn_conv1_neg 32x64x112x112 float32
-                (102760448, 256),  # 832: d_bn_conv1_batch_mean 1x64x1x1 float32
-                (0, 37632),  # 833: d_conv1_W 64x3x7x7 float32
+                (1727868928, 256),  # 5: bn_conv1_sum_of_squares 1x64x1x1 float32
+                (1727869184, 256),  # 6: bn_conv1_inv_std 1x64x1x1 float32
+                (102760448, 102760448),  # 7: bn_conv1_relu 32x64x112x112 float32
+                (1624899584, 6422528),  # 8: bn_conv1_max_pool_argmax 32x64x56x56 uint8
+                (1078984704, 25690112),  # 9: bn_conv1_max_pool 32x64x56x56 float32
+                (1104674816, 25690112),  # 10: res2a_branch2a 32x64x56x56 float32
+                (102760448, 256),  # 11: bn2a_branch2a_sum 1x64x1x1 float32
+                (1727869440, 256),  # 12: bn2a_branch2a_sum_of_squares 1x64x1x1 float32
+                (1727869696, 256),  # 13: bn2a_branch2a_inv_std 1x64x1x1 float32
+                (102760448, 25690112),  # 14: bn2a_branch2a_relu 32x64x56x56 float32
+                (1130364928, 25690112),  # 15: res2a_branch2b 32x64x56x56 float32
+                (102760448, 256),  # 16: bn2a_branch2b_sum 1x64x1x1 float32
+                (1727869952, 256),  # 17: bn2a_branch2b_sum_of_squares 1x64x1x1 float32
+                (1727870208, 256),  # 18: bn2a_branch2b_inv_std 1x64x1x1 float32
+                (308281344, 25690112),  # 19: bn2a_branch2b_relu 32x64x56x56 float32
+                (102760448, 102760448),  # 20: res2a_branch1 32x256x56x56 float32
+                (205520896, 1024),  # 21: bn2a_branch1_sum 1x256x1x1 float32
+                (1727827968, 1024),  # 22: bn2a_branch1_sum_of_squares 1x256x1x1 float32
+                (1727828992, 1024),  # 23: bn2a_branch1_inv_std 1x256x1x1 float32
+                (205520896, 102760448),  # 24: res2a_branch2c 32x256x56x56 float32
+                (308281344, 1024),  # 25: bn2a_branch2c_sum 1x256x1x1 float32
+                (1727830016, 1024),  # 26: bn2a_branch2c_sum_of_squares 1x256x1x1 float32
+                (1727831040, 1024),  # 27: bn2a_branch2c_inv_std 1x256x1x1 float32
+                (308281344, 102760448),  # 28: bn2a_branch2c_relu 32x256x56x56 float32
+                (1156055040, 25690112),  # 29: res2b_branch2a 32x64x56x56 float32
+                (411041792, 256),  # 30: bn2b_branch2a_sum 1x64x1x1 float32
+                (1727870464, 256),  # 31: bn2b_branch2a_sum_of_squares 1x64x1x1 float32
+                (1727870720, 256),  # 32: bn2b_branch2a_inv_std 1x64x1x1 float32
+                (411041792, 25690112),  # 33: bn2b_branch2a_relu 32x64x56x56 float32
+                (1181745152, 25690112),  # 34: res2b_branch2b 32x64x56x56 float32
+                (411041792, 256),  # 35: bn2b_branch2b_sum 1x64x1x1 float32
+                (1727870976, 256),  # 36: bn2b_branch2b_sum_of_squares 1x64x1x1 float32
+                (1727871232, 256),  # 37: bn2b_branch2b_inv_std 1x64x1x1 float32
+                (513802240, 25690112),  # 38: bn2b_branch2b_relu 32x64x56x56 float32
+                (411041792, 102760448),  # 39: res2b_branch2c 32x256x56x56 float32
+                (513802240, 1024),  # 40: bn2b_branch2c_sum 1x256x1x1 float32
+                (1727832064, 1024),  # 41: bn2b_branch2c_sum_of_squares 1x256x1x1 float32
+                (1727833088, 1024),  # 42: bn2b_branch2c_inv_std 1x256x1x1 float32
+                (1207435264, 25690112),  # 43: res2c_branch2a 32x64x56x56 float32
+                (513802240, 256),  # 44: bn2c_branch2a_sum 1x64x1x1 float32
+                (1727871488, 256),  # 45: bn2c_branch2a_sum_of_squares 1x64x1x1 float32
+                (1727871744, 256),  # 46: bn2c_branch2a_inv_std 1x64x1x1 float32
+                (513802240, 25690112),  # 47: bn2c_branch2a_relu 32x64x56x56 float32
+                (1233125376, 25690112),  # 48: res2c_branch2b 32x64x56x56 float32
+                (513802240, 256),  # 49: bn2c_branch2b_sum 1x64x1x1 float32
+                (1727872000, 256),  # 50: bn2c_branch2b_sum_of_squares 1x64x1x1 float32
+                (1727872256, 256),  # 51: bn2c_branch2b_inv_std 1x64x1x1 float32
+                (616562688, 25690112),  # 52: bn2c_branch2b_relu 32x64x56x56 float32
+                (513802240, 102760448),  # 53: res2c_branch2c 32x256x56x56 float32
+                (616562688, 1024),  # 54: bn2c_branch2c_sum 1x256x1x1 float32
+                (1727834112, 1024),  # 55: bn2c_branch2c_sum_of_squares 1x256x1x1 float32
+                (1727835136, 1024),  # 56: bn2c_branch2c_inv_std 1x256x1x1 float32
+                (616562688, 102760448),  # 57: bn2c_branch2c_relu 32x256x56x56 float32
+                (1483603968, 12845056),  # 58: res3a_branch2a 32x128x28x28 float32
+                (719323136, 512),  # 59: bn3a_branch2a_sum 1x128x1x1 float32
+                (1727860736, 512),  # 60: bn3a_branch2a_sum_of_squares 1x128x1x1 float32
+                (1727861248, 512),  # 61: bn3a_branch2a_inv_std 1x128x1x1 float32
+                (719323136, 12845056),  # 62: bn3a_branch2a_relu 32x128x28x28 float32
+                (1496449024, 12845056),  # 63: res3a_branch2b 32x128x28x28 float32
+                (719323136, 512),  # 64: bn3a_branch2b_sum 1x128x1x1 float32
+                (1727861760, 512),  # 65: bn3a_branch2b_sum_of_squares 1x128x1x1 float32
+                (1727862272, 512),  # 66: bn3a_branch2b_inv_std 1x128x1x1 float32
+                (770703360, 12845056),  # 67: bn3a_branch2b_relu 32x128x28x28 float32
+                (719323136, 51380224),  # 68: res3a_branch1 32x512x28x28 float32
+                (616562688, 2048),  # 69: bn3a_branch1_sum 1x512x1x1 float32
+                (1727782912, 2048),  # 70: bn3a_branch1_sum_of_squares 1x512x1x1 float32
+                (1727784960, 2048),  # 71: bn3a_branch1_inv_std 1x512x1x1 float32
+                (616562688, 51380224),  # 72: res3a_branch2c 32x512x28x28 float32
+                (667942912, 2048),  # 73: bn3a_branch2c_sum 1x512x1x1 float32
+                (1727787008, 2048),  # 74: bn3a_branch2c_sum_of_squares 1x512x1x1 float32
+                (1727789056, 2048),  # 75: bn3a_branch2c_inv_std 1x512x1x1 float32
+                (667942912, 51380224),  # 76: bn3a_branch2c_relu 32x512x28x28 float32
+                (1509294080, 12845056),  # 77: res3b_branch2a 32x128x28x28 float32
+                (770703360, 512),  # 78: bn3b_branch2a_sum 1x128x1x1 float32
+                (1727862784, 512),  # 79: bn3b_branch2a_sum_of_squares 1x128x1x1 float32
+                (1727863296, 512),  # 80: bn3b_branch2a_inv_std 1x128x1x1 float32
+                (770703360, 12845056),  # 81: bn3b_branch2a_relu 32x128x28x28 float32
+                (1522139136, 12845056),  # 82: res3b_branch2b 32x128x28x28 float32
+                (770703360, 512),  # 83: bn3b_branch2b_sum 1x128x1x1 float32
+                (1727863808, 512),  # 84: bn3b_branch2b_sum_of_squares 1x128x1x1 float32
+                (1727864320, 512),  # 85: bn3b_branch2b_inv_std 1x128x1x1 float32
+                (822083584, 12845056),  # 86: bn3b_branch2b_relu 32x128x28x28 float32
+                (770703360, 51380224),  # 87: res3b_branch2c 32x512x28x28 float32
+                (822083584, 2048),  # 88: bn3b_branch2c_sum 1x512x1x1 float32
+                (1727791104, 2048),  # 89: bn3b_branch2c_sum_of_squares 1x512x1x1 float32
+                (1727793152, 2048),  # 90: bn3b_branch2c_inv_std 1x512x1x1 float32
+                (1534984192, 12845056),  # 91: res3c_branch2a 32x128x28x28 float32
+                (822083584, 512),  # 92: bn3c_branch2a_sum 1x128x1x1 float32
+                (1727864832, 512),  # 93: bn3c_branch2a_sum_of_squares 1x128x1x1 float32
+                (1727865344, 512),  # 94: bn3c_branch2a_inv_std 1x128x1x1 float32
+                (822083584, 12845056),  # 95: bn3c_branch2a_relu 32x128x28x28 float32
+                (1547829248, 12845056),  # 96: res3c_branch2b 32x128x28x28 float32
+                (822083584, 512),  # 97: bn3c_branch2b_sum 1x128x1x1 float32
+                (1727865856, 512),  # 98: bn3c_branch2b_sum_of_squares 1x128x1x1 float32
+                (1727866368, 512),  # 99: bn3c_branch2b_inv_std 1x128x1x1 float32
+                (873463808, 12845056),  # 100: bn3c_branch2b_relu 32x128x28x28 float32
+                (822083584, 51380224),  # 101: res3c_branch2c 32x512x28x28 float32
+                (873463808, 2048),  # 102: bn3c_branch2c_sum 1x512x1x1 float32
+                (1727795200, 2048),  # 103: bn3c_branch2c_sum_of_squares 1x512x1x1 float32
+                (1727797248, 2048),  # 104: bn3c_branch2c_inv_std 1x512x1x1 float32
+                (873463808, 51380224),  # 105: bn3c_branch2c_relu 32x512x28x28 float32
+                (1560674304, 12845056),  # 106: res3d_branch2a 32x128x28x28 float32
+                (924844032, 512),  # 107: bn3d_branch2a_sum 1x128x1x1 float32
+                (1727866880, 512),  # 108: bn3d_branch2a_sum_of_squares 1x128x1x1 float32
+                (1727867392, 512),  # 109: bn3d_branch2a_inv_std 1x128x1x1 float32
+                (924844032, 12845056),  # 110: bn3d_branch2a_relu 32x128x28x28 float32
+                (1573519360, 12845056),  # 111: res3d_branch2b 32x128x28x28 float32
+                (924844032, 512),  # 112: bn3d_branch2b_sum 1x128x1x1 float32
+                (1727867904, 512),  # 113: bn3d_branch2b_sum_of_squares 1x128x1x1 float32
+                (1727868416, 512),  # 114: bn3d_branch2b_inv_std 1x128x1x1 float32
+                (976224256, 12845056),  # 115: bn3d_branch2b_relu 32x128x28x28 float32
+                (924844032, 51380224),  # 116: res3d_branch2c 32x512x28x28 float32
+                (976224256, 2048),  # 117: bn3d_branch2c_sum 1x512x1x1 float32
+                (1727799296, 2048),  # 118: bn3d_branch2c_sum_of_squares 1x512x1x1 float32
+                (1727801344, 2048),  # 119: bn3d_branch2c_inv_std 1x512x1x1 float32
+                (1631322112, 6422528),  # 120: res4a_branch2a 32x256x14x14 float32
+                (976224256, 1024),  # 121: bn4a_branch2a_sum 1x256x1x1 float32
+                (1727836160, 1024),  # 122: bn4a_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727837184, 1024),  # 123: bn4a_branch2a_inv_std 1x256x1x1 float32
+                (976224256, 6422528),  # 124: bn4a_branch2a_relu 32x256x14x14 float32
+                (1637744640, 6422528),  # 125: res4a_branch2b 32x256x14x14 float32
+                (976224256, 1024),  # 126: bn4a_branch2b_sum 1x256x1x1 float32
+                (1727838208, 1024),  # 127: bn4a_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727839232, 1024),  # 128: bn4a_branch2b_inv_std 1x256x1x1 float32
+                (1027604480, 6422528),  # 129: bn4a_branch2b_relu 32x256x14x14 float32
+                (976224256, 25690112),  # 130: res4a_branch1 32x1024x14x14 float32
+                (1001914368, 4096),  # 131: bn4a_branch1_sum 1x1024x1x1 float32
+                (1727725568, 4096),  # 132: bn4a_branch1_sum_of_squares 1x1024x1x1 float32
+                (1727729664, 4096),  # 133: bn4a_branch1_inv_std 1x1024x1x1 float32
+                (1001914368, 25690112),  # 134: res4a_branch2c 32x1024x14x14 float32
+                (1027604480, 4096),  # 135: bn4a_branch2c_sum 1x1024x1x1 float32
+                (1727733760, 4096),  # 136: bn4a_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727737856, 4096),  # 137: bn4a_branch2c_inv_std 1x1024x1x1 float32
+                (1027604480, 25690112),  # 138: bn4a_branch2c_relu 32x1024x14x14 float32
+                (1644167168, 6422528),  # 139: res4b_branch2a 32x256x14x14 float32
+                (1053294592, 1024),  # 140: bn4b_branch2a_sum 1x256x1x1 float32
+                (1727840256, 1024),  # 141: bn4b_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727841280, 1024),  # 142: bn4b_branch2a_inv_std 1x256x1x1 float32
+                (1053294592, 6422528),  # 143: bn4b_branch2a_relu 32x256x14x14 float32
+                (1650589696, 6422528),  # 144: res4b_branch2b 32x256x14x14 float32
+                (1053294592, 1024),  # 145: bn4b_branch2b_sum 1x256x1x1 float32
+                (1727842304, 1024),  # 146: bn4b_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727843328, 1024),  # 147: bn4b_branch2b_inv_std 1x256x1x1 float32
+                (1258815488, 6422528),  # 148: bn4b_branch2b_relu 32x256x14x14 float32
+                (1053294592, 25690112),  # 149: res4b_branch2c 32x1024x14x14 float32
+                (1258815488, 4096),  # 150: bn4b_branch2c_sum 1x1024x1x1 float32
+                (1727741952, 4096),  # 151: bn4b_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727746048, 4096),  # 152: bn4b_branch2c_inv_std 1x1024x1x1 float32
+                (1657012224, 6422528),  # 153: res4c_branch2a 32x256x14x14 float32
+                (1258815488, 1024),  # 154: bn4c_branch2a_sum 1x256x1x1 float32
+                (1727844352, 1024),  # 155: bn4c_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727845376, 1024),  # 156: bn4c_branch2a_inv_std 1x256x1x1 float32
+                (1258815488, 6422528),  # 157: bn4c_branch2a_relu 32x256x14x14 float32
+                (1663434752, 6422528),  # 158: res4c_branch2b 32x256x14x14 float32
+                (1258815488, 1024),  # 159: bn4c_branch2b_sum 1x256x1x1 float32
+                (1727846400, 1024),  # 160: bn4c_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727847424, 1024),  # 161: bn4c_branch2b_inv_std 1x256x1x1 float32
+                (1284505600, 6422528),  # 162: bn4c_branch2b_relu 32x256x14x14 float32
+                (1258815488, 25690112),  # 163: res4c_branch2c 32x1024x14x14 float32
+                (1284505600, 4096),  # 164: bn4c_branch2c_sum 1x1024x1x1 float32
+                (1727750144, 4096),  # 165: bn4c_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727754240, 4096),  # 166: bn4c_branch2c_inv_std 1x1024x1x1 float32
+                (1284505600, 25690112),  # 167: bn4c_branch2c_relu 32x1024x14x14 float32
+                (1669857280, 6422528),  # 168: res4d_branch2a 32x256x14x14 float32
+                (1310195712, 1024),  # 169: bn4d_branch2a_sum 1x256x1x1 float32
+                (1727848448, 1024),  # 170: bn4d_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727849472, 1024),  # 171: bn4d_branch2a_inv_std 1x256x1x1 float32
+                (1310195712, 6422528),  # 172: bn4d_branch2a_relu 32x256x14x14 float32
+                (1676279808, 6422528),  # 173: res4d_branch2b 32x256x14x14 float32
+                (1310195712, 1024),  # 174: bn4d_branch2b_sum 1x256x1x1 float32
+                (1727850496, 1024),  # 175: bn4d_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727851520, 1024),  # 176: bn4d_branch2b_inv_std 1x256x1x1 float32
+                (1335885824, 6422528),  # 177: bn4d_branch2b_relu 32x256x14x14 float32
+                (1310195712, 25690112),  # 178: res4d_branch2c 32x1024x14x14 float32
+                (1335885824, 4096),  # 179: bn4d_branch2c_sum 1x1024x1x1 float32
+                (1727758336, 4096),  # 180: bn4d_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727762432, 4096),  # 181: bn4d_branch2c_inv_std 1x1024x1x1 float32
+                (1682702336, 6422528),  # 182: res4e_branch2a 32x256x14x14 float32
+                (1335885824, 1024),  # 183: bn4e_branch2a_sum 1x256x1x1 float32
+                (1727852544, 1024),  # 184: bn4e_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727853568, 1024),  # 185: bn4e_branch2a_inv_std 1x256x1x1 float32
+                (1335885824, 6422528),  # 186: bn4e_branch2a_relu 32x256x14x14 float32
+                (1689124864, 6422528),  # 187: res4e_branch2b 32x256x14x14 float32
+                (1335885824, 1024),  # 188: bn4e_branch2b_sum 1x256x1x1 float32
+                (1727854592, 1024),  # 189: bn4e_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727855616, 1024),  # 190: bn4e_branch2b_inv_std 1x256x1x1 float32
+                (1361575936, 6422528),  # 191: bn4e_branch2b_relu 32x256x14x14 float32
+                (1335885824, 25690112),  # 192: res4e_branch2c 32x1024x14x14 float32
+                (1361575936, 4096),  # 193: bn4e_branch2c_sum 1x1024x1x1 float32
+                (1727766528, 4096),  # 194: bn4e_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727770624, 4096),  # 195: bn4e_branch2c_inv_std 1x1024x1x1 float32
+                (1361575936, 25690112),  # 196: bn4e_branch2c_relu 32x1024x14x14 float32
+                (1695547392, 6422528),  # 197: res4f_branch2a 32x256x14x14 float32
+                (1387266048, 1024),  # 198: bn4f_branch2a_sum 1x256x1x1 float32
+                (1727856640, 1024),  # 199: bn4f_branch2a_sum_of_squares 1x256x1x1 float32
+                (1727857664, 1024),  # 200: bn4f_branch2a_inv_std 1x256x1x1 float32
+                (1387266048, 6422528),  # 201: bn4f_branch2a_relu 32x256x14x14 float32
+                (1701969920, 6422528),  # 202: res4f_branch2b 32x256x14x14 float32
+                (1387266048, 1024),  # 203: bn4f_branch2b_sum 1x256x1x1 float32
+                (1727858688, 1024),  # 204: bn4f_branch2b_sum_of_squares 1x256x1x1 float32
+                (1727859712, 1024),  # 205: bn4f_branch2b_inv_std 1x256x1x1 float32
+                (1412956160, 6422528),  # 206: bn4f_branch2b_relu 32x256x14x14 float32
+                (1387266048, 25690112),  # 207: res4f_branch2c 32x1024x14x14 float32
+                (1412956160, 4096),  # 208: bn4f_branch2c_sum 1x1024x1x1 float32
+                (1727774720, 4096),  # 209: bn4f_branch2c_sum_of_squares 1x1024x1x1 float32
+                (1727778816, 4096),  # 210: bn4f_branch2c_inv_std 1x1024x1x1 float32
+                (1708392448, 3211264),  # 211: res5a_branch2a 32x512x7x7 float32
+                (1412956160, 2048),  # 212: bn5a_branch2a_sum 1x512x1x1 float32
+                (1727803392, 2048),  # 213: bn5a_branch2a_sum_of_squares 1x512x1x1 float32
+                (1727805440, 2048),  # 214: bn5a_branch2a_inv_std 1x512x1x1 float32
+                (1412956160, 3211264),  # 215: bn5a_branch2a_relu 32x512x7x7 float32
+                (1711603712, 3211264),  # 216: res5a_branch2b 32x512x7x7 float32
+                (1412956160, 2048),  # 217: bn5a_branch2b_sum 1x512x1x1 float32
+                (1727807488, 2048),  # 218: bn5a_branch2b_sum_of_squares 1x512x1x1 float32
+                (1727809536, 2048),  # 219: bn5a_branch2b_inv_std 1x512x1x1 float32
+                (1438646272, 3211264),  # 220: bn5a_branch2b_relu 32x512x7x7 float32
+                (1412956160, 12845056),  # 221: res5a_branch1 32x2048x7x7 float32
+                (1425801216, 8192),  # 222: bn5a_branch1_sum 1x2048x1x1 float32
+                (1727660032, 8192),  # 223: bn5a_branch1_sum_of_squares 1x2048x1x1 float32
+                (1727668224, 8192),  # 224: bn5a_branch1_inv_std 1x2048x1x1 float32
+                (1425801216, 12845056),  # 225: res5a_branch2c 32x2048x7x7 float32
+                (1438646272, 8192),  # 226: bn5a_branch2c_sum 1x2048x1x1 float32
+                (1727676416, 8192),  # 227: bn5a_branch2c_sum_of_squares 1x2048x1x1 float32
+                (1727684608, 8192),  # 228: bn5a_branch2c_inv_std 1x2048x1x1 float32
+                (1438646272, 12845056),  # 229: bn5a_branch2c_relu 32x2048x7x7 float32
+                (1714814976, 3211264),  # 230: res5b_branch2a 32x512x7x7 float32
+                (1451491328, 2048),  # 231: bn5b_branch2a_sum 1x512x1x1 float32
+                (1727811584, 2048),  # 232: bn5b_branch2a_sum_of_squares 1x512x1x1 float32
+                (1727813632, 2048),  # 233: bn5b_branch2a_inv_std 1x512x1x1 float32
+                (1451491328, 3211264),  # 234: bn5b_branch2a_relu 32x512x7x7 float32
+                (1718026240, 3211264),  # 235: res5b_branch2b 32x512x7x7 float32
+                (1451491328, 2048),  # 236: bn5b_branch2b_sum 1x512x1x1 float32
+                (1727815680, 2048),  # 237: bn5b_branch2b_sum_of_squares 1x512x1x1 float32
+                (1727817728, 2048),  # 238: bn5b_branch2b_inv_std 1x512x1x1 float32
+                (1586364416, 3211264),  # 239: bn5b_branch2b_relu 32x512x7x7 float32
+                (1451491328, 12845056),  # 240: res5b_branch2c 32x2048x7x7 float32
+                (1586364416, 8192),  # 241: bn5b_branch2c_sum 1x2048x1x1 float32
+                (1727692800, 8192),  # 242: bn5b_branch2c_sum_of_squares 1x2048x1x1 float32
+                (1727700992, 8192),  # 243: bn5b_branch2c_inv_std 1x2048x1x1 float32
+                (1721237504, 3211264),  # 244: res5c_branch2a 32x512x7x7 float32
+                (1586364416, 2048),  # 245: bn5c_branch2a_sum 1x512x1x1 float32
+                (1727819776, 2048),  # 246: bn5c_branch2a_sum_of_squares 1x512x1x1 float32
+                (1727821824, 2048),  # 247: bn5c_branch2a_inv_std 1x512x1x1 float32
+                (1586364416, 3211264),  # 248: bn5c_branch2a_relu 32x512x7x7 float32
+                (1724448768, 3211264),  # 249: res5c_branch2b 32x512x7x7 float32
+                (1586364416, 2048),  # 250: bn5c_branch2b_sum 1x512x1x1 float32
+                (1727823872, 2048),  # 251: bn5c_branch2b_sum_of_squares 1x512x1x1 float32
+                (1727825920, 2048),  # 252: bn5c_branch2b_inv_std 1x512x1x1 float32
+                (1599209472, 3211264),  # 253: bn5c_branch2b_relu 32x512x7x7 float32
+                (1586364416, 12845056),  # 254: res5c_branch2c 32x2048x7x7 float32
+                (1599209472, 8192),  # 255: bn5c_branch2c_sum 1x2048x1x1 float32
+                (1727709184, 8192),  # 256: bn5c_branch2c_sum_of_squares 1x2048x1x1 float32
+                (1727717376, 8192),  # 257: bn5c_branch2c_inv_std 1x2048x1x1 float32
+                (1599209472, 12845056),  # 258: bn5c_branch2c_relu 32x2048x7x7 float32
+                (1612054528, 262144),  # 259: bn5c_branch2c_avg_pool 32x2048x1x1 float32
+                (1599209472, 128000),  # 260: fc1000_matmul 32x1000 float32
+                (1599337472, 128),  # 261: fc1000_cross_entropy_pick 32 float32
+                (1727872512, 4),  # 262: fc1000_cross_entropy_sum_to scalar float32
+                (1599209472, 4000),  # 263: d_fc1000_B 1000 float32
+                (1612316672, 262144),  # 264: d_bn5c_branch2c_flatten 32x2048 float32
+                (1599209472, 8192000),  # 265: d_fc1000_W 1000x2048 float32
+                (1599209472, 12845056),  # 266: d_bn5c_branch2c_relu 32x2048x7x7 float32
+                (1612054528, 12845056),  # 267: bn5c_branch2c_relu_2 32x2048x7x7 float32
+                (1612054528, 8192),  # 268: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
+                (1612062720, 8192),  # 269: d_bn5c_branch2c_weight 1x2048x1x1 float32
+                (1612054528, 8192),  # 270: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
+                (1612054528, 8192),  # 271: d_bn5c_branch2c_bias 1x2048x1x1 float32
+                (1616248832, 3211264),  # 272: d_bn5c_branch2b_relu 32x512x7x7 float32
+                (1619460096, 3211264),  # 273: bn5c_branch2b_relu_2 32x512x7x7 float32
+                (1612054528, 4194304),  # 274: d_res5c_branch2c_W 2048x512x1x1 float32
+                (1586364416, 2048),  # 275: d_bn5c_branch2b_inv_std 1x512x1x1 float32
+                (1586366464, 2048),  # 276: d_bn5c_branch2b_weight 1x512x1x1 float32
+                (1586364416, 2048),  # 277: d_bn5c_branch2b_bias 1x512x1x1 float32
+                (1586364416, 2048),  # 278: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
+                (1586364416, 3211264),  # 279: d_bn5c_branch2a_relu 32x512x7x7 float32
+                (1595801600, 3211264),  # 280: bn5c_branch2a_relu_2 32x512x7x7 float32
+                (1589575680, 2048),  # 281: d_bn5c_branch2a_inv_std 1x512x1x1 float32
+                (1589577728, 2048),  # 282: d_bn5c_branch2a_weight 1x512x1x1 float32
+                (1589575680, 2048),  # 283: d_bn5c_branch2a_bias 1x512x1x1 float32
+                (1586364416, 2048),  # 284: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
+                (1586364416, 9437184),  # 285: d_res5c_branch2b_W 512x512x3x3 float32
+                (1586364416, 4194304),  # 286: d_res5c_branch2a_W 512x2048x1x1 float32
+                (1586364416, 12845056),  # 287: d_bn5b_branch2c_relu 32x2048x7x7 float32
+                (1438646272, 8192),  # 288: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
+                (1438654464, 8192),  # 289: d_bn5b_branch2c_weight 1x2048x1x1 float32
+                (1438646272, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
+                (1438646272, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
+                (1442840576, 3211264),  # 292: d_bn5b_branch2b_relu 32x512x7x7 float32
+                (1446051840, 3211264),  # 293: bn5b_branch2b_relu_2 32x512x7x7 float32
+                (1438646272, 4194304),  # 294: d_res5b_branch2c_W 2048x512x1x1 float32
+                (1438646272, 2048),  # 295: d_bn5b_branch2b_inv_std 1x512x1x1 float32
+                (1438648320, 2048),  # 296: d_bn5b_branch2b_weight 1x512x1x1 float32
+                (1438646272, 2048),  # 297: d_bn5b_branch2b_bias 1x512x1x1 float32
+                (1438646272, 2048),  # 298: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
+                (1438646272, 3211264),  # 299: d_bn5b_branch2a_relu 32x512x7x7 float32
+                (1448083456, 3211264),  # 300: bn5b_branch2a_relu_2 32x512x7x7 float32
+                (1441857536, 2048),  # 301: d_bn5b_branch2a_inv_std 1x512x1x1 float32
+                (1441859584, 2048),  # 302: d_bn5b_branch2a_weight 1x512x1x1 float32
+                (1441857536, 2048),  # 303: d_bn5b_branch2a_bias 1x512x1x1 float32
+                (1438646272, 2048),  # 304: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
+                (1438646272, 9437184),  # 305: d_res5b_branch2b_W 512x512x3x3 float32
+                (1438646272, 12845056),  # 306: bn5a_branch2c_relu_2 32x2048x7x7 float32
+                (1451491328, 4194304),  # 307: d_res5b_branch2a_W 512x2048x1x1 float32
+                (1451491328, 12845056),  # 308: d_bn5a_branch2c_relu 32x2048x7x7 float32
+                (1438646272, 8192),  # 309: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
+                (1438654464, 8192),  # 310: d_bn5a_branch1_inv_std 1x2048x1x1 float32
+                (1438662656, 8192),  # 311: d_bn5a_branch2c_weight 1x2048x1x1 float32
+                (1438646272, 8192),  # 312: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
+                (1438646272, 8192),  # 313: d_bn5a_branch1_bias 1x2048x1x1 float32
+                (1438646272, 8192),  # 314: d_bn5a_branch1_weight 1x2048x1x1 float32
+                (1412956160, 8192),  # 315: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
+                (1417150464, 3211264),  # 316: d_bn5a_branch2b_relu 32x512x7x7 float32
+                (1420361728, 3211264),  # 317: bn5a_branch2b_relu_2 32x512x7x7 float32
+                (1412956160, 4194304),  # 318: d_res5a_branch2c_W 2048x512x1x1 float32
+                (1412956160, 2048),  # 319: d_bn5a_branch2b_inv_std 1x512x1x1 float32
+                (1412958208, 2048),  # 320: d_bn5a_branch2b_weight 1x512x1x1 float32
+                (1412956160, 2048),  # 321: d_bn5a_branch2b_bias 1x512x1x1 float32
+                (1412956160, 2048),  # 322: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
+                (1412956160, 3211264),  # 323: d_bn5a_branch2a_relu 32x512x7x7 float32
+                (1422393344, 3211264),  # 324: bn5a_branch2a_relu_2 32x512x7x7 float32
+                (1416167424, 2048),  # 325: d_bn5a_branch2a_inv_std 1x512x1x1 float32
+                (1416169472, 2048),  # 326: d_bn5a_branch2a_weight 1x512x1x1 float32
+                (1416167424, 2048),  # 327: d_bn5a_branch2a_bias 1x512x1x1 float32
+                (1412956160, 2048),  # 328: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
+                (1412956160, 2097152),  # 329: d_res5a_branch2a_W 512x1024x1x1 float32
+                (1412956160, 9437184),  # 330: d_res5a_branch2b_W 512x512x3x3 float32
+                (1412956160, 8388608),  # 331: d_res5a_branch1_W 2048x1024x1x1 float32
+                (1412956160, 25690112),  # 332: d_bn4f_branch2c_relu 32x1024x14x14 float32
+                (1438646272, 25690112),  # 333: d_bn4f_branch2c_relu_2 32x1024x14x14 float32
+                (1361575936, 4096),  # 334: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
+                (1361580032, 4096),  # 335: d_bn4f_branch2c_weight 1x1024x1x1 float32
+                (1361575936, 4096),  # 336: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
+                (1361575936, 4096),  # 337: d_bn4f_branch2c_bias 1x1024x1x1 float32
+                (1361575936, 6422528),  # 338: bn4f_branch2b_relu_2 32x256x14x14 float32
+                (1374420992, 1048576),  # 339: d_res4f_branch2c_W 1024x256x1x1 float32
+                (1367998464, 6422528),  # 340: d_bn4f_branch2b_relu 32x256x14x14 float32
+                (1361575936, 1024),  # 341: d_bn4f_branch2b_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 342: d_bn4f_branch2b_weight 1x256x1x1 float32
+                (1361575936, 1024),  # 343: d_bn4f_branch2b_bias 1x256x1x1 float32
+                (1361575936, 1024),  # 344: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
+                (1361575936, 6422528),  # 345: bn4f_branch2a_relu_2 32x256x14x14 float32
+                (1367998464, 2359296),  # 346: d_res4f_branch2b_W 256x256x3x3 float32
+                (1367998464, 6422528),  # 347: d_bn4f_branch2a_relu 32x256x14x14 float32
+                (1361575936, 1024),  # 348: d_bn4f_branch2a_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 349: d_bn4f_branch2a_weight 1x256x1x1 float32
+                (1361575936, 1024),  # 350: d_bn4f_branch2a_bias 1x256x1x1 float32
+                (1361575936, 1024),  # 351: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
+                (1361575936, 25690112),  # 352: bn4e_branch2c_relu_2 32x1024x14x14 float32
+                (1387266048, 1048576),  # 353: d_res4f_branch2a_W 256x1024x1x1 float32
+                (1387266048, 25690112),  # 354: d_bn4e_branch2c_relu 32x1024x14x14 float32
+                (1361575936, 4096),  # 355: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
+                (1361580032, 4096),  # 356: d_bn4e_branch2c_weight 1x1024x1x1 float32
+                (1361575936, 4096),  # 357: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
+                (1361575936, 4096),  # 358: d_bn4e_branch2c_bias 1x1024x1x1 float32
+                (1361575936, 6422528),  # 359: bn4e_branch2b_relu_2 32x256x14x14 float32
+                (1374420992, 1048576),  # 360: d_res4e_branch2c_W 1024x256x1x1 float32
+                (1367998464, 6422528),  # 361: d_bn4e_branch2b_relu 32x256x14x14 float32
+                (1335885824, 1024),  # 362: d_bn4e_branch2b_inv_std 1x256x1x1 float32
+                (1335886848, 1024),  # 363: d_bn4e_branch2b_weight 1x256x1x1 float32
+                (1335885824, 1024),  # 364: d_bn4e_branch2b_bias 1x256x1x1 float32
+                (1335885824, 1024),  # 365: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
+                (1335885824, 6422528),  # 366: bn4e_branch2a_relu_2 32x256x14x14 float32
+                (1342308352, 2359296),  # 367: d_res4e_branch2b_W 256x256x3x3 float32
+                (1342308352, 6422528),  # 368: d_bn4e_branch2a_relu 32x256x14x14 float32
+                (1335885824, 1024),  # 369: d_bn4e_branch2a_inv_std 1x256x1x1 float32
+                (1335886848, 1024),  # 370: d_bn4e_branch2a_weight 1x256x1x1 float32
+                (1335885824, 1024),  # 371: d_bn4e_branch2a_bias 1x256x1x1 float32
+                (1335885824, 1024),  # 372: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
+                (1335885824, 1048576),  # 373: d_res4e_branch2a_W 256x1024x1x1 float32
+                (1335885824, 25690112),  # 374: d_bn4d_branch2c_relu 32x1024x14x14 float32
+                (1284505600, 4096),  # 375: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
+                (1284509696, 4096),  # 376: d_bn4d_branch2c_weight 1x1024x1x1 float32
+                (1284505600, 4096),  # 377: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
+                (1284505600, 4096),  # 378: d_bn4d_branch2c_bias 1x1024x1x1 float32
+                (1284505600, 6422528),  # 379: bn4d_branch2b_relu_2 32x256x14x14 float32
+                (1297350656, 1048576),  # 380: d_res4d_branch2c_W 1024x256x1x1 float32
+                (1290928128, 6422528),  # 381: d_bn4d_branch2b_relu 32x256x14x14 float32
+                (1284505600, 1024),  # 382: d_bn4d_branch2b_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 383: d_bn4d_branch2b_weight 1x256x1x1 float32
+                (1284505600, 1024),  # 384: d_bn4d_branch2b_bias 1x256x1x1 float32
+                (1284505600, 1024),  # 385: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
+                (1284505600, 6422528),  # 386: bn4d_branch2a_relu_2 32x256x14x14 float32
+                (1290928128, 2359296),  # 387: d_res4d_branch2b_W 256x256x3x3 float32
+                (1290928128, 6422528),  # 388: d_bn4d_branch2a_relu 32x256x14x14 float32
+                (1284505600, 1024),  # 389: d_bn4d_branch2a_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 390: d_bn4d_branch2a_weight 1x256x1x1 float32
+                (1284505600, 1024),  # 391: d_bn4d_branch2a_bias 1x256x1x1 float32
+                (1284505600, 1024),  # 392: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
+                (1284505600, 25690112),  # 393: bn4c_branch2c_relu_2 32x1024x14x14 float32
+                (1310195712, 1048576),  # 394: d_res4d_branch2a_W 256x1024x1x1 float32
+                (1310195712, 25690112),  # 395: d_bn4c_branch2c_relu 32x1024x14x14 float32
+                (1284505600, 4096),  # 396: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
+                (1284509696, 4096),  # 397: d_bn4c_branch2c_weight 1x1024x1x1 float32
+                (1284505600, 4096),  # 398: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
+                (1284505600, 4096),  # 399: d_bn4c_branch2c_bias 1x1024x1x1 float32
+                (1284505600, 6422528),  # 400: bn4c_branch2b_relu_2 32x256x14x14 float32
+                (1297350656, 1048576),  # 401: d_res4c_branch2c_W 1024x256x1x1 float32
+                (1290928128, 6422528),  # 402: d_bn4c_branch2b_relu 32x256x14x14 float32
+                (1258815488, 1024),  # 403: d_bn4c_branch2b_inv_std 1x256x1x1 float32
+                (1258816512, 1024),  # 404: d_bn4c_branch2b_weight 1x256x1x1 float32
+                (1258815488, 1024),  # 405: d_bn4c_branch2b_bias 1x256x1x1 float32
+                (1258815488, 1024),  # 406: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
+                (1258815488, 6422528),  # 407: bn4c_branch2a_relu_2 32x256x14x14 float32
+                (1265238016, 2359296),  # 408: d_res4c_branch2b_W 256x256x3x3 float32
+                (1265238016, 6422528),  # 409: d_bn4c_branch2a_relu 32x256x14x14 float32
+                (1258815488, 1024),  # 410: d_bn4c_branch2a_inv_std 1x256x1x1 float32
+                (1258816512, 1024),  # 411: d_bn4c_branch2a_weight 1x256x1x1 float32
+                (1258815488, 1024),  # 412: d_bn4c_branch2a_bias 1x256x1x1 float32
+                (1258815488, 1024),  # 413: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
+                (1258815488, 1048576),  # 414: d_res4c_branch2a_W 256x1024x1x1 float32
+                (1258815488, 25690112),  # 415: d_bn4b_branch2c_relu 32x1024x14x14 float32
+                (1027604480, 4096),  # 416: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
+                (1027608576, 4096),  # 417: d_bn4b_branch2c_weight 1x1024x1x1 float32
+                (1027604480, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
+                (1027604480, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
+                (1027604480, 6422528),  # 420: bn4b_branch2b_relu_2 32x256x14x14 float32
+                (1040449536, 1048576),  # 421: d_res4b_branch2c_W 1024x256x1x1 float32
+                (1034027008, 6422528),  # 422: d_bn4b_branch2b_relu 32x256x14x14 float32
+                (1027604480, 1024),  # 423: d_bn4b_branch2b_inv_std 1x256x1x1 float32
+                (1027605504, 1024),  # 424: d_bn4b_branch2b_weight 1x256x1x1 float32
+                (1027604480, 1024),  # 425: d_bn4b_branch2b_bias 1x256x1x1 float32
+                (1027604480, 1024),  # 426: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
+                (1027604480, 6422528),  # 427: bn4b_branch2a_relu_2 32x256x14x14 float32
+                (1034027008, 2359296),  # 428: d_res4b_branch2b_W 256x256x3x3 float32
+                (1034027008, 6422528),  # 429: d_bn4b_branch2a_relu 32x256x14x14 float32
+                (1027604480, 1024),  # 430: d_bn4b_branch2a_inv_std 1x256x1x1 float32
+                (1027605504, 1024),  # 431: d_bn4b_branch2a_weight 1x256x1x1 float32
+                (1027604480, 1024),  # 432: d_bn4b_branch2a_bias 1x256x1x1 float32
+                (1027604480, 1024),  # 433: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
+                (1027604480, 25690112),  # 434: bn4a_branch2c_relu_2 32x1024x14x14 float32
+                (1053294592, 1048576),  # 435: d_res4b_branch2a_W 256x1024x1x1 float32
+                (1053294592, 25690112),  # 436: d_bn4a_branch2c_relu 32x1024x14x14 float32
+                (1027604480, 4096),  # 437: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
+                (1027608576, 4096),  # 438: d_bn4a_branch1_inv_std 1x1024x1x1 float32
+                (1027612672, 4096),  # 439: d_bn4a_branch2c_weight 1x1024x1x1 float32
+                (1027604480, 4096),  # 440: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
+                (1027604480, 4096),  # 441: d_bn4a_branch1_bias 1x1024x1x1 float32
+                (1027604480, 4096),  # 442: d_bn4a_branch1_weight 1x1024x1x1 float32
+                (976224256, 4096),  # 443: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
+                (976224256, 6422528),  # 444: bn4a_branch2b_relu_2 32x256x14x14 float32
+                (989069312, 1048576),  # 445: d_res4a_branch2c_W 1024x256x1x1 float32
+                (982646784, 6422528),  # 446: d_bn4a_branch2b_relu 32x256x14x14 float32
+                (976224256, 1024),  # 447: d_bn4a_branch2b_inv_std 1x256x1x1 float32
+                (976225280, 1024),  # 448: d_bn4a_branch2b_weight 1x256x1x1 float32
+                (976224256, 1024),  # 449: d_bn4a_branch2b_bias 1x256x1x1 float32
+                (976224256, 1024),  # 450: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
+                (976224256, 2097152),  # 451: d_res4a_branch1_W 1024x512x1x1 float32
+                (976224256, 6422528),  # 452: bn4a_branch2a_relu_2 32x256x14x14 float32
+                (982646784, 2359296),  # 453: d_res4a_branch2b_W 256x256x3x3 float32
+                (982646784, 6422528),  # 454: d_bn4a_branch2a_relu 32x256x14x14 float32
+                (976224256, 1024),  # 455: d_bn4a_branch2a_inv_std 1x256x1x1 float32
+                (976225280, 1024),  # 456: d_bn4a_branch2a_weight 1x256x1x1 float32
+                (976224256, 1024),  # 457: d_bn4a_branch2a_bias 1x256x1x1 float32
+                (976224256, 1024),  # 458: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
+                (976224256, 524288),  # 459: d_res4a_branch2a_W 256x512x1x1 float32
+                (976224256, 51380224),  # 460: d_bn3d_branch2c_relu 32x512x28x28 float32
+                (1027604480, 51380224),  # 461: d_bn3d_branch2c_relu_2 32x512x28x28 float32
+                (873463808, 2048),  # 462: d_bn3d_branch2c_inv_std 1x512x1x1 float32
+                (873465856, 2048),  # 463: d_bn3d_branch2c_weight 1x512x1x1 float32
+                (873463808, 2048),  # 464: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
+                (873463808, 2048),  # 465: d_bn3d_branch2c_bias 1x512x1x1 float32
+                (873463808, 12845056),  # 466: bn3d_branch2b_relu_2 32x128x28x28 float32
+                (899153920, 262144),  # 467: d_res3d_branch2c_W 512x128x1x1 float32
+                (886308864, 12845056),  # 468: d_bn3d_branch2b_relu 32x128x28x28 float32
+                (873463808, 512),  # 469: d_bn3d_branch2b_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 470: d_bn3d_branch2b_weight 1x128x1x1 float32
+                (873463808, 512),  # 471: d_bn3d_branch2b_bias 1x128x1x1 float32
+                (873463808, 512),  # 472: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
+                (873463808, 12845056),  # 473: bn3d_branch2a_relu_2 32x128x28x28 float32
+                (886308864, 589824),  # 474: d_res3d_branch2b_W 128x128x3x3 float32
+                (886308864, 12845056),  # 475: d_bn3d_branch2a_relu 32x128x28x28 float32
+                (873463808, 512),  # 476: d_bn3d_branch2a_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 477: d_bn3d_branch2a_weight 1x128x1x1 float32
+                (873463808, 512),  # 478: d_bn3d_branch2a_bias 1x128x1x1 float32
+                (873463808, 512),  # 479: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
+                (873463808, 51380224),  # 480: bn3c_branch2c_relu_2 32x512x28x28 float32
+                (924844032, 262144),  # 481: d_res3d_branch2a_W 128x512x1x1 float32
+                (924844032, 51380224),  # 482: d_bn3c_branch2c_relu 32x512x28x28 float32
+                (873463808, 2048),  # 483: d_bn3c_branch2c_inv_std 1x512x1x1 float32
+                (873465856, 2048),  # 484: d_bn3c_branch2c_weight 1x512x1x1 float32
+                (873463808, 2048),  # 485: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
+                (873463808, 2048),  # 486: d_bn3c_branch2c_bias 1x512x1x1 float32
+                (873463808, 12845056),  # 487: bn3c_branch2b_relu_2 32x128x28x28 float32
+                (899153920, 262144),  # 488: d_res3c_branch2c_W 512x128x1x1 float32
+                (886308864, 12845056),  # 489: d_bn3c_branch2b_relu 32x128x28x28 float32
+                (822083584, 512),  # 490: d_bn3c_branch2b_inv_std 1x128x1x1 float32
+                (822084096, 512),  # 491: d_bn3c_branch2b_weight 1x128x1x1 float32
+                (822083584, 512),  # 492: d_bn3c_branch2b_bias 1x128x1x1 float32
+                (822083584, 512),  # 493: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
+                (822083584, 12845056),  # 494: bn3c_branch2a_relu_2 32x128x28x28 float32
+                (834928640, 589824),  # 495: d_res3c_branch2b_W 128x128x3x3 float32
+                (834928640, 12845056),  # 496: d_bn3c_branch2a_relu 32x128x28x28 float32
+                (822083584, 512),  # 497: d_bn3c_branch2a_inv_std 1x128x1x1 float32
+                (822084096, 512),  # 498: d_bn3c_branch2a_weight 1x128x1x1 float32
+                (822083584, 512),  # 499: d_bn3c_branch2a_bias 1x128x1x1 float32
+                (822083584, 512),  # 500: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
+                (822083584, 262144),  # 501: d_res3c_branch2a_W 128x512x1x1 float32
+                (822083584, 51380224),  # 502: d_bn3b_branch2c_relu 32x512x28x28 float32
+                (667942912, 2048),  # 503: d_bn3b_branch2c_inv_std 1x512x1x1 float32
+                (667944960, 2048),  # 504: d_bn3b_branch2c_weight 1x512x1x1 float32
+                (667942912, 2048),  # 505: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
+                (667942912, 2048),  # 506: d_bn3b_branch2c_bias 1x512x1x1 float32
+                (667942912, 12845056),  # 507: bn3b_branch2b_relu_2 32x128x28x28 float32
+                (693633024, 262144),  # 508: d_res3b_branch2c_W 512x128x1x1 float32
+                (680787968, 12845056),  # 509: d_bn3b_branch2b_relu 32x128x28x28 float32
+                (667942912, 512),  # 510: d_bn3b_branch2b_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 511: d_bn3b_branch2b_weight 1x128x1x1 float32
+                (667942912, 512),  # 512: d_bn3b_branch2b_bias 1x128x1x1 float32
+                (667942912, 512),  # 513: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
+                (667942912, 12845056),  # 514: bn3b_branch2a_relu_2 32x128x28x28 float32
+                (680787968, 589824),  # 515: d_res3b_branch2b_W 128x128x3x3 float32
+                (680787968, 12845056),  # 516: d_bn3b_branch2a_relu 32x128x28x28 float32
+                (667942912, 512),  # 517: d_bn3b_branch2a_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 518: d_bn3b_branch2a_weight 1x128x1x1 float32
+                (667942912, 512),  # 519: d_bn3b_branch2a_bias 1x128x1x1 float32
+                (667942912, 512),  # 520: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
+                (667942912, 51380224),  # 521: bn3a_branch2c_relu_2 32x512x28x28 float32
+                (770703360, 262144),  # 522: d_res3b_branch2a_W 128x512x1x1 float32
+                (770703360, 51380224),  # 523: d_bn3a_branch2c_relu 32x512x28x28 float32
+                (667942912, 2048),  # 524: d_bn3a_branch2c_inv_std 1x512x1x1 float32
+                (667944960, 2048),  # 525: d_bn3a_branch1_inv_std 1x512x1x1 float32
+                (667947008, 2048),  # 526: d_bn3a_branch2c_weight 1x512x1x1 float32
+                (667942912, 2048),  # 527: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
+                (667942912, 2048),  # 528: d_bn3a_branch1_bias 1x512x1x1 float32
+                (667942912, 2048),  # 529: d_bn3a_branch1_weight 1x512x1x1 float32
+                (667942912, 2048),  # 530: d_bn3a_branch1_batch_mean 1x512x1x1 float32
+                (667942912, 12845056),  # 531: bn3a_branch2b_relu_2 32x128x28x28 float32
+                (693633024, 262144),  # 532: d_res3a_branch2c_W 512x128x1x1 float32
+                (680787968, 12845056),  # 533: d_bn3a_branch2b_relu 32x128x28x28 float32
+                (616562688, 512),  # 534: d_bn3a_branch2b_inv_std 1x128x1x1 float32
+                (616563200, 512),  # 535: d_bn3a_branch2b_weight 1x128x1x1 float32
+                (616562688, 512),  # 536: d_bn3a_branch2b_bias 1x128x1x1 float32
+                (616562688, 512),  # 537: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
+                (616562688, 102760448),  # 538: bn2c_branch2c_relu_2 32x256x56x56 float32
+                (719323136, 524288),  # 539: d_res3a_branch1_W 512x256x1x1 float32
+                (719323136, 12845056),  # 540: bn3a_branch2a_relu_2 32x128x28x28 float32
+                (732168192, 589824),  # 541: d_res3a_branch2b_W 128x128x3x3 float32
+                (732168192, 12845056),  # 542: d_bn3a_branch2a_relu 32x128x28x28 float32
+                (719323136, 512),  # 543: d_bn3a_branch2a_inv_std 1x128x1x1 float32
+                (719323648, 512),  # 544: d_bn3a_branch2a_weight 1x128x1x1 float32
+                (719323136, 512),  # 545: d_bn3a_branch2a_bias 1x128x1x1 float32
+                (719323136, 512),  # 546: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
+                (719323136, 131072),  # 547: d_res3a_branch2a_W 128x256x1x1 float32
+                (719323136, 102760448),  # 548: d_bn2c_branch2c_relu 32x256x56x56 float32
+                (822083584, 102760448),  # 549: d_bn2c_branch2c_relu_2 32x256x56x56 float32
+                (616562688, 1024),  # 550: d_bn2c_branch2c_inv_std 1x256x1x1 float32
+                (616563712, 1024),  # 551: d_bn2c_branch2c_weight 1x256x1x1 float32
+                (616562688, 1024),  # 552: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
+                (616562688, 1024),  # 553: d_bn2c_branch2c_bias 1x256x1x1 float32
+                (616562688, 25690112),  # 554: bn2c_branch2b_relu_2 32x64x56x56 float32
+                (667942912, 65536),  # 555: d_res2c_branch2c_W 256x64x1x1 float32
+                (642252800, 25690112),  # 556: d_bn2c_branch2b_relu 32x64x56x56 float32
+                (513802240, 256),  # 557: d_bn2c_branch2b_inv_std 1x64x1x1 float32
+                (513802496, 256),  # 558: d_bn2c_branch2b_weight 1x64x1x1 float32
+                (513802240, 256),  # 559: d_bn2c_branch2b_bias 1x64x1x1 float32
+                (513802240, 256),  # 560: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
+                (513802240, 25690112),  # 561: bn2c_branch2a_relu_2 32x64x56x56 float32
+                (539492352, 147456),  # 562: d_res2c_branch2b_W 64x64x3x3 float32
+                (539492352, 25690112),  # 563: d_bn2c_branch2a_relu 32x64x56x56 float32
+                (513802240, 256),  # 564: d_bn2c_branch2a_inv_std 1x64x1x1 float32
+                (513802496, 256),  # 565: d_bn2c_branch2a_weight 1x64x1x1 float32
+                (513802240, 256),  # 566: d_bn2c_branch2a_bias 1x64x1x1 float32
+                (513802240, 256),  # 567: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
+                (513802240, 65536),  # 568: d_res2c_branch2a_W 64x256x1x1 float32
+                (513802240, 102760448),  # 569: d_bn2b_branch2c_relu 32x256x56x56 float32
+                (308281344, 1024),  # 570: d_bn2b_branch2c_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 571: d_bn2b_branch2c_weight 1x256x1x1 float32
+                (308281344, 1024),  # 572: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
+                (308281344, 1024),  # 573: d_bn2b_branch2c_bias 1x256x1x1 float32
+                (308281344, 25690112),  # 574: bn2b_branch2b_relu_2 32x64x56x56 float32
+                (359661568, 65536),  # 575: d_res2b_branch2c_W 256x64x1x1 float32
+                (333971456, 25690112),  # 576: d_bn2b_branch2b_relu 32x64x56x56 float32
+                (308281344, 256),  # 577: d_bn2b_branch2b_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 578: d_bn2b_branch2b_weight 1x64x1x1 float32
+                (308281344, 256),  # 579: d_bn2b_branch2b_bias 1x64x1x1 float32
+                (308281344, 256),  # 580: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
+                (308281344, 25690112),  # 581: bn2b_branch2a_relu_2 32x64x56x56 float32
+                (333971456, 147456),  # 582: d_res2b_branch2b_W 64x64x3x3 float32
+                (333971456, 25690112),  # 583: d_bn2b_branch2a_relu 32x64x56x56 float32
+                (308281344, 256),  # 584: d_bn2b_branch2a_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 585: d_bn2b_branch2a_weight 1x64x1x1 float32
+                (308281344, 256),  # 586: d_bn2b_branch2a_bias 1x64x1x1 float32
+                (308281344, 256),  # 587: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
+                (308281344, 102760448),  # 588: bn2a_branch2c_relu_2 32x256x56x56 float32
+                (411041792, 65536),  # 589: d_res2b_branch2a_W 64x256x1x1 float32
+                (411041792, 102760448),  # 590: d_bn2a_branch2c_relu 32x256x56x56 float32
+                (308281344, 1024),  # 591: d_bn2a_branch2c_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 592: d_bn2a_branch1_inv_std 1x256x1x1 float32
+                (308283392, 1024),  # 593: d_bn2a_branch2c_weight 1x256x1x1 float32
+                (308281344, 1024),  # 594: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
+                (308281344, 1024),  # 595: d_bn2a_branch1_bias 1x256x1x1 float32
+                (308281344, 1024),  # 596: d_bn2a_branch1_weight 1x256x1x1 float32
+                (102760448, 1024),  # 597: d_bn2a_branch1_batch_mean 1x256x1x1 float32
+                (102760448, 25690112),  # 598: bn2a_branch2b_relu_2 32x64x56x56 float32
+                (154140672, 65536),  # 599: d_res2a_branch2c_W 256x64x1x1 float32
+                (128450560, 25690112),  # 600: d_bn2a_branch2b_relu 32x64x56x56 float32
+                (102760448, 256),  # 601: d_bn2a_branch2b_inv_std 1x64x1x1 float32
+                (102760704, 256),  # 602: d_bn2a_branch2b_weight 1x64x1x1 float32
+                (102760448, 256),  # 603: d_bn2a_branch2b_bias 1x64x1x1 float32
+                (102760448, 256),  # 604: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
+                (102760448, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
+                (205520896, 25690112),  # 606: d_bn_conv1_max_pool 32x64x56x56 float32
+                (102760448, 25690112),  # 607: bn2a_branch2a_relu_2 32x64x56x56 float32
+                (128450560, 147456),  # 608: d_res2a_branch2b_W 64x64x3x3 float32
+                (128450560, 25690112),  # 609: d_bn2a_branch2a_relu 32x64x56x56 float32
+                (102760448, 256),  # 610: d_bn2a_branch2a_inv_std 1x64x1x1 float32
+                (102760704, 256),  # 611: d_bn2a_branch2a_weight 1x64x1x1 float32
+                (102760448, 256),  # 612: d_bn2a_branch2a_bias 1x64x1x1 float32
+                (102760448, 256),  # 613: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
+                (102760448, 16384),  # 614: d_res2a_branch2a_W 64x64x1x1 float32
+                (102760448, 25690112),  # 615: d_bn_conv1_max_pool_2 32x64x56x56 float32
+                (231211008, 25690112),  # 616: d_bn_conv1_centered 32x64x56x56 float32
+                (102760448, 102760448),  # 617: d_bn_conv1_relu_max_pool_bwd 32x64x112x112 float32
+                (205520896, 256),  # 618: d_bn_conv1_weight 1x64x1x1 float32
+                (205520896, 256),  # 619: d_bn_conv1_inv_std 1x64x1x1 float32
+                (205521152, 256),  # 620: d_bn_conv1_bias 1x64x1x1 float32
+                (102760448, 102760448),  # 621: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
+                (0, 256),  # 622: d_bn_conv1_batch_mean 1x64x1x1 float32
+                (0, 37632),  # 623: d_conv1_W 64x3x7x7 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=231211264, peak_bytes=231211264, workspace_bytes=33095680, pool_bytes=353239296,
@@ -11849,16 +10360,10 @@ def ew_add_pow_mul(out, v0, v1):
 
 
 def ew_mul_add_2(out, v0, v1, v2, v3, v4):
-    """out = v0*v1*v2 + 2*v3*v4"""
-    np.multiply(v3, v4, out=out)
+    """out = v0*v1*v2 + 2*v3*v4   (out may be v4)"""
+    np.multiply(v4, v3, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
-
-
-def ew_mul_2(out, v0, v1, v2):
-    """out = v0*v1*v2   (out may be v1)"""
-    np.multiply(v1, v0, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_neg(out, v0):
@@ -11866,16 +10371,17 @@ def ew_neg(out, v0):
     np.negative(v0, out=out)
 
 
-def ew_mul_3(out, v0, v1, v2):
-    """out = v0*v1*v2   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-
-
 def ew_add_step_mul(out, v0, v1, v2):
     """out = (v0 + v1)*Heaviside(v2, 0)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.multiply(out, np.greater(v2, 0), out=out)
+
+
+def ew_mul_add_3(out, v0, v1, v2, v3, v4):
+    """out = v0*v1*v2 + 2*v3*v4   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
+    np.multiply(out, v2, out=out)
+    np.add(out, v3 * v4 * 2, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):
@@ -11902,7 +10408,7 @@ def ew_add_pow_mul_5(out, v0, v1):
     np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
 
 
-def ew_mul_add_3(out, v0, v1, v2):
+def ew_mul_add_4(out, v0, v1, v2):
     """out = v0 + 2*v1*v2   (out may be v0)"""
     np.add(v0, v1 * v2 * 2, out=out)
 

@@ -4,8 +4,8 @@ Source network: networks/resnet_mini.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
-Memory: peak 36.70 MB of tensors planned for the training step (15.05 MB testing); static arena 36.70 MB, pool 41.71 MB, workspace 31.97 MB
-Structure hash: b366e68273956604
+Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 36.70 MB, pool 40.46 MB, workspace 31.97 MB
+Structure hash: e09ef5400b39cd07
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -48,7 +48,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "b366e68273956604"
+    structure_hash = "e09ef5400b39cd07"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -182,15 +182,9 @@ class ResnetMini(rp.Model):
         # free conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         del conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         mem.free(4)
-        # conv1_bn_square = conv1_bn_centered**2
-        conv1_bn_square = mem.tensor(5, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_square, conv1_bn_square, conv1_bn_centered)
-        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_square)
-        conv1_bn_sum_of_squares = mem.tensor(6, (1, 16, 1, 1), 'float32')
-        rt.sum_to(conv1_bn_square, out=conv1_bn_sum_of_squares, shape=(1, 16, 1, 1))
-        # free conv1_bn_square
-        del conv1_bn_square
-        mem.free(5)
+        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_centered**2)
+        conv1_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_square, conv1_bn_sum_of_squares, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # conv1_bn_batch_var = conv1_bn_sum_of_squares/78400
         conv1_bn_batch_var = conv1_bn_sum_of_squares  # in place: over conv1_bn_sum_of_squares
         rt.ew(ew_scale, conv1_bn_batch_var, conv1_bn_sum_of_squares)
@@ -200,26 +194,26 @@ class ResnetMini(rp.Model):
         conv1_bn_var_new = T['conv1_bn_var']  # in place: the new conv1_bn_var
         rt.ew(ew_scale_add_2, conv1_bn_var_new, T['conv1_bn_var'], conv1_bn_batch_var_flat)
         # conv1_bn_inv_std = 1/sqrt(conv1_bn_batch_var + 1.0e-5)
-        conv1_bn_inv_std = mem.tensor(7, (1, 16, 1, 1), 'float32')
+        conv1_bn_inv_std = mem.tensor(6, (1, 16, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, conv1_bn_inv_std, conv1_bn_batch_var)
-        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
-        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
         # conv1_bn_weight = reshape[1x16x1x1](conv1_bn_W)
         conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
+        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
 
         # ---- conv1_bn_relu (relu), forward ----
         # conv1_bn_relu = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
-        conv1_bn_relu = mem.tensor(8, (100, 16, 28, 28), 'float32')
+        conv1_bn_relu = mem.tensor(7, (100, 16, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, conv1_bn_relu, conv1_bn_centered, conv1_bn_inv_std, conv1_bn_weight, conv1_bn_bias)
 
         # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
         # res2_a = conv2d[pad=1](conv1_bn_relu, res2_a_W)
-        res2_a = mem.tensor(9, (100, 16, 28, 28), 'float32')
+        res2_a = mem.tensor(8, (100, 16, 28, 28), 'float32')
         rt.conv2d(conv1_bn_relu, T['res2_a_W'], out=res2_a, pad=1, stride=1, workspace=mem.workspace(25459200))
 
         # ---- res2_a_bn (batch norm), forward ----
         # res2_a_bn_sum = sum_to[1x16x1x1](res2_a)
-        res2_a_bn_sum = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        res2_a_bn_sum = mem.tensor(9, (1, 16, 1, 1), 'float32')
         rt.sum_to(res2_a, out=res2_a_bn_sum, shape=(1, 16, 1, 1))
         # res2_a_bn_batch_mean = res2_a_bn_sum/78400
         res2_a_bn_batch_mean = res2_a_bn_sum  # in place: over res2_a_bn_sum
@@ -234,16 +228,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res2_a_bn_mean_new, T['res2_a_bn_mean'], res2_a_bn_batch_mean_flat)
         # free res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         del res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
-        mem.free(10)
-        # res2_a_bn_square = res2_a_bn_centered**2
-        res2_a_bn_square = mem.tensor(11, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_square, res2_a_bn_square, res2_a_bn_centered)
-        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_square)
-        res2_a_bn_sum_of_squares = mem.tensor(12, (1, 16, 1, 1), 'float32')
-        rt.sum_to(res2_a_bn_square, out=res2_a_bn_sum_of_squares, shape=(1, 16, 1, 1))
-        # free res2_a_bn_square
-        del res2_a_bn_square
-        mem.free(11)
+        mem.free(9)
+        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_centered**2)
+        res2_a_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res2_a_bn_sum_of_squares, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_a_bn_batch_var = res2_a_bn_sum_of_squares/78400
         res2_a_bn_batch_var = res2_a_bn_sum_of_squares  # in place: over res2_a_bn_sum_of_squares
         rt.ew(ew_scale, res2_a_bn_batch_var, res2_a_bn_sum_of_squares)
@@ -253,7 +241,7 @@ class ResnetMini(rp.Model):
         res2_a_bn_var_new = T['res2_a_bn_var']  # in place: the new res2_a_bn_var
         rt.ew(ew_scale_add_2, res2_a_bn_var_new, T['res2_a_bn_var'], res2_a_bn_batch_var_flat)
         # res2_a_bn_inv_std = 1/sqrt(res2_a_bn_batch_var + 1.0e-5)
-        res2_a_bn_inv_std = mem.tensor(13, (1, 16, 1, 1), 'float32')
+        res2_a_bn_inv_std = mem.tensor(11, (1, 16, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res2_a_bn_inv_std, res2_a_bn_batch_var)
         # res2_a_bn_bias = reshape[1x16x1x1](res2_a_bn_B)
         res2_a_bn_bias = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
@@ -262,20 +250,20 @@ class ResnetMini(rp.Model):
 
         # ---- res2_a_bn_relu (relu), forward ----
         # res2_a_bn_relu = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
-        res2_a_bn_relu = mem.tensor(14, (100, 16, 28, 28), 'float32')
+        res2_a_bn_relu = mem.tensor(12, (100, 16, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, res2_a_bn_relu, res2_a_bn_centered, res2_a_bn_inv_std, res2_a_bn_weight, res2_a_bn_bias)
 
         # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
         # res2_b = conv2d[pad=1](res2_a_bn_relu, res2_b_W)
-        res2_b = mem.tensor(15, (100, 16, 28, 28), 'float32')
+        res2_b = mem.tensor(13, (100, 16, 28, 28), 'float32')
         rt.conv2d(res2_a_bn_relu, T['res2_b_W'], out=res2_b, pad=1, stride=1, workspace=mem.workspace(25459200))
         # free res2_a_bn_relu
         del res2_a_bn_relu
-        mem.free(14)
+        mem.free(12)
 
         # ---- res2_b_bn (batch norm), forward ----
         # res2_b_bn_sum = sum_to[1x16x1x1](res2_b)
-        res2_b_bn_sum = mem.tensor(16, (1, 16, 1, 1), 'float32')
+        res2_b_bn_sum = mem.tensor(14, (1, 16, 1, 1), 'float32')
         rt.sum_to(res2_b, out=res2_b_bn_sum, shape=(1, 16, 1, 1))
         # res2_b_bn_batch_mean = res2_b_bn_sum/78400
         res2_b_bn_batch_mean = res2_b_bn_sum  # in place: over res2_b_bn_sum
@@ -290,16 +278,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res2_b_bn_mean_new, T['res2_b_bn_mean'], res2_b_bn_batch_mean_flat)
         # free res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         del res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
-        mem.free(16)
-        # res2_b_bn_square = res2_b_bn_centered**2
-        res2_b_bn_square = mem.tensor(17, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_square, res2_b_bn_square, res2_b_bn_centered)
-        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_square)
-        res2_b_bn_sum_of_squares = mem.tensor(18, (1, 16, 1, 1), 'float32')
-        rt.sum_to(res2_b_bn_square, out=res2_b_bn_sum_of_squares, shape=(1, 16, 1, 1))
-        # free res2_b_bn_square
-        del res2_b_bn_square
-        mem.free(17)
+        mem.free(14)
+        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_centered**2)
+        res2_b_bn_sum_of_squares = mem.tensor(15, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res2_b_bn_sum_of_squares, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_b_bn_batch_var = res2_b_bn_sum_of_squares/78400
         res2_b_bn_batch_var = res2_b_bn_sum_of_squares  # in place: over res2_b_bn_sum_of_squares
         rt.ew(ew_scale, res2_b_bn_batch_var, res2_b_bn_sum_of_squares)
@@ -309,7 +291,7 @@ class ResnetMini(rp.Model):
         res2_b_bn_var_new = T['res2_b_bn_var']  # in place: the new res2_b_bn_var
         rt.ew(ew_scale_add_2, res2_b_bn_var_new, T['res2_b_bn_var'], res2_b_bn_batch_var_flat)
         # res2_b_bn_inv_std = 1/sqrt(res2_b_bn_batch_var + 1.0e-5)
-        res2_b_bn_inv_std = mem.tensor(19, (1, 16, 1, 1), 'float32')
+        res2_b_bn_inv_std = mem.tensor(16, (1, 16, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res2_b_bn_inv_std, res2_b_bn_batch_var)
         # res2_b_bn_bias = reshape[1x16x1x1](res2_b_bn_B)
         res2_b_bn_bias = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
@@ -323,12 +305,12 @@ class ResnetMini(rp.Model):
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
         # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
-        res3_proj = mem.tensor(20, (100, 32, 14, 14), 'float32')
+        res3_proj = mem.tensor(17, (100, 32, 14, 14), 'float32')
         rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
 
         # ---- res3_proj_bn (batch norm), forward ----
         # res3_proj_bn_sum = sum_to[1x32x1x1](res3_proj)
-        res3_proj_bn_sum = mem.tensor(21, (1, 32, 1, 1), 'float32')
+        res3_proj_bn_sum = mem.tensor(18, (1, 32, 1, 1), 'float32')
         rt.sum_to(res3_proj, out=res3_proj_bn_sum, shape=(1, 32, 1, 1))
         # res3_proj_bn_batch_mean = res3_proj_bn_sum/19600
         res3_proj_bn_batch_mean = res3_proj_bn_sum  # in place: over res3_proj_bn_sum
@@ -343,16 +325,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res3_proj_bn_mean_new, T['res3_proj_bn_mean'], res3_proj_bn_batch_mean_flat)
         # free res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         del res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
-        mem.free(21)
-        # res3_proj_bn_square = res3_proj_bn_centered**2
-        res3_proj_bn_square = mem.tensor(22, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_square, res3_proj_bn_square, res3_proj_bn_centered)
-        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_square)
-        res3_proj_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
-        rt.sum_to(res3_proj_bn_square, out=res3_proj_bn_sum_of_squares, shape=(1, 32, 1, 1))
-        # free res3_proj_bn_square
-        del res3_proj_bn_square
-        mem.free(22)
+        mem.free(18)
+        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_centered**2)
+        res3_proj_bn_sum_of_squares = mem.tensor(19, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res3_proj_bn_sum_of_squares, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares/19600
         res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares  # in place: over res3_proj_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_proj_bn_batch_var, res3_proj_bn_sum_of_squares)
@@ -362,17 +338,17 @@ class ResnetMini(rp.Model):
         res3_proj_bn_var_new = T['res3_proj_bn_var']  # in place: the new res3_proj_bn_var
         rt.ew(ew_scale_add_3, res3_proj_bn_var_new, T['res3_proj_bn_var'], res3_proj_bn_batch_var_flat)
         # res3_proj_bn_inv_std = 1/sqrt(res3_proj_bn_batch_var + 1.0e-5)
-        res3_proj_bn_inv_std = mem.tensor(24, (1, 32, 1, 1), 'float32')
+        res3_proj_bn_inv_std = mem.tensor(20, (1, 32, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res3_proj_bn_inv_std, res3_proj_bn_batch_var)
 
         # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
         # res3_a = conv2d[pad=1,stride=2](res2_b_bn_relu, res3_a_W)
-        res3_a = mem.tensor(25, (100, 32, 14, 14), 'float32')
+        res3_a = mem.tensor(21, (100, 32, 14, 14), 'float32')
         rt.conv2d(res2_b_bn_relu, T['res3_a_W'], out=res3_a, pad=1, stride=2, workspace=mem.workspace(17049600))
 
         # ---- res3_a_bn (batch norm), forward ----
         # res3_a_bn_sum = sum_to[1x32x1x1](res3_a)
-        res3_a_bn_sum = mem.tensor(26, (1, 32, 1, 1), 'float32')
+        res3_a_bn_sum = mem.tensor(22, (1, 32, 1, 1), 'float32')
         rt.sum_to(res3_a, out=res3_a_bn_sum, shape=(1, 32, 1, 1))
         # res3_a_bn_batch_mean = res3_a_bn_sum/19600
         res3_a_bn_batch_mean = res3_a_bn_sum  # in place: over res3_a_bn_sum
@@ -387,16 +363,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res3_a_bn_mean_new, T['res3_a_bn_mean'], res3_a_bn_batch_mean_flat)
         # free res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         del res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
-        mem.free(26)
-        # res3_a_bn_square = res3_a_bn_centered**2
-        res3_a_bn_square = mem.tensor(27, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_square, res3_a_bn_square, res3_a_bn_centered)
-        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_square)
-        res3_a_bn_sum_of_squares = mem.tensor(28, (1, 32, 1, 1), 'float32')
-        rt.sum_to(res3_a_bn_square, out=res3_a_bn_sum_of_squares, shape=(1, 32, 1, 1))
-        # free res3_a_bn_square
-        del res3_a_bn_square
-        mem.free(27)
+        mem.free(22)
+        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_centered**2)
+        res3_a_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res3_a_bn_sum_of_squares, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_a_bn_batch_var = res3_a_bn_sum_of_squares/19600
         res3_a_bn_batch_var = res3_a_bn_sum_of_squares  # in place: over res3_a_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_a_bn_batch_var, res3_a_bn_sum_of_squares)
@@ -406,29 +376,29 @@ class ResnetMini(rp.Model):
         res3_a_bn_var_new = T['res3_a_bn_var']  # in place: the new res3_a_bn_var
         rt.ew(ew_scale_add_3, res3_a_bn_var_new, T['res3_a_bn_var'], res3_a_bn_batch_var_flat)
         # res3_a_bn_inv_std = 1/sqrt(res3_a_bn_batch_var + 1.0e-5)
-        res3_a_bn_inv_std = mem.tensor(29, (1, 32, 1, 1), 'float32')
+        res3_a_bn_inv_std = mem.tensor(24, (1, 32, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res3_a_bn_inv_std, res3_a_bn_batch_var)
-        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
-        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
         # res3_a_bn_bias = reshape[1x32x1x1](res3_a_bn_B)
         res3_a_bn_bias = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
+        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
+        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
 
         # ---- res3_a_bn_relu (relu), forward ----
         # res3_a_bn_relu = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
-        res3_a_bn_relu = mem.tensor(30, (100, 32, 14, 14), 'float32')
+        res3_a_bn_relu = mem.tensor(25, (100, 32, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu, res3_a_bn_relu, res3_a_bn_centered, res3_a_bn_inv_std, res3_a_bn_weight, res3_a_bn_bias)
 
         # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
         # res3_b = conv2d[pad=1](res3_a_bn_relu, res3_b_W)
-        res3_b = mem.tensor(31, (100, 32, 14, 14), 'float32')
+        res3_b = mem.tensor(26, (100, 32, 14, 14), 'float32')
         rt.conv2d(res3_a_bn_relu, T['res3_b_W'], out=res3_b, pad=1, stride=1, workspace=mem.workspace(25856000))
         # free res3_a_bn_relu
         del res3_a_bn_relu
-        mem.free(30)
+        mem.free(25)
 
         # ---- res3_b_bn (batch norm), forward ----
         # res3_b_bn_sum = sum_to[1x32x1x1](res3_b)
-        res3_b_bn_sum = mem.tensor(32, (1, 32, 1, 1), 'float32')
+        res3_b_bn_sum = mem.tensor(27, (1, 32, 1, 1), 'float32')
         rt.sum_to(res3_b, out=res3_b_bn_sum, shape=(1, 32, 1, 1))
         # res3_b_bn_batch_mean = res3_b_bn_sum/19600
         res3_b_bn_batch_mean = res3_b_bn_sum  # in place: over res3_b_bn_sum
@@ -443,16 +413,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res3_b_bn_mean_new, T['res3_b_bn_mean'], res3_b_bn_batch_mean_flat)
         # free res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         del res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
-        mem.free(32)
-        # res3_b_bn_square = res3_b_bn_centered**2
-        res3_b_bn_square = mem.tensor(33, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_square, res3_b_bn_square, res3_b_bn_centered)
-        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_square)
-        res3_b_bn_sum_of_squares = mem.tensor(34, (1, 32, 1, 1), 'float32')
-        rt.sum_to(res3_b_bn_square, out=res3_b_bn_sum_of_squares, shape=(1, 32, 1, 1))
-        # free res3_b_bn_square
-        del res3_b_bn_square
-        mem.free(33)
+        mem.free(27)
+        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_centered**2)
+        res3_b_bn_sum_of_squares = mem.tensor(28, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res3_b_bn_sum_of_squares, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_b_bn_batch_var = res3_b_bn_sum_of_squares/19600
         res3_b_bn_batch_var = res3_b_bn_sum_of_squares  # in place: over res3_b_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_b_bn_batch_var, res3_b_bn_sum_of_squares)
@@ -462,7 +426,7 @@ class ResnetMini(rp.Model):
         res3_b_bn_var_new = T['res3_b_bn_var']  # in place: the new res3_b_bn_var
         rt.ew(ew_scale_add_3, res3_b_bn_var_new, T['res3_b_bn_var'], res3_b_bn_batch_var_flat)
         # res3_b_bn_inv_std = 1/sqrt(res3_b_bn_batch_var + 1.0e-5)
-        res3_b_bn_inv_std = mem.tensor(35, (1, 32, 1, 1), 'float32')
+        res3_b_bn_inv_std = mem.tensor(29, (1, 32, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res3_b_bn_inv_std, res3_b_bn_batch_var)
 
         # ---- res3_proj_bn (batch norm), forward ----
@@ -479,17 +443,17 @@ class ResnetMini(rp.Model):
 
         # ---- res3_b_bn_relu (relu), forward ----
         # res3_b_bn_relu = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
-        res3_b_bn_relu = mem.tensor(36, (100, 32, 14, 14), 'float32')
+        res3_b_bn_relu = mem.tensor(30, (100, 32, 14, 14), 'float32')
         rt.ew(ew_mul_add_relu_3, res3_b_bn_relu, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn_centered, res3_proj_bn_inv_std, res3_proj_bn_weight, res3_proj_bn_bias)
 
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
         # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
-        res4_proj = mem.tensor(37, (100, 64, 7, 7), 'float32')
+        res4_proj = mem.tensor(31, (100, 64, 7, 7), 'float32')
         rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
 
         # ---- res4_proj_bn (batch norm), forward ----
         # res4_proj_bn_sum = sum_to[1x64x1x1](res4_proj)
-        res4_proj_bn_sum = mem.tensor(38, (1, 64, 1, 1), 'float32')
+        res4_proj_bn_sum = mem.tensor(32, (1, 64, 1, 1), 'float32')
         rt.sum_to(res4_proj, out=res4_proj_bn_sum, shape=(1, 64, 1, 1))
         # res4_proj_bn_batch_mean = res4_proj_bn_sum/4900
         res4_proj_bn_batch_mean = res4_proj_bn_sum  # in place: over res4_proj_bn_sum
@@ -504,16 +468,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res4_proj_bn_mean_new, T['res4_proj_bn_mean'], res4_proj_bn_batch_mean_flat)
         # free res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         del res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
-        mem.free(38)
-        # res4_proj_bn_square = res4_proj_bn_centered**2
-        res4_proj_bn_square = mem.tensor(39, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_square, res4_proj_bn_square, res4_proj_bn_centered)
-        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_square)
-        res4_proj_bn_sum_of_squares = mem.tensor(40, (1, 64, 1, 1), 'float32')
-        rt.sum_to(res4_proj_bn_square, out=res4_proj_bn_sum_of_squares, shape=(1, 64, 1, 1))
-        # free res4_proj_bn_square
-        del res4_proj_bn_square
-        mem.free(39)
+        mem.free(32)
+        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_centered**2)
+        res4_proj_bn_sum_of_squares = mem.tensor(33, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res4_proj_bn_sum_of_squares, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares/4900
         res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares  # in place: over res4_proj_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_proj_bn_batch_var, res4_proj_bn_sum_of_squares)
@@ -523,20 +481,20 @@ class ResnetMini(rp.Model):
         res4_proj_bn_var_new = T['res4_proj_bn_var']  # in place: the new res4_proj_bn_var
         rt.ew(ew_scale_add_4, res4_proj_bn_var_new, T['res4_proj_bn_var'], res4_proj_bn_batch_var_flat)
         # res4_proj_bn_inv_std = 1/sqrt(res4_proj_bn_batch_var + 1.0e-5)
-        res4_proj_bn_inv_std = mem.tensor(41, (1, 64, 1, 1), 'float32')
+        res4_proj_bn_inv_std = mem.tensor(34, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res4_proj_bn_inv_std, res4_proj_bn_batch_var)
 
         # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
         # res4_a = conv2d[pad=1,stride=2](res3_b_bn_relu, res4_a_W)
-        res4_a = mem.tensor(42, (100, 64, 7, 7), 'float32')
+        res4_a = mem.tensor(35, (100, 64, 7, 7), 'float32')
         rt.conv2d(res3_b_bn_relu, T['res4_a_W'], out=res4_a, pad=1, stride=2, workspace=mem.workspace(8921600))
         # free res3_b_bn_relu
         del res3_b_bn_relu
-        mem.free(36)
+        mem.free(30)
 
         # ---- res4_a_bn (batch norm), forward ----
         # res4_a_bn_sum = sum_to[1x64x1x1](res4_a)
-        res4_a_bn_sum = mem.tensor(43, (1, 64, 1, 1), 'float32')
+        res4_a_bn_sum = mem.tensor(36, (1, 64, 1, 1), 'float32')
         rt.sum_to(res4_a, out=res4_a_bn_sum, shape=(1, 64, 1, 1))
         # res4_a_bn_batch_mean = res4_a_bn_sum/4900
         res4_a_bn_batch_mean = res4_a_bn_sum  # in place: over res4_a_bn_sum
@@ -551,16 +509,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res4_a_bn_mean_new, T['res4_a_bn_mean'], res4_a_bn_batch_mean_flat)
         # free res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         del res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
-        mem.free(43)
-        # res4_a_bn_square = res4_a_bn_centered**2
-        res4_a_bn_square = mem.tensor(44, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_square, res4_a_bn_square, res4_a_bn_centered)
-        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_square)
-        res4_a_bn_sum_of_squares = mem.tensor(45, (1, 64, 1, 1), 'float32')
-        rt.sum_to(res4_a_bn_square, out=res4_a_bn_sum_of_squares, shape=(1, 64, 1, 1))
-        # free res4_a_bn_square
-        del res4_a_bn_square
-        mem.free(44)
+        mem.free(36)
+        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_centered**2)
+        res4_a_bn_sum_of_squares = mem.tensor(37, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res4_a_bn_sum_of_squares, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_a_bn_batch_var = res4_a_bn_sum_of_squares/4900
         res4_a_bn_batch_var = res4_a_bn_sum_of_squares  # in place: over res4_a_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_a_bn_batch_var, res4_a_bn_sum_of_squares)
@@ -570,26 +522,26 @@ class ResnetMini(rp.Model):
         res4_a_bn_var_new = T['res4_a_bn_var']  # in place: the new res4_a_bn_var
         rt.ew(ew_scale_add_4, res4_a_bn_var_new, T['res4_a_bn_var'], res4_a_bn_batch_var_flat)
         # res4_a_bn_inv_std = 1/sqrt(res4_a_bn_batch_var + 1.0e-5)
-        res4_a_bn_inv_std = mem.tensor(46, (1, 64, 1, 1), 'float32')
+        res4_a_bn_inv_std = mem.tensor(38, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res4_a_bn_inv_std, res4_a_bn_batch_var)
-        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
-        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
         # res4_a_bn_bias = reshape[1x64x1x1](res4_a_bn_B)
         res4_a_bn_bias = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
+        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
+        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
 
         # ---- res4_a_bn_relu (relu), forward ----
         # res4_a_bn_relu = Max(0, res4_a_bn_centered*res4_a_bn_inv_std*res4_a_bn_weight + res4_a_bn_bias)
-        res4_a_bn_relu = mem.tensor(47, (100, 64, 7, 7), 'float32')
+        res4_a_bn_relu = mem.tensor(39, (100, 64, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu, res4_a_bn_relu, res4_a_bn_centered, res4_a_bn_inv_std, res4_a_bn_weight, res4_a_bn_bias)
 
         # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
         # res4_b = conv2d[pad=1](res4_a_bn_relu, res4_b_W)
-        res4_b = mem.tensor(48, (100, 64, 7, 7), 'float32')
+        res4_b = mem.tensor(40, (100, 64, 7, 7), 'float32')
         rt.conv2d(res4_a_bn_relu, T['res4_b_W'], out=res4_b, pad=1, stride=1, workspace=mem.workspace(13363200))
 
         # ---- res4_b_bn (batch norm), forward ----
         # res4_b_bn_sum = sum_to[1x64x1x1](res4_b)
-        res4_b_bn_sum = mem.tensor(49, (1, 64, 1, 1), 'float32')
+        res4_b_bn_sum = mem.tensor(41, (1, 64, 1, 1), 'float32')
         rt.sum_to(res4_b, out=res4_b_bn_sum, shape=(1, 64, 1, 1))
         # res4_b_bn_batch_mean = res4_b_bn_sum/4900
         res4_b_bn_batch_mean = res4_b_bn_sum  # in place: over res4_b_bn_sum
@@ -604,16 +556,10 @@ class ResnetMini(rp.Model):
         rt.ew(ew_scale_add, res4_b_bn_mean_new, T['res4_b_bn_mean'], res4_b_bn_batch_mean_flat)
         # free res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         del res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
-        mem.free(49)
-        # res4_b_bn_square = res4_b_bn_centered**2
-        res4_b_bn_square = mem.tensor(50, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_square, res4_b_bn_square, res4_b_bn_centered)
-        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_square)
-        res4_b_bn_sum_of_squares = mem.tensor(51, (1, 64, 1, 1), 'float32')
-        rt.sum_to(res4_b_bn_square, out=res4_b_bn_sum_of_squares, shape=(1, 64, 1, 1))
-        # free res4_b_bn_square
-        del res4_b_bn_square
-        mem.free(50)
+        mem.free(41)
+        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_centered**2)
+        res4_b_bn_sum_of_squares = mem.tensor(42, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_square, res4_b_bn_sum_of_squares, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_b_bn_batch_var = res4_b_bn_sum_of_squares/4900
         res4_b_bn_batch_var = res4_b_bn_sum_of_squares  # in place: over res4_b_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_b_bn_batch_var, res4_b_bn_sum_of_squares)
@@ -623,14 +569,14 @@ class ResnetMini(rp.Model):
         res4_b_bn_var_new = T['res4_b_bn_var']  # in place: the new res4_b_bn_var
         rt.ew(ew_scale_add_4, res4_b_bn_var_new, T['res4_b_bn_var'], res4_b_bn_batch_var_flat)
         # res4_b_bn_inv_std = 1/sqrt(res4_b_bn_batch_var + 1.0e-5)
-        res4_b_bn_inv_std = mem.tensor(52, (1, 64, 1, 1), 'float32')
+        res4_b_bn_inv_std = mem.tensor(43, (1, 64, 1, 1), 'float32')
         rt.ew(ew_add_rsqrt, res4_b_bn_inv_std, res4_b_bn_batch_var)
 
         # ---- res4_proj_bn (batch norm), forward ----
-        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
-        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
         # res4_proj_bn_weight = reshape[1x64x1x1](res4_proj_bn_W)
         res4_proj_bn_weight = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
+        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
 
         # ---- res4_b_bn (batch norm), forward ----
         # res4_b_bn_bias = reshape[1x64x1x1](res4_b_bn_B)
@@ -640,12 +586,12 @@ class ResnetMini(rp.Model):
 
         # ---- res4_b_bn_relu (relu), forward ----
         # res4_b_bn_relu = Max(0, res4_b_bn_centered*res4_b_bn_inv_std*res4_b_bn_weight + res4_b_bn_bias + res4_proj_bn_centered*res4_proj_bn_inv_std*res4_proj_bn_weight + res4_proj_bn_bias)
-        res4_b_bn_relu = mem.tensor(53, (100, 64, 7, 7), 'float32')
+        res4_b_bn_relu = mem.tensor(44, (100, 64, 7, 7), 'float32')
         rt.ew(ew_mul_add_relu_3, res4_b_bn_relu, res4_b_bn_centered, res4_b_bn_inv_std, res4_b_bn_weight, res4_b_bn_bias, res4_proj_bn_centered, res4_proj_bn_inv_std, res4_proj_bn_weight, res4_proj_bn_bias)
 
         # ---- res4_b_bn_avg_pool (average pooling), forward ----
         # res4_b_bn_avg_pool = avg_pool[kernel=7,stride=7](res4_b_bn_relu)
-        res4_b_bn_avg_pool = mem.tensor(54, (100, 64, 1, 1), 'float32')
+        res4_b_bn_avg_pool = mem.tensor(45, (100, 64, 1, 1), 'float32')
         rt.avg_pool(res4_b_bn_relu, out=res4_b_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
 
         # ---- res4_b_bn_flatten (flatten), forward ----
@@ -654,7 +600,7 @@ class ResnetMini(rp.Model):
 
         # ---- fc (fully connected, 10 outputs), forward ----
         # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(55, (100, 10), 'float32')
+        fc_matmul = mem.tensor(46, (100, 10), 'float32')
         rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
         # fc = fc_matmul + fc_B
         fc = fc_matmul  # in place: over fc_matmul
@@ -665,7 +611,7 @@ class ResnetMini(rp.Model):
         fc_cross_entropy_log_softmax = fc  # in place: over fc
         rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
-        fc_cross_entropy_pick = mem.tensor(56, (100,), 'float32')
+        fc_cross_entropy_pick = mem.tensor(47, (100,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
         # free y
         del y
@@ -677,48 +623,48 @@ class ResnetMini(rp.Model):
         rt.ew(ew_exp_scale_add, d_fc, d_fc_cross_entropy_log_softmax, fc_cross_entropy_log_softmax)
         # free fc_matmul, fc, fc_cross_entropy_log_softmax
         del fc_matmul, fc, fc_cross_entropy_log_softmax
-        mem.free(55)
+        mem.free(46)
 
         # ---- fc (fully connected, 10 outputs), backward ----
         # d_fc_W = matmul[ta](d_fc, res4_b_bn_flatten)
-        d_fc_W = mem.tensor(57, (10, 64), 'float32')
+        d_fc_W = mem.tensor(48, (10, 64), 'float32')
         rt.matmul(d_fc, res4_b_bn_flatten, out=d_fc_W, ta=True)
         # free res4_b_bn_avg_pool, res4_b_bn_flatten
         del res4_b_bn_avg_pool, res4_b_bn_flatten
-        mem.free(54)
+        mem.free(45)
         # V_fc_W_new = V_fc_W*momentum + d_fc_W + decay*fc_W
         V_fc_W_new = T['V_fc_W']  # in place: the new V_fc_W
         rt.ew(ew_mul_add, V_fc_W_new, T['V_fc_W'], momentum, d_fc_W, decay, T['fc_W'])
         # free d_fc_W
         del d_fc_W
-        mem.free(57)
+        mem.free(48)
 
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
-        fc_cross_entropy_sum_to = mem.tensor(58, (), 'float32')
+        fc_cross_entropy_sum_to = mem.tensor(49, (), 'float32')
         rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
         # free fc_cross_entropy_pick
         del fc_cross_entropy_pick
-        mem.free(56)
+        mem.free(47)
         # fc_cross_entropy = -fc_cross_entropy_sum_to/100
         fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
         rt.ew(ew_scale_4, fc_cross_entropy, fc_cross_entropy_sum_to)
 
         # ---- fc (fully connected, 10 outputs), backward ----
         # d_fc_B = sum_to[10](d_fc)
-        d_fc_B = mem.tensor(59, (10,), 'float32')
+        d_fc_B = mem.tensor(50, (10,), 'float32')
         rt.sum_to(d_fc, out=d_fc_B, shape=(10,))
         # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B
         V_fc_B_new = T['V_fc_B']  # in place: the new V_fc_B
         rt.ew(ew_mul_add, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B'])
         # free d_fc_B
         del d_fc_B
-        mem.free(59)
+        mem.free(50)
         # fc_B_new = fc_B - lr*V_fc_B_new
         fc_B_new = T['fc_B']  # in place: the new fc_B
         rt.ew(ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new)
         # d_res4_b_bn_flatten = matmul(d_fc, fc_W)
-        d_res4_b_bn_flatten = mem.tensor(60, (100, 64), 'float32')
+        d_res4_b_bn_flatten = mem.tensor(51, (100, 64), 'float32')
         rt.matmul(d_fc, T['fc_W'], out=d_res4_b_bn_flatten)
         # free d_fc_cross_entropy_log_softmax, d_fc
         del d_fc_cross_entropy_log_softmax, d_fc
@@ -733,11 +679,11 @@ class ResnetMini(rp.Model):
 
         # ---- res4_b_bn_avg_pool (average pooling), backward ----
         # d_res4_b_bn_relu = avg_pool_bwd[kernel=7,size=(7,7),stride=7](d_res4_b_bn_avg_pool)
-        d_res4_b_bn_relu = mem.tensor(61, (100, 64, 7, 7), 'float32')
+        d_res4_b_bn_relu = mem.tensor(52, (100, 64, 7, 7), 'float32')
         rt.avg_pool_bwd(d_res4_b_bn_avg_pool, out=d_res4_b_bn_relu, ceil=False, include_pad=True, kernel=7, pad=0, size=(7, 7), stride=7, workspace=mem.workspace(25600))
         # free d_res4_b_bn_flatten, d_res4_b_bn_avg_pool
         del d_res4_b_bn_flatten, d_res4_b_bn_avg_pool
-        mem.free(60)
+        mem.free(51)
 
         # ---- res4_b_bn_relu (relu), backward ----
         # d_res4_b_bn_add = d_res4_b_bn_relu*Heaviside(res4_b_bn_relu, 0)
@@ -745,11 +691,69 @@ class ResnetMini(rp.Model):
         rt.ew(ew_step_mul, d_res4_b_bn_add, d_res4_b_bn_relu, res4_b_bn_relu)
         # free res4_b_bn_relu
         del res4_b_bn_relu
-        mem.free(53)
+        mem.free(44)
+
+        # ---- res4_b_bn (batch norm), backward ----
+        # d_res4_b_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_weight)
+        d_res4_b_bn_inv_std = mem.tensor(53, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_b_bn_inv_std, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
+        # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
+        del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
+        mem.free(42)
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # d_res4_proj_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_weight)
+        d_res4_proj_bn_inv_std = mem.tensor(54, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_proj_bn_inv_std, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+        # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
+        del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
+        mem.free(33)
+
+        # ---- res4_b_bn (batch norm), backward ----
+        # d_res4_b_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_inv_std)
+        d_res4_b_bn_weight = mem.tensor(55, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_b_bn_weight, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
+        d_res4_b_bn_centered = res4_b_bn_centered  # in place: over res4_b_bn_centered
+        rt.ew(ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
+        # free res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        del res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        mem.free(43, 53)
+        # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
+        d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
+        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
+        V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
+        rt.ew(ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
+        # free d_res4_b_bn_weight, d_res4_b_bn_W
+        del d_res4_b_bn_weight, d_res4_b_bn_W
+        mem.free(55)
+        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
+        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
+        rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
+        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
+        d_res4_b_bn_batch_mean = mem.tensor(56, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
+        d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
+        rt.ew(ew_scale_3, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_res4_b = d_res4_b_bn_centered + d_res4_b_bn_sum
+        d_res4_b = d_res4_b_bn_centered  # in place: over d_res4_b_bn_centered
+        rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
+        # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
+        del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
+        mem.free(56)
 
         # ---- res4_proj_bn (batch norm), backward ----
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_b_bn_add)
-        d_res4_proj_bn_bias = mem.tensor(62, (1, 64, 1, 1), 'float32')
+        d_res4_proj_bn_bias = mem.tensor(57, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_b_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
         # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
         d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
@@ -765,7 +769,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B'])
         # free d_res4_proj_bn_bias, d_res4_proj_bn_B
         del d_res4_proj_bn_bias, d_res4_proj_bn_B
-        mem.free(62)
+        mem.free(57)
 
         # ---- res4_b_bn (batch norm), backward ----
         # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
@@ -776,240 +780,15 @@ class ResnetMini(rp.Model):
         # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
         res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
         rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
-
-        # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn_mul = d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_weight
-        d_res4_b_bn_mul = mem.tensor(63, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul, d_res4_b_bn_mul, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_weight)
-        # d_res4_b_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_mul)
-        d_res4_b_bn_inv_std = mem.tensor(64, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_b_bn_mul, out=d_res4_b_bn_inv_std, shape=(1, 64, 1, 1))
-        # free d_res4_b_bn_mul
-        del d_res4_b_bn_mul
-        mem.free(63)
-        # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
-        d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
-        # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
-        del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
-        mem.free(51)
-        # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
-        d_res4_b_bn_centered = mem.tensor(65, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
-        # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        mem.free(64)
-        # d_res4_b_bn_mul_2 = d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_inv_std
-        d_res4_b_bn_mul_2 = res4_b_bn_centered  # in place: over res4_b_bn_centered
-        rt.ew(ew_mul_2, d_res4_b_bn_mul_2, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_inv_std)
-        # free res4_b_bn_inv_std
-        del res4_b_bn_inv_std
-        mem.free(52)
-        # d_res4_b_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_mul_2)
-        d_res4_b_bn_weight = mem.tensor(66, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_b_bn_mul_2, out=d_res4_b_bn_weight, shape=(1, 64, 1, 1))
-        # free res4_b, res4_b_bn_centered, d_res4_b_bn_mul_2
-        del res4_b, res4_b_bn_centered, d_res4_b_bn_mul_2
-        mem.free(48)
-        # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
-        d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
-        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
-        V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
-        rt.ew(ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
-        # free d_res4_b_bn_weight, d_res4_b_bn_W
-        del d_res4_b_bn_weight, d_res4_b_bn_W
-        mem.free(66)
-        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
-        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
-        rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
-        # d_res4_b_bn_neg = -d_res4_b_bn_centered
-        d_res4_b_bn_neg = mem.tensor(67, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_neg, d_res4_b_bn_neg, d_res4_b_bn_centered)
-        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](d_res4_b_bn_neg)
-        d_res4_b_bn_batch_mean = mem.tensor(68, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_b_bn_neg, out=d_res4_b_bn_batch_mean, shape=(1, 64, 1, 1))
-        # free d_res4_b_bn_neg
-        del d_res4_b_bn_neg
-        mem.free(67)
-        # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
-        d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
-        rt.ew(ew_scale_3, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
-
-        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
-        # d_res4_b = d_res4_b_bn_centered + d_res4_b_bn_sum
-        d_res4_b = d_res4_b_bn_centered  # in place: over d_res4_b_bn_centered
-        rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
-        # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
-        del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
-        mem.free(68)
-        # d_res4_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4_b, res4_a_bn_relu)
-        d_res4_b_W = mem.tensor(69, (64, 64, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res4_b, res4_a_bn_relu, out=d_res4_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14617600))
-        # V_res4_b_W_new = V_res4_b_W*momentum + d_res4_b_W + decay*res4_b_W
-        V_res4_b_W_new = T['V_res4_b_W']  # in place: the new V_res4_b_W
-        rt.ew(ew_mul_add, V_res4_b_W_new, T['V_res4_b_W'], momentum, d_res4_b_W, decay, T['res4_b_W'])
-        # free d_res4_b_W
-        del d_res4_b_W
-        mem.free(69)
-        # d_res4_a_bn_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res4_b, res4_b_W)
-        d_res4_a_bn_relu = mem.tensor(70, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res4_b, T['res4_b_W'], out=d_res4_a_bn_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(18252800))
-        # free d_res4_b_bn_centered, d_res4_b
-        del d_res4_b_bn_centered, d_res4_b
-        mem.free(65)
-
-        # ---- res4_a_bn_relu (relu), backward ----
-        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu, 0)
-        d_res4_a_bn = d_res4_a_bn_relu  # in place: over d_res4_a_bn_relu
-        rt.ew(ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu)
-        # free res4_a_bn_relu
-        del res4_a_bn_relu
-        mem.free(47)
-
-        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
-        # res4_b_W_new = res4_b_W - lr*V_res4_b_W_new
-        res4_b_W_new = T['res4_b_W']  # in place: the new res4_b_W
-        rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
-
-        # ---- res4_a_bn (batch norm), backward ----
-        # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
-        d_res4_a_bn_bias = mem.tensor(71, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
-        # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
-        d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
-        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B
-        V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
-        rt.ew(ew_mul_add, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B'])
-        # free d_res4_a_bn_bias, d_res4_a_bn_B
-        del d_res4_a_bn_bias, d_res4_a_bn_B
-        mem.free(71)
-        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
-        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
-        rt.ew(ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new)
-        # d_res4_a_bn_mul = d_res4_a_bn*res4_a_bn_centered*res4_a_bn_weight
-        d_res4_a_bn_mul = mem.tensor(72, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul, d_res4_a_bn_mul, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_weight)
-        # d_res4_a_bn_inv_std = sum_to[1x64x1x1](d_res4_a_bn_mul)
-        d_res4_a_bn_inv_std = mem.tensor(73, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_a_bn_mul, out=d_res4_a_bn_inv_std, shape=(1, 64, 1, 1))
-        # free d_res4_a_bn_mul
-        del d_res4_a_bn_mul
-        mem.free(72)
-        # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
-        d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
-        # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
-        del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
-        mem.free(45)
-        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
-        d_res4_a_bn_centered = mem.tensor(74, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
-        # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        mem.free(73)
-        # d_res4_a_bn_mul_2 = d_res4_a_bn*res4_a_bn_centered*res4_a_bn_inv_std
-        d_res4_a_bn_mul_2 = d_res4_a_bn  # in place: over d_res4_a_bn
-        rt.ew(ew_mul_3, d_res4_a_bn_mul_2, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_inv_std)
-        # free res4_a, res4_a_bn_centered, res4_a_bn_inv_std
-        del res4_a, res4_a_bn_centered, res4_a_bn_inv_std
-        mem.free(42, 46)
-        # d_res4_a_bn_weight = sum_to[1x64x1x1](d_res4_a_bn_mul_2)
-        d_res4_a_bn_weight = mem.tensor(75, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_a_bn_mul_2, out=d_res4_a_bn_weight, shape=(1, 64, 1, 1))
-        # free d_res4_a_bn_relu, d_res4_a_bn, d_res4_a_bn_mul_2
-        del d_res4_a_bn_relu, d_res4_a_bn, d_res4_a_bn_mul_2
-        mem.free(70)
-        # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
-        d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
-        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
-        V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
-        rt.ew(ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
-        # free d_res4_a_bn_weight, d_res4_a_bn_W
-        del d_res4_a_bn_weight, d_res4_a_bn_W
-        mem.free(75)
-        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
-        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
-        rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
-        # d_res4_a_bn_neg = -d_res4_a_bn_centered
-        d_res4_a_bn_neg = mem.tensor(76, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_neg, d_res4_a_bn_neg, d_res4_a_bn_centered)
-        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](d_res4_a_bn_neg)
-        d_res4_a_bn_batch_mean = mem.tensor(77, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_a_bn_neg, out=d_res4_a_bn_batch_mean, shape=(1, 64, 1, 1))
-        # free d_res4_a_bn_neg
-        del d_res4_a_bn_neg
-        mem.free(76)
-        # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
-        d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
-        rt.ew(ew_scale_3, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
-
-        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), backward ----
-        # d_res4_a = d_res4_a_bn_centered + d_res4_a_bn_sum
-        d_res4_a = d_res4_a_bn_centered  # in place: over d_res4_a_bn_centered
-        rt.ew(ew_add, d_res4_a, d_res4_a_bn_centered, d_res4_a_bn_sum)
-        # free d_res4_a_bn_batch_mean, d_res4_a_bn_sum
-        del d_res4_a_bn_batch_mean, d_res4_a_bn_sum
-        mem.free(77)
-
-        # ---- res3_b_bn_relu (relu), forward ----
-        # res3_b_bn_relu_2 = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
-        res3_b_bn_relu_2 = mem.tensor(78, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_relu_3, res3_b_bn_relu_2, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn_centered, res3_proj_bn_inv_std, res3_proj_bn_weight, res3_proj_bn_bias)
-
-        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), backward ----
-        # d_res4_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res4_a, res3_b_bn_relu_2)
-        d_res4_a_W = mem.tensor(79, (64, 32, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res4_a, res3_b_bn_relu_2, out=d_res4_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
-        # V_res4_a_W_new = V_res4_a_W*momentum + d_res4_a_W + decay*res4_a_W
-        V_res4_a_W_new = T['V_res4_a_W']  # in place: the new V_res4_a_W
-        rt.ew(ew_mul_add, V_res4_a_W_new, T['V_res4_a_W'], momentum, d_res4_a_W, decay, T['res4_a_W'])
-        # free d_res4_a_W
-        del d_res4_a_W
-        mem.free(79)
-        # d_res3_b_bn_relu = conv2d_bwd_data[pad=1,size=(14,14),stride=2](d_res4_a, res4_a_W)
-        d_res3_b_bn_relu = mem.tensor(80, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_b_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
-        # free d_res4_a_bn_centered, d_res4_a
-        del d_res4_a_bn_centered, d_res4_a
-        mem.free(74)
-        # res4_a_W_new = res4_a_W - lr*V_res4_a_W_new
-        res4_a_W_new = T['res4_a_W']  # in place: the new res4_a_W
-        rt.ew(ew_mul_sub, res4_a_W_new, T['res4_a_W'], lr, V_res4_a_W_new)
-
-        # ---- res4_proj_bn (batch norm), backward ----
-        # d_res4_proj_bn_mul = d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_weight
-        d_res4_proj_bn_mul = mem.tensor(81, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul, d_res4_proj_bn_mul, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_weight)
-        # d_res4_proj_bn_inv_std = sum_to[1x64x1x1](d_res4_proj_bn_mul)
-        d_res4_proj_bn_inv_std = mem.tensor(82, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_proj_bn_mul, out=d_res4_proj_bn_inv_std, shape=(1, 64, 1, 1))
-        # free d_res4_proj_bn_mul
-        del d_res4_proj_bn_mul
-        mem.free(81)
-        # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
-        d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
-        # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
-        del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
-        mem.free(40)
+        # d_res4_proj_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_inv_std)
+        d_res4_proj_bn_weight = mem.tensor(58, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_proj_bn_weight, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
-        d_res4_proj_bn_centered = mem.tensor(83, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul_add_2, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
-        # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        mem.free(82)
-        # d_res4_proj_bn_mul_2 = d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_inv_std
-        d_res4_proj_bn_mul_2 = d_res4_b_bn_add  # in place: over d_res4_b_bn_add
-        rt.ew(ew_mul_3, d_res4_proj_bn_mul_2, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_inv_std)
-        # free res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std
-        del res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std
-        mem.free(37, 41)
-        # d_res4_proj_bn_weight = sum_to[1x64x1x1](d_res4_proj_bn_mul_2)
-        d_res4_proj_bn_weight = mem.tensor(84, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_proj_bn_mul_2, out=d_res4_proj_bn_weight, shape=(1, 64, 1, 1))
-        # free d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_mul_2
-        del d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_mul_2
-        mem.free(61)
+        d_res4_proj_bn_centered = d_res4_b_bn_add  # in place: over d_res4_b_bn_add
+        rt.ew(ew_mul_add_3, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
+        # free res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        del res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        mem.free(31, 34, 54)
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
         # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
@@ -1017,19 +796,13 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
         # free d_res4_proj_bn_weight, d_res4_proj_bn_W
         del d_res4_proj_bn_weight, d_res4_proj_bn_W
-        mem.free(84)
+        mem.free(58)
         # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
         res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
         rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
-        # d_res4_proj_bn_neg = -d_res4_proj_bn_centered
-        d_res4_proj_bn_neg = mem.tensor(85, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_neg, d_res4_proj_bn_neg, d_res4_proj_bn_centered)
-        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](d_res4_proj_bn_neg)
-        d_res4_proj_bn_batch_mean = mem.tensor(86, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_res4_proj_bn_neg, out=d_res4_proj_bn_batch_mean, shape=(1, 64, 1, 1))
-        # free d_res4_proj_bn_neg
-        del d_res4_proj_bn_neg
-        mem.free(85)
+        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
+        d_res4_proj_bn_batch_mean = mem.tensor(59, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
         d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
         rt.ew(ew_scale_3, d_res4_proj_bn_sum, d_res4_proj_bn_batch_mean)
@@ -1040,22 +813,141 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res4_proj, d_res4_proj_bn_centered, d_res4_proj_bn_sum)
         # free d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
         del d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
-        mem.free(86)
+        mem.free(59)
+
+        # ---- res3_b_bn_relu (relu), forward ----
+        # res3_b_bn_relu_2 = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
+        res3_b_bn_relu_2 = mem.tensor(60, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu_3, res3_b_bn_relu_2, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn_centered, res3_proj_bn_inv_std, res3_proj_bn_weight, res3_proj_bn_bias)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res4_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4_proj, res3_b_bn_relu_2)
-        d_res4_proj_W = mem.tensor(87, (64, 32, 1, 1), 'float32')
+        d_res4_proj_W = mem.tensor(61, (64, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4_proj, res3_b_bn_relu_2, out=d_res4_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(1881600))
         # V_res4_proj_W_new = V_res4_proj_W*momentum + d_res4_proj_W + decay*res4_proj_W
         V_res4_proj_W_new = T['V_res4_proj_W']  # in place: the new V_res4_proj_W
         rt.ew(ew_mul_add, V_res4_proj_W_new, T['V_res4_proj_W'], momentum, d_res4_proj_W, decay, T['res4_proj_W'])
         # free d_res4_proj_W
         del d_res4_proj_W
-        mem.free(87)
+        mem.free(61)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # d_res4_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res4_b, res4_a_bn_relu)
+        d_res4_b_W = mem.tensor(62, (64, 64, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res4_b, res4_a_bn_relu, out=d_res4_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(14617600))
+        # V_res4_b_W_new = V_res4_b_W*momentum + d_res4_b_W + decay*res4_b_W
+        V_res4_b_W_new = T['V_res4_b_W']  # in place: the new V_res4_b_W
+        rt.ew(ew_mul_add, V_res4_b_W_new, T['V_res4_b_W'], momentum, d_res4_b_W, decay, T['res4_b_W'])
+        # free d_res4_b_W
+        del d_res4_b_W
+        mem.free(62)
+        # d_res4_a_bn_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res4_b, res4_b_W)
+        d_res4_a_bn_relu = mem.tensor(63, (100, 64, 7, 7), 'float32', over=40)
+        rt.conv2d_bwd_data(d_res4_b, T['res4_b_W'], out=d_res4_a_bn_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(18265344))
+        # free res4_b, res4_b_bn_centered, d_res4_b_bn_centered, d_res4_b
+        del res4_b, res4_b_bn_centered, d_res4_b_bn_centered, d_res4_b
+        mem.free(40)
+
+        # ---- res4_a_bn_relu (relu), backward ----
+        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu, 0)
+        d_res4_a_bn = d_res4_a_bn_relu  # in place: over d_res4_a_bn_relu
+        rt.ew(ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu)
+        # free res4_a_bn_relu
+        del res4_a_bn_relu
+        mem.free(39)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), backward ----
+        # res4_b_W_new = res4_b_W - lr*V_res4_b_W_new
+        res4_b_W_new = T['res4_b_W']  # in place: the new res4_b_W
+        rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
+
+        # ---- res4_a_bn (batch norm), backward ----
+        # d_res4_a_bn_inv_std = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_weight)
+        d_res4_a_bn_inv_std = mem.tensor(64, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_a_bn_inv_std, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
+        # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
+        del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
+        mem.free(37)
+        # d_res4_a_bn_weight = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_inv_std)
+        d_res4_a_bn_weight = mem.tensor(65, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_a_bn_weight, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
+        d_res4_a_bn_centered = res4_a_bn_centered  # in place: over res4_a_bn_centered
+        rt.ew(ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
+        # free res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        del res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        mem.free(38, 64)
+        # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
+        d_res4_a_bn_bias = mem.tensor(66, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
+        # free d_res4_a_bn_relu, d_res4_a_bn
+        del d_res4_a_bn_relu, d_res4_a_bn
+        mem.free(63)
+        # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
+        d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
+        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
+        V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
+        rt.ew(ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
+        # free d_res4_a_bn_weight, d_res4_a_bn_W
+        del d_res4_a_bn_weight, d_res4_a_bn_W
+        mem.free(65)
+        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
+        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
+        rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
+        # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
+        d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
+        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B
+        V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
+        rt.ew(ew_mul_add, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B'])
+        # free d_res4_a_bn_bias, d_res4_a_bn_B
+        del d_res4_a_bn_bias, d_res4_a_bn_B
+        mem.free(66)
+        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
+        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
+        rt.ew(ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new)
+        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
+        d_res4_a_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
+        d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
+        rt.ew(ew_scale_3, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), backward ----
+        # d_res4_a = d_res4_a_bn_centered + d_res4_a_bn_sum
+        d_res4_a = d_res4_a_bn_centered  # in place: over d_res4_a_bn_centered
+        rt.ew(ew_add, d_res4_a, d_res4_a_bn_centered, d_res4_a_bn_sum)
+        # free d_res4_a_bn_batch_mean, d_res4_a_bn_sum
+        del d_res4_a_bn_batch_mean, d_res4_a_bn_sum
+        mem.free(67)
+        # d_res4_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res4_a, res3_b_bn_relu_2)
+        d_res4_a_W = mem.tensor(68, (64, 32, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res4_a, res3_b_bn_relu_2, out=d_res4_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
+        # V_res4_a_W_new = V_res4_a_W*momentum + d_res4_a_W + decay*res4_a_W
+        V_res4_a_W_new = T['V_res4_a_W']  # in place: the new V_res4_a_W
+        rt.ew(ew_mul_add, V_res4_a_W_new, T['V_res4_a_W'], momentum, d_res4_a_W, decay, T['res4_a_W'])
+        # free d_res4_a_W
+        del d_res4_a_W
+        mem.free(68)
+        # d_res3_b_bn_relu = conv2d_bwd_data[pad=1,size=(14,14),stride=2](d_res4_a, res4_a_W)
+        d_res3_b_bn_relu = mem.tensor(69, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_b_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
+        # free res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
+        del res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
+        mem.free(35)
+        # res4_a_W_new = res4_a_W - lr*V_res4_a_W_new
+        res4_a_W_new = T['res4_a_W']  # in place: the new res4_a_W
+        rt.ew(ew_mul_sub, res4_a_W_new, T['res4_a_W'], lr, V_res4_a_W_new)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res3_b_bn_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res4_proj, res4_proj_W)
-        d_res3_b_bn_relu_2 = mem.tensor(88, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_b_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(627200))
-        # free d_res4_proj_bn_centered, d_res4_proj
-        del d_res4_proj_bn_centered, d_res4_proj
-        mem.free(83)
+        d_res3_b_bn_relu_2 = mem.tensor(70, (100, 32, 14, 14), 'float32', over=52)
+        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_b_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(639744))
+        # free d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_centered, d_res4_proj
+        del d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_centered, d_res4_proj
+        mem.free(52)
 
         # ---- res3_b_bn_relu (relu), backward ----
         # d_res3_b_bn_add = (d_res3_b_bn_relu_2 + d_res3_b_bn_relu)*Heaviside(res3_b_bn_relu_2, 0)
@@ -1063,16 +955,74 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add_step_mul, d_res3_b_bn_add, d_res3_b_bn_relu_2, d_res3_b_bn_relu, res3_b_bn_relu_2)
         # free res3_b_bn_relu_2, d_res3_b_bn_relu
         del res3_b_bn_relu_2, d_res3_b_bn_relu
-        mem.free(78, 80)
+        mem.free(60, 69)
 
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # res4_proj_W_new = res4_proj_W - lr*V_res4_proj_W_new
         res4_proj_W_new = T['res4_proj_W']  # in place: the new res4_proj_W
         rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
 
+        # ---- res3_b_bn (batch norm), backward ----
+        # d_res3_b_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_weight)
+        d_res3_b_bn_inv_std = mem.tensor(71, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_b_bn_inv_std, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
+        # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
+        del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
+        mem.free(28)
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # d_res3_proj_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_weight)
+        d_res3_proj_bn_inv_std = mem.tensor(72, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_proj_bn_inv_std, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+        # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
+        del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
+        mem.free(19)
+
+        # ---- res3_b_bn (batch norm), backward ----
+        # d_res3_b_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_inv_std)
+        d_res3_b_bn_weight = mem.tensor(73, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_b_bn_weight, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
+        d_res3_b_bn_centered = res3_b_bn_centered  # in place: over res3_b_bn_centered
+        rt.ew(ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
+        # free res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        del res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        mem.free(29, 71)
+        # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
+        d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
+        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
+        rt.ew(ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
+        # free d_res3_b_bn_weight, d_res3_b_bn_W
+        del d_res3_b_bn_weight, d_res3_b_bn_W
+        mem.free(73)
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
+        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
+        d_res3_b_bn_batch_mean = mem.tensor(74, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
+        d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
+        rt.ew(ew_scale_2, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # d_res3_b = d_res3_b_bn_centered + d_res3_b_bn_sum
+        d_res3_b = d_res3_b_bn_centered  # in place: over d_res3_b_bn_centered
+        rt.ew(ew_add, d_res3_b, d_res3_b_bn_centered, d_res3_b_bn_sum)
+        # free d_res3_b_bn_batch_mean, d_res3_b_bn_sum
+        del d_res3_b_bn_batch_mean, d_res3_b_bn_sum
+        mem.free(74)
+
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_b_bn_add)
-        d_res3_proj_bn_bias = mem.tensor(89, (1, 32, 1, 1), 'float32')
+        d_res3_proj_bn_bias = mem.tensor(75, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_b_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
         # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
         d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
@@ -1088,7 +1038,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
         # free d_res3_proj_bn_bias, d_res3_proj_bn_B
         del d_res3_proj_bn_bias, d_res3_proj_bn_B
-        mem.free(89)
+        mem.free(75)
 
         # ---- res3_b_bn (batch norm), backward ----
         # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
@@ -1099,240 +1049,15 @@ class ResnetMini(rp.Model):
         # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
         res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
         rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
-
-        # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_mul = d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_weight
-        d_res3_b_bn_mul = mem.tensor(90, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul, d_res3_b_bn_mul, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_weight)
-        # d_res3_b_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_mul)
-        d_res3_b_bn_inv_std = mem.tensor(91, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_b_bn_mul, out=d_res3_b_bn_inv_std, shape=(1, 32, 1, 1))
-        # free d_res3_b_bn_mul
-        del d_res3_b_bn_mul
-        mem.free(90)
-        # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
-        d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
-        # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
-        del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
-        mem.free(34)
-        # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
-        d_res3_b_bn_centered = mem.tensor(92, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
-        # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        mem.free(91)
-        # d_res3_b_bn_mul_2 = d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_inv_std
-        d_res3_b_bn_mul_2 = res3_b_bn_centered  # in place: over res3_b_bn_centered
-        rt.ew(ew_mul_2, d_res3_b_bn_mul_2, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_inv_std)
-        # free res3_b_bn_inv_std
-        del res3_b_bn_inv_std
-        mem.free(35)
-        # d_res3_b_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_mul_2)
-        d_res3_b_bn_weight = mem.tensor(93, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_b_bn_mul_2, out=d_res3_b_bn_weight, shape=(1, 32, 1, 1))
-        # free res3_b, res3_b_bn_centered, d_res3_b_bn_mul_2
-        del res3_b, res3_b_bn_centered, d_res3_b_bn_mul_2
-        mem.free(31)
-        # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
-        d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
-        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
-        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        rt.ew(ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
-        # free d_res3_b_bn_weight, d_res3_b_bn_W
-        del d_res3_b_bn_weight, d_res3_b_bn_W
-        mem.free(93)
-        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
-        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
-        # d_res3_b_bn_neg = -d_res3_b_bn_centered
-        d_res3_b_bn_neg = mem.tensor(94, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_neg, d_res3_b_bn_neg, d_res3_b_bn_centered)
-        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](d_res3_b_bn_neg)
-        d_res3_b_bn_batch_mean = mem.tensor(95, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_b_bn_neg, out=d_res3_b_bn_batch_mean, shape=(1, 32, 1, 1))
-        # free d_res3_b_bn_neg
-        del d_res3_b_bn_neg
-        mem.free(94)
-        # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
-        d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
-        rt.ew(ew_scale_2, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
-
-        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # d_res3_b = d_res3_b_bn_centered + d_res3_b_bn_sum
-        d_res3_b = d_res3_b_bn_centered  # in place: over d_res3_b_bn_centered
-        rt.ew(ew_add, d_res3_b, d_res3_b_bn_centered, d_res3_b_bn_sum)
-        # free d_res3_b_bn_batch_mean, d_res3_b_bn_sum
-        del d_res3_b_bn_batch_mean, d_res3_b_bn_sum
-        mem.free(95)
-
-        # ---- res3_a_bn_relu (relu), forward ----
-        # res3_a_bn_relu_2 = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
-        res3_a_bn_relu_2 = mem.tensor(96, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_relu, res3_a_bn_relu_2, res3_a_bn_centered, res3_a_bn_inv_std, res3_a_bn_weight, res3_a_bn_bias)
-
-        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # d_res3_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3_b, res3_a_bn_relu_2)
-        d_res3_b_W = mem.tensor(97, (32, 32, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res3_b, res3_a_bn_relu_2, out=d_res3_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W
-        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
-        rt.ew(ew_mul_add, V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W'])
-        # free d_res3_b_W
-        del d_res3_b_W
-        mem.free(97)
-        # d_res3_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res3_b, res3_b_W)
-        d_res3_a_bn_relu = mem.tensor(98, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res3_b, T['res3_b_W'], out=d_res3_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
-        # free d_res3_b_bn_centered, d_res3_b
-        del d_res3_b_bn_centered, d_res3_b
-        mem.free(92)
-
-        # ---- res3_a_bn_relu (relu), backward ----
-        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)
-        d_res3_a_bn = d_res3_a_bn_relu  # in place: over d_res3_a_bn_relu
-        rt.ew(ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2)
-        # free res3_a_bn_relu_2
-        del res3_a_bn_relu_2
-        mem.free(96)
-
-        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new
-        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
-        rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
-
-        # ---- res3_a_bn (batch norm), backward ----
-        # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
-        d_res3_a_bn_bias = mem.tensor(99, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
-        # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
-        d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
-        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B
-        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        rt.ew(ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B'])
-        # free d_res3_a_bn_bias, d_res3_a_bn_B
-        del d_res3_a_bn_bias, d_res3_a_bn_B
-        mem.free(99)
-        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
-        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew(ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new)
-        # d_res3_a_bn_mul = d_res3_a_bn*res3_a_bn_centered*res3_a_bn_weight
-        d_res3_a_bn_mul = mem.tensor(100, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul, d_res3_a_bn_mul, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_weight)
-        # d_res3_a_bn_inv_std = sum_to[1x32x1x1](d_res3_a_bn_mul)
-        d_res3_a_bn_inv_std = mem.tensor(101, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_a_bn_mul, out=d_res3_a_bn_inv_std, shape=(1, 32, 1, 1))
-        # free d_res3_a_bn_mul
-        del d_res3_a_bn_mul
-        mem.free(100)
-        # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
-        d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
-        # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
-        del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
-        mem.free(28)
-        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
-        d_res3_a_bn_centered = mem.tensor(102, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
-        # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        mem.free(101)
-        # d_res3_a_bn_mul_2 = d_res3_a_bn*res3_a_bn_centered*res3_a_bn_inv_std
-        d_res3_a_bn_mul_2 = d_res3_a_bn  # in place: over d_res3_a_bn
-        rt.ew(ew_mul_3, d_res3_a_bn_mul_2, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_inv_std)
-        # free res3_a, res3_a_bn_centered, res3_a_bn_inv_std
-        del res3_a, res3_a_bn_centered, res3_a_bn_inv_std
-        mem.free(25, 29)
-        # d_res3_a_bn_weight = sum_to[1x32x1x1](d_res3_a_bn_mul_2)
-        d_res3_a_bn_weight = mem.tensor(103, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_a_bn_mul_2, out=d_res3_a_bn_weight, shape=(1, 32, 1, 1))
-        # free d_res3_a_bn_relu, d_res3_a_bn, d_res3_a_bn_mul_2
-        del d_res3_a_bn_relu, d_res3_a_bn, d_res3_a_bn_mul_2
-        mem.free(98)
-        # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
-        d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
-        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
-        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        rt.ew(ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
-        # free d_res3_a_bn_weight, d_res3_a_bn_W
-        del d_res3_a_bn_weight, d_res3_a_bn_W
-        mem.free(103)
-        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
-        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
-        # d_res3_a_bn_neg = -d_res3_a_bn_centered
-        d_res3_a_bn_neg = mem.tensor(104, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_neg, d_res3_a_bn_neg, d_res3_a_bn_centered)
-        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](d_res3_a_bn_neg)
-        d_res3_a_bn_batch_mean = mem.tensor(105, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_a_bn_neg, out=d_res3_a_bn_batch_mean, shape=(1, 32, 1, 1))
-        # free d_res3_a_bn_neg
-        del d_res3_a_bn_neg
-        mem.free(104)
-        # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
-        d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
-        rt.ew(ew_scale_2, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
-
-        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), backward ----
-        # d_res3_a = d_res3_a_bn_centered + d_res3_a_bn_sum
-        d_res3_a = d_res3_a_bn_centered  # in place: over d_res3_a_bn_centered
-        rt.ew(ew_add, d_res3_a, d_res3_a_bn_centered, d_res3_a_bn_sum)
-        # free d_res3_a_bn_batch_mean, d_res3_a_bn_sum
-        del d_res3_a_bn_batch_mean, d_res3_a_bn_sum
-        mem.free(105)
-        # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, res2_b_bn_relu)
-        d_res3_a_W = mem.tensor(106, (32, 16, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res3_a, res2_b_bn_relu, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
-        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W
-        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
-        rt.ew(ew_mul_add, V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W'])
-        # free d_res3_a_W
-        del d_res3_a_W
-        mem.free(106)
-        # d_res2_b_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
-        d_res2_b_bn_relu = mem.tensor(107, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
-        # free d_res3_a_bn_centered, d_res3_a
-        del d_res3_a_bn_centered, d_res3_a
-        mem.free(102)
-        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new
-        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
-        rt.ew(ew_mul_sub, res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new)
-
-        # ---- res3_proj_bn (batch norm), backward ----
-        # d_res3_proj_bn_mul = d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_weight
-        d_res3_proj_bn_mul = mem.tensor(108, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul, d_res3_proj_bn_mul, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_weight)
-        # d_res3_proj_bn_inv_std = sum_to[1x32x1x1](d_res3_proj_bn_mul)
-        d_res3_proj_bn_inv_std = mem.tensor(109, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_proj_bn_mul, out=d_res3_proj_bn_inv_std, shape=(1, 32, 1, 1))
-        # free d_res3_proj_bn_mul
-        del d_res3_proj_bn_mul
-        mem.free(108)
-        # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
-        d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
-        # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
-        del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
-        mem.free(23)
+        # d_res3_proj_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_inv_std)
+        d_res3_proj_bn_weight = mem.tensor(76, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_proj_bn_weight, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
-        d_res3_proj_bn_centered = mem.tensor(110, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_2, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
-        # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        mem.free(109)
-        # d_res3_proj_bn_mul_2 = d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_inv_std
-        d_res3_proj_bn_mul_2 = d_res3_b_bn_add  # in place: over d_res3_b_bn_add
-        rt.ew(ew_mul_3, d_res3_proj_bn_mul_2, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_inv_std)
-        # free res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std
-        del res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std
-        mem.free(20, 24)
-        # d_res3_proj_bn_weight = sum_to[1x32x1x1](d_res3_proj_bn_mul_2)
-        d_res3_proj_bn_weight = mem.tensor(111, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_proj_bn_mul_2, out=d_res3_proj_bn_weight, shape=(1, 32, 1, 1))
-        # free d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_mul_2
-        del d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_mul_2
-        mem.free(88)
+        d_res3_proj_bn_centered = d_res3_b_bn_add  # in place: over d_res3_b_bn_add
+        rt.ew(ew_mul_add_3, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
+        # free res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        del res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        mem.free(17, 20, 72)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
         # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
@@ -1340,19 +1065,13 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
         # free d_res3_proj_bn_weight, d_res3_proj_bn_W
         del d_res3_proj_bn_weight, d_res3_proj_bn_W
-        mem.free(111)
+        mem.free(76)
         # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
         res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
         rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
-        # d_res3_proj_bn_neg = -d_res3_proj_bn_centered
-        d_res3_proj_bn_neg = mem.tensor(112, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_neg, d_res3_proj_bn_neg, d_res3_proj_bn_centered)
-        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](d_res3_proj_bn_neg)
-        d_res3_proj_bn_batch_mean = mem.tensor(113, (1, 32, 1, 1), 'float32')
-        rt.sum_to(d_res3_proj_bn_neg, out=d_res3_proj_bn_batch_mean, shape=(1, 32, 1, 1))
-        # free d_res3_proj_bn_neg
-        del d_res3_proj_bn_neg
-        mem.free(112)
+        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
+        d_res3_proj_bn_batch_mean = mem.tensor(77, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
@@ -1363,22 +1082,139 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res3_proj, d_res3_proj_bn_centered, d_res3_proj_bn_sum)
         # free d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
         del d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
-        mem.free(113)
+        mem.free(77)
         # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, res2_b_bn_relu)
-        d_res3_proj_W = mem.tensor(114, (32, 16, 1, 1), 'float32')
+        d_res3_proj_W = mem.tensor(78, (32, 16, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3_proj, res2_b_bn_relu, out=d_res3_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
         # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W
         V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
         rt.ew(ew_mul_add, V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W'])
         # free d_res3_proj_W
         del d_res3_proj_W
-        mem.free(114)
+        mem.free(78)
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu_2 = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
+        res3_a_bn_relu_2 = mem.tensor(79, (100, 32, 14, 14), 'float32')
+        rt.ew(ew_mul_add_relu, res3_a_bn_relu_2, res3_a_bn_centered, res3_a_bn_inv_std, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # d_res3_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3_b, res3_a_bn_relu_2)
+        d_res3_b_W = mem.tensor(80, (32, 32, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res3_b, res3_a_bn_relu_2, out=d_res3_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
+        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W
+        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
+        rt.ew(ew_mul_add, V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W'])
+        # free d_res3_b_W
+        del d_res3_b_W
+        mem.free(80)
+        # d_res3_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res3_b, res3_b_W)
+        d_res3_a_bn_relu = mem.tensor(81, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(d_res3_b, T['res3_b_W'], out=d_res3_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
+        # free res3_b, res3_b_bn_centered, d_res3_b_bn_centered, d_res3_b
+        del res3_b, res3_b_bn_centered, d_res3_b_bn_centered, d_res3_b
+        mem.free(26)
+
+        # ---- res3_a_bn_relu (relu), backward ----
+        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)
+        d_res3_a_bn = d_res3_a_bn_relu  # in place: over d_res3_a_bn_relu
+        rt.ew(ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2)
+        # free res3_a_bn_relu_2
+        del res3_a_bn_relu_2
+        mem.free(79)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
+        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new
+        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
+        rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
+
+        # ---- res3_a_bn (batch norm), backward ----
+        # d_res3_a_bn_inv_std = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_weight)
+        d_res3_a_bn_inv_std = mem.tensor(82, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_a_bn_inv_std, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
+        # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
+        del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
+        mem.free(23)
+        # d_res3_a_bn_weight = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_inv_std)
+        d_res3_a_bn_weight = mem.tensor(83, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_a_bn_weight, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
+        d_res3_a_bn_centered = res3_a_bn_centered  # in place: over res3_a_bn_centered
+        rt.ew(ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
+        # free res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        del res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        mem.free(24, 82)
+        # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
+        d_res3_a_bn_bias = mem.tensor(84, (1, 32, 1, 1), 'float32')
+        rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
+        # free d_res3_a_bn_relu, d_res3_a_bn
+        del d_res3_a_bn_relu, d_res3_a_bn
+        mem.free(81)
+        # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
+        d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
+        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
+        rt.ew(ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
+        # free d_res3_a_bn_weight, d_res3_a_bn_W
+        del d_res3_a_bn_weight, d_res3_a_bn_W
+        mem.free(83)
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
+        # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
+        d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B
+        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
+        rt.ew(ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B'])
+        # free d_res3_a_bn_bias, d_res3_a_bn_B
+        del d_res3_a_bn_bias, d_res3_a_bn_B
+        mem.free(84)
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        rt.ew(ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new)
+        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
+        d_res3_a_bn_batch_mean = mem.tensor(85, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
+        d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
+        rt.ew(ew_scale_2, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), backward ----
+        # d_res3_a = d_res3_a_bn_centered + d_res3_a_bn_sum
+        d_res3_a = d_res3_a_bn_centered  # in place: over d_res3_a_bn_centered
+        rt.ew(ew_add, d_res3_a, d_res3_a_bn_centered, d_res3_a_bn_sum)
+        # free d_res3_a_bn_batch_mean, d_res3_a_bn_sum
+        del d_res3_a_bn_batch_mean, d_res3_a_bn_sum
+        mem.free(85)
+        # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, res2_b_bn_relu)
+        d_res3_a_W = mem.tensor(86, (32, 16, 3, 3), 'float32')
+        rt.conv2d_bwd_filter(d_res3_a, res2_b_bn_relu, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
+        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W
+        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
+        rt.ew(ew_mul_add, V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W'])
+        # free d_res3_a_W
+        del d_res3_a_W
+        mem.free(86)
+        # d_res2_b_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
+        d_res2_b_bn_relu = mem.tensor(87, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
+        # free res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
+        del res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
+        mem.free(21)
+        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new
+        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
+        rt.ew(ew_mul_sub, res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new)
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_res2_b_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
-        d_res2_b_bn_relu_2 = mem.tensor(115, (100, 16, 28, 28), 'float32')
+        d_res2_b_bn_relu_2 = mem.tensor(88, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_res2_b_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(1254400))
-        # free d_res3_proj_bn_centered, d_res3_proj
-        del d_res3_proj_bn_centered, d_res3_proj
-        mem.free(110)
+        # free d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_centered, d_res3_proj
+        del d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_centered, d_res3_proj
+        mem.free(70)
 
         # ---- res2_b_bn_relu (relu), backward ----
         # d_res2_b_bn_add = (d_res2_b_bn_relu_2 + d_res2_b_bn_relu)*Heaviside(res2_b_bn_relu, 0)
@@ -1386,7 +1222,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add_step_mul, d_res2_b_bn_add, d_res2_b_bn_relu_2, d_res2_b_bn_relu, res2_b_bn_relu)
         # free conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         del conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
-        mem.free(8, 107)
+        mem.free(7, 87)
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new
@@ -1394,53 +1230,24 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
 
         # ---- res2_b_bn (batch norm), backward ----
-        # d_res2_b_bn_bias = sum_to[1x16x1x1](d_res2_b_bn_add)
-        d_res2_b_bn_bias = mem.tensor(116, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_b_bn_add, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
-        # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
-        d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
-        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B
-        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        rt.ew(ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B'])
-        # free d_res2_b_bn_bias, d_res2_b_bn_B
-        del d_res2_b_bn_bias, d_res2_b_bn_B
-        mem.free(116)
-        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
-        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew(ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new)
-        # d_res2_b_bn_mul = d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_weight
-        d_res2_b_bn_mul = mem.tensor(117, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul, d_res2_b_bn_mul, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_weight)
-        # d_res2_b_bn_inv_std = sum_to[1x16x1x1](d_res2_b_bn_mul)
-        d_res2_b_bn_inv_std = mem.tensor(118, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_b_bn_mul, out=d_res2_b_bn_inv_std, shape=(1, 16, 1, 1))
-        # free d_res2_b_bn_mul
-        del d_res2_b_bn_mul
-        mem.free(117)
+        # d_res2_b_bn_inv_std = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_weight)
+        d_res2_b_bn_inv_std = mem.tensor(89, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_b_bn_inv_std, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
-        mem.free(18)
-        # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
-        d_res2_b_bn_centered = mem.tensor(119, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
-        # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        mem.free(118)
-        # d_res2_b_bn_mul_2 = d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_inv_std
-        d_res2_b_bn_mul_2 = res2_b_bn_centered  # in place: over res2_b_bn_centered
-        rt.ew(ew_mul_2, d_res2_b_bn_mul_2, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_inv_std)
-        # free res2_b_bn_inv_std
-        del res2_b_bn_inv_std
-        mem.free(19)
-        # d_res2_b_bn_weight = sum_to[1x16x1x1](d_res2_b_bn_mul_2)
-        d_res2_b_bn_weight = mem.tensor(120, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_b_bn_mul_2, out=d_res2_b_bn_weight, shape=(1, 16, 1, 1))
-        # free res2_b, res2_b_bn_centered, d_res2_b_bn_mul_2
-        del res2_b, res2_b_bn_centered, d_res2_b_bn_mul_2
         mem.free(15)
+        # d_res2_b_bn_weight = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_inv_std)
+        d_res2_b_bn_weight = mem.tensor(90, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_b_bn_weight, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
+        d_res2_b_bn_centered = res2_b_bn_centered  # in place: over res2_b_bn_centered
+        rt.ew(ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
+        # free res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        del res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        mem.free(16, 89)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
         # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
@@ -1448,19 +1255,13 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
         # free d_res2_b_bn_weight, d_res2_b_bn_W
         del d_res2_b_bn_weight, d_res2_b_bn_W
-        mem.free(120)
+        mem.free(90)
         # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
         res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
         rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
-        # d_res2_b_bn_neg = -d_res2_b_bn_centered
-        d_res2_b_bn_neg = mem.tensor(121, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_neg, d_res2_b_bn_neg, d_res2_b_bn_centered)
-        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](d_res2_b_bn_neg)
-        d_res2_b_bn_batch_mean = mem.tensor(122, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_b_bn_neg, out=d_res2_b_bn_batch_mean, shape=(1, 16, 1, 1))
-        # free d_res2_b_bn_neg
-        del d_res2_b_bn_neg
-        mem.free(121)
+        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
+        d_res2_b_bn_batch_mean = mem.tensor(91, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
         d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
         rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
@@ -1471,29 +1272,45 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res2_b, d_res2_b_bn_centered, d_res2_b_bn_sum)
         # free d_res2_b_bn_batch_mean, d_res2_b_bn_sum
         del d_res2_b_bn_batch_mean, d_res2_b_bn_sum
-        mem.free(122)
+        mem.free(91)
+
+        # ---- res2_b_bn (batch norm), backward ----
+        # d_res2_b_bn_bias = sum_to[1x16x1x1](d_res2_b_bn_add)
+        d_res2_b_bn_bias = mem.tensor(92, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_b_bn_add, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
+        # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
+        d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B
+        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
+        rt.ew(ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B'])
+        # free d_res2_b_bn_bias, d_res2_b_bn_B
+        del d_res2_b_bn_bias, d_res2_b_bn_B
+        mem.free(92)
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        rt.ew(ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new)
 
         # ---- res2_a_bn_relu (relu), forward ----
         # res2_a_bn_relu_2 = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
-        res2_a_bn_relu_2 = mem.tensor(123, (100, 16, 28, 28), 'float32')
+        res2_a_bn_relu_2 = mem.tensor(93, (100, 16, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, res2_a_bn_relu_2, res2_a_bn_centered, res2_a_bn_inv_std, res2_a_bn_weight, res2_a_bn_bias)
 
         # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
         # d_res2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_b, res2_a_bn_relu_2)
-        d_res2_b_W = mem.tensor(124, (16, 16, 3, 3), 'float32')
+        d_res2_b_W = mem.tensor(94, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_b, res2_a_bn_relu_2, out=d_res2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
         # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W
         V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
         rt.ew(ew_mul_add, V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W'])
         # free d_res2_b_W
         del d_res2_b_W
-        mem.free(124)
+        mem.free(94)
         # d_res2_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_b, res2_b_W)
-        d_res2_a_bn_relu = mem.tensor(125, (100, 16, 28, 28), 'float32')
+        d_res2_a_bn_relu = mem.tensor(95, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_b, T['res2_b_W'], out=d_res2_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
-        # free d_res2_b_bn_centered, d_res2_b
-        del d_res2_b_bn_centered, d_res2_b
-        mem.free(119)
+        # free res2_b, res2_b_bn_centered, d_res2_b_bn_centered, d_res2_b
+        del res2_b, res2_b_bn_centered, d_res2_b_bn_centered, d_res2_b
+        mem.free(13)
 
         # ---- res2_a_bn_relu (relu), backward ----
         # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)
@@ -1501,7 +1318,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2)
         # free res2_a_bn_relu_2
         del res2_a_bn_relu_2
-        mem.free(123)
+        mem.free(93)
 
         # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
         # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new
@@ -1509,53 +1326,30 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
 
         # ---- res2_a_bn (batch norm), backward ----
-        # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
-        d_res2_a_bn_bias = mem.tensor(126, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
-        # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
-        d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
-        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B
-        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        rt.ew(ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B'])
-        # free d_res2_a_bn_bias, d_res2_a_bn_B
-        del d_res2_a_bn_bias, d_res2_a_bn_B
-        mem.free(126)
-        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
-        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew(ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new)
-        # d_res2_a_bn_mul = d_res2_a_bn*res2_a_bn_centered*res2_a_bn_weight
-        d_res2_a_bn_mul = mem.tensor(127, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul, d_res2_a_bn_mul, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_weight)
-        # d_res2_a_bn_inv_std = sum_to[1x16x1x1](d_res2_a_bn_mul)
-        d_res2_a_bn_inv_std = mem.tensor(128, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_a_bn_mul, out=d_res2_a_bn_inv_std, shape=(1, 16, 1, 1))
-        # free d_res2_a_bn_mul
-        del d_res2_a_bn_mul
-        mem.free(127)
+        # d_res2_a_bn_inv_std = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_weight)
+        d_res2_a_bn_inv_std = mem.tensor(96, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_a_bn_inv_std, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
-        mem.free(12)
+        mem.free(10)
+        # d_res2_a_bn_weight = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_inv_std)
+        d_res2_a_bn_weight = mem.tensor(97, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_a_bn_weight, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
-        d_res2_a_bn_centered = mem.tensor(129, (100, 16, 28, 28), 'float32')
+        d_res2_a_bn_centered = res2_a_bn_centered  # in place: over res2_a_bn_centered
         rt.ew(ew_mul_add_2, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
-        # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        mem.free(128)
-        # d_res2_a_bn_mul_2 = d_res2_a_bn*res2_a_bn_centered*res2_a_bn_inv_std
-        d_res2_a_bn_mul_2 = d_res2_a_bn  # in place: over d_res2_a_bn
-        rt.ew(ew_mul_3, d_res2_a_bn_mul_2, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_inv_std)
-        # free res2_a, res2_a_bn_centered, res2_a_bn_inv_std
-        del res2_a, res2_a_bn_centered, res2_a_bn_inv_std
-        mem.free(9, 13)
-        # d_res2_a_bn_weight = sum_to[1x16x1x1](d_res2_a_bn_mul_2)
-        d_res2_a_bn_weight = mem.tensor(130, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_a_bn_mul_2, out=d_res2_a_bn_weight, shape=(1, 16, 1, 1))
-        # free d_res2_a_bn_relu, d_res2_a_bn, d_res2_a_bn_mul_2
-        del d_res2_a_bn_relu, d_res2_a_bn, d_res2_a_bn_mul_2
-        mem.free(125)
+        # free res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        del res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        mem.free(11, 96)
+        # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
+        d_res2_a_bn_bias = mem.tensor(98, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
+        # free d_res2_a_bn_relu, d_res2_a_bn
+        del d_res2_a_bn_relu, d_res2_a_bn
+        mem.free(95)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
         # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
@@ -1563,19 +1357,24 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
         # free d_res2_a_bn_weight, d_res2_a_bn_W
         del d_res2_a_bn_weight, d_res2_a_bn_W
-        mem.free(130)
+        mem.free(97)
         # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
         res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
         rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
-        # d_res2_a_bn_neg = -d_res2_a_bn_centered
-        d_res2_a_bn_neg = mem.tensor(131, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_neg, d_res2_a_bn_neg, d_res2_a_bn_centered)
-        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](d_res2_a_bn_neg)
-        d_res2_a_bn_batch_mean = mem.tensor(132, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_res2_a_bn_neg, out=d_res2_a_bn_batch_mean, shape=(1, 16, 1, 1))
-        # free d_res2_a_bn_neg
-        del d_res2_a_bn_neg
-        mem.free(131)
+        # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
+        d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B
+        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
+        rt.ew(ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B'])
+        # free d_res2_a_bn_bias, d_res2_a_bn_B
+        del d_res2_a_bn_bias, d_res2_a_bn_B
+        mem.free(98)
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        rt.ew(ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new)
+        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
+        d_res2_a_bn_batch_mean = mem.tensor(99, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
         d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
         rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
@@ -1586,29 +1385,29 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res2_a, d_res2_a_bn_centered, d_res2_a_bn_sum)
         # free d_res2_a_bn_batch_mean, d_res2_a_bn_sum
         del d_res2_a_bn_batch_mean, d_res2_a_bn_sum
-        mem.free(132)
+        mem.free(99)
 
         # ---- conv1_bn_relu (relu), forward ----
         # conv1_bn_relu_2 = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
-        conv1_bn_relu_2 = mem.tensor(133, (100, 16, 28, 28), 'float32')
+        conv1_bn_relu_2 = mem.tensor(100, (100, 16, 28, 28), 'float32')
         rt.ew(ew_mul_add_relu, conv1_bn_relu_2, conv1_bn_centered, conv1_bn_inv_std, conv1_bn_weight, conv1_bn_bias)
 
         # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
         # d_res2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_a, conv1_bn_relu_2)
-        d_res2_a_W = mem.tensor(134, (16, 16, 3, 3), 'float32')
+        d_res2_a_W = mem.tensor(101, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_a, conv1_bn_relu_2, out=d_res2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
         # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W
         V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
         rt.ew(ew_mul_add, V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W'])
         # free d_res2_a_W
         del d_res2_a_W
-        mem.free(134)
+        mem.free(101)
         # d_conv1_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_a, res2_a_W)
-        d_conv1_bn_relu = mem.tensor(135, (100, 16, 28, 28), 'float32')
+        d_conv1_bn_relu = mem.tensor(102, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_a, T['res2_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
-        # free d_res2_a_bn_centered, d_res2_a
-        del d_res2_a_bn_centered, d_res2_a
-        mem.free(129)
+        # free res2_a, res2_a_bn_centered, d_res2_a_bn_centered, d_res2_a
+        del res2_a, res2_a_bn_centered, d_res2_a_bn_centered, d_res2_a
+        mem.free(8)
 
         # ---- conv1_bn_relu (relu), backward ----
         # d_conv1_bn = (d_res2_b_bn_add + d_conv1_bn_relu)*Heaviside(conv1_bn_relu_2, 0)
@@ -1616,7 +1415,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add_step_mul, d_conv1_bn, d_res2_b_bn_add, d_conv1_bn_relu, conv1_bn_relu_2)
         # free conv1_bn_relu_2, d_conv1_bn_relu
         del conv1_bn_relu_2, d_conv1_bn_relu
-        mem.free(133, 135)
+        mem.free(100, 102)
 
         # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
         # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new
@@ -1624,53 +1423,30 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
-        d_conv1_bn_bias = mem.tensor(136, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
-        # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
-        d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
-        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        rt.ew(ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
-        # free d_conv1_bn_bias, d_conv1_bn_B
-        del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(136)
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
-        # d_conv1_bn_mul = d_conv1_bn*conv1_bn_centered*conv1_bn_weight
-        d_conv1_bn_mul = mem.tensor(137, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul, d_conv1_bn_mul, d_conv1_bn, conv1_bn_centered, conv1_bn_weight)
-        # d_conv1_bn_inv_std = sum_to[1x16x1x1](d_conv1_bn_mul)
-        d_conv1_bn_inv_std = mem.tensor(138, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_conv1_bn_mul, out=d_conv1_bn_inv_std, shape=(1, 16, 1, 1))
-        # free d_conv1_bn_mul
-        del d_conv1_bn_mul
-        mem.free(137)
+        # d_conv1_bn_inv_std = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_weight)
+        d_conv1_bn_inv_std = mem.tensor(103, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_conv1_bn_inv_std, d_conv1_bn, conv1_bn_centered, conv1_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
-        mem.free(6)
+        mem.free(5)
+        # d_conv1_bn_weight = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std)
+        d_conv1_bn_weight = mem.tensor(104, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_conv1_bn_weight, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
-        d_conv1_bn_centered = mem.tensor(139, (100, 16, 28, 28), 'float32')
+        d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
         rt.ew(ew_mul_add_2, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
-        # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        mem.free(138)
-        # d_conv1_bn_mul_2 = d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std
-        d_conv1_bn_mul_2 = d_conv1_bn  # in place: over d_conv1_bn
-        rt.ew(ew_mul_3, d_conv1_bn_mul_2, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std)
-        # free conv1, conv1_bn_centered, conv1_bn_inv_std
-        del conv1, conv1_bn_centered, conv1_bn_inv_std
-        mem.free(3, 7)
-        # d_conv1_bn_weight = sum_to[1x16x1x1](d_conv1_bn_mul_2)
-        d_conv1_bn_weight = mem.tensor(140, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_conv1_bn_mul_2, out=d_conv1_bn_weight, shape=(1, 16, 1, 1))
-        # free d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn, d_conv1_bn_mul_2
-        del d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn, d_conv1_bn_mul_2
-        mem.free(115)
+        # free conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        del conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        mem.free(6, 103)
+        # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
+        d_conv1_bn_bias = mem.tensor(105, (1, 16, 1, 1), 'float32')
+        rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
+        # free d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
+        del d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
+        mem.free(88)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
         # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
@@ -1678,19 +1454,24 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
         # free d_conv1_bn_weight, d_conv1_bn_W
         del d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(140)
+        mem.free(104)
         # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
         conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
         rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
-        # d_conv1_bn_neg = -d_conv1_bn_centered
-        d_conv1_bn_neg = mem.tensor(141, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_neg, d_conv1_bn_neg, d_conv1_bn_centered)
-        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](d_conv1_bn_neg)
-        d_conv1_bn_batch_mean = mem.tensor(142, (1, 16, 1, 1), 'float32')
-        rt.sum_to(d_conv1_bn_neg, out=d_conv1_bn_batch_mean, shape=(1, 16, 1, 1))
-        # free d_conv1_bn_neg
-        del d_conv1_bn_neg
-        mem.free(141)
+        # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
+        d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
+        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
+        rt.ew(ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
+        # free d_conv1_bn_bias, d_conv1_bn_B
+        del d_conv1_bn_bias, d_conv1_bn_B
+        mem.free(105)
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
+        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
+        d_conv1_bn_batch_mean = mem.tensor(106, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -1701,19 +1482,19 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_conv1, d_conv1_bn_centered, d_conv1_bn_sum)
         # free d_conv1_bn_batch_mean, d_conv1_bn_sum
         del d_conv1_bn_batch_mean, d_conv1_bn_sum
-        mem.free(142)
+        mem.free(106)
         # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1, x)
-        d_conv1_W = mem.tensor(143, (16, 1, 3, 3), 'float32')
+        d_conv1_W = mem.tensor(107, (16, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
-        # free x, d_conv1_bn_centered, d_conv1
-        del x, d_conv1_bn_centered, d_conv1
-        mem.free(0, 139)
+        # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
+        del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
+        mem.free(0, 3)
         # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
         rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
         # free d_conv1_W
         del d_conv1_W
-        mem.free(143)
+        mem.free(107)
         # conv1_W_new = conv1_W - lr*V_conv1_W_new
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
         rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
@@ -1991,152 +1772,116 @@ class ResnetMini(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=36695296, peak_bytes=36695296, workspace_bytes=31974400, pool_bytes=41713664,
+            arena_bytes=36695040, peak_bytes=35588096, workspace_bytes=31974400, pool_bytes=40460032, pool_peak_bytes=36695040,
             buffers=(
-                (36377600, 313600),  # 0: x 100x1x28x28 float32
-                (33902592, 400),  # 1: y 100 int32
-                (33894400, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
+                (30105600, 313600),  # 0: x 100x1x28x28 float32
+                (35440896, 400),  # 1: y 100 int32
+                (35436800, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
                 (0, 5017600),  # 3: conv1 100x16x28x28 float32
                 (5017600, 64),  # 4: conv1_bn_sum 1x16x1x1 float32
-                (5017600, 5017600),  # 5: conv1_bn_square 100x16x28x28 float32
-                (36691200, 64),  # 6: conv1_bn_sum_of_squares 1x16x1x1 float32
-                (36691456, 64),  # 7: conv1_bn_inv_std 1x16x1x1 float32
-                (5017600, 5017600),  # 8: conv1_bn_relu 100x16x28x28 float32
-                (10035200, 5017600),  # 9: res2_a 100x16x28x28 float32
-                (15052800, 64),  # 10: res2_a_bn_sum 1x16x1x1 float32
-                (15052800, 5017600),  # 11: res2_a_bn_square 100x16x28x28 float32
-                (36691712, 64),  # 12: res2_a_bn_sum_of_squares 1x16x1x1 float32
-                (36691968, 64),  # 13: res2_a_bn_inv_std 1x16x1x1 float32
-                (15052800, 5017600),  # 14: res2_a_bn_relu 100x16x28x28 float32
-                (20070400, 5017600),  # 15: res2_b 100x16x28x28 float32
-                (15052800, 64),  # 16: res2_b_bn_sum 1x16x1x1 float32
-                (15052800, 5017600),  # 17: res2_b_bn_square 100x16x28x28 float32
-                (36692224, 64),  # 18: res2_b_bn_sum_of_squares 1x16x1x1 float32
-                (36692480, 64),  # 19: res2_b_bn_inv_std 1x16x1x1 float32
-                (25088000, 2508800),  # 20: res3_proj 100x32x14x14 float32
-                (15052800, 128),  # 21: res3_proj_bn_sum 1x32x1x1 float32
-                (15052800, 2508800),  # 22: res3_proj_bn_square 100x32x14x14 float32
-                (36692736, 128),  # 23: res3_proj_bn_sum_of_squares 1x32x1x1 float32
-                (36692992, 128),  # 24: res3_proj_bn_inv_std 1x32x1x1 float32
-                (15052800, 2508800),  # 25: res3_a 100x32x14x14 float32
-                (17561600, 128),  # 26: res3_a_bn_sum 1x32x1x1 float32
-                (17561600, 2508800),  # 27: res3_a_bn_square 100x32x14x14 float32
-                (36693248, 128),  # 28: res3_a_bn_sum_of_squares 1x32x1x1 float32
-                (36693504, 128),  # 29: res3_a_bn_inv_std 1x32x1x1 float32
-                (17561600, 2508800),  # 30: res3_a_bn_relu 100x32x14x14 float32
-                (27596800, 2508800),  # 31: res3_b 100x32x14x14 float32
-                (17561600, 128),  # 32: res3_b_bn_sum 1x32x1x1 float32
-                (17561600, 2508800),  # 33: res3_b_bn_square 100x32x14x14 float32
-                (36693760, 128),  # 34: res3_b_bn_sum_of_squares 1x32x1x1 float32
-                (36694016, 128),  # 35: res3_b_bn_inv_std 1x32x1x1 float32
-                (17561600, 2508800),  # 36: res3_b_bn_relu 100x32x14x14 float32
-                (32614400, 1254400),  # 37: res4_proj 100x64x7x7 float32
-                (30105600, 256),  # 38: res4_proj_bn_sum 1x64x1x1 float32
-                (30105600, 1254400),  # 39: res4_proj_bn_square 100x64x7x7 float32
-                (36694272, 256),  # 40: res4_proj_bn_sum_of_squares 1x64x1x1 float32
-                (36694528, 256),  # 41: res4_proj_bn_inv_std 1x64x1x1 float32
-                (30105600, 1254400),  # 42: res4_a 100x64x7x7 float32
-                (17561600, 256),  # 43: res4_a_bn_sum 1x64x1x1 float32
-                (17561600, 1254400),  # 44: res4_a_bn_square 100x64x7x7 float32
-                (35148800, 256),  # 45: res4_a_bn_sum_of_squares 1x64x1x1 float32
-                (36694784, 256),  # 46: res4_a_bn_inv_std 1x64x1x1 float32
-                (17561600, 1254400),  # 47: res4_a_bn_relu 100x64x7x7 float32
-                (18816000, 1254400),  # 48: res4_b 100x64x7x7 float32
-                (31360000, 256),  # 49: res4_b_bn_sum 1x64x1x1 float32
-                (31360000, 1254400),  # 50: res4_b_bn_square 100x64x7x7 float32
-                (35149056, 256),  # 51: res4_b_bn_sum_of_squares 1x64x1x1 float32
-                (35149312, 256),  # 52: res4_b_bn_inv_std 1x64x1x1 float32
-                (31360000, 1254400),  # 53: res4_b_bn_relu 100x64x7x7 float32
-                (33868800, 25600),  # 54: res4_b_bn_avg_pool 100x64x1x1 float32
-                (33898496, 4000),  # 55: fc_matmul 100x10 float32
-                (33903104, 400),  # 56: fc_cross_entropy_pick 100 float32
-                (33898496, 2560),  # 57: d_fc_W 10x64 float32
-                (36695040, 4),  # 58: fc_cross_entropy_sum_to scalar float32
-                (33868800, 40),  # 59: d_fc_B 10 float32
-                (35123200, 25600),  # 60: d_res4_b_bn_flatten 100x64 float32
-                (33868800, 1254400),  # 61: d_res4_b_bn_relu 100x64x7x7 float32
-                (31360000, 256),  # 62: d_res4_proj_bn_bias 1x64x1x1 float32
-                (31360000, 1254400),  # 63: d_res4_b_bn_mul 100x64x7x7 float32
-                (35123200, 256),  # 64: d_res4_b_bn_inv_std 1x64x1x1 float32
-                (31360000, 1254400),  # 65: d_res4_b_bn_centered 100x64x7x7 float32
-                (35123200, 256),  # 66: d_res4_b_bn_weight 1x64x1x1 float32
-                (18816000, 1254400),  # 67: d_res4_b_bn_neg 100x64x7x7 float32
-                (35123200, 256),  # 68: d_res4_b_bn_batch_mean 1x64x1x1 float32
-                (18816000, 147456),  # 69: d_res4_b_W 64x64x3x3 float32
-                (18816000, 1254400),  # 70: d_res4_a_bn_relu 100x64x7x7 float32
-                (17561600, 256),  # 71: d_res4_a_bn_bias 1x64x1x1 float32
-                (17561600, 1254400),  # 72: d_res4_a_bn_mul 100x64x7x7 float32
-                (31360000, 256),  # 73: d_res4_a_bn_inv_std 1x64x1x1 float32
-                (35123200, 1254400),  # 74: d_res4_a_bn_centered 100x64x7x7 float32
-                (17561600, 256),  # 75: d_res4_a_bn_weight 1x64x1x1 float32
-                (17561600, 1254400),  # 76: d_res4_a_bn_neg 100x64x7x7 float32
-                (18816000, 256),  # 77: d_res4_a_bn_batch_mean 1x64x1x1 float32
-                (17561600, 2508800),  # 78: res3_b_bn_relu_2 100x32x14x14 float32
-                (30105600, 73728),  # 79: d_res4_a_W 64x32x3x3 float32
-                (30105600, 2508800),  # 80: d_res3_b_bn_relu 100x32x14x14 float32
-                (35123200, 1254400),  # 81: d_res4_proj_bn_mul 100x64x7x7 float32
-                (36694784, 256),  # 82: d_res4_proj_bn_inv_std 1x64x1x1 float32
-                (35123200, 1254400),  # 83: d_res4_proj_bn_centered 100x64x7x7 float32
-                (32614400, 256),  # 84: d_res4_proj_bn_weight 1x64x1x1 float32
-                (32614400, 1254400),  # 85: d_res4_proj_bn_neg 100x64x7x7 float32
-                (33868800, 256),  # 86: d_res4_proj_bn_batch_mean 1x64x1x1 float32
-                (32614400, 8192),  # 87: d_res4_proj_W 64x32x1x1 float32
-                (32614400, 2508800),  # 88: d_res3_b_bn_relu_2 100x32x14x14 float32
-                (17561600, 128),  # 89: d_res3_proj_bn_bias 1x32x1x1 float32
-                (17561600, 2508800),  # 90: d_res3_b_bn_mul 100x32x14x14 float32
-                (30105600, 128),  # 91: d_res3_b_bn_inv_std 1x32x1x1 float32
-                (17561600, 2508800),  # 92: d_res3_b_bn_centered 100x32x14x14 float32
-                (30105600, 128),  # 93: d_res3_b_bn_weight 1x32x1x1 float32
-                (27596800, 2508800),  # 94: d_res3_b_bn_neg 100x32x14x14 float32
-                (30105600, 128),  # 95: d_res3_b_bn_batch_mean 1x32x1x1 float32
-                (27596800, 2508800),  # 96: res3_a_bn_relu_2 100x32x14x14 float32
-                (30105600, 36864),  # 97: d_res3_b_W 32x32x3x3 float32
-                (30105600, 2508800),  # 98: d_res3_a_bn_relu 100x32x14x14 float32
-                (17561600, 128),  # 99: d_res3_a_bn_bias 1x32x1x1 float32
-                (17561600, 2508800),  # 100: d_res3_a_bn_mul 100x32x14x14 float32
-                (35123200, 128),  # 101: d_res3_a_bn_inv_std 1x32x1x1 float32
-                (27596800, 2508800),  # 102: d_res3_a_bn_centered 100x32x14x14 float32
-                (15052800, 128),  # 103: d_res3_a_bn_weight 1x32x1x1 float32
-                (15052800, 2508800),  # 104: d_res3_a_bn_neg 100x32x14x14 float32
-                (17561600, 128),  # 105: d_res3_a_bn_batch_mean 1x32x1x1 float32
-                (15052800, 18432),  # 106: d_res3_a_W 32x16x3x3 float32
-                (15052800, 5017600),  # 107: d_res2_b_bn_relu 100x16x28x28 float32
-                (27596800, 2508800),  # 108: d_res3_proj_bn_mul 100x32x14x14 float32
-                (35123200, 128),  # 109: d_res3_proj_bn_inv_std 1x32x1x1 float32
-                (30105600, 2508800),  # 110: d_res3_proj_bn_centered 100x32x14x14 float32
-                (25088000, 128),  # 111: d_res3_proj_bn_weight 1x32x1x1 float32
-                (25088000, 2508800),  # 112: d_res3_proj_bn_neg 100x32x14x14 float32
-                (27596800, 128),  # 113: d_res3_proj_bn_batch_mean 1x32x1x1 float32
-                (25088000, 2048),  # 114: d_res3_proj_W 32x16x1x1 float32
-                (25088000, 5017600),  # 115: d_res2_b_bn_relu_2 100x16x28x28 float32
-                (5017600, 64),  # 116: d_res2_b_bn_bias 1x16x1x1 float32
-                (5017600, 5017600),  # 117: d_res2_b_bn_mul 100x16x28x28 float32
-                (15052800, 64),  # 118: d_res2_b_bn_inv_std 1x16x1x1 float32
-                (5017600, 5017600),  # 119: d_res2_b_bn_centered 100x16x28x28 float32
-                (15052800, 64),  # 120: d_res2_b_bn_weight 1x16x1x1 float32
-                (15052800, 5017600),  # 121: d_res2_b_bn_neg 100x16x28x28 float32
-                (20070400, 64),  # 122: d_res2_b_bn_batch_mean 1x16x1x1 float32
-                (15052800, 5017600),  # 123: res2_a_bn_relu_2 100x16x28x28 float32
-                (20070400, 9216),  # 124: d_res2_b_W 16x16x3x3 float32
-                (20070400, 5017600),  # 125: d_res2_a_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 126: d_res2_a_bn_bias 1x16x1x1 float32
-                (5017600, 5017600),  # 127: d_res2_a_bn_mul 100x16x28x28 float32
-                (15052800, 64),  # 128: d_res2_a_bn_inv_std 1x16x1x1 float32
-                (5017600, 5017600),  # 129: d_res2_a_bn_centered 100x16x28x28 float32
-                (10035200, 64),  # 130: d_res2_a_bn_weight 1x16x1x1 float32
-                (10035200, 5017600),  # 131: d_res2_a_bn_neg 100x16x28x28 float32
-                (15052800, 64),  # 132: d_res2_a_bn_batch_mean 1x16x1x1 float32
-                (10035200, 5017600),  # 133: conv1_bn_relu_2 100x16x28x28 float32
-                (15052800, 9216),  # 134: d_res2_a_W 16x16x3x3 float32
-                (15052800, 5017600),  # 135: d_conv1_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 136: d_conv1_bn_bias 1x16x1x1 float32
-                (5017600, 5017600),  # 137: d_conv1_bn_mul 100x16x28x28 float32
-                (10035200, 64),  # 138: d_conv1_bn_inv_std 1x16x1x1 float32
-                (5017600, 5017600),  # 139: d_conv1_bn_centered 100x16x28x28 float32
-                (0, 64),  # 140: d_conv1_bn_weight 1x16x1x1 float32
-                (0, 5017600),  # 141: d_conv1_bn_neg 100x16x28x28 float32
-                (10035200, 64),  # 142: d_conv1_bn_batch_mean 1x16x1x1 float32
-                (0, 576),  # 143: d_conv1_W 16x1x3x3 float32
+                (36691200, 64),  # 5: conv1_bn_sum_of_squares 1x16x1x1 float32
+                (36691456, 64),  # 6: conv1_bn_inv_std 1x16x1x1 float32
+                (15052800, 5017600),  # 7: conv1_bn_relu 100x16x28x28 float32
+                (5017600, 5017600),  # 8: res2_a 100x16x28x28 float32
+                (10035200, 64),  # 9: res2_a_bn_sum 1x16x1x1 float32
+                (36691712, 64),  # 10: res2_a_bn_sum_of_squares 1x16x1x1 float32
+                (36691968, 64),  # 11: res2_a_bn_inv_std 1x16x1x1 float32
+                (20070400, 5017600),  # 12: res2_a_bn_relu 100x16x28x28 float32
+                (10035200, 5017600),  # 13: res2_b 100x16x28x28 float32
+                (20070400, 64),  # 14: res2_b_bn_sum 1x16x1x1 float32
+                (36692224, 64),  # 15: res2_b_bn_sum_of_squares 1x16x1x1 float32
+                (36692480, 64),  # 16: res2_b_bn_inv_std 1x16x1x1 float32
+                (22579200, 2508800),  # 17: res3_proj 100x32x14x14 float32
+                (20070400, 128),  # 18: res3_proj_bn_sum 1x32x1x1 float32
+                (36693760, 128),  # 19: res3_proj_bn_sum_of_squares 1x32x1x1 float32
+                (36693504, 128),  # 20: res3_proj_bn_inv_std 1x32x1x1 float32
+                (20070400, 2508800),  # 21: res3_a 100x32x14x14 float32
+                (25088000, 128),  # 22: res3_a_bn_sum 1x32x1x1 float32
+                (36692992, 128),  # 23: res3_a_bn_sum_of_squares 1x32x1x1 float32
+                (36693248, 128),  # 24: res3_a_bn_inv_std 1x32x1x1 float32
+                (27596800, 2508800),  # 25: res3_a_bn_relu 100x32x14x14 float32
+                (25088000, 2508800),  # 26: res3_b 100x32x14x14 float32
+                (27596800, 128),  # 27: res3_b_bn_sum 1x32x1x1 float32
+                (36694272, 128),  # 28: res3_b_bn_sum_of_squares 1x32x1x1 float32
+                (36694016, 128),  # 29: res3_b_bn_inv_std 1x32x1x1 float32
+                (31673600, 2508800),  # 30: res3_b_bn_relu 100x32x14x14 float32
+                (30419200, 1254400),  # 31: res4_proj 100x64x7x7 float32
+                (27596800, 256),  # 32: res4_proj_bn_sum 1x64x1x1 float32
+                (35466752, 256),  # 33: res4_proj_bn_sum_of_squares 1x64x1x1 float32
+                (35466496, 256),  # 34: res4_proj_bn_inv_std 1x64x1x1 float32
+                (28851200, 1254400),  # 35: res4_a 100x64x7x7 float32
+                (27596800, 256),  # 36: res4_a_bn_sum 1x64x1x1 float32
+                (36694528, 256),  # 37: res4_a_bn_sum_of_squares 1x64x1x1 float32
+                (36694784, 256),  # 38: res4_a_bn_inv_std 1x64x1x1 float32
+                (31673600, 1254400),  # 39: res4_a_bn_relu 100x64x7x7 float32
+                (32928000, 1254400),  # 40: res4_b 100x64x7x7 float32
+                (27596800, 256),  # 41: res4_b_bn_sum 1x64x1x1 float32
+                (35467264, 256),  # 42: res4_b_bn_sum_of_squares 1x64x1x1 float32
+                (35467008, 256),  # 43: res4_b_bn_inv_std 1x64x1x1 float32
+                (34182400, 1254400),  # 44: res4_b_bn_relu 100x64x7x7 float32
+                (27596800, 25600),  # 45: res4_b_bn_avg_pool 100x64x1x1 float32
+                (27622400, 4000),  # 46: fc_matmul 100x10 float32
+                (27626496, 400),  # 47: fc_cross_entropy_pick 100 float32
+                (27622400, 2560),  # 48: d_fc_W 10x64 float32
+                (36692736, 4),  # 49: fc_cross_entropy_sum_to scalar float32
+                (27596800, 40),  # 50: d_fc_B 10 float32
+                (35440896, 25600),  # 51: d_res4_b_bn_flatten 100x64 float32
+                (27596800, 1254400),  # 52: d_res4_b_bn_relu 100x64x7x7 float32
+                (34182656, 256),  # 53: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (34182400, 256),  # 54: d_res4_proj_bn_inv_std 1x64x1x1 float32
+                (34182912, 256),  # 55: d_res4_b_bn_weight 1x64x1x1 float32
+                (34182656, 256),  # 56: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (34182656, 256),  # 57: d_res4_proj_bn_bias 1x64x1x1 float32
+                (34182656, 256),  # 58: d_res4_proj_bn_weight 1x64x1x1 float32
+                (30419200, 256),  # 59: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (34182400, 2508800),  # 60: res3_b_bn_relu_2 100x32x14x14 float32
+                (30419200, 8192),  # 61: d_res4_proj_W 64x32x1x1 float32
+                (30419200, 147456),  # 62: d_res4_b_W 64x64x3x3 float32
+                (32928000, 1254400),  # 63: d_res4_a_bn_relu 100x64x7x7 float32
+                (30419200, 256),  # 64: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (30419456, 256),  # 65: d_res4_a_bn_weight 1x64x1x1 float32
+                (30419200, 256),  # 66: d_res4_a_bn_bias 1x64x1x1 float32
+                (30419200, 256),  # 67: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (30419200, 73728),  # 68: d_res4_a_W 64x32x3x3 float32
+                (30419200, 2508800),  # 69: d_res3_b_bn_relu 100x32x14x14 float32
+                (27596800, 2508800),  # 70: d_res3_b_bn_relu_2 100x32x14x14 float32
+                (30419456, 128),  # 71: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (30419200, 128),  # 72: d_res3_proj_bn_inv_std 1x32x1x1 float32
+                (30419712, 128),  # 73: d_res3_b_bn_weight 1x32x1x1 float32
+                (30419456, 128),  # 74: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (30419456, 128),  # 75: d_res3_proj_bn_bias 1x32x1x1 float32
+                (30419456, 128),  # 76: d_res3_proj_bn_weight 1x32x1x1 float32
+                (22579200, 128),  # 77: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (22579200, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
+                (30419200, 2508800),  # 79: res3_a_bn_relu_2 100x32x14x14 float32
+                (22579200, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
+                (22579200, 2508800),  # 81: d_res3_a_bn_relu 100x32x14x14 float32
+                (25088000, 128),  # 82: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (25088256, 128),  # 83: d_res3_a_bn_weight 1x32x1x1 float32
+                (25088000, 128),  # 84: d_res3_a_bn_bias 1x32x1x1 float32
+                (22579200, 128),  # 85: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (22579200, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
+                (30419200, 5017600),  # 87: d_res2_b_bn_relu 100x16x28x28 float32
+                (20070400, 5017600),  # 88: d_res2_b_bn_relu_2 100x16x28x28 float32
+                (15052800, 64),  # 89: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (15053056, 64),  # 90: d_res2_b_bn_weight 1x16x1x1 float32
+                (15052800, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (15052800, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
+                (25088000, 5017600),  # 93: res2_a_bn_relu_2 100x16x28x28 float32
+                (15052800, 9216),  # 94: d_res2_b_W 16x16x3x3 float32
+                (15052800, 5017600),  # 95: d_res2_a_bn_relu 100x16x28x28 float32
+                (10035200, 64),  # 96: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (10035456, 64),  # 97: d_res2_a_bn_weight 1x16x1x1 float32
+                (10035200, 64),  # 98: d_res2_a_bn_bias 1x16x1x1 float32
+                (10035200, 64),  # 99: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (10035200, 5017600),  # 100: conv1_bn_relu_2 100x16x28x28 float32
+                (15052800, 9216),  # 101: d_res2_a_W 16x16x3x3 float32
+                (15052800, 5017600),  # 102: d_conv1_bn_relu 100x16x28x28 float32
+                (5017600, 64),  # 103: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 104: d_conv1_bn_weight 1x16x1x1 float32
+                (5017600, 64),  # 105: d_conv1_bn_bias 1x16x1x1 float32
+                (5017600, 64),  # 106: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (5017600, 576),  # 107: d_conv1_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=15053312, peak_bytes=15053312, workspace_bytes=25856000, pool_bytes=15366912,
@@ -2290,16 +2035,10 @@ def ew_add_pow_mul(out, v0, v1):
 
 
 def ew_mul_add_2(out, v0, v1, v2, v3, v4):
-    """out = v0*v1*v2 + 2*v3*v4"""
-    np.multiply(v3, v4, out=out)
+    """out = v0*v1*v2 + 2*v3*v4   (out may be v4)"""
+    np.multiply(v4, v3, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
-
-
-def ew_mul_2(out, v0, v1, v2):
-    """out = v0*v1*v2   (out may be v1)"""
-    np.multiply(v1, v0, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_neg(out, v0):
@@ -2307,10 +2046,11 @@ def ew_neg(out, v0):
     np.negative(v0, out=out)
 
 
-def ew_mul_3(out, v0, v1, v2):
-    """out = v0*v1*v2   (out may be v0)"""
+def ew_mul_add_3(out, v0, v1, v2, v3, v4):
+    """out = v0*v1*v2 + 2*v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
+    np.add(out, v3 * v4 * 2, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

@@ -209,6 +209,21 @@ def bernoulli_scratch(shape) -> int:
     return _per_sample(shape)
 
 
+EW_SUM_CHUNK_BYTES = 1 << 23      # an ew_sum's chunk of samples: cache-sized, so its two passes stay in the cache
+
+
+def ew_sum_scratch(full_shape, out_shape) -> tuple[int, int, bool]:
+    """ew_sum, the sum to `out_shape` of an elementwise expression of `full_shape`: (floats per sample, floats once
+    when the batch runs in more than one chunk, whether it may run in chunks of samples). Per sample the
+    expression's values; once the sum of a chunk (added to the output); chunks only where the sum adds up the
+    leading axis (else the whole tensor at once, as one "sample")."""
+    full, out = tuple(full_shape), tuple(out_shape)
+    lead = len(full) - len(out)
+    chunked = len(full) > 0 and full[0] > 1 and (lead > 0 or out[0] == 1)
+    per_sample = math.prod(full[1:]) if chunked else math.prod(full)
+    return per_sample, math.prod(out), chunked
+
+
 def stage_floats(input_bytes: int, output_bytes: int, batch: int) -> int:
     """Elements a kernel whose output takes over its input's bytes stages one sample through, at the end of its
     workspace after the op's own scratch: one sample of the smaller of input and output."""
@@ -246,6 +261,17 @@ def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
     if None in letters or ("c" in letters and "r" in letters):
         return None
     return "".join(letters)
+
+
+def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
+    """The operand pattern (`operand_pattern` over the summed values) of an ew_sum a compiled kernel computes
+    directly, never storing the values: a per-channel sum ((N, C, ...) of 3 or more axes to (1, C, 1, ...), as
+    batch norm's statistics) of operands that are whole tensors, scalars or per-channel values; None otherwise."""
+    values, out = tuple(values_shape), tuple(out_shape)
+    if len(values) < 3 or (1,) * (len(values) - len(out)) + out != (1, values[1]) + (1,) * (len(values) - 2):
+        return None
+    pattern = operand_pattern(shapes_and_uint8, values)
+    return pattern if pattern is not None and set(pattern) <= set("fusc") else None
 
 
 def kernel_rows(pattern: str, out_shape) -> tuple[int, int, int]:

@@ -208,6 +208,12 @@ case("ew_tensor_arithmetic",
 case("dsl_add", lambda a, b, c: D.add(D.Tensor(a), D.Tensor(b), D.Tensor(c)).node, lambda a, b, c: a + b + c,
      {"a": randn(2, 3), "b": randn(2, 3, seed=1), "c": randn(2, 3, seed=2)})
 
+# sums of elementwise expressions (what the fuse_reductions pass makes of batch norm's statistics)
+case("ew_sum_per_channel", lambda a, m: make("ew_sum", (a, m), expr=(sym(0) - sym(1)) ** 2, shape=(1, 3, 1, 1)),
+     lambda a, m: ((a - m) ** 2).sum(dim=(0, 2, 3), keepdim=True), {"a": randn(2, 3, 4, 5), "m": randn(1, 3, 1, 1, seed=1)})
+case("ew_sum_to_scalar", lambda a, b: make("ew_sum", (a, b), expr=sym(0) * sympy.exp(sym(1)), shape=()),
+     lambda a, b: (a * torch.exp(b)).sum(), {"a": randn(3, 4), "b": randn(4, seed=1)})
+
 # summing, broadcasting, reshaping
 case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
 case("sum_to_middle", lambda x: sum_to(x, (2, 1, 4)), lambda x: x.sum_to_size(2, 1, 4), {"x": randn(2, 3, 4)})

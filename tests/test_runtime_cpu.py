@@ -47,6 +47,9 @@ def run_runtime(node, arrays, limit=UNLIMITED):
     """Call the runtime function of `node` as generated code does."""
     fn = getattr(cpu, node.op)
     kwargs = dict(node.kwargs)
+    if node.op == "ew_sum":             # the kernel function of its expression, as generated code passes it
+        def fn(*operands, out, expr, **rest):
+            cpu.ew_sum(kernel(expr, len(operands), None), out, *operands, **rest)
     if get_op(node.op).view:
         return fn(*arrays, **kwargs)
     dtype = {FLOAT: np.float32, INT32: np.int32, UINT8: np.uint8}[node.dtype]
@@ -278,6 +281,20 @@ def test_elementwise_kernels(expr):
         cpu.ew(k, out, *given)
         assert out.dtype == np.float32
         np.testing.assert_allclose(out, expected, rtol=RTOL, atol=1e-6)
+
+
+@covers("ew_sum")
+@pytest.mark.parametrize("limit", [UNLIMITED, 1])       # 1 byte: one sample per chunk
+def test_sums_of_elementwise_kernels(limit):
+    """Per-channel sums (batch norm's), to a scalar, over the batch axis, and a sum that keeps the batch axis (one
+    chunk, the whole tensor), with a uint8 mask, a scalar and a per-channel operand; chunked under a NaN-filled
+    workspace of the planned size."""
+    x, m = leaf("x", (5, 3, 4, 2)), leaf("m", (1, 3, 1, 1))
+    mask = leaf("k", (5, 3, 4, 2), UINT8)
+    for inputs, expr, shape in [((x, m), (v[0] - v[1]) ** 2, (1, 3, 1, 1)), ((x, mask), v[0] * v[1] / 0.5, ()),
+                                ((x, m), v[0] * v[1], (3, 1, 1)), ((x,), sympy.exp(v[0]), (5, 1, 1, 1)),
+                                ((leaf("a", (6, 4)), leaf("b", (4,))), v[0] * v[1] + 1, (4,))]:
+        check(make("ew_sum", inputs, expr=expr, shape=shape), limit=limit)
 
 
 def test_mask_kernel_stays_float32():

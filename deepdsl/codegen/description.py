@@ -60,7 +60,8 @@ class TensorDecl:
 class ProgramDescription:
     """Everything the Python program and its CUDA kernels are rendered from, as frozen data: texts are final,
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
-    and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`); `steps`
+    and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
+    `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`); `steps`
     are setup, training step and test step; `memory_plans` their plans, in that order."""
 
     name: str
@@ -88,6 +89,7 @@ class ProgramDescription:
     kernels: tuple[Kernel, ...]
     kernel_imports: tuple[str, ...]
     kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
+    kernel_sums: tuple[tuple[str, tuple[str, ...]], ...]
     iters: int
     test_iters: int
     lr: str
@@ -241,6 +243,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "kernels": tuple(kernels.items),
         "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),
+        "kernel_sums": tuple((k.name, tuple(kernels.sums.get(k.name, ()))) for k in kernels.items),
         "iters": solver.iters,
         "test_iters": solver.test_iters,
         "lr": _number(solver.lr),

@@ -2,7 +2,8 @@
 
 The default rule covers most ops: `rt.<op>(<inputs>, out=<value>, <attributes>)`, the runtime function having
 the op's name, its inputs in order and its attributes as keywords; ops with scratch memory also get
-`workspace=`. The table below holds the exceptions: views (no `out`), elementwise kernels, random masks.
+`workspace=`. The table below holds the exceptions: views (no `out`), elementwise kernels and their sums, random
+masks.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from deepdsl.ir import REMAT, Node
 @dataclass(frozen=True)
 class Site:
     """What a snippet knows about its statement: argument expressions, output name, workspace name or None,
-    and for `ew` the name of the kernel function."""
+    and for `ew` and `ew_sum` the name of the kernel function."""
 
     node: Node
     args: tuple[str, ...]
@@ -58,6 +59,12 @@ def elementwise(site: Site) -> str:
     return f"rt.ew({site.kernel}, {site.out}{''.join(', ' + a for a in site.args)})"
 
 
+def elementwise_sum(site: Site) -> str:
+    ws = f", workspace={site.workspace}" if site.workspace else ""
+    return (f"rt.ew_sum({site.kernel}, {site.out}{''.join(', ' + a for a in site.args)}, "
+            f"shape={literal(site.node.attr('shape'))}{ws})")
+
+
 def bernoulli(site: Site) -> str:
     """Masks are drawn from (seed, step, key): the run's seed and the iteration number complete the attributes."""
     ws = f", workspace={site.workspace}" if site.workspace else ""
@@ -73,6 +80,7 @@ def max_pool_pair(site: Site, argmax: str) -> str:
 SNIPPETS: dict[str, Callable[[Site], str]] = {
     "reshape": view,
     "ew": elementwise,
+    "ew_sum": elementwise_sum,
     "bernoulli": bernoulli,
 }
 

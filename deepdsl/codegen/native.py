@@ -31,9 +31,9 @@ def render_c(description, program: str | None = None) -> str:
     from deepdsl.codegen import render
     from deepdsl.codegen.cuda import c_expression
 
-    patterns = dict(description.kernel_patterns)
+    patterns, sums = dict(description.kernel_patterns), dict(description.kernel_sums)
     kernels = [{"name": k.name, "text": sympy.sstr(k.expr), "c": c_expression(k.expr), "inputs": list(range(k.arity)),
-                "patterns": patterns.get(k.name, ())} for k in description.kernels]
+                "patterns": patterns.get(k.name, ()), "sums": sums.get(k.name, ())} for k in description.kernels]
     return render("kernels.c.jinja", name=description.name, program=program or description.filename,
                   version=description.version, source=description.source,
                   structure_hash=description.structure_hash, kernels=kernels)

@@ -27,6 +27,7 @@ from deepdsl_runtime import contract
 from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.memory_plan import MemoryPlan
+from deepdsl.ops.elementwise import broadcast_shapes
 from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import operation_word
 from deepdsl.ssa import Free, Let, Program, format_expr
@@ -94,6 +95,8 @@ class Kernels:
     # kernel name -> the operand patterns it is called with (`operand_pattern`), in order of first use: the
     # compiled CPU library has one function for each
     patterns: dict[str, list[str]] = field(default_factory=dict)
+    # kernel name -> the operand patterns of its per-channel sums (`ew_sum` statements), each a compiled function
+    sums: dict[str, list[str]] = field(default_factory=dict)
     _by_key: dict[tuple, str] = field(default_factory=dict)
 
     def use(self, name: str, pattern: str | None) -> None:
@@ -101,6 +104,12 @@ class Kernels:
         library leaves to numpy)."""
         if pattern is not None and pattern not in self.patterns.setdefault(name, []):
             self.patterns[name].append(pattern)
+
+    def use_sum(self, name: str, pattern: str | None) -> None:
+        """Note a per-channel sum of kernel `name` over operands of `pattern` (`contract.channel_sum_pattern`; None:
+        one the compiled library leaves to numpy's chunks)."""
+        if pattern is not None and pattern not in self.sums.setdefault(name, []):
+            self.sums[name].append(pattern)
 
     def get(self, expr: sympy.Expr, nargs: int, alias: int | None) -> str:
         key = (sympy.srepr(expr), nargs, alias)
@@ -119,8 +128,9 @@ class Kernels:
 def operand_pattern(node: Node) -> str | None:
     """How an elementwise statement's operands reach its compiled kernel, one letter each
     (`deepdsl_runtime.contract.operand_pattern`, the rule the runtime picks the kernel by); None where numpy's
-    kernel runs."""
-    return contract.operand_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], node.shape)
+    kernel runs. An `ew_sum` runs its kernel over the values it sums (chunks of samples of them: the same letters)."""
+    values = node.shape if node.op == "ew" else broadcast_shapes(*(x.shape for x in node.inputs))
+    return contract.operand_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], values)
 
 
 def kernel_name(expr: sympy.Expr, most: int = 4) -> str:
@@ -267,10 +277,14 @@ class StepBuilder:
             return Block(comment, tuple(lines))
         workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         kernel = None
-        if node.op == "ew":
+        if node.op in ("ew", "ew_sum"):
             alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
             kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
             self.kernels.use(kernel, operand_pattern(node))
+            if node.op == "ew_sum":
+                self.kernels.use_sum(kernel, contract.channel_sum_pattern(
+                    [(x.shape, x.dtype == "uint8") for x in node.inputs],
+                    broadcast_shapes(*(x.shape for x in node.inputs)), node.shape))
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, tuple(lines))
 

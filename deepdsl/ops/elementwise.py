@@ -15,8 +15,10 @@ import numpy as np
 import sympy
 
 from deepdsl.ir import FLOAT, UINT8, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import Op, Workspace, dims, get_op, register, require, scratch_chunks
 from deepdsl.ops.leaf import const
+from deepdsl_runtime import contract
+from deepdsl_runtime.contract import FLOAT_BYTES
 from deepdsl_runtime.cpu.elementwise import erf
 
 Y = sympy.Symbol("y", real=True)
@@ -317,6 +319,48 @@ class SumTo(Op):
 
     def describe(self, node):
         return f"sum_to[{dims(node.attr('shape'))}]"
+
+
+@register
+class EwSum(Op):
+    """`sum_to(ew(expr, inputs), shape)` in one statement (made by the `fuse_reductions` pass): the elementwise
+    values are never a tensor of their own. The runtime computes them in cache-sized chunks of samples where the
+    sum adds up the leading axis (`contract.ew_sum_scratch`), so the workspace holds a chunk, not the tensor."""
+
+    name = "ew_sum"
+
+    def infer(self, *inputs: Node, expr, shape):
+        values, _ = get_op("ew").infer(*inputs, expr=expr)
+        ok = len(shape) <= len(values)
+        if ok:
+            try:
+                ok = broadcast_shapes(shape, values) == values
+            except ValueError:
+                ok = False
+        require(ok, f"cannot sum {dims(values)} to {dims(shape)}")
+        return tuple(shape), FLOAT
+
+    def vjp(self, node, g):
+        values = make("ew", node.inputs, expr=node.attr("expr"))
+        return get_op("ew").vjp(values, broadcast_to(g, values.shape))
+
+    def evaluate(self, ctx, *args, expr, shape):
+        values = get_op("ew").evaluate(ctx, *args, expr=expr)
+        return np.asarray(values.sum(axis=_reduced_axes(values.shape, shape)).reshape(shape), dtype=ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """The values of a chunk of samples and, when there are several chunks, a chunk's sum: chunks of at most
+        `contract.EW_SUM_CHUNK_BYTES` (or `limit`, the smaller), at least one sample; where the sum keeps the
+        leading axis, the whole tensor."""
+        full = broadcast_shapes(*(i.shape for i in node.inputs))
+        per_sample, fixed, chunked = contract.ew_sum_scratch(full, node.shape)
+        if not chunked:
+            return Workspace(per_sample * FLOAT_BYTES)
+        bound = contract.EW_SUM_CHUNK_BYTES if limit is None else min(limit, contract.EW_SUM_CHUNK_BYTES)
+        return scratch_chunks(full[0], per_sample, bound, fixed_if_split=fixed)
+
+    def describe(self, node):
+        return f"sum_to[{dims(node.attr('shape'))}]({node.attr('expr')})"
 
 
 @register

@@ -36,7 +36,7 @@ import types
 
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
-from deepdsl_runtime.cpu.elementwise import const, copy, ew
+from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
@@ -48,15 +48,15 @@ from deepdsl_runtime.cpu.transfer import asarray, scalar, to_numpy, zeros
 
 __all__ = [
     "DEVICE", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
-    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "log_softmax",
-    "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick",
+    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_sum",
+    "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick",
     "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew")
+             "max_pool_bwd", "ew", "ew_sum")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

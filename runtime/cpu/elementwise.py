@@ -1,10 +1,15 @@
 """Elementwise work on the CPU: constants, copies and the elementwise kernels the compiler writes (`ew`), run in
-cache-sized chunks; `erf`, the one function those kernels call that numpy has no ufunc for."""
+cache-sized chunks, and their sums (`ew_sum`); `erf`, the one function those kernels call that numpy has no ufunc
+for."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.scratch import Scratch, samples_per_chunk
+from deepdsl_runtime.cpu.shape import sum_to
 
 
 def const(*, out, value, shape=()):
@@ -45,6 +50,33 @@ def ew(kernel, out, *args, native=None):
     for s in range(0, n, EW_CHUNK):
         e = s + EW_CHUNK
         kernel(o[s:e], *(a[s:e] if cut else a for a, cut in flat))
+
+
+def ew_sum(kernel, out, *args, shape, workspace=None, native=None):
+    """out = the sum to `shape` of elementwise kernel `kernel` over `args` (`sum_to` of `ew`, never the whole
+    tensor of values): the values of a chunk of samples go into the workspace (`contract.ew_sum_scratch`; as many
+    samples as it holds, at most a cache's worth), are summed to `shape` and added to `out` chunk by chunk. Operands
+    with the batch's leading axis are cut into the chunk's samples, the others are broadcast as they are. With
+    `native`, a per-channel sum the program's library computes directly runs there (no values stored, the
+    workspace unused)."""
+    if native is not None and native.ew_sum(kernel, out, args, shape):
+        return
+    full = np.broadcast_shapes(*(np.shape(a) for a in args))
+    per_sample, fixed, chunked = contract.ew_sum_scratch(full, shape)
+    n = full[0] if chunked else 1
+    step = samples_per_chunk(n, workspace, per_sample, fixed_if_split=fixed)
+    scratch = Scratch(workspace)
+    part = scratch.take(shape) if step < n else None
+    values = scratch.take((step,) + full[1:] if chunked else full)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        chunk = values[:e - s] if chunked else values
+        cut = [a[s:e] if chunked and isinstance(a, np.ndarray) and a.ndim == len(full) and a.shape[0] == n else a
+               for a in args]
+        ew(kernel, chunk, *cut, native=native)
+        sum_to(chunk, out=out if s == 0 else part, shape=shape)
+        if s:
+            np.add(out, part, out=out)
 
 
 _ERF_SPLIT = 2.5         # |x| below: the Taylor series; above: the continued fraction of erfc

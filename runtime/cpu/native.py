@@ -272,12 +272,46 @@ class Native:
         if found is False:
             return False
         function, pattern, sizes = found
+        self._call(function, pattern, sizes, out, args)
+        return True
+
+    def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
+        """out = the per-channel sum of the compiled `kernel` over `args` (the library's
+        `deepdsl_<name>_<pattern>_csum`, `contract.channel_sum_pattern`), the values never stored; False where the
+        library has none for these operands (the caller sums numpy's chunks)."""
+        if out.dtype != np.float32 or not out.flags.c_contiguous:
+            return False
+        key = ("sum", kernel.__name__, tuple(shape),
+               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args))
+        found = self._ew.get(key)
+        if found is None:
+            found = self._ew[key] = self._sum_function(kernel.__name__, shape, args)
+        if found is False or any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
+            return False
+        function, pattern, sizes = found
+        self._call(function, pattern, sizes, out, args)
+        return True
+
+    def _sum_function(self, name: str, shape, args):
+        if any(isinstance(a, np.ndarray) and a.dtype not in (np.float32, np.uint8) for a in args):
+            return False
+        values = np.broadcast_shapes(*(np.shape(a) for a in args))
+        pattern = contract.channel_sum_pattern([(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8)
+                                                for a in args], values, shape)
+        function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}_csum", None)
+        if function is None:
+            return False
+        inner = math.prod(values[2:])
+        sizes = (values[0] * values[1], values[1], inner)
+        function.argtypes = [_L] * 3 + [_P, _P, _P]
+        return function, pattern, sizes
+
+    def _call(self, function, pattern, sizes, out, args) -> None:
         n = len(args)
         pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
         values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
                             for a, p in zip(args, pattern)))
         function(*sizes, out.ctypes.data, pointers, values)
-        return True
 
     def _ew_function(self, name: str, out_shape, args):
         """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or

@@ -1,12 +1,13 @@
-"""Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`), broadcasts and reductions to a
-shape, copies and constants."""
+"""Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`) and their sums (`ew_sum`),
+broadcasts and reductions to a shape, copies and constants."""
 from __future__ import annotations
 
 import numpy as np
 
+from deepdsl_runtime import contract
 from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.layout import EW_F32, EW_U8, EW_VALUE
-from deepdsl_runtime.cuda.arrays import DeviceArray, fill, launch_items, require
+from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, fill, launch_items, require
 
 
 _EW_ARG = "PfiIIII"
@@ -57,6 +58,45 @@ def ew(kernel, out: DeviceArray, *args) -> None:
     config = L.launch_1d(layout.size)
     out.device.launch(L.ew_entry(name, layout.nd), "IIIIP" + _EW_ARG * len(args), config.grid, config.block,
                       (layout.size, d[1], d[2], d[3], out.ptr, *_ew_args(layout, args)), kernel)
+
+
+def ew_sum(kernel, out: DeviceArray, *args, shape, workspace=None) -> None:
+    """out = the sum to `shape` of elementwise kernel `kernel` over `args`, the CPU backend's way
+    (`deepdsl_runtime.cpu.elementwise.ew_sum`): chunks of samples as the workspace holds them
+    (`contract.ew_sum_scratch`: a chunk's sum, then its values), each one `ew` into the workspace, a `sum_to` and
+    an addition to `out`."""
+    require(out, "ew_sum output")
+    full = np.broadcast_shapes(*(a.shape if isinstance(a, DeviceArray) else () for a in args))
+    per_sample, fixed, chunked = contract.ew_sum_scratch(full, shape)
+    n = full[0] if chunked else 1
+    floats = None if workspace is None else workspace.nbytes // 4
+    step = n if floats is None or floats >= n * per_sample else (floats - fixed) // per_sample
+    if step < 1:
+        raise ValueError(f"workspace of {floats} floats holds no sample (needs {per_sample + fixed})")
+    part_floats = fixed if step < n else 0
+    total = part_floats + step * per_sample
+    if workspace is None:
+        scratch = device_array(out.device, total * 4, (total,), np.float32)
+    else:
+        scratch = workspace.view(np.float32) if workspace.dtype != np.float32 else workspace
+    part = scratch[:part_floats].reshape(shape) if part_floats else None
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        values = scratch[part_floats:part_floats + (e - s) * per_sample].reshape(((e - s,) + full[1:]) if chunked
+                                                                              else full)
+        cut = [_samples(a, s, e) if chunked and isinstance(a, DeviceArray) and a.ndim == len(full)
+               and a.shape[0] == n else a for a in args]
+        ew(kernel, values, *cut)
+        sum_to(values, out=out if s == 0 else part, shape=shape)
+        if s:
+            launch_items(out.device, "deepdsl_add_bias", "IIIPP", out.size, out.size, out.size, 1, part.ptr,
+                         out.ptr)
+
+
+def _samples(a: DeviceArray, start: int, stop: int) -> DeviceArray:
+    """Samples [start, stop) of a contiguous device array (a view)."""
+    per = a.size // a.shape[0]
+    return a.reshape(-1)[start * per:stop * per].reshape((stop - start,) + a.shape[1:])
 
 
 def broadcast_to(x, *, out, shape):
