@@ -18,6 +18,7 @@ leaves the previous checkpoint intact. A process killed mid-write leaves its tem
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ from typing import Callable, IO
 
 import numpy as np
 
-__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "atomic_write", "check_target", "read",
+__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "atomic_write", "check_target", "read", "read_weights",
            "remove_stale_temporaries", "write"]
 
 FORMAT = "deepdsl-checkpoint-1"
@@ -198,6 +199,31 @@ def _mode_for(path: str) -> int:
 
 def read(path: str) -> Checkpoint:
     """Read a checkpoint; any damage is a `CheckpointError` naming the file (and the field, when one is bad)."""
+    entries = _entries(path)
+
+    def meta(name: str, kind: str):
+        if name not in entries:
+            raise CheckpointError(f"{path}: field '{name}': missing (not a deepdsl checkpoint?)")
+        value = entries[name]
+        if value.shape != () or (kind == "str" and value.dtype.kind != "U") or \
+                (kind == "int" and value.dtype.kind not in "iu"):
+            raise CheckpointError(f"{path}: field '{name}': expected a {kind}, found {value.dtype} {value.shape}")
+        return str(value) if kind == "str" else int(value)
+
+    if meta("__format__", "str") != FORMAT:
+        raise CheckpointError(f"{path}: field '__format__': {meta('__format__', 'str')!r}, expected {FORMAT!r}")
+    tensors = {k: v for k, v in entries.items() if not k.startswith("__")}
+    known = {"__format__", "__network__", "__structure_hash__", "__iteration__", "__seed__", "__data_epoch__",
+             "__data_offset__", "__data__"}
+    return Checkpoint(
+        path=path, tensors=tensors, network=meta("__network__", "str"),
+        structure_hash=meta("__structure_hash__", "str"), iteration=meta("__iteration__", "int"),
+        seed=meta("__seed__", "int"), data_position=(meta("__data_epoch__", "int"), meta("__data_offset__", "int")),
+        data=meta("__data__", "str"), extra={k: v for k, v in entries.items() if k.startswith("__") and k not in known})
+
+
+def _entries(path: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name; any damage is a `CheckpointError` naming the file (and the field)."""
     if os.path.isdir(path):
         raise CheckpointError(f"{path}: is a directory, not a checkpoint")
     try:
@@ -219,26 +245,68 @@ def read(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}: no such file") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: corrupt or not an .npz checkpoint ({type(err).__name__}: {err})") from None
+    return entries
 
-    def meta(name: str, kind: str):
-        if name not in entries:
-            raise CheckpointError(f"{path}: field '{name}': missing (not a deepdsl checkpoint?)")
-        value = entries[name]
-        if value.shape != () or (kind == "str" and value.dtype.kind != "U") or \
-                (kind == "int" and value.dtype.kind not in "iu"):
-            raise CheckpointError(f"{path}: field '{name}': expected a {kind}, found {value.dtype} {value.shape}")
-        return str(value) if kind == "str" else int(value)
 
-    if meta("__format__", "str") != FORMAT:
-        raise CheckpointError(f"{path}: field '__format__': {meta('__format__', 'str')!r}, expected {FORMAT!r}")
-    tensors = {k: v for k, v in entries.items() if not k.startswith("__")}
-    known = {"__format__", "__network__", "__structure_hash__", "__iteration__", "__seed__", "__data_epoch__",
-             "__data_offset__", "__data__"}
-    return Checkpoint(
-        path=path, tensors=tensors, network=meta("__network__", "str"),
-        structure_hash=meta("__structure_hash__", "str"), iteration=meta("__iteration__", "int"),
-        seed=meta("__seed__", "int"), data_position=(meta("__data_epoch__", "int"), meta("__data_offset__", "int")),
-        data=meta("__data__", "str"), extra={k: v for k, v in entries.items() if k.startswith("__") and k not in known})
+SAFETENSORS_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": np.uint16,
+                      "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                      "BOOL": np.bool_}
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+    """The named tensors of a file to start a run from (`--init-from`): a deepdsl checkpoint (validated as `read`
+    does), a plain `.npz` of arrays by name (`np.savez(path, **state)`, e.g. a PyTorch `state_dict` as numpy arrays)
+    or a `.safetensors` file (read with numpy alone; bfloat16 widened to float32). Any damage is a
+    `CheckpointError` naming the file and the field."""
+    if path.endswith(".safetensors"):
+        return _read_safetensors(path)
+    entries = _entries(path)
+    if "__format__" in entries:
+        return read(path).tensors
+    return {k: v for k, v in entries.items() if not k.startswith("__")}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file: an 8-byte little-endian header length, a JSON header (name -> dtype,
+    shape, [begin, end) byte offsets into the data after it) and the data."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory, not a weights file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: unreadable ({err.strerror or err})") from None
+    if len(raw) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (shorter than its header length)")
+    length = int.from_bytes(raw[:8], "little")
+    try:
+        header = json.loads(raw[8:8 + length].decode("utf-8")) if 8 + length <= len(raw) else None
+    except (UnicodeDecodeError, ValueError):
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (no JSON header of {length} bytes)")
+    data, tensors = raw[8 + length:], {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: field '{name}': not a tensor entry this reader knows "
+                                  f"(dtype {entry.get('dtype') if isinstance(entry, dict) else '?'})") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= begin <= end <= len(data) or end - begin != count * np.dtype(dtype).itemsize:
+            raise CheckpointError(f"{path}: field '{name}': its bytes [{begin}, {end}) do not hold {entry['dtype']} "
+                                  f"{_dims(shape)}")
+        array = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=begin).reshape(shape)
+        if entry["dtype"] == "BF16":          # the upper half of a float32
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = array
+    return tensors
 
 
 def check_tensors(checkpoint: Checkpoint, expected: dict[str, tuple[int, ...]]) -> None:

@@ -415,14 +415,35 @@ def _resume(model: Model, path: str) -> ckpt.Checkpoint:
     return found
 
 
+_PYTORCH_SUFFIXES = {"weight": "W", "bias": "B", "running_mean": "mean", "running_var": "var"}
+
+
+def pytorch_name(name: str) -> str | None:
+    """The deepdsl name of a PyTorch `state_dict` entry: its module path with underscores for dots, and deepdsl's
+    suffix for the tensor (`layer1.0.conv1.weight` -> `layer1_0_conv1_W`, `bn1.running_var` -> `bn1_var`); None
+    for an entry with no counterpart (`num_batches_tracked`)."""
+    module, _, tensor = name.rpartition(".")
+    suffix = _PYTORCH_SUFFIXES.get(tensor)
+    return f"{module.replace('.', '_')}_{suffix}" if module and suffix else None
+
+
 def _init_from(model: Model, path: str, args) -> None:
-    """Copy the parameters (and model state) of checkpoint `path` whose names and shapes match into a freshly
-    initialized model; none matching is an error."""
-    source = ckpt.read(path)
+    """Copy the parameters (and model state) of `path` whose names and shapes match into a freshly initialized
+    model; none matching is an error. `path` is a deepdsl checkpoint, a plain .npz of arrays or a .safetensors file
+    (`checkpoint.read_weights`); a name this network does not have is read as a PyTorch `state_dict` name
+    (`pytorch_name`)."""
+    source = ckpt.read_weights(path)
     loaded, skipped = [], []
     candidates = {**model.params, **{k: s for k, s in model.states.items() if not s.optimizer}}
+    by_name, renamed = {}, []
+    for name, array in source.items():
+        target = name if name in candidates else pytorch_name(name)
+        if target in candidates and target not in by_name:
+            by_name[target] = array
+            if target != name:
+                renamed.append(f"{name} -> {target}")
     for name, spec in candidates.items():
-        array = source.tensors.get(name)
+        array = by_name.get(name)
         if array is None:
             skipped.append(f"{name} (not in file)")
         elif tuple(array.shape) != tuple(spec.shape):
@@ -437,6 +458,8 @@ def _init_from(model: Model, path: str, args) -> None:
         raise RunError(f"--init-from {path}: none of its tensors matches this network's by name and shape "
                        f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}); nothing to start from")
     _say(args, f"initialized {len(loaded)} of {len(candidates)} tensors from {path}"
+               + (f" (by PyTorch's names: {', '.join(renamed[:3])}{', ...' if len(renamed) > 3 else ''})"
+                  if renamed else "")
                + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
 
 
@@ -510,7 +533,7 @@ class _Run:
             self.saved_iteration = self.resumed.iteration
         self.data_spec = self.choose_data()
         if args.init_from and self.resumed is None:
-            ckpt.read(args.init_from)            # an unusable file is an error before anything else happens
+            ckpt.read_weights(args.init_from)    # an unusable file is an error before anything else happens
         self.check_outputs()
 
     def choose_data(self) -> str:

@@ -6,6 +6,7 @@ second or two.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -277,3 +278,64 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
     assert ckpt.read(str(path)).iteration == 7
 
+
+
+def _safetensors(path, tensors: dict, dtypes: dict | None = None) -> None:
+    """Write `tensors` (name -> array) in the safetensors layout: header length, JSON header, data."""
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, array in tensors.items():
+        kind = (dtypes or {}).get(name) or {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[array.dtype]
+        blob = array.astype("<u2").tobytes() if kind == "BF16" else np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": kind, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def test_init_from_a_pytorch_state_dict(tmp_path):
+    """A PyTorch state_dict saved as a plain .npz (`np.savez(path, **{k: v.numpy()})`) or as safetensors starts a
+    run: its names map to deepdsl's (`cv1.weight` -> `cv1_W`, `cv1.bias` -> `cv1_B`); entries with no counterpart
+    (a BatchNorm's `num_batches_tracked`) are left out; bfloat16 is widened."""
+    import torch
+    from tests.support.torch_nets import LeNet
+
+    torch.manual_seed(3)
+    state = {k: v.detach().numpy() for k, v in LeNet(image=(28, 28)).state_dict().items()
+             if not k.startswith("layers.")}            # (the twin also lists its modules under `layers`)
+    _, lenet = compile_program("lenet", tmp_path / "p", batch=8)
+    plain = tmp_path / "torch_lenet.npz"
+    np.savez(plain, **state)
+    safe = tmp_path / "torch_lenet.safetensors"
+    _safetensors(safe, {**state, "bn.num_batches_tracked": np.array(7, np.int64)})
+    halves = tmp_path / "bf16.safetensors"
+    bf16 = {k: (v.view(np.uint32) >> 16).astype(np.uint16) for k, v in state.items()}
+    _safetensors(halves, bf16, {k: "BF16" for k in bf16})
+    for source, expected in [(plain, state), (safe, state),
+                             (halves, {k: (v.astype(np.uint32) << 16).view(np.float32) for k, v in bf16.items()})]:
+        target = tmp_path / f"{source.name}.params.npz"
+        done = run_cli(lenet, "--iters", "0", "--init-from", str(source), "--params", str(target))
+        assert done.returncode == 0, done.stderr
+        assert "initialized 8 of 8 tensors" in done.stdout and "cv1.weight -> cv1_W" in done.stdout, done.stdout
+        loaded = read(target)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(loaded[name.replace(".weight", "_W").replace(".bias", "_B")], value)
+
+
+def test_init_from_a_plain_npz_by_deepdsl_names_and_a_damaged_safetensors(tmp_path):
+    _, lenet = compile_program("lenet", tmp_path / "p", batch=8)
+    rng = np.random.default_rng(0)
+    plain = tmp_path / "mine.npz"
+    np.savez(plain, cv1_W=rng.standard_normal((20, 1, 5, 5)).astype(np.float32), other=np.zeros(3))
+    done = run_cli(lenet, "--iters", "0", "--init-from", str(plain), "--params", str(tmp_path / "a.npz"))
+    assert done.returncode == 0 and "initialized 1 of 8 tensors" in done.stdout, done.stdout + done.stderr
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((1000).to_bytes(8, "little") + b"{}")
+    done = run_cli(lenet, "--iters", "1", "--init-from", str(bad), "--params", str(tmp_path / "b.npz"))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and str(bad) in done.stderr, done.stderr
+    assert "safetensors" in done.stderr and not (tmp_path / "b.npz").exists()
+    short = tmp_path / "short.safetensors"
+    header = json.dumps({"cv1_W": {"dtype": "F32", "shape": [20, 1, 5, 5], "data_offsets": [0, 2000]}}).encode()
+    short.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 100)
+    done = run_cli(lenet, "--iters", "1", "--init-from", str(short), "--params", str(tmp_path / "c.npz"))
+    assert done.returncode == 1 and "field 'cv1_W'" in done.stderr and "Traceback" not in done.stderr, done.stderr
