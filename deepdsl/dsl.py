@@ -28,6 +28,7 @@ from deepdsl.ops import loss as L
 from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
+from deepdsl_runtime.schedule import Schedule, ScheduleError
 from deepdsl.ops.shape import concat as _concat
 
 __all__ = [
@@ -667,7 +668,9 @@ def precision(y: Tensor) -> Layer:
 @dataclass(frozen=True)
 class Train:
     """The solver: SGD with momentum, weight decay (added to the gradient before momentum, as PyTorch does) and
-    global gradient-norm clipping (`clip`, 0 = none), or Adam (`optimizer="adam"`)."""
+    global gradient-norm clipping (`clip`, 0 = none), or Adam (`optimizer="adam"`); the learning rate follows
+    `schedule` (`constant`, `step:SIZE:GAMMA`, `cosine[:MIN]`) after `warmup` iterations of linear warm-up, as
+    PyTorch's schedulers compute it (`deepdsl_runtime.schedule`)."""
 
     name: str
     iters: int = 1000
@@ -679,9 +682,16 @@ class Train:
     optimizer: str = "sgd"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    schedule: str = "constant"
+    warmup: int = 0
 
     def __post_init__(self):
         what = f"Train '{_name('D.Train', self.name)}'"
+        _nonnegative_int(what, "warmup", self.warmup)
+        try:
+            Schedule.parse(self.schedule, self.warmup, self.iters)
+        except ScheduleError as err:
+            _reject(what, str(err).replace("--lr-schedule", "schedule"))
         if self.optimizer not in ("sgd", "adam"):
             _reject(what, f"unknown optimizer {self.optimizer!r} (use 'sgd' or 'adam')")
         _nonnegative_int(what, "iters", self.iters)
@@ -699,8 +709,9 @@ class Train:
 
 
 def Adam(name: str, iters: int = 1000, test_iters: int = 10, lr: float = 1e-3, betas=(0.9, 0.999),
-         eps: float = 1e-8, decay: float = 0.0, clip: float = 0.0) -> Train:
-    return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adam", betas, eps)
+         eps: float = 1e-8, decay: float = 0.0, clip: float = 0.0, schedule: str = "constant",
+         warmup: int = 0) -> Train:
+    return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adam", betas, eps, schedule, warmup)
 
 
 @dataclass

@@ -439,6 +439,10 @@ def main(argv=None):
                              "--params and exit)")
     parser.add_argument("--test-iters", type=int, default=10, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
+                        help="constant, step:SIZE:GAMMA or cosine[:MIN] (as PyTorch's StepLR, CosineAnnealingLR)")
+    parser.add_argument("--warmup", type=int, default=0, metavar="N",
+                        help="iterations of linear warm-up from a third of --lr before the schedule")
     parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
     parser.add_argument("--decay", type=float, default=0.0005, help="weight decay (L2, added to the gradient)")
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,

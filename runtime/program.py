@@ -33,6 +33,7 @@ from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory
 from deepdsl_runtime.memory import StepPlan
+from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "backend", "initial_value",
            "run"]
@@ -385,6 +386,15 @@ def _check_args(args) -> None:
         raise RunError(f"--momentum must be in [0, 1), got {momentum}")
     if not (math.isfinite(args.decay) and args.decay >= 0):
         raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
+    _schedule(args)
+
+
+def _schedule(args) -> Schedule:
+    """The learning-rate schedule of the options (--lr-schedule, --warmup; cosine's length follows --iters)."""
+    try:
+        return Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters)
+    except ScheduleError as err:
+        raise RunError(str(err)) from None
     if not 0 <= args.seed < 2 ** 63:
         raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
 
@@ -507,6 +517,7 @@ class _Run:
 
     def __init__(self, model_cls: type[Model], args, signals: _Signals):
         _check_args(args)
+        self.schedule = _schedule(args)
         self.args, self.signals = args, signals
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False), getattr(args, "kernels", "auto"),
@@ -671,8 +682,10 @@ class _Run:
                            EXIT_SAVE) from None
 
     def hyper(self, iteration: int) -> dict:
+        """The hyperparameters of iteration `iteration`: the learning rate as the schedule has it then."""
         args = self.args
-        return self.model.hyper(args.lr, getattr(args, "momentum", 0.0), args.decay, iteration)
+        return self.model.hyper(self.schedule.lr(args.lr, iteration), getattr(args, "momentum", 0.0), args.decay,
+                                iteration)
 
     def fresh_start(self) -> None:
         self.model.initialize(self.args.seed)

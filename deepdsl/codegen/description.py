@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, fields
 
 from deepdsl.codegen import CodegenOptions, structure_hash, ufuncs
+from deepdsl_runtime.schedule import Schedule
 from deepdsl.codegen.steps import Kernel, Step
 
 __all__ = ["BufferRow", "PlanTable", "TensorDecl", "ProgramDescription", "describe"]
@@ -93,6 +94,8 @@ class ProgramDescription:
     iters: int
     test_iters: int
     lr: str
+    schedule: str
+    warmup: int
     momentum: str
     decay: str
     params_file: str
@@ -210,6 +213,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     else:
         solver_text = (f"Adam, {solver.iters} iterations, lr {solver.lr:g}, betas {solver.betas}, eps {solver.eps:g}, "
                        f"decay {solver.decay:g}" + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
+    if solver.schedule != "constant" or solver.warmup:
+        solver_text += f", lr schedule {Schedule.parse(solver.schedule, solver.warmup).describe()}"
     params = []
     for p in compiled.params:
         lm, dm = float(p.attr("lr_mult", 1.0)), float(p.attr("decay_mult", 1.0))
@@ -247,6 +252,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "iters": solver.iters,
         "test_iters": solver.test_iters,
         "lr": _number(solver.lr),
+        "schedule": solver.schedule,
+        "warmup": solver.warmup,
         "momentum": _number(solver.momentum),
         "decay": _number(solver.decay),
         "params_file": options.params_file or f"{compiled.name}.params.npz",
