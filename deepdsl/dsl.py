@@ -28,14 +28,14 @@ from deepdsl.ops import loss as L
 from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
-from deepdsl_runtime.schedule import Schedule, ScheduleError
 from deepdsl.ops.shape import concat as _concat
+from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
     "Tensor", "Fn", "Layer", "images", "labels", "scalar", "conv", "full", "max_pool", "avg_pool", "relu", "tanh",
     "sigmoid", "clipped_relu", "lrn", "dropout", "batch_norm", "concat", "add", "flatten", "softmax", "log_softmax",
     "log_loss", "cross_entropy", "nll_loss", "precision", "elementwise", "fn", "xavier", "gaussian", "constant",
-    "Param", "Train", "Adam", "Loop", "Overrides", "v",
+    "Param", "Train", "Adam", "AdamW", "Loop", "Overrides", "v",
 ]
 
 v = sympy.Symbol("v", real=True)      # the variable of user-defined elementwise functions
@@ -667,8 +667,9 @@ def precision(y: Tensor) -> Layer:
 
 @dataclass(frozen=True)
 class Train:
-    """The solver: SGD with momentum, weight decay (added to the gradient before momentum, as PyTorch does) and
-    global gradient-norm clipping (`clip`, 0 = none), or Adam (`optimizer="adam"`); the learning rate follows
+    """The solver: SGD with momentum (`nesterov=True`: Nesterov's), weight decay (added to the gradient before
+    momentum, as PyTorch does) and global gradient-norm clipping (`clip`, 0 = none), or Adam (`optimizer="adam"`,
+    L2 decay) or AdamW (`optimizer="adamw"`, decay decoupled from the gradient); the learning rate follows
     `schedule` (`constant`, `step:SIZE:GAMMA`, `cosine[:MIN]`) after `warmup` iterations of linear warm-up, as
     PyTorch's schedulers compute it (`deepdsl_runtime.schedule`)."""
 
@@ -684,16 +685,19 @@ class Train:
     eps: float = 1e-8
     schedule: str = "constant"
     warmup: int = 0
+    nesterov: bool = False
 
     def __post_init__(self):
         what = f"Train '{_name('D.Train', self.name)}'"
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
+            _reject(what, "nesterov needs the sgd optimizer and a momentum > 0 (as PyTorch's SGD)")
         _nonnegative_int(what, "warmup", self.warmup)
         try:
             Schedule.parse(self.schedule, self.warmup, self.iters)
         except ScheduleError as err:
             _reject(what, str(err).replace("--lr-schedule", "schedule"))
-        if self.optimizer not in ("sgd", "adam"):
-            _reject(what, f"unknown optimizer {self.optimizer!r} (use 'sgd' or 'adam')")
+        if self.optimizer not in ("sgd", "adam", "adamw"):
+            _reject(what, f"unknown optimizer {self.optimizer!r} (use 'sgd', 'adam' or 'adamw')")
         _nonnegative_int(what, "iters", self.iters)
         _nonnegative_int(what, "test_iters", self.test_iters)
         _positive_number(what, "lr", self.lr)
@@ -712,6 +716,13 @@ def Adam(name: str, iters: int = 1000, test_iters: int = 10, lr: float = 1e-3, b
          eps: float = 1e-8, decay: float = 0.0, clip: float = 0.0, schedule: str = "constant",
          warmup: int = 0) -> Train:
     return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adam", betas, eps, schedule, warmup)
+
+
+def AdamW(name: str, iters: int = 1000, test_iters: int = 10, lr: float = 1e-3, betas=(0.9, 0.999),
+          eps: float = 1e-8, decay: float = 0.01, clip: float = 0.0, schedule: str = "constant",
+          warmup: int = 0) -> Train:
+    """PyTorch's AdamW: the parameter shrinks by lr * decay before the Adam step, which sees no decay."""
+    return Train(name, iters, test_iters, lr, 0.0, decay, clip, "adamw", betas, eps, schedule, warmup)
 
 
 @dataclass

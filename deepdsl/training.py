@@ -116,15 +116,17 @@ def _clipped(params, grads, solver: Train) -> dict[Node, Node]:
 
 
 def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
-    """PyTorch's SGD: g += decay * decay_mult * p;  v = momentum * v + g;  p -= lr * lr_mult * v."""
+    """PyTorch's SGD: g += decay * decay_mult * p;  v = momentum * v + g;  p -= lr * lr_mult * v (Nesterov:
+    p -= lr * lr_mult * (g + momentum * v))."""
     grads = _clipped(params, grads, solver)
     lr, momentum, decay = hyper("lr"), hyper("momentum"), hyper("decay")
     out = []
     for p in params:
         v = optimizer_state("V", p)
-        velocity, update = _sgd_exprs(p.attr("decay_mult"), p.attr("lr_mult"))
+        velocity, update = _sgd_exprs(p.attr("decay_mult"), p.attr("lr_mult"), solver.nesterov)
         new_v = elementwise(velocity, [v, momentum, grads[p], decay, p])
-        new_p = elementwise(update, [p, lr, new_v])
+        extra = [momentum, grads[p], decay] if solver.nesterov else []
+        new_p = elementwise(update, [p, lr, new_v, *extra])
         made = [(p.name, new_p), (v.name, new_v)]
         provenance.record_update(p, made, grads[p])
         out += made
@@ -132,28 +134,33 @@ def _sgd(params, grads, solver: Train) -> list[tuple[str, Node]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _sgd_exprs(decay_mult: float, lr_mult: float) -> tuple[sympy.Expr, sympy.Expr]:
+def _sgd_exprs(decay_mult: float, lr_mult: float, nesterov: bool = False) -> tuple[sympy.Expr, sympy.Expr]:
     """The velocity and parameter updates for one pair of multipliers (built once: sympy is slow to build them)."""
     dm, lm = number(decay_mult), number(lr_mult)
     # v0: velocity, v1: momentum, v2: gradient, v3: decay, v4: parameter
     velocity = sym(1) * sym(0) + sym(2) + dm * sym(3) * sym(4)
+    if nesterov:
+        # v0: parameter, v1: learning rate, v2: new velocity, v3: momentum, v4: gradient, v5: decay
+        return velocity, sym(0) - lm * sym(1) * (sym(4) + dm * sym(5) * sym(0) + sym(3) * sym(2))
     # v0: parameter, v1: learning rate, v2: new velocity
     return velocity, sym(0) - lm * sym(1) * sym(2)
 
 
 def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
     """PyTorch's Adam with L2 decay: g += decay*p; m = b1 m + (1-b1) g; s = b2 s + (1-b2) g^2;
-    p -= lr * lr_mult / bias1 * m / (sqrt(s) / sqrt(bias2) + eps), bias_i = 1 - b_i^t fed each step."""
+    p -= lr * lr_mult / bias1 * m / (sqrt(s) / sqrt(bias2) + eps), bias_i = 1 - b_i^t fed each step. AdamW
+    (PyTorch's): no decay in g; p *= 1 - lr * lr_mult * decay * decay_mult first."""
     grads = _clipped(params, grads, solver)
     lr, bias1, bias2, decay = hyper("lr"), hyper("bias1"), hyper("bias2"), hyper("decay")
+    decoupled = solver.optimizer == "adamw"
     out = []
     for p in params:
         m, s = optimizer_state("M", p), optimizer_state("S", p)
-        f = _adam_exprs(p.attr("decay_mult"), p.attr("lr_mult"), tuple(solver.betas), solver.eps)
-        g = elementwise(f[0], [grads[p], decay, p])
+        f = _adam_exprs(p.attr("decay_mult"), p.attr("lr_mult"), tuple(solver.betas), solver.eps, decoupled)
+        g = grads[p] if decoupled else elementwise(f[0], [grads[p], decay, p])
         new_m = elementwise(f[1], [m, g])
         new_s = elementwise(f[2], [s, g])
-        new_p = elementwise(f[3], [p, lr, bias1, new_m, new_s, bias2])
+        new_p = elementwise(f[3], [p, lr, bias1, new_m, new_s, bias2] + ([decay] if decoupled else []))
         made = [(p.name, new_p), (m.name, new_m), (s.name, new_s)]
         provenance.record_update(p, made, grads[p])
         out += made
@@ -161,12 +168,16 @@ def _adam(params, grads, solver: Train) -> list[tuple[str, Node]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _adam_exprs(decay_mult: float, lr_mult: float, betas: tuple[float, float], eps: float) -> tuple[sympy.Expr, ...]:
-    """Adam's gradient with decay, first and second moments and parameter update (built once per multipliers)."""
+def _adam_exprs(decay_mult: float, lr_mult: float, betas: tuple[float, float], eps: float,
+                decoupled: bool = False) -> tuple[sympy.Expr, ...]:
+    """Adam's gradient with decay, first and second moments and parameter update (built once per multipliers);
+    `decoupled` (AdamW): the update shrinks the parameter by lr * decay (v6) instead."""
     b1, b2 = sympy.Float(betas[0]), sympy.Float(betas[1])
     dm, lm = number(decay_mult), number(lr_mult)
+    # parameter, lr, bias1, new m, new s, bias2 (, decay)
+    step = lm * sym(1) / sym(2) * sym(3) / (sympy.sqrt(sym(4)) / sympy.sqrt(sym(5)) + sympy.Float(eps))
+    start = sym(0) * (1 - lm * sym(1) * dm * sym(6)) if decoupled else sym(0)
     return (sym(0) + dm * sym(1) * sym(2),                  # gradient, decay, parameter
             b1 * sym(0) + (1 - b1) * sym(1),                # m, gradient
             b2 * sym(0) + (1 - b2) * sym(1) ** 2,           # s, gradient
-            # parameter, lr, bias1, new m, new s, bias2
-            sym(0) - lm * sym(1) / sym(2) * sym(3) / (sympy.sqrt(sym(4)) / sympy.sqrt(sym(5)) + sympy.Float(eps)))
+            start - step)

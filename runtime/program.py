@@ -206,7 +206,7 @@ class Model:
     def hyper(self, lr: float, momentum: float, decay: float, iteration: int) -> dict[str, np.float32]:
         """The hyperparameter inputs of training step `iteration` (0-based)."""
         f = np.float32
-        if self.optimizer == "adam":
+        if self.optimizer in ("adam", "adamw"):
             t = iteration + 1
             return {"lr": f(lr), "bias1": f(1.0 - self.betas[0] ** t), "bias2": f(1.0 - self.betas[1] ** t),
                     "decay": f(decay)}

@@ -193,6 +193,46 @@ def test_adam_with_clipping_matches_pytorch(tmp_path):
     assert worst[0][1] <= TOLERANCE, f"largest relative errors {worst}"
 
 
+RECIPES = {  # solver in the DSL, PyTorch's optimizer over the same parameter groups
+    "nesterov": ('D.Train("tiny", lr=0.05, momentum=0.9, decay=0.01, nesterov=True)',
+                 lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True), dict(momentum=0.9)),
+    "adamw": ('D.AdamW("tiny", lr=0.01, betas=(0.8, 0.95), eps=1e-6, decay=0.1)',
+              lambda groups: torch.optim.AdamW(groups, lr=0.01, betas=(0.8, 0.95), eps=1e-6), dict(momentum=0.0)),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_nesterov_and_adamw_match_pytorch_over_20_steps(recipe, tmp_path):
+    """SGD with Nesterov momentum and AdamW (decoupled weight decay), with per-parameter learning-rate and decay
+    multipliers, against torch.optim over 20 steps."""
+    solver, make_optimizer, extra = RECIPES[recipe]
+    network = tmp_path / "tiny.py"
+    network.write_text(ADAM_NET[:ADAM_NET.index("loop = ")] + f"loop = D.Loop(loss, accuracy, {solver})\n")
+    compiled, program = compile_program(network, tmp_path / "out")
+    values = initial_tensors(program, tmp_path)
+    data = batches(compiled, 20, np.random.default_rng(8))
+    lr, decay = (0.05, 0.01) if recipe == "nesterov" else (0.01, 0.1)
+    model, losses = run_generated(program, values, data, lr=lr, decay=decay, **extra)
+
+    twin = TinyAdam().float()
+    tensors = load_twin(twin, values)
+    optimizer = make_optimizer(groups(model, tensors, {"lr": lr, "weight_decay": decay}))
+    expected = []
+    for x, y in data:
+        loss = twin.loss(torch.from_numpy(x), torch.from_numpy(y).long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    errors = {f"loss {k}": rel_err(a, b) for k, (a, b) in enumerate(zip(losses, expected))}
+    now = model.host_tensors()
+    for p in model.params:
+        errors[p] = rel_err(now[p] - values[p], tensors[p].detach().numpy() - values[p])
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= TOLERANCE, f"{recipe}: largest relative errors {worst}"
+    assert abs(losses[-1] - losses[0]) > 1e-3          # it trained
+
+
 def test_test_step_matches_pytorch_eval(tmp_path):
     compiled, program = compile_program("resnet_mini", tmp_path, batch=4)
     values = initial_tensors(program, tmp_path)
