@@ -25,14 +25,15 @@ from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make, toposort
 from deepdsl.ops import dims
 from deepdsl.ops import loss as L
-from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sym
+from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
-    "Tensor", "Fn", "Layer", "images", "labels", "scalar", "conv", "full", "max_pool", "avg_pool", "relu", "tanh",
+    "Tensor", "Fn", "Layer", "images", "labels", "scalar", "conv", "full", "max_pool", "avg_pool",
+    "adaptive_avg_pool", "adaptive_max_pool", "relu", "tanh",
     "sigmoid", "clipped_relu", "lrn", "dropout", "batch_norm", "concat", "add", "flatten", "softmax", "log_softmax",
     "log_loss", "cross_entropy", "nll_loss", "precision", "elementwise", "fn", "xavier", "gaussian", "constant",
     "Param", "Train", "Adam", "AdamW", "Loop", "Overrides", "v",
@@ -473,28 +474,85 @@ def _pooling(what: str, kernel, stride, padding, ceil) -> tuple[int | None, int 
     return kernel, stride, padding, _flag(what, "ceil", ceil)
 
 
-def max_pool(kernel: int, stride: int | None = None, padding: int = 0, ceil: bool = False) -> Layer:
+def max_pool(kernel: int | None, stride: int | None = None, padding: int = 0, ceil: bool = False) -> Layer:
     """Max pooling over kernel x kernel windows (stride defaults to the kernel; `ceil` rounds the output size up,
-    as Caffe does)."""
+    as Caffe does); `kernel=None`: the maximum of each channel's whole (square) plane, global max pooling."""
     kernel, stride, padding, ceil = _pooling("layer 'max_pool'", kernel, stride, padding, ceil)
-    stride = stride or kernel
-    return _Op(f"max_pool({kernel})", f"max pooling {kernel}x{kernel}, stride {stride}, padding {padding}",
-               lambda x: make("max_pool", (x,), kernel=kernel, stride=stride, pad=padding, ceil=ceil))
+
+    def build(x: Node) -> Node:
+        if kernel is None and len(x.shape) == 4 and x.shape[2] != x.shape[3]:
+            raise ShapeError(f"global max pooling needs a square input (its windows are square), got {dims(x.shape)}")
+        k = kernel or (x.shape[2] if len(x.shape) == 4 else 1)
+        return make("max_pool", (x,), kernel=k, stride=stride or k, pad=padding, ceil=ceil)
+    if kernel is None:
+        return _Op("max_pool", "global max pooling", build)
+    return _Op(f"max_pool({kernel})", f"max pooling {kernel}x{kernel}, stride {stride or kernel}, padding {padding}",
+               build)
 
 
 def avg_pool(kernel: int | None = None, stride: int | None = None, padding: int = 0, ceil: bool = False,
              include_pad: bool = True) -> Layer:
-    """Average pooling; `kernel=None` averages each channel's whole plane (global average pooling)."""
+    """Average pooling; `kernel=None` averages each channel's whole plane (global average pooling, of any
+    rectangle: the sum over the plane divided by its size where it is not square)."""
     what = "layer 'avg_pool'"
     kernel, stride, padding, ceil = _pooling(what, kernel, stride, padding, ceil)
     include_pad = _flag(what, "include_pad", include_pad)
 
     def build(x: Node) -> Node:
-        if len(x.shape) == 4 and kernel is None and x.shape[2] != x.shape[3]:
-            raise ShapeError(f"global average pooling needs a square input, got {dims(x.shape)}")
+        if len(x.shape) == 4 and kernel is None:
+            return _plane_mean(x)
         k = kernel or (x.shape[2] if len(x.shape) == 4 else 1)
         return make("avg_pool", (x,), kernel=k, stride=stride or k, pad=padding, ceil=ceil, include_pad=include_pad)
     return _Op("avg_pool" if kernel is None else f"avg_pool({kernel})", "average pooling", build)
+
+
+def _plane_mean(x: Node) -> Node:
+    """Each channel's mean over its (N, C, H, W) plane: one pooling window where the plane is square, else the sum
+    over the plane divided by its size."""
+    n, c, h, w = x.shape
+    if h == w:
+        return make("avg_pool", (x,), kernel=h, stride=h, pad=0, ceil=False, include_pad=True)
+    return ew_node(sym(0) / (h * w), [sum_to(x, (n, c, 1, 1))])
+
+
+def _adaptive(what: str, size) -> tuple[int, int]:
+    if isinstance(size, int) and not isinstance(size, bool):
+        size = (size, size)
+    if not (isinstance(size, (tuple, list)) and len(size) == 2):
+        _reject(what, f"size must be an int or a pair of ints, got {size!r}")
+    return _positive_int(what, "size[0]", size[0]), _positive_int(what, "size[1]", size[1])
+
+
+def adaptive_avg_pool(size) -> Layer:
+    """PyTorch's AdaptiveAvgPool2d(size) where its windows do not overlap: size 1 (global average pooling, of any
+    plane) or a size each side of the input is the same multiple of (an average pooling of that kernel)."""
+    what = "layer 'adaptive_avg_pool'"
+    oh, ow = _adaptive(what, size)
+
+    def build(x: Node) -> Node:
+        h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
+        if (oh, ow) == (1, 1) and len(x.shape) == 4:
+            return _plane_mean(x)
+        if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
+            raise ShapeError(f"adaptive average pooling to {oh}x{ow} needs a 4-D input whose height and width are "
+                             f"the same multiple of {oh} and {ow}, got {dims(x.shape)}")
+        return make("avg_pool", (x,), kernel=h // oh, stride=h // oh, pad=0, ceil=False, include_pad=True)
+    return _Op(f"adaptive_avg_pool({oh}x{ow})", f"adaptive average pooling to {oh}x{ow}", build)
+
+
+def adaptive_max_pool(size) -> Layer:
+    """PyTorch's AdaptiveMaxPool2d(size) where its windows are square and do not overlap (each side of the input
+    the same multiple of the size's)."""
+    what = "layer 'adaptive_max_pool'"
+    oh, ow = _adaptive(what, size)
+
+    def build(x: Node) -> Node:
+        h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
+        if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
+            raise ShapeError(f"adaptive max pooling to {oh}x{ow} needs a 4-D input whose height and width are the "
+                             f"same multiple of {oh} and {ow}, got {dims(x.shape)}")
+        return make("max_pool", (x,), kernel=h // oh, stride=h // oh, pad=0, ceil=False)
+    return _Op(f"adaptive_max_pool({oh}x{ow})", f"adaptive max pooling to {oh}x{ow}", build)
 
 
 def _activation(label: str, expr: sympy.Expr, out_grad: sympy.Expr | None = None) -> Layer:

@@ -233,6 +233,22 @@ def test_user_functions_get_their_stable_forms():
         assert D.elementwise("act", text)(x).node.op == "ew"
 
 
+@pytest.mark.parametrize("layer, shape, message", [
+    (lambda: D.adaptive_avg_pool((2, 3)), (2, 3, 5, 6), "adaptive average pooling to 2x3 needs"),
+    (lambda: D.adaptive_max_pool(2), (2, 3, 4, 6), "adaptive max pooling to 2x2 needs"),
+    (lambda: D.max_pool(None), (2, 3, 4, 6), "global max pooling needs a square input"),
+])
+def test_pooling_that_does_not_fit_its_input_says_why(layer, shape, message):
+    with pytest.raises(deepdsl.errors.ShapeError, match=message):
+        layer()(D.Tensor(make("input", (), name="x", shape=shape)))
+
+
+def test_adaptive_pooling_sizes_are_checked_where_defined():
+    for bad in ((2, 0), (1, 2, 3), "2", 1.5):
+        with pytest.raises(DeepDSLError, match="adaptive_avg_pool"):
+            D.adaptive_avg_pool(bad)
+
+
 def test_train_options_are_validated():
     with pytest.raises(DeepDSLError, match="optimizer"):
         D.Train("t", optimizer="rmsprop")

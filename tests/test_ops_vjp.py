@@ -263,6 +263,15 @@ for _h, _w, _k, _s, _p, _c in POOLS:
                                                                          count_include_pad=i),
              {"x": randn(2, 2, _h, _w)})
 case("dsl_global_avg_pool", dsl(D.avg_pool()), lambda x: F.adaptive_avg_pool2d(x, 1), {"x": randn(2, 3, 4, 4)})
+case("dsl_global_avg_pool_rectangle", dsl(D.avg_pool()), lambda x: F.adaptive_avg_pool2d(x, 1),
+     {"x": randn(2, 3, 4, 6)})
+case("dsl_global_max_pool", dsl(D.max_pool(None)), lambda x: F.adaptive_max_pool2d(x, 1), {"x": randn(2, 3, 5, 5)})
+case("dsl_adaptive_avg_pool", dsl(D.adaptive_avg_pool((2, 3))), lambda x: F.adaptive_avg_pool2d(x, (2, 3)),
+     {"x": randn(2, 3, 4, 6)})
+case("dsl_adaptive_avg_pool_1", dsl(D.adaptive_avg_pool(1)), lambda x: F.adaptive_avg_pool2d(x, 1),
+     {"x": randn(2, 3, 3, 5)})
+case("dsl_adaptive_max_pool", dsl(D.adaptive_max_pool(2)), lambda x: F.adaptive_max_pool2d(x, 2),
+     {"x": randn(2, 3, 6, 6)})
 
 # local response normalization across channels, odd and even windows, 4-D and 2-D inputs
 for _size in (1, 2, 3, 4, 5, 8):
