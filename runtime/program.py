@@ -386,6 +386,8 @@ def _check_args(args) -> None:
         raise RunError(f"--momentum must be in [0, 1), got {momentum}")
     if not (math.isfinite(args.decay) and args.decay >= 0):
         raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
     _schedule(args)
 
 
@@ -395,8 +397,6 @@ def _schedule(args) -> Schedule:
         return Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters)
     except ScheduleError as err:
         raise RunError(str(err)) from None
-    if not 0 <= args.seed < 2 ** 63:
-        raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
 
 
 def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:

@@ -284,7 +284,8 @@ def _safetensors(path, tensors: dict, dtypes: dict | None = None) -> None:
     """Write `tensors` (name -> array) in the safetensors layout: header length, JSON header, data."""
     header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, array in tensors.items():
-        kind = (dtypes or {}).get(name) or {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[array.dtype]
+        kind = (dtypes or {}).get(name) or {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+                                            np.dtype(np.int64): "I64"}[array.dtype]
         blob = array.astype("<u2").tobytes() if kind == "BF16" else np.ascontiguousarray(array).tobytes()
         header[name] = {"dtype": kind, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
@@ -301,7 +302,7 @@ def test_init_from_a_pytorch_state_dict(tmp_path):
     from tests.support.torch_nets import LeNet
 
     torch.manual_seed(3)
-    state = {k: v.detach().numpy() for k, v in LeNet(image=(28, 28)).state_dict().items()
+    state = {k: v.detach().float().numpy() for k, v in LeNet(image=(28, 28)).state_dict().items()
              if not k.startswith("layers.")}            # (the twin also lists its modules under `layers`)
     _, lenet = compile_program("lenet", tmp_path / "p", batch=8)
     plain = tmp_path / "torch_lenet.npz"
