@@ -25,7 +25,7 @@ from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make, toposort
 from deepdsl.ops import dims
 from deepdsl.ops import loss as L
-from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sum_to, sym
+from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcast_shapes, reshape, stable_forms, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
@@ -33,7 +33,7 @@ from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
     "Tensor", "Fn", "Layer", "images", "labels", "scalar", "conv", "full", "max_pool", "avg_pool",
-    "adaptive_avg_pool", "adaptive_max_pool", "relu", "tanh",
+    "adaptive_avg_pool", "adaptive_max_pool", "layer_norm", "pad_channels", "relu", "tanh",
     "sigmoid", "clipped_relu", "lrn", "dropout", "batch_norm", "concat", "add", "flatten", "softmax", "log_softmax",
     "log_loss", "cross_entropy", "nll_loss", "precision", "elementwise", "fn", "xavier", "gaussian", "constant",
     "Param", "Train", "Adam", "AdamW", "Loop", "Overrides", "v",
@@ -162,8 +162,9 @@ def _next_dropout_key() -> int:
 # tensors
 
 class Tensor:
-    """A value of the network: a graph node with arithmetic (`+`, `-`, `*`, `/` with tensors of the same shape,
-    scalar tensors or numbers), e.g. `main_loss + 0.3 * aux_loss`."""
+    """A value of the network: a graph node with arithmetic (`+`, `-`, `*`, `/` with tensors whose shapes broadcast
+    as numpy's do, or numbers; `**` a number), e.g. `main_loss + 0.3 * aux_loss`, `x * gate.reshape(n, c, 1, 1)`,
+    and `reshape`, `sum` and `mean` over axes."""
 
     __slots__ = ("node", "meta")
 
@@ -185,9 +186,15 @@ class Tensor:
         if not isinstance(other, Tensor):
             return NotImplemented
         a, b = self.node, other.node
-        if a.shape != b.shape and a.shape != () and b.shape != ():
-            raise ShapeError(f"'{symbol}' of tensors of different shapes {dims(a.shape)} and {dims(b.shape)}",
-                             user_location())
+        try:
+            broadcast_shapes(a.shape, b.shape)
+        except ValueError:
+            hint = ""
+            small, big = sorted((a.shape, b.shape), key=len)
+            if len(small) < len(big) and big[:len(small)] == small:
+                hint = f" (to apply {dims(small)} per position, reshape it: .reshape{small + (1,) * (len(big) - len(small))})"
+            raise ShapeError(f"'{symbol}' of tensors of shapes {dims(a.shape)} and {dims(b.shape)}, which do not "
+                             f"broadcast{hint}", user_location()) from None
         return Tensor(ew_node(expr, [a, b]))
 
     def __add__(self, other):
@@ -213,6 +220,45 @@ class Tensor:
 
     def __neg__(self):
         return Tensor(ew_node(-sym(0), [self.node]))
+
+    def __pow__(self, exponent):
+        _number("'**' of a tensor", "the exponent", exponent)
+        return Tensor(ew_node(sym(0) ** sympy.nsimplify(exponent), [self.node]))
+
+    def reshape(self, *shape) -> "Tensor":
+        """The same elements in another shape (a view: no copy)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) or \
+                math.prod(shape) != math.prod(self.shape):
+            raise ShapeError(f"cannot reshape {dims(self.shape)} to {shape}", user_location())
+        return Tensor(reshape(self.node, shape))
+
+    def sum(self, axis=None, keepdims: bool = False) -> "Tensor":
+        """The sum over `axis` (an int, a tuple of them, negative from the end; None: all), keeping them as size-1
+        axes with `keepdims`."""
+        axes = _axes(self.shape, axis)
+        kept = tuple(1 if k in axes else d for k, d in enumerate(self.shape))
+        total = sum_to(self.node, kept)
+        return Tensor(total if keepdims else reshape(total, tuple(d for k, d in enumerate(self.shape)
+                                                                   if k not in axes)))
+
+    def mean(self, axis=None, keepdims: bool = False) -> "Tensor":
+        """The mean over `axis` (as `sum`)."""
+        count = math.prod(self.shape[k] for k in _axes(self.shape, axis))
+        return self.sum(axis, keepdims) * (1.0 / count)
+
+
+def _axes(shape: tuple[int, ...], axis) -> tuple[int, ...]:
+    """`axis` (None, an int or ints, negative from the end) as sorted non-negative axes of `shape`."""
+    if axis is None:
+        return tuple(range(len(shape)))
+    given = (axis,) if isinstance(axis, int) and not isinstance(axis, bool) else tuple(axis)
+    axes = []
+    for a in given:
+        if not isinstance(a, int) or isinstance(a, bool) or not -len(shape) <= a < len(shape):
+            raise ShapeError(f"axis {a!r} is not an axis of a tensor of {dims(shape)}", user_location())
+        axes.append(a % len(shape))
+    return tuple(sorted(set(axes)))
 
 
 def _node(t: Tensor | Node) -> Node:
@@ -654,6 +700,42 @@ class _BatchNorm(_ParamLayer):
         for leaf in (mean, var):
             provenance.record_leaf(leaf, self.label, self.describe)
         return Tensor(make("batch_norm", (x.node, p["W"], p["B"], mean, var), eps=self.eps, momentum=self.momentum))
+
+
+class _LayerNorm(_ParamLayer):
+    def __init__(self, name, axes, eps, affine):
+        super().__init__(name, f"layer norm over the last {axes} axes")
+        self.axes, self.eps, self.affine = axes, float(eps), affine
+
+    def forward(self, x):
+        if len(x.shape) <= self.axes:
+            raise ShapeError(f"layer norm over the last {self.axes} axes needs an input of more axes, got "
+                             f"{dims(x.shape)}")
+        axes = tuple(range(len(x.shape) - self.axes, len(x.shape)))
+        centered = x - x.mean(axes, keepdims=True)
+        y = centered * ((centered ** 2).mean(axes, keepdims=True) + self.eps) ** -0.5
+        if not self.affine:
+            return y
+        shape = x.shape[len(x.shape) - self.axes:]
+        p = self._weights({"W": shape, "B": shape}, {"W": constant(1.0), "B": constant(0.0)})
+        return y * Tensor(p["W"]) + Tensor(p["B"])
+
+
+def layer_norm(name: str, axes: int = 1, eps: float = 1e-5, affine: bool = True) -> Layer:
+    """PyTorch's LayerNorm over the last `axes` axes: (x - mean) / sqrt(var + eps) (the biased variance), times
+    `<name>_W` plus `<name>_B` (of those axes' shape; `affine=False`: neither)."""
+    what = _layer("D.layer_norm", name)
+    return _LayerNorm(name, _positive_int(what, "axes", axes), _positive_number(what, "eps", eps),
+                      _flag(what, "affine", affine))
+
+
+def pad_channels(before: int, after: int = 0) -> Layer:
+    """Zero channels around the input's (axis 1): `before` in front, `after` behind (ResNet's option-A shortcut)."""
+    what = "layer 'pad_channels'"
+    before, after = _nonnegative_int(what, "before", before), _nonnegative_int(what, "after", after)
+    return _Op(f"pad_channels({before},{after})", f"{before} zero channels before, {after} after",
+               lambda x: make("pad_axis", (x,), axis=1, start=before, size=x.shape[1] + before + after)
+               if before or after else x)
 
 
 def batch_norm(name: str, eps: float = 1e-5, momentum: float = 0.1) -> Layer:

@@ -385,6 +385,33 @@ loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train(
 """
 
 
+MODERN_PARTS_NET = """
+from deepdsl import dsl as D
+x = D.images("x", (4, 1, 8, 8))
+y = D.labels("y", 4, classes=3)
+conv = D.conv("cv", kernel=3, channels=4, padding=1)
+squeeze = D.full("se", 4)
+
+def block(t):
+    gate = D.sigmoid(squeeze(t.mean((2, 3))))             # squeeze-and-excitation: one gate per channel
+    return D.pad_channels(2, 2)(t * gate.reshape(4, 4, 1, 1))
+
+net = D.full("fc", 3) @ D.layer_norm("ln") @ D.flatten @ D.max_pool(2) @ D.fn(block) @ D.relu @ conv
+loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train("modern_parts", lr=0.1))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "compiled"])
+def test_modern_network_parts_run_in_the_generated_program(kernels, tmp_path):
+    """Squeeze-and-excitation (a mean over the plane, a per-channel gate broadcast into the maps), zero channels and
+    layer norm train in the generated program as the reference interpreter computes them."""
+    if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler")
+    network = tmp_path / "modern_parts.py"
+    network.write_text(MODERN_PARTS_NET)
+    _check_against_the_interpreter(network, None, None, tmp_path, kernels)
+
+
 @pytest.mark.parametrize("kernels", ["numpy", "compiled"])
 def test_user_functions_run_in_the_generated_program(kernels, tmp_path):
     """Exact GELU (erf: the runtime's, numpy has none; erff in C), Mish written out (computed through softplus) and

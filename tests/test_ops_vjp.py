@@ -214,6 +214,20 @@ case("ew_sum_per_channel", lambda a, m: make("ew_sum", (a, m), expr=(sym(0) - sy
 case("ew_sum_to_scalar", lambda a, b: make("ew_sum", (a, b), expr=sym(0) * sympy.exp(sym(1)), shape=()),
      lambda a, b: (a * torch.exp(b)).sum(), {"a": randn(3, 4), "b": randn(4, seed=1)})
 
+# tensor arithmetic with broadcasting, reductions over axes, layer norm, zero channels (squeeze-and-excitation,
+# Transformers, ResNet's option-A shortcuts)
+case("dsl_se_gate", lambda x, g: (D.Tensor(x) * D.sigmoid(D.Tensor(g)).reshape(2, 3, 1, 1)).node,
+     lambda x, g: x * torch.sigmoid(g).reshape(2, 3, 1, 1), {"x": randn(2, 3, 4, 5), "g": randn(2, 3, seed=1)})
+case("dsl_sum_mean_axes", lambda x: (D.Tensor(x).sum((1, -2)) + D.Tensor(x).mean(2, keepdims=True).reshape(2, 3, 5)
+                                      .mean(1) ** 2 * 0.5).node,
+     lambda x: x.sum((1, 2)) + x.mean(2, keepdim=True).reshape(2, 3, 5).mean(1) ** 2 * 0.5, {"x": randn(2, 3, 4, 5)})
+case("dsl_layer_norm", lambda x, ln_W, ln_B: D.layer_norm("ln", axes=2)(D.Tensor(x)).node,
+     lambda x, w, b: F.layer_norm(x, (4, 5), w, b, eps=1e-5),
+     {"x": randn(2, 3, 4, 5, scale=2.0), "ln_W": randn(4, 5, seed=1), "ln_B": randn(4, 5, seed=2)})
+case("dsl_layer_norm_plain", lambda x: D.layer_norm("lnp", eps=1e-3, affine=False)(D.Tensor(x)).node,
+     lambda x: F.layer_norm(x, (6,), eps=1e-3), {"x": randn(5, 6)})
+case("dsl_pad_channels", dsl(D.pad_channels(2, 1)), lambda x: F.pad(x, (0, 0, 0, 0, 2, 1)), {"x": randn(2, 3, 4, 4)})
+
 # summing, broadcasting, reshaping
 case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
 case("sum_to_middle", lambda x: sum_to(x, (2, 1, 4)), lambda x: x.sum_to_size(2, 1, 4), {"x": randn(2, 3, 4)})
