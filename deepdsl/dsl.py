@@ -29,6 +29,7 @@ from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcast_shapes, resh
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
+from deepdsl.ops.shape import slice_axis
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
@@ -446,30 +447,48 @@ def _layer(kind: str, name: Any) -> str:
 
 
 class _Conv(_ParamLayer):
-    def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init):
-        super().__init__(name, f"conv {kernel}x{kernel}, {channels} channels, stride {stride}, padding {padding}")
+    def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init, groups=1):
+        super().__init__(name, f"conv {kernel}x{kernel}, {channels} channels, stride {stride}, padding {padding}"
+                               + (f", {groups} groups" if groups > 1 else ""))
         self.kernel, self.channels, self.stride, self.padding = kernel, channels, stride, padding
-        self.bias, self.weight_spec, self.bias_spec = bias, weight, bias_init
+        self.bias, self.weight_spec, self.bias_spec, self.groups = bias, weight, bias_init, groups
 
     def forward(self, x):
         if len(x.shape) != 4:
             raise ShapeError(f"convolution input must be 4-D (N,C,H,W), got {dims(x.shape)}")
-        shapes = {"W": (self.channels, x.shape[1], self.kernel, self.kernel)}
+        c, g = x.shape[1], self.groups
+        if c % g or self.channels % g:
+            raise ShapeError(f"a convolution of {g} groups needs input channels ({c}) and output channels "
+                             f"({self.channels}) that {g} divides")
+        shapes = {"W": (self.channels, c // g, self.kernel, self.kernel)}
         if self.bias:
             shapes["B"] = (self.channels,)
         p = self._weights(shapes, {"W": self.weight_spec, "B": self.bias_spec})
-        inputs = [x.node, p["W"]] + ([p["B"]] if self.bias else [])
-        return Tensor(make("conv2d", inputs, stride=self.stride, pad=self.padding))
+        if g == 1:
+            inputs = [x.node, p["W"]] + ([p["B"]] if self.bias else [])
+            return Tensor(make("conv2d", inputs, stride=self.stride, pad=self.padding))
+        # groups (depthwise: one per channel): each group's channels convolved by its filters, the results
+        # concatenated along channels (PyTorch's layout: W is (channels, in / groups, k, k))
+        ci, co = c // g, self.channels // g
+        parts = []
+        for i in range(g):
+            inputs = [slice_axis(x.node, 1, i * ci, (i + 1) * ci), slice_axis(p["W"], 0, i * co, (i + 1) * co)]
+            if self.bias:
+                inputs.append(slice_axis(p["B"], 0, i * co, (i + 1) * co))
+            parts.append(make("conv2d", inputs, stride=self.stride, pad=self.padding))
+        return Tensor(_concat(parts, axis=1))
 
 
 def conv(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 0, bias: bool = True,
-         weight: Param | None = None, bias_init: Param | None = None) -> Layer:
-    """2-D convolution with weights `<name>_W` (channels, in, kernel, kernel) and bias `<name>_B` (channels,)."""
+         weight: Param | None = None, bias_init: Param | None = None, groups: int = 1) -> Layer:
+    """2-D convolution with weights `<name>_W` (channels, in / groups, kernel, kernel) and bias `<name>_B`
+    (channels,); `groups` splits the input and output channels into that many groups convolved separately
+    (depthwise: groups = the input channels), as PyTorch's Conv2d."""
     what = _layer("D.conv", name)
     return _Conv(name, _positive_int(what, "kernel", kernel), _positive_int(what, "channels", channels),
                  _positive_int(what, "stride", stride), _nonnegative_int(what, "padding", padding),
                  _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
-                 _spec(what, "bias_init", bias_init, constant(0.0)))
+                 _spec(what, "bias_init", bias_init, constant(0.0)), _positive_int(what, "groups", groups))
 
 
 class _Full(_ParamLayer):

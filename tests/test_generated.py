@@ -392,7 +392,10 @@ y = D.labels("y", 4, classes=3)
 conv = D.conv("cv", kernel=3, channels=4, padding=1)
 squeeze = D.full("se", 4)
 
+depthwise = D.conv("dw", kernel=3, channels=4, padding=1, groups=4)
+
 def block(t):
+    t = depthwise(t)
     gate = D.sigmoid(squeeze(t.mean((2, 3))))             # squeeze-and-excitation: one gate per channel
     return D.pad_channels(2, 2)(t * gate.reshape(4, 4, 1, 1))
 
@@ -403,8 +406,8 @@ loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train(
 
 @pytest.mark.parametrize("kernels", ["numpy", "compiled"])
 def test_modern_network_parts_run_in_the_generated_program(kernels, tmp_path):
-    """Squeeze-and-excitation (a mean over the plane, a per-channel gate broadcast into the maps), zero channels and
-    layer norm train in the generated program as the reference interpreter computes them."""
+    """A depthwise convolution, squeeze-and-excitation (a mean over the plane, a per-channel gate broadcast into the
+    maps), zero channels and layer norm train in the generated program as the reference interpreter computes them."""
     if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("needs a C compiler")
     network = tmp_path / "modern_parts.py"

@@ -228,6 +228,12 @@ case("dsl_layer_norm_plain", lambda x: D.layer_norm("lnp", eps=1e-3, affine=Fals
      lambda x: F.layer_norm(x, (6,), eps=1e-3), {"x": randn(5, 6)})
 case("dsl_pad_channels", dsl(D.pad_channels(2, 1)), lambda x: F.pad(x, (0, 0, 0, 0, 2, 1)), {"x": randn(2, 3, 4, 4)})
 
+case("dsl_grouped_conv", lambda x, gc_W, gc_B: D.conv("gc", 3, 6, padding=1, groups=2)(D.Tensor(x)).node,
+     lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=2),
+     {"x": randn(2, 4, 5, 5), "gc_W": randn(6, 2, 3, 3, seed=1), "gc_B": randn(6, seed=2)})
+case("dsl_depthwise_conv", lambda x, dw_W: D.conv("dw", 3, 3, stride=2, bias=False, groups=3)(D.Tensor(x)).node,
+     lambda x, w: F.conv2d(x, w, stride=2, groups=3), {"x": randn(2, 3, 7, 6), "dw_W": randn(3, 1, 3, 3, seed=1)})
+
 # summing, broadcasting, reshaping
 case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
 case("sum_to_middle", lambda x: sum_to(x, (2, 1, 4)), lambda x: x.sum_to_size(2, 1, 4), {"x": randn(2, 3, 4)})
