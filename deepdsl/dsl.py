@@ -34,7 +34,8 @@ from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
     "Tensor", "Fn", "Layer", "images", "labels", "scalar", "conv", "full", "max_pool", "avg_pool",
-    "adaptive_avg_pool", "adaptive_max_pool", "layer_norm", "pad_channels", "relu", "tanh",
+    "adaptive_avg_pool", "adaptive_max_pool", "layer_norm", "pad_channels", "conv_transpose", "upsample", "relu",
+    "tanh",
     "sigmoid", "clipped_relu", "lrn", "dropout", "batch_norm", "concat", "add", "flatten", "softmax", "log_softmax",
     "log_loss", "cross_entropy", "nll_loss", "precision", "elementwise", "fn", "xavier", "gaussian", "constant",
     "Param", "Train", "Adam", "AdamW", "Loop", "Overrides", "v",
@@ -489,6 +490,59 @@ def conv(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 
                  _positive_int(what, "stride", stride), _nonnegative_int(what, "padding", padding),
                  _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
                  _spec(what, "bias_init", bias_init, constant(0.0)), _positive_int(what, "groups", groups))
+
+
+class _ConvTranspose(_ParamLayer):
+    def __init__(self, name, kernel, channels, stride, padding, output_padding, bias, weight, bias_init):
+        super().__init__(name, f"transposed conv {kernel}x{kernel}, {channels} channels, stride {stride}, "
+                               f"padding {padding}")
+        self.kernel, self.channels, self.stride, self.padding = kernel, channels, stride, padding
+        self.output_padding, self.bias, self.weight_spec, self.bias_spec = output_padding, bias, weight, bias_init
+
+    def forward(self, x):
+        if len(x.shape) != 4:
+            raise ShapeError(f"transposed convolution input must be 4-D (N,C,H,W), got {dims(x.shape)}")
+        size = tuple((d - 1) * self.stride - 2 * self.padding + self.kernel + self.output_padding
+                     for d in x.shape[2:])
+        if min(size) < 1:
+            raise ShapeError(f"transposed convolution of {dims(x.shape)} gives an empty output {size}")
+        shapes = {"W": (x.shape[1], self.channels, self.kernel, self.kernel)}
+        if self.bias:
+            shapes["B"] = (self.channels,)
+        p = self._weights(shapes, {"W": self.weight_spec, "B": self.bias_spec})
+        y = make("conv2d_bwd_data", (x.node, p["W"]), stride=self.stride, pad=self.padding, size=size)
+        if self.bias:
+            y = ew_node(sym(0) + sym(1), [y, reshape(p["B"], (1, self.channels, 1, 1))])
+        return Tensor(y)
+
+
+def conv_transpose(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 0,
+                   output_padding: int = 0, bias: bool = True, weight: Param | None = None,
+                   bias_init: Param | None = None) -> Layer:
+    """PyTorch's ConvTranspose2d: weights `<name>_W` (in, channels, kernel, kernel), bias `<name>_B`; output size
+    (H - 1) stride - 2 padding + kernel + output_padding (the gradient of a convolution with those settings)."""
+    what = _layer("D.conv_transpose", name)
+    stride = _positive_int(what, "stride", stride)
+    output_padding = _nonnegative_int(what, "output_padding", output_padding)
+    if output_padding >= stride:
+        _reject(what, f"output_padding {output_padding} must be smaller than the stride {stride}")
+    return _ConvTranspose(name, _positive_int(what, "kernel", kernel), _positive_int(what, "channels", channels),
+                          stride, _nonnegative_int(what, "padding", padding), output_padding, _flag(what, "bias", bias),
+                          _spec(what, "weight", weight, xavier()), _spec(what, "bias_init", bias_init, constant(0.0)))
+
+
+def upsample(scale: int) -> Layer:
+    """Nearest-neighbour upsampling by an integer `scale` (PyTorch's Upsample(scale_factor, mode="nearest")): each
+    position repeated scale x scale times (a broadcast between two reshapes)."""
+    scale = _positive_int("layer 'upsample'", "scale", scale)
+
+    def build(x: Node) -> Node:
+        if len(x.shape) != 4:
+            raise ShapeError(f"upsampling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
+        n, c, h, w = x.shape
+        spread = ew_node(sym(0), [reshape(x, (n, c, h, 1, w, 1))], shape=(n, c, h, scale, w, scale))
+        return reshape(spread, (n, c, h * scale, w * scale))
+    return _Op(f"upsample({scale})", f"nearest upsampling x{scale}", build)
 
 
 class _Full(_ParamLayer):

@@ -436,13 +436,24 @@ def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator, network
 
 # network, image, memory modes (alexnet, for its LRN and dropout, in one: its 4096-wide layers are slow to emulate)
 EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), ("static",)),
-            ("resnet_mini", None, MODES), ("inception_mini", None, MODES)]
+            ("resnet_mini", None, MODES), ("inception_mini", None, MODES),
+            # tests/test_generated.py's networks of newer layers: user functions (erf, softplus, sign), grouped
+            # convolution, layer norm, broadcasting and zero channels; transposed convolution and upsampling
+            ("user_functions", None, ("static",)), ("modern_parts", None, ("static",)),
+            ("unet_parts", None, ("static",))]
 _compiled: dict = {}
 
 
 def _program(name, image, batch, tmp_path_factory):
     if name not in _compiled:
-        compiled, path = compile_program(name, tmp_path_factory.mktemp(f"cuda-{name}"), batch=batch, image=image)
+        from tests import test_generated
+
+        directory = tmp_path_factory.mktemp(f"cuda-{name}")
+        network, text = name, getattr(test_generated, f"{name.upper()}_NET", None)
+        if text is not None:
+            network, batch = directory / f"{name}.py", None
+            network.write_text(text)
+        compiled, path = compile_program(network, directory, batch=batch, image=image)
         module = import_program(path)
         _compiled[name] = compiled, module, path
     return _compiled[name]

@@ -404,6 +404,34 @@ loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train(
 """
 
 
+UNET_PARTS_NET = """
+from deepdsl import dsl as D
+x = D.images("x", (4, 1, 8, 8))
+y = D.labels("y", 4, classes=3)
+down = D.relu @ D.conv("down", kernel=3, channels=4, padding=1)
+up = D.conv_transpose("up", kernel=2, channels=4, stride=2)
+
+def unet(t):
+    skip = down(t)
+    joined = D.concat(skip, up(D.max_pool(2)(skip)))       # the skip connection beside the upsampled path
+    return D.upsample(2)(D.max_pool(4)(joined))
+
+net = D.full("fc", 3) @ D.flatten @ D.fn(unet)
+loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train("unet_parts", lr=0.1))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "compiled"])
+def test_unet_parts_run_in_the_generated_program(kernels, tmp_path):
+    """A transposed convolution, a skip concatenation and nearest upsampling train in the generated program as the
+    reference interpreter computes them."""
+    if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler")
+    network = tmp_path / "unet_parts.py"
+    network.write_text(UNET_PARTS_NET)
+    _check_against_the_interpreter(network, None, None, tmp_path, kernels)
+
+
 @pytest.mark.parametrize("kernels", ["numpy", "compiled"])
 def test_modern_network_parts_run_in_the_generated_program(kernels, tmp_path):
     """A depthwise convolution, squeeze-and-excitation (a mean over the plane, a per-channel gate broadcast into the

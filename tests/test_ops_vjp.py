@@ -234,6 +234,15 @@ case("dsl_grouped_conv", lambda x, gc_W, gc_B: D.conv("gc", 3, 6, padding=1, gro
 case("dsl_depthwise_conv", lambda x, dw_W: D.conv("dw", 3, 3, stride=2, bias=False, groups=3)(D.Tensor(x)).node,
      lambda x, w: F.conv2d(x, w, stride=2, groups=3), {"x": randn(2, 3, 7, 6), "dw_W": randn(3, 1, 3, 3, seed=1)})
 
+case("dsl_conv_transpose", lambda x, up_W, up_B: D.conv_transpose("up", 3, 4, stride=2, padding=1,
+                                                                   output_padding=1)(D.Tensor(x)).node,
+     lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
+     {"x": randn(2, 3, 4, 5), "up_W": randn(3, 4, 3, 3, seed=1), "up_B": randn(4, seed=2)})
+case("dsl_conv_transpose_plain", lambda x, t_W: D.conv_transpose("t", 2, 2, stride=2, bias=False)(D.Tensor(x)).node,
+     lambda x, w: F.conv_transpose2d(x, w, stride=2), {"x": randn(2, 3, 3, 3), "t_W": randn(3, 2, 2, 2, seed=1)})
+case("dsl_upsample", dsl(D.upsample(2)), lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
+     {"x": randn(2, 3, 3, 4)})
+
 # summing, broadcasting, reshaping
 case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
 case("sum_to_middle", lambda x: sum_to(x, (2, 1, 4)), lambda x: x.sum_to_size(2, 1, 4), {"x": randn(2, 3, 4)})
@@ -486,7 +495,7 @@ NOT_DIFFERENTIATED = {
     # leaves: gradients stop here
     "input": "leaf", "param": "leaf", "state": "leaf", "const": "leaf",
     # backward ops: they only appear in gradient graphs (no second derivatives)
-    "conv2d_bwd_data": "backward op", "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
+    "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
     "avg_pool_bwd": "backward op", "lrn_bwd": "backward op", "max_pool_argmax": "backward op (integer output)",
     # non-differentiable outputs
     "precision": "piecewise constant", "bernoulli": "random integer mask",

@@ -94,6 +94,14 @@ class Conv2dBwdData(Op):
         require(g.shape[1] == w.shape[0], f"gradient has {g.shape[1]} channels, weights {w.shape[0]}")
         return (g.shape[0], w.shape[1], *size), FLOAT
 
+    def vjp(self, node, dz):
+        """Also a layer's forward (a transposed convolution, `D.conv_transpose`): it is the adjoint of conv2d(., w)
+        on inputs of `size`, so its input's gradient is conv2d(dz, w) and its weights' conv2d_bwd_filter(g, dz)."""
+        g, w = node.inputs
+        s, p = node.attr("stride", 1), node.attr("pad", 0)
+        return (make("conv2d", (dz, w), stride=s, pad=p),
+                make("conv2d_bwd_filter", (g, dz), stride=s, pad=p, kernel=w.shape[2:]))
+
     def evaluate(self, ctx, g, w, *, stride=1, pad=0, size):
         n, o, ho, wo = g.shape
         _, c, kh, kw = w.shape
