@@ -448,6 +448,9 @@ def main(argv=None):
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
                         help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: digits; "
                              "when resuming, the data the checkpoint was trained on)")
+    parser.add_argument("--augment", metavar="SPEC", default="none",
+                        help="training-data augmentation: none, or crop:P (pad P zeros, crop back at random) and flip "
+                             "(mirror left-right at random) joined by commas; drawn from the seed, resumed exactly")
     parser.add_argument("--switch-data", action="store_true",
                         help="resume on another --data than the checkpoint's (no longer an exact continuation)")
     parser.add_argument("--params", default="mlp.params.npz",

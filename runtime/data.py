@@ -15,6 +15,8 @@ the spec. Labels must lie in [0, classes).
 
 Batches: training batches follow a fresh permutation each epoch, drawn from (seed, epoch) alone, so the position
 (epoch, offset) is the whole state of the stream and a resumed run sees exactly the batches it would have seen.
+Augmentation (`Augment`, `--augment crop:P,flip`), when asked, is drawn the same way: per epoch, per position in
+it, from (seed, epoch), so it is resumed exactly too.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Batches", "DataError", "Dataset", "load", "resize_bilinear"]
+__all__ = ["Augment", "Batches", "DataError", "Dataset", "load", "resize_bilinear"]
 
 DIGITS_TEST = 300
 
@@ -253,17 +255,69 @@ def _npz(spec: str, path: str) -> Dataset:
 # ----------------------------------------------------------------------------------------------------------------
 # batch streams
 
+@dataclass(frozen=True)
+class Augment:
+    """Training-data augmentation as torchvision's RandomCrop(size, padding=crop) then RandomHorizontalFlip():
+    each image padded with `crop` zeros on every side and cut back to its size at a random offset in [0, 2 crop]
+    on each axis, then mirrored left-right with probability 1/2. Spec: `none`, or `crop:P`, `flip` joined by
+    commas (`crop:4,flip`)."""
+
+    crop: int = 0
+    flip: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "Augment":
+        crop, flip = 0, False
+        if spec != "none":
+            for part in str(spec).split(","):
+                name, _, value = part.partition(":")
+                if name == "flip" and not value and not flip:
+                    flip = True
+                elif name == "crop" and value.isdigit() and int(value) > 0 and not crop:
+                    crop = int(value)
+                else:
+                    raise DataError(f"--augment {spec!r}: use none, or crop:P (P > 0) and flip joined by commas")
+        return cls(crop, flip)
+
+    def __bool__(self) -> bool:
+        return bool(self.crop or self.flip)
+
+    def draws(self, seed: int, epoch: int, count: int) -> np.ndarray:
+        """(count, 3) integers of one epoch, one row per position in it: the crop's offsets and whether to flip."""
+        rng = np.random.default_rng([seed, epoch, 0xA06])
+        return np.stack([rng.integers(0, 2 * self.crop + 1, count), rng.integers(0, 2 * self.crop + 1, count),
+                         rng.integers(0, 2, count) if self.flip else np.zeros(count, np.int64)], axis=1)
+
+    def apply(self, images: np.ndarray, draws: np.ndarray, padded: np.ndarray | None) -> None:
+        """Augment (N, C, H, W) `images` in place by their rows of `draws`; `padded` is (C, H + 2 crop, W + 2 crop)
+        of scratch, zero outside its centre."""
+        h, w = images.shape[2:]
+        for image, (dy, dx, flip) in zip(images, draws):
+            if self.crop:
+                padded[:, self.crop:self.crop + h, self.crop:self.crop + w] = image
+                image[...] = padded[:, dy:dy + h, dx:dx + w]
+            if flip:
+                image[...] = image[:, :, ::-1].copy()
+
+
 class Batches:
     """Batches of `batch` examples into reused buffers. Shuffled: each epoch follows its own permutation drawn
     from (seed, epoch), and a batch that crosses the end of an epoch continues into the next. Not shuffled: the
-    examples in order, wrapping around."""
+    examples in order, wrapping around. With `augment`, each example is augmented by the draws of its position in
+    its epoch (`Augment.draws`)."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0, shuffle: bool = True):
-        self.x, self.y, self.batch, self.seed, self.shuffle = x, y, batch, seed, shuffle
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0, shuffle: bool = True,
+                 augment: Augment = Augment()):
+        self.x, self.y, self.batch, self.seed, self.shuffle, self.augment = x, y, batch, seed, shuffle, augment
         self.epoch, self.offset = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
+        self._draws: tuple[int, np.ndarray] | None = None
         self.xb = np.empty((batch,) + x.shape[1:], dtype=np.float32)
         self.yb = np.empty((batch,), dtype=np.int32)
+        self._padded = None
+        if augment.crop and x.ndim == 4:
+            c, h, w = x.shape[1:]
+            self._padded = np.zeros((c, h + 2 * augment.crop, w + 2 * augment.crop), np.float32)
 
     def order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -273,11 +327,13 @@ class Batches:
         return self._order[1]
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        parts, need = [], self.batch
+        parts, draws, need = [], [], self.batch
         while need:
             order = self.order(self.epoch)
             take = order[self.offset:self.offset + need]
             parts.append(take)
+            if self.augment:
+                draws.append(self.epoch_draws(self.epoch)[self.offset:self.offset + len(take)])
             need -= len(take)
             self.offset += len(take)
             if self.offset == len(order):
@@ -285,7 +341,14 @@ class Batches:
         index = np.concatenate(parts) if len(parts) > 1 else parts[0]
         np.take(self.x, index, axis=0, out=self.xb)
         np.take(self.y, index, axis=0, out=self.yb)
+        if self.augment and self.xb.ndim == 4:
+            self.augment.apply(self.xb, np.concatenate(draws), self._padded)
         return self.xb, self.yb
+
+    def epoch_draws(self, epoch: int) -> np.ndarray:
+        if self._draws is None or self._draws[0] != epoch:
+            self._draws = (epoch, self.augment.draws(self.seed, epoch, len(self.x)))
+        return self._draws[1]
 
     @property
     def position(self) -> tuple[int, int]:

@@ -389,6 +389,10 @@ def _check_args(args) -> None:
     if not 0 <= args.seed < 2 ** 63:
         raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
     _schedule(args)
+    try:
+        datasets.Augment.parse(getattr(args, "augment", "none"))
+    except datasets.DataError as err:
+        raise RunError(str(err)) from None
 
 
 def _schedule(args) -> Schedule:
@@ -604,7 +608,8 @@ class _Run:
         if self.resumed is None and args.iters == 0:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch)
-        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed)
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed,
+                                       augment=datasets.Augment.parse(getattr(args, "augment", "none")))
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:

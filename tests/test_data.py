@@ -194,3 +194,58 @@ def test_program_reports_a_data_mismatch_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"npz:{tmp_path / 'rgb.npz'}" in lines[0] and "3x28x28" in lines[0], done.stderr
     assert not (tmp_path / "m.npz").exists()
+
+
+def test_augmentation_crops_and_flips_as_drawn_and_resumes_exactly():
+    """Each augmented image is its zero-padded original cut at the drawn offsets, mirrored where drawn (torchvision's
+    RandomCrop(padding=2) then RandomHorizontalFlip()); the draws depend on (seed, epoch, position) only, so a stream
+    restarted at a position continues with the same batches; test batches are not augmented."""
+    from deepdsl_runtime.data import Augment, Batches, DataError
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 2, 5, 6)).astype(np.float32)
+    y = np.arange(10, dtype=np.int32)
+    augment = Augment.parse("crop:2,flip")
+    assert augment == Augment(2, True) and not Augment.parse("none")
+    straight = Batches(x, y, 4, seed=3, augment=augment)
+    seen = []
+    for _ in range(7):                                       # crosses epochs and their ends mid-batch
+        epoch, offset = straight.position
+        xb, yb = (a.copy() for a in straight.next())
+        positions = [(epoch + (offset + k) // 10, (offset + k) % 10) for k in range(4)]
+        for image, label, (e, at) in zip(xb, yb, positions):
+            dy, dx, flip = augment.draws(3, e, 10)[at]
+            padded = np.pad(x[label], ((0, 0), (2, 2), (2, 2)))
+            want = padded[:, dy:dy + 5, dx:dx + 6]
+            np.testing.assert_array_equal(image, want[:, :, ::-1] if flip else want)
+            seen.append((dy, dx, flip))
+        if len(seen) == 12:
+            restart = Batches(x, y, 4, seed=3, augment=augment)
+            restart.position = straight.position
+    later = [restart.next()[0].copy() for _ in range(4)]
+    again = Batches(x, y, 4, seed=3, augment=augment)
+    for _ in range(3):
+        again.next()
+    assert all(np.array_equal(a, again.next()[0]) for a in later)
+    assert len({(d[0], d[1]) for d in seen}) > 5 and 0 < sum(d[2] for d in seen) < len(seen)
+    plain = Batches(x, y, 4, seed=3)
+    assert np.array_equal(plain.next()[0], x[plain.order(0)[:4]])
+    for bad in ("crop", "crop:0", "flip,flip", "rotate", "crop:2;flip"):
+        with pytest.raises(DataError, match="--augment"):
+            Augment.parse(bad)
+
+
+def test_the_program_augments_and_resumes_augmented_training_exactly(tmp_path):
+    _, lenet = compile_program("lenet", tmp_path / "p", batch=8)
+    common = ["--data", "digits", "--test-iters", "1", "--quiet", "--augment", "crop:2,flip"]
+    straight, resumed, plain = tmp_path / "straight.npz", tmp_path / "resumed.npz", tmp_path / "plain.npz"
+    assert run_cli(lenet, "--iters", "4", "--params", str(straight), *common).returncode == 0
+    for iters in ("2", "4"):
+        done = run_cli(lenet, "--iters", iters, "--params", str(resumed), *common)
+        assert done.returncode == 0, done.stderr
+    assert run_cli(lenet, "--iters", "4", "--params", str(plain), *common[:-2]).returncode == 0
+    a, b, c = (np.load(p) for p in (straight, resumed, plain))
+    assert all(np.array_equal(a[k], b[k]) for k in a.files if not k.startswith("__"))
+    assert not np.array_equal(a["cv1_W"], c["cv1_W"])
+    bad = run_cli(lenet, "--iters", "1", "--params", str(tmp_path / "bad.npz"), "--augment", "mirror")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "--augment 'mirror'" in bad.stderr, bad.stderr
