@@ -388,18 +388,15 @@ def _check_args(args) -> None:
         raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
     if not 0 <= args.seed < 2 ** 63:
         raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
-    _schedule(args)
-    try:
-        datasets.Augment.parse(getattr(args, "augment", "none"))
-    except datasets.DataError as err:
-        raise RunError(str(err)) from None
 
 
-def _schedule(args) -> Schedule:
-    """The learning-rate schedule of the options (--lr-schedule, --warmup; cosine's length follows --iters)."""
+def _recipe(args) -> tuple[Schedule, datasets.Augment]:
+    """The learning-rate schedule (--lr-schedule, --warmup; cosine's length follows --iters) and the augmentation
+    (--augment) of the options."""
     try:
-        return Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters)
-    except ScheduleError as err:
+        return (Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters),
+                datasets.Augment.parse(getattr(args, "augment", "none")))
+    except (ScheduleError, datasets.DataError) as err:
         raise RunError(str(err)) from None
 
 
@@ -521,7 +518,7 @@ class _Run:
 
     def __init__(self, model_cls: type[Model], args, signals: _Signals):
         _check_args(args)
-        self.schedule = _schedule(args)
+        self.schedule, self.augment = _recipe(args)
         self.args, self.signals = args, signals
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False), getattr(args, "kernels", "auto"),
@@ -608,8 +605,7 @@ class _Run:
         if self.resumed is None and args.iters == 0:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch)
-        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed,
-                                       augment=datasets.Augment.parse(getattr(args, "augment", "none")))
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed, augment=self.augment)
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:
