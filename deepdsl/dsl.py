@@ -642,35 +642,37 @@ def _adaptive(what: str, size) -> tuple[int, int]:
     return _positive_int(what, "size[0]", size[0]), _positive_int(what, "size[1]", size[1])
 
 
+def _tiling_kernel(what: str, x: Node, oh: int, ow: int) -> int:
+    """The window (and stride) of an adaptive pooling to oh x ow whose windows tile `x`: a ShapeError unless x is
+    4-D with height and width the same multiple of oh and ow."""
+    h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
+    if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
+        raise ShapeError(f"{what} to {oh}x{ow} needs a 4-D input whose height and width are the same multiple of "
+                         f"{oh} and {ow}, got {dims(x.shape)}")
+    return h // oh
+
+
 def adaptive_avg_pool(size) -> Layer:
     """PyTorch's AdaptiveAvgPool2d(size) where its windows do not overlap: size 1 (global average pooling, of any
     plane) or a size each side of the input is the same multiple of (an average pooling of that kernel)."""
-    what = "layer 'adaptive_avg_pool'"
-    oh, ow = _adaptive(what, size)
+    oh, ow = _adaptive("layer 'adaptive_avg_pool'", size)
 
     def build(x: Node) -> Node:
-        h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
         if (oh, ow) == (1, 1) and len(x.shape) == 4:
             return _plane_mean(x)
-        if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
-            raise ShapeError(f"adaptive average pooling to {oh}x{ow} needs a 4-D input whose height and width are "
-                             f"the same multiple of {oh} and {ow}, got {dims(x.shape)}")
-        return make("avg_pool", (x,), kernel=h // oh, stride=h // oh, pad=0, ceil=False, include_pad=True)
+        k = _tiling_kernel("adaptive average pooling", x, oh, ow)
+        return make("avg_pool", (x,), kernel=k, stride=k, pad=0, ceil=False, include_pad=True)
     return _Op(f"adaptive_avg_pool({oh}x{ow})", f"adaptive average pooling to {oh}x{ow}", build)
 
 
 def adaptive_max_pool(size) -> Layer:
     """PyTorch's AdaptiveMaxPool2d(size) where its windows are square and do not overlap (each side of the input
     the same multiple of the size's)."""
-    what = "layer 'adaptive_max_pool'"
-    oh, ow = _adaptive(what, size)
+    oh, ow = _adaptive("layer 'adaptive_max_pool'", size)
 
     def build(x: Node) -> Node:
-        h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
-        if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
-            raise ShapeError(f"adaptive max pooling to {oh}x{ow} needs a 4-D input whose height and width are the "
-                             f"same multiple of {oh} and {ow}, got {dims(x.shape)}")
-        return make("max_pool", (x,), kernel=h // oh, stride=h // oh, pad=0, ceil=False)
+        k = _tiling_kernel("adaptive max pooling", x, oh, ow)
+        return make("max_pool", (x,), kernel=k, stride=k, pad=0, ceil=False)
     return _Op(f"adaptive_max_pool({oh}x{ow})", f"adaptive max pooling to {oh}x{ow}", build)
 
 

@@ -301,13 +301,7 @@ class SumTo(Op):
     name = "sum_to"
 
     def infer(self, x: Node, *, shape):
-        ok = len(shape) <= len(x.shape)
-        if ok:
-            try:
-                ok = broadcast_shapes(shape, x.shape) == x.shape
-            except ValueError:
-                ok = False
-        require(ok, f"cannot sum {dims(x.shape)} to {dims(shape)}")
+        require_summable(x.shape, shape)
         return shape, x.dtype
 
     def vjp(self, node, g):
@@ -321,6 +315,17 @@ class SumTo(Op):
         return f"sum_to[{dims(node.attr('shape'))}]"
 
 
+def require_summable(source: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """A ShapeError unless `source` sums down to `shape` (`shape` broadcasts to `source`)."""
+    ok = len(shape) <= len(source)
+    if ok:
+        try:
+            ok = broadcast_shapes(shape, source) == tuple(source)
+        except ValueError:
+            ok = False
+    require(ok, f"cannot sum {dims(source)} to {dims(shape)}")
+
+
 @register
 class EwSum(Op):
     """`sum_to(ew(expr, inputs), shape)` in one statement (made by the `fuse_reductions` pass): the elementwise
@@ -331,13 +336,7 @@ class EwSum(Op):
 
     def infer(self, *inputs: Node, expr, shape):
         values, _ = get_op("ew").infer(*inputs, expr=expr)
-        ok = len(shape) <= len(values)
-        if ok:
-            try:
-                ok = broadcast_shapes(shape, values) == values
-            except ValueError:
-                ok = False
-        require(ok, f"cannot sum {dims(values)} to {dims(shape)}")
+        require_summable(values, shape)
         return tuple(shape), FLOAT
 
     def vjp(self, node, g):
@@ -345,8 +344,7 @@ class EwSum(Op):
         return get_op("ew").vjp(values, broadcast_to(g, values.shape))
 
     def evaluate(self, ctx, *args, expr, shape):
-        values = get_op("ew").evaluate(ctx, *args, expr=expr)
-        return np.asarray(values.sum(axis=_reduced_axes(values.shape, shape)).reshape(shape), dtype=ctx.float_dtype)
+        return get_op("sum_to").evaluate(ctx, get_op("ew").evaluate(ctx, *args, expr=expr), shape=shape)
 
     def workspace(self, node, limit=None):
         """The values of a chunk of samples and, when there are several chunks, a chunk's sum: chunks of at most
