@@ -550,8 +550,7 @@ def test_user_functions_and_their_gradients_stay_finite_at_extremes(name, tmp_pa
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from deepdsl import dsl as D
-    from deepdsl.codegen.ufuncs import kernel_body, runtime_imports
-    from tests.test_runtime_cpu import leaf
+    from tests.test_runtime_cpu import kernel, leaf
 
     text, reference = STABLE[name]
     expr = D.elementwise(name, text)(D.Tensor(leaf("x", (8,)))).node.attr("expr")
@@ -560,14 +559,9 @@ def test_user_functions_and_their_gradients_stay_finite_at_extremes(name, tmp_pa
     value = reference(torch, F, x)
     value.sum().backward()
     for k, (e, want) in enumerate(((expr, value.detach().numpy()), (derivative(expr, sym(0)), x.grad.numpy()))):
-        body = kernel_body(e)
-        scope = {"np": np}
-        for line in runtime_imports([body]):
-            exec(line, scope)
-        exec("def kernel(out, v0):\n" + "".join(f"    {line}\n" for line in body), scope)
         out = np.empty_like(xs)
         with np.errstate(over="raise", invalid="raise"):         # no overflow or NaN on the way either
-            scope["kernel"](out, xs)
+            kernel(e, 1)(out, xs)
         np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-6, err_msg=f"numpy {e}")
         source = tmp_path / f"f{k}.c"
         source.write_text(f'#include <math.h>\n#include "deepdsl_math.h"\nfloat f(float v0) {{ return {c_expression(e)}; }}\n')

@@ -30,6 +30,7 @@ from deepdsl.ops import get_op
 from deepdsl.pipeline import CompileOptions
 from deepdsl.ssa import Let
 from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
+from tests.test_runtime_cpu import runtime_function
 
 from deepdsl_runtime import cpu, memory
 from deepdsl_runtime.memory import MODES, MemoryPlanError
@@ -247,19 +248,6 @@ WORKSPACE_CASES = [("alexnet", (55, 55), None), ("googlenet", (79, 79), None), (
                    ("alexnet", (55, 55), 100_000)]           # and AlexNet's LRN, pooling and dropout at test size
 
 
-def kernel_function(expr, arity: int):
-    """The numpy kernel function of an elementwise expression, as code generation writes it."""
-    from deepdsl.codegen.ufuncs import kernel_body, runtime_imports
-
-    body = kernel_body(expr)
-    scope = {"np": np}
-    for line in runtime_imports([body]):
-        exec(line, scope)
-    params = ", ".join(["out"] + [f"v{i}" for i in range(arity)])
-    exec(f"def kernel({params}):\n" + "".join(f"    {line}\n" for line in body), scope)
-    return scope["kernel"]
-
-
 @pytest.mark.parametrize("name,image,limit", WORKSPACE_CASES,
                          ids=[c[0] + ("-limited" if c[2] else "") for c in WORKSPACE_CASES])
 def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_path_factory):
@@ -292,13 +280,8 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
             out = np.full(node.shape, np.nan, dtype=np.float32) if node.dtype == FLOAT else \
                 np.zeros(node.shape, dtype=np.uint8)
             workspace = np.full(step.workspace // 4, np.nan, dtype=np.float32).view(Recording)
-            kernel = getattr(cpu, node.op)
-            if node.op == "ew_sum":         # the kernel function of its expression, as generated programs pass it
-                function = kernel_function(kwargs.pop("expr"), len(arrays))
-
-                def kernel(*operands, out, function=function, **rest):
-                    cpu.ew_sum(function, out, *operands, **rest)
-            kernel(*arrays, out=out, workspace=workspace, **kwargs)
+            run = runtime_function(node.op)
+            run(*arrays, out=out, workspace=workspace, **kwargs)
             assert 0 < workspace.reached <= workspace.size, (node.op, workspace.reached, workspace.size)
             expected = get_op(node.op).evaluate(EvalContext(np.float32, seed=3, step=1), *arrays, **node.kwargs)
             np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(expected).max())))
@@ -308,7 +291,7 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
                 batch = (node.shape if node.op != "ew_sum" else np.broadcast_shapes(*(a.shape for a in arrays)))[0]
                 per_sample = workspace.size // -(-batch // step.chunks)
                 with pytest.raises(ValueError, match="holds no sample"):
-                    kernel(*arrays, out=out, workspace=np.empty(per_sample - 1, np.float32), **kwargs)
+                    run(*arrays, out=out, workspace=np.empty(per_sample - 1, np.float32), **kwargs)
     assert seen and (chunked > 0) == (limit is not None)
 
 

@@ -43,13 +43,20 @@ def random_input(node, rng):
     return rng.standard_normal(node.shape).astype(np.float32)
 
 
+def runtime_function(op: str):
+    """The CPU runtime's function of `op`, called with the node's inputs and attributes: `ew_sum` gets the kernel
+    function of its expression, as generated code passes it."""
+    if op == "ew_sum":
+        def ew_sum(*operands, out, expr, **rest):
+            cpu.ew_sum(kernel(expr, len(operands)), out, *operands, **rest)
+        return ew_sum
+    return getattr(cpu, op)
+
+
 def run_runtime(node, arrays, limit=UNLIMITED):
     """Call the runtime function of `node` as generated code does."""
-    fn = getattr(cpu, node.op)
+    fn = runtime_function(node.op)
     kwargs = dict(node.kwargs)
-    if node.op == "ew_sum":             # the kernel function of its expression, as generated code passes it
-        def fn(*operands, out, expr, **rest):
-            cpu.ew_sum(kernel(expr, len(operands), None), out, *operands, **rest)
     if get_op(node.op).view:
         return fn(*arrays, **kwargs)
     dtype = {FLOAT: np.float32, INT32: np.int32, UINT8: np.uint8}[node.dtype]
@@ -255,9 +262,13 @@ EXPRESSIONS = [
 ]
 
 
-def kernel(expr, nargs, alias):
+def kernel(expr, nargs, alias=None):
+    """The numpy kernel function of an elementwise expression, as code generation writes it (with the runtime
+    functions it calls imported)."""
     body = ufuncs.kernel_body(expr, alias)
     namespace = {"np": np}
+    for line in ufuncs.runtime_imports([body]):
+        exec(line, namespace)
     exec("def k(" + ", ".join(["out"] + [f"v{i}" for i in range(nargs)]) + "):\n    " + "\n    ".join(body), namespace)
     return namespace["k"]
 
