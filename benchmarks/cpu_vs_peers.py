@@ -73,8 +73,8 @@ def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: in
     spec = importlib.util.spec_from_file_location("benchmark_program", program)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from deepdsl_runtime.program import Model
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    from deepdsl_runtime.program import model_class
+    cls = model_class(module)
     model = cls("cpu", 0, "static", kernels=kernels, threads=threads)
     model.initialize(0)
     data = _data(cls.batch_shape, cls.classes)
@@ -187,8 +187,8 @@ def _compile(name: str, batch: int, image: str | None, directory: Path) -> tuple
     spec = importlib.util.spec_from_file_location("probe_program", program)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from deepdsl_runtime.program import Model
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    from deepdsl_runtime.program import model_class
+    cls = model_class(module)
     return program, seconds, {"shape": list(cls.batch_shape), "classes": cls.classes}
 
 

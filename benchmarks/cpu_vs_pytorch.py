@@ -74,8 +74,8 @@ def worker_ours(program: str, batch: int, warmup: int, steps: int) -> dict:
     spec = importlib.util.spec_from_file_location("lenet_program", program)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from deepdsl_runtime.program import Model
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    from deepdsl_runtime.program import model_class
+    cls = model_class(module)
     assert cls.batch_shape[0] == batch, cls.batch_shape
     model = cls("cpu", 0)
     model.initialize(0)

@@ -77,7 +77,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
 
     import deepdsl_runtime.cuda as rt
     from deepdsl_runtime.cuda import driver as cuda_driver
-    from deepdsl_runtime.program import Model
+    from deepdsl_runtime.program import model_class
 
     device = rt.start()
     drv = cuda_driver.driver()
@@ -85,7 +85,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
     spec = importlib.util.spec_from_file_location(f"{network}_program", program)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    cls = model_class(module)
     model = cls("cuda", 0, memory_mode)
     model.initialize(0)
     model.prepare(model.hyper(LR, MOMENTUM, DECAY, 0))

@@ -51,7 +51,7 @@ def _model(program: Path, kernels: str, threads: int):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     from deepdsl_runtime import program as rp
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, rp.Model) and v is not rp.Model)
+    cls = rp.model_class(module)
     model = cls(kernels=kernels, threads=threads)
     model.initialize(0)
     return model

@@ -42,8 +42,8 @@ def _model(network: str, batch: int, limit: int | None, directory: pathlib.Path)
     spec = importlib.util.spec_from_file_location(f"{network}_{limit}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from deepdsl_runtime.program import Model
-    cls = next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    from deepdsl_runtime.program import model_class
+    cls = model_class(module)
     model = cls("cpu", 0)
     model.initialize(0)
     return model, compiled.steps["train"].plan.workspace_bytes

@@ -260,6 +260,12 @@ class Model:
         return accuracy / count, loss / count, count
 
 
+def model_class(module) -> type[Model]:
+    """The model class a generated program's module defines (its one subclass of `Model`): how tools that import a
+    program find it."""
+    return next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+
+
 def _max_rss() -> int | None:
     """High-water mark of the process's resident memory in bytes (None where the platform does not say)."""
     try:

@@ -40,8 +40,8 @@ def import_program(path: Path):
 
 
 def model_class(module):
-    from deepdsl_runtime.program import Model
-    return next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Model) and v is not Model)
+    from deepdsl_runtime.program import model_class as defined
+    return defined(module)
 
 
 def run_cli(program: Path, *args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
