@@ -306,15 +306,27 @@ class ResNet50(Twin):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+class _SqueezeExcite:
+    """maps * sigmoid(up(relu(down(mean of each map)))), one gate per channel (Hu et al. 2018)."""
+
+    def __init__(self, twin: Twin, name, channels, reduction):
+        self.down = twin.add(f"{name}_down", nn.Linear(channels, channels // reduction))
+        self.up = twin.add(f"{name}_up", nn.Linear(channels // reduction, channels))
+
+    def __call__(self, x):
+        return x * torch.sigmoid(self.up(F.relu(self.down(x.mean(dim=(2, 3))))))[:, :, None, None]
+
+
 class _BasicBlock:
-    def __init__(self, twin: Twin, name, cin, cout, stride):
+    def __init__(self, twin: Twin, name, cin, cout, stride, se_reduction=None):
         self.a = _ConvBN(twin, f"{name}_a", f"{name}_a_bn", cin, cout, 3, stride, 1)
         self.b = _ConvBN(twin, f"{name}_b", f"{name}_b_bn", cout, cout, 3, 1, 1)
+        self.se = _SqueezeExcite(twin, f"{name}_se", cout, se_reduction) if se_reduction else (lambda t: t)
         self.proj = _ConvBN(twin, f"{name}_proj", f"{name}_proj_bn", cin, cout, 1, stride) \
             if stride != 1 or cin != cout else None
 
     def __call__(self, x):
-        return F.relu(self.b(F.relu(self.a(x))) + (self.proj(x) if self.proj else x))
+        return F.relu(self.se(self.b(F.relu(self.a(x)))) + (self.proj(x) if self.proj else x))
 
 
 class ResNetMini(Twin):
@@ -330,6 +342,17 @@ class ResNetMini(Twin):
         for block in self.blocks:
             x = block(x)
         return self.fc(x.mean(dim=(2, 3)))
+
+
+class SEResNet(ResNetMini):
+    """ResNetMini with a squeeze-and-excitation module (4x reduction) on every block's residual branch."""
+
+    def __init__(self, image=(28, 28), classes=10):
+        Twin.__init__(self)
+        self.stem = _ConvBN(self, "conv1", "conv1_bn", 1, 16, 3, 1, 1)
+        self.blocks = [_BasicBlock(self, "res2", 16, 16, 1, 4), _BasicBlock(self, "res3", 16, 32, 2, 4),
+                       _BasicBlock(self, "res4", 32, 64, 2, 4)]
+        self.fc = self.add("fc", nn.Linear(64, classes))
 
 
 class InceptionMini(Twin):
