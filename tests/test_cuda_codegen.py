@@ -437,6 +437,7 @@ def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator, network
 # network, image, memory modes (alexnet, for its LRN and dropout, in one: its 4096-wide layers are slow to emulate)
 EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), ("static",)),
             ("resnet_mini", None, MODES), ("inception_mini", None, MODES), ("se_resnet", None, ("static",)),
+            ("unet", None, ("static",)),
             # tests/test_generated.py's networks of newer layers: user functions (erf, softplus, sign), grouped
             # convolution, layer norm, broadcasting and zero channels; transposed convolution and upsampling
             ("user_functions", None, ("static",)), ("modern_parts", None, ("static",)),

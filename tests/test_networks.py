@@ -58,6 +58,7 @@ CASES = [
     ("resnet_mini", torch_nets.ResNetMini, (28, 28), r"res\d_b_bn_W"),
     ("inception_mini", torch_nets.InceptionMini, (28, 28), None),
     ("se_resnet", torch_nets.SEResNet, (28, 28), r"res\d_b_bn_W"),
+    ("unet", torch_nets.UNet, (28, 28), None),
 ]
 
 

@@ -355,6 +355,34 @@ class SEResNet(ResNetMini):
         self.fc = self.add("fc", nn.Linear(64, classes))
 
 
+class UNet(Twin):
+    """Two levels down (double 3x3 conv-BN-ReLU, 2x2 max pooling), a 64-wide bottom, two levels up (2x2 stride-2
+    transposed convolution, concatenation after the skip's maps, double conv), 1x1 class maps averaged."""
+
+    def __init__(self, image=(28, 28), classes=10):
+        super().__init__()
+        self.down1, self.down2, self.bottom = self._double("down1", 1, 16), self._double("down2", 16, 32), \
+            self._double("bottom", 32, 64)
+        self.up2 = self.add("up2", nn.ConvTranspose2d(64, 32, 2, stride=2))
+        self.merge2 = self._double("merge2", 64, 32)
+        self.up1 = self.add("up1", nn.ConvTranspose2d(32, 16, 2, stride=2))
+        self.merge1 = self._double("merge1", 32, 16)
+        self.classes = self.add("classes", nn.Conv2d(16, classes, 1))
+
+    def _double(self, name, cin, cout):
+        a = _ConvBN(self, f"{name}_a", f"{name}_a_bn", cin, cout, 3, 1, 1)
+        b = _ConvBN(self, f"{name}_b", f"{name}_b_bn", cout, cout, 3, 1, 1)
+        return lambda x: F.relu(b(F.relu(a(x))))
+
+    def logits(self, x):
+        skip1 = self.down1(x)
+        skip2 = self.down2(F.max_pool2d(skip1, 2))
+        deepest = self.bottom(F.max_pool2d(skip2, 2))
+        joined2 = self.merge2(torch.cat([skip2, self.up2(deepest)], 1))
+        joined1 = self.merge1(torch.cat([skip1, self.up1(joined2)], 1))
+        return self.classes(joined1).mean(dim=(2, 3))
+
+
 class InceptionMini(Twin):
     def __init__(self, image=(28, 28), classes=10):
         super().__init__()
