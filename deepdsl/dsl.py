@@ -29,7 +29,7 @@ from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcast_shapes, resh
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
-from deepdsl.ops.shape import slice_axis
+from deepdsl.ops.conv import grouping
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
@@ -465,19 +465,8 @@ class _Conv(_ParamLayer):
         if self.bias:
             shapes["B"] = (self.channels,)
         p = self._weights(shapes, {"W": self.weight_spec, "B": self.bias_spec})
-        if g == 1:
-            inputs = [x.node, p["W"]] + ([p["B"]] if self.bias else [])
-            return Tensor(make("conv2d", inputs, stride=self.stride, pad=self.padding))
-        # groups (depthwise: one per channel): each group's channels convolved by its filters, the results
-        # concatenated along channels (PyTorch's layout: W is (channels, in / groups, k, k))
-        ci, co = c // g, self.channels // g
-        parts = []
-        for i in range(g):
-            inputs = [slice_axis(x.node, 1, i * ci, (i + 1) * ci), slice_axis(p["W"], 0, i * co, (i + 1) * co)]
-            if self.bias:
-                inputs.append(slice_axis(p["B"], 0, i * co, (i + 1) * co))
-            parts.append(make("conv2d", inputs, stride=self.stride, pad=self.padding))
-        return Tensor(_concat(parts, axis=1))
+        inputs = [x.node, p["W"]] + ([p["B"]] if self.bias else [])
+        return Tensor(make("conv2d", inputs, stride=self.stride, pad=self.padding, **grouping(g)))
 
 
 def conv(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 0, bias: bool = True,

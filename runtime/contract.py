@@ -116,35 +116,38 @@ def _padded_input(c: int, h: int, w: int, pad: int) -> int:
     return c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
 
 
-def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int) -> int:
-    """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input; none when pointwise."""
+def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int, groups: int = 1) -> int:
+    """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input; none when pointwise (with
+    or without `groups`: the im2col matrix holds every group's rows)."""
     (_, c, h, w), (_, _, kh, kw), (ho, wo) = x_shape, w_shape, out_shape[2:]
     if pointwise_conv(kh, kw, stride, pad):
         return 0
     return c * kh * kw * ho * wo + _padded_input(c, h, w, pad)
 
 
-def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int) -> int:
-    """conv2d_bwd_data, for an input of spatial `size`. Stride 1: the output gradient widened to rows as wide as the
-    padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
+def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int, groups: int = 1) -> int:
+    """conv2d_bwd_data, for an input of spatial `size`. Stride 1 without groups: the output gradient widened to
+    rows as wide as the padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
     (C, Hp*Wp + kw - 1), which also holds each other scheme of runtime/cpu/conv.py (the "columns" one needs
-    (O + C*kh*kw) * Ho*Wo); other strides: the column gradients (C*kh*kw, Ho*Wo); none when pointwise."""
-    (_, o, ho, wo), (_, c, kh, kw), (h, w) = g_shape, w_shape, size
+    (O + C*kh*kw) * Ho*Wo); other strides, and any stride with `groups`: the column gradients (C*kh*kw, Ho*Wo);
+    none when pointwise."""
+    (_, o, ho, wo), (_, ci, kh, kw), (h, w) = g_shape, w_shape, size
+    c = ci * groups
     if pointwise_conv(kh, kw, stride, pad):
         return 0
-    if stride != 1:
+    if stride != 1 or groups > 1:
         return c * kh * kw * ho * wo
     hp, wp = h + 2 * pad, w + 2 * pad
     return (o + c * kh * kw) * ho * wp + c * (hp * wp + kw - 1)
 
 
-def conv2d_bwd_filter_scratch(g_shape, x_shape, kernel, pad: int) -> tuple[int, int]:
+def conv2d_bwd_filter_scratch(g_shape, x_shape, kernel, pad: int, groups: int = 1) -> tuple[int, int]:
     """conv2d_bwd_filter: (per sample, once when the batch runs in more than one chunk). Per sample the im2col
     matrix (C*kh*kw, Ho*Wo), the output gradient transposed (O, Ho*Wo) and with padding the zero-padded input; once
-    an (O, C*kh*kw) accumulator, at the start of the workspace."""
+    an accumulator of the weights' size (O, C/groups*kh*kw), at the start of the workspace."""
     (_, o, ho, wo), (_, c, h, w), (kh, kw) = g_shape, x_shape, kernel
     ckk = c * kh * kw
-    return (ckk + o) * ho * wo + _padded_input(c, h, w, pad), o * ckk
+    return (ckk + o) * ho * wo + _padded_input(c, h, w, pad), o * (ckk // groups)
 
 
 def pool_padded_scratch(size, pooled, kernel: int, stride: int, pad: int, channels: int) -> int:

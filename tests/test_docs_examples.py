@@ -75,3 +75,23 @@ def test_hook_example_in_the_ir_guide_dumps_every_stage(capsys):
     for step in ("setup", "train", "test"):
         for stage in ("linearize", "sink", "schedule", "inplace", "dealloc", "plan_memory"):
             assert f"lenet_{step}:{stage}" in stages
+
+
+def test_subnet_examples_build_the_shapes_they_promise():
+    """The subnets docs/dsl.md shows under "Subnets and branches" run as written and give the shapes a network
+    built from them needs."""
+    from deepdsl import dsl as D
+
+    markdown = (ROOT / "docs" / "dsl.md").read_text()
+    section = markdown[markdown.index("## Subnets and branches"):markdown.index("## Worked example")]
+    names: dict = {"D": D}
+    for block in re.findall(r"```python\n(.*?)```", section, re.S):
+        exec(compile(block, "docs/dsl.md", "exec"), names)
+    maps = D.images("x", (2, 8, 6, 6))
+    assert names["inception"](3, 4, 2, 4, 2, 4, 4)(maps).shape == (2, 16, 6, 6)
+    assert names["residual"]("res", 8)(maps).shape == (2, 8, 6, 6)
+    assert names["squeeze_excite"]("se", 8)(maps).shape == (2, 8, 6, 6)
+    assert names["inverted_residual"]("block", 8, 6, 8, 1)(maps).shape == (2, 8, 6, 6)
+    assert names["inverted_residual"]("down", 8, 6, 16, 2)(maps).shape == (2, 16, 3, 3)
+    deeper = D.images("deep", (2, 16, 3, 3))
+    assert names["up_level"]("up", maps, deeper, 4).shape == (2, 12, 6, 6)

@@ -22,6 +22,8 @@ from tests.support.program_helpers import compile_program, import_program, model
 from tests.test_cuda_codegen import _steps
 from tests.support.random_programs import pool_geometries
 from tests.test_memory_modes import NETWORKS
+from tests.test_runtime_cpu import GROUPED_CONV, grouped_conv_nodes
+from deepdsl.ops import get_op
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="needs a C compiler")
@@ -279,6 +281,27 @@ def test_convolutions_under_their_planned_workspace(lib, geometry, stride1_schem
             assert not np.isnan(got).any()
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(results[1][2], results[0][2])
+
+
+@needs_cc
+@pytest.mark.parametrize("case", GROUPED_CONV, ids=[str(c) for c in GROUPED_CONV])
+def test_grouped_convolutions_with_compiled_passes(lib, case):
+    """Grouped and depthwise convolutions and their gradients with the compiled passes (im2col, col2im, the bias)
+    equal numpy's, with workspaces of exactly the planned size filled with NaN, whole batch and one sample at a
+    time."""
+    rng = np.random.default_rng(4)
+    for node in grouped_conv_nodes(case):
+        arrays = [rng.standard_normal(i.shape).astype(np.float32) for i in node.inputs]
+        for limit in (1 << 40, 1):
+            results = []
+            for kernels in (None, lib):
+                out = np.full(node.shape, np.nan, np.float32)
+                size = get_op(node.op).workspace(node, limit).nbytes // 4
+                workspace = np.full(size, np.nan, np.float32) if size else None
+                getattr(conv, node.op)(*arrays, out=out, workspace=workspace, native=kernels, **node.kwargs)
+                results.append(out)
+            assert not np.isnan(results[1]).any()
+            np.testing.assert_allclose(results[1], results[0], rtol=1e-6, atol=1e-6)
 
 
 @needs_cc

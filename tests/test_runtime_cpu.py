@@ -126,6 +126,34 @@ def test_conv(case, limit):
     check(make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=(k, k)), limit=limit)
 
 
+GROUPED_CONV = [
+    # (N, C, H, W, O, k, stride, pad, bias, groups)
+    (2, 4, 7, 7, 6, 3, 1, 1, True, 2),   # two groups of 2 inputs and 3 outputs
+    (3, 3, 9, 8, 6, 3, 2, 1, False, 3),  # depthwise with two filters per channel, strided
+    (2, 4, 8, 8, 4, 3, 1, 1, True, 4),   # depthwise (MobileNet)
+    (2, 4, 6, 5, 4, 1, 1, 0, True, 4),   # pointwise depthwise: no im2col
+    (2, 6, 5, 5, 4, 1, 1, 0, False, 2),  # grouped pointwise (ShuffleNet)
+    (2, 4, 9, 9, 8, 2, 3, 1, True, 4),   # stride larger than the kernel: uncovered input positions
+]
+
+
+def grouped_conv_nodes(case):
+    n, c, h, w, o, k, s, p, bias, groups = case
+    x, wt = leaf("x", (n, c, h, w)), leaf("w", (o, c // groups, k, k))
+    y = make("conv2d", [x, wt] + ([leaf("b", (o,))] if bias else []), stride=s, pad=p, groups=groups)
+    g = leaf("g", y.shape)
+    return [y, make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w), groups=groups),
+            make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=(k, k), groups=groups)]
+
+
+@pytest.mark.parametrize("case", GROUPED_CONV)
+@pytest.mark.parametrize("limit", [UNLIMITED, 1])
+def test_grouped_conv(case, limit):
+    """Grouped and depthwise convolutions and both their gradients, whole batch and one sample per chunk."""
+    for node in grouped_conv_nodes(case):
+        check(node, limit=limit)
+
+
 def test_conv_chunks_follow_the_workspace():
     """With room for two of five samples the runtime runs three chunks and still gives the whole-batch result."""
     x, wt, g = leaf("x", (5, 3, 8, 8)), leaf("w", (4, 3, 3, 3)), leaf("g", (5, 4, 8, 8))
@@ -383,6 +411,12 @@ def test_convolution_input_gradient_takes_over_the_output_gradient(case, stride1
     g = leaf("g", make("conv2d", (leaf("x", (n, c, h, w)), wt), stride=s, pad=p).shape)
     for limit in (UNLIMITED, 1):
         check_over(make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w)), limit=limit)
+
+
+@pytest.mark.parametrize("case", GROUPED_CONV)
+def test_grouped_convolution_input_gradient_takes_over_the_output_gradient(case):
+    for limit in (UNLIMITED, 1):
+        check_over(grouped_conv_nodes(case)[1], limit=limit)
 
 
 def test_safe_chunks_never_overwrite_an_unread_sample():

@@ -1,5 +1,9 @@
-"""2-D convolution (cross-correlation, PyTorch layouts: x (N,C,H,W), w (O,C,kh,kw), b (O,)) and its two
-backward ops. The reference semantics are im2col + GEMM, as the CPU runtime computes them."""
+"""2-D convolution (cross-correlation, PyTorch layouts: x (N,C,H,W), w (O,C/groups,kh,kw), b (O,)) and its two
+backward ops. The reference semantics are im2col + GEMM, as the CPU runtime computes them.
+
+`groups` (an attribute present only when above 1, PyTorch's Conv2d `groups`) splits the input and output channels
+into that many consecutive groups, group k's outputs convolving group k's inputs only (depthwise: one input channel
+per group). The im2col matrix is the same as without groups; each group's product takes its own rows of it."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,19 +38,34 @@ def col2im(cols: np.ndarray, shape: tuple[int, ...], kh: int, kw: int, stride: i
     padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=cols.dtype)
     for i in range(kh):
         for j in range(kw):
-            padded[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] += cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+            padded[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] += \
+                cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
     return padded[:, :, pad:pad + h, pad:pad + w]
+
+
+def grouping(groups: int) -> dict[str, int]:
+    """The `groups` attribute of a convolution node: none for an ordinary convolution (so its IR is unchanged)."""
+    return {"groups": groups} if groups > 1 else {}
+
+
+def _by_group(groups: int, *arrays_and_axes):
+    """For each group k, the k-th of `groups` equal slices of each (array, axis) pair along its axis."""
+    for k in range(groups):
+        yield [a[(slice(None),) * axis + (slice(k * (a.shape[axis] // groups), (k + 1) * (a.shape[axis] // groups)),)]
+               for a, axis in arrays_and_axes]
 
 
 @register
 class Conv2d(Op):
     name = "conv2d"
 
-    def infer(self, x: Node, w: Node, *b: Node, stride=1, pad=0):
+    def infer(self, x: Node, w: Node, *b: Node, stride=1, pad=0, groups=1):
         require(len(x.shape) == 4, f"convolution input must be 4-D (N,C,H,W), got {dims(x.shape)}")
         require(len(w.shape) == 4, f"convolution weights must be 4-D (out,in,kh,kw), got {dims(w.shape)}")
         o, c, kh, kw = w.shape
-        require(x.shape[1] == c, f"input has {x.shape[1]} channels, weights expect {c}")
+        require(groups >= 1 and o % groups == 0, f"{o} output channels do not split into {groups} groups")
+        require(x.shape[1] == c * groups, f"input has {x.shape[1]} channels, weights expect {c * groups}"
+                + (f" ({groups} groups of {c})" if groups > 1 else ""))
         h, wd = x.shape[2] + 2 * pad, x.shape[3] + 2 * pad
         require(kh <= h and kw <= wd,
                 f"kernel {kh}x{kw} is larger than its input {x.shape[2]}x{x.shape[3]} (padding {pad})")
@@ -58,14 +77,18 @@ class Conv2d(Op):
 
     def vjp(self, node, g):
         x, w, *b = node.inputs
-        s, p = node.attr("stride", 1), node.attr("pad", 0)
-        dx = make("conv2d_bwd_data", (g, w), stride=s, pad=p, size=x.shape[2:])
-        dw = make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=w.shape[2:])
+        s, p, k = node.attr("stride", 1), node.attr("pad", 0), grouping(node.attr("groups", 1))
+        dx = make("conv2d_bwd_data", (g, w), stride=s, pad=p, size=x.shape[2:], **k)
+        dw = make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=w.shape[2:], **k)
         if not b:
             return dx, dw
         return dx, dw, reshape(sum_to(g, (1, w.shape[0], 1, 1)), (w.shape[0],))
 
-    def evaluate(self, ctx, x, w, *b, stride=1, pad=0):
+    def evaluate(self, ctx, x, w, *b, stride=1, pad=0, groups=1):
+        if groups > 1:
+            out = np.concatenate([self.evaluate(ctx, xk, wk, stride=stride, pad=pad)
+                                  for xk, wk in _by_group(groups, (x, 1), (w, 0))], axis=1)
+            return np.ascontiguousarray(out + b[0].reshape(1, -1, 1, 1) if b else out, dtype=ctx.float_dtype)
         n, _, h, wd = x.shape
         o, c, kh, kw = w.shape
         ho, wo = out_size(h, kh, stride, pad), out_size(wd, kw, stride, pad)
@@ -79,7 +102,8 @@ class Conv2d(Op):
         """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix and with padding the zero-padded
         input; none for 1x1 stride-1 convolutions) for the whole batch, or its chunks' within `limit`."""
         x, w = node.inputs[:2]
-        per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0))
+        per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0),
+                                             node.attr("groups", 1))
         return scratch_chunks(x.shape[0], per_sample, limit)
 
 
@@ -90,19 +114,23 @@ class Conv2dBwdData(Op):
     name = "conv2d_bwd_data"
     takes_over = 0            # the input gradient may take over the dying output gradient's storage (per sample)
 
-    def infer(self, g: Node, w: Node, *, stride=1, pad=0, size):
+    def infer(self, g: Node, w: Node, *, stride=1, pad=0, size, groups=1):
         require(g.shape[1] == w.shape[0], f"gradient has {g.shape[1]} channels, weights {w.shape[0]}")
-        return (g.shape[0], w.shape[1], *size), FLOAT
+        require(groups >= 1 and w.shape[0] % groups == 0, f"{w.shape[0]} channels do not split into {groups} groups")
+        return (g.shape[0], w.shape[1] * groups, *size), FLOAT
 
     def vjp(self, node, dz):
         """Also a layer's forward (a transposed convolution, `D.conv_transpose`): it is the adjoint of conv2d(., w)
         on inputs of `size`, so its input's gradient is conv2d(dz, w) and its weights' conv2d_bwd_filter(g, dz)."""
         g, w = node.inputs
-        s, p = node.attr("stride", 1), node.attr("pad", 0)
-        return (make("conv2d", (dz, w), stride=s, pad=p),
-                make("conv2d_bwd_filter", (g, dz), stride=s, pad=p, kernel=w.shape[2:]))
+        s, p, k = node.attr("stride", 1), node.attr("pad", 0), grouping(node.attr("groups", 1))
+        return (make("conv2d", (dz, w), stride=s, pad=p, **k),
+                make("conv2d_bwd_filter", (g, dz), stride=s, pad=p, kernel=w.shape[2:], **k))
 
-    def evaluate(self, ctx, g, w, *, stride=1, pad=0, size):
+    def evaluate(self, ctx, g, w, *, stride=1, pad=0, size, groups=1):
+        if groups > 1:
+            return np.concatenate([self.evaluate(ctx, gk, wk, stride=stride, pad=pad, size=size)
+                                   for gk, wk in _by_group(groups, (g, 1), (w, 0))], axis=1)
         n, o, ho, wo = g.shape
         _, c, kh, kw = w.shape
         cols = g.transpose(0, 2, 3, 1).reshape(n * ho * wo, o) @ w.reshape(o, -1)
@@ -114,7 +142,7 @@ class Conv2dBwdData(Op):
         1x1 stride-1) for the whole batch, or its chunks' within `limit`."""
         g, w = node.inputs
         per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, node.attr("size"), node.attr("stride", 1),
-                                                      node.attr("pad", 0))
+                                                      node.attr("pad", 0), node.attr("groups", 1))
         return scratch_chunks(g.shape[0], per_sample, limit)
 
 
@@ -124,10 +152,15 @@ class Conv2dBwdFilter(Op):
 
     name = "conv2d_bwd_filter"
 
-    def infer(self, g: Node, x: Node, *, stride=1, pad=0, kernel):
-        return (g.shape[1], x.shape[1], *kernel), FLOAT
+    def infer(self, g: Node, x: Node, *, stride=1, pad=0, kernel, groups=1):
+        require(groups >= 1 and x.shape[1] % groups == 0 and g.shape[1] % groups == 0,
+                f"{x.shape[1]} input and {g.shape[1]} output channels do not split into {groups} groups")
+        return (g.shape[1], x.shape[1] // groups, *kernel), FLOAT
 
-    def evaluate(self, ctx, g, x, *, stride=1, pad=0, kernel):
+    def evaluate(self, ctx, g, x, *, stride=1, pad=0, kernel, groups=1):
+        if groups > 1:
+            return np.concatenate([self.evaluate(ctx, gk, xk, stride=stride, pad=pad, kernel=kernel)
+                                   for gk, xk in _by_group(groups, (g, 1), (x, 1))], axis=0)
         n, o, ho, wo = g.shape
         kh, kw = kernel
         dw = g.transpose(1, 0, 2, 3).reshape(o, -1) @ im2col(x, kh, kw, stride, pad)
@@ -139,5 +172,5 @@ class Conv2dBwdFilter(Op):
         one chunk) for the whole batch, or its chunks' within `limit`."""
         g, x = node.inputs
         per_sample, fixed = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, node.attr("kernel"),
-                                                               node.attr("pad", 0))
+                                                               node.attr("pad", 0), node.attr("groups", 1))
         return scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed)

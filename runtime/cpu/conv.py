@@ -86,7 +86,7 @@ _NUMPY = _NumpyPasses()
 _WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
 
 
-def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul, native=None):
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm=np.matmul, native=None):
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
     Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
@@ -95,7 +95,9 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
     result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
     im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
     one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
-    im2col copies and the regrouping run compiled."""
+    im2col copies and the regrouping run compiled. With `groups`: `_grouped_conv2d`."""
+    if groups > 1:
+        return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = out.shape[2:]
@@ -126,6 +128,33 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None, gemm=np.matmul
                 (native or _NUMPY).add_bias(target, b)
 
 
+def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
+    """conv2d of `groups` groups: the im2col matrix as without groups (C*kh*kw, samples*Ho*Wo), whose rows come in
+    groups of C/groups*kh*kw, then one stacked product per chunk of samples: for each sample and group k, group k's
+    filters (O/groups, C/groups*kh*kw) by group k's rows, straight into the sample's output (numpy's stacked
+    matmul; the rows are read in place). Pointwise: the same product on the input itself."""
+    n, c, h, wd = x.shape
+    o, ci, kh, kw = w.shape
+    ho, wo = out.shape[2:]
+    co, hw = o // groups, ho * wo
+    filters = w.reshape(groups, co, ci * kh * kw)
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        np.matmul(filters, x.reshape(n, groups, ci, h * wd), out=out.reshape(n, groups, co, hw))
+    else:
+        step = samples_per_chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad,
+                                                                       groups))
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            m = e - s
+            scratch = Scratch(workspace)
+            cols = scratch.take((c, kh, kw, m, ho, wo))
+            passes.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
+            rows = cols.reshape(groups, ci * kh * kw, m, hw).transpose(2, 0, 1, 3)     # (samples, groups, rows, hw)
+            np.matmul(filters, rows, out=out[s:e].reshape(m, groups, co, hw))
+    if b is not None:
+        passes.add_bias(out, b)
+
+
 # What moving one float (an addition or a copy in a memory-bound pass) costs, in the floating-point operations a matrix
 # product does meanwhile: measured here (2 cores; col2im at about 0.35 ns a float against products at 150 GFLOP/s)
 ADD_COST_FLOPS = 50
@@ -151,7 +180,7 @@ def stride1_scheme(o, c, kh, kw, ho, wo, wp, m) -> str:
     return min(costs, key=costs.get)
 
 
-def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.matmul, native=None):
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
     Stride 1 runs chunks of samples by the scheme of least cost (`stride1_costs`) within one workspace per sample:
@@ -168,7 +197,9 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
     chunk reads all of its output gradient (into a copy) before it writes any of its input gradient, so chunks of
     any size are safe in the order that writes behind the unread samples: forward when a sample's input gradient is
     the smaller, backward otherwise. With `native` the regrouping, col2im and the shifted additions with the crop run
-    compiled (the same additions in the same order)."""
+    compiled (the same additions in the same order). With `groups`: `_grouped_conv2d_bwd_data`."""
+    if groups > 1:
+        return _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, native or _NUMPY)
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
@@ -246,19 +277,49 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None, gemm=np.mat
         (native or _NUMPY).col2im(dcols, out[s:e], stride, pad)
 
 
-def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np.matmul, native=None):
+def _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, passes):
+    """conv2d_bwd_data of `groups` groups, any stride: per chunk of samples the column gradients (samples, C*kh*kw,
+    Ho*Wo) in one stacked product, group k's filters transposed (C/groups*kh*kw, O/groups) by group k's output
+    gradient of each sample, then col2im. Pointwise: the product straight into the input gradient. An `out` taking
+    over the bytes of `g` runs sample chunks in a safe order (`over_samples`)."""
+    if takes_over(g, out):
+        return over_samples(lambda s, e, gs, os, ws: _grouped_conv2d_bwd_data(gs, w, os, stride, pad, size, groups,
+                                                                              ws, passes), g, out, workspace)
+    n, o, ho, wo = g.shape
+    _, ci, kh, kw = w.shape
+    c, co, hw = ci * groups, o // groups, ho * wo
+    filters = w.reshape(groups, co, ci * kh * kw).transpose(0, 2, 1)
+    if contract.pointwise_conv(kh, kw, stride, pad):
+        np.matmul(filters, g.reshape(n, groups, co, hw), out=out.reshape(n, groups, ci, size[0] * size[1]))
+        return
+    step = samples_per_chunk(n, workspace, contract.conv2d_bwd_data_scratch(g.shape, w.shape, size, stride, pad,
+                                                                            groups))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
+        np.matmul(filters, g[s:e].reshape(e - s, groups, co, hw), out=dcols.reshape(e - s, groups, ci * kh * kw, hw))
+        passes.col2im(dcols, out[s:e], stride, pad)
+
+
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM over all samples of a chunk.
 
     Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
-    padding the zero-padded input; plus an (O, C*kh*kw) accumulator when the batch runs in several chunks."""
+    padding the zero-padded input; plus an accumulator of the weights' size when the batch runs in several chunks.
+    With `groups` the product is stacked: group k's output gradient (O/groups, samples*Ho*Wo) by group k's rows of
+    the im2col matrix, transposed."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
-    out2 = out.reshape(o, ckk)
-    per_sample, accumulator = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, kernel, pad)
+    if groups > 1:
+        weights, gemm = (groups, o // groups, ckk // groups), np.matmul
+    else:
+        weights = (o, ckk)
+    out2 = out.reshape(weights)
+    per_sample, accumulator = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, kernel, pad, groups)
     step = samples_per_chunk(n, workspace, per_sample, fixed_if_split=accumulator)
-    acc = Scratch(workspace).take((o, ckk)) if step < n else None
+    acc = Scratch(workspace).take(weights) if step < n else None
     start = acc.size if acc is not None and workspace is not None else 0
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -269,6 +330,10 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None, gemm=np
         passes.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         passes.swap01(g[s:e], gt)
         target = out2 if s == 0 else acc
-        gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
+        if groups > 1:
+            gemm(gt.reshape(groups, o // groups, -1), cols.reshape(groups, ckk // groups, -1).transpose(0, 2, 1),
+                 out=target)
+        else:
+            gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
         if s:
             np.add(out2, acc, out=out2)

@@ -65,16 +65,32 @@ def _im2col(device, x_ptr: int, geom, samples: int, sample_stride: int, row_stri
                  cols_ptr)
 
 
-def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
-    """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo). Workspace per sample: the im2col
-    matrix (C*kh*kw, Ho*Wo); none for 1x1 stride-1 convolutions (one batched GEMM on the input)."""
+def _products(device, ta: bool, m: int, n: int, k: int, a: int, lda: int, b: int, b_sample: int, c: int,
+              c_sample: int, samples: int, groups: int) -> None:
+    """For each sample i and group g: C_ig (m, n) = op(A_g) B_ig, B_ig (k, n) and C_ig contiguous rows in groups
+    along each sample (B_ig at b + i*b_sample + g*k*n floats, C_ig at c + i*c_sample + g*m*n), A_g the g-th of
+    `groups` consecutive (m, k) blocks of A ((k, m) when transposed, `ta`). Without groups, one batched product over
+    the samples (A shared); with them, one batched product over the groups per sample."""
+    if groups == 1:
+        device.gemm_batched(ta, False, m, n, k, a, lda, 0, b, n, b_sample, c, n, c_sample, samples)
+        return
+    for i in range(samples):
+        device.gemm_batched(ta, False, m, n, k, a, lda, m * k, b + 4 * i * b_sample, n, k * n, c + 4 * i * c_sample,
+                            n, m * n, groups)
+
+
+def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None):
+    """out = x (*) w + b: x (N,C,H,W), w (O,C/groups,kh,kw), b (O,), out (N,O,Ho,Wo). Workspace per sample: the
+    im2col matrix (C*kh*kw, Ho*Wo); none for 1x1 stride-1 convolutions (one batched GEMM on the input). With
+    `groups`, group g's filters multiply group g's rows of the im2col matrix (or of the input)."""
     n, c, h, wd = x.shape
-    o, _, kh, kw = w.shape
+    o, ci, kh, kw = w.shape
     ho, wo = out.shape[2:]
     hw, ckk = ho * wo, c * kh * kw
+    co, rows = o // groups, ci * kh * kw         # one group's filters and rows
     device = out.device
     if contract.pointwise_conv(kh, kw, stride, pad):
-        device.gemm_batched(False, False, o, hw, c, w.ptr, c, 0, x.ptr, hw, c * hw, out.ptr, hw, o * hw, n)
+        _products(device, False, co, hw, ci, w.ptr, ci, x.ptr, c * hw, out.ptr, o * hw, n, groups)
     else:
         geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
         step = L.conv_samples(n, _floats(workspace), ckk * hw)
@@ -82,13 +98,13 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, workspace=None):
         for s in range(0, n, step):
             m = min(n, s + step) - s
             _im2col(device, x.ptr + s * c * h * wd * 4, geom, m, ckk * hw, hw, cols.ptr)
-            device.gemm_batched(False, False, o, hw, ckk, w.ptr, ckk, 0, cols.ptr, hw, ckk * hw,
-                                out.ptr + s * o * hw * 4, hw, o * hw, m)
+            _products(device, False, co, hw, rows, w.ptr, rows, cols.ptr, ckk * hw, out.ptr + s * o * hw * 4, o * hw,
+                      m, groups)
     if b is not None:
         launch_items(device, "deepdsl_add_bias", "IIIPP", out.size, out.size, o, hw, b.ptr, out.ptr)
 
 
-def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
+def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G). Workspace per sample: the column gradients
     (C*kh*kw, Ho*Wo); none for 1x1 stride-1 (one batched GEMM).
 
@@ -97,21 +113,23 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
     them, and col2im's writes reach only samples already read. 1x1 stride-1 products read `g` and write `out`
     directly: they run in the CPU backend's safe chunk order, one sample staged through the end of the workspace."""
     n, o, ho, wo = g.shape
-    _, c, kh, kw = w.shape
+    _, ci, kh, kw = w.shape
     h, wd = size
+    c = ci * groups
     hw, ckk = ho * wo, c * kh * kw
+    co, rows = o // groups, ci * kh * kw         # one group's filters and column-gradient rows
     device = out.device
     overlap = overlaps(out, g)
     if overlap and out.ptr != g.ptr:
         raise ValueError("conv2d_bwd_data: an output overlapping its input must start where the input starts")
     if contract.pointwise_conv(kh, kw, stride, pad):
-        if not overlap:
-            device.gemm_batched(True, False, c, hw, o, w.ptr, c, 0, g.ptr, hw, o * hw, out.ptr, hw, c * hw, n)
-            return
         per_in, per_out = o * hw, c * hw
+        if not overlap:
+            _products(device, True, ci, hw, co, w.ptr, ci, g.ptr, per_in, out.ptr, per_out, n, groups)
+            return
         over_input(device, "conv2d_bwd_data", n, per_in, per_out, g.ptr, out.ptr, workspace,
-                   lambda s, count, source, target: device.gemm_batched(
-                       True, False, c, hw, o, w.ptr, c, 0, source, hw, per_in, target, hw, per_out, count))
+                   lambda s, count, source, target: _products(
+                       device, True, ci, hw, co, w.ptr, ci, source, per_in, target, per_out, count, groups))
         return
     geom = _conv_geom(c, h, wd, kh, kw, ho, wo, stride, pad)
     step = L.conv_samples(n, _floats(workspace), ckk * hw)
@@ -121,17 +139,18 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, workspace=None):
         starts = reversed(starts)                   # a growing gradient: the last samples first
     for s in starts:
         m = min(n, s + step) - s
-        device.gemm_batched(True, False, ckk, hw, o, w.ptr, ckk, 0, g.ptr + s * o * hw * 4, hw, o * hw, dcols.ptr,
-                            hw, ckk * hw, m)
+        _products(device, True, rows, hw, co, w.ptr, rows, g.ptr + s * o * hw * 4, o * hw, dcols.ptr, ckk * hw, m,
+                  groups)
         count = m * c * h * wd
         launch_items(device, "deepdsl_col2im", "I" + _CONV + "PP", count, count, *geom, dcols.ptr,
                      out.ptr + s * c * h * wd * 4)
 
 
-def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
+def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=None):
     """Gradient of conv2d with respect to its weights: G im2col(X)^T, one GEMM per chunk of samples over the chunk's
     im2col matrix laid out (C*kh*kw, samples*Ho*Wo) and its gradient regrouped to (O, samples*Ho*Wo); chunks after
-    the first accumulate in the GEMM (beta = 1). Workspace per sample: (C*kh*kw + O) * Ho*Wo."""
+    the first accumulate in the GEMM (beta = 1); with `groups`, one GEMM per group. Workspace per sample:
+    (C*kh*kw + O) * Ho*Wo."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
@@ -147,5 +166,7 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, workspace=None):
         _im2col(device, x.ptr + s * c * h * wd * 4, geom, m, hw, m * hw, cols)
         count = m * o * hw
         launch_items(device, "deepdsl_swap01", "IIIPP", count, m, o, hw, g.ptr + s * o * hw * 4, regrouped)
-        device.gemm(False, True, o, ckk, m * hw, 1.0, regrouped, m * hw, cols, m * hw, 0.0 if s == 0 else 1.0,
-                    out.ptr, ckk)
+        co, rows = o // groups, ckk // groups      # group k: its filters' gradient by its rows of the matrix
+        for k in range(groups):
+            device.gemm(False, True, co, rows, m * hw, 1.0, regrouped + k * co * m * hw * 4, m * hw,
+                        cols + k * rows * m * hw * 4, m * hw, 0.0 if s == 0 else 1.0, out.ptr + k * co * rows * 4, rows)

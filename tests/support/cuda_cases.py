@@ -57,6 +57,46 @@ def case_conv(g, rng):
     return result
 
 
+def case_grouped_conv(g, rng):
+    """Grouped and depthwise convolutions (strided, padded, pointwise) and their gradients, with the workspace of one
+    sample, of all, and none; the input gradient also over the output gradient from the same start."""
+    result = []
+    for n, c, h, o, k, s, p, groups in [(2, 4, 7, 6, 3, 1, 1, 2), (3, 3, 9, 6, 3, 2, 1, 3), (2, 4, 6, 4, 1, 1, 0, 4),
+                                        (2, 6, 5, 4, 1, 1, 0, 2), (3, 4, 8, 4, 3, 1, 1, 4)]:
+        x = rng.standard_normal((n, c, h, h)).astype(F32)
+        w = rng.standard_normal((o, c // groups, k, k)).astype(F32)
+        b = rng.standard_normal(o).astype(F32)
+        ho = C.out_size(h, k, s, p)
+        gy = rng.standard_normal((n, o, ho, ho)).astype(F32)
+        ref, refd, reff = (np.empty((n, o, ho, ho), F32), np.empty_like(x), np.empty_like(w))
+        C.conv2d(x, w, b, out=ref, stride=s, pad=p, groups=groups)
+        C.conv2d_bwd_data(gy, w, out=refd, stride=s, pad=p, size=(h, h), groups=groups)
+        C.conv2d_bwd_filter(gy, x, out=reff, stride=s, pad=p, kernel=(k, k), groups=groups)
+        for samples in (None, 1, n):
+            ws = None if samples is None else _out(g, (samples * (c * k * k + o) * ho * ho,))
+            tag = f"n{n}c{c}h{h}o{o}k{k}s{s}p{p}g{groups}/ws{samples}"
+            out = _out(g, ref.shape)
+            g.conv2d(_in(g, x), _in(g, w), _in(g, b), out=out, stride=s, pad=p, groups=groups, workspace=ws)
+            result.append((f"grouped conv2d {tag}", out, ref, 1e-5))
+            out = _out(g, x.shape)
+            g.conv2d_bwd_data(_in(g, gy), _in(g, w), out=out, stride=s, pad=p, size=(h, h), groups=groups,
+                              workspace=ws)
+            result.append((f"grouped conv2d_bwd_data {tag}", out, refd, 1e-5))
+            out = _out(g, w.shape)
+            g.conv2d_bwd_filter(_in(g, gy), _in(g, x), out=out, stride=s, pad=p, kernel=(k, k), groups=groups,
+                                workspace=ws)
+            result.append((f"grouped conv2d_bwd_filter {tag}", out, reff, 1e-5))
+        shared = _arena(g, max(gy.nbytes, refd.nbytes))
+        g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
+        g_dev.device.upload(g_dev.ptr, gy)
+        out = shared[:refd.nbytes].view(F32).reshape(refd.shape)
+        scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
+        g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h), groups=groups,
+                          workspace=_out(g, (scratch + min(gy[0].size, refd[0].size),)))
+        result.append((f"grouped conv2d_bwd_data over g n{n}c{c}h{h}o{o}k{k}s{s}p{p}g{groups}", out, refd, 1e-5))
+    return result
+
+
 def case_conv_bwd_data_takes_over(g, rng):
     """The input gradient written over the dying output gradient from the same start (the memory plan's takeover),
     growing (C*H*W > O*Ho*Wo) and shrinking, 1x1 and not; the workspace as the plan gives it (the op's scratch plus
@@ -301,7 +341,7 @@ def case_dropout_masks(g, rng):
     return result
 
 
-CASES = [case_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn, case_losses, case_reductions_and_shapes,
+CASES = [case_conv, case_grouped_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn, case_losses, case_reductions_and_shapes,
          case_dropout_masks]
 
 

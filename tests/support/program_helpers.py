@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import deepdsl
 from deepdsl.codegen import program_env, write_program
 from deepdsl.dsl import Overrides
@@ -59,3 +61,22 @@ def popen_cli(program: Path, *args: str, cwd: Path | None = None) -> subprocess.
 
 
 __all__ = ["ROOT", "NETWORKS", "compile_program", "import_program", "model_class", "run_cli", "popen_cli", "os"]
+
+
+ZERO_GRADIENT = 1e-3     # an update is measured against at least this fraction of the largest update
+
+
+def relative_errors(got: dict, expected: dict, updates=lambda key: True) -> list[tuple[str, float]]:
+    """||got[k] - expected[k]|| / ||expected[k]|| for every key of `got`, worst first. The keys `updates` names
+    (gradients, parameters' changes) are measured against at least ZERO_GRADIENT times the largest of them: some
+    gradients are zero in exact arithmetic (the bias of a batch norm whose output reaches the loss only through a
+    convolution and another batch norm, which removes any shift: MobileNet-v2's projections), and both sides then
+    hold only rounding noise."""
+    norms = [np.linalg.norm(np.asarray(expected[k], np.float64)) for k in got if updates(k)]
+    floor = ZERO_GRADIENT * max(norms, default=0.0)
+    errors = []
+    for key, value in got.items():
+        a, b = np.asarray(value, np.float64), np.asarray(expected[key], np.float64)
+        scale = max(float(np.linalg.norm(b)), floor if updates(key) else 0.0)
+        errors.append((key, float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))))
+    return sorted(errors, key=lambda kv: -kv[1])

@@ -383,6 +383,49 @@ class UNet(Twin):
         return self.classes(joined1).mean(dim=(2, 3))
 
 
+class MobileNetV2(Twin):
+    """torchvision's MobileNetV2 (width 1.0) under deepdsl's layer names."""
+
+    BLOCKS = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
+
+    def __init__(self, image=(224, 224), classes=1000):
+        super().__init__()
+        self.stem = self._conv_bn("conv1", 3, 32, 3, 2)
+        self.blocks = []
+        cin, index = 32, 0
+        for t, c, n, s in self.BLOCKS:
+            for i in range(n):
+                index += 1
+                self.blocks.append(self._inverted_residual(f"block{index}", cin, t, c, s if i == 0 else 1))
+                cin = c
+        self.last = self._conv_bn("conv_last", cin, 1280, 1)
+        self.fc = self.add("fc", nn.Linear(1280, classes))
+
+    def _conv_bn(self, name, cin, cout, kernel, stride=1, groups=1):
+        conv = self.add(name, nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False))
+        bn = self.add(f"{name}_bn", nn.BatchNorm2d(cout))
+        return lambda x: bn(conv(x))
+
+    def _inverted_residual(self, name, cin, t, cout, stride):
+        hidden = cin * t
+        expand = self._conv_bn(f"{name}_expand", cin, hidden, 1) if t != 1 else None
+        depthwise = self._conv_bn(f"{name}_dw", hidden, hidden, 3, stride, groups=hidden)
+        project = self._conv_bn(f"{name}_project", hidden, cout, 1)
+
+        def block(x):
+            h = F.relu6(expand(x)) if expand else x
+            out = project(F.relu6(depthwise(h)))
+            return out + x if stride == 1 and cin == cout else out
+        return block
+
+    def logits(self, x):
+        x = F.relu6(self.stem(x))
+        for block in self.blocks:
+            x = block(x)
+        x = F.relu6(self.last(x)).mean(dim=(2, 3))
+        return self.fc(self.dropout(x, 0.2))
+
+
 class InceptionMini(Twin):
     def __init__(self, image=(28, 28), classes=10):
         super().__init__()
