@@ -30,6 +30,7 @@ from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
 from deepdsl.ops.conv import grouping
+from deepdsl.ops.shape import transpose
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
@@ -166,7 +167,7 @@ def _next_dropout_key() -> int:
 class Tensor:
     """A value of the network: a graph node with arithmetic (`+`, `-`, `*`, `/` with tensors whose shapes broadcast
     as numpy's do, or numbers; `**` a number), e.g. `main_loss + 0.3 * aux_loss`, `x * gate.reshape(n, c, 1, 1)`,
-    and `reshape`, `sum` and `mean` over axes."""
+    and `reshape`, `sum` and `mean` over axes, `transpose` of two axes and `@`, the matrix product (batched)."""
 
     __slots__ = ("node", "meta")
 
@@ -226,6 +227,22 @@ class Tensor:
     def __pow__(self, exponent):
         _number("'**' of a tensor", "the exponent", exponent)
         return Tensor(ew_node(sym(0) ** sympy.nsimplify(exponent), [self.node]))
+
+    def __matmul__(self, other):
+        """Matrix product over the last two axes, batched over the leading ones (which must agree), e.g. attention's
+        `q @ k.transpose(-2, -1)`."""
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        a, b = self.shape, other.shape
+        if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+            raise ShapeError(f"'@' of tensors of shapes {dims(a)} and {dims(b)}: a product needs (..., m, k) and "
+                             "(..., k, n) with the same leading axes", user_location())
+        return Tensor(make("matmul", (self.node, other.node)))
+
+    def transpose(self, i: int, j: int) -> "Tensor":
+        """The tensor with axes `i` and `j` swapped (negative from the end), as torch.transpose (a copy)."""
+        i, j = _axes(self.shape, i)[0], _axes(self.shape, j)[0]
+        return Tensor(transpose(self.node, i, j))
 
     def reshape(self, *shape) -> "Tensor":
         """The same elements in another shape (a view: no copy)."""
@@ -417,6 +434,18 @@ def _param(name: str, shape: tuple[int, ...], spec: Param) -> Node:
                 lr_mult=float(spec.lr_mult), decay_mult=float(spec.decay_mult))
 
 
+def param(name: str, shape: tuple[int, ...], init: Param | None = None) -> Tensor:
+    """A learned tensor of its own, e.g. a Transformer's position embeddings `D.param("pos", (1, 16, 64),
+    D.gaussian(0.02))` (added to (N, 16, 64) tokens by broadcasting); `init` defaults to N(0, 0.02^2)."""
+    what = f"D.param '{_name('D.param', name)}'"
+    if not isinstance(shape, (tuple, list)) or not shape or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        _reject(what, f"shape must be a tuple of positive sizes, got {shape!r}")
+    leaf = _made(_param(name, tuple(shape), _spec(what, "init", init, gaussian(0.02))), what, user_location())
+    provenance.record_leaf(leaf, name, f"parameter {dims(tuple(shape))}")
+    return Tensor(leaf)
+
+
 def _state(name: str, shape: tuple[int, ...], value: float) -> Node:
     return make("state", (), name=name, shape=tuple(shape), dtype=FLOAT, init=Init("constant", value=value))
 
@@ -540,22 +569,26 @@ class _Full(_ParamLayer):
         self.out, self.bias, self.weight_spec, self.bias_spec = out, bias, weight, bias_init
 
     def forward(self, x):
-        if len(x.shape) != 2:
-            raise ShapeError(f"fully connected input must be 2-D (N,features), got {dims(x.shape)}; "
-                             "use D.flatten first")
-        shapes = {"W": (self.out, x.shape[1])}
+        if len(x.shape) < 2:
+            raise ShapeError(f"fully connected input must be (N, ..., features), got {dims(x.shape)}")
+        if len(x.shape) == 4:
+            raise ShapeError(f"fully connected input of {dims(x.shape)}: use D.flatten first (or reshape it to "
+                             "(..., features) to apply the layer to the last axis)")
+        shapes = {"W": (self.out, x.shape[-1])}
         if self.bias:
             shapes["B"] = (self.out,)
         p = self._weights(shapes, {"W": self.weight_spec, "B": self.bias_spec})
-        y = make("matmul", (x.node, p["W"]), tb=True)
+        rows = reshape(x.node, (math.prod(x.shape[:-1]), x.shape[-1]))        # every position's features
+        y = make("matmul", (rows, p["W"]), tb=True)
         if self.bias:
             y = ew_node(sym(0) + sym(1), [y, p["B"]])
-        return Tensor(y)
+        return Tensor(reshape(y, (*x.shape[:-1], self.out)))
 
 
 def full(name: str, out: int, bias: bool = True, weight: Param | None = None,
          bias_init: Param | None = None) -> Layer:
-    """Fully connected layer y = x W^T + b with `<name>_W` (out, in) and `<name>_B` (out,)."""
+    """Fully connected layer y = x W^T + b with `<name>_W` (out, in) and `<name>_B` (out,): on (N, in), or on the
+    last axis of (N, T, in) (every token alike, as nn.Linear)."""
     what = _layer("D.full", name)
     return _Full(name, _positive_int(what, "out", out), _flag(what, "bias", bias),
                  _spec(what, "weight", weight, xavier()), _spec(what, "bias_init", bias_init, constant(0.0)))
@@ -833,7 +866,17 @@ def add(*tensors: Tensor) -> Tensor:
 
 
 flatten = _Op("flatten", "flatten", lambda x: reshape(x, (x.shape[0], x.size // x.shape[0])))
-softmax = _Op("softmax", "softmax", lambda x: make("softmax", (x,)))
+def _last_axis(op: str) -> Callable[[Node], Node]:
+    """`op` of (rows, K) applied over the last axis of any tensor of 2 or more axes (its rows, reshaped)."""
+    def build(x: Node) -> Node:
+        if len(x.shape) <= 2:
+            return make(op, (x,))
+        rows = reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]))
+        return reshape(make(op, (rows,)), x.shape)
+    return build
+
+
+softmax = _Op("softmax", "softmax", _last_axis("softmax"))
 log_softmax = _Op("log_softmax", "log-softmax", lambda x: make("log_softmax", (x,)))
 
 

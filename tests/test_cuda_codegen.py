@@ -437,11 +437,14 @@ def test_generated_elementwise_kernels_match_the_numpy_kernels(emulator, network
 # network, image, memory modes (alexnet, for its LRN and dropout, in one: its 4096-wide layers are slow to emulate)
 EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), ("static",)),
             ("resnet_mini", None, MODES), ("inception_mini", None, MODES), ("se_resnet", None, ("static",)),
-            ("unet", None, ("static",)),
+            ("unet", None, ("static",)), ("vit", None, ("static",)),
             # tests/test_generated.py's networks of newer layers: user functions (erf, softplus, sign), grouped
             # convolution, layer norm, broadcasting and zero channels; transposed convolution and upsampling
             ("user_functions", None, ("static",)), ("modern_parts", None, ("static",)),
             ("unet_parts", None, ("static",))]
+# networks trained by Adam(W): it divides each element's step by the size of its gradients, so an element whose two
+# gradients nearly cancel moves by an amount float32 rounding changes (1.6e-4 of the largest weight in the ViT here)
+ADAPTIVE_TOLERANCE = {"vit": 1e-3}
 _compiled: dict = {}
 
 
@@ -515,7 +518,7 @@ def test_generated_program_on_the_emulator_matches_the_cpu(name, image, modes, e
         emulator.set_order(order, seed=11)
         model = cls("cuda", 0, mode, True)
         assert bound[-1] == str(path) and model.mem.mode == mode
-        check_steps_equal_the_cpu(model, data, expected)
+        check_steps_equal_the_cpu(model, data, expected, ADAPTIVE_TOLERANCE.get(name, 1e-4))
         assert isinstance(model.mem.workspace_region, cuda_ops.DeviceArray)
         if mode == "static":
             assert isinstance(model.mem.arena, cuda_ops.DeviceArray)

@@ -93,5 +93,7 @@ def test_subnet_examples_build_the_shapes_they_promise():
     assert names["squeeze_excite"]("se", 8)(maps).shape == (2, 8, 6, 6)
     assert names["inverted_residual"]("block", 8, 6, 8, 1)(maps).shape == (2, 8, 6, 6)
     assert names["inverted_residual"]("down", 8, 6, 16, 2)(maps).shape == (2, 16, 3, 3)
+    tokens = D.param("tokens", (2, 5, 16))
+    assert names["attention"]("attn", tokens).shape == (2, 5, 16)
     deeper = D.images("deep", (2, 16, 3, 3))
     assert names["up_level"]("up", maps, deeper, 4).shape == (2, 12, 6, 6)

@@ -257,3 +257,23 @@ def test_train_options_are_validated():
     x, y = _small_input()
     with pytest.raises(DeepDSLError, match="loss must be a scalar"):
         D.Loop(x, x, D.Train("t"))
+
+
+def test_sequence_operations_check_their_shapes_where_written():
+    """Attention's pieces: '@' needs (..., m, k) @ (..., k, n) with equal leading axes, `transpose` axes of the
+    tensor, `D.param` positive sizes; each refused with the shapes at the user's line."""
+    def tensor(shape, name="t"):
+        return D.Tensor(make("input", (), name=name, shape=shape))
+    q, k = tensor((2, 4, 3, 8), "q"), tensor((2, 4, 3, 8), "k")
+    assert (q @ k.transpose(-1, -2)).shape == (2, 4, 3, 3)
+    assert (q @ k.transpose(-1, -2) @ tensor((2, 4, 3, 8), "v")).shape == (2, 4, 3, 8)
+    with pytest.raises(deepdsl.errors.ShapeError, match=r"'@' of tensors of shapes 2x4x3x8 and 2x4x3x8"):
+        q @ k
+    with pytest.raises(deepdsl.errors.ShapeError, match="same leading axes"):
+        q @ tensor((2, 3, 8, 3), "w")
+    with pytest.raises(deepdsl.errors.ShapeError, match="axis 4 is not an axis"):
+        q.transpose(1, 4)
+    assert D.full("tok", 5)(q.transpose(1, 2).reshape(2, 3, 32)).shape == (2, 3, 5)
+    with pytest.raises(DeepDSLError, match="D.param 'pos'.*positive sizes"):
+        D.param("pos", (1, 0, 4))
+    assert D.softmax(q).shape == q.shape

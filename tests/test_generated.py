@@ -352,7 +352,7 @@ def test_generated_program_imports_only_the_runtime(tmp_path):
 INTERPRETER_CASES = [
     ("lenet", 2, None), ("mlp", 2, None), ("alexnet", 2, (55, 55)), ("googlenet", 2, (79, 79)),
     ("resnet_mini", 2, None), ("inception_mini", 2, None), ("se_resnet", 2, None),
-    ("unet", 2, None),
+    ("unet", 2, None), ("vit", 2, None),
 ]
 
 

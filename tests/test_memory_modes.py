@@ -39,7 +39,7 @@ from deepdsl_runtime.memory import MODES, MemoryPlanError
 NETWORKS = [
     ("lenet", None), ("mlp", None), ("alexnet", (55, 55)), ("overfeat", (71, 71)), ("vgg16", (32, 32)),
     ("googlenet", (79, 79)), ("resnet50", (64, 64)), ("resnet_mini", None), ("inception_mini", None),
-    ("se_resnet", None), ("unet", None), ("mobilenet_v2", (64, 64)),
+    ("se_resnet", None), ("unet", None), ("mobilenet_v2", (64, 64)), ("vit", None),
 ]
 BATCH = 2
 _programs: dict = {}

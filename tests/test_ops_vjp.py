@@ -32,7 +32,7 @@ from deepdsl.ops.elementwise import broadcast_to, elementwise, reshape, sum_to, 
 from deepdsl.ops.linalg import matmul
 from deepdsl.ops.loss import cross_entropy, log_loss, nll
 from deepdsl.ops.norm import bernoulli_mask
-from deepdsl.ops.shape import concat, slice_axis
+from deepdsl.ops.shape import concat, slice_axis, transpose
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.specialize import specialize
 from tests.support.random_programs import conv_geometries, pool_geometries
@@ -259,6 +259,21 @@ for _ta in (False, True):
              lambda a, b, ta=_ta, tb=_tb: matmul(a, b, ta=ta, tb=tb),
              lambda a, b, ta=_ta, tb=_tb: (a.T if ta else a) @ (b.T if tb else b),
              {"a": randn(*((4, 3) if _ta else (3, 4))), "b": randn(*((5, 4) if _tb else (4, 5)), seed=1)})
+for _ta in (False, True):
+    for _tb in (False, True):
+        case(f"batched_matmul_ta{int(_ta)}_tb{int(_tb)}",
+             lambda a, b, ta=_ta, tb=_tb: matmul(a, b, ta=ta, tb=tb),
+             lambda a, b, ta=_ta, tb=_tb: (a.transpose(-1, -2) if ta else a) @ (b.transpose(-1, -2) if tb else b),
+             {"a": randn(2, 3, *((4, 3) if _ta else (3, 4))), "b": randn(2, 3, *((5, 4) if _tb else (4, 5)), seed=1)})
+case("dsl_attention_scores", lambda q, k: (D.Tensor(q) @ D.Tensor(k).transpose(-1, -2)).node,
+     lambda q, k: q @ k.transpose(-1, -2), {"q": randn(2, 2, 3, 4), "k": randn(2, 2, 3, 4, seed=1)})
+case("transpose_adjacent", lambda x: transpose(x, 1, 2), lambda x: x.transpose(1, 2), {"x": randn(2, 3, 4, 5)})
+case("transpose_apart", lambda x: transpose(x, 0, 3), lambda x: x.transpose(0, 3), {"x": randn(2, 3, 4, 5)})
+case("dsl_softmax_last_axis", dsl(D.softmax), lambda x: torch.softmax(x, dim=-1), {"x": randn(2, 3, 5)})
+case("dsl_full_tokens", lambda x, ft_W, ft_B: D.full("ft", 4)(D.Tensor(x)).node, F.linear,
+     {"x": randn(2, 3, 5), "ft_W": randn(4, 5, seed=1), "ft_B": randn(4, seed=2)})
+case("dsl_param_broadcast", lambda x, pos: (D.Tensor(x) + D.param("pos", (1, 3, 4))).node, lambda x, pos: x + pos,
+     {"x": randn(2, 3, 4), "pos": randn(1, 3, 4, seed=1)})
 case("dsl_full", lambda x, fc_W, fc_B: D.full("fc", 4)(D.Tensor(x)).node, F.linear,
      {"x": randn(3, 5), "fc_W": randn(4, 5, seed=1), "fc_B": randn(4, seed=2)})
 case("dsl_full_no_bias", lambda x, fc2_W: D.full("fc2", 4, bias=False)(D.Tensor(x)).node, F.linear,

@@ -271,10 +271,18 @@ def test_concat_slice_pad():
 @covers("matmul")
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])
-def test_matmul(ta, tb):
-    a = leaf("a", (5, 3) if ta else (3, 5))
-    b = leaf("b", (4, 5) if tb else (5, 4))
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_matmul(ta, tb, batch):
+    a = leaf("a", batch + ((5, 3) if ta else (3, 5)))
+    b = leaf("b", batch + ((4, 5) if tb else (5, 4)))
     check(make("matmul", (a, b), ta=ta, tb=tb))
+
+
+@covers("transpose")
+def test_transpose():
+    x = leaf("x", (2, 3, 4, 5))
+    for axes in [(0, 1), (1, 2), (2, 3), (0, 3), (1, 3)]:
+        check(make("transpose", (x,), axes=axes), exact=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

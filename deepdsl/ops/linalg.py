@@ -1,4 +1,5 @@
-"""Matrix multiply (fully connected layers): `op(A) @ op(B)` with op = transpose when `ta`/`tb` is set."""
+"""Matrix multiply (fully connected layers, attention): `op(A) @ op(B)` with op = transpose of the last two axes when
+`ta`/`tb` is set; A and B 2-D, or both with the same leading (batch) axes: one product per batch index."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,11 +13,12 @@ class MatMul(Op):
     name = "matmul"
 
     def infer(self, a: Node, b: Node, *, ta=False, tb=False):
-        require(len(a.shape) == 2 and len(b.shape) == 2, f"matmul of {dims(a.shape)} and {dims(b.shape)}")
-        m, k = a.shape[::-1] if ta else a.shape
-        k2, n = b.shape[::-1] if tb else b.shape
+        require(len(a.shape) >= 2 and len(a.shape) == len(b.shape) and a.shape[:-2] == b.shape[:-2],
+                f"matmul of {dims(a.shape)} and {dims(b.shape)} (2-D, or the same leading batch axes)")
+        m, k = a.shape[-1:-3:-1] if ta else a.shape[-2:]
+        k2, n = b.shape[-1:-3:-1] if tb else b.shape[-2:]
         require(k == k2, f"inner sizes differ: {dims(a.shape)}{'ᵀ' if ta else ''} @ {dims(b.shape)}{'ᵀ' if tb else ''}")
-        return (m, n), FLOAT
+        return (*a.shape[:-2], m, n), FLOAT
 
     def vjp(self, node, g):
         a, b = node.inputs
@@ -27,7 +29,7 @@ class MatMul(Op):
         return ga, gb
 
     def evaluate(self, ctx, a, b, *, ta=False, tb=False):
-        return np.asarray((a.T if ta else a) @ (b.T if tb else b), dtype=ctx.float_dtype)
+        return np.asarray((a.swapaxes(-1, -2) if ta else a) @ (b.swapaxes(-1, -2) if tb else b), dtype=ctx.float_dtype)
 
     def describe(self, node):
         ta, tb = node.attr("ta", False), node.attr("tb", False)

@@ -1,4 +1,5 @@
-"""Joining and splitting tensors along an axis (inception modules concatenate branches along channels)."""
+"""Joining and splitting tensors along an axis (inception modules concatenate branches along channels), and
+swapping two axes (attention's heads and tokens)."""
 from __future__ import annotations
 
 import numpy as np
@@ -79,6 +80,34 @@ class PadAxis(Op):
         index[axis] = slice(start, start + x.shape[axis])
         out[tuple(index)] = x
         return out
+
+
+@register
+class Transpose(Op):
+    """`x` with its axes `axes` = (i, j), i < j, swapped (torch.transpose), stored in the new order."""
+
+    name = "transpose"
+    cheap = True
+
+    def infer(self, x: Node, *, axes):
+        i, j = axes
+        require(0 <= i < j < len(x.shape), f"transpose of axes {i} and {j} of a tensor of {dims(x.shape)}")
+        shape = list(x.shape)
+        shape[i], shape[j] = shape[j], shape[i]
+        return tuple(shape), x.dtype
+
+    def vjp(self, node, g):
+        return (make("transpose", (g,), axes=node.attr("axes")),)
+
+    def evaluate(self, ctx, x, *, axes):
+        return np.ascontiguousarray(x.swapaxes(*axes))
+
+
+def transpose(x: Node, i: int, j: int) -> Node:
+    """x with axes i and j swapped (the identity when they are equal)."""
+    if i == j:
+        return x
+    return make("transpose", (x,), axes=(min(i, j), max(i, j)))
 
 
 def concat(inputs, axis: int = 1) -> Node:

@@ -177,7 +177,7 @@ def _concat_rule(node: Node) -> Node | None:
 # ops whose value is zero when the input at one of these positions is zero (they are linear in it)
 _LINEAR_IN = {
     "matmul": (0, 1), "pick": (0,), "unpick": (0,), "pad_axis": (0,), "conv2d_bwd_data": (0, 1),
-    "conv2d_bwd_filter": (0, 1), "max_pool_bwd": (0,), "avg_pool_bwd": (0,), "lrn_bwd": (0,),
+    "conv2d_bwd_filter": (0, 1), "max_pool_bwd": (0,), "avg_pool_bwd": (0,), "lrn_bwd": (0,), "transpose": (0,),
 }
 
 

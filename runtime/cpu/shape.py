@@ -1,5 +1,5 @@
 """Shapes and data movement on the CPU: reductions to and broadcasts from a shape, reshape (a view), concat,
-slices and padding along an axis."""
+slices and padding along an axis, two axes swapped."""
 from __future__ import annotations
 
 import builtins
@@ -54,3 +54,8 @@ def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
 def pad_axis(x, *, out, axis, start, size):
     out.fill(0)
     out[_axis_index(x.ndim, axis, start, start + x.shape[axis])] = x
+
+
+def transpose(x, *, out, axes):
+    """out = x with axes (i, j) swapped, in out's (contiguous) order."""
+    np.copyto(out, x.swapaxes(*axes))

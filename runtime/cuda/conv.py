@@ -9,9 +9,15 @@ from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, launch_items,
 
 
 def matmul(a, b, *, out, ta=False, tb=False):
-    m, n = out.shape
-    k = a.shape[0] if ta else a.shape[1]
-    out.device.gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
+    """out = op(a) op(b), 2-D or batched over equal leading axes (one strided batched GEMM)."""
+    m, n = out.shape[-2:]
+    k = a.shape[-2] if ta else a.shape[-1]
+    if out.ndim == 2:
+        out.device.gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
+        return
+    batch = out.size // (m * n)
+    out.device.gemm_batched(bool(ta), bool(tb), m, n, k, a.ptr, a.shape[-1], m * k, b.ptr, b.shape[-1], k * n,
+                            out.ptr, n, m * n, batch)
 
 
 def _conv_geom(c, h, w, kh, kw, ho, wo, stride, pad) -> tuple[int, ...]:

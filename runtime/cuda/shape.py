@@ -1,8 +1,9 @@
-"""Shapes on the CUDA device: concat, slices and padding along an axis."""
+"""Shapes on the CUDA device: concat, slices and padding along an axis, two axes swapped."""
 from __future__ import annotations
 
 import math
-from deepdsl_runtime.cuda.arrays import copy2d, fill
+
+from deepdsl_runtime.cuda.arrays import copy2d, fill, launch_items
 
 
 def _split(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
@@ -31,3 +32,11 @@ def pad_axis(x, *, out, axis, start, size):
     a = x.shape[axis]
     copy2d(out.device, outer, a * inner, x.ptr, a * inner, out.ptr + start * inner * out.itemsize, size * inner,
            out.itemsize)
+
+
+def transpose(x, *, out, axes):
+    """out = x with axes (i, j) swapped: x read as (P, A, M, B, R) with A, B the swapped axes, out (P, B, M, A, R)."""
+    i, j = axes
+    shape = x.shape
+    dims = (math.prod(shape[:i]), shape[i], math.prod(shape[i + 1:j]), shape[j], math.prod(shape[j + 1:]))
+    launch_items(out.device, "deepdsl_transpose", "IIIIIPP", out.size, *dims, x.ptr, out.ptr)

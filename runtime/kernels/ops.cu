@@ -57,6 +57,19 @@ DEEPDSL_HD void deepdsl_swap01_at(unsigned i, unsigned a, unsigned b, unsigned s
     dst[i] = src[(ai * b + bi) * s + k];
 }
 
+// (P, A, M, B, R) -> (P, B, M, A, R): two axes of a tensor swapped (attention's heads and tokens); i indexes dst
+DEEPDSL_HD void deepdsl_transpose_at(unsigned i, unsigned a, unsigned m, unsigned b, unsigned r, const float* src,
+                                     float* dst) {
+    const unsigned k = i % r;
+    unsigned t = i / r;
+    const unsigned ai = t % a;
+    t /= a;
+    const unsigned mi = t % m;
+    t /= m;
+    const unsigned bi = t % b, pi = t / b;
+    dst[i] = src[(((pi * a + ai) * m + mi) * b + bi) * r + k];
+}
+
 // out[n, o, :] += bias[o] for out (N, O, S)
 DEEPDSL_HD void deepdsl_add_bias_at(unsigned i, unsigned o, unsigned s, const float* bias, float* out) {
     out[i] += bias[(i / s) % o];
@@ -446,6 +459,10 @@ DEEPDSL_KERNEL deepdsl_broadcast_2(EwShape s, float* out, EwArg a) { DEEPDSL_FOR
 DEEPDSL_KERNEL deepdsl_broadcast_4(EwShape s, float* out, EwArg a) { DEEPDSL_FOR(i, 0, s.n) deepdsl_broadcast_at<4>(i, s, out, a); }
 DEEPDSL_KERNEL deepdsl_swap01(unsigned a, unsigned b, unsigned s, const float* src, float* dst) {
     DEEPDSL_FOR(i, 0, a * b * s) deepdsl_swap01_at(i, a, b, s, src, dst);
+}
+DEEPDSL_KERNEL deepdsl_transpose(unsigned outer, unsigned a, unsigned m, unsigned b, unsigned r, const float* src,
+                                 float* dst) {
+    DEEPDSL_FOR(i, 0, outer * a * m * b * r) deepdsl_transpose_at(i, a, m, b, r, src, dst);
 }
 DEEPDSL_KERNEL deepdsl_add_bias(unsigned n, unsigned o, unsigned s, const float* bias, float* out) {
     DEEPDSL_FOR(i, 0, n) deepdsl_add_bias_at(i, o, s, bias, out);

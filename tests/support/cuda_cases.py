@@ -318,6 +318,21 @@ def case_reductions_and_shapes(g, rng):
         out = _out(g, (4, 5))
         g.matmul(_in(g, left), _in(g, right), out=out, ta=ta, tb=tb)
         result.append((f"matmul ta={ta} tb={tb}", out, ref, 1e-5))
+    left = rng.standard_normal((2, 3, 4, 6)).astype(F32)
+    right = rng.standard_normal((2, 3, 6, 5)).astype(F32)
+    for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:
+        a_in = np.ascontiguousarray(left.swapaxes(-1, -2)) if ta else left
+        b_in = np.ascontiguousarray(right.swapaxes(-1, -2)) if tb else right
+        ref = np.empty((2, 3, 4, 5), F32)
+        C.matmul(a_in, b_in, out=ref, ta=ta, tb=tb)
+        out = _out(g, ref.shape)
+        g.matmul(_in(g, a_in), _in(g, b_in), out=out, ta=ta, tb=tb)
+        result.append((f"batched matmul ta={ta} tb={tb}", out, ref, 1e-5))
+    for axes in [(1, 2), (0, 3), (2, 3), (0, 1)]:
+        ref = np.ascontiguousarray(left.swapaxes(*axes))
+        out = _out(g, ref.shape)
+        g.transpose(_in(g, left), out=out, axes=axes)
+        result.append((f"transpose {axes}", out, ref, 0))
     out = _out(g, (3, 3))
     g.const(out=out, value=-0.25, shape=(3, 3))
     result.append(("const", out, np.full((3, 3), -0.25, F32), 0))

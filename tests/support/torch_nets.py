@@ -426,6 +426,46 @@ class MobileNetV2(Twin):
         return self.fc(self.dropout(x, 0.2))
 
 
+class ViT(Twin):
+    """A pre-norm Vision Transformer: 7x7 patches embedded by a strided convolution, position embeddings, 4 encoder
+    blocks of 4-head self-attention (separate q, k, v projections, k without bias) and a GELU MLP, a final layer norm, the tokens'
+    mean, a classifier."""
+
+    def __init__(self, image=(28, 28), classes=10, patch=7, dim=64, heads=4, depth=4):
+        super().__init__()
+        self.heads = heads
+        self.patch = self.add("patch", nn.Conv2d(1, dim, patch, stride=patch))
+        self.pos = nn.Parameter(torch.zeros(1, (image[0] // patch) * (image[1] // patch), dim))
+        self.blocks = []
+        for i in range(1, depth + 1):
+            name = f"block{i}"
+            parts = {"ln1": nn.LayerNorm(dim), "q": nn.Linear(dim, dim), "k": nn.Linear(dim, dim, bias=False),
+                     "v": nn.Linear(dim, dim), "out": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
+                     "fc1": nn.Linear(dim, 2 * dim), "fc2": nn.Linear(2 * dim, dim)}
+            for key, module in parts.items():
+                self.add(f"{name}_{'attn_' if key in ('q', 'k', 'v', 'out') else ''}{key}", module)
+            self.blocks.append(parts)
+        self.ln = self.add("ln", nn.LayerNorm(dim))
+        self.head = self.add("head", nn.Linear(dim, classes))
+
+    def _attention(self, parts, tokens):
+        n, t, d = tokens.shape
+        q, k, v = (parts[p](tokens).reshape(n, t, self.heads, d // self.heads).transpose(1, 2) for p in "qkv")
+        weights = torch.softmax(q @ k.transpose(2, 3) / (d // self.heads) ** 0.5, dim=-1)
+        return parts["out"]((weights @ v).transpose(1, 2).reshape(n, t, d))
+
+    def logits(self, x):
+        patches = self.patch(x)
+        tokens = patches.flatten(2).transpose(1, 2) + self.pos
+        for parts in self.blocks:
+            tokens = tokens + self._attention(parts, parts["ln1"](tokens))
+            tokens = tokens + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](tokens))))
+        return self.head(self.ln(tokens).mean(1))
+
+    def deepdsl_tensors(self):
+        return {**super().deepdsl_tensors(), "pos": self.pos}
+
+
 class InceptionMini(Twin):
     def __init__(self, image=(28, 28), classes=10):
         super().__init__()
