@@ -21,14 +21,11 @@ from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.pipeline import CompileOptions
 from deepdsl.ssa import Free
 
+from tests import test_memory_modes
 from tests.support.memory_programs import small_networks, step_programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# network, image (the smallest sizes the strided networks accept, as tests/test_memory_modes.py uses them)
-NETWORKS = [
-    ("lenet", None), ("mlp", None), ("alexnet", (55, 55)), ("overfeat", (71, 71)), ("vgg16", (32, 32)),
-    ("googlenet", (79, 79)), ("resnet50", (64, 64)), ("resnet_mini", None), ("inception_mini", None),
-]
+NETWORKS = test_memory_modes.NETWORKS       # network, image (the smallest sizes the strided networks accept)
 
 
 def test_every_network_is_checked():
