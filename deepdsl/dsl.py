@@ -291,10 +291,7 @@ def images(name: str, shape: tuple[int, int, int, int], dataset: str = "syntheti
         _reject(what, f"shape must be (N, C, H, W), got {shape!r}")
     n, c, h, w = (_positive_int(what, axis, size) for axis, size in zip(("batch", "channels", "height", "width"),
                                                                           shape))
-    # the spec is written into the generated program's docstring and options
-    if not isinstance(dataset, str) or not dataset or not dataset.isprintable() or '"' in dataset or "\\" in dataset:
-        _reject(what, f"dataset must be a data spec such as 'digits' or 'npz:PATH' (printable, no quotes or "
-                      f"backslashes), got {dataset!r}")
+    _dataset_spec(what, dataset)
     o = _overrides.get()
     n = o.batch or n
     h, w = o.image or (h, w)
@@ -303,12 +300,38 @@ def images(name: str, shape: tuple[int, int, int, int], dataset: str = "syntheti
     return Tensor(_made(node, what, user_location()), {"dataset": dataset})
 
 
-def labels(name: str, n: int, classes: int) -> Tensor:
-    """Integer class labels (N,) in [0, classes)."""
-    what = _input_name("labels", name)
-    n, classes = _positive_int(what, "batch", n), _positive_int(what, "classes", classes)
+def _dataset_spec(what: str, dataset: Any) -> None:
+    """The spec is written into the generated program's docstring and options."""
+    if not isinstance(dataset, str) or not dataset or not dataset.isprintable() or '"' in dataset or "\\" in dataset:
+        _reject(what, f"dataset must be a data spec such as 'digits' or 'npz:PATH' (printable, no quotes or "
+                      f"backslashes), got {dataset!r}")
+
+
+def tokens(name: str, shape: tuple[int, int], vocab: int, dataset: str = "synthetic") -> Tensor:
+    """The input batch of N integer token sequences of length T, (N, T) in [0, vocab), of `dataset` (the default
+    `--data` of the generated program; `text:PATH` reads a file's bytes as tokens: vocab 256)."""
+    what = _input_name("tokens", name)
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        _reject(what, f"shape must be (N, T), got {shape!r}")
+    n, t = (_positive_int(what, axis, size) for axis, size in zip(("batch", "length"), shape))
+    vocab = _positive_int(what, "vocab", vocab)
+    _dataset_spec(what, dataset)
     n = _overrides.get().batch or n
-    node = make("input", (), name=name, shape=(n,), dtype=INT32, role="label")
+    node = make("input", (), name=name, shape=(n, t), dtype=INT32, role="data", dataset=dataset)
+    return Tensor(_made(node, what, user_location()), {"dataset": dataset, "vocab": vocab})
+
+
+def labels(name: str, n, classes: int) -> Tensor:
+    """Integer class labels (N,) in [0, classes); or, for a batch of sequences, one per position: n = (N, T) (a
+    language model's next tokens)."""
+    what = _input_name("labels", name)
+    if isinstance(n, (tuple, list)) and len(n) == 2:
+        shape = tuple(_positive_int(what, axis, size) for axis, size in zip(("batch", "length"), n))
+    else:
+        shape = (_positive_int(what, "batch", n),)
+    classes = _positive_int(what, "classes", classes)
+    shape = (_overrides.get().batch or shape[0],) + shape[1:]
+    node = make("input", (), name=name, shape=shape, dtype=INT32, role="label")
     return Tensor(_made(node, what, user_location()), {"classes": classes})
 
 
@@ -561,6 +584,31 @@ def upsample(scale: int) -> Layer:
         spread = ew_node(sym(0), [reshape(x, (n, c, h, 1, w, 1))], shape=(n, c, h, scale, w, scale))
         return reshape(spread, (n, c, h * scale, w * scale))
     return _Op(f"upsample({scale})", f"nearest upsampling x{scale}", build)
+
+
+class _Embedding(_ParamLayer):
+    def __init__(self, name, vocab, dim, weight):
+        super().__init__(name, f"embedding of {vocab} tokens in {dim} features")
+        self.vocab, self.dim, self.weight_spec = vocab, dim, weight
+
+    def forward(self, x):
+        if x.node.dtype != INT32:
+            raise ShapeError(f"an embedding takes integer tokens (D.tokens), got {x.node.dtype} {dims(x.shape)}")
+        p = self._weights({"W": (self.vocab, self.dim)}, {"W": self.weight_spec})
+        count = math.prod(x.shape)
+        # each token as a one-hot row times the table: a product (exact, deterministic, backpropagated as one) of
+        # vocab x dim multiply-adds per token, sized for character and byte vocabularies
+        ones = make("const", (), value=1.0, shape=(count,))
+        one_hot = make("unpick", (ones, reshape(x.node, (count,))), classes=self.vocab)
+        return Tensor(reshape(make("matmul", (one_hot, p["W"])), (*x.shape, self.dim)))
+
+
+def embedding(name: str, vocab: int, dim: int, weight: Param | None = None) -> Layer:
+    """Token embedding, PyTorch's nn.Embedding: `<name>_W` (vocab, dim), row t the features of token t; on (N, T)
+    tokens it gives (N, T, dim). Initialized N(0, 1) as PyTorch's."""
+    what = _layer("D.embedding", name)
+    return _Embedding(name, _positive_int(what, "vocab", vocab), _positive_int(what, "dim", dim),
+                      _spec(what, "weight", weight, gaussian(1.0)))
 
 
 class _Full(_ParamLayer):
@@ -877,15 +925,31 @@ def _last_axis(op: str) -> Callable[[Node], Node]:
 
 
 softmax = _Op("softmax", "softmax", _last_axis("softmax"))
+
+
+def _causal_softmax(x: Node) -> Node:
+    if len(x.shape) < 2 or x.shape[-1] != x.shape[-2]:
+        raise ShapeError(f"causal softmax needs (..., T, T) scores (query by key), got {dims(x.shape)}")
+    rows = reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]))
+    return reshape(make("softmax", (rows,), causal=True), x.shape)
+
+
+# attention's weights of a causal model: each query (axis -2) weighs only the keys (axis -1) at or before it
+causal_softmax = _Op("causal_softmax", "causal softmax", _causal_softmax)
 log_softmax = _Op("log_softmax", "log-softmax", lambda x: make("log_softmax", (x,)))
 
 
 def _label_fn(label: str, y: Tensor, build: Callable[[Node, Node], Node]) -> Layer:
     def check(x: Node) -> Node:
         classes = y.meta.get("classes")
-        if classes is not None and len(x.shape) == 2 and x.shape[1] != classes:
-            raise ShapeError(f"{x.shape[1]} scores per example for {classes} classes")
-        return build(x, y.node)
+        if classes is not None and len(x.shape) >= 2 and x.shape[-1] != classes:
+            raise ShapeError(f"{x.shape[-1]} scores per example for {classes} classes")
+        labels = y.node
+        if len(labels.shape) == 2 and x.shape[:-1] == labels.shape:
+            # a label per position of each sequence: every position is an example
+            rows = labels.shape[0] * labels.shape[1]
+            x, labels = reshape(x, (rows, x.shape[-1])), reshape(labels, (rows,))
+        return build(x, labels)
     return _Op(label, label, check)
 
 

@@ -9,7 +9,12 @@ Specs:
   `test_batch.bin`; one label byte and 3072 pixel bytes per image), scaled to [0, 1].
 - `npz:PATH`: arrays `x` (N,C,H,W or N,H,W) and `y`, optionally `x_test` and `y_test` (else the training arrays
   are also the test set); integer pixels are scaled by 1/255.
-- `synthetic`: normally distributed images and uniform labels (for timing; there is nothing to learn).
+- `synthetic`: normally distributed images and uniform labels (for timing; there is nothing to learn); for a network
+  of tokens, uniform tokens and next tokens.
+- `text:PATH` (networks of tokens, a language model's): the bytes of the file as tokens, cut into consecutive
+  windows of the network's T + 1 bytes overlapping by one: the example is the first T, its labels the last T (each
+  token's next one). The last tenth of the windows (at least one) is the test set. Byte values must lie below the
+  network's vocabulary.
 Images must have the network's channels and size (only `digits` is resized); a mismatch is a `DataError` naming
 the spec. Labels must lie in [0, classes).
 
@@ -40,15 +45,29 @@ class DataError(Exception):
 @dataclass
 class Dataset:
     spec: str
-    x_train: np.ndarray      # (N, C, H, W) float32
-    y_train: np.ndarray      # (N,) int32
+    x_train: np.ndarray      # (N, C, H, W) float32 images, or (N, T) int32 tokens
+    y_train: np.ndarray      # (N,) int32 labels, or (N, T) the next tokens
     x_test: np.ndarray
     y_test: np.ndarray
 
 
-def load(spec: str, image_shape: tuple[int, int, int], classes: int, seed: int = 0, batch: int = 1) -> Dataset:
-    """The dataset named by `spec`, checked against the network's (C, H, W) input and its number of classes."""
+def load(spec: str, image_shape: tuple[int, ...], classes: int, seed: int = 0, batch: int = 1,
+         tokens: bool = False) -> Dataset:
+    """The dataset named by `spec`, checked against the network's (C, H, W) input and its number of classes; for a
+    network of `tokens`, against its (T,) input and its vocabulary (`classes`)."""
     kind, _, arg = spec.partition(":")
+    if tokens:
+        if kind == "text" and arg:
+            data = _text(spec, arg, image_shape[0], classes)
+        elif kind == "synthetic" and not arg:
+            data = _synthetic_tokens(spec, image_shape[0], classes, seed, batch)
+        else:
+            raise DataError(f"data spec '{spec}' does not give tokens, which this network takes (use text:PATH or "
+                            "synthetic)")
+        return data
+    if kind == "text":
+        raise DataError(f"data spec '{spec}' gives tokens; this network takes images (use digits, synthetic, "
+                        "mnist:DIR, cifar10:DIR or npz:PATH)")
     if kind == "digits" and not arg:
         data = _digits(spec, image_shape)
     elif kind == "synthetic" and not arg:
@@ -60,7 +79,8 @@ def load(spec: str, image_shape: tuple[int, int, int], classes: int, seed: int =
     elif kind == "npz" and arg:
         data = _npz(spec, arg)
     else:
-        raise DataError(f"unknown data spec '{spec}' (use digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH)")
+        raise DataError(f"unknown data spec '{spec}' (use digits, synthetic, mnist:DIR, cifar10:DIR, npz:PATH or "
+                        "text:PATH)")
     for x, y, part in ((data.x_train, data.y_train, "training"), (data.x_test, data.y_test, "test")):
         if x.shape[1:] != tuple(image_shape):
             raise DataError(f"{spec}: {part} images are {_dims(x.shape[1:])} (CxHxW), the network takes "
@@ -120,6 +140,35 @@ def _synthetic(spec: str, image_shape, classes: int, seed: int, batch: int) -> D
     n = max(2 * batch, 2)
     x = rng.standard_normal((n + batch,) + tuple(image_shape), dtype=np.float32)
     y = rng.integers(0, classes, n + batch, dtype=np.int32)
+    return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
+
+
+TEXT_TEST_FRACTION = 10      # the last 1/10 of a text's windows is its test set
+
+
+def _text(spec: str, path: str, length: int, vocab: int) -> Dataset:
+    """Windows of `length` + 1 consecutive bytes of the file at `path`, overlapping by one: tokens and next tokens."""
+    try:
+        data = np.frombuffer(_read(path), dtype=np.uint8)
+    except OSError as err:
+        raise DataError(f"{spec}: cannot read {path}: {err.strerror or err}") from None
+    windows = (len(data) - 1) // length
+    if windows < 2:
+        raise DataError(f"{spec}: {len(data)} bytes make {max(windows, 0)} window(s) of {length} + 1 tokens; the "
+                        "network needs at least 2 (one to train on, one to test)")
+    if int(data.max()) >= vocab:
+        raise DataError(f"{spec}: byte value {int(data.max())} outside the network's vocabulary of {vocab} tokens")
+    starts = np.arange(windows) * length
+    x = data[starts[:, None] + np.arange(length)].astype(np.int32)
+    y = data[starts[:, None] + np.arange(1, length + 1)].astype(np.int32)
+    test = max(1, windows // TEXT_TEST_FRACTION)
+    return Dataset(spec, x[:-test], y[:-test], x[-test:], y[-test:])
+
+
+def _synthetic_tokens(spec: str, length: int, vocab: int, seed: int, batch: int) -> Dataset:
+    rng = np.random.default_rng([seed, 12345])
+    n = max(2 * batch, 2)
+    x, y = (rng.integers(0, vocab, (n + batch, length), dtype=np.int32) for _ in range(2))
     return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
 
 
@@ -312,8 +361,8 @@ class Batches:
         self.epoch, self.offset = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
         self._draws: tuple[int, np.ndarray] | None = None
-        self.xb = np.empty((batch,) + x.shape[1:], dtype=np.float32)
-        self.yb = np.empty((batch,), dtype=np.int32)
+        self.xb = np.empty((batch,) + x.shape[1:], dtype=np.int32 if x.dtype == np.int32 else np.float32)
+        self.yb = np.empty((batch,) + y.shape[1:], dtype=np.int32)
         self._padded = None
         if augment.crop and x.ndim == 4:
             c, h, w = x.shape[1:]

@@ -122,6 +122,7 @@ class Model:
     betas = (0.9, 0.999)
     batch_shape: tuple[int, ...] = ()
     classes = 0
+    tokens = False             # the input is (N, T) integer tokens (a language model's), not images
     dataset = "synthetic"
     defaults: dict = {}
     params: dict[str, Param] = {}
@@ -175,6 +176,17 @@ class Model:
         found.set_threads(threads)
         self.kernels = f"compiled kernels, {threads} thread{'s' if threads > 1 else ''}"
         return found
+
+    @classmethod
+    def random_batch(cls, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """A batch of random data of this model's input and labels, drawn from `rng` (normal images or uniform
+        tokens, uniform labels): for timing and tests."""
+        n = cls.batch_shape[0]
+        if cls.tokens:
+            return (rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32),
+                    rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32))
+        return (rng.standard_normal(cls.batch_shape).astype(np.float32),
+                rng.integers(0, cls.classes, n).astype(np.int32))
 
     @classmethod
     def program_file(cls) -> str | None:
@@ -610,7 +622,8 @@ class _Run:
         args, model = self.args, self.model
         if self.resumed is None and args.iters == 0:
             return self.write_initial()
-        data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch)
+        data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
+                             tokens=model.tokens)
         self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed, augment=self.augment)
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())

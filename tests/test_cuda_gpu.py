@@ -58,8 +58,7 @@ def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, 
     _, path = compile_program(name, tmp_path, batch=batch, image=image)
     cls = model_class(import_program(path))
     rng = np.random.default_rng(2)
-    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
-             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    data = [cls.random_batch(rng) for _ in range(2)]
     expected = _steps(cls("cpu", 0, "static"), data)
     for mode in MODES:
         model = cls("cuda", 0, mode, True)

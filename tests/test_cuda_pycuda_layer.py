@@ -167,8 +167,7 @@ def test_generated_program_through_pycuda_matches_the_cpu(name, kernels, cublas,
     module = import_program(path)
     cls = model_class(module)
     rng = np.random.default_rng(7)
-    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
-             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    data = [cls.random_batch(rng) for _ in range(2)]
     expected = _steps(cls("cpu", 0, "static"), data)
 
     rt = start(cublas)

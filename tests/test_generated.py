@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from deepdsl.ir import INT32
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.ssa import Let
 from tests.support import torch_nets
@@ -66,10 +67,15 @@ def load_twin(twin, values):
 
 
 def batches(compiled, count, rng):
-    shape = next(n.shape for n in compiled.train.inputs if n.name == "x")
+    """Random batches for the compiled network: normal images or uniform tokens, uniform labels."""
+    x = next(n for n in compiled.train.inputs if n.name == "x")
+    labels = next(n for n in compiled.train.inputs if n.name == "y").shape
     classes = next(s.node.inputs[0].shape[1] for s in compiled.test.body
                    if isinstance(s, Let) and s.node.op == "precision")
-    return [(rng.standard_normal(shape).astype(np.float32), rng.integers(0, classes, shape[0]).astype(np.int32))
+    if x.dtype == INT32:
+        return [(rng.integers(0, classes, x.shape).astype(np.int32), rng.integers(0, classes, labels).astype(np.int32))
+                for _ in range(count)]
+    return [(rng.standard_normal(x.shape).astype(np.float32), rng.integers(0, classes, labels).astype(np.int32))
             for _ in range(count)]
 
 
@@ -352,14 +358,16 @@ def test_generated_program_imports_only_the_runtime(tmp_path):
 INTERPRETER_CASES = [
     ("lenet", 2, None), ("mlp", 2, None), ("alexnet", 2, (55, 55)), ("googlenet", 2, (79, 79)),
     ("resnet_mini", 2, None), ("inception_mini", 2, None), ("se_resnet", 2, None),
-    ("unet", 2, None), ("vit", 2, None),
+    ("unet", 2, None), ("vit", 2, None), ("char_lm", 2, None),
 ]
 
 
 def well_scaled(name: str, shape, rng) -> np.ndarray:
     """He-scaled weights, so activations keep their size through deep networks (Xavier's uniform bound lets
     ResNet-50's activations grow until float32 rounding alone moves its gradients by percents)."""
-    if name.startswith(("V_", "M_", "S_")):
+    if name.startswith("S_"):                                  # Adam's second moments: squares of gradients
+        return (1e-4 * rng.uniform(0.5, 2.0, shape)).astype(np.float32)
+    if name.startswith(("V_", "M_")):
         return (0.01 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith("_W") and len(shape) > 1:
         return (rng.standard_normal(shape) * math.sqrt(2.0 / np.prod(shape[1:]))).astype(np.float32)

@@ -39,7 +39,7 @@ from deepdsl_runtime.memory import MODES, MemoryPlanError
 NETWORKS = [
     ("lenet", None), ("mlp", None), ("alexnet", (55, 55)), ("overfeat", (71, 71)), ("vgg16", (32, 32)),
     ("googlenet", (79, 79)), ("resnet50", (64, 64)), ("resnet_mini", None), ("inception_mini", None),
-    ("se_resnet", None), ("unet", None), ("mobilenet_v2", (64, 64)), ("vit", None),
+    ("se_resnet", None), ("unet", None), ("mobilenet_v2", (64, 64)), ("vit", None), ("char_lm", None),
 ]
 BATCH = 2
 _programs: dict = {}
@@ -58,9 +58,7 @@ def program(name, image, tmp_path_factory):
 
 def batches(model_cls, count, seed=5):
     rng = np.random.default_rng(seed)
-    n = model_cls.batch_shape[0]
-    return [(rng.standard_normal(model_cls.batch_shape).astype(np.float32),
-             rng.integers(0, model_cls.classes, n).astype(np.int32)) for _ in range(count)]
+    return [model_cls.random_batch(rng) for _ in range(count)]
 
 
 def planned_peak(plan, mode):

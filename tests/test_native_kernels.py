@@ -19,7 +19,7 @@ from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
 from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
-from tests.test_cuda_codegen import _steps
+from tests.test_cuda_codegen import ADAPTIVE_TOLERANCE, _steps
 from tests.support.random_programs import pool_geometries
 from tests.test_memory_modes import NETWORKS
 from tests.test_runtime_cpu import GROUPED_CONV, grouped_conv_nodes
@@ -309,14 +309,14 @@ def test_grouped_convolutions_with_compiled_passes(lib, case):
 def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_factory):
     """Every network: a training step and a test step with the compiled kernels equal the numpy backend's within
     float32 tolerance (the convolutions bit for bit; elementwise kernels round as C's float32 functions do and
-    per-channel sums add in another order, which an ill-conditioned network at this size amplifies: 1e-4, or ten
-    times the difference one rounding of the input makes), and the allocator measures the planned peaks (the plan
+    per-channel sums add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
+    trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten times the difference one rounding of the input makes), and the
+    allocator measures the planned peaks (the plan
     is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)
     cls = model_class(module)
     rng = np.random.default_rng(7)
-    data = [(rng.standard_normal(cls.batch_shape).astype(np.float32),
-             rng.integers(0, cls.classes, cls.batch_shape[0]).astype(np.int32)) for _ in range(2)]
+    data = [cls.random_batch(rng) for _ in range(2)]
     reference = cls("cpu", 0, "static", kernels="numpy")
     losses, _, _, tensors = _steps(reference, data[:1])
     # the network's own float32 spread at this size: numpy's step on the batch moved by one rounding (ResNet-50 at
@@ -331,7 +331,7 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
         scale = max(float(np.max(np.abs(value))), 1e-6)
         spread = float(np.max(np.abs(moved[key] - value))) / scale
         error = float(np.max(np.abs(got_tensors[key] - value))) / scale
-        assert error <= max(1e-4, 10 * spread), (key, error, spread)
+        assert error <= max(ADAPTIVE_TOLERANCE.get(name, 1e-4), 10 * spread), (key, error, spread)
     model.load_tensors(tensors)            # the test step on the same tensors
     got, want = model.test_step(*data[1]), reference.test_step(*data[1])
     assert got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-4), (got, want)

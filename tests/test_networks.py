@@ -37,6 +37,7 @@ import deepdsl
 from deepdsl import dsl as D
 from deepdsl.dsl import Overrides
 from deepdsl.interpret import run
+from deepdsl.ir import INT32
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.pipeline import CompileOptions
 from deepdsl.ssa import Let
@@ -65,6 +66,7 @@ CASES = [
     ("unet", torch_nets.UNet, (28, 28), None),
     ("mobilenet_v2", torch_nets.MobileNetV2, (64, 64), None),
     ("vit", torch_nets.ViT, (28, 28), None),
+    ("char_lm", torch_nets.CharLM, None, None),
 ]
 
 
@@ -115,7 +117,10 @@ def case(request):
     values = {p.name: random_value(p.name, p.shape, rng, small_scales).astype(np.float32) for p in compiled.params}
     values.update({s.name: random_value(s.name, s.shape, rng).astype(np.float32)
                    for s in compiled.states if not s.name.startswith("V_")})
-    x = rng.standard_normal(leaves["x"].shape).astype(np.float32)
+    if leaves["x"].dtype == INT32:                              # tokens
+        x = rng.integers(0, classes, size=leaves["x"].shape).astype(np.int32)
+    else:
+        x = rng.standard_normal(leaves["x"].shape).astype(np.float32)
     y = rng.integers(0, classes, size=leaves["y"].shape).astype(np.int32)
     return name, compiled, twin, values, x, y
 
@@ -149,13 +154,18 @@ def _feeds(program, given: dict[str, np.ndarray], hoisted: dict[str, np.ndarray]
     return feeds
 
 
+def _input(x: np.ndarray, dtype) -> torch.Tensor:
+    """The network's input for the twin: images in `dtype`, tokens as integers."""
+    return torch.from_numpy(x).long() if x.dtype == np.int32 else torch.from_numpy(x).to(dtype)
+
+
 def _pytorch_step(compiled, twin, values, x, y, masks, dtype) -> dict[str, np.ndarray]:
     """One training step of the twin in `dtype` with deepdsl's dropout masks, as `_interpreter_step` states it."""
     twin.to(dtype)            # in place: the twins' heads hold on to their module
     _load_twin(twin, values)
     twin.train()
     twin.masks = [torch.from_numpy(m).to(dtype) for m in masks]
-    loss = twin.loss(torch.from_numpy(x).to(dtype), torch.from_numpy(y).long())
+    loss = twin.loss(_input(x, dtype), torch.from_numpy(y).long())
     assert twin.masks == [], f"{len(twin.masks)} dropout masks left over: the twin applies fewer dropouts"
     twin.zero_grad()
     loss.backward()
@@ -218,7 +228,7 @@ def test_test_step_matches_pytorch_eval(case):
     twin.eval()
     twin.masks = None
     with torch.no_grad():
-        xt, yt = torch.from_numpy(x).double(), torch.from_numpy(y).long()
+        xt, yt = _input(x, torch.float64), torch.from_numpy(y).long()
         loss = twin.loss(xt, yt).item()
         accuracy = twin.accuracy(xt, yt).item()
     for dtype, tolerance in ((np.float64, EXACT_TOLERANCE), (np.float32, TOLERANCE)):

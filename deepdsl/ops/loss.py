@@ -16,11 +16,16 @@ def _check_scores(x: Node, what: str):
 
 @register
 class Softmax(Op):
+    """Softmax of each row. `causal` (an attribute present only when set): the rows come in blocks of as many rows
+    as columns, and row i of a block weighs only columns 0..i (a causal attention's query i), the others 0."""
+
     name = "softmax"
     in_place = (0,)           # each row's maximum and sum are taken before the row is written
 
-    def infer(self, x: Node):
+    def infer(self, x: Node, *, causal=False):
         _check_scores(x, "softmax")
+        require(not causal or x.shape[0] % x.shape[1] == 0,
+                f"a causal softmax needs rows in blocks of {x.shape[1]} (queries by keys), got {dims(x.shape)}")
         return x.shape, FLOAT
 
     def vjp(self, node, g):
@@ -28,7 +33,11 @@ class Softmax(Op):
         dot = sum_to(elementwise(sym(0) * sym(1), [g, node]), (node.shape[0], 1))
         return (elementwise(sym(1) * (sym(0) - sym(2)), [g, node, dot]),)
 
-    def evaluate(self, ctx, x):
+    def evaluate(self, ctx, x, *, causal=False):
+        if causal:
+            k = x.shape[1]
+            later = np.arange(k)[None, :] > (np.arange(x.shape[0]) % k)[:, None]
+            x = np.where(later, -np.inf, x)
         e = np.exp(x - x.max(axis=1, keepdims=True))
         return (e / e.sum(axis=1, keepdims=True)).astype(ctx.float_dtype)
 

@@ -7,7 +7,13 @@ from deepdsl_runtime import contract
 from deepdsl_runtime.cpu.scratch import Scratch, sample_chunks
 
 
-def softmax(x, *, out):
+def softmax(x, *, out, causal=False):
+    """Rows' softmax; `causal`: in blocks of K rows (K the columns), row i of a block over columns 0..i only."""
+    if causal:
+        k = x.shape[1]
+        np.copyto(out, x)
+        out.reshape(-1, k, k)[:, np.triu(np.ones((k, k), dtype=bool), 1)] = -np.inf
+        x = out
     np.subtract(x, x.max(axis=1, keepdims=True), out=out)
     np.exp(out, out=out)
     np.divide(out, out.sum(axis=1, keepdims=True), out=out)

@@ -7,14 +7,14 @@ from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.arrays import DeviceArray, launch_items
 
 
-def softmax(x, *, out):
+def softmax(x, *, out, causal=False):
     rows, classes = x.shape
-    launch_items(out.device, "deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 0)
+    launch_items(out.device, "deepdsl_softmax", "IIPPii", rows, rows, classes, x.ptr, out.ptr, 0, int(causal))
 
 
 def log_softmax(x, *, out, workspace=None):
     rows, classes = x.shape
-    launch_items(out.device, "deepdsl_softmax", "IIPPi", rows, rows, classes, x.ptr, out.ptr, 1)
+    launch_items(out.device, "deepdsl_softmax", "IIPPii", rows, rows, classes, x.ptr, out.ptr, 1, 0)
 
 
 def pick(x, labels, *, out):

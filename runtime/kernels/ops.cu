@@ -128,18 +128,22 @@ DEEPDSL_HD void deepdsl_sum_generic_at(unsigned o, const SumShape& s, unsigned c
 // ---------------------------------------------------------------------------------------------------------------
 // losses: one thread per row (rows are short: the classes)
 
-DEEPDSL_HD void deepdsl_softmax_row(unsigned i, unsigned classes, const float* x, float* out, int log_domain) {
+// causal: rows in blocks of `classes`, row i of a block over columns 0..i only (the others 0)
+DEEPDSL_HD void deepdsl_softmax_row(unsigned i, unsigned classes, const float* x, float* out, int log_domain,
+                                    int causal) {
     const float* row = x + static_cast<size_t>(i) * classes;
     float* o = out + static_cast<size_t>(i) * classes;
+    const unsigned valid = causal ? i % classes + 1 : classes;
     float m = row[0];
-    for (unsigned j = 1; j < classes; ++j) m = fmaxf(m, row[j]);
+    for (unsigned j = 1; j < valid; ++j) m = fmaxf(m, row[j]);
     float total = 0.0f;
-    for (unsigned j = 0; j < classes; ++j) total += expf(row[j] - m);
+    for (unsigned j = 0; j < valid; ++j) total += expf(row[j] - m);
     if (log_domain) {
         const float log_total = logf(total);
         for (unsigned j = 0; j < classes; ++j) o[j] = (row[j] - m) - log_total;     // row[j] read before o[j]
     } else {
-        for (unsigned j = 0; j < classes; ++j) o[j] = expf(row[j] - m) / total;
+        for (unsigned j = 0; j < valid; ++j) o[j] = expf(row[j] - m) / total;
+        for (unsigned j = valid; j < classes; ++j) o[j] = 0.0f;
     }
 }
 
@@ -497,8 +501,9 @@ DEEPDSL_KERNEL deepdsl_sum_generic(unsigned n, SumShape s, unsigned count, const
     DEEPDSL_FOR(o, 0, n) deepdsl_sum_generic_at(o, s, count, x, out);
 }
 
-DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, float* out, int log_domain) {
-    DEEPDSL_FOR(i, 0, rows) deepdsl_softmax_row(i, classes, x, out, log_domain);
+DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, float* out, int log_domain,
+                               int causal) {
+    DEEPDSL_FOR(i, 0, rows) deepdsl_softmax_row(i, classes, x, out, log_domain, causal);
 }
 DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_pick_at(i, classes, x, labels, out);

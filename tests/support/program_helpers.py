@@ -78,5 +78,6 @@ def relative_errors(got: dict, expected: dict, updates=lambda key: True) -> list
     for key, value in got.items():
         a, b = np.asarray(value, np.float64), np.asarray(expected[key], np.float64)
         scale = max(float(np.linalg.norm(b)), floor if updates(key) else 0.0)
-        errors.append((key, float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))))
+        error = float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
+        errors.append((key, np.inf if np.isnan(error) else error))           # a NaN is the worst error
     return sorted(errors, key=lambda kv: -kv[1])

@@ -466,6 +466,52 @@ class ViT(Twin):
         return {**super().deepdsl_tensors(), "pos": self.pos}
 
 
+class CharLM(Twin):
+    """A small causal Transformer language model over bytes: embedding, position embeddings, pre-norm blocks of causal
+    4-head self-attention (k without bias) and a GELU MLP of 4x width, a final layer norm, next-byte scores."""
+
+    def __init__(self, image=None, classes=256, length=64, dim=64, heads=4, depth=2):
+        super().__init__()
+        self.heads, self.length = heads, length
+        self.embed = self.add("embed", nn.Embedding(classes, dim))
+        self.pos = nn.Parameter(torch.zeros(1, length, dim))
+        self.blocks = []
+        for i in range(1, depth + 1):
+            parts = {"ln1": nn.LayerNorm(dim), "attn_q": nn.Linear(dim, dim), "attn_k": nn.Linear(dim, dim, bias=False),
+                     "attn_v": nn.Linear(dim, dim), "attn_out": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
+                     "fc1": nn.Linear(dim, 4 * dim), "fc2": nn.Linear(4 * dim, dim)}
+            for key, module in parts.items():
+                self.add(f"block{i}_{key}", module)
+            self.blocks.append(parts)
+        self.ln = self.add("ln", nn.LayerNorm(dim))
+        self.next = self.add("next", nn.Linear(dim, classes))
+
+    def _attention(self, parts, h):
+        n, t, d = h.shape
+        q, k, v = (parts[f"attn_{p}"](h).reshape(n, t, self.heads, d // self.heads).transpose(1, 2) for p in "qkv")
+        scores = q @ k.transpose(2, 3) / (d // self.heads) ** 0.5
+        later = torch.ones(t, t, dtype=torch.bool).triu(1)
+        weights = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
+        return parts["attn_out"]((weights @ v).transpose(1, 2).reshape(n, t, d))
+
+    def logits(self, x):
+        h = self.embed(x) + self.pos
+        for parts in self.blocks:
+            h = h + self._attention(parts, parts["ln1"](h))
+            h = h + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](h))))
+        return self.next(self.ln(h))
+
+    def loss(self, x, y):
+        scores = self.logits(x)
+        return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), y.reshape(-1))
+
+    def accuracy(self, x, y):
+        return (self.logits(x).argmax(-1) == y).to(torch.float64).mean()
+
+    def deepdsl_tensors(self):
+        return {**super().deepdsl_tensors(), "pos": self.pos}
+
+
 class InceptionMini(Twin):
     def __init__(self, image=(28, 28), classes=10):
         super().__init__()
