@@ -119,9 +119,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = _model(_compile(args.network, Path(tmp)), args.kernels, args.threads)
         print(f"{args.network}: {model.kernels}")
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal(model.batch_shape, dtype=np.float32)
-        y = rng.integers(0, model.classes, model.batch_shape[0]).astype(np.int32)
+        x, y = model.random_batch(np.random.default_rng(0))
         hyper = model.hyper(0.01, 0.9, 0.0005, 0)
         model.prepare(hyper)
         totals = collections.defaultdict(float)

@@ -3,6 +3,7 @@ formats built here byte by byte, npz arrays, synthetic data; the batch streams; 
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 
 import numpy as np
@@ -249,3 +250,74 @@ def test_the_program_augments_and_resumes_augmented_training_exactly(tmp_path):
     assert not np.array_equal(a["cv1_W"], c["cv1_W"])
     bad = run_cli(lenet, "--iters", "1", "--params", str(tmp_path / "bad.npz"), "--augment", "mirror")
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "--augment 'mirror'" in bad.stderr, bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# text: a language model's bytes
+
+def test_text_is_cut_into_windows_of_tokens_and_next_tokens(tmp_path):
+    path = tmp_path / "corpus.txt"
+    text = bytes(range(32, 127)) * 3                      # 285 bytes
+    path.write_bytes(text)
+    got = data.load(f"text:{path}", (8,), 256, tokens=True)
+    windows = (len(text) - 1) // 8                        # 35 windows of 8 + 1 bytes overlapping by one
+    test = windows // 10
+    assert got.x_train.shape == (windows - test, 8) and got.x_test.shape == (test, 8)
+    assert got.x_train.dtype == got.y_train.dtype == np.int32
+    every_x, every_y = np.concatenate([got.x_train, got.x_test]), np.concatenate([got.y_train, got.y_test])
+    source = np.frombuffer(text, np.uint8)
+    np.testing.assert_array_equal(every_x.reshape(-1), source[:windows * 8])
+    np.testing.assert_array_equal(every_y.reshape(-1), source[1:windows * 8 + 1])      # each token's next one
+    stream = data.Batches(got.x_train, got.y_train, 4, seed=2)
+    xb, yb = stream.next()
+    assert xb.dtype == np.int32 and xb.shape == yb.shape == (4, 8)
+    np.testing.assert_array_equal(xb[:, 1:], yb[:, :-1])
+
+
+def test_text_that_does_not_fit_the_network_is_one_line(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"too short")
+    with pytest.raises(data.DataError, match=r"text:.*short.txt: 9 bytes make 1 window\(s\) of 8 \+ 1 tokens"):
+        data.load(f"text:{short}", (8,), 256, tokens=True)
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes("naïve café ".encode() * 10)
+    with pytest.raises(data.DataError, match="byte value 195 outside the network's vocabulary of 128"):
+        data.load(f"text:{wide}", (8,), 128, tokens=True)
+    with pytest.raises(data.DataError, match="cannot read"):
+        data.load(f"text:{tmp_path / 'missing.txt'}", (8,), 256, tokens=True)
+    with pytest.raises(data.DataError, match="gives tokens; this network takes images"):
+        data.load(f"text:{wide}", (1, 28, 28), 10)
+    with pytest.raises(data.DataError, match="does not give tokens"):
+        data.load("digits", (8,), 256, tokens=True)
+    synthetic = data.load("synthetic", (8,), 50, seed=1, batch=3, tokens=True)
+    assert synthetic.x_train.shape == (6, 8) and synthetic.y_test.shape == (3, 8) and synthetic.x_train.max() < 50
+
+
+def _corpus(lines: int = 700) -> str:
+    """Sentences of a small grammar: the next byte is predictable within words, unpredictable between choices."""
+    rng = np.random.default_rng(3)
+    subjects = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "our neighbour"]
+    verbs = ["sees", "likes", "finds", "follows", "watches", "calls", "helps"]
+    objects = ["the ball", "a red house", "the river", "some bread", "the garden", "a quiet street", "the moon"]
+    endings = ["today", "every morning", "at night", "again", "with care", "in the rain"]
+    return "".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(endings)}.\n"
+                   for _ in range(lines))
+
+
+def test_the_language_model_learns_a_text_file_well_below_its_unigram_entropy(tmp_path):
+    """networks/char_lm.py (a causal Transformer over bytes) trained by its generated program on a text file: the
+    test loss (nats per byte, on the file's last tenth) falls far below the entropy of the bytes' frequencies, which
+    is the best a model could do that did not look at the preceding bytes."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(_corpus())
+    counts = np.bincount(np.frombuffer(corpus.read_bytes(), np.uint8), minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    unigram = float(-(p * np.log(p)).sum())
+    _, program = compile_program("char_lm", tmp_path / "p", batch=16)
+    report = tmp_path / "report.json"
+    done = run_cli(program, "--data", f"text:{corpus}", "--iters", "250", "--test-iters", "5", "--quiet",
+                   "--params", str(tmp_path / "lm.npz"), "--report-json", str(report))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(report.read_text())
+    assert result["test_loss"] < 0.4 * unigram, (result["test_loss"], unigram)
+    assert result["peak_bytes_measured"] == result["peak_bytes_planned"]

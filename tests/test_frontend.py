@@ -277,3 +277,17 @@ def test_sequence_operations_check_their_shapes_where_written():
     with pytest.raises(DeepDSLError, match="D.param 'pos'.*positive sizes"):
         D.param("pos", (1, 0, 4))
     assert D.softmax(q).shape == q.shape
+
+
+def test_token_inputs_and_their_layers_check_where_written():
+    tokens = D.tokens("tok", (2, 5), vocab=7)
+    assert tokens.node.dtype == "int32" and tokens.shape == (2, 5)
+    assert D.embedding("emb", 7, 4)(tokens).shape == (2, 5, 4)
+    with pytest.raises(DeepDSLError, match=r"tokens 'bad'.*shape must be \(N, T\)"):
+        D.tokens("bad", (2, 5, 1), vocab=7)
+    with pytest.raises(deepdsl.errors.ShapeError, match="an embedding takes integer tokens"):
+        D.embedding("emb2", 7, 4)(D.images("img", (2, 1, 4, 4)))
+    scores = D.Tensor(make("input", (), name="s", shape=(2, 3, 5, 4)))
+    with pytest.raises(deepdsl.errors.ShapeError, match=r"causal softmax needs \(\.\.\., T, T\)"):
+        D.causal_softmax(scores)
+    assert D.labels("next", (2, 5), classes=7).shape == (2, 5)

@@ -359,6 +359,20 @@ case("dsl_log_loss_softmax", lambda x, y: (D.log_loss(D.Tensor(y)) @ D.softmax)(
 case("dsl_cross_entropy", lambda x, y: D.cross_entropy(D.Tensor(y))(D.Tensor(x)).node, F.cross_entropy,
      {"x": randn(4, 5)}, labels=_Y)
 
+# sequences: a label per position, causal attention weights, token embeddings
+_SEQUENCE_LABELS = {"y": np.array([[2, 0, 3], [4, 4, 1]], dtype=np.int32)}
+case("dsl_cross_entropy_per_position", lambda x, y: D.cross_entropy(D.Tensor(y))(D.Tensor(x)).node,
+     lambda x, y: F.cross_entropy(x.reshape(-1, 5), y.reshape(-1)), {"x": randn(2, 3, 5)}, labels=_SEQUENCE_LABELS)
+_LATER = torch.ones(4, 4, dtype=torch.bool).triu(1)
+case("causal_softmax", lambda x: make("softmax", (x,), causal=True),
+     lambda x: torch.softmax(x.reshape(-1, 4, 4).masked_fill(_LATER, float("-inf")), -1).reshape(8, 4),
+     {"x": randn(8, 4, scale=2)})
+case("dsl_causal_softmax", dsl(D.causal_softmax),
+     lambda x: torch.softmax(x.masked_fill(_LATER, float("-inf")), -1), {"x": randn(2, 3, 4, 4)})
+case("dsl_embedding", lambda emb_W, ids: D.embedding("emb", 5, 3)(D.Tensor(ids)).node,
+     lambda w, ids: F.embedding(ids, w), {"emb_W": randn(5, 3)},
+     labels={"ids": np.array([[1, 4, 1], [0, 2, 4]], dtype=np.int32)})
+
 
 # mode-dependent layers, through `specialize`
 def specialized(node: Node, mode: str) -> dict[str, Node]:

@@ -232,7 +232,7 @@ def case_lrn(g, rng):
 
 def case_losses(g, rng):
     result = []
-    for rows, classes in [(7, 10), (3, 1000), (1, 2)]:
+    for rows, classes in [(7, 10), (3, 1000), (1, 2), (12, 4)]:
         x = (3 * rng.standard_normal((rows, classes))).astype(F32)
         y = rng.integers(0, classes, rows).astype(np.int32)
         x[0, 1] = x[0].max() + 1.0
@@ -246,6 +246,12 @@ def case_losses(g, rng):
             inplace = _in(g, x)
             getattr(g, op)(inplace, out=inplace)
             result.append((f"{op} in place {rows}x{classes}", inplace, ref, 1e-5))
+        if rows % classes == 0:                 # a causal softmax: rows in blocks of `classes`
+            ref = np.empty_like(x)
+            C.softmax(x, out=ref, causal=True)
+            out = _out(g, x.shape)
+            g.softmax(_in(g, x), out=out, causal=True)
+            result.append((f"causal softmax {rows}x{classes}", out, ref, 1e-5))
         ref = np.empty(rows, F32)
         C.pick(x, y, out=ref)
         out = _out(g, (rows,))
