@@ -746,9 +746,11 @@ def adaptive_max_pool(size) -> Layer:
     return _Op(f"adaptive_max_pool({oh}x{ow})", f"adaptive max pooling to {oh}x{ow}", build)
 
 
-def _activation(label: str, expr: sympy.Expr, out_grad: sympy.Expr | None = None) -> Layer:
+def _activation(label: str, expr: sympy.Expr, out_grad: sympy.Expr | None = None,
+                in_grad: sympy.Expr | None = None) -> Layer:
     f = expr.xreplace({v: sym(0)})
-    return _Op(label, label, lambda x: ew_node(f, [x], out_grad=out_grad))
+    in_grad = in_grad.xreplace({v: sym(0)}) if in_grad is not None else None
+    return _Op(label, label, lambda x: ew_node(f, [x], out_grad=out_grad, in_grad=in_grad))
 
 
 relu = _activation("relu", sympy.Max(v, 0), out_grad=sympy.Heaviside(Y, 0))
@@ -772,14 +774,22 @@ ELEMENTWISE_FUNCTIONS = {f.__name__: f for f in (
 ELEMENTWISE_HELPERS = {"sigmoid": Sigmoid, "softplus": Softplus}
 
 
-def elementwise(name: str, f) -> Layer:
+def elementwise(name: str, f, derivative=None) -> Layer:
     """A user-defined elementwise function from a sympy expression in `D.v`, a string, or a Python function of one
     sympy symbol, e.g. swish: `D.elementwise("swish", "v / (1 + exp(-v))")`, exact GELU:
     `"v * (1 + erf(v / sqrt(2))) / 2"`, Mish: `"v * tanh(softplus(v))"`. It may call the functions of
     ELEMENTWISE_FUNCTIONS and `sigmoid` and `softplus` (which a string names as such; written out as 1/(1 + exp(-u))
     and log(1 + exp(u)) they are found and computed in forms that do not overflow). Its derivative is derived by
-    sympy."""
+    sympy, or is `derivative` when given (an expression in v written the same ways): a straight-through estimator
+    (`D.elementwise("binarize", "sign(v)", derivative="1")`) or a form the user knows to be stabler."""
     _name("D.elementwise", name)
+    expr = _user_expression(name, f, "")
+    gradient = _user_expression(name, derivative, "derivative ") if derivative is not None else None
+    return _activation(name, expr, in_grad=gradient)
+
+
+def _user_expression(name: str, f, what: str) -> sympy.Expr:
+    """A user function's expression (or its `what` = "derivative "), read and checked as `elementwise` says."""
     try:
         if isinstance(f, str):
             expr = sympy.sympify(f, locals={"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS})
@@ -787,23 +797,24 @@ def elementwise(name: str, f) -> Layer:
             expr = sympy.sympify(f(v))
         else:
             expr = sympy.sympify(f)
-    except (sympy.SympifyError, SyntaxError, TypeError, ValueError) as err:
-        raise DeepDSLError(f"elementwise function '{name}': cannot read {f!r} as an expression in v",
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError):
+        raise DeepDSLError(f"elementwise function '{name}': cannot read {what}{f!r} as an expression in v",
                            user_location()) from None
     if not isinstance(expr, sympy.Expr):
-        raise DeepDSLError(f"elementwise function '{name}': {f!r} is not an expression in v", user_location())
+        raise DeepDSLError(f"elementwise function '{name}': {what}{f!r} is not an expression in v", user_location())
     extra = expr.free_symbols - {v}
     if extra:
-        raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))}; "
-                           "write it in terms of v", user_location())
+        raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))}"
+                           f"{' in its derivative' if what else ''}; write it in terms of v", user_location())
     expr = stable_forms(expr)
     known = (*ELEMENTWISE_FUNCTIONS.values(), *ELEMENTWISE_HELPERS.values())
     unknown = sorted({type(e).__name__ for e in expr.atoms(sympy.Function) if type(e) not in known})
     if unknown:
         known = ", ".join(sorted(ELEMENTWISE_FUNCTIONS, key=str.lower) + sorted(ELEMENTWISE_HELPERS))
-        raise DeepDSLError(f"elementwise function '{name}' calls {', '.join(unknown)}, which deepdsl cannot compute "
-                           f"(it knows {known})", user_location())
-    return _activation(name, expr)
+        raise DeepDSLError(f"elementwise function '{name}' calls {', '.join(unknown)}"
+                           f"{' in its derivative' if what else ''}, which deepdsl cannot compute (it knows {known})",
+                           user_location())
+    return expr
 
 
 def lrn(size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Layer:

@@ -95,5 +95,7 @@ def test_subnet_examples_build_the_shapes_they_promise():
     assert names["inverted_residual"]("down", 8, 6, 16, 2)(maps).shape == (2, 16, 3, 3)
     tokens = D.param("tokens", (2, 5, 16))
     assert names["attention"]("attn", tokens).shape == (2, 5, 16)
+    text = D.tokens("text", (2, 64), vocab=256)
+    assert names["language_model"](text).shape == (2, 64, 256)
     deeper = D.images("deep", (2, 16, 3, 3))
     assert names["up_level"]("up", maps, deeper, 4).shape == (2, 12, 6, 6)

@@ -221,6 +221,17 @@ def test_a_user_function_deepdsl_cannot_compute_is_refused_where_it_is_defined(t
     assert raised.value.location.filename == __file__          # the line defining it
 
 
+@pytest.mark.parametrize("text, message", [
+    ("sigmoid_of(v)", "calls sigmoid_of in its derivative, which deepdsl cannot compute"),
+    ("v +", "cannot read derivative 'v \\+' as an expression in v"),
+    ("w * v", r"unknown symbols \['w'\] in its derivative"),
+])
+def test_a_derivative_deepdsl_cannot_compute_is_refused_where_it_is_given(text, message):
+    with pytest.raises(DeepDSLError, match=message) as raised:
+        D.elementwise("act", "v", derivative=text)
+    assert raised.value.location.filename == __file__
+
+
 def test_user_functions_get_their_stable_forms():
     """Written out or by name, the logistic function and softplus become Sigmoid and Softplus (no overflow), and the
     functions every backend computes (erf for the exact GELU, sign, Heaviside) pass."""

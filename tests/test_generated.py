@@ -391,8 +391,10 @@ x = D.images("x", (4, 1, 8, 8))
 y = D.labels("y", 4, classes=3)
 gelu = D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2")
 mish = D.elementwise("mish", "v * tanh(log(1 + exp(v)))")
+binarize = D.elementwise("binarize", "sign(v)", derivative="Heaviside(1 - Abs(v))")   # straight through in [-1, 1]
 signed = D.elementwise("signed", "v + sign(v) / 10")
-net = D.full("fc2", 3) @ mish @ D.full("fc1", 8) @ D.flatten @ signed @ gelu @ D.conv("cv", kernel=3, channels=4)
+net = (D.full("fc2", 3) @ binarize @ D.full("fc1b", 8) @ mish @ D.full("fc1", 8) @ D.flatten @ signed @ gelu
+       @ D.conv("cv", kernel=3, channels=4))
 loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train("user_functions", lr=0.1))
 """
 

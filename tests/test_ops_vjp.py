@@ -157,6 +157,7 @@ class Case:
     fixed: dict[str, np.ndarray] = field(default_factory=dict)
     after: Callable | None = None       # more assertions on the interpreted results
     mode_ops: tuple[str, ...] = ()      # ops of the graph before `specialize` rewrote them
+    fd: bool = True                     # also against finite differences (not for a derivative the user chose)
 
 
 CASES: dict[str, Case] = {}
@@ -274,6 +275,13 @@ case("dsl_full_tokens", lambda x, ft_W, ft_B: D.full("ft", 4)(D.Tensor(x)).node,
      {"x": randn(2, 3, 5), "ft_W": randn(4, 5, seed=1), "ft_B": randn(4, seed=2)})
 case("dsl_param_broadcast", lambda x, pos: (D.Tensor(x) + D.param("pos", (1, 3, 4))).node, lambda x, pos: x + pos,
      {"x": randn(2, 3, 4), "pos": randn(1, 3, 4, seed=1)})
+# user functions with the derivative the user gave: a straight-through estimator (PyTorch's x + (f(x) - x).detach()
+# idiom), and Mish with its derivative written in a stable form
+case("dsl_straight_through", dsl(D.elementwise("binarize", "sign(v)", derivative="1")),
+     lambda x: x + (torch.sign(x) - x).detach(), {"x": away_from(randn(3, 4), [0.0])}, fd=False)
+case("dsl_given_derivative", dsl(D.elementwise("mish", "v * tanh(softplus(v))",
+                                               derivative="tanh(softplus(v)) + v * sigmoid(v) * (1 - tanh(softplus(v))**2)")),
+     lambda x: x * torch.tanh(F.softplus(x)), {"x": randn(3, 4, scale=3)})
 case("dsl_full", lambda x, fc_W, fc_B: D.full("fc", 4)(D.Tensor(x)).node, F.linear,
      {"x": randn(3, 5), "fc_W": randn(4, 5, seed=1), "fc_B": randn(4, seed=2)})
 case("dsl_full_no_bias", lambda x, fc2_W: D.full("fc2", 4, bias=False)(D.Tensor(x)).node, F.linear,
@@ -435,7 +443,7 @@ _dropout_train()
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_vjp(name):
     c = CASES[name]
-    results = check_vjp(c.build, c.reference, c.arrays, c.labels, c.fixed)
+    results = check_vjp(c.build, c.reference, c.arrays, c.labels, c.fixed, fd=c.fd)
     if c.after is not None:
         c.after(results)
 

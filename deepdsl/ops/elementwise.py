@@ -4,7 +4,9 @@ Every activation, arithmetic combination, optimizer update and fused chain of th
 uses the symbols v0, v1, ... for its inputs in order. The VJP of input i is `g * d expr / d v_i`, derived by sympy,
 summed back to the input's shape when the input was broadcast. Built-in activations may carry `out_grad`, the
 derivative written in terms of the output `y` (ReLU: H(y)), so that their backward needs the output only and the
-input can be freed early (as DeepDSL's d_ReLU()(X29)/d_X28 does).
+input can be freed early (as DeepDSL's d_ReLU()(X29)/d_X28 does). A user function may carry `in_grad`, a derivative
+the user gave in terms of the input (a straight-through estimator, a numerically stabler form), used instead of
+sympy's.
 """
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ class Elementwise(Op):
     name = "ew"
     cheap = True
 
-    def infer(self, *inputs: Node, expr, out_grad=None):
+    def infer(self, *inputs: Node, expr, out_grad=None, in_grad=None):
         for i in inputs:
             require(i.dtype == FLOAT or i.dtype == UINT8, "elementwise op on an integer tensor")
         try:
@@ -174,6 +176,10 @@ class Elementwise(Op):
         if out_grad is not None:    # derivative in terms of the output: g * f'(y)
             (x,) = node.inputs
             return (elementwise(G * out_grad, [g, node], names=(G, Y)),)
+        in_grad = node.attr("in_grad")
+        if in_grad is not None:     # a derivative the user gave, in terms of the input: g * f'(x)
+            (x,) = node.inputs
+            return (elementwise(G * in_grad, [g, x], names=(G, sym(0))),)
         result = []
         for x, cotangent in zip(node.inputs, cotangent_exprs(expr, len(node.inputs))):
             if cotangent is None:
@@ -186,7 +192,7 @@ class Elementwise(Op):
     def overwritable(self, node: Node) -> tuple[int, ...]:
         return tuple(range(len(node.inputs)))         # any input (at the output's shape: see passes/inplace.py)
 
-    def evaluate(self, ctx, *args, expr, out_grad=None):
+    def evaluate(self, ctx, *args, expr, out_grad=None, in_grad=None):
         # a uint8 mask alone (after its float factor is folded into the expression) must not compute in uint8
         args = tuple(a.astype(ctx.float_dtype) if a.dtype == np.uint8 else a for a in args)
         out = numpy_function(expr, len(args))(*args)
@@ -202,7 +208,8 @@ def raise_mismatch(inputs: Sequence[Node]):
 
 
 def elementwise(expr: sympy.Expr, inputs: Sequence[Node], names: Sequence[sympy.Symbol] | None = None,
-                shape: tuple[int, ...] | None = None, out_grad: sympy.Expr | None = None) -> Node:
+                shape: tuple[int, ...] | None = None, out_grad: sympy.Expr | None = None,
+                in_grad: sympy.Expr | None = None) -> Node:
     """The canonical `ew` node computing `expr` over `inputs`.
 
     `names` are the symbols `expr` uses for the inputs (default v0, v1, ...). Canonical form: scalar constants are
@@ -238,7 +245,10 @@ def elementwise(expr: sympy.Expr, inputs: Sequence[Node], names: Sequence[sympy.
     final = [distinct[j] for j in used]
     if canonical == _V0 and len(final) == 1 and final[0].shape == target:
         return final[0]
-    node = make("ew", final, expr=canonical, **({"out_grad": out_grad} if out_grad is not None else {}))
+    derivative = {"out_grad": out_grad} if out_grad is not None else {}
+    if in_grad is not None:
+        derivative["in_grad"] = in_grad
+    node = make("ew", final, expr=canonical, **derivative)
     return node if node.shape == target else broadcast_to(node, target)
 
 
