@@ -335,6 +335,18 @@ def labels(name: str, n, classes: int) -> Tensor:
     return Tensor(_made(node, what, user_location()), {"classes": classes})
 
 
+def targets(name: str, shape: tuple[int, ...]) -> Tensor:
+    """Float targets (N, ...) a network's output is compared with (a regression's values, an autoencoder's images),
+    the label input of the step; e.g. `loss = D.mse_loss(y)(network(x))`."""
+    what = _input_name("targets", name)
+    if not isinstance(shape, (tuple, list)) or not shape:
+        _reject(what, f"shape must be (N, ...), got {shape!r}")
+    shape = tuple(_positive_int(what, f"size {k}", d) for k, d in enumerate(shape))
+    shape = (_overrides.get().batch or shape[0],) + shape[1:]
+    node = make("input", (), name=name, shape=shape, dtype=FLOAT, role="label")
+    return Tensor(_made(node, what, user_location()))
+
+
 def scalar(name: str) -> Tensor:
     """A named float fed to every step (a hyperparameter)."""
     what = f"scalar '{_name('D.scalar', name)}'"
@@ -977,6 +989,16 @@ def cross_entropy(y: Tensor) -> Layer:
 def nll_loss(y: Tensor) -> Layer:
     """-mean of log-probabilities at the labels (apply after log_softmax)."""
     return _label_fn("nll_loss", y, L.nll)
+
+
+def mse_loss(y: Tensor) -> Layer:
+    """Mean squared error against float targets of the output's shape (PyTorch's MSELoss): mean((z - y)^2)."""
+    def build(x: Node) -> Node:
+        if y.node.dtype != FLOAT or y.shape != x.shape:
+            raise ShapeError(f"mse_loss of an output of {dims(x.shape)} against {y.node.dtype} targets of "
+                             f"{dims(y.shape)}: the targets must be floats of the output's shape (D.targets)")
+        return ((Tensor(x) - y) ** 2).mean().node
+    return _Op("mse_loss", "mean squared error", build)
 
 
 def precision(y: Tensor) -> Layer:

@@ -8,9 +8,12 @@ Specs:
 - `cifar10:DIR`: the CIFAR-10 binary batches in DIR or DIR/cifar-10-batches-bin (`data_batch_*.bin`,
   `test_batch.bin`; one label byte and 3072 pixel bytes per image), scaled to [0, 1].
 - `npz:PATH`: arrays `x` (N,C,H,W or N,H,W) and `y`, optionally `x_test` and `y_test` (else the training arrays
-  are also the test set); integer pixels are scaled by 1/255.
+  are also the test set); integer pixels are scaled by 1/255. For a network of float targets (`D.targets`), `y`
+  holds them, of the network's target shape per example.
 - `synthetic`: normally distributed images and uniform labels (for timing; there is nothing to learn); for a network
-  of tokens, uniform tokens and next tokens.
+  of tokens, uniform tokens and next tokens; of float targets, normal targets.
+- `digits` for a network whose float targets have its images' shape: each image is its own target (an
+  autoencoder's).
 - `text:PATH` (networks of tokens, a language model's): the bytes of the file as tokens, cut into consecutive
   windows of the network's T + 1 bytes overlapping by one: the example is the first T, its labels the last T (each
   token's next one). The last tenth of the windows (at least one) is the test set. Byte values must lie below the
@@ -52,10 +55,13 @@ class Dataset:
 
 
 def load(spec: str, image_shape: tuple[int, ...], classes: int, seed: int = 0, batch: int = 1,
-         tokens: bool = False) -> Dataset:
+         tokens: bool = False, targets: tuple[int, ...] | None = None) -> Dataset:
     """The dataset named by `spec`, checked against the network's (C, H, W) input and its number of classes; for a
-    network of `tokens`, against its (T,) input and its vocabulary (`classes`)."""
+    network of `tokens`, against its (T,) input and its vocabulary (`classes`); for a network of float `targets`
+    (their shape per example), against their shape."""
     kind, _, arg = spec.partition(":")
+    if targets is not None:
+        return _with_targets(spec, kind, arg, tuple(image_shape), tuple(targets), seed, batch)
     if tokens:
         if kind == "text" and arg:
             data = _text(spec, arg, image_shape[0], classes)
@@ -141,6 +147,33 @@ def _synthetic(spec: str, image_shape, classes: int, seed: int, batch: int) -> D
     x = rng.standard_normal((n + batch,) + tuple(image_shape), dtype=np.float32)
     y = rng.integers(0, classes, n + batch, dtype=np.int32)
     return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
+
+
+def _with_targets(spec: str, kind: str, arg: str, image_shape, targets, seed: int, batch: int) -> Dataset:
+    """Images and float targets: `synthetic` (normal both), `npz:PATH` (float arrays `y`), or `digits` for targets
+    of the images' own shape: each image is its own target (an autoencoder's)."""
+    if kind == "synthetic" and not arg:
+        rng = np.random.default_rng([seed, 54321])
+        n = max(2 * batch, 2)
+        x = rng.standard_normal((n + batch,) + image_shape, dtype=np.float32)
+        y = rng.standard_normal((n + batch,) + targets, dtype=np.float32)
+        return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
+    if kind == "digits" and not arg:
+        if targets != image_shape:
+            raise DataError(f"digits: the network's targets are {_dims(targets)}, not its {_dims(image_shape)} "
+                            "images (digits gives images as their own targets)")
+        images = _digits(spec, image_shape)
+        return Dataset(spec, images.x_train, images.x_train.copy(), images.x_test, images.x_test.copy())
+    if kind == "npz" and arg:
+        data = _npz(spec, arg, float_targets=True)
+    else:
+        raise DataError(f"data spec '{spec}' gives no float targets, which this network takes (use synthetic, "
+                        "npz:PATH with float y, or digits for targets the images' size)")
+    for x, y, part in ((data.x_train, data.y_train, "training"), (data.x_test, data.y_test, "test")):
+        if x.shape[1:] != image_shape or y.shape[1:] != targets or len(x) != len(y):
+            raise DataError(f"{spec}: {part} images {_dims(x.shape)} and targets {_dims(y.shape)}, the network takes "
+                            f"Nx{_dims(image_shape)} images and Nx{_dims(targets)} targets")
+    return data
 
 
 TEXT_TEST_FRACTION = 10      # the last 1/10 of a text's windows is its test set
@@ -254,7 +287,7 @@ def _cifar10(spec: str, directory: str) -> Dataset:
                    x_test, y_test)
 
 
-def _npz(spec: str, path: str) -> Dataset:
+def _npz(spec: str, path: str, float_targets: bool = False) -> Dataset:
     if os.path.isdir(path):
         raise DataError(f"{spec}: {path} is a directory, not an .npz file")
     try:
@@ -291,6 +324,10 @@ def _npz(spec: str, path: str) -> Dataset:
 
     def labels(key):
         y = arrays[key]
+        if float_targets:
+            if y.dtype.kind not in "iuf" or not np.all(np.isfinite(y)):
+                raise DataError(f"{spec}: array '{key}' must hold finite numbers (the targets), got {y.dtype}")
+            return np.ascontiguousarray(y, dtype=np.float32)
         if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{spec}: array '{key}' must hold integer labels, got {y.dtype} of shape {y.shape}")
         return y.astype(np.int32)
@@ -362,7 +399,7 @@ class Batches:
         self._order: tuple[int, np.ndarray] | None = None
         self._draws: tuple[int, np.ndarray] | None = None
         self.xb = np.empty((batch,) + x.shape[1:], dtype=np.int32 if x.dtype == np.int32 else np.float32)
-        self.yb = np.empty((batch,) + y.shape[1:], dtype=np.int32)
+        self.yb = np.empty((batch,) + y.shape[1:], dtype=np.float32 if y.dtype.kind == "f" else np.int32)
         self._padded = None
         if augment.crop and x.ndim == 4:
             c, h, w = x.shape[1:]

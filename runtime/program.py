@@ -123,6 +123,7 @@ class Model:
     batch_shape: tuple[int, ...] = ()
     classes = 0
     tokens = False             # the input is (N, T) integer tokens (a language model's), not images
+    target_shape: tuple[int, ...] | None = None     # float targets of this shape per example, instead of labels
     dataset = "synthetic"
     defaults: dict = {}
     params: dict[str, Param] = {}
@@ -182,6 +183,9 @@ class Model:
         """A batch of random data of this model's input and labels, drawn from `rng` (normal images or uniform
         tokens, uniform labels): for timing and tests."""
         n = cls.batch_shape[0]
+        if cls.target_shape is not None:
+            return (rng.standard_normal(cls.batch_shape).astype(np.float32),
+                    rng.standard_normal((n, *cls.target_shape)).astype(np.float32))
         if cls.tokens:
             return (rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32),
                     rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32))
@@ -623,7 +627,7 @@ class _Run:
         if self.resumed is None and args.iters == 0:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
-                             tokens=model.tokens)
+                             tokens=model.tokens, targets=model.target_shape)
         self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed, augment=self.augment)
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())

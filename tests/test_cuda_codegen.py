@@ -441,7 +441,7 @@ EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), 
             # tests/test_generated.py's networks of newer layers: user functions (erf, softplus, sign), grouped
             # convolution, layer norm, broadcasting and zero channels; transposed convolution and upsampling
             ("user_functions", None, ("static",)), ("modern_parts", None, ("static",)),
-            ("unet_parts", None, ("static",))]
+            ("unet_parts", None, ("static",)), ("autoencoder", None, ("static",))]
 # networks trained by Adam(W): it divides each element's step by the size of its gradients, so an element whose two
 # gradients nearly cancel moves by an amount float32 rounding changes (1.6e-4 of the largest weight in the ViT here)
 ADAPTIVE_TOLERANCE = {"vit": 1e-3, "char_lm": 1e-3}

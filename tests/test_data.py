@@ -321,3 +321,23 @@ def test_the_language_model_learns_a_text_file_well_below_its_unigram_entropy(tm
     result = json.loads(report.read_text())
     assert result["test_loss"] < 0.4 * unigram, (result["test_loss"], unigram)
     assert result["peak_bytes_measured"] == result["peak_bytes_planned"]
+
+
+def test_float_targets_come_from_npz_digits_or_synthetic(tmp_path):
+    rng = np.random.default_rng(6)
+    x, y = rng.random((10, 1, 4, 4)).astype(np.float32), rng.standard_normal((10, 3)).astype(np.float32)
+    np.savez(tmp_path / "regression.npz", x=x, y=y)
+    got = data.load(f"npz:{tmp_path / 'regression.npz'}", (1, 4, 4), 0, targets=(3,))
+    np.testing.assert_array_equal(got.y_train, y)
+    assert got.y_train.dtype == np.float32
+    digits = data.load("digits", (1, 8, 8), 0, targets=(1, 8, 8))
+    np.testing.assert_array_equal(digits.x_train, digits.y_train)             # each image its own target
+    assert data.load("synthetic", (1, 4, 4), 0, batch=2, targets=(3,)).y_test.shape == (2, 3)
+    stream = data.Batches(got.x_train, got.y_train, 4, seed=1)
+    assert stream.next()[1].dtype == np.float32
+    with pytest.raises(data.DataError, match=r"targets 10x3, the network takes Nx1x4x4 images and Nx2 targets"):
+        data.load(f"npz:{tmp_path / 'regression.npz'}", (1, 4, 4), 0, targets=(2,))
+    with pytest.raises(data.DataError, match="digits: the network's targets are 3"):
+        data.load("digits", (1, 8, 8), 0, targets=(3,))
+    with pytest.raises(data.DataError, match="gives no float targets"):
+        data.load("mnist:/nowhere", (1, 28, 28), 0, targets=(3,))

@@ -302,3 +302,12 @@ def test_token_inputs_and_their_layers_check_where_written():
     with pytest.raises(deepdsl.errors.ShapeError, match=r"causal softmax needs \(\.\.\., T, T\)"):
         D.causal_softmax(scores)
     assert D.labels("next", (2, 5), classes=7).shape == (2, 5)
+
+
+def test_mse_loss_needs_float_targets_of_the_output_shape():
+    out = D.Tensor(make("input", (), name="out", shape=(2, 3)))
+    assert D.mse_loss(D.targets("t", (2, 3)))(out).shape == ()
+    with pytest.raises(deepdsl.errors.ShapeError, match="targets must be floats of the output's shape"):
+        D.mse_loss(D.targets("t2", (2, 4)))(out)
+    with pytest.raises(deepdsl.errors.ShapeError, match="int32 targets"):
+        D.mse_loss(D.labels("lab", 2, classes=3))(out)

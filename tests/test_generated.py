@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deepdsl.ir import INT32
+from deepdsl.ir import FLOAT, INT32
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.ssa import Let
 from tests.support import torch_nets
@@ -70,8 +70,12 @@ def batches(compiled, count, rng):
     """Random batches for the compiled network: normal images or uniform tokens, uniform labels."""
     x = next(n for n in compiled.train.inputs if n.name == "x")
     labels = next(n for n in compiled.train.inputs if n.name == "y").shape
-    classes = next(s.node.inputs[0].shape[1] for s in compiled.test.body
-                   if isinstance(s, Let) and s.node.op == "precision")
+    classes = next((s.node.inputs[0].shape[1] for s in compiled.test.body
+                    if isinstance(s, Let) and s.node.op == "precision"), 0)
+    y = next(n for n in compiled.train.inputs if n.name == "y")
+    if y.dtype == FLOAT:                                        # float targets
+        return [(rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(labels).astype(np.float32))
+                for _ in range(count)]
     if x.dtype == INT32:
         return [(rng.integers(0, classes, x.shape).astype(np.int32), rng.integers(0, classes, labels).astype(np.int32))
                 for _ in range(count)]
@@ -435,6 +439,46 @@ loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train(
 """
 
 
+AUTOENCODER_NET = """
+from deepdsl import dsl as D
+x = D.images("x", (4, 1, 8, 8), dataset="digits")
+y = D.targets("y", (4, 1, 8, 8))                       # each image its own target
+encode = D.max_pool(2) @ D.relu @ D.conv("enc", kernel=3, channels=4, padding=1)
+decode = D.conv("dec", kernel=3, channels=1, padding=1) @ D.upsample(2)
+net = decode @ encode
+absolute = D.elementwise("absolute", "Abs(v)")
+loop = D.Loop(D.mse_loss(y)(net(x)), absolute(net(x) - y).mean(), D.Train("autoencoder", lr=0.1))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "compiled"])
+def test_float_targets_run_in_the_generated_program(kernels, tmp_path):
+    """An autoencoder: float targets (D.targets), a mean squared error and a metric of the user's (the mean
+    absolute error) train in the generated program as the reference interpreter computes them."""
+    if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler")
+    network = tmp_path / "autoencoder.py"
+    network.write_text(AUTOENCODER_NET)
+    _check_against_the_interpreter(network, None, None, tmp_path, kernels)
+
+
+def test_an_autoencoder_trains_on_the_digits_as_its_own_targets(tmp_path):
+    network = tmp_path / "autoencoder.py"
+    network.write_text(AUTOENCODER_NET.replace("(4, 1, 8, 8)", "(32, 1, 8, 8)"))
+    _, program = compile_program(network, tmp_path / "p")
+    assert model_class(import_program(program)).target_shape == (1, 8, 8)
+    results = []
+    for iters in ("1", "200"):
+        report = tmp_path / f"report{iters}.json"
+        done = run_cli(program, "--iters", iters, "--test-iters", "3", "--quiet", "--params",
+                       str(tmp_path / f"{iters}.npz"), "--report-json", str(report))
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(report.read_text()))
+    first, last = results
+    assert last["data"] == "digits" and last["peak_bytes_measured"] == last["peak_bytes_planned"]
+    assert last["test_loss"] < 0.35 * first["test_loss"], (first["test_loss"], last["test_loss"])
+
+
 @pytest.mark.parametrize("kernels", ["numpy", "compiled"])
 def test_unet_parts_run_in_the_generated_program(kernels, tmp_path):
     """A transposed convolution, a skip concatenation and nearest upsampling train in the generated program as the
@@ -503,7 +547,10 @@ def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"
     model.load_tensors(values)
     accuracy, test_loss = model.test_step(x, y)
     reference = run(compiled.test, feeds(compiled.test), seed=SEED)
-    assert accuracy == float(reference["accuracy"])
+    if any(isinstance(s, Let) and s.node.op == "precision" for s in compiled.test.body):
+        assert accuracy == float(reference["accuracy"])
+    else:                                                       # a metric of the user's
+        assert math.isclose(accuracy, float(reference["accuracy"]), rel_tol=TOLERANCE)
     assert rel_err(test_loss, reference["loss"]) <= TOLERANCE
 
 

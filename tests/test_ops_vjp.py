@@ -367,6 +367,10 @@ case("dsl_log_loss_softmax", lambda x, y: (D.log_loss(D.Tensor(y)) @ D.softmax)(
 case("dsl_cross_entropy", lambda x, y: D.cross_entropy(D.Tensor(y))(D.Tensor(x)).node, F.cross_entropy,
      {"x": randn(4, 5)}, labels=_Y)
 
+_TARGETS = randn(2, 3, 4, seed=1)
+case("dsl_mse_loss", lambda x: D.mse_loss(D.Tensor(leaf("t", (2, 3, 4))))(D.Tensor(x)).node,
+     lambda x: F.mse_loss(x, torch.from_numpy(_TARGETS)), {"x": randn(2, 3, 4)}, fixed={"t": _TARGETS})
+
 # sequences: a label per position, causal attention weights, token embeddings
 _SEQUENCE_LABELS = {"y": np.array([[2, 0, 3], [4, 4, 1]], dtype=np.int32)}
 case("dsl_cross_entropy_per_position", lambda x, y: D.cross_entropy(D.Tensor(y))(D.Tensor(x)).node,
