@@ -30,7 +30,7 @@ from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import concat as _concat
 from deepdsl.ops.conv import grouping
-from deepdsl.ops.shape import transpose
+from deepdsl.ops.shape import slice_axis, transpose
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 __all__ = [
@@ -584,18 +584,42 @@ def conv_transpose(name: str, kernel: int, channels: int, stride: int = 1, paddi
                           _spec(what, "weight", weight, xavier()), _spec(what, "bias_init", bias_init, constant(0.0)))
 
 
-def upsample(scale: int) -> Layer:
-    """Nearest-neighbour upsampling by an integer `scale` (PyTorch's Upsample(scale_factor, mode="nearest")): each
-    position repeated scale x scale times (a broadcast between two reshapes)."""
-    scale = _positive_int("layer 'upsample'", "scale", scale)
+def upsample(scale: int, mode: str = "nearest") -> Layer:
+    """Upsampling by an integer `scale`, as PyTorch's Upsample(scale_factor=scale, mode=mode): "nearest" repeats
+    each position scale x scale times (a broadcast between two reshapes); "bilinear" (align_corners=False)
+    interpolates linearly along the rows, then along the columns (`_linear_upsample`)."""
+    what = "layer 'upsample'"
+    scale = _positive_int(what, "scale", scale)
+    if mode not in ("nearest", "bilinear"):
+        _reject(what, f"mode must be 'nearest' or 'bilinear', got {mode!r}")
 
     def build(x: Node) -> Node:
         if len(x.shape) != 4:
             raise ShapeError(f"upsampling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
         n, c, h, w = x.shape
+        if mode == "bilinear":
+            return _linear_upsample(_linear_upsample(x, 2, scale), 3, scale)
         spread = ew_node(sym(0), [reshape(x, (n, c, h, 1, w, 1))], shape=(n, c, h, scale, w, scale))
         return reshape(spread, (n, c, h * scale, w * scale))
-    return _Op(f"upsample({scale})", f"nearest upsampling x{scale}", build)
+    return _Op(f"upsample({scale}{'' if mode == 'nearest' else ', bilinear'})", f"{mode} upsampling x{scale}", build)
+
+
+def _linear_upsample(x: Node, axis: int, scale: int) -> Node:
+    """x `scale` times longer along `axis` by linear interpolation, as PyTorch's (align_corners=False): output
+    position scale i + r reads the input at i + f, f = (r + 1/2) / scale - 1/2, between position i and its
+    neighbour on f's side, the ends repeated (PyTorch clamps there). The `scale` phases are interleaved by a
+    concatenation along a new axis after `axis` and a reshape."""
+    n = x.shape[axis]
+    before = _concat([slice_axis(x, axis, 0, 1), slice_axis(x, axis, 0, n - 1)], axis) if n > 1 else x
+    after = _concat([slice_axis(x, axis, 1, n), slice_axis(x, axis, n - 1, n)], axis) if n > 1 else x
+    phases = []
+    for r in range(scale):
+        f = (r + 0.5) / scale - 0.5
+        neighbour, weight = (after, f) if f >= 0 else (before, -f)
+        phases.append(ew_node(sym(0) * (1 - weight) + sym(1) * weight, [x, neighbour]) if weight else x)
+    apart = x.shape[:axis + 1] + (1,) + x.shape[axis + 1:]
+    interleaved = _concat([reshape(p, apart) for p in phases], axis=axis + 1)
+    return reshape(interleaved, x.shape[:axis] + (n * scale,) + x.shape[axis + 1:])
 
 
 class _Embedding(_ParamLayer):
@@ -735,16 +759,35 @@ def _tiling_kernel(what: str, x: Node, oh: int, ow: int) -> int:
 
 
 def adaptive_avg_pool(size) -> Layer:
-    """PyTorch's AdaptiveAvgPool2d(size) where its windows do not overlap: size 1 (global average pooling, of any
-    plane) or a size each side of the input is the same multiple of (an average pooling of that kernel)."""
+    """PyTorch's AdaptiveAvgPool2d(size) of any input: output row i averages input rows floor(i H / oh) up to
+    ceil((i + 1) H / oh), and columns likewise. Size 1 is global average pooling; a size whose multiple each side
+    is, an average pooling of that kernel; others, the mean of each window of rows, then of columns (a rectangle's
+    mean is the mean of its rows' means)."""
     oh, ow = _adaptive("layer 'adaptive_avg_pool'", size)
 
     def build(x: Node) -> Node:
-        if (oh, ow) == (1, 1) and len(x.shape) == 4:
+        if len(x.shape) != 4:
+            raise ShapeError(f"adaptive average pooling needs a 4-D input, got {dims(x.shape)}")
+        if (oh, ow) == (1, 1):
             return _plane_mean(x)
-        k = _tiling_kernel("adaptive average pooling", x, oh, ow)
-        return make("avg_pool", (x,), kernel=k, stride=k, pad=0, ceil=False, include_pad=True)
+        h, w = x.shape[2:]
+        if h % oh == 0 and w % ow == 0 and h // oh == w // ow:
+            k = h // oh
+            return make("avg_pool", (x,), kernel=k, stride=k, pad=0, ceil=False, include_pad=True)
+        return _window_means(_window_means(x, 2, oh), 3, ow)
     return _Op(f"adaptive_avg_pool({oh}x{ow})", f"adaptive average pooling to {oh}x{ow}", build)
+
+
+def _window_means(x: Node, axis: int, size: int) -> Node:
+    """x averaged over each of PyTorch's adaptive windows of `axis` into `size`: [floor(i n / size), ceil((i + 1) n /
+    size)), each kept as one position of that axis."""
+    n, parts = x.shape[axis], []
+    for i in range(size):
+        start, stop = i * n // size, -(-(i + 1) * n // size)
+        window = slice_axis(x, axis, start, stop)
+        kept = tuple(1 if k == axis else d for k, d in enumerate(window.shape))
+        parts.append(ew_node(sym(0) * (1.0 / (stop - start)), [sum_to(window, kept)]))
+    return _concat(parts, axis=axis)
 
 
 def adaptive_max_pool(size) -> Layer:

@@ -243,6 +243,12 @@ case("dsl_conv_transpose_plain", lambda x, t_W: D.conv_transpose("t", 2, 2, stri
      lambda x, w: F.conv_transpose2d(x, w, stride=2), {"x": randn(2, 3, 3, 3), "t_W": randn(3, 2, 2, 2, seed=1)})
 case("dsl_upsample", dsl(D.upsample(2)), lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
      {"x": randn(2, 3, 3, 4)})
+case("dsl_upsample_bilinear", dsl(D.upsample(2, "bilinear")),
+     lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False), {"x": randn(2, 3, 3, 4)})
+case("dsl_upsample_bilinear_3", dsl(D.upsample(3, "bilinear")),
+     lambda x: F.interpolate(x, scale_factor=3, mode="bilinear", align_corners=False), {"x": randn(1, 2, 1, 5)})
+case("dsl_adaptive_avg_overlapping", dsl(D.adaptive_avg_pool((3, 2))), lambda x: F.adaptive_avg_pool2d(x, (3, 2)),
+     {"x": randn(2, 3, 5, 7)})
 
 # summing, broadcasting, reshaping
 case("sum_to_rows", lambda x: sum_to(x, (3, 1)), lambda x: x.sum_to_size(3, 1), {"x": randn(2, 3, 4)})
