@@ -511,12 +511,28 @@ def _layer(kind: str, name: Any) -> str:
     return f"layer '{_name(kind, name)}'"
 
 
+def _pair(what: str, field: str, value: Any, least: int) -> tuple[int, int]:
+    """An int, or a (height, width) pair of ints, at least `least` each: as a pair."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return _integer(what, f"{field}[0]", value[0], least), _integer(what, f"{field}[1]", value[1], least)
+    if isinstance(value, (tuple, list)):
+        _reject(what, f"{field} must be an int or a (height, width) pair, got {value!r}")
+    size = _integer(what, field, value, least)
+    return size, size
+
+
+def _sizes(pair: tuple[int, int]) -> str:
+    return str(pair[0]) if pair[0] == pair[1] else f"{pair[0]}x{pair[1]}"
+
+
 class _Conv(_ParamLayer):
-    def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init, groups=1):
-        super().__init__(name, f"conv {kernel}x{kernel}, {channels} channels, stride {stride}, padding {padding}"
+    def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init, groups=1, dilation=(1, 1)):
+        super().__init__(name, f"conv {kernel[0]}x{kernel[1]}, {channels} channels, stride {stride}, padding "
+                               f"{_sizes(padding)}" + (f", dilation {_sizes(dilation)}" if dilation != (1, 1) else "")
                                + (f", {groups} groups" if groups > 1 else ""))
         self.kernel, self.channels, self.stride, self.padding = kernel, channels, stride, padding
         self.bias, self.weight_spec, self.bias_spec, self.groups = bias, weight, bias_init, groups
+        self.dilation = dilation
 
     def forward(self, x):
         if len(x.shape) != 4:
@@ -525,24 +541,48 @@ class _Conv(_ParamLayer):
         if c % g or self.channels % g:
             raise ShapeError(f"a convolution of {g} groups needs input channels ({c}) and output channels "
                              f"({self.channels}) that {g} divides")
-        shapes = {"W": (self.channels, c // g, self.kernel, self.kernel)}
+        shapes = {"W": (self.channels, c // g, *self.kernel)}
         if self.bias:
             shapes["B"] = (self.channels,)
         p = self._weights(shapes, {"W": self.weight_spec, "B": self.bias_spec})
-        inputs = [x.node, p["W"]] + ([p["B"]] if self.bias else [])
-        return Tensor(make("conv2d", inputs, stride=self.stride, pad=self.padding, **grouping(g)))
+        weight = _dilated(p["W"], *self.dilation)
+        (ph, pw), pad, image = self.padding, self.padding[0], x.node
+        if ph != pw:                 # padding that differs by axis: zeros placed around the input, then none
+            n, _, h, w = x.shape
+            image = make("pad_axis", (make("pad_axis", (image,), axis=2, start=ph, size=h + 2 * ph),), axis=3,
+                         start=pw, size=w + 2 * pw)
+            pad = 0
+        inputs = [image, weight] + ([p["B"]] if self.bias else [])
+        return Tensor(make("conv2d", inputs, stride=self.stride, pad=pad, **grouping(g)))
 
 
-def conv(name: str, kernel: int, channels: int, stride: int = 1, padding: int = 0, bias: bool = True,
-         weight: Param | None = None, bias_init: Param | None = None, groups: int = 1) -> Layer:
-    """2-D convolution with weights `<name>_W` (channels, in / groups, kernel, kernel) and bias `<name>_B`
-    (channels,); `groups` splits the input and output channels into that many groups convolved separately
-    (depthwise: groups = the input channels), as PyTorch's Conv2d."""
+def _dilated(w: Node, dh: int, dw: int) -> Node:
+    """Filters (O, C, kh, kw) with dh - 1 zero rows between their rows and dw - 1 zero columns between their
+    columns (PyTorch's dilation: a convolution by them is the dilated convolution by w; it computes the zeros too)."""
+    for axis, d in ((2, dh), (3, dw)):
+        if d == 1:
+            continue
+        shape, k = w.shape, w.shape[axis]
+        apart = shape[:axis + 1] + (1,) + shape[axis + 1:]
+        spaced = make("pad_axis", (reshape(w, apart),), axis=axis + 1, start=0, size=d)
+        w = slice_axis(reshape(spaced, shape[:axis] + (k * d,) + shape[axis + 1:]), axis, 0, (k - 1) * d + 1)
+    return w
+
+
+def conv(name: str, kernel, channels: int, stride=1, padding=0, bias: bool = True,
+         weight: Param | None = None, bias_init: Param | None = None, groups: int = 1, dilation=1) -> Layer:
+    """2-D convolution with weights `<name>_W` (channels, in / groups, kh, kw) and bias `<name>_B` (channels,), as
+    PyTorch's Conv2d: `kernel` and `padding` an int or a (height, width) pair, `stride` an int (or a pair of
+    equal ones), `dilation` (an int or a pair: the filters' taps that far apart), `groups` splitting the input and
+    output channels into that many groups convolved separately (depthwise: groups = the input channels)."""
     what = _layer("D.conv", name)
-    return _Conv(name, _positive_int(what, "kernel", kernel), _positive_int(what, "channels", channels),
-                 _positive_int(what, "stride", stride), _nonnegative_int(what, "padding", padding),
-                 _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
-                 _spec(what, "bias_init", bias_init, constant(0.0)), _positive_int(what, "groups", groups))
+    strides = _pair(what, "stride", stride, 1)
+    if strides[0] != strides[1]:
+        _reject(what, f"stride {strides} differs by axis; deepdsl's convolutions take one stride for both")
+    return _Conv(name, _pair(what, "kernel", kernel, 1), _positive_int(what, "channels", channels), strides[0],
+                 _pair(what, "padding", padding, 0), _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
+                 _spec(what, "bias_init", bias_init, constant(0.0)), _positive_int(what, "groups", groups),
+                 _pair(what, "dilation", dilation, 1))
 
 
 class _ConvTranspose(_ParamLayer):

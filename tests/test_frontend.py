@@ -311,3 +311,15 @@ def test_mse_loss_needs_float_targets_of_the_output_shape():
         D.mse_loss(D.targets("t2", (2, 4)))(out)
     with pytest.raises(deepdsl.errors.ShapeError, match="int32 targets"):
         D.mse_loss(D.labels("lab", 2, classes=3))(out)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kernel": (1, 2, 3)}, r"kernel must be an int or a \(height, width\) pair"),
+    ({"kernel": (3, 0)}, r"kernel\[1\] must be"),
+    ({"kernel": 3, "stride": (2, 1)}, r"stride \(2, 1\) differs by axis"),
+    ({"kernel": 3, "dilation": 0}, "dilation must be"),
+])
+def test_convolution_sizes_are_checked_where_the_layer_is_defined(kwargs, message):
+    with pytest.raises(DeepDSLError, match=message) as raised:
+        D.conv("cv", channels=4, **kwargs)
+    assert raised.value.location.filename == __file__

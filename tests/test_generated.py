@@ -407,10 +407,10 @@ MODERN_PARTS_NET = """
 from deepdsl import dsl as D
 x = D.images("x", (4, 1, 8, 8))
 y = D.labels("y", 4, classes=3)
-conv = D.conv("cv", kernel=3, channels=4, padding=1)
+conv = D.conv("cv", kernel=(3, 1), channels=4, padding=(1, 0))       # a rectangular kernel and padding
 squeeze = D.full("se", 4)
 
-depthwise = D.conv("dw", kernel=3, channels=4, padding=1, groups=4)
+depthwise = D.conv("dw", kernel=3, channels=4, padding=2, dilation=2, groups=4)
 
 def block(t):
     t = depthwise(t)

@@ -235,6 +235,15 @@ case("dsl_grouped_conv", lambda x, gc_W, gc_B: D.conv("gc", 3, 6, padding=1, gro
 case("dsl_depthwise_conv", lambda x, dw_W: D.conv("dw", 3, 3, stride=2, bias=False, groups=3)(D.Tensor(x)).node,
      lambda x, w: F.conv2d(x, w, stride=2, groups=3), {"x": randn(2, 3, 7, 6), "dw_W": randn(3, 1, 3, 3, seed=1)})
 
+case("dsl_conv_rectangular", lambda x, rc_W, rc_B: D.conv("rc", (1, 3), 4, padding=(0, 1))(D.Tensor(x)).node,
+     lambda x, w, b: F.conv2d(x, w, b, padding=(0, 1)),
+     {"x": randn(2, 3, 5, 6), "rc_W": randn(4, 3, 1, 3, seed=1), "rc_B": randn(4, seed=2)})
+case("dsl_conv_dilated", lambda x, dc_W: D.conv("dc", 3, 4, padding=2, dilation=2, bias=False)(D.Tensor(x)).node,
+     lambda x, w: F.conv2d(x, w, padding=2, dilation=2), {"x": randn(2, 3, 7, 6), "dc_W": randn(4, 3, 3, 3, seed=1)})
+case("dsl_conv_dilated_grouped", lambda x, dg_W: D.conv("dg", (3, 2), 4, stride=(2, 2), padding=(2, 1), dilation=(2, 3),
+                                                        groups=2, bias=False)(D.Tensor(x)).node,
+     lambda x, w: F.conv2d(x, w, stride=2, padding=(2, 1), dilation=(2, 3), groups=2),
+     {"x": randn(2, 4, 9, 8), "dg_W": randn(4, 2, 3, 2, seed=1)})
 case("dsl_conv_transpose", lambda x, up_W, up_B: D.conv_transpose("up", 3, 4, stride=2, padding=1,
                                                                    output_padding=1)(D.Tensor(x)).node,
      lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
