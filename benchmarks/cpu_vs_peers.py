@@ -41,7 +41,7 @@ from timing import load_average, print_row, timed_steps  # benchmarks/ is on the
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
 SIDES = ("ours", "numpy", "eager", "compile", "max-autotune", "jax")
-TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50"}
+TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50", "mobilenet_v2": "MobileNetV2", "vit": "ViT"}
 BATCHES = 2
 
 

@@ -137,6 +137,8 @@ def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
     o, ci, kh, kw = w.shape
     ho, wo = out.shape[2:]
     co, hw = o // groups, ho * wo
+    if _depthwise(passes, "conv2d", x, w, b, out, stride, pad, groups):
+        return
     filters = w.reshape(groups, co, ci * kh * kw)
     if contract.pointwise_conv(kh, kw, stride, pad):
         np.matmul(filters, x.reshape(n, groups, ci, h * wd), out=out.reshape(n, groups, co, hw))
@@ -153,6 +155,17 @@ def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
             np.matmul(filters, rows, out=out[s:e].reshape(m, groups, co, hw))
     if b is not None:
         passes.add_bias(out, b)
+
+
+def _depthwise(passes, op: str, a, b, bias, out, stride: int, pad: int, groups: int) -> bool:
+    """A depthwise convolution (one input channel and one filter per group) or a gradient of it by the compiled
+    plane-by-plane kernels (`Native.depthwise`: no workspace), where they are loaded and take the arrays."""
+    kernel = getattr(passes, "depthwise", None)
+    channels = out.shape[1] if op != "conv2d_bwd_filter" else out.shape[0]
+    depthwise = groups == channels and (out.shape[1] == 1 if op == "conv2d_bwd_filter" else
+                                        (b.shape[1] == 1 and b.shape[0] == groups) if op == "conv2d"
+                                        else b.shape[0] == groups and b.shape[1] == 1)
+    return kernel is not None and depthwise and kernel(op, a, b, bias, out, stride, pad)
 
 
 # What moving one float (an addition or a copy in a memory-bound pass) costs, in the floating-point operations a matrix
@@ -288,6 +301,8 @@ def _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, pa
     n, o, ho, wo = g.shape
     _, ci, kh, kw = w.shape
     c, co, hw = ci * groups, o // groups, ho * wo
+    if _depthwise(passes, "conv2d_bwd_data", g, w, None, out, stride, pad, groups):
+        return
     filters = w.reshape(groups, co, ci * kh * kw).transpose(0, 2, 1)
     if contract.pointwise_conv(kh, kw, stride, pad):
         np.matmul(filters, g.reshape(n, groups, co, hw), out=out.reshape(n, groups, ci, size[0] * size[1]))
@@ -313,6 +328,8 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     kh, kw = kernel
     ckk = c * kh * kw
     if groups > 1:
+        if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):
+            return
         weights, gemm = (groups, o // groups, ckk // groups), np.matmul
     else:
         weights = (o, ckk)

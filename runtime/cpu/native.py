@@ -131,6 +131,10 @@ class Native:
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_lrn.argtypes = [_P, _L, _L, _L, _I, _F, _F, _F, _P, _P]
         lib.deepdsl_lrn_bwd.argtypes = [_P, _P, _L, _L, _L, _I, _F, _F, _F, _F, _F, _P, _P, _P]
+        depthwise = [_I] * 10 + [_P]           # m, c, h, w, kh, kw, ho, wo, stride, pad, output
+        lib.deepdsl_depthwise.argtypes = [_P, _P, _P] + depthwise
+        lib.deepdsl_depthwise_bwd_data.argtypes = [_P, _P] + depthwise
+        lib.deepdsl_depthwise_bwd_filter.argtypes = [_P, _P] + depthwise
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
@@ -174,6 +178,29 @@ class Native:
             return _numpy_passes().swap01(src, dst, bias)
         self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1),
                                 None if bias is None else bias.ctypes.data, dst.ctypes.data)
+
+    def depthwise(self, op: str, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, out: np.ndarray,
+                  stride: int, pad: int) -> bool:
+        """A depthwise convolution (groups = channels = filters) or one of its gradients, plane by plane: `op` is
+        "conv2d" (a the input, b the filters), "conv2d_bwd_data" (a the output gradient, b the filters) or
+        "conv2d_bwd_filter" (a the output gradient, b the input). False (nothing written) for arrays it does not
+        take."""
+        arrays = [a, b, out] + ([bias] if bias is not None else [])
+        if not all(t.flags.c_contiguous and t.dtype == np.float32 for t in arrays):
+            return False
+        if op == "conv2d":
+            (m, c, h, w), (kh, kw), (ho, wo) = a.shape, b.shape[2:], out.shape[2:]
+            self.lib.deepdsl_depthwise(a.ctypes.data, b.ctypes.data, None if bias is None else bias.ctypes.data,
+                                       m, c, h, w, kh, kw, ho, wo, stride, pad, out.ctypes.data)
+        elif op == "conv2d_bwd_data":
+            (m, c, ho, wo), (kh, kw), (h, w) = a.shape, b.shape[2:], out.shape[2:]
+            self.lib.deepdsl_depthwise_bwd_data(a.ctypes.data, b.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride, pad,
+                                                out.ctypes.data)
+        else:
+            (m, c, ho, wo), (h, w), (kh, kw) = a.shape, b.shape[2:], out.shape[2:]
+            self.lib.deepdsl_depthwise_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride,
+                                                  pad, out.ctypes.data)
+        return True
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
         """x (N, C, ...) += bias (C,) broadcast over the samples and the trailing axes."""
