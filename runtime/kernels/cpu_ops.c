@@ -88,34 +88,47 @@ static inline __attribute__((always_inline)) void deepdsl_copy_floats(float* dst
 // samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
 // Depthwise convolution (groups = channels = filters, MobileNet's): plane by plane, each tap of a channel's filter
 // times its input plane shifted by the tap (zeros outside), with no im2col matrix; out (m, c, ho, wo) from x
-// (m, c, h, w) and w (c, 1, kh, kw). The sum over the taps comes first, then the bias, as numpy's products do.
+// (m, c, h, w) and w (c, 1, kh, kw). Its input gradient scatters the same products back (`scatter`): each tap
+// times the output gradient added into the input positions the tap read.
+static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw, int ho, int wo, int stride,
+                                   int pad, const float* from, float* to, int scatter) {
+    for (int i = 0; i < kh; ++i) {
+        int p0, p1;
+        deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
+        for (int j = 0; j < kw; ++j) {
+            int q0, q1;
+            deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
+            const float tap = f[i * kw + j];
+            for (int p = p0; p < p1; ++p) {
+                const long input = (long)(i + stride * p - pad) * wd + (j - pad), output = (long)p * wo;
+                if (scatter) {
+                    float* row = to + input;
+                    const float* grad = from + output;
+                    for (int q = q0; q < q1; ++q) row[(long)stride * q] += tap * grad[q];
+                } else if (stride == 1) {
+                    const float* row = from + input;
+                    float* d = to + output;
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[q];
+                } else {
+                    const float* row = from + input;
+                    float* d = to + output;
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[(long)stride * q];
+                }
+            }
+        }
+    }
+}
+
+// The sum over the taps comes first, then the bias, as numpy's products do.
 void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
                        int kw, int ho, int wo, int stride, int pad, float* out) {
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     for (int s = 0; s < m; ++s) {
         for (int ch = 0; ch < c; ++ch) {
-            const float* src = x + ((long)s * c + ch) * h * wd;
-            const float* f = w + (long)ch * kh * kw;
             float* dst = out + ((long)s * c + ch) * ho * wo;
             memset(dst, 0, sizeof(float) * ho * wo);
-            for (int i = 0; i < kh; ++i) {
-                int p0, p1;
-                deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
-                for (int j = 0; j < kw; ++j) {
-                    int q0, q1;
-                    deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
-                    const float tap = f[i * kw + j];
-                    for (int p = p0; p < p1; ++p) {
-                        const float* row = src + (long)(i + stride * p - pad) * wd + (j - pad);
-                        float* d = dst + (long)p * wo;
-                        if (stride == 1) {
-                            for (int q = q0; q < q1; ++q) d[q] += tap * row[q];
-                        } else {
-                            for (int q = q0; q < q1; ++q) d[q] += tap * row[(long)stride * q];
-                        }
-                    }
-                }
-            }
+            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
+                                   x + ((long)s * c + ch) * h * wd, dst, 0);
             if (bias) {
                 const float b = bias[ch];
                 for (long k = 0; k < (long)ho * wo; ++k) dst[k] += b;
@@ -124,34 +137,15 @@ void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m,
     }
 }
 
-// Its input gradient: each tap's product with the output gradient added into the input plane it came from.
 void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
                                 int wo, int stride, int pad, float* dx) {
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     for (int s = 0; s < m; ++s) {
         for (int ch = 0; ch < c; ++ch) {
-            const float* grad = g + ((long)s * c + ch) * ho * wo;
-            const float* f = w + (long)ch * kh * kw;
             float* dst = dx + ((long)s * c + ch) * h * wd;
             memset(dst, 0, sizeof(float) * h * wd);
-            for (int i = 0; i < kh; ++i) {
-                int p0, p1;
-                deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
-                for (int j = 0; j < kw; ++j) {
-                    int q0, q1;
-                    deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
-                    const float tap = f[i * kw + j];
-                    for (int p = p0; p < p1; ++p) {
-                        float* row = dst + (long)(i + stride * p - pad) * wd + (j - pad);
-                        const float* gr = grad + (long)p * wo;
-                        if (stride == 1) {
-                            for (int q = q0; q < q1; ++q) row[q] += tap * gr[q];
-                        } else {
-                            for (int q = q0; q < q1; ++q) row[(long)stride * q] += tap * gr[q];
-                        }
-                    }
-                }
-            }
+            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
+                                   g + ((long)s * c + ch) * ho * wo, dst, 1);
         }
     }
 }

@@ -426,40 +426,50 @@ class MobileNetV2(Twin):
         return self.fc(self.dropout(x, 0.2))
 
 
+def _transformer_blocks(twin: Twin, depth: int, dim: int, widen: int) -> list[dict[str, nn.Module]]:
+    """The modules of `depth` pre-norm Transformer blocks, as `block<i>_<part>`: layer norms, q/k/v/out projections
+    (k without bias: a key bias changes no softmax) and an MLP `widen` times wider."""
+    blocks = []
+    for i in range(1, depth + 1):
+        parts = {"ln1": nn.LayerNorm(dim), "attn_q": nn.Linear(dim, dim), "attn_k": nn.Linear(dim, dim, bias=False),
+                 "attn_v": nn.Linear(dim, dim), "attn_out": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
+                 "fc1": nn.Linear(dim, widen * dim), "fc2": nn.Linear(widen * dim, dim)}
+        for key, module in parts.items():
+            twin.add(f"block{i}_{key}", module)
+        blocks.append(parts)
+    return blocks
+
+
+def _transformer_block(parts: dict[str, nn.Module], h: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
+    """h + attention(ln1(h)), then + fc2(gelu(fc1(ln2(.)))); causal: position i attends to positions 0..i."""
+    n, t, d = h.shape
+    x = parts["ln1"](h)
+    q, k, v = (parts[f"attn_{p}"](x).reshape(n, t, heads, d // heads).transpose(1, 2) for p in "qkv")
+    scores = q @ k.transpose(2, 3) / (d // heads) ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    h = h + parts["attn_out"]((torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(n, t, d))
+    return h + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](h))))
+
+
 class ViT(Twin):
     """A pre-norm Vision Transformer: 7x7 patches embedded by a strided convolution, position embeddings, 4 encoder
-    blocks of 4-head self-attention (separate q, k, v projections, k without bias) and a GELU MLP, a final layer norm, the tokens'
-    mean, a classifier."""
+    blocks of 4-head self-attention and a GELU MLP of twice the width, a final layer norm, the tokens' mean, a
+    classifier."""
 
     def __init__(self, image=(28, 28), classes=10, patch=7, dim=64, heads=4, depth=4):
         super().__init__()
         self.heads = heads
         self.patch = self.add("patch", nn.Conv2d(1, dim, patch, stride=patch))
         self.pos = nn.Parameter(torch.zeros(1, (image[0] // patch) * (image[1] // patch), dim))
-        self.blocks = []
-        for i in range(1, depth + 1):
-            name = f"block{i}"
-            parts = {"ln1": nn.LayerNorm(dim), "q": nn.Linear(dim, dim), "k": nn.Linear(dim, dim, bias=False),
-                     "v": nn.Linear(dim, dim), "out": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
-                     "fc1": nn.Linear(dim, 2 * dim), "fc2": nn.Linear(2 * dim, dim)}
-            for key, module in parts.items():
-                self.add(f"{name}_{'attn_' if key in ('q', 'k', 'v', 'out') else ''}{key}", module)
-            self.blocks.append(parts)
+        self.blocks = _transformer_blocks(self, depth, dim, 2)
         self.ln = self.add("ln", nn.LayerNorm(dim))
         self.head = self.add("head", nn.Linear(dim, classes))
 
-    def _attention(self, parts, tokens):
-        n, t, d = tokens.shape
-        q, k, v = (parts[p](tokens).reshape(n, t, self.heads, d // self.heads).transpose(1, 2) for p in "qkv")
-        weights = torch.softmax(q @ k.transpose(2, 3) / (d // self.heads) ** 0.5, dim=-1)
-        return parts["out"]((weights @ v).transpose(1, 2).reshape(n, t, d))
-
     def logits(self, x):
-        patches = self.patch(x)
-        tokens = patches.flatten(2).transpose(1, 2) + self.pos
+        tokens = self.patch(x).flatten(2).transpose(1, 2) + self.pos
         for parts in self.blocks:
-            tokens = tokens + self._attention(parts, parts["ln1"](tokens))
-            tokens = tokens + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](tokens))))
+            tokens = _transformer_block(parts, tokens, self.heads, causal=False)
         return self.head(self.ln(tokens).mean(1))
 
     def deepdsl_tensors(self):
@@ -468,37 +478,21 @@ class ViT(Twin):
 
 class CharLM(Twin):
     """A small causal Transformer language model over bytes: embedding, position embeddings, pre-norm blocks of causal
-    4-head self-attention (k without bias) and a GELU MLP of 4x width, a final layer norm, next-byte scores."""
+    4-head self-attention and a GELU MLP of 4x width, a final layer norm, next-byte scores."""
 
     def __init__(self, image=None, classes=256, length=64, dim=64, heads=4, depth=2):
         super().__init__()
-        self.heads, self.length = heads, length
+        self.heads = heads
         self.embed = self.add("embed", nn.Embedding(classes, dim))
         self.pos = nn.Parameter(torch.zeros(1, length, dim))
-        self.blocks = []
-        for i in range(1, depth + 1):
-            parts = {"ln1": nn.LayerNorm(dim), "attn_q": nn.Linear(dim, dim), "attn_k": nn.Linear(dim, dim, bias=False),
-                     "attn_v": nn.Linear(dim, dim), "attn_out": nn.Linear(dim, dim), "ln2": nn.LayerNorm(dim),
-                     "fc1": nn.Linear(dim, 4 * dim), "fc2": nn.Linear(4 * dim, dim)}
-            for key, module in parts.items():
-                self.add(f"block{i}_{key}", module)
-            self.blocks.append(parts)
+        self.blocks = _transformer_blocks(self, depth, dim, 4)
         self.ln = self.add("ln", nn.LayerNorm(dim))
         self.next = self.add("next", nn.Linear(dim, classes))
-
-    def _attention(self, parts, h):
-        n, t, d = h.shape
-        q, k, v = (parts[f"attn_{p}"](h).reshape(n, t, self.heads, d // self.heads).transpose(1, 2) for p in "qkv")
-        scores = q @ k.transpose(2, 3) / (d // self.heads) ** 0.5
-        later = torch.ones(t, t, dtype=torch.bool).triu(1)
-        weights = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
-        return parts["attn_out"]((weights @ v).transpose(1, 2).reshape(n, t, d))
 
     def logits(self, x):
         h = self.embed(x) + self.pos
         for parts in self.blocks:
-            h = h + self._attention(parts, parts["ln1"](h))
-            h = h + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](h))))
+            h = _transformer_block(parts, h, self.heads, causal=True)
         return self.next(self.ln(h))
 
     def loss(self, x, y):
