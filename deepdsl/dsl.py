@@ -741,12 +741,12 @@ def _pooling(what: str, kernel, stride, padding, ceil) -> tuple[int | None, int 
 
 def max_pool(kernel: int | None, stride: int | None = None, padding: int = 0, ceil: bool = False) -> Layer:
     """Max pooling over kernel x kernel windows (stride defaults to the kernel; `ceil` rounds the output size up,
-    as Caffe does); `kernel=None`: the maximum of each channel's whole (square) plane, global max pooling."""
+    as Caffe does); `kernel=None`: the maximum of each channel's whole plane, global max pooling."""
     kernel, stride, padding, ceil = _pooling("layer 'max_pool'", kernel, stride, padding, ceil)
 
     def build(x: Node) -> Node:
         if kernel is None and len(x.shape) == 4 and x.shape[2] != x.shape[3]:
-            raise ShapeError(f"global max pooling needs a square input (its windows are square), got {dims(x.shape)}")
+            return _axis_max(_axis_max(x, 3), 2)       # a rectangle: the maximum of each row, then of those
         k = kernel or (x.shape[2] if len(x.shape) == 4 else 1)
         return make("max_pool", (x,), kernel=k, stride=stride or k, pad=padding, ceil=ceil)
     if kernel is None:
@@ -831,14 +831,44 @@ def _window_means(x: Node, axis: int, size: int) -> Node:
 
 
 def adaptive_max_pool(size) -> Layer:
-    """PyTorch's AdaptiveMaxPool2d(size) where its windows are square and do not overlap (each side of the input
-    the same multiple of the size's)."""
+    """PyTorch's AdaptiveMaxPool2d(size) of any input: where its windows tile the input in squares, a max pooling of
+    that kernel; else the maximum of each of PyTorch's windows of columns, then of rows (`_window_maxima`)."""
     oh, ow = _adaptive("layer 'adaptive_max_pool'", size)
 
     def build(x: Node) -> Node:
-        k = _tiling_kernel("adaptive max pooling", x, oh, ow)
-        return make("max_pool", (x,), kernel=k, stride=k, pad=0, ceil=False)
+        if len(x.shape) != 4:
+            raise ShapeError(f"adaptive max pooling needs a 4-D input, got {dims(x.shape)}")
+        h, w = x.shape[2:]
+        if h % oh == 0 and w % ow == 0 and h // oh == w // ow:
+            k = h // oh
+            return make("max_pool", (x,), kernel=k, stride=k, pad=0, ceil=False)
+        return _window_maxima(_window_maxima(x, 3, ow), 2, oh)
     return _Op(f"adaptive_max_pool({oh}x{ow})", f"adaptive max pooling to {oh}x{ow}", build)
+
+
+# max(v0, v1), v0 on a tie (its derivative goes to v0 then, as PyTorch's to the first maximum); NaN propagates
+_FIRST_MAX = sym(0) * sympy.Heaviside(sym(0) - sym(1), 1) + sym(1) * (1 - sympy.Heaviside(sym(0) - sym(1), 1))
+
+
+def _axis_max(x: Node, axis: int) -> Node:
+    """The maximum over `axis` (kept, of size 1), by rounds of a tournament between neighbours (positions 2i and
+    2i + 1; an odd last one goes on alone): a tie goes to the earlier position, so the gradient reaches the first
+    maximum, as PyTorch's max pooling sends it."""
+    while x.shape[axis] > 1:
+        n, shape = x.shape[axis], x.shape
+        even = n - n % 2
+        pairs = reshape(slice_axis(x, axis, 0, even), shape[:axis] + (even // 2, 2) + shape[axis + 1:])
+        winners = reshape(ew_node(_FIRST_MAX, [slice_axis(pairs, axis + 1, 0, 1), slice_axis(pairs, axis + 1, 1, 2)]),
+                          shape[:axis] + (even // 2,) + shape[axis + 1:])
+        x = winners if n == even else _concat([winners, slice_axis(x, axis, n - 1, n)], axis)
+    return x
+
+
+def _window_maxima(x: Node, axis: int, size: int) -> Node:
+    """The maximum of each of PyTorch's adaptive windows of `axis` into `size` (see `_window_means`)."""
+    n = x.shape[axis]
+    return _concat([_axis_max(slice_axis(x, axis, i * n // size, -(-(i + 1) * n // size)), axis)
+                    for i in range(size)], axis=axis)
 
 
 def _activation(label: str, expr: sympy.Expr, out_grad: sympy.Expr | None = None,

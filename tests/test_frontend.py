@@ -246,8 +246,7 @@ def test_user_functions_get_their_stable_forms():
 
 @pytest.mark.parametrize("layer, shape, message", [
     (lambda: D.adaptive_avg_pool((2, 3)), (2, 30), "adaptive average pooling needs a 4-D input"),
-    (lambda: D.adaptive_max_pool(2), (2, 3, 4, 6), "adaptive max pooling to 2x2 needs"),
-    (lambda: D.max_pool(None), (2, 3, 4, 6), "global max pooling needs a square input"),
+    (lambda: D.adaptive_max_pool(2), (2, 12), "adaptive max pooling needs a 4-D input"),
 ])
 def test_pooling_that_does_not_fit_its_input_says_why(layer, shape, message):
     with pytest.raises(deepdsl.errors.ShapeError, match=message):

@@ -434,7 +434,9 @@ def unet(t):
     joined = D.concat(skip, up(D.max_pool(2)(skip)))       # the skip connection beside the upsampled path
     return D.upsample(2, "bilinear")(D.upsample(2)(D.max_pool(8)(joined)))
 
-net = D.full("fc", 3) @ D.flatten @ D.adaptive_avg_pool(3) @ D.fn(unet)     # overlapping windows of 4x4
+# overlapping windows of 4x4: averages and maxima
+pooled = D.fn(lambda t: D.concat(D.adaptive_avg_pool(3)(t), D.adaptive_max_pool(3)(t)))
+net = D.full("fc", 3) @ D.flatten @ pooled @ D.fn(unet)
 loop = D.Loop((D.cross_entropy(y) @ net)(x), (D.precision(y) @ net)(x), D.Train("unet_parts", lr=0.1))
 """
 
@@ -481,8 +483,8 @@ def test_an_autoencoder_trains_on_the_digits_as_its_own_targets(tmp_path):
 
 @pytest.mark.parametrize("kernels", ["numpy", "compiled"])
 def test_unet_parts_run_in_the_generated_program(kernels, tmp_path):
-    """A transposed convolution, a skip concatenation, nearest and bilinear upsampling and adaptive average pooling
-    of overlapping windows train in the generated program as the reference interpreter computes them."""
+    """A transposed convolution, a skip concatenation, nearest and bilinear upsampling and adaptive average and max
+    pooling of overlapping windows train in the generated program as the reference interpreter computes them."""
     if kernels == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("needs a C compiler")
     network = tmp_path / "unet_parts.py"

@@ -256,6 +256,14 @@ case("dsl_upsample_bilinear", dsl(D.upsample(2, "bilinear")),
      lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False), {"x": randn(2, 3, 3, 4)})
 case("dsl_upsample_bilinear_3", dsl(D.upsample(3, "bilinear")),
      lambda x: F.interpolate(x, scale_factor=3, mode="bilinear", align_corners=False), {"x": randn(1, 2, 1, 5)})
+case("dsl_adaptive_max_overlapping", dsl(D.adaptive_max_pool((3, 2))), lambda x: F.adaptive_max_pool2d(x, (3, 2)),
+     {"x": randn(2, 3, 5, 7)})
+case("dsl_global_max_rectangle", dsl(D.max_pool(None)), lambda x: x.amax(dim=(2, 3), keepdim=True),
+     {"x": randn(2, 3, 4, 7)})
+_TIES = np.array([[[[1.0, 2.0, 2.0, 1.0, 0.5], [2.0, 0.0, 2.0, 2.0, 1.0]]]])      # the first 2 wins, as PyTorch's
+case("dsl_global_max_ties", dsl(D.max_pool(None)), lambda x: F.max_pool2d(x, (2, 5)), {"x": _TIES}, fd=False)
+case("dsl_adaptive_max_ties", dsl(D.adaptive_max_pool((1, 2))), lambda x: F.adaptive_max_pool2d(x, (1, 2)),
+     {"x": _TIES}, fd=False)
 case("dsl_adaptive_avg_overlapping", dsl(D.adaptive_avg_pool((3, 2))), lambda x: F.adaptive_avg_pool2d(x, (3, 2)),
      {"x": randn(2, 3, 5, 7)})
 

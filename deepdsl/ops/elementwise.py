@@ -65,8 +65,9 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
 
 def _heaviside_zero_at_zero(expr: sympy.Expr) -> sympy.Expr:
     """sympy's Heaviside(0) is 1/2; PyTorch's ReLU'(0) is 0. Use 0 so gradients match it exactly.
-    (sympy >= 1.9 spells the default value out: `diff(Max(v, 0), v)` is Heaviside(v, 1/2), with two arguments.)"""
-    return expr.replace(lambda e: isinstance(e, sympy.Heaviside),
+    (sympy >= 1.9 spells the default value out: `diff(Max(v, 0), v)` is Heaviside(v, 1/2), with two arguments.)
+    A value at 0 written out otherwise (the 1 of a maximum that keeps its first operand on a tie) stays."""
+    return expr.replace(lambda e: isinstance(e, sympy.Heaviside) and (len(e.args) == 1 or e.args[1] == sympy.S.Half),
                         lambda e: sympy.Heaviside(e.args[0], 0))
 
 
