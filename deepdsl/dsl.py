@@ -167,7 +167,8 @@ def _next_dropout_key() -> int:
 class Tensor:
     """A value of the network: a graph node with arithmetic (`+`, `-`, `*`, `/` with tensors whose shapes broadcast
     as numpy's do, or numbers; `**` a number), e.g. `main_loss + 0.3 * aux_loss`, `x * gate.reshape(n, c, 1, 1)`,
-    and `reshape`, `sum` and `mean` over axes, `transpose` of two axes and `@`, the matrix product (batched)."""
+    and `reshape`, `sum` and `mean` over axes, ranges of axes (`t[:, 4:8]`), `transpose` of two axes and `@`, the
+    matrix product (batched)."""
 
     __slots__ = ("node", "meta")
 
@@ -238,6 +239,27 @@ class Tensor:
             raise ShapeError(f"'@' of tensors of shapes {dims(a)} and {dims(b)}: a product needs (..., m, k) and "
                              "(..., k, n) with the same leading axes", user_location())
         return Tensor(make("matmul", (self.node, other.node)))
+
+    def __getitem__(self, index) -> "Tensor":
+        """Contiguous ranges of axes, as numpy's basic slicing without steps: `t[:, 4:8]` (channels 4 to 7),
+        `t[..., :16]`; a copy."""
+        index = index if isinstance(index, tuple) else (index,)
+        if index.count(Ellipsis) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+            raise ShapeError(f"index {index!r}: a tensor takes ranges (start:stop) of its axes and one '...'",
+                             user_location())
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (len(self.shape) - len(index) + 1) + index[at + 1:]
+        if len(index) > len(self.shape):
+            raise ShapeError(f"index of {len(index)} axes into a tensor of {dims(self.shape)}", user_location())
+        node = self.node
+        for axis, part in enumerate(index):
+            start, stop, step = part.indices(self.shape[axis])
+            if step != 1 or start >= stop:
+                raise ShapeError(f"index {part} of axis {axis} ({self.shape[axis]} long): deepdsl takes non-empty "
+                                 "ranges without steps", user_location())
+            node = slice_axis(node, axis, start, stop)
+        return Tensor(node)
 
     def transpose(self, i: int, j: int) -> "Tensor":
         """The tensor with axes `i` and `j` swapped (negative from the end), as torch.transpose (a copy)."""
@@ -527,7 +549,7 @@ def _sizes(pair: tuple[int, int]) -> str:
 
 class _Conv(_ParamLayer):
     def __init__(self, name, kernel, channels, stride, padding, bias, weight, bias_init, groups=1, dilation=(1, 1)):
-        super().__init__(name, f"conv {kernel[0]}x{kernel[1]}, {channels} channels, stride {stride}, padding "
+        super().__init__(name, f"conv {kernel[0]}x{kernel[1]}, {channels} channels, stride {_sizes(stride)}, padding "
                                f"{_sizes(padding)}" + (f", dilation {_sizes(dilation)}" if dilation != (1, 1) else "")
                                + (f", {groups} groups" if groups > 1 else ""))
         self.kernel, self.channels, self.stride, self.padding = kernel, channels, stride, padding
@@ -553,7 +575,23 @@ class _Conv(_ParamLayer):
                          start=pw, size=w + 2 * pw)
             pad = 0
         inputs = [image, weight] + ([p["B"]] if self.bias else [])
-        return Tensor(make("conv2d", inputs, stride=self.stride, pad=pad, **grouping(g)))
+        # strides that differ by axis: the convolution at their greatest common divisor, then every k-th position
+        # of the axis whose stride is k times that (exact; k times the products along that axis)
+        step = math.gcd(*self.stride)
+        y = make("conv2d", inputs, stride=step, pad=pad, **grouping(g))
+        return Tensor(_every(_every(y, 2, self.stride[0] // step), 3, self.stride[1] // step))
+
+
+def _every(x: Node, axis: int, k: int) -> Node:
+    """Positions 0, k, 2k, ... of `axis` (a reshape into groups of k, zeros completing the last, and their firsts)."""
+    if k == 1:
+        return x
+    n = x.shape[axis]
+    kept = -(-n // k)
+    if kept * k > n:
+        x = make("pad_axis", (x,), axis=axis, start=0, size=kept * k)
+    grouped = reshape(x, x.shape[:axis] + (kept, k) + x.shape[axis + 1:])
+    return reshape(slice_axis(grouped, axis + 1, 0, 1), x.shape[:axis] + (kept,) + x.shape[axis + 1:])
 
 
 def _dilated(w: Node, dh: int, dw: int) -> Node:
@@ -572,14 +610,12 @@ def _dilated(w: Node, dh: int, dw: int) -> Node:
 def conv(name: str, kernel, channels: int, stride=1, padding=0, bias: bool = True,
          weight: Param | None = None, bias_init: Param | None = None, groups: int = 1, dilation=1) -> Layer:
     """2-D convolution with weights `<name>_W` (channels, in / groups, kh, kw) and bias `<name>_B` (channels,), as
-    PyTorch's Conv2d: `kernel` and `padding` an int or a (height, width) pair, `stride` an int (or a pair of
-    equal ones), `dilation` (an int or a pair: the filters' taps that far apart), `groups` splitting the input and
-    output channels into that many groups convolved separately (depthwise: groups = the input channels)."""
+    PyTorch's Conv2d: `kernel`, `stride`, `padding` and `dilation` (the filters' taps that far apart) an int or a
+    (height, width) pair, `groups` splitting the input and output channels into that many groups convolved
+    separately (depthwise: groups = the input channels)."""
     what = _layer("D.conv", name)
-    strides = _pair(what, "stride", stride, 1)
-    if strides[0] != strides[1]:
-        _reject(what, f"stride {strides} differs by axis; deepdsl's convolutions take one stride for both")
-    return _Conv(name, _pair(what, "kernel", kernel, 1), _positive_int(what, "channels", channels), strides[0],
+    return _Conv(name, _pair(what, "kernel", kernel, 1), _positive_int(what, "channels", channels),
+                 _pair(what, "stride", stride, 1),
                  _pair(what, "padding", padding, 0), _flag(what, "bias", bias), _spec(what, "weight", weight, xavier()),
                  _spec(what, "bias_init", bias_init, constant(0.0)), _positive_int(what, "groups", groups),
                  _pair(what, "dilation", dilation, 1))

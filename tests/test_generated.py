@@ -407,13 +407,14 @@ MODERN_PARTS_NET = """
 from deepdsl import dsl as D
 x = D.images("x", (4, 1, 8, 8))
 y = D.labels("y", 4, classes=3)
-conv = D.conv("cv", kernel=(3, 1), channels=4, padding=(1, 0))       # a rectangular kernel and padding
+conv = D.conv("cv", kernel=(3, 1), channels=4, stride=(1, 2), padding=(1, 0))     # rectangular, strides by axis
 squeeze = D.full("se", 4)
 
 depthwise = D.conv("dw", kernel=3, channels=4, padding=2, dilation=2, groups=4)
 
 def block(t):
     t = depthwise(t)
+    t = D.concat(t[:, 2:], t[:, :2])                          # channel ranges
     gate = D.sigmoid(squeeze(t.mean((2, 3))))             # squeeze-and-excitation: one gate per channel
     return D.pad_channels(2, 2)(t * gate.reshape(4, 4, 1, 1))
 

@@ -244,6 +244,13 @@ case("dsl_conv_dilated_grouped", lambda x, dg_W: D.conv("dg", (3, 2), 4, stride=
                                                         groups=2, bias=False)(D.Tensor(x)).node,
      lambda x, w: F.conv2d(x, w, stride=2, padding=(2, 1), dilation=(2, 3), groups=2),
      {"x": randn(2, 4, 9, 8), "dg_W": randn(4, 2, 3, 2, seed=1)})
+case("dsl_conv_strides_by_axis", lambda x, sc_W, sc_B: D.conv("sc", 3, 4, stride=(2, 1), padding=1)(D.Tensor(x)).node,
+     lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=1),
+     {"x": randn(2, 3, 7, 6), "sc_W": randn(4, 3, 3, 3, seed=1), "sc_B": randn(4, seed=2)})
+case("dsl_conv_strides_3_2", lambda x, st_W: D.conv("st", (2, 3), 2, stride=(3, 2), bias=False)(D.Tensor(x)).node,
+     lambda x, w: F.conv2d(x, w, stride=(3, 2)), {"x": randn(2, 3, 9, 8), "st_W": randn(2, 3, 2, 3, seed=1)})
+case("dsl_tensor_ranges", lambda x: D.Tensor(x)[:, 1:3, ..., :2].node, lambda x: x[:, 1:3, ..., :2],
+     {"x": randn(2, 4, 3, 5)})
 case("dsl_conv_transpose", lambda x, up_W, up_B: D.conv_transpose("up", 3, 4, stride=2, padding=1,
                                                                    output_padding=1)(D.Tensor(x)).node,
      lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
