@@ -356,14 +356,15 @@ def test_generated_program_imports_only_the_runtime(tmp_path):
 # network, batch, image (the smallest the strided networks accept). Left out: Overfeat and VGG-16 add no op or
 # layout beyond these (and their 4096-wide layers cost seconds); ResNet-50 at a size small enough for a test is
 # ill-conditioned in float32 (the reference interpreter in float32 itself differs from float64 by percents in
-# some batch-norm gradients), so it cannot be held to 1e-4; resnet_mini covers its ops. MobileNet-v2 likewise (its
-# 52 batch norms at batch 2 put the program 1.5e-4 from the interpreter in float32); the modern_parts network below
-# covers its depthwise convolution and ReLU6, tests/test_networks.py its semantics.
+# some batch-norm gradients), so it cannot be held to 1e-4; resnet_mini covers its ops. MobileNet-v2 at batch 2 is
+# ill-conditioned too (PyTorch's own float32 step is 4e-2 from its float64 one there, the interpreter's 2.5e-3): the
+# program is held to 1e-3 of the interpreter (it is 1.5e-4 away).
 INTERPRETER_CASES = [
     ("lenet", 2, None), ("mlp", 2, None), ("alexnet", 2, (55, 55)), ("googlenet", 2, (79, 79)),
     ("resnet_mini", 2, None), ("inception_mini", 2, None), ("se_resnet", 2, None),
-    ("unet", 2, None), ("vit", 2, None), ("char_lm", 2, None),
+    ("unet", 2, None), ("vit", 2, None), ("char_lm", 2, None), ("mobilenet_v2", 2, (64, 64)),
 ]
+ILL_CONDITIONED = {"mobilenet_v2": 1e-3}       # the tolerance of a network whose float32 step is far from exact
 
 
 def well_scaled(name: str, shape, rng) -> np.ndarray:
@@ -386,7 +387,7 @@ def well_scaled(name: str, shape, rng) -> np.ndarray:
 def test_generated_step_matches_the_interpreter(name, batch, image, tmp_path):
     """One training step and one test step of the generated program equal the compiled programs run by the
     reference interpreter (float32 both), for every network of networks/ at a small size."""
-    _check_against_the_interpreter(name, batch, image, tmp_path)
+    _check_against_the_interpreter(name, batch, image, tmp_path, tolerance=ILL_CONDITIONED.get(name, TOLERANCE))
 
 
 USER_FUNCTIONS_NET = """
@@ -516,7 +517,7 @@ def test_user_functions_run_in_the_generated_program(kernels, tmp_path):
     _check_against_the_interpreter(network, None, None, tmp_path, kernels)
 
 
-def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"):
+def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy", tolerance=TOLERANCE):
     from deepdsl.interpret import run
 
     compiled, program = compile_program(name, tmp_path, batch=batch, image=image)
@@ -545,7 +546,7 @@ def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"
     worst = relative_errors({"loss": loss, **changes},
                             {key: value - values.get(key, 0) for key, value in expected.items()},
                             updates=lambda key: key != "loss")[:5]
-    assert worst[0][1] <= TOLERANCE, f"{name}: largest relative errors {worst}"
+    assert worst[0][1] <= tolerance, f"{name}: largest relative errors {worst}"
 
     model.load_tensors(values)
     accuracy, test_loss = model.test_step(x, y)
@@ -553,8 +554,8 @@ def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"
     if any(isinstance(s, Let) and s.node.op == "precision" for s in compiled.test.body):
         assert accuracy == float(reference["accuracy"])
     else:                                                       # a metric of the user's
-        assert math.isclose(accuracy, float(reference["accuracy"]), rel_tol=TOLERANCE)
-    assert rel_err(test_loss, reference["loss"]) <= TOLERANCE
+        assert math.isclose(accuracy, float(reference["accuracy"]), rel_tol=tolerance)
+    assert rel_err(test_loss, reference["loss"]) <= tolerance
 
 
 # ----------------------------------------------------------------------------------------------------------------
