@@ -48,10 +48,8 @@ class Node:
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """The attributes the op sees (all but `remat`)."""
-        kwargs = dict(self.attrs)
-        kwargs.pop(REMAT, None)
-        return kwargs
+        """The attributes the op sees (all but the HIDDEN ones)."""
+        return {k: v for k, v in self.attrs if k not in HIDDEN}
 
     @property
     def size(self) -> int:
@@ -79,6 +77,10 @@ LEAF_OPS = frozenset({"input", "param", "state", "const"})
 # The attribute marking a recomputed copy of a value (`passes/rematerialize.py`): the copy must be another node than
 # the original, which hash-consing would otherwise return. No op sees it (`Node.kwargs` leaves it out).
 REMAT = "remat"
+# Likewise for the copies the in-place pass makes of values that must survive an update (`passes/inplace.py`): an
+# equal computation already in the program must not be the same node.
+COPY = "copy"
+HIDDEN = frozenset({REMAT, COPY})             # attributes that tell nodes apart but no op, printer or kernel sees
 
 _cache: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 _serial = itertools.count()
@@ -95,8 +97,7 @@ def _make(op: str, inputs: tuple[Node, ...], items: tuple[tuple[str, Any], ...])
     found = _cache.get(key)
     if found is not None:
         return found
-    kwargs = dict(items)
-    kwargs.pop(REMAT, None)
+    kwargs = {k: v for k, v in items if k not in HIDDEN}
     shape, dtype = _get_op(op).infer(*inputs, **kwargs)
     node = Node(op, inputs, items, tuple(map(int, shape)), dtype, next(_serial))
     _cache[key] = node

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deepdsl.ir import REMAT, Node
+from deepdsl.ir import HIDDEN, REMAT, Node
 from deepdsl.ops import Op, _fmt, dims, get_op
 from deepdsl.provenance import base_name
 
@@ -121,7 +121,7 @@ def describe(node: Node) -> str:
         return op.describe(node)
     defaults = _defaults(type(op))
     shown = [f"{k}={_fmt(v)}" for k, v in node.attrs
-             if k != REMAT and not (k in defaults and type(defaults[k]) is type(v) and defaults[k] == v)]
+             if k not in HIDDEN and not (k in defaults and type(defaults[k]) is type(v) and defaults[k] == v)]
     return f"{op.name}[{','.join(shown)}]" if shown else op.name
 
 

@@ -86,6 +86,26 @@ def test_random_programs_run_exactly_inside_their_plan(graph, seed):
     assert simulate_pool(plan)["peak_bytes_in_use"] == plan.peak_live_bytes
 
 
+def test_an_old_value_kept_as_an_output_beside_an_equal_copy_is_one_statement_each():
+    """A step returning a copy of a parameter's view (`ew(v0)`) and the view itself, while it updates the parameter:
+    the in-place pass keeps the view's old value by a copy of its own, not the equal statement the program already
+    has (hash-consing would make them one node, assigned twice)."""
+    from deepdsl.ir import Graph, make
+    from deepdsl.ops.elementwise import reshape, sum_to, sym
+    from deepdsl.passes.inplace import copy_of
+    from tests.support.random_programs import feeds
+
+    w = make("param", (), name="w", shape=(1, 1), dtype="float")
+    view = reshape(w, (1,))
+    copy = make("ew", (view,), expr=sym(0))
+    new_w = make("ew", (w, sum_to(copy, ())), expr=sym(0) * 9 / 10 - sym(1) / 4)
+    program, plan = planned(Graph("step", (("out0", copy), ("out1", view), ("w", new_w))))
+    plan.check()
+    assert copy_of(view) is not copy
+    values = feeds(program.inputs, 0)
+    assert_same(run_in_arena(program, plan, values), reference(program, values), rtol=1e-5)
+
+
 @SETTINGS
 @given(step_programs())
 def test_live_bytes_are_the_sum_of_live_buffers(graph):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from deepdsl.ir import REMAT, Node
+from deepdsl.ir import HIDDEN, Node
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def literal(value) -> str:
 
 
 def _attrs(node: Node, skip: tuple[str, ...] = ()) -> str:
-    return "".join(f", {k}={literal(v)}" for k, v in node.attrs if k not in skip and k != REMAT)
+    return "".join(f", {k}={literal(v)}" for k, v in node.attrs if k not in skip and k not in HIDDEN)
 
 
 def default(site: Site) -> str:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from deepdsl.errors import ShapeError
-from deepdsl.ir import REMAT, Node
+from deepdsl.ir import HIDDEN, Node
 from deepdsl_runtime.contract import FLOAT_BYTES
 
 _REGISTRY: dict[str, "Op"] = {}
@@ -95,7 +95,7 @@ class Op:
 
     def describe(self, node: Node) -> str:
         """The op with its attributes as printed in IR dumps, e.g. `conv2d[stride=1,pad=0]`."""
-        shown = [f"{k}={_fmt(v)}" for k, v in node.attrs if k != REMAT]
+        shown = [f"{k}={_fmt(v)}" for k, v in node.attrs if k not in HIDDEN]
         return f"{self.name}[{','.join(shown)}]" if shown else self.name
 
 

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import sympy
 
-from deepdsl.ir import Node, make
+from deepdsl.ir import COPY, Node, make
 from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import sym
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_persistent, is_view
 
 
-def copy_of(value: Node) -> Node:
-    """A statement that copies `value` (elementwise identity; `elementwise()` would fold it away)."""
-    return make("ew", (value,), expr=sympy.sympify(sym(0)))
+def copy_of(value: Node, k: int = 1) -> Node:
+    """A statement that copies `value` (elementwise identity; `elementwise()` would fold it away), the k-th copy of
+    the pass (the hidden `copy` attribute keeps it apart from an equal computation the program has already)."""
+    return make("ew", (value,), expr=sympy.sympify(sym(0)), **{COPY: k})
 
 
 def compute_in_place(program: Program, activations: bool = True, updates: bool = True) -> Program:
@@ -57,6 +58,7 @@ def _updates_in_place(program: Program) -> Program:
     leaves = {leaf.name: leaf for leaf in program.inputs if is_persistent(leaf)}
     into: dict[int, Node] = {}
     copies: list[tuple[int, Node, Node]] = []          # (insert after body index, copy node, leaf)
+    made = sum(1 for instr in body if instr.node.attr(COPY))      # copies of old values, numbered before these
     outputs = list(program.outputs)
     claimed: set[int] = set()
     for position, (name, value) in enumerate(outputs):
@@ -76,7 +78,7 @@ def _updates_in_place(program: Program) -> Program:
             claimed.add(k)
             into[k] = leaf
             continue
-        copy = copy_of(value)
+        copy = copy_of(value, made + len(copies) + 1)
         after = max(last_reader, k if k is not None else -1)
         copies.append((after, copy, leaf))
         outputs[position] = (name, copy)
@@ -105,7 +107,7 @@ def _copy_outputs_of_old_values(program: Program) -> Program:
     for name, node in program.outputs:
         root = storage.root.get(id(node))
         if root is not None and storage.of(node).persistent and root.name in updated and name != root.name:
-            copies.setdefault(id(node), copy_of(node))
+            copies.setdefault(id(node), copy_of(node, len(copies) + 1))
             node = copies[id(node)]
         outputs.append((name, node))
     if not copies:
