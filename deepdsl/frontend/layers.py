@@ -320,14 +320,27 @@ def _adaptive(what: str, size) -> tuple[int, int]:
     return _positive_int(what, "size[0]", size[0]), _positive_int(what, "size[1]", size[1])
 
 
-def _tiling_kernel(what: str, x: Node, oh: int, ow: int) -> int:
-    """The window (and stride) of an adaptive pooling to oh x ow whose windows tile `x`: a ShapeError unless x is
-    4-D with height and width the same multiple of oh and ow."""
-    h, w = x.shape[2:] if len(x.shape) == 4 else (0, 0)
-    if len(x.shape) != 4 or h % oh or w % ow or h // oh != w // ow:
-        raise ShapeError(f"{what} to {oh}x{ow} needs a 4-D input whose height and width are the same multiple of "
-                         f"{oh} and {ow}, got {dims(x.shape)}")
-    return h // oh
+def _tiling_window(what: str, x: Node, oh: int, ow: int) -> int | None:
+    """The side of the square windows of an adaptive pooling to oh x ow where they tile `x` (its height and width the
+    same multiple of oh and ow), else None; a ShapeError unless x is 4-D."""
+    if len(x.shape) != 4:
+        raise ShapeError(f"{what} needs a 4-D input, got {dims(x.shape)}")
+    h, w = x.shape[2:]
+    return h // oh if h % oh == 0 and w % ow == 0 and h // oh == w // ow else None
+
+
+def _per_window(x: Node, axis: int, size: int, reduce: Callable[[Node, int], Node]) -> Node:
+    """`reduce` (a window of `axis` -> that axis of length 1) of each of PyTorch's adaptive windows of `axis` into
+    `size`, [floor(i n / size), ceil((i + 1) n / size)), concatenated along `axis`."""
+    n = x.shape[axis]
+    return _concat([reduce(slice_axis(x, axis, i * n // size, -(-(i + 1) * n // size)), axis) for i in range(size)],
+                   axis=axis)
+
+
+def _axis_mean(x: Node, axis: int) -> Node:
+    """The mean over `axis` (kept, of length 1)."""
+    kept = tuple(1 if k == axis else d for k, d in enumerate(x.shape))
+    return ew_node(sym(0) * (1.0 / x.shape[axis]), [sum_to(x, kept)])
 
 
 def adaptive_avg_pool(size) -> Layer:
@@ -338,43 +351,25 @@ def adaptive_avg_pool(size) -> Layer:
     oh, ow = _adaptive("layer 'adaptive_avg_pool'", size)
 
     def build(x: Node) -> Node:
-        if len(x.shape) != 4:
-            raise ShapeError(f"adaptive average pooling needs a 4-D input, got {dims(x.shape)}")
+        k = _tiling_window("adaptive average pooling", x, oh, ow)
         if (oh, ow) == (1, 1):
             return _plane_mean(x)
-        h, w = x.shape[2:]
-        if h % oh == 0 and w % ow == 0 and h // oh == w // ow:
-            k = h // oh
+        if k is not None:
             return make("avg_pool", (x,), kernel=k, stride=k, pad=0, ceil=False, include_pad=True)
-        return _window_means(_window_means(x, 2, oh), 3, ow)
+        return _per_window(_per_window(x, 2, oh, _axis_mean), 3, ow, _axis_mean)
     return _Op(f"adaptive_avg_pool({oh}x{ow})", f"adaptive average pooling to {oh}x{ow}", build)
-
-
-def _window_means(x: Node, axis: int, size: int) -> Node:
-    """x averaged over each of PyTorch's adaptive windows of `axis` into `size`: [floor(i n / size), ceil((i + 1) n /
-    size)), each kept as one position of that axis."""
-    n, parts = x.shape[axis], []
-    for i in range(size):
-        start, stop = i * n // size, -(-(i + 1) * n // size)
-        window = slice_axis(x, axis, start, stop)
-        kept = tuple(1 if k == axis else d for k, d in enumerate(window.shape))
-        parts.append(ew_node(sym(0) * (1.0 / (stop - start)), [sum_to(window, kept)]))
-    return _concat(parts, axis=axis)
 
 
 def adaptive_max_pool(size) -> Layer:
     """PyTorch's AdaptiveMaxPool2d(size) of any input: where its windows tile the input in squares, a max pooling of
-    that kernel; else the maximum of each of PyTorch's windows of columns, then of rows (`_window_maxima`)."""
+    that kernel; else the maximum of each of PyTorch's windows of columns, then of rows (`_axis_max`)."""
     oh, ow = _adaptive("layer 'adaptive_max_pool'", size)
 
     def build(x: Node) -> Node:
-        if len(x.shape) != 4:
-            raise ShapeError(f"adaptive max pooling needs a 4-D input, got {dims(x.shape)}")
-        h, w = x.shape[2:]
-        if h % oh == 0 and w % ow == 0 and h // oh == w // ow:
-            k = h // oh
+        k = _tiling_window("adaptive max pooling", x, oh, ow)
+        if k is not None:
             return make("max_pool", (x,), kernel=k, stride=k, pad=0, ceil=False)
-        return _window_maxima(_window_maxima(x, 3, ow), 2, oh)
+        return _per_window(_per_window(x, 3, ow, _axis_max), 2, oh, _axis_max)
     return _Op(f"adaptive_max_pool({oh}x{ow})", f"adaptive max pooling to {oh}x{ow}", build)
 
 
@@ -383,7 +378,7 @@ _FIRST_MAX = sym(0) * sympy.Heaviside(sym(0) - sym(1), 1) + sym(1) * (1 - sympy.
 
 
 def _axis_max(x: Node, axis: int) -> Node:
-    """The maximum over `axis` (kept, of size 1), by rounds of a tournament between neighbours (positions 2i and
+    """The maximum over `axis` (kept, of length 1), by rounds of a tournament between neighbours (positions 2i and
     2i + 1; an odd last one goes on alone): a tie goes to the earlier position, so the gradient reaches the first
     maximum, as PyTorch's max pooling sends it."""
     while x.shape[axis] > 1:
@@ -394,13 +389,6 @@ def _axis_max(x: Node, axis: int) -> Node:
                           shape[:axis] + (even // 2,) + shape[axis + 1:])
         x = winners if n == even else _concat([winners, slice_axis(x, axis, n - 1, n)], axis)
     return x
-
-
-def _window_maxima(x: Node, axis: int, size: int) -> Node:
-    """The maximum of each of PyTorch's adaptive windows of `axis` into `size` (see `_window_means`)."""
-    n = x.shape[axis]
-    return _concat([_axis_max(slice_axis(x, axis, i * n // size, -(-(i + 1) * n // size)), axis)
-                    for i in range(size)], axis=axis)
 
 
 def _activation(label: str, expr: sympy.Expr, out_grad: sympy.Expr | None = None,
