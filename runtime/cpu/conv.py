@@ -161,11 +161,8 @@ def _depthwise(passes, op: str, a, b, bias, out, stride: int, pad: int, groups: 
     """A depthwise convolution (one input channel and one filter per group) or a gradient of it by the compiled
     plane-by-plane kernels (`Native.depthwise`: no workspace), where they are loaded and take the arrays."""
     kernel = getattr(passes, "depthwise", None)
-    channels = out.shape[1] if op != "conv2d_bwd_filter" else out.shape[0]
-    depthwise = groups == channels and (out.shape[1] == 1 if op == "conv2d_bwd_filter" else
-                                        (b.shape[1] == 1 and b.shape[0] == groups) if op == "conv2d"
-                                        else b.shape[0] == groups and b.shape[1] == 1)
-    return kernel is not None and depthwise and kernel(op, a, b, bias, out, stride, pad)
+    filters = out if op == "conv2d_bwd_filter" else b          # (O, C/groups, kh, kw): (groups, 1, ...) depthwise
+    return kernel is not None and filters.shape[:2] == (groups, 1) and kernel(op, a, b, bias, out, stride, pad)
 
 
 # What moving one float (an addition or a copy in a memory-bound pass) costs, in the floating-point operations a matrix
