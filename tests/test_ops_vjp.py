@@ -211,7 +211,8 @@ case("dsl_add", lambda a, b, c: D.add(D.Tensor(a), D.Tensor(b), D.Tensor(c)).nod
 
 # sums of elementwise expressions (what the fuse_reductions pass makes of batch norm's statistics)
 case("ew_sum_per_channel", lambda a, m: make("ew_sum", (a, m), expr=(sym(0) - sym(1)) ** 2, shape=(1, 3, 1, 1)),
-     lambda a, m: ((a - m) ** 2).sum(dim=(0, 2, 3), keepdim=True), {"a": randn(2, 3, 4, 5), "m": randn(1, 3, 1, 1, seed=1)})
+     lambda a, m: ((a - m) ** 2).sum(dim=(0, 2, 3), keepdim=True),
+     {"a": randn(2, 3, 4, 5), "m": randn(1, 3, 1, 1, seed=1)})
 case("ew_sum_to_scalar", lambda a, b: make("ew_sum", (a, b), expr=sym(0) * sympy.exp(sym(1)), shape=()),
      lambda a, b: (a * torch.exp(b)).sum(), {"a": randn(3, 4), "b": randn(4, seed=1)})
 
@@ -309,8 +310,8 @@ case("dsl_param_broadcast", lambda x, pos: (D.Tensor(x) + D.param("pos", (1, 3, 
 # idiom), and Mish with its derivative written in a stable form
 case("dsl_straight_through", dsl(D.elementwise("binarize", "sign(v)", derivative="1")),
      lambda x: x + (torch.sign(x) - x).detach(), {"x": away_from(randn(3, 4), [0.0])}, fd=False)
-case("dsl_given_derivative", dsl(D.elementwise("mish", "v * tanh(softplus(v))",
-                                               derivative="tanh(softplus(v)) + v * sigmoid(v) * (1 - tanh(softplus(v))**2)")),
+_MISH_DERIVATIVE = "tanh(softplus(v)) + v * sigmoid(v) * (1 - tanh(softplus(v))**2)"
+case("dsl_given_derivative", dsl(D.elementwise("mish", "v * tanh(softplus(v))", derivative=_MISH_DERIVATIVE)),
      lambda x: x * torch.tanh(F.softplus(x)), {"x": randn(3, 4, scale=3)})
 case("dsl_full", lambda x, fc_W, fc_B: D.full("fc", 4)(D.Tensor(x)).node, F.linear,
      {"x": randn(3, 5), "fc_W": randn(4, 5, seed=1), "fc_B": randn(4, seed=2)})

@@ -212,12 +212,11 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
                    f"{_mb(max(train_plan.pool_bytes, test_plan.pool_bytes))}, workspace "
                    f"{_mb(max(p.workspace_bytes for p in memory_plans))}")
     if optimizer == "sgd":
-        solver_text = (f"SGD, {solver.iters} iterations, lr {solver.lr:g}, momentum {solver.momentum:g}"
-                       + (" (Nesterov)" if solver.nesterov else "") + f", decay {solver.decay:g}"
-                       + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
+        moments = f"momentum {solver.momentum:g}" + (" (Nesterov)" if solver.nesterov else "")
     else:
-        solver_text = (f"{'AdamW' if optimizer == 'adamw' else 'Adam'}, {solver.iters} iterations, lr {solver.lr:g}, betas {solver.betas}, eps {solver.eps:g}, "
-                       f"decay {solver.decay:g}" + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
+        moments = f"betas {solver.betas}, eps {solver.eps:g}"
+    solver_text = (f"{_OPTIMIZER_NAMES[optimizer]}, {solver.iters} iterations, lr {solver.lr:g}, {moments}, decay "
+                   f"{solver.decay:g}" + (f", gradient clipping at {solver.clip:g}" if solver.clip else ""))
     if solver.schedule != "constant" or solver.warmup:
         solver_text += f", lr schedule {Schedule.parse(solver.schedule, solver.warmup).describe()}"
     params = []
@@ -266,6 +265,9 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "decay": _number(solver.decay),
         "params_file": options.params_file or f"{compiled.name}.params.npz",
     })
+
+
+_OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 
 
 def _classes(compiled) -> int:

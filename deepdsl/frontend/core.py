@@ -176,7 +176,8 @@ class Tensor:
             hint = ""
             small, big = sorted((a.shape, b.shape), key=len)
             if len(small) < len(big) and big[:len(small)] == small:
-                hint = f" (to apply {dims(small)} per position, reshape it: .reshape{small + (1,) * (len(big) - len(small))})"
+                kept = small + (1,) * (len(big) - len(small))
+                hint = f" (to apply {dims(small)} per position, reshape it: .reshape{kept})"
             raise ShapeError(f"'{symbol}' of tensors of shapes {dims(a.shape)} and {dims(b.shape)}, which do not "
                              f"broadcast{hint}", user_location()) from None
         return Tensor(ew_node(expr, [a, b]))

@@ -38,9 +38,9 @@ from deepdsl_runtime.cuda.shape import concat, pad_axis, slice, transpose
 __all__ = [
     "DEVICE", "DeviceArray", "Device", "allocator", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli",
     "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
-    "ew", "ew_sum", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size",
-    "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose",
-    "unpick", "zeros", "on",
+    "ew", "ew_sum", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd",
+    "out_size", "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy",
+    "transpose", "unpick", "zeros", "on",
 ]
 
 DEVICE = "cuda"

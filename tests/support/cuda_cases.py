@@ -362,8 +362,8 @@ def case_dropout_masks(g, rng):
     return result
 
 
-CASES = [case_conv, case_grouped_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn, case_losses, case_reductions_and_shapes,
-         case_dropout_masks]
+CASES = [case_conv, case_grouped_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn,
+         case_losses, case_reductions_and_shapes, case_dropout_masks]
 
 
 def compare(g, label, got, expected, tolerance) -> None:
