@@ -163,7 +163,7 @@ def _with_targets(spec: str, kind: str, arg: str, image_shape, targets, seed: in
             raise DataError(f"digits: the network's targets are {_dims(targets)}, not its {_dims(image_shape)} "
                             "images (digits gives images as their own targets)")
         images = _digits(spec, image_shape)
-        return Dataset(spec, images.x_train, images.x_train.copy(), images.x_test, images.x_test.copy())
+        return Dataset(spec, images.x_train, images.x_train, images.x_test, images.x_test)     # read, never written
     if kind == "npz" and arg:
         data = _npz(spec, arg, float_targets=True)
     else:

@@ -460,12 +460,11 @@ def pytorch_name(name: str) -> str | None:
     return f"{module.replace('.', '_')}_{suffix}" if module and suffix else None
 
 
-def _init_from(model: Model, path: str, args) -> None:
-    """Copy the parameters (and model state) of `path` whose names and shapes match into a freshly initialized
-    model; none matching is an error. `path` is a deepdsl checkpoint, a plain .npz of arrays or a .safetensors file
-    (`checkpoint.read_weights`); a name this network does not have is read as a PyTorch `state_dict` name
-    (`pytorch_name`)."""
-    source = ckpt.read_weights(path)
+def _init_from(model: Model, path: str, source: dict[str, np.ndarray], args) -> None:
+    """Copy the parameters (and model state) among `source`, the tensors read from `path` (a deepdsl checkpoint, a
+    plain .npz of arrays or a .safetensors file: `checkpoint.read_weights`), whose names and shapes match into a
+    freshly initialized model; none matching is an error. A name this network does not have is read as a PyTorch
+    `state_dict` name (`pytorch_name`)."""
     loaded, skipped = [], []
     candidates = {**model.params, **{k: s for k, s in model.states.items() if not s.optimizer}}
     by_name, renamed = {}, []
@@ -566,8 +565,8 @@ class _Run:
             self.model.seed = self.resumed.seed
             self.saved_iteration = self.resumed.iteration
         self.data_spec = self.choose_data()
-        if args.init_from and self.resumed is None:
-            ckpt.read_weights(args.init_from)    # an unusable file is an error before anything else happens
+        # an unusable --init-from file is an error before anything else happens; what it holds is used at the start
+        self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
         self.check_outputs()
 
     def choose_data(self) -> str:
@@ -713,8 +712,9 @@ class _Run:
 
     def fresh_start(self) -> None:
         self.model.initialize(self.args.seed)
-        if self.args.init_from:
-            _init_from(self.model, self.args.init_from, self.args)
+        if self.init_weights is not None:
+            _init_from(self.model, self.args.init_from, self.init_weights, self.args)
+            self.init_weights = None
 
     def write_initial(self) -> int:
         """--iters 0: the initial parameters go to --params."""
