@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deepdsl.ir import FLOAT, INT32
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.ssa import Let
 from tests.support import torch_nets
@@ -66,21 +65,10 @@ def load_twin(twin, values):
     return tensors
 
 
-def batches(compiled, count, rng):
-    """Random batches for the compiled network: normal images or uniform tokens, uniform labels."""
-    x = next(n for n in compiled.train.inputs if n.name == "x")
-    labels = next(n for n in compiled.train.inputs if n.name == "y").shape
-    classes = next((s.node.inputs[0].shape[1] for s in compiled.test.body
-                    if isinstance(s, Let) and s.node.op == "precision"), 0)
-    y = next(n for n in compiled.train.inputs if n.name == "y")
-    if y.dtype == FLOAT:                                        # float targets
-        return [(rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(labels).astype(np.float32))
-                for _ in range(count)]
-    if x.dtype == INT32:
-        return [(rng.integers(0, classes, x.shape).astype(np.int32), rng.integers(0, classes, labels).astype(np.int32))
-                for _ in range(count)]
-    return [(rng.standard_normal(x.shape).astype(np.float32), rng.integers(0, classes, labels).astype(np.int32))
-            for _ in range(count)]
+def batches(program, count, rng):
+    """Random batches for the generated `program`'s network (`Model.random_batch`)."""
+    cls = model_class(import_program(program))
+    return [cls.random_batch(rng) for _ in range(count)]
 
 
 def run_generated(program, values, data, **hyper) -> tuple[object, list[float]]:
@@ -114,7 +102,7 @@ CASES = [
 def test_two_sgd_steps_match_pytorch(name, twin_class, batch, tmp_path):
     compiled, program = compile_program(name, tmp_path, batch=batch)
     values = initial_tensors(program, tmp_path)
-    data = batches(compiled, 2, np.random.default_rng(7))
+    data = batches(program, 2, np.random.default_rng(7))
     lr, momentum, decay = 0.05, 0.9, 0.01
     model, losses = run_generated(program, values, data, lr=lr, momentum=momentum, decay=decay)
 
@@ -176,7 +164,7 @@ def test_adam_with_clipping_matches_pytorch(tmp_path):
     network.write_text(textwrap.dedent(ADAM_NET))
     compiled, program = compile_program(network, tmp_path / "out")
     values = initial_tensors(program, tmp_path)
-    data = batches(compiled, 3, np.random.default_rng(8))
+    data = batches(program, 3, np.random.default_rng(8))
     lr, decay = 0.01, 0.01
     model, losses = run_generated(program, values, data, lr=lr, momentum=0.0, decay=decay)
 
@@ -221,7 +209,7 @@ def test_nesterov_and_adamw_match_pytorch_over_20_steps(recipe, tmp_path):
     network.write_text(ADAM_NET[:ADAM_NET.index("loop = ")] + f"loop = D.Loop(loss, accuracy, {solver})\n")
     compiled, program = compile_program(network, tmp_path / "out")
     values = initial_tensors(program, tmp_path)
-    data = batches(compiled, 20, np.random.default_rng(8))
+    data = batches(program, 20, np.random.default_rng(8))
     lr, decay = (0.05, 0.01) if recipe == "nesterov" else (0.01, 0.1)
     model, losses = run_generated(program, values, data, lr=lr, decay=decay, **extra)
 
@@ -253,7 +241,7 @@ def test_test_step_matches_pytorch_eval(tmp_path):
     model = model_class(import_program(program))("cpu", SEED)
     model.load_tensors(values)
     model.prepare(model.hyper(0.1, 0.9, 0.0, 0))
-    (x, y), = batches(compiled, 1, rng)
+    (x, y), = batches(program, 1, rng)
     accuracy, loss = model.test_step(x, y)
     twin = torch_nets.ResNetMini().float()
     load_twin(twin, values)
@@ -543,7 +531,7 @@ def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"
     rng = np.random.default_rng(11)
     values = {k: well_scaled(k, shape, rng) for k, shape in model.expected_shapes().items()}
     model.load_tensors(values)
-    (x, y), = batches(compiled, 1, np.random.default_rng(10))
+    (x, y), = type(model).random_batch(np.random.default_rng(10)),
     hyper = model.hyper(lr=0.01, momentum=0.9, decay=0.001, iteration=0)
     model.prepare(hyper)
     hoisted = run(compiled.setup, {}, seed=SEED)
