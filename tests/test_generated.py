@@ -27,17 +27,11 @@ import torch.nn as nn
 from deepdsl.ops.norm import bernoulli_mask
 from deepdsl.ssa import Let
 from tests.support import torch_nets
-from tests.support.program_helpers import (ROOT, compile_program, import_program, model_class, relative_errors,
-                                          run_cli)
+from tests.support.program_helpers import (ROOT, compile_program, import_program, model_class, rel_err,
+                                          relative_errors, run_cli)
 
 TOLERANCE = 1e-4
 SEED = 3
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
 
 
 def initial_tensors(program, tmp_path) -> dict[str, np.ndarray]:

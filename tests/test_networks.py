@@ -43,7 +43,7 @@ from deepdsl.pipeline import CompileOptions
 from deepdsl.ssa import Let
 
 from tests.support import torch_nets
-from tests.support.program_helpers import relative_errors
+from tests.support.program_helpers import rel_err, relative_errors
 
 NETWORKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks")
 TOLERANCE = 1e-4
@@ -68,12 +68,6 @@ CASES = [
     ("vit", torch_nets.ViT, (28, 28), None),
     ("char_lm", torch_nets.CharLM, None, None),
 ]
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
 
 
 def random_value(name: str, shape, rng, small_scales: str | None = None) -> np.ndarray:

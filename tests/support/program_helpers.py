@@ -66,6 +66,13 @@ __all__ = ["ROOT", "NETWORKS", "compile_program", "import_program", "model_class
 ZERO_GRADIENT = 1e-3     # an update is measured against at least this fraction of the largest update
 
 
+def rel_err(a, b, floor: float = 0.0) -> float:
+    """||a - b|| / ||b|| in float64, measured against at least `floor`; ||a|| where both are zero."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.linalg.norm(b)), floor)
+    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
+
+
 def relative_errors(got: dict, expected: dict, updates=lambda key: True) -> list[tuple[str, float]]:
     """||got[k] - expected[k]|| / ||expected[k]|| for every key of `got`, worst first. The keys `updates` names
     (gradients, parameters' changes) are measured against at least ZERO_GRADIENT times the largest of them: some
@@ -76,8 +83,6 @@ def relative_errors(got: dict, expected: dict, updates=lambda key: True) -> list
     floor = ZERO_GRADIENT * max(norms, default=0.0)
     errors = []
     for key, value in got.items():
-        a, b = np.asarray(value, np.float64), np.asarray(expected[key], np.float64)
-        scale = max(float(np.linalg.norm(b)), floor if updates(key) else 0.0)
-        error = float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a))
+        error = rel_err(value, expected[key], floor if updates(key) else 0.0)
         errors.append((key, np.inf if np.isnan(error) else error))           # a NaN is the worst error
     return sorted(errors, key=lambda kv: -kv[1])
