@@ -330,11 +330,12 @@ class _BasicBlock:
 
 
 class ResNetMini(Twin):
-    def __init__(self, image=(28, 28), classes=10):
+    def __init__(self, image=(28, 28), classes=10, se_reduction=None):
         super().__init__()
         self.stem = _ConvBN(self, "conv1", "conv1_bn", 1, 16, 3, 1, 1)
-        self.blocks = [_BasicBlock(self, "res2", 16, 16, 1), _BasicBlock(self, "res3", 16, 32, 2),
-                       _BasicBlock(self, "res4", 32, 64, 2)]
+        self.blocks = [_BasicBlock(self, "res2", 16, 16, 1, se_reduction),
+                       _BasicBlock(self, "res3", 16, 32, 2, se_reduction),
+                       _BasicBlock(self, "res4", 32, 64, 2, se_reduction)]
         self.fc = self.add("fc", nn.Linear(64, classes))
 
     def logits(self, x):
@@ -348,11 +349,7 @@ class SEResNet(ResNetMini):
     """ResNetMini with a squeeze-and-excitation module (4x reduction) on every block's residual branch."""
 
     def __init__(self, image=(28, 28), classes=10):
-        Twin.__init__(self)
-        self.stem = _ConvBN(self, "conv1", "conv1_bn", 1, 16, 3, 1, 1)
-        self.blocks = [_BasicBlock(self, "res2", 16, 16, 1, 4), _BasicBlock(self, "res3", 16, 32, 2, 4),
-                       _BasicBlock(self, "res4", 32, 64, 2, 4)]
-        self.fc = self.add("fc", nn.Linear(64, classes))
+        super().__init__(image, classes, se_reduction=4)
 
 
 class UNet(Twin):
