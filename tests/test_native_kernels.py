@@ -15,6 +15,8 @@ import pytest
 
 from hypothesis import given, settings, strategies as st
 
+from deepdsl.ops import get_op
+
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
@@ -23,7 +25,6 @@ from tests.test_cuda_codegen import ADAPTIVE_TOLERANCE, _steps
 from tests.support.random_programs import pool_geometries
 from tests.test_memory_modes import NETWORKS
 from tests.test_runtime_cpu import GROUPED_CONV, grouped_conv_nodes
-from deepdsl.ops import get_op
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="needs a C compiler")
@@ -315,8 +316,7 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
     float32 tolerance (the convolutions bit for bit; elementwise kernels round as C's float32 functions do and
     per-channel sums add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
     trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten times the difference one rounding of the input makes), and the
-    allocator measures the planned peaks (the plan
-    is the same)."""
+    allocator measures the planned peaks (the plan is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)
     cls = model_class(module)
     rng = np.random.default_rng(7)

@@ -86,15 +86,23 @@ def case_grouped_conv(g, rng):
             g.conv2d_bwd_filter(_in(g, gy), _in(g, x), out=out, stride=s, pad=p, kernel=(k, k), groups=groups,
                                 workspace=ws)
             result.append((f"grouped conv2d_bwd_filter {tag}", out, reff, 1e-5))
-        shared = _arena(g, max(gy.nbytes, refd.nbytes))
-        g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
-        g_dev.device.upload(g_dev.ptr, gy)
-        out = shared[:refd.nbytes].view(F32).reshape(refd.shape)
-        scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
-        g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h), groups=groups,
-                          workspace=_out(g, (scratch + min(gy[0].size, refd[0].size),)))
+        out = _bwd_data_over_g(g, gy, w, refd, k, s, p, groups)
         result.append((f"grouped conv2d_bwd_data over g n{n}c{c}h{h}o{o}k{k}s{s}p{p}g{groups}", out, refd, 1e-5))
     return result
+
+
+def _bwd_data_over_g(g, gy, w, ref, k, s, p, groups=1):
+    """The device's conv2d_bwd_data of `gy` written over `gy` itself from the same start (the memory plan's
+    takeover), with the workspace the plan gives it (the op's scratch plus one staged sample); `ref` the CPU's."""
+    c, h, ho = ref.shape[1], ref.shape[2], gy.shape[2]
+    shared = _arena(g, max(gy.nbytes, ref.nbytes))
+    g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
+    g_dev.device.upload(g_dev.ptr, gy)
+    out = shared[:ref.nbytes].view(F32).reshape(ref.shape)
+    scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
+    g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h), groups=groups,
+                      workspace=_out(g, (scratch + min(gy[0].size, ref[0].size),)))
+    return out
 
 
 def case_conv_bwd_data_takes_over(g, rng):
@@ -109,13 +117,7 @@ def case_conv_bwd_data_takes_over(g, rng):
         gy = rng.standard_normal((n, o, ho, ho)).astype(F32)
         ref = np.empty((n, c, h, h), F32)
         C.conv2d_bwd_data(gy, w, out=ref, stride=s, pad=p, size=(h, h))
-        shared = _arena(g, max(gy.nbytes, ref.nbytes))
-        g_dev = shared[:gy.nbytes].view(F32).reshape(gy.shape)
-        g_dev.device.upload(g_dev.ptr, gy)
-        out = shared[:ref.nbytes].view(F32).reshape(ref.shape)
-        scratch = 0 if (k == 1 and s == 1 and p == 0) else 2 * c * k * k * ho * ho
-        g.conv2d_bwd_data(g_dev, _in(g, w), out=out, stride=s, pad=p, size=(h, h),
-                          workspace=_out(g, (scratch + min(gy[0].size, ref[0].size),)))
+        out = _bwd_data_over_g(g, gy, w, ref, k, s, p)
         result.append((f"conv2d_bwd_data over g n{n}c{c}h{h}o{o}k{k}s{s}p{p}", out, ref, 1e-5))
     return result
 
