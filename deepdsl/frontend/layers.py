@@ -66,7 +66,7 @@ class _Conv(_ParamLayer):
         weight = _dilated(p["W"], *self.dilation)
         (ph, pw), pad, image = self.padding, self.padding[0], x.node
         if ph != pw:                 # padding that differs by axis: zeros placed around the input, then none
-            n, _, h, w = x.shape
+            h, w = x.shape[2:]
             image = make("pad_axis", (make("pad_axis", (image,), axis=2, start=ph, size=h + 2 * ph),), axis=3,
                          start=pw, size=w + 2 * pw)
             pad = 0
