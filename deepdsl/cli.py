@@ -74,6 +74,10 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace-limit", type=_bytes, metavar="BYTES",
                    help="scratch workspace limit (ops run over the batch in chunks to fit), e.g. 64MB; default "
                         "32 MiB; 'none' for no limit")
+    p.add_argument("--memory-budget", type=_bytes, metavar="BYTES",
+                   help="bytes every step's planned total (persistent + arena + workspace, as `deepdsl memory` "
+                        "prints it) must fit, e.g. 300MB (MB = 10^6 bytes): values are recomputed and the workspace "
+                        "limit lowered until it does, else a one-line error states the least reachable")
 
 
 def _compile(args: argparse.Namespace):
@@ -81,10 +85,16 @@ def _compile(args: argparse.Namespace):
     from deepdsl.dsl import Overrides
 
     loop = deepdsl.load(args.network, Overrides(batch=args.batch, image=args.image))
-    options = deepdsl.CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
-                                     code_motion=not args.no_code_motion,
-                                     workspace_limit=_workspace_limit(args))
-    return deepdsl.compile(loop, options)
+    return deepdsl.compile(loop, _options(args))
+
+
+def _options(args: argparse.Namespace):
+    from deepdsl import CompileOptions
+
+    budget = args.memory_budget if args.memory_budget is not None and args.memory_budget >= 0 else None
+    return CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
+                          code_motion=not args.no_code_motion, workspace_limit=_workspace_limit(args),
+                          memory_budget=budget)
 
 
 def cmd_ir(args: argparse.Namespace) -> int:
@@ -273,6 +283,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if plot is not None:
         _check_output(args.network, "--plot", plot)
         _check_plot_format(plot)
+    if args.fit is not None:
+        return _fit(args)
     compiled = _compile(args)
     report = memory_table.memory_report(compiled, args.step)
     if plot is not None:
@@ -283,6 +295,33 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    """`deepdsl memory NET.py --fit BYTES`: the largest batch whose steps fit, without and with recomputation."""
+    import deepdsl
+    from deepdsl.budget import largest_batch
+    from deepdsl.dsl import Overrides
+
+    if args.fit < 0:
+        raise DeepDSLError("--fit needs a number of bytes, e.g. 16GB")
+    loop = deepdsl.load(args.network, Overrides(batch=args.batch, image=args.image))
+    options = _options(args).changed(memory_budget=args.fit)
+    start = args.batch or _declared_batch(loop)
+    plain = largest_batch(loop, options, recompute=False, start=start)
+    budgeted = largest_batch(loop, options, recompute=True, start=plain or start)
+    what = lambda b: "none (batch 1 does not fit)" if b is None else str(b)   # noqa: E731
+    print(f"largest batch of {Path(args.network).stem} whose steps fit {args.fit / 1e6:.2f} MB (MB = 10^6 bytes):")
+    print(f"  without recomputation (the plan without a budget):        {what(plain)}")
+    print(f"  with recomputation and smaller workspaces (--memory-budget): {what(budgeted)}")
+    return 0
+
+
+def _declared_batch(loop) -> int | None:
+    from deepdsl.ir import toposort
+
+    data = [n for n in toposort([loop.loss.node]) if n.op == "input" and n.attr("role") == "data" and n.shape]
+    return data[0].shape[0] if data else None
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
@@ -330,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", choices=("train", "test", "setup"), default="train")
     p.add_argument("--json", action="store_true", help="write the table as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
+    p.add_argument("--fit", type=_bytes, metavar="BYTES",
+                   help="print the largest batch whose steps fit BYTES (e.g. 16GB), without and with recomputation")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("refresh", help="regenerate the programs of a directory of networks (generated/ from networks/)")

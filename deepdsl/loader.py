@@ -67,4 +67,5 @@ def _load(path: str, overrides: Overrides) -> Loop:
         loop = loops[0]
     dsl.check_names(loop)
     loop.source = path
+    loop.overrides = overrides
     return loop

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from deepdsl.budget import flops, recomputed
 from deepdsl.liveness import changes_at
 from deepdsl.memory_plan import MemoryPlan
-from deepdsl.ops import dims
+from deepdsl.ops import dims, get_op
 from deepdsl.pipeline import CompileOptions, plan_steps
 from deepdsl.ssa import Let, Program, format_expr, format_inline
 from deepdsl.storage import is_batch_input
@@ -53,6 +54,20 @@ class Report:
     rows: tuple[Row, ...]
     pooled: dict
     what_if: dict[str, int]
+    recomputed: tuple["Recomputed", ...] = ()
+    flops: tuple[int, int] = (0, 0)      # (FLOPs of the recomputed copies, FLOPs of the step's other statements)
+    fit: object = None                   # how a memory budget was met (deepdsl.budget.Fit), None without one
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A recomputed copy: where (body index), what (its name and statement), from what (its inputs), its FLOPs."""
+
+    index: int
+    name: str
+    text: str
+    sources: tuple[str, ...]
+    flops: int
 
 
 def memory_report(compiled, step: str = "train") -> Report:
@@ -60,7 +75,17 @@ def memory_report(compiled, step: str = "train") -> Report:
     compiled_step = compiled.steps[step]
     program, plan = compiled_step.program, compiled_step.plan
     return Report(compiled.name, program, plan, tuple(rows(program, plan)), simulate_pool(plan),
-                  what_if(compiled_step.unplanned, compiled.options))
+                  what_if(compiled_step.unplanned, compiled.options), recomputations(program), flops(program),
+                  compiled_step.fit)
+
+
+def recomputations(program: Program) -> tuple[Recomputed, ...]:
+    """Every recomputed copy of `program` (by the `rematerialize` pass or under a memory budget)."""
+    names = program.names()
+    label = lambda n: names.get(id(n)) or format_inline(n)   # noqa: E731
+    return tuple(Recomputed(k, names[id(i.node)], f"{names[id(i.node)]} = {format_expr(i.node, names)}",
+                            tuple(label(n) for n in i.node.inputs), get_op(i.node.op).flops(i.node))
+                 for k, i in recomputed(program))
 
 
 def rows(program: Program, plan: MemoryPlan) -> list[Row]:
@@ -157,7 +182,8 @@ def what_if(unplanned: Program, options: CompileOptions = CompileOptions(),
     of `options`, default `WHAT_IF`), the memory stages and the planner rerun by the pipeline (`plan_steps`) on the
     program as the optimization stages leave it, so each figure is the peak a compile with those options plans."""
     variants = WHAT_IF if variants is None else variants
-    return {label: plan_steps({"step": unplanned}, options.changed(**changes))["step"].plan.peak_live_bytes
+    return {label: plan_steps({"step": unplanned}, options.changed(memory_budget=None, **changes))["step"]
+            .plan.peak_live_bytes
             for label, changes in variants.items()}
 
 
@@ -185,6 +211,13 @@ def format_table(report: Report) -> str:
                      f"{_mb(row.nbytes) if row.kind != 'free' else '':>11} {_mb(row.change):>11} {workspace:>12} "
                      f"{_mb(row.live):>11} {'' if row.offset is None else row.offset:>11}  {row.where}".rstrip())
     lines.append("")
+    if report.recomputed:
+        lines.append(f"recomputed values ({len(report.recomputed)}; at: the copy's statement index, right before "
+                     f"the late uses it serves):")
+        for r in report.recomputed:
+            lines.append(f"  at {r.index:>5}  {_clip(r.text, 60):<60}  from {', '.join(r.sources)}; "
+                         f"{r.flops / 1e6:.3f} MFLOP")
+        lines.append("")
     lines += summary_lines(report)
     return "\n".join(lines) + "\n"
 
@@ -214,8 +247,17 @@ def summary_lines(report: Report) -> list[str]:
         f"workspace:                {_mb(plan.workspace_bytes):>14} MB  (one region shared by all statements; limit"
         f" {limit}; {chunked} statements run in batch chunks)",
         f"total:                    {_mb(plan.total_bytes):>14} MB  (arena + workspace + persistent)",
-        "what if (peak live bytes):",
     ]
+    extra, own = report.flops
+    lines.append(f"recomputation:            {len(report.recomputed):>14} values, {extra / 1e9:.6f} GFLOP = "
+                 f"+{100 * extra / max(own, 1):.2f} % of the step's {own / 1e9:.6f} GFLOP")
+    fit = report.fit
+    if fit is not None:
+        limit = "none" if fit.workspace_limit is None else f"{fit.workspace_limit} bytes"
+        lines.append(f"memory budget:            {_mb(fit.budget):>14} MB  (total fits; {fit.recomputations} "
+                     f"recomputations of the budget's sequence, workspace limit {limit}; {fit.planned} candidates "
+                     f"planned in {fit.seconds:.2f} s)")
+    lines.append("what if (peak live bytes):")
     for label, value in report.what_if.items():
         change = f"{value / plan.peak_live_bytes:.2f} x" if plan.peak_live_bytes else ""
         lines.append(f"  {label + ':':<52} {_mb(value):>14} MB  ({change})")
@@ -248,6 +290,14 @@ def to_json(report: Report) -> str:
         "workspace_bytes": plan.workspace_bytes,
         "workspace_limit": plan.workspace_limit,
         "total_bytes": plan.total_bytes,
+        "recomputed": [{"index": r.index, "name": r.name, "statement": r.text, "sources": list(r.sources),
+                        "flops": r.flops} for r in report.recomputed],
+        "recomputed_flops": report.flops[0],
+        "step_flops": report.flops[1],
+        "memory_budget": None if report.fit is None else {
+            "budget_bytes": report.fit.budget, "recomputations": report.fit.recomputations,
+            "workspace_limit": report.fit.workspace_limit, "planned": report.fit.planned,
+            "seconds": report.fit.seconds},
         "what_if": report.what_if,
     }
     return json.dumps(data, indent=1) + "\n"

@@ -69,6 +69,9 @@ class CompileOptions:
     takeover: bool = True                 # pooling outputs take over their dying inputs' storage (memory plan)
     # bytes of shared scratch (im2col and the like): ops run over the batch in chunks to fit; None: no limit
     workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT
+    # bytes every step's planned total (persistent + arena + workspace) must fit: recompute values and lower the
+    # workspace limit until it does (deepdsl/budget.py); None: no budget
+    memory_budget: int | None = None
     verify: bool = False
 
     def changed(self, **changes) -> "CompileOptions":
@@ -228,6 +231,7 @@ class CompiledStep:
     program: Program
     plan: MemoryPlan = field(repr=False)
     unplanned: Program = field(repr=False, compare=False)
+    fit: object = field(default=None, compare=False)      # how a memory budget was met (deepdsl.budget.Fit)
 
 
 @dataclass(frozen=True)
@@ -257,11 +261,15 @@ class Compiled:
 
 
 def plan_steps(unplanned: Mapping[str, Program], options: CompileOptions = CompileOptions(),
-               hook: Hook | None = None) -> dict[str, CompiledStep]:
+               hook: Hook | None = None, network: str = "") -> dict[str, CompiledStep]:
     """Run the memory stages and `plan_memory` on programs as the optimization stages leave them (`unplanned`, by
-    step name): each step's final program and its plan, exactly as `compile` with these options gives them."""
+    step name): each step's final program and its plan, exactly as `compile` with these options gives them. Under
+    a memory budget, `deepdsl.budget.fit_steps` runs them (`network` names the network in its error)."""
     origins = next((p.origins for p in unplanned.values() if p.origins is not None), None)
     with provenance.using(provenance.table() if origins is None else origins):     # recomputed copies are named
+        if options.memory_budget is not None:
+            from deepdsl.budget import fit_steps
+            return fit_steps(unplanned, options, hook, network)
         final = run_stages(unplanned, MEMORY_STAGES, options, hook)
         plans = run_stages(final, PLANNING_STAGES, options, hook)
     return {step: CompiledStep(final[step], plans[step], unplanned[step]) for step in unplanned}
@@ -275,7 +283,22 @@ def plan_program(program: Program, options: CompileOptions = CompileOptions(),
 
 
 def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None) -> Compiled:  # noqa: A001
-    """Compile a Loop into its setup, training-step and test-step SSA programs and their memory plans."""
+    """Compile a Loop into its setup, training-step and test-step SSA programs and their memory plans. Under a memory
+    budget no step fits, the `deepdsl.budget.BudgetError` names the largest batch that fits (when the Loop was
+    loaded from a network file)."""
+    from deepdsl.budget import BudgetError, largest_batch
+
+    try:
+        return compile_without_search(loop, options, hook)
+    except BudgetError as err:
+        if err.batch is None or err.batch <= 1 or loop.source is None:
+            raise
+        raise err.with_largest_batch(largest_batch(loop, options, below=err.batch)) from None
+
+
+def compile_without_search(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None
+                           ) -> Compiled:
+    """`compile`, but a `BudgetError` is raised as the budget search leaves it (no search for a batch that fits)."""
     with _collector_paused(), provenance.using(loop.origins):
         return _compile(loop, options, hook)
 
@@ -305,7 +328,7 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None) -> Compiled
     return Compiled(
         name=loop.name,
         source=loop.source,
-        steps=MappingProxyType(plan_steps(unplanned, options, hook)),
+        steps=MappingProxyType(plan_steps(unplanned, options, hook, loop.name)),
         params=graphs.params,
         states=graphs.states,
         loop=loop,

@@ -130,6 +130,8 @@ class Loop:
     accuracy: Tensor
     solver: Train
     source: str | None = field(default=None, compare=False)
+    # the batch and image sizes it was loaded with (`deepdsl.load`), so it can be loaded again at another batch
+    overrides: Any = field(default=None, compare=False, repr=False)
     # where its values came from (`deepdsl.provenance`): the table of the network file that made it
     origins: Any = field(default=None, compare=False, repr=False)
 

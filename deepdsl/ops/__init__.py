@@ -93,6 +93,12 @@ class Op:
         """Scratch bytes `node` needs while it runs, within `limit` bytes where the op can split its work."""
         return Workspace(0)
 
+    def flops(self, node: Node) -> int:
+        """Floating-point operations `node` costs, counting a multiply-add as two: what recomputing it costs (the
+        memory budget, `deepdsl/budget.py`). By default one operation per element of its largest operand: a pass
+        over its data (shape ops, masks, pooling of 1x1 windows)."""
+        return max([node.size, *(i.size for i in node.inputs)])
+
     def describe(self, node: Node) -> str:
         """The op with its attributes as printed in IR dumps, e.g. `conv2d[stride=1,pad=0]`."""
         shown = [f"{k}={_fmt(v)}" for k, v in node.attrs if k not in HIDDEN]

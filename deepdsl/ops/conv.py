@@ -98,6 +98,11 @@ class Conv2d(Op):
             out = out + b[0].reshape(1, o, 1, 1)
         return np.ascontiguousarray(out, dtype=ctx.float_dtype)
 
+    def flops(self, node):
+        """Two per multiply-add of the product: every output element sums C/groups x kh x kw products."""
+        _, c, kh, kw = node.inputs[1].shape
+        return 2 * node.size * c * kh * kw + (node.size if len(node.inputs) > 2 else 0)
+
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix and with padding the zero-padded
         input; none for 1x1 stride-1 convolutions) for the whole batch, or its chunks' within `limit`."""
@@ -136,6 +141,11 @@ class Conv2dBwdData(Op):
         cols = g.transpose(0, 2, 3, 1).reshape(n * ho * wo, o) @ w.reshape(o, -1)
         return np.ascontiguousarray(col2im(cols, (n, c, *size), kh, kw, stride, pad), dtype=ctx.float_dtype)
 
+    def flops(self, node):
+        """The forward product's: every output-gradient element meets C/groups x kh x kw weights."""
+        _, c, kh, kw = node.inputs[1].shape
+        return 2 * node.inputs[0].size * c * kh * kw
+
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_bwd_data_scratch`: the column gradients, with stride 1 on
         rows as wide as the padded input, with the widened output gradient and the padded input gradient; none for
@@ -165,6 +175,11 @@ class Conv2dBwdFilter(Op):
         kh, kw = kernel
         dw = g.transpose(1, 0, 2, 3).reshape(o, -1) @ im2col(x, kh, kw, stride, pad)
         return np.ascontiguousarray(dw.reshape(o, x.shape[1], kh, kw), dtype=ctx.float_dtype)
+
+    def flops(self, node):
+        """The forward product's: every weight sums one product per output-gradient position of its channel."""
+        g = node.inputs[0]
+        return 2 * node.size * g.shape[0] * g.shape[2] * g.shape[3]
 
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_bwd_filter_scratch`: per sample the im2col matrix, the output

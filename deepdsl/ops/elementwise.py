@@ -200,6 +200,10 @@ class Elementwise(Op):
         shape = np.broadcast_shapes(*(a.shape for a in args)) if args else ()
         return np.asarray(np.broadcast_to(out, shape), dtype=ctx.float_dtype)
 
+    def flops(self, node: Node) -> int:
+        """The expression's operations (at least one) at every element."""
+        return node.size * max(int(sympy.count_ops(node.attr("expr"))), 1)
+
     def describe(self, node: Node) -> str:
         return str(node.attr("expr"))
 
@@ -367,6 +371,11 @@ class EwSum(Op):
             return Workspace(per_sample * FLOAT_BYTES)
         bound = contract.EW_SUM_CHUNK_BYTES if limit is None else min(limit, contract.EW_SUM_CHUNK_BYTES)
         return scratch_chunks(full[0], per_sample, bound, fixed_if_split=fixed)
+
+    def flops(self, node):
+        """The expression's operations at every element it sums, and the addition."""
+        full = broadcast_shapes(*(i.shape for i in node.inputs))
+        return int(np.prod(full)) * (int(sympy.count_ops(node.attr("expr"))) + 1)
 
     def describe(self, node):
         return f"sum_to[{dims(node.attr('shape'))}]({node.attr('expr')})"

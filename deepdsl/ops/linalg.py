@@ -31,6 +31,11 @@ class MatMul(Op):
     def evaluate(self, ctx, a, b, *, ta=False, tb=False):
         return np.asarray((a.swapaxes(-1, -2) if ta else a) @ (b.swapaxes(-1, -2) if tb else b), dtype=ctx.float_dtype)
 
+    def flops(self, node):
+        a = node.inputs[0]
+        inner = a.shape[-2] if node.attr("ta", False) else a.shape[-1]
+        return 2 * node.size * inner
+
     def describe(self, node):
         ta, tb = node.attr("ta", False), node.attr("tb", False)
         return "matmul" + ("[" + ",".join(n for n, f in (("ta", ta), ("tb", tb)) if f) + "]" if ta or tb else "")

@@ -44,6 +44,10 @@ class LRN(Op):
     def evaluate(self, ctx, x, *, size, alpha, beta, k):
         return (x * _lrn_scale(x, size, alpha, k) ** -beta).astype(ctx.float_dtype)
 
+    def flops(self, node):
+        """A square and a window sum of `size` channels per element, the power and the product."""
+        return node.size * (node.attr("size") + 4)
+
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.lrn_scratch`: the scale and the squares); for the whole batch, or for
         the chunks of samples it runs in within `limit` (the window runs over channels, inside each sample)."""
@@ -65,6 +69,9 @@ class LRNBwd(Op):
         # input j feeds outputs c with j in window(c), i.e. c in [j - back, j + front]
         spread = _channel_window_sum(inner, (size - 1) // 2, size // 2)
         return (g * s ** -beta - (2 * alpha * beta / size) * x * spread).astype(ctx.float_dtype)
+
+    def flops(self, node):
+        return node.size * (node.attr("size") + 8)
 
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.lrn_bwd_scratch`: the scale, the inner term and its window sum); for

@@ -46,6 +46,10 @@ class _Pool(Op):
                                   node.attr("pad", 0))
         return scratch_chunks(node.shape[0], per_sample, limit)
 
+    def flops(self, node):
+        """One comparison or addition per element of each window."""
+        return node.size * node.attr("kernel") ** 2
+
     def infer(self, x: Node, *, kernel, stride, pad=0, ceil=False, **_):
         require(len(x.shape) == 4, f"pooling input must be 4-D (N,C,H,W), got {dims(x.shape)}")
         require(kernel >= 1 and stride >= 1, f"pooling window {kernel} and stride {stride} must be >= 1")
@@ -103,6 +107,9 @@ class MaxPoolBwd(Op):
         values = (g[..., None] * onehot).reshape(*g.shape, kernel, kernel)
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
 
+    def flops(self, node):
+        return node.inputs[0].size * node.attr("kernel") ** 2
+
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.max_pool_bwd_scratch`: a padded gradient buffer when windows leave
         the input, a boolean 'hit' mask and, when windows overlap, each window offset's share) for the whole
@@ -141,6 +148,9 @@ class AvgPoolBwd(Op):
         share = g / avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad)
         values = np.broadcast_to(share[..., None, None], g.shape + (kernel, kernel))
         return _scatter_windows(values, g.shape[:2] + tuple(size), kernel, stride, pad, ceil).astype(ctx.float_dtype)
+
+    def flops(self, node):
+        return node.inputs[0].size * node.attr("kernel") ** 2
 
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.avg_pool_bwd_scratch`: a padded gradient buffer when windows leave
