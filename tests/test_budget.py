@@ -247,11 +247,13 @@ def test_flops_agree_with_pytorchs_flop_counter():
     xt, wt = torch.zeros(3, 4, 11, 9), torch.zeros(6, 2, 3, 3)
     assert get_op("conv2d").flops(conv) == _torch_flops(
         lambda a, b: torch.nn.functional.conv2d(a, b, stride=2, padding=1, groups=2), xt, wt)
-    g = make("input", (), name="g", role="data", shape=conv.shape)
-    dx = make("conv2d_bwd_data", (g, w), stride=2, pad=1, size=(11, 9), groups=2)
-    dw = make("conv2d_bwd_filter", (g, x), stride=2, pad=1, kernel=(3, 3), groups=2)
-    xg, wg = xt.clone().requires_grad_(), wt.clone().requires_grad_()
-    out = torch.nn.functional.conv2d(xg, wg, stride=2, padding=1, groups=2)
+    # the gradients (without groups: PyTorch's counter leaves the groups out of its input-gradient formula)
+    w = make("param", (), name="w1", shape=(6, 4, 3, 3))
+    g = make("input", (), name="g", role="data", shape=make("conv2d", (x, w), stride=2, pad=1).shape)
+    dx = make("conv2d_bwd_data", (g, w), stride=2, pad=1, size=(11, 9))
+    dw = make("conv2d_bwd_filter", (g, x), stride=2, pad=1, kernel=(3, 3))
+    xg, wg = xt.clone().requires_grad_(), torch.zeros(6, 4, 3, 3, requires_grad=True)
+    out = torch.nn.functional.conv2d(xg, wg, stride=2, padding=1)
     backward = _torch_flops(lambda o: o.backward(torch.ones_like(o)), out)
     assert get_op("conv2d_bwd_data").flops(dx) + get_op("conv2d_bwd_filter").flops(dw) == backward
     a = make("input", (), name="a", role="data", shape=(2, 5, 7))
@@ -259,3 +261,30 @@ def test_flops_agree_with_pytorchs_flop_counter():
     product = make("matmul", (a, b), tb=True)
     assert get_op("matmul").flops(product) == _torch_flops(lambda p, q: p @ q.transpose(1, 2),
                                                            torch.zeros(2, 5, 7), torch.zeros(2, 3, 7))
+
+
+def test_the_milp_oracle_fits_and_costs_no_more_than_its_model_allows():
+    """The MILP over single-gap drop options (the benchmark's oracle): its program plans within the budget, passes
+    the verifier, and recomputes only what it chose; at a budget the program already fits it chooses nothing."""
+    pytest.importorskip("scipy")
+    from deepdsl.passes.recompute_milp import solve
+    from deepdsl.pipeline import CompileOptions, STAGES, run_stages, stage_index
+    from deepdsl.verify import verify
+
+    loop = load("resnet_mini", 8)
+    compiled = deepdsl.compile(loop)
+    before = run_stages({"train": compiled.steps["train"].unplanned},
+                        STAGES[stage_index("schedule"):stage_index("inplace")], CompileOptions())["train"]
+
+    def total(program):
+        return run_stages({"train": program}, STAGES[stage_index("inplace"):], CompileOptions(workspace_limit=0)
+                          )["train"].total_bytes
+
+    unbudgeted, least = total(before), least_total(loop)
+    assert solve(before, unbudgeted, total).chosen == 0
+    budget = int(least + 0.3 * (unbudgeted - least))
+    solution = solve(before, budget, total, time_limit=60)
+    assert solution is not None and solution.chosen > 0
+    assert total(solution.program) <= budget
+    verify(solution.program)
+    assert flops(solution.program)[0] - flops(before)[0] == solution.flops

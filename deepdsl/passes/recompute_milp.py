@@ -1,0 +1,198 @@
+"""Recomputation to a peak of live bytes, solved as a mixed-integer linear program (Checkmate's question on this IR).
+
+The options are the ones the greedy pass (`passes/recompute.py`) takes one at a time: a statement's output (no
+program output, no batch input, not read through a view) dropped over a gap between two consecutive uses (a, b)
+and recomputed right before b, after the chain of its inputs that are no longer alive at b (at most `CHAIN_DEPTH`
+links). One binary variable per option; minimize the FLOPs of the chosen options subject to, at every statement t,
+
+    live(t) - sum of the sizes of the options whose gap holds t + sum of the chains' bytes of options made at t <= M
+
+where live(t) is the predicted live bytes of the program without recomputation (`liveness.live_profile`), and one
+constraint per pair of options that cannot both be taken: an option needs its inputs at b, so no input may be
+dropped over a gap holding b. The model counts an option's copy as taking the bytes the value held at b, so it can
+differ from the exact plan by the chains' order of frees; `solve` therefore plans the result exactly and lowers M
+by the excess until the planned figure fits (or gives up after `ROUNDS`).
+
+Needs scipy (`pip install "deepdsl[budget]"`: `scipy.optimize.milp`, the HiGHS solver); it is the oracle the
+benchmark compares the greedy sequence with (`benchmarks/memory_budget.py`), under a time limit.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepdsl.ir import REMAT
+from deepdsl.liveness import StorageGraph, live_profile
+from deepdsl.ops import get_op
+from deepdsl.passes.recompute import CHAIN_DEPTH, _insert
+from deepdsl.ssa import Program
+from deepdsl.storage import is_inline, is_persistent, is_view
+
+ROUNDS = 6
+
+
+@dataclass(frozen=True)
+class Option:
+    value: int                     # statement index of the value
+    before: int                    # its last use before the gap
+    after: int                     # its first use after: the copy is made right before it
+    chain: tuple[int, ...]         # statements recomputed with it, inputs first
+    size: int
+    chain_bytes: int
+    flops: int
+    needs: tuple[int, ...]         # groups that must be alive at `after` (inputs of the value and of its chain)
+
+
+@dataclass(frozen=True)
+class Solution:
+    program: Program               # the program with the chosen recomputations
+    flops: int                     # their FLOPs
+    options: int                   # how many options the model had
+    chosen: int
+    optimal: bool                  # the solver proved optimality (else: the time limit's best)
+    seconds: float
+
+
+def options(program: Program, smallest: int = 1) -> tuple[StorageGraph, list[int], list[Option]]:
+    """The drop options of `program` (see the module docstring): (its storage graph, live profile, options)."""
+    graph = StorageGraph(program)
+    nodes = graph.nodes
+    profile = live_profile(graph, list(range(len(nodes))))
+    index = {id(node): k for k, node in enumerate(nodes)}
+    readers = [sorted(r) for r in graph.readers]
+    last_read = [r[-1] if r else -1 for r in readers]
+    viewed = {graph.group_of[id(node)] for k, node in enumerate(nodes) if graph.owned[k] is None}
+
+    def alive(node, b):
+        if is_inline(node) or (node.is_leaf and is_persistent(node)):
+            return True
+        g = graph.group_of.get(id(node))
+        return g is not None and last_read[g] >= b
+
+    def chain(k, b, depth, found):
+        for i in nodes[k].inputs:
+            if alive(i, b):
+                continue
+            ki = index.get(id(i))
+            if ki is None or depth == 0 or is_view(i) or graph.owned[ki] is None:
+                return False
+            if ki in found:
+                continue
+            if not chain(ki, b, depth - 1, found):
+                return False
+            found.append(ki)
+        return True
+
+    result = []
+    for k, node in enumerate(nodes):
+        g = graph.owned[k]
+        if g is None or graph.group_pinned[g] or graph.group_batch[g] or g in viewed or k in graph.updates:
+            continue
+        size = graph.group_size[g]
+        if size < smallest:
+            continue
+        uses = [k] + readers[g]
+        for a, b in zip(uses, uses[1:]):
+            if b - a <= 1:
+                continue
+            found: list[int] = []
+            if not chain(k, b, CHAIN_DEPTH, found):
+                continue
+            needs = {graph.group_of[id(i)] for j in found + [k] for i in nodes[j].inputs
+                     if id(i) in graph.group_of and not (i.is_leaf and is_persistent(i))}
+            needs -= {graph.owned[j] for j in found}
+            result.append(Option(k, a, b, tuple(found), size, sum(graph.group_size[graph.owned[j]] for j in found),
+                                 sum(get_op(nodes[j].op).flops(nodes[j]) for j in found + [k]), tuple(sorted(needs))))
+    return graph, profile, result
+
+
+def choose(profile: list[int], opts: list[Option], graph: StorageGraph, limit: int, time_limit: float):
+    """The options to take so that the modelled live bytes stay within `limit` at least FLOPs: (chosen indices,
+    proved optimal) or None when the model has no solution (or the solver found none in time)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    n, m = len(profile), len(opts)
+    rows, cols, vals = [], [], []
+    for j, o in enumerate(opts):
+        for t in range(o.before + 1, o.after):
+            rows.append(t)
+            cols.append(j)
+            vals.append(-o.size)
+        if o.chain_bytes:
+            rows.append(o.after)
+            cols.append(j)
+            vals.append(o.chain_bytes)
+    upper = [limit - p for p in profile]
+    # conflicts: an option needs its inputs alive at its `after`; none of them may be dropped over a gap holding it
+    gaps_of: dict[int, list[int]] = {}
+    for j, o in enumerate(opts):
+        gaps_of.setdefault(graph.owned[o.value], []).append(j)
+    extra = n
+    for j, o in enumerate(opts):
+        for g in o.needs:
+            for i in gaps_of.get(g, ()):
+                other = opts[i]
+                if other.before < o.after < other.after:
+                    rows += [extra, extra]
+                    cols += [j, i]
+                    vals += [1, 1]
+                    upper.append(1)
+                    extra += 1
+    if m == 0:
+        return ([], True) if max(profile, default=0) <= limit else None
+    matrix = coo_matrix((vals, (rows, cols)), shape=(extra, m)).tocsr()
+    cost = np.array([o.flops for o in opts], dtype=np.float64)
+    result = milp(cost, integrality=np.ones(m), bounds=Bounds(0, 1),
+                  constraints=LinearConstraint(matrix, -np.inf, np.array(upper, dtype=np.float64)),
+                  options={"time_limit": time_limit, "disp": False})
+    if result.x is None:
+        return None
+    return [j for j in range(m) if result.x[j] > 0.5], result.status == 0
+
+
+def apply(program: Program, opts: list[Option], chosen: list[int]) -> Program:
+    """`program` with the chosen options' copies, made right before their `after` statements (latest first, so the
+    indices of the others stay valid; copies at one statement in one insertion, inputs first)."""
+    at: dict[int, list[int]] = {}
+    for j in chosen:
+        o = opts[j]
+        statements = at.setdefault(o.after, [])
+        for k in o.chain + (o.value,):
+            if k not in statements:
+                statements.append(k)
+    serial = max((i.node.attr(REMAT, 0) for i in program.body), default=0)
+    for position in sorted(at, reverse=True):
+        serial += 1
+        program = _insert(program, sorted(at[position]), position, serial)
+    return program
+
+
+def solve(program: Program, budget: int, planned_total, time_limit: float = 600.0) -> Solution | None:
+    """The least-FLOPs recomputation whose planned figure (`planned_total(program)`, e.g. the plan's total bytes)
+    is at most `budget`: solve the model with the live-bytes limit that figure allows (the budget less what the
+    figure counts besides live bytes), plan the result, lower the limit by the excess, up to `ROUNDS` times."""
+    start = time.perf_counter()
+    graph, profile, opts = options(program, max(max(live_profile(StorageGraph(program), list(range(len(
+        program.body)))), default=0) // 1000, 1))
+    limit = budget - (planned_total(program) - max(profile, default=0))
+    for _ in range(ROUNDS):
+        left = time_limit - (time.perf_counter() - start)
+        if left <= 0:
+            return None
+        found = choose(profile, opts, graph, limit, left)
+        if found is None:
+            return None
+        chosen, optimal = found
+        result = apply(program, opts, chosen)
+        got = planned_total(result)
+        if got <= budget:
+            return Solution(result, sum(opts[j].flops for j in chosen), len(opts), len(chosen), optimal,
+                            time.perf_counter() - start)
+        limit -= got - budget
+    return None
+
+
+__all__ = ["Option", "Solution", "options", "choose", "apply", "solve"]
