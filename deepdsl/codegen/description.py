@@ -159,7 +159,7 @@ def _options_text(compiled) -> str:
     shown = []
     for f in fields(opts):
         value = getattr(opts, f.name)
-        if f.name == "workspace_limit" or (f.metadata.get("header") == "when off" and value):
+        if f.name == "workspace_limit" or (f.metadata.get("header") == "when off" and value) or value is None:
             continue
         if isinstance(value, bool):
             shown.append(f.name if value else f"no-{f.name}")

@@ -15,7 +15,8 @@ make, each from the one before:
    from its own inputs, in a chain of at most `CHAIN_DEPTH` links (a convolution's output from the pooled value
    before it, itself recomputed from the ReLU output it pools). Chain copies are freed as soon as the copy is made.
 4. Take the candidate of least FLOPs (value and chain, `Op.flops`) per byte freed; apply it if the predicted peak
-   does not rise and the live bytes at t fall, else the next one. Stop when no candidate lowers t.
+   falls, or stays with fewer statements at it, else try the next one. Stop when no candidate does: each step
+   lowers (peak, statements at the peak), so the sequence is finite.
 
 Each element of the sequence is a program with one more recomputation; the budget picks the first that fits. The
 sequence does not depend on the budget, which is what makes the budget monotone: a smaller budget takes a longer
@@ -85,6 +86,7 @@ def _next(program: Program) -> tuple[list[int], Recomputation] | None:
     last_read = [r[-1] if r else -1 for r in readers]
     viewed = {graph.group_of[id(node)] for k, node in enumerate(nodes) if graph.owned[k] is None}
     smallest = max(peak // WORTHWHILE, 1)
+    at_peak = int((profile == peak).sum())
 
     def alive(node: Node, b: int) -> bool:
         if is_inline(node) or (node.is_leaf and is_persistent(node)):
@@ -130,7 +132,8 @@ def _next(program: Program) -> tuple[list[int], Recomputation] | None:
             trial = _insert(program, list(found) + [k], b, 1 << 30)
             trial_profile = live_profile(StorageGraph(trial), list(range(len(trial.body))))
             new_peak = max(trial_profile)
-            if new_peak <= peak and trial_profile[t] < profile[t]:     # t < b: its index is unchanged
+            # the peak falls, or stays with fewer statements at it: the sequence cannot go on forever
+            if new_peak < peak or (new_peak == peak and trial_profile.count(peak) < at_peak):
                 return list(found) + [k], Recomputation(nodes[k], b, tuple(nodes[j] for j in found), flops, size,
                                                         new_peak)
     return None
