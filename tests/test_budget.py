@@ -22,7 +22,7 @@ from deepdsl.ir import make
 from deepdsl.pipeline import compile_without_search
 from tests.support.memory_programs import small_networks
 from tests.support.program_helpers import NETWORKS, compile_program, import_program, model_class, run_cli
-from tests.test_memory_modes import batches, planned_peak, run_steps
+from tests.test_memory_modes import NETWORKS as NETWORKS_AT_TEST_SIZE, batches, planned_peak, run_steps
 
 from deepdsl_runtime.memory import MODES
 
@@ -106,6 +106,31 @@ loss = (D.log_loss(y) @ D.softmax @ network)(x)
 accuracy = (D.precision(y) @ network)(x)
 loop = D.Loop(loss, accuracy, D.Train("dropnet", iters=10, lr=0.01, momentum=0.9))
 """
+
+
+OTHERS = [(name, image) for name, image in NETWORKS_AT_TEST_SIZE if name not in {c[0] for c in CASES}]
+
+
+@pytest.mark.parametrize("name,image", OTHERS, ids=[n for n, _ in OTHERS])
+def test_every_network_fits_its_least_budget(name, image, tmp_path):
+    """Every other network at the test size, at the least budget it can reach: within it, measured as planned, and
+    training bit for bit as without a budget (at the workspace limit chosen)."""
+    loop = load(name, 2, image)
+    least = least_total(loop)
+    compiled, path = compile_program(name, tmp_path / "budget", 2, image, deepdsl.CompileOptions(memory_budget=least))
+    assert all(step.plan.total_bytes <= least for step in compiled.steps.values())
+    fit = compiled.steps["train"].fit
+    _, plain = compile_program(name, tmp_path / "plain", 2, image,
+                               deepdsl.CompileOptions(workspace_limit=fit.workspace_limit))
+    got_cls, want_cls = model_class(import_program(path)), model_class(import_program(plain))
+    data = batches(got_cls, 2)
+    model, got, got_tensors = outputs(got_cls, data)
+    assert model.mem.usage["train_step"].peak_bytes == compiled.steps["train"].plan.peak_live_bytes
+    assert model.mem.usage["test_step"].peak_bytes == compiled.steps["test"].plan.peak_live_bytes
+    _, want, want_tensors = outputs(want_cls, data)
+    assert got == want
+    for key, value in want_tensors.items():
+        assert np.array_equal(got_tensors[key], value), key
 
 
 def test_a_recomputed_dropout_mask_is_the_same_mask(tmp_path):

@@ -34,7 +34,7 @@ from deepdsl.ir import REMAT, Node, substitute
 from deepdsl.liveness import StorageGraph, live_profile
 from deepdsl.ops import get_op
 from deepdsl.ssa import Free, Let, Program
-from deepdsl.storage import is_batch_input, is_inline, is_persistent, is_view
+from deepdsl.storage import is_inline, is_persistent, is_view
 
 CHAIN_DEPTH = 3       # values recomputed to recompute one value (its inputs, their inputs, ...), at most
 WORTHWHILE = 1000     # values under 1/1000 of the peak (per-channel vectors) are not worth a recomputation
@@ -71,87 +71,115 @@ def recomputation_sequence(program: Program) -> Iterator[tuple[Program, Recomput
         yield program, recomputation
 
 
-def _next(program: Program) -> tuple[list[int], Recomputation] | None:
-    """The statements to copy (chain first, value last) and the recomputation that lowers the first statement at the
-    peak most cheaply without raising the peak; None when none does."""
-    if len(program.body) < 3:
-        return None
-    graph = StorageGraph(program)
-    nodes = graph.nodes
-    n = len(nodes)
-    profile = np.array(live_profile(graph, list(range(n))), dtype=np.int64)
-    peak = int(profile.max())
-    index = {id(node): k for k, node in enumerate(nodes)}
-    readers = [sorted(r) for r in graph.readers]
-    last_read = [r[-1] if r else -1 for r in readers]
-    viewed = {graph.group_of[id(node)] for k, node in enumerate(nodes) if graph.owned[k] is None}
-    smallest = max(peak // WORTHWHILE, 1)
-    at_peak = int((profile == peak).sum())
+class Recomputable:
+    """What can be recomputed where in a Free-less program: its storage graph, the statements whose value may be
+    dropped and made again (`droppable`), and the chain of values recomputing one needs at a position (`chain`).
+    Shared by the greedy sequence and the exact model (`passes/recompute_milp.py`)."""
 
-    def alive(node: Node, b: int) -> bool:
+    def __init__(self, program: Program):
+        self.graph = graph = StorageGraph(program)
+        self.nodes = graph.nodes
+        self.index = {id(node): k for k, node in enumerate(self.nodes)}
+        self.readers = [sorted(r) for r in graph.readers]
+        self.last_read = [r[-1] if r else -1 for r in self.readers]
+        self.viewed = {graph.group_of[id(node)] for k, node in enumerate(self.nodes) if graph.owned[k] is None}
+
+    def droppable(self, k: int) -> int | None:
+        """The storage group of statement k if its value may be dropped and recomputed (a statement's own output, no
+        program output, no batch input, not read through a view, no parameter update), else None."""
+        g = self.graph.owned[k]
+        if g is None or self.graph.group_pinned[g] or self.graph.group_batch[g] or g in self.viewed \
+                or k in self.graph.updates:
+            return None
+        return g
+
+    def alive(self, node: Node, position: int) -> bool:
+        """Whether `node` can be read at `position` as the program stands (kept until then, or never freed)."""
         if is_inline(node) or (node.is_leaf and is_persistent(node)):
             return True
-        g = graph.group_of.get(id(node))
-        return g is not None and last_read[g] >= b
+        g = self.graph.group_of.get(id(node))
+        return g is not None and self.last_read[g] >= position
 
-    def chain(k: int, b: int, depth: int, found: list[int]) -> bool:
-        """Add to `found` (inputs first) the statements to recompute at b so that statement k can be: False if some
-        input is neither alive at b nor recomputable within `depth` links."""
-        for i in nodes[k].inputs:
-            if alive(i, b):
+    def chain(self, k: int, position: int, depth: int = CHAIN_DEPTH) -> list[int] | None:
+        """The statements to recompute at `position`, inputs first, so that statement k can be: its inputs no longer
+        alive there, theirs, ... at most `depth` links; None if some input is neither alive nor recomputable."""
+        found: list[int] = []
+        return found if self._chain(k, position, depth, found) else None
+
+    def _chain(self, k: int, position: int, depth: int, found: list[int]) -> bool:
+        for i in self.nodes[k].inputs:
+            if self.alive(i, position):
                 continue
-            ki = index.get(id(i))
-            if ki is None or depth == 0 or is_view(i) or get_op(i.op).view or graph.owned[ki] is None:
+            ki = self.index.get(id(i))
+            if ki is None or depth == 0 or is_view(i) or self.graph.owned[ki] is None:
                 return False
             if ki in found:
                 continue
-            if not chain(ki, b, depth - 1, found):
+            if not self._chain(ki, position, depth - 1, found):
                 return False
             found.append(ki)
         return True
 
-    for t in np.flatnonzero(profile == peak).tolist()[:1]:
-        candidates = []
-        for k in range(t):
-            g = graph.owned[k]
-            if g is None or graph.group_pinned[g] or graph.group_batch[g] or g in viewed or k in graph.updates:
-                continue
-            size = graph.group_size[g]
-            if size < smallest or last_read[g] <= t or t in graph.readers[g]:
-                continue
-            later = readers[g]
-            b = next(r for r in later if r > t)
-            a = max([k] + [r for r in later if r < t])
-            found: list[int] = []
-            if not chain(k, b, CHAIN_DEPTH, found):
-                continue
-            flops = sum(get_op(nodes[j].op).flops(nodes[j]) for j in found + [k])
-            candidates.append((flops / size, -(b - a), k, a, b, tuple(found), flops, size))
-        candidates.sort()
-        for _, _, k, a, b, found, flops, size in candidates[:TRIES]:
-            trial = _insert(program, list(found) + [k], b, 1 << 30)
-            trial_profile = live_profile(StorageGraph(trial), list(range(len(trial.body))))
-            new_peak = max(trial_profile)
-            # the peak falls, or stays with fewer statements at it: the sequence cannot go on forever
-            if new_peak < peak or (new_peak == peak and trial_profile.count(peak) < at_peak):
-                return list(found) + [k], Recomputation(nodes[k], b, tuple(nodes[j] for j in found), flops, size,
-                                                        new_peak)
+    def flops(self, statements) -> int:
+        return sum(get_op(self.nodes[j].op).flops(self.nodes[j]) for j in statements)
+
+
+def _next(program: Program) -> tuple[list[int], Recomputation] | None:
+    """The statements to copy (chain first, value last) and the recomputation that lowers the first statement at the
+    peak most cheaply and lowers (peak, statements at the peak); None when none does."""
+    if len(program.body) < 3:
+        return None
+    model = Recomputable(program)
+    graph, nodes = model.graph, model.nodes
+    profile = np.array(live_profile(graph, list(range(len(nodes)))), dtype=np.int64)
+    peak = int(profile.max())
+    smallest = max(peak // WORTHWHILE, 1)
+    at_peak = int((profile == peak).sum())
+    t = int(np.flatnonzero(profile == peak)[0])
+    candidates = []
+    for k in range(t):
+        g = model.droppable(k)
+        if g is None:
+            continue
+        size = graph.group_size[g]
+        if size < smallest or model.last_read[g] <= t or t in graph.readers[g]:
+            continue
+        later = model.readers[g]
+        b = next(r for r in later if r > t)
+        a = max([k] + [r for r in later if r < t])
+        found = model.chain(k, b)
+        if found is None:
+            continue
+        flops = model.flops(found + [k])
+        candidates.append((flops / size, -(b - a), k, b, tuple(found), flops, size))
+    candidates.sort()
+    for _, _, k, b, found, flops, size in candidates[:TRIES]:
+        trial = _insert(program, list(found) + [k], b, 1 << 30)
+        trial_profile = live_profile(StorageGraph(trial), list(range(len(trial.body))))
+        new_peak = max(trial_profile)
+        # the peak falls, or stays with fewer statements at it: the sequence cannot go on forever
+        if new_peak < peak or (new_peak == peak and trial_profile.count(peak) < at_peak):
+            return list(found) + [k], Recomputation(nodes[k], b, tuple(nodes[j] for j in found), flops, size,
+                                                    new_peak)
     return None
 
 
-def _insert(program: Program, chosen: list[int], position: int, serial: int) -> Program:
-    """`program` with copies of the statements `chosen` (in that order) right before statement `position`; the
-    statements from there on read the copies."""
+def insert_copies(program: Program, at: dict[int, list[int]], copy) -> Program:
+    """`program` with copies of statements right before others: `at` maps a body index to the statements copied
+    right before it (in that order, inputs first); `copy(original, inputs, position, current)` makes the copy
+    made before statement `position` over the inputs as they stand there (`current(node)`: what the statements
+    there read for `node`). From each copy on, the
+    statements read the copy instead of the original."""
     nodes = [i.node for i in program.body]
     subst: dict[int, Node] = {}
     body: list[Let] = []
-    for k, node in enumerate(nodes):
-        if k == position:
-            for j in chosen:
-                original = nodes[j]
-                copy = substitute(original, [subst.get(id(i), i) for i in original.inputs], **{REMAT: serial})
-                body.append(Let(copy))
-                subst[id(original)] = copy
+    for position, node in enumerate(nodes):
+        for j in at.get(position, ()):
+            original = nodes[j]
+            made = copy(original, [subst.get(id(i), i) for i in original.inputs], position,
+                        lambda v: subst.get(id(v), v))
+            body.append(Let(made))
+            subst[id(original)] = made
         inputs = [subst.get(id(i), i) for i in node.inputs]
         new = substitute(node, inputs) if any(a is not b for a, b in zip(inputs, node.inputs)) else node
         if new is not node:
@@ -161,4 +189,11 @@ def _insert(program: Program, chosen: list[int], position: int, serial: int) -> 
     return program.rewritten(tuple(body), outputs)
 
 
-__all__ = ["Recomputation", "recomputation_sequence", "CHAIN_DEPTH"]
+def _insert(program: Program, chosen: list[int], position: int, serial: int) -> Program:
+    """`program` with copies of the statements `chosen` (in that order) right before statement `position`, marked
+    with the `remat` attribute `serial`."""
+    return insert_copies(program, {position: chosen},
+                         lambda original, inputs, *_: substitute(original, inputs, **{REMAT: serial}))
+
+
+__all__ = ["Recomputation", "Recomputable", "recomputation_sequence", "insert_copies", "CHAIN_DEPTH"]

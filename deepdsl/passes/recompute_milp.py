@@ -23,12 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepdsl.ir import REMAT
+from deepdsl.ir import REMAT, substitute
 from deepdsl.liveness import StorageGraph, live_profile
-from deepdsl.ops import get_op
-from deepdsl.passes.recompute import CHAIN_DEPTH, _insert
+from deepdsl.passes.recompute import CHAIN_DEPTH, Recomputable, insert_copies
 from deepdsl.ssa import Program
-from deepdsl.storage import is_inline, is_persistent, is_view
+from deepdsl.storage import is_persistent
 
 ROUNDS = 6
 
@@ -57,54 +56,25 @@ class Solution:
 
 def options(program: Program, smallest: int = 1) -> tuple[StorageGraph, list[int], list[Option]]:
     """The drop options of `program` (see the module docstring): (its storage graph, live profile, options)."""
-    graph = StorageGraph(program)
-    nodes = graph.nodes
+    model = Recomputable(program)
+    graph, nodes = model.graph, model.nodes
     profile = live_profile(graph, list(range(len(nodes))))
-    index = {id(node): k for k, node in enumerate(nodes)}
-    readers = [sorted(r) for r in graph.readers]
-    last_read = [r[-1] if r else -1 for r in readers]
-    viewed = {graph.group_of[id(node)] for k, node in enumerate(nodes) if graph.owned[k] is None}
-
-    def alive(node, b):
-        if is_inline(node) or (node.is_leaf and is_persistent(node)):
-            return True
-        g = graph.group_of.get(id(node))
-        return g is not None and last_read[g] >= b
-
-    def chain(k, b, depth, found):
-        for i in nodes[k].inputs:
-            if alive(i, b):
-                continue
-            ki = index.get(id(i))
-            if ki is None or depth == 0 or is_view(i) or graph.owned[ki] is None:
-                return False
-            if ki in found:
-                continue
-            if not chain(ki, b, depth - 1, found):
-                return False
-            found.append(ki)
-        return True
-
     result = []
-    for k, node in enumerate(nodes):
-        g = graph.owned[k]
-        if g is None or graph.group_pinned[g] or graph.group_batch[g] or g in viewed or k in graph.updates:
+    for k in range(len(nodes)):
+        g = model.droppable(k)
+        if g is None or graph.group_size[g] < smallest:
             continue
-        size = graph.group_size[g]
-        if size < smallest:
-            continue
-        uses = [k] + readers[g]
+        uses = [k] + model.readers[g]
         for a, b in zip(uses, uses[1:]):
-            if b - a <= 1:
-                continue
-            found: list[int] = []
-            if not chain(k, b, CHAIN_DEPTH, found):
+            found = model.chain(k, b) if b - a > 1 else None
+            if found is None:
                 continue
             needs = {graph.group_of[id(i)] for j in found + [k] for i in nodes[j].inputs
                      if id(i) in graph.group_of and not (i.is_leaf and is_persistent(i))}
             needs -= {graph.owned[j] for j in found}
-            result.append(Option(k, a, b, tuple(found), size, sum(graph.group_size[graph.owned[j]] for j in found),
-                                 sum(get_op(nodes[j].op).flops(nodes[j]) for j in found + [k]), tuple(sorted(needs))))
+            result.append(Option(k, a, b, tuple(found), graph.group_size[g],
+                                 sum(graph.group_size[graph.owned[j]] for j in found), model.flops(found + [k]),
+                                 tuple(sorted(needs))))
     return graph, profile, result
 
 
@@ -154,20 +124,16 @@ def choose(profile: list[int], opts: list[Option], graph: StorageGraph, limit: i
 
 
 def apply(program: Program, opts: list[Option], chosen: list[int]) -> Program:
-    """`program` with the chosen options' copies, made right before their `after` statements (latest first, so the
-    indices of the others stay valid; copies at one statement in one insertion, inputs first)."""
-    at: dict[int, list[int]] = {}
+    """`program` with the chosen options' copies, made right before their `after` statements (copies at one
+    statement in program order, inputs first), each statement's copies with a `remat` attribute of their own."""
+    at: dict[int, set[int]] = {}
     for j in chosen:
-        o = opts[j]
-        statements = at.setdefault(o.after, [])
-        for k in o.chain + (o.value,):
-            if k not in statements:
-                statements.append(k)
-    serial = max((i.node.attr(REMAT, 0) for i in program.body), default=0)
-    for position in sorted(at, reverse=True):
-        serial += 1
-        program = _insert(program, sorted(at[position]), position, serial)
-    return program
+        at.setdefault(opts[j].after, set()).update(opts[j].chain + (opts[j].value,))
+    first = max((i.node.attr(REMAT, 0) for i in program.body), default=0) + 1
+    serial = {position: first + n for n, position in enumerate(sorted(at))}
+    return insert_copies(program, {position: sorted(statements) for position, statements in at.items()},
+                         lambda original, inputs, position, _: substitute(original, inputs,
+                                                                          **{REMAT: serial[position]}))
 
 
 def solve(program: Program, budget: int, planned_total, time_limit: float = 600.0) -> Solution | None:

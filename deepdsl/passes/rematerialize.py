@@ -40,7 +40,8 @@ import numpy as np
 from deepdsl.ir import REMAT, Node, make, substitute
 from deepdsl.ops import get_op
 from deepdsl.liveness import StorageGraph, live_profile
-from deepdsl.ssa import Free, Let, Program
+from deepdsl.passes.recompute import insert_copies
+from deepdsl.ssa import Free, Program
 from deepdsl.storage import is_inline, is_persistent
 
 
@@ -183,24 +184,13 @@ def _insert_copies(program: Program, nodes: list[Node], chosen: dict[int, int],
     at: dict[int, list[int]] = {}
     for k, position in chosen.items():
         at.setdefault(position, []).append(k)
-    subst: dict[int, Node] = {}
-    body: list[Let] = []
-    for position, node in enumerate(nodes):
-        for k in sorted(at.get(position, ())):
-            original = nodes[k]
-            if k in sliced:                    # the piece, read back out of its concatenation
-                c, axis, start, stop = sliced[k]
-                whole = subst.get(id(nodes[c]), nodes[c])
-                copy = make("slice", (whole,), axis=axis, start=start, stop=stop, **{REMAT: 1})
-            else:
-                copy = substitute(original, [subst.get(id(i), i) for i in original.inputs],
-                                  **{REMAT: original.attr(REMAT, 0) + 1})
-            body.append(Let(copy))
-            subst[id(original)] = copy
-        inputs = [subst.get(id(i), i) for i in node.inputs]
-        new = substitute(node, inputs) if any(a is not b for a, b in zip(inputs, node.inputs)) else node
-        if new is not node:
-            subst[id(node)] = new
-        body.append(Let(new))
-    outputs = tuple((name, subst.get(id(v), v)) for name, v in program.outputs)
-    return program.rewritten(tuple(body), outputs)
+
+    def copy(original: Node, inputs: list[Node], position: int, current) -> Node:
+        k = index[id(original)]
+        if k in sliced:                        # the piece, read back out of its concatenation
+            c, axis, start, stop = sliced[k]
+            return make("slice", (current(nodes[c]),), axis=axis, start=start, stop=stop, **{REMAT: 1})
+        return substitute(original, inputs, **{REMAT: original.attr(REMAT, 0) + 1})
+
+    index = {id(node): k for k, node in enumerate(nodes)}
+    return insert_copies(program, {p: sorted(ks) for p, ks in at.items()}, copy)
