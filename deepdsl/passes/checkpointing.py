@@ -21,8 +21,8 @@ is O(sqrt(n)) at the cost of one more forward pass. This module does that on a s
 3. The recomputations. For each segment, the values it defines (other than what is kept) that are read after the
    forward are recomputed: copies of the statements needed to compute them from outside the segment (their closure
    within the segment, in program order) go right before the first statement after the forward that reads one of
-   them, and every statement from there on reads the copies (`recompute._insert`, one insertion per segment). The
-   originals are then no longer read after the forward, so they are freed during it.
+   them, and every statement from there on reads the copies (`recompute.copies_before`, one insertion per segment).
+   The originals are then no longer read after the forward, so they are freed during it.
 
 The copies read the values from outside their segment that the originals read: checkpoints, parameters, batch
 inputs, and on graphs that are no chain (a residual block's input, an inception module's branches) values of an
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 
 from deepdsl.ir import REMAT
-from deepdsl.passes.recompute import _insert
+from deepdsl.passes.recompute import copies_before
 from deepdsl.ssa import Free, Program
 from deepdsl.storage import is_persistent
 
@@ -125,7 +125,7 @@ def checkpoint_segments(program: Program, segments: int, keep_last: bool = True)
     # segment's copies come before it and its copies read them): earlier positions stay valid
     for position, _, chosen in sorted(insertions, reverse=True):
         serial += 1
-        program = _insert(program, chosen, position, serial)
+        program = copies_before(program, chosen, position, serial)
     return program
 
 
@@ -135,4 +135,4 @@ def sqrt_segments(program: Program, keep_last: bool = True) -> Program:
     return checkpoint_segments(program, max(1, round(math.sqrt(n))), keep_last)
 
 
-__all__ = ["forward_statements", "split", "checkpoint_segments", "sqrt_segments"]
+__all__ = ["checkpoint_segments", "forward_statements", "split", "sqrt_segments"]

@@ -67,7 +67,7 @@ def recomputation_sequence(program: Program) -> Iterator[tuple[Program, Recomput
             return
         chosen, recomputation = step
         serial += 1
-        program = _insert(program, chosen, recomputation.position, serial)
+        program = copies_before(program, chosen, recomputation.position, serial)
         yield program, recomputation
 
 
@@ -154,7 +154,7 @@ def _next(program: Program) -> tuple[list[int], Recomputation] | None:
         candidates.append((flops / size, -(b - a), k, b, tuple(found), flops, size))
     candidates.sort()
     for _, _, k, b, found, flops, size in candidates[:TRIES]:
-        trial = _insert(program, list(found) + [k], b, 1 << 30)
+        trial = copies_before(program, list(found) + [k], b, 1 << 30)
         trial_profile = live_profile(StorageGraph(trial), list(range(len(trial.body))))
         new_peak = max(trial_profile)
         # the peak falls, or stays with fewer statements at it: the sequence cannot go on forever
@@ -189,11 +189,12 @@ def insert_copies(program: Program, at: dict[int, list[int]], copy) -> Program:
     return program.rewritten(tuple(body), outputs)
 
 
-def _insert(program: Program, chosen: list[int], position: int, serial: int) -> Program:
+def copies_before(program: Program, chosen: list[int], position: int, serial: int) -> Program:
     """`program` with copies of the statements `chosen` (in that order) right before statement `position`, marked
     with the `remat` attribute `serial`."""
     return insert_copies(program, {position: chosen},
                          lambda original, inputs, *_: substitute(original, inputs, **{REMAT: serial}))
 
 
-__all__ = ["Recomputation", "Recomputable", "recomputation_sequence", "insert_copies", "CHAIN_DEPTH"]
+__all__ = ["Recomputation", "Recomputable", "recomputation_sequence", "insert_copies", "copies_before",
+           "CHAIN_DEPTH"]

@@ -161,4 +161,32 @@ def solve(program: Program, budget: int, planned_total, time_limit: float = 600.
     return None
 
 
-__all__ = ["Option", "Solution", "options", "choose", "apply", "solve"]
+def optimal_curve(loop, budgets: list[int], time_limit: float = 600.0) -> list[dict | None]:
+    """The model's least-FLOPs recomputation of `loop`'s training step at each budget (planned total bytes), at the
+    smallest workspace limit (0: one sample per chunk, which leaves the arena the most room): per budget None (no
+    solution in time) or its planned total, extra FLOPs % of the step's, whether the solver proved it optimal and
+    the seconds it took. The benchmark's oracle (`benchmarks/memory_budget.py`)."""
+    from deepdsl.budget import flops
+    from deepdsl.pipeline import CompileOptions, STAGES, compile_without_search, run_stages, stage_index
+
+    unplanned = compile_without_search(loop).steps["train"].unplanned
+    program = run_stages({"train": unplanned}, STAGES[stage_index("schedule"):stage_index("inplace")],
+                         CompileOptions())["train"]
+    options = CompileOptions(workspace_limit=0)
+
+    def total(candidate: Program) -> int:
+        return run_stages({"train": candidate}, STAGES[stage_index("inplace"):], options)["train"].total_bytes
+
+    curve = []
+    for budget in budgets:
+        solution = solve(program, budget, total, time_limit)
+        if solution is None:
+            curve.append(None)
+            continue
+        extra, own = flops(solution.program)
+        curve.append({"total": total(solution.program), "extra_percent": 100.0 * extra / max(own, 1),
+                      "optimal": solution.optimal, "seconds": solution.seconds})
+    return curve
+
+
+__all__ = ["Option", "Solution", "options", "choose", "apply", "solve", "optimal_curve"]
