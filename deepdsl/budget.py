@@ -52,6 +52,7 @@ class Fit:
     workspace_limit: int | None
     planned: int
     seconds: float
+    solver: str = "greedy"         # "greedy", or "exact" / "exact, time limit" (the MILP, proved optimal or not)
 
 
 class BudgetError(DeepDSLError):
@@ -133,7 +134,10 @@ def workspace_levels(program: Program, limit: int | None) -> list[int | None]:
     return levels
 
 
-def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str = "", batch: int | None = None):
+EXACT_TIME_LIMIT = 60.0      # seconds the exact solver may take for one workspace level
+
+
+def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str = ""):
     """`pipeline.plan_steps` under `options.memory_budget`: every step's final program and plan, each fitting the
     budget, with its `Fit`; `BudgetError` when some step cannot fit."""
     from deepdsl.pipeline import CompiledStep, run_stages, stage_index, STAGES
@@ -141,6 +145,8 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
     ordering = STAGES[stage_index("schedule"):stage_index("inplace")]
     finishing = STAGES[stage_index("inplace"):]
     budget = options.memory_budget
+    if options.memory_solver not in (None, "exact"):
+        raise ValueError(f"memory_solver must be None (the greedy sequence) or 'exact', got {options.memory_solver!r}")
     ordered = run_stages(unplanned, ordering, options, hook)
     result = {}
     start_limit = options.workspace_limit       # the other steps start from the training step's workspace limit
@@ -155,7 +161,7 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
             return run_stages({step: candidate}, finishing, options.changed(workspace_limit=limit))[step]
 
         candidates = _Prefixes(program)
-        chosen = None
+        chosen = solver = None
         for count, candidate in enumerate(candidates):
             if persistent + peak_estimate(candidate) > budget:
                 continue
@@ -168,6 +174,10 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
                     break                  # the arena alone exceeds it: smaller workspaces cannot help
             if chosen:
                 break
+        if options.memory_solver == "exact":      # the MILP's choice where it costs fewer FLOPs than the greedy's
+            exact, name = _exact(program, budget, start_limit, plan)
+            if exact is not None and (chosen is None or flops(exact[1])[0] < flops(chosen[1])[0]):
+                chosen, solver = exact, name
         if chosen is None:
             least = None
             for candidate in candidates:
@@ -180,11 +190,35 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
         limited = options.changed(workspace_limit=limit)
         final = run_stages({step: candidate}, finishing[:-1], limited, hook)
         plans = run_stages(final, finishing[-1:], limited, hook)
-        fit = Fit(budget, count, limit, planned, time.perf_counter() - start)
+        fit = Fit(budget, count, limit, planned, time.perf_counter() - start, solver or "greedy")
         if step == "train":
             start_limit = limit
         result[step] = CompiledStep(final[step], plans[step], unplanned[step], fit)
     return {step: result[step] for step in ordered}
+
+
+def _exact(program: Program, budget: int, start_limit, plan):
+    """The exact model's (`passes/recompute_milp.py`) least-FLOPs recomputation over the workspace levels (as the
+    greedy search orders them: fewer FLOPs first, then the larger workspace), each solve within
+    `EXACT_TIME_LIMIT`: ((options chosen, program, limit), solver name), or (None, None) when it finds none (the
+    greedy sequence is then searched)."""
+    try:
+        from deepdsl.passes import recompute_milp
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        raise DeepDSLError('the exact memory solver needs scipy: pip install "deepdsl[budget]"') from None
+    best = None
+    for limit in workspace_levels(program, start_limit):
+        solution = recompute_milp.solve(program, budget, lambda candidate: plan(candidate, limit).total_bytes,
+                                        EXACT_TIME_LIMIT)
+        if solution is not None and (best is None or solution.flops < best[1].flops):
+            best = (limit, solution)
+            if solution.flops == 0:
+                break                      # nothing recomputed: no smaller workspace can cost less
+    if best is None:
+        return None, None
+    limit, solution = best
+    return (solution.chosen, solution.program, limit), "exact" if solution.optimal else "exact, time limit"
 
 
 class _Prefixes:

@@ -78,6 +78,9 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
                    help="bytes every step's planned total (persistent + arena + workspace, as `deepdsl memory` "
                         "prints it) must fit, e.g. 300MB (MB = 10^6 bytes): values are recomputed and the workspace "
                         "limit lowered until it does, else a one-line error states the least reachable")
+    p.add_argument("--memory-solver", choices=("greedy", "exact"), default="greedy",
+                   help="how --memory-budget chooses recomputations: greedy (default: a fixed sequence, monotone in "
+                        "the budget) or exact (also a MILP, needs scipy; taken where it costs fewer FLOPs)")
 
 
 def _compile(args: argparse.Namespace):
@@ -94,7 +97,7 @@ def _options(args: argparse.Namespace):
     budget = args.memory_budget if args.memory_budget is not None and args.memory_budget >= 0 else None
     return CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
                           code_motion=not args.no_code_motion, workspace_limit=_workspace_limit(args),
-                          memory_budget=budget)
+                          memory_budget=budget, memory_solver=None if args.memory_solver == "greedy" else "exact")
 
 
 def cmd_ir(args: argparse.Namespace) -> int:

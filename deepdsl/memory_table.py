@@ -254,9 +254,10 @@ def summary_lines(report: Report) -> list[str]:
     fit = report.fit
     if fit is not None:
         limit = "none" if fit.workspace_limit is None else f"{fit.workspace_limit} bytes"
-        lines.append(f"memory budget:            {_mb(fit.budget):>14} MB  (total fits; {fit.recomputations} "
-                     f"recomputations of the budget's sequence, workspace limit {limit}; {fit.planned} candidates "
-                     f"planned in {fit.seconds:.2f} s)")
+        chosen = (f"{fit.recomputations} recomputations of the greedy sequence" if fit.solver == "greedy" else
+                  f"{fit.recomputations} drop options of the {fit.solver} MILP")
+        lines.append(f"memory budget:            {_mb(fit.budget):>14} MB  (total fits; {chosen}, workspace limit "
+                     f"{limit}; {fit.planned} candidates planned in {fit.seconds:.2f} s)")
     lines.append("what if (peak live bytes):")
     for label, value in report.what_if.items():
         change = f"{value / plan.peak_live_bytes:.2f} x" if plan.peak_live_bytes else ""
@@ -296,7 +297,7 @@ def to_json(report: Report) -> str:
         "step_flops": report.flops[1],
         "memory_budget": None if report.fit is None else {
             "budget_bytes": report.fit.budget, "recomputations": report.fit.recomputations,
-            "workspace_limit": report.fit.workspace_limit, "planned": report.fit.planned,
+            "workspace_limit": report.fit.workspace_limit, "planned": report.fit.planned, "solver": report.fit.solver,
             "seconds": report.fit.seconds},
         "what_if": report.what_if,
     }

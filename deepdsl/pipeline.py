@@ -72,6 +72,9 @@ class CompileOptions:
     # bytes every step's planned total (persistent + arena + workspace) must fit: recompute values and lower the
     # workspace limit until it does (deepdsl/budget.py); None: no budget
     memory_budget: int | None = None
+    # how the budget chooses recomputations: None, the greedy sequence (monotone in the budget); "exact", also the
+    # MILP (scipy's HiGHS), taken where it costs fewer FLOPs than the greedy sequence's choice
+    memory_solver: str | None = None
     verify: bool = False
 
     def changed(self, **changes) -> "CompileOptions":

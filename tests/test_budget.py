@@ -313,3 +313,26 @@ def test_the_milp_oracle_fits_and_costs_no_more_than_its_model_allows():
     assert total(solution.program) <= budget
     verify(solution.program)
     assert flops(solution.program)[0] - flops(before)[0] == solution.flops
+
+
+def test_the_exact_solver_fits_costs_no_more_than_the_greedy_and_trains_the_same(tmp_path):
+    pytest.importorskip("scipy")
+    loop = load("resnet_mini", 4)
+    _, sizes = budgets(loop)
+    for budget in sizes[:2]:
+        greedy = deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=budget))
+        compiled, path = compile_program("resnet_mini", tmp_path / str(budget), 4,
+                                         options=deepdsl.CompileOptions(memory_budget=budget, memory_solver="exact"))
+        step = compiled.steps["train"]
+        assert step.plan.total_bytes <= budget and step.fit.solver in ("greedy", "exact", "exact, time limit")
+        assert flops(step.program)[0] <= flops(greedy.train)[0]
+        _, plain = compile_program("resnet_mini", tmp_path / f"plain{budget}", 4,
+                                   options=deepdsl.CompileOptions(workspace_limit=step.fit.workspace_limit))
+        got_cls, want_cls = model_class(import_program(path)), model_class(import_program(plain))
+        data = batches(got_cls, 2)
+        model, got, got_tensors = outputs(got_cls, data)
+        assert model.mem.usage["train_step"].peak_bytes == step.plan.peak_live_bytes
+        _, want, want_tensors = outputs(want_cls, data)
+        assert got == want and all(np.array_equal(got_tensors[k], v) for k, v in want_tensors.items())
+    with pytest.raises(ValueError, match="memory_solver"):
+        deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=sizes[0], memory_solver="optimal"))
