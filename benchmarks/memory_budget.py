@@ -22,7 +22,8 @@ For each network:
   forward's length (and sqrt(n));
 - the budget search at the totals of (b) and (c): the FLOPs it needs to reach them (a budget below the least
   reachable: none reaches them);
-- (d) the MILP optimum, where `deepdsl.passes.recompute_milp.optimal_curve` exists (else left out).
+- (d) the optimum of the MILP over drop options (`deepdsl.passes.recompute_milp.optimal_curve`, at workspace
+  limit 0; needs scipy, left out without it): its model's optimum, not the problem's.
 
 Prints a table per network and the load average; `--png` draws one panel per network (planned total against
 extra FLOPs, baselines as markers, matplotlib), `--markdown` writes the tables, `--json` every figure.
@@ -89,10 +90,9 @@ def _ours_at(loop, budget: int, least: int) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# (d) the MILP optimum. `deepdsl.passes.recompute_milp.optimal_curve(loop_or_program, budgets, time_limit)` is
-# expected to give, per budget, None (no solution) or the planned total and extra FLOPs % of its optimum, as a
-# mapping with "total" (bytes) and "extra_percent", or a (total bytes, extra percent) pair. Without that function
-# the benchmark leaves (d) out.
+# (d) the MILP's optimum. `deepdsl.passes.recompute_milp.optimal_curve(loop, budgets, time_limit)` gives, per
+# budget, None (no solution in time) or the planned total and extra FLOPs % of its optimum, as a mapping with
+# "total" (bytes) and "extra_percent" (and "optimal", "seconds"). Without scipy the benchmark leaves (d) out.
 
 def _milp_curve(loop, budgets: list[int], time_limit: float) -> list[dict | None] | None:
     try:
@@ -293,7 +293,7 @@ def draw(results: list[dict], path: str) -> None:
         milp = [p for p in result["milp"] or [] if p is not None]
         if milp:
             ax.plot([p["extra_percent"] for p in milp], [p["total"] / MB for p in milp], "x--", color="C4",
-                    label="(d) MILP optimum")
+                    label="(d) MILP (optimum of its model)")
         ax.set_title(f"{result['network']} batch {result['batch']}")
         ax.set_xlabel("extra FLOPs (% of the step's)")
         ax.set_ylabel("planned total (MB)")
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", help="write the tables to this Markdown file")
     parser.add_argument("--json", help="write every figure to this JSON file")
     parser.add_argument("--milp-time-limit", type=float, default=60.0,
-                        help="seconds per budget for (d), the MILP optimum, where it exists (0: leave it out)")
+                        help="seconds per budget for (d), the MILP's optimum (0: leave it out)")
     args = parser.parse_args(argv)
     print(f"load average before: {load_average()}", flush=True)
     results, markdown = [], ["# Memory budgets: planned total against extra FLOPs", ""]

@@ -7,8 +7,9 @@ step of the program (setup, train, test) must fit it.
 Two levers, each a fixed sequence that does not depend on the budget:
 - recomputation (`passes/recompute.py`): programs p0 (the program without a budget), p1, p2, ... each recomputing
   one more value before its late uses, at a growing cost in FLOPs;
-- the workspace limit: levels l0 (the compile's limit), l0/2, l0/4, ... down to one sample per chunk. A smaller
-  limit runs ops over the batch in more chunks: no FLOPs, some time, and sums over chunks in another order.
+- the workspace limit: levels l0 (the compile's limit), l0/2, l0/4, ... down to the scratch of one sample of the
+  op that needs the most. A smaller limit runs ops over the batch in more chunks: no FLOPs, some time, and sums
+  over chunks in another order.
 
 The candidates are the pairs (p_i, l_j) in that order (fewer recomputations first, then larger workspace); the
 budget takes the first whose planned total fits. Each candidate's total is a fixed number, so this is monotone: a
@@ -118,7 +119,9 @@ def flops(program: Program) -> tuple[int, int]:
 
 
 def workspace_levels(program: Program, limit: int | None) -> list[int | None]:
-    """The workspace limits tried, largest first: `limit`, then halvings down to one sample per chunk (limit 0)."""
+    """The workspace limits tried, largest first: `limit`, then halvings down to the scratch of one sample of the
+    op that needs the most (the least any limit can give: there that op runs one sample at a time, the others in
+    chunks of as many samples as fit, so the workspace is that of one sample per chunk everywhere at less time)."""
     nodes = [i.node for i in program.body if isinstance(i, Let)]
     if limit is None:
         limit = max((get_op(n.op).workspace(n, None).nbytes for n in nodes), default=0)
@@ -129,8 +132,8 @@ def workspace_levels(program: Program, limit: int | None) -> list[int | None]:
     while limit // 2 > floor:
         limit //= 2
         levels.append(limit)
-    if levels[-1] != 0:
-        levels.append(0)
+    if levels[-1] != floor:
+        levels.append(floor)
     return levels
 
 
