@@ -16,9 +16,13 @@ budget takes the first whose planned total fits. Each candidate's total is a fix
 larger budget never takes a later candidate (never more recomputation, never a smaller workspace), and a smaller
 budget never gives a larger plan. Candidates whose predicted peak of live bytes (`liveness.peak_estimate`, a lower
 bound of the arena) plus persistent bytes exceeds the budget are skipped without planning; the others are planned
-exactly, so the guarantee is the plan's own figure. Training with a budget reached by recomputation alone is
-bitwise identical to training without one (the copies compute the same ops over the same values, with the same
-chunks); a smaller workspace limit gives the results of a compile with that `--workspace-limit`.
+exactly, so the guarantee is the plan's own figure. Training under a budget is bitwise that of the compile without
+one at the workspace limit chosen, with the compiled CPU kernels (the copies compute the same ops over the same
+values, with the same chunks; the numpy fallback's elementwise kernels order their operands by which input they
+write over, which a budget can change: docs/memory.md).
+
+`memory_solver="exact"` also solves the MILP of `passes/recompute_milp.py` at every workspace level and takes its
+choice where it costs fewer FLOPs than the greedy candidate (a solve per budget: not monotone).
 
 When no candidate fits, `BudgetError` names the least total reachable (over every candidate: the last levels of
 each program), its parts, its recomputations and their cost, the statement at its peak, and where the network file

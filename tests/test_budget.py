@@ -30,7 +30,7 @@ from deepdsl_runtime.memory import MODES
 # ResNet-mini (batch norm: convolutions and batch statistics recomputed), Inception-mini (concatenations and
 # dropout masks recomputed)
 CASES = [("lenet", None, 8), ("resnet_mini", None, 4), ("inception_mini", None, 4)]
-FRACTIONS = (0.0, 0.35, 0.8)    # budgets: least + fraction x (total without a budget - least)
+FRACTIONS = (0.0, 0.5)    # budgets: least + fraction x (total without a budget - least)
 
 
 def load(name, batch, image=None):
