@@ -25,7 +25,7 @@ import numpy as np
 
 from deepdsl.ir import REMAT, substitute
 from deepdsl.liveness import StorageGraph, live_profile
-from deepdsl.passes.recompute import CHAIN_DEPTH, Recomputable, insert_copies
+from deepdsl.passes.recompute import Recomputable, insert_copies
 from deepdsl.ssa import Program
 from deepdsl.storage import is_persistent
 
