@@ -62,7 +62,7 @@ class Fit:
 
 class BudgetError(DeepDSLError):
     """No candidate fits the budget. `least` is the plan of the least total reachable, `program` its program;
-    `largest_batch` (when known) the largest batch whose step fits."""
+    `largest_batch` the largest batch whose steps fit (0: none does; None: not searched)."""
 
     def __init__(self, network: str, step: str, batch: int | None, budget: int, program: Program, least: MemoryPlan,
                  largest_batch: int | None = None):
@@ -89,10 +89,10 @@ class BudgetError(DeepDSLError):
                 f"(persistent {_mb(persistent)} + arena {_mb(plan.arena_bytes)} + workspace "
                 f"{_mb(plan.workspace_bytes)}) with {len(copies)} recomputation{'s' if len(copies) != 1 else ''} "
                 f"(+{100 * extra / max(total, 1):.0f} % FLOPs){at}")
-        if self.largest_batch is not None:
+        if self.largest_batch:
             text += f"; the largest batch that fits {_mb(self.budget)} MB is {self.largest_batch}"
-        elif self.batch:
-            text += f"; not even batch 1 fits {_mb(self.budget)} MB" if self.batch == 1 else ""
+        elif self.largest_batch == 0 or self.batch == 1:
+            text += f"; not even batch 1 fits {_mb(self.budget)} MB"
         return text
 
 

@@ -296,7 +296,7 @@ def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook |
     except BudgetError as err:
         if err.batch is None or err.batch <= 1 or loop.source is None:
             raise
-        raise err.with_largest_batch(largest_batch(loop, options, below=err.batch)) from None
+        raise err.with_largest_batch(largest_batch(loop, options, below=err.batch) or 0) from None
 
 
 def compile_without_search(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None

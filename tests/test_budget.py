@@ -354,3 +354,11 @@ def test_the_exact_solver_fits_costs_no_more_than_the_greedy_and_trains_the_same
         assert got == want and all(np.array_equal(got_tensors[k], v) for k, v in want_tensors.items())
     with pytest.raises(ValueError, match="memory_solver"):
         deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=sizes[0], memory_solver="optimal"))
+
+
+def test_a_budget_no_batch_fits_says_so():
+    loop = load("lenet", 4)
+    with pytest.raises(BudgetError) as caught:
+        deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=1_000_000))   # the parameters alone need more
+    assert caught.value.largest_batch == 0
+    assert str(caught.value).endswith("; not even batch 1 fits 1.00 MB")
