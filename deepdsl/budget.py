@@ -37,7 +37,7 @@ from typing import Mapping
 from deepdsl.errors import DeepDSLError
 from deepdsl.ir import REMAT
 from deepdsl.liveness import peak_estimate
-from deepdsl.memory_plan import MemoryPlan
+from deepdsl.memory_plan import MemoryPlan, workspace_bytes
 from deepdsl.ops import get_op
 from deepdsl.passes.recompute import recomputation_sequence
 from deepdsl.ssa import Let, Program, format_expr
@@ -96,6 +96,10 @@ class BudgetError(DeepDSLError):
         return text
 
 
+class DoesNotFit(DeepDSLError):
+    """A step cannot fit the budget (raised without the search for the least reachable `BudgetError` makes)."""
+
+
 def _mb(nbytes: int) -> str:
     return f"{nbytes / MB:.2f}"
 
@@ -144,9 +148,9 @@ def workspace_levels(program: Program, limit: int | None) -> list[int | None]:
 EXACT_TIME_LIMIT = 60.0      # seconds the exact solver may take for one workspace level
 
 
-def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str = ""):
+def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str = "", explain: bool = True):
     """`pipeline.plan_steps` under `options.memory_budget`: every step's final program and plan, each fitting the
-    budget, with its `Fit`; `BudgetError` when some step cannot fit."""
+    budget, with its `Fit`; `BudgetError` when some step cannot fit (`DoesNotFit`, sooner, when not `explain`)."""
     from deepdsl.pipeline import CompiledStep, run_stages, stage_index, STAGES
 
     ordering = STAGES[stage_index("schedule"):stage_index("inplace")]
@@ -167,24 +171,26 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
             planned += 1
             return run_stages({step: candidate}, finishing, options.changed(workspace_limit=limit))[step]
 
-        candidates = _Prefixes(program)
+        candidates = _Prefixes.of(program)
         chosen = solver = None
         for count, candidate in enumerate(candidates):
             if persistent + peak_estimate(candidate) > budget:
                 continue
-            for limit in workspace_levels(candidate, start_limit):
-                p = plan(candidate, limit)
-                if p.total_bytes <= budget:
-                    chosen = (count, candidate, limit)
-                    break
-                if p.total_bytes - p.workspace_bytes > budget:
-                    break                  # the arena alone exceeds it: smaller workspaces cannot help
-            if chosen:
+            levels = workspace_levels(candidate, start_limit)
+            first = plan(candidate, levels[0])
+            fixed = first.total_bytes - first.workspace_bytes       # persistent + arena: the same at every level
+            if fixed > budget:
+                continue                   # the arena alone exceeds it: smaller workspaces cannot help
+            limit = next((level for level in levels if fixed + workspace_bytes(first, level) <= budget), False)
+            if limit is not False:
+                chosen = (count, candidate, limit)
                 break
         if options.memory_solver == "exact":      # the MILP's choice where it costs fewer FLOPs than the greedy's
             exact, name = _exact(program, budget, start_limit, plan)
             if exact is not None and (chosen is None or flops(exact[1])[0] < flops(chosen[1])[0]):
                 chosen, solver = exact, name
+        if chosen is None and not explain:
+            raise DoesNotFit(f"{network} ({step} step) does not fit {_mb(budget)} MB")
         if chosen is None:
             least = None
             for candidate in candidates:
@@ -197,6 +203,7 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
         limited = options.changed(workspace_limit=limit)
         final = run_stages({step: candidate}, finishing[:-1], limited, hook)
         plans = run_stages(final, finishing[-1:], limited, hook)
+        assert plans[step].total_bytes <= budget, (step, plans[step].total_bytes, budget)
         fit = Fit(budget, count, limit, planned, time.perf_counter() - start, solver or "greedy")
         if step == "train":
             start_limit = limit
@@ -230,11 +237,26 @@ def _exact(program: Program, budget: int, start_limit, plan):
 
 class _Prefixes:
     """The program, then each program of its recomputation sequence: made as they are asked for, kept for another
-    pass."""
+    pass, and for the next compiles of the same program (the last `KEPT`: a compile at the least budget an error
+    named, the steps of one compile)."""
+
+    KEPT = 4
+    _recent: dict[tuple, "_Prefixes"] = {}
 
     def __init__(self, program: Program):
         self._made = [program]
         self._rest = (candidate for candidate, _ in recomputation_sequence(program))
+
+    @classmethod
+    def of(cls, program: Program) -> "_Prefixes":
+        """The sequence of `program`, made again only for a program of other statements (nodes are hash-consed: a
+        kept sequence keeps its nodes, so an equal program has the same ones)."""
+        key = (program.name, tuple(id(i.node) for i in program.body), tuple((n, id(v)) for n, v in program.outputs))
+        found = cls._recent.pop(key, None) or cls(program)
+        cls._recent[key] = found
+        while len(cls._recent) > cls.KEPT:
+            del cls._recent[next(iter(cls._recent))]
+        return found
 
     def __iter__(self):
         k = 0
@@ -274,8 +296,8 @@ def largest_batch(loop, options, recompute: bool = True, start: int | None = Non
             compiled = compile_loop(other, options.changed(memory_budget=None))
             return all(s.plan.total_bytes <= budget for s in compiled.steps.values())
         try:
-            compile_loop(other, options)
-        except BudgetError:
+            compile_loop(other, options, explain=False)
+        except DoesNotFit:
             return False
         return True
 
@@ -297,4 +319,5 @@ def largest_batch(loop, options, recompute: bool = True, start: int | None = Non
     return low
 
 
-__all__ = ["Fit", "BudgetError", "fit_steps", "largest_batch", "recomputed", "flops", "workspace_levels"]
+__all__ = ["Fit", "BudgetError", "DoesNotFit", "fit_steps", "largest_batch", "recomputed", "flops",
+           "workspace_levels"]

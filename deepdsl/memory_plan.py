@@ -247,6 +247,25 @@ def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int
     return result
 
 
+def _workspace(node: Node, allocated: int | None, buffers, workspace_limit: int | None) -> tuple[int, int]:
+    """(workspace bytes, batch chunks) of the statement computing `node` into buffer `allocated`: its op's scratch
+    within the limit, plus the stage of a buffer taking over another's bytes (`stage_bytes`)."""
+    stage = 0
+    if allocated is not None and buffers[allocated].takes_over is not None:
+        stage = stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes, node.shape[0])
+    limit = None if workspace_limit is None else max(workspace_limit - stage, 0)
+    workspace, chunks = get_op(node.op).workspace(node, limit)
+    return workspace + stage, chunks
+
+
+def workspace_bytes(plan: "MemoryPlan", workspace_limit: int | None) -> int:
+    """The workspace `plan`'s program would need under another limit: its plan under that limit differs in nothing
+    else (the arena does not depend on the limit)."""
+    allocates = {id(b.value): b.index for b in plan.buffers}
+    return max((_workspace(s.instr.node, allocates.get(id(s.instr.node)), plan.buffers, workspace_limit)[0]
+                for s in plan.steps if isinstance(s.instr, Let)), default=0)
+
+
 def _steps(program, buffers, workspace_limit):
     intervals = [(b.begin, b.end) for b in buffers]
     pairs = [(b.takes_over, b.index) for b in buffers if b.takes_over is not None]
@@ -264,13 +283,7 @@ def _steps(program, buffers, workspace_limit):
         workspace = chunks = 0
         if isinstance(instr, Let):
             allocated = allocates.get(id(instr.node))
-            stage = 0
-            if allocated is not None and buffers[allocated].takes_over is not None:
-                stage = stage_bytes(buffers[buffers[allocated].takes_over].nbytes, buffers[allocated].nbytes,
-                                    instr.node.shape[0])
-            limit = None if workspace_limit is None else max(workspace_limit - stage, 0)
-            workspace, chunks = get_op(instr.node.op).workspace(instr.node, limit)
-            workspace += stage
+            workspace, chunks = _workspace(instr.node, allocated, buffers, workspace_limit)
             ws_max = max(ws_max, workspace)
         releases = tuple(ends.get(k, ())) if isinstance(instr, Free) else ()
         here, here_exact = live[k], live_exact[k]

@@ -264,15 +264,16 @@ class Compiled:
 
 
 def plan_steps(unplanned: Mapping[str, Program], options: CompileOptions = CompileOptions(),
-               hook: Hook | None = None, network: str = "") -> dict[str, CompiledStep]:
+               hook: Hook | None = None, network: str = "", explain: bool = True) -> dict[str, CompiledStep]:
     """Run the memory stages and `plan_memory` on programs as the optimization stages leave them (`unplanned`, by
     step name): each step's final program and its plan, exactly as `compile` with these options gives them. Under
-    a memory budget, `deepdsl.budget.fit_steps` runs them (`network` names the network in its error)."""
+    a memory budget, `deepdsl.budget.fit_steps` runs them (`network` names the network in its error; `explain`
+    False: a step that cannot fit raises `deepdsl.budget.DoesNotFit` without looking for the least reachable)."""
     origins = next((p.origins for p in unplanned.values() if p.origins is not None), None)
     with provenance.using(provenance.table() if origins is None else origins):     # recomputed copies are named
         if options.memory_budget is not None:
             from deepdsl.budget import fit_steps
-            return fit_steps(unplanned, options, hook, network)
+            return fit_steps(unplanned, options, hook, network, explain)
         final = run_stages(unplanned, MEMORY_STAGES, options, hook)
         plans = run_stages(final, PLANNING_STAGES, options, hook)
     return {step: CompiledStep(final[step], plans[step], unplanned[step]) for step in unplanned}
@@ -299,11 +300,12 @@ def compile(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook |
         raise err.with_largest_batch(largest_batch(loop, options, below=err.batch) or 0) from None
 
 
-def compile_without_search(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None
-                           ) -> Compiled:
-    """`compile`, but a `BudgetError` is raised as the budget search leaves it (no search for a batch that fits)."""
+def compile_without_search(loop: Loop, options: CompileOptions = CompileOptions(), hook: Hook | None = None,
+                           explain: bool = True) -> Compiled:
+    """`compile`, but a `BudgetError` is raised as the budget search leaves it (no search for a batch that fits);
+    with `explain` False, a bare `deepdsl.budget.DoesNotFit` (no search for the least reachable either)."""
     with _collector_paused(), provenance.using(loop.origins):
-        return _compile(loop, options, hook)
+        return _compile(loop, options, hook, explain)
 
 
 @contextlib.contextmanager
@@ -321,7 +323,7 @@ def _collector_paused():
             gc.enable()
 
 
-def _compile(loop: Loop, options: CompileOptions, hook: Hook | None) -> Compiled:
+def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bool = True) -> Compiled:
     graphs = build_step_graphs(loop, forward=simplify if options.simplify else None)
     if hook:
         hook(f"{graphs.train.name}:autodiff", graphs.train)
@@ -331,7 +333,7 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None) -> Compiled
     return Compiled(
         name=loop.name,
         source=loop.source,
-        steps=MappingProxyType(plan_steps(unplanned, options, hook, loop.name)),
+        steps=MappingProxyType(plan_steps(unplanned, options, hook, loop.name, explain)),
         params=graphs.params,
         states=graphs.states,
         loop=loop,
