@@ -220,7 +220,7 @@ def test_an_infeasible_budget_is_one_line_and_its_minimum_fits():
         compile_without_search(load("resnet_mini", largest + 1), deepdsl.CompileOptions(memory_budget=least - 1))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_networks(), st.floats(0.0, 1.0))
 def test_random_networks_fit_or_state_a_minimum_that_fits(loop, fraction):
     unbudgeted = deepdsl.compile(loop).steps["train"].plan.total_bytes
