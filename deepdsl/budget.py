@@ -171,7 +171,7 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
             planned += 1
             return run_stages({step: candidate}, finishing, options.changed(workspace_limit=limit))[step]
 
-        candidates = _Prefixes.of(program)
+        candidates = _Prefixes(program)
         chosen = solver = None
         for count, candidate in enumerate(candidates):
             if persistent + peak_estimate(candidate) > budget:
@@ -237,26 +237,11 @@ def _exact(program: Program, budget: int, start_limit, plan):
 
 class _Prefixes:
     """The program, then each program of its recomputation sequence: made as they are asked for, kept for another
-    pass, and for the next compiles of the same program (the last `KEPT`: a compile at the least budget an error
-    named, the steps of one compile)."""
-
-    KEPT = 4
-    _recent: dict[tuple, "_Prefixes"] = {}
+    pass."""
 
     def __init__(self, program: Program):
         self._made = [program]
         self._rest = (candidate for candidate, _ in recomputation_sequence(program))
-
-    @classmethod
-    def of(cls, program: Program) -> "_Prefixes":
-        """The sequence of `program`, made again only for a program of other statements (nodes are hash-consed: a
-        kept sequence keeps its nodes, so an equal program has the same ones)."""
-        key = (program.name, tuple(id(i.node) for i in program.body), tuple((n, id(v)) for n, v in program.outputs))
-        found = cls._recent.pop(key, None) or cls(program)
-        cls._recent[key] = found
-        while len(cls._recent) > cls.KEPT:
-            del cls._recent[next(iter(cls._recent))]
-        return found
 
     def __iter__(self):
         k = 0

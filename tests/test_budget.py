@@ -22,7 +22,7 @@ from deepdsl.ir import make
 from deepdsl.pipeline import compile_without_search
 from tests.support.memory_programs import small_networks
 from tests.support.program_helpers import NETWORKS, compile_program, import_program, model_class, run_cli
-from tests.test_memory_modes import NETWORKS as NETWORKS_AT_TEST_SIZE, batches, planned_peak
+from tests.test_memory_modes import NETWORKS as NETWORKS_AT_TEST_SIZE, batches, planned_peak, run_steps
 
 from deepdsl_runtime.memory import MODES
 
@@ -64,14 +64,10 @@ def build(network, directory, batch=None, image=None, options=None):
 
 
 def outputs(model_cls, data, mode="static"):
-    """Two training steps and a test step with the compiled kernels (as `test_memory_modes.run_steps`)."""
-    model = model_cls("cpu", 0, mode, True, kernels="compiled")
+    """`test_memory_modes.run_steps` with the compiled kernels, and the tensors after them."""
+    model, results = run_steps(model_cls, mode, data, kernels="compiled")
     assert model.kernels.startswith("compiled")
-    model.initialize(0)
-    model.prepare(model.hyper(0.01, 0.9, 0.001, 0))
-    losses = [model.train_step(x, y, step=k, **model.hyper(0.01, 0.9, 0.001, k)) for k, (x, y) in enumerate(data)]
-    accuracy, test_loss = model.test_step(*data[0])
-    return model, (losses, accuracy, test_loss), model.host_tensors()
+    return model, results, model.host_tensors()
 
 
 @pytest.mark.parametrize("name,image,batch", CASES, ids=[c[0] for c in CASES])

@@ -67,9 +67,9 @@ def planned_peak(plan, mode):
     return plan.peak_live_bytes if mode == "static" else simulate_pool(plan)["peak_bytes_in_use"]
 
 
-def run_steps(model_cls, mode, data, check=True):
+def run_steps(model_cls, mode, data, check=True, kernels="auto"):
     """Two training steps and one test step from the same initial tensors; the model and its results."""
-    model = model_cls("cpu", 0, mode, check)
+    model = model_cls("cpu", 0, mode, check, kernels=kernels)
     model.initialize(0)
     model.prepare(model.hyper(0.01, 0.9, 0.001, 0))
     losses = [model.train_step(x, y, step=k, **model.hyper(0.01, 0.9, 0.001, k)) for k, (x, y) in enumerate(data)]
