@@ -17,9 +17,9 @@ larger budget never takes a later candidate (never more recomputation, never a s
 budget never gives a larger plan. Candidates whose predicted peak of live bytes (`liveness.peak_estimate`, a lower
 bound of the arena) plus persistent bytes exceeds the budget are skipped without planning; the others are planned
 exactly, so the guarantee is the plan's own figure. Training under a budget is bitwise that of the compile without
-one at the workspace limit chosen, with the compiled CPU kernels (the copies compute the same ops over the same
-values, with the same chunks; the numpy fallback's elementwise kernels order their operands by which input they
-write over, which a budget can change: docs/memory.md).
+one at the workspace limit chosen, with the compiled CPU kernels and with numpy's (the copies compute the same ops
+over the same values, with the same chunks, and no kernel's rounding depends on which input it writes over, which
+a budget can change: docs/memory.md).
 
 `memory_solver="exact"` also solves the MILP of `passes/recompute_milp.py` at every workspace level and takes its
 choice where it costs fewer FLOPs than the greedy candidate (a solve per budget: not monotone).

@@ -2611,25 +2611,25 @@ def ew_scale_3(out, v0):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.00048828125*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.00048828125, out=out)
+    np.add(np.exp(v1) * 0.00048828125, v0, out=out)
 
 
 def ew_square_scale_add(out, v0, v1):
     """out = 0.999*v0 + 0.001*v1**2   (out may be v0)"""
     np.multiply(v0, 0.999, out=out)
-    np.add(out, np.square(v1) * 0.0010000000000000009, out=out)
+    np.add(np.square(v1) * 0.0010000000000000009, out, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.09999999999999998, out=out)
+    np.add(v1 * 0.09999999999999998, out, out=out)
 
 
 def ew_mul_sub_recip_sqrt(out, v0, v1, v2, v3, v4, v5, v6):
     """out = v0*(-v1*v6 + 1) - v1*v3/(v2*(sqrt(v4)/sqrt(v5) + 1.0e-8))   (out may be v0)"""
-    np.multiply(v0, 1 - v1 * v6, out=out)
-    np.subtract(out, v1 * v3 / v2 / (1e-08 + np.sqrt(v4) / np.sqrt(v5)), out=out)
+    np.multiply(1 - v1 * v6, v0, out=out)
+    np.subtract(out, v1 * v3 / v2 / (np.sqrt(v4) / np.sqrt(v5) + 1e-08), out=out)
 
 
 def ew_mul_2(out, v0, v1):
@@ -2646,7 +2646,7 @@ def ew_pow_mul(out, v0, v1):
 def ew_mul_add_2(out, v0, v1, v2, v3):
     """out = v0*v1 + 2*v2*v3   (out may be v0)"""
     np.multiply(v0, v1, out=out)
-    np.add(out, v2 * v3 * 2, out=out)
+    np.add(v2 * v3 * 2, out, out=out)
 
 
 def ew_neg(out, v0):
@@ -2656,7 +2656,7 @@ def ew_neg(out, v0):
 
 def ew_sqrt_mul_erf_scale(out, v0, v1):
     """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
-    np.multiply(v0, 0.5 + erf(v1 * np.sqrt(2) * 0.5) * 0.5 + v1 * np.sqrt(2) * np.exp(np.square(v1) * -0.5) * 0.5 / np.sqrt(np.pi), out=out)
+    np.multiply(np.exp(np.square(v1) * (-0.5)) * np.sqrt(2) * v1 * 0.5 / np.sqrt(np.pi) + erf(np.sqrt(2) * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
 
 
 def ew_add_2(out, v0, v1, v2):
@@ -2688,7 +2688,8 @@ def ew_mul_add_3(out, v0, v1, v2, v3):
 
 def ew_sqrt_mul_erf_add_2(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2   (out may be v0)"""
-    out[...] = v0 * (1 + erf(v0 * np.sqrt(2) * 0.5)) * 0.5
+    np.multiply(erf(np.sqrt(2) * v0 * 0.5) + 1, v0, out=out)
+    np.multiply(out, 0.5, out=out)
 
 
 def main(argv=None):

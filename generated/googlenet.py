@@ -6240,12 +6240,12 @@ def ew_scale_sub(out, v0, v1, v2):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.0078125*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.0078125, out=out)
+    np.add(np.exp(v1) * 0.0078125, v0, out=out)
 
 
 def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v1, 0), out=out)
+    np.multiply(np.greater(v1, 0), v0, out=out)
 
 
 def ew_mul_add(out, v0, v1, v2, v3, v4):
@@ -6287,12 +6287,12 @@ def ew_exp_scale_add_2(out, v0, v1):
 
 def ew_exp_scale_add_3(out, v0, v1):
     """out = v0 + 0.00234375*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.00234375, out=out)
+    np.add(np.exp(v1) * 0.00234375, v0, out=out)
 
 
 def ew_step_mul_2(out, v0, v1, v2):
     """out = 3.33333333333333*v0*v1*Heaviside(v2, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v2, 0), out=out)
+    np.multiply(np.greater(v2, 0), v0, out=out)
     np.multiply(out, v1, out=out)
     np.multiply(out, 3.333333333333333, out=out)
 

@@ -522,12 +522,12 @@ def ew_scale(out, v0):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.002*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.002, out=out)
+    np.add(np.exp(v1) * 0.002, v0, out=out)
 
 
 def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v1, 0), out=out)
+    np.multiply(np.greater(v1, 0), v0, out=out)
 
 
 def ew_mul_add(out, v0, v1, v2, v3, v4):

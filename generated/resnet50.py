@@ -10216,7 +10216,7 @@ def ew_sub(out, v0, v1):
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.1, out=out)
+    np.add(v1 * 0.1, out, out=out)
 
 
 def ew_square(out, v0):
@@ -10227,7 +10227,7 @@ def ew_square(out, v0):
 def ew_scale_add_2(out, v0, v1):
     """out = 0.9*v0 + 0.100000249123707*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10000024912370736, out=out)
+    np.add(v1 * 0.10000024912370736, out, out=out)
 
 
 def ew_add_rsqrt(out, v0):
@@ -10253,7 +10253,7 @@ def ew_scale_2(out, v0):
 def ew_scale_add_3(out, v0, v1):
     """out = 0.9*v0 + 0.100000996502277*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.100000996502277, out=out)
+    np.add(v1 * 0.100000996502277, out, out=out)
 
 
 def ew_mul_add_relu_2(out, v0, v1, v2, v3, v4, v5, v6, v7):
@@ -10268,8 +10268,7 @@ def ew_mul_add_relu_2(out, v0, v1, v2, v3, v4, v5, v6, v7):
 
 def ew_mul_add_relu_3(out, v0, v1, v2, v3, v4):
     """out = Max(0, v0*v1*v2 + v3 + v4)   (out may be v4)"""
-    np.add(v4, v0 * v1 * v2, out=out)
-    np.add(out, v3, out=out)
+    np.add(v0 * v1 * v2 + v3, v4, out=out)
     np.maximum(out, 0, out=out)
 
 
@@ -10290,7 +10289,7 @@ def ew_scale_3(out, v0):
 def ew_scale_add_4(out, v0, v1):
     """out = 0.9*v0 + 0.100003986128274*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10000398612827362, out=out)
+    np.add(v1 * 0.10000398612827362, out, out=out)
 
 
 def ew_scale_4(out, v0):
@@ -10301,7 +10300,7 @@ def ew_scale_4(out, v0):
 def ew_scale_add_5(out, v0, v1):
     """out = 0.9*v0 + 0.100015946420029*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10001594642002871, out=out)
+    np.add(v1 * 0.10001594642002871, out, out=out)
 
 
 def ew_scale_5(out, v0):
@@ -10312,7 +10311,7 @@ def ew_scale_5(out, v0):
 def ew_scale_add_6(out, v0, v1):
     """out = 0.9*v0 + 0.100063816209317*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10006381620931717, out=out)
+    np.add(v1 * 0.10006381620931717, out, out=out)
 
 
 def ew_add(out, v0, v1):
@@ -10322,7 +10321,7 @@ def ew_add(out, v0, v1):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.03125*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.03125, out=out)
+    np.add(np.exp(v1) * 0.03125, v0, out=out)
 
 
 def ew_scale_6(out, v0):
@@ -10344,7 +10343,7 @@ def ew_mul_sub(out, v0, v1, v2):
 
 def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v1, 0), out=out)
+    np.multiply(np.greater(v1, 0), v0, out=out)
 
 
 def ew_mul(out, v0, v1, v2):
@@ -10356,12 +10355,12 @@ def ew_mul(out, v0, v1, v2):
 def ew_add_pow_mul(out, v0, v1):
     """out = -v0/(3136*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -0.00031887755102040814, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     """out = v0*v1*v2 + 2*v3*v4   (out may be v4)"""
-    np.multiply(v4, v3, out=out)
+    np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
 
@@ -10381,43 +10380,43 @@ def ew_mul_add_3(out, v0, v1, v2, v3, v4):
     """out = v0*v1*v2 + 2*v3*v4   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, v2, out=out)
-    np.add(out, v3 * v4 * 2, out=out)
+    np.add(v3 * v4 * 2, out, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):
     """out = -v0/(12544*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -7.971938775510203e-05, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_add_pow_mul_3(out, v0, v1):
     """out = -v0/(50176*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -1.992984693877551e-05, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_add_pow_mul_4(out, v0, v1):
     """out = -v0/(200704*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -4.982461734693877e-06, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_add_pow_mul_5(out, v0, v1):
     """out = -v0/(802816*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -1.2456154336734693e-06, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_mul_add_4(out, v0, v1, v2):
     """out = v0 + 2*v1*v2   (out may be v0)"""
-    np.add(v0, v1 * v2 * 2, out=out)
+    np.add(v1 * v2 * 2, v0, out=out)
 
 
 def ew_add_rsqrt_sub_mul(out, v0, v1, v2, v3, v4):
     """out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4)   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
-    np.divide(out, np.sqrt(1e-05 + v2), out=out)
+    np.divide(out, np.sqrt(v2 + 1e-05), out=out)
     np.add(out, v4, out=out)
     np.maximum(out, 0, out=out)
 
@@ -10426,7 +10425,7 @@ def ew_add_rsqrt_sub_mul_2(out, v0, v1, v2, v3, v4):
     """out = v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
-    np.divide(out, np.sqrt(1e-05 + v2), out=out)
+    np.divide(out, np.sqrt(v2 + 1e-05), out=out)
     np.add(out, v4, out=out)
 
 
@@ -10434,7 +10433,7 @@ def ew_add_rsqrt_sub_mul_3(out, v0, v1, v2, v3, v4, v5):
     """out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4 + v5)   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
-    np.divide(out, np.sqrt(1e-05 + v2), out=out)
+    np.divide(out, np.sqrt(v2 + 1e-05), out=out)
     np.add(out, v4, out=out)
     np.add(out, v5, out=out)
     np.maximum(out, 0, out=out)

@@ -2435,7 +2435,7 @@ def ew_sub(out, v0, v1):
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.1, out=out)
+    np.add(v1 * 0.1, out, out=out)
 
 
 def ew_square(out, v0):
@@ -2446,7 +2446,7 @@ def ew_square(out, v0):
 def ew_scale_add_2(out, v0, v1):
     """out = 0.9*v0 + 0.100001275526474*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10000127552647356, out=out)
+    np.add(v1 * 0.10000127552647356, out, out=out)
 
 
 def ew_add_rsqrt(out, v0):
@@ -2472,7 +2472,7 @@ def ew_scale_2(out, v0):
 def ew_scale_add_3(out, v0, v1):
     """out = 0.9*v0 + 0.100005102301138*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10000510230113782, out=out)
+    np.add(v1 * 0.10000510230113782, out, out=out)
 
 
 def ew_scale_3(out, v0):
@@ -2483,7 +2483,7 @@ def ew_scale_3(out, v0):
 def ew_scale_add_4(out, v0, v1):
     """out = 0.9*v0 + 0.100020412329047*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
-    np.add(out, v1 * 0.10002041232904675, out=out)
+    np.add(v1 * 0.10002041232904675, out, out=out)
 
 
 def ew_add(out, v0, v1):
@@ -2493,7 +2493,7 @@ def ew_add(out, v0, v1):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.01, out=out)
+    np.add(np.exp(v1) * 0.01, v0, out=out)
 
 
 def ew_scale_4(out, v0):
@@ -2515,7 +2515,7 @@ def ew_mul_sub(out, v0, v1, v2):
 
 def ew_step_mul(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v1, 0), out=out)
+    np.multiply(np.greater(v1, 0), v0, out=out)
 
 
 def ew_mul(out, v0, v1, v2):
@@ -2527,12 +2527,12 @@ def ew_mul(out, v0, v1, v2):
 def ew_add_pow_mul(out, v0, v1):
     """out = -v0/(156800*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -6.3775510204081635e-06, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     """out = v0*v1*v2 + 2*v3*v4   (out may be v4)"""
-    np.multiply(v4, v3, out=out)
+    np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
 
@@ -2545,13 +2545,13 @@ def ew_neg(out, v0):
 def ew_add_pow_mul_2(out, v0, v1):
     """out = -v0/(39200*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -2.5510204081632654e-05, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_add_pow_mul_3(out, v0, v1):
     """out = -v0/(9800*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -0.00010204081632653062, out=out)
-    np.divide(out, np.power(1e-05 + v1, 1.5), out=out)
+    np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):
@@ -2564,7 +2564,7 @@ def ew_add_rsqrt_sub_mul(out, v0, v1, v2, v3, v4):
     """out = Max(0, v3*(v0 - v1)/sqrt(v2 + 1.0e-5) + v4)   (out may be v0)"""
     np.subtract(v0, v1, out=out)
     np.multiply(out, v3, out=out)
-    np.divide(out, np.sqrt(1e-05 + v2), out=out)
+    np.divide(out, np.sqrt(v2 + 1e-05), out=out)
     np.add(out, v4, out=out)
     np.maximum(out, 0, out=out)
 

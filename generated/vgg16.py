@@ -1585,7 +1585,7 @@ def ew_add(out, v0, v1):
 
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.015625*exp(v1)   (out may be v0)"""
-    np.add(v0, np.exp(v1) * 0.015625, out=out)
+    np.add(np.exp(v1) * 0.015625, v0, out=out)
 
 
 def ew_scale(out, v0):
@@ -1607,14 +1607,14 @@ def ew_mul_sub(out, v0, v1, v2):
 
 def ew_step_mul(out, v0, v1, v2):
     """out = 2.0*v0*v1*Heaviside(v2, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v2, 0), out=out)
+    np.multiply(np.greater(v2, 0), v0, out=out)
     np.multiply(out, v1, out=out)
     np.multiply(out, 2.0, out=out)
 
 
 def ew_step_mul_2(out, v0, v1):
     """out = v0*Heaviside(v1, 0)   (out may be v0)"""
-    np.multiply(v0, np.greater(v1, 0), out=out)
+    np.multiply(np.greater(v1, 0), v0, out=out)
 
 
 def main(argv=None):

@@ -52,9 +52,8 @@ def budgets(loop) -> tuple[int, list[int]]:
 
 
 def build(network, directory, batch=None, image=None, options=None):
-    """`compile_program` with the program's compiled CPU kernels built: the bitwise comparisons run those (the numpy
-    fallback's elementwise kernels combine operands in another order when they write over an input, and a
-    budget changes which statements do; docs/memory.md)."""
+    """`compile_program` with the program's compiled CPU kernels built: the bitwise comparisons run those and numpy's
+    (the kernels of the program without a compiler)."""
     from deepdsl.codegen.native import build_library
 
     compiled, path = compile_program(network, directory, batch, image, options)
@@ -63,11 +62,23 @@ def build(network, directory, batch=None, image=None, options=None):
     return compiled, path
 
 
-def outputs(model_cls, data, mode="static"):
-    """`test_memory_modes.run_steps` with the compiled kernels, and the tensors after them."""
-    model, results = run_steps(model_cls, mode, data, kernels="compiled")
-    assert model.kernels.startswith("compiled")
+KERNELS = ("compiled", "numpy")
+
+
+def outputs(model_cls, data, mode="static", kernels="compiled"):
+    """`test_memory_modes.run_steps` with the compiled kernels (or numpy's), and the tensors after them."""
+    model, results = run_steps(model_cls, mode, data, kernels=kernels)
+    assert model.kernels.startswith(kernels)
     return model, results, model.host_tensors()
+
+
+def assert_same_training(got, want, context):
+    """Two runs' (model, results, tensors): the same losses, accuracy and tensors, bit for bit."""
+    (_, got_results, got_tensors), (_, want_results, want_tensors) = got, want
+    assert got_results == want_results, context
+    assert got_tensors.keys() == want_tensors.keys(), context
+    for key, value in want_tensors.items():
+        assert np.array_equal(got_tensors[key], value), (context, key)
 
 
 @pytest.mark.parametrize("name,image,batch", CASES, ids=[c[0] for c in CASES])
@@ -86,24 +97,21 @@ def test_budgets_fit_run_as_planned_and_train_bit_for_bit(name, image, batch, tm
         model_cls = model_class(import_program(path))
         data = batches(model_cls, 2)
         train, test = compiled.steps["train"].plan, compiled.steps["test"].plan
-        results = {}
+        runs = {}
         for mode in MODES:
-            model, result, tensors = outputs(model_cls, data, mode)
-            usage = model.mem.usage
+            run = runs[mode, "compiled"] = outputs(model_cls, data, mode)
+            usage = run[0].mem.usage
             assert usage["train_step"].peak_bytes == planned_peak(train, mode), (budget, mode)
             assert usage["test_step"].peak_bytes == planned_peak(test, mode), (budget, mode)
             assert usage["train_step"].workspace_bytes == train.workspace_bytes, (budget, mode)
-            results[mode] = result, tensors
+        runs["static", "numpy"] = outputs(model_cls, data, kernels="numpy")
         # the same training as the program without a budget, compiled at the workspace limit the budget chose
         _, plain = build(name, tmp_path / f"plain{k}", batch, image,
                                    deepdsl.CompileOptions(workspace_limit=fit.workspace_limit))
         plain_cls = model_class(import_program(plain))
-        _, expected, expected_tensors = outputs(plain_cls, data)
-        for mode, (result, tensors) in results.items():
-            assert result == expected, (budget, mode)
-            assert expected_tensors.keys() == tensors.keys()
-            for key, value in expected_tensors.items():
-                assert np.array_equal(tensors[key], value), (budget, mode, key)
+        expected = {kernels: outputs(plain_cls, data, kernels=kernels) for kernels in KERNELS}
+        for (mode, kernels), run in runs.items():
+            assert_same_training(run, expected[kernels], (budget, mode, kernels))
     if name != "lenet":
         assert recomputing > 0, "no budget needed a recomputation: the test would not test it"
 
@@ -138,13 +146,11 @@ def test_every_network_fits_its_least_budget(name, image, tmp_path):
                                deepdsl.CompileOptions(workspace_limit=fit.workspace_limit))
     got_cls, want_cls = model_class(import_program(path)), model_class(import_program(plain))
     data = batches(got_cls, 2)
-    model, got, got_tensors = outputs(got_cls, data)
-    assert model.mem.usage["train_step"].peak_bytes == compiled.steps["train"].plan.peak_live_bytes
-    assert model.mem.usage["test_step"].peak_bytes == compiled.steps["test"].plan.peak_live_bytes
-    _, want, want_tensors = outputs(want_cls, data)
-    assert got == want
-    for key, value in want_tensors.items():
-        assert np.array_equal(got_tensors[key], value), key
+    for kernels in KERNELS:
+        got = outputs(got_cls, data, kernels=kernels)
+        assert got[0].mem.usage["train_step"].peak_bytes == compiled.steps["train"].plan.peak_live_bytes
+        assert got[0].mem.usage["test_step"].peak_bytes == compiled.steps["test"].plan.peak_live_bytes
+        assert_same_training(got, outputs(want_cls, data, kernels=kernels), kernels)
 
 
 def test_a_recomputed_dropout_mask_is_the_same_mask(tmp_path):
@@ -161,13 +167,12 @@ def test_a_recomputed_dropout_mask_is_the_same_mask(tmp_path):
                                options=deepdsl.CompileOptions(workspace_limit=fit.workspace_limit))
     got_cls, want_cls = model_class(import_program(path)), model_class(import_program(plain))
     data = batches(got_cls, 2)
+    expected = {kernels: outputs(want_cls, data, kernels=kernels) for kernels in KERNELS}
     for mode in MODES:
-        model, got, got_tensors = outputs(got_cls, data, mode)
-        assert model.mem.usage["train_step"].peak_bytes == planned_peak(compiled.steps["train"].plan, mode)
-        _, want, want_tensors = outputs(want_cls, data)
-        assert got == want, mode
-        for key, value in want_tensors.items():
-            assert np.array_equal(got_tensors[key], value), (mode, key)
+        got = outputs(got_cls, data, mode)
+        assert got[0].mem.usage["train_step"].peak_bytes == planned_peak(compiled.steps["train"].plan, mode)
+        assert_same_training(got, expected["compiled"], mode)
+    assert_same_training(outputs(got_cls, data, kernels="numpy"), expected["numpy"], "numpy")
 
 
 def test_the_budget_is_monotone():
@@ -344,10 +349,9 @@ def test_the_exact_solver_fits_costs_no_more_than_the_greedy_and_trains_the_same
                                    options=deepdsl.CompileOptions(workspace_limit=step.fit.workspace_limit))
         got_cls, want_cls = model_class(import_program(path)), model_class(import_program(plain))
         data = batches(got_cls, 2)
-        model, got, got_tensors = outputs(got_cls, data)
-        assert model.mem.usage["train_step"].peak_bytes == step.plan.peak_live_bytes
-        _, want, want_tensors = outputs(want_cls, data)
-        assert got == want and all(np.array_equal(got_tensors[k], v) for k, v in want_tensors.items())
+        got = outputs(got_cls, data)
+        assert got[0].mem.usage["train_step"].peak_bytes == step.plan.peak_live_bytes
+        assert_same_training(got, outputs(want_cls, data), budget)
     with pytest.raises(ValueError, match="memory_solver"):
         deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=sizes[0], memory_solver="optimal"))
 

@@ -76,7 +76,7 @@ class CudaPrinter(C99CodePrinter):
         """name(name(a, b), c) ... over the operands in the order numpy's kernel applies them."""
         from deepdsl.codegen.ufuncs import ordered_operands
 
-        args = ordered_operands(list(expr.args), None)
+        args = ordered_operands(list(expr.args))
         code = self._print(args[0])
         for a in args[1:]:
             code = f"{name}({code}, {self._print(a)})"

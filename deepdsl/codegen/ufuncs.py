@@ -1,15 +1,19 @@
 """Render an `ew` node's sympy expression as numpy ufunc calls that write into `out`.
 
-The expression tree is walked along one spine, computed in place in `out` (`np.multiply(v0, v1, out=out)`, then
-`np.add(out, v2, out=out)`, ...); the other operands of each spine step are plain numpy expressions (these make
-numpy temporaries, which is the price of branching trees). ReLU `Max(0, v0)` becomes `np.maximum(v0, 0,
-out=out)`, `Heaviside(v0, 0)` `np.greater(v0, 0, out=out)` (a 0/1 float), sigmoid a chain of negative, exp, add
-and divide, all into `out`. Anything without a rule is printed by sympy's NumPyPrinter and assigned with
-`out[...] = ...`.
+The expression first becomes one tree of ufunc applications (`tree`): the order in which the operands of a sum,
+a product or a maximum combine is fixed there, once, and so is every rounding of the kernel. The kernel computes
+one path of that tree in place in `out`, from the bottom up (`np.multiply(v0, v1, out=out)`, then `np.add(out,
+v2, out=out)`, ...); the subtrees beside the path are plain numpy expressions of the same tree (these make numpy
+temporaries, the price of branching trees). ReLU `Max(0, v0)` becomes `np.maximum(v0, 0, out=out)`,
+`Heaviside(v0, 0)` `np.greater(v0, 0, out=out)` (a 0/1 float), sigmoid a chain of logaddexp, negative and exp,
+all into `out`. Anything without a rule is printed by sympy's NumPyPrinter and assigned with `out[...] = ...`.
 
-In-place updates: when the statement's output buffer is also input `alias` (a parameter overwritten by its new
-value), the spine starts at the term holding that input and `render` checks that no later call reads it after
-`out` has been written; it returns None when that cannot be guaranteed, and the caller uses a separate buffer.
+In-place updates: when `out` is also input `alias` (a parameter overwritten by its new value, or a dying input
+taken over), the path goes down through the operand that reads that input, so that only the first call reads
+it. A binary ufunc gives the same bits whichever of its operands was computed first (`np.subtract(a, out,
+out=out)` where the right one was), so the kernel rounds exactly as without the alias: which statements write
+over an input (the in-place pass's choice, which a memory budget changes) never changes a bit. Where both
+operands of one step read the aliased input, the kernel first takes a copy of it.
 """
 from __future__ import annotations
 
@@ -37,20 +41,8 @@ def runtime_imports(bodies) -> tuple[str, ...]:
     return tuple(line for name, line in RUNTIME_FUNCTIONS.items() if re.search(rf"(?<![\w.]){name}\(", text))
 
 
-@dataclass(frozen=True)
-class Call:
-    """One line of a kernel body and the inputs (by index) it reads."""
-
-    code: str
-    reads: frozenset[int]
-
-
-def _index(symbol: sympy.Symbol) -> int:
-    return int(symbol.name[1:])
-
-
 def _reads(expr: sympy.Expr) -> frozenset[int]:
-    return frozenset(_index(s) for s in expr.free_symbols)
+    return frozenset(int(s.name[1:]) for s in expr.free_symbols)
 
 
 def _literal(number: sympy.Expr) -> str:
@@ -64,14 +56,45 @@ def _size(expr: sympy.Expr) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# operands: numpy expressions (may create temporaries)
+# the tree of ufunc applications
 
-_ATOM, _POW, _MUL, _ADD = 4, 3, 2, 1
+_LOW, _ADD, _MUL, _NEG, _ATOM = 0, 1, 2, 3, 4
+_INFIX = {"np.add": (" + ", _ADD), "np.subtract": (" - ", _ADD), "np.multiply": (" * ", _MUL),
+          "np.divide": (" / ", _MUL)}
 
 
-def _paren(code_prec: tuple[str, int], context: int) -> str:
-    code, prec = code_prec
-    return f"({code})" if prec < context else code
+@dataclass(frozen=True)
+class Leaf:
+    """An input (`v3`), a number, or an expression without a rule (`kind` "symbol", "number", "expr")."""
+
+    code: str
+    kind: str
+    reads: frozenset[int]
+
+    @property
+    def prec(self) -> int:
+        if self.kind == "expr":
+            return _LOW
+        return _ADD if self.code.startswith("-") else _ATOM
+
+
+@dataclass(frozen=True)
+class Apply:
+    """A ufunc applied to one or two subtrees; `extra`: constant arguments after the operand (`, 0`)."""
+
+    func: str
+    args: tuple
+    extra: str = ""
+
+    @functools.cached_property
+    def reads(self) -> frozenset[int]:
+        return frozenset().union(*(a.reads for a in self.args))
+
+
+def ordered_operands(args: list[sympy.Expr]) -> list[sympy.Expr]:
+    """Operands of a commutative op in the order they combine: the largest computed one first (so it is built in
+    `out` without a temporary), numbers last."""
+    return sorted(args, key=lambda a: (a.is_Number, a.is_Atom, -_size(a)))
 
 
 def _split_sign(term: sympy.Expr) -> tuple[bool, sympy.Expr]:
@@ -94,78 +117,81 @@ def _factors(expr: sympy.Expr) -> tuple[sympy.Expr, list[sympy.Expr], list[sympy
     return coeff, num, den
 
 
-def operand(expr: sympy.Expr) -> tuple[str, int]:
-    """(numpy expression, precedence) computing `expr` by value."""
+def _fold(head, rest: list, funcs: list[str]):
+    """((head f1 rest[0]) f2 rest[1]) ...: left to right."""
+    for x, func in zip(rest, funcs):
+        head = Apply(func, (head, x))
+    return head
+
+
+def tree(expr: sympy.Expr) -> Leaf | Apply:
+    """The ufunc applications computing `expr` (over v0, v1, ...), operands in the order they combine."""
     if expr.is_Symbol:
-        return expr.name, _ATOM
+        return Leaf(expr.name, "symbol", _reads(expr))
     if expr.is_Number:
-        text = _literal(expr)
-        return text, (_ATOM if not text.startswith("-") else _ADD)
+        return Leaf(_literal(expr), "number", frozenset())
     if expr.is_Add:
-        terms = sorted(expr.args, key=lambda t: _split_sign(t)[0])      # positive terms first
-        text = ""
-        for t in terms:
-            negative, magnitude = _split_sign(t)
-            code = _paren(operand(magnitude), _MUL if negative else _ADD)
-            if not text:
-                text = f"-{_paren(operand(magnitude), _POW)}" if negative else code
-            else:
-                text += f" - {code}" if negative else f" + {code}"
-        return text, _ADD
+        return _add(expr)
     if expr.is_Mul:
-        coeff, num, den = _factors(expr)
-        parts = [_paren(operand(f), _MUL) for f in num]
-        if coeff == -1 and num:
-            head = "-" + " * ".join(parts)
-        elif coeff != 1 or not num:
-            head = " * ".join(parts + [_literal(coeff)]) if num else _literal(coeff)
-        else:
-            head = " * ".join(parts)
-        for d in den:
-            head += f" / {_paren(operand(d), _POW)}"
-        return head, _MUL
+        return _mul(expr)
     if expr.is_Pow:
-        base, exp = expr.args
-        if exp == sympy.Rational(1, 2):
-            return f"np.sqrt({operand(base)[0]})", _ATOM
-        if exp == sympy.Rational(-1, 2):
-            return f"1.0 / np.sqrt({operand(base)[0]})", _MUL
-        if exp == -1:
-            return f"1.0 / {_paren(operand(base), _POW)}", _MUL
-        if exp == 2:
-            return f"np.square({operand(base)[0]})", _ATOM
-        return f"np.power({operand(base)[0]}, {operand(exp)[0]})", _ATOM
-    func = _unary_name(expr)
-    if func:
-        return f"{func}({operand(expr.args[0])[0]})", _ATOM
-    if isinstance(expr, Softplus):
-        return f"np.logaddexp({operand(expr.args[0])[0]}, 0)", _ATOM
-    if isinstance(expr, Sigmoid):
-        return f"np.exp(-np.logaddexp({operand(-expr.args[0])[0]}, 0))", _ATOM
+        return _pow(expr)
+    if expr.func in _UNARY and len(expr.args) == 1:
+        return Apply(_UNARY[expr.func], (tree(expr.args[0]),))
+    if isinstance(expr, Softplus):              # log(1 + exp(x)) without overflow
+        return Apply("np.logaddexp", (tree(expr.args[0]),), ", 0")
+    if isinstance(expr, Sigmoid):               # exp(-log(1 + exp(-x))): no overflow, accurate in both tails
+        return Apply("np.exp", (Apply("np.negative", (Apply("np.logaddexp", (tree(-expr.args[0]),), ", 0"),)),))
     if isinstance(expr, (sympy.Max, sympy.Min)):
-        name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
-        args = ordered_operands(list(expr.args), None)
-        code = operand(args[0])[0]
-        for a in args[1:]:
-            code = f"{name}({code}, {operand(a)[0]})"
-        return code, _ATOM
+        func = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
+        first, *rest = [tree(a) for a in ordered_operands(list(expr.args))]
+        return _fold(first, rest, [func] * len(rest))
     if isinstance(expr, sympy.Heaviside):
-        return _heaviside(expr, operand(expr.args[0])[0], None), _ATOM
-    return _fallback(expr), _ATOM
+        h0 = expr.args[1] if len(expr.args) > 1 else sympy.Rational(1, 2)
+        x = tree(expr.args[0])
+        if h0 in (0, 1):
+            return Apply("np.greater" if h0 == 0 else "np.greater_equal", (x,), ", 0")
+        return Apply("np.heaviside", (x,), f", {_literal(h0)}")
+    return Leaf(_printer().doprint(expr).replace("numpy.", "np."), "expr", _reads(expr))
 
 
-def _unary_name(expr: sympy.Expr) -> str | None:
-    return _UNARY.get(expr.func) if len(expr.args) == 1 else None
+def _add(expr: sympy.Expr):
+    signed = [_split_sign(t) for t in expr.args]
+    terms = ordered_operands([m for _, m in signed])
+    negative = {id(m): n for n, m in signed}
+    # a positive term leads when there is one (a leading negative term costs a separate negation)
+    positive = [t for t in terms if not negative[id(t)]]
+    if positive and negative[id(terms[0])]:
+        terms.remove(positive[0])
+        terms.insert(0, positive[0])
+    head = tree(-terms[0]) if negative[id(terms[0])] else tree(terms[0])
+    funcs = ["np.subtract" if negative[id(t)] else "np.add" for t in terms[1:]]
+    return _fold(head, [tree(t) for t in terms[1:]], funcs)
 
 
-def _heaviside(expr: sympy.Heaviside, x: str, out: str | None) -> str:
-    h0 = expr.args[1] if len(expr.args) > 1 else sympy.Rational(1, 2)
-    tail = f", out={out}" if out else ""
-    if h0 == 0:
-        return f"np.greater({x}, 0{tail})"
-    if h0 == 1:
-        return f"np.greater_equal({x}, 0{tail})"
-    return f"np.heaviside({x}, {_literal(h0)}{tail})"
+def _mul(expr: sympy.Expr):
+    coeff, num, den = _factors(expr)
+    num = ordered_operands(num)
+    if not num:                                   # c / d
+        return Apply("np.divide", (tree(coeff), tree(sympy.Mul(*den))))
+    if len(num) == 1 and not den and coeff == -1:
+        return Apply("np.negative", (tree(num[0]),))
+    rest = num[1:] + ([coeff] if coeff != 1 else []) + den
+    funcs = ["np.multiply"] * (len(rest) - len(den)) + ["np.divide"] * len(den)
+    return _fold(tree(num[0]), [tree(x) for x in rest], funcs)
+
+
+def _pow(expr: sympy.Expr):
+    base, exp = expr.args
+    if exp == sympy.Rational(1, 2):
+        return Apply("np.sqrt", (tree(base),))
+    if exp == 2:
+        return Apply("np.square", (tree(base),))
+    if exp == -1:
+        return _mul(expr)
+    if exp == sympy.Rational(-1, 2):
+        return Apply("np.divide", (Leaf("1.0", "number", frozenset()), Apply("np.sqrt", (tree(base),))))
+    return Apply("np.power", (tree(base), tree(exp)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,140 +199,78 @@ def _printer() -> NumPyPrinter:
     return NumPyPrinter({"fully_qualified_modules": True})
 
 
-def _fallback(expr: sympy.Expr) -> str:
-    return _printer().doprint(expr).replace("numpy.", "np.")
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# the spine: calls writing into out
+# printing: a subtree as a numpy expression, a path as calls into out
 
-def ordered_operands(args: list[sympy.Expr], alias: int | None) -> list[sympy.Expr]:
-    """Operands of a commutative op: the one holding the aliased input first, then the largest computed one
-    (so it is built in `out` without a temporary), numbers last."""
-    def key(a):
-        holds_alias = alias is not None and alias in _reads(a)
-        return (not holds_alias, a.is_Number, a.is_Atom, -_size(a))
-    return sorted(args, key=key)
+def _paren(node, context: int) -> str:
+    code, prec = expression(node)
+    return f"({code})" if prec < context else code
 
 
-def _spine(expr: sympy.Expr, alias: int | None) -> list[Call]:
-    if expr.is_Atom:
-        value = _literal(expr) if expr.is_Number else expr.name
-        code = f"out[...] = {value}" if expr.is_Number else f"np.copyto(out, {value})"
-        return [Call(code, _reads(expr))]
-    if expr.is_Add:
-        return _add(expr, alias)
-    if expr.is_Mul:
-        return _mul(expr, alias)
-    if expr.is_Pow:
-        return _pow(expr, alias)
-    func = _unary_name(expr)
-    if func:
-        return _apply(func, expr.args[0], alias)
-    if isinstance(expr, Softplus):              # log(1 + exp(x)) without overflow
-        return _apply("np.logaddexp", expr.args[0], alias, ", 0")
-    if isinstance(expr, Sigmoid):               # exp(-log(1 + exp(-x))): no overflow, accurate in both tails
-        return _apply("np.logaddexp", -expr.args[0], alias, ", 0") + [
-            Call("np.negative(out, out=out)", frozenset()), Call("np.exp(out, out=out)", frozenset())]
-    if isinstance(expr, (sympy.Max, sympy.Min)):
-        name = "np.maximum" if isinstance(expr, sympy.Max) else "np.minimum"
-        return _fold(name, ordered_operands(list(expr.args), alias), alias)
-    if isinstance(expr, sympy.Heaviside):
-        return [Call(_heaviside(expr, operand(expr.args[0])[0], "out"), _reads(expr))]
-    return [Call(f"out[...] = {_fallback(expr)}", _reads(expr))]
+def expression(node) -> tuple[str, int]:
+    """(numpy expression, precedence) computing a subtree by value, in the tree's order."""
+    if isinstance(node, Leaf):
+        return node.code, node.prec
+    if node.func in _INFIX:
+        sign, prec = _INFIX[node.func]
+        a, b = node.args
+        return _paren(a, prec) + sign + _paren(b, prec + 1), prec
+    if node.func == "np.negative":
+        return "-" + _paren(node.args[0], _NEG), _NEG
+    return f"{node.func}({', '.join(expression(a)[0] for a in node.args)}{node.extra})", _ATOM
 
 
-def _apply(func: str, arg: sympy.Expr, alias: int | None, extra: str = "") -> list[Call]:
-    """func(arg) into out: arg computed in out first unless it is an atom."""
-    if arg.is_Atom:
-        return [Call(f"{func}({operand(arg)[0]}{extra}, out=out)", _reads(arg))]
-    return _spine(arg, alias) + [Call(f"{func}(out{extra}, out=out)", frozenset())]
+@dataclass(frozen=True)
+class Call:
+    """One line of a kernel body and the inputs (by index) it reads."""
+
+    code: str
+    reads: frozenset[int]
 
 
-def _fold(op: str, args: list[sympy.Expr], alias: int | None, ops: list[str] | None = None) -> list[Call]:
-    """out = args[0] op args[1] op ...; `ops` gives a per-operand op (subtract for negative terms)."""
-    ops = ops or [op] * len(args)
-    head, rest = args[0], args[1:]
-    if head.is_Atom and rest:
-        second = rest[0]
-        calls = [Call(f"{ops[1]}({operand(head)[0]}, {operand(second)[0]}, out=out)",
-                      _reads(head) | _reads(second))]
-        start = 2
-    else:
-        calls = _spine(head, alias)
-        start = 1
-    for a, o in zip(args[start:], ops[start:]):
-        calls.append(Call(f"{o}(out, {operand(a)[0]}, out=out)", _reads(a)))
-    return calls
+def _into_out(node, operands: list[str]) -> str:
+    return f"{node.func}({', '.join(operands)}{node.extra}, out=out)"
 
 
-def _add(expr: sympy.Expr, alias: int | None) -> list[Call]:
-    signed = [_split_sign(t) for t in expr.args]
-    terms = ordered_operands([m for _, m in signed], alias)
-    negative = {id(m): n for n, m in signed}
-    # a positive term leads when there is one (a leading negative term costs a separate negation)
-    positive = [t for t in terms if not negative[id(t)]]
-    if positive and negative[id(terms[0])]:
-        terms.remove(positive[0])
-        terms.insert(0, positive[0])
-    ops = ["np.subtract" if negative[id(t)] else "np.add" for t in terms]
-    if negative[id(terms[0])]:
-        calls = _spine(-terms[0], alias)
-        ops[0] = "np.add"
-        return calls + [Call(f"{o}(out, {operand(a)[0]}, out=out)", _reads(a)) for a, o in zip(terms[1:], ops[1:])]
-    return _fold("np.add", terms, alias, ops)
-
-
-def _mul(expr: sympy.Expr, alias: int | None) -> list[Call]:
-    coeff, num, den = _factors(expr)
-    num = ordered_operands(num, alias)
-    if not num:                                   # c / d
-        denominator = sympy.Mul(*den)
-        if denominator.is_Atom:
-            return [Call(f"np.divide({_literal(coeff)}, {operand(denominator)[0]}, out=out)", _reads(denominator))]
-        return _spine(denominator, alias) + [Call(f"np.divide({_literal(coeff)}, out, out=out)", frozenset())]
-    if len(num) == 1 and not den and coeff == -1:
-        return _apply("np.negative", num[0], alias)
-    args = list(num)
-    ops = ["np.multiply"] * len(args)
-    if coeff != 1:
-        args.append(coeff)
-        ops.append("np.multiply")
-    args += den
-    ops += ["np.divide"] * len(den)
-    if len(args) == 1:
-        return _spine(args[0], alias)
-    return _fold("np.multiply", args, alias, ops)
-
-
-def _pow(expr: sympy.Expr, alias: int | None) -> list[Call]:
-    base, exp = expr.args
-    if exp == sympy.Rational(1, 2):
-        return _apply("np.sqrt", base, alias)
-    if exp == 2:
-        return _apply("np.square", base, alias)
-    if exp == -1:
-        return _mul(expr, alias)
-    if exp == sympy.Rational(-1, 2):
-        return _apply("np.sqrt", base, alias) + [Call("np.divide(1.0, out, out=out)", frozenset())]
-    if base.is_Number:
-        return [Call(f"np.power({_literal(base)}, {operand(exp)[0]}, out=out)", _reads(exp))]
-    return _apply("np.power", base, alias, extra=f", {operand(exp)[0]}")
+def path(node, alias: int | None = None) -> list[Call] | None:
+    """Calls computing `node` into `out`, bottom up. With `alias`, `out` is that input: the path goes through the
+    operand reading it, and None says that no path reads it in the first call only."""
+    if isinstance(node, Leaf):
+        return [Call(f"np.copyto(out, {node.code})" if node.kind == "symbol" else f"out[...] = {node.code}",
+                     node.reads)]
+    if len(node.args) == 1:
+        (x,) = node.args
+        if isinstance(x, Leaf):
+            return [Call(_into_out(node, [x.code]), x.reads)]
+        inner = path(x, alias)
+        return inner and inner + [Call(_into_out(node, ["out"]), frozenset())]
+    a, b = node.args
+    if isinstance(b, Apply) and isinstance(a, Leaf) and a.kind == "number":  # c / d: d into out, then c beside it
+        return path(b, alias) and path(b, alias) + [Call(_into_out(node, [a.code, "out"]), frozenset())]
+    if isinstance(a, Leaf) or (alias in b.reads and isinstance(b, Leaf)):     # one call: the other a temporary
+        return [Call(_into_out(node, [expression(a)[0], expression(b)[0]]), node.reads)]
+    if alias in b.reads and alias not in a.reads:                             # b into out, then a beside it
+        inner = path(b, alias)
+        return inner and inner + [Call(_into_out(node, [expression(a)[0], "out"]), a.reads)]
+    if alias in b.reads:                                                      # both read it
+        return None
+    inner = path(a, alias)
+    return inner and inner + [Call(_into_out(node, ["out", expression(b)[0]]), b.reads)]
 
 
 def render(expr: sympy.Expr, alias: int | None = None) -> list[str] | None:
-    """Body lines of a kernel computing `expr` (over v0, v1, ...) into `out`.
-
-    With `alias`, `out` is input `alias` itself: returns None unless every read of that input happens before or
-    in the first write to `out`."""
-    calls = _spine(expr, alias)
-    if alias is not None and any(alias in c.reads for c in calls[1:]):
+    """Body lines of a kernel computing `expr` (over v0, v1, ...) into `out`, or None where `out` is input `alias`
+    and no path of the tree reads it in the first call only."""
+    calls = path(tree(expr), alias)
+    if calls is None or (alias is not None and any(alias in c.reads for c in calls[1:])):
         return None
     return [c.code for c in calls]
 
 
 def kernel_body(expr: sympy.Expr, alias: int | None = None) -> list[str]:
-    """`render`, or when the in-place spine is unsafe, one assignment (numpy evaluates the whole right-hand side,
-    with temporaries, before writing `out`)."""
+    """`render`, or where `out` may be input `alias` and every path reads it after writing `out`, the calls of the
+    kernel without an alias over a copy of that input taken first. The same roundings in every case."""
     body = render(expr, alias)
-    return body if body is not None else [f"out[...] = {operand(expr)[0]}"]
+    if body is not None:
+        return body
+    return [f"v{alias} = v{alias}.copy()      # out is v{alias}, read after out is written"] + render(expr)
