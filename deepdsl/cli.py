@@ -20,6 +20,8 @@ from pathlib import Path
 
 from deepdsl.errors import DeepDSLError
 
+STEP_NAMES = ("train", "test", "setup", "accumulate", "apply")
+
 
 def _image(text: str) -> tuple[int, int]:
     parts = text.lower().replace("x", ",").split(",")
@@ -81,6 +83,10 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-solver", choices=("greedy", "exact"), default="greedy",
                    help="how --memory-budget chooses recomputations: greedy (default: a fixed sequence, monotone in "
                         "the budget) or exact (also a MILP, needs scipy; taken where it costs fewer FLOPs)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="also compile the steps that accumulate gradients and apply them, which the program's "
+                        "--accumulate K and --data-parallel (under mpiexec) run (`deepdsl run` adds it when those "
+                        "options follow `--`)")
 
 
 def _compile(args: argparse.Namespace):
@@ -95,15 +101,26 @@ def _options(args: argparse.Namespace):
     from deepdsl import CompileOptions
 
     budget = args.memory_budget if args.memory_budget is not None and args.memory_budget >= 0 else None
+    split = args.data_parallel or any(a.split("=")[0] in ("--accumulate", "--data-parallel")
+                                      for a in getattr(args, "program_args", ()))
     return CompileOptions(simplify=not args.no_simplify, fuse=not args.no_fuse, cse=not args.no_cse,
                           code_motion=not args.no_code_motion, workspace_limit=_workspace_limit(args),
-                          memory_budget=budget, memory_solver=None if args.memory_solver == "greedy" else "exact")
+                          memory_budget=budget, memory_solver=None if args.memory_solver == "greedy" else "exact",
+                          data_parallel=split)
+
+
+def _compile_step(args: argparse.Namespace):
+    """The compiled network with the step `--step` names (the accumulate and apply steps compile with
+    --data-parallel, which naming them implies)."""
+    if args.step in ("accumulate", "apply"):
+        args.data_parallel = True
+    return _compile(args)
 
 
 def cmd_ir(args: argparse.Namespace) -> int:
-    compiled = _compile(args)
-    steps = ("setup", "train", "test") if args.step == "all" else (args.step,)
-    texts = [getattr(compiled, s).text() for s in steps if getattr(compiled, s).body or s == args.step]
+    compiled = _compile_step(args)
+    steps = tuple(compiled.steps) if args.step == "all" else (args.step,)
+    texts = [compiled.steps[s].program.text() for s in steps if compiled.steps[s].program.body or s == args.step]
     sys.stdout.write("\n".join(texts))
     return 0
 
@@ -114,8 +131,8 @@ def cmd_graph(args: argparse.Namespace) -> int:
     output = None if args.output in (None, "-") else Path(args.output)
     if output is not None:
         _check_output(args.network, "-o", output)
-    compiled = _compile(args)
-    program = getattr(compiled, args.step)
+    compiled = _compile_step(args)
+    program = compiled.steps[args.step].program
     text = write_dot(program_graph(program), program.name)
     if output is None:
         sys.stdout.write(text)
@@ -288,7 +305,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         _check_plot_format(plot)
     if args.fit is not None:
         return _fit(args)
-    compiled = _compile(args)
+    compiled = _compile_step(args)
     report = memory_table.memory_report(compiled, args.step)
     if plot is not None:
         with _writing(plot):
@@ -343,13 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ir", help="print the optimized SSA programs of a network")
     _add_network_options(p)
-    p.add_argument("--step", choices=("train", "test", "setup", "all"), default="all")
+    p.add_argument("--step", choices=STEP_NAMES + ("all",), default="all")
     p.set_defaults(func=cmd_ir)
 
     p = sub.add_parser("graph", help="write a step's dependency graph as Graphviz DOT")
     _add_network_options(p)
     p.add_argument("-o", "--output", help="DOT file to write (default: standard output)")
-    p.add_argument("--step", choices=("train", "test", "setup"), default="train")
+    p.add_argument("--step", choices=STEP_NAMES, default="train")
     p.set_defaults(func=cmd_graph)
 
     p = sub.add_parser("compile", help="write the standalone training program of a network")
@@ -369,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory", help="print the static memory table of a step (peak, arena, workspace, what-ifs)")
     _add_network_options(p)
-    p.add_argument("--step", choices=("train", "test", "setup"), default="train")
+    p.add_argument("--step", choices=STEP_NAMES, default="train")
     p.add_argument("--json", action="store_true", help="write the table as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
     p.add_argument("--fit", type=_bytes, metavar="BYTES",

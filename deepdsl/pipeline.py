@@ -50,6 +50,7 @@ DEFAULT_WORKSPACE_LIMIT = 32 * 2**20
 # a bool option with this metadata is named in a generated program's header only when off: such options are on
 # except in what-if analyses, so a header names them only where they matter
 _NAMED_WHEN_OFF = {"header": "when off"}
+_NAMED_WHEN_ON = {"header": "when on"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class CompileOptions:
     # MILP (scipy's HiGHS), taken where it costs fewer FLOPs than the greedy sequence's choice
     memory_solver: str | None = None
     verify: bool = False
+    # also the accumulate and apply steps (deepdsl/training.py): the program's --accumulate K and --data-parallel
+    data_parallel: bool = field(default=False, metadata=_NAMED_WHEN_ON)
 
     def changed(self, **changes) -> "CompileOptions":
         """These options with some fields changed; a name that is no field is a `ValueError` naming the fields."""
@@ -239,8 +242,9 @@ class CompiledStep:
 
 @dataclass(frozen=True)
 class Compiled:
-    """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train" and "test" to
-    each step's program and memory plan; `setup`, `train` and `test` are the programs."""
+    """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train" and "test"
+    (and, with `data_parallel`, "accumulate" and "apply") to each step's program and memory plan; `setup`, `train`
+    and `test` are the programs."""
 
     name: str
     source: str | None
@@ -248,6 +252,7 @@ class Compiled:
     params: tuple[Node, ...]
     states: tuple[Node, ...]
     loop: Loop = field(repr=False, compare=False)
+    accumulators: tuple[Node, ...] = ()      # gradient accumulators of the accumulate and apply steps, if compiled
     options: CompileOptions = CompileOptions()
 
     @property
@@ -324,11 +329,13 @@ def _collector_paused():
 
 
 def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bool = True) -> Compiled:
-    graphs = build_step_graphs(loop, forward=simplify if options.simplify else None)
+    graphs = build_step_graphs(loop, forward=simplify if options.simplify else None, split=options.data_parallel)
     if hook:
         hook(f"{graphs.train.name}:autodiff", graphs.train)
     # the setup step starts empty: `hoist_invariants` (the `code_motion` option) moves values into it
     steps = {"setup": Graph(f"{loop.name}_setup", ()), "train": graphs.train, "test": graphs.test}
+    if options.data_parallel:
+        steps.update(accumulate=graphs.accumulate, apply=graphs.apply)
     unplanned = run_stages(steps, OPTIMIZATION_STAGES, options, hook)
     return Compiled(
         name=loop.name,
@@ -336,6 +343,7 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bo
         steps=MappingProxyType(plan_steps(unplanned, options, hook, loop.name, explain)),
         params=graphs.params,
         states=graphs.states,
+        accumulators=graphs.accumulators,
         loop=loop,
         options=options,
     )

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from deepdsl.ir import Node
 
 __all__ = ["Origin", "Table", "table", "begin", "using", "origin", "base_name", "record_layer", "record_leaf",
-           "record_parts", "record_rest", "record_backward", "record_sum", "record_update", "inherit"]
+           "record_parts", "record_rest", "record_backward", "record_sum", "record_update", "record_value", "inherit"]
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 
@@ -224,6 +224,12 @@ def record_update(param: "Node", made: Iterable[tuple[str, "Node"]], gradient: "
     news = {node: k for k, node in made}
     for node in _made(list(news), [gradient]):
         _record(node, layer.named(f"{news[node]}_new" if node in news else f"{param.name}_{node.op}", UPDATE))
+
+
+def record_value(param: "Node", node: "Node", name: str) -> None:
+    """`node`, a value of `param`'s update named `name` (the mean of its accumulated gradient)."""
+    layer = table().get(param) or Origin(param.name, "parameter", FORWARD, param.name, param.name)
+    _record(node, layer.named(name, UPDATE))
 
 
 def record_parts(whole: "Node", parts: dict[str, "Node"]) -> None:

@@ -3,6 +3,13 @@
 Training step outputs: `loss`, then for every parameter its new value and its new optimizer state, then the new
 running statistics of batch-norm layers. Its leaves are the batch (`x`, `y`), parameters, optimizer and running
 state, and the hyperparameters fed each step (`lr`, `momentum`, `decay`; Adam: `lr`, `bias1`, `bias2`).
+
+Split in two (`build_step_graphs(..., split=True)`), the same step serves gradient accumulation and data-parallel
+training: the accumulate step adds the batch's gradient of every parameter p to its accumulator `G_p` (outputs
+`loss`, the new accumulators, the new running statistics), and the apply step updates the parameters from the
+accumulated gradients scaled by the hyperparameter `scale` (1 / the number of batches added), as the training step
+does from one batch's gradient. With one batch and scale 1 the two compute what the training step computes, bit
+for bit (0 + g is g, g * 1 is g).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ def number(value: float) -> sympy.Expr:
 
 
 OPTIMIZER = "optimizer"      # the role of optimizer state (`optimizer_state`)
+GRADIENT = "gradient"        # the role of gradient accumulators (`accumulator`)
 
 
 def hyper(name: str) -> Node:
@@ -43,6 +51,17 @@ def optimizer_state(prefix: str, param: Node) -> Node:
                 init=Init("constant", value=0.0), role=OPTIMIZER)
 
 
+def accumulator(param: Node) -> Node:
+    """The gradient accumulator `G_<param>` of the split step (role "gradient": neither trained nor checkpointed;
+    the program keeps it at zero between iterations)."""
+    return make("state", (), name=f"G_{param.name}", shape=param.shape, dtype=FLOAT,
+                init=Init("constant", value=0.0), role=GRADIENT)
+
+
+def is_accumulator(node: Node) -> bool:
+    return node.op == "state" and node.attr("role") == GRADIENT
+
+
 def is_optimizer_state(node: Node) -> bool:
     """Whether `node` is an optimizer buffer made by `optimizer_state` (other state: running statistics)."""
     return node.op == "state" and node.attr("role") == OPTIMIZER
@@ -54,6 +73,9 @@ class StepGraphs:
     test: Graph
     params: tuple[Node, ...]           # trained parameters, in order of first use
     states: tuple[Node, ...]           # running statistics and optimizer buffers
+    accumulate: Graph | None = None    # the split step (`split=True`): add a batch's gradients to the accumulators
+    apply: Graph | None = None         # and update the parameters from them
+    accumulators: tuple[Node, ...] = ()
 
 
 def parameters(loss: Node) -> list[Node]:
@@ -77,12 +99,13 @@ def _distinct_names(tensors: list[Node]) -> None:
             raise DeepDSLError(f"two tensors of the training step are named '{t.name}' (a {other.op} of shape "
                                f"{'x'.join(map(str, other.shape))} and a {t.op} of shape "
                                f"{'x'.join(map(str, t.shape))}): optimizer buffers are named V_, M_ or S_ and "
-                               "the parameter's name; rename the layer")
+                               "the parameter's name (gradient accumulators G_); rename the layer")
 
 
-def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = None) -> StepGraphs:
+def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = None, split: bool = False) -> StepGraphs:
     """The step graphs of `loop`; `forward` (e.g. simplification) rewrites the training forward graph before it is
-    differentiated, so the gradients are derived from the rewritten forward computation."""
+    differentiated, so the gradients are derived from the rewritten forward computation; `split`: also the
+    accumulate and apply steps (see the module's docstring)."""
     name = loop.name
     provenance.record_rest(loop.loss.node, "loss", "the loss the step minimizes", "total_loss")
     train = specialize(Graph(f"{name}_train", (("loss", loop.loss.node),)), "train")
@@ -93,12 +116,28 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     if not params:
         raise DeepDSLError("the loss depends on no parameter: nothing to train")
     grads = gradients(loss, params)
-    updates = _sgd(params, grads, loop.solver) if loop.solver.optimizer == "sgd" else _adam(params, grads, loop.solver)
-    train = Graph(train.name, train.outputs[:1] + tuple(updates) + train.outputs[1:])
+    update = _sgd if loop.solver.optimizer == "sgd" else _adam
+    forward_graph = train
+    train = Graph(train.name, train.outputs[:1] + tuple(update(params, grads, loop.solver)) + train.outputs[1:])
     test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
     states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
-    _distinct_names([*params, *states])
-    return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)))
+    accumulate = apply = None
+    accumulators = tuple(accumulator(p) for p in params) if split else ()
+    if split:
+        sums = []
+        for p, g in zip(params, accumulators):
+            total = elementwise(sym(0) + sym(1), [g, grads[p]])
+            provenance.record_update(p, [(g.name, total)], grads[p])
+            sums.append((g.name, total))
+        accumulate = Graph(f"{name}_accumulate", forward_graph.outputs[:1] + tuple(sums) + forward_graph.outputs[1:])
+        scale = hyper("scale")
+        scaled = {p: elementwise(sym(0) * sym(1), [g, scale]) for p, g in zip(params, accumulators)}
+        for p in params:
+            provenance.record_value(p, scaled[p], f"d_{p.name}")
+        apply = Graph(f"{name}_apply", tuple(update(params, scaled, loop.solver)))
+    _distinct_names([*params, *states, *accumulators])
+    return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)), accumulate, apply,
+                      accumulators)
 
 
 def _clipped(params, grads, solver: Train) -> dict[Node, Node]:

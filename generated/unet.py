@@ -2616,6 +2616,7 @@ def main(argv=None):
     parser.add_argument("--quiet", action="store_true", help="print errors only")
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
+    rp.add_parallel_options(parser)
     return rp.run(Unet, parser.parse_args(argv))
 
 

@@ -4817,6 +4817,7 @@ def main(argv=None):
     parser.add_argument("--quiet", action="store_true", help="print errors only")
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
+    rp.add_parallel_options(parser)
     return rp.run(Vit, parser.parse_args(argv))
 
 

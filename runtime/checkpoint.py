@@ -66,6 +66,8 @@ def write(path: str, checkpoint: Checkpoint) -> None:
         "__data_offset__": np.array(checkpoint.data_position[1], dtype=np.int64),
         "__data__": np.array(checkpoint.data),
     }
+    for name, value in checkpoint.extra.items():
+        entries[name] = np.asarray(value)
     for name, array in checkpoint.tensors.items():
         if name.startswith("__"):
             raise ValueError(f"tensor name '{name}' is reserved for metadata")

@@ -31,12 +31,12 @@ import numpy as np
 
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
-from deepdsl_runtime import memory
+from deepdsl_runtime import memory, parallel
 from deepdsl_runtime.memory import StepPlan
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
-__all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "backend", "initial_value",
-           "run"]
+__all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "add_kernel_options",
+           "add_parallel_options", "backend", "initial_value", "run"]
 
 EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE = 1, 3, 4
 
@@ -44,9 +44,10 @@ EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE = 1, 3, 4
 class RunError(Exception):
     """A problem reported as one line; `status` is the exit status (1: a usage problem)."""
 
-    def __init__(self, message: str, status: int = EXIT_USAGE):
+    def __init__(self, message: str, status: int = EXIT_USAGE, collective: bool = False):
         super().__init__(message)
         self.status = status
+        self.collective = collective          # raised on every rank at the same point (data parallelism)
 
 
 def backend(device: str) -> ModuleType:
@@ -128,6 +129,7 @@ class Model:
     defaults: dict = {}
     params: dict[str, Param] = {}
     states: dict[str, State] = {}
+    accumulators: dict[str, State] = {}      # of accumulate_step and apply_step, where compiled
     setup_inputs: tuple[str, ...] = ()
     memory_plans: dict[str, StepPlan] = {}
 
@@ -241,14 +243,21 @@ class Model:
     def test_step(self, x, y) -> tuple[float, float]:
         raise NotImplementedError
 
-    def memory_report(self) -> dict:
+    def accumulate_step(self, x, y, *, step: int) -> float:
+        raise NotImplementedError
+
+    def apply_step(self, *, scale, **hyper) -> None:
+        raise NotImplementedError
+
+    def memory_report(self, train: str = "train_step") -> dict:
         """The memory figures of the report: planned, and measured by the allocator in the steps that ran (None for
-        a step that did not run). `peak_bytes_*` and `workspace_bytes_*` are the training step's, `test_*` the test
-        step's; `arena_bytes` and `pool_bytes` what the static and pooled modes reserve, `reserved_bytes` what this
-        run's mode reserved, `max_rss_bytes` the process's resident-set high-water mark."""
+        a step that did not run). `peak_bytes_*` and `workspace_bytes_*` are those of the step `train` that trains
+        (`accumulate_step` when gradients are accumulated), `test_*` the test step's; `arena_bytes` and
+        `pool_bytes` what the static and pooled modes reserve, `reserved_bytes` what this run's mode reserved,
+        `max_rss_bytes` the process's resident-set high-water mark."""
         usage, plans = self.mem.usage, self.memory_plans
         result = {"memory_mode": self.mem.mode}
-        for prefix, step in (("", "train_step"), ("test_", "test_step")):
+        for prefix, step in (("", train), ("test_", "test_step")):
             plan, used = plans.get(step, StepPlan()), usage.get(step)
             result[f"{prefix}peak_bytes_measured"] = used.peak_bytes if used else None
             result[f"{prefix}peak_bytes_planned"] = plan.planned_peak(self.mem.mode)
@@ -320,6 +329,19 @@ def add_kernel_options(parser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads of the compiled kernels and the matrix products (default: the cores this "
                              "process may use)")
+
+
+def add_parallel_options(parser) -> None:
+    """The command-line options of gradient accumulation and data-parallel training (`deepdsl_runtime.parallel`)."""
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="add the gradients of K batches before each update: a batch of K times the compiled "
+                             "one in the memory of one (needs a program compiled with --data-parallel)")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="under mpiexec: each rank trains on its share of every global batch (ranks x K x "
+                             "batch examples), gradients summed over the ranks; alone, as without it")
+    parser.add_argument("--reduce", choices=parallel.REDUCE_MODES, default="exact",
+                        help="how the ranks sum their gradients: exact (in rank order: bit for bit the training "
+                             "of one process with --accumulate RANKS) or fast (MPI's Allreduce)")
 
 
 def add_gemm_options(parser) -> None:
@@ -504,9 +526,14 @@ def run(model_cls: type[Model], args) -> int:
         session = None
         try:
             session = _Run(model_cls, args, signals)
-            return session.execute()
-        except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
-            return _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
+            status = session.execute()
+            session.ranks.barrier()           # every rank has said its line before any exits
+            return status
+        except (RunError, ckpt.CheckpointError, datasets.DataError, parallel.ParallelError) as err:
+            status = _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
+            if session is not None:           # the others stop at the same point, or are stopped
+                session.ranks.end(status, collective=getattr(err, "collective", False))
+            return status
         except KeyboardInterrupt as interrupt:
             _release_quietly(interrupt)
             received = signals.again or signals.received or signal.SIGINT
@@ -514,6 +541,8 @@ def run(model_cls: type[Model], args) -> int:
             what = "again" if signals.received in (None, received) else f"after {signal.Signals(signals.received).name}"
             print(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}",
                   file=sys.stderr, flush=True)
+            if session is not None:
+                session.ranks.end(128 + received, collective=False)
             return 128 + received
 
 
@@ -541,9 +570,21 @@ class _Run:
         _check_args(args)
         self.schedule, self.augment = _recipe(args)
         self.args, self.signals = args, signals
+        self.ranks = parallel.world(getattr(args, "data_parallel", False))
+        self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
+                                                  getattr(args, "reduce", "exact"))
+        if self.accumulation.split and not model_cls.accumulators:
+            raise RunError(f"--accumulate and --data-parallel run the accumulate and apply steps, which this program "
+                           f"was compiled without; compile it with `deepdsl compile {model_cls.source} "
+                           "--data-parallel`")
+        if self.ranks.rank > 0:
+            args.quiet = True                     # rank 0 speaks for the job
+        threads = getattr(args, "threads", None)
+        if threads is None and self.ranks.local_size > 1:       # the ranks on this machine share its cores
+            threads = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
-                               getattr(args, "check_memory", False), getattr(args, "kernels", "auto"),
-                               getattr(args, "threads", None))
+                               getattr(args, "check_memory", False), getattr(args, "kernels", "auto"), threads)
+        self._check_parallel()
         self.products = _tiled_products(args)
         if self.products is not None:
             self.model.rt = self.model.rt.with_gemm(self.products)
@@ -552,7 +593,8 @@ class _Run:
         self.resumed: ckpt.Checkpoint | None = None
         self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
         self.probe = None                                # one test batch each checkpoint's state is tried on
-        if self.path:
+        self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
+        if self.path and self.ranks.rank == 0:
             removed = ckpt.remove_stale_temporaries(self.path)
             if removed:
                 _say(args, f"removed {len(removed)} temporary file(s) of an interrupted write of {self.path}")
@@ -564,10 +606,28 @@ class _Run:
             self.resumed = _resume(self.model, self.path)
             self.model.seed = self.resumed.seed
             self.saved_iteration = self.resumed.iteration
+            self.batches_done = int(self.resumed.extra.get("__batches__", self.resumed.iteration))
         self.data_spec = self.choose_data()
         # an unusable --init-from file is an error before anything else happens; what it holds is used at the start
         self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
-        self.check_outputs()
+        if self.ranks.rank == 0:
+            self.check_outputs()
+
+    def _check_parallel(self) -> None:
+        """The options of accumulation and data parallelism, and the same program and options on every rank."""
+        args, model = self.args, self.model
+        if getattr(args, "accumulate", 1) < 1:
+            raise RunError(f"--accumulate must be >= 1, got {args.accumulate}")
+        running = [k for k, s in model.states.items() if not s.optimizer]
+        if self.ranks.size > 1 and running:
+            raise parallel.ParallelError(
+                f"data-parallel training of {model.name} would give each rank its own running statistics "
+                f"({', '.join(running[:3])}{', ...' if len(running) > 3 else ''}): batch norm across ranks is not "
+                "supported yet; train it in one process (--accumulate K for a larger batch)")
+        self.ranks.agree({"network": model.name, "structure hash": model.structure_hash, "batch": model.batch_shape,
+                          "--accumulate": self.accumulation.accumulate, "--reduce": self.accumulation.mode,
+                          "--seed": args.seed, "--iters": args.iters, "--data": getattr(args, "data", None),
+                          "--params": args.params, "--lr": args.lr})
 
     def choose_data(self) -> str:
         """--data, else the data a resumed checkpoint was trained on, else the network's dataset. Resuming on other
@@ -627,7 +687,10 @@ class _Run:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
                              tokens=model.tokens, targets=model.target_shape)
-        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch, seed=model.seed, augment=self.augment)
+        self.accumulation.start(model)
+        # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch * self.accumulation.batches,
+                                       seed=model.seed, augment=self.augment)
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:
@@ -644,7 +707,7 @@ class _Run:
                     f"lies outside the {len(data.x_train)} training examples of '{self.data_spec}' (the data changed "
                     "since the checkpoint was written; --fresh starts over)") from None
             start = self.resumed.iteration
-            _say(args, f"resuming from {self.path} at iteration {start}")
+            _say(args, f"resuming from {self.path} at iteration {start}" + self.regrouped())
         else:
             self.fresh_start()
             start = 0
@@ -654,8 +717,8 @@ class _Run:
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
             _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
-                       f"{self.batch}) on {args.device} ({model.kernels}): iterations {start + 1} to {args.iters}"
-                       + (f"; checkpoint {self.path}" if self.path else ""))
+                       f"{self.batch}{self.grouping()}) on {args.device} ({model.kernels}): iterations {start + 1} "
+                       f"to {args.iters}" + (f"; checkpoint {self.path}" if self.path else ""))
             iteration, loss, elapsed, stopped = self.train(start)
             if stopped is not None:
                 return stopped
@@ -677,14 +740,48 @@ class _Run:
             g = self.products.totals()
             _say(args, f"matrix products: {g['calls']} tiled GEMMs on {g['devices']} devices, "
                        f"{g['bytes_moved'] / 1e6:.2f} MB moved, output tiles per device {g['tasks_per_device']}")
-        figures = model.memory_report()
+        figures = model.memory_report("accumulate_step" if self.accumulation.split else "train_step")
         if figures["peak_bytes_measured"] is not None:
             _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
                        f"measured, {figures['peak_bytes_planned'] / 1e6:.2f} MB planned; workspace "
                        f"{figures['workspace_bytes_measured'] / 1e6:.2f} MB")
+        parallel_figures = self.parallel_report(elapsed)
+        if self.ranks.size > 1 and done:
+            _say(args, f"{self.ranks.size} ranks: {parallel_figures['bytes_reduced_per_step'] / 1e6:.2f} MB reduced a "
+                       f"step ({self.accumulation.mode}), {100 * parallel_figures['communication_share']:.1f} % of "
+                       "the time in reductions")
         self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
-                          test_loss=test_loss, seconds_per_iter=per_iter, **figures)
+                          test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
         return 0
+
+    def grouping(self) -> str:
+        """How the global batch is made, for the first line: '' for one batch of one process."""
+        acc = self.accumulation
+        if not acc.split:
+            return ""
+        ranks = f"{self.ranks.size} ranks x " if self.ranks.size > 1 else ""
+        return f" x {ranks}{acc.accumulate} accumulated = global batch {self.batch * acc.batches}"
+
+    def regrouped(self) -> str:
+        """What changed since the checkpoint in how the global batch is made ('' if nothing)."""
+        was = int(self.resumed.extra.get("__global_batch__", self.batch))
+        now = self.batch * self.accumulation.batches
+        if was == now:
+            return ""
+        ranks = int(self.resumed.extra.get("__ranks__", 1))
+        return (f" (written with a global batch of {was} on {ranks} rank{'s' if ranks > 1 else ''}, now {now} on "
+                f"{self.ranks.size}: the sample stream continues where it stopped)")
+
+    def parallel_report(self, elapsed: float) -> dict:
+        """The report's figures of accumulation and data parallelism."""
+        acc, gradients = self.accumulation, self.accumulation.gradients
+        reduced = gradients.nbytes if gradients is not None and self.ranks.size > 1 else 0
+        return {"ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
+                "reduce": acc.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
+                "reduce_scratch_bytes": self.ranks.scratch_bytes,
+                "accumulator_bytes": gradients.nbytes if gradients is not None else 0,
+                "communication_seconds": self.ranks.waited,
+                "communication_share": self.ranks.waited / elapsed if elapsed else 0.0}
 
     def write_report(self, **results) -> None:
         """The --report-json file (atomically), when one is asked for."""
@@ -730,11 +827,33 @@ class _Run:
     def save(self, iteration: int) -> bool:
         """Write the checkpoint of `iteration` to --params (False without one). A non-finite state, or one whose
         test loss on one batch is not finite, is not written: the run stops (diverged) and the previous checkpoint
-        stays; so does a write that fails (a full disk)."""
+        stays; so does a write that fails (a full disk). Ranks: all compare their parameters and state first, rank
+        0 writes, all wait for the rename and stop alike if it failed."""
         if not self.path:
             return False
+        if self.ranks.size == 1:
+            return self._write(iteration)
+        if not self.ranks.same(parallel.digest(self.model.host_tensors())):
+            raise RunError(f"the ranks hold different parameters at iteration {iteration}; training stopped, "
+                           f"{self.kept()}", EXIT_DIVERGED, collective=True)
+        outcome = None
+        if self.ranks.rank == 0:
+            try:
+                outcome = (self._write(iteration), "", 0)
+            except RunError as err:
+                outcome = (False, str(err), err.status)
+        saved, message, status = self.ranks.share(outcome)
+        if message:
+            raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
+        self.saved_iteration = iteration
+        return saved
+
+    def _write(self, iteration: int) -> bool:
         position = self.stream.position if self.probe is not None else (0, 0)
         state = _checkpoint(self.model, iteration, position, self.data_spec)
+        state.extra.update({"__batches__": np.array(self.batches_done, dtype=np.int64),
+                            "__ranks__": np.array(self.ranks.size, dtype=np.int64),
+                            "__global_batch__": np.array(self.batch * self.accumulation.batches, dtype=np.int64)})
         bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
         if bad is not None:
             raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "
@@ -759,10 +878,16 @@ class _Run:
         iteration, loss, diverged = start, None, None
         bar = _progress(args, start)
         began = time.perf_counter()
+        acc, stop = self.accumulation, 0
         try:
             while iteration < args.iters:
                 xb, yb = self.stream.next()
-                value = model.train_step(xb, yb, step=iteration, **self.hyper(iteration))
+                hyper = self.hyper(iteration)
+                if acc.split:
+                    value = acc.iterate(model, xb, yb, self.batches_done, hyper)
+                else:
+                    value = model.train_step(xb, yb, step=self.batches_done, **hyper)
+                self.batches_done += acc.batches
                 if not math.isfinite(value):
                     diverged = value
                     break
@@ -770,7 +895,8 @@ class _Run:
                 if bar is not None:
                     bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
                     bar.update(1)
-                if signals.received is not None:
+                stop = self.ranks.largest(signals.received or 0)      # a signal to any rank stops them all here
+                if stop:
                     break
                 if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
                     self.save(iteration)
@@ -780,8 +906,15 @@ class _Run:
         elapsed = time.perf_counter() - began
         if diverged is not None:
             raise RunError(f"the loss is {diverged} at iteration {iteration + 1}; training stopped, {self.kept()}",
-                           EXIT_DIVERGED)
-        if signals.received is not None:
+                           EXIT_DIVERGED, collective=True)
+        if stop:
+            if signals.received is None:          # another rank's signal
+                signals.received = stop
+                saved = self.save(iteration)
+                print(f"{model.name}: rank {self.ranks.rank}: stopped at iteration {iteration} with the others "
+                      f"({signal.Signals(stop).name} to another rank); " + (f"saved {self.path}" if saved else
+                                                                              self.kept()), file=sys.stderr, flush=True)
+                return iteration, loss, elapsed, 128 + stop
             return iteration, loss, elapsed, self.interrupted(f"at iteration {iteration}", saved=self.save(iteration))
         saved = self.save(iteration)
         _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {self.path}" if saved else ""))

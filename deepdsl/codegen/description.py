@@ -64,7 +64,8 @@ class ProgramDescription:
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
     and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
     `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`); `steps`
-    are setup, training step and test step; `memory_plans` their plans, in that order."""
+    are setup, training step and test step (then the accumulate and apply steps, where compiled); `memory_plans`
+    their plans, in that order."""
 
     name: str
     cls: str
@@ -88,6 +89,7 @@ class ProgramDescription:
     batch_shape: str
     params: tuple[TensorDecl, ...]
     states: tuple[TensorDecl, ...]
+    accumulators: tuple[TensorDecl, ...]
     setup_inputs: str
     steps: tuple[Step, ...]
     kernels: tuple[Kernel, ...]
@@ -159,7 +161,8 @@ def _options_text(compiled) -> str:
     shown = []
     for f in fields(opts):
         value = getattr(opts, f.name)
-        if f.name == "workspace_limit" or (f.metadata.get("header") == "when off" and value) or value is None:
+        if f.name == "workspace_limit" or value is None or f.metadata.get("header") == ("when off" if value else
+                                                                                        "when on"):
             continue
         if isinstance(value, bool):
             shown.append(f.name if value else f"no-{f.name}")
@@ -180,7 +183,9 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     from deepdsl.training import is_optimizer_state
 
     options = options or CodegenOptions()
-    plans = {step: compiled.steps[step].plan for step in ("setup", "train", "test")}
+    names = tuple(step for step in ("setup", "train", "test", "accumulate", "apply") if step in compiled.steps)
+    plans = {step: compiled.steps[step].plan for step in names}
+    programs = {step: compiled.steps[step].program for step in names}
     limit = plans["train"].workspace_limit
     solver = compiled.loop.solver
     inputs = {n.name: n for p in (compiled.train, compiled.test) for n in p.inputs}
@@ -194,8 +199,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     optimizer = solver.optimizer
     hyper = ("lr", "momentum", "decay") if optimizer == "sgd" else ("lr", "bias1", "bias2", "decay")
     # kernels are module-level functions the steps call: no value of a step may hide one
-    kernels = steps.Kernels(taken={name for program in (compiled.setup, compiled.train, compiled.test)
-                                   for name in program.names().values()})
+    kernels = steps.Kernels(taken={name for program in programs.values() for name in program.names().values()})
     data_name, label_name = steps.identifier(data.name), steps.identifier(label.name)
     setup = steps.build_setup(compiled.setup, plans["setup"], kernels)
     bad = [n.name for n in compiled.setup.inputs if n.name in ("bias1", "bias2")]
@@ -203,8 +207,12 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         raise steps.GenerateError(f"values hoisted out of the step depend on {bad}, which change every step")
     train = steps.build_train(compiled.train, plans["train"], kernels, data_name, label_name, hyper)
     test = steps.build_test(compiled.test, plans["test"], kernels, data_name, label_name)
-    memory_plans = [_plan_table(f"{step}_step" if step != "setup" else step, getattr(compiled, step), plans[step])
-                    for step in ("setup", "train", "test")]
+    built = [setup, train, test]
+    if "accumulate" in plans:
+        built += [steps.build_accumulate(programs["accumulate"], plans["accumulate"], kernels, data_name, label_name),
+                  steps.build_apply(programs["apply"], plans["apply"], kernels, hyper)]
+    memory_plans = [_plan_table(f"{step}_step" if step != "setup" else step, programs[step], plans[step])
+                    for step in names]
     train_plan, test_plan = memory_plans[1], memory_plans[2]
     memory_text = (f"peak {_mb(train_plan.peak_bytes)} of tensors planned for the training step "
                    f"({_mb(test_plan.peak_bytes)} testing); static arena "
@@ -251,7 +259,9 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "params": tuple(params),
         "states": tuple(states),
         "setup_inputs": literal(tuple(n.name for n in compiled.setup.inputs if n.op == "input")),
-        "steps": (setup, train, test),
+        "steps": tuple(built),
+        "accumulators": tuple(TensorDecl(g.name, literal(g.shape), _init_text(g.attr("init")))
+                              for g in compiled.accumulators),
         "kernels": tuple(kernels.items),
         "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),

@@ -317,31 +317,51 @@ def build_setup(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
                 blocks, tuple(epilogue))
 
 
-def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
-                hyper: tuple[str, ...]) -> Step:
+def _updating_step(program: Program, plan: MemoryPlan, kernels: Kernels, method: str, doc: str,
+                   inputs: list[str], hyper: tuple[str, ...], results: list[str]) -> Step:
+    """A step whose outputs are the new values of its parameters and state (written over them, in place or by a
+    copy at the end) and the scalar `results` it returns."""
     b = StepBuilder(program, plan, kernels)
     for n in program.inputs:
         if _role(n) == "hyper" and n.name not in hyper:
-            raise GenerateError(f"the training step reads hyperparameter '{n.name}', which generated programs do "
+            raise GenerateError(f"the {method} reads hyperparameter '{n.name}', which generated programs do "
                                 f"not feed (they feed {', '.join(hyper)})")
     blocks = b.blocks()
     leaves = {n.name: n for n in program.inputs if _role(n) in ("param", "state")}
-    epilogue, results = [], []
+    epilogue, returned = [], []
     for k, v in program.outputs:
         if k in leaves:
             if b.lives_in(v, leaves[k]):
                 continue
             epilogue.append(f"rt.copy({b.arg(v)}, out=T[{k!r}])")
         else:
-            results.append((k, v))
-    if [k for k, _ in results] != ["loss"]:
-        raise GenerateError(f"the training step's results are {[k for k, _ in results]}, expected ['loss']")
-    epilogue += [f"loss = {_scalar(b, results[0][1])}", "mem.end()", "return loss"]
-    signature = ", ".join(["self", data, label, "*", "step"] + list(hyper))
-    return Step("train_step", signature,
-                "One training step on the batch: returns the loss; parameters and state are updated.",
-                ('rt, mem, T = self.rt, self.mem.begin("train_step"), self.tensors', *b.loads()), blocks,
-                tuple(epilogue))
+            returned.append((k, v))
+    if [k for k, _ in returned] != results:
+        raise GenerateError(f"the {method}'s results are {[k for k, _ in returned]}, expected {results}")
+    epilogue += [f"{k} = {_scalar(b, v)}" for k, v in returned] + ["mem.end()"] + \
+        ([f"return {', '.join(results)}"] if results else [])
+    signature = ", ".join(["self", *inputs, "*", *hyper])
+    return Step(method, signature, doc, (f'rt, mem, T = self.rt, self.mem.begin("{method}"), self.tensors',
+                                         *b.loads()), blocks, tuple(epilogue))
+
+
+def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
+                hyper: tuple[str, ...]) -> Step:
+    return _updating_step(program, plan, kernels, "train_step",
+                          "One training step on the batch: returns the loss; parameters and state are updated.",
+                          [data, label], ("step", *hyper), ["loss"])
+
+
+def build_accumulate(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:
+    return _updating_step(program, plan, kernels, "accumulate_step",
+                          "Add the batch's gradients to the accumulators G_ (running statistics are updated): "
+                          "returns the loss.", [data, label], ("step",), ["loss"])
+
+
+def build_apply(program: Program, plan: MemoryPlan, kernels: Kernels, hyper: tuple[str, ...]) -> Step:
+    return _updating_step(program, plan, kernels, "apply_step",
+                          "Update the parameters from the accumulated gradients times `scale` (1 / the batches "
+                          "accumulated), as train_step does from one batch's.", [], ("scale", *hyper), [])
 
 
 def build_test(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:

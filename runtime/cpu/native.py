@@ -95,7 +95,9 @@ def _built_meanwhile(path: Path, timeout: float = 300.0) -> bool:
 
 def load(program) -> tuple["Native | None", str]:
     """(the compiled kernels of the generated program at path `program`, "") or (None, why not)."""
-    source = Path(program).with_suffix(".c")
+    # absolute: a bare file name would send the dynamic loader to its search path (`python -m mpi4py prog.py` runs
+    # a program whose __file__ is relative)
+    source = Path(program).absolute().with_suffix(".c")
     if not source.exists():
         return None, f"no {source.name} beside the program"
     try:

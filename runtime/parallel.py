@@ -1,0 +1,240 @@
+"""Gradient accumulation and data-parallel training over MPI (mpi4py): what `--accumulate K` and `--data-parallel`
+of a generated program do.
+
+They run the split step of a program compiled with `deepdsl compile --data-parallel`. One iteration: the global
+batch of R x K x b examples (R ranks, K accumulated batches of the compiled batch b) comes from the one seeded
+stream that every rank draws alike; rank r runs `accumulate_step` on batches r*K .. r*K + K - 1 of it, adding
+their gradients to its accumulators; the accumulators are summed over the ranks (`Ranks.reduce`); `apply_step`
+updates the parameters from the sum times 1 / (R*K), the mean gradient of the global batch, whose mean loss is the
+iteration's loss. A batch's dropout masks are drawn with its index in the global stream of batches, so they do
+not depend on how the batches are spread over ranks. With R = K = 1 the program runs its fused `train_step`, as
+without these options.
+
+Exactness: `--reduce exact` (the default) sums in rank order along a chain: rank r receives the sum of the ranks
+before it, adds its own accumulators and passes the sum on, chunk by chunk so that the ranks work on different
+chunks at once; the last rank broadcasts the total. These are the additions one process makes accumulating R
+batches, ((G0 + G1) + G2) ..., so R ranks with K = 1 train bit for bit as one process with `--accumulate R` on
+the same data. `--reduce fast` is MPI's Allreduce, in an order of MPI's choosing.
+
+Agreement: the ranks check at the start that they run the same program (structure hash, batch, options), stop at
+the same iteration when any of them is signalled (a one-int allreduce per iteration), and before a checkpoint
+compare a digest of their parameters and state; rank 0 writes it and the others wait for the rename. An error that
+only one rank meets aborts the job (`MPI.Abort`), so no rank waits for ever in a collective; a rank killed outright
+ends the job through mpiexec.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+
+import numpy as np
+
+# chunk of the exact chain reduction, in floats: large enough to amortize a message, small enough to pipeline
+CHUNK = 1 << 18
+REDUCE_MODES = ("exact", "fast")
+
+
+class ParallelError(Exception):
+    """The ranks cannot train together (one line)."""
+
+
+class Alone:
+    """One process: no reduction, no agreement needed."""
+
+    rank, size, local_size = 0, 1, 1
+    waited = 0.0                      # seconds spent in reductions
+    scratch_bytes = 0
+
+    def reduce(self, flat: np.ndarray, mode: str) -> None:
+        pass
+
+    def gather(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def largest(self, value: int) -> int:
+        return value
+
+    def agree(self, what: dict) -> None:
+        pass
+
+    def same(self, digest: str) -> bool:
+        return True
+
+    def share(self, value):
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def end(self, status: int, collective: bool) -> None:
+        pass
+
+
+class Ranks:
+    """The ranks of an MPI job (`MPI.COMM_WORLD`, R > 1)."""
+
+    def __init__(self, comm, mpi):
+        self.comm, self.mpi = comm, mpi
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+        self.local_size = local.Get_size()          # ranks on this machine, which share its cores
+        local.Free()
+        self.waited = 0.0
+        self._scratch: np.ndarray | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes the exact reduction receives into (one chunk), besides the accumulators."""
+        return 0 if self._scratch is None else self._scratch.nbytes
+
+    def reduce(self, flat: np.ndarray, mode: str) -> None:
+        """Sum `flat` (float32, contiguous) over the ranks into every rank's `flat`."""
+        began = time.perf_counter()
+        if mode == "fast":
+            self.comm.Allreduce(self.mpi.IN_PLACE, flat, op=self.mpi.SUM)
+        else:
+            self._chain(flat)
+        self.waited += time.perf_counter() - began
+
+    def _chain(self, flat: np.ndarray) -> None:
+        rank, last = self.rank, self.size - 1
+        if self._scratch is None or self._scratch.size < min(CHUNK, flat.size):
+            self._scratch = np.empty(min(CHUNK, flat.size), np.float32)
+        for k, start in enumerate(range(0, flat.size, CHUNK)):
+            part = flat[start:start + CHUNK]
+            if rank > 0:
+                before = self._scratch[:part.size]
+                self.comm.Recv(before, source=rank - 1, tag=k)
+                np.add(before, part, out=part)          # (sum of the ranks before) + this rank's
+            if rank < last:
+                self.comm.Send(part, dest=rank + 1, tag=k)
+        self.comm.Bcast(flat, root=last)
+
+    def gather(self, values: list[float]) -> list[float]:
+        """Every rank's values, in rank order."""
+        return [v for part in self.comm.allgather(list(values)) for v in part]
+
+    def largest(self, value: int) -> int:
+        """The largest of the ranks' `value`s (a one-int allreduce): how they agree to stop."""
+        return int(self.comm.allreduce(int(value), op=self.mpi.MAX))
+
+    def agree(self, what: dict) -> None:
+        """Refuse to start unless every rank runs with the same `what` (program and options)."""
+        everyone = self.comm.allgather(what)
+        for r, theirs in enumerate(everyone):
+            differ = [k for k in what if theirs.get(k) != what[k]]
+            if differ:
+                k = differ[0]
+                raise ParallelError(f"rank {r} runs with {k} {theirs.get(k)!r}, rank {self.rank} with {what[k]!r}: "
+                                    "every rank must run the same program with the same options")
+
+    def same(self, digest: str) -> bool:
+        return len(set(self.comm.allgather(digest))) == 1
+
+    def share(self, value):
+        """Rank 0's `value`, on every rank."""
+        return self.comm.bcast(value, root=0)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def end(self, status: int, collective: bool) -> None:
+        """After an error this rank has reported: wait for the others where they stop at the same point
+        (`collective`), else end the job (`MPI.Abort`), so that no rank waits for ever in a collective."""
+        if collective:
+            self.comm.Barrier()
+        else:
+            self.comm.Abort(status)
+
+
+def world(data_parallel: bool):
+    """The job this process trains in: `Ranks` under mpiexec with --data-parallel and R > 1, else `Alone`."""
+    if not data_parallel:
+        return Alone()
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ParallelError("--data-parallel needs mpi4py and an MPI library (pip install 'deepdsl[mpi]')") from None
+    comm = MPI.COMM_WORLD
+    return Ranks(comm, MPI) if comm.Get_size() > 1 else Alone()
+
+
+def digest(tensors: dict[str, np.ndarray]) -> str:
+    """A digest of parameters and state, to compare across ranks."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+    return h.hexdigest()
+
+
+class Gradients:
+    """A model's gradient accumulators (`Model.accumulators`), contiguous in one float32 buffer: on the CPU the
+    tensors the steps read and write are views of it (no copy to reduce); on a device they are device arrays,
+    staged through it."""
+
+    def __init__(self, model):
+        self.model = model
+        shapes = {k: s.shape for k, s in model.accumulators.items()}
+        self.sizes = {k: math.prod(s) for k, s in shapes.items()}
+        self.flat = np.zeros(sum(self.sizes.values()), np.float32)
+        self.views, start = {}, 0
+        for k, shape in shapes.items():
+            self.views[k] = self.flat[start:start + self.sizes[k]].reshape(shape)
+            start += self.sizes[k]
+        self.on_host = isinstance(model.rt.asarray(np.zeros(1, np.float32)), np.ndarray)
+        for k, view in self.views.items():
+            model.tensors[k] = view if self.on_host else model.rt.asarray(view)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def zero(self) -> None:
+        if self.on_host:
+            self.flat[...] = 0.0
+        else:
+            for k, view in self.views.items():
+                self.model.rt.const(out=self.model.tensors[k], value=0.0, shape=view.shape)
+
+    def reduce(self, ranks, mode: str) -> None:
+        if ranks.size == 1:
+            return
+        if not self.on_host:
+            for k, view in self.views.items():
+                view[...] = self.model.rt.to_numpy(self.model.tensors[k])
+        ranks.reduce(self.flat, mode)
+        if not self.on_host:
+            for k, view in self.views.items():
+                self.model.rt.copy(self.model.rt.asarray(view), out=self.model.tensors[k])
+
+
+class Accumulation:
+    """How a run's iterations go: K accumulated batches of b on each of R ranks (`split`: K * R > 1), or the fused
+    training step."""
+
+    def __init__(self, ranks, accumulate: int, reduce: str):
+        self.ranks, self.accumulate, self.mode = ranks, accumulate, reduce
+        self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
+        self.gradients: Gradients | None = None
+
+    @property
+    def split(self) -> bool:
+        return self.batches > 1
+
+    def start(self, model) -> None:
+        if self.split:
+            self.gradients = Gradients(model)
+
+    def iterate(self, model, x: np.ndarray, y: np.ndarray, first: int, hyper: dict) -> float:
+        """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of
+        batches: this rank's K batches accumulated, the sum over the ranks, the update. Returns the mean loss."""
+        b, k0 = model.batch_shape[0], self.ranks.rank * self.accumulate
+        self.gradients.zero()
+        losses = []
+        for j in range(k0, k0 + self.accumulate):
+            losses.append(model.accumulate_step(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b], step=first + j))
+        self.gradients.reduce(self.ranks, self.mode)
+        model.apply_step(scale=np.float32(1.0 / self.batches), **hyper)
+        return sum(self.ranks.gather(losses)) / self.batches
