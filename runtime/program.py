@@ -776,7 +776,9 @@ class _Run:
         """The report's figures of accumulation and data parallelism."""
         acc, gradients = self.accumulation, self.accumulation.gradients
         reduced = gradients.nbytes if gradients is not None and self.ranks.size > 1 else 0
-        return {"ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
+        usage = self.model.mem.usage.get("accumulate_step" if acc.split else "train_step")
+        return {"peak_bytes_measured_by_rank": self.ranks.gather([usage.peak_bytes if usage else None]),
+                "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
                 "reduce": acc.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
                 "reduce_scratch_bytes": self.ranks.scratch_bytes,
                 "accumulator_bytes": gradients.nbytes if gradients is not None else 0,

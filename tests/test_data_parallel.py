@@ -1,0 +1,255 @@
+"""Gradient accumulation and data-parallel training (`deepdsl_runtime.parallel`), run as users run them: generated
+programs under `mpiexec` (the mpich wheel of the test extra), every run under a timeout.
+
+R ranks with `--reduce exact` train bit for bit as one process with `--accumulate R` on the same data (LeNet, a
+network with dropout), measuring on every rank the peak its plan states; `--reduce fast` within float32 rounding
+of it; one rank (or none) trains as the fused step does; K accumulated batches of b make one step of a batch of
+K*b within float32 tolerance; a checkpoint resumes exactly with another number of ranks; a signal to one rank stops
+all of them at one iteration with a checkpoint, a rank killed outright ends the job, and ranks running different
+programs are refused at the start.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import deepdsl
+from deepdsl.codegen import program_env
+from tests.support.program_helpers import NETWORKS, compile_program, rel_err, run_cli
+
+pytest.importorskip("mpi4py")
+MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpi]' brings one)")
+
+TIMEOUT = 120
+# one thread and numpy's kernels: the bits compared do not depend on how many cores the ranks share
+SAME_BITS = ("--kernels", "numpy", "--threads", "1", "--quiet")
+
+DROPOUT_NETWORK = """
+from deepdsl import dsl as D
+
+x = D.images("x", (4, 1, 16, 16), dataset="digits")
+y = D.labels("y", 4, classes=10)
+network = (D.full("fc", 10) @ D.flatten @ D.max_pool(2) @ D.dropout(0.3) @ D.relu
+           @ D.conv("c1", kernel=3, channels=6, padding=1))
+loss = (D.log_loss(y) @ D.softmax @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("dropnet", iters=10, lr=0.05, momentum=0.9))
+"""
+
+
+def program(name, directory: Path, batch=None, data_parallel=True) -> Path:
+    _, path = compile_program(name, directory, batch, options=deepdsl.CompileOptions(data_parallel=data_parallel))
+    return path
+
+
+@pytest.fixture(scope="module")
+def lenet(tmp_path_factory):
+    return program("lenet", tmp_path_factory.mktemp("lenet"), batch=8)
+
+
+@pytest.fixture(scope="module")
+def dropnet(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dropnet")
+    network = directory / "dropnet.py"
+    network.write_text(DROPOUT_NETWORK)
+    return program(network, directory / "out")
+
+
+def mpiexec(ranks: int, path: Path, *args: str, timeout: float = TIMEOUT, cwd=None) -> subprocess.CompletedProcess:
+    env = program_env()
+    return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(path), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def tensors(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as archive:
+        return {k: archive[k] for k in archive.files if not k.startswith("__")}
+
+
+def meta(path: Path, key: str) -> int:
+    with np.load(path) as archive:
+        return int(archive[key])
+
+
+def assert_bitwise(got: Path, want: Path):
+    a, b = tensors(got), tensors(want)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not differ, f"{got.name} and {want.name} differ in {differ}"
+
+
+def train(path: Path, out: Path, *args: str, ranks: int = 0, iters: int = 4) -> dict:
+    """Train `iters` iterations into checkpoint `out` (`ranks` > 0: under mpiexec with --data-parallel); the
+    report."""
+    report = out.with_suffix(".json")
+    common = ("--iters", str(iters), "--params", str(out), "--report-json", str(report), "--test-iters", "1",
+              *SAME_BITS, *args)
+    done = mpiexec(ranks, path, "--data-parallel", *common) if ranks else run_cli(path, *common, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_train_bit_for_bit_as_one_process_accumulating(lenet, tmp_path, ranks):
+    one = train(lenet, tmp_path / "one.npz", "--accumulate", str(ranks))
+    many = train(lenet, tmp_path / "many.npz", ranks=ranks)
+    assert_bitwise(tmp_path / "many.npz", tmp_path / "one.npz")
+    assert one["loss"] == many["loss"]
+    assert (many["ranks"], many["global_batch"], many["reduce"]) == (ranks, 8 * ranks, "exact")
+    assert many["bytes_reduced_per_step"] == 4 * sum(int(np.prod(t.shape)) for k, t in
+                                                      tensors(tmp_path / "one.npz").items() if not k.startswith("V_"))
+    assert 0 < many["communication_share"] < 1
+    # every rank measured the peak its plan states (the accumulate step's)
+    assert many["peak_bytes_measured_by_rank"] == [many["peak_bytes_planned"]] * ranks
+    assert one["peak_bytes_measured"] == one["peak_bytes_planned"]
+
+
+def test_dropout_masks_follow_the_batch_not_the_rank(dropnet, tmp_path):
+    train(dropnet, tmp_path / "one.npz", "--accumulate", "2", iters=5)
+    train(dropnet, tmp_path / "two.npz", ranks=2, iters=5)
+    assert_bitwise(tmp_path / "two.npz", tmp_path / "one.npz")
+    # the masks matter: without them the run would differ (a network whose dropout is off trains otherwise)
+    train(dropnet, tmp_path / "other_seed.npz", "--accumulate", "2", "--seed", "1", iters=5)
+    with pytest.raises(AssertionError):
+        assert_bitwise(tmp_path / "other_seed.npz", tmp_path / "one.npz")
+
+
+def test_the_fast_reduction_is_within_rounding_of_the_exact_one(lenet, tmp_path):
+    train(lenet, tmp_path / "exact.npz", ranks=2)
+    fast = train(lenet, tmp_path / "fast.npz", "--reduce", "fast", ranks=2)
+    assert fast["reduce"] == "fast"
+    exact, got = tensors(tmp_path / "exact.npz"), tensors(tmp_path / "fast.npz")
+    for key in exact:
+        assert rel_err(got[key], exact[key]) <= 1e-5, key
+
+
+def test_one_rank_trains_as_the_fused_step(lenet, tmp_path):
+    plain = train(lenet, tmp_path / "plain.npz")
+    alone = train(lenet, tmp_path / "alone.npz", ranks=1)
+    assert_bitwise(tmp_path / "alone.npz", tmp_path / "plain.npz")
+    assert alone["ranks"] == 1 and alone["accumulate"] == 1 and alone["loss"] == plain["loss"]
+
+
+def test_accumulated_batches_make_one_step_of_the_larger_batch(lenet, tmp_path):
+    """K = 4 batches of 8 against one batch of 32, one iteration from the same start: the updates agree within
+    float32 rounding (the same examples: both streams draw the global batch from one permutation)."""
+    large = program("lenet", tmp_path / "large", batch=32, data_parallel=False)
+    train(lenet, tmp_path / "start.npz", iters=0)
+    start = tensors(tmp_path / "start.npz")
+    train(lenet, tmp_path / "small.npz", "--accumulate", "4", "--init-from", str(tmp_path / "start.npz"), iters=1)
+    train(large, tmp_path / "large.npz", "--init-from", str(tmp_path / "start.npz"), iters=1)
+    small, big = tensors(tmp_path / "small.npz"), tensors(tmp_path / "large.npz")
+    for key in start:
+        if not key.startswith("V_"):
+            assert rel_err(small[key] - start[key], big[key] - start[key]) <= 1e-5, key
+
+
+def test_a_checkpoint_resumes_exactly_with_another_number_of_ranks(lenet, tmp_path):
+    train(lenet, tmp_path / "straight.npz", ranks=2, iters=4)
+    train(lenet, tmp_path / "resumed.npz", ranks=2, iters=2)
+    assert (meta(tmp_path / "resumed.npz", "__ranks__"), meta(tmp_path / "resumed.npz", "__batches__")) == (2, 4)
+    # the same global batch from one process: bit for bit the straight run
+    train(lenet, tmp_path / "resumed.npz", "--accumulate", "2", iters=4)
+    assert_bitwise(tmp_path / "resumed.npz", tmp_path / "straight.npz")
+    # another global batch: the sample stream goes on where it stopped, and the run says so
+    shutil.copy(tmp_path / "straight.npz", tmp_path / "three.npz")
+    done = mpiexec(3, lenet, "--data-parallel", "--iters", "5", "--params", str(tmp_path / "three.npz"),
+                   "--test-iters", "1", *SAME_BITS[:-1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "global batch of 16 on 2 ranks, now 24 on 3" in done.stdout
+    assert meta(tmp_path / "three.npz", "__data_offset__") == 4 * 16 + 24
+    assert meta(tmp_path / "three.npz", "__batches__") == 4 * 2 + 3
+
+
+def _running(path: Path, out: Path, ranks: int) -> subprocess.Popen:
+    return subprocess.Popen([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(path), "--data-parallel",
+                             "--iters", "1000000", "--params", str(out), *SAME_BITS[:-1]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
+                            start_new_session=True)
+
+
+def _ranks_of(out: Path, ranks: int) -> list[int]:
+    """The process ids of a job's ranks (Python processes whose checkpoint is `out`), once they train."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = []
+        for pid in subprocess.run(["pgrep", "-f", "--", f"--params {out}"], capture_output=True, text=True).stdout.split():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"mpi4py" in argv[:3] and b"mpiexec" not in argv[0]:
+                found.append(int(pid))
+        if len(found) == ranks:
+            time.sleep(3)         # past the start: training
+            return sorted(found)
+        time.sleep(0.2)
+    raise AssertionError("the ranks did not start")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_one_iteration_with_a_checkpoint(lenet, tmp_path):
+    out = tmp_path / "p.npz"
+    job = _running(lenet, out, 2)
+    try:
+        pids = _ranks_of(out, 2)
+        os.kill(pids[-1], signal.SIGTERM)
+        _, stderr = job.communicate(timeout=TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("lenet:")]
+    assert any("SIGTERM at iteration" in line for line in lines), stderr
+    assert any("with the others (SIGTERM to another rank)" in line for line in lines), stderr
+    assert meta(out, "__iteration__") > 0 and meta(out, "__ranks__") == 2
+
+
+def test_a_rank_killed_outright_ends_the_job(lenet, tmp_path):
+    job = _running(lenet, tmp_path / "k.npz", 2)
+    began = None
+    try:
+        pids = _ranks_of(tmp_path / "k.npz", 2)
+        os.kill(pids[-1], signal.SIGKILL)
+        began = time.monotonic()
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and time.monotonic() - began < 60
+
+
+def test_ranks_running_different_programs_are_refused(lenet, tmp_path):
+    other = program("lenet", tmp_path / "other", batch=4)
+    done = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(lenet), "--data-parallel",
+                           "--iters", "2", "--params", "", ":", "-n", "1", sys.executable, "-m", "mpi4py", str(other),
+                           "--data-parallel", "--iters", "2", "--params", ""],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=program_env())
+    assert done.returncode != 0
+    assert "every rank must run the same program" in done.stderr, done.stderr
+
+
+def test_without_the_split_steps_or_with_running_statistics_one_line(tmp_path):
+    plain = program("lenet", tmp_path / "plain", batch=4, data_parallel=False)
+    done = run_cli(plain, "--accumulate", "2", "--iters", "1", "--params", "")
+    assert done.returncode == 1 and "compile it with `deepdsl compile" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    bn = program("resnet_mini", tmp_path / "bn", batch=2)
+    done = mpiexec(2, bn, "--data-parallel", "--iters", "1", "--params", "")
+    assert done.returncode != 0 and "running statistics" in done.stderr, done.stderr
+    # alone it accumulates, measuring the planned peak of its accumulate step
+    report = tmp_path / "bn.json"
+    done = run_cli(bn, "--accumulate", "2", "--iters", "2", "--params", "", "--test-iters", "1",
+                   "--report-json", str(report), timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(report.read_text())
+    assert figures["peak_bytes_measured"] == figures["peak_bytes_planned"] and figures["global_batch"] == 4
