@@ -117,19 +117,24 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
         raise DeepDSLError("the loss depends on no parameter: nothing to train")
     grads = gradients(loss, params)
     update = _sgd if loop.solver.optimizer == "sgd" else _adam
-    forward_graph = train
+    train_forward = train
     train = Graph(train.name, train.outputs[:1] + tuple(update(params, grads, loop.solver)) + train.outputs[1:])
     test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
     states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
     accumulate = apply = None
     accumulators = tuple(accumulator(p) for p in params) if split else ()
     if split:
+        # batch statistics over the batches of every rank (the identity in one process)
+        synced = specialize(Graph(f"{name}_accumulate", (("loss", loop.loss.node),)), "train", synced=True)
+        if forward is not None:
+            synced = forward(synced)
+        synced_grads = grads if synced == train_forward else gradients(synced.outputs[0][1], params)
         sums = []
         for p, g in zip(params, accumulators):
-            total = elementwise(sym(0) + sym(1), [g, grads[p]])
-            provenance.record_update(p, [(g.name, total)], grads[p])
+            total = elementwise(sym(0) + sym(1), [g, synced_grads[p]])
+            provenance.record_update(p, [(g.name, total)], synced_grads[p])
             sums.append((g.name, total))
-        accumulate = Graph(f"{name}_accumulate", forward_graph.outputs[:1] + tuple(sums) + forward_graph.outputs[1:])
+        accumulate = Graph(f"{name}_accumulate", synced.outputs[:1] + tuple(sums) + synced.outputs[1:])
         scale = hyper("scale")
         scaled = {p: elementwise(sym(0) * sym(1), [g, scale]) for p, g in zip(params, accumulators)}
         for p in params:

@@ -43,6 +43,7 @@ class Alone:
     """One process: no reduction, no agreement needed."""
 
     rank, size, local_size = 0, 1, 1
+    mode = "exact"
     waited = 0.0                      # seconds spent in reductions
     scratch_bytes = 0
 
@@ -81,6 +82,7 @@ class Ranks:
         self.local_size = local.Get_size()          # ranks on this machine, which share its cores
         local.Free()
         self.waited = 0.0
+        self.mode = "exact"                         # how `all_sum` statements sum (the run's --reduce)
         self._scratch: np.ndarray | None = None
 
     @property
@@ -216,6 +218,7 @@ class Accumulation:
 
     def __init__(self, ranks, accumulate: int, reduce: str):
         self.ranks, self.accumulate, self.mode = ranks, accumulate, reduce
+        ranks.mode = reduce
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
         self.gradients: Gradients | None = None
 

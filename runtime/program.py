@@ -153,6 +153,7 @@ class Model:
                 raise RunError(str(err)) from None
         self.tensors: dict[str, object] = {}
         self.seed = seed
+        self.ranks = parallel.Alone()     # the job's ranks, which the accumulate step's batch statistics sum over
 
     def _compiled_kernels(self, kernels: str, threads: int | None):
         """The program's compiled CPU kernels (`deepdsl_runtime.cpu.native`), or None for numpy's; `kernels` is
@@ -584,6 +585,7 @@ class _Run:
             threads = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False), getattr(args, "kernels", "auto"), threads)
+        self.model.ranks = self.ranks
         self._check_parallel()
         self.products = _tiled_products(args)
         if self.products is not None:
@@ -618,12 +620,6 @@ class _Run:
         args, model = self.args, self.model
         if getattr(args, "accumulate", 1) < 1:
             raise RunError(f"--accumulate must be >= 1, got {args.accumulate}")
-        running = [k for k, s in model.states.items() if not s.optimizer]
-        if self.ranks.size > 1 and running:
-            raise parallel.ParallelError(
-                f"data-parallel training of {model.name} would give each rank its own running statistics "
-                f"({', '.join(running[:3])}{', ...' if len(running) > 3 else ''}): batch norm across ranks is not "
-                "supported yet; train it in one process (--accumulate K for a larger batch)")
         self.ranks.agree({"network": model.name, "structure hash": model.structure_hash, "batch": model.batch_shape,
                           "--accumulate": self.accumulation.accumulate, "--reduce": self.accumulation.mode,
                           "--seed": args.seed, "--iters": args.iters, "--data": getattr(args, "data", None),

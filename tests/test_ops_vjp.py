@@ -299,6 +299,7 @@ for _ta in (False, True):
              {"a": randn(2, 3, *((4, 3) if _ta else (3, 4))), "b": randn(2, 3, *((5, 4) if _tb else (4, 5)), seed=1)})
 case("dsl_attention_scores", lambda q, k: (D.Tensor(q) @ D.Tensor(k).transpose(-1, -2)).node,
      lambda q, k: q @ k.transpose(-1, -2), {"q": randn(2, 2, 3, 4), "k": randn(2, 2, 3, 4, seed=1)})
+case("all_sum", lambda x: make("all_sum", (x,)), lambda x: x.clone(), {"x": randn(2, 3, 4)})   # one process
 case("transpose_adjacent", lambda x: transpose(x, 1, 2), lambda x: x.transpose(1, 2), {"x": randn(2, 3, 4, 5)})
 case("transpose_apart", lambda x: transpose(x, 0, 3), lambda x: x.transpose(0, 3), {"x": randn(2, 3, 4, 5)})
 case("dsl_softmax_last_axis", dsl(D.softmax), lambda x: torch.softmax(x, dim=-1), {"x": randn(2, 3, 5)})

@@ -262,6 +262,15 @@ def test_shape_ops():
     check(make("const", (), value=-0.25, shape=(3, 4)), [], exact=True)
 
 
+@covers("all_sum")
+def test_all_sum_in_one_process_is_its_input():
+    """(Over the ranks of a job: tests/test_data_parallel.py.) A tensor, and a number (an example count)."""
+    check(make("all_sum", (leaf("x", (2, 3, 1, 1)),)), exact=True)
+    out = np.full((), np.nan, np.float32)
+    cpu.all_sum(784.0, out=out)
+    assert out == 784.0
+
+
 @covers("concat", "slice", "pad_axis")
 def test_concat_slice_pad():
     parts = [leaf(f"p{i}", (2, c, 3, 3)) for i, c in enumerate((1, 4, 2))]

@@ -77,7 +77,13 @@ def max_pool_pair(site: Site, argmax: str) -> str:
     return f"rt.max_pool({site.args[0]}, out={site.out}, argmax={argmax}{_attrs(site.node)}{ws})"
 
 
+def all_sum(site: Site) -> str:
+    """A sum over the ranks of a data-parallel job: the model's ranks complete the call."""
+    return f"rt.all_sum({site.args[0]}, out={site.out}, ranks=self.ranks)"
+
+
 SNIPPETS: dict[str, Callable[[Site], str]] = {
+    "all_sum": all_sum,
     "reshape": view,
     "ew": elementwise,
     "ew_sum": elementwise_sum,

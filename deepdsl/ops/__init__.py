@@ -64,6 +64,7 @@ class Op:
     name: ClassVar[str]
     view: ClassVar[bool] = False        # the output aliases input 0 (reshape): costs no memory
     random: ClassVar[bool] = False      # draws random numbers: never hoisted, never merged across layers
+    collective: ClassVar[bool] = False  # a sum over the ranks of a data-parallel job: unknown when compiling, never folded
     # inputs the runtime kernel may overwrite with the output (same shape and dtype) when they die at the statement:
     # it reads every position of such an input before it writes that position (the in-place pass, `passes/inplace.py`)
     in_place: ClassVar[tuple[int, ...]] = ()

@@ -2,7 +2,8 @@
 
 `batch_norm` and `dropout` behave differently when training and testing; they stay as single nodes in the graph
 the user builds and the `specialize` pass rewrites them for the step being compiled (batch statistics and running
-statistic updates, or running statistics; a random mask, or the identity).
+statistic updates, or running statistics; a random mask, or the identity). In the accumulate step of data-parallel
+training the batch statistics are sums over every rank's batch (`all_sum`).
 """
 from __future__ import annotations
 
@@ -91,6 +92,25 @@ class BatchNorm(Op):
         for t, what in ((weight, "weight"), (bias, "bias"), (mean, "running mean"), (var, "running var")):
             require(t.shape == (c,), f"batch norm {what} of shape {dims(t.shape)} for {c} channels")
         return x.shape, FLOAT
+
+
+@register
+class AllSum(Op):
+    """The sum of `x` over the ranks of a data-parallel job (MPI): every rank gets the same total. In one process
+    (and in the reference interpreter) it is `x`. Its VJP is the sum of the cotangents over the ranks: each rank's
+    total feeds every rank's loss. The ranks run the same program, so they meet at each `all_sum` in order."""
+
+    name = "all_sum"
+    collective = True
+
+    def infer(self, x: Node):
+        return x.shape, x.dtype
+
+    def vjp(self, node, g):
+        return (make("all_sum", (g,)),)
+
+    def evaluate(self, ctx, x):
+        return np.array(x, copy=True)
 
 
 @register

@@ -102,7 +102,7 @@ def _fold(node: Node) -> Node | None:
     if not node.inputs or node.dtype != FLOAT or not all(_is_fill(i) for i in node.inputs):
         return None
     op = get_op(node.op)
-    if op.random or node.size > FOLD_LIMIT or any(i.size > FOLD_LIMIT for i in node.inputs):
+    if op.random or op.collective or node.size > FOLD_LIMIT or any(i.size > FOLD_LIMIT for i in node.inputs):
         return None
     ctx = EvalContext(np.float64)
     args = [get_op("const").evaluate(ctx, **i.kwargs) for i in node.inputs]

@@ -44,10 +44,10 @@ from deepdsl_runtime.cpu.norm import lrn, lrn_bwd
 from deepdsl_runtime.cpu.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
 from deepdsl_runtime.cpu.pool import avg_pool_divisor  # noqa: F401  (public, not an op)
 from deepdsl_runtime.cpu.shape import broadcast_to, concat, pad_axis, reshape, slice, sum_to, transpose
-from deepdsl_runtime.cpu.transfer import asarray, scalar, to_numpy, zeros
+from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zeros
 
 __all__ = [
-    "DEVICE", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
+    "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
     "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_sum",
     "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
     "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",

@@ -1,4 +1,4 @@
-"""Host <-> device for the CPU backend: the identity (buffers are numpy arrays)."""
+"""Host <-> device for the CPU backend: the identity (buffers are numpy arrays); between processes: `all_sum`."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,3 +20,11 @@ def zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 def scalar(buffer) -> float:
     """The Python float of a 0-d value (the loss, the accuracy)."""
     return float(buffer)
+
+
+def all_sum(x, *, out, ranks=None):
+    """out = the sum of x over the ranks of a data-parallel job (`deepdsl_runtime.parallel.Ranks`, summing in its
+    reduction mode); x itself in one process (`ranks` None or alone). x may be a number (an example count)."""
+    np.copyto(out, x)
+    if ranks is not None and ranks.size > 1:
+        ranks.reduce(out.reshape(-1), ranks.mode)

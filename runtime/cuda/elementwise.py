@@ -7,7 +7,7 @@ import numpy as np
 from deepdsl_runtime import contract
 from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.layout import EW_F32, EW_U8, EW_VALUE
-from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, fill, launch_items, require
+from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, fill, launch_items, require, to_numpy
 
 
 _EW_ARG = "PfiIIII"
@@ -140,3 +140,16 @@ def copy(src, *, out):
 
 def const(*, out, value, shape=()):
     fill(out, value)
+
+
+def all_sum(x, *, out, ranks=None):
+    """out = the sum of x (a device array or a number) over the ranks of a data-parallel job, staged through the
+    host (`deepdsl_runtime.parallel`); x itself in one process."""
+    if isinstance(x, (int, float)):
+        fill(out, x)
+    else:
+        copy(x, out=out)
+    if ranks is not None and ranks.size > 1:
+        host = to_numpy(out)
+        ranks.reduce(host.reshape(-1), ranks.mode)
+        out.device.upload(out.ptr, host)

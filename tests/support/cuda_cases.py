@@ -344,6 +344,12 @@ def case_reductions_and_shapes(g, rng):
     out = _out(g, (3, 3))
     g.const(out=out, value=-0.25, shape=(3, 3))
     result.append(("const", out, np.full((3, 3), -0.25, F32), 0))
+    out = _out(g, a.shape)
+    g.all_sum(_in(g, a), out=out)                   # one process: the identity
+    result.append(("all_sum", out, a, 0))
+    out = _out(g, ())
+    g.all_sum(784.0, out=out)                        # an example count
+    result.append(("all_sum of a number", out, np.array(784.0, F32), 0))
     src = _in(g, a)
     out = _out(g, a.shape)
     g.copy(src, out=out)
