@@ -32,6 +32,8 @@ import numpy as np
 
 # chunk of the exact chain reduction, in floats: large enough to amortize a message, small enough to pipeline
 CHUNK = 1 << 18
+# a bucket of the overlapped reduction: accumulators the step finishes one after another, at least this many bytes
+BUCKET_BYTES = 1 << 20
 REDUCE_MODES = ("exact", "fast")
 
 
@@ -172,9 +174,11 @@ def digest(tensors: dict[str, np.ndarray]) -> str:
 
 
 class Gradients:
-    """A model's gradient accumulators (`Model.accumulators`), contiguous in one float32 buffer: on the CPU the
-    tensors the steps read and write are views of it (no copy to reduce); on a device they are device arrays,
-    staged through it."""
+    """A model's gradient accumulators (`Model.accumulators`, in the order the accumulate step finishes them),
+    contiguous in one float32 buffer: on the CPU the tensors the steps read and write are views of it (no copy to
+    reduce); on a device they are device arrays, staged through it. `buckets`: (start, stop) of runs of
+    accumulators finished one after another, of at least BUCKET_BYTES each (the last may be smaller);
+    `bucket_ending[k]`: the bucket accumulator k completes."""
 
     def __init__(self, model):
         self.model = model
@@ -182,9 +186,14 @@ class Gradients:
         self.sizes = {k: math.prod(s) for k, s in shapes.items()}
         self.flat = np.zeros(sum(self.sizes.values()), np.float32)
         self.views, start = {}, 0
-        for k, shape in shapes.items():
-            self.views[k] = self.flat[start:start + self.sizes[k]].reshape(shape)
-            start += self.sizes[k]
+        self.buckets, self.bucket_ending, first = [], {}, 0
+        for k, (name, shape) in enumerate(shapes.items()):
+            self.views[name] = self.flat[start:start + self.sizes[name]].reshape(shape)
+            start += self.sizes[name]
+            if 4 * (start - first) >= BUCKET_BYTES or k == len(shapes) - 1:
+                self.bucket_ending[k] = len(self.buckets)
+                self.buckets.append((first, start))
+                first = start
         self.on_host = isinstance(model.rt.asarray(np.zeros(1, np.float32)), np.ndarray)
         for k, view in self.views.items():
             model.tensors[k] = view if self.on_host else model.rt.asarray(view)
@@ -212,13 +221,50 @@ class Gradients:
                 self.model.rt.copy(self.model.rt.asarray(view), out=self.model.tensors[k])
 
 
+class _AfterTheStep:
+    """No reduction during the step (one process, the exact chain, a device): the sum follows the step."""
+
+    def ready(self, k: int) -> None:
+        pass
+
+
+AFTER_THE_STEP = _AfterTheStep()
+
+
+class Overlapped:
+    """The sums over the ranks of the accumulators' buckets (`--reduce fast`): each started (MPI's Iallreduce, in
+    place) as soon as the step has finished its last accumulator, progressed at every later `ready` (MPI progresses
+    a non-blocking collective inside MPI calls), waited for after the step (`finish`)."""
+
+    def __init__(self, gradients: Gradients, ranks: "Ranks"):
+        self.gradients, self.ranks, self.requests = gradients, ranks, []
+
+    def ready(self, k: int) -> None:
+        began, mpi = time.perf_counter(), self.ranks.mpi
+        bucket = self.gradients.bucket_ending.get(k)
+        if bucket is not None:
+            start, stop = self.gradients.buckets[bucket]
+            self.requests.append(self.ranks.comm.Iallreduce(mpi.IN_PLACE, self.gradients.flat[start:stop],
+                                                            op=mpi.SUM))
+        if self.requests:
+            mpi.Request.Testall(self.requests)
+        self.ranks.waited += time.perf_counter() - began
+
+    def finish(self) -> None:
+        began = time.perf_counter()
+        self.ranks.mpi.Request.Waitall(self.requests)
+        self.ranks.waited += time.perf_counter() - began
+
+
 class Accumulation:
     """How a run's iterations go: K accumulated batches of b on each of R ranks (`split`: K * R > 1), or the fused
-    training step."""
+    training step. `overlap`: with `--reduce fast` on the CPU, the buckets are summed while the last batch's
+    backward pass goes on (`Overlapped`)."""
 
-    def __init__(self, ranks, accumulate: int, reduce: str):
+    def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True):
         self.ranks, self.accumulate, self.mode = ranks, accumulate, reduce
         ranks.mode = reduce
+        self.overlap = overlap and reduce == "fast" and ranks.size > 1
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
         self.gradients: Gradients | None = None
 
@@ -234,10 +280,18 @@ class Accumulation:
         """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of
         batches: this rank's K batches accumulated, the sum over the ranks, the update. Returns the mean loss."""
         b, k0 = model.batch_shape[0], self.ranks.rank * self.accumulate
-        self.gradients.zero()
+        gradients = self.gradients
+        gradients.zero()
+        overlapped = Overlapped(gradients, self.ranks) if self.overlap and gradients.on_host else None
         losses = []
         for j in range(k0, k0 + self.accumulate):
+            if overlapped is not None and j == k0 + self.accumulate - 1:
+                model.reduction = overlapped             # the last batch: its accumulators are final
             losses.append(model.accumulate_step(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b], step=first + j))
-        self.gradients.reduce(self.ranks, self.mode)
+        model.reduction = AFTER_THE_STEP
+        if overlapped is not None:
+            overlapped.finish()
+        else:
+            gradients.reduce(self.ranks, self.mode)
         model.apply_step(scale=np.float32(1.0 / self.batches), **hyper)
         return sum(self.ranks.gather(losses)) / self.batches

@@ -154,6 +154,7 @@ class Model:
         self.tensors: dict[str, object] = {}
         self.seed = seed
         self.ranks = parallel.Alone()     # the job's ranks, which the accumulate step's batch statistics sum over
+        self.reduction = parallel.AFTER_THE_STEP     # told when accumulate_step finishes each accumulator
 
     def _compiled_kernels(self, kernels: str, threads: int | None):
         """The program's compiled CPU kernels (`deepdsl_runtime.cpu.native`), or None for numpy's; `kernels` is
@@ -341,8 +342,11 @@ def add_parallel_options(parser) -> None:
                         help="under mpiexec: each rank trains on its share of every global batch (ranks x K x "
                              "batch examples), gradients summed over the ranks; alone, as without it")
     parser.add_argument("--reduce", choices=parallel.REDUCE_MODES, default="exact",
-                        help="how the ranks sum their gradients: exact (in rank order: bit for bit the training "
-                             "of one process with --accumulate RANKS) or fast (MPI's Allreduce)")
+                        help="how the ranks sum their gradients: exact (in rank order, after the step: bit for bit "
+                             "the training of one process with --accumulate RANKS) or fast (MPI's Allreduce of "
+                             "buckets started during the backward pass)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="--reduce fast: sum the gradients after the step, not during its backward pass")
 
 
 def add_gemm_options(parser) -> None:
@@ -573,7 +577,8 @@ class _Run:
         self.args, self.signals = args, signals
         self.ranks = parallel.world(getattr(args, "data_parallel", False))
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
-                                                  getattr(args, "reduce", "exact"))
+                                                  getattr(args, "reduce", "exact"),
+                                                  not getattr(args, "no_overlap", False))
         if self.accumulation.split and not model_cls.accumulators:
             raise RunError(f"--accumulate and --data-parallel run the accumulate and apply steps, which this program "
                            f"was compiled without; compile it with `deepdsl compile {model_cls.source} "
@@ -777,6 +782,8 @@ class _Run:
                 "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
                 "reduce": acc.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
                 "reduce_scratch_bytes": self.ranks.scratch_bytes,
+                "overlapped": acc.overlap and gradients is not None and gradients.on_host,
+                "buckets": len(gradients.buckets) if gradients is not None else 0,
                 "accumulator_bytes": gradients.nbytes if gradients is not None else 0,
                 "communication_seconds": self.ranks.waited,
                 "communication_share": self.ranks.waited / elapsed if elapsed else 0.0}

@@ -47,6 +47,19 @@ loop = D.Loop(loss, accuracy, D.Train("dropnet", iters=10, lr=0.05, momentum=0.9
 """
 
 
+# wide enough that its gradients make several buckets of the overlapped reduction (each layer over 1 MiB)
+WIDE_NETWORK = """
+from deepdsl import dsl as D
+
+x = D.images("x", (8, 1, 28, 28), dataset="digits")
+y = D.labels("y", 8, classes=10)
+network = D.full("c", 10) @ D.relu @ D.full("b", 512) @ D.relu @ D.full("a", 512) @ D.flatten
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("wide", iters=10, lr=0.05, momentum=0.9))
+"""
+
+
 def program(name, directory: Path, batch=None, data_parallel=True) -> Path:
     _, path = compile_program(name, directory, batch, options=deepdsl.CompileOptions(data_parallel=data_parallel))
     return path
@@ -131,6 +144,23 @@ def test_the_fast_reduction_is_within_rounding_of_the_exact_one(lenet, tmp_path)
     exact, got = tensors(tmp_path / "exact.npz"), tensors(tmp_path / "fast.npz")
     for key in exact:
         assert rel_err(got[key], exact[key]) <= 1e-5, key
+
+
+def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(tmp_path):
+    """--reduce fast starts a bucket's sum as soon as the step has finished it; on 2 ranks every order of summing
+    gives the same bits (a + b is b + a), so overlapped, after the step and exact agree bit for bit."""
+    network = tmp_path / "wide.py"
+    network.write_text(WIDE_NETWORK)
+    wide = program(network, tmp_path / "out")
+    source = wide.read_text()
+    assert source.count("self.reduction.ready(") == 6
+    overlapped = train(wide, tmp_path / "overlapped.npz", "--reduce", "fast", ranks=2)
+    assert overlapped["overlapped"] and overlapped["buckets"] >= 2
+    after = train(wide, tmp_path / "after.npz", "--reduce", "fast", "--no-overlap", ranks=2)
+    assert not after["overlapped"]
+    train(wide, tmp_path / "exact.npz", ranks=2)
+    assert_bitwise(tmp_path / "overlapped.npz", tmp_path / "exact.npz")
+    assert_bitwise(tmp_path / "after.npz", tmp_path / "exact.npz")
 
 
 def test_one_rank_trains_as_the_fused_step(lenet, tmp_path):

@@ -208,8 +208,11 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     train = steps.build_train(compiled.train, plans["train"], kernels, data_name, label_name, hyper)
     test = steps.build_test(compiled.test, plans["test"], kernels, data_name, label_name)
     built = [setup, train, test]
+    accumulators = []
     if "accumulate" in plans:
-        built += [steps.build_accumulate(programs["accumulate"], plans["accumulate"], kernels, data_name, label_name),
+        accumulators = steps.accumulation_order(programs["accumulate"], compiled.accumulators)
+        built += [steps.build_accumulate(programs["accumulate"], plans["accumulate"], kernels, data_name, label_name,
+                                         accumulators),
                   steps.build_apply(programs["apply"], plans["apply"], kernels, hyper)]
     memory_plans = [_plan_table(f"{step}_step" if step != "setup" else step, programs[step], plans[step])
                     for step in names]
@@ -261,7 +264,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "setup_inputs": literal(tuple(n.name for n in compiled.setup.inputs if n.op == "input")),
         "steps": tuple(built),
         "accumulators": tuple(TensorDecl(g.name, literal(g.shape), _init_text(g.attr("init")))
-                              for g in compiled.accumulators),
+                              for g in accumulators),
         "kernels": tuple(kernels.items),
         "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),

@@ -168,12 +168,13 @@ def _is_view(node: Node) -> bool:
 class StepBuilder:
     """Builds one step's code from its program and memory plan. `py` maps values to Python expressions."""
 
-    def __init__(self, program: Program, plan: MemoryPlan, kernels: Kernels):
+    def __init__(self, program: Program, plan: MemoryPlan, kernels: Kernels, after: dict[int, str] | None = None):
         if len(plan.steps) != len(program.body):
             raise GenerateError(f"the memory plan of '{program.name}' does not belong to its program")
         self.program = program
         self.plan = plan
         self.kernels = kernels
+        self.after = after or {}       # a line to run after the statement of a node (by id)
         self.ir_names = program.names()
         self.py: dict[int, str] = {}
         for leaf in program.inputs:
@@ -226,6 +227,8 @@ class StepBuilder:
                     section = here
                     title = f"{here[0]} ({found.what}), {here[1]}" if found is not None else "values of no layer"
                     block = Block(block.comment, block.lines, f"---- {title} ----")
+                if id(instr.node) in self.after:
+                    block = Block(block.comment, block.lines + (self.after[id(instr.node)],), block.banner)
                 result.append(block)
             elif isinstance(instr, Free) and step.releases:
                 # the step's names of the released buffers: the freed values and the values they were computed
@@ -318,10 +321,11 @@ def build_setup(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
 
 
 def _updating_step(program: Program, plan: MemoryPlan, kernels: Kernels, method: str, doc: str,
-                   inputs: list[str], hyper: tuple[str, ...], results: list[str]) -> Step:
+                   inputs: list[str], hyper: tuple[str, ...], results: list[str],
+                   after: dict[int, str] | None = None) -> Step:
     """A step whose outputs are the new values of its parameters and state (written over them, in place or by a
-    copy at the end) and the scalar `results` it returns."""
-    b = StepBuilder(program, plan, kernels)
+    copy at the end) and the scalar `results` it returns; `after`: lines run after some statements."""
+    b = StepBuilder(program, plan, kernels, after)
     for n in program.inputs:
         if _role(n) == "hyper" and n.name not in hyper:
             raise GenerateError(f"the {method} reads hyperparameter '{n.name}', which generated programs do "
@@ -352,10 +356,25 @@ def build_train(program: Program, plan: MemoryPlan, kernels: Kernels, data: str,
                           [data, label], ("step", *hyper), ["loss"])
 
 
-def build_accumulate(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:
+def accumulation_order(program: Program, accumulators) -> list:
+    """The accumulators in the order the accumulate step finishes them (the order their sums over the ranks can
+    start in)."""
+    position = {name: k for k, (name, _) in enumerate(program.outputs)}
+    done = {id(i.node): k for k, i in enumerate(program.body) if isinstance(i, Let)}
+    outputs = dict(program.outputs)
+    return sorted(accumulators, key=lambda g: (done.get(id(outputs[g.name]), -1), position[g.name]))
+
+
+def build_accumulate(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
+                     accumulators) -> Step:
+    """`accumulators` in the order the step finishes them: after each one's last addition, the program tells
+    `self.reduction` that accumulator k is final for this batch (the ranks may start summing it)."""
+    outputs = dict(program.outputs)
+    after = {id(outputs[g.name]): f"self.reduction.ready({k})  # {g.name} is final for this batch"
+             for k, g in enumerate(accumulators)}
     return _updating_step(program, plan, kernels, "accumulate_step",
                           "Add the batch's gradients to the accumulators G_ (running statistics are updated): "
-                          "returns the loss.", [data, label], ("step",), ["loss"])
+                          "returns the loss.", [data, label], ("step",), ["loss"], after)
 
 
 def build_apply(program: Program, plan: MemoryPlan, kernels: Kernels, hyper: tuple[str, ...]) -> Step:
