@@ -339,6 +339,41 @@ def test_ops_on_the_emulator_match_the_cpu_backend(case, order, emulator):
 
 
 @needs_cxx
+def test_data_parallel_sums_of_device_arrays_go_through_the_host(emulator):
+    """`--device cuda` with --data-parallel: the accumulators are device arrays, zeroed on the device and summed
+    over the ranks through host memory; `all_sum` likewise (a stand-in for 2 ranks holding equal values)."""
+    import types
+
+    from deepdsl_runtime import parallel
+    from deepdsl_runtime.cuda import ops as cuda_ops
+    from deepdsl_runtime.program import State
+
+    class TwoEqualRanks:
+        size, mode = 2, "exact"
+
+        def reduce(self, flat, mode):
+            flat *= 2               # this rank's values plus the other's, equal to them
+
+    rt = cuda_ops.on(emulator)
+    model = types.SimpleNamespace(rt=rt, tensors={}, accumulators={"G_a": State((3, 4), "constant(0.0)"),
+                                                                   "G_b": State((5,), "constant(0.0)")})
+    gradients = parallel.Gradients(model)
+    assert not gradients.on_host and isinstance(model.tensors["G_a"], cuda_ops.DeviceArray)
+    values = {"G_a": np.arange(12, dtype=np.float32).reshape(3, 4), "G_b": np.full(5, -1.5, np.float32)}
+    for name, value in values.items():
+        rt.copy(rt.asarray(value), out=model.tensors[name])
+    gradients.reduce(TwoEqualRanks(), "exact")
+    for name, value in values.items():
+        np.testing.assert_array_equal(rt.to_numpy(model.tensors[name]), 2 * value)
+    gradients.zero()
+    for name, value in values.items():
+        np.testing.assert_array_equal(rt.to_numpy(model.tensors[name]), np.zeros_like(value))
+    out = rt.zeros((2, 3), "float32")
+    rt.all_sum(rt.asarray(values["G_a"][:2, :3].copy()), out=out, ranks=TwoEqualRanks())
+    np.testing.assert_array_equal(rt.to_numpy(out), 2 * values["G_a"][:2, :3])
+
+
+@needs_cxx
 def test_ops_run_on_the_device_of_their_arrays():
     """No current device: two devices side by side, each op runs on its output's device, interleaved."""
     from deepdsl_runtime import cpu

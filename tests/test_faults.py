@@ -509,11 +509,11 @@ def test_the_report_of_an_initial_checkpoint(mlp, tmp_path):
 def test_an_archive_interrupted_in_its_constructor_is_freed_without_a_traceback(tmp_path):
     """A second SIGINT can land inside zipfile.ZipFile's constructor while the checkpoint is written; freed later,
     such an archive raises in its __del__ and Python prints a traceback after the program's one line. The run frees
-    what the interrupted frames hold at once, quietly (`program._release_quietly`)."""
+    what the interrupted frames hold at once, quietly (`run._release_quietly`)."""
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent("""
         import io, sys, zipfile
-        from deepdsl_runtime.program import _release_quietly
+        from deepdsl_runtime.run import _release_quietly
 
         class Interrupting(io.BytesIO):
             @property

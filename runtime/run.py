@@ -1,0 +1,677 @@
+"""The training loop behind a generated program's command line: `run(ModelClass, args)` does what the options say:
+data, fresh initialization or resuming from a checkpoint, the loop with its progress bar (one batch, accumulated
+batches or ranks: `deepdsl_runtime.parallel`), periodic and final checkpoints, SIGINT/SIGTERM handling, stopping
+on a non-finite loss, the test pass and the report.
+
+Exit status: 0 on success, 1 for a usage problem (bad option, data spec or output path, unusable checkpoint,
+unavailable device), 3 when the loss or the state became NaN or infinite (nothing is saved over the last good
+checkpoint), 4 when a checkpoint or report could not be written (a full disk: the previous checkpoint stays),
+128 + signal number after SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from deepdsl_runtime import checkpoint as ckpt
+from deepdsl_runtime import data as datasets
+from deepdsl_runtime import parallel
+from deepdsl_runtime.schedule import Schedule, ScheduleError
+
+if TYPE_CHECKING:
+    from deepdsl_runtime.program import Model
+
+EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE = 1, 3, 4
+
+
+class RunError(Exception):
+    """A problem reported as one line; `status` is the exit status (1: a usage problem)."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE, collective: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.collective = collective          # raised on every rank at the same point (data parallelism)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matrix products through the tiled multi-device GEMM
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """'65536', '64K', '256M', '2G' (binary units, an optional trailing 'B' or 'iB') as bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS and not t[-1:].isdigit() else ""
+    try:
+        value = int(float(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes (e.g. 65536, 64K, 256M, 2G)") from None
+    return value
+
+
+KERNELS = ("auto", "compiled", "numpy")
+
+
+def add_kernel_options(parser) -> None:
+    """The command-line options choosing the CPU kernels and their threads."""
+    parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                        help="CPU kernels: the program's compiled library where it is built (auto), only those "
+                             "(compiled), or numpy's")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads of the compiled kernels and the matrix products (default: the cores this "
+                             "process may use)")
+
+
+def add_parallel_options(parser) -> None:
+    """The command-line options of gradient accumulation and data-parallel training (`deepdsl_runtime.parallel`)."""
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="add the gradients of K batches before each update: a batch of K times the compiled "
+                             "one in the memory of one (needs a program compiled with --data-parallel)")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="under mpiexec: each rank trains on its share of every global batch (ranks x K x "
+                             "batch examples), gradients summed over the ranks; alone, as without it")
+    parser.add_argument("--reduce", choices=parallel.REDUCE_MODES, default="exact",
+                        help="how the ranks sum their gradients: exact (in rank order, after the step: bit for bit "
+                             "the training of one process with --accumulate RANKS) or fast (MPI's Allreduce of "
+                             "buckets started during the backward pass)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="--reduce fast: sum the gradients after the step, not during its backward pass")
+
+
+def add_gemm_options(parser) -> None:
+    """The command-line options that run the matrix products of the steps on the tiled multi-device GEMM."""
+    parser.add_argument("--gemm-devices", type=int, default=0, metavar="N",
+                        help="compute the matrix products (fully connected layers, convolutions) tiled over N "
+                             "devices (simulated CPU devices with --device cpu); 0: numpy's matmul in place")
+    parser.add_argument("--gemm-device-memory", type=_byte_size, metavar="BYTES",
+                        help="memory of each GEMM device (e.g. 64M; default 256M); given alone, one device")
+    parser.add_argument("--gemm-tile", type=int, default=512, metavar="T", help="GEMM tile edge in elements")
+
+
+def _tiled_products(args):
+    """The `gemm` function the options ask for (a TiledProducts), or None for numpy's own products."""
+    count = getattr(args, "gemm_devices", 0)
+    memory_bytes = getattr(args, "gemm_device_memory", None)
+    if count < 0:
+        raise RunError("--gemm-devices must be >= 0")
+    if count == 0 and memory_bytes is None:
+        return None
+    count = max(count, 1)
+    memory_bytes = (256 << 20) if memory_bytes is None else memory_bytes
+    tile = args.gemm_tile
+    if tile < 1:
+        raise RunError("--gemm-tile must be >= 1")
+    need = 5 * tile * tile * 4          # a device holds an accumulator, two operand tiles, a spare and its scratch
+    if memory_bytes < need:
+        raise RunError(f"--gemm-device-memory {memory_bytes} bytes holds fewer than 5 float32 tiles of "
+                       f"{tile}x{tile} (needs at least {need}); give more memory or a smaller --gemm-tile")
+    if args.device != "cpu":
+        raise RunError("--gemm-devices: only the CPU backend routes its matrix products through the tiled GEMM")
+    from deepdsl_runtime.gemm import TiledGemm
+    from deepdsl_runtime.gemm.products import TiledProducts, cpu_devices
+    return TiledProducts(TiledGemm(cpu_devices(count, memory_bytes), tile=tile))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+
+class _Signals:
+    """SIGINT/SIGTERM/SIGHUP set a flag the run checks between steps (it then saves and stops); a second signal
+    raises KeyboardInterrupt where the program is (stop now: a checkpoint being written stays the previous one)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.again: int | None = None     # the second signal
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None:     # a second signal: stop now
+            self.again = signum
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def _say(args, text: str) -> None:
+    if not args.quiet:
+        print(text, flush=True)
+
+
+def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:
+    print(f"{model_cls.name}: error: {text}", file=sys.stderr, flush=True)
+    return status
+
+
+def _check_args(args) -> None:
+    """Every numeric option in its range before anything runs."""
+    for key in ("iters", "test_iters", "save_every"):
+        if getattr(args, key) < 0:
+            raise RunError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise RunError(f"--lr must be a finite number > 0, got {args.lr}")
+    momentum = getattr(args, "momentum", None)
+    if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise RunError(f"--momentum must be in [0, 1), got {momentum}")
+    if not (math.isfinite(args.decay) and args.decay >= 0):
+        raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
+
+
+def _recipe(args) -> tuple[Schedule, datasets.Augment]:
+    """The learning-rate schedule (--lr-schedule, --warmup; cosine's length follows --iters) and the augmentation
+    (--augment) of the options."""
+    try:
+        return (Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters),
+                datasets.Augment.parse(getattr(args, "augment", "none")))
+    except (ScheduleError, datasets.DataError) as err:
+        raise RunError(str(err)) from None
+
+
+def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
+    return ckpt.Checkpoint(path="", tensors=model.host_tensors(), network=model.name,
+                           structure_hash=model.structure_hash, iteration=iteration, seed=model.seed,
+                           data_position=position, data=data_spec)
+
+
+def _checkpoint_bytes(model: Model) -> int:
+    """An upper bound of the checkpoint's size: float32 tensors plus a page of zip and .npy headers per entry."""
+    shapes = model.expected_shapes()
+    return sum(4 * math.prod(shape) for shape in shapes.values()) + 4096 * (len(shapes) + 8)
+
+
+def _resume(model: Model, path: str) -> ckpt.Checkpoint:
+    found = ckpt.read(path)
+    if found.network != model.name:
+        raise ckpt.CheckpointError(f"{path}: field '__network__': a checkpoint of '{found.network}', this program "
+                                   f"trains '{model.name}'")
+    if found.structure_hash != model.structure_hash:
+        raise ckpt.CheckpointError(
+            f"{path}: field '__structure_hash__': written by a program of another structure ({found.structure_hash}, "
+            f"this one is {model.structure_hash}); start over with --fresh (adding --init-from {path} reuses its "
+            "parameters whose names and shapes match), or choose another --params")
+    ckpt.check_tensors(found, model.expected_shapes())
+    return found
+
+
+_PYTORCH_SUFFIXES = {"weight": "W", "bias": "B", "running_mean": "mean", "running_var": "var"}
+
+
+def pytorch_name(name: str) -> str | None:
+    """The deepdsl name of a PyTorch `state_dict` entry: its module path with underscores for dots, and deepdsl's
+    suffix for the tensor (`layer1.0.conv1.weight` -> `layer1_0_conv1_W`, `bn1.running_var` -> `bn1_var`); None
+    for an entry with no counterpart (`num_batches_tracked`)."""
+    module, _, tensor = name.rpartition(".")
+    suffix = _PYTORCH_SUFFIXES.get(tensor)
+    return f"{module.replace('.', '_')}_{suffix}" if module and suffix else None
+
+
+def _init_from(model: Model, path: str, source: dict[str, np.ndarray], args) -> None:
+    """Copy the parameters (and model state) among `source`, the tensors read from `path` (a deepdsl checkpoint, a
+    plain .npz of arrays or a .safetensors file: `checkpoint.read_weights`), whose names and shapes match into a
+    freshly initialized model; none matching is an error. A name this network does not have is read as a PyTorch
+    `state_dict` name (`pytorch_name`)."""
+    loaded, skipped = [], []
+    candidates = {**model.params, **{k: s for k, s in model.states.items() if not s.optimizer}}
+    by_name, renamed = {}, []
+    for name, array in source.items():
+        target = name if name in candidates else pytorch_name(name)
+        if target in candidates and target not in by_name:
+            by_name[target] = array
+            if target != name:
+                renamed.append(f"{name} -> {target}")
+    for name, spec in candidates.items():
+        array = by_name.get(name)
+        if array is None:
+            skipped.append(f"{name} (not in file)")
+        elif tuple(array.shape) != tuple(spec.shape):
+            skipped.append(f"{name} (shape {'x'.join(map(str, array.shape))} in file, "
+                           f"{'x'.join(map(str, spec.shape))} here)")
+        elif array.dtype.kind != "f" or not np.all(np.isfinite(array)):
+            skipped.append(f"{name} (not finite float data)")
+        else:
+            model.tensors[name] = model.rt.asarray(array.astype(np.float32))
+            loaded.append(name)
+    if not loaded:
+        raise RunError(f"--init-from {path}: none of its tensors matches this network's by name and shape "
+                       f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}); nothing to start from")
+    _say(args, f"initialized {len(loaded)} of {len(candidates)} tensors from {path}"
+               + (f" (by PyTorch's names: {', '.join(renamed[:3])}{', ...' if len(renamed) > 3 else ''})"
+                  if renamed else "")
+               + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+
+
+def run(model_cls: type[Model], args) -> int:
+    """Train and test as the parsed command-line options say; returns the exit status. Every problem is one line on
+    standard error; numpy's floating-point warnings are silenced (a non-finite loss or state is reported as such)."""
+    with _Signals() as signals, np.errstate(all="ignore"), warnings.catch_warnings():
+        if args.quiet:
+            warnings.simplefilter("ignore")
+        session = None
+        try:
+            session = _Run(model_cls, args, signals)
+            status = session.execute()
+            session.ranks.barrier()           # every rank has said its line before any exits
+            return status
+        except (RunError, ckpt.CheckpointError, datasets.DataError, parallel.ParallelError) as err:
+            status = _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
+            if session is not None:           # the others stop at the same point, or are stopped
+                session.ranks.end(status, collective=getattr(err, "collective", False))
+            return status
+        except KeyboardInterrupt as interrupt:
+            _release_quietly(interrupt)
+            received = signals.again or signals.received or signal.SIGINT
+            kept = session.kept() if session is not None else "nothing was written"
+            what = "again" if signals.received in (None, received) else f"after {signal.Signals(signals.received).name}"
+            print(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}",
+                  file=sys.stderr, flush=True)
+            if session is not None:
+                session.ranks.end(128 + received, collective=False)
+            return 128 + received
+
+
+def _release_quietly(interrupt: BaseException) -> None:
+    """Free now what the frames an interrupt stopped still hold, without the reports of their `__del__`s: a zip
+    archive interrupted inside its constructor (the checkpoint being written) raises AttributeError when freed,
+    which Python would print as a traceback after the one line the program says."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        traceback.clear_frames(interrupt.__traceback__)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+class _Run:
+    """One invocation of a generated program: start (fresh, resumed or fine-tuned), train, test, report.
+
+    Before the first iteration every output is checked (--params and --report-json writable, with room for the
+    checkpoint; a read-only checkpoint is refused), and temporaries a killed run left beside the checkpoint are
+    removed. A checkpoint is written only over a finite state whose test loss on one batch is finite."""
+
+    def __init__(self, model_cls: type[Model], args, signals: _Signals):
+        _check_args(args)
+        self.schedule, self.augment = _recipe(args)
+        self.args, self.signals = args, signals
+        self.ranks = parallel.world(getattr(args, "data_parallel", False))
+        self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
+                                                  getattr(args, "reduce", "exact"),
+                                                  not getattr(args, "no_overlap", False))
+        if self.accumulation.split and not model_cls.accumulators:
+            raise RunError(f"--accumulate and --data-parallel run the accumulate and apply steps, which this program "
+                           f"was compiled without; compile it with `deepdsl compile {model_cls.source} "
+                           "--data-parallel`")
+        if self.ranks.rank > 0:
+            args.quiet = True                     # rank 0 speaks for the job
+        threads = getattr(args, "threads", None)
+        if threads is None and self.ranks.local_size > 1:       # the ranks on this machine share its cores
+            threads = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
+        self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
+                               getattr(args, "check_memory", False), getattr(args, "kernels", "auto"), threads)
+        self.model.ranks = self.ranks
+        self._check_parallel()
+        self.products = _tiled_products(args)
+        if self.products is not None:
+            self.model.rt = self.model.rt.with_gemm(self.products)
+        self.path = args.params
+        self.batch = self.model.batch_shape[0]
+        self.resumed: ckpt.Checkpoint | None = None
+        self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
+        self.probe = None                                # one test batch each checkpoint's state is tried on
+        self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
+        if self.path and self.ranks.rank == 0:
+            removed = ckpt.remove_stale_temporaries(self.path)
+            if removed:
+                _say(args, f"removed {len(removed)} temporary file(s) of an interrupted write of {self.path}")
+        if self.path and os.path.exists(self.path) and not args.fresh:
+            if args.init_from:
+                raise RunError(f"--init-from starts a new run, but --params {self.path} exists and would be resumed; "
+                               f"add --fresh to start over from {args.init_from} (replacing {self.path}), or choose "
+                               "another --params")
+            self.resumed = _resume(self.model, self.path)
+            self.model.seed = self.resumed.seed
+            self.saved_iteration = self.resumed.iteration
+            self.batches_done = int(self.resumed.extra.get("__batches__", self.resumed.iteration))
+        self.data_spec = self.choose_data()
+        # an unusable --init-from file is an error before anything else happens; what it holds is used at the start
+        self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
+        if self.ranks.rank == 0:
+            self.check_outputs()
+
+    def _check_parallel(self) -> None:
+        """The options of accumulation and data parallelism, and the same program and options on every rank."""
+        args, model = self.args, self.model
+        if getattr(args, "accumulate", 1) < 1:
+            raise RunError(f"--accumulate must be >= 1, got {args.accumulate}")
+        self.ranks.agree({"network": model.name, "structure hash": model.structure_hash, "batch": model.batch_shape,
+                          "--accumulate": self.accumulation.accumulate, "--reduce": self.accumulation.mode,
+                          "--seed": args.seed, "--iters": args.iters, "--data": getattr(args, "data", None),
+                          "--params": args.params, "--lr": args.lr})
+
+    def choose_data(self) -> str:
+        """--data, else the data a resumed checkpoint was trained on, else the network's dataset. Resuming on other
+        data than the checkpoint's is refused unless --switch-data says so (the run is then no longer exact)."""
+        args, given = self.args, getattr(self.args, "data", None)
+        recorded = self.resumed.data if self.resumed is not None else ""
+        if not recorded:
+            return given or self.model.dataset
+        if given is None or given == recorded or getattr(args, "switch_data", False):
+            return given or recorded
+        raise ckpt.CheckpointError(f"{self.path}: field '__data__': trained on '{recorded}', this run asks for "
+                                   f"--data '{given}'; leave out --data to continue on '{recorded}', add "
+                                   "--switch-data to continue on other data (no longer an exact resume), or --fresh")
+
+    def check_outputs(self) -> None:
+        args = self.args
+        outputs = [("--params", self.path), ("--report-json", args.report_json)]
+        program = self.model.program_file()
+        kind, _, data_file = self.data_spec.partition(":")
+        inputs = [("this program", program), ("--init-from", args.init_from),
+                  ("--data", data_file if kind == "npz" else None)]
+        seen = {}
+        for option, target in outputs:
+            if not target:
+                continue
+            real = os.path.realpath(target)
+            for what, source in inputs + list(seen.items()):
+                if source and os.path.realpath(source) == real and not (what == "--init-from" and option ==
+                                                                         "--params"):
+                    raise RunError(f"{option} {target} is {what if what == 'this program' else what + ' too'}; "
+                                   "choose another file")
+            seen[option] = target
+        if self.path:
+            ckpt.check_target(self.path, "--params", _checkpoint_bytes(self.model))
+        if args.report_json:
+            ckpt.check_target(args.report_json, "--report-json")
+
+    def kept(self) -> str:
+        """What the checkpoint file holds now, said after a run stops early."""
+        if not self.path:
+            return "nothing was saved (no --params)"
+        if self.saved_iteration is not None:
+            return f"{self.path} keeps the checkpoint of iteration {self.saved_iteration}"
+        if os.path.exists(self.path):
+            return f"{self.path} keeps its previous contents"
+        return "no checkpoint was written"
+
+    def interrupted(self, when: str, saved: bool = False) -> int:
+        received = self.signals.received
+        print(f"{self.model.name}: {signal.Signals(received).name} {when}; "
+              + (f"saved {self.path}" if saved else self.kept()), file=sys.stderr, flush=True)
+        return 128 + received
+
+    def execute(self) -> int:
+        args, model = self.args, self.model
+        if self.resumed is None and args.iters == 0:
+            return self.write_initial()
+        data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
+                             tokens=model.tokens, targets=model.target_shape)
+        self.accumulation.start(model)
+        # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch * self.accumulation.batches,
+                                       seed=model.seed, augment=self.augment)
+        self.probe = tuple(np.copy(a) for a in
+                           datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
+        if self.resumed is not None:
+            model.load_tensors({k: self.resumed.tensors[k] for k in model.expected_shapes()})
+            switched = self.resumed.data and self.resumed.data != self.data_spec
+            if switched:
+                _say(args, f"switching from '{self.resumed.data}' to '{self.data_spec}': its batches start from "
+                           "the beginning")
+            try:
+                self.stream.position = (0, 0) if switched else self.resumed.data_position
+            except ValueError:
+                raise ckpt.CheckpointError(
+                    f"{self.path}: fields '__data_epoch__', '__data_offset__': position {self.resumed.data_position} "
+                    f"lies outside the {len(data.x_train)} training examples of '{self.data_spec}' (the data changed "
+                    "since the checkpoint was written; --fresh starts over)") from None
+            start = self.resumed.iteration
+            _say(args, f"resuming from {self.path} at iteration {start}" + self.regrouped())
+        else:
+            self.fresh_start()
+            start = 0
+        model.prepare(self.hyper(0))
+        if self.signals.received is not None:
+            return self.interrupted("before training started")
+        iteration, loss, elapsed = start, None, 0.0
+        if args.iters > start:
+            _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
+                       f"{self.batch}{self.grouping()}) on {args.device} ({model.kernels}): iterations {start + 1} "
+                       f"to {args.iters}" + (f"; checkpoint {self.path}" if self.path else ""))
+            iteration, loss, elapsed, stopped = self.train(start)
+            if stopped is not None:
+                return stopped
+        else:
+            _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
+        accuracy = test_loss = None
+        if args.test_iters:
+            accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
+            if not math.isfinite(test_loss):
+                raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED)
+            _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {self.batch})")
+        if self.signals.received is not None:
+            return self.interrupted(f"after iteration {iteration}")
+        done = iteration - start
+        per_iter = elapsed / done if done else None
+        if per_iter is not None:
+            _say(args, f"{per_iter * 1000:.2f} ms per iteration ({done} iterations in {elapsed:.2f} s)")
+        if self.products is not None:
+            g = self.products.totals()
+            _say(args, f"matrix products: {g['calls']} tiled GEMMs on {g['devices']} devices, "
+                       f"{g['bytes_moved'] / 1e6:.2f} MB moved, output tiles per device {g['tasks_per_device']}")
+        figures = model.memory_report("accumulate_step" if self.accumulation.split else "train_step")
+        if figures["peak_bytes_measured"] is not None:
+            _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
+                       f"measured, {figures['peak_bytes_planned'] / 1e6:.2f} MB planned; workspace "
+                       f"{figures['workspace_bytes_measured'] / 1e6:.2f} MB")
+        parallel_figures = self.parallel_report(elapsed)
+        if self.ranks.size > 1 and done:
+            _say(args, f"{self.ranks.size} ranks: {parallel_figures['bytes_reduced_per_step'] / 1e6:.2f} MB reduced a "
+                       f"step ({self.accumulation.mode}), {100 * parallel_figures['communication_share']:.1f} % of "
+                       "the time in reductions")
+        self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
+                          test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
+        return 0
+
+    def grouping(self) -> str:
+        """How the global batch is made, for the first line: '' for one batch of one process."""
+        acc = self.accumulation
+        if not acc.split:
+            return ""
+        ranks = f"{self.ranks.size} ranks x " if self.ranks.size > 1 else ""
+        return f" x {ranks}{acc.accumulate} accumulated = global batch {self.batch * acc.batches}"
+
+    def regrouped(self) -> str:
+        """What changed since the checkpoint in how the global batch is made ('' if nothing)."""
+        was = int(self.resumed.extra.get("__global_batch__", self.batch))
+        now = self.batch * self.accumulation.batches
+        if was == now:
+            return ""
+        ranks = int(self.resumed.extra.get("__ranks__", 1))
+        return (f" (written with a global batch of {was} on {ranks} rank{'s' if ranks > 1 else ''}, now {now} on "
+                f"{self.ranks.size}: the sample stream continues where it stopped)")
+
+    def parallel_report(self, elapsed: float) -> dict:
+        """The report's figures of accumulation and data parallelism."""
+        acc, gradients = self.accumulation, self.accumulation.gradients
+        reduced = gradients.nbytes if gradients is not None and self.ranks.size > 1 else 0
+        usage = self.model.mem.usage.get("accumulate_step" if acc.split else "train_step")
+        return {"peak_bytes_measured_by_rank": self.ranks.gather([usage.peak_bytes if usage else None]),
+                "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
+                "reduce": acc.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
+                "reduce_scratch_bytes": self.ranks.scratch_bytes,
+                "overlapped": acc.overlap and gradients is not None and gradients.on_host,
+                "buckets": len(gradients.buckets) if gradients is not None else 0,
+                "accumulator_bytes": gradients.nbytes if gradients is not None else 0,
+                "communication_seconds": self.ranks.waited,
+                "communication_share": self.ranks.waited / elapsed if elapsed else 0.0}
+
+    def write_report(self, **results) -> None:
+        """The --report-json file (atomically), when one is asked for."""
+        args = self.args
+        if not args.report_json:
+            return
+        report = {"network": self.model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
+                  "params": self.path or None, **results,
+                  "gemm": self.products.totals() if self.products is not None else None}
+        keys = ("network", "device", "data", "batch", "iterations", "iterations_run", "loss", "test_accuracy",
+                "test_loss", "seconds_per_iter", "params")
+        report = {**{k: report[k] for k in keys}, **{k: v for k, v in report.items() if k not in keys}}
+        text = (json.dumps(report, indent=2) + "\n").encode()
+        try:
+            ckpt.atomic_write(args.report_json, lambda f: f.write(text))
+        except OSError as err:
+            raise RunError(f"cannot write --report-json {args.report_json}: {err.strerror or err}",
+                           EXIT_SAVE) from None
+
+    def hyper(self, iteration: int) -> dict:
+        """The hyperparameters of iteration `iteration`: the learning rate as the schedule has it then."""
+        args = self.args
+        return self.model.hyper(self.schedule.lr(args.lr, iteration), getattr(args, "momentum", 0.0), args.decay,
+                                iteration)
+
+    def fresh_start(self) -> None:
+        self.model.initialize(self.args.seed)
+        if self.init_weights is not None:
+            _init_from(self.model, self.args.init_from, self.init_weights, self.args)
+            self.init_weights = None
+
+    def write_initial(self) -> int:
+        """--iters 0: the initial parameters go to --params."""
+        if not self.path:
+            raise RunError("--iters 0 writes the initial parameters to --params, which is empty")
+        self.fresh_start()
+        self.save(0)
+        _say(self.args, f"wrote initial parameters to {self.path}")
+        self.write_report(iterations=0, iterations_run=0, loss=None, test_accuracy=None, test_loss=None,
+                          seconds_per_iter=None, **self.model.memory_report())
+        return 0
+
+    def save(self, iteration: int) -> bool:
+        """Write the checkpoint of `iteration` to --params (False without one). A non-finite state, or one whose
+        test loss on one batch is not finite, is not written: the run stops (diverged) and the previous checkpoint
+        stays; so does a write that fails (a full disk). Ranks: all compare their parameters and state first, rank
+        0 writes, all wait for the rename and stop alike if it failed."""
+        if not self.path:
+            return False
+        if self.ranks.size == 1:
+            return self._write(iteration)
+        if not self.ranks.same(parallel.digest(self.model.host_tensors())):
+            raise RunError(f"the ranks hold different parameters at iteration {iteration}; training stopped, "
+                           f"{self.kept()}", EXIT_DIVERGED, collective=True)
+        outcome = None
+        if self.ranks.rank == 0:
+            try:
+                outcome = (self._write(iteration), "", 0)
+            except RunError as err:
+                outcome = (False, str(err), err.status)
+        saved, message, status = self.ranks.share(outcome)
+        if message:
+            raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
+        self.saved_iteration = iteration
+        return saved
+
+    def _write(self, iteration: int) -> bool:
+        position = self.stream.position if self.probe is not None else (0, 0)
+        state = _checkpoint(self.model, iteration, position, self.data_spec)
+        state.extra.update({"__batches__": np.array(self.batches_done, dtype=np.int64),
+                            "__ranks__": np.array(self.ranks.size, dtype=np.int64),
+                            "__global_batch__": np.array(self.batch * self.accumulation.batches, dtype=np.int64)})
+        bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
+        if bad is not None:
+            raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "
+                           f"{self.kept()}", EXIT_DIVERGED)
+        if self.probe is not None:
+            _, probe_loss = self.model.test_step(*self.probe)
+            if not math.isfinite(probe_loss):
+                raise RunError(f"the loss is {probe_loss} on a test batch at iteration {iteration}; training stopped, "
+                               f"{self.kept()}", EXIT_DIVERGED)
+        try:
+            ckpt.write(self.path, state)
+        except OSError as err:
+            raise RunError(f"cannot write {self.path}: {err.strerror or err}; training stopped at iteration "
+                           f"{iteration}, {self.kept()}", EXIT_SAVE) from None
+        self.saved_iteration = iteration
+        return True
+
+    def train(self, start: int) -> tuple[int, float | None, float, int | None]:
+        """Train from iteration `start` to --iters: (iteration reached, last loss, seconds, exit status if the
+        run must stop here). The progress bar is closed before anything else is printed."""
+        args, model, signals = self.args, self.model, self.signals
+        iteration, loss, diverged = start, None, None
+        bar = _progress(args, start)
+        began = time.perf_counter()
+        acc, stop = self.accumulation, 0
+        try:
+            while iteration < args.iters:
+                xb, yb = self.stream.next()
+                hyper = self.hyper(iteration)
+                if acc.split:
+                    value = acc.iterate(model, xb, yb, self.batches_done, hyper)
+                else:
+                    value = model.train_step(xb, yb, step=self.batches_done, **hyper)
+                self.batches_done += acc.batches
+                if not math.isfinite(value):
+                    diverged = value
+                    break
+                iteration, loss = iteration + 1, value
+                if bar is not None:
+                    bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
+                    bar.update(1)
+                stop = self.ranks.largest(signals.received or 0)      # a signal to any rank stops them all here
+                if stop:
+                    break
+                if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
+                    self.save(iteration)
+        finally:
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - began
+        if diverged is not None:
+            raise RunError(f"the loss is {diverged} at iteration {iteration + 1}; training stopped, {self.kept()}",
+                           EXIT_DIVERGED, collective=True)
+        if stop:
+            if signals.received is None:          # another rank's signal
+                signals.received = stop
+                saved = self.save(iteration)
+                print(f"{model.name}: rank {self.ranks.rank}: stopped at iteration {iteration} with the others "
+                      f"({signal.Signals(stop).name} to another rank); " + (f"saved {self.path}" if saved else
+                                                                              self.kept()), file=sys.stderr, flush=True)
+                return iteration, loss, elapsed, 128 + stop
+            return iteration, loss, elapsed, self.interrupted(f"at iteration {iteration}", saved=self.save(iteration))
+        saved = self.save(iteration)
+        _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {self.path}" if saved else ""))
+        return iteration, loss, elapsed, None
+
+
+def _progress(args, start: int):
+    if args.quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=args.iters, initial=start, unit="it", dynamic_ncols=True, mininterval=0.5)
