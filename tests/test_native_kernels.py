@@ -428,14 +428,32 @@ LRN_CASES = [  # (shape, size, alpha, beta, k): odd sizes (window wider than the
     ((2, 5, 3, 7), 4, 2e-3, 1.3, 0.5), ((1, 1, 2, 2), 5, 1.0, 0.75, 1.0)]
 
 
+def numpy_power_is_powf() -> bool:
+    """Whether numpy's float32 power gives the C library's `powf` bits on this machine: the compiled LRN (which
+    calls powf) is numpy's bit for bit only then. Where numpy has its own AVX-512 power (x86 processors with
+    AVX-512F), about a fifth of the results differ from powf's in the last bit."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.powf.restype, libm.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    s = np.linspace(1.0, 4.0, 2000, dtype=np.float32)
+    for beta in (-0.75, -1.75):
+        powf = np.array([libm.powf(float(v), beta) for v in s], np.float32)
+        if not np.array_equal(np.power(s, np.float32(beta)), powf):
+            return False
+    return True
+
+
 @needs_cc
 @pytest.mark.parametrize("case", LRN_CASES, ids=[str(c[0]) for c in LRN_CASES])
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("samples", [1, None])             # chunks of one sample, or the whole batch
 def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
     """The compiled LRN and its gradient give numpy's float32 results bit for bit (the same operations in the same
-    order), under NaN-filled workspaces of exactly their planned size, also writing over their input (lrn over x,
-    lrn_bwd over g, as the in-place pass allows)."""
+    order) where numpy's float32 power is the C library's, within float32 rounding elsewhere, under NaN-filled
+    workspaces of exactly their planned size, also writing over their input (lrn over x, lrn_bwd over g, as the
+    in-place pass allows)."""
     from deepdsl_runtime.cpu import norm
 
     shape, size, alpha, beta, k = case
@@ -457,5 +475,9 @@ def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
         results.append((out, dx))
     (want_y, want_dx), (got_y, got_dx) = results
     assert not np.isnan(got_y).any() and not np.isnan(got_dx).any()
-    np.testing.assert_array_equal(got_y, want_y)
-    np.testing.assert_array_equal(got_dx, want_dx)
+    if numpy_power_is_powf():
+        np.testing.assert_array_equal(got_y, want_y)
+        np.testing.assert_array_equal(got_dx, want_dx)
+    else:       # numpy's own AVX-512 power: an ulp or so apart, as is the rest of the kernel's arithmetic
+        for got, want in ((got_y, want_y), (got_dx, want_dx)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
