@@ -1,14 +1,17 @@
 """Data-parallel training on this machine, and a model of larger jobs.
 
-    python benchmarks/data_parallel.py [NET:BATCH ...] [--ranks 1 2] [--iters 30] [--rounds 3] [--reduce exact]
-                                       [--model alexnet:16:227 resnet50:8:112] [--markdown]
+    python benchmarks/data_parallel.py [NET:BATCH ...] [--ranks 1 2] [--iters 30] [--rounds 3]
+                                       [--modes exact fast fast-after] [--model alexnet:16:227 resnet50:8:112]
+                                       [--markdown]
 
-Measured: each network (default lenet:64 resnet_mini:32) compiled with --data-parallel at the per-rank batch (so
-the work of a rank is fixed and the global batch grows with the ranks) runs under `mpiexec -n R python -m mpi4py`
-for each R of --ranks, one thread a rank, --iters iterations on the digits, in rounds that interleave the R's (a
-busy moment of the shared machine falls on all alike). Per R: the median over rounds of ms per iteration, of the
-share of it spent in the reduction of the gradients (all of it exposed: reductions do not overlap the backward
-pass), the bytes reduced per iteration and the examples per second. The load average is printed before and after.
+Measured: each network (default lenet:64 resnet_mini:32 wide:64, the last an MLP of two 512-wide layers whose
+gradients make several buckets) compiled with --data-parallel at the per-rank batch (so the work of a rank is
+fixed and the global batch grows with the ranks) runs under `mpiexec -n R python -m mpi4py` for each R of --ranks
+and, for R > 1, each reduction mode (exact: the chain after the step; fast: Allreduce of buckets overlapped with
+the backward pass; fast-after: the same after the step, --no-overlap), one thread a rank, --iters iterations on the
+digits, in rounds that interleave all of them (a busy moment of the shared machine falls on all alike). Per run:
+the median over rounds of ms per iteration, of the share of it spent waiting in reductions (the exposed part),
+the bytes reduced per iteration and the examples per second. The load average is printed before and after.
 
 Model: for each network of --model (NET:BATCH:IMAGE, the per-rank batch), the gradient bytes (4 per parameter) and
 the measured ms of one training step of one process at that batch (two threads), then for R = 8 .. 1024 ranks on
@@ -37,13 +40,29 @@ LINKS = {"10 Gb/s": (10e9 / 8, 20e-6), "100 Gb/s": (100e9 / 8, 5e-6)}     # byte
 CHUNK = 1 << 20                                                            # the exact chain's chunk, bytes
 
 
+WIDE = """
+from deepdsl import dsl as D
+
+x = D.images("x", (64, 1, 28, 28), dataset="digits")
+y = D.labels("y", 64, classes=10)
+network = D.full("c", 10) @ D.relu @ D.full("b", 512) @ D.relu @ D.full("a", 512) @ D.flatten
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("wide", iters=10, lr=0.05, momentum=0.9))
+"""
+
+
 def _program(network: str, batch: int, image, directory: Path, data_parallel: bool = True) -> Path:
     import deepdsl
     from deepdsl.codegen import write_program
     from deepdsl.codegen.native import build_library
     from deepdsl.dsl import Overrides
 
-    loop = deepdsl.load(str(ROOT / "networks" / f"{network}.py"), Overrides(batch=batch, image=image))
+    source = ROOT / "networks" / f"{network}.py"
+    if network == "wide":
+        source = directory / "wide.py"
+        source.write_text(WIDE)
+    loop = deepdsl.load(str(source), Overrides(batch=batch, image=image))
     compiled = deepdsl.compile(loop, deepdsl.CompileOptions(data_parallel=data_parallel))
     path = directory / f"{network}_{batch}.py"
     write_program(compiled, path)
@@ -53,13 +72,17 @@ def _program(network: str, batch: int, image, directory: Path, data_parallel: bo
     return path
 
 
-def _run(path: Path, ranks: int, iters: int, threads: int, reduce: str, report: Path, data: str) -> dict:
+MODES = {"exact": ("--reduce", "exact"), "fast": ("--reduce", "fast"), "fast-after": ("--reduce", "fast",
+                                                                                   "--no-overlap")}
+
+
+def _run(path: Path, ranks: int, iters: int, threads: int, mode: str, report: Path, data: str) -> dict:
     from deepdsl.codegen import program_env
 
     mpiexec = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(path), "--data-parallel",
                "--iters", str(iters), "--params", "", "--test-iters", "1", "--threads", str(threads), "--quiet",
-               "--reduce", reduce, "--report-json", str(report), "--data", data]
+               *MODES[mode], "--report-json", str(report), "--data", data]
     done = subprocess.run(command, capture_output=True, text=True, env=program_env(), timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{path.name} on {ranks} ranks failed: {done.stderr.strip()[-500:]}")
@@ -72,28 +95,29 @@ def measure(args, directory: Path) -> None:
     for spec in args.networks:
         name, batch = spec.split(":")
         programs[spec] = _program(name, int(batch), None, directory)
-    results: dict[tuple[str, int], list[dict]] = {}
+    runs = [(ranks, mode) for ranks in args.ranks for mode in (args.modes if ranks > 1 else ["exact"])]
+    results: dict[tuple, list[dict]] = {}
     for _ in range(args.rounds):
         for spec, path in programs.items():
-            for ranks in args.ranks:
-                report = directory / f"{path.stem}_{ranks}.json"
-                results.setdefault((spec, ranks), []).append(
-                    _run(path, ranks, args.iters, 1, args.reduce, report, args.data))
+            for ranks, mode in runs:
+                report = directory / f"{path.stem}_{ranks}_{mode}.json"
+                results.setdefault((spec, ranks, mode), []).append(
+                    _run(path, ranks, args.iters, 1, mode, report, args.data))
     print(f"load average after: {load_average()}")
-    header = ["network", "ranks", "global batch", "ms/iteration", "reduction %", "MB reduced", "examples/s",
-              "vs 1 rank"]
+    header = ["network", "ranks", "reduce", "global batch", "ms/iteration", "waiting %", "MB reduced", "buckets",
+              "examples/s", "vs 1 rank"]
     print_row(header, args.markdown, 12, header=True)
     for spec in programs:
         base = None
-        for ranks in args.ranks:
-            runs = results[spec, ranks]
-            ms = statistics.median(r["seconds_per_iter"] for r in runs) * 1000
-            share = statistics.median(r["communication_share"] for r in runs) * 100
-            throughput = runs[0]["global_batch"] / (ms / 1000)
+        for ranks, mode in runs:
+            got = results[spec, ranks, mode]
+            ms = statistics.median(r["seconds_per_iter"] for r in got) * 1000
+            share = statistics.median(r["communication_share"] for r in got) * 100
+            throughput = got[0]["global_batch"] / (ms / 1000)
             base = base or throughput
-            print_row([spec, str(ranks), str(runs[0]["global_batch"]), f"{ms:.1f}", f"{share:.1f}",
-                       f"{runs[0]['bytes_reduced_per_step'] / 1e6:.2f}", f"{throughput:.0f}",
-                       f"{throughput / base:.2f}x"], args.markdown, 12)
+            print_row([spec, str(ranks), mode if ranks > 1 else "-", str(got[0]["global_batch"]), f"{ms:.1f}",
+                       f"{share:.1f}", f"{got[0]['bytes_reduced_per_step'] / 1e6:.2f}", str(got[0]["buckets"]),
+                       f"{throughput:.0f}", f"{throughput / base:.2f}x"], args.markdown, 12)
 
 
 def _gradient_bytes(network: str, batch: int, image) -> int:
@@ -145,11 +169,11 @@ def model(args, directory: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("networks", nargs="*", default=["lenet:64", "resnet_mini:32"])
+    parser.add_argument("networks", nargs="*", default=["lenet:64", "resnet_mini:32", "wide:64"])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reduce", choices=("exact", "fast"), default="exact")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--data", default="digits")
     parser.add_argument("--model", nargs="*", default=["alexnet:16:227", "resnet50:8:112"])
     parser.add_argument("--markdown", action="store_true")

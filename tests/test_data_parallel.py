@@ -244,6 +244,17 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_iteration_with_a_checkpoin
     assert meta(out, "__iteration__") > 0 and meta(out, "__ranks__") == 2
 
 
+def test_a_diverging_run_stops_every_rank_at_the_same_iteration(lenet, tmp_path):
+    out = tmp_path / "nan.npz"
+    done = mpiexec(2, lenet, "--data-parallel", "--iters", "50", "--lr", "1e30", "--params", str(out),
+                   "--save-every", "1", *SAME_BITS)
+    assert done.returncode == 3, done.stderr
+    lines = [line.replace("rank 0: ", "") for line in done.stderr.splitlines() if line.startswith("lenet: error:")]
+    assert len(lines) == 2 and len(set(lines)) == 1, done.stderr        # one line a rank, the same iteration
+    assert "training stopped" in lines[0]
+    assert not out.exists() or np.isfinite(np.concatenate([t.ravel() for t in tensors(out).values()])).all()
+
+
 def test_a_rank_killed_outright_ends_the_job(lenet, tmp_path):
     job = _running(lenet, tmp_path / "k.npz", 2)
     began = None
