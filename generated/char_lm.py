@@ -2590,8 +2590,7 @@ def ew_scale_2(out, v0):
 
 def ew_sqrt_mul_erf_add(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2"""
-    np.sqrt(2, out=out)
-    np.multiply(out, v0, out=out)
+    np.multiply(1.4142135623730951, v0, out=out)
     np.multiply(out, 0.5, out=out)
     erf(out, out=out)
     np.add(out, 1, out=out)
@@ -2656,7 +2655,7 @@ def ew_neg(out, v0):
 
 def ew_sqrt_mul_erf_scale(out, v0, v1):
     """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
-    np.multiply(np.exp(np.square(v1) * (-0.5)) * np.sqrt(2) * v1 * 0.5 / np.sqrt(np.pi) + erf(np.sqrt(2) * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
+    np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
 
 
 def ew_add_2(out, v0, v1, v2):
@@ -2688,7 +2687,7 @@ def ew_mul_add_3(out, v0, v1, v2, v3):
 
 def ew_sqrt_mul_erf_add_2(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2   (out may be v0)"""
-    np.multiply(erf(np.sqrt(2) * v0 * 0.5) + 1, v0, out=out)
+    np.multiply(erf(1.4142135623730951 * v0 * 0.5) + 1, v0, out=out)
     np.multiply(out, 0.5, out=out)
 
 

@@ -307,7 +307,8 @@ EXPRESSIONS = [
     v[0] - 2 * v[1] / v[2] * v[3] / (sympy.sqrt(v[4]) / sympy.sqrt(v[5]) + 1e-8), -v[0] / 500, -v[0] - v[1],
     sympy.Min(sympy.Max(v[0], 0), 6), v[0] * (v[1] - v[2]), sympy.log(v[0] * v[1]), 2 / v[0], v[0] ** 3,
     v[0] ** -0.5, sympy.Heaviside(v[0]), v[0] * v[1] / 0.8, sympy.Abs(v[0]) * sympy.exp(v[1]),
-    sympy.Max(0, v[0] * v[1] * v[2] + v[3] + v[4]),
+    sympy.Max(0, v[0] * v[1] * v[2] + v[3] + v[4]), v[0] * (1 + sympy.erf(v[0] * sympy.sqrt(2) / 2)) / 2,
+    v[0] * sympy.exp(-v[1] ** 2 / 2) / sympy.sqrt(2 * sympy.pi) + v[1],
 ]
 
 

@@ -128,8 +128,10 @@ def tree(expr: sympy.Expr) -> Leaf | Apply:
     """The ufunc applications computing `expr` (over v0, v1, ...), operands in the order they combine."""
     if expr.is_Symbol:
         return Leaf(expr.name, "symbol", _reads(expr))
-    if expr.is_Number:
-        return Leaf(_literal(expr), "number", frozenset())
+    if expr.is_number:
+        # a constant (sqrt(2), pi) is one Python float: float32 arrays stay float32 with it, where numpy's own
+        # scalars (np.sqrt(2), np.pi) would make a float64 temporary
+        return Leaf(_literal(expr) if expr.is_Number else repr(float(expr)), "number", frozenset())
     if expr.is_Add:
         return _add(expr)
     if expr.is_Mul:
