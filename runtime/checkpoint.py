@@ -18,12 +18,15 @@ leaves the previous checkpoint intact. A process killed mid-write leaves its tem
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -88,7 +91,9 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
     and the old file stays as it was."""
     path = os.path.realpath(path)               # a link is followed: the file it names is replaced, not the link
     directory = os.path.dirname(path)
-    fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+    # an interrupt between the temporary's creation and the `try` below would leave it behind: signals wait
+    with _signals_deferred():
+        fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
         os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
         with os.fdopen(fd, "wb") as f:
@@ -110,6 +115,20 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT, SIGTERM and SIGHUP held back (delivered when the block ends) where the platform allows."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _temporary_prefix(path: str) -> str:
