@@ -38,7 +38,11 @@ REDUCE_MODES = ("exact", "fast")
 
 
 class ParallelError(Exception):
-    """The ranks cannot train together (one line)."""
+    """The ranks cannot train together (one line); `collective`: every rank found it at the same point."""
+
+    def __init__(self, message: str, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
 
 
 class Alone:
@@ -131,7 +135,7 @@ class Ranks:
             if differ:
                 k = differ[0]
                 raise ParallelError(f"rank {r} runs with {k} {theirs.get(k)!r}, rank {self.rank} with {what[k]!r}: "
-                                    "every rank must run the same program with the same options")
+                                    "every rank must run the same program with the same options", collective=True)
 
     def same(self, digest: str) -> bool:
         return len(set(self.comm.allgather(digest))) == 1

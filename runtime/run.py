@@ -159,8 +159,14 @@ def _say(args, text: str) -> None:
         print(text, flush=True)
 
 
+def _line(text: str) -> None:
+    """One line on standard error, in one write (the ranks of a job share one stream)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:
-    print(f"{model_cls.name}: error: {text}", file=sys.stderr, flush=True)
+    _line(f"{model_cls.name}: error: {text}")
     return status
 
 
@@ -269,26 +275,26 @@ def run(model_cls: type[Model], args) -> int:
     with _Signals() as signals, np.errstate(all="ignore"), warnings.catch_warnings():
         if args.quiet:
             warnings.simplefilter("ignore")
-        session = None
+        session = ranks = None
         try:
-            session = _Run(model_cls, args, signals)
+            ranks = parallel.world(getattr(args, "data_parallel", False))
+            session = _Run(model_cls, args, signals, ranks)
             status = session.execute()
-            session.ranks.barrier()           # every rank has said its line before any exits
+            ranks.barrier()                   # every rank has said its line before any exits
             return status
         except (RunError, ckpt.CheckpointError, datasets.DataError, parallel.ParallelError) as err:
             status = _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
-            if session is not None:           # the others stop at the same point, or are stopped
-                session.ranks.end(status, collective=getattr(err, "collective", False))
+            if ranks is not None:             # the others stop at the same point, or are stopped
+                ranks.end(status, collective=getattr(err, "collective", False))
             return status
         except KeyboardInterrupt as interrupt:
             _release_quietly(interrupt)
             received = signals.again or signals.received or signal.SIGINT
             kept = session.kept() if session is not None else "nothing was written"
             what = "again" if signals.received in (None, received) else f"after {signal.Signals(signals.received).name}"
-            print(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}",
-                  file=sys.stderr, flush=True)
-            if session is not None:
-                session.ranks.end(128 + received, collective=False)
+            _line(f"{model_cls.name}: {signal.Signals(received).name} {what}: stopped at once; {kept}")
+            if ranks is not None:
+                ranks.end(128 + received, collective=False)
             return 128 + received
 
 
@@ -305,6 +311,10 @@ def _release_quietly(interrupt: BaseException) -> None:
         sys.unraisablehook = hook
 
 
+# options a rank may set on its own: threads follow its machine's cores, only rank 0 speaks
+_PER_RANK = ("threads", "quiet")
+
+
 class _Run:
     """One invocation of a generated program: start (fresh, resumed or fine-tuned), train, test, report.
 
@@ -312,11 +322,10 @@ class _Run:
     checkpoint; a read-only checkpoint is refused), and temporaries a killed run left beside the checkpoint are
     removed. A checkpoint is written only over a finite state whose test loss on one batch is finite."""
 
-    def __init__(self, model_cls: type[Model], args, signals: _Signals):
+    def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=parallel.Alone()):
         _check_args(args)
         self.schedule, self.augment = _recipe(args)
-        self.args, self.signals = args, signals
-        self.ranks = parallel.world(getattr(args, "data_parallel", False))
+        self.args, self.signals, self.ranks = args, signals, ranks
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
                                                   getattr(args, "reduce", "exact"),
                                                   not getattr(args, "no_overlap", False))
@@ -342,6 +351,7 @@ class _Run:
         self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
         self.probe = None                                # one test batch each checkpoint's state is tried on
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
+        self.by_another = False                          # stopping for a signal another rank received
         if self.path and self.ranks.rank == 0:
             removed = ckpt.remove_stale_temporaries(self.path)
             if removed:
@@ -354,7 +364,7 @@ class _Run:
             self.resumed = _resume(self.model, self.path)
             self.model.seed = self.resumed.seed
             self.saved_iteration = self.resumed.iteration
-            self.batches_done = int(self.resumed.extra.get("__batches__", self.resumed.iteration))
+            self.batches_done = self.recorded("__batches__", self.resumed.iteration)
         self.data_spec = self.choose_data()
         # an unusable --init-from file is an error before anything else happens; what it holds is used at the start
         self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
@@ -366,10 +376,9 @@ class _Run:
         args, model = self.args, self.model
         if getattr(args, "accumulate", 1) < 1:
             raise RunError(f"--accumulate must be >= 1, got {args.accumulate}")
+        options = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in _PER_RANK}
         self.ranks.agree({"network": model.name, "structure hash": model.structure_hash, "batch": model.batch_shape,
-                          "--accumulate": self.accumulation.accumulate, "--reduce": self.accumulation.mode,
-                          "--seed": args.seed, "--iters": args.iters, "--data": getattr(args, "data", None),
-                          "--params": args.params, "--lr": args.lr})
+                          "kernels": model.kernels.split(",")[0].split(":")[0], **options})
 
     def choose_data(self) -> str:
         """--data, else the data a resumed checkpoint was trained on, else the network's dataset. Resuming on other
@@ -417,10 +426,19 @@ class _Run:
             return f"{self.path} keeps its previous contents"
         return "no checkpoint was written"
 
+    def agreed_signal(self) -> int:
+        """The signal any rank received (0: none), the same on every rank; this rank's `signals.received` becomes
+        it (`interrupted` then says that another rank was signalled)."""
+        stop = self.ranks.largest(self.signals.received or 0)
+        if stop and self.signals.received is None:
+            self.signals.received, self.by_another = stop, True
+        return stop
+
     def interrupted(self, when: str, saved: bool = False) -> int:
         received = self.signals.received
-        print(f"{self.model.name}: {signal.Signals(received).name} {when}; "
-              + (f"saved {self.path}" if saved else self.kept()), file=sys.stderr, flush=True)
+        name = signal.Signals(received).name + (" to another rank" if self.by_another else "")
+        rank = f"rank {self.ranks.rank}: " if self.ranks.size > 1 else ""
+        _line(f"{self.model.name}: {rank}{name} {when}; " + (f"saved {self.path}" if saved else self.kept()))
         return 128 + received
 
     def execute(self) -> int:
@@ -454,7 +472,9 @@ class _Run:
             self.fresh_start()
             start = 0
         model.prepare(self.hyper(0))
-        if self.signals.received is not None:
+        self.ranks.agree({"start iteration": start, "batches trained on": self.batches_done,
+                          "data position": self.stream.position})
+        if self.agreed_signal():
             return self.interrupted("before training started")
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
@@ -470,9 +490,10 @@ class _Run:
         if args.test_iters:
             accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
             if not math.isfinite(test_loss):
-                raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED)
+                raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED,
+                               collective=True)
             _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {self.batch})")
-        if self.signals.received is not None:
+        if self.agreed_signal():
             return self.interrupted(f"after iteration {iteration}")
         done = iteration - start
         per_iter = elapsed / done if done else None
@@ -496,6 +517,16 @@ class _Run:
                           test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
         return 0
 
+    def recorded(self, field: str, default: int) -> int:
+        """An integer field of how the resumed checkpoint was trained (`default` where it predates the field)."""
+        value = self.resumed.extra.get(field)
+        if value is None:
+            return default
+        if value.shape != () or value.dtype.kind not in "iu" or int(value) < 0:
+            raise ckpt.CheckpointError(f"{self.path}: field '{field}': expected an integer >= 0, found {value.dtype} "
+                                       f"{value.shape}")
+        return int(value)
+
     def grouping(self) -> str:
         """How the global batch is made, for the first line: '' for one batch of one process."""
         acc = self.accumulation
@@ -506,11 +537,11 @@ class _Run:
 
     def regrouped(self) -> str:
         """What changed since the checkpoint in how the global batch is made ('' if nothing)."""
-        was = int(self.resumed.extra.get("__global_batch__", self.batch))
+        was = self.recorded("__global_batch__", self.batch)
         now = self.batch * self.accumulation.batches
         if was == now:
             return ""
-        ranks = int(self.resumed.extra.get("__ranks__", 1))
+        ranks = self.recorded("__ranks__", 1)
         return (f" (written with a global batch of {was} on {ranks} rank{'s' if ranks > 1 else ''}, now {now} on "
                 f"{self.ranks.size}: the sample stream continues where it stopped)")
 
@@ -530,9 +561,9 @@ class _Run:
                 "communication_share": self.ranks.waited / elapsed if elapsed else 0.0}
 
     def write_report(self, **results) -> None:
-        """The --report-json file (atomically), when one is asked for."""
+        """The --report-json file (atomically), when one is asked for (by rank 0 of a job)."""
         args = self.args
-        if not args.report_json:
+        if not args.report_json or self.ranks.rank != 0:
             return
         report = {"network": self.model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
                   "params": self.path or None, **results,
@@ -620,7 +651,7 @@ class _Run:
     def train(self, start: int) -> tuple[int, float | None, float, int | None]:
         """Train from iteration `start` to --iters: (iteration reached, last loss, seconds, exit status if the
         run must stop here). The progress bar is closed before anything else is printed."""
-        args, model, signals = self.args, self.model, self.signals
+        args, model = self.args, self.model
         iteration, loss, diverged = start, None, None
         bar = _progress(args, start)
         began = time.perf_counter()
@@ -641,7 +672,7 @@ class _Run:
                 if bar is not None:
                     bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
                     bar.update(1)
-                stop = self.ranks.largest(signals.received or 0)      # a signal to any rank stops them all here
+                stop = self.agreed_signal()          # a signal to any rank stops them all here
                 if stop:
                     break
                 if args.save_every and iteration % args.save_every == 0 and iteration < args.iters:
@@ -654,13 +685,6 @@ class _Run:
             raise RunError(f"the loss is {diverged} at iteration {iteration + 1}; training stopped, {self.kept()}",
                            EXIT_DIVERGED, collective=True)
         if stop:
-            if signals.received is None:          # another rank's signal
-                signals.received = stop
-                saved = self.save(iteration)
-                print(f"{model.name}: rank {self.ranks.rank}: stopped at iteration {iteration} with the others "
-                      f"({signal.Signals(stop).name} to another rank); " + (f"saved {self.path}" if saved else
-                                                                              self.kept()), file=sys.stderr, flush=True)
-                return iteration, loss, elapsed, 128 + stop
             return iteration, loss, elapsed, self.interrupted(f"at iteration {iteration}", saved=self.save(iteration))
         saved = self.save(iteration)
         _say(args, f"trained to iteration {iteration}, last loss {loss:.4f}" + (f"; saved {self.path}" if saved else ""))

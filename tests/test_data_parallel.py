@@ -239,8 +239,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_iteration_with_a_checkpoin
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 128 + signal.SIGTERM, stderr
     lines = [line for line in stderr.splitlines() if line.startswith("lenet:")]
-    assert any("SIGTERM at iteration" in line for line in lines), stderr
-    assert any("with the others (SIGTERM to another rank)" in line for line in lines), stderr
+    assert any(": SIGTERM at iteration" in line for line in lines), stderr
+    assert any("SIGTERM to another rank at iteration" in line for line in lines), stderr
+    assert len({line.split(" at iteration ")[1] for line in lines}) == 1, stderr     # the same iteration, saved
     assert meta(out, "__iteration__") > 0 and meta(out, "__ranks__") == 2
 
 
