@@ -138,12 +138,14 @@ def test_dropout_masks_follow_the_batch_not_the_rank(dropnet, tmp_path):
 
 
 def test_the_fast_reduction_is_within_rounding_of_the_exact_one(lenet, tmp_path):
-    train(lenet, tmp_path / "exact.npz", ranks=2)
-    fast = train(lenet, tmp_path / "fast.npz", "--reduce", "fast", ranks=2)
+    """On 3 ranks MPI's Allreduce may add in another order than the chain: equal within float32 rounding."""
+    train(lenet, tmp_path / "exact.npz", ranks=3)
+    fast = train(lenet, tmp_path / "fast.npz", "--reduce", "fast", ranks=3)
     assert fast["reduce"] == "fast"
     exact, got = tensors(tmp_path / "exact.npz"), tensors(tmp_path / "fast.npz")
-    for key in exact:
-        assert rel_err(got[key], exact[key]) <= 1e-5, key
+    worst = max(rel_err(got[key], exact[key]) for key in exact)
+    print(f"fast against exact on 3 ranks, 4 iterations: {worst:.2e} relative at most")
+    assert worst <= 1e-5
 
 
 def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(tmp_path):
