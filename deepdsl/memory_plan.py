@@ -48,7 +48,7 @@ from deepdsl.ops import get_op
 from deepdsl.liveness import changes_at, live_bytes, live_ranges, peak_bytes
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
-from deepdsl.training import is_optimizer_state
+from deepdsl.training import is_accumulator, is_optimizer_state
 from deepdsl_runtime.contract import ALIGNMENT, FLOAT_BYTES, placed_size, stage_floats
 
 
@@ -74,7 +74,7 @@ class Persistent:
     """Storage outside the arena that outlives a step: one input leaf."""
 
     leaf: Node
-    kind: str                      # "param", "optimizer", "running", "hyper", "hoisted" or "other"
+    kind: str                      # "param", "optimizer", "gradient", "running", "hyper", "hoisted" or "other"
     nbytes: int
 
 
@@ -206,7 +206,7 @@ def _kind(leaf: Node) -> str:
     if leaf.op == "param":
         return "param"
     if leaf.op == "state":
-        return "optimizer" if is_optimizer_state(leaf) else "running"
+        return "optimizer" if is_optimizer_state(leaf) else "gradient" if is_accumulator(leaf) else "running"
     role = leaf.attr("role")
     return role if role in ("hyper", "hoisted") else "other"
 

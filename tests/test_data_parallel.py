@@ -311,3 +311,14 @@ def test_batch_norm_statistics_are_those_of_the_global_batch(tmp_path):
         return max(rel_err(got[k] - before[k], d, floor) for k, d in deltas.items())
     assert worst(tmp_path / "ranks.npz") <= 5e-4
     assert worst(tmp_path / "local.npz") > 0.05
+
+
+def test_the_memory_table_of_the_accumulate_step_counts_the_accumulators(capsys):
+    """`deepdsl memory --step accumulate` (which compiles the split steps): persistent accumulators, one float per
+    parameter, in the step's total."""
+    from deepdsl.cli import main
+
+    assert main(["memory", str(NETWORKS / "lenet.py"), "--batch", "4", "--step", "accumulate", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["gradient_accumulator_bytes"] == table["param_bytes"] > 0
+    assert table["total_bytes"] >= table["arena_bytes"] + table["workspace_bytes"] + 2 * table["param_bytes"]
