@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
+import threading
 import time
 
 import numpy as np
@@ -154,6 +156,50 @@ class Ranks:
             self.comm.Barrier()
         else:
             self.comm.Abort(status)
+
+
+EXIT_STALLED = 5      # a rank made no progress for --rank-timeout seconds: the job was ended
+
+
+class Watchdog:
+    """Ends the job when this rank has made no progress (`beat`) for `seconds`: a rank that is stopped, hung or cut
+    off in a way MPI does not notice would leave the others waiting in a collective for ever. One line, then
+    `MPI.Abort` from a thread of its own (mpi4py initializes MPI for threads)."""
+
+    def __init__(self, ranks: "Ranks", seconds: float, name: str):
+        self.ranks, self.seconds, self.name = ranks, seconds, name
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="deepdsl-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.seconds / 4)):
+            if time.monotonic() - self.last > self.seconds:
+                sys.stderr.write(f"{self.name}: rank {self.ranks.rank}: no progress for {self.seconds:g} s (another "
+                                 "rank stopped, hung or cannot be reached); ending the job\n")
+                sys.stderr.flush()
+                time.sleep(1.0)         # mpiexec forwards the line before the abort ends every process
+                self.ranks.comm.Abort(EXIT_STALLED)
+
+
+class _NoWatchdog:
+    def beat(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def watchdog(ranks, seconds: float, name: str):
+    """A `Watchdog` for the ranks of a job (`seconds` > 0), else one that does nothing."""
+    return Watchdog(ranks, seconds, name) if ranks.size > 1 and seconds > 0 else _NoWatchdog()
 
 
 def world(data_parallel: bool):

@@ -6,7 +6,8 @@ on a non-finite loss, the test pass and the report.
 Exit status: 0 on success, 1 for a usage problem (bad option, data spec or output path, unusable checkpoint,
 unavailable device), 3 when the loss or the state became NaN or infinite (nothing is saved over the last good
 checkpoint), 4 when a checkpoint or report could not be written (a full disk: the previous checkpoint stays),
-128 + signal number after SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
+5 when a data-parallel job was ended because a rank made no progress (--rank-timeout), 128 + signal number after
+SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
 """
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ def add_parallel_options(parser) -> None:
                              "buckets started during the backward pass)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="--reduce fast: sum the gradients after the step, not during its backward pass")
+    parser.add_argument("--rank-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="end the job (exit 5) when a rank has made no progress for this long: a rank stopped or "
+                             "hung in a way MPI does not notice (0: wait for ever)")
 
 
 def add_gemm_options(parser) -> None:
@@ -184,6 +188,9 @@ def _check_args(args) -> None:
         raise RunError(f"--decay must be a finite number >= 0, got {args.decay}")
     if not 0 <= args.seed < 2 ** 63:
         raise RunError(f"--seed must be in [0, 2^63), got {args.seed}")
+    timeout = getattr(args, "rank_timeout", 0.0)
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise RunError(f"--rank-timeout must be a finite number >= 0, got {timeout}")
 
 
 def _recipe(args) -> tuple[Schedule, datasets.Augment]:
@@ -281,6 +288,7 @@ def run(model_cls: type[Model], args) -> int:
             session = _Run(model_cls, args, signals, ranks)
             status = session.execute()
             ranks.barrier()                   # every rank has said its line before any exits
+            session.watchdog.stop()
             return status
         except (RunError, ckpt.CheckpointError, datasets.DataError, parallel.ParallelError) as err:
             status = _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
@@ -352,6 +360,7 @@ class _Run:
         self.probe = None                                # one test batch each checkpoint's state is tried on
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
         self.by_another = False                          # stopping for a signal another rank received
+        self.watchdog = parallel.watchdog(ranks, 0, model_cls.name)    # started with the training
         if self.path and self.ranks.rank == 0:
             removed = ckpt.remove_stale_temporaries(self.path)
             if removed:
@@ -474,6 +483,7 @@ class _Run:
         model.prepare(self.hyper(0))
         self.ranks.agree({"start iteration": start, "batches trained on": self.batches_done,
                           "data position": self.stream.position})
+        self.watchdog = parallel.watchdog(self.ranks, getattr(args, "rank_timeout", 0), model.name)
         if self.agreed_signal():
             return self.interrupted("before training started")
         iteration, loss, elapsed = start, None, 0.0
@@ -488,6 +498,7 @@ class _Run:
             _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
         accuracy = test_loss = None
         if args.test_iters:
+            self.watchdog.beat()
             accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
             if not math.isfinite(test_loss):
                 raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED,
@@ -610,6 +621,7 @@ class _Run:
             return False
         if self.ranks.size == 1:
             return self._write(iteration)
+        self.watchdog.beat()
         if not self.ranks.same(parallel.digest(self.model.host_tensors())):
             raise RunError(f"the ranks hold different parameters at iteration {iteration}; training stopped, "
                            f"{self.kept()}", EXIT_DIVERGED, collective=True)
@@ -620,6 +632,7 @@ class _Run:
             except RunError as err:
                 outcome = (False, str(err), err.status)
         saved, message, status = self.ranks.share(outcome)
+        self.watchdog.beat()
         if message:
             raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
         self.saved_iteration = iteration
@@ -665,6 +678,7 @@ class _Run:
                 else:
                     value = model.train_step(xb, yb, step=self.batches_done, **hyper)
                 self.batches_done += acc.batches
+                self.watchdog.beat()
                 if not math.isfinite(value):
                     diverged = value
                     break

@@ -127,12 +127,13 @@ def test_ranks_train_bit_for_bit_as_one_process_accumulating(lenet, tmp_path, ra
     assert one["peak_bytes_measured"] == one["peak_bytes_planned"]
 
 
-def test_dropout_masks_follow_the_batch_not_the_rank(dropnet, tmp_path):
-    train(dropnet, tmp_path / "one.npz", "--accumulate", "2", iters=5)
-    train(dropnet, tmp_path / "two.npz", ranks=2, iters=5)
-    assert_bitwise(tmp_path / "two.npz", tmp_path / "one.npz")
-    # the masks matter: without them the run would differ (a network whose dropout is off trains otherwise)
-    train(dropnet, tmp_path / "other_seed.npz", "--accumulate", "2", "--seed", "1", iters=5)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_dropout_masks_follow_the_batch_not_the_rank(dropnet, tmp_path, ranks):
+    train(dropnet, tmp_path / "one.npz", "--accumulate", str(ranks), iters=5)
+    train(dropnet, tmp_path / "many.npz", ranks=ranks, iters=5)
+    assert_bitwise(tmp_path / "many.npz", tmp_path / "one.npz")
+    # the masks matter: other masks (another seed) train otherwise
+    train(dropnet, tmp_path / "other_seed.npz", "--accumulate", str(ranks), "--seed", "1", iters=5)
     with pytest.raises(AssertionError):
         assert_bitwise(tmp_path / "other_seed.npz", tmp_path / "one.npz")
 
@@ -289,19 +290,25 @@ def test_a_program_without_the_split_steps_says_how_to_compile_one(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_batch_norm_statistics_are_those_of_the_global_batch(tmp_path):
-    """resnet_mini on 2 ranks of batch 4 against one process of batch 8, one iteration from the same parameters:
-    the batch statistics (and their gradients) are summed over the ranks, so the updates and running statistics
-    are those of the batch of 8 within float32 rounding; accumulating the two batches of 4 in one process
+@pytest.fixture(scope="module")
+def resnet_mini(tmp_path_factory):
+    return program("resnet_mini", tmp_path_factory.mktemp("resnet_mini"), batch=4)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_batch_norm_statistics_are_those_of_the_global_batch(resnet_mini, tmp_path, count):
+    """resnet_mini on `count` ranks of batch 4 against one process of batch 4 x count, one iteration from the same
+    parameters: the batch statistics (and their gradients) are summed over the ranks, so the updates and running
+    statistics are those of the whole batch within float32 rounding; accumulating the batches of 4 in one process
     normalizes each by its own statistics and lands far from it."""
-    ranks = program("resnet_mini", tmp_path / "ranks", batch=4)
-    whole = program("resnet_mini", tmp_path / "whole", batch=8, data_parallel=False)
+    ranks = resnet_mini
+    whole = program("resnet_mini", tmp_path / "whole", batch=4 * count, data_parallel=False)
     train(ranks, tmp_path / "start.npz", iters=0)
     start = tmp_path / "start.npz"
-    report = train(ranks, tmp_path / "ranks.npz", "--init-from", str(start), ranks=2, iters=1)
-    assert report["peak_bytes_measured_by_rank"] == [report["peak_bytes_planned"]] * 2
+    report = train(ranks, tmp_path / "ranks.npz", "--init-from", str(start), ranks=count, iters=1)
+    assert report["peak_bytes_measured_by_rank"] == [report["peak_bytes_planned"]] * count
     train(whole, tmp_path / "whole.npz", "--init-from", str(start), iters=1)
-    train(ranks, tmp_path / "local.npz", "--init-from", str(start), "--accumulate", "2", iters=1)
+    train(ranks, tmp_path / "local.npz", "--init-from", str(start), "--accumulate", str(count), iters=1)
     before, want = tensors(start), tensors(tmp_path / "whole.npz")
     deltas = {k: want[k] - before[k] for k in before if not k.startswith("V_")}
     floor = 1e-3 * max(float(np.linalg.norm(d)) for d in deltas.values())      # updates zero in exact arithmetic
@@ -322,3 +329,28 @@ def test_the_memory_table_of_the_accumulate_step_counts_the_accumulators(capsys)
     table = json.loads(capsys.readouterr().out)
     assert table["gradient_accumulator_bytes"] == table["param_bytes"] > 0
     assert table["total_bytes"] >= table["arena_bytes"] + table["workspace_bytes"] + 2 * table["param_bytes"]
+
+
+def test_a_rank_stopped_where_mpi_cannot_see_it_ends_the_job_after_the_rank_timeout(lenet, tmp_path):
+    """SIGSTOP leaves a rank alive but silent: the other waits in a collective until its watchdog ends the job."""
+    out = tmp_path / "stalled.npz"
+    job = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(lenet), "--data-parallel",
+                            "--iters", "1000000", "--params", str(out), "--rank-timeout", "3", *SAME_BITS[:-1]],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
+                           start_new_session=True)
+    stopped = None
+    try:
+        stopped = _ranks_of(out, 2)[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        began = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and time.monotonic() - began < 30
+    assert "no progress for 3 s" in stderr and "ending the job" in stderr, stderr
