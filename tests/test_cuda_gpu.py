@@ -7,6 +7,7 @@
   the CPU's, in every memory mode, and the device allocator measures exactly the planned peak.
 - LeNet trained on the digits with --device cuda reaches 97 % test accuracy; the report's measured peaks equal the
   planned ones.
+- Two ranks of a data-parallel --device cuda program train as one process accumulating two batches (bit for bit).
 - The fat binary `deepdsl compile` builds is what the program loads.
 - benchmarks/cuda_vs_pytorch.py runs (two steps per side), and its worker for our program alone.
 
@@ -82,6 +83,44 @@ def test_lenet_learns_the_digits_on_the_gpu(mode, iters, rt, tmp_path):
         assert result["test_accuracy"] >= 0.97, result
     assert result["peak_bytes_measured"] == result["peak_bytes_planned"], result
     assert result["test_peak_bytes_measured"] == result["test_peak_bytes_planned"], result
+
+
+def test_data_parallel_ranks_on_the_gpu_train_as_one_process_accumulating(rt, tmp_path):
+    """Two ranks of a --device cuda program (accumulators staged through the host) give LeNet the parameters one
+    process accumulating two batches on the device gives, bit for bit; resnet_mini's batch-norm sums over the ranks
+    (`all_sum` of device arrays) run too; every rank measures its planned peak. Needs mpi4py and its mpiexec (the
+    test extra)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import deepdsl
+    from deepdsl.codegen import program_env
+
+    pytest.importorskip("mpi4py")
+    mpiexec = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    common = ["--device", "cuda", "--iters", "2", "--test-iters", "1", "--quiet"]
+    for name, batch in (("lenet", 8), ("resnet_mini", 2)):
+        _, program = compile_program(name, tmp_path / name, batch=batch,
+                                     options=deepdsl.CompileOptions(data_parallel=True))
+        report = tmp_path / f"{name}.json"
+        ranks = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", str(program), "--data-parallel",
+                                *common, "--params", str(tmp_path / f"{name}-ranks.npz"), "--report-json",
+                                str(report)], capture_output=True, text=True, timeout=600, env=program_env())
+        assert ranks.returncode == 0, ranks.stderr
+        figures = json.loads(report.read_text())
+        assert figures["device"] == "cuda" and figures["ranks"] == 2
+        assert figures["peak_bytes_measured_by_rank"] == [figures["peak_bytes_planned"]] * 2, figures
+        if name == "lenet":
+            one = run_cli(program, *common, "--accumulate", "2", "--params", str(tmp_path / "lenet-one.npz"),
+                          timeout=600)
+            assert one.returncode == 0, one.stderr
+            with np.load(tmp_path / "lenet-ranks.npz") as got, np.load(tmp_path / "lenet-one.npz") as want:
+                for key in want.files:
+                    if not key.startswith("__"):
+                        assert np.array_equal(got[key], want[key]), key
 
 
 def test_the_program_loads_the_fat_binary_deepdsl_compile_built(rt, tmp_path):
