@@ -248,7 +248,8 @@ def path(node, alias: int | None = None) -> list[Call] | None:
         return inner and inner + [Call(_into_out(node, ["out"]), frozenset())]
     a, b = node.args
     if isinstance(b, Apply) and isinstance(a, Leaf) and a.kind == "number":  # c / d: d into out, then c beside it
-        return path(b, alias) and path(b, alias) + [Call(_into_out(node, [a.code, "out"]), frozenset())]
+        inner = path(b, alias)
+        return inner and inner + [Call(_into_out(node, [a.code, "out"]), frozenset())]
     if isinstance(a, Leaf) or (alias in b.reads and isinstance(b, Leaf)):     # one call: the other a temporary
         return [Call(_into_out(node, [expression(a)[0], expression(b)[0]]), node.reads)]
     if alias in b.reads and alias not in a.reads:                             # b into out, then a beside it
