@@ -130,7 +130,10 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
         synced = specialize(Graph(f"{name}_accumulate", (("loss", loop.loss.node),)), "train", synced=True)
         if forward is not None:
             synced = forward(synced)
-        synced_grads = grads if synced == train_forward else gradients(synced.outputs[0][1], params)
+        # without batch norm the synced forward is the training step's (hash-consed: the same nodes), and so are
+        # its gradients
+        same = synced.outputs == train_forward.outputs
+        synced_grads = grads if same else gradients(synced.outputs[0][1], params)
         sums = []
         for p, g in zip(params, accumulators):
             total = elementwise(sym(0) + sym(1), [g, synced_grads[p]])
