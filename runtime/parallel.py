@@ -55,7 +55,7 @@ class Alone:
     waited = 0.0                      # seconds spent in reductions
     scratch_bytes = 0
 
-    def reduce(self, flat: np.ndarray, mode: str) -> None:
+    def reduce(self, flat: np.ndarray) -> None:
         pass
 
     def gather(self, values: list[float]) -> list[float]:
@@ -90,7 +90,7 @@ class Ranks:
         self.local_size = local.Get_size()          # ranks on this machine, which share its cores
         local.Free()
         self.waited = 0.0
-        self.mode = "exact"                         # how `all_sum` statements sum (the run's --reduce)
+        self.mode = "exact"                         # how `reduce` sums: the run's --reduce
         self._scratch: np.ndarray | None = None
 
     @property
@@ -98,10 +98,10 @@ class Ranks:
         """Bytes the exact reduction receives into (one chunk), besides the accumulators."""
         return 0 if self._scratch is None else self._scratch.nbytes
 
-    def reduce(self, flat: np.ndarray, mode: str) -> None:
-        """Sum `flat` (float32, contiguous) over the ranks into every rank's `flat`."""
+    def reduce(self, flat: np.ndarray) -> None:
+        """Sum `flat` (float32, contiguous) over the ranks into every rank's `flat`, as `mode` says."""
         began = time.perf_counter()
-        if mode == "fast":
+        if self.mode == "fast":
             self.comm.Allreduce(self.mpi.IN_PLACE, flat, op=self.mpi.SUM)
         else:
             self._chain(flat)
@@ -244,7 +244,7 @@ class Gradients:
                 self.bucket_ending[k] = len(self.buckets)
                 self.buckets.append((first, start))
                 first = start
-        self.on_host = isinstance(model.rt.asarray(np.zeros(1, np.float32)), np.ndarray)
+        self.on_host = model.rt.DEVICE == "cpu"
         for k, view in self.views.items():
             model.tensors[k] = view if self.on_host else model.rt.asarray(view)
 
@@ -259,13 +259,13 @@ class Gradients:
             for k, view in self.views.items():
                 self.model.rt.const(out=self.model.tensors[k], value=0.0, shape=view.shape)
 
-    def reduce(self, ranks, mode: str) -> None:
+    def reduce(self, ranks) -> None:
         if ranks.size == 1:
             return
         if not self.on_host:
             for k, view in self.views.items():
                 view[...] = self.model.rt.to_numpy(self.model.tensors[k])
-        ranks.reduce(self.flat, mode)
+        ranks.reduce(self.flat)
         if not self.on_host:
             for k, view in self.views.items():
                 self.model.rt.copy(self.model.rt.asarray(view), out=self.model.tensors[k])
@@ -312,8 +312,8 @@ class Accumulation:
     backward pass goes on (`Overlapped`)."""
 
     def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True):
-        self.ranks, self.accumulate, self.mode = ranks, accumulate, reduce
-        ranks.mode = reduce
+        self.ranks, self.accumulate = ranks, accumulate
+        ranks.mode = reduce                              # how its gradients and batch-norm sums are summed
         self.overlap = overlap and reduce == "fast" and ranks.size > 1
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
         self.gradients: Gradients | None = None
@@ -321,6 +321,11 @@ class Accumulation:
     @property
     def split(self) -> bool:
         return self.batches > 1
+
+    @property
+    def training_step(self) -> str:
+        """The model's step that trains on a batch (whose memory the report gives)."""
+        return "accumulate_step" if self.split else "train_step"
 
     def start(self, model) -> None:
         if self.split:
@@ -342,6 +347,6 @@ class Accumulation:
         if overlapped is not None:
             overlapped.finish()
         else:
-            gradients.reduce(self.ranks, self.mode)
+            gradients.reduce(self.ranks)
         model.apply_step(scale=np.float32(1.0 / self.batches), **hyper)
         return sum(self.ranks.gather(losses)) / self.batches

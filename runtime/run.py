@@ -330,10 +330,10 @@ class _Run:
     checkpoint; a read-only checkpoint is refused), and temporaries a killed run left beside the checkpoint are
     removed. A checkpoint is written only over a finite state whose test loss on one batch is finite."""
 
-    def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=parallel.Alone()):
+    def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=None):
         _check_args(args)
         self.schedule, self.augment = _recipe(args)
-        self.args, self.signals, self.ranks = args, signals, ranks
+        self.args, self.signals, self.ranks = args, signals, ranks or parallel.Alone()
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
                                                   getattr(args, "reduce", "exact"),
                                                   not getattr(args, "no_overlap", False))
@@ -360,7 +360,7 @@ class _Run:
         self.probe = None                                # one test batch each checkpoint's state is tried on
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
         self.by_another = False                          # stopping for a signal another rank received
-        self.watchdog = parallel.watchdog(ranks, 0, model_cls.name)    # started with the training
+        self.watchdog = parallel.watchdog(self.ranks, 0, model_cls.name)    # started with the training
         if self.path and self.ranks.rank == 0:
             removed = ckpt.remove_stale_temporaries(self.path)
             if removed:
@@ -458,7 +458,7 @@ class _Run:
                              tokens=model.tokens, targets=model.target_shape)
         self.accumulation.start(model)
         # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
-        self.stream = datasets.Batches(data.x_train, data.y_train, self.batch * self.accumulation.batches,
+        self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
                                        seed=model.seed, augment=self.augment)
         self.probe = tuple(np.copy(a) for a in
                            datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
@@ -514,7 +514,7 @@ class _Run:
             g = self.products.totals()
             _say(args, f"matrix products: {g['calls']} tiled GEMMs on {g['devices']} devices, "
                        f"{g['bytes_moved'] / 1e6:.2f} MB moved, output tiles per device {g['tasks_per_device']}")
-        figures = model.memory_report("accumulate_step" if self.accumulation.split else "train_step")
+        figures = model.memory_report(self.accumulation.training_step)
         if figures["peak_bytes_measured"] is not None:
             _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
                        f"measured, {figures['peak_bytes_planned'] / 1e6:.2f} MB planned; workspace "
@@ -522,7 +522,7 @@ class _Run:
         parallel_figures = self.parallel_report(elapsed)
         if self.ranks.size > 1 and done:
             _say(args, f"{self.ranks.size} ranks: {parallel_figures['bytes_reduced_per_step'] / 1e6:.2f} MB reduced a "
-                       f"step ({self.accumulation.mode}), {100 * parallel_figures['communication_share']:.1f} % of "
+                       f"step ({self.ranks.mode}), {100 * parallel_figures['communication_share']:.1f} % of "
                        "the time in reductions")
         self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
                           test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
@@ -538,18 +538,23 @@ class _Run:
                                        f"{value.shape}")
         return int(value)
 
+    @property
+    def global_batch(self) -> int:
+        """Examples of one iteration, over all ranks and accumulated batches."""
+        return self.batch * self.accumulation.batches
+
     def grouping(self) -> str:
         """How the global batch is made, for the first line: '' for one batch of one process."""
         acc = self.accumulation
         if not acc.split:
             return ""
         ranks = f"{self.ranks.size} ranks x " if self.ranks.size > 1 else ""
-        return f" x {ranks}{acc.accumulate} accumulated = global batch {self.batch * acc.batches}"
+        return f" x {ranks}{acc.accumulate} accumulated = global batch {self.global_batch}"
 
     def regrouped(self) -> str:
         """What changed since the checkpoint in how the global batch is made ('' if nothing)."""
         was = self.recorded("__global_batch__", self.batch)
-        now = self.batch * self.accumulation.batches
+        now = self.global_batch
         if was == now:
             return ""
         ranks = self.recorded("__ranks__", 1)
@@ -560,10 +565,10 @@ class _Run:
         """The report's figures of accumulation and data parallelism."""
         acc, gradients = self.accumulation, self.accumulation.gradients
         reduced = gradients.nbytes if gradients is not None and self.ranks.size > 1 else 0
-        usage = self.model.mem.usage.get("accumulate_step" if acc.split else "train_step")
+        usage = self.model.mem.usage.get(acc.training_step)
         return {"peak_bytes_measured_by_rank": self.ranks.gather([usage.peak_bytes if usage else None]),
-                "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.batch * acc.batches,
-                "reduce": acc.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
+                "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.global_batch,
+                "reduce": self.ranks.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
                 "reduce_scratch_bytes": self.ranks.scratch_bytes,
                 "overlapped": acc.overlap and gradients is not None and gradients.on_host,
                 "buckets": len(gradients.buckets) if gradients is not None else 0,
@@ -643,7 +648,7 @@ class _Run:
         state = _checkpoint(self.model, iteration, position, self.data_spec)
         state.extra.update({"__batches__": np.array(self.batches_done, dtype=np.int64),
                             "__ranks__": np.array(self.ranks.size, dtype=np.int64),
-                            "__global_batch__": np.array(self.batch * self.accumulation.batches, dtype=np.int64)})
+                            "__global_batch__": np.array(self.global_batch, dtype=np.int64)})
         bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
         if bad is not None:
             raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "

@@ -24,7 +24,8 @@ def scalar(buffer) -> float:
 
 def all_sum(x, *, out, ranks=None):
     """out = the sum of x over the ranks of a data-parallel job (`deepdsl_runtime.parallel.Ranks`, summing in its
-    reduction mode); x itself in one process (`ranks` None or alone). x may be a number (an example count)."""
+    reduction mode, `ranks.mode`); x itself in one process (`ranks` None or alone). x may be a number (an example
+    count)."""
     np.copyto(out, x)
     if ranks is not None and ranks.size > 1:
-        ranks.reduce(out.reshape(-1), ranks.mode)
+        ranks.reduce(out.reshape(-1))
