@@ -26,11 +26,16 @@ def _interrupted_while_starting(signum, frame):
     raise SystemExit(128 + signum)
 
 
+# the signals that wait while the modules below load: one arriving inside an extension module's import (numpy's)
+# would surface as a broken install instead of this one line; `deepdsl run` starts the program with them blocked
+_HELD_WHILE_LOADING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT} \
+    if hasattr(signal, "pthread_sigmask") else set()
+
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_starting)
     signal.signal(signal.SIGTERM, _interrupted_while_starting)
-    if hasattr(signal, "pthread_sigmask"):      # `deepdsl run` starts the program with its signals blocked
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+    if _HELD_WHILE_LOADING:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_WHILE_LOADING)
 
 # imported after the handlers are set: importing numpy takes a while
 import argparse
@@ -41,6 +46,9 @@ deepdsl_runtime.idle_threads_sleep()       # before numpy loads its BLAS, which 
 import numpy as np  # noqa: E402
 
 from deepdsl_runtime import program as rp  # noqa: E402
+
+if __name__ == "__main__" and _HELD_WHILE_LOADING:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_WHILE_LOADING)     # one received while loading ends it here
 
 
 class MobilenetV2(rp.Model):

@@ -266,3 +266,31 @@ def test_a_signal_relayed_while_the_program_starts_is_one_line(tmp_path, delay):
                           text=True, timeout=120, env=program_env())
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+SIGNAL_INSIDE_AN_IMPORT = """
+import os, runpy, signal, sys
+
+class SignalOnImport:
+    \"\"\"Sends SIGINT to this process when `datetime` is first imported: numpy's extension imports it from C,
+    where an exception raised by a signal handler becomes an ImportError.\"\"\"
+    def find_spec(self, name, path=None, target=None):
+        if name == "datetime":
+            sys.meta_path.remove(self)
+            print("signalled", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = [sys.argv[1], "--iters", "1", "--params", "", "--quiet", "--data", "synthetic"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_signal_while_an_extension_module_loads_is_one_line(tmp_path):
+    """Signals wait while the program's modules load: one raised inside numpy's C import would be a broken install."""
+    _, program = compile_program("mlp", tmp_path, batch=8)
+    done = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_AN_IMPORT, str(program)], capture_output=True,
+                          text=True, timeout=120, env=program_env())
+    assert done.stdout.strip() == "signalled", (done.stdout, done.stderr)   # the signal came inside the import
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip() == "mlp: interrupted while starting; nothing was written", done.stderr
