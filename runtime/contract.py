@@ -25,7 +25,8 @@ import numpy as np
 __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
     "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch", "conv2d_scratch",
-    "counter_key", "log_softmax_scratch", "lrn_bwd_scratch", "lrn_scratch", "mask_generator",
+    "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
+    "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows",
 ]
@@ -109,6 +110,18 @@ def _per_sample(shape) -> int:
 def pointwise_conv(kh: int, kw: int, stride: int, pad: int) -> bool:
     """A 1x1 stride-1 unpadded convolution: one GEMM on the input itself, in every direction, without scratch."""
     return kh == 1 and kw == 1 and stride == 1 and pad == 0
+
+
+DIRECT_CONV_ROWS = 32       # at most this many products per output (C*kh*kw) for direct convolution
+DIRECT_CONV_WIDTH = 8       # kernels at most this wide (runtime/kernels/cpu_conv.c: DEEPDSL_DIRECT_KW)
+
+
+def direct_conv(c: int, kh: int, kw: int, stride: int, groups: int = 1) -> bool:
+    """A thin stride-1 convolution (C*kh*kw <= DIRECT_CONV_ROWS, kernels at most DIRECT_CONV_WIDTH wide; a first
+    layer on images of few channels): the compiled kernels compute it and its filter gradient straight from the
+    input (runtime/kernels/cpu_conv.c), without the im2col matrix (its workspace stays planned: numpy's kernels,
+    which the program falls back to, use it)."""
+    return groups == 1 and stride == 1 and kw <= DIRECT_CONV_WIDTH and c * kh * kw <= DIRECT_CONV_ROWS
 
 
 def _padded_input(c: int, h: int, w: int, pad: int) -> int:

@@ -279,8 +279,9 @@ def test_convolutions_under_their_planned_workspace(lib, geometry, stride1_schem
                                  native=kernels)
             results.append((out, dw, dx))
         for got, want in zip(results[1], results[0]):
+            # (a thin convolution's filter gradient sums in another order: within float32 rounding of its largest)
             assert not np.isnan(got).any()
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(want).max())))
         np.testing.assert_array_equal(results[1][2], results[0][2])
 
 
@@ -313,8 +314,8 @@ def test_grouped_convolutions_with_compiled_passes(lib, case, monkeypatch):
 @pytest.mark.parametrize("name,image", NETWORKS, ids=[n for n, _ in NETWORKS])
 def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_factory):
     """Every network: a training step and a test step with the compiled kernels equal the numpy backend's within
-    float32 tolerance (the convolutions bit for bit; elementwise kernels round as C's float32 functions do and
-    per-channel sums add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
+    float32 tolerance (elementwise kernels round as C's float32 functions do, per-channel sums and thin convolutions'
+    filter gradients add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
     trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten times the difference one rounding of the input makes), and the
     allocator measures the planned peaks (the plan is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)

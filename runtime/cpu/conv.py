@@ -95,11 +95,14 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
     im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
     one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
-    im2col copies and the regrouping run compiled. With `groups`: `_grouped_conv2d`."""
+    im2col copies and the regrouping run compiled, and a thin convolution (`contract.direct_conv`) runs straight
+    from the input, without workspace. With `groups`: `_grouped_conv2d`."""
     if groups > 1:
         return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
+    if native is not None and contract.direct_conv(c, kh, kw, stride) and native.direct("conv2d", x, w, b, out, pad):
+        return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
     if contract.pointwise_conv(kh, kw, stride, pad):
@@ -319,11 +322,15 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
     padding the zero-padded input; plus an accumulator of the weights' size when the batch runs in several chunks.
     With `groups` the product is stacked: group k's output gradient (O/groups, samples*Ho*Wo) by group k's rows of
-    the im2col matrix, transposed."""
+    the im2col matrix, transposed. With `native`, a thin convolution's (`contract.direct_conv`) runs straight from
+    the input, without workspace."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
+    if native is not None and contract.direct_conv(c, kh, kw, stride, groups) \
+            and native.direct("conv2d_bwd_filter", g, x, None, out, pad):
+        return
     if groups > 1:
         if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):
             return

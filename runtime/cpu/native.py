@@ -5,7 +5,8 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
 loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None
 and the reason: the program then runs the numpy kernels). `Native` runs the kernels that replace numpy passes:
-im2col, axis swaps and the input gradient's shifted sums inside the convolutions, max pooling with its argmax and
+im2col, axis swaps and the input gradient's shifted sums inside the convolutions, thin convolutions and their
+filter gradients straight from the input (`contract.direct_conv`), max pooling with its argmax and
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
 writes, into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
@@ -30,7 +31,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
            "KERNELS_DIR"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-KERNEL_SOURCES = ("cpu_ops.c", "deepdsl_math.h")      # what a program's .c includes from the runtime
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_conv.c", "deepdsl_math.h")      # what a program's .c includes from the runtime
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -137,6 +138,8 @@ class Native:
         lib.deepdsl_depthwise.argtypes = [_P, _P, _P] + depthwise
         lib.deepdsl_depthwise_bwd_data.argtypes = [_P, _P] + depthwise
         lib.deepdsl_depthwise_bwd_filter.argtypes = [_P, _P] + depthwise
+        lib.deepdsl_direct_conv.argtypes = [_P, _P, _P] + [_I] * 10 + [_P]
+        lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
@@ -202,6 +205,24 @@ class Native:
             (m, c, ho, wo), (h, w), (kh, kw) = a.shape, b.shape[2:], out.shape[2:]
             self.lib.deepdsl_depthwise_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, kh, kw, ho, wo, stride,
                                                   pad, out.ctypes.data)
+        return True
+
+    def direct(self, op: str, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, out: np.ndarray,
+               pad: int) -> bool:
+        """A thin stride-1 convolution (`contract.direct_conv`) or its filter gradient straight from the input, no
+        im2col matrix: `op` "conv2d" (a the input, b the filters) or "conv2d_bwd_filter" (a the output gradient, b
+        the input). False (nothing written) for arrays it does not take."""
+        arrays = [a, b, out] + ([bias] if bias is not None else [])
+        if not all(t.flags.c_contiguous and t.dtype == np.float32 for t in arrays):
+            return False
+        if op == "conv2d":
+            (m, c, h, w), (o, _, kh, kw), (ho, wo) = a.shape, b.shape, out.shape[2:]
+            self.lib.deepdsl_direct_conv(a.ctypes.data, b.ctypes.data, None if bias is None else bias.ctypes.data,
+                                         m, c, h, w, o, kh, kw, ho, wo, pad, out.ctypes.data)
+        else:
+            (m, o, ho, wo), (c, h, w), (kh, kw) = a.shape, b.shape[1:], out.shape[2:]
+            self.lib.deepdsl_direct_conv_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, o, kh, kw, ho, wo, pad,
+                                                    out.ctypes.data)
         return True
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:

@@ -1,7 +1,7 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
-// the im2col copies, col2im additions and axis swaps of the convolutions, max pooling with its argmax, and its
-// gradient.
+// the im2col copies, col2im additions and axis swaps of the convolutions, thin convolutions and their filter
+// gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient.
 //
 // Each kernel computes exactly what the numpy kernel it replaces computes (runtime/cpu/), on the same memory: no
 // scratch beyond what that kernel's plan gives (these need none), outputs never overlapping inputs (the Python
@@ -595,3 +595,6 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
         deepdsl_max_pool_bwd_plane(g + pl * ho * wo, argmax + pl * ho * wo, h, w, ho, wo, kernel, stride, pad,
                                    out + pl * h * w);
 }
+
+// thin convolutions straight from the input
+#include "cpu_conv.c"

@@ -1,0 +1,282 @@
+// Direct convolution of thin layers, included by cpu_ops.c: stride 1 and few products per output (C*kh*kw small,
+// as in a network's first layer on images of few channels, LeNet's conv1), where the im2col matrix would be kh*kw
+// copies of the input and its products too narrow for a matrix-product library to run fast or on several threads.
+// The convolution and its filter gradient straight from the input, no workspace (runtime/cpu/conv.py takes this
+// path where `contract.direct_conv` says so).
+//
+// Every output is summed by one thread in one fixed order, so results do not depend on the thread count: an output
+// of the forward is the sum over the taps (c, i, j) in that order, then the bias (as numpy's product, then its
+// bias); a filter-gradient element the sum over samples and output rows of eight interleaved partial sums over the
+// columns, added up at the end (numpy's product sums in its own order: the two agree to float32 rounding). Taps
+// outside the input (zero padding) add a zero product, as the im2col matrix's zeros do.
+//
+// Columns go eight at a time (24 where a row allows): where a vector's windows leave the input row, or its last
+// columns leave the output row, its loads and stores are masked (AVX: masked-off lanes are neither read nor
+// written); without AVX those columns go one at a time.
+
+#define DEEPDSL_DIRECT_KW 8             /* the widest kernel (contract.DIRECT_CONV_WIDTH) */
+#define DEEPDSL_CONV_BLOCK 4            /* output channels a forward pass computes together (one input load each) */
+
+// acc + a * b, fused where the processor has fused multiply-adds (as the matrix-product library's sums are; the
+// library is built with -ffp-contract=off, which the elementwise kernels need to round as numpy does)
+#if defined(__FMA__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+#if defined(__FMA__)
+#define DEEPDSL_FMA(acc, a, b) ((deepdsl_v8f)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
+#define DEEPDSL_FMAF(acc, a, b) fmaf(a, b, acc)
+#else
+#define DEEPDSL_FMA(acc, a, b) ((acc) + (a) * (b))
+#define DEEPDSL_FMAF(acc, a, b) ((acc) + (a) * (b))
+#endif
+#define DEEPDSL_FMA_BY(acc, scalar, b) DEEPDSL_FMA(acc, ((deepdsl_v8f){0} + (scalar)), b)
+
+#if defined(__AVX__)
+#define DEEPDSL_MASKED 1
+// The lanes l of a vector whose position first + l lies in [0, size): all ones, else zeros.
+static inline __attribute__((always_inline)) deepdsl_v8i deepdsl_inside(int first, int size) {
+    const deepdsl_v8i at = (deepdsl_v8i){0, 1, 2, 3, 4, 5, 6, 7} + first;
+    return (at >= 0) & (at < size);
+}
+// from[l] where mask lane l is set, else 0; masked-off lanes are not read (they may lie outside the array)
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load(const float* from, deepdsl_v8i mask) {
+    return (deepdsl_v8f)_mm256_maskload_ps(from, (__m256i)mask);
+}
+static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepdsl_v8i mask, deepdsl_v8f v) {
+    _mm256_maskstore_ps(to, (__m256i)mask, (__m256)v);
+}
+#else
+#define DEEPDSL_MASKED 0
+#endif
+
+// Columns [q, q + 8 * NV) of row p of B output channels: NV vectors of eight sums per channel in registers, each
+// input vector loaded once for the B channels, each weight once for the NV vectors. MASKED: some windows leave the
+// input row or some columns the output row (masked loads and stores); else all lie inside. B, NV, KW and MASKED
+// are constants where this is inlined (the loops unroll, the sums stay in registers).
+static inline __attribute__((always_inline)) void deepdsl_direct_vectors(
+        const float* x, const float* w, long w_stride, const float* bias, int B, int NV, int MASKED, int c, int h,
+        int wd, int kh, int KW, int wo, int pad, int p, int q, int i0, int i1, float* out, long out_stride) {
+    deepdsl_v8f acc[DEEPDSL_CONV_BLOCK][3] = {{{0}}};
+    for (int ch = 0; ch < c; ++ch)
+        for (int i = i0; i < i1; ++i) {
+            const float* row = x + ((long)ch * h + p + i - pad) * wd + q - pad;
+            const float* taps = w + ((long)ch * kh + i) * KW;
+            #pragma GCC unroll 8
+            for (int j = 0; j < KW; ++j) {
+                deepdsl_v8f v[3];
+                #pragma GCC unroll 3
+                for (int k = 0; k < NV; ++k) {
+#if DEEPDSL_MASKED
+                    if (MASKED) {
+                        const int first = q + 8 * k + j - pad;
+                        v[k] = deepdsl_load(row + j + 8 * k, deepdsl_inside(first, wd) & deepdsl_inside(q + 8 * k, wo));
+                        continue;
+                    }
+#endif
+                    memcpy(&v[k], row + j + 8 * k, sizeof v[k]);
+                }
+                #pragma GCC unroll 8
+                for (int b = 0; b < B; ++b) {
+                    const float tap = taps[b * w_stride + j];
+                    #pragma GCC unroll 3
+                    for (int k = 0; k < NV; ++k) acc[b][k] = DEEPDSL_FMA_BY(acc[b][k], tap, v[k]);
+                }
+            }
+        }
+    #pragma GCC unroll 8
+    for (int b = 0; b < B; ++b)
+        #pragma GCC unroll 3
+        for (int k = 0; k < NV; ++k) {
+            if (bias) acc[b][k] += bias[b];
+            float* to = out + b * out_stride + (long)p * wo + q + 8 * k;
+#if DEEPDSL_MASKED
+            if (MASKED) {
+                deepdsl_store(to, deepdsl_inside(q + 8 * k, wo), acc[b][k]);
+                continue;
+            }
+#endif
+            memcpy(to, &acc[b][k], sizeof acc[b][k]);
+        }
+}
+
+// Output column q of row p of B output channels, one tap at a time (those outside the input add nothing).
+static inline __attribute__((always_inline)) void deepdsl_direct_column(
+        const float* x, const float* w, long w_stride, const float* bias, int B, int c, int h, int wd, int kh,
+        int KW, int wo, int pad, int p, int q, int i0, int i1, float* out, long out_stride) {
+    float acc[DEEPDSL_CONV_BLOCK] = {0};
+    for (int ch = 0; ch < c; ++ch)
+        for (int i = i0; i < i1; ++i) {
+            const float* row = x + ((long)ch * h + p + i - pad) * wd;
+            const float* taps = w + ((long)ch * kh + i) * KW;
+            for (int j = 0; j < KW; ++j) {
+                const int col = q + j - pad;
+                if (col < 0 || col >= wd) continue;
+                for (int b = 0; b < B; ++b) acc[b] = DEEPDSL_FMAF(acc[b], taps[b * w_stride + j], row[col]);
+            }
+        }
+    for (int b = 0; b < B; ++b) out[b * out_stride + (long)p * wo + q] = bias ? acc[b] + bias[b] : acc[b];
+}
+
+// Whether the windows of columns [q, q + n) lie inside the input row and the columns inside the output row.
+static inline __attribute__((always_inline)) int deepdsl_direct_inside(int q, int n, int KW, int wd, int wo,
+                                                                        int pad) {
+    return q - pad >= 0 && q + n - 1 + KW - 1 - pad < wd && q + n <= wo;
+}
+
+// Output row p of B output channels: out_b[q] = sum over (c, i, j) of w_b[c][i][j] * x[c][p + i - pad][q + j - pad]
+// over the rows inside the input, then + bias_b; 24 columns at a time where their windows lie inside the input row,
+// else 8 (masked where they do not), or one at a time without masked loads.
+static inline __attribute__((always_inline)) void deepdsl_direct_row(
+        const float* x, const float* w, long w_stride, const float* bias, int B, int c, int h, int wd, int kh,
+        int KW, int wo, int pad, int p, float* out, long out_stride) {
+    const int i0 = pad - p > 0 ? pad - p : 0, i1 = h + pad - p < kh ? h + pad - p : kh;
+    for (int q = 0; q < wo;) {
+        if (deepdsl_direct_inside(q, 24, KW, wd, wo, pad)) {
+            deepdsl_direct_vectors(x, w, w_stride, bias, B, 3, 0, c, h, wd, kh, KW, wo, pad, p, q, i0, i1, out,
+                                   out_stride);
+            q += 24;
+        } else if (deepdsl_direct_inside(q, 8, KW, wd, wo, pad)) {
+            deepdsl_direct_vectors(x, w, w_stride, bias, B, 1, 0, c, h, wd, kh, KW, wo, pad, p, q, i0, i1, out,
+                                   out_stride);
+            q += 8;
+        } else if (DEEPDSL_MASKED) {
+            deepdsl_direct_vectors(x, w, w_stride, bias, B, 1, 1, c, h, wd, kh, KW, wo, pad, p, q, i0, i1, out,
+                                   out_stride);
+            q += 8;
+        } else {
+            deepdsl_direct_column(x, w, w_stride, bias, B, c, h, wd, kh, KW, wo, pad, p, q, i0, i1, out, out_stride);
+            q += 1;
+        }
+    }
+}
+
+// The planes of output channels [o0, o0 + B) of one sample.
+static inline __attribute__((always_inline)) void deepdsl_direct_planes(
+        const float* x, const float* w, const float* bias, int o0, int B, int c, int h, int wd, int kh, int KW,
+        int ho, int wo, int pad, float* out) {
+    const long w_stride = (long)c * kh * KW;
+    for (int p = 0; p < ho; ++p)
+        deepdsl_direct_row(x, w + o0 * w_stride, w_stride, bias ? bias + o0 : 0, B, c, h, wd, kh, KW, wo, pad, p,
+                           out + (long)o0 * ho * wo, (long)ho * wo);
+}
+
+// deepdsl_direct_planes with the kernel width a constant for the common widths
+#define DEEPDSL_DIRECT_PLANES(O0, B) \
+    switch (kw) { \
+    case 3: deepdsl_direct_planes(xs, w, bias, O0, B, c, h, wd, kh, 3, ho, wo, pad, os); break; \
+    case 5: deepdsl_direct_planes(xs, w, bias, O0, B, c, h, wd, kh, 5, ho, wo, pad, os); break; \
+    default: deepdsl_direct_planes(xs, w, bias, O0, B, c, h, wd, kh, kw, ho, wo, pad, os); \
+    }
+
+// out (m, o, ho, wo) = x (m, c, h, w) convolved with w (o, c, kh, kw), stride 1, zero padding `pad`, + bias (o) when
+// given. A thread computes whole output planes, DEEPDSL_CONV_BLOCK channels of one sample at a time.
+void deepdsl_direct_conv(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int o,
+                         int kh, int kw, int ho, int wo, int pad, float* out) {
+    const int blocks = (o + DEEPDSL_CONV_BLOCK - 1) / DEEPDSL_CONV_BLOCK;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * o * ho * wo * c * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    for (int s = 0; s < m; ++s)
+        for (int k = 0; k < blocks; ++k) {
+            const int o0 = k * DEEPDSL_CONV_BLOCK, ob = o - o0 < DEEPDSL_CONV_BLOCK ? o - o0 : DEEPDSL_CONV_BLOCK;
+            const float* xs = x + (long)s * c * h * wd;
+            float* os = out + (long)s * o * ho * wo;
+            if (ob == DEEPDSL_CONV_BLOCK) {
+                DEEPDSL_DIRECT_PLANES(o0, DEEPDSL_CONV_BLOCK)
+            } else {
+                for (int oc = o0; oc < o0 + ob; ++oc) DEEPDSL_DIRECT_PLANES(oc, 1)
+            }
+        }
+}
+
+// sums[j] += the products of output-gradient columns [q, q + 8) of a row by the input columns their tap j read
+// (`row` is the input row at column -pad), as eight partial sums; MASKED as in deepdsl_direct_vectors.
+static inline __attribute__((always_inline)) void deepdsl_direct_filter_vector(
+        const float* gr, const float* row, int q, int MASKED, int KW, int wd, int wo, int pad, deepdsl_v8f* sums) {
+    deepdsl_v8f gv;
+#if DEEPDSL_MASKED
+    if (MASKED) gv = deepdsl_load(gr + q, deepdsl_inside(q, wo));
+    else
+#endif
+        memcpy(&gv, gr + q, sizeof gv);
+    #pragma GCC unroll 8
+    for (int j = 0; j < KW; ++j) {
+        deepdsl_v8f v;
+#if DEEPDSL_MASKED
+        if (MASKED) v = deepdsl_load(row + q + j, deepdsl_inside(q + j - pad, wd) & deepdsl_inside(q, wo));
+        else
+#endif
+            memcpy(&v, row + q + j, sizeof v);
+        sums[j] = DEEPDSL_FMA(sums[j], gv, v);
+    }
+}
+
+#define DEEPDSL_FILTER_SAMPLES 8       /* samples whose gradient and input planes stay in cache for all kernel rows */
+
+// dw[i][j] (one output channel o and input channel c) = sum over samples s, rows p and columns q of
+// g[s][o][p][q] * x[s][c][p + i - pad][q + j - pad] over the positions inside the input: for each tap, eight
+// partial sums over the columns q = 8k + l (and, without masked loads, one over those at the edges), added up at
+// the end. Samples in blocks of DEEPDSL_FILTER_SAMPLES, each kernel row over the block with its kw partial sums in
+// registers. KW as in deepdsl_direct_planes.
+static inline __attribute__((always_inline)) void deepdsl_direct_filter_taps(
+        const float* g, const float* x, long g_sample, long x_sample, int m, int h, int wd, int kh, int KW, int ho,
+        int wo, int pad, float* dw) {
+    deepdsl_v8f sums[kh * KW];
+    float rest[kh * KW];
+    for (int t = 0; t < kh * KW; ++t) {
+        sums[t] = (deepdsl_v8f){0};
+        rest[t] = 0.0f;
+    }
+    for (int s0 = 0; s0 < m; s0 += DEEPDSL_FILTER_SAMPLES) {
+        const int s1 = s0 + DEEPDSL_FILTER_SAMPLES < m ? s0 + DEEPDSL_FILTER_SAMPLES : m;
+        for (int i = 0; i < kh; ++i) {
+            const int p0 = pad - i > 0 ? pad - i : 0, p1 = h + pad - i < ho ? h + pad - i : ho;
+            deepdsl_v8f acc[DEEPDSL_DIRECT_KW] = {{0}};
+            #pragma GCC unroll 8
+            for (int j = 0; j < KW; ++j) acc[j] = sums[i * KW + j];
+            for (int s = s0; s < s1; ++s)
+                for (int p = p0; p < p1; ++p) {
+                    const float* gr = g + s * g_sample + (long)p * wo;
+                    const float* row = x + s * x_sample + (long)(p + i - pad) * wd - pad;
+                    for (int q = 0; q < wo;) {
+                        if (deepdsl_direct_inside(q, 8, KW, wd, wo, pad)) {
+                            deepdsl_direct_filter_vector(gr, row, q, 0, KW, wd, wo, pad, acc);
+                            q += 8;
+                        } else if (DEEPDSL_MASKED) {
+                            deepdsl_direct_filter_vector(gr, row, q, 1, KW, wd, wo, pad, acc);
+                            q += 8;
+                        } else {
+                            for (int j = 0; j < KW; ++j)
+                                if (q + j - pad >= 0 && q + j - pad < wd)
+                                    rest[i * KW + j] = DEEPDSL_FMAF(rest[i * KW + j], gr[q], row[q + j]);
+                            q += 1;
+                        }
+                    }
+                }
+            #pragma GCC unroll 8
+            for (int j = 0; j < KW; ++j) sums[i * KW + j] = acc[j];
+        }
+    }
+    for (int t = 0; t < kh * KW; ++t) {
+        float total = 0.0f;
+        for (int l = 0; l < 8; ++l) total += sums[t][l];
+        dw[t] = total + rest[t];
+    }
+}
+
+// dw (o, c, kh, kw) = the filter gradient of deepdsl_direct_conv from the output gradient g (m, o, ho, wo) and the
+// input x (m, c, h, w); a thread computes whole (o, c) filters.
+void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c, int h, int wd, int o, int kh, int kw,
+                                    int ho, int wo, int pad, float* dw) {
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * o * ho * wo * c * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    for (int oc = 0; oc < o; ++oc)
+        for (int ch = 0; ch < c; ++ch) {
+            const float* go = g + (long)oc * ho * wo;
+            const float* xc = x + (long)ch * h * wd;
+            const long g_sample = (long)o * ho * wo, x_sample = (long)c * h * wd;
+            float* d = dw + ((long)oc * c + ch) * kh * kw;
+            switch (kw) {
+            case 3: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, 3, ho, wo, pad, d); break;
+            case 5: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, 5, ho, wo, pad, d); break;
+            default: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, kw, ho, wo, pad, d);
+            }
+        }
+}

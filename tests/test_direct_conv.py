@@ -1,0 +1,130 @@
+"""Thin convolutions computed straight from the input by the compiled kernels (runtime/kernels/cpu_conv.c,
+`contract.direct_conv`): forward and filter gradient against numpy's im2col kernels on odd geometries (rows of every
+width around the vectors' eight and 24 columns, kernels 1 to 8 wide, padding wider than the kernel's reach, output
+channels around the block of four), into NaN-filled outputs, identical whatever the thread count, and the same
+with the library built without AVX and fused multiply-adds (columns one at a time, unfused). The training steps of
+LeNet, whose conv1 runs there, are checked against numpy's in tests/test_native_kernels.py."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from hypothesis import assume, given, settings, strategies as st
+
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu import conv, native
+from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="needs a C compiler")
+
+
+def _convolutions(kernels, x, w, b, g, pad):
+    """(forward, filter gradient) of a stride-1 convolution with `kernels` (None: numpy's), outputs NaN-filled."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    out = np.full(g.shape, np.nan, np.float32)
+    dw = np.full(w.shape, np.nan, np.float32)
+    workspace = np.empty(n * contract.conv2d_scratch(x.shape, w.shape, g.shape, 1, pad)
+                         + sum(contract.conv2d_bwd_filter_scratch(g.shape, x.shape, (kh, kw), pad)) * n, np.float32)
+    conv.conv2d(x, w, b, out=out, stride=1, pad=pad, workspace=workspace, native=kernels)
+    conv.conv2d_bwd_filter(g, x, out=dw, stride=1, pad=pad, kernel=(kh, kw), workspace=workspace, native=kernels)
+    return out, dw
+
+
+def _case(n, c, h, wd, o, kh, kw, pad, seed, bias=True):
+    rng = np.random.default_rng(seed)
+    ho, wo = h + 2 * pad - kh + 1, wd + 2 * pad - kw + 1
+    x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = rng.standard_normal((o, c, kh, kw)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32) if bias else None
+    g = rng.standard_normal((n, o, ho, wo)).astype(np.float32)
+    return x, w, b, g
+
+
+def _check_against_numpy(kernels, case, pad):
+    x, w, b, g = case
+    want = _convolutions(None, x, w, b, g, pad)
+    ran = []
+    direct = kernels.direct
+    kernels.direct = lambda op, *rest: ran.append(op) or direct(op, *rest)
+    try:
+        got = _convolutions(kernels, x, w, b, g, pad)
+    finally:
+        del kernels.direct
+    assert ran == ["conv2d", "conv2d_bwd_filter"]
+    # the forward sums the taps in numpy's order (fused where the processor fuses, as OpenBLAS does); the filter
+    # gradient in eight interleaved partial sums: within float32 rounding of the sums' magnitude
+    for g_, w_ in zip(got, want):
+        assert not np.isnan(g_).any()
+        scale = float(np.sqrt(np.sum(np.abs(w_)))) + 1.0
+        np.testing.assert_allclose(g_, w_, rtol=1e-5, atol=2e-6 * scale)
+    return got
+
+
+GEOMETRIES = [  # (N, C, H, W, O, kh, kw, pad)
+    (2, 1, 28, 28, 20, 5, 5, 0),      # LeNet's conv1: rows of 24, three vectors
+    (3, 1, 9, 40, 5, 3, 3, 1),        # rows of 40 with padding: masked vectors at both ends, a remainder block
+    (1, 3, 6, 7, 4, 3, 2, 2),         # rows narrower than a vector, padding wider than it needs
+    (2, 2, 5, 31, 9, 1, 8, 3),        # the widest kernel, rows of 30
+    (1, 1, 4, 4, 1, 4, 4, 0),         # a single output
+    (2, 3, 10, 19, 6, 3, 3, 0),       # 27 products per output
+]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+def test_direct_convolution_equals_numpy(lib, geometry):  # noqa: F811
+    n, c, h, wd, o, kh, kw, pad = geometry
+    assert contract.direct_conv(c, kh, kw, 1)
+    _check_against_numpy(lib, _case(n, c, h, wd, o, kh, kw, pad, seed=sum(geometry)), pad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 2), h=st.integers(1, 12), wd=st.integers(1, 40), o=st.integers(1, 9),
+       kh=st.integers(1, 4), kw=st.integers(1, 8), pad=st.integers(0, 3), bias=st.booleans(), seed=st.integers(0, 99))
+def test_random_thin_convolutions_equal_numpy(lib, n, c, h, wd, o, kh, kw, pad, bias, seed):  # noqa: F811
+    assume(h + 2 * pad >= kh and wd + 2 * pad >= kw and contract.direct_conv(c, kh, kw, 1))
+    _check_against_numpy(lib, _case(n, c, h, wd, o, kh, kw, pad, seed, bias), pad)
+
+
+def test_direct_results_do_not_depend_on_the_thread_count(lib):  # noqa: F811
+    case = _case(5, 2, 13, 29, 7, 3, 5, 1, seed=3)
+    results = []
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            results.append(_convolutions(lib, *case, pad=1))
+    finally:
+        lib.set_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_other_convolutions_keep_im2col(lib):  # noqa: F811
+    """Strided, grouped, wide or many-channel convolutions do not take the direct path."""
+    assert not contract.direct_conv(1, 5, 5, 2)
+    assert not contract.direct_conv(2, 3, 3, 1, groups=2)
+    assert not contract.direct_conv(1, 1, 9, 1)
+    assert not contract.direct_conv(4, 3, 3, 1)
+    assert contract.direct_conv(1, 5, 5, 1) and contract.direct_conv(3, 3, 3, 1)
+
+
+def test_without_avx_the_columns_go_one_at_a_time(lib, tmp_path):  # noqa: F811
+    """The library built for a processor without AVX and fused multiply-adds (GCC's generic vectors; the columns
+    whose windows leave the input one at a time) computes the same convolutions."""
+    source = next(p for p in native.KERNELS_DIR.glob("cpu_ops.c"))
+    from deepdsl.codegen.native import compile_command
+
+    command = compile_command(source, tmp_path / "plain.so") + ["-mno-avx", "-mno-fma"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plain = native.Native(ctypes.CDLL(str(tmp_path / "plain.so")))
+    for geometry in GEOMETRIES[:4]:
+        n, c, h, wd, o, kh, kw, pad = geometry
+        _check_against_numpy(plain, _case(n, c, h, wd, o, kh, kw, pad, seed=5), pad)
