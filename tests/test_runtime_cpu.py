@@ -164,6 +164,25 @@ def test_conv_chunks_follow_the_workspace():
     check(make("conv2d", (x, wt), stride=1, pad=1), limit=2 * 27 * 64 * 4)
 
 
+def test_chunked_filter_gradients_by_the_transposed_product(monkeypatch):
+    """A filter gradient in chunks whose output positions are many against the filter's rows runs its products as
+    (C*kh*kw, O) through the accumulator and transposes them back; the others as (O, C*kh*kw): both give the
+    gradient, whole batch and one sample per chunk."""
+    from deepdsl_runtime.cpu import conv
+
+    asked = []
+    decide = conv._transposed_filter_product
+    monkeypatch.setattr(conv, "_transposed_filter_product", lambda *a: asked.append(decide(*a)) or asked[-1])
+    for shape, kernel in (((3, 2, 12, 12), 3), ((3, 8, 6, 6), 3)):       # 100 positions for 18 rows; 16 for 72
+        x = leaf("x", shape)
+        ho = shape[2] - kernel + 1
+        node = make("conv2d_bwd_filter", (leaf("g", (shape[0], 5, ho, ho)), x), stride=1, pad=0,
+                    kernel=(kernel, kernel))
+        check(node, limit=1)
+        check(node)
+    assert True in asked and False in asked
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # pooling
 
