@@ -7,8 +7,11 @@ LeNet, whose conv1 runs there, are checked against numpy's in tests/test_native_
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native
 from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="needs a C compiler")
 
@@ -128,3 +132,13 @@ def test_without_avx_the_columns_go_one_at_a_time(lib, tmp_path):  # noqa: F811
     for geometry in GEOMETRIES[:4]:
         n, c, h, wd, o, kh, kw, pad = geometry
         _check_against_numpy(plain, _case(n, c, h, wd, o, kh, kw, pad, seed=5), pad)
+
+
+def test_the_kernel_benchmark_runs():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_kernels.py"), "--threads", "1",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    thin = [line for line in lines if re.match(r"\s*\d+x\d+x\d+x\d+ \d+x\d+x\d+ pad \d+\s+1\s", line)]
+    products = [line for line in lines if re.match(r"\s*\d+ x \d+ x \d+\s+1\s", line)]
+    assert len(thin) == 5 and len(products) == 8, done.stdout
