@@ -452,7 +452,8 @@ def numpy_power_is_powf() -> bool:
 @pytest.mark.parametrize("samples", [1, None])             # chunks of one sample, or the whole batch
 def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
     """The compiled LRN and its gradient give numpy's float32 results bit for bit (the same operations in the same
-    order) where numpy's float32 power is the C library's, within float32 rounding elsewhere, under NaN-filled
+    order) where numpy's float32 power is the C library's and beta is not 0.75 (which the kernels compute by square
+    roots), within float32 rounding elsewhere, under NaN-filled
     workspaces of exactly their planned size, also writing over their input (lrn over x, lrn_bwd over g, as the
     in-place pass allows)."""
     from deepdsl_runtime.cpu import norm
@@ -476,9 +477,9 @@ def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
         results.append((out, dx))
     (want_y, want_dx), (got_y, got_dx) = results
     assert not np.isnan(got_y).any() and not np.isnan(got_dx).any()
-    if numpy_power_is_powf():
+    if numpy_power_is_powf() and beta != 0.75:
         np.testing.assert_array_equal(got_y, want_y)
         np.testing.assert_array_equal(got_dx, want_dx)
-    else:       # numpy's own AVX-512 power: an ulp or so apart, as is the rest of the kernel's arithmetic
+    else:       # beta 0.75 by square roots, or numpy's own AVX-512 power: a few ulp apart
         for got, want in ((got_y, want_y), (got_dx, want_dx)):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))

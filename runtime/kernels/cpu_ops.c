@@ -332,6 +332,16 @@ DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, 
     }
 }
 
+// row[p] = (row[p] * scale + k)^-0.75 for p < hw: the usual LRN exponent (beta 0.75) as 1 / sqrt(s * sqrt(s)),
+// correctly rounded square roots the loop computes eight at a time, where powf is a call per element (a few ulp
+// from powf's result; the other exponents call powf).
+DEEPDSL_ROW void deepdsl_power_three_quarters(float* row, long hw, float scale, float k) {
+    for (long p = 0; p < hw; ++p) {
+        const float sv = row[p] * scale + k;
+        row[p] = 1.0f / sqrtf(sv * sqrtf(sv));
+    }
+}
+
 // LRN of m samples (channels x hw each): s (m, channels, hw) = (window sum of x^2 * scale + k)^power (power =
 // -beta), then out = x * s. `out` may be `x`.
 void deepdsl_lrn(const float* x, long m, long channels, long hw, int size, float scale, float k, float power,
@@ -344,7 +354,8 @@ void deepdsl_lrn(const float* x, long m, long channels, long hw, int size, float
             float* row = s + r * hw;
             deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
                                    (size - 1) / 2, 1, row);
-            for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
+            if (power == -0.75f) deepdsl_power_three_quarters(row, hw, scale, k);
+            else for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; ++r)
@@ -369,10 +380,18 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
             const float* xr = x + r * hw;
             deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
                                    (size - 1) / 2, 1, tr);
-            for (long p = 0; p < hw; ++p) {
-                const float sv = tr[p] * scale + k;
-                ar[p] = powf(sv, power_inner) * gr[p] * xr[p];
-                tr[p] = powf(sv, power) * gr[p];
+            if (power == -0.75f) {          /* power_inner = -1.75: s^-0.75 / s */
+                for (long p = 0; p < hw; ++p) {
+                    const float sv = tr[p] * scale + k, root = sqrtf(sv), s34 = 1.0f / sqrtf(sv * root);
+                    ar[p] = s34 / sv * gr[p] * xr[p];
+                    tr[p] = s34 * gr[p];
+                }
+            } else {
+                for (long p = 0; p < hw; ++p) {
+                    const float sv = tr[p] * scale + k;
+                    ar[p] = powf(sv, power_inner) * gr[p] * xr[p];
+                    tr[p] = powf(sv, power) * gr[p];
+                }
             }
         }
 #pragma omp for schedule(static)
