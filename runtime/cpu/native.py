@@ -213,7 +213,9 @@ class Native:
         im2col matrix: `op` "conv2d" (a the input, b the filters) or "conv2d_bwd_filter" (a the output gradient, b
         the input). False (nothing written) for arrays it does not take."""
         arrays = [a, b, out] + ([bias] if bias is not None else [])
-        if not all(t.flags.c_contiguous and t.dtype == np.float32 for t in arrays):
+        kernel_width = (b if op == "conv2d" else out).shape[3]
+        if kernel_width > contract.DIRECT_CONV_WIDTH or not all(t.flags.c_contiguous and t.dtype == np.float32
+                                                                for t in arrays):
             return False
         if op == "conv2d":
             (m, c, h, w), (o, _, kh, kw), (ho, wo) = a.shape, b.shape, out.shape[2:]
