@@ -12,7 +12,10 @@ IDLE_THREADS_SLEEP = {"OPENBLAS_THREAD_TIMEOUT": "4", "OMP_WAIT_POLICY": "passiv
 
 
 def idle_threads_sleep() -> None:
-    """Set IDLE_THREADS_SLEEP in the environment where unset. The libraries read it when they load: call this before
-    importing numpy (which loads OpenBLAS) and loading compiled kernels (OpenMP)."""
+    """Set IDLE_THREADS_SLEEP in the environment where unset (GOMP_SPINCOUNT only where OMP_WAIT_POLICY is unset
+    too: GNU OpenMP lets it override the policy a user chose). The libraries read it when they load: call this
+    before importing numpy (which loads OpenBLAS) and loading compiled kernels (OpenMP)."""
+    chosen = "OMP_WAIT_POLICY" in os.environ
     for key, value in IDLE_THREADS_SLEEP.items():
-        os.environ.setdefault(key, value)
+        if not (key == "GOMP_SPINCOUNT" and chosen):
+            os.environ.setdefault(key, value)

@@ -9,6 +9,8 @@ including the in-place variants where the output buffer is one of the inputs.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import sympy
@@ -529,3 +531,21 @@ def test_erf_is_pythons_to_the_last_bits():
     rounded = np.array([math.erf(float(v)) for v in x32]).astype(np.float32)
     out = np.empty_like(x32)
     assert erf(x32, out=out) is out and np.count_nonzero(out != rounded) <= 2         # ties apart
+
+
+def test_idle_threads_sleep_keeps_what_the_user_set(monkeypatch):
+    """Idle threads sleep after a short spin unless the environment says otherwise: a user's values win, and a
+    user's OpenMP wait policy is not overridden by the spin count (GNU OpenMP would let it)."""
+    import deepdsl_runtime
+
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    deepdsl_runtime.idle_threads_sleep()
+    assert {k: os.environ[k] for k in deepdsl_runtime.IDLE_THREADS_SLEEP} == deepdsl_runtime.IDLE_THREADS_SLEEP
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "9")
+    deepdsl_runtime.idle_threads_sleep()
+    assert os.environ["OMP_WAIT_POLICY"] == "active" and "GOMP_SPINCOUNT" not in os.environ
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "9"

@@ -9,7 +9,8 @@ im2col, axis swaps and the input gradient's shifted sums inside the convolutions
 filter gradients straight from the input (`contract.direct_conv`), max pooling with its argmax and
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
-writes, into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
+writes (to float32 rounding where it sums in another order: thin convolutions' filter gradients, LRN with beta
+0.75), into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
 without them. `set_threads` sets the kernels' OpenMP threads.
 """
 from __future__ import annotations

@@ -8,7 +8,8 @@
 // of the forward is the sum over the taps (c, i, j) in that order, then the bias (as numpy's product, then its
 // bias); a filter-gradient element the sum over samples and output rows of eight interleaved partial sums over the
 // columns, added up at the end (numpy's product sums in its own order: the two agree to float32 rounding). Taps
-// outside the input (zero padding) add a zero product, as the im2col matrix's zeros do.
+// outside the input (zero padding) add nothing: rows outside are skipped, and columns outside add a zero product
+// (masked vectors, as the im2col matrix's zeros do) or are skipped (one at a time) -- the same for finite weights.
 //
 // Columns go eight at a time (24 where a row allows): where a vector's windows leave the input row, or its last
 // columns leave the output row, its loads and stores are masked (AVX: masked-off lanes are neither read nor

@@ -3,7 +3,8 @@
 // the im2col copies, col2im additions and axis swaps of the convolutions, thin convolutions and their filter
 // gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient.
 //
-// Each kernel computes exactly what the numpy kernel it replaces computes (runtime/cpu/), on the same memory: no
+// Each kernel computes what the numpy kernel it replaces computes (runtime/cpu/; exactly, but for the sums of thin
+// convolutions' filter gradients and LRN's power with beta 0.75, which round differently), on the same memory: no
 // scratch beyond what that kernel's plan gives (these need none), outputs never overlapping inputs (the Python
 // side runs takeovers chunk by chunk, as for numpy). Loops are branch-free where it matters, threads split
 // independent rows, and every thread writes only its own outputs: results do not depend on the thread count.
@@ -332,13 +333,15 @@ DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, 
     }
 }
 
-// row[p] = (row[p] * scale + k)^-0.75 for p < hw: the usual LRN exponent (beta 0.75) as 1 / sqrt(s * sqrt(s)),
+// row[p] = (row[p] * scale + k)^-0.75 for p < hw: the usual LRN exponent (beta 0.75) as 1 / (s^1/2 * s^1/4) (never
+// s * sqrt(s), which overflows or underflows long before s^-0.75 does),
 // correctly rounded square roots the loop computes eight at a time, where powf is a call per element (a few ulp
 // from powf's result; the other exponents call powf).
 DEEPDSL_ROW void deepdsl_power_three_quarters(float* row, long hw, float scale, float k) {
     for (long p = 0; p < hw; ++p) {
         const float sv = row[p] * scale + k;
-        row[p] = 1.0f / sqrtf(sv * sqrtf(sv));
+        const float root = sqrtf(sv);
+        row[p] = 1.0f / (root * sqrtf(root));
     }
 }
 
@@ -382,7 +385,7 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
                                    (size - 1) / 2, 1, tr);
             if (power == -0.75f) {          /* power_inner = -1.75: s^-0.75 / s */
                 for (long p = 0; p < hw; ++p) {
-                    const float sv = tr[p] * scale + k, root = sqrtf(sv), s34 = 1.0f / sqrtf(sv * root);
+                    const float sv = tr[p] * scale + k, root = sqrtf(sv), s34 = 1.0f / (root * sqrtf(root));
                     ar[p] = s34 / sv * gr[p] * xr[p];
                     tr[p] = s34 * gr[p];
                 }
