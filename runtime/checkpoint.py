@@ -91,18 +91,23 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
     and the old file stays as it was."""
     path = os.path.realpath(path)               # a link is followed: the file it names is replaced, not the link
     directory = os.path.dirname(path)
-    # an interrupt between the temporary's creation and the `try` below would leave it behind: signals wait
-    with _signals_deferred():
-        fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+    temporary = f = None
     try:
-        os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
-        with os.fdopen(fd, "wb") as f:
+        # signals wait while the temporary is created and opened: one arriving meanwhile is delivered when they are
+        # let through again, inside this `try`, whose handler then knows the temporary and removes it
+        with _signals_deferred():
+            fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+            f = os.fdopen(fd, "wb")
+        with f:
+            os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
             write_to(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
-        if os.path.exists(temporary):
+        if f is not None:
+            f.close()
+        if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
         raise
     try:                                  # make the rename itself durable

@@ -279,6 +279,37 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
     assert ckpt.read(str(path)).iteration == 7
 
 
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupt_while_the_temporary_is_created_leaves_nothing(tmp_path, monkeypatch):
+    """A signal arriving while `atomic_write` creates its temporary is held until the temporary is known, then
+    handled where it is removed: the old file stays, and no temporary is left."""
+    path = tmp_path / "c.npz"
+    path.write_bytes(b"old")
+    made = []
+    real = ckpt.tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGINT)          # arrives right after the file exists
+        return made[-1]
+
+    def interrupted(signum, frame):
+        raise _Interrupted
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", mkstemp)
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        with pytest.raises(_Interrupted):
+            ckpt.atomic_write(str(path), lambda f: f.write(b"new"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert made and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+    assert path.read_bytes() == b"old"
+
+
 
 def _safetensors(path, tensors: dict, dtypes: dict | None = None) -> None:
     """Write `tensors` (name -> array) in the safetensors layout: header length, JSON header, data."""
