@@ -602,4 +602,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):     # the run has said what it did: a signal now ends it quietly
+        signal.signal(sig, signal.SIG_DFL)
+    sys.exit(status)

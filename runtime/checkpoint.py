@@ -18,15 +18,13 @@ leaves the previous checkpoint intact. A process killed mid-write leaves its tem
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -91,22 +89,24 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
     and the old file stays as it was."""
     path = os.path.realpath(path)               # a link is followed: the file it names is replaced, not the link
     directory = os.path.dirname(path)
-    temporary = f = None
+    temporary = None
     try:
-        # signals wait while the temporary is created and opened: one arriving meanwhile is delivered when they are
-        # let through again, inside this `try`, whose handler then knows the temporary and removes it
-        with _signals_deferred():
-            fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
-            f = os.fdopen(fd, "wb")
-        with f:
-            os.chmod(temporary, _mode_for(path))       # mkstemp makes 0600 files; keep the usual permissions
+        # the temporary is named before it exists, so that an interrupt arriving anywhere after its creation (a
+        # signal's handler runs in this thread whichever thread the signal reached) finds it here and removes it
+        while True:
+            temporary = os.path.join(directory, f"{_temporary_prefix(path)}{secrets.token_hex(4)}.tmp")
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:       # (a name of this process's id left by an earlier process)
+                continue
+        with os.fdopen(fd, "wb") as f:
+            os.chmod(temporary, _mode_for(path))       # keep the permissions the file would have
             write_to(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
-        if f is not None:
-            f.close()
         if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
         raise
@@ -120,20 +120,6 @@ def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
         pass
     finally:
         os.close(dir_fd)
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """SIGINT, SIGTERM and SIGHUP held back (delivered when the block ends) where the platform allows."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _temporary_prefix(path: str) -> str:

@@ -133,11 +133,14 @@ def _tiled_products(args):
 
 class _Signals:
     """SIGINT/SIGTERM/SIGHUP set a flag the run checks between steps (it then saves and stops); a second signal
-    raises KeyboardInterrupt where the program is (stop now: a checkpoint being written stays the previous one)."""
+    this process receives raises KeyboardInterrupt where the program is (stop now: a checkpoint being written stays
+    the previous one); later ones change nothing. `received` may also be set by the ranks' agreement (a signal to
+    another rank), which does not make this rank's own copy of that signal, arriving later, a second one."""
 
     def __init__(self):
         self.received: int | None = None
         self.again: int | None = None     # the second signal
+        self._own: int | None = None      # the first signal this process received itself
         self._old = {}
 
     def __enter__(self):
@@ -147,10 +150,14 @@ class _Signals:
         return self
 
     def _handle(self, signum, frame):
-        if self.received is not None:     # a second signal: stop now
+        if self.again is not None:        # stopping at once already
+            return
+        if self._own is not None:         # a second signal: stop now
             self.again = signum
             raise KeyboardInterrupt
-        self.received = signum
+        self._own = signum
+        if self.received is None:
+            self.received = signum
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
@@ -160,13 +167,19 @@ class _Signals:
 
 def _say(args, text: str) -> None:
     if not args.quiet:
-        print(text, flush=True)
+        try:
+            print(text, flush=True)
+        except OSError:                   # a terminal gone (SIGHUP) or a closed pipe: the run goes on
+            pass
 
 
 def _line(text: str) -> None:
-    """One line on standard error, in one write (the ranks of a job share one stream)."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    """One line on standard error, in one write (the ranks of a job share one stream; nothing where it is gone)."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:

@@ -284,31 +284,33 @@ class _Interrupted(Exception):
 
 
 def test_an_interrupt_while_the_temporary_is_created_leaves_nothing(tmp_path, monkeypatch):
-    """A signal arriving while `atomic_write` creates its temporary is held until the temporary is known, then
-    handled where it is removed: the old file stays, and no temporary is left."""
+    """A signal whose handler raises right after `atomic_write` has created its temporary (before the file is even
+    returned to it) leaves the old file and no temporary: the temporary is named before it is created."""
     path = tmp_path / "c.npz"
     path.write_bytes(b"old")
     made = []
-    real = ckpt.tempfile.mkstemp
+    real = os.open
 
-    def mkstemp(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        os.kill(os.getpid(), signal.SIGINT)          # arrives right after the file exists
-        return made[-1]
+    def open_then_signal(name, *args, **kwargs):
+        fd = real(name, *args, **kwargs)
+        if str(name).endswith(".tmp"):
+            made.append(name)
+            os.kill(os.getpid(), signal.SIGINT)      # its handler runs here, before `fd` is returned
+        return fd
 
     def interrupted(signum, frame):
         raise _Interrupted
 
-    monkeypatch.setattr(ckpt.tempfile, "mkstemp", mkstemp)
     previous = signal.signal(signal.SIGINT, interrupted)
+    monkeypatch.setattr(ckpt.os, "open", open_then_signal)
     try:
         with pytest.raises(_Interrupted):
             ckpt.atomic_write(str(path), lambda f: f.write(b"new"))
     finally:
+        monkeypatch.undo()
         signal.signal(signal.SIGINT, previous)
     assert made and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
     assert path.read_bytes() == b"old"
-
 
 
 def _safetensors(path, tensors: dict, dtypes: dict | None = None) -> None:

@@ -532,3 +532,24 @@ def test_an_archive_interrupted_in_its_constructor_is_freed_without_a_traceback(
     assert quiet.stderr == "stopped\n"
     noisy = subprocess.run([sys.executable, str(script), "keep"], capture_output=True, text=True)
     assert "Traceback" in noisy.stderr          # what the release prevents (the premise of this test)
+
+
+def test_a_signal_agreed_by_the_ranks_is_not_a_second_one_when_it_arrives_here():
+    """Under mpiexec every rank gets its own copy of a Ctrl-C, some after the ranks have agreed on it: that copy is
+    this rank's first signal, not a second (which stops at once); a second own signal does; later ones do nothing."""
+    from deepdsl_runtime.run import _Signals
+
+    with _Signals() as signals:
+        signals.received = signal.SIGINT                    # as `agreed_signal` sets it for another rank's signal
+        try:
+            os.kill(os.getpid(), signal.SIGINT)             # this rank's own copy, a moment later
+            time.sleep(0.01)
+        except KeyboardInterrupt:
+            pytest.fail("the own copy of an agreed signal stopped the rank at once")
+        assert signals.again is None
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)             # a second Ctrl-C: stop now
+            time.sleep(1)
+        assert signals.again == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGTERM)                # stopping already: nothing more
+        time.sleep(0.01)
