@@ -333,16 +333,12 @@ DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, 
     }
 }
 
-// row[p] = (row[p] * scale + k)^-0.75 for p < hw: the usual LRN exponent (beta 0.75) as 1 / (s^1/2 * s^1/4) (never
-// s * sqrt(s), which overflows or underflows long before s^-0.75 does),
-// correctly rounded square roots the loop computes eight at a time, where powf is a call per element (a few ulp
-// from powf's result; the other exponents call powf).
-DEEPDSL_ROW void deepdsl_power_three_quarters(float* row, long hw, float scale, float k) {
-    for (long p = 0; p < hw; ++p) {
-        const float sv = row[p] * scale + k;
-        const float root = sqrtf(sv);
-        row[p] = 1.0f / (root * sqrtf(root));
-    }
+// s^-0.75, the usual LRN exponent (beta 0.75), as 1 / (s^1/2 * s^1/4): correctly rounded square roots, which
+// loops compute eight at a time where powf is a call per element (a few ulp from powf's result; the other
+// exponents call powf). Never s * sqrt(s), which overflows or underflows long before s^-0.75 does.
+static inline float deepdsl_power_three_quarters(float s) {
+    const float root = sqrtf(s);
+    return 1.0f / (root * sqrtf(root));
 }
 
 // LRN of m samples (channels x hw each): s (m, channels, hw) = (window sum of x^2 * scale + k)^power (power =
@@ -357,8 +353,10 @@ void deepdsl_lrn(const float* x, long m, long channels, long hw, int size, float
             float* row = s + r * hw;
             deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
                                    (size - 1) / 2, 1, row);
-            if (power == -0.75f) deepdsl_power_three_quarters(row, hw, scale, k);
-            else for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
+            if (power == -0.75f)
+                for (long p = 0; p < hw; ++p) row[p] = deepdsl_power_three_quarters(row[p] * scale + k);
+            else
+                for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; ++r)
@@ -385,7 +383,7 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
                                    (size - 1) / 2, 1, tr);
             if (power == -0.75f) {          /* power_inner = -1.75: s^-0.75 / s */
                 for (long p = 0; p < hw; ++p) {
-                    const float sv = tr[p] * scale + k, root = sqrtf(sv), s34 = 1.0f / (root * sqrtf(root));
+                    const float sv = tr[p] * scale + k, s34 = deepdsl_power_three_quarters(sv);
                     ar[p] = s34 / sv * gr[p] * xr[p];
                     tr[p] = s34 * gr[p];
                 }
