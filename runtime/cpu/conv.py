@@ -101,7 +101,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
         return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
-    if native is not None and contract.direct_conv(c, kh, kw, stride) and native.direct("conv2d", x, w, b, out, pad):
+    if native is not None and native.direct("conv2d", x, w, b, out, stride, pad):
         return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
@@ -328,8 +328,7 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
-    if native is not None and contract.direct_conv(c, kh, kw, stride, groups) \
-            and native.direct("conv2d_bwd_filter", g, x, None, out, pad):
+    if native is not None and native.direct("conv2d_bwd_filter", g, x, None, out, stride, pad):
         return
     if groups > 1:
         if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):

@@ -209,21 +209,21 @@ class Native:
         return True
 
     def direct(self, op: str, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, out: np.ndarray,
-               pad: int) -> bool:
-        """A thin stride-1 convolution (`contract.direct_conv`) or its filter gradient straight from the input, no
-        im2col matrix: `op` "conv2d" (a the input, b the filters) or "conv2d_bwd_filter" (a the output gradient, b
-        the input). False (nothing written) for arrays it does not take."""
+               stride: int, pad: int) -> bool:
+        """A thin convolution (`contract.direct_conv`) or its filter gradient straight from the input, no im2col
+        matrix: `op` "conv2d" (a the input, b the filters) or "conv2d_bwd_filter" (a the output gradient, b the
+        input). False (nothing written) for other convolutions and arrays it does not take."""
+        if op == "conv2d":
+            (m, c, h, w), (o, per_group, kh, kw), (ho, wo) = a.shape, b.shape, out.shape[2:]
+        else:
+            (m, o, ho, wo), (c, h, w), (per_group, kh, kw) = a.shape, b.shape[1:], out.shape[1:]
         arrays = [a, b, out] + ([bias] if bias is not None else [])
-        kernel_width = (b if op == "conv2d" else out).shape[3]
-        if kernel_width > contract.DIRECT_CONV_WIDTH or not all(t.flags.c_contiguous and t.dtype == np.float32
-                                                                for t in arrays):
+        if not contract.direct_conv(c, kh, kw, stride, c // per_group) or not _contiguous32(*arrays):
             return False
         if op == "conv2d":
-            (m, c, h, w), (o, _, kh, kw), (ho, wo) = a.shape, b.shape, out.shape[2:]
             self.lib.deepdsl_direct_conv(a.ctypes.data, b.ctypes.data, None if bias is None else bias.ctypes.data,
                                          m, c, h, w, o, kh, kw, ho, wo, pad, out.ctypes.data)
         else:
-            (m, o, ho, wo), (c, h, w), (kh, kw) = a.shape, b.shape[1:], out.shape[2:]
             self.lib.deepdsl_direct_conv_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, o, kh, kw, ho, wo, pad,
                                                     out.ctypes.data)
         return True
