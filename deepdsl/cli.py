@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deepdsl.errors import DeepDSLError
 
-STEP_NAMES = ("train", "test", "setup", "accumulate", "apply")
+STEP_NAMES = ("train", "test", "setup", "accumulate", "apply", "statistics")
 
 
 def _image(text: str) -> tuple[int, int]:
@@ -110,11 +110,15 @@ def _options(args: argparse.Namespace):
 
 
 def _compile_step(args: argparse.Namespace):
-    """The compiled network with the step `--step` names (the accumulate and apply steps compile with
+    """The compiled network with the step `--step` names (the accumulate, apply and statistics steps compile with
     --data-parallel, which naming them implies)."""
-    if args.step in ("accumulate", "apply"):
+    if args.step in ("accumulate", "apply", "statistics"):
         args.data_parallel = True
-    return _compile(args)
+    compiled = _compile(args)
+    if args.step not in compiled.steps and args.step != "all":
+        raise DeepDSLError(f"{compiled.name} has no {args.step} step (it updates the running statistics of batch "
+                           "norm, which this network does not have)")
+    return compiled
 
 
 def cmd_ir(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ from deepdsl.ops import get_op
 from deepdsl.liveness import changes_at, live_bytes, live_ranges, peak_bytes
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
+from deepdsl.passes.specialize import is_batch_statistics
 from deepdsl.training import is_accumulator, is_optimizer_state
 from deepdsl_runtime.contract import ALIGNMENT, FLOAT_BYTES, placed_size, stage_floats
 
@@ -206,7 +207,8 @@ def _kind(leaf: Node) -> str:
     if leaf.op == "param":
         return "param"
     if leaf.op == "state":
-        return "optimizer" if is_optimizer_state(leaf) else "gradient" if is_accumulator(leaf) else "running"
+        return ("optimizer" if is_optimizer_state(leaf) else "gradient" if is_accumulator(leaf) else
+                "batch" if is_batch_statistics(leaf) else "running")
     role = leaf.attr("role")
     return role if role in ("hyper", "hoisted") else "other"
 

@@ -245,6 +245,8 @@ def summary_lines(report: Report) -> list[str]:
         f"running statistics:       {_mb(plan.persistent_bytes('running')):>14} MB",
         *([f"gradient accumulators:    {_mb(plan.persistent_bytes('gradient')):>14} MB  (summed over the ranks)"]
           if plan.persistent_bytes("gradient") else []),
+        *([f"batch statistics:         {_mb(plan.persistent_bytes('batch')):>14} MB  (the last batch's)"]
+          if plan.persistent_bytes("batch") else []),
         f"constants:                {_mb(constants):>14} MB  (hyperparameters and values hoisted out of the step)",
         f"workspace:                {_mb(plan.workspace_bytes):>14} MB  (one region shared by all statements; limit"
         f" {limit}; {chunked} statements run in batch chunks)",
@@ -290,6 +292,7 @@ def to_json(report: Report) -> str:
         "optimizer_bytes": plan.optimizer_bytes,
         "running_bytes": plan.persistent_bytes("running"),
         "gradient_accumulator_bytes": plan.persistent_bytes("gradient"),
+        "batch_statistics_bytes": plan.persistent_bytes("batch"),
         "constant_bytes": sum(plan.persistent_bytes(k) for k in ("hyper", "hoisted", "other")),
         "workspace_bytes": plan.workspace_bytes,
         "workspace_limit": plan.workspace_limit,

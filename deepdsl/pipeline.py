@@ -243,7 +243,8 @@ class CompiledStep:
 @dataclass(frozen=True)
 class Compiled:
     """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train" and "test"
-    (and, with `data_parallel`, "accumulate" and "apply") to each step's program and memory plan; `setup`, `train`
+    (and, with `data_parallel`, "accumulate", "apply" and, with batch norm, "statistics") to each step's program
+    and memory plan; `setup`, `train`
     and `test` are the programs."""
 
     name: str
@@ -253,6 +254,7 @@ class Compiled:
     states: tuple[Node, ...]
     loop: Loop = field(repr=False, compare=False)
     accumulators: tuple[Node, ...] = ()      # gradient accumulators of the accumulate and apply steps, if compiled
+    batch_statistics: tuple[Node, ...] = ()  # the batch statistics B_ the accumulate step writes, statistics reads
     options: CompileOptions = CompileOptions()
 
     @property
@@ -336,6 +338,8 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bo
     steps = {"setup": Graph(f"{loop.name}_setup", ()), "train": graphs.train, "test": graphs.test}
     if options.data_parallel:
         steps.update(accumulate=graphs.accumulate, apply=graphs.apply)
+        if graphs.statistics is not None:
+            steps["statistics"] = graphs.statistics
     unplanned = run_stages(steps, OPTIMIZATION_STAGES, options, hook)
     return Compiled(
         name=loop.name,
@@ -344,6 +348,7 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bo
         params=graphs.params,
         states=graphs.states,
         accumulators=graphs.accumulators,
+        batch_statistics=graphs.batch_statistics,
         loop=loop,
         options=options,
     )

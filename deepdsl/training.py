@@ -6,7 +6,8 @@ state, and the hyperparameters fed each step (`lr`, `momentum`, `decay`; Adam: `
 
 Split in two (`build_step_graphs(..., split=True)`), the same step serves gradient accumulation and data-parallel
 training: the accumulate step adds the batch's gradient of every parameter p to its accumulator `G_p` (outputs
-`loss`, the new accumulators, the new running statistics), and the apply step updates the parameters from the
+`loss`, the new accumulators, the batch statistics of batch-norm layers, `B_`), the statistics step updates the
+running statistics from the batch statistics (networks with batch norm), and the apply step updates the parameters from the
 accumulated gradients scaled by the hyperparameter `scale` (1 / the number of batches added), as the training step
 does from one batch's gradient. With one batch and scale 1 they compute what the training step computes up to
 float32 rounding (the scale is fused into the update's expression, and the accumulate step's batch statistics
@@ -28,7 +29,7 @@ from deepdsl import provenance
 from deepdsl.ir import FLOAT, Graph, Node, make, toposort
 from deepdsl.ops.elementwise import add, elementwise, sum_to, sym
 from deepdsl.ops.leaf import Init
-from deepdsl.passes.specialize import specialize
+from deepdsl.passes.specialize import is_batch_statistics, running_statistics, specialize
 
 
 def number(value: float) -> sympy.Expr:
@@ -78,6 +79,8 @@ class StepGraphs:
     accumulate: Graph | None = None    # the split step (`split=True`): add a batch's gradients to the accumulators
     apply: Graph | None = None         # and update the parameters from them
     accumulators: tuple[Node, ...] = ()
+    statistics: Graph | None = None    # running statistics from the batch statistics (None without batch norm)
+    batch_statistics: tuple[Node, ...] = ()     # the accumulate step's batch statistics B_, by name
 
 
 def parameters(loss: Node) -> list[Node]:
@@ -123,11 +126,17 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     train = Graph(train.name, train.outputs[:1] + tuple(update(params, grads, loop.solver)) + train.outputs[1:])
     test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
     states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
-    accumulate = apply = None
+    accumulate = apply = statistics = None
+    batch = ()
     accumulators = tuple(accumulator(p) for p in params) if split else ()
     if split:
         # batch statistics over the batches of every rank (the identity in one process)
-        synced = specialize(Graph(f"{name}_accumulate", (("loss", loop.loss.node),)), "train", synced=True)
+        unspecialized = Graph(f"{name}_accumulate", (("loss", loop.loss.node),))
+        synced = specialize(unspecialized, "train", synced=True)
+        statistics = running_statistics(unspecialized, f"{name}_statistics")
+        batch = tuple(sorted({n.name: n for n in toposort(v for _, v in statistics.outputs)
+                              if is_batch_statistics(n)}.values(), key=lambda n: n.name))
+        statistics = statistics if statistics.outputs else None
         if forward is not None:
             synced = forward(synced)
         # without batch norm the synced forward is the training step's (hash-consed: the same nodes), and so are
@@ -145,9 +154,9 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
         for p in params:
             provenance.record_value(p, scaled[p], f"d_{p.name}")
         apply = Graph(f"{name}_apply", tuple(update(params, scaled, loop.solver)))
-    _distinct_names([*params, *states, *accumulators])
+    _distinct_names([*params, *states, *accumulators, *batch])
     return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)), accumulate, apply,
-                      accumulators)
+                      accumulators, statistics, batch)
 
 
 def _clipped(params, grads, solver: Train) -> dict[Node, Node]:

@@ -10,6 +10,14 @@ iteration's loss. A batch's dropout masks are drawn with its index in the global
 not depend on how the batches are spread over ranks. With R = K = 1 the program runs its fused `train_step`, as
 without these options.
 
+Batch norm: `--batch-norm synced` (the default) normalizes every batch by the statistics of the R batches the
+ranks train on at once (their sums are summed over the ranks inside the step), as one process would normalize a
+batch of R x b; `--batch-norm local` by the rank's own batch's, as one process accumulating R batches of b does.
+The running statistics follow: after every batch the statistics step updates them from the batch statistics the
+accumulate step wrote (synced: the same on every rank); local, every rank replays the updates from the batch
+statistics of every rank's batches, in the order of the global stream (one Allgather of a few floats per
+batch-norm channel), so the running statistics are those one process accumulating R x K batches computes.
+
 Exactness: `--reduce exact` (the default) sums in rank order along a chain: rank r receives the sum of the ranks
 before it, adds its own accumulators and passes the sum on, chunk by chunk so that the ranks work on different
 chunks at once; the last rank broadcasts the total. These are the additions one process makes accumulating R
@@ -37,6 +45,7 @@ CHUNK = 1 << 18
 # a bucket of the overlapped reduction: accumulators the step finishes one after another, at least this many bytes
 BUCKET_BYTES = 1 << 20
 REDUCE_MODES = ("exact", "fast")
+BATCH_NORM_MODES = ("synced", "local")
 
 
 class ParallelError(Exception):
@@ -60,6 +69,9 @@ class Alone:
 
     def gather(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def gather_arrays(self, array: np.ndarray) -> np.ndarray:
+        return array[None]
 
     def largest(self, value: int) -> int:
         return value
@@ -124,6 +136,14 @@ class Ranks:
     def gather(self, values: list[float]) -> list[float]:
         """Every rank's values, in rank order."""
         return [v for part in self.comm.allgather(list(values)) for v in part]
+
+    def gather_arrays(self, array: np.ndarray) -> np.ndarray:
+        """Every rank's float32 `array` (of one shape on every rank), stacked in rank order."""
+        began = time.perf_counter()
+        everyone = np.empty((self.size, *array.shape), np.float32)
+        self.comm.Allgather(np.ascontiguousarray(array, np.float32), everyone)
+        self.waited += time.perf_counter() - began
+        return everyone
 
     def largest(self, value: int) -> int:
         """The largest of the ranks' `value`s (a one-int allreduce): how they agree to stop."""
@@ -309,13 +329,15 @@ class Overlapped:
 class Accumulation:
     """How a run's iterations go: K accumulated batches of b on each of R ranks (`split`: K * R > 1), or the fused
     training step. `overlap`: with `--reduce fast` on the CPU, the buckets are summed while the last batch's
-    backward pass goes on (`Overlapped`)."""
+    backward pass goes on (`Overlapped`). `batch_norm`: "synced" or "local" (see the module's docstring)."""
 
-    def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True):
+    def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True, batch_norm: str = "synced"):
         self.ranks, self.accumulate = ranks, accumulate
         ranks.mode = reduce                              # how its gradients and batch-norm sums are summed
         self.overlap = overlap and reduce == "fast" and ranks.size > 1
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
+        self.batch_norm = batch_norm
+        self.replay = batch_norm == "local" and ranks.size > 1      # the running statistics, after the iteration
         self.gradients: Gradients | None = None
 
     @property
@@ -327,9 +349,21 @@ class Accumulation:
         """The model's step that trains on a batch (whose memory the report gives)."""
         return "accumulate_step" if self.split else "train_step"
 
+    @property
+    def statistics_bytes(self) -> int:
+        """Bytes the replay of the running statistics gathers into (every rank's batch statistics), on the host."""
+        return 4 * self.batches * self._statistics_size if self.replay else 0
+
     def start(self, model) -> None:
+        """Allocate the accumulators and batch statistics; with local batch norm the accumulate step's batch
+        statistics are the rank's own (its `all_sum`s sum nothing)."""
+        self.model = model
+        self._statistics_size = sum(math.prod(s.shape) for s in model.batch_statistics.values())
         if self.split:
             self.gradients = Gradients(model)
+            for name, s in model.batch_statistics.items():
+                model.tensors[name] = model.rt.asarray(np.zeros(s.shape, np.float32))
+        model.ranks = Alone() if self.batch_norm == "local" else self.ranks
 
     def iterate(self, model, x: np.ndarray, y: np.ndarray, first: int, hyper: dict) -> float:
         """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of
@@ -338,15 +372,40 @@ class Accumulation:
         gradients = self.gradients
         gradients.zero()
         overlapped = Overlapped(gradients, self.ranks) if self.overlap and gradients.on_host else None
-        losses = []
+        losses, statistics = [], []
         for j in range(k0, k0 + self.accumulate):
             if overlapped is not None and j == k0 + self.accumulate - 1:
                 model.reduction = overlapped             # the last batch: its accumulators are final
             losses.append(model.accumulate_step(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b], step=first + j))
+            if self.replay:
+                statistics.append(self._batch_statistics(model))
+            else:
+                model.statistics_step()
         model.reduction = AFTER_THE_STEP
         if overlapped is not None:
             overlapped.finish()
         else:
             gradients.reduce(self.ranks)
+        if self.replay:
+            self._replay(model, self.ranks.gather_arrays(np.stack(statistics)))
         model.apply_step(scale=np.float32(1.0 / self.batches), **hyper)
         return sum(self.ranks.gather(losses)) / self.batches
+
+    @staticmethod
+    def _batch_statistics(model) -> np.ndarray:
+        """The batch statistics the last accumulate step wrote, one flat float32 vector (B_ in name order)."""
+        if not model.batch_statistics:
+            return np.zeros(0, np.float32)
+        return np.concatenate([model.rt.to_numpy(model.tensors[k]).reshape(-1) for k in model.batch_statistics])
+
+    @staticmethod
+    def _replay(model, everyone: np.ndarray) -> None:
+        """The running statistics updated from the batch statistics of every rank's batches (`everyone`: rank,
+        batch, values), in the order of the global stream, as one process accumulating them all would."""
+        for flat in everyone.reshape(-1, everyone.shape[-1]):
+            start = 0
+            for k, s in model.batch_statistics.items():
+                size = math.prod(s.shape)
+                model.rt.copy(model.rt.asarray(flat[start:start + size].reshape(s.shape)), out=model.tensors[k])
+                start += size
+            model.statistics_step()

@@ -106,6 +106,7 @@ class Model:
     params: dict[str, Param] = {}
     states: dict[str, State] = {}
     accumulators: dict[str, State] = {}      # of accumulate_step and apply_step, where compiled
+    batch_statistics: dict[str, State] = {}  # written by accumulate_step, read by statistics_step (batch norm)
     setup_inputs: tuple[str, ...] = ()
     memory_plans: dict[str, StepPlan] = {}
 
@@ -226,6 +227,9 @@ class Model:
 
     def apply_step(self, *, scale, **hyper) -> None:
         raise NotImplementedError
+
+    def statistics_step(self) -> None:
+        """Nothing to update (a network without batch norm)."""
 
     def memory_report(self, train: str = "train_step") -> dict:
         """The memory figures of the report: planned, and measured by the allocator in the steps that ran (None for

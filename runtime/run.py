@@ -87,6 +87,10 @@ def add_parallel_options(parser) -> None:
                         help="how the ranks sum their gradients: exact (in rank order, after the step: bit for bit "
                              "the training of one process with --accumulate RANKS) or fast (MPI's Allreduce of "
                              "buckets started during the backward pass)")
+    parser.add_argument("--batch-norm", choices=parallel.BATCH_NORM_MODES, default="synced",
+                        help="ranks normalize by the statistics of all ranks' batches (synced: as one process "
+                             "training on the global batch) or of their own batch (local: bit for bit one process "
+                             "with --accumulate RANKS, running statistics included)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="--reduce fast: sum the gradients after the step, not during its backward pass")
     parser.add_argument("--rank-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -349,7 +353,8 @@ class _Run:
         self.args, self.signals, self.ranks = args, signals, ranks or parallel.Alone()
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
                                                   getattr(args, "reduce", "exact"),
-                                                  not getattr(args, "no_overlap", False))
+                                                  not getattr(args, "no_overlap", False),
+                                                  getattr(args, "batch_norm", "synced"))
         if self.accumulation.split and not model_cls.accumulators:
             raise RunError(f"--accumulate and --data-parallel run the accumulate and apply steps, which this program "
                            f"was compiled without; compile it with `deepdsl compile {model_cls.source} "
@@ -361,7 +366,6 @@ class _Run:
             threads = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         self.model = model_cls(args.device, args.seed, getattr(args, "memory_mode", "static"),
                                getattr(args, "check_memory", False), getattr(args, "kernels", "auto"), threads)
-        self.model.ranks = self.ranks
         self._check_parallel()
         self.products = _tiled_products(args)
         if self.products is not None:
@@ -582,7 +586,8 @@ class _Run:
         return {"peak_bytes_measured_by_rank": self.ranks.gather([usage.peak_bytes if usage else None]),
                 "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.global_batch,
                 "reduce": self.ranks.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
-                "reduce_scratch_bytes": self.ranks.scratch_bytes,
+                "batch_norm": acc.batch_norm if self.model.batch_statistics else None,
+                "reduce_scratch_bytes": self.ranks.scratch_bytes + acc.statistics_bytes,
                 "overlapped": acc.overlap and gradients is not None and gradients.on_host,
                 "buckets": len(gradients.buckets) if gradients is not None else 0,
                 "accumulator_bytes": gradients.nbytes if gradients is not None else 0,

@@ -24,7 +24,8 @@ import pytest
 
 import deepdsl
 from deepdsl.codegen import program_env
-from tests.support.program_helpers import NETWORKS, compile_program, rel_err, run_cli
+from deepdsl_runtime import parallel
+from tests.support.program_helpers import NETWORKS, compile_program, import_program, model_class, rel_err, run_cli
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -318,6 +319,51 @@ def test_batch_norm_statistics_are_those_of_the_global_batch(resnet_mini, tmp_pa
         return max(rel_err(got[k] - before[k], d, floor) for k, d in deltas.items())
     assert worst(tmp_path / "ranks.npz") <= 5e-4
     assert worst(tmp_path / "local.npz") > 0.05
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_local_batch_norm_trains_bit_for_bit_as_one_process_accumulating(resnet_mini, tmp_path, count):
+    """--batch-norm local: every rank normalizes by its own batch's statistics, and the running statistics replay
+    the updates of every rank's batches in the order of the global stream: parameters, optimizer state and running
+    statistics are those of one process accumulating `count` batches, bit for bit, after several iterations; they
+    are not those of synced batch norm."""
+    one = train(resnet_mini, tmp_path / "one.npz", "--accumulate", str(count), iters=3)
+    many = train(resnet_mini, tmp_path / "many.npz", "--batch-norm", "local", ranks=count, iters=3)
+    assert_bitwise(tmp_path / "many.npz", tmp_path / "one.npz")
+    assert one["loss"] == many["loss"] and many["batch_norm"] == "local"
+    assert many["peak_bytes_measured_by_rank"] == [many["peak_bytes_planned"]] * count
+    running = [k for k in tensors(tmp_path / "one.npz") if k.endswith("_bn_mean") or k.endswith("_bn_var")]
+    assert running, "resnet_mini has batch norm"
+    train(resnet_mini, tmp_path / "synced.npz", ranks=count, iters=3)
+    synced, local = tensors(tmp_path / "synced.npz"), tensors(tmp_path / "many.npz")
+    assert all(not np.array_equal(synced[k], local[k]) for k in running)
+
+
+def test_accumulated_running_statistics_follow_every_batch(resnet_mini, tmp_path):
+    """One process accumulating two batches updates the running statistics after each, as two iterations of the
+    fused step on the same batches do (within float32 rounding: the steps round the update differently)."""
+    model_cls = model_class(import_program(resnet_mini))
+    rng = np.random.default_rng(1)
+    batches = [model_cls.random_batch(rng) for _ in range(2)]
+    fused, split = model_cls(kernels="numpy"), model_cls(kernels="numpy")
+    hyper = fused.hyper(0.0, 0.0, 0.0, 0)          # no update of the parameters: only the statistics move
+    for m in (fused, split):
+        m.initialize(0)
+        m.prepare(hyper)
+    before = fused.host_tensors()
+    acc = parallel.Accumulation(parallel.Alone(), 2, "exact")
+    acc.start(split)
+    for x, y in batches:
+        fused.train_step(x, y, step=0, **hyper)
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    acc.iterate(split, x, y, 0, hyper)
+    a, b = fused.host_tensors(), split.host_tensors()
+    running = [k for k in a if k.endswith("_bn_mean") or k.endswith("_bn_var")]
+    assert running, "resnet_mini has batch norm"
+    for k in running:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert not np.allclose(a[k], before[k]), k
 
 
 def test_the_memory_table_of_the_accumulate_step_counts_the_accumulators(capsys):

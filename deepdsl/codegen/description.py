@@ -64,7 +64,8 @@ class ProgramDescription:
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
     and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
     `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`); `steps`
-    are setup, training step and test step (then the accumulate and apply steps, where compiled); `memory_plans`
+    are setup, training step and test step (then the accumulate, apply and statistics steps, where compiled);
+    `memory_plans`
     their plans, in that order."""
 
     name: str
@@ -90,6 +91,7 @@ class ProgramDescription:
     params: tuple[TensorDecl, ...]
     states: tuple[TensorDecl, ...]
     accumulators: tuple[TensorDecl, ...]
+    batch_statistics: tuple[TensorDecl, ...]
     setup_inputs: str
     steps: tuple[Step, ...]
     kernels: tuple[Kernel, ...]
@@ -183,7 +185,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     from deepdsl.training import is_optimizer_state
 
     options = options or CodegenOptions()
-    names = tuple(step for step in ("setup", "train", "test", "accumulate", "apply") if step in compiled.steps)
+    names = tuple(step for step in ("setup", "train", "test", "accumulate", "apply", "statistics")
+                  if step in compiled.steps)
     plans = {step: compiled.steps[step].plan for step in names}
     programs = {step: compiled.steps[step].program for step in names}
     limit = plans["train"].workspace_limit
@@ -212,8 +215,10 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     if "accumulate" in plans:
         accumulators = steps.accumulation_order(programs["accumulate"], compiled.accumulators)
         built += [steps.build_accumulate(programs["accumulate"], plans["accumulate"], kernels, data_name, label_name,
-                                         accumulators),
+                                         accumulators, compiled.batch_statistics),
                   steps.build_apply(programs["apply"], plans["apply"], kernels, hyper)]
+    if "statistics" in plans:
+        built.append(steps.build_statistics(programs["statistics"], plans["statistics"], kernels))
     memory_plans = [_plan_table(f"{step}_step" if step != "setup" else step, programs[step], plans[step])
                     for step in names]
     train_plan, test_plan = memory_plans[1], memory_plans[2]
@@ -265,6 +270,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "steps": tuple(built),
         "accumulators": tuple(TensorDecl(g.name, literal(g.shape), _init_text(g.attr("init")))
                               for g in accumulators),
+        "batch_statistics": tuple(TensorDecl(s.name, literal(s.shape), _init_text(s.attr("init")))
+                                  for s in compiled.batch_statistics),
         "kernels": tuple(kernels.items),
         "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),

@@ -322,9 +322,10 @@ def build_setup(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
 
 def _updating_step(program: Program, plan: MemoryPlan, kernels: Kernels, method: str, doc: str,
                    inputs: list[str], hyper: tuple[str, ...], results: list[str],
-                   after: dict[int, str] | None = None) -> Step:
+                   after: dict[int, str] | None = None, written: tuple[str, ...] = ()) -> Step:
     """A step whose outputs are the new values of its parameters and state (written over them, in place or by a
-    copy at the end) and the scalar `results` it returns; `after`: lines run after some statements."""
+    copy at the end), of the tensors `written` (which it does not read: copied at the end) and the scalar
+    `results` it returns; `after`: lines run after some statements."""
     b = StepBuilder(program, plan, kernels, after)
     for n in program.inputs:
         if _role(n) == "hyper" and n.name not in hyper:
@@ -334,7 +335,9 @@ def _updating_step(program: Program, plan: MemoryPlan, kernels: Kernels, method:
     leaves = {n.name: n for n in program.inputs if _role(n) in ("param", "state")}
     epilogue, returned = [], []
     for k, v in program.outputs:
-        if k in leaves:
+        if k in written:
+            epilogue.append(f"rt.copy({b.arg(v)}, out=T[{k!r}])")
+        elif k in leaves:
             if b.lives_in(v, leaves[k]):
                 continue
             epilogue.append(f"rt.copy({b.arg(v)}, out=T[{k!r}])")
@@ -344,7 +347,7 @@ def _updating_step(program: Program, plan: MemoryPlan, kernels: Kernels, method:
         raise GenerateError(f"the {method}'s results are {[k for k, _ in returned]}, expected {results}")
     epilogue += [f"{k} = {_scalar(b, v)}" for k, v in returned] + ["mem.end()"] + \
         ([f"return {', '.join(results)}"] if results else [])
-    signature = ", ".join(["self", *inputs, "*", *hyper])
+    signature = ", ".join(["self", *inputs, *(["*", *hyper] if hyper else [])])
     return Step(method, signature, doc, (f'rt, mem, T = self.rt, self.mem.begin("{method}"), self.tensors',
                                          *b.loads()), blocks, tuple(epilogue))
 
@@ -366,15 +369,23 @@ def accumulation_order(program: Program, accumulators) -> list:
 
 
 def build_accumulate(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str,
-                     accumulators) -> Step:
+                     accumulators, batch_statistics) -> Step:
     """`accumulators` in the order the step finishes them: after each one's last addition, the program tells
     `self.reduction` that accumulator k is final for this batch (the ranks may start summing it)."""
     outputs = dict(program.outputs)
     after = {id(outputs[g.name]): f"self.reduction.ready({k})  # {g.name} is final for this batch"
              for k, g in enumerate(accumulators)}
+    statistics = (" and its batch statistics to B_ (statistics_step updates the running statistics from them)"
+                  if batch_statistics else "")
     return _updating_step(program, plan, kernels, "accumulate_step",
-                          "Add the batch's gradients to the accumulators G_ (running statistics are updated): "
-                          "returns the loss.", [data, label], ("step",), ["loss"], after)
+                          f"Add the batch's gradients to the accumulators G_{statistics}: returns the loss.",
+                          [data, label], ("step",), ["loss"], after, tuple(s.name for s in batch_statistics))
+
+
+def build_statistics(program: Program, plan: MemoryPlan, kernels: Kernels) -> Step:
+    return _updating_step(program, plan, kernels, "statistics_step",
+                          "Update the running statistics from the batch statistics B_ of one batch, as train_step "
+                          "does from its batch's.", [], (), [])
 
 
 def build_apply(program: Program, plan: MemoryPlan, kernels: Kernels, hyper: tuple[str, ...]) -> Step:

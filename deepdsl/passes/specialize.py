@@ -4,7 +4,11 @@ Training: `dropout` becomes a product with a random 0/1 mask; `batch_norm` norma
 adds graph outputs that update the running statistics (PyTorch's rule: unbiased variance, `momentum` weight on the
 new value). Testing: `dropout` is the identity; `batch_norm` uses the running statistics.
 `synced` (the accumulate step of data-parallel training): the batch statistics are those of the batches of every
-rank, their sums and the example count summed over the ranks (`all_sum`, which is the identity in one process).
+rank, their sums and the example count summed over the ranks (`all_sum`, which is the identity in one process),
+and the step does not update the running statistics: it writes the batch's mean and unbiased variance into the
+buffers `B_<running statistic>` (`batch_statistics`), from which the statistics step (`running_statistics`)
+updates them. Kept apart, the updates can be replayed batch after batch in the order one process would make them
+(ranks that normalize by their own batch's statistics).
 Guarantees: the result holds no `dropout` or `batch_norm` node.
 """
 from __future__ import annotations
@@ -15,11 +19,39 @@ from typing import NamedTuple
 import sympy
 
 from deepdsl import provenance
-from deepdsl.ir import Graph, Node, make
+from deepdsl.ir import FLOAT, Graph, Node, make
 from deepdsl.ops.elementwise import elementwise, reshape, sum_to, sym
+from deepdsl.ops.leaf import Init
+
+BATCH_STATISTICS = "batch statistics"     # the role of the buffers B_ (`batch_statistics`)
+
+
+def batch_statistics(running: Node) -> Node:
+    """The buffer `B_<running>` of the split step: the statistic of the last batch that the running statistic
+    `running` is updated from (role "batch statistics": neither trained nor checkpointed)."""
+    return make("state", (), name=f"B_{running.name}", shape=running.shape, dtype=FLOAT,
+                init=Init("constant", value=0.0), role=BATCH_STATISTICS)
+
+
+def is_batch_statistics(node: Node) -> bool:
+    return node.op == "state" and node.attr("role") == BATCH_STATISTICS
 
 
 def specialize(graph: Graph, mode: str, synced: bool = False) -> Graph:
+    """`graph` specialized for `mode`; its outputs gain the new running statistics (training) or, `synced`, the
+    batch statistics (`B_` buffers)."""
+    return _specialize(graph, mode, synced, {})
+
+
+def running_statistics(graph: Graph, name: str) -> Graph:
+    """The statistics step of the split step `graph` (before specialization): every running statistic updated
+    from its batch statistic `B_` as the training step updates it from the batch (empty without batch norm)."""
+    statistics: dict[str, Node] = {}
+    _specialize(graph, "train", True, statistics)
+    return Graph(name, tuple(sorted(statistics.items())))
+
+
+def _specialize(graph: Graph, mode: str, synced: bool, statistics: dict[str, Node]) -> Graph:
     assert mode in ("train", "test"), mode
     updates: dict[str, Node] = {}
 
@@ -32,7 +64,7 @@ def specialize(graph: Graph, mode: str, synced: bool = False) -> Graph:
             provenance.record_parts(node, {"mask": mask})
             return elementwise(sym(0) * sym(1) / sympy.Float(keep), [node.inputs[0], mask])
         if node.op == "batch_norm":
-            return _batch_norm(node, mode, updates, synced)
+            return _batch_norm(node, mode, updates, synced, statistics)
         return node
 
     result = graph.map(rewrite)
@@ -40,7 +72,7 @@ def specialize(graph: Graph, mode: str, synced: bool = False) -> Graph:
     return Graph(graph.name, result.outputs + extra)
 
 
-def _batch_norm(node: Node, mode: str, updates: dict[str, Node], synced: bool = False) -> Node:
+def _batch_norm(node: Node, mode: str, updates: dict[str, Node], synced: bool, statistics: dict[str, Node]) -> Node:
     x, weight, bias, running_mean, running_var = node.inputs
     c = x.shape[1]
     bshape = (1, c) + (1,) * (len(x.shape) - 2)
@@ -65,15 +97,22 @@ def _batch_norm(node: Node, mode: str, updates: dict[str, Node], synced: bool = 
     inv_std = elementwise(f.inv_std, [var])
     y = elementwise(f.normalized, [centered, inv_std, w, b])
     batch_mean, batch_var = reshape(mean, (c,)), reshape(var, (c,))
-    updates[running_mean.name] = elementwise(f.running_mean, [running_mean, batch_mean])
-    updates[running_var.name] = (elementwise(f.synced_running_var, [running_var, batch_var, n]) if synced else
-                                 elementwise(f.running_var, [running_var, batch_var]))
+    if synced:      # the batch statistics, for the statistics step
+        unbiased = elementwise(f.unbiased, [batch_var, n])
+        for running, batch in ((running_mean, batch_mean), (running_var, unbiased)):
+            buffer = batch_statistics(running)
+            updates[buffer.name] = batch
+            statistics[running.name] = elementwise(f.running_mean, [running, buffer])
+        new_mean, new_var = statistics[running_mean.name], statistics[running_var.name]
+    else:
+        new_mean = updates[running_mean.name] = elementwise(f.running_mean, [running_mean, batch_mean])
+        new_var = updates[running_var.name] = elementwise(f.running_var, [running_var, batch_var])
     provenance.record_parts(node, {
         "weight": w, "bias": b, "sum": total, "batch_mean": mean, "centered": centered, "square": square,
         "sum_of_squares": squares, "batch_var": var, "inv_std": inv_std, "batch_mean_flat": batch_mean,
-        "batch_var_flat": batch_var,
-        "running_mean": updates[running_mean.name], "running_var": updates[running_var.name],
-        **({"count": n, "local_sum": total.inputs[0], "local_sum_of_squares": squares.inputs[0]} if synced else {})})
+        "batch_var_flat": batch_var, "running_mean": new_mean, "running_var": new_var,
+        **({"count": n, "local_sum": total.inputs[0], "local_sum_of_squares": squares.inputs[0],
+            "unbiased_batch_var": unbiased} if synced else {})})
     return y
 
 
@@ -87,7 +126,7 @@ class _BatchNormExprs(NamedTuple):
     running_mean: sympy.Expr    # (1 - m) * running + m * batch mean
     running_var: sympy.Expr     # (1 - m) * running + m * unbiased batch variance
     synced_mean: sympy.Expr     # sum / count, the count an input (v1)
-    synced_running_var: sympy.Expr      # running_var, the count an input (v2)
+    unbiased: sympy.Expr        # variance * count / (count - 1), the count an input (v1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,5 +145,5 @@ def _batch_norm_exprs(eps: float, momentum: float, count: int) -> _BatchNormExpr
         running_mean=(1 - m) * sym(0) + m * sym(1),
         running_var=(1 - m) * sym(0) + m * unbias * sym(1),
         synced_mean=sym(0) / sym(1),
-        synced_running_var=(1 - m) * sym(0) + m * sym(2) / (sym(2) - 1) * sym(1),
+        unbiased=sym(0) * sym(1) / (sym(1) - 1),
     )
