@@ -1,14 +1,17 @@
 """Data-parallel training on this machine, and a model of larger jobs.
 
     python benchmarks/data_parallel.py [NET:BATCH ...] [--ranks 1 2] [--iters 30] [--rounds 3]
-                                       [--modes exact fast fast-after] [--model alexnet:16:227 resnet50:8:112]
+                                       [--modes exact exact-after fast fast-after local]
+                                       [--model alexnet:16:227 resnet50:8:112]
                                        [--markdown]
 
 Measured: each network (default lenet:64 resnet_mini:32 wide:64, the last an MLP of two 512-wide layers whose
 gradients make several buckets) compiled with --data-parallel at the per-rank batch (so the work of a rank is
 fixed and the global batch grows with the ranks) runs under `mpiexec -n R python -m mpi4py` for each R of --ranks
-and, for R > 1, each reduction mode (exact: the chain after the step; fast: Allreduce of buckets overlapped with
-the backward pass; fast-after: the same after the step, --no-overlap), one thread a rank, --iters iterations on the
+and, for R > 1, each reduction mode (exact: the chain in rank order, bucket by bucket during the backward pass;
+exact-after: the same after the step, --no-overlap; fast: MPI's Allreduce of buckets during the backward pass;
+fast-after: the same after the step; local: exact with --batch-norm local, for networks with batch norm: no sums
+of batch statistics over the ranks inside the step), one thread a rank, --iters iterations on the
 digits, in rounds that interleave all of them (a busy moment of the shared machine falls on all alike). Per run:
 the median over rounds of ms per iteration, of the share of it spent waiting in reductions (the exposed part),
 the bytes reduced per iteration and the examples per second. The load average is printed before and after.
@@ -72,8 +75,9 @@ def _program(network: str, batch: int, image, directory: Path, data_parallel: bo
     return path
 
 
-MODES = {"exact": ("--reduce", "exact"), "fast": ("--reduce", "fast"), "fast-after": ("--reduce", "fast",
-                                                                                   "--no-overlap")}
+MODES = {"exact": ("--reduce", "exact"), "exact-after": ("--reduce", "exact", "--no-overlap"),
+         "fast": ("--reduce", "fast"), "fast-after": ("--reduce", "fast", "--no-overlap"),
+         "local": ("--reduce", "exact", "--batch-norm", "local")}
 
 
 def _run(path: Path, ranks: int, iters: int, threads: int, mode: str, report: Path, data: str) -> dict:
@@ -95,11 +99,15 @@ def measure(args, directory: Path) -> None:
     for spec in args.networks:
         name, batch = spec.split(":")
         programs[spec] = _program(name, int(batch), None, directory)
-    runs = [(ranks, mode) for ranks in args.ranks for mode in (args.modes if ranks > 1 else ["exact"])]
+    def runs(path: Path) -> list[tuple[int, str]]:
+        norms = "def statistics_step" in path.read_text()       # batch norm: local differs from exact
+        return [(ranks, mode) for ranks in args.ranks for mode in (args.modes if ranks > 1 else ["exact"])
+                if mode != "local" or norms]
+
     results: dict[tuple, list[dict]] = {}
     for _ in range(args.rounds):
         for spec, path in programs.items():
-            for ranks, mode in runs:
+            for ranks, mode in runs(path):
                 report = directory / f"{path.stem}_{ranks}_{mode}.json"
                 results.setdefault((spec, ranks, mode), []).append(
                     _run(path, ranks, args.iters, 1, mode, report, args.data))
@@ -107,9 +115,9 @@ def measure(args, directory: Path) -> None:
     header = ["network", "ranks", "reduce", "global batch", "ms/iteration", "waiting %", "MB reduced", "buckets",
               "examples/s", "vs 1 rank"]
     print_row(header, args.markdown, 12, header=True)
-    for spec in programs:
+    for spec, path in programs.items():
         base = None
-        for ranks, mode in runs:
+        for ranks, mode in runs(path):
             got = results[spec, ranks, mode]
             ms = statistics.median(r["seconds_per_iter"] for r in got) * 1000
             share = statistics.median(r["communication_share"] for r in got) * 100

@@ -22,7 +22,9 @@ Exactness: `--reduce exact` (the default) sums in rank order along a chain: rank
 before it, adds its own accumulators and passes the sum on, chunk by chunk so that the ranks work on different
 chunks at once; the last rank broadcasts the total. These are the additions one process makes accumulating R
 batches, ((G0 + G1) + G2) ..., so R ranks with K = 1 train bit for bit as one process with `--accumulate R` on
-the same data. `--reduce fast` is MPI's Allreduce, in an order of MPI's choosing.
+the same data. `--reduce fast` is MPI's Allreduce, in an order of MPI's choosing. Either starts during the last
+batch's backward pass, bucket by bucket as the step finishes the accumulators (on the CPU; `--no-overlap`: after
+the step).
 
 Agreement: the ranks check at the start that they run the same program (structure hash, batch, options), stop at
 the same iteration when any of them is signalled (a one-int allreduce per iteration), and before a checkpoint
@@ -101,14 +103,24 @@ class Ranks:
         local = comm.Split_type(mpi.COMM_TYPE_SHARED)
         self.local_size = local.Get_size()          # ranks on this machine, which share its cores
         local.Free()
+        # the exact chain during the backward pass: its messages and broadcasts, whose order depends on when they
+        # complete, apart from those batch norm's sums make meanwhile (a communicator orders its own collectives)
+        self.chain_comm = comm.Dup()
         self.waited = 0.0
         self.mode = "exact"                         # how `reduce` sums: the run's --reduce
         self._scratch: np.ndarray | None = None
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes the exact reduction receives into (one chunk), besides the accumulators."""
+        """Bytes the exact reduction receives into (chunks of the sum of the ranks before), besides the
+        accumulators."""
         return 0 if self._scratch is None else self._scratch.nbytes
+
+    def scratch(self, floats: int) -> np.ndarray:
+        """At least `floats` float32 of receive space, kept for the next reductions."""
+        if self._scratch is None or self._scratch.size < floats:
+            self._scratch = np.empty(floats, np.float32)
+        return self._scratch
 
     def reduce(self, flat: np.ndarray) -> None:
         """Sum `flat` (float32, contiguous) over the ranks into every rank's `flat`, as `mode` says."""
@@ -121,12 +133,11 @@ class Ranks:
 
     def _chain(self, flat: np.ndarray) -> None:
         rank, last = self.rank, self.size - 1
-        if self._scratch is None or self._scratch.size < min(CHUNK, flat.size):
-            self._scratch = np.empty(min(CHUNK, flat.size), np.float32)
+        scratch = self.scratch(min(CHUNK, flat.size))
         for k, start in enumerate(range(0, flat.size, CHUNK)):
             part = flat[start:start + CHUNK]
             if rank > 0:
-                before = self._scratch[:part.size]
+                before = scratch[:part.size]
                 self.comm.Recv(before, source=rank - 1, tag=k)
                 np.add(before, part, out=part)          # (sum of the ranks before) + this rank's
             if rank < last:
@@ -292,7 +303,7 @@ class Gradients:
 
 
 class _AfterTheStep:
-    """No reduction during the step (one process, the exact chain, a device): the sum follows the step."""
+    """No reduction during the step (one process, --no-overlap, a device): the sum follows the step."""
 
     def ready(self, k: int) -> None:
         pass
@@ -326,15 +337,99 @@ class Overlapped:
         self.ranks.waited += time.perf_counter() - began
 
 
+class OverlappedChain:
+    """The exact sum of the accumulators (`--reduce exact`, `Ranks._chain`'s additions in rank order) while the
+    last batch's backward pass goes on: chunk by chunk, as the step finishes each bucket, rank r receives the sum of
+    the ranks before it (non-blocking, into one of SLOTS chunks of scratch), adds its own and sends the sum on; the
+    last rank broadcasts each chunk's total (MPI's Ibcast, posted in chunk order on every rank). Progressed at every
+    later `ready` (and inside MPI's calls), finished after the step (`finish`)."""
+
+    SLOTS = 4           # chunks received ahead of this rank's own additions
+
+    def __init__(self, gradients: Gradients, ranks: "Ranks"):
+        self.gradients, self.ranks, self.flat = gradients, ranks, gradients.flat
+        self.rank, self.last = ranks.rank, ranks.size - 1
+        self.chunks, self.bucket_end = [], []           # (start, stop); chunks[:bucket_end[j]] end with bucket j
+        for start, stop in gradients.buckets:
+            self.chunks += [(a, min(a + CHUNK, stop)) for a in range(start, stop, CHUNK)]
+            self.bucket_end.append(len(self.chunks))
+        scratch = ranks.scratch(self.SLOTS * CHUNK)
+        self.slots = [scratch[k * CHUNK:(k + 1) * CHUNK] for k in range(self.SLOTS)]
+        self.free = list(range(self.SLOTS))
+        self.final = 0              # chunks[:final] hold this rank's whole contribution
+        self.posted = 0             # chunks[:posted] have a receive posted (ranks after the first)
+        self.receiving: dict[int, tuple[int, object]] = {}     # chunk -> (slot, request)
+        self.added = 0              # chunks[:added] hold the sum of ranks 0 .. this one (and were sent on)
+        self.sending: dict[int, object] = {}
+        self.broadcast: list = []   # requests of the chunks whose total is broadcast, in chunk order
+
+    def _view(self, c: int) -> np.ndarray:
+        start, stop = self.chunks[c]
+        return self.flat[start:stop]
+
+    def ready(self, k: int) -> None:
+        began = time.perf_counter()
+        bucket = self.gradients.bucket_ending.get(k)
+        if bucket is not None:
+            self.final = self.bucket_end[bucket]
+        self._advance()
+        self.ranks.waited += time.perf_counter() - began
+
+    def finish(self) -> None:
+        began = time.perf_counter()
+        n = len(self.chunks)
+        self.final = n
+        while self._advance() < n:          # block on the next thing the chain waits for
+            if self.added < n and self.rank > 0:
+                self.receiving[self.added][1].Wait()
+            else:
+                self.sending[len(self.broadcast)].Wait()
+        self.ranks.mpi.Request.Waitall(self.broadcast)
+        self.ranks.waited += time.perf_counter() - began
+
+    def _advance(self) -> int:
+        """Everything the chain can do now without waiting; returns the chunks whose broadcast is posted."""
+        comm, n, moved = self.ranks.chain_comm, len(self.chunks), True
+        while moved:
+            moved = False
+            while self.rank > 0 and self.posted < n and self.free:
+                slot, c = self.free.pop(), self.posted
+                size = self.chunks[c][1] - self.chunks[c][0]
+                self.receiving[c] = (slot, comm.Irecv(self.slots[slot][:size], source=self.rank - 1, tag=c))
+                self.posted += 1
+            while self.added < self.final:
+                c, part = self.added, self._view(self.added)
+                if self.rank > 0:
+                    slot, request = self.receiving[c]
+                    if not request.Test():
+                        break
+                    np.add(self.slots[slot][:part.size], part, out=part)   # (sum of the ranks before) + own
+                    del self.receiving[c]
+                    self.free.append(slot)
+                if self.rank < self.last:
+                    self.sending[c] = comm.Isend(part, dest=self.rank + 1, tag=c)
+                self.added += 1
+                moved = True
+            while len(self.broadcast) < self.added:
+                c = len(self.broadcast)
+                if self.rank < self.last:
+                    if not self.sending[c].Test():      # the sum sent on is overwritten by the total
+                        break
+                    del self.sending[c]
+                self.broadcast.append(comm.Ibcast(self._view(c), root=self.last))
+                moved = True
+        return len(self.broadcast)
+
+
 class Accumulation:
     """How a run's iterations go: K accumulated batches of b on each of R ranks (`split`: K * R > 1), or the fused
-    training step. `overlap`: with `--reduce fast` on the CPU, the buckets are summed while the last batch's
-    backward pass goes on (`Overlapped`). `batch_norm`: "synced" or "local" (see the module's docstring)."""
+    training step. `overlap`: on the CPU, the buckets are summed while the last batch's backward pass goes on
+    (`Overlapped` for `--reduce fast`, `OverlappedChain` for exact). `batch_norm`: "synced" or "local" (see the module's docstring)."""
 
     def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True, batch_norm: str = "synced"):
         self.ranks, self.accumulate = ranks, accumulate
         ranks.mode = reduce                              # how its gradients and batch-norm sums are summed
-        self.overlap = overlap and reduce == "fast" and ranks.size > 1
+        self.overlap = overlap and ranks.size > 1
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
         self.batch_norm = batch_norm
         self.replay = batch_norm == "local" and ranks.size > 1      # the running statistics, after the iteration
@@ -371,7 +466,9 @@ class Accumulation:
         b, k0 = model.batch_shape[0], self.ranks.rank * self.accumulate
         gradients = self.gradients
         gradients.zero()
-        overlapped = Overlapped(gradients, self.ranks) if self.overlap and gradients.on_host else None
+        overlapped = None
+        if self.overlap and gradients.on_host:
+            overlapped = (Overlapped if self.ranks.mode == "fast" else OverlappedChain)(gradients, self.ranks)
         losses, statistics = [], []
         for j in range(k0, k0 + self.accumulate):
             if overlapped is not None and j == k0 + self.accumulate - 1:

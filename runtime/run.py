@@ -84,15 +84,15 @@ def add_parallel_options(parser) -> None:
                         help="under mpiexec: each rank trains on its share of every global batch (ranks x K x "
                              "batch examples), gradients summed over the ranks; alone, as without it")
     parser.add_argument("--reduce", choices=parallel.REDUCE_MODES, default="exact",
-                        help="how the ranks sum their gradients: exact (in rank order, after the step: bit for bit "
-                             "the training of one process with --accumulate RANKS) or fast (MPI's Allreduce of "
-                             "buckets started during the backward pass)")
+                        help="how the ranks sum their gradients, bucket by bucket during the backward pass: exact "
+                             "(in rank order: bit for bit the training of one process with --accumulate RANKS) or "
+                             "fast (MPI's Allreduce)")
     parser.add_argument("--batch-norm", choices=parallel.BATCH_NORM_MODES, default="synced",
                         help="ranks normalize by the statistics of all ranks' batches (synced: as one process "
                              "training on the global batch) or of their own batch (local: bit for bit one process "
                              "with --accumulate RANKS, running statistics included)")
     parser.add_argument("--no-overlap", action="store_true",
-                        help="--reduce fast: sum the gradients after the step, not during its backward pass")
+                        help="sum the gradients after the step, not during its backward pass")
     parser.add_argument("--rank-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="end the job (exit 5) when a rank has made no progress for this long: a rank stopped or "
                              "hung in a way MPI does not notice (0: wait for ever)")

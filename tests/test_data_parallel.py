@@ -150,12 +150,17 @@ def test_the_fast_reduction_is_within_rounding_of_the_exact_one(lenet, tmp_path)
     assert worst <= 1e-5
 
 
-def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(tmp_path):
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("wide")
+    network = directory / "wide.py"
+    network.write_text(WIDE_NETWORK)
+    return program(network, directory / "out")
+
+
+def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(wide, tmp_path):
     """--reduce fast starts a bucket's sum as soon as the step has finished it; on 2 ranks every order of summing
     gives the same bits (a + b is b + a), so overlapped, after the step and exact agree bit for bit."""
-    network = tmp_path / "wide.py"
-    network.write_text(WIDE_NETWORK)
-    wide = program(network, tmp_path / "out")
     source = wide.read_text()
     assert source.count("self.reduction.ready(") == 6
     overlapped = train(wide, tmp_path / "overlapped.npz", "--reduce", "fast", ranks=2)
@@ -165,6 +170,20 @@ def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(tmp_path
     train(wide, tmp_path / "exact.npz", ranks=2)
     assert_bitwise(tmp_path / "overlapped.npz", tmp_path / "exact.npz")
     assert_bitwise(tmp_path / "after.npz", tmp_path / "exact.npz")
+
+
+def test_the_exact_chain_overlaps_the_backward_pass_bit_for_bit(wide, tmp_path):
+    """--reduce exact during the backward pass: the chain in rank order, chunk by chunk as the step finishes the
+    buckets (the first of them over one chunk), on 3 ranks where the order of the additions shows: bit for bit the
+    chain after the step and one process accumulating 3 batches."""
+    overlapped = train(wide, tmp_path / "overlapped.npz", ranks=3)
+    assert overlapped["overlapped"] and overlapped["reduce"] == "exact" and overlapped["buckets"] >= 2
+    assert overlapped["reduce_scratch_bytes"] == 4 * 4 * (1 << 18)      # four chunks received ahead
+    after = train(wide, tmp_path / "after.npz", "--no-overlap", ranks=3)
+    assert not after["overlapped"]
+    train(wide, tmp_path / "one.npz", "--accumulate", "3")
+    assert_bitwise(tmp_path / "overlapped.npz", tmp_path / "one.npz")
+    assert_bitwise(tmp_path / "after.npz", tmp_path / "one.npz")
 
 
 def test_one_rank_trains_as_the_fused_step(lenet, tmp_path):
