@@ -75,7 +75,7 @@ class Persistent:
     """Storage outside the arena that outlives a step: one input leaf."""
 
     leaf: Node
-    kind: str                      # "param", "optimizer", "gradient", "running", "hyper", "hoisted" or "other"
+    kind: str        # "param", "optimizer", "gradient", "batch", "running", "hyper", "hoisted" or "other"
     nbytes: int
 
 

@@ -109,18 +109,20 @@ class Ranks:
         self.waited = 0.0
         self.mode = "exact"                         # how `reduce` sums: the run's --reduce
         self._scratch: np.ndarray | None = None
+        self._ahead: np.ndarray | None = None      # the overlapped chain's (batch norm's sums use the other)
 
     @property
     def scratch_bytes(self) -> int:
         """Bytes the exact reduction receives into (chunks of the sum of the ranks before), besides the
-        accumulators."""
-        return 0 if self._scratch is None else self._scratch.nbytes
+        accumulators: the chain after the step's (and batch norm's sums') and the overlapped chain's."""
+        return sum(b.nbytes for b in (self._scratch, self._ahead) if b is not None)
 
-    def scratch(self, floats: int) -> np.ndarray:
-        """At least `floats` float32 of receive space, kept for the next reductions."""
-        if self._scratch is None or self._scratch.size < floats:
-            self._scratch = np.empty(floats, np.float32)
-        return self._scratch
+    def ahead(self, floats: int) -> np.ndarray:
+        """The overlapped chain's receive space (`OverlappedChain`), at least `floats` float32, kept for the next
+        iterations: apart from `_chain`'s, which batch norm's sums use while the overlapped chain receives."""
+        if self._ahead is None or self._ahead.size < floats:
+            self._ahead = np.empty(floats, np.float32)
+        return self._ahead
 
     def reduce(self, flat: np.ndarray) -> None:
         """Sum `flat` (float32, contiguous) over the ranks into every rank's `flat`, as `mode` says."""
@@ -133,11 +135,12 @@ class Ranks:
 
     def _chain(self, flat: np.ndarray) -> None:
         rank, last = self.rank, self.size - 1
-        scratch = self.scratch(min(CHUNK, flat.size))
+        if self._scratch is None or self._scratch.size < min(CHUNK, flat.size):
+            self._scratch = np.empty(min(CHUNK, flat.size), np.float32)
         for k, start in enumerate(range(0, flat.size, CHUNK)):
             part = flat[start:start + CHUNK]
             if rank > 0:
-                before = scratch[:part.size]
+                before = self._scratch[:part.size]
                 self.comm.Recv(before, source=rank - 1, tag=k)
                 np.add(before, part, out=part)          # (sum of the ranks before) + this rank's
             if rank < last:
@@ -340,9 +343,10 @@ class Overlapped:
 class OverlappedChain:
     """The exact sum of the accumulators (`--reduce exact`, `Ranks._chain`'s additions in rank order) while the
     last batch's backward pass goes on: chunk by chunk, as the step finishes each bucket, rank r receives the sum of
-    the ranks before it (non-blocking, into one of SLOTS chunks of scratch), adds its own and sends the sum on; the
-    last rank broadcasts each chunk's total (MPI's Ibcast, posted in chunk order on every rank). Progressed at every
-    later `ready` (and inside MPI's calls), finished after the step (`finish`)."""
+    the ranks before it (non-blocking, into one of up to SLOTS chunks of scratch, `Ranks.ahead`), adds its own and
+    sends the sum on; the last rank broadcasts each chunk's total (MPI's Ibcast, posted in chunk order on every
+    rank). Messages and broadcasts go on `Ranks.chain_comm`. Progressed at every later `ready` (and inside MPI's
+    calls), finished after the step (`finish`)."""
 
     SLOTS = 4           # chunks received ahead of this rank's own additions
 
@@ -353,9 +357,10 @@ class OverlappedChain:
         for start, stop in gradients.buckets:
             self.chunks += [(a, min(a + CHUNK, stop)) for a in range(start, stop, CHUNK)]
             self.bucket_end.append(len(self.chunks))
-        scratch = ranks.scratch(self.SLOTS * CHUNK)
-        self.slots = [scratch[k * CHUNK:(k + 1) * CHUNK] for k in range(self.SLOTS)]
-        self.free = list(range(self.SLOTS))
+        slots, size = min(self.SLOTS, len(self.chunks)), max(b - a for a, b in self.chunks)
+        scratch = ranks.ahead(slots * size) if ranks.rank > 0 else np.empty(0, np.float32)
+        self.slots = [scratch[k * size:(k + 1) * size] for k in range(slots)] if ranks.rank > 0 else []
+        self.free = list(range(len(self.slots)))
         self.final = 0              # chunks[:final] hold this rank's whole contribution
         self.posted = 0             # chunks[:posted] have a receive posted (ranks after the first)
         self.receiving: dict[int, tuple[int, object]] = {}     # chunk -> (slot, request)
@@ -400,6 +405,8 @@ class OverlappedChain:
             while self.added < self.final:
                 c, part = self.added, self._view(self.added)
                 if self.rank > 0:
+                    if c == self.posted:                # its receive waits for a slot: post it first
+                        break
                     slot, request = self.receiving[c]
                     if not request.Test():
                         break
@@ -424,7 +431,8 @@ class OverlappedChain:
 class Accumulation:
     """How a run's iterations go: K accumulated batches of b on each of R ranks (`split`: K * R > 1), or the fused
     training step. `overlap`: on the CPU, the buckets are summed while the last batch's backward pass goes on
-    (`Overlapped` for `--reduce fast`, `OverlappedChain` for exact). `batch_norm`: "synced" or "local" (see the module's docstring)."""
+    (`Overlapped` for `--reduce fast`, `OverlappedChain` for exact). `batch_norm`: "synced" or "local" (see the
+    module's docstring)."""
 
     def __init__(self, ranks, accumulate: int, reduce: str, overlap: bool = True, batch_norm: str = "synced"):
         self.ranks, self.accumulate = ranks, accumulate
@@ -446,8 +454,9 @@ class Accumulation:
 
     @property
     def statistics_bytes(self) -> int:
-        """Bytes the replay of the running statistics gathers into (every rank's batch statistics), on the host."""
-        return 4 * self.batches * self._statistics_size if self.replay else 0
+        """Bytes the replay of the running statistics keeps on the host: the batch statistics of this rank's
+        batches and those of every rank's, gathered."""
+        return 4 * (self.accumulate + self.batches) * self._statistics_size if self.replay else 0
 
     def start(self, model) -> None:
         """Allocate the accumulators and batch statistics; with local batch norm the accumulate step's batch
@@ -459,6 +468,7 @@ class Accumulation:
             for name, s in model.batch_statistics.items():
                 model.tensors[name] = model.rt.asarray(np.zeros(s.shape, np.float32))
         model.ranks = Alone() if self.batch_norm == "local" else self.ranks
+        self.replay = self.replay and bool(model.batch_statistics)
 
     def iterate(self, model, x: np.ndarray, y: np.ndarray, first: int, hyper: dict) -> float:
         """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of

@@ -587,7 +587,8 @@ class _Run:
                 "ranks": self.ranks.size, "accumulate": acc.accumulate, "global_batch": self.global_batch,
                 "reduce": self.ranks.mode if self.ranks.size > 1 else None, "bytes_reduced_per_step": reduced,
                 "batch_norm": acc.batch_norm if self.model.batch_statistics else None,
-                "reduce_scratch_bytes": self.ranks.scratch_bytes + acc.statistics_bytes,
+                # the most any rank holds (the first receives nothing)
+                "reduce_scratch_bytes": self.ranks.largest(self.ranks.scratch_bytes + acc.statistics_bytes),
                 "overlapped": acc.overlap and gradients is not None and gradients.on_host,
                 "buckets": len(gradients.buckets) if gradients is not None else 0,
                 "accumulator_bytes": gradients.nbytes if gradients is not None else 0,

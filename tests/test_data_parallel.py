@@ -178,12 +178,49 @@ def test_the_exact_chain_overlaps_the_backward_pass_bit_for_bit(wide, tmp_path):
     chain after the step and one process accumulating 3 batches."""
     overlapped = train(wide, tmp_path / "overlapped.npz", ranks=3)
     assert overlapped["overlapped"] and overlapped["reduce"] == "exact" and overlapped["buckets"] >= 2
-    assert overlapped["reduce_scratch_bytes"] == 4 * 4 * (1 << 18)      # four chunks received ahead
+    assert overlapped["reduce_scratch_bytes"] == 4 * 4 * (1 << 18)      # four chunks received ahead (ranks 1, 2)
     after = train(wide, tmp_path / "after.npz", "--no-overlap", ranks=3)
     assert not after["overlapped"]
     train(wide, tmp_path / "one.npz", "--accumulate", "3")
     assert_bitwise(tmp_path / "overlapped.npz", tmp_path / "one.npz")
     assert_bitwise(tmp_path / "after.npz", tmp_path / "one.npz")
+
+
+# batch norm under a layer whose gradients make many chunks: its sums over the ranks run while the overlapped chain
+# has receives posted for chunks of the layers above
+NORMED_NETWORK = """
+from deepdsl import dsl as D
+
+x = D.images("x", (4, 1, 28, 28), dataset="digits")
+y = D.labels("y", 4, classes=10)
+network = (D.full("c", 10) @ D.relu @ D.full("a", 256) @ D.flatten @ D.relu @ D.batch_norm("bn")
+           @ D.conv("c1", kernel=3, channels=8, padding=1))
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("normed", iters=10, lr=0.05, momentum=0.9))
+"""
+
+
+def test_the_overlapped_chain_and_batch_norm_sums_share_the_step(tmp_path):
+    """3 ranks of a network with batch norm below a 6.4 MB layer (seven chunks, more than the four received ahead):
+    synced, the batch-norm sums over the ranks run inside the step while the chain's receives are posted, and the
+    result is bit for bit the chain after the step; local, one process accumulating 3 batches."""
+    network = tmp_path / "normed.py"
+    network.write_text(NORMED_NETWORK)
+    normed = program(network, tmp_path / "out")
+    overlapped = train(normed, tmp_path / "overlapped.npz", ranks=3, iters=3)
+    assert overlapped["overlapped"] and overlapped["bytes_reduced_per_step"] > 6 * (1 << 20)
+    train(normed, tmp_path / "after.npz", "--no-overlap", ranks=3, iters=3)
+    assert_bitwise(tmp_path / "overlapped.npz", tmp_path / "after.npz")
+    train(normed, tmp_path / "local.npz", "--batch-norm", "local", ranks=3, iters=3)
+    train(normed, tmp_path / "one.npz", "--accumulate", "3", iters=3)
+    assert_bitwise(tmp_path / "local.npz", tmp_path / "one.npz")
+
+
+def test_local_batch_norm_without_batch_norm_is_the_plain_exact_run(lenet, tmp_path):
+    train(lenet, tmp_path / "local.npz", "--batch-norm", "local", ranks=2, iters=2)
+    train(lenet, tmp_path / "one.npz", "--accumulate", "2", iters=2)
+    assert_bitwise(tmp_path / "local.npz", tmp_path / "one.npz")
 
 
 def test_one_rank_trains_as_the_fused_step(lenet, tmp_path):
