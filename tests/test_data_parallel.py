@@ -71,12 +71,16 @@ def lenet(tmp_path_factory):
     return program("lenet", tmp_path_factory.mktemp("lenet"), batch=8)
 
 
+def network_program(directory: Path, name: str, text: str) -> Path:
+    """The program of the network file `text`, written as `directory/name.py`."""
+    network = directory / f"{name}.py"
+    network.write_text(text)
+    return program(network, directory / "out")
+
+
 @pytest.fixture(scope="module")
 def dropnet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("dropnet")
-    network = directory / "dropnet.py"
-    network.write_text(DROPOUT_NETWORK)
-    return program(network, directory / "out")
+    return network_program(tmp_path_factory.mktemp("dropnet"), "dropnet", DROPOUT_NETWORK)
 
 
 def mpiexec(ranks: int, path: Path, *args: str, timeout: float = TIMEOUT, cwd=None) -> subprocess.CompletedProcess:
@@ -152,10 +156,7 @@ def test_the_fast_reduction_is_within_rounding_of_the_exact_one(lenet, tmp_path)
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("wide")
-    network = directory / "wide.py"
-    network.write_text(WIDE_NETWORK)
-    return program(network, directory / "out")
+    return network_program(tmp_path_factory.mktemp("wide"), "wide", WIDE_NETWORK)
 
 
 def test_the_overlapped_reduction_sums_buckets_during_the_backward_pass(wide, tmp_path):
@@ -205,9 +206,7 @@ def test_the_overlapped_chain_and_batch_norm_sums_share_the_step(tmp_path):
     """3 ranks of a network with batch norm below a 6.4 MB layer (seven chunks, more than the four received ahead):
     synced, the batch-norm sums over the ranks run inside the step while the chain's receives are posted, and the
     result is bit for bit the chain after the step; local, one process accumulating 3 batches."""
-    network = tmp_path / "normed.py"
-    network.write_text(NORMED_NETWORK)
-    normed = program(network, tmp_path / "out")
+    normed = network_program(tmp_path, "normed", NORMED_NETWORK)
     overlapped = train(normed, tmp_path / "overlapped.npz", ranks=3, iters=3)
     assert overlapped["overlapped"] and overlapped["bytes_reduced_per_step"] > 6 * (1 << 20)
     train(normed, tmp_path / "after.npz", "--no-overlap", ranks=3, iters=3)
@@ -420,6 +419,14 @@ def test_accumulated_running_statistics_follow_every_batch(resnet_mini, tmp_path
     for k in running:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
         assert not np.allclose(a[k], before[k]), k
+
+
+def test_one_rank_with_dropout_or_batch_norm_trains_as_the_fused_step(dropnet, resnet_mini, tmp_path):
+    for name, path in (("dropnet", dropnet), ("resnet_mini", resnet_mini)):
+        train(path, tmp_path / f"{name}_plain.npz", iters=3)
+        alone = train(path, tmp_path / f"{name}_alone.npz", "--batch-norm", "local", ranks=1, iters=3)
+        assert_bitwise(tmp_path / f"{name}_alone.npz", tmp_path / f"{name}_plain.npz")
+        assert alone["ranks"] == 1
 
 
 def test_the_memory_table_of_the_accumulate_step_counts_the_accumulators(capsys):
