@@ -234,6 +234,16 @@ def read(path: str) -> Checkpoint:
         data=meta("__data__", "str"), extra={k: v for k, v in entries.items() if k.startswith("__") and k not in known})
 
 
+def recorded_iteration(path: str) -> int | None:
+    """The iteration the checkpoint at `path` records (None where there is none or it cannot be read): only that
+    field is read."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return int(archive["__iteration__"])
+    except Exception:       # absent, not an archive, no such field: nothing recorded
+        return None
+
+
 def _entries(path: str) -> dict[str, np.ndarray]:
     """The arrays of an .npz file by name; any damage is a `CheckpointError` naming the file (and the field)."""
     if os.path.isdir(path):

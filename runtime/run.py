@@ -374,6 +374,7 @@ class _Run:
         self.batch = self.model.batch_shape[0]
         self.resumed: ckpt.Checkpoint | None = None
         self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
+        self.writing: int | None = None                  # iteration of the last checkpoint this run began to write
         self.probe = None                                # one test batch each checkpoint's state is tried on
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
         self.by_another = False                          # stopping for a signal another rank received
@@ -443,9 +444,12 @@ class _Run:
             ckpt.check_target(args.report_json, "--report-json")
 
     def kept(self) -> str:
-        """What the checkpoint file holds now, said after a run stops early."""
+        """What the checkpoint file holds now, said after a run stops early. A write interrupted after its rename
+        (before this run noted it saved) has put the new checkpoint in place: the file says so."""
         if not self.path:
             return "nothing was saved (no --params)"
+        if self.writing is not None and ckpt.recorded_iteration(self.path) == self.writing:
+            return f"{self.path} keeps the checkpoint of iteration {self.writing}"
         if self.saved_iteration is not None:
             return f"{self.path} keeps the checkpoint of iteration {self.saved_iteration}"
         if os.path.exists(self.path):
@@ -677,6 +681,7 @@ class _Run:
             if not math.isfinite(probe_loss):
                 raise RunError(f"the loss is {probe_loss} on a test batch at iteration {iteration}; training stopped, "
                                f"{self.kept()}", EXIT_DIVERGED)
+        self.writing = iteration
         try:
             ckpt.write(self.path, state)
         except OSError as err:
