@@ -583,7 +583,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
         inception_4a_pool_proj = mem.tensor(34, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
         # free inception_3b_1x1_max_pool_2
         del inception_3b_1x1_max_pool_2
         mem.free(33)
@@ -596,7 +596,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
         inception_4a_5x5_reduce = mem.tensor(35, (128, 16, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_5x5_reduce_relu (relu), forward ----
         # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
@@ -616,7 +616,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
         inception_4a_3x3_reduce = mem.tensor(37, (128, 96, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_3x3_reduce_relu (relu), forward ----
         # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
@@ -636,7 +636,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
         inception_4a_1x1 = mem.tensor(39, (128, 192, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_1x1_relu (relu), forward ----
         # inception_4a_1x1_relu = Max(0, inception_4a_1x1)
@@ -661,7 +661,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
         inception_4b_pool_proj = mem.tensor(43, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4a_1x1_max_pool
         del inception_4a_1x1_max_pool
         mem.free(42)
@@ -674,7 +674,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
         inception_4b_5x5_reduce = mem.tensor(44, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_5x5_reduce_relu (relu), forward ----
         # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
@@ -694,7 +694,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
         inception_4b_3x3_reduce = mem.tensor(46, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_3x3_reduce_relu (relu), forward ----
         # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
@@ -714,7 +714,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
         inception_4b_1x1 = mem.tensor(48, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_1x1_relu (relu), forward ----
         # inception_4b_1x1_relu = Max(0, inception_4b_1x1)
@@ -739,7 +739,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
         inception_4c_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4b_1x1_max_pool
         del inception_4b_1x1_max_pool
         mem.free(51)
@@ -752,7 +752,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
         inception_4c_5x5_reduce = mem.tensor(53, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_5x5_reduce_relu (relu), forward ----
         # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
@@ -772,7 +772,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
         inception_4c_3x3_reduce = mem.tensor(55, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_3x3_reduce_relu (relu), forward ----
         # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
@@ -792,7 +792,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
         inception_4c_1x1 = mem.tensor(57, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_1x1_relu (relu), forward ----
         # inception_4c_1x1_relu = Max(0, inception_4c_1x1)
@@ -817,7 +817,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
         inception_4d_pool_proj = mem.tensor(61, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4c_1x1_max_pool
         del inception_4c_1x1_max_pool
         mem.free(60)
@@ -830,7 +830,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
         inception_4d_5x5_reduce = mem.tensor(62, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_5x5_reduce_relu (relu), forward ----
         # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
@@ -850,7 +850,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
         # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
         inception_4d_3x3_reduce = mem.tensor(64, (128, 144, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_3x3_reduce_relu (relu), forward ----
         # inception_4d_3x3_reduce_relu = Max(0, inception_4d_3x3_reduce)
@@ -870,7 +870,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
         inception_4d_1x1 = mem.tensor(66, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_1x1_relu (relu), forward ----
         # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
@@ -893,7 +893,7 @@ class Googlenet(rp.Model):
         # ---- loss2_conv (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # loss2_conv = conv2d(inception_4d_1x1_avg_pool, loss2_conv_W, loss2_conv_B)
         loss2_conv = mem.tensor(69, (128, 128, 4, 4), 'float32')
-        rt.conv2d(inception_4d_1x1_avg_pool, T['loss2_conv_W'], T['loss2_conv_B'], out=loss2_conv, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_avg_pool, T['loss2_conv_W'], T['loss2_conv_B'], out=loss2_conv, pad=0, stride=1, workspace=mem.workspace(4325376))
 
         # ---- loss2_conv_relu (relu), forward ----
         # loss2_conv_relu = Max(0, loss2_conv)
@@ -954,7 +954,7 @@ class Googlenet(rp.Model):
         # ---- loss1_conv (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # loss1_conv = conv2d(inception_4a_1x1_avg_pool, loss1_conv_W, loss1_conv_B)
         loss1_conv = mem.tensor(77, (128, 128, 4, 4), 'float32')
-        rt.conv2d(inception_4a_1x1_avg_pool, T['loss1_conv_W'], T['loss1_conv_B'], out=loss1_conv, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_avg_pool, T['loss1_conv_W'], T['loss1_conv_B'], out=loss1_conv, pad=0, stride=1, workspace=mem.workspace(4194304))
 
         # ---- loss1_conv_relu (relu), forward ----
         # loss1_conv_relu = Max(0, loss1_conv)
@@ -1017,7 +1017,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
         inception_4e_pool_proj = mem.tensor(86, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
         # free inception_4d_1x1_max_pool
         del inception_4d_1x1_max_pool
         mem.free(85)
@@ -1030,7 +1030,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
         inception_4e_5x5_reduce = mem.tensor(87, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_5x5_reduce_relu (relu), forward ----
         # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
@@ -1050,7 +1050,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
         inception_4e_3x3_reduce = mem.tensor(89, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_3x3_reduce_relu (relu), forward ----
         # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
@@ -1070,7 +1070,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
         inception_4e_1x1 = mem.tensor(91, (128, 256, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_1x1_relu (relu), forward ----
         # inception_4e_1x1_relu = Max(0, inception_4e_1x1)
@@ -1100,7 +1100,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_5a_pool_proj = conv2d(inception_4e_1x1_max_pool_2, inception_5a_pool_proj_W, inception_5a_pool_proj_B)
         inception_5a_pool_proj = mem.tensor(97, (128, 128, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool_2, T['inception_5a_pool_proj_W'], T['inception_5a_pool_proj_B'], out=inception_5a_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool_2, T['inception_5a_pool_proj_W'], T['inception_5a_pool_proj_B'], out=inception_5a_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_pool_proj_relu (relu), forward ----
         # inception_5a_pool_proj_relu = Max(0, inception_5a_pool_proj)
@@ -1110,7 +1110,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
         inception_5a_5x5_reduce = mem.tensor(98, (128, 32, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_5x5_reduce_relu (relu), forward ----
         # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
@@ -1130,7 +1130,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_5a_3x3_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_3x3_reduce_W, inception_5a_3x3_reduce_B)
         inception_5a_3x3_reduce = mem.tensor(100, (128, 160, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_3x3_reduce_W'], T['inception_5a_3x3_reduce_B'], out=inception_5a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_3x3_reduce_W'], T['inception_5a_3x3_reduce_B'], out=inception_5a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_3x3_reduce_relu (relu), forward ----
         # inception_5a_3x3_reduce_relu = Max(0, inception_5a_3x3_reduce)
@@ -1150,7 +1150,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_5a_1x1 = conv2d(inception_4e_1x1_max_pool, inception_5a_1x1_W, inception_5a_1x1_B)
         inception_5a_1x1 = mem.tensor(102, (128, 256, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_1x1_W'], T['inception_5a_1x1_B'], out=inception_5a_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_1x1_W'], T['inception_5a_1x1_B'], out=inception_5a_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_1x1_relu (relu), forward ----
         # inception_5a_1x1_relu = Max(0, inception_5a_1x1)
@@ -1172,7 +1172,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_5b_pool_proj = conv2d(inception_5a_1x1_max_pool, inception_5b_pool_proj_W, inception_5b_pool_proj_B)
         inception_5b_pool_proj = mem.tensor(106, (128, 128, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_max_pool, T['inception_5b_pool_proj_W'], T['inception_5b_pool_proj_B'], out=inception_5b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_max_pool, T['inception_5b_pool_proj_W'], T['inception_5b_pool_proj_B'], out=inception_5b_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_pool_proj_relu (relu), forward ----
         # inception_5b_pool_proj_relu = Max(0, inception_5b_pool_proj)
@@ -1182,7 +1182,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
         # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
         inception_5b_5x5_reduce = mem.tensor(107, (128, 48, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_5x5_reduce_relu (relu), forward ----
         # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)
@@ -1202,7 +1202,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_5b_3x3_reduce = conv2d(inception_5a_1x1_concat, inception_5b_3x3_reduce_W, inception_5b_3x3_reduce_B)
         inception_5b_3x3_reduce = mem.tensor(109, (128, 192, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_3x3_reduce_W'], T['inception_5b_3x3_reduce_B'], out=inception_5b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_3x3_reduce_W'], T['inception_5b_3x3_reduce_B'], out=inception_5b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_3x3_reduce_relu (relu), forward ----
         # inception_5b_3x3_reduce_relu = Max(0, inception_5b_3x3_reduce)
@@ -1222,7 +1222,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # inception_5b_1x1 = conv2d(inception_5a_1x1_concat, inception_5b_1x1_W, inception_5b_1x1_B)
         inception_5b_1x1 = mem.tensor(111, (128, 384, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_1x1_W'], T['inception_5b_1x1_B'], out=inception_5b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_1x1_W'], T['inception_5b_1x1_B'], out=inception_5b_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_1x1_relu (relu), forward ----
         # inception_5b_1x1_relu = Max(0, inception_5b_1x1)
@@ -1333,7 +1333,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat = conv2d_bwd_data[size=(7,7)](d_inception_5b_1x1, inception_5b_1x1_W)
         d_inception_5a_1x1_concat = mem.tensor(121, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5b_1x1, T['inception_5b_1x1_W'], out=d_inception_5a_1x1_concat, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5b_1x1, T['inception_5b_1x1_W'], out=d_inception_5a_1x1_concat, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5b_3x3_relu = slice[axis=1,start=384,stop=768](d_inception_5b_1x1_concat)
@@ -1395,7 +1395,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat_2 = conv2d_bwd_data[size=(7,7)](d_inception_5b_3x3_reduce, inception_5b_3x3_reduce_W)
         d_inception_5a_1x1_concat_2 = mem.tensor(126, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5b_3x3_reduce, T['inception_5b_3x3_reduce_W'], out=d_inception_5a_1x1_concat_2, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5b_3x3_reduce, T['inception_5b_3x3_reduce_W'], out=d_inception_5a_1x1_concat_2, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5b_5x5_relu = slice[axis=1,start=768,stop=896](d_inception_5b_1x1_concat)
@@ -1487,12 +1487,12 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat_3 = conv2d_bwd_data[size=(7,7)](d_inception_5b_5x5_reduce, inception_5b_5x5_reduce_W)
         d_inception_5a_1x1_concat_3 = mem.tensor(133, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5b_5x5_reduce, T['inception_5b_5x5_reduce_W'], out=d_inception_5a_1x1_concat_3, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5b_5x5_reduce, T['inception_5b_5x5_reduce_W'], out=d_inception_5a_1x1_concat_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_5b_pool_proj, inception_5b_pool_proj_W)
         d_inception_5a_1x1_max_pool = mem.tensor(134, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5b_pool_proj, T['inception_5b_pool_proj_W'], out=d_inception_5a_1x1_max_pool, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5b_pool_proj, T['inception_5b_pool_proj_W'], out=d_inception_5a_1x1_max_pool, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_5a_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(7,7),stride=1](d_inception_5a_1x1_max_pool, inception_5a_1x1_max_pool_argmax)
@@ -1548,7 +1548,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_5a_1x1, inception_5a_1x1_W)
         d_inception_4e_1x1_max_pool = mem.tensor(138, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5a_1x1, T['inception_5a_1x1_W'], out=d_inception_4e_1x1_max_pool, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5a_1x1, T['inception_5a_1x1_W'], out=d_inception_4e_1x1_max_pool, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5a_3x3_relu = slice[axis=1,start=256,stop=576](d_inception_5a_1x1_concat_5)
@@ -1610,7 +1610,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_2 = conv2d_bwd_data[size=(7,7)](d_inception_5a_3x3_reduce, inception_5a_3x3_reduce_W)
         d_inception_4e_1x1_max_pool_2 = mem.tensor(143, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5a_3x3_reduce, T['inception_5a_3x3_reduce_W'], out=d_inception_4e_1x1_max_pool_2, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5a_3x3_reduce, T['inception_5a_3x3_reduce_W'], out=d_inception_4e_1x1_max_pool_2, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5a_5x5_relu = slice[axis=1,start=576,stop=704](d_inception_5a_1x1_concat_5)
@@ -1702,12 +1702,12 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_5a_5x5_reduce, inception_5a_5x5_reduce_W)
         d_inception_4e_1x1_max_pool_3 = mem.tensor(150, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5a_5x5_reduce, T['inception_5a_5x5_reduce_W'], out=d_inception_4e_1x1_max_pool_3, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5a_5x5_reduce, T['inception_5a_5x5_reduce_W'], out=d_inception_4e_1x1_max_pool_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_4 = conv2d_bwd_data[size=(7,7)](d_inception_5a_pool_proj, inception_5a_pool_proj_W)
         d_inception_4e_1x1_max_pool_4 = mem.tensor(151, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5a_pool_proj, T['inception_5a_pool_proj_W'], out=d_inception_4e_1x1_max_pool_4, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_5a_pool_proj, T['inception_5a_pool_proj_W'], out=d_inception_4e_1x1_max_pool_4, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_4e_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4e_1x1_max_pool_5 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(7,7),stride=1](d_inception_4e_1x1_max_pool_4, inception_4e_1x1_max_pool_argmax_2)
@@ -1769,7 +1769,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4e_1x1, inception_4e_1x1_W)
         d_inception_4d_1x1_concat = mem.tensor(156, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_1x1, T['inception_4e_1x1_W'], out=d_inception_4d_1x1_concat, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4e_1x1, T['inception_4e_1x1_W'], out=d_inception_4d_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4e_3x3_relu = slice[axis=1,start=256,stop=576](d_inception_4e_1x1_concat)
@@ -1831,7 +1831,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4e_3x3_reduce, inception_4e_3x3_reduce_W)
         d_inception_4d_1x1_concat_2 = mem.tensor(161, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_3x3_reduce, T['inception_4e_3x3_reduce_W'], out=d_inception_4d_1x1_concat_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4e_3x3_reduce, T['inception_4e_3x3_reduce_W'], out=d_inception_4d_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4e_5x5_relu = slice[axis=1,start=576,stop=704](d_inception_4e_1x1_concat)
@@ -1928,12 +1928,12 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4e_5x5_reduce, inception_4e_5x5_reduce_W)
         d_inception_4d_1x1_concat_3 = mem.tensor(169, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_5x5_reduce, T['inception_4e_5x5_reduce_W'], out=d_inception_4d_1x1_concat_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4e_5x5_reduce, T['inception_4e_5x5_reduce_W'], out=d_inception_4d_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4e_pool_proj, inception_4e_pool_proj_W)
         d_inception_4d_1x1_max_pool = mem.tensor(170, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_pool_proj, T['inception_4e_pool_proj_W'], out=d_inception_4d_1x1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4e_pool_proj, T['inception_4e_pool_proj_W'], out=d_inception_4d_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4d_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4d_1x1_max_pool, inception_4d_1x1_max_pool_argmax)
@@ -2026,7 +2026,7 @@ class Googlenet(rp.Model):
         mem.free(176)
         # d_inception_4d_1x1_avg_pool = conv2d_bwd_data[size=(4,4)](d_loss2_conv, loss2_conv_W)
         d_inception_4d_1x1_avg_pool = mem.tensor(177, (128, 528, 4, 4), 'float32')
-        rt.conv2d_bwd_data(d_loss2_conv, T['loss2_conv_W'], out=d_inception_4d_1x1_avg_pool, pad=0, size=(4, 4), stride=1)
+        rt.conv2d_bwd_data(d_loss2_conv, T['loss2_conv_W'], out=d_inception_4d_1x1_avg_pool, pad=0, size=(4, 4), stride=1, workspace=mem.workspace(4325376))
         # loss2_conv_W_new = loss2_conv_W - lr*V_loss2_conv_W_new
         loss2_conv_W_new = T['loss2_conv_W']  # in place: the new loss2_conv_W
         rt.ew(ew_mul_sub, loss2_conv_W_new, T['loss2_conv_W'], lr, V_loss2_conv_W_new)
@@ -2078,7 +2078,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4d_1x1, inception_4d_1x1_W)
         d_inception_4c_1x1_concat = mem.tensor(181, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_1x1, T['inception_4d_1x1_W'], out=d_inception_4c_1x1_concat, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4d_1x1, T['inception_4d_1x1_W'], out=d_inception_4c_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4d_3x3_relu = slice[axis=1,start=112,stop=400](d_inception_4d_1x1_concat_6)
@@ -2143,7 +2143,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4d_3x3_reduce, inception_4d_3x3_reduce_W)
         d_inception_4c_1x1_concat_2 = mem.tensor(187, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_3x3_reduce, T['inception_4d_3x3_reduce_W'], out=d_inception_4c_1x1_concat_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4d_3x3_reduce, T['inception_4d_3x3_reduce_W'], out=d_inception_4c_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4d_5x5_relu = slice[axis=1,start=400,stop=464](d_inception_4d_1x1_concat_6)
@@ -2240,12 +2240,12 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4d_5x5_reduce, inception_4d_5x5_reduce_W)
         d_inception_4c_1x1_concat_3 = mem.tensor(195, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_5x5_reduce, T['inception_4d_5x5_reduce_W'], out=d_inception_4c_1x1_concat_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4d_5x5_reduce, T['inception_4d_5x5_reduce_W'], out=d_inception_4c_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4d_pool_proj, inception_4d_pool_proj_W)
         d_inception_4c_1x1_max_pool = mem.tensor(196, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_pool_proj, T['inception_4d_pool_proj_W'], out=d_inception_4c_1x1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4d_pool_proj, T['inception_4d_pool_proj_W'], out=d_inception_4c_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4c_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4c_1x1_max_pool, inception_4c_1x1_max_pool_argmax)
@@ -2301,7 +2301,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4c_1x1, inception_4c_1x1_W)
         d_inception_4b_1x1_concat = mem.tensor(200, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_1x1, T['inception_4c_1x1_W'], out=d_inception_4b_1x1_concat, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4c_1x1, T['inception_4c_1x1_W'], out=d_inception_4b_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_3x3_relu = slice[axis=1,start=128,stop=384](d_inception_4c_1x1_concat_5)
@@ -2366,7 +2366,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4c_3x3_reduce, inception_4c_3x3_reduce_W)
         d_inception_4b_1x1_concat_2 = mem.tensor(206, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_3x3_reduce, T['inception_4c_3x3_reduce_W'], out=d_inception_4b_1x1_concat_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4c_3x3_reduce, T['inception_4c_3x3_reduce_W'], out=d_inception_4b_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_5x5_relu = slice[axis=1,start=384,stop=448](d_inception_4c_1x1_concat_5)
@@ -2463,12 +2463,12 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4c_5x5_reduce, inception_4c_5x5_reduce_W)
         d_inception_4b_1x1_concat_3 = mem.tensor(214, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_5x5_reduce, T['inception_4c_5x5_reduce_W'], out=d_inception_4b_1x1_concat_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4c_5x5_reduce, T['inception_4c_5x5_reduce_W'], out=d_inception_4b_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4c_pool_proj, inception_4c_pool_proj_W)
         d_inception_4b_1x1_max_pool = mem.tensor(215, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_pool_proj, T['inception_4c_pool_proj_W'], out=d_inception_4b_1x1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4c_pool_proj, T['inception_4c_pool_proj_W'], out=d_inception_4b_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4b_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4b_1x1_max_pool, inception_4b_1x1_max_pool_argmax)
@@ -2524,7 +2524,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4b_1x1, inception_4b_1x1_W)
         d_inception_4a_1x1_concat = mem.tensor(219, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_1x1, T['inception_4b_1x1_W'], out=d_inception_4a_1x1_concat, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4b_1x1, T['inception_4b_1x1_W'], out=d_inception_4a_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_3x3_relu = slice[axis=1,start=160,stop=384](d_inception_4b_1x1_concat_5)
@@ -2589,7 +2589,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4b_3x3_reduce, inception_4b_3x3_reduce_W)
         d_inception_4a_1x1_concat_2 = mem.tensor(225, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_3x3_reduce, T['inception_4b_3x3_reduce_W'], out=d_inception_4a_1x1_concat_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4b_3x3_reduce, T['inception_4b_3x3_reduce_W'], out=d_inception_4a_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_5x5_relu = slice[axis=1,start=384,stop=448](d_inception_4b_1x1_concat_5)
@@ -2686,12 +2686,12 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4b_5x5_reduce, inception_4b_5x5_reduce_W)
         d_inception_4a_1x1_concat_3 = mem.tensor(233, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_5x5_reduce, T['inception_4b_5x5_reduce_W'], out=d_inception_4a_1x1_concat_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4b_5x5_reduce, T['inception_4b_5x5_reduce_W'], out=d_inception_4a_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4b_pool_proj, inception_4b_pool_proj_W)
         d_inception_4a_1x1_max_pool = mem.tensor(234, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_pool_proj, T['inception_4b_pool_proj_W'], out=d_inception_4a_1x1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4b_pool_proj, T['inception_4b_pool_proj_W'], out=d_inception_4a_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4a_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4a_1x1_max_pool, inception_4a_1x1_max_pool_argmax)
@@ -2765,7 +2765,7 @@ class Googlenet(rp.Model):
         mem.free(239)
         # d_inception_4a_1x1_avg_pool = conv2d_bwd_data[size=(4,4)](d_loss1_conv, loss1_conv_W)
         d_inception_4a_1x1_avg_pool = mem.tensor(240, (128, 512, 4, 4), 'float32')
-        rt.conv2d_bwd_data(d_loss1_conv, T['loss1_conv_W'], out=d_inception_4a_1x1_avg_pool, pad=0, size=(4, 4), stride=1)
+        rt.conv2d_bwd_data(d_loss1_conv, T['loss1_conv_W'], out=d_inception_4a_1x1_avg_pool, pad=0, size=(4, 4), stride=1, workspace=mem.workspace(4194304))
         # loss1_conv_W_new = loss1_conv_W - lr*V_loss1_conv_W_new
         loss1_conv_W_new = T['loss1_conv_W']  # in place: the new loss1_conv_W
         rt.ew(ew_mul_sub, loss1_conv_W_new, T['loss1_conv_W'], lr, V_loss1_conv_W_new)
@@ -2820,7 +2820,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4a_1x1, inception_4a_1x1_W)
         d_inception_3b_1x1_max_pool = mem.tensor(245, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_1x1, T['inception_4a_1x1_W'], out=d_inception_3b_1x1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4a_1x1, T['inception_4a_1x1_W'], out=d_inception_3b_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4a_3x3_relu = slice[axis=1,start=192,stop=400](d_inception_4a_1x1_concat_6)
@@ -2885,7 +2885,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_4a_3x3_reduce, inception_4a_3x3_reduce_W)
         d_inception_3b_1x1_max_pool_2 = mem.tensor(251, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_3x3_reduce, T['inception_4a_3x3_reduce_W'], out=d_inception_3b_1x1_max_pool_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4a_3x3_reduce, T['inception_4a_3x3_reduce_W'], out=d_inception_3b_1x1_max_pool_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4a_5x5_relu = slice[axis=1,start=400,stop=448](d_inception_4a_1x1_concat_6)
@@ -2982,12 +2982,12 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_4a_5x5_reduce, inception_4a_5x5_reduce_W)
         d_inception_3b_1x1_max_pool_3 = mem.tensor(259, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_5x5_reduce, T['inception_4a_5x5_reduce_W'], out=d_inception_3b_1x1_max_pool_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4a_5x5_reduce, T['inception_4a_5x5_reduce_W'], out=d_inception_3b_1x1_max_pool_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_4 = conv2d_bwd_data[size=(14,14)](d_inception_4a_pool_proj, inception_4a_pool_proj_W)
         d_inception_3b_1x1_max_pool_4 = mem.tensor(260, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_pool_proj, T['inception_4a_pool_proj_W'], out=d_inception_3b_1x1_max_pool_4, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_4a_pool_proj, T['inception_4a_pool_proj_W'], out=d_inception_3b_1x1_max_pool_4, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_3b_1x1_max_pool_5 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_3b_1x1_max_pool_4, inception_3b_1x1_max_pool_argmax_2)
@@ -4928,7 +4928,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
         inception_4a_5x5_reduce = mem.tensor(24, (128, 16, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_5x5_reduce_relu (relu), forward ----
         # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
@@ -4951,7 +4951,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
         inception_4a_3x3_reduce = mem.tensor(26, (128, 96, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_4a_3x3_reduce_relu (relu), forward ----
         # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
@@ -4974,7 +4974,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
         inception_4a_1x1 = mem.tensor(28, (128, 192, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_3b_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_3b_1x1_max_pool)
@@ -4987,7 +4987,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
         inception_4a_pool_proj = mem.tensor(30, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
         # free inception_3b_1x1_max_pool_2
         del inception_3b_1x1_max_pool_2
         mem.free(29)
@@ -5013,7 +5013,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
         inception_4b_5x5_reduce = mem.tensor(32, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_5x5_reduce_relu (relu), forward ----
         # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
@@ -5041,7 +5041,7 @@ class Googlenet(rp.Model):
         # ---- loss1_conv (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # loss1_conv = conv2d(inception_4a_1x1_avg_pool, loss1_conv_W, loss1_conv_B)
         loss1_conv = mem.tensor(35, (128, 128, 4, 4), 'float32')
-        rt.conv2d(inception_4a_1x1_avg_pool, T['loss1_conv_W'], T['loss1_conv_B'], out=loss1_conv, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_avg_pool, T['loss1_conv_W'], T['loss1_conv_B'], out=loss1_conv, pad=0, stride=1, workspace=mem.workspace(4194304))
         # free inception_4a_1x1_avg_pool
         del inception_4a_1x1_avg_pool
         mem.free(34)
@@ -5099,7 +5099,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
         inception_4b_3x3_reduce = mem.tensor(40, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_3x3_reduce_relu (relu), forward ----
         # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
@@ -5122,7 +5122,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
         inception_4b_1x1 = mem.tensor(42, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4a_1x1_concat)
@@ -5135,7 +5135,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
         inception_4b_pool_proj = mem.tensor(44, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4a_1x1_max_pool
         del inception_4a_1x1_max_pool
         mem.free(43)
@@ -5161,7 +5161,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
         inception_4c_5x5_reduce = mem.tensor(46, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_5x5_reduce_relu (relu), forward ----
         # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
@@ -5184,7 +5184,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
         inception_4c_3x3_reduce = mem.tensor(48, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_3x3_reduce_relu (relu), forward ----
         # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
@@ -5207,7 +5207,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
         inception_4c_1x1 = mem.tensor(50, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4b_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4b_1x1_concat)
@@ -5220,7 +5220,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
         inception_4c_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4b_1x1_max_pool
         del inception_4b_1x1_max_pool
         mem.free(51)
@@ -5246,7 +5246,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
         inception_4d_5x5_reduce = mem.tensor(54, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_5x5_reduce_relu (relu), forward ----
         # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
@@ -5269,7 +5269,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
         inception_4d_1x1 = mem.tensor(56, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4d_1x1_relu (relu), forward ----
         # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
@@ -5279,7 +5279,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
         # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
         inception_4d_3x3_reduce = mem.tensor(57, (128, 144, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4c_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4c_1x1_concat)
@@ -5292,7 +5292,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
         inception_4d_pool_proj = mem.tensor(59, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free inception_4c_1x1_max_pool
         del inception_4c_1x1_max_pool
         mem.free(58)
@@ -5331,7 +5331,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
         inception_4e_5x5_reduce = mem.tensor(62, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_5x5_reduce_relu (relu), forward ----
         # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
@@ -5346,7 +5346,7 @@ class Googlenet(rp.Model):
         # ---- loss2_conv (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # loss2_conv = conv2d(inception_4d_1x1_avg_pool, loss2_conv_W, loss2_conv_B)
         loss2_conv = mem.tensor(64, (128, 128, 4, 4), 'float32')
-        rt.conv2d(inception_4d_1x1_avg_pool, T['loss2_conv_W'], T['loss2_conv_B'], out=loss2_conv, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_avg_pool, T['loss2_conv_W'], T['loss2_conv_B'], out=loss2_conv, pad=0, stride=1, workspace=mem.workspace(4325376))
         # free inception_4d_1x1_avg_pool
         del inception_4d_1x1_avg_pool
         mem.free(63)
@@ -5417,7 +5417,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
         inception_4e_3x3_reduce = mem.tensor(70, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4e_3x3_reduce_relu (relu), forward ----
         # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
@@ -5440,7 +5440,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
         inception_4e_1x1 = mem.tensor(72, (128, 256, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
 
         # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4d_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4d_1x1_concat)
@@ -5453,7 +5453,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
         inception_4e_pool_proj = mem.tensor(74, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
         # free inception_4d_1x1_max_pool
         del inception_4d_1x1_max_pool
         mem.free(73)
@@ -5487,7 +5487,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
         inception_5a_5x5_reduce = mem.tensor(77, (128, 32, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_5x5_reduce_relu (relu), forward ----
         # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
@@ -5510,7 +5510,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_5a_3x3_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_3x3_reduce_W, inception_5a_3x3_reduce_B)
         inception_5a_3x3_reduce = mem.tensor(79, (128, 160, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_3x3_reduce_W'], T['inception_5a_3x3_reduce_B'], out=inception_5a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_3x3_reduce_W'], T['inception_5a_3x3_reduce_B'], out=inception_5a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_3x3_reduce_relu (relu), forward ----
         # inception_5a_3x3_reduce_relu = Max(0, inception_5a_3x3_reduce)
@@ -5533,7 +5533,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_5a_1x1 = conv2d(inception_4e_1x1_max_pool, inception_5a_1x1_W, inception_5a_1x1_B)
         inception_5a_1x1 = mem.tensor(81, (128, 256, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_1x1_W'], T['inception_5a_1x1_B'], out=inception_5a_1x1, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_1x1_W'], T['inception_5a_1x1_B'], out=inception_5a_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_4e_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4e_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4e_1x1_max_pool)
@@ -5546,7 +5546,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_5a_pool_proj = conv2d(inception_4e_1x1_max_pool_2, inception_5a_pool_proj_W, inception_5a_pool_proj_B)
         inception_5a_pool_proj = mem.tensor(83, (128, 128, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool_2, T['inception_5a_pool_proj_W'], T['inception_5a_pool_proj_B'], out=inception_5a_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_4e_1x1_max_pool_2, T['inception_5a_pool_proj_W'], T['inception_5a_pool_proj_B'], out=inception_5a_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
         # free inception_4e_1x1_max_pool_2
         del inception_4e_1x1_max_pool_2
         mem.free(82)
@@ -5572,7 +5572,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
         # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
         inception_5b_5x5_reduce = mem.tensor(85, (128, 48, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_5x5_reduce_relu (relu), forward ----
         # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)
@@ -5595,7 +5595,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_5b_3x3_reduce = conv2d(inception_5a_1x1_concat, inception_5b_3x3_reduce_W, inception_5b_3x3_reduce_B)
         inception_5b_3x3_reduce = mem.tensor(87, (128, 192, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_3x3_reduce_W'], T['inception_5b_3x3_reduce_B'], out=inception_5b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_3x3_reduce_W'], T['inception_5b_3x3_reduce_B'], out=inception_5b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5b_3x3_reduce_relu (relu), forward ----
         # inception_5b_3x3_reduce_relu = Max(0, inception_5b_3x3_reduce)
@@ -5618,7 +5618,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # inception_5b_1x1 = conv2d(inception_5a_1x1_concat, inception_5b_1x1_W, inception_5b_1x1_B)
         inception_5b_1x1 = mem.tensor(89, (128, 384, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_1x1_W'], T['inception_5b_1x1_B'], out=inception_5b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_1x1_W'], T['inception_5b_1x1_B'], out=inception_5b_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
 
         # ---- inception_5a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_5a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_5a_1x1_concat)
@@ -5631,7 +5631,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_5b_pool_proj = conv2d(inception_5a_1x1_max_pool, inception_5b_pool_proj_W, inception_5b_pool_proj_B)
         inception_5b_pool_proj = mem.tensor(91, (128, 128, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_max_pool, T['inception_5b_pool_proj_W'], T['inception_5b_pool_proj_B'], out=inception_5b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_5a_1x1_max_pool, T['inception_5b_pool_proj_W'], T['inception_5b_pool_proj_B'], out=inception_5b_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
         # free inception_5a_1x1_max_pool
         del inception_5a_1x1_max_pool
         mem.free(90)

@@ -175,7 +175,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
         # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
         inception_a_5x5_reduce = mem.tensor(7, (100, 4, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- inception_a_5x5_reduce_relu (relu), forward ----
         # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
@@ -202,7 +202,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
         inception_a_pool_proj = mem.tensor(11, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
         # free conv1_max_pool_2
         del conv1_max_pool_2
         mem.free(10)
@@ -215,7 +215,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
         inception_a_3x3_reduce = mem.tensor(12, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- inception_a_3x3_reduce_relu (relu), forward ----
         # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
@@ -225,7 +225,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
         inception_a_1x1 = mem.tensor(13, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- inception_a_1x1_relu (relu), forward ----
         # inception_a_1x1_relu = Max(0, inception_a_1x1)
@@ -260,7 +260,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
         # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
         inception_b_5x5_reduce = mem.tensor(18, (100, 8, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_5x5_reduce_relu (relu), forward ----
         # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
@@ -287,7 +287,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
         inception_b_pool_proj = mem.tensor(22, (100, 16, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_pool_proj_relu (relu), forward ----
         # inception_b_pool_proj_relu = Max(0, inception_b_pool_proj)
@@ -297,7 +297,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
         inception_b_3x3_reduce = mem.tensor(23, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_3x3_reduce_relu (relu), forward ----
         # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
@@ -307,7 +307,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
         inception_b_1x1 = mem.tensor(24, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_1x1_relu (relu), forward ----
         # inception_b_1x1_relu = Max(0, inception_b_1x1)
@@ -703,7 +703,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_b_1x1, inception_b_1x1_W)
         d_inception_a_1x1_max_pool = mem.tensor(53, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_1x1, T['inception_b_1x1_W'], out=d_inception_a_1x1_max_pool, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_b_1x1, T['inception_b_1x1_W'], out=d_inception_a_1x1_max_pool, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
         # free d_inception_b_1x1_relu, d_inception_b_1x1
         del d_inception_b_1x1_relu, d_inception_b_1x1
         mem.free(44)
@@ -714,7 +714,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_2 = conv2d_bwd_data[size=(7,7)](d_inception_b_3x3_reduce, inception_b_3x3_reduce_W)
         d_inception_a_1x1_max_pool_2 = mem.tensor(54, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_3x3_reduce, T['inception_b_3x3_reduce_W'], out=d_inception_a_1x1_max_pool_2, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_b_3x3_reduce, T['inception_b_3x3_reduce_W'], out=d_inception_a_1x1_max_pool_2, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
         # free d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
         del d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
         mem.free(50)
@@ -725,7 +725,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_b_pool_proj, inception_b_pool_proj_W)
         d_inception_a_1x1_max_pool_3 = mem.tensor(55, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_pool_proj, T['inception_b_pool_proj_W'], out=d_inception_a_1x1_max_pool_3, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_b_pool_proj, T['inception_b_pool_proj_W'], out=d_inception_a_1x1_max_pool_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
         # free d_inception_b_pool_proj_relu, d_inception_b_pool_proj
         del d_inception_b_pool_proj_relu, d_inception_b_pool_proj
         mem.free(41)
@@ -746,7 +746,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_5 = conv2d_bwd_data[size=(7,7)](d_inception_b_5x5_reduce, inception_b_5x5_reduce_W)
         d_inception_a_1x1_max_pool_5 = mem.tensor(57, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_5x5_reduce, T['inception_b_5x5_reduce_W'], out=d_inception_a_1x1_max_pool_5, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_inception_b_5x5_reduce, T['inception_b_5x5_reduce_W'], out=d_inception_a_1x1_max_pool_5, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
         # free d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
         del d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
         mem.free(38)
@@ -893,7 +893,7 @@ class InceptionMini(rp.Model):
         mem.free(67)
         # d_conv1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_a_1x1, inception_a_1x1_W)
         d_conv1_max_pool = mem.tensor(68, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_1x1, T['inception_a_1x1_W'], out=d_conv1_max_pool, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_a_1x1, T['inception_a_1x1_W'], out=d_conv1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
         # free d_inception_a_1x1_relu, d_inception_a_1x1
         del d_inception_a_1x1_relu, d_inception_a_1x1
         mem.free(65)
@@ -1035,7 +1035,7 @@ class InceptionMini(rp.Model):
         mem.free(78)
         # d_conv1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_a_3x3_reduce, inception_a_3x3_reduce_W)
         d_conv1_max_pool_2 = mem.tensor(79, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_3x3_reduce, T['inception_a_3x3_reduce_W'], out=d_conv1_max_pool_2, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_a_3x3_reduce, T['inception_a_3x3_reduce_W'], out=d_conv1_max_pool_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
         # free d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
         del d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
         mem.free(76)
@@ -1046,7 +1046,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_conv1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_a_pool_proj, inception_a_pool_proj_W)
         d_conv1_max_pool_3 = mem.tensor(80, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_pool_proj, T['inception_a_pool_proj_W'], out=d_conv1_max_pool_3, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_a_pool_proj, T['inception_a_pool_proj_W'], out=d_conv1_max_pool_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
         # free d_inception_a_pool_proj_relu, d_inception_a_pool_proj
         del d_inception_a_pool_proj_relu, d_inception_a_pool_proj
         mem.free(69)
@@ -1067,7 +1067,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
         # d_conv1_max_pool_5 = conv2d_bwd_data[size=(14,14)](d_inception_a_5x5_reduce, inception_a_5x5_reduce_W)
         d_conv1_max_pool_5 = mem.tensor(82, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_5x5_reduce, T['inception_a_5x5_reduce_W'], out=d_conv1_max_pool_5, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_inception_a_5x5_reduce, T['inception_a_5x5_reduce_W'], out=d_conv1_max_pool_5, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
         # free d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
         del d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
         mem.free(62)
@@ -1160,7 +1160,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
         # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
         inception_a_5x5_reduce = mem.tensor(4, (100, 4, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- inception_a_5x5_reduce_relu (relu), forward ----
         # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
@@ -1183,7 +1183,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
         inception_a_3x3_reduce = mem.tensor(6, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- inception_a_3x3_reduce_relu (relu), forward ----
         # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
@@ -1206,7 +1206,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
         inception_a_1x1 = mem.tensor(8, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
 
         # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
@@ -1219,7 +1219,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
         inception_a_pool_proj = mem.tensor(10, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
         # free conv1_max_pool_2
         del conv1_max_pool_2
         mem.free(9)
@@ -1253,7 +1253,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
         # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
         inception_b_5x5_reduce = mem.tensor(13, (100, 8, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_5x5_reduce_relu (relu), forward ----
         # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
@@ -1276,7 +1276,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
         inception_b_3x3_reduce = mem.tensor(15, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_b_3x3_reduce_relu (relu), forward ----
         # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
@@ -1299,7 +1299,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
         inception_b_1x1 = mem.tensor(17, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
 
         # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
@@ -1312,7 +1312,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
         inception_b_pool_proj = mem.tensor(19, (100, 16, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
         # free inception_a_1x1_max_pool_2
         del inception_a_1x1_max_pool_2
         mem.free(18)

@@ -1498,7 +1498,7 @@ class MobilenetV2(rp.Model):
         # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
         block7_project = mem.tensor(102, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1)
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
         # free block7_dw_bn_clipped_relu
         del block7_dw_bn_clipped_relu
         mem.free(101)
@@ -1546,7 +1546,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block8_expand = conv2d(block7_project_bn, block8_expand_W)
         block8_expand = mem.tensor(107, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1)
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block8_expand_bn (batch norm), forward ----
         # block8_expand_bn_sum = sum_to[1x384x1x1](block8_expand)
@@ -1643,7 +1643,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
         block8_project = mem.tensor(117, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1)
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block8_dw_bn_clipped_relu
         del block8_dw_bn_clipped_relu
         mem.free(116)
@@ -1693,7 +1693,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
         block9_expand = mem.tensor(121, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1)
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block9_expand_bn (batch norm), forward ----
         # block9_expand_bn_sum = sum_to[1x384x1x1](block9_expand)
@@ -1790,7 +1790,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
         block9_project = mem.tensor(131, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1)
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block9_dw_bn_clipped_relu
         del block9_dw_bn_clipped_relu
         mem.free(130)
@@ -1840,7 +1840,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
         block10_expand = mem.tensor(136, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1)
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block10_expand_bn (batch norm), forward ----
         # block10_expand_bn_sum = sum_to[1x384x1x1](block10_expand)
@@ -1937,7 +1937,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
         block10_project = mem.tensor(146, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1)
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block10_dw_bn_clipped_relu
         del block10_dw_bn_clipped_relu
         mem.free(145)
@@ -1987,7 +1987,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
         block11_expand = mem.tensor(150, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1)
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block11_expand_bn (batch norm), forward ----
         # block11_expand_bn_sum = sum_to[1x384x1x1](block11_expand)
@@ -2084,7 +2084,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
         block11_project = mem.tensor(160, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1)
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block11_dw_bn_clipped_relu
         del block11_dw_bn_clipped_relu
         mem.free(159)
@@ -2132,7 +2132,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block12_expand = conv2d(block11_project_bn, block12_expand_W)
         block12_expand = mem.tensor(165, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1)
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
 
         # ---- block12_expand_bn (batch norm), forward ----
         # block12_expand_bn_sum = sum_to[1x576x1x1](block12_expand)
@@ -2229,7 +2229,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
         block12_project = mem.tensor(175, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1)
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block12_dw_bn_clipped_relu
         del block12_dw_bn_clipped_relu
         mem.free(174)
@@ -2279,7 +2279,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
         block13_expand = mem.tensor(179, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1)
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
 
         # ---- block13_expand_bn (batch norm), forward ----
         # block13_expand_bn_sum = sum_to[1x576x1x1](block13_expand)
@@ -2376,7 +2376,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
         block13_project = mem.tensor(189, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1)
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block13_dw_bn_clipped_relu
         del block13_dw_bn_clipped_relu
         mem.free(188)
@@ -2426,7 +2426,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
         block14_expand = mem.tensor(194, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1)
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block13_project_bn_add
         del block13_project_bn_add
         mem.free(193)
@@ -2526,7 +2526,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block14_project = conv2d(block14_dw_bn_clipped_relu, block14_project_W)
         block14_project = mem.tensor(204, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block14_dw_bn_clipped_relu, T['block14_project_W'], out=block14_project, pad=0, stride=1)
+        rt.conv2d(block14_dw_bn_clipped_relu, T['block14_project_W'], out=block14_project, pad=0, stride=1, workspace=mem.workspace(3612672))
         # free block14_dw_bn_clipped_relu
         del block14_dw_bn_clipped_relu
         mem.free(203)
@@ -2574,7 +2574,7 @@ class MobilenetV2(rp.Model):
         # ---- block15_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block15_expand = conv2d(block14_project_bn, block15_expand_W)
         block15_expand = mem.tensor(209, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block14_project_bn, T['block15_expand_W'], out=block15_expand, pad=0, stride=1)
+        rt.conv2d(block14_project_bn, T['block15_expand_W'], out=block15_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
 
         # ---- block15_expand_bn (batch norm), forward ----
         # block15_expand_bn_sum = sum_to[1x960x1x1](block15_expand)
@@ -2671,7 +2671,7 @@ class MobilenetV2(rp.Model):
         # ---- block15_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block15_project = conv2d(block15_dw_bn_clipped_relu, block15_project_W)
         block15_project = mem.tensor(219, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block15_dw_bn_clipped_relu, T['block15_project_W'], out=block15_project, pad=0, stride=1)
+        rt.conv2d(block15_dw_bn_clipped_relu, T['block15_project_W'], out=block15_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block15_dw_bn_clipped_relu
         del block15_dw_bn_clipped_relu
         mem.free(218)
@@ -2721,7 +2721,7 @@ class MobilenetV2(rp.Model):
         # ---- block16_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block16_expand = conv2d(block15_project_bn_add, block16_expand_W)
         block16_expand = mem.tensor(223, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block15_project_bn_add, T['block16_expand_W'], out=block16_expand, pad=0, stride=1)
+        rt.conv2d(block15_project_bn_add, T['block16_expand_W'], out=block16_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
 
         # ---- block16_expand_bn (batch norm), forward ----
         # block16_expand_bn_sum = sum_to[1x960x1x1](block16_expand)
@@ -2818,7 +2818,7 @@ class MobilenetV2(rp.Model):
         # ---- block16_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block16_project = conv2d(block16_dw_bn_clipped_relu, block16_project_W)
         block16_project = mem.tensor(233, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block16_dw_bn_clipped_relu, T['block16_project_W'], out=block16_project, pad=0, stride=1)
+        rt.conv2d(block16_dw_bn_clipped_relu, T['block16_project_W'], out=block16_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block16_dw_bn_clipped_relu
         del block16_dw_bn_clipped_relu
         mem.free(232)
@@ -2868,7 +2868,7 @@ class MobilenetV2(rp.Model):
         # ---- block17_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block17_expand = conv2d(block16_project_bn_add, block17_expand_W)
         block17_expand = mem.tensor(238, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block16_project_bn_add, T['block17_expand_W'], out=block17_expand, pad=0, stride=1)
+        rt.conv2d(block16_project_bn_add, T['block17_expand_W'], out=block17_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block16_project_bn_add
         del block16_project_bn_add
         mem.free(237)
@@ -2968,7 +2968,7 @@ class MobilenetV2(rp.Model):
         # ---- block17_project (conv 1x1, 320 channels, stride 1, padding 0), forward ----
         # block17_project = conv2d(block17_dw_bn_clipped_relu, block17_project_W)
         block17_project = mem.tensor(248, (32, 320, 7, 7), 'float32')
-        rt.conv2d(block17_dw_bn_clipped_relu, T['block17_project_W'], out=block17_project, pad=0, stride=1)
+        rt.conv2d(block17_dw_bn_clipped_relu, T['block17_project_W'], out=block17_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block17_dw_bn_clipped_relu
         del block17_dw_bn_clipped_relu
         mem.free(247)
@@ -3016,7 +3016,7 @@ class MobilenetV2(rp.Model):
         # ---- conv_last (conv 1x1, 1280 channels, stride 1, padding 0), forward ----
         # conv_last = conv2d(block17_project_bn, conv_last_W)
         conv_last = mem.tensor(253, (32, 1280, 7, 7), 'float32')
-        rt.conv2d(block17_project_bn, T['conv_last_W'], out=conv_last, pad=0, stride=1)
+        rt.conv2d(block17_project_bn, T['conv_last_W'], out=conv_last, pad=0, stride=1, workspace=mem.workspace(8028160))
         # free block17_project_bn
         del block17_project_bn
         mem.free(252)
@@ -3261,7 +3261,7 @@ class MobilenetV2(rp.Model):
         mem.free(271)
         # d_block17_project_bn = conv2d_bwd_data[size=(7,7)](d_conv_last, conv_last_W)
         d_block17_project_bn = mem.tensor(273, (32, 320, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_conv_last, T['conv_last_W'], out=d_block17_project_bn, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_conv_last, T['conv_last_W'], out=d_block17_project_bn, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(8028160))
         # free conv_last, conv_last_bn_centered, d_conv_last_bn_centered, d_conv_last
         del conv_last, conv_last_bn_centered, d_conv_last_bn_centered, d_conv_last
         mem.free(253)
@@ -3354,7 +3354,7 @@ class MobilenetV2(rp.Model):
         mem.free(279)
         # d_block17_dw_bn_clipped_relu = conv2d_bwd_data[size=(7,7)](d_block17_project, block17_project_W)
         d_block17_dw_bn_clipped_relu = mem.tensor(280, (32, 960, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block17_project, T['block17_project_W'], out=d_block17_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block17_project, T['block17_project_W'], out=d_block17_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block17_project, block17_project_bn_centered, d_block17_project_bn_centered, d_block17_project
         del block17_project, block17_project_bn_centered, d_block17_project_bn_centered, d_block17_project
         mem.free(248)
@@ -3545,7 +3545,7 @@ class MobilenetV2(rp.Model):
         mem.free(292)
         # d_block16_project_bn_add = conv2d_bwd_data[size=(7,7)](d_block17_expand, block17_expand_W)
         d_block16_project_bn_add = mem.tensor(294, (32, 160, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block17_expand, T['block17_expand_W'], out=d_block16_project_bn_add, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block17_expand, T['block17_expand_W'], out=d_block16_project_bn_add, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block17_expand, block17_expand_bn_centered, d_block17_expand_bn_centered, d_block17_expand
         del block17_expand, block17_expand_bn_centered, d_block17_expand_bn_centered, d_block17_expand
         mem.free(238)
@@ -3637,7 +3637,7 @@ class MobilenetV2(rp.Model):
         mem.free(300)
         # d_block16_dw_bn_clipped_relu = conv2d_bwd_data[size=(7,7)](d_block16_project, block16_project_W)
         d_block16_dw_bn_clipped_relu = mem.tensor(301, (32, 960, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block16_project, T['block16_project_W'], out=d_block16_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block16_project, T['block16_project_W'], out=d_block16_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block16_project, block16_project_bn_centered, d_block16_project_bn_centered, d_block16_project
         del block16_project, block16_project_bn_centered, d_block16_project_bn_centered, d_block16_project
         mem.free(233)
@@ -3821,7 +3821,7 @@ class MobilenetV2(rp.Model):
         mem.free(208)
         # d_block15_project_bn_add = conv2d_bwd_data[size=(7,7)](d_block16_expand, block16_expand_W)
         d_block15_project_bn_add = mem.tensor(314, (32, 160, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block16_expand, T['block16_expand_W'], out=d_block15_project_bn_add, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block16_expand, T['block16_expand_W'], out=d_block15_project_bn_add, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block16_expand, block16_expand_bn_centered, d_block16_expand_bn_centered, d_block16_expand
         del block16_expand, block16_expand_bn_centered, d_block16_expand_bn_centered, d_block16_expand
         mem.free(223)
@@ -3923,7 +3923,7 @@ class MobilenetV2(rp.Model):
         mem.free(320)
         # d_block15_dw_bn_clipped_relu = conv2d_bwd_data[size=(7,7)](d_block15_project, block15_project_W)
         d_block15_dw_bn_clipped_relu = mem.tensor(321, (32, 960, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block15_project, T['block15_project_W'], out=d_block15_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block15_project, T['block15_project_W'], out=d_block15_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block15_project, block15_project_bn_centered, d_block15_project_bn_centered, d_block15_project
         del block15_project, block15_project_bn_centered, d_block15_project_bn_centered, d_block15_project
         mem.free(219)
@@ -4114,7 +4114,7 @@ class MobilenetV2(rp.Model):
         mem.free(333)
         # d_block14_project_bn = conv2d_bwd_data[size=(7,7)](d_block15_expand, block15_expand_W)
         d_block14_project_bn = mem.tensor(335, (32, 160, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block15_expand, T['block15_expand_W'], out=d_block14_project_bn, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block15_expand, T['block15_expand_W'], out=d_block14_project_bn, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(6021120))
         # free block15_expand, block15_expand_bn_centered, d_block15_expand_bn_centered, d_block15_expand
         del block15_expand, block15_expand_bn_centered, d_block15_expand_bn_centered, d_block15_expand
         mem.free(209)
@@ -4217,7 +4217,7 @@ class MobilenetV2(rp.Model):
         mem.free(341)
         # d_block14_dw_bn_clipped_relu = conv2d_bwd_data[size=(7,7)](d_block14_project, block14_project_W)
         d_block14_dw_bn_clipped_relu = mem.tensor(342, (32, 576, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_block14_project, T['block14_project_W'], out=d_block14_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_block14_project, T['block14_project_W'], out=d_block14_dw_bn_clipped_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(3612672))
         # free block14_project, block14_project_bn_centered, d_block14_project_bn_centered, d_block14_project
         del block14_project, block14_project_bn_centered, d_block14_project_bn_centered, d_block14_project
         mem.free(204)
@@ -4408,7 +4408,7 @@ class MobilenetV2(rp.Model):
         mem.free(354)
         # d_block13_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block14_expand, block14_expand_W)
         d_block13_project_bn_add = mem.tensor(356, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block14_expand, T['block14_expand_W'], out=d_block13_project_bn_add, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block14_expand, T['block14_expand_W'], out=d_block13_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
         # free block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         del block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         mem.free(194)
@@ -4500,7 +4500,7 @@ class MobilenetV2(rp.Model):
         mem.free(362)
         # d_block13_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block13_project, block13_project_W)
         d_block13_dw_bn_clipped_relu = mem.tensor(363, (32, 576, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block13_project, T['block13_project_W'], out=d_block13_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block13_project, T['block13_project_W'], out=d_block13_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
         # free block13_project, block13_project_bn_centered, d_block13_project_bn_centered, d_block13_project
         del block13_project, block13_project_bn_centered, d_block13_project_bn_centered, d_block13_project
         mem.free(189)
@@ -4684,7 +4684,7 @@ class MobilenetV2(rp.Model):
         mem.free(164)
         # d_block12_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block13_expand, block13_expand_W)
         d_block12_project_bn_add = mem.tensor(376, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block13_expand, T['block13_expand_W'], out=d_block12_project_bn_add, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block13_expand, T['block13_expand_W'], out=d_block12_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
         # free block13_expand, block13_expand_bn_centered, d_block13_expand_bn_centered, d_block13_expand
         del block13_expand, block13_expand_bn_centered, d_block13_expand_bn_centered, d_block13_expand
         mem.free(179)
@@ -4786,7 +4786,7 @@ class MobilenetV2(rp.Model):
         mem.free(382)
         # d_block12_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block12_project, block12_project_W)
         d_block12_dw_bn_clipped_relu = mem.tensor(383, (32, 576, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block12_project, T['block12_project_W'], out=d_block12_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block12_project, T['block12_project_W'], out=d_block12_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
         # free block12_project, block12_project_bn_centered, d_block12_project_bn_centered, d_block12_project
         del block12_project, block12_project_bn_centered, d_block12_project_bn_centered, d_block12_project
         mem.free(175)
@@ -4977,7 +4977,7 @@ class MobilenetV2(rp.Model):
         mem.free(395)
         # d_block11_project_bn = conv2d_bwd_data[size=(14,14)](d_block12_expand, block12_expand_W)
         d_block11_project_bn = mem.tensor(397, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block12_expand, T['block12_expand_W'], out=d_block11_project_bn, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block12_expand, T['block12_expand_W'], out=d_block11_project_bn, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
         # free block12_expand, block12_expand_bn_centered, d_block12_expand_bn_centered, d_block12_expand
         del block12_expand, block12_expand_bn_centered, d_block12_expand_bn_centered, d_block12_expand
         mem.free(165)
@@ -5080,7 +5080,7 @@ class MobilenetV2(rp.Model):
         mem.free(403)
         # d_block11_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block11_project, block11_project_W)
         d_block11_dw_bn_clipped_relu = mem.tensor(404, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block11_project, T['block11_project_W'], out=d_block11_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block11_project, T['block11_project_W'], out=d_block11_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block11_project, block11_project_bn_centered, d_block11_project_bn_centered, d_block11_project
         del block11_project, block11_project_bn_centered, d_block11_project_bn_centered, d_block11_project
         mem.free(160)
@@ -5264,7 +5264,7 @@ class MobilenetV2(rp.Model):
         mem.free(135)
         # d_block10_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block11_expand, block11_expand_W)
         d_block10_project_bn_add = mem.tensor(417, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block11_expand, T['block11_expand_W'], out=d_block10_project_bn_add, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block11_expand, T['block11_expand_W'], out=d_block10_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         del block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         mem.free(150)
@@ -5356,7 +5356,7 @@ class MobilenetV2(rp.Model):
         mem.free(423)
         # d_block10_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block10_project, block10_project_W)
         d_block10_dw_bn_clipped_relu = mem.tensor(424, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block10_project, T['block10_project_W'], out=d_block10_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block10_project, T['block10_project_W'], out=d_block10_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block10_project, block10_project_bn_centered, d_block10_project_bn_centered, d_block10_project
         del block10_project, block10_project_bn_centered, d_block10_project_bn_centered, d_block10_project
         mem.free(146)
@@ -5547,7 +5547,7 @@ class MobilenetV2(rp.Model):
         mem.free(436)
         # d_block9_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block10_expand, block10_expand_W)
         d_block9_project_bn_add = mem.tensor(438, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block10_expand, T['block10_expand_W'], out=d_block9_project_bn_add, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block10_expand, T['block10_expand_W'], out=d_block9_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block10_expand, block10_expand_bn_centered, d_block10_expand_bn_centered, d_block10_expand
         del block10_expand, block10_expand_bn_centered, d_block10_expand_bn_centered, d_block10_expand
         mem.free(136)
@@ -5649,7 +5649,7 @@ class MobilenetV2(rp.Model):
         mem.free(444)
         # d_block9_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block9_project, block9_project_W)
         d_block9_dw_bn_clipped_relu = mem.tensor(445, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block9_project, T['block9_project_W'], out=d_block9_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block9_project, T['block9_project_W'], out=d_block9_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block9_project, block9_project_bn_centered, d_block9_project_bn_centered, d_block9_project
         del block9_project, block9_project_bn_centered, d_block9_project_bn_centered, d_block9_project
         mem.free(131)
@@ -5833,7 +5833,7 @@ class MobilenetV2(rp.Model):
         mem.free(106)
         # d_block8_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block9_expand, block9_expand_W)
         d_block8_project_bn_add = mem.tensor(458, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block9_expand, T['block9_expand_W'], out=d_block8_project_bn_add, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block9_expand, T['block9_expand_W'], out=d_block8_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block9_expand, block9_expand_bn_centered, d_block9_expand_bn_centered, d_block9_expand
         del block9_expand, block9_expand_bn_centered, d_block9_expand_bn_centered, d_block9_expand
         mem.free(121)
@@ -5935,7 +5935,7 @@ class MobilenetV2(rp.Model):
         mem.free(464)
         # d_block8_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block8_project, block8_project_W)
         d_block8_dw_bn_clipped_relu = mem.tensor(465, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block8_project, T['block8_project_W'], out=d_block8_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block8_project, T['block8_project_W'], out=d_block8_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block8_project, block8_project_bn_centered, d_block8_project_bn_centered, d_block8_project
         del block8_project, block8_project_bn_centered, d_block8_project_bn_centered, d_block8_project
         mem.free(117)
@@ -6126,7 +6126,7 @@ class MobilenetV2(rp.Model):
         mem.free(477)
         # d_block7_project_bn = conv2d_bwd_data[size=(14,14)](d_block8_expand, block8_expand_W)
         d_block7_project_bn = mem.tensor(479, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block8_expand, T['block8_expand_W'], out=d_block7_project_bn, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block8_expand, T['block8_expand_W'], out=d_block7_project_bn, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
         # free block8_expand, block8_expand_bn_centered, d_block8_expand_bn_centered, d_block8_expand
         del block8_expand, block8_expand_bn_centered, d_block8_expand_bn_centered, d_block8_expand
         mem.free(107)
@@ -6229,7 +6229,7 @@ class MobilenetV2(rp.Model):
         mem.free(485)
         # d_block7_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block7_project, block7_project_W)
         d_block7_dw_bn_clipped_relu = mem.tensor(486, (32, 192, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block7_project, T['block7_project_W'], out=d_block7_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_block7_project, T['block7_project_W'], out=d_block7_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(4816896))
         # free block7_project, block7_project_bn_centered, d_block7_project_bn_centered, d_block7_project
         del block7_project, block7_project_bn_centered, d_block7_project_bn_centered, d_block7_project
         mem.free(102)
@@ -8604,7 +8604,7 @@ class MobilenetV2(rp.Model):
         # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
         block7_project = mem.tensor(22, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1)
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
         # free block7_dw, block7_dw_bn_clipped_relu
         del block7_dw, block7_dw_bn_clipped_relu
         mem.free(21)
@@ -8625,7 +8625,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block8_expand = conv2d(block7_project_bn, block8_expand_W)
         block8_expand = mem.tensor(23, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1)
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block8_expand_bn (batch norm), forward ----
         # block8_expand_bn_running_var = reshape[1x384x1x1](block8_expand_bn_var)
@@ -8668,7 +8668,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
         block8_project = mem.tensor(25, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1)
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block8_dw, block8_dw_bn_clipped_relu
         del block8_dw, block8_dw_bn_clipped_relu
         mem.free(24)
@@ -8694,7 +8694,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
         block9_expand = mem.tensor(26, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1)
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block9_expand_bn (batch norm), forward ----
         # block9_expand_bn_bias = reshape[1x384x1x1](block9_expand_bn_B)
@@ -8737,7 +8737,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
         block9_project = mem.tensor(28, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1)
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block9_dw, block9_dw_bn_clipped_relu
         del block9_dw, block9_dw_bn_clipped_relu
         mem.free(27)
@@ -8763,7 +8763,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
         block10_expand = mem.tensor(29, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1)
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
 
         # ---- block10_expand_bn (batch norm), forward ----
         # block10_expand_bn_bias = reshape[1x384x1x1](block10_expand_bn_B)
@@ -8806,7 +8806,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
         block10_project = mem.tensor(31, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1)
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block10_dw, block10_dw_bn_clipped_relu
         del block10_dw, block10_dw_bn_clipped_relu
         mem.free(30)
@@ -8832,7 +8832,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
         block11_expand = mem.tensor(32, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1)
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block10_project, block10_project_bn_add
         del block10_project, block10_project_bn_add
         mem.free(31)
@@ -8878,7 +8878,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
         block11_project = mem.tensor(34, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1)
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
         # free block11_dw, block11_dw_bn_clipped_relu
         del block11_dw, block11_dw_bn_clipped_relu
         mem.free(33)
@@ -8899,7 +8899,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block12_expand = conv2d(block11_project_bn, block12_expand_W)
         block12_expand = mem.tensor(35, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1)
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
 
         # ---- block12_expand_bn (batch norm), forward ----
         # block12_expand_bn_bias = reshape[1x576x1x1](block12_expand_bn_B)
@@ -8942,7 +8942,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
         block12_project = mem.tensor(37, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1)
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block12_dw, block12_dw_bn_clipped_relu
         del block12_dw, block12_dw_bn_clipped_relu
         mem.free(36)
@@ -8968,7 +8968,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
         block13_expand = mem.tensor(38, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1)
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
 
         # ---- block13_expand_bn (batch norm), forward ----
         # block13_expand_bn_bias = reshape[1x576x1x1](block13_expand_bn_B)
@@ -9011,7 +9011,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
         block13_project = mem.tensor(40, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1)
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block13_dw, block13_dw_bn_clipped_relu
         del block13_dw, block13_dw_bn_clipped_relu
         mem.free(39)
@@ -9037,7 +9037,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
         block14_expand = mem.tensor(41, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1)
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
         # free block13_project, block13_project_bn_add
         del block13_project, block13_project_bn_add
         mem.free(40)
@@ -9083,7 +9083,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block14_project = conv2d(block14_dw_bn_clipped_relu, block14_project_W)
         block14_project = mem.tensor(43, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block14_dw_bn_clipped_relu, T['block14_project_W'], out=block14_project, pad=0, stride=1)
+        rt.conv2d(block14_dw_bn_clipped_relu, T['block14_project_W'], out=block14_project, pad=0, stride=1, workspace=mem.workspace(3612672))
         # free block14_dw, block14_dw_bn_clipped_relu
         del block14_dw, block14_dw_bn_clipped_relu
         mem.free(42)
@@ -9104,7 +9104,7 @@ class MobilenetV2(rp.Model):
         # ---- block15_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block15_expand = conv2d(block14_project_bn, block15_expand_W)
         block15_expand = mem.tensor(44, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block14_project_bn, T['block15_expand_W'], out=block15_expand, pad=0, stride=1)
+        rt.conv2d(block14_project_bn, T['block15_expand_W'], out=block15_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
 
         # ---- block15_expand_bn (batch norm), forward ----
         # block15_expand_bn_bias = reshape[1x960x1x1](block15_expand_bn_B)
@@ -9147,7 +9147,7 @@ class MobilenetV2(rp.Model):
         # ---- block15_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block15_project = conv2d(block15_dw_bn_clipped_relu, block15_project_W)
         block15_project = mem.tensor(46, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block15_dw_bn_clipped_relu, T['block15_project_W'], out=block15_project, pad=0, stride=1)
+        rt.conv2d(block15_dw_bn_clipped_relu, T['block15_project_W'], out=block15_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block15_dw, block15_dw_bn_clipped_relu
         del block15_dw, block15_dw_bn_clipped_relu
         mem.free(45)
@@ -9173,7 +9173,7 @@ class MobilenetV2(rp.Model):
         # ---- block16_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block16_expand = conv2d(block15_project_bn_add, block16_expand_W)
         block16_expand = mem.tensor(47, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block15_project_bn_add, T['block16_expand_W'], out=block16_expand, pad=0, stride=1)
+        rt.conv2d(block15_project_bn_add, T['block16_expand_W'], out=block16_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
 
         # ---- block16_expand_bn (batch norm), forward ----
         # block16_expand_bn_bias = reshape[1x960x1x1](block16_expand_bn_B)
@@ -9216,7 +9216,7 @@ class MobilenetV2(rp.Model):
         # ---- block16_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # block16_project = conv2d(block16_dw_bn_clipped_relu, block16_project_W)
         block16_project = mem.tensor(49, (32, 160, 7, 7), 'float32')
-        rt.conv2d(block16_dw_bn_clipped_relu, T['block16_project_W'], out=block16_project, pad=0, stride=1)
+        rt.conv2d(block16_dw_bn_clipped_relu, T['block16_project_W'], out=block16_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block16_dw, block16_dw_bn_clipped_relu
         del block16_dw, block16_dw_bn_clipped_relu
         mem.free(48)
@@ -9242,7 +9242,7 @@ class MobilenetV2(rp.Model):
         # ---- block17_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
         # block17_expand = conv2d(block16_project_bn_add, block17_expand_W)
         block17_expand = mem.tensor(50, (32, 960, 7, 7), 'float32')
-        rt.conv2d(block16_project_bn_add, T['block17_expand_W'], out=block17_expand, pad=0, stride=1)
+        rt.conv2d(block16_project_bn_add, T['block17_expand_W'], out=block17_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block16_project, block16_project_bn_add
         del block16_project, block16_project_bn_add
         mem.free(49)
@@ -9288,7 +9288,7 @@ class MobilenetV2(rp.Model):
         # ---- block17_project (conv 1x1, 320 channels, stride 1, padding 0), forward ----
         # block17_project = conv2d(block17_dw_bn_clipped_relu, block17_project_W)
         block17_project = mem.tensor(52, (32, 320, 7, 7), 'float32')
-        rt.conv2d(block17_dw_bn_clipped_relu, T['block17_project_W'], out=block17_project, pad=0, stride=1)
+        rt.conv2d(block17_dw_bn_clipped_relu, T['block17_project_W'], out=block17_project, pad=0, stride=1, workspace=mem.workspace(6021120))
         # free block17_dw, block17_dw_bn_clipped_relu
         del block17_dw, block17_dw_bn_clipped_relu
         mem.free(51)
@@ -9309,7 +9309,7 @@ class MobilenetV2(rp.Model):
         # ---- conv_last (conv 1x1, 1280 channels, stride 1, padding 0), forward ----
         # conv_last = conv2d(block17_project_bn, conv_last_W)
         conv_last = mem.tensor(53, (32, 1280, 7, 7), 'float32')
-        rt.conv2d(block17_project_bn, T['conv_last_W'], out=conv_last, pad=0, stride=1)
+        rt.conv2d(block17_project_bn, T['conv_last_W'], out=conv_last, pad=0, stride=1, workspace=mem.workspace(8028160))
         # free block17_project, block17_project_bn
         del block17_project, block17_project_bn
         mem.free(52)

@@ -1836,7 +1836,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
         res4a_branch2c = mem.tensor(134, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4a_branch2b_relu
         del bn4a_branch2b_relu
         mem.free(129)
@@ -1892,7 +1892,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
         res4b_branch2a = mem.tensor(139, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_sum = sum_to[1x256x1x1](res4b_branch2a)
@@ -1989,7 +1989,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
         res4b_branch2c = mem.tensor(149, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4b_branch2b_relu
         del bn4b_branch2b_relu
         mem.free(148)
@@ -2039,7 +2039,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
         res4c_branch2a = mem.tensor(153, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_sum = sum_to[1x256x1x1](res4c_branch2a)
@@ -2136,7 +2136,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
         res4c_branch2c = mem.tensor(163, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4c_branch2b_relu
         del bn4c_branch2b_relu
         mem.free(162)
@@ -2186,7 +2186,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
         res4d_branch2a = mem.tensor(168, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_sum = sum_to[1x256x1x1](res4d_branch2a)
@@ -2283,7 +2283,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
         res4d_branch2c = mem.tensor(178, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4d_branch2b_relu
         del bn4d_branch2b_relu
         mem.free(177)
@@ -2333,7 +2333,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
         res4e_branch2a = mem.tensor(182, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_sum = sum_to[1x256x1x1](res4e_branch2a)
@@ -2430,7 +2430,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
         res4e_branch2c = mem.tensor(192, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4e_branch2b_relu
         del bn4e_branch2b_relu
         mem.free(191)
@@ -2480,7 +2480,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
         res4f_branch2a = mem.tensor(197, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_sum = sum_to[1x256x1x1](res4f_branch2a)
@@ -2577,7 +2577,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
         res4f_branch2c = mem.tensor(207, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free bn4f_branch2b_relu
         del bn4f_branch2b_relu
         mem.free(206)
@@ -2762,7 +2762,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5a_branch2c = conv2d(bn5a_branch2b_relu, res5a_branch2c_W)
         res5a_branch2c = mem.tensor(225, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free bn5a_branch2b_relu
         del bn5a_branch2b_relu
         mem.free(220)
@@ -2818,7 +2818,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5b_branch2a = conv2d(bn5a_branch2c_relu, res5b_branch2a_W)
         res5b_branch2a = mem.tensor(230, (32, 512, 7, 7), 'float32')
-        rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1)
+        rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5b_branch2a (batch norm), forward ----
         # bn5b_branch2a_sum = sum_to[1x512x1x1](res5b_branch2a)
@@ -2915,7 +2915,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5b_branch2c = conv2d(bn5b_branch2b_relu, res5b_branch2c_W)
         res5b_branch2c = mem.tensor(240, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free bn5b_branch2b_relu
         del bn5b_branch2b_relu
         mem.free(239)
@@ -2965,7 +2965,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5c_branch2a = conv2d(bn5b_branch2c_relu, res5c_branch2a_W)
         res5c_branch2a = mem.tensor(244, (32, 512, 7, 7), 'float32')
-        rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1)
+        rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5c_branch2a (batch norm), forward ----
         # bn5c_branch2a_sum = sum_to[1x512x1x1](res5c_branch2a)
@@ -3062,7 +3062,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5c_branch2c = conv2d(bn5c_branch2b_relu, res5c_branch2c_W)
         res5c_branch2c = mem.tensor(254, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free bn5c_branch2b_relu
         del bn5c_branch2b_relu
         mem.free(253)
@@ -3280,7 +3280,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5c_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2c, res5c_branch2c_W)
         d_bn5c_branch2b_relu = mem.tensor(272, (32, 512, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5c_branch2c, T['res5c_branch2c_W'], out=d_bn5c_branch2b_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_res5c_branch2c, T['res5c_branch2c_W'], out=d_bn5c_branch2b_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5c_branch2b_relu (relu), forward ----
         # bn5c_branch2b_relu_2 = Max(0, bn5c_branch2b_centered*bn5c_branch2b_inv_std*bn5c_branch2b_weight + bn5c_branch2b_bias)
@@ -3480,7 +3480,7 @@ class Resnet50(rp.Model):
         mem.free(286)
         # d_bn5b_branch2c_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2a, res5c_branch2a_W)
         d_bn5b_branch2c_relu = mem.tensor(287, (32, 2048, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5c_branch2a, T['res5c_branch2a_W'], out=d_bn5b_branch2c_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_res5c_branch2a, T['res5c_branch2a_W'], out=d_bn5b_branch2c_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(12845056))
         # free res5c_branch2a, bn5c_branch2a_centered, d_bn5c_branch2a_centered, d_res5c_branch2a
         del res5c_branch2a, bn5c_branch2a_centered, d_bn5c_branch2a_centered, d_res5c_branch2a
         mem.free(244)
@@ -3562,7 +3562,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5b_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2c, res5b_branch2c_W)
         d_bn5b_branch2b_relu = mem.tensor(292, (32, 512, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5b_branch2c, T['res5b_branch2c_W'], out=d_bn5b_branch2b_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_res5b_branch2c, T['res5b_branch2c_W'], out=d_bn5b_branch2b_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5b_branch2b_relu (relu), forward ----
         # bn5b_branch2b_relu_2 = Max(0, bn5b_branch2b_centered*bn5b_branch2b_inv_std*bn5b_branch2b_weight + bn5b_branch2b_bias)
@@ -3767,7 +3767,7 @@ class Resnet50(rp.Model):
         mem.free(307)
         # d_bn5a_branch2c_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2a, res5b_branch2a_W)
         d_bn5a_branch2c_relu = mem.tensor(308, (32, 2048, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5b_branch2a, T['res5b_branch2a_W'], out=d_bn5a_branch2c_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_res5b_branch2a, T['res5b_branch2a_W'], out=d_bn5a_branch2c_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(12845056))
         # free res5b_branch2a, bn5b_branch2a_centered, d_bn5b_branch2a_centered, d_res5b_branch2a
         del res5b_branch2a, bn5b_branch2a_centered, d_bn5b_branch2a_centered, d_res5b_branch2a
         mem.free(230)
@@ -3910,7 +3910,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5a_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5a_branch2c, res5a_branch2c_W)
         d_bn5a_branch2b_relu = mem.tensor(316, (32, 512, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_res5a_branch2c, T['res5a_branch2c_W'], out=d_bn5a_branch2b_relu, pad=0, size=(7, 7), stride=1)
+        rt.conv2d_bwd_data(d_res5a_branch2c, T['res5a_branch2c_W'], out=d_bn5a_branch2b_relu, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5a_branch2b_relu (relu), forward ----
         # bn5a_branch2b_relu_2 = Max(0, bn5a_branch2b_centered*bn5a_branch2b_inv_std*bn5a_branch2b_weight + bn5a_branch2b_bias)
@@ -4220,7 +4220,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4f_branch2c, bn4f_branch2b_relu_2, out=d_res4f_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4f_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2c, res4f_branch2c_W)
         d_bn4f_branch2b_relu = mem.tensor(340, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4f_branch2c, T['res4f_branch2c_W'], out=d_bn4f_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4f_branch2c, T['res4f_branch2c_W'], out=d_bn4f_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
         del res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
         mem.free(207)
@@ -4420,7 +4420,7 @@ class Resnet50(rp.Model):
         mem.free(353)
         # d_bn4e_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2a, res4f_branch2a_W)
         d_bn4e_branch2c_relu = mem.tensor(354, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4f_branch2a, T['res4f_branch2a_W'], out=d_bn4e_branch2c_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4f_branch2a, T['res4f_branch2a_W'], out=d_bn4e_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
         del res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
         mem.free(197)
@@ -4510,7 +4510,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4e_branch2c, bn4e_branch2b_relu_2, out=d_res4e_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4e_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2c, res4e_branch2c_W)
         d_bn4e_branch2b_relu = mem.tensor(361, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4e_branch2c, T['res4e_branch2c_W'], out=d_bn4e_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4e_branch2c, T['res4e_branch2c_W'], out=d_bn4e_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
         del res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
         mem.free(192)
@@ -4703,7 +4703,7 @@ class Resnet50(rp.Model):
         mem.free(373)
         # d_bn4d_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2a, res4e_branch2a_W)
         d_bn4d_branch2c_relu = mem.tensor(374, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4e_branch2a, T['res4e_branch2a_W'], out=d_bn4d_branch2c_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4e_branch2a, T['res4e_branch2a_W'], out=d_bn4d_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
         del res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
         mem.free(182)
@@ -4793,7 +4793,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4d_branch2c, bn4d_branch2b_relu_2, out=d_res4d_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4d_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2c, res4d_branch2c_W)
         d_bn4d_branch2b_relu = mem.tensor(381, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4d_branch2c, T['res4d_branch2c_W'], out=d_bn4d_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4d_branch2c, T['res4d_branch2c_W'], out=d_bn4d_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
         del res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
         mem.free(178)
@@ -4993,7 +4993,7 @@ class Resnet50(rp.Model):
         mem.free(394)
         # d_bn4c_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2a, res4d_branch2a_W)
         d_bn4c_branch2c_relu = mem.tensor(395, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4d_branch2a, T['res4d_branch2a_W'], out=d_bn4c_branch2c_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4d_branch2a, T['res4d_branch2a_W'], out=d_bn4c_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
         del res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
         mem.free(168)
@@ -5083,7 +5083,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4c_branch2c, bn4c_branch2b_relu_2, out=d_res4c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4c_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2c, res4c_branch2c_W)
         d_bn4c_branch2b_relu = mem.tensor(402, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4c_branch2c, T['res4c_branch2c_W'], out=d_bn4c_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4c_branch2c, T['res4c_branch2c_W'], out=d_bn4c_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
         del res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
         mem.free(163)
@@ -5276,7 +5276,7 @@ class Resnet50(rp.Model):
         mem.free(414)
         # d_bn4b_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2a, res4c_branch2a_W)
         d_bn4b_branch2c_relu = mem.tensor(415, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4c_branch2a, T['res4c_branch2a_W'], out=d_bn4b_branch2c_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4c_branch2a, T['res4c_branch2a_W'], out=d_bn4b_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
         del res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
         mem.free(153)
@@ -5366,7 +5366,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4b_branch2c, bn4b_branch2b_relu_2, out=d_res4b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4b_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2c, res4b_branch2c_W)
         d_bn4b_branch2b_relu = mem.tensor(422, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4b_branch2c, T['res4b_branch2c_W'], out=d_bn4b_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4b_branch2c, T['res4b_branch2c_W'], out=d_bn4b_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
         del res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
         mem.free(149)
@@ -5566,7 +5566,7 @@ class Resnet50(rp.Model):
         mem.free(435)
         # d_bn4a_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2a, res4b_branch2a_W)
         d_bn4a_branch2c_relu = mem.tensor(436, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4b_branch2a, T['res4b_branch2a_W'], out=d_bn4a_branch2c_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4b_branch2a, T['res4b_branch2a_W'], out=d_bn4a_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
         del res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
         mem.free(139)
@@ -5717,7 +5717,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4a_branch2c, bn4a_branch2b_relu_2, out=d_res4a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4a_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4a_branch2c, res4a_branch2c_W)
         d_bn4a_branch2b_relu = mem.tensor(446, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1)
+        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
         # free res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
         del res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
         mem.free(134)
@@ -8856,7 +8856,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
         res4a_branch2c = mem.tensor(30, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4a_branch2b, bn4a_branch2b_relu
         del res4a_branch2b, bn4a_branch2b_relu
         mem.free(29)
@@ -8882,7 +8882,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
         res4b_branch2a = mem.tensor(31, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_bias = reshape[1x256x1x1](bn4b_branch2a_B)
@@ -8925,7 +8925,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
         res4b_branch2c = mem.tensor(33, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4b_branch2b, bn4b_branch2b_relu
         del res4b_branch2b, bn4b_branch2b_relu
         mem.free(32)
@@ -8951,7 +8951,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
         res4c_branch2a = mem.tensor(34, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_bias = reshape[1x256x1x1](bn4c_branch2a_B)
@@ -8994,7 +8994,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
         res4c_branch2c = mem.tensor(36, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4c_branch2b, bn4c_branch2b_relu
         del res4c_branch2b, bn4c_branch2b_relu
         mem.free(35)
@@ -9020,7 +9020,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
         res4d_branch2a = mem.tensor(37, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_bias = reshape[1x256x1x1](bn4d_branch2a_B)
@@ -9063,7 +9063,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
         res4d_branch2c = mem.tensor(39, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4d_branch2b, bn4d_branch2b_relu
         del res4d_branch2b, bn4d_branch2b_relu
         mem.free(38)
@@ -9089,7 +9089,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
         res4e_branch2a = mem.tensor(40, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
@@ -9132,7 +9132,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
         res4e_branch2c = mem.tensor(42, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4e_branch2b, bn4e_branch2b_relu
         del res4e_branch2b, bn4e_branch2b_relu
         mem.free(41)
@@ -9158,7 +9158,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
         res4f_branch2a = mem.tensor(43, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_bias = reshape[1x256x1x1](bn4f_branch2a_B)
@@ -9201,7 +9201,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
         res4f_branch2c = mem.tensor(45, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
         # free res4f_branch2b, bn4f_branch2b_relu
         del res4f_branch2b, bn4f_branch2b_relu
         mem.free(44)
@@ -9291,7 +9291,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5a_branch2c = conv2d(bn5a_branch2b_relu, res5a_branch2c_W)
         res5a_branch2c = mem.tensor(49, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free res5a_branch2b, bn5a_branch2b_relu
         del res5a_branch2b, bn5a_branch2b_relu
         mem.free(48)
@@ -9317,7 +9317,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5b_branch2a = conv2d(bn5a_branch2c_relu, res5b_branch2a_W)
         res5b_branch2a = mem.tensor(50, (32, 512, 7, 7), 'float32')
-        rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1)
+        rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5b_branch2a (batch norm), forward ----
         # bn5b_branch2a_bias = reshape[1x512x1x1](bn5b_branch2a_B)
@@ -9360,7 +9360,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5b_branch2c = conv2d(bn5b_branch2b_relu, res5b_branch2c_W)
         res5b_branch2c = mem.tensor(52, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free res5b_branch2b, bn5b_branch2b_relu
         del res5b_branch2b, bn5b_branch2b_relu
         mem.free(51)
@@ -9386,7 +9386,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
         # res5c_branch2a = conv2d(bn5b_branch2c_relu, res5c_branch2a_W)
         res5c_branch2a = mem.tensor(53, (32, 512, 7, 7), 'float32')
-        rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1)
+        rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
 
         # ---- bn5c_branch2a (batch norm), forward ----
         # bn5c_branch2a_bias = reshape[1x512x1x1](bn5c_branch2a_B)
@@ -9429,7 +9429,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
         # res5c_branch2c = conv2d(bn5c_branch2b_relu, res5c_branch2c_W)
         res5c_branch2c = mem.tensor(55, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1)
+        rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
         # free res5c_branch2b, bn5c_branch2b_relu
         del res5c_branch2b, bn5c_branch2b_relu
         mem.free(54)

@@ -28,7 +28,7 @@ __all__ = [
     "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
-    "pointwise_conv", "pool_padded_scratch", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows",
+    "pointwise_conv", "pool_padded_scratch", "regrouped_pointwise", "WIDE_PLANE", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,8 +108,18 @@ def _per_sample(shape) -> int:
 
 
 def pointwise_conv(kh: int, kw: int, stride: int, pad: int) -> bool:
-    """A 1x1 stride-1 unpadded convolution: one GEMM on the input itself, in every direction, without scratch."""
+    """A 1x1 stride-1 unpadded convolution: a GEMM on the input itself, in every direction."""
     return kh == 1 and kw == 1 and stride == 1 and pad == 0
+
+
+WIDE_PLANE = 256    # output planes (Ho*Wo) at least this large make per-sample products efficient
+
+
+def regrouped_pointwise(hw: int, groups: int = 1) -> bool:
+    """Whether a pointwise convolution (forward or input gradient) on planes of `hw` positions runs as one product
+    over a chunk of samples, its operand regrouped to (channels, samples*hw) in the workspace, rather than as a
+    product per sample (too narrow to keep the BLAS threads busy on small planes)."""
+    return groups == 1 and hw < WIDE_PLANE
 
 
 DIRECT_CONV_ROWS = 32       # at most this many products per output (C*kh*kw) for direct convolution
@@ -130,11 +140,12 @@ def _padded_input(c: int, h: int, w: int, pad: int) -> int:
 
 
 def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int, groups: int = 1) -> int:
-    """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input; none when pointwise (with
-    or without `groups`: the im2col matrix holds every group's rows)."""
-    (_, c, h, w), (_, _, kh, kw), (ho, wo) = x_shape, w_shape, out_shape[2:]
+    """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input (with or without `groups`:
+    the im2col matrix holds every group's rows); when pointwise, the input regrouped and then the result
+    (max(C, O) * Ho*Wo, `regrouped_pointwise`) or none."""
+    (_, c, h, w), (o, _, kh, kw), (ho, wo) = x_shape, w_shape, out_shape[2:]
     if pointwise_conv(kh, kw, stride, pad):
-        return 0
+        return max(c, o) * ho * wo if regrouped_pointwise(ho * wo, groups) else 0
     return c * kh * kw * ho * wo + _padded_input(c, h, w, pad)
 
 
@@ -143,11 +154,12 @@ def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int, group
     rows as wide as the padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
     (C, Hp*Wp + kw - 1), which also holds each other scheme of runtime/cpu/conv.py (the "columns" one needs
     (O + C*kh*kw) * Ho*Wo); other strides, and any stride with `groups`: the column gradients (C*kh*kw, Ho*Wo);
-    none when pointwise."""
+    when pointwise, the output gradient regrouped and then the result (max(O, C) * Ho*Wo, `regrouped_pointwise`) or
+    none."""
     (_, o, ho, wo), (_, ci, kh, kw), (h, w) = g_shape, w_shape, size
     c = ci * groups
     if pointwise_conv(kh, kw, stride, pad):
-        return 0
+        return max(o, c) * ho * wo if regrouped_pointwise(ho * wo, groups) else 0
     if stride != 1 or groups > 1:
         return c * kh * kw * ho * wo
     hp, wp = h + 2 * pad, w + 2 * pad

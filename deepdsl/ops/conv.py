@@ -105,7 +105,8 @@ class Conv2d(Op):
 
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix and with padding the zero-padded
-        input; none for 1x1 stride-1 convolutions) for the whole batch, or its chunks' within `limit`."""
+        input; a 1x1 stride-1 convolution's regrouped input and result on small planes, else none) for the whole
+        batch, or its chunks' within `limit`."""
         x, w = node.inputs[:2]
         per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0),
                                              node.attr("groups", 1))

@@ -83,7 +83,6 @@ class _NumpyPasses:
 
 
 _NUMPY = _NumpyPasses()
-_WIDE_PLANE = 256      # output planes at least this large make per-sample products efficient
 
 
 def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm=np.matmul, native=None):
@@ -106,6 +105,10 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
     if contract.pointwise_conv(kh, kw, stride, pad):
+        if contract.regrouped_pointwise(ho * wo):
+            _regrouped_product(w2, x.reshape(n, c, h * wd), out.reshape(n, o, ho * wo), b, workspace, gemm,
+                               native or _NUMPY)
+            return
         gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
         if b is not None:
             (native or _NUMPY).add_bias(out, b)
@@ -119,7 +122,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
         cols = scratch.take((c, kh, kw, m, ho, wo))
         (native or _NUMPY).im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         target = out[s:e].reshape(m, o, hw)
-        if hw < _WIDE_PLANE and ckk >= o:
+        if hw < contract.WIDE_PLANE and ckk >= o:
             block = target.reshape(o, m, hw)            # the chunk's output memory, read as (O, samples, Ho*Wo)
             gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
             regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
@@ -129,6 +132,27 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
             gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
             if b is not None:
                 (native or _NUMPY).add_bias(target, b)
+
+
+def _regrouped_product(a, x, out, b, workspace, gemm, passes) -> None:
+    """out[s] = a x[s] (+ b) for every sample s of x (N, K, P) into out (N, M, P), P small: per chunk of samples
+    (`contract.regrouped_pointwise`; workspace max(K, M) * P per sample), x regrouped to (K, samples*P), one
+    product (M, samples*P) into the chunk's output memory, copied into the then dead regrouped x and regrouped
+    back, adding the bias on the way: what a product per sample computes (up to the product's rounding), as one
+    product."""
+    n, k, p = x.shape
+    m = a.shape[0]
+    step = samples_per_chunk(n, workspace, max(k, m) * p)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        scratch = Scratch(workspace).take((max(k, m) * (e - s) * p,))
+        rows = scratch[:k * (e - s) * p].reshape(k, e - s, p)
+        passes.swap01(x[s:e], rows)
+        block = out[s:e].reshape(m, (e - s) * p)          # the chunk's output memory, read as (M, samples*P)
+        gemm(a, rows.reshape(k, -1), out=block)
+        result = scratch[:m * (e - s) * p].reshape(m, e - s, p)
+        np.copyto(result, block.reshape(m, e - s, p))
+        passes.swap01(result, out[s:e], b)
 
 
 def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
@@ -223,6 +247,10 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
             workspace)
     w2t = w.reshape(o, c * kh * kw).T
     if contract.pointwise_conv(kh, kw, stride, pad):
+        if contract.regrouped_pointwise(ho * wo):
+            _regrouped_product(w2t, g.reshape(n, o, ho * wo), out.reshape(n, c, h * wd), None, workspace, gemm,
+                               native or _NUMPY)
+            return
         gemm(w2t, g.reshape(n, o, ho * wo), out=out.reshape(n, c, h * wd))
         return
     ckk = c * kh * kw
