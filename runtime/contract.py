@@ -28,7 +28,8 @@ __all__ = [
     "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
-    "pointwise_conv", "pool_padded_scratch", "regrouped_pointwise", "WIDE_PLANE", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows",
+    "pointwise_conv", "pool_padded_scratch", "regrouped_pointwise", "WIDE_PLANE", "stage_floats", "operand_letter",
+    "operand_pattern", "kernel_rows",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
