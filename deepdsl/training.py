@@ -29,7 +29,7 @@ from deepdsl import provenance
 from deepdsl.ir import FLOAT, Graph, Node, make, toposort
 from deepdsl.ops.elementwise import add, elementwise, sum_to, sym
 from deepdsl.ops.leaf import Init
-from deepdsl.passes.specialize import is_batch_statistics, running_statistics, specialize
+from deepdsl.passes.specialize import is_batch_statistics, specialize, specialize_split
 
 
 def number(value: float) -> sympy.Expr:
@@ -131,9 +131,8 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     accumulators = tuple(accumulator(p) for p in params) if split else ()
     if split:
         # batch statistics over the batches of every rank (the identity in one process)
-        unspecialized = Graph(f"{name}_accumulate", (("loss", loop.loss.node),))
-        synced = specialize(unspecialized, "train", synced=True)
-        statistics = running_statistics(unspecialized, f"{name}_statistics")
+        synced, statistics = specialize_split(Graph(f"{name}_accumulate", (("loss", loop.loss.node),)),
+                                              f"{name}_statistics")
         batch = tuple(sorted({n.name: n for n in toposort(v for _, v in statistics.outputs)
                               if is_batch_statistics(n)}.values(), key=lambda n: n.name))
         statistics = statistics if statistics.outputs else None

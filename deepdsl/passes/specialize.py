@@ -3,12 +3,12 @@
 Training: `dropout` becomes a product with a random 0/1 mask; `batch_norm` normalizes with the batch statistics and
 adds graph outputs that update the running statistics (PyTorch's rule: unbiased variance, `momentum` weight on the
 new value). Testing: `dropout` is the identity; `batch_norm` uses the running statistics.
-`synced` (the accumulate step of data-parallel training): the batch statistics are those of the batches of every
-rank, their sums and the example count summed over the ranks (`all_sum`, which is the identity in one process),
-and the step does not update the running statistics: it writes the batch's mean and unbiased variance into the
-buffers `B_<running statistic>` (`batch_statistics`), from which the statistics step (`running_statistics`)
-updates them. Kept apart, the updates can be replayed batch after batch in the order one process would make them
-(ranks that normalize by their own batch's statistics).
+The split step (`specialize_split`, the accumulate step of data-parallel training) is synced: the batch statistics
+are those of the batches of every rank, their sums and the example count summed over the ranks (`all_sum`, which
+is the identity in one process), and the step does not update the running statistics: it writes the batch's mean
+and unbiased variance into the buffers `B_<running statistic>` (`batch_statistics`), from which the statistics
+step, built alongside, updates them. Kept apart, the updates can be replayed batch after batch in the order one
+process would make them (ranks that normalize by their own batch's statistics).
 Guarantees: the result holds no `dropout` or `batch_norm` node.
 """
 from __future__ import annotations
@@ -37,18 +37,18 @@ def is_batch_statistics(node: Node) -> bool:
     return node.op == "state" and node.attr("role") == BATCH_STATISTICS
 
 
-def specialize(graph: Graph, mode: str, synced: bool = False) -> Graph:
-    """`graph` specialized for `mode`; its outputs gain the new running statistics (training) or, `synced`, the
-    batch statistics (`B_` buffers)."""
-    return _specialize(graph, mode, synced, {})
+def specialize(graph: Graph, mode: str) -> Graph:
+    """`graph` specialized for `mode`; in training its outputs gain the new running statistics."""
+    return _specialize(graph, mode, False, {})
 
 
-def running_statistics(graph: Graph, name: str) -> Graph:
-    """The statistics step of the split step `graph` (before specialization): every running statistic updated
-    from its batch statistic `B_` as the training step updates it from the batch (empty without batch norm)."""
+def specialize_split(graph: Graph, statistics_name: str) -> tuple[Graph, Graph]:
+    """The split step's training graph, `synced` (its outputs gain the batch statistics, `B_` buffers), and its
+    statistics step `statistics_name`: every running statistic updated from its batch statistic as the training
+    step updates it from the batch (no outputs without batch norm)."""
     statistics: dict[str, Node] = {}
-    _specialize(graph, "train", True, statistics)
-    return Graph(name, tuple(sorted(statistics.items())))
+    synced = _specialize(graph, "train", True, statistics)
+    return synced, Graph(statistics_name, tuple(sorted(statistics.items())))
 
 
 def _specialize(graph: Graph, mode: str, synced: bool, statistics: dict[str, Node]) -> Graph:
