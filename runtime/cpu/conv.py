@@ -123,23 +123,30 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
         (native or _NUMPY).im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         target = out[s:e].reshape(m, o, hw)
         if hw < contract.WIDE_PLANE and ckk >= o:
-            block = target.reshape(o, m, hw)            # the chunk's output memory, read as (O, samples, Ho*Wo)
-            gemm(w2, cols.reshape(ckk, m * hw), out=block.reshape(o, m * hw))
-            regrouped = cols.reshape(-1)[:o * m * hw].reshape(o, m, hw)
-            np.copyto(regrouped, block)
-            (native or _NUMPY).swap01(regrouped, target, b)
+            _product_by_samples(w2, cols.reshape(ckk, m * hw), target, b, cols.reshape(-1), gemm, native or _NUMPY)
         else:
             gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
             if b is not None:
                 (native or _NUMPY).add_bias(target, b)
 
 
+def _product_by_samples(a, rows, target, b, dead, gemm, passes) -> None:
+    """target (samples, M, P) = a (M, K) x rows (K, samples*P) (+ b): one product into the target's own memory, read
+    as (M, samples*P), copied into `dead` (scratch no longer needed, at least M*samples*P floats) and regrouped back,
+    adding the bias on the way."""
+    m, (samples, _, p) = a.shape[0], target.shape
+    block = target.reshape(m, samples * p)
+    gemm(a, rows, out=block)
+    regrouped = dead[:m * samples * p].reshape(m, samples, p)
+    np.copyto(regrouped, block.reshape(m, samples, p))
+    passes.swap01(regrouped, target, b)
+
+
 def _regrouped_product(a, x, out, b, workspace, gemm, passes) -> None:
     """out[s] = a x[s] (+ b) for every sample s of x (N, K, P) into out (N, M, P), P small: per chunk of samples
-    (`contract.regrouped_pointwise`; workspace max(K, M) * P per sample), x regrouped to (K, samples*P), one
-    product (M, samples*P) into the chunk's output memory, copied into the then dead regrouped x and regrouped
-    back, adding the bias on the way: what a product per sample computes (up to the product's rounding), as one
-    product."""
+    (`contract.regrouped_pointwise`; workspace max(K, M) * P per sample), x regrouped to (K, samples*P) and one
+    product (`_product_by_samples`, back through the then dead regrouped x): what a product per sample computes (up
+    to the product's rounding), as one product."""
     n, k, p = x.shape
     m = a.shape[0]
     step = samples_per_chunk(n, workspace, max(k, m) * p)
@@ -148,11 +155,7 @@ def _regrouped_product(a, x, out, b, workspace, gemm, passes) -> None:
         scratch = Scratch(workspace).take((max(k, m) * (e - s) * p,))
         rows = scratch[:k * (e - s) * p].reshape(k, e - s, p)
         passes.swap01(x[s:e], rows)
-        block = out[s:e].reshape(m, (e - s) * p)          # the chunk's output memory, read as (M, samples*P)
-        gemm(a, rows.reshape(k, -1), out=block)
-        result = scratch[:m * (e - s) * p].reshape(m, e - s, p)
-        np.copyto(result, block.reshape(m, e - s, p))
-        passes.swap01(result, out[s:e], b)
+        _product_by_samples(a, rows.reshape(k, -1), out[s:e], b, scratch, gemm, passes)
 
 
 def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
