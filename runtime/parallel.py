@@ -120,8 +120,7 @@ class Ranks:
     def ahead(self, floats: int) -> np.ndarray:
         """The overlapped chain's receive space (`OverlappedChain`), at least `floats` float32, kept for the next
         iterations: apart from `_chain`'s, which batch norm's sums use while the overlapped chain receives."""
-        if self._ahead is None or self._ahead.size < floats:
-            self._ahead = np.empty(floats, np.float32)
+        self._ahead = _at_least(self._ahead, floats)
         return self._ahead
 
     def reduce(self, flat: np.ndarray) -> None:
@@ -135,8 +134,7 @@ class Ranks:
 
     def _chain(self, flat: np.ndarray) -> None:
         rank, last = self.rank, self.size - 1
-        if self._scratch is None or self._scratch.size < min(CHUNK, flat.size):
-            self._scratch = np.empty(min(CHUNK, flat.size), np.float32)
+        self._scratch = _at_least(self._scratch, min(CHUNK, flat.size))
         for k, start in enumerate(range(0, flat.size, CHUNK)):
             part = flat[start:start + CHUNK]
             if rank > 0:
@@ -190,6 +188,11 @@ class Ranks:
             self.comm.Barrier()
         else:
             self.comm.Abort(status)
+
+
+def _at_least(buffer: np.ndarray | None, floats: int) -> np.ndarray:
+    """`buffer`, or a larger float32 one where it holds fewer than `floats`."""
+    return buffer if buffer is not None and buffer.size >= floats else np.empty(floats, np.float32)
 
 
 EXIT_STALLED = 5      # a rank made no progress for --rank-timeout seconds: the job was ended
@@ -357,9 +360,11 @@ class OverlappedChain:
         for start, stop in gradients.buckets:
             self.chunks += [(a, min(a + CHUNK, stop)) for a in range(start, stop, CHUNK)]
             self.bucket_end.append(len(self.chunks))
-        slots, size = min(self.SLOTS, len(self.chunks)), max(b - a for a, b in self.chunks)
-        scratch = ranks.ahead(slots * size) if ranks.rank > 0 else np.empty(0, np.float32)
-        self.slots = [scratch[k * size:(k + 1) * size] for k in range(slots)] if ranks.rank > 0 else []
+        self.slots = []             # receive space (ranks after the first)
+        if self.rank > 0:
+            slots, size = min(self.SLOTS, len(self.chunks)), max(b - a for a, b in self.chunks)
+            scratch = ranks.ahead(slots * size)
+            self.slots = [scratch[k * size:(k + 1) * size] for k in range(slots)]
         self.free = list(range(len(self.slots)))
         self.final = 0              # chunks[:final] hold this rank's whole contribution
         self.posted = 0             # chunks[:posted] have a receive posted (ranks after the first)
@@ -440,7 +445,8 @@ class Accumulation:
         self.overlap = overlap and ranks.size > 1
         self.batches = accumulate * ranks.size          # batches of b in one iteration, over all ranks
         self.batch_norm = batch_norm
-        self.replay = batch_norm == "local" and ranks.size > 1      # the running statistics, after the iteration
+        self.replay = False             # (`start`) the running statistics replayed after the iteration
+        self._statistics_size = 0       # (`start`) floats of one batch's statistics
         self.gradients: Gradients | None = None
 
     @property
@@ -461,14 +467,13 @@ class Accumulation:
     def start(self, model) -> None:
         """Allocate the accumulators and batch statistics; with local batch norm the accumulate step's batch
         statistics are the rank's own (its `all_sum`s sum nothing)."""
-        self.model = model
         self._statistics_size = sum(math.prod(s.shape) for s in model.batch_statistics.values())
         if self.split:
             self.gradients = Gradients(model)
             for name, s in model.batch_statistics.items():
                 model.tensors[name] = model.rt.asarray(np.zeros(s.shape, np.float32))
         model.ranks = Alone() if self.batch_norm == "local" else self.ranks
-        self.replay = self.replay and bool(model.batch_statistics)
+        self.replay = self.batch_norm == "local" and self.ranks.size > 1 and self._statistics_size > 0
 
     def iterate(self, model, x: np.ndarray, y: np.ndarray, first: int, hyper: dict) -> float:
         """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of
@@ -501,8 +506,6 @@ class Accumulation:
     @staticmethod
     def _batch_statistics(model) -> np.ndarray:
         """The batch statistics the last accumulate step wrote, one flat float32 vector (B_ in name order)."""
-        if not model.batch_statistics:
-            return np.zeros(0, np.float32)
         return np.concatenate([model.rt.to_numpy(model.tensors[k]).reshape(-1) for k in model.batch_statistics])
 
     @staticmethod
