@@ -8,11 +8,11 @@ Split in two (`build_step_graphs(..., split=True)`), the same step serves gradie
 training: the accumulate step adds the batch's gradient of every parameter p to its accumulator `G_p` (outputs
 `loss`, the new accumulators, the batch statistics of batch-norm layers, `B_`), the statistics step updates the
 running statistics from the batch statistics (networks with batch norm), and the apply step updates the parameters
-from the accumulated gradients scaled by the hyperparameter `scale` (1 / the number of batches added), as the training step
-does from one batch's gradient. With one batch and scale 1 they compute what the training step computes up to
-float32 rounding (the scale is fused into the update's expression, and the accumulate step's batch statistics
-divide by a count summed over the ranks where the training step multiplies by its inverse); a program runs its
-training step where nothing is accumulated.
+from the accumulated gradients scaled by the hyperparameter `scale` (1 / the number of batches added), as the
+training step does from one batch's gradient. With one batch and scale 1 they compute what the training step
+computes up to float32 rounding (the scale is fused into the update's expression, and the accumulate step's batch
+statistics divide by a count summed over the ranks where the training step multiplies by its inverse); a program
+runs its training step where nothing is accumulated.
 """
 from __future__ import annotations
 
