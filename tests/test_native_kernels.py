@@ -55,6 +55,9 @@ GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
     (3, 2, 7, 5, 3, 3, 1, 1), (2, 3, 9, 9, 3, 3, 2, 0), (1, 1, 5, 8, 5, 1, 1, 2), (4, 2, 6, 6, 1, 1, 3, 0),
     (2, 1, 11, 4, 4, 2, 2, 2), (1, 3, 3, 3, 3, 3, 1, 2),
     (3, 5, 4, 3, 1, 1, 1, 0), (2, 2, 5, 5, 1, 1, 1, 0),     # pointwise on small planes: regrouped, one product
+    # rows of several vectors of eight, the padding or the row's end inside a vector; a column kernel without padding
+    # (each tap's rows one contiguous copy)
+    (2, 3, 12, 19, 3, 3, 1, 1), (1, 2, 9, 16, 5, 5, 1, 2), (2, 2, 6, 12, 3, 3, 1, 0), (2, 2, 7, 6, 3, 1, 1, 0),
 ]
 
 

@@ -20,9 +20,6 @@
 
 // acc + a * b, fused where the processor has fused multiply-adds (as the matrix-product library's sums are; the
 // library is built with -ffp-contract=off, which the elementwise kernels need to round as numpy does)
-#if defined(__FMA__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
 #if defined(__FMA__)
 #define DEEPDSL_FMA(acc, a, b) ((deepdsl_v8f)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
 #define DEEPDSL_FMAF(acc, a, b) fmaf(a, b, acc)
@@ -31,24 +28,6 @@
 #define DEEPDSL_FMAF(acc, a, b) ((acc) + (a) * (b))
 #endif
 #define DEEPDSL_FMA_BY(acc, scalar, b) DEEPDSL_FMA(acc, ((deepdsl_v8f){0} + (scalar)), b)
-
-#if defined(__AVX__)
-#define DEEPDSL_MASKED 1
-// The lanes l of a vector whose position first + l lies in [0, size): all ones, else zeros.
-static inline __attribute__((always_inline)) deepdsl_v8i deepdsl_inside(int first, int size) {
-    const deepdsl_v8i at = (deepdsl_v8i){0, 1, 2, 3, 4, 5, 6, 7} + first;
-    return (at >= 0) & (at < size);
-}
-// from[l] where mask lane l is set, else 0; masked-off lanes are not read (they may lie outside the array)
-static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load(const float* from, deepdsl_v8i mask) {
-    return (deepdsl_v8f)_mm256_maskload_ps(from, (__m256i)mask);
-}
-static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepdsl_v8i mask, deepdsl_v8f v) {
-    _mm256_maskstore_ps(to, (__m256i)mask, (__m256)v);
-}
-#else
-#define DEEPDSL_MASKED 0
-#endif
 
 // Columns [q, q + 8 * NV) of row p of B output channels: NV vectors of eight sums per channel in registers, each
 // input vector loaded once for the B channels, each weight once for the NV vectors. MASKED: some windows leave the

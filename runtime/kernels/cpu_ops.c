@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 #include "deepdsl_math.h"
+#if defined(__FMA__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -25,6 +28,26 @@ typedef float deepdsl_v4f __attribute__((vector_size(16)));
 typedef int deepdsl_v4i __attribute__((vector_size(16)));
 typedef uint8_t deepdsl_v4b __attribute__((vector_size(4)));
 #define DEEPDSL_SELECT(VF, VI, mask, a, b) ((VF)(((VI)(a) & (mask)) | ((VI)(b) & ~(mask))))
+
+// Masked vectors of 8 floats (AVX: masked-off lanes are neither read nor written, so a vector may reach past the
+// ends of an array): rows whose ends fall inside a vector (padding, short output rows).
+#if defined(__AVX__)
+#define DEEPDSL_MASKED 1
+// The lanes l of a vector whose position first + l lies in [0, size): all ones, else zeros.
+static inline __attribute__((always_inline)) deepdsl_v8i deepdsl_inside(int first, int size) {
+    const deepdsl_v8i at = (deepdsl_v8i){0, 1, 2, 3, 4, 5, 6, 7} + first;
+    return (at >= 0) & (at < size);
+}
+// from[l] where mask lane l is set, else 0; masked-off lanes are not read (they may lie outside the array)
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load(const float* from, deepdsl_v8i mask) {
+    return (deepdsl_v8f)_mm256_maskload_ps(from, (__m256i)mask);
+}
+static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepdsl_v8i mask, deepdsl_v8f v) {
+    _mm256_maskstore_ps(to, (__m256i)mask, (__m256)v);
+}
+#else
+#define DEEPDSL_MASKED 0
+#endif
 
 #define DEEPDSL_PARALLEL_MIN 16384      /* below this many elements a kernel runs on one thread */
 /* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
@@ -85,8 +108,6 @@ static inline __attribute__((always_inline)) void deepdsl_copy_floats(float* dst
     for (; k < n; ++k) dst[k] = src[k];
 }
 
-// cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
-// samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
 // Depthwise convolution (groups = channels = filters, MobileNet's): plane by plane, each tap of a channel's filter
 // times its input plane shifted by the tap (zeros outside), with no im2col matrix; out (m, c, ho, wo) from x
 // (m, c, h, w) and w (c, 1, kh, kw). Its input gradient scatters the same products back (`scatter`): each tap
@@ -179,6 +200,52 @@ void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, 
     }
 }
 
+// One plane of the im2col matrix: plane[p][q] = src[i + stride*p - pad][j + stride*q - pad] (0 outside the h x w
+// plane src), the rows of tap (i, j) of one channel and sample.
+DEEPDSL_ROW void deepdsl_im2col_plane(const float* src, int h, int w, int ho, int wo, int i, int j, int stride,
+                                      int pad, float* dst) {
+    if (stride == 1 && pad == 0 && j == 0 && wo == w) {        /* every row inside and contiguous: one copy */
+        memcpy(dst, src + (long)i * w, sizeof(float) * ho * wo);
+        return;
+    }
+    int q0, q1;
+    deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
+    for (int p = 0; p < ho; ++p) {
+        float* d = dst + (long)p * wo;
+        const int y = i + stride * p - pad;
+        if (y < 0 || y >= h || q1 <= q0) {
+            memset(d, 0, sizeof(float) * wo);
+            continue;
+        }
+        const float* row = src + (long)y * w + j - pad;
+#if DEEPDSL_MASKED
+        if (stride == 1) {          /* vectors of 8 columns, masked where the row or the padding ends inside one */
+            int q = 0;
+            for (; q + 8 <= wo; q += 8) {
+                deepdsl_v8f v;
+                if (q + j - pad >= 0 && q + j - pad + 8 <= w) memcpy(&v, row + q, sizeof v);
+                else v = deepdsl_load(row + q, deepdsl_inside(q + j - pad, w));
+                memcpy(d + q, &v, sizeof v);
+            }
+            if (q < wo) {
+                const deepdsl_v8i columns = deepdsl_inside(q, wo);
+                deepdsl_store(d + q, columns, deepdsl_load(row + q, deepdsl_inside(q + j - pad, w) & columns));
+            }
+            continue;
+        }
+#endif
+        for (int q = 0; q < q0; ++q) d[q] = 0.0f;
+        if (stride == 1) {
+            deepdsl_copy_floats(d + q0, row + q0, q1 - q0);
+        } else {
+            for (int q = q0; q < q1; ++q) d[q] = row[(long)stride * q];
+        }
+        for (int q = q1; q < wo; ++q) d[q] = 0.0f;
+    }
+}
+
+// cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
+// samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
 void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
                     int pad, float* cols) {
     const long rows = (long)c * kh * kw;
@@ -187,26 +254,8 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     for (long r = 0; r < rows; ++r) {
         for (int s = 0; s < m; ++s) {
             const int ch = (int)(r / ((long)kh * kw)), i = (int)((r / kw) % kh), j = (int)(r % kw);
-            const float* src = x + ((long)s * c + ch) * h * w;
-            float* dst = cols + (r * m + s) * plane;
-            int q0, q1;
-            deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
-            for (int p = 0; p < ho; ++p) {
-                float* d = dst + (long)p * wo;
-                const int y = i + stride * p - pad;
-                if (y < 0 || y >= h || q1 <= q0) {
-                    memset(d, 0, sizeof(float) * wo);
-                    continue;
-                }
-                const float* row = src + (long)y * w + j - pad;
-                for (int q = 0; q < q0; ++q) d[q] = 0.0f;
-                if (stride == 1) {
-                    deepdsl_copy_floats(d + q0, row + q0, q1 - q0);
-                } else {
-                    for (int q = q0; q < q1; ++q) d[q] = row[(long)stride * q];
-                }
-                for (int q = q1; q < wo; ++q) d[q] = 0.0f;
-            }
+            deepdsl_im2col_plane(x + ((long)s * c + ch) * h * w, h, w, ho, wo, i, j, stride, pad,
+                                 cols + (r * m + s) * plane);
         }
     }
 }
