@@ -28,7 +28,7 @@ __all__ = [
     "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
-    "pointwise_conv", "pool_padded_scratch", "regrouped_pointwise", "WIDE_PLANE", "stage_floats", "operand_letter",
+    "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
     "operand_pattern", "kernel_rows",
 ]
 
@@ -116,10 +116,12 @@ def pointwise_conv(kh: int, kw: int, stride: int, pad: int) -> bool:
 WIDE_PLANE = 256    # output planes (Ho*Wo) at least this large make per-sample products efficient
 
 
-def regrouped_pointwise(hw: int, groups: int = 1) -> bool:
-    """Whether a pointwise convolution (forward or input gradient) on planes of `hw` positions runs as one product
-    over a chunk of samples, its operand regrouped to (channels, samples*hw) in the workspace, rather than as a
-    product per sample (too narrow to keep the BLAS threads busy on small planes)."""
+def one_product(hw: int, groups: int = 1) -> bool:
+    """Whether a convolution (forward, or input gradient of a pointwise or strided one) whose output planes have
+    `hw` positions runs as one product over a chunk of samples rather than as a product per sample (too narrow to
+    keep the BLAS threads busy on small planes): its operand regrouped to (rows, samples*hw) in the workspace, and
+    room there for the product's result (the forward's goes into its output, then is regrouped by sample through
+    the workspace)."""
     return groups == 1 and hw < WIDE_PLANE
 
 
@@ -142,27 +144,31 @@ def _padded_input(c: int, h: int, w: int, pad: int) -> int:
 
 def conv2d_scratch(x_shape, w_shape, out_shape, stride: int, pad: int, groups: int = 1) -> int:
     """conv2d: the im2col matrix (C*kh*kw, Ho*Wo) and with padding the zero-padded input (with or without `groups`:
-    the im2col matrix holds every group's rows); when pointwise, the input regrouped and then the result
-    (max(C, O) * Ho*Wo, `regrouped_pointwise`) or none."""
+    the im2col matrix holds every group's rows); as one product (`one_product`), room for the larger of the im2col
+    matrix and the result regrouped (max(C*kh*kw, O) * Ho*Wo); when pointwise, the input regrouped and then the
+    result (max(C, O) * Ho*Wo) as one product, or none."""
     (_, c, h, w), (o, _, kh, kw), (ho, wo) = x_shape, w_shape, out_shape[2:]
+    one = one_product(ho * wo, groups)
     if pointwise_conv(kh, kw, stride, pad):
-        return max(c, o) * ho * wo if regrouped_pointwise(ho * wo, groups) else 0
-    return c * kh * kw * ho * wo + _padded_input(c, h, w, pad)
+        return max(c, o) * ho * wo if one else 0
+    return max(c * kh * kw, o if one else 0) * ho * wo + _padded_input(c, h, w, pad)
 
 
 def conv2d_bwd_data_scratch(g_shape, w_shape, size, stride: int, pad: int, groups: int = 1) -> int:
     """conv2d_bwd_data, for an input of spatial `size`. Stride 1 without groups: the output gradient widened to
     rows as wide as the padded input (O, Ho*Wp), the column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
     (C, Hp*Wp + kw - 1), which also holds each other scheme of runtime/cpu/conv.py (the "columns" one needs
-    (O + C*kh*kw) * Ho*Wo); other strides, and any stride with `groups`: the column gradients (C*kh*kw, Ho*Wo);
-    when pointwise, the output gradient regrouped and then the result (max(O, C) * Ho*Wo, `regrouped_pointwise`) or
-    none."""
+    (O + C*kh*kw) * Ho*Wo); other strides as one product (`one_product`): the output gradient regrouped and the
+    column gradients ((O + C*kh*kw) * Ho*Wo), else (and any stride with `groups`) the column gradients
+    (C*kh*kw, Ho*Wo); when pointwise, the output gradient regrouped and then the result (max(O, C) * Ho*Wo) as one
+    product, or none."""
     (_, o, ho, wo), (_, ci, kh, kw), (h, w) = g_shape, w_shape, size
     c = ci * groups
+    one = one_product(ho * wo, groups)
     if pointwise_conv(kh, kw, stride, pad):
-        return max(o, c) * ho * wo if regrouped_pointwise(ho * wo, groups) else 0
+        return max(o, c) * ho * wo if one else 0
     if stride != 1 or groups > 1:
-        return c * kh * kw * ho * wo
+        return ((o if one else 0) + c * kh * kw) * ho * wo
     hp, wp = h + 2 * pad, w + 2 * pad
     return (o + c * kh * kw) * ho * wp + c * (hp * wp + kw - 1)
 

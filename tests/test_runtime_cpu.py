@@ -107,6 +107,7 @@ CONV = [
     (3, 2, 10, 8, 5, 3, 2, 1, True),
     (2, 4, 7, 7, 6, 1, 1, 0, True),      # pointwise: one batched GEMM, no im2col
     (2, 4, 9, 9, 3, 1, 2, 0, False),     # strided 1x1 (ResNet projection)
+    (3, 2, 9, 9, 6, 1, 2, 0, True),      # strided 1x1 widening the channels: more filters than im2col rows
     (2, 3, 23, 23, 4, 11, 4, 2, True),   # AlexNet's first layer, small
     (4, 2, 6, 6, 3, 5, 1, 2, False),
     (2, 2, 5, 5, 2, 5, 1, 0, True),      # one output pixel

@@ -89,13 +89,13 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
     Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
-    planes (Ho*Wo < 256) make a chunk of samples one GEMM (O, C*kh*kw) x (C*kh*kw, samples*Ho*Wo) -- one large
-    product keeps every BLAS thread busy where small products per sample do not -- whose (O, samples, Ho*Wo)
-    result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through the then dead
-    im2col matrix, adding the bias on the way (O <= C*kh*kw: the matrix holds the result). Otherwise each sample is
-    one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
-    im2col copies and the regrouping run compiled, and a thin convolution (`contract.direct_conv`) runs straight
-    from the input, without workspace. With `groups`: `_grouped_conv2d`."""
+    planes (Ho*Wo < 256, `contract.one_product`) make a chunk of samples one GEMM (O, C*kh*kw) x (C*kh*kw,
+    samples*Ho*Wo) -- one large product keeps every BLAS thread busy where small products per sample do not -- whose
+    (O, samples, Ho*Wo) result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through
+    the then dead im2col matrix, adding the bias on the way (the workspace holds max(C*kh*kw, O) rows). Otherwise each
+    sample is one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
+    im2col copies and the regrouping run compiled, and a thin convolution (`contract.direct_conv`) runs straight from
+    the input, without workspace. With `groups`: `_grouped_conv2d`."""
     if groups > 1:
         return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
@@ -104,26 +104,28 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
         return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
+    ckk, hw = c * kh * kw, ho * wo
+    one = contract.one_product(hw)
     if contract.pointwise_conv(kh, kw, stride, pad):
-        if contract.regrouped_pointwise(ho * wo):
-            _regrouped_product(w2, x.reshape(n, c, h * wd), out.reshape(n, o, ho * wo), b, workspace, gemm,
+        if one:
+            _regrouped_product(w2, x.reshape(n, c, h * wd), out.reshape(n, o, hw), b, workspace, gemm,
                                native or _NUMPY)
             return
-        gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, ho * wo))
+        gemm(w2, x.reshape(n, c, h * wd), out=out.reshape(n, o, hw))
         if b is not None:
             (native or _NUMPY).add_bias(out, b)
         return
-    ckk, hw = c * kh * kw, ho * wo
     step = samples_per_chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad))
     for s in range(0, n, step):
         e = min(n, s + step)
         m = e - s
         scratch = Scratch(workspace)
-        cols = scratch.take((c, kh, kw, m, ho, wo))
+        region = scratch.take(((max(ckk, o) if one else ckk) * m * hw,))
+        cols = region[:ckk * m * hw].reshape(c, kh, kw, m, ho, wo)
         (native or _NUMPY).im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
         target = out[s:e].reshape(m, o, hw)
-        if hw < contract.WIDE_PLANE and ckk >= o:
-            _product_by_samples(w2, cols.reshape(ckk, m * hw), target, b, cols.reshape(-1), gemm, native or _NUMPY)
+        if one:
+            _product_by_samples(w2, cols.reshape(ckk, m * hw), target, b, region, gemm, native or _NUMPY)
         else:
             gemm(w2, cols.reshape(ckk, m, hw).transpose(1, 0, 2), out=target)
             if b is not None:
@@ -144,7 +146,7 @@ def _product_by_samples(a, rows, target, b, dead, gemm, passes) -> None:
 
 def _regrouped_product(a, x, out, b, workspace, gemm, passes) -> None:
     """out[s] = a x[s] (+ b) for every sample s of x (N, K, P) into out (N, M, P), P small: per chunk of samples
-    (`contract.regrouped_pointwise`; workspace max(K, M) * P per sample), x regrouped to (K, samples*P) and one
+    (`contract.one_product`; workspace max(K, M) * P per sample), x regrouped to (K, samples*P) and one
     product (`_product_by_samples`, back through the then dead regrouped x): what a product per sample computes (up
     to the product's rounding), as one product."""
     n, k, p = x.shape
@@ -223,21 +225,22 @@ def stride1_scheme(o, c, kh, kw, ho, wo, wp, m) -> str:
 def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, gemm=np.matmul, native=None):
     """Gradient of conv2d with respect to its input: col2im(W^T G).
 
-    Stride 1 runs chunks of samples by the scheme of least cost (`stride1_costs`) within one workspace per sample:
-    the widened output gradient (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
+    Stride 1 runs chunks of samples by the scheme of least cost (`stride1_costs`) within one workspace per sample: the
+    widened output gradient (O, Ho*Wp), column gradients (C*kh*kw, Ho*Wp) and the padded input gradient
     (C, Hp*Wp + kw - 1). "columns": the output gradient regrouped to (O, samples*Ho*Wo), one GEMM for the chunk's
-    column gradients (C*kh*kw, samples*Ho*Wo), then col2im (the forward's FLOPs; C*kh*kw additions per input
-    position). "widened": the GEMM on rows as wide as the padded input (the output gradient transposed to
-    (O, samples, Ho, Wp) with zero columns), so that adding each kernel offset's contribution is one contiguous run
-    per channel and sample. "kernel rows" (where O*kw + kh*C < C*kh*kw): the widened gradient shifted by each kernel
-    column (O*kw rows; a shift by j is an offset of j in rows that end in zero columns), one GEMM with the filters
-    regrouped to (kh*C, O*kw) giving each kernel row's contribution (kh*C rows), and kh shifted additions instead of
-    kh*kw. Other strides add strided windows: column gradients (C*kh*kw, Ho*Wo) only, one product per sample, then
-    col2im. `out` may take over the bytes of `g` (same start): samples then run in a safe order. With stride 1 a
-    chunk reads all of its output gradient (into a copy) before it writes any of its input gradient, so chunks of
-    any size are safe in the order that writes behind the unread samples: forward when a sample's input gradient is
-    the smaller, backward otherwise. With `native` the regrouping, col2im and the shifted additions with the crop run
-    compiled (the same additions in the same order). With `groups`: `_grouped_conv2d_bwd_data`."""
+    column gradients (C*kh*kw, samples*Ho*Wo), then col2im (the forward's FLOPs; C*kh*kw additions per input position).
+    "widened": the GEMM on rows as wide as the padded input (the output gradient transposed to (O, samples, Ho, Wp)
+    with zero columns), so that adding each kernel offset's contribution is one contiguous run per channel and sample.
+    "kernel rows" (where O*kw + kh*C < C*kh*kw): the widened gradient shifted by each kernel column (O*kw rows; a shift
+    by j is an offset of j in rows that end in zero columns), one GEMM with the filters regrouped to (kh*C, O*kw)
+    giving each kernel row's contribution (kh*C rows), and kh shifted additions instead of kh*kw. Other strides add
+    strided windows: on small output planes (`contract.one_product`) as "columns" does, one product for the chunk, else
+    the column gradients (C*kh*kw, Ho*Wo) only, one product per sample, then col2im. `out` may take over the bytes of
+    `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output gradient (into a
+    copy) before it writes any of its input gradient, so chunks of any size are safe in the order that writes behind
+    the unread samples: forward when a sample's input gradient is the smaller, backward otherwise. With `native` the
+    regrouping, col2im and the shifted additions with the crop run compiled (the same additions in the same order).
+    With `groups`: `_grouped_conv2d_bwd_data`."""
     if groups > 1:
         return _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, native or _NUMPY)
     n, o, ho, wo = g.shape
@@ -249,8 +252,9 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
             gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm, native=native), g, out,
             workspace)
     w2t = w.reshape(o, c * kh * kw).T
+    one = contract.one_product(ho * wo)
     if contract.pointwise_conv(kh, kw, stride, pad):
-        if contract.regrouped_pointwise(ho * wo):
+        if one:
             _regrouped_product(w2t, g.reshape(n, o, ho * wo), out.reshape(n, c, h * wd), None, workspace, gemm,
                                native or _NUMPY)
             return
@@ -272,13 +276,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
             scratch = Scratch(workspace)
             scheme = stride1_scheme(o, c, kh, kw, ho, wo, wp, m)
             if scheme == "columns":
-                # the column gradients of the chunk in one GEMM by the output gradient regrouped (O, samples*Ho*Wo),
-                # then col2im
-                gt = scratch.take((o, m, ho * wo))
-                (native or _NUMPY).swap01(g[s:e].reshape(m, o, ho * wo), gt)
-                dcols = scratch.take((c, kh, kw, m, ho, wo))
-                gemm(w2t, gt.reshape(o, m * ho * wo), out=dcols.reshape(ckk, m * ho * wo))
-                (native or _NUMPY).col2im(dcols.transpose(3, 0, 1, 2, 4, 5), out[s:e], stride, pad)
+                _columns_product(g[s:e], w2t, kh, kw, out[s:e], stride, pad, scratch, gemm, native or _NUMPY)
                 continue
             if scheme == "kernel rows":
                 # the output gradient shifted by each kernel column (kw contiguous copies), one GEMM by the
@@ -316,9 +314,25 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     step = samples_per_chunk(n, workspace, per_sample)
     for s in range(0, n, step):
         e = min(n, s + step)
+        if one:
+            _columns_product(g[s:e], w2t, kh, kw, out[s:e], stride, pad, Scratch(workspace), gemm, native or _NUMPY)
+            continue
         dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
         gemm(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
         (native or _NUMPY).col2im(dcols, out[s:e], stride, pad)
+
+
+def _columns_product(g, w2t, kh, kw, out, stride, pad, scratch, gemm, passes) -> None:
+    """out (samples, C, H, W) = col2im of the column gradients of the output gradient `g` (samples, O, Ho, Wo) by the
+    filters `w2t` (C*kh*kw, O), in one product: g regrouped to (O, samples*Ho*Wo) in scratch, the column gradients
+    (C*kh*kw, samples*Ho*Wo) after it, then col2im."""
+    m, o, ho, wo = g.shape
+    c = out.shape[1]
+    gt = scratch.take((o, m, ho * wo))
+    passes.swap01(g.reshape(m, o, ho * wo), gt)
+    dcols = scratch.take((c, kh, kw, m, ho, wo))
+    gemm(w2t, gt.reshape(o, m * ho * wo), out=dcols.reshape(c * kh * kw, m * ho * wo))
+    passes.col2im(dcols.transpose(3, 0, 1, 2, 4, 5), out, stride, pad)
 
 
 def _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, passes):
