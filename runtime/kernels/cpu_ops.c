@@ -365,21 +365,28 @@ void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* 
 // row[p] = the sum over channel window [ch - front, ch + back] (clipped to [0, channels)) of a(ch', p), in numpy's
 // order: a(ch) first, then ch - 1, ch - 2, ..., then ch + 1, ch + 2, ...; a(ch', p) = x[ch'][p]^2 (`square`) or
 // v[ch'][p] (rows `hw` apart).
+// row[p] += src[p]^2 (`square`) or src[p]
+static inline __attribute__((always_inline)) void deepdsl_add_row(float* row, const float* src, long hw, int square) {
+    if (square) {
+#pragma omp simd
+        for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
+    } else {
+#pragma omp simd
+        for (long p = 0; p < hw; ++p) row[p] += src[p];
+    }
+}
+
 DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, long ch, int front, int back,
                                         int square, float* row) {
     const float* at = v + ch * hw;
-    if (square) for (long p = 0; p < hw; ++p) row[p] = at[p] * at[p];
-    else memcpy(row, at, sizeof(float) * hw);
-    for (long d = 1; d <= front && d <= ch; ++d) {
-        const float* src = v + (ch - d) * hw;
-        if (square) for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
-        else for (long p = 0; p < hw; ++p) row[p] += src[p];
+    if (square) {
+#pragma omp simd
+        for (long p = 0; p < hw; ++p) row[p] = at[p] * at[p];
+    } else {
+        memcpy(row, at, sizeof(float) * hw);
     }
-    for (long d = 1; d <= back && ch + d < channels; ++d) {
-        const float* src = v + (ch + d) * hw;
-        if (square) for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
-        else for (long p = 0; p < hw; ++p) row[p] += src[p];
-    }
+    for (long d = -1; d >= -front && ch + d >= 0; --d) deepdsl_add_row(row, v + (ch + d) * hw, hw, square);
+    for (long d = 1; d <= back && ch + d < channels; ++d) deepdsl_add_row(row, v + (ch + d) * hw, hw, square);
 }
 
 // s^-0.75, the usual LRN exponent (beta 0.75), as 1 / (s^1/2 * s^1/4): correctly rounded square roots, which
@@ -402,13 +409,16 @@ void deepdsl_lrn(const float* x, long m, long channels, long hw, int size, float
             float* row = s + r * hw;
             deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
                                    (size - 1) / 2, 1, row);
-            if (power == -0.75f)
+            if (power == -0.75f) {
+#pragma omp simd
                 for (long p = 0; p < hw; ++p) row[p] = deepdsl_power_three_quarters(row[p] * scale + k);
-            else
+            } else {
                 for (long p = 0; p < hw; ++p) row[p] = powf(row[p] * scale + k, power);
+            }
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; ++r)
+#pragma omp simd
             for (long p = 0; p < hw; ++p) out[r * hw + p] = x[r * hw + p] * s[r * hw + p];
     }
 }
@@ -431,6 +441,7 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
             deepdsl_window_sum_row(x + (r / channels) * channels * hw, channels, hw, r % channels, size / 2,
                                    (size - 1) / 2, 1, tr);
             if (power == -0.75f) {          /* power_inner = -1.75: s^-0.75 / s */
+#pragma omp simd
                 for (long p = 0; p < hw; ++p) {
                     const float sv = tr[p] * scale + k, s34 = deepdsl_power_three_quarters(sv);
                     ar[p] = s34 / sv * gr[p] * xr[p];
@@ -452,6 +463,7 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
             /* the window sum lands in the output row, then becomes t - sum * x * coef element by element */
             deepdsl_window_sum_row(a + (r / channels) * channels * hw, channels, hw, r % channels, (size - 1) / 2,
                                    size / 2, 0, o);
+#pragma omp simd
             for (long p = 0; p < hw; ++p) o[p] = tr[p] - o[p] * xr[p] * coef;
         }
     }
@@ -624,6 +636,30 @@ static inline __attribute__((always_inline)) void deepdsl_grad_row(float* dst, c
     }
 }
 
+// row[2q] += g[q] * (argmax[q] == k) for q from `q` on, eight windows at a time while the 16 positions they span
+// lie in [0, limit) of `row` (the rest is the caller's); the positions in between get + 0.0f, which changes no value
+// there (the plane starts at +0.0 and sums of such products are never -0.0). Returns the first window left.
+static inline __attribute__((always_inline)) int deepdsl_add_every_other(float* row, const float* g,
+                                                                        const uint8_t* argmax, int k, int q, int q1,
+                                                                        int limit) {
+    const deepdsl_v8f zero = {0}, one = zero + 1.0f;
+    for (; q + 8 <= q1 && 2 * q + 16 <= limit; q += 8) {
+        deepdsl_v8f grad, low, high;
+        deepdsl_v8b index;
+        memcpy(&grad, g + q, sizeof grad);
+        memcpy(&index, argmax + q, sizeof index);
+        const deepdsl_v8i hit = __builtin_convertvector(index, deepdsl_v8i) == k;
+        const deepdsl_v8f part = grad * DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, hit, one, zero);
+        memcpy(&low, row + 2 * q, sizeof low);
+        memcpy(&high, row + 2 * q + 8, sizeof high);
+        low += __builtin_shuffle(part, zero, ((deepdsl_v8i){0, 8, 1, 9, 2, 10, 3, 11}));
+        high += __builtin_shuffle(part, zero, ((deepdsl_v8i){4, 12, 5, 13, 6, 14, 7, 15}));
+        memcpy(row + 2 * q, &low, sizeof low);
+        memcpy(row + 2 * q + 8, &high, sizeof high);
+    }
+    return q;
+}
+
 // The gradient of max pooling in one plane: each window adds g * (argmax == offset) to the input position at each
 // offset. Windows that tile the plane (stride == kernel, no padding, inside) write its rows once each; others add
 // in numpy's order (offset by offset, each over all windows).
@@ -651,7 +687,8 @@ DEEPDSL_PLANE void deepdsl_max_pool_bwd_plane(const float* g, const uint8_t* arg
             float* row = o + (long)y * w + j - pad;
             const float* gr = g + (long)p * wo;
             const uint8_t* ar = argmax + (long)p * wo;
-            for (int q = q0; q < q1; ++q) row[(long)stride * q] += gr[q] * (float)(ar[q] == k);
+            int q = stride == 2 ? deepdsl_add_every_other(row, gr, ar, k, q0, q1, w + pad - j) : q0;
+            for (; q < q1; ++q) row[(long)stride * q] += gr[q] * (float)(ar[q] == k);
         }
     }
 }
