@@ -560,6 +560,53 @@ DEEPDSL_PLANE void deepdsl_max_pool_plane2(const float* src, long w, int ho, int
     }
 }
 
+// Rows of 3x3 windows of stride 2 (AlexNet's and ResNet's pooling) into out and/or argmax (either may be NULL):
+// eight windows at a time while their 17 columns lie in the row, their columns separated by shuffles, the rule of
+// deepdsl_window_max on each (the maximum by `>` from the first position, NaN where any position is NaN; the argmax
+// the first position equal to it, the last where none is); the rest of a row one window at a time.
+DEEPDSL_PLANE void deepdsl_max_pool_plane3(const float* src, long w, int ho, int wo, float* out, uint8_t* argmax) {
+    const deepdsl_v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = even + 1, next = {2, 4, 6, 8, 10, 12, 14, 0};
+    for (int p = 0; p < ho; ++p) {
+        const float* r = src + (long)p * 2 * w;
+        int q = 0;
+        for (; q + 8 <= wo && 2 * q + 17 <= w; q += 8) {
+            deepdsl_v8f v[9];
+            for (int i = 0; i < 3; ++i) {
+                const float* at = r + i * w + 2 * q;
+                deepdsl_v8f t0, t1;
+                memcpy(&t0, at, sizeof t0);
+                memcpy(&t1, at + 8, sizeof t1);
+                v[3 * i] = __builtin_shuffle(t0, t1, even);
+                v[3 * i + 1] = __builtin_shuffle(t0, t1, odd);
+                v[3 * i + 2] = __builtin_shuffle(t0, t1, next);
+                v[3 * i + 2][7] = at[16];
+            }
+            deepdsl_v8f best = v[0];
+            deepdsl_v8i nan = v[0] != v[0];
+            for (int k = 1; k < 9; ++k) {
+                best = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, v[k] > best, v[k], best);
+                nan |= v[k] != v[k];
+            }
+            best = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, nan, (deepdsl_v8f){0} + NAN, best);
+            deepdsl_v8i index = (deepdsl_v8i){0} + 8;
+            for (int k = 7; k >= 0; --k)
+                index = DEEPDSL_SELECT(deepdsl_v8i, deepdsl_v8i, v[k] == best, (deepdsl_v8i){0} + k, index);
+            if (out) memcpy(out + (long)p * wo + q, &best, sizeof best);
+            if (argmax) {
+                const deepdsl_v8b bytes = __builtin_convertvector(index, deepdsl_v8b);
+                memcpy(argmax + (long)p * wo + q, &bytes, sizeof bytes);
+            }
+        }
+        for (; q < wo; ++q) {
+            float best;
+            uint8_t index;
+            deepdsl_window_max(r + 2 * q, w, 3, &best, &index);
+            if (out) out[(long)p * wo + q] = best;
+            if (argmax) argmax[(long)p * wo + q] = index;
+        }
+    }
+}
+
 // The windows of one plane whose windows all lie inside it (rows `w` apart); `out` or `argmax` may be NULL.
 DEEPDSL_PLANE void deepdsl_max_pool_plane(const float* src, long w, int ho, int wo, int K, int stride, float* out,
                                           uint8_t* argmax) {
@@ -567,6 +614,10 @@ DEEPDSL_PLANE void deepdsl_max_pool_plane(const float* src, long w, int ho, int 
     uint8_t index;
     if (K == 2 && stride == 2 && out && argmax) {   /* the most common case: vectors */
         deepdsl_max_pool_plane2(src, w, ho, wo, out, argmax);
+        return;
+    }
+    if (K == 3 && stride == 2) {                    /* AlexNet's and ResNet's: vectors */
+        deepdsl_max_pool_plane3(src, w, ho, wo, out, argmax);
         return;
     }
     if (K == 2 && out && argmax) {                  /* without a test per window */
