@@ -236,23 +236,23 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     giving each kernel row's contribution (kh*C rows), and kh shifted additions instead of kh*kw. Other strides add
     strided windows: on small output planes (`contract.one_product`) as "columns" does, one product for the chunk, else
     the column gradients (C*kh*kw, Ho*Wo) only, one product per sample, then col2im. `out` may take over the bytes of
-    `g` (same start): samples then run in a safe order. With stride 1 a chunk reads all of its output gradient (into a
-    copy) before it writes any of its input gradient, so chunks of any size are safe in the order that writes behind
-    the unread samples: forward when a sample's input gradient is the smaller, backward otherwise. With `native` the
-    regrouping, col2im and the shifted additions with the crop run compiled (the same additions in the same order).
-    With `groups`: `_grouped_conv2d_bwd_data`."""
+    `g` (same start): samples then run in a safe order. With stride 1, and other strides on small output planes, a
+    chunk reads all of its output gradient (into a copy) before it writes any of its input gradient, so chunks of any
+    size are safe in the order that writes behind the unread samples: forward when a sample's input gradient is the
+    smaller, backward otherwise. With `native` the regrouping, col2im and the shifted additions with the crop run
+    compiled (the same additions in the same order). With `groups`: `_grouped_conv2d_bwd_data`."""
     if groups > 1:
         return _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, native or _NUMPY)
     n, o, ho, wo = g.shape
     _, c, kh, kw = w.shape
     h, wd = size
     over = takes_over(g, out)
-    if over and (stride != 1 or contract.pointwise_conv(kh, kw, stride, pad)):
+    one = contract.one_product(ho * wo)
+    if over and ((stride != 1 and not one) or contract.pointwise_conv(kh, kw, stride, pad)):
         return over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
             gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm, native=native), g, out,
             workspace)
     w2t = w.reshape(o, c * kh * kw).T
-    one = contract.one_product(ho * wo)
     if contract.pointwise_conv(kh, kw, stride, pad):
         if one:
             _regrouped_product(w2t, g.reshape(n, o, ho * wo), out.reshape(n, c, h * wd), None, workspace, gemm,
@@ -266,9 +266,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
         hp, wp = h + 2 * pad, wd + 2 * pad
         plane = hp * wp + kw - 1
         step = samples_per_chunk(n, workspace, per_sample)
-        starts = range(0, n, step)
-        if over and out.nbytes > g.nbytes:
-            starts = reversed(starts)
+        starts = _safe_order(range(0, n, step), over and out.nbytes > g.nbytes)
         by_rows = None
         for s in starts:
             e = min(n, s + step)
@@ -312,14 +310,23 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
             np.copyto(out[s:e], dxp[:, :, :hp * wp].reshape(m, c, hp, wp)[:, :, pad:pad + h, pad:pad + wd])
         return
     step = samples_per_chunk(n, workspace, per_sample)
+    if one:
+        for s in _safe_order(range(0, n, step), over and out.nbytes > g.nbytes):
+            e = min(n, s + step)
+            _columns_product(g[s:e], w2t, kh, kw, out[s:e], stride, pad, Scratch(workspace), gemm, native or _NUMPY)
+        return
     for s in range(0, n, step):
         e = min(n, s + step)
-        if one:
-            _columns_product(g[s:e], w2t, kh, kw, out[s:e], stride, pad, Scratch(workspace), gemm, native or _NUMPY)
-            continue
         dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
         gemm(w2t, g[s:e].reshape(e - s, o, ho * wo), out=dcols.reshape(e - s, ckk, ho * wo))
         (native or _NUMPY).col2im(dcols, out[s:e], stride, pad)
+
+
+def _safe_order(starts: range, backward: bool):
+    """The chunks' starts in the order that writes an input gradient taking over its output gradient's bytes behind
+    the samples not yet read, for chunks that copy their output gradient before writing: forward where a sample's
+    input gradient is no larger than its output gradient, else `backward`."""
+    return reversed(starts) if backward else starts
 
 
 def _columns_product(g, w2t, kh, kw, out, stride, pad, scratch, gemm, passes) -> None:
