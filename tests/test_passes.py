@@ -24,6 +24,7 @@ from deepdsl.passes import fuse_elementwise as fusion
 from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.passes.cse import cse
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_reductions import fuse_reductions
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.simplify import simplify
 from deepdsl.ssa import Let, Program
@@ -273,6 +274,26 @@ def test_cse_canonicalizes_repeated_inputs_and_constants():
     new = after.outputs[0][1]
     assert new.inputs == (a,) and new.attr("expr") == v0 ** 2 + 2
     assert_same_values(graph(node), after)
+
+
+def test_sums_differing_in_per_channel_factors_become_one_sum():
+    """Batch norm's backward: the gradient times the centred input summed per channel, once times the scale and once
+    times the inverse deviation (and a number). The factors constant along the summed axes go after the sum, so
+    after cse one ew_sum reads the two activations; a sum with no such factor but a number keeps it inside."""
+    d, c = data("d", (2, 3, 4, 5)), data("c", (2, 3, 4, 5))
+    w, k = param("w", (1, 3, 1, 1)), data("k", (1, 3, 1, 1))
+    by_w = sum_to(make("ew", (d, c, w), expr=v0 * v1 * v2), (1, 3, 1, 1))
+    by_k = sum_to(make("ew", (d, c, k), expr=2 * v0 * v1 * v2), (1, 3, 1, 1))
+    negated = sum_to(make("ew", (d,), expr=-v0), (1, 3, 1, 1))
+    before = graph(by_w, by_k, negated)
+    after = cse(fuse_reductions(before))
+    sums = [n for n in toposort([node for _, node in after.outputs]) if n.op == "ew_sum"]
+    assert len(sums) == 2
+    (shared,) = [n for n in sums if len(n.inputs) == 2]
+    assert set(shared.inputs) == {d, c} and shared.attr("expr") == v0 * v1
+    (alone,) = [n for n in sums if len(n.inputs) == 1]
+    assert alone.attr("expr") == -v0
+    assert_same_values(before, after)
 
 
 # ----------------------------------------------------------------------------------------------------------------

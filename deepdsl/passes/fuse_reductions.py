@@ -9,12 +9,21 @@ The runtime computes an `ew_sum` in cache-sized chunks of samples (its workspace
 rule), so the memory plan holds the chunk instead of the whole tensor. Run after `fuse_elementwise`, which has
 made each such `ew` node the whole expression. Linear in the size of the graph.
 
-Guarantees: same values (up to the order of the sums' additions, which follows the chunks); every graph output
-keeps its node's shape and dtype.
+The factors of the expression that are constant along the summed axes (operands of the sum's own shape, scalar
+operands, and with them numbers) are multiplied in after the sum: sum(k * f) = k * sum(f). Sums that differ only in
+such factors are then one sum, which `cse` merges: batch norm's backward sums the incoming gradient times the
+centred input twice, once times the scale (for the inverse deviation's gradient) and once times the inverse
+deviation (for the scale's), which then read the two activations once for both.
+
+Guarantees: same values (up to the order of the sums' additions, which follows the chunks, and the rounding of a
+factor multiplied after the sum instead of into each term); every graph output keeps its node's shape and dtype.
 """
 from __future__ import annotations
 
+import sympy
+
 from deepdsl.ir import Graph, Node, make, rebuild, toposort
+from deepdsl.ops.elementwise import elementwise, sum_to, sym
 from deepdsl.provenance import inherit
 
 
@@ -32,9 +41,22 @@ def fuse_reductions(graph: Graph) -> Graph:
         inputs = [memo[id(i)] for i in node.inputs]
         if node.op == "sum_to" and inputs[0].op == "ew" and readers[id(node.inputs[0])] == 1 \
                 and id(node.inputs[0]) not in outputs:
-            producer = inputs[0]
-            memo[id(node)] = inherit(make("ew_sum", producer.inputs, expr=producer.attr("expr"),
-                                          shape=node.attr("shape")), node, same_name=True)
+            memo[id(node)] = inherit(_summed(inputs[0], node.attr("shape")), node, same_name=True)
         else:
             memo[id(node)] = rebuild(node, inputs) if node.inputs else node
     return Graph(graph.name, tuple((k, memo[id(v)]) for k, v in graph.outputs))
+
+
+def _summed(producer: Node, shape: tuple[int, ...]) -> Node:
+    """The sum to `shape` of the `ew` node `producer`: an `ew_sum` of its expression, the factors constant along the
+    summed axes multiplied in after it (by an `ew` node of `shape`)."""
+    expr, inputs = producer.attr("expr"), producer.inputs
+    constant = {sym(i) for i, x in enumerate(inputs) if x.shape == tuple(shape) or x.size == 1}
+    factors = sympy.Mul.make_args(expr)
+    outside = [f for f in factors if f.free_symbols <= constant]
+    if not any(f.free_symbols for f in outside) or len(outside) == len(factors):
+        return make("ew_sum", inputs, expr=expr, shape=shape)
+    inside = elementwise(sympy.Mul(*(f for f in factors if f not in outside)), inputs)
+    total = (make("ew_sum", inside.inputs, expr=inside.attr("expr"), shape=shape) if inside.op == "ew"
+             else sum_to(inside, shape))
+    return elementwise(sympy.Mul(*outside) * sym(len(inputs)), [*inputs, total], shape=shape)
