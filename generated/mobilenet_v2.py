@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 1000 iterations, lr 0.045, momentum 0.9, decay 4e-05
 Memory: peak 909.73 MB of tensors planned for the training step (192.68 MB testing); static arena 909.73 MB, pool 918.19 MB, workspace 32.74 MB
-Structure hash: bedd33f828b64945
+Structure hash: 923d6c0d2cbc1100
 
 Usage: python mobilenet_v2.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class MobilenetV2(rp.Model):
 
     name = "mobilenet_v2"
     source = "networks/mobilenet_v2.py"
-    structure_hash = "bedd33f828b64945"
+    structure_hash = "923d6c0d2cbc1100"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3186,38 +3186,44 @@ class MobilenetV2(rp.Model):
         mem.free(266)
 
         # ---- conv_last_bn (batch norm), backward ----
-        # d_conv_last_bn_inv_std = sum_to[1x1280x1x1](d_conv_last_bn*conv_last_bn_centered*conv_last_bn_weight)
-        d_conv_last_bn_inv_std = mem.tensor(267, (1, 1280, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv_last_bn_inv_std, d_conv_last_bn, conv_last_bn_centered, conv_last_bn_weight, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
+        # d_conv_last_bn_ew_sum = sum_to[1x1280x1x1](d_conv_last_bn*conv_last_bn_centered)
+        d_conv_last_bn_ew_sum = mem.tensor(267, (1, 1280, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_conv_last_bn_ew_sum, d_conv_last_bn, conv_last_bn_centered, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
+        # d_conv_last_bn_inv_std = conv_last_bn_weight*d_conv_last_bn_ew_sum
+        d_conv_last_bn_inv_std = mem.tensor(268, (1, 1280, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_ew_sum)
         # d_conv_last_bn_sum_of_squares = -d_conv_last_bn_inv_std/(3136*(conv_last_bn_batch_var + 1.0e-5)**(3/2))
         d_conv_last_bn_sum_of_squares = d_conv_last_bn_inv_std  # in place: over d_conv_last_bn_inv_std
         rt.ew(ew_add_pow_mul, d_conv_last_bn_sum_of_squares, d_conv_last_bn_inv_std, conv_last_bn_batch_var)
         # free conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         del conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         mem.free(255)
-        # d_conv_last_bn_weight = sum_to[1x1280x1x1](d_conv_last_bn*conv_last_bn_centered*conv_last_bn_inv_std)
-        d_conv_last_bn_weight = mem.tensor(268, (1, 1280, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv_last_bn_weight, d_conv_last_bn, conv_last_bn_centered, conv_last_bn_inv_std, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
         # d_conv_last_bn_centered = d_conv_last_bn*conv_last_bn_inv_std*conv_last_bn_weight + 2*d_conv_last_bn_sum_of_squares*conv_last_bn_centered
         d_conv_last_bn_centered = conv_last_bn_centered  # in place: over conv_last_bn_centered
         rt.ew(ew_mul_add_5, d_conv_last_bn_centered, d_conv_last_bn, conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_sum_of_squares, conv_last_bn_centered)
-        # free conv_last_bn_inv_std, d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
-        del conv_last_bn_inv_std, d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
-        mem.free(256, 267)
+        # free d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
+        del d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
+        mem.free(268)
         # d_conv_last_bn_bias = sum_to[1x1280x1x1](d_conv_last_bn)
         d_conv_last_bn_bias = mem.tensor(269, (1, 1280, 1, 1), 'float32')
         rt.sum_to(d_conv_last_bn, out=d_conv_last_bn_bias, shape=(1, 1280, 1, 1))
         # free d_conv_last_bn_clipped_relu, d_conv_last_bn
         del d_conv_last_bn_clipped_relu, d_conv_last_bn
         mem.free(265)
+        # d_conv_last_bn_weight = conv_last_bn_inv_std*d_conv_last_bn_ew_sum
+        d_conv_last_bn_weight = conv_last_bn_inv_std  # in place: over conv_last_bn_inv_std
+        rt.ew(ew_mul_3, d_conv_last_bn_weight, conv_last_bn_inv_std, d_conv_last_bn_ew_sum)
+        # free d_conv_last_bn_ew_sum
+        del d_conv_last_bn_ew_sum
+        mem.free(267)
         # d_conv_last_bn_W = reshape[1280](d_conv_last_bn_weight)
         d_conv_last_bn_W = rt.reshape(d_conv_last_bn_weight, shape=(1280,))
         # V_conv_last_bn_W_new = V_conv_last_bn_W*momentum + d_conv_last_bn_W + decay*conv_last_bn_W
         V_conv_last_bn_W_new = T['V_conv_last_bn_W']  # in place: the new V_conv_last_bn_W
         rt.ew(ew_mul_add_4, V_conv_last_bn_W_new, T['V_conv_last_bn_W'], momentum, d_conv_last_bn_W, decay, T['conv_last_bn_W'])
-        # free d_conv_last_bn_weight, d_conv_last_bn_W
-        del d_conv_last_bn_weight, d_conv_last_bn_W
-        mem.free(268)
+        # free conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
+        del conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
+        mem.free(256)
         # conv_last_bn_W_new = conv_last_bn_W - lr*V_conv_last_bn_W_new
         conv_last_bn_W_new = T['conv_last_bn_W']  # in place: the new conv_last_bn_W
         rt.ew(ew_mul_sub, conv_last_bn_W_new, T['conv_last_bn_W'], lr, V_conv_last_bn_W_new)
@@ -3276,38 +3282,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, conv_last_W_new, T['conv_last_W'], lr, V_conv_last_W_new)
 
         # ---- block17_project_bn (batch norm), backward ----
-        # d_block17_project_bn_inv_std = sum_to[1x320x1x1](d_block17_project_bn*block17_project_bn_centered*block17_project_bn_weight)
-        d_block17_project_bn_inv_std = mem.tensor(274, (1, 320, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_project_bn_inv_std, d_block17_project_bn, block17_project_bn_centered, block17_project_bn_weight, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
+        # d_block17_project_bn_ew_sum = sum_to[1x320x1x1](d_block17_project_bn*block17_project_bn_centered)
+        d_block17_project_bn_ew_sum = mem.tensor(274, (1, 320, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block17_project_bn_ew_sum, d_block17_project_bn, block17_project_bn_centered, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
+        # d_block17_project_bn_inv_std = block17_project_bn_weight*d_block17_project_bn_ew_sum
+        d_block17_project_bn_inv_std = mem.tensor(275, (1, 320, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_ew_sum)
         # d_block17_project_bn_sum_of_squares = -d_block17_project_bn_inv_std/(3136*(block17_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_project_bn_sum_of_squares = d_block17_project_bn_inv_std  # in place: over d_block17_project_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block17_project_bn_sum_of_squares, d_block17_project_bn_inv_std, block17_project_bn_batch_var)
         # free block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         del block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         mem.free(250)
-        # d_block17_project_bn_weight = sum_to[1x320x1x1](d_block17_project_bn*block17_project_bn_centered*block17_project_bn_inv_std)
-        d_block17_project_bn_weight = mem.tensor(275, (1, 320, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_project_bn_weight, d_block17_project_bn, block17_project_bn_centered, block17_project_bn_inv_std, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
         # d_block17_project_bn_centered = d_block17_project_bn*block17_project_bn_inv_std*block17_project_bn_weight + 2*d_block17_project_bn_sum_of_squares*block17_project_bn_centered
         d_block17_project_bn_centered = block17_project_bn_centered  # in place: over block17_project_bn_centered
         rt.ew(ew_mul_add_5, d_block17_project_bn_centered, d_block17_project_bn, block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_sum_of_squares, block17_project_bn_centered)
-        # free block17_project_bn_inv_std, d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
-        del block17_project_bn_inv_std, d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
-        mem.free(251, 274)
+        # free d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
+        del d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
+        mem.free(275)
         # d_block17_project_bn_bias = sum_to[1x320x1x1](d_block17_project_bn)
         d_block17_project_bn_bias = mem.tensor(276, (1, 320, 1, 1), 'float32')
         rt.sum_to(d_block17_project_bn, out=d_block17_project_bn_bias, shape=(1, 320, 1, 1))
         # free d_block17_project_bn
         del d_block17_project_bn
         mem.free(273)
+        # d_block17_project_bn_weight = block17_project_bn_inv_std*d_block17_project_bn_ew_sum
+        d_block17_project_bn_weight = block17_project_bn_inv_std  # in place: over block17_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block17_project_bn_weight, block17_project_bn_inv_std, d_block17_project_bn_ew_sum)
+        # free d_block17_project_bn_ew_sum
+        del d_block17_project_bn_ew_sum
+        mem.free(274)
         # d_block17_project_bn_W = reshape[320](d_block17_project_bn_weight)
         d_block17_project_bn_W = rt.reshape(d_block17_project_bn_weight, shape=(320,))
         # V_block17_project_bn_W_new = V_block17_project_bn_W*momentum + d_block17_project_bn_W + decay*block17_project_bn_W
         V_block17_project_bn_W_new = T['V_block17_project_bn_W']  # in place: the new V_block17_project_bn_W
         rt.ew(ew_mul_add_4, V_block17_project_bn_W_new, T['V_block17_project_bn_W'], momentum, d_block17_project_bn_W, decay, T['block17_project_bn_W'])
-        # free d_block17_project_bn_weight, d_block17_project_bn_W
-        del d_block17_project_bn_weight, d_block17_project_bn_W
-        mem.free(275)
+        # free block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
+        del block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
+        mem.free(251)
         # block17_project_bn_W_new = block17_project_bn_W - lr*V_block17_project_bn_W_new
         block17_project_bn_W_new = T['block17_project_bn_W']  # in place: the new block17_project_bn_W
         rt.ew(ew_mul_sub, block17_project_bn_W_new, T['block17_project_bn_W'], lr, V_block17_project_bn_W_new)
@@ -3373,38 +3385,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block17_project_W_new, T['block17_project_W'], lr, V_block17_project_W_new)
 
         # ---- block17_dw_bn (batch norm), backward ----
-        # d_block17_dw_bn_inv_std = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered*block17_dw_bn_weight)
-        d_block17_dw_bn_inv_std = mem.tensor(281, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_dw_bn_inv_std, d_block17_dw_bn, block17_dw_bn_centered, block17_dw_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block17_dw_bn_ew_sum = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered)
+        d_block17_dw_bn_ew_sum = mem.tensor(281, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block17_dw_bn_ew_sum, d_block17_dw_bn, block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block17_dw_bn_inv_std = block17_dw_bn_weight*d_block17_dw_bn_ew_sum
+        d_block17_dw_bn_inv_std = mem.tensor(282, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_ew_sum)
         # d_block17_dw_bn_sum_of_squares = -d_block17_dw_bn_inv_std/(3136*(block17_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_dw_bn_sum_of_squares = d_block17_dw_bn_inv_std  # in place: over d_block17_dw_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block17_dw_bn_sum_of_squares, d_block17_dw_bn_inv_std, block17_dw_bn_batch_var)
         # free block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         del block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         mem.free(245)
-        # d_block17_dw_bn_weight = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered*block17_dw_bn_inv_std)
-        d_block17_dw_bn_weight = mem.tensor(282, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_dw_bn_weight, d_block17_dw_bn, block17_dw_bn_centered, block17_dw_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block17_dw_bn_centered = d_block17_dw_bn*block17_dw_bn_inv_std*block17_dw_bn_weight + 2*d_block17_dw_bn_sum_of_squares*block17_dw_bn_centered
         d_block17_dw_bn_centered = block17_dw_bn_centered  # in place: over block17_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block17_dw_bn_centered, d_block17_dw_bn, block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_sum_of_squares, block17_dw_bn_centered)
-        # free block17_dw_bn_inv_std, d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
-        del block17_dw_bn_inv_std, d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
-        mem.free(246, 281)
+        # free d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
+        del d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
+        mem.free(282)
         # d_block17_dw_bn_bias = sum_to[1x960x1x1](d_block17_dw_bn)
         d_block17_dw_bn_bias = mem.tensor(283, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block17_dw_bn, out=d_block17_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block17_dw_bn_clipped_relu, d_block17_dw_bn
         del d_block17_dw_bn_clipped_relu, d_block17_dw_bn
         mem.free(280)
+        # d_block17_dw_bn_weight = block17_dw_bn_inv_std*d_block17_dw_bn_ew_sum
+        d_block17_dw_bn_weight = block17_dw_bn_inv_std  # in place: over block17_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block17_dw_bn_weight, block17_dw_bn_inv_std, d_block17_dw_bn_ew_sum)
+        # free d_block17_dw_bn_ew_sum
+        del d_block17_dw_bn_ew_sum
+        mem.free(281)
         # d_block17_dw_bn_W = reshape[960](d_block17_dw_bn_weight)
         d_block17_dw_bn_W = rt.reshape(d_block17_dw_bn_weight, shape=(960,))
         # V_block17_dw_bn_W_new = V_block17_dw_bn_W*momentum + d_block17_dw_bn_W + decay*block17_dw_bn_W
         V_block17_dw_bn_W_new = T['V_block17_dw_bn_W']  # in place: the new V_block17_dw_bn_W
         rt.ew(ew_mul_add_4, V_block17_dw_bn_W_new, T['V_block17_dw_bn_W'], momentum, d_block17_dw_bn_W, decay, T['block17_dw_bn_W'])
-        # free d_block17_dw_bn_weight, d_block17_dw_bn_W
-        del d_block17_dw_bn_weight, d_block17_dw_bn_W
-        mem.free(282)
+        # free block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
+        del block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
+        mem.free(246)
         # block17_dw_bn_W_new = block17_dw_bn_W - lr*V_block17_dw_bn_W_new
         block17_dw_bn_W_new = T['block17_dw_bn_W']  # in place: the new block17_dw_bn_W
         rt.ew(ew_mul_sub, block17_dw_bn_W_new, T['block17_dw_bn_W'], lr, V_block17_dw_bn_W_new)
@@ -3470,38 +3488,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block17_dw_W_new, T['block17_dw_W'], lr, V_block17_dw_W_new)
 
         # ---- block17_expand_bn (batch norm), backward ----
-        # d_block17_expand_bn_inv_std = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered*block17_expand_bn_weight)
-        d_block17_expand_bn_inv_std = mem.tensor(288, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_expand_bn_inv_std, d_block17_expand_bn, block17_expand_bn_centered, block17_expand_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block17_expand_bn_ew_sum = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered)
+        d_block17_expand_bn_ew_sum = mem.tensor(288, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block17_expand_bn_ew_sum, d_block17_expand_bn, block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block17_expand_bn_inv_std = block17_expand_bn_weight*d_block17_expand_bn_ew_sum
+        d_block17_expand_bn_inv_std = mem.tensor(289, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_ew_sum)
         # d_block17_expand_bn_sum_of_squares = -d_block17_expand_bn_inv_std/(3136*(block17_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_expand_bn_sum_of_squares = d_block17_expand_bn_inv_std  # in place: over d_block17_expand_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block17_expand_bn_sum_of_squares, d_block17_expand_bn_inv_std, block17_expand_bn_batch_var)
         # free block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         del block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         mem.free(240)
-        # d_block17_expand_bn_weight = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered*block17_expand_bn_inv_std)
-        d_block17_expand_bn_weight = mem.tensor(289, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_expand_bn_weight, d_block17_expand_bn, block17_expand_bn_centered, block17_expand_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block17_expand_bn_centered = d_block17_expand_bn*block17_expand_bn_inv_std*block17_expand_bn_weight + 2*d_block17_expand_bn_sum_of_squares*block17_expand_bn_centered
         d_block17_expand_bn_centered = block17_expand_bn_centered  # in place: over block17_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block17_expand_bn_centered, d_block17_expand_bn, block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_sum_of_squares, block17_expand_bn_centered)
-        # free block17_expand_bn_inv_std, d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
-        del block17_expand_bn_inv_std, d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
-        mem.free(241, 288)
+        # free d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
+        del d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
+        mem.free(289)
         # d_block17_expand_bn_bias = sum_to[1x960x1x1](d_block17_expand_bn)
         d_block17_expand_bn_bias = mem.tensor(290, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block17_expand_bn, out=d_block17_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block17_expand_bn_clipped_relu, d_block17_expand_bn
         del d_block17_expand_bn_clipped_relu, d_block17_expand_bn
         mem.free(287)
+        # d_block17_expand_bn_weight = block17_expand_bn_inv_std*d_block17_expand_bn_ew_sum
+        d_block17_expand_bn_weight = block17_expand_bn_inv_std  # in place: over block17_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block17_expand_bn_weight, block17_expand_bn_inv_std, d_block17_expand_bn_ew_sum)
+        # free d_block17_expand_bn_ew_sum
+        del d_block17_expand_bn_ew_sum
+        mem.free(288)
         # d_block17_expand_bn_W = reshape[960](d_block17_expand_bn_weight)
         d_block17_expand_bn_W = rt.reshape(d_block17_expand_bn_weight, shape=(960,))
         # V_block17_expand_bn_W_new = V_block17_expand_bn_W*momentum + d_block17_expand_bn_W + decay*block17_expand_bn_W
         V_block17_expand_bn_W_new = T['V_block17_expand_bn_W']  # in place: the new V_block17_expand_bn_W
         rt.ew(ew_mul_add_4, V_block17_expand_bn_W_new, T['V_block17_expand_bn_W'], momentum, d_block17_expand_bn_W, decay, T['block17_expand_bn_W'])
-        # free d_block17_expand_bn_weight, d_block17_expand_bn_W
-        del d_block17_expand_bn_weight, d_block17_expand_bn_W
-        mem.free(289)
+        # free block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
+        del block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
+        mem.free(241)
         # block17_expand_bn_W_new = block17_expand_bn_W - lr*V_block17_expand_bn_W_new
         block17_expand_bn_W_new = T['block17_expand_bn_W']  # in place: the new block17_expand_bn_W
         rt.ew(ew_mul_sub, block17_expand_bn_W_new, T['block17_expand_bn_W'], lr, V_block17_expand_bn_W_new)
@@ -3560,32 +3584,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block17_expand_W_new, T['block17_expand_W'], lr, V_block17_expand_W_new)
 
         # ---- block16_project_bn (batch norm), backward ----
-        # d_block16_project_bn_inv_std = sum_to[1x160x1x1](d_block16_project_bn_add*block16_project_bn_centered*block16_project_bn_weight)
-        d_block16_project_bn_inv_std = mem.tensor(295, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_project_bn_inv_std, d_block16_project_bn_add, block16_project_bn_centered, block16_project_bn_weight, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block16_project_bn_ew_sum = sum_to[1x160x1x1](d_block16_project_bn_add*block16_project_bn_centered)
+        d_block16_project_bn_ew_sum = mem.tensor(295, (1, 160, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block16_project_bn_ew_sum, d_block16_project_bn_add, block16_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block16_project_bn_inv_std = block16_project_bn_weight*d_block16_project_bn_ew_sum
+        d_block16_project_bn_inv_std = mem.tensor(296, (1, 160, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_ew_sum)
         # d_block16_project_bn_sum_of_squares = -d_block16_project_bn_inv_std/(3136*(block16_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_project_bn_sum_of_squares = d_block16_project_bn_inv_std  # in place: over d_block16_project_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block16_project_bn_sum_of_squares, d_block16_project_bn_inv_std, block16_project_bn_batch_var)
         # free block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         del block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         mem.free(235)
-        # d_block16_project_bn_weight = sum_to[1x160x1x1](d_block16_project_bn_add*block16_project_bn_centered*block16_project_bn_inv_std)
-        d_block16_project_bn_weight = mem.tensor(296, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_project_bn_weight, d_block16_project_bn_add, block16_project_bn_centered, block16_project_bn_inv_std, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block16_project_bn_centered = d_block16_project_bn_add*block16_project_bn_inv_std*block16_project_bn_weight + 2*d_block16_project_bn_sum_of_squares*block16_project_bn_centered
         d_block16_project_bn_centered = block16_project_bn_centered  # in place: over block16_project_bn_centered
         rt.ew(ew_mul_add_5, d_block16_project_bn_centered, d_block16_project_bn_add, block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_sum_of_squares, block16_project_bn_centered)
-        # free block16_project_bn_inv_std, d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
-        del block16_project_bn_inv_std, d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
-        mem.free(236, 295)
+        # free d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
+        del d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
+        mem.free(296)
+        # d_block16_project_bn_weight = block16_project_bn_inv_std*d_block16_project_bn_ew_sum
+        d_block16_project_bn_weight = block16_project_bn_inv_std  # in place: over block16_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block16_project_bn_weight, block16_project_bn_inv_std, d_block16_project_bn_ew_sum)
+        # free d_block16_project_bn_ew_sum
+        del d_block16_project_bn_ew_sum
+        mem.free(295)
         # d_block16_project_bn_W = reshape[160](d_block16_project_bn_weight)
         d_block16_project_bn_W = rt.reshape(d_block16_project_bn_weight, shape=(160,))
         # V_block16_project_bn_W_new = V_block16_project_bn_W*momentum + d_block16_project_bn_W + decay*block16_project_bn_W
         V_block16_project_bn_W_new = T['V_block16_project_bn_W']  # in place: the new V_block16_project_bn_W
         rt.ew(ew_mul_add_4, V_block16_project_bn_W_new, T['V_block16_project_bn_W'], momentum, d_block16_project_bn_W, decay, T['block16_project_bn_W'])
-        # free d_block16_project_bn_weight, d_block16_project_bn_W
-        del d_block16_project_bn_weight, d_block16_project_bn_W
-        mem.free(296)
+        # free block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
+        del block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
+        mem.free(236)
         # block16_project_bn_W_new = block16_project_bn_W - lr*V_block16_project_bn_W_new
         block16_project_bn_W_new = T['block16_project_bn_W']  # in place: the new block16_project_bn_W
         rt.ew(ew_mul_sub, block16_project_bn_W_new, T['block16_project_bn_W'], lr, V_block16_project_bn_W_new)
@@ -3656,38 +3686,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block16_project_W_new, T['block16_project_W'], lr, V_block16_project_W_new)
 
         # ---- block16_dw_bn (batch norm), backward ----
-        # d_block16_dw_bn_inv_std = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered*block16_dw_bn_weight)
-        d_block16_dw_bn_inv_std = mem.tensor(302, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_dw_bn_inv_std, d_block16_dw_bn, block16_dw_bn_centered, block16_dw_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block16_dw_bn_ew_sum = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered)
+        d_block16_dw_bn_ew_sum = mem.tensor(302, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block16_dw_bn_ew_sum, d_block16_dw_bn, block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block16_dw_bn_inv_std = block16_dw_bn_weight*d_block16_dw_bn_ew_sum
+        d_block16_dw_bn_inv_std = mem.tensor(303, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_ew_sum)
         # d_block16_dw_bn_sum_of_squares = -d_block16_dw_bn_inv_std/(3136*(block16_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_dw_bn_sum_of_squares = d_block16_dw_bn_inv_std  # in place: over d_block16_dw_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block16_dw_bn_sum_of_squares, d_block16_dw_bn_inv_std, block16_dw_bn_batch_var)
         # free block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         del block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         mem.free(230)
-        # d_block16_dw_bn_weight = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered*block16_dw_bn_inv_std)
-        d_block16_dw_bn_weight = mem.tensor(303, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_dw_bn_weight, d_block16_dw_bn, block16_dw_bn_centered, block16_dw_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block16_dw_bn_centered = d_block16_dw_bn*block16_dw_bn_inv_std*block16_dw_bn_weight + 2*d_block16_dw_bn_sum_of_squares*block16_dw_bn_centered
         d_block16_dw_bn_centered = block16_dw_bn_centered  # in place: over block16_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block16_dw_bn_centered, d_block16_dw_bn, block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_sum_of_squares, block16_dw_bn_centered)
-        # free block16_dw_bn_inv_std, d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
-        del block16_dw_bn_inv_std, d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
-        mem.free(231, 302)
+        # free d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
+        del d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
+        mem.free(303)
         # d_block16_dw_bn_bias = sum_to[1x960x1x1](d_block16_dw_bn)
         d_block16_dw_bn_bias = mem.tensor(304, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block16_dw_bn, out=d_block16_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block16_dw_bn_clipped_relu, d_block16_dw_bn
         del d_block16_dw_bn_clipped_relu, d_block16_dw_bn
         mem.free(301)
+        # d_block16_dw_bn_weight = block16_dw_bn_inv_std*d_block16_dw_bn_ew_sum
+        d_block16_dw_bn_weight = block16_dw_bn_inv_std  # in place: over block16_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block16_dw_bn_weight, block16_dw_bn_inv_std, d_block16_dw_bn_ew_sum)
+        # free d_block16_dw_bn_ew_sum
+        del d_block16_dw_bn_ew_sum
+        mem.free(302)
         # d_block16_dw_bn_W = reshape[960](d_block16_dw_bn_weight)
         d_block16_dw_bn_W = rt.reshape(d_block16_dw_bn_weight, shape=(960,))
         # V_block16_dw_bn_W_new = V_block16_dw_bn_W*momentum + d_block16_dw_bn_W + decay*block16_dw_bn_W
         V_block16_dw_bn_W_new = T['V_block16_dw_bn_W']  # in place: the new V_block16_dw_bn_W
         rt.ew(ew_mul_add_4, V_block16_dw_bn_W_new, T['V_block16_dw_bn_W'], momentum, d_block16_dw_bn_W, decay, T['block16_dw_bn_W'])
-        # free d_block16_dw_bn_weight, d_block16_dw_bn_W
-        del d_block16_dw_bn_weight, d_block16_dw_bn_W
-        mem.free(303)
+        # free block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
+        del block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
+        mem.free(231)
         # block16_dw_bn_W_new = block16_dw_bn_W - lr*V_block16_dw_bn_W_new
         block16_dw_bn_W_new = T['block16_dw_bn_W']  # in place: the new block16_dw_bn_W
         rt.ew(ew_mul_sub, block16_dw_bn_W_new, T['block16_dw_bn_W'], lr, V_block16_dw_bn_W_new)
@@ -3753,38 +3789,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block16_dw_W_new, T['block16_dw_W'], lr, V_block16_dw_W_new)
 
         # ---- block16_expand_bn (batch norm), backward ----
-        # d_block16_expand_bn_inv_std = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered*block16_expand_bn_weight)
-        d_block16_expand_bn_inv_std = mem.tensor(309, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_expand_bn_inv_std, d_block16_expand_bn, block16_expand_bn_centered, block16_expand_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block16_expand_bn_ew_sum = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered)
+        d_block16_expand_bn_ew_sum = mem.tensor(309, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block16_expand_bn_ew_sum, d_block16_expand_bn, block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block16_expand_bn_inv_std = block16_expand_bn_weight*d_block16_expand_bn_ew_sum
+        d_block16_expand_bn_inv_std = mem.tensor(310, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_ew_sum)
         # d_block16_expand_bn_sum_of_squares = -d_block16_expand_bn_inv_std/(3136*(block16_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_expand_bn_sum_of_squares = d_block16_expand_bn_inv_std  # in place: over d_block16_expand_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block16_expand_bn_sum_of_squares, d_block16_expand_bn_inv_std, block16_expand_bn_batch_var)
         # free block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         del block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         mem.free(225)
-        # d_block16_expand_bn_weight = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered*block16_expand_bn_inv_std)
-        d_block16_expand_bn_weight = mem.tensor(310, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_expand_bn_weight, d_block16_expand_bn, block16_expand_bn_centered, block16_expand_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block16_expand_bn_centered = d_block16_expand_bn*block16_expand_bn_inv_std*block16_expand_bn_weight + 2*d_block16_expand_bn_sum_of_squares*block16_expand_bn_centered
         d_block16_expand_bn_centered = block16_expand_bn_centered  # in place: over block16_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block16_expand_bn_centered, d_block16_expand_bn, block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_sum_of_squares, block16_expand_bn_centered)
-        # free block16_expand_bn_inv_std, d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
-        del block16_expand_bn_inv_std, d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
-        mem.free(226, 309)
+        # free d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
+        del d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
+        mem.free(310)
         # d_block16_expand_bn_bias = sum_to[1x960x1x1](d_block16_expand_bn)
         d_block16_expand_bn_bias = mem.tensor(311, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block16_expand_bn, out=d_block16_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block16_expand_bn_clipped_relu, d_block16_expand_bn
         del d_block16_expand_bn_clipped_relu, d_block16_expand_bn
         mem.free(308)
+        # d_block16_expand_bn_weight = block16_expand_bn_inv_std*d_block16_expand_bn_ew_sum
+        d_block16_expand_bn_weight = block16_expand_bn_inv_std  # in place: over block16_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block16_expand_bn_weight, block16_expand_bn_inv_std, d_block16_expand_bn_ew_sum)
+        # free d_block16_expand_bn_ew_sum
+        del d_block16_expand_bn_ew_sum
+        mem.free(309)
         # d_block16_expand_bn_W = reshape[960](d_block16_expand_bn_weight)
         d_block16_expand_bn_W = rt.reshape(d_block16_expand_bn_weight, shape=(960,))
         # V_block16_expand_bn_W_new = V_block16_expand_bn_W*momentum + d_block16_expand_bn_W + decay*block16_expand_bn_W
         V_block16_expand_bn_W_new = T['V_block16_expand_bn_W']  # in place: the new V_block16_expand_bn_W
         rt.ew(ew_mul_add_4, V_block16_expand_bn_W_new, T['V_block16_expand_bn_W'], momentum, d_block16_expand_bn_W, decay, T['block16_expand_bn_W'])
-        # free d_block16_expand_bn_weight, d_block16_expand_bn_W
-        del d_block16_expand_bn_weight, d_block16_expand_bn_W
-        mem.free(310)
+        # free block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
+        del block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
+        mem.free(226)
         # block16_expand_bn_W_new = block16_expand_bn_W - lr*V_block16_expand_bn_W_new
         block16_expand_bn_W_new = T['block16_expand_bn_W']  # in place: the new block16_expand_bn_W
         rt.ew(ew_mul_sub, block16_expand_bn_W_new, T['block16_expand_bn_W'], lr, V_block16_expand_bn_W_new)
@@ -3846,32 +3888,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block16_expand_W_new, T['block16_expand_W'], lr, V_block16_expand_W_new)
 
         # ---- block15_project_bn (batch norm), backward ----
-        # d_block15_project_bn_inv_std = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered*block15_project_bn_weight)
-        d_block15_project_bn_inv_std = mem.tensor(315, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_project_bn_inv_std, d_block15_project_bn_add_2, block15_project_bn_centered, block15_project_bn_weight, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block15_project_bn_ew_sum = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered)
+        d_block15_project_bn_ew_sum = mem.tensor(315, (1, 160, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block15_project_bn_ew_sum, d_block15_project_bn_add_2, block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block15_project_bn_inv_std = block15_project_bn_weight*d_block15_project_bn_ew_sum
+        d_block15_project_bn_inv_std = mem.tensor(316, (1, 160, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_ew_sum)
         # d_block15_project_bn_sum_of_squares = -d_block15_project_bn_inv_std/(3136*(block15_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_project_bn_sum_of_squares = d_block15_project_bn_inv_std  # in place: over d_block15_project_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block15_project_bn_sum_of_squares, d_block15_project_bn_inv_std, block15_project_bn_batch_var)
         # free block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         del block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         mem.free(221)
-        # d_block15_project_bn_weight = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered*block15_project_bn_inv_std)
-        d_block15_project_bn_weight = mem.tensor(316, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_project_bn_weight, d_block15_project_bn_add_2, block15_project_bn_centered, block15_project_bn_inv_std, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block15_project_bn_centered = d_block15_project_bn_add_2*block15_project_bn_inv_std*block15_project_bn_weight + 2*d_block15_project_bn_sum_of_squares*block15_project_bn_centered
         d_block15_project_bn_centered = block15_project_bn_centered  # in place: over block15_project_bn_centered
         rt.ew(ew_mul_add_5, d_block15_project_bn_centered, d_block15_project_bn_add_2, block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_sum_of_squares, block15_project_bn_centered)
-        # free block15_project_bn_inv_std, d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
-        del block15_project_bn_inv_std, d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
-        mem.free(222, 315)
+        # free d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
+        del d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
+        mem.free(316)
+        # d_block15_project_bn_weight = block15_project_bn_inv_std*d_block15_project_bn_ew_sum
+        d_block15_project_bn_weight = block15_project_bn_inv_std  # in place: over block15_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block15_project_bn_weight, block15_project_bn_inv_std, d_block15_project_bn_ew_sum)
+        # free d_block15_project_bn_ew_sum
+        del d_block15_project_bn_ew_sum
+        mem.free(315)
         # d_block15_project_bn_W = reshape[160](d_block15_project_bn_weight)
         d_block15_project_bn_W = rt.reshape(d_block15_project_bn_weight, shape=(160,))
         # V_block15_project_bn_W_new = V_block15_project_bn_W*momentum + d_block15_project_bn_W + decay*block15_project_bn_W
         V_block15_project_bn_W_new = T['V_block15_project_bn_W']  # in place: the new V_block15_project_bn_W
         rt.ew(ew_mul_add_4, V_block15_project_bn_W_new, T['V_block15_project_bn_W'], momentum, d_block15_project_bn_W, decay, T['block15_project_bn_W'])
-        # free d_block15_project_bn_weight, d_block15_project_bn_W
-        del d_block15_project_bn_weight, d_block15_project_bn_W
-        mem.free(316)
+        # free block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
+        del block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
+        mem.free(222)
         # block15_project_bn_W_new = block15_project_bn_W - lr*V_block15_project_bn_W_new
         block15_project_bn_W_new = T['block15_project_bn_W']  # in place: the new block15_project_bn_W
         rt.ew(ew_mul_sub, block15_project_bn_W_new, T['block15_project_bn_W'], lr, V_block15_project_bn_W_new)
@@ -3942,38 +3990,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block15_project_W_new, T['block15_project_W'], lr, V_block15_project_W_new)
 
         # ---- block15_dw_bn (batch norm), backward ----
-        # d_block15_dw_bn_inv_std = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered*block15_dw_bn_weight)
-        d_block15_dw_bn_inv_std = mem.tensor(322, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_dw_bn_inv_std, d_block15_dw_bn, block15_dw_bn_centered, block15_dw_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block15_dw_bn_ew_sum = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered)
+        d_block15_dw_bn_ew_sum = mem.tensor(322, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block15_dw_bn_ew_sum, d_block15_dw_bn, block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block15_dw_bn_inv_std = block15_dw_bn_weight*d_block15_dw_bn_ew_sum
+        d_block15_dw_bn_inv_std = mem.tensor(323, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_ew_sum)
         # d_block15_dw_bn_sum_of_squares = -d_block15_dw_bn_inv_std/(3136*(block15_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_dw_bn_sum_of_squares = d_block15_dw_bn_inv_std  # in place: over d_block15_dw_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block15_dw_bn_sum_of_squares, d_block15_dw_bn_inv_std, block15_dw_bn_batch_var)
         # free block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         del block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         mem.free(216)
-        # d_block15_dw_bn_weight = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered*block15_dw_bn_inv_std)
-        d_block15_dw_bn_weight = mem.tensor(323, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_dw_bn_weight, d_block15_dw_bn, block15_dw_bn_centered, block15_dw_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block15_dw_bn_centered = d_block15_dw_bn*block15_dw_bn_inv_std*block15_dw_bn_weight + 2*d_block15_dw_bn_sum_of_squares*block15_dw_bn_centered
         d_block15_dw_bn_centered = block15_dw_bn_centered  # in place: over block15_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block15_dw_bn_centered, d_block15_dw_bn, block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_sum_of_squares, block15_dw_bn_centered)
-        # free block15_dw_bn_inv_std, d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
-        del block15_dw_bn_inv_std, d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
-        mem.free(217, 322)
+        # free d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
+        del d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
+        mem.free(323)
         # d_block15_dw_bn_bias = sum_to[1x960x1x1](d_block15_dw_bn)
         d_block15_dw_bn_bias = mem.tensor(324, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block15_dw_bn, out=d_block15_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block15_dw_bn_clipped_relu, d_block15_dw_bn
         del d_block15_dw_bn_clipped_relu, d_block15_dw_bn
         mem.free(321)
+        # d_block15_dw_bn_weight = block15_dw_bn_inv_std*d_block15_dw_bn_ew_sum
+        d_block15_dw_bn_weight = block15_dw_bn_inv_std  # in place: over block15_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block15_dw_bn_weight, block15_dw_bn_inv_std, d_block15_dw_bn_ew_sum)
+        # free d_block15_dw_bn_ew_sum
+        del d_block15_dw_bn_ew_sum
+        mem.free(322)
         # d_block15_dw_bn_W = reshape[960](d_block15_dw_bn_weight)
         d_block15_dw_bn_W = rt.reshape(d_block15_dw_bn_weight, shape=(960,))
         # V_block15_dw_bn_W_new = V_block15_dw_bn_W*momentum + d_block15_dw_bn_W + decay*block15_dw_bn_W
         V_block15_dw_bn_W_new = T['V_block15_dw_bn_W']  # in place: the new V_block15_dw_bn_W
         rt.ew(ew_mul_add_4, V_block15_dw_bn_W_new, T['V_block15_dw_bn_W'], momentum, d_block15_dw_bn_W, decay, T['block15_dw_bn_W'])
-        # free d_block15_dw_bn_weight, d_block15_dw_bn_W
-        del d_block15_dw_bn_weight, d_block15_dw_bn_W
-        mem.free(323)
+        # free block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
+        del block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
+        mem.free(217)
         # block15_dw_bn_W_new = block15_dw_bn_W - lr*V_block15_dw_bn_W_new
         block15_dw_bn_W_new = T['block15_dw_bn_W']  # in place: the new block15_dw_bn_W
         rt.ew(ew_mul_sub, block15_dw_bn_W_new, T['block15_dw_bn_W'], lr, V_block15_dw_bn_W_new)
@@ -4039,38 +4093,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block15_dw_W_new, T['block15_dw_W'], lr, V_block15_dw_W_new)
 
         # ---- block15_expand_bn (batch norm), backward ----
-        # d_block15_expand_bn_inv_std = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered*block15_expand_bn_weight)
-        d_block15_expand_bn_inv_std = mem.tensor(329, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_expand_bn_inv_std, d_block15_expand_bn, block15_expand_bn_centered, block15_expand_bn_weight, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block15_expand_bn_ew_sum = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered)
+        d_block15_expand_bn_ew_sum = mem.tensor(329, (1, 960, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block15_expand_bn_ew_sum, d_block15_expand_bn, block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        # d_block15_expand_bn_inv_std = block15_expand_bn_weight*d_block15_expand_bn_ew_sum
+        d_block15_expand_bn_inv_std = mem.tensor(330, (1, 960, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_ew_sum)
         # d_block15_expand_bn_sum_of_squares = -d_block15_expand_bn_inv_std/(3136*(block15_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_expand_bn_sum_of_squares = d_block15_expand_bn_inv_std  # in place: over d_block15_expand_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block15_expand_bn_sum_of_squares, d_block15_expand_bn_inv_std, block15_expand_bn_batch_var)
         # free block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         del block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         mem.free(211)
-        # d_block15_expand_bn_weight = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered*block15_expand_bn_inv_std)
-        d_block15_expand_bn_weight = mem.tensor(330, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_expand_bn_weight, d_block15_expand_bn, block15_expand_bn_centered, block15_expand_bn_inv_std, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block15_expand_bn_centered = d_block15_expand_bn*block15_expand_bn_inv_std*block15_expand_bn_weight + 2*d_block15_expand_bn_sum_of_squares*block15_expand_bn_centered
         d_block15_expand_bn_centered = block15_expand_bn_centered  # in place: over block15_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block15_expand_bn_centered, d_block15_expand_bn, block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_sum_of_squares, block15_expand_bn_centered)
-        # free block15_expand_bn_inv_std, d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
-        del block15_expand_bn_inv_std, d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
-        mem.free(212, 329)
+        # free d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
+        del d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
+        mem.free(330)
         # d_block15_expand_bn_bias = sum_to[1x960x1x1](d_block15_expand_bn)
         d_block15_expand_bn_bias = mem.tensor(331, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block15_expand_bn, out=d_block15_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block15_expand_bn_clipped_relu, d_block15_expand_bn
         del d_block15_expand_bn_clipped_relu, d_block15_expand_bn
         mem.free(328)
+        # d_block15_expand_bn_weight = block15_expand_bn_inv_std*d_block15_expand_bn_ew_sum
+        d_block15_expand_bn_weight = block15_expand_bn_inv_std  # in place: over block15_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block15_expand_bn_weight, block15_expand_bn_inv_std, d_block15_expand_bn_ew_sum)
+        # free d_block15_expand_bn_ew_sum
+        del d_block15_expand_bn_ew_sum
+        mem.free(329)
         # d_block15_expand_bn_W = reshape[960](d_block15_expand_bn_weight)
         d_block15_expand_bn_W = rt.reshape(d_block15_expand_bn_weight, shape=(960,))
         # V_block15_expand_bn_W_new = V_block15_expand_bn_W*momentum + d_block15_expand_bn_W + decay*block15_expand_bn_W
         V_block15_expand_bn_W_new = T['V_block15_expand_bn_W']  # in place: the new V_block15_expand_bn_W
         rt.ew(ew_mul_add_4, V_block15_expand_bn_W_new, T['V_block15_expand_bn_W'], momentum, d_block15_expand_bn_W, decay, T['block15_expand_bn_W'])
-        # free d_block15_expand_bn_weight, d_block15_expand_bn_W
-        del d_block15_expand_bn_weight, d_block15_expand_bn_W
-        mem.free(330)
+        # free block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
+        del block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
+        mem.free(212)
         # block15_expand_bn_W_new = block15_expand_bn_W - lr*V_block15_expand_bn_W_new
         block15_expand_bn_W_new = T['block15_expand_bn_W']  # in place: the new block15_expand_bn_W
         rt.ew(ew_mul_sub, block15_expand_bn_W_new, T['block15_expand_bn_W'], lr, V_block15_expand_bn_W_new)
@@ -4139,38 +4199,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block15_expand_W_new, T['block15_expand_W'], lr, V_block15_expand_W_new)
 
         # ---- block14_project_bn (batch norm), backward ----
-        # d_block14_project_bn_inv_std = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered*block14_project_bn_weight)
-        d_block14_project_bn_inv_std = mem.tensor(336, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_project_bn_inv_std, d_block14_project_bn_2, block14_project_bn_centered, block14_project_bn_weight, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block14_project_bn_ew_sum = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered)
+        d_block14_project_bn_ew_sum = mem.tensor(336, (1, 160, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block14_project_bn_ew_sum, d_block14_project_bn_2, block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        # d_block14_project_bn_inv_std = block14_project_bn_weight*d_block14_project_bn_ew_sum
+        d_block14_project_bn_inv_std = mem.tensor(337, (1, 160, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_ew_sum)
         # d_block14_project_bn_sum_of_squares = -d_block14_project_bn_inv_std/(3136*(block14_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_project_bn_sum_of_squares = d_block14_project_bn_inv_std  # in place: over d_block14_project_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block14_project_bn_sum_of_squares, d_block14_project_bn_inv_std, block14_project_bn_batch_var)
         # free block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         del block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         mem.free(206)
-        # d_block14_project_bn_weight = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered*block14_project_bn_inv_std)
-        d_block14_project_bn_weight = mem.tensor(337, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_project_bn_weight, d_block14_project_bn_2, block14_project_bn_centered, block14_project_bn_inv_std, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block14_project_bn_centered = d_block14_project_bn_2*block14_project_bn_inv_std*block14_project_bn_weight + 2*d_block14_project_bn_sum_of_squares*block14_project_bn_centered
         d_block14_project_bn_centered = block14_project_bn_centered  # in place: over block14_project_bn_centered
         rt.ew(ew_mul_add_5, d_block14_project_bn_centered, d_block14_project_bn_2, block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_sum_of_squares, block14_project_bn_centered)
-        # free block14_project_bn_inv_std, d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
-        del block14_project_bn_inv_std, d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
-        mem.free(207, 336)
+        # free d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
+        del d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
+        mem.free(337)
         # d_block14_project_bn_bias = sum_to[1x160x1x1](d_block14_project_bn_2)
         d_block14_project_bn_bias = mem.tensor(338, (1, 160, 1, 1), 'float32')
         rt.sum_to(d_block14_project_bn_2, out=d_block14_project_bn_bias, shape=(1, 160, 1, 1))
         # free d_block16_project_bn_add, d_block15_project_bn_add_2, d_block14_project_bn_2
         del d_block16_project_bn_add, d_block15_project_bn_add_2, d_block14_project_bn_2
         mem.free(294)
+        # d_block14_project_bn_weight = block14_project_bn_inv_std*d_block14_project_bn_ew_sum
+        d_block14_project_bn_weight = block14_project_bn_inv_std  # in place: over block14_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block14_project_bn_weight, block14_project_bn_inv_std, d_block14_project_bn_ew_sum)
+        # free d_block14_project_bn_ew_sum
+        del d_block14_project_bn_ew_sum
+        mem.free(336)
         # d_block14_project_bn_W = reshape[160](d_block14_project_bn_weight)
         d_block14_project_bn_W = rt.reshape(d_block14_project_bn_weight, shape=(160,))
         # V_block14_project_bn_W_new = V_block14_project_bn_W*momentum + d_block14_project_bn_W + decay*block14_project_bn_W
         V_block14_project_bn_W_new = T['V_block14_project_bn_W']  # in place: the new V_block14_project_bn_W
         rt.ew(ew_mul_add_4, V_block14_project_bn_W_new, T['V_block14_project_bn_W'], momentum, d_block14_project_bn_W, decay, T['block14_project_bn_W'])
-        # free d_block14_project_bn_weight, d_block14_project_bn_W
-        del d_block14_project_bn_weight, d_block14_project_bn_W
-        mem.free(337)
+        # free block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
+        del block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
+        mem.free(207)
         # block14_project_bn_W_new = block14_project_bn_W - lr*V_block14_project_bn_W_new
         block14_project_bn_W_new = T['block14_project_bn_W']  # in place: the new block14_project_bn_W
         rt.ew(ew_mul_sub, block14_project_bn_W_new, T['block14_project_bn_W'], lr, V_block14_project_bn_W_new)
@@ -4236,38 +4302,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block14_project_W_new, T['block14_project_W'], lr, V_block14_project_W_new)
 
         # ---- block14_dw_bn (batch norm), backward ----
-        # d_block14_dw_bn_inv_std = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered*block14_dw_bn_weight)
-        d_block14_dw_bn_inv_std = mem.tensor(343, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_dw_bn_inv_std, d_block14_dw_bn, block14_dw_bn_centered, block14_dw_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
+        # d_block14_dw_bn_ew_sum = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered)
+        d_block14_dw_bn_ew_sum = mem.tensor(343, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block14_dw_bn_ew_sum, d_block14_dw_bn, block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
+        # d_block14_dw_bn_inv_std = block14_dw_bn_weight*d_block14_dw_bn_ew_sum
+        d_block14_dw_bn_inv_std = mem.tensor(344, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_ew_sum)
         # d_block14_dw_bn_sum_of_squares = -d_block14_dw_bn_inv_std/(3136*(block14_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_dw_bn_sum_of_squares = d_block14_dw_bn_inv_std  # in place: over d_block14_dw_bn_inv_std
         rt.ew(ew_add_pow_mul, d_block14_dw_bn_sum_of_squares, d_block14_dw_bn_inv_std, block14_dw_bn_batch_var)
         # free block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         del block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         mem.free(201)
-        # d_block14_dw_bn_weight = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered*block14_dw_bn_inv_std)
-        d_block14_dw_bn_weight = mem.tensor(344, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_dw_bn_weight, d_block14_dw_bn, block14_dw_bn_centered, block14_dw_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # d_block14_dw_bn_centered = d_block14_dw_bn*block14_dw_bn_inv_std*block14_dw_bn_weight + 2*d_block14_dw_bn_sum_of_squares*block14_dw_bn_centered
         d_block14_dw_bn_centered = block14_dw_bn_centered  # in place: over block14_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block14_dw_bn_centered, d_block14_dw_bn, block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_sum_of_squares, block14_dw_bn_centered)
-        # free block14_dw_bn_inv_std, d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
-        del block14_dw_bn_inv_std, d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
-        mem.free(202, 343)
+        # free d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
+        del d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
+        mem.free(344)
         # d_block14_dw_bn_bias = sum_to[1x576x1x1](d_block14_dw_bn)
         d_block14_dw_bn_bias = mem.tensor(345, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block14_dw_bn, out=d_block14_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block14_dw_bn_clipped_relu, d_block14_dw_bn
         del d_block14_dw_bn_clipped_relu, d_block14_dw_bn
         mem.free(342)
+        # d_block14_dw_bn_weight = block14_dw_bn_inv_std*d_block14_dw_bn_ew_sum
+        d_block14_dw_bn_weight = block14_dw_bn_inv_std  # in place: over block14_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block14_dw_bn_weight, block14_dw_bn_inv_std, d_block14_dw_bn_ew_sum)
+        # free d_block14_dw_bn_ew_sum
+        del d_block14_dw_bn_ew_sum
+        mem.free(343)
         # d_block14_dw_bn_W = reshape[576](d_block14_dw_bn_weight)
         d_block14_dw_bn_W = rt.reshape(d_block14_dw_bn_weight, shape=(576,))
         # V_block14_dw_bn_W_new = V_block14_dw_bn_W*momentum + d_block14_dw_bn_W + decay*block14_dw_bn_W
         V_block14_dw_bn_W_new = T['V_block14_dw_bn_W']  # in place: the new V_block14_dw_bn_W
         rt.ew(ew_mul_add_4, V_block14_dw_bn_W_new, T['V_block14_dw_bn_W'], momentum, d_block14_dw_bn_W, decay, T['block14_dw_bn_W'])
-        # free d_block14_dw_bn_weight, d_block14_dw_bn_W
-        del d_block14_dw_bn_weight, d_block14_dw_bn_W
-        mem.free(344)
+        # free block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
+        del block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
+        mem.free(202)
         # block14_dw_bn_W_new = block14_dw_bn_W - lr*V_block14_dw_bn_W_new
         block14_dw_bn_W_new = T['block14_dw_bn_W']  # in place: the new block14_dw_bn_W
         rt.ew(ew_mul_sub, block14_dw_bn_W_new, T['block14_dw_bn_W'], lr, V_block14_dw_bn_W_new)
@@ -4333,38 +4405,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block14_dw_W_new, T['block14_dw_W'], lr, V_block14_dw_W_new)
 
         # ---- block14_expand_bn (batch norm), backward ----
-        # d_block14_expand_bn_inv_std = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered*block14_expand_bn_weight)
-        d_block14_expand_bn_inv_std = mem.tensor(350, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_expand_bn_inv_std, d_block14_expand_bn, block14_expand_bn_centered, block14_expand_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block14_expand_bn_ew_sum = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered)
+        d_block14_expand_bn_ew_sum = mem.tensor(350, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block14_expand_bn_ew_sum, d_block14_expand_bn, block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block14_expand_bn_inv_std = block14_expand_bn_weight*d_block14_expand_bn_ew_sum
+        d_block14_expand_bn_inv_std = mem.tensor(351, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_ew_sum)
         # d_block14_expand_bn_sum_of_squares = -d_block14_expand_bn_inv_std/(12544*(block14_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_expand_bn_sum_of_squares = d_block14_expand_bn_inv_std  # in place: over d_block14_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block14_expand_bn_sum_of_squares, d_block14_expand_bn_inv_std, block14_expand_bn_batch_var)
         # free block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         del block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         mem.free(196)
-        # d_block14_expand_bn_weight = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered*block14_expand_bn_inv_std)
-        d_block14_expand_bn_weight = mem.tensor(351, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_expand_bn_weight, d_block14_expand_bn, block14_expand_bn_centered, block14_expand_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block14_expand_bn_centered = d_block14_expand_bn*block14_expand_bn_inv_std*block14_expand_bn_weight + 2*d_block14_expand_bn_sum_of_squares*block14_expand_bn_centered
         d_block14_expand_bn_centered = block14_expand_bn_centered  # in place: over block14_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block14_expand_bn_centered, d_block14_expand_bn, block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_sum_of_squares, block14_expand_bn_centered)
-        # free block14_expand_bn_inv_std, d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
-        del block14_expand_bn_inv_std, d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
-        mem.free(197, 350)
+        # free d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
+        del d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
+        mem.free(351)
         # d_block14_expand_bn_bias = sum_to[1x576x1x1](d_block14_expand_bn)
         d_block14_expand_bn_bias = mem.tensor(352, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block14_expand_bn, out=d_block14_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block14_expand_bn_clipped_relu, d_block14_expand_bn
         del d_block14_expand_bn_clipped_relu, d_block14_expand_bn
         mem.free(349)
+        # d_block14_expand_bn_weight = block14_expand_bn_inv_std*d_block14_expand_bn_ew_sum
+        d_block14_expand_bn_weight = block14_expand_bn_inv_std  # in place: over block14_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block14_expand_bn_weight, block14_expand_bn_inv_std, d_block14_expand_bn_ew_sum)
+        # free d_block14_expand_bn_ew_sum
+        del d_block14_expand_bn_ew_sum
+        mem.free(350)
         # d_block14_expand_bn_W = reshape[576](d_block14_expand_bn_weight)
         d_block14_expand_bn_W = rt.reshape(d_block14_expand_bn_weight, shape=(576,))
         # V_block14_expand_bn_W_new = V_block14_expand_bn_W*momentum + d_block14_expand_bn_W + decay*block14_expand_bn_W
         V_block14_expand_bn_W_new = T['V_block14_expand_bn_W']  # in place: the new V_block14_expand_bn_W
         rt.ew(ew_mul_add_4, V_block14_expand_bn_W_new, T['V_block14_expand_bn_W'], momentum, d_block14_expand_bn_W, decay, T['block14_expand_bn_W'])
-        # free d_block14_expand_bn_weight, d_block14_expand_bn_W
-        del d_block14_expand_bn_weight, d_block14_expand_bn_W
-        mem.free(351)
+        # free block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
+        del block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
+        mem.free(197)
         # block14_expand_bn_W_new = block14_expand_bn_W - lr*V_block14_expand_bn_W_new
         block14_expand_bn_W_new = T['block14_expand_bn_W']  # in place: the new block14_expand_bn_W
         rt.ew(ew_mul_sub, block14_expand_bn_W_new, T['block14_expand_bn_W'], lr, V_block14_expand_bn_W_new)
@@ -4423,32 +4501,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block14_expand_W_new, T['block14_expand_W'], lr, V_block14_expand_W_new)
 
         # ---- block13_project_bn (batch norm), backward ----
-        # d_block13_project_bn_inv_std = sum_to[1x96x1x1](d_block13_project_bn_add*block13_project_bn_centered*block13_project_bn_weight)
-        d_block13_project_bn_inv_std = mem.tensor(357, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_project_bn_inv_std, d_block13_project_bn_add, block13_project_bn_centered, block13_project_bn_weight, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block13_project_bn_ew_sum = sum_to[1x96x1x1](d_block13_project_bn_add*block13_project_bn_centered)
+        d_block13_project_bn_ew_sum = mem.tensor(357, (1, 96, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block13_project_bn_ew_sum, d_block13_project_bn_add, block13_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block13_project_bn_inv_std = block13_project_bn_weight*d_block13_project_bn_ew_sum
+        d_block13_project_bn_inv_std = mem.tensor(358, (1, 96, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_ew_sum)
         # d_block13_project_bn_sum_of_squares = -d_block13_project_bn_inv_std/(12544*(block13_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_project_bn_sum_of_squares = d_block13_project_bn_inv_std  # in place: over d_block13_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block13_project_bn_sum_of_squares, d_block13_project_bn_inv_std, block13_project_bn_batch_var)
         # free block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         del block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         mem.free(191)
-        # d_block13_project_bn_weight = sum_to[1x96x1x1](d_block13_project_bn_add*block13_project_bn_centered*block13_project_bn_inv_std)
-        d_block13_project_bn_weight = mem.tensor(358, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_project_bn_weight, d_block13_project_bn_add, block13_project_bn_centered, block13_project_bn_inv_std, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block13_project_bn_centered = d_block13_project_bn_add*block13_project_bn_inv_std*block13_project_bn_weight + 2*d_block13_project_bn_sum_of_squares*block13_project_bn_centered
         d_block13_project_bn_centered = block13_project_bn_centered  # in place: over block13_project_bn_centered
         rt.ew(ew_mul_add_5, d_block13_project_bn_centered, d_block13_project_bn_add, block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_sum_of_squares, block13_project_bn_centered)
-        # free block13_project_bn_inv_std, d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
-        del block13_project_bn_inv_std, d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
-        mem.free(192, 357)
+        # free d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
+        del d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
+        mem.free(358)
+        # d_block13_project_bn_weight = block13_project_bn_inv_std*d_block13_project_bn_ew_sum
+        d_block13_project_bn_weight = block13_project_bn_inv_std  # in place: over block13_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block13_project_bn_weight, block13_project_bn_inv_std, d_block13_project_bn_ew_sum)
+        # free d_block13_project_bn_ew_sum
+        del d_block13_project_bn_ew_sum
+        mem.free(357)
         # d_block13_project_bn_W = reshape[96](d_block13_project_bn_weight)
         d_block13_project_bn_W = rt.reshape(d_block13_project_bn_weight, shape=(96,))
         # V_block13_project_bn_W_new = V_block13_project_bn_W*momentum + d_block13_project_bn_W + decay*block13_project_bn_W
         V_block13_project_bn_W_new = T['V_block13_project_bn_W']  # in place: the new V_block13_project_bn_W
         rt.ew(ew_mul_add_4, V_block13_project_bn_W_new, T['V_block13_project_bn_W'], momentum, d_block13_project_bn_W, decay, T['block13_project_bn_W'])
-        # free d_block13_project_bn_weight, d_block13_project_bn_W
-        del d_block13_project_bn_weight, d_block13_project_bn_W
-        mem.free(358)
+        # free block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
+        del block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
+        mem.free(192)
         # block13_project_bn_W_new = block13_project_bn_W - lr*V_block13_project_bn_W_new
         block13_project_bn_W_new = T['block13_project_bn_W']  # in place: the new block13_project_bn_W
         rt.ew(ew_mul_sub, block13_project_bn_W_new, T['block13_project_bn_W'], lr, V_block13_project_bn_W_new)
@@ -4519,38 +4603,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block13_project_W_new, T['block13_project_W'], lr, V_block13_project_W_new)
 
         # ---- block13_dw_bn (batch norm), backward ----
-        # d_block13_dw_bn_inv_std = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered*block13_dw_bn_weight)
-        d_block13_dw_bn_inv_std = mem.tensor(364, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_dw_bn_inv_std, d_block13_dw_bn, block13_dw_bn_centered, block13_dw_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block13_dw_bn_ew_sum = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered)
+        d_block13_dw_bn_ew_sum = mem.tensor(364, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block13_dw_bn_ew_sum, d_block13_dw_bn, block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block13_dw_bn_inv_std = block13_dw_bn_weight*d_block13_dw_bn_ew_sum
+        d_block13_dw_bn_inv_std = mem.tensor(365, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_ew_sum)
         # d_block13_dw_bn_sum_of_squares = -d_block13_dw_bn_inv_std/(12544*(block13_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_dw_bn_sum_of_squares = d_block13_dw_bn_inv_std  # in place: over d_block13_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block13_dw_bn_sum_of_squares, d_block13_dw_bn_inv_std, block13_dw_bn_batch_var)
         # free block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         del block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         mem.free(186)
-        # d_block13_dw_bn_weight = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered*block13_dw_bn_inv_std)
-        d_block13_dw_bn_weight = mem.tensor(365, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_dw_bn_weight, d_block13_dw_bn, block13_dw_bn_centered, block13_dw_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block13_dw_bn_centered = d_block13_dw_bn*block13_dw_bn_inv_std*block13_dw_bn_weight + 2*d_block13_dw_bn_sum_of_squares*block13_dw_bn_centered
         d_block13_dw_bn_centered = block13_dw_bn_centered  # in place: over block13_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block13_dw_bn_centered, d_block13_dw_bn, block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_sum_of_squares, block13_dw_bn_centered)
-        # free block13_dw_bn_inv_std, d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
-        del block13_dw_bn_inv_std, d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
-        mem.free(187, 364)
+        # free d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
+        del d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
+        mem.free(365)
         # d_block13_dw_bn_bias = sum_to[1x576x1x1](d_block13_dw_bn)
         d_block13_dw_bn_bias = mem.tensor(366, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block13_dw_bn, out=d_block13_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block13_dw_bn_clipped_relu, d_block13_dw_bn
         del d_block13_dw_bn_clipped_relu, d_block13_dw_bn
         mem.free(363)
+        # d_block13_dw_bn_weight = block13_dw_bn_inv_std*d_block13_dw_bn_ew_sum
+        d_block13_dw_bn_weight = block13_dw_bn_inv_std  # in place: over block13_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block13_dw_bn_weight, block13_dw_bn_inv_std, d_block13_dw_bn_ew_sum)
+        # free d_block13_dw_bn_ew_sum
+        del d_block13_dw_bn_ew_sum
+        mem.free(364)
         # d_block13_dw_bn_W = reshape[576](d_block13_dw_bn_weight)
         d_block13_dw_bn_W = rt.reshape(d_block13_dw_bn_weight, shape=(576,))
         # V_block13_dw_bn_W_new = V_block13_dw_bn_W*momentum + d_block13_dw_bn_W + decay*block13_dw_bn_W
         V_block13_dw_bn_W_new = T['V_block13_dw_bn_W']  # in place: the new V_block13_dw_bn_W
         rt.ew(ew_mul_add_4, V_block13_dw_bn_W_new, T['V_block13_dw_bn_W'], momentum, d_block13_dw_bn_W, decay, T['block13_dw_bn_W'])
-        # free d_block13_dw_bn_weight, d_block13_dw_bn_W
-        del d_block13_dw_bn_weight, d_block13_dw_bn_W
-        mem.free(365)
+        # free block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
+        del block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
+        mem.free(187)
         # block13_dw_bn_W_new = block13_dw_bn_W - lr*V_block13_dw_bn_W_new
         block13_dw_bn_W_new = T['block13_dw_bn_W']  # in place: the new block13_dw_bn_W
         rt.ew(ew_mul_sub, block13_dw_bn_W_new, T['block13_dw_bn_W'], lr, V_block13_dw_bn_W_new)
@@ -4616,38 +4706,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block13_dw_W_new, T['block13_dw_W'], lr, V_block13_dw_W_new)
 
         # ---- block13_expand_bn (batch norm), backward ----
-        # d_block13_expand_bn_inv_std = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered*block13_expand_bn_weight)
-        d_block13_expand_bn_inv_std = mem.tensor(371, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_expand_bn_inv_std, d_block13_expand_bn, block13_expand_bn_centered, block13_expand_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block13_expand_bn_ew_sum = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered)
+        d_block13_expand_bn_ew_sum = mem.tensor(371, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block13_expand_bn_ew_sum, d_block13_expand_bn, block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block13_expand_bn_inv_std = block13_expand_bn_weight*d_block13_expand_bn_ew_sum
+        d_block13_expand_bn_inv_std = mem.tensor(372, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_ew_sum)
         # d_block13_expand_bn_sum_of_squares = -d_block13_expand_bn_inv_std/(12544*(block13_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_expand_bn_sum_of_squares = d_block13_expand_bn_inv_std  # in place: over d_block13_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block13_expand_bn_sum_of_squares, d_block13_expand_bn_inv_std, block13_expand_bn_batch_var)
         # free block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         del block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         mem.free(181)
-        # d_block13_expand_bn_weight = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered*block13_expand_bn_inv_std)
-        d_block13_expand_bn_weight = mem.tensor(372, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_expand_bn_weight, d_block13_expand_bn, block13_expand_bn_centered, block13_expand_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block13_expand_bn_centered = d_block13_expand_bn*block13_expand_bn_inv_std*block13_expand_bn_weight + 2*d_block13_expand_bn_sum_of_squares*block13_expand_bn_centered
         d_block13_expand_bn_centered = block13_expand_bn_centered  # in place: over block13_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block13_expand_bn_centered, d_block13_expand_bn, block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_sum_of_squares, block13_expand_bn_centered)
-        # free block13_expand_bn_inv_std, d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
-        del block13_expand_bn_inv_std, d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
-        mem.free(182, 371)
+        # free d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
+        del d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
+        mem.free(372)
         # d_block13_expand_bn_bias = sum_to[1x576x1x1](d_block13_expand_bn)
         d_block13_expand_bn_bias = mem.tensor(373, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block13_expand_bn, out=d_block13_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block13_expand_bn_clipped_relu, d_block13_expand_bn
         del d_block13_expand_bn_clipped_relu, d_block13_expand_bn
         mem.free(370)
+        # d_block13_expand_bn_weight = block13_expand_bn_inv_std*d_block13_expand_bn_ew_sum
+        d_block13_expand_bn_weight = block13_expand_bn_inv_std  # in place: over block13_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block13_expand_bn_weight, block13_expand_bn_inv_std, d_block13_expand_bn_ew_sum)
+        # free d_block13_expand_bn_ew_sum
+        del d_block13_expand_bn_ew_sum
+        mem.free(371)
         # d_block13_expand_bn_W = reshape[576](d_block13_expand_bn_weight)
         d_block13_expand_bn_W = rt.reshape(d_block13_expand_bn_weight, shape=(576,))
         # V_block13_expand_bn_W_new = V_block13_expand_bn_W*momentum + d_block13_expand_bn_W + decay*block13_expand_bn_W
         V_block13_expand_bn_W_new = T['V_block13_expand_bn_W']  # in place: the new V_block13_expand_bn_W
         rt.ew(ew_mul_add_4, V_block13_expand_bn_W_new, T['V_block13_expand_bn_W'], momentum, d_block13_expand_bn_W, decay, T['block13_expand_bn_W'])
-        # free d_block13_expand_bn_weight, d_block13_expand_bn_W
-        del d_block13_expand_bn_weight, d_block13_expand_bn_W
-        mem.free(372)
+        # free block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
+        del block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
+        mem.free(182)
         # block13_expand_bn_W_new = block13_expand_bn_W - lr*V_block13_expand_bn_W_new
         block13_expand_bn_W_new = T['block13_expand_bn_W']  # in place: the new block13_expand_bn_W
         rt.ew(ew_mul_sub, block13_expand_bn_W_new, T['block13_expand_bn_W'], lr, V_block13_expand_bn_W_new)
@@ -4709,32 +4805,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block13_expand_W_new, T['block13_expand_W'], lr, V_block13_expand_W_new)
 
         # ---- block12_project_bn (batch norm), backward ----
-        # d_block12_project_bn_inv_std = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered*block12_project_bn_weight)
-        d_block12_project_bn_inv_std = mem.tensor(377, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_project_bn_inv_std, d_block12_project_bn_add_2, block12_project_bn_centered, block12_project_bn_weight, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block12_project_bn_ew_sum = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered)
+        d_block12_project_bn_ew_sum = mem.tensor(377, (1, 96, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block12_project_bn_ew_sum, d_block12_project_bn_add_2, block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block12_project_bn_inv_std = block12_project_bn_weight*d_block12_project_bn_ew_sum
+        d_block12_project_bn_inv_std = mem.tensor(378, (1, 96, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_ew_sum)
         # d_block12_project_bn_sum_of_squares = -d_block12_project_bn_inv_std/(12544*(block12_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_project_bn_sum_of_squares = d_block12_project_bn_inv_std  # in place: over d_block12_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block12_project_bn_sum_of_squares, d_block12_project_bn_inv_std, block12_project_bn_batch_var)
         # free block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         del block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         mem.free(177)
-        # d_block12_project_bn_weight = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered*block12_project_bn_inv_std)
-        d_block12_project_bn_weight = mem.tensor(378, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_project_bn_weight, d_block12_project_bn_add_2, block12_project_bn_centered, block12_project_bn_inv_std, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block12_project_bn_centered = d_block12_project_bn_add_2*block12_project_bn_inv_std*block12_project_bn_weight + 2*d_block12_project_bn_sum_of_squares*block12_project_bn_centered
         d_block12_project_bn_centered = block12_project_bn_centered  # in place: over block12_project_bn_centered
         rt.ew(ew_mul_add_5, d_block12_project_bn_centered, d_block12_project_bn_add_2, block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_sum_of_squares, block12_project_bn_centered)
-        # free block12_project_bn_inv_std, d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
-        del block12_project_bn_inv_std, d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
-        mem.free(178, 377)
+        # free d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
+        del d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
+        mem.free(378)
+        # d_block12_project_bn_weight = block12_project_bn_inv_std*d_block12_project_bn_ew_sum
+        d_block12_project_bn_weight = block12_project_bn_inv_std  # in place: over block12_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block12_project_bn_weight, block12_project_bn_inv_std, d_block12_project_bn_ew_sum)
+        # free d_block12_project_bn_ew_sum
+        del d_block12_project_bn_ew_sum
+        mem.free(377)
         # d_block12_project_bn_W = reshape[96](d_block12_project_bn_weight)
         d_block12_project_bn_W = rt.reshape(d_block12_project_bn_weight, shape=(96,))
         # V_block12_project_bn_W_new = V_block12_project_bn_W*momentum + d_block12_project_bn_W + decay*block12_project_bn_W
         V_block12_project_bn_W_new = T['V_block12_project_bn_W']  # in place: the new V_block12_project_bn_W
         rt.ew(ew_mul_add_4, V_block12_project_bn_W_new, T['V_block12_project_bn_W'], momentum, d_block12_project_bn_W, decay, T['block12_project_bn_W'])
-        # free d_block12_project_bn_weight, d_block12_project_bn_W
-        del d_block12_project_bn_weight, d_block12_project_bn_W
-        mem.free(378)
+        # free block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
+        del block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
+        mem.free(178)
         # block12_project_bn_W_new = block12_project_bn_W - lr*V_block12_project_bn_W_new
         block12_project_bn_W_new = T['block12_project_bn_W']  # in place: the new block12_project_bn_W
         rt.ew(ew_mul_sub, block12_project_bn_W_new, T['block12_project_bn_W'], lr, V_block12_project_bn_W_new)
@@ -4805,38 +4907,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block12_project_W_new, T['block12_project_W'], lr, V_block12_project_W_new)
 
         # ---- block12_dw_bn (batch norm), backward ----
-        # d_block12_dw_bn_inv_std = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered*block12_dw_bn_weight)
-        d_block12_dw_bn_inv_std = mem.tensor(384, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_dw_bn_inv_std, d_block12_dw_bn, block12_dw_bn_centered, block12_dw_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block12_dw_bn_ew_sum = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered)
+        d_block12_dw_bn_ew_sum = mem.tensor(384, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block12_dw_bn_ew_sum, d_block12_dw_bn, block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block12_dw_bn_inv_std = block12_dw_bn_weight*d_block12_dw_bn_ew_sum
+        d_block12_dw_bn_inv_std = mem.tensor(385, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_ew_sum)
         # d_block12_dw_bn_sum_of_squares = -d_block12_dw_bn_inv_std/(12544*(block12_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_dw_bn_sum_of_squares = d_block12_dw_bn_inv_std  # in place: over d_block12_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block12_dw_bn_sum_of_squares, d_block12_dw_bn_inv_std, block12_dw_bn_batch_var)
         # free block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         del block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         mem.free(172)
-        # d_block12_dw_bn_weight = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered*block12_dw_bn_inv_std)
-        d_block12_dw_bn_weight = mem.tensor(385, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_dw_bn_weight, d_block12_dw_bn, block12_dw_bn_centered, block12_dw_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block12_dw_bn_centered = d_block12_dw_bn*block12_dw_bn_inv_std*block12_dw_bn_weight + 2*d_block12_dw_bn_sum_of_squares*block12_dw_bn_centered
         d_block12_dw_bn_centered = block12_dw_bn_centered  # in place: over block12_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block12_dw_bn_centered, d_block12_dw_bn, block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_sum_of_squares, block12_dw_bn_centered)
-        # free block12_dw_bn_inv_std, d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
-        del block12_dw_bn_inv_std, d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
-        mem.free(173, 384)
+        # free d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
+        del d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
+        mem.free(385)
         # d_block12_dw_bn_bias = sum_to[1x576x1x1](d_block12_dw_bn)
         d_block12_dw_bn_bias = mem.tensor(386, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block12_dw_bn, out=d_block12_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block12_dw_bn_clipped_relu, d_block12_dw_bn
         del d_block12_dw_bn_clipped_relu, d_block12_dw_bn
         mem.free(383)
+        # d_block12_dw_bn_weight = block12_dw_bn_inv_std*d_block12_dw_bn_ew_sum
+        d_block12_dw_bn_weight = block12_dw_bn_inv_std  # in place: over block12_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block12_dw_bn_weight, block12_dw_bn_inv_std, d_block12_dw_bn_ew_sum)
+        # free d_block12_dw_bn_ew_sum
+        del d_block12_dw_bn_ew_sum
+        mem.free(384)
         # d_block12_dw_bn_W = reshape[576](d_block12_dw_bn_weight)
         d_block12_dw_bn_W = rt.reshape(d_block12_dw_bn_weight, shape=(576,))
         # V_block12_dw_bn_W_new = V_block12_dw_bn_W*momentum + d_block12_dw_bn_W + decay*block12_dw_bn_W
         V_block12_dw_bn_W_new = T['V_block12_dw_bn_W']  # in place: the new V_block12_dw_bn_W
         rt.ew(ew_mul_add_4, V_block12_dw_bn_W_new, T['V_block12_dw_bn_W'], momentum, d_block12_dw_bn_W, decay, T['block12_dw_bn_W'])
-        # free d_block12_dw_bn_weight, d_block12_dw_bn_W
-        del d_block12_dw_bn_weight, d_block12_dw_bn_W
-        mem.free(385)
+        # free block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
+        del block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
+        mem.free(173)
         # block12_dw_bn_W_new = block12_dw_bn_W - lr*V_block12_dw_bn_W_new
         block12_dw_bn_W_new = T['block12_dw_bn_W']  # in place: the new block12_dw_bn_W
         rt.ew(ew_mul_sub, block12_dw_bn_W_new, T['block12_dw_bn_W'], lr, V_block12_dw_bn_W_new)
@@ -4902,38 +5010,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block12_dw_W_new, T['block12_dw_W'], lr, V_block12_dw_W_new)
 
         # ---- block12_expand_bn (batch norm), backward ----
-        # d_block12_expand_bn_inv_std = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered*block12_expand_bn_weight)
-        d_block12_expand_bn_inv_std = mem.tensor(391, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_expand_bn_inv_std, d_block12_expand_bn, block12_expand_bn_centered, block12_expand_bn_weight, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block12_expand_bn_ew_sum = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered)
+        d_block12_expand_bn_ew_sum = mem.tensor(391, (1, 576, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block12_expand_bn_ew_sum, d_block12_expand_bn, block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        # d_block12_expand_bn_inv_std = block12_expand_bn_weight*d_block12_expand_bn_ew_sum
+        d_block12_expand_bn_inv_std = mem.tensor(392, (1, 576, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_ew_sum)
         # d_block12_expand_bn_sum_of_squares = -d_block12_expand_bn_inv_std/(12544*(block12_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_expand_bn_sum_of_squares = d_block12_expand_bn_inv_std  # in place: over d_block12_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block12_expand_bn_sum_of_squares, d_block12_expand_bn_inv_std, block12_expand_bn_batch_var)
         # free block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         del block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         mem.free(167)
-        # d_block12_expand_bn_weight = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered*block12_expand_bn_inv_std)
-        d_block12_expand_bn_weight = mem.tensor(392, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_expand_bn_weight, d_block12_expand_bn, block12_expand_bn_centered, block12_expand_bn_inv_std, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block12_expand_bn_centered = d_block12_expand_bn*block12_expand_bn_inv_std*block12_expand_bn_weight + 2*d_block12_expand_bn_sum_of_squares*block12_expand_bn_centered
         d_block12_expand_bn_centered = block12_expand_bn_centered  # in place: over block12_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block12_expand_bn_centered, d_block12_expand_bn, block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_sum_of_squares, block12_expand_bn_centered)
-        # free block12_expand_bn_inv_std, d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
-        del block12_expand_bn_inv_std, d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
-        mem.free(168, 391)
+        # free d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
+        del d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
+        mem.free(392)
         # d_block12_expand_bn_bias = sum_to[1x576x1x1](d_block12_expand_bn)
         d_block12_expand_bn_bias = mem.tensor(393, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block12_expand_bn, out=d_block12_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block12_expand_bn_clipped_relu, d_block12_expand_bn
         del d_block12_expand_bn_clipped_relu, d_block12_expand_bn
         mem.free(390)
+        # d_block12_expand_bn_weight = block12_expand_bn_inv_std*d_block12_expand_bn_ew_sum
+        d_block12_expand_bn_weight = block12_expand_bn_inv_std  # in place: over block12_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block12_expand_bn_weight, block12_expand_bn_inv_std, d_block12_expand_bn_ew_sum)
+        # free d_block12_expand_bn_ew_sum
+        del d_block12_expand_bn_ew_sum
+        mem.free(391)
         # d_block12_expand_bn_W = reshape[576](d_block12_expand_bn_weight)
         d_block12_expand_bn_W = rt.reshape(d_block12_expand_bn_weight, shape=(576,))
         # V_block12_expand_bn_W_new = V_block12_expand_bn_W*momentum + d_block12_expand_bn_W + decay*block12_expand_bn_W
         V_block12_expand_bn_W_new = T['V_block12_expand_bn_W']  # in place: the new V_block12_expand_bn_W
         rt.ew(ew_mul_add_4, V_block12_expand_bn_W_new, T['V_block12_expand_bn_W'], momentum, d_block12_expand_bn_W, decay, T['block12_expand_bn_W'])
-        # free d_block12_expand_bn_weight, d_block12_expand_bn_W
-        del d_block12_expand_bn_weight, d_block12_expand_bn_W
-        mem.free(392)
+        # free block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
+        del block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
+        mem.free(168)
         # block12_expand_bn_W_new = block12_expand_bn_W - lr*V_block12_expand_bn_W_new
         block12_expand_bn_W_new = T['block12_expand_bn_W']  # in place: the new block12_expand_bn_W
         rt.ew(ew_mul_sub, block12_expand_bn_W_new, T['block12_expand_bn_W'], lr, V_block12_expand_bn_W_new)
@@ -5002,38 +5116,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block12_expand_W_new, T['block12_expand_W'], lr, V_block12_expand_W_new)
 
         # ---- block11_project_bn (batch norm), backward ----
-        # d_block11_project_bn_inv_std = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered*block11_project_bn_weight)
-        d_block11_project_bn_inv_std = mem.tensor(398, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_project_bn_inv_std, d_block11_project_bn_2, block11_project_bn_centered, block11_project_bn_weight, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block11_project_bn_ew_sum = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered)
+        d_block11_project_bn_ew_sum = mem.tensor(398, (1, 96, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block11_project_bn_ew_sum, d_block11_project_bn_2, block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        # d_block11_project_bn_inv_std = block11_project_bn_weight*d_block11_project_bn_ew_sum
+        d_block11_project_bn_inv_std = mem.tensor(399, (1, 96, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_ew_sum)
         # d_block11_project_bn_sum_of_squares = -d_block11_project_bn_inv_std/(12544*(block11_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_project_bn_sum_of_squares = d_block11_project_bn_inv_std  # in place: over d_block11_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block11_project_bn_sum_of_squares, d_block11_project_bn_inv_std, block11_project_bn_batch_var)
         # free block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         del block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         mem.free(162)
-        # d_block11_project_bn_weight = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered*block11_project_bn_inv_std)
-        d_block11_project_bn_weight = mem.tensor(399, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_project_bn_weight, d_block11_project_bn_2, block11_project_bn_centered, block11_project_bn_inv_std, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block11_project_bn_centered = d_block11_project_bn_2*block11_project_bn_inv_std*block11_project_bn_weight + 2*d_block11_project_bn_sum_of_squares*block11_project_bn_centered
         d_block11_project_bn_centered = block11_project_bn_centered  # in place: over block11_project_bn_centered
         rt.ew(ew_mul_add_5, d_block11_project_bn_centered, d_block11_project_bn_2, block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_sum_of_squares, block11_project_bn_centered)
-        # free block11_project_bn_inv_std, d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
-        del block11_project_bn_inv_std, d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
-        mem.free(163, 398)
+        # free d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
+        del d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
+        mem.free(399)
         # d_block11_project_bn_bias = sum_to[1x96x1x1](d_block11_project_bn_2)
         d_block11_project_bn_bias = mem.tensor(400, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block11_project_bn_2, out=d_block11_project_bn_bias, shape=(1, 96, 1, 1))
         # free d_block13_project_bn_add, d_block12_project_bn_add_2, d_block11_project_bn_2
         del d_block13_project_bn_add, d_block12_project_bn_add_2, d_block11_project_bn_2
         mem.free(356)
+        # d_block11_project_bn_weight = block11_project_bn_inv_std*d_block11_project_bn_ew_sum
+        d_block11_project_bn_weight = block11_project_bn_inv_std  # in place: over block11_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block11_project_bn_weight, block11_project_bn_inv_std, d_block11_project_bn_ew_sum)
+        # free d_block11_project_bn_ew_sum
+        del d_block11_project_bn_ew_sum
+        mem.free(398)
         # d_block11_project_bn_W = reshape[96](d_block11_project_bn_weight)
         d_block11_project_bn_W = rt.reshape(d_block11_project_bn_weight, shape=(96,))
         # V_block11_project_bn_W_new = V_block11_project_bn_W*momentum + d_block11_project_bn_W + decay*block11_project_bn_W
         V_block11_project_bn_W_new = T['V_block11_project_bn_W']  # in place: the new V_block11_project_bn_W
         rt.ew(ew_mul_add_4, V_block11_project_bn_W_new, T['V_block11_project_bn_W'], momentum, d_block11_project_bn_W, decay, T['block11_project_bn_W'])
-        # free d_block11_project_bn_weight, d_block11_project_bn_W
-        del d_block11_project_bn_weight, d_block11_project_bn_W
-        mem.free(399)
+        # free block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
+        del block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
+        mem.free(163)
         # block11_project_bn_W_new = block11_project_bn_W - lr*V_block11_project_bn_W_new
         block11_project_bn_W_new = T['block11_project_bn_W']  # in place: the new block11_project_bn_W
         rt.ew(ew_mul_sub, block11_project_bn_W_new, T['block11_project_bn_W'], lr, V_block11_project_bn_W_new)
@@ -5099,38 +5219,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block11_project_W_new, T['block11_project_W'], lr, V_block11_project_W_new)
 
         # ---- block11_dw_bn (batch norm), backward ----
-        # d_block11_dw_bn_inv_std = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered*block11_dw_bn_weight)
-        d_block11_dw_bn_inv_std = mem.tensor(405, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_dw_bn_inv_std, d_block11_dw_bn, block11_dw_bn_centered, block11_dw_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block11_dw_bn_ew_sum = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered)
+        d_block11_dw_bn_ew_sum = mem.tensor(405, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block11_dw_bn_ew_sum, d_block11_dw_bn, block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block11_dw_bn_inv_std = block11_dw_bn_weight*d_block11_dw_bn_ew_sum
+        d_block11_dw_bn_inv_std = mem.tensor(406, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_ew_sum)
         # d_block11_dw_bn_sum_of_squares = -d_block11_dw_bn_inv_std/(12544*(block11_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_dw_bn_sum_of_squares = d_block11_dw_bn_inv_std  # in place: over d_block11_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block11_dw_bn_sum_of_squares, d_block11_dw_bn_inv_std, block11_dw_bn_batch_var)
         # free block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         del block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         mem.free(157)
-        # d_block11_dw_bn_weight = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered*block11_dw_bn_inv_std)
-        d_block11_dw_bn_weight = mem.tensor(406, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_dw_bn_weight, d_block11_dw_bn, block11_dw_bn_centered, block11_dw_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block11_dw_bn_centered = d_block11_dw_bn*block11_dw_bn_inv_std*block11_dw_bn_weight + 2*d_block11_dw_bn_sum_of_squares*block11_dw_bn_centered
         d_block11_dw_bn_centered = block11_dw_bn_centered  # in place: over block11_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block11_dw_bn_centered, d_block11_dw_bn, block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_sum_of_squares, block11_dw_bn_centered)
-        # free block11_dw_bn_inv_std, d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
-        del block11_dw_bn_inv_std, d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
-        mem.free(158, 405)
+        # free d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
+        del d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
+        mem.free(406)
         # d_block11_dw_bn_bias = sum_to[1x384x1x1](d_block11_dw_bn)
         d_block11_dw_bn_bias = mem.tensor(407, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block11_dw_bn, out=d_block11_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block11_dw_bn_clipped_relu, d_block11_dw_bn
         del d_block11_dw_bn_clipped_relu, d_block11_dw_bn
         mem.free(404)
+        # d_block11_dw_bn_weight = block11_dw_bn_inv_std*d_block11_dw_bn_ew_sum
+        d_block11_dw_bn_weight = block11_dw_bn_inv_std  # in place: over block11_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block11_dw_bn_weight, block11_dw_bn_inv_std, d_block11_dw_bn_ew_sum)
+        # free d_block11_dw_bn_ew_sum
+        del d_block11_dw_bn_ew_sum
+        mem.free(405)
         # d_block11_dw_bn_W = reshape[384](d_block11_dw_bn_weight)
         d_block11_dw_bn_W = rt.reshape(d_block11_dw_bn_weight, shape=(384,))
         # V_block11_dw_bn_W_new = V_block11_dw_bn_W*momentum + d_block11_dw_bn_W + decay*block11_dw_bn_W
         V_block11_dw_bn_W_new = T['V_block11_dw_bn_W']  # in place: the new V_block11_dw_bn_W
         rt.ew(ew_mul_add_4, V_block11_dw_bn_W_new, T['V_block11_dw_bn_W'], momentum, d_block11_dw_bn_W, decay, T['block11_dw_bn_W'])
-        # free d_block11_dw_bn_weight, d_block11_dw_bn_W
-        del d_block11_dw_bn_weight, d_block11_dw_bn_W
-        mem.free(406)
+        # free block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
+        del block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
+        mem.free(158)
         # block11_dw_bn_W_new = block11_dw_bn_W - lr*V_block11_dw_bn_W_new
         block11_dw_bn_W_new = T['block11_dw_bn_W']  # in place: the new block11_dw_bn_W
         rt.ew(ew_mul_sub, block11_dw_bn_W_new, T['block11_dw_bn_W'], lr, V_block11_dw_bn_W_new)
@@ -5196,38 +5322,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block11_dw_W_new, T['block11_dw_W'], lr, V_block11_dw_W_new)
 
         # ---- block11_expand_bn (batch norm), backward ----
-        # d_block11_expand_bn_inv_std = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered*block11_expand_bn_weight)
-        d_block11_expand_bn_inv_std = mem.tensor(412, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_expand_bn_inv_std, d_block11_expand_bn, block11_expand_bn_centered, block11_expand_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block11_expand_bn_ew_sum = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered)
+        d_block11_expand_bn_ew_sum = mem.tensor(412, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block11_expand_bn_ew_sum, d_block11_expand_bn, block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block11_expand_bn_inv_std = block11_expand_bn_weight*d_block11_expand_bn_ew_sum
+        d_block11_expand_bn_inv_std = mem.tensor(413, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_ew_sum)
         # d_block11_expand_bn_sum_of_squares = -d_block11_expand_bn_inv_std/(12544*(block11_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_expand_bn_sum_of_squares = d_block11_expand_bn_inv_std  # in place: over d_block11_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block11_expand_bn_sum_of_squares, d_block11_expand_bn_inv_std, block11_expand_bn_batch_var)
         # free block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         del block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         mem.free(152)
-        # d_block11_expand_bn_weight = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered*block11_expand_bn_inv_std)
-        d_block11_expand_bn_weight = mem.tensor(413, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_expand_bn_weight, d_block11_expand_bn, block11_expand_bn_centered, block11_expand_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block11_expand_bn_centered = d_block11_expand_bn*block11_expand_bn_inv_std*block11_expand_bn_weight + 2*d_block11_expand_bn_sum_of_squares*block11_expand_bn_centered
         d_block11_expand_bn_centered = block11_expand_bn_centered  # in place: over block11_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block11_expand_bn_centered, d_block11_expand_bn, block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_sum_of_squares, block11_expand_bn_centered)
-        # free block11_expand_bn_inv_std, d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
-        del block11_expand_bn_inv_std, d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
-        mem.free(153, 412)
+        # free d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
+        del d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
+        mem.free(413)
         # d_block11_expand_bn_bias = sum_to[1x384x1x1](d_block11_expand_bn)
         d_block11_expand_bn_bias = mem.tensor(414, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block11_expand_bn, out=d_block11_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block11_expand_bn_clipped_relu, d_block11_expand_bn
         del d_block11_expand_bn_clipped_relu, d_block11_expand_bn
         mem.free(411)
+        # d_block11_expand_bn_weight = block11_expand_bn_inv_std*d_block11_expand_bn_ew_sum
+        d_block11_expand_bn_weight = block11_expand_bn_inv_std  # in place: over block11_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block11_expand_bn_weight, block11_expand_bn_inv_std, d_block11_expand_bn_ew_sum)
+        # free d_block11_expand_bn_ew_sum
+        del d_block11_expand_bn_ew_sum
+        mem.free(412)
         # d_block11_expand_bn_W = reshape[384](d_block11_expand_bn_weight)
         d_block11_expand_bn_W = rt.reshape(d_block11_expand_bn_weight, shape=(384,))
         # V_block11_expand_bn_W_new = V_block11_expand_bn_W*momentum + d_block11_expand_bn_W + decay*block11_expand_bn_W
         V_block11_expand_bn_W_new = T['V_block11_expand_bn_W']  # in place: the new V_block11_expand_bn_W
         rt.ew(ew_mul_add_4, V_block11_expand_bn_W_new, T['V_block11_expand_bn_W'], momentum, d_block11_expand_bn_W, decay, T['block11_expand_bn_W'])
-        # free d_block11_expand_bn_weight, d_block11_expand_bn_W
-        del d_block11_expand_bn_weight, d_block11_expand_bn_W
-        mem.free(413)
+        # free block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
+        del block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
+        mem.free(153)
         # block11_expand_bn_W_new = block11_expand_bn_W - lr*V_block11_expand_bn_W_new
         block11_expand_bn_W_new = T['block11_expand_bn_W']  # in place: the new block11_expand_bn_W
         rt.ew(ew_mul_sub, block11_expand_bn_W_new, T['block11_expand_bn_W'], lr, V_block11_expand_bn_W_new)
@@ -5279,32 +5411,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block11_expand_W_new, T['block11_expand_W'], lr, V_block11_expand_W_new)
 
         # ---- block10_project_bn (batch norm), backward ----
-        # d_block10_project_bn_inv_std = sum_to[1x64x1x1](d_block10_project_bn_add*block10_project_bn_centered*block10_project_bn_weight)
-        d_block10_project_bn_inv_std = mem.tensor(418, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_project_bn_inv_std, d_block10_project_bn_add, block10_project_bn_centered, block10_project_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block10_project_bn_ew_sum = sum_to[1x64x1x1](d_block10_project_bn_add*block10_project_bn_centered)
+        d_block10_project_bn_ew_sum = mem.tensor(418, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block10_project_bn_ew_sum, d_block10_project_bn_add, block10_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block10_project_bn_inv_std = block10_project_bn_weight*d_block10_project_bn_ew_sum
+        d_block10_project_bn_inv_std = mem.tensor(419, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_ew_sum)
         # d_block10_project_bn_sum_of_squares = -d_block10_project_bn_inv_std/(12544*(block10_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_project_bn_sum_of_squares = d_block10_project_bn_inv_std  # in place: over d_block10_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block10_project_bn_sum_of_squares, d_block10_project_bn_inv_std, block10_project_bn_batch_var)
         # free block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         del block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         mem.free(148)
-        # d_block10_project_bn_weight = sum_to[1x64x1x1](d_block10_project_bn_add*block10_project_bn_centered*block10_project_bn_inv_std)
-        d_block10_project_bn_weight = mem.tensor(419, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_project_bn_weight, d_block10_project_bn_add, block10_project_bn_centered, block10_project_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block10_project_bn_centered = d_block10_project_bn_add*block10_project_bn_inv_std*block10_project_bn_weight + 2*d_block10_project_bn_sum_of_squares*block10_project_bn_centered
         d_block10_project_bn_centered = block10_project_bn_centered  # in place: over block10_project_bn_centered
         rt.ew(ew_mul_add_5, d_block10_project_bn_centered, d_block10_project_bn_add, block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_sum_of_squares, block10_project_bn_centered)
-        # free block10_project_bn_inv_std, d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
-        del block10_project_bn_inv_std, d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
-        mem.free(149, 418)
+        # free d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
+        del d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
+        mem.free(419)
+        # d_block10_project_bn_weight = block10_project_bn_inv_std*d_block10_project_bn_ew_sum
+        d_block10_project_bn_weight = block10_project_bn_inv_std  # in place: over block10_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block10_project_bn_weight, block10_project_bn_inv_std, d_block10_project_bn_ew_sum)
+        # free d_block10_project_bn_ew_sum
+        del d_block10_project_bn_ew_sum
+        mem.free(418)
         # d_block10_project_bn_W = reshape[64](d_block10_project_bn_weight)
         d_block10_project_bn_W = rt.reshape(d_block10_project_bn_weight, shape=(64,))
         # V_block10_project_bn_W_new = V_block10_project_bn_W*momentum + d_block10_project_bn_W + decay*block10_project_bn_W
         V_block10_project_bn_W_new = T['V_block10_project_bn_W']  # in place: the new V_block10_project_bn_W
         rt.ew(ew_mul_add_4, V_block10_project_bn_W_new, T['V_block10_project_bn_W'], momentum, d_block10_project_bn_W, decay, T['block10_project_bn_W'])
-        # free d_block10_project_bn_weight, d_block10_project_bn_W
-        del d_block10_project_bn_weight, d_block10_project_bn_W
-        mem.free(419)
+        # free block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
+        del block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
+        mem.free(149)
         # block10_project_bn_W_new = block10_project_bn_W - lr*V_block10_project_bn_W_new
         block10_project_bn_W_new = T['block10_project_bn_W']  # in place: the new block10_project_bn_W
         rt.ew(ew_mul_sub, block10_project_bn_W_new, T['block10_project_bn_W'], lr, V_block10_project_bn_W_new)
@@ -5375,38 +5513,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block10_project_W_new, T['block10_project_W'], lr, V_block10_project_W_new)
 
         # ---- block10_dw_bn (batch norm), backward ----
-        # d_block10_dw_bn_inv_std = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered*block10_dw_bn_weight)
-        d_block10_dw_bn_inv_std = mem.tensor(425, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_dw_bn_inv_std, d_block10_dw_bn, block10_dw_bn_centered, block10_dw_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block10_dw_bn_ew_sum = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered)
+        d_block10_dw_bn_ew_sum = mem.tensor(425, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block10_dw_bn_ew_sum, d_block10_dw_bn, block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block10_dw_bn_inv_std = block10_dw_bn_weight*d_block10_dw_bn_ew_sum
+        d_block10_dw_bn_inv_std = mem.tensor(426, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_ew_sum)
         # d_block10_dw_bn_sum_of_squares = -d_block10_dw_bn_inv_std/(12544*(block10_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_dw_bn_sum_of_squares = d_block10_dw_bn_inv_std  # in place: over d_block10_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block10_dw_bn_sum_of_squares, d_block10_dw_bn_inv_std, block10_dw_bn_batch_var)
         # free block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         del block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         mem.free(143)
-        # d_block10_dw_bn_weight = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered*block10_dw_bn_inv_std)
-        d_block10_dw_bn_weight = mem.tensor(426, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_dw_bn_weight, d_block10_dw_bn, block10_dw_bn_centered, block10_dw_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block10_dw_bn_centered = d_block10_dw_bn*block10_dw_bn_inv_std*block10_dw_bn_weight + 2*d_block10_dw_bn_sum_of_squares*block10_dw_bn_centered
         d_block10_dw_bn_centered = block10_dw_bn_centered  # in place: over block10_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block10_dw_bn_centered, d_block10_dw_bn, block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_sum_of_squares, block10_dw_bn_centered)
-        # free block10_dw_bn_inv_std, d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
-        del block10_dw_bn_inv_std, d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
-        mem.free(144, 425)
+        # free d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
+        del d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
+        mem.free(426)
         # d_block10_dw_bn_bias = sum_to[1x384x1x1](d_block10_dw_bn)
         d_block10_dw_bn_bias = mem.tensor(427, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block10_dw_bn, out=d_block10_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block10_dw_bn_clipped_relu, d_block10_dw_bn
         del d_block10_dw_bn_clipped_relu, d_block10_dw_bn
         mem.free(424)
+        # d_block10_dw_bn_weight = block10_dw_bn_inv_std*d_block10_dw_bn_ew_sum
+        d_block10_dw_bn_weight = block10_dw_bn_inv_std  # in place: over block10_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block10_dw_bn_weight, block10_dw_bn_inv_std, d_block10_dw_bn_ew_sum)
+        # free d_block10_dw_bn_ew_sum
+        del d_block10_dw_bn_ew_sum
+        mem.free(425)
         # d_block10_dw_bn_W = reshape[384](d_block10_dw_bn_weight)
         d_block10_dw_bn_W = rt.reshape(d_block10_dw_bn_weight, shape=(384,))
         # V_block10_dw_bn_W_new = V_block10_dw_bn_W*momentum + d_block10_dw_bn_W + decay*block10_dw_bn_W
         V_block10_dw_bn_W_new = T['V_block10_dw_bn_W']  # in place: the new V_block10_dw_bn_W
         rt.ew(ew_mul_add_4, V_block10_dw_bn_W_new, T['V_block10_dw_bn_W'], momentum, d_block10_dw_bn_W, decay, T['block10_dw_bn_W'])
-        # free d_block10_dw_bn_weight, d_block10_dw_bn_W
-        del d_block10_dw_bn_weight, d_block10_dw_bn_W
-        mem.free(426)
+        # free block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
+        del block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
+        mem.free(144)
         # block10_dw_bn_W_new = block10_dw_bn_W - lr*V_block10_dw_bn_W_new
         block10_dw_bn_W_new = T['block10_dw_bn_W']  # in place: the new block10_dw_bn_W
         rt.ew(ew_mul_sub, block10_dw_bn_W_new, T['block10_dw_bn_W'], lr, V_block10_dw_bn_W_new)
@@ -5472,38 +5616,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block10_dw_W_new, T['block10_dw_W'], lr, V_block10_dw_W_new)
 
         # ---- block10_expand_bn (batch norm), backward ----
-        # d_block10_expand_bn_inv_std = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered*block10_expand_bn_weight)
-        d_block10_expand_bn_inv_std = mem.tensor(432, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_expand_bn_inv_std, d_block10_expand_bn, block10_expand_bn_centered, block10_expand_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block10_expand_bn_ew_sum = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered)
+        d_block10_expand_bn_ew_sum = mem.tensor(432, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block10_expand_bn_ew_sum, d_block10_expand_bn, block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block10_expand_bn_inv_std = block10_expand_bn_weight*d_block10_expand_bn_ew_sum
+        d_block10_expand_bn_inv_std = mem.tensor(433, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_ew_sum)
         # d_block10_expand_bn_sum_of_squares = -d_block10_expand_bn_inv_std/(12544*(block10_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_expand_bn_sum_of_squares = d_block10_expand_bn_inv_std  # in place: over d_block10_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block10_expand_bn_sum_of_squares, d_block10_expand_bn_inv_std, block10_expand_bn_batch_var)
         # free block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         del block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         mem.free(138)
-        # d_block10_expand_bn_weight = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered*block10_expand_bn_inv_std)
-        d_block10_expand_bn_weight = mem.tensor(433, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_expand_bn_weight, d_block10_expand_bn, block10_expand_bn_centered, block10_expand_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block10_expand_bn_centered = d_block10_expand_bn*block10_expand_bn_inv_std*block10_expand_bn_weight + 2*d_block10_expand_bn_sum_of_squares*block10_expand_bn_centered
         d_block10_expand_bn_centered = block10_expand_bn_centered  # in place: over block10_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block10_expand_bn_centered, d_block10_expand_bn, block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_sum_of_squares, block10_expand_bn_centered)
-        # free block10_expand_bn_inv_std, d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
-        del block10_expand_bn_inv_std, d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
-        mem.free(139, 432)
+        # free d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
+        del d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
+        mem.free(433)
         # d_block10_expand_bn_bias = sum_to[1x384x1x1](d_block10_expand_bn)
         d_block10_expand_bn_bias = mem.tensor(434, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block10_expand_bn, out=d_block10_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block10_expand_bn_clipped_relu, d_block10_expand_bn
         del d_block10_expand_bn_clipped_relu, d_block10_expand_bn
         mem.free(431)
+        # d_block10_expand_bn_weight = block10_expand_bn_inv_std*d_block10_expand_bn_ew_sum
+        d_block10_expand_bn_weight = block10_expand_bn_inv_std  # in place: over block10_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block10_expand_bn_weight, block10_expand_bn_inv_std, d_block10_expand_bn_ew_sum)
+        # free d_block10_expand_bn_ew_sum
+        del d_block10_expand_bn_ew_sum
+        mem.free(432)
         # d_block10_expand_bn_W = reshape[384](d_block10_expand_bn_weight)
         d_block10_expand_bn_W = rt.reshape(d_block10_expand_bn_weight, shape=(384,))
         # V_block10_expand_bn_W_new = V_block10_expand_bn_W*momentum + d_block10_expand_bn_W + decay*block10_expand_bn_W
         V_block10_expand_bn_W_new = T['V_block10_expand_bn_W']  # in place: the new V_block10_expand_bn_W
         rt.ew(ew_mul_add_4, V_block10_expand_bn_W_new, T['V_block10_expand_bn_W'], momentum, d_block10_expand_bn_W, decay, T['block10_expand_bn_W'])
-        # free d_block10_expand_bn_weight, d_block10_expand_bn_W
-        del d_block10_expand_bn_weight, d_block10_expand_bn_W
-        mem.free(433)
+        # free block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
+        del block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
+        mem.free(139)
         # block10_expand_bn_W_new = block10_expand_bn_W - lr*V_block10_expand_bn_W_new
         block10_expand_bn_W_new = T['block10_expand_bn_W']  # in place: the new block10_expand_bn_W
         rt.ew(ew_mul_sub, block10_expand_bn_W_new, T['block10_expand_bn_W'], lr, V_block10_expand_bn_W_new)
@@ -5572,32 +5722,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block10_expand_W_new, T['block10_expand_W'], lr, V_block10_expand_W_new)
 
         # ---- block9_project_bn (batch norm), backward ----
-        # d_block9_project_bn_inv_std = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered*block9_project_bn_weight)
-        d_block9_project_bn_inv_std = mem.tensor(439, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_project_bn_inv_std, d_block9_project_bn_add_2, block9_project_bn_centered, block9_project_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block9_project_bn_ew_sum = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered)
+        d_block9_project_bn_ew_sum = mem.tensor(439, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block9_project_bn_ew_sum, d_block9_project_bn_add_2, block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block9_project_bn_inv_std = block9_project_bn_weight*d_block9_project_bn_ew_sum
+        d_block9_project_bn_inv_std = mem.tensor(440, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_ew_sum)
         # d_block9_project_bn_sum_of_squares = -d_block9_project_bn_inv_std/(12544*(block9_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_project_bn_sum_of_squares = d_block9_project_bn_inv_std  # in place: over d_block9_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block9_project_bn_sum_of_squares, d_block9_project_bn_inv_std, block9_project_bn_batch_var)
         # free block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         del block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         mem.free(133)
-        # d_block9_project_bn_weight = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered*block9_project_bn_inv_std)
-        d_block9_project_bn_weight = mem.tensor(440, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_project_bn_weight, d_block9_project_bn_add_2, block9_project_bn_centered, block9_project_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block9_project_bn_centered = d_block9_project_bn_add_2*block9_project_bn_inv_std*block9_project_bn_weight + 2*d_block9_project_bn_sum_of_squares*block9_project_bn_centered
         d_block9_project_bn_centered = block9_project_bn_centered  # in place: over block9_project_bn_centered
         rt.ew(ew_mul_add_5, d_block9_project_bn_centered, d_block9_project_bn_add_2, block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_sum_of_squares, block9_project_bn_centered)
-        # free block9_project_bn_inv_std, d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
-        del block9_project_bn_inv_std, d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
-        mem.free(134, 439)
+        # free d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
+        del d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
+        mem.free(440)
+        # d_block9_project_bn_weight = block9_project_bn_inv_std*d_block9_project_bn_ew_sum
+        d_block9_project_bn_weight = block9_project_bn_inv_std  # in place: over block9_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block9_project_bn_weight, block9_project_bn_inv_std, d_block9_project_bn_ew_sum)
+        # free d_block9_project_bn_ew_sum
+        del d_block9_project_bn_ew_sum
+        mem.free(439)
         # d_block9_project_bn_W = reshape[64](d_block9_project_bn_weight)
         d_block9_project_bn_W = rt.reshape(d_block9_project_bn_weight, shape=(64,))
         # V_block9_project_bn_W_new = V_block9_project_bn_W*momentum + d_block9_project_bn_W + decay*block9_project_bn_W
         V_block9_project_bn_W_new = T['V_block9_project_bn_W']  # in place: the new V_block9_project_bn_W
         rt.ew(ew_mul_add_4, V_block9_project_bn_W_new, T['V_block9_project_bn_W'], momentum, d_block9_project_bn_W, decay, T['block9_project_bn_W'])
-        # free d_block9_project_bn_weight, d_block9_project_bn_W
-        del d_block9_project_bn_weight, d_block9_project_bn_W
-        mem.free(440)
+        # free block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
+        del block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
+        mem.free(134)
         # block9_project_bn_W_new = block9_project_bn_W - lr*V_block9_project_bn_W_new
         block9_project_bn_W_new = T['block9_project_bn_W']  # in place: the new block9_project_bn_W
         rt.ew(ew_mul_sub, block9_project_bn_W_new, T['block9_project_bn_W'], lr, V_block9_project_bn_W_new)
@@ -5668,38 +5824,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block9_project_W_new, T['block9_project_W'], lr, V_block9_project_W_new)
 
         # ---- block9_dw_bn (batch norm), backward ----
-        # d_block9_dw_bn_inv_std = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered*block9_dw_bn_weight)
-        d_block9_dw_bn_inv_std = mem.tensor(446, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_dw_bn_inv_std, d_block9_dw_bn, block9_dw_bn_centered, block9_dw_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block9_dw_bn_ew_sum = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered)
+        d_block9_dw_bn_ew_sum = mem.tensor(446, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block9_dw_bn_ew_sum, d_block9_dw_bn, block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block9_dw_bn_inv_std = block9_dw_bn_weight*d_block9_dw_bn_ew_sum
+        d_block9_dw_bn_inv_std = mem.tensor(447, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_ew_sum)
         # d_block9_dw_bn_sum_of_squares = -d_block9_dw_bn_inv_std/(12544*(block9_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_dw_bn_sum_of_squares = d_block9_dw_bn_inv_std  # in place: over d_block9_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block9_dw_bn_sum_of_squares, d_block9_dw_bn_inv_std, block9_dw_bn_batch_var)
         # free block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         del block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         mem.free(128)
-        # d_block9_dw_bn_weight = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered*block9_dw_bn_inv_std)
-        d_block9_dw_bn_weight = mem.tensor(447, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_dw_bn_weight, d_block9_dw_bn, block9_dw_bn_centered, block9_dw_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block9_dw_bn_centered = d_block9_dw_bn*block9_dw_bn_inv_std*block9_dw_bn_weight + 2*d_block9_dw_bn_sum_of_squares*block9_dw_bn_centered
         d_block9_dw_bn_centered = block9_dw_bn_centered  # in place: over block9_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block9_dw_bn_centered, d_block9_dw_bn, block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_sum_of_squares, block9_dw_bn_centered)
-        # free block9_dw_bn_inv_std, d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
-        del block9_dw_bn_inv_std, d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
-        mem.free(129, 446)
+        # free d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
+        del d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
+        mem.free(447)
         # d_block9_dw_bn_bias = sum_to[1x384x1x1](d_block9_dw_bn)
         d_block9_dw_bn_bias = mem.tensor(448, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block9_dw_bn, out=d_block9_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block9_dw_bn_clipped_relu, d_block9_dw_bn
         del d_block9_dw_bn_clipped_relu, d_block9_dw_bn
         mem.free(445)
+        # d_block9_dw_bn_weight = block9_dw_bn_inv_std*d_block9_dw_bn_ew_sum
+        d_block9_dw_bn_weight = block9_dw_bn_inv_std  # in place: over block9_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block9_dw_bn_weight, block9_dw_bn_inv_std, d_block9_dw_bn_ew_sum)
+        # free d_block9_dw_bn_ew_sum
+        del d_block9_dw_bn_ew_sum
+        mem.free(446)
         # d_block9_dw_bn_W = reshape[384](d_block9_dw_bn_weight)
         d_block9_dw_bn_W = rt.reshape(d_block9_dw_bn_weight, shape=(384,))
         # V_block9_dw_bn_W_new = V_block9_dw_bn_W*momentum + d_block9_dw_bn_W + decay*block9_dw_bn_W
         V_block9_dw_bn_W_new = T['V_block9_dw_bn_W']  # in place: the new V_block9_dw_bn_W
         rt.ew(ew_mul_add_4, V_block9_dw_bn_W_new, T['V_block9_dw_bn_W'], momentum, d_block9_dw_bn_W, decay, T['block9_dw_bn_W'])
-        # free d_block9_dw_bn_weight, d_block9_dw_bn_W
-        del d_block9_dw_bn_weight, d_block9_dw_bn_W
-        mem.free(447)
+        # free block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
+        del block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
+        mem.free(129)
         # block9_dw_bn_W_new = block9_dw_bn_W - lr*V_block9_dw_bn_W_new
         block9_dw_bn_W_new = T['block9_dw_bn_W']  # in place: the new block9_dw_bn_W
         rt.ew(ew_mul_sub, block9_dw_bn_W_new, T['block9_dw_bn_W'], lr, V_block9_dw_bn_W_new)
@@ -5765,38 +5927,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block9_dw_W_new, T['block9_dw_W'], lr, V_block9_dw_W_new)
 
         # ---- block9_expand_bn (batch norm), backward ----
-        # d_block9_expand_bn_inv_std = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered*block9_expand_bn_weight)
-        d_block9_expand_bn_inv_std = mem.tensor(453, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_expand_bn_inv_std, d_block9_expand_bn, block9_expand_bn_centered, block9_expand_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block9_expand_bn_ew_sum = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered)
+        d_block9_expand_bn_ew_sum = mem.tensor(453, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block9_expand_bn_ew_sum, d_block9_expand_bn, block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block9_expand_bn_inv_std = block9_expand_bn_weight*d_block9_expand_bn_ew_sum
+        d_block9_expand_bn_inv_std = mem.tensor(454, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_ew_sum)
         # d_block9_expand_bn_sum_of_squares = -d_block9_expand_bn_inv_std/(12544*(block9_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_expand_bn_sum_of_squares = d_block9_expand_bn_inv_std  # in place: over d_block9_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block9_expand_bn_sum_of_squares, d_block9_expand_bn_inv_std, block9_expand_bn_batch_var)
         # free block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         del block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         mem.free(123)
-        # d_block9_expand_bn_weight = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered*block9_expand_bn_inv_std)
-        d_block9_expand_bn_weight = mem.tensor(454, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_expand_bn_weight, d_block9_expand_bn, block9_expand_bn_centered, block9_expand_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block9_expand_bn_centered = d_block9_expand_bn*block9_expand_bn_inv_std*block9_expand_bn_weight + 2*d_block9_expand_bn_sum_of_squares*block9_expand_bn_centered
         d_block9_expand_bn_centered = block9_expand_bn_centered  # in place: over block9_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block9_expand_bn_centered, d_block9_expand_bn, block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_sum_of_squares, block9_expand_bn_centered)
-        # free block9_expand_bn_inv_std, d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
-        del block9_expand_bn_inv_std, d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
-        mem.free(124, 453)
+        # free d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
+        del d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
+        mem.free(454)
         # d_block9_expand_bn_bias = sum_to[1x384x1x1](d_block9_expand_bn)
         d_block9_expand_bn_bias = mem.tensor(455, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block9_expand_bn, out=d_block9_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block9_expand_bn_clipped_relu, d_block9_expand_bn
         del d_block9_expand_bn_clipped_relu, d_block9_expand_bn
         mem.free(452)
+        # d_block9_expand_bn_weight = block9_expand_bn_inv_std*d_block9_expand_bn_ew_sum
+        d_block9_expand_bn_weight = block9_expand_bn_inv_std  # in place: over block9_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block9_expand_bn_weight, block9_expand_bn_inv_std, d_block9_expand_bn_ew_sum)
+        # free d_block9_expand_bn_ew_sum
+        del d_block9_expand_bn_ew_sum
+        mem.free(453)
         # d_block9_expand_bn_W = reshape[384](d_block9_expand_bn_weight)
         d_block9_expand_bn_W = rt.reshape(d_block9_expand_bn_weight, shape=(384,))
         # V_block9_expand_bn_W_new = V_block9_expand_bn_W*momentum + d_block9_expand_bn_W + decay*block9_expand_bn_W
         V_block9_expand_bn_W_new = T['V_block9_expand_bn_W']  # in place: the new V_block9_expand_bn_W
         rt.ew(ew_mul_add_4, V_block9_expand_bn_W_new, T['V_block9_expand_bn_W'], momentum, d_block9_expand_bn_W, decay, T['block9_expand_bn_W'])
-        # free d_block9_expand_bn_weight, d_block9_expand_bn_W
-        del d_block9_expand_bn_weight, d_block9_expand_bn_W
-        mem.free(454)
+        # free block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
+        del block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
+        mem.free(124)
         # block9_expand_bn_W_new = block9_expand_bn_W - lr*V_block9_expand_bn_W_new
         block9_expand_bn_W_new = T['block9_expand_bn_W']  # in place: the new block9_expand_bn_W
         rt.ew(ew_mul_sub, block9_expand_bn_W_new, T['block9_expand_bn_W'], lr, V_block9_expand_bn_W_new)
@@ -5858,32 +6026,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block9_expand_W_new, T['block9_expand_W'], lr, V_block9_expand_W_new)
 
         # ---- block8_project_bn (batch norm), backward ----
-        # d_block8_project_bn_inv_std = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered*block8_project_bn_weight)
-        d_block8_project_bn_inv_std = mem.tensor(459, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_project_bn_inv_std, d_block8_project_bn_add_2, block8_project_bn_centered, block8_project_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block8_project_bn_ew_sum = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered)
+        d_block8_project_bn_ew_sum = mem.tensor(459, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block8_project_bn_ew_sum, d_block8_project_bn_add_2, block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block8_project_bn_inv_std = block8_project_bn_weight*d_block8_project_bn_ew_sum
+        d_block8_project_bn_inv_std = mem.tensor(460, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_ew_sum)
         # d_block8_project_bn_sum_of_squares = -d_block8_project_bn_inv_std/(12544*(block8_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_project_bn_sum_of_squares = d_block8_project_bn_inv_std  # in place: over d_block8_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block8_project_bn_sum_of_squares, d_block8_project_bn_inv_std, block8_project_bn_batch_var)
         # free block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         del block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         mem.free(119)
-        # d_block8_project_bn_weight = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered*block8_project_bn_inv_std)
-        d_block8_project_bn_weight = mem.tensor(460, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_project_bn_weight, d_block8_project_bn_add_2, block8_project_bn_centered, block8_project_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block8_project_bn_centered = d_block8_project_bn_add_2*block8_project_bn_inv_std*block8_project_bn_weight + 2*d_block8_project_bn_sum_of_squares*block8_project_bn_centered
         d_block8_project_bn_centered = block8_project_bn_centered  # in place: over block8_project_bn_centered
         rt.ew(ew_mul_add_5, d_block8_project_bn_centered, d_block8_project_bn_add_2, block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_sum_of_squares, block8_project_bn_centered)
-        # free block8_project_bn_inv_std, d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
-        del block8_project_bn_inv_std, d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
-        mem.free(120, 459)
+        # free d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
+        del d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
+        mem.free(460)
+        # d_block8_project_bn_weight = block8_project_bn_inv_std*d_block8_project_bn_ew_sum
+        d_block8_project_bn_weight = block8_project_bn_inv_std  # in place: over block8_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block8_project_bn_weight, block8_project_bn_inv_std, d_block8_project_bn_ew_sum)
+        # free d_block8_project_bn_ew_sum
+        del d_block8_project_bn_ew_sum
+        mem.free(459)
         # d_block8_project_bn_W = reshape[64](d_block8_project_bn_weight)
         d_block8_project_bn_W = rt.reshape(d_block8_project_bn_weight, shape=(64,))
         # V_block8_project_bn_W_new = V_block8_project_bn_W*momentum + d_block8_project_bn_W + decay*block8_project_bn_W
         V_block8_project_bn_W_new = T['V_block8_project_bn_W']  # in place: the new V_block8_project_bn_W
         rt.ew(ew_mul_add_4, V_block8_project_bn_W_new, T['V_block8_project_bn_W'], momentum, d_block8_project_bn_W, decay, T['block8_project_bn_W'])
-        # free d_block8_project_bn_weight, d_block8_project_bn_W
-        del d_block8_project_bn_weight, d_block8_project_bn_W
-        mem.free(460)
+        # free block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
+        del block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
+        mem.free(120)
         # block8_project_bn_W_new = block8_project_bn_W - lr*V_block8_project_bn_W_new
         block8_project_bn_W_new = T['block8_project_bn_W']  # in place: the new block8_project_bn_W
         rt.ew(ew_mul_sub, block8_project_bn_W_new, T['block8_project_bn_W'], lr, V_block8_project_bn_W_new)
@@ -5954,38 +6128,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block8_project_W_new, T['block8_project_W'], lr, V_block8_project_W_new)
 
         # ---- block8_dw_bn (batch norm), backward ----
-        # d_block8_dw_bn_inv_std = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered*block8_dw_bn_weight)
-        d_block8_dw_bn_inv_std = mem.tensor(466, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_dw_bn_inv_std, d_block8_dw_bn, block8_dw_bn_centered, block8_dw_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block8_dw_bn_ew_sum = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered)
+        d_block8_dw_bn_ew_sum = mem.tensor(466, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block8_dw_bn_ew_sum, d_block8_dw_bn, block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block8_dw_bn_inv_std = block8_dw_bn_weight*d_block8_dw_bn_ew_sum
+        d_block8_dw_bn_inv_std = mem.tensor(467, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_ew_sum)
         # d_block8_dw_bn_sum_of_squares = -d_block8_dw_bn_inv_std/(12544*(block8_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_dw_bn_sum_of_squares = d_block8_dw_bn_inv_std  # in place: over d_block8_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block8_dw_bn_sum_of_squares, d_block8_dw_bn_inv_std, block8_dw_bn_batch_var)
         # free block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         del block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         mem.free(114)
-        # d_block8_dw_bn_weight = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered*block8_dw_bn_inv_std)
-        d_block8_dw_bn_weight = mem.tensor(467, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_dw_bn_weight, d_block8_dw_bn, block8_dw_bn_centered, block8_dw_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block8_dw_bn_centered = d_block8_dw_bn*block8_dw_bn_inv_std*block8_dw_bn_weight + 2*d_block8_dw_bn_sum_of_squares*block8_dw_bn_centered
         d_block8_dw_bn_centered = block8_dw_bn_centered  # in place: over block8_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block8_dw_bn_centered, d_block8_dw_bn, block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_sum_of_squares, block8_dw_bn_centered)
-        # free block8_dw_bn_inv_std, d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
-        del block8_dw_bn_inv_std, d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
-        mem.free(115, 466)
+        # free d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
+        del d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
+        mem.free(467)
         # d_block8_dw_bn_bias = sum_to[1x384x1x1](d_block8_dw_bn)
         d_block8_dw_bn_bias = mem.tensor(468, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block8_dw_bn, out=d_block8_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block8_dw_bn_clipped_relu, d_block8_dw_bn
         del d_block8_dw_bn_clipped_relu, d_block8_dw_bn
         mem.free(465)
+        # d_block8_dw_bn_weight = block8_dw_bn_inv_std*d_block8_dw_bn_ew_sum
+        d_block8_dw_bn_weight = block8_dw_bn_inv_std  # in place: over block8_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block8_dw_bn_weight, block8_dw_bn_inv_std, d_block8_dw_bn_ew_sum)
+        # free d_block8_dw_bn_ew_sum
+        del d_block8_dw_bn_ew_sum
+        mem.free(466)
         # d_block8_dw_bn_W = reshape[384](d_block8_dw_bn_weight)
         d_block8_dw_bn_W = rt.reshape(d_block8_dw_bn_weight, shape=(384,))
         # V_block8_dw_bn_W_new = V_block8_dw_bn_W*momentum + d_block8_dw_bn_W + decay*block8_dw_bn_W
         V_block8_dw_bn_W_new = T['V_block8_dw_bn_W']  # in place: the new V_block8_dw_bn_W
         rt.ew(ew_mul_add_4, V_block8_dw_bn_W_new, T['V_block8_dw_bn_W'], momentum, d_block8_dw_bn_W, decay, T['block8_dw_bn_W'])
-        # free d_block8_dw_bn_weight, d_block8_dw_bn_W
-        del d_block8_dw_bn_weight, d_block8_dw_bn_W
-        mem.free(467)
+        # free block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
+        del block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
+        mem.free(115)
         # block8_dw_bn_W_new = block8_dw_bn_W - lr*V_block8_dw_bn_W_new
         block8_dw_bn_W_new = T['block8_dw_bn_W']  # in place: the new block8_dw_bn_W
         rt.ew(ew_mul_sub, block8_dw_bn_W_new, T['block8_dw_bn_W'], lr, V_block8_dw_bn_W_new)
@@ -6051,38 +6231,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block8_dw_W_new, T['block8_dw_W'], lr, V_block8_dw_W_new)
 
         # ---- block8_expand_bn (batch norm), backward ----
-        # d_block8_expand_bn_inv_std = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered*block8_expand_bn_weight)
-        d_block8_expand_bn_inv_std = mem.tensor(473, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_expand_bn_inv_std, d_block8_expand_bn, block8_expand_bn_centered, block8_expand_bn_weight, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block8_expand_bn_ew_sum = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered)
+        d_block8_expand_bn_ew_sum = mem.tensor(473, (1, 384, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block8_expand_bn_ew_sum, d_block8_expand_bn, block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        # d_block8_expand_bn_inv_std = block8_expand_bn_weight*d_block8_expand_bn_ew_sum
+        d_block8_expand_bn_inv_std = mem.tensor(474, (1, 384, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_ew_sum)
         # d_block8_expand_bn_sum_of_squares = -d_block8_expand_bn_inv_std/(12544*(block8_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_expand_bn_sum_of_squares = d_block8_expand_bn_inv_std  # in place: over d_block8_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block8_expand_bn_sum_of_squares, d_block8_expand_bn_inv_std, block8_expand_bn_batch_var)
         # free block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         del block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         mem.free(109)
-        # d_block8_expand_bn_weight = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered*block8_expand_bn_inv_std)
-        d_block8_expand_bn_weight = mem.tensor(474, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_expand_bn_weight, d_block8_expand_bn, block8_expand_bn_centered, block8_expand_bn_inv_std, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block8_expand_bn_centered = d_block8_expand_bn*block8_expand_bn_inv_std*block8_expand_bn_weight + 2*d_block8_expand_bn_sum_of_squares*block8_expand_bn_centered
         d_block8_expand_bn_centered = block8_expand_bn_centered  # in place: over block8_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block8_expand_bn_centered, d_block8_expand_bn, block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_sum_of_squares, block8_expand_bn_centered)
-        # free block8_expand_bn_inv_std, d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
-        del block8_expand_bn_inv_std, d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
-        mem.free(110, 473)
+        # free d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
+        del d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
+        mem.free(474)
         # d_block8_expand_bn_bias = sum_to[1x384x1x1](d_block8_expand_bn)
         d_block8_expand_bn_bias = mem.tensor(475, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block8_expand_bn, out=d_block8_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block8_expand_bn_clipped_relu, d_block8_expand_bn
         del d_block8_expand_bn_clipped_relu, d_block8_expand_bn
         mem.free(472)
+        # d_block8_expand_bn_weight = block8_expand_bn_inv_std*d_block8_expand_bn_ew_sum
+        d_block8_expand_bn_weight = block8_expand_bn_inv_std  # in place: over block8_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block8_expand_bn_weight, block8_expand_bn_inv_std, d_block8_expand_bn_ew_sum)
+        # free d_block8_expand_bn_ew_sum
+        del d_block8_expand_bn_ew_sum
+        mem.free(473)
         # d_block8_expand_bn_W = reshape[384](d_block8_expand_bn_weight)
         d_block8_expand_bn_W = rt.reshape(d_block8_expand_bn_weight, shape=(384,))
         # V_block8_expand_bn_W_new = V_block8_expand_bn_W*momentum + d_block8_expand_bn_W + decay*block8_expand_bn_W
         V_block8_expand_bn_W_new = T['V_block8_expand_bn_W']  # in place: the new V_block8_expand_bn_W
         rt.ew(ew_mul_add_4, V_block8_expand_bn_W_new, T['V_block8_expand_bn_W'], momentum, d_block8_expand_bn_W, decay, T['block8_expand_bn_W'])
-        # free d_block8_expand_bn_weight, d_block8_expand_bn_W
-        del d_block8_expand_bn_weight, d_block8_expand_bn_W
-        mem.free(474)
+        # free block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
+        del block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
+        mem.free(110)
         # block8_expand_bn_W_new = block8_expand_bn_W - lr*V_block8_expand_bn_W_new
         block8_expand_bn_W_new = T['block8_expand_bn_W']  # in place: the new block8_expand_bn_W
         rt.ew(ew_mul_sub, block8_expand_bn_W_new, T['block8_expand_bn_W'], lr, V_block8_expand_bn_W_new)
@@ -6151,38 +6337,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block8_expand_W_new, T['block8_expand_W'], lr, V_block8_expand_W_new)
 
         # ---- block7_project_bn (batch norm), backward ----
-        # d_block7_project_bn_inv_std = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered*block7_project_bn_weight)
-        d_block7_project_bn_inv_std = mem.tensor(480, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_project_bn_inv_std, d_block7_project_bn_2, block7_project_bn_centered, block7_project_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block7_project_bn_ew_sum = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered)
+        d_block7_project_bn_ew_sum = mem.tensor(480, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block7_project_bn_ew_sum, d_block7_project_bn_2, block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        # d_block7_project_bn_inv_std = block7_project_bn_weight*d_block7_project_bn_ew_sum
+        d_block7_project_bn_inv_std = mem.tensor(481, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_ew_sum)
         # d_block7_project_bn_sum_of_squares = -d_block7_project_bn_inv_std/(12544*(block7_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_project_bn_sum_of_squares = d_block7_project_bn_inv_std  # in place: over d_block7_project_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block7_project_bn_sum_of_squares, d_block7_project_bn_inv_std, block7_project_bn_batch_var)
         # free block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         del block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         mem.free(104)
-        # d_block7_project_bn_weight = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered*block7_project_bn_inv_std)
-        d_block7_project_bn_weight = mem.tensor(481, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_project_bn_weight, d_block7_project_bn_2, block7_project_bn_centered, block7_project_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block7_project_bn_centered = d_block7_project_bn_2*block7_project_bn_inv_std*block7_project_bn_weight + 2*d_block7_project_bn_sum_of_squares*block7_project_bn_centered
         d_block7_project_bn_centered = block7_project_bn_centered  # in place: over block7_project_bn_centered
         rt.ew(ew_mul_add_5, d_block7_project_bn_centered, d_block7_project_bn_2, block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_sum_of_squares, block7_project_bn_centered)
-        # free block7_project_bn_inv_std, d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
-        del block7_project_bn_inv_std, d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
-        mem.free(105, 480)
+        # free d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
+        del d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
+        mem.free(481)
         # d_block7_project_bn_bias = sum_to[1x64x1x1](d_block7_project_bn_2)
         d_block7_project_bn_bias = mem.tensor(482, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_block7_project_bn_2, out=d_block7_project_bn_bias, shape=(1, 64, 1, 1))
         # free d_block10_project_bn_add, d_block9_project_bn_add_2, d_block8_project_bn_add_2, d_block7_project_bn_2
         del d_block10_project_bn_add, d_block9_project_bn_add_2, d_block8_project_bn_add_2, d_block7_project_bn_2
         mem.free(417)
+        # d_block7_project_bn_weight = block7_project_bn_inv_std*d_block7_project_bn_ew_sum
+        d_block7_project_bn_weight = block7_project_bn_inv_std  # in place: over block7_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block7_project_bn_weight, block7_project_bn_inv_std, d_block7_project_bn_ew_sum)
+        # free d_block7_project_bn_ew_sum
+        del d_block7_project_bn_ew_sum
+        mem.free(480)
         # d_block7_project_bn_W = reshape[64](d_block7_project_bn_weight)
         d_block7_project_bn_W = rt.reshape(d_block7_project_bn_weight, shape=(64,))
         # V_block7_project_bn_W_new = V_block7_project_bn_W*momentum + d_block7_project_bn_W + decay*block7_project_bn_W
         V_block7_project_bn_W_new = T['V_block7_project_bn_W']  # in place: the new V_block7_project_bn_W
         rt.ew(ew_mul_add_4, V_block7_project_bn_W_new, T['V_block7_project_bn_W'], momentum, d_block7_project_bn_W, decay, T['block7_project_bn_W'])
-        # free d_block7_project_bn_weight, d_block7_project_bn_W
-        del d_block7_project_bn_weight, d_block7_project_bn_W
-        mem.free(481)
+        # free block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
+        del block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
+        mem.free(105)
         # block7_project_bn_W_new = block7_project_bn_W - lr*V_block7_project_bn_W_new
         block7_project_bn_W_new = T['block7_project_bn_W']  # in place: the new block7_project_bn_W
         rt.ew(ew_mul_sub, block7_project_bn_W_new, T['block7_project_bn_W'], lr, V_block7_project_bn_W_new)
@@ -6248,38 +6440,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block7_project_W_new, T['block7_project_W'], lr, V_block7_project_W_new)
 
         # ---- block7_dw_bn (batch norm), backward ----
-        # d_block7_dw_bn_inv_std = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered*block7_dw_bn_weight)
-        d_block7_dw_bn_inv_std = mem.tensor(487, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_dw_bn_inv_std, d_block7_dw_bn, block7_dw_bn_centered, block7_dw_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
+        # d_block7_dw_bn_ew_sum = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered)
+        d_block7_dw_bn_ew_sum = mem.tensor(487, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block7_dw_bn_ew_sum, d_block7_dw_bn, block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
+        # d_block7_dw_bn_inv_std = block7_dw_bn_weight*d_block7_dw_bn_ew_sum
+        d_block7_dw_bn_inv_std = mem.tensor(488, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_ew_sum)
         # d_block7_dw_bn_sum_of_squares = -d_block7_dw_bn_inv_std/(12544*(block7_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_dw_bn_sum_of_squares = d_block7_dw_bn_inv_std  # in place: over d_block7_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_block7_dw_bn_sum_of_squares, d_block7_dw_bn_inv_std, block7_dw_bn_batch_var)
         # free block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         del block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         mem.free(99)
-        # d_block7_dw_bn_weight = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered*block7_dw_bn_inv_std)
-        d_block7_dw_bn_weight = mem.tensor(488, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_dw_bn_weight, d_block7_dw_bn, block7_dw_bn_centered, block7_dw_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # d_block7_dw_bn_centered = d_block7_dw_bn*block7_dw_bn_inv_std*block7_dw_bn_weight + 2*d_block7_dw_bn_sum_of_squares*block7_dw_bn_centered
         d_block7_dw_bn_centered = block7_dw_bn_centered  # in place: over block7_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block7_dw_bn_centered, d_block7_dw_bn, block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_sum_of_squares, block7_dw_bn_centered)
-        # free block7_dw_bn_inv_std, d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
-        del block7_dw_bn_inv_std, d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
-        mem.free(100, 487)
+        # free d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
+        del d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
+        mem.free(488)
         # d_block7_dw_bn_bias = sum_to[1x192x1x1](d_block7_dw_bn)
         d_block7_dw_bn_bias = mem.tensor(489, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block7_dw_bn, out=d_block7_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block7_dw_bn_clipped_relu, d_block7_dw_bn
         del d_block7_dw_bn_clipped_relu, d_block7_dw_bn
         mem.free(486)
+        # d_block7_dw_bn_weight = block7_dw_bn_inv_std*d_block7_dw_bn_ew_sum
+        d_block7_dw_bn_weight = block7_dw_bn_inv_std  # in place: over block7_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block7_dw_bn_weight, block7_dw_bn_inv_std, d_block7_dw_bn_ew_sum)
+        # free d_block7_dw_bn_ew_sum
+        del d_block7_dw_bn_ew_sum
+        mem.free(487)
         # d_block7_dw_bn_W = reshape[192](d_block7_dw_bn_weight)
         d_block7_dw_bn_W = rt.reshape(d_block7_dw_bn_weight, shape=(192,))
         # V_block7_dw_bn_W_new = V_block7_dw_bn_W*momentum + d_block7_dw_bn_W + decay*block7_dw_bn_W
         V_block7_dw_bn_W_new = T['V_block7_dw_bn_W']  # in place: the new V_block7_dw_bn_W
         rt.ew(ew_mul_add_4, V_block7_dw_bn_W_new, T['V_block7_dw_bn_W'], momentum, d_block7_dw_bn_W, decay, T['block7_dw_bn_W'])
-        # free d_block7_dw_bn_weight, d_block7_dw_bn_W
-        del d_block7_dw_bn_weight, d_block7_dw_bn_W
-        mem.free(488)
+        # free block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
+        del block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
+        mem.free(100)
         # block7_dw_bn_W_new = block7_dw_bn_W - lr*V_block7_dw_bn_W_new
         block7_dw_bn_W_new = T['block7_dw_bn_W']  # in place: the new block7_dw_bn_W
         rt.ew(ew_mul_sub, block7_dw_bn_W_new, T['block7_dw_bn_W'], lr, V_block7_dw_bn_W_new)
@@ -6345,38 +6543,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block7_dw_W_new, T['block7_dw_W'], lr, V_block7_dw_W_new)
 
         # ---- block7_expand_bn (batch norm), backward ----
-        # d_block7_expand_bn_inv_std = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered*block7_expand_bn_weight)
-        d_block7_expand_bn_inv_std = mem.tensor(494, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_expand_bn_inv_std, d_block7_expand_bn, block7_expand_bn_centered, block7_expand_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block7_expand_bn_ew_sum = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered)
+        d_block7_expand_bn_ew_sum = mem.tensor(494, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block7_expand_bn_ew_sum, d_block7_expand_bn, block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block7_expand_bn_inv_std = block7_expand_bn_weight*d_block7_expand_bn_ew_sum
+        d_block7_expand_bn_inv_std = mem.tensor(495, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_ew_sum)
         # d_block7_expand_bn_sum_of_squares = -d_block7_expand_bn_inv_std/(50176*(block7_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_expand_bn_sum_of_squares = d_block7_expand_bn_inv_std  # in place: over d_block7_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block7_expand_bn_sum_of_squares, d_block7_expand_bn_inv_std, block7_expand_bn_batch_var)
         # free block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         del block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         mem.free(94)
-        # d_block7_expand_bn_weight = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered*block7_expand_bn_inv_std)
-        d_block7_expand_bn_weight = mem.tensor(495, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_expand_bn_weight, d_block7_expand_bn, block7_expand_bn_centered, block7_expand_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block7_expand_bn_centered = d_block7_expand_bn*block7_expand_bn_inv_std*block7_expand_bn_weight + 2*d_block7_expand_bn_sum_of_squares*block7_expand_bn_centered
         d_block7_expand_bn_centered = block7_expand_bn_centered  # in place: over block7_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block7_expand_bn_centered, d_block7_expand_bn, block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_sum_of_squares, block7_expand_bn_centered)
-        # free block7_expand_bn_inv_std, d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
-        del block7_expand_bn_inv_std, d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
-        mem.free(95, 494)
+        # free d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
+        del d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
+        mem.free(495)
         # d_block7_expand_bn_bias = sum_to[1x192x1x1](d_block7_expand_bn)
         d_block7_expand_bn_bias = mem.tensor(496, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block7_expand_bn, out=d_block7_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block7_expand_bn_clipped_relu, d_block7_expand_bn
         del d_block7_expand_bn_clipped_relu, d_block7_expand_bn
         mem.free(493)
+        # d_block7_expand_bn_weight = block7_expand_bn_inv_std*d_block7_expand_bn_ew_sum
+        d_block7_expand_bn_weight = block7_expand_bn_inv_std  # in place: over block7_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block7_expand_bn_weight, block7_expand_bn_inv_std, d_block7_expand_bn_ew_sum)
+        # free d_block7_expand_bn_ew_sum
+        del d_block7_expand_bn_ew_sum
+        mem.free(494)
         # d_block7_expand_bn_W = reshape[192](d_block7_expand_bn_weight)
         d_block7_expand_bn_W = rt.reshape(d_block7_expand_bn_weight, shape=(192,))
         # V_block7_expand_bn_W_new = V_block7_expand_bn_W*momentum + d_block7_expand_bn_W + decay*block7_expand_bn_W
         V_block7_expand_bn_W_new = T['V_block7_expand_bn_W']  # in place: the new V_block7_expand_bn_W
         rt.ew(ew_mul_add_4, V_block7_expand_bn_W_new, T['V_block7_expand_bn_W'], momentum, d_block7_expand_bn_W, decay, T['block7_expand_bn_W'])
-        # free d_block7_expand_bn_weight, d_block7_expand_bn_W
-        del d_block7_expand_bn_weight, d_block7_expand_bn_W
-        mem.free(495)
+        # free block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
+        del block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
+        mem.free(95)
         # block7_expand_bn_W_new = block7_expand_bn_W - lr*V_block7_expand_bn_W_new
         block7_expand_bn_W_new = T['block7_expand_bn_W']  # in place: the new block7_expand_bn_W
         rt.ew(ew_mul_sub, block7_expand_bn_W_new, T['block7_expand_bn_W'], lr, V_block7_expand_bn_W_new)
@@ -6435,32 +6639,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block7_expand_W_new, T['block7_expand_W'], lr, V_block7_expand_W_new)
 
         # ---- block6_project_bn (batch norm), backward ----
-        # d_block6_project_bn_inv_std = sum_to[1x32x1x1](d_block6_project_bn_add*block6_project_bn_centered*block6_project_bn_weight)
-        d_block6_project_bn_inv_std = mem.tensor(501, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_project_bn_inv_std, d_block6_project_bn_add, block6_project_bn_centered, block6_project_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block6_project_bn_ew_sum = sum_to[1x32x1x1](d_block6_project_bn_add*block6_project_bn_centered)
+        d_block6_project_bn_ew_sum = mem.tensor(501, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block6_project_bn_ew_sum, d_block6_project_bn_add, block6_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block6_project_bn_inv_std = block6_project_bn_weight*d_block6_project_bn_ew_sum
+        d_block6_project_bn_inv_std = mem.tensor(502, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_ew_sum)
         # d_block6_project_bn_sum_of_squares = -d_block6_project_bn_inv_std/(50176*(block6_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_project_bn_sum_of_squares = d_block6_project_bn_inv_std  # in place: over d_block6_project_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block6_project_bn_sum_of_squares, d_block6_project_bn_inv_std, block6_project_bn_batch_var)
         # free block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         del block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         mem.free(89)
-        # d_block6_project_bn_weight = sum_to[1x32x1x1](d_block6_project_bn_add*block6_project_bn_centered*block6_project_bn_inv_std)
-        d_block6_project_bn_weight = mem.tensor(502, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_project_bn_weight, d_block6_project_bn_add, block6_project_bn_centered, block6_project_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block6_project_bn_centered = d_block6_project_bn_add*block6_project_bn_inv_std*block6_project_bn_weight + 2*d_block6_project_bn_sum_of_squares*block6_project_bn_centered
         d_block6_project_bn_centered = block6_project_bn_centered  # in place: over block6_project_bn_centered
         rt.ew(ew_mul_add_5, d_block6_project_bn_centered, d_block6_project_bn_add, block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_sum_of_squares, block6_project_bn_centered)
-        # free block6_project_bn_inv_std, d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
-        del block6_project_bn_inv_std, d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
-        mem.free(90, 501)
+        # free d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
+        del d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
+        mem.free(502)
+        # d_block6_project_bn_weight = block6_project_bn_inv_std*d_block6_project_bn_ew_sum
+        d_block6_project_bn_weight = block6_project_bn_inv_std  # in place: over block6_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block6_project_bn_weight, block6_project_bn_inv_std, d_block6_project_bn_ew_sum)
+        # free d_block6_project_bn_ew_sum
+        del d_block6_project_bn_ew_sum
+        mem.free(501)
         # d_block6_project_bn_W = reshape[32](d_block6_project_bn_weight)
         d_block6_project_bn_W = rt.reshape(d_block6_project_bn_weight, shape=(32,))
         # V_block6_project_bn_W_new = V_block6_project_bn_W*momentum + d_block6_project_bn_W + decay*block6_project_bn_W
         V_block6_project_bn_W_new = T['V_block6_project_bn_W']  # in place: the new V_block6_project_bn_W
         rt.ew(ew_mul_add_4, V_block6_project_bn_W_new, T['V_block6_project_bn_W'], momentum, d_block6_project_bn_W, decay, T['block6_project_bn_W'])
-        # free d_block6_project_bn_weight, d_block6_project_bn_W
-        del d_block6_project_bn_weight, d_block6_project_bn_W
-        mem.free(502)
+        # free block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
+        del block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
+        mem.free(90)
         # block6_project_bn_W_new = block6_project_bn_W - lr*V_block6_project_bn_W_new
         block6_project_bn_W_new = T['block6_project_bn_W']  # in place: the new block6_project_bn_W
         rt.ew(ew_mul_sub, block6_project_bn_W_new, T['block6_project_bn_W'], lr, V_block6_project_bn_W_new)
@@ -6531,38 +6741,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block6_project_W_new, T['block6_project_W'], lr, V_block6_project_W_new)
 
         # ---- block6_dw_bn (batch norm), backward ----
-        # d_block6_dw_bn_inv_std = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered*block6_dw_bn_weight)
-        d_block6_dw_bn_inv_std = mem.tensor(508, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_dw_bn_inv_std, d_block6_dw_bn, block6_dw_bn_centered, block6_dw_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block6_dw_bn_ew_sum = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered)
+        d_block6_dw_bn_ew_sum = mem.tensor(508, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block6_dw_bn_ew_sum, d_block6_dw_bn, block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block6_dw_bn_inv_std = block6_dw_bn_weight*d_block6_dw_bn_ew_sum
+        d_block6_dw_bn_inv_std = mem.tensor(509, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_ew_sum)
         # d_block6_dw_bn_sum_of_squares = -d_block6_dw_bn_inv_std/(50176*(block6_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_dw_bn_sum_of_squares = d_block6_dw_bn_inv_std  # in place: over d_block6_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block6_dw_bn_sum_of_squares, d_block6_dw_bn_inv_std, block6_dw_bn_batch_var)
         # free block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         del block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         mem.free(84)
-        # d_block6_dw_bn_weight = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered*block6_dw_bn_inv_std)
-        d_block6_dw_bn_weight = mem.tensor(509, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_dw_bn_weight, d_block6_dw_bn, block6_dw_bn_centered, block6_dw_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block6_dw_bn_centered = d_block6_dw_bn*block6_dw_bn_inv_std*block6_dw_bn_weight + 2*d_block6_dw_bn_sum_of_squares*block6_dw_bn_centered
         d_block6_dw_bn_centered = block6_dw_bn_centered  # in place: over block6_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block6_dw_bn_centered, d_block6_dw_bn, block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_sum_of_squares, block6_dw_bn_centered)
-        # free block6_dw_bn_inv_std, d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
-        del block6_dw_bn_inv_std, d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
-        mem.free(85, 508)
+        # free d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
+        del d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
+        mem.free(509)
         # d_block6_dw_bn_bias = sum_to[1x192x1x1](d_block6_dw_bn)
         d_block6_dw_bn_bias = mem.tensor(510, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block6_dw_bn, out=d_block6_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block6_dw_bn_clipped_relu, d_block6_dw_bn
         del d_block6_dw_bn_clipped_relu, d_block6_dw_bn
         mem.free(507)
+        # d_block6_dw_bn_weight = block6_dw_bn_inv_std*d_block6_dw_bn_ew_sum
+        d_block6_dw_bn_weight = block6_dw_bn_inv_std  # in place: over block6_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block6_dw_bn_weight, block6_dw_bn_inv_std, d_block6_dw_bn_ew_sum)
+        # free d_block6_dw_bn_ew_sum
+        del d_block6_dw_bn_ew_sum
+        mem.free(508)
         # d_block6_dw_bn_W = reshape[192](d_block6_dw_bn_weight)
         d_block6_dw_bn_W = rt.reshape(d_block6_dw_bn_weight, shape=(192,))
         # V_block6_dw_bn_W_new = V_block6_dw_bn_W*momentum + d_block6_dw_bn_W + decay*block6_dw_bn_W
         V_block6_dw_bn_W_new = T['V_block6_dw_bn_W']  # in place: the new V_block6_dw_bn_W
         rt.ew(ew_mul_add_4, V_block6_dw_bn_W_new, T['V_block6_dw_bn_W'], momentum, d_block6_dw_bn_W, decay, T['block6_dw_bn_W'])
-        # free d_block6_dw_bn_weight, d_block6_dw_bn_W
-        del d_block6_dw_bn_weight, d_block6_dw_bn_W
-        mem.free(509)
+        # free block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
+        del block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
+        mem.free(85)
         # block6_dw_bn_W_new = block6_dw_bn_W - lr*V_block6_dw_bn_W_new
         block6_dw_bn_W_new = T['block6_dw_bn_W']  # in place: the new block6_dw_bn_W
         rt.ew(ew_mul_sub, block6_dw_bn_W_new, T['block6_dw_bn_W'], lr, V_block6_dw_bn_W_new)
@@ -6628,38 +6844,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block6_dw_W_new, T['block6_dw_W'], lr, V_block6_dw_W_new)
 
         # ---- block6_expand_bn (batch norm), backward ----
-        # d_block6_expand_bn_inv_std = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered*block6_expand_bn_weight)
-        d_block6_expand_bn_inv_std = mem.tensor(515, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_expand_bn_inv_std, d_block6_expand_bn, block6_expand_bn_centered, block6_expand_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block6_expand_bn_ew_sum = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered)
+        d_block6_expand_bn_ew_sum = mem.tensor(515, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block6_expand_bn_ew_sum, d_block6_expand_bn, block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block6_expand_bn_inv_std = block6_expand_bn_weight*d_block6_expand_bn_ew_sum
+        d_block6_expand_bn_inv_std = mem.tensor(516, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_ew_sum)
         # d_block6_expand_bn_sum_of_squares = -d_block6_expand_bn_inv_std/(50176*(block6_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_expand_bn_sum_of_squares = d_block6_expand_bn_inv_std  # in place: over d_block6_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block6_expand_bn_sum_of_squares, d_block6_expand_bn_inv_std, block6_expand_bn_batch_var)
         # free block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         del block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         mem.free(79)
-        # d_block6_expand_bn_weight = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered*block6_expand_bn_inv_std)
-        d_block6_expand_bn_weight = mem.tensor(516, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_expand_bn_weight, d_block6_expand_bn, block6_expand_bn_centered, block6_expand_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block6_expand_bn_centered = d_block6_expand_bn*block6_expand_bn_inv_std*block6_expand_bn_weight + 2*d_block6_expand_bn_sum_of_squares*block6_expand_bn_centered
         d_block6_expand_bn_centered = block6_expand_bn_centered  # in place: over block6_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block6_expand_bn_centered, d_block6_expand_bn, block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_sum_of_squares, block6_expand_bn_centered)
-        # free block6_expand_bn_inv_std, d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
-        del block6_expand_bn_inv_std, d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
-        mem.free(80, 515)
+        # free d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
+        del d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
+        mem.free(516)
         # d_block6_expand_bn_bias = sum_to[1x192x1x1](d_block6_expand_bn)
         d_block6_expand_bn_bias = mem.tensor(517, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block6_expand_bn, out=d_block6_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block6_expand_bn_clipped_relu, d_block6_expand_bn
         del d_block6_expand_bn_clipped_relu, d_block6_expand_bn
         mem.free(514)
+        # d_block6_expand_bn_weight = block6_expand_bn_inv_std*d_block6_expand_bn_ew_sum
+        d_block6_expand_bn_weight = block6_expand_bn_inv_std  # in place: over block6_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block6_expand_bn_weight, block6_expand_bn_inv_std, d_block6_expand_bn_ew_sum)
+        # free d_block6_expand_bn_ew_sum
+        del d_block6_expand_bn_ew_sum
+        mem.free(515)
         # d_block6_expand_bn_W = reshape[192](d_block6_expand_bn_weight)
         d_block6_expand_bn_W = rt.reshape(d_block6_expand_bn_weight, shape=(192,))
         # V_block6_expand_bn_W_new = V_block6_expand_bn_W*momentum + d_block6_expand_bn_W + decay*block6_expand_bn_W
         V_block6_expand_bn_W_new = T['V_block6_expand_bn_W']  # in place: the new V_block6_expand_bn_W
         rt.ew(ew_mul_add_4, V_block6_expand_bn_W_new, T['V_block6_expand_bn_W'], momentum, d_block6_expand_bn_W, decay, T['block6_expand_bn_W'])
-        # free d_block6_expand_bn_weight, d_block6_expand_bn_W
-        del d_block6_expand_bn_weight, d_block6_expand_bn_W
-        mem.free(516)
+        # free block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
+        del block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
+        mem.free(80)
         # block6_expand_bn_W_new = block6_expand_bn_W - lr*V_block6_expand_bn_W_new
         block6_expand_bn_W_new = T['block6_expand_bn_W']  # in place: the new block6_expand_bn_W
         rt.ew(ew_mul_sub, block6_expand_bn_W_new, T['block6_expand_bn_W'], lr, V_block6_expand_bn_W_new)
@@ -6721,32 +6943,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block6_expand_W_new, T['block6_expand_W'], lr, V_block6_expand_W_new)
 
         # ---- block5_project_bn (batch norm), backward ----
-        # d_block5_project_bn_inv_std = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered*block5_project_bn_weight)
-        d_block5_project_bn_inv_std = mem.tensor(521, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_project_bn_inv_std, d_block5_project_bn_add_2, block5_project_bn_centered, block5_project_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block5_project_bn_ew_sum = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered)
+        d_block5_project_bn_ew_sum = mem.tensor(521, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block5_project_bn_ew_sum, d_block5_project_bn_add_2, block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block5_project_bn_inv_std = block5_project_bn_weight*d_block5_project_bn_ew_sum
+        d_block5_project_bn_inv_std = mem.tensor(522, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_ew_sum)
         # d_block5_project_bn_sum_of_squares = -d_block5_project_bn_inv_std/(50176*(block5_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_project_bn_sum_of_squares = d_block5_project_bn_inv_std  # in place: over d_block5_project_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block5_project_bn_sum_of_squares, d_block5_project_bn_inv_std, block5_project_bn_batch_var)
         # free block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         del block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         mem.free(75)
-        # d_block5_project_bn_weight = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered*block5_project_bn_inv_std)
-        d_block5_project_bn_weight = mem.tensor(522, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_project_bn_weight, d_block5_project_bn_add_2, block5_project_bn_centered, block5_project_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block5_project_bn_centered = d_block5_project_bn_add_2*block5_project_bn_inv_std*block5_project_bn_weight + 2*d_block5_project_bn_sum_of_squares*block5_project_bn_centered
         d_block5_project_bn_centered = block5_project_bn_centered  # in place: over block5_project_bn_centered
         rt.ew(ew_mul_add_5, d_block5_project_bn_centered, d_block5_project_bn_add_2, block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_sum_of_squares, block5_project_bn_centered)
-        # free block5_project_bn_inv_std, d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
-        del block5_project_bn_inv_std, d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
-        mem.free(76, 521)
+        # free d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
+        del d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
+        mem.free(522)
+        # d_block5_project_bn_weight = block5_project_bn_inv_std*d_block5_project_bn_ew_sum
+        d_block5_project_bn_weight = block5_project_bn_inv_std  # in place: over block5_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block5_project_bn_weight, block5_project_bn_inv_std, d_block5_project_bn_ew_sum)
+        # free d_block5_project_bn_ew_sum
+        del d_block5_project_bn_ew_sum
+        mem.free(521)
         # d_block5_project_bn_W = reshape[32](d_block5_project_bn_weight)
         d_block5_project_bn_W = rt.reshape(d_block5_project_bn_weight, shape=(32,))
         # V_block5_project_bn_W_new = V_block5_project_bn_W*momentum + d_block5_project_bn_W + decay*block5_project_bn_W
         V_block5_project_bn_W_new = T['V_block5_project_bn_W']  # in place: the new V_block5_project_bn_W
         rt.ew(ew_mul_add_4, V_block5_project_bn_W_new, T['V_block5_project_bn_W'], momentum, d_block5_project_bn_W, decay, T['block5_project_bn_W'])
-        # free d_block5_project_bn_weight, d_block5_project_bn_W
-        del d_block5_project_bn_weight, d_block5_project_bn_W
-        mem.free(522)
+        # free block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
+        del block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
+        mem.free(76)
         # block5_project_bn_W_new = block5_project_bn_W - lr*V_block5_project_bn_W_new
         block5_project_bn_W_new = T['block5_project_bn_W']  # in place: the new block5_project_bn_W
         rt.ew(ew_mul_sub, block5_project_bn_W_new, T['block5_project_bn_W'], lr, V_block5_project_bn_W_new)
@@ -6817,38 +7045,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block5_project_W_new, T['block5_project_W'], lr, V_block5_project_W_new)
 
         # ---- block5_dw_bn (batch norm), backward ----
-        # d_block5_dw_bn_inv_std = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered*block5_dw_bn_weight)
-        d_block5_dw_bn_inv_std = mem.tensor(528, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_dw_bn_inv_std, d_block5_dw_bn, block5_dw_bn_centered, block5_dw_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block5_dw_bn_ew_sum = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered)
+        d_block5_dw_bn_ew_sum = mem.tensor(528, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block5_dw_bn_ew_sum, d_block5_dw_bn, block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block5_dw_bn_inv_std = block5_dw_bn_weight*d_block5_dw_bn_ew_sum
+        d_block5_dw_bn_inv_std = mem.tensor(529, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_ew_sum)
         # d_block5_dw_bn_sum_of_squares = -d_block5_dw_bn_inv_std/(50176*(block5_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_dw_bn_sum_of_squares = d_block5_dw_bn_inv_std  # in place: over d_block5_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block5_dw_bn_sum_of_squares, d_block5_dw_bn_inv_std, block5_dw_bn_batch_var)
         # free block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         del block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         mem.free(70)
-        # d_block5_dw_bn_weight = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered*block5_dw_bn_inv_std)
-        d_block5_dw_bn_weight = mem.tensor(529, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_dw_bn_weight, d_block5_dw_bn, block5_dw_bn_centered, block5_dw_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block5_dw_bn_centered = d_block5_dw_bn*block5_dw_bn_inv_std*block5_dw_bn_weight + 2*d_block5_dw_bn_sum_of_squares*block5_dw_bn_centered
         d_block5_dw_bn_centered = block5_dw_bn_centered  # in place: over block5_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block5_dw_bn_centered, d_block5_dw_bn, block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_sum_of_squares, block5_dw_bn_centered)
-        # free block5_dw_bn_inv_std, d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
-        del block5_dw_bn_inv_std, d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
-        mem.free(71, 528)
+        # free d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
+        del d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
+        mem.free(529)
         # d_block5_dw_bn_bias = sum_to[1x192x1x1](d_block5_dw_bn)
         d_block5_dw_bn_bias = mem.tensor(530, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block5_dw_bn, out=d_block5_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block5_dw_bn_clipped_relu, d_block5_dw_bn
         del d_block5_dw_bn_clipped_relu, d_block5_dw_bn
         mem.free(527)
+        # d_block5_dw_bn_weight = block5_dw_bn_inv_std*d_block5_dw_bn_ew_sum
+        d_block5_dw_bn_weight = block5_dw_bn_inv_std  # in place: over block5_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block5_dw_bn_weight, block5_dw_bn_inv_std, d_block5_dw_bn_ew_sum)
+        # free d_block5_dw_bn_ew_sum
+        del d_block5_dw_bn_ew_sum
+        mem.free(528)
         # d_block5_dw_bn_W = reshape[192](d_block5_dw_bn_weight)
         d_block5_dw_bn_W = rt.reshape(d_block5_dw_bn_weight, shape=(192,))
         # V_block5_dw_bn_W_new = V_block5_dw_bn_W*momentum + d_block5_dw_bn_W + decay*block5_dw_bn_W
         V_block5_dw_bn_W_new = T['V_block5_dw_bn_W']  # in place: the new V_block5_dw_bn_W
         rt.ew(ew_mul_add_4, V_block5_dw_bn_W_new, T['V_block5_dw_bn_W'], momentum, d_block5_dw_bn_W, decay, T['block5_dw_bn_W'])
-        # free d_block5_dw_bn_weight, d_block5_dw_bn_W
-        del d_block5_dw_bn_weight, d_block5_dw_bn_W
-        mem.free(529)
+        # free block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
+        del block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
+        mem.free(71)
         # block5_dw_bn_W_new = block5_dw_bn_W - lr*V_block5_dw_bn_W_new
         block5_dw_bn_W_new = T['block5_dw_bn_W']  # in place: the new block5_dw_bn_W
         rt.ew(ew_mul_sub, block5_dw_bn_W_new, T['block5_dw_bn_W'], lr, V_block5_dw_bn_W_new)
@@ -6914,38 +7148,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block5_dw_W_new, T['block5_dw_W'], lr, V_block5_dw_W_new)
 
         # ---- block5_expand_bn (batch norm), backward ----
-        # d_block5_expand_bn_inv_std = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered*block5_expand_bn_weight)
-        d_block5_expand_bn_inv_std = mem.tensor(535, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_expand_bn_inv_std, d_block5_expand_bn, block5_expand_bn_centered, block5_expand_bn_weight, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block5_expand_bn_ew_sum = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered)
+        d_block5_expand_bn_ew_sum = mem.tensor(535, (1, 192, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block5_expand_bn_ew_sum, d_block5_expand_bn, block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        # d_block5_expand_bn_inv_std = block5_expand_bn_weight*d_block5_expand_bn_ew_sum
+        d_block5_expand_bn_inv_std = mem.tensor(536, (1, 192, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_ew_sum)
         # d_block5_expand_bn_sum_of_squares = -d_block5_expand_bn_inv_std/(50176*(block5_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_expand_bn_sum_of_squares = d_block5_expand_bn_inv_std  # in place: over d_block5_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block5_expand_bn_sum_of_squares, d_block5_expand_bn_inv_std, block5_expand_bn_batch_var)
         # free block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         del block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         mem.free(65)
-        # d_block5_expand_bn_weight = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered*block5_expand_bn_inv_std)
-        d_block5_expand_bn_weight = mem.tensor(536, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_expand_bn_weight, d_block5_expand_bn, block5_expand_bn_centered, block5_expand_bn_inv_std, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block5_expand_bn_centered = d_block5_expand_bn*block5_expand_bn_inv_std*block5_expand_bn_weight + 2*d_block5_expand_bn_sum_of_squares*block5_expand_bn_centered
         d_block5_expand_bn_centered = block5_expand_bn_centered  # in place: over block5_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block5_expand_bn_centered, d_block5_expand_bn, block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_sum_of_squares, block5_expand_bn_centered)
-        # free block5_expand_bn_inv_std, d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
-        del block5_expand_bn_inv_std, d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
-        mem.free(66, 535)
+        # free d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
+        del d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
+        mem.free(536)
         # d_block5_expand_bn_bias = sum_to[1x192x1x1](d_block5_expand_bn)
         d_block5_expand_bn_bias = mem.tensor(537, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block5_expand_bn, out=d_block5_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block5_expand_bn_clipped_relu, d_block5_expand_bn
         del d_block5_expand_bn_clipped_relu, d_block5_expand_bn
         mem.free(534)
+        # d_block5_expand_bn_weight = block5_expand_bn_inv_std*d_block5_expand_bn_ew_sum
+        d_block5_expand_bn_weight = block5_expand_bn_inv_std  # in place: over block5_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block5_expand_bn_weight, block5_expand_bn_inv_std, d_block5_expand_bn_ew_sum)
+        # free d_block5_expand_bn_ew_sum
+        del d_block5_expand_bn_ew_sum
+        mem.free(535)
         # d_block5_expand_bn_W = reshape[192](d_block5_expand_bn_weight)
         d_block5_expand_bn_W = rt.reshape(d_block5_expand_bn_weight, shape=(192,))
         # V_block5_expand_bn_W_new = V_block5_expand_bn_W*momentum + d_block5_expand_bn_W + decay*block5_expand_bn_W
         V_block5_expand_bn_W_new = T['V_block5_expand_bn_W']  # in place: the new V_block5_expand_bn_W
         rt.ew(ew_mul_add_4, V_block5_expand_bn_W_new, T['V_block5_expand_bn_W'], momentum, d_block5_expand_bn_W, decay, T['block5_expand_bn_W'])
-        # free d_block5_expand_bn_weight, d_block5_expand_bn_W
-        del d_block5_expand_bn_weight, d_block5_expand_bn_W
-        mem.free(536)
+        # free block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
+        del block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
+        mem.free(66)
         # block5_expand_bn_W_new = block5_expand_bn_W - lr*V_block5_expand_bn_W_new
         block5_expand_bn_W_new = T['block5_expand_bn_W']  # in place: the new block5_expand_bn_W
         rt.ew(ew_mul_sub, block5_expand_bn_W_new, T['block5_expand_bn_W'], lr, V_block5_expand_bn_W_new)
@@ -7014,38 +7254,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block5_expand_W_new, T['block5_expand_W'], lr, V_block5_expand_W_new)
 
         # ---- block4_project_bn (batch norm), backward ----
-        # d_block4_project_bn_inv_std = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered*block4_project_bn_weight)
-        d_block4_project_bn_inv_std = mem.tensor(542, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_project_bn_inv_std, d_block4_project_bn_2, block4_project_bn_centered, block4_project_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block4_project_bn_ew_sum = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered)
+        d_block4_project_bn_ew_sum = mem.tensor(542, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block4_project_bn_ew_sum, d_block4_project_bn_2, block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        # d_block4_project_bn_inv_std = block4_project_bn_weight*d_block4_project_bn_ew_sum
+        d_block4_project_bn_inv_std = mem.tensor(543, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_ew_sum)
         # d_block4_project_bn_sum_of_squares = -d_block4_project_bn_inv_std/(50176*(block4_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_project_bn_sum_of_squares = d_block4_project_bn_inv_std  # in place: over d_block4_project_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block4_project_bn_sum_of_squares, d_block4_project_bn_inv_std, block4_project_bn_batch_var)
         # free block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         del block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         mem.free(60)
-        # d_block4_project_bn_weight = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered*block4_project_bn_inv_std)
-        d_block4_project_bn_weight = mem.tensor(543, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_project_bn_weight, d_block4_project_bn_2, block4_project_bn_centered, block4_project_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block4_project_bn_centered = d_block4_project_bn_2*block4_project_bn_inv_std*block4_project_bn_weight + 2*d_block4_project_bn_sum_of_squares*block4_project_bn_centered
         d_block4_project_bn_centered = block4_project_bn_centered  # in place: over block4_project_bn_centered
         rt.ew(ew_mul_add_5, d_block4_project_bn_centered, d_block4_project_bn_2, block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_sum_of_squares, block4_project_bn_centered)
-        # free block4_project_bn_inv_std, d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
-        del block4_project_bn_inv_std, d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
-        mem.free(61, 542)
+        # free d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
+        del d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
+        mem.free(543)
         # d_block4_project_bn_bias = sum_to[1x32x1x1](d_block4_project_bn_2)
         d_block4_project_bn_bias = mem.tensor(544, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_block4_project_bn_2, out=d_block4_project_bn_bias, shape=(1, 32, 1, 1))
         # free d_block6_project_bn_add, d_block5_project_bn_add_2, d_block4_project_bn_2
         del d_block6_project_bn_add, d_block5_project_bn_add_2, d_block4_project_bn_2
         mem.free(500)
+        # d_block4_project_bn_weight = block4_project_bn_inv_std*d_block4_project_bn_ew_sum
+        d_block4_project_bn_weight = block4_project_bn_inv_std  # in place: over block4_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block4_project_bn_weight, block4_project_bn_inv_std, d_block4_project_bn_ew_sum)
+        # free d_block4_project_bn_ew_sum
+        del d_block4_project_bn_ew_sum
+        mem.free(542)
         # d_block4_project_bn_W = reshape[32](d_block4_project_bn_weight)
         d_block4_project_bn_W = rt.reshape(d_block4_project_bn_weight, shape=(32,))
         # V_block4_project_bn_W_new = V_block4_project_bn_W*momentum + d_block4_project_bn_W + decay*block4_project_bn_W
         V_block4_project_bn_W_new = T['V_block4_project_bn_W']  # in place: the new V_block4_project_bn_W
         rt.ew(ew_mul_add_4, V_block4_project_bn_W_new, T['V_block4_project_bn_W'], momentum, d_block4_project_bn_W, decay, T['block4_project_bn_W'])
-        # free d_block4_project_bn_weight, d_block4_project_bn_W
-        del d_block4_project_bn_weight, d_block4_project_bn_W
-        mem.free(543)
+        # free block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
+        del block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
+        mem.free(61)
         # block4_project_bn_W_new = block4_project_bn_W - lr*V_block4_project_bn_W_new
         block4_project_bn_W_new = T['block4_project_bn_W']  # in place: the new block4_project_bn_W
         rt.ew(ew_mul_sub, block4_project_bn_W_new, T['block4_project_bn_W'], lr, V_block4_project_bn_W_new)
@@ -7111,38 +7357,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block4_project_W_new, T['block4_project_W'], lr, V_block4_project_W_new)
 
         # ---- block4_dw_bn (batch norm), backward ----
-        # d_block4_dw_bn_inv_std = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered*block4_dw_bn_weight)
-        d_block4_dw_bn_inv_std = mem.tensor(549, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_dw_bn_inv_std, d_block4_dw_bn, block4_dw_bn_centered, block4_dw_bn_weight, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block4_dw_bn_ew_sum = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered)
+        d_block4_dw_bn_ew_sum = mem.tensor(549, (1, 144, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block4_dw_bn_ew_sum, d_block4_dw_bn, block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block4_dw_bn_inv_std = block4_dw_bn_weight*d_block4_dw_bn_ew_sum
+        d_block4_dw_bn_inv_std = mem.tensor(550, (1, 144, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_ew_sum)
         # d_block4_dw_bn_sum_of_squares = -d_block4_dw_bn_inv_std/(50176*(block4_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_dw_bn_sum_of_squares = d_block4_dw_bn_inv_std  # in place: over d_block4_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_block4_dw_bn_sum_of_squares, d_block4_dw_bn_inv_std, block4_dw_bn_batch_var)
         # free block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         del block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         mem.free(55)
-        # d_block4_dw_bn_weight = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered*block4_dw_bn_inv_std)
-        d_block4_dw_bn_weight = mem.tensor(550, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_dw_bn_weight, d_block4_dw_bn, block4_dw_bn_centered, block4_dw_bn_inv_std, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block4_dw_bn_centered = d_block4_dw_bn*block4_dw_bn_inv_std*block4_dw_bn_weight + 2*d_block4_dw_bn_sum_of_squares*block4_dw_bn_centered
         d_block4_dw_bn_centered = block4_dw_bn_centered  # in place: over block4_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block4_dw_bn_centered, d_block4_dw_bn, block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_sum_of_squares, block4_dw_bn_centered)
-        # free block4_dw_bn_inv_std, d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
-        del block4_dw_bn_inv_std, d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
-        mem.free(56, 549)
+        # free d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
+        del d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
+        mem.free(550)
         # d_block4_dw_bn_bias = sum_to[1x144x1x1](d_block4_dw_bn)
         d_block4_dw_bn_bias = mem.tensor(551, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block4_dw_bn, out=d_block4_dw_bn_bias, shape=(1, 144, 1, 1))
         # free d_block4_dw_bn_clipped_relu, d_block4_dw_bn
         del d_block4_dw_bn_clipped_relu, d_block4_dw_bn
         mem.free(548)
+        # d_block4_dw_bn_weight = block4_dw_bn_inv_std*d_block4_dw_bn_ew_sum
+        d_block4_dw_bn_weight = block4_dw_bn_inv_std  # in place: over block4_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block4_dw_bn_weight, block4_dw_bn_inv_std, d_block4_dw_bn_ew_sum)
+        # free d_block4_dw_bn_ew_sum
+        del d_block4_dw_bn_ew_sum
+        mem.free(549)
         # d_block4_dw_bn_W = reshape[144](d_block4_dw_bn_weight)
         d_block4_dw_bn_W = rt.reshape(d_block4_dw_bn_weight, shape=(144,))
         # V_block4_dw_bn_W_new = V_block4_dw_bn_W*momentum + d_block4_dw_bn_W + decay*block4_dw_bn_W
         V_block4_dw_bn_W_new = T['V_block4_dw_bn_W']  # in place: the new V_block4_dw_bn_W
         rt.ew(ew_mul_add_4, V_block4_dw_bn_W_new, T['V_block4_dw_bn_W'], momentum, d_block4_dw_bn_W, decay, T['block4_dw_bn_W'])
-        # free d_block4_dw_bn_weight, d_block4_dw_bn_W
-        del d_block4_dw_bn_weight, d_block4_dw_bn_W
-        mem.free(550)
+        # free block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
+        del block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
+        mem.free(56)
         # block4_dw_bn_W_new = block4_dw_bn_W - lr*V_block4_dw_bn_W_new
         block4_dw_bn_W_new = T['block4_dw_bn_W']  # in place: the new block4_dw_bn_W
         rt.ew(ew_mul_sub, block4_dw_bn_W_new, T['block4_dw_bn_W'], lr, V_block4_dw_bn_W_new)
@@ -7208,38 +7460,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block4_dw_W_new, T['block4_dw_W'], lr, V_block4_dw_W_new)
 
         # ---- block4_expand_bn (batch norm), backward ----
-        # d_block4_expand_bn_inv_std = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered*block4_expand_bn_weight)
-        d_block4_expand_bn_inv_std = mem.tensor(556, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_expand_bn_inv_std, d_block4_expand_bn, block4_expand_bn_centered, block4_expand_bn_weight, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block4_expand_bn_ew_sum = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered)
+        d_block4_expand_bn_ew_sum = mem.tensor(556, (1, 144, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block4_expand_bn_ew_sum, d_block4_expand_bn, block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block4_expand_bn_inv_std = block4_expand_bn_weight*d_block4_expand_bn_ew_sum
+        d_block4_expand_bn_inv_std = mem.tensor(557, (1, 144, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_ew_sum)
         # d_block4_expand_bn_sum_of_squares = -d_block4_expand_bn_inv_std/(200704*(block4_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_expand_bn_sum_of_squares = d_block4_expand_bn_inv_std  # in place: over d_block4_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block4_expand_bn_sum_of_squares, d_block4_expand_bn_inv_std, block4_expand_bn_batch_var)
         # free block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         del block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         mem.free(50)
-        # d_block4_expand_bn_weight = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered*block4_expand_bn_inv_std)
-        d_block4_expand_bn_weight = mem.tensor(557, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_expand_bn_weight, d_block4_expand_bn, block4_expand_bn_centered, block4_expand_bn_inv_std, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block4_expand_bn_centered = d_block4_expand_bn*block4_expand_bn_inv_std*block4_expand_bn_weight + 2*d_block4_expand_bn_sum_of_squares*block4_expand_bn_centered
         d_block4_expand_bn_centered = block4_expand_bn_centered  # in place: over block4_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block4_expand_bn_centered, d_block4_expand_bn, block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_sum_of_squares, block4_expand_bn_centered)
-        # free block4_expand_bn_inv_std, d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
-        del block4_expand_bn_inv_std, d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
-        mem.free(51, 556)
+        # free d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
+        del d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
+        mem.free(557)
         # d_block4_expand_bn_bias = sum_to[1x144x1x1](d_block4_expand_bn)
         d_block4_expand_bn_bias = mem.tensor(558, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block4_expand_bn, out=d_block4_expand_bn_bias, shape=(1, 144, 1, 1))
         # free d_block4_expand_bn_clipped_relu, d_block4_expand_bn
         del d_block4_expand_bn_clipped_relu, d_block4_expand_bn
         mem.free(555)
+        # d_block4_expand_bn_weight = block4_expand_bn_inv_std*d_block4_expand_bn_ew_sum
+        d_block4_expand_bn_weight = block4_expand_bn_inv_std  # in place: over block4_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block4_expand_bn_weight, block4_expand_bn_inv_std, d_block4_expand_bn_ew_sum)
+        # free d_block4_expand_bn_ew_sum
+        del d_block4_expand_bn_ew_sum
+        mem.free(556)
         # d_block4_expand_bn_W = reshape[144](d_block4_expand_bn_weight)
         d_block4_expand_bn_W = rt.reshape(d_block4_expand_bn_weight, shape=(144,))
         # V_block4_expand_bn_W_new = V_block4_expand_bn_W*momentum + d_block4_expand_bn_W + decay*block4_expand_bn_W
         V_block4_expand_bn_W_new = T['V_block4_expand_bn_W']  # in place: the new V_block4_expand_bn_W
         rt.ew(ew_mul_add_4, V_block4_expand_bn_W_new, T['V_block4_expand_bn_W'], momentum, d_block4_expand_bn_W, decay, T['block4_expand_bn_W'])
-        # free d_block4_expand_bn_weight, d_block4_expand_bn_W
-        del d_block4_expand_bn_weight, d_block4_expand_bn_W
-        mem.free(557)
+        # free block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
+        del block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
+        mem.free(51)
         # block4_expand_bn_W_new = block4_expand_bn_W - lr*V_block4_expand_bn_W_new
         block4_expand_bn_W_new = T['block4_expand_bn_W']  # in place: the new block4_expand_bn_W
         rt.ew(ew_mul_sub, block4_expand_bn_W_new, T['block4_expand_bn_W'], lr, V_block4_expand_bn_W_new)
@@ -7291,32 +7549,38 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block4_expand_W_new, T['block4_expand_W'], lr, V_block4_expand_W_new)
 
         # ---- block3_project_bn (batch norm), backward ----
-        # d_block3_project_bn_inv_std = sum_to[1x24x1x1](d_block3_project_bn_add*block3_project_bn_centered*block3_project_bn_weight)
-        d_block3_project_bn_inv_std = mem.tensor(562, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_project_bn_inv_std, d_block3_project_bn_add, block3_project_bn_centered, block3_project_bn_weight, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
+        # d_block3_project_bn_ew_sum = sum_to[1x24x1x1](d_block3_project_bn_add*block3_project_bn_centered)
+        d_block3_project_bn_ew_sum = mem.tensor(562, (1, 24, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block3_project_bn_ew_sum, d_block3_project_bn_add, block3_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
+        # d_block3_project_bn_inv_std = block3_project_bn_weight*d_block3_project_bn_ew_sum
+        d_block3_project_bn_inv_std = mem.tensor(563, (1, 24, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_ew_sum)
         # d_block3_project_bn_sum_of_squares = -d_block3_project_bn_inv_std/(200704*(block3_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_project_bn_sum_of_squares = d_block3_project_bn_inv_std  # in place: over d_block3_project_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block3_project_bn_sum_of_squares, d_block3_project_bn_inv_std, block3_project_bn_batch_var)
         # free block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         del block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         mem.free(46)
-        # d_block3_project_bn_weight = sum_to[1x24x1x1](d_block3_project_bn_add*block3_project_bn_centered*block3_project_bn_inv_std)
-        d_block3_project_bn_weight = mem.tensor(563, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_project_bn_weight, d_block3_project_bn_add, block3_project_bn_centered, block3_project_bn_inv_std, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # d_block3_project_bn_centered = d_block3_project_bn_add*block3_project_bn_inv_std*block3_project_bn_weight + 2*d_block3_project_bn_sum_of_squares*block3_project_bn_centered
         d_block3_project_bn_centered = block3_project_bn_centered  # in place: over block3_project_bn_centered
         rt.ew(ew_mul_add_5, d_block3_project_bn_centered, d_block3_project_bn_add, block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_sum_of_squares, block3_project_bn_centered)
-        # free block3_project_bn_inv_std, d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
-        del block3_project_bn_inv_std, d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
-        mem.free(47, 562)
+        # free d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
+        del d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
+        mem.free(563)
+        # d_block3_project_bn_weight = block3_project_bn_inv_std*d_block3_project_bn_ew_sum
+        d_block3_project_bn_weight = block3_project_bn_inv_std  # in place: over block3_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block3_project_bn_weight, block3_project_bn_inv_std, d_block3_project_bn_ew_sum)
+        # free d_block3_project_bn_ew_sum
+        del d_block3_project_bn_ew_sum
+        mem.free(562)
         # d_block3_project_bn_W = reshape[24](d_block3_project_bn_weight)
         d_block3_project_bn_W = rt.reshape(d_block3_project_bn_weight, shape=(24,))
         # V_block3_project_bn_W_new = V_block3_project_bn_W*momentum + d_block3_project_bn_W + decay*block3_project_bn_W
         V_block3_project_bn_W_new = T['V_block3_project_bn_W']  # in place: the new V_block3_project_bn_W
         rt.ew(ew_mul_add_4, V_block3_project_bn_W_new, T['V_block3_project_bn_W'], momentum, d_block3_project_bn_W, decay, T['block3_project_bn_W'])
-        # free d_block3_project_bn_weight, d_block3_project_bn_W
-        del d_block3_project_bn_weight, d_block3_project_bn_W
-        mem.free(563)
+        # free block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
+        del block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
+        mem.free(47)
         # block3_project_bn_W_new = block3_project_bn_W - lr*V_block3_project_bn_W_new
         block3_project_bn_W_new = T['block3_project_bn_W']  # in place: the new block3_project_bn_W
         rt.ew(ew_mul_sub, block3_project_bn_W_new, T['block3_project_bn_W'], lr, V_block3_project_bn_W_new)
@@ -7387,38 +7651,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block3_project_W_new, T['block3_project_W'], lr, V_block3_project_W_new)
 
         # ---- block3_dw_bn (batch norm), backward ----
-        # d_block3_dw_bn_inv_std = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered*block3_dw_bn_weight)
-        d_block3_dw_bn_inv_std = mem.tensor(569, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_dw_bn_inv_std, d_block3_dw_bn, block3_dw_bn_centered, block3_dw_bn_weight, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block3_dw_bn_ew_sum = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered)
+        d_block3_dw_bn_ew_sum = mem.tensor(569, (1, 144, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block3_dw_bn_ew_sum, d_block3_dw_bn, block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block3_dw_bn_inv_std = block3_dw_bn_weight*d_block3_dw_bn_ew_sum
+        d_block3_dw_bn_inv_std = mem.tensor(570, (1, 144, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_ew_sum)
         # d_block3_dw_bn_sum_of_squares = -d_block3_dw_bn_inv_std/(200704*(block3_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_dw_bn_sum_of_squares = d_block3_dw_bn_inv_std  # in place: over d_block3_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block3_dw_bn_sum_of_squares, d_block3_dw_bn_inv_std, block3_dw_bn_batch_var)
         # free block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         del block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         mem.free(41)
-        # d_block3_dw_bn_weight = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered*block3_dw_bn_inv_std)
-        d_block3_dw_bn_weight = mem.tensor(570, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_dw_bn_weight, d_block3_dw_bn, block3_dw_bn_centered, block3_dw_bn_inv_std, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block3_dw_bn_centered = d_block3_dw_bn*block3_dw_bn_inv_std*block3_dw_bn_weight + 2*d_block3_dw_bn_sum_of_squares*block3_dw_bn_centered
         d_block3_dw_bn_centered = block3_dw_bn_centered  # in place: over block3_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block3_dw_bn_centered, d_block3_dw_bn, block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_sum_of_squares, block3_dw_bn_centered)
-        # free block3_dw_bn_inv_std, d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
-        del block3_dw_bn_inv_std, d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
-        mem.free(42, 569)
+        # free d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
+        del d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
+        mem.free(570)
         # d_block3_dw_bn_bias = sum_to[1x144x1x1](d_block3_dw_bn)
         d_block3_dw_bn_bias = mem.tensor(571, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block3_dw_bn, out=d_block3_dw_bn_bias, shape=(1, 144, 1, 1))
         # free d_block3_dw_bn_clipped_relu, d_block3_dw_bn
         del d_block3_dw_bn_clipped_relu, d_block3_dw_bn
         mem.free(568)
+        # d_block3_dw_bn_weight = block3_dw_bn_inv_std*d_block3_dw_bn_ew_sum
+        d_block3_dw_bn_weight = block3_dw_bn_inv_std  # in place: over block3_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block3_dw_bn_weight, block3_dw_bn_inv_std, d_block3_dw_bn_ew_sum)
+        # free d_block3_dw_bn_ew_sum
+        del d_block3_dw_bn_ew_sum
+        mem.free(569)
         # d_block3_dw_bn_W = reshape[144](d_block3_dw_bn_weight)
         d_block3_dw_bn_W = rt.reshape(d_block3_dw_bn_weight, shape=(144,))
         # V_block3_dw_bn_W_new = V_block3_dw_bn_W*momentum + d_block3_dw_bn_W + decay*block3_dw_bn_W
         V_block3_dw_bn_W_new = T['V_block3_dw_bn_W']  # in place: the new V_block3_dw_bn_W
         rt.ew(ew_mul_add_4, V_block3_dw_bn_W_new, T['V_block3_dw_bn_W'], momentum, d_block3_dw_bn_W, decay, T['block3_dw_bn_W'])
-        # free d_block3_dw_bn_weight, d_block3_dw_bn_W
-        del d_block3_dw_bn_weight, d_block3_dw_bn_W
-        mem.free(570)
+        # free block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
+        del block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
+        mem.free(42)
         # block3_dw_bn_W_new = block3_dw_bn_W - lr*V_block3_dw_bn_W_new
         block3_dw_bn_W_new = T['block3_dw_bn_W']  # in place: the new block3_dw_bn_W
         rt.ew(ew_mul_sub, block3_dw_bn_W_new, T['block3_dw_bn_W'], lr, V_block3_dw_bn_W_new)
@@ -7484,38 +7754,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block3_dw_W_new, T['block3_dw_W'], lr, V_block3_dw_W_new)
 
         # ---- block3_expand_bn (batch norm), backward ----
-        # d_block3_expand_bn_inv_std = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered*block3_expand_bn_weight)
-        d_block3_expand_bn_inv_std = mem.tensor(576, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_expand_bn_inv_std, d_block3_expand_bn, block3_expand_bn_centered, block3_expand_bn_weight, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block3_expand_bn_ew_sum = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered)
+        d_block3_expand_bn_ew_sum = mem.tensor(576, (1, 144, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block3_expand_bn_ew_sum, d_block3_expand_bn, block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        # d_block3_expand_bn_inv_std = block3_expand_bn_weight*d_block3_expand_bn_ew_sum
+        d_block3_expand_bn_inv_std = mem.tensor(577, (1, 144, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_ew_sum)
         # d_block3_expand_bn_sum_of_squares = -d_block3_expand_bn_inv_std/(200704*(block3_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_expand_bn_sum_of_squares = d_block3_expand_bn_inv_std  # in place: over d_block3_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block3_expand_bn_sum_of_squares, d_block3_expand_bn_inv_std, block3_expand_bn_batch_var)
         # free block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         del block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         mem.free(36)
-        # d_block3_expand_bn_weight = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered*block3_expand_bn_inv_std)
-        d_block3_expand_bn_weight = mem.tensor(577, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_expand_bn_weight, d_block3_expand_bn, block3_expand_bn_centered, block3_expand_bn_inv_std, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block3_expand_bn_centered = d_block3_expand_bn*block3_expand_bn_inv_std*block3_expand_bn_weight + 2*d_block3_expand_bn_sum_of_squares*block3_expand_bn_centered
         d_block3_expand_bn_centered = block3_expand_bn_centered  # in place: over block3_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block3_expand_bn_centered, d_block3_expand_bn, block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_sum_of_squares, block3_expand_bn_centered)
-        # free block3_expand_bn_inv_std, d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
-        del block3_expand_bn_inv_std, d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
-        mem.free(37, 576)
+        # free d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
+        del d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
+        mem.free(577)
         # d_block3_expand_bn_bias = sum_to[1x144x1x1](d_block3_expand_bn)
         d_block3_expand_bn_bias = mem.tensor(578, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block3_expand_bn, out=d_block3_expand_bn_bias, shape=(1, 144, 1, 1))
         # free d_block3_expand_bn_clipped_relu, d_block3_expand_bn
         del d_block3_expand_bn_clipped_relu, d_block3_expand_bn
         mem.free(575)
+        # d_block3_expand_bn_weight = block3_expand_bn_inv_std*d_block3_expand_bn_ew_sum
+        d_block3_expand_bn_weight = block3_expand_bn_inv_std  # in place: over block3_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block3_expand_bn_weight, block3_expand_bn_inv_std, d_block3_expand_bn_ew_sum)
+        # free d_block3_expand_bn_ew_sum
+        del d_block3_expand_bn_ew_sum
+        mem.free(576)
         # d_block3_expand_bn_W = reshape[144](d_block3_expand_bn_weight)
         d_block3_expand_bn_W = rt.reshape(d_block3_expand_bn_weight, shape=(144,))
         # V_block3_expand_bn_W_new = V_block3_expand_bn_W*momentum + d_block3_expand_bn_W + decay*block3_expand_bn_W
         V_block3_expand_bn_W_new = T['V_block3_expand_bn_W']  # in place: the new V_block3_expand_bn_W
         rt.ew(ew_mul_add_4, V_block3_expand_bn_W_new, T['V_block3_expand_bn_W'], momentum, d_block3_expand_bn_W, decay, T['block3_expand_bn_W'])
-        # free d_block3_expand_bn_weight, d_block3_expand_bn_W
-        del d_block3_expand_bn_weight, d_block3_expand_bn_W
-        mem.free(577)
+        # free block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
+        del block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
+        mem.free(37)
         # block3_expand_bn_W_new = block3_expand_bn_W - lr*V_block3_expand_bn_W_new
         block3_expand_bn_W_new = T['block3_expand_bn_W']  # in place: the new block3_expand_bn_W
         rt.ew(ew_mul_sub, block3_expand_bn_W_new, T['block3_expand_bn_W'], lr, V_block3_expand_bn_W_new)
@@ -7584,38 +7860,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block3_expand_W_new, T['block3_expand_W'], lr, V_block3_expand_W_new)
 
         # ---- block2_project_bn (batch norm), backward ----
-        # d_block2_project_bn_inv_std = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered*block2_project_bn_weight)
-        d_block2_project_bn_inv_std = mem.tensor(583, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_project_bn_inv_std, d_block2_project_bn_2, block2_project_bn_centered, block2_project_bn_weight, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
+        # d_block2_project_bn_ew_sum = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered)
+        d_block2_project_bn_ew_sum = mem.tensor(583, (1, 24, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block2_project_bn_ew_sum, d_block2_project_bn_2, block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
+        # d_block2_project_bn_inv_std = block2_project_bn_weight*d_block2_project_bn_ew_sum
+        d_block2_project_bn_inv_std = mem.tensor(584, (1, 24, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_ew_sum)
         # d_block2_project_bn_sum_of_squares = -d_block2_project_bn_inv_std/(200704*(block2_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_project_bn_sum_of_squares = d_block2_project_bn_inv_std  # in place: over d_block2_project_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block2_project_bn_sum_of_squares, d_block2_project_bn_inv_std, block2_project_bn_batch_var)
         # free block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         del block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         mem.free(31)
-        # d_block2_project_bn_weight = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered*block2_project_bn_inv_std)
-        d_block2_project_bn_weight = mem.tensor(584, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_project_bn_weight, d_block2_project_bn_2, block2_project_bn_centered, block2_project_bn_inv_std, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # d_block2_project_bn_centered = d_block2_project_bn_2*block2_project_bn_inv_std*block2_project_bn_weight + 2*d_block2_project_bn_sum_of_squares*block2_project_bn_centered
         d_block2_project_bn_centered = block2_project_bn_centered  # in place: over block2_project_bn_centered
         rt.ew(ew_mul_add_5, d_block2_project_bn_centered, d_block2_project_bn_2, block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_sum_of_squares, block2_project_bn_centered)
-        # free block2_project_bn_inv_std, d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
-        del block2_project_bn_inv_std, d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
-        mem.free(32, 583)
+        # free d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
+        del d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
+        mem.free(584)
         # d_block2_project_bn_bias = sum_to[1x24x1x1](d_block2_project_bn_2)
         d_block2_project_bn_bias = mem.tensor(585, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_block2_project_bn_2, out=d_block2_project_bn_bias, shape=(1, 24, 1, 1))
         # free d_block3_project_bn_add, d_block2_project_bn_2
         del d_block3_project_bn_add, d_block2_project_bn_2
         mem.free(561)
+        # d_block2_project_bn_weight = block2_project_bn_inv_std*d_block2_project_bn_ew_sum
+        d_block2_project_bn_weight = block2_project_bn_inv_std  # in place: over block2_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block2_project_bn_weight, block2_project_bn_inv_std, d_block2_project_bn_ew_sum)
+        # free d_block2_project_bn_ew_sum
+        del d_block2_project_bn_ew_sum
+        mem.free(583)
         # d_block2_project_bn_W = reshape[24](d_block2_project_bn_weight)
         d_block2_project_bn_W = rt.reshape(d_block2_project_bn_weight, shape=(24,))
         # V_block2_project_bn_W_new = V_block2_project_bn_W*momentum + d_block2_project_bn_W + decay*block2_project_bn_W
         V_block2_project_bn_W_new = T['V_block2_project_bn_W']  # in place: the new V_block2_project_bn_W
         rt.ew(ew_mul_add_4, V_block2_project_bn_W_new, T['V_block2_project_bn_W'], momentum, d_block2_project_bn_W, decay, T['block2_project_bn_W'])
-        # free d_block2_project_bn_weight, d_block2_project_bn_W
-        del d_block2_project_bn_weight, d_block2_project_bn_W
-        mem.free(584)
+        # free block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
+        del block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
+        mem.free(32)
         # block2_project_bn_W_new = block2_project_bn_W - lr*V_block2_project_bn_W_new
         block2_project_bn_W_new = T['block2_project_bn_W']  # in place: the new block2_project_bn_W
         rt.ew(ew_mul_sub, block2_project_bn_W_new, T['block2_project_bn_W'], lr, V_block2_project_bn_W_new)
@@ -7681,38 +7963,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block2_project_W_new, T['block2_project_W'], lr, V_block2_project_W_new)
 
         # ---- block2_dw_bn (batch norm), backward ----
-        # d_block2_dw_bn_inv_std = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered*block2_dw_bn_weight)
-        d_block2_dw_bn_inv_std = mem.tensor(590, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_dw_bn_inv_std, d_block2_dw_bn, block2_dw_bn_centered, block2_dw_bn_weight, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
+        # d_block2_dw_bn_ew_sum = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered)
+        d_block2_dw_bn_ew_sum = mem.tensor(590, (1, 96, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block2_dw_bn_ew_sum, d_block2_dw_bn, block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
+        # d_block2_dw_bn_inv_std = block2_dw_bn_weight*d_block2_dw_bn_ew_sum
+        d_block2_dw_bn_inv_std = mem.tensor(591, (1, 96, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_ew_sum)
         # d_block2_dw_bn_sum_of_squares = -d_block2_dw_bn_inv_std/(200704*(block2_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_dw_bn_sum_of_squares = d_block2_dw_bn_inv_std  # in place: over d_block2_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_4, d_block2_dw_bn_sum_of_squares, d_block2_dw_bn_inv_std, block2_dw_bn_batch_var)
         # free block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         del block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         mem.free(26)
-        # d_block2_dw_bn_weight = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered*block2_dw_bn_inv_std)
-        d_block2_dw_bn_weight = mem.tensor(591, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_dw_bn_weight, d_block2_dw_bn, block2_dw_bn_centered, block2_dw_bn_inv_std, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # d_block2_dw_bn_centered = d_block2_dw_bn*block2_dw_bn_inv_std*block2_dw_bn_weight + 2*d_block2_dw_bn_sum_of_squares*block2_dw_bn_centered
         d_block2_dw_bn_centered = block2_dw_bn_centered  # in place: over block2_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block2_dw_bn_centered, d_block2_dw_bn, block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_sum_of_squares, block2_dw_bn_centered)
-        # free block2_dw_bn_inv_std, d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
-        del block2_dw_bn_inv_std, d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
-        mem.free(27, 590)
+        # free d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
+        del d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
+        mem.free(591)
         # d_block2_dw_bn_bias = sum_to[1x96x1x1](d_block2_dw_bn)
         d_block2_dw_bn_bias = mem.tensor(592, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block2_dw_bn, out=d_block2_dw_bn_bias, shape=(1, 96, 1, 1))
         # free d_block2_dw_bn_clipped_relu, d_block2_dw_bn
         del d_block2_dw_bn_clipped_relu, d_block2_dw_bn
         mem.free(589)
+        # d_block2_dw_bn_weight = block2_dw_bn_inv_std*d_block2_dw_bn_ew_sum
+        d_block2_dw_bn_weight = block2_dw_bn_inv_std  # in place: over block2_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block2_dw_bn_weight, block2_dw_bn_inv_std, d_block2_dw_bn_ew_sum)
+        # free d_block2_dw_bn_ew_sum
+        del d_block2_dw_bn_ew_sum
+        mem.free(590)
         # d_block2_dw_bn_W = reshape[96](d_block2_dw_bn_weight)
         d_block2_dw_bn_W = rt.reshape(d_block2_dw_bn_weight, shape=(96,))
         # V_block2_dw_bn_W_new = V_block2_dw_bn_W*momentum + d_block2_dw_bn_W + decay*block2_dw_bn_W
         V_block2_dw_bn_W_new = T['V_block2_dw_bn_W']  # in place: the new V_block2_dw_bn_W
         rt.ew(ew_mul_add_4, V_block2_dw_bn_W_new, T['V_block2_dw_bn_W'], momentum, d_block2_dw_bn_W, decay, T['block2_dw_bn_W'])
-        # free d_block2_dw_bn_weight, d_block2_dw_bn_W
-        del d_block2_dw_bn_weight, d_block2_dw_bn_W
-        mem.free(591)
+        # free block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
+        del block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
+        mem.free(27)
         # block2_dw_bn_W_new = block2_dw_bn_W - lr*V_block2_dw_bn_W_new
         block2_dw_bn_W_new = T['block2_dw_bn_W']  # in place: the new block2_dw_bn_W
         rt.ew(ew_mul_sub, block2_dw_bn_W_new, T['block2_dw_bn_W'], lr, V_block2_dw_bn_W_new)
@@ -7778,38 +8066,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block2_dw_W_new, T['block2_dw_W'], lr, V_block2_dw_W_new)
 
         # ---- block2_expand_bn (batch norm), backward ----
-        # d_block2_expand_bn_inv_std = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered*block2_expand_bn_weight)
-        d_block2_expand_bn_inv_std = mem.tensor(597, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_expand_bn_inv_std, d_block2_expand_bn, block2_expand_bn_centered, block2_expand_bn_weight, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
+        # d_block2_expand_bn_ew_sum = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered)
+        d_block2_expand_bn_ew_sum = mem.tensor(597, (1, 96, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block2_expand_bn_ew_sum, d_block2_expand_bn, block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
+        # d_block2_expand_bn_inv_std = block2_expand_bn_weight*d_block2_expand_bn_ew_sum
+        d_block2_expand_bn_inv_std = mem.tensor(598, (1, 96, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_ew_sum)
         # d_block2_expand_bn_sum_of_squares = -d_block2_expand_bn_inv_std/(802816*(block2_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_expand_bn_sum_of_squares = d_block2_expand_bn_inv_std  # in place: over d_block2_expand_bn_inv_std
         rt.ew(ew_add_pow_mul_5, d_block2_expand_bn_sum_of_squares, d_block2_expand_bn_inv_std, block2_expand_bn_batch_var)
         # free block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         del block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         mem.free(21)
-        # d_block2_expand_bn_weight = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered*block2_expand_bn_inv_std)
-        d_block2_expand_bn_weight = mem.tensor(598, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_expand_bn_weight, d_block2_expand_bn, block2_expand_bn_centered, block2_expand_bn_inv_std, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # d_block2_expand_bn_centered = d_block2_expand_bn*block2_expand_bn_inv_std*block2_expand_bn_weight + 2*d_block2_expand_bn_sum_of_squares*block2_expand_bn_centered
         d_block2_expand_bn_centered = block2_expand_bn_centered  # in place: over block2_expand_bn_centered
         rt.ew(ew_mul_add_5, d_block2_expand_bn_centered, d_block2_expand_bn, block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_sum_of_squares, block2_expand_bn_centered)
-        # free block2_expand_bn_inv_std, d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
-        del block2_expand_bn_inv_std, d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
-        mem.free(22, 597)
+        # free d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
+        del d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
+        mem.free(598)
         # d_block2_expand_bn_bias = sum_to[1x96x1x1](d_block2_expand_bn)
         d_block2_expand_bn_bias = mem.tensor(599, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block2_expand_bn, out=d_block2_expand_bn_bias, shape=(1, 96, 1, 1))
         # free d_block2_expand_bn_clipped_relu, d_block2_expand_bn
         del d_block2_expand_bn_clipped_relu, d_block2_expand_bn
         mem.free(596)
+        # d_block2_expand_bn_weight = block2_expand_bn_inv_std*d_block2_expand_bn_ew_sum
+        d_block2_expand_bn_weight = block2_expand_bn_inv_std  # in place: over block2_expand_bn_inv_std
+        rt.ew(ew_mul_3, d_block2_expand_bn_weight, block2_expand_bn_inv_std, d_block2_expand_bn_ew_sum)
+        # free d_block2_expand_bn_ew_sum
+        del d_block2_expand_bn_ew_sum
+        mem.free(597)
         # d_block2_expand_bn_W = reshape[96](d_block2_expand_bn_weight)
         d_block2_expand_bn_W = rt.reshape(d_block2_expand_bn_weight, shape=(96,))
         # V_block2_expand_bn_W_new = V_block2_expand_bn_W*momentum + d_block2_expand_bn_W + decay*block2_expand_bn_W
         V_block2_expand_bn_W_new = T['V_block2_expand_bn_W']  # in place: the new V_block2_expand_bn_W
         rt.ew(ew_mul_add_4, V_block2_expand_bn_W_new, T['V_block2_expand_bn_W'], momentum, d_block2_expand_bn_W, decay, T['block2_expand_bn_W'])
-        # free d_block2_expand_bn_weight, d_block2_expand_bn_W
-        del d_block2_expand_bn_weight, d_block2_expand_bn_W
-        mem.free(598)
+        # free block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
+        del block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
+        mem.free(22)
         # block2_expand_bn_W_new = block2_expand_bn_W - lr*V_block2_expand_bn_W_new
         block2_expand_bn_W_new = T['block2_expand_bn_W']  # in place: the new block2_expand_bn_W
         rt.ew(ew_mul_sub, block2_expand_bn_W_new, T['block2_expand_bn_W'], lr, V_block2_expand_bn_W_new)
@@ -7868,38 +8162,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block2_expand_W_new, T['block2_expand_W'], lr, V_block2_expand_W_new)
 
         # ---- block1_project_bn (batch norm), backward ----
-        # d_block1_project_bn_inv_std = sum_to[1x16x1x1](d_block1_project_bn*block1_project_bn_centered*block1_project_bn_weight)
-        d_block1_project_bn_inv_std = mem.tensor(604, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block1_project_bn_inv_std, d_block1_project_bn, block1_project_bn_centered, block1_project_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
+        # d_block1_project_bn_ew_sum = sum_to[1x16x1x1](d_block1_project_bn*block1_project_bn_centered)
+        d_block1_project_bn_ew_sum = mem.tensor(604, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block1_project_bn_ew_sum, d_block1_project_bn, block1_project_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
+        # d_block1_project_bn_inv_std = block1_project_bn_weight*d_block1_project_bn_ew_sum
+        d_block1_project_bn_inv_std = mem.tensor(605, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_ew_sum)
         # d_block1_project_bn_sum_of_squares = -d_block1_project_bn_inv_std/(802816*(block1_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block1_project_bn_sum_of_squares = d_block1_project_bn_inv_std  # in place: over d_block1_project_bn_inv_std
         rt.ew(ew_add_pow_mul_5, d_block1_project_bn_sum_of_squares, d_block1_project_bn_inv_std, block1_project_bn_batch_var)
         # free block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         del block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         mem.free(16)
-        # d_block1_project_bn_weight = sum_to[1x16x1x1](d_block1_project_bn*block1_project_bn_centered*block1_project_bn_inv_std)
-        d_block1_project_bn_weight = mem.tensor(605, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block1_project_bn_weight, d_block1_project_bn, block1_project_bn_centered, block1_project_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
         # d_block1_project_bn_centered = d_block1_project_bn*block1_project_bn_inv_std*block1_project_bn_weight + 2*d_block1_project_bn_sum_of_squares*block1_project_bn_centered
         d_block1_project_bn_centered = block1_project_bn_centered  # in place: over block1_project_bn_centered
         rt.ew(ew_mul_add_5, d_block1_project_bn_centered, d_block1_project_bn, block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_sum_of_squares, block1_project_bn_centered)
-        # free block1_project_bn_inv_std, d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
-        del block1_project_bn_inv_std, d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
-        mem.free(17, 604)
+        # free d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
+        del d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
+        mem.free(605)
         # d_block1_project_bn_bias = sum_to[1x16x1x1](d_block1_project_bn)
         d_block1_project_bn_bias = mem.tensor(606, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_block1_project_bn, out=d_block1_project_bn_bias, shape=(1, 16, 1, 1))
         # free d_block1_project_bn
         del d_block1_project_bn
         mem.free(603)
+        # d_block1_project_bn_weight = block1_project_bn_inv_std*d_block1_project_bn_ew_sum
+        d_block1_project_bn_weight = block1_project_bn_inv_std  # in place: over block1_project_bn_inv_std
+        rt.ew(ew_mul_3, d_block1_project_bn_weight, block1_project_bn_inv_std, d_block1_project_bn_ew_sum)
+        # free d_block1_project_bn_ew_sum
+        del d_block1_project_bn_ew_sum
+        mem.free(604)
         # d_block1_project_bn_W = reshape[16](d_block1_project_bn_weight)
         d_block1_project_bn_W = rt.reshape(d_block1_project_bn_weight, shape=(16,))
         # V_block1_project_bn_W_new = V_block1_project_bn_W*momentum + d_block1_project_bn_W + decay*block1_project_bn_W
         V_block1_project_bn_W_new = T['V_block1_project_bn_W']  # in place: the new V_block1_project_bn_W
         rt.ew(ew_mul_add_4, V_block1_project_bn_W_new, T['V_block1_project_bn_W'], momentum, d_block1_project_bn_W, decay, T['block1_project_bn_W'])
-        # free d_block1_project_bn_weight, d_block1_project_bn_W
-        del d_block1_project_bn_weight, d_block1_project_bn_W
-        mem.free(605)
+        # free block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
+        del block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
+        mem.free(17)
         # block1_project_bn_W_new = block1_project_bn_W - lr*V_block1_project_bn_W_new
         block1_project_bn_W_new = T['block1_project_bn_W']  # in place: the new block1_project_bn_W
         rt.ew(ew_mul_sub, block1_project_bn_W_new, T['block1_project_bn_W'], lr, V_block1_project_bn_W_new)
@@ -7965,38 +8265,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block1_project_W_new, T['block1_project_W'], lr, V_block1_project_W_new)
 
         # ---- block1_dw_bn (batch norm), backward ----
-        # d_block1_dw_bn_inv_std = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered*block1_dw_bn_weight)
-        d_block1_dw_bn_inv_std = mem.tensor(611, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block1_dw_bn_inv_std, d_block1_dw_bn, block1_dw_bn_centered, block1_dw_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        # d_block1_dw_bn_ew_sum = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered)
+        d_block1_dw_bn_ew_sum = mem.tensor(611, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_block1_dw_bn_ew_sum, d_block1_dw_bn, block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        # d_block1_dw_bn_inv_std = block1_dw_bn_weight*d_block1_dw_bn_ew_sum
+        d_block1_dw_bn_inv_std = mem.tensor(612, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_ew_sum)
         # d_block1_dw_bn_sum_of_squares = -d_block1_dw_bn_inv_std/(802816*(block1_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block1_dw_bn_sum_of_squares = d_block1_dw_bn_inv_std  # in place: over d_block1_dw_bn_inv_std
         rt.ew(ew_add_pow_mul_5, d_block1_dw_bn_sum_of_squares, d_block1_dw_bn_inv_std, block1_dw_bn_batch_var)
         # free block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         del block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         mem.free(11)
-        # d_block1_dw_bn_weight = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered*block1_dw_bn_inv_std)
-        d_block1_dw_bn_weight = mem.tensor(612, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block1_dw_bn_weight, d_block1_dw_bn, block1_dw_bn_centered, block1_dw_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # d_block1_dw_bn_centered = d_block1_dw_bn*block1_dw_bn_inv_std*block1_dw_bn_weight + 2*d_block1_dw_bn_sum_of_squares*block1_dw_bn_centered
         d_block1_dw_bn_centered = block1_dw_bn_centered  # in place: over block1_dw_bn_centered
         rt.ew(ew_mul_add_5, d_block1_dw_bn_centered, d_block1_dw_bn, block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_sum_of_squares, block1_dw_bn_centered)
-        # free block1_dw_bn_inv_std, d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
-        del block1_dw_bn_inv_std, d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
-        mem.free(12, 611)
+        # free d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
+        del d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
+        mem.free(612)
         # d_block1_dw_bn_bias = sum_to[1x32x1x1](d_block1_dw_bn)
         d_block1_dw_bn_bias = mem.tensor(613, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_block1_dw_bn, out=d_block1_dw_bn_bias, shape=(1, 32, 1, 1))
         # free d_block1_dw_bn_clipped_relu, d_block1_dw_bn
         del d_block1_dw_bn_clipped_relu, d_block1_dw_bn
         mem.free(610)
+        # d_block1_dw_bn_weight = block1_dw_bn_inv_std*d_block1_dw_bn_ew_sum
+        d_block1_dw_bn_weight = block1_dw_bn_inv_std  # in place: over block1_dw_bn_inv_std
+        rt.ew(ew_mul_3, d_block1_dw_bn_weight, block1_dw_bn_inv_std, d_block1_dw_bn_ew_sum)
+        # free d_block1_dw_bn_ew_sum
+        del d_block1_dw_bn_ew_sum
+        mem.free(611)
         # d_block1_dw_bn_W = reshape[32](d_block1_dw_bn_weight)
         d_block1_dw_bn_W = rt.reshape(d_block1_dw_bn_weight, shape=(32,))
         # V_block1_dw_bn_W_new = V_block1_dw_bn_W*momentum + d_block1_dw_bn_W + decay*block1_dw_bn_W
         V_block1_dw_bn_W_new = T['V_block1_dw_bn_W']  # in place: the new V_block1_dw_bn_W
         rt.ew(ew_mul_add_4, V_block1_dw_bn_W_new, T['V_block1_dw_bn_W'], momentum, d_block1_dw_bn_W, decay, T['block1_dw_bn_W'])
-        # free d_block1_dw_bn_weight, d_block1_dw_bn_W
-        del d_block1_dw_bn_weight, d_block1_dw_bn_W
-        mem.free(612)
+        # free block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
+        del block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
+        mem.free(12)
         # block1_dw_bn_W_new = block1_dw_bn_W - lr*V_block1_dw_bn_W_new
         block1_dw_bn_W_new = T['block1_dw_bn_W']  # in place: the new block1_dw_bn_W
         rt.ew(ew_mul_sub, block1_dw_bn_W_new, T['block1_dw_bn_W'], lr, V_block1_dw_bn_W_new)
@@ -8062,38 +8368,44 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block1_dw_W_new, T['block1_dw_W'], lr, V_block1_dw_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_inv_std = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_weight)
-        d_conv1_bn_inv_std = mem.tensor(618, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv1_bn_inv_std, d_conv1_bn, conv1_bn_centered, conv1_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        # d_conv1_bn_ew_sum = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(618, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul_2, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        d_conv1_bn_inv_std = mem.tensor(619, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul_2, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(802816*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
         rt.ew(ew_add_pow_mul_5, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(6)
-        # d_conv1_bn_weight = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std)
-        d_conv1_bn_weight = mem.tensor(619, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv1_bn_weight, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
         rt.ew(ew_mul_add_5, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
-        # free conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        del conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        mem.free(7, 618)
+        # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        mem.free(619)
         # d_conv1_bn_bias = sum_to[1x32x1x1](d_conv1_bn)
         d_conv1_bn_bias = mem.tensor(620, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 32, 1, 1))
         # free d_conv1_bn_clipped_relu, d_conv1_bn
         del d_conv1_bn_clipped_relu, d_conv1_bn
         mem.free(617)
+        # d_conv1_bn_weight = conv1_bn_inv_std*d_conv1_bn_ew_sum
+        d_conv1_bn_weight = conv1_bn_inv_std  # in place: over conv1_bn_inv_std
+        rt.ew(ew_mul_3, d_conv1_bn_weight, conv1_bn_inv_std, d_conv1_bn_ew_sum)
+        # free d_conv1_bn_ew_sum
+        del d_conv1_bn_ew_sum
+        mem.free(618)
         # d_conv1_bn_W = reshape[32](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(32,))
         # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
         rt.ew(ew_mul_add_4, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
-        # free d_conv1_bn_weight, d_conv1_bn_W
-        del d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(619)
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        mem.free(7)
         # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
         conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
         rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
@@ -9398,257 +9710,257 @@ class MobilenetV2(rp.Model):
                 (893534208, 128000),  # 3: d_fc_cross_entropy_log_softmax 32x1000 float32
                 (154140672, 51380224),  # 4: conv1 32x32x112x112 float32
                 (0, 128),  # 5: conv1_bn_sum 1x32x1x1 float32
-                (909698560, 128),  # 6: conv1_bn_sum_of_squares 1x32x1x1 float32
-                (909698816, 128),  # 7: conv1_bn_inv_std 1x32x1x1 float32
+                (909698816, 128),  # 6: conv1_bn_sum_of_squares 1x32x1x1 float32
+                (909698560, 128),  # 7: conv1_bn_inv_std 1x32x1x1 float32
                 (0, 51380224),  # 8: conv1_bn_clipped_relu 32x32x112x112 float32
                 (263323648, 51380224),  # 9: block1_dw 32x32x112x112 float32
                 (0, 128),  # 10: block1_dw_bn_sum 1x32x1x1 float32
-                (909699072, 128),  # 11: block1_dw_bn_sum_of_squares 1x32x1x1 float32
-                (909699328, 128),  # 12: block1_dw_bn_inv_std 1x32x1x1 float32
+                (909699328, 128),  # 11: block1_dw_bn_sum_of_squares 1x32x1x1 float32
+                (909699072, 128),  # 12: block1_dw_bn_inv_std 1x32x1x1 float32
                 (0, 51380224),  # 13: block1_dw_bn_clipped_relu 32x32x112x112 float32
                 (468844544, 25690112),  # 14: block1_project 32x16x112x112 float32
                 (0, 64),  # 15: block1_project_bn_sum 1x16x1x1 float32
-                (909699584, 64),  # 16: block1_project_bn_sum_of_squares 1x16x1x1 float32
-                (909699840, 64),  # 17: block1_project_bn_inv_std 1x16x1x1 float32
+                (909699840, 64),  # 16: block1_project_bn_sum_of_squares 1x16x1x1 float32
+                (909699584, 64),  # 17: block1_project_bn_inv_std 1x16x1x1 float32
                 (205520896, 25690112),  # 18: block1_project_bn 32x16x112x112 float32
                 (0, 154140672),  # 19: block2_expand 32x96x112x112 float32
                 (205520896, 384),  # 20: block2_expand_bn_sum 1x96x1x1 float32
-                (909681152, 384),  # 21: block2_expand_bn_sum_of_squares 1x96x1x1 float32
-                (909681664, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
+                (909681664, 384),  # 21: block2_expand_bn_sum_of_squares 1x96x1x1 float32
+                (909681152, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
                 (513802240, 154140672),  # 23: block2_expand_bn_clipped_relu 32x96x112x112 float32
                 (430309376, 38535168),  # 24: block2_dw 32x96x56x56 float32
                 (205520896, 384),  # 25: block2_dw_bn_sum 1x96x1x1 float32
-                (909682176, 384),  # 26: block2_dw_bn_sum_of_squares 1x96x1x1 float32
-                (909682688, 384),  # 27: block2_dw_bn_inv_std 1x96x1x1 float32
+                (909682688, 384),  # 26: block2_dw_bn_sum_of_squares 1x96x1x1 float32
+                (909682176, 384),  # 27: block2_dw_bn_inv_std 1x96x1x1 float32
                 (205520896, 38535168),  # 28: block2_dw_bn_clipped_relu 32x96x56x56 float32
                 (624590848, 9633792),  # 29: block2_project 32x24x56x56 float32
                 (205520896, 96),  # 30: block2_project_bn_sum 1x24x1x1 float32
-                (909700096, 96),  # 31: block2_project_bn_sum_of_squares 1x24x1x1 float32
-                (909700352, 96),  # 32: block2_project_bn_inv_std 1x24x1x1 float32
+                (909700352, 96),  # 31: block2_project_bn_sum_of_squares 1x24x1x1 float32
+                (909700096, 96),  # 32: block2_project_bn_inv_std 1x24x1x1 float32
                 (634224640, 9633792),  # 33: block2_project_bn 32x24x56x56 float32
                 (205520896, 57802752),  # 34: block3_expand 32x144x56x56 float32
                 (314703872, 576),  # 35: block3_expand_bn_sum 1x144x1x1 float32
-                (909630464, 576),  # 36: block3_expand_bn_sum_of_squares 1x144x1x1 float32
-                (909631232, 576),  # 37: block3_expand_bn_inv_std 1x144x1x1 float32
+                (909631232, 576),  # 36: block3_expand_bn_sum_of_squares 1x144x1x1 float32
+                (909630464, 576),  # 37: block3_expand_bn_inv_std 1x144x1x1 float32
                 (372506624, 57802752),  # 38: block3_expand_bn_clipped_relu 32x144x56x56 float32
                 (314703872, 57802752),  # 39: block3_dw 32x144x56x56 float32
                 (372506624, 576),  # 40: block3_dw_bn_sum 1x144x1x1 float32
-                (909632000, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
-                (909632768, 576),  # 42: block3_dw_bn_inv_std 1x144x1x1 float32
+                (909638912, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909638144, 576),  # 42: block3_dw_bn_inv_std 1x144x1x1 float32
                 (372506624, 57802752),  # 43: block3_dw_bn_clipped_relu 32x144x56x56 float32
                 (643858432, 9633792),  # 44: block3_project 32x24x56x56 float32
                 (372506624, 96),  # 45: block3_project_bn_sum 1x24x1x1 float32
-                (909704448, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
-                (909704704, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
+                (909704704, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
+                (909704448, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
                 (372506624, 57802752),  # 48: block4_expand 32x144x56x56 float32
                 (513802240, 576),  # 49: block4_expand_bn_sum 1x144x1x1 float32
-                (909648896, 576),  # 50: block4_expand_bn_sum_of_squares 1x144x1x1 float32
-                (909649664, 576),  # 51: block4_expand_bn_inv_std 1x144x1x1 float32
+                (909649664, 576),  # 50: block4_expand_bn_sum_of_squares 1x144x1x1 float32
+                (909648896, 576),  # 51: block4_expand_bn_inv_std 1x144x1x1 float32
                 (513802240, 57802752),  # 52: block4_expand_bn_clipped_relu 32x144x56x56 float32
                 (610140160, 14450688),  # 53: block4_dw 32x144x28x28 float32
                 (513802240, 576),  # 54: block4_dw_bn_sum 1x144x1x1 float32
-                (909650432, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
-                (909651200, 576),  # 56: block4_dw_bn_inv_std 1x144x1x1 float32
+                (909652736, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909651968, 576),  # 56: block4_dw_bn_inv_std 1x144x1x1 float32
                 (513802240, 14450688),  # 57: block4_dw_bn_clipped_relu 32x144x28x28 float32
                 (807632896, 3211264),  # 58: block4_project 32x32x28x28 float32
                 (513802240, 128),  # 59: block4_project_bn_sum 1x32x1x1 float32
-                (909708800, 128),  # 60: block4_project_bn_sum_of_squares 1x32x1x1 float32
-                (909709056, 128),  # 61: block4_project_bn_inv_std 1x32x1x1 float32
-                (810844160, 3211264),  # 62: block4_project_bn 32x32x28x28 float32
+                (909709056, 128),  # 60: block4_project_bn_sum_of_squares 1x32x1x1 float32
+                (909708800, 128),  # 61: block4_project_bn_inv_std 1x32x1x1 float32
+                (814055424, 3211264),  # 62: block4_project_bn 32x32x28x28 float32
                 (513802240, 19267584),  # 63: block5_expand 32x192x28x28 float32
                 (533069824, 768),  # 64: block5_expand_bn_sum 1x192x1x1 float32
-                (909655040, 768),  # 65: block5_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909655808, 768),  # 66: block5_expand_bn_inv_std 1x192x1x1 float32
+                (909655808, 768),  # 65: block5_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909655040, 768),  # 66: block5_expand_bn_inv_std 1x192x1x1 float32
                 (552337408, 19267584),  # 67: block5_expand_bn_clipped_relu 32x192x28x28 float32
                 (533069824, 19267584),  # 68: block5_dw 32x192x28x28 float32
                 (552337408, 768),  # 69: block5_dw_bn_sum 1x192x1x1 float32
-                (909656576, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909657344, 768),  # 71: block5_dw_bn_inv_std 1x192x1x1 float32
+                (909659648, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909658880, 768),  # 71: block5_dw_bn_inv_std 1x192x1x1 float32
                 (552337408, 19267584),  # 72: block5_dw_bn_clipped_relu 32x192x28x28 float32
-                (814055424, 3211264),  # 73: block5_project 32x32x28x28 float32
+                (810844160, 3211264),  # 73: block5_project 32x32x28x28 float32
                 (552337408, 128),  # 74: block5_project_bn_sum 1x32x1x1 float32
-                (909710336, 128),  # 75: block5_project_bn_sum_of_squares 1x32x1x1 float32
-                (909710592, 128),  # 76: block5_project_bn_inv_std 1x32x1x1 float32
+                (909710592, 128),  # 75: block5_project_bn_sum_of_squares 1x32x1x1 float32
+                (909710336, 128),  # 76: block5_project_bn_inv_std 1x32x1x1 float32
                 (552337408, 19267584),  # 77: block6_expand 32x192x28x28 float32
                 (571604992, 768),  # 78: block6_expand_bn_sum 1x192x1x1 float32
-                (909662720, 768),  # 79: block6_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909663488, 768),  # 80: block6_expand_bn_inv_std 1x192x1x1 float32
+                (909663488, 768),  # 79: block6_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909662720, 768),  # 80: block6_expand_bn_inv_std 1x192x1x1 float32
                 (590872576, 19267584),  # 81: block6_expand_bn_clipped_relu 32x192x28x28 float32
                 (571604992, 19267584),  # 82: block6_dw 32x192x28x28 float32
                 (590872576, 768),  # 83: block6_dw_bn_sum 1x192x1x1 float32
-                (909664256, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909665024, 768),  # 85: block6_dw_bn_inv_std 1x192x1x1 float32
+                (909667328, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909666560, 768),  # 85: block6_dw_bn_inv_std 1x192x1x1 float32
                 (590872576, 19267584),  # 86: block6_dw_bn_clipped_relu 32x192x28x28 float32
                 (817266688, 3211264),  # 87: block6_project 32x32x28x28 float32
                 (590872576, 128),  # 88: block6_project_bn_sum 1x32x1x1 float32
-                (909710848, 128),  # 89: block6_project_bn_sum_of_squares 1x32x1x1 float32
-                (909711104, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
+                (909711104, 128),  # 89: block6_project_bn_sum_of_squares 1x32x1x1 float32
+                (909710848, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
                 (653492224, 3211264),  # 91: block6_project_bn_add 32x32x28x28 float32
                 (590872576, 19267584),  # 92: block7_expand 32x192x28x28 float32
                 (653492224, 768),  # 93: block7_expand_bn_sum 1x192x1x1 float32
-                (909678080, 768),  # 94: block7_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909678848, 768),  # 95: block7_expand_bn_inv_std 1x192x1x1 float32
+                (909678848, 768),  # 94: block7_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909678080, 768),  # 95: block7_expand_bn_inv_std 1x192x1x1 float32
                 (653492224, 19267584),  # 96: block7_expand_bn_clipped_relu 32x192x28x28 float32
                 (802816000, 4816896),  # 97: block7_dw 32x192x14x14 float32
                 (653492224, 768),  # 98: block7_dw_bn_sum 1x192x1x1 float32
-                (909679616, 768),  # 99: block7_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909680384, 768),  # 100: block7_dw_bn_inv_std 1x192x1x1 float32
+                (909680384, 768),  # 99: block7_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909679616, 768),  # 100: block7_dw_bn_inv_std 1x192x1x1 float32
                 (653492224, 4816896),  # 101: block7_dw_bn_clipped_relu 32x192x14x14 float32
                 (832520192, 1605632),  # 102: block7_project 32x64x14x14 float32
                 (653492224, 256),  # 103: block7_project_bn_sum 1x64x1x1 float32
-                (909714176, 256),  # 104: block7_project_bn_sum_of_squares 1x64x1x1 float32
-                (909714432, 256),  # 105: block7_project_bn_inv_std 1x64x1x1 float32
-                (836534272, 1605632),  # 106: block7_project_bn 32x64x14x14 float32
+                (909714432, 256),  # 104: block7_project_bn_sum_of_squares 1x64x1x1 float32
+                (909714176, 256),  # 105: block7_project_bn_inv_std 1x64x1x1 float32
+                (838139904, 1605632),  # 106: block7_project_bn 32x64x14x14 float32
                 (653492224, 9633792),  # 107: block8_expand 32x384x14x14 float32
                 (663126016, 1536),  # 108: block8_expand_bn_sum 1x384x1x1 float32
-                (909590528, 1536),  # 109: block8_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909592064, 1536),  # 110: block8_expand_bn_inv_std 1x384x1x1 float32
+                (909592064, 1536),  # 109: block8_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909590528, 1536),  # 110: block8_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 111: block8_expand_bn_clipped_relu 32x384x14x14 float32
                 (663126016, 9633792),  # 112: block8_dw 32x384x14x14 float32
                 (672759808, 1536),  # 113: block8_dw_bn_sum 1x384x1x1 float32
-                (909593600, 1536),  # 114: block8_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909595136, 1536),  # 115: block8_dw_bn_inv_std 1x384x1x1 float32
+                (909595136, 1536),  # 114: block8_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909593600, 1536),  # 115: block8_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 116: block8_dw_bn_clipped_relu 32x384x14x14 float32
-                (838139904, 1605632),  # 117: block8_project 32x64x14x14 float32
+                (836534272, 1605632),  # 117: block8_project 32x64x14x14 float32
                 (672759808, 256),  # 118: block8_project_bn_sum 1x64x1x1 float32
-                (909714688, 256),  # 119: block8_project_bn_sum_of_squares 1x64x1x1 float32
-                (909714944, 256),  # 120: block8_project_bn_inv_std 1x64x1x1 float32
+                (909714944, 256),  # 119: block8_project_bn_sum_of_squares 1x64x1x1 float32
+                (909714688, 256),  # 120: block8_project_bn_inv_std 1x64x1x1 float32
                 (687210496, 9633792),  # 121: block9_expand 32x384x14x14 float32
                 (672759808, 1536),  # 122: block9_expand_bn_sum 1x384x1x1 float32
-                (909601280, 1536),  # 123: block9_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909602816, 1536),  # 124: block9_expand_bn_inv_std 1x384x1x1 float32
+                (909602816, 1536),  # 123: block9_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909601280, 1536),  # 124: block9_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 125: block9_expand_bn_clipped_relu 32x384x14x14 float32
                 (711294976, 9633792),  # 126: block9_dw 32x384x14x14 float32
                 (672759808, 1536),  # 127: block9_dw_bn_sum 1x384x1x1 float32
-                (909604352, 1536),  # 128: block9_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909605888, 1536),  # 129: block9_dw_bn_inv_std 1x384x1x1 float32
+                (909608192, 1536),  # 128: block9_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909606656, 1536),  # 129: block9_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 130: block9_dw_bn_clipped_relu 32x384x14x14 float32
                 (849379328, 1605632),  # 131: block9_project 32x64x14x14 float32
                 (672759808, 256),  # 132: block9_project_bn_sum 1x64x1x1 float32
-                (909716224, 256),  # 133: block9_project_bn_sum_of_squares 1x64x1x1 float32
-                (909716480, 256),  # 134: block9_project_bn_inv_std 1x64x1x1 float32
+                (909716480, 256),  # 133: block9_project_bn_sum_of_squares 1x64x1x1 float32
+                (909716224, 256),  # 134: block9_project_bn_inv_std 1x64x1x1 float32
                 (861822976, 1605632),  # 135: block9_project_bn_add 32x64x14x14 float32
                 (720928768, 9633792),  # 136: block10_expand 32x384x14x14 float32
                 (672759808, 1536),  # 137: block10_expand_bn_sum 1x384x1x1 float32
-                (909612032, 1536),  # 138: block10_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909613568, 1536),  # 139: block10_expand_bn_inv_std 1x384x1x1 float32
+                (909617408, 1536),  # 138: block10_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909615872, 1536),  # 139: block10_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 140: block10_expand_bn_clipped_relu 32x384x14x14 float32
                 (745013248, 9633792),  # 141: block10_dw 32x384x14x14 float32
                 (672759808, 1536),  # 142: block10_dw_bn_sum 1x384x1x1 float32
-                (909625088, 1536),  # 143: block10_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909628928, 1536),  # 144: block10_dw_bn_inv_std 1x384x1x1 float32
+                (909628928, 1536),  # 143: block10_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909625088, 1536),  # 144: block10_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 145: block10_dw_bn_clipped_relu 32x384x14x14 float32
                 (863428608, 1605632),  # 146: block10_project 32x64x14x14 float32
                 (672759808, 256),  # 147: block10_project_bn_sum 1x64x1x1 float32
-                (909718272, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
-                (909718528, 256),  # 149: block10_project_bn_inv_std 1x64x1x1 float32
+                (909718528, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
+                (909718272, 256),  # 149: block10_project_bn_inv_std 1x64x1x1 float32
                 (769097728, 9633792),  # 150: block11_expand 32x384x14x14 float32
                 (672759808, 1536),  # 151: block11_expand_bn_sum 1x384x1x1 float32
-                (909645824, 1536),  # 152: block11_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909647360, 1536),  # 153: block11_expand_bn_inv_std 1x384x1x1 float32
+                (909647360, 1536),  # 152: block11_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909645824, 1536),  # 153: block11_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 154: block11_expand_bn_clipped_relu 32x384x14x14 float32
                 (778731520, 9633792),  # 155: block11_dw 32x384x14x14 float32
                 (672759808, 1536),  # 156: block11_dw_bn_sum 1x384x1x1 float32
-                (909651968, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909653504, 1536),  # 158: block11_dw_bn_inv_std 1x384x1x1 float32
+                (909653504, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909650432, 1536),  # 158: block11_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 159: block11_dw_bn_clipped_relu 32x384x14x14 float32
                 (834125824, 2408448),  # 160: block11_project 32x96x14x14 float32
                 (672759808, 384),  # 161: block11_project_bn_sum 1x96x1x1 float32
-                (909709312, 384),  # 162: block11_project_bn_sum_of_squares 1x96x1x1 float32
-                (909709824, 384),  # 163: block11_project_bn_inv_std 1x96x1x1 float32
-                (850984960, 2408448),  # 164: block11_project_bn 32x96x14x14 float32
+                (909709824, 384),  # 162: block11_project_bn_sum_of_squares 1x96x1x1 float32
+                (909709312, 384),  # 163: block11_project_bn_inv_std 1x96x1x1 float32
+                (853393408, 2408448),  # 164: block11_project_bn 32x96x14x14 float32
                 (672759808, 14450688),  # 165: block12_expand 32x576x14x14 float32
                 (696844288, 2304),  # 166: block12_expand_bn_sum 1x576x1x1 float32
-                (909596672, 2304),  # 167: block12_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909598976, 2304),  # 168: block12_expand_bn_inv_std 1x576x1x1 float32
+                (909598976, 2304),  # 167: block12_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909596672, 2304),  # 168: block12_expand_bn_inv_std 1x576x1x1 float32
                 (730562560, 14450688),  # 169: block12_expand_bn_clipped_relu 32x576x14x14 float32
                 (696844288, 14450688),  # 170: block12_dw 32x576x14x14 float32
                 (730562560, 2304),  # 171: block12_dw_bn_sum 1x576x1x1 float32
-                (909607424, 2304),  # 172: block12_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909609728, 2304),  # 173: block12_dw_bn_inv_std 1x576x1x1 float32
+                (909609728, 2304),  # 172: block12_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909604352, 2304),  # 173: block12_dw_bn_inv_std 1x576x1x1 float32
                 (730562560, 14450688),  # 174: block12_dw_bn_clipped_relu 32x576x14x14 float32
-                (853393408, 2408448),  # 175: block12_project 32x96x14x14 float32
+                (850984960, 2408448),  # 175: block12_project 32x96x14x14 float32
                 (730562560, 384),  # 176: block12_project_bn_sum 1x96x1x1 float32
-                (909711616, 384),  # 177: block12_project_bn_sum_of_squares 1x96x1x1 float32
-                (909712128, 384),  # 178: block12_project_bn_inv_std 1x96x1x1 float32
+                (909712128, 384),  # 177: block12_project_bn_sum_of_squares 1x96x1x1 float32
+                (909711616, 384),  # 178: block12_project_bn_inv_std 1x96x1x1 float32
                 (730562560, 14450688),  # 179: block13_expand 32x576x14x14 float32
                 (754647040, 2304),  # 180: block13_expand_bn_sum 1x576x1x1 float32
-                (909622784, 2304),  # 181: block13_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909626624, 2304),  # 182: block13_expand_bn_inv_std 1x576x1x1 float32
+                (909626624, 2304),  # 181: block13_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909622784, 2304),  # 182: block13_expand_bn_inv_std 1x576x1x1 float32
                 (788365312, 14450688),  # 183: block13_expand_bn_clipped_relu 32x576x14x14 float32
                 (754647040, 14450688),  # 184: block13_dw 32x576x14x14 float32
                 (788365312, 2304),  # 185: block13_dw_bn_sum 1x576x1x1 float32
-                (909633536, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909635840, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
+                (909639680, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909632000, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
                 (788365312, 14450688),  # 188: block13_dw_bn_clipped_relu 32x576x14x14 float32
                 (865034240, 2408448),  # 189: block13_project 32x96x14x14 float32
                 (788365312, 384),  # 190: block13_project_bn_sum 1x96x1x1 float32
-                (909715200, 384),  # 191: block13_project_bn_sum_of_squares 1x96x1x1 float32
-                (909715712, 384),  # 192: block13_project_bn_inv_std 1x96x1x1 float32
+                (909715712, 384),  # 191: block13_project_bn_sum_of_squares 1x96x1x1 float32
+                (909715200, 384),  # 192: block13_project_bn_inv_std 1x96x1x1 float32
                 (820477952, 2408448),  # 193: block13_project_bn_add 32x96x14x14 float32
                 (788365312, 14450688),  # 194: block14_expand 32x576x14x14 float32
                 (820477952, 2304),  # 195: block14_expand_bn_sum 1x576x1x1 float32
-                (909658112, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909660416, 2304),  # 197: block14_expand_bn_inv_std 1x576x1x1 float32
+                (909660416, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909656576, 2304),  # 197: block14_expand_bn_inv_std 1x576x1x1 float32
                 (867442688, 14450688),  # 198: block14_expand_bn_clipped_relu 32x576x14x14 float32
                 (839745536, 3612672),  # 199: block14_dw 32x576x7x7 float32
                 (820477952, 2304),  # 200: block14_dw_bn_sum 1x576x1x1 float32
-                (909665792, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909668096, 2304),  # 202: block14_dw_bn_inv_std 1x576x1x1 float32
+                (909668096, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909664256, 2304),  # 202: block14_dw_bn_inv_std 1x576x1x1 float32
                 (820477952, 3612672),  # 203: block14_dw_bn_clipped_relu 32x576x7x7 float32
                 (887513088, 1003520),  # 204: block14_project 32x160x7x7 float32
                 (820477952, 640),  # 205: block14_project_bn_sum 1x160x1x1 float32
-                (909712640, 640),  # 206: block14_project_bn_sum_of_squares 1x160x1x1 float32
-                (909713408, 640),  # 207: block14_project_bn_inv_std 1x160x1x1 float32
-                (888516608, 1003520),  # 208: block14_project_bn 32x160x7x7 float32
+                (909713408, 640),  # 206: block14_project_bn_sum_of_squares 1x160x1x1 float32
+                (909712640, 640),  # 207: block14_project_bn_inv_std 1x160x1x1 float32
+                (889520128, 1003520),  # 208: block14_project_bn 32x160x7x7 float32
                 (820477952, 6021120),  # 209: block15_expand 32x960x7x7 float32
                 (826499072, 3840),  # 210: block15_expand_bn_sum 1x960x1x1 float32
-                (909615104, 3840),  # 211: block15_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909618944, 3840),  # 212: block15_expand_bn_inv_std 1x960x1x1 float32
+                (909618944, 3840),  # 211: block15_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909612032, 3840),  # 212: block15_expand_bn_inv_std 1x960x1x1 float32
                 (843358208, 6021120),  # 213: block15_expand_bn_clipped_relu 32x960x7x7 float32
                 (826499072, 6021120),  # 214: block15_dw 32x960x7x7 float32
                 (843358208, 3840),  # 215: block15_dw_bn_sum 1x960x1x1 float32
-                (909638144, 3840),  # 216: block15_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909641984, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
+                (909641984, 3840),  # 216: block15_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909634304, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
                 (843358208, 6021120),  # 218: block15_dw_bn_clipped_relu 32x960x7x7 float32
-                (889520128, 1003520),  # 219: block15_project 32x160x7x7 float32
+                (888516608, 1003520),  # 219: block15_project 32x160x7x7 float32
                 (843358208, 640),  # 220: block15_project_bn_sum 1x160x1x1 float32
-                (909716736, 640),  # 221: block15_project_bn_sum_of_squares 1x160x1x1 float32
-                (909717504, 640),  # 222: block15_project_bn_inv_std 1x160x1x1 float32
+                (909717504, 640),  # 221: block15_project_bn_sum_of_squares 1x160x1x1 float32
+                (909716736, 640),  # 222: block15_project_bn_inv_std 1x160x1x1 float32
                 (843358208, 6021120),  # 223: block16_expand 32x960x7x7 float32
                 (855801856, 3840),  # 224: block16_expand_bn_sum 1x960x1x1 float32
-                (909670400, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909674240, 3840),  # 226: block16_expand_bn_inv_std 1x960x1x1 float32
+                (909674240, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909670400, 3840),  # 226: block16_expand_bn_inv_std 1x960x1x1 float32
                 (867442688, 6021120),  # 227: block16_expand_bn_clipped_relu 32x960x7x7 float32
                 (855801856, 6021120),  # 228: block16_dw 32x960x7x7 float32
                 (867442688, 3840),  # 229: block16_dw_bn_sum 1x960x1x1 float32
-                (909683200, 3840),  # 230: block16_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909687040, 3840),  # 231: block16_dw_bn_inv_std 1x960x1x1 float32
+                (909687040, 3840),  # 230: block16_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909683200, 3840),  # 231: block16_dw_bn_inv_std 1x960x1x1 float32
                 (867442688, 6021120),  # 232: block16_dw_bn_clipped_relu 32x960x7x7 float32
                 (890523648, 1003520),  # 233: block16_project 32x160x7x7 float32
                 (867442688, 640),  # 234: block16_project_bn_sum 1x160x1x1 float32
-                (909729024, 640),  # 235: block16_project_bn_sum_of_squares 1x160x1x1 float32
-                (909729792, 640),  # 236: block16_project_bn_inv_std 1x160x1x1 float32
+                (909729792, 640),  # 235: block16_project_bn_sum_of_squares 1x160x1x1 float32
+                (909729024, 640),  # 236: block16_project_bn_inv_std 1x160x1x1 float32
                 (873463808, 1003520),  # 237: block16_project_bn_add 32x160x7x7 float32
                 (867442688, 6021120),  # 238: block17_expand 32x960x7x7 float32
                 (873463808, 3840),  # 239: block17_expand_bn_sum 1x960x1x1 float32
-                (909690880, 3840),  # 240: block17_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909694720, 3840),  # 241: block17_expand_bn_inv_std 1x960x1x1 float32
+                (909694720, 3840),  # 240: block17_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909690880, 3840),  # 241: block17_expand_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 242: block17_expand_bn_clipped_relu 32x960x7x7 float32
                 (873463808, 6021120),  # 243: block17_dw 32x960x7x7 float32
                 (879484928, 3840),  # 244: block17_dw_bn_sum 1x960x1x1 float32
-                (909700608, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909704960, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
+                (909704960, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909700608, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 247: block17_dw_bn_clipped_relu 32x960x7x7 float32
                 (891527168, 2007040),  # 248: block17_project 32x320x7x7 float32
                 (879484928, 1280),  # 249: block17_project_bn_sum 1x320x1x1 float32
-                (909730560, 1280),  # 250: block17_project_bn_sum_of_squares 1x320x1x1 float32
-                (909731840, 1280),  # 251: block17_project_bn_inv_std 1x320x1x1 float32
+                (909731840, 1280),  # 250: block17_project_bn_sum_of_squares 1x320x1x1 float32
+                (909730560, 1280),  # 251: block17_project_bn_inv_std 1x320x1x1 float32
                 (893703168, 2007040),  # 252: block17_project_bn 32x320x7x7 float32
                 (879484928, 8028160),  # 253: conv_last 32x1280x7x7 float32
                 (893703168, 5120),  # 254: conv_last_bn_sum 1x1280x1x1 float32
-                (909718784, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
-                (909723904, 5120),  # 256: conv_last_bn_inv_std 1x1280x1x1 float32
+                (909723904, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
+                (909718784, 5120),  # 256: conv_last_bn_inv_std 1x1280x1x1 float32
                 (893703168, 8028160),  # 257: conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901731328, 163840),  # 258: conv_last_bn_avg_pool 32x1280x1x1 float32
                 (893703168, 128000),  # 259: fc_matmul 32x1000 float32
@@ -9659,359 +9971,359 @@ class MobilenetV2(rp.Model):
                 (893662208, 5120000),  # 264: d_fc_W 1000x1280 float32
                 (893534208, 8028160),  # 265: d_conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901562368, 8028160),  # 266: conv_last_bn_clipped_relu_2 32x1280x7x7 float32
-                (901562368, 5120),  # 267: d_conv_last_bn_inv_std 1x1280x1x1 float32
-                (901567488, 5120),  # 268: d_conv_last_bn_weight 1x1280x1x1 float32
+                (901567488, 5120),  # 267: d_conv_last_bn_ew_sum 1x1280x1x1 float32
+                (901562368, 5120),  # 268: d_conv_last_bn_inv_std 1x1280x1x1 float32
                 (901562368, 5120),  # 269: d_conv_last_bn_bias 1x1280x1x1 float32
                 (893534208, 5120),  # 270: d_conv_last_bn_batch_mean 1x1280x1x1 float32
                 (893534208, 2007040),  # 271: block17_project_bn_2 32x320x7x7 float32
                 (895541248, 1638400),  # 272: d_conv_last_W 1280x320x1x1 float32
                 (893534208, 2007040),  # 273: d_block17_project_bn 32x320x7x7 float32
-                (879484928, 1280),  # 274: d_block17_project_bn_inv_std 1x320x1x1 float32
-                (879486208, 1280),  # 275: d_block17_project_bn_weight 1x320x1x1 float32
+                (879486208, 1280),  # 274: d_block17_project_bn_ew_sum 1x320x1x1 float32
+                (879484928, 1280),  # 275: d_block17_project_bn_inv_std 1x320x1x1 float32
                 (879484928, 1280),  # 276: d_block17_project_bn_bias 1x320x1x1 float32
                 (879484928, 1280),  # 277: d_block17_project_bn_batch_mean 1x320x1x1 float32
                 (893534208, 6021120),  # 278: block17_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (879484928, 1228800),  # 279: d_block17_project_W 320x960x1x1 float32
                 (879484928, 6021120),  # 280: d_block17_dw_bn_clipped_relu 32x960x7x7 float32
-                (885506048, 3840),  # 281: d_block17_dw_bn_inv_std 1x960x1x1 float32
-                (885509888, 3840),  # 282: d_block17_dw_bn_weight 1x960x1x1 float32
+                (885509888, 3840),  # 281: d_block17_dw_bn_ew_sum 1x960x1x1 float32
+                (885506048, 3840),  # 282: d_block17_dw_bn_inv_std 1x960x1x1 float32
                 (885506048, 3840),  # 283: d_block17_dw_bn_bias 1x960x1x1 float32
                 (879484928, 3840),  # 284: d_block17_dw_bn_batch_mean 1x960x1x1 float32
                 (891527168, 6021120),  # 285: block17_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (879484928, 34560),  # 286: d_block17_dw_W 960x1x3x3 float32
                 (879484928, 6021120),  # 287: d_block17_expand_bn_clipped_relu 32x960x7x7 float32
-                (873463808, 3840),  # 288: d_block17_expand_bn_inv_std 1x960x1x1 float32
-                (873467648, 3840),  # 289: d_block17_expand_bn_weight 1x960x1x1 float32
+                (873467648, 3840),  # 288: d_block17_expand_bn_ew_sum 1x960x1x1 float32
+                (873463808, 3840),  # 289: d_block17_expand_bn_inv_std 1x960x1x1 float32
                 (873463808, 3840),  # 290: d_block17_expand_bn_bias 1x960x1x1 float32
                 (873463808, 3840),  # 291: d_block17_expand_bn_batch_mean 1x960x1x1 float32
                 (873463808, 1003520),  # 292: block16_project_bn_add_2 32x160x7x7 float32
                 (874467328, 614400),  # 293: d_block17_expand_W 960x160x1x1 float32
                 (873463808, 1003520),  # 294: d_block16_project_bn_add 32x160x7x7 float32
-                (867442688, 640),  # 295: d_block16_project_bn_inv_std 1x160x1x1 float32
-                (867443456, 640),  # 296: d_block16_project_bn_weight 1x160x1x1 float32
+                (867442688, 640),  # 295: d_block16_project_bn_ew_sum 1x160x1x1 float32
+                (867443456, 640),  # 296: d_block16_project_bn_inv_std 1x160x1x1 float32
                 (867442688, 640),  # 297: d_block16_project_bn_batch_mean 1x160x1x1 float32
                 (867442688, 640),  # 298: d_block16_project_bn_bias 1x160x1x1 float32
                 (874467328, 6021120),  # 299: block16_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (867442688, 614400),  # 300: d_block16_project_W 160x960x1x1 float32
                 (867442688, 6021120),  # 301: d_block16_dw_bn_clipped_relu 32x960x7x7 float32
-                (874467328, 3840),  # 302: d_block16_dw_bn_inv_std 1x960x1x1 float32
-                (874471168, 3840),  # 303: d_block16_dw_bn_weight 1x960x1x1 float32
+                (874471168, 3840),  # 302: d_block16_dw_bn_ew_sum 1x960x1x1 float32
+                (874467328, 3840),  # 303: d_block16_dw_bn_inv_std 1x960x1x1 float32
                 (874467328, 3840),  # 304: d_block16_dw_bn_bias 1x960x1x1 float32
                 (867442688, 3840),  # 305: d_block16_dw_bn_batch_mean 1x960x1x1 float32
                 (874467328, 6021120),  # 306: block16_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (867442688, 34560),  # 307: d_block16_dw_W 960x1x3x3 float32
                 (867442688, 6021120),  # 308: d_block16_expand_bn_clipped_relu 32x960x7x7 float32
-                (855801856, 3840),  # 309: d_block16_expand_bn_inv_std 1x960x1x1 float32
-                (855805696, 3840),  # 310: d_block16_expand_bn_weight 1x960x1x1 float32
+                (855805696, 3840),  # 309: d_block16_expand_bn_ew_sum 1x960x1x1 float32
+                (855801856, 3840),  # 310: d_block16_expand_bn_inv_std 1x960x1x1 float32
                 (855801856, 3840),  # 311: d_block16_expand_bn_bias 1x960x1x1 float32
                 (855801856, 3840),  # 312: d_block16_expand_bn_batch_mean 1x960x1x1 float32
                 (855801856, 614400),  # 313: d_block16_expand_W 960x160x1x1 float32
                 (856416256, 1003520),  # 314: d_block15_project_bn_add 32x160x7x7 float32
-                (843358208, 640),  # 315: d_block15_project_bn_inv_std 1x160x1x1 float32
-                (843358976, 640),  # 316: d_block15_project_bn_weight 1x160x1x1 float32
+                (843358208, 640),  # 315: d_block15_project_bn_ew_sum 1x160x1x1 float32
+                (843358976, 640),  # 316: d_block15_project_bn_inv_std 1x160x1x1 float32
                 (843358208, 640),  # 317: d_block15_project_bn_batch_mean 1x160x1x1 float32
                 (843358208, 640),  # 318: d_block15_project_bn_bias 1x160x1x1 float32
                 (855801856, 6021120),  # 319: block15_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (843358208, 614400),  # 320: d_block15_project_W 160x960x1x1 float32
                 (843358208, 6021120),  # 321: d_block15_dw_bn_clipped_relu 32x960x7x7 float32
-                (855801856, 3840),  # 322: d_block15_dw_bn_inv_std 1x960x1x1 float32
-                (855805696, 3840),  # 323: d_block15_dw_bn_weight 1x960x1x1 float32
+                (855805696, 3840),  # 322: d_block15_dw_bn_ew_sum 1x960x1x1 float32
+                (855801856, 3840),  # 323: d_block15_dw_bn_inv_std 1x960x1x1 float32
                 (855801856, 3840),  # 324: d_block15_dw_bn_bias 1x960x1x1 float32
                 (843358208, 3840),  # 325: d_block15_dw_bn_batch_mean 1x960x1x1 float32
                 (855801856, 6021120),  # 326: block15_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (843358208, 34560),  # 327: d_block15_dw_W 960x1x3x3 float32
                 (843358208, 6021120),  # 328: d_block15_expand_bn_clipped_relu 32x960x7x7 float32
-                (826499072, 3840),  # 329: d_block15_expand_bn_inv_std 1x960x1x1 float32
-                (826502912, 3840),  # 330: d_block15_expand_bn_weight 1x960x1x1 float32
+                (826502912, 3840),  # 329: d_block15_expand_bn_ew_sum 1x960x1x1 float32
+                (826499072, 3840),  # 330: d_block15_expand_bn_inv_std 1x960x1x1 float32
                 (826499072, 3840),  # 331: d_block15_expand_bn_bias 1x960x1x1 float32
                 (826499072, 3840),  # 332: d_block15_expand_bn_batch_mean 1x960x1x1 float32
                 (827113472, 1003520),  # 333: block14_project_bn_2 32x160x7x7 float32
                 (826499072, 614400),  # 334: d_block15_expand_W 960x160x1x1 float32
                 (827113472, 1003520),  # 335: d_block14_project_bn 32x160x7x7 float32
-                (820477952, 640),  # 336: d_block14_project_bn_inv_std 1x160x1x1 float32
-                (820478720, 640),  # 337: d_block14_project_bn_weight 1x160x1x1 float32
+                (820478720, 640),  # 336: d_block14_project_bn_ew_sum 1x160x1x1 float32
+                (820477952, 640),  # 337: d_block14_project_bn_inv_std 1x160x1x1 float32
                 (820477952, 640),  # 338: d_block14_project_bn_bias 1x160x1x1 float32
                 (820477952, 640),  # 339: d_block14_project_bn_batch_mean 1x160x1x1 float32
                 (824090624, 3612672),  # 340: block14_dw_bn_clipped_relu_2 32x576x7x7 float32
                 (820477952, 368640),  # 341: d_block14_project_W 160x576x1x1 float32
                 (820477952, 3612672),  # 342: d_block14_dw_bn_clipped_relu 32x576x7x7 float32
-                (824090624, 2304),  # 343: d_block14_dw_bn_inv_std 1x576x1x1 float32
-                (824092928, 2304),  # 344: d_block14_dw_bn_weight 1x576x1x1 float32
+                (824092928, 2304),  # 343: d_block14_dw_bn_ew_sum 1x576x1x1 float32
+                (824090624, 2304),  # 344: d_block14_dw_bn_inv_std 1x576x1x1 float32
                 (824090624, 2304),  # 345: d_block14_dw_bn_bias 1x576x1x1 float32
                 (820477952, 2304),  # 346: d_block14_dw_bn_batch_mean 1x576x1x1 float32
                 (881893376, 14450688),  # 347: block14_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (820477952, 20736),  # 348: d_block14_dw_W 576x1x3x3 float32
                 (867442688, 14450688),  # 349: d_block14_expand_bn_clipped_relu 32x576x14x14 float32
-                (820477952, 2304),  # 350: d_block14_expand_bn_inv_std 1x576x1x1 float32
-                (820480256, 2304),  # 351: d_block14_expand_bn_weight 1x576x1x1 float32
+                (820480256, 2304),  # 350: d_block14_expand_bn_ew_sum 1x576x1x1 float32
+                (820477952, 2304),  # 351: d_block14_expand_bn_inv_std 1x576x1x1 float32
                 (820477952, 2304),  # 352: d_block14_expand_bn_bias 1x576x1x1 float32
                 (820477952, 2304),  # 353: d_block14_expand_bn_batch_mean 1x576x1x1 float32
                 (820477952, 2408448),  # 354: block13_project_bn_add_2 32x96x14x14 float32
                 (822886400, 221184),  # 355: d_block14_expand_W 576x96x1x1 float32
                 (820477952, 2408448),  # 356: d_block13_project_bn_add 32x96x14x14 float32
-                (788365312, 384),  # 357: d_block13_project_bn_inv_std 1x96x1x1 float32
-                (788365824, 384),  # 358: d_block13_project_bn_weight 1x96x1x1 float32
+                (788365312, 384),  # 357: d_block13_project_bn_ew_sum 1x96x1x1 float32
+                (788365824, 384),  # 358: d_block13_project_bn_inv_std 1x96x1x1 float32
                 (788365312, 384),  # 359: d_block13_project_bn_batch_mean 1x96x1x1 float32
                 (788365312, 384),  # 360: d_block13_project_bn_bias 1x96x1x1 float32
                 (867442688, 14450688),  # 361: block13_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (788365312, 221184),  # 362: d_block13_project_W 96x576x1x1 float32
                 (788365312, 14450688),  # 363: d_block13_dw_bn_clipped_relu 32x576x14x14 float32
-                (822886400, 2304),  # 364: d_block13_dw_bn_inv_std 1x576x1x1 float32
-                (822888704, 2304),  # 365: d_block13_dw_bn_weight 1x576x1x1 float32
+                (822888704, 2304),  # 364: d_block13_dw_bn_ew_sum 1x576x1x1 float32
+                (822886400, 2304),  # 365: d_block13_dw_bn_inv_std 1x576x1x1 float32
                 (822886400, 2304),  # 366: d_block13_dw_bn_bias 1x576x1x1 float32
                 (788365312, 2304),  # 367: d_block13_dw_bn_batch_mean 1x576x1x1 float32
                 (865034240, 14450688),  # 368: block13_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (788365312, 20736),  # 369: d_block13_dw_W 576x1x3x3 float32
                 (788365312, 14450688),  # 370: d_block13_expand_bn_clipped_relu 32x576x14x14 float32
-                (754647040, 2304),  # 371: d_block13_expand_bn_inv_std 1x576x1x1 float32
-                (754649344, 2304),  # 372: d_block13_expand_bn_weight 1x576x1x1 float32
+                (754649344, 2304),  # 371: d_block13_expand_bn_ew_sum 1x576x1x1 float32
+                (754647040, 2304),  # 372: d_block13_expand_bn_inv_std 1x576x1x1 float32
                 (754647040, 2304),  # 373: d_block13_expand_bn_bias 1x576x1x1 float32
                 (754647040, 2304),  # 374: d_block13_expand_bn_batch_mean 1x576x1x1 float32
                 (757055488, 221184),  # 375: d_block13_expand_W 576x96x1x1 float32
                 (754647040, 2408448),  # 376: d_block12_project_bn_add 32x96x14x14 float32
-                (730562560, 384),  # 377: d_block12_project_bn_inv_std 1x96x1x1 float32
-                (730563072, 384),  # 378: d_block12_project_bn_weight 1x96x1x1 float32
+                (730562560, 384),  # 377: d_block12_project_bn_ew_sum 1x96x1x1 float32
+                (730563072, 384),  # 378: d_block12_project_bn_inv_std 1x96x1x1 float32
                 (730562560, 384),  # 379: d_block12_project_bn_batch_mean 1x96x1x1 float32
                 (730562560, 384),  # 380: d_block12_project_bn_bias 1x96x1x1 float32
                 (754647040, 14450688),  # 381: block12_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (730562560, 221184),  # 382: d_block12_project_W 96x576x1x1 float32
                 (730562560, 14450688),  # 383: d_block12_dw_bn_clipped_relu 32x576x14x14 float32
-                (754647040, 2304),  # 384: d_block12_dw_bn_inv_std 1x576x1x1 float32
-                (754649344, 2304),  # 385: d_block12_dw_bn_weight 1x576x1x1 float32
+                (754649344, 2304),  # 384: d_block12_dw_bn_ew_sum 1x576x1x1 float32
+                (754647040, 2304),  # 385: d_block12_dw_bn_inv_std 1x576x1x1 float32
                 (754647040, 2304),  # 386: d_block12_dw_bn_bias 1x576x1x1 float32
                 (730562560, 2304),  # 387: d_block12_dw_bn_batch_mean 1x576x1x1 float32
                 (754647040, 14450688),  # 388: block12_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (730562560, 20736),  # 389: d_block12_dw_W 576x1x3x3 float32
                 (730562560, 14450688),  # 390: d_block12_expand_bn_clipped_relu 32x576x14x14 float32
-                (696844288, 2304),  # 391: d_block12_expand_bn_inv_std 1x576x1x1 float32
-                (696846592, 2304),  # 392: d_block12_expand_bn_weight 1x576x1x1 float32
+                (696846592, 2304),  # 391: d_block12_expand_bn_ew_sum 1x576x1x1 float32
+                (696844288, 2304),  # 392: d_block12_expand_bn_inv_std 1x576x1x1 float32
                 (696844288, 2304),  # 393: d_block12_expand_bn_bias 1x576x1x1 float32
                 (696844288, 2304),  # 394: d_block12_expand_bn_batch_mean 1x576x1x1 float32
                 (696844288, 2408448),  # 395: block11_project_bn_2 32x96x14x14 float32
                 (699252736, 221184),  # 396: d_block12_expand_W 576x96x1x1 float32
                 (696844288, 2408448),  # 397: d_block11_project_bn 32x96x14x14 float32
-                (672759808, 384),  # 398: d_block11_project_bn_inv_std 1x96x1x1 float32
-                (672760320, 384),  # 399: d_block11_project_bn_weight 1x96x1x1 float32
+                (672760320, 384),  # 398: d_block11_project_bn_ew_sum 1x96x1x1 float32
+                (672759808, 384),  # 399: d_block11_project_bn_inv_std 1x96x1x1 float32
                 (672759808, 384),  # 400: d_block11_project_bn_bias 1x96x1x1 float32
                 (672759808, 384),  # 401: d_block11_project_bn_batch_mean 1x96x1x1 float32
                 (696844288, 9633792),  # 402: block11_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (672759808, 147456),  # 403: d_block11_project_W 96x384x1x1 float32
                 (672759808, 9633792),  # 404: d_block11_dw_bn_clipped_relu 32x384x14x14 float32
-                (682393600, 1536),  # 405: d_block11_dw_bn_inv_std 1x384x1x1 float32
-                (682395136, 1536),  # 406: d_block11_dw_bn_weight 1x384x1x1 float32
+                (682395136, 1536),  # 405: d_block11_dw_bn_ew_sum 1x384x1x1 float32
+                (682393600, 1536),  # 406: d_block11_dw_bn_inv_std 1x384x1x1 float32
                 (682393600, 1536),  # 407: d_block11_dw_bn_bias 1x384x1x1 float32
                 (672759808, 1536),  # 408: d_block11_dw_bn_batch_mean 1x384x1x1 float32
                 (696844288, 9633792),  # 409: block11_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (672759808, 13824),  # 410: d_block11_dw_W 384x1x3x3 float32
                 (672759808, 9633792),  # 411: d_block11_expand_bn_clipped_relu 32x384x14x14 float32
-                (682393600, 1536),  # 412: d_block11_expand_bn_inv_std 1x384x1x1 float32
-                (682395136, 1536),  # 413: d_block11_expand_bn_weight 1x384x1x1 float32
+                (682395136, 1536),  # 412: d_block11_expand_bn_ew_sum 1x384x1x1 float32
+                (682393600, 1536),  # 413: d_block11_expand_bn_inv_std 1x384x1x1 float32
                 (682393600, 1536),  # 414: d_block11_expand_bn_bias 1x384x1x1 float32
                 (672759808, 1536),  # 415: d_block11_expand_bn_batch_mean 1x384x1x1 float32
                 (674365440, 98304),  # 416: d_block11_expand_W 384x64x1x1 float32
                 (672759808, 1605632),  # 417: d_block10_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 418: d_block10_project_bn_inv_std 1x64x1x1 float32
-                (674365696, 256),  # 419: d_block10_project_bn_weight 1x64x1x1 float32
+                (674365440, 256),  # 418: d_block10_project_bn_ew_sum 1x64x1x1 float32
+                (674365696, 256),  # 419: d_block10_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 420: d_block10_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 421: d_block10_project_bn_bias 1x64x1x1 float32
                 (696844288, 9633792),  # 422: block10_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 423: d_block10_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 424: d_block10_dw_bn_clipped_relu 32x384x14x14 float32
-                (683999232, 1536),  # 425: d_block10_dw_bn_inv_std 1x384x1x1 float32
-                (684000768, 1536),  # 426: d_block10_dw_bn_weight 1x384x1x1 float32
+                (684000768, 1536),  # 425: d_block10_dw_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 426: d_block10_dw_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 427: d_block10_dw_bn_bias 1x384x1x1 float32
                 (674365440, 1536),  # 428: d_block10_dw_bn_batch_mean 1x384x1x1 float32
                 (696844288, 9633792),  # 429: block10_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 430: d_block10_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 431: d_block10_expand_bn_clipped_relu 32x384x14x14 float32
-                (683999232, 1536),  # 432: d_block10_expand_bn_inv_std 1x384x1x1 float32
-                (684000768, 1536),  # 433: d_block10_expand_bn_weight 1x384x1x1 float32
+                (684000768, 1536),  # 432: d_block10_expand_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 433: d_block10_expand_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 434: d_block10_expand_bn_bias 1x384x1x1 float32
                 (674365440, 1536),  # 435: d_block10_expand_bn_batch_mean 1x384x1x1 float32
                 (674365440, 1605632),  # 436: block9_project_bn_add_2 32x64x14x14 float32
                 (675971072, 98304),  # 437: d_block10_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 438: d_block9_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 439: d_block9_project_bn_inv_std 1x64x1x1 float32
-                (674365696, 256),  # 440: d_block9_project_bn_weight 1x64x1x1 float32
+                (674365440, 256),  # 439: d_block9_project_bn_ew_sum 1x64x1x1 float32
+                (674365696, 256),  # 440: d_block9_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 441: d_block9_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 442: d_block9_project_bn_bias 1x64x1x1 float32
                 (696844288, 9633792),  # 443: block9_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 444: d_block9_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 445: d_block9_dw_bn_clipped_relu 32x384x14x14 float32
-                (683999232, 1536),  # 446: d_block9_dw_bn_inv_std 1x384x1x1 float32
-                (684000768, 1536),  # 447: d_block9_dw_bn_weight 1x384x1x1 float32
+                (684000768, 1536),  # 446: d_block9_dw_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 447: d_block9_dw_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 448: d_block9_dw_bn_bias 1x384x1x1 float32
                 (674365440, 1536),  # 449: d_block9_dw_bn_batch_mean 1x384x1x1 float32
                 (696844288, 9633792),  # 450: block9_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 451: d_block9_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 452: d_block9_expand_bn_clipped_relu 32x384x14x14 float32
-                (683999232, 1536),  # 453: d_block9_expand_bn_inv_std 1x384x1x1 float32
-                (684000768, 1536),  # 454: d_block9_expand_bn_weight 1x384x1x1 float32
+                (684000768, 1536),  # 453: d_block9_expand_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 454: d_block9_expand_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 455: d_block9_expand_bn_bias 1x384x1x1 float32
                 (674365440, 1536),  # 456: d_block9_expand_bn_batch_mean 1x384x1x1 float32
                 (675971072, 98304),  # 457: d_block9_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 458: d_block8_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 459: d_block8_project_bn_inv_std 1x64x1x1 float32
-                (674365696, 256),  # 460: d_block8_project_bn_weight 1x64x1x1 float32
+                (674365440, 256),  # 459: d_block8_project_bn_ew_sum 1x64x1x1 float32
+                (674365696, 256),  # 460: d_block8_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 461: d_block8_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 462: d_block8_project_bn_bias 1x64x1x1 float32
                 (683999232, 9633792),  # 463: block8_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 464: d_block8_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 465: d_block8_dw_bn_clipped_relu 32x384x14x14 float32
-                (683999232, 1536),  # 466: d_block8_dw_bn_inv_std 1x384x1x1 float32
-                (684000768, 1536),  # 467: d_block8_dw_bn_weight 1x384x1x1 float32
+                (684000768, 1536),  # 466: d_block8_dw_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 467: d_block8_dw_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 468: d_block8_dw_bn_bias 1x384x1x1 float32
                 (674365440, 1536),  # 469: d_block8_dw_bn_batch_mean 1x384x1x1 float32
                 (683999232, 9633792),  # 470: block8_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 471: d_block8_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 472: d_block8_expand_bn_clipped_relu 32x384x14x14 float32
-                (663126016, 1536),  # 473: d_block8_expand_bn_inv_std 1x384x1x1 float32
-                (663127552, 1536),  # 474: d_block8_expand_bn_weight 1x384x1x1 float32
+                (663127552, 1536),  # 473: d_block8_expand_bn_ew_sum 1x384x1x1 float32
+                (663126016, 1536),  # 474: d_block8_expand_bn_inv_std 1x384x1x1 float32
                 (663126016, 1536),  # 475: d_block8_expand_bn_bias 1x384x1x1 float32
                 (663126016, 1536),  # 476: d_block8_expand_bn_batch_mean 1x384x1x1 float32
                 (663126016, 1605632),  # 477: block7_project_bn_2 32x64x14x14 float32
                 (664731648, 98304),  # 478: d_block8_expand_W 384x64x1x1 float32
                 (663126016, 1605632),  # 479: d_block7_project_bn 32x64x14x14 float32
-                (653492224, 256),  # 480: d_block7_project_bn_inv_std 1x64x1x1 float32
-                (653492480, 256),  # 481: d_block7_project_bn_weight 1x64x1x1 float32
+                (653492480, 256),  # 480: d_block7_project_bn_ew_sum 1x64x1x1 float32
+                (653492224, 256),  # 481: d_block7_project_bn_inv_std 1x64x1x1 float32
                 (653492224, 256),  # 482: d_block7_project_bn_bias 1x64x1x1 float32
                 (653492224, 256),  # 483: d_block7_project_bn_batch_mean 1x64x1x1 float32
                 (658309120, 4816896),  # 484: block7_dw_bn_clipped_relu_2 32x192x14x14 float32
                 (653492224, 49152),  # 485: d_block7_project_W 64x192x1x1 float32
                 (653492224, 4816896),  # 486: d_block7_dw_bn_clipped_relu 32x192x14x14 float32
-                (658309120, 768),  # 487: d_block7_dw_bn_inv_std 1x192x1x1 float32
-                (658309888, 768),  # 488: d_block7_dw_bn_weight 1x192x1x1 float32
+                (658309888, 768),  # 487: d_block7_dw_bn_ew_sum 1x192x1x1 float32
+                (658309120, 768),  # 488: d_block7_dw_bn_inv_std 1x192x1x1 float32
                 (658309120, 768),  # 489: d_block7_dw_bn_bias 1x192x1x1 float32
                 (653492224, 768),  # 490: d_block7_dw_bn_batch_mean 1x192x1x1 float32
                 (672759808, 19267584),  # 491: block7_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (653492224, 6912),  # 492: d_block7_dw_W 192x1x3x3 float32
                 (653492224, 19267584),  # 493: d_block7_expand_bn_clipped_relu 32x192x28x28 float32
-                (672759808, 768),  # 494: d_block7_expand_bn_inv_std 1x192x1x1 float32
-                (672760576, 768),  # 495: d_block7_expand_bn_weight 1x192x1x1 float32
+                (672760576, 768),  # 494: d_block7_expand_bn_ew_sum 1x192x1x1 float32
+                (672759808, 768),  # 495: d_block7_expand_bn_inv_std 1x192x1x1 float32
                 (672759808, 768),  # 496: d_block7_expand_bn_bias 1x192x1x1 float32
                 (653492224, 768),  # 497: d_block7_expand_bn_batch_mean 1x192x1x1 float32
                 (653492224, 3211264),  # 498: block6_project_bn_add_2 32x32x28x28 float32
                 (656703488, 24576),  # 499: d_block7_expand_W 192x32x1x1 float32
                 (653492224, 3211264),  # 500: d_block6_project_bn_add 32x32x28x28 float32
-                (590872576, 128),  # 501: d_block6_project_bn_inv_std 1x32x1x1 float32
-                (590872832, 128),  # 502: d_block6_project_bn_weight 1x32x1x1 float32
+                (590872576, 128),  # 501: d_block6_project_bn_ew_sum 1x32x1x1 float32
+                (590872832, 128),  # 502: d_block6_project_bn_inv_std 1x32x1x1 float32
                 (590872576, 128),  # 503: d_block6_project_bn_batch_mean 1x32x1x1 float32
                 (590872576, 128),  # 504: d_block6_project_bn_bias 1x32x1x1 float32
                 (656703488, 19267584),  # 505: block6_dw_bn_clipped_relu_2 32x192x28x28 float32
                 (590872576, 24576),  # 506: d_block6_project_W 32x192x1x1 float32
                 (590872576, 19267584),  # 507: d_block6_dw_bn_clipped_relu 32x192x28x28 float32
-                (656703488, 768),  # 508: d_block6_dw_bn_inv_std 1x192x1x1 float32
-                (656704256, 768),  # 509: d_block6_dw_bn_weight 1x192x1x1 float32
+                (656704256, 768),  # 508: d_block6_dw_bn_ew_sum 1x192x1x1 float32
+                (656703488, 768),  # 509: d_block6_dw_bn_inv_std 1x192x1x1 float32
                 (656703488, 768),  # 510: d_block6_dw_bn_bias 1x192x1x1 float32
                 (590872576, 768),  # 511: d_block6_dw_bn_batch_mean 1x192x1x1 float32
                 (656703488, 19267584),  # 512: block6_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (590872576, 6912),  # 513: d_block6_dw_W 192x1x3x3 float32
                 (590872576, 19267584),  # 514: d_block6_expand_bn_clipped_relu 32x192x28x28 float32
-                (571604992, 768),  # 515: d_block6_expand_bn_inv_std 1x192x1x1 float32
-                (571605760, 768),  # 516: d_block6_expand_bn_weight 1x192x1x1 float32
+                (571605760, 768),  # 515: d_block6_expand_bn_ew_sum 1x192x1x1 float32
+                (571604992, 768),  # 516: d_block6_expand_bn_inv_std 1x192x1x1 float32
                 (571604992, 768),  # 517: d_block6_expand_bn_bias 1x192x1x1 float32
                 (571604992, 768),  # 518: d_block6_expand_bn_batch_mean 1x192x1x1 float32
                 (574816256, 24576),  # 519: d_block6_expand_W 192x32x1x1 float32
                 (571604992, 3211264),  # 520: d_block5_project_bn_add 32x32x28x28 float32
-                (552337408, 128),  # 521: d_block5_project_bn_inv_std 1x32x1x1 float32
-                (552337664, 128),  # 522: d_block5_project_bn_weight 1x32x1x1 float32
+                (552337408, 128),  # 521: d_block5_project_bn_ew_sum 1x32x1x1 float32
+                (552337664, 128),  # 522: d_block5_project_bn_inv_std 1x32x1x1 float32
                 (552337408, 128),  # 523: d_block5_project_bn_batch_mean 1x32x1x1 float32
                 (552337408, 128),  # 524: d_block5_project_bn_bias 1x32x1x1 float32
                 (571604992, 19267584),  # 525: block5_dw_bn_clipped_relu_2 32x192x28x28 float32
                 (552337408, 24576),  # 526: d_block5_project_W 32x192x1x1 float32
                 (552337408, 19267584),  # 527: d_block5_dw_bn_clipped_relu 32x192x28x28 float32
-                (571604992, 768),  # 528: d_block5_dw_bn_inv_std 1x192x1x1 float32
-                (571605760, 768),  # 529: d_block5_dw_bn_weight 1x192x1x1 float32
+                (571605760, 768),  # 528: d_block5_dw_bn_ew_sum 1x192x1x1 float32
+                (571604992, 768),  # 529: d_block5_dw_bn_inv_std 1x192x1x1 float32
                 (571604992, 768),  # 530: d_block5_dw_bn_bias 1x192x1x1 float32
                 (552337408, 768),  # 531: d_block5_dw_bn_batch_mean 1x192x1x1 float32
                 (571604992, 19267584),  # 532: block5_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (552337408, 6912),  # 533: d_block5_dw_W 192x1x3x3 float32
                 (552337408, 19267584),  # 534: d_block5_expand_bn_clipped_relu 32x192x28x28 float32
-                (533069824, 768),  # 535: d_block5_expand_bn_inv_std 1x192x1x1 float32
-                (533070592, 768),  # 536: d_block5_expand_bn_weight 1x192x1x1 float32
+                (533070592, 768),  # 535: d_block5_expand_bn_ew_sum 1x192x1x1 float32
+                (533069824, 768),  # 536: d_block5_expand_bn_inv_std 1x192x1x1 float32
                 (533069824, 768),  # 537: d_block5_expand_bn_bias 1x192x1x1 float32
                 (533069824, 768),  # 538: d_block5_expand_bn_batch_mean 1x192x1x1 float32
                 (533069824, 3211264),  # 539: block4_project_bn_2 32x32x28x28 float32
                 (536281088, 24576),  # 540: d_block5_expand_W 192x32x1x1 float32
                 (533069824, 3211264),  # 541: d_block4_project_bn 32x32x28x28 float32
-                (513802240, 128),  # 542: d_block4_project_bn_inv_std 1x32x1x1 float32
-                (513802496, 128),  # 543: d_block4_project_bn_weight 1x32x1x1 float32
+                (513802496, 128),  # 542: d_block4_project_bn_ew_sum 1x32x1x1 float32
+                (513802240, 128),  # 543: d_block4_project_bn_inv_std 1x32x1x1 float32
                 (513802240, 128),  # 544: d_block4_project_bn_bias 1x32x1x1 float32
                 (513802240, 128),  # 545: d_block4_project_bn_batch_mean 1x32x1x1 float32
                 (528252928, 14450688),  # 546: block4_dw_bn_clipped_relu_2 32x144x28x28 float32
                 (513802240, 18432),  # 547: d_block4_project_W 32x144x1x1 float32
                 (513802240, 14450688),  # 548: d_block4_dw_bn_clipped_relu 32x144x28x28 float32
-                (528252928, 576),  # 549: d_block4_dw_bn_inv_std 1x144x1x1 float32
-                (528253696, 576),  # 550: d_block4_dw_bn_weight 1x144x1x1 float32
+                (528253696, 576),  # 549: d_block4_dw_bn_ew_sum 1x144x1x1 float32
+                (528252928, 576),  # 550: d_block4_dw_bn_inv_std 1x144x1x1 float32
                 (528252928, 576),  # 551: d_block4_dw_bn_bias 1x144x1x1 float32
                 (513802240, 576),  # 552: d_block4_dw_bn_batch_mean 1x144x1x1 float32
                 (653492224, 57802752),  # 553: block4_expand_bn_clipped_relu_2 32x144x56x56 float32
                 (513802240, 5184),  # 554: d_block4_dw_W 144x1x3x3 float32
                 (513802240, 57802752),  # 555: d_block4_expand_bn_clipped_relu 32x144x56x56 float32
-                (571604992, 576),  # 556: d_block4_expand_bn_inv_std 1x144x1x1 float32
-                (571605760, 576),  # 557: d_block4_expand_bn_weight 1x144x1x1 float32
+                (571605760, 576),  # 556: d_block4_expand_bn_ew_sum 1x144x1x1 float32
+                (571604992, 576),  # 557: d_block4_expand_bn_inv_std 1x144x1x1 float32
                 (571604992, 576),  # 558: d_block4_expand_bn_bias 1x144x1x1 float32
                 (513802240, 576),  # 559: d_block4_expand_bn_batch_mean 1x144x1x1 float32
                 (523436032, 13824),  # 560: d_block4_expand_W 144x24x1x1 float32
                 (513802240, 9633792),  # 561: d_block3_project_bn_add 32x24x56x56 float32
-                (372506624, 96),  # 562: d_block3_project_bn_inv_std 1x24x1x1 float32
-                (372506880, 96),  # 563: d_block3_project_bn_weight 1x24x1x1 float32
+                (372506624, 96),  # 562: d_block3_project_bn_ew_sum 1x24x1x1 float32
+                (372506880, 96),  # 563: d_block3_project_bn_inv_std 1x24x1x1 float32
                 (372506624, 96),  # 564: d_block3_project_bn_batch_mean 1x24x1x1 float32
                 (372506624, 96),  # 565: d_block3_project_bn_bias 1x24x1x1 float32
                 (523436032, 57802752),  # 566: block3_dw_bn_clipped_relu_2 32x144x56x56 float32
                 (372506624, 13824),  # 567: d_block3_project_W 24x144x1x1 float32
                 (372506624, 57802752),  # 568: d_block3_dw_bn_clipped_relu 32x144x56x56 float32
-                (523436032, 576),  # 569: d_block3_dw_bn_inv_std 1x144x1x1 float32
-                (523436800, 576),  # 570: d_block3_dw_bn_weight 1x144x1x1 float32
+                (523436800, 576),  # 569: d_block3_dw_bn_ew_sum 1x144x1x1 float32
+                (523436032, 576),  # 570: d_block3_dw_bn_inv_std 1x144x1x1 float32
                 (523436032, 576),  # 571: d_block3_dw_bn_bias 1x144x1x1 float32
                 (372506624, 576),  # 572: d_block3_dw_bn_batch_mean 1x144x1x1 float32
                 (523436032, 57802752),  # 573: block3_expand_bn_clipped_relu_2 32x144x56x56 float32
                 (372506624, 5184),  # 574: d_block3_dw_W 144x1x3x3 float32
                 (372506624, 57802752),  # 575: d_block3_expand_bn_clipped_relu 32x144x56x56 float32
-                (314703872, 576),  # 576: d_block3_expand_bn_inv_std 1x144x1x1 float32
-                (314704640, 576),  # 577: d_block3_expand_bn_weight 1x144x1x1 float32
+                (314704640, 576),  # 576: d_block3_expand_bn_ew_sum 1x144x1x1 float32
+                (314703872, 576),  # 577: d_block3_expand_bn_inv_std 1x144x1x1 float32
                 (314703872, 576),  # 578: d_block3_expand_bn_bias 1x144x1x1 float32
                 (314703872, 576),  # 579: d_block3_expand_bn_batch_mean 1x144x1x1 float32
                 (314703872, 9633792),  # 580: block2_project_bn_2 32x24x56x56 float32
                 (324337664, 13824),  # 581: d_block3_expand_W 144x24x1x1 float32
                 (314703872, 9633792),  # 582: d_block2_project_bn 32x24x56x56 float32
-                (205520896, 96),  # 583: d_block2_project_bn_inv_std 1x24x1x1 float32
-                (205521152, 96),  # 584: d_block2_project_bn_weight 1x24x1x1 float32
+                (205521152, 96),  # 583: d_block2_project_bn_ew_sum 1x24x1x1 float32
+                (205520896, 96),  # 584: d_block2_project_bn_inv_std 1x24x1x1 float32
                 (205520896, 96),  # 585: d_block2_project_bn_bias 1x24x1x1 float32
                 (205520896, 96),  # 586: d_block2_project_bn_batch_mean 1x24x1x1 float32
                 (314703872, 38535168),  # 587: block2_dw_bn_clipped_relu_2 32x96x56x56 float32
                 (205520896, 9216),  # 588: d_block2_project_W 24x96x1x1 float32
                 (205520896, 38535168),  # 589: d_block2_dw_bn_clipped_relu 32x96x56x56 float32
-                (244056064, 384),  # 590: d_block2_dw_bn_inv_std 1x96x1x1 float32
-                (244056576, 384),  # 591: d_block2_dw_bn_weight 1x96x1x1 float32
+                (244056576, 384),  # 590: d_block2_dw_bn_ew_sum 1x96x1x1 float32
+                (244056064, 384),  # 591: d_block2_dw_bn_inv_std 1x96x1x1 float32
                 (244056064, 384),  # 592: d_block2_dw_bn_bias 1x96x1x1 float32
                 (205520896, 384),  # 593: d_block2_dw_bn_batch_mean 1x96x1x1 float32
                 (667942912, 154140672),  # 594: block2_expand_bn_clipped_relu_2 32x96x112x112 float32
                 (205520896, 3456),  # 595: d_block2_dw_W 96x1x3x3 float32
                 (513802240, 154140672),  # 596: d_block2_expand_bn_clipped_relu 32x96x112x112 float32
-                (205520896, 384),  # 597: d_block2_expand_bn_inv_std 1x96x1x1 float32
-                (205521408, 384),  # 598: d_block2_expand_bn_weight 1x96x1x1 float32
+                (205521408, 384),  # 597: d_block2_expand_bn_ew_sum 1x96x1x1 float32
+                (205520896, 384),  # 598: d_block2_expand_bn_inv_std 1x96x1x1 float32
                 (205520896, 384),  # 599: d_block2_expand_bn_bias 1x96x1x1 float32
                 (205520896, 384),  # 600: d_block2_expand_bn_batch_mean 1x96x1x1 float32
                 (205520896, 25690112),  # 601: block1_project_bn_2 32x16x112x112 float32
                 (231211008, 6144),  # 602: d_block2_expand_W 96x16x1x1 float32
                 (205520896, 25690112),  # 603: d_block1_project_bn 32x16x112x112 float32
-                (0, 64),  # 604: d_block1_project_bn_inv_std 1x16x1x1 float32
-                (256, 64),  # 605: d_block1_project_bn_weight 1x16x1x1 float32
+                (256, 64),  # 604: d_block1_project_bn_ew_sum 1x16x1x1 float32
+                (0, 64),  # 605: d_block1_project_bn_inv_std 1x16x1x1 float32
                 (0, 64),  # 606: d_block1_project_bn_bias 1x16x1x1 float32
                 (0, 64),  # 607: d_block1_project_bn_batch_mean 1x16x1x1 float32
                 (51380224, 51380224),  # 608: block1_dw_bn_clipped_relu_2 32x32x112x112 float32
                 (0, 2048),  # 609: d_block1_project_W 16x32x1x1 float32
                 (0, 51380224),  # 610: d_block1_dw_bn_clipped_relu 32x32x112x112 float32
-                (51380224, 128),  # 611: d_block1_dw_bn_inv_std 1x32x1x1 float32
-                (51380480, 128),  # 612: d_block1_dw_bn_weight 1x32x1x1 float32
+                (51380480, 128),  # 611: d_block1_dw_bn_ew_sum 1x32x1x1 float32
+                (51380224, 128),  # 612: d_block1_dw_bn_inv_std 1x32x1x1 float32
                 (51380224, 128),  # 613: d_block1_dw_bn_bias 1x32x1x1 float32
                 (0, 128),  # 614: d_block1_dw_bn_batch_mean 1x32x1x1 float32
                 (51380224, 51380224),  # 615: conv1_bn_clipped_relu_2 32x32x112x112 float32
                 (0, 1152),  # 616: d_block1_dw_W 32x1x3x3 float32
                 (0, 51380224),  # 617: d_conv1_bn_clipped_relu 32x32x112x112 float32
-                (51380224, 128),  # 618: d_conv1_bn_inv_std 1x32x1x1 float32
-                (51380480, 128),  # 619: d_conv1_bn_weight 1x32x1x1 float32
+                (51380480, 128),  # 618: d_conv1_bn_ew_sum 1x32x1x1 float32
+                (51380224, 128),  # 619: d_conv1_bn_inv_std 1x32x1x1 float32
                 (51380224, 128),  # 620: d_conv1_bn_bias 1x32x1x1 float32
                 (0, 128),  # 621: d_conv1_bn_batch_mean 1x32x1x1 float32
                 (0, 3456),  # 622: d_conv1_W 32x3x3x3 float32
@@ -10230,10 +10542,9 @@ def ew_step_sub_mul(out, v0, v1):
     np.multiply(np.greater(6.0 - v1, 0) * np.greater(v1, 0), v0, out=out)
 
 
-def ew_mul_2(out, v0, v1, v2):
-    """out = v0*v1*v2"""
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1"""
     np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_add_pow_mul(out, v0, v1):
@@ -10247,6 +10558,11 @@ def ew_mul_add_5(out, v0, v1, v2, v3, v4):
     np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
+
+
+def ew_mul_3(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_neg(out, v0):

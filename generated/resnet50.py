@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
 Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: 0c61e216e3443045
+Structure hash: a5d1b94a1cfb5296
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "0c61e216e3443045"
+    structure_hash = "a5d1b94a1cfb5296"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -1798,7 +1798,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), forward ----
         # res4a_branch1 = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch1_W)
         res4a_branch1 = mem.tensor(130, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
+        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(25690112))
 
         # ---- bn4a_branch1 (batch norm), forward ----
         # bn4a_branch1_sum = sum_to[1x1024x1x1](res4a_branch1)
@@ -2724,7 +2724,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), forward ----
         # res5a_branch1 = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch1_W)
         res5a_branch1 = mem.tensor(221, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(6422528))
+        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
 
         # ---- bn5a_branch1 (batch norm), forward ----
         # bn5a_branch1_sum = sum_to[1x2048x1x1](res5a_branch1)
@@ -3217,32 +3217,38 @@ class Resnet50(rp.Model):
         mem.free(267)
 
         # ---- bn5c_branch2c (batch norm), backward ----
-        # d_bn5c_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_weight)
-        d_bn5c_branch2c_inv_std = mem.tensor(268, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5c_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered)
+        d_bn5c_branch2c_ew_sum = mem.tensor(268, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2c_ew_sum, d_bn5c_branch2c_add, bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5c_branch2c_inv_std = bn5c_branch2c_weight*d_bn5c_branch2c_ew_sum
+        d_bn5c_branch2c_inv_std = mem.tensor(269, (1, 2048, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_ew_sum)
         # d_bn5c_branch2c_sum_of_squares = -d_bn5c_branch2c_inv_std/(3136*(bn5c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2c_sum_of_squares = d_bn5c_branch2c_inv_std  # in place: over d_bn5c_branch2c_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2c_sum_of_squares, d_bn5c_branch2c_inv_std, bn5c_branch2c_batch_var)
         # free bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         del bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         mem.free(256)
-        # d_bn5c_branch2c_weight = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered*bn5c_branch2c_inv_std)
-        d_bn5c_branch2c_weight = mem.tensor(269, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2c_weight, d_bn5c_branch2c_add, bn5c_branch2c_centered, bn5c_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5c_branch2c_centered = d_bn5c_branch2c_add*bn5c_branch2c_inv_std*bn5c_branch2c_weight + 2*d_bn5c_branch2c_sum_of_squares*bn5c_branch2c_centered
         d_bn5c_branch2c_centered = bn5c_branch2c_centered  # in place: over bn5c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2c_centered, d_bn5c_branch2c_add, bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered)
-        # free bn5c_branch2c_inv_std, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
-        del bn5c_branch2c_inv_std, d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
-        mem.free(257, 268)
+        # free d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
+        del d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
+        mem.free(269)
+        # d_bn5c_branch2c_weight = bn5c_branch2c_inv_std*d_bn5c_branch2c_ew_sum
+        d_bn5c_branch2c_weight = bn5c_branch2c_inv_std  # in place: over bn5c_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn5c_branch2c_weight, bn5c_branch2c_inv_std, d_bn5c_branch2c_ew_sum)
+        # free d_bn5c_branch2c_ew_sum
+        del d_bn5c_branch2c_ew_sum
+        mem.free(268)
         # d_bn5c_branch2c_W = reshape[2048](d_bn5c_branch2c_weight)
         d_bn5c_branch2c_W = rt.reshape(d_bn5c_branch2c_weight, shape=(2048,))
         # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W
         V_bn5c_branch2c_W_new = T['V_bn5c_branch2c_W']  # in place: the new V_bn5c_branch2c_W
         rt.ew(ew_mul_add, V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W'])
-        # free d_bn5c_branch2c_weight, d_bn5c_branch2c_W
-        del d_bn5c_branch2c_weight, d_bn5c_branch2c_W
-        mem.free(269)
+        # free bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
+        del bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
+        mem.free(257)
         # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new
         bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
         rt.ew(ew_mul_sub, bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new)
@@ -3315,38 +3321,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2c_W_new, T['res5c_branch2c_W'], lr, V_res5c_branch2c_W_new)
 
         # ---- bn5c_branch2b (batch norm), backward ----
-        # d_bn5c_branch2b_inv_std = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_weight)
-        d_bn5c_branch2b_inv_std = mem.tensor(275, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2b_inv_std, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5c_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered)
+        d_bn5c_branch2b_ew_sum = mem.tensor(275, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2b_ew_sum, d_bn5c_branch2b, bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5c_branch2b_inv_std = bn5c_branch2b_weight*d_bn5c_branch2b_ew_sum
+        d_bn5c_branch2b_inv_std = mem.tensor(276, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_ew_sum)
         # d_bn5c_branch2b_sum_of_squares = -d_bn5c_branch2b_inv_std/(3136*(bn5c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2b_sum_of_squares = d_bn5c_branch2b_inv_std  # in place: over d_bn5c_branch2b_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2b_sum_of_squares, d_bn5c_branch2b_inv_std, bn5c_branch2b_batch_var)
         # free bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         del bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         mem.free(251)
-        # d_bn5c_branch2b_weight = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered*bn5c_branch2b_inv_std)
-        d_bn5c_branch2b_weight = mem.tensor(276, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2b_weight, d_bn5c_branch2b, bn5c_branch2b_centered, bn5c_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2b_centered = d_bn5c_branch2b*bn5c_branch2b_inv_std*bn5c_branch2b_weight + 2*d_bn5c_branch2b_sum_of_squares*bn5c_branch2b_centered
         d_bn5c_branch2b_centered = bn5c_branch2b_centered  # in place: over bn5c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2b_centered, d_bn5c_branch2b, bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered)
-        # free bn5c_branch2b_inv_std, d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
-        del bn5c_branch2b_inv_std, d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
-        mem.free(252, 275)
+        # free d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
+        del d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
+        mem.free(276)
         # d_bn5c_branch2b_bias = sum_to[1x512x1x1](d_bn5c_branch2b)
         d_bn5c_branch2b_bias = mem.tensor(277, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5c_branch2b, out=d_bn5c_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5c_branch2b_relu, d_bn5c_branch2b
         del d_bn5c_branch2b_relu, d_bn5c_branch2b
         mem.free(272)
+        # d_bn5c_branch2b_weight = bn5c_branch2b_inv_std*d_bn5c_branch2b_ew_sum
+        d_bn5c_branch2b_weight = bn5c_branch2b_inv_std  # in place: over bn5c_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn5c_branch2b_weight, bn5c_branch2b_inv_std, d_bn5c_branch2b_ew_sum)
+        # free d_bn5c_branch2b_ew_sum
+        del d_bn5c_branch2b_ew_sum
+        mem.free(275)
         # d_bn5c_branch2b_W = reshape[512](d_bn5c_branch2b_weight)
         d_bn5c_branch2b_W = rt.reshape(d_bn5c_branch2b_weight, shape=(512,))
         # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W
         V_bn5c_branch2b_W_new = T['V_bn5c_branch2b_W']  # in place: the new V_bn5c_branch2b_W
         rt.ew(ew_mul_add, V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W'])
-        # free d_bn5c_branch2b_weight, d_bn5c_branch2b_W
-        del d_bn5c_branch2b_weight, d_bn5c_branch2b_W
-        mem.free(276)
+        # free bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
+        del bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
+        mem.free(252)
         # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new
         bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
         rt.ew(ew_mul_sub, bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new)
@@ -3390,38 +3402,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5c_branch2a, d_bn5c_branch2a_relu, bn5c_branch2a_relu_2)
 
         # ---- bn5c_branch2a (batch norm), backward ----
-        # d_bn5c_branch2a_inv_std = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_weight)
-        d_bn5c_branch2a_inv_std = mem.tensor(281, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2a_inv_std, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5c_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered)
+        d_bn5c_branch2a_ew_sum = mem.tensor(281, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5c_branch2a_ew_sum, d_bn5c_branch2a, bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5c_branch2a_inv_std = bn5c_branch2a_weight*d_bn5c_branch2a_ew_sum
+        d_bn5c_branch2a_inv_std = mem.tensor(282, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_ew_sum)
         # d_bn5c_branch2a_sum_of_squares = -d_bn5c_branch2a_inv_std/(3136*(bn5c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2a_sum_of_squares = d_bn5c_branch2a_inv_std  # in place: over d_bn5c_branch2a_inv_std
         rt.ew(ew_add_pow_mul, d_bn5c_branch2a_sum_of_squares, d_bn5c_branch2a_inv_std, bn5c_branch2a_batch_var)
         # free bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         del bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         mem.free(246)
-        # d_bn5c_branch2a_weight = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered*bn5c_branch2a_inv_std)
-        d_bn5c_branch2a_weight = mem.tensor(282, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2a_weight, d_bn5c_branch2a, bn5c_branch2a_centered, bn5c_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2a_centered = d_bn5c_branch2a*bn5c_branch2a_inv_std*bn5c_branch2a_weight + 2*d_bn5c_branch2a_sum_of_squares*bn5c_branch2a_centered
         d_bn5c_branch2a_centered = bn5c_branch2a_centered  # in place: over bn5c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn5c_branch2a_centered, d_bn5c_branch2a, bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered)
-        # free bn5c_branch2a_inv_std, d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
-        del bn5c_branch2a_inv_std, d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
-        mem.free(247, 281)
+        # free d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
+        del d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
+        mem.free(282)
         # d_bn5c_branch2a_bias = sum_to[1x512x1x1](d_bn5c_branch2a)
         d_bn5c_branch2a_bias = mem.tensor(283, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5c_branch2a, out=d_bn5c_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5c_branch2a_relu, d_bn5c_branch2a
         del d_bn5c_branch2a_relu, d_bn5c_branch2a
         mem.free(279)
+        # d_bn5c_branch2a_weight = bn5c_branch2a_inv_std*d_bn5c_branch2a_ew_sum
+        d_bn5c_branch2a_weight = bn5c_branch2a_inv_std  # in place: over bn5c_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn5c_branch2a_weight, bn5c_branch2a_inv_std, d_bn5c_branch2a_ew_sum)
+        # free d_bn5c_branch2a_ew_sum
+        del d_bn5c_branch2a_ew_sum
+        mem.free(281)
         # d_bn5c_branch2a_W = reshape[512](d_bn5c_branch2a_weight)
         d_bn5c_branch2a_W = rt.reshape(d_bn5c_branch2a_weight, shape=(512,))
         # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W
         V_bn5c_branch2a_W_new = T['V_bn5c_branch2a_W']  # in place: the new V_bn5c_branch2a_W
         rt.ew(ew_mul_add, V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W'])
-        # free d_bn5c_branch2a_weight, d_bn5c_branch2a_W
-        del d_bn5c_branch2a_weight, d_bn5c_branch2a_W
-        mem.free(282)
+        # free bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
+        del bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
+        mem.free(247)
         # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new
         bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
         rt.ew(ew_mul_sub, bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new)
@@ -3499,32 +3517,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2a_W_new, T['res5c_branch2a_W'], lr, V_res5c_branch2a_W_new)
 
         # ---- bn5b_branch2c (batch norm), backward ----
-        # d_bn5b_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_weight)
-        d_bn5b_branch2c_inv_std = mem.tensor(288, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5b_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered)
+        d_bn5b_branch2c_ew_sum = mem.tensor(288, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2c_ew_sum, d_bn5b_branch2c_add, bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5b_branch2c_inv_std = bn5b_branch2c_weight*d_bn5b_branch2c_ew_sum
+        d_bn5b_branch2c_inv_std = mem.tensor(289, (1, 2048, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_ew_sum)
         # d_bn5b_branch2c_sum_of_squares = -d_bn5b_branch2c_inv_std/(3136*(bn5b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2c_sum_of_squares = d_bn5b_branch2c_inv_std  # in place: over d_bn5b_branch2c_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2c_sum_of_squares, d_bn5b_branch2c_inv_std, bn5b_branch2c_batch_var)
         # free bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         del bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         mem.free(242)
-        # d_bn5b_branch2c_weight = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered*bn5b_branch2c_inv_std)
-        d_bn5b_branch2c_weight = mem.tensor(289, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2c_weight, d_bn5b_branch2c_add, bn5b_branch2c_centered, bn5b_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_centered = d_bn5b_branch2c_add*bn5b_branch2c_inv_std*bn5b_branch2c_weight + 2*d_bn5b_branch2c_sum_of_squares*bn5b_branch2c_centered
         d_bn5b_branch2c_centered = bn5b_branch2c_centered  # in place: over bn5b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2c_centered, d_bn5b_branch2c_add, bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered)
-        # free bn5b_branch2c_inv_std, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
-        del bn5b_branch2c_inv_std, d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
-        mem.free(243, 288)
+        # free d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
+        del d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
+        mem.free(289)
+        # d_bn5b_branch2c_weight = bn5b_branch2c_inv_std*d_bn5b_branch2c_ew_sum
+        d_bn5b_branch2c_weight = bn5b_branch2c_inv_std  # in place: over bn5b_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn5b_branch2c_weight, bn5b_branch2c_inv_std, d_bn5b_branch2c_ew_sum)
+        # free d_bn5b_branch2c_ew_sum
+        del d_bn5b_branch2c_ew_sum
+        mem.free(288)
         # d_bn5b_branch2c_W = reshape[2048](d_bn5b_branch2c_weight)
         d_bn5b_branch2c_W = rt.reshape(d_bn5b_branch2c_weight, shape=(2048,))
         # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W
         V_bn5b_branch2c_W_new = T['V_bn5b_branch2c_W']  # in place: the new V_bn5b_branch2c_W
         rt.ew(ew_mul_add, V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W'])
-        # free d_bn5b_branch2c_weight, d_bn5b_branch2c_W
-        del d_bn5b_branch2c_weight, d_bn5b_branch2c_W
-        mem.free(289)
+        # free bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
+        del bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
+        mem.free(243)
         # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new
         bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
         rt.ew(ew_mul_sub, bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new)
@@ -3597,38 +3621,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5b_branch2c_W_new, T['res5b_branch2c_W'], lr, V_res5b_branch2c_W_new)
 
         # ---- bn5b_branch2b (batch norm), backward ----
-        # d_bn5b_branch2b_inv_std = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_weight)
-        d_bn5b_branch2b_inv_std = mem.tensor(295, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2b_inv_std, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5b_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered)
+        d_bn5b_branch2b_ew_sum = mem.tensor(295, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2b_ew_sum, d_bn5b_branch2b, bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5b_branch2b_inv_std = bn5b_branch2b_weight*d_bn5b_branch2b_ew_sum
+        d_bn5b_branch2b_inv_std = mem.tensor(296, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_ew_sum)
         # d_bn5b_branch2b_sum_of_squares = -d_bn5b_branch2b_inv_std/(3136*(bn5b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2b_sum_of_squares = d_bn5b_branch2b_inv_std  # in place: over d_bn5b_branch2b_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2b_sum_of_squares, d_bn5b_branch2b_inv_std, bn5b_branch2b_batch_var)
         # free bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         del bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         mem.free(237)
-        # d_bn5b_branch2b_weight = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered*bn5b_branch2b_inv_std)
-        d_bn5b_branch2b_weight = mem.tensor(296, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2b_weight, d_bn5b_branch2b, bn5b_branch2b_centered, bn5b_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2b_centered = d_bn5b_branch2b*bn5b_branch2b_inv_std*bn5b_branch2b_weight + 2*d_bn5b_branch2b_sum_of_squares*bn5b_branch2b_centered
         d_bn5b_branch2b_centered = bn5b_branch2b_centered  # in place: over bn5b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2b_centered, d_bn5b_branch2b, bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered)
-        # free bn5b_branch2b_inv_std, d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
-        del bn5b_branch2b_inv_std, d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
-        mem.free(238, 295)
+        # free d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
+        del d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
+        mem.free(296)
         # d_bn5b_branch2b_bias = sum_to[1x512x1x1](d_bn5b_branch2b)
         d_bn5b_branch2b_bias = mem.tensor(297, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5b_branch2b, out=d_bn5b_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5b_branch2b_relu, d_bn5b_branch2b
         del d_bn5b_branch2b_relu, d_bn5b_branch2b
         mem.free(292)
+        # d_bn5b_branch2b_weight = bn5b_branch2b_inv_std*d_bn5b_branch2b_ew_sum
+        d_bn5b_branch2b_weight = bn5b_branch2b_inv_std  # in place: over bn5b_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn5b_branch2b_weight, bn5b_branch2b_inv_std, d_bn5b_branch2b_ew_sum)
+        # free d_bn5b_branch2b_ew_sum
+        del d_bn5b_branch2b_ew_sum
+        mem.free(295)
         # d_bn5b_branch2b_W = reshape[512](d_bn5b_branch2b_weight)
         d_bn5b_branch2b_W = rt.reshape(d_bn5b_branch2b_weight, shape=(512,))
         # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W
         V_bn5b_branch2b_W_new = T['V_bn5b_branch2b_W']  # in place: the new V_bn5b_branch2b_W
         rt.ew(ew_mul_add, V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W'])
-        # free d_bn5b_branch2b_weight, d_bn5b_branch2b_W
-        del d_bn5b_branch2b_weight, d_bn5b_branch2b_W
-        mem.free(296)
+        # free bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
+        del bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
+        mem.free(238)
         # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new
         bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
         rt.ew(ew_mul_sub, bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new)
@@ -3672,38 +3702,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5b_branch2a, d_bn5b_branch2a_relu, bn5b_branch2a_relu_2)
 
         # ---- bn5b_branch2a (batch norm), backward ----
-        # d_bn5b_branch2a_inv_std = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_weight)
-        d_bn5b_branch2a_inv_std = mem.tensor(301, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2a_inv_std, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5b_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered)
+        d_bn5b_branch2a_ew_sum = mem.tensor(301, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5b_branch2a_ew_sum, d_bn5b_branch2a, bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5b_branch2a_inv_std = bn5b_branch2a_weight*d_bn5b_branch2a_ew_sum
+        d_bn5b_branch2a_inv_std = mem.tensor(302, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_ew_sum)
         # d_bn5b_branch2a_sum_of_squares = -d_bn5b_branch2a_inv_std/(3136*(bn5b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2a_sum_of_squares = d_bn5b_branch2a_inv_std  # in place: over d_bn5b_branch2a_inv_std
         rt.ew(ew_add_pow_mul, d_bn5b_branch2a_sum_of_squares, d_bn5b_branch2a_inv_std, bn5b_branch2a_batch_var)
         # free bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         del bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         mem.free(232)
-        # d_bn5b_branch2a_weight = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered*bn5b_branch2a_inv_std)
-        d_bn5b_branch2a_weight = mem.tensor(302, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2a_weight, d_bn5b_branch2a, bn5b_branch2a_centered, bn5b_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2a_centered = d_bn5b_branch2a*bn5b_branch2a_inv_std*bn5b_branch2a_weight + 2*d_bn5b_branch2a_sum_of_squares*bn5b_branch2a_centered
         d_bn5b_branch2a_centered = bn5b_branch2a_centered  # in place: over bn5b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn5b_branch2a_centered, d_bn5b_branch2a, bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered)
-        # free bn5b_branch2a_inv_std, d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
-        del bn5b_branch2a_inv_std, d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
-        mem.free(233, 301)
+        # free d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
+        del d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
+        mem.free(302)
         # d_bn5b_branch2a_bias = sum_to[1x512x1x1](d_bn5b_branch2a)
         d_bn5b_branch2a_bias = mem.tensor(303, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5b_branch2a, out=d_bn5b_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5b_branch2a_relu, d_bn5b_branch2a
         del d_bn5b_branch2a_relu, d_bn5b_branch2a
         mem.free(299)
+        # d_bn5b_branch2a_weight = bn5b_branch2a_inv_std*d_bn5b_branch2a_ew_sum
+        d_bn5b_branch2a_weight = bn5b_branch2a_inv_std  # in place: over bn5b_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn5b_branch2a_weight, bn5b_branch2a_inv_std, d_bn5b_branch2a_ew_sum)
+        # free d_bn5b_branch2a_ew_sum
+        del d_bn5b_branch2a_ew_sum
+        mem.free(301)
         # d_bn5b_branch2a_W = reshape[512](d_bn5b_branch2a_weight)
         d_bn5b_branch2a_W = rt.reshape(d_bn5b_branch2a_weight, shape=(512,))
         # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W
         V_bn5b_branch2a_W_new = T['V_bn5b_branch2a_W']  # in place: the new V_bn5b_branch2a_W
         rt.ew(ew_mul_add, V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W'])
-        # free d_bn5b_branch2a_weight, d_bn5b_branch2a_W
-        del d_bn5b_branch2a_weight, d_bn5b_branch2a_W
-        mem.free(302)
+        # free bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
+        del bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
+        mem.free(233)
         # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new
         bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
         rt.ew(ew_mul_sub, bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new)
@@ -3786,50 +3822,43 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5b_branch2a_W_new, T['res5b_branch2a_W'], lr, V_res5b_branch2a_W_new)
 
         # ---- bn5a_branch2c (batch norm), backward ----
-        # d_bn5a_branch2c_inv_std = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_weight)
-        d_bn5a_branch2c_inv_std = mem.tensor(309, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered)
+        d_bn5a_branch2c_ew_sum = mem.tensor(309, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2c_ew_sum, d_bn5a_branch2c_add, bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch2c_inv_std = bn5a_branch2c_weight*d_bn5a_branch2c_ew_sum
+        d_bn5a_branch2c_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_ew_sum)
         # d_bn5a_branch2c_sum_of_squares = -d_bn5a_branch2c_inv_std/(3136*(bn5a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2c_sum_of_squares = d_bn5a_branch2c_inv_std  # in place: over d_bn5a_branch2c_inv_std
         rt.ew(ew_add_pow_mul, d_bn5a_branch2c_sum_of_squares, d_bn5a_branch2c_inv_std, bn5a_branch2c_batch_var)
         # free bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         del bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         mem.free(227)
-
-        # ---- bn5a_branch1 (batch norm), backward ----
-        # d_bn5a_branch1_inv_std = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_weight)
-        d_bn5a_branch1_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch1_inv_std, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_weight, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5a_branch1_sum_of_squares = -d_bn5a_branch1_inv_std/(3136*(bn5a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn5a_branch1_sum_of_squares = d_bn5a_branch1_inv_std  # in place: over d_bn5a_branch1_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var)
-        # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
-        del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
-        mem.free(223)
-
-        # ---- bn5a_branch2c (batch norm), backward ----
-        # d_bn5a_branch2c_weight = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered*bn5a_branch2c_inv_std)
-        d_bn5a_branch2c_weight = mem.tensor(311, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2c_weight, d_bn5a_branch2c_add, bn5a_branch2c_centered, bn5a_branch2c_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch2c_centered = d_bn5a_branch2c_add*bn5a_branch2c_inv_std*bn5a_branch2c_weight + 2*d_bn5a_branch2c_sum_of_squares*bn5a_branch2c_centered
         d_bn5a_branch2c_centered = bn5a_branch2c_centered  # in place: over bn5a_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn5a_branch2c_centered, d_bn5a_branch2c_add, bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered)
-        # free bn5a_branch2c_inv_std, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
-        del bn5a_branch2c_inv_std, d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
-        mem.free(228, 309)
+        # free d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
+        del d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
+        mem.free(310)
+        # d_bn5a_branch2c_weight = bn5a_branch2c_inv_std*d_bn5a_branch2c_ew_sum
+        d_bn5a_branch2c_weight = bn5a_branch2c_inv_std  # in place: over bn5a_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn5a_branch2c_weight, bn5a_branch2c_inv_std, d_bn5a_branch2c_ew_sum)
+        # free d_bn5a_branch2c_ew_sum
+        del d_bn5a_branch2c_ew_sum
+        mem.free(309)
         # d_bn5a_branch2c_W = reshape[2048](d_bn5a_branch2c_weight)
         d_bn5a_branch2c_W = rt.reshape(d_bn5a_branch2c_weight, shape=(2048,))
         # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W
         V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
         rt.ew(ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W'])
-        # free d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        del d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        mem.free(311)
+        # free bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
+        del bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
+        mem.free(228)
         # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
         bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
         rt.ew(ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new)
         # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch2c_centered)
-        d_bn5a_branch2c_batch_mean = mem.tensor(312, (1, 2048, 1, 1), 'float32')
+        d_bn5a_branch2c_batch_mean = mem.tensor(311, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean/1568
         d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean  # in place: over d_bn5a_branch2c_batch_mean
@@ -3841,12 +3870,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5a_branch2c, d_bn5a_branch2c_centered, d_bn5a_branch2c_sum)
         # free d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
         del d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_sum
-        mem.free(312)
+        mem.free(311)
 
         # ---- bn5a_branch1 (batch norm), backward ----
+        # d_bn5a_branch1_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered)
+        d_bn5a_branch1_ew_sum = mem.tensor(312, (1, 2048, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch1_ew_sum, d_bn5a_branch2c_add, bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
+        # d_bn5a_branch1_inv_std = bn5a_branch1_weight*d_bn5a_branch1_ew_sum
+        d_bn5a_branch1_inv_std = mem.tensor(313, (1, 2048, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_ew_sum)
+        # d_bn5a_branch1_sum_of_squares = -d_bn5a_branch1_inv_std/(3136*(bn5a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn5a_branch1_sum_of_squares = d_bn5a_branch1_inv_std  # in place: over d_bn5a_branch1_inv_std
+        rt.ew(ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var)
+        # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
+        del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
+        mem.free(223)
+        # d_bn5a_branch1_centered = d_bn5a_branch2c_add*bn5a_branch1_inv_std*bn5a_branch1_weight + 2*d_bn5a_branch1_sum_of_squares*bn5a_branch1_centered
+        d_bn5a_branch1_centered = bn5a_branch1_centered  # in place: over bn5a_branch1_centered
+        rt.ew(ew_mul_add_2, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered)
+        # free d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
+        del d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
+        mem.free(313)
         # d_bn5a_branch1_bias = sum_to[1x2048x1x1](d_bn5a_branch2c_add)
-        d_bn5a_branch1_bias = mem.tensor(313, (1, 2048, 1, 1), 'float32')
+        d_bn5a_branch1_bias = mem.tensor(314, (1, 2048, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2c_add, out=d_bn5a_branch1_bias, shape=(1, 2048, 1, 1))
+        # free d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add
+        del d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add
+        mem.free(266)
+        # d_bn5a_branch1_weight = bn5a_branch1_inv_std*d_bn5a_branch1_ew_sum
+        d_bn5a_branch1_weight = bn5a_branch1_inv_std  # in place: over bn5a_branch1_inv_std
+        rt.ew(ew_mul_2, d_bn5a_branch1_weight, bn5a_branch1_inv_std, d_bn5a_branch1_ew_sum)
+        # free d_bn5a_branch1_ew_sum
+        del d_bn5a_branch1_ew_sum
+        mem.free(312)
         # d_bn5a_branch1_B = reshape[2048](d_bn5a_branch1_bias)
         d_bn5a_branch1_B = rt.reshape(d_bn5a_branch1_bias, shape=(2048,))
 
@@ -3861,7 +3917,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5a_branch1_B_new, T['V_bn5a_branch1_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch1_B'])
         # free d_bn5a_branch1_bias, d_bn5a_branch1_B
         del d_bn5a_branch1_bias, d_bn5a_branch1_B
-        mem.free(313)
+        mem.free(314)
 
         # ---- bn5a_branch2c (batch norm), backward ----
         # bn5a_branch2c_B_new = bn5a_branch2c_B - lr*V_bn5a_branch2c_B_new
@@ -3869,29 +3925,20 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, bn5a_branch2c_B_new, T['bn5a_branch2c_B'], lr, V_bn5a_branch2c_B_new)
 
         # ---- bn5a_branch1 (batch norm), backward ----
-        # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
-        bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
-        rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
-        # d_bn5a_branch1_weight = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered*bn5a_branch1_inv_std)
-        d_bn5a_branch1_weight = mem.tensor(314, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch1_weight, d_bn5a_branch2c_add, bn5a_branch1_centered, bn5a_branch1_inv_std, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5a_branch1_centered = d_bn5a_branch2c_add*bn5a_branch1_inv_std*bn5a_branch1_weight + 2*d_bn5a_branch1_sum_of_squares*bn5a_branch1_centered
-        d_bn5a_branch1_centered = d_bn5a_branch2c_add  # in place: over d_bn5a_branch2c_add
-        rt.ew(ew_mul_add_3, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered)
-        # free res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std, d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
-        del res5a_branch1, bn5a_branch1_centered, bn5a_branch1_inv_std, d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
-        mem.free(221, 224, 310)
         # d_bn5a_branch1_W = reshape[2048](d_bn5a_branch1_weight)
         d_bn5a_branch1_W = rt.reshape(d_bn5a_branch1_weight, shape=(2048,))
         # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W
         V_bn5a_branch1_W_new = T['V_bn5a_branch1_W']  # in place: the new V_bn5a_branch1_W
         rt.ew(ew_mul_add, V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W'])
-        # free d_bn5a_branch1_weight, d_bn5a_branch1_W
-        del d_bn5a_branch1_weight, d_bn5a_branch1_W
-        mem.free(314)
+        # free bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
+        del bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
+        mem.free(224)
         # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new
         bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
         rt.ew(ew_mul_sub, bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new)
+        # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
+        bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
+        rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
         # d_bn5a_branch1_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch1_centered)
         d_bn5a_branch1_batch_mean = mem.tensor(315, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5a_branch1_batch_mean, d_bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
@@ -3945,38 +3992,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5a_branch2c_W_new, T['res5a_branch2c_W'], lr, V_res5a_branch2c_W_new)
 
         # ---- bn5a_branch2b (batch norm), backward ----
-        # d_bn5a_branch2b_inv_std = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_weight)
-        d_bn5a_branch2b_inv_std = mem.tensor(319, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2b_inv_std, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered)
+        d_bn5a_branch2b_ew_sum = mem.tensor(319, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2b_ew_sum, d_bn5a_branch2b, bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2b_inv_std = bn5a_branch2b_weight*d_bn5a_branch2b_ew_sum
+        d_bn5a_branch2b_inv_std = mem.tensor(320, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_ew_sum)
         # d_bn5a_branch2b_sum_of_squares = -d_bn5a_branch2b_inv_std/(3136*(bn5a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2b_sum_of_squares = d_bn5a_branch2b_inv_std  # in place: over d_bn5a_branch2b_inv_std
         rt.ew(ew_add_pow_mul, d_bn5a_branch2b_sum_of_squares, d_bn5a_branch2b_inv_std, bn5a_branch2b_batch_var)
         # free bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         del bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         mem.free(218)
-        # d_bn5a_branch2b_weight = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered*bn5a_branch2b_inv_std)
-        d_bn5a_branch2b_weight = mem.tensor(320, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2b_weight, d_bn5a_branch2b, bn5a_branch2b_centered, bn5a_branch2b_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5a_branch2b_centered = d_bn5a_branch2b*bn5a_branch2b_inv_std*bn5a_branch2b_weight + 2*d_bn5a_branch2b_sum_of_squares*bn5a_branch2b_centered
         d_bn5a_branch2b_centered = bn5a_branch2b_centered  # in place: over bn5a_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn5a_branch2b_centered, d_bn5a_branch2b, bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered)
-        # free bn5a_branch2b_inv_std, d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
-        del bn5a_branch2b_inv_std, d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
-        mem.free(219, 319)
+        # free d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
+        del d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
+        mem.free(320)
         # d_bn5a_branch2b_bias = sum_to[1x512x1x1](d_bn5a_branch2b)
         d_bn5a_branch2b_bias = mem.tensor(321, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2b, out=d_bn5a_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5a_branch2b_relu, d_bn5a_branch2b
         del d_bn5a_branch2b_relu, d_bn5a_branch2b
         mem.free(316)
+        # d_bn5a_branch2b_weight = bn5a_branch2b_inv_std*d_bn5a_branch2b_ew_sum
+        d_bn5a_branch2b_weight = bn5a_branch2b_inv_std  # in place: over bn5a_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn5a_branch2b_weight, bn5a_branch2b_inv_std, d_bn5a_branch2b_ew_sum)
+        # free d_bn5a_branch2b_ew_sum
+        del d_bn5a_branch2b_ew_sum
+        mem.free(319)
         # d_bn5a_branch2b_W = reshape[512](d_bn5a_branch2b_weight)
         d_bn5a_branch2b_W = rt.reshape(d_bn5a_branch2b_weight, shape=(512,))
         # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W
         V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
         rt.ew(ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W'])
-        # free d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        del d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        mem.free(320)
+        # free bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
+        del bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
+        mem.free(219)
         # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
         bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
         rt.ew(ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new)
@@ -4020,38 +4073,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_step_mul, d_bn5a_branch2a, d_bn5a_branch2a_relu, bn5a_branch2a_relu_2)
 
         # ---- bn5a_branch2a (batch norm), backward ----
-        # d_bn5a_branch2a_inv_std = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_weight)
-        d_bn5a_branch2a_inv_std = mem.tensor(325, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2a_inv_std, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered)
+        d_bn5a_branch2a_ew_sum = mem.tensor(325, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn5a_branch2a_ew_sum, d_bn5a_branch2a, bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        # d_bn5a_branch2a_inv_std = bn5a_branch2a_weight*d_bn5a_branch2a_ew_sum
+        d_bn5a_branch2a_inv_std = mem.tensor(326, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_ew_sum)
         # d_bn5a_branch2a_sum_of_squares = -d_bn5a_branch2a_inv_std/(3136*(bn5a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2a_sum_of_squares = d_bn5a_branch2a_inv_std  # in place: over d_bn5a_branch2a_inv_std
         rt.ew(ew_add_pow_mul, d_bn5a_branch2a_sum_of_squares, d_bn5a_branch2a_inv_std, bn5a_branch2a_batch_var)
         # free bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         del bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         mem.free(213)
-        # d_bn5a_branch2a_weight = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered*bn5a_branch2a_inv_std)
-        d_bn5a_branch2a_weight = mem.tensor(326, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2a_weight, d_bn5a_branch2a, bn5a_branch2a_centered, bn5a_branch2a_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5a_branch2a_centered = d_bn5a_branch2a*bn5a_branch2a_inv_std*bn5a_branch2a_weight + 2*d_bn5a_branch2a_sum_of_squares*bn5a_branch2a_centered
         d_bn5a_branch2a_centered = bn5a_branch2a_centered  # in place: over bn5a_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn5a_branch2a_centered, d_bn5a_branch2a, bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered)
-        # free bn5a_branch2a_inv_std, d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
-        del bn5a_branch2a_inv_std, d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
-        mem.free(214, 325)
+        # free d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
+        del d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
+        mem.free(326)
         # d_bn5a_branch2a_bias = sum_to[1x512x1x1](d_bn5a_branch2a)
         d_bn5a_branch2a_bias = mem.tensor(327, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2a, out=d_bn5a_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5a_branch2a_relu, d_bn5a_branch2a
         del d_bn5a_branch2a_relu, d_bn5a_branch2a
         mem.free(323)
+        # d_bn5a_branch2a_weight = bn5a_branch2a_inv_std*d_bn5a_branch2a_ew_sum
+        d_bn5a_branch2a_weight = bn5a_branch2a_inv_std  # in place: over bn5a_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn5a_branch2a_weight, bn5a_branch2a_inv_std, d_bn5a_branch2a_ew_sum)
+        # free d_bn5a_branch2a_ew_sum
+        del d_bn5a_branch2a_ew_sum
+        mem.free(325)
         # d_bn5a_branch2a_W = reshape[512](d_bn5a_branch2a_weight)
         d_bn5a_branch2a_W = rt.reshape(d_bn5a_branch2a_weight, shape=(512,))
         # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W
         V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
         rt.ew(ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W'])
-        # free d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        del d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        mem.free(326)
+        # free bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
+        del bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
+        mem.free(214)
         # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
         bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
         rt.ew(ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new)
@@ -4119,10 +4178,10 @@ class Resnet50(rp.Model):
         mem.free(331)
         # d_bn4f_branch2c_relu = conv2d_bwd_data[size=(14,14),stride=2](d_res5a_branch1, res5a_branch1_W)
         d_bn4f_branch2c_relu = mem.tensor(332, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res5a_branch1, T['res5a_branch1_W'], out=d_bn4f_branch2c_relu, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(6422528))
-        # free d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_centered, d_res5a_branch1
-        del d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add, d_bn5a_branch1_centered, d_res5a_branch1
-        mem.free(266)
+        rt.conv2d_bwd_data(d_res5a_branch1, T['res5a_branch1_W'], out=d_bn4f_branch2c_relu, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(19267584))
+        # free res5a_branch1, bn5a_branch1_centered, d_bn5a_branch1_centered, d_res5a_branch1
+        del res5a_branch1, bn5a_branch1_centered, d_bn5a_branch1_centered, d_res5a_branch1
+        mem.free(221)
         # res5a_branch1_W_new = res5a_branch1_W - lr*V_res5a_branch1_W_new
         res5a_branch1_W_new = T['res5a_branch1_W']  # in place: the new res5a_branch1_W
         rt.ew(ew_mul_sub, res5a_branch1_W_new, T['res5a_branch1_W'], lr, V_res5a_branch1_W_new)
@@ -4130,7 +4189,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), backward ----
         # d_bn4f_branch2c_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res5a_branch2a, res5a_branch2a_W)
         d_bn4f_branch2c_relu_2 = mem.tensor(333, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res5a_branch2a, T['res5a_branch2a_W'], out=d_bn4f_branch2c_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(6422528))
+        rt.conv2d_bwd_data(d_res5a_branch2a, T['res5a_branch2a_W'], out=d_bn4f_branch2c_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(9633792))
         # free res5a_branch2a, bn5a_branch2a_centered, d_bn5a_branch2a_centered, d_res5a_branch2a
         del res5a_branch2a, bn5a_branch2a_centered, d_bn5a_branch2a_centered, d_res5a_branch2a
         mem.free(211)
@@ -4149,32 +4208,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5a_branch2a_W_new, T['res5a_branch2a_W'], lr, V_res5a_branch2a_W_new)
 
         # ---- bn4f_branch2c (batch norm), backward ----
-        # d_bn4f_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_weight)
-        d_bn4f_branch2c_inv_std = mem.tensor(334, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4f_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered)
+        d_bn4f_branch2c_ew_sum = mem.tensor(334, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2c_ew_sum, d_bn4f_branch2c_add, bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4f_branch2c_inv_std = bn4f_branch2c_weight*d_bn4f_branch2c_ew_sum
+        d_bn4f_branch2c_inv_std = mem.tensor(335, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_ew_sum)
         # d_bn4f_branch2c_sum_of_squares = -d_bn4f_branch2c_inv_std/(12544*(bn4f_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2c_sum_of_squares = d_bn4f_branch2c_inv_std  # in place: over d_bn4f_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2c_sum_of_squares, d_bn4f_branch2c_inv_std, bn4f_branch2c_batch_var)
         # free bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         del bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         mem.free(209)
-        # d_bn4f_branch2c_weight = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered*bn4f_branch2c_inv_std)
-        d_bn4f_branch2c_weight = mem.tensor(335, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2c_weight, d_bn4f_branch2c_add, bn4f_branch2c_centered, bn4f_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_centered = d_bn4f_branch2c_add*bn4f_branch2c_inv_std*bn4f_branch2c_weight + 2*d_bn4f_branch2c_sum_of_squares*bn4f_branch2c_centered
         d_bn4f_branch2c_centered = bn4f_branch2c_centered  # in place: over bn4f_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2c_centered, d_bn4f_branch2c_add, bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered)
-        # free bn4f_branch2c_inv_std, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
-        del bn4f_branch2c_inv_std, d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
-        mem.free(210, 334)
+        # free d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
+        del d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
+        mem.free(335)
+        # d_bn4f_branch2c_weight = bn4f_branch2c_inv_std*d_bn4f_branch2c_ew_sum
+        d_bn4f_branch2c_weight = bn4f_branch2c_inv_std  # in place: over bn4f_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4f_branch2c_weight, bn4f_branch2c_inv_std, d_bn4f_branch2c_ew_sum)
+        # free d_bn4f_branch2c_ew_sum
+        del d_bn4f_branch2c_ew_sum
+        mem.free(334)
         # d_bn4f_branch2c_W = reshape[1024](d_bn4f_branch2c_weight)
         d_bn4f_branch2c_W = rt.reshape(d_bn4f_branch2c_weight, shape=(1024,))
         # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W
         V_bn4f_branch2c_W_new = T['V_bn4f_branch2c_W']  # in place: the new V_bn4f_branch2c_W
         rt.ew(ew_mul_add, V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W'])
-        # free d_bn4f_branch2c_weight, d_bn4f_branch2c_W
-        del d_bn4f_branch2c_weight, d_bn4f_branch2c_W
-        mem.free(335)
+        # free bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
+        del bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
+        mem.free(210)
         # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new
         bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
         rt.ew(ew_mul_sub, bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new)
@@ -4245,38 +4310,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2c_W_new, T['res4f_branch2c_W'], lr, V_res4f_branch2c_W_new)
 
         # ---- bn4f_branch2b (batch norm), backward ----
-        # d_bn4f_branch2b_inv_std = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_weight)
-        d_bn4f_branch2b_inv_std = mem.tensor(341, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2b_inv_std, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4f_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered)
+        d_bn4f_branch2b_ew_sum = mem.tensor(341, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2b_ew_sum, d_bn4f_branch2b, bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4f_branch2b_inv_std = bn4f_branch2b_weight*d_bn4f_branch2b_ew_sum
+        d_bn4f_branch2b_inv_std = mem.tensor(342, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_ew_sum)
         # d_bn4f_branch2b_sum_of_squares = -d_bn4f_branch2b_inv_std/(12544*(bn4f_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2b_sum_of_squares = d_bn4f_branch2b_inv_std  # in place: over d_bn4f_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2b_sum_of_squares, d_bn4f_branch2b_inv_std, bn4f_branch2b_batch_var)
         # free bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         del bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         mem.free(204)
-        # d_bn4f_branch2b_weight = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered*bn4f_branch2b_inv_std)
-        d_bn4f_branch2b_weight = mem.tensor(342, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2b_weight, d_bn4f_branch2b, bn4f_branch2b_centered, bn4f_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2b_centered = d_bn4f_branch2b*bn4f_branch2b_inv_std*bn4f_branch2b_weight + 2*d_bn4f_branch2b_sum_of_squares*bn4f_branch2b_centered
         d_bn4f_branch2b_centered = bn4f_branch2b_centered  # in place: over bn4f_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2b_centered, d_bn4f_branch2b, bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered)
-        # free bn4f_branch2b_inv_std, d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
-        del bn4f_branch2b_inv_std, d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
-        mem.free(205, 341)
+        # free d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
+        del d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
+        mem.free(342)
         # d_bn4f_branch2b_bias = sum_to[1x256x1x1](d_bn4f_branch2b)
         d_bn4f_branch2b_bias = mem.tensor(343, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4f_branch2b, out=d_bn4f_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4f_branch2b_relu, d_bn4f_branch2b
         del d_bn4f_branch2b_relu, d_bn4f_branch2b
         mem.free(340)
+        # d_bn4f_branch2b_weight = bn4f_branch2b_inv_std*d_bn4f_branch2b_ew_sum
+        d_bn4f_branch2b_weight = bn4f_branch2b_inv_std  # in place: over bn4f_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4f_branch2b_weight, bn4f_branch2b_inv_std, d_bn4f_branch2b_ew_sum)
+        # free d_bn4f_branch2b_ew_sum
+        del d_bn4f_branch2b_ew_sum
+        mem.free(341)
         # d_bn4f_branch2b_W = reshape[256](d_bn4f_branch2b_weight)
         d_bn4f_branch2b_W = rt.reshape(d_bn4f_branch2b_weight, shape=(256,))
         # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W
         V_bn4f_branch2b_W_new = T['V_bn4f_branch2b_W']  # in place: the new V_bn4f_branch2b_W
         rt.ew(ew_mul_add, V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W'])
-        # free d_bn4f_branch2b_weight, d_bn4f_branch2b_W
-        del d_bn4f_branch2b_weight, d_bn4f_branch2b_W
-        mem.free(342)
+        # free bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
+        del bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
+        mem.free(205)
         # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new
         bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
         rt.ew(ew_mul_sub, bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new)
@@ -4342,38 +4413,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2b_W_new, T['res4f_branch2b_W'], lr, V_res4f_branch2b_W_new)
 
         # ---- bn4f_branch2a (batch norm), backward ----
-        # d_bn4f_branch2a_inv_std = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_weight)
-        d_bn4f_branch2a_inv_std = mem.tensor(348, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2a_inv_std, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4f_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered)
+        d_bn4f_branch2a_ew_sum = mem.tensor(348, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4f_branch2a_ew_sum, d_bn4f_branch2a, bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4f_branch2a_inv_std = bn4f_branch2a_weight*d_bn4f_branch2a_ew_sum
+        d_bn4f_branch2a_inv_std = mem.tensor(349, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_ew_sum)
         # d_bn4f_branch2a_sum_of_squares = -d_bn4f_branch2a_inv_std/(12544*(bn4f_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2a_sum_of_squares = d_bn4f_branch2a_inv_std  # in place: over d_bn4f_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4f_branch2a_sum_of_squares, d_bn4f_branch2a_inv_std, bn4f_branch2a_batch_var)
         # free bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         del bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         mem.free(199)
-        # d_bn4f_branch2a_weight = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered*bn4f_branch2a_inv_std)
-        d_bn4f_branch2a_weight = mem.tensor(349, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2a_weight, d_bn4f_branch2a, bn4f_branch2a_centered, bn4f_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2a_centered = d_bn4f_branch2a*bn4f_branch2a_inv_std*bn4f_branch2a_weight + 2*d_bn4f_branch2a_sum_of_squares*bn4f_branch2a_centered
         d_bn4f_branch2a_centered = bn4f_branch2a_centered  # in place: over bn4f_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4f_branch2a_centered, d_bn4f_branch2a, bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered)
-        # free bn4f_branch2a_inv_std, d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
-        del bn4f_branch2a_inv_std, d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
-        mem.free(200, 348)
+        # free d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
+        del d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
+        mem.free(349)
         # d_bn4f_branch2a_bias = sum_to[1x256x1x1](d_bn4f_branch2a)
         d_bn4f_branch2a_bias = mem.tensor(350, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4f_branch2a, out=d_bn4f_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4f_branch2a_relu, d_bn4f_branch2a
         del d_bn4f_branch2a_relu, d_bn4f_branch2a
         mem.free(347)
+        # d_bn4f_branch2a_weight = bn4f_branch2a_inv_std*d_bn4f_branch2a_ew_sum
+        d_bn4f_branch2a_weight = bn4f_branch2a_inv_std  # in place: over bn4f_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4f_branch2a_weight, bn4f_branch2a_inv_std, d_bn4f_branch2a_ew_sum)
+        # free d_bn4f_branch2a_ew_sum
+        del d_bn4f_branch2a_ew_sum
+        mem.free(348)
         # d_bn4f_branch2a_W = reshape[256](d_bn4f_branch2a_weight)
         d_bn4f_branch2a_W = rt.reshape(d_bn4f_branch2a_weight, shape=(256,))
         # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W
         V_bn4f_branch2a_W_new = T['V_bn4f_branch2a_W']  # in place: the new V_bn4f_branch2a_W
         rt.ew(ew_mul_add, V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W'])
-        # free d_bn4f_branch2a_weight, d_bn4f_branch2a_W
-        del d_bn4f_branch2a_weight, d_bn4f_branch2a_W
-        mem.free(349)
+        # free bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
+        del bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
+        mem.free(200)
         # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new
         bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
         rt.ew(ew_mul_sub, bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new)
@@ -4439,32 +4516,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2a_W_new, T['res4f_branch2a_W'], lr, V_res4f_branch2a_W_new)
 
         # ---- bn4e_branch2c (batch norm), backward ----
-        # d_bn4e_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_weight)
-        d_bn4e_branch2c_inv_std = mem.tensor(355, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4e_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered)
+        d_bn4e_branch2c_ew_sum = mem.tensor(355, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2c_ew_sum, d_bn4e_branch2c_add, bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4e_branch2c_inv_std = bn4e_branch2c_weight*d_bn4e_branch2c_ew_sum
+        d_bn4e_branch2c_inv_std = mem.tensor(356, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_ew_sum)
         # d_bn4e_branch2c_sum_of_squares = -d_bn4e_branch2c_inv_std/(12544*(bn4e_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2c_sum_of_squares = d_bn4e_branch2c_inv_std  # in place: over d_bn4e_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2c_sum_of_squares, d_bn4e_branch2c_inv_std, bn4e_branch2c_batch_var)
         # free bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         del bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         mem.free(194)
-        # d_bn4e_branch2c_weight = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered*bn4e_branch2c_inv_std)
-        d_bn4e_branch2c_weight = mem.tensor(356, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2c_weight, d_bn4e_branch2c_add, bn4e_branch2c_centered, bn4e_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_centered = d_bn4e_branch2c_add*bn4e_branch2c_inv_std*bn4e_branch2c_weight + 2*d_bn4e_branch2c_sum_of_squares*bn4e_branch2c_centered
         d_bn4e_branch2c_centered = bn4e_branch2c_centered  # in place: over bn4e_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2c_centered, d_bn4e_branch2c_add, bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered)
-        # free bn4e_branch2c_inv_std, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
-        del bn4e_branch2c_inv_std, d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
-        mem.free(195, 355)
+        # free d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
+        del d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
+        mem.free(356)
+        # d_bn4e_branch2c_weight = bn4e_branch2c_inv_std*d_bn4e_branch2c_ew_sum
+        d_bn4e_branch2c_weight = bn4e_branch2c_inv_std  # in place: over bn4e_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4e_branch2c_weight, bn4e_branch2c_inv_std, d_bn4e_branch2c_ew_sum)
+        # free d_bn4e_branch2c_ew_sum
+        del d_bn4e_branch2c_ew_sum
+        mem.free(355)
         # d_bn4e_branch2c_W = reshape[1024](d_bn4e_branch2c_weight)
         d_bn4e_branch2c_W = rt.reshape(d_bn4e_branch2c_weight, shape=(1024,))
         # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W
         V_bn4e_branch2c_W_new = T['V_bn4e_branch2c_W']  # in place: the new V_bn4e_branch2c_W
         rt.ew(ew_mul_add, V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W'])
-        # free d_bn4e_branch2c_weight, d_bn4e_branch2c_W
-        del d_bn4e_branch2c_weight, d_bn4e_branch2c_W
-        mem.free(356)
+        # free bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
+        del bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
+        mem.free(195)
         # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new
         bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
         rt.ew(ew_mul_sub, bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new)
@@ -4535,38 +4618,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2c_W_new, T['res4e_branch2c_W'], lr, V_res4e_branch2c_W_new)
 
         # ---- bn4e_branch2b (batch norm), backward ----
-        # d_bn4e_branch2b_inv_std = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_weight)
-        d_bn4e_branch2b_inv_std = mem.tensor(362, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2b_inv_std, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4e_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered)
+        d_bn4e_branch2b_ew_sum = mem.tensor(362, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2b_ew_sum, d_bn4e_branch2b, bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4e_branch2b_inv_std = bn4e_branch2b_weight*d_bn4e_branch2b_ew_sum
+        d_bn4e_branch2b_inv_std = mem.tensor(363, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_ew_sum)
         # d_bn4e_branch2b_sum_of_squares = -d_bn4e_branch2b_inv_std/(12544*(bn4e_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2b_sum_of_squares = d_bn4e_branch2b_inv_std  # in place: over d_bn4e_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2b_sum_of_squares, d_bn4e_branch2b_inv_std, bn4e_branch2b_batch_var)
         # free bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         del bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         mem.free(189)
-        # d_bn4e_branch2b_weight = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered*bn4e_branch2b_inv_std)
-        d_bn4e_branch2b_weight = mem.tensor(363, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2b_weight, d_bn4e_branch2b, bn4e_branch2b_centered, bn4e_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2b_centered = d_bn4e_branch2b*bn4e_branch2b_inv_std*bn4e_branch2b_weight + 2*d_bn4e_branch2b_sum_of_squares*bn4e_branch2b_centered
         d_bn4e_branch2b_centered = bn4e_branch2b_centered  # in place: over bn4e_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2b_centered, d_bn4e_branch2b, bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered)
-        # free bn4e_branch2b_inv_std, d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
-        del bn4e_branch2b_inv_std, d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
-        mem.free(190, 362)
+        # free d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
+        del d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
+        mem.free(363)
         # d_bn4e_branch2b_bias = sum_to[1x256x1x1](d_bn4e_branch2b)
         d_bn4e_branch2b_bias = mem.tensor(364, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4e_branch2b, out=d_bn4e_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4e_branch2b_relu, d_bn4e_branch2b
         del d_bn4e_branch2b_relu, d_bn4e_branch2b
         mem.free(361)
+        # d_bn4e_branch2b_weight = bn4e_branch2b_inv_std*d_bn4e_branch2b_ew_sum
+        d_bn4e_branch2b_weight = bn4e_branch2b_inv_std  # in place: over bn4e_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4e_branch2b_weight, bn4e_branch2b_inv_std, d_bn4e_branch2b_ew_sum)
+        # free d_bn4e_branch2b_ew_sum
+        del d_bn4e_branch2b_ew_sum
+        mem.free(362)
         # d_bn4e_branch2b_W = reshape[256](d_bn4e_branch2b_weight)
         d_bn4e_branch2b_W = rt.reshape(d_bn4e_branch2b_weight, shape=(256,))
         # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W
         V_bn4e_branch2b_W_new = T['V_bn4e_branch2b_W']  # in place: the new V_bn4e_branch2b_W
         rt.ew(ew_mul_add, V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W'])
-        # free d_bn4e_branch2b_weight, d_bn4e_branch2b_W
-        del d_bn4e_branch2b_weight, d_bn4e_branch2b_W
-        mem.free(363)
+        # free bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
+        del bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
+        mem.free(190)
         # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new
         bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
         rt.ew(ew_mul_sub, bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new)
@@ -4632,38 +4721,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2b_W_new, T['res4e_branch2b_W'], lr, V_res4e_branch2b_W_new)
 
         # ---- bn4e_branch2a (batch norm), backward ----
-        # d_bn4e_branch2a_inv_std = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_weight)
-        d_bn4e_branch2a_inv_std = mem.tensor(369, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2a_inv_std, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4e_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered)
+        d_bn4e_branch2a_ew_sum = mem.tensor(369, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4e_branch2a_ew_sum, d_bn4e_branch2a, bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4e_branch2a_inv_std = bn4e_branch2a_weight*d_bn4e_branch2a_ew_sum
+        d_bn4e_branch2a_inv_std = mem.tensor(370, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_ew_sum)
         # d_bn4e_branch2a_sum_of_squares = -d_bn4e_branch2a_inv_std/(12544*(bn4e_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2a_sum_of_squares = d_bn4e_branch2a_inv_std  # in place: over d_bn4e_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4e_branch2a_sum_of_squares, d_bn4e_branch2a_inv_std, bn4e_branch2a_batch_var)
         # free bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         del bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         mem.free(184)
-        # d_bn4e_branch2a_weight = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered*bn4e_branch2a_inv_std)
-        d_bn4e_branch2a_weight = mem.tensor(370, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2a_weight, d_bn4e_branch2a, bn4e_branch2a_centered, bn4e_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2a_centered = d_bn4e_branch2a*bn4e_branch2a_inv_std*bn4e_branch2a_weight + 2*d_bn4e_branch2a_sum_of_squares*bn4e_branch2a_centered
         d_bn4e_branch2a_centered = bn4e_branch2a_centered  # in place: over bn4e_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4e_branch2a_centered, d_bn4e_branch2a, bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered)
-        # free bn4e_branch2a_inv_std, d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
-        del bn4e_branch2a_inv_std, d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
-        mem.free(185, 369)
+        # free d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
+        del d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
+        mem.free(370)
         # d_bn4e_branch2a_bias = sum_to[1x256x1x1](d_bn4e_branch2a)
         d_bn4e_branch2a_bias = mem.tensor(371, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4e_branch2a, out=d_bn4e_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4e_branch2a_relu, d_bn4e_branch2a
         del d_bn4e_branch2a_relu, d_bn4e_branch2a
         mem.free(368)
+        # d_bn4e_branch2a_weight = bn4e_branch2a_inv_std*d_bn4e_branch2a_ew_sum
+        d_bn4e_branch2a_weight = bn4e_branch2a_inv_std  # in place: over bn4e_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4e_branch2a_weight, bn4e_branch2a_inv_std, d_bn4e_branch2a_ew_sum)
+        # free d_bn4e_branch2a_ew_sum
+        del d_bn4e_branch2a_ew_sum
+        mem.free(369)
         # d_bn4e_branch2a_W = reshape[256](d_bn4e_branch2a_weight)
         d_bn4e_branch2a_W = rt.reshape(d_bn4e_branch2a_weight, shape=(256,))
         # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W
         V_bn4e_branch2a_W_new = T['V_bn4e_branch2a_W']  # in place: the new V_bn4e_branch2a_W
         rt.ew(ew_mul_add, V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W'])
-        # free d_bn4e_branch2a_weight, d_bn4e_branch2a_W
-        del d_bn4e_branch2a_weight, d_bn4e_branch2a_W
-        mem.free(370)
+        # free bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
+        del bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
+        mem.free(185)
         # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new
         bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
         rt.ew(ew_mul_sub, bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new)
@@ -4722,32 +4817,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2a_W_new, T['res4e_branch2a_W'], lr, V_res4e_branch2a_W_new)
 
         # ---- bn4d_branch2c (batch norm), backward ----
-        # d_bn4d_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_weight)
-        d_bn4d_branch2c_inv_std = mem.tensor(375, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4d_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered)
+        d_bn4d_branch2c_ew_sum = mem.tensor(375, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2c_ew_sum, d_bn4d_branch2c_add, bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4d_branch2c_inv_std = bn4d_branch2c_weight*d_bn4d_branch2c_ew_sum
+        d_bn4d_branch2c_inv_std = mem.tensor(376, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_ew_sum)
         # d_bn4d_branch2c_sum_of_squares = -d_bn4d_branch2c_inv_std/(12544*(bn4d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2c_sum_of_squares = d_bn4d_branch2c_inv_std  # in place: over d_bn4d_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2c_sum_of_squares, d_bn4d_branch2c_inv_std, bn4d_branch2c_batch_var)
         # free bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         del bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         mem.free(180)
-        # d_bn4d_branch2c_weight = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered*bn4d_branch2c_inv_std)
-        d_bn4d_branch2c_weight = mem.tensor(376, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2c_weight, d_bn4d_branch2c_add, bn4d_branch2c_centered, bn4d_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_centered = d_bn4d_branch2c_add*bn4d_branch2c_inv_std*bn4d_branch2c_weight + 2*d_bn4d_branch2c_sum_of_squares*bn4d_branch2c_centered
         d_bn4d_branch2c_centered = bn4d_branch2c_centered  # in place: over bn4d_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2c_centered, d_bn4d_branch2c_add, bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered)
-        # free bn4d_branch2c_inv_std, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
-        del bn4d_branch2c_inv_std, d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
-        mem.free(181, 375)
+        # free d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
+        del d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
+        mem.free(376)
+        # d_bn4d_branch2c_weight = bn4d_branch2c_inv_std*d_bn4d_branch2c_ew_sum
+        d_bn4d_branch2c_weight = bn4d_branch2c_inv_std  # in place: over bn4d_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4d_branch2c_weight, bn4d_branch2c_inv_std, d_bn4d_branch2c_ew_sum)
+        # free d_bn4d_branch2c_ew_sum
+        del d_bn4d_branch2c_ew_sum
+        mem.free(375)
         # d_bn4d_branch2c_W = reshape[1024](d_bn4d_branch2c_weight)
         d_bn4d_branch2c_W = rt.reshape(d_bn4d_branch2c_weight, shape=(1024,))
         # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W
         V_bn4d_branch2c_W_new = T['V_bn4d_branch2c_W']  # in place: the new V_bn4d_branch2c_W
         rt.ew(ew_mul_add, V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W'])
-        # free d_bn4d_branch2c_weight, d_bn4d_branch2c_W
-        del d_bn4d_branch2c_weight, d_bn4d_branch2c_W
-        mem.free(376)
+        # free bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
+        del bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
+        mem.free(181)
         # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new
         bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
         rt.ew(ew_mul_sub, bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new)
@@ -4818,38 +4919,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2c_W_new, T['res4d_branch2c_W'], lr, V_res4d_branch2c_W_new)
 
         # ---- bn4d_branch2b (batch norm), backward ----
-        # d_bn4d_branch2b_inv_std = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_weight)
-        d_bn4d_branch2b_inv_std = mem.tensor(382, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2b_inv_std, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4d_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered)
+        d_bn4d_branch2b_ew_sum = mem.tensor(382, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2b_ew_sum, d_bn4d_branch2b, bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4d_branch2b_inv_std = bn4d_branch2b_weight*d_bn4d_branch2b_ew_sum
+        d_bn4d_branch2b_inv_std = mem.tensor(383, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_ew_sum)
         # d_bn4d_branch2b_sum_of_squares = -d_bn4d_branch2b_inv_std/(12544*(bn4d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2b_sum_of_squares = d_bn4d_branch2b_inv_std  # in place: over d_bn4d_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2b_sum_of_squares, d_bn4d_branch2b_inv_std, bn4d_branch2b_batch_var)
         # free bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         del bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         mem.free(175)
-        # d_bn4d_branch2b_weight = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered*bn4d_branch2b_inv_std)
-        d_bn4d_branch2b_weight = mem.tensor(383, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2b_weight, d_bn4d_branch2b, bn4d_branch2b_centered, bn4d_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2b_centered = d_bn4d_branch2b*bn4d_branch2b_inv_std*bn4d_branch2b_weight + 2*d_bn4d_branch2b_sum_of_squares*bn4d_branch2b_centered
         d_bn4d_branch2b_centered = bn4d_branch2b_centered  # in place: over bn4d_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2b_centered, d_bn4d_branch2b, bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered)
-        # free bn4d_branch2b_inv_std, d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
-        del bn4d_branch2b_inv_std, d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
-        mem.free(176, 382)
+        # free d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
+        del d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
+        mem.free(383)
         # d_bn4d_branch2b_bias = sum_to[1x256x1x1](d_bn4d_branch2b)
         d_bn4d_branch2b_bias = mem.tensor(384, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4d_branch2b, out=d_bn4d_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4d_branch2b_relu, d_bn4d_branch2b
         del d_bn4d_branch2b_relu, d_bn4d_branch2b
         mem.free(381)
+        # d_bn4d_branch2b_weight = bn4d_branch2b_inv_std*d_bn4d_branch2b_ew_sum
+        d_bn4d_branch2b_weight = bn4d_branch2b_inv_std  # in place: over bn4d_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4d_branch2b_weight, bn4d_branch2b_inv_std, d_bn4d_branch2b_ew_sum)
+        # free d_bn4d_branch2b_ew_sum
+        del d_bn4d_branch2b_ew_sum
+        mem.free(382)
         # d_bn4d_branch2b_W = reshape[256](d_bn4d_branch2b_weight)
         d_bn4d_branch2b_W = rt.reshape(d_bn4d_branch2b_weight, shape=(256,))
         # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W
         V_bn4d_branch2b_W_new = T['V_bn4d_branch2b_W']  # in place: the new V_bn4d_branch2b_W
         rt.ew(ew_mul_add, V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W'])
-        # free d_bn4d_branch2b_weight, d_bn4d_branch2b_W
-        del d_bn4d_branch2b_weight, d_bn4d_branch2b_W
-        mem.free(383)
+        # free bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
+        del bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
+        mem.free(176)
         # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new
         bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
         rt.ew(ew_mul_sub, bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new)
@@ -4915,38 +5022,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2b_W_new, T['res4d_branch2b_W'], lr, V_res4d_branch2b_W_new)
 
         # ---- bn4d_branch2a (batch norm), backward ----
-        # d_bn4d_branch2a_inv_std = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_weight)
-        d_bn4d_branch2a_inv_std = mem.tensor(389, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2a_inv_std, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4d_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered)
+        d_bn4d_branch2a_ew_sum = mem.tensor(389, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4d_branch2a_ew_sum, d_bn4d_branch2a, bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4d_branch2a_inv_std = bn4d_branch2a_weight*d_bn4d_branch2a_ew_sum
+        d_bn4d_branch2a_inv_std = mem.tensor(390, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_ew_sum)
         # d_bn4d_branch2a_sum_of_squares = -d_bn4d_branch2a_inv_std/(12544*(bn4d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2a_sum_of_squares = d_bn4d_branch2a_inv_std  # in place: over d_bn4d_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4d_branch2a_sum_of_squares, d_bn4d_branch2a_inv_std, bn4d_branch2a_batch_var)
         # free bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         del bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         mem.free(170)
-        # d_bn4d_branch2a_weight = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered*bn4d_branch2a_inv_std)
-        d_bn4d_branch2a_weight = mem.tensor(390, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2a_weight, d_bn4d_branch2a, bn4d_branch2a_centered, bn4d_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2a_centered = d_bn4d_branch2a*bn4d_branch2a_inv_std*bn4d_branch2a_weight + 2*d_bn4d_branch2a_sum_of_squares*bn4d_branch2a_centered
         d_bn4d_branch2a_centered = bn4d_branch2a_centered  # in place: over bn4d_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4d_branch2a_centered, d_bn4d_branch2a, bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered)
-        # free bn4d_branch2a_inv_std, d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
-        del bn4d_branch2a_inv_std, d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
-        mem.free(171, 389)
+        # free d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
+        del d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
+        mem.free(390)
         # d_bn4d_branch2a_bias = sum_to[1x256x1x1](d_bn4d_branch2a)
         d_bn4d_branch2a_bias = mem.tensor(391, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4d_branch2a, out=d_bn4d_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4d_branch2a_relu, d_bn4d_branch2a
         del d_bn4d_branch2a_relu, d_bn4d_branch2a
         mem.free(388)
+        # d_bn4d_branch2a_weight = bn4d_branch2a_inv_std*d_bn4d_branch2a_ew_sum
+        d_bn4d_branch2a_weight = bn4d_branch2a_inv_std  # in place: over bn4d_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4d_branch2a_weight, bn4d_branch2a_inv_std, d_bn4d_branch2a_ew_sum)
+        # free d_bn4d_branch2a_ew_sum
+        del d_bn4d_branch2a_ew_sum
+        mem.free(389)
         # d_bn4d_branch2a_W = reshape[256](d_bn4d_branch2a_weight)
         d_bn4d_branch2a_W = rt.reshape(d_bn4d_branch2a_weight, shape=(256,))
         # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W
         V_bn4d_branch2a_W_new = T['V_bn4d_branch2a_W']  # in place: the new V_bn4d_branch2a_W
         rt.ew(ew_mul_add, V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W'])
-        # free d_bn4d_branch2a_weight, d_bn4d_branch2a_W
-        del d_bn4d_branch2a_weight, d_bn4d_branch2a_W
-        mem.free(390)
+        # free bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
+        del bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
+        mem.free(171)
         # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new
         bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
         rt.ew(ew_mul_sub, bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new)
@@ -5012,32 +5125,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2a_W_new, T['res4d_branch2a_W'], lr, V_res4d_branch2a_W_new)
 
         # ---- bn4c_branch2c (batch norm), backward ----
-        # d_bn4c_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_weight)
-        d_bn4c_branch2c_inv_std = mem.tensor(396, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4c_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered)
+        d_bn4c_branch2c_ew_sum = mem.tensor(396, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2c_ew_sum, d_bn4c_branch2c_add, bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4c_branch2c_inv_std = bn4c_branch2c_weight*d_bn4c_branch2c_ew_sum
+        d_bn4c_branch2c_inv_std = mem.tensor(397, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_ew_sum)
         # d_bn4c_branch2c_sum_of_squares = -d_bn4c_branch2c_inv_std/(12544*(bn4c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2c_sum_of_squares = d_bn4c_branch2c_inv_std  # in place: over d_bn4c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2c_sum_of_squares, d_bn4c_branch2c_inv_std, bn4c_branch2c_batch_var)
         # free bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         del bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         mem.free(165)
-        # d_bn4c_branch2c_weight = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered*bn4c_branch2c_inv_std)
-        d_bn4c_branch2c_weight = mem.tensor(397, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2c_weight, d_bn4c_branch2c_add, bn4c_branch2c_centered, bn4c_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_centered = d_bn4c_branch2c_add*bn4c_branch2c_inv_std*bn4c_branch2c_weight + 2*d_bn4c_branch2c_sum_of_squares*bn4c_branch2c_centered
         d_bn4c_branch2c_centered = bn4c_branch2c_centered  # in place: over bn4c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2c_centered, d_bn4c_branch2c_add, bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered)
-        # free bn4c_branch2c_inv_std, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
-        del bn4c_branch2c_inv_std, d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
-        mem.free(166, 396)
+        # free d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
+        del d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
+        mem.free(397)
+        # d_bn4c_branch2c_weight = bn4c_branch2c_inv_std*d_bn4c_branch2c_ew_sum
+        d_bn4c_branch2c_weight = bn4c_branch2c_inv_std  # in place: over bn4c_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4c_branch2c_weight, bn4c_branch2c_inv_std, d_bn4c_branch2c_ew_sum)
+        # free d_bn4c_branch2c_ew_sum
+        del d_bn4c_branch2c_ew_sum
+        mem.free(396)
         # d_bn4c_branch2c_W = reshape[1024](d_bn4c_branch2c_weight)
         d_bn4c_branch2c_W = rt.reshape(d_bn4c_branch2c_weight, shape=(1024,))
         # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W
         V_bn4c_branch2c_W_new = T['V_bn4c_branch2c_W']  # in place: the new V_bn4c_branch2c_W
         rt.ew(ew_mul_add, V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W'])
-        # free d_bn4c_branch2c_weight, d_bn4c_branch2c_W
-        del d_bn4c_branch2c_weight, d_bn4c_branch2c_W
-        mem.free(397)
+        # free bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
+        del bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
+        mem.free(166)
         # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new
         bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
         rt.ew(ew_mul_sub, bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new)
@@ -5108,38 +5227,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2c_W_new, T['res4c_branch2c_W'], lr, V_res4c_branch2c_W_new)
 
         # ---- bn4c_branch2b (batch norm), backward ----
-        # d_bn4c_branch2b_inv_std = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_weight)
-        d_bn4c_branch2b_inv_std = mem.tensor(403, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2b_inv_std, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4c_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered)
+        d_bn4c_branch2b_ew_sum = mem.tensor(403, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2b_ew_sum, d_bn4c_branch2b, bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4c_branch2b_inv_std = bn4c_branch2b_weight*d_bn4c_branch2b_ew_sum
+        d_bn4c_branch2b_inv_std = mem.tensor(404, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_ew_sum)
         # d_bn4c_branch2b_sum_of_squares = -d_bn4c_branch2b_inv_std/(12544*(bn4c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2b_sum_of_squares = d_bn4c_branch2b_inv_std  # in place: over d_bn4c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2b_sum_of_squares, d_bn4c_branch2b_inv_std, bn4c_branch2b_batch_var)
         # free bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         del bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         mem.free(160)
-        # d_bn4c_branch2b_weight = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered*bn4c_branch2b_inv_std)
-        d_bn4c_branch2b_weight = mem.tensor(404, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2b_weight, d_bn4c_branch2b, bn4c_branch2b_centered, bn4c_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2b_centered = d_bn4c_branch2b*bn4c_branch2b_inv_std*bn4c_branch2b_weight + 2*d_bn4c_branch2b_sum_of_squares*bn4c_branch2b_centered
         d_bn4c_branch2b_centered = bn4c_branch2b_centered  # in place: over bn4c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2b_centered, d_bn4c_branch2b, bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered)
-        # free bn4c_branch2b_inv_std, d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
-        del bn4c_branch2b_inv_std, d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
-        mem.free(161, 403)
+        # free d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
+        del d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
+        mem.free(404)
         # d_bn4c_branch2b_bias = sum_to[1x256x1x1](d_bn4c_branch2b)
         d_bn4c_branch2b_bias = mem.tensor(405, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4c_branch2b, out=d_bn4c_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4c_branch2b_relu, d_bn4c_branch2b
         del d_bn4c_branch2b_relu, d_bn4c_branch2b
         mem.free(402)
+        # d_bn4c_branch2b_weight = bn4c_branch2b_inv_std*d_bn4c_branch2b_ew_sum
+        d_bn4c_branch2b_weight = bn4c_branch2b_inv_std  # in place: over bn4c_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4c_branch2b_weight, bn4c_branch2b_inv_std, d_bn4c_branch2b_ew_sum)
+        # free d_bn4c_branch2b_ew_sum
+        del d_bn4c_branch2b_ew_sum
+        mem.free(403)
         # d_bn4c_branch2b_W = reshape[256](d_bn4c_branch2b_weight)
         d_bn4c_branch2b_W = rt.reshape(d_bn4c_branch2b_weight, shape=(256,))
         # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W
         V_bn4c_branch2b_W_new = T['V_bn4c_branch2b_W']  # in place: the new V_bn4c_branch2b_W
         rt.ew(ew_mul_add, V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W'])
-        # free d_bn4c_branch2b_weight, d_bn4c_branch2b_W
-        del d_bn4c_branch2b_weight, d_bn4c_branch2b_W
-        mem.free(404)
+        # free bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
+        del bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
+        mem.free(161)
         # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new
         bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
         rt.ew(ew_mul_sub, bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new)
@@ -5205,38 +5330,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2b_W_new, T['res4c_branch2b_W'], lr, V_res4c_branch2b_W_new)
 
         # ---- bn4c_branch2a (batch norm), backward ----
-        # d_bn4c_branch2a_inv_std = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_weight)
-        d_bn4c_branch2a_inv_std = mem.tensor(410, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2a_inv_std, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4c_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered)
+        d_bn4c_branch2a_ew_sum = mem.tensor(410, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4c_branch2a_ew_sum, d_bn4c_branch2a, bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4c_branch2a_inv_std = bn4c_branch2a_weight*d_bn4c_branch2a_ew_sum
+        d_bn4c_branch2a_inv_std = mem.tensor(411, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_ew_sum)
         # d_bn4c_branch2a_sum_of_squares = -d_bn4c_branch2a_inv_std/(12544*(bn4c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2a_sum_of_squares = d_bn4c_branch2a_inv_std  # in place: over d_bn4c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4c_branch2a_sum_of_squares, d_bn4c_branch2a_inv_std, bn4c_branch2a_batch_var)
         # free bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         del bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         mem.free(155)
-        # d_bn4c_branch2a_weight = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered*bn4c_branch2a_inv_std)
-        d_bn4c_branch2a_weight = mem.tensor(411, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2a_weight, d_bn4c_branch2a, bn4c_branch2a_centered, bn4c_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2a_centered = d_bn4c_branch2a*bn4c_branch2a_inv_std*bn4c_branch2a_weight + 2*d_bn4c_branch2a_sum_of_squares*bn4c_branch2a_centered
         d_bn4c_branch2a_centered = bn4c_branch2a_centered  # in place: over bn4c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4c_branch2a_centered, d_bn4c_branch2a, bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered)
-        # free bn4c_branch2a_inv_std, d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
-        del bn4c_branch2a_inv_std, d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
-        mem.free(156, 410)
+        # free d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
+        del d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
+        mem.free(411)
         # d_bn4c_branch2a_bias = sum_to[1x256x1x1](d_bn4c_branch2a)
         d_bn4c_branch2a_bias = mem.tensor(412, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4c_branch2a, out=d_bn4c_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4c_branch2a_relu, d_bn4c_branch2a
         del d_bn4c_branch2a_relu, d_bn4c_branch2a
         mem.free(409)
+        # d_bn4c_branch2a_weight = bn4c_branch2a_inv_std*d_bn4c_branch2a_ew_sum
+        d_bn4c_branch2a_weight = bn4c_branch2a_inv_std  # in place: over bn4c_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4c_branch2a_weight, bn4c_branch2a_inv_std, d_bn4c_branch2a_ew_sum)
+        # free d_bn4c_branch2a_ew_sum
+        del d_bn4c_branch2a_ew_sum
+        mem.free(410)
         # d_bn4c_branch2a_W = reshape[256](d_bn4c_branch2a_weight)
         d_bn4c_branch2a_W = rt.reshape(d_bn4c_branch2a_weight, shape=(256,))
         # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W
         V_bn4c_branch2a_W_new = T['V_bn4c_branch2a_W']  # in place: the new V_bn4c_branch2a_W
         rt.ew(ew_mul_add, V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W'])
-        # free d_bn4c_branch2a_weight, d_bn4c_branch2a_W
-        del d_bn4c_branch2a_weight, d_bn4c_branch2a_W
-        mem.free(411)
+        # free bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
+        del bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
+        mem.free(156)
         # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new
         bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
         rt.ew(ew_mul_sub, bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new)
@@ -5295,32 +5426,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2a_W_new, T['res4c_branch2a_W'], lr, V_res4c_branch2a_W_new)
 
         # ---- bn4b_branch2c (batch norm), backward ----
-        # d_bn4b_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_weight)
-        d_bn4b_branch2c_inv_std = mem.tensor(416, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4b_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered)
+        d_bn4b_branch2c_ew_sum = mem.tensor(416, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2c_ew_sum, d_bn4b_branch2c_add, bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4b_branch2c_inv_std = bn4b_branch2c_weight*d_bn4b_branch2c_ew_sum
+        d_bn4b_branch2c_inv_std = mem.tensor(417, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_ew_sum)
         # d_bn4b_branch2c_sum_of_squares = -d_bn4b_branch2c_inv_std/(12544*(bn4b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2c_sum_of_squares = d_bn4b_branch2c_inv_std  # in place: over d_bn4b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2c_sum_of_squares, d_bn4b_branch2c_inv_std, bn4b_branch2c_batch_var)
         # free bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         del bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         mem.free(151)
-        # d_bn4b_branch2c_weight = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered*bn4b_branch2c_inv_std)
-        d_bn4b_branch2c_weight = mem.tensor(417, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2c_weight, d_bn4b_branch2c_add, bn4b_branch2c_centered, bn4b_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_centered = d_bn4b_branch2c_add*bn4b_branch2c_inv_std*bn4b_branch2c_weight + 2*d_bn4b_branch2c_sum_of_squares*bn4b_branch2c_centered
         d_bn4b_branch2c_centered = bn4b_branch2c_centered  # in place: over bn4b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2c_centered, d_bn4b_branch2c_add, bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered)
-        # free bn4b_branch2c_inv_std, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
-        del bn4b_branch2c_inv_std, d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
-        mem.free(152, 416)
+        # free d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
+        del d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
+        mem.free(417)
+        # d_bn4b_branch2c_weight = bn4b_branch2c_inv_std*d_bn4b_branch2c_ew_sum
+        d_bn4b_branch2c_weight = bn4b_branch2c_inv_std  # in place: over bn4b_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4b_branch2c_weight, bn4b_branch2c_inv_std, d_bn4b_branch2c_ew_sum)
+        # free d_bn4b_branch2c_ew_sum
+        del d_bn4b_branch2c_ew_sum
+        mem.free(416)
         # d_bn4b_branch2c_W = reshape[1024](d_bn4b_branch2c_weight)
         d_bn4b_branch2c_W = rt.reshape(d_bn4b_branch2c_weight, shape=(1024,))
         # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W
         V_bn4b_branch2c_W_new = T['V_bn4b_branch2c_W']  # in place: the new V_bn4b_branch2c_W
         rt.ew(ew_mul_add, V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W'])
-        # free d_bn4b_branch2c_weight, d_bn4b_branch2c_W
-        del d_bn4b_branch2c_weight, d_bn4b_branch2c_W
-        mem.free(417)
+        # free bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
+        del bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
+        mem.free(152)
         # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new
         bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
         rt.ew(ew_mul_sub, bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new)
@@ -5391,38 +5528,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2c_W_new, T['res4b_branch2c_W'], lr, V_res4b_branch2c_W_new)
 
         # ---- bn4b_branch2b (batch norm), backward ----
-        # d_bn4b_branch2b_inv_std = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_weight)
-        d_bn4b_branch2b_inv_std = mem.tensor(423, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2b_inv_std, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4b_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered)
+        d_bn4b_branch2b_ew_sum = mem.tensor(423, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2b_ew_sum, d_bn4b_branch2b, bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4b_branch2b_inv_std = bn4b_branch2b_weight*d_bn4b_branch2b_ew_sum
+        d_bn4b_branch2b_inv_std = mem.tensor(424, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_ew_sum)
         # d_bn4b_branch2b_sum_of_squares = -d_bn4b_branch2b_inv_std/(12544*(bn4b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2b_sum_of_squares = d_bn4b_branch2b_inv_std  # in place: over d_bn4b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2b_sum_of_squares, d_bn4b_branch2b_inv_std, bn4b_branch2b_batch_var)
         # free bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         del bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         mem.free(146)
-        # d_bn4b_branch2b_weight = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered*bn4b_branch2b_inv_std)
-        d_bn4b_branch2b_weight = mem.tensor(424, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2b_weight, d_bn4b_branch2b, bn4b_branch2b_centered, bn4b_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2b_centered = d_bn4b_branch2b*bn4b_branch2b_inv_std*bn4b_branch2b_weight + 2*d_bn4b_branch2b_sum_of_squares*bn4b_branch2b_centered
         d_bn4b_branch2b_centered = bn4b_branch2b_centered  # in place: over bn4b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2b_centered, d_bn4b_branch2b, bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered)
-        # free bn4b_branch2b_inv_std, d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
-        del bn4b_branch2b_inv_std, d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
-        mem.free(147, 423)
+        # free d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
+        del d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
+        mem.free(424)
         # d_bn4b_branch2b_bias = sum_to[1x256x1x1](d_bn4b_branch2b)
         d_bn4b_branch2b_bias = mem.tensor(425, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4b_branch2b, out=d_bn4b_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4b_branch2b_relu, d_bn4b_branch2b
         del d_bn4b_branch2b_relu, d_bn4b_branch2b
         mem.free(422)
+        # d_bn4b_branch2b_weight = bn4b_branch2b_inv_std*d_bn4b_branch2b_ew_sum
+        d_bn4b_branch2b_weight = bn4b_branch2b_inv_std  # in place: over bn4b_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4b_branch2b_weight, bn4b_branch2b_inv_std, d_bn4b_branch2b_ew_sum)
+        # free d_bn4b_branch2b_ew_sum
+        del d_bn4b_branch2b_ew_sum
+        mem.free(423)
         # d_bn4b_branch2b_W = reshape[256](d_bn4b_branch2b_weight)
         d_bn4b_branch2b_W = rt.reshape(d_bn4b_branch2b_weight, shape=(256,))
         # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W
         V_bn4b_branch2b_W_new = T['V_bn4b_branch2b_W']  # in place: the new V_bn4b_branch2b_W
         rt.ew(ew_mul_add, V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W'])
-        # free d_bn4b_branch2b_weight, d_bn4b_branch2b_W
-        del d_bn4b_branch2b_weight, d_bn4b_branch2b_W
-        mem.free(424)
+        # free bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
+        del bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
+        mem.free(147)
         # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new
         bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
         rt.ew(ew_mul_sub, bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new)
@@ -5488,38 +5631,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2b_W_new, T['res4b_branch2b_W'], lr, V_res4b_branch2b_W_new)
 
         # ---- bn4b_branch2a (batch norm), backward ----
-        # d_bn4b_branch2a_inv_std = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_weight)
-        d_bn4b_branch2a_inv_std = mem.tensor(430, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2a_inv_std, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4b_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered)
+        d_bn4b_branch2a_ew_sum = mem.tensor(430, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4b_branch2a_ew_sum, d_bn4b_branch2a, bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4b_branch2a_inv_std = bn4b_branch2a_weight*d_bn4b_branch2a_ew_sum
+        d_bn4b_branch2a_inv_std = mem.tensor(431, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_ew_sum)
         # d_bn4b_branch2a_sum_of_squares = -d_bn4b_branch2a_inv_std/(12544*(bn4b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2a_sum_of_squares = d_bn4b_branch2a_inv_std  # in place: over d_bn4b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4b_branch2a_sum_of_squares, d_bn4b_branch2a_inv_std, bn4b_branch2a_batch_var)
         # free bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         del bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         mem.free(141)
-        # d_bn4b_branch2a_weight = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered*bn4b_branch2a_inv_std)
-        d_bn4b_branch2a_weight = mem.tensor(431, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2a_weight, d_bn4b_branch2a, bn4b_branch2a_centered, bn4b_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2a_centered = d_bn4b_branch2a*bn4b_branch2a_inv_std*bn4b_branch2a_weight + 2*d_bn4b_branch2a_sum_of_squares*bn4b_branch2a_centered
         d_bn4b_branch2a_centered = bn4b_branch2a_centered  # in place: over bn4b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4b_branch2a_centered, d_bn4b_branch2a, bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered)
-        # free bn4b_branch2a_inv_std, d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
-        del bn4b_branch2a_inv_std, d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
-        mem.free(142, 430)
+        # free d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
+        del d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
+        mem.free(431)
         # d_bn4b_branch2a_bias = sum_to[1x256x1x1](d_bn4b_branch2a)
         d_bn4b_branch2a_bias = mem.tensor(432, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4b_branch2a, out=d_bn4b_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4b_branch2a_relu, d_bn4b_branch2a
         del d_bn4b_branch2a_relu, d_bn4b_branch2a
         mem.free(429)
+        # d_bn4b_branch2a_weight = bn4b_branch2a_inv_std*d_bn4b_branch2a_ew_sum
+        d_bn4b_branch2a_weight = bn4b_branch2a_inv_std  # in place: over bn4b_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4b_branch2a_weight, bn4b_branch2a_inv_std, d_bn4b_branch2a_ew_sum)
+        # free d_bn4b_branch2a_ew_sum
+        del d_bn4b_branch2a_ew_sum
+        mem.free(430)
         # d_bn4b_branch2a_W = reshape[256](d_bn4b_branch2a_weight)
         d_bn4b_branch2a_W = rt.reshape(d_bn4b_branch2a_weight, shape=(256,))
         # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W
         V_bn4b_branch2a_W_new = T['V_bn4b_branch2a_W']  # in place: the new V_bn4b_branch2a_W
         rt.ew(ew_mul_add, V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W'])
-        # free d_bn4b_branch2a_weight, d_bn4b_branch2a_W
-        del d_bn4b_branch2a_weight, d_bn4b_branch2a_W
-        mem.free(431)
+        # free bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
+        del bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
+        mem.free(142)
         # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new
         bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
         rt.ew(ew_mul_sub, bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new)
@@ -5585,50 +5734,43 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2a_W_new, T['res4b_branch2a_W'], lr, V_res4b_branch2a_W_new)
 
         # ---- bn4a_branch2c (batch norm), backward ----
-        # d_bn4a_branch2c_inv_std = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_weight)
-        d_bn4a_branch2c_inv_std = mem.tensor(437, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered)
+        d_bn4a_branch2c_ew_sum = mem.tensor(437, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2c_ew_sum, d_bn4a_branch2c_add, bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch2c_inv_std = bn4a_branch2c_weight*d_bn4a_branch2c_ew_sum
+        d_bn4a_branch2c_inv_std = mem.tensor(438, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_ew_sum)
         # d_bn4a_branch2c_sum_of_squares = -d_bn4a_branch2c_inv_std/(12544*(bn4a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2c_sum_of_squares = d_bn4a_branch2c_inv_std  # in place: over d_bn4a_branch2c_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4a_branch2c_sum_of_squares, d_bn4a_branch2c_inv_std, bn4a_branch2c_batch_var)
         # free bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         del bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         mem.free(136)
-
-        # ---- bn4a_branch1 (batch norm), backward ----
-        # d_bn4a_branch1_inv_std = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_weight)
-        d_bn4a_branch1_inv_std = mem.tensor(438, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch1_inv_std, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_weight, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4a_branch1_sum_of_squares = -d_bn4a_branch1_inv_std/(12544*(bn4a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn4a_branch1_sum_of_squares = d_bn4a_branch1_inv_std  # in place: over d_bn4a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var)
-        # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
-        del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
-        mem.free(132)
-
-        # ---- bn4a_branch2c (batch norm), backward ----
-        # d_bn4a_branch2c_weight = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered*bn4a_branch2c_inv_std)
-        d_bn4a_branch2c_weight = mem.tensor(439, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2c_weight, d_bn4a_branch2c_add, bn4a_branch2c_centered, bn4a_branch2c_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch2c_centered = d_bn4a_branch2c_add*bn4a_branch2c_inv_std*bn4a_branch2c_weight + 2*d_bn4a_branch2c_sum_of_squares*bn4a_branch2c_centered
         d_bn4a_branch2c_centered = bn4a_branch2c_centered  # in place: over bn4a_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn4a_branch2c_centered, d_bn4a_branch2c_add, bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered)
-        # free bn4a_branch2c_inv_std, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
-        del bn4a_branch2c_inv_std, d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
-        mem.free(137, 437)
+        # free d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
+        del d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
+        mem.free(438)
+        # d_bn4a_branch2c_weight = bn4a_branch2c_inv_std*d_bn4a_branch2c_ew_sum
+        d_bn4a_branch2c_weight = bn4a_branch2c_inv_std  # in place: over bn4a_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn4a_branch2c_weight, bn4a_branch2c_inv_std, d_bn4a_branch2c_ew_sum)
+        # free d_bn4a_branch2c_ew_sum
+        del d_bn4a_branch2c_ew_sum
+        mem.free(437)
         # d_bn4a_branch2c_W = reshape[1024](d_bn4a_branch2c_weight)
         d_bn4a_branch2c_W = rt.reshape(d_bn4a_branch2c_weight, shape=(1024,))
         # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W
         V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
         rt.ew(ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W'])
-        # free d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        del d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        mem.free(439)
+        # free bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
+        del bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
+        mem.free(137)
         # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
         bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
         rt.ew(ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new)
         # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch2c_centered)
-        d_bn4a_branch2c_batch_mean = mem.tensor(440, (1, 1024, 1, 1), 'float32')
+        d_bn4a_branch2c_batch_mean = mem.tensor(439, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean/6272
         d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean  # in place: over d_bn4a_branch2c_batch_mean
@@ -5640,12 +5782,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4a_branch2c, d_bn4a_branch2c_centered, d_bn4a_branch2c_sum)
         # free d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
         del d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_sum
-        mem.free(440)
+        mem.free(439)
 
         # ---- bn4a_branch1 (batch norm), backward ----
+        # d_bn4a_branch1_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered)
+        d_bn4a_branch1_ew_sum = mem.tensor(440, (1, 1024, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch1_ew_sum, d_bn4a_branch2c_add, bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
+        # d_bn4a_branch1_inv_std = bn4a_branch1_weight*d_bn4a_branch1_ew_sum
+        d_bn4a_branch1_inv_std = mem.tensor(441, (1, 1024, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_ew_sum)
+        # d_bn4a_branch1_sum_of_squares = -d_bn4a_branch1_inv_std/(12544*(bn4a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn4a_branch1_sum_of_squares = d_bn4a_branch1_inv_std  # in place: over d_bn4a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var)
+        # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
+        del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
+        mem.free(132)
+        # d_bn4a_branch1_centered = d_bn4a_branch2c_add*bn4a_branch1_inv_std*bn4a_branch1_weight + 2*d_bn4a_branch1_sum_of_squares*bn4a_branch1_centered
+        d_bn4a_branch1_centered = bn4a_branch1_centered  # in place: over bn4a_branch1_centered
+        rt.ew(ew_mul_add_2, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered)
+        # free d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
+        del d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
+        mem.free(441)
         # d_bn4a_branch1_bias = sum_to[1x1024x1x1](d_bn4a_branch2c_add)
-        d_bn4a_branch1_bias = mem.tensor(441, (1, 1024, 1, 1), 'float32')
+        d_bn4a_branch1_bias = mem.tensor(442, (1, 1024, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2c_add, out=d_bn4a_branch1_bias, shape=(1, 1024, 1, 1))
+        # free d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add
+        del d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add
+        mem.free(332)
+        # d_bn4a_branch1_weight = bn4a_branch1_inv_std*d_bn4a_branch1_ew_sum
+        d_bn4a_branch1_weight = bn4a_branch1_inv_std  # in place: over bn4a_branch1_inv_std
+        rt.ew(ew_mul_2, d_bn4a_branch1_weight, bn4a_branch1_inv_std, d_bn4a_branch1_ew_sum)
+        # free d_bn4a_branch1_ew_sum
+        del d_bn4a_branch1_ew_sum
+        mem.free(440)
         # d_bn4a_branch1_B = reshape[1024](d_bn4a_branch1_bias)
         d_bn4a_branch1_B = rt.reshape(d_bn4a_branch1_bias, shape=(1024,))
 
@@ -5660,7 +5829,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4a_branch1_B_new, T['V_bn4a_branch1_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch1_B'])
         # free d_bn4a_branch1_bias, d_bn4a_branch1_B
         del d_bn4a_branch1_bias, d_bn4a_branch1_B
-        mem.free(441)
+        mem.free(442)
 
         # ---- bn4a_branch2c (batch norm), backward ----
         # bn4a_branch2c_B_new = bn4a_branch2c_B - lr*V_bn4a_branch2c_B_new
@@ -5668,29 +5837,20 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, bn4a_branch2c_B_new, T['bn4a_branch2c_B'], lr, V_bn4a_branch2c_B_new)
 
         # ---- bn4a_branch1 (batch norm), backward ----
-        # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
-        bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
-        rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
-        # d_bn4a_branch1_weight = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered*bn4a_branch1_inv_std)
-        d_bn4a_branch1_weight = mem.tensor(442, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch1_weight, d_bn4a_branch2c_add, bn4a_branch1_centered, bn4a_branch1_inv_std, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4a_branch1_centered = d_bn4a_branch2c_add*bn4a_branch1_inv_std*bn4a_branch1_weight + 2*d_bn4a_branch1_sum_of_squares*bn4a_branch1_centered
-        d_bn4a_branch1_centered = d_bn4a_branch2c_add  # in place: over d_bn4a_branch2c_add
-        rt.ew(ew_mul_add_3, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered)
-        # free res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std, d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
-        del res4a_branch1, bn4a_branch1_centered, bn4a_branch1_inv_std, d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
-        mem.free(130, 133, 438)
         # d_bn4a_branch1_W = reshape[1024](d_bn4a_branch1_weight)
         d_bn4a_branch1_W = rt.reshape(d_bn4a_branch1_weight, shape=(1024,))
         # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W
         V_bn4a_branch1_W_new = T['V_bn4a_branch1_W']  # in place: the new V_bn4a_branch1_W
         rt.ew(ew_mul_add, V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W'])
-        # free d_bn4a_branch1_weight, d_bn4a_branch1_W
-        del d_bn4a_branch1_weight, d_bn4a_branch1_W
-        mem.free(442)
+        # free bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
+        del bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
+        mem.free(133)
         # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new
         bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
         rt.ew(ew_mul_sub, bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new)
+        # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
+        bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
+        rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
         # d_bn4a_branch1_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch1_centered)
         d_bn4a_branch1_batch_mean = mem.tensor(443, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4a_branch1_batch_mean, d_bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -5742,38 +5902,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2c_W_new, T['res4a_branch2c_W'], lr, V_res4a_branch2c_W_new)
 
         # ---- bn4a_branch2b (batch norm), backward ----
-        # d_bn4a_branch2b_inv_std = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_weight)
-        d_bn4a_branch2b_inv_std = mem.tensor(447, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2b_inv_std, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered)
+        d_bn4a_branch2b_ew_sum = mem.tensor(447, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2b_ew_sum, d_bn4a_branch2b, bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2b_inv_std = bn4a_branch2b_weight*d_bn4a_branch2b_ew_sum
+        d_bn4a_branch2b_inv_std = mem.tensor(448, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_ew_sum)
         # d_bn4a_branch2b_sum_of_squares = -d_bn4a_branch2b_inv_std/(12544*(bn4a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2b_sum_of_squares = d_bn4a_branch2b_inv_std  # in place: over d_bn4a_branch2b_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4a_branch2b_sum_of_squares, d_bn4a_branch2b_inv_std, bn4a_branch2b_batch_var)
         # free bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         del bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         mem.free(127)
-        # d_bn4a_branch2b_weight = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered*bn4a_branch2b_inv_std)
-        d_bn4a_branch2b_weight = mem.tensor(448, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2b_weight, d_bn4a_branch2b, bn4a_branch2b_centered, bn4a_branch2b_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4a_branch2b_centered = d_bn4a_branch2b*bn4a_branch2b_inv_std*bn4a_branch2b_weight + 2*d_bn4a_branch2b_sum_of_squares*bn4a_branch2b_centered
         d_bn4a_branch2b_centered = bn4a_branch2b_centered  # in place: over bn4a_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn4a_branch2b_centered, d_bn4a_branch2b, bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered)
-        # free bn4a_branch2b_inv_std, d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
-        del bn4a_branch2b_inv_std, d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
-        mem.free(128, 447)
+        # free d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
+        del d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
+        mem.free(448)
         # d_bn4a_branch2b_bias = sum_to[1x256x1x1](d_bn4a_branch2b)
         d_bn4a_branch2b_bias = mem.tensor(449, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2b, out=d_bn4a_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4a_branch2b_relu, d_bn4a_branch2b
         del d_bn4a_branch2b_relu, d_bn4a_branch2b
         mem.free(446)
+        # d_bn4a_branch2b_weight = bn4a_branch2b_inv_std*d_bn4a_branch2b_ew_sum
+        d_bn4a_branch2b_weight = bn4a_branch2b_inv_std  # in place: over bn4a_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn4a_branch2b_weight, bn4a_branch2b_inv_std, d_bn4a_branch2b_ew_sum)
+        # free d_bn4a_branch2b_ew_sum
+        del d_bn4a_branch2b_ew_sum
+        mem.free(447)
         # d_bn4a_branch2b_W = reshape[256](d_bn4a_branch2b_weight)
         d_bn4a_branch2b_W = rt.reshape(d_bn4a_branch2b_weight, shape=(256,))
         # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W
         V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
         rt.ew(ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W'])
-        # free d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        del d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        mem.free(448)
+        # free bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
+        del bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
+        mem.free(128)
         # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
         bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
         rt.ew(ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new)
@@ -5850,38 +6016,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2b_W_new, T['res4a_branch2b_W'], lr, V_res4a_branch2b_W_new)
 
         # ---- bn4a_branch2a (batch norm), backward ----
-        # d_bn4a_branch2a_inv_std = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_weight)
-        d_bn4a_branch2a_inv_std = mem.tensor(455, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2a_inv_std, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered)
+        d_bn4a_branch2a_ew_sum = mem.tensor(455, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn4a_branch2a_ew_sum, d_bn4a_branch2a, bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        # d_bn4a_branch2a_inv_std = bn4a_branch2a_weight*d_bn4a_branch2a_ew_sum
+        d_bn4a_branch2a_inv_std = mem.tensor(456, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_ew_sum)
         # d_bn4a_branch2a_sum_of_squares = -d_bn4a_branch2a_inv_std/(12544*(bn4a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2a_sum_of_squares = d_bn4a_branch2a_inv_std  # in place: over d_bn4a_branch2a_inv_std
         rt.ew(ew_add_pow_mul_2, d_bn4a_branch2a_sum_of_squares, d_bn4a_branch2a_inv_std, bn4a_branch2a_batch_var)
         # free bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         del bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         mem.free(122)
-        # d_bn4a_branch2a_weight = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered*bn4a_branch2a_inv_std)
-        d_bn4a_branch2a_weight = mem.tensor(456, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2a_weight, d_bn4a_branch2a, bn4a_branch2a_centered, bn4a_branch2a_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4a_branch2a_centered = d_bn4a_branch2a*bn4a_branch2a_inv_std*bn4a_branch2a_weight + 2*d_bn4a_branch2a_sum_of_squares*bn4a_branch2a_centered
         d_bn4a_branch2a_centered = bn4a_branch2a_centered  # in place: over bn4a_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn4a_branch2a_centered, d_bn4a_branch2a, bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered)
-        # free bn4a_branch2a_inv_std, d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
-        del bn4a_branch2a_inv_std, d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
-        mem.free(123, 455)
+        # free d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
+        del d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
+        mem.free(456)
         # d_bn4a_branch2a_bias = sum_to[1x256x1x1](d_bn4a_branch2a)
         d_bn4a_branch2a_bias = mem.tensor(457, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2a, out=d_bn4a_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4a_branch2a_relu, d_bn4a_branch2a
         del d_bn4a_branch2a_relu, d_bn4a_branch2a
         mem.free(454)
+        # d_bn4a_branch2a_weight = bn4a_branch2a_inv_std*d_bn4a_branch2a_ew_sum
+        d_bn4a_branch2a_weight = bn4a_branch2a_inv_std  # in place: over bn4a_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn4a_branch2a_weight, bn4a_branch2a_inv_std, d_bn4a_branch2a_ew_sum)
+        # free d_bn4a_branch2a_ew_sum
+        del d_bn4a_branch2a_ew_sum
+        mem.free(455)
         # d_bn4a_branch2a_W = reshape[256](d_bn4a_branch2a_weight)
         d_bn4a_branch2a_W = rt.reshape(d_bn4a_branch2a_weight, shape=(256,))
         # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W
         V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
         rt.ew(ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W'])
-        # free d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        del d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        mem.free(456)
+        # free bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
+        del bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
+        mem.free(123)
         # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
         bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
         rt.ew(ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new)
@@ -5923,10 +6095,10 @@ class Resnet50(rp.Model):
         # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), backward ----
         # d_bn3d_branch2c_relu = conv2d_bwd_data[size=(28,28),stride=2](d_res4a_branch1, res4a_branch1_W)
         d_bn3d_branch2c_relu = mem.tensor(460, (32, 512, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch1, T['res4a_branch1_W'], out=d_bn3d_branch2c_relu, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(12845056))
-        # free d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_centered, d_res4a_branch1
-        del d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add, d_bn4a_branch1_centered, d_res4a_branch1
-        mem.free(332)
+        rt.conv2d_bwd_data(d_res4a_branch1, T['res4a_branch1_W'], out=d_bn3d_branch2c_relu, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(19267584))
+        # free res4a_branch1, bn4a_branch1_centered, d_bn4a_branch1_centered, d_res4a_branch1
+        del res4a_branch1, bn4a_branch1_centered, d_bn4a_branch1_centered, d_res4a_branch1
+        mem.free(130)
         # res4a_branch1_W_new = res4a_branch1_W - lr*V_res4a_branch1_W_new
         res4a_branch1_W_new = T['res4a_branch1_W']  # in place: the new res4a_branch1_W
         rt.ew(ew_mul_sub, res4a_branch1_W_new, T['res4a_branch1_W'], lr, V_res4a_branch1_W_new)
@@ -5934,7 +6106,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), backward ----
         # d_bn3d_branch2c_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res4a_branch2a, res4a_branch2a_W)
         d_bn3d_branch2c_relu_2 = mem.tensor(461, (32, 512, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch2a, T['res4a_branch2a_W'], out=d_bn3d_branch2c_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(12845056))
+        rt.conv2d_bwd_data(d_res4a_branch2a, T['res4a_branch2a_W'], out=d_bn3d_branch2c_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(19267584))
         # free res4a_branch2a, bn4a_branch2a_centered, d_bn4a_branch2a_centered, d_res4a_branch2a
         del res4a_branch2a, bn4a_branch2a_centered, d_bn4a_branch2a_centered, d_res4a_branch2a
         mem.free(120)
@@ -5953,32 +6125,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2a_W_new, T['res4a_branch2a_W'], lr, V_res4a_branch2a_W_new)
 
         # ---- bn3d_branch2c (batch norm), backward ----
-        # d_bn3d_branch2c_inv_std = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_weight)
-        d_bn3d_branch2c_inv_std = mem.tensor(462, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3d_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered)
+        d_bn3d_branch2c_ew_sum = mem.tensor(462, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2c_ew_sum, d_bn3d_branch2c_add, bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3d_branch2c_inv_std = bn3d_branch2c_weight*d_bn3d_branch2c_ew_sum
+        d_bn3d_branch2c_inv_std = mem.tensor(463, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_ew_sum)
         # d_bn3d_branch2c_sum_of_squares = -d_bn3d_branch2c_inv_std/(50176*(bn3d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2c_sum_of_squares = d_bn3d_branch2c_inv_std  # in place: over d_bn3d_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2c_sum_of_squares, d_bn3d_branch2c_inv_std, bn3d_branch2c_batch_var)
         # free bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         del bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         mem.free(118)
-        # d_bn3d_branch2c_weight = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered*bn3d_branch2c_inv_std)
-        d_bn3d_branch2c_weight = mem.tensor(463, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2c_weight, d_bn3d_branch2c_add, bn3d_branch2c_centered, bn3d_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_centered = d_bn3d_branch2c_add*bn3d_branch2c_inv_std*bn3d_branch2c_weight + 2*d_bn3d_branch2c_sum_of_squares*bn3d_branch2c_centered
         d_bn3d_branch2c_centered = bn3d_branch2c_centered  # in place: over bn3d_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2c_centered, d_bn3d_branch2c_add, bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered)
-        # free bn3d_branch2c_inv_std, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
-        del bn3d_branch2c_inv_std, d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
-        mem.free(119, 462)
+        # free d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
+        del d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
+        mem.free(463)
+        # d_bn3d_branch2c_weight = bn3d_branch2c_inv_std*d_bn3d_branch2c_ew_sum
+        d_bn3d_branch2c_weight = bn3d_branch2c_inv_std  # in place: over bn3d_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn3d_branch2c_weight, bn3d_branch2c_inv_std, d_bn3d_branch2c_ew_sum)
+        # free d_bn3d_branch2c_ew_sum
+        del d_bn3d_branch2c_ew_sum
+        mem.free(462)
         # d_bn3d_branch2c_W = reshape[512](d_bn3d_branch2c_weight)
         d_bn3d_branch2c_W = rt.reshape(d_bn3d_branch2c_weight, shape=(512,))
         # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W
         V_bn3d_branch2c_W_new = T['V_bn3d_branch2c_W']  # in place: the new V_bn3d_branch2c_W
         rt.ew(ew_mul_add, V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W'])
-        # free d_bn3d_branch2c_weight, d_bn3d_branch2c_W
-        del d_bn3d_branch2c_weight, d_bn3d_branch2c_W
-        mem.free(463)
+        # free bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
+        del bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
+        mem.free(119)
         # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new
         bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
         rt.ew(ew_mul_sub, bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new)
@@ -6049,38 +6227,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2c_W_new, T['res3d_branch2c_W'], lr, V_res3d_branch2c_W_new)
 
         # ---- bn3d_branch2b (batch norm), backward ----
-        # d_bn3d_branch2b_inv_std = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_weight)
-        d_bn3d_branch2b_inv_std = mem.tensor(469, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2b_inv_std, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3d_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered)
+        d_bn3d_branch2b_ew_sum = mem.tensor(469, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2b_ew_sum, d_bn3d_branch2b, bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3d_branch2b_inv_std = bn3d_branch2b_weight*d_bn3d_branch2b_ew_sum
+        d_bn3d_branch2b_inv_std = mem.tensor(470, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_ew_sum)
         # d_bn3d_branch2b_sum_of_squares = -d_bn3d_branch2b_inv_std/(50176*(bn3d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2b_sum_of_squares = d_bn3d_branch2b_inv_std  # in place: over d_bn3d_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2b_sum_of_squares, d_bn3d_branch2b_inv_std, bn3d_branch2b_batch_var)
         # free bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         del bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         mem.free(113)
-        # d_bn3d_branch2b_weight = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered*bn3d_branch2b_inv_std)
-        d_bn3d_branch2b_weight = mem.tensor(470, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2b_weight, d_bn3d_branch2b, bn3d_branch2b_centered, bn3d_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2b_centered = d_bn3d_branch2b*bn3d_branch2b_inv_std*bn3d_branch2b_weight + 2*d_bn3d_branch2b_sum_of_squares*bn3d_branch2b_centered
         d_bn3d_branch2b_centered = bn3d_branch2b_centered  # in place: over bn3d_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2b_centered, d_bn3d_branch2b, bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered)
-        # free bn3d_branch2b_inv_std, d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
-        del bn3d_branch2b_inv_std, d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
-        mem.free(114, 469)
+        # free d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
+        del d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
+        mem.free(470)
         # d_bn3d_branch2b_bias = sum_to[1x128x1x1](d_bn3d_branch2b)
         d_bn3d_branch2b_bias = mem.tensor(471, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3d_branch2b, out=d_bn3d_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3d_branch2b_relu, d_bn3d_branch2b
         del d_bn3d_branch2b_relu, d_bn3d_branch2b
         mem.free(468)
+        # d_bn3d_branch2b_weight = bn3d_branch2b_inv_std*d_bn3d_branch2b_ew_sum
+        d_bn3d_branch2b_weight = bn3d_branch2b_inv_std  # in place: over bn3d_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn3d_branch2b_weight, bn3d_branch2b_inv_std, d_bn3d_branch2b_ew_sum)
+        # free d_bn3d_branch2b_ew_sum
+        del d_bn3d_branch2b_ew_sum
+        mem.free(469)
         # d_bn3d_branch2b_W = reshape[128](d_bn3d_branch2b_weight)
         d_bn3d_branch2b_W = rt.reshape(d_bn3d_branch2b_weight, shape=(128,))
         # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W
         V_bn3d_branch2b_W_new = T['V_bn3d_branch2b_W']  # in place: the new V_bn3d_branch2b_W
         rt.ew(ew_mul_add, V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W'])
-        # free d_bn3d_branch2b_weight, d_bn3d_branch2b_W
-        del d_bn3d_branch2b_weight, d_bn3d_branch2b_W
-        mem.free(470)
+        # free bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
+        del bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
+        mem.free(114)
         # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new
         bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
         rt.ew(ew_mul_sub, bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new)
@@ -6146,38 +6330,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2b_W_new, T['res3d_branch2b_W'], lr, V_res3d_branch2b_W_new)
 
         # ---- bn3d_branch2a (batch norm), backward ----
-        # d_bn3d_branch2a_inv_std = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_weight)
-        d_bn3d_branch2a_inv_std = mem.tensor(476, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2a_inv_std, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3d_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered)
+        d_bn3d_branch2a_ew_sum = mem.tensor(476, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3d_branch2a_ew_sum, d_bn3d_branch2a, bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3d_branch2a_inv_std = bn3d_branch2a_weight*d_bn3d_branch2a_ew_sum
+        d_bn3d_branch2a_inv_std = mem.tensor(477, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_ew_sum)
         # d_bn3d_branch2a_sum_of_squares = -d_bn3d_branch2a_inv_std/(50176*(bn3d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2a_sum_of_squares = d_bn3d_branch2a_inv_std  # in place: over d_bn3d_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3d_branch2a_sum_of_squares, d_bn3d_branch2a_inv_std, bn3d_branch2a_batch_var)
         # free bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         del bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         mem.free(108)
-        # d_bn3d_branch2a_weight = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered*bn3d_branch2a_inv_std)
-        d_bn3d_branch2a_weight = mem.tensor(477, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2a_weight, d_bn3d_branch2a, bn3d_branch2a_centered, bn3d_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2a_centered = d_bn3d_branch2a*bn3d_branch2a_inv_std*bn3d_branch2a_weight + 2*d_bn3d_branch2a_sum_of_squares*bn3d_branch2a_centered
         d_bn3d_branch2a_centered = bn3d_branch2a_centered  # in place: over bn3d_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3d_branch2a_centered, d_bn3d_branch2a, bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered)
-        # free bn3d_branch2a_inv_std, d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
-        del bn3d_branch2a_inv_std, d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
-        mem.free(109, 476)
+        # free d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
+        del d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
+        mem.free(477)
         # d_bn3d_branch2a_bias = sum_to[1x128x1x1](d_bn3d_branch2a)
         d_bn3d_branch2a_bias = mem.tensor(478, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3d_branch2a, out=d_bn3d_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3d_branch2a_relu, d_bn3d_branch2a
         del d_bn3d_branch2a_relu, d_bn3d_branch2a
         mem.free(475)
+        # d_bn3d_branch2a_weight = bn3d_branch2a_inv_std*d_bn3d_branch2a_ew_sum
+        d_bn3d_branch2a_weight = bn3d_branch2a_inv_std  # in place: over bn3d_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn3d_branch2a_weight, bn3d_branch2a_inv_std, d_bn3d_branch2a_ew_sum)
+        # free d_bn3d_branch2a_ew_sum
+        del d_bn3d_branch2a_ew_sum
+        mem.free(476)
         # d_bn3d_branch2a_W = reshape[128](d_bn3d_branch2a_weight)
         d_bn3d_branch2a_W = rt.reshape(d_bn3d_branch2a_weight, shape=(128,))
         # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W
         V_bn3d_branch2a_W_new = T['V_bn3d_branch2a_W']  # in place: the new V_bn3d_branch2a_W
         rt.ew(ew_mul_add, V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W'])
-        # free d_bn3d_branch2a_weight, d_bn3d_branch2a_W
-        del d_bn3d_branch2a_weight, d_bn3d_branch2a_W
-        mem.free(477)
+        # free bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
+        del bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
+        mem.free(109)
         # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new
         bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
         rt.ew(ew_mul_sub, bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new)
@@ -6243,32 +6433,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2a_W_new, T['res3d_branch2a_W'], lr, V_res3d_branch2a_W_new)
 
         # ---- bn3c_branch2c (batch norm), backward ----
-        # d_bn3c_branch2c_inv_std = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_weight)
-        d_bn3c_branch2c_inv_std = mem.tensor(483, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3c_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered)
+        d_bn3c_branch2c_ew_sum = mem.tensor(483, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2c_ew_sum, d_bn3c_branch2c_add, bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3c_branch2c_inv_std = bn3c_branch2c_weight*d_bn3c_branch2c_ew_sum
+        d_bn3c_branch2c_inv_std = mem.tensor(484, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_ew_sum)
         # d_bn3c_branch2c_sum_of_squares = -d_bn3c_branch2c_inv_std/(50176*(bn3c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2c_sum_of_squares = d_bn3c_branch2c_inv_std  # in place: over d_bn3c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2c_sum_of_squares, d_bn3c_branch2c_inv_std, bn3c_branch2c_batch_var)
         # free bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         del bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         mem.free(103)
-        # d_bn3c_branch2c_weight = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered*bn3c_branch2c_inv_std)
-        d_bn3c_branch2c_weight = mem.tensor(484, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2c_weight, d_bn3c_branch2c_add, bn3c_branch2c_centered, bn3c_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_centered = d_bn3c_branch2c_add*bn3c_branch2c_inv_std*bn3c_branch2c_weight + 2*d_bn3c_branch2c_sum_of_squares*bn3c_branch2c_centered
         d_bn3c_branch2c_centered = bn3c_branch2c_centered  # in place: over bn3c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2c_centered, d_bn3c_branch2c_add, bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered)
-        # free bn3c_branch2c_inv_std, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
-        del bn3c_branch2c_inv_std, d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
-        mem.free(104, 483)
+        # free d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
+        del d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
+        mem.free(484)
+        # d_bn3c_branch2c_weight = bn3c_branch2c_inv_std*d_bn3c_branch2c_ew_sum
+        d_bn3c_branch2c_weight = bn3c_branch2c_inv_std  # in place: over bn3c_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn3c_branch2c_weight, bn3c_branch2c_inv_std, d_bn3c_branch2c_ew_sum)
+        # free d_bn3c_branch2c_ew_sum
+        del d_bn3c_branch2c_ew_sum
+        mem.free(483)
         # d_bn3c_branch2c_W = reshape[512](d_bn3c_branch2c_weight)
         d_bn3c_branch2c_W = rt.reshape(d_bn3c_branch2c_weight, shape=(512,))
         # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W
         V_bn3c_branch2c_W_new = T['V_bn3c_branch2c_W']  # in place: the new V_bn3c_branch2c_W
         rt.ew(ew_mul_add, V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W'])
-        # free d_bn3c_branch2c_weight, d_bn3c_branch2c_W
-        del d_bn3c_branch2c_weight, d_bn3c_branch2c_W
-        mem.free(484)
+        # free bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
+        del bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
+        mem.free(104)
         # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new
         bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
         rt.ew(ew_mul_sub, bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new)
@@ -6339,38 +6535,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2c_W_new, T['res3c_branch2c_W'], lr, V_res3c_branch2c_W_new)
 
         # ---- bn3c_branch2b (batch norm), backward ----
-        # d_bn3c_branch2b_inv_std = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_weight)
-        d_bn3c_branch2b_inv_std = mem.tensor(490, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2b_inv_std, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3c_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered)
+        d_bn3c_branch2b_ew_sum = mem.tensor(490, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2b_ew_sum, d_bn3c_branch2b, bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3c_branch2b_inv_std = bn3c_branch2b_weight*d_bn3c_branch2b_ew_sum
+        d_bn3c_branch2b_inv_std = mem.tensor(491, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_ew_sum)
         # d_bn3c_branch2b_sum_of_squares = -d_bn3c_branch2b_inv_std/(50176*(bn3c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2b_sum_of_squares = d_bn3c_branch2b_inv_std  # in place: over d_bn3c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2b_sum_of_squares, d_bn3c_branch2b_inv_std, bn3c_branch2b_batch_var)
         # free bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         del bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         mem.free(98)
-        # d_bn3c_branch2b_weight = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered*bn3c_branch2b_inv_std)
-        d_bn3c_branch2b_weight = mem.tensor(491, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2b_weight, d_bn3c_branch2b, bn3c_branch2b_centered, bn3c_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2b_centered = d_bn3c_branch2b*bn3c_branch2b_inv_std*bn3c_branch2b_weight + 2*d_bn3c_branch2b_sum_of_squares*bn3c_branch2b_centered
         d_bn3c_branch2b_centered = bn3c_branch2b_centered  # in place: over bn3c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2b_centered, d_bn3c_branch2b, bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered)
-        # free bn3c_branch2b_inv_std, d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
-        del bn3c_branch2b_inv_std, d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
-        mem.free(99, 490)
+        # free d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
+        del d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
+        mem.free(491)
         # d_bn3c_branch2b_bias = sum_to[1x128x1x1](d_bn3c_branch2b)
         d_bn3c_branch2b_bias = mem.tensor(492, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3c_branch2b, out=d_bn3c_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3c_branch2b_relu, d_bn3c_branch2b
         del d_bn3c_branch2b_relu, d_bn3c_branch2b
         mem.free(489)
+        # d_bn3c_branch2b_weight = bn3c_branch2b_inv_std*d_bn3c_branch2b_ew_sum
+        d_bn3c_branch2b_weight = bn3c_branch2b_inv_std  # in place: over bn3c_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn3c_branch2b_weight, bn3c_branch2b_inv_std, d_bn3c_branch2b_ew_sum)
+        # free d_bn3c_branch2b_ew_sum
+        del d_bn3c_branch2b_ew_sum
+        mem.free(490)
         # d_bn3c_branch2b_W = reshape[128](d_bn3c_branch2b_weight)
         d_bn3c_branch2b_W = rt.reshape(d_bn3c_branch2b_weight, shape=(128,))
         # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W
         V_bn3c_branch2b_W_new = T['V_bn3c_branch2b_W']  # in place: the new V_bn3c_branch2b_W
         rt.ew(ew_mul_add, V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W'])
-        # free d_bn3c_branch2b_weight, d_bn3c_branch2b_W
-        del d_bn3c_branch2b_weight, d_bn3c_branch2b_W
-        mem.free(491)
+        # free bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
+        del bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
+        mem.free(99)
         # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new
         bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
         rt.ew(ew_mul_sub, bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new)
@@ -6436,38 +6638,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2b_W_new, T['res3c_branch2b_W'], lr, V_res3c_branch2b_W_new)
 
         # ---- bn3c_branch2a (batch norm), backward ----
-        # d_bn3c_branch2a_inv_std = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_weight)
-        d_bn3c_branch2a_inv_std = mem.tensor(497, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2a_inv_std, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3c_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered)
+        d_bn3c_branch2a_ew_sum = mem.tensor(497, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3c_branch2a_ew_sum, d_bn3c_branch2a, bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3c_branch2a_inv_std = bn3c_branch2a_weight*d_bn3c_branch2a_ew_sum
+        d_bn3c_branch2a_inv_std = mem.tensor(498, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_ew_sum)
         # d_bn3c_branch2a_sum_of_squares = -d_bn3c_branch2a_inv_std/(50176*(bn3c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2a_sum_of_squares = d_bn3c_branch2a_inv_std  # in place: over d_bn3c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3c_branch2a_sum_of_squares, d_bn3c_branch2a_inv_std, bn3c_branch2a_batch_var)
         # free bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         del bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         mem.free(93)
-        # d_bn3c_branch2a_weight = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered*bn3c_branch2a_inv_std)
-        d_bn3c_branch2a_weight = mem.tensor(498, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2a_weight, d_bn3c_branch2a, bn3c_branch2a_centered, bn3c_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2a_centered = d_bn3c_branch2a*bn3c_branch2a_inv_std*bn3c_branch2a_weight + 2*d_bn3c_branch2a_sum_of_squares*bn3c_branch2a_centered
         d_bn3c_branch2a_centered = bn3c_branch2a_centered  # in place: over bn3c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3c_branch2a_centered, d_bn3c_branch2a, bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered)
-        # free bn3c_branch2a_inv_std, d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
-        del bn3c_branch2a_inv_std, d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
-        mem.free(94, 497)
+        # free d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
+        del d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
+        mem.free(498)
         # d_bn3c_branch2a_bias = sum_to[1x128x1x1](d_bn3c_branch2a)
         d_bn3c_branch2a_bias = mem.tensor(499, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3c_branch2a, out=d_bn3c_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3c_branch2a_relu, d_bn3c_branch2a
         del d_bn3c_branch2a_relu, d_bn3c_branch2a
         mem.free(496)
+        # d_bn3c_branch2a_weight = bn3c_branch2a_inv_std*d_bn3c_branch2a_ew_sum
+        d_bn3c_branch2a_weight = bn3c_branch2a_inv_std  # in place: over bn3c_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn3c_branch2a_weight, bn3c_branch2a_inv_std, d_bn3c_branch2a_ew_sum)
+        # free d_bn3c_branch2a_ew_sum
+        del d_bn3c_branch2a_ew_sum
+        mem.free(497)
         # d_bn3c_branch2a_W = reshape[128](d_bn3c_branch2a_weight)
         d_bn3c_branch2a_W = rt.reshape(d_bn3c_branch2a_weight, shape=(128,))
         # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W
         V_bn3c_branch2a_W_new = T['V_bn3c_branch2a_W']  # in place: the new V_bn3c_branch2a_W
         rt.ew(ew_mul_add, V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W'])
-        # free d_bn3c_branch2a_weight, d_bn3c_branch2a_W
-        del d_bn3c_branch2a_weight, d_bn3c_branch2a_W
-        mem.free(498)
+        # free bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
+        del bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
+        mem.free(94)
         # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new
         bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
         rt.ew(ew_mul_sub, bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new)
@@ -6526,32 +6734,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2a_W_new, T['res3c_branch2a_W'], lr, V_res3c_branch2a_W_new)
 
         # ---- bn3b_branch2c (batch norm), backward ----
-        # d_bn3b_branch2c_inv_std = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_weight)
-        d_bn3b_branch2c_inv_std = mem.tensor(503, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3b_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered)
+        d_bn3b_branch2c_ew_sum = mem.tensor(503, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2c_ew_sum, d_bn3b_branch2c_add, bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3b_branch2c_inv_std = bn3b_branch2c_weight*d_bn3b_branch2c_ew_sum
+        d_bn3b_branch2c_inv_std = mem.tensor(504, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_ew_sum)
         # d_bn3b_branch2c_sum_of_squares = -d_bn3b_branch2c_inv_std/(50176*(bn3b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2c_sum_of_squares = d_bn3b_branch2c_inv_std  # in place: over d_bn3b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2c_sum_of_squares, d_bn3b_branch2c_inv_std, bn3b_branch2c_batch_var)
         # free bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         del bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         mem.free(89)
-        # d_bn3b_branch2c_weight = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered*bn3b_branch2c_inv_std)
-        d_bn3b_branch2c_weight = mem.tensor(504, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2c_weight, d_bn3b_branch2c_add, bn3b_branch2c_centered, bn3b_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_centered = d_bn3b_branch2c_add*bn3b_branch2c_inv_std*bn3b_branch2c_weight + 2*d_bn3b_branch2c_sum_of_squares*bn3b_branch2c_centered
         d_bn3b_branch2c_centered = bn3b_branch2c_centered  # in place: over bn3b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2c_centered, d_bn3b_branch2c_add, bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered)
-        # free bn3b_branch2c_inv_std, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
-        del bn3b_branch2c_inv_std, d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
-        mem.free(90, 503)
+        # free d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
+        del d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
+        mem.free(504)
+        # d_bn3b_branch2c_weight = bn3b_branch2c_inv_std*d_bn3b_branch2c_ew_sum
+        d_bn3b_branch2c_weight = bn3b_branch2c_inv_std  # in place: over bn3b_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn3b_branch2c_weight, bn3b_branch2c_inv_std, d_bn3b_branch2c_ew_sum)
+        # free d_bn3b_branch2c_ew_sum
+        del d_bn3b_branch2c_ew_sum
+        mem.free(503)
         # d_bn3b_branch2c_W = reshape[512](d_bn3b_branch2c_weight)
         d_bn3b_branch2c_W = rt.reshape(d_bn3b_branch2c_weight, shape=(512,))
         # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W
         V_bn3b_branch2c_W_new = T['V_bn3b_branch2c_W']  # in place: the new V_bn3b_branch2c_W
         rt.ew(ew_mul_add, V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W'])
-        # free d_bn3b_branch2c_weight, d_bn3b_branch2c_W
-        del d_bn3b_branch2c_weight, d_bn3b_branch2c_W
-        mem.free(504)
+        # free bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
+        del bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
+        mem.free(90)
         # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new
         bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
         rt.ew(ew_mul_sub, bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new)
@@ -6622,38 +6836,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2c_W_new, T['res3b_branch2c_W'], lr, V_res3b_branch2c_W_new)
 
         # ---- bn3b_branch2b (batch norm), backward ----
-        # d_bn3b_branch2b_inv_std = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_weight)
-        d_bn3b_branch2b_inv_std = mem.tensor(510, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2b_inv_std, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3b_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered)
+        d_bn3b_branch2b_ew_sum = mem.tensor(510, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2b_ew_sum, d_bn3b_branch2b, bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3b_branch2b_inv_std = bn3b_branch2b_weight*d_bn3b_branch2b_ew_sum
+        d_bn3b_branch2b_inv_std = mem.tensor(511, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_ew_sum)
         # d_bn3b_branch2b_sum_of_squares = -d_bn3b_branch2b_inv_std/(50176*(bn3b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2b_sum_of_squares = d_bn3b_branch2b_inv_std  # in place: over d_bn3b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2b_sum_of_squares, d_bn3b_branch2b_inv_std, bn3b_branch2b_batch_var)
         # free bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         del bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         mem.free(84)
-        # d_bn3b_branch2b_weight = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered*bn3b_branch2b_inv_std)
-        d_bn3b_branch2b_weight = mem.tensor(511, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2b_weight, d_bn3b_branch2b, bn3b_branch2b_centered, bn3b_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2b_centered = d_bn3b_branch2b*bn3b_branch2b_inv_std*bn3b_branch2b_weight + 2*d_bn3b_branch2b_sum_of_squares*bn3b_branch2b_centered
         d_bn3b_branch2b_centered = bn3b_branch2b_centered  # in place: over bn3b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2b_centered, d_bn3b_branch2b, bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered)
-        # free bn3b_branch2b_inv_std, d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
-        del bn3b_branch2b_inv_std, d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
-        mem.free(85, 510)
+        # free d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
+        del d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
+        mem.free(511)
         # d_bn3b_branch2b_bias = sum_to[1x128x1x1](d_bn3b_branch2b)
         d_bn3b_branch2b_bias = mem.tensor(512, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3b_branch2b, out=d_bn3b_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3b_branch2b_relu, d_bn3b_branch2b
         del d_bn3b_branch2b_relu, d_bn3b_branch2b
         mem.free(509)
+        # d_bn3b_branch2b_weight = bn3b_branch2b_inv_std*d_bn3b_branch2b_ew_sum
+        d_bn3b_branch2b_weight = bn3b_branch2b_inv_std  # in place: over bn3b_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn3b_branch2b_weight, bn3b_branch2b_inv_std, d_bn3b_branch2b_ew_sum)
+        # free d_bn3b_branch2b_ew_sum
+        del d_bn3b_branch2b_ew_sum
+        mem.free(510)
         # d_bn3b_branch2b_W = reshape[128](d_bn3b_branch2b_weight)
         d_bn3b_branch2b_W = rt.reshape(d_bn3b_branch2b_weight, shape=(128,))
         # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W
         V_bn3b_branch2b_W_new = T['V_bn3b_branch2b_W']  # in place: the new V_bn3b_branch2b_W
         rt.ew(ew_mul_add, V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W'])
-        # free d_bn3b_branch2b_weight, d_bn3b_branch2b_W
-        del d_bn3b_branch2b_weight, d_bn3b_branch2b_W
-        mem.free(511)
+        # free bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
+        del bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
+        mem.free(85)
         # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new
         bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
         rt.ew(ew_mul_sub, bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new)
@@ -6719,38 +6939,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2b_W_new, T['res3b_branch2b_W'], lr, V_res3b_branch2b_W_new)
 
         # ---- bn3b_branch2a (batch norm), backward ----
-        # d_bn3b_branch2a_inv_std = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_weight)
-        d_bn3b_branch2a_inv_std = mem.tensor(517, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2a_inv_std, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3b_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered)
+        d_bn3b_branch2a_ew_sum = mem.tensor(517, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3b_branch2a_ew_sum, d_bn3b_branch2a, bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3b_branch2a_inv_std = bn3b_branch2a_weight*d_bn3b_branch2a_ew_sum
+        d_bn3b_branch2a_inv_std = mem.tensor(518, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_ew_sum)
         # d_bn3b_branch2a_sum_of_squares = -d_bn3b_branch2a_inv_std/(50176*(bn3b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2a_sum_of_squares = d_bn3b_branch2a_inv_std  # in place: over d_bn3b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3b_branch2a_sum_of_squares, d_bn3b_branch2a_inv_std, bn3b_branch2a_batch_var)
         # free bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         del bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         mem.free(79)
-        # d_bn3b_branch2a_weight = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered*bn3b_branch2a_inv_std)
-        d_bn3b_branch2a_weight = mem.tensor(518, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2a_weight, d_bn3b_branch2a, bn3b_branch2a_centered, bn3b_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2a_centered = d_bn3b_branch2a*bn3b_branch2a_inv_std*bn3b_branch2a_weight + 2*d_bn3b_branch2a_sum_of_squares*bn3b_branch2a_centered
         d_bn3b_branch2a_centered = bn3b_branch2a_centered  # in place: over bn3b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3b_branch2a_centered, d_bn3b_branch2a, bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered)
-        # free bn3b_branch2a_inv_std, d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
-        del bn3b_branch2a_inv_std, d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
-        mem.free(80, 517)
+        # free d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
+        del d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
+        mem.free(518)
         # d_bn3b_branch2a_bias = sum_to[1x128x1x1](d_bn3b_branch2a)
         d_bn3b_branch2a_bias = mem.tensor(519, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3b_branch2a, out=d_bn3b_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3b_branch2a_relu, d_bn3b_branch2a
         del d_bn3b_branch2a_relu, d_bn3b_branch2a
         mem.free(516)
+        # d_bn3b_branch2a_weight = bn3b_branch2a_inv_std*d_bn3b_branch2a_ew_sum
+        d_bn3b_branch2a_weight = bn3b_branch2a_inv_std  # in place: over bn3b_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn3b_branch2a_weight, bn3b_branch2a_inv_std, d_bn3b_branch2a_ew_sum)
+        # free d_bn3b_branch2a_ew_sum
+        del d_bn3b_branch2a_ew_sum
+        mem.free(517)
         # d_bn3b_branch2a_W = reshape[128](d_bn3b_branch2a_weight)
         d_bn3b_branch2a_W = rt.reshape(d_bn3b_branch2a_weight, shape=(128,))
         # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W
         V_bn3b_branch2a_W_new = T['V_bn3b_branch2a_W']  # in place: the new V_bn3b_branch2a_W
         rt.ew(ew_mul_add, V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W'])
-        # free d_bn3b_branch2a_weight, d_bn3b_branch2a_W
-        del d_bn3b_branch2a_weight, d_bn3b_branch2a_W
-        mem.free(518)
+        # free bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
+        del bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
+        mem.free(80)
         # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new
         bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
         rt.ew(ew_mul_sub, bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new)
@@ -6816,50 +7042,43 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2a_W_new, T['res3b_branch2a_W'], lr, V_res3b_branch2a_W_new)
 
         # ---- bn3a_branch2c (batch norm), backward ----
-        # d_bn3a_branch2c_inv_std = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_weight)
-        d_bn3a_branch2c_inv_std = mem.tensor(524, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered)
+        d_bn3a_branch2c_ew_sum = mem.tensor(524, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2c_ew_sum, d_bn3a_branch2c_add, bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch2c_inv_std = bn3a_branch2c_weight*d_bn3a_branch2c_ew_sum
+        d_bn3a_branch2c_inv_std = mem.tensor(525, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_ew_sum)
         # d_bn3a_branch2c_sum_of_squares = -d_bn3a_branch2c_inv_std/(50176*(bn3a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2c_sum_of_squares = d_bn3a_branch2c_inv_std  # in place: over d_bn3a_branch2c_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3a_branch2c_sum_of_squares, d_bn3a_branch2c_inv_std, bn3a_branch2c_batch_var)
         # free bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         del bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         mem.free(74)
-
-        # ---- bn3a_branch1 (batch norm), backward ----
-        # d_bn3a_branch1_inv_std = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_weight)
-        d_bn3a_branch1_inv_std = mem.tensor(525, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch1_inv_std, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_weight, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3a_branch1_sum_of_squares = -d_bn3a_branch1_inv_std/(50176*(bn3a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn3a_branch1_sum_of_squares = d_bn3a_branch1_inv_std  # in place: over d_bn3a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var)
-        # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
-        del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
-        mem.free(70)
-
-        # ---- bn3a_branch2c (batch norm), backward ----
-        # d_bn3a_branch2c_weight = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered*bn3a_branch2c_inv_std)
-        d_bn3a_branch2c_weight = mem.tensor(526, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2c_weight, d_bn3a_branch2c_add, bn3a_branch2c_centered, bn3a_branch2c_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch2c_centered = d_bn3a_branch2c_add*bn3a_branch2c_inv_std*bn3a_branch2c_weight + 2*d_bn3a_branch2c_sum_of_squares*bn3a_branch2c_centered
         d_bn3a_branch2c_centered = bn3a_branch2c_centered  # in place: over bn3a_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn3a_branch2c_centered, d_bn3a_branch2c_add, bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered)
-        # free bn3a_branch2c_inv_std, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
-        del bn3a_branch2c_inv_std, d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
-        mem.free(75, 524)
+        # free d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
+        del d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
+        mem.free(525)
+        # d_bn3a_branch2c_weight = bn3a_branch2c_inv_std*d_bn3a_branch2c_ew_sum
+        d_bn3a_branch2c_weight = bn3a_branch2c_inv_std  # in place: over bn3a_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn3a_branch2c_weight, bn3a_branch2c_inv_std, d_bn3a_branch2c_ew_sum)
+        # free d_bn3a_branch2c_ew_sum
+        del d_bn3a_branch2c_ew_sum
+        mem.free(524)
         # d_bn3a_branch2c_W = reshape[512](d_bn3a_branch2c_weight)
         d_bn3a_branch2c_W = rt.reshape(d_bn3a_branch2c_weight, shape=(512,))
         # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W
         V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
         rt.ew(ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W'])
-        # free d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        del d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        mem.free(526)
+        # free bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
+        del bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
+        mem.free(75)
         # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
         bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
         rt.ew(ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new)
         # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch2c_centered)
-        d_bn3a_branch2c_batch_mean = mem.tensor(527, (1, 512, 1, 1), 'float32')
+        d_bn3a_branch2c_batch_mean = mem.tensor(526, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean/25088
         d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean  # in place: over d_bn3a_branch2c_batch_mean
@@ -6871,12 +7090,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3a_branch2c, d_bn3a_branch2c_centered, d_bn3a_branch2c_sum)
         # free d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
         del d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_sum
-        mem.free(527)
+        mem.free(526)
 
         # ---- bn3a_branch1 (batch norm), backward ----
+        # d_bn3a_branch1_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered)
+        d_bn3a_branch1_ew_sum = mem.tensor(527, (1, 512, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch1_ew_sum, d_bn3a_branch2c_add, bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
+        # d_bn3a_branch1_inv_std = bn3a_branch1_weight*d_bn3a_branch1_ew_sum
+        d_bn3a_branch1_inv_std = mem.tensor(528, (1, 512, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_ew_sum)
+        # d_bn3a_branch1_sum_of_squares = -d_bn3a_branch1_inv_std/(50176*(bn3a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn3a_branch1_sum_of_squares = d_bn3a_branch1_inv_std  # in place: over d_bn3a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var)
+        # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
+        del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
+        mem.free(70)
+        # d_bn3a_branch1_centered = d_bn3a_branch2c_add*bn3a_branch1_inv_std*bn3a_branch1_weight + 2*d_bn3a_branch1_sum_of_squares*bn3a_branch1_centered
+        d_bn3a_branch1_centered = bn3a_branch1_centered  # in place: over bn3a_branch1_centered
+        rt.ew(ew_mul_add_2, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered)
+        # free d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
+        del d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
+        mem.free(528)
         # d_bn3a_branch1_bias = sum_to[1x512x1x1](d_bn3a_branch2c_add)
-        d_bn3a_branch1_bias = mem.tensor(528, (1, 512, 1, 1), 'float32')
+        d_bn3a_branch1_bias = mem.tensor(529, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2c_add, out=d_bn3a_branch1_bias, shape=(1, 512, 1, 1))
+        # free d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add
+        del d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add
+        mem.free(460)
+        # d_bn3a_branch1_weight = bn3a_branch1_inv_std*d_bn3a_branch1_ew_sum
+        d_bn3a_branch1_weight = bn3a_branch1_inv_std  # in place: over bn3a_branch1_inv_std
+        rt.ew(ew_mul_2, d_bn3a_branch1_weight, bn3a_branch1_inv_std, d_bn3a_branch1_ew_sum)
+        # free d_bn3a_branch1_ew_sum
+        del d_bn3a_branch1_ew_sum
+        mem.free(527)
         # d_bn3a_branch1_B = reshape[512](d_bn3a_branch1_bias)
         d_bn3a_branch1_B = rt.reshape(d_bn3a_branch1_bias, shape=(512,))
 
@@ -6891,7 +7137,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3a_branch1_B_new, T['V_bn3a_branch1_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch1_B'])
         # free d_bn3a_branch1_bias, d_bn3a_branch1_B
         del d_bn3a_branch1_bias, d_bn3a_branch1_B
-        mem.free(528)
+        mem.free(529)
 
         # ---- bn3a_branch2c (batch norm), backward ----
         # bn3a_branch2c_B_new = bn3a_branch2c_B - lr*V_bn3a_branch2c_B_new
@@ -6899,29 +7145,20 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, bn3a_branch2c_B_new, T['bn3a_branch2c_B'], lr, V_bn3a_branch2c_B_new)
 
         # ---- bn3a_branch1 (batch norm), backward ----
-        # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
-        bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
-        rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
-        # d_bn3a_branch1_weight = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered*bn3a_branch1_inv_std)
-        d_bn3a_branch1_weight = mem.tensor(529, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch1_weight, d_bn3a_branch2c_add, bn3a_branch1_centered, bn3a_branch1_inv_std, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3a_branch1_centered = d_bn3a_branch2c_add*bn3a_branch1_inv_std*bn3a_branch1_weight + 2*d_bn3a_branch1_sum_of_squares*bn3a_branch1_centered
-        d_bn3a_branch1_centered = d_bn3a_branch2c_add  # in place: over d_bn3a_branch2c_add
-        rt.ew(ew_mul_add_3, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered)
-        # free res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std, d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
-        del res3a_branch1, bn3a_branch1_centered, bn3a_branch1_inv_std, d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
-        mem.free(68, 71, 525)
         # d_bn3a_branch1_W = reshape[512](d_bn3a_branch1_weight)
         d_bn3a_branch1_W = rt.reshape(d_bn3a_branch1_weight, shape=(512,))
         # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W
         V_bn3a_branch1_W_new = T['V_bn3a_branch1_W']  # in place: the new V_bn3a_branch1_W
         rt.ew(ew_mul_add, V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W'])
-        # free d_bn3a_branch1_weight, d_bn3a_branch1_W
-        del d_bn3a_branch1_weight, d_bn3a_branch1_W
-        mem.free(529)
+        # free bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
+        del bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
+        mem.free(71)
         # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new
         bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
         rt.ew(ew_mul_sub, bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new)
+        # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
+        bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
+        rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
         # d_bn3a_branch1_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch1_centered)
         d_bn3a_branch1_batch_mean = mem.tensor(530, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3a_branch1_batch_mean, d_bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
@@ -6973,38 +7210,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2c_W_new, T['res3a_branch2c_W'], lr, V_res3a_branch2c_W_new)
 
         # ---- bn3a_branch2b (batch norm), backward ----
-        # d_bn3a_branch2b_inv_std = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_weight)
-        d_bn3a_branch2b_inv_std = mem.tensor(534, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2b_inv_std, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered)
+        d_bn3a_branch2b_ew_sum = mem.tensor(534, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2b_ew_sum, d_bn3a_branch2b, bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2b_inv_std = bn3a_branch2b_weight*d_bn3a_branch2b_ew_sum
+        d_bn3a_branch2b_inv_std = mem.tensor(535, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_ew_sum)
         # d_bn3a_branch2b_sum_of_squares = -d_bn3a_branch2b_inv_std/(50176*(bn3a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2b_sum_of_squares = d_bn3a_branch2b_inv_std  # in place: over d_bn3a_branch2b_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3a_branch2b_sum_of_squares, d_bn3a_branch2b_inv_std, bn3a_branch2b_batch_var)
         # free bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         del bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         mem.free(65)
-        # d_bn3a_branch2b_weight = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered*bn3a_branch2b_inv_std)
-        d_bn3a_branch2b_weight = mem.tensor(535, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2b_weight, d_bn3a_branch2b, bn3a_branch2b_centered, bn3a_branch2b_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3a_branch2b_centered = d_bn3a_branch2b*bn3a_branch2b_inv_std*bn3a_branch2b_weight + 2*d_bn3a_branch2b_sum_of_squares*bn3a_branch2b_centered
         d_bn3a_branch2b_centered = bn3a_branch2b_centered  # in place: over bn3a_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn3a_branch2b_centered, d_bn3a_branch2b, bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered)
-        # free bn3a_branch2b_inv_std, d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
-        del bn3a_branch2b_inv_std, d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
-        mem.free(66, 534)
+        # free d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
+        del d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
+        mem.free(535)
         # d_bn3a_branch2b_bias = sum_to[1x128x1x1](d_bn3a_branch2b)
         d_bn3a_branch2b_bias = mem.tensor(536, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2b, out=d_bn3a_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3a_branch2b_relu, d_bn3a_branch2b
         del d_bn3a_branch2b_relu, d_bn3a_branch2b
         mem.free(533)
+        # d_bn3a_branch2b_weight = bn3a_branch2b_inv_std*d_bn3a_branch2b_ew_sum
+        d_bn3a_branch2b_weight = bn3a_branch2b_inv_std  # in place: over bn3a_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn3a_branch2b_weight, bn3a_branch2b_inv_std, d_bn3a_branch2b_ew_sum)
+        # free d_bn3a_branch2b_ew_sum
+        del d_bn3a_branch2b_ew_sum
+        mem.free(534)
         # d_bn3a_branch2b_W = reshape[128](d_bn3a_branch2b_weight)
         d_bn3a_branch2b_W = rt.reshape(d_bn3a_branch2b_weight, shape=(128,))
         # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W
         V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
         rt.ew(ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W'])
-        # free d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        del d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        mem.free(535)
+        # free bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
+        del bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
+        mem.free(66)
         # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
         bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
         rt.ew(ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new)
@@ -7086,38 +7329,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2b_W_new, T['res3a_branch2b_W'], lr, V_res3a_branch2b_W_new)
 
         # ---- bn3a_branch2a (batch norm), backward ----
-        # d_bn3a_branch2a_inv_std = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_weight)
-        d_bn3a_branch2a_inv_std = mem.tensor(543, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2a_inv_std, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_weight, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered)
+        d_bn3a_branch2a_ew_sum = mem.tensor(543, (1, 128, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn3a_branch2a_ew_sum, d_bn3a_branch2a, bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        # d_bn3a_branch2a_inv_std = bn3a_branch2a_weight*d_bn3a_branch2a_ew_sum
+        d_bn3a_branch2a_inv_std = mem.tensor(544, (1, 128, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_ew_sum)
         # d_bn3a_branch2a_sum_of_squares = -d_bn3a_branch2a_inv_std/(50176*(bn3a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2a_sum_of_squares = d_bn3a_branch2a_inv_std  # in place: over d_bn3a_branch2a_inv_std
         rt.ew(ew_add_pow_mul_3, d_bn3a_branch2a_sum_of_squares, d_bn3a_branch2a_inv_std, bn3a_branch2a_batch_var)
         # free bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         del bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         mem.free(60)
-        # d_bn3a_branch2a_weight = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered*bn3a_branch2a_inv_std)
-        d_bn3a_branch2a_weight = mem.tensor(544, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2a_weight, d_bn3a_branch2a, bn3a_branch2a_centered, bn3a_branch2a_inv_std, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3a_branch2a_centered = d_bn3a_branch2a*bn3a_branch2a_inv_std*bn3a_branch2a_weight + 2*d_bn3a_branch2a_sum_of_squares*bn3a_branch2a_centered
         d_bn3a_branch2a_centered = bn3a_branch2a_centered  # in place: over bn3a_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn3a_branch2a_centered, d_bn3a_branch2a, bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered)
-        # free bn3a_branch2a_inv_std, d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
-        del bn3a_branch2a_inv_std, d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
-        mem.free(61, 543)
+        # free d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
+        del d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
+        mem.free(544)
         # d_bn3a_branch2a_bias = sum_to[1x128x1x1](d_bn3a_branch2a)
         d_bn3a_branch2a_bias = mem.tensor(545, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2a, out=d_bn3a_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3a_branch2a_relu, d_bn3a_branch2a
         del d_bn3a_branch2a_relu, d_bn3a_branch2a
         mem.free(542)
+        # d_bn3a_branch2a_weight = bn3a_branch2a_inv_std*d_bn3a_branch2a_ew_sum
+        d_bn3a_branch2a_weight = bn3a_branch2a_inv_std  # in place: over bn3a_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn3a_branch2a_weight, bn3a_branch2a_inv_std, d_bn3a_branch2a_ew_sum)
+        # free d_bn3a_branch2a_ew_sum
+        del d_bn3a_branch2a_ew_sum
+        mem.free(543)
         # d_bn3a_branch2a_W = reshape[128](d_bn3a_branch2a_weight)
         d_bn3a_branch2a_W = rt.reshape(d_bn3a_branch2a_weight, shape=(128,))
         # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W
         V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
         rt.ew(ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W'])
-        # free d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        del d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        mem.free(544)
+        # free bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
+        del bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
+        mem.free(61)
         # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
         bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
         rt.ew(ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new)
@@ -7160,9 +7409,9 @@ class Resnet50(rp.Model):
         # d_bn2c_branch2c_relu = conv2d_bwd_data[size=(56,56),stride=2](d_res3a_branch1, res3a_branch1_W)
         d_bn2c_branch2c_relu = mem.tensor(548, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res3a_branch1, T['res3a_branch1_W'], out=d_bn2c_branch2c_relu, pad=0, size=(56, 56), stride=2, workspace=mem.workspace(25690112))
-        # free d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_centered, d_res3a_branch1
-        del d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add, d_bn3a_branch1_centered, d_res3a_branch1
-        mem.free(460)
+        # free res3a_branch1, bn3a_branch1_centered, d_bn3a_branch1_centered, d_res3a_branch1
+        del res3a_branch1, bn3a_branch1_centered, d_bn3a_branch1_centered, d_res3a_branch1
+        mem.free(68)
         # res3a_branch1_W_new = res3a_branch1_W - lr*V_res3a_branch1_W_new
         res3a_branch1_W_new = T['res3a_branch1_W']  # in place: the new res3a_branch1_W
         rt.ew(ew_mul_sub, res3a_branch1_W_new, T['res3a_branch1_W'], lr, V_res3a_branch1_W_new)
@@ -7189,32 +7438,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2a_W_new, T['res3a_branch2a_W'], lr, V_res3a_branch2a_W_new)
 
         # ---- bn2c_branch2c (batch norm), backward ----
-        # d_bn2c_branch2c_inv_std = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_weight)
-        d_bn2c_branch2c_inv_std = mem.tensor(550, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2c_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered)
+        d_bn2c_branch2c_ew_sum = mem.tensor(550, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2c_ew_sum, d_bn2c_branch2c_add, bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2c_branch2c_inv_std = bn2c_branch2c_weight*d_bn2c_branch2c_ew_sum
+        d_bn2c_branch2c_inv_std = mem.tensor(551, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_ew_sum)
         # d_bn2c_branch2c_sum_of_squares = -d_bn2c_branch2c_inv_std/(200704*(bn2c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2c_sum_of_squares = d_bn2c_branch2c_inv_std  # in place: over d_bn2c_branch2c_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2c_sum_of_squares, d_bn2c_branch2c_inv_std, bn2c_branch2c_batch_var)
         # free bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         del bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         mem.free(55)
-        # d_bn2c_branch2c_weight = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered*bn2c_branch2c_inv_std)
-        d_bn2c_branch2c_weight = mem.tensor(551, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2c_weight, d_bn2c_branch2c_add, bn2c_branch2c_centered, bn2c_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_centered = d_bn2c_branch2c_add*bn2c_branch2c_inv_std*bn2c_branch2c_weight + 2*d_bn2c_branch2c_sum_of_squares*bn2c_branch2c_centered
         d_bn2c_branch2c_centered = bn2c_branch2c_centered  # in place: over bn2c_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2c_centered, d_bn2c_branch2c_add, bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered)
-        # free bn2c_branch2c_inv_std, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
-        del bn2c_branch2c_inv_std, d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
-        mem.free(56, 550)
+        # free d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
+        del d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
+        mem.free(551)
+        # d_bn2c_branch2c_weight = bn2c_branch2c_inv_std*d_bn2c_branch2c_ew_sum
+        d_bn2c_branch2c_weight = bn2c_branch2c_inv_std  # in place: over bn2c_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn2c_branch2c_weight, bn2c_branch2c_inv_std, d_bn2c_branch2c_ew_sum)
+        # free d_bn2c_branch2c_ew_sum
+        del d_bn2c_branch2c_ew_sum
+        mem.free(550)
         # d_bn2c_branch2c_W = reshape[256](d_bn2c_branch2c_weight)
         d_bn2c_branch2c_W = rt.reshape(d_bn2c_branch2c_weight, shape=(256,))
         # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W
         V_bn2c_branch2c_W_new = T['V_bn2c_branch2c_W']  # in place: the new V_bn2c_branch2c_W
         rt.ew(ew_mul_add, V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W'])
-        # free d_bn2c_branch2c_weight, d_bn2c_branch2c_W
-        del d_bn2c_branch2c_weight, d_bn2c_branch2c_W
-        mem.free(551)
+        # free bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
+        del bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
+        mem.free(56)
         # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new
         bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
         rt.ew(ew_mul_sub, bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new)
@@ -7285,38 +7540,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new)
 
         # ---- bn2c_branch2b (batch norm), backward ----
-        # d_bn2c_branch2b_inv_std = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_weight)
-        d_bn2c_branch2b_inv_std = mem.tensor(557, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2b_inv_std, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2c_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered)
+        d_bn2c_branch2b_ew_sum = mem.tensor(557, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2b_ew_sum, d_bn2c_branch2b, bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2c_branch2b_inv_std = bn2c_branch2b_weight*d_bn2c_branch2b_ew_sum
+        d_bn2c_branch2b_inv_std = mem.tensor(558, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_ew_sum)
         # d_bn2c_branch2b_sum_of_squares = -d_bn2c_branch2b_inv_std/(200704*(bn2c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2b_sum_of_squares = d_bn2c_branch2b_inv_std  # in place: over d_bn2c_branch2b_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2b_sum_of_squares, d_bn2c_branch2b_inv_std, bn2c_branch2b_batch_var)
         # free bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         del bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         mem.free(50)
-        # d_bn2c_branch2b_weight = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered*bn2c_branch2b_inv_std)
-        d_bn2c_branch2b_weight = mem.tensor(558, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2b_weight, d_bn2c_branch2b, bn2c_branch2b_centered, bn2c_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2b_centered = d_bn2c_branch2b*bn2c_branch2b_inv_std*bn2c_branch2b_weight + 2*d_bn2c_branch2b_sum_of_squares*bn2c_branch2b_centered
         d_bn2c_branch2b_centered = bn2c_branch2b_centered  # in place: over bn2c_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2b_centered, d_bn2c_branch2b, bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered)
-        # free bn2c_branch2b_inv_std, d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
-        del bn2c_branch2b_inv_std, d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
-        mem.free(51, 557)
+        # free d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
+        del d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
+        mem.free(558)
         # d_bn2c_branch2b_bias = sum_to[1x64x1x1](d_bn2c_branch2b)
         d_bn2c_branch2b_bias = mem.tensor(559, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2c_branch2b, out=d_bn2c_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2c_branch2b_relu, d_bn2c_branch2b
         del d_bn2c_branch2b_relu, d_bn2c_branch2b
         mem.free(556)
+        # d_bn2c_branch2b_weight = bn2c_branch2b_inv_std*d_bn2c_branch2b_ew_sum
+        d_bn2c_branch2b_weight = bn2c_branch2b_inv_std  # in place: over bn2c_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn2c_branch2b_weight, bn2c_branch2b_inv_std, d_bn2c_branch2b_ew_sum)
+        # free d_bn2c_branch2b_ew_sum
+        del d_bn2c_branch2b_ew_sum
+        mem.free(557)
         # d_bn2c_branch2b_W = reshape[64](d_bn2c_branch2b_weight)
         d_bn2c_branch2b_W = rt.reshape(d_bn2c_branch2b_weight, shape=(64,))
         # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W
         V_bn2c_branch2b_W_new = T['V_bn2c_branch2b_W']  # in place: the new V_bn2c_branch2b_W
         rt.ew(ew_mul_add, V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W'])
-        # free d_bn2c_branch2b_weight, d_bn2c_branch2b_W
-        del d_bn2c_branch2b_weight, d_bn2c_branch2b_W
-        mem.free(558)
+        # free bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
+        del bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
+        mem.free(51)
         # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new
         bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
         rt.ew(ew_mul_sub, bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new)
@@ -7382,38 +7643,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2b_W_new, T['res2c_branch2b_W'], lr, V_res2c_branch2b_W_new)
 
         # ---- bn2c_branch2a (batch norm), backward ----
-        # d_bn2c_branch2a_inv_std = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_weight)
-        d_bn2c_branch2a_inv_std = mem.tensor(564, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2a_inv_std, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2c_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered)
+        d_bn2c_branch2a_ew_sum = mem.tensor(564, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2c_branch2a_ew_sum, d_bn2c_branch2a, bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2c_branch2a_inv_std = bn2c_branch2a_weight*d_bn2c_branch2a_ew_sum
+        d_bn2c_branch2a_inv_std = mem.tensor(565, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_ew_sum)
         # d_bn2c_branch2a_sum_of_squares = -d_bn2c_branch2a_inv_std/(200704*(bn2c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2a_sum_of_squares = d_bn2c_branch2a_inv_std  # in place: over d_bn2c_branch2a_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2c_branch2a_sum_of_squares, d_bn2c_branch2a_inv_std, bn2c_branch2a_batch_var)
         # free bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         del bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         mem.free(45)
-        # d_bn2c_branch2a_weight = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered*bn2c_branch2a_inv_std)
-        d_bn2c_branch2a_weight = mem.tensor(565, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2a_weight, d_bn2c_branch2a, bn2c_branch2a_centered, bn2c_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2a_centered = d_bn2c_branch2a*bn2c_branch2a_inv_std*bn2c_branch2a_weight + 2*d_bn2c_branch2a_sum_of_squares*bn2c_branch2a_centered
         d_bn2c_branch2a_centered = bn2c_branch2a_centered  # in place: over bn2c_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn2c_branch2a_centered, d_bn2c_branch2a, bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered)
-        # free bn2c_branch2a_inv_std, d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
-        del bn2c_branch2a_inv_std, d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
-        mem.free(46, 564)
+        # free d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
+        del d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
+        mem.free(565)
         # d_bn2c_branch2a_bias = sum_to[1x64x1x1](d_bn2c_branch2a)
         d_bn2c_branch2a_bias = mem.tensor(566, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2c_branch2a, out=d_bn2c_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2c_branch2a_relu, d_bn2c_branch2a
         del d_bn2c_branch2a_relu, d_bn2c_branch2a
         mem.free(563)
+        # d_bn2c_branch2a_weight = bn2c_branch2a_inv_std*d_bn2c_branch2a_ew_sum
+        d_bn2c_branch2a_weight = bn2c_branch2a_inv_std  # in place: over bn2c_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn2c_branch2a_weight, bn2c_branch2a_inv_std, d_bn2c_branch2a_ew_sum)
+        # free d_bn2c_branch2a_ew_sum
+        del d_bn2c_branch2a_ew_sum
+        mem.free(564)
         # d_bn2c_branch2a_W = reshape[64](d_bn2c_branch2a_weight)
         d_bn2c_branch2a_W = rt.reshape(d_bn2c_branch2a_weight, shape=(64,))
         # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W
         V_bn2c_branch2a_W_new = T['V_bn2c_branch2a_W']  # in place: the new V_bn2c_branch2a_W
         rt.ew(ew_mul_add, V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W'])
-        # free d_bn2c_branch2a_weight, d_bn2c_branch2a_W
-        del d_bn2c_branch2a_weight, d_bn2c_branch2a_W
-        mem.free(565)
+        # free bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
+        del bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
+        mem.free(46)
         # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new
         bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
         rt.ew(ew_mul_sub, bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new)
@@ -7472,32 +7739,38 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2a_W_new, T['res2c_branch2a_W'], lr, V_res2c_branch2a_W_new)
 
         # ---- bn2b_branch2c (batch norm), backward ----
-        # d_bn2b_branch2c_inv_std = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_weight)
-        d_bn2b_branch2c_inv_std = mem.tensor(570, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2b_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered)
+        d_bn2b_branch2c_ew_sum = mem.tensor(570, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2c_ew_sum, d_bn2b_branch2c_add, bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2b_branch2c_inv_std = bn2b_branch2c_weight*d_bn2b_branch2c_ew_sum
+        d_bn2b_branch2c_inv_std = mem.tensor(571, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_ew_sum)
         # d_bn2b_branch2c_sum_of_squares = -d_bn2b_branch2c_inv_std/(200704*(bn2b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2c_sum_of_squares = d_bn2b_branch2c_inv_std  # in place: over d_bn2b_branch2c_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2c_sum_of_squares, d_bn2b_branch2c_inv_std, bn2b_branch2c_batch_var)
         # free bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         del bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         mem.free(41)
-        # d_bn2b_branch2c_weight = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered*bn2b_branch2c_inv_std)
-        d_bn2b_branch2c_weight = mem.tensor(571, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2c_weight, d_bn2b_branch2c_add, bn2b_branch2c_centered, bn2b_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_centered = d_bn2b_branch2c_add*bn2b_branch2c_inv_std*bn2b_branch2c_weight + 2*d_bn2b_branch2c_sum_of_squares*bn2b_branch2c_centered
         d_bn2b_branch2c_centered = bn2b_branch2c_centered  # in place: over bn2b_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2c_centered, d_bn2b_branch2c_add, bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered)
-        # free bn2b_branch2c_inv_std, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
-        del bn2b_branch2c_inv_std, d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
-        mem.free(42, 570)
+        # free d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
+        del d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
+        mem.free(571)
+        # d_bn2b_branch2c_weight = bn2b_branch2c_inv_std*d_bn2b_branch2c_ew_sum
+        d_bn2b_branch2c_weight = bn2b_branch2c_inv_std  # in place: over bn2b_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn2b_branch2c_weight, bn2b_branch2c_inv_std, d_bn2b_branch2c_ew_sum)
+        # free d_bn2b_branch2c_ew_sum
+        del d_bn2b_branch2c_ew_sum
+        mem.free(570)
         # d_bn2b_branch2c_W = reshape[256](d_bn2b_branch2c_weight)
         d_bn2b_branch2c_W = rt.reshape(d_bn2b_branch2c_weight, shape=(256,))
         # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W
         V_bn2b_branch2c_W_new = T['V_bn2b_branch2c_W']  # in place: the new V_bn2b_branch2c_W
         rt.ew(ew_mul_add, V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W'])
-        # free d_bn2b_branch2c_weight, d_bn2b_branch2c_W
-        del d_bn2b_branch2c_weight, d_bn2b_branch2c_W
-        mem.free(571)
+        # free bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
+        del bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
+        mem.free(42)
         # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new
         bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
         rt.ew(ew_mul_sub, bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new)
@@ -7568,38 +7841,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new)
 
         # ---- bn2b_branch2b (batch norm), backward ----
-        # d_bn2b_branch2b_inv_std = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_weight)
-        d_bn2b_branch2b_inv_std = mem.tensor(577, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2b_inv_std, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2b_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered)
+        d_bn2b_branch2b_ew_sum = mem.tensor(577, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2b_ew_sum, d_bn2b_branch2b, bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2b_branch2b_inv_std = bn2b_branch2b_weight*d_bn2b_branch2b_ew_sum
+        d_bn2b_branch2b_inv_std = mem.tensor(578, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_ew_sum)
         # d_bn2b_branch2b_sum_of_squares = -d_bn2b_branch2b_inv_std/(200704*(bn2b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2b_sum_of_squares = d_bn2b_branch2b_inv_std  # in place: over d_bn2b_branch2b_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2b_sum_of_squares, d_bn2b_branch2b_inv_std, bn2b_branch2b_batch_var)
         # free bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         del bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         mem.free(36)
-        # d_bn2b_branch2b_weight = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered*bn2b_branch2b_inv_std)
-        d_bn2b_branch2b_weight = mem.tensor(578, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2b_weight, d_bn2b_branch2b, bn2b_branch2b_centered, bn2b_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2b_centered = d_bn2b_branch2b*bn2b_branch2b_inv_std*bn2b_branch2b_weight + 2*d_bn2b_branch2b_sum_of_squares*bn2b_branch2b_centered
         d_bn2b_branch2b_centered = bn2b_branch2b_centered  # in place: over bn2b_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2b_centered, d_bn2b_branch2b, bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered)
-        # free bn2b_branch2b_inv_std, d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
-        del bn2b_branch2b_inv_std, d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
-        mem.free(37, 577)
+        # free d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
+        del d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
+        mem.free(578)
         # d_bn2b_branch2b_bias = sum_to[1x64x1x1](d_bn2b_branch2b)
         d_bn2b_branch2b_bias = mem.tensor(579, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2b_branch2b, out=d_bn2b_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2b_branch2b_relu, d_bn2b_branch2b
         del d_bn2b_branch2b_relu, d_bn2b_branch2b
         mem.free(576)
+        # d_bn2b_branch2b_weight = bn2b_branch2b_inv_std*d_bn2b_branch2b_ew_sum
+        d_bn2b_branch2b_weight = bn2b_branch2b_inv_std  # in place: over bn2b_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn2b_branch2b_weight, bn2b_branch2b_inv_std, d_bn2b_branch2b_ew_sum)
+        # free d_bn2b_branch2b_ew_sum
+        del d_bn2b_branch2b_ew_sum
+        mem.free(577)
         # d_bn2b_branch2b_W = reshape[64](d_bn2b_branch2b_weight)
         d_bn2b_branch2b_W = rt.reshape(d_bn2b_branch2b_weight, shape=(64,))
         # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W
         V_bn2b_branch2b_W_new = T['V_bn2b_branch2b_W']  # in place: the new V_bn2b_branch2b_W
         rt.ew(ew_mul_add, V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W'])
-        # free d_bn2b_branch2b_weight, d_bn2b_branch2b_W
-        del d_bn2b_branch2b_weight, d_bn2b_branch2b_W
-        mem.free(578)
+        # free bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
+        del bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
+        mem.free(37)
         # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new
         bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
         rt.ew(ew_mul_sub, bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new)
@@ -7665,38 +7944,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2b_W_new, T['res2b_branch2b_W'], lr, V_res2b_branch2b_W_new)
 
         # ---- bn2b_branch2a (batch norm), backward ----
-        # d_bn2b_branch2a_inv_std = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_weight)
-        d_bn2b_branch2a_inv_std = mem.tensor(584, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2a_inv_std, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2b_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered)
+        d_bn2b_branch2a_ew_sum = mem.tensor(584, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2b_branch2a_ew_sum, d_bn2b_branch2a, bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2b_branch2a_inv_std = bn2b_branch2a_weight*d_bn2b_branch2a_ew_sum
+        d_bn2b_branch2a_inv_std = mem.tensor(585, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_ew_sum)
         # d_bn2b_branch2a_sum_of_squares = -d_bn2b_branch2a_inv_std/(200704*(bn2b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2a_sum_of_squares = d_bn2b_branch2a_inv_std  # in place: over d_bn2b_branch2a_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2b_branch2a_sum_of_squares, d_bn2b_branch2a_inv_std, bn2b_branch2a_batch_var)
         # free bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         del bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         mem.free(31)
-        # d_bn2b_branch2a_weight = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered*bn2b_branch2a_inv_std)
-        d_bn2b_branch2a_weight = mem.tensor(585, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2a_weight, d_bn2b_branch2a, bn2b_branch2a_centered, bn2b_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2a_centered = d_bn2b_branch2a*bn2b_branch2a_inv_std*bn2b_branch2a_weight + 2*d_bn2b_branch2a_sum_of_squares*bn2b_branch2a_centered
         d_bn2b_branch2a_centered = bn2b_branch2a_centered  # in place: over bn2b_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn2b_branch2a_centered, d_bn2b_branch2a, bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered)
-        # free bn2b_branch2a_inv_std, d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
-        del bn2b_branch2a_inv_std, d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
-        mem.free(32, 584)
+        # free d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
+        del d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
+        mem.free(585)
         # d_bn2b_branch2a_bias = sum_to[1x64x1x1](d_bn2b_branch2a)
         d_bn2b_branch2a_bias = mem.tensor(586, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2b_branch2a, out=d_bn2b_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2b_branch2a_relu, d_bn2b_branch2a
         del d_bn2b_branch2a_relu, d_bn2b_branch2a
         mem.free(583)
+        # d_bn2b_branch2a_weight = bn2b_branch2a_inv_std*d_bn2b_branch2a_ew_sum
+        d_bn2b_branch2a_weight = bn2b_branch2a_inv_std  # in place: over bn2b_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn2b_branch2a_weight, bn2b_branch2a_inv_std, d_bn2b_branch2a_ew_sum)
+        # free d_bn2b_branch2a_ew_sum
+        del d_bn2b_branch2a_ew_sum
+        mem.free(584)
         # d_bn2b_branch2a_W = reshape[64](d_bn2b_branch2a_weight)
         d_bn2b_branch2a_W = rt.reshape(d_bn2b_branch2a_weight, shape=(64,))
         # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W
         V_bn2b_branch2a_W_new = T['V_bn2b_branch2a_W']  # in place: the new V_bn2b_branch2a_W
         rt.ew(ew_mul_add, V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W'])
-        # free d_bn2b_branch2a_weight, d_bn2b_branch2a_W
-        del d_bn2b_branch2a_weight, d_bn2b_branch2a_W
-        mem.free(585)
+        # free bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
+        del bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
+        mem.free(32)
         # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new
         bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
         rt.ew(ew_mul_sub, bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new)
@@ -7762,50 +8047,43 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2a_W_new, T['res2b_branch2a_W'], lr, V_res2b_branch2a_W_new)
 
         # ---- bn2a_branch2c (batch norm), backward ----
-        # d_bn2a_branch2c_inv_std = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_weight)
-        d_bn2a_branch2c_inv_std = mem.tensor(591, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
+        d_bn2a_branch2c_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch2c_inv_std = bn2a_branch2c_weight*d_bn2a_branch2c_ew_sum
+        d_bn2a_branch2c_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_ew_sum)
         # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2c_sum_of_squares = d_bn2a_branch2c_inv_std  # in place: over d_bn2a_branch2c_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2a_branch2c_sum_of_squares, d_bn2a_branch2c_inv_std, bn2a_branch2c_batch_var)
         # free bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         del bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         mem.free(26)
-
-        # ---- bn2a_branch1 (batch norm), backward ----
-        # d_bn2a_branch1_inv_std = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_weight)
-        d_bn2a_branch1_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch1_inv_std, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_weight, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
-        d_bn2a_branch1_sum_of_squares = d_bn2a_branch1_inv_std  # in place: over d_bn2a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var)
-        # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
-        del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
-        mem.free(22)
-
-        # ---- bn2a_branch2c (batch norm), backward ----
-        # d_bn2a_branch2c_weight = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered*bn2a_branch2c_inv_std)
-        d_bn2a_branch2c_weight = mem.tensor(593, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2c_weight, d_bn2a_branch2c_add, bn2a_branch2c_centered, bn2a_branch2c_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered
         d_bn2a_branch2c_centered = bn2a_branch2c_centered  # in place: over bn2a_branch2c_centered
         rt.ew(ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered)
-        # free bn2a_branch2c_inv_std, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
-        del bn2a_branch2c_inv_std, d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
-        mem.free(27, 591)
+        # free d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
+        del d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
+        mem.free(592)
+        # d_bn2a_branch2c_weight = bn2a_branch2c_inv_std*d_bn2a_branch2c_ew_sum
+        d_bn2a_branch2c_weight = bn2a_branch2c_inv_std  # in place: over bn2a_branch2c_inv_std
+        rt.ew(ew_mul_2, d_bn2a_branch2c_weight, bn2a_branch2c_inv_std, d_bn2a_branch2c_ew_sum)
+        # free d_bn2a_branch2c_ew_sum
+        del d_bn2a_branch2c_ew_sum
+        mem.free(591)
         # d_bn2a_branch2c_W = reshape[256](d_bn2a_branch2c_weight)
         d_bn2a_branch2c_W = rt.reshape(d_bn2a_branch2c_weight, shape=(256,))
         # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W
         V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
         rt.ew(ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W'])
-        # free d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        del d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        mem.free(593)
+        # free bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
+        del bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
+        mem.free(27)
         # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
         bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
         rt.ew(ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new)
         # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
-        d_bn2a_branch2c_batch_mean = mem.tensor(594, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch2c_batch_mean = mem.tensor(593, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean/100352
         d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean  # in place: over d_bn2a_branch2c_batch_mean
@@ -7817,12 +8095,39 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch2c, d_bn2a_branch2c_centered, d_bn2a_branch2c_sum)
         # free d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
         del d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
-        mem.free(594)
+        mem.free(593)
 
         # ---- bn2a_branch1 (batch norm), backward ----
+        # d_bn2a_branch1_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered)
+        d_bn2a_branch1_ew_sum = mem.tensor(594, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch1_ew_sum, d_bn2a_branch2c_add, bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
+        # d_bn2a_branch1_inv_std = bn2a_branch1_weight*d_bn2a_branch1_ew_sum
+        d_bn2a_branch1_inv_std = mem.tensor(595, (1, 256, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_ew_sum)
+        # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
+        d_bn2a_branch1_sum_of_squares = d_bn2a_branch1_inv_std  # in place: over d_bn2a_branch1_inv_std
+        rt.ew(ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var)
+        # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
+        del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
+        mem.free(22)
+        # d_bn2a_branch1_centered = d_bn2a_branch2c_add*bn2a_branch1_inv_std*bn2a_branch1_weight + 2*d_bn2a_branch1_sum_of_squares*bn2a_branch1_centered
+        d_bn2a_branch1_centered = bn2a_branch1_centered  # in place: over bn2a_branch1_centered
+        rt.ew(ew_mul_add_2, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered)
+        # free d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
+        del d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
+        mem.free(595)
         # d_bn2a_branch1_bias = sum_to[1x256x1x1](d_bn2a_branch2c_add)
-        d_bn2a_branch1_bias = mem.tensor(595, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch1_bias = mem.tensor(596, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2c_add, out=d_bn2a_branch1_bias, shape=(1, 256, 1, 1))
+        # free d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add
+        del d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add
+        mem.free(548)
+        # d_bn2a_branch1_weight = bn2a_branch1_inv_std*d_bn2a_branch1_ew_sum
+        d_bn2a_branch1_weight = bn2a_branch1_inv_std  # in place: over bn2a_branch1_inv_std
+        rt.ew(ew_mul_2, d_bn2a_branch1_weight, bn2a_branch1_inv_std, d_bn2a_branch1_ew_sum)
+        # free d_bn2a_branch1_ew_sum
+        del d_bn2a_branch1_ew_sum
+        mem.free(594)
         # d_bn2a_branch1_B = reshape[256](d_bn2a_branch1_bias)
         d_bn2a_branch1_B = rt.reshape(d_bn2a_branch1_bias, shape=(256,))
 
@@ -7837,7 +8142,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2a_branch1_B_new, T['V_bn2a_branch1_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch1_B'])
         # free d_bn2a_branch1_bias, d_bn2a_branch1_B
         del d_bn2a_branch1_bias, d_bn2a_branch1_B
-        mem.free(595)
+        mem.free(596)
 
         # ---- bn2a_branch2c (batch norm), backward ----
         # bn2a_branch2c_B_new = bn2a_branch2c_B - lr*V_bn2a_branch2c_B_new
@@ -7845,29 +8150,20 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, bn2a_branch2c_B_new, T['bn2a_branch2c_B'], lr, V_bn2a_branch2c_B_new)
 
         # ---- bn2a_branch1 (batch norm), backward ----
-        # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
-        bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
-        rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
-        # d_bn2a_branch1_weight = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered*bn2a_branch1_inv_std)
-        d_bn2a_branch1_weight = mem.tensor(596, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch1_weight, d_bn2a_branch2c_add, bn2a_branch1_centered, bn2a_branch1_inv_std, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2a_branch1_centered = d_bn2a_branch2c_add*bn2a_branch1_inv_std*bn2a_branch1_weight + 2*d_bn2a_branch1_sum_of_squares*bn2a_branch1_centered
-        d_bn2a_branch1_centered = d_bn2a_branch2c_add  # in place: over d_bn2a_branch2c_add
-        rt.ew(ew_mul_add_3, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered)
-        # free res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std, d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
-        del res2a_branch1, bn2a_branch1_centered, bn2a_branch1_inv_std, d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
-        mem.free(20, 23, 592)
         # d_bn2a_branch1_W = reshape[256](d_bn2a_branch1_weight)
         d_bn2a_branch1_W = rt.reshape(d_bn2a_branch1_weight, shape=(256,))
         # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W
         V_bn2a_branch1_W_new = T['V_bn2a_branch1_W']  # in place: the new V_bn2a_branch1_W
         rt.ew(ew_mul_add, V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W'])
-        # free d_bn2a_branch1_weight, d_bn2a_branch1_W
-        del d_bn2a_branch1_weight, d_bn2a_branch1_W
-        mem.free(596)
+        # free bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
+        del bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
+        mem.free(23)
         # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new
         bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
         rt.ew(ew_mul_sub, bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new)
+        # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
+        bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
+        rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
         # d_bn2a_branch1_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch1_centered)
         d_bn2a_branch1_batch_mean = mem.tensor(597, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2a_branch1_batch_mean, d_bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
@@ -7919,38 +8215,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new)
 
         # ---- bn2a_branch2b (batch norm), backward ----
-        # d_bn2a_branch2b_inv_std = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_weight)
-        d_bn2a_branch2b_inv_std = mem.tensor(601, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2b_inv_std, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered)
+        d_bn2a_branch2b_ew_sum = mem.tensor(601, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2b_ew_sum, d_bn2a_branch2b, bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2b_inv_std = bn2a_branch2b_weight*d_bn2a_branch2b_ew_sum
+        d_bn2a_branch2b_inv_std = mem.tensor(602, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_ew_sum)
         # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2b_sum_of_squares = d_bn2a_branch2b_inv_std  # in place: over d_bn2a_branch2b_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2a_branch2b_sum_of_squares, d_bn2a_branch2b_inv_std, bn2a_branch2b_batch_var)
         # free bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         del bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         mem.free(17)
-        # d_bn2a_branch2b_weight = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered*bn2a_branch2b_inv_std)
-        d_bn2a_branch2b_weight = mem.tensor(602, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2b_weight, d_bn2a_branch2b, bn2a_branch2b_centered, bn2a_branch2b_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2a_branch2b_centered = d_bn2a_branch2b*bn2a_branch2b_inv_std*bn2a_branch2b_weight + 2*d_bn2a_branch2b_sum_of_squares*bn2a_branch2b_centered
         d_bn2a_branch2b_centered = bn2a_branch2b_centered  # in place: over bn2a_branch2b_centered
         rt.ew(ew_mul_add_2, d_bn2a_branch2b_centered, d_bn2a_branch2b, bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered)
-        # free bn2a_branch2b_inv_std, d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
-        del bn2a_branch2b_inv_std, d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
-        mem.free(18, 601)
+        # free d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
+        del d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
+        mem.free(602)
         # d_bn2a_branch2b_bias = sum_to[1x64x1x1](d_bn2a_branch2b)
         d_bn2a_branch2b_bias = mem.tensor(603, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2b, out=d_bn2a_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2a_branch2b_relu, d_bn2a_branch2b
         del d_bn2a_branch2b_relu, d_bn2a_branch2b
         mem.free(600)
+        # d_bn2a_branch2b_weight = bn2a_branch2b_inv_std*d_bn2a_branch2b_ew_sum
+        d_bn2a_branch2b_weight = bn2a_branch2b_inv_std  # in place: over bn2a_branch2b_inv_std
+        rt.ew(ew_mul_2, d_bn2a_branch2b_weight, bn2a_branch2b_inv_std, d_bn2a_branch2b_ew_sum)
+        # free d_bn2a_branch2b_ew_sum
+        del d_bn2a_branch2b_ew_sum
+        mem.free(601)
         # d_bn2a_branch2b_W = reshape[64](d_bn2a_branch2b_weight)
         d_bn2a_branch2b_W = rt.reshape(d_bn2a_branch2b_weight, shape=(64,))
         # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W
         V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
         rt.ew(ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W'])
-        # free d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        del d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        mem.free(602)
+        # free bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
+        del bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
+        mem.free(18)
         # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
         bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
         rt.ew(ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new)
@@ -7987,9 +8289,9 @@ class Resnet50(rp.Model):
         # d_bn_conv1_max_pool = conv2d_bwd_data[size=(56,56)](d_res2a_branch1, res2a_branch1_W)
         d_bn_conv1_max_pool = mem.tensor(606, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2a_branch1, T['res2a_branch1_W'], out=d_bn_conv1_max_pool, pad=0, size=(56, 56), stride=1)
-        # free d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_centered, d_res2a_branch1
-        del d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add, d_bn2a_branch1_centered, d_res2a_branch1
-        mem.free(548)
+        # free res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
+        del res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
+        mem.free(20)
         # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W
         V_res2a_branch1_W_new = T['V_res2a_branch1_W']  # in place: the new V_res2a_branch1_W
         rt.ew(ew_mul_add, V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W'])
@@ -8036,38 +8338,44 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2a_branch2b_W_new, T['res2a_branch2b_W'], lr, V_res2a_branch2b_W_new)
 
         # ---- bn2a_branch2a (batch norm), backward ----
-        # d_bn2a_branch2a_inv_std = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_weight)
-        d_bn2a_branch2a_inv_std = mem.tensor(610, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2a_inv_std, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered)
+        d_bn2a_branch2a_ew_sum = mem.tensor(610, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2a_ew_sum, d_bn2a_branch2a, bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn2a_branch2a_inv_std = bn2a_branch2a_weight*d_bn2a_branch2a_ew_sum
+        d_bn2a_branch2a_inv_std = mem.tensor(611, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_ew_sum)
         # d_bn2a_branch2a_sum_of_squares = -d_bn2a_branch2a_inv_std/(200704*(bn2a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2a_sum_of_squares = d_bn2a_branch2a_inv_std  # in place: over d_bn2a_branch2a_inv_std
         rt.ew(ew_add_pow_mul_4, d_bn2a_branch2a_sum_of_squares, d_bn2a_branch2a_inv_std, bn2a_branch2a_batch_var)
         # free bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         del bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         mem.free(12)
-        # d_bn2a_branch2a_weight = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered*bn2a_branch2a_inv_std)
-        d_bn2a_branch2a_weight = mem.tensor(611, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2a_weight, d_bn2a_branch2a, bn2a_branch2a_centered, bn2a_branch2a_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2a_branch2a_centered = d_bn2a_branch2a*bn2a_branch2a_inv_std*bn2a_branch2a_weight + 2*d_bn2a_branch2a_sum_of_squares*bn2a_branch2a_centered
         d_bn2a_branch2a_centered = bn2a_branch2a_centered  # in place: over bn2a_branch2a_centered
         rt.ew(ew_mul_add_2, d_bn2a_branch2a_centered, d_bn2a_branch2a, bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered)
-        # free bn2a_branch2a_inv_std, d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
-        del bn2a_branch2a_inv_std, d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
-        mem.free(13, 610)
+        # free d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
+        del d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
+        mem.free(611)
         # d_bn2a_branch2a_bias = sum_to[1x64x1x1](d_bn2a_branch2a)
         d_bn2a_branch2a_bias = mem.tensor(612, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2a, out=d_bn2a_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2a_branch2a_relu, d_bn2a_branch2a
         del d_bn2a_branch2a_relu, d_bn2a_branch2a
         mem.free(609)
+        # d_bn2a_branch2a_weight = bn2a_branch2a_inv_std*d_bn2a_branch2a_ew_sum
+        d_bn2a_branch2a_weight = bn2a_branch2a_inv_std  # in place: over bn2a_branch2a_inv_std
+        rt.ew(ew_mul_2, d_bn2a_branch2a_weight, bn2a_branch2a_inv_std, d_bn2a_branch2a_ew_sum)
+        # free d_bn2a_branch2a_ew_sum
+        del d_bn2a_branch2a_ew_sum
+        mem.free(610)
         # d_bn2a_branch2a_W = reshape[64](d_bn2a_branch2a_weight)
         d_bn2a_branch2a_W = rt.reshape(d_bn2a_branch2a_weight, shape=(64,))
         # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W
         V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
         rt.ew(ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W'])
-        # free d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        del d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        mem.free(611)
+        # free bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
+        del bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
+        mem.free(13)
         # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
         bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
         rt.ew(ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new)
@@ -8128,7 +8436,7 @@ class Resnet50(rp.Model):
         # ---- bn_conv1 (batch norm), backward ----
         # d_bn_conv1_centered = d_bn_conv1*bn_conv1_inv_std*bn_conv1_weight
         d_bn_conv1_centered = mem.tensor(616, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul, d_bn_conv1_centered, d_bn_conv1, bn_conv1_inv_std, bn_conv1_weight)
+        rt.ew(ew_mul_3, d_bn_conv1_centered, d_bn_conv1, bn_conv1_inv_std, bn_conv1_weight)
 
         # ---- bn_conv1_relu (relu), backward ----
         # d_bn_conv1_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1, bn_conv1_max_pool_argmax)
@@ -8139,35 +8447,35 @@ class Resnet50(rp.Model):
         mem.free(606)
 
         # ---- bn_conv1 (batch norm), backward ----
-        # d_bn_conv1_weight = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_inv_std)
-        d_bn_conv1_weight = mem.tensor(618, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn_conv1_weight, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # free bn_conv1_inv_std
-        del bn_conv1_inv_std
-        mem.free(6)
-        # d_bn_conv1_W = reshape[64](d_bn_conv1_weight)
-        d_bn_conv1_W = rt.reshape(d_bn_conv1_weight, shape=(64,))
-        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W
-        V_bn_conv1_W_new = T['V_bn_conv1_W']  # in place: the new V_bn_conv1_W
-        rt.ew(ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W'])
-        # free d_bn_conv1_weight, d_bn_conv1_W
-        del d_bn_conv1_weight, d_bn_conv1_W
-        mem.free(618)
-        # d_bn_conv1_inv_std = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered*bn_conv1_weight)
-        d_bn_conv1_inv_std = mem.tensor(619, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn_conv1_inv_std, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, bn_conv1_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        # d_bn_conv1_ew_sum = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd*bn_conv1_centered)
+        d_bn_conv1_ew_sum = mem.tensor(618, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn_conv1_ew_sum, d_bn_conv1_relu_max_pool_bwd, bn_conv1_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn_conv1_bias = sum_to[1x64x1x1](d_bn_conv1_relu_max_pool_bwd)
-        d_bn_conv1_bias = mem.tensor(620, (1, 64, 1, 1), 'float32')
+        d_bn_conv1_bias = mem.tensor(619, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn_conv1_relu_max_pool_bwd, out=d_bn_conv1_bias, shape=(1, 64, 1, 1))
         # free d_bn_conv1_relu_max_pool_bwd
         del d_bn_conv1_relu_max_pool_bwd
         mem.free(617)
+        # d_bn_conv1_weight = bn_conv1_inv_std*d_bn_conv1_ew_sum
+        d_bn_conv1_weight = bn_conv1_inv_std  # in place: over bn_conv1_inv_std
+        rt.ew(ew_mul_2, d_bn_conv1_weight, bn_conv1_inv_std, d_bn_conv1_ew_sum)
+        # d_bn_conv1_inv_std = bn_conv1_weight*d_bn_conv1_ew_sum
+        d_bn_conv1_inv_std = d_bn_conv1_ew_sum  # in place: over d_bn_conv1_ew_sum
+        rt.ew(ew_mul_4, d_bn_conv1_inv_std, bn_conv1_weight, d_bn_conv1_ew_sum)
         # d_bn_conv1_sum_of_squares = -d_bn_conv1_inv_std/(802816*(bn_conv1_batch_var + 1.0e-5)**(3/2))
         d_bn_conv1_sum_of_squares = d_bn_conv1_inv_std  # in place: over d_bn_conv1_inv_std
         rt.ew(ew_add_pow_mul_5, d_bn_conv1_sum_of_squares, d_bn_conv1_inv_std, bn_conv1_batch_var)
         # free bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
         del bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
         mem.free(5)
+        # d_bn_conv1_W = reshape[64](d_bn_conv1_weight)
+        d_bn_conv1_W = rt.reshape(d_bn_conv1_weight, shape=(64,))
+        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W
+        V_bn_conv1_W_new = T['V_bn_conv1_W']  # in place: the new V_bn_conv1_W
+        rt.ew(ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W'])
+        # free bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
+        del bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
+        mem.free(6)
         # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new
         bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
         rt.ew(ew_mul_sub, bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new)
@@ -8178,24 +8486,24 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B'])
         # free d_bn_conv1_bias, d_bn_conv1_B
         del d_bn_conv1_bias, d_bn_conv1_B
-        mem.free(620)
+        mem.free(619)
         # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
         bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
         rt.ew(ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new)
         # d_bn_conv1_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1_centered, bn_conv1_max_pool_argmax)
-        d_bn_conv1_max_pool_bwd = mem.tensor(621, (32, 64, 112, 112), 'float32')
+        d_bn_conv1_max_pool_bwd = mem.tensor(620, (32, 64, 112, 112), 'float32')
         rt.max_pool_bwd(d_bn_conv1_centered, bn_conv1_max_pool_argmax, out=d_bn_conv1_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
         # free bn_conv1_max_pool_argmax, d_bn_conv1_centered
         del bn_conv1_max_pool_argmax, d_bn_conv1_centered
         mem.free(8, 616)
         # d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd + 2*d_bn_conv1_sum_of_squares*bn_conv1_centered
         d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd  # in place: over d_bn_conv1_max_pool_bwd
-        rt.ew(ew_mul_add_4, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered)
-        # free conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
-        del conv1, bn_conv1_centered, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
-        mem.free(3, 619)
+        rt.ew(ew_mul_add_3, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered)
+        # free conv1, bn_conv1_centered, d_bn_conv1_ew_sum, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
+        del conv1, bn_conv1_centered, d_bn_conv1_ew_sum, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
+        mem.free(3, 618)
         # d_bn_conv1_batch_mean = sum_to[1x64x1x1](-d_bn_conv1_centered_2)
-        d_bn_conv1_batch_mean = mem.tensor(622, (1, 64, 1, 1), 'float32')
+        d_bn_conv1_batch_mean = mem.tensor(621, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn_conv1_batch_mean, d_bn_conv1_centered_2, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn_conv1_sum = d_bn_conv1_batch_mean/401408
         d_bn_conv1_sum = d_bn_conv1_batch_mean  # in place: over d_bn_conv1_batch_mean
@@ -8207,19 +8515,19 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_conv1, d_bn_conv1_centered_2, d_bn_conv1_sum)
         # free d_bn_conv1_batch_mean, d_bn_conv1_sum
         del d_bn_conv1_batch_mean, d_bn_conv1_sum
-        mem.free(622)
+        mem.free(621)
         # d_conv1_W = conv2d_bwd_filter[kernel=(7,7),pad=3,stride=2](d_conv1, x)
-        d_conv1_W = mem.tensor(623, (64, 3, 7, 7), 'float32')
+        d_conv1_W = mem.tensor(622, (64, 3, 7, 7), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(7, 7), pad=3, stride=2, workspace=mem.workspace(22481504))
         # free x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         del x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
-        mem.free(0, 621)
+        mem.free(0, 620)
         # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
         rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
         # free d_conv1_W
         del d_conv1_W
-        mem.free(623)
+        mem.free(622)
         # conv1_W_new = conv1_W - lr*V_conv1_W_new
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
         rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
@@ -8797,7 +9105,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), forward ----
         # res4a_branch1 = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch1_W)
         res4a_branch1 = mem.tensor(28, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
+        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(25690112))
         # free res3d_branch2c, bn3d_branch2c_relu
         del res3d_branch2c, bn3d_branch2c_relu
         mem.free(26)
@@ -9232,7 +9540,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), forward ----
         # res5a_branch1 = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch1_W)
         res5a_branch1 = mem.tensor(47, (32, 2048, 7, 7), 'float32')
-        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(6422528))
+        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
         # free res4f_branch2c, bn4f_branch2c_relu
         del res4f_branch2c, bn4f_branch2c_relu
         mem.free(45)
@@ -9582,8 +9890,8 @@ class Resnet50(rp.Model):
                 (719323136, 512),  # 64: bn3a_branch2b_sum 1x128x1x1 float32
                 (1727861760, 512),  # 65: bn3a_branch2b_sum_of_squares 1x128x1x1 float32
                 (1727862272, 512),  # 66: bn3a_branch2b_inv_std 1x128x1x1 float32
-                (770703360, 12845056),  # 67: bn3a_branch2b_relu 32x128x28x28 float32
-                (719323136, 51380224),  # 68: res3a_branch1 32x512x28x28 float32
+                (719323136, 12845056),  # 67: bn3a_branch2b_relu 32x128x28x28 float32
+                (822083584, 51380224),  # 68: res3a_branch1 32x512x28x28 float32
                 (616562688, 2048),  # 69: bn3a_branch1_sum 1x512x1x1 float32
                 (1727782912, 2048),  # 70: bn3a_branch1_sum_of_squares 1x512x1x1 float32
                 (1727784960, 2048),  # 71: bn3a_branch1_inv_std 1x512x1x1 float32
@@ -9593,30 +9901,30 @@ class Resnet50(rp.Model):
                 (1727789056, 2048),  # 75: bn3a_branch2c_inv_std 1x512x1x1 float32
                 (667942912, 51380224),  # 76: bn3a_branch2c_relu 32x512x28x28 float32
                 (1509294080, 12845056),  # 77: res3b_branch2a 32x128x28x28 float32
-                (770703360, 512),  # 78: bn3b_branch2a_sum 1x128x1x1 float32
+                (719323136, 512),  # 78: bn3b_branch2a_sum 1x128x1x1 float32
                 (1727862784, 512),  # 79: bn3b_branch2a_sum_of_squares 1x128x1x1 float32
                 (1727863296, 512),  # 80: bn3b_branch2a_inv_std 1x128x1x1 float32
-                (770703360, 12845056),  # 81: bn3b_branch2a_relu 32x128x28x28 float32
+                (719323136, 12845056),  # 81: bn3b_branch2a_relu 32x128x28x28 float32
                 (1522139136, 12845056),  # 82: res3b_branch2b 32x128x28x28 float32
-                (770703360, 512),  # 83: bn3b_branch2b_sum 1x128x1x1 float32
+                (719323136, 512),  # 83: bn3b_branch2b_sum 1x128x1x1 float32
                 (1727863808, 512),  # 84: bn3b_branch2b_sum_of_squares 1x128x1x1 float32
                 (1727864320, 512),  # 85: bn3b_branch2b_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 86: bn3b_branch2b_relu 32x128x28x28 float32
-                (770703360, 51380224),  # 87: res3b_branch2c 32x512x28x28 float32
-                (822083584, 2048),  # 88: bn3b_branch2c_sum 1x512x1x1 float32
+                (770703360, 12845056),  # 86: bn3b_branch2b_relu 32x128x28x28 float32
+                (719323136, 51380224),  # 87: res3b_branch2c 32x512x28x28 float32
+                (770703360, 2048),  # 88: bn3b_branch2c_sum 1x512x1x1 float32
                 (1727791104, 2048),  # 89: bn3b_branch2c_sum_of_squares 1x512x1x1 float32
                 (1727793152, 2048),  # 90: bn3b_branch2c_inv_std 1x512x1x1 float32
                 (1534984192, 12845056),  # 91: res3c_branch2a 32x128x28x28 float32
-                (822083584, 512),  # 92: bn3c_branch2a_sum 1x128x1x1 float32
+                (770703360, 512),  # 92: bn3c_branch2a_sum 1x128x1x1 float32
                 (1727864832, 512),  # 93: bn3c_branch2a_sum_of_squares 1x128x1x1 float32
                 (1727865344, 512),  # 94: bn3c_branch2a_inv_std 1x128x1x1 float32
-                (822083584, 12845056),  # 95: bn3c_branch2a_relu 32x128x28x28 float32
+                (770703360, 12845056),  # 95: bn3c_branch2a_relu 32x128x28x28 float32
                 (1547829248, 12845056),  # 96: res3c_branch2b 32x128x28x28 float32
-                (822083584, 512),  # 97: bn3c_branch2b_sum 1x128x1x1 float32
+                (770703360, 512),  # 97: bn3c_branch2b_sum 1x128x1x1 float32
                 (1727865856, 512),  # 98: bn3c_branch2b_sum_of_squares 1x128x1x1 float32
                 (1727866368, 512),  # 99: bn3c_branch2b_inv_std 1x128x1x1 float32
                 (873463808, 12845056),  # 100: bn3c_branch2b_relu 32x128x28x28 float32
-                (822083584, 51380224),  # 101: res3c_branch2c 32x512x28x28 float32
+                (770703360, 51380224),  # 101: res3c_branch2c 32x512x28x28 float32
                 (873463808, 2048),  # 102: bn3c_branch2c_sum 1x512x1x1 float32
                 (1727795200, 2048),  # 103: bn3c_branch2c_sum_of_squares 1x512x1x1 float32
                 (1727797248, 2048),  # 104: bn3c_branch2c_inv_std 1x512x1x1 float32
@@ -9644,16 +9952,16 @@ class Resnet50(rp.Model):
                 (976224256, 1024),  # 126: bn4a_branch2b_sum 1x256x1x1 float32
                 (1727838208, 1024),  # 127: bn4a_branch2b_sum_of_squares 1x256x1x1 float32
                 (1727839232, 1024),  # 128: bn4a_branch2b_inv_std 1x256x1x1 float32
-                (1027604480, 6422528),  # 129: bn4a_branch2b_relu 32x256x14x14 float32
-                (976224256, 25690112),  # 130: res4a_branch1 32x1024x14x14 float32
-                (1001914368, 4096),  # 131: bn4a_branch1_sum 1x1024x1x1 float32
+                (1001914368, 6422528),  # 129: bn4a_branch2b_relu 32x256x14x14 float32
+                (1027604480, 25690112),  # 130: res4a_branch1 32x1024x14x14 float32
+                (976224256, 4096),  # 131: bn4a_branch1_sum 1x1024x1x1 float32
                 (1727725568, 4096),  # 132: bn4a_branch1_sum_of_squares 1x1024x1x1 float32
                 (1727729664, 4096),  # 133: bn4a_branch1_inv_std 1x1024x1x1 float32
-                (1001914368, 25690112),  # 134: res4a_branch2c 32x1024x14x14 float32
-                (1027604480, 4096),  # 135: bn4a_branch2c_sum 1x1024x1x1 float32
+                (976224256, 25690112),  # 134: res4a_branch2c 32x1024x14x14 float32
+                (1001914368, 4096),  # 135: bn4a_branch2c_sum 1x1024x1x1 float32
                 (1727733760, 4096),  # 136: bn4a_branch2c_sum_of_squares 1x1024x1x1 float32
                 (1727737856, 4096),  # 137: bn4a_branch2c_inv_std 1x1024x1x1 float32
-                (1027604480, 25690112),  # 138: bn4a_branch2c_relu 32x1024x14x14 float32
+                (1001914368, 25690112),  # 138: bn4a_branch2c_relu 32x1024x14x14 float32
                 (1644167168, 6422528),  # 139: res4b_branch2a 32x256x14x14 float32
                 (1053294592, 1024),  # 140: bn4b_branch2a_sum 1x256x1x1 float32
                 (1727840256, 1024),  # 141: bn4b_branch2a_sum_of_squares 1x256x1x1 float32
@@ -9735,16 +10043,16 @@ class Resnet50(rp.Model):
                 (1412956160, 2048),  # 217: bn5a_branch2b_sum 1x512x1x1 float32
                 (1727807488, 2048),  # 218: bn5a_branch2b_sum_of_squares 1x512x1x1 float32
                 (1727809536, 2048),  # 219: bn5a_branch2b_inv_std 1x512x1x1 float32
-                (1438646272, 3211264),  # 220: bn5a_branch2b_relu 32x512x7x7 float32
-                (1412956160, 12845056),  # 221: res5a_branch1 32x2048x7x7 float32
-                (1425801216, 8192),  # 222: bn5a_branch1_sum 1x2048x1x1 float32
+                (1425801216, 3211264),  # 220: bn5a_branch2b_relu 32x512x7x7 float32
+                (1438646272, 12845056),  # 221: res5a_branch1 32x2048x7x7 float32
+                (1412956160, 8192),  # 222: bn5a_branch1_sum 1x2048x1x1 float32
                 (1727660032, 8192),  # 223: bn5a_branch1_sum_of_squares 1x2048x1x1 float32
                 (1727668224, 8192),  # 224: bn5a_branch1_inv_std 1x2048x1x1 float32
-                (1425801216, 12845056),  # 225: res5a_branch2c 32x2048x7x7 float32
-                (1438646272, 8192),  # 226: bn5a_branch2c_sum 1x2048x1x1 float32
+                (1412956160, 12845056),  # 225: res5a_branch2c 32x2048x7x7 float32
+                (1425801216, 8192),  # 226: bn5a_branch2c_sum 1x2048x1x1 float32
                 (1727676416, 8192),  # 227: bn5a_branch2c_sum_of_squares 1x2048x1x1 float32
                 (1727684608, 8192),  # 228: bn5a_branch2c_inv_std 1x2048x1x1 float32
-                (1438646272, 12845056),  # 229: bn5a_branch2c_relu 32x2048x7x7 float32
+                (1425801216, 12845056),  # 229: bn5a_branch2c_relu 32x2048x7x7 float32
                 (1714814976, 3211264),  # 230: res5b_branch2a 32x512x7x7 float32
                 (1451491328, 2048),  # 231: bn5b_branch2a_sum 1x512x1x1 float32
                 (1727811584, 2048),  # 232: bn5b_branch2a_sum_of_squares 1x512x1x1 float32
@@ -9783,362 +10091,361 @@ class Resnet50(rp.Model):
                 (1599209472, 8192000),  # 265: d_fc1000_W 1000x2048 float32
                 (1599209472, 12845056),  # 266: d_bn5c_branch2c_relu 32x2048x7x7 float32
                 (1612054528, 12845056),  # 267: bn5c_branch2c_relu_2 32x2048x7x7 float32
-                (1612054528, 8192),  # 268: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
-                (1612062720, 8192),  # 269: d_bn5c_branch2c_weight 1x2048x1x1 float32
+                (1612054528, 8192),  # 268: d_bn5c_branch2c_ew_sum 1x2048x1x1 float32
+                (1612062720, 8192),  # 269: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
                 (1612054528, 8192),  # 270: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
                 (1612054528, 8192),  # 271: d_bn5c_branch2c_bias 1x2048x1x1 float32
                 (1616248832, 3211264),  # 272: d_bn5c_branch2b_relu 32x512x7x7 float32
                 (1619460096, 3211264),  # 273: bn5c_branch2b_relu_2 32x512x7x7 float32
                 (1612054528, 4194304),  # 274: d_res5c_branch2c_W 2048x512x1x1 float32
-                (1586364416, 2048),  # 275: d_bn5c_branch2b_inv_std 1x512x1x1 float32
-                (1586366464, 2048),  # 276: d_bn5c_branch2b_weight 1x512x1x1 float32
-                (1586364416, 2048),  # 277: d_bn5c_branch2b_bias 1x512x1x1 float32
+                (1586364416, 2048),  # 275: d_bn5c_branch2b_ew_sum 1x512x1x1 float32
+                (1586366464, 2048),  # 276: d_bn5c_branch2b_inv_std 1x512x1x1 float32
+                (1586366464, 2048),  # 277: d_bn5c_branch2b_bias 1x512x1x1 float32
                 (1586364416, 2048),  # 278: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
                 (1586364416, 3211264),  # 279: d_bn5c_branch2a_relu 32x512x7x7 float32
                 (1595801600, 3211264),  # 280: bn5c_branch2a_relu_2 32x512x7x7 float32
-                (1589575680, 2048),  # 281: d_bn5c_branch2a_inv_std 1x512x1x1 float32
-                (1589577728, 2048),  # 282: d_bn5c_branch2a_weight 1x512x1x1 float32
-                (1589575680, 2048),  # 283: d_bn5c_branch2a_bias 1x512x1x1 float32
+                (1589575680, 2048),  # 281: d_bn5c_branch2a_ew_sum 1x512x1x1 float32
+                (1589577728, 2048),  # 282: d_bn5c_branch2a_inv_std 1x512x1x1 float32
+                (1589577728, 2048),  # 283: d_bn5c_branch2a_bias 1x512x1x1 float32
                 (1586364416, 2048),  # 284: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
                 (1586364416, 9437184),  # 285: d_res5c_branch2b_W 512x512x3x3 float32
                 (1586364416, 4194304),  # 286: d_res5c_branch2a_W 512x2048x1x1 float32
                 (1586364416, 12845056),  # 287: d_bn5b_branch2c_relu 32x2048x7x7 float32
-                (1438646272, 8192),  # 288: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
-                (1438654464, 8192),  # 289: d_bn5b_branch2c_weight 1x2048x1x1 float32
-                (1438646272, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
-                (1438646272, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
-                (1442840576, 3211264),  # 292: d_bn5b_branch2b_relu 32x512x7x7 float32
-                (1446051840, 3211264),  # 293: bn5b_branch2b_relu_2 32x512x7x7 float32
-                (1438646272, 4194304),  # 294: d_res5b_branch2c_W 2048x512x1x1 float32
-                (1438646272, 2048),  # 295: d_bn5b_branch2b_inv_std 1x512x1x1 float32
-                (1438648320, 2048),  # 296: d_bn5b_branch2b_weight 1x512x1x1 float32
-                (1438646272, 2048),  # 297: d_bn5b_branch2b_bias 1x512x1x1 float32
-                (1438646272, 2048),  # 298: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
-                (1438646272, 3211264),  # 299: d_bn5b_branch2a_relu 32x512x7x7 float32
-                (1448083456, 3211264),  # 300: bn5b_branch2a_relu_2 32x512x7x7 float32
-                (1441857536, 2048),  # 301: d_bn5b_branch2a_inv_std 1x512x1x1 float32
-                (1441859584, 2048),  # 302: d_bn5b_branch2a_weight 1x512x1x1 float32
-                (1441857536, 2048),  # 303: d_bn5b_branch2a_bias 1x512x1x1 float32
-                (1438646272, 2048),  # 304: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
-                (1438646272, 9437184),  # 305: d_res5b_branch2b_W 512x512x3x3 float32
-                (1438646272, 12845056),  # 306: bn5a_branch2c_relu_2 32x2048x7x7 float32
+                (1425801216, 8192),  # 288: d_bn5b_branch2c_ew_sum 1x2048x1x1 float32
+                (1425809408, 8192),  # 289: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
+                (1425801216, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
+                (1425801216, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
+                (1429995520, 3211264),  # 292: d_bn5b_branch2b_relu 32x512x7x7 float32
+                (1433206784, 3211264),  # 293: bn5b_branch2b_relu_2 32x512x7x7 float32
+                (1425801216, 4194304),  # 294: d_res5b_branch2c_W 2048x512x1x1 float32
+                (1425801216, 2048),  # 295: d_bn5b_branch2b_ew_sum 1x512x1x1 float32
+                (1425803264, 2048),  # 296: d_bn5b_branch2b_inv_std 1x512x1x1 float32
+                (1425803264, 2048),  # 297: d_bn5b_branch2b_bias 1x512x1x1 float32
+                (1425801216, 2048),  # 298: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
+                (1425801216, 3211264),  # 299: d_bn5b_branch2a_relu 32x512x7x7 float32
+                (1435238400, 3211264),  # 300: bn5b_branch2a_relu_2 32x512x7x7 float32
+                (1429012480, 2048),  # 301: d_bn5b_branch2a_ew_sum 1x512x1x1 float32
+                (1429014528, 2048),  # 302: d_bn5b_branch2a_inv_std 1x512x1x1 float32
+                (1429014528, 2048),  # 303: d_bn5b_branch2a_bias 1x512x1x1 float32
+                (1425801216, 2048),  # 304: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
+                (1425801216, 9437184),  # 305: d_res5b_branch2b_W 512x512x3x3 float32
+                (1425801216, 12845056),  # 306: bn5a_branch2c_relu_2 32x2048x7x7 float32
                 (1451491328, 4194304),  # 307: d_res5b_branch2a_W 512x2048x1x1 float32
                 (1451491328, 12845056),  # 308: d_bn5a_branch2c_relu 32x2048x7x7 float32
-                (1438646272, 8192),  # 309: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
-                (1438654464, 8192),  # 310: d_bn5a_branch1_inv_std 1x2048x1x1 float32
-                (1438662656, 8192),  # 311: d_bn5a_branch2c_weight 1x2048x1x1 float32
-                (1438646272, 8192),  # 312: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
-                (1438646272, 8192),  # 313: d_bn5a_branch1_bias 1x2048x1x1 float32
-                (1438646272, 8192),  # 314: d_bn5a_branch1_weight 1x2048x1x1 float32
-                (1412956160, 8192),  # 315: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
-                (1417150464, 3211264),  # 316: d_bn5a_branch2b_relu 32x512x7x7 float32
-                (1420361728, 3211264),  # 317: bn5a_branch2b_relu_2 32x512x7x7 float32
-                (1412956160, 4194304),  # 318: d_res5a_branch2c_W 2048x512x1x1 float32
-                (1412956160, 2048),  # 319: d_bn5a_branch2b_inv_std 1x512x1x1 float32
-                (1412958208, 2048),  # 320: d_bn5a_branch2b_weight 1x512x1x1 float32
-                (1412956160, 2048),  # 321: d_bn5a_branch2b_bias 1x512x1x1 float32
+                (1425801216, 8192),  # 309: d_bn5a_branch2c_ew_sum 1x2048x1x1 float32
+                (1425809408, 8192),  # 310: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
+                (1425801216, 8192),  # 311: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
+                (1425801216, 8192),  # 312: d_bn5a_branch1_ew_sum 1x2048x1x1 float32
+                (1425809408, 8192),  # 313: d_bn5a_branch1_inv_std 1x2048x1x1 float32
+                (1425809408, 8192),  # 314: d_bn5a_branch1_bias 1x2048x1x1 float32
+                (1425801216, 8192),  # 315: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
+                (1429995520, 3211264),  # 316: d_bn5a_branch2b_relu 32x512x7x7 float32
+                (1433206784, 3211264),  # 317: bn5a_branch2b_relu_2 32x512x7x7 float32
+                (1425801216, 4194304),  # 318: d_res5a_branch2c_W 2048x512x1x1 float32
+                (1412956160, 2048),  # 319: d_bn5a_branch2b_ew_sum 1x512x1x1 float32
+                (1412958208, 2048),  # 320: d_bn5a_branch2b_inv_std 1x512x1x1 float32
+                (1412958208, 2048),  # 321: d_bn5a_branch2b_bias 1x512x1x1 float32
                 (1412956160, 2048),  # 322: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
                 (1412956160, 3211264),  # 323: d_bn5a_branch2a_relu 32x512x7x7 float32
                 (1422393344, 3211264),  # 324: bn5a_branch2a_relu_2 32x512x7x7 float32
-                (1416167424, 2048),  # 325: d_bn5a_branch2a_inv_std 1x512x1x1 float32
-                (1416169472, 2048),  # 326: d_bn5a_branch2a_weight 1x512x1x1 float32
-                (1416167424, 2048),  # 327: d_bn5a_branch2a_bias 1x512x1x1 float32
+                (1416167424, 2048),  # 325: d_bn5a_branch2a_ew_sum 1x512x1x1 float32
+                (1416169472, 2048),  # 326: d_bn5a_branch2a_inv_std 1x512x1x1 float32
+                (1416169472, 2048),  # 327: d_bn5a_branch2a_bias 1x512x1x1 float32
                 (1412956160, 2048),  # 328: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
                 (1412956160, 2097152),  # 329: d_res5a_branch2a_W 512x1024x1x1 float32
                 (1412956160, 9437184),  # 330: d_res5a_branch2b_W 512x512x3x3 float32
                 (1412956160, 8388608),  # 331: d_res5a_branch1_W 2048x1024x1x1 float32
                 (1412956160, 25690112),  # 332: d_bn4f_branch2c_relu 32x1024x14x14 float32
                 (1438646272, 25690112),  # 333: d_bn4f_branch2c_relu_2 32x1024x14x14 float32
-                (1361575936, 4096),  # 334: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
-                (1361580032, 4096),  # 335: d_bn4f_branch2c_weight 1x1024x1x1 float32
+                (1361575936, 4096),  # 334: d_bn4f_branch2c_ew_sum 1x1024x1x1 float32
+                (1361580032, 4096),  # 335: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
                 (1361575936, 4096),  # 336: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
                 (1361575936, 4096),  # 337: d_bn4f_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 338: bn4f_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 339: d_res4f_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 340: d_bn4f_branch2b_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 341: d_bn4f_branch2b_inv_std 1x256x1x1 float32
-                (1361576960, 1024),  # 342: d_bn4f_branch2b_weight 1x256x1x1 float32
-                (1361575936, 1024),  # 343: d_bn4f_branch2b_bias 1x256x1x1 float32
+                (1361575936, 1024),  # 341: d_bn4f_branch2b_ew_sum 1x256x1x1 float32
+                (1361576960, 1024),  # 342: d_bn4f_branch2b_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 343: d_bn4f_branch2b_bias 1x256x1x1 float32
                 (1361575936, 1024),  # 344: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
                 (1361575936, 6422528),  # 345: bn4f_branch2a_relu_2 32x256x14x14 float32
                 (1367998464, 2359296),  # 346: d_res4f_branch2b_W 256x256x3x3 float32
                 (1367998464, 6422528),  # 347: d_bn4f_branch2a_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 348: d_bn4f_branch2a_inv_std 1x256x1x1 float32
-                (1361576960, 1024),  # 349: d_bn4f_branch2a_weight 1x256x1x1 float32
-                (1361575936, 1024),  # 350: d_bn4f_branch2a_bias 1x256x1x1 float32
+                (1361575936, 1024),  # 348: d_bn4f_branch2a_ew_sum 1x256x1x1 float32
+                (1361576960, 1024),  # 349: d_bn4f_branch2a_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 350: d_bn4f_branch2a_bias 1x256x1x1 float32
                 (1361575936, 1024),  # 351: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
                 (1361575936, 25690112),  # 352: bn4e_branch2c_relu_2 32x1024x14x14 float32
                 (1387266048, 1048576),  # 353: d_res4f_branch2a_W 256x1024x1x1 float32
                 (1387266048, 25690112),  # 354: d_bn4e_branch2c_relu 32x1024x14x14 float32
-                (1361575936, 4096),  # 355: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
-                (1361580032, 4096),  # 356: d_bn4e_branch2c_weight 1x1024x1x1 float32
+                (1361575936, 4096),  # 355: d_bn4e_branch2c_ew_sum 1x1024x1x1 float32
+                (1361580032, 4096),  # 356: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
                 (1361575936, 4096),  # 357: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
                 (1361575936, 4096),  # 358: d_bn4e_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 359: bn4e_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 360: d_res4e_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 361: d_bn4e_branch2b_relu 32x256x14x14 float32
-                (1335885824, 1024),  # 362: d_bn4e_branch2b_inv_std 1x256x1x1 float32
-                (1335886848, 1024),  # 363: d_bn4e_branch2b_weight 1x256x1x1 float32
-                (1335885824, 1024),  # 364: d_bn4e_branch2b_bias 1x256x1x1 float32
+                (1335885824, 1024),  # 362: d_bn4e_branch2b_ew_sum 1x256x1x1 float32
+                (1335886848, 1024),  # 363: d_bn4e_branch2b_inv_std 1x256x1x1 float32
+                (1335886848, 1024),  # 364: d_bn4e_branch2b_bias 1x256x1x1 float32
                 (1335885824, 1024),  # 365: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
                 (1335885824, 6422528),  # 366: bn4e_branch2a_relu_2 32x256x14x14 float32
                 (1342308352, 2359296),  # 367: d_res4e_branch2b_W 256x256x3x3 float32
                 (1342308352, 6422528),  # 368: d_bn4e_branch2a_relu 32x256x14x14 float32
-                (1335885824, 1024),  # 369: d_bn4e_branch2a_inv_std 1x256x1x1 float32
-                (1335886848, 1024),  # 370: d_bn4e_branch2a_weight 1x256x1x1 float32
-                (1335885824, 1024),  # 371: d_bn4e_branch2a_bias 1x256x1x1 float32
+                (1335885824, 1024),  # 369: d_bn4e_branch2a_ew_sum 1x256x1x1 float32
+                (1335886848, 1024),  # 370: d_bn4e_branch2a_inv_std 1x256x1x1 float32
+                (1335886848, 1024),  # 371: d_bn4e_branch2a_bias 1x256x1x1 float32
                 (1335885824, 1024),  # 372: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
                 (1335885824, 1048576),  # 373: d_res4e_branch2a_W 256x1024x1x1 float32
                 (1335885824, 25690112),  # 374: d_bn4d_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 375: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
-                (1284509696, 4096),  # 376: d_bn4d_branch2c_weight 1x1024x1x1 float32
+                (1284505600, 4096),  # 375: d_bn4d_branch2c_ew_sum 1x1024x1x1 float32
+                (1284509696, 4096),  # 376: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
                 (1284505600, 4096),  # 377: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
                 (1284505600, 4096),  # 378: d_bn4d_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 379: bn4d_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 380: d_res4d_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 381: d_bn4d_branch2b_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 382: d_bn4d_branch2b_inv_std 1x256x1x1 float32
-                (1284506624, 1024),  # 383: d_bn4d_branch2b_weight 1x256x1x1 float32
-                (1284505600, 1024),  # 384: d_bn4d_branch2b_bias 1x256x1x1 float32
+                (1284505600, 1024),  # 382: d_bn4d_branch2b_ew_sum 1x256x1x1 float32
+                (1284506624, 1024),  # 383: d_bn4d_branch2b_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 384: d_bn4d_branch2b_bias 1x256x1x1 float32
                 (1284505600, 1024),  # 385: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
                 (1284505600, 6422528),  # 386: bn4d_branch2a_relu_2 32x256x14x14 float32
                 (1290928128, 2359296),  # 387: d_res4d_branch2b_W 256x256x3x3 float32
                 (1290928128, 6422528),  # 388: d_bn4d_branch2a_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 389: d_bn4d_branch2a_inv_std 1x256x1x1 float32
-                (1284506624, 1024),  # 390: d_bn4d_branch2a_weight 1x256x1x1 float32
-                (1284505600, 1024),  # 391: d_bn4d_branch2a_bias 1x256x1x1 float32
+                (1284505600, 1024),  # 389: d_bn4d_branch2a_ew_sum 1x256x1x1 float32
+                (1284506624, 1024),  # 390: d_bn4d_branch2a_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 391: d_bn4d_branch2a_bias 1x256x1x1 float32
                 (1284505600, 1024),  # 392: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
                 (1284505600, 25690112),  # 393: bn4c_branch2c_relu_2 32x1024x14x14 float32
                 (1310195712, 1048576),  # 394: d_res4d_branch2a_W 256x1024x1x1 float32
                 (1310195712, 25690112),  # 395: d_bn4c_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 396: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
-                (1284509696, 4096),  # 397: d_bn4c_branch2c_weight 1x1024x1x1 float32
+                (1284505600, 4096),  # 396: d_bn4c_branch2c_ew_sum 1x1024x1x1 float32
+                (1284509696, 4096),  # 397: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
                 (1284505600, 4096),  # 398: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
                 (1284505600, 4096),  # 399: d_bn4c_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 400: bn4c_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 401: d_res4c_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 402: d_bn4c_branch2b_relu 32x256x14x14 float32
-                (1258815488, 1024),  # 403: d_bn4c_branch2b_inv_std 1x256x1x1 float32
-                (1258816512, 1024),  # 404: d_bn4c_branch2b_weight 1x256x1x1 float32
-                (1258815488, 1024),  # 405: d_bn4c_branch2b_bias 1x256x1x1 float32
+                (1258815488, 1024),  # 403: d_bn4c_branch2b_ew_sum 1x256x1x1 float32
+                (1258816512, 1024),  # 404: d_bn4c_branch2b_inv_std 1x256x1x1 float32
+                (1258816512, 1024),  # 405: d_bn4c_branch2b_bias 1x256x1x1 float32
                 (1258815488, 1024),  # 406: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
                 (1258815488, 6422528),  # 407: bn4c_branch2a_relu_2 32x256x14x14 float32
                 (1265238016, 2359296),  # 408: d_res4c_branch2b_W 256x256x3x3 float32
                 (1265238016, 6422528),  # 409: d_bn4c_branch2a_relu 32x256x14x14 float32
-                (1258815488, 1024),  # 410: d_bn4c_branch2a_inv_std 1x256x1x1 float32
-                (1258816512, 1024),  # 411: d_bn4c_branch2a_weight 1x256x1x1 float32
-                (1258815488, 1024),  # 412: d_bn4c_branch2a_bias 1x256x1x1 float32
+                (1258815488, 1024),  # 410: d_bn4c_branch2a_ew_sum 1x256x1x1 float32
+                (1258816512, 1024),  # 411: d_bn4c_branch2a_inv_std 1x256x1x1 float32
+                (1258816512, 1024),  # 412: d_bn4c_branch2a_bias 1x256x1x1 float32
                 (1258815488, 1024),  # 413: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
                 (1258815488, 1048576),  # 414: d_res4c_branch2a_W 256x1024x1x1 float32
                 (1258815488, 25690112),  # 415: d_bn4b_branch2c_relu 32x1024x14x14 float32
-                (1027604480, 4096),  # 416: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
-                (1027608576, 4096),  # 417: d_bn4b_branch2c_weight 1x1024x1x1 float32
-                (1027604480, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
-                (1027604480, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
-                (1027604480, 6422528),  # 420: bn4b_branch2b_relu_2 32x256x14x14 float32
-                (1040449536, 1048576),  # 421: d_res4b_branch2c_W 1024x256x1x1 float32
-                (1034027008, 6422528),  # 422: d_bn4b_branch2b_relu 32x256x14x14 float32
-                (1027604480, 1024),  # 423: d_bn4b_branch2b_inv_std 1x256x1x1 float32
-                (1027605504, 1024),  # 424: d_bn4b_branch2b_weight 1x256x1x1 float32
-                (1027604480, 1024),  # 425: d_bn4b_branch2b_bias 1x256x1x1 float32
-                (1027604480, 1024),  # 426: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
-                (1027604480, 6422528),  # 427: bn4b_branch2a_relu_2 32x256x14x14 float32
-                (1034027008, 2359296),  # 428: d_res4b_branch2b_W 256x256x3x3 float32
-                (1034027008, 6422528),  # 429: d_bn4b_branch2a_relu 32x256x14x14 float32
-                (1027604480, 1024),  # 430: d_bn4b_branch2a_inv_std 1x256x1x1 float32
-                (1027605504, 1024),  # 431: d_bn4b_branch2a_weight 1x256x1x1 float32
-                (1027604480, 1024),  # 432: d_bn4b_branch2a_bias 1x256x1x1 float32
-                (1027604480, 1024),  # 433: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
-                (1027604480, 25690112),  # 434: bn4a_branch2c_relu_2 32x1024x14x14 float32
+                (1001914368, 4096),  # 416: d_bn4b_branch2c_ew_sum 1x1024x1x1 float32
+                (1001918464, 4096),  # 417: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
+                (1001914368, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
+                (1001914368, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
+                (1001914368, 6422528),  # 420: bn4b_branch2b_relu_2 32x256x14x14 float32
+                (1014759424, 1048576),  # 421: d_res4b_branch2c_W 1024x256x1x1 float32
+                (1008336896, 6422528),  # 422: d_bn4b_branch2b_relu 32x256x14x14 float32
+                (1001914368, 1024),  # 423: d_bn4b_branch2b_ew_sum 1x256x1x1 float32
+                (1001915392, 1024),  # 424: d_bn4b_branch2b_inv_std 1x256x1x1 float32
+                (1001915392, 1024),  # 425: d_bn4b_branch2b_bias 1x256x1x1 float32
+                (1001914368, 1024),  # 426: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
+                (1001914368, 6422528),  # 427: bn4b_branch2a_relu_2 32x256x14x14 float32
+                (1008336896, 2359296),  # 428: d_res4b_branch2b_W 256x256x3x3 float32
+                (1008336896, 6422528),  # 429: d_bn4b_branch2a_relu 32x256x14x14 float32
+                (1001914368, 1024),  # 430: d_bn4b_branch2a_ew_sum 1x256x1x1 float32
+                (1001915392, 1024),  # 431: d_bn4b_branch2a_inv_std 1x256x1x1 float32
+                (1001915392, 1024),  # 432: d_bn4b_branch2a_bias 1x256x1x1 float32
+                (1001914368, 1024),  # 433: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
+                (1001914368, 25690112),  # 434: bn4a_branch2c_relu_2 32x1024x14x14 float32
                 (1053294592, 1048576),  # 435: d_res4b_branch2a_W 256x1024x1x1 float32
                 (1053294592, 25690112),  # 436: d_bn4a_branch2c_relu 32x1024x14x14 float32
-                (1027604480, 4096),  # 437: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
-                (1027608576, 4096),  # 438: d_bn4a_branch1_inv_std 1x1024x1x1 float32
-                (1027612672, 4096),  # 439: d_bn4a_branch2c_weight 1x1024x1x1 float32
-                (1027604480, 4096),  # 440: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
-                (1027604480, 4096),  # 441: d_bn4a_branch1_bias 1x1024x1x1 float32
-                (1027604480, 4096),  # 442: d_bn4a_branch1_weight 1x1024x1x1 float32
-                (976224256, 4096),  # 443: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
-                (976224256, 6422528),  # 444: bn4a_branch2b_relu_2 32x256x14x14 float32
-                (989069312, 1048576),  # 445: d_res4a_branch2c_W 1024x256x1x1 float32
-                (982646784, 6422528),  # 446: d_bn4a_branch2b_relu 32x256x14x14 float32
-                (976224256, 1024),  # 447: d_bn4a_branch2b_inv_std 1x256x1x1 float32
-                (976225280, 1024),  # 448: d_bn4a_branch2b_weight 1x256x1x1 float32
-                (976224256, 1024),  # 449: d_bn4a_branch2b_bias 1x256x1x1 float32
+                (1001914368, 4096),  # 437: d_bn4a_branch2c_ew_sum 1x1024x1x1 float32
+                (1001918464, 4096),  # 438: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
+                (1001914368, 4096),  # 439: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
+                (1001914368, 4096),  # 440: d_bn4a_branch1_ew_sum 1x1024x1x1 float32
+                (1001918464, 4096),  # 441: d_bn4a_branch1_inv_std 1x1024x1x1 float32
+                (1001918464, 4096),  # 442: d_bn4a_branch1_bias 1x1024x1x1 float32
+                (1001914368, 4096),  # 443: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
+                (1001914368, 6422528),  # 444: bn4a_branch2b_relu_2 32x256x14x14 float32
+                (1014759424, 1048576),  # 445: d_res4a_branch2c_W 1024x256x1x1 float32
+                (1008336896, 6422528),  # 446: d_bn4a_branch2b_relu 32x256x14x14 float32
+                (976224256, 1024),  # 447: d_bn4a_branch2b_ew_sum 1x256x1x1 float32
+                (976225280, 1024),  # 448: d_bn4a_branch2b_inv_std 1x256x1x1 float32
+                (976225280, 1024),  # 449: d_bn4a_branch2b_bias 1x256x1x1 float32
                 (976224256, 1024),  # 450: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
                 (976224256, 2097152),  # 451: d_res4a_branch1_W 1024x512x1x1 float32
                 (976224256, 6422528),  # 452: bn4a_branch2a_relu_2 32x256x14x14 float32
                 (982646784, 2359296),  # 453: d_res4a_branch2b_W 256x256x3x3 float32
                 (982646784, 6422528),  # 454: d_bn4a_branch2a_relu 32x256x14x14 float32
-                (976224256, 1024),  # 455: d_bn4a_branch2a_inv_std 1x256x1x1 float32
-                (976225280, 1024),  # 456: d_bn4a_branch2a_weight 1x256x1x1 float32
-                (976224256, 1024),  # 457: d_bn4a_branch2a_bias 1x256x1x1 float32
+                (976224256, 1024),  # 455: d_bn4a_branch2a_ew_sum 1x256x1x1 float32
+                (976225280, 1024),  # 456: d_bn4a_branch2a_inv_std 1x256x1x1 float32
+                (976225280, 1024),  # 457: d_bn4a_branch2a_bias 1x256x1x1 float32
                 (976224256, 1024),  # 458: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
                 (976224256, 524288),  # 459: d_res4a_branch2a_W 256x512x1x1 float32
                 (976224256, 51380224),  # 460: d_bn3d_branch2c_relu 32x512x28x28 float32
                 (1027604480, 51380224),  # 461: d_bn3d_branch2c_relu_2 32x512x28x28 float32
-                (873463808, 2048),  # 462: d_bn3d_branch2c_inv_std 1x512x1x1 float32
-                (873465856, 2048),  # 463: d_bn3d_branch2c_weight 1x512x1x1 float32
+                (873463808, 2048),  # 462: d_bn3d_branch2c_ew_sum 1x512x1x1 float32
+                (873465856, 2048),  # 463: d_bn3d_branch2c_inv_std 1x512x1x1 float32
                 (873463808, 2048),  # 464: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
                 (873463808, 2048),  # 465: d_bn3d_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 466: bn3d_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 467: d_res3d_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 468: d_bn3d_branch2b_relu 32x128x28x28 float32
-                (873463808, 512),  # 469: d_bn3d_branch2b_inv_std 1x128x1x1 float32
-                (873464320, 512),  # 470: d_bn3d_branch2b_weight 1x128x1x1 float32
-                (873463808, 512),  # 471: d_bn3d_branch2b_bias 1x128x1x1 float32
+                (873463808, 512),  # 469: d_bn3d_branch2b_ew_sum 1x128x1x1 float32
+                (873464320, 512),  # 470: d_bn3d_branch2b_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 471: d_bn3d_branch2b_bias 1x128x1x1 float32
                 (873463808, 512),  # 472: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
                 (873463808, 12845056),  # 473: bn3d_branch2a_relu_2 32x128x28x28 float32
                 (886308864, 589824),  # 474: d_res3d_branch2b_W 128x128x3x3 float32
                 (886308864, 12845056),  # 475: d_bn3d_branch2a_relu 32x128x28x28 float32
-                (873463808, 512),  # 476: d_bn3d_branch2a_inv_std 1x128x1x1 float32
-                (873464320, 512),  # 477: d_bn3d_branch2a_weight 1x128x1x1 float32
-                (873463808, 512),  # 478: d_bn3d_branch2a_bias 1x128x1x1 float32
+                (873463808, 512),  # 476: d_bn3d_branch2a_ew_sum 1x128x1x1 float32
+                (873464320, 512),  # 477: d_bn3d_branch2a_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 478: d_bn3d_branch2a_bias 1x128x1x1 float32
                 (873463808, 512),  # 479: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
                 (873463808, 51380224),  # 480: bn3c_branch2c_relu_2 32x512x28x28 float32
                 (924844032, 262144),  # 481: d_res3d_branch2a_W 128x512x1x1 float32
                 (924844032, 51380224),  # 482: d_bn3c_branch2c_relu 32x512x28x28 float32
-                (873463808, 2048),  # 483: d_bn3c_branch2c_inv_std 1x512x1x1 float32
-                (873465856, 2048),  # 484: d_bn3c_branch2c_weight 1x512x1x1 float32
+                (873463808, 2048),  # 483: d_bn3c_branch2c_ew_sum 1x512x1x1 float32
+                (873465856, 2048),  # 484: d_bn3c_branch2c_inv_std 1x512x1x1 float32
                 (873463808, 2048),  # 485: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
                 (873463808, 2048),  # 486: d_bn3c_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 487: bn3c_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 488: d_res3c_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 489: d_bn3c_branch2b_relu 32x128x28x28 float32
-                (822083584, 512),  # 490: d_bn3c_branch2b_inv_std 1x128x1x1 float32
-                (822084096, 512),  # 491: d_bn3c_branch2b_weight 1x128x1x1 float32
-                (822083584, 512),  # 492: d_bn3c_branch2b_bias 1x128x1x1 float32
-                (822083584, 512),  # 493: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
-                (822083584, 12845056),  # 494: bn3c_branch2a_relu_2 32x128x28x28 float32
-                (834928640, 589824),  # 495: d_res3c_branch2b_W 128x128x3x3 float32
-                (834928640, 12845056),  # 496: d_bn3c_branch2a_relu 32x128x28x28 float32
-                (822083584, 512),  # 497: d_bn3c_branch2a_inv_std 1x128x1x1 float32
-                (822084096, 512),  # 498: d_bn3c_branch2a_weight 1x128x1x1 float32
-                (822083584, 512),  # 499: d_bn3c_branch2a_bias 1x128x1x1 float32
-                (822083584, 512),  # 500: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
-                (822083584, 262144),  # 501: d_res3c_branch2a_W 128x512x1x1 float32
-                (822083584, 51380224),  # 502: d_bn3b_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 503: d_bn3b_branch2c_inv_std 1x512x1x1 float32
-                (667944960, 2048),  # 504: d_bn3b_branch2c_weight 1x512x1x1 float32
+                (770703360, 512),  # 490: d_bn3c_branch2b_ew_sum 1x128x1x1 float32
+                (770703872, 512),  # 491: d_bn3c_branch2b_inv_std 1x128x1x1 float32
+                (770703872, 512),  # 492: d_bn3c_branch2b_bias 1x128x1x1 float32
+                (770703360, 512),  # 493: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
+                (770703360, 12845056),  # 494: bn3c_branch2a_relu_2 32x128x28x28 float32
+                (783548416, 589824),  # 495: d_res3c_branch2b_W 128x128x3x3 float32
+                (783548416, 12845056),  # 496: d_bn3c_branch2a_relu 32x128x28x28 float32
+                (770703360, 512),  # 497: d_bn3c_branch2a_ew_sum 1x128x1x1 float32
+                (770703872, 512),  # 498: d_bn3c_branch2a_inv_std 1x128x1x1 float32
+                (770703872, 512),  # 499: d_bn3c_branch2a_bias 1x128x1x1 float32
+                (770703360, 512),  # 500: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
+                (770703360, 262144),  # 501: d_res3c_branch2a_W 128x512x1x1 float32
+                (770703360, 51380224),  # 502: d_bn3b_branch2c_relu 32x512x28x28 float32
+                (667942912, 2048),  # 503: d_bn3b_branch2c_ew_sum 1x512x1x1 float32
+                (667944960, 2048),  # 504: d_bn3b_branch2c_inv_std 1x512x1x1 float32
                 (667942912, 2048),  # 505: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
                 (667942912, 2048),  # 506: d_bn3b_branch2c_bias 1x512x1x1 float32
                 (667942912, 12845056),  # 507: bn3b_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 508: d_res3b_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 509: d_bn3b_branch2b_relu 32x128x28x28 float32
-                (667942912, 512),  # 510: d_bn3b_branch2b_inv_std 1x128x1x1 float32
-                (667943424, 512),  # 511: d_bn3b_branch2b_weight 1x128x1x1 float32
-                (667942912, 512),  # 512: d_bn3b_branch2b_bias 1x128x1x1 float32
+                (667942912, 512),  # 510: d_bn3b_branch2b_ew_sum 1x128x1x1 float32
+                (667943424, 512),  # 511: d_bn3b_branch2b_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 512: d_bn3b_branch2b_bias 1x128x1x1 float32
                 (667942912, 512),  # 513: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
                 (667942912, 12845056),  # 514: bn3b_branch2a_relu_2 32x128x28x28 float32
                 (680787968, 589824),  # 515: d_res3b_branch2b_W 128x128x3x3 float32
                 (680787968, 12845056),  # 516: d_bn3b_branch2a_relu 32x128x28x28 float32
-                (667942912, 512),  # 517: d_bn3b_branch2a_inv_std 1x128x1x1 float32
-                (667943424, 512),  # 518: d_bn3b_branch2a_weight 1x128x1x1 float32
-                (667942912, 512),  # 519: d_bn3b_branch2a_bias 1x128x1x1 float32
+                (667942912, 512),  # 517: d_bn3b_branch2a_ew_sum 1x128x1x1 float32
+                (667943424, 512),  # 518: d_bn3b_branch2a_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 519: d_bn3b_branch2a_bias 1x128x1x1 float32
                 (667942912, 512),  # 520: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
                 (667942912, 51380224),  # 521: bn3a_branch2c_relu_2 32x512x28x28 float32
-                (770703360, 262144),  # 522: d_res3b_branch2a_W 128x512x1x1 float32
-                (770703360, 51380224),  # 523: d_bn3a_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 524: d_bn3a_branch2c_inv_std 1x512x1x1 float32
-                (667944960, 2048),  # 525: d_bn3a_branch1_inv_std 1x512x1x1 float32
-                (667947008, 2048),  # 526: d_bn3a_branch2c_weight 1x512x1x1 float32
-                (667942912, 2048),  # 527: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
-                (667942912, 2048),  # 528: d_bn3a_branch1_bias 1x512x1x1 float32
-                (667942912, 2048),  # 529: d_bn3a_branch1_weight 1x512x1x1 float32
+                (719323136, 262144),  # 522: d_res3b_branch2a_W 128x512x1x1 float32
+                (719323136, 51380224),  # 523: d_bn3a_branch2c_relu 32x512x28x28 float32
+                (667942912, 2048),  # 524: d_bn3a_branch2c_ew_sum 1x512x1x1 float32
+                (667944960, 2048),  # 525: d_bn3a_branch2c_inv_std 1x512x1x1 float32
+                (667942912, 2048),  # 526: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
+                (667942912, 2048),  # 527: d_bn3a_branch1_ew_sum 1x512x1x1 float32
+                (667944960, 2048),  # 528: d_bn3a_branch1_inv_std 1x512x1x1 float32
+                (667944960, 2048),  # 529: d_bn3a_branch1_bias 1x512x1x1 float32
                 (667942912, 2048),  # 530: d_bn3a_branch1_batch_mean 1x512x1x1 float32
                 (667942912, 12845056),  # 531: bn3a_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 532: d_res3a_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 533: d_bn3a_branch2b_relu 32x128x28x28 float32
-                (616562688, 512),  # 534: d_bn3a_branch2b_inv_std 1x128x1x1 float32
-                (616563200, 512),  # 535: d_bn3a_branch2b_weight 1x128x1x1 float32
-                (616562688, 512),  # 536: d_bn3a_branch2b_bias 1x128x1x1 float32
+                (616562688, 512),  # 534: d_bn3a_branch2b_ew_sum 1x128x1x1 float32
+                (616563200, 512),  # 535: d_bn3a_branch2b_inv_std 1x128x1x1 float32
+                (616563200, 512),  # 536: d_bn3a_branch2b_bias 1x128x1x1 float32
                 (616562688, 512),  # 537: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
                 (616562688, 102760448),  # 538: bn2c_branch2c_relu_2 32x256x56x56 float32
                 (719323136, 524288),  # 539: d_res3a_branch1_W 512x256x1x1 float32
                 (719323136, 12845056),  # 540: bn3a_branch2a_relu_2 32x128x28x28 float32
                 (732168192, 589824),  # 541: d_res3a_branch2b_W 128x128x3x3 float32
                 (732168192, 12845056),  # 542: d_bn3a_branch2a_relu 32x128x28x28 float32
-                (719323136, 512),  # 543: d_bn3a_branch2a_inv_std 1x128x1x1 float32
-                (719323648, 512),  # 544: d_bn3a_branch2a_weight 1x128x1x1 float32
-                (719323136, 512),  # 545: d_bn3a_branch2a_bias 1x128x1x1 float32
+                (719323136, 512),  # 543: d_bn3a_branch2a_ew_sum 1x128x1x1 float32
+                (719323648, 512),  # 544: d_bn3a_branch2a_inv_std 1x128x1x1 float32
+                (719323648, 512),  # 545: d_bn3a_branch2a_bias 1x128x1x1 float32
                 (719323136, 512),  # 546: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
                 (719323136, 131072),  # 547: d_res3a_branch2a_W 128x256x1x1 float32
                 (719323136, 102760448),  # 548: d_bn2c_branch2c_relu 32x256x56x56 float32
                 (822083584, 102760448),  # 549: d_bn2c_branch2c_relu_2 32x256x56x56 float32
-                (616562688, 1024),  # 550: d_bn2c_branch2c_inv_std 1x256x1x1 float32
-                (616563712, 1024),  # 551: d_bn2c_branch2c_weight 1x256x1x1 float32
+                (616562688, 1024),  # 550: d_bn2c_branch2c_ew_sum 1x256x1x1 float32
+                (616563712, 1024),  # 551: d_bn2c_branch2c_inv_std 1x256x1x1 float32
                 (616562688, 1024),  # 552: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
                 (616562688, 1024),  # 553: d_bn2c_branch2c_bias 1x256x1x1 float32
                 (616562688, 25690112),  # 554: bn2c_branch2b_relu_2 32x64x56x56 float32
                 (667942912, 65536),  # 555: d_res2c_branch2c_W 256x64x1x1 float32
                 (642252800, 25690112),  # 556: d_bn2c_branch2b_relu 32x64x56x56 float32
-                (513802240, 256),  # 557: d_bn2c_branch2b_inv_std 1x64x1x1 float32
-                (513802496, 256),  # 558: d_bn2c_branch2b_weight 1x64x1x1 float32
-                (513802240, 256),  # 559: d_bn2c_branch2b_bias 1x64x1x1 float32
+                (513802240, 256),  # 557: d_bn2c_branch2b_ew_sum 1x64x1x1 float32
+                (513802496, 256),  # 558: d_bn2c_branch2b_inv_std 1x64x1x1 float32
+                (513802496, 256),  # 559: d_bn2c_branch2b_bias 1x64x1x1 float32
                 (513802240, 256),  # 560: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
                 (513802240, 25690112),  # 561: bn2c_branch2a_relu_2 32x64x56x56 float32
                 (539492352, 147456),  # 562: d_res2c_branch2b_W 64x64x3x3 float32
                 (539492352, 25690112),  # 563: d_bn2c_branch2a_relu 32x64x56x56 float32
-                (513802240, 256),  # 564: d_bn2c_branch2a_inv_std 1x64x1x1 float32
-                (513802496, 256),  # 565: d_bn2c_branch2a_weight 1x64x1x1 float32
-                (513802240, 256),  # 566: d_bn2c_branch2a_bias 1x64x1x1 float32
+                (513802240, 256),  # 564: d_bn2c_branch2a_ew_sum 1x64x1x1 float32
+                (513802496, 256),  # 565: d_bn2c_branch2a_inv_std 1x64x1x1 float32
+                (513802496, 256),  # 566: d_bn2c_branch2a_bias 1x64x1x1 float32
                 (513802240, 256),  # 567: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
                 (513802240, 65536),  # 568: d_res2c_branch2a_W 64x256x1x1 float32
                 (513802240, 102760448),  # 569: d_bn2b_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 570: d_bn2b_branch2c_inv_std 1x256x1x1 float32
-                (308282368, 1024),  # 571: d_bn2b_branch2c_weight 1x256x1x1 float32
+                (308281344, 1024),  # 570: d_bn2b_branch2c_ew_sum 1x256x1x1 float32
+                (308282368, 1024),  # 571: d_bn2b_branch2c_inv_std 1x256x1x1 float32
                 (308281344, 1024),  # 572: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
                 (308281344, 1024),  # 573: d_bn2b_branch2c_bias 1x256x1x1 float32
                 (308281344, 25690112),  # 574: bn2b_branch2b_relu_2 32x64x56x56 float32
                 (359661568, 65536),  # 575: d_res2b_branch2c_W 256x64x1x1 float32
                 (333971456, 25690112),  # 576: d_bn2b_branch2b_relu 32x64x56x56 float32
-                (308281344, 256),  # 577: d_bn2b_branch2b_inv_std 1x64x1x1 float32
-                (308281600, 256),  # 578: d_bn2b_branch2b_weight 1x64x1x1 float32
-                (308281344, 256),  # 579: d_bn2b_branch2b_bias 1x64x1x1 float32
+                (308281344, 256),  # 577: d_bn2b_branch2b_ew_sum 1x64x1x1 float32
+                (308281600, 256),  # 578: d_bn2b_branch2b_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 579: d_bn2b_branch2b_bias 1x64x1x1 float32
                 (308281344, 256),  # 580: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
                 (308281344, 25690112),  # 581: bn2b_branch2a_relu_2 32x64x56x56 float32
                 (333971456, 147456),  # 582: d_res2b_branch2b_W 64x64x3x3 float32
                 (333971456, 25690112),  # 583: d_bn2b_branch2a_relu 32x64x56x56 float32
-                (308281344, 256),  # 584: d_bn2b_branch2a_inv_std 1x64x1x1 float32
-                (308281600, 256),  # 585: d_bn2b_branch2a_weight 1x64x1x1 float32
-                (308281344, 256),  # 586: d_bn2b_branch2a_bias 1x64x1x1 float32
+                (308281344, 256),  # 584: d_bn2b_branch2a_ew_sum 1x64x1x1 float32
+                (308281600, 256),  # 585: d_bn2b_branch2a_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 586: d_bn2b_branch2a_bias 1x64x1x1 float32
                 (308281344, 256),  # 587: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
                 (308281344, 102760448),  # 588: bn2a_branch2c_relu_2 32x256x56x56 float32
                 (411041792, 65536),  # 589: d_res2b_branch2a_W 64x256x1x1 float32
                 (411041792, 102760448),  # 590: d_bn2a_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 591: d_bn2a_branch2c_inv_std 1x256x1x1 float32
-                (308282368, 1024),  # 592: d_bn2a_branch1_inv_std 1x256x1x1 float32
-                (308283392, 1024),  # 593: d_bn2a_branch2c_weight 1x256x1x1 float32
-                (308281344, 1024),  # 594: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
-                (308281344, 1024),  # 595: d_bn2a_branch1_bias 1x256x1x1 float32
-                (308281344, 1024),  # 596: d_bn2a_branch1_weight 1x256x1x1 float32
-                (102760448, 1024),  # 597: d_bn2a_branch1_batch_mean 1x256x1x1 float32
-                (102760448, 25690112),  # 598: bn2a_branch2b_relu_2 32x64x56x56 float32
-                (154140672, 65536),  # 599: d_res2a_branch2c_W 256x64x1x1 float32
-                (128450560, 25690112),  # 600: d_bn2a_branch2b_relu 32x64x56x56 float32
-                (102760448, 256),  # 601: d_bn2a_branch2b_inv_std 1x64x1x1 float32
-                (102760704, 256),  # 602: d_bn2a_branch2b_weight 1x64x1x1 float32
-                (102760448, 256),  # 603: d_bn2a_branch2b_bias 1x64x1x1 float32
-                (102760448, 256),  # 604: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
-                (102760448, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
+                (308281344, 1024),  # 591: d_bn2a_branch2c_ew_sum 1x256x1x1 float32
+                (308282368, 1024),  # 592: d_bn2a_branch2c_inv_std 1x256x1x1 float32
+                (308281344, 1024),  # 593: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
+                (308281344, 1024),  # 594: d_bn2a_branch1_ew_sum 1x256x1x1 float32
+                (308282368, 1024),  # 595: d_bn2a_branch1_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 596: d_bn2a_branch1_bias 1x256x1x1 float32
+                (308281344, 1024),  # 597: d_bn2a_branch1_batch_mean 1x256x1x1 float32
+                (308281344, 25690112),  # 598: bn2a_branch2b_relu_2 32x64x56x56 float32
+                (359661568, 65536),  # 599: d_res2a_branch2c_W 256x64x1x1 float32
+                (333971456, 25690112),  # 600: d_bn2a_branch2b_relu 32x64x56x56 float32
+                (205520896, 256),  # 601: d_bn2a_branch2b_ew_sum 1x64x1x1 float32
+                (205521152, 256),  # 602: d_bn2a_branch2b_inv_std 1x64x1x1 float32
+                (205521152, 256),  # 603: d_bn2a_branch2b_bias 1x64x1x1 float32
+                (205520896, 256),  # 604: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
+                (231211008, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
                 (205520896, 25690112),  # 606: d_bn_conv1_max_pool 32x64x56x56 float32
                 (102760448, 25690112),  # 607: bn2a_branch2a_relu_2 32x64x56x56 float32
                 (128450560, 147456),  # 608: d_res2a_branch2b_W 64x64x3x3 float32
                 (128450560, 25690112),  # 609: d_bn2a_branch2a_relu 32x64x56x56 float32
-                (102760448, 256),  # 610: d_bn2a_branch2a_inv_std 1x64x1x1 float32
-                (102760704, 256),  # 611: d_bn2a_branch2a_weight 1x64x1x1 float32
-                (102760448, 256),  # 612: d_bn2a_branch2a_bias 1x64x1x1 float32
+                (102760448, 256),  # 610: d_bn2a_branch2a_ew_sum 1x64x1x1 float32
+                (102760704, 256),  # 611: d_bn2a_branch2a_inv_std 1x64x1x1 float32
+                (102760704, 256),  # 612: d_bn2a_branch2a_bias 1x64x1x1 float32
                 (102760448, 256),  # 613: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
                 (102760448, 16384),  # 614: d_res2a_branch2a_W 64x64x1x1 float32
                 (102760448, 25690112),  # 615: d_bn_conv1_max_pool_2 32x64x56x56 float32
                 (231211008, 25690112),  # 616: d_bn_conv1_centered 32x64x56x56 float32
                 (102760448, 102760448),  # 617: d_bn_conv1_relu_max_pool_bwd 32x64x112x112 float32
-                (205520896, 256),  # 618: d_bn_conv1_weight 1x64x1x1 float32
-                (205520896, 256),  # 619: d_bn_conv1_inv_std 1x64x1x1 float32
-                (205521152, 256),  # 620: d_bn_conv1_bias 1x64x1x1 float32
-                (102760448, 102760448),  # 621: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
-                (0, 256),  # 622: d_bn_conv1_batch_mean 1x64x1x1 float32
-                (0, 37632),  # 623: d_conv1_W 64x3x7x7 float32
+                (205520896, 256),  # 618: d_bn_conv1_ew_sum 1x64x1x1 float32
+                (205521152, 256),  # 619: d_bn_conv1_bias 1x64x1x1 float32
+                (102760448, 102760448),  # 620: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
+                (0, 256),  # 621: d_bn_conv1_batch_mean 1x64x1x1 float32
+                (0, 37632),  # 622: d_conv1_W 64x3x7x7 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=231211264, peak_bytes=231211264, workspace_bytes=33095680, pool_bytes=353239296,
@@ -10354,10 +10661,9 @@ def ew_step_mul(out, v0, v1):
     np.multiply(np.greater(v1, 0), v0, out=out)
 
 
-def ew_mul(out, v0, v1, v2):
-    """out = v0*v1*v2"""
+def ew_mul(out, v0, v1):
+    """out = v0*v1"""
     np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_add_pow_mul(out, v0, v1):
@@ -10373,6 +10679,11 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
+
+
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
@@ -10382,13 +10693,6 @@ def ew_add_step_mul(out, v0, v1, v2):
     """out = (v0 + v1)*Heaviside(v2, 0)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.multiply(out, np.greater(v2, 0), out=out)
-
-
-def ew_mul_add_3(out, v0, v1, v2, v3, v4):
-    """out = v0*v1*v2 + 2*v3*v4   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-    np.add(v3 * v4 * 2, out, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):
@@ -10409,13 +10713,24 @@ def ew_add_pow_mul_4(out, v0, v1):
     np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
+def ew_mul_3(out, v0, v1, v2):
+    """out = v0*v1*v2"""
+    np.multiply(v0, v1, out=out)
+    np.multiply(out, v2, out=out)
+
+
+def ew_mul_4(out, v0, v1):
+    """out = v0*v1   (out may be v1)"""
+    np.multiply(v0, v1, out=out)
+
+
 def ew_add_pow_mul_5(out, v0, v1):
     """out = -v0/(802816*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -1.2456154336734693e-06, out=out)
     np.divide(out, np.power(v1 + 1e-05, 1.5), out=out)
 
 
-def ew_mul_add_4(out, v0, v1, v2):
+def ew_mul_add_3(out, v0, v1, v2):
     """out = v0 + 2*v1*v2   (out may be v0)"""
     np.add(v1 * v2 * 2, v0, out=out)
 

@@ -4,8 +4,8 @@ Source network: networks/resnet_mini.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
-Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 36.70 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: e09ef5400b39cd07
+Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 35.59 MB, pool 39.21 MB, workspace 31.97 MB
+Structure hash: 814f615869ec8ecd
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "e09ef5400b39cd07"
+    structure_hash = "814f615869ec8ecd"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -314,7 +314,7 @@ class ResnetMini(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
         # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
         res3_proj = mem.tensor(17, (100, 32, 14, 14), 'float32')
-        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
 
         # ---- res3_proj_bn (batch norm), forward ----
         # res3_proj_bn_sum = sum_to[1x32x1x1](res3_proj)
@@ -457,7 +457,7 @@ class ResnetMini(rp.Model):
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
         # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
         res4_proj = mem.tensor(31, (100, 64, 7, 7), 'float32')
-        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
 
         # ---- res4_proj_bn (batch norm), forward ----
         # res4_proj_bn_sum = sum_to[1x64x1x1](res4_proj)
@@ -702,50 +702,43 @@ class ResnetMini(rp.Model):
         mem.free(44)
 
         # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_weight)
-        d_res4_b_bn_inv_std = mem.tensor(53, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_b_bn_inv_std, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered)
+        d_res4_b_bn_ew_sum = mem.tensor(53, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn_add, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum
+        d_res4_b_bn_inv_std = mem.tensor(54, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum)
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
         rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(42)
-
-        # ---- res4_proj_bn (batch norm), backward ----
-        # d_res4_proj_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_weight)
-        d_res4_proj_bn_inv_std = mem.tensor(54, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_proj_bn_inv_std, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
-        d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
-        # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
-        del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
-        mem.free(33)
-
-        # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered*res4_b_bn_inv_std)
-        d_res4_b_bn_weight = mem.tensor(55, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_b_bn_weight, d_res4_b_bn_add, res4_b_bn_centered, res4_b_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
         d_res4_b_bn_centered = res4_b_bn_centered  # in place: over res4_b_bn_centered
         rt.ew(ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
-        # free res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        del res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        mem.free(43, 53)
+        # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        mem.free(54)
+        # d_res4_b_bn_weight = res4_b_bn_inv_std*d_res4_b_bn_ew_sum
+        d_res4_b_bn_weight = res4_b_bn_inv_std  # in place: over res4_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_b_bn_weight, res4_b_bn_inv_std, d_res4_b_bn_ew_sum)
+        # free d_res4_b_bn_ew_sum
+        del d_res4_b_bn_ew_sum
+        mem.free(53)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
         # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
         V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
         rt.ew(ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
-        # free d_res4_b_bn_weight, d_res4_b_bn_W
-        del d_res4_b_bn_weight, d_res4_b_bn_W
-        mem.free(55)
+        # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
+        del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
+        mem.free(43)
         # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
         res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
         rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
         # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
-        d_res4_b_bn_batch_mean = mem.tensor(56, (1, 64, 1, 1), 'float32')
+        d_res4_b_bn_batch_mean = mem.tensor(55, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
         d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
@@ -757,12 +750,39 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
         # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
         del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
-        mem.free(56)
+        mem.free(55)
 
         # ---- res4_proj_bn (batch norm), backward ----
+        # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered)
+        d_res4_proj_bn_ew_sum = mem.tensor(56, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_proj_bn_ew_sum, d_res4_b_bn_add, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum
+        d_res4_proj_bn_inv_std = mem.tensor(57, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum)
+        # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+        # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
+        del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
+        mem.free(33)
+        # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
+        d_res4_proj_bn_centered = res4_proj_bn_centered  # in place: over res4_proj_bn_centered
+        rt.ew(ew_mul_add_2, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
+        # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        mem.free(57)
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_b_bn_add)
-        d_res4_proj_bn_bias = mem.tensor(57, (1, 64, 1, 1), 'float32')
+        d_res4_proj_bn_bias = mem.tensor(58, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_b_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
+        # free d_res4_b_bn_relu, d_res4_b_bn_add
+        del d_res4_b_bn_relu, d_res4_b_bn_add
+        mem.free(52)
+        # d_res4_proj_bn_weight = res4_proj_bn_inv_std*d_res4_proj_bn_ew_sum
+        d_res4_proj_bn_weight = res4_proj_bn_inv_std  # in place: over res4_proj_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_proj_bn_weight, res4_proj_bn_inv_std, d_res4_proj_bn_ew_sum)
+        # free d_res4_proj_bn_ew_sum
+        del d_res4_proj_bn_ew_sum
+        mem.free(56)
         # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
         d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
 
@@ -777,7 +797,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B'])
         # free d_res4_proj_bn_bias, d_res4_proj_bn_B
         del d_res4_proj_bn_bias, d_res4_proj_bn_B
-        mem.free(57)
+        mem.free(58)
 
         # ---- res4_b_bn (batch norm), backward ----
         # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
@@ -785,29 +805,20 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new)
 
         # ---- res4_proj_bn (batch norm), backward ----
-        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
-        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
-        rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
-        # d_res4_proj_bn_weight = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered*res4_proj_bn_inv_std)
-        d_res4_proj_bn_weight = mem.tensor(58, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_proj_bn_weight, d_res4_b_bn_add, res4_proj_bn_centered, res4_proj_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
-        d_res4_proj_bn_centered = d_res4_b_bn_add  # in place: over d_res4_b_bn_add
-        rt.ew(ew_mul_add_3, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
-        # free res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        del res4_proj, res4_proj_bn_centered, res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        mem.free(31, 34, 54)
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
         # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
         V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
         rt.ew(ew_mul_add, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
-        # free d_res4_proj_bn_weight, d_res4_proj_bn_W
-        del d_res4_proj_bn_weight, d_res4_proj_bn_W
-        mem.free(58)
+        # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
+        del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
+        mem.free(34)
         # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
         res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
         rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
+        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
+        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
+        rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
         # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
         d_res4_proj_bn_batch_mean = mem.tensor(59, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -870,38 +881,44 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
 
         # ---- res4_a_bn (batch norm), backward ----
-        # d_res4_a_bn_inv_std = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_weight)
-        d_res4_a_bn_inv_std = mem.tensor(64, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_a_bn_inv_std, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
+        d_res4_a_bn_ew_sum = mem.tensor(64, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum
+        d_res4_a_bn_inv_std = mem.tensor(65, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum)
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
         rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(37)
-        # d_res4_a_bn_weight = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_inv_std)
-        d_res4_a_bn_weight = mem.tensor(65, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_a_bn_weight, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
         d_res4_a_bn_centered = res4_a_bn_centered  # in place: over res4_a_bn_centered
         rt.ew(ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
-        # free res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        del res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        mem.free(38, 64)
+        # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        mem.free(65)
         # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
         d_res4_a_bn_bias = mem.tensor(66, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_a_bn_relu, d_res4_a_bn
         del d_res4_a_bn_relu, d_res4_a_bn
         mem.free(63)
+        # d_res4_a_bn_weight = res4_a_bn_inv_std*d_res4_a_bn_ew_sum
+        d_res4_a_bn_weight = res4_a_bn_inv_std  # in place: over res4_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_a_bn_weight, res4_a_bn_inv_std, d_res4_a_bn_ew_sum)
+        # free d_res4_a_bn_ew_sum
+        del d_res4_a_bn_ew_sum
+        mem.free(64)
         # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
         d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
         # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
         V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
         rt.ew(ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
-        # free d_res4_a_bn_weight, d_res4_a_bn_W
-        del d_res4_a_bn_weight, d_res4_a_bn_W
-        mem.free(65)
+        # free res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
+        del res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
+        mem.free(38)
         # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
         res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
         rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
@@ -941,7 +958,7 @@ class ResnetMini(rp.Model):
         mem.free(68)
         # d_res3_b_bn_relu = conv2d_bwd_data[pad=1,size=(14,14),stride=2](d_res4_a, res4_a_W)
         d_res3_b_bn_relu = mem.tensor(69, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_b_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
+        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_b_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(6899200))
         # free res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
         del res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
         mem.free(35)
@@ -951,11 +968,11 @@ class ResnetMini(rp.Model):
 
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res3_b_bn_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res4_proj, res4_proj_W)
-        d_res3_b_bn_relu_2 = mem.tensor(70, (100, 32, 14, 14), 'float32', over=52)
-        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_b_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(639744))
-        # free d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_centered, d_res4_proj
-        del d_res4_b_bn_relu, d_res4_b_bn_add, d_res4_proj_bn_centered, d_res4_proj
-        mem.free(52)
+        d_res3_b_bn_relu_2 = mem.tensor(70, (100, 32, 14, 14), 'float32', over=31)
+        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_b_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(1894144))
+        # free res4_proj, res4_proj_bn_centered, d_res4_proj_bn_centered, d_res4_proj
+        del res4_proj, res4_proj_bn_centered, d_res4_proj_bn_centered, d_res4_proj
+        mem.free(31)
 
         # ---- res3_b_bn_relu (relu), backward ----
         # d_res3_b_bn_add = (d_res3_b_bn_relu_2 + d_res3_b_bn_relu)*Heaviside(res3_b_bn_relu_2, 0)
@@ -971,50 +988,43 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
 
         # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_weight)
-        d_res3_b_bn_inv_std = mem.tensor(71, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_b_bn_inv_std, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered)
+        d_res3_b_bn_ew_sum = mem.tensor(71, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn_add, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum
+        d_res3_b_bn_inv_std = mem.tensor(72, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum)
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(28)
-
-        # ---- res3_proj_bn (batch norm), backward ----
-        # d_res3_proj_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_weight)
-        d_res3_proj_bn_inv_std = mem.tensor(72, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_proj_bn_inv_std, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
-        d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
-        # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
-        del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
-        mem.free(19)
-
-        # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered*res3_b_bn_inv_std)
-        d_res3_b_bn_weight = mem.tensor(73, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_b_bn_weight, d_res3_b_bn_add, res3_b_bn_centered, res3_b_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
         d_res3_b_bn_centered = res3_b_bn_centered  # in place: over res3_b_bn_centered
         rt.ew(ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
-        # free res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        del res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        mem.free(29, 71)
+        # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        mem.free(72)
+        # d_res3_b_bn_weight = res3_b_bn_inv_std*d_res3_b_bn_ew_sum
+        d_res3_b_bn_weight = res3_b_bn_inv_std  # in place: over res3_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_b_bn_weight, res3_b_bn_inv_std, d_res3_b_bn_ew_sum)
+        # free d_res3_b_bn_ew_sum
+        del d_res3_b_bn_ew_sum
+        mem.free(71)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
         # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
         V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
         rt.ew(ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
-        # free d_res3_b_bn_weight, d_res3_b_bn_W
-        del d_res3_b_bn_weight, d_res3_b_bn_W
-        mem.free(73)
+        # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
+        del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
+        mem.free(29)
         # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
         res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
         rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
         # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
-        d_res3_b_bn_batch_mean = mem.tensor(74, (1, 32, 1, 1), 'float32')
+        d_res3_b_bn_batch_mean = mem.tensor(73, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
         d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
@@ -1026,12 +1036,39 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res3_b, d_res3_b_bn_centered, d_res3_b_bn_sum)
         # free d_res3_b_bn_batch_mean, d_res3_b_bn_sum
         del d_res3_b_bn_batch_mean, d_res3_b_bn_sum
-        mem.free(74)
+        mem.free(73)
 
         # ---- res3_proj_bn (batch norm), backward ----
+        # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered)
+        d_res3_proj_bn_ew_sum = mem.tensor(74, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_proj_bn_ew_sum, d_res3_b_bn_add, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum
+        d_res3_proj_bn_inv_std = mem.tensor(75, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum)
+        # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
+        d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
+        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+        # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
+        del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
+        mem.free(19)
+        # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
+        d_res3_proj_bn_centered = res3_proj_bn_centered  # in place: over res3_proj_bn_centered
+        rt.ew(ew_mul_add_2, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
+        # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        mem.free(75)
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_b_bn_add)
-        d_res3_proj_bn_bias = mem.tensor(75, (1, 32, 1, 1), 'float32')
+        d_res3_proj_bn_bias = mem.tensor(76, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_b_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
+        # free d_res3_b_bn_relu_2, d_res3_b_bn_add
+        del d_res3_b_bn_relu_2, d_res3_b_bn_add
+        mem.free(70)
+        # d_res3_proj_bn_weight = res3_proj_bn_inv_std*d_res3_proj_bn_ew_sum
+        d_res3_proj_bn_weight = res3_proj_bn_inv_std  # in place: over res3_proj_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_proj_bn_weight, res3_proj_bn_inv_std, d_res3_proj_bn_ew_sum)
+        # free d_res3_proj_bn_ew_sum
+        del d_res3_proj_bn_ew_sum
+        mem.free(74)
         # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
         d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
 
@@ -1046,7 +1083,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
         # free d_res3_proj_bn_bias, d_res3_proj_bn_B
         del d_res3_proj_bn_bias, d_res3_proj_bn_B
-        mem.free(75)
+        mem.free(76)
 
         # ---- res3_b_bn (batch norm), backward ----
         # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
@@ -1054,29 +1091,20 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new)
 
         # ---- res3_proj_bn (batch norm), backward ----
-        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
-        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
-        rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
-        # d_res3_proj_bn_weight = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered*res3_proj_bn_inv_std)
-        d_res3_proj_bn_weight = mem.tensor(76, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_proj_bn_weight, d_res3_b_bn_add, res3_proj_bn_centered, res3_proj_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
-        d_res3_proj_bn_centered = d_res3_b_bn_add  # in place: over d_res3_b_bn_add
-        rt.ew(ew_mul_add_3, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
-        # free res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        del res3_proj, res3_proj_bn_centered, res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        mem.free(17, 20, 72)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
         # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
         V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
         rt.ew(ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
-        # free d_res3_proj_bn_weight, d_res3_proj_bn_W
-        del d_res3_proj_bn_weight, d_res3_proj_bn_W
-        mem.free(76)
+        # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
+        del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
+        mem.free(20)
         # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
         res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
         rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
+        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
+        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
+        rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
         # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
         d_res3_proj_bn_batch_mean = mem.tensor(77, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1137,38 +1165,44 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
 
         # ---- res3_a_bn (batch norm), backward ----
-        # d_res3_a_bn_inv_std = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_weight)
-        d_res3_a_bn_inv_std = mem.tensor(82, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_a_bn_inv_std, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
+        d_res3_a_bn_ew_sum = mem.tensor(82, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum
+        d_res3_a_bn_inv_std = mem.tensor(83, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum)
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(23)
-        # d_res3_a_bn_weight = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_inv_std)
-        d_res3_a_bn_weight = mem.tensor(83, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_a_bn_weight, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
         d_res3_a_bn_centered = res3_a_bn_centered  # in place: over res3_a_bn_centered
         rt.ew(ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
-        # free res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        del res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        mem.free(24, 82)
+        # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        mem.free(83)
         # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
         d_res3_a_bn_bias = mem.tensor(84, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_a_bn_relu, d_res3_a_bn
         del d_res3_a_bn_relu, d_res3_a_bn
         mem.free(81)
+        # d_res3_a_bn_weight = res3_a_bn_inv_std*d_res3_a_bn_ew_sum
+        d_res3_a_bn_weight = res3_a_bn_inv_std  # in place: over res3_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_a_bn_weight, res3_a_bn_inv_std, d_res3_a_bn_ew_sum)
+        # free d_res3_a_bn_ew_sum
+        del d_res3_a_bn_ew_sum
+        mem.free(82)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
         # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
         V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
         rt.ew(ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
-        # free d_res3_a_bn_weight, d_res3_a_bn_W
-        del d_res3_a_bn_weight, d_res3_a_bn_W
-        mem.free(83)
+        # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
+        del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
+        mem.free(24)
         # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
         res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
         rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
@@ -1208,7 +1242,7 @@ class ResnetMini(rp.Model):
         mem.free(86)
         # d_res2_b_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
         d_res2_b_bn_relu = mem.tensor(87, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
+        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(13798400))
         # free res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         del res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         mem.free(21)
@@ -1219,10 +1253,10 @@ class ResnetMini(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_res2_b_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
         d_res2_b_bn_relu_2 = mem.tensor(88, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_res2_b_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(1254400))
-        # free d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_centered, d_res3_proj
-        del d_res3_b_bn_relu_2, d_res3_b_bn_add, d_res3_proj_bn_centered, d_res3_proj
-        mem.free(70)
+        rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_res2_b_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(3763200))
+        # free res3_proj, res3_proj_bn_centered, d_res3_proj_bn_centered, d_res3_proj
+        del res3_proj, res3_proj_bn_centered, d_res3_proj_bn_centered, d_res3_proj
+        mem.free(17)
 
         # ---- res2_b_bn_relu (relu), backward ----
         # d_res2_b_bn_add = (d_res2_b_bn_relu_2 + d_res2_b_bn_relu)*Heaviside(res2_b_bn_relu, 0)
@@ -1238,32 +1272,38 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
 
         # ---- res2_b_bn (batch norm), backward ----
-        # d_res2_b_bn_inv_std = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_weight)
-        d_res2_b_bn_inv_std = mem.tensor(89, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_b_bn_inv_std, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered)
+        d_res2_b_bn_ew_sum = mem.tensor(89, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn_add, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum
+        d_res2_b_bn_inv_std = mem.tensor(90, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum)
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
-        # d_res2_b_bn_weight = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered*res2_b_bn_inv_std)
-        d_res2_b_bn_weight = mem.tensor(90, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_b_bn_weight, d_res2_b_bn_add, res2_b_bn_centered, res2_b_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
         d_res2_b_bn_centered = res2_b_bn_centered  # in place: over res2_b_bn_centered
         rt.ew(ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
-        # free res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        del res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        mem.free(16, 89)
+        # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        mem.free(90)
+        # d_res2_b_bn_weight = res2_b_bn_inv_std*d_res2_b_bn_ew_sum
+        d_res2_b_bn_weight = res2_b_bn_inv_std  # in place: over res2_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res2_b_bn_weight, res2_b_bn_inv_std, d_res2_b_bn_ew_sum)
+        # free d_res2_b_bn_ew_sum
+        del d_res2_b_bn_ew_sum
+        mem.free(89)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
         # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
         V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
         rt.ew(ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
-        # free d_res2_b_bn_weight, d_res2_b_bn_W
-        del d_res2_b_bn_weight, d_res2_b_bn_W
-        mem.free(90)
+        # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
+        del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
+        mem.free(16)
         # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
         res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
         rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
@@ -1334,38 +1374,44 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
 
         # ---- res2_a_bn (batch norm), backward ----
-        # d_res2_a_bn_inv_std = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_weight)
-        d_res2_a_bn_inv_std = mem.tensor(96, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_a_bn_inv_std, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
+        d_res2_a_bn_ew_sum = mem.tensor(96, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum
+        d_res2_a_bn_inv_std = mem.tensor(97, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum)
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
-        # d_res2_a_bn_weight = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_inv_std)
-        d_res2_a_bn_weight = mem.tensor(97, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_a_bn_weight, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
         d_res2_a_bn_centered = res2_a_bn_centered  # in place: over res2_a_bn_centered
         rt.ew(ew_mul_add_2, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
-        # free res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        del res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        mem.free(11, 96)
+        # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        mem.free(97)
         # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
         d_res2_a_bn_bias = mem.tensor(98, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_a_bn_relu, d_res2_a_bn
         del d_res2_a_bn_relu, d_res2_a_bn
         mem.free(95)
+        # d_res2_a_bn_weight = res2_a_bn_inv_std*d_res2_a_bn_ew_sum
+        d_res2_a_bn_weight = res2_a_bn_inv_std  # in place: over res2_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res2_a_bn_weight, res2_a_bn_inv_std, d_res2_a_bn_ew_sum)
+        # free d_res2_a_bn_ew_sum
+        del d_res2_a_bn_ew_sum
+        mem.free(96)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
         # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
         V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
         rt.ew(ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
-        # free d_res2_a_bn_weight, d_res2_a_bn_W
-        del d_res2_a_bn_weight, d_res2_a_bn_W
-        mem.free(97)
+        # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
+        del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
+        mem.free(11)
         # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
         res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
         rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
@@ -1431,38 +1477,44 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_inv_std = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_weight)
-        d_conv1_bn_inv_std = mem.tensor(103, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_conv1_bn_inv_std, d_conv1_bn, conv1_bn_centered, conv1_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(103, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        d_conv1_bn_inv_std = mem.tensor(104, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
-        # d_conv1_bn_weight = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std)
-        d_conv1_bn_weight = mem.tensor(104, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_conv1_bn_weight, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
         rt.ew(ew_mul_add_2, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
-        # free conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        del conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        mem.free(6, 103)
+        # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        mem.free(104)
         # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
         d_conv1_bn_bias = mem.tensor(105, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
         del d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
         mem.free(88)
+        # d_conv1_bn_weight = conv1_bn_inv_std*d_conv1_bn_ew_sum
+        d_conv1_bn_weight = conv1_bn_inv_std  # in place: over conv1_bn_inv_std
+        rt.ew(ew_mul_2, d_conv1_bn_weight, conv1_bn_inv_std, d_conv1_bn_ew_sum)
+        # free d_conv1_bn_ew_sum
+        del d_conv1_bn_ew_sum
+        mem.free(103)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
         # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
         rt.ew(ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
-        # free d_conv1_bn_weight, d_conv1_bn_W
-        del d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(104)
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        mem.free(6)
         # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
         conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
         rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
@@ -1588,7 +1640,7 @@ class ResnetMini(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
         # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
         res3_proj = mem.tensor(5, (100, 32, 14, 14), 'float32')
-        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
 
         # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
         # res3_a = conv2d[pad=1,stride=2](res2_b_bn_relu, res3_a_W)
@@ -1655,7 +1707,7 @@ class ResnetMini(rp.Model):
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
         # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
         res4_proj = mem.tensor(8, (100, 64, 7, 7), 'float32')
-        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
 
         # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
         # res4_a = conv2d[pad=1,stride=2](res3_b_bn_relu, res4_a_W)
@@ -1780,114 +1832,114 @@ class ResnetMini(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=36695040, peak_bytes=35588096, workspace_bytes=31974400, pool_bytes=40460032, pool_peak_bytes=36695040,
+            arena_bytes=35588096, peak_bytes=35588096, workspace_bytes=31974400, pool_bytes=39205632, pool_peak_bytes=36695040,
             buffers=(
-                (30105600, 313600),  # 0: x 100x1x28x28 float32
-                (35440896, 400),  # 1: y 100 int32
-                (35436800, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
+                (35123200, 313600),  # 0: x 100x1x28x28 float32
+                (35436800, 400),  # 1: y 100 int32
+                (35462400, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
                 (0, 5017600),  # 3: conv1 100x16x28x28 float32
                 (5017600, 64),  # 4: conv1_bn_sum 1x16x1x1 float32
-                (36691200, 64),  # 5: conv1_bn_sum_of_squares 1x16x1x1 float32
-                (36691456, 64),  # 6: conv1_bn_inv_std 1x16x1x1 float32
-                (15052800, 5017600),  # 7: conv1_bn_relu 100x16x28x28 float32
-                (5017600, 5017600),  # 8: res2_a 100x16x28x28 float32
-                (10035200, 64),  # 9: res2_a_bn_sum 1x16x1x1 float32
-                (36691712, 64),  # 10: res2_a_bn_sum_of_squares 1x16x1x1 float32
-                (36691968, 64),  # 11: res2_a_bn_inv_std 1x16x1x1 float32
-                (20070400, 5017600),  # 12: res2_a_bn_relu 100x16x28x28 float32
-                (10035200, 5017600),  # 13: res2_b 100x16x28x28 float32
-                (20070400, 64),  # 14: res2_b_bn_sum 1x16x1x1 float32
-                (36692224, 64),  # 15: res2_b_bn_sum_of_squares 1x16x1x1 float32
-                (36692480, 64),  # 16: res2_b_bn_inv_std 1x16x1x1 float32
-                (22579200, 2508800),  # 17: res3_proj 100x32x14x14 float32
-                (20070400, 128),  # 18: res3_proj_bn_sum 1x32x1x1 float32
-                (36693760, 128),  # 19: res3_proj_bn_sum_of_squares 1x32x1x1 float32
-                (36693504, 128),  # 20: res3_proj_bn_inv_std 1x32x1x1 float32
-                (20070400, 2508800),  # 21: res3_a 100x32x14x14 float32
-                (25088000, 128),  # 22: res3_a_bn_sum 1x32x1x1 float32
-                (36692992, 128),  # 23: res3_a_bn_sum_of_squares 1x32x1x1 float32
-                (36693248, 128),  # 24: res3_a_bn_inv_std 1x32x1x1 float32
-                (27596800, 2508800),  # 25: res3_a_bn_relu 100x32x14x14 float32
-                (25088000, 2508800),  # 26: res3_b 100x32x14x14 float32
-                (27596800, 128),  # 27: res3_b_bn_sum 1x32x1x1 float32
-                (36694272, 128),  # 28: res3_b_bn_sum_of_squares 1x32x1x1 float32
-                (36694016, 128),  # 29: res3_b_bn_inv_std 1x32x1x1 float32
-                (31673600, 2508800),  # 30: res3_b_bn_relu 100x32x14x14 float32
-                (30419200, 1254400),  # 31: res4_proj 100x64x7x7 float32
+                (35584256, 64),  # 5: conv1_bn_sum_of_squares 1x16x1x1 float32
+                (35584512, 64),  # 6: conv1_bn_inv_std 1x16x1x1 float32
+                (5017600, 5017600),  # 7: conv1_bn_relu 100x16x28x28 float32
+                (10035200, 5017600),  # 8: res2_a 100x16x28x28 float32
+                (15052800, 64),  # 9: res2_a_bn_sum 1x16x1x1 float32
+                (35584768, 64),  # 10: res2_a_bn_sum_of_squares 1x16x1x1 float32
+                (35585024, 64),  # 11: res2_a_bn_inv_std 1x16x1x1 float32
+                (15052800, 5017600),  # 12: res2_a_bn_relu 100x16x28x28 float32
+                (20070400, 5017600),  # 13: res2_b 100x16x28x28 float32
+                (15052800, 64),  # 14: res2_b_bn_sum 1x16x1x1 float32
+                (35585280, 64),  # 15: res2_b_bn_sum_of_squares 1x16x1x1 float32
+                (35585536, 64),  # 16: res2_b_bn_inv_std 1x16x1x1 float32
+                (30105600, 2508800),  # 17: res3_proj 100x32x14x14 float32
+                (15052800, 128),  # 18: res3_proj_bn_sum 1x32x1x1 float32
+                (35585792, 128),  # 19: res3_proj_bn_sum_of_squares 1x32x1x1 float32
+                (35586048, 128),  # 20: res3_proj_bn_inv_std 1x32x1x1 float32
+                (25088000, 2508800),  # 21: res3_a 100x32x14x14 float32
+                (15052800, 128),  # 22: res3_a_bn_sum 1x32x1x1 float32
+                (35586304, 128),  # 23: res3_a_bn_sum_of_squares 1x32x1x1 float32
+                (35586560, 128),  # 24: res3_a_bn_inv_std 1x32x1x1 float32
+                (15052800, 2508800),  # 25: res3_a_bn_relu 100x32x14x14 float32
+                (17561600, 2508800),  # 26: res3_b 100x32x14x14 float32
+                (15052800, 128),  # 27: res3_b_bn_sum 1x32x1x1 float32
+                (35586816, 128),  # 28: res3_b_bn_sum_of_squares 1x32x1x1 float32
+                (35587072, 128),  # 29: res3_b_bn_inv_std 1x32x1x1 float32
+                (15052800, 2508800),  # 30: res3_b_bn_relu 100x32x14x14 float32
+                (32614400, 1254400),  # 31: res4_proj 100x64x7x7 float32
                 (27596800, 256),  # 32: res4_proj_bn_sum 1x64x1x1 float32
-                (35466752, 256),  # 33: res4_proj_bn_sum_of_squares 1x64x1x1 float32
-                (35466496, 256),  # 34: res4_proj_bn_inv_std 1x64x1x1 float32
-                (28851200, 1254400),  # 35: res4_a 100x64x7x7 float32
-                (27596800, 256),  # 36: res4_a_bn_sum 1x64x1x1 float32
-                (36694528, 256),  # 37: res4_a_bn_sum_of_squares 1x64x1x1 float32
-                (36694784, 256),  # 38: res4_a_bn_inv_std 1x64x1x1 float32
-                (31673600, 1254400),  # 39: res4_a_bn_relu 100x64x7x7 float32
-                (32928000, 1254400),  # 40: res4_b 100x64x7x7 float32
-                (27596800, 256),  # 41: res4_b_bn_sum 1x64x1x1 float32
-                (35467264, 256),  # 42: res4_b_bn_sum_of_squares 1x64x1x1 float32
-                (35467008, 256),  # 43: res4_b_bn_inv_std 1x64x1x1 float32
-                (34182400, 1254400),  # 44: res4_b_bn_relu 100x64x7x7 float32
-                (27596800, 25600),  # 45: res4_b_bn_avg_pool 100x64x1x1 float32
-                (27622400, 4000),  # 46: fc_matmul 100x10 float32
-                (27626496, 400),  # 47: fc_cross_entropy_pick 100 float32
-                (27622400, 2560),  # 48: d_fc_W 10x64 float32
-                (36692736, 4),  # 49: fc_cross_entropy_sum_to scalar float32
-                (27596800, 40),  # 50: d_fc_B 10 float32
-                (35440896, 25600),  # 51: d_res4_b_bn_flatten 100x64 float32
-                (27596800, 1254400),  # 52: d_res4_b_bn_relu 100x64x7x7 float32
-                (34182656, 256),  # 53: d_res4_b_bn_inv_std 1x64x1x1 float32
-                (34182400, 256),  # 54: d_res4_proj_bn_inv_std 1x64x1x1 float32
-                (34182912, 256),  # 55: d_res4_b_bn_weight 1x64x1x1 float32
-                (34182656, 256),  # 56: d_res4_b_bn_batch_mean 1x64x1x1 float32
-                (34182656, 256),  # 57: d_res4_proj_bn_bias 1x64x1x1 float32
-                (34182656, 256),  # 58: d_res4_proj_bn_weight 1x64x1x1 float32
-                (30419200, 256),  # 59: d_res4_proj_bn_batch_mean 1x64x1x1 float32
-                (34182400, 2508800),  # 60: res3_b_bn_relu_2 100x32x14x14 float32
-                (30419200, 8192),  # 61: d_res4_proj_W 64x32x1x1 float32
-                (30419200, 147456),  # 62: d_res4_b_W 64x64x3x3 float32
-                (32928000, 1254400),  # 63: d_res4_a_bn_relu 100x64x7x7 float32
-                (30419200, 256),  # 64: d_res4_a_bn_inv_std 1x64x1x1 float32
-                (30419456, 256),  # 65: d_res4_a_bn_weight 1x64x1x1 float32
-                (30419200, 256),  # 66: d_res4_a_bn_bias 1x64x1x1 float32
-                (30419200, 256),  # 67: d_res4_a_bn_batch_mean 1x64x1x1 float32
-                (30419200, 73728),  # 68: d_res4_a_W 64x32x3x3 float32
-                (30419200, 2508800),  # 69: d_res3_b_bn_relu 100x32x14x14 float32
-                (27596800, 2508800),  # 70: d_res3_b_bn_relu_2 100x32x14x14 float32
-                (30419456, 128),  # 71: d_res3_b_bn_inv_std 1x32x1x1 float32
-                (30419200, 128),  # 72: d_res3_proj_bn_inv_std 1x32x1x1 float32
-                (30419712, 128),  # 73: d_res3_b_bn_weight 1x32x1x1 float32
-                (30419456, 128),  # 74: d_res3_b_bn_batch_mean 1x32x1x1 float32
-                (30419456, 128),  # 75: d_res3_proj_bn_bias 1x32x1x1 float32
-                (30419456, 128),  # 76: d_res3_proj_bn_weight 1x32x1x1 float32
-                (22579200, 128),  # 77: d_res3_proj_bn_batch_mean 1x32x1x1 float32
-                (22579200, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
-                (30419200, 2508800),  # 79: res3_a_bn_relu_2 100x32x14x14 float32
-                (22579200, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
-                (22579200, 2508800),  # 81: d_res3_a_bn_relu 100x32x14x14 float32
-                (25088000, 128),  # 82: d_res3_a_bn_inv_std 1x32x1x1 float32
-                (25088256, 128),  # 83: d_res3_a_bn_weight 1x32x1x1 float32
-                (25088000, 128),  # 84: d_res3_a_bn_bias 1x32x1x1 float32
-                (22579200, 128),  # 85: d_res3_a_bn_batch_mean 1x32x1x1 float32
-                (22579200, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
-                (30419200, 5017600),  # 87: d_res2_b_bn_relu 100x16x28x28 float32
-                (20070400, 5017600),  # 88: d_res2_b_bn_relu_2 100x16x28x28 float32
-                (15052800, 64),  # 89: d_res2_b_bn_inv_std 1x16x1x1 float32
-                (15053056, 64),  # 90: d_res2_b_bn_weight 1x16x1x1 float32
-                (15052800, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
-                (15052800, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
-                (25088000, 5017600),  # 93: res2_a_bn_relu_2 100x16x28x28 float32
+                (35466496, 256),  # 33: res4_proj_bn_sum_of_squares 1x64x1x1 float32
+                (35466752, 256),  # 34: res4_proj_bn_inv_std 1x64x1x1 float32
+                (33868800, 1254400),  # 35: res4_a 100x64x7x7 float32
+                (15052800, 256),  # 36: res4_a_bn_sum 1x64x1x1 float32
+                (35587328, 256),  # 37: res4_a_bn_sum_of_squares 1x64x1x1 float32
+                (35587584, 256),  # 38: res4_a_bn_inv_std 1x64x1x1 float32
+                (27596800, 1254400),  # 39: res4_a_bn_relu 100x64x7x7 float32
+                (28851200, 1254400),  # 40: res4_b 100x64x7x7 float32
+                (15052800, 256),  # 41: res4_b_bn_sum 1x64x1x1 float32
+                (35467008, 256),  # 42: res4_b_bn_sum_of_squares 1x64x1x1 float32
+                (35467264, 256),  # 43: res4_b_bn_inv_std 1x64x1x1 float32
+                (15052800, 1254400),  # 44: res4_b_bn_relu 100x64x7x7 float32
+                (16307200, 25600),  # 45: res4_b_bn_avg_pool 100x64x1x1 float32
+                (16332800, 4000),  # 46: fc_matmul 100x10 float32
+                (16336896, 400),  # 47: fc_cross_entropy_pick 100 float32
+                (16332800, 2560),  # 48: d_fc_W 10x64 float32
+                (35587840, 4),  # 49: fc_cross_entropy_sum_to scalar float32
+                (16307200, 40),  # 50: d_fc_B 10 float32
+                (35436800, 25600),  # 51: d_res4_b_bn_flatten 100x64 float32
+                (16307200, 1254400),  # 52: d_res4_b_bn_relu 100x64x7x7 float32
+                (15052800, 256),  # 53: d_res4_b_bn_ew_sum 1x64x1x1 float32
+                (15053056, 256),  # 54: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (15052800, 256),  # 55: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (15052800, 256),  # 56: d_res4_proj_bn_ew_sum 1x64x1x1 float32
+                (15053056, 256),  # 57: d_res4_proj_bn_inv_std 1x64x1x1 float32
+                (15053056, 256),  # 58: d_res4_proj_bn_bias 1x64x1x1 float32
+                (15052800, 256),  # 59: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (15052800, 2508800),  # 60: res3_b_bn_relu_2 100x32x14x14 float32
+                (35436800, 8192),  # 61: d_res4_proj_W 64x32x1x1 float32
+                (35436800, 147456),  # 62: d_res4_b_W 64x64x3x3 float32
+                (28851200, 1254400),  # 63: d_res4_a_bn_relu 100x64x7x7 float32
+                (27596800, 256),  # 64: d_res4_a_bn_ew_sum 1x64x1x1 float32
+                (27597056, 256),  # 65: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 66: d_res4_a_bn_bias 1x64x1x1 float32
+                (27596800, 256),  # 67: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (27596800, 73728),  # 68: d_res4_a_W 64x32x3x3 float32
+                (27596800, 2508800),  # 69: d_res3_b_bn_relu 100x32x14x14 float32
+                (32614400, 2508800),  # 70: d_res3_b_bn_relu_2 100x32x14x14 float32
+                (15052800, 128),  # 71: d_res3_b_bn_ew_sum 1x32x1x1 float32
+                (15053056, 128),  # 72: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (15052800, 128),  # 73: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (15052800, 128),  # 74: d_res3_proj_bn_ew_sum 1x32x1x1 float32
+                (15053056, 128),  # 75: d_res3_proj_bn_inv_std 1x32x1x1 float32
+                (15053056, 128),  # 76: d_res3_proj_bn_bias 1x32x1x1 float32
+                (15052800, 128),  # 77: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (15052800, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
+                (15052800, 2508800),  # 79: res3_a_bn_relu_2 100x32x14x14 float32
+                (27596800, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
+                (27596800, 2508800),  # 81: d_res3_a_bn_relu 100x32x14x14 float32
+                (15052800, 128),  # 82: d_res3_a_bn_ew_sum 1x32x1x1 float32
+                (15053056, 128),  # 83: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (15053056, 128),  # 84: d_res3_a_bn_bias 1x32x1x1 float32
+                (15052800, 128),  # 85: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (15052800, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
+                (15052800, 5017600),  # 87: d_res2_b_bn_relu 100x16x28x28 float32
+                (25088000, 5017600),  # 88: d_res2_b_bn_relu_2 100x16x28x28 float32
+                (5017600, 64),  # 89: d_res2_b_bn_ew_sum 1x16x1x1 float32
+                (5017856, 64),  # 90: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (5017600, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (5017600, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
+                (5017600, 5017600),  # 93: res2_a_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 94: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 95: d_res2_a_bn_relu 100x16x28x28 float32
-                (10035200, 64),  # 96: d_res2_a_bn_inv_std 1x16x1x1 float32
-                (10035456, 64),  # 97: d_res2_a_bn_weight 1x16x1x1 float32
-                (10035200, 64),  # 98: d_res2_a_bn_bias 1x16x1x1 float32
-                (10035200, 64),  # 99: d_res2_a_bn_batch_mean 1x16x1x1 float32
-                (10035200, 5017600),  # 100: conv1_bn_relu_2 100x16x28x28 float32
+                (5017600, 64),  # 96: d_res2_a_bn_ew_sum 1x16x1x1 float32
+                (5017856, 64),  # 97: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 98: d_res2_a_bn_bias 1x16x1x1 float32
+                (5017600, 64),  # 99: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (5017600, 5017600),  # 100: conv1_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 101: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 102: d_conv1_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 103: d_conv1_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 104: d_conv1_bn_weight 1x16x1x1 float32
-                (5017600, 64),  # 105: d_conv1_bn_bias 1x16x1x1 float32
+                (5017600, 64),  # 103: d_conv1_bn_ew_sum 1x16x1x1 float32
+                (5017856, 64),  # 104: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 105: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 64),  # 106: d_conv1_bn_batch_mean 1x16x1x1 float32
                 (5017600, 576),  # 107: d_conv1_W 16x1x3x3 float32
             )),
@@ -2029,10 +2081,9 @@ def ew_step_mul(out, v0, v1):
     np.multiply(np.greater(v1, 0), v0, out=out)
 
 
-def ew_mul(out, v0, v1, v2):
-    """out = v0*v1*v2"""
+def ew_mul(out, v0, v1):
+    """out = v0*v1"""
     np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_add_pow_mul(out, v0, v1):
@@ -2048,16 +2099,14 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
+
+
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
-
-
-def ew_mul_add_3(out, v0, v1, v2, v3, v4):
-    """out = v0*v1*v2 + 2*v3*v4   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-    np.add(v3 * v4 * 2, out, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.82 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: 09c0379ab1ea9c6b
+Structure hash: 8fabf1b4b6ac4c31
 
 Usage: python se_resnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class SeResnet(rp.Model):
 
     name = "se_resnet"
     source = "networks/se_resnet.py"
-    structure_hash = "09c0379ab1ea9c6b"
+    structure_hash = "8fabf1b4b6ac4c31"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -376,7 +376,7 @@ class SeResnet(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
         # res3_proj = conv2d[stride=2](conv1_bn_relu_2, res3_proj_W)
         res3_proj = mem.tensor(21, (100, 32, 14, 14), 'float32')
-        rt.conv2d(conv1_bn_relu_2, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+        rt.conv2d(conv1_bn_relu_2, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
 
         # ---- res3_proj_bn (batch norm), forward ----
         # res3_proj_bn_sum = sum_to[1x32x1x1](res3_proj)
@@ -552,7 +552,7 @@ class SeResnet(rp.Model):
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
         # res4_proj = conv2d[stride=2](res3_proj_bn_relu, res4_proj_W)
         res4_proj = mem.tensor(38, (100, 64, 7, 7), 'float32')
-        rt.conv2d(res3_proj_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+        rt.conv2d(res3_proj_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
 
         # ---- res4_proj_bn (batch norm), forward ----
         # res4_proj_bn_sum = sum_to[1x64x1x1](res4_proj)
@@ -850,53 +850,43 @@ class SeResnet(rp.Model):
         rt.ew(ew_sub_mul, d_res4_se_up, d_res4_se_up_sigmoid, res4_se_up_sigmoid)
 
         # ---- res4_proj_bn (batch norm), backward ----
-        # d_res4_proj_bn_inv_std = sum_to[1x64x1x1](d_res4_proj_bn_add*res4_proj_bn_centered*res4_proj_bn_weight)
-        d_res4_proj_bn_inv_std = mem.tensor(65, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_proj_bn_inv_std, d_res4_proj_bn_add, res4_proj_bn_centered, res4_proj_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_proj_bn_add*res4_proj_bn_centered)
+        d_res4_proj_bn_ew_sum = mem.tensor(65, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_proj_bn_ew_sum, d_res4_proj_bn_add, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum
+        d_res4_proj_bn_inv_std = mem.tensor(66, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum)
         # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
         rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
         # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(40)
-
-        # ---- res4_se_up (fully connected, 64 outputs), backward ----
-        # d_res4_se_up_B = sum_to[64](d_res4_se_up)
-        d_res4_se_up_B = mem.tensor(66, (64,), 'float32')
-        rt.sum_to(d_res4_se_up, out=d_res4_se_up_B, shape=(64,))
-        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B
-        V_res4_se_up_B_new = T['V_res4_se_up_B']  # in place: the new V_res4_se_up_B
-        rt.ew(ew_mul_add_2, V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B'])
-        # free d_res4_se_up_B
-        del d_res4_se_up_B
-        mem.free(66)
-        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new
-        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
-        rt.ew(ew_mul_sub, res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new)
-
-        # ---- res4_proj_bn (batch norm), backward ----
-        # d_res4_proj_bn_weight = sum_to[1x64x1x1](d_res4_proj_bn_add*res4_proj_bn_centered*res4_proj_bn_inv_std)
-        d_res4_proj_bn_weight = mem.tensor(67, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_proj_bn_weight, d_res4_proj_bn_add, res4_proj_bn_centered, res4_proj_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_centered = d_res4_proj_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
         d_res4_proj_bn_centered = res4_proj_bn_centered  # in place: over res4_proj_bn_centered
         rt.ew(ew_mul_add_3, d_res4_proj_bn_centered, d_res4_proj_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
-        # free res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        del res4_proj_bn_inv_std, d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
-        mem.free(41, 65)
+        # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
+        mem.free(66)
+        # d_res4_proj_bn_weight = res4_proj_bn_inv_std*d_res4_proj_bn_ew_sum
+        d_res4_proj_bn_weight = res4_proj_bn_inv_std  # in place: over res4_proj_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_proj_bn_weight, res4_proj_bn_inv_std, d_res4_proj_bn_ew_sum)
+        # free d_res4_proj_bn_ew_sum
+        del d_res4_proj_bn_ew_sum
+        mem.free(65)
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
         # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
         V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
         rt.ew(ew_mul_add_2, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
-        # free d_res4_proj_bn_weight, d_res4_proj_bn_W
-        del d_res4_proj_bn_weight, d_res4_proj_bn_W
-        mem.free(67)
+        # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
+        del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
+        mem.free(41)
         # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
         res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
         rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
         # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
-        d_res4_proj_bn_batch_mean = mem.tensor(68, (1, 64, 1, 1), 'float32')
+        d_res4_proj_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
         d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
@@ -908,7 +898,21 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res4_proj, d_res4_proj_bn_centered, d_res4_proj_bn_sum)
         # free d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
         del d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
+        mem.free(67)
+
+        # ---- res4_se_up (fully connected, 64 outputs), backward ----
+        # d_res4_se_up_B = sum_to[64](d_res4_se_up)
+        d_res4_se_up_B = mem.tensor(68, (64,), 'float32')
+        rt.sum_to(d_res4_se_up, out=d_res4_se_up_B, shape=(64,))
+        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B
+        V_res4_se_up_B_new = T['V_res4_se_up_B']  # in place: the new V_res4_se_up_B
+        rt.ew(ew_mul_add_2, V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B'])
+        # free d_res4_se_up_B
+        del d_res4_se_up_B
         mem.free(68)
+        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new
+        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
+        rt.ew(ew_mul_sub, res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new)
 
         # ---- res4_proj_bn (batch norm), backward ----
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_proj_bn_add)
@@ -1022,38 +1026,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_se_down_W_new, T['res4_se_down_W'], lr, V_res4_se_down_W_new)
 
         # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn_inv_std = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered*res4_b_bn_weight)
-        d_res4_b_bn_inv_std = mem.tensor(76, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_b_bn_inv_std, d_res4_b_bn, res4_b_bn_centered, res4_b_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered)
+        d_res4_b_bn_ew_sum = mem.tensor(76, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum
+        d_res4_b_bn_inv_std = mem.tensor(77, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum)
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
         rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(49)
-        # d_res4_b_bn_weight = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered*res4_b_bn_inv_std)
-        d_res4_b_bn_weight = mem.tensor(77, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_b_bn_weight, d_res4_b_bn, res4_b_bn_centered, res4_b_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_centered = d_res4_b_bn*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
         d_res4_b_bn_centered = res4_b_bn_centered  # in place: over res4_b_bn_centered
         rt.ew(ew_mul_add_3, d_res4_b_bn_centered, d_res4_b_bn, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
-        # free res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        del res4_b_bn_inv_std, d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        mem.free(50, 76)
+        # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
+        mem.free(77)
         # d_res4_b_bn_bias = sum_to[1x64x1x1](d_res4_b_bn)
         d_res4_b_bn_bias = mem.tensor(78, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_b_bn, out=d_res4_b_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_proj_bn_relu, d_res4_proj_bn_add, d_res4_b_bn
         del d_res4_proj_bn_relu, d_res4_proj_bn_add, d_res4_b_bn
         mem.free(62)
+        # d_res4_b_bn_weight = res4_b_bn_inv_std*d_res4_b_bn_ew_sum
+        d_res4_b_bn_weight = res4_b_bn_inv_std  # in place: over res4_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_b_bn_weight, res4_b_bn_inv_std, d_res4_b_bn_ew_sum)
+        # free d_res4_b_bn_ew_sum
+        del d_res4_b_bn_ew_sum
+        mem.free(76)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
         # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
         V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
         rt.ew(ew_mul_add_2, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
-        # free d_res4_b_bn_weight, d_res4_b_bn_W
-        del d_res4_b_bn_weight, d_res4_b_bn_W
-        mem.free(77)
+        # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
+        del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
+        mem.free(50)
         # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
         res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
         rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
@@ -1119,38 +1129,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
 
         # ---- res4_a_bn (batch norm), backward ----
-        # d_res4_a_bn_inv_std = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_weight)
-        d_res4_a_bn_inv_std = mem.tensor(83, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_a_bn_inv_std, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
+        d_res4_a_bn_ew_sum = mem.tensor(83, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum
+        d_res4_a_bn_inv_std = mem.tensor(84, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum)
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
         rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(44)
-        # d_res4_a_bn_weight = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered*res4_a_bn_inv_std)
-        d_res4_a_bn_weight = mem.tensor(84, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res4_a_bn_weight, d_res4_a_bn, res4_a_bn_centered, res4_a_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
         d_res4_a_bn_centered = res4_a_bn_centered  # in place: over res4_a_bn_centered
         rt.ew(ew_mul_add_3, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
-        # free res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        del res4_a_bn_inv_std, d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
-        mem.free(45, 83)
+        # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
+        mem.free(84)
         # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
         d_res4_a_bn_bias = mem.tensor(85, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_a_bn_relu, d_res4_a_bn
         del d_res4_a_bn_relu, d_res4_a_bn
         mem.free(82)
+        # d_res4_a_bn_weight = res4_a_bn_inv_std*d_res4_a_bn_ew_sum
+        d_res4_a_bn_weight = res4_a_bn_inv_std  # in place: over res4_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res4_a_bn_weight, res4_a_bn_inv_std, d_res4_a_bn_ew_sum)
+        # free d_res4_a_bn_ew_sum
+        del d_res4_a_bn_ew_sum
+        mem.free(83)
         # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
         d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
         # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
         V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
         rt.ew(ew_mul_add_2, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
-        # free d_res4_a_bn_weight, d_res4_a_bn_W
-        del d_res4_a_bn_weight, d_res4_a_bn_W
-        mem.free(84)
+        # free res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
+        del res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
+        mem.free(45)
         # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
         res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
         rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
@@ -1190,7 +1206,7 @@ class SeResnet(rp.Model):
         mem.free(87)
         # d_res3_proj_bn_relu = conv2d_bwd_data[pad=1,size=(14,14),stride=2](d_res4_a, res4_a_W)
         d_res3_proj_bn_relu = mem.tensor(88, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_proj_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(5644800))
+        rt.conv2d_bwd_data(d_res4_a, T['res4_a_W'], out=d_res3_proj_bn_relu, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(6899200))
         # free res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
         del res4_a, res4_a_bn_centered, d_res4_a_bn_centered, d_res4_a
         mem.free(42)
@@ -1201,7 +1217,7 @@ class SeResnet(rp.Model):
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res3_proj_bn_relu_2 = conv2d_bwd_data[size=(14,14),stride=2](d_res4_proj, res4_proj_W)
         d_res3_proj_bn_relu_2 = mem.tensor(89, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_proj_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(627200))
+        rt.conv2d_bwd_data(d_res4_proj, T['res4_proj_W'], out=d_res3_proj_bn_relu_2, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(1881600))
         # free res4_proj, res4_proj_bn_centered, d_res4_proj_bn_centered, d_res4_proj
         del res4_proj, res4_proj_bn_centered, d_res4_proj_bn_centered, d_res4_proj
         mem.free(38)
@@ -1240,53 +1256,43 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
 
         # ---- res3_proj_bn (batch norm), backward ----
-        # d_res3_proj_bn_inv_std = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered*res3_proj_bn_weight)
-        d_res3_proj_bn_inv_std = mem.tensor(92, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_proj_bn_inv_std, d_res3_proj_bn_add, res3_proj_bn_centered, res3_proj_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered)
+        d_res3_proj_bn_ew_sum = mem.tensor(92, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_proj_bn_ew_sum, d_res3_proj_bn_add, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum
+        d_res3_proj_bn_inv_std = mem.tensor(93, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum)
         # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
         # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(23)
-
-        # ---- res3_se_up (fully connected, 32 outputs), backward ----
-        # d_res3_se_up_B = sum_to[32](d_res3_se_up)
-        d_res3_se_up_B = mem.tensor(93, (32,), 'float32')
-        rt.sum_to(d_res3_se_up, out=d_res3_se_up_B, shape=(32,))
-        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B
-        V_res3_se_up_B_new = T['V_res3_se_up_B']  # in place: the new V_res3_se_up_B
-        rt.ew(ew_mul_add_2, V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B'])
-        # free d_res3_se_up_B
-        del d_res3_se_up_B
-        mem.free(93)
-        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new
-        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
-        rt.ew(ew_mul_sub, res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new)
-
-        # ---- res3_proj_bn (batch norm), backward ----
-        # d_res3_proj_bn_weight = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered*res3_proj_bn_inv_std)
-        d_res3_proj_bn_weight = mem.tensor(94, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_proj_bn_weight, d_res3_proj_bn_add, res3_proj_bn_centered, res3_proj_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_centered = d_res3_proj_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
         d_res3_proj_bn_centered = res3_proj_bn_centered  # in place: over res3_proj_bn_centered
         rt.ew(ew_mul_add_3, d_res3_proj_bn_centered, d_res3_proj_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
-        # free res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        del res3_proj_bn_inv_std, d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
-        mem.free(24, 92)
+        # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
+        mem.free(93)
+        # d_res3_proj_bn_weight = res3_proj_bn_inv_std*d_res3_proj_bn_ew_sum
+        d_res3_proj_bn_weight = res3_proj_bn_inv_std  # in place: over res3_proj_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_proj_bn_weight, res3_proj_bn_inv_std, d_res3_proj_bn_ew_sum)
+        # free d_res3_proj_bn_ew_sum
+        del d_res3_proj_bn_ew_sum
+        mem.free(92)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
         # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
         V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
         rt.ew(ew_mul_add_2, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
-        # free d_res3_proj_bn_weight, d_res3_proj_bn_W
-        del d_res3_proj_bn_weight, d_res3_proj_bn_W
-        mem.free(94)
+        # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
+        del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
+        mem.free(24)
         # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
         res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
         rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
         # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
-        d_res3_proj_bn_batch_mean = mem.tensor(95, (1, 32, 1, 1), 'float32')
+        d_res3_proj_bn_batch_mean = mem.tensor(94, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
@@ -1298,7 +1304,21 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res3_proj, d_res3_proj_bn_centered, d_res3_proj_bn_sum)
         # free d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
         del d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
+        mem.free(94)
+
+        # ---- res3_se_up (fully connected, 32 outputs), backward ----
+        # d_res3_se_up_B = sum_to[32](d_res3_se_up)
+        d_res3_se_up_B = mem.tensor(95, (32,), 'float32')
+        rt.sum_to(d_res3_se_up, out=d_res3_se_up_B, shape=(32,))
+        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B
+        V_res3_se_up_B_new = T['V_res3_se_up_B']  # in place: the new V_res3_se_up_B
+        rt.ew(ew_mul_add_2, V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B'])
+        # free d_res3_se_up_B
+        del d_res3_se_up_B
         mem.free(95)
+        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new
+        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
+        rt.ew(ew_mul_sub, res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new)
 
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_proj_bn_add)
@@ -1412,38 +1432,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res3_se_down_W_new, T['res3_se_down_W'], lr, V_res3_se_down_W_new)
 
         # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_inv_std = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered*res3_b_bn_weight)
-        d_res3_b_bn_inv_std = mem.tensor(103, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_b_bn_inv_std, d_res3_b_bn, res3_b_bn_centered, res3_b_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered)
+        d_res3_b_bn_ew_sum = mem.tensor(103, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum
+        d_res3_b_bn_inv_std = mem.tensor(104, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum)
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(32)
-        # d_res3_b_bn_weight = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered*res3_b_bn_inv_std)
-        d_res3_b_bn_weight = mem.tensor(104, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_b_bn_weight, d_res3_b_bn, res3_b_bn_centered, res3_b_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_centered = d_res3_b_bn*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
         d_res3_b_bn_centered = res3_b_bn_centered  # in place: over res3_b_bn_centered
         rt.ew(ew_mul_add_3, d_res3_b_bn_centered, d_res3_b_bn, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
-        # free res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        del res3_b_bn_inv_std, d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
-        mem.free(33, 103)
+        # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
+        mem.free(104)
         # d_res3_b_bn_bias = sum_to[1x32x1x1](d_res3_b_bn)
         d_res3_b_bn_bias = mem.tensor(105, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_b_bn, out=d_res3_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_proj_bn_relu_2, d_res3_proj_bn_add, d_res3_b_bn
         del d_res3_proj_bn_relu_2, d_res3_proj_bn_add, d_res3_b_bn
         mem.free(89)
+        # d_res3_b_bn_weight = res3_b_bn_inv_std*d_res3_b_bn_ew_sum
+        d_res3_b_bn_weight = res3_b_bn_inv_std  # in place: over res3_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_b_bn_weight, res3_b_bn_inv_std, d_res3_b_bn_ew_sum)
+        # free d_res3_b_bn_ew_sum
+        del d_res3_b_bn_ew_sum
+        mem.free(103)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
         # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
         V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
         rt.ew(ew_mul_add_2, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
-        # free d_res3_b_bn_weight, d_res3_b_bn_W
-        del d_res3_b_bn_weight, d_res3_b_bn_W
-        mem.free(104)
+        # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
+        del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
+        mem.free(33)
         # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
         res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
         rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
@@ -1509,38 +1535,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
 
         # ---- res3_a_bn (batch norm), backward ----
-        # d_res3_a_bn_inv_std = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_weight)
-        d_res3_a_bn_inv_std = mem.tensor(110, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_a_bn_inv_std, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
+        d_res3_a_bn_ew_sum = mem.tensor(110, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum
+        d_res3_a_bn_inv_std = mem.tensor(111, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum)
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(27)
-        # d_res3_a_bn_weight = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered*res3_a_bn_inv_std)
-        d_res3_a_bn_weight = mem.tensor(111, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res3_a_bn_weight, d_res3_a_bn, res3_a_bn_centered, res3_a_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
         d_res3_a_bn_centered = res3_a_bn_centered  # in place: over res3_a_bn_centered
         rt.ew(ew_mul_add_3, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
-        # free res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        del res3_a_bn_inv_std, d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
-        mem.free(28, 110)
+        # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
+        mem.free(111)
         # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
         d_res3_a_bn_bias = mem.tensor(112, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_a_bn_relu, d_res3_a_bn
         del d_res3_a_bn_relu, d_res3_a_bn
         mem.free(109)
+        # d_res3_a_bn_weight = res3_a_bn_inv_std*d_res3_a_bn_ew_sum
+        d_res3_a_bn_weight = res3_a_bn_inv_std  # in place: over res3_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res3_a_bn_weight, res3_a_bn_inv_std, d_res3_a_bn_ew_sum)
+        # free d_res3_a_bn_ew_sum
+        del d_res3_a_bn_ew_sum
+        mem.free(110)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
         # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
         V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
         rt.ew(ew_mul_add_2, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
-        # free d_res3_a_bn_weight, d_res3_a_bn_W
-        del d_res3_a_bn_weight, d_res3_a_bn_W
-        mem.free(111)
+        # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
+        del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
+        mem.free(28)
         # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
         res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
         rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
@@ -1580,7 +1612,7 @@ class SeResnet(rp.Model):
         mem.free(114)
         # d_conv1_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
         d_conv1_bn_relu = mem.tensor(115, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(11289600))
+        rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(13798400))
         # free res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         del res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         mem.free(25)
@@ -1591,7 +1623,7 @@ class SeResnet(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_conv1_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
         d_conv1_bn_relu_2 = mem.tensor(116, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_conv1_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(1254400))
+        rt.conv2d_bwd_data(d_res3_proj, T['res3_proj_W'], out=d_conv1_bn_relu_2, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(3763200))
         # free res3_proj, res3_proj_bn_centered, d_res3_proj_bn_centered, d_res3_proj
         del res3_proj, res3_proj_bn_centered, d_res3_proj_bn_centered, d_res3_proj
         mem.free(21)
@@ -1720,38 +1752,44 @@ class SeResnet(rp.Model):
         # free res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape, d_res2_se_down_scale, d_res2_se_down_reshape, d_res2_se_down_sum_to
         del res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape, d_res2_se_down_scale, d_res2_se_down_reshape, d_res2_se_down_sum_to
         mem.free(20, 124)
-        # d_res2_b_bn_inv_std = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered*res2_b_bn_weight)
-        d_res2_b_bn_inv_std = mem.tensor(126, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res2_b_bn_inv_std, d_res2_b_bn, res2_b_bn_centered, res2_b_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered)
+        d_res2_b_bn_ew_sum = mem.tensor(126, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum
+        d_res2_b_bn_inv_std = mem.tensor(127, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum)
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
-        # d_res2_b_bn_weight = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered*res2_b_bn_inv_std)
-        d_res2_b_bn_weight = mem.tensor(127, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res2_b_bn_weight, d_res2_b_bn, res2_b_bn_centered, res2_b_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_centered = d_res2_b_bn*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
         d_res2_b_bn_centered = res2_b_bn_centered  # in place: over res2_b_bn_centered
         rt.ew(ew_mul_add_3, d_res2_b_bn_centered, d_res2_b_bn, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
-        # free res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        del res2_b_bn_inv_std, d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
-        mem.free(16, 126)
+        # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
+        mem.free(127)
         # d_res2_b_bn_bias = sum_to[1x16x1x1](d_res2_b_bn)
         d_res2_b_bn_bias = mem.tensor(128, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_b_bn, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_b_bn
         del d_res2_b_bn
         mem.free(125)
+        # d_res2_b_bn_weight = res2_b_bn_inv_std*d_res2_b_bn_ew_sum
+        d_res2_b_bn_weight = res2_b_bn_inv_std  # in place: over res2_b_bn_inv_std
+        rt.ew(ew_mul_2, d_res2_b_bn_weight, res2_b_bn_inv_std, d_res2_b_bn_ew_sum)
+        # free d_res2_b_bn_ew_sum
+        del d_res2_b_bn_ew_sum
+        mem.free(126)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
         # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
         V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
         rt.ew(ew_mul_add_2, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
-        # free d_res2_b_bn_weight, d_res2_b_bn_W
-        del d_res2_b_bn_weight, d_res2_b_bn_W
-        mem.free(127)
+        # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
+        del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
+        mem.free(16)
         # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
         res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
         rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
@@ -1817,38 +1855,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
 
         # ---- res2_a_bn (batch norm), backward ----
-        # d_res2_a_bn_inv_std = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_weight)
-        d_res2_a_bn_inv_std = mem.tensor(133, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res2_a_bn_inv_std, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
+        d_res2_a_bn_ew_sum = mem.tensor(133, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum
+        d_res2_a_bn_inv_std = mem.tensor(134, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum)
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
-        # d_res2_a_bn_weight = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered*res2_a_bn_inv_std)
-        d_res2_a_bn_weight = mem.tensor(134, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_res2_a_bn_weight, d_res2_a_bn, res2_a_bn_centered, res2_a_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
         d_res2_a_bn_centered = res2_a_bn_centered  # in place: over res2_a_bn_centered
         rt.ew(ew_mul_add_3, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
-        # free res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        del res2_a_bn_inv_std, d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
-        mem.free(11, 133)
+        # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
+        mem.free(134)
         # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
         d_res2_a_bn_bias = mem.tensor(135, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_a_bn_relu, d_res2_a_bn
         del d_res2_a_bn_relu, d_res2_a_bn
         mem.free(132)
+        # d_res2_a_bn_weight = res2_a_bn_inv_std*d_res2_a_bn_ew_sum
+        d_res2_a_bn_weight = res2_a_bn_inv_std  # in place: over res2_a_bn_inv_std
+        rt.ew(ew_mul_2, d_res2_a_bn_weight, res2_a_bn_inv_std, d_res2_a_bn_ew_sum)
+        # free d_res2_a_bn_ew_sum
+        del d_res2_a_bn_ew_sum
+        mem.free(133)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
         # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
         V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
         rt.ew(ew_mul_add_2, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
-        # free d_res2_a_bn_weight, d_res2_a_bn_W
-        del d_res2_a_bn_weight, d_res2_a_bn_W
-        mem.free(134)
+        # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
+        del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
+        mem.free(11)
         # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
         res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
         rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
@@ -1914,38 +1958,44 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_inv_std = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_weight)
-        d_conv1_bn_inv_std = mem.tensor(140, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv1_bn_inv_std, d_conv1_bn, conv1_bn_centered, conv1_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(140, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        d_conv1_bn_inv_std = mem.tensor(141, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
-        # d_conv1_bn_weight = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered*conv1_bn_inv_std)
-        d_conv1_bn_weight = mem.tensor(141, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv1_bn_weight, d_conv1_bn, conv1_bn_centered, conv1_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
         rt.ew(ew_mul_add_3, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
-        # free conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        del conv1_bn_inv_std, d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
-        mem.free(6, 140)
+        # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
+        mem.free(141)
         # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
         d_conv1_bn_bias = mem.tensor(142, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
         # free d_conv1_bn_relu_2, d_conv1_bn_add, d_conv1_bn
         del d_conv1_bn_relu_2, d_conv1_bn_add, d_conv1_bn
         mem.free(116)
+        # d_conv1_bn_weight = conv1_bn_inv_std*d_conv1_bn_ew_sum
+        d_conv1_bn_weight = conv1_bn_inv_std  # in place: over conv1_bn_inv_std
+        rt.ew(ew_mul_2, d_conv1_bn_weight, conv1_bn_inv_std, d_conv1_bn_ew_sum)
+        # free d_conv1_bn_ew_sum
+        del d_conv1_bn_ew_sum
+        mem.free(140)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
         # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
         rt.ew(ew_mul_add_2, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
-        # free d_conv1_bn_weight, d_conv1_bn_W
-        del d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(141)
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
+        mem.free(6)
         # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
         conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
         rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
@@ -2112,7 +2162,7 @@ class SeResnet(rp.Model):
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
         # res3_proj = conv2d[stride=2](conv1_bn_relu_2, res3_proj_W)
         res3_proj = mem.tensor(8, (100, 32, 14, 14), 'float32')
-        rt.conv2d(conv1_bn_relu_2, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+        rt.conv2d(conv1_bn_relu_2, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
 
         # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
         # res3_a = conv2d[pad=1,stride=2](conv1_bn_relu_2, res3_a_W)
@@ -2217,7 +2267,7 @@ class SeResnet(rp.Model):
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
         # res4_proj = conv2d[stride=2](res3_proj_bn_relu, res4_proj_W)
         res4_proj = mem.tensor(14, (100, 64, 7, 7), 'float32')
-        rt.conv2d(res3_proj_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(627200))
+        rt.conv2d(res3_proj_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
 
         # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
         # res4_a = conv2d[pad=1,stride=2](res3_proj_bn_relu, res4_a_W)
@@ -2447,10 +2497,10 @@ class SeResnet(rp.Model):
                 (33868800, 1254400),  # 62: d_res4_proj_bn_relu 100x64x7x7 float32
                 (27596800, 1254400),  # 63: res4_b_bn_2 100x64x7x7 float32
                 (36742400, 25600),  # 64: d_res4_proj_bn_add_reshape 100x64x1x1 float32
-                (27596800, 256),  # 65: d_res4_proj_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 66: d_res4_se_up_B 64 float32
-                (27597056, 256),  # 67: d_res4_proj_bn_weight 1x64x1x1 float32
-                (27596800, 256),  # 68: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (27596800, 256),  # 65: d_res4_proj_bn_ew_sum 1x64x1x1 float32
+                (27597056, 256),  # 66: d_res4_proj_bn_inv_std 1x64x1x1 float32
+                (27596800, 256),  # 67: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (27596800, 256),  # 68: d_res4_se_up_B 64 float32
                 (27596800, 256),  # 69: d_res4_proj_bn_bias 1x64x1x1 float32
                 (27596800, 4096),  # 70: d_res4_se_up_W 64x16 float32
                 (27622400, 6400),  # 71: d_res4_se_down_relu 100x16 float32
@@ -2458,26 +2508,26 @@ class SeResnet(rp.Model):
                 (27596800, 64),  # 73: d_res4_se_down_B 16 float32
                 (27596800, 8192),  # 74: d_res4_proj_W 64x32x1x1 float32
                 (27596800, 25600),  # 75: d_res4_se_down_scale 100x64 float32
-                (27596800, 256),  # 76: d_res4_b_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 77: d_res4_b_bn_weight 1x64x1x1 float32
-                (27596800, 256),  # 78: d_res4_b_bn_bias 1x64x1x1 float32
+                (27596800, 256),  # 76: d_res4_b_bn_ew_sum 1x64x1x1 float32
+                (27597056, 256),  # 77: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 78: d_res4_b_bn_bias 1x64x1x1 float32
                 (27596800, 256),  # 79: d_res4_b_bn_batch_mean 1x64x1x1 float32
                 (27596800, 1254400),  # 80: res4_a_bn_relu_2 100x64x7x7 float32
                 (33868800, 147456),  # 81: d_res4_b_W 64x64x3x3 float32
                 (33868800, 1254400),  # 82: d_res4_a_bn_relu 100x64x7x7 float32
-                (27596800, 256),  # 83: d_res4_a_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 84: d_res4_a_bn_weight 1x64x1x1 float32
-                (27596800, 256),  # 85: d_res4_a_bn_bias 1x64x1x1 float32
+                (27596800, 256),  # 83: d_res4_a_bn_ew_sum 1x64x1x1 float32
+                (27597056, 256),  # 84: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 85: d_res4_a_bn_bias 1x64x1x1 float32
                 (27596800, 256),  # 86: d_res4_a_bn_batch_mean 1x64x1x1 float32
                 (27596800, 73728),  # 87: d_res4_a_W 64x32x3x3 float32
                 (27596800, 2508800),  # 88: d_res3_proj_bn_relu 100x32x14x14 float32
                 (32614400, 2508800),  # 89: d_res3_proj_bn_relu_2 100x32x14x14 float32
                 (5017600, 2508800),  # 90: res3_b_bn_2 100x32x14x14 float32
                 (27596800, 12800),  # 91: d_res3_proj_bn_add_reshape 100x32x1x1 float32
-                (5017600, 128),  # 92: d_res3_proj_bn_inv_std 1x32x1x1 float32
-                (5017856, 128),  # 93: d_res3_se_up_B 32 float32
-                (5017856, 128),  # 94: d_res3_proj_bn_weight 1x32x1x1 float32
-                (5017600, 128),  # 95: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 92: d_res3_proj_bn_ew_sum 1x32x1x1 float32
+                (5017856, 128),  # 93: d_res3_proj_bn_inv_std 1x32x1x1 float32
+                (5017600, 128),  # 94: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 95: d_res3_se_up_B 32 float32
                 (5017600, 128),  # 96: d_res3_proj_bn_bias 1x32x1x1 float32
                 (5017600, 1024),  # 97: d_res3_se_up_W 32x8 float32
                 (5030400, 3200),  # 98: d_res3_se_down_relu 100x8 float32
@@ -2485,16 +2535,16 @@ class SeResnet(rp.Model):
                 (5017600, 32),  # 100: d_res3_se_down_B 8 float32
                 (5017600, 2048),  # 101: d_res3_proj_W 32x16x1x1 float32
                 (5017600, 12800),  # 102: d_res3_se_down_scale 100x32 float32
-                (5017600, 128),  # 103: d_res3_b_bn_inv_std 1x32x1x1 float32
-                (5017856, 128),  # 104: d_res3_b_bn_weight 1x32x1x1 float32
-                (5017600, 128),  # 105: d_res3_b_bn_bias 1x32x1x1 float32
+                (5017600, 128),  # 103: d_res3_b_bn_ew_sum 1x32x1x1 float32
+                (5017856, 128),  # 104: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (5017856, 128),  # 105: d_res3_b_bn_bias 1x32x1x1 float32
                 (5017600, 128),  # 106: d_res3_b_bn_batch_mean 1x32x1x1 float32
                 (5017600, 2508800),  # 107: res3_a_bn_relu_2 100x32x14x14 float32
                 (27596800, 36864),  # 108: d_res3_b_W 32x32x3x3 float32
                 (27596800, 2508800),  # 109: d_res3_a_bn_relu 100x32x14x14 float32
-                (5017600, 128),  # 110: d_res3_a_bn_inv_std 1x32x1x1 float32
-                (5017856, 128),  # 111: d_res3_a_bn_weight 1x32x1x1 float32
-                (5017600, 128),  # 112: d_res3_a_bn_bias 1x32x1x1 float32
+                (5017600, 128),  # 110: d_res3_a_bn_ew_sum 1x32x1x1 float32
+                (5017856, 128),  # 111: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (5017856, 128),  # 112: d_res3_a_bn_bias 1x32x1x1 float32
                 (5017600, 128),  # 113: d_res3_a_bn_batch_mean 1x32x1x1 float32
                 (5017600, 18432),  # 114: d_res3_a_W 32x16x3x3 float32
                 (5017600, 5017600),  # 115: d_conv1_bn_relu 100x16x28x28 float32
@@ -2508,23 +2558,23 @@ class SeResnet(rp.Model):
                 (5019392, 16),  # 123: d_res2_se_down_B 4 float32
                 (15052800, 6400),  # 124: d_res2_se_down_scale 100x16 float32
                 (5017600, 5017600),  # 125: d_res2_b_bn 100x16x28x28 float32
-                (15052800, 64),  # 126: d_res2_b_bn_inv_std 1x16x1x1 float32
-                (15053056, 64),  # 127: d_res2_b_bn_weight 1x16x1x1 float32
-                (15052800, 64),  # 128: d_res2_b_bn_bias 1x16x1x1 float32
+                (15052800, 64),  # 126: d_res2_b_bn_ew_sum 1x16x1x1 float32
+                (15053056, 64),  # 127: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (15053056, 64),  # 128: d_res2_b_bn_bias 1x16x1x1 float32
                 (5017600, 64),  # 129: d_res2_b_bn_batch_mean 1x16x1x1 float32
                 (5017600, 5017600),  # 130: res2_a_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 131: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 132: d_res2_a_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 133: d_res2_a_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 134: d_res2_a_bn_weight 1x16x1x1 float32
-                (5017600, 64),  # 135: d_res2_a_bn_bias 1x16x1x1 float32
+                (5017600, 64),  # 133: d_res2_a_bn_ew_sum 1x16x1x1 float32
+                (5017856, 64),  # 134: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 135: d_res2_a_bn_bias 1x16x1x1 float32
                 (5017600, 64),  # 136: d_res2_a_bn_batch_mean 1x16x1x1 float32
                 (5017600, 5017600),  # 137: conv1_bn_relu_3 100x16x28x28 float32
                 (15052800, 9216),  # 138: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 139: d_conv1_bn_relu_3 100x16x28x28 float32
-                (5017600, 64),  # 140: d_conv1_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 141: d_conv1_bn_weight 1x16x1x1 float32
-                (5017600, 64),  # 142: d_conv1_bn_bias 1x16x1x1 float32
+                (5017600, 64),  # 140: d_conv1_bn_ew_sum 1x16x1x1 float32
+                (5017856, 64),  # 141: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 142: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 64),  # 143: d_conv1_bn_batch_mean 1x16x1x1 float32
                 (5017600, 576),  # 144: d_conv1_W 16x1x3x3 float32
             )),
@@ -2722,12 +2772,6 @@ def ew_sub_mul(out, v0, v1):
     np.multiply(out, v1, out=out)
 
 
-def ew_mul_2(out, v0, v1, v2):
-    """out = v0*v1*v2"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-
-
 def ew_add_pow_mul(out, v0, v1):
     """out = -v0/(9800*(v1 + 1.0e-5)**(3/2))   (out may be v0)"""
     np.multiply(v0, -0.00010204081632653062, out=out)
@@ -2739,6 +2783,11 @@ def ew_mul_add_3(out, v0, v1, v2, v3, v4):
     np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_neg(out, v0):

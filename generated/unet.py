@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 60.37 MB of tensors planned for the training step (20.07 MB testing); static arena 60.37 MB, pool 64.29 MB, workspace 31.97 MB
-Structure hash: 83f44d59c4ddec2a
+Structure hash: 96e25df7934cb7a9
 
 Usage: python unet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Unet(rp.Model):
 
     name = "unet"
     source = "networks/unet.py"
-    structure_hash = "83f44d59c4ddec2a"
+    structure_hash = "96e25df7934cb7a9"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -491,7 +491,7 @@ class Unet(rp.Model):
         # ---- up2 (transposed conv 2x2, 32 channels, stride 2, padding 0), forward ----
         # up2_conv2d_bwd_data = conv2d_bwd_data[size=(14,14),stride=2](bottom_b_bn_relu, up2_W)
         up2_conv2d_bwd_data = mem.tensor(37, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(bottom_b_bn_relu, T['up2_W'], out=up2_conv2d_bwd_data, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(bottom_b_bn_relu, T['up2_W'], out=up2_conv2d_bwd_data, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(3763200))
         # free bottom_b_bn_relu
         del bottom_b_bn_relu
         mem.free(36)
@@ -609,7 +609,7 @@ class Unet(rp.Model):
         # ---- up1 (transposed conv 2x2, 16 channels, stride 2, padding 0), forward ----
         # up1_conv2d_bwd_data = conv2d_bwd_data[size=(28,28),stride=2](merge2_b_bn_relu, up1_W)
         up1_conv2d_bwd_data = mem.tensor(49, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(merge2_b_bn_relu, T['up1_W'], out=up1_conv2d_bwd_data, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(5017600))
+        rt.conv2d_bwd_data(merge2_b_bn_relu, T['up1_W'], out=up1_conv2d_bwd_data, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(7526400))
         # free merge2_b_bn_relu
         del merge2_b_bn_relu
         mem.free(48)
@@ -836,38 +836,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, classes_W_new, T['classes_W'], lr, V_classes_W_new)
 
         # ---- merge1_b_bn (batch norm), backward ----
-        # d_merge1_b_bn_inv_std = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered*merge1_b_bn_weight)
-        d_merge1_b_bn_inv_std = mem.tensor(70, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_b_bn_inv_std, d_merge1_b_bn, merge1_b_bn_centered, merge1_b_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_merge1_b_bn_ew_sum = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered)
+        d_merge1_b_bn_ew_sum = mem.tensor(70, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_merge1_b_bn_ew_sum, d_merge1_b_bn, merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_merge1_b_bn_inv_std = merge1_b_bn_weight*d_merge1_b_bn_ew_sum
+        d_merge1_b_bn_inv_std = mem.tensor(71, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_ew_sum)
         # d_merge1_b_bn_sum_of_squares = -d_merge1_b_bn_inv_std/(156800*(merge1_b_bn_batch_var + 1.0e-5)**(3/2))
         d_merge1_b_bn_sum_of_squares = d_merge1_b_bn_inv_std  # in place: over d_merge1_b_bn_inv_std
         rt.ew(ew_add_pow_mul, d_merge1_b_bn_sum_of_squares, d_merge1_b_bn_inv_std, merge1_b_bn_batch_var)
         # free merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         del merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         mem.free(58)
-        # d_merge1_b_bn_weight = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered*merge1_b_bn_inv_std)
-        d_merge1_b_bn_weight = mem.tensor(71, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_b_bn_weight, d_merge1_b_bn, merge1_b_bn_centered, merge1_b_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_merge1_b_bn_centered = d_merge1_b_bn*merge1_b_bn_inv_std*merge1_b_bn_weight + 2*d_merge1_b_bn_sum_of_squares*merge1_b_bn_centered
         d_merge1_b_bn_centered = merge1_b_bn_centered  # in place: over merge1_b_bn_centered
         rt.ew(ew_mul_add_2, d_merge1_b_bn_centered, d_merge1_b_bn, merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_sum_of_squares, merge1_b_bn_centered)
-        # free merge1_b_bn_inv_std, d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
-        del merge1_b_bn_inv_std, d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
-        mem.free(59, 70)
+        # free d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
+        del d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
+        mem.free(71)
         # d_merge1_b_bn_bias = sum_to[1x16x1x1](d_merge1_b_bn)
         d_merge1_b_bn_bias = mem.tensor(72, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_merge1_b_bn, out=d_merge1_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_merge1_b_bn_relu, d_merge1_b_bn
         del d_merge1_b_bn_relu, d_merge1_b_bn
         mem.free(68)
+        # d_merge1_b_bn_weight = merge1_b_bn_inv_std*d_merge1_b_bn_ew_sum
+        d_merge1_b_bn_weight = merge1_b_bn_inv_std  # in place: over merge1_b_bn_inv_std
+        rt.ew(ew_mul_2, d_merge1_b_bn_weight, merge1_b_bn_inv_std, d_merge1_b_bn_ew_sum)
+        # free d_merge1_b_bn_ew_sum
+        del d_merge1_b_bn_ew_sum
+        mem.free(70)
         # d_merge1_b_bn_W = reshape[16](d_merge1_b_bn_weight)
         d_merge1_b_bn_W = rt.reshape(d_merge1_b_bn_weight, shape=(16,))
         # V_merge1_b_bn_W_new = V_merge1_b_bn_W*momentum + d_merge1_b_bn_W + decay*merge1_b_bn_W
         V_merge1_b_bn_W_new = T['V_merge1_b_bn_W']  # in place: the new V_merge1_b_bn_W
         rt.ew(ew_mul_add, V_merge1_b_bn_W_new, T['V_merge1_b_bn_W'], momentum, d_merge1_b_bn_W, decay, T['merge1_b_bn_W'])
-        # free d_merge1_b_bn_weight, d_merge1_b_bn_W
-        del d_merge1_b_bn_weight, d_merge1_b_bn_W
-        mem.free(71)
+        # free merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
+        del merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
+        mem.free(59)
         # merge1_b_bn_W_new = merge1_b_bn_W - lr*V_merge1_b_bn_W_new
         merge1_b_bn_W_new = T['merge1_b_bn_W']  # in place: the new merge1_b_bn_W
         rt.ew(ew_mul_sub, merge1_b_bn_W_new, T['merge1_b_bn_W'], lr, V_merge1_b_bn_W_new)
@@ -933,38 +939,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, merge1_b_W_new, T['merge1_b_W'], lr, V_merge1_b_W_new)
 
         # ---- merge1_a_bn (batch norm), backward ----
-        # d_merge1_a_bn_inv_std = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered*merge1_a_bn_weight)
-        d_merge1_a_bn_inv_std = mem.tensor(77, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_a_bn_inv_std, d_merge1_a_bn, merge1_a_bn_centered, merge1_a_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_merge1_a_bn_ew_sum = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered)
+        d_merge1_a_bn_ew_sum = mem.tensor(77, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_merge1_a_bn_ew_sum, d_merge1_a_bn, merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_merge1_a_bn_inv_std = merge1_a_bn_weight*d_merge1_a_bn_ew_sum
+        d_merge1_a_bn_inv_std = mem.tensor(78, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_ew_sum)
         # d_merge1_a_bn_sum_of_squares = -d_merge1_a_bn_inv_std/(156800*(merge1_a_bn_batch_var + 1.0e-5)**(3/2))
         d_merge1_a_bn_sum_of_squares = d_merge1_a_bn_inv_std  # in place: over d_merge1_a_bn_inv_std
         rt.ew(ew_add_pow_mul, d_merge1_a_bn_sum_of_squares, d_merge1_a_bn_inv_std, merge1_a_bn_batch_var)
         # free merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         del merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         mem.free(53)
-        # d_merge1_a_bn_weight = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered*merge1_a_bn_inv_std)
-        d_merge1_a_bn_weight = mem.tensor(78, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_a_bn_weight, d_merge1_a_bn, merge1_a_bn_centered, merge1_a_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_merge1_a_bn_centered = d_merge1_a_bn*merge1_a_bn_inv_std*merge1_a_bn_weight + 2*d_merge1_a_bn_sum_of_squares*merge1_a_bn_centered
         d_merge1_a_bn_centered = merge1_a_bn_centered  # in place: over merge1_a_bn_centered
         rt.ew(ew_mul_add_2, d_merge1_a_bn_centered, d_merge1_a_bn, merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_sum_of_squares, merge1_a_bn_centered)
-        # free merge1_a_bn_inv_std, d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
-        del merge1_a_bn_inv_std, d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
-        mem.free(54, 77)
+        # free d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
+        del d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
+        mem.free(78)
         # d_merge1_a_bn_bias = sum_to[1x16x1x1](d_merge1_a_bn)
         d_merge1_a_bn_bias = mem.tensor(79, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_merge1_a_bn, out=d_merge1_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_merge1_a_bn_relu, d_merge1_a_bn
         del d_merge1_a_bn_relu, d_merge1_a_bn
         mem.free(76)
+        # d_merge1_a_bn_weight = merge1_a_bn_inv_std*d_merge1_a_bn_ew_sum
+        d_merge1_a_bn_weight = merge1_a_bn_inv_std  # in place: over merge1_a_bn_inv_std
+        rt.ew(ew_mul_2, d_merge1_a_bn_weight, merge1_a_bn_inv_std, d_merge1_a_bn_ew_sum)
+        # free d_merge1_a_bn_ew_sum
+        del d_merge1_a_bn_ew_sum
+        mem.free(77)
         # d_merge1_a_bn_W = reshape[16](d_merge1_a_bn_weight)
         d_merge1_a_bn_W = rt.reshape(d_merge1_a_bn_weight, shape=(16,))
         # V_merge1_a_bn_W_new = V_merge1_a_bn_W*momentum + d_merge1_a_bn_W + decay*merge1_a_bn_W
         V_merge1_a_bn_W_new = T['V_merge1_a_bn_W']  # in place: the new V_merge1_a_bn_W
         rt.ew(ew_mul_add, V_merge1_a_bn_W_new, T['V_merge1_a_bn_W'], momentum, d_merge1_a_bn_W, decay, T['merge1_a_bn_W'])
-        # free d_merge1_a_bn_weight, d_merge1_a_bn_W
-        del d_merge1_a_bn_weight, d_merge1_a_bn_W
-        mem.free(78)
+        # free merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
+        del merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
+        mem.free(54)
         # merge1_a_bn_W_new = merge1_a_bn_W - lr*V_merge1_a_bn_W_new
         merge1_a_bn_W_new = T['merge1_a_bn_W']  # in place: the new merge1_a_bn_W
         rt.ew(ew_mul_sub, merge1_a_bn_W_new, T['merge1_a_bn_W'], lr, V_merge1_a_bn_W_new)
@@ -1078,38 +1090,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, up1_W_new, T['up1_W'], lr, V_up1_W_new)
 
         # ---- merge2_b_bn (batch norm), backward ----
-        # d_merge2_b_bn_inv_std = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered*merge2_b_bn_weight)
-        d_merge2_b_bn_inv_std = mem.tensor(89, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_b_bn_inv_std, d_merge2_b_bn, merge2_b_bn_centered, merge2_b_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_merge2_b_bn_ew_sum = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered)
+        d_merge2_b_bn_ew_sum = mem.tensor(89, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_merge2_b_bn_ew_sum, d_merge2_b_bn, merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_merge2_b_bn_inv_std = merge2_b_bn_weight*d_merge2_b_bn_ew_sum
+        d_merge2_b_bn_inv_std = mem.tensor(90, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_ew_sum)
         # d_merge2_b_bn_sum_of_squares = -d_merge2_b_bn_inv_std/(39200*(merge2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_merge2_b_bn_sum_of_squares = d_merge2_b_bn_inv_std  # in place: over d_merge2_b_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_merge2_b_bn_sum_of_squares, d_merge2_b_bn_inv_std, merge2_b_bn_batch_var)
         # free merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         del merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         mem.free(46)
-        # d_merge2_b_bn_weight = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered*merge2_b_bn_inv_std)
-        d_merge2_b_bn_weight = mem.tensor(90, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_b_bn_weight, d_merge2_b_bn, merge2_b_bn_centered, merge2_b_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_merge2_b_bn_centered = d_merge2_b_bn*merge2_b_bn_inv_std*merge2_b_bn_weight + 2*d_merge2_b_bn_sum_of_squares*merge2_b_bn_centered
         d_merge2_b_bn_centered = merge2_b_bn_centered  # in place: over merge2_b_bn_centered
         rt.ew(ew_mul_add_2, d_merge2_b_bn_centered, d_merge2_b_bn, merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_sum_of_squares, merge2_b_bn_centered)
-        # free merge2_b_bn_inv_std, d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
-        del merge2_b_bn_inv_std, d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
-        mem.free(47, 89)
+        # free d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
+        del d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
+        mem.free(90)
         # d_merge2_b_bn_bias = sum_to[1x32x1x1](d_merge2_b_bn)
         d_merge2_b_bn_bias = mem.tensor(91, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_merge2_b_bn, out=d_merge2_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_merge2_b_bn_relu, d_merge2_b_bn
         del d_merge2_b_bn_relu, d_merge2_b_bn
         mem.free(88)
+        # d_merge2_b_bn_weight = merge2_b_bn_inv_std*d_merge2_b_bn_ew_sum
+        d_merge2_b_bn_weight = merge2_b_bn_inv_std  # in place: over merge2_b_bn_inv_std
+        rt.ew(ew_mul_2, d_merge2_b_bn_weight, merge2_b_bn_inv_std, d_merge2_b_bn_ew_sum)
+        # free d_merge2_b_bn_ew_sum
+        del d_merge2_b_bn_ew_sum
+        mem.free(89)
         # d_merge2_b_bn_W = reshape[32](d_merge2_b_bn_weight)
         d_merge2_b_bn_W = rt.reshape(d_merge2_b_bn_weight, shape=(32,))
         # V_merge2_b_bn_W_new = V_merge2_b_bn_W*momentum + d_merge2_b_bn_W + decay*merge2_b_bn_W
         V_merge2_b_bn_W_new = T['V_merge2_b_bn_W']  # in place: the new V_merge2_b_bn_W
         rt.ew(ew_mul_add, V_merge2_b_bn_W_new, T['V_merge2_b_bn_W'], momentum, d_merge2_b_bn_W, decay, T['merge2_b_bn_W'])
-        # free d_merge2_b_bn_weight, d_merge2_b_bn_W
-        del d_merge2_b_bn_weight, d_merge2_b_bn_W
-        mem.free(90)
+        # free merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
+        del merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
+        mem.free(47)
         # merge2_b_bn_W_new = merge2_b_bn_W - lr*V_merge2_b_bn_W_new
         merge2_b_bn_W_new = T['merge2_b_bn_W']  # in place: the new merge2_b_bn_W
         rt.ew(ew_mul_sub, merge2_b_bn_W_new, T['merge2_b_bn_W'], lr, V_merge2_b_bn_W_new)
@@ -1175,38 +1193,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, merge2_b_W_new, T['merge2_b_W'], lr, V_merge2_b_W_new)
 
         # ---- merge2_a_bn (batch norm), backward ----
-        # d_merge2_a_bn_inv_std = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered*merge2_a_bn_weight)
-        d_merge2_a_bn_inv_std = mem.tensor(96, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_a_bn_inv_std, d_merge2_a_bn, merge2_a_bn_centered, merge2_a_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_merge2_a_bn_ew_sum = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered)
+        d_merge2_a_bn_ew_sum = mem.tensor(96, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_merge2_a_bn_ew_sum, d_merge2_a_bn, merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_merge2_a_bn_inv_std = merge2_a_bn_weight*d_merge2_a_bn_ew_sum
+        d_merge2_a_bn_inv_std = mem.tensor(97, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_ew_sum)
         # d_merge2_a_bn_sum_of_squares = -d_merge2_a_bn_inv_std/(39200*(merge2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_merge2_a_bn_sum_of_squares = d_merge2_a_bn_inv_std  # in place: over d_merge2_a_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_merge2_a_bn_sum_of_squares, d_merge2_a_bn_inv_std, merge2_a_bn_batch_var)
         # free merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         del merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         mem.free(41)
-        # d_merge2_a_bn_weight = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered*merge2_a_bn_inv_std)
-        d_merge2_a_bn_weight = mem.tensor(97, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_a_bn_weight, d_merge2_a_bn, merge2_a_bn_centered, merge2_a_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_merge2_a_bn_centered = d_merge2_a_bn*merge2_a_bn_inv_std*merge2_a_bn_weight + 2*d_merge2_a_bn_sum_of_squares*merge2_a_bn_centered
         d_merge2_a_bn_centered = merge2_a_bn_centered  # in place: over merge2_a_bn_centered
         rt.ew(ew_mul_add_2, d_merge2_a_bn_centered, d_merge2_a_bn, merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_sum_of_squares, merge2_a_bn_centered)
-        # free merge2_a_bn_inv_std, d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
-        del merge2_a_bn_inv_std, d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
-        mem.free(42, 96)
+        # free d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
+        del d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
+        mem.free(97)
         # d_merge2_a_bn_bias = sum_to[1x32x1x1](d_merge2_a_bn)
         d_merge2_a_bn_bias = mem.tensor(98, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_merge2_a_bn, out=d_merge2_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_merge2_a_bn_relu, d_merge2_a_bn
         del d_merge2_a_bn_relu, d_merge2_a_bn
         mem.free(95)
+        # d_merge2_a_bn_weight = merge2_a_bn_inv_std*d_merge2_a_bn_ew_sum
+        d_merge2_a_bn_weight = merge2_a_bn_inv_std  # in place: over merge2_a_bn_inv_std
+        rt.ew(ew_mul_2, d_merge2_a_bn_weight, merge2_a_bn_inv_std, d_merge2_a_bn_ew_sum)
+        # free d_merge2_a_bn_ew_sum
+        del d_merge2_a_bn_ew_sum
+        mem.free(96)
         # d_merge2_a_bn_W = reshape[32](d_merge2_a_bn_weight)
         d_merge2_a_bn_W = rt.reshape(d_merge2_a_bn_weight, shape=(32,))
         # V_merge2_a_bn_W_new = V_merge2_a_bn_W*momentum + d_merge2_a_bn_W + decay*merge2_a_bn_W
         V_merge2_a_bn_W_new = T['V_merge2_a_bn_W']  # in place: the new V_merge2_a_bn_W
         rt.ew(ew_mul_add, V_merge2_a_bn_W_new, T['V_merge2_a_bn_W'], momentum, d_merge2_a_bn_W, decay, T['merge2_a_bn_W'])
-        # free d_merge2_a_bn_weight, d_merge2_a_bn_W
-        del d_merge2_a_bn_weight, d_merge2_a_bn_W
-        mem.free(97)
+        # free merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
+        del merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
+        mem.free(42)
         # merge2_a_bn_W_new = merge2_a_bn_W - lr*V_merge2_a_bn_W_new
         merge2_a_bn_W_new = T['merge2_a_bn_W']  # in place: the new merge2_a_bn_W
         rt.ew(ew_mul_sub, merge2_a_bn_W_new, T['merge2_a_bn_W'], lr, V_merge2_a_bn_W_new)
@@ -1320,38 +1344,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, up2_W_new, T['up2_W'], lr, V_up2_W_new)
 
         # ---- bottom_b_bn (batch norm), backward ----
-        # d_bottom_b_bn_inv_std = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered*bottom_b_bn_weight)
-        d_bottom_b_bn_inv_std = mem.tensor(108, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_b_bn_inv_std, d_bottom_b_bn, bottom_b_bn_centered, bottom_b_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_bottom_b_bn_ew_sum = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered)
+        d_bottom_b_bn_ew_sum = mem.tensor(108, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bottom_b_bn_ew_sum, d_bottom_b_bn, bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_bottom_b_bn_inv_std = bottom_b_bn_weight*d_bottom_b_bn_ew_sum
+        d_bottom_b_bn_inv_std = mem.tensor(109, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_ew_sum)
         # d_bottom_b_bn_sum_of_squares = -d_bottom_b_bn_inv_std/(9800*(bottom_b_bn_batch_var + 1.0e-5)**(3/2))
         d_bottom_b_bn_sum_of_squares = d_bottom_b_bn_inv_std  # in place: over d_bottom_b_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_bottom_b_bn_sum_of_squares, d_bottom_b_bn_inv_std, bottom_b_bn_batch_var)
         # free bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         del bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         mem.free(34)
-        # d_bottom_b_bn_weight = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered*bottom_b_bn_inv_std)
-        d_bottom_b_bn_weight = mem.tensor(109, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_b_bn_weight, d_bottom_b_bn, bottom_b_bn_centered, bottom_b_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_bottom_b_bn_centered = d_bottom_b_bn*bottom_b_bn_inv_std*bottom_b_bn_weight + 2*d_bottom_b_bn_sum_of_squares*bottom_b_bn_centered
         d_bottom_b_bn_centered = bottom_b_bn_centered  # in place: over bottom_b_bn_centered
         rt.ew(ew_mul_add_2, d_bottom_b_bn_centered, d_bottom_b_bn, bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_sum_of_squares, bottom_b_bn_centered)
-        # free bottom_b_bn_inv_std, d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
-        del bottom_b_bn_inv_std, d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
-        mem.free(35, 108)
+        # free d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
+        del d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
+        mem.free(109)
         # d_bottom_b_bn_bias = sum_to[1x64x1x1](d_bottom_b_bn)
         d_bottom_b_bn_bias = mem.tensor(110, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bottom_b_bn, out=d_bottom_b_bn_bias, shape=(1, 64, 1, 1))
         # free d_bottom_b_bn_relu, d_bottom_b_bn
         del d_bottom_b_bn_relu, d_bottom_b_bn
         mem.free(107)
+        # d_bottom_b_bn_weight = bottom_b_bn_inv_std*d_bottom_b_bn_ew_sum
+        d_bottom_b_bn_weight = bottom_b_bn_inv_std  # in place: over bottom_b_bn_inv_std
+        rt.ew(ew_mul_2, d_bottom_b_bn_weight, bottom_b_bn_inv_std, d_bottom_b_bn_ew_sum)
+        # free d_bottom_b_bn_ew_sum
+        del d_bottom_b_bn_ew_sum
+        mem.free(108)
         # d_bottom_b_bn_W = reshape[64](d_bottom_b_bn_weight)
         d_bottom_b_bn_W = rt.reshape(d_bottom_b_bn_weight, shape=(64,))
         # V_bottom_b_bn_W_new = V_bottom_b_bn_W*momentum + d_bottom_b_bn_W + decay*bottom_b_bn_W
         V_bottom_b_bn_W_new = T['V_bottom_b_bn_W']  # in place: the new V_bottom_b_bn_W
         rt.ew(ew_mul_add, V_bottom_b_bn_W_new, T['V_bottom_b_bn_W'], momentum, d_bottom_b_bn_W, decay, T['bottom_b_bn_W'])
-        # free d_bottom_b_bn_weight, d_bottom_b_bn_W
-        del d_bottom_b_bn_weight, d_bottom_b_bn_W
-        mem.free(109)
+        # free bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
+        del bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
+        mem.free(35)
         # bottom_b_bn_W_new = bottom_b_bn_W - lr*V_bottom_b_bn_W_new
         bottom_b_bn_W_new = T['bottom_b_bn_W']  # in place: the new bottom_b_bn_W
         rt.ew(ew_mul_sub, bottom_b_bn_W_new, T['bottom_b_bn_W'], lr, V_bottom_b_bn_W_new)
@@ -1417,38 +1447,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, bottom_b_W_new, T['bottom_b_W'], lr, V_bottom_b_W_new)
 
         # ---- bottom_a_bn (batch norm), backward ----
-        # d_bottom_a_bn_inv_std = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered*bottom_a_bn_weight)
-        d_bottom_a_bn_inv_std = mem.tensor(115, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_a_bn_inv_std, d_bottom_a_bn, bottom_a_bn_centered, bottom_a_bn_weight, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_bottom_a_bn_ew_sum = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered)
+        d_bottom_a_bn_ew_sum = mem.tensor(115, (1, 64, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bottom_a_bn_ew_sum, d_bottom_a_bn, bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        # d_bottom_a_bn_inv_std = bottom_a_bn_weight*d_bottom_a_bn_ew_sum
+        d_bottom_a_bn_inv_std = mem.tensor(116, (1, 64, 1, 1), 'float32')
+        rt.ew(ew_mul, d_bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_ew_sum)
         # d_bottom_a_bn_sum_of_squares = -d_bottom_a_bn_inv_std/(9800*(bottom_a_bn_batch_var + 1.0e-5)**(3/2))
         d_bottom_a_bn_sum_of_squares = d_bottom_a_bn_inv_std  # in place: over d_bottom_a_bn_inv_std
         rt.ew(ew_add_pow_mul_3, d_bottom_a_bn_sum_of_squares, d_bottom_a_bn_inv_std, bottom_a_bn_batch_var)
         # free bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         del bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         mem.free(29)
-        # d_bottom_a_bn_weight = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered*bottom_a_bn_inv_std)
-        d_bottom_a_bn_weight = mem.tensor(116, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_a_bn_weight, d_bottom_a_bn, bottom_a_bn_centered, bottom_a_bn_inv_std, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_bottom_a_bn_centered = d_bottom_a_bn*bottom_a_bn_inv_std*bottom_a_bn_weight + 2*d_bottom_a_bn_sum_of_squares*bottom_a_bn_centered
         d_bottom_a_bn_centered = bottom_a_bn_centered  # in place: over bottom_a_bn_centered
         rt.ew(ew_mul_add_2, d_bottom_a_bn_centered, d_bottom_a_bn, bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_sum_of_squares, bottom_a_bn_centered)
-        # free bottom_a_bn_inv_std, d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
-        del bottom_a_bn_inv_std, d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
-        mem.free(30, 115)
+        # free d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
+        del d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
+        mem.free(116)
         # d_bottom_a_bn_bias = sum_to[1x64x1x1](d_bottom_a_bn)
         d_bottom_a_bn_bias = mem.tensor(117, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bottom_a_bn, out=d_bottom_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_bottom_a_bn_relu, d_bottom_a_bn
         del d_bottom_a_bn_relu, d_bottom_a_bn
         mem.free(114)
+        # d_bottom_a_bn_weight = bottom_a_bn_inv_std*d_bottom_a_bn_ew_sum
+        d_bottom_a_bn_weight = bottom_a_bn_inv_std  # in place: over bottom_a_bn_inv_std
+        rt.ew(ew_mul_2, d_bottom_a_bn_weight, bottom_a_bn_inv_std, d_bottom_a_bn_ew_sum)
+        # free d_bottom_a_bn_ew_sum
+        del d_bottom_a_bn_ew_sum
+        mem.free(115)
         # d_bottom_a_bn_W = reshape[64](d_bottom_a_bn_weight)
         d_bottom_a_bn_W = rt.reshape(d_bottom_a_bn_weight, shape=(64,))
         # V_bottom_a_bn_W_new = V_bottom_a_bn_W*momentum + d_bottom_a_bn_W + decay*bottom_a_bn_W
         V_bottom_a_bn_W_new = T['V_bottom_a_bn_W']  # in place: the new V_bottom_a_bn_W
         rt.ew(ew_mul_add, V_bottom_a_bn_W_new, T['V_bottom_a_bn_W'], momentum, d_bottom_a_bn_W, decay, T['bottom_a_bn_W'])
-        # free d_bottom_a_bn_weight, d_bottom_a_bn_W
-        del d_bottom_a_bn_weight, d_bottom_a_bn_W
-        mem.free(116)
+        # free bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
+        del bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
+        mem.free(30)
         # bottom_a_bn_W_new = bottom_a_bn_W - lr*V_bottom_a_bn_W_new
         bottom_a_bn_W_new = T['bottom_a_bn_W']  # in place: the new bottom_a_bn_W
         rt.ew(ew_mul_sub, bottom_a_bn_W_new, T['bottom_a_bn_W'], lr, V_bottom_a_bn_W_new)
@@ -1521,38 +1557,44 @@ class Unet(rp.Model):
         mem.free(121, 122)
 
         # ---- down2_b_bn (batch norm), backward ----
-        # d_down2_b_bn_inv_std = sum_to[1x32x1x1](d_down2_b_bn*down2_b_bn_centered*down2_b_bn_weight)
-        d_down2_b_bn_inv_std = mem.tensor(123, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down2_b_bn_inv_std, d_down2_b_bn, down2_b_bn_centered, down2_b_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_down2_b_bn_ew_sum = sum_to[1x32x1x1](d_down2_b_bn*down2_b_bn_centered)
+        d_down2_b_bn_ew_sum = mem.tensor(123, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_down2_b_bn_ew_sum, d_down2_b_bn, down2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_down2_b_bn_inv_std = down2_b_bn_weight*d_down2_b_bn_ew_sum
+        d_down2_b_bn_inv_std = mem.tensor(124, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_ew_sum)
         # d_down2_b_bn_sum_of_squares = -d_down2_b_bn_inv_std/(39200*(down2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_down2_b_bn_sum_of_squares = d_down2_b_bn_inv_std  # in place: over d_down2_b_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_down2_b_bn_sum_of_squares, d_down2_b_bn_inv_std, down2_b_bn_batch_var)
         # free down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         del down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         mem.free(22)
-        # d_down2_b_bn_weight = sum_to[1x32x1x1](d_down2_b_bn*down2_b_bn_centered*down2_b_bn_inv_std)
-        d_down2_b_bn_weight = mem.tensor(124, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down2_b_bn_weight, d_down2_b_bn, down2_b_bn_centered, down2_b_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_down2_b_bn_centered = d_down2_b_bn*down2_b_bn_inv_std*down2_b_bn_weight + 2*d_down2_b_bn_sum_of_squares*down2_b_bn_centered
         d_down2_b_bn_centered = down2_b_bn_centered  # in place: over down2_b_bn_centered
         rt.ew(ew_mul_add_2, d_down2_b_bn_centered, d_down2_b_bn, down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_sum_of_squares, down2_b_bn_centered)
-        # free down2_b_bn_inv_std, d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
-        del down2_b_bn_inv_std, d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
-        mem.free(23, 123)
+        # free d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
+        del d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
+        mem.free(124)
         # d_down2_b_bn_bias = sum_to[1x32x1x1](d_down2_b_bn)
         d_down2_b_bn_bias = mem.tensor(125, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_down2_b_bn, out=d_down2_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_down2_b_bn_relu, d_down2_b_bn
         del d_down2_b_bn_relu, d_down2_b_bn
         mem.free(103)
+        # d_down2_b_bn_weight = down2_b_bn_inv_std*d_down2_b_bn_ew_sum
+        d_down2_b_bn_weight = down2_b_bn_inv_std  # in place: over down2_b_bn_inv_std
+        rt.ew(ew_mul_2, d_down2_b_bn_weight, down2_b_bn_inv_std, d_down2_b_bn_ew_sum)
+        # free d_down2_b_bn_ew_sum
+        del d_down2_b_bn_ew_sum
+        mem.free(123)
         # d_down2_b_bn_W = reshape[32](d_down2_b_bn_weight)
         d_down2_b_bn_W = rt.reshape(d_down2_b_bn_weight, shape=(32,))
         # V_down2_b_bn_W_new = V_down2_b_bn_W*momentum + d_down2_b_bn_W + decay*down2_b_bn_W
         V_down2_b_bn_W_new = T['V_down2_b_bn_W']  # in place: the new V_down2_b_bn_W
         rt.ew(ew_mul_add, V_down2_b_bn_W_new, T['V_down2_b_bn_W'], momentum, d_down2_b_bn_W, decay, T['down2_b_bn_W'])
-        # free d_down2_b_bn_weight, d_down2_b_bn_W
-        del d_down2_b_bn_weight, d_down2_b_bn_W
-        mem.free(124)
+        # free down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
+        del down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
+        mem.free(23)
         # down2_b_bn_W_new = down2_b_bn_W - lr*V_down2_b_bn_W_new
         down2_b_bn_W_new = T['down2_b_bn_W']  # in place: the new down2_b_bn_W
         rt.ew(ew_mul_sub, down2_b_bn_W_new, T['down2_b_bn_W'], lr, V_down2_b_bn_W_new)
@@ -1618,38 +1660,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, down2_b_W_new, T['down2_b_W'], lr, V_down2_b_W_new)
 
         # ---- down2_a_bn (batch norm), backward ----
-        # d_down2_a_bn_inv_std = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered*down2_a_bn_weight)
-        d_down2_a_bn_inv_std = mem.tensor(130, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down2_a_bn_inv_std, d_down2_a_bn, down2_a_bn_centered, down2_a_bn_weight, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_down2_a_bn_ew_sum = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered)
+        d_down2_a_bn_ew_sum = mem.tensor(130, (1, 32, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_down2_a_bn_ew_sum, d_down2_a_bn, down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        # d_down2_a_bn_inv_std = down2_a_bn_weight*d_down2_a_bn_ew_sum
+        d_down2_a_bn_inv_std = mem.tensor(131, (1, 32, 1, 1), 'float32')
+        rt.ew(ew_mul, d_down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_ew_sum)
         # d_down2_a_bn_sum_of_squares = -d_down2_a_bn_inv_std/(39200*(down2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_down2_a_bn_sum_of_squares = d_down2_a_bn_inv_std  # in place: over d_down2_a_bn_inv_std
         rt.ew(ew_add_pow_mul_2, d_down2_a_bn_sum_of_squares, d_down2_a_bn_inv_std, down2_a_bn_batch_var)
         # free down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         del down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         mem.free(17)
-        # d_down2_a_bn_weight = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered*down2_a_bn_inv_std)
-        d_down2_a_bn_weight = mem.tensor(131, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down2_a_bn_weight, d_down2_a_bn, down2_a_bn_centered, down2_a_bn_inv_std, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_down2_a_bn_centered = d_down2_a_bn*down2_a_bn_inv_std*down2_a_bn_weight + 2*d_down2_a_bn_sum_of_squares*down2_a_bn_centered
         d_down2_a_bn_centered = down2_a_bn_centered  # in place: over down2_a_bn_centered
         rt.ew(ew_mul_add_2, d_down2_a_bn_centered, d_down2_a_bn, down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_sum_of_squares, down2_a_bn_centered)
-        # free down2_a_bn_inv_std, d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
-        del down2_a_bn_inv_std, d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
-        mem.free(18, 130)
+        # free d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
+        del d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
+        mem.free(131)
         # d_down2_a_bn_bias = sum_to[1x32x1x1](d_down2_a_bn)
         d_down2_a_bn_bias = mem.tensor(132, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_down2_a_bn, out=d_down2_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_down2_a_bn_relu, d_down2_a_bn
         del d_down2_a_bn_relu, d_down2_a_bn
         mem.free(129)
+        # d_down2_a_bn_weight = down2_a_bn_inv_std*d_down2_a_bn_ew_sum
+        d_down2_a_bn_weight = down2_a_bn_inv_std  # in place: over down2_a_bn_inv_std
+        rt.ew(ew_mul_2, d_down2_a_bn_weight, down2_a_bn_inv_std, d_down2_a_bn_ew_sum)
+        # free d_down2_a_bn_ew_sum
+        del d_down2_a_bn_ew_sum
+        mem.free(130)
         # d_down2_a_bn_W = reshape[32](d_down2_a_bn_weight)
         d_down2_a_bn_W = rt.reshape(d_down2_a_bn_weight, shape=(32,))
         # V_down2_a_bn_W_new = V_down2_a_bn_W*momentum + d_down2_a_bn_W + decay*down2_a_bn_W
         V_down2_a_bn_W_new = T['V_down2_a_bn_W']  # in place: the new V_down2_a_bn_W
         rt.ew(ew_mul_add, V_down2_a_bn_W_new, T['V_down2_a_bn_W'], momentum, d_down2_a_bn_W, decay, T['down2_a_bn_W'])
-        # free d_down2_a_bn_weight, d_down2_a_bn_W
-        del d_down2_a_bn_weight, d_down2_a_bn_W
-        mem.free(131)
+        # free down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
+        del down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
+        mem.free(18)
         # down2_a_bn_W_new = down2_a_bn_W - lr*V_down2_a_bn_W_new
         down2_a_bn_W_new = T['down2_a_bn_W']  # in place: the new down2_a_bn_W
         rt.ew(ew_mul_sub, down2_a_bn_W_new, T['down2_a_bn_W'], lr, V_down2_a_bn_W_new)
@@ -1722,38 +1770,44 @@ class Unet(rp.Model):
         mem.free(136, 137)
 
         # ---- down1_b_bn (batch norm), backward ----
-        # d_down1_b_bn_inv_std = sum_to[1x16x1x1](d_down1_b_bn*down1_b_bn_centered*down1_b_bn_weight)
-        d_down1_b_bn_inv_std = mem.tensor(138, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down1_b_bn_inv_std, d_down1_b_bn, down1_b_bn_centered, down1_b_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_down1_b_bn_ew_sum = sum_to[1x16x1x1](d_down1_b_bn*down1_b_bn_centered)
+        d_down1_b_bn_ew_sum = mem.tensor(138, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_down1_b_bn_ew_sum, d_down1_b_bn, down1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_down1_b_bn_inv_std = down1_b_bn_weight*d_down1_b_bn_ew_sum
+        d_down1_b_bn_inv_std = mem.tensor(139, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_ew_sum)
         # d_down1_b_bn_sum_of_squares = -d_down1_b_bn_inv_std/(156800*(down1_b_bn_batch_var + 1.0e-5)**(3/2))
         d_down1_b_bn_sum_of_squares = d_down1_b_bn_inv_std  # in place: over d_down1_b_bn_inv_std
         rt.ew(ew_add_pow_mul, d_down1_b_bn_sum_of_squares, d_down1_b_bn_inv_std, down1_b_bn_batch_var)
         # free down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         del down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         mem.free(10)
-        # d_down1_b_bn_weight = sum_to[1x16x1x1](d_down1_b_bn*down1_b_bn_centered*down1_b_bn_inv_std)
-        d_down1_b_bn_weight = mem.tensor(139, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down1_b_bn_weight, d_down1_b_bn, down1_b_bn_centered, down1_b_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_down1_b_bn_centered = d_down1_b_bn*down1_b_bn_inv_std*down1_b_bn_weight + 2*d_down1_b_bn_sum_of_squares*down1_b_bn_centered
         d_down1_b_bn_centered = down1_b_bn_centered  # in place: over down1_b_bn_centered
         rt.ew(ew_mul_add_2, d_down1_b_bn_centered, d_down1_b_bn, down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_sum_of_squares, down1_b_bn_centered)
-        # free down1_b_bn_inv_std, d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
-        del down1_b_bn_inv_std, d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
-        mem.free(11, 138)
+        # free d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
+        del d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
+        mem.free(139)
         # d_down1_b_bn_bias = sum_to[1x16x1x1](d_down1_b_bn)
         d_down1_b_bn_bias = mem.tensor(140, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_down1_b_bn, out=d_down1_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_down1_b_bn_relu, d_down1_b_bn
         del d_down1_b_bn_relu, d_down1_b_bn
         mem.free(84)
+        # d_down1_b_bn_weight = down1_b_bn_inv_std*d_down1_b_bn_ew_sum
+        d_down1_b_bn_weight = down1_b_bn_inv_std  # in place: over down1_b_bn_inv_std
+        rt.ew(ew_mul_2, d_down1_b_bn_weight, down1_b_bn_inv_std, d_down1_b_bn_ew_sum)
+        # free d_down1_b_bn_ew_sum
+        del d_down1_b_bn_ew_sum
+        mem.free(138)
         # d_down1_b_bn_W = reshape[16](d_down1_b_bn_weight)
         d_down1_b_bn_W = rt.reshape(d_down1_b_bn_weight, shape=(16,))
         # V_down1_b_bn_W_new = V_down1_b_bn_W*momentum + d_down1_b_bn_W + decay*down1_b_bn_W
         V_down1_b_bn_W_new = T['V_down1_b_bn_W']  # in place: the new V_down1_b_bn_W
         rt.ew(ew_mul_add, V_down1_b_bn_W_new, T['V_down1_b_bn_W'], momentum, d_down1_b_bn_W, decay, T['down1_b_bn_W'])
-        # free d_down1_b_bn_weight, d_down1_b_bn_W
-        del d_down1_b_bn_weight, d_down1_b_bn_W
-        mem.free(139)
+        # free down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
+        del down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
+        mem.free(11)
         # down1_b_bn_W_new = down1_b_bn_W - lr*V_down1_b_bn_W_new
         down1_b_bn_W_new = T['down1_b_bn_W']  # in place: the new down1_b_bn_W
         rt.ew(ew_mul_sub, down1_b_bn_W_new, T['down1_b_bn_W'], lr, V_down1_b_bn_W_new)
@@ -1819,38 +1873,44 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, down1_b_W_new, T['down1_b_W'], lr, V_down1_b_W_new)
 
         # ---- down1_a_bn (batch norm), backward ----
-        # d_down1_a_bn_inv_std = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered*down1_a_bn_weight)
-        d_down1_a_bn_inv_std = mem.tensor(145, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down1_a_bn_inv_std, d_down1_a_bn, down1_a_bn_centered, down1_a_bn_weight, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_down1_a_bn_ew_sum = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered)
+        d_down1_a_bn_ew_sum = mem.tensor(145, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_down1_a_bn_ew_sum, d_down1_a_bn, down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        # d_down1_a_bn_inv_std = down1_a_bn_weight*d_down1_a_bn_ew_sum
+        d_down1_a_bn_inv_std = mem.tensor(146, (1, 16, 1, 1), 'float32')
+        rt.ew(ew_mul, d_down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_ew_sum)
         # d_down1_a_bn_sum_of_squares = -d_down1_a_bn_inv_std/(156800*(down1_a_bn_batch_var + 1.0e-5)**(3/2))
         d_down1_a_bn_sum_of_squares = d_down1_a_bn_inv_std  # in place: over d_down1_a_bn_inv_std
         rt.ew(ew_add_pow_mul, d_down1_a_bn_sum_of_squares, d_down1_a_bn_inv_std, down1_a_bn_batch_var)
         # free down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         del down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         mem.free(5)
-        # d_down1_a_bn_weight = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered*down1_a_bn_inv_std)
-        d_down1_a_bn_weight = mem.tensor(146, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down1_a_bn_weight, d_down1_a_bn, down1_a_bn_centered, down1_a_bn_inv_std, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_down1_a_bn_centered = d_down1_a_bn*down1_a_bn_inv_std*down1_a_bn_weight + 2*d_down1_a_bn_sum_of_squares*down1_a_bn_centered
         d_down1_a_bn_centered = down1_a_bn_centered  # in place: over down1_a_bn_centered
         rt.ew(ew_mul_add_2, d_down1_a_bn_centered, d_down1_a_bn, down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_sum_of_squares, down1_a_bn_centered)
-        # free down1_a_bn_inv_std, d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
-        del down1_a_bn_inv_std, d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
-        mem.free(6, 145)
+        # free d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
+        del d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
+        mem.free(146)
         # d_down1_a_bn_bias = sum_to[1x16x1x1](d_down1_a_bn)
         d_down1_a_bn_bias = mem.tensor(147, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_down1_a_bn, out=d_down1_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_down1_a_bn_relu, d_down1_a_bn
         del d_down1_a_bn_relu, d_down1_a_bn
         mem.free(144)
+        # d_down1_a_bn_weight = down1_a_bn_inv_std*d_down1_a_bn_ew_sum
+        d_down1_a_bn_weight = down1_a_bn_inv_std  # in place: over down1_a_bn_inv_std
+        rt.ew(ew_mul_2, d_down1_a_bn_weight, down1_a_bn_inv_std, d_down1_a_bn_ew_sum)
+        # free d_down1_a_bn_ew_sum
+        del d_down1_a_bn_ew_sum
+        mem.free(145)
         # d_down1_a_bn_W = reshape[16](d_down1_a_bn_weight)
         d_down1_a_bn_W = rt.reshape(d_down1_a_bn_weight, shape=(16,))
         # V_down1_a_bn_W_new = V_down1_a_bn_W*momentum + d_down1_a_bn_W + decay*down1_a_bn_W
         V_down1_a_bn_W_new = T['V_down1_a_bn_W']  # in place: the new V_down1_a_bn_W
         rt.ew(ew_mul_add, V_down1_a_bn_W_new, T['V_down1_a_bn_W'], momentum, d_down1_a_bn_W, decay, T['down1_a_bn_W'])
-        # free d_down1_a_bn_weight, d_down1_a_bn_W
-        del d_down1_a_bn_weight, d_down1_a_bn_W
-        mem.free(146)
+        # free down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
+        del down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
+        mem.free(6)
         # down1_a_bn_W_new = down1_a_bn_W - lr*V_down1_a_bn_W_new
         down1_a_bn_W_new = T['down1_a_bn_W']  # in place: the new down1_a_bn_W
         rt.ew(ew_mul_sub, down1_a_bn_W_new, T['down1_a_bn_W'], lr, V_down1_a_bn_W_new)
@@ -2055,7 +2115,7 @@ class Unet(rp.Model):
         # ---- up2 (transposed conv 2x2, 32 channels, stride 2, padding 0), forward ----
         # up2_conv2d_bwd_data = conv2d_bwd_data[size=(14,14),stride=2](bottom_b_bn_relu, up2_W)
         up2_conv2d_bwd_data = mem.tensor(10, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(bottom_b_bn_relu, T['up2_W'], out=up2_conv2d_bwd_data, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(bottom_b_bn_relu, T['up2_W'], out=up2_conv2d_bwd_data, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(3763200))
         # free bottom_b, bottom_b_bn_relu
         del bottom_b, bottom_b_bn_relu
         mem.free(9)
@@ -2122,7 +2182,7 @@ class Unet(rp.Model):
         # ---- up1 (transposed conv 2x2, 16 channels, stride 2, padding 0), forward ----
         # up1_conv2d_bwd_data = conv2d_bwd_data[size=(28,28),stride=2](merge2_b_bn_relu, up1_W)
         up1_conv2d_bwd_data = mem.tensor(14, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(merge2_b_bn_relu, T['up1_W'], out=up1_conv2d_bwd_data, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(5017600))
+        rt.conv2d_bwd_data(merge2_b_bn_relu, T['up1_W'], out=up1_conv2d_bwd_data, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(7526400))
         # free merge2_b, merge2_b_bn_relu
         del merge2_b, merge2_b_bn_relu
         mem.free(13)
@@ -2316,16 +2376,16 @@ class Unet(rp.Model):
                 (43276800, 640),  # 67: d_classes_W 10x16x1x1 float32
                 (30105600, 5017600),  # 68: d_merge1_b_bn_relu 100x16x28x28 float32
                 (40140800, 5017600),  # 69: merge1_b_bn_relu_2 100x16x28x28 float32
-                (40140800, 64),  # 70: d_merge1_b_bn_inv_std 1x16x1x1 float32
-                (40141056, 64),  # 71: d_merge1_b_bn_weight 1x16x1x1 float32
-                (40140800, 64),  # 72: d_merge1_b_bn_bias 1x16x1x1 float32
+                (40140800, 64),  # 70: d_merge1_b_bn_ew_sum 1x16x1x1 float32
+                (40141056, 64),  # 71: d_merge1_b_bn_inv_std 1x16x1x1 float32
+                (40141056, 64),  # 72: d_merge1_b_bn_bias 1x16x1x1 float32
                 (30105600, 64),  # 73: d_merge1_b_bn_batch_mean 1x16x1x1 float32
                 (30105600, 5017600),  # 74: merge1_a_bn_relu_2 100x16x28x28 float32
                 (40140800, 9216),  # 75: d_merge1_b_W 16x16x3x3 float32
                 (40140800, 5017600),  # 76: d_merge1_a_bn_relu 100x16x28x28 float32
-                (30105600, 64),  # 77: d_merge1_a_bn_inv_std 1x16x1x1 float32
-                (30105856, 64),  # 78: d_merge1_a_bn_weight 1x16x1x1 float32
-                (30105600, 64),  # 79: d_merge1_a_bn_bias 1x16x1x1 float32
+                (30105600, 64),  # 77: d_merge1_a_bn_ew_sum 1x16x1x1 float32
+                (30105856, 64),  # 78: d_merge1_a_bn_inv_std 1x16x1x1 float32
+                (30105856, 64),  # 79: d_merge1_a_bn_bias 1x16x1x1 float32
                 (30105600, 64),  # 80: d_merge1_a_bn_batch_mean 1x16x1x1 float32
                 (30105600, 18432),  # 81: d_merge1_a_W 16x32x3x3 float32
                 (0, 10035200),  # 82: d_down1_b_bn_concat 100x32x28x28 float32
@@ -2335,16 +2395,16 @@ class Unet(rp.Model):
                 (0, 2508800),  # 86: merge2_b_bn_relu_2 100x32x14x14 float32
                 (5017600, 8192),  # 87: d_up1_W 32x16x2x2 float32
                 (2508800, 2508800),  # 88: d_merge2_b_bn_relu 100x32x14x14 float32
-                (0, 128),  # 89: d_merge2_b_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 90: d_merge2_b_bn_weight 1x32x1x1 float32
-                (0, 128),  # 91: d_merge2_b_bn_bias 1x32x1x1 float32
+                (0, 128),  # 89: d_merge2_b_bn_ew_sum 1x32x1x1 float32
+                (256, 128),  # 90: d_merge2_b_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 91: d_merge2_b_bn_bias 1x32x1x1 float32
                 (0, 128),  # 92: d_merge2_b_bn_batch_mean 1x32x1x1 float32
                 (0, 2508800),  # 93: merge2_a_bn_relu_2 100x32x14x14 float32
                 (2508800, 36864),  # 94: d_merge2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 95: d_merge2_a_bn_relu 100x32x14x14 float32
-                (0, 128),  # 96: d_merge2_a_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 97: d_merge2_a_bn_weight 1x32x1x1 float32
-                (0, 128),  # 98: d_merge2_a_bn_bias 1x32x1x1 float32
+                (0, 128),  # 96: d_merge2_a_bn_ew_sum 1x32x1x1 float32
+                (256, 128),  # 97: d_merge2_a_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 98: d_merge2_a_bn_bias 1x32x1x1 float32
                 (0, 128),  # 99: d_merge2_a_bn_batch_mean 1x32x1x1 float32
                 (0, 73728),  # 100: d_merge2_a_W 32x64x3x3 float32
                 (0, 5017600),  # 101: d_down2_b_bn_concat 100x64x14x14 float32
@@ -2354,46 +2414,46 @@ class Unet(rp.Model):
                 (0, 1254400),  # 105: bottom_b_bn_relu_2 100x64x7x7 float32
                 (2508800, 32768),  # 106: d_up2_W 64x32x2x2 float32
                 (1254400, 1254400),  # 107: d_bottom_b_bn_relu 100x64x7x7 float32
-                (0, 256),  # 108: d_bottom_b_bn_inv_std 1x64x1x1 float32
-                (256, 256),  # 109: d_bottom_b_bn_weight 1x64x1x1 float32
-                (0, 256),  # 110: d_bottom_b_bn_bias 1x64x1x1 float32
+                (0, 256),  # 108: d_bottom_b_bn_ew_sum 1x64x1x1 float32
+                (256, 256),  # 109: d_bottom_b_bn_inv_std 1x64x1x1 float32
+                (256, 256),  # 110: d_bottom_b_bn_bias 1x64x1x1 float32
                 (0, 256),  # 111: d_bottom_b_bn_batch_mean 1x64x1x1 float32
                 (0, 1254400),  # 112: bottom_a_bn_relu_2 100x64x7x7 float32
                 (1254400, 147456),  # 113: d_bottom_b_W 64x64x3x3 float32
                 (1254400, 1254400),  # 114: d_bottom_a_bn_relu 100x64x7x7 float32
-                (0, 256),  # 115: d_bottom_a_bn_inv_std 1x64x1x1 float32
-                (256, 256),  # 116: d_bottom_a_bn_weight 1x64x1x1 float32
-                (0, 256),  # 117: d_bottom_a_bn_bias 1x64x1x1 float32
+                (0, 256),  # 115: d_bottom_a_bn_ew_sum 1x64x1x1 float32
+                (256, 256),  # 116: d_bottom_a_bn_inv_std 1x64x1x1 float32
+                (256, 256),  # 117: d_bottom_a_bn_bias 1x64x1x1 float32
                 (0, 256),  # 118: d_bottom_a_bn_batch_mean 1x64x1x1 float32
                 (0, 73728),  # 119: d_bottom_a_W 64x32x3x3 float32
                 (2508800, 627200),  # 120: d_down2_b_bn_max_pool 100x32x7x7 float32
                 (0, 2508800),  # 121: d_down2_b_bn_relu_2 100x32x14x14 float32
                 (2508800, 2508800),  # 122: down2_b_bn_relu_2 100x32x14x14 float32
-                (0, 128),  # 123: d_down2_b_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 124: d_down2_b_bn_weight 1x32x1x1 float32
-                (0, 128),  # 125: d_down2_b_bn_bias 1x32x1x1 float32
+                (0, 128),  # 123: d_down2_b_bn_ew_sum 1x32x1x1 float32
+                (256, 128),  # 124: d_down2_b_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 125: d_down2_b_bn_bias 1x32x1x1 float32
                 (0, 128),  # 126: d_down2_b_bn_batch_mean 1x32x1x1 float32
                 (0, 2508800),  # 127: down2_a_bn_relu_2 100x32x14x14 float32
                 (2508800, 36864),  # 128: d_down2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 129: d_down2_a_bn_relu 100x32x14x14 float32
-                (0, 128),  # 130: d_down2_a_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 131: d_down2_a_bn_weight 1x32x1x1 float32
-                (0, 128),  # 132: d_down2_a_bn_bias 1x32x1x1 float32
+                (0, 128),  # 130: d_down2_a_bn_ew_sum 1x32x1x1 float32
+                (256, 128),  # 131: d_down2_a_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 132: d_down2_a_bn_bias 1x32x1x1 float32
                 (0, 128),  # 133: d_down2_a_bn_batch_mean 1x32x1x1 float32
                 (0, 18432),  # 134: d_down2_a_W 32x16x3x3 float32
                 (5017600, 1254400),  # 135: d_down1_b_bn_max_pool 100x16x14x14 float32
                 (0, 5017600),  # 136: d_down1_b_bn_relu_2 100x16x28x28 float32
                 (5017600, 5017600),  # 137: down1_b_bn_relu_2 100x16x28x28 float32
-                (0, 64),  # 138: d_down1_b_bn_inv_std 1x16x1x1 float32
-                (256, 64),  # 139: d_down1_b_bn_weight 1x16x1x1 float32
-                (0, 64),  # 140: d_down1_b_bn_bias 1x16x1x1 float32
+                (0, 64),  # 138: d_down1_b_bn_ew_sum 1x16x1x1 float32
+                (256, 64),  # 139: d_down1_b_bn_inv_std 1x16x1x1 float32
+                (256, 64),  # 140: d_down1_b_bn_bias 1x16x1x1 float32
                 (0, 64),  # 141: d_down1_b_bn_batch_mean 1x16x1x1 float32
                 (0, 5017600),  # 142: down1_a_bn_relu_2 100x16x28x28 float32
                 (5017600, 9216),  # 143: d_down1_b_W 16x16x3x3 float32
                 (5017600, 5017600),  # 144: d_down1_a_bn_relu 100x16x28x28 float32
-                (0, 64),  # 145: d_down1_a_bn_inv_std 1x16x1x1 float32
-                (256, 64),  # 146: d_down1_a_bn_weight 1x16x1x1 float32
-                (0, 64),  # 147: d_down1_a_bn_bias 1x16x1x1 float32
+                (0, 64),  # 145: d_down1_a_bn_ew_sum 1x16x1x1 float32
+                (256, 64),  # 146: d_down1_a_bn_inv_std 1x16x1x1 float32
+                (256, 64),  # 147: d_down1_a_bn_bias 1x16x1x1 float32
                 (0, 64),  # 148: d_down1_a_bn_batch_mean 1x16x1x1 float32
                 (0, 576),  # 149: d_down1_a_W 16x1x3x3 float32
             )),
@@ -2526,10 +2586,9 @@ def ew_step_mul(out, v0, v1):
     np.multiply(np.greater(v1, 0), v0, out=out)
 
 
-def ew_mul(out, v0, v1, v2):
-    """out = v0*v1*v2"""
+def ew_mul(out, v0, v1):
+    """out = v0*v1"""
     np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
 
 
 def ew_add_pow_mul(out, v0, v1):
@@ -2543,6 +2602,11 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.multiply(v3, v4, out=out)
     np.multiply(out, 2, out=out)
     np.add(out, v0 * v1 * v2, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_neg(out, v0):

@@ -296,7 +296,7 @@ class Vit(rp.Model):
         # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
         # patch = conv2d[stride=7](x, patch_W, patch_B)
         patch = mem.tensor(3, (100, 64, 4, 4), 'float32')
-        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(313600))
+        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_reshape = reshape[100x64x16](patch)
@@ -3317,7 +3317,7 @@ class Vit(rp.Model):
         # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
         # patch = conv2d[stride=7](x, patch_W, patch_B)
         patch = mem.tensor(2, (100, 64, 4, 4), 'float32')
-        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(313600))
+        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
         # free x
         del x
         mem.free(0)
