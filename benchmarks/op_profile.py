@@ -1,7 +1,7 @@
 """Where a generated program's training step spends its time, op by op.
 
     python benchmarks/op_profile.py NET[:BATCH[:IMAGE]] [--threads 2] [--kernels compiled] [--warmup 2]
-                                    [--steps 5] [--top 25] [--markdown]
+                                    [--steps 5] [--top 25] [--markdown] [--steps-only]
 
 The network is compiled with `deepdsl compile` (which builds its compiled kernels), its program imported, and every
 op of its backend (`model.rt`) wrapped in a timer; `--warmup` steps run untimed, then `--steps` timed. Printed per
@@ -11,6 +11,10 @@ rate in GFLOP/s; then the milliseconds by op (every elementwise
 kernel as `ew`), and the sum over ops against the step's median (the rest is Python: the step's glue and the
 timers). The load average is printed before and after. Idle threads
 sleep at once, as in the generated program (`deepdsl_runtime.idle_threads_sleep`).
+
+The timers cost time of their own, and not the same for every program (they once added 30 ms a step to one
+ResNet-50 program's elementwise kernels and nothing to another's): `--steps-only` times whole steps without them,
+printing their median (and each step's milliseconds, up to 20 steps), for comparing programs.
 """
 from __future__ import annotations
 
@@ -114,6 +118,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--steps-only", action="store_true", help="whole steps, without the per-op timers")
     args = parser.parse_args()
     print(f"load average before: {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +128,7 @@ def main() -> int:
         hyper = model.hyper(0.01, 0.9, 0.0005, 0)
         model.prepare(hyper)
         totals = collections.defaultdict(float)
-        calls, flops = _timed(model.rt, totals)
+        calls, flops = _timed(model.rt, totals) if not args.steps_only else ({}, {})
         per_step, steps = collections.defaultdict(list), []
         for i in range(args.warmup + args.steps):
             totals.clear()
@@ -135,6 +140,12 @@ def main() -> int:
                 for label, seconds in totals.items():
                     per_step[label].append(seconds)
     step_ms = statistics.median(steps) * 1000
+    if args.steps_only:
+        if len(steps) <= 20:
+            print("steps (ms):", " ".join(f"{t * 1000:.1f}" for t in steps))
+        print(f"step {step_ms:.1f} ms (median of {args.steps})")
+        print(f"load average after: {load_average()}")
+        return 0
     rows = sorted(((statistics.median(v) * 1000, k) for k, v in per_step.items()), reverse=True)
     print_row(("op and shapes", "calls", "ms/step", "share", "GFLOP/s"), args.markdown, 12, header=True)
     runs = args.warmup + args.steps

@@ -411,6 +411,32 @@ def test_the_peer_benchmark_runs(tmp_path):
     assert all(float(r[4]) > 0 for r in rows), done.stdout
 
 
+def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
+    """benchmarks/op_profile.py at a tiny size: per op (the convolutions among the ops it lists, their times
+    adding up to no more than the step's), and `--steps-only` (each step's time and their median, no op)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    def profile(*extra):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_profile.py"), "lenet:8", "--threads", "1",
+                               "--warmup", "1", "--steps", "3", *extra], capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    per_op = profile()
+    assert re.search(r"^conv2d \S+ +1 ", per_op, re.M), per_op
+    step, ops = map(float, re.search(r"^step ([\d.]+) ms \(median of 3\); ops ([\d.]+) ms", per_op, re.M).groups())
+    assert 0 < ops <= step * 1.5, per_op
+    whole = profile("--steps-only")
+    times = re.search(r"^steps \(ms\): (.*)$", whole, re.M).group(1).split()
+    assert len(times) == 3 and all(float(t) > 0 for t in times), whole
+    assert "conv2d" not in whole and re.search(r"^step [\d.]+ ms \(median of 3\)$", whole, re.M), whole
+
+
 @needs_cc
 def test_a_build_in_progress_is_waited_for_and_a_dead_one_ignored(tmp_path):
     import os
