@@ -368,20 +368,19 @@ void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* 
 // channel) row a thread's, in two passes with a barrier between them (the second may overwrite the input the first
 // read: lrn in place over x, lrn_bwd over g)
 
+// row[p] += src[p]^2 (`square`) or src[p]
+static inline __attribute__((always_inline)) void deepdsl_add_row(float* row, const float* src, long hw, int square) {
+    if (!square) {
+        deepdsl_add_floats(row, src, hw);
+        return;
+    }
+#pragma omp simd
+    for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
+}
+
 // row[p] = the sum over channel window [ch - front, ch + back] (clipped to [0, channels)) of a(ch', p), in numpy's
 // order: a(ch) first, then ch - 1, ch - 2, ..., then ch + 1, ch + 2, ...; a(ch', p) = x[ch'][p]^2 (`square`) or
 // v[ch'][p] (rows `hw` apart).
-// row[p] += src[p]^2 (`square`) or src[p]
-static inline __attribute__((always_inline)) void deepdsl_add_row(float* row, const float* src, long hw, int square) {
-    if (square) {
-#pragma omp simd
-        for (long p = 0; p < hw; ++p) row[p] += src[p] * src[p];
-    } else {
-#pragma omp simd
-        for (long p = 0; p < hw; ++p) row[p] += src[p];
-    }
-}
-
 DEEPDSL_ROW void deepdsl_window_sum_row(const float* v, long channels, long hw, long ch, int front, int back,
                                         int square, float* row) {
     const float* at = v + ch * hw;
