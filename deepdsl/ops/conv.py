@@ -104,9 +104,9 @@ class Conv2d(Op):
         return 2 * node.size * c * kh * kw + (node.size if len(node.inputs) > 2 else 0)
 
     def workspace(self, node, limit=None):
-        """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix and with padding the zero-padded
-        input; a 1x1 stride-1 convolution's regrouped input and result on small planes, else none) for the whole
-        batch, or its chunks' within `limit`."""
+        """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix, on small planes room for the
+        larger of it and the regrouped result, and with padding the zero-padded input; a 1x1 stride-1 convolution's
+        regrouped input and result on small planes, else none) for the whole batch, or its chunks' within `limit`."""
         x, w = node.inputs[:2]
         per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0),
                                              node.attr("groups", 1))
@@ -149,8 +149,9 @@ class Conv2dBwdData(Op):
 
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_bwd_data_scratch`: the column gradients, with stride 1 on
-        rows as wide as the padded input, with the widened output gradient and the padded input gradient; none for
-        1x1 stride-1) for the whole batch, or its chunks' within `limit`."""
+        rows as wide as the padded input, with the widened output gradient and the padded input gradient, with other
+        strides on small planes after the regrouped output gradient; a 1x1 stride-1 convolution's regrouped output
+        gradient and result on small planes, else none) for the whole batch, or its chunks' within `limit`."""
         g, w = node.inputs
         per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, node.attr("size"), node.attr("stride", 1),
                                                       node.attr("pad", 0), node.attr("groups", 1))
