@@ -7,14 +7,17 @@ NaN-filled workspaces of exactly their planned size, and two training steps and 
 the compiled kernels against the numpy backend. Also: how a program finds, refuses and reports its library."""
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 
 from hypothesis import given, settings, strategies as st
 
+from deepdsl.codegen.native import compile_command
 from deepdsl.ops import get_op
 
 from deepdsl_runtime import contract
@@ -58,6 +61,10 @@ GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
     # rows of several vectors of eight, the padding or the row's end inside a vector; a column kernel without padding
     # (each tap's rows one contiguous copy)
     (2, 3, 12, 19, 3, 3, 1, 1), (1, 2, 9, 16, 5, 5, 1, 2), (2, 2, 6, 12, 3, 3, 1, 0), (2, 2, 7, 6, 3, 1, 1, 0),
+    # stride 1 through a zero-padded copy of each plane (`DEEPDSL_SMALL_PLANE`): output rows of 1 to 8 floats and
+    # more, rows ending inside a vector or at its end, and the padded planes on either side of the limit (2048)
+    (2, 3, 4, 4, 3, 3, 1, 1), (2, 2, 1, 1, 3, 3, 1, 1), (1, 2, 12, 12, 5, 5, 1, 0), (3, 2, 7, 13, 3, 3, 1, 1),
+    (1, 2, 43, 43, 3, 3, 1, 1), (1, 2, 44, 44, 3, 3, 1, 1), (2, 2, 5, 9, 3, 2, 1, 3),
 ]
 
 
@@ -76,6 +83,43 @@ def test_im2col_and_swap_equal_numpy_bit_for_bit(lib, geometry):
     swapped = np.full((c, n, h, w), np.nan, np.float32)
     lib.swap01(x, swapped)
     assert np.array_equal(swapped, x.swapaxes(0, 1))
+
+
+@needs_cc
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+def test_col2im_equals_numpy_bit_for_bit(lib, geometry):
+    """The column gradients added back into the input gradient, in numpy's order, into a NaN-filled output: from a
+    chunk's product (C*kh*kw, samples*Ho*Wo) and from per-sample ones (samples, C*kh*kw, Ho*Wo), with -0.0 and
+    NaN among the values."""
+    n, c, h, w, kh, kw, stride, pad = geometry
+    ho, wo = contract.out_size(h, kh, stride, pad), contract.out_size(w, kw, stride, pad)
+    rng = np.random.default_rng(2)
+    for chunk in (True, False):
+        shape = (c, kh, kw, n, ho, wo) if chunk else (n, c, kh, kw, ho, wo)
+        columns = np.round(rng.standard_normal(shape), 1).astype(np.float32)
+        columns[columns == 0] = -0.0
+        columns.reshape(-1)[rng.integers(0, columns.size)] = np.nan
+        dcols = columns.transpose(3, 0, 1, 2, 4, 5) if chunk else columns
+        want = np.full((n, c, h, w), np.nan, np.float32)
+        got = np.full_like(want, np.nan)
+        conv._NUMPY.col2im(dcols, want, stride, pad)
+        lib.col2im(dcols, got, stride, pad)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+@needs_cc
+def test_im2col_and_col2im_with_avx_masks_only(tmp_path):
+    """Built for a processor with AVX but not AVX-512 (masked vectors by AVX's own masked loads and stores), the
+    copies and additions are numpy's bit for bit too."""
+    source = native.KERNELS_DIR / "cpu_ops.c"
+    command = compile_command(source, tmp_path / "avx.so") + ["-mavx2", "-mfma", "-mno-avx512f"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    for geometry in GEOMETRIES:
+        test_im2col_and_swap_equal_numpy_bit_for_bit(avx, geometry)
+        test_col2im_equals_numpy_bit_for_bit(avx, geometry)
 
 
 def _pool_input(n, c, h, w, rng):

@@ -32,7 +32,8 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
            "KERNELS_DIR"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_conv.c", "deepdsl_math.h")      # what a program's .c includes from the runtime
+# what a program's .c includes from the runtime
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "deepdsl_math.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3

@@ -1,13 +1,14 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
-// the im2col copies, col2im additions and axis swaps of the convolutions, thin convolutions and their filter
-// gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient.
+// the im2col copies and col2im additions of the convolutions (cpu_columns.c), their axis swaps, thin convolutions
+// and their filter gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient.
 //
 // Each kernel computes what the numpy kernel it replaces computes (runtime/cpu/; exactly, but for the sums of thin
 // convolutions' filter gradients and LRN's power with beta 0.75, which round differently), on the same memory: no
-// scratch beyond what that kernel's plan gives (these need none), outputs never overlapping inputs (the Python
-// side runs takeovers chunk by chunk, as for numpy). Loops are branch-free where it matters, threads split
-// independent rows, and every thread writes only its own outputs: results do not depend on the thread count.
+// scratch beyond what that kernel's plan gives (these need none, but for arrays of a fixed size on the stack),
+// outputs never overlapping inputs (the Python side runs takeovers chunk by chunk, as for numpy). Loops are
+// branch-free where it matters, threads split independent rows, and every thread writes only its own outputs:
+// results do not depend on the thread count.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,13 +39,26 @@ static inline __attribute__((always_inline)) deepdsl_v8i deepdsl_inside(int firs
     const deepdsl_v8i at = (deepdsl_v8i){0, 1, 2, 3, 4, 5, 6, 7} + first;
     return (at >= 0) & (at < size);
 }
-// from[l] where mask lane l is set, else 0; masked-off lanes are not read (they may lie outside the array)
+// from[l] where mask lane l is set, else 0; masked-off lanes are not read (they may lie outside the array). With
+// AVX-512 the mask goes to a mask register: AVX's own masked stores are slow on AMD's processors.
+#if defined(__AVX512VL__)
+static inline __attribute__((always_inline)) __mmask8 deepdsl_lanes(deepdsl_v8i mask) {
+    return _mm256_cmplt_epi32_mask((__m256i)mask, _mm256_setzero_si256());
+}
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load(const float* from, deepdsl_v8i mask) {
+    return (deepdsl_v8f)_mm256_maskz_loadu_ps(deepdsl_lanes(mask), from);
+}
+static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepdsl_v8i mask, deepdsl_v8f v) {
+    _mm256_mask_storeu_ps(to, deepdsl_lanes(mask), (__m256)v);
+}
+#else
 static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load(const float* from, deepdsl_v8i mask) {
     return (deepdsl_v8f)_mm256_maskload_ps(from, (__m256i)mask);
 }
 static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepdsl_v8i mask, deepdsl_v8f v) {
     _mm256_maskstore_ps(to, (__m256i)mask, (__m256)v);
 }
+#endif
 #else
 #define DEEPDSL_MASKED 0
 #endif
@@ -203,65 +217,14 @@ void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, 
     }
 }
 
-// One plane of the im2col matrix: plane[p][q] = src[i + stride*p - pad][j + stride*q - pad] (0 outside the h x w
-// plane src), the rows of tap (i, j) of one channel and sample.
-DEEPDSL_ROW void deepdsl_im2col_plane(const float* src, int h, int w, int ho, int wo, int i, int j, int stride,
-                                      int pad, float* dst) {
-    if (stride == 1 && pad == 0 && j == 0 && wo == w) {        /* every row inside and contiguous: one copy */
-        memcpy(dst, src + (long)i * w, sizeof(float) * ho * wo);
-        return;
-    }
-    int q0, q1;
-    deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
-    for (int p = 0; p < ho; ++p) {
-        float* d = dst + (long)p * wo;
-        const int y = i + stride * p - pad;
-        if (y < 0 || y >= h || q1 <= q0) {
-            memset(d, 0, sizeof(float) * wo);
-            continue;
-        }
-        const float* row = src + (long)y * w + j - pad;
-#if DEEPDSL_MASKED
-        if (stride == 1) {          /* vectors of 8 columns, masked where the row or the padding ends inside one */
-            int q = 0;
-            for (; q + 8 <= wo; q += 8) {
-                deepdsl_v8f v;
-                if (q + j - pad >= 0 && q + j - pad + 8 <= w) memcpy(&v, row + q, sizeof v);
-                else v = deepdsl_load(row + q, deepdsl_inside(q + j - pad, w));
-                memcpy(d + q, &v, sizeof v);
-            }
-            if (q < wo) {
-                const deepdsl_v8i columns = deepdsl_inside(q, wo);
-                deepdsl_store(d + q, columns, deepdsl_load(row + q, deepdsl_inside(q + j - pad, w) & columns));
-            }
-            continue;
-        }
-#endif
-        for (int q = 0; q < q0; ++q) d[q] = 0.0f;
-        if (stride == 1) {
-            deepdsl_copy_floats(d + q0, row + q0, q1 - q0);
-        } else {
-            for (int q = q0; q < q1; ++q) d[q] = row[(long)stride * q];
-        }
-        for (int q = q1; q < wo; ++q) d[q] = 0.0f;
-    }
+// d[k] += s[k] for k < n (the arrays do not overlap).
+static inline __attribute__((always_inline)) void deepdsl_add_floats(float* restrict d, const float* restrict s,
+                                                                    long n) {
+#pragma omp simd
+    for (long k = 0; k < n; ++k) d[k] += s[k];
 }
 
-// cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
-// samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
-void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
-                    int pad, float* cols) {
-    const long rows = (long)c * kh * kw;
-    const long plane = (long)ho * wo;
-#pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
-    for (long r = 0; r < rows; ++r) {
-        for (int s = 0; s < m; ++s) {
-            const int ch = (int)(r / ((long)kh * kw)), i = (int)((r / kw) % kh), j = (int)(r % kw);
-            deepdsl_im2col_plane(x + ((long)s * c + ch) * h * w, h, w, ho, wo, i, j, stride, pad,
-                                 cols + (r * m + s) * plane);
-        }
-    }
-}
+#include "cpu_columns.c"
 
 DEEPDSL_ROW void deepdsl_copy_row(float* dst, const float* src, long n, float add) {
 #pragma omp simd
@@ -277,80 +240,6 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, const float*
             if (bias) deepdsl_copy_row(dst + (b * na + a) * inner, src + (a * nb + b) * inner, inner, bias[a]);
             else memcpy(dst + (b * na + a) * inner, src + (a * nb + b) * inner, sizeof(float) * inner);
         }
-}
-
-// The input gradient of a stride-1 convolution from its column gradients, gathered: out[s][ch][y][x] (m samples of
-// ch < channels planes h x w) is the sum, in the order k = 0, 1, ..., of contribution k at position
-// (y + pad) * wp + x + pad - offsets[k] of its row (ch, s), where that lies in [0, rows) -- what adding each
-// contribution over a zeroed padded plane at its offset and cropping gives (runtime/cpu/conv.py), in one pass.
-// Contribution k, row (ch, s) starts at contributions + k * k_stride + ch * c_stride + s * rows.
-DEEPDSL_ROW void deepdsl_shifted_sums_plane(const float* base, long count, const long* offsets, long k_stride,
-                                            long rows, long h, long w, long wp, long pad, float* o) {
-    memset(o, 0, sizeof(float) * h * w);
-    for (long k = 0; k < count; ++k) {            /* each element adds its contributions in the order k */
-        const float* src = base + k * k_stride;
-        for (long y = 0; y < h; ++y) {
-            /* t = start + x for x < w, kept within [0, rows) */
-            const long start = (y + pad) * wp + pad - offsets[k];
-            const long x0 = start < 0 ? -start : 0;
-            const long x1 = rows - start < w ? rows - start : w;
-            float* row = o + y * w;
-#pragma omp simd
-            for (long x = x0; x < x1; ++x) row[x] += src[start + x];
-        }
-    }
-}
-
-void deepdsl_shifted_sums(const float* contributions, long count, const long* offsets, long k_stride,
-                          long c_stride, long rows, long m, long channels, long h, long w, long wp, long pad,
-                          float* out) {
-#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * count >= DEEPDSL_PARALLEL_MIN)
-    for (long s = 0; s < m; ++s)
-        for (long ch = 0; ch < channels; ++ch)
-            deepdsl_shifted_sums_plane(contributions + ch * c_stride + s * rows, count, offsets, k_stride, rows, h, w,
-                                       wp, pad, out + (s * channels + ch) * h * w);
-}
-
-// d[k] += s[k] for k < n (the arrays do not overlap).
-static inline __attribute__((always_inline)) void deepdsl_add_floats(float* restrict d, const float* restrict s,
-                                                                    long n) {
-#pragma omp simd
-    for (long k = 0; k < n; ++k) d[k] += s[k];
-}
-
-// One plane of col2im: o (h x w) = 0, then for each kernel offset (i, j) in order, o[stride*p - pad + i]
-// [stride*q - pad + j] += cols[(i*kw + j) * row_stride + p*wo + q] over the positions inside the plane -- the
-// additions of runtime/cpu/conv.py's _col2im_add, in its order.
-DEEPDSL_ROW void deepdsl_col2im_plane(const float* cols, long row_stride, int h, int w, int kh, int kw, int ho,
-                                      int wo, int stride, int pad, float* o) {
-    memset(o, 0, sizeof(float) * h * w);
-    for (int i = 0; i < kh; ++i) {
-        int p0, p1;
-        deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
-        for (int j = 0; j < kw; ++j) {
-            int q0, q1;
-            deepdsl_valid(j, w, wo, stride, pad, &q0, &q1);
-            const float* src = cols + (long)(i * kw + j) * row_stride;
-            for (int p = p0; p < p1; ++p) {
-                float* row = o + (long)(stride * p - pad + i) * w + j - pad;
-                const float* from = src + (long)p * wo;
-                if (stride == 1) deepdsl_add_floats(row + q0, from + q0, q1 - q0);
-                else for (int q = q0; q < q1; ++q) row[(long)stride * q] += from[q];
-            }
-        }
-    }
-}
-
-// out (m, channels, h, w) = col2im of the column gradients: element (s, ch, i, j, p, q) at cols + s * sample_stride
-// + ((ch * kh + i) * kw + j) * row_stride + p * wo + q (a chunk's (C*kh*kw, m*Ho*Wo) product or per-sample ones);
-// a thread owns whole planes.
-void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
-                    int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
-#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
-    for (long s = 0; s < m; ++s)
-        for (long ch = 0; ch < channels; ++ch)
-            deepdsl_col2im_plane(cols + s * sample_stride + ch * kh * kw * row_stride, row_stride, h, w, kh, kw, ho,
-                                 wo, stride, pad, out + (s * channels + ch) * h * w);
 }
 
 // x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).
