@@ -32,7 +32,7 @@ from deepdsl_runtime import cpu  # noqa: E402
 from deepdsl_runtime.cpu import native  # noqa: E402
 
 from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
-from timing import load_average  # noqa: E402
+from timing import load_average, median_ms  # noqa: E402
 
 GEOMETRIES = [  # (N, C, H=W, kernel, pad): ResNet-50's 3x3 layers at 112x112 (a chunk of 8), LeNet's, AlexNet's
     (8, 256, 7, 3, 1), (8, 512, 4, 3, 1), (8, 128, 14, 3, 1), (8, 64, 28, 3, 1), (64, 20, 12, 5, 0),
@@ -44,16 +44,6 @@ def _build(source: Path, include: Path, target: Path) -> native.Native:
     subprocess.run(["cc", *native.BUILD_FLAGS, "-I", str(include), "-o", str(target), str(source), "-lm"],
                    check=True)
     return native.Native(ctypes.CDLL(str(target)))
-
-
-def _median_us(call, repeats: int = 15) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
 
 
 def kernels(libs: dict, threads: list[int], rounds: int) -> None:
@@ -71,10 +61,9 @@ def kernels(libs: dict, threads: list[int], rounds: int) -> None:
             times = {name: ([], []) for name in libs}
             for _ in range(rounds):
                 for name, lib in libs.items():
-                    times[name][0].append(_median_us(lambda: lib.im2col(x, cols[name].transpose(3, 0, 1, 2, 4, 5), 1,
-                                                                        pad)))
-                    times[name][1].append(_median_us(lambda: lib.col2im(grads.transpose(3, 0, 1, 2, 4, 5), dx[name],
-                                                                        1, pad)))
+                    columns, gradient = cols[name].transpose(3, 0, 1, 2, 4, 5), grads.transpose(3, 0, 1, 2, 4, 5)
+                    times[name][0].append(1000 * median_ms(lambda: lib.im2col(x, columns, 1, pad), 15))
+                    times[name][1].append(1000 * median_ms(lambda: lib.col2im(gradient, dx[name], 1, pad), 15))
             same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
             a, b = ([statistics.median(v) for v in times[name]] for name in ("this", "other"))
             print(f"{t:>7}  {str((n, c, h, k, pad)):<20} {a[0]:8.0f} / {b[0]:<8.0f} ({a[0] / b[0]:.2f})"

@@ -21,7 +21,6 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import deepdsl_runtime
@@ -32,7 +31,7 @@ import numpy as np  # noqa: E402
 from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu import conv, native  # noqa: E402
 
-from timing import load_average, print_row  # noqa: E402  (benchmarks/ is on the path of a script run from it)
+from timing import load_average, median_ms, print_row  # noqa: E402  (benchmarks/ is on the script's path)
 
 ROOT = Path(__file__).resolve().parents[1]
 THIN = [  # (N, C, H, O, kernel, pad): square images
@@ -42,16 +41,6 @@ PRODUCTS = [  # (O, C*kh*kw, positions): LeNet's conv2 (batch 64, 500), ResNet's
     (50, 500, 4096), (50, 500, 32000), (64, 576, 25088), (128, 1152, 6272), (256, 2304, 1568), (512, 4608, 392),
     (96, 363, 12100), (256, 2400, 2916),
 ]
-
-
-def median_ms(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2] * 1000
 
 
 def _library(directory: Path) -> native.Native:

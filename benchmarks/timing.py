@@ -18,6 +18,17 @@ def timed_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def median_ms(call, repeats: int) -> float:
+    """The median milliseconds of `repeats` calls of `call()`, after one untimed call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2] * 1000
+
+
 def print_row(cells: Sequence[str], markdown: bool, width: int, header: bool = False) -> None:
     """One row of a results table: Markdown (a header row gets its rule) or columns right-aligned to `width`."""
     if markdown:
