@@ -99,7 +99,8 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     const long rows = (long)c * kh * kw;
     const long plane = (long)ho * wo;
 #if DEEPDSL_MASKED
-    if (stride == 1 && (long)(h + 2 * pad) * (w + 2 * pad) <= DEEPDSL_SMALL_PLANE) {
+    /* (a column kernel without padding copies each tap's plane at once, below) */
+    if (stride == 1 && !(kw == 1 && pad == 0) && (long)(h + 2 * pad) * (w + 2 * pad) <= DEEPDSL_SMALL_PLANE) {
 #pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
         for (int ch = 0; ch < c; ++ch)
             for (int s = 0; s < m; ++s)
