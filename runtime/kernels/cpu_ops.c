@@ -238,7 +238,7 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, const float*
     for (long b = 0; b < nb; ++b)
         for (long a = 0; a < na; ++a) {
             if (bias) deepdsl_copy_row(dst + (b * na + a) * inner, src + (a * nb + b) * inner, inner, bias[a]);
-            else memcpy(dst + (b * na + a) * inner, src + (a * nb + b) * inner, sizeof(float) * inner);
+            else deepdsl_copy_floats(dst + (b * na + a) * inner, src + (a * nb + b) * inner, inner);
         }
 }
 
