@@ -107,24 +107,29 @@ void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float*
 
 // ew_square summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
 // (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double); each thread a share of the channels
+// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
+// by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-    for (long c = c0; c < c1; ++c) {
-        double total = 0.0;
-        for (long r = c; r < rows; r += channels) {
-            const float* q0 = p0 + r * inner;
-            float row = 0.0f;
+    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+        for (long sample = 0; sample < rows; sample += channels) {
+            for (long c = first; c < last; ++c) {
+                const long r = sample + c;
+                const float* q0 = p0 + r * inner;
+                float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-            for (long i = 0; i < inner; ++i) {
-                const float v0 = (float)q0[i];
-                row += (v0*v0);
+                for (long i = 0; i < inner; ++i) {
+                    const float v0 = (float)q0[i];
+                    row += (v0*v0);
+                }
+                total[c - first] += row;
             }
-            total += row;
         }
-        out[c] = (float)total;
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
 }
 
@@ -715,27 +720,32 @@ void deepdsl_ew_mul_2_ff(long n, float* out, const void* const* in, const float*
 
 // ew_mul_2 summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
 // (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double); each thread a share of the channels
+// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
+// by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-    for (long c = c0; c < c1; ++c) {
-        double total = 0.0;
-        for (long r = c; r < rows; r += channels) {
-            const float* q0 = p0 + r * inner;
-            const float* q1 = p1 + r * inner;
-            float row = 0.0f;
+    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+        for (long sample = 0; sample < rows; sample += channels) {
+            for (long c = first; c < last; ++c) {
+                const long r = sample + c;
+                const float* q0 = p0 + r * inner;
+                const float* q1 = p1 + r * inner;
+                float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-            for (long i = 0; i < inner; ++i) {
-                const float v0 = (float)q0[i];
-                const float v1 = (float)q1[i];
-                row += v0*v1;
+                for (long i = 0; i < inner; ++i) {
+                    const float v0 = (float)q0[i];
+                    const float v1 = (float)q1[i];
+                    row += v0*v1;
+                }
+                total[c - first] += row;
             }
-            total += row;
         }
-        out[c] = (float)total;
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
 }
 
@@ -850,24 +860,29 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
 
 // ew_neg summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
 // (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double); each thread a share of the channels
+// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
+// by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-    for (long c = c0; c < c1; ++c) {
-        double total = 0.0;
-        for (long r = c; r < rows; r += channels) {
-            const float* q0 = p0 + r * inner;
-            float row = 0.0f;
+    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+        for (long sample = 0; sample < rows; sample += channels) {
+            for (long c = first; c < last; ++c) {
+                const long r = sample + c;
+                const float* q0 = p0 + r * inner;
+                float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-            for (long i = 0; i < inner; ++i) {
-                const float v0 = (float)q0[i];
-                row += -v0;
+                for (long i = 0; i < inner; ++i) {
+                    const float v0 = (float)q0[i];
+                    row += -v0;
+                }
+                total[c - first] += row;
             }
-            total += row;
         }
-        out[c] = (float)total;
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
 }
 

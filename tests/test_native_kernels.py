@@ -281,7 +281,9 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
     for kernel_name, patterns in describe(compiled).kernel_sums:
         kernel = getattr(module, kernel_name)
         for pattern in patterns:
-            for shape in ((3, 5, 7, 3), (4, 9, 64, 130)):
+            # odd shapes, one threaded, and more channels than a thread reads at a time (DEEPDSL_CSUM_BLOCK, 256),
+            # on one thread and on two
+            for shape in ((3, 5, 7, 3), (4, 9, 64, 130), (2, 600, 3, 5), (2, 700, 15, 15)):
                 args = _operands(pattern, shape, rng)
                 target = (1, shape[1], 1, 1)
                 want = np.empty(target, np.float32)

@@ -66,6 +66,7 @@ static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepd
 #define DEEPDSL_PARALLEL_MIN 16384      /* below this many elements a kernel runs on one thread */
 /* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
 #define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
+#define DEEPDSL_CSUM_BLOCK 256          /* channels a per-channel sum reads at a time, sample by sample */
 
 void deepdsl_set_threads(int threads) {
 #ifdef _OPENMP
