@@ -484,20 +484,17 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 
 
 @needs_cc
-def test_the_column_kernel_benchmark_compares_two_kernel_directories(tmp_path):
-    """benchmarks/column_kernels.py against a kernels directory (here a copy of this one): every geometry timed with
-    both libraries and their results the same; and whole steps of a network with each library in turn."""
+def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
+    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry timed with both
+    libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
     from tests.support.program_helpers import ROOT
 
-    other = tmp_path / "kernels"
-    shutil.copytree(native.KERNELS_DIR, other)
-
     def run(*extra):
-        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "column_kernels.py"), "--against",
-                               str(other), "--threads", "1", "--rounds", "1", *extra], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels_vs_checkout.py"), "--against",
+                               str(ROOT), "--threads", "1", "--rounds", "1", *extra], capture_output=True, text=True,
                               timeout=600, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         return done.stdout
@@ -506,7 +503,7 @@ def test_the_column_kernel_benchmark_compares_two_kernel_directories(tmp_path):
     rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", kernels, re.M)
     assert len(rows) >= 6 and all(not row[-1] for row in rows), kernels
     whole = run("--network", "lenet:8", "--steps", "3")
-    assert re.search(r"^lenet:8 1 thread\(s\), this: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
+    assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole
 
 

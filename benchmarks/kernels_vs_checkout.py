@@ -1,0 +1,174 @@
+"""This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
+and axis-swap kernels alone, or whole training steps of a network.
+
+    python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5]
+    python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
+
+OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
+each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
+kernel, pad, stride 1; for the swap (A, B, inner)), the median microseconds of 15 calls, medians over `--rounds`
+rounds that alternate the two libraries, their ratio (this / other), and a check that both give the same bits.
+Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
+`deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
+of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first
+untimed): the median milliseconds per round and the median ratio. (The other library must have the functions this
+checkout's runtime calls.) The load average is printed before and after; idle threads sleep as in the generated
+program.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import deepdsl_runtime
+
+deepdsl_runtime.idle_threads_sleep()        # as the generated program does, before numpy loads its BLAS
+import numpy as np  # noqa: E402
+
+from deepdsl_runtime import cpu  # noqa: E402
+from deepdsl_runtime.cpu import native  # noqa: E402
+
+from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
+from timing import load_average, median_ms  # noqa: E402
+
+GEOMETRIES = [  # (N, C, H=W, kernel, pad): ResNet-50's 3x3 layers at 112x112 (a chunk of 8), LeNet's, AlexNet's
+    (8, 256, 7, 3, 1), (8, 512, 4, 3, 1), (8, 128, 14, 3, 1), (8, 64, 28, 3, 1), (64, 20, 12, 5, 0),
+    (64, 1, 28, 5, 0), (1, 256, 27, 5, 2), (4, 256, 13, 3, 1),
+]
+SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 784), (64, 50, 64)]  # (A, B, inner)
+
+
+def _build(source: Path, include: Path, target: Path) -> native.Native:
+    subprocess.run(["cc", *native.BUILD_FLAGS, "-I", str(include), "-o", str(target), str(source), "-lm"],
+                   check=True)
+    return native.Native(ctypes.CDLL(str(target)))
+
+
+def _alternating(libs: dict, rounds: int, call) -> dict:
+    """Per library, the median over `rounds` alternating rounds of the median microseconds of 15 calls of
+    `call(name, lib)`."""
+    times = {name: [] for name in libs}
+    for _ in range(rounds):
+        for name, lib in libs.items():
+            times[name].append(1000 * median_ms(lambda: call(name, lib), 15))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _cell(times: dict) -> str:
+    return f"{times['this']:8.0f} / {times['other']:<8.0f} ({times['this'] / times['other']:.2f})"
+
+
+def kernels(libs: dict, threads: list[int], rounds: int) -> None:
+    rng = np.random.default_rng(0)
+    print("threads  geometry               im2col this / other (us)    col2im this / other (us)")
+    for t in threads:
+        for lib in libs.values():
+            lib.set_threads(t)
+        for n, c, h, k, pad in GEOMETRIES:
+            ho = h + 2 * pad - k + 1
+            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+            grads = rng.standard_normal((c, k, k, n, ho, ho), dtype=np.float32)
+            cols = {name: np.full(grads.shape, np.nan, np.float32) for name in libs}
+            dx = {name: np.full(x.shape, np.nan, np.float32) for name in libs}
+            gradient = grads.transpose(3, 0, 1, 2, 4, 5)
+            im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(x, cols[name].transpose(3, 0, 1, 2, 4,
+                                                                                                       5), 1, pad))
+            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], 1, pad))
+            same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
+            print(f"{t:>7}  {str((n, c, h, k, pad)):<20} {_cell(im2col)}    {_cell(col2im)}"
+                  f"{'' if same else '  RESULTS DIFFER'}")
+    print("threads  swap (A, B, inner)     this / other (us)")
+    for t in threads:
+        for lib in libs.values():
+            lib.set_threads(t)
+        for shape in SWAPS:
+            src = rng.standard_normal(shape, dtype=np.float32)
+            out = {name: np.full((shape[1], shape[0], shape[2]), np.nan, np.float32) for name in libs}
+            swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]))
+            same = np.array_equal(out["this"], out["other"])
+            print(f"{t:>7}  {str(shape):<20} {_cell(swap)}{'' if same else '  RESULTS DIFFER'}")
+
+
+def _other_source(spec: str, other: Path, directory: Path) -> Path:
+    """The `<program>.c` the checkout at `other` renders for network `spec`, its library's build finished (`deepdsl
+    compile` starts one in the background; it would share the cores with the timed steps)."""
+    runtime = directory / "path"
+    runtime.mkdir()
+    (runtime / "deepdsl_runtime").symlink_to(other / "runtime")
+    name, batch, image = (spec.split(":") + ["", ""])[:3]
+    program = directory / f"{name}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(other / "networks" / f"{name}.py"), "-o", str(program)]
+    command += (["--batch", batch] if batch else []) + (["--image", image] if image else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(runtime), str(other)]))
+    done = subprocess.run(command, capture_output=True, text=True, cwd=other, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {spec} with {other}: {done.stdout.strip()} {done.stderr.strip()}")
+    deadline = time.monotonic() + 300
+    while any(directory.glob(".*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return program.with_suffix(".c")
+
+
+def steps(spec: str, other: Path, threads: list[int], rounds: int, count: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        program = _compile(spec, Path(tmp))
+        (Path(tmp) / "other").mkdir()
+        sources = {"this": (program.with_suffix(".c"), native.KERNELS_DIR),
+                   "other": (_other_source(spec, other, Path(tmp) / "other"), other / "runtime" / "kernels")}
+        libs = {name: _build(source, include, Path(tmp) / f"{name}.so") for name, (source, include) in sources.items()}
+        for t in threads:
+            model = _model(program, "compiled", t)
+            backends = {}
+            for name, lib in libs.items():
+                lib.set_threads(t)
+                backends[name] = cpu.backend(lib)
+            x, y = model.random_batch(np.random.default_rng(0))
+            hyper = model.hyper(0.01, 0.9, 0.0005, 0)
+            model.prepare(hyper)
+            per_round = {name: [] for name in libs}
+            for _ in range(rounds):
+                for name in libs:
+                    model.rt = backends[name]
+                    times = []
+                    for i in range(count):
+                        began = time.perf_counter()
+                        model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
+                        times.append(time.perf_counter() - began)
+                    per_round[name].append(statistics.median(times[1:]) * 1000)
+            ratio = statistics.median(a / b for a, b in zip(per_round["this"], per_round["other"]))
+            for name, values in per_round.items():
+                print(f"{spec} {t} thread(s), {name}: " + " ".join(f"{v:.1f}" for v in values)
+                      + f" ms; median {statistics.median(values):.2f}")
+            print(f"{spec} {t} thread(s): this / other, median over rounds {ratio:.3f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", type=Path, required=True, help="the root of another checkout")
+    parser.add_argument("--network", help="NET[:BATCH[:IMAGE]]: whole training steps instead of the kernels")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    print(f"load average before: {load_average()}")
+    if args.network:
+        steps(args.network, args.against.resolve(), args.threads, args.rounds, args.steps)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            libs = {name: _build(directory / "cpu_ops.c", directory, Path(tmp) / f"{name}.so")
+                    for name, directory in (("this", native.KERNELS_DIR),
+                                            ("other", args.against.resolve() / "runtime" / "kernels"))}
+            kernels(libs, args.threads, args.rounds)
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
