@@ -105,7 +105,7 @@ def bool_floats(count: int) -> int:
 
 def _per_sample(shape) -> int:
     """Elements of one sample (row) of a tensor of `shape`."""
-    return int(np.prod(shape[1:], dtype=np.int64))
+    return int(math.prod(shape[1:]))
 
 
 def pointwise_conv(kh: int, kw: int, stride: int, pad: int) -> bool:

@@ -1,6 +1,8 @@
 """Pooling on the CPU (max and average, forward and backward), a chunk of samples at a time."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from deepdsl_runtime import contract
@@ -46,7 +48,7 @@ def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
 
 def _per(shape) -> int:
     """Elements of one sample."""
-    return int(np.prod(shape[1:], dtype=np.int64))
+    return int(math.prod(shape[1:]))
 
 
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None, native=None):

@@ -3,6 +3,8 @@ workspace holds, no more than keep about `CACHE_BYTES` of data per chunk), and t
 output that takes over its input's bytes."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from deepdsl_runtime import contract
@@ -18,7 +20,7 @@ class Scratch:
         self.used = start
 
     def take(self, shape: tuple[int, ...]) -> np.ndarray:
-        count = int(np.prod(shape, dtype=np.int64))
+        count = int(math.prod(shape))
         if self.workspace is None:
             return np.empty(shape, dtype=_F32)
         end = self.used + count
@@ -29,7 +31,7 @@ class Scratch:
         return region.reshape(shape)
 
     def take_bool(self, shape: tuple[int, ...]) -> np.ndarray:
-        count = int(np.prod(shape, dtype=np.int64))
+        count = int(math.prod(shape))
         if self.workspace is None:
             return np.empty(shape, dtype=np.bool_)
         return self.take(((count + 3) // 4,)).view(np.bool_)[:count].reshape(shape)
