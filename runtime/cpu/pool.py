@@ -43,12 +43,7 @@ def _window(a, i, j, stride, ho, wo):
 
 def _pool_per_sample(x_shape, out_shape, *scratch_shapes) -> int:
     """Float32 elements one sample of a pooling kernel touches: input, output and its scratch (cache chunking)."""
-    return sum(map(_per, (x_shape, out_shape, *scratch_shapes)))
-
-
-def _per(shape) -> int:
-    """Elements of one sample."""
-    return int(math.prod(shape[1:]))
+    return sum(math.prod(shape[1:]) for shape in (x_shape, out_shape, *scratch_shapes))
 
 
 def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspace=None, native=None):

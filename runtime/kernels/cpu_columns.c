@@ -55,6 +55,11 @@ DEEPDSL_ROW void deepdsl_im2col_plane(const float* src, int h, int w, int ho, in
 // floats (ResNet's last stages) otherwise costs more in tests and masks than in copying.
 #define DEEPDSL_SMALL_PLANE 2048
 
+// Whether an h x w plane padded by `pad` fits the stack array of the small-plane kernels.
+static inline int deepdsl_small_plane(int h, int w, int pad) {
+    return (long)(h + 2 * pad) * (w + 2 * pad) <= DEEPDSL_SMALL_PLANE;
+}
+
 // plane (hp x wp, zeroed, + 8 floats of margin) = src (h x w) with `pad` zeros around it
 static inline __attribute__((always_inline)) void deepdsl_zero_padded(const float* src, int h, int w, int pad,
                                                                        int wp, float* plane, long size) {
@@ -100,7 +105,7 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     const long plane = (long)ho * wo;
 #if DEEPDSL_MASKED
     /* (a column kernel without padding copies each tap's plane at once, below) */
-    if (stride == 1 && !(kw == 1 && pad == 0) && (long)(h + 2 * pad) * (w + 2 * pad) <= DEEPDSL_SMALL_PLANE) {
+    if (stride == 1 && !(kw == 1 && pad == 0) && deepdsl_small_plane(h, w, pad)) {
 #pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
         for (int ch = 0; ch < c; ++ch)
             for (int s = 0; s < m; ++s)
@@ -177,7 +182,7 @@ DEEPDSL_ROW void deepdsl_col2im_plane(const float* cols, long row_stride, int h,
 #if DEEPDSL_MASKED
 // One plane of col2im with stride 1 on a small plane (DEEPDSL_SMALL_PLANE): the taps' rows added in the order of
 // deepdsl_col2im_plane into a zeroed padded plane on the stack (vectors of 8, a row's last floats one by one: a
-// masked vector there was slower), then the plane cropped into o.
+// masked vector there was slower, and so was deepdsl_add_floats's loop, 1.0-1.7x), then the plane cropped into o.
 DEEPDSL_ROW void deepdsl_col2im_small(const float* cols, long row_stride, int h, int w, int kh, int kw, int ho,
                                       int wo, int pad, float* o) {
     float plane[DEEPDSL_SMALL_PLANE + 8];
@@ -211,18 +216,19 @@ DEEPDSL_ROW void deepdsl_col2im_small(const float* cols, long row_stride, int h,
 void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
                     int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
 #if DEEPDSL_MASKED
-    if (stride == 1 && (long)(h + 2 * pad) * (w + 2 * pad) <= DEEPDSL_SMALL_PLANE) {
-#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
-        for (long s = 0; s < m; ++s)
-            for (long ch = 0; ch < channels; ++ch)
-                deepdsl_col2im_small(cols + s * sample_stride + ch * kh * kw * row_stride, row_stride, h, w, kh, kw,
-                                     ho, wo, pad, out + (s * channels + ch) * h * w);
-        return;
-    }
+    const int small = stride == 1 && deepdsl_small_plane(h, w, pad);
 #endif
 #pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
     for (long s = 0; s < m; ++s)
-        for (long ch = 0; ch < channels; ++ch)
-            deepdsl_col2im_plane(cols + s * sample_stride + ch * kh * kw * row_stride, row_stride, h, w, kh, kw, ho,
-                                 wo, stride, pad, out + (s * channels + ch) * h * w);
+        for (long ch = 0; ch < channels; ++ch) {
+            const float* planes = cols + s * sample_stride + ch * kh * kw * row_stride;
+            float* o = out + (s * channels + ch) * h * w;
+#if DEEPDSL_MASKED
+            if (small) {
+                deepdsl_col2im_small(planes, row_stride, h, w, kh, kw, ho, wo, pad, o);
+                continue;
+            }
+#endif
+            deepdsl_col2im_plane(planes, row_stride, h, w, kh, kw, ho, wo, stride, pad, o);
+        }
 }
