@@ -443,7 +443,6 @@ def test_compile_builds_the_library_the_program_uses(tmp_path):
 def test_the_peer_benchmark_runs(tmp_path):
     """benchmarks/cpu_vs_peers.py end to end at a tiny size (ours, numpy and PyTorch eager; one round): every side
     reports a step time."""
-    import subprocess
     import sys
 
     from tests.support.program_helpers import ROOT
@@ -461,7 +460,6 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
     """benchmarks/op_profile.py at a tiny size: per op (the convolutions among the ops it lists, their times
     adding up to no more than the step's), and `--steps-only` (each step's time and their median, no op)."""
     import re
-    import subprocess
     import sys
 
     from tests.support.program_helpers import ROOT
@@ -544,7 +542,6 @@ def numpy_power_is_powf() -> bool:
     """Whether numpy's float32 power gives the C library's `powf` bits on this machine: the compiled LRN (which
     calls powf) is numpy's bit for bit only then. Where numpy has its own AVX-512 power (x86 processors with
     AVX-512F), about a fifth of the results differ from powf's in the last bit."""
-    import ctypes
     import ctypes.util
 
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
