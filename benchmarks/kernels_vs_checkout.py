@@ -32,6 +32,7 @@ import deepdsl_runtime
 deepdsl_runtime.idle_threads_sleep()        # as the generated program does, before numpy loads its BLAS
 import numpy as np  # noqa: E402
 
+from deepdsl.codegen.native import compile_command  # noqa: E402
 from deepdsl_runtime import cpu  # noqa: E402
 from deepdsl_runtime.cpu import native  # noqa: E402
 
@@ -46,8 +47,10 @@ SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 78
 
 
 def _build(source: Path, include: Path, target: Path) -> native.Native:
-    subprocess.run(["cc", *native.BUILD_FLAGS, "-I", str(include), "-o", str(target), str(source), "-lm"],
-                   check=True)
+    """The library of `source` built as `deepdsl compile` builds one, its runtime kernels found first in `include`."""
+    command = compile_command(source, target)
+    command[1:1] = ["-I", str(include)]             # searched before the runtime's own kernels directory
+    subprocess.run(command, check=True)
     return native.Native(ctypes.CDLL(str(target)))
 
 
