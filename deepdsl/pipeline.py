@@ -2,7 +2,7 @@
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
          ─fuse_elementwise→ ─fuse_reductions→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→
-         ─rematerialize→ ─inplace→ ─dealloc→ ─fuse_pool_argmax→ Programs ─plan_memory→ MemoryPlans
+         ─rematerialize→ ─inplace→ ─fuse_multi_output→ ─dealloc→ Programs ─plan_memory→ MemoryPlans
 
 `STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the
 `CompileOptions` field that switches it on (None: it always runs). `run_stages` runs any slice of it with the
@@ -28,7 +28,7 @@ from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
-from deepdsl.passes.fuse_pool_argmax import fuse_pool_argmax
+from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.passes.fuse_reductions import fuse_reductions
 from deepdsl.passes.inplace import compute_in_place
 from deepdsl.passes.linearize import linearize
@@ -144,9 +144,10 @@ def _hoist(steps: Mapping[str, Graph]) -> dict[str, Graph]:
     return {"setup": setup, **dict(zip(names, graphs))}
 
 
-# CSE runs before fusion too: merging duplicates first gives fusion true reader counts. After `dealloc` the
-# programs have their final order, in-place statements and frees; `fuse_pool_argmax` marks the pooling statements
-# one call computes together; `plan_memory` gives their plans.
+# CSE runs before fusion too: merging duplicates first gives fusion true reader counts. After `inplace` the
+# programs have their final order and in-place statements; `fuse_multi_output` marks the pairs of statements one
+# call computes together, `dealloc` frees each value after its last read (a pair's call reads the inputs of both);
+# `plan_memory` gives their plans.
 STAGES: tuple[Stage, ...] = (
     Stage("simplify", simplify, "simplify"),
     Stage("cse", cse, "cse"),
@@ -161,8 +162,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("rematerialize", rematerialize, "rematerialize"),   # needs the final order; before in-place and frees
     Stage("inplace", compute_in_place, "inplace",
           lambda o: {"activations": o.inplace_activations, "updates": o.inplace_updates}),
-    Stage("dealloc", insert_frees, "dealloc"),
-    Stage("fuse_pool_argmax", fuse_pool_argmax),          # needs the final order, in-place statements and frees
+    Stage("fuse_multi_output", fuse_multi_output),        # needs the final order and in-place statements
+    Stage("dealloc", insert_frees, "dealloc"),            # frees after the reads of both statements of a pair
     Stage("plan_memory", plan_memory, None, lambda o: {"workspace_limit": o.workspace_limit, "takeover": o.takeover}),
 )
 

@@ -32,7 +32,7 @@ class Let:
 
     into: the value (or persistent input) whose storage this statement overwrites.
     computes_also: the value of the `Let` just before this one, computed by this statement's kernel together with
-        its own (`passes.fuse_pool_argmax`); that statement then only binds its buffer. The values are those the
+        its own (`passes.fuse_multi_output`); that statement then only binds its buffer. The values are those the
         two statements define one by one, so the text of the program does not show it.
     """
 

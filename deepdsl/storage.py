@@ -8,6 +8,11 @@ Every value lives in one *storage*, named by its root value:
 - a view (`reshape`, an op with `view = True`) computes nothing and lives in the storage of its input;
 - an in-place statement `Let(node, into=t)` lives in the storage of `t`.
 
+A statement computed together with the one before it (`Let(node, computes_also=v)`, `passes.fuse_multi_output`)
+uses the storages of `v` and of the inputs of `v`'s statement as well: the one call that computes both writes `v`
+and reads those inputs there (their values are read by `v`'s statement, as the program says, so `last_read` does
+not move).
+
 The analysis here is shared by the in-place and dealloc passes, the memory planner, the verifier and the
 interpreter, so all of them agree on what aliases what. When each storage is live, and how many bytes are live at
 each instruction, is `deepdsl.liveness`, built on the extents recorded here.
@@ -72,7 +77,7 @@ class Storage:
 
     root: dict[int, Node]                  # id(value) -> root of its storage
     infos: dict[int, StorageInfo]          # id(root) -> storage
-    last_read: dict[int, int]              # id(value) -> last body index reading it (absent: never read)
+    last_read: dict[int, int]              # id(value) -> last statement reading it (absent: never read)
 
     def of(self, value: Node) -> StorageInfo:
         return self.infos[id(self.root[id(value)])]
@@ -102,6 +107,11 @@ def analyze(program: Program) -> Storage:
                 last_read[id(i)] = index
                 info = infos[id(root[id(i)])]
                 info.last_use = max(info.last_use, index)
+        if instr.computes_also is not None:      # the call computing both reads the first's inputs, writes its output
+            for i in (*instr.computes_also.inputs, instr.computes_also):
+                if id(i) in root:
+                    info = infos[id(root[id(i)])]
+                    info.last_use = max(info.last_use, index)
         host = instr.into if instr.into is not None else (node.inputs[0] if is_view(node) else None)
         if host is not None and id(host) in root:
             info = infos[id(root[id(host)])]

@@ -11,8 +11,8 @@ dtype; `t` is no batch input; a persistent `t` is overwritten only by the progra
 elementwise (or an op whose kernel may overwrite that input, `Op.overwritable`) and reads it at its own shape;
 afterwards no value stored with `t` is read (they are overwritten).
 A statement computed together with the one before it (`Let(node, computes_also=v)`): `v` is that statement's
-node, neither statement writes in place nor is computed with another, and one call can compute both
-(`passes.fuse_pool_argmax.computed_together`).
+node, which is computed with no other, and one call can compute both (`passes.fuse_multi_output.computed_together`,
+which also says when either may write in place).
 Once a program has Free statements (after the dealloc pass), every arena storage that holds no program output is
 freed exactly once, by the Free right after the last statement that defines or reads a value stored there, naming
 all of its values still alive; persistent values are never freed.
@@ -102,14 +102,14 @@ def verify(program: Program) -> Program:
 
 
 def _check_computed_together(program, index, instr, names, fail) -> None:
-    from deepdsl.passes.fuse_pool_argmax import computed_together
+    from deepdsl.passes.fuse_multi_output import computed_together
 
     before = program.body[index - 1] if index > 0 else None
     if not isinstance(before, Let) or before.node is not instr.computes_also:
         fail(index, f"{names[id(instr.node)]} computes a value that the statement before it does not define")
-    if before.into is not None or instr.into is not None or before.computes_also is not None:
-        fail(index, f"{names[id(instr.node)]} is computed with the statement before it, which one of them cannot be")
-    if not computed_together(before.node, instr.node):
+    if before.computes_also is not None:
+        fail(index, f"{names[id(instr.node)]} is computed with the statement before it, which is already paired")
+    if not computed_together(before, instr):
         fail(index, f"{names[id(instr.node)]} and the statement before it cannot be computed by one call")
 
 

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x227x227 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 450000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 506.55 MB of tensors planned for the training step (227.83 MB testing); static arena 524.71 MB, pool 642.73 MB, workspace 33.46 MB
-Structure hash: 37387c575e9be15b
+Structure hash: 5a3a5ce14e8a9aa4
 
 Usage: python alexnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Alexnet(rp.Model):
 
     name = "alexnet"
     source = "networks/alexnet.py"
-    structure_hash = "37387c575e9be15b"
+    structure_hash = "5a3a5ce14e8a9aa4"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 227, 227)
@@ -233,14 +233,14 @@ class Alexnet(rp.Model):
         rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
 
         # ---- fc6_relu (relu), forward ----
-        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)   (computed with the next statement)
         fc6_relu = fc6_matmul  # in place: over fc6_matmul
-        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
 
         # ---- fc6_dropout (dropout 0.5), forward ----
         # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
         fc6_dropout = mem.tensor(19, (128, 4096), 'float32')
-        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B']),
+                   (ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask))
 
         # ---- fc7 (fully connected, 4096 outputs), forward ----
         # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
@@ -248,14 +248,14 @@ class Alexnet(rp.Model):
         rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
 
         # ---- fc7_relu (relu), forward ----
-        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)   (computed with the next statement)
         fc7_relu = fc7_matmul  # in place: over fc7_matmul
-        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc7_dropout (dropout 0.5), forward ----
         # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
         fc7_dropout = mem.tensor(21, (128, 4096), 'float32')
-        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B']),
+                   (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
         # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
@@ -299,15 +299,15 @@ class Alexnet(rp.Model):
         # d_fc8_B = sum_to[1000](d_fc8)
         d_fc8_B = mem.tensor(25, (1000,), 'float32')
         rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
-        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B   (computed with the next statement)
         V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B)
+        # fc8_B_new = fc8_B - 2*lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew_pair((ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B),
+                   (ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new))
         # free d_fc8_B
         del d_fc8_B
         mem.free(25)
-        # fc8_B_new = fc8_B - 2*lr*V_fc8_B_new
-        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
         # d_fc7_dropout = matmul(d_fc8, fc8_W)
         d_fc7_dropout = mem.tensor(26, (128, 4096), 'float32')
         rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
@@ -324,15 +324,15 @@ class Alexnet(rp.Model):
         # d_fc7_B = sum_to[4096](d_fc7)
         d_fc7_B = mem.tensor(27, (4096,), 'float32')
         rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
-        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B   (computed with the next statement)
         V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B)
+        # fc7_B_new = fc7_B - 2*lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew_pair((ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B),
+                   (ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new))
         # free d_fc7_B
         del d_fc7_B
         mem.free(27)
-        # fc7_B_new = fc7_B - 2*lr*V_fc7_B_new
-        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
         # d_fc6_dropout = matmul(d_fc7, fc7_W)
         d_fc6_dropout = mem.tensor(28, (128, 4096), 'float32')
         rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
@@ -349,15 +349,15 @@ class Alexnet(rp.Model):
         # d_fc6_B = sum_to[4096](d_fc6)
         d_fc6_B = mem.tensor(29, (4096,), 'float32')
         rt.sum_to(d_fc6, out=d_fc6_B, shape=(4096,))
-        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B   (computed with the next statement)
         V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B)
+        # fc6_B_new = fc6_B - 2*lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew_pair((ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B),
+                   (ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new))
         # free d_fc6_B
         del d_fc6_B
         mem.free(29)
-        # fc6_B_new = fc6_B - 2*lr*V_fc6_B_new
-        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
         # d_conv5_flatten = matmul(d_fc6, fc6_W)
         d_conv5_flatten = mem.tensor(30, (128, 9216), 'float32')
         rt.matmul(d_fc6, T['fc6_W'], out=d_conv5_flatten)
@@ -378,15 +378,15 @@ class Alexnet(rp.Model):
         # free d_fc8_log_loss_log_softmax, d_fc8, fc7_dropout
         del d_fc8_log_loss_log_softmax, d_fc8, fc7_dropout
         mem.free(2, 21)
-        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W   (computed with the next statement)
         V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew_mul_add_2, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew_pair((ew_mul_add_2, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W']),
+                   (ew_mul_sub_2, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new))
         # free d_fc8_W
         del d_fc8_W
         mem.free(31)
-        # fc8_W_new = fc8_W - lr*V_fc8_W_new
-        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew_mul_sub_2, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
 
         # ---- conv5_relu (relu), backward ----
         # d_conv5_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(13,13),stride=2](d_conv5, conv5_max_pool_argmax)
@@ -402,15 +402,15 @@ class Alexnet(rp.Model):
         rt.sum_to(d_conv5_relu_max_pool_bwd, out=d_conv5_sum_to, shape=(1, 256, 1, 1))
         # d_conv5_B = reshape[256](d_conv5_sum_to)
         d_conv5_B = rt.reshape(d_conv5_sum_to, shape=(256,))
-        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B
+        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B   (computed with the next statement)
         V_conv5_B_new = T['V_conv5_B']  # in place: the new V_conv5_B
-        rt.ew(ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B)
+        # conv5_B_new = conv5_B - 2*lr*V_conv5_B_new
+        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
+        rt.ew_pair((ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B),
+                   (ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new))
         # free d_conv5_sum_to, d_conv5_B
         del d_conv5_sum_to, d_conv5_B
         mem.free(33)
-        # conv5_B_new = conv5_B - 2*lr*V_conv5_B_new
-        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
-        rt.ew(ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new)
         # d_conv5_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_relu_max_pool_bwd, conv4_relu)
         d_conv5_W = mem.tensor(34, (256, 384, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_relu_max_pool_bwd, conv4_relu, out=d_conv5_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32088064))
@@ -446,15 +446,15 @@ class Alexnet(rp.Model):
         rt.sum_to(d_conv4, out=d_conv4_sum_to, shape=(1, 384, 1, 1))
         # d_conv4_B = reshape[384](d_conv4_sum_to)
         d_conv4_B = rt.reshape(d_conv4_sum_to, shape=(384,))
-        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B
+        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B   (computed with the next statement)
         V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
-        rt.ew(ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B)
+        # conv4_B_new = conv4_B - 2*lr*V_conv4_B_new
+        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
+        rt.ew_pair((ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B),
+                   (ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new))
         # free d_conv4_sum_to, d_conv4_B
         del d_conv4_sum_to, d_conv4_B
         mem.free(36)
-        # conv4_B_new = conv4_B - 2*lr*V_conv4_B_new
-        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
-        rt.ew(ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new)
         # d_conv4_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4, conv3_relu)
         d_conv4_W = mem.tensor(37, (384, 384, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4, conv3_relu, out=d_conv4_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31781376))
@@ -513,15 +513,15 @@ class Alexnet(rp.Model):
         rt.ew(ew_mul_sub_2, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new)
         # d_conv3_B = reshape[384](d_conv3_sum_to)
         d_conv3_B = rt.reshape(d_conv3_sum_to, shape=(384,))
-        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B
+        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B   (computed with the next statement)
         V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
-        rt.ew(ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B)
+        # conv3_B_new = conv3_B - 2*lr*V_conv3_B_new
+        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
+        rt.ew_pair((ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B),
+                   (ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new))
         # free d_conv3_sum_to, d_conv3_B
         del d_conv3_sum_to, d_conv3_B
         mem.free(40)
-        # conv3_B_new = conv3_B - 2*lr*V_conv3_B_new
-        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
-        rt.ew(ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new)
 
         # ---- fc7 (fully connected, 4096 outputs), backward ----
         # d_fc7_W = matmul[ta](d_fc7, fc6_dropout)
@@ -530,15 +530,15 @@ class Alexnet(rp.Model):
         # free fc6_dropout, d_fc7_dropout, d_fc7
         del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(19, 26)
-        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W   (computed with the next statement)
         V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew_mul_add_2, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew_pair((ew_mul_add_2, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W']),
+                   (ew_mul_sub_2, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new))
         # free d_fc7_W
         del d_fc7_W
         mem.free(42)
-        # fc7_W_new = fc7_W - lr*V_fc7_W_new
-        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew_mul_sub_2, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
 
         # ---- conv2_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_conv2_lrn = max_pool_bwd[ceil=True,kernel=3,size=(27,27),stride=2](d_conv2_max_pool, conv2_max_pool_argmax)
@@ -588,15 +588,15 @@ class Alexnet(rp.Model):
         rt.ew(ew_mul_sub_2, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new)
         # d_conv2_B = reshape[256](d_conv2_sum_to)
         d_conv2_B = rt.reshape(d_conv2_sum_to, shape=(256,))
-        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B
+        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B   (computed with the next statement)
         V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
-        rt.ew(ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B)
+        # conv2_B_new = conv2_B - 2*lr*V_conv2_B_new
+        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
+        rt.ew_pair((ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B),
+                   (ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new))
         # free d_conv2_sum_to, d_conv2_B
         del d_conv2_sum_to, d_conv2_B
         mem.free(45)
-        # conv2_B_new = conv2_B - 2*lr*V_conv2_B_new
-        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
-        rt.ew(ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new)
 
         # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_conv1_lrn = max_pool_bwd[ceil=True,kernel=3,size=(55,55),stride=2](d_conv1_max_pool, conv1_max_pool_argmax)
@@ -632,26 +632,26 @@ class Alexnet(rp.Model):
         # free d_conv1_lrn, d_conv1_relu, d_conv1
         del d_conv1_lrn, d_conv1_relu, d_conv1
         mem.free(47)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub_2, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(48)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub_2, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         # d_conv1_B = reshape[96](d_conv1_sum_to)
         d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(96,))
-        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B   (computed with the next statement)
         V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B)
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew_pair((ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B),
+                   (ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
         # free d_conv1_sum_to, d_conv1_B
         del d_conv1_sum_to, d_conv1_B
         mem.free(49)
-        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
-        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
 
         # ---- fc6 (fully connected, 4096 outputs), backward ----
         # d_fc6_W = matmul[ta](d_fc6, conv5_flatten)
@@ -660,15 +660,15 @@ class Alexnet(rp.Model):
         # free conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         del conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         mem.free(17, 28)
-        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W   (computed with the next statement)
         V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew_mul_add_2, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew_pair((ew_mul_add_2, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W']),
+                   (ew_mul_sub_2, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new))
         # free d_fc6_W
         del d_fc6_W
         mem.free(50)
-        # fc6_W_new = fc6_W - lr*V_fc6_W_new
-        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew_mul_sub_2, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
         loss = rt.scalar(fc8_log_loss)
         mem.end()
         return loss

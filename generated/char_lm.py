@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
 Memory: peak 28.40 MB of tensors planned for the training step (4.20 MB testing); static arena 28.40 MB, pool 28.86 MB, workspace 2.10 MB
-Structure hash: b418896d16a55416
+Structure hash: 37855d7b6cb05b3d
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "b418896d16a55416"
+    structure_hash = "37855d7b6cb05b3d"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -236,18 +236,18 @@ class CharLm(rp.Model):
         # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
         block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
         rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5
+        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2)
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
         block1_ln1_rsqrt = mem.tensor(7, (32, 64, 1), 'float32')
-        rt.ew(ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add)
-        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
+                   (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
+        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
         block1_ln1_mul = mem.tensor(8, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt)
         # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
         block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
-        rt.ew(ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B'])
+        rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
+                   (ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B']))
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
@@ -366,18 +366,18 @@ class CharLm(rp.Model):
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
         block1_ln2_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
         rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5
+        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2)
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
         block1_ln2_rsqrt = mem.tensor(23, (32, 64, 1), 'float32')
-        rt.ew(ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3)
-        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
+                   (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
+        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
         block1_ln2_mul = mem.tensor(24, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt)
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
-        rt.ew(ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B'])
+        rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
+                   (ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B']))
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
@@ -430,18 +430,18 @@ class CharLm(rp.Model):
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
         block2_ln1_sum_to_2 = mem.tensor(30, (32, 64, 1), 'float32')
         rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5
+        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2)
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
         block2_ln1_rsqrt = mem.tensor(31, (32, 64, 1), 'float32')
-        rt.ew(ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2)
-        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
+                   (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
+        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
         block2_ln1_mul = mem.tensor(32, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt)
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
-        rt.ew(ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B'])
+        rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
+                   (ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B']))
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
@@ -560,18 +560,18 @@ class CharLm(rp.Model):
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
         block2_ln2_sum_to_2 = mem.tensor(46, (32, 64, 1), 'float32')
         rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5
+        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2)
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
         block2_ln2_rsqrt = mem.tensor(47, (32, 64, 1), 'float32')
-        rt.ew(ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2)
-        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
+                   (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
+        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
         block2_ln2_mul = mem.tensor(48, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt)
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
-        rt.ew(ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B'])
+        rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
+                   (ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B']))
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
@@ -624,18 +624,18 @@ class CharLm(rp.Model):
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
         ln_sum_to_2 = mem.tensor(53, (32, 64, 1), 'float32')
         rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5
+        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add, ln_add_2, ln_sum_to_2)
         # ln_rsqrt = 1/sqrt(ln_add_2)
         ln_rsqrt = mem.tensor(54, (32, 64, 1), 'float32')
-        rt.ew(ew_rsqrt, ln_rsqrt, ln_add_2)
-        # ln_mul = ln_sub*ln_rsqrt
+        rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
+                   (ew_rsqrt, ln_rsqrt, ln_add_2))
+        # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
         ln_mul = mem.tensor(55, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, ln_mul, ln_sub, ln_rsqrt)
         # ln = ln_mul*ln_W + ln_B
         ln = ln_mul  # in place: over ln_mul
-        rt.ew(ew_mul_add, ln, ln_mul, T['ln_W'], T['ln_B'])
+        rt.ew_pair((ew_mul, ln_mul, ln_sub, ln_rsqrt),
+                   (ew_mul_add, ln, ln_mul, T['ln_W'], T['ln_B']))
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
@@ -737,15 +737,15 @@ class CharLm(rp.Model):
         # S_next_B_new = 0.999*S_next_B + 0.001*d_next_B**2
         S_next_B_new = T['S_next_B']  # in place: the new S_next_B
         rt.ew(ew_square_scale_add, S_next_B_new, T['S_next_B'], d_next_B)
-        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B
+        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B   (computed with the next statement)
         M_next_B_new = T['M_next_B']  # in place: the new M_next_B
-        rt.ew(ew_scale_add_2, M_next_B_new, T['M_next_B'], d_next_B)
+        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))
+        next_B_new = T['next_B']  # in place: the new next_B
+        rt.ew_pair((ew_scale_add_2, M_next_B_new, T['M_next_B'], d_next_B),
+                   (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
         # free d_next_B
         del d_next_B
         mem.free(61)
-        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))
-        next_B_new = T['next_B']  # in place: the new next_B
-        rt.ew(ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_B = sum_to[64](d_ln)
@@ -760,15 +760,15 @@ class CharLm(rp.Model):
         # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
         S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
         rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
         M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        rt.ew(ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B)
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
         mem.free(65)
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew(ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay)
         # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
         d_ln_rsqrt = mem.tensor(66, (32, 64, 1), 'float32')
         rt.ew_sum(ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -821,15 +821,15 @@ class CharLm(rp.Model):
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
         rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
         M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        rt.ew(ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B)
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
         mem.free(69)
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
         d_block2_fc2_reshape = mem.tensor(70, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
@@ -910,15 +910,15 @@ class CharLm(rp.Model):
         # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
         S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
         rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
         M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        rt.ew(ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B)
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
         mem.free(72)
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
@@ -933,15 +933,15 @@ class CharLm(rp.Model):
         # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
         S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
         rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
         M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        rt.ew(ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B)
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
         mem.free(76)
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay)
         # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
         d_block2_ln2_rsqrt = mem.tensor(77, (32, 64, 1), 'float32')
         rt.ew_sum(ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -994,15 +994,15 @@ class CharLm(rp.Model):
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
         rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
         M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        rt.ew(ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B)
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
         mem.free(80)
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
         d_block2_attn_out_reshape = mem.tensor(81, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
@@ -1036,15 +1036,15 @@ class CharLm(rp.Model):
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
         rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
         M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        rt.ew(ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B)
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
         mem.free(85)
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay)
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
         d_block2_attn_v_W = mem.tensor(86, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
@@ -1057,15 +1057,15 @@ class CharLm(rp.Model):
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
         S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
         rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
         M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        rt.ew(ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W)
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
         mem.free(86)
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_causal_softmax = matmul[tb](d_block2_attn_out_matmul, block2_attn_out_transpose)
@@ -1132,15 +1132,15 @@ class CharLm(rp.Model):
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
         rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
         M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        rt.ew(ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B)
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
         mem.free(95)
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(96, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
@@ -1209,29 +1209,29 @@ class CharLm(rp.Model):
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
         M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        rt.ew(ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W)
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
         mem.free(96)
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
         S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
         rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
         M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        rt.ew(ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W)
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
         mem.free(97)
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
@@ -1246,15 +1246,15 @@ class CharLm(rp.Model):
         # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
         S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
         rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
         M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        rt.ew(ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B)
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
         mem.free(102)
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay)
         # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
         d_block2_ln1_rsqrt = mem.tensor(103, (32, 64, 1), 'float32')
         rt.ew_sum(ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1307,15 +1307,15 @@ class CharLm(rp.Model):
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
         rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
         M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        rt.ew(ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B)
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
         mem.free(106)
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
         d_block1_fc2_reshape = mem.tensor(107, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
@@ -1396,15 +1396,15 @@ class CharLm(rp.Model):
         # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
         S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
         rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
         M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        rt.ew(ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B)
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
         mem.free(109)
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
@@ -1419,15 +1419,15 @@ class CharLm(rp.Model):
         # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
         S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
         rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
         M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        rt.ew(ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B)
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
         mem.free(113)
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay)
         # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
         d_block1_ln2_rsqrt = mem.tensor(114, (32, 64, 1), 'float32')
         rt.ew_sum(ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1480,15 +1480,15 @@ class CharLm(rp.Model):
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
         rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
         M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        rt.ew(ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B)
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
         mem.free(117)
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
         d_block1_attn_out_reshape = mem.tensor(118, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
@@ -1522,15 +1522,15 @@ class CharLm(rp.Model):
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
         rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
         M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        rt.ew(ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B)
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
         mem.free(122)
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay)
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
         d_block1_attn_v_W = mem.tensor(123, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
@@ -1543,15 +1543,15 @@ class CharLm(rp.Model):
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
         S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
         rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
         M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        rt.ew(ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W)
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
         mem.free(123)
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_causal_softmax_2 = matmul[tb](d_block1_attn_out_matmul, block1_attn_out_transpose)
@@ -1618,15 +1618,15 @@ class CharLm(rp.Model):
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
         rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
         M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        rt.ew(ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B)
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
         mem.free(132)
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(133, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
@@ -1695,29 +1695,29 @@ class CharLm(rp.Model):
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
         M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        rt.ew(ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W)
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
         mem.free(133)
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
         S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
         rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
         M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        rt.ew(ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W)
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
         mem.free(134)
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
@@ -1732,15 +1732,15 @@ class CharLm(rp.Model):
         # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
         S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
         rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
         M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        rt.ew(ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B)
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
         mem.free(139)
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay)
         # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
         d_block1_ln1_rsqrt = mem.tensor(140, (32, 64, 1), 'float32')
         rt.ew_sum(ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1793,29 +1793,29 @@ class CharLm(rp.Model):
         # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
         S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
         rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
-        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W
+        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W   (computed with the next statement)
         M_embed_W_new = T['M_embed_W']  # in place: the new M_embed_W
-        rt.ew(ew_scale_add_2, M_embed_W_new, T['M_embed_W'], d_embed_W)
+        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))
+        embed_W_new = T['embed_W']  # in place: the new embed_W
+        rt.ew_pair((ew_scale_add_2, M_embed_W_new, T['M_embed_W'], d_embed_W),
+                   (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
         # free d_embed_W
         del d_embed_W
         mem.free(142)
-        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))
-        embed_W_new = T['embed_W']  # in place: the new embed_W
-        rt.ew(ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay)
 
         # ---- pos (parameter 1x64x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
         S_pos_new = T['S_pos']  # in place: the new S_pos
         rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
         M_pos_new = T['M_pos']  # in place: the new M_pos
-        rt.ew(ew_scale_add_2, M_pos_new, T['M_pos'], d_pos)
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        pos_new = T['pos']  # in place: the new pos
+        rt.ew_pair((ew_scale_add_2, M_pos_new, T['M_pos'], d_pos),
+                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
         mem.free(143)
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
-        pos_new = T['pos']  # in place: the new pos
-        rt.ew(ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay)
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss

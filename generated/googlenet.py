@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x224x224 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 2400000 iterations, lr 0.01, momentum 0.9, decay 0.0002
 Memory: peak 2027.34 MB of tensors planned for the training step (488.11 MB testing); static arena 2095.24 MB, pool 2608.19 MB, workspace 33.55 MB
-Structure hash: 3baaed9149f14922
+Structure hash: baefde7dc64726bd
 
 Usage: python googlenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Googlenet(rp.Model):
 
     name = "googlenet"
     source = "networks/googlenet.py"
-    structure_hash = "3baaed9149f14922"
+    structure_hash = "baefde7dc64726bd"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 224, 224)
@@ -910,14 +910,14 @@ class Googlenet(rp.Model):
         rt.matmul(loss2_conv_flatten, T['loss2_fc_W'], out=loss2_fc_matmul, tb=True)
 
         # ---- loss2_fc_relu (relu), forward ----
-        # loss2_fc_relu = Max(0, loss2_fc_matmul + loss2_fc_B)
+        # loss2_fc_relu = Max(0, loss2_fc_matmul + loss2_fc_B)   (computed with the next statement)
         loss2_fc_relu = loss2_fc_matmul  # in place: over loss2_fc_matmul
-        rt.ew(ew_add_relu, loss2_fc_relu, loss2_fc_matmul, T['loss2_fc_B'])
 
         # ---- loss2_fc_dropout (dropout 0.7), forward ----
         # loss2_fc_dropout = 3.33333333333333*loss2_fc_relu*loss2_fc_dropout_mask
         loss2_fc_dropout = mem.tensor(71, (128, 1024), 'float32')
-        rt.ew(ew_mul, loss2_fc_dropout, loss2_fc_relu, loss2_fc_dropout_mask)
+        rt.ew_pair((ew_add_relu, loss2_fc_relu, loss2_fc_matmul, T['loss2_fc_B']),
+                   (ew_mul, loss2_fc_dropout, loss2_fc_relu, loss2_fc_dropout_mask))
 
         # ---- loss2_classifier (fully connected, 1000 outputs), forward ----
         # loss2_classifier_matmul = matmul[tb](loss2_fc_dropout, loss2_classifier_W)
@@ -971,14 +971,14 @@ class Googlenet(rp.Model):
         rt.matmul(loss1_conv_flatten, T['loss1_fc_W'], out=loss1_fc_matmul, tb=True)
 
         # ---- loss1_fc_relu (relu), forward ----
-        # loss1_fc_relu = Max(0, loss1_fc_matmul + loss1_fc_B)
+        # loss1_fc_relu = Max(0, loss1_fc_matmul + loss1_fc_B)   (computed with the next statement)
         loss1_fc_relu = loss1_fc_matmul  # in place: over loss1_fc_matmul
-        rt.ew(ew_add_relu, loss1_fc_relu, loss1_fc_matmul, T['loss1_fc_B'])
 
         # ---- loss1_fc_dropout (dropout 0.7), forward ----
         # loss1_fc_dropout = 3.33333333333333*loss1_fc_relu*loss1_fc_dropout_mask
         loss1_fc_dropout = mem.tensor(79, (128, 1024), 'float32')
-        rt.ew(ew_mul, loss1_fc_dropout, loss1_fc_relu, loss1_fc_dropout_mask)
+        rt.ew_pair((ew_add_relu, loss1_fc_relu, loss1_fc_matmul, T['loss1_fc_B']),
+                   (ew_mul, loss1_fc_dropout, loss1_fc_relu, loss1_fc_dropout_mask))
 
         # ---- loss1_classifier (fully connected, 1000 outputs), forward ----
         # loss1_classifier_matmul = matmul[tb](loss1_fc_dropout, loss1_classifier_W)
@@ -1365,15 +1365,15 @@ class Googlenet(rp.Model):
         # free inception_5b_3x3_reduce, inception_5b_3x3_reduce_relu
         del inception_5b_3x3_reduce, inception_5b_3x3_reduce_relu
         mem.free(109)
-        # V_inception_5b_3x3_W_new = V_inception_5b_3x3_W*momentum + d_inception_5b_3x3_W + decay*inception_5b_3x3_W
+        # V_inception_5b_3x3_W_new = V_inception_5b_3x3_W*momentum + d_inception_5b_3x3_W + decay*inception_5b_3x3_W   (computed with the next statement)
         V_inception_5b_3x3_W_new = T['V_inception_5b_3x3_W']  # in place: the new V_inception_5b_3x3_W
-        rt.ew(ew_mul_add, V_inception_5b_3x3_W_new, T['V_inception_5b_3x3_W'], momentum, d_inception_5b_3x3_W, decay, T['inception_5b_3x3_W'])
+        # inception_5b_3x3_W_new = inception_5b_3x3_W - lr*V_inception_5b_3x3_W_new
+        inception_5b_3x3_W_new = T['inception_5b_3x3_W']  # in place: the new inception_5b_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_5b_3x3_W_new, T['V_inception_5b_3x3_W'], momentum, d_inception_5b_3x3_W, decay, T['inception_5b_3x3_W']),
+                   (ew_mul_sub, inception_5b_3x3_W_new, T['inception_5b_3x3_W'], lr, V_inception_5b_3x3_W_new))
         # free d_inception_5b_3x3_W
         del d_inception_5b_3x3_W
         mem.free(124)
-        # inception_5b_3x3_W_new = inception_5b_3x3_W - lr*V_inception_5b_3x3_W_new
-        inception_5b_3x3_W_new = T['inception_5b_3x3_W']  # in place: the new inception_5b_3x3_W
-        rt.ew(ew_mul_sub, inception_5b_3x3_W_new, T['inception_5b_3x3_W'], lr, V_inception_5b_3x3_W_new)
         # d_inception_5b_3x3_sum_to = sum_to[1x384x1x1](d_inception_5b_3x3)
         d_inception_5b_3x3_sum_to = mem.tensor(125, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_inception_5b_3x3, out=d_inception_5b_3x3_sum_to, shape=(1, 384, 1, 1))
@@ -1382,15 +1382,15 @@ class Googlenet(rp.Model):
         mem.free(122)
         # d_inception_5b_3x3_B = reshape[384](d_inception_5b_3x3_sum_to)
         d_inception_5b_3x3_B = rt.reshape(d_inception_5b_3x3_sum_to, shape=(384,))
-        # V_inception_5b_3x3_B_new = V_inception_5b_3x3_B*momentum + d_inception_5b_3x3_B
+        # V_inception_5b_3x3_B_new = V_inception_5b_3x3_B*momentum + d_inception_5b_3x3_B   (computed with the next statement)
         V_inception_5b_3x3_B_new = T['V_inception_5b_3x3_B']  # in place: the new V_inception_5b_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_5b_3x3_B_new, T['V_inception_5b_3x3_B'], momentum, d_inception_5b_3x3_B)
+        # inception_5b_3x3_B_new = inception_5b_3x3_B - 2*lr*V_inception_5b_3x3_B_new
+        inception_5b_3x3_B_new = T['inception_5b_3x3_B']  # in place: the new inception_5b_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_3x3_B_new, T['V_inception_5b_3x3_B'], momentum, d_inception_5b_3x3_B),
+                   (ew_mul_sub_2, inception_5b_3x3_B_new, T['inception_5b_3x3_B'], lr, V_inception_5b_3x3_B_new))
         # free d_inception_5b_3x3_sum_to, d_inception_5b_3x3_B
         del d_inception_5b_3x3_sum_to, d_inception_5b_3x3_B
         mem.free(125)
-        # inception_5b_3x3_B_new = inception_5b_3x3_B - 2*lr*V_inception_5b_3x3_B_new
-        inception_5b_3x3_B_new = T['inception_5b_3x3_B']  # in place: the new inception_5b_3x3_B
-        rt.ew(ew_mul_sub_2, inception_5b_3x3_B_new, T['inception_5b_3x3_B'], lr, V_inception_5b_3x3_B_new)
 
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat_2 = conv2d_bwd_data[size=(7,7)](d_inception_5b_3x3_reduce, inception_5b_3x3_reduce_W)
@@ -1457,15 +1457,15 @@ class Googlenet(rp.Model):
         # free inception_5b_5x5_reduce, inception_5b_5x5_reduce_relu
         del inception_5b_5x5_reduce, inception_5b_5x5_reduce_relu
         mem.free(107)
-        # V_inception_5b_5x5_W_new = V_inception_5b_5x5_W*momentum + d_inception_5b_5x5_W + decay*inception_5b_5x5_W
+        # V_inception_5b_5x5_W_new = V_inception_5b_5x5_W*momentum + d_inception_5b_5x5_W + decay*inception_5b_5x5_W   (computed with the next statement)
         V_inception_5b_5x5_W_new = T['V_inception_5b_5x5_W']  # in place: the new V_inception_5b_5x5_W
-        rt.ew(ew_mul_add, V_inception_5b_5x5_W_new, T['V_inception_5b_5x5_W'], momentum, d_inception_5b_5x5_W, decay, T['inception_5b_5x5_W'])
+        # inception_5b_5x5_W_new = inception_5b_5x5_W - lr*V_inception_5b_5x5_W_new
+        inception_5b_5x5_W_new = T['inception_5b_5x5_W']  # in place: the new inception_5b_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_5b_5x5_W_new, T['V_inception_5b_5x5_W'], momentum, d_inception_5b_5x5_W, decay, T['inception_5b_5x5_W']),
+                   (ew_mul_sub, inception_5b_5x5_W_new, T['inception_5b_5x5_W'], lr, V_inception_5b_5x5_W_new))
         # free d_inception_5b_5x5_W
         del d_inception_5b_5x5_W
         mem.free(131)
-        # inception_5b_5x5_W_new = inception_5b_5x5_W - lr*V_inception_5b_5x5_W_new
-        inception_5b_5x5_W_new = T['inception_5b_5x5_W']  # in place: the new inception_5b_5x5_W
-        rt.ew(ew_mul_sub, inception_5b_5x5_W_new, T['inception_5b_5x5_W'], lr, V_inception_5b_5x5_W_new)
         # d_inception_5b_5x5_sum_to = sum_to[1x128x1x1](d_inception_5b_5x5)
         d_inception_5b_5x5_sum_to = mem.tensor(132, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_5b_5x5, out=d_inception_5b_5x5_sum_to, shape=(1, 128, 1, 1))
@@ -1474,15 +1474,15 @@ class Googlenet(rp.Model):
         mem.free(127)
         # d_inception_5b_5x5_B = reshape[128](d_inception_5b_5x5_sum_to)
         d_inception_5b_5x5_B = rt.reshape(d_inception_5b_5x5_sum_to, shape=(128,))
-        # V_inception_5b_5x5_B_new = V_inception_5b_5x5_B*momentum + d_inception_5b_5x5_B
+        # V_inception_5b_5x5_B_new = V_inception_5b_5x5_B*momentum + d_inception_5b_5x5_B   (computed with the next statement)
         V_inception_5b_5x5_B_new = T['V_inception_5b_5x5_B']  # in place: the new V_inception_5b_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_5b_5x5_B_new, T['V_inception_5b_5x5_B'], momentum, d_inception_5b_5x5_B)
+        # inception_5b_5x5_B_new = inception_5b_5x5_B - 2*lr*V_inception_5b_5x5_B_new
+        inception_5b_5x5_B_new = T['inception_5b_5x5_B']  # in place: the new inception_5b_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_5x5_B_new, T['V_inception_5b_5x5_B'], momentum, d_inception_5b_5x5_B),
+                   (ew_mul_sub_2, inception_5b_5x5_B_new, T['inception_5b_5x5_B'], lr, V_inception_5b_5x5_B_new))
         # free d_inception_5b_5x5_sum_to, d_inception_5b_5x5_B
         del d_inception_5b_5x5_sum_to, d_inception_5b_5x5_B
         mem.free(132)
-        # inception_5b_5x5_B_new = inception_5b_5x5_B - 2*lr*V_inception_5b_5x5_B_new
-        inception_5b_5x5_B_new = T['inception_5b_5x5_B']  # in place: the new inception_5b_5x5_B
-        rt.ew(ew_mul_sub_2, inception_5b_5x5_B_new, T['inception_5b_5x5_B'], lr, V_inception_5b_5x5_B_new)
 
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat_3 = conv2d_bwd_data[size=(7,7)](d_inception_5b_5x5_reduce, inception_5b_5x5_reduce_W)
@@ -1522,15 +1522,15 @@ class Googlenet(rp.Model):
         mem.free(128)
         # d_inception_5b_pool_proj_B = reshape[128](d_inception_5b_pool_proj_sum_to)
         d_inception_5b_pool_proj_B = rt.reshape(d_inception_5b_pool_proj_sum_to, shape=(128,))
-        # V_inception_5b_pool_proj_B_new = V_inception_5b_pool_proj_B*momentum + d_inception_5b_pool_proj_B
+        # V_inception_5b_pool_proj_B_new = V_inception_5b_pool_proj_B*momentum + d_inception_5b_pool_proj_B   (computed with the next statement)
         V_inception_5b_pool_proj_B_new = T['V_inception_5b_pool_proj_B']  # in place: the new V_inception_5b_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_5b_pool_proj_B_new, T['V_inception_5b_pool_proj_B'], momentum, d_inception_5b_pool_proj_B)
+        # inception_5b_pool_proj_B_new = inception_5b_pool_proj_B - 2*lr*V_inception_5b_pool_proj_B_new
+        inception_5b_pool_proj_B_new = T['inception_5b_pool_proj_B']  # in place: the new inception_5b_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_pool_proj_B_new, T['V_inception_5b_pool_proj_B'], momentum, d_inception_5b_pool_proj_B),
+                   (ew_mul_sub_2, inception_5b_pool_proj_B_new, T['inception_5b_pool_proj_B'], lr, V_inception_5b_pool_proj_B_new))
         # free d_inception_5b_pool_proj_sum_to, d_inception_5b_pool_proj_B
         del d_inception_5b_pool_proj_sum_to, d_inception_5b_pool_proj_B
         mem.free(136)
-        # inception_5b_pool_proj_B_new = inception_5b_pool_proj_B - 2*lr*V_inception_5b_pool_proj_B_new
-        inception_5b_pool_proj_B_new = T['inception_5b_pool_proj_B']  # in place: the new inception_5b_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_5b_pool_proj_B_new, T['inception_5b_pool_proj_B'], lr, V_inception_5b_pool_proj_B_new)
 
         # ---- inception_5a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5a_1x1_relu = slice[axis=1,start=0,stop=256](d_inception_5a_1x1_concat_5)
@@ -1580,15 +1580,15 @@ class Googlenet(rp.Model):
         # free inception_5a_3x3_reduce, inception_5a_3x3_reduce_relu
         del inception_5a_3x3_reduce, inception_5a_3x3_reduce_relu
         mem.free(100)
-        # V_inception_5a_3x3_W_new = V_inception_5a_3x3_W*momentum + d_inception_5a_3x3_W + decay*inception_5a_3x3_W
+        # V_inception_5a_3x3_W_new = V_inception_5a_3x3_W*momentum + d_inception_5a_3x3_W + decay*inception_5a_3x3_W   (computed with the next statement)
         V_inception_5a_3x3_W_new = T['V_inception_5a_3x3_W']  # in place: the new V_inception_5a_3x3_W
-        rt.ew(ew_mul_add, V_inception_5a_3x3_W_new, T['V_inception_5a_3x3_W'], momentum, d_inception_5a_3x3_W, decay, T['inception_5a_3x3_W'])
+        # inception_5a_3x3_W_new = inception_5a_3x3_W - lr*V_inception_5a_3x3_W_new
+        inception_5a_3x3_W_new = T['inception_5a_3x3_W']  # in place: the new inception_5a_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_5a_3x3_W_new, T['V_inception_5a_3x3_W'], momentum, d_inception_5a_3x3_W, decay, T['inception_5a_3x3_W']),
+                   (ew_mul_sub, inception_5a_3x3_W_new, T['inception_5a_3x3_W'], lr, V_inception_5a_3x3_W_new))
         # free d_inception_5a_3x3_W
         del d_inception_5a_3x3_W
         mem.free(141)
-        # inception_5a_3x3_W_new = inception_5a_3x3_W - lr*V_inception_5a_3x3_W_new
-        inception_5a_3x3_W_new = T['inception_5a_3x3_W']  # in place: the new inception_5a_3x3_W
-        rt.ew(ew_mul_sub, inception_5a_3x3_W_new, T['inception_5a_3x3_W'], lr, V_inception_5a_3x3_W_new)
         # d_inception_5a_3x3_sum_to = sum_to[1x320x1x1](d_inception_5a_3x3)
         d_inception_5a_3x3_sum_to = mem.tensor(142, (1, 320, 1, 1), 'float32')
         rt.sum_to(d_inception_5a_3x3, out=d_inception_5a_3x3_sum_to, shape=(1, 320, 1, 1))
@@ -1597,15 +1597,15 @@ class Googlenet(rp.Model):
         mem.free(139)
         # d_inception_5a_3x3_B = reshape[320](d_inception_5a_3x3_sum_to)
         d_inception_5a_3x3_B = rt.reshape(d_inception_5a_3x3_sum_to, shape=(320,))
-        # V_inception_5a_3x3_B_new = V_inception_5a_3x3_B*momentum + d_inception_5a_3x3_B
+        # V_inception_5a_3x3_B_new = V_inception_5a_3x3_B*momentum + d_inception_5a_3x3_B   (computed with the next statement)
         V_inception_5a_3x3_B_new = T['V_inception_5a_3x3_B']  # in place: the new V_inception_5a_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_5a_3x3_B_new, T['V_inception_5a_3x3_B'], momentum, d_inception_5a_3x3_B)
+        # inception_5a_3x3_B_new = inception_5a_3x3_B - 2*lr*V_inception_5a_3x3_B_new
+        inception_5a_3x3_B_new = T['inception_5a_3x3_B']  # in place: the new inception_5a_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_3x3_B_new, T['V_inception_5a_3x3_B'], momentum, d_inception_5a_3x3_B),
+                   (ew_mul_sub_2, inception_5a_3x3_B_new, T['inception_5a_3x3_B'], lr, V_inception_5a_3x3_B_new))
         # free d_inception_5a_3x3_sum_to, d_inception_5a_3x3_B
         del d_inception_5a_3x3_sum_to, d_inception_5a_3x3_B
         mem.free(142)
-        # inception_5a_3x3_B_new = inception_5a_3x3_B - 2*lr*V_inception_5a_3x3_B_new
-        inception_5a_3x3_B_new = T['inception_5a_3x3_B']  # in place: the new inception_5a_3x3_B
-        rt.ew(ew_mul_sub_2, inception_5a_3x3_B_new, T['inception_5a_3x3_B'], lr, V_inception_5a_3x3_B_new)
 
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_2 = conv2d_bwd_data[size=(7,7)](d_inception_5a_3x3_reduce, inception_5a_3x3_reduce_W)
@@ -1672,15 +1672,15 @@ class Googlenet(rp.Model):
         # free inception_5a_5x5_reduce, inception_5a_5x5_reduce_relu
         del inception_5a_5x5_reduce, inception_5a_5x5_reduce_relu
         mem.free(98)
-        # V_inception_5a_5x5_W_new = V_inception_5a_5x5_W*momentum + d_inception_5a_5x5_W + decay*inception_5a_5x5_W
+        # V_inception_5a_5x5_W_new = V_inception_5a_5x5_W*momentum + d_inception_5a_5x5_W + decay*inception_5a_5x5_W   (computed with the next statement)
         V_inception_5a_5x5_W_new = T['V_inception_5a_5x5_W']  # in place: the new V_inception_5a_5x5_W
-        rt.ew(ew_mul_add, V_inception_5a_5x5_W_new, T['V_inception_5a_5x5_W'], momentum, d_inception_5a_5x5_W, decay, T['inception_5a_5x5_W'])
+        # inception_5a_5x5_W_new = inception_5a_5x5_W - lr*V_inception_5a_5x5_W_new
+        inception_5a_5x5_W_new = T['inception_5a_5x5_W']  # in place: the new inception_5a_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_5a_5x5_W_new, T['V_inception_5a_5x5_W'], momentum, d_inception_5a_5x5_W, decay, T['inception_5a_5x5_W']),
+                   (ew_mul_sub, inception_5a_5x5_W_new, T['inception_5a_5x5_W'], lr, V_inception_5a_5x5_W_new))
         # free d_inception_5a_5x5_W
         del d_inception_5a_5x5_W
         mem.free(148)
-        # inception_5a_5x5_W_new = inception_5a_5x5_W - lr*V_inception_5a_5x5_W_new
-        inception_5a_5x5_W_new = T['inception_5a_5x5_W']  # in place: the new inception_5a_5x5_W
-        rt.ew(ew_mul_sub, inception_5a_5x5_W_new, T['inception_5a_5x5_W'], lr, V_inception_5a_5x5_W_new)
         # d_inception_5a_5x5_sum_to = sum_to[1x128x1x1](d_inception_5a_5x5)
         d_inception_5a_5x5_sum_to = mem.tensor(149, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_5a_5x5, out=d_inception_5a_5x5_sum_to, shape=(1, 128, 1, 1))
@@ -1689,15 +1689,15 @@ class Googlenet(rp.Model):
         mem.free(144)
         # d_inception_5a_5x5_B = reshape[128](d_inception_5a_5x5_sum_to)
         d_inception_5a_5x5_B = rt.reshape(d_inception_5a_5x5_sum_to, shape=(128,))
-        # V_inception_5a_5x5_B_new = V_inception_5a_5x5_B*momentum + d_inception_5a_5x5_B
+        # V_inception_5a_5x5_B_new = V_inception_5a_5x5_B*momentum + d_inception_5a_5x5_B   (computed with the next statement)
         V_inception_5a_5x5_B_new = T['V_inception_5a_5x5_B']  # in place: the new V_inception_5a_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_5a_5x5_B_new, T['V_inception_5a_5x5_B'], momentum, d_inception_5a_5x5_B)
+        # inception_5a_5x5_B_new = inception_5a_5x5_B - 2*lr*V_inception_5a_5x5_B_new
+        inception_5a_5x5_B_new = T['inception_5a_5x5_B']  # in place: the new inception_5a_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_5x5_B_new, T['V_inception_5a_5x5_B'], momentum, d_inception_5a_5x5_B),
+                   (ew_mul_sub_2, inception_5a_5x5_B_new, T['inception_5a_5x5_B'], lr, V_inception_5a_5x5_B_new))
         # free d_inception_5a_5x5_sum_to, d_inception_5a_5x5_B
         del d_inception_5a_5x5_sum_to, d_inception_5a_5x5_B
         mem.free(149)
-        # inception_5a_5x5_B_new = inception_5a_5x5_B - 2*lr*V_inception_5a_5x5_B_new
-        inception_5a_5x5_B_new = T['inception_5a_5x5_B']  # in place: the new inception_5a_5x5_B
-        rt.ew(ew_mul_sub_2, inception_5a_5x5_B_new, T['inception_5a_5x5_B'], lr, V_inception_5a_5x5_B_new)
 
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_5a_5x5_reduce, inception_5a_5x5_reduce_W)
@@ -1735,15 +1735,15 @@ class Googlenet(rp.Model):
         mem.free(145)
         # d_inception_5a_pool_proj_B = reshape[128](d_inception_5a_pool_proj_sum_to)
         d_inception_5a_pool_proj_B = rt.reshape(d_inception_5a_pool_proj_sum_to, shape=(128,))
-        # V_inception_5a_pool_proj_B_new = V_inception_5a_pool_proj_B*momentum + d_inception_5a_pool_proj_B
+        # V_inception_5a_pool_proj_B_new = V_inception_5a_pool_proj_B*momentum + d_inception_5a_pool_proj_B   (computed with the next statement)
         V_inception_5a_pool_proj_B_new = T['V_inception_5a_pool_proj_B']  # in place: the new V_inception_5a_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_5a_pool_proj_B_new, T['V_inception_5a_pool_proj_B'], momentum, d_inception_5a_pool_proj_B)
+        # inception_5a_pool_proj_B_new = inception_5a_pool_proj_B - 2*lr*V_inception_5a_pool_proj_B_new
+        inception_5a_pool_proj_B_new = T['inception_5a_pool_proj_B']  # in place: the new inception_5a_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_pool_proj_B_new, T['V_inception_5a_pool_proj_B'], momentum, d_inception_5a_pool_proj_B),
+                   (ew_mul_sub_2, inception_5a_pool_proj_B_new, T['inception_5a_pool_proj_B'], lr, V_inception_5a_pool_proj_B_new))
         # free d_inception_5a_pool_proj_sum_to, d_inception_5a_pool_proj_B
         del d_inception_5a_pool_proj_sum_to, d_inception_5a_pool_proj_B
         mem.free(153)
-        # inception_5a_pool_proj_B_new = inception_5a_pool_proj_B - 2*lr*V_inception_5a_pool_proj_B_new
-        inception_5a_pool_proj_B_new = T['inception_5a_pool_proj_B']  # in place: the new inception_5a_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_5a_pool_proj_B_new, T['inception_5a_pool_proj_B'], lr, V_inception_5a_pool_proj_B_new)
 
         # ---- inception_4e_1x1_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_inception_4e_1x1_concat = max_pool_bwd[ceil=True,kernel=3,size=(14,14),stride=2](d_inception_4e_1x1_max_pool_6, inception_4e_1x1_max_pool_argmax)
@@ -1801,15 +1801,15 @@ class Googlenet(rp.Model):
         # free inception_4e_3x3_reduce, inception_4e_3x3_reduce_relu
         del inception_4e_3x3_reduce, inception_4e_3x3_reduce_relu
         mem.free(89)
-        # V_inception_4e_3x3_W_new = V_inception_4e_3x3_W*momentum + d_inception_4e_3x3_W + decay*inception_4e_3x3_W
+        # V_inception_4e_3x3_W_new = V_inception_4e_3x3_W*momentum + d_inception_4e_3x3_W + decay*inception_4e_3x3_W   (computed with the next statement)
         V_inception_4e_3x3_W_new = T['V_inception_4e_3x3_W']  # in place: the new V_inception_4e_3x3_W
-        rt.ew(ew_mul_add, V_inception_4e_3x3_W_new, T['V_inception_4e_3x3_W'], momentum, d_inception_4e_3x3_W, decay, T['inception_4e_3x3_W'])
+        # inception_4e_3x3_W_new = inception_4e_3x3_W - lr*V_inception_4e_3x3_W_new
+        inception_4e_3x3_W_new = T['inception_4e_3x3_W']  # in place: the new inception_4e_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_4e_3x3_W_new, T['V_inception_4e_3x3_W'], momentum, d_inception_4e_3x3_W, decay, T['inception_4e_3x3_W']),
+                   (ew_mul_sub, inception_4e_3x3_W_new, T['inception_4e_3x3_W'], lr, V_inception_4e_3x3_W_new))
         # free d_inception_4e_3x3_W
         del d_inception_4e_3x3_W
         mem.free(159)
-        # inception_4e_3x3_W_new = inception_4e_3x3_W - lr*V_inception_4e_3x3_W_new
-        inception_4e_3x3_W_new = T['inception_4e_3x3_W']  # in place: the new inception_4e_3x3_W
-        rt.ew(ew_mul_sub, inception_4e_3x3_W_new, T['inception_4e_3x3_W'], lr, V_inception_4e_3x3_W_new)
         # d_inception_4e_3x3_sum_to = sum_to[1x320x1x1](d_inception_4e_3x3)
         d_inception_4e_3x3_sum_to = mem.tensor(160, (1, 320, 1, 1), 'float32')
         rt.sum_to(d_inception_4e_3x3, out=d_inception_4e_3x3_sum_to, shape=(1, 320, 1, 1))
@@ -1818,15 +1818,15 @@ class Googlenet(rp.Model):
         mem.free(157)
         # d_inception_4e_3x3_B = reshape[320](d_inception_4e_3x3_sum_to)
         d_inception_4e_3x3_B = rt.reshape(d_inception_4e_3x3_sum_to, shape=(320,))
-        # V_inception_4e_3x3_B_new = V_inception_4e_3x3_B*momentum + d_inception_4e_3x3_B
+        # V_inception_4e_3x3_B_new = V_inception_4e_3x3_B*momentum + d_inception_4e_3x3_B   (computed with the next statement)
         V_inception_4e_3x3_B_new = T['V_inception_4e_3x3_B']  # in place: the new V_inception_4e_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_4e_3x3_B_new, T['V_inception_4e_3x3_B'], momentum, d_inception_4e_3x3_B)
+        # inception_4e_3x3_B_new = inception_4e_3x3_B - 2*lr*V_inception_4e_3x3_B_new
+        inception_4e_3x3_B_new = T['inception_4e_3x3_B']  # in place: the new inception_4e_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_3x3_B_new, T['V_inception_4e_3x3_B'], momentum, d_inception_4e_3x3_B),
+                   (ew_mul_sub_2, inception_4e_3x3_B_new, T['inception_4e_3x3_B'], lr, V_inception_4e_3x3_B_new))
         # free d_inception_4e_3x3_sum_to, d_inception_4e_3x3_B
         del d_inception_4e_3x3_sum_to, d_inception_4e_3x3_B
         mem.free(160)
-        # inception_4e_3x3_B_new = inception_4e_3x3_B - 2*lr*V_inception_4e_3x3_B_new
-        inception_4e_3x3_B_new = T['inception_4e_3x3_B']  # in place: the new inception_4e_3x3_B
-        rt.ew(ew_mul_sub_2, inception_4e_3x3_B_new, T['inception_4e_3x3_B'], lr, V_inception_4e_3x3_B_new)
 
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4e_3x3_reduce, inception_4e_3x3_reduce_W)
@@ -1898,15 +1898,15 @@ class Googlenet(rp.Model):
         # free inception_4e_5x5_reduce, inception_4e_5x5_reduce_relu
         del inception_4e_5x5_reduce, inception_4e_5x5_reduce_relu
         mem.free(87)
-        # V_inception_4e_5x5_W_new = V_inception_4e_5x5_W*momentum + d_inception_4e_5x5_W + decay*inception_4e_5x5_W
+        # V_inception_4e_5x5_W_new = V_inception_4e_5x5_W*momentum + d_inception_4e_5x5_W + decay*inception_4e_5x5_W   (computed with the next statement)
         V_inception_4e_5x5_W_new = T['V_inception_4e_5x5_W']  # in place: the new V_inception_4e_5x5_W
-        rt.ew(ew_mul_add, V_inception_4e_5x5_W_new, T['V_inception_4e_5x5_W'], momentum, d_inception_4e_5x5_W, decay, T['inception_4e_5x5_W'])
+        # inception_4e_5x5_W_new = inception_4e_5x5_W - lr*V_inception_4e_5x5_W_new
+        inception_4e_5x5_W_new = T['inception_4e_5x5_W']  # in place: the new inception_4e_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_4e_5x5_W_new, T['V_inception_4e_5x5_W'], momentum, d_inception_4e_5x5_W, decay, T['inception_4e_5x5_W']),
+                   (ew_mul_sub, inception_4e_5x5_W_new, T['inception_4e_5x5_W'], lr, V_inception_4e_5x5_W_new))
         # free d_inception_4e_5x5_W
         del d_inception_4e_5x5_W
         mem.free(167)
-        # inception_4e_5x5_W_new = inception_4e_5x5_W - lr*V_inception_4e_5x5_W_new
-        inception_4e_5x5_W_new = T['inception_4e_5x5_W']  # in place: the new inception_4e_5x5_W
-        rt.ew(ew_mul_sub, inception_4e_5x5_W_new, T['inception_4e_5x5_W'], lr, V_inception_4e_5x5_W_new)
         # d_inception_4e_5x5_sum_to = sum_to[1x128x1x1](d_inception_4e_5x5)
         d_inception_4e_5x5_sum_to = mem.tensor(168, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_4e_5x5, out=d_inception_4e_5x5_sum_to, shape=(1, 128, 1, 1))
@@ -1915,15 +1915,15 @@ class Googlenet(rp.Model):
         mem.free(162)
         # d_inception_4e_5x5_B = reshape[128](d_inception_4e_5x5_sum_to)
         d_inception_4e_5x5_B = rt.reshape(d_inception_4e_5x5_sum_to, shape=(128,))
-        # V_inception_4e_5x5_B_new = V_inception_4e_5x5_B*momentum + d_inception_4e_5x5_B
+        # V_inception_4e_5x5_B_new = V_inception_4e_5x5_B*momentum + d_inception_4e_5x5_B   (computed with the next statement)
         V_inception_4e_5x5_B_new = T['V_inception_4e_5x5_B']  # in place: the new V_inception_4e_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_4e_5x5_B_new, T['V_inception_4e_5x5_B'], momentum, d_inception_4e_5x5_B)
+        # inception_4e_5x5_B_new = inception_4e_5x5_B - 2*lr*V_inception_4e_5x5_B_new
+        inception_4e_5x5_B_new = T['inception_4e_5x5_B']  # in place: the new inception_4e_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_5x5_B_new, T['V_inception_4e_5x5_B'], momentum, d_inception_4e_5x5_B),
+                   (ew_mul_sub_2, inception_4e_5x5_B_new, T['inception_4e_5x5_B'], lr, V_inception_4e_5x5_B_new))
         # free d_inception_4e_5x5_sum_to, d_inception_4e_5x5_B
         del d_inception_4e_5x5_sum_to, d_inception_4e_5x5_B
         mem.free(168)
-        # inception_4e_5x5_B_new = inception_4e_5x5_B - 2*lr*V_inception_4e_5x5_B_new
-        inception_4e_5x5_B_new = T['inception_4e_5x5_B']  # in place: the new inception_4e_5x5_B
-        rt.ew(ew_mul_sub_2, inception_4e_5x5_B_new, T['inception_4e_5x5_B'], lr, V_inception_4e_5x5_B_new)
 
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4e_5x5_reduce, inception_4e_5x5_reduce_W)
@@ -1955,15 +1955,15 @@ class Googlenet(rp.Model):
         mem.free(163)
         # d_inception_4e_pool_proj_B = reshape[128](d_inception_4e_pool_proj_sum_to)
         d_inception_4e_pool_proj_B = rt.reshape(d_inception_4e_pool_proj_sum_to, shape=(128,))
-        # V_inception_4e_pool_proj_B_new = V_inception_4e_pool_proj_B*momentum + d_inception_4e_pool_proj_B
+        # V_inception_4e_pool_proj_B_new = V_inception_4e_pool_proj_B*momentum + d_inception_4e_pool_proj_B   (computed with the next statement)
         V_inception_4e_pool_proj_B_new = T['V_inception_4e_pool_proj_B']  # in place: the new V_inception_4e_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_4e_pool_proj_B_new, T['V_inception_4e_pool_proj_B'], momentum, d_inception_4e_pool_proj_B)
+        # inception_4e_pool_proj_B_new = inception_4e_pool_proj_B - 2*lr*V_inception_4e_pool_proj_B_new
+        inception_4e_pool_proj_B_new = T['inception_4e_pool_proj_B']  # in place: the new inception_4e_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_pool_proj_B_new, T['V_inception_4e_pool_proj_B'], momentum, d_inception_4e_pool_proj_B),
+                   (ew_mul_sub_2, inception_4e_pool_proj_B_new, T['inception_4e_pool_proj_B'], lr, V_inception_4e_pool_proj_B_new))
         # free d_inception_4e_pool_proj_sum_to, d_inception_4e_pool_proj_B
         del d_inception_4e_pool_proj_sum_to, d_inception_4e_pool_proj_B
         mem.free(172)
-        # inception_4e_pool_proj_B_new = inception_4e_pool_proj_B - 2*lr*V_inception_4e_pool_proj_B_new
-        inception_4e_pool_proj_B_new = T['inception_4e_pool_proj_B']  # in place: the new inception_4e_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_4e_pool_proj_B_new, T['inception_4e_pool_proj_B'], lr, V_inception_4e_pool_proj_B_new)
 
         # ---- loss2_classifier_cross_entropy (cross_entropy), backward ----
         # d_loss2_classifier_cross_entropy_log_softmax = unpick[classes=1000](H1, y)
@@ -2038,15 +2038,15 @@ class Googlenet(rp.Model):
         mem.free(175)
         # d_loss2_conv_B = reshape[128](d_loss2_conv_sum_to)
         d_loss2_conv_B = rt.reshape(d_loss2_conv_sum_to, shape=(128,))
-        # V_loss2_conv_B_new = V_loss2_conv_B*momentum + d_loss2_conv_B
+        # V_loss2_conv_B_new = V_loss2_conv_B*momentum + d_loss2_conv_B   (computed with the next statement)
         V_loss2_conv_B_new = T['V_loss2_conv_B']  # in place: the new V_loss2_conv_B
-        rt.ew(ew_mul_add_2, V_loss2_conv_B_new, T['V_loss2_conv_B'], momentum, d_loss2_conv_B)
+        # loss2_conv_B_new = loss2_conv_B - 2*lr*V_loss2_conv_B_new
+        loss2_conv_B_new = T['loss2_conv_B']  # in place: the new loss2_conv_B
+        rt.ew_pair((ew_mul_add_2, V_loss2_conv_B_new, T['V_loss2_conv_B'], momentum, d_loss2_conv_B),
+                   (ew_mul_sub_2, loss2_conv_B_new, T['loss2_conv_B'], lr, V_loss2_conv_B_new))
         # free d_loss2_conv_sum_to, d_loss2_conv_B
         del d_loss2_conv_sum_to, d_loss2_conv_B
         mem.free(178)
-        # loss2_conv_B_new = loss2_conv_B - 2*lr*V_loss2_conv_B_new
-        loss2_conv_B_new = T['loss2_conv_B']  # in place: the new loss2_conv_B
-        rt.ew(ew_mul_sub_2, loss2_conv_B_new, T['loss2_conv_B'], lr, V_loss2_conv_B_new)
 
         # ---- inception_4d_1x1_avg_pool (average pooling), backward ----
         # d_inception_4d_1x1_concat_5 = avg_pool_bwd[ceil=True,kernel=5,size=(14,14),stride=3](d_inception_4d_1x1_avg_pool)
@@ -2113,15 +2113,15 @@ class Googlenet(rp.Model):
         # free inception_4d_3x3_reduce, inception_4d_3x3_reduce_relu
         del inception_4d_3x3_reduce, inception_4d_3x3_reduce_relu
         mem.free(64)
-        # V_inception_4d_3x3_W_new = V_inception_4d_3x3_W*momentum + d_inception_4d_3x3_W + decay*inception_4d_3x3_W
+        # V_inception_4d_3x3_W_new = V_inception_4d_3x3_W*momentum + d_inception_4d_3x3_W + decay*inception_4d_3x3_W   (computed with the next statement)
         V_inception_4d_3x3_W_new = T['V_inception_4d_3x3_W']  # in place: the new V_inception_4d_3x3_W
-        rt.ew(ew_mul_add, V_inception_4d_3x3_W_new, T['V_inception_4d_3x3_W'], momentum, d_inception_4d_3x3_W, decay, T['inception_4d_3x3_W'])
+        # inception_4d_3x3_W_new = inception_4d_3x3_W - lr*V_inception_4d_3x3_W_new
+        inception_4d_3x3_W_new = T['inception_4d_3x3_W']  # in place: the new inception_4d_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_4d_3x3_W_new, T['V_inception_4d_3x3_W'], momentum, d_inception_4d_3x3_W, decay, T['inception_4d_3x3_W']),
+                   (ew_mul_sub, inception_4d_3x3_W_new, T['inception_4d_3x3_W'], lr, V_inception_4d_3x3_W_new))
         # free d_inception_4d_3x3_W
         del d_inception_4d_3x3_W
         mem.free(185)
-        # inception_4d_3x3_W_new = inception_4d_3x3_W - lr*V_inception_4d_3x3_W_new
-        inception_4d_3x3_W_new = T['inception_4d_3x3_W']  # in place: the new inception_4d_3x3_W
-        rt.ew(ew_mul_sub, inception_4d_3x3_W_new, T['inception_4d_3x3_W'], lr, V_inception_4d_3x3_W_new)
         # d_inception_4d_3x3_sum_to = sum_to[1x288x1x1](d_inception_4d_3x3)
         d_inception_4d_3x3_sum_to = mem.tensor(186, (1, 288, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_3x3, out=d_inception_4d_3x3_sum_to, shape=(1, 288, 1, 1))
@@ -2130,15 +2130,15 @@ class Googlenet(rp.Model):
         mem.free(182)
         # d_inception_4d_3x3_B = reshape[288](d_inception_4d_3x3_sum_to)
         d_inception_4d_3x3_B = rt.reshape(d_inception_4d_3x3_sum_to, shape=(288,))
-        # V_inception_4d_3x3_B_new = V_inception_4d_3x3_B*momentum + d_inception_4d_3x3_B
+        # V_inception_4d_3x3_B_new = V_inception_4d_3x3_B*momentum + d_inception_4d_3x3_B   (computed with the next statement)
         V_inception_4d_3x3_B_new = T['V_inception_4d_3x3_B']  # in place: the new V_inception_4d_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_4d_3x3_B_new, T['V_inception_4d_3x3_B'], momentum, d_inception_4d_3x3_B)
+        # inception_4d_3x3_B_new = inception_4d_3x3_B - 2*lr*V_inception_4d_3x3_B_new
+        inception_4d_3x3_B_new = T['inception_4d_3x3_B']  # in place: the new inception_4d_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_3x3_B_new, T['V_inception_4d_3x3_B'], momentum, d_inception_4d_3x3_B),
+                   (ew_mul_sub_2, inception_4d_3x3_B_new, T['inception_4d_3x3_B'], lr, V_inception_4d_3x3_B_new))
         # free d_inception_4d_3x3_sum_to, d_inception_4d_3x3_B
         del d_inception_4d_3x3_sum_to, d_inception_4d_3x3_B
         mem.free(186)
-        # inception_4d_3x3_B_new = inception_4d_3x3_B - 2*lr*V_inception_4d_3x3_B_new
-        inception_4d_3x3_B_new = T['inception_4d_3x3_B']  # in place: the new inception_4d_3x3_B
-        rt.ew(ew_mul_sub_2, inception_4d_3x3_B_new, T['inception_4d_3x3_B'], lr, V_inception_4d_3x3_B_new)
 
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4d_3x3_reduce, inception_4d_3x3_reduce_W)
@@ -2210,15 +2210,15 @@ class Googlenet(rp.Model):
         # free inception_4d_5x5_reduce, inception_4d_5x5_reduce_relu
         del inception_4d_5x5_reduce, inception_4d_5x5_reduce_relu
         mem.free(62)
-        # V_inception_4d_5x5_W_new = V_inception_4d_5x5_W*momentum + d_inception_4d_5x5_W + decay*inception_4d_5x5_W
+        # V_inception_4d_5x5_W_new = V_inception_4d_5x5_W*momentum + d_inception_4d_5x5_W + decay*inception_4d_5x5_W   (computed with the next statement)
         V_inception_4d_5x5_W_new = T['V_inception_4d_5x5_W']  # in place: the new V_inception_4d_5x5_W
-        rt.ew(ew_mul_add, V_inception_4d_5x5_W_new, T['V_inception_4d_5x5_W'], momentum, d_inception_4d_5x5_W, decay, T['inception_4d_5x5_W'])
+        # inception_4d_5x5_W_new = inception_4d_5x5_W - lr*V_inception_4d_5x5_W_new
+        inception_4d_5x5_W_new = T['inception_4d_5x5_W']  # in place: the new inception_4d_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_4d_5x5_W_new, T['V_inception_4d_5x5_W'], momentum, d_inception_4d_5x5_W, decay, T['inception_4d_5x5_W']),
+                   (ew_mul_sub, inception_4d_5x5_W_new, T['inception_4d_5x5_W'], lr, V_inception_4d_5x5_W_new))
         # free d_inception_4d_5x5_W
         del d_inception_4d_5x5_W
         mem.free(193)
-        # inception_4d_5x5_W_new = inception_4d_5x5_W - lr*V_inception_4d_5x5_W_new
-        inception_4d_5x5_W_new = T['inception_4d_5x5_W']  # in place: the new inception_4d_5x5_W
-        rt.ew(ew_mul_sub, inception_4d_5x5_W_new, T['inception_4d_5x5_W'], lr, V_inception_4d_5x5_W_new)
         # d_inception_4d_5x5_sum_to = sum_to[1x64x1x1](d_inception_4d_5x5)
         d_inception_4d_5x5_sum_to = mem.tensor(194, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_5x5, out=d_inception_4d_5x5_sum_to, shape=(1, 64, 1, 1))
@@ -2227,15 +2227,15 @@ class Googlenet(rp.Model):
         mem.free(188)
         # d_inception_4d_5x5_B = reshape[64](d_inception_4d_5x5_sum_to)
         d_inception_4d_5x5_B = rt.reshape(d_inception_4d_5x5_sum_to, shape=(64,))
-        # V_inception_4d_5x5_B_new = V_inception_4d_5x5_B*momentum + d_inception_4d_5x5_B
+        # V_inception_4d_5x5_B_new = V_inception_4d_5x5_B*momentum + d_inception_4d_5x5_B   (computed with the next statement)
         V_inception_4d_5x5_B_new = T['V_inception_4d_5x5_B']  # in place: the new V_inception_4d_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_4d_5x5_B_new, T['V_inception_4d_5x5_B'], momentum, d_inception_4d_5x5_B)
+        # inception_4d_5x5_B_new = inception_4d_5x5_B - 2*lr*V_inception_4d_5x5_B_new
+        inception_4d_5x5_B_new = T['inception_4d_5x5_B']  # in place: the new inception_4d_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_5x5_B_new, T['V_inception_4d_5x5_B'], momentum, d_inception_4d_5x5_B),
+                   (ew_mul_sub_2, inception_4d_5x5_B_new, T['inception_4d_5x5_B'], lr, V_inception_4d_5x5_B_new))
         # free d_inception_4d_5x5_sum_to, d_inception_4d_5x5_B
         del d_inception_4d_5x5_sum_to, d_inception_4d_5x5_B
         mem.free(194)
-        # inception_4d_5x5_B_new = inception_4d_5x5_B - 2*lr*V_inception_4d_5x5_B_new
-        inception_4d_5x5_B_new = T['inception_4d_5x5_B']  # in place: the new inception_4d_5x5_B
-        rt.ew(ew_mul_sub_2, inception_4d_5x5_B_new, T['inception_4d_5x5_B'], lr, V_inception_4d_5x5_B_new)
 
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4d_5x5_reduce, inception_4d_5x5_reduce_W)
@@ -2275,15 +2275,15 @@ class Googlenet(rp.Model):
         mem.free(189)
         # d_inception_4d_pool_proj_B = reshape[64](d_inception_4d_pool_proj_sum_to)
         d_inception_4d_pool_proj_B = rt.reshape(d_inception_4d_pool_proj_sum_to, shape=(64,))
-        # V_inception_4d_pool_proj_B_new = V_inception_4d_pool_proj_B*momentum + d_inception_4d_pool_proj_B
+        # V_inception_4d_pool_proj_B_new = V_inception_4d_pool_proj_B*momentum + d_inception_4d_pool_proj_B   (computed with the next statement)
         V_inception_4d_pool_proj_B_new = T['V_inception_4d_pool_proj_B']  # in place: the new V_inception_4d_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_4d_pool_proj_B_new, T['V_inception_4d_pool_proj_B'], momentum, d_inception_4d_pool_proj_B)
+        # inception_4d_pool_proj_B_new = inception_4d_pool_proj_B - 2*lr*V_inception_4d_pool_proj_B_new
+        inception_4d_pool_proj_B_new = T['inception_4d_pool_proj_B']  # in place: the new inception_4d_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_pool_proj_B_new, T['V_inception_4d_pool_proj_B'], momentum, d_inception_4d_pool_proj_B),
+                   (ew_mul_sub_2, inception_4d_pool_proj_B_new, T['inception_4d_pool_proj_B'], lr, V_inception_4d_pool_proj_B_new))
         # free d_inception_4d_pool_proj_sum_to, d_inception_4d_pool_proj_B
         del d_inception_4d_pool_proj_sum_to, d_inception_4d_pool_proj_B
         mem.free(198)
-        # inception_4d_pool_proj_B_new = inception_4d_pool_proj_B - 2*lr*V_inception_4d_pool_proj_B_new
-        inception_4d_pool_proj_B_new = T['inception_4d_pool_proj_B']  # in place: the new inception_4d_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_4d_pool_proj_B_new, T['inception_4d_pool_proj_B'], lr, V_inception_4d_pool_proj_B_new)
 
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_1x1_relu = slice[axis=1,start=0,stop=128](d_inception_4c_1x1_concat_5)
@@ -2336,15 +2336,15 @@ class Googlenet(rp.Model):
         # free inception_4c_3x3_reduce, inception_4c_3x3_reduce_relu
         del inception_4c_3x3_reduce, inception_4c_3x3_reduce_relu
         mem.free(55)
-        # V_inception_4c_3x3_W_new = V_inception_4c_3x3_W*momentum + d_inception_4c_3x3_W + decay*inception_4c_3x3_W
+        # V_inception_4c_3x3_W_new = V_inception_4c_3x3_W*momentum + d_inception_4c_3x3_W + decay*inception_4c_3x3_W   (computed with the next statement)
         V_inception_4c_3x3_W_new = T['V_inception_4c_3x3_W']  # in place: the new V_inception_4c_3x3_W
-        rt.ew(ew_mul_add, V_inception_4c_3x3_W_new, T['V_inception_4c_3x3_W'], momentum, d_inception_4c_3x3_W, decay, T['inception_4c_3x3_W'])
+        # inception_4c_3x3_W_new = inception_4c_3x3_W - lr*V_inception_4c_3x3_W_new
+        inception_4c_3x3_W_new = T['inception_4c_3x3_W']  # in place: the new inception_4c_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_4c_3x3_W_new, T['V_inception_4c_3x3_W'], momentum, d_inception_4c_3x3_W, decay, T['inception_4c_3x3_W']),
+                   (ew_mul_sub, inception_4c_3x3_W_new, T['inception_4c_3x3_W'], lr, V_inception_4c_3x3_W_new))
         # free d_inception_4c_3x3_W
         del d_inception_4c_3x3_W
         mem.free(204)
-        # inception_4c_3x3_W_new = inception_4c_3x3_W - lr*V_inception_4c_3x3_W_new
-        inception_4c_3x3_W_new = T['inception_4c_3x3_W']  # in place: the new inception_4c_3x3_W
-        rt.ew(ew_mul_sub, inception_4c_3x3_W_new, T['inception_4c_3x3_W'], lr, V_inception_4c_3x3_W_new)
         # d_inception_4c_3x3_sum_to = sum_to[1x256x1x1](d_inception_4c_3x3)
         d_inception_4c_3x3_sum_to = mem.tensor(205, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_3x3, out=d_inception_4c_3x3_sum_to, shape=(1, 256, 1, 1))
@@ -2353,15 +2353,15 @@ class Googlenet(rp.Model):
         mem.free(201)
         # d_inception_4c_3x3_B = reshape[256](d_inception_4c_3x3_sum_to)
         d_inception_4c_3x3_B = rt.reshape(d_inception_4c_3x3_sum_to, shape=(256,))
-        # V_inception_4c_3x3_B_new = V_inception_4c_3x3_B*momentum + d_inception_4c_3x3_B
+        # V_inception_4c_3x3_B_new = V_inception_4c_3x3_B*momentum + d_inception_4c_3x3_B   (computed with the next statement)
         V_inception_4c_3x3_B_new = T['V_inception_4c_3x3_B']  # in place: the new V_inception_4c_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_4c_3x3_B_new, T['V_inception_4c_3x3_B'], momentum, d_inception_4c_3x3_B)
+        # inception_4c_3x3_B_new = inception_4c_3x3_B - 2*lr*V_inception_4c_3x3_B_new
+        inception_4c_3x3_B_new = T['inception_4c_3x3_B']  # in place: the new inception_4c_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_3x3_B_new, T['V_inception_4c_3x3_B'], momentum, d_inception_4c_3x3_B),
+                   (ew_mul_sub_2, inception_4c_3x3_B_new, T['inception_4c_3x3_B'], lr, V_inception_4c_3x3_B_new))
         # free d_inception_4c_3x3_sum_to, d_inception_4c_3x3_B
         del d_inception_4c_3x3_sum_to, d_inception_4c_3x3_B
         mem.free(205)
-        # inception_4c_3x3_B_new = inception_4c_3x3_B - 2*lr*V_inception_4c_3x3_B_new
-        inception_4c_3x3_B_new = T['inception_4c_3x3_B']  # in place: the new inception_4c_3x3_B
-        rt.ew(ew_mul_sub_2, inception_4c_3x3_B_new, T['inception_4c_3x3_B'], lr, V_inception_4c_3x3_B_new)
 
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4c_3x3_reduce, inception_4c_3x3_reduce_W)
@@ -2433,15 +2433,15 @@ class Googlenet(rp.Model):
         # free inception_4c_5x5_reduce, inception_4c_5x5_reduce_relu
         del inception_4c_5x5_reduce, inception_4c_5x5_reduce_relu
         mem.free(53)
-        # V_inception_4c_5x5_W_new = V_inception_4c_5x5_W*momentum + d_inception_4c_5x5_W + decay*inception_4c_5x5_W
+        # V_inception_4c_5x5_W_new = V_inception_4c_5x5_W*momentum + d_inception_4c_5x5_W + decay*inception_4c_5x5_W   (computed with the next statement)
         V_inception_4c_5x5_W_new = T['V_inception_4c_5x5_W']  # in place: the new V_inception_4c_5x5_W
-        rt.ew(ew_mul_add, V_inception_4c_5x5_W_new, T['V_inception_4c_5x5_W'], momentum, d_inception_4c_5x5_W, decay, T['inception_4c_5x5_W'])
+        # inception_4c_5x5_W_new = inception_4c_5x5_W - lr*V_inception_4c_5x5_W_new
+        inception_4c_5x5_W_new = T['inception_4c_5x5_W']  # in place: the new inception_4c_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_4c_5x5_W_new, T['V_inception_4c_5x5_W'], momentum, d_inception_4c_5x5_W, decay, T['inception_4c_5x5_W']),
+                   (ew_mul_sub, inception_4c_5x5_W_new, T['inception_4c_5x5_W'], lr, V_inception_4c_5x5_W_new))
         # free d_inception_4c_5x5_W
         del d_inception_4c_5x5_W
         mem.free(212)
-        # inception_4c_5x5_W_new = inception_4c_5x5_W - lr*V_inception_4c_5x5_W_new
-        inception_4c_5x5_W_new = T['inception_4c_5x5_W']  # in place: the new inception_4c_5x5_W
-        rt.ew(ew_mul_sub, inception_4c_5x5_W_new, T['inception_4c_5x5_W'], lr, V_inception_4c_5x5_W_new)
         # d_inception_4c_5x5_sum_to = sum_to[1x64x1x1](d_inception_4c_5x5)
         d_inception_4c_5x5_sum_to = mem.tensor(213, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_5x5, out=d_inception_4c_5x5_sum_to, shape=(1, 64, 1, 1))
@@ -2450,15 +2450,15 @@ class Googlenet(rp.Model):
         mem.free(207)
         # d_inception_4c_5x5_B = reshape[64](d_inception_4c_5x5_sum_to)
         d_inception_4c_5x5_B = rt.reshape(d_inception_4c_5x5_sum_to, shape=(64,))
-        # V_inception_4c_5x5_B_new = V_inception_4c_5x5_B*momentum + d_inception_4c_5x5_B
+        # V_inception_4c_5x5_B_new = V_inception_4c_5x5_B*momentum + d_inception_4c_5x5_B   (computed with the next statement)
         V_inception_4c_5x5_B_new = T['V_inception_4c_5x5_B']  # in place: the new V_inception_4c_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_4c_5x5_B_new, T['V_inception_4c_5x5_B'], momentum, d_inception_4c_5x5_B)
+        # inception_4c_5x5_B_new = inception_4c_5x5_B - 2*lr*V_inception_4c_5x5_B_new
+        inception_4c_5x5_B_new = T['inception_4c_5x5_B']  # in place: the new inception_4c_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_5x5_B_new, T['V_inception_4c_5x5_B'], momentum, d_inception_4c_5x5_B),
+                   (ew_mul_sub_2, inception_4c_5x5_B_new, T['inception_4c_5x5_B'], lr, V_inception_4c_5x5_B_new))
         # free d_inception_4c_5x5_sum_to, d_inception_4c_5x5_B
         del d_inception_4c_5x5_sum_to, d_inception_4c_5x5_B
         mem.free(213)
-        # inception_4c_5x5_B_new = inception_4c_5x5_B - 2*lr*V_inception_4c_5x5_B_new
-        inception_4c_5x5_B_new = T['inception_4c_5x5_B']  # in place: the new inception_4c_5x5_B
-        rt.ew(ew_mul_sub_2, inception_4c_5x5_B_new, T['inception_4c_5x5_B'], lr, V_inception_4c_5x5_B_new)
 
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4c_5x5_reduce, inception_4c_5x5_reduce_W)
@@ -2498,15 +2498,15 @@ class Googlenet(rp.Model):
         mem.free(208)
         # d_inception_4c_pool_proj_B = reshape[64](d_inception_4c_pool_proj_sum_to)
         d_inception_4c_pool_proj_B = rt.reshape(d_inception_4c_pool_proj_sum_to, shape=(64,))
-        # V_inception_4c_pool_proj_B_new = V_inception_4c_pool_proj_B*momentum + d_inception_4c_pool_proj_B
+        # V_inception_4c_pool_proj_B_new = V_inception_4c_pool_proj_B*momentum + d_inception_4c_pool_proj_B   (computed with the next statement)
         V_inception_4c_pool_proj_B_new = T['V_inception_4c_pool_proj_B']  # in place: the new V_inception_4c_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_4c_pool_proj_B_new, T['V_inception_4c_pool_proj_B'], momentum, d_inception_4c_pool_proj_B)
+        # inception_4c_pool_proj_B_new = inception_4c_pool_proj_B - 2*lr*V_inception_4c_pool_proj_B_new
+        inception_4c_pool_proj_B_new = T['inception_4c_pool_proj_B']  # in place: the new inception_4c_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_pool_proj_B_new, T['V_inception_4c_pool_proj_B'], momentum, d_inception_4c_pool_proj_B),
+                   (ew_mul_sub_2, inception_4c_pool_proj_B_new, T['inception_4c_pool_proj_B'], lr, V_inception_4c_pool_proj_B_new))
         # free d_inception_4c_pool_proj_sum_to, d_inception_4c_pool_proj_B
         del d_inception_4c_pool_proj_sum_to, d_inception_4c_pool_proj_B
         mem.free(217)
-        # inception_4c_pool_proj_B_new = inception_4c_pool_proj_B - 2*lr*V_inception_4c_pool_proj_B_new
-        inception_4c_pool_proj_B_new = T['inception_4c_pool_proj_B']  # in place: the new inception_4c_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_4c_pool_proj_B_new, T['inception_4c_pool_proj_B'], lr, V_inception_4c_pool_proj_B_new)
 
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_1x1_relu = slice[axis=1,start=0,stop=160](d_inception_4b_1x1_concat_5)
@@ -2559,15 +2559,15 @@ class Googlenet(rp.Model):
         # free inception_4b_3x3_reduce, inception_4b_3x3_reduce_relu
         del inception_4b_3x3_reduce, inception_4b_3x3_reduce_relu
         mem.free(46)
-        # V_inception_4b_3x3_W_new = V_inception_4b_3x3_W*momentum + d_inception_4b_3x3_W + decay*inception_4b_3x3_W
+        # V_inception_4b_3x3_W_new = V_inception_4b_3x3_W*momentum + d_inception_4b_3x3_W + decay*inception_4b_3x3_W   (computed with the next statement)
         V_inception_4b_3x3_W_new = T['V_inception_4b_3x3_W']  # in place: the new V_inception_4b_3x3_W
-        rt.ew(ew_mul_add, V_inception_4b_3x3_W_new, T['V_inception_4b_3x3_W'], momentum, d_inception_4b_3x3_W, decay, T['inception_4b_3x3_W'])
+        # inception_4b_3x3_W_new = inception_4b_3x3_W - lr*V_inception_4b_3x3_W_new
+        inception_4b_3x3_W_new = T['inception_4b_3x3_W']  # in place: the new inception_4b_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_4b_3x3_W_new, T['V_inception_4b_3x3_W'], momentum, d_inception_4b_3x3_W, decay, T['inception_4b_3x3_W']),
+                   (ew_mul_sub, inception_4b_3x3_W_new, T['inception_4b_3x3_W'], lr, V_inception_4b_3x3_W_new))
         # free d_inception_4b_3x3_W
         del d_inception_4b_3x3_W
         mem.free(223)
-        # inception_4b_3x3_W_new = inception_4b_3x3_W - lr*V_inception_4b_3x3_W_new
-        inception_4b_3x3_W_new = T['inception_4b_3x3_W']  # in place: the new inception_4b_3x3_W
-        rt.ew(ew_mul_sub, inception_4b_3x3_W_new, T['inception_4b_3x3_W'], lr, V_inception_4b_3x3_W_new)
         # d_inception_4b_3x3_sum_to = sum_to[1x224x1x1](d_inception_4b_3x3)
         d_inception_4b_3x3_sum_to = mem.tensor(224, (1, 224, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_3x3, out=d_inception_4b_3x3_sum_to, shape=(1, 224, 1, 1))
@@ -2576,15 +2576,15 @@ class Googlenet(rp.Model):
         mem.free(220)
         # d_inception_4b_3x3_B = reshape[224](d_inception_4b_3x3_sum_to)
         d_inception_4b_3x3_B = rt.reshape(d_inception_4b_3x3_sum_to, shape=(224,))
-        # V_inception_4b_3x3_B_new = V_inception_4b_3x3_B*momentum + d_inception_4b_3x3_B
+        # V_inception_4b_3x3_B_new = V_inception_4b_3x3_B*momentum + d_inception_4b_3x3_B   (computed with the next statement)
         V_inception_4b_3x3_B_new = T['V_inception_4b_3x3_B']  # in place: the new V_inception_4b_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_4b_3x3_B_new, T['V_inception_4b_3x3_B'], momentum, d_inception_4b_3x3_B)
+        # inception_4b_3x3_B_new = inception_4b_3x3_B - 2*lr*V_inception_4b_3x3_B_new
+        inception_4b_3x3_B_new = T['inception_4b_3x3_B']  # in place: the new inception_4b_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_3x3_B_new, T['V_inception_4b_3x3_B'], momentum, d_inception_4b_3x3_B),
+                   (ew_mul_sub_2, inception_4b_3x3_B_new, T['inception_4b_3x3_B'], lr, V_inception_4b_3x3_B_new))
         # free d_inception_4b_3x3_sum_to, d_inception_4b_3x3_B
         del d_inception_4b_3x3_sum_to, d_inception_4b_3x3_B
         mem.free(224)
-        # inception_4b_3x3_B_new = inception_4b_3x3_B - 2*lr*V_inception_4b_3x3_B_new
-        inception_4b_3x3_B_new = T['inception_4b_3x3_B']  # in place: the new inception_4b_3x3_B
-        rt.ew(ew_mul_sub_2, inception_4b_3x3_B_new, T['inception_4b_3x3_B'], lr, V_inception_4b_3x3_B_new)
 
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4b_3x3_reduce, inception_4b_3x3_reduce_W)
@@ -2656,15 +2656,15 @@ class Googlenet(rp.Model):
         # free inception_4b_5x5_reduce, inception_4b_5x5_reduce_relu
         del inception_4b_5x5_reduce, inception_4b_5x5_reduce_relu
         mem.free(44)
-        # V_inception_4b_5x5_W_new = V_inception_4b_5x5_W*momentum + d_inception_4b_5x5_W + decay*inception_4b_5x5_W
+        # V_inception_4b_5x5_W_new = V_inception_4b_5x5_W*momentum + d_inception_4b_5x5_W + decay*inception_4b_5x5_W   (computed with the next statement)
         V_inception_4b_5x5_W_new = T['V_inception_4b_5x5_W']  # in place: the new V_inception_4b_5x5_W
-        rt.ew(ew_mul_add, V_inception_4b_5x5_W_new, T['V_inception_4b_5x5_W'], momentum, d_inception_4b_5x5_W, decay, T['inception_4b_5x5_W'])
+        # inception_4b_5x5_W_new = inception_4b_5x5_W - lr*V_inception_4b_5x5_W_new
+        inception_4b_5x5_W_new = T['inception_4b_5x5_W']  # in place: the new inception_4b_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_4b_5x5_W_new, T['V_inception_4b_5x5_W'], momentum, d_inception_4b_5x5_W, decay, T['inception_4b_5x5_W']),
+                   (ew_mul_sub, inception_4b_5x5_W_new, T['inception_4b_5x5_W'], lr, V_inception_4b_5x5_W_new))
         # free d_inception_4b_5x5_W
         del d_inception_4b_5x5_W
         mem.free(231)
-        # inception_4b_5x5_W_new = inception_4b_5x5_W - lr*V_inception_4b_5x5_W_new
-        inception_4b_5x5_W_new = T['inception_4b_5x5_W']  # in place: the new inception_4b_5x5_W
-        rt.ew(ew_mul_sub, inception_4b_5x5_W_new, T['inception_4b_5x5_W'], lr, V_inception_4b_5x5_W_new)
         # d_inception_4b_5x5_sum_to = sum_to[1x64x1x1](d_inception_4b_5x5)
         d_inception_4b_5x5_sum_to = mem.tensor(232, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_5x5, out=d_inception_4b_5x5_sum_to, shape=(1, 64, 1, 1))
@@ -2673,15 +2673,15 @@ class Googlenet(rp.Model):
         mem.free(226)
         # d_inception_4b_5x5_B = reshape[64](d_inception_4b_5x5_sum_to)
         d_inception_4b_5x5_B = rt.reshape(d_inception_4b_5x5_sum_to, shape=(64,))
-        # V_inception_4b_5x5_B_new = V_inception_4b_5x5_B*momentum + d_inception_4b_5x5_B
+        # V_inception_4b_5x5_B_new = V_inception_4b_5x5_B*momentum + d_inception_4b_5x5_B   (computed with the next statement)
         V_inception_4b_5x5_B_new = T['V_inception_4b_5x5_B']  # in place: the new V_inception_4b_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_4b_5x5_B_new, T['V_inception_4b_5x5_B'], momentum, d_inception_4b_5x5_B)
+        # inception_4b_5x5_B_new = inception_4b_5x5_B - 2*lr*V_inception_4b_5x5_B_new
+        inception_4b_5x5_B_new = T['inception_4b_5x5_B']  # in place: the new inception_4b_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_5x5_B_new, T['V_inception_4b_5x5_B'], momentum, d_inception_4b_5x5_B),
+                   (ew_mul_sub_2, inception_4b_5x5_B_new, T['inception_4b_5x5_B'], lr, V_inception_4b_5x5_B_new))
         # free d_inception_4b_5x5_sum_to, d_inception_4b_5x5_B
         del d_inception_4b_5x5_sum_to, d_inception_4b_5x5_B
         mem.free(232)
-        # inception_4b_5x5_B_new = inception_4b_5x5_B - 2*lr*V_inception_4b_5x5_B_new
-        inception_4b_5x5_B_new = T['inception_4b_5x5_B']  # in place: the new inception_4b_5x5_B
-        rt.ew(ew_mul_sub_2, inception_4b_5x5_B_new, T['inception_4b_5x5_B'], lr, V_inception_4b_5x5_B_new)
 
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4b_5x5_reduce, inception_4b_5x5_reduce_W)
@@ -2713,15 +2713,15 @@ class Googlenet(rp.Model):
         mem.free(227)
         # d_inception_4b_pool_proj_B = reshape[64](d_inception_4b_pool_proj_sum_to)
         d_inception_4b_pool_proj_B = rt.reshape(d_inception_4b_pool_proj_sum_to, shape=(64,))
-        # V_inception_4b_pool_proj_B_new = V_inception_4b_pool_proj_B*momentum + d_inception_4b_pool_proj_B
+        # V_inception_4b_pool_proj_B_new = V_inception_4b_pool_proj_B*momentum + d_inception_4b_pool_proj_B   (computed with the next statement)
         V_inception_4b_pool_proj_B_new = T['V_inception_4b_pool_proj_B']  # in place: the new V_inception_4b_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_4b_pool_proj_B_new, T['V_inception_4b_pool_proj_B'], momentum, d_inception_4b_pool_proj_B)
+        # inception_4b_pool_proj_B_new = inception_4b_pool_proj_B - 2*lr*V_inception_4b_pool_proj_B_new
+        inception_4b_pool_proj_B_new = T['inception_4b_pool_proj_B']  # in place: the new inception_4b_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_pool_proj_B_new, T['V_inception_4b_pool_proj_B'], momentum, d_inception_4b_pool_proj_B),
+                   (ew_mul_sub_2, inception_4b_pool_proj_B_new, T['inception_4b_pool_proj_B'], lr, V_inception_4b_pool_proj_B_new))
         # free d_inception_4b_pool_proj_sum_to, d_inception_4b_pool_proj_B
         del d_inception_4b_pool_proj_sum_to, d_inception_4b_pool_proj_B
         mem.free(236)
-        # inception_4b_pool_proj_B_new = inception_4b_pool_proj_B - 2*lr*V_inception_4b_pool_proj_B_new
-        inception_4b_pool_proj_B_new = T['inception_4b_pool_proj_B']  # in place: the new inception_4b_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_4b_pool_proj_B_new, T['inception_4b_pool_proj_B'], lr, V_inception_4b_pool_proj_B_new)
 
         # ---- loss1_classifier (fully connected, 1000 outputs), backward ----
         # d_loss1_fc_dropout = matmul(d_loss1_classifier, loss1_classifier_W)
@@ -2777,15 +2777,15 @@ class Googlenet(rp.Model):
         mem.free(238)
         # d_loss1_conv_B = reshape[128](d_loss1_conv_sum_to)
         d_loss1_conv_B = rt.reshape(d_loss1_conv_sum_to, shape=(128,))
-        # V_loss1_conv_B_new = V_loss1_conv_B*momentum + d_loss1_conv_B
+        # V_loss1_conv_B_new = V_loss1_conv_B*momentum + d_loss1_conv_B   (computed with the next statement)
         V_loss1_conv_B_new = T['V_loss1_conv_B']  # in place: the new V_loss1_conv_B
-        rt.ew(ew_mul_add_2, V_loss1_conv_B_new, T['V_loss1_conv_B'], momentum, d_loss1_conv_B)
+        # loss1_conv_B_new = loss1_conv_B - 2*lr*V_loss1_conv_B_new
+        loss1_conv_B_new = T['loss1_conv_B']  # in place: the new loss1_conv_B
+        rt.ew_pair((ew_mul_add_2, V_loss1_conv_B_new, T['V_loss1_conv_B'], momentum, d_loss1_conv_B),
+                   (ew_mul_sub_2, loss1_conv_B_new, T['loss1_conv_B'], lr, V_loss1_conv_B_new))
         # free d_loss1_conv_sum_to, d_loss1_conv_B
         del d_loss1_conv_sum_to, d_loss1_conv_B
         mem.free(241)
-        # loss1_conv_B_new = loss1_conv_B - 2*lr*V_loss1_conv_B_new
-        loss1_conv_B_new = T['loss1_conv_B']  # in place: the new loss1_conv_B
-        rt.ew(ew_mul_sub_2, loss1_conv_B_new, T['loss1_conv_B'], lr, V_loss1_conv_B_new)
 
         # ---- inception_4a_1x1_avg_pool (average pooling), backward ----
         # d_inception_4a_1x1_concat_5 = avg_pool_bwd[ceil=True,kernel=5,size=(14,14),stride=3](d_inception_4a_1x1_avg_pool)
@@ -2855,15 +2855,15 @@ class Googlenet(rp.Model):
         # free inception_4a_3x3_reduce, inception_4a_3x3_reduce_relu
         del inception_4a_3x3_reduce, inception_4a_3x3_reduce_relu
         mem.free(37)
-        # V_inception_4a_3x3_W_new = V_inception_4a_3x3_W*momentum + d_inception_4a_3x3_W + decay*inception_4a_3x3_W
+        # V_inception_4a_3x3_W_new = V_inception_4a_3x3_W*momentum + d_inception_4a_3x3_W + decay*inception_4a_3x3_W   (computed with the next statement)
         V_inception_4a_3x3_W_new = T['V_inception_4a_3x3_W']  # in place: the new V_inception_4a_3x3_W
-        rt.ew(ew_mul_add, V_inception_4a_3x3_W_new, T['V_inception_4a_3x3_W'], momentum, d_inception_4a_3x3_W, decay, T['inception_4a_3x3_W'])
+        # inception_4a_3x3_W_new = inception_4a_3x3_W - lr*V_inception_4a_3x3_W_new
+        inception_4a_3x3_W_new = T['inception_4a_3x3_W']  # in place: the new inception_4a_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_4a_3x3_W_new, T['V_inception_4a_3x3_W'], momentum, d_inception_4a_3x3_W, decay, T['inception_4a_3x3_W']),
+                   (ew_mul_sub, inception_4a_3x3_W_new, T['inception_4a_3x3_W'], lr, V_inception_4a_3x3_W_new))
         # free d_inception_4a_3x3_W
         del d_inception_4a_3x3_W
         mem.free(249)
-        # inception_4a_3x3_W_new = inception_4a_3x3_W - lr*V_inception_4a_3x3_W_new
-        inception_4a_3x3_W_new = T['inception_4a_3x3_W']  # in place: the new inception_4a_3x3_W
-        rt.ew(ew_mul_sub, inception_4a_3x3_W_new, T['inception_4a_3x3_W'], lr, V_inception_4a_3x3_W_new)
         # d_inception_4a_3x3_sum_to = sum_to[1x208x1x1](d_inception_4a_3x3)
         d_inception_4a_3x3_sum_to = mem.tensor(250, (1, 208, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_3x3, out=d_inception_4a_3x3_sum_to, shape=(1, 208, 1, 1))
@@ -2872,15 +2872,15 @@ class Googlenet(rp.Model):
         mem.free(246)
         # d_inception_4a_3x3_B = reshape[208](d_inception_4a_3x3_sum_to)
         d_inception_4a_3x3_B = rt.reshape(d_inception_4a_3x3_sum_to, shape=(208,))
-        # V_inception_4a_3x3_B_new = V_inception_4a_3x3_B*momentum + d_inception_4a_3x3_B
+        # V_inception_4a_3x3_B_new = V_inception_4a_3x3_B*momentum + d_inception_4a_3x3_B   (computed with the next statement)
         V_inception_4a_3x3_B_new = T['V_inception_4a_3x3_B']  # in place: the new V_inception_4a_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_4a_3x3_B_new, T['V_inception_4a_3x3_B'], momentum, d_inception_4a_3x3_B)
+        # inception_4a_3x3_B_new = inception_4a_3x3_B - 2*lr*V_inception_4a_3x3_B_new
+        inception_4a_3x3_B_new = T['inception_4a_3x3_B']  # in place: the new inception_4a_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_3x3_B_new, T['V_inception_4a_3x3_B'], momentum, d_inception_4a_3x3_B),
+                   (ew_mul_sub_2, inception_4a_3x3_B_new, T['inception_4a_3x3_B'], lr, V_inception_4a_3x3_B_new))
         # free d_inception_4a_3x3_sum_to, d_inception_4a_3x3_B
         del d_inception_4a_3x3_sum_to, d_inception_4a_3x3_B
         mem.free(250)
-        # inception_4a_3x3_B_new = inception_4a_3x3_B - 2*lr*V_inception_4a_3x3_B_new
-        inception_4a_3x3_B_new = T['inception_4a_3x3_B']  # in place: the new inception_4a_3x3_B
-        rt.ew(ew_mul_sub_2, inception_4a_3x3_B_new, T['inception_4a_3x3_B'], lr, V_inception_4a_3x3_B_new)
 
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_4a_3x3_reduce, inception_4a_3x3_reduce_W)
@@ -2952,15 +2952,15 @@ class Googlenet(rp.Model):
         # free inception_4a_5x5_reduce, inception_4a_5x5_reduce_relu
         del inception_4a_5x5_reduce, inception_4a_5x5_reduce_relu
         mem.free(35)
-        # V_inception_4a_5x5_W_new = V_inception_4a_5x5_W*momentum + d_inception_4a_5x5_W + decay*inception_4a_5x5_W
+        # V_inception_4a_5x5_W_new = V_inception_4a_5x5_W*momentum + d_inception_4a_5x5_W + decay*inception_4a_5x5_W   (computed with the next statement)
         V_inception_4a_5x5_W_new = T['V_inception_4a_5x5_W']  # in place: the new V_inception_4a_5x5_W
-        rt.ew(ew_mul_add, V_inception_4a_5x5_W_new, T['V_inception_4a_5x5_W'], momentum, d_inception_4a_5x5_W, decay, T['inception_4a_5x5_W'])
+        # inception_4a_5x5_W_new = inception_4a_5x5_W - lr*V_inception_4a_5x5_W_new
+        inception_4a_5x5_W_new = T['inception_4a_5x5_W']  # in place: the new inception_4a_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_4a_5x5_W_new, T['V_inception_4a_5x5_W'], momentum, d_inception_4a_5x5_W, decay, T['inception_4a_5x5_W']),
+                   (ew_mul_sub, inception_4a_5x5_W_new, T['inception_4a_5x5_W'], lr, V_inception_4a_5x5_W_new))
         # free d_inception_4a_5x5_W
         del d_inception_4a_5x5_W
         mem.free(257)
-        # inception_4a_5x5_W_new = inception_4a_5x5_W - lr*V_inception_4a_5x5_W_new
-        inception_4a_5x5_W_new = T['inception_4a_5x5_W']  # in place: the new inception_4a_5x5_W
-        rt.ew(ew_mul_sub, inception_4a_5x5_W_new, T['inception_4a_5x5_W'], lr, V_inception_4a_5x5_W_new)
         # d_inception_4a_5x5_sum_to = sum_to[1x48x1x1](d_inception_4a_5x5)
         d_inception_4a_5x5_sum_to = mem.tensor(258, (1, 48, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_5x5, out=d_inception_4a_5x5_sum_to, shape=(1, 48, 1, 1))
@@ -2969,15 +2969,15 @@ class Googlenet(rp.Model):
         mem.free(252)
         # d_inception_4a_5x5_B = reshape[48](d_inception_4a_5x5_sum_to)
         d_inception_4a_5x5_B = rt.reshape(d_inception_4a_5x5_sum_to, shape=(48,))
-        # V_inception_4a_5x5_B_new = V_inception_4a_5x5_B*momentum + d_inception_4a_5x5_B
+        # V_inception_4a_5x5_B_new = V_inception_4a_5x5_B*momentum + d_inception_4a_5x5_B   (computed with the next statement)
         V_inception_4a_5x5_B_new = T['V_inception_4a_5x5_B']  # in place: the new V_inception_4a_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_4a_5x5_B_new, T['V_inception_4a_5x5_B'], momentum, d_inception_4a_5x5_B)
+        # inception_4a_5x5_B_new = inception_4a_5x5_B - 2*lr*V_inception_4a_5x5_B_new
+        inception_4a_5x5_B_new = T['inception_4a_5x5_B']  # in place: the new inception_4a_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_5x5_B_new, T['V_inception_4a_5x5_B'], momentum, d_inception_4a_5x5_B),
+                   (ew_mul_sub_2, inception_4a_5x5_B_new, T['inception_4a_5x5_B'], lr, V_inception_4a_5x5_B_new))
         # free d_inception_4a_5x5_sum_to, d_inception_4a_5x5_B
         del d_inception_4a_5x5_sum_to, d_inception_4a_5x5_B
         mem.free(258)
-        # inception_4a_5x5_B_new = inception_4a_5x5_B - 2*lr*V_inception_4a_5x5_B_new
-        inception_4a_5x5_B_new = T['inception_4a_5x5_B']  # in place: the new inception_4a_5x5_B
-        rt.ew(ew_mul_sub_2, inception_4a_5x5_B_new, T['inception_4a_5x5_B'], lr, V_inception_4a_5x5_B_new)
 
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_4a_5x5_reduce, inception_4a_5x5_reduce_W)
@@ -3015,15 +3015,15 @@ class Googlenet(rp.Model):
         mem.free(253)
         # d_inception_4a_pool_proj_B = reshape[64](d_inception_4a_pool_proj_sum_to)
         d_inception_4a_pool_proj_B = rt.reshape(d_inception_4a_pool_proj_sum_to, shape=(64,))
-        # V_inception_4a_pool_proj_B_new = V_inception_4a_pool_proj_B*momentum + d_inception_4a_pool_proj_B
+        # V_inception_4a_pool_proj_B_new = V_inception_4a_pool_proj_B*momentum + d_inception_4a_pool_proj_B   (computed with the next statement)
         V_inception_4a_pool_proj_B_new = T['V_inception_4a_pool_proj_B']  # in place: the new V_inception_4a_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_4a_pool_proj_B_new, T['V_inception_4a_pool_proj_B'], momentum, d_inception_4a_pool_proj_B)
+        # inception_4a_pool_proj_B_new = inception_4a_pool_proj_B - 2*lr*V_inception_4a_pool_proj_B_new
+        inception_4a_pool_proj_B_new = T['inception_4a_pool_proj_B']  # in place: the new inception_4a_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_pool_proj_B_new, T['V_inception_4a_pool_proj_B'], momentum, d_inception_4a_pool_proj_B),
+                   (ew_mul_sub_2, inception_4a_pool_proj_B_new, T['inception_4a_pool_proj_B'], lr, V_inception_4a_pool_proj_B_new))
         # free d_inception_4a_pool_proj_sum_to, d_inception_4a_pool_proj_B
         del d_inception_4a_pool_proj_sum_to, d_inception_4a_pool_proj_B
         mem.free(262)
-        # inception_4a_pool_proj_B_new = inception_4a_pool_proj_B - 2*lr*V_inception_4a_pool_proj_B_new
-        inception_4a_pool_proj_B_new = T['inception_4a_pool_proj_B']  # in place: the new inception_4a_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_4a_pool_proj_B_new, T['inception_4a_pool_proj_B'], lr, V_inception_4a_pool_proj_B_new)
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_inception_3b_1x1_concat = max_pool_bwd[ceil=True,kernel=3,size=(28,28),stride=2](d_inception_3b_1x1_max_pool_6, inception_3b_1x1_max_pool_argmax)
@@ -3081,15 +3081,15 @@ class Googlenet(rp.Model):
         # free inception_3b_3x3_reduce, inception_3b_3x3_reduce_relu
         del inception_3b_3x3_reduce, inception_3b_3x3_reduce_relu
         mem.free(26)
-        # V_inception_3b_3x3_W_new = V_inception_3b_3x3_W*momentum + d_inception_3b_3x3_W + decay*inception_3b_3x3_W
+        # V_inception_3b_3x3_W_new = V_inception_3b_3x3_W*momentum + d_inception_3b_3x3_W + decay*inception_3b_3x3_W   (computed with the next statement)
         V_inception_3b_3x3_W_new = T['V_inception_3b_3x3_W']  # in place: the new V_inception_3b_3x3_W
-        rt.ew(ew_mul_add, V_inception_3b_3x3_W_new, T['V_inception_3b_3x3_W'], momentum, d_inception_3b_3x3_W, decay, T['inception_3b_3x3_W'])
+        # inception_3b_3x3_W_new = inception_3b_3x3_W - lr*V_inception_3b_3x3_W_new
+        inception_3b_3x3_W_new = T['inception_3b_3x3_W']  # in place: the new inception_3b_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_3b_3x3_W_new, T['V_inception_3b_3x3_W'], momentum, d_inception_3b_3x3_W, decay, T['inception_3b_3x3_W']),
+                   (ew_mul_sub, inception_3b_3x3_W_new, T['inception_3b_3x3_W'], lr, V_inception_3b_3x3_W_new))
         # free d_inception_3b_3x3_W
         del d_inception_3b_3x3_W
         mem.free(268)
-        # inception_3b_3x3_W_new = inception_3b_3x3_W - lr*V_inception_3b_3x3_W_new
-        inception_3b_3x3_W_new = T['inception_3b_3x3_W']  # in place: the new inception_3b_3x3_W
-        rt.ew(ew_mul_sub, inception_3b_3x3_W_new, T['inception_3b_3x3_W'], lr, V_inception_3b_3x3_W_new)
         # d_inception_3b_3x3_sum_to = sum_to[1x192x1x1](d_inception_3b_3x3)
         d_inception_3b_3x3_sum_to = mem.tensor(269, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_3x3, out=d_inception_3b_3x3_sum_to, shape=(1, 192, 1, 1))
@@ -3098,15 +3098,15 @@ class Googlenet(rp.Model):
         mem.free(266)
         # d_inception_3b_3x3_B = reshape[192](d_inception_3b_3x3_sum_to)
         d_inception_3b_3x3_B = rt.reshape(d_inception_3b_3x3_sum_to, shape=(192,))
-        # V_inception_3b_3x3_B_new = V_inception_3b_3x3_B*momentum + d_inception_3b_3x3_B
+        # V_inception_3b_3x3_B_new = V_inception_3b_3x3_B*momentum + d_inception_3b_3x3_B   (computed with the next statement)
         V_inception_3b_3x3_B_new = T['V_inception_3b_3x3_B']  # in place: the new V_inception_3b_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_3b_3x3_B_new, T['V_inception_3b_3x3_B'], momentum, d_inception_3b_3x3_B)
+        # inception_3b_3x3_B_new = inception_3b_3x3_B - 2*lr*V_inception_3b_3x3_B_new
+        inception_3b_3x3_B_new = T['inception_3b_3x3_B']  # in place: the new inception_3b_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_3x3_B_new, T['V_inception_3b_3x3_B'], momentum, d_inception_3b_3x3_B),
+                   (ew_mul_sub_2, inception_3b_3x3_B_new, T['inception_3b_3x3_B'], lr, V_inception_3b_3x3_B_new))
         # free d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B
         del d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B
         mem.free(269)
-        # inception_3b_3x3_B_new = inception_3b_3x3_B - 2*lr*V_inception_3b_3x3_B_new
-        inception_3b_3x3_B_new = T['inception_3b_3x3_B']  # in place: the new inception_3b_3x3_B
-        rt.ew(ew_mul_sub_2, inception_3b_3x3_B_new, T['inception_3b_3x3_B'], lr, V_inception_3b_3x3_B_new)
 
         # ---- inception_3b_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_concat_2 = conv2d_bwd_data[size=(28,28)](d_inception_3b_3x3_reduce, inception_3b_3x3_reduce_W)
@@ -3178,15 +3178,15 @@ class Googlenet(rp.Model):
         # free inception_3b_5x5_reduce, inception_3b_5x5_reduce_relu
         del inception_3b_5x5_reduce, inception_3b_5x5_reduce_relu
         mem.free(24)
-        # V_inception_3b_5x5_W_new = V_inception_3b_5x5_W*momentum + d_inception_3b_5x5_W + decay*inception_3b_5x5_W
+        # V_inception_3b_5x5_W_new = V_inception_3b_5x5_W*momentum + d_inception_3b_5x5_W + decay*inception_3b_5x5_W   (computed with the next statement)
         V_inception_3b_5x5_W_new = T['V_inception_3b_5x5_W']  # in place: the new V_inception_3b_5x5_W
-        rt.ew(ew_mul_add, V_inception_3b_5x5_W_new, T['V_inception_3b_5x5_W'], momentum, d_inception_3b_5x5_W, decay, T['inception_3b_5x5_W'])
+        # inception_3b_5x5_W_new = inception_3b_5x5_W - lr*V_inception_3b_5x5_W_new
+        inception_3b_5x5_W_new = T['inception_3b_5x5_W']  # in place: the new inception_3b_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_3b_5x5_W_new, T['V_inception_3b_5x5_W'], momentum, d_inception_3b_5x5_W, decay, T['inception_3b_5x5_W']),
+                   (ew_mul_sub, inception_3b_5x5_W_new, T['inception_3b_5x5_W'], lr, V_inception_3b_5x5_W_new))
         # free d_inception_3b_5x5_W
         del d_inception_3b_5x5_W
         mem.free(276)
-        # inception_3b_5x5_W_new = inception_3b_5x5_W - lr*V_inception_3b_5x5_W_new
-        inception_3b_5x5_W_new = T['inception_3b_5x5_W']  # in place: the new inception_3b_5x5_W
-        rt.ew(ew_mul_sub, inception_3b_5x5_W_new, T['inception_3b_5x5_W'], lr, V_inception_3b_5x5_W_new)
         # d_inception_3b_5x5_sum_to = sum_to[1x96x1x1](d_inception_3b_5x5)
         d_inception_3b_5x5_sum_to = mem.tensor(277, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_5x5, out=d_inception_3b_5x5_sum_to, shape=(1, 96, 1, 1))
@@ -3195,15 +3195,15 @@ class Googlenet(rp.Model):
         mem.free(271)
         # d_inception_3b_5x5_B = reshape[96](d_inception_3b_5x5_sum_to)
         d_inception_3b_5x5_B = rt.reshape(d_inception_3b_5x5_sum_to, shape=(96,))
-        # V_inception_3b_5x5_B_new = V_inception_3b_5x5_B*momentum + d_inception_3b_5x5_B
+        # V_inception_3b_5x5_B_new = V_inception_3b_5x5_B*momentum + d_inception_3b_5x5_B   (computed with the next statement)
         V_inception_3b_5x5_B_new = T['V_inception_3b_5x5_B']  # in place: the new V_inception_3b_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_3b_5x5_B_new, T['V_inception_3b_5x5_B'], momentum, d_inception_3b_5x5_B)
+        # inception_3b_5x5_B_new = inception_3b_5x5_B - 2*lr*V_inception_3b_5x5_B_new
+        inception_3b_5x5_B_new = T['inception_3b_5x5_B']  # in place: the new inception_3b_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_5x5_B_new, T['V_inception_3b_5x5_B'], momentum, d_inception_3b_5x5_B),
+                   (ew_mul_sub_2, inception_3b_5x5_B_new, T['inception_3b_5x5_B'], lr, V_inception_3b_5x5_B_new))
         # free d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B
         del d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B
         mem.free(277)
-        # inception_3b_5x5_B_new = inception_3b_5x5_B - 2*lr*V_inception_3b_5x5_B_new
-        inception_3b_5x5_B_new = T['inception_3b_5x5_B']  # in place: the new inception_3b_5x5_B
-        rt.ew(ew_mul_sub_2, inception_3b_5x5_B_new, T['inception_3b_5x5_B'], lr, V_inception_3b_5x5_B_new)
 
         # ---- inception_3b_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_concat_3 = conv2d_bwd_data[size=(28,28)](d_inception_3b_5x5_reduce, inception_3b_5x5_reduce_W)
@@ -3243,15 +3243,15 @@ class Googlenet(rp.Model):
         mem.free(272)
         # d_inception_3b_pool_proj_B = reshape[64](d_inception_3b_pool_proj_sum_to)
         d_inception_3b_pool_proj_B = rt.reshape(d_inception_3b_pool_proj_sum_to, shape=(64,))
-        # V_inception_3b_pool_proj_B_new = V_inception_3b_pool_proj_B*momentum + d_inception_3b_pool_proj_B
+        # V_inception_3b_pool_proj_B_new = V_inception_3b_pool_proj_B*momentum + d_inception_3b_pool_proj_B   (computed with the next statement)
         V_inception_3b_pool_proj_B_new = T['V_inception_3b_pool_proj_B']  # in place: the new V_inception_3b_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_3b_pool_proj_B_new, T['V_inception_3b_pool_proj_B'], momentum, d_inception_3b_pool_proj_B)
+        # inception_3b_pool_proj_B_new = inception_3b_pool_proj_B - 2*lr*V_inception_3b_pool_proj_B_new
+        inception_3b_pool_proj_B_new = T['inception_3b_pool_proj_B']  # in place: the new inception_3b_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_pool_proj_B_new, T['V_inception_3b_pool_proj_B'], momentum, d_inception_3b_pool_proj_B),
+                   (ew_mul_sub_2, inception_3b_pool_proj_B_new, T['inception_3b_pool_proj_B'], lr, V_inception_3b_pool_proj_B_new))
         # free d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B
         del d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B
         mem.free(281)
-        # inception_3b_pool_proj_B_new = inception_3b_pool_proj_B - 2*lr*V_inception_3b_pool_proj_B_new
-        inception_3b_pool_proj_B_new = T['inception_3b_pool_proj_B']  # in place: the new inception_3b_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_3b_pool_proj_B_new, T['inception_3b_pool_proj_B'], lr, V_inception_3b_pool_proj_B_new)
 
         # ---- inception_3a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_3a_1x1_relu = slice[axis=1,start=0,stop=64](d_inception_3a_1x1_concat_5)
@@ -3307,15 +3307,15 @@ class Googlenet(rp.Model):
         # free inception_3a_3x3_reduce, inception_3a_3x3_reduce_relu
         del inception_3a_3x3_reduce, inception_3a_3x3_reduce_relu
         mem.free(17)
-        # V_inception_3a_3x3_W_new = V_inception_3a_3x3_W*momentum + d_inception_3a_3x3_W + decay*inception_3a_3x3_W
+        # V_inception_3a_3x3_W_new = V_inception_3a_3x3_W*momentum + d_inception_3a_3x3_W + decay*inception_3a_3x3_W   (computed with the next statement)
         V_inception_3a_3x3_W_new = T['V_inception_3a_3x3_W']  # in place: the new V_inception_3a_3x3_W
-        rt.ew(ew_mul_add, V_inception_3a_3x3_W_new, T['V_inception_3a_3x3_W'], momentum, d_inception_3a_3x3_W, decay, T['inception_3a_3x3_W'])
+        # inception_3a_3x3_W_new = inception_3a_3x3_W - lr*V_inception_3a_3x3_W_new
+        inception_3a_3x3_W_new = T['inception_3a_3x3_W']  # in place: the new inception_3a_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_3a_3x3_W_new, T['V_inception_3a_3x3_W'], momentum, d_inception_3a_3x3_W, decay, T['inception_3a_3x3_W']),
+                   (ew_mul_sub, inception_3a_3x3_W_new, T['inception_3a_3x3_W'], lr, V_inception_3a_3x3_W_new))
         # free d_inception_3a_3x3_W
         del d_inception_3a_3x3_W
         mem.free(288)
-        # inception_3a_3x3_W_new = inception_3a_3x3_W - lr*V_inception_3a_3x3_W_new
-        inception_3a_3x3_W_new = T['inception_3a_3x3_W']  # in place: the new inception_3a_3x3_W
-        rt.ew(ew_mul_sub, inception_3a_3x3_W_new, T['inception_3a_3x3_W'], lr, V_inception_3a_3x3_W_new)
         # d_inception_3a_3x3_sum_to = sum_to[1x128x1x1](d_inception_3a_3x3)
         d_inception_3a_3x3_sum_to = mem.tensor(289, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_3x3, out=d_inception_3a_3x3_sum_to, shape=(1, 128, 1, 1))
@@ -3324,15 +3324,15 @@ class Googlenet(rp.Model):
         mem.free(285)
         # d_inception_3a_3x3_B = reshape[128](d_inception_3a_3x3_sum_to)
         d_inception_3a_3x3_B = rt.reshape(d_inception_3a_3x3_sum_to, shape=(128,))
-        # V_inception_3a_3x3_B_new = V_inception_3a_3x3_B*momentum + d_inception_3a_3x3_B
+        # V_inception_3a_3x3_B_new = V_inception_3a_3x3_B*momentum + d_inception_3a_3x3_B   (computed with the next statement)
         V_inception_3a_3x3_B_new = T['V_inception_3a_3x3_B']  # in place: the new V_inception_3a_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_3a_3x3_B_new, T['V_inception_3a_3x3_B'], momentum, d_inception_3a_3x3_B)
+        # inception_3a_3x3_B_new = inception_3a_3x3_B - 2*lr*V_inception_3a_3x3_B_new
+        inception_3a_3x3_B_new = T['inception_3a_3x3_B']  # in place: the new inception_3a_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_3x3_B_new, T['V_inception_3a_3x3_B'], momentum, d_inception_3a_3x3_B),
+                   (ew_mul_sub_2, inception_3a_3x3_B_new, T['inception_3a_3x3_B'], lr, V_inception_3a_3x3_B_new))
         # free d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B
         del d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B
         mem.free(289)
-        # inception_3a_3x3_B_new = inception_3a_3x3_B - 2*lr*V_inception_3a_3x3_B_new
-        inception_3a_3x3_B_new = T['inception_3a_3x3_B']  # in place: the new inception_3a_3x3_B
-        rt.ew(ew_mul_sub_2, inception_3a_3x3_B_new, T['inception_3a_3x3_B'], lr, V_inception_3a_3x3_B_new)
 
         # ---- inception_3a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_conv2_3x3_max_pool_2 = conv2d_bwd_data[size=(28,28)](d_inception_3a_3x3_reduce, inception_3a_3x3_reduce_W)
@@ -3410,15 +3410,15 @@ class Googlenet(rp.Model):
         # free inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
         del inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
         mem.free(15)
-        # V_inception_3a_5x5_W_new = V_inception_3a_5x5_W*momentum + d_inception_3a_5x5_W + decay*inception_3a_5x5_W
+        # V_inception_3a_5x5_W_new = V_inception_3a_5x5_W*momentum + d_inception_3a_5x5_W + decay*inception_3a_5x5_W   (computed with the next statement)
         V_inception_3a_5x5_W_new = T['V_inception_3a_5x5_W']  # in place: the new V_inception_3a_5x5_W
-        rt.ew(ew_mul_add, V_inception_3a_5x5_W_new, T['V_inception_3a_5x5_W'], momentum, d_inception_3a_5x5_W, decay, T['inception_3a_5x5_W'])
+        # inception_3a_5x5_W_new = inception_3a_5x5_W - lr*V_inception_3a_5x5_W_new
+        inception_3a_5x5_W_new = T['inception_3a_5x5_W']  # in place: the new inception_3a_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_3a_5x5_W_new, T['V_inception_3a_5x5_W'], momentum, d_inception_3a_5x5_W, decay, T['inception_3a_5x5_W']),
+                   (ew_mul_sub, inception_3a_5x5_W_new, T['inception_3a_5x5_W'], lr, V_inception_3a_5x5_W_new))
         # free d_inception_3a_5x5_W
         del d_inception_3a_5x5_W
         mem.free(298)
-        # inception_3a_5x5_W_new = inception_3a_5x5_W - lr*V_inception_3a_5x5_W_new
-        inception_3a_5x5_W_new = T['inception_3a_5x5_W']  # in place: the new inception_3a_5x5_W
-        rt.ew(ew_mul_sub, inception_3a_5x5_W_new, T['inception_3a_5x5_W'], lr, V_inception_3a_5x5_W_new)
         # d_inception_3a_5x5_sum_to = sum_to[1x32x1x1](d_inception_3a_5x5)
         d_inception_3a_5x5_sum_to = mem.tensor(299, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_5x5, out=d_inception_3a_5x5_sum_to, shape=(1, 32, 1, 1))
@@ -3427,15 +3427,15 @@ class Googlenet(rp.Model):
         mem.free(291)
         # d_inception_3a_5x5_B = reshape[32](d_inception_3a_5x5_sum_to)
         d_inception_3a_5x5_B = rt.reshape(d_inception_3a_5x5_sum_to, shape=(32,))
-        # V_inception_3a_5x5_B_new = V_inception_3a_5x5_B*momentum + d_inception_3a_5x5_B
+        # V_inception_3a_5x5_B_new = V_inception_3a_5x5_B*momentum + d_inception_3a_5x5_B   (computed with the next statement)
         V_inception_3a_5x5_B_new = T['V_inception_3a_5x5_B']  # in place: the new V_inception_3a_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_3a_5x5_B_new, T['V_inception_3a_5x5_B'], momentum, d_inception_3a_5x5_B)
+        # inception_3a_5x5_B_new = inception_3a_5x5_B - 2*lr*V_inception_3a_5x5_B_new
+        inception_3a_5x5_B_new = T['inception_3a_5x5_B']  # in place: the new inception_3a_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_5x5_B_new, T['V_inception_3a_5x5_B'], momentum, d_inception_3a_5x5_B),
+                   (ew_mul_sub_2, inception_3a_5x5_B_new, T['inception_3a_5x5_B'], lr, V_inception_3a_5x5_B_new))
         # free d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B
         del d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B
         mem.free(299)
-        # inception_3a_5x5_B_new = inception_3a_5x5_B - 2*lr*V_inception_3a_5x5_B_new
-        inception_3a_5x5_B_new = T['inception_3a_5x5_B']  # in place: the new inception_3a_5x5_B
-        rt.ew(ew_mul_sub_2, inception_3a_5x5_B_new, T['inception_3a_5x5_B'], lr, V_inception_3a_5x5_B_new)
 
         # ---- inception_3a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_conv2_3x3_max_pool_3 = conv2d_bwd_data[size=(28,28)](d_inception_3a_5x5_reduce, inception_3a_5x5_reduce_W)
@@ -3473,15 +3473,15 @@ class Googlenet(rp.Model):
         mem.free(293)
         # d_inception_3a_pool_proj_B = reshape[32](d_inception_3a_pool_proj_sum_to)
         d_inception_3a_pool_proj_B = rt.reshape(d_inception_3a_pool_proj_sum_to, shape=(32,))
-        # V_inception_3a_pool_proj_B_new = V_inception_3a_pool_proj_B*momentum + d_inception_3a_pool_proj_B
+        # V_inception_3a_pool_proj_B_new = V_inception_3a_pool_proj_B*momentum + d_inception_3a_pool_proj_B   (computed with the next statement)
         V_inception_3a_pool_proj_B_new = T['V_inception_3a_pool_proj_B']  # in place: the new V_inception_3a_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_3a_pool_proj_B_new, T['V_inception_3a_pool_proj_B'], momentum, d_inception_3a_pool_proj_B)
+        # inception_3a_pool_proj_B_new = inception_3a_pool_proj_B - 2*lr*V_inception_3a_pool_proj_B_new
+        inception_3a_pool_proj_B_new = T['inception_3a_pool_proj_B']  # in place: the new inception_3a_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_pool_proj_B_new, T['V_inception_3a_pool_proj_B'], momentum, d_inception_3a_pool_proj_B),
+                   (ew_mul_sub_2, inception_3a_pool_proj_B_new, T['inception_3a_pool_proj_B'], lr, V_inception_3a_pool_proj_B_new))
         # free d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B
         del d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B
         mem.free(303)
-        # inception_3a_pool_proj_B_new = inception_3a_pool_proj_B - 2*lr*V_inception_3a_pool_proj_B_new
-        inception_3a_pool_proj_B_new = T['inception_3a_pool_proj_B']  # in place: the new inception_3a_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_3a_pool_proj_B_new, T['inception_3a_pool_proj_B'], lr, V_inception_3a_pool_proj_B_new)
 
         # ---- conv2_3x3_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_conv2_3x3_lrn = max_pool_bwd[ceil=True,kernel=3,size=(56,56),stride=2](d_conv2_3x3_max_pool_6, conv2_3x3_max_pool_argmax)
@@ -3540,15 +3540,15 @@ class Googlenet(rp.Model):
         # free conv2_3x3_reduce, conv2_3x3_reduce_relu
         del conv2_3x3_reduce, conv2_3x3_reduce_relu
         mem.free(7)
-        # V_conv2_3x3_W_new = V_conv2_3x3_W*momentum + d_conv2_3x3_W + decay*conv2_3x3_W
+        # V_conv2_3x3_W_new = V_conv2_3x3_W*momentum + d_conv2_3x3_W + decay*conv2_3x3_W   (computed with the next statement)
         V_conv2_3x3_W_new = T['V_conv2_3x3_W']  # in place: the new V_conv2_3x3_W
-        rt.ew(ew_mul_add, V_conv2_3x3_W_new, T['V_conv2_3x3_W'], momentum, d_conv2_3x3_W, decay, T['conv2_3x3_W'])
+        # conv2_3x3_W_new = conv2_3x3_W - lr*V_conv2_3x3_W_new
+        conv2_3x3_W_new = T['conv2_3x3_W']  # in place: the new conv2_3x3_W
+        rt.ew_pair((ew_mul_add, V_conv2_3x3_W_new, T['V_conv2_3x3_W'], momentum, d_conv2_3x3_W, decay, T['conv2_3x3_W']),
+                   (ew_mul_sub, conv2_3x3_W_new, T['conv2_3x3_W'], lr, V_conv2_3x3_W_new))
         # free d_conv2_3x3_W
         del d_conv2_3x3_W
         mem.free(308)
-        # conv2_3x3_W_new = conv2_3x3_W - lr*V_conv2_3x3_W_new
-        conv2_3x3_W_new = T['conv2_3x3_W']  # in place: the new conv2_3x3_W
-        rt.ew(ew_mul_sub, conv2_3x3_W_new, T['conv2_3x3_W'], lr, V_conv2_3x3_W_new)
         # d_conv2_3x3_sum_to = sum_to[1x192x1x1](d_conv2_3x3)
         d_conv2_3x3_sum_to = mem.tensor(309, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_conv2_3x3, out=d_conv2_3x3_sum_to, shape=(1, 192, 1, 1))
@@ -3557,15 +3557,15 @@ class Googlenet(rp.Model):
         mem.free(304)
         # d_conv2_3x3_B = reshape[192](d_conv2_3x3_sum_to)
         d_conv2_3x3_B = rt.reshape(d_conv2_3x3_sum_to, shape=(192,))
-        # V_conv2_3x3_B_new = V_conv2_3x3_B*momentum + d_conv2_3x3_B
+        # V_conv2_3x3_B_new = V_conv2_3x3_B*momentum + d_conv2_3x3_B   (computed with the next statement)
         V_conv2_3x3_B_new = T['V_conv2_3x3_B']  # in place: the new V_conv2_3x3_B
-        rt.ew(ew_mul_add_2, V_conv2_3x3_B_new, T['V_conv2_3x3_B'], momentum, d_conv2_3x3_B)
+        # conv2_3x3_B_new = conv2_3x3_B - 2*lr*V_conv2_3x3_B_new
+        conv2_3x3_B_new = T['conv2_3x3_B']  # in place: the new conv2_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_conv2_3x3_B_new, T['V_conv2_3x3_B'], momentum, d_conv2_3x3_B),
+                   (ew_mul_sub_2, conv2_3x3_B_new, T['conv2_3x3_B'], lr, V_conv2_3x3_B_new))
         # free d_conv2_3x3_sum_to, d_conv2_3x3_B
         del d_conv2_3x3_sum_to, d_conv2_3x3_B
         mem.free(309)
-        # conv2_3x3_B_new = conv2_3x3_B - 2*lr*V_conv2_3x3_B_new
-        conv2_3x3_B_new = T['conv2_3x3_B']  # in place: the new conv2_3x3_B
-        rt.ew(ew_mul_sub_2, conv2_3x3_B_new, T['conv2_3x3_B'], lr, V_conv2_3x3_B_new)
 
         # ---- conv2_3x3_reduce (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_conv1_7x7_s2_lrn = conv2d_bwd_data[size=(56,56)](d_conv2_3x3_reduce, conv2_3x3_reduce_W)
@@ -3597,15 +3597,15 @@ class Googlenet(rp.Model):
         mem.free(305)
         # d_conv2_3x3_reduce_B = reshape[64](d_conv2_3x3_reduce_sum_to)
         d_conv2_3x3_reduce_B = rt.reshape(d_conv2_3x3_reduce_sum_to, shape=(64,))
-        # V_conv2_3x3_reduce_B_new = V_conv2_3x3_reduce_B*momentum + d_conv2_3x3_reduce_B
+        # V_conv2_3x3_reduce_B_new = V_conv2_3x3_reduce_B*momentum + d_conv2_3x3_reduce_B   (computed with the next statement)
         V_conv2_3x3_reduce_B_new = T['V_conv2_3x3_reduce_B']  # in place: the new V_conv2_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_conv2_3x3_reduce_B_new, T['V_conv2_3x3_reduce_B'], momentum, d_conv2_3x3_reduce_B)
+        # conv2_3x3_reduce_B_new = conv2_3x3_reduce_B - 2*lr*V_conv2_3x3_reduce_B_new
+        conv2_3x3_reduce_B_new = T['conv2_3x3_reduce_B']  # in place: the new conv2_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_conv2_3x3_reduce_B_new, T['V_conv2_3x3_reduce_B'], momentum, d_conv2_3x3_reduce_B),
+                   (ew_mul_sub_2, conv2_3x3_reduce_B_new, T['conv2_3x3_reduce_B'], lr, V_conv2_3x3_reduce_B_new))
         # free d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B
         del d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B
         mem.free(311)
-        # conv2_3x3_reduce_B_new = conv2_3x3_reduce_B - 2*lr*V_conv2_3x3_reduce_B_new
-        conv2_3x3_reduce_B_new = T['conv2_3x3_reduce_B']  # in place: the new conv2_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, conv2_3x3_reduce_B_new, T['conv2_3x3_reduce_B'], lr, V_conv2_3x3_reduce_B_new)
 
         # ---- conv1_7x7_s2_relu (relu), backward ----
         # d_conv1_7x7_s2_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_conv1_7x7_s2, conv1_7x7_s2_max_pool_argmax)
@@ -3622,15 +3622,15 @@ class Googlenet(rp.Model):
         # free x
         del x
         mem.free(0)
-        # V_conv1_7x7_s2_W_new = V_conv1_7x7_s2_W*momentum + d_conv1_7x7_s2_W + decay*conv1_7x7_s2_W
+        # V_conv1_7x7_s2_W_new = V_conv1_7x7_s2_W*momentum + d_conv1_7x7_s2_W + decay*conv1_7x7_s2_W   (computed with the next statement)
         V_conv1_7x7_s2_W_new = T['V_conv1_7x7_s2_W']  # in place: the new V_conv1_7x7_s2_W
-        rt.ew(ew_mul_add, V_conv1_7x7_s2_W_new, T['V_conv1_7x7_s2_W'], momentum, d_conv1_7x7_s2_W, decay, T['conv1_7x7_s2_W'])
+        # conv1_7x7_s2_W_new = conv1_7x7_s2_W - lr*V_conv1_7x7_s2_W_new
+        conv1_7x7_s2_W_new = T['conv1_7x7_s2_W']  # in place: the new conv1_7x7_s2_W
+        rt.ew_pair((ew_mul_add, V_conv1_7x7_s2_W_new, T['V_conv1_7x7_s2_W'], momentum, d_conv1_7x7_s2_W, decay, T['conv1_7x7_s2_W']),
+                   (ew_mul_sub, conv1_7x7_s2_W_new, T['conv1_7x7_s2_W'], lr, V_conv1_7x7_s2_W_new))
         # free d_conv1_7x7_s2_W
         del d_conv1_7x7_s2_W
         mem.free(313)
-        # conv1_7x7_s2_W_new = conv1_7x7_s2_W - lr*V_conv1_7x7_s2_W_new
-        conv1_7x7_s2_W_new = T['conv1_7x7_s2_W']  # in place: the new conv1_7x7_s2_W
-        rt.ew(ew_mul_sub, conv1_7x7_s2_W_new, T['conv1_7x7_s2_W'], lr, V_conv1_7x7_s2_W_new)
         # d_conv1_7x7_s2_sum_to = sum_to[1x64x1x1](d_conv1_7x7_s2_relu_max_pool_bwd)
         d_conv1_7x7_s2_sum_to = mem.tensor(314, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_conv1_7x7_s2_relu_max_pool_bwd, out=d_conv1_7x7_s2_sum_to, shape=(1, 64, 1, 1))
@@ -3639,29 +3639,29 @@ class Googlenet(rp.Model):
         mem.free(312)
         # d_conv1_7x7_s2_B = reshape[64](d_conv1_7x7_s2_sum_to)
         d_conv1_7x7_s2_B = rt.reshape(d_conv1_7x7_s2_sum_to, shape=(64,))
-        # V_conv1_7x7_s2_B_new = V_conv1_7x7_s2_B*momentum + d_conv1_7x7_s2_B
+        # V_conv1_7x7_s2_B_new = V_conv1_7x7_s2_B*momentum + d_conv1_7x7_s2_B   (computed with the next statement)
         V_conv1_7x7_s2_B_new = T['V_conv1_7x7_s2_B']  # in place: the new V_conv1_7x7_s2_B
-        rt.ew(ew_mul_add_2, V_conv1_7x7_s2_B_new, T['V_conv1_7x7_s2_B'], momentum, d_conv1_7x7_s2_B)
+        # conv1_7x7_s2_B_new = conv1_7x7_s2_B - 2*lr*V_conv1_7x7_s2_B_new
+        conv1_7x7_s2_B_new = T['conv1_7x7_s2_B']  # in place: the new conv1_7x7_s2_B
+        rt.ew_pair((ew_mul_add_2, V_conv1_7x7_s2_B_new, T['V_conv1_7x7_s2_B'], momentum, d_conv1_7x7_s2_B),
+                   (ew_mul_sub_2, conv1_7x7_s2_B_new, T['conv1_7x7_s2_B'], lr, V_conv1_7x7_s2_B_new))
         # free d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B
         del d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B
         mem.free(314)
-        # conv1_7x7_s2_B_new = conv1_7x7_s2_B - 2*lr*V_conv1_7x7_s2_B_new
-        conv1_7x7_s2_B_new = T['conv1_7x7_s2_B']  # in place: the new conv1_7x7_s2_B
-        rt.ew(ew_mul_sub_2, conv1_7x7_s2_B_new, T['conv1_7x7_s2_B'], lr, V_conv1_7x7_s2_B_new)
 
         # ---- inception_3a_1x1 (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_1x1, conv2_3x3_max_pool)
         d_inception_3a_1x1_W = mem.tensor(315, (64, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_3a_1x1, conv2_3x3_max_pool, out=d_inception_3a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25739264))
-        # V_inception_3a_1x1_W_new = V_inception_3a_1x1_W*momentum + d_inception_3a_1x1_W + decay*inception_3a_1x1_W
+        # V_inception_3a_1x1_W_new = V_inception_3a_1x1_W*momentum + d_inception_3a_1x1_W + decay*inception_3a_1x1_W   (computed with the next statement)
         V_inception_3a_1x1_W_new = T['V_inception_3a_1x1_W']  # in place: the new V_inception_3a_1x1_W
-        rt.ew(ew_mul_add, V_inception_3a_1x1_W_new, T['V_inception_3a_1x1_W'], momentum, d_inception_3a_1x1_W, decay, T['inception_3a_1x1_W'])
+        # inception_3a_1x1_W_new = inception_3a_1x1_W - lr*V_inception_3a_1x1_W_new
+        inception_3a_1x1_W_new = T['inception_3a_1x1_W']  # in place: the new inception_3a_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_3a_1x1_W_new, T['V_inception_3a_1x1_W'], momentum, d_inception_3a_1x1_W, decay, T['inception_3a_1x1_W']),
+                   (ew_mul_sub, inception_3a_1x1_W_new, T['inception_3a_1x1_W'], lr, V_inception_3a_1x1_W_new))
         # free d_inception_3a_1x1_W
         del d_inception_3a_1x1_W
         mem.free(315)
-        # inception_3a_1x1_W_new = inception_3a_1x1_W - lr*V_inception_3a_1x1_W_new
-        inception_3a_1x1_W_new = T['inception_3a_1x1_W']  # in place: the new inception_3a_1x1_W
-        rt.ew(ew_mul_sub, inception_3a_1x1_W_new, T['inception_3a_1x1_W'], lr, V_inception_3a_1x1_W_new)
         # d_inception_3a_1x1_sum_to = sum_to[1x64x1x1](d_inception_3a_1x1)
         d_inception_3a_1x1_sum_to = mem.tensor(316, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_1x1, out=d_inception_3a_1x1_sum_to, shape=(1, 64, 1, 1))
@@ -3670,29 +3670,29 @@ class Googlenet(rp.Model):
         mem.free(282)
         # d_inception_3a_1x1_B = reshape[64](d_inception_3a_1x1_sum_to)
         d_inception_3a_1x1_B = rt.reshape(d_inception_3a_1x1_sum_to, shape=(64,))
-        # V_inception_3a_1x1_B_new = V_inception_3a_1x1_B*momentum + d_inception_3a_1x1_B
+        # V_inception_3a_1x1_B_new = V_inception_3a_1x1_B*momentum + d_inception_3a_1x1_B   (computed with the next statement)
         V_inception_3a_1x1_B_new = T['V_inception_3a_1x1_B']  # in place: the new V_inception_3a_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_3a_1x1_B_new, T['V_inception_3a_1x1_B'], momentum, d_inception_3a_1x1_B)
+        # inception_3a_1x1_B_new = inception_3a_1x1_B - 2*lr*V_inception_3a_1x1_B_new
+        inception_3a_1x1_B_new = T['inception_3a_1x1_B']  # in place: the new inception_3a_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_1x1_B_new, T['V_inception_3a_1x1_B'], momentum, d_inception_3a_1x1_B),
+                   (ew_mul_sub_2, inception_3a_1x1_B_new, T['inception_3a_1x1_B'], lr, V_inception_3a_1x1_B_new))
         # free d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B
         del d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B
         mem.free(316)
-        # inception_3a_1x1_B_new = inception_3a_1x1_B - 2*lr*V_inception_3a_1x1_B_new
-        inception_3a_1x1_B_new = T['inception_3a_1x1_B']  # in place: the new inception_3a_1x1_B
-        rt.ew(ew_mul_sub_2, inception_3a_1x1_B_new, T['inception_3a_1x1_B'], lr, V_inception_3a_1x1_B_new)
 
         # ---- inception_3a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_3a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_3x3_reduce, conv2_3x3_max_pool)
         d_inception_3a_3x3_reduce_W = mem.tensor(317, (96, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_3a_3x3_reduce, conv2_3x3_max_pool, out=d_inception_3a_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(28975104))
-        # V_inception_3a_3x3_reduce_W_new = V_inception_3a_3x3_reduce_W*momentum + d_inception_3a_3x3_reduce_W + decay*inception_3a_3x3_reduce_W
+        # V_inception_3a_3x3_reduce_W_new = V_inception_3a_3x3_reduce_W*momentum + d_inception_3a_3x3_reduce_W + decay*inception_3a_3x3_reduce_W   (computed with the next statement)
         V_inception_3a_3x3_reduce_W_new = T['V_inception_3a_3x3_reduce_W']  # in place: the new V_inception_3a_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_3a_3x3_reduce_W_new, T['V_inception_3a_3x3_reduce_W'], momentum, d_inception_3a_3x3_reduce_W, decay, T['inception_3a_3x3_reduce_W'])
+        # inception_3a_3x3_reduce_W_new = inception_3a_3x3_reduce_W - lr*V_inception_3a_3x3_reduce_W_new
+        inception_3a_3x3_reduce_W_new = T['inception_3a_3x3_reduce_W']  # in place: the new inception_3a_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_3a_3x3_reduce_W_new, T['V_inception_3a_3x3_reduce_W'], momentum, d_inception_3a_3x3_reduce_W, decay, T['inception_3a_3x3_reduce_W']),
+                   (ew_mul_sub, inception_3a_3x3_reduce_W_new, T['inception_3a_3x3_reduce_W'], lr, V_inception_3a_3x3_reduce_W_new))
         # free d_inception_3a_3x3_reduce_W
         del d_inception_3a_3x3_reduce_W
         mem.free(317)
-        # inception_3a_3x3_reduce_W_new = inception_3a_3x3_reduce_W - lr*V_inception_3a_3x3_reduce_W_new
-        inception_3a_3x3_reduce_W_new = T['inception_3a_3x3_reduce_W']  # in place: the new inception_3a_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_3a_3x3_reduce_W_new, T['inception_3a_3x3_reduce_W'], lr, V_inception_3a_3x3_reduce_W_new)
         # d_inception_3a_3x3_reduce_sum_to = sum_to[1x96x1x1](d_inception_3a_3x3_reduce)
         d_inception_3a_3x3_reduce_sum_to = mem.tensor(318, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_3x3_reduce, out=d_inception_3a_3x3_reduce_sum_to, shape=(1, 96, 1, 1))
@@ -3701,15 +3701,15 @@ class Googlenet(rp.Model):
         mem.free(287)
         # d_inception_3a_3x3_reduce_B = reshape[96](d_inception_3a_3x3_reduce_sum_to)
         d_inception_3a_3x3_reduce_B = rt.reshape(d_inception_3a_3x3_reduce_sum_to, shape=(96,))
-        # V_inception_3a_3x3_reduce_B_new = V_inception_3a_3x3_reduce_B*momentum + d_inception_3a_3x3_reduce_B
+        # V_inception_3a_3x3_reduce_B_new = V_inception_3a_3x3_reduce_B*momentum + d_inception_3a_3x3_reduce_B   (computed with the next statement)
         V_inception_3a_3x3_reduce_B_new = T['V_inception_3a_3x3_reduce_B']  # in place: the new V_inception_3a_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_3a_3x3_reduce_B_new, T['V_inception_3a_3x3_reduce_B'], momentum, d_inception_3a_3x3_reduce_B)
+        # inception_3a_3x3_reduce_B_new = inception_3a_3x3_reduce_B - 2*lr*V_inception_3a_3x3_reduce_B_new
+        inception_3a_3x3_reduce_B_new = T['inception_3a_3x3_reduce_B']  # in place: the new inception_3a_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_3x3_reduce_B_new, T['V_inception_3a_3x3_reduce_B'], momentum, d_inception_3a_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_3a_3x3_reduce_B_new, T['inception_3a_3x3_reduce_B'], lr, V_inception_3a_3x3_reduce_B_new))
         # free d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B
         del d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B
         mem.free(318)
-        # inception_3a_3x3_reduce_B_new = inception_3a_3x3_reduce_B - 2*lr*V_inception_3a_3x3_reduce_B_new
-        inception_3a_3x3_reduce_B_new = T['inception_3a_3x3_reduce_B']  # in place: the new inception_3a_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_3a_3x3_reduce_B_new, T['inception_3a_3x3_reduce_B'], lr, V_inception_3a_3x3_reduce_B_new)
 
         # ---- inception_3a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_3a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_5x5_reduce, conv2_3x3_max_pool)
@@ -3718,15 +3718,15 @@ class Googlenet(rp.Model):
         # free conv2_3x3_max_pool
         del conv2_3x3_max_pool
         mem.free(11)
-        # V_inception_3a_5x5_reduce_W_new = V_inception_3a_5x5_reduce_W*momentum + d_inception_3a_5x5_reduce_W + decay*inception_3a_5x5_reduce_W
+        # V_inception_3a_5x5_reduce_W_new = V_inception_3a_5x5_reduce_W*momentum + d_inception_3a_5x5_reduce_W + decay*inception_3a_5x5_reduce_W   (computed with the next statement)
         V_inception_3a_5x5_reduce_W_new = T['V_inception_3a_5x5_reduce_W']  # in place: the new V_inception_3a_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_3a_5x5_reduce_W_new, T['V_inception_3a_5x5_reduce_W'], momentum, d_inception_3a_5x5_reduce_W, decay, T['inception_3a_5x5_reduce_W'])
+        # inception_3a_5x5_reduce_W_new = inception_3a_5x5_reduce_W - lr*V_inception_3a_5x5_reduce_W_new
+        inception_3a_5x5_reduce_W_new = T['inception_3a_5x5_reduce_W']  # in place: the new inception_3a_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_3a_5x5_reduce_W_new, T['V_inception_3a_5x5_reduce_W'], momentum, d_inception_3a_5x5_reduce_W, decay, T['inception_3a_5x5_reduce_W']),
+                   (ew_mul_sub, inception_3a_5x5_reduce_W_new, T['inception_3a_5x5_reduce_W'], lr, V_inception_3a_5x5_reduce_W_new))
         # free d_inception_3a_5x5_reduce_W
         del d_inception_3a_5x5_reduce_W
         mem.free(319)
-        # inception_3a_5x5_reduce_W_new = inception_3a_5x5_reduce_W - lr*V_inception_3a_5x5_reduce_W_new
-        inception_3a_5x5_reduce_W_new = T['inception_3a_5x5_reduce_W']  # in place: the new inception_3a_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_3a_5x5_reduce_W_new, T['inception_3a_5x5_reduce_W'], lr, V_inception_3a_5x5_reduce_W_new)
         # d_inception_3a_5x5_reduce_sum_to = sum_to[1x16x1x1](d_inception_3a_5x5_reduce)
         d_inception_3a_5x5_reduce_sum_to = mem.tensor(320, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_5x5_reduce, out=d_inception_3a_5x5_reduce_sum_to, shape=(1, 16, 1, 1))
@@ -3735,29 +3735,29 @@ class Googlenet(rp.Model):
         mem.free(297)
         # d_inception_3a_5x5_reduce_B = reshape[16](d_inception_3a_5x5_reduce_sum_to)
         d_inception_3a_5x5_reduce_B = rt.reshape(d_inception_3a_5x5_reduce_sum_to, shape=(16,))
-        # V_inception_3a_5x5_reduce_B_new = V_inception_3a_5x5_reduce_B*momentum + d_inception_3a_5x5_reduce_B
+        # V_inception_3a_5x5_reduce_B_new = V_inception_3a_5x5_reduce_B*momentum + d_inception_3a_5x5_reduce_B   (computed with the next statement)
         V_inception_3a_5x5_reduce_B_new = T['V_inception_3a_5x5_reduce_B']  # in place: the new V_inception_3a_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_3a_5x5_reduce_B_new, T['V_inception_3a_5x5_reduce_B'], momentum, d_inception_3a_5x5_reduce_B)
+        # inception_3a_5x5_reduce_B_new = inception_3a_5x5_reduce_B - 2*lr*V_inception_3a_5x5_reduce_B_new
+        inception_3a_5x5_reduce_B_new = T['inception_3a_5x5_reduce_B']  # in place: the new inception_3a_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3a_5x5_reduce_B_new, T['V_inception_3a_5x5_reduce_B'], momentum, d_inception_3a_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_3a_5x5_reduce_B_new, T['inception_3a_5x5_reduce_B'], lr, V_inception_3a_5x5_reduce_B_new))
         # free d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B
         del d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B
         mem.free(320)
-        # inception_3a_5x5_reduce_B_new = inception_3a_5x5_reduce_B - 2*lr*V_inception_3a_5x5_reduce_B_new
-        inception_3a_5x5_reduce_B_new = T['inception_3a_5x5_reduce_B']  # in place: the new inception_3a_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_3a_5x5_reduce_B_new, T['inception_3a_5x5_reduce_B'], lr, V_inception_3a_5x5_reduce_B_new)
 
         # ---- inception_3b_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_1x1, inception_3a_1x1_concat)
         d_inception_3b_1x1_W = mem.tensor(321, (128, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_3b_1x1, inception_3a_1x1_concat, out=d_inception_3b_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(31440896))
-        # V_inception_3b_1x1_W_new = V_inception_3b_1x1_W*momentum + d_inception_3b_1x1_W + decay*inception_3b_1x1_W
+        # V_inception_3b_1x1_W_new = V_inception_3b_1x1_W*momentum + d_inception_3b_1x1_W + decay*inception_3b_1x1_W   (computed with the next statement)
         V_inception_3b_1x1_W_new = T['V_inception_3b_1x1_W']  # in place: the new V_inception_3b_1x1_W
-        rt.ew(ew_mul_add, V_inception_3b_1x1_W_new, T['V_inception_3b_1x1_W'], momentum, d_inception_3b_1x1_W, decay, T['inception_3b_1x1_W'])
+        # inception_3b_1x1_W_new = inception_3b_1x1_W - lr*V_inception_3b_1x1_W_new
+        inception_3b_1x1_W_new = T['inception_3b_1x1_W']  # in place: the new inception_3b_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_3b_1x1_W_new, T['V_inception_3b_1x1_W'], momentum, d_inception_3b_1x1_W, decay, T['inception_3b_1x1_W']),
+                   (ew_mul_sub, inception_3b_1x1_W_new, T['inception_3b_1x1_W'], lr, V_inception_3b_1x1_W_new))
         # free d_inception_3b_1x1_W
         del d_inception_3b_1x1_W
         mem.free(321)
-        # inception_3b_1x1_W_new = inception_3b_1x1_W - lr*V_inception_3b_1x1_W_new
-        inception_3b_1x1_W_new = T['inception_3b_1x1_W']  # in place: the new inception_3b_1x1_W
-        rt.ew(ew_mul_sub, inception_3b_1x1_W_new, T['inception_3b_1x1_W'], lr, V_inception_3b_1x1_W_new)
         # d_inception_3b_1x1_sum_to = sum_to[1x128x1x1](d_inception_3b_1x1)
         d_inception_3b_1x1_sum_to = mem.tensor(322, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_1x1, out=d_inception_3b_1x1_sum_to, shape=(1, 128, 1, 1))
@@ -3766,29 +3766,29 @@ class Googlenet(rp.Model):
         mem.free(264)
         # d_inception_3b_1x1_B = reshape[128](d_inception_3b_1x1_sum_to)
         d_inception_3b_1x1_B = rt.reshape(d_inception_3b_1x1_sum_to, shape=(128,))
-        # V_inception_3b_1x1_B_new = V_inception_3b_1x1_B*momentum + d_inception_3b_1x1_B
+        # V_inception_3b_1x1_B_new = V_inception_3b_1x1_B*momentum + d_inception_3b_1x1_B   (computed with the next statement)
         V_inception_3b_1x1_B_new = T['V_inception_3b_1x1_B']  # in place: the new V_inception_3b_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_3b_1x1_B_new, T['V_inception_3b_1x1_B'], momentum, d_inception_3b_1x1_B)
+        # inception_3b_1x1_B_new = inception_3b_1x1_B - 2*lr*V_inception_3b_1x1_B_new
+        inception_3b_1x1_B_new = T['inception_3b_1x1_B']  # in place: the new inception_3b_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_1x1_B_new, T['V_inception_3b_1x1_B'], momentum, d_inception_3b_1x1_B),
+                   (ew_mul_sub_2, inception_3b_1x1_B_new, T['inception_3b_1x1_B'], lr, V_inception_3b_1x1_B_new))
         # free d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B
         del d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B
         mem.free(322)
-        # inception_3b_1x1_B_new = inception_3b_1x1_B - 2*lr*V_inception_3b_1x1_B_new
-        inception_3b_1x1_B_new = T['inception_3b_1x1_B']  # in place: the new inception_3b_1x1_B
-        rt.ew(ew_mul_sub_2, inception_3b_1x1_B_new, T['inception_3b_1x1_B'], lr, V_inception_3b_1x1_B_new)
 
         # ---- inception_3b_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_3x3_reduce, inception_3a_1x1_concat)
         d_inception_3b_3x3_reduce_W = mem.tensor(323, (128, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_3b_3x3_reduce, inception_3a_1x1_concat, out=d_inception_3b_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(31440896))
-        # V_inception_3b_3x3_reduce_W_new = V_inception_3b_3x3_reduce_W*momentum + d_inception_3b_3x3_reduce_W + decay*inception_3b_3x3_reduce_W
+        # V_inception_3b_3x3_reduce_W_new = V_inception_3b_3x3_reduce_W*momentum + d_inception_3b_3x3_reduce_W + decay*inception_3b_3x3_reduce_W   (computed with the next statement)
         V_inception_3b_3x3_reduce_W_new = T['V_inception_3b_3x3_reduce_W']  # in place: the new V_inception_3b_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_3b_3x3_reduce_W_new, T['V_inception_3b_3x3_reduce_W'], momentum, d_inception_3b_3x3_reduce_W, decay, T['inception_3b_3x3_reduce_W'])
+        # inception_3b_3x3_reduce_W_new = inception_3b_3x3_reduce_W - lr*V_inception_3b_3x3_reduce_W_new
+        inception_3b_3x3_reduce_W_new = T['inception_3b_3x3_reduce_W']  # in place: the new inception_3b_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_3b_3x3_reduce_W_new, T['V_inception_3b_3x3_reduce_W'], momentum, d_inception_3b_3x3_reduce_W, decay, T['inception_3b_3x3_reduce_W']),
+                   (ew_mul_sub, inception_3b_3x3_reduce_W_new, T['inception_3b_3x3_reduce_W'], lr, V_inception_3b_3x3_reduce_W_new))
         # free d_inception_3b_3x3_reduce_W
         del d_inception_3b_3x3_reduce_W
         mem.free(323)
-        # inception_3b_3x3_reduce_W_new = inception_3b_3x3_reduce_W - lr*V_inception_3b_3x3_reduce_W_new
-        inception_3b_3x3_reduce_W_new = T['inception_3b_3x3_reduce_W']  # in place: the new inception_3b_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_3b_3x3_reduce_W_new, T['inception_3b_3x3_reduce_W'], lr, V_inception_3b_3x3_reduce_W_new)
         # d_inception_3b_3x3_reduce_sum_to = sum_to[1x128x1x1](d_inception_3b_3x3_reduce)
         d_inception_3b_3x3_reduce_sum_to = mem.tensor(324, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_3x3_reduce, out=d_inception_3b_3x3_reduce_sum_to, shape=(1, 128, 1, 1))
@@ -3797,15 +3797,15 @@ class Googlenet(rp.Model):
         mem.free(267)
         # d_inception_3b_3x3_reduce_B = reshape[128](d_inception_3b_3x3_reduce_sum_to)
         d_inception_3b_3x3_reduce_B = rt.reshape(d_inception_3b_3x3_reduce_sum_to, shape=(128,))
-        # V_inception_3b_3x3_reduce_B_new = V_inception_3b_3x3_reduce_B*momentum + d_inception_3b_3x3_reduce_B
+        # V_inception_3b_3x3_reduce_B_new = V_inception_3b_3x3_reduce_B*momentum + d_inception_3b_3x3_reduce_B   (computed with the next statement)
         V_inception_3b_3x3_reduce_B_new = T['V_inception_3b_3x3_reduce_B']  # in place: the new V_inception_3b_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_3b_3x3_reduce_B_new, T['V_inception_3b_3x3_reduce_B'], momentum, d_inception_3b_3x3_reduce_B)
+        # inception_3b_3x3_reduce_B_new = inception_3b_3x3_reduce_B - 2*lr*V_inception_3b_3x3_reduce_B_new
+        inception_3b_3x3_reduce_B_new = T['inception_3b_3x3_reduce_B']  # in place: the new inception_3b_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_3x3_reduce_B_new, T['V_inception_3b_3x3_reduce_B'], momentum, d_inception_3b_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_3b_3x3_reduce_B_new, T['inception_3b_3x3_reduce_B'], lr, V_inception_3b_3x3_reduce_B_new))
         # free d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B
         del d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B
         mem.free(324)
-        # inception_3b_3x3_reduce_B_new = inception_3b_3x3_reduce_B - 2*lr*V_inception_3b_3x3_reduce_B_new
-        inception_3b_3x3_reduce_B_new = T['inception_3b_3x3_reduce_B']  # in place: the new inception_3b_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_3b_3x3_reduce_B_new, T['inception_3b_3x3_reduce_B'], lr, V_inception_3b_3x3_reduce_B_new)
 
         # ---- inception_3b_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_3b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_5x5_reduce, inception_3a_1x1_concat)
@@ -3814,15 +3814,15 @@ class Googlenet(rp.Model):
         # free inception_3a_1x1_concat
         del inception_3a_1x1_concat
         mem.free(20)
-        # V_inception_3b_5x5_reduce_W_new = V_inception_3b_5x5_reduce_W*momentum + d_inception_3b_5x5_reduce_W + decay*inception_3b_5x5_reduce_W
+        # V_inception_3b_5x5_reduce_W_new = V_inception_3b_5x5_reduce_W*momentum + d_inception_3b_5x5_reduce_W + decay*inception_3b_5x5_reduce_W   (computed with the next statement)
         V_inception_3b_5x5_reduce_W_new = T['V_inception_3b_5x5_reduce_W']  # in place: the new V_inception_3b_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_3b_5x5_reduce_W_new, T['V_inception_3b_5x5_reduce_W'], momentum, d_inception_3b_5x5_reduce_W, decay, T['inception_3b_5x5_reduce_W'])
+        # inception_3b_5x5_reduce_W_new = inception_3b_5x5_reduce_W - lr*V_inception_3b_5x5_reduce_W_new
+        inception_3b_5x5_reduce_W_new = T['inception_3b_5x5_reduce_W']  # in place: the new inception_3b_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_3b_5x5_reduce_W_new, T['V_inception_3b_5x5_reduce_W'], momentum, d_inception_3b_5x5_reduce_W, decay, T['inception_3b_5x5_reduce_W']),
+                   (ew_mul_sub, inception_3b_5x5_reduce_W_new, T['inception_3b_5x5_reduce_W'], lr, V_inception_3b_5x5_reduce_W_new))
         # free d_inception_3b_5x5_reduce_W
         del d_inception_3b_5x5_reduce_W
         mem.free(325)
-        # inception_3b_5x5_reduce_W_new = inception_3b_5x5_reduce_W - lr*V_inception_3b_5x5_reduce_W_new
-        inception_3b_5x5_reduce_W_new = T['inception_3b_5x5_reduce_W']  # in place: the new inception_3b_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_3b_5x5_reduce_W_new, T['inception_3b_5x5_reduce_W'], lr, V_inception_3b_5x5_reduce_W_new)
         # d_inception_3b_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_3b_5x5_reduce)
         d_inception_3b_5x5_reduce_sum_to = mem.tensor(326, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_5x5_reduce, out=d_inception_3b_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -3831,29 +3831,29 @@ class Googlenet(rp.Model):
         mem.free(275)
         # d_inception_3b_5x5_reduce_B = reshape[32](d_inception_3b_5x5_reduce_sum_to)
         d_inception_3b_5x5_reduce_B = rt.reshape(d_inception_3b_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_3b_5x5_reduce_B_new = V_inception_3b_5x5_reduce_B*momentum + d_inception_3b_5x5_reduce_B
+        # V_inception_3b_5x5_reduce_B_new = V_inception_3b_5x5_reduce_B*momentum + d_inception_3b_5x5_reduce_B   (computed with the next statement)
         V_inception_3b_5x5_reduce_B_new = T['V_inception_3b_5x5_reduce_B']  # in place: the new V_inception_3b_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_3b_5x5_reduce_B_new, T['V_inception_3b_5x5_reduce_B'], momentum, d_inception_3b_5x5_reduce_B)
+        # inception_3b_5x5_reduce_B_new = inception_3b_5x5_reduce_B - 2*lr*V_inception_3b_5x5_reduce_B_new
+        inception_3b_5x5_reduce_B_new = T['inception_3b_5x5_reduce_B']  # in place: the new inception_3b_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_3b_5x5_reduce_B_new, T['V_inception_3b_5x5_reduce_B'], momentum, d_inception_3b_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_3b_5x5_reduce_B_new, T['inception_3b_5x5_reduce_B'], lr, V_inception_3b_5x5_reduce_B_new))
         # free d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B
         del d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B
         mem.free(326)
-        # inception_3b_5x5_reduce_B_new = inception_3b_5x5_reduce_B - 2*lr*V_inception_3b_5x5_reduce_B_new
-        inception_3b_5x5_reduce_B_new = T['inception_3b_5x5_reduce_B']  # in place: the new inception_3b_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_3b_5x5_reduce_B_new, T['inception_3b_5x5_reduce_B'], lr, V_inception_3b_5x5_reduce_B_new)
 
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_1x1, inception_3b_1x1_max_pool)
         d_inception_4a_1x1_W = mem.tensor(327, (192, 480, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4a_1x1, inception_3b_1x1_max_pool, out=d_inception_4a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(23023104))
-        # V_inception_4a_1x1_W_new = V_inception_4a_1x1_W*momentum + d_inception_4a_1x1_W + decay*inception_4a_1x1_W
+        # V_inception_4a_1x1_W_new = V_inception_4a_1x1_W*momentum + d_inception_4a_1x1_W + decay*inception_4a_1x1_W   (computed with the next statement)
         V_inception_4a_1x1_W_new = T['V_inception_4a_1x1_W']  # in place: the new V_inception_4a_1x1_W
-        rt.ew(ew_mul_add, V_inception_4a_1x1_W_new, T['V_inception_4a_1x1_W'], momentum, d_inception_4a_1x1_W, decay, T['inception_4a_1x1_W'])
+        # inception_4a_1x1_W_new = inception_4a_1x1_W - lr*V_inception_4a_1x1_W_new
+        inception_4a_1x1_W_new = T['inception_4a_1x1_W']  # in place: the new inception_4a_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_4a_1x1_W_new, T['V_inception_4a_1x1_W'], momentum, d_inception_4a_1x1_W, decay, T['inception_4a_1x1_W']),
+                   (ew_mul_sub, inception_4a_1x1_W_new, T['inception_4a_1x1_W'], lr, V_inception_4a_1x1_W_new))
         # free d_inception_4a_1x1_W
         del d_inception_4a_1x1_W
         mem.free(327)
-        # inception_4a_1x1_W_new = inception_4a_1x1_W - lr*V_inception_4a_1x1_W_new
-        inception_4a_1x1_W_new = T['inception_4a_1x1_W']  # in place: the new inception_4a_1x1_W
-        rt.ew(ew_mul_sub, inception_4a_1x1_W_new, T['inception_4a_1x1_W'], lr, V_inception_4a_1x1_W_new)
         # d_inception_4a_1x1_sum_to = sum_to[1x192x1x1](d_inception_4a_1x1)
         d_inception_4a_1x1_sum_to = mem.tensor(328, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_1x1, out=d_inception_4a_1x1_sum_to, shape=(1, 192, 1, 1))
@@ -3862,29 +3862,29 @@ class Googlenet(rp.Model):
         mem.free(243)
         # d_inception_4a_1x1_B = reshape[192](d_inception_4a_1x1_sum_to)
         d_inception_4a_1x1_B = rt.reshape(d_inception_4a_1x1_sum_to, shape=(192,))
-        # V_inception_4a_1x1_B_new = V_inception_4a_1x1_B*momentum + d_inception_4a_1x1_B
+        # V_inception_4a_1x1_B_new = V_inception_4a_1x1_B*momentum + d_inception_4a_1x1_B   (computed with the next statement)
         V_inception_4a_1x1_B_new = T['V_inception_4a_1x1_B']  # in place: the new V_inception_4a_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_4a_1x1_B_new, T['V_inception_4a_1x1_B'], momentum, d_inception_4a_1x1_B)
+        # inception_4a_1x1_B_new = inception_4a_1x1_B - 2*lr*V_inception_4a_1x1_B_new
+        inception_4a_1x1_B_new = T['inception_4a_1x1_B']  # in place: the new inception_4a_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_1x1_B_new, T['V_inception_4a_1x1_B'], momentum, d_inception_4a_1x1_B),
+                   (ew_mul_sub_2, inception_4a_1x1_B_new, T['inception_4a_1x1_B'], lr, V_inception_4a_1x1_B_new))
         # free d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B
         del d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B
         mem.free(328)
-        # inception_4a_1x1_B_new = inception_4a_1x1_B - 2*lr*V_inception_4a_1x1_B_new
-        inception_4a_1x1_B_new = T['inception_4a_1x1_B']  # in place: the new inception_4a_1x1_B
-        rt.ew(ew_mul_sub_2, inception_4a_1x1_B_new, T['inception_4a_1x1_B'], lr, V_inception_4a_1x1_B_new)
 
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_4a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_3x3_reduce, inception_3b_1x1_max_pool)
         d_inception_4a_3x3_reduce_W = mem.tensor(329, (96, 480, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4a_3x3_reduce, inception_3b_1x1_max_pool, out=d_inception_4a_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(29085696))
-        # V_inception_4a_3x3_reduce_W_new = V_inception_4a_3x3_reduce_W*momentum + d_inception_4a_3x3_reduce_W + decay*inception_4a_3x3_reduce_W
+        # V_inception_4a_3x3_reduce_W_new = V_inception_4a_3x3_reduce_W*momentum + d_inception_4a_3x3_reduce_W + decay*inception_4a_3x3_reduce_W   (computed with the next statement)
         V_inception_4a_3x3_reduce_W_new = T['V_inception_4a_3x3_reduce_W']  # in place: the new V_inception_4a_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_4a_3x3_reduce_W_new, T['V_inception_4a_3x3_reduce_W'], momentum, d_inception_4a_3x3_reduce_W, decay, T['inception_4a_3x3_reduce_W'])
+        # inception_4a_3x3_reduce_W_new = inception_4a_3x3_reduce_W - lr*V_inception_4a_3x3_reduce_W_new
+        inception_4a_3x3_reduce_W_new = T['inception_4a_3x3_reduce_W']  # in place: the new inception_4a_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4a_3x3_reduce_W_new, T['V_inception_4a_3x3_reduce_W'], momentum, d_inception_4a_3x3_reduce_W, decay, T['inception_4a_3x3_reduce_W']),
+                   (ew_mul_sub, inception_4a_3x3_reduce_W_new, T['inception_4a_3x3_reduce_W'], lr, V_inception_4a_3x3_reduce_W_new))
         # free d_inception_4a_3x3_reduce_W
         del d_inception_4a_3x3_reduce_W
         mem.free(329)
-        # inception_4a_3x3_reduce_W_new = inception_4a_3x3_reduce_W - lr*V_inception_4a_3x3_reduce_W_new
-        inception_4a_3x3_reduce_W_new = T['inception_4a_3x3_reduce_W']  # in place: the new inception_4a_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_4a_3x3_reduce_W_new, T['inception_4a_3x3_reduce_W'], lr, V_inception_4a_3x3_reduce_W_new)
         # d_inception_4a_3x3_reduce_sum_to = sum_to[1x96x1x1](d_inception_4a_3x3_reduce)
         d_inception_4a_3x3_reduce_sum_to = mem.tensor(330, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_3x3_reduce, out=d_inception_4a_3x3_reduce_sum_to, shape=(1, 96, 1, 1))
@@ -3893,15 +3893,15 @@ class Googlenet(rp.Model):
         mem.free(248)
         # d_inception_4a_3x3_reduce_B = reshape[96](d_inception_4a_3x3_reduce_sum_to)
         d_inception_4a_3x3_reduce_B = rt.reshape(d_inception_4a_3x3_reduce_sum_to, shape=(96,))
-        # V_inception_4a_3x3_reduce_B_new = V_inception_4a_3x3_reduce_B*momentum + d_inception_4a_3x3_reduce_B
+        # V_inception_4a_3x3_reduce_B_new = V_inception_4a_3x3_reduce_B*momentum + d_inception_4a_3x3_reduce_B   (computed with the next statement)
         V_inception_4a_3x3_reduce_B_new = T['V_inception_4a_3x3_reduce_B']  # in place: the new V_inception_4a_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4a_3x3_reduce_B_new, T['V_inception_4a_3x3_reduce_B'], momentum, d_inception_4a_3x3_reduce_B)
+        # inception_4a_3x3_reduce_B_new = inception_4a_3x3_reduce_B - 2*lr*V_inception_4a_3x3_reduce_B_new
+        inception_4a_3x3_reduce_B_new = T['inception_4a_3x3_reduce_B']  # in place: the new inception_4a_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_3x3_reduce_B_new, T['V_inception_4a_3x3_reduce_B'], momentum, d_inception_4a_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_4a_3x3_reduce_B_new, T['inception_4a_3x3_reduce_B'], lr, V_inception_4a_3x3_reduce_B_new))
         # free d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B
         del d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B
         mem.free(330)
-        # inception_4a_3x3_reduce_B_new = inception_4a_3x3_reduce_B - 2*lr*V_inception_4a_3x3_reduce_B_new
-        inception_4a_3x3_reduce_B_new = T['inception_4a_3x3_reduce_B']  # in place: the new inception_4a_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4a_3x3_reduce_B_new, T['inception_4a_3x3_reduce_B'], lr, V_inception_4a_3x3_reduce_B_new)
 
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_4a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_5x5_reduce, inception_3b_1x1_max_pool)
@@ -3910,15 +3910,15 @@ class Googlenet(rp.Model):
         # free inception_3b_1x1_max_pool
         del inception_3b_1x1_max_pool
         mem.free(31)
-        # V_inception_4a_5x5_reduce_W_new = V_inception_4a_5x5_reduce_W*momentum + d_inception_4a_5x5_reduce_W + decay*inception_4a_5x5_reduce_W
+        # V_inception_4a_5x5_reduce_W_new = V_inception_4a_5x5_reduce_W*momentum + d_inception_4a_5x5_reduce_W + decay*inception_4a_5x5_reduce_W   (computed with the next statement)
         V_inception_4a_5x5_reduce_W_new = T['V_inception_4a_5x5_reduce_W']  # in place: the new V_inception_4a_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_4a_5x5_reduce_W_new, T['V_inception_4a_5x5_reduce_W'], momentum, d_inception_4a_5x5_reduce_W, decay, T['inception_4a_5x5_reduce_W'])
+        # inception_4a_5x5_reduce_W_new = inception_4a_5x5_reduce_W - lr*V_inception_4a_5x5_reduce_W_new
+        inception_4a_5x5_reduce_W_new = T['inception_4a_5x5_reduce_W']  # in place: the new inception_4a_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4a_5x5_reduce_W_new, T['V_inception_4a_5x5_reduce_W'], momentum, d_inception_4a_5x5_reduce_W, decay, T['inception_4a_5x5_reduce_W']),
+                   (ew_mul_sub, inception_4a_5x5_reduce_W_new, T['inception_4a_5x5_reduce_W'], lr, V_inception_4a_5x5_reduce_W_new))
         # free d_inception_4a_5x5_reduce_W
         del d_inception_4a_5x5_reduce_W
         mem.free(331)
-        # inception_4a_5x5_reduce_W_new = inception_4a_5x5_reduce_W - lr*V_inception_4a_5x5_reduce_W_new
-        inception_4a_5x5_reduce_W_new = T['inception_4a_5x5_reduce_W']  # in place: the new inception_4a_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_4a_5x5_reduce_W_new, T['inception_4a_5x5_reduce_W'], lr, V_inception_4a_5x5_reduce_W_new)
         # d_inception_4a_5x5_reduce_sum_to = sum_to[1x16x1x1](d_inception_4a_5x5_reduce)
         d_inception_4a_5x5_reduce_sum_to = mem.tensor(332, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_5x5_reduce, out=d_inception_4a_5x5_reduce_sum_to, shape=(1, 16, 1, 1))
@@ -3927,29 +3927,29 @@ class Googlenet(rp.Model):
         mem.free(256)
         # d_inception_4a_5x5_reduce_B = reshape[16](d_inception_4a_5x5_reduce_sum_to)
         d_inception_4a_5x5_reduce_B = rt.reshape(d_inception_4a_5x5_reduce_sum_to, shape=(16,))
-        # V_inception_4a_5x5_reduce_B_new = V_inception_4a_5x5_reduce_B*momentum + d_inception_4a_5x5_reduce_B
+        # V_inception_4a_5x5_reduce_B_new = V_inception_4a_5x5_reduce_B*momentum + d_inception_4a_5x5_reduce_B   (computed with the next statement)
         V_inception_4a_5x5_reduce_B_new = T['V_inception_4a_5x5_reduce_B']  # in place: the new V_inception_4a_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4a_5x5_reduce_B_new, T['V_inception_4a_5x5_reduce_B'], momentum, d_inception_4a_5x5_reduce_B)
+        # inception_4a_5x5_reduce_B_new = inception_4a_5x5_reduce_B - 2*lr*V_inception_4a_5x5_reduce_B_new
+        inception_4a_5x5_reduce_B_new = T['inception_4a_5x5_reduce_B']  # in place: the new inception_4a_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4a_5x5_reduce_B_new, T['V_inception_4a_5x5_reduce_B'], momentum, d_inception_4a_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_4a_5x5_reduce_B_new, T['inception_4a_5x5_reduce_B'], lr, V_inception_4a_5x5_reduce_B_new))
         # free d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B
         del d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B
         mem.free(332)
-        # inception_4a_5x5_reduce_B_new = inception_4a_5x5_reduce_B - 2*lr*V_inception_4a_5x5_reduce_B_new
-        inception_4a_5x5_reduce_B_new = T['inception_4a_5x5_reduce_B']  # in place: the new inception_4a_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4a_5x5_reduce_B_new, T['inception_4a_5x5_reduce_B'], lr, V_inception_4a_5x5_reduce_B_new)
 
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_1x1, inception_4a_1x1_concat)
         d_inception_4b_1x1_W = mem.tensor(333, (160, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4b_1x1, inception_4a_1x1_concat, out=d_inception_4b_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(22982144))
-        # V_inception_4b_1x1_W_new = V_inception_4b_1x1_W*momentum + d_inception_4b_1x1_W + decay*inception_4b_1x1_W
+        # V_inception_4b_1x1_W_new = V_inception_4b_1x1_W*momentum + d_inception_4b_1x1_W + decay*inception_4b_1x1_W   (computed with the next statement)
         V_inception_4b_1x1_W_new = T['V_inception_4b_1x1_W']  # in place: the new V_inception_4b_1x1_W
-        rt.ew(ew_mul_add, V_inception_4b_1x1_W_new, T['V_inception_4b_1x1_W'], momentum, d_inception_4b_1x1_W, decay, T['inception_4b_1x1_W'])
+        # inception_4b_1x1_W_new = inception_4b_1x1_W - lr*V_inception_4b_1x1_W_new
+        inception_4b_1x1_W_new = T['inception_4b_1x1_W']  # in place: the new inception_4b_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_4b_1x1_W_new, T['V_inception_4b_1x1_W'], momentum, d_inception_4b_1x1_W, decay, T['inception_4b_1x1_W']),
+                   (ew_mul_sub, inception_4b_1x1_W_new, T['inception_4b_1x1_W'], lr, V_inception_4b_1x1_W_new))
         # free d_inception_4b_1x1_W
         del d_inception_4b_1x1_W
         mem.free(333)
-        # inception_4b_1x1_W_new = inception_4b_1x1_W - lr*V_inception_4b_1x1_W_new
-        inception_4b_1x1_W_new = T['inception_4b_1x1_W']  # in place: the new inception_4b_1x1_W
-        rt.ew(ew_mul_sub, inception_4b_1x1_W_new, T['inception_4b_1x1_W'], lr, V_inception_4b_1x1_W_new)
         # d_inception_4b_1x1_sum_to = sum_to[1x160x1x1](d_inception_4b_1x1)
         d_inception_4b_1x1_sum_to = mem.tensor(334, (1, 160, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_1x1, out=d_inception_4b_1x1_sum_to, shape=(1, 160, 1, 1))
@@ -3958,29 +3958,29 @@ class Googlenet(rp.Model):
         mem.free(218)
         # d_inception_4b_1x1_B = reshape[160](d_inception_4b_1x1_sum_to)
         d_inception_4b_1x1_B = rt.reshape(d_inception_4b_1x1_sum_to, shape=(160,))
-        # V_inception_4b_1x1_B_new = V_inception_4b_1x1_B*momentum + d_inception_4b_1x1_B
+        # V_inception_4b_1x1_B_new = V_inception_4b_1x1_B*momentum + d_inception_4b_1x1_B   (computed with the next statement)
         V_inception_4b_1x1_B_new = T['V_inception_4b_1x1_B']  # in place: the new V_inception_4b_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_4b_1x1_B_new, T['V_inception_4b_1x1_B'], momentum, d_inception_4b_1x1_B)
+        # inception_4b_1x1_B_new = inception_4b_1x1_B - 2*lr*V_inception_4b_1x1_B_new
+        inception_4b_1x1_B_new = T['inception_4b_1x1_B']  # in place: the new inception_4b_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_1x1_B_new, T['V_inception_4b_1x1_B'], momentum, d_inception_4b_1x1_B),
+                   (ew_mul_sub_2, inception_4b_1x1_B_new, T['inception_4b_1x1_B'], lr, V_inception_4b_1x1_B_new))
         # free d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B
         del d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B
         mem.free(334)
-        # inception_4b_1x1_B_new = inception_4b_1x1_B - 2*lr*V_inception_4b_1x1_B_new
-        inception_4b_1x1_B_new = T['inception_4b_1x1_B']  # in place: the new inception_4b_1x1_B
-        rt.ew(ew_mul_sub_2, inception_4b_1x1_B_new, T['inception_4b_1x1_B'], lr, V_inception_4b_1x1_B_new)
 
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_3x3_reduce, inception_4a_1x1_concat)
         d_inception_4b_3x3_reduce_W = mem.tensor(335, (112, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4b_3x3_reduce, inception_4a_1x1_concat, out=d_inception_4b_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(31539200))
-        # V_inception_4b_3x3_reduce_W_new = V_inception_4b_3x3_reduce_W*momentum + d_inception_4b_3x3_reduce_W + decay*inception_4b_3x3_reduce_W
+        # V_inception_4b_3x3_reduce_W_new = V_inception_4b_3x3_reduce_W*momentum + d_inception_4b_3x3_reduce_W + decay*inception_4b_3x3_reduce_W   (computed with the next statement)
         V_inception_4b_3x3_reduce_W_new = T['V_inception_4b_3x3_reduce_W']  # in place: the new V_inception_4b_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_4b_3x3_reduce_W_new, T['V_inception_4b_3x3_reduce_W'], momentum, d_inception_4b_3x3_reduce_W, decay, T['inception_4b_3x3_reduce_W'])
+        # inception_4b_3x3_reduce_W_new = inception_4b_3x3_reduce_W - lr*V_inception_4b_3x3_reduce_W_new
+        inception_4b_3x3_reduce_W_new = T['inception_4b_3x3_reduce_W']  # in place: the new inception_4b_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4b_3x3_reduce_W_new, T['V_inception_4b_3x3_reduce_W'], momentum, d_inception_4b_3x3_reduce_W, decay, T['inception_4b_3x3_reduce_W']),
+                   (ew_mul_sub, inception_4b_3x3_reduce_W_new, T['inception_4b_3x3_reduce_W'], lr, V_inception_4b_3x3_reduce_W_new))
         # free d_inception_4b_3x3_reduce_W
         del d_inception_4b_3x3_reduce_W
         mem.free(335)
-        # inception_4b_3x3_reduce_W_new = inception_4b_3x3_reduce_W - lr*V_inception_4b_3x3_reduce_W_new
-        inception_4b_3x3_reduce_W_new = T['inception_4b_3x3_reduce_W']  # in place: the new inception_4b_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_4b_3x3_reduce_W_new, T['inception_4b_3x3_reduce_W'], lr, V_inception_4b_3x3_reduce_W_new)
         # d_inception_4b_3x3_reduce_sum_to = sum_to[1x112x1x1](d_inception_4b_3x3_reduce)
         d_inception_4b_3x3_reduce_sum_to = mem.tensor(336, (1, 112, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_3x3_reduce, out=d_inception_4b_3x3_reduce_sum_to, shape=(1, 112, 1, 1))
@@ -3989,15 +3989,15 @@ class Googlenet(rp.Model):
         mem.free(222)
         # d_inception_4b_3x3_reduce_B = reshape[112](d_inception_4b_3x3_reduce_sum_to)
         d_inception_4b_3x3_reduce_B = rt.reshape(d_inception_4b_3x3_reduce_sum_to, shape=(112,))
-        # V_inception_4b_3x3_reduce_B_new = V_inception_4b_3x3_reduce_B*momentum + d_inception_4b_3x3_reduce_B
+        # V_inception_4b_3x3_reduce_B_new = V_inception_4b_3x3_reduce_B*momentum + d_inception_4b_3x3_reduce_B   (computed with the next statement)
         V_inception_4b_3x3_reduce_B_new = T['V_inception_4b_3x3_reduce_B']  # in place: the new V_inception_4b_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4b_3x3_reduce_B_new, T['V_inception_4b_3x3_reduce_B'], momentum, d_inception_4b_3x3_reduce_B)
+        # inception_4b_3x3_reduce_B_new = inception_4b_3x3_reduce_B - 2*lr*V_inception_4b_3x3_reduce_B_new
+        inception_4b_3x3_reduce_B_new = T['inception_4b_3x3_reduce_B']  # in place: the new inception_4b_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_3x3_reduce_B_new, T['V_inception_4b_3x3_reduce_B'], momentum, d_inception_4b_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_4b_3x3_reduce_B_new, T['inception_4b_3x3_reduce_B'], lr, V_inception_4b_3x3_reduce_B_new))
         # free d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B
         del d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B
         mem.free(336)
-        # inception_4b_3x3_reduce_B_new = inception_4b_3x3_reduce_B - 2*lr*V_inception_4b_3x3_reduce_B_new
-        inception_4b_3x3_reduce_B_new = T['inception_4b_3x3_reduce_B']  # in place: the new inception_4b_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4b_3x3_reduce_B_new, T['inception_4b_3x3_reduce_B'], lr, V_inception_4b_3x3_reduce_B_new)
 
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_5x5_reduce, inception_4a_1x1_concat)
@@ -4006,15 +4006,15 @@ class Googlenet(rp.Model):
         # free inception_4a_1x1_concat
         del inception_4a_1x1_concat
         mem.free(40)
-        # V_inception_4b_5x5_reduce_W_new = V_inception_4b_5x5_reduce_W*momentum + d_inception_4b_5x5_reduce_W + decay*inception_4b_5x5_reduce_W
+        # V_inception_4b_5x5_reduce_W_new = V_inception_4b_5x5_reduce_W*momentum + d_inception_4b_5x5_reduce_W + decay*inception_4b_5x5_reduce_W   (computed with the next statement)
         V_inception_4b_5x5_reduce_W_new = T['V_inception_4b_5x5_reduce_W']  # in place: the new V_inception_4b_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_4b_5x5_reduce_W_new, T['V_inception_4b_5x5_reduce_W'], momentum, d_inception_4b_5x5_reduce_W, decay, T['inception_4b_5x5_reduce_W'])
+        # inception_4b_5x5_reduce_W_new = inception_4b_5x5_reduce_W - lr*V_inception_4b_5x5_reduce_W_new
+        inception_4b_5x5_reduce_W_new = T['inception_4b_5x5_reduce_W']  # in place: the new inception_4b_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4b_5x5_reduce_W_new, T['V_inception_4b_5x5_reduce_W'], momentum, d_inception_4b_5x5_reduce_W, decay, T['inception_4b_5x5_reduce_W']),
+                   (ew_mul_sub, inception_4b_5x5_reduce_W_new, T['inception_4b_5x5_reduce_W'], lr, V_inception_4b_5x5_reduce_W_new))
         # free d_inception_4b_5x5_reduce_W
         del d_inception_4b_5x5_reduce_W
         mem.free(337)
-        # inception_4b_5x5_reduce_W_new = inception_4b_5x5_reduce_W - lr*V_inception_4b_5x5_reduce_W_new
-        inception_4b_5x5_reduce_W_new = T['inception_4b_5x5_reduce_W']  # in place: the new inception_4b_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_4b_5x5_reduce_W_new, T['inception_4b_5x5_reduce_W'], lr, V_inception_4b_5x5_reduce_W_new)
         # d_inception_4b_5x5_reduce_sum_to = sum_to[1x24x1x1](d_inception_4b_5x5_reduce)
         d_inception_4b_5x5_reduce_sum_to = mem.tensor(338, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_5x5_reduce, out=d_inception_4b_5x5_reduce_sum_to, shape=(1, 24, 1, 1))
@@ -4023,29 +4023,29 @@ class Googlenet(rp.Model):
         mem.free(230)
         # d_inception_4b_5x5_reduce_B = reshape[24](d_inception_4b_5x5_reduce_sum_to)
         d_inception_4b_5x5_reduce_B = rt.reshape(d_inception_4b_5x5_reduce_sum_to, shape=(24,))
-        # V_inception_4b_5x5_reduce_B_new = V_inception_4b_5x5_reduce_B*momentum + d_inception_4b_5x5_reduce_B
+        # V_inception_4b_5x5_reduce_B_new = V_inception_4b_5x5_reduce_B*momentum + d_inception_4b_5x5_reduce_B   (computed with the next statement)
         V_inception_4b_5x5_reduce_B_new = T['V_inception_4b_5x5_reduce_B']  # in place: the new V_inception_4b_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4b_5x5_reduce_B_new, T['V_inception_4b_5x5_reduce_B'], momentum, d_inception_4b_5x5_reduce_B)
+        # inception_4b_5x5_reduce_B_new = inception_4b_5x5_reduce_B - 2*lr*V_inception_4b_5x5_reduce_B_new
+        inception_4b_5x5_reduce_B_new = T['inception_4b_5x5_reduce_B']  # in place: the new inception_4b_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4b_5x5_reduce_B_new, T['V_inception_4b_5x5_reduce_B'], momentum, d_inception_4b_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_4b_5x5_reduce_B_new, T['inception_4b_5x5_reduce_B'], lr, V_inception_4b_5x5_reduce_B_new))
         # free d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B
         del d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B
         mem.free(338)
-        # inception_4b_5x5_reduce_B_new = inception_4b_5x5_reduce_B - 2*lr*V_inception_4b_5x5_reduce_B_new
-        inception_4b_5x5_reduce_B_new = T['inception_4b_5x5_reduce_B']  # in place: the new inception_4b_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4b_5x5_reduce_B_new, T['inception_4b_5x5_reduce_B'], lr, V_inception_4b_5x5_reduce_B_new)
 
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_1x1, inception_4b_1x1_concat)
         d_inception_4c_1x1_W = mem.tensor(339, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4c_1x1, inception_4b_1x1_concat, out=d_inception_4c_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
-        # V_inception_4c_1x1_W_new = V_inception_4c_1x1_W*momentum + d_inception_4c_1x1_W + decay*inception_4c_1x1_W
+        # V_inception_4c_1x1_W_new = V_inception_4c_1x1_W*momentum + d_inception_4c_1x1_W + decay*inception_4c_1x1_W   (computed with the next statement)
         V_inception_4c_1x1_W_new = T['V_inception_4c_1x1_W']  # in place: the new V_inception_4c_1x1_W
-        rt.ew(ew_mul_add, V_inception_4c_1x1_W_new, T['V_inception_4c_1x1_W'], momentum, d_inception_4c_1x1_W, decay, T['inception_4c_1x1_W'])
+        # inception_4c_1x1_W_new = inception_4c_1x1_W - lr*V_inception_4c_1x1_W_new
+        inception_4c_1x1_W_new = T['inception_4c_1x1_W']  # in place: the new inception_4c_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_4c_1x1_W_new, T['V_inception_4c_1x1_W'], momentum, d_inception_4c_1x1_W, decay, T['inception_4c_1x1_W']),
+                   (ew_mul_sub, inception_4c_1x1_W_new, T['inception_4c_1x1_W'], lr, V_inception_4c_1x1_W_new))
         # free d_inception_4c_1x1_W
         del d_inception_4c_1x1_W
         mem.free(339)
-        # inception_4c_1x1_W_new = inception_4c_1x1_W - lr*V_inception_4c_1x1_W_new
-        inception_4c_1x1_W_new = T['inception_4c_1x1_W']  # in place: the new inception_4c_1x1_W
-        rt.ew(ew_mul_sub, inception_4c_1x1_W_new, T['inception_4c_1x1_W'], lr, V_inception_4c_1x1_W_new)
         # d_inception_4c_1x1_sum_to = sum_to[1x128x1x1](d_inception_4c_1x1)
         d_inception_4c_1x1_sum_to = mem.tensor(340, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_1x1, out=d_inception_4c_1x1_sum_to, shape=(1, 128, 1, 1))
@@ -4054,29 +4054,29 @@ class Googlenet(rp.Model):
         mem.free(199)
         # d_inception_4c_1x1_B = reshape[128](d_inception_4c_1x1_sum_to)
         d_inception_4c_1x1_B = rt.reshape(d_inception_4c_1x1_sum_to, shape=(128,))
-        # V_inception_4c_1x1_B_new = V_inception_4c_1x1_B*momentum + d_inception_4c_1x1_B
+        # V_inception_4c_1x1_B_new = V_inception_4c_1x1_B*momentum + d_inception_4c_1x1_B   (computed with the next statement)
         V_inception_4c_1x1_B_new = T['V_inception_4c_1x1_B']  # in place: the new V_inception_4c_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_4c_1x1_B_new, T['V_inception_4c_1x1_B'], momentum, d_inception_4c_1x1_B)
+        # inception_4c_1x1_B_new = inception_4c_1x1_B - 2*lr*V_inception_4c_1x1_B_new
+        inception_4c_1x1_B_new = T['inception_4c_1x1_B']  # in place: the new inception_4c_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_1x1_B_new, T['V_inception_4c_1x1_B'], momentum, d_inception_4c_1x1_B),
+                   (ew_mul_sub_2, inception_4c_1x1_B_new, T['inception_4c_1x1_B'], lr, V_inception_4c_1x1_B_new))
         # free d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B
         del d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B
         mem.free(340)
-        # inception_4c_1x1_B_new = inception_4c_1x1_B - 2*lr*V_inception_4c_1x1_B_new
-        inception_4c_1x1_B_new = T['inception_4c_1x1_B']  # in place: the new inception_4c_1x1_B
-        rt.ew(ew_mul_sub_2, inception_4c_1x1_B_new, T['inception_4c_1x1_B'], lr, V_inception_4c_1x1_B_new)
 
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4c_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_3x3_reduce, inception_4b_1x1_concat)
         d_inception_4c_3x3_reduce_W = mem.tensor(341, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4c_3x3_reduce, inception_4b_1x1_concat, out=d_inception_4c_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
-        # V_inception_4c_3x3_reduce_W_new = V_inception_4c_3x3_reduce_W*momentum + d_inception_4c_3x3_reduce_W + decay*inception_4c_3x3_reduce_W
+        # V_inception_4c_3x3_reduce_W_new = V_inception_4c_3x3_reduce_W*momentum + d_inception_4c_3x3_reduce_W + decay*inception_4c_3x3_reduce_W   (computed with the next statement)
         V_inception_4c_3x3_reduce_W_new = T['V_inception_4c_3x3_reduce_W']  # in place: the new V_inception_4c_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_4c_3x3_reduce_W_new, T['V_inception_4c_3x3_reduce_W'], momentum, d_inception_4c_3x3_reduce_W, decay, T['inception_4c_3x3_reduce_W'])
+        # inception_4c_3x3_reduce_W_new = inception_4c_3x3_reduce_W - lr*V_inception_4c_3x3_reduce_W_new
+        inception_4c_3x3_reduce_W_new = T['inception_4c_3x3_reduce_W']  # in place: the new inception_4c_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4c_3x3_reduce_W_new, T['V_inception_4c_3x3_reduce_W'], momentum, d_inception_4c_3x3_reduce_W, decay, T['inception_4c_3x3_reduce_W']),
+                   (ew_mul_sub, inception_4c_3x3_reduce_W_new, T['inception_4c_3x3_reduce_W'], lr, V_inception_4c_3x3_reduce_W_new))
         # free d_inception_4c_3x3_reduce_W
         del d_inception_4c_3x3_reduce_W
         mem.free(341)
-        # inception_4c_3x3_reduce_W_new = inception_4c_3x3_reduce_W - lr*V_inception_4c_3x3_reduce_W_new
-        inception_4c_3x3_reduce_W_new = T['inception_4c_3x3_reduce_W']  # in place: the new inception_4c_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_4c_3x3_reduce_W_new, T['inception_4c_3x3_reduce_W'], lr, V_inception_4c_3x3_reduce_W_new)
         # d_inception_4c_3x3_reduce_sum_to = sum_to[1x128x1x1](d_inception_4c_3x3_reduce)
         d_inception_4c_3x3_reduce_sum_to = mem.tensor(342, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_3x3_reduce, out=d_inception_4c_3x3_reduce_sum_to, shape=(1, 128, 1, 1))
@@ -4085,15 +4085,15 @@ class Googlenet(rp.Model):
         mem.free(203)
         # d_inception_4c_3x3_reduce_B = reshape[128](d_inception_4c_3x3_reduce_sum_to)
         d_inception_4c_3x3_reduce_B = rt.reshape(d_inception_4c_3x3_reduce_sum_to, shape=(128,))
-        # V_inception_4c_3x3_reduce_B_new = V_inception_4c_3x3_reduce_B*momentum + d_inception_4c_3x3_reduce_B
+        # V_inception_4c_3x3_reduce_B_new = V_inception_4c_3x3_reduce_B*momentum + d_inception_4c_3x3_reduce_B   (computed with the next statement)
         V_inception_4c_3x3_reduce_B_new = T['V_inception_4c_3x3_reduce_B']  # in place: the new V_inception_4c_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4c_3x3_reduce_B_new, T['V_inception_4c_3x3_reduce_B'], momentum, d_inception_4c_3x3_reduce_B)
+        # inception_4c_3x3_reduce_B_new = inception_4c_3x3_reduce_B - 2*lr*V_inception_4c_3x3_reduce_B_new
+        inception_4c_3x3_reduce_B_new = T['inception_4c_3x3_reduce_B']  # in place: the new inception_4c_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_3x3_reduce_B_new, T['V_inception_4c_3x3_reduce_B'], momentum, d_inception_4c_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_4c_3x3_reduce_B_new, T['inception_4c_3x3_reduce_B'], lr, V_inception_4c_3x3_reduce_B_new))
         # free d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B
         del d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B
         mem.free(342)
-        # inception_4c_3x3_reduce_B_new = inception_4c_3x3_reduce_B - 2*lr*V_inception_4c_3x3_reduce_B_new
-        inception_4c_3x3_reduce_B_new = T['inception_4c_3x3_reduce_B']  # in place: the new inception_4c_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4c_3x3_reduce_B_new, T['inception_4c_3x3_reduce_B'], lr, V_inception_4c_3x3_reduce_B_new)
 
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4c_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_5x5_reduce, inception_4b_1x1_concat)
@@ -4102,15 +4102,15 @@ class Googlenet(rp.Model):
         # free inception_4b_1x1_concat
         del inception_4b_1x1_concat
         mem.free(49)
-        # V_inception_4c_5x5_reduce_W_new = V_inception_4c_5x5_reduce_W*momentum + d_inception_4c_5x5_reduce_W + decay*inception_4c_5x5_reduce_W
+        # V_inception_4c_5x5_reduce_W_new = V_inception_4c_5x5_reduce_W*momentum + d_inception_4c_5x5_reduce_W + decay*inception_4c_5x5_reduce_W   (computed with the next statement)
         V_inception_4c_5x5_reduce_W_new = T['V_inception_4c_5x5_reduce_W']  # in place: the new V_inception_4c_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_4c_5x5_reduce_W_new, T['V_inception_4c_5x5_reduce_W'], momentum, d_inception_4c_5x5_reduce_W, decay, T['inception_4c_5x5_reduce_W'])
+        # inception_4c_5x5_reduce_W_new = inception_4c_5x5_reduce_W - lr*V_inception_4c_5x5_reduce_W_new
+        inception_4c_5x5_reduce_W_new = T['inception_4c_5x5_reduce_W']  # in place: the new inception_4c_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4c_5x5_reduce_W_new, T['V_inception_4c_5x5_reduce_W'], momentum, d_inception_4c_5x5_reduce_W, decay, T['inception_4c_5x5_reduce_W']),
+                   (ew_mul_sub, inception_4c_5x5_reduce_W_new, T['inception_4c_5x5_reduce_W'], lr, V_inception_4c_5x5_reduce_W_new))
         # free d_inception_4c_5x5_reduce_W
         del d_inception_4c_5x5_reduce_W
         mem.free(343)
-        # inception_4c_5x5_reduce_W_new = inception_4c_5x5_reduce_W - lr*V_inception_4c_5x5_reduce_W_new
-        inception_4c_5x5_reduce_W_new = T['inception_4c_5x5_reduce_W']  # in place: the new inception_4c_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_4c_5x5_reduce_W_new, T['inception_4c_5x5_reduce_W'], lr, V_inception_4c_5x5_reduce_W_new)
         # d_inception_4c_5x5_reduce_sum_to = sum_to[1x24x1x1](d_inception_4c_5x5_reduce)
         d_inception_4c_5x5_reduce_sum_to = mem.tensor(344, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_5x5_reduce, out=d_inception_4c_5x5_reduce_sum_to, shape=(1, 24, 1, 1))
@@ -4119,29 +4119,29 @@ class Googlenet(rp.Model):
         mem.free(211)
         # d_inception_4c_5x5_reduce_B = reshape[24](d_inception_4c_5x5_reduce_sum_to)
         d_inception_4c_5x5_reduce_B = rt.reshape(d_inception_4c_5x5_reduce_sum_to, shape=(24,))
-        # V_inception_4c_5x5_reduce_B_new = V_inception_4c_5x5_reduce_B*momentum + d_inception_4c_5x5_reduce_B
+        # V_inception_4c_5x5_reduce_B_new = V_inception_4c_5x5_reduce_B*momentum + d_inception_4c_5x5_reduce_B   (computed with the next statement)
         V_inception_4c_5x5_reduce_B_new = T['V_inception_4c_5x5_reduce_B']  # in place: the new V_inception_4c_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4c_5x5_reduce_B_new, T['V_inception_4c_5x5_reduce_B'], momentum, d_inception_4c_5x5_reduce_B)
+        # inception_4c_5x5_reduce_B_new = inception_4c_5x5_reduce_B - 2*lr*V_inception_4c_5x5_reduce_B_new
+        inception_4c_5x5_reduce_B_new = T['inception_4c_5x5_reduce_B']  # in place: the new inception_4c_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4c_5x5_reduce_B_new, T['V_inception_4c_5x5_reduce_B'], momentum, d_inception_4c_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_4c_5x5_reduce_B_new, T['inception_4c_5x5_reduce_B'], lr, V_inception_4c_5x5_reduce_B_new))
         # free d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B
         del d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B
         mem.free(344)
-        # inception_4c_5x5_reduce_B_new = inception_4c_5x5_reduce_B - 2*lr*V_inception_4c_5x5_reduce_B_new
-        inception_4c_5x5_reduce_B_new = T['inception_4c_5x5_reduce_B']  # in place: the new inception_4c_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4c_5x5_reduce_B_new, T['inception_4c_5x5_reduce_B'], lr, V_inception_4c_5x5_reduce_B_new)
 
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_1x1, inception_4c_1x1_concat)
         d_inception_4d_1x1_W = mem.tensor(345, (112, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4d_1x1, inception_4c_1x1_concat, out=d_inception_4d_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(31539200))
-        # V_inception_4d_1x1_W_new = V_inception_4d_1x1_W*momentum + d_inception_4d_1x1_W + decay*inception_4d_1x1_W
+        # V_inception_4d_1x1_W_new = V_inception_4d_1x1_W*momentum + d_inception_4d_1x1_W + decay*inception_4d_1x1_W   (computed with the next statement)
         V_inception_4d_1x1_W_new = T['V_inception_4d_1x1_W']  # in place: the new V_inception_4d_1x1_W
-        rt.ew(ew_mul_add, V_inception_4d_1x1_W_new, T['V_inception_4d_1x1_W'], momentum, d_inception_4d_1x1_W, decay, T['inception_4d_1x1_W'])
+        # inception_4d_1x1_W_new = inception_4d_1x1_W - lr*V_inception_4d_1x1_W_new
+        inception_4d_1x1_W_new = T['inception_4d_1x1_W']  # in place: the new inception_4d_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_4d_1x1_W_new, T['V_inception_4d_1x1_W'], momentum, d_inception_4d_1x1_W, decay, T['inception_4d_1x1_W']),
+                   (ew_mul_sub, inception_4d_1x1_W_new, T['inception_4d_1x1_W'], lr, V_inception_4d_1x1_W_new))
         # free d_inception_4d_1x1_W
         del d_inception_4d_1x1_W
         mem.free(345)
-        # inception_4d_1x1_W_new = inception_4d_1x1_W - lr*V_inception_4d_1x1_W_new
-        inception_4d_1x1_W_new = T['inception_4d_1x1_W']  # in place: the new inception_4d_1x1_W
-        rt.ew(ew_mul_sub, inception_4d_1x1_W_new, T['inception_4d_1x1_W'], lr, V_inception_4d_1x1_W_new)
         # d_inception_4d_1x1_sum_to = sum_to[1x112x1x1](d_inception_4d_1x1)
         d_inception_4d_1x1_sum_to = mem.tensor(346, (1, 112, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_1x1, out=d_inception_4d_1x1_sum_to, shape=(1, 112, 1, 1))
@@ -4150,29 +4150,29 @@ class Googlenet(rp.Model):
         mem.free(180)
         # d_inception_4d_1x1_B = reshape[112](d_inception_4d_1x1_sum_to)
         d_inception_4d_1x1_B = rt.reshape(d_inception_4d_1x1_sum_to, shape=(112,))
-        # V_inception_4d_1x1_B_new = V_inception_4d_1x1_B*momentum + d_inception_4d_1x1_B
+        # V_inception_4d_1x1_B_new = V_inception_4d_1x1_B*momentum + d_inception_4d_1x1_B   (computed with the next statement)
         V_inception_4d_1x1_B_new = T['V_inception_4d_1x1_B']  # in place: the new V_inception_4d_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_4d_1x1_B_new, T['V_inception_4d_1x1_B'], momentum, d_inception_4d_1x1_B)
+        # inception_4d_1x1_B_new = inception_4d_1x1_B - 2*lr*V_inception_4d_1x1_B_new
+        inception_4d_1x1_B_new = T['inception_4d_1x1_B']  # in place: the new inception_4d_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_1x1_B_new, T['V_inception_4d_1x1_B'], momentum, d_inception_4d_1x1_B),
+                   (ew_mul_sub_2, inception_4d_1x1_B_new, T['inception_4d_1x1_B'], lr, V_inception_4d_1x1_B_new))
         # free d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B
         del d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B
         mem.free(346)
-        # inception_4d_1x1_B_new = inception_4d_1x1_B - 2*lr*V_inception_4d_1x1_B_new
-        inception_4d_1x1_B_new = T['inception_4d_1x1_B']  # in place: the new inception_4d_1x1_B
-        rt.ew(ew_mul_sub_2, inception_4d_1x1_B_new, T['inception_4d_1x1_B'], lr, V_inception_4d_1x1_B_new)
 
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), backward ----
         # d_inception_4d_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_3x3_reduce, inception_4c_1x1_concat)
         d_inception_4d_3x3_reduce_W = mem.tensor(347, (144, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4d_3x3_reduce, inception_4c_1x1_concat, out=d_inception_4d_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(33210368))
-        # V_inception_4d_3x3_reduce_W_new = V_inception_4d_3x3_reduce_W*momentum + d_inception_4d_3x3_reduce_W + decay*inception_4d_3x3_reduce_W
+        # V_inception_4d_3x3_reduce_W_new = V_inception_4d_3x3_reduce_W*momentum + d_inception_4d_3x3_reduce_W + decay*inception_4d_3x3_reduce_W   (computed with the next statement)
         V_inception_4d_3x3_reduce_W_new = T['V_inception_4d_3x3_reduce_W']  # in place: the new V_inception_4d_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_4d_3x3_reduce_W_new, T['V_inception_4d_3x3_reduce_W'], momentum, d_inception_4d_3x3_reduce_W, decay, T['inception_4d_3x3_reduce_W'])
+        # inception_4d_3x3_reduce_W_new = inception_4d_3x3_reduce_W - lr*V_inception_4d_3x3_reduce_W_new
+        inception_4d_3x3_reduce_W_new = T['inception_4d_3x3_reduce_W']  # in place: the new inception_4d_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4d_3x3_reduce_W_new, T['V_inception_4d_3x3_reduce_W'], momentum, d_inception_4d_3x3_reduce_W, decay, T['inception_4d_3x3_reduce_W']),
+                   (ew_mul_sub, inception_4d_3x3_reduce_W_new, T['inception_4d_3x3_reduce_W'], lr, V_inception_4d_3x3_reduce_W_new))
         # free d_inception_4d_3x3_reduce_W
         del d_inception_4d_3x3_reduce_W
         mem.free(347)
-        # inception_4d_3x3_reduce_W_new = inception_4d_3x3_reduce_W - lr*V_inception_4d_3x3_reduce_W_new
-        inception_4d_3x3_reduce_W_new = T['inception_4d_3x3_reduce_W']  # in place: the new inception_4d_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_4d_3x3_reduce_W_new, T['inception_4d_3x3_reduce_W'], lr, V_inception_4d_3x3_reduce_W_new)
         # d_inception_4d_3x3_reduce_sum_to = sum_to[1x144x1x1](d_inception_4d_3x3_reduce)
         d_inception_4d_3x3_reduce_sum_to = mem.tensor(348, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_3x3_reduce, out=d_inception_4d_3x3_reduce_sum_to, shape=(1, 144, 1, 1))
@@ -4181,15 +4181,15 @@ class Googlenet(rp.Model):
         mem.free(184)
         # d_inception_4d_3x3_reduce_B = reshape[144](d_inception_4d_3x3_reduce_sum_to)
         d_inception_4d_3x3_reduce_B = rt.reshape(d_inception_4d_3x3_reduce_sum_to, shape=(144,))
-        # V_inception_4d_3x3_reduce_B_new = V_inception_4d_3x3_reduce_B*momentum + d_inception_4d_3x3_reduce_B
+        # V_inception_4d_3x3_reduce_B_new = V_inception_4d_3x3_reduce_B*momentum + d_inception_4d_3x3_reduce_B   (computed with the next statement)
         V_inception_4d_3x3_reduce_B_new = T['V_inception_4d_3x3_reduce_B']  # in place: the new V_inception_4d_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4d_3x3_reduce_B_new, T['V_inception_4d_3x3_reduce_B'], momentum, d_inception_4d_3x3_reduce_B)
+        # inception_4d_3x3_reduce_B_new = inception_4d_3x3_reduce_B - 2*lr*V_inception_4d_3x3_reduce_B_new
+        inception_4d_3x3_reduce_B_new = T['inception_4d_3x3_reduce_B']  # in place: the new inception_4d_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_3x3_reduce_B_new, T['V_inception_4d_3x3_reduce_B'], momentum, d_inception_4d_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_4d_3x3_reduce_B_new, T['inception_4d_3x3_reduce_B'], lr, V_inception_4d_3x3_reduce_B_new))
         # free d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B
         del d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B
         mem.free(348)
-        # inception_4d_3x3_reduce_B_new = inception_4d_3x3_reduce_B - 2*lr*V_inception_4d_3x3_reduce_B_new
-        inception_4d_3x3_reduce_B_new = T['inception_4d_3x3_reduce_B']  # in place: the new inception_4d_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4d_3x3_reduce_B_new, T['inception_4d_3x3_reduce_B'], lr, V_inception_4d_3x3_reduce_B_new)
 
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4d_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_5x5_reduce, inception_4c_1x1_concat)
@@ -4198,15 +4198,15 @@ class Googlenet(rp.Model):
         # free inception_4c_1x1_concat
         del inception_4c_1x1_concat
         mem.free(58)
-        # V_inception_4d_5x5_reduce_W_new = V_inception_4d_5x5_reduce_W*momentum + d_inception_4d_5x5_reduce_W + decay*inception_4d_5x5_reduce_W
+        # V_inception_4d_5x5_reduce_W_new = V_inception_4d_5x5_reduce_W*momentum + d_inception_4d_5x5_reduce_W + decay*inception_4d_5x5_reduce_W   (computed with the next statement)
         V_inception_4d_5x5_reduce_W_new = T['V_inception_4d_5x5_reduce_W']  # in place: the new V_inception_4d_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_4d_5x5_reduce_W_new, T['V_inception_4d_5x5_reduce_W'], momentum, d_inception_4d_5x5_reduce_W, decay, T['inception_4d_5x5_reduce_W'])
+        # inception_4d_5x5_reduce_W_new = inception_4d_5x5_reduce_W - lr*V_inception_4d_5x5_reduce_W_new
+        inception_4d_5x5_reduce_W_new = T['inception_4d_5x5_reduce_W']  # in place: the new inception_4d_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4d_5x5_reduce_W_new, T['V_inception_4d_5x5_reduce_W'], momentum, d_inception_4d_5x5_reduce_W, decay, T['inception_4d_5x5_reduce_W']),
+                   (ew_mul_sub, inception_4d_5x5_reduce_W_new, T['inception_4d_5x5_reduce_W'], lr, V_inception_4d_5x5_reduce_W_new))
         # free d_inception_4d_5x5_reduce_W
         del d_inception_4d_5x5_reduce_W
         mem.free(349)
-        # inception_4d_5x5_reduce_W_new = inception_4d_5x5_reduce_W - lr*V_inception_4d_5x5_reduce_W_new
-        inception_4d_5x5_reduce_W_new = T['inception_4d_5x5_reduce_W']  # in place: the new inception_4d_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_4d_5x5_reduce_W_new, T['inception_4d_5x5_reduce_W'], lr, V_inception_4d_5x5_reduce_W_new)
         # d_inception_4d_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_4d_5x5_reduce)
         d_inception_4d_5x5_reduce_sum_to = mem.tensor(350, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_5x5_reduce, out=d_inception_4d_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -4215,29 +4215,29 @@ class Googlenet(rp.Model):
         mem.free(192)
         # d_inception_4d_5x5_reduce_B = reshape[32](d_inception_4d_5x5_reduce_sum_to)
         d_inception_4d_5x5_reduce_B = rt.reshape(d_inception_4d_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_4d_5x5_reduce_B_new = V_inception_4d_5x5_reduce_B*momentum + d_inception_4d_5x5_reduce_B
+        # V_inception_4d_5x5_reduce_B_new = V_inception_4d_5x5_reduce_B*momentum + d_inception_4d_5x5_reduce_B   (computed with the next statement)
         V_inception_4d_5x5_reduce_B_new = T['V_inception_4d_5x5_reduce_B']  # in place: the new V_inception_4d_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4d_5x5_reduce_B_new, T['V_inception_4d_5x5_reduce_B'], momentum, d_inception_4d_5x5_reduce_B)
+        # inception_4d_5x5_reduce_B_new = inception_4d_5x5_reduce_B - 2*lr*V_inception_4d_5x5_reduce_B_new
+        inception_4d_5x5_reduce_B_new = T['inception_4d_5x5_reduce_B']  # in place: the new inception_4d_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4d_5x5_reduce_B_new, T['V_inception_4d_5x5_reduce_B'], momentum, d_inception_4d_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_4d_5x5_reduce_B_new, T['inception_4d_5x5_reduce_B'], lr, V_inception_4d_5x5_reduce_B_new))
         # free d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B
         del d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B
         mem.free(350)
-        # inception_4d_5x5_reduce_B_new = inception_4d_5x5_reduce_B - 2*lr*V_inception_4d_5x5_reduce_B_new
-        inception_4d_5x5_reduce_B_new = T['inception_4d_5x5_reduce_B']  # in place: the new inception_4d_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4d_5x5_reduce_B_new, T['inception_4d_5x5_reduce_B'], lr, V_inception_4d_5x5_reduce_B_new)
 
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_1x1, inception_4d_1x1_concat)
         d_inception_4e_1x1_W = mem.tensor(351, (256, 528, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4e_1x1, inception_4d_1x1_concat, out=d_inception_4e_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(26970880))
-        # V_inception_4e_1x1_W_new = V_inception_4e_1x1_W*momentum + d_inception_4e_1x1_W + decay*inception_4e_1x1_W
+        # V_inception_4e_1x1_W_new = V_inception_4e_1x1_W*momentum + d_inception_4e_1x1_W + decay*inception_4e_1x1_W   (computed with the next statement)
         V_inception_4e_1x1_W_new = T['V_inception_4e_1x1_W']  # in place: the new V_inception_4e_1x1_W
-        rt.ew(ew_mul_add, V_inception_4e_1x1_W_new, T['V_inception_4e_1x1_W'], momentum, d_inception_4e_1x1_W, decay, T['inception_4e_1x1_W'])
+        # inception_4e_1x1_W_new = inception_4e_1x1_W - lr*V_inception_4e_1x1_W_new
+        inception_4e_1x1_W_new = T['inception_4e_1x1_W']  # in place: the new inception_4e_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_4e_1x1_W_new, T['V_inception_4e_1x1_W'], momentum, d_inception_4e_1x1_W, decay, T['inception_4e_1x1_W']),
+                   (ew_mul_sub, inception_4e_1x1_W_new, T['inception_4e_1x1_W'], lr, V_inception_4e_1x1_W_new))
         # free d_inception_4e_1x1_W
         del d_inception_4e_1x1_W
         mem.free(351)
-        # inception_4e_1x1_W_new = inception_4e_1x1_W - lr*V_inception_4e_1x1_W_new
-        inception_4e_1x1_W_new = T['inception_4e_1x1_W']  # in place: the new inception_4e_1x1_W
-        rt.ew(ew_mul_sub, inception_4e_1x1_W_new, T['inception_4e_1x1_W'], lr, V_inception_4e_1x1_W_new)
         # d_inception_4e_1x1_sum_to = sum_to[1x256x1x1](d_inception_4e_1x1)
         d_inception_4e_1x1_sum_to = mem.tensor(352, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_inception_4e_1x1, out=d_inception_4e_1x1_sum_to, shape=(1, 256, 1, 1))
@@ -4246,29 +4246,29 @@ class Googlenet(rp.Model):
         mem.free(155)
         # d_inception_4e_1x1_B = reshape[256](d_inception_4e_1x1_sum_to)
         d_inception_4e_1x1_B = rt.reshape(d_inception_4e_1x1_sum_to, shape=(256,))
-        # V_inception_4e_1x1_B_new = V_inception_4e_1x1_B*momentum + d_inception_4e_1x1_B
+        # V_inception_4e_1x1_B_new = V_inception_4e_1x1_B*momentum + d_inception_4e_1x1_B   (computed with the next statement)
         V_inception_4e_1x1_B_new = T['V_inception_4e_1x1_B']  # in place: the new V_inception_4e_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_4e_1x1_B_new, T['V_inception_4e_1x1_B'], momentum, d_inception_4e_1x1_B)
+        # inception_4e_1x1_B_new = inception_4e_1x1_B - 2*lr*V_inception_4e_1x1_B_new
+        inception_4e_1x1_B_new = T['inception_4e_1x1_B']  # in place: the new inception_4e_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_1x1_B_new, T['V_inception_4e_1x1_B'], momentum, d_inception_4e_1x1_B),
+                   (ew_mul_sub_2, inception_4e_1x1_B_new, T['inception_4e_1x1_B'], lr, V_inception_4e_1x1_B_new))
         # free d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B
         del d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B
         mem.free(352)
-        # inception_4e_1x1_B_new = inception_4e_1x1_B - 2*lr*V_inception_4e_1x1_B_new
-        inception_4e_1x1_B_new = T['inception_4e_1x1_B']  # in place: the new inception_4e_1x1_B
-        rt.ew(ew_mul_sub_2, inception_4e_1x1_B_new, T['inception_4e_1x1_B'], lr, V_inception_4e_1x1_B_new)
 
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4e_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_3x3_reduce, inception_4d_1x1_concat)
         d_inception_4e_3x3_reduce_W = mem.tensor(353, (160, 528, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_4e_3x3_reduce, inception_4d_1x1_concat, out=d_inception_4e_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(23531776))
-        # V_inception_4e_3x3_reduce_W_new = V_inception_4e_3x3_reduce_W*momentum + d_inception_4e_3x3_reduce_W + decay*inception_4e_3x3_reduce_W
+        # V_inception_4e_3x3_reduce_W_new = V_inception_4e_3x3_reduce_W*momentum + d_inception_4e_3x3_reduce_W + decay*inception_4e_3x3_reduce_W   (computed with the next statement)
         V_inception_4e_3x3_reduce_W_new = T['V_inception_4e_3x3_reduce_W']  # in place: the new V_inception_4e_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_4e_3x3_reduce_W_new, T['V_inception_4e_3x3_reduce_W'], momentum, d_inception_4e_3x3_reduce_W, decay, T['inception_4e_3x3_reduce_W'])
+        # inception_4e_3x3_reduce_W_new = inception_4e_3x3_reduce_W - lr*V_inception_4e_3x3_reduce_W_new
+        inception_4e_3x3_reduce_W_new = T['inception_4e_3x3_reduce_W']  # in place: the new inception_4e_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4e_3x3_reduce_W_new, T['V_inception_4e_3x3_reduce_W'], momentum, d_inception_4e_3x3_reduce_W, decay, T['inception_4e_3x3_reduce_W']),
+                   (ew_mul_sub, inception_4e_3x3_reduce_W_new, T['inception_4e_3x3_reduce_W'], lr, V_inception_4e_3x3_reduce_W_new))
         # free d_inception_4e_3x3_reduce_W
         del d_inception_4e_3x3_reduce_W
         mem.free(353)
-        # inception_4e_3x3_reduce_W_new = inception_4e_3x3_reduce_W - lr*V_inception_4e_3x3_reduce_W_new
-        inception_4e_3x3_reduce_W_new = T['inception_4e_3x3_reduce_W']  # in place: the new inception_4e_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_4e_3x3_reduce_W_new, T['inception_4e_3x3_reduce_W'], lr, V_inception_4e_3x3_reduce_W_new)
         # d_inception_4e_3x3_reduce_sum_to = sum_to[1x160x1x1](d_inception_4e_3x3_reduce)
         d_inception_4e_3x3_reduce_sum_to = mem.tensor(354, (1, 160, 1, 1), 'float32')
         rt.sum_to(d_inception_4e_3x3_reduce, out=d_inception_4e_3x3_reduce_sum_to, shape=(1, 160, 1, 1))
@@ -4277,15 +4277,15 @@ class Googlenet(rp.Model):
         mem.free(158)
         # d_inception_4e_3x3_reduce_B = reshape[160](d_inception_4e_3x3_reduce_sum_to)
         d_inception_4e_3x3_reduce_B = rt.reshape(d_inception_4e_3x3_reduce_sum_to, shape=(160,))
-        # V_inception_4e_3x3_reduce_B_new = V_inception_4e_3x3_reduce_B*momentum + d_inception_4e_3x3_reduce_B
+        # V_inception_4e_3x3_reduce_B_new = V_inception_4e_3x3_reduce_B*momentum + d_inception_4e_3x3_reduce_B   (computed with the next statement)
         V_inception_4e_3x3_reduce_B_new = T['V_inception_4e_3x3_reduce_B']  # in place: the new V_inception_4e_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4e_3x3_reduce_B_new, T['V_inception_4e_3x3_reduce_B'], momentum, d_inception_4e_3x3_reduce_B)
+        # inception_4e_3x3_reduce_B_new = inception_4e_3x3_reduce_B - 2*lr*V_inception_4e_3x3_reduce_B_new
+        inception_4e_3x3_reduce_B_new = T['inception_4e_3x3_reduce_B']  # in place: the new inception_4e_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_3x3_reduce_B_new, T['V_inception_4e_3x3_reduce_B'], momentum, d_inception_4e_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_4e_3x3_reduce_B_new, T['inception_4e_3x3_reduce_B'], lr, V_inception_4e_3x3_reduce_B_new))
         # free d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B
         del d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B
         mem.free(354)
-        # inception_4e_3x3_reduce_B_new = inception_4e_3x3_reduce_B - 2*lr*V_inception_4e_3x3_reduce_B_new
-        inception_4e_3x3_reduce_B_new = T['inception_4e_3x3_reduce_B']  # in place: the new inception_4e_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4e_3x3_reduce_B_new, T['inception_4e_3x3_reduce_B'], lr, V_inception_4e_3x3_reduce_B_new)
 
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4e_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_5x5_reduce, inception_4d_1x1_concat)
@@ -4294,15 +4294,15 @@ class Googlenet(rp.Model):
         # free inception_4d_1x1_concat
         del inception_4d_1x1_concat
         mem.free(67)
-        # V_inception_4e_5x5_reduce_W_new = V_inception_4e_5x5_reduce_W*momentum + d_inception_4e_5x5_reduce_W + decay*inception_4e_5x5_reduce_W
+        # V_inception_4e_5x5_reduce_W_new = V_inception_4e_5x5_reduce_W*momentum + d_inception_4e_5x5_reduce_W + decay*inception_4e_5x5_reduce_W   (computed with the next statement)
         V_inception_4e_5x5_reduce_W_new = T['V_inception_4e_5x5_reduce_W']  # in place: the new V_inception_4e_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_4e_5x5_reduce_W_new, T['V_inception_4e_5x5_reduce_W'], momentum, d_inception_4e_5x5_reduce_W, decay, T['inception_4e_5x5_reduce_W'])
+        # inception_4e_5x5_reduce_W_new = inception_4e_5x5_reduce_W - lr*V_inception_4e_5x5_reduce_W_new
+        inception_4e_5x5_reduce_W_new = T['inception_4e_5x5_reduce_W']  # in place: the new inception_4e_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_4e_5x5_reduce_W_new, T['V_inception_4e_5x5_reduce_W'], momentum, d_inception_4e_5x5_reduce_W, decay, T['inception_4e_5x5_reduce_W']),
+                   (ew_mul_sub, inception_4e_5x5_reduce_W_new, T['inception_4e_5x5_reduce_W'], lr, V_inception_4e_5x5_reduce_W_new))
         # free d_inception_4e_5x5_reduce_W
         del d_inception_4e_5x5_reduce_W
         mem.free(355)
-        # inception_4e_5x5_reduce_W_new = inception_4e_5x5_reduce_W - lr*V_inception_4e_5x5_reduce_W_new
-        inception_4e_5x5_reduce_W_new = T['inception_4e_5x5_reduce_W']  # in place: the new inception_4e_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_4e_5x5_reduce_W_new, T['inception_4e_5x5_reduce_W'], lr, V_inception_4e_5x5_reduce_W_new)
         # d_inception_4e_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_4e_5x5_reduce)
         d_inception_4e_5x5_reduce_sum_to = mem.tensor(356, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_4e_5x5_reduce, out=d_inception_4e_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -4311,29 +4311,29 @@ class Googlenet(rp.Model):
         mem.free(166)
         # d_inception_4e_5x5_reduce_B = reshape[32](d_inception_4e_5x5_reduce_sum_to)
         d_inception_4e_5x5_reduce_B = rt.reshape(d_inception_4e_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_4e_5x5_reduce_B_new = V_inception_4e_5x5_reduce_B*momentum + d_inception_4e_5x5_reduce_B
+        # V_inception_4e_5x5_reduce_B_new = V_inception_4e_5x5_reduce_B*momentum + d_inception_4e_5x5_reduce_B   (computed with the next statement)
         V_inception_4e_5x5_reduce_B_new = T['V_inception_4e_5x5_reduce_B']  # in place: the new V_inception_4e_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_4e_5x5_reduce_B_new, T['V_inception_4e_5x5_reduce_B'], momentum, d_inception_4e_5x5_reduce_B)
+        # inception_4e_5x5_reduce_B_new = inception_4e_5x5_reduce_B - 2*lr*V_inception_4e_5x5_reduce_B_new
+        inception_4e_5x5_reduce_B_new = T['inception_4e_5x5_reduce_B']  # in place: the new inception_4e_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_4e_5x5_reduce_B_new, T['V_inception_4e_5x5_reduce_B'], momentum, d_inception_4e_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_4e_5x5_reduce_B_new, T['inception_4e_5x5_reduce_B'], lr, V_inception_4e_5x5_reduce_B_new))
         # free d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B
         del d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B
         mem.free(356)
-        # inception_4e_5x5_reduce_B_new = inception_4e_5x5_reduce_B - 2*lr*V_inception_4e_5x5_reduce_B_new
-        inception_4e_5x5_reduce_B_new = T['inception_4e_5x5_reduce_B']  # in place: the new inception_4e_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_4e_5x5_reduce_B_new, T['inception_4e_5x5_reduce_B'], lr, V_inception_4e_5x5_reduce_B_new)
 
         # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_1x1, inception_4e_1x1_max_pool)
         d_inception_5a_1x1_W = mem.tensor(357, (256, 832, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_5a_1x1, inception_4e_1x1_max_pool, out=d_inception_5a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(27295744))
-        # V_inception_5a_1x1_W_new = V_inception_5a_1x1_W*momentum + d_inception_5a_1x1_W + decay*inception_5a_1x1_W
+        # V_inception_5a_1x1_W_new = V_inception_5a_1x1_W*momentum + d_inception_5a_1x1_W + decay*inception_5a_1x1_W   (computed with the next statement)
         V_inception_5a_1x1_W_new = T['V_inception_5a_1x1_W']  # in place: the new V_inception_5a_1x1_W
-        rt.ew(ew_mul_add, V_inception_5a_1x1_W_new, T['V_inception_5a_1x1_W'], momentum, d_inception_5a_1x1_W, decay, T['inception_5a_1x1_W'])
+        # inception_5a_1x1_W_new = inception_5a_1x1_W - lr*V_inception_5a_1x1_W_new
+        inception_5a_1x1_W_new = T['inception_5a_1x1_W']  # in place: the new inception_5a_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_5a_1x1_W_new, T['V_inception_5a_1x1_W'], momentum, d_inception_5a_1x1_W, decay, T['inception_5a_1x1_W']),
+                   (ew_mul_sub, inception_5a_1x1_W_new, T['inception_5a_1x1_W'], lr, V_inception_5a_1x1_W_new))
         # free d_inception_5a_1x1_W
         del d_inception_5a_1x1_W
         mem.free(357)
-        # inception_5a_1x1_W_new = inception_5a_1x1_W - lr*V_inception_5a_1x1_W_new
-        inception_5a_1x1_W_new = T['inception_5a_1x1_W']  # in place: the new inception_5a_1x1_W
-        rt.ew(ew_mul_sub, inception_5a_1x1_W_new, T['inception_5a_1x1_W'], lr, V_inception_5a_1x1_W_new)
         # d_inception_5a_1x1_sum_to = sum_to[1x256x1x1](d_inception_5a_1x1)
         d_inception_5a_1x1_sum_to = mem.tensor(358, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_inception_5a_1x1, out=d_inception_5a_1x1_sum_to, shape=(1, 256, 1, 1))
@@ -4342,29 +4342,29 @@ class Googlenet(rp.Model):
         mem.free(137)
         # d_inception_5a_1x1_B = reshape[256](d_inception_5a_1x1_sum_to)
         d_inception_5a_1x1_B = rt.reshape(d_inception_5a_1x1_sum_to, shape=(256,))
-        # V_inception_5a_1x1_B_new = V_inception_5a_1x1_B*momentum + d_inception_5a_1x1_B
+        # V_inception_5a_1x1_B_new = V_inception_5a_1x1_B*momentum + d_inception_5a_1x1_B   (computed with the next statement)
         V_inception_5a_1x1_B_new = T['V_inception_5a_1x1_B']  # in place: the new V_inception_5a_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_5a_1x1_B_new, T['V_inception_5a_1x1_B'], momentum, d_inception_5a_1x1_B)
+        # inception_5a_1x1_B_new = inception_5a_1x1_B - 2*lr*V_inception_5a_1x1_B_new
+        inception_5a_1x1_B_new = T['inception_5a_1x1_B']  # in place: the new inception_5a_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_1x1_B_new, T['V_inception_5a_1x1_B'], momentum, d_inception_5a_1x1_B),
+                   (ew_mul_sub_2, inception_5a_1x1_B_new, T['inception_5a_1x1_B'], lr, V_inception_5a_1x1_B_new))
         # free d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B
         del d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B
         mem.free(358)
-        # inception_5a_1x1_B_new = inception_5a_1x1_B - 2*lr*V_inception_5a_1x1_B_new
-        inception_5a_1x1_B_new = T['inception_5a_1x1_B']  # in place: the new inception_5a_1x1_B
-        rt.ew(ew_mul_sub_2, inception_5a_1x1_B_new, T['inception_5a_1x1_B'], lr, V_inception_5a_1x1_B_new)
 
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_5a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_3x3_reduce, inception_4e_1x1_max_pool)
         d_inception_5a_3x3_reduce_W = mem.tensor(359, (160, 832, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_5a_3x3_reduce, inception_4e_1x1_max_pool, out=d_inception_5a_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(24887296))
-        # V_inception_5a_3x3_reduce_W_new = V_inception_5a_3x3_reduce_W*momentum + d_inception_5a_3x3_reduce_W + decay*inception_5a_3x3_reduce_W
+        # V_inception_5a_3x3_reduce_W_new = V_inception_5a_3x3_reduce_W*momentum + d_inception_5a_3x3_reduce_W + decay*inception_5a_3x3_reduce_W   (computed with the next statement)
         V_inception_5a_3x3_reduce_W_new = T['V_inception_5a_3x3_reduce_W']  # in place: the new V_inception_5a_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_5a_3x3_reduce_W_new, T['V_inception_5a_3x3_reduce_W'], momentum, d_inception_5a_3x3_reduce_W, decay, T['inception_5a_3x3_reduce_W'])
+        # inception_5a_3x3_reduce_W_new = inception_5a_3x3_reduce_W - lr*V_inception_5a_3x3_reduce_W_new
+        inception_5a_3x3_reduce_W_new = T['inception_5a_3x3_reduce_W']  # in place: the new inception_5a_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_5a_3x3_reduce_W_new, T['V_inception_5a_3x3_reduce_W'], momentum, d_inception_5a_3x3_reduce_W, decay, T['inception_5a_3x3_reduce_W']),
+                   (ew_mul_sub, inception_5a_3x3_reduce_W_new, T['inception_5a_3x3_reduce_W'], lr, V_inception_5a_3x3_reduce_W_new))
         # free d_inception_5a_3x3_reduce_W
         del d_inception_5a_3x3_reduce_W
         mem.free(359)
-        # inception_5a_3x3_reduce_W_new = inception_5a_3x3_reduce_W - lr*V_inception_5a_3x3_reduce_W_new
-        inception_5a_3x3_reduce_W_new = T['inception_5a_3x3_reduce_W']  # in place: the new inception_5a_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_5a_3x3_reduce_W_new, T['inception_5a_3x3_reduce_W'], lr, V_inception_5a_3x3_reduce_W_new)
         # d_inception_5a_3x3_reduce_sum_to = sum_to[1x160x1x1](d_inception_5a_3x3_reduce)
         d_inception_5a_3x3_reduce_sum_to = mem.tensor(360, (1, 160, 1, 1), 'float32')
         rt.sum_to(d_inception_5a_3x3_reduce, out=d_inception_5a_3x3_reduce_sum_to, shape=(1, 160, 1, 1))
@@ -4373,15 +4373,15 @@ class Googlenet(rp.Model):
         mem.free(140)
         # d_inception_5a_3x3_reduce_B = reshape[160](d_inception_5a_3x3_reduce_sum_to)
         d_inception_5a_3x3_reduce_B = rt.reshape(d_inception_5a_3x3_reduce_sum_to, shape=(160,))
-        # V_inception_5a_3x3_reduce_B_new = V_inception_5a_3x3_reduce_B*momentum + d_inception_5a_3x3_reduce_B
+        # V_inception_5a_3x3_reduce_B_new = V_inception_5a_3x3_reduce_B*momentum + d_inception_5a_3x3_reduce_B   (computed with the next statement)
         V_inception_5a_3x3_reduce_B_new = T['V_inception_5a_3x3_reduce_B']  # in place: the new V_inception_5a_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_5a_3x3_reduce_B_new, T['V_inception_5a_3x3_reduce_B'], momentum, d_inception_5a_3x3_reduce_B)
+        # inception_5a_3x3_reduce_B_new = inception_5a_3x3_reduce_B - 2*lr*V_inception_5a_3x3_reduce_B_new
+        inception_5a_3x3_reduce_B_new = T['inception_5a_3x3_reduce_B']  # in place: the new inception_5a_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_3x3_reduce_B_new, T['V_inception_5a_3x3_reduce_B'], momentum, d_inception_5a_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_5a_3x3_reduce_B_new, T['inception_5a_3x3_reduce_B'], lr, V_inception_5a_3x3_reduce_B_new))
         # free d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B
         del d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B
         mem.free(360)
-        # inception_5a_3x3_reduce_B_new = inception_5a_3x3_reduce_B - 2*lr*V_inception_5a_3x3_reduce_B_new
-        inception_5a_3x3_reduce_B_new = T['inception_5a_3x3_reduce_B']  # in place: the new inception_5a_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_5a_3x3_reduce_B_new, T['inception_5a_3x3_reduce_B'], lr, V_inception_5a_3x3_reduce_B_new)
 
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_5a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_5x5_reduce, inception_4e_1x1_max_pool)
@@ -4390,15 +4390,15 @@ class Googlenet(rp.Model):
         # free inception_4e_1x1_max_pool
         del inception_4e_1x1_max_pool
         mem.free(94)
-        # V_inception_5a_5x5_reduce_W_new = V_inception_5a_5x5_reduce_W*momentum + d_inception_5a_5x5_reduce_W + decay*inception_5a_5x5_reduce_W
+        # V_inception_5a_5x5_reduce_W_new = V_inception_5a_5x5_reduce_W*momentum + d_inception_5a_5x5_reduce_W + decay*inception_5a_5x5_reduce_W   (computed with the next statement)
         V_inception_5a_5x5_reduce_W_new = T['V_inception_5a_5x5_reduce_W']  # in place: the new V_inception_5a_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_5a_5x5_reduce_W_new, T['V_inception_5a_5x5_reduce_W'], momentum, d_inception_5a_5x5_reduce_W, decay, T['inception_5a_5x5_reduce_W'])
+        # inception_5a_5x5_reduce_W_new = inception_5a_5x5_reduce_W - lr*V_inception_5a_5x5_reduce_W_new
+        inception_5a_5x5_reduce_W_new = T['inception_5a_5x5_reduce_W']  # in place: the new inception_5a_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_5a_5x5_reduce_W_new, T['V_inception_5a_5x5_reduce_W'], momentum, d_inception_5a_5x5_reduce_W, decay, T['inception_5a_5x5_reduce_W']),
+                   (ew_mul_sub, inception_5a_5x5_reduce_W_new, T['inception_5a_5x5_reduce_W'], lr, V_inception_5a_5x5_reduce_W_new))
         # free d_inception_5a_5x5_reduce_W
         del d_inception_5a_5x5_reduce_W
         mem.free(361)
-        # inception_5a_5x5_reduce_W_new = inception_5a_5x5_reduce_W - lr*V_inception_5a_5x5_reduce_W_new
-        inception_5a_5x5_reduce_W_new = T['inception_5a_5x5_reduce_W']  # in place: the new inception_5a_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_5a_5x5_reduce_W_new, T['inception_5a_5x5_reduce_W'], lr, V_inception_5a_5x5_reduce_W_new)
         # d_inception_5a_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_5a_5x5_reduce)
         d_inception_5a_5x5_reduce_sum_to = mem.tensor(362, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_5a_5x5_reduce, out=d_inception_5a_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -4407,29 +4407,29 @@ class Googlenet(rp.Model):
         mem.free(147)
         # d_inception_5a_5x5_reduce_B = reshape[32](d_inception_5a_5x5_reduce_sum_to)
         d_inception_5a_5x5_reduce_B = rt.reshape(d_inception_5a_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_5a_5x5_reduce_B_new = V_inception_5a_5x5_reduce_B*momentum + d_inception_5a_5x5_reduce_B
+        # V_inception_5a_5x5_reduce_B_new = V_inception_5a_5x5_reduce_B*momentum + d_inception_5a_5x5_reduce_B   (computed with the next statement)
         V_inception_5a_5x5_reduce_B_new = T['V_inception_5a_5x5_reduce_B']  # in place: the new V_inception_5a_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_5a_5x5_reduce_B_new, T['V_inception_5a_5x5_reduce_B'], momentum, d_inception_5a_5x5_reduce_B)
+        # inception_5a_5x5_reduce_B_new = inception_5a_5x5_reduce_B - 2*lr*V_inception_5a_5x5_reduce_B_new
+        inception_5a_5x5_reduce_B_new = T['inception_5a_5x5_reduce_B']  # in place: the new inception_5a_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5a_5x5_reduce_B_new, T['V_inception_5a_5x5_reduce_B'], momentum, d_inception_5a_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_5a_5x5_reduce_B_new, T['inception_5a_5x5_reduce_B'], lr, V_inception_5a_5x5_reduce_B_new))
         # free d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B
         del d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B
         mem.free(362)
-        # inception_5a_5x5_reduce_B_new = inception_5a_5x5_reduce_B - 2*lr*V_inception_5a_5x5_reduce_B_new
-        inception_5a_5x5_reduce_B_new = T['inception_5a_5x5_reduce_B']  # in place: the new inception_5a_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_5a_5x5_reduce_B_new, T['inception_5a_5x5_reduce_B'], lr, V_inception_5a_5x5_reduce_B_new)
 
         # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), backward ----
         # d_inception_5b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_1x1, inception_5a_1x1_concat)
         d_inception_5b_1x1_W = mem.tensor(363, (384, 832, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_5b_1x1, inception_5a_1x1_concat, out=d_inception_5b_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(30507008))
-        # V_inception_5b_1x1_W_new = V_inception_5b_1x1_W*momentum + d_inception_5b_1x1_W + decay*inception_5b_1x1_W
+        # V_inception_5b_1x1_W_new = V_inception_5b_1x1_W*momentum + d_inception_5b_1x1_W + decay*inception_5b_1x1_W   (computed with the next statement)
         V_inception_5b_1x1_W_new = T['V_inception_5b_1x1_W']  # in place: the new V_inception_5b_1x1_W
-        rt.ew(ew_mul_add, V_inception_5b_1x1_W_new, T['V_inception_5b_1x1_W'], momentum, d_inception_5b_1x1_W, decay, T['inception_5b_1x1_W'])
+        # inception_5b_1x1_W_new = inception_5b_1x1_W - lr*V_inception_5b_1x1_W_new
+        inception_5b_1x1_W_new = T['inception_5b_1x1_W']  # in place: the new inception_5b_1x1_W
+        rt.ew_pair((ew_mul_add, V_inception_5b_1x1_W_new, T['V_inception_5b_1x1_W'], momentum, d_inception_5b_1x1_W, decay, T['inception_5b_1x1_W']),
+                   (ew_mul_sub, inception_5b_1x1_W_new, T['inception_5b_1x1_W'], lr, V_inception_5b_1x1_W_new))
         # free d_inception_5b_1x1_W
         del d_inception_5b_1x1_W
         mem.free(363)
-        # inception_5b_1x1_W_new = inception_5b_1x1_W - lr*V_inception_5b_1x1_W_new
-        inception_5b_1x1_W_new = T['inception_5b_1x1_W']  # in place: the new inception_5b_1x1_W
-        rt.ew(ew_mul_sub, inception_5b_1x1_W_new, T['inception_5b_1x1_W'], lr, V_inception_5b_1x1_W_new)
         # d_inception_5b_1x1_sum_to = sum_to[1x384x1x1](d_inception_5b_1x1)
         d_inception_5b_1x1_sum_to = mem.tensor(364, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_inception_5b_1x1, out=d_inception_5b_1x1_sum_to, shape=(1, 384, 1, 1))
@@ -4438,29 +4438,29 @@ class Googlenet(rp.Model):
         mem.free(120)
         # d_inception_5b_1x1_B = reshape[384](d_inception_5b_1x1_sum_to)
         d_inception_5b_1x1_B = rt.reshape(d_inception_5b_1x1_sum_to, shape=(384,))
-        # V_inception_5b_1x1_B_new = V_inception_5b_1x1_B*momentum + d_inception_5b_1x1_B
+        # V_inception_5b_1x1_B_new = V_inception_5b_1x1_B*momentum + d_inception_5b_1x1_B   (computed with the next statement)
         V_inception_5b_1x1_B_new = T['V_inception_5b_1x1_B']  # in place: the new V_inception_5b_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_5b_1x1_B_new, T['V_inception_5b_1x1_B'], momentum, d_inception_5b_1x1_B)
+        # inception_5b_1x1_B_new = inception_5b_1x1_B - 2*lr*V_inception_5b_1x1_B_new
+        inception_5b_1x1_B_new = T['inception_5b_1x1_B']  # in place: the new inception_5b_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_1x1_B_new, T['V_inception_5b_1x1_B'], momentum, d_inception_5b_1x1_B),
+                   (ew_mul_sub_2, inception_5b_1x1_B_new, T['inception_5b_1x1_B'], lr, V_inception_5b_1x1_B_new))
         # free d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B
         del d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B
         mem.free(364)
-        # inception_5b_1x1_B_new = inception_5b_1x1_B - 2*lr*V_inception_5b_1x1_B_new
-        inception_5b_1x1_B_new = T['inception_5b_1x1_B']  # in place: the new inception_5b_1x1_B
-        rt.ew(ew_mul_sub_2, inception_5b_1x1_B_new, T['inception_5b_1x1_B'], lr, V_inception_5b_1x1_B_new)
 
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_5b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_3x3_reduce, inception_5a_1x1_concat)
         d_inception_5b_3x3_reduce_W = mem.tensor(365, (192, 832, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_5b_3x3_reduce, inception_5a_1x1_concat, out=d_inception_5b_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25690112))
-        # V_inception_5b_3x3_reduce_W_new = V_inception_5b_3x3_reduce_W*momentum + d_inception_5b_3x3_reduce_W + decay*inception_5b_3x3_reduce_W
+        # V_inception_5b_3x3_reduce_W_new = V_inception_5b_3x3_reduce_W*momentum + d_inception_5b_3x3_reduce_W + decay*inception_5b_3x3_reduce_W   (computed with the next statement)
         V_inception_5b_3x3_reduce_W_new = T['V_inception_5b_3x3_reduce_W']  # in place: the new V_inception_5b_3x3_reduce_W
-        rt.ew(ew_mul_add, V_inception_5b_3x3_reduce_W_new, T['V_inception_5b_3x3_reduce_W'], momentum, d_inception_5b_3x3_reduce_W, decay, T['inception_5b_3x3_reduce_W'])
+        # inception_5b_3x3_reduce_W_new = inception_5b_3x3_reduce_W - lr*V_inception_5b_3x3_reduce_W_new
+        inception_5b_3x3_reduce_W_new = T['inception_5b_3x3_reduce_W']  # in place: the new inception_5b_3x3_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_5b_3x3_reduce_W_new, T['V_inception_5b_3x3_reduce_W'], momentum, d_inception_5b_3x3_reduce_W, decay, T['inception_5b_3x3_reduce_W']),
+                   (ew_mul_sub, inception_5b_3x3_reduce_W_new, T['inception_5b_3x3_reduce_W'], lr, V_inception_5b_3x3_reduce_W_new))
         # free d_inception_5b_3x3_reduce_W
         del d_inception_5b_3x3_reduce_W
         mem.free(365)
-        # inception_5b_3x3_reduce_W_new = inception_5b_3x3_reduce_W - lr*V_inception_5b_3x3_reduce_W_new
-        inception_5b_3x3_reduce_W_new = T['inception_5b_3x3_reduce_W']  # in place: the new inception_5b_3x3_reduce_W
-        rt.ew(ew_mul_sub, inception_5b_3x3_reduce_W_new, T['inception_5b_3x3_reduce_W'], lr, V_inception_5b_3x3_reduce_W_new)
         # d_inception_5b_3x3_reduce_sum_to = sum_to[1x192x1x1](d_inception_5b_3x3_reduce)
         d_inception_5b_3x3_reduce_sum_to = mem.tensor(366, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_inception_5b_3x3_reduce, out=d_inception_5b_3x3_reduce_sum_to, shape=(1, 192, 1, 1))
@@ -4469,15 +4469,15 @@ class Googlenet(rp.Model):
         mem.free(123)
         # d_inception_5b_3x3_reduce_B = reshape[192](d_inception_5b_3x3_reduce_sum_to)
         d_inception_5b_3x3_reduce_B = rt.reshape(d_inception_5b_3x3_reduce_sum_to, shape=(192,))
-        # V_inception_5b_3x3_reduce_B_new = V_inception_5b_3x3_reduce_B*momentum + d_inception_5b_3x3_reduce_B
+        # V_inception_5b_3x3_reduce_B_new = V_inception_5b_3x3_reduce_B*momentum + d_inception_5b_3x3_reduce_B   (computed with the next statement)
         V_inception_5b_3x3_reduce_B_new = T['V_inception_5b_3x3_reduce_B']  # in place: the new V_inception_5b_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_5b_3x3_reduce_B_new, T['V_inception_5b_3x3_reduce_B'], momentum, d_inception_5b_3x3_reduce_B)
+        # inception_5b_3x3_reduce_B_new = inception_5b_3x3_reduce_B - 2*lr*V_inception_5b_3x3_reduce_B_new
+        inception_5b_3x3_reduce_B_new = T['inception_5b_3x3_reduce_B']  # in place: the new inception_5b_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_3x3_reduce_B_new, T['V_inception_5b_3x3_reduce_B'], momentum, d_inception_5b_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_5b_3x3_reduce_B_new, T['inception_5b_3x3_reduce_B'], lr, V_inception_5b_3x3_reduce_B_new))
         # free d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B
         del d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B
         mem.free(366)
-        # inception_5b_3x3_reduce_B_new = inception_5b_3x3_reduce_B - 2*lr*V_inception_5b_3x3_reduce_B_new
-        inception_5b_3x3_reduce_B_new = T['inception_5b_3x3_reduce_B']  # in place: the new inception_5b_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_5b_3x3_reduce_B_new, T['inception_5b_3x3_reduce_B'], lr, V_inception_5b_3x3_reduce_B_new)
 
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), backward ----
         # d_inception_5b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_5x5_reduce, inception_5a_1x1_concat)
@@ -4486,15 +4486,15 @@ class Googlenet(rp.Model):
         # free inception_5a_1x1_concat
         del inception_5a_1x1_concat
         mem.free(103)
-        # V_inception_5b_5x5_reduce_W_new = V_inception_5b_5x5_reduce_W*momentum + d_inception_5b_5x5_reduce_W + decay*inception_5b_5x5_reduce_W
+        # V_inception_5b_5x5_reduce_W_new = V_inception_5b_5x5_reduce_W*momentum + d_inception_5b_5x5_reduce_W + decay*inception_5b_5x5_reduce_W   (computed with the next statement)
         V_inception_5b_5x5_reduce_W_new = T['V_inception_5b_5x5_reduce_W']  # in place: the new V_inception_5b_5x5_reduce_W
-        rt.ew(ew_mul_add, V_inception_5b_5x5_reduce_W_new, T['V_inception_5b_5x5_reduce_W'], momentum, d_inception_5b_5x5_reduce_W, decay, T['inception_5b_5x5_reduce_W'])
+        # inception_5b_5x5_reduce_W_new = inception_5b_5x5_reduce_W - lr*V_inception_5b_5x5_reduce_W_new
+        inception_5b_5x5_reduce_W_new = T['inception_5b_5x5_reduce_W']  # in place: the new inception_5b_5x5_reduce_W
+        rt.ew_pair((ew_mul_add, V_inception_5b_5x5_reduce_W_new, T['V_inception_5b_5x5_reduce_W'], momentum, d_inception_5b_5x5_reduce_W, decay, T['inception_5b_5x5_reduce_W']),
+                   (ew_mul_sub, inception_5b_5x5_reduce_W_new, T['inception_5b_5x5_reduce_W'], lr, V_inception_5b_5x5_reduce_W_new))
         # free d_inception_5b_5x5_reduce_W
         del d_inception_5b_5x5_reduce_W
         mem.free(367)
-        # inception_5b_5x5_reduce_W_new = inception_5b_5x5_reduce_W - lr*V_inception_5b_5x5_reduce_W_new
-        inception_5b_5x5_reduce_W_new = T['inception_5b_5x5_reduce_W']  # in place: the new inception_5b_5x5_reduce_W
-        rt.ew(ew_mul_sub, inception_5b_5x5_reduce_W_new, T['inception_5b_5x5_reduce_W'], lr, V_inception_5b_5x5_reduce_W_new)
         # d_inception_5b_5x5_reduce_sum_to = sum_to[1x48x1x1](d_inception_5b_5x5_reduce)
         d_inception_5b_5x5_reduce_sum_to = mem.tensor(368, (1, 48, 1, 1), 'float32')
         rt.sum_to(d_inception_5b_5x5_reduce, out=d_inception_5b_5x5_reduce_sum_to, shape=(1, 48, 1, 1))
@@ -4503,15 +4503,15 @@ class Googlenet(rp.Model):
         mem.free(130)
         # d_inception_5b_5x5_reduce_B = reshape[48](d_inception_5b_5x5_reduce_sum_to)
         d_inception_5b_5x5_reduce_B = rt.reshape(d_inception_5b_5x5_reduce_sum_to, shape=(48,))
-        # V_inception_5b_5x5_reduce_B_new = V_inception_5b_5x5_reduce_B*momentum + d_inception_5b_5x5_reduce_B
+        # V_inception_5b_5x5_reduce_B_new = V_inception_5b_5x5_reduce_B*momentum + d_inception_5b_5x5_reduce_B   (computed with the next statement)
         V_inception_5b_5x5_reduce_B_new = T['V_inception_5b_5x5_reduce_B']  # in place: the new V_inception_5b_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_5b_5x5_reduce_B_new, T['V_inception_5b_5x5_reduce_B'], momentum, d_inception_5b_5x5_reduce_B)
+        # inception_5b_5x5_reduce_B_new = inception_5b_5x5_reduce_B - 2*lr*V_inception_5b_5x5_reduce_B_new
+        inception_5b_5x5_reduce_B_new = T['inception_5b_5x5_reduce_B']  # in place: the new inception_5b_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_5b_5x5_reduce_B_new, T['V_inception_5b_5x5_reduce_B'], momentum, d_inception_5b_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_5b_5x5_reduce_B_new, T['inception_5b_5x5_reduce_B'], lr, V_inception_5b_5x5_reduce_B_new))
         # free d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B
         del d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B
         mem.free(368)
-        # inception_5b_5x5_reduce_B_new = inception_5b_5x5_reduce_B - 2*lr*V_inception_5b_5x5_reduce_B_new
-        inception_5b_5x5_reduce_B_new = T['inception_5b_5x5_reduce_B']  # in place: the new inception_5b_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_5b_5x5_reduce_B_new, T['inception_5b_5x5_reduce_B'], lr, V_inception_5b_5x5_reduce_B_new)
 
         # ---- loss3_classifier (fully connected, 1000 outputs), backward ----
         # d_loss3_classifier_W = matmul[ta](d_loss3_classifier, inception_5b_1x1_dropout)
@@ -4520,30 +4520,30 @@ class Googlenet(rp.Model):
         # free inception_5b_1x1_avg_pool, inception_5b_1x1_flatten, inception_5b_1x1_dropout
         del inception_5b_1x1_avg_pool, inception_5b_1x1_flatten, inception_5b_1x1_dropout
         mem.free(113)
-        # V_loss3_classifier_W_new = V_loss3_classifier_W*momentum + d_loss3_classifier_W + decay*loss3_classifier_W
+        # V_loss3_classifier_W_new = V_loss3_classifier_W*momentum + d_loss3_classifier_W + decay*loss3_classifier_W   (computed with the next statement)
         V_loss3_classifier_W_new = T['V_loss3_classifier_W']  # in place: the new V_loss3_classifier_W
-        rt.ew(ew_mul_add, V_loss3_classifier_W_new, T['V_loss3_classifier_W'], momentum, d_loss3_classifier_W, decay, T['loss3_classifier_W'])
+        # loss3_classifier_W_new = loss3_classifier_W - lr*V_loss3_classifier_W_new
+        loss3_classifier_W_new = T['loss3_classifier_W']  # in place: the new loss3_classifier_W
+        rt.ew_pair((ew_mul_add, V_loss3_classifier_W_new, T['V_loss3_classifier_W'], momentum, d_loss3_classifier_W, decay, T['loss3_classifier_W']),
+                   (ew_mul_sub, loss3_classifier_W_new, T['loss3_classifier_W'], lr, V_loss3_classifier_W_new))
         # free d_loss3_classifier_W
         del d_loss3_classifier_W
         mem.free(369)
-        # loss3_classifier_W_new = loss3_classifier_W - lr*V_loss3_classifier_W_new
-        loss3_classifier_W_new = T['loss3_classifier_W']  # in place: the new loss3_classifier_W
-        rt.ew(ew_mul_sub, loss3_classifier_W_new, T['loss3_classifier_W'], lr, V_loss3_classifier_W_new)
         # d_loss3_classifier_B = sum_to[1000](d_loss3_classifier)
         d_loss3_classifier_B = mem.tensor(370, (1000,), 'float32')
         rt.sum_to(d_loss3_classifier, out=d_loss3_classifier_B, shape=(1000,))
         # free d_loss3_classifier_cross_entropy_log_softmax, d_loss3_classifier
         del d_loss3_classifier_cross_entropy_log_softmax, d_loss3_classifier
         mem.free(117)
-        # V_loss3_classifier_B_new = V_loss3_classifier_B*momentum + d_loss3_classifier_B
+        # V_loss3_classifier_B_new = V_loss3_classifier_B*momentum + d_loss3_classifier_B   (computed with the next statement)
         V_loss3_classifier_B_new = T['V_loss3_classifier_B']  # in place: the new V_loss3_classifier_B
-        rt.ew(ew_mul_add_2, V_loss3_classifier_B_new, T['V_loss3_classifier_B'], momentum, d_loss3_classifier_B)
+        # loss3_classifier_B_new = loss3_classifier_B - 2*lr*V_loss3_classifier_B_new
+        loss3_classifier_B_new = T['loss3_classifier_B']  # in place: the new loss3_classifier_B
+        rt.ew_pair((ew_mul_add_2, V_loss3_classifier_B_new, T['V_loss3_classifier_B'], momentum, d_loss3_classifier_B),
+                   (ew_mul_sub_2, loss3_classifier_B_new, T['loss3_classifier_B'], lr, V_loss3_classifier_B_new))
         # free d_loss3_classifier_B
         del d_loss3_classifier_B
         mem.free(370)
-        # loss3_classifier_B_new = loss3_classifier_B - 2*lr*V_loss3_classifier_B_new
-        loss3_classifier_B_new = T['loss3_classifier_B']  # in place: the new loss3_classifier_B
-        rt.ew(ew_mul_sub_2, loss3_classifier_B_new, T['loss3_classifier_B'], lr, V_loss3_classifier_B_new)
 
         # ---- loss1_fc (fully connected, 1024 outputs), backward ----
         # d_loss1_fc_W = matmul[ta](d_loss1_fc, loss1_conv_flatten)
@@ -4552,30 +4552,30 @@ class Googlenet(rp.Model):
         # free loss1_conv, loss1_conv_relu, loss1_conv_flatten
         del loss1_conv, loss1_conv_relu, loss1_conv_flatten
         mem.free(77)
-        # V_loss1_fc_W_new = V_loss1_fc_W*momentum + d_loss1_fc_W + decay*loss1_fc_W
+        # V_loss1_fc_W_new = V_loss1_fc_W*momentum + d_loss1_fc_W + decay*loss1_fc_W   (computed with the next statement)
         V_loss1_fc_W_new = T['V_loss1_fc_W']  # in place: the new V_loss1_fc_W
-        rt.ew(ew_mul_add, V_loss1_fc_W_new, T['V_loss1_fc_W'], momentum, d_loss1_fc_W, decay, T['loss1_fc_W'])
+        # loss1_fc_W_new = loss1_fc_W - lr*V_loss1_fc_W_new
+        loss1_fc_W_new = T['loss1_fc_W']  # in place: the new loss1_fc_W
+        rt.ew_pair((ew_mul_add, V_loss1_fc_W_new, T['V_loss1_fc_W'], momentum, d_loss1_fc_W, decay, T['loss1_fc_W']),
+                   (ew_mul_sub, loss1_fc_W_new, T['loss1_fc_W'], lr, V_loss1_fc_W_new))
         # free d_loss1_fc_W
         del d_loss1_fc_W
         mem.free(371)
-        # loss1_fc_W_new = loss1_fc_W - lr*V_loss1_fc_W_new
-        loss1_fc_W_new = T['loss1_fc_W']  # in place: the new loss1_fc_W
-        rt.ew(ew_mul_sub, loss1_fc_W_new, T['loss1_fc_W'], lr, V_loss1_fc_W_new)
         # d_loss1_fc_B = sum_to[1024](d_loss1_fc)
         d_loss1_fc_B = mem.tensor(372, (1024,), 'float32')
         rt.sum_to(d_loss1_fc, out=d_loss1_fc_B, shape=(1024,))
         # free d_loss1_fc_dropout, d_loss1_fc
         del d_loss1_fc_dropout, d_loss1_fc
         mem.free(237)
-        # V_loss1_fc_B_new = V_loss1_fc_B*momentum + d_loss1_fc_B
+        # V_loss1_fc_B_new = V_loss1_fc_B*momentum + d_loss1_fc_B   (computed with the next statement)
         V_loss1_fc_B_new = T['V_loss1_fc_B']  # in place: the new V_loss1_fc_B
-        rt.ew(ew_mul_add_2, V_loss1_fc_B_new, T['V_loss1_fc_B'], momentum, d_loss1_fc_B)
+        # loss1_fc_B_new = loss1_fc_B - 2*lr*V_loss1_fc_B_new
+        loss1_fc_B_new = T['loss1_fc_B']  # in place: the new loss1_fc_B
+        rt.ew_pair((ew_mul_add_2, V_loss1_fc_B_new, T['V_loss1_fc_B'], momentum, d_loss1_fc_B),
+                   (ew_mul_sub_2, loss1_fc_B_new, T['loss1_fc_B'], lr, V_loss1_fc_B_new))
         # free d_loss1_fc_B
         del d_loss1_fc_B
         mem.free(372)
-        # loss1_fc_B_new = loss1_fc_B - 2*lr*V_loss1_fc_B_new
-        loss1_fc_B_new = T['loss1_fc_B']  # in place: the new loss1_fc_B
-        rt.ew(ew_mul_sub_2, loss1_fc_B_new, T['loss1_fc_B'], lr, V_loss1_fc_B_new)
 
         # ---- loss1_classifier (fully connected, 1000 outputs), backward ----
         # d_loss1_classifier_W = matmul[ta](d_loss1_classifier, loss1_fc_dropout)
@@ -4584,30 +4584,30 @@ class Googlenet(rp.Model):
         # free loss1_fc_dropout
         del loss1_fc_dropout
         mem.free(79)
-        # V_loss1_classifier_W_new = V_loss1_classifier_W*momentum + d_loss1_classifier_W + decay*loss1_classifier_W
+        # V_loss1_classifier_W_new = V_loss1_classifier_W*momentum + d_loss1_classifier_W + decay*loss1_classifier_W   (computed with the next statement)
         V_loss1_classifier_W_new = T['V_loss1_classifier_W']  # in place: the new V_loss1_classifier_W
-        rt.ew(ew_mul_add, V_loss1_classifier_W_new, T['V_loss1_classifier_W'], momentum, d_loss1_classifier_W, decay, T['loss1_classifier_W'])
+        # loss1_classifier_W_new = loss1_classifier_W - lr*V_loss1_classifier_W_new
+        loss1_classifier_W_new = T['loss1_classifier_W']  # in place: the new loss1_classifier_W
+        rt.ew_pair((ew_mul_add, V_loss1_classifier_W_new, T['V_loss1_classifier_W'], momentum, d_loss1_classifier_W, decay, T['loss1_classifier_W']),
+                   (ew_mul_sub, loss1_classifier_W_new, T['loss1_classifier_W'], lr, V_loss1_classifier_W_new))
         # free d_loss1_classifier_W
         del d_loss1_classifier_W
         mem.free(373)
-        # loss1_classifier_W_new = loss1_classifier_W - lr*V_loss1_classifier_W_new
-        loss1_classifier_W_new = T['loss1_classifier_W']  # in place: the new loss1_classifier_W
-        rt.ew(ew_mul_sub, loss1_classifier_W_new, T['loss1_classifier_W'], lr, V_loss1_classifier_W_new)
         # d_loss1_classifier_B = sum_to[1000](d_loss1_classifier)
         d_loss1_classifier_B = mem.tensor(374, (1000,), 'float32')
         rt.sum_to(d_loss1_classifier, out=d_loss1_classifier_B, shape=(1000,))
         # free d_loss2_classifier_cross_entropy_log_softmax, d_loss1_classifier
         del d_loss2_classifier_cross_entropy_log_softmax, d_loss1_classifier
         mem.free(173)
-        # V_loss1_classifier_B_new = V_loss1_classifier_B*momentum + d_loss1_classifier_B
+        # V_loss1_classifier_B_new = V_loss1_classifier_B*momentum + d_loss1_classifier_B   (computed with the next statement)
         V_loss1_classifier_B_new = T['V_loss1_classifier_B']  # in place: the new V_loss1_classifier_B
-        rt.ew(ew_mul_add_2, V_loss1_classifier_B_new, T['V_loss1_classifier_B'], momentum, d_loss1_classifier_B)
+        # loss1_classifier_B_new = loss1_classifier_B - 2*lr*V_loss1_classifier_B_new
+        loss1_classifier_B_new = T['loss1_classifier_B']  # in place: the new loss1_classifier_B
+        rt.ew_pair((ew_mul_add_2, V_loss1_classifier_B_new, T['V_loss1_classifier_B'], momentum, d_loss1_classifier_B),
+                   (ew_mul_sub_2, loss1_classifier_B_new, T['loss1_classifier_B'], lr, V_loss1_classifier_B_new))
         # free d_loss1_classifier_B
         del d_loss1_classifier_B
         mem.free(374)
-        # loss1_classifier_B_new = loss1_classifier_B - 2*lr*V_loss1_classifier_B_new
-        loss1_classifier_B_new = T['loss1_classifier_B']  # in place: the new loss1_classifier_B
-        rt.ew(ew_mul_sub_2, loss1_classifier_B_new, T['loss1_classifier_B'], lr, V_loss1_classifier_B_new)
 
         # ---- loss2_fc (fully connected, 1024 outputs), backward ----
         # d_loss2_fc_W = matmul[ta](d_loss2_fc, loss2_conv_flatten)
@@ -4616,30 +4616,30 @@ class Googlenet(rp.Model):
         # free loss2_conv, loss2_conv_relu, loss2_conv_flatten
         del loss2_conv, loss2_conv_relu, loss2_conv_flatten
         mem.free(69)
-        # V_loss2_fc_W_new = V_loss2_fc_W*momentum + d_loss2_fc_W + decay*loss2_fc_W
+        # V_loss2_fc_W_new = V_loss2_fc_W*momentum + d_loss2_fc_W + decay*loss2_fc_W   (computed with the next statement)
         V_loss2_fc_W_new = T['V_loss2_fc_W']  # in place: the new V_loss2_fc_W
-        rt.ew(ew_mul_add, V_loss2_fc_W_new, T['V_loss2_fc_W'], momentum, d_loss2_fc_W, decay, T['loss2_fc_W'])
+        # loss2_fc_W_new = loss2_fc_W - lr*V_loss2_fc_W_new
+        loss2_fc_W_new = T['loss2_fc_W']  # in place: the new loss2_fc_W
+        rt.ew_pair((ew_mul_add, V_loss2_fc_W_new, T['V_loss2_fc_W'], momentum, d_loss2_fc_W, decay, T['loss2_fc_W']),
+                   (ew_mul_sub, loss2_fc_W_new, T['loss2_fc_W'], lr, V_loss2_fc_W_new))
         # free d_loss2_fc_W
         del d_loss2_fc_W
         mem.free(375)
-        # loss2_fc_W_new = loss2_fc_W - lr*V_loss2_fc_W_new
-        loss2_fc_W_new = T['loss2_fc_W']  # in place: the new loss2_fc_W
-        rt.ew(ew_mul_sub, loss2_fc_W_new, T['loss2_fc_W'], lr, V_loss2_fc_W_new)
         # d_loss2_fc_B = sum_to[1024](d_loss2_fc)
         d_loss2_fc_B = mem.tensor(376, (1024,), 'float32')
         rt.sum_to(d_loss2_fc, out=d_loss2_fc_B, shape=(1024,))
         # free d_loss2_fc_dropout, d_loss2_fc
         del d_loss2_fc_dropout, d_loss2_fc
         mem.free(174)
-        # V_loss2_fc_B_new = V_loss2_fc_B*momentum + d_loss2_fc_B
+        # V_loss2_fc_B_new = V_loss2_fc_B*momentum + d_loss2_fc_B   (computed with the next statement)
         V_loss2_fc_B_new = T['V_loss2_fc_B']  # in place: the new V_loss2_fc_B
-        rt.ew(ew_mul_add_2, V_loss2_fc_B_new, T['V_loss2_fc_B'], momentum, d_loss2_fc_B)
+        # loss2_fc_B_new = loss2_fc_B - 2*lr*V_loss2_fc_B_new
+        loss2_fc_B_new = T['loss2_fc_B']  # in place: the new loss2_fc_B
+        rt.ew_pair((ew_mul_add_2, V_loss2_fc_B_new, T['V_loss2_fc_B'], momentum, d_loss2_fc_B),
+                   (ew_mul_sub_2, loss2_fc_B_new, T['loss2_fc_B'], lr, V_loss2_fc_B_new))
         # free d_loss2_fc_B
         del d_loss2_fc_B
         mem.free(376)
-        # loss2_fc_B_new = loss2_fc_B - 2*lr*V_loss2_fc_B_new
-        loss2_fc_B_new = T['loss2_fc_B']  # in place: the new loss2_fc_B
-        rt.ew(ew_mul_sub_2, loss2_fc_B_new, T['loss2_fc_B'], lr, V_loss2_fc_B_new)
 
         # ---- loss2_classifier (fully connected, 1000 outputs), backward ----
         # d_loss2_classifier_W = matmul[ta](d_loss2_classifier, loss2_fc_dropout)
@@ -4648,30 +4648,30 @@ class Googlenet(rp.Model):
         # free loss2_fc_dropout
         del loss2_fc_dropout
         mem.free(71)
-        # V_loss2_classifier_W_new = V_loss2_classifier_W*momentum + d_loss2_classifier_W + decay*loss2_classifier_W
+        # V_loss2_classifier_W_new = V_loss2_classifier_W*momentum + d_loss2_classifier_W + decay*loss2_classifier_W   (computed with the next statement)
         V_loss2_classifier_W_new = T['V_loss2_classifier_W']  # in place: the new V_loss2_classifier_W
-        rt.ew(ew_mul_add, V_loss2_classifier_W_new, T['V_loss2_classifier_W'], momentum, d_loss2_classifier_W, decay, T['loss2_classifier_W'])
+        # loss2_classifier_W_new = loss2_classifier_W - lr*V_loss2_classifier_W_new
+        loss2_classifier_W_new = T['loss2_classifier_W']  # in place: the new loss2_classifier_W
+        rt.ew_pair((ew_mul_add, V_loss2_classifier_W_new, T['V_loss2_classifier_W'], momentum, d_loss2_classifier_W, decay, T['loss2_classifier_W']),
+                   (ew_mul_sub, loss2_classifier_W_new, T['loss2_classifier_W'], lr, V_loss2_classifier_W_new))
         # free d_loss2_classifier_W
         del d_loss2_classifier_W
         mem.free(377)
-        # loss2_classifier_W_new = loss2_classifier_W - lr*V_loss2_classifier_W_new
-        loss2_classifier_W_new = T['loss2_classifier_W']  # in place: the new loss2_classifier_W
-        rt.ew(ew_mul_sub, loss2_classifier_W_new, T['loss2_classifier_W'], lr, V_loss2_classifier_W_new)
         # d_loss2_classifier_B = sum_to[1000](d_loss2_classifier)
         d_loss2_classifier_B = mem.tensor(378, (1000,), 'float32')
         rt.sum_to(d_loss2_classifier, out=d_loss2_classifier_B, shape=(1000,))
         # free loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
         del loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
         mem.free(72)
-        # V_loss2_classifier_B_new = V_loss2_classifier_B*momentum + d_loss2_classifier_B
+        # V_loss2_classifier_B_new = V_loss2_classifier_B*momentum + d_loss2_classifier_B   (computed with the next statement)
         V_loss2_classifier_B_new = T['V_loss2_classifier_B']  # in place: the new V_loss2_classifier_B
-        rt.ew(ew_mul_add_2, V_loss2_classifier_B_new, T['V_loss2_classifier_B'], momentum, d_loss2_classifier_B)
+        # loss2_classifier_B_new = loss2_classifier_B - 2*lr*V_loss2_classifier_B_new
+        loss2_classifier_B_new = T['loss2_classifier_B']  # in place: the new loss2_classifier_B
+        rt.ew_pair((ew_mul_add_2, V_loss2_classifier_B_new, T['V_loss2_classifier_B'], momentum, d_loss2_classifier_B),
+                   (ew_mul_sub_2, loss2_classifier_B_new, T['loss2_classifier_B'], lr, V_loss2_classifier_B_new))
         # free d_loss2_classifier_B
         del d_loss2_classifier_B
         mem.free(378)
-        # loss2_classifier_B_new = loss2_classifier_B - 2*lr*V_loss2_classifier_B_new
-        loss2_classifier_B_new = T['loss2_classifier_B']  # in place: the new loss2_classifier_B
-        rt.ew(ew_mul_sub_2, loss2_classifier_B_new, T['loss2_classifier_B'], lr, V_loss2_classifier_B_new)
         loss = rt.scalar(total_loss)
         mem.end()
         return loss

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 19.44 MB of tensors planned for the training step (10.35 MB testing); static arena 19.44 MB, pool 22.28 MB, workspace 16.70 MB
-Structure hash: c877573eb356530e
+Structure hash: 2dd221ff22d027ef
 
 Usage: python inception_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class InceptionMini(rp.Model):
 
     name = "inception_mini"
     source = "networks/inception_mini.py"
-    structure_hash = "c877573eb356530e"
+    structure_hash = "2dd221ff22d027ef"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -402,15 +402,15 @@ class InceptionMini(rp.Model):
         # d_classifier_B = sum_to[10](d_classifier)
         d_classifier_B = mem.tensor(32, (10,), 'float32')
         rt.sum_to(d_classifier, out=d_classifier_B, shape=(10,))
-        # V_classifier_B_new = V_classifier_B*momentum + d_classifier_B + decay*classifier_B
+        # V_classifier_B_new = V_classifier_B*momentum + d_classifier_B + decay*classifier_B   (computed with the next statement)
         V_classifier_B_new = T['V_classifier_B']  # in place: the new V_classifier_B
-        rt.ew(ew_mul_add, V_classifier_B_new, T['V_classifier_B'], momentum, d_classifier_B, decay, T['classifier_B'])
+        # classifier_B_new = classifier_B - lr*V_classifier_B_new
+        classifier_B_new = T['classifier_B']  # in place: the new classifier_B
+        rt.ew_pair((ew_mul_add, V_classifier_B_new, T['V_classifier_B'], momentum, d_classifier_B, decay, T['classifier_B']),
+                   (ew_mul_sub, classifier_B_new, T['classifier_B'], lr, V_classifier_B_new))
         # free d_classifier_B
         del d_classifier_B
         mem.free(32)
-        # classifier_B_new = classifier_B - lr*V_classifier_B_new
-        classifier_B_new = T['classifier_B']  # in place: the new classifier_B
-        rt.ew(ew_mul_sub, classifier_B_new, T['classifier_B'], lr, V_classifier_B_new)
         # d_inception_b_1x1_dropout = matmul(d_classifier, classifier_W)
         d_inception_b_1x1_dropout = mem.tensor(33, (100, 112), 'float32')
         rt.matmul(d_classifier, T['classifier_W'], out=d_inception_b_1x1_dropout)
@@ -462,15 +462,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_5x5, out=d_inception_b_5x5_sum_to, shape=(1, 16, 1, 1))
         # d_inception_b_5x5_B = reshape[16](d_inception_b_5x5_sum_to)
         d_inception_b_5x5_B = rt.reshape(d_inception_b_5x5_sum_to, shape=(16,))
-        # V_inception_b_5x5_B_new = V_inception_b_5x5_B*momentum + d_inception_b_5x5_B
+        # V_inception_b_5x5_B_new = V_inception_b_5x5_B*momentum + d_inception_b_5x5_B   (computed with the next statement)
         V_inception_b_5x5_B_new = T['V_inception_b_5x5_B']  # in place: the new V_inception_b_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_b_5x5_B_new, T['V_inception_b_5x5_B'], momentum, d_inception_b_5x5_B)
+        # inception_b_5x5_B_new = inception_b_5x5_B - 2*lr*V_inception_b_5x5_B_new
+        inception_b_5x5_B_new = T['inception_b_5x5_B']  # in place: the new inception_b_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_5x5_B_new, T['V_inception_b_5x5_B'], momentum, d_inception_b_5x5_B),
+                   (ew_mul_sub_2, inception_b_5x5_B_new, T['inception_b_5x5_B'], lr, V_inception_b_5x5_B_new))
         # free d_inception_b_5x5_sum_to, d_inception_b_5x5_B
         del d_inception_b_5x5_sum_to, d_inception_b_5x5_B
         mem.free(36)
-        # inception_b_5x5_B_new = inception_b_5x5_B - 2*lr*V_inception_b_5x5_B_new
-        inception_b_5x5_B_new = T['inception_b_5x5_B']  # in place: the new inception_b_5x5_B
-        rt.ew(ew_mul_sub_2, inception_b_5x5_B_new, T['inception_b_5x5_B'], lr, V_inception_b_5x5_B_new)
         # d_inception_b_5x5_W = conv2d_bwd_filter[kernel=(5,5),pad=2](d_inception_b_5x5, inception_b_5x5_reduce_relu)
         d_inception_b_5x5_W = mem.tensor(37, (16, 8, 5, 5), 'float32')
         rt.conv2d_bwd_filter(d_inception_b_5x5, inception_b_5x5_reduce_relu, out=d_inception_b_5x5_W, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(4620800))
@@ -490,15 +490,15 @@ class InceptionMini(rp.Model):
         mem.free(18)
 
         # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), backward ----
-        # V_inception_b_5x5_W_new = V_inception_b_5x5_W*momentum + d_inception_b_5x5_W + decay*inception_b_5x5_W
+        # V_inception_b_5x5_W_new = V_inception_b_5x5_W*momentum + d_inception_b_5x5_W + decay*inception_b_5x5_W   (computed with the next statement)
         V_inception_b_5x5_W_new = T['V_inception_b_5x5_W']  # in place: the new V_inception_b_5x5_W
-        rt.ew(ew_mul_add, V_inception_b_5x5_W_new, T['V_inception_b_5x5_W'], momentum, d_inception_b_5x5_W, decay, T['inception_b_5x5_W'])
+        # inception_b_5x5_W_new = inception_b_5x5_W - lr*V_inception_b_5x5_W_new
+        inception_b_5x5_W_new = T['inception_b_5x5_W']  # in place: the new inception_b_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_b_5x5_W_new, T['V_inception_b_5x5_W'], momentum, d_inception_b_5x5_W, decay, T['inception_b_5x5_W']),
+                   (ew_mul_sub, inception_b_5x5_W_new, T['inception_b_5x5_W'], lr, V_inception_b_5x5_W_new))
         # free d_inception_b_5x5_W
         del d_inception_b_5x5_W
         mem.free(37)
-        # inception_b_5x5_W_new = inception_b_5x5_W - lr*V_inception_b_5x5_W_new
-        inception_b_5x5_W_new = T['inception_b_5x5_W']  # in place: the new inception_b_5x5_W
-        rt.ew(ew_mul_sub, inception_b_5x5_W_new, T['inception_b_5x5_W'], lr, V_inception_b_5x5_W_new)
 
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
         # d_inception_b_5x5_reduce_sum_to = sum_to[1x8x1x1](d_inception_b_5x5_reduce)
@@ -506,15 +506,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_5x5_reduce, out=d_inception_b_5x5_reduce_sum_to, shape=(1, 8, 1, 1))
         # d_inception_b_5x5_reduce_B = reshape[8](d_inception_b_5x5_reduce_sum_to)
         d_inception_b_5x5_reduce_B = rt.reshape(d_inception_b_5x5_reduce_sum_to, shape=(8,))
-        # V_inception_b_5x5_reduce_B_new = V_inception_b_5x5_reduce_B*momentum + d_inception_b_5x5_reduce_B
+        # V_inception_b_5x5_reduce_B_new = V_inception_b_5x5_reduce_B*momentum + d_inception_b_5x5_reduce_B   (computed with the next statement)
         V_inception_b_5x5_reduce_B_new = T['V_inception_b_5x5_reduce_B']  # in place: the new V_inception_b_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_b_5x5_reduce_B_new, T['V_inception_b_5x5_reduce_B'], momentum, d_inception_b_5x5_reduce_B)
+        # inception_b_5x5_reduce_B_new = inception_b_5x5_reduce_B - 2*lr*V_inception_b_5x5_reduce_B_new
+        inception_b_5x5_reduce_B_new = T['inception_b_5x5_reduce_B']  # in place: the new inception_b_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_5x5_reduce_B_new, T['V_inception_b_5x5_reduce_B'], momentum, d_inception_b_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_b_5x5_reduce_B_new, T['inception_b_5x5_reduce_B'], lr, V_inception_b_5x5_reduce_B_new))
         # free d_inception_b_5x5_reduce_sum_to, d_inception_b_5x5_reduce_B
         del d_inception_b_5x5_reduce_sum_to, d_inception_b_5x5_reduce_B
         mem.free(39)
-        # inception_b_5x5_reduce_B_new = inception_b_5x5_reduce_B - 2*lr*V_inception_b_5x5_reduce_B_new
-        inception_b_5x5_reduce_B_new = T['inception_b_5x5_reduce_B']  # in place: the new inception_b_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_b_5x5_reduce_B_new, T['inception_b_5x5_reduce_B'], lr, V_inception_b_5x5_reduce_B_new)
         # d_inception_b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_5x5_reduce, inception_a_1x1_max_pool)
         d_inception_b_5x5_reduce_W = mem.tensor(40, (8, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_b_5x5_reduce, inception_a_1x1_max_pool, out=d_inception_b_5x5_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(1411200))
@@ -556,15 +556,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_pool_proj, out=d_inception_b_pool_proj_sum_to, shape=(1, 16, 1, 1))
         # d_inception_b_pool_proj_B = reshape[16](d_inception_b_pool_proj_sum_to)
         d_inception_b_pool_proj_B = rt.reshape(d_inception_b_pool_proj_sum_to, shape=(16,))
-        # V_inception_b_pool_proj_B_new = V_inception_b_pool_proj_B*momentum + d_inception_b_pool_proj_B
+        # V_inception_b_pool_proj_B_new = V_inception_b_pool_proj_B*momentum + d_inception_b_pool_proj_B   (computed with the next statement)
         V_inception_b_pool_proj_B_new = T['V_inception_b_pool_proj_B']  # in place: the new V_inception_b_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_b_pool_proj_B_new, T['V_inception_b_pool_proj_B'], momentum, d_inception_b_pool_proj_B)
+        # inception_b_pool_proj_B_new = inception_b_pool_proj_B - 2*lr*V_inception_b_pool_proj_B_new
+        inception_b_pool_proj_B_new = T['inception_b_pool_proj_B']  # in place: the new inception_b_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_pool_proj_B_new, T['V_inception_b_pool_proj_B'], momentum, d_inception_b_pool_proj_B),
+                   (ew_mul_sub_2, inception_b_pool_proj_B_new, T['inception_b_pool_proj_B'], lr, V_inception_b_pool_proj_B_new))
         # free d_inception_b_pool_proj_sum_to, d_inception_b_pool_proj_B
         del d_inception_b_pool_proj_sum_to, d_inception_b_pool_proj_B
         mem.free(43)
-        # inception_b_pool_proj_B_new = inception_b_pool_proj_B - 2*lr*V_inception_b_pool_proj_B_new
-        inception_b_pool_proj_B_new = T['inception_b_pool_proj_B']  # in place: the new inception_b_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_b_pool_proj_B_new, T['inception_b_pool_proj_B'], lr, V_inception_b_pool_proj_B_new)
 
         # ---- inception_b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_b_1x1_relu = slice[axis=1,start=0,stop=32](d_inception_b_1x1_concat)
@@ -599,15 +599,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_1x1, out=d_inception_b_1x1_sum_to, shape=(1, 32, 1, 1))
         # d_inception_b_1x1_B = reshape[32](d_inception_b_1x1_sum_to)
         d_inception_b_1x1_B = rt.reshape(d_inception_b_1x1_sum_to, shape=(32,))
-        # V_inception_b_1x1_B_new = V_inception_b_1x1_B*momentum + d_inception_b_1x1_B
+        # V_inception_b_1x1_B_new = V_inception_b_1x1_B*momentum + d_inception_b_1x1_B   (computed with the next statement)
         V_inception_b_1x1_B_new = T['V_inception_b_1x1_B']  # in place: the new V_inception_b_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_b_1x1_B_new, T['V_inception_b_1x1_B'], momentum, d_inception_b_1x1_B)
+        # inception_b_1x1_B_new = inception_b_1x1_B - 2*lr*V_inception_b_1x1_B_new
+        inception_b_1x1_B_new = T['inception_b_1x1_B']  # in place: the new inception_b_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_1x1_B_new, T['V_inception_b_1x1_B'], momentum, d_inception_b_1x1_B),
+                   (ew_mul_sub_2, inception_b_1x1_B_new, T['inception_b_1x1_B'], lr, V_inception_b_1x1_B_new))
         # free d_inception_b_1x1_sum_to, d_inception_b_1x1_B
         del d_inception_b_1x1_sum_to, d_inception_b_1x1_B
         mem.free(46)
-        # inception_b_1x1_B_new = inception_b_1x1_B - 2*lr*V_inception_b_1x1_B_new
-        inception_b_1x1_B_new = T['inception_b_1x1_B']  # in place: the new inception_b_1x1_B
-        rt.ew(ew_mul_sub_2, inception_b_1x1_B_new, T['inception_b_1x1_B'], lr, V_inception_b_1x1_B_new)
 
         # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), backward ----
         # d_inception_b_3x3_sum_to = sum_to[1x48x1x1](d_inception_b_3x3)
@@ -615,15 +615,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_3x3, out=d_inception_b_3x3_sum_to, shape=(1, 48, 1, 1))
         # d_inception_b_3x3_B = reshape[48](d_inception_b_3x3_sum_to)
         d_inception_b_3x3_B = rt.reshape(d_inception_b_3x3_sum_to, shape=(48,))
-        # V_inception_b_3x3_B_new = V_inception_b_3x3_B*momentum + d_inception_b_3x3_B
+        # V_inception_b_3x3_B_new = V_inception_b_3x3_B*momentum + d_inception_b_3x3_B   (computed with the next statement)
         V_inception_b_3x3_B_new = T['V_inception_b_3x3_B']  # in place: the new V_inception_b_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_b_3x3_B_new, T['V_inception_b_3x3_B'], momentum, d_inception_b_3x3_B)
+        # inception_b_3x3_B_new = inception_b_3x3_B - 2*lr*V_inception_b_3x3_B_new
+        inception_b_3x3_B_new = T['inception_b_3x3_B']  # in place: the new inception_b_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_3x3_B_new, T['V_inception_b_3x3_B'], momentum, d_inception_b_3x3_B),
+                   (ew_mul_sub_2, inception_b_3x3_B_new, T['inception_b_3x3_B'], lr, V_inception_b_3x3_B_new))
         # free d_inception_b_3x3_sum_to, d_inception_b_3x3_B
         del d_inception_b_3x3_sum_to, d_inception_b_3x3_B
         mem.free(47)
-        # inception_b_3x3_B_new = inception_b_3x3_B - 2*lr*V_inception_b_3x3_B_new
-        inception_b_3x3_B_new = T['inception_b_3x3_B']  # in place: the new inception_b_3x3_B
-        rt.ew(ew_mul_sub_2, inception_b_3x3_B_new, T['inception_b_3x3_B'], lr, V_inception_b_3x3_B_new)
 
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_b_1x1, inception_a_1x1_max_pool)
@@ -690,15 +690,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_b_3x3_reduce, out=d_inception_b_3x3_reduce_sum_to, shape=(1, 32, 1, 1))
         # d_inception_b_3x3_reduce_B = reshape[32](d_inception_b_3x3_reduce_sum_to)
         d_inception_b_3x3_reduce_B = rt.reshape(d_inception_b_3x3_reduce_sum_to, shape=(32,))
-        # V_inception_b_3x3_reduce_B_new = V_inception_b_3x3_reduce_B*momentum + d_inception_b_3x3_reduce_B
+        # V_inception_b_3x3_reduce_B_new = V_inception_b_3x3_reduce_B*momentum + d_inception_b_3x3_reduce_B   (computed with the next statement)
         V_inception_b_3x3_reduce_B_new = T['V_inception_b_3x3_reduce_B']  # in place: the new V_inception_b_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_b_3x3_reduce_B_new, T['V_inception_b_3x3_reduce_B'], momentum, d_inception_b_3x3_reduce_B)
+        # inception_b_3x3_reduce_B_new = inception_b_3x3_reduce_B - 2*lr*V_inception_b_3x3_reduce_B_new
+        inception_b_3x3_reduce_B_new = T['inception_b_3x3_reduce_B']  # in place: the new inception_b_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_b_3x3_reduce_B_new, T['V_inception_b_3x3_reduce_B'], momentum, d_inception_b_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_b_3x3_reduce_B_new, T['inception_b_3x3_reduce_B'], lr, V_inception_b_3x3_reduce_B_new))
         # free d_inception_b_3x3_reduce_sum_to, d_inception_b_3x3_reduce_B
         del d_inception_b_3x3_reduce_sum_to, d_inception_b_3x3_reduce_B
         mem.free(52)
-        # inception_b_3x3_reduce_B_new = inception_b_3x3_reduce_B - 2*lr*V_inception_b_3x3_reduce_B_new
-        inception_b_3x3_reduce_B_new = T['inception_b_3x3_reduce_B']  # in place: the new inception_b_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_b_3x3_reduce_B_new, T['inception_b_3x3_reduce_B'], lr, V_inception_b_3x3_reduce_B_new)
 
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_b_1x1, inception_b_1x1_W)
@@ -791,15 +791,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_5x5, out=d_inception_a_5x5_sum_to, shape=(1, 8, 1, 1))
         # d_inception_a_5x5_B = reshape[8](d_inception_a_5x5_sum_to)
         d_inception_a_5x5_B = rt.reshape(d_inception_a_5x5_sum_to, shape=(8,))
-        # V_inception_a_5x5_B_new = V_inception_a_5x5_B*momentum + d_inception_a_5x5_B
+        # V_inception_a_5x5_B_new = V_inception_a_5x5_B*momentum + d_inception_a_5x5_B   (computed with the next statement)
         V_inception_a_5x5_B_new = T['V_inception_a_5x5_B']  # in place: the new V_inception_a_5x5_B
-        rt.ew(ew_mul_add_2, V_inception_a_5x5_B_new, T['V_inception_a_5x5_B'], momentum, d_inception_a_5x5_B)
+        # inception_a_5x5_B_new = inception_a_5x5_B - 2*lr*V_inception_a_5x5_B_new
+        inception_a_5x5_B_new = T['inception_a_5x5_B']  # in place: the new inception_a_5x5_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_5x5_B_new, T['V_inception_a_5x5_B'], momentum, d_inception_a_5x5_B),
+                   (ew_mul_sub_2, inception_a_5x5_B_new, T['inception_a_5x5_B'], lr, V_inception_a_5x5_B_new))
         # free d_inception_a_5x5_sum_to, d_inception_a_5x5_B
         del d_inception_a_5x5_sum_to, d_inception_a_5x5_B
         mem.free(60)
-        # inception_a_5x5_B_new = inception_a_5x5_B - 2*lr*V_inception_a_5x5_B_new
-        inception_a_5x5_B_new = T['inception_a_5x5_B']  # in place: the new inception_a_5x5_B
-        rt.ew(ew_mul_sub_2, inception_a_5x5_B_new, T['inception_a_5x5_B'], lr, V_inception_a_5x5_B_new)
         # d_inception_a_5x5_W = conv2d_bwd_filter[kernel=(5,5),pad=2](d_inception_a_5x5, inception_a_5x5_reduce_relu)
         d_inception_a_5x5_W = mem.tensor(61, (8, 4, 5, 5), 'float32')
         rt.conv2d_bwd_filter(d_inception_a_5x5, inception_a_5x5_reduce_relu, out=d_inception_a_5x5_W, kernel=(5, 5), pad=2, stride=1, workspace=mem.workspace(8985600))
@@ -819,15 +819,15 @@ class InceptionMini(rp.Model):
         mem.free(7)
 
         # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), backward ----
-        # V_inception_a_5x5_W_new = V_inception_a_5x5_W*momentum + d_inception_a_5x5_W + decay*inception_a_5x5_W
+        # V_inception_a_5x5_W_new = V_inception_a_5x5_W*momentum + d_inception_a_5x5_W + decay*inception_a_5x5_W   (computed with the next statement)
         V_inception_a_5x5_W_new = T['V_inception_a_5x5_W']  # in place: the new V_inception_a_5x5_W
-        rt.ew(ew_mul_add, V_inception_a_5x5_W_new, T['V_inception_a_5x5_W'], momentum, d_inception_a_5x5_W, decay, T['inception_a_5x5_W'])
+        # inception_a_5x5_W_new = inception_a_5x5_W - lr*V_inception_a_5x5_W_new
+        inception_a_5x5_W_new = T['inception_a_5x5_W']  # in place: the new inception_a_5x5_W
+        rt.ew_pair((ew_mul_add, V_inception_a_5x5_W_new, T['V_inception_a_5x5_W'], momentum, d_inception_a_5x5_W, decay, T['inception_a_5x5_W']),
+                   (ew_mul_sub, inception_a_5x5_W_new, T['inception_a_5x5_W'], lr, V_inception_a_5x5_W_new))
         # free d_inception_a_5x5_W
         del d_inception_a_5x5_W
         mem.free(61)
-        # inception_a_5x5_W_new = inception_a_5x5_W - lr*V_inception_a_5x5_W_new
-        inception_a_5x5_W_new = T['inception_a_5x5_W']  # in place: the new inception_a_5x5_W
-        rt.ew(ew_mul_sub, inception_a_5x5_W_new, T['inception_a_5x5_W'], lr, V_inception_a_5x5_W_new)
 
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
         # d_inception_a_5x5_reduce_sum_to = sum_to[1x4x1x1](d_inception_a_5x5_reduce)
@@ -835,15 +835,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_5x5_reduce, out=d_inception_a_5x5_reduce_sum_to, shape=(1, 4, 1, 1))
         # d_inception_a_5x5_reduce_B = reshape[4](d_inception_a_5x5_reduce_sum_to)
         d_inception_a_5x5_reduce_B = rt.reshape(d_inception_a_5x5_reduce_sum_to, shape=(4,))
-        # V_inception_a_5x5_reduce_B_new = V_inception_a_5x5_reduce_B*momentum + d_inception_a_5x5_reduce_B
+        # V_inception_a_5x5_reduce_B_new = V_inception_a_5x5_reduce_B*momentum + d_inception_a_5x5_reduce_B   (computed with the next statement)
         V_inception_a_5x5_reduce_B_new = T['V_inception_a_5x5_reduce_B']  # in place: the new V_inception_a_5x5_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_a_5x5_reduce_B_new, T['V_inception_a_5x5_reduce_B'], momentum, d_inception_a_5x5_reduce_B)
+        # inception_a_5x5_reduce_B_new = inception_a_5x5_reduce_B - 2*lr*V_inception_a_5x5_reduce_B_new
+        inception_a_5x5_reduce_B_new = T['inception_a_5x5_reduce_B']  # in place: the new inception_a_5x5_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_5x5_reduce_B_new, T['V_inception_a_5x5_reduce_B'], momentum, d_inception_a_5x5_reduce_B),
+                   (ew_mul_sub_2, inception_a_5x5_reduce_B_new, T['inception_a_5x5_reduce_B'], lr, V_inception_a_5x5_reduce_B_new))
         # free d_inception_a_5x5_reduce_sum_to, d_inception_a_5x5_reduce_B
         del d_inception_a_5x5_reduce_sum_to, d_inception_a_5x5_reduce_B
         mem.free(63)
-        # inception_a_5x5_reduce_B_new = inception_a_5x5_reduce_B - 2*lr*V_inception_a_5x5_reduce_B_new
-        inception_a_5x5_reduce_B_new = T['inception_a_5x5_reduce_B']  # in place: the new inception_a_5x5_reduce_B
-        rt.ew(ew_mul_sub_2, inception_a_5x5_reduce_B_new, T['inception_a_5x5_reduce_B'], lr, V_inception_a_5x5_reduce_B_new)
         # d_inception_a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_5x5_reduce, conv1_max_pool)
         d_inception_a_5x5_reduce_W = mem.tensor(64, (4, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_a_5x5_reduce, conv1_max_pool, out=d_inception_a_5x5_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(2822400))
@@ -873,15 +873,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_1x1, out=d_inception_a_1x1_sum_to, shape=(1, 16, 1, 1))
         # d_inception_a_1x1_B = reshape[16](d_inception_a_1x1_sum_to)
         d_inception_a_1x1_B = rt.reshape(d_inception_a_1x1_sum_to, shape=(16,))
-        # V_inception_a_1x1_B_new = V_inception_a_1x1_B*momentum + d_inception_a_1x1_B
+        # V_inception_a_1x1_B_new = V_inception_a_1x1_B*momentum + d_inception_a_1x1_B   (computed with the next statement)
         V_inception_a_1x1_B_new = T['V_inception_a_1x1_B']  # in place: the new V_inception_a_1x1_B
-        rt.ew(ew_mul_add_2, V_inception_a_1x1_B_new, T['V_inception_a_1x1_B'], momentum, d_inception_a_1x1_B)
+        # inception_a_1x1_B_new = inception_a_1x1_B - 2*lr*V_inception_a_1x1_B_new
+        inception_a_1x1_B_new = T['inception_a_1x1_B']  # in place: the new inception_a_1x1_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_1x1_B_new, T['V_inception_a_1x1_B'], momentum, d_inception_a_1x1_B),
+                   (ew_mul_sub_2, inception_a_1x1_B_new, T['inception_a_1x1_B'], lr, V_inception_a_1x1_B_new))
         # free d_inception_a_1x1_sum_to, d_inception_a_1x1_B
         del d_inception_a_1x1_sum_to, d_inception_a_1x1_B
         mem.free(66)
-        # inception_a_1x1_B_new = inception_a_1x1_B - 2*lr*V_inception_a_1x1_B_new
-        inception_a_1x1_B_new = T['inception_a_1x1_B']  # in place: the new inception_a_1x1_B
-        rt.ew(ew_mul_sub_2, inception_a_1x1_B_new, T['inception_a_1x1_B'], lr, V_inception_a_1x1_B_new)
         # d_inception_a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_1x1, conv1_max_pool)
         d_inception_a_1x1_W = mem.tensor(67, (16, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_a_1x1, conv1_max_pool, out=d_inception_a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
@@ -953,15 +953,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_3x3, out=d_inception_a_3x3_sum_to, shape=(1, 24, 1, 1))
         # d_inception_a_3x3_B = reshape[24](d_inception_a_3x3_sum_to)
         d_inception_a_3x3_B = rt.reshape(d_inception_a_3x3_sum_to, shape=(24,))
-        # V_inception_a_3x3_B_new = V_inception_a_3x3_B*momentum + d_inception_a_3x3_B
+        # V_inception_a_3x3_B_new = V_inception_a_3x3_B*momentum + d_inception_a_3x3_B   (computed with the next statement)
         V_inception_a_3x3_B_new = T['V_inception_a_3x3_B']  # in place: the new V_inception_a_3x3_B
-        rt.ew(ew_mul_add_2, V_inception_a_3x3_B_new, T['V_inception_a_3x3_B'], momentum, d_inception_a_3x3_B)
+        # inception_a_3x3_B_new = inception_a_3x3_B - 2*lr*V_inception_a_3x3_B_new
+        inception_a_3x3_B_new = T['inception_a_3x3_B']  # in place: the new inception_a_3x3_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_3x3_B_new, T['V_inception_a_3x3_B'], momentum, d_inception_a_3x3_B),
+                   (ew_mul_sub_2, inception_a_3x3_B_new, T['inception_a_3x3_B'], lr, V_inception_a_3x3_B_new))
         # free d_inception_a_3x3_sum_to, d_inception_a_3x3_B
         del d_inception_a_3x3_sum_to, d_inception_a_3x3_B
         mem.free(73)
-        # inception_a_3x3_B_new = inception_a_3x3_B - 2*lr*V_inception_a_3x3_B_new
-        inception_a_3x3_B_new = T['inception_a_3x3_B']  # in place: the new inception_a_3x3_B
-        rt.ew(ew_mul_sub_2, inception_a_3x3_B_new, T['inception_a_3x3_B'], lr, V_inception_a_3x3_B_new)
 
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_a_pool_proj_sum_to = sum_to[1x16x1x1](d_inception_a_pool_proj)
@@ -969,15 +969,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_pool_proj, out=d_inception_a_pool_proj_sum_to, shape=(1, 16, 1, 1))
         # d_inception_a_pool_proj_B = reshape[16](d_inception_a_pool_proj_sum_to)
         d_inception_a_pool_proj_B = rt.reshape(d_inception_a_pool_proj_sum_to, shape=(16,))
-        # V_inception_a_pool_proj_B_new = V_inception_a_pool_proj_B*momentum + d_inception_a_pool_proj_B
+        # V_inception_a_pool_proj_B_new = V_inception_a_pool_proj_B*momentum + d_inception_a_pool_proj_B   (computed with the next statement)
         V_inception_a_pool_proj_B_new = T['V_inception_a_pool_proj_B']  # in place: the new V_inception_a_pool_proj_B
-        rt.ew(ew_mul_add_2, V_inception_a_pool_proj_B_new, T['V_inception_a_pool_proj_B'], momentum, d_inception_a_pool_proj_B)
+        # inception_a_pool_proj_B_new = inception_a_pool_proj_B - 2*lr*V_inception_a_pool_proj_B_new
+        inception_a_pool_proj_B_new = T['inception_a_pool_proj_B']  # in place: the new inception_a_pool_proj_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_pool_proj_B_new, T['V_inception_a_pool_proj_B'], momentum, d_inception_a_pool_proj_B),
+                   (ew_mul_sub_2, inception_a_pool_proj_B_new, T['inception_a_pool_proj_B'], lr, V_inception_a_pool_proj_B_new))
         # free d_inception_a_pool_proj_sum_to, d_inception_a_pool_proj_B
         del d_inception_a_pool_proj_sum_to, d_inception_a_pool_proj_B
         mem.free(74)
-        # inception_a_pool_proj_B_new = inception_a_pool_proj_B - 2*lr*V_inception_a_pool_proj_B_new
-        inception_a_pool_proj_B_new = T['inception_a_pool_proj_B']  # in place: the new inception_a_pool_proj_B
-        rt.ew(ew_mul_sub_2, inception_a_pool_proj_B_new, T['inception_a_pool_proj_B'], lr, V_inception_a_pool_proj_B_new)
 
         # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), backward ----
         # d_inception_a_3x3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_inception_a_3x3, inception_a_3x3_reduce_relu)
@@ -999,15 +999,15 @@ class InceptionMini(rp.Model):
         mem.free(12)
 
         # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), backward ----
-        # V_inception_a_3x3_W_new = V_inception_a_3x3_W*momentum + d_inception_a_3x3_W + decay*inception_a_3x3_W
+        # V_inception_a_3x3_W_new = V_inception_a_3x3_W*momentum + d_inception_a_3x3_W + decay*inception_a_3x3_W   (computed with the next statement)
         V_inception_a_3x3_W_new = T['V_inception_a_3x3_W']  # in place: the new V_inception_a_3x3_W
-        rt.ew(ew_mul_add, V_inception_a_3x3_W_new, T['V_inception_a_3x3_W'], momentum, d_inception_a_3x3_W, decay, T['inception_a_3x3_W'])
+        # inception_a_3x3_W_new = inception_a_3x3_W - lr*V_inception_a_3x3_W_new
+        inception_a_3x3_W_new = T['inception_a_3x3_W']  # in place: the new inception_a_3x3_W
+        rt.ew_pair((ew_mul_add, V_inception_a_3x3_W_new, T['V_inception_a_3x3_W'], momentum, d_inception_a_3x3_W, decay, T['inception_a_3x3_W']),
+                   (ew_mul_sub, inception_a_3x3_W_new, T['inception_a_3x3_W'], lr, V_inception_a_3x3_W_new))
         # free d_inception_a_3x3_W
         del d_inception_a_3x3_W
         mem.free(75)
-        # inception_a_3x3_W_new = inception_a_3x3_W - lr*V_inception_a_3x3_W_new
-        inception_a_3x3_W_new = T['inception_a_3x3_W']  # in place: the new inception_a_3x3_W
-        rt.ew(ew_mul_sub, inception_a_3x3_W_new, T['inception_a_3x3_W'], lr, V_inception_a_3x3_W_new)
 
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_a_3x3_reduce_sum_to = sum_to[1x16x1x1](d_inception_a_3x3_reduce)
@@ -1015,15 +1015,15 @@ class InceptionMini(rp.Model):
         rt.sum_to(d_inception_a_3x3_reduce, out=d_inception_a_3x3_reduce_sum_to, shape=(1, 16, 1, 1))
         # d_inception_a_3x3_reduce_B = reshape[16](d_inception_a_3x3_reduce_sum_to)
         d_inception_a_3x3_reduce_B = rt.reshape(d_inception_a_3x3_reduce_sum_to, shape=(16,))
-        # V_inception_a_3x3_reduce_B_new = V_inception_a_3x3_reduce_B*momentum + d_inception_a_3x3_reduce_B
+        # V_inception_a_3x3_reduce_B_new = V_inception_a_3x3_reduce_B*momentum + d_inception_a_3x3_reduce_B   (computed with the next statement)
         V_inception_a_3x3_reduce_B_new = T['V_inception_a_3x3_reduce_B']  # in place: the new V_inception_a_3x3_reduce_B
-        rt.ew(ew_mul_add_2, V_inception_a_3x3_reduce_B_new, T['V_inception_a_3x3_reduce_B'], momentum, d_inception_a_3x3_reduce_B)
+        # inception_a_3x3_reduce_B_new = inception_a_3x3_reduce_B - 2*lr*V_inception_a_3x3_reduce_B_new
+        inception_a_3x3_reduce_B_new = T['inception_a_3x3_reduce_B']  # in place: the new inception_a_3x3_reduce_B
+        rt.ew_pair((ew_mul_add_2, V_inception_a_3x3_reduce_B_new, T['V_inception_a_3x3_reduce_B'], momentum, d_inception_a_3x3_reduce_B),
+                   (ew_mul_sub_2, inception_a_3x3_reduce_B_new, T['inception_a_3x3_reduce_B'], lr, V_inception_a_3x3_reduce_B_new))
         # free d_inception_a_3x3_reduce_sum_to, d_inception_a_3x3_reduce_B
         del d_inception_a_3x3_reduce_sum_to, d_inception_a_3x3_reduce_B
         mem.free(77)
-        # inception_a_3x3_reduce_B_new = inception_a_3x3_reduce_B - 2*lr*V_inception_a_3x3_reduce_B_new
-        inception_a_3x3_reduce_B_new = T['inception_a_3x3_reduce_B']  # in place: the new inception_a_3x3_reduce_B
-        rt.ew(ew_mul_sub_2, inception_a_3x3_reduce_B_new, T['inception_a_3x3_reduce_B'], lr, V_inception_a_3x3_reduce_B_new)
         # d_inception_a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_a_3x3_reduce, conv1_max_pool)
         d_inception_a_3x3_reduce_W = mem.tensor(78, (16, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_a_3x3_reduce, conv1_max_pool, out=d_inception_a_3x3_reduce_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(3763200))
@@ -1106,26 +1106,26 @@ class InceptionMini(rp.Model):
         # free d_conv1_relu_max_pool_bwd
         del d_conv1_relu_max_pool_bwd
         mem.free(83)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(84)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         # d_conv1_B = reshape[32](d_conv1_sum_to)
         d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(32,))
-        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B   (computed with the next statement)
         V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew_mul_add_2, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B)
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew_pair((ew_mul_add_2, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B),
+                   (ew_mul_sub_2, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
         # free d_conv1_sum_to, d_conv1_B
         del d_conv1_sum_to, d_conv1_B
         mem.free(85)
-        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
-        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew_mul_sub_2, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
         loss = rt.scalar(classifier_cross_entropy)
         mem.end()
         return loss

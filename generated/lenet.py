@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 500x1x28x28 float32 images, 500 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 26.05 MB of tensors planned for the training step (24.61 MB testing); static arena 26.05 MB, pool 49.09 MB, workspace 32.00 MB
-Structure hash: 421730c0d2125b7b
+Structure hash: 557b0f63206ed3e9
 
 Usage: python lenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Lenet(rp.Model):
 
     name = "lenet"
     source = "networks/lenet.py"
-    structure_hash = "421730c0d2125b7b"
+    structure_hash = "557b0f63206ed3e9"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (500, 1, 28, 28)
@@ -216,30 +216,30 @@ class Lenet(rp.Model):
         # free fc1_matmul, fc1_relu
         del fc1_matmul, fc1_relu
         mem.free(8)
-        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W
+        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W   (computed with the next statement)
         V_fc2_W_new = T['V_fc2_W']  # in place: the new V_fc2_W
-        rt.ew(ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W'])
+        # fc2_W_new = fc2_W - lr*V_fc2_W_new
+        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
+        rt.ew_pair((ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W']),
+                   (ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new))
         # free d_fc2_W
         del d_fc2_W
         mem.free(15)
-        # fc2_W_new = fc2_W - lr*V_fc2_W_new
-        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
-        rt.ew(ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new)
         # d_fc2_B = sum_to[10](d_fc2)
         d_fc2_B = mem.tensor(16, (10,), 'float32')
         rt.sum_to(d_fc2, out=d_fc2_B, shape=(10,))
         # free d_fc2_log_loss_log_softmax, d_fc2
         del d_fc2_log_loss_log_softmax, d_fc2
         mem.free(12)
-        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B
+        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B   (computed with the next statement)
         V_fc2_B_new = T['V_fc2_B']  # in place: the new V_fc2_B
-        rt.ew(ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B'])
+        # fc2_B_new = fc2_B - lr*V_fc2_B_new
+        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
+        rt.ew_pair((ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B']),
+                   (ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new))
         # free d_fc2_B
         del d_fc2_B
         mem.free(16)
-        # fc2_B_new = fc2_B - lr*V_fc2_B_new
-        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
-        rt.ew(ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new)
 
         # ---- fc1 (fully connected, 500 outputs), backward ----
         # d_cv2_flatten = matmul(d_fc1, fc1_W)
@@ -254,15 +254,15 @@ class Lenet(rp.Model):
         # free d_fc1_relu, d_fc1
         del d_fc1_relu, d_fc1
         mem.free(13)
-        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B
+        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B   (computed with the next statement)
         V_fc1_B_new = T['V_fc1_B']  # in place: the new V_fc1_B
-        rt.ew(ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B'])
+        # fc1_B_new = fc1_B - lr*V_fc1_B_new
+        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
+        rt.ew_pair((ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B']),
+                   (ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new))
         # free d_fc1_B
         del d_fc1_B
         mem.free(18)
-        # fc1_B_new = fc1_B - lr*V_fc1_B_new
-        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
-        rt.ew(ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new)
 
         # ---- cv2_flatten (flatten), backward ----
         # d_cv2_max_pool = reshape[500x50x4x4](d_cv2_flatten)
@@ -303,15 +303,15 @@ class Lenet(rp.Model):
         mem.free(19)
         # d_cv2_B = reshape[50](d_cv2_sum_to)
         d_cv2_B = rt.reshape(d_cv2_sum_to, shape=(50,))
-        # V_cv2_B_new = V_cv2_B*momentum + d_cv2_B + decay*cv2_B
+        # V_cv2_B_new = V_cv2_B*momentum + d_cv2_B + decay*cv2_B   (computed with the next statement)
         V_cv2_B_new = T['V_cv2_B']  # in place: the new V_cv2_B
-        rt.ew(ew_mul_add, V_cv2_B_new, T['V_cv2_B'], momentum, d_cv2_B, decay, T['cv2_B'])
+        # cv2_B_new = cv2_B - lr*V_cv2_B_new
+        cv2_B_new = T['cv2_B']  # in place: the new cv2_B
+        rt.ew_pair((ew_mul_add, V_cv2_B_new, T['V_cv2_B'], momentum, d_cv2_B, decay, T['cv2_B']),
+                   (ew_mul_sub, cv2_B_new, T['cv2_B'], lr, V_cv2_B_new))
         # free d_cv2_sum_to, d_cv2_B
         del d_cv2_sum_to, d_cv2_B
         mem.free(22)
-        # cv2_B_new = cv2_B - lr*V_cv2_B_new
-        cv2_B_new = T['cv2_B']  # in place: the new cv2_B
-        rt.ew(ew_mul_sub, cv2_B_new, T['cv2_B'], lr, V_cv2_B_new)
 
         # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_cv1 = max_pool_bwd[kernel=2,size=(24,24),stride=2](d_cv1_max_pool, cv1_max_pool_argmax)
@@ -328,15 +328,15 @@ class Lenet(rp.Model):
         # free x
         del x
         mem.free(0)
-        # V_cv1_W_new = V_cv1_W*momentum + d_cv1_W + decay*cv1_W
+        # V_cv1_W_new = V_cv1_W*momentum + d_cv1_W + decay*cv1_W   (computed with the next statement)
         V_cv1_W_new = T['V_cv1_W']  # in place: the new V_cv1_W
-        rt.ew(ew_mul_add, V_cv1_W_new, T['V_cv1_W'], momentum, d_cv1_W, decay, T['cv1_W'])
+        # cv1_W_new = cv1_W - lr*V_cv1_W_new
+        cv1_W_new = T['cv1_W']  # in place: the new cv1_W
+        rt.ew_pair((ew_mul_add, V_cv1_W_new, T['V_cv1_W'], momentum, d_cv1_W, decay, T['cv1_W']),
+                   (ew_mul_sub, cv1_W_new, T['cv1_W'], lr, V_cv1_W_new))
         # free d_cv1_W
         del d_cv1_W
         mem.free(24)
-        # cv1_W_new = cv1_W - lr*V_cv1_W_new
-        cv1_W_new = T['cv1_W']  # in place: the new cv1_W
-        rt.ew(ew_mul_sub, cv1_W_new, T['cv1_W'], lr, V_cv1_W_new)
         # d_cv1_sum_to = sum_to[1x20x1x1](d_cv1)
         d_cv1_sum_to = mem.tensor(25, (1, 20, 1, 1), 'float32')
         rt.sum_to(d_cv1, out=d_cv1_sum_to, shape=(1, 20, 1, 1))
@@ -345,15 +345,15 @@ class Lenet(rp.Model):
         mem.free(23)
         # d_cv1_B = reshape[20](d_cv1_sum_to)
         d_cv1_B = rt.reshape(d_cv1_sum_to, shape=(20,))
-        # V_cv1_B_new = V_cv1_B*momentum + d_cv1_B + decay*cv1_B
+        # V_cv1_B_new = V_cv1_B*momentum + d_cv1_B + decay*cv1_B   (computed with the next statement)
         V_cv1_B_new = T['V_cv1_B']  # in place: the new V_cv1_B
-        rt.ew(ew_mul_add, V_cv1_B_new, T['V_cv1_B'], momentum, d_cv1_B, decay, T['cv1_B'])
+        # cv1_B_new = cv1_B - lr*V_cv1_B_new
+        cv1_B_new = T['cv1_B']  # in place: the new cv1_B
+        rt.ew_pair((ew_mul_add, V_cv1_B_new, T['V_cv1_B'], momentum, d_cv1_B, decay, T['cv1_B']),
+                   (ew_mul_sub, cv1_B_new, T['cv1_B'], lr, V_cv1_B_new))
         # free d_cv1_sum_to, d_cv1_B
         del d_cv1_sum_to, d_cv1_B
         mem.free(25)
-        # cv1_B_new = cv1_B - lr*V_cv1_B_new
-        cv1_B_new = T['cv1_B']  # in place: the new cv1_B
-        rt.ew(ew_mul_sub, cv1_B_new, T['cv1_B'], lr, V_cv1_B_new)
         loss = rt.scalar(fc2_log_loss)
         mem.end()
         return loss

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.1, momentum 0.9, decay 0.0005
 Memory: peak 1.37 MB of tensors planned for the training step (0.43 MB testing); static arena 1.37 MB, pool 1.58 MB, workspace 0.00 MB
-Structure hash: fb64f87b4c3016d2
+Structure hash: 556d40ac881c2568
 
 Usage: python mlp.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Mlp(rp.Model):
 
     name = "mlp"
     source = "networks/mlp.py"
-    structure_hash = "fb64f87b4c3016d2"
+    structure_hash = "556d40ac881c2568"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -169,15 +169,15 @@ class Mlp(rp.Model):
         # d_fc3_B = sum_to[10](d_fc3)
         d_fc3_B = mem.tensor(8, (10,), 'float32')
         rt.sum_to(d_fc3, out=d_fc3_B, shape=(10,))
-        # V_fc3_B_new = V_fc3_B*momentum + d_fc3_B + decay*fc3_B
+        # V_fc3_B_new = V_fc3_B*momentum + d_fc3_B + decay*fc3_B   (computed with the next statement)
         V_fc3_B_new = T['V_fc3_B']  # in place: the new V_fc3_B
-        rt.ew(ew_mul_add, V_fc3_B_new, T['V_fc3_B'], momentum, d_fc3_B, decay, T['fc3_B'])
+        # fc3_B_new = fc3_B - lr*V_fc3_B_new
+        fc3_B_new = T['fc3_B']  # in place: the new fc3_B
+        rt.ew_pair((ew_mul_add, V_fc3_B_new, T['V_fc3_B'], momentum, d_fc3_B, decay, T['fc3_B']),
+                   (ew_mul_sub, fc3_B_new, T['fc3_B'], lr, V_fc3_B_new))
         # free d_fc3_B
         del d_fc3_B
         mem.free(8)
-        # fc3_B_new = fc3_B - lr*V_fc3_B_new
-        fc3_B_new = T['fc3_B']  # in place: the new fc3_B
-        rt.ew(ew_mul_sub, fc3_B_new, T['fc3_B'], lr, V_fc3_B_new)
         # d_fc3_W = matmul[ta](d_fc3, fc2_relu)
         d_fc3_W = mem.tensor(9, (10, 100), 'float32')
         rt.matmul(d_fc3, fc2_relu, out=d_fc3_W, ta=True)
@@ -211,15 +211,15 @@ class Mlp(rp.Model):
         # d_fc2_B = sum_to[100](d_fc2)
         d_fc2_B = mem.tensor(11, (100,), 'float32')
         rt.sum_to(d_fc2, out=d_fc2_B, shape=(100,))
-        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B
+        # V_fc2_B_new = V_fc2_B*momentum + d_fc2_B + decay*fc2_B   (computed with the next statement)
         V_fc2_B_new = T['V_fc2_B']  # in place: the new V_fc2_B
-        rt.ew(ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B'])
+        # fc2_B_new = fc2_B - lr*V_fc2_B_new
+        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
+        rt.ew_pair((ew_mul_add, V_fc2_B_new, T['V_fc2_B'], momentum, d_fc2_B, decay, T['fc2_B']),
+                   (ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new))
         # free d_fc2_B
         del d_fc2_B
         mem.free(11)
-        # fc2_B_new = fc2_B - lr*V_fc2_B_new
-        fc2_B_new = T['fc2_B']  # in place: the new fc2_B
-        rt.ew(ew_mul_sub, fc2_B_new, T['fc2_B'], lr, V_fc2_B_new)
         # d_fc1_relu = matmul(d_fc2, fc2_W)
         d_fc1_relu = mem.tensor(12, (100, 300), 'float32')
         rt.matmul(d_fc2, T['fc2_W'], out=d_fc1_relu)
@@ -236,44 +236,44 @@ class Mlp(rp.Model):
         # free fc1_matmul, fc1_relu, d_fc2_relu, d_fc2
         del fc1_matmul, fc1_relu, d_fc2_relu, d_fc2
         mem.free(3, 10)
-        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W
+        # V_fc2_W_new = V_fc2_W*momentum + d_fc2_W + decay*fc2_W   (computed with the next statement)
         V_fc2_W_new = T['V_fc2_W']  # in place: the new V_fc2_W
-        rt.ew(ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W'])
+        # fc2_W_new = fc2_W - lr*V_fc2_W_new
+        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
+        rt.ew_pair((ew_mul_add, V_fc2_W_new, T['V_fc2_W'], momentum, d_fc2_W, decay, T['fc2_W']),
+                   (ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new))
         # free d_fc2_W
         del d_fc2_W
         mem.free(13)
-        # fc2_W_new = fc2_W - lr*V_fc2_W_new
-        fc2_W_new = T['fc2_W']  # in place: the new fc2_W
-        rt.ew(ew_mul_sub, fc2_W_new, T['fc2_W'], lr, V_fc2_W_new)
 
         # ---- fc1 (fully connected, 300 outputs), backward ----
         # d_fc1_B = sum_to[300](d_fc1)
         d_fc1_B = mem.tensor(14, (300,), 'float32')
         rt.sum_to(d_fc1, out=d_fc1_B, shape=(300,))
-        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B
+        # V_fc1_B_new = V_fc1_B*momentum + d_fc1_B + decay*fc1_B   (computed with the next statement)
         V_fc1_B_new = T['V_fc1_B']  # in place: the new V_fc1_B
-        rt.ew(ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B'])
+        # fc1_B_new = fc1_B - lr*V_fc1_B_new
+        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
+        rt.ew_pair((ew_mul_add, V_fc1_B_new, T['V_fc1_B'], momentum, d_fc1_B, decay, T['fc1_B']),
+                   (ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new))
         # free d_fc1_B
         del d_fc1_B
         mem.free(14)
-        # fc1_B_new = fc1_B - lr*V_fc1_B_new
-        fc1_B_new = T['fc1_B']  # in place: the new fc1_B
-        rt.ew(ew_mul_sub, fc1_B_new, T['fc1_B'], lr, V_fc1_B_new)
         # d_fc1_W = matmul[ta](d_fc1, flatten)
         d_fc1_W = mem.tensor(15, (300, 784), 'float32')
         rt.matmul(d_fc1, flatten, out=d_fc1_W, ta=True)
         # free x, flatten, d_fc1_relu, d_fc1
         del x, flatten, d_fc1_relu, d_fc1
         mem.free(0, 12)
-        # V_fc1_W_new = V_fc1_W*momentum + d_fc1_W + decay*fc1_W
+        # V_fc1_W_new = V_fc1_W*momentum + d_fc1_W + decay*fc1_W   (computed with the next statement)
         V_fc1_W_new = T['V_fc1_W']  # in place: the new V_fc1_W
-        rt.ew(ew_mul_add, V_fc1_W_new, T['V_fc1_W'], momentum, d_fc1_W, decay, T['fc1_W'])
+        # fc1_W_new = fc1_W - lr*V_fc1_W_new
+        fc1_W_new = T['fc1_W']  # in place: the new fc1_W
+        rt.ew_pair((ew_mul_add, V_fc1_W_new, T['V_fc1_W'], momentum, d_fc1_W, decay, T['fc1_W']),
+                   (ew_mul_sub, fc1_W_new, T['fc1_W'], lr, V_fc1_W_new))
         # free d_fc1_W
         del d_fc1_W
         mem.free(15)
-        # fc1_W_new = fc1_W - lr*V_fc1_W_new
-        fc1_W_new = T['fc1_W']  # in place: the new fc1_W
-        rt.ew(ew_mul_sub, fc1_W_new, T['fc1_W'], lr, V_fc1_W_new)
         loss = rt.scalar(fc3_cross_entropy)
         mem.end()
         return loss

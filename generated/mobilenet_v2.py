@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 1000 iterations, lr 0.045, momentum 0.9, decay 4e-05
 Memory: peak 909.73 MB of tensors planned for the training step (192.68 MB testing); static arena 909.73 MB, pool 918.19 MB, workspace 32.74 MB
-Structure hash: 923d6c0d2cbc1100
+Structure hash: 7db4d39f43b7cf9e
 
 Usage: python mobilenet_v2.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class MobilenetV2(rp.Model):
 
     name = "mobilenet_v2"
     source = "networks/mobilenet_v2.py"
-    structure_hash = "923d6c0d2cbc1100"
+    structure_hash = "7db4d39f43b7cf9e"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3122,15 +3122,15 @@ class MobilenetV2(rp.Model):
         # d_fc_B = sum_to[1000](d_fc)
         d_fc_B = mem.tensor(262, (1000,), 'float32')
         rt.sum_to(d_fc, out=d_fc_B, shape=(1000,))
-        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B
+        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B   (computed with the next statement)
         V_fc_B_new = T['V_fc_B']  # in place: the new V_fc_B
-        rt.ew(ew_mul_add_4, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B'])
+        # fc_B_new = fc_B - lr*V_fc_B_new
+        fc_B_new = T['fc_B']  # in place: the new fc_B
+        rt.ew_pair((ew_mul_add_4, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B']),
+                   (ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new))
         # free d_fc_B
         del d_fc_B
         mem.free(262)
-        # fc_B_new = fc_B - lr*V_fc_B_new
-        fc_B_new = T['fc_B']  # in place: the new fc_B
-        rt.ew(ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new)
         # d_conv_last_bn_dropout = matmul(d_fc, fc_W)
         d_conv_last_bn_dropout = mem.tensor(263, (32, 1280), 'float32')
         rt.matmul(d_fc, T['fc_W'], out=d_conv_last_bn_dropout)
@@ -3150,15 +3150,15 @@ class MobilenetV2(rp.Model):
         # free d_fc_cross_entropy_log_softmax, d_fc, conv_last_bn_avg_pool, conv_last_bn_flatten, conv_last_bn_dropout
         del d_fc_cross_entropy_log_softmax, d_fc, conv_last_bn_avg_pool, conv_last_bn_flatten, conv_last_bn_dropout
         mem.free(3, 258)
-        # V_fc_W_new = V_fc_W*momentum + d_fc_W + decay*fc_W
+        # V_fc_W_new = V_fc_W*momentum + d_fc_W + decay*fc_W   (computed with the next statement)
         V_fc_W_new = T['V_fc_W']  # in place: the new V_fc_W
-        rt.ew(ew_mul_add_4, V_fc_W_new, T['V_fc_W'], momentum, d_fc_W, decay, T['fc_W'])
+        # fc_W_new = fc_W - lr*V_fc_W_new
+        fc_W_new = T['fc_W']  # in place: the new fc_W
+        rt.ew_pair((ew_mul_add_4, V_fc_W_new, T['V_fc_W'], momentum, d_fc_W, decay, T['fc_W']),
+                   (ew_mul_sub, fc_W_new, T['fc_W'], lr, V_fc_W_new))
         # free d_fc_W
         del d_fc_W
         mem.free(264)
-        # fc_W_new = fc_W - lr*V_fc_W_new
-        fc_W_new = T['fc_W']  # in place: the new fc_W
-        rt.ew(ew_mul_sub, fc_W_new, T['fc_W'], lr, V_fc_W_new)
 
         # ---- conv_last_bn_flatten (flatten), backward ----
         # d_conv_last_bn_avg_pool = reshape[32x1280x1x1](d_conv_last_bn_flatten)
@@ -3173,14 +3173,14 @@ class MobilenetV2(rp.Model):
         mem.free(263)
 
         # ---- conv_last_bn_clipped_relu (clipped_relu(6)), forward ----
-        # conv_last_bn_clipped_relu_2 = Min(6.0, Max(0, conv_last_bn_centered*conv_last_bn_inv_std*conv_last_bn_weight + conv_last_bn_bias))
+        # conv_last_bn_clipped_relu_2 = Min(6.0, Max(0, conv_last_bn_centered*conv_last_bn_inv_std*conv_last_bn_weight + conv_last_bn_bias))   (computed with the next statement)
         conv_last_bn_clipped_relu_2 = mem.tensor(266, (32, 1280, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu_min, conv_last_bn_clipped_relu_2, conv_last_bn_centered, conv_last_bn_inv_std, conv_last_bn_weight, conv_last_bn_bias)
 
         # ---- conv_last_bn_clipped_relu (clipped_relu(6)), backward ----
         # d_conv_last_bn = d_conv_last_bn_clipped_relu*Heaviside(conv_last_bn_clipped_relu_2, 0)*Heaviside(6.0 - conv_last_bn_clipped_relu_2, 0)
         d_conv_last_bn = d_conv_last_bn_clipped_relu  # in place: over d_conv_last_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_conv_last_bn, d_conv_last_bn_clipped_relu, conv_last_bn_clipped_relu_2)
+        rt.ew_pair((ew_mul_add_relu_min, conv_last_bn_clipped_relu_2, conv_last_bn_centered, conv_last_bn_inv_std, conv_last_bn_weight, conv_last_bn_bias),
+                   (ew_step_sub_mul, d_conv_last_bn, d_conv_last_bn_clipped_relu, conv_last_bn_clipped_relu_2))
         # free conv_last_bn_clipped_relu_2
         del conv_last_bn_clipped_relu_2
         mem.free(266)
@@ -3189,12 +3189,12 @@ class MobilenetV2(rp.Model):
         # d_conv_last_bn_ew_sum = sum_to[1x1280x1x1](d_conv_last_bn*conv_last_bn_centered)
         d_conv_last_bn_ew_sum = mem.tensor(267, (1, 1280, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_conv_last_bn_ew_sum, d_conv_last_bn, conv_last_bn_centered, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
-        # d_conv_last_bn_inv_std = conv_last_bn_weight*d_conv_last_bn_ew_sum
+        # d_conv_last_bn_inv_std = conv_last_bn_weight*d_conv_last_bn_ew_sum   (computed with the next statement)
         d_conv_last_bn_inv_std = mem.tensor(268, (1, 1280, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_ew_sum)
         # d_conv_last_bn_sum_of_squares = -d_conv_last_bn_inv_std/(3136*(conv_last_bn_batch_var + 1.0e-5)**(3/2))
         d_conv_last_bn_sum_of_squares = d_conv_last_bn_inv_std  # in place: over d_conv_last_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_conv_last_bn_sum_of_squares, d_conv_last_bn_inv_std, conv_last_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_ew_sum),
+                   (ew_add_pow_mul, d_conv_last_bn_sum_of_squares, d_conv_last_bn_inv_std, conv_last_bn_batch_var))
         # free conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         del conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         mem.free(255)
@@ -3218,26 +3218,26 @@ class MobilenetV2(rp.Model):
         mem.free(267)
         # d_conv_last_bn_W = reshape[1280](d_conv_last_bn_weight)
         d_conv_last_bn_W = rt.reshape(d_conv_last_bn_weight, shape=(1280,))
-        # V_conv_last_bn_W_new = V_conv_last_bn_W*momentum + d_conv_last_bn_W + decay*conv_last_bn_W
+        # V_conv_last_bn_W_new = V_conv_last_bn_W*momentum + d_conv_last_bn_W + decay*conv_last_bn_W   (computed with the next statement)
         V_conv_last_bn_W_new = T['V_conv_last_bn_W']  # in place: the new V_conv_last_bn_W
-        rt.ew(ew_mul_add_4, V_conv_last_bn_W_new, T['V_conv_last_bn_W'], momentum, d_conv_last_bn_W, decay, T['conv_last_bn_W'])
+        # conv_last_bn_W_new = conv_last_bn_W - lr*V_conv_last_bn_W_new
+        conv_last_bn_W_new = T['conv_last_bn_W']  # in place: the new conv_last_bn_W
+        rt.ew_pair((ew_mul_add_4, V_conv_last_bn_W_new, T['V_conv_last_bn_W'], momentum, d_conv_last_bn_W, decay, T['conv_last_bn_W']),
+                   (ew_mul_sub, conv_last_bn_W_new, T['conv_last_bn_W'], lr, V_conv_last_bn_W_new))
         # free conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
         del conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
         mem.free(256)
-        # conv_last_bn_W_new = conv_last_bn_W - lr*V_conv_last_bn_W_new
-        conv_last_bn_W_new = T['conv_last_bn_W']  # in place: the new conv_last_bn_W
-        rt.ew(ew_mul_sub, conv_last_bn_W_new, T['conv_last_bn_W'], lr, V_conv_last_bn_W_new)
         # d_conv_last_bn_B = reshape[1280](d_conv_last_bn_bias)
         d_conv_last_bn_B = rt.reshape(d_conv_last_bn_bias, shape=(1280,))
-        # V_conv_last_bn_B_new = V_conv_last_bn_B*momentum + d_conv_last_bn_B + decay*conv_last_bn_B
+        # V_conv_last_bn_B_new = V_conv_last_bn_B*momentum + d_conv_last_bn_B + decay*conv_last_bn_B   (computed with the next statement)
         V_conv_last_bn_B_new = T['V_conv_last_bn_B']  # in place: the new V_conv_last_bn_B
-        rt.ew(ew_mul_add_4, V_conv_last_bn_B_new, T['V_conv_last_bn_B'], momentum, d_conv_last_bn_B, decay, T['conv_last_bn_B'])
+        # conv_last_bn_B_new = conv_last_bn_B - lr*V_conv_last_bn_B_new
+        conv_last_bn_B_new = T['conv_last_bn_B']  # in place: the new conv_last_bn_B
+        rt.ew_pair((ew_mul_add_4, V_conv_last_bn_B_new, T['V_conv_last_bn_B'], momentum, d_conv_last_bn_B, decay, T['conv_last_bn_B']),
+                   (ew_mul_sub, conv_last_bn_B_new, T['conv_last_bn_B'], lr, V_conv_last_bn_B_new))
         # free d_conv_last_bn_bias, d_conv_last_bn_B
         del d_conv_last_bn_bias, d_conv_last_bn_B
         mem.free(269)
-        # conv_last_bn_B_new = conv_last_bn_B - lr*V_conv_last_bn_B_new
-        conv_last_bn_B_new = T['conv_last_bn_B']  # in place: the new conv_last_bn_B
-        rt.ew(ew_mul_sub, conv_last_bn_B_new, T['conv_last_bn_B'], lr, V_conv_last_bn_B_new)
         # d_conv_last_bn_batch_mean = sum_to[1x1280x1x1](-d_conv_last_bn_centered)
         d_conv_last_bn_batch_mean = mem.tensor(270, (1, 1280, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_conv_last_bn_batch_mean, d_conv_last_bn_centered, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
@@ -3271,26 +3271,26 @@ class MobilenetV2(rp.Model):
         # free conv_last, conv_last_bn_centered, d_conv_last_bn_centered, d_conv_last
         del conv_last, conv_last_bn_centered, d_conv_last_bn_centered, d_conv_last
         mem.free(253)
-        # V_conv_last_W_new = V_conv_last_W*momentum + d_conv_last_W + decay*conv_last_W
+        # V_conv_last_W_new = V_conv_last_W*momentum + d_conv_last_W + decay*conv_last_W   (computed with the next statement)
         V_conv_last_W_new = T['V_conv_last_W']  # in place: the new V_conv_last_W
-        rt.ew(ew_mul_add_4, V_conv_last_W_new, T['V_conv_last_W'], momentum, d_conv_last_W, decay, T['conv_last_W'])
+        # conv_last_W_new = conv_last_W - lr*V_conv_last_W_new
+        conv_last_W_new = T['conv_last_W']  # in place: the new conv_last_W
+        rt.ew_pair((ew_mul_add_4, V_conv_last_W_new, T['V_conv_last_W'], momentum, d_conv_last_W, decay, T['conv_last_W']),
+                   (ew_mul_sub, conv_last_W_new, T['conv_last_W'], lr, V_conv_last_W_new))
         # free d_conv_last_W
         del d_conv_last_W
         mem.free(272)
-        # conv_last_W_new = conv_last_W - lr*V_conv_last_W_new
-        conv_last_W_new = T['conv_last_W']  # in place: the new conv_last_W
-        rt.ew(ew_mul_sub, conv_last_W_new, T['conv_last_W'], lr, V_conv_last_W_new)
 
         # ---- block17_project_bn (batch norm), backward ----
         # d_block17_project_bn_ew_sum = sum_to[1x320x1x1](d_block17_project_bn*block17_project_bn_centered)
         d_block17_project_bn_ew_sum = mem.tensor(274, (1, 320, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block17_project_bn_ew_sum, d_block17_project_bn, block17_project_bn_centered, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
-        # d_block17_project_bn_inv_std = block17_project_bn_weight*d_block17_project_bn_ew_sum
+        # d_block17_project_bn_inv_std = block17_project_bn_weight*d_block17_project_bn_ew_sum   (computed with the next statement)
         d_block17_project_bn_inv_std = mem.tensor(275, (1, 320, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_ew_sum)
         # d_block17_project_bn_sum_of_squares = -d_block17_project_bn_inv_std/(3136*(block17_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_project_bn_sum_of_squares = d_block17_project_bn_inv_std  # in place: over d_block17_project_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block17_project_bn_sum_of_squares, d_block17_project_bn_inv_std, block17_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_ew_sum),
+                   (ew_add_pow_mul, d_block17_project_bn_sum_of_squares, d_block17_project_bn_inv_std, block17_project_bn_batch_var))
         # free block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         del block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         mem.free(250)
@@ -3314,26 +3314,26 @@ class MobilenetV2(rp.Model):
         mem.free(274)
         # d_block17_project_bn_W = reshape[320](d_block17_project_bn_weight)
         d_block17_project_bn_W = rt.reshape(d_block17_project_bn_weight, shape=(320,))
-        # V_block17_project_bn_W_new = V_block17_project_bn_W*momentum + d_block17_project_bn_W + decay*block17_project_bn_W
+        # V_block17_project_bn_W_new = V_block17_project_bn_W*momentum + d_block17_project_bn_W + decay*block17_project_bn_W   (computed with the next statement)
         V_block17_project_bn_W_new = T['V_block17_project_bn_W']  # in place: the new V_block17_project_bn_W
-        rt.ew(ew_mul_add_4, V_block17_project_bn_W_new, T['V_block17_project_bn_W'], momentum, d_block17_project_bn_W, decay, T['block17_project_bn_W'])
+        # block17_project_bn_W_new = block17_project_bn_W - lr*V_block17_project_bn_W_new
+        block17_project_bn_W_new = T['block17_project_bn_W']  # in place: the new block17_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block17_project_bn_W_new, T['V_block17_project_bn_W'], momentum, d_block17_project_bn_W, decay, T['block17_project_bn_W']),
+                   (ew_mul_sub, block17_project_bn_W_new, T['block17_project_bn_W'], lr, V_block17_project_bn_W_new))
         # free block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
         del block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
         mem.free(251)
-        # block17_project_bn_W_new = block17_project_bn_W - lr*V_block17_project_bn_W_new
-        block17_project_bn_W_new = T['block17_project_bn_W']  # in place: the new block17_project_bn_W
-        rt.ew(ew_mul_sub, block17_project_bn_W_new, T['block17_project_bn_W'], lr, V_block17_project_bn_W_new)
         # d_block17_project_bn_B = reshape[320](d_block17_project_bn_bias)
         d_block17_project_bn_B = rt.reshape(d_block17_project_bn_bias, shape=(320,))
-        # V_block17_project_bn_B_new = V_block17_project_bn_B*momentum + d_block17_project_bn_B + decay*block17_project_bn_B
+        # V_block17_project_bn_B_new = V_block17_project_bn_B*momentum + d_block17_project_bn_B + decay*block17_project_bn_B   (computed with the next statement)
         V_block17_project_bn_B_new = T['V_block17_project_bn_B']  # in place: the new V_block17_project_bn_B
-        rt.ew(ew_mul_add_4, V_block17_project_bn_B_new, T['V_block17_project_bn_B'], momentum, d_block17_project_bn_B, decay, T['block17_project_bn_B'])
+        # block17_project_bn_B_new = block17_project_bn_B - lr*V_block17_project_bn_B_new
+        block17_project_bn_B_new = T['block17_project_bn_B']  # in place: the new block17_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block17_project_bn_B_new, T['V_block17_project_bn_B'], momentum, d_block17_project_bn_B, decay, T['block17_project_bn_B']),
+                   (ew_mul_sub, block17_project_bn_B_new, T['block17_project_bn_B'], lr, V_block17_project_bn_B_new))
         # free d_block17_project_bn_bias, d_block17_project_bn_B
         del d_block17_project_bn_bias, d_block17_project_bn_B
         mem.free(276)
-        # block17_project_bn_B_new = block17_project_bn_B - lr*V_block17_project_bn_B_new
-        block17_project_bn_B_new = T['block17_project_bn_B']  # in place: the new block17_project_bn_B
-        rt.ew(ew_mul_sub, block17_project_bn_B_new, T['block17_project_bn_B'], lr, V_block17_project_bn_B_new)
         # d_block17_project_bn_batch_mean = sum_to[1x320x1x1](-d_block17_project_bn_centered)
         d_block17_project_bn_batch_mean = mem.tensor(277, (1, 320, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block17_project_bn_batch_mean, d_block17_project_bn_centered, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
@@ -3388,12 +3388,12 @@ class MobilenetV2(rp.Model):
         # d_block17_dw_bn_ew_sum = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered)
         d_block17_dw_bn_ew_sum = mem.tensor(281, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block17_dw_bn_ew_sum, d_block17_dw_bn, block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block17_dw_bn_inv_std = block17_dw_bn_weight*d_block17_dw_bn_ew_sum
+        # d_block17_dw_bn_inv_std = block17_dw_bn_weight*d_block17_dw_bn_ew_sum   (computed with the next statement)
         d_block17_dw_bn_inv_std = mem.tensor(282, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_ew_sum)
         # d_block17_dw_bn_sum_of_squares = -d_block17_dw_bn_inv_std/(3136*(block17_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_dw_bn_sum_of_squares = d_block17_dw_bn_inv_std  # in place: over d_block17_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block17_dw_bn_sum_of_squares, d_block17_dw_bn_inv_std, block17_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_ew_sum),
+                   (ew_add_pow_mul, d_block17_dw_bn_sum_of_squares, d_block17_dw_bn_inv_std, block17_dw_bn_batch_var))
         # free block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         del block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         mem.free(245)
@@ -3417,26 +3417,26 @@ class MobilenetV2(rp.Model):
         mem.free(281)
         # d_block17_dw_bn_W = reshape[960](d_block17_dw_bn_weight)
         d_block17_dw_bn_W = rt.reshape(d_block17_dw_bn_weight, shape=(960,))
-        # V_block17_dw_bn_W_new = V_block17_dw_bn_W*momentum + d_block17_dw_bn_W + decay*block17_dw_bn_W
+        # V_block17_dw_bn_W_new = V_block17_dw_bn_W*momentum + d_block17_dw_bn_W + decay*block17_dw_bn_W   (computed with the next statement)
         V_block17_dw_bn_W_new = T['V_block17_dw_bn_W']  # in place: the new V_block17_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block17_dw_bn_W_new, T['V_block17_dw_bn_W'], momentum, d_block17_dw_bn_W, decay, T['block17_dw_bn_W'])
+        # block17_dw_bn_W_new = block17_dw_bn_W - lr*V_block17_dw_bn_W_new
+        block17_dw_bn_W_new = T['block17_dw_bn_W']  # in place: the new block17_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block17_dw_bn_W_new, T['V_block17_dw_bn_W'], momentum, d_block17_dw_bn_W, decay, T['block17_dw_bn_W']),
+                   (ew_mul_sub, block17_dw_bn_W_new, T['block17_dw_bn_W'], lr, V_block17_dw_bn_W_new))
         # free block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
         del block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
         mem.free(246)
-        # block17_dw_bn_W_new = block17_dw_bn_W - lr*V_block17_dw_bn_W_new
-        block17_dw_bn_W_new = T['block17_dw_bn_W']  # in place: the new block17_dw_bn_W
-        rt.ew(ew_mul_sub, block17_dw_bn_W_new, T['block17_dw_bn_W'], lr, V_block17_dw_bn_W_new)
         # d_block17_dw_bn_B = reshape[960](d_block17_dw_bn_bias)
         d_block17_dw_bn_B = rt.reshape(d_block17_dw_bn_bias, shape=(960,))
-        # V_block17_dw_bn_B_new = V_block17_dw_bn_B*momentum + d_block17_dw_bn_B + decay*block17_dw_bn_B
+        # V_block17_dw_bn_B_new = V_block17_dw_bn_B*momentum + d_block17_dw_bn_B + decay*block17_dw_bn_B   (computed with the next statement)
         V_block17_dw_bn_B_new = T['V_block17_dw_bn_B']  # in place: the new V_block17_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block17_dw_bn_B_new, T['V_block17_dw_bn_B'], momentum, d_block17_dw_bn_B, decay, T['block17_dw_bn_B'])
+        # block17_dw_bn_B_new = block17_dw_bn_B - lr*V_block17_dw_bn_B_new
+        block17_dw_bn_B_new = T['block17_dw_bn_B']  # in place: the new block17_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block17_dw_bn_B_new, T['V_block17_dw_bn_B'], momentum, d_block17_dw_bn_B, decay, T['block17_dw_bn_B']),
+                   (ew_mul_sub, block17_dw_bn_B_new, T['block17_dw_bn_B'], lr, V_block17_dw_bn_B_new))
         # free d_block17_dw_bn_bias, d_block17_dw_bn_B
         del d_block17_dw_bn_bias, d_block17_dw_bn_B
         mem.free(283)
-        # block17_dw_bn_B_new = block17_dw_bn_B - lr*V_block17_dw_bn_B_new
-        block17_dw_bn_B_new = T['block17_dw_bn_B']  # in place: the new block17_dw_bn_B
-        rt.ew(ew_mul_sub, block17_dw_bn_B_new, T['block17_dw_bn_B'], lr, V_block17_dw_bn_B_new)
         # d_block17_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block17_dw_bn_centered)
         d_block17_dw_bn_batch_mean = mem.tensor(284, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block17_dw_bn_batch_mean, d_block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -3491,12 +3491,12 @@ class MobilenetV2(rp.Model):
         # d_block17_expand_bn_ew_sum = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered)
         d_block17_expand_bn_ew_sum = mem.tensor(288, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block17_expand_bn_ew_sum, d_block17_expand_bn, block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block17_expand_bn_inv_std = block17_expand_bn_weight*d_block17_expand_bn_ew_sum
+        # d_block17_expand_bn_inv_std = block17_expand_bn_weight*d_block17_expand_bn_ew_sum   (computed with the next statement)
         d_block17_expand_bn_inv_std = mem.tensor(289, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_ew_sum)
         # d_block17_expand_bn_sum_of_squares = -d_block17_expand_bn_inv_std/(3136*(block17_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block17_expand_bn_sum_of_squares = d_block17_expand_bn_inv_std  # in place: over d_block17_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block17_expand_bn_sum_of_squares, d_block17_expand_bn_inv_std, block17_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_ew_sum),
+                   (ew_add_pow_mul, d_block17_expand_bn_sum_of_squares, d_block17_expand_bn_inv_std, block17_expand_bn_batch_var))
         # free block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         del block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         mem.free(240)
@@ -3520,26 +3520,26 @@ class MobilenetV2(rp.Model):
         mem.free(288)
         # d_block17_expand_bn_W = reshape[960](d_block17_expand_bn_weight)
         d_block17_expand_bn_W = rt.reshape(d_block17_expand_bn_weight, shape=(960,))
-        # V_block17_expand_bn_W_new = V_block17_expand_bn_W*momentum + d_block17_expand_bn_W + decay*block17_expand_bn_W
+        # V_block17_expand_bn_W_new = V_block17_expand_bn_W*momentum + d_block17_expand_bn_W + decay*block17_expand_bn_W   (computed with the next statement)
         V_block17_expand_bn_W_new = T['V_block17_expand_bn_W']  # in place: the new V_block17_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block17_expand_bn_W_new, T['V_block17_expand_bn_W'], momentum, d_block17_expand_bn_W, decay, T['block17_expand_bn_W'])
+        # block17_expand_bn_W_new = block17_expand_bn_W - lr*V_block17_expand_bn_W_new
+        block17_expand_bn_W_new = T['block17_expand_bn_W']  # in place: the new block17_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block17_expand_bn_W_new, T['V_block17_expand_bn_W'], momentum, d_block17_expand_bn_W, decay, T['block17_expand_bn_W']),
+                   (ew_mul_sub, block17_expand_bn_W_new, T['block17_expand_bn_W'], lr, V_block17_expand_bn_W_new))
         # free block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
         del block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
         mem.free(241)
-        # block17_expand_bn_W_new = block17_expand_bn_W - lr*V_block17_expand_bn_W_new
-        block17_expand_bn_W_new = T['block17_expand_bn_W']  # in place: the new block17_expand_bn_W
-        rt.ew(ew_mul_sub, block17_expand_bn_W_new, T['block17_expand_bn_W'], lr, V_block17_expand_bn_W_new)
         # d_block17_expand_bn_B = reshape[960](d_block17_expand_bn_bias)
         d_block17_expand_bn_B = rt.reshape(d_block17_expand_bn_bias, shape=(960,))
-        # V_block17_expand_bn_B_new = V_block17_expand_bn_B*momentum + d_block17_expand_bn_B + decay*block17_expand_bn_B
+        # V_block17_expand_bn_B_new = V_block17_expand_bn_B*momentum + d_block17_expand_bn_B + decay*block17_expand_bn_B   (computed with the next statement)
         V_block17_expand_bn_B_new = T['V_block17_expand_bn_B']  # in place: the new V_block17_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block17_expand_bn_B_new, T['V_block17_expand_bn_B'], momentum, d_block17_expand_bn_B, decay, T['block17_expand_bn_B'])
+        # block17_expand_bn_B_new = block17_expand_bn_B - lr*V_block17_expand_bn_B_new
+        block17_expand_bn_B_new = T['block17_expand_bn_B']  # in place: the new block17_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block17_expand_bn_B_new, T['V_block17_expand_bn_B'], momentum, d_block17_expand_bn_B, decay, T['block17_expand_bn_B']),
+                   (ew_mul_sub, block17_expand_bn_B_new, T['block17_expand_bn_B'], lr, V_block17_expand_bn_B_new))
         # free d_block17_expand_bn_bias, d_block17_expand_bn_B
         del d_block17_expand_bn_bias, d_block17_expand_bn_B
         mem.free(290)
-        # block17_expand_bn_B_new = block17_expand_bn_B - lr*V_block17_expand_bn_B_new
-        block17_expand_bn_B_new = T['block17_expand_bn_B']  # in place: the new block17_expand_bn_B
-        rt.ew(ew_mul_sub, block17_expand_bn_B_new, T['block17_expand_bn_B'], lr, V_block17_expand_bn_B_new)
         # d_block17_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block17_expand_bn_centered)
         d_block17_expand_bn_batch_mean = mem.tensor(291, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block17_expand_bn_batch_mean, d_block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -3573,26 +3573,26 @@ class MobilenetV2(rp.Model):
         # free block17_expand, block17_expand_bn_centered, d_block17_expand_bn_centered, d_block17_expand
         del block17_expand, block17_expand_bn_centered, d_block17_expand_bn_centered, d_block17_expand
         mem.free(238)
-        # V_block17_expand_W_new = V_block17_expand_W*momentum + d_block17_expand_W + decay*block17_expand_W
+        # V_block17_expand_W_new = V_block17_expand_W*momentum + d_block17_expand_W + decay*block17_expand_W   (computed with the next statement)
         V_block17_expand_W_new = T['V_block17_expand_W']  # in place: the new V_block17_expand_W
-        rt.ew(ew_mul_add_4, V_block17_expand_W_new, T['V_block17_expand_W'], momentum, d_block17_expand_W, decay, T['block17_expand_W'])
+        # block17_expand_W_new = block17_expand_W - lr*V_block17_expand_W_new
+        block17_expand_W_new = T['block17_expand_W']  # in place: the new block17_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block17_expand_W_new, T['V_block17_expand_W'], momentum, d_block17_expand_W, decay, T['block17_expand_W']),
+                   (ew_mul_sub, block17_expand_W_new, T['block17_expand_W'], lr, V_block17_expand_W_new))
         # free d_block17_expand_W
         del d_block17_expand_W
         mem.free(293)
-        # block17_expand_W_new = block17_expand_W - lr*V_block17_expand_W_new
-        block17_expand_W_new = T['block17_expand_W']  # in place: the new block17_expand_W
-        rt.ew(ew_mul_sub, block17_expand_W_new, T['block17_expand_W'], lr, V_block17_expand_W_new)
 
         # ---- block16_project_bn (batch norm), backward ----
         # d_block16_project_bn_ew_sum = sum_to[1x160x1x1](d_block16_project_bn_add*block16_project_bn_centered)
         d_block16_project_bn_ew_sum = mem.tensor(295, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block16_project_bn_ew_sum, d_block16_project_bn_add, block16_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
-        # d_block16_project_bn_inv_std = block16_project_bn_weight*d_block16_project_bn_ew_sum
+        # d_block16_project_bn_inv_std = block16_project_bn_weight*d_block16_project_bn_ew_sum   (computed with the next statement)
         d_block16_project_bn_inv_std = mem.tensor(296, (1, 160, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_ew_sum)
         # d_block16_project_bn_sum_of_squares = -d_block16_project_bn_inv_std/(3136*(block16_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_project_bn_sum_of_squares = d_block16_project_bn_inv_std  # in place: over d_block16_project_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block16_project_bn_sum_of_squares, d_block16_project_bn_inv_std, block16_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_ew_sum),
+                   (ew_add_pow_mul, d_block16_project_bn_sum_of_squares, d_block16_project_bn_inv_std, block16_project_bn_batch_var))
         # free block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         del block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         mem.free(235)
@@ -3610,15 +3610,15 @@ class MobilenetV2(rp.Model):
         mem.free(295)
         # d_block16_project_bn_W = reshape[160](d_block16_project_bn_weight)
         d_block16_project_bn_W = rt.reshape(d_block16_project_bn_weight, shape=(160,))
-        # V_block16_project_bn_W_new = V_block16_project_bn_W*momentum + d_block16_project_bn_W + decay*block16_project_bn_W
+        # V_block16_project_bn_W_new = V_block16_project_bn_W*momentum + d_block16_project_bn_W + decay*block16_project_bn_W   (computed with the next statement)
         V_block16_project_bn_W_new = T['V_block16_project_bn_W']  # in place: the new V_block16_project_bn_W
-        rt.ew(ew_mul_add_4, V_block16_project_bn_W_new, T['V_block16_project_bn_W'], momentum, d_block16_project_bn_W, decay, T['block16_project_bn_W'])
+        # block16_project_bn_W_new = block16_project_bn_W - lr*V_block16_project_bn_W_new
+        block16_project_bn_W_new = T['block16_project_bn_W']  # in place: the new block16_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block16_project_bn_W_new, T['V_block16_project_bn_W'], momentum, d_block16_project_bn_W, decay, T['block16_project_bn_W']),
+                   (ew_mul_sub, block16_project_bn_W_new, T['block16_project_bn_W'], lr, V_block16_project_bn_W_new))
         # free block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
         del block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
         mem.free(236)
-        # block16_project_bn_W_new = block16_project_bn_W - lr*V_block16_project_bn_W_new
-        block16_project_bn_W_new = T['block16_project_bn_W']  # in place: the new block16_project_bn_W
-        rt.ew(ew_mul_sub, block16_project_bn_W_new, T['block16_project_bn_W'], lr, V_block16_project_bn_W_new)
         # d_block16_project_bn_batch_mean = sum_to[1x160x1x1](-d_block16_project_bn_centered)
         d_block16_project_bn_batch_mean = mem.tensor(297, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block16_project_bn_batch_mean, d_block16_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
@@ -3640,15 +3640,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block16_project_bn_add, out=d_block16_project_bn_bias, shape=(1, 160, 1, 1))
         # d_block16_project_bn_B = reshape[160](d_block16_project_bn_bias)
         d_block16_project_bn_B = rt.reshape(d_block16_project_bn_bias, shape=(160,))
-        # V_block16_project_bn_B_new = V_block16_project_bn_B*momentum + d_block16_project_bn_B + decay*block16_project_bn_B
+        # V_block16_project_bn_B_new = V_block16_project_bn_B*momentum + d_block16_project_bn_B + decay*block16_project_bn_B   (computed with the next statement)
         V_block16_project_bn_B_new = T['V_block16_project_bn_B']  # in place: the new V_block16_project_bn_B
-        rt.ew(ew_mul_add_4, V_block16_project_bn_B_new, T['V_block16_project_bn_B'], momentum, d_block16_project_bn_B, decay, T['block16_project_bn_B'])
+        # block16_project_bn_B_new = block16_project_bn_B - lr*V_block16_project_bn_B_new
+        block16_project_bn_B_new = T['block16_project_bn_B']  # in place: the new block16_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block16_project_bn_B_new, T['V_block16_project_bn_B'], momentum, d_block16_project_bn_B, decay, T['block16_project_bn_B']),
+                   (ew_mul_sub, block16_project_bn_B_new, T['block16_project_bn_B'], lr, V_block16_project_bn_B_new))
         # free d_block16_project_bn_bias, d_block16_project_bn_B
         del d_block16_project_bn_bias, d_block16_project_bn_B
         mem.free(298)
-        # block16_project_bn_B_new = block16_project_bn_B - lr*V_block16_project_bn_B_new
-        block16_project_bn_B_new = T['block16_project_bn_B']  # in place: the new block16_project_bn_B
-        rt.ew(ew_mul_sub, block16_project_bn_B_new, T['block16_project_bn_B'], lr, V_block16_project_bn_B_new)
 
         # ---- block16_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block16_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block16_dw_bn_centered*block16_dw_bn_inv_std*block16_dw_bn_weight + block16_dw_bn_bias))
@@ -3689,12 +3689,12 @@ class MobilenetV2(rp.Model):
         # d_block16_dw_bn_ew_sum = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered)
         d_block16_dw_bn_ew_sum = mem.tensor(302, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block16_dw_bn_ew_sum, d_block16_dw_bn, block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block16_dw_bn_inv_std = block16_dw_bn_weight*d_block16_dw_bn_ew_sum
+        # d_block16_dw_bn_inv_std = block16_dw_bn_weight*d_block16_dw_bn_ew_sum   (computed with the next statement)
         d_block16_dw_bn_inv_std = mem.tensor(303, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_ew_sum)
         # d_block16_dw_bn_sum_of_squares = -d_block16_dw_bn_inv_std/(3136*(block16_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_dw_bn_sum_of_squares = d_block16_dw_bn_inv_std  # in place: over d_block16_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block16_dw_bn_sum_of_squares, d_block16_dw_bn_inv_std, block16_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_ew_sum),
+                   (ew_add_pow_mul, d_block16_dw_bn_sum_of_squares, d_block16_dw_bn_inv_std, block16_dw_bn_batch_var))
         # free block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         del block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         mem.free(230)
@@ -3718,26 +3718,26 @@ class MobilenetV2(rp.Model):
         mem.free(302)
         # d_block16_dw_bn_W = reshape[960](d_block16_dw_bn_weight)
         d_block16_dw_bn_W = rt.reshape(d_block16_dw_bn_weight, shape=(960,))
-        # V_block16_dw_bn_W_new = V_block16_dw_bn_W*momentum + d_block16_dw_bn_W + decay*block16_dw_bn_W
+        # V_block16_dw_bn_W_new = V_block16_dw_bn_W*momentum + d_block16_dw_bn_W + decay*block16_dw_bn_W   (computed with the next statement)
         V_block16_dw_bn_W_new = T['V_block16_dw_bn_W']  # in place: the new V_block16_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block16_dw_bn_W_new, T['V_block16_dw_bn_W'], momentum, d_block16_dw_bn_W, decay, T['block16_dw_bn_W'])
+        # block16_dw_bn_W_new = block16_dw_bn_W - lr*V_block16_dw_bn_W_new
+        block16_dw_bn_W_new = T['block16_dw_bn_W']  # in place: the new block16_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block16_dw_bn_W_new, T['V_block16_dw_bn_W'], momentum, d_block16_dw_bn_W, decay, T['block16_dw_bn_W']),
+                   (ew_mul_sub, block16_dw_bn_W_new, T['block16_dw_bn_W'], lr, V_block16_dw_bn_W_new))
         # free block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
         del block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
         mem.free(231)
-        # block16_dw_bn_W_new = block16_dw_bn_W - lr*V_block16_dw_bn_W_new
-        block16_dw_bn_W_new = T['block16_dw_bn_W']  # in place: the new block16_dw_bn_W
-        rt.ew(ew_mul_sub, block16_dw_bn_W_new, T['block16_dw_bn_W'], lr, V_block16_dw_bn_W_new)
         # d_block16_dw_bn_B = reshape[960](d_block16_dw_bn_bias)
         d_block16_dw_bn_B = rt.reshape(d_block16_dw_bn_bias, shape=(960,))
-        # V_block16_dw_bn_B_new = V_block16_dw_bn_B*momentum + d_block16_dw_bn_B + decay*block16_dw_bn_B
+        # V_block16_dw_bn_B_new = V_block16_dw_bn_B*momentum + d_block16_dw_bn_B + decay*block16_dw_bn_B   (computed with the next statement)
         V_block16_dw_bn_B_new = T['V_block16_dw_bn_B']  # in place: the new V_block16_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block16_dw_bn_B_new, T['V_block16_dw_bn_B'], momentum, d_block16_dw_bn_B, decay, T['block16_dw_bn_B'])
+        # block16_dw_bn_B_new = block16_dw_bn_B - lr*V_block16_dw_bn_B_new
+        block16_dw_bn_B_new = T['block16_dw_bn_B']  # in place: the new block16_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block16_dw_bn_B_new, T['V_block16_dw_bn_B'], momentum, d_block16_dw_bn_B, decay, T['block16_dw_bn_B']),
+                   (ew_mul_sub, block16_dw_bn_B_new, T['block16_dw_bn_B'], lr, V_block16_dw_bn_B_new))
         # free d_block16_dw_bn_bias, d_block16_dw_bn_B
         del d_block16_dw_bn_bias, d_block16_dw_bn_B
         mem.free(304)
-        # block16_dw_bn_B_new = block16_dw_bn_B - lr*V_block16_dw_bn_B_new
-        block16_dw_bn_B_new = T['block16_dw_bn_B']  # in place: the new block16_dw_bn_B
-        rt.ew(ew_mul_sub, block16_dw_bn_B_new, T['block16_dw_bn_B'], lr, V_block16_dw_bn_B_new)
         # d_block16_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block16_dw_bn_centered)
         d_block16_dw_bn_batch_mean = mem.tensor(305, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block16_dw_bn_batch_mean, d_block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -3792,12 +3792,12 @@ class MobilenetV2(rp.Model):
         # d_block16_expand_bn_ew_sum = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered)
         d_block16_expand_bn_ew_sum = mem.tensor(309, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block16_expand_bn_ew_sum, d_block16_expand_bn, block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block16_expand_bn_inv_std = block16_expand_bn_weight*d_block16_expand_bn_ew_sum
+        # d_block16_expand_bn_inv_std = block16_expand_bn_weight*d_block16_expand_bn_ew_sum   (computed with the next statement)
         d_block16_expand_bn_inv_std = mem.tensor(310, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_ew_sum)
         # d_block16_expand_bn_sum_of_squares = -d_block16_expand_bn_inv_std/(3136*(block16_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block16_expand_bn_sum_of_squares = d_block16_expand_bn_inv_std  # in place: over d_block16_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block16_expand_bn_sum_of_squares, d_block16_expand_bn_inv_std, block16_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_ew_sum),
+                   (ew_add_pow_mul, d_block16_expand_bn_sum_of_squares, d_block16_expand_bn_inv_std, block16_expand_bn_batch_var))
         # free block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         del block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         mem.free(225)
@@ -3821,26 +3821,26 @@ class MobilenetV2(rp.Model):
         mem.free(309)
         # d_block16_expand_bn_W = reshape[960](d_block16_expand_bn_weight)
         d_block16_expand_bn_W = rt.reshape(d_block16_expand_bn_weight, shape=(960,))
-        # V_block16_expand_bn_W_new = V_block16_expand_bn_W*momentum + d_block16_expand_bn_W + decay*block16_expand_bn_W
+        # V_block16_expand_bn_W_new = V_block16_expand_bn_W*momentum + d_block16_expand_bn_W + decay*block16_expand_bn_W   (computed with the next statement)
         V_block16_expand_bn_W_new = T['V_block16_expand_bn_W']  # in place: the new V_block16_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block16_expand_bn_W_new, T['V_block16_expand_bn_W'], momentum, d_block16_expand_bn_W, decay, T['block16_expand_bn_W'])
+        # block16_expand_bn_W_new = block16_expand_bn_W - lr*V_block16_expand_bn_W_new
+        block16_expand_bn_W_new = T['block16_expand_bn_W']  # in place: the new block16_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block16_expand_bn_W_new, T['V_block16_expand_bn_W'], momentum, d_block16_expand_bn_W, decay, T['block16_expand_bn_W']),
+                   (ew_mul_sub, block16_expand_bn_W_new, T['block16_expand_bn_W'], lr, V_block16_expand_bn_W_new))
         # free block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
         del block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
         mem.free(226)
-        # block16_expand_bn_W_new = block16_expand_bn_W - lr*V_block16_expand_bn_W_new
-        block16_expand_bn_W_new = T['block16_expand_bn_W']  # in place: the new block16_expand_bn_W
-        rt.ew(ew_mul_sub, block16_expand_bn_W_new, T['block16_expand_bn_W'], lr, V_block16_expand_bn_W_new)
         # d_block16_expand_bn_B = reshape[960](d_block16_expand_bn_bias)
         d_block16_expand_bn_B = rt.reshape(d_block16_expand_bn_bias, shape=(960,))
-        # V_block16_expand_bn_B_new = V_block16_expand_bn_B*momentum + d_block16_expand_bn_B + decay*block16_expand_bn_B
+        # V_block16_expand_bn_B_new = V_block16_expand_bn_B*momentum + d_block16_expand_bn_B + decay*block16_expand_bn_B   (computed with the next statement)
         V_block16_expand_bn_B_new = T['V_block16_expand_bn_B']  # in place: the new V_block16_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block16_expand_bn_B_new, T['V_block16_expand_bn_B'], momentum, d_block16_expand_bn_B, decay, T['block16_expand_bn_B'])
+        # block16_expand_bn_B_new = block16_expand_bn_B - lr*V_block16_expand_bn_B_new
+        block16_expand_bn_B_new = T['block16_expand_bn_B']  # in place: the new block16_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block16_expand_bn_B_new, T['V_block16_expand_bn_B'], momentum, d_block16_expand_bn_B, decay, T['block16_expand_bn_B']),
+                   (ew_mul_sub, block16_expand_bn_B_new, T['block16_expand_bn_B'], lr, V_block16_expand_bn_B_new))
         # free d_block16_expand_bn_bias, d_block16_expand_bn_B
         del d_block16_expand_bn_bias, d_block16_expand_bn_B
         mem.free(311)
-        # block16_expand_bn_B_new = block16_expand_bn_B - lr*V_block16_expand_bn_B_new
-        block16_expand_bn_B_new = T['block16_expand_bn_B']  # in place: the new block16_expand_bn_B
-        rt.ew(ew_mul_sub, block16_expand_bn_B_new, T['block16_expand_bn_B'], lr, V_block16_expand_bn_B_new)
         # d_block16_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block16_expand_bn_centered)
         d_block16_expand_bn_batch_mean = mem.tensor(312, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block16_expand_bn_batch_mean, d_block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -3877,26 +3877,26 @@ class MobilenetV2(rp.Model):
         mem.free(314)
 
         # ---- block16_expand (conv 1x1, 960 channels, stride 1, padding 0), backward ----
-        # V_block16_expand_W_new = V_block16_expand_W*momentum + d_block16_expand_W + decay*block16_expand_W
+        # V_block16_expand_W_new = V_block16_expand_W*momentum + d_block16_expand_W + decay*block16_expand_W   (computed with the next statement)
         V_block16_expand_W_new = T['V_block16_expand_W']  # in place: the new V_block16_expand_W
-        rt.ew(ew_mul_add_4, V_block16_expand_W_new, T['V_block16_expand_W'], momentum, d_block16_expand_W, decay, T['block16_expand_W'])
+        # block16_expand_W_new = block16_expand_W - lr*V_block16_expand_W_new
+        block16_expand_W_new = T['block16_expand_W']  # in place: the new block16_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block16_expand_W_new, T['V_block16_expand_W'], momentum, d_block16_expand_W, decay, T['block16_expand_W']),
+                   (ew_mul_sub, block16_expand_W_new, T['block16_expand_W'], lr, V_block16_expand_W_new))
         # free d_block16_expand_W
         del d_block16_expand_W
         mem.free(313)
-        # block16_expand_W_new = block16_expand_W - lr*V_block16_expand_W_new
-        block16_expand_W_new = T['block16_expand_W']  # in place: the new block16_expand_W
-        rt.ew(ew_mul_sub, block16_expand_W_new, T['block16_expand_W'], lr, V_block16_expand_W_new)
 
         # ---- block15_project_bn (batch norm), backward ----
         # d_block15_project_bn_ew_sum = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered)
         d_block15_project_bn_ew_sum = mem.tensor(315, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block15_project_bn_ew_sum, d_block15_project_bn_add_2, block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
-        # d_block15_project_bn_inv_std = block15_project_bn_weight*d_block15_project_bn_ew_sum
+        # d_block15_project_bn_inv_std = block15_project_bn_weight*d_block15_project_bn_ew_sum   (computed with the next statement)
         d_block15_project_bn_inv_std = mem.tensor(316, (1, 160, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_ew_sum)
         # d_block15_project_bn_sum_of_squares = -d_block15_project_bn_inv_std/(3136*(block15_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_project_bn_sum_of_squares = d_block15_project_bn_inv_std  # in place: over d_block15_project_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block15_project_bn_sum_of_squares, d_block15_project_bn_inv_std, block15_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_ew_sum),
+                   (ew_add_pow_mul, d_block15_project_bn_sum_of_squares, d_block15_project_bn_inv_std, block15_project_bn_batch_var))
         # free block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         del block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         mem.free(221)
@@ -3914,15 +3914,15 @@ class MobilenetV2(rp.Model):
         mem.free(315)
         # d_block15_project_bn_W = reshape[160](d_block15_project_bn_weight)
         d_block15_project_bn_W = rt.reshape(d_block15_project_bn_weight, shape=(160,))
-        # V_block15_project_bn_W_new = V_block15_project_bn_W*momentum + d_block15_project_bn_W + decay*block15_project_bn_W
+        # V_block15_project_bn_W_new = V_block15_project_bn_W*momentum + d_block15_project_bn_W + decay*block15_project_bn_W   (computed with the next statement)
         V_block15_project_bn_W_new = T['V_block15_project_bn_W']  # in place: the new V_block15_project_bn_W
-        rt.ew(ew_mul_add_4, V_block15_project_bn_W_new, T['V_block15_project_bn_W'], momentum, d_block15_project_bn_W, decay, T['block15_project_bn_W'])
+        # block15_project_bn_W_new = block15_project_bn_W - lr*V_block15_project_bn_W_new
+        block15_project_bn_W_new = T['block15_project_bn_W']  # in place: the new block15_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block15_project_bn_W_new, T['V_block15_project_bn_W'], momentum, d_block15_project_bn_W, decay, T['block15_project_bn_W']),
+                   (ew_mul_sub, block15_project_bn_W_new, T['block15_project_bn_W'], lr, V_block15_project_bn_W_new))
         # free block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
         del block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
         mem.free(222)
-        # block15_project_bn_W_new = block15_project_bn_W - lr*V_block15_project_bn_W_new
-        block15_project_bn_W_new = T['block15_project_bn_W']  # in place: the new block15_project_bn_W
-        rt.ew(ew_mul_sub, block15_project_bn_W_new, T['block15_project_bn_W'], lr, V_block15_project_bn_W_new)
         # d_block15_project_bn_batch_mean = sum_to[1x160x1x1](-d_block15_project_bn_centered)
         d_block15_project_bn_batch_mean = mem.tensor(317, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block15_project_bn_batch_mean, d_block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
@@ -3944,15 +3944,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block15_project_bn_add_2, out=d_block15_project_bn_bias, shape=(1, 160, 1, 1))
         # d_block15_project_bn_B = reshape[160](d_block15_project_bn_bias)
         d_block15_project_bn_B = rt.reshape(d_block15_project_bn_bias, shape=(160,))
-        # V_block15_project_bn_B_new = V_block15_project_bn_B*momentum + d_block15_project_bn_B + decay*block15_project_bn_B
+        # V_block15_project_bn_B_new = V_block15_project_bn_B*momentum + d_block15_project_bn_B + decay*block15_project_bn_B   (computed with the next statement)
         V_block15_project_bn_B_new = T['V_block15_project_bn_B']  # in place: the new V_block15_project_bn_B
-        rt.ew(ew_mul_add_4, V_block15_project_bn_B_new, T['V_block15_project_bn_B'], momentum, d_block15_project_bn_B, decay, T['block15_project_bn_B'])
+        # block15_project_bn_B_new = block15_project_bn_B - lr*V_block15_project_bn_B_new
+        block15_project_bn_B_new = T['block15_project_bn_B']  # in place: the new block15_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block15_project_bn_B_new, T['V_block15_project_bn_B'], momentum, d_block15_project_bn_B, decay, T['block15_project_bn_B']),
+                   (ew_mul_sub, block15_project_bn_B_new, T['block15_project_bn_B'], lr, V_block15_project_bn_B_new))
         # free d_block15_project_bn_bias, d_block15_project_bn_B
         del d_block15_project_bn_bias, d_block15_project_bn_B
         mem.free(318)
-        # block15_project_bn_B_new = block15_project_bn_B - lr*V_block15_project_bn_B_new
-        block15_project_bn_B_new = T['block15_project_bn_B']  # in place: the new block15_project_bn_B
-        rt.ew(ew_mul_sub, block15_project_bn_B_new, T['block15_project_bn_B'], lr, V_block15_project_bn_B_new)
 
         # ---- block15_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block15_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block15_dw_bn_centered*block15_dw_bn_inv_std*block15_dw_bn_weight + block15_dw_bn_bias))
@@ -3993,12 +3993,12 @@ class MobilenetV2(rp.Model):
         # d_block15_dw_bn_ew_sum = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered)
         d_block15_dw_bn_ew_sum = mem.tensor(322, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block15_dw_bn_ew_sum, d_block15_dw_bn, block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block15_dw_bn_inv_std = block15_dw_bn_weight*d_block15_dw_bn_ew_sum
+        # d_block15_dw_bn_inv_std = block15_dw_bn_weight*d_block15_dw_bn_ew_sum   (computed with the next statement)
         d_block15_dw_bn_inv_std = mem.tensor(323, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_ew_sum)
         # d_block15_dw_bn_sum_of_squares = -d_block15_dw_bn_inv_std/(3136*(block15_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_dw_bn_sum_of_squares = d_block15_dw_bn_inv_std  # in place: over d_block15_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block15_dw_bn_sum_of_squares, d_block15_dw_bn_inv_std, block15_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_ew_sum),
+                   (ew_add_pow_mul, d_block15_dw_bn_sum_of_squares, d_block15_dw_bn_inv_std, block15_dw_bn_batch_var))
         # free block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         del block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         mem.free(216)
@@ -4022,26 +4022,26 @@ class MobilenetV2(rp.Model):
         mem.free(322)
         # d_block15_dw_bn_W = reshape[960](d_block15_dw_bn_weight)
         d_block15_dw_bn_W = rt.reshape(d_block15_dw_bn_weight, shape=(960,))
-        # V_block15_dw_bn_W_new = V_block15_dw_bn_W*momentum + d_block15_dw_bn_W + decay*block15_dw_bn_W
+        # V_block15_dw_bn_W_new = V_block15_dw_bn_W*momentum + d_block15_dw_bn_W + decay*block15_dw_bn_W   (computed with the next statement)
         V_block15_dw_bn_W_new = T['V_block15_dw_bn_W']  # in place: the new V_block15_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block15_dw_bn_W_new, T['V_block15_dw_bn_W'], momentum, d_block15_dw_bn_W, decay, T['block15_dw_bn_W'])
+        # block15_dw_bn_W_new = block15_dw_bn_W - lr*V_block15_dw_bn_W_new
+        block15_dw_bn_W_new = T['block15_dw_bn_W']  # in place: the new block15_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block15_dw_bn_W_new, T['V_block15_dw_bn_W'], momentum, d_block15_dw_bn_W, decay, T['block15_dw_bn_W']),
+                   (ew_mul_sub, block15_dw_bn_W_new, T['block15_dw_bn_W'], lr, V_block15_dw_bn_W_new))
         # free block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
         del block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
         mem.free(217)
-        # block15_dw_bn_W_new = block15_dw_bn_W - lr*V_block15_dw_bn_W_new
-        block15_dw_bn_W_new = T['block15_dw_bn_W']  # in place: the new block15_dw_bn_W
-        rt.ew(ew_mul_sub, block15_dw_bn_W_new, T['block15_dw_bn_W'], lr, V_block15_dw_bn_W_new)
         # d_block15_dw_bn_B = reshape[960](d_block15_dw_bn_bias)
         d_block15_dw_bn_B = rt.reshape(d_block15_dw_bn_bias, shape=(960,))
-        # V_block15_dw_bn_B_new = V_block15_dw_bn_B*momentum + d_block15_dw_bn_B + decay*block15_dw_bn_B
+        # V_block15_dw_bn_B_new = V_block15_dw_bn_B*momentum + d_block15_dw_bn_B + decay*block15_dw_bn_B   (computed with the next statement)
         V_block15_dw_bn_B_new = T['V_block15_dw_bn_B']  # in place: the new V_block15_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block15_dw_bn_B_new, T['V_block15_dw_bn_B'], momentum, d_block15_dw_bn_B, decay, T['block15_dw_bn_B'])
+        # block15_dw_bn_B_new = block15_dw_bn_B - lr*V_block15_dw_bn_B_new
+        block15_dw_bn_B_new = T['block15_dw_bn_B']  # in place: the new block15_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block15_dw_bn_B_new, T['V_block15_dw_bn_B'], momentum, d_block15_dw_bn_B, decay, T['block15_dw_bn_B']),
+                   (ew_mul_sub, block15_dw_bn_B_new, T['block15_dw_bn_B'], lr, V_block15_dw_bn_B_new))
         # free d_block15_dw_bn_bias, d_block15_dw_bn_B
         del d_block15_dw_bn_bias, d_block15_dw_bn_B
         mem.free(324)
-        # block15_dw_bn_B_new = block15_dw_bn_B - lr*V_block15_dw_bn_B_new
-        block15_dw_bn_B_new = T['block15_dw_bn_B']  # in place: the new block15_dw_bn_B
-        rt.ew(ew_mul_sub, block15_dw_bn_B_new, T['block15_dw_bn_B'], lr, V_block15_dw_bn_B_new)
         # d_block15_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block15_dw_bn_centered)
         d_block15_dw_bn_batch_mean = mem.tensor(325, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block15_dw_bn_batch_mean, d_block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -4096,12 +4096,12 @@ class MobilenetV2(rp.Model):
         # d_block15_expand_bn_ew_sum = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered)
         d_block15_expand_bn_ew_sum = mem.tensor(329, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block15_expand_bn_ew_sum, d_block15_expand_bn, block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
-        # d_block15_expand_bn_inv_std = block15_expand_bn_weight*d_block15_expand_bn_ew_sum
+        # d_block15_expand_bn_inv_std = block15_expand_bn_weight*d_block15_expand_bn_ew_sum   (computed with the next statement)
         d_block15_expand_bn_inv_std = mem.tensor(330, (1, 960, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_ew_sum)
         # d_block15_expand_bn_sum_of_squares = -d_block15_expand_bn_inv_std/(3136*(block15_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block15_expand_bn_sum_of_squares = d_block15_expand_bn_inv_std  # in place: over d_block15_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block15_expand_bn_sum_of_squares, d_block15_expand_bn_inv_std, block15_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_ew_sum),
+                   (ew_add_pow_mul, d_block15_expand_bn_sum_of_squares, d_block15_expand_bn_inv_std, block15_expand_bn_batch_var))
         # free block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         del block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         mem.free(211)
@@ -4125,26 +4125,26 @@ class MobilenetV2(rp.Model):
         mem.free(329)
         # d_block15_expand_bn_W = reshape[960](d_block15_expand_bn_weight)
         d_block15_expand_bn_W = rt.reshape(d_block15_expand_bn_weight, shape=(960,))
-        # V_block15_expand_bn_W_new = V_block15_expand_bn_W*momentum + d_block15_expand_bn_W + decay*block15_expand_bn_W
+        # V_block15_expand_bn_W_new = V_block15_expand_bn_W*momentum + d_block15_expand_bn_W + decay*block15_expand_bn_W   (computed with the next statement)
         V_block15_expand_bn_W_new = T['V_block15_expand_bn_W']  # in place: the new V_block15_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block15_expand_bn_W_new, T['V_block15_expand_bn_W'], momentum, d_block15_expand_bn_W, decay, T['block15_expand_bn_W'])
+        # block15_expand_bn_W_new = block15_expand_bn_W - lr*V_block15_expand_bn_W_new
+        block15_expand_bn_W_new = T['block15_expand_bn_W']  # in place: the new block15_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block15_expand_bn_W_new, T['V_block15_expand_bn_W'], momentum, d_block15_expand_bn_W, decay, T['block15_expand_bn_W']),
+                   (ew_mul_sub, block15_expand_bn_W_new, T['block15_expand_bn_W'], lr, V_block15_expand_bn_W_new))
         # free block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
         del block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
         mem.free(212)
-        # block15_expand_bn_W_new = block15_expand_bn_W - lr*V_block15_expand_bn_W_new
-        block15_expand_bn_W_new = T['block15_expand_bn_W']  # in place: the new block15_expand_bn_W
-        rt.ew(ew_mul_sub, block15_expand_bn_W_new, T['block15_expand_bn_W'], lr, V_block15_expand_bn_W_new)
         # d_block15_expand_bn_B = reshape[960](d_block15_expand_bn_bias)
         d_block15_expand_bn_B = rt.reshape(d_block15_expand_bn_bias, shape=(960,))
-        # V_block15_expand_bn_B_new = V_block15_expand_bn_B*momentum + d_block15_expand_bn_B + decay*block15_expand_bn_B
+        # V_block15_expand_bn_B_new = V_block15_expand_bn_B*momentum + d_block15_expand_bn_B + decay*block15_expand_bn_B   (computed with the next statement)
         V_block15_expand_bn_B_new = T['V_block15_expand_bn_B']  # in place: the new V_block15_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block15_expand_bn_B_new, T['V_block15_expand_bn_B'], momentum, d_block15_expand_bn_B, decay, T['block15_expand_bn_B'])
+        # block15_expand_bn_B_new = block15_expand_bn_B - lr*V_block15_expand_bn_B_new
+        block15_expand_bn_B_new = T['block15_expand_bn_B']  # in place: the new block15_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block15_expand_bn_B_new, T['V_block15_expand_bn_B'], momentum, d_block15_expand_bn_B, decay, T['block15_expand_bn_B']),
+                   (ew_mul_sub, block15_expand_bn_B_new, T['block15_expand_bn_B'], lr, V_block15_expand_bn_B_new))
         # free d_block15_expand_bn_bias, d_block15_expand_bn_B
         del d_block15_expand_bn_bias, d_block15_expand_bn_B
         mem.free(331)
-        # block15_expand_bn_B_new = block15_expand_bn_B - lr*V_block15_expand_bn_B_new
-        block15_expand_bn_B_new = T['block15_expand_bn_B']  # in place: the new block15_expand_bn_B
-        rt.ew(ew_mul_sub, block15_expand_bn_B_new, T['block15_expand_bn_B'], lr, V_block15_expand_bn_B_new)
         # d_block15_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block15_expand_bn_centered)
         d_block15_expand_bn_batch_mean = mem.tensor(332, (1, 960, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block15_expand_bn_batch_mean, d_block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
@@ -4188,26 +4188,26 @@ class MobilenetV2(rp.Model):
         mem.free(335)
 
         # ---- block15_expand (conv 1x1, 960 channels, stride 1, padding 0), backward ----
-        # V_block15_expand_W_new = V_block15_expand_W*momentum + d_block15_expand_W + decay*block15_expand_W
+        # V_block15_expand_W_new = V_block15_expand_W*momentum + d_block15_expand_W + decay*block15_expand_W   (computed with the next statement)
         V_block15_expand_W_new = T['V_block15_expand_W']  # in place: the new V_block15_expand_W
-        rt.ew(ew_mul_add_4, V_block15_expand_W_new, T['V_block15_expand_W'], momentum, d_block15_expand_W, decay, T['block15_expand_W'])
+        # block15_expand_W_new = block15_expand_W - lr*V_block15_expand_W_new
+        block15_expand_W_new = T['block15_expand_W']  # in place: the new block15_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block15_expand_W_new, T['V_block15_expand_W'], momentum, d_block15_expand_W, decay, T['block15_expand_W']),
+                   (ew_mul_sub, block15_expand_W_new, T['block15_expand_W'], lr, V_block15_expand_W_new))
         # free d_block15_expand_W
         del d_block15_expand_W
         mem.free(334)
-        # block15_expand_W_new = block15_expand_W - lr*V_block15_expand_W_new
-        block15_expand_W_new = T['block15_expand_W']  # in place: the new block15_expand_W
-        rt.ew(ew_mul_sub, block15_expand_W_new, T['block15_expand_W'], lr, V_block15_expand_W_new)
 
         # ---- block14_project_bn (batch norm), backward ----
         # d_block14_project_bn_ew_sum = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered)
         d_block14_project_bn_ew_sum = mem.tensor(336, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block14_project_bn_ew_sum, d_block14_project_bn_2, block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
-        # d_block14_project_bn_inv_std = block14_project_bn_weight*d_block14_project_bn_ew_sum
+        # d_block14_project_bn_inv_std = block14_project_bn_weight*d_block14_project_bn_ew_sum   (computed with the next statement)
         d_block14_project_bn_inv_std = mem.tensor(337, (1, 160, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_ew_sum)
         # d_block14_project_bn_sum_of_squares = -d_block14_project_bn_inv_std/(3136*(block14_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_project_bn_sum_of_squares = d_block14_project_bn_inv_std  # in place: over d_block14_project_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block14_project_bn_sum_of_squares, d_block14_project_bn_inv_std, block14_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_ew_sum),
+                   (ew_add_pow_mul, d_block14_project_bn_sum_of_squares, d_block14_project_bn_inv_std, block14_project_bn_batch_var))
         # free block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         del block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         mem.free(206)
@@ -4231,26 +4231,26 @@ class MobilenetV2(rp.Model):
         mem.free(336)
         # d_block14_project_bn_W = reshape[160](d_block14_project_bn_weight)
         d_block14_project_bn_W = rt.reshape(d_block14_project_bn_weight, shape=(160,))
-        # V_block14_project_bn_W_new = V_block14_project_bn_W*momentum + d_block14_project_bn_W + decay*block14_project_bn_W
+        # V_block14_project_bn_W_new = V_block14_project_bn_W*momentum + d_block14_project_bn_W + decay*block14_project_bn_W   (computed with the next statement)
         V_block14_project_bn_W_new = T['V_block14_project_bn_W']  # in place: the new V_block14_project_bn_W
-        rt.ew(ew_mul_add_4, V_block14_project_bn_W_new, T['V_block14_project_bn_W'], momentum, d_block14_project_bn_W, decay, T['block14_project_bn_W'])
+        # block14_project_bn_W_new = block14_project_bn_W - lr*V_block14_project_bn_W_new
+        block14_project_bn_W_new = T['block14_project_bn_W']  # in place: the new block14_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block14_project_bn_W_new, T['V_block14_project_bn_W'], momentum, d_block14_project_bn_W, decay, T['block14_project_bn_W']),
+                   (ew_mul_sub, block14_project_bn_W_new, T['block14_project_bn_W'], lr, V_block14_project_bn_W_new))
         # free block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
         del block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
         mem.free(207)
-        # block14_project_bn_W_new = block14_project_bn_W - lr*V_block14_project_bn_W_new
-        block14_project_bn_W_new = T['block14_project_bn_W']  # in place: the new block14_project_bn_W
-        rt.ew(ew_mul_sub, block14_project_bn_W_new, T['block14_project_bn_W'], lr, V_block14_project_bn_W_new)
         # d_block14_project_bn_B = reshape[160](d_block14_project_bn_bias)
         d_block14_project_bn_B = rt.reshape(d_block14_project_bn_bias, shape=(160,))
-        # V_block14_project_bn_B_new = V_block14_project_bn_B*momentum + d_block14_project_bn_B + decay*block14_project_bn_B
+        # V_block14_project_bn_B_new = V_block14_project_bn_B*momentum + d_block14_project_bn_B + decay*block14_project_bn_B   (computed with the next statement)
         V_block14_project_bn_B_new = T['V_block14_project_bn_B']  # in place: the new V_block14_project_bn_B
-        rt.ew(ew_mul_add_4, V_block14_project_bn_B_new, T['V_block14_project_bn_B'], momentum, d_block14_project_bn_B, decay, T['block14_project_bn_B'])
+        # block14_project_bn_B_new = block14_project_bn_B - lr*V_block14_project_bn_B_new
+        block14_project_bn_B_new = T['block14_project_bn_B']  # in place: the new block14_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block14_project_bn_B_new, T['V_block14_project_bn_B'], momentum, d_block14_project_bn_B, decay, T['block14_project_bn_B']),
+                   (ew_mul_sub, block14_project_bn_B_new, T['block14_project_bn_B'], lr, V_block14_project_bn_B_new))
         # free d_block14_project_bn_bias, d_block14_project_bn_B
         del d_block14_project_bn_bias, d_block14_project_bn_B
         mem.free(338)
-        # block14_project_bn_B_new = block14_project_bn_B - lr*V_block14_project_bn_B_new
-        block14_project_bn_B_new = T['block14_project_bn_B']  # in place: the new block14_project_bn_B
-        rt.ew(ew_mul_sub, block14_project_bn_B_new, T['block14_project_bn_B'], lr, V_block14_project_bn_B_new)
         # d_block14_project_bn_batch_mean = sum_to[1x160x1x1](-d_block14_project_bn_centered)
         d_block14_project_bn_batch_mean = mem.tensor(339, (1, 160, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block14_project_bn_batch_mean, d_block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
@@ -4305,12 +4305,12 @@ class MobilenetV2(rp.Model):
         # d_block14_dw_bn_ew_sum = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered)
         d_block14_dw_bn_ew_sum = mem.tensor(343, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block14_dw_bn_ew_sum, d_block14_dw_bn, block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
-        # d_block14_dw_bn_inv_std = block14_dw_bn_weight*d_block14_dw_bn_ew_sum
+        # d_block14_dw_bn_inv_std = block14_dw_bn_weight*d_block14_dw_bn_ew_sum   (computed with the next statement)
         d_block14_dw_bn_inv_std = mem.tensor(344, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_ew_sum)
         # d_block14_dw_bn_sum_of_squares = -d_block14_dw_bn_inv_std/(3136*(block14_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_dw_bn_sum_of_squares = d_block14_dw_bn_inv_std  # in place: over d_block14_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_block14_dw_bn_sum_of_squares, d_block14_dw_bn_inv_std, block14_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_ew_sum),
+                   (ew_add_pow_mul, d_block14_dw_bn_sum_of_squares, d_block14_dw_bn_inv_std, block14_dw_bn_batch_var))
         # free block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         del block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         mem.free(201)
@@ -4334,26 +4334,26 @@ class MobilenetV2(rp.Model):
         mem.free(343)
         # d_block14_dw_bn_W = reshape[576](d_block14_dw_bn_weight)
         d_block14_dw_bn_W = rt.reshape(d_block14_dw_bn_weight, shape=(576,))
-        # V_block14_dw_bn_W_new = V_block14_dw_bn_W*momentum + d_block14_dw_bn_W + decay*block14_dw_bn_W
+        # V_block14_dw_bn_W_new = V_block14_dw_bn_W*momentum + d_block14_dw_bn_W + decay*block14_dw_bn_W   (computed with the next statement)
         V_block14_dw_bn_W_new = T['V_block14_dw_bn_W']  # in place: the new V_block14_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block14_dw_bn_W_new, T['V_block14_dw_bn_W'], momentum, d_block14_dw_bn_W, decay, T['block14_dw_bn_W'])
+        # block14_dw_bn_W_new = block14_dw_bn_W - lr*V_block14_dw_bn_W_new
+        block14_dw_bn_W_new = T['block14_dw_bn_W']  # in place: the new block14_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block14_dw_bn_W_new, T['V_block14_dw_bn_W'], momentum, d_block14_dw_bn_W, decay, T['block14_dw_bn_W']),
+                   (ew_mul_sub, block14_dw_bn_W_new, T['block14_dw_bn_W'], lr, V_block14_dw_bn_W_new))
         # free block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
         del block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
         mem.free(202)
-        # block14_dw_bn_W_new = block14_dw_bn_W - lr*V_block14_dw_bn_W_new
-        block14_dw_bn_W_new = T['block14_dw_bn_W']  # in place: the new block14_dw_bn_W
-        rt.ew(ew_mul_sub, block14_dw_bn_W_new, T['block14_dw_bn_W'], lr, V_block14_dw_bn_W_new)
         # d_block14_dw_bn_B = reshape[576](d_block14_dw_bn_bias)
         d_block14_dw_bn_B = rt.reshape(d_block14_dw_bn_bias, shape=(576,))
-        # V_block14_dw_bn_B_new = V_block14_dw_bn_B*momentum + d_block14_dw_bn_B + decay*block14_dw_bn_B
+        # V_block14_dw_bn_B_new = V_block14_dw_bn_B*momentum + d_block14_dw_bn_B + decay*block14_dw_bn_B   (computed with the next statement)
         V_block14_dw_bn_B_new = T['V_block14_dw_bn_B']  # in place: the new V_block14_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block14_dw_bn_B_new, T['V_block14_dw_bn_B'], momentum, d_block14_dw_bn_B, decay, T['block14_dw_bn_B'])
+        # block14_dw_bn_B_new = block14_dw_bn_B - lr*V_block14_dw_bn_B_new
+        block14_dw_bn_B_new = T['block14_dw_bn_B']  # in place: the new block14_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block14_dw_bn_B_new, T['V_block14_dw_bn_B'], momentum, d_block14_dw_bn_B, decay, T['block14_dw_bn_B']),
+                   (ew_mul_sub, block14_dw_bn_B_new, T['block14_dw_bn_B'], lr, V_block14_dw_bn_B_new))
         # free d_block14_dw_bn_bias, d_block14_dw_bn_B
         del d_block14_dw_bn_bias, d_block14_dw_bn_B
         mem.free(345)
-        # block14_dw_bn_B_new = block14_dw_bn_B - lr*V_block14_dw_bn_B_new
-        block14_dw_bn_B_new = T['block14_dw_bn_B']  # in place: the new block14_dw_bn_B
-        rt.ew(ew_mul_sub, block14_dw_bn_B_new, T['block14_dw_bn_B'], lr, V_block14_dw_bn_B_new)
         # d_block14_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block14_dw_bn_centered)
         d_block14_dw_bn_batch_mean = mem.tensor(346, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block14_dw_bn_batch_mean, d_block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
@@ -4408,12 +4408,12 @@ class MobilenetV2(rp.Model):
         # d_block14_expand_bn_ew_sum = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered)
         d_block14_expand_bn_ew_sum = mem.tensor(350, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block14_expand_bn_ew_sum, d_block14_expand_bn, block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
-        # d_block14_expand_bn_inv_std = block14_expand_bn_weight*d_block14_expand_bn_ew_sum
+        # d_block14_expand_bn_inv_std = block14_expand_bn_weight*d_block14_expand_bn_ew_sum   (computed with the next statement)
         d_block14_expand_bn_inv_std = mem.tensor(351, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_ew_sum)
         # d_block14_expand_bn_sum_of_squares = -d_block14_expand_bn_inv_std/(12544*(block14_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block14_expand_bn_sum_of_squares = d_block14_expand_bn_inv_std  # in place: over d_block14_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block14_expand_bn_sum_of_squares, d_block14_expand_bn_inv_std, block14_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block14_expand_bn_sum_of_squares, d_block14_expand_bn_inv_std, block14_expand_bn_batch_var))
         # free block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         del block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         mem.free(196)
@@ -4437,26 +4437,26 @@ class MobilenetV2(rp.Model):
         mem.free(350)
         # d_block14_expand_bn_W = reshape[576](d_block14_expand_bn_weight)
         d_block14_expand_bn_W = rt.reshape(d_block14_expand_bn_weight, shape=(576,))
-        # V_block14_expand_bn_W_new = V_block14_expand_bn_W*momentum + d_block14_expand_bn_W + decay*block14_expand_bn_W
+        # V_block14_expand_bn_W_new = V_block14_expand_bn_W*momentum + d_block14_expand_bn_W + decay*block14_expand_bn_W   (computed with the next statement)
         V_block14_expand_bn_W_new = T['V_block14_expand_bn_W']  # in place: the new V_block14_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block14_expand_bn_W_new, T['V_block14_expand_bn_W'], momentum, d_block14_expand_bn_W, decay, T['block14_expand_bn_W'])
+        # block14_expand_bn_W_new = block14_expand_bn_W - lr*V_block14_expand_bn_W_new
+        block14_expand_bn_W_new = T['block14_expand_bn_W']  # in place: the new block14_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block14_expand_bn_W_new, T['V_block14_expand_bn_W'], momentum, d_block14_expand_bn_W, decay, T['block14_expand_bn_W']),
+                   (ew_mul_sub, block14_expand_bn_W_new, T['block14_expand_bn_W'], lr, V_block14_expand_bn_W_new))
         # free block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
         del block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
         mem.free(197)
-        # block14_expand_bn_W_new = block14_expand_bn_W - lr*V_block14_expand_bn_W_new
-        block14_expand_bn_W_new = T['block14_expand_bn_W']  # in place: the new block14_expand_bn_W
-        rt.ew(ew_mul_sub, block14_expand_bn_W_new, T['block14_expand_bn_W'], lr, V_block14_expand_bn_W_new)
         # d_block14_expand_bn_B = reshape[576](d_block14_expand_bn_bias)
         d_block14_expand_bn_B = rt.reshape(d_block14_expand_bn_bias, shape=(576,))
-        # V_block14_expand_bn_B_new = V_block14_expand_bn_B*momentum + d_block14_expand_bn_B + decay*block14_expand_bn_B
+        # V_block14_expand_bn_B_new = V_block14_expand_bn_B*momentum + d_block14_expand_bn_B + decay*block14_expand_bn_B   (computed with the next statement)
         V_block14_expand_bn_B_new = T['V_block14_expand_bn_B']  # in place: the new V_block14_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block14_expand_bn_B_new, T['V_block14_expand_bn_B'], momentum, d_block14_expand_bn_B, decay, T['block14_expand_bn_B'])
+        # block14_expand_bn_B_new = block14_expand_bn_B - lr*V_block14_expand_bn_B_new
+        block14_expand_bn_B_new = T['block14_expand_bn_B']  # in place: the new block14_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block14_expand_bn_B_new, T['V_block14_expand_bn_B'], momentum, d_block14_expand_bn_B, decay, T['block14_expand_bn_B']),
+                   (ew_mul_sub, block14_expand_bn_B_new, T['block14_expand_bn_B'], lr, V_block14_expand_bn_B_new))
         # free d_block14_expand_bn_bias, d_block14_expand_bn_B
         del d_block14_expand_bn_bias, d_block14_expand_bn_B
         mem.free(352)
-        # block14_expand_bn_B_new = block14_expand_bn_B - lr*V_block14_expand_bn_B_new
-        block14_expand_bn_B_new = T['block14_expand_bn_B']  # in place: the new block14_expand_bn_B
-        rt.ew(ew_mul_sub, block14_expand_bn_B_new, T['block14_expand_bn_B'], lr, V_block14_expand_bn_B_new)
         # d_block14_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block14_expand_bn_centered)
         d_block14_expand_bn_batch_mean = mem.tensor(353, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block14_expand_bn_batch_mean, d_block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
@@ -4490,26 +4490,26 @@ class MobilenetV2(rp.Model):
         # free block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         del block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         mem.free(194)
-        # V_block14_expand_W_new = V_block14_expand_W*momentum + d_block14_expand_W + decay*block14_expand_W
+        # V_block14_expand_W_new = V_block14_expand_W*momentum + d_block14_expand_W + decay*block14_expand_W   (computed with the next statement)
         V_block14_expand_W_new = T['V_block14_expand_W']  # in place: the new V_block14_expand_W
-        rt.ew(ew_mul_add_4, V_block14_expand_W_new, T['V_block14_expand_W'], momentum, d_block14_expand_W, decay, T['block14_expand_W'])
+        # block14_expand_W_new = block14_expand_W - lr*V_block14_expand_W_new
+        block14_expand_W_new = T['block14_expand_W']  # in place: the new block14_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block14_expand_W_new, T['V_block14_expand_W'], momentum, d_block14_expand_W, decay, T['block14_expand_W']),
+                   (ew_mul_sub, block14_expand_W_new, T['block14_expand_W'], lr, V_block14_expand_W_new))
         # free d_block14_expand_W
         del d_block14_expand_W
         mem.free(355)
-        # block14_expand_W_new = block14_expand_W - lr*V_block14_expand_W_new
-        block14_expand_W_new = T['block14_expand_W']  # in place: the new block14_expand_W
-        rt.ew(ew_mul_sub, block14_expand_W_new, T['block14_expand_W'], lr, V_block14_expand_W_new)
 
         # ---- block13_project_bn (batch norm), backward ----
         # d_block13_project_bn_ew_sum = sum_to[1x96x1x1](d_block13_project_bn_add*block13_project_bn_centered)
         d_block13_project_bn_ew_sum = mem.tensor(357, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block13_project_bn_ew_sum, d_block13_project_bn_add, block13_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
-        # d_block13_project_bn_inv_std = block13_project_bn_weight*d_block13_project_bn_ew_sum
+        # d_block13_project_bn_inv_std = block13_project_bn_weight*d_block13_project_bn_ew_sum   (computed with the next statement)
         d_block13_project_bn_inv_std = mem.tensor(358, (1, 96, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_ew_sum)
         # d_block13_project_bn_sum_of_squares = -d_block13_project_bn_inv_std/(12544*(block13_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_project_bn_sum_of_squares = d_block13_project_bn_inv_std  # in place: over d_block13_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block13_project_bn_sum_of_squares, d_block13_project_bn_inv_std, block13_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block13_project_bn_sum_of_squares, d_block13_project_bn_inv_std, block13_project_bn_batch_var))
         # free block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         del block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         mem.free(191)
@@ -4527,15 +4527,15 @@ class MobilenetV2(rp.Model):
         mem.free(357)
         # d_block13_project_bn_W = reshape[96](d_block13_project_bn_weight)
         d_block13_project_bn_W = rt.reshape(d_block13_project_bn_weight, shape=(96,))
-        # V_block13_project_bn_W_new = V_block13_project_bn_W*momentum + d_block13_project_bn_W + decay*block13_project_bn_W
+        # V_block13_project_bn_W_new = V_block13_project_bn_W*momentum + d_block13_project_bn_W + decay*block13_project_bn_W   (computed with the next statement)
         V_block13_project_bn_W_new = T['V_block13_project_bn_W']  # in place: the new V_block13_project_bn_W
-        rt.ew(ew_mul_add_4, V_block13_project_bn_W_new, T['V_block13_project_bn_W'], momentum, d_block13_project_bn_W, decay, T['block13_project_bn_W'])
+        # block13_project_bn_W_new = block13_project_bn_W - lr*V_block13_project_bn_W_new
+        block13_project_bn_W_new = T['block13_project_bn_W']  # in place: the new block13_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block13_project_bn_W_new, T['V_block13_project_bn_W'], momentum, d_block13_project_bn_W, decay, T['block13_project_bn_W']),
+                   (ew_mul_sub, block13_project_bn_W_new, T['block13_project_bn_W'], lr, V_block13_project_bn_W_new))
         # free block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
         del block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
         mem.free(192)
-        # block13_project_bn_W_new = block13_project_bn_W - lr*V_block13_project_bn_W_new
-        block13_project_bn_W_new = T['block13_project_bn_W']  # in place: the new block13_project_bn_W
-        rt.ew(ew_mul_sub, block13_project_bn_W_new, T['block13_project_bn_W'], lr, V_block13_project_bn_W_new)
         # d_block13_project_bn_batch_mean = sum_to[1x96x1x1](-d_block13_project_bn_centered)
         d_block13_project_bn_batch_mean = mem.tensor(359, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block13_project_bn_batch_mean, d_block13_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
@@ -4557,15 +4557,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block13_project_bn_add, out=d_block13_project_bn_bias, shape=(1, 96, 1, 1))
         # d_block13_project_bn_B = reshape[96](d_block13_project_bn_bias)
         d_block13_project_bn_B = rt.reshape(d_block13_project_bn_bias, shape=(96,))
-        # V_block13_project_bn_B_new = V_block13_project_bn_B*momentum + d_block13_project_bn_B + decay*block13_project_bn_B
+        # V_block13_project_bn_B_new = V_block13_project_bn_B*momentum + d_block13_project_bn_B + decay*block13_project_bn_B   (computed with the next statement)
         V_block13_project_bn_B_new = T['V_block13_project_bn_B']  # in place: the new V_block13_project_bn_B
-        rt.ew(ew_mul_add_4, V_block13_project_bn_B_new, T['V_block13_project_bn_B'], momentum, d_block13_project_bn_B, decay, T['block13_project_bn_B'])
+        # block13_project_bn_B_new = block13_project_bn_B - lr*V_block13_project_bn_B_new
+        block13_project_bn_B_new = T['block13_project_bn_B']  # in place: the new block13_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block13_project_bn_B_new, T['V_block13_project_bn_B'], momentum, d_block13_project_bn_B, decay, T['block13_project_bn_B']),
+                   (ew_mul_sub, block13_project_bn_B_new, T['block13_project_bn_B'], lr, V_block13_project_bn_B_new))
         # free d_block13_project_bn_bias, d_block13_project_bn_B
         del d_block13_project_bn_bias, d_block13_project_bn_B
         mem.free(360)
-        # block13_project_bn_B_new = block13_project_bn_B - lr*V_block13_project_bn_B_new
-        block13_project_bn_B_new = T['block13_project_bn_B']  # in place: the new block13_project_bn_B
-        rt.ew(ew_mul_sub, block13_project_bn_B_new, T['block13_project_bn_B'], lr, V_block13_project_bn_B_new)
 
         # ---- block13_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block13_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block13_dw_bn_centered*block13_dw_bn_inv_std*block13_dw_bn_weight + block13_dw_bn_bias))
@@ -4606,12 +4606,12 @@ class MobilenetV2(rp.Model):
         # d_block13_dw_bn_ew_sum = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered)
         d_block13_dw_bn_ew_sum = mem.tensor(364, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block13_dw_bn_ew_sum, d_block13_dw_bn, block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
-        # d_block13_dw_bn_inv_std = block13_dw_bn_weight*d_block13_dw_bn_ew_sum
+        # d_block13_dw_bn_inv_std = block13_dw_bn_weight*d_block13_dw_bn_ew_sum   (computed with the next statement)
         d_block13_dw_bn_inv_std = mem.tensor(365, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_ew_sum)
         # d_block13_dw_bn_sum_of_squares = -d_block13_dw_bn_inv_std/(12544*(block13_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_dw_bn_sum_of_squares = d_block13_dw_bn_inv_std  # in place: over d_block13_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block13_dw_bn_sum_of_squares, d_block13_dw_bn_inv_std, block13_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block13_dw_bn_sum_of_squares, d_block13_dw_bn_inv_std, block13_dw_bn_batch_var))
         # free block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         del block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         mem.free(186)
@@ -4635,26 +4635,26 @@ class MobilenetV2(rp.Model):
         mem.free(364)
         # d_block13_dw_bn_W = reshape[576](d_block13_dw_bn_weight)
         d_block13_dw_bn_W = rt.reshape(d_block13_dw_bn_weight, shape=(576,))
-        # V_block13_dw_bn_W_new = V_block13_dw_bn_W*momentum + d_block13_dw_bn_W + decay*block13_dw_bn_W
+        # V_block13_dw_bn_W_new = V_block13_dw_bn_W*momentum + d_block13_dw_bn_W + decay*block13_dw_bn_W   (computed with the next statement)
         V_block13_dw_bn_W_new = T['V_block13_dw_bn_W']  # in place: the new V_block13_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block13_dw_bn_W_new, T['V_block13_dw_bn_W'], momentum, d_block13_dw_bn_W, decay, T['block13_dw_bn_W'])
+        # block13_dw_bn_W_new = block13_dw_bn_W - lr*V_block13_dw_bn_W_new
+        block13_dw_bn_W_new = T['block13_dw_bn_W']  # in place: the new block13_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block13_dw_bn_W_new, T['V_block13_dw_bn_W'], momentum, d_block13_dw_bn_W, decay, T['block13_dw_bn_W']),
+                   (ew_mul_sub, block13_dw_bn_W_new, T['block13_dw_bn_W'], lr, V_block13_dw_bn_W_new))
         # free block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
         del block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
         mem.free(187)
-        # block13_dw_bn_W_new = block13_dw_bn_W - lr*V_block13_dw_bn_W_new
-        block13_dw_bn_W_new = T['block13_dw_bn_W']  # in place: the new block13_dw_bn_W
-        rt.ew(ew_mul_sub, block13_dw_bn_W_new, T['block13_dw_bn_W'], lr, V_block13_dw_bn_W_new)
         # d_block13_dw_bn_B = reshape[576](d_block13_dw_bn_bias)
         d_block13_dw_bn_B = rt.reshape(d_block13_dw_bn_bias, shape=(576,))
-        # V_block13_dw_bn_B_new = V_block13_dw_bn_B*momentum + d_block13_dw_bn_B + decay*block13_dw_bn_B
+        # V_block13_dw_bn_B_new = V_block13_dw_bn_B*momentum + d_block13_dw_bn_B + decay*block13_dw_bn_B   (computed with the next statement)
         V_block13_dw_bn_B_new = T['V_block13_dw_bn_B']  # in place: the new V_block13_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block13_dw_bn_B_new, T['V_block13_dw_bn_B'], momentum, d_block13_dw_bn_B, decay, T['block13_dw_bn_B'])
+        # block13_dw_bn_B_new = block13_dw_bn_B - lr*V_block13_dw_bn_B_new
+        block13_dw_bn_B_new = T['block13_dw_bn_B']  # in place: the new block13_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block13_dw_bn_B_new, T['V_block13_dw_bn_B'], momentum, d_block13_dw_bn_B, decay, T['block13_dw_bn_B']),
+                   (ew_mul_sub, block13_dw_bn_B_new, T['block13_dw_bn_B'], lr, V_block13_dw_bn_B_new))
         # free d_block13_dw_bn_bias, d_block13_dw_bn_B
         del d_block13_dw_bn_bias, d_block13_dw_bn_B
         mem.free(366)
-        # block13_dw_bn_B_new = block13_dw_bn_B - lr*V_block13_dw_bn_B_new
-        block13_dw_bn_B_new = T['block13_dw_bn_B']  # in place: the new block13_dw_bn_B
-        rt.ew(ew_mul_sub, block13_dw_bn_B_new, T['block13_dw_bn_B'], lr, V_block13_dw_bn_B_new)
         # d_block13_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block13_dw_bn_centered)
         d_block13_dw_bn_batch_mean = mem.tensor(367, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block13_dw_bn_batch_mean, d_block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
@@ -4709,12 +4709,12 @@ class MobilenetV2(rp.Model):
         # d_block13_expand_bn_ew_sum = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered)
         d_block13_expand_bn_ew_sum = mem.tensor(371, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block13_expand_bn_ew_sum, d_block13_expand_bn, block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
-        # d_block13_expand_bn_inv_std = block13_expand_bn_weight*d_block13_expand_bn_ew_sum
+        # d_block13_expand_bn_inv_std = block13_expand_bn_weight*d_block13_expand_bn_ew_sum   (computed with the next statement)
         d_block13_expand_bn_inv_std = mem.tensor(372, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_ew_sum)
         # d_block13_expand_bn_sum_of_squares = -d_block13_expand_bn_inv_std/(12544*(block13_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block13_expand_bn_sum_of_squares = d_block13_expand_bn_inv_std  # in place: over d_block13_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block13_expand_bn_sum_of_squares, d_block13_expand_bn_inv_std, block13_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block13_expand_bn_sum_of_squares, d_block13_expand_bn_inv_std, block13_expand_bn_batch_var))
         # free block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         del block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         mem.free(181)
@@ -4738,26 +4738,26 @@ class MobilenetV2(rp.Model):
         mem.free(371)
         # d_block13_expand_bn_W = reshape[576](d_block13_expand_bn_weight)
         d_block13_expand_bn_W = rt.reshape(d_block13_expand_bn_weight, shape=(576,))
-        # V_block13_expand_bn_W_new = V_block13_expand_bn_W*momentum + d_block13_expand_bn_W + decay*block13_expand_bn_W
+        # V_block13_expand_bn_W_new = V_block13_expand_bn_W*momentum + d_block13_expand_bn_W + decay*block13_expand_bn_W   (computed with the next statement)
         V_block13_expand_bn_W_new = T['V_block13_expand_bn_W']  # in place: the new V_block13_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block13_expand_bn_W_new, T['V_block13_expand_bn_W'], momentum, d_block13_expand_bn_W, decay, T['block13_expand_bn_W'])
+        # block13_expand_bn_W_new = block13_expand_bn_W - lr*V_block13_expand_bn_W_new
+        block13_expand_bn_W_new = T['block13_expand_bn_W']  # in place: the new block13_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block13_expand_bn_W_new, T['V_block13_expand_bn_W'], momentum, d_block13_expand_bn_W, decay, T['block13_expand_bn_W']),
+                   (ew_mul_sub, block13_expand_bn_W_new, T['block13_expand_bn_W'], lr, V_block13_expand_bn_W_new))
         # free block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
         del block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
         mem.free(182)
-        # block13_expand_bn_W_new = block13_expand_bn_W - lr*V_block13_expand_bn_W_new
-        block13_expand_bn_W_new = T['block13_expand_bn_W']  # in place: the new block13_expand_bn_W
-        rt.ew(ew_mul_sub, block13_expand_bn_W_new, T['block13_expand_bn_W'], lr, V_block13_expand_bn_W_new)
         # d_block13_expand_bn_B = reshape[576](d_block13_expand_bn_bias)
         d_block13_expand_bn_B = rt.reshape(d_block13_expand_bn_bias, shape=(576,))
-        # V_block13_expand_bn_B_new = V_block13_expand_bn_B*momentum + d_block13_expand_bn_B + decay*block13_expand_bn_B
+        # V_block13_expand_bn_B_new = V_block13_expand_bn_B*momentum + d_block13_expand_bn_B + decay*block13_expand_bn_B   (computed with the next statement)
         V_block13_expand_bn_B_new = T['V_block13_expand_bn_B']  # in place: the new V_block13_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block13_expand_bn_B_new, T['V_block13_expand_bn_B'], momentum, d_block13_expand_bn_B, decay, T['block13_expand_bn_B'])
+        # block13_expand_bn_B_new = block13_expand_bn_B - lr*V_block13_expand_bn_B_new
+        block13_expand_bn_B_new = T['block13_expand_bn_B']  # in place: the new block13_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block13_expand_bn_B_new, T['V_block13_expand_bn_B'], momentum, d_block13_expand_bn_B, decay, T['block13_expand_bn_B']),
+                   (ew_mul_sub, block13_expand_bn_B_new, T['block13_expand_bn_B'], lr, V_block13_expand_bn_B_new))
         # free d_block13_expand_bn_bias, d_block13_expand_bn_B
         del d_block13_expand_bn_bias, d_block13_expand_bn_B
         mem.free(373)
-        # block13_expand_bn_B_new = block13_expand_bn_B - lr*V_block13_expand_bn_B_new
-        block13_expand_bn_B_new = T['block13_expand_bn_B']  # in place: the new block13_expand_bn_B
-        rt.ew(ew_mul_sub, block13_expand_bn_B_new, T['block13_expand_bn_B'], lr, V_block13_expand_bn_B_new)
         # d_block13_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block13_expand_bn_centered)
         d_block13_expand_bn_batch_mean = mem.tensor(374, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block13_expand_bn_batch_mean, d_block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
@@ -4794,26 +4794,26 @@ class MobilenetV2(rp.Model):
         mem.free(376)
 
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), backward ----
-        # V_block13_expand_W_new = V_block13_expand_W*momentum + d_block13_expand_W + decay*block13_expand_W
+        # V_block13_expand_W_new = V_block13_expand_W*momentum + d_block13_expand_W + decay*block13_expand_W   (computed with the next statement)
         V_block13_expand_W_new = T['V_block13_expand_W']  # in place: the new V_block13_expand_W
-        rt.ew(ew_mul_add_4, V_block13_expand_W_new, T['V_block13_expand_W'], momentum, d_block13_expand_W, decay, T['block13_expand_W'])
+        # block13_expand_W_new = block13_expand_W - lr*V_block13_expand_W_new
+        block13_expand_W_new = T['block13_expand_W']  # in place: the new block13_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block13_expand_W_new, T['V_block13_expand_W'], momentum, d_block13_expand_W, decay, T['block13_expand_W']),
+                   (ew_mul_sub, block13_expand_W_new, T['block13_expand_W'], lr, V_block13_expand_W_new))
         # free d_block13_expand_W
         del d_block13_expand_W
         mem.free(375)
-        # block13_expand_W_new = block13_expand_W - lr*V_block13_expand_W_new
-        block13_expand_W_new = T['block13_expand_W']  # in place: the new block13_expand_W
-        rt.ew(ew_mul_sub, block13_expand_W_new, T['block13_expand_W'], lr, V_block13_expand_W_new)
 
         # ---- block12_project_bn (batch norm), backward ----
         # d_block12_project_bn_ew_sum = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered)
         d_block12_project_bn_ew_sum = mem.tensor(377, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block12_project_bn_ew_sum, d_block12_project_bn_add_2, block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
-        # d_block12_project_bn_inv_std = block12_project_bn_weight*d_block12_project_bn_ew_sum
+        # d_block12_project_bn_inv_std = block12_project_bn_weight*d_block12_project_bn_ew_sum   (computed with the next statement)
         d_block12_project_bn_inv_std = mem.tensor(378, (1, 96, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_ew_sum)
         # d_block12_project_bn_sum_of_squares = -d_block12_project_bn_inv_std/(12544*(block12_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_project_bn_sum_of_squares = d_block12_project_bn_inv_std  # in place: over d_block12_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block12_project_bn_sum_of_squares, d_block12_project_bn_inv_std, block12_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block12_project_bn_sum_of_squares, d_block12_project_bn_inv_std, block12_project_bn_batch_var))
         # free block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         del block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         mem.free(177)
@@ -4831,15 +4831,15 @@ class MobilenetV2(rp.Model):
         mem.free(377)
         # d_block12_project_bn_W = reshape[96](d_block12_project_bn_weight)
         d_block12_project_bn_W = rt.reshape(d_block12_project_bn_weight, shape=(96,))
-        # V_block12_project_bn_W_new = V_block12_project_bn_W*momentum + d_block12_project_bn_W + decay*block12_project_bn_W
+        # V_block12_project_bn_W_new = V_block12_project_bn_W*momentum + d_block12_project_bn_W + decay*block12_project_bn_W   (computed with the next statement)
         V_block12_project_bn_W_new = T['V_block12_project_bn_W']  # in place: the new V_block12_project_bn_W
-        rt.ew(ew_mul_add_4, V_block12_project_bn_W_new, T['V_block12_project_bn_W'], momentum, d_block12_project_bn_W, decay, T['block12_project_bn_W'])
+        # block12_project_bn_W_new = block12_project_bn_W - lr*V_block12_project_bn_W_new
+        block12_project_bn_W_new = T['block12_project_bn_W']  # in place: the new block12_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block12_project_bn_W_new, T['V_block12_project_bn_W'], momentum, d_block12_project_bn_W, decay, T['block12_project_bn_W']),
+                   (ew_mul_sub, block12_project_bn_W_new, T['block12_project_bn_W'], lr, V_block12_project_bn_W_new))
         # free block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
         del block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
         mem.free(178)
-        # block12_project_bn_W_new = block12_project_bn_W - lr*V_block12_project_bn_W_new
-        block12_project_bn_W_new = T['block12_project_bn_W']  # in place: the new block12_project_bn_W
-        rt.ew(ew_mul_sub, block12_project_bn_W_new, T['block12_project_bn_W'], lr, V_block12_project_bn_W_new)
         # d_block12_project_bn_batch_mean = sum_to[1x96x1x1](-d_block12_project_bn_centered)
         d_block12_project_bn_batch_mean = mem.tensor(379, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block12_project_bn_batch_mean, d_block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
@@ -4861,15 +4861,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block12_project_bn_add_2, out=d_block12_project_bn_bias, shape=(1, 96, 1, 1))
         # d_block12_project_bn_B = reshape[96](d_block12_project_bn_bias)
         d_block12_project_bn_B = rt.reshape(d_block12_project_bn_bias, shape=(96,))
-        # V_block12_project_bn_B_new = V_block12_project_bn_B*momentum + d_block12_project_bn_B + decay*block12_project_bn_B
+        # V_block12_project_bn_B_new = V_block12_project_bn_B*momentum + d_block12_project_bn_B + decay*block12_project_bn_B   (computed with the next statement)
         V_block12_project_bn_B_new = T['V_block12_project_bn_B']  # in place: the new V_block12_project_bn_B
-        rt.ew(ew_mul_add_4, V_block12_project_bn_B_new, T['V_block12_project_bn_B'], momentum, d_block12_project_bn_B, decay, T['block12_project_bn_B'])
+        # block12_project_bn_B_new = block12_project_bn_B - lr*V_block12_project_bn_B_new
+        block12_project_bn_B_new = T['block12_project_bn_B']  # in place: the new block12_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block12_project_bn_B_new, T['V_block12_project_bn_B'], momentum, d_block12_project_bn_B, decay, T['block12_project_bn_B']),
+                   (ew_mul_sub, block12_project_bn_B_new, T['block12_project_bn_B'], lr, V_block12_project_bn_B_new))
         # free d_block12_project_bn_bias, d_block12_project_bn_B
         del d_block12_project_bn_bias, d_block12_project_bn_B
         mem.free(380)
-        # block12_project_bn_B_new = block12_project_bn_B - lr*V_block12_project_bn_B_new
-        block12_project_bn_B_new = T['block12_project_bn_B']  # in place: the new block12_project_bn_B
-        rt.ew(ew_mul_sub, block12_project_bn_B_new, T['block12_project_bn_B'], lr, V_block12_project_bn_B_new)
 
         # ---- block12_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block12_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block12_dw_bn_centered*block12_dw_bn_inv_std*block12_dw_bn_weight + block12_dw_bn_bias))
@@ -4910,12 +4910,12 @@ class MobilenetV2(rp.Model):
         # d_block12_dw_bn_ew_sum = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered)
         d_block12_dw_bn_ew_sum = mem.tensor(384, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block12_dw_bn_ew_sum, d_block12_dw_bn, block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
-        # d_block12_dw_bn_inv_std = block12_dw_bn_weight*d_block12_dw_bn_ew_sum
+        # d_block12_dw_bn_inv_std = block12_dw_bn_weight*d_block12_dw_bn_ew_sum   (computed with the next statement)
         d_block12_dw_bn_inv_std = mem.tensor(385, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_ew_sum)
         # d_block12_dw_bn_sum_of_squares = -d_block12_dw_bn_inv_std/(12544*(block12_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_dw_bn_sum_of_squares = d_block12_dw_bn_inv_std  # in place: over d_block12_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block12_dw_bn_sum_of_squares, d_block12_dw_bn_inv_std, block12_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block12_dw_bn_sum_of_squares, d_block12_dw_bn_inv_std, block12_dw_bn_batch_var))
         # free block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         del block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         mem.free(172)
@@ -4939,26 +4939,26 @@ class MobilenetV2(rp.Model):
         mem.free(384)
         # d_block12_dw_bn_W = reshape[576](d_block12_dw_bn_weight)
         d_block12_dw_bn_W = rt.reshape(d_block12_dw_bn_weight, shape=(576,))
-        # V_block12_dw_bn_W_new = V_block12_dw_bn_W*momentum + d_block12_dw_bn_W + decay*block12_dw_bn_W
+        # V_block12_dw_bn_W_new = V_block12_dw_bn_W*momentum + d_block12_dw_bn_W + decay*block12_dw_bn_W   (computed with the next statement)
         V_block12_dw_bn_W_new = T['V_block12_dw_bn_W']  # in place: the new V_block12_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block12_dw_bn_W_new, T['V_block12_dw_bn_W'], momentum, d_block12_dw_bn_W, decay, T['block12_dw_bn_W'])
+        # block12_dw_bn_W_new = block12_dw_bn_W - lr*V_block12_dw_bn_W_new
+        block12_dw_bn_W_new = T['block12_dw_bn_W']  # in place: the new block12_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block12_dw_bn_W_new, T['V_block12_dw_bn_W'], momentum, d_block12_dw_bn_W, decay, T['block12_dw_bn_W']),
+                   (ew_mul_sub, block12_dw_bn_W_new, T['block12_dw_bn_W'], lr, V_block12_dw_bn_W_new))
         # free block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
         del block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
         mem.free(173)
-        # block12_dw_bn_W_new = block12_dw_bn_W - lr*V_block12_dw_bn_W_new
-        block12_dw_bn_W_new = T['block12_dw_bn_W']  # in place: the new block12_dw_bn_W
-        rt.ew(ew_mul_sub, block12_dw_bn_W_new, T['block12_dw_bn_W'], lr, V_block12_dw_bn_W_new)
         # d_block12_dw_bn_B = reshape[576](d_block12_dw_bn_bias)
         d_block12_dw_bn_B = rt.reshape(d_block12_dw_bn_bias, shape=(576,))
-        # V_block12_dw_bn_B_new = V_block12_dw_bn_B*momentum + d_block12_dw_bn_B + decay*block12_dw_bn_B
+        # V_block12_dw_bn_B_new = V_block12_dw_bn_B*momentum + d_block12_dw_bn_B + decay*block12_dw_bn_B   (computed with the next statement)
         V_block12_dw_bn_B_new = T['V_block12_dw_bn_B']  # in place: the new V_block12_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block12_dw_bn_B_new, T['V_block12_dw_bn_B'], momentum, d_block12_dw_bn_B, decay, T['block12_dw_bn_B'])
+        # block12_dw_bn_B_new = block12_dw_bn_B - lr*V_block12_dw_bn_B_new
+        block12_dw_bn_B_new = T['block12_dw_bn_B']  # in place: the new block12_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block12_dw_bn_B_new, T['V_block12_dw_bn_B'], momentum, d_block12_dw_bn_B, decay, T['block12_dw_bn_B']),
+                   (ew_mul_sub, block12_dw_bn_B_new, T['block12_dw_bn_B'], lr, V_block12_dw_bn_B_new))
         # free d_block12_dw_bn_bias, d_block12_dw_bn_B
         del d_block12_dw_bn_bias, d_block12_dw_bn_B
         mem.free(386)
-        # block12_dw_bn_B_new = block12_dw_bn_B - lr*V_block12_dw_bn_B_new
-        block12_dw_bn_B_new = T['block12_dw_bn_B']  # in place: the new block12_dw_bn_B
-        rt.ew(ew_mul_sub, block12_dw_bn_B_new, T['block12_dw_bn_B'], lr, V_block12_dw_bn_B_new)
         # d_block12_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block12_dw_bn_centered)
         d_block12_dw_bn_batch_mean = mem.tensor(387, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block12_dw_bn_batch_mean, d_block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
@@ -5013,12 +5013,12 @@ class MobilenetV2(rp.Model):
         # d_block12_expand_bn_ew_sum = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered)
         d_block12_expand_bn_ew_sum = mem.tensor(391, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block12_expand_bn_ew_sum, d_block12_expand_bn, block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
-        # d_block12_expand_bn_inv_std = block12_expand_bn_weight*d_block12_expand_bn_ew_sum
+        # d_block12_expand_bn_inv_std = block12_expand_bn_weight*d_block12_expand_bn_ew_sum   (computed with the next statement)
         d_block12_expand_bn_inv_std = mem.tensor(392, (1, 576, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_ew_sum)
         # d_block12_expand_bn_sum_of_squares = -d_block12_expand_bn_inv_std/(12544*(block12_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block12_expand_bn_sum_of_squares = d_block12_expand_bn_inv_std  # in place: over d_block12_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block12_expand_bn_sum_of_squares, d_block12_expand_bn_inv_std, block12_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block12_expand_bn_sum_of_squares, d_block12_expand_bn_inv_std, block12_expand_bn_batch_var))
         # free block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         del block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         mem.free(167)
@@ -5042,26 +5042,26 @@ class MobilenetV2(rp.Model):
         mem.free(391)
         # d_block12_expand_bn_W = reshape[576](d_block12_expand_bn_weight)
         d_block12_expand_bn_W = rt.reshape(d_block12_expand_bn_weight, shape=(576,))
-        # V_block12_expand_bn_W_new = V_block12_expand_bn_W*momentum + d_block12_expand_bn_W + decay*block12_expand_bn_W
+        # V_block12_expand_bn_W_new = V_block12_expand_bn_W*momentum + d_block12_expand_bn_W + decay*block12_expand_bn_W   (computed with the next statement)
         V_block12_expand_bn_W_new = T['V_block12_expand_bn_W']  # in place: the new V_block12_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block12_expand_bn_W_new, T['V_block12_expand_bn_W'], momentum, d_block12_expand_bn_W, decay, T['block12_expand_bn_W'])
+        # block12_expand_bn_W_new = block12_expand_bn_W - lr*V_block12_expand_bn_W_new
+        block12_expand_bn_W_new = T['block12_expand_bn_W']  # in place: the new block12_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block12_expand_bn_W_new, T['V_block12_expand_bn_W'], momentum, d_block12_expand_bn_W, decay, T['block12_expand_bn_W']),
+                   (ew_mul_sub, block12_expand_bn_W_new, T['block12_expand_bn_W'], lr, V_block12_expand_bn_W_new))
         # free block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
         del block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
         mem.free(168)
-        # block12_expand_bn_W_new = block12_expand_bn_W - lr*V_block12_expand_bn_W_new
-        block12_expand_bn_W_new = T['block12_expand_bn_W']  # in place: the new block12_expand_bn_W
-        rt.ew(ew_mul_sub, block12_expand_bn_W_new, T['block12_expand_bn_W'], lr, V_block12_expand_bn_W_new)
         # d_block12_expand_bn_B = reshape[576](d_block12_expand_bn_bias)
         d_block12_expand_bn_B = rt.reshape(d_block12_expand_bn_bias, shape=(576,))
-        # V_block12_expand_bn_B_new = V_block12_expand_bn_B*momentum + d_block12_expand_bn_B + decay*block12_expand_bn_B
+        # V_block12_expand_bn_B_new = V_block12_expand_bn_B*momentum + d_block12_expand_bn_B + decay*block12_expand_bn_B   (computed with the next statement)
         V_block12_expand_bn_B_new = T['V_block12_expand_bn_B']  # in place: the new V_block12_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block12_expand_bn_B_new, T['V_block12_expand_bn_B'], momentum, d_block12_expand_bn_B, decay, T['block12_expand_bn_B'])
+        # block12_expand_bn_B_new = block12_expand_bn_B - lr*V_block12_expand_bn_B_new
+        block12_expand_bn_B_new = T['block12_expand_bn_B']  # in place: the new block12_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block12_expand_bn_B_new, T['V_block12_expand_bn_B'], momentum, d_block12_expand_bn_B, decay, T['block12_expand_bn_B']),
+                   (ew_mul_sub, block12_expand_bn_B_new, T['block12_expand_bn_B'], lr, V_block12_expand_bn_B_new))
         # free d_block12_expand_bn_bias, d_block12_expand_bn_B
         del d_block12_expand_bn_bias, d_block12_expand_bn_B
         mem.free(393)
-        # block12_expand_bn_B_new = block12_expand_bn_B - lr*V_block12_expand_bn_B_new
-        block12_expand_bn_B_new = T['block12_expand_bn_B']  # in place: the new block12_expand_bn_B
-        rt.ew(ew_mul_sub, block12_expand_bn_B_new, T['block12_expand_bn_B'], lr, V_block12_expand_bn_B_new)
         # d_block12_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block12_expand_bn_centered)
         d_block12_expand_bn_batch_mean = mem.tensor(394, (1, 576, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block12_expand_bn_batch_mean, d_block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
@@ -5105,26 +5105,26 @@ class MobilenetV2(rp.Model):
         mem.free(397)
 
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), backward ----
-        # V_block12_expand_W_new = V_block12_expand_W*momentum + d_block12_expand_W + decay*block12_expand_W
+        # V_block12_expand_W_new = V_block12_expand_W*momentum + d_block12_expand_W + decay*block12_expand_W   (computed with the next statement)
         V_block12_expand_W_new = T['V_block12_expand_W']  # in place: the new V_block12_expand_W
-        rt.ew(ew_mul_add_4, V_block12_expand_W_new, T['V_block12_expand_W'], momentum, d_block12_expand_W, decay, T['block12_expand_W'])
+        # block12_expand_W_new = block12_expand_W - lr*V_block12_expand_W_new
+        block12_expand_W_new = T['block12_expand_W']  # in place: the new block12_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block12_expand_W_new, T['V_block12_expand_W'], momentum, d_block12_expand_W, decay, T['block12_expand_W']),
+                   (ew_mul_sub, block12_expand_W_new, T['block12_expand_W'], lr, V_block12_expand_W_new))
         # free d_block12_expand_W
         del d_block12_expand_W
         mem.free(396)
-        # block12_expand_W_new = block12_expand_W - lr*V_block12_expand_W_new
-        block12_expand_W_new = T['block12_expand_W']  # in place: the new block12_expand_W
-        rt.ew(ew_mul_sub, block12_expand_W_new, T['block12_expand_W'], lr, V_block12_expand_W_new)
 
         # ---- block11_project_bn (batch norm), backward ----
         # d_block11_project_bn_ew_sum = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered)
         d_block11_project_bn_ew_sum = mem.tensor(398, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block11_project_bn_ew_sum, d_block11_project_bn_2, block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
-        # d_block11_project_bn_inv_std = block11_project_bn_weight*d_block11_project_bn_ew_sum
+        # d_block11_project_bn_inv_std = block11_project_bn_weight*d_block11_project_bn_ew_sum   (computed with the next statement)
         d_block11_project_bn_inv_std = mem.tensor(399, (1, 96, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_ew_sum)
         # d_block11_project_bn_sum_of_squares = -d_block11_project_bn_inv_std/(12544*(block11_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_project_bn_sum_of_squares = d_block11_project_bn_inv_std  # in place: over d_block11_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block11_project_bn_sum_of_squares, d_block11_project_bn_inv_std, block11_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block11_project_bn_sum_of_squares, d_block11_project_bn_inv_std, block11_project_bn_batch_var))
         # free block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         del block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         mem.free(162)
@@ -5148,26 +5148,26 @@ class MobilenetV2(rp.Model):
         mem.free(398)
         # d_block11_project_bn_W = reshape[96](d_block11_project_bn_weight)
         d_block11_project_bn_W = rt.reshape(d_block11_project_bn_weight, shape=(96,))
-        # V_block11_project_bn_W_new = V_block11_project_bn_W*momentum + d_block11_project_bn_W + decay*block11_project_bn_W
+        # V_block11_project_bn_W_new = V_block11_project_bn_W*momentum + d_block11_project_bn_W + decay*block11_project_bn_W   (computed with the next statement)
         V_block11_project_bn_W_new = T['V_block11_project_bn_W']  # in place: the new V_block11_project_bn_W
-        rt.ew(ew_mul_add_4, V_block11_project_bn_W_new, T['V_block11_project_bn_W'], momentum, d_block11_project_bn_W, decay, T['block11_project_bn_W'])
+        # block11_project_bn_W_new = block11_project_bn_W - lr*V_block11_project_bn_W_new
+        block11_project_bn_W_new = T['block11_project_bn_W']  # in place: the new block11_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block11_project_bn_W_new, T['V_block11_project_bn_W'], momentum, d_block11_project_bn_W, decay, T['block11_project_bn_W']),
+                   (ew_mul_sub, block11_project_bn_W_new, T['block11_project_bn_W'], lr, V_block11_project_bn_W_new))
         # free block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
         del block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
         mem.free(163)
-        # block11_project_bn_W_new = block11_project_bn_W - lr*V_block11_project_bn_W_new
-        block11_project_bn_W_new = T['block11_project_bn_W']  # in place: the new block11_project_bn_W
-        rt.ew(ew_mul_sub, block11_project_bn_W_new, T['block11_project_bn_W'], lr, V_block11_project_bn_W_new)
         # d_block11_project_bn_B = reshape[96](d_block11_project_bn_bias)
         d_block11_project_bn_B = rt.reshape(d_block11_project_bn_bias, shape=(96,))
-        # V_block11_project_bn_B_new = V_block11_project_bn_B*momentum + d_block11_project_bn_B + decay*block11_project_bn_B
+        # V_block11_project_bn_B_new = V_block11_project_bn_B*momentum + d_block11_project_bn_B + decay*block11_project_bn_B   (computed with the next statement)
         V_block11_project_bn_B_new = T['V_block11_project_bn_B']  # in place: the new V_block11_project_bn_B
-        rt.ew(ew_mul_add_4, V_block11_project_bn_B_new, T['V_block11_project_bn_B'], momentum, d_block11_project_bn_B, decay, T['block11_project_bn_B'])
+        # block11_project_bn_B_new = block11_project_bn_B - lr*V_block11_project_bn_B_new
+        block11_project_bn_B_new = T['block11_project_bn_B']  # in place: the new block11_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block11_project_bn_B_new, T['V_block11_project_bn_B'], momentum, d_block11_project_bn_B, decay, T['block11_project_bn_B']),
+                   (ew_mul_sub, block11_project_bn_B_new, T['block11_project_bn_B'], lr, V_block11_project_bn_B_new))
         # free d_block11_project_bn_bias, d_block11_project_bn_B
         del d_block11_project_bn_bias, d_block11_project_bn_B
         mem.free(400)
-        # block11_project_bn_B_new = block11_project_bn_B - lr*V_block11_project_bn_B_new
-        block11_project_bn_B_new = T['block11_project_bn_B']  # in place: the new block11_project_bn_B
-        rt.ew(ew_mul_sub, block11_project_bn_B_new, T['block11_project_bn_B'], lr, V_block11_project_bn_B_new)
         # d_block11_project_bn_batch_mean = sum_to[1x96x1x1](-d_block11_project_bn_centered)
         d_block11_project_bn_batch_mean = mem.tensor(401, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block11_project_bn_batch_mean, d_block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
@@ -5222,12 +5222,12 @@ class MobilenetV2(rp.Model):
         # d_block11_dw_bn_ew_sum = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered)
         d_block11_dw_bn_ew_sum = mem.tensor(405, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block11_dw_bn_ew_sum, d_block11_dw_bn, block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block11_dw_bn_inv_std = block11_dw_bn_weight*d_block11_dw_bn_ew_sum
+        # d_block11_dw_bn_inv_std = block11_dw_bn_weight*d_block11_dw_bn_ew_sum   (computed with the next statement)
         d_block11_dw_bn_inv_std = mem.tensor(406, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_ew_sum)
         # d_block11_dw_bn_sum_of_squares = -d_block11_dw_bn_inv_std/(12544*(block11_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_dw_bn_sum_of_squares = d_block11_dw_bn_inv_std  # in place: over d_block11_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block11_dw_bn_sum_of_squares, d_block11_dw_bn_inv_std, block11_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block11_dw_bn_sum_of_squares, d_block11_dw_bn_inv_std, block11_dw_bn_batch_var))
         # free block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         del block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         mem.free(157)
@@ -5251,26 +5251,26 @@ class MobilenetV2(rp.Model):
         mem.free(405)
         # d_block11_dw_bn_W = reshape[384](d_block11_dw_bn_weight)
         d_block11_dw_bn_W = rt.reshape(d_block11_dw_bn_weight, shape=(384,))
-        # V_block11_dw_bn_W_new = V_block11_dw_bn_W*momentum + d_block11_dw_bn_W + decay*block11_dw_bn_W
+        # V_block11_dw_bn_W_new = V_block11_dw_bn_W*momentum + d_block11_dw_bn_W + decay*block11_dw_bn_W   (computed with the next statement)
         V_block11_dw_bn_W_new = T['V_block11_dw_bn_W']  # in place: the new V_block11_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block11_dw_bn_W_new, T['V_block11_dw_bn_W'], momentum, d_block11_dw_bn_W, decay, T['block11_dw_bn_W'])
+        # block11_dw_bn_W_new = block11_dw_bn_W - lr*V_block11_dw_bn_W_new
+        block11_dw_bn_W_new = T['block11_dw_bn_W']  # in place: the new block11_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block11_dw_bn_W_new, T['V_block11_dw_bn_W'], momentum, d_block11_dw_bn_W, decay, T['block11_dw_bn_W']),
+                   (ew_mul_sub, block11_dw_bn_W_new, T['block11_dw_bn_W'], lr, V_block11_dw_bn_W_new))
         # free block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
         del block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
         mem.free(158)
-        # block11_dw_bn_W_new = block11_dw_bn_W - lr*V_block11_dw_bn_W_new
-        block11_dw_bn_W_new = T['block11_dw_bn_W']  # in place: the new block11_dw_bn_W
-        rt.ew(ew_mul_sub, block11_dw_bn_W_new, T['block11_dw_bn_W'], lr, V_block11_dw_bn_W_new)
         # d_block11_dw_bn_B = reshape[384](d_block11_dw_bn_bias)
         d_block11_dw_bn_B = rt.reshape(d_block11_dw_bn_bias, shape=(384,))
-        # V_block11_dw_bn_B_new = V_block11_dw_bn_B*momentum + d_block11_dw_bn_B + decay*block11_dw_bn_B
+        # V_block11_dw_bn_B_new = V_block11_dw_bn_B*momentum + d_block11_dw_bn_B + decay*block11_dw_bn_B   (computed with the next statement)
         V_block11_dw_bn_B_new = T['V_block11_dw_bn_B']  # in place: the new V_block11_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block11_dw_bn_B_new, T['V_block11_dw_bn_B'], momentum, d_block11_dw_bn_B, decay, T['block11_dw_bn_B'])
+        # block11_dw_bn_B_new = block11_dw_bn_B - lr*V_block11_dw_bn_B_new
+        block11_dw_bn_B_new = T['block11_dw_bn_B']  # in place: the new block11_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block11_dw_bn_B_new, T['V_block11_dw_bn_B'], momentum, d_block11_dw_bn_B, decay, T['block11_dw_bn_B']),
+                   (ew_mul_sub, block11_dw_bn_B_new, T['block11_dw_bn_B'], lr, V_block11_dw_bn_B_new))
         # free d_block11_dw_bn_bias, d_block11_dw_bn_B
         del d_block11_dw_bn_bias, d_block11_dw_bn_B
         mem.free(407)
-        # block11_dw_bn_B_new = block11_dw_bn_B - lr*V_block11_dw_bn_B_new
-        block11_dw_bn_B_new = T['block11_dw_bn_B']  # in place: the new block11_dw_bn_B
-        rt.ew(ew_mul_sub, block11_dw_bn_B_new, T['block11_dw_bn_B'], lr, V_block11_dw_bn_B_new)
         # d_block11_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block11_dw_bn_centered)
         d_block11_dw_bn_batch_mean = mem.tensor(408, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block11_dw_bn_batch_mean, d_block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -5325,12 +5325,12 @@ class MobilenetV2(rp.Model):
         # d_block11_expand_bn_ew_sum = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered)
         d_block11_expand_bn_ew_sum = mem.tensor(412, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block11_expand_bn_ew_sum, d_block11_expand_bn, block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block11_expand_bn_inv_std = block11_expand_bn_weight*d_block11_expand_bn_ew_sum
+        # d_block11_expand_bn_inv_std = block11_expand_bn_weight*d_block11_expand_bn_ew_sum   (computed with the next statement)
         d_block11_expand_bn_inv_std = mem.tensor(413, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_ew_sum)
         # d_block11_expand_bn_sum_of_squares = -d_block11_expand_bn_inv_std/(12544*(block11_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block11_expand_bn_sum_of_squares = d_block11_expand_bn_inv_std  # in place: over d_block11_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block11_expand_bn_sum_of_squares, d_block11_expand_bn_inv_std, block11_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block11_expand_bn_sum_of_squares, d_block11_expand_bn_inv_std, block11_expand_bn_batch_var))
         # free block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         del block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         mem.free(152)
@@ -5354,26 +5354,26 @@ class MobilenetV2(rp.Model):
         mem.free(412)
         # d_block11_expand_bn_W = reshape[384](d_block11_expand_bn_weight)
         d_block11_expand_bn_W = rt.reshape(d_block11_expand_bn_weight, shape=(384,))
-        # V_block11_expand_bn_W_new = V_block11_expand_bn_W*momentum + d_block11_expand_bn_W + decay*block11_expand_bn_W
+        # V_block11_expand_bn_W_new = V_block11_expand_bn_W*momentum + d_block11_expand_bn_W + decay*block11_expand_bn_W   (computed with the next statement)
         V_block11_expand_bn_W_new = T['V_block11_expand_bn_W']  # in place: the new V_block11_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block11_expand_bn_W_new, T['V_block11_expand_bn_W'], momentum, d_block11_expand_bn_W, decay, T['block11_expand_bn_W'])
+        # block11_expand_bn_W_new = block11_expand_bn_W - lr*V_block11_expand_bn_W_new
+        block11_expand_bn_W_new = T['block11_expand_bn_W']  # in place: the new block11_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block11_expand_bn_W_new, T['V_block11_expand_bn_W'], momentum, d_block11_expand_bn_W, decay, T['block11_expand_bn_W']),
+                   (ew_mul_sub, block11_expand_bn_W_new, T['block11_expand_bn_W'], lr, V_block11_expand_bn_W_new))
         # free block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
         del block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
         mem.free(153)
-        # block11_expand_bn_W_new = block11_expand_bn_W - lr*V_block11_expand_bn_W_new
-        block11_expand_bn_W_new = T['block11_expand_bn_W']  # in place: the new block11_expand_bn_W
-        rt.ew(ew_mul_sub, block11_expand_bn_W_new, T['block11_expand_bn_W'], lr, V_block11_expand_bn_W_new)
         # d_block11_expand_bn_B = reshape[384](d_block11_expand_bn_bias)
         d_block11_expand_bn_B = rt.reshape(d_block11_expand_bn_bias, shape=(384,))
-        # V_block11_expand_bn_B_new = V_block11_expand_bn_B*momentum + d_block11_expand_bn_B + decay*block11_expand_bn_B
+        # V_block11_expand_bn_B_new = V_block11_expand_bn_B*momentum + d_block11_expand_bn_B + decay*block11_expand_bn_B   (computed with the next statement)
         V_block11_expand_bn_B_new = T['V_block11_expand_bn_B']  # in place: the new V_block11_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block11_expand_bn_B_new, T['V_block11_expand_bn_B'], momentum, d_block11_expand_bn_B, decay, T['block11_expand_bn_B'])
+        # block11_expand_bn_B_new = block11_expand_bn_B - lr*V_block11_expand_bn_B_new
+        block11_expand_bn_B_new = T['block11_expand_bn_B']  # in place: the new block11_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block11_expand_bn_B_new, T['V_block11_expand_bn_B'], momentum, d_block11_expand_bn_B, decay, T['block11_expand_bn_B']),
+                   (ew_mul_sub, block11_expand_bn_B_new, T['block11_expand_bn_B'], lr, V_block11_expand_bn_B_new))
         # free d_block11_expand_bn_bias, d_block11_expand_bn_B
         del d_block11_expand_bn_bias, d_block11_expand_bn_B
         mem.free(414)
-        # block11_expand_bn_B_new = block11_expand_bn_B - lr*V_block11_expand_bn_B_new
-        block11_expand_bn_B_new = T['block11_expand_bn_B']  # in place: the new block11_expand_bn_B
-        rt.ew(ew_mul_sub, block11_expand_bn_B_new, T['block11_expand_bn_B'], lr, V_block11_expand_bn_B_new)
         # d_block11_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block11_expand_bn_centered)
         d_block11_expand_bn_batch_mean = mem.tensor(415, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block11_expand_bn_batch_mean, d_block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -5400,26 +5400,26 @@ class MobilenetV2(rp.Model):
         # free block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         del block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         mem.free(150)
-        # V_block11_expand_W_new = V_block11_expand_W*momentum + d_block11_expand_W + decay*block11_expand_W
+        # V_block11_expand_W_new = V_block11_expand_W*momentum + d_block11_expand_W + decay*block11_expand_W   (computed with the next statement)
         V_block11_expand_W_new = T['V_block11_expand_W']  # in place: the new V_block11_expand_W
-        rt.ew(ew_mul_add_4, V_block11_expand_W_new, T['V_block11_expand_W'], momentum, d_block11_expand_W, decay, T['block11_expand_W'])
+        # block11_expand_W_new = block11_expand_W - lr*V_block11_expand_W_new
+        block11_expand_W_new = T['block11_expand_W']  # in place: the new block11_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block11_expand_W_new, T['V_block11_expand_W'], momentum, d_block11_expand_W, decay, T['block11_expand_W']),
+                   (ew_mul_sub, block11_expand_W_new, T['block11_expand_W'], lr, V_block11_expand_W_new))
         # free d_block11_expand_W
         del d_block11_expand_W
         mem.free(416)
-        # block11_expand_W_new = block11_expand_W - lr*V_block11_expand_W_new
-        block11_expand_W_new = T['block11_expand_W']  # in place: the new block11_expand_W
-        rt.ew(ew_mul_sub, block11_expand_W_new, T['block11_expand_W'], lr, V_block11_expand_W_new)
 
         # ---- block10_project_bn (batch norm), backward ----
         # d_block10_project_bn_ew_sum = sum_to[1x64x1x1](d_block10_project_bn_add*block10_project_bn_centered)
         d_block10_project_bn_ew_sum = mem.tensor(418, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block10_project_bn_ew_sum, d_block10_project_bn_add, block10_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
-        # d_block10_project_bn_inv_std = block10_project_bn_weight*d_block10_project_bn_ew_sum
+        # d_block10_project_bn_inv_std = block10_project_bn_weight*d_block10_project_bn_ew_sum   (computed with the next statement)
         d_block10_project_bn_inv_std = mem.tensor(419, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_ew_sum)
         # d_block10_project_bn_sum_of_squares = -d_block10_project_bn_inv_std/(12544*(block10_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_project_bn_sum_of_squares = d_block10_project_bn_inv_std  # in place: over d_block10_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block10_project_bn_sum_of_squares, d_block10_project_bn_inv_std, block10_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block10_project_bn_sum_of_squares, d_block10_project_bn_inv_std, block10_project_bn_batch_var))
         # free block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         del block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         mem.free(148)
@@ -5437,15 +5437,15 @@ class MobilenetV2(rp.Model):
         mem.free(418)
         # d_block10_project_bn_W = reshape[64](d_block10_project_bn_weight)
         d_block10_project_bn_W = rt.reshape(d_block10_project_bn_weight, shape=(64,))
-        # V_block10_project_bn_W_new = V_block10_project_bn_W*momentum + d_block10_project_bn_W + decay*block10_project_bn_W
+        # V_block10_project_bn_W_new = V_block10_project_bn_W*momentum + d_block10_project_bn_W + decay*block10_project_bn_W   (computed with the next statement)
         V_block10_project_bn_W_new = T['V_block10_project_bn_W']  # in place: the new V_block10_project_bn_W
-        rt.ew(ew_mul_add_4, V_block10_project_bn_W_new, T['V_block10_project_bn_W'], momentum, d_block10_project_bn_W, decay, T['block10_project_bn_W'])
+        # block10_project_bn_W_new = block10_project_bn_W - lr*V_block10_project_bn_W_new
+        block10_project_bn_W_new = T['block10_project_bn_W']  # in place: the new block10_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block10_project_bn_W_new, T['V_block10_project_bn_W'], momentum, d_block10_project_bn_W, decay, T['block10_project_bn_W']),
+                   (ew_mul_sub, block10_project_bn_W_new, T['block10_project_bn_W'], lr, V_block10_project_bn_W_new))
         # free block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
         del block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
         mem.free(149)
-        # block10_project_bn_W_new = block10_project_bn_W - lr*V_block10_project_bn_W_new
-        block10_project_bn_W_new = T['block10_project_bn_W']  # in place: the new block10_project_bn_W
-        rt.ew(ew_mul_sub, block10_project_bn_W_new, T['block10_project_bn_W'], lr, V_block10_project_bn_W_new)
         # d_block10_project_bn_batch_mean = sum_to[1x64x1x1](-d_block10_project_bn_centered)
         d_block10_project_bn_batch_mean = mem.tensor(420, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block10_project_bn_batch_mean, d_block10_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
@@ -5467,15 +5467,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block10_project_bn_add, out=d_block10_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block10_project_bn_B = reshape[64](d_block10_project_bn_bias)
         d_block10_project_bn_B = rt.reshape(d_block10_project_bn_bias, shape=(64,))
-        # V_block10_project_bn_B_new = V_block10_project_bn_B*momentum + d_block10_project_bn_B + decay*block10_project_bn_B
+        # V_block10_project_bn_B_new = V_block10_project_bn_B*momentum + d_block10_project_bn_B + decay*block10_project_bn_B   (computed with the next statement)
         V_block10_project_bn_B_new = T['V_block10_project_bn_B']  # in place: the new V_block10_project_bn_B
-        rt.ew(ew_mul_add_4, V_block10_project_bn_B_new, T['V_block10_project_bn_B'], momentum, d_block10_project_bn_B, decay, T['block10_project_bn_B'])
+        # block10_project_bn_B_new = block10_project_bn_B - lr*V_block10_project_bn_B_new
+        block10_project_bn_B_new = T['block10_project_bn_B']  # in place: the new block10_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block10_project_bn_B_new, T['V_block10_project_bn_B'], momentum, d_block10_project_bn_B, decay, T['block10_project_bn_B']),
+                   (ew_mul_sub, block10_project_bn_B_new, T['block10_project_bn_B'], lr, V_block10_project_bn_B_new))
         # free d_block10_project_bn_bias, d_block10_project_bn_B
         del d_block10_project_bn_bias, d_block10_project_bn_B
         mem.free(421)
-        # block10_project_bn_B_new = block10_project_bn_B - lr*V_block10_project_bn_B_new
-        block10_project_bn_B_new = T['block10_project_bn_B']  # in place: the new block10_project_bn_B
-        rt.ew(ew_mul_sub, block10_project_bn_B_new, T['block10_project_bn_B'], lr, V_block10_project_bn_B_new)
 
         # ---- block10_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block10_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block10_dw_bn_centered*block10_dw_bn_inv_std*block10_dw_bn_weight + block10_dw_bn_bias))
@@ -5516,12 +5516,12 @@ class MobilenetV2(rp.Model):
         # d_block10_dw_bn_ew_sum = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered)
         d_block10_dw_bn_ew_sum = mem.tensor(425, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block10_dw_bn_ew_sum, d_block10_dw_bn, block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block10_dw_bn_inv_std = block10_dw_bn_weight*d_block10_dw_bn_ew_sum
+        # d_block10_dw_bn_inv_std = block10_dw_bn_weight*d_block10_dw_bn_ew_sum   (computed with the next statement)
         d_block10_dw_bn_inv_std = mem.tensor(426, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_ew_sum)
         # d_block10_dw_bn_sum_of_squares = -d_block10_dw_bn_inv_std/(12544*(block10_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_dw_bn_sum_of_squares = d_block10_dw_bn_inv_std  # in place: over d_block10_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block10_dw_bn_sum_of_squares, d_block10_dw_bn_inv_std, block10_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block10_dw_bn_sum_of_squares, d_block10_dw_bn_inv_std, block10_dw_bn_batch_var))
         # free block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         del block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         mem.free(143)
@@ -5545,26 +5545,26 @@ class MobilenetV2(rp.Model):
         mem.free(425)
         # d_block10_dw_bn_W = reshape[384](d_block10_dw_bn_weight)
         d_block10_dw_bn_W = rt.reshape(d_block10_dw_bn_weight, shape=(384,))
-        # V_block10_dw_bn_W_new = V_block10_dw_bn_W*momentum + d_block10_dw_bn_W + decay*block10_dw_bn_W
+        # V_block10_dw_bn_W_new = V_block10_dw_bn_W*momentum + d_block10_dw_bn_W + decay*block10_dw_bn_W   (computed with the next statement)
         V_block10_dw_bn_W_new = T['V_block10_dw_bn_W']  # in place: the new V_block10_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block10_dw_bn_W_new, T['V_block10_dw_bn_W'], momentum, d_block10_dw_bn_W, decay, T['block10_dw_bn_W'])
+        # block10_dw_bn_W_new = block10_dw_bn_W - lr*V_block10_dw_bn_W_new
+        block10_dw_bn_W_new = T['block10_dw_bn_W']  # in place: the new block10_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block10_dw_bn_W_new, T['V_block10_dw_bn_W'], momentum, d_block10_dw_bn_W, decay, T['block10_dw_bn_W']),
+                   (ew_mul_sub, block10_dw_bn_W_new, T['block10_dw_bn_W'], lr, V_block10_dw_bn_W_new))
         # free block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
         del block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
         mem.free(144)
-        # block10_dw_bn_W_new = block10_dw_bn_W - lr*V_block10_dw_bn_W_new
-        block10_dw_bn_W_new = T['block10_dw_bn_W']  # in place: the new block10_dw_bn_W
-        rt.ew(ew_mul_sub, block10_dw_bn_W_new, T['block10_dw_bn_W'], lr, V_block10_dw_bn_W_new)
         # d_block10_dw_bn_B = reshape[384](d_block10_dw_bn_bias)
         d_block10_dw_bn_B = rt.reshape(d_block10_dw_bn_bias, shape=(384,))
-        # V_block10_dw_bn_B_new = V_block10_dw_bn_B*momentum + d_block10_dw_bn_B + decay*block10_dw_bn_B
+        # V_block10_dw_bn_B_new = V_block10_dw_bn_B*momentum + d_block10_dw_bn_B + decay*block10_dw_bn_B   (computed with the next statement)
         V_block10_dw_bn_B_new = T['V_block10_dw_bn_B']  # in place: the new V_block10_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block10_dw_bn_B_new, T['V_block10_dw_bn_B'], momentum, d_block10_dw_bn_B, decay, T['block10_dw_bn_B'])
+        # block10_dw_bn_B_new = block10_dw_bn_B - lr*V_block10_dw_bn_B_new
+        block10_dw_bn_B_new = T['block10_dw_bn_B']  # in place: the new block10_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block10_dw_bn_B_new, T['V_block10_dw_bn_B'], momentum, d_block10_dw_bn_B, decay, T['block10_dw_bn_B']),
+                   (ew_mul_sub, block10_dw_bn_B_new, T['block10_dw_bn_B'], lr, V_block10_dw_bn_B_new))
         # free d_block10_dw_bn_bias, d_block10_dw_bn_B
         del d_block10_dw_bn_bias, d_block10_dw_bn_B
         mem.free(427)
-        # block10_dw_bn_B_new = block10_dw_bn_B - lr*V_block10_dw_bn_B_new
-        block10_dw_bn_B_new = T['block10_dw_bn_B']  # in place: the new block10_dw_bn_B
-        rt.ew(ew_mul_sub, block10_dw_bn_B_new, T['block10_dw_bn_B'], lr, V_block10_dw_bn_B_new)
         # d_block10_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block10_dw_bn_centered)
         d_block10_dw_bn_batch_mean = mem.tensor(428, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block10_dw_bn_batch_mean, d_block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -5619,12 +5619,12 @@ class MobilenetV2(rp.Model):
         # d_block10_expand_bn_ew_sum = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered)
         d_block10_expand_bn_ew_sum = mem.tensor(432, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block10_expand_bn_ew_sum, d_block10_expand_bn, block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block10_expand_bn_inv_std = block10_expand_bn_weight*d_block10_expand_bn_ew_sum
+        # d_block10_expand_bn_inv_std = block10_expand_bn_weight*d_block10_expand_bn_ew_sum   (computed with the next statement)
         d_block10_expand_bn_inv_std = mem.tensor(433, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_ew_sum)
         # d_block10_expand_bn_sum_of_squares = -d_block10_expand_bn_inv_std/(12544*(block10_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block10_expand_bn_sum_of_squares = d_block10_expand_bn_inv_std  # in place: over d_block10_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block10_expand_bn_sum_of_squares, d_block10_expand_bn_inv_std, block10_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block10_expand_bn_sum_of_squares, d_block10_expand_bn_inv_std, block10_expand_bn_batch_var))
         # free block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         del block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         mem.free(138)
@@ -5648,26 +5648,26 @@ class MobilenetV2(rp.Model):
         mem.free(432)
         # d_block10_expand_bn_W = reshape[384](d_block10_expand_bn_weight)
         d_block10_expand_bn_W = rt.reshape(d_block10_expand_bn_weight, shape=(384,))
-        # V_block10_expand_bn_W_new = V_block10_expand_bn_W*momentum + d_block10_expand_bn_W + decay*block10_expand_bn_W
+        # V_block10_expand_bn_W_new = V_block10_expand_bn_W*momentum + d_block10_expand_bn_W + decay*block10_expand_bn_W   (computed with the next statement)
         V_block10_expand_bn_W_new = T['V_block10_expand_bn_W']  # in place: the new V_block10_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block10_expand_bn_W_new, T['V_block10_expand_bn_W'], momentum, d_block10_expand_bn_W, decay, T['block10_expand_bn_W'])
+        # block10_expand_bn_W_new = block10_expand_bn_W - lr*V_block10_expand_bn_W_new
+        block10_expand_bn_W_new = T['block10_expand_bn_W']  # in place: the new block10_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block10_expand_bn_W_new, T['V_block10_expand_bn_W'], momentum, d_block10_expand_bn_W, decay, T['block10_expand_bn_W']),
+                   (ew_mul_sub, block10_expand_bn_W_new, T['block10_expand_bn_W'], lr, V_block10_expand_bn_W_new))
         # free block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
         del block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
         mem.free(139)
-        # block10_expand_bn_W_new = block10_expand_bn_W - lr*V_block10_expand_bn_W_new
-        block10_expand_bn_W_new = T['block10_expand_bn_W']  # in place: the new block10_expand_bn_W
-        rt.ew(ew_mul_sub, block10_expand_bn_W_new, T['block10_expand_bn_W'], lr, V_block10_expand_bn_W_new)
         # d_block10_expand_bn_B = reshape[384](d_block10_expand_bn_bias)
         d_block10_expand_bn_B = rt.reshape(d_block10_expand_bn_bias, shape=(384,))
-        # V_block10_expand_bn_B_new = V_block10_expand_bn_B*momentum + d_block10_expand_bn_B + decay*block10_expand_bn_B
+        # V_block10_expand_bn_B_new = V_block10_expand_bn_B*momentum + d_block10_expand_bn_B + decay*block10_expand_bn_B   (computed with the next statement)
         V_block10_expand_bn_B_new = T['V_block10_expand_bn_B']  # in place: the new V_block10_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block10_expand_bn_B_new, T['V_block10_expand_bn_B'], momentum, d_block10_expand_bn_B, decay, T['block10_expand_bn_B'])
+        # block10_expand_bn_B_new = block10_expand_bn_B - lr*V_block10_expand_bn_B_new
+        block10_expand_bn_B_new = T['block10_expand_bn_B']  # in place: the new block10_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block10_expand_bn_B_new, T['V_block10_expand_bn_B'], momentum, d_block10_expand_bn_B, decay, T['block10_expand_bn_B']),
+                   (ew_mul_sub, block10_expand_bn_B_new, T['block10_expand_bn_B'], lr, V_block10_expand_bn_B_new))
         # free d_block10_expand_bn_bias, d_block10_expand_bn_B
         del d_block10_expand_bn_bias, d_block10_expand_bn_B
         mem.free(434)
-        # block10_expand_bn_B_new = block10_expand_bn_B - lr*V_block10_expand_bn_B_new
-        block10_expand_bn_B_new = T['block10_expand_bn_B']  # in place: the new block10_expand_bn_B
-        rt.ew(ew_mul_sub, block10_expand_bn_B_new, T['block10_expand_bn_B'], lr, V_block10_expand_bn_B_new)
         # d_block10_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block10_expand_bn_centered)
         d_block10_expand_bn_batch_mean = mem.tensor(435, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block10_expand_bn_batch_mean, d_block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -5711,26 +5711,26 @@ class MobilenetV2(rp.Model):
         mem.free(438)
 
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), backward ----
-        # V_block10_expand_W_new = V_block10_expand_W*momentum + d_block10_expand_W + decay*block10_expand_W
+        # V_block10_expand_W_new = V_block10_expand_W*momentum + d_block10_expand_W + decay*block10_expand_W   (computed with the next statement)
         V_block10_expand_W_new = T['V_block10_expand_W']  # in place: the new V_block10_expand_W
-        rt.ew(ew_mul_add_4, V_block10_expand_W_new, T['V_block10_expand_W'], momentum, d_block10_expand_W, decay, T['block10_expand_W'])
+        # block10_expand_W_new = block10_expand_W - lr*V_block10_expand_W_new
+        block10_expand_W_new = T['block10_expand_W']  # in place: the new block10_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block10_expand_W_new, T['V_block10_expand_W'], momentum, d_block10_expand_W, decay, T['block10_expand_W']),
+                   (ew_mul_sub, block10_expand_W_new, T['block10_expand_W'], lr, V_block10_expand_W_new))
         # free d_block10_expand_W
         del d_block10_expand_W
         mem.free(437)
-        # block10_expand_W_new = block10_expand_W - lr*V_block10_expand_W_new
-        block10_expand_W_new = T['block10_expand_W']  # in place: the new block10_expand_W
-        rt.ew(ew_mul_sub, block10_expand_W_new, T['block10_expand_W'], lr, V_block10_expand_W_new)
 
         # ---- block9_project_bn (batch norm), backward ----
         # d_block9_project_bn_ew_sum = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered)
         d_block9_project_bn_ew_sum = mem.tensor(439, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block9_project_bn_ew_sum, d_block9_project_bn_add_2, block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
-        # d_block9_project_bn_inv_std = block9_project_bn_weight*d_block9_project_bn_ew_sum
+        # d_block9_project_bn_inv_std = block9_project_bn_weight*d_block9_project_bn_ew_sum   (computed with the next statement)
         d_block9_project_bn_inv_std = mem.tensor(440, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_ew_sum)
         # d_block9_project_bn_sum_of_squares = -d_block9_project_bn_inv_std/(12544*(block9_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_project_bn_sum_of_squares = d_block9_project_bn_inv_std  # in place: over d_block9_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block9_project_bn_sum_of_squares, d_block9_project_bn_inv_std, block9_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block9_project_bn_sum_of_squares, d_block9_project_bn_inv_std, block9_project_bn_batch_var))
         # free block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         del block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         mem.free(133)
@@ -5748,15 +5748,15 @@ class MobilenetV2(rp.Model):
         mem.free(439)
         # d_block9_project_bn_W = reshape[64](d_block9_project_bn_weight)
         d_block9_project_bn_W = rt.reshape(d_block9_project_bn_weight, shape=(64,))
-        # V_block9_project_bn_W_new = V_block9_project_bn_W*momentum + d_block9_project_bn_W + decay*block9_project_bn_W
+        # V_block9_project_bn_W_new = V_block9_project_bn_W*momentum + d_block9_project_bn_W + decay*block9_project_bn_W   (computed with the next statement)
         V_block9_project_bn_W_new = T['V_block9_project_bn_W']  # in place: the new V_block9_project_bn_W
-        rt.ew(ew_mul_add_4, V_block9_project_bn_W_new, T['V_block9_project_bn_W'], momentum, d_block9_project_bn_W, decay, T['block9_project_bn_W'])
+        # block9_project_bn_W_new = block9_project_bn_W - lr*V_block9_project_bn_W_new
+        block9_project_bn_W_new = T['block9_project_bn_W']  # in place: the new block9_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block9_project_bn_W_new, T['V_block9_project_bn_W'], momentum, d_block9_project_bn_W, decay, T['block9_project_bn_W']),
+                   (ew_mul_sub, block9_project_bn_W_new, T['block9_project_bn_W'], lr, V_block9_project_bn_W_new))
         # free block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
         del block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
         mem.free(134)
-        # block9_project_bn_W_new = block9_project_bn_W - lr*V_block9_project_bn_W_new
-        block9_project_bn_W_new = T['block9_project_bn_W']  # in place: the new block9_project_bn_W
-        rt.ew(ew_mul_sub, block9_project_bn_W_new, T['block9_project_bn_W'], lr, V_block9_project_bn_W_new)
         # d_block9_project_bn_batch_mean = sum_to[1x64x1x1](-d_block9_project_bn_centered)
         d_block9_project_bn_batch_mean = mem.tensor(441, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block9_project_bn_batch_mean, d_block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
@@ -5778,15 +5778,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block9_project_bn_add_2, out=d_block9_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block9_project_bn_B = reshape[64](d_block9_project_bn_bias)
         d_block9_project_bn_B = rt.reshape(d_block9_project_bn_bias, shape=(64,))
-        # V_block9_project_bn_B_new = V_block9_project_bn_B*momentum + d_block9_project_bn_B + decay*block9_project_bn_B
+        # V_block9_project_bn_B_new = V_block9_project_bn_B*momentum + d_block9_project_bn_B + decay*block9_project_bn_B   (computed with the next statement)
         V_block9_project_bn_B_new = T['V_block9_project_bn_B']  # in place: the new V_block9_project_bn_B
-        rt.ew(ew_mul_add_4, V_block9_project_bn_B_new, T['V_block9_project_bn_B'], momentum, d_block9_project_bn_B, decay, T['block9_project_bn_B'])
+        # block9_project_bn_B_new = block9_project_bn_B - lr*V_block9_project_bn_B_new
+        block9_project_bn_B_new = T['block9_project_bn_B']  # in place: the new block9_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block9_project_bn_B_new, T['V_block9_project_bn_B'], momentum, d_block9_project_bn_B, decay, T['block9_project_bn_B']),
+                   (ew_mul_sub, block9_project_bn_B_new, T['block9_project_bn_B'], lr, V_block9_project_bn_B_new))
         # free d_block9_project_bn_bias, d_block9_project_bn_B
         del d_block9_project_bn_bias, d_block9_project_bn_B
         mem.free(442)
-        # block9_project_bn_B_new = block9_project_bn_B - lr*V_block9_project_bn_B_new
-        block9_project_bn_B_new = T['block9_project_bn_B']  # in place: the new block9_project_bn_B
-        rt.ew(ew_mul_sub, block9_project_bn_B_new, T['block9_project_bn_B'], lr, V_block9_project_bn_B_new)
 
         # ---- block9_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block9_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block9_dw_bn_centered*block9_dw_bn_inv_std*block9_dw_bn_weight + block9_dw_bn_bias))
@@ -5827,12 +5827,12 @@ class MobilenetV2(rp.Model):
         # d_block9_dw_bn_ew_sum = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered)
         d_block9_dw_bn_ew_sum = mem.tensor(446, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block9_dw_bn_ew_sum, d_block9_dw_bn, block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block9_dw_bn_inv_std = block9_dw_bn_weight*d_block9_dw_bn_ew_sum
+        # d_block9_dw_bn_inv_std = block9_dw_bn_weight*d_block9_dw_bn_ew_sum   (computed with the next statement)
         d_block9_dw_bn_inv_std = mem.tensor(447, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_ew_sum)
         # d_block9_dw_bn_sum_of_squares = -d_block9_dw_bn_inv_std/(12544*(block9_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_dw_bn_sum_of_squares = d_block9_dw_bn_inv_std  # in place: over d_block9_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block9_dw_bn_sum_of_squares, d_block9_dw_bn_inv_std, block9_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block9_dw_bn_sum_of_squares, d_block9_dw_bn_inv_std, block9_dw_bn_batch_var))
         # free block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         del block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         mem.free(128)
@@ -5856,26 +5856,26 @@ class MobilenetV2(rp.Model):
         mem.free(446)
         # d_block9_dw_bn_W = reshape[384](d_block9_dw_bn_weight)
         d_block9_dw_bn_W = rt.reshape(d_block9_dw_bn_weight, shape=(384,))
-        # V_block9_dw_bn_W_new = V_block9_dw_bn_W*momentum + d_block9_dw_bn_W + decay*block9_dw_bn_W
+        # V_block9_dw_bn_W_new = V_block9_dw_bn_W*momentum + d_block9_dw_bn_W + decay*block9_dw_bn_W   (computed with the next statement)
         V_block9_dw_bn_W_new = T['V_block9_dw_bn_W']  # in place: the new V_block9_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block9_dw_bn_W_new, T['V_block9_dw_bn_W'], momentum, d_block9_dw_bn_W, decay, T['block9_dw_bn_W'])
+        # block9_dw_bn_W_new = block9_dw_bn_W - lr*V_block9_dw_bn_W_new
+        block9_dw_bn_W_new = T['block9_dw_bn_W']  # in place: the new block9_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block9_dw_bn_W_new, T['V_block9_dw_bn_W'], momentum, d_block9_dw_bn_W, decay, T['block9_dw_bn_W']),
+                   (ew_mul_sub, block9_dw_bn_W_new, T['block9_dw_bn_W'], lr, V_block9_dw_bn_W_new))
         # free block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
         del block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
         mem.free(129)
-        # block9_dw_bn_W_new = block9_dw_bn_W - lr*V_block9_dw_bn_W_new
-        block9_dw_bn_W_new = T['block9_dw_bn_W']  # in place: the new block9_dw_bn_W
-        rt.ew(ew_mul_sub, block9_dw_bn_W_new, T['block9_dw_bn_W'], lr, V_block9_dw_bn_W_new)
         # d_block9_dw_bn_B = reshape[384](d_block9_dw_bn_bias)
         d_block9_dw_bn_B = rt.reshape(d_block9_dw_bn_bias, shape=(384,))
-        # V_block9_dw_bn_B_new = V_block9_dw_bn_B*momentum + d_block9_dw_bn_B + decay*block9_dw_bn_B
+        # V_block9_dw_bn_B_new = V_block9_dw_bn_B*momentum + d_block9_dw_bn_B + decay*block9_dw_bn_B   (computed with the next statement)
         V_block9_dw_bn_B_new = T['V_block9_dw_bn_B']  # in place: the new V_block9_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block9_dw_bn_B_new, T['V_block9_dw_bn_B'], momentum, d_block9_dw_bn_B, decay, T['block9_dw_bn_B'])
+        # block9_dw_bn_B_new = block9_dw_bn_B - lr*V_block9_dw_bn_B_new
+        block9_dw_bn_B_new = T['block9_dw_bn_B']  # in place: the new block9_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block9_dw_bn_B_new, T['V_block9_dw_bn_B'], momentum, d_block9_dw_bn_B, decay, T['block9_dw_bn_B']),
+                   (ew_mul_sub, block9_dw_bn_B_new, T['block9_dw_bn_B'], lr, V_block9_dw_bn_B_new))
         # free d_block9_dw_bn_bias, d_block9_dw_bn_B
         del d_block9_dw_bn_bias, d_block9_dw_bn_B
         mem.free(448)
-        # block9_dw_bn_B_new = block9_dw_bn_B - lr*V_block9_dw_bn_B_new
-        block9_dw_bn_B_new = T['block9_dw_bn_B']  # in place: the new block9_dw_bn_B
-        rt.ew(ew_mul_sub, block9_dw_bn_B_new, T['block9_dw_bn_B'], lr, V_block9_dw_bn_B_new)
         # d_block9_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block9_dw_bn_centered)
         d_block9_dw_bn_batch_mean = mem.tensor(449, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block9_dw_bn_batch_mean, d_block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -5930,12 +5930,12 @@ class MobilenetV2(rp.Model):
         # d_block9_expand_bn_ew_sum = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered)
         d_block9_expand_bn_ew_sum = mem.tensor(453, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block9_expand_bn_ew_sum, d_block9_expand_bn, block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block9_expand_bn_inv_std = block9_expand_bn_weight*d_block9_expand_bn_ew_sum
+        # d_block9_expand_bn_inv_std = block9_expand_bn_weight*d_block9_expand_bn_ew_sum   (computed with the next statement)
         d_block9_expand_bn_inv_std = mem.tensor(454, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_ew_sum)
         # d_block9_expand_bn_sum_of_squares = -d_block9_expand_bn_inv_std/(12544*(block9_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block9_expand_bn_sum_of_squares = d_block9_expand_bn_inv_std  # in place: over d_block9_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block9_expand_bn_sum_of_squares, d_block9_expand_bn_inv_std, block9_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block9_expand_bn_sum_of_squares, d_block9_expand_bn_inv_std, block9_expand_bn_batch_var))
         # free block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         del block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         mem.free(123)
@@ -5959,26 +5959,26 @@ class MobilenetV2(rp.Model):
         mem.free(453)
         # d_block9_expand_bn_W = reshape[384](d_block9_expand_bn_weight)
         d_block9_expand_bn_W = rt.reshape(d_block9_expand_bn_weight, shape=(384,))
-        # V_block9_expand_bn_W_new = V_block9_expand_bn_W*momentum + d_block9_expand_bn_W + decay*block9_expand_bn_W
+        # V_block9_expand_bn_W_new = V_block9_expand_bn_W*momentum + d_block9_expand_bn_W + decay*block9_expand_bn_W   (computed with the next statement)
         V_block9_expand_bn_W_new = T['V_block9_expand_bn_W']  # in place: the new V_block9_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block9_expand_bn_W_new, T['V_block9_expand_bn_W'], momentum, d_block9_expand_bn_W, decay, T['block9_expand_bn_W'])
+        # block9_expand_bn_W_new = block9_expand_bn_W - lr*V_block9_expand_bn_W_new
+        block9_expand_bn_W_new = T['block9_expand_bn_W']  # in place: the new block9_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block9_expand_bn_W_new, T['V_block9_expand_bn_W'], momentum, d_block9_expand_bn_W, decay, T['block9_expand_bn_W']),
+                   (ew_mul_sub, block9_expand_bn_W_new, T['block9_expand_bn_W'], lr, V_block9_expand_bn_W_new))
         # free block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
         del block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
         mem.free(124)
-        # block9_expand_bn_W_new = block9_expand_bn_W - lr*V_block9_expand_bn_W_new
-        block9_expand_bn_W_new = T['block9_expand_bn_W']  # in place: the new block9_expand_bn_W
-        rt.ew(ew_mul_sub, block9_expand_bn_W_new, T['block9_expand_bn_W'], lr, V_block9_expand_bn_W_new)
         # d_block9_expand_bn_B = reshape[384](d_block9_expand_bn_bias)
         d_block9_expand_bn_B = rt.reshape(d_block9_expand_bn_bias, shape=(384,))
-        # V_block9_expand_bn_B_new = V_block9_expand_bn_B*momentum + d_block9_expand_bn_B + decay*block9_expand_bn_B
+        # V_block9_expand_bn_B_new = V_block9_expand_bn_B*momentum + d_block9_expand_bn_B + decay*block9_expand_bn_B   (computed with the next statement)
         V_block9_expand_bn_B_new = T['V_block9_expand_bn_B']  # in place: the new V_block9_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block9_expand_bn_B_new, T['V_block9_expand_bn_B'], momentum, d_block9_expand_bn_B, decay, T['block9_expand_bn_B'])
+        # block9_expand_bn_B_new = block9_expand_bn_B - lr*V_block9_expand_bn_B_new
+        block9_expand_bn_B_new = T['block9_expand_bn_B']  # in place: the new block9_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block9_expand_bn_B_new, T['V_block9_expand_bn_B'], momentum, d_block9_expand_bn_B, decay, T['block9_expand_bn_B']),
+                   (ew_mul_sub, block9_expand_bn_B_new, T['block9_expand_bn_B'], lr, V_block9_expand_bn_B_new))
         # free d_block9_expand_bn_bias, d_block9_expand_bn_B
         del d_block9_expand_bn_bias, d_block9_expand_bn_B
         mem.free(455)
-        # block9_expand_bn_B_new = block9_expand_bn_B - lr*V_block9_expand_bn_B_new
-        block9_expand_bn_B_new = T['block9_expand_bn_B']  # in place: the new block9_expand_bn_B
-        rt.ew(ew_mul_sub, block9_expand_bn_B_new, T['block9_expand_bn_B'], lr, V_block9_expand_bn_B_new)
         # d_block9_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block9_expand_bn_centered)
         d_block9_expand_bn_batch_mean = mem.tensor(456, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block9_expand_bn_batch_mean, d_block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -6015,26 +6015,26 @@ class MobilenetV2(rp.Model):
         mem.free(458)
 
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), backward ----
-        # V_block9_expand_W_new = V_block9_expand_W*momentum + d_block9_expand_W + decay*block9_expand_W
+        # V_block9_expand_W_new = V_block9_expand_W*momentum + d_block9_expand_W + decay*block9_expand_W   (computed with the next statement)
         V_block9_expand_W_new = T['V_block9_expand_W']  # in place: the new V_block9_expand_W
-        rt.ew(ew_mul_add_4, V_block9_expand_W_new, T['V_block9_expand_W'], momentum, d_block9_expand_W, decay, T['block9_expand_W'])
+        # block9_expand_W_new = block9_expand_W - lr*V_block9_expand_W_new
+        block9_expand_W_new = T['block9_expand_W']  # in place: the new block9_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block9_expand_W_new, T['V_block9_expand_W'], momentum, d_block9_expand_W, decay, T['block9_expand_W']),
+                   (ew_mul_sub, block9_expand_W_new, T['block9_expand_W'], lr, V_block9_expand_W_new))
         # free d_block9_expand_W
         del d_block9_expand_W
         mem.free(457)
-        # block9_expand_W_new = block9_expand_W - lr*V_block9_expand_W_new
-        block9_expand_W_new = T['block9_expand_W']  # in place: the new block9_expand_W
-        rt.ew(ew_mul_sub, block9_expand_W_new, T['block9_expand_W'], lr, V_block9_expand_W_new)
 
         # ---- block8_project_bn (batch norm), backward ----
         # d_block8_project_bn_ew_sum = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered)
         d_block8_project_bn_ew_sum = mem.tensor(459, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block8_project_bn_ew_sum, d_block8_project_bn_add_2, block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
-        # d_block8_project_bn_inv_std = block8_project_bn_weight*d_block8_project_bn_ew_sum
+        # d_block8_project_bn_inv_std = block8_project_bn_weight*d_block8_project_bn_ew_sum   (computed with the next statement)
         d_block8_project_bn_inv_std = mem.tensor(460, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_ew_sum)
         # d_block8_project_bn_sum_of_squares = -d_block8_project_bn_inv_std/(12544*(block8_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_project_bn_sum_of_squares = d_block8_project_bn_inv_std  # in place: over d_block8_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block8_project_bn_sum_of_squares, d_block8_project_bn_inv_std, block8_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block8_project_bn_sum_of_squares, d_block8_project_bn_inv_std, block8_project_bn_batch_var))
         # free block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         del block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         mem.free(119)
@@ -6052,15 +6052,15 @@ class MobilenetV2(rp.Model):
         mem.free(459)
         # d_block8_project_bn_W = reshape[64](d_block8_project_bn_weight)
         d_block8_project_bn_W = rt.reshape(d_block8_project_bn_weight, shape=(64,))
-        # V_block8_project_bn_W_new = V_block8_project_bn_W*momentum + d_block8_project_bn_W + decay*block8_project_bn_W
+        # V_block8_project_bn_W_new = V_block8_project_bn_W*momentum + d_block8_project_bn_W + decay*block8_project_bn_W   (computed with the next statement)
         V_block8_project_bn_W_new = T['V_block8_project_bn_W']  # in place: the new V_block8_project_bn_W
-        rt.ew(ew_mul_add_4, V_block8_project_bn_W_new, T['V_block8_project_bn_W'], momentum, d_block8_project_bn_W, decay, T['block8_project_bn_W'])
+        # block8_project_bn_W_new = block8_project_bn_W - lr*V_block8_project_bn_W_new
+        block8_project_bn_W_new = T['block8_project_bn_W']  # in place: the new block8_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block8_project_bn_W_new, T['V_block8_project_bn_W'], momentum, d_block8_project_bn_W, decay, T['block8_project_bn_W']),
+                   (ew_mul_sub, block8_project_bn_W_new, T['block8_project_bn_W'], lr, V_block8_project_bn_W_new))
         # free block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
         del block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
         mem.free(120)
-        # block8_project_bn_W_new = block8_project_bn_W - lr*V_block8_project_bn_W_new
-        block8_project_bn_W_new = T['block8_project_bn_W']  # in place: the new block8_project_bn_W
-        rt.ew(ew_mul_sub, block8_project_bn_W_new, T['block8_project_bn_W'], lr, V_block8_project_bn_W_new)
         # d_block8_project_bn_batch_mean = sum_to[1x64x1x1](-d_block8_project_bn_centered)
         d_block8_project_bn_batch_mean = mem.tensor(461, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block8_project_bn_batch_mean, d_block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
@@ -6082,15 +6082,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block8_project_bn_add_2, out=d_block8_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block8_project_bn_B = reshape[64](d_block8_project_bn_bias)
         d_block8_project_bn_B = rt.reshape(d_block8_project_bn_bias, shape=(64,))
-        # V_block8_project_bn_B_new = V_block8_project_bn_B*momentum + d_block8_project_bn_B + decay*block8_project_bn_B
+        # V_block8_project_bn_B_new = V_block8_project_bn_B*momentum + d_block8_project_bn_B + decay*block8_project_bn_B   (computed with the next statement)
         V_block8_project_bn_B_new = T['V_block8_project_bn_B']  # in place: the new V_block8_project_bn_B
-        rt.ew(ew_mul_add_4, V_block8_project_bn_B_new, T['V_block8_project_bn_B'], momentum, d_block8_project_bn_B, decay, T['block8_project_bn_B'])
+        # block8_project_bn_B_new = block8_project_bn_B - lr*V_block8_project_bn_B_new
+        block8_project_bn_B_new = T['block8_project_bn_B']  # in place: the new block8_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block8_project_bn_B_new, T['V_block8_project_bn_B'], momentum, d_block8_project_bn_B, decay, T['block8_project_bn_B']),
+                   (ew_mul_sub, block8_project_bn_B_new, T['block8_project_bn_B'], lr, V_block8_project_bn_B_new))
         # free d_block8_project_bn_bias, d_block8_project_bn_B
         del d_block8_project_bn_bias, d_block8_project_bn_B
         mem.free(462)
-        # block8_project_bn_B_new = block8_project_bn_B - lr*V_block8_project_bn_B_new
-        block8_project_bn_B_new = T['block8_project_bn_B']  # in place: the new block8_project_bn_B
-        rt.ew(ew_mul_sub, block8_project_bn_B_new, T['block8_project_bn_B'], lr, V_block8_project_bn_B_new)
 
         # ---- block8_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block8_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block8_dw_bn_centered*block8_dw_bn_inv_std*block8_dw_bn_weight + block8_dw_bn_bias))
@@ -6131,12 +6131,12 @@ class MobilenetV2(rp.Model):
         # d_block8_dw_bn_ew_sum = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered)
         d_block8_dw_bn_ew_sum = mem.tensor(466, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block8_dw_bn_ew_sum, d_block8_dw_bn, block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block8_dw_bn_inv_std = block8_dw_bn_weight*d_block8_dw_bn_ew_sum
+        # d_block8_dw_bn_inv_std = block8_dw_bn_weight*d_block8_dw_bn_ew_sum   (computed with the next statement)
         d_block8_dw_bn_inv_std = mem.tensor(467, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_ew_sum)
         # d_block8_dw_bn_sum_of_squares = -d_block8_dw_bn_inv_std/(12544*(block8_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_dw_bn_sum_of_squares = d_block8_dw_bn_inv_std  # in place: over d_block8_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block8_dw_bn_sum_of_squares, d_block8_dw_bn_inv_std, block8_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block8_dw_bn_sum_of_squares, d_block8_dw_bn_inv_std, block8_dw_bn_batch_var))
         # free block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         del block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         mem.free(114)
@@ -6160,26 +6160,26 @@ class MobilenetV2(rp.Model):
         mem.free(466)
         # d_block8_dw_bn_W = reshape[384](d_block8_dw_bn_weight)
         d_block8_dw_bn_W = rt.reshape(d_block8_dw_bn_weight, shape=(384,))
-        # V_block8_dw_bn_W_new = V_block8_dw_bn_W*momentum + d_block8_dw_bn_W + decay*block8_dw_bn_W
+        # V_block8_dw_bn_W_new = V_block8_dw_bn_W*momentum + d_block8_dw_bn_W + decay*block8_dw_bn_W   (computed with the next statement)
         V_block8_dw_bn_W_new = T['V_block8_dw_bn_W']  # in place: the new V_block8_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block8_dw_bn_W_new, T['V_block8_dw_bn_W'], momentum, d_block8_dw_bn_W, decay, T['block8_dw_bn_W'])
+        # block8_dw_bn_W_new = block8_dw_bn_W - lr*V_block8_dw_bn_W_new
+        block8_dw_bn_W_new = T['block8_dw_bn_W']  # in place: the new block8_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block8_dw_bn_W_new, T['V_block8_dw_bn_W'], momentum, d_block8_dw_bn_W, decay, T['block8_dw_bn_W']),
+                   (ew_mul_sub, block8_dw_bn_W_new, T['block8_dw_bn_W'], lr, V_block8_dw_bn_W_new))
         # free block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
         del block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
         mem.free(115)
-        # block8_dw_bn_W_new = block8_dw_bn_W - lr*V_block8_dw_bn_W_new
-        block8_dw_bn_W_new = T['block8_dw_bn_W']  # in place: the new block8_dw_bn_W
-        rt.ew(ew_mul_sub, block8_dw_bn_W_new, T['block8_dw_bn_W'], lr, V_block8_dw_bn_W_new)
         # d_block8_dw_bn_B = reshape[384](d_block8_dw_bn_bias)
         d_block8_dw_bn_B = rt.reshape(d_block8_dw_bn_bias, shape=(384,))
-        # V_block8_dw_bn_B_new = V_block8_dw_bn_B*momentum + d_block8_dw_bn_B + decay*block8_dw_bn_B
+        # V_block8_dw_bn_B_new = V_block8_dw_bn_B*momentum + d_block8_dw_bn_B + decay*block8_dw_bn_B   (computed with the next statement)
         V_block8_dw_bn_B_new = T['V_block8_dw_bn_B']  # in place: the new V_block8_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block8_dw_bn_B_new, T['V_block8_dw_bn_B'], momentum, d_block8_dw_bn_B, decay, T['block8_dw_bn_B'])
+        # block8_dw_bn_B_new = block8_dw_bn_B - lr*V_block8_dw_bn_B_new
+        block8_dw_bn_B_new = T['block8_dw_bn_B']  # in place: the new block8_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block8_dw_bn_B_new, T['V_block8_dw_bn_B'], momentum, d_block8_dw_bn_B, decay, T['block8_dw_bn_B']),
+                   (ew_mul_sub, block8_dw_bn_B_new, T['block8_dw_bn_B'], lr, V_block8_dw_bn_B_new))
         # free d_block8_dw_bn_bias, d_block8_dw_bn_B
         del d_block8_dw_bn_bias, d_block8_dw_bn_B
         mem.free(468)
-        # block8_dw_bn_B_new = block8_dw_bn_B - lr*V_block8_dw_bn_B_new
-        block8_dw_bn_B_new = T['block8_dw_bn_B']  # in place: the new block8_dw_bn_B
-        rt.ew(ew_mul_sub, block8_dw_bn_B_new, T['block8_dw_bn_B'], lr, V_block8_dw_bn_B_new)
         # d_block8_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block8_dw_bn_centered)
         d_block8_dw_bn_batch_mean = mem.tensor(469, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block8_dw_bn_batch_mean, d_block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -6234,12 +6234,12 @@ class MobilenetV2(rp.Model):
         # d_block8_expand_bn_ew_sum = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered)
         d_block8_expand_bn_ew_sum = mem.tensor(473, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block8_expand_bn_ew_sum, d_block8_expand_bn, block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
-        # d_block8_expand_bn_inv_std = block8_expand_bn_weight*d_block8_expand_bn_ew_sum
+        # d_block8_expand_bn_inv_std = block8_expand_bn_weight*d_block8_expand_bn_ew_sum   (computed with the next statement)
         d_block8_expand_bn_inv_std = mem.tensor(474, (1, 384, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_ew_sum)
         # d_block8_expand_bn_sum_of_squares = -d_block8_expand_bn_inv_std/(12544*(block8_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block8_expand_bn_sum_of_squares = d_block8_expand_bn_inv_std  # in place: over d_block8_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block8_expand_bn_sum_of_squares, d_block8_expand_bn_inv_std, block8_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block8_expand_bn_sum_of_squares, d_block8_expand_bn_inv_std, block8_expand_bn_batch_var))
         # free block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         del block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         mem.free(109)
@@ -6263,26 +6263,26 @@ class MobilenetV2(rp.Model):
         mem.free(473)
         # d_block8_expand_bn_W = reshape[384](d_block8_expand_bn_weight)
         d_block8_expand_bn_W = rt.reshape(d_block8_expand_bn_weight, shape=(384,))
-        # V_block8_expand_bn_W_new = V_block8_expand_bn_W*momentum + d_block8_expand_bn_W + decay*block8_expand_bn_W
+        # V_block8_expand_bn_W_new = V_block8_expand_bn_W*momentum + d_block8_expand_bn_W + decay*block8_expand_bn_W   (computed with the next statement)
         V_block8_expand_bn_W_new = T['V_block8_expand_bn_W']  # in place: the new V_block8_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block8_expand_bn_W_new, T['V_block8_expand_bn_W'], momentum, d_block8_expand_bn_W, decay, T['block8_expand_bn_W'])
+        # block8_expand_bn_W_new = block8_expand_bn_W - lr*V_block8_expand_bn_W_new
+        block8_expand_bn_W_new = T['block8_expand_bn_W']  # in place: the new block8_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block8_expand_bn_W_new, T['V_block8_expand_bn_W'], momentum, d_block8_expand_bn_W, decay, T['block8_expand_bn_W']),
+                   (ew_mul_sub, block8_expand_bn_W_new, T['block8_expand_bn_W'], lr, V_block8_expand_bn_W_new))
         # free block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
         del block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
         mem.free(110)
-        # block8_expand_bn_W_new = block8_expand_bn_W - lr*V_block8_expand_bn_W_new
-        block8_expand_bn_W_new = T['block8_expand_bn_W']  # in place: the new block8_expand_bn_W
-        rt.ew(ew_mul_sub, block8_expand_bn_W_new, T['block8_expand_bn_W'], lr, V_block8_expand_bn_W_new)
         # d_block8_expand_bn_B = reshape[384](d_block8_expand_bn_bias)
         d_block8_expand_bn_B = rt.reshape(d_block8_expand_bn_bias, shape=(384,))
-        # V_block8_expand_bn_B_new = V_block8_expand_bn_B*momentum + d_block8_expand_bn_B + decay*block8_expand_bn_B
+        # V_block8_expand_bn_B_new = V_block8_expand_bn_B*momentum + d_block8_expand_bn_B + decay*block8_expand_bn_B   (computed with the next statement)
         V_block8_expand_bn_B_new = T['V_block8_expand_bn_B']  # in place: the new V_block8_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block8_expand_bn_B_new, T['V_block8_expand_bn_B'], momentum, d_block8_expand_bn_B, decay, T['block8_expand_bn_B'])
+        # block8_expand_bn_B_new = block8_expand_bn_B - lr*V_block8_expand_bn_B_new
+        block8_expand_bn_B_new = T['block8_expand_bn_B']  # in place: the new block8_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block8_expand_bn_B_new, T['V_block8_expand_bn_B'], momentum, d_block8_expand_bn_B, decay, T['block8_expand_bn_B']),
+                   (ew_mul_sub, block8_expand_bn_B_new, T['block8_expand_bn_B'], lr, V_block8_expand_bn_B_new))
         # free d_block8_expand_bn_bias, d_block8_expand_bn_B
         del d_block8_expand_bn_bias, d_block8_expand_bn_B
         mem.free(475)
-        # block8_expand_bn_B_new = block8_expand_bn_B - lr*V_block8_expand_bn_B_new
-        block8_expand_bn_B_new = T['block8_expand_bn_B']  # in place: the new block8_expand_bn_B
-        rt.ew(ew_mul_sub, block8_expand_bn_B_new, T['block8_expand_bn_B'], lr, V_block8_expand_bn_B_new)
         # d_block8_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block8_expand_bn_centered)
         d_block8_expand_bn_batch_mean = mem.tensor(476, (1, 384, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block8_expand_bn_batch_mean, d_block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
@@ -6326,26 +6326,26 @@ class MobilenetV2(rp.Model):
         mem.free(479)
 
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), backward ----
-        # V_block8_expand_W_new = V_block8_expand_W*momentum + d_block8_expand_W + decay*block8_expand_W
+        # V_block8_expand_W_new = V_block8_expand_W*momentum + d_block8_expand_W + decay*block8_expand_W   (computed with the next statement)
         V_block8_expand_W_new = T['V_block8_expand_W']  # in place: the new V_block8_expand_W
-        rt.ew(ew_mul_add_4, V_block8_expand_W_new, T['V_block8_expand_W'], momentum, d_block8_expand_W, decay, T['block8_expand_W'])
+        # block8_expand_W_new = block8_expand_W - lr*V_block8_expand_W_new
+        block8_expand_W_new = T['block8_expand_W']  # in place: the new block8_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block8_expand_W_new, T['V_block8_expand_W'], momentum, d_block8_expand_W, decay, T['block8_expand_W']),
+                   (ew_mul_sub, block8_expand_W_new, T['block8_expand_W'], lr, V_block8_expand_W_new))
         # free d_block8_expand_W
         del d_block8_expand_W
         mem.free(478)
-        # block8_expand_W_new = block8_expand_W - lr*V_block8_expand_W_new
-        block8_expand_W_new = T['block8_expand_W']  # in place: the new block8_expand_W
-        rt.ew(ew_mul_sub, block8_expand_W_new, T['block8_expand_W'], lr, V_block8_expand_W_new)
 
         # ---- block7_project_bn (batch norm), backward ----
         # d_block7_project_bn_ew_sum = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered)
         d_block7_project_bn_ew_sum = mem.tensor(480, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block7_project_bn_ew_sum, d_block7_project_bn_2, block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
-        # d_block7_project_bn_inv_std = block7_project_bn_weight*d_block7_project_bn_ew_sum
+        # d_block7_project_bn_inv_std = block7_project_bn_weight*d_block7_project_bn_ew_sum   (computed with the next statement)
         d_block7_project_bn_inv_std = mem.tensor(481, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_ew_sum)
         # d_block7_project_bn_sum_of_squares = -d_block7_project_bn_inv_std/(12544*(block7_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_project_bn_sum_of_squares = d_block7_project_bn_inv_std  # in place: over d_block7_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block7_project_bn_sum_of_squares, d_block7_project_bn_inv_std, block7_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block7_project_bn_sum_of_squares, d_block7_project_bn_inv_std, block7_project_bn_batch_var))
         # free block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         del block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         mem.free(104)
@@ -6369,26 +6369,26 @@ class MobilenetV2(rp.Model):
         mem.free(480)
         # d_block7_project_bn_W = reshape[64](d_block7_project_bn_weight)
         d_block7_project_bn_W = rt.reshape(d_block7_project_bn_weight, shape=(64,))
-        # V_block7_project_bn_W_new = V_block7_project_bn_W*momentum + d_block7_project_bn_W + decay*block7_project_bn_W
+        # V_block7_project_bn_W_new = V_block7_project_bn_W*momentum + d_block7_project_bn_W + decay*block7_project_bn_W   (computed with the next statement)
         V_block7_project_bn_W_new = T['V_block7_project_bn_W']  # in place: the new V_block7_project_bn_W
-        rt.ew(ew_mul_add_4, V_block7_project_bn_W_new, T['V_block7_project_bn_W'], momentum, d_block7_project_bn_W, decay, T['block7_project_bn_W'])
+        # block7_project_bn_W_new = block7_project_bn_W - lr*V_block7_project_bn_W_new
+        block7_project_bn_W_new = T['block7_project_bn_W']  # in place: the new block7_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block7_project_bn_W_new, T['V_block7_project_bn_W'], momentum, d_block7_project_bn_W, decay, T['block7_project_bn_W']),
+                   (ew_mul_sub, block7_project_bn_W_new, T['block7_project_bn_W'], lr, V_block7_project_bn_W_new))
         # free block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
         del block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
         mem.free(105)
-        # block7_project_bn_W_new = block7_project_bn_W - lr*V_block7_project_bn_W_new
-        block7_project_bn_W_new = T['block7_project_bn_W']  # in place: the new block7_project_bn_W
-        rt.ew(ew_mul_sub, block7_project_bn_W_new, T['block7_project_bn_W'], lr, V_block7_project_bn_W_new)
         # d_block7_project_bn_B = reshape[64](d_block7_project_bn_bias)
         d_block7_project_bn_B = rt.reshape(d_block7_project_bn_bias, shape=(64,))
-        # V_block7_project_bn_B_new = V_block7_project_bn_B*momentum + d_block7_project_bn_B + decay*block7_project_bn_B
+        # V_block7_project_bn_B_new = V_block7_project_bn_B*momentum + d_block7_project_bn_B + decay*block7_project_bn_B   (computed with the next statement)
         V_block7_project_bn_B_new = T['V_block7_project_bn_B']  # in place: the new V_block7_project_bn_B
-        rt.ew(ew_mul_add_4, V_block7_project_bn_B_new, T['V_block7_project_bn_B'], momentum, d_block7_project_bn_B, decay, T['block7_project_bn_B'])
+        # block7_project_bn_B_new = block7_project_bn_B - lr*V_block7_project_bn_B_new
+        block7_project_bn_B_new = T['block7_project_bn_B']  # in place: the new block7_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block7_project_bn_B_new, T['V_block7_project_bn_B'], momentum, d_block7_project_bn_B, decay, T['block7_project_bn_B']),
+                   (ew_mul_sub, block7_project_bn_B_new, T['block7_project_bn_B'], lr, V_block7_project_bn_B_new))
         # free d_block7_project_bn_bias, d_block7_project_bn_B
         del d_block7_project_bn_bias, d_block7_project_bn_B
         mem.free(482)
-        # block7_project_bn_B_new = block7_project_bn_B - lr*V_block7_project_bn_B_new
-        block7_project_bn_B_new = T['block7_project_bn_B']  # in place: the new block7_project_bn_B
-        rt.ew(ew_mul_sub, block7_project_bn_B_new, T['block7_project_bn_B'], lr, V_block7_project_bn_B_new)
         # d_block7_project_bn_batch_mean = sum_to[1x64x1x1](-d_block7_project_bn_centered)
         d_block7_project_bn_batch_mean = mem.tensor(483, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block7_project_bn_batch_mean, d_block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
@@ -6443,12 +6443,12 @@ class MobilenetV2(rp.Model):
         # d_block7_dw_bn_ew_sum = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered)
         d_block7_dw_bn_ew_sum = mem.tensor(487, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block7_dw_bn_ew_sum, d_block7_dw_bn, block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
-        # d_block7_dw_bn_inv_std = block7_dw_bn_weight*d_block7_dw_bn_ew_sum
+        # d_block7_dw_bn_inv_std = block7_dw_bn_weight*d_block7_dw_bn_ew_sum   (computed with the next statement)
         d_block7_dw_bn_inv_std = mem.tensor(488, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_ew_sum)
         # d_block7_dw_bn_sum_of_squares = -d_block7_dw_bn_inv_std/(12544*(block7_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_dw_bn_sum_of_squares = d_block7_dw_bn_inv_std  # in place: over d_block7_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_block7_dw_bn_sum_of_squares, d_block7_dw_bn_inv_std, block7_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_block7_dw_bn_sum_of_squares, d_block7_dw_bn_inv_std, block7_dw_bn_batch_var))
         # free block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         del block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         mem.free(99)
@@ -6472,26 +6472,26 @@ class MobilenetV2(rp.Model):
         mem.free(487)
         # d_block7_dw_bn_W = reshape[192](d_block7_dw_bn_weight)
         d_block7_dw_bn_W = rt.reshape(d_block7_dw_bn_weight, shape=(192,))
-        # V_block7_dw_bn_W_new = V_block7_dw_bn_W*momentum + d_block7_dw_bn_W + decay*block7_dw_bn_W
+        # V_block7_dw_bn_W_new = V_block7_dw_bn_W*momentum + d_block7_dw_bn_W + decay*block7_dw_bn_W   (computed with the next statement)
         V_block7_dw_bn_W_new = T['V_block7_dw_bn_W']  # in place: the new V_block7_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block7_dw_bn_W_new, T['V_block7_dw_bn_W'], momentum, d_block7_dw_bn_W, decay, T['block7_dw_bn_W'])
+        # block7_dw_bn_W_new = block7_dw_bn_W - lr*V_block7_dw_bn_W_new
+        block7_dw_bn_W_new = T['block7_dw_bn_W']  # in place: the new block7_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block7_dw_bn_W_new, T['V_block7_dw_bn_W'], momentum, d_block7_dw_bn_W, decay, T['block7_dw_bn_W']),
+                   (ew_mul_sub, block7_dw_bn_W_new, T['block7_dw_bn_W'], lr, V_block7_dw_bn_W_new))
         # free block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
         del block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
         mem.free(100)
-        # block7_dw_bn_W_new = block7_dw_bn_W - lr*V_block7_dw_bn_W_new
-        block7_dw_bn_W_new = T['block7_dw_bn_W']  # in place: the new block7_dw_bn_W
-        rt.ew(ew_mul_sub, block7_dw_bn_W_new, T['block7_dw_bn_W'], lr, V_block7_dw_bn_W_new)
         # d_block7_dw_bn_B = reshape[192](d_block7_dw_bn_bias)
         d_block7_dw_bn_B = rt.reshape(d_block7_dw_bn_bias, shape=(192,))
-        # V_block7_dw_bn_B_new = V_block7_dw_bn_B*momentum + d_block7_dw_bn_B + decay*block7_dw_bn_B
+        # V_block7_dw_bn_B_new = V_block7_dw_bn_B*momentum + d_block7_dw_bn_B + decay*block7_dw_bn_B   (computed with the next statement)
         V_block7_dw_bn_B_new = T['V_block7_dw_bn_B']  # in place: the new V_block7_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block7_dw_bn_B_new, T['V_block7_dw_bn_B'], momentum, d_block7_dw_bn_B, decay, T['block7_dw_bn_B'])
+        # block7_dw_bn_B_new = block7_dw_bn_B - lr*V_block7_dw_bn_B_new
+        block7_dw_bn_B_new = T['block7_dw_bn_B']  # in place: the new block7_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block7_dw_bn_B_new, T['V_block7_dw_bn_B'], momentum, d_block7_dw_bn_B, decay, T['block7_dw_bn_B']),
+                   (ew_mul_sub, block7_dw_bn_B_new, T['block7_dw_bn_B'], lr, V_block7_dw_bn_B_new))
         # free d_block7_dw_bn_bias, d_block7_dw_bn_B
         del d_block7_dw_bn_bias, d_block7_dw_bn_B
         mem.free(489)
-        # block7_dw_bn_B_new = block7_dw_bn_B - lr*V_block7_dw_bn_B_new
-        block7_dw_bn_B_new = T['block7_dw_bn_B']  # in place: the new block7_dw_bn_B
-        rt.ew(ew_mul_sub, block7_dw_bn_B_new, T['block7_dw_bn_B'], lr, V_block7_dw_bn_B_new)
         # d_block7_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block7_dw_bn_centered)
         d_block7_dw_bn_batch_mean = mem.tensor(490, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block7_dw_bn_batch_mean, d_block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
@@ -6546,12 +6546,12 @@ class MobilenetV2(rp.Model):
         # d_block7_expand_bn_ew_sum = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered)
         d_block7_expand_bn_ew_sum = mem.tensor(494, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block7_expand_bn_ew_sum, d_block7_expand_bn, block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
-        # d_block7_expand_bn_inv_std = block7_expand_bn_weight*d_block7_expand_bn_ew_sum
+        # d_block7_expand_bn_inv_std = block7_expand_bn_weight*d_block7_expand_bn_ew_sum   (computed with the next statement)
         d_block7_expand_bn_inv_std = mem.tensor(495, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_ew_sum)
         # d_block7_expand_bn_sum_of_squares = -d_block7_expand_bn_inv_std/(50176*(block7_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block7_expand_bn_sum_of_squares = d_block7_expand_bn_inv_std  # in place: over d_block7_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block7_expand_bn_sum_of_squares, d_block7_expand_bn_inv_std, block7_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block7_expand_bn_sum_of_squares, d_block7_expand_bn_inv_std, block7_expand_bn_batch_var))
         # free block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         del block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         mem.free(94)
@@ -6575,26 +6575,26 @@ class MobilenetV2(rp.Model):
         mem.free(494)
         # d_block7_expand_bn_W = reshape[192](d_block7_expand_bn_weight)
         d_block7_expand_bn_W = rt.reshape(d_block7_expand_bn_weight, shape=(192,))
-        # V_block7_expand_bn_W_new = V_block7_expand_bn_W*momentum + d_block7_expand_bn_W + decay*block7_expand_bn_W
+        # V_block7_expand_bn_W_new = V_block7_expand_bn_W*momentum + d_block7_expand_bn_W + decay*block7_expand_bn_W   (computed with the next statement)
         V_block7_expand_bn_W_new = T['V_block7_expand_bn_W']  # in place: the new V_block7_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block7_expand_bn_W_new, T['V_block7_expand_bn_W'], momentum, d_block7_expand_bn_W, decay, T['block7_expand_bn_W'])
+        # block7_expand_bn_W_new = block7_expand_bn_W - lr*V_block7_expand_bn_W_new
+        block7_expand_bn_W_new = T['block7_expand_bn_W']  # in place: the new block7_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block7_expand_bn_W_new, T['V_block7_expand_bn_W'], momentum, d_block7_expand_bn_W, decay, T['block7_expand_bn_W']),
+                   (ew_mul_sub, block7_expand_bn_W_new, T['block7_expand_bn_W'], lr, V_block7_expand_bn_W_new))
         # free block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
         del block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
         mem.free(95)
-        # block7_expand_bn_W_new = block7_expand_bn_W - lr*V_block7_expand_bn_W_new
-        block7_expand_bn_W_new = T['block7_expand_bn_W']  # in place: the new block7_expand_bn_W
-        rt.ew(ew_mul_sub, block7_expand_bn_W_new, T['block7_expand_bn_W'], lr, V_block7_expand_bn_W_new)
         # d_block7_expand_bn_B = reshape[192](d_block7_expand_bn_bias)
         d_block7_expand_bn_B = rt.reshape(d_block7_expand_bn_bias, shape=(192,))
-        # V_block7_expand_bn_B_new = V_block7_expand_bn_B*momentum + d_block7_expand_bn_B + decay*block7_expand_bn_B
+        # V_block7_expand_bn_B_new = V_block7_expand_bn_B*momentum + d_block7_expand_bn_B + decay*block7_expand_bn_B   (computed with the next statement)
         V_block7_expand_bn_B_new = T['V_block7_expand_bn_B']  # in place: the new V_block7_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block7_expand_bn_B_new, T['V_block7_expand_bn_B'], momentum, d_block7_expand_bn_B, decay, T['block7_expand_bn_B'])
+        # block7_expand_bn_B_new = block7_expand_bn_B - lr*V_block7_expand_bn_B_new
+        block7_expand_bn_B_new = T['block7_expand_bn_B']  # in place: the new block7_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block7_expand_bn_B_new, T['V_block7_expand_bn_B'], momentum, d_block7_expand_bn_B, decay, T['block7_expand_bn_B']),
+                   (ew_mul_sub, block7_expand_bn_B_new, T['block7_expand_bn_B'], lr, V_block7_expand_bn_B_new))
         # free d_block7_expand_bn_bias, d_block7_expand_bn_B
         del d_block7_expand_bn_bias, d_block7_expand_bn_B
         mem.free(496)
-        # block7_expand_bn_B_new = block7_expand_bn_B - lr*V_block7_expand_bn_B_new
-        block7_expand_bn_B_new = T['block7_expand_bn_B']  # in place: the new block7_expand_bn_B
-        rt.ew(ew_mul_sub, block7_expand_bn_B_new, T['block7_expand_bn_B'], lr, V_block7_expand_bn_B_new)
         # d_block7_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block7_expand_bn_centered)
         d_block7_expand_bn_batch_mean = mem.tensor(497, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block7_expand_bn_batch_mean, d_block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
@@ -6628,26 +6628,26 @@ class MobilenetV2(rp.Model):
         # free block7_expand, block7_expand_bn_centered, d_block7_expand_bn_centered, d_block7_expand
         del block7_expand, block7_expand_bn_centered, d_block7_expand_bn_centered, d_block7_expand
         mem.free(92)
-        # V_block7_expand_W_new = V_block7_expand_W*momentum + d_block7_expand_W + decay*block7_expand_W
+        # V_block7_expand_W_new = V_block7_expand_W*momentum + d_block7_expand_W + decay*block7_expand_W   (computed with the next statement)
         V_block7_expand_W_new = T['V_block7_expand_W']  # in place: the new V_block7_expand_W
-        rt.ew(ew_mul_add_4, V_block7_expand_W_new, T['V_block7_expand_W'], momentum, d_block7_expand_W, decay, T['block7_expand_W'])
+        # block7_expand_W_new = block7_expand_W - lr*V_block7_expand_W_new
+        block7_expand_W_new = T['block7_expand_W']  # in place: the new block7_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block7_expand_W_new, T['V_block7_expand_W'], momentum, d_block7_expand_W, decay, T['block7_expand_W']),
+                   (ew_mul_sub, block7_expand_W_new, T['block7_expand_W'], lr, V_block7_expand_W_new))
         # free d_block7_expand_W
         del d_block7_expand_W
         mem.free(499)
-        # block7_expand_W_new = block7_expand_W - lr*V_block7_expand_W_new
-        block7_expand_W_new = T['block7_expand_W']  # in place: the new block7_expand_W
-        rt.ew(ew_mul_sub, block7_expand_W_new, T['block7_expand_W'], lr, V_block7_expand_W_new)
 
         # ---- block6_project_bn (batch norm), backward ----
         # d_block6_project_bn_ew_sum = sum_to[1x32x1x1](d_block6_project_bn_add*block6_project_bn_centered)
         d_block6_project_bn_ew_sum = mem.tensor(501, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block6_project_bn_ew_sum, d_block6_project_bn_add, block6_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
-        # d_block6_project_bn_inv_std = block6_project_bn_weight*d_block6_project_bn_ew_sum
+        # d_block6_project_bn_inv_std = block6_project_bn_weight*d_block6_project_bn_ew_sum   (computed with the next statement)
         d_block6_project_bn_inv_std = mem.tensor(502, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_ew_sum)
         # d_block6_project_bn_sum_of_squares = -d_block6_project_bn_inv_std/(50176*(block6_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_project_bn_sum_of_squares = d_block6_project_bn_inv_std  # in place: over d_block6_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block6_project_bn_sum_of_squares, d_block6_project_bn_inv_std, block6_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block6_project_bn_sum_of_squares, d_block6_project_bn_inv_std, block6_project_bn_batch_var))
         # free block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         del block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         mem.free(89)
@@ -6665,15 +6665,15 @@ class MobilenetV2(rp.Model):
         mem.free(501)
         # d_block6_project_bn_W = reshape[32](d_block6_project_bn_weight)
         d_block6_project_bn_W = rt.reshape(d_block6_project_bn_weight, shape=(32,))
-        # V_block6_project_bn_W_new = V_block6_project_bn_W*momentum + d_block6_project_bn_W + decay*block6_project_bn_W
+        # V_block6_project_bn_W_new = V_block6_project_bn_W*momentum + d_block6_project_bn_W + decay*block6_project_bn_W   (computed with the next statement)
         V_block6_project_bn_W_new = T['V_block6_project_bn_W']  # in place: the new V_block6_project_bn_W
-        rt.ew(ew_mul_add_4, V_block6_project_bn_W_new, T['V_block6_project_bn_W'], momentum, d_block6_project_bn_W, decay, T['block6_project_bn_W'])
+        # block6_project_bn_W_new = block6_project_bn_W - lr*V_block6_project_bn_W_new
+        block6_project_bn_W_new = T['block6_project_bn_W']  # in place: the new block6_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block6_project_bn_W_new, T['V_block6_project_bn_W'], momentum, d_block6_project_bn_W, decay, T['block6_project_bn_W']),
+                   (ew_mul_sub, block6_project_bn_W_new, T['block6_project_bn_W'], lr, V_block6_project_bn_W_new))
         # free block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
         del block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
         mem.free(90)
-        # block6_project_bn_W_new = block6_project_bn_W - lr*V_block6_project_bn_W_new
-        block6_project_bn_W_new = T['block6_project_bn_W']  # in place: the new block6_project_bn_W
-        rt.ew(ew_mul_sub, block6_project_bn_W_new, T['block6_project_bn_W'], lr, V_block6_project_bn_W_new)
         # d_block6_project_bn_batch_mean = sum_to[1x32x1x1](-d_block6_project_bn_centered)
         d_block6_project_bn_batch_mean = mem.tensor(503, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block6_project_bn_batch_mean, d_block6_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
@@ -6695,15 +6695,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block6_project_bn_add, out=d_block6_project_bn_bias, shape=(1, 32, 1, 1))
         # d_block6_project_bn_B = reshape[32](d_block6_project_bn_bias)
         d_block6_project_bn_B = rt.reshape(d_block6_project_bn_bias, shape=(32,))
-        # V_block6_project_bn_B_new = V_block6_project_bn_B*momentum + d_block6_project_bn_B + decay*block6_project_bn_B
+        # V_block6_project_bn_B_new = V_block6_project_bn_B*momentum + d_block6_project_bn_B + decay*block6_project_bn_B   (computed with the next statement)
         V_block6_project_bn_B_new = T['V_block6_project_bn_B']  # in place: the new V_block6_project_bn_B
-        rt.ew(ew_mul_add_4, V_block6_project_bn_B_new, T['V_block6_project_bn_B'], momentum, d_block6_project_bn_B, decay, T['block6_project_bn_B'])
+        # block6_project_bn_B_new = block6_project_bn_B - lr*V_block6_project_bn_B_new
+        block6_project_bn_B_new = T['block6_project_bn_B']  # in place: the new block6_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block6_project_bn_B_new, T['V_block6_project_bn_B'], momentum, d_block6_project_bn_B, decay, T['block6_project_bn_B']),
+                   (ew_mul_sub, block6_project_bn_B_new, T['block6_project_bn_B'], lr, V_block6_project_bn_B_new))
         # free d_block6_project_bn_bias, d_block6_project_bn_B
         del d_block6_project_bn_bias, d_block6_project_bn_B
         mem.free(504)
-        # block6_project_bn_B_new = block6_project_bn_B - lr*V_block6_project_bn_B_new
-        block6_project_bn_B_new = T['block6_project_bn_B']  # in place: the new block6_project_bn_B
-        rt.ew(ew_mul_sub, block6_project_bn_B_new, T['block6_project_bn_B'], lr, V_block6_project_bn_B_new)
 
         # ---- block6_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block6_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block6_dw_bn_centered*block6_dw_bn_inv_std*block6_dw_bn_weight + block6_dw_bn_bias))
@@ -6744,12 +6744,12 @@ class MobilenetV2(rp.Model):
         # d_block6_dw_bn_ew_sum = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered)
         d_block6_dw_bn_ew_sum = mem.tensor(508, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block6_dw_bn_ew_sum, d_block6_dw_bn, block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
-        # d_block6_dw_bn_inv_std = block6_dw_bn_weight*d_block6_dw_bn_ew_sum
+        # d_block6_dw_bn_inv_std = block6_dw_bn_weight*d_block6_dw_bn_ew_sum   (computed with the next statement)
         d_block6_dw_bn_inv_std = mem.tensor(509, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_ew_sum)
         # d_block6_dw_bn_sum_of_squares = -d_block6_dw_bn_inv_std/(50176*(block6_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_dw_bn_sum_of_squares = d_block6_dw_bn_inv_std  # in place: over d_block6_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block6_dw_bn_sum_of_squares, d_block6_dw_bn_inv_std, block6_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block6_dw_bn_sum_of_squares, d_block6_dw_bn_inv_std, block6_dw_bn_batch_var))
         # free block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         del block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         mem.free(84)
@@ -6773,26 +6773,26 @@ class MobilenetV2(rp.Model):
         mem.free(508)
         # d_block6_dw_bn_W = reshape[192](d_block6_dw_bn_weight)
         d_block6_dw_bn_W = rt.reshape(d_block6_dw_bn_weight, shape=(192,))
-        # V_block6_dw_bn_W_new = V_block6_dw_bn_W*momentum + d_block6_dw_bn_W + decay*block6_dw_bn_W
+        # V_block6_dw_bn_W_new = V_block6_dw_bn_W*momentum + d_block6_dw_bn_W + decay*block6_dw_bn_W   (computed with the next statement)
         V_block6_dw_bn_W_new = T['V_block6_dw_bn_W']  # in place: the new V_block6_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block6_dw_bn_W_new, T['V_block6_dw_bn_W'], momentum, d_block6_dw_bn_W, decay, T['block6_dw_bn_W'])
+        # block6_dw_bn_W_new = block6_dw_bn_W - lr*V_block6_dw_bn_W_new
+        block6_dw_bn_W_new = T['block6_dw_bn_W']  # in place: the new block6_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block6_dw_bn_W_new, T['V_block6_dw_bn_W'], momentum, d_block6_dw_bn_W, decay, T['block6_dw_bn_W']),
+                   (ew_mul_sub, block6_dw_bn_W_new, T['block6_dw_bn_W'], lr, V_block6_dw_bn_W_new))
         # free block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
         del block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
         mem.free(85)
-        # block6_dw_bn_W_new = block6_dw_bn_W - lr*V_block6_dw_bn_W_new
-        block6_dw_bn_W_new = T['block6_dw_bn_W']  # in place: the new block6_dw_bn_W
-        rt.ew(ew_mul_sub, block6_dw_bn_W_new, T['block6_dw_bn_W'], lr, V_block6_dw_bn_W_new)
         # d_block6_dw_bn_B = reshape[192](d_block6_dw_bn_bias)
         d_block6_dw_bn_B = rt.reshape(d_block6_dw_bn_bias, shape=(192,))
-        # V_block6_dw_bn_B_new = V_block6_dw_bn_B*momentum + d_block6_dw_bn_B + decay*block6_dw_bn_B
+        # V_block6_dw_bn_B_new = V_block6_dw_bn_B*momentum + d_block6_dw_bn_B + decay*block6_dw_bn_B   (computed with the next statement)
         V_block6_dw_bn_B_new = T['V_block6_dw_bn_B']  # in place: the new V_block6_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block6_dw_bn_B_new, T['V_block6_dw_bn_B'], momentum, d_block6_dw_bn_B, decay, T['block6_dw_bn_B'])
+        # block6_dw_bn_B_new = block6_dw_bn_B - lr*V_block6_dw_bn_B_new
+        block6_dw_bn_B_new = T['block6_dw_bn_B']  # in place: the new block6_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block6_dw_bn_B_new, T['V_block6_dw_bn_B'], momentum, d_block6_dw_bn_B, decay, T['block6_dw_bn_B']),
+                   (ew_mul_sub, block6_dw_bn_B_new, T['block6_dw_bn_B'], lr, V_block6_dw_bn_B_new))
         # free d_block6_dw_bn_bias, d_block6_dw_bn_B
         del d_block6_dw_bn_bias, d_block6_dw_bn_B
         mem.free(510)
-        # block6_dw_bn_B_new = block6_dw_bn_B - lr*V_block6_dw_bn_B_new
-        block6_dw_bn_B_new = T['block6_dw_bn_B']  # in place: the new block6_dw_bn_B
-        rt.ew(ew_mul_sub, block6_dw_bn_B_new, T['block6_dw_bn_B'], lr, V_block6_dw_bn_B_new)
         # d_block6_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block6_dw_bn_centered)
         d_block6_dw_bn_batch_mean = mem.tensor(511, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block6_dw_bn_batch_mean, d_block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
@@ -6847,12 +6847,12 @@ class MobilenetV2(rp.Model):
         # d_block6_expand_bn_ew_sum = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered)
         d_block6_expand_bn_ew_sum = mem.tensor(515, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block6_expand_bn_ew_sum, d_block6_expand_bn, block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
-        # d_block6_expand_bn_inv_std = block6_expand_bn_weight*d_block6_expand_bn_ew_sum
+        # d_block6_expand_bn_inv_std = block6_expand_bn_weight*d_block6_expand_bn_ew_sum   (computed with the next statement)
         d_block6_expand_bn_inv_std = mem.tensor(516, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_ew_sum)
         # d_block6_expand_bn_sum_of_squares = -d_block6_expand_bn_inv_std/(50176*(block6_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block6_expand_bn_sum_of_squares = d_block6_expand_bn_inv_std  # in place: over d_block6_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block6_expand_bn_sum_of_squares, d_block6_expand_bn_inv_std, block6_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block6_expand_bn_sum_of_squares, d_block6_expand_bn_inv_std, block6_expand_bn_batch_var))
         # free block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         del block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         mem.free(79)
@@ -6876,26 +6876,26 @@ class MobilenetV2(rp.Model):
         mem.free(515)
         # d_block6_expand_bn_W = reshape[192](d_block6_expand_bn_weight)
         d_block6_expand_bn_W = rt.reshape(d_block6_expand_bn_weight, shape=(192,))
-        # V_block6_expand_bn_W_new = V_block6_expand_bn_W*momentum + d_block6_expand_bn_W + decay*block6_expand_bn_W
+        # V_block6_expand_bn_W_new = V_block6_expand_bn_W*momentum + d_block6_expand_bn_W + decay*block6_expand_bn_W   (computed with the next statement)
         V_block6_expand_bn_W_new = T['V_block6_expand_bn_W']  # in place: the new V_block6_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block6_expand_bn_W_new, T['V_block6_expand_bn_W'], momentum, d_block6_expand_bn_W, decay, T['block6_expand_bn_W'])
+        # block6_expand_bn_W_new = block6_expand_bn_W - lr*V_block6_expand_bn_W_new
+        block6_expand_bn_W_new = T['block6_expand_bn_W']  # in place: the new block6_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block6_expand_bn_W_new, T['V_block6_expand_bn_W'], momentum, d_block6_expand_bn_W, decay, T['block6_expand_bn_W']),
+                   (ew_mul_sub, block6_expand_bn_W_new, T['block6_expand_bn_W'], lr, V_block6_expand_bn_W_new))
         # free block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
         del block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
         mem.free(80)
-        # block6_expand_bn_W_new = block6_expand_bn_W - lr*V_block6_expand_bn_W_new
-        block6_expand_bn_W_new = T['block6_expand_bn_W']  # in place: the new block6_expand_bn_W
-        rt.ew(ew_mul_sub, block6_expand_bn_W_new, T['block6_expand_bn_W'], lr, V_block6_expand_bn_W_new)
         # d_block6_expand_bn_B = reshape[192](d_block6_expand_bn_bias)
         d_block6_expand_bn_B = rt.reshape(d_block6_expand_bn_bias, shape=(192,))
-        # V_block6_expand_bn_B_new = V_block6_expand_bn_B*momentum + d_block6_expand_bn_B + decay*block6_expand_bn_B
+        # V_block6_expand_bn_B_new = V_block6_expand_bn_B*momentum + d_block6_expand_bn_B + decay*block6_expand_bn_B   (computed with the next statement)
         V_block6_expand_bn_B_new = T['V_block6_expand_bn_B']  # in place: the new V_block6_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block6_expand_bn_B_new, T['V_block6_expand_bn_B'], momentum, d_block6_expand_bn_B, decay, T['block6_expand_bn_B'])
+        # block6_expand_bn_B_new = block6_expand_bn_B - lr*V_block6_expand_bn_B_new
+        block6_expand_bn_B_new = T['block6_expand_bn_B']  # in place: the new block6_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block6_expand_bn_B_new, T['V_block6_expand_bn_B'], momentum, d_block6_expand_bn_B, decay, T['block6_expand_bn_B']),
+                   (ew_mul_sub, block6_expand_bn_B_new, T['block6_expand_bn_B'], lr, V_block6_expand_bn_B_new))
         # free d_block6_expand_bn_bias, d_block6_expand_bn_B
         del d_block6_expand_bn_bias, d_block6_expand_bn_B
         mem.free(517)
-        # block6_expand_bn_B_new = block6_expand_bn_B - lr*V_block6_expand_bn_B_new
-        block6_expand_bn_B_new = T['block6_expand_bn_B']  # in place: the new block6_expand_bn_B
-        rt.ew(ew_mul_sub, block6_expand_bn_B_new, T['block6_expand_bn_B'], lr, V_block6_expand_bn_B_new)
         # d_block6_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block6_expand_bn_centered)
         d_block6_expand_bn_batch_mean = mem.tensor(518, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block6_expand_bn_batch_mean, d_block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
@@ -6932,26 +6932,26 @@ class MobilenetV2(rp.Model):
         mem.free(520)
 
         # ---- block6_expand (conv 1x1, 192 channels, stride 1, padding 0), backward ----
-        # V_block6_expand_W_new = V_block6_expand_W*momentum + d_block6_expand_W + decay*block6_expand_W
+        # V_block6_expand_W_new = V_block6_expand_W*momentum + d_block6_expand_W + decay*block6_expand_W   (computed with the next statement)
         V_block6_expand_W_new = T['V_block6_expand_W']  # in place: the new V_block6_expand_W
-        rt.ew(ew_mul_add_4, V_block6_expand_W_new, T['V_block6_expand_W'], momentum, d_block6_expand_W, decay, T['block6_expand_W'])
+        # block6_expand_W_new = block6_expand_W - lr*V_block6_expand_W_new
+        block6_expand_W_new = T['block6_expand_W']  # in place: the new block6_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block6_expand_W_new, T['V_block6_expand_W'], momentum, d_block6_expand_W, decay, T['block6_expand_W']),
+                   (ew_mul_sub, block6_expand_W_new, T['block6_expand_W'], lr, V_block6_expand_W_new))
         # free d_block6_expand_W
         del d_block6_expand_W
         mem.free(519)
-        # block6_expand_W_new = block6_expand_W - lr*V_block6_expand_W_new
-        block6_expand_W_new = T['block6_expand_W']  # in place: the new block6_expand_W
-        rt.ew(ew_mul_sub, block6_expand_W_new, T['block6_expand_W'], lr, V_block6_expand_W_new)
 
         # ---- block5_project_bn (batch norm), backward ----
         # d_block5_project_bn_ew_sum = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered)
         d_block5_project_bn_ew_sum = mem.tensor(521, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block5_project_bn_ew_sum, d_block5_project_bn_add_2, block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
-        # d_block5_project_bn_inv_std = block5_project_bn_weight*d_block5_project_bn_ew_sum
+        # d_block5_project_bn_inv_std = block5_project_bn_weight*d_block5_project_bn_ew_sum   (computed with the next statement)
         d_block5_project_bn_inv_std = mem.tensor(522, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_ew_sum)
         # d_block5_project_bn_sum_of_squares = -d_block5_project_bn_inv_std/(50176*(block5_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_project_bn_sum_of_squares = d_block5_project_bn_inv_std  # in place: over d_block5_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block5_project_bn_sum_of_squares, d_block5_project_bn_inv_std, block5_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block5_project_bn_sum_of_squares, d_block5_project_bn_inv_std, block5_project_bn_batch_var))
         # free block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         del block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         mem.free(75)
@@ -6969,15 +6969,15 @@ class MobilenetV2(rp.Model):
         mem.free(521)
         # d_block5_project_bn_W = reshape[32](d_block5_project_bn_weight)
         d_block5_project_bn_W = rt.reshape(d_block5_project_bn_weight, shape=(32,))
-        # V_block5_project_bn_W_new = V_block5_project_bn_W*momentum + d_block5_project_bn_W + decay*block5_project_bn_W
+        # V_block5_project_bn_W_new = V_block5_project_bn_W*momentum + d_block5_project_bn_W + decay*block5_project_bn_W   (computed with the next statement)
         V_block5_project_bn_W_new = T['V_block5_project_bn_W']  # in place: the new V_block5_project_bn_W
-        rt.ew(ew_mul_add_4, V_block5_project_bn_W_new, T['V_block5_project_bn_W'], momentum, d_block5_project_bn_W, decay, T['block5_project_bn_W'])
+        # block5_project_bn_W_new = block5_project_bn_W - lr*V_block5_project_bn_W_new
+        block5_project_bn_W_new = T['block5_project_bn_W']  # in place: the new block5_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block5_project_bn_W_new, T['V_block5_project_bn_W'], momentum, d_block5_project_bn_W, decay, T['block5_project_bn_W']),
+                   (ew_mul_sub, block5_project_bn_W_new, T['block5_project_bn_W'], lr, V_block5_project_bn_W_new))
         # free block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
         del block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
         mem.free(76)
-        # block5_project_bn_W_new = block5_project_bn_W - lr*V_block5_project_bn_W_new
-        block5_project_bn_W_new = T['block5_project_bn_W']  # in place: the new block5_project_bn_W
-        rt.ew(ew_mul_sub, block5_project_bn_W_new, T['block5_project_bn_W'], lr, V_block5_project_bn_W_new)
         # d_block5_project_bn_batch_mean = sum_to[1x32x1x1](-d_block5_project_bn_centered)
         d_block5_project_bn_batch_mean = mem.tensor(523, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block5_project_bn_batch_mean, d_block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
@@ -6999,15 +6999,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block5_project_bn_add_2, out=d_block5_project_bn_bias, shape=(1, 32, 1, 1))
         # d_block5_project_bn_B = reshape[32](d_block5_project_bn_bias)
         d_block5_project_bn_B = rt.reshape(d_block5_project_bn_bias, shape=(32,))
-        # V_block5_project_bn_B_new = V_block5_project_bn_B*momentum + d_block5_project_bn_B + decay*block5_project_bn_B
+        # V_block5_project_bn_B_new = V_block5_project_bn_B*momentum + d_block5_project_bn_B + decay*block5_project_bn_B   (computed with the next statement)
         V_block5_project_bn_B_new = T['V_block5_project_bn_B']  # in place: the new V_block5_project_bn_B
-        rt.ew(ew_mul_add_4, V_block5_project_bn_B_new, T['V_block5_project_bn_B'], momentum, d_block5_project_bn_B, decay, T['block5_project_bn_B'])
+        # block5_project_bn_B_new = block5_project_bn_B - lr*V_block5_project_bn_B_new
+        block5_project_bn_B_new = T['block5_project_bn_B']  # in place: the new block5_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block5_project_bn_B_new, T['V_block5_project_bn_B'], momentum, d_block5_project_bn_B, decay, T['block5_project_bn_B']),
+                   (ew_mul_sub, block5_project_bn_B_new, T['block5_project_bn_B'], lr, V_block5_project_bn_B_new))
         # free d_block5_project_bn_bias, d_block5_project_bn_B
         del d_block5_project_bn_bias, d_block5_project_bn_B
         mem.free(524)
-        # block5_project_bn_B_new = block5_project_bn_B - lr*V_block5_project_bn_B_new
-        block5_project_bn_B_new = T['block5_project_bn_B']  # in place: the new block5_project_bn_B
-        rt.ew(ew_mul_sub, block5_project_bn_B_new, T['block5_project_bn_B'], lr, V_block5_project_bn_B_new)
 
         # ---- block5_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block5_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block5_dw_bn_centered*block5_dw_bn_inv_std*block5_dw_bn_weight + block5_dw_bn_bias))
@@ -7048,12 +7048,12 @@ class MobilenetV2(rp.Model):
         # d_block5_dw_bn_ew_sum = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered)
         d_block5_dw_bn_ew_sum = mem.tensor(528, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block5_dw_bn_ew_sum, d_block5_dw_bn, block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
-        # d_block5_dw_bn_inv_std = block5_dw_bn_weight*d_block5_dw_bn_ew_sum
+        # d_block5_dw_bn_inv_std = block5_dw_bn_weight*d_block5_dw_bn_ew_sum   (computed with the next statement)
         d_block5_dw_bn_inv_std = mem.tensor(529, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_ew_sum)
         # d_block5_dw_bn_sum_of_squares = -d_block5_dw_bn_inv_std/(50176*(block5_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_dw_bn_sum_of_squares = d_block5_dw_bn_inv_std  # in place: over d_block5_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block5_dw_bn_sum_of_squares, d_block5_dw_bn_inv_std, block5_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block5_dw_bn_sum_of_squares, d_block5_dw_bn_inv_std, block5_dw_bn_batch_var))
         # free block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         del block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         mem.free(70)
@@ -7077,26 +7077,26 @@ class MobilenetV2(rp.Model):
         mem.free(528)
         # d_block5_dw_bn_W = reshape[192](d_block5_dw_bn_weight)
         d_block5_dw_bn_W = rt.reshape(d_block5_dw_bn_weight, shape=(192,))
-        # V_block5_dw_bn_W_new = V_block5_dw_bn_W*momentum + d_block5_dw_bn_W + decay*block5_dw_bn_W
+        # V_block5_dw_bn_W_new = V_block5_dw_bn_W*momentum + d_block5_dw_bn_W + decay*block5_dw_bn_W   (computed with the next statement)
         V_block5_dw_bn_W_new = T['V_block5_dw_bn_W']  # in place: the new V_block5_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block5_dw_bn_W_new, T['V_block5_dw_bn_W'], momentum, d_block5_dw_bn_W, decay, T['block5_dw_bn_W'])
+        # block5_dw_bn_W_new = block5_dw_bn_W - lr*V_block5_dw_bn_W_new
+        block5_dw_bn_W_new = T['block5_dw_bn_W']  # in place: the new block5_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block5_dw_bn_W_new, T['V_block5_dw_bn_W'], momentum, d_block5_dw_bn_W, decay, T['block5_dw_bn_W']),
+                   (ew_mul_sub, block5_dw_bn_W_new, T['block5_dw_bn_W'], lr, V_block5_dw_bn_W_new))
         # free block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
         del block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
         mem.free(71)
-        # block5_dw_bn_W_new = block5_dw_bn_W - lr*V_block5_dw_bn_W_new
-        block5_dw_bn_W_new = T['block5_dw_bn_W']  # in place: the new block5_dw_bn_W
-        rt.ew(ew_mul_sub, block5_dw_bn_W_new, T['block5_dw_bn_W'], lr, V_block5_dw_bn_W_new)
         # d_block5_dw_bn_B = reshape[192](d_block5_dw_bn_bias)
         d_block5_dw_bn_B = rt.reshape(d_block5_dw_bn_bias, shape=(192,))
-        # V_block5_dw_bn_B_new = V_block5_dw_bn_B*momentum + d_block5_dw_bn_B + decay*block5_dw_bn_B
+        # V_block5_dw_bn_B_new = V_block5_dw_bn_B*momentum + d_block5_dw_bn_B + decay*block5_dw_bn_B   (computed with the next statement)
         V_block5_dw_bn_B_new = T['V_block5_dw_bn_B']  # in place: the new V_block5_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block5_dw_bn_B_new, T['V_block5_dw_bn_B'], momentum, d_block5_dw_bn_B, decay, T['block5_dw_bn_B'])
+        # block5_dw_bn_B_new = block5_dw_bn_B - lr*V_block5_dw_bn_B_new
+        block5_dw_bn_B_new = T['block5_dw_bn_B']  # in place: the new block5_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block5_dw_bn_B_new, T['V_block5_dw_bn_B'], momentum, d_block5_dw_bn_B, decay, T['block5_dw_bn_B']),
+                   (ew_mul_sub, block5_dw_bn_B_new, T['block5_dw_bn_B'], lr, V_block5_dw_bn_B_new))
         # free d_block5_dw_bn_bias, d_block5_dw_bn_B
         del d_block5_dw_bn_bias, d_block5_dw_bn_B
         mem.free(530)
-        # block5_dw_bn_B_new = block5_dw_bn_B - lr*V_block5_dw_bn_B_new
-        block5_dw_bn_B_new = T['block5_dw_bn_B']  # in place: the new block5_dw_bn_B
-        rt.ew(ew_mul_sub, block5_dw_bn_B_new, T['block5_dw_bn_B'], lr, V_block5_dw_bn_B_new)
         # d_block5_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block5_dw_bn_centered)
         d_block5_dw_bn_batch_mean = mem.tensor(531, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block5_dw_bn_batch_mean, d_block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
@@ -7151,12 +7151,12 @@ class MobilenetV2(rp.Model):
         # d_block5_expand_bn_ew_sum = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered)
         d_block5_expand_bn_ew_sum = mem.tensor(535, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block5_expand_bn_ew_sum, d_block5_expand_bn, block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
-        # d_block5_expand_bn_inv_std = block5_expand_bn_weight*d_block5_expand_bn_ew_sum
+        # d_block5_expand_bn_inv_std = block5_expand_bn_weight*d_block5_expand_bn_ew_sum   (computed with the next statement)
         d_block5_expand_bn_inv_std = mem.tensor(536, (1, 192, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_ew_sum)
         # d_block5_expand_bn_sum_of_squares = -d_block5_expand_bn_inv_std/(50176*(block5_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block5_expand_bn_sum_of_squares = d_block5_expand_bn_inv_std  # in place: over d_block5_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block5_expand_bn_sum_of_squares, d_block5_expand_bn_inv_std, block5_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block5_expand_bn_sum_of_squares, d_block5_expand_bn_inv_std, block5_expand_bn_batch_var))
         # free block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         del block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         mem.free(65)
@@ -7180,26 +7180,26 @@ class MobilenetV2(rp.Model):
         mem.free(535)
         # d_block5_expand_bn_W = reshape[192](d_block5_expand_bn_weight)
         d_block5_expand_bn_W = rt.reshape(d_block5_expand_bn_weight, shape=(192,))
-        # V_block5_expand_bn_W_new = V_block5_expand_bn_W*momentum + d_block5_expand_bn_W + decay*block5_expand_bn_W
+        # V_block5_expand_bn_W_new = V_block5_expand_bn_W*momentum + d_block5_expand_bn_W + decay*block5_expand_bn_W   (computed with the next statement)
         V_block5_expand_bn_W_new = T['V_block5_expand_bn_W']  # in place: the new V_block5_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block5_expand_bn_W_new, T['V_block5_expand_bn_W'], momentum, d_block5_expand_bn_W, decay, T['block5_expand_bn_W'])
+        # block5_expand_bn_W_new = block5_expand_bn_W - lr*V_block5_expand_bn_W_new
+        block5_expand_bn_W_new = T['block5_expand_bn_W']  # in place: the new block5_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block5_expand_bn_W_new, T['V_block5_expand_bn_W'], momentum, d_block5_expand_bn_W, decay, T['block5_expand_bn_W']),
+                   (ew_mul_sub, block5_expand_bn_W_new, T['block5_expand_bn_W'], lr, V_block5_expand_bn_W_new))
         # free block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
         del block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
         mem.free(66)
-        # block5_expand_bn_W_new = block5_expand_bn_W - lr*V_block5_expand_bn_W_new
-        block5_expand_bn_W_new = T['block5_expand_bn_W']  # in place: the new block5_expand_bn_W
-        rt.ew(ew_mul_sub, block5_expand_bn_W_new, T['block5_expand_bn_W'], lr, V_block5_expand_bn_W_new)
         # d_block5_expand_bn_B = reshape[192](d_block5_expand_bn_bias)
         d_block5_expand_bn_B = rt.reshape(d_block5_expand_bn_bias, shape=(192,))
-        # V_block5_expand_bn_B_new = V_block5_expand_bn_B*momentum + d_block5_expand_bn_B + decay*block5_expand_bn_B
+        # V_block5_expand_bn_B_new = V_block5_expand_bn_B*momentum + d_block5_expand_bn_B + decay*block5_expand_bn_B   (computed with the next statement)
         V_block5_expand_bn_B_new = T['V_block5_expand_bn_B']  # in place: the new V_block5_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block5_expand_bn_B_new, T['V_block5_expand_bn_B'], momentum, d_block5_expand_bn_B, decay, T['block5_expand_bn_B'])
+        # block5_expand_bn_B_new = block5_expand_bn_B - lr*V_block5_expand_bn_B_new
+        block5_expand_bn_B_new = T['block5_expand_bn_B']  # in place: the new block5_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block5_expand_bn_B_new, T['V_block5_expand_bn_B'], momentum, d_block5_expand_bn_B, decay, T['block5_expand_bn_B']),
+                   (ew_mul_sub, block5_expand_bn_B_new, T['block5_expand_bn_B'], lr, V_block5_expand_bn_B_new))
         # free d_block5_expand_bn_bias, d_block5_expand_bn_B
         del d_block5_expand_bn_bias, d_block5_expand_bn_B
         mem.free(537)
-        # block5_expand_bn_B_new = block5_expand_bn_B - lr*V_block5_expand_bn_B_new
-        block5_expand_bn_B_new = T['block5_expand_bn_B']  # in place: the new block5_expand_bn_B
-        rt.ew(ew_mul_sub, block5_expand_bn_B_new, T['block5_expand_bn_B'], lr, V_block5_expand_bn_B_new)
         # d_block5_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block5_expand_bn_centered)
         d_block5_expand_bn_batch_mean = mem.tensor(538, (1, 192, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block5_expand_bn_batch_mean, d_block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
@@ -7243,26 +7243,26 @@ class MobilenetV2(rp.Model):
         mem.free(541)
 
         # ---- block5_expand (conv 1x1, 192 channels, stride 1, padding 0), backward ----
-        # V_block5_expand_W_new = V_block5_expand_W*momentum + d_block5_expand_W + decay*block5_expand_W
+        # V_block5_expand_W_new = V_block5_expand_W*momentum + d_block5_expand_W + decay*block5_expand_W   (computed with the next statement)
         V_block5_expand_W_new = T['V_block5_expand_W']  # in place: the new V_block5_expand_W
-        rt.ew(ew_mul_add_4, V_block5_expand_W_new, T['V_block5_expand_W'], momentum, d_block5_expand_W, decay, T['block5_expand_W'])
+        # block5_expand_W_new = block5_expand_W - lr*V_block5_expand_W_new
+        block5_expand_W_new = T['block5_expand_W']  # in place: the new block5_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block5_expand_W_new, T['V_block5_expand_W'], momentum, d_block5_expand_W, decay, T['block5_expand_W']),
+                   (ew_mul_sub, block5_expand_W_new, T['block5_expand_W'], lr, V_block5_expand_W_new))
         # free d_block5_expand_W
         del d_block5_expand_W
         mem.free(540)
-        # block5_expand_W_new = block5_expand_W - lr*V_block5_expand_W_new
-        block5_expand_W_new = T['block5_expand_W']  # in place: the new block5_expand_W
-        rt.ew(ew_mul_sub, block5_expand_W_new, T['block5_expand_W'], lr, V_block5_expand_W_new)
 
         # ---- block4_project_bn (batch norm), backward ----
         # d_block4_project_bn_ew_sum = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered)
         d_block4_project_bn_ew_sum = mem.tensor(542, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block4_project_bn_ew_sum, d_block4_project_bn_2, block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
-        # d_block4_project_bn_inv_std = block4_project_bn_weight*d_block4_project_bn_ew_sum
+        # d_block4_project_bn_inv_std = block4_project_bn_weight*d_block4_project_bn_ew_sum   (computed with the next statement)
         d_block4_project_bn_inv_std = mem.tensor(543, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_ew_sum)
         # d_block4_project_bn_sum_of_squares = -d_block4_project_bn_inv_std/(50176*(block4_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_project_bn_sum_of_squares = d_block4_project_bn_inv_std  # in place: over d_block4_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block4_project_bn_sum_of_squares, d_block4_project_bn_inv_std, block4_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block4_project_bn_sum_of_squares, d_block4_project_bn_inv_std, block4_project_bn_batch_var))
         # free block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         del block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         mem.free(60)
@@ -7286,26 +7286,26 @@ class MobilenetV2(rp.Model):
         mem.free(542)
         # d_block4_project_bn_W = reshape[32](d_block4_project_bn_weight)
         d_block4_project_bn_W = rt.reshape(d_block4_project_bn_weight, shape=(32,))
-        # V_block4_project_bn_W_new = V_block4_project_bn_W*momentum + d_block4_project_bn_W + decay*block4_project_bn_W
+        # V_block4_project_bn_W_new = V_block4_project_bn_W*momentum + d_block4_project_bn_W + decay*block4_project_bn_W   (computed with the next statement)
         V_block4_project_bn_W_new = T['V_block4_project_bn_W']  # in place: the new V_block4_project_bn_W
-        rt.ew(ew_mul_add_4, V_block4_project_bn_W_new, T['V_block4_project_bn_W'], momentum, d_block4_project_bn_W, decay, T['block4_project_bn_W'])
+        # block4_project_bn_W_new = block4_project_bn_W - lr*V_block4_project_bn_W_new
+        block4_project_bn_W_new = T['block4_project_bn_W']  # in place: the new block4_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block4_project_bn_W_new, T['V_block4_project_bn_W'], momentum, d_block4_project_bn_W, decay, T['block4_project_bn_W']),
+                   (ew_mul_sub, block4_project_bn_W_new, T['block4_project_bn_W'], lr, V_block4_project_bn_W_new))
         # free block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
         del block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
         mem.free(61)
-        # block4_project_bn_W_new = block4_project_bn_W - lr*V_block4_project_bn_W_new
-        block4_project_bn_W_new = T['block4_project_bn_W']  # in place: the new block4_project_bn_W
-        rt.ew(ew_mul_sub, block4_project_bn_W_new, T['block4_project_bn_W'], lr, V_block4_project_bn_W_new)
         # d_block4_project_bn_B = reshape[32](d_block4_project_bn_bias)
         d_block4_project_bn_B = rt.reshape(d_block4_project_bn_bias, shape=(32,))
-        # V_block4_project_bn_B_new = V_block4_project_bn_B*momentum + d_block4_project_bn_B + decay*block4_project_bn_B
+        # V_block4_project_bn_B_new = V_block4_project_bn_B*momentum + d_block4_project_bn_B + decay*block4_project_bn_B   (computed with the next statement)
         V_block4_project_bn_B_new = T['V_block4_project_bn_B']  # in place: the new V_block4_project_bn_B
-        rt.ew(ew_mul_add_4, V_block4_project_bn_B_new, T['V_block4_project_bn_B'], momentum, d_block4_project_bn_B, decay, T['block4_project_bn_B'])
+        # block4_project_bn_B_new = block4_project_bn_B - lr*V_block4_project_bn_B_new
+        block4_project_bn_B_new = T['block4_project_bn_B']  # in place: the new block4_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block4_project_bn_B_new, T['V_block4_project_bn_B'], momentum, d_block4_project_bn_B, decay, T['block4_project_bn_B']),
+                   (ew_mul_sub, block4_project_bn_B_new, T['block4_project_bn_B'], lr, V_block4_project_bn_B_new))
         # free d_block4_project_bn_bias, d_block4_project_bn_B
         del d_block4_project_bn_bias, d_block4_project_bn_B
         mem.free(544)
-        # block4_project_bn_B_new = block4_project_bn_B - lr*V_block4_project_bn_B_new
-        block4_project_bn_B_new = T['block4_project_bn_B']  # in place: the new block4_project_bn_B
-        rt.ew(ew_mul_sub, block4_project_bn_B_new, T['block4_project_bn_B'], lr, V_block4_project_bn_B_new)
         # d_block4_project_bn_batch_mean = sum_to[1x32x1x1](-d_block4_project_bn_centered)
         d_block4_project_bn_batch_mean = mem.tensor(545, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block4_project_bn_batch_mean, d_block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
@@ -7360,12 +7360,12 @@ class MobilenetV2(rp.Model):
         # d_block4_dw_bn_ew_sum = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered)
         d_block4_dw_bn_ew_sum = mem.tensor(549, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block4_dw_bn_ew_sum, d_block4_dw_bn, block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
-        # d_block4_dw_bn_inv_std = block4_dw_bn_weight*d_block4_dw_bn_ew_sum
+        # d_block4_dw_bn_inv_std = block4_dw_bn_weight*d_block4_dw_bn_ew_sum   (computed with the next statement)
         d_block4_dw_bn_inv_std = mem.tensor(550, (1, 144, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_ew_sum)
         # d_block4_dw_bn_sum_of_squares = -d_block4_dw_bn_inv_std/(50176*(block4_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_dw_bn_sum_of_squares = d_block4_dw_bn_inv_std  # in place: over d_block4_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_block4_dw_bn_sum_of_squares, d_block4_dw_bn_inv_std, block4_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_block4_dw_bn_sum_of_squares, d_block4_dw_bn_inv_std, block4_dw_bn_batch_var))
         # free block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         del block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         mem.free(55)
@@ -7389,26 +7389,26 @@ class MobilenetV2(rp.Model):
         mem.free(549)
         # d_block4_dw_bn_W = reshape[144](d_block4_dw_bn_weight)
         d_block4_dw_bn_W = rt.reshape(d_block4_dw_bn_weight, shape=(144,))
-        # V_block4_dw_bn_W_new = V_block4_dw_bn_W*momentum + d_block4_dw_bn_W + decay*block4_dw_bn_W
+        # V_block4_dw_bn_W_new = V_block4_dw_bn_W*momentum + d_block4_dw_bn_W + decay*block4_dw_bn_W   (computed with the next statement)
         V_block4_dw_bn_W_new = T['V_block4_dw_bn_W']  # in place: the new V_block4_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block4_dw_bn_W_new, T['V_block4_dw_bn_W'], momentum, d_block4_dw_bn_W, decay, T['block4_dw_bn_W'])
+        # block4_dw_bn_W_new = block4_dw_bn_W - lr*V_block4_dw_bn_W_new
+        block4_dw_bn_W_new = T['block4_dw_bn_W']  # in place: the new block4_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block4_dw_bn_W_new, T['V_block4_dw_bn_W'], momentum, d_block4_dw_bn_W, decay, T['block4_dw_bn_W']),
+                   (ew_mul_sub, block4_dw_bn_W_new, T['block4_dw_bn_W'], lr, V_block4_dw_bn_W_new))
         # free block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
         del block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
         mem.free(56)
-        # block4_dw_bn_W_new = block4_dw_bn_W - lr*V_block4_dw_bn_W_new
-        block4_dw_bn_W_new = T['block4_dw_bn_W']  # in place: the new block4_dw_bn_W
-        rt.ew(ew_mul_sub, block4_dw_bn_W_new, T['block4_dw_bn_W'], lr, V_block4_dw_bn_W_new)
         # d_block4_dw_bn_B = reshape[144](d_block4_dw_bn_bias)
         d_block4_dw_bn_B = rt.reshape(d_block4_dw_bn_bias, shape=(144,))
-        # V_block4_dw_bn_B_new = V_block4_dw_bn_B*momentum + d_block4_dw_bn_B + decay*block4_dw_bn_B
+        # V_block4_dw_bn_B_new = V_block4_dw_bn_B*momentum + d_block4_dw_bn_B + decay*block4_dw_bn_B   (computed with the next statement)
         V_block4_dw_bn_B_new = T['V_block4_dw_bn_B']  # in place: the new V_block4_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block4_dw_bn_B_new, T['V_block4_dw_bn_B'], momentum, d_block4_dw_bn_B, decay, T['block4_dw_bn_B'])
+        # block4_dw_bn_B_new = block4_dw_bn_B - lr*V_block4_dw_bn_B_new
+        block4_dw_bn_B_new = T['block4_dw_bn_B']  # in place: the new block4_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block4_dw_bn_B_new, T['V_block4_dw_bn_B'], momentum, d_block4_dw_bn_B, decay, T['block4_dw_bn_B']),
+                   (ew_mul_sub, block4_dw_bn_B_new, T['block4_dw_bn_B'], lr, V_block4_dw_bn_B_new))
         # free d_block4_dw_bn_bias, d_block4_dw_bn_B
         del d_block4_dw_bn_bias, d_block4_dw_bn_B
         mem.free(551)
-        # block4_dw_bn_B_new = block4_dw_bn_B - lr*V_block4_dw_bn_B_new
-        block4_dw_bn_B_new = T['block4_dw_bn_B']  # in place: the new block4_dw_bn_B
-        rt.ew(ew_mul_sub, block4_dw_bn_B_new, T['block4_dw_bn_B'], lr, V_block4_dw_bn_B_new)
         # d_block4_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block4_dw_bn_centered)
         d_block4_dw_bn_batch_mean = mem.tensor(552, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block4_dw_bn_batch_mean, d_block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
@@ -7463,12 +7463,12 @@ class MobilenetV2(rp.Model):
         # d_block4_expand_bn_ew_sum = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered)
         d_block4_expand_bn_ew_sum = mem.tensor(556, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block4_expand_bn_ew_sum, d_block4_expand_bn, block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
-        # d_block4_expand_bn_inv_std = block4_expand_bn_weight*d_block4_expand_bn_ew_sum
+        # d_block4_expand_bn_inv_std = block4_expand_bn_weight*d_block4_expand_bn_ew_sum   (computed with the next statement)
         d_block4_expand_bn_inv_std = mem.tensor(557, (1, 144, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_ew_sum)
         # d_block4_expand_bn_sum_of_squares = -d_block4_expand_bn_inv_std/(200704*(block4_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block4_expand_bn_sum_of_squares = d_block4_expand_bn_inv_std  # in place: over d_block4_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block4_expand_bn_sum_of_squares, d_block4_expand_bn_inv_std, block4_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block4_expand_bn_sum_of_squares, d_block4_expand_bn_inv_std, block4_expand_bn_batch_var))
         # free block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         del block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         mem.free(50)
@@ -7492,26 +7492,26 @@ class MobilenetV2(rp.Model):
         mem.free(556)
         # d_block4_expand_bn_W = reshape[144](d_block4_expand_bn_weight)
         d_block4_expand_bn_W = rt.reshape(d_block4_expand_bn_weight, shape=(144,))
-        # V_block4_expand_bn_W_new = V_block4_expand_bn_W*momentum + d_block4_expand_bn_W + decay*block4_expand_bn_W
+        # V_block4_expand_bn_W_new = V_block4_expand_bn_W*momentum + d_block4_expand_bn_W + decay*block4_expand_bn_W   (computed with the next statement)
         V_block4_expand_bn_W_new = T['V_block4_expand_bn_W']  # in place: the new V_block4_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block4_expand_bn_W_new, T['V_block4_expand_bn_W'], momentum, d_block4_expand_bn_W, decay, T['block4_expand_bn_W'])
+        # block4_expand_bn_W_new = block4_expand_bn_W - lr*V_block4_expand_bn_W_new
+        block4_expand_bn_W_new = T['block4_expand_bn_W']  # in place: the new block4_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block4_expand_bn_W_new, T['V_block4_expand_bn_W'], momentum, d_block4_expand_bn_W, decay, T['block4_expand_bn_W']),
+                   (ew_mul_sub, block4_expand_bn_W_new, T['block4_expand_bn_W'], lr, V_block4_expand_bn_W_new))
         # free block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
         del block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
         mem.free(51)
-        # block4_expand_bn_W_new = block4_expand_bn_W - lr*V_block4_expand_bn_W_new
-        block4_expand_bn_W_new = T['block4_expand_bn_W']  # in place: the new block4_expand_bn_W
-        rt.ew(ew_mul_sub, block4_expand_bn_W_new, T['block4_expand_bn_W'], lr, V_block4_expand_bn_W_new)
         # d_block4_expand_bn_B = reshape[144](d_block4_expand_bn_bias)
         d_block4_expand_bn_B = rt.reshape(d_block4_expand_bn_bias, shape=(144,))
-        # V_block4_expand_bn_B_new = V_block4_expand_bn_B*momentum + d_block4_expand_bn_B + decay*block4_expand_bn_B
+        # V_block4_expand_bn_B_new = V_block4_expand_bn_B*momentum + d_block4_expand_bn_B + decay*block4_expand_bn_B   (computed with the next statement)
         V_block4_expand_bn_B_new = T['V_block4_expand_bn_B']  # in place: the new V_block4_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block4_expand_bn_B_new, T['V_block4_expand_bn_B'], momentum, d_block4_expand_bn_B, decay, T['block4_expand_bn_B'])
+        # block4_expand_bn_B_new = block4_expand_bn_B - lr*V_block4_expand_bn_B_new
+        block4_expand_bn_B_new = T['block4_expand_bn_B']  # in place: the new block4_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block4_expand_bn_B_new, T['V_block4_expand_bn_B'], momentum, d_block4_expand_bn_B, decay, T['block4_expand_bn_B']),
+                   (ew_mul_sub, block4_expand_bn_B_new, T['block4_expand_bn_B'], lr, V_block4_expand_bn_B_new))
         # free d_block4_expand_bn_bias, d_block4_expand_bn_B
         del d_block4_expand_bn_bias, d_block4_expand_bn_B
         mem.free(558)
-        # block4_expand_bn_B_new = block4_expand_bn_B - lr*V_block4_expand_bn_B_new
-        block4_expand_bn_B_new = T['block4_expand_bn_B']  # in place: the new block4_expand_bn_B
-        rt.ew(ew_mul_sub, block4_expand_bn_B_new, T['block4_expand_bn_B'], lr, V_block4_expand_bn_B_new)
         # d_block4_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block4_expand_bn_centered)
         d_block4_expand_bn_batch_mean = mem.tensor(559, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block4_expand_bn_batch_mean, d_block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
@@ -7538,26 +7538,26 @@ class MobilenetV2(rp.Model):
         # free block4_expand, block4_expand_bn_centered, d_block4_expand_bn_centered, d_block4_expand
         del block4_expand, block4_expand_bn_centered, d_block4_expand_bn_centered, d_block4_expand
         mem.free(48)
-        # V_block4_expand_W_new = V_block4_expand_W*momentum + d_block4_expand_W + decay*block4_expand_W
+        # V_block4_expand_W_new = V_block4_expand_W*momentum + d_block4_expand_W + decay*block4_expand_W   (computed with the next statement)
         V_block4_expand_W_new = T['V_block4_expand_W']  # in place: the new V_block4_expand_W
-        rt.ew(ew_mul_add_4, V_block4_expand_W_new, T['V_block4_expand_W'], momentum, d_block4_expand_W, decay, T['block4_expand_W'])
+        # block4_expand_W_new = block4_expand_W - lr*V_block4_expand_W_new
+        block4_expand_W_new = T['block4_expand_W']  # in place: the new block4_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block4_expand_W_new, T['V_block4_expand_W'], momentum, d_block4_expand_W, decay, T['block4_expand_W']),
+                   (ew_mul_sub, block4_expand_W_new, T['block4_expand_W'], lr, V_block4_expand_W_new))
         # free d_block4_expand_W
         del d_block4_expand_W
         mem.free(560)
-        # block4_expand_W_new = block4_expand_W - lr*V_block4_expand_W_new
-        block4_expand_W_new = T['block4_expand_W']  # in place: the new block4_expand_W
-        rt.ew(ew_mul_sub, block4_expand_W_new, T['block4_expand_W'], lr, V_block4_expand_W_new)
 
         # ---- block3_project_bn (batch norm), backward ----
         # d_block3_project_bn_ew_sum = sum_to[1x24x1x1](d_block3_project_bn_add*block3_project_bn_centered)
         d_block3_project_bn_ew_sum = mem.tensor(562, (1, 24, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block3_project_bn_ew_sum, d_block3_project_bn_add, block3_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
-        # d_block3_project_bn_inv_std = block3_project_bn_weight*d_block3_project_bn_ew_sum
+        # d_block3_project_bn_inv_std = block3_project_bn_weight*d_block3_project_bn_ew_sum   (computed with the next statement)
         d_block3_project_bn_inv_std = mem.tensor(563, (1, 24, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_ew_sum)
         # d_block3_project_bn_sum_of_squares = -d_block3_project_bn_inv_std/(200704*(block3_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_project_bn_sum_of_squares = d_block3_project_bn_inv_std  # in place: over d_block3_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block3_project_bn_sum_of_squares, d_block3_project_bn_inv_std, block3_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block3_project_bn_sum_of_squares, d_block3_project_bn_inv_std, block3_project_bn_batch_var))
         # free block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         del block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         mem.free(46)
@@ -7575,15 +7575,15 @@ class MobilenetV2(rp.Model):
         mem.free(562)
         # d_block3_project_bn_W = reshape[24](d_block3_project_bn_weight)
         d_block3_project_bn_W = rt.reshape(d_block3_project_bn_weight, shape=(24,))
-        # V_block3_project_bn_W_new = V_block3_project_bn_W*momentum + d_block3_project_bn_W + decay*block3_project_bn_W
+        # V_block3_project_bn_W_new = V_block3_project_bn_W*momentum + d_block3_project_bn_W + decay*block3_project_bn_W   (computed with the next statement)
         V_block3_project_bn_W_new = T['V_block3_project_bn_W']  # in place: the new V_block3_project_bn_W
-        rt.ew(ew_mul_add_4, V_block3_project_bn_W_new, T['V_block3_project_bn_W'], momentum, d_block3_project_bn_W, decay, T['block3_project_bn_W'])
+        # block3_project_bn_W_new = block3_project_bn_W - lr*V_block3_project_bn_W_new
+        block3_project_bn_W_new = T['block3_project_bn_W']  # in place: the new block3_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block3_project_bn_W_new, T['V_block3_project_bn_W'], momentum, d_block3_project_bn_W, decay, T['block3_project_bn_W']),
+                   (ew_mul_sub, block3_project_bn_W_new, T['block3_project_bn_W'], lr, V_block3_project_bn_W_new))
         # free block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
         del block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
         mem.free(47)
-        # block3_project_bn_W_new = block3_project_bn_W - lr*V_block3_project_bn_W_new
-        block3_project_bn_W_new = T['block3_project_bn_W']  # in place: the new block3_project_bn_W
-        rt.ew(ew_mul_sub, block3_project_bn_W_new, T['block3_project_bn_W'], lr, V_block3_project_bn_W_new)
         # d_block3_project_bn_batch_mean = sum_to[1x24x1x1](-d_block3_project_bn_centered)
         d_block3_project_bn_batch_mean = mem.tensor(564, (1, 24, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block3_project_bn_batch_mean, d_block3_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
@@ -7605,15 +7605,15 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block3_project_bn_add, out=d_block3_project_bn_bias, shape=(1, 24, 1, 1))
         # d_block3_project_bn_B = reshape[24](d_block3_project_bn_bias)
         d_block3_project_bn_B = rt.reshape(d_block3_project_bn_bias, shape=(24,))
-        # V_block3_project_bn_B_new = V_block3_project_bn_B*momentum + d_block3_project_bn_B + decay*block3_project_bn_B
+        # V_block3_project_bn_B_new = V_block3_project_bn_B*momentum + d_block3_project_bn_B + decay*block3_project_bn_B   (computed with the next statement)
         V_block3_project_bn_B_new = T['V_block3_project_bn_B']  # in place: the new V_block3_project_bn_B
-        rt.ew(ew_mul_add_4, V_block3_project_bn_B_new, T['V_block3_project_bn_B'], momentum, d_block3_project_bn_B, decay, T['block3_project_bn_B'])
+        # block3_project_bn_B_new = block3_project_bn_B - lr*V_block3_project_bn_B_new
+        block3_project_bn_B_new = T['block3_project_bn_B']  # in place: the new block3_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block3_project_bn_B_new, T['V_block3_project_bn_B'], momentum, d_block3_project_bn_B, decay, T['block3_project_bn_B']),
+                   (ew_mul_sub, block3_project_bn_B_new, T['block3_project_bn_B'], lr, V_block3_project_bn_B_new))
         # free d_block3_project_bn_bias, d_block3_project_bn_B
         del d_block3_project_bn_bias, d_block3_project_bn_B
         mem.free(565)
-        # block3_project_bn_B_new = block3_project_bn_B - lr*V_block3_project_bn_B_new
-        block3_project_bn_B_new = T['block3_project_bn_B']  # in place: the new block3_project_bn_B
-        rt.ew(ew_mul_sub, block3_project_bn_B_new, T['block3_project_bn_B'], lr, V_block3_project_bn_B_new)
 
         # ---- block3_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block3_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block3_dw_bn_centered*block3_dw_bn_inv_std*block3_dw_bn_weight + block3_dw_bn_bias))
@@ -7654,12 +7654,12 @@ class MobilenetV2(rp.Model):
         # d_block3_dw_bn_ew_sum = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered)
         d_block3_dw_bn_ew_sum = mem.tensor(569, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block3_dw_bn_ew_sum, d_block3_dw_bn, block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
-        # d_block3_dw_bn_inv_std = block3_dw_bn_weight*d_block3_dw_bn_ew_sum
+        # d_block3_dw_bn_inv_std = block3_dw_bn_weight*d_block3_dw_bn_ew_sum   (computed with the next statement)
         d_block3_dw_bn_inv_std = mem.tensor(570, (1, 144, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_ew_sum)
         # d_block3_dw_bn_sum_of_squares = -d_block3_dw_bn_inv_std/(200704*(block3_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_dw_bn_sum_of_squares = d_block3_dw_bn_inv_std  # in place: over d_block3_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block3_dw_bn_sum_of_squares, d_block3_dw_bn_inv_std, block3_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block3_dw_bn_sum_of_squares, d_block3_dw_bn_inv_std, block3_dw_bn_batch_var))
         # free block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         del block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         mem.free(41)
@@ -7683,26 +7683,26 @@ class MobilenetV2(rp.Model):
         mem.free(569)
         # d_block3_dw_bn_W = reshape[144](d_block3_dw_bn_weight)
         d_block3_dw_bn_W = rt.reshape(d_block3_dw_bn_weight, shape=(144,))
-        # V_block3_dw_bn_W_new = V_block3_dw_bn_W*momentum + d_block3_dw_bn_W + decay*block3_dw_bn_W
+        # V_block3_dw_bn_W_new = V_block3_dw_bn_W*momentum + d_block3_dw_bn_W + decay*block3_dw_bn_W   (computed with the next statement)
         V_block3_dw_bn_W_new = T['V_block3_dw_bn_W']  # in place: the new V_block3_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block3_dw_bn_W_new, T['V_block3_dw_bn_W'], momentum, d_block3_dw_bn_W, decay, T['block3_dw_bn_W'])
+        # block3_dw_bn_W_new = block3_dw_bn_W - lr*V_block3_dw_bn_W_new
+        block3_dw_bn_W_new = T['block3_dw_bn_W']  # in place: the new block3_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block3_dw_bn_W_new, T['V_block3_dw_bn_W'], momentum, d_block3_dw_bn_W, decay, T['block3_dw_bn_W']),
+                   (ew_mul_sub, block3_dw_bn_W_new, T['block3_dw_bn_W'], lr, V_block3_dw_bn_W_new))
         # free block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
         del block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
         mem.free(42)
-        # block3_dw_bn_W_new = block3_dw_bn_W - lr*V_block3_dw_bn_W_new
-        block3_dw_bn_W_new = T['block3_dw_bn_W']  # in place: the new block3_dw_bn_W
-        rt.ew(ew_mul_sub, block3_dw_bn_W_new, T['block3_dw_bn_W'], lr, V_block3_dw_bn_W_new)
         # d_block3_dw_bn_B = reshape[144](d_block3_dw_bn_bias)
         d_block3_dw_bn_B = rt.reshape(d_block3_dw_bn_bias, shape=(144,))
-        # V_block3_dw_bn_B_new = V_block3_dw_bn_B*momentum + d_block3_dw_bn_B + decay*block3_dw_bn_B
+        # V_block3_dw_bn_B_new = V_block3_dw_bn_B*momentum + d_block3_dw_bn_B + decay*block3_dw_bn_B   (computed with the next statement)
         V_block3_dw_bn_B_new = T['V_block3_dw_bn_B']  # in place: the new V_block3_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block3_dw_bn_B_new, T['V_block3_dw_bn_B'], momentum, d_block3_dw_bn_B, decay, T['block3_dw_bn_B'])
+        # block3_dw_bn_B_new = block3_dw_bn_B - lr*V_block3_dw_bn_B_new
+        block3_dw_bn_B_new = T['block3_dw_bn_B']  # in place: the new block3_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block3_dw_bn_B_new, T['V_block3_dw_bn_B'], momentum, d_block3_dw_bn_B, decay, T['block3_dw_bn_B']),
+                   (ew_mul_sub, block3_dw_bn_B_new, T['block3_dw_bn_B'], lr, V_block3_dw_bn_B_new))
         # free d_block3_dw_bn_bias, d_block3_dw_bn_B
         del d_block3_dw_bn_bias, d_block3_dw_bn_B
         mem.free(571)
-        # block3_dw_bn_B_new = block3_dw_bn_B - lr*V_block3_dw_bn_B_new
-        block3_dw_bn_B_new = T['block3_dw_bn_B']  # in place: the new block3_dw_bn_B
-        rt.ew(ew_mul_sub, block3_dw_bn_B_new, T['block3_dw_bn_B'], lr, V_block3_dw_bn_B_new)
         # d_block3_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block3_dw_bn_centered)
         d_block3_dw_bn_batch_mean = mem.tensor(572, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block3_dw_bn_batch_mean, d_block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
@@ -7757,12 +7757,12 @@ class MobilenetV2(rp.Model):
         # d_block3_expand_bn_ew_sum = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered)
         d_block3_expand_bn_ew_sum = mem.tensor(576, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block3_expand_bn_ew_sum, d_block3_expand_bn, block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
-        # d_block3_expand_bn_inv_std = block3_expand_bn_weight*d_block3_expand_bn_ew_sum
+        # d_block3_expand_bn_inv_std = block3_expand_bn_weight*d_block3_expand_bn_ew_sum   (computed with the next statement)
         d_block3_expand_bn_inv_std = mem.tensor(577, (1, 144, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_ew_sum)
         # d_block3_expand_bn_sum_of_squares = -d_block3_expand_bn_inv_std/(200704*(block3_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block3_expand_bn_sum_of_squares = d_block3_expand_bn_inv_std  # in place: over d_block3_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block3_expand_bn_sum_of_squares, d_block3_expand_bn_inv_std, block3_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block3_expand_bn_sum_of_squares, d_block3_expand_bn_inv_std, block3_expand_bn_batch_var))
         # free block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         del block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         mem.free(36)
@@ -7786,26 +7786,26 @@ class MobilenetV2(rp.Model):
         mem.free(576)
         # d_block3_expand_bn_W = reshape[144](d_block3_expand_bn_weight)
         d_block3_expand_bn_W = rt.reshape(d_block3_expand_bn_weight, shape=(144,))
-        # V_block3_expand_bn_W_new = V_block3_expand_bn_W*momentum + d_block3_expand_bn_W + decay*block3_expand_bn_W
+        # V_block3_expand_bn_W_new = V_block3_expand_bn_W*momentum + d_block3_expand_bn_W + decay*block3_expand_bn_W   (computed with the next statement)
         V_block3_expand_bn_W_new = T['V_block3_expand_bn_W']  # in place: the new V_block3_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block3_expand_bn_W_new, T['V_block3_expand_bn_W'], momentum, d_block3_expand_bn_W, decay, T['block3_expand_bn_W'])
+        # block3_expand_bn_W_new = block3_expand_bn_W - lr*V_block3_expand_bn_W_new
+        block3_expand_bn_W_new = T['block3_expand_bn_W']  # in place: the new block3_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block3_expand_bn_W_new, T['V_block3_expand_bn_W'], momentum, d_block3_expand_bn_W, decay, T['block3_expand_bn_W']),
+                   (ew_mul_sub, block3_expand_bn_W_new, T['block3_expand_bn_W'], lr, V_block3_expand_bn_W_new))
         # free block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
         del block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
         mem.free(37)
-        # block3_expand_bn_W_new = block3_expand_bn_W - lr*V_block3_expand_bn_W_new
-        block3_expand_bn_W_new = T['block3_expand_bn_W']  # in place: the new block3_expand_bn_W
-        rt.ew(ew_mul_sub, block3_expand_bn_W_new, T['block3_expand_bn_W'], lr, V_block3_expand_bn_W_new)
         # d_block3_expand_bn_B = reshape[144](d_block3_expand_bn_bias)
         d_block3_expand_bn_B = rt.reshape(d_block3_expand_bn_bias, shape=(144,))
-        # V_block3_expand_bn_B_new = V_block3_expand_bn_B*momentum + d_block3_expand_bn_B + decay*block3_expand_bn_B
+        # V_block3_expand_bn_B_new = V_block3_expand_bn_B*momentum + d_block3_expand_bn_B + decay*block3_expand_bn_B   (computed with the next statement)
         V_block3_expand_bn_B_new = T['V_block3_expand_bn_B']  # in place: the new V_block3_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block3_expand_bn_B_new, T['V_block3_expand_bn_B'], momentum, d_block3_expand_bn_B, decay, T['block3_expand_bn_B'])
+        # block3_expand_bn_B_new = block3_expand_bn_B - lr*V_block3_expand_bn_B_new
+        block3_expand_bn_B_new = T['block3_expand_bn_B']  # in place: the new block3_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block3_expand_bn_B_new, T['V_block3_expand_bn_B'], momentum, d_block3_expand_bn_B, decay, T['block3_expand_bn_B']),
+                   (ew_mul_sub, block3_expand_bn_B_new, T['block3_expand_bn_B'], lr, V_block3_expand_bn_B_new))
         # free d_block3_expand_bn_bias, d_block3_expand_bn_B
         del d_block3_expand_bn_bias, d_block3_expand_bn_B
         mem.free(578)
-        # block3_expand_bn_B_new = block3_expand_bn_B - lr*V_block3_expand_bn_B_new
-        block3_expand_bn_B_new = T['block3_expand_bn_B']  # in place: the new block3_expand_bn_B
-        rt.ew(ew_mul_sub, block3_expand_bn_B_new, T['block3_expand_bn_B'], lr, V_block3_expand_bn_B_new)
         # d_block3_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block3_expand_bn_centered)
         d_block3_expand_bn_batch_mean = mem.tensor(579, (1, 144, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block3_expand_bn_batch_mean, d_block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
@@ -7849,26 +7849,26 @@ class MobilenetV2(rp.Model):
         mem.free(582)
 
         # ---- block3_expand (conv 1x1, 144 channels, stride 1, padding 0), backward ----
-        # V_block3_expand_W_new = V_block3_expand_W*momentum + d_block3_expand_W + decay*block3_expand_W
+        # V_block3_expand_W_new = V_block3_expand_W*momentum + d_block3_expand_W + decay*block3_expand_W   (computed with the next statement)
         V_block3_expand_W_new = T['V_block3_expand_W']  # in place: the new V_block3_expand_W
-        rt.ew(ew_mul_add_4, V_block3_expand_W_new, T['V_block3_expand_W'], momentum, d_block3_expand_W, decay, T['block3_expand_W'])
+        # block3_expand_W_new = block3_expand_W - lr*V_block3_expand_W_new
+        block3_expand_W_new = T['block3_expand_W']  # in place: the new block3_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block3_expand_W_new, T['V_block3_expand_W'], momentum, d_block3_expand_W, decay, T['block3_expand_W']),
+                   (ew_mul_sub, block3_expand_W_new, T['block3_expand_W'], lr, V_block3_expand_W_new))
         # free d_block3_expand_W
         del d_block3_expand_W
         mem.free(581)
-        # block3_expand_W_new = block3_expand_W - lr*V_block3_expand_W_new
-        block3_expand_W_new = T['block3_expand_W']  # in place: the new block3_expand_W
-        rt.ew(ew_mul_sub, block3_expand_W_new, T['block3_expand_W'], lr, V_block3_expand_W_new)
 
         # ---- block2_project_bn (batch norm), backward ----
         # d_block2_project_bn_ew_sum = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered)
         d_block2_project_bn_ew_sum = mem.tensor(583, (1, 24, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block2_project_bn_ew_sum, d_block2_project_bn_2, block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
-        # d_block2_project_bn_inv_std = block2_project_bn_weight*d_block2_project_bn_ew_sum
+        # d_block2_project_bn_inv_std = block2_project_bn_weight*d_block2_project_bn_ew_sum   (computed with the next statement)
         d_block2_project_bn_inv_std = mem.tensor(584, (1, 24, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_ew_sum)
         # d_block2_project_bn_sum_of_squares = -d_block2_project_bn_inv_std/(200704*(block2_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_project_bn_sum_of_squares = d_block2_project_bn_inv_std  # in place: over d_block2_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block2_project_bn_sum_of_squares, d_block2_project_bn_inv_std, block2_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block2_project_bn_sum_of_squares, d_block2_project_bn_inv_std, block2_project_bn_batch_var))
         # free block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         del block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         mem.free(31)
@@ -7892,26 +7892,26 @@ class MobilenetV2(rp.Model):
         mem.free(583)
         # d_block2_project_bn_W = reshape[24](d_block2_project_bn_weight)
         d_block2_project_bn_W = rt.reshape(d_block2_project_bn_weight, shape=(24,))
-        # V_block2_project_bn_W_new = V_block2_project_bn_W*momentum + d_block2_project_bn_W + decay*block2_project_bn_W
+        # V_block2_project_bn_W_new = V_block2_project_bn_W*momentum + d_block2_project_bn_W + decay*block2_project_bn_W   (computed with the next statement)
         V_block2_project_bn_W_new = T['V_block2_project_bn_W']  # in place: the new V_block2_project_bn_W
-        rt.ew(ew_mul_add_4, V_block2_project_bn_W_new, T['V_block2_project_bn_W'], momentum, d_block2_project_bn_W, decay, T['block2_project_bn_W'])
+        # block2_project_bn_W_new = block2_project_bn_W - lr*V_block2_project_bn_W_new
+        block2_project_bn_W_new = T['block2_project_bn_W']  # in place: the new block2_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block2_project_bn_W_new, T['V_block2_project_bn_W'], momentum, d_block2_project_bn_W, decay, T['block2_project_bn_W']),
+                   (ew_mul_sub, block2_project_bn_W_new, T['block2_project_bn_W'], lr, V_block2_project_bn_W_new))
         # free block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
         del block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
         mem.free(32)
-        # block2_project_bn_W_new = block2_project_bn_W - lr*V_block2_project_bn_W_new
-        block2_project_bn_W_new = T['block2_project_bn_W']  # in place: the new block2_project_bn_W
-        rt.ew(ew_mul_sub, block2_project_bn_W_new, T['block2_project_bn_W'], lr, V_block2_project_bn_W_new)
         # d_block2_project_bn_B = reshape[24](d_block2_project_bn_bias)
         d_block2_project_bn_B = rt.reshape(d_block2_project_bn_bias, shape=(24,))
-        # V_block2_project_bn_B_new = V_block2_project_bn_B*momentum + d_block2_project_bn_B + decay*block2_project_bn_B
+        # V_block2_project_bn_B_new = V_block2_project_bn_B*momentum + d_block2_project_bn_B + decay*block2_project_bn_B   (computed with the next statement)
         V_block2_project_bn_B_new = T['V_block2_project_bn_B']  # in place: the new V_block2_project_bn_B
-        rt.ew(ew_mul_add_4, V_block2_project_bn_B_new, T['V_block2_project_bn_B'], momentum, d_block2_project_bn_B, decay, T['block2_project_bn_B'])
+        # block2_project_bn_B_new = block2_project_bn_B - lr*V_block2_project_bn_B_new
+        block2_project_bn_B_new = T['block2_project_bn_B']  # in place: the new block2_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block2_project_bn_B_new, T['V_block2_project_bn_B'], momentum, d_block2_project_bn_B, decay, T['block2_project_bn_B']),
+                   (ew_mul_sub, block2_project_bn_B_new, T['block2_project_bn_B'], lr, V_block2_project_bn_B_new))
         # free d_block2_project_bn_bias, d_block2_project_bn_B
         del d_block2_project_bn_bias, d_block2_project_bn_B
         mem.free(585)
-        # block2_project_bn_B_new = block2_project_bn_B - lr*V_block2_project_bn_B_new
-        block2_project_bn_B_new = T['block2_project_bn_B']  # in place: the new block2_project_bn_B
-        rt.ew(ew_mul_sub, block2_project_bn_B_new, T['block2_project_bn_B'], lr, V_block2_project_bn_B_new)
         # d_block2_project_bn_batch_mean = sum_to[1x24x1x1](-d_block2_project_bn_centered)
         d_block2_project_bn_batch_mean = mem.tensor(586, (1, 24, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block2_project_bn_batch_mean, d_block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
@@ -7966,12 +7966,12 @@ class MobilenetV2(rp.Model):
         # d_block2_dw_bn_ew_sum = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered)
         d_block2_dw_bn_ew_sum = mem.tensor(590, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block2_dw_bn_ew_sum, d_block2_dw_bn, block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
-        # d_block2_dw_bn_inv_std = block2_dw_bn_weight*d_block2_dw_bn_ew_sum
+        # d_block2_dw_bn_inv_std = block2_dw_bn_weight*d_block2_dw_bn_ew_sum   (computed with the next statement)
         d_block2_dw_bn_inv_std = mem.tensor(591, (1, 96, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_ew_sum)
         # d_block2_dw_bn_sum_of_squares = -d_block2_dw_bn_inv_std/(200704*(block2_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_dw_bn_sum_of_squares = d_block2_dw_bn_inv_std  # in place: over d_block2_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_4, d_block2_dw_bn_sum_of_squares, d_block2_dw_bn_inv_std, block2_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_ew_sum),
+                   (ew_add_pow_mul_4, d_block2_dw_bn_sum_of_squares, d_block2_dw_bn_inv_std, block2_dw_bn_batch_var))
         # free block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         del block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         mem.free(26)
@@ -7995,26 +7995,26 @@ class MobilenetV2(rp.Model):
         mem.free(590)
         # d_block2_dw_bn_W = reshape[96](d_block2_dw_bn_weight)
         d_block2_dw_bn_W = rt.reshape(d_block2_dw_bn_weight, shape=(96,))
-        # V_block2_dw_bn_W_new = V_block2_dw_bn_W*momentum + d_block2_dw_bn_W + decay*block2_dw_bn_W
+        # V_block2_dw_bn_W_new = V_block2_dw_bn_W*momentum + d_block2_dw_bn_W + decay*block2_dw_bn_W   (computed with the next statement)
         V_block2_dw_bn_W_new = T['V_block2_dw_bn_W']  # in place: the new V_block2_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block2_dw_bn_W_new, T['V_block2_dw_bn_W'], momentum, d_block2_dw_bn_W, decay, T['block2_dw_bn_W'])
+        # block2_dw_bn_W_new = block2_dw_bn_W - lr*V_block2_dw_bn_W_new
+        block2_dw_bn_W_new = T['block2_dw_bn_W']  # in place: the new block2_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block2_dw_bn_W_new, T['V_block2_dw_bn_W'], momentum, d_block2_dw_bn_W, decay, T['block2_dw_bn_W']),
+                   (ew_mul_sub, block2_dw_bn_W_new, T['block2_dw_bn_W'], lr, V_block2_dw_bn_W_new))
         # free block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
         del block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
         mem.free(27)
-        # block2_dw_bn_W_new = block2_dw_bn_W - lr*V_block2_dw_bn_W_new
-        block2_dw_bn_W_new = T['block2_dw_bn_W']  # in place: the new block2_dw_bn_W
-        rt.ew(ew_mul_sub, block2_dw_bn_W_new, T['block2_dw_bn_W'], lr, V_block2_dw_bn_W_new)
         # d_block2_dw_bn_B = reshape[96](d_block2_dw_bn_bias)
         d_block2_dw_bn_B = rt.reshape(d_block2_dw_bn_bias, shape=(96,))
-        # V_block2_dw_bn_B_new = V_block2_dw_bn_B*momentum + d_block2_dw_bn_B + decay*block2_dw_bn_B
+        # V_block2_dw_bn_B_new = V_block2_dw_bn_B*momentum + d_block2_dw_bn_B + decay*block2_dw_bn_B   (computed with the next statement)
         V_block2_dw_bn_B_new = T['V_block2_dw_bn_B']  # in place: the new V_block2_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block2_dw_bn_B_new, T['V_block2_dw_bn_B'], momentum, d_block2_dw_bn_B, decay, T['block2_dw_bn_B'])
+        # block2_dw_bn_B_new = block2_dw_bn_B - lr*V_block2_dw_bn_B_new
+        block2_dw_bn_B_new = T['block2_dw_bn_B']  # in place: the new block2_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block2_dw_bn_B_new, T['V_block2_dw_bn_B'], momentum, d_block2_dw_bn_B, decay, T['block2_dw_bn_B']),
+                   (ew_mul_sub, block2_dw_bn_B_new, T['block2_dw_bn_B'], lr, V_block2_dw_bn_B_new))
         # free d_block2_dw_bn_bias, d_block2_dw_bn_B
         del d_block2_dw_bn_bias, d_block2_dw_bn_B
         mem.free(592)
-        # block2_dw_bn_B_new = block2_dw_bn_B - lr*V_block2_dw_bn_B_new
-        block2_dw_bn_B_new = T['block2_dw_bn_B']  # in place: the new block2_dw_bn_B
-        rt.ew(ew_mul_sub, block2_dw_bn_B_new, T['block2_dw_bn_B'], lr, V_block2_dw_bn_B_new)
         # d_block2_dw_bn_batch_mean = sum_to[1x96x1x1](-d_block2_dw_bn_centered)
         d_block2_dw_bn_batch_mean = mem.tensor(593, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block2_dw_bn_batch_mean, d_block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
@@ -8069,12 +8069,12 @@ class MobilenetV2(rp.Model):
         # d_block2_expand_bn_ew_sum = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered)
         d_block2_expand_bn_ew_sum = mem.tensor(597, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block2_expand_bn_ew_sum, d_block2_expand_bn, block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
-        # d_block2_expand_bn_inv_std = block2_expand_bn_weight*d_block2_expand_bn_ew_sum
+        # d_block2_expand_bn_inv_std = block2_expand_bn_weight*d_block2_expand_bn_ew_sum   (computed with the next statement)
         d_block2_expand_bn_inv_std = mem.tensor(598, (1, 96, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_ew_sum)
         # d_block2_expand_bn_sum_of_squares = -d_block2_expand_bn_inv_std/(802816*(block2_expand_bn_batch_var + 1.0e-5)**(3/2))
         d_block2_expand_bn_sum_of_squares = d_block2_expand_bn_inv_std  # in place: over d_block2_expand_bn_inv_std
-        rt.ew(ew_add_pow_mul_5, d_block2_expand_bn_sum_of_squares, d_block2_expand_bn_inv_std, block2_expand_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_ew_sum),
+                   (ew_add_pow_mul_5, d_block2_expand_bn_sum_of_squares, d_block2_expand_bn_inv_std, block2_expand_bn_batch_var))
         # free block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         del block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         mem.free(21)
@@ -8098,26 +8098,26 @@ class MobilenetV2(rp.Model):
         mem.free(597)
         # d_block2_expand_bn_W = reshape[96](d_block2_expand_bn_weight)
         d_block2_expand_bn_W = rt.reshape(d_block2_expand_bn_weight, shape=(96,))
-        # V_block2_expand_bn_W_new = V_block2_expand_bn_W*momentum + d_block2_expand_bn_W + decay*block2_expand_bn_W
+        # V_block2_expand_bn_W_new = V_block2_expand_bn_W*momentum + d_block2_expand_bn_W + decay*block2_expand_bn_W   (computed with the next statement)
         V_block2_expand_bn_W_new = T['V_block2_expand_bn_W']  # in place: the new V_block2_expand_bn_W
-        rt.ew(ew_mul_add_4, V_block2_expand_bn_W_new, T['V_block2_expand_bn_W'], momentum, d_block2_expand_bn_W, decay, T['block2_expand_bn_W'])
+        # block2_expand_bn_W_new = block2_expand_bn_W - lr*V_block2_expand_bn_W_new
+        block2_expand_bn_W_new = T['block2_expand_bn_W']  # in place: the new block2_expand_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block2_expand_bn_W_new, T['V_block2_expand_bn_W'], momentum, d_block2_expand_bn_W, decay, T['block2_expand_bn_W']),
+                   (ew_mul_sub, block2_expand_bn_W_new, T['block2_expand_bn_W'], lr, V_block2_expand_bn_W_new))
         # free block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
         del block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
         mem.free(22)
-        # block2_expand_bn_W_new = block2_expand_bn_W - lr*V_block2_expand_bn_W_new
-        block2_expand_bn_W_new = T['block2_expand_bn_W']  # in place: the new block2_expand_bn_W
-        rt.ew(ew_mul_sub, block2_expand_bn_W_new, T['block2_expand_bn_W'], lr, V_block2_expand_bn_W_new)
         # d_block2_expand_bn_B = reshape[96](d_block2_expand_bn_bias)
         d_block2_expand_bn_B = rt.reshape(d_block2_expand_bn_bias, shape=(96,))
-        # V_block2_expand_bn_B_new = V_block2_expand_bn_B*momentum + d_block2_expand_bn_B + decay*block2_expand_bn_B
+        # V_block2_expand_bn_B_new = V_block2_expand_bn_B*momentum + d_block2_expand_bn_B + decay*block2_expand_bn_B   (computed with the next statement)
         V_block2_expand_bn_B_new = T['V_block2_expand_bn_B']  # in place: the new V_block2_expand_bn_B
-        rt.ew(ew_mul_add_4, V_block2_expand_bn_B_new, T['V_block2_expand_bn_B'], momentum, d_block2_expand_bn_B, decay, T['block2_expand_bn_B'])
+        # block2_expand_bn_B_new = block2_expand_bn_B - lr*V_block2_expand_bn_B_new
+        block2_expand_bn_B_new = T['block2_expand_bn_B']  # in place: the new block2_expand_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block2_expand_bn_B_new, T['V_block2_expand_bn_B'], momentum, d_block2_expand_bn_B, decay, T['block2_expand_bn_B']),
+                   (ew_mul_sub, block2_expand_bn_B_new, T['block2_expand_bn_B'], lr, V_block2_expand_bn_B_new))
         # free d_block2_expand_bn_bias, d_block2_expand_bn_B
         del d_block2_expand_bn_bias, d_block2_expand_bn_B
         mem.free(599)
-        # block2_expand_bn_B_new = block2_expand_bn_B - lr*V_block2_expand_bn_B_new
-        block2_expand_bn_B_new = T['block2_expand_bn_B']  # in place: the new block2_expand_bn_B
-        rt.ew(ew_mul_sub, block2_expand_bn_B_new, T['block2_expand_bn_B'], lr, V_block2_expand_bn_B_new)
         # d_block2_expand_bn_batch_mean = sum_to[1x96x1x1](-d_block2_expand_bn_centered)
         d_block2_expand_bn_batch_mean = mem.tensor(600, (1, 96, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block2_expand_bn_batch_mean, d_block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
@@ -8151,26 +8151,26 @@ class MobilenetV2(rp.Model):
         # free block2_expand, block2_expand_bn_centered, d_block2_expand_bn_centered, d_block2_expand
         del block2_expand, block2_expand_bn_centered, d_block2_expand_bn_centered, d_block2_expand
         mem.free(19)
-        # V_block2_expand_W_new = V_block2_expand_W*momentum + d_block2_expand_W + decay*block2_expand_W
+        # V_block2_expand_W_new = V_block2_expand_W*momentum + d_block2_expand_W + decay*block2_expand_W   (computed with the next statement)
         V_block2_expand_W_new = T['V_block2_expand_W']  # in place: the new V_block2_expand_W
-        rt.ew(ew_mul_add_4, V_block2_expand_W_new, T['V_block2_expand_W'], momentum, d_block2_expand_W, decay, T['block2_expand_W'])
+        # block2_expand_W_new = block2_expand_W - lr*V_block2_expand_W_new
+        block2_expand_W_new = T['block2_expand_W']  # in place: the new block2_expand_W
+        rt.ew_pair((ew_mul_add_4, V_block2_expand_W_new, T['V_block2_expand_W'], momentum, d_block2_expand_W, decay, T['block2_expand_W']),
+                   (ew_mul_sub, block2_expand_W_new, T['block2_expand_W'], lr, V_block2_expand_W_new))
         # free d_block2_expand_W
         del d_block2_expand_W
         mem.free(602)
-        # block2_expand_W_new = block2_expand_W - lr*V_block2_expand_W_new
-        block2_expand_W_new = T['block2_expand_W']  # in place: the new block2_expand_W
-        rt.ew(ew_mul_sub, block2_expand_W_new, T['block2_expand_W'], lr, V_block2_expand_W_new)
 
         # ---- block1_project_bn (batch norm), backward ----
         # d_block1_project_bn_ew_sum = sum_to[1x16x1x1](d_block1_project_bn*block1_project_bn_centered)
         d_block1_project_bn_ew_sum = mem.tensor(604, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block1_project_bn_ew_sum, d_block1_project_bn, block1_project_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
-        # d_block1_project_bn_inv_std = block1_project_bn_weight*d_block1_project_bn_ew_sum
+        # d_block1_project_bn_inv_std = block1_project_bn_weight*d_block1_project_bn_ew_sum   (computed with the next statement)
         d_block1_project_bn_inv_std = mem.tensor(605, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_ew_sum)
         # d_block1_project_bn_sum_of_squares = -d_block1_project_bn_inv_std/(802816*(block1_project_bn_batch_var + 1.0e-5)**(3/2))
         d_block1_project_bn_sum_of_squares = d_block1_project_bn_inv_std  # in place: over d_block1_project_bn_inv_std
-        rt.ew(ew_add_pow_mul_5, d_block1_project_bn_sum_of_squares, d_block1_project_bn_inv_std, block1_project_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_ew_sum),
+                   (ew_add_pow_mul_5, d_block1_project_bn_sum_of_squares, d_block1_project_bn_inv_std, block1_project_bn_batch_var))
         # free block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         del block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         mem.free(16)
@@ -8194,26 +8194,26 @@ class MobilenetV2(rp.Model):
         mem.free(604)
         # d_block1_project_bn_W = reshape[16](d_block1_project_bn_weight)
         d_block1_project_bn_W = rt.reshape(d_block1_project_bn_weight, shape=(16,))
-        # V_block1_project_bn_W_new = V_block1_project_bn_W*momentum + d_block1_project_bn_W + decay*block1_project_bn_W
+        # V_block1_project_bn_W_new = V_block1_project_bn_W*momentum + d_block1_project_bn_W + decay*block1_project_bn_W   (computed with the next statement)
         V_block1_project_bn_W_new = T['V_block1_project_bn_W']  # in place: the new V_block1_project_bn_W
-        rt.ew(ew_mul_add_4, V_block1_project_bn_W_new, T['V_block1_project_bn_W'], momentum, d_block1_project_bn_W, decay, T['block1_project_bn_W'])
+        # block1_project_bn_W_new = block1_project_bn_W - lr*V_block1_project_bn_W_new
+        block1_project_bn_W_new = T['block1_project_bn_W']  # in place: the new block1_project_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block1_project_bn_W_new, T['V_block1_project_bn_W'], momentum, d_block1_project_bn_W, decay, T['block1_project_bn_W']),
+                   (ew_mul_sub, block1_project_bn_W_new, T['block1_project_bn_W'], lr, V_block1_project_bn_W_new))
         # free block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
         del block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
         mem.free(17)
-        # block1_project_bn_W_new = block1_project_bn_W - lr*V_block1_project_bn_W_new
-        block1_project_bn_W_new = T['block1_project_bn_W']  # in place: the new block1_project_bn_W
-        rt.ew(ew_mul_sub, block1_project_bn_W_new, T['block1_project_bn_W'], lr, V_block1_project_bn_W_new)
         # d_block1_project_bn_B = reshape[16](d_block1_project_bn_bias)
         d_block1_project_bn_B = rt.reshape(d_block1_project_bn_bias, shape=(16,))
-        # V_block1_project_bn_B_new = V_block1_project_bn_B*momentum + d_block1_project_bn_B + decay*block1_project_bn_B
+        # V_block1_project_bn_B_new = V_block1_project_bn_B*momentum + d_block1_project_bn_B + decay*block1_project_bn_B   (computed with the next statement)
         V_block1_project_bn_B_new = T['V_block1_project_bn_B']  # in place: the new V_block1_project_bn_B
-        rt.ew(ew_mul_add_4, V_block1_project_bn_B_new, T['V_block1_project_bn_B'], momentum, d_block1_project_bn_B, decay, T['block1_project_bn_B'])
+        # block1_project_bn_B_new = block1_project_bn_B - lr*V_block1_project_bn_B_new
+        block1_project_bn_B_new = T['block1_project_bn_B']  # in place: the new block1_project_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block1_project_bn_B_new, T['V_block1_project_bn_B'], momentum, d_block1_project_bn_B, decay, T['block1_project_bn_B']),
+                   (ew_mul_sub, block1_project_bn_B_new, T['block1_project_bn_B'], lr, V_block1_project_bn_B_new))
         # free d_block1_project_bn_bias, d_block1_project_bn_B
         del d_block1_project_bn_bias, d_block1_project_bn_B
         mem.free(606)
-        # block1_project_bn_B_new = block1_project_bn_B - lr*V_block1_project_bn_B_new
-        block1_project_bn_B_new = T['block1_project_bn_B']  # in place: the new block1_project_bn_B
-        rt.ew(ew_mul_sub, block1_project_bn_B_new, T['block1_project_bn_B'], lr, V_block1_project_bn_B_new)
         # d_block1_project_bn_batch_mean = sum_to[1x16x1x1](-d_block1_project_bn_centered)
         d_block1_project_bn_batch_mean = mem.tensor(607, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block1_project_bn_batch_mean, d_block1_project_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
@@ -8268,12 +8268,12 @@ class MobilenetV2(rp.Model):
         # d_block1_dw_bn_ew_sum = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered)
         d_block1_dw_bn_ew_sum = mem.tensor(611, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_block1_dw_bn_ew_sum, d_block1_dw_bn, block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
-        # d_block1_dw_bn_inv_std = block1_dw_bn_weight*d_block1_dw_bn_ew_sum
+        # d_block1_dw_bn_inv_std = block1_dw_bn_weight*d_block1_dw_bn_ew_sum   (computed with the next statement)
         d_block1_dw_bn_inv_std = mem.tensor(612, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_ew_sum)
         # d_block1_dw_bn_sum_of_squares = -d_block1_dw_bn_inv_std/(802816*(block1_dw_bn_batch_var + 1.0e-5)**(3/2))
         d_block1_dw_bn_sum_of_squares = d_block1_dw_bn_inv_std  # in place: over d_block1_dw_bn_inv_std
-        rt.ew(ew_add_pow_mul_5, d_block1_dw_bn_sum_of_squares, d_block1_dw_bn_inv_std, block1_dw_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_ew_sum),
+                   (ew_add_pow_mul_5, d_block1_dw_bn_sum_of_squares, d_block1_dw_bn_inv_std, block1_dw_bn_batch_var))
         # free block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         del block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         mem.free(11)
@@ -8297,26 +8297,26 @@ class MobilenetV2(rp.Model):
         mem.free(611)
         # d_block1_dw_bn_W = reshape[32](d_block1_dw_bn_weight)
         d_block1_dw_bn_W = rt.reshape(d_block1_dw_bn_weight, shape=(32,))
-        # V_block1_dw_bn_W_new = V_block1_dw_bn_W*momentum + d_block1_dw_bn_W + decay*block1_dw_bn_W
+        # V_block1_dw_bn_W_new = V_block1_dw_bn_W*momentum + d_block1_dw_bn_W + decay*block1_dw_bn_W   (computed with the next statement)
         V_block1_dw_bn_W_new = T['V_block1_dw_bn_W']  # in place: the new V_block1_dw_bn_W
-        rt.ew(ew_mul_add_4, V_block1_dw_bn_W_new, T['V_block1_dw_bn_W'], momentum, d_block1_dw_bn_W, decay, T['block1_dw_bn_W'])
+        # block1_dw_bn_W_new = block1_dw_bn_W - lr*V_block1_dw_bn_W_new
+        block1_dw_bn_W_new = T['block1_dw_bn_W']  # in place: the new block1_dw_bn_W
+        rt.ew_pair((ew_mul_add_4, V_block1_dw_bn_W_new, T['V_block1_dw_bn_W'], momentum, d_block1_dw_bn_W, decay, T['block1_dw_bn_W']),
+                   (ew_mul_sub, block1_dw_bn_W_new, T['block1_dw_bn_W'], lr, V_block1_dw_bn_W_new))
         # free block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
         del block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
         mem.free(12)
-        # block1_dw_bn_W_new = block1_dw_bn_W - lr*V_block1_dw_bn_W_new
-        block1_dw_bn_W_new = T['block1_dw_bn_W']  # in place: the new block1_dw_bn_W
-        rt.ew(ew_mul_sub, block1_dw_bn_W_new, T['block1_dw_bn_W'], lr, V_block1_dw_bn_W_new)
         # d_block1_dw_bn_B = reshape[32](d_block1_dw_bn_bias)
         d_block1_dw_bn_B = rt.reshape(d_block1_dw_bn_bias, shape=(32,))
-        # V_block1_dw_bn_B_new = V_block1_dw_bn_B*momentum + d_block1_dw_bn_B + decay*block1_dw_bn_B
+        # V_block1_dw_bn_B_new = V_block1_dw_bn_B*momentum + d_block1_dw_bn_B + decay*block1_dw_bn_B   (computed with the next statement)
         V_block1_dw_bn_B_new = T['V_block1_dw_bn_B']  # in place: the new V_block1_dw_bn_B
-        rt.ew(ew_mul_add_4, V_block1_dw_bn_B_new, T['V_block1_dw_bn_B'], momentum, d_block1_dw_bn_B, decay, T['block1_dw_bn_B'])
+        # block1_dw_bn_B_new = block1_dw_bn_B - lr*V_block1_dw_bn_B_new
+        block1_dw_bn_B_new = T['block1_dw_bn_B']  # in place: the new block1_dw_bn_B
+        rt.ew_pair((ew_mul_add_4, V_block1_dw_bn_B_new, T['V_block1_dw_bn_B'], momentum, d_block1_dw_bn_B, decay, T['block1_dw_bn_B']),
+                   (ew_mul_sub, block1_dw_bn_B_new, T['block1_dw_bn_B'], lr, V_block1_dw_bn_B_new))
         # free d_block1_dw_bn_bias, d_block1_dw_bn_B
         del d_block1_dw_bn_bias, d_block1_dw_bn_B
         mem.free(613)
-        # block1_dw_bn_B_new = block1_dw_bn_B - lr*V_block1_dw_bn_B_new
-        block1_dw_bn_B_new = T['block1_dw_bn_B']  # in place: the new block1_dw_bn_B
-        rt.ew(ew_mul_sub, block1_dw_bn_B_new, T['block1_dw_bn_B'], lr, V_block1_dw_bn_B_new)
         # d_block1_dw_bn_batch_mean = sum_to[1x32x1x1](-d_block1_dw_bn_centered)
         d_block1_dw_bn_batch_mean = mem.tensor(614, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_block1_dw_bn_batch_mean, d_block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
@@ -8371,12 +8371,12 @@ class MobilenetV2(rp.Model):
         # d_conv1_bn_ew_sum = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered)
         d_conv1_bn_ew_sum = mem.tensor(618, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul_2, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
-        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(619, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul_2, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(802816*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
-        rt.ew(ew_add_pow_mul_5, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
+        rt.ew_pair((ew_mul_2, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum),
+                   (ew_add_pow_mul_5, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var))
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(6)
@@ -8400,26 +8400,26 @@ class MobilenetV2(rp.Model):
         mem.free(618)
         # d_conv1_bn_W = reshape[32](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(32,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        rt.ew(ew_mul_add_4, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        rt.ew_pair((ew_mul_add_4, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
         # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         mem.free(7)
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
         # d_conv1_bn_B = reshape[32](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(32,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
         V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        rt.ew(ew_mul_add_4, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        rt.ew_pair((ew_mul_add_4, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
         mem.free(620)
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
         # d_conv1_bn_batch_mean = sum_to[1x32x1x1](-d_conv1_bn_centered)
         d_conv1_bn_batch_mean = mem.tensor(621, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
@@ -8440,15 +8440,15 @@ class MobilenetV2(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 4)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add_4, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add_4, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(622)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss

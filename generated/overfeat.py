@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x231x231 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 100000 iterations, lr 0.05, momentum 0.6, decay 1e-05
 Memory: peak 473.43 MB of tensors planned for the training step (236.10 MB testing); static arena 473.43 MB, pool 602.44 MB, workspace 44.45 MB
-Structure hash: d52da9d14a7d0578
+Structure hash: 829cb0421202a694
 
 Usage: python overfeat.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Overfeat(rp.Model):
 
     name = "overfeat"
     source = "networks/overfeat.py"
-    structure_hash = "d52da9d14a7d0578"
+    structure_hash = "829cb0421202a694"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 231, 231)
@@ -223,14 +223,14 @@ class Overfeat(rp.Model):
         rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
 
         # ---- fc6_relu (relu), forward ----
-        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)   (computed with the next statement)
         fc6_relu = fc6_matmul  # in place: over fc6_matmul
-        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
 
         # ---- fc6_dropout (dropout 0.5), forward ----
         # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
         fc6_dropout = mem.tensor(17, (128, 3072), 'float32')
-        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B']),
+                   (ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask))
 
         # ---- fc7 (fully connected, 4096 outputs), forward ----
         # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
@@ -238,14 +238,14 @@ class Overfeat(rp.Model):
         rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
 
         # ---- fc7_relu (relu), forward ----
-        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)   (computed with the next statement)
         fc7_relu = fc7_matmul  # in place: over fc7_matmul
-        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc7_dropout (dropout 0.5), forward ----
         # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
         fc7_dropout = mem.tensor(19, (128, 4096), 'float32')
-        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B']),
+                   (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
         # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
@@ -289,15 +289,15 @@ class Overfeat(rp.Model):
         # d_fc8_B = sum_to[1000](d_fc8)
         d_fc8_B = mem.tensor(23, (1000,), 'float32')
         rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
-        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B   (computed with the next statement)
         V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B'])
+        # fc8_B_new = fc8_B - lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew_pair((ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B']),
+                   (ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new))
         # free d_fc8_B
         del d_fc8_B
         mem.free(23)
-        # fc8_B_new = fc8_B - lr*V_fc8_B_new
-        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
         # d_fc7_dropout = matmul(d_fc8, fc8_W)
         d_fc7_dropout = mem.tensor(24, (128, 4096), 'float32')
         rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
@@ -314,15 +314,15 @@ class Overfeat(rp.Model):
         # d_fc7_B = sum_to[4096](d_fc7)
         d_fc7_B = mem.tensor(25, (4096,), 'float32')
         rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
-        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B   (computed with the next statement)
         V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B'])
+        # fc7_B_new = fc7_B - lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew_pair((ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B']),
+                   (ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new))
         # free d_fc7_B
         del d_fc7_B
         mem.free(25)
-        # fc7_B_new = fc7_B - lr*V_fc7_B_new
-        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
         # d_fc6_dropout = matmul(d_fc7, fc7_W)
         d_fc6_dropout = mem.tensor(26, (128, 3072), 'float32')
         rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
@@ -339,15 +339,15 @@ class Overfeat(rp.Model):
         # d_fc6_B = sum_to[3072](d_fc6)
         d_fc6_B = mem.tensor(27, (3072,), 'float32')
         rt.sum_to(d_fc6, out=d_fc6_B, shape=(3072,))
-        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B   (computed with the next statement)
         V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B'])
+        # fc6_B_new = fc6_B - lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew_pair((ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B']),
+                   (ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new))
         # free d_fc6_B
         del d_fc6_B
         mem.free(27)
-        # fc6_B_new = fc6_B - lr*V_fc6_B_new
-        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
 
         # ---- fc8 (fully connected, 1000 outputs), backward ----
         # d_fc8_W = matmul[ta](d_fc8, fc7_dropout)
@@ -356,15 +356,15 @@ class Overfeat(rp.Model):
         # free d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         del d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         mem.free(3, 19)
-        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W   (computed with the next statement)
         V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew_pair((ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W']),
+                   (ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new))
         # free d_fc8_W
         del d_fc8_W
         mem.free(28)
-        # fc8_W_new = fc8_W - lr*V_fc8_W_new
-        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
 
         # ---- fc6 (fully connected, 3072 outputs), backward ----
         # d_conv5_flatten = matmul(d_fc6, fc6_W)
@@ -387,15 +387,15 @@ class Overfeat(rp.Model):
         # free fc6_dropout, d_fc7_dropout, d_fc7
         del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(17, 24)
-        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W   (computed with the next statement)
         V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew_pair((ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W']),
+                   (ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new))
         # free d_fc7_W
         del d_fc7_W
         mem.free(30)
-        # fc7_W_new = fc7_W - lr*V_fc7_W_new
-        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
 
         # ---- conv5_relu (relu), backward ----
         # d_conv5_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(12,12),stride=2](d_conv5, conv5_max_pool_argmax)
@@ -411,15 +411,15 @@ class Overfeat(rp.Model):
         rt.sum_to(d_conv5_relu_max_pool_bwd, out=d_conv5_sum_to, shape=(1, 1024, 1, 1))
         # d_conv5_B = reshape[1024](d_conv5_sum_to)
         d_conv5_B = rt.reshape(d_conv5_sum_to, shape=(1024,))
-        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B + decay*conv5_B
+        # V_conv5_B_new = V_conv5_B*momentum + d_conv5_B + decay*conv5_B   (computed with the next statement)
         V_conv5_B_new = T['V_conv5_B']  # in place: the new V_conv5_B
-        rt.ew(ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B, decay, T['conv5_B'])
+        # conv5_B_new = conv5_B - lr*V_conv5_B_new
+        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
+        rt.ew_pair((ew_mul_add, V_conv5_B_new, T['V_conv5_B'], momentum, d_conv5_B, decay, T['conv5_B']),
+                   (ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new))
         # free d_conv5_sum_to, d_conv5_B
         del d_conv5_sum_to, d_conv5_B
         mem.free(32)
-        # conv5_B_new = conv5_B - lr*V_conv5_B_new
-        conv5_B_new = T['conv5_B']  # in place: the new conv5_B
-        rt.ew(ew_mul_sub, conv5_B_new, T['conv5_B'], lr, V_conv5_B_new)
         # d_conv5_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_relu_max_pool_bwd, conv4_relu)
         d_conv5_W = mem.tensor(33, (1024, 1024, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_relu_max_pool_bwd, conv4_relu, out=d_conv5_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(44449792))
@@ -455,15 +455,15 @@ class Overfeat(rp.Model):
         rt.sum_to(d_conv4, out=d_conv4_sum_to, shape=(1, 1024, 1, 1))
         # d_conv4_B = reshape[1024](d_conv4_sum_to)
         d_conv4_B = rt.reshape(d_conv4_sum_to, shape=(1024,))
-        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B + decay*conv4_B
+        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B + decay*conv4_B   (computed with the next statement)
         V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
-        rt.ew(ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B, decay, T['conv4_B'])
+        # conv4_B_new = conv4_B - lr*V_conv4_B_new
+        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
+        rt.ew_pair((ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B, decay, T['conv4_B']),
+                   (ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new))
         # free d_conv4_sum_to, d_conv4_B
         del d_conv4_sum_to, d_conv4_B
         mem.free(35)
-        # conv4_B_new = conv4_B - lr*V_conv4_B_new
-        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
-        rt.ew(ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new)
         # d_conv4_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4, conv3_relu)
         d_conv4_W = mem.tensor(36, (1024, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4, conv3_relu, out=d_conv4_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(33456128))
@@ -483,15 +483,15 @@ class Overfeat(rp.Model):
         mem.free(11)
 
         # ---- conv4 (conv 3x3, 1024 channels, stride 1, padding 1), backward ----
-        # V_conv4_W_new = V_conv4_W*momentum + d_conv4_W + decay*conv4_W
+        # V_conv4_W_new = V_conv4_W*momentum + d_conv4_W + decay*conv4_W   (computed with the next statement)
         V_conv4_W_new = T['V_conv4_W']  # in place: the new V_conv4_W
-        rt.ew(ew_mul_add, V_conv4_W_new, T['V_conv4_W'], momentum, d_conv4_W, decay, T['conv4_W'])
+        # conv4_W_new = conv4_W - lr*V_conv4_W_new
+        conv4_W_new = T['conv4_W']  # in place: the new conv4_W
+        rt.ew_pair((ew_mul_add, V_conv4_W_new, T['V_conv4_W'], momentum, d_conv4_W, decay, T['conv4_W']),
+                   (ew_mul_sub, conv4_W_new, T['conv4_W'], lr, V_conv4_W_new))
         # free d_conv4_W
         del d_conv4_W
         mem.free(36)
-        # conv4_W_new = conv4_W - lr*V_conv4_W_new
-        conv4_W_new = T['conv4_W']  # in place: the new conv4_W
-        rt.ew(ew_mul_sub, conv4_W_new, T['conv4_W'], lr, V_conv4_W_new)
 
         # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_conv3_sum_to = sum_to[1x512x1x1](d_conv3)
@@ -499,15 +499,15 @@ class Overfeat(rp.Model):
         rt.sum_to(d_conv3, out=d_conv3_sum_to, shape=(1, 512, 1, 1))
         # d_conv3_B = reshape[512](d_conv3_sum_to)
         d_conv3_B = rt.reshape(d_conv3_sum_to, shape=(512,))
-        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B + decay*conv3_B
+        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B + decay*conv3_B   (computed with the next statement)
         V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
-        rt.ew(ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B, decay, T['conv3_B'])
+        # conv3_B_new = conv3_B - lr*V_conv3_B_new
+        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
+        rt.ew_pair((ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B, decay, T['conv3_B']),
+                   (ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new))
         # free d_conv3_sum_to, d_conv3_B
         del d_conv3_sum_to, d_conv3_B
         mem.free(38)
-        # conv3_B_new = conv3_B - lr*V_conv3_B_new
-        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
-        rt.ew(ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new)
         # d_conv3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3, conv2_max_pool)
         d_conv3_W = mem.tensor(39, (512, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3, conv2_max_pool, out=d_conv3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32059392))
@@ -527,15 +527,15 @@ class Overfeat(rp.Model):
         mem.free(10)
 
         # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # V_conv3_W_new = V_conv3_W*momentum + d_conv3_W + decay*conv3_W
+        # V_conv3_W_new = V_conv3_W*momentum + d_conv3_W + decay*conv3_W   (computed with the next statement)
         V_conv3_W_new = T['V_conv3_W']  # in place: the new V_conv3_W
-        rt.ew(ew_mul_add, V_conv3_W_new, T['V_conv3_W'], momentum, d_conv3_W, decay, T['conv3_W'])
+        # conv3_W_new = conv3_W - lr*V_conv3_W_new
+        conv3_W_new = T['conv3_W']  # in place: the new conv3_W
+        rt.ew_pair((ew_mul_add, V_conv3_W_new, T['V_conv3_W'], momentum, d_conv3_W, decay, T['conv3_W']),
+                   (ew_mul_sub, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new))
         # free d_conv3_W
         del d_conv3_W
         mem.free(39)
-        # conv3_W_new = conv3_W - lr*V_conv3_W_new
-        conv3_W_new = T['conv3_W']  # in place: the new conv3_W
-        rt.ew(ew_mul_sub, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new)
 
         # ---- conv2_relu (relu), backward ----
         # d_conv2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(24,24),stride=2](d_conv2, conv2_max_pool_argmax)
@@ -551,15 +551,15 @@ class Overfeat(rp.Model):
         rt.sum_to(d_conv2_relu_max_pool_bwd, out=d_conv2_sum_to, shape=(1, 256, 1, 1))
         # d_conv2_B = reshape[256](d_conv2_sum_to)
         d_conv2_B = rt.reshape(d_conv2_sum_to, shape=(256,))
-        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B + decay*conv2_B
+        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B + decay*conv2_B   (computed with the next statement)
         V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
-        rt.ew(ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B, decay, T['conv2_B'])
+        # conv2_B_new = conv2_B - lr*V_conv2_B_new
+        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
+        rt.ew_pair((ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B, decay, T['conv2_B']),
+                   (ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new))
         # free d_conv2_sum_to, d_conv2_B
         del d_conv2_sum_to, d_conv2_B
         mem.free(42)
-        # conv2_B_new = conv2_B - lr*V_conv2_B_new
-        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
-        rt.ew(ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new)
         # d_conv2_W = conv2d_bwd_filter[kernel=(5,5)](d_conv2_relu_max_pool_bwd, conv1_max_pool)
         d_conv2_W = mem.tensor(43, (256, 96, 5, 5), 'float32')
         rt.conv2d_bwd_filter(d_conv2_relu_max_pool_bwd, conv1_max_pool, out=d_conv2_W, kernel=(5, 5), pad=0, stride=1, workspace=mem.workspace(33054720))
@@ -579,15 +579,15 @@ class Overfeat(rp.Model):
         mem.free(7)
 
         # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 0), backward ----
-        # V_conv2_W_new = V_conv2_W*momentum + d_conv2_W + decay*conv2_W
+        # V_conv2_W_new = V_conv2_W*momentum + d_conv2_W + decay*conv2_W   (computed with the next statement)
         V_conv2_W_new = T['V_conv2_W']  # in place: the new V_conv2_W
-        rt.ew(ew_mul_add, V_conv2_W_new, T['V_conv2_W'], momentum, d_conv2_W, decay, T['conv2_W'])
+        # conv2_W_new = conv2_W - lr*V_conv2_W_new
+        conv2_W_new = T['conv2_W']  # in place: the new conv2_W
+        rt.ew_pair((ew_mul_add, V_conv2_W_new, T['V_conv2_W'], momentum, d_conv2_W, decay, T['conv2_W']),
+                   (ew_mul_sub, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new))
         # free d_conv2_W
         del d_conv2_W
         mem.free(43)
-        # conv2_W_new = conv2_W - lr*V_conv2_W_new
-        conv2_W_new = T['conv2_W']  # in place: the new conv2_W
-        rt.ew(ew_mul_sub, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new)
 
         # ---- conv1_relu (relu), backward ----
         # d_conv1_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(56,56),stride=2](d_conv1, conv1_max_pool_argmax)
@@ -610,26 +610,26 @@ class Overfeat(rp.Model):
         # free d_conv1_relu_max_pool_bwd
         del d_conv1_relu_max_pool_bwd
         mem.free(45)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(46)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         # d_conv1_B = reshape[96](d_conv1_sum_to)
         d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(96,))
-        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B + decay*conv1_B
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B + decay*conv1_B   (computed with the next statement)
         V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
-        rt.ew(ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B, decay, T['conv1_B'])
+        # conv1_B_new = conv1_B - lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew_pair((ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B, decay, T['conv1_B']),
+                   (ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
         # free d_conv1_sum_to, d_conv1_B
         del d_conv1_sum_to, d_conv1_B
         mem.free(47)
-        # conv1_B_new = conv1_B - lr*V_conv1_B_new
-        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
-        rt.ew(ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
 
         # ---- fc6 (fully connected, 3072 outputs), backward ----
         # d_fc6_W = matmul[ta](d_fc6, conv5_flatten)
@@ -638,15 +638,15 @@ class Overfeat(rp.Model):
         # free conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         del conv5_max_pool, conv5_flatten, d_fc6_dropout, d_fc6
         mem.free(15, 26)
-        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W   (computed with the next statement)
         V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew_pair((ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W']),
+                   (ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new))
         # free d_fc6_W
         del d_fc6_W
         mem.free(48)
-        # fc6_W_new = fc6_W - lr*V_fc6_W_new
-        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
         loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return loss

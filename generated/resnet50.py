@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
 Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: a5d1b94a1cfb5296
+Structure hash: 472dd462b06de0cc
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "a5d1b94a1cfb5296"
+    structure_hash = "472dd462b06de0cc"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3163,15 +3163,15 @@ class Resnet50(rp.Model):
         # d_fc1000_B = sum_to[1000](d_fc1000)
         d_fc1000_B = mem.tensor(263, (1000,), 'float32')
         rt.sum_to(d_fc1000, out=d_fc1000_B, shape=(1000,))
-        # V_fc1000_B_new = V_fc1000_B*momentum + d_fc1000_B + decay*fc1000_B
+        # V_fc1000_B_new = V_fc1000_B*momentum + d_fc1000_B + decay*fc1000_B   (computed with the next statement)
         V_fc1000_B_new = T['V_fc1000_B']  # in place: the new V_fc1000_B
-        rt.ew(ew_mul_add, V_fc1000_B_new, T['V_fc1000_B'], momentum, d_fc1000_B, decay, T['fc1000_B'])
+        # fc1000_B_new = fc1000_B - lr*V_fc1000_B_new
+        fc1000_B_new = T['fc1000_B']  # in place: the new fc1000_B
+        rt.ew_pair((ew_mul_add, V_fc1000_B_new, T['V_fc1000_B'], momentum, d_fc1000_B, decay, T['fc1000_B']),
+                   (ew_mul_sub, fc1000_B_new, T['fc1000_B'], lr, V_fc1000_B_new))
         # free d_fc1000_B
         del d_fc1000_B
         mem.free(263)
-        # fc1000_B_new = fc1000_B - lr*V_fc1000_B_new
-        fc1000_B_new = T['fc1000_B']  # in place: the new fc1000_B
-        rt.ew(ew_mul_sub, fc1000_B_new, T['fc1000_B'], lr, V_fc1000_B_new)
         # d_bn5c_branch2c_flatten = matmul(d_fc1000, fc1000_W)
         d_bn5c_branch2c_flatten = mem.tensor(264, (32, 2048), 'float32')
         rt.matmul(d_fc1000, T['fc1000_W'], out=d_bn5c_branch2c_flatten)
@@ -3181,15 +3181,15 @@ class Resnet50(rp.Model):
         # free d_fc1000_cross_entropy_log_softmax, d_fc1000, bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         del d_fc1000_cross_entropy_log_softmax, d_fc1000, bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         mem.free(2, 259)
-        # V_fc1000_W_new = V_fc1000_W*momentum + d_fc1000_W + decay*fc1000_W
+        # V_fc1000_W_new = V_fc1000_W*momentum + d_fc1000_W + decay*fc1000_W   (computed with the next statement)
         V_fc1000_W_new = T['V_fc1000_W']  # in place: the new V_fc1000_W
-        rt.ew(ew_mul_add, V_fc1000_W_new, T['V_fc1000_W'], momentum, d_fc1000_W, decay, T['fc1000_W'])
+        # fc1000_W_new = fc1000_W - lr*V_fc1000_W_new
+        fc1000_W_new = T['fc1000_W']  # in place: the new fc1000_W
+        rt.ew_pair((ew_mul_add, V_fc1000_W_new, T['V_fc1000_W'], momentum, d_fc1000_W, decay, T['fc1000_W']),
+                   (ew_mul_sub, fc1000_W_new, T['fc1000_W'], lr, V_fc1000_W_new))
         # free d_fc1000_W
         del d_fc1000_W
         mem.free(265)
-        # fc1000_W_new = fc1000_W - lr*V_fc1000_W_new
-        fc1000_W_new = T['fc1000_W']  # in place: the new fc1000_W
-        rt.ew(ew_mul_sub, fc1000_W_new, T['fc1000_W'], lr, V_fc1000_W_new)
 
         # ---- bn5c_branch2c_flatten (flatten), backward ----
         # d_bn5c_branch2c_avg_pool = reshape[32x2048x1x1](d_bn5c_branch2c_flatten)
@@ -3204,14 +3204,14 @@ class Resnet50(rp.Model):
         mem.free(264)
 
         # ---- bn5c_branch2c_relu (relu), forward ----
-        # bn5c_branch2c_relu_2 = Max(0, bn5c_branch2c_centered*bn5c_branch2c_inv_std*bn5c_branch2c_weight + bn5c_branch2c_bias + bn5b_branch2c_relu)
+        # bn5c_branch2c_relu_2 = Max(0, bn5c_branch2c_centered*bn5c_branch2c_inv_std*bn5c_branch2c_weight + bn5c_branch2c_bias + bn5b_branch2c_relu)   (computed with the next statement)
         bn5c_branch2c_relu_2 = mem.tensor(267, (32, 2048, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu_4, bn5c_branch2c_relu_2, bn5c_branch2c_centered, bn5c_branch2c_inv_std, bn5c_branch2c_weight, bn5c_branch2c_bias, bn5b_branch2c_relu)
 
         # ---- bn5c_branch2c_relu (relu), backward ----
         # d_bn5c_branch2c_add = d_bn5c_branch2c_relu*Heaviside(bn5c_branch2c_relu_2, 0)
         d_bn5c_branch2c_add = d_bn5c_branch2c_relu  # in place: over d_bn5c_branch2c_relu
-        rt.ew(ew_step_mul, d_bn5c_branch2c_add, d_bn5c_branch2c_relu, bn5c_branch2c_relu_2)
+        rt.ew_pair((ew_mul_add_relu_4, bn5c_branch2c_relu_2, bn5c_branch2c_centered, bn5c_branch2c_inv_std, bn5c_branch2c_weight, bn5c_branch2c_bias, bn5b_branch2c_relu),
+                   (ew_step_mul, d_bn5c_branch2c_add, d_bn5c_branch2c_relu, bn5c_branch2c_relu_2))
         # free bn5c_branch2c_relu_2
         del bn5c_branch2c_relu_2
         mem.free(267)
@@ -3220,12 +3220,12 @@ class Resnet50(rp.Model):
         # d_bn5c_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5c_branch2c_add*bn5c_branch2c_centered)
         d_bn5c_branch2c_ew_sum = mem.tensor(268, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5c_branch2c_ew_sum, d_bn5c_branch2c_add, bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5c_branch2c_inv_std = bn5c_branch2c_weight*d_bn5c_branch2c_ew_sum
+        # d_bn5c_branch2c_inv_std = bn5c_branch2c_weight*d_bn5c_branch2c_ew_sum   (computed with the next statement)
         d_bn5c_branch2c_inv_std = mem.tensor(269, (1, 2048, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_ew_sum)
         # d_bn5c_branch2c_sum_of_squares = -d_bn5c_branch2c_inv_std/(3136*(bn5c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2c_sum_of_squares = d_bn5c_branch2c_inv_std  # in place: over d_bn5c_branch2c_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5c_branch2c_sum_of_squares, d_bn5c_branch2c_inv_std, bn5c_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_ew_sum),
+                   (ew_add_pow_mul, d_bn5c_branch2c_sum_of_squares, d_bn5c_branch2c_inv_std, bn5c_branch2c_batch_var))
         # free bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         del bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         mem.free(256)
@@ -3243,15 +3243,15 @@ class Resnet50(rp.Model):
         mem.free(268)
         # d_bn5c_branch2c_W = reshape[2048](d_bn5c_branch2c_weight)
         d_bn5c_branch2c_W = rt.reshape(d_bn5c_branch2c_weight, shape=(2048,))
-        # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W
+        # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W   (computed with the next statement)
         V_bn5c_branch2c_W_new = T['V_bn5c_branch2c_W']  # in place: the new V_bn5c_branch2c_W
-        rt.ew(ew_mul_add, V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W'])
+        # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new
+        bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W']),
+                   (ew_mul_sub, bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new))
         # free bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
         del bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
         mem.free(257)
-        # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new
-        bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
-        rt.ew(ew_mul_sub, bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new)
         # d_bn5c_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5c_branch2c_centered)
         d_bn5c_branch2c_batch_mean = mem.tensor(270, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
@@ -3273,15 +3273,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn5c_branch2c_add, out=d_bn5c_branch2c_bias, shape=(1, 2048, 1, 1))
         # d_bn5c_branch2c_B = reshape[2048](d_bn5c_branch2c_bias)
         d_bn5c_branch2c_B = rt.reshape(d_bn5c_branch2c_bias, shape=(2048,))
-        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B
+        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B   (computed with the next statement)
         V_bn5c_branch2c_B_new = T['V_bn5c_branch2c_B']  # in place: the new V_bn5c_branch2c_B
-        rt.ew(ew_mul_add, V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B'])
+        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new
+        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B']),
+                   (ew_mul_sub, bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new))
         # free d_bn5c_branch2c_bias, d_bn5c_branch2c_B
         del d_bn5c_branch2c_bias, d_bn5c_branch2c_B
         mem.free(271)
-        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new
-        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
-        rt.ew(ew_mul_sub, bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new)
 
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5c_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2c, res5c_branch2c_W)
@@ -3324,12 +3324,12 @@ class Resnet50(rp.Model):
         # d_bn5c_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered)
         d_bn5c_branch2b_ew_sum = mem.tensor(275, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5c_branch2b_ew_sum, d_bn5c_branch2b, bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5c_branch2b_inv_std = bn5c_branch2b_weight*d_bn5c_branch2b_ew_sum
+        # d_bn5c_branch2b_inv_std = bn5c_branch2b_weight*d_bn5c_branch2b_ew_sum   (computed with the next statement)
         d_bn5c_branch2b_inv_std = mem.tensor(276, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_ew_sum)
         # d_bn5c_branch2b_sum_of_squares = -d_bn5c_branch2b_inv_std/(3136*(bn5c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2b_sum_of_squares = d_bn5c_branch2b_inv_std  # in place: over d_bn5c_branch2b_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5c_branch2b_sum_of_squares, d_bn5c_branch2b_inv_std, bn5c_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_ew_sum),
+                   (ew_add_pow_mul, d_bn5c_branch2b_sum_of_squares, d_bn5c_branch2b_inv_std, bn5c_branch2b_batch_var))
         # free bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         del bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         mem.free(251)
@@ -3353,26 +3353,26 @@ class Resnet50(rp.Model):
         mem.free(275)
         # d_bn5c_branch2b_W = reshape[512](d_bn5c_branch2b_weight)
         d_bn5c_branch2b_W = rt.reshape(d_bn5c_branch2b_weight, shape=(512,))
-        # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W
+        # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W   (computed with the next statement)
         V_bn5c_branch2b_W_new = T['V_bn5c_branch2b_W']  # in place: the new V_bn5c_branch2b_W
-        rt.ew(ew_mul_add, V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W'])
+        # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new
+        bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W']),
+                   (ew_mul_sub, bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new))
         # free bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
         del bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
         mem.free(252)
-        # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new
-        bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
-        rt.ew(ew_mul_sub, bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new)
         # d_bn5c_branch2b_B = reshape[512](d_bn5c_branch2b_bias)
         d_bn5c_branch2b_B = rt.reshape(d_bn5c_branch2b_bias, shape=(512,))
-        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B
+        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B   (computed with the next statement)
         V_bn5c_branch2b_B_new = T['V_bn5c_branch2b_B']  # in place: the new V_bn5c_branch2b_B
-        rt.ew(ew_mul_add, V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B'])
+        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new
+        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B']),
+                   (ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new))
         # free d_bn5c_branch2b_bias, d_bn5c_branch2b_B
         del d_bn5c_branch2b_bias, d_bn5c_branch2b_B
         mem.free(277)
-        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new
-        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
-        rt.ew(ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new)
         # d_bn5c_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2b_centered)
         d_bn5c_branch2b_batch_mean = mem.tensor(278, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -3392,25 +3392,25 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_data(d_res5c_branch2b, T['res5c_branch2b_W'], out=d_bn5c_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
 
         # ---- bn5c_branch2a_relu (relu), forward ----
-        # bn5c_branch2a_relu_2 = Max(0, bn5c_branch2a_centered*bn5c_branch2a_inv_std*bn5c_branch2a_weight + bn5c_branch2a_bias)
+        # bn5c_branch2a_relu_2 = Max(0, bn5c_branch2a_centered*bn5c_branch2a_inv_std*bn5c_branch2a_weight + bn5c_branch2a_bias)   (computed with the next statement)
         bn5c_branch2a_relu_2 = mem.tensor(280, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu, bn5c_branch2a_relu_2, bn5c_branch2a_centered, bn5c_branch2a_inv_std, bn5c_branch2a_weight, bn5c_branch2a_bias)
 
         # ---- bn5c_branch2a_relu (relu), backward ----
         # d_bn5c_branch2a = d_bn5c_branch2a_relu*Heaviside(bn5c_branch2a_relu_2, 0)
         d_bn5c_branch2a = d_bn5c_branch2a_relu  # in place: over d_bn5c_branch2a_relu
-        rt.ew(ew_step_mul, d_bn5c_branch2a, d_bn5c_branch2a_relu, bn5c_branch2a_relu_2)
+        rt.ew_pair((ew_mul_add_relu, bn5c_branch2a_relu_2, bn5c_branch2a_centered, bn5c_branch2a_inv_std, bn5c_branch2a_weight, bn5c_branch2a_bias),
+                   (ew_step_mul, d_bn5c_branch2a, d_bn5c_branch2a_relu, bn5c_branch2a_relu_2))
 
         # ---- bn5c_branch2a (batch norm), backward ----
         # d_bn5c_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2a*bn5c_branch2a_centered)
         d_bn5c_branch2a_ew_sum = mem.tensor(281, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5c_branch2a_ew_sum, d_bn5c_branch2a, bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5c_branch2a_inv_std = bn5c_branch2a_weight*d_bn5c_branch2a_ew_sum
+        # d_bn5c_branch2a_inv_std = bn5c_branch2a_weight*d_bn5c_branch2a_ew_sum   (computed with the next statement)
         d_bn5c_branch2a_inv_std = mem.tensor(282, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_ew_sum)
         # d_bn5c_branch2a_sum_of_squares = -d_bn5c_branch2a_inv_std/(3136*(bn5c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5c_branch2a_sum_of_squares = d_bn5c_branch2a_inv_std  # in place: over d_bn5c_branch2a_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5c_branch2a_sum_of_squares, d_bn5c_branch2a_inv_std, bn5c_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_ew_sum),
+                   (ew_add_pow_mul, d_bn5c_branch2a_sum_of_squares, d_bn5c_branch2a_inv_std, bn5c_branch2a_batch_var))
         # free bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         del bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         mem.free(246)
@@ -3434,26 +3434,26 @@ class Resnet50(rp.Model):
         mem.free(281)
         # d_bn5c_branch2a_W = reshape[512](d_bn5c_branch2a_weight)
         d_bn5c_branch2a_W = rt.reshape(d_bn5c_branch2a_weight, shape=(512,))
-        # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W
+        # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W   (computed with the next statement)
         V_bn5c_branch2a_W_new = T['V_bn5c_branch2a_W']  # in place: the new V_bn5c_branch2a_W
-        rt.ew(ew_mul_add, V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W'])
+        # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new
+        bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W']),
+                   (ew_mul_sub, bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new))
         # free bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
         del bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
         mem.free(247)
-        # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new
-        bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
-        rt.ew(ew_mul_sub, bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new)
         # d_bn5c_branch2a_B = reshape[512](d_bn5c_branch2a_bias)
         d_bn5c_branch2a_B = rt.reshape(d_bn5c_branch2a_bias, shape=(512,))
-        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B
+        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B   (computed with the next statement)
         V_bn5c_branch2a_B_new = T['V_bn5c_branch2a_B']  # in place: the new V_bn5c_branch2a_B
-        rt.ew(ew_mul_add, V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B'])
+        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new
+        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B']),
+                   (ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new))
         # free d_bn5c_branch2a_bias, d_bn5c_branch2a_B
         del d_bn5c_branch2a_bias, d_bn5c_branch2a_B
         mem.free(283)
-        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new
-        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
-        rt.ew(ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new)
         # d_bn5c_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2a_centered)
         d_bn5c_branch2a_batch_mean = mem.tensor(284, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -3476,15 +3476,15 @@ class Resnet50(rp.Model):
         # free res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
         del res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
         mem.free(249, 280)
-        # V_res5c_branch2b_W_new = V_res5c_branch2b_W*momentum + d_res5c_branch2b_W + decay*res5c_branch2b_W
+        # V_res5c_branch2b_W_new = V_res5c_branch2b_W*momentum + d_res5c_branch2b_W + decay*res5c_branch2b_W   (computed with the next statement)
         V_res5c_branch2b_W_new = T['V_res5c_branch2b_W']  # in place: the new V_res5c_branch2b_W
-        rt.ew(ew_mul_add, V_res5c_branch2b_W_new, T['V_res5c_branch2b_W'], momentum, d_res5c_branch2b_W, decay, T['res5c_branch2b_W'])
+        # res5c_branch2b_W_new = res5c_branch2b_W - lr*V_res5c_branch2b_W_new
+        res5c_branch2b_W_new = T['res5c_branch2b_W']  # in place: the new res5c_branch2b_W
+        rt.ew_pair((ew_mul_add, V_res5c_branch2b_W_new, T['V_res5c_branch2b_W'], momentum, d_res5c_branch2b_W, decay, T['res5c_branch2b_W']),
+                   (ew_mul_sub, res5c_branch2b_W_new, T['res5c_branch2b_W'], lr, V_res5c_branch2b_W_new))
         # free d_res5c_branch2b_W
         del d_res5c_branch2b_W
         mem.free(285)
-        # res5c_branch2b_W_new = res5c_branch2b_W - lr*V_res5c_branch2b_W_new
-        res5c_branch2b_W_new = T['res5c_branch2b_W']  # in place: the new res5c_branch2b_W
-        rt.ew(ew_mul_sub, res5c_branch2b_W_new, T['res5c_branch2b_W'], lr, V_res5c_branch2b_W_new)
 
         # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), backward ----
         # d_res5c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res5c_branch2a, bn5b_branch2c_relu)
@@ -3520,12 +3520,12 @@ class Resnet50(rp.Model):
         # d_bn5b_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered)
         d_bn5b_branch2c_ew_sum = mem.tensor(288, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5b_branch2c_ew_sum, d_bn5b_branch2c_add, bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5b_branch2c_inv_std = bn5b_branch2c_weight*d_bn5b_branch2c_ew_sum
+        # d_bn5b_branch2c_inv_std = bn5b_branch2c_weight*d_bn5b_branch2c_ew_sum   (computed with the next statement)
         d_bn5b_branch2c_inv_std = mem.tensor(289, (1, 2048, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_ew_sum)
         # d_bn5b_branch2c_sum_of_squares = -d_bn5b_branch2c_inv_std/(3136*(bn5b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2c_sum_of_squares = d_bn5b_branch2c_inv_std  # in place: over d_bn5b_branch2c_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5b_branch2c_sum_of_squares, d_bn5b_branch2c_inv_std, bn5b_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_ew_sum),
+                   (ew_add_pow_mul, d_bn5b_branch2c_sum_of_squares, d_bn5b_branch2c_inv_std, bn5b_branch2c_batch_var))
         # free bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         del bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         mem.free(242)
@@ -3543,15 +3543,15 @@ class Resnet50(rp.Model):
         mem.free(288)
         # d_bn5b_branch2c_W = reshape[2048](d_bn5b_branch2c_weight)
         d_bn5b_branch2c_W = rt.reshape(d_bn5b_branch2c_weight, shape=(2048,))
-        # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W
+        # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W   (computed with the next statement)
         V_bn5b_branch2c_W_new = T['V_bn5b_branch2c_W']  # in place: the new V_bn5b_branch2c_W
-        rt.ew(ew_mul_add, V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W'])
+        # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new
+        bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W']),
+                   (ew_mul_sub, bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new))
         # free bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
         del bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
         mem.free(243)
-        # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new
-        bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
-        rt.ew(ew_mul_sub, bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new)
         # d_bn5b_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5b_branch2c_centered)
         d_bn5b_branch2c_batch_mean = mem.tensor(290, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
@@ -3573,15 +3573,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn5b_branch2c_add, out=d_bn5b_branch2c_bias, shape=(1, 2048, 1, 1))
         # d_bn5b_branch2c_B = reshape[2048](d_bn5b_branch2c_bias)
         d_bn5b_branch2c_B = rt.reshape(d_bn5b_branch2c_bias, shape=(2048,))
-        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B
+        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B   (computed with the next statement)
         V_bn5b_branch2c_B_new = T['V_bn5b_branch2c_B']  # in place: the new V_bn5b_branch2c_B
-        rt.ew(ew_mul_add, V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B'])
+        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new
+        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B']),
+                   (ew_mul_sub, bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new))
         # free d_bn5b_branch2c_bias, d_bn5b_branch2c_B
         del d_bn5b_branch2c_bias, d_bn5b_branch2c_B
         mem.free(291)
-        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new
-        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
-        rt.ew(ew_mul_sub, bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new)
 
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5b_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2c, res5b_branch2c_W)
@@ -3624,12 +3624,12 @@ class Resnet50(rp.Model):
         # d_bn5b_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered)
         d_bn5b_branch2b_ew_sum = mem.tensor(295, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5b_branch2b_ew_sum, d_bn5b_branch2b, bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5b_branch2b_inv_std = bn5b_branch2b_weight*d_bn5b_branch2b_ew_sum
+        # d_bn5b_branch2b_inv_std = bn5b_branch2b_weight*d_bn5b_branch2b_ew_sum   (computed with the next statement)
         d_bn5b_branch2b_inv_std = mem.tensor(296, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_ew_sum)
         # d_bn5b_branch2b_sum_of_squares = -d_bn5b_branch2b_inv_std/(3136*(bn5b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2b_sum_of_squares = d_bn5b_branch2b_inv_std  # in place: over d_bn5b_branch2b_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5b_branch2b_sum_of_squares, d_bn5b_branch2b_inv_std, bn5b_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_ew_sum),
+                   (ew_add_pow_mul, d_bn5b_branch2b_sum_of_squares, d_bn5b_branch2b_inv_std, bn5b_branch2b_batch_var))
         # free bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         del bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         mem.free(237)
@@ -3653,26 +3653,26 @@ class Resnet50(rp.Model):
         mem.free(295)
         # d_bn5b_branch2b_W = reshape[512](d_bn5b_branch2b_weight)
         d_bn5b_branch2b_W = rt.reshape(d_bn5b_branch2b_weight, shape=(512,))
-        # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W
+        # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W   (computed with the next statement)
         V_bn5b_branch2b_W_new = T['V_bn5b_branch2b_W']  # in place: the new V_bn5b_branch2b_W
-        rt.ew(ew_mul_add, V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W'])
+        # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new
+        bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W']),
+                   (ew_mul_sub, bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new))
         # free bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
         del bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
         mem.free(238)
-        # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new
-        bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
-        rt.ew(ew_mul_sub, bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new)
         # d_bn5b_branch2b_B = reshape[512](d_bn5b_branch2b_bias)
         d_bn5b_branch2b_B = rt.reshape(d_bn5b_branch2b_bias, shape=(512,))
-        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B
+        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B   (computed with the next statement)
         V_bn5b_branch2b_B_new = T['V_bn5b_branch2b_B']  # in place: the new V_bn5b_branch2b_B
-        rt.ew(ew_mul_add, V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B'])
+        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new
+        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B']),
+                   (ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new))
         # free d_bn5b_branch2b_bias, d_bn5b_branch2b_B
         del d_bn5b_branch2b_bias, d_bn5b_branch2b_B
         mem.free(297)
-        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new
-        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
-        rt.ew(ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new)
         # d_bn5b_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2b_centered)
         d_bn5b_branch2b_batch_mean = mem.tensor(298, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -3692,25 +3692,25 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_data(d_res5b_branch2b, T['res5b_branch2b_W'], out=d_bn5b_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
 
         # ---- bn5b_branch2a_relu (relu), forward ----
-        # bn5b_branch2a_relu_2 = Max(0, bn5b_branch2a_centered*bn5b_branch2a_inv_std*bn5b_branch2a_weight + bn5b_branch2a_bias)
+        # bn5b_branch2a_relu_2 = Max(0, bn5b_branch2a_centered*bn5b_branch2a_inv_std*bn5b_branch2a_weight + bn5b_branch2a_bias)   (computed with the next statement)
         bn5b_branch2a_relu_2 = mem.tensor(300, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu, bn5b_branch2a_relu_2, bn5b_branch2a_centered, bn5b_branch2a_inv_std, bn5b_branch2a_weight, bn5b_branch2a_bias)
 
         # ---- bn5b_branch2a_relu (relu), backward ----
         # d_bn5b_branch2a = d_bn5b_branch2a_relu*Heaviside(bn5b_branch2a_relu_2, 0)
         d_bn5b_branch2a = d_bn5b_branch2a_relu  # in place: over d_bn5b_branch2a_relu
-        rt.ew(ew_step_mul, d_bn5b_branch2a, d_bn5b_branch2a_relu, bn5b_branch2a_relu_2)
+        rt.ew_pair((ew_mul_add_relu, bn5b_branch2a_relu_2, bn5b_branch2a_centered, bn5b_branch2a_inv_std, bn5b_branch2a_weight, bn5b_branch2a_bias),
+                   (ew_step_mul, d_bn5b_branch2a, d_bn5b_branch2a_relu, bn5b_branch2a_relu_2))
 
         # ---- bn5b_branch2a (batch norm), backward ----
         # d_bn5b_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2a*bn5b_branch2a_centered)
         d_bn5b_branch2a_ew_sum = mem.tensor(301, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5b_branch2a_ew_sum, d_bn5b_branch2a, bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5b_branch2a_inv_std = bn5b_branch2a_weight*d_bn5b_branch2a_ew_sum
+        # d_bn5b_branch2a_inv_std = bn5b_branch2a_weight*d_bn5b_branch2a_ew_sum   (computed with the next statement)
         d_bn5b_branch2a_inv_std = mem.tensor(302, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_ew_sum)
         # d_bn5b_branch2a_sum_of_squares = -d_bn5b_branch2a_inv_std/(3136*(bn5b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5b_branch2a_sum_of_squares = d_bn5b_branch2a_inv_std  # in place: over d_bn5b_branch2a_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5b_branch2a_sum_of_squares, d_bn5b_branch2a_inv_std, bn5b_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_ew_sum),
+                   (ew_add_pow_mul, d_bn5b_branch2a_sum_of_squares, d_bn5b_branch2a_inv_std, bn5b_branch2a_batch_var))
         # free bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         del bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         mem.free(232)
@@ -3734,26 +3734,26 @@ class Resnet50(rp.Model):
         mem.free(301)
         # d_bn5b_branch2a_W = reshape[512](d_bn5b_branch2a_weight)
         d_bn5b_branch2a_W = rt.reshape(d_bn5b_branch2a_weight, shape=(512,))
-        # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W
+        # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W   (computed with the next statement)
         V_bn5b_branch2a_W_new = T['V_bn5b_branch2a_W']  # in place: the new V_bn5b_branch2a_W
-        rt.ew(ew_mul_add, V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W'])
+        # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new
+        bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W']),
+                   (ew_mul_sub, bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new))
         # free bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
         del bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
         mem.free(233)
-        # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new
-        bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
-        rt.ew(ew_mul_sub, bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new)
         # d_bn5b_branch2a_B = reshape[512](d_bn5b_branch2a_bias)
         d_bn5b_branch2a_B = rt.reshape(d_bn5b_branch2a_bias, shape=(512,))
-        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B
+        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B   (computed with the next statement)
         V_bn5b_branch2a_B_new = T['V_bn5b_branch2a_B']  # in place: the new V_bn5b_branch2a_B
-        rt.ew(ew_mul_add, V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B'])
+        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new
+        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B']),
+                   (ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new))
         # free d_bn5b_branch2a_bias, d_bn5b_branch2a_B
         del d_bn5b_branch2a_bias, d_bn5b_branch2a_B
         mem.free(303)
-        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new
-        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
-        rt.ew(ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new)
         # d_bn5b_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2a_centered)
         d_bn5b_branch2a_batch_mean = mem.tensor(304, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -3776,15 +3776,15 @@ class Resnet50(rp.Model):
         # free res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
         del res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
         mem.free(235, 300)
-        # V_res5b_branch2b_W_new = V_res5b_branch2b_W*momentum + d_res5b_branch2b_W + decay*res5b_branch2b_W
+        # V_res5b_branch2b_W_new = V_res5b_branch2b_W*momentum + d_res5b_branch2b_W + decay*res5b_branch2b_W   (computed with the next statement)
         V_res5b_branch2b_W_new = T['V_res5b_branch2b_W']  # in place: the new V_res5b_branch2b_W
-        rt.ew(ew_mul_add, V_res5b_branch2b_W_new, T['V_res5b_branch2b_W'], momentum, d_res5b_branch2b_W, decay, T['res5b_branch2b_W'])
+        # res5b_branch2b_W_new = res5b_branch2b_W - lr*V_res5b_branch2b_W_new
+        res5b_branch2b_W_new = T['res5b_branch2b_W']  # in place: the new res5b_branch2b_W
+        rt.ew_pair((ew_mul_add, V_res5b_branch2b_W_new, T['V_res5b_branch2b_W'], momentum, d_res5b_branch2b_W, decay, T['res5b_branch2b_W']),
+                   (ew_mul_sub, res5b_branch2b_W_new, T['res5b_branch2b_W'], lr, V_res5b_branch2b_W_new))
         # free d_res5b_branch2b_W
         del d_res5b_branch2b_W
         mem.free(305)
-        # res5b_branch2b_W_new = res5b_branch2b_W - lr*V_res5b_branch2b_W_new
-        res5b_branch2b_W_new = T['res5b_branch2b_W']  # in place: the new res5b_branch2b_W
-        rt.ew(ew_mul_sub, res5b_branch2b_W_new, T['res5b_branch2b_W'], lr, V_res5b_branch2b_W_new)
 
         # ---- bn5a_branch2c_relu (relu), forward ----
         # bn5a_branch2c_relu_2 = Max(0, bn5a_branch2c_centered*bn5a_branch2c_inv_std*bn5a_branch2c_weight + bn5a_branch2c_bias + bn5a_branch1_centered*bn5a_branch1_inv_std*bn5a_branch1_weight + bn5a_branch1_bias)
@@ -3825,12 +3825,12 @@ class Resnet50(rp.Model):
         # d_bn5a_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered)
         d_bn5a_branch2c_ew_sum = mem.tensor(309, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5a_branch2c_ew_sum, d_bn5a_branch2c_add, bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5a_branch2c_inv_std = bn5a_branch2c_weight*d_bn5a_branch2c_ew_sum
+        # d_bn5a_branch2c_inv_std = bn5a_branch2c_weight*d_bn5a_branch2c_ew_sum   (computed with the next statement)
         d_bn5a_branch2c_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_ew_sum)
         # d_bn5a_branch2c_sum_of_squares = -d_bn5a_branch2c_inv_std/(3136*(bn5a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2c_sum_of_squares = d_bn5a_branch2c_inv_std  # in place: over d_bn5a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2c_sum_of_squares, d_bn5a_branch2c_inv_std, bn5a_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_ew_sum),
+                   (ew_add_pow_mul, d_bn5a_branch2c_sum_of_squares, d_bn5a_branch2c_inv_std, bn5a_branch2c_batch_var))
         # free bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         del bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         mem.free(227)
@@ -3848,15 +3848,15 @@ class Resnet50(rp.Model):
         mem.free(309)
         # d_bn5a_branch2c_W = reshape[2048](d_bn5a_branch2c_weight)
         d_bn5a_branch2c_W = rt.reshape(d_bn5a_branch2c_weight, shape=(2048,))
-        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W
+        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W   (computed with the next statement)
         V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
-        rt.ew(ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W'])
+        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
+        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W']),
+                   (ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new))
         # free bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
         del bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
         mem.free(228)
-        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
-        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
-        rt.ew(ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new)
         # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch2c_centered)
         d_bn5a_branch2c_batch_mean = mem.tensor(311, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
@@ -3876,12 +3876,12 @@ class Resnet50(rp.Model):
         # d_bn5a_branch1_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch1_centered)
         d_bn5a_branch1_ew_sum = mem.tensor(312, (1, 2048, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5a_branch1_ew_sum, d_bn5a_branch2c_add, bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
-        # d_bn5a_branch1_inv_std = bn5a_branch1_weight*d_bn5a_branch1_ew_sum
+        # d_bn5a_branch1_inv_std = bn5a_branch1_weight*d_bn5a_branch1_ew_sum   (computed with the next statement)
         d_bn5a_branch1_inv_std = mem.tensor(313, (1, 2048, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_ew_sum)
         # d_bn5a_branch1_sum_of_squares = -d_bn5a_branch1_inv_std/(3136*(bn5a_branch1_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch1_sum_of_squares = d_bn5a_branch1_inv_std  # in place: over d_bn5a_branch1_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var)
+        rt.ew_pair((ew_mul, d_bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_ew_sum),
+                   (ew_add_pow_mul, d_bn5a_branch1_sum_of_squares, d_bn5a_branch1_inv_std, bn5a_branch1_batch_var))
         # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
         del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
         mem.free(223)
@@ -3927,15 +3927,15 @@ class Resnet50(rp.Model):
         # ---- bn5a_branch1 (batch norm), backward ----
         # d_bn5a_branch1_W = reshape[2048](d_bn5a_branch1_weight)
         d_bn5a_branch1_W = rt.reshape(d_bn5a_branch1_weight, shape=(2048,))
-        # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W
+        # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W   (computed with the next statement)
         V_bn5a_branch1_W_new = T['V_bn5a_branch1_W']  # in place: the new V_bn5a_branch1_W
-        rt.ew(ew_mul_add, V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W'])
+        # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new
+        bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
+        rt.ew_pair((ew_mul_add, V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W']),
+                   (ew_mul_sub, bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new))
         # free bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
         del bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
         mem.free(224)
-        # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new
-        bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
-        rt.ew(ew_mul_sub, bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new)
         # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
         bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
         rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
@@ -3995,12 +3995,12 @@ class Resnet50(rp.Model):
         # d_bn5a_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered)
         d_bn5a_branch2b_ew_sum = mem.tensor(319, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5a_branch2b_ew_sum, d_bn5a_branch2b, bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5a_branch2b_inv_std = bn5a_branch2b_weight*d_bn5a_branch2b_ew_sum
+        # d_bn5a_branch2b_inv_std = bn5a_branch2b_weight*d_bn5a_branch2b_ew_sum   (computed with the next statement)
         d_bn5a_branch2b_inv_std = mem.tensor(320, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_ew_sum)
         # d_bn5a_branch2b_sum_of_squares = -d_bn5a_branch2b_inv_std/(3136*(bn5a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2b_sum_of_squares = d_bn5a_branch2b_inv_std  # in place: over d_bn5a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2b_sum_of_squares, d_bn5a_branch2b_inv_std, bn5a_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_ew_sum),
+                   (ew_add_pow_mul, d_bn5a_branch2b_sum_of_squares, d_bn5a_branch2b_inv_std, bn5a_branch2b_batch_var))
         # free bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         del bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         mem.free(218)
@@ -4024,26 +4024,26 @@ class Resnet50(rp.Model):
         mem.free(319)
         # d_bn5a_branch2b_W = reshape[512](d_bn5a_branch2b_weight)
         d_bn5a_branch2b_W = rt.reshape(d_bn5a_branch2b_weight, shape=(512,))
-        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W
+        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W   (computed with the next statement)
         V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
-        rt.ew(ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W'])
+        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
+        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W']),
+                   (ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new))
         # free bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
         del bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
         mem.free(219)
-        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
-        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
-        rt.ew(ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new)
         # d_bn5a_branch2b_B = reshape[512](d_bn5a_branch2b_bias)
         d_bn5a_branch2b_B = rt.reshape(d_bn5a_branch2b_bias, shape=(512,))
-        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B
+        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B   (computed with the next statement)
         V_bn5a_branch2b_B_new = T['V_bn5a_branch2b_B']  # in place: the new V_bn5a_branch2b_B
-        rt.ew(ew_mul_add, V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B'])
+        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new
+        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B']),
+                   (ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new))
         # free d_bn5a_branch2b_bias, d_bn5a_branch2b_B
         del d_bn5a_branch2b_bias, d_bn5a_branch2b_B
         mem.free(321)
-        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new
-        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
-        rt.ew(ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new)
         # d_bn5a_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2b_centered)
         d_bn5a_branch2b_batch_mean = mem.tensor(322, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -4063,25 +4063,25 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_data(d_res5a_branch2b, T['res5a_branch2b_W'], out=d_bn5a_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
 
         # ---- bn5a_branch2a_relu (relu), forward ----
-        # bn5a_branch2a_relu_2 = Max(0, bn5a_branch2a_centered*bn5a_branch2a_inv_std*bn5a_branch2a_weight + bn5a_branch2a_bias)
+        # bn5a_branch2a_relu_2 = Max(0, bn5a_branch2a_centered*bn5a_branch2a_inv_std*bn5a_branch2a_weight + bn5a_branch2a_bias)   (computed with the next statement)
         bn5a_branch2a_relu_2 = mem.tensor(324, (32, 512, 7, 7), 'float32')
-        rt.ew(ew_mul_add_relu, bn5a_branch2a_relu_2, bn5a_branch2a_centered, bn5a_branch2a_inv_std, bn5a_branch2a_weight, bn5a_branch2a_bias)
 
         # ---- bn5a_branch2a_relu (relu), backward ----
         # d_bn5a_branch2a = d_bn5a_branch2a_relu*Heaviside(bn5a_branch2a_relu_2, 0)
         d_bn5a_branch2a = d_bn5a_branch2a_relu  # in place: over d_bn5a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn5a_branch2a, d_bn5a_branch2a_relu, bn5a_branch2a_relu_2)
+        rt.ew_pair((ew_mul_add_relu, bn5a_branch2a_relu_2, bn5a_branch2a_centered, bn5a_branch2a_inv_std, bn5a_branch2a_weight, bn5a_branch2a_bias),
+                   (ew_step_mul, d_bn5a_branch2a, d_bn5a_branch2a_relu, bn5a_branch2a_relu_2))
 
         # ---- bn5a_branch2a (batch norm), backward ----
         # d_bn5a_branch2a_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2a*bn5a_branch2a_centered)
         d_bn5a_branch2a_ew_sum = mem.tensor(325, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn5a_branch2a_ew_sum, d_bn5a_branch2a, bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
-        # d_bn5a_branch2a_inv_std = bn5a_branch2a_weight*d_bn5a_branch2a_ew_sum
+        # d_bn5a_branch2a_inv_std = bn5a_branch2a_weight*d_bn5a_branch2a_ew_sum   (computed with the next statement)
         d_bn5a_branch2a_inv_std = mem.tensor(326, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_ew_sum)
         # d_bn5a_branch2a_sum_of_squares = -d_bn5a_branch2a_inv_std/(3136*(bn5a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn5a_branch2a_sum_of_squares = d_bn5a_branch2a_inv_std  # in place: over d_bn5a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul, d_bn5a_branch2a_sum_of_squares, d_bn5a_branch2a_inv_std, bn5a_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_ew_sum),
+                   (ew_add_pow_mul, d_bn5a_branch2a_sum_of_squares, d_bn5a_branch2a_inv_std, bn5a_branch2a_batch_var))
         # free bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         del bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         mem.free(213)
@@ -4105,26 +4105,26 @@ class Resnet50(rp.Model):
         mem.free(325)
         # d_bn5a_branch2a_W = reshape[512](d_bn5a_branch2a_weight)
         d_bn5a_branch2a_W = rt.reshape(d_bn5a_branch2a_weight, shape=(512,))
-        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W
+        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W   (computed with the next statement)
         V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
-        rt.ew(ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W'])
+        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
+        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W']),
+                   (ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new))
         # free bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
         del bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
         mem.free(214)
-        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
-        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
-        rt.ew(ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new)
         # d_bn5a_branch2a_B = reshape[512](d_bn5a_branch2a_bias)
         d_bn5a_branch2a_B = rt.reshape(d_bn5a_branch2a_bias, shape=(512,))
-        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B
+        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B   (computed with the next statement)
         V_bn5a_branch2a_B_new = T['V_bn5a_branch2a_B']  # in place: the new V_bn5a_branch2a_B
-        rt.ew(ew_mul_add, V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B'])
+        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new
+        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B']),
+                   (ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new))
         # free d_bn5a_branch2a_bias, d_bn5a_branch2a_B
         del d_bn5a_branch2a_bias, d_bn5a_branch2a_B
         mem.free(327)
-        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new
-        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
-        rt.ew(ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new)
         # d_bn5a_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2a_centered)
         d_bn5a_branch2a_batch_mean = mem.tensor(328, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
@@ -4156,15 +4156,15 @@ class Resnet50(rp.Model):
         # free res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
         del res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
         mem.free(216, 324)
-        # V_res5a_branch2b_W_new = V_res5a_branch2b_W*momentum + d_res5a_branch2b_W + decay*res5a_branch2b_W
+        # V_res5a_branch2b_W_new = V_res5a_branch2b_W*momentum + d_res5a_branch2b_W + decay*res5a_branch2b_W   (computed with the next statement)
         V_res5a_branch2b_W_new = T['V_res5a_branch2b_W']  # in place: the new V_res5a_branch2b_W
-        rt.ew(ew_mul_add, V_res5a_branch2b_W_new, T['V_res5a_branch2b_W'], momentum, d_res5a_branch2b_W, decay, T['res5a_branch2b_W'])
+        # res5a_branch2b_W_new = res5a_branch2b_W - lr*V_res5a_branch2b_W_new
+        res5a_branch2b_W_new = T['res5a_branch2b_W']  # in place: the new res5a_branch2b_W
+        rt.ew_pair((ew_mul_add, V_res5a_branch2b_W_new, T['V_res5a_branch2b_W'], momentum, d_res5a_branch2b_W, decay, T['res5a_branch2b_W']),
+                   (ew_mul_sub, res5a_branch2b_W_new, T['res5a_branch2b_W'], lr, V_res5a_branch2b_W_new))
         # free d_res5a_branch2b_W
         del d_res5a_branch2b_W
         mem.free(330)
-        # res5a_branch2b_W_new = res5a_branch2b_W - lr*V_res5a_branch2b_W_new
-        res5a_branch2b_W_new = T['res5a_branch2b_W']  # in place: the new res5a_branch2b_W
-        rt.ew(ew_mul_sub, res5a_branch2b_W_new, T['res5a_branch2b_W'], lr, V_res5a_branch2b_W_new)
 
         # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), backward ----
         # d_res5a_branch1_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res5a_branch1, bn4f_branch2c_relu)
@@ -4211,12 +4211,12 @@ class Resnet50(rp.Model):
         # d_bn4f_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered)
         d_bn4f_branch2c_ew_sum = mem.tensor(334, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4f_branch2c_ew_sum, d_bn4f_branch2c_add, bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4f_branch2c_inv_std = bn4f_branch2c_weight*d_bn4f_branch2c_ew_sum
+        # d_bn4f_branch2c_inv_std = bn4f_branch2c_weight*d_bn4f_branch2c_ew_sum   (computed with the next statement)
         d_bn4f_branch2c_inv_std = mem.tensor(335, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_ew_sum)
         # d_bn4f_branch2c_sum_of_squares = -d_bn4f_branch2c_inv_std/(12544*(bn4f_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2c_sum_of_squares = d_bn4f_branch2c_inv_std  # in place: over d_bn4f_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4f_branch2c_sum_of_squares, d_bn4f_branch2c_inv_std, bn4f_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4f_branch2c_sum_of_squares, d_bn4f_branch2c_inv_std, bn4f_branch2c_batch_var))
         # free bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         del bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         mem.free(209)
@@ -4234,15 +4234,15 @@ class Resnet50(rp.Model):
         mem.free(334)
         # d_bn4f_branch2c_W = reshape[1024](d_bn4f_branch2c_weight)
         d_bn4f_branch2c_W = rt.reshape(d_bn4f_branch2c_weight, shape=(1024,))
-        # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W
+        # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W   (computed with the next statement)
         V_bn4f_branch2c_W_new = T['V_bn4f_branch2c_W']  # in place: the new V_bn4f_branch2c_W
-        rt.ew(ew_mul_add, V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W'])
+        # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new
+        bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W']),
+                   (ew_mul_sub, bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new))
         # free bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
         del bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
         mem.free(210)
-        # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new
-        bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
-        rt.ew(ew_mul_sub, bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new)
         # d_bn4f_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4f_branch2c_centered)
         d_bn4f_branch2c_batch_mean = mem.tensor(336, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -4264,15 +4264,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4f_branch2c_add, out=d_bn4f_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4f_branch2c_B = reshape[1024](d_bn4f_branch2c_bias)
         d_bn4f_branch2c_B = rt.reshape(d_bn4f_branch2c_bias, shape=(1024,))
-        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B
+        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B   (computed with the next statement)
         V_bn4f_branch2c_B_new = T['V_bn4f_branch2c_B']  # in place: the new V_bn4f_branch2c_B
-        rt.ew(ew_mul_add, V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B'])
+        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new
+        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B']),
+                   (ew_mul_sub, bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new))
         # free d_bn4f_branch2c_bias, d_bn4f_branch2c_B
         del d_bn4f_branch2c_bias, d_bn4f_branch2c_B
         mem.free(337)
-        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new
-        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
-        rt.ew(ew_mul_sub, bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new)
 
         # ---- bn4f_branch2b_relu (relu), forward ----
         # bn4f_branch2b_relu_2 = Max(0, bn4f_branch2b_centered*bn4f_branch2b_inv_std*bn4f_branch2b_weight + bn4f_branch2b_bias)
@@ -4299,26 +4299,26 @@ class Resnet50(rp.Model):
         mem.free(338)
 
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4f_branch2c_W_new = V_res4f_branch2c_W*momentum + d_res4f_branch2c_W + decay*res4f_branch2c_W
+        # V_res4f_branch2c_W_new = V_res4f_branch2c_W*momentum + d_res4f_branch2c_W + decay*res4f_branch2c_W   (computed with the next statement)
         V_res4f_branch2c_W_new = T['V_res4f_branch2c_W']  # in place: the new V_res4f_branch2c_W
-        rt.ew(ew_mul_add, V_res4f_branch2c_W_new, T['V_res4f_branch2c_W'], momentum, d_res4f_branch2c_W, decay, T['res4f_branch2c_W'])
+        # res4f_branch2c_W_new = res4f_branch2c_W - lr*V_res4f_branch2c_W_new
+        res4f_branch2c_W_new = T['res4f_branch2c_W']  # in place: the new res4f_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4f_branch2c_W_new, T['V_res4f_branch2c_W'], momentum, d_res4f_branch2c_W, decay, T['res4f_branch2c_W']),
+                   (ew_mul_sub, res4f_branch2c_W_new, T['res4f_branch2c_W'], lr, V_res4f_branch2c_W_new))
         # free d_res4f_branch2c_W
         del d_res4f_branch2c_W
         mem.free(339)
-        # res4f_branch2c_W_new = res4f_branch2c_W - lr*V_res4f_branch2c_W_new
-        res4f_branch2c_W_new = T['res4f_branch2c_W']  # in place: the new res4f_branch2c_W
-        rt.ew(ew_mul_sub, res4f_branch2c_W_new, T['res4f_branch2c_W'], lr, V_res4f_branch2c_W_new)
 
         # ---- bn4f_branch2b (batch norm), backward ----
         # d_bn4f_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered)
         d_bn4f_branch2b_ew_sum = mem.tensor(341, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4f_branch2b_ew_sum, d_bn4f_branch2b, bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4f_branch2b_inv_std = bn4f_branch2b_weight*d_bn4f_branch2b_ew_sum
+        # d_bn4f_branch2b_inv_std = bn4f_branch2b_weight*d_bn4f_branch2b_ew_sum   (computed with the next statement)
         d_bn4f_branch2b_inv_std = mem.tensor(342, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_ew_sum)
         # d_bn4f_branch2b_sum_of_squares = -d_bn4f_branch2b_inv_std/(12544*(bn4f_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2b_sum_of_squares = d_bn4f_branch2b_inv_std  # in place: over d_bn4f_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4f_branch2b_sum_of_squares, d_bn4f_branch2b_inv_std, bn4f_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4f_branch2b_sum_of_squares, d_bn4f_branch2b_inv_std, bn4f_branch2b_batch_var))
         # free bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         del bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         mem.free(204)
@@ -4342,26 +4342,26 @@ class Resnet50(rp.Model):
         mem.free(341)
         # d_bn4f_branch2b_W = reshape[256](d_bn4f_branch2b_weight)
         d_bn4f_branch2b_W = rt.reshape(d_bn4f_branch2b_weight, shape=(256,))
-        # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W
+        # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W   (computed with the next statement)
         V_bn4f_branch2b_W_new = T['V_bn4f_branch2b_W']  # in place: the new V_bn4f_branch2b_W
-        rt.ew(ew_mul_add, V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W'])
+        # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new
+        bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W']),
+                   (ew_mul_sub, bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new))
         # free bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
         del bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
         mem.free(205)
-        # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new
-        bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
-        rt.ew(ew_mul_sub, bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new)
         # d_bn4f_branch2b_B = reshape[256](d_bn4f_branch2b_bias)
         d_bn4f_branch2b_B = rt.reshape(d_bn4f_branch2b_bias, shape=(256,))
-        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B
+        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B   (computed with the next statement)
         V_bn4f_branch2b_B_new = T['V_bn4f_branch2b_B']  # in place: the new V_bn4f_branch2b_B
-        rt.ew(ew_mul_add, V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B'])
+        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new
+        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B']),
+                   (ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new))
         # free d_bn4f_branch2b_bias, d_bn4f_branch2b_B
         del d_bn4f_branch2b_bias, d_bn4f_branch2b_B
         mem.free(343)
-        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new
-        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
-        rt.ew(ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new)
         # d_bn4f_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2b_centered)
         d_bn4f_branch2b_batch_mean = mem.tensor(344, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -4416,12 +4416,12 @@ class Resnet50(rp.Model):
         # d_bn4f_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered)
         d_bn4f_branch2a_ew_sum = mem.tensor(348, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4f_branch2a_ew_sum, d_bn4f_branch2a, bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4f_branch2a_inv_std = bn4f_branch2a_weight*d_bn4f_branch2a_ew_sum
+        # d_bn4f_branch2a_inv_std = bn4f_branch2a_weight*d_bn4f_branch2a_ew_sum   (computed with the next statement)
         d_bn4f_branch2a_inv_std = mem.tensor(349, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_ew_sum)
         # d_bn4f_branch2a_sum_of_squares = -d_bn4f_branch2a_inv_std/(12544*(bn4f_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4f_branch2a_sum_of_squares = d_bn4f_branch2a_inv_std  # in place: over d_bn4f_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4f_branch2a_sum_of_squares, d_bn4f_branch2a_inv_std, bn4f_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4f_branch2a_sum_of_squares, d_bn4f_branch2a_inv_std, bn4f_branch2a_batch_var))
         # free bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         del bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         mem.free(199)
@@ -4445,26 +4445,26 @@ class Resnet50(rp.Model):
         mem.free(348)
         # d_bn4f_branch2a_W = reshape[256](d_bn4f_branch2a_weight)
         d_bn4f_branch2a_W = rt.reshape(d_bn4f_branch2a_weight, shape=(256,))
-        # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W
+        # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W   (computed with the next statement)
         V_bn4f_branch2a_W_new = T['V_bn4f_branch2a_W']  # in place: the new V_bn4f_branch2a_W
-        rt.ew(ew_mul_add, V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W'])
+        # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new
+        bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W']),
+                   (ew_mul_sub, bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new))
         # free bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
         del bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
         mem.free(200)
-        # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new
-        bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
-        rt.ew(ew_mul_sub, bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new)
         # d_bn4f_branch2a_B = reshape[256](d_bn4f_branch2a_bias)
         d_bn4f_branch2a_B = rt.reshape(d_bn4f_branch2a_bias, shape=(256,))
-        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B
+        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B   (computed with the next statement)
         V_bn4f_branch2a_B_new = T['V_bn4f_branch2a_B']  # in place: the new V_bn4f_branch2a_B
-        rt.ew(ew_mul_add, V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B'])
+        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new
+        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B']),
+                   (ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new))
         # free d_bn4f_branch2a_bias, d_bn4f_branch2a_B
         del d_bn4f_branch2a_bias, d_bn4f_branch2a_B
         mem.free(350)
-        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new
-        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
-        rt.ew(ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new)
         # d_bn4f_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2a_centered)
         d_bn4f_branch2a_batch_mean = mem.tensor(351, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -4519,12 +4519,12 @@ class Resnet50(rp.Model):
         # d_bn4e_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered)
         d_bn4e_branch2c_ew_sum = mem.tensor(355, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4e_branch2c_ew_sum, d_bn4e_branch2c_add, bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4e_branch2c_inv_std = bn4e_branch2c_weight*d_bn4e_branch2c_ew_sum
+        # d_bn4e_branch2c_inv_std = bn4e_branch2c_weight*d_bn4e_branch2c_ew_sum   (computed with the next statement)
         d_bn4e_branch2c_inv_std = mem.tensor(356, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_ew_sum)
         # d_bn4e_branch2c_sum_of_squares = -d_bn4e_branch2c_inv_std/(12544*(bn4e_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2c_sum_of_squares = d_bn4e_branch2c_inv_std  # in place: over d_bn4e_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4e_branch2c_sum_of_squares, d_bn4e_branch2c_inv_std, bn4e_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4e_branch2c_sum_of_squares, d_bn4e_branch2c_inv_std, bn4e_branch2c_batch_var))
         # free bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         del bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         mem.free(194)
@@ -4542,15 +4542,15 @@ class Resnet50(rp.Model):
         mem.free(355)
         # d_bn4e_branch2c_W = reshape[1024](d_bn4e_branch2c_weight)
         d_bn4e_branch2c_W = rt.reshape(d_bn4e_branch2c_weight, shape=(1024,))
-        # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W
+        # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W   (computed with the next statement)
         V_bn4e_branch2c_W_new = T['V_bn4e_branch2c_W']  # in place: the new V_bn4e_branch2c_W
-        rt.ew(ew_mul_add, V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W'])
+        # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new
+        bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W']),
+                   (ew_mul_sub, bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new))
         # free bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
         del bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
         mem.free(195)
-        # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new
-        bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
-        rt.ew(ew_mul_sub, bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new)
         # d_bn4e_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4e_branch2c_centered)
         d_bn4e_branch2c_batch_mean = mem.tensor(357, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -4572,15 +4572,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4e_branch2c_add, out=d_bn4e_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4e_branch2c_B = reshape[1024](d_bn4e_branch2c_bias)
         d_bn4e_branch2c_B = rt.reshape(d_bn4e_branch2c_bias, shape=(1024,))
-        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B
+        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B   (computed with the next statement)
         V_bn4e_branch2c_B_new = T['V_bn4e_branch2c_B']  # in place: the new V_bn4e_branch2c_B
-        rt.ew(ew_mul_add, V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B'])
+        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new
+        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B']),
+                   (ew_mul_sub, bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new))
         # free d_bn4e_branch2c_bias, d_bn4e_branch2c_B
         del d_bn4e_branch2c_bias, d_bn4e_branch2c_B
         mem.free(358)
-        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new
-        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
-        rt.ew(ew_mul_sub, bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new)
 
         # ---- bn4e_branch2b_relu (relu), forward ----
         # bn4e_branch2b_relu_2 = Max(0, bn4e_branch2b_centered*bn4e_branch2b_inv_std*bn4e_branch2b_weight + bn4e_branch2b_bias)
@@ -4607,26 +4607,26 @@ class Resnet50(rp.Model):
         mem.free(359)
 
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4e_branch2c_W_new = V_res4e_branch2c_W*momentum + d_res4e_branch2c_W + decay*res4e_branch2c_W
+        # V_res4e_branch2c_W_new = V_res4e_branch2c_W*momentum + d_res4e_branch2c_W + decay*res4e_branch2c_W   (computed with the next statement)
         V_res4e_branch2c_W_new = T['V_res4e_branch2c_W']  # in place: the new V_res4e_branch2c_W
-        rt.ew(ew_mul_add, V_res4e_branch2c_W_new, T['V_res4e_branch2c_W'], momentum, d_res4e_branch2c_W, decay, T['res4e_branch2c_W'])
+        # res4e_branch2c_W_new = res4e_branch2c_W - lr*V_res4e_branch2c_W_new
+        res4e_branch2c_W_new = T['res4e_branch2c_W']  # in place: the new res4e_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4e_branch2c_W_new, T['V_res4e_branch2c_W'], momentum, d_res4e_branch2c_W, decay, T['res4e_branch2c_W']),
+                   (ew_mul_sub, res4e_branch2c_W_new, T['res4e_branch2c_W'], lr, V_res4e_branch2c_W_new))
         # free d_res4e_branch2c_W
         del d_res4e_branch2c_W
         mem.free(360)
-        # res4e_branch2c_W_new = res4e_branch2c_W - lr*V_res4e_branch2c_W_new
-        res4e_branch2c_W_new = T['res4e_branch2c_W']  # in place: the new res4e_branch2c_W
-        rt.ew(ew_mul_sub, res4e_branch2c_W_new, T['res4e_branch2c_W'], lr, V_res4e_branch2c_W_new)
 
         # ---- bn4e_branch2b (batch norm), backward ----
         # d_bn4e_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered)
         d_bn4e_branch2b_ew_sum = mem.tensor(362, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4e_branch2b_ew_sum, d_bn4e_branch2b, bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4e_branch2b_inv_std = bn4e_branch2b_weight*d_bn4e_branch2b_ew_sum
+        # d_bn4e_branch2b_inv_std = bn4e_branch2b_weight*d_bn4e_branch2b_ew_sum   (computed with the next statement)
         d_bn4e_branch2b_inv_std = mem.tensor(363, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_ew_sum)
         # d_bn4e_branch2b_sum_of_squares = -d_bn4e_branch2b_inv_std/(12544*(bn4e_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2b_sum_of_squares = d_bn4e_branch2b_inv_std  # in place: over d_bn4e_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4e_branch2b_sum_of_squares, d_bn4e_branch2b_inv_std, bn4e_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4e_branch2b_sum_of_squares, d_bn4e_branch2b_inv_std, bn4e_branch2b_batch_var))
         # free bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         del bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         mem.free(189)
@@ -4650,26 +4650,26 @@ class Resnet50(rp.Model):
         mem.free(362)
         # d_bn4e_branch2b_W = reshape[256](d_bn4e_branch2b_weight)
         d_bn4e_branch2b_W = rt.reshape(d_bn4e_branch2b_weight, shape=(256,))
-        # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W
+        # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W   (computed with the next statement)
         V_bn4e_branch2b_W_new = T['V_bn4e_branch2b_W']  # in place: the new V_bn4e_branch2b_W
-        rt.ew(ew_mul_add, V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W'])
+        # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new
+        bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W']),
+                   (ew_mul_sub, bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new))
         # free bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
         del bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
         mem.free(190)
-        # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new
-        bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
-        rt.ew(ew_mul_sub, bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new)
         # d_bn4e_branch2b_B = reshape[256](d_bn4e_branch2b_bias)
         d_bn4e_branch2b_B = rt.reshape(d_bn4e_branch2b_bias, shape=(256,))
-        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B
+        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B   (computed with the next statement)
         V_bn4e_branch2b_B_new = T['V_bn4e_branch2b_B']  # in place: the new V_bn4e_branch2b_B
-        rt.ew(ew_mul_add, V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B'])
+        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new
+        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B']),
+                   (ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new))
         # free d_bn4e_branch2b_bias, d_bn4e_branch2b_B
         del d_bn4e_branch2b_bias, d_bn4e_branch2b_B
         mem.free(364)
-        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new
-        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
-        rt.ew(ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new)
         # d_bn4e_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2b_centered)
         d_bn4e_branch2b_batch_mean = mem.tensor(365, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -4724,12 +4724,12 @@ class Resnet50(rp.Model):
         # d_bn4e_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered)
         d_bn4e_branch2a_ew_sum = mem.tensor(369, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4e_branch2a_ew_sum, d_bn4e_branch2a, bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4e_branch2a_inv_std = bn4e_branch2a_weight*d_bn4e_branch2a_ew_sum
+        # d_bn4e_branch2a_inv_std = bn4e_branch2a_weight*d_bn4e_branch2a_ew_sum   (computed with the next statement)
         d_bn4e_branch2a_inv_std = mem.tensor(370, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_ew_sum)
         # d_bn4e_branch2a_sum_of_squares = -d_bn4e_branch2a_inv_std/(12544*(bn4e_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4e_branch2a_sum_of_squares = d_bn4e_branch2a_inv_std  # in place: over d_bn4e_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4e_branch2a_sum_of_squares, d_bn4e_branch2a_inv_std, bn4e_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4e_branch2a_sum_of_squares, d_bn4e_branch2a_inv_std, bn4e_branch2a_batch_var))
         # free bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         del bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         mem.free(184)
@@ -4753,26 +4753,26 @@ class Resnet50(rp.Model):
         mem.free(369)
         # d_bn4e_branch2a_W = reshape[256](d_bn4e_branch2a_weight)
         d_bn4e_branch2a_W = rt.reshape(d_bn4e_branch2a_weight, shape=(256,))
-        # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W
+        # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W   (computed with the next statement)
         V_bn4e_branch2a_W_new = T['V_bn4e_branch2a_W']  # in place: the new V_bn4e_branch2a_W
-        rt.ew(ew_mul_add, V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W'])
+        # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new
+        bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W']),
+                   (ew_mul_sub, bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new))
         # free bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
         del bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
         mem.free(185)
-        # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new
-        bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
-        rt.ew(ew_mul_sub, bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new)
         # d_bn4e_branch2a_B = reshape[256](d_bn4e_branch2a_bias)
         d_bn4e_branch2a_B = rt.reshape(d_bn4e_branch2a_bias, shape=(256,))
-        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B
+        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B   (computed with the next statement)
         V_bn4e_branch2a_B_new = T['V_bn4e_branch2a_B']  # in place: the new V_bn4e_branch2a_B
-        rt.ew(ew_mul_add, V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B'])
+        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new
+        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B']),
+                   (ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new))
         # free d_bn4e_branch2a_bias, d_bn4e_branch2a_B
         del d_bn4e_branch2a_bias, d_bn4e_branch2a_B
         mem.free(371)
-        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new
-        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
-        rt.ew(ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new)
         # d_bn4e_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2a_centered)
         d_bn4e_branch2a_batch_mean = mem.tensor(372, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -4820,12 +4820,12 @@ class Resnet50(rp.Model):
         # d_bn4d_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered)
         d_bn4d_branch2c_ew_sum = mem.tensor(375, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4d_branch2c_ew_sum, d_bn4d_branch2c_add, bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4d_branch2c_inv_std = bn4d_branch2c_weight*d_bn4d_branch2c_ew_sum
+        # d_bn4d_branch2c_inv_std = bn4d_branch2c_weight*d_bn4d_branch2c_ew_sum   (computed with the next statement)
         d_bn4d_branch2c_inv_std = mem.tensor(376, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_ew_sum)
         # d_bn4d_branch2c_sum_of_squares = -d_bn4d_branch2c_inv_std/(12544*(bn4d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2c_sum_of_squares = d_bn4d_branch2c_inv_std  # in place: over d_bn4d_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4d_branch2c_sum_of_squares, d_bn4d_branch2c_inv_std, bn4d_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4d_branch2c_sum_of_squares, d_bn4d_branch2c_inv_std, bn4d_branch2c_batch_var))
         # free bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         del bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         mem.free(180)
@@ -4843,15 +4843,15 @@ class Resnet50(rp.Model):
         mem.free(375)
         # d_bn4d_branch2c_W = reshape[1024](d_bn4d_branch2c_weight)
         d_bn4d_branch2c_W = rt.reshape(d_bn4d_branch2c_weight, shape=(1024,))
-        # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W
+        # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W   (computed with the next statement)
         V_bn4d_branch2c_W_new = T['V_bn4d_branch2c_W']  # in place: the new V_bn4d_branch2c_W
-        rt.ew(ew_mul_add, V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W'])
+        # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new
+        bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W']),
+                   (ew_mul_sub, bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new))
         # free bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
         del bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
         mem.free(181)
-        # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new
-        bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
-        rt.ew(ew_mul_sub, bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new)
         # d_bn4d_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4d_branch2c_centered)
         d_bn4d_branch2c_batch_mean = mem.tensor(377, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -4873,15 +4873,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4d_branch2c_add, out=d_bn4d_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4d_branch2c_B = reshape[1024](d_bn4d_branch2c_bias)
         d_bn4d_branch2c_B = rt.reshape(d_bn4d_branch2c_bias, shape=(1024,))
-        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B
+        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B   (computed with the next statement)
         V_bn4d_branch2c_B_new = T['V_bn4d_branch2c_B']  # in place: the new V_bn4d_branch2c_B
-        rt.ew(ew_mul_add, V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B'])
+        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new
+        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B']),
+                   (ew_mul_sub, bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new))
         # free d_bn4d_branch2c_bias, d_bn4d_branch2c_B
         del d_bn4d_branch2c_bias, d_bn4d_branch2c_B
         mem.free(378)
-        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new
-        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
-        rt.ew(ew_mul_sub, bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new)
 
         # ---- bn4d_branch2b_relu (relu), forward ----
         # bn4d_branch2b_relu_2 = Max(0, bn4d_branch2b_centered*bn4d_branch2b_inv_std*bn4d_branch2b_weight + bn4d_branch2b_bias)
@@ -4908,26 +4908,26 @@ class Resnet50(rp.Model):
         mem.free(379)
 
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4d_branch2c_W_new = V_res4d_branch2c_W*momentum + d_res4d_branch2c_W + decay*res4d_branch2c_W
+        # V_res4d_branch2c_W_new = V_res4d_branch2c_W*momentum + d_res4d_branch2c_W + decay*res4d_branch2c_W   (computed with the next statement)
         V_res4d_branch2c_W_new = T['V_res4d_branch2c_W']  # in place: the new V_res4d_branch2c_W
-        rt.ew(ew_mul_add, V_res4d_branch2c_W_new, T['V_res4d_branch2c_W'], momentum, d_res4d_branch2c_W, decay, T['res4d_branch2c_W'])
+        # res4d_branch2c_W_new = res4d_branch2c_W - lr*V_res4d_branch2c_W_new
+        res4d_branch2c_W_new = T['res4d_branch2c_W']  # in place: the new res4d_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4d_branch2c_W_new, T['V_res4d_branch2c_W'], momentum, d_res4d_branch2c_W, decay, T['res4d_branch2c_W']),
+                   (ew_mul_sub, res4d_branch2c_W_new, T['res4d_branch2c_W'], lr, V_res4d_branch2c_W_new))
         # free d_res4d_branch2c_W
         del d_res4d_branch2c_W
         mem.free(380)
-        # res4d_branch2c_W_new = res4d_branch2c_W - lr*V_res4d_branch2c_W_new
-        res4d_branch2c_W_new = T['res4d_branch2c_W']  # in place: the new res4d_branch2c_W
-        rt.ew(ew_mul_sub, res4d_branch2c_W_new, T['res4d_branch2c_W'], lr, V_res4d_branch2c_W_new)
 
         # ---- bn4d_branch2b (batch norm), backward ----
         # d_bn4d_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered)
         d_bn4d_branch2b_ew_sum = mem.tensor(382, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4d_branch2b_ew_sum, d_bn4d_branch2b, bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4d_branch2b_inv_std = bn4d_branch2b_weight*d_bn4d_branch2b_ew_sum
+        # d_bn4d_branch2b_inv_std = bn4d_branch2b_weight*d_bn4d_branch2b_ew_sum   (computed with the next statement)
         d_bn4d_branch2b_inv_std = mem.tensor(383, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_ew_sum)
         # d_bn4d_branch2b_sum_of_squares = -d_bn4d_branch2b_inv_std/(12544*(bn4d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2b_sum_of_squares = d_bn4d_branch2b_inv_std  # in place: over d_bn4d_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4d_branch2b_sum_of_squares, d_bn4d_branch2b_inv_std, bn4d_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4d_branch2b_sum_of_squares, d_bn4d_branch2b_inv_std, bn4d_branch2b_batch_var))
         # free bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         del bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         mem.free(175)
@@ -4951,26 +4951,26 @@ class Resnet50(rp.Model):
         mem.free(382)
         # d_bn4d_branch2b_W = reshape[256](d_bn4d_branch2b_weight)
         d_bn4d_branch2b_W = rt.reshape(d_bn4d_branch2b_weight, shape=(256,))
-        # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W
+        # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W   (computed with the next statement)
         V_bn4d_branch2b_W_new = T['V_bn4d_branch2b_W']  # in place: the new V_bn4d_branch2b_W
-        rt.ew(ew_mul_add, V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W'])
+        # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new
+        bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W']),
+                   (ew_mul_sub, bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new))
         # free bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
         del bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
         mem.free(176)
-        # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new
-        bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
-        rt.ew(ew_mul_sub, bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new)
         # d_bn4d_branch2b_B = reshape[256](d_bn4d_branch2b_bias)
         d_bn4d_branch2b_B = rt.reshape(d_bn4d_branch2b_bias, shape=(256,))
-        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B
+        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B   (computed with the next statement)
         V_bn4d_branch2b_B_new = T['V_bn4d_branch2b_B']  # in place: the new V_bn4d_branch2b_B
-        rt.ew(ew_mul_add, V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B'])
+        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new
+        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B']),
+                   (ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new))
         # free d_bn4d_branch2b_bias, d_bn4d_branch2b_B
         del d_bn4d_branch2b_bias, d_bn4d_branch2b_B
         mem.free(384)
-        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new
-        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
-        rt.ew(ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new)
         # d_bn4d_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2b_centered)
         d_bn4d_branch2b_batch_mean = mem.tensor(385, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5025,12 +5025,12 @@ class Resnet50(rp.Model):
         # d_bn4d_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered)
         d_bn4d_branch2a_ew_sum = mem.tensor(389, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4d_branch2a_ew_sum, d_bn4d_branch2a, bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4d_branch2a_inv_std = bn4d_branch2a_weight*d_bn4d_branch2a_ew_sum
+        # d_bn4d_branch2a_inv_std = bn4d_branch2a_weight*d_bn4d_branch2a_ew_sum   (computed with the next statement)
         d_bn4d_branch2a_inv_std = mem.tensor(390, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_ew_sum)
         # d_bn4d_branch2a_sum_of_squares = -d_bn4d_branch2a_inv_std/(12544*(bn4d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4d_branch2a_sum_of_squares = d_bn4d_branch2a_inv_std  # in place: over d_bn4d_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4d_branch2a_sum_of_squares, d_bn4d_branch2a_inv_std, bn4d_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4d_branch2a_sum_of_squares, d_bn4d_branch2a_inv_std, bn4d_branch2a_batch_var))
         # free bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         del bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         mem.free(170)
@@ -5054,26 +5054,26 @@ class Resnet50(rp.Model):
         mem.free(389)
         # d_bn4d_branch2a_W = reshape[256](d_bn4d_branch2a_weight)
         d_bn4d_branch2a_W = rt.reshape(d_bn4d_branch2a_weight, shape=(256,))
-        # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W
+        # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W   (computed with the next statement)
         V_bn4d_branch2a_W_new = T['V_bn4d_branch2a_W']  # in place: the new V_bn4d_branch2a_W
-        rt.ew(ew_mul_add, V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W'])
+        # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new
+        bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W']),
+                   (ew_mul_sub, bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new))
         # free bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
         del bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
         mem.free(171)
-        # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new
-        bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
-        rt.ew(ew_mul_sub, bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new)
         # d_bn4d_branch2a_B = reshape[256](d_bn4d_branch2a_bias)
         d_bn4d_branch2a_B = rt.reshape(d_bn4d_branch2a_bias, shape=(256,))
-        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B
+        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B   (computed with the next statement)
         V_bn4d_branch2a_B_new = T['V_bn4d_branch2a_B']  # in place: the new V_bn4d_branch2a_B
-        rt.ew(ew_mul_add, V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B'])
+        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new
+        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B']),
+                   (ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new))
         # free d_bn4d_branch2a_bias, d_bn4d_branch2a_B
         del d_bn4d_branch2a_bias, d_bn4d_branch2a_B
         mem.free(391)
-        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new
-        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
-        rt.ew(ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new)
         # d_bn4d_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2a_centered)
         d_bn4d_branch2a_batch_mean = mem.tensor(392, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5128,12 +5128,12 @@ class Resnet50(rp.Model):
         # d_bn4c_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered)
         d_bn4c_branch2c_ew_sum = mem.tensor(396, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4c_branch2c_ew_sum, d_bn4c_branch2c_add, bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4c_branch2c_inv_std = bn4c_branch2c_weight*d_bn4c_branch2c_ew_sum
+        # d_bn4c_branch2c_inv_std = bn4c_branch2c_weight*d_bn4c_branch2c_ew_sum   (computed with the next statement)
         d_bn4c_branch2c_inv_std = mem.tensor(397, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_ew_sum)
         # d_bn4c_branch2c_sum_of_squares = -d_bn4c_branch2c_inv_std/(12544*(bn4c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2c_sum_of_squares = d_bn4c_branch2c_inv_std  # in place: over d_bn4c_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4c_branch2c_sum_of_squares, d_bn4c_branch2c_inv_std, bn4c_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4c_branch2c_sum_of_squares, d_bn4c_branch2c_inv_std, bn4c_branch2c_batch_var))
         # free bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         del bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         mem.free(165)
@@ -5151,15 +5151,15 @@ class Resnet50(rp.Model):
         mem.free(396)
         # d_bn4c_branch2c_W = reshape[1024](d_bn4c_branch2c_weight)
         d_bn4c_branch2c_W = rt.reshape(d_bn4c_branch2c_weight, shape=(1024,))
-        # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W
+        # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W   (computed with the next statement)
         V_bn4c_branch2c_W_new = T['V_bn4c_branch2c_W']  # in place: the new V_bn4c_branch2c_W
-        rt.ew(ew_mul_add, V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W'])
+        # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new
+        bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W']),
+                   (ew_mul_sub, bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new))
         # free bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
         del bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
         mem.free(166)
-        # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new
-        bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
-        rt.ew(ew_mul_sub, bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new)
         # d_bn4c_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4c_branch2c_centered)
         d_bn4c_branch2c_batch_mean = mem.tensor(398, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -5181,15 +5181,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4c_branch2c_add, out=d_bn4c_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4c_branch2c_B = reshape[1024](d_bn4c_branch2c_bias)
         d_bn4c_branch2c_B = rt.reshape(d_bn4c_branch2c_bias, shape=(1024,))
-        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B
+        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B   (computed with the next statement)
         V_bn4c_branch2c_B_new = T['V_bn4c_branch2c_B']  # in place: the new V_bn4c_branch2c_B
-        rt.ew(ew_mul_add, V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B'])
+        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new
+        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B']),
+                   (ew_mul_sub, bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new))
         # free d_bn4c_branch2c_bias, d_bn4c_branch2c_B
         del d_bn4c_branch2c_bias, d_bn4c_branch2c_B
         mem.free(399)
-        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new
-        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
-        rt.ew(ew_mul_sub, bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new)
 
         # ---- bn4c_branch2b_relu (relu), forward ----
         # bn4c_branch2b_relu_2 = Max(0, bn4c_branch2b_centered*bn4c_branch2b_inv_std*bn4c_branch2b_weight + bn4c_branch2b_bias)
@@ -5216,26 +5216,26 @@ class Resnet50(rp.Model):
         mem.free(400)
 
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4c_branch2c_W_new = V_res4c_branch2c_W*momentum + d_res4c_branch2c_W + decay*res4c_branch2c_W
+        # V_res4c_branch2c_W_new = V_res4c_branch2c_W*momentum + d_res4c_branch2c_W + decay*res4c_branch2c_W   (computed with the next statement)
         V_res4c_branch2c_W_new = T['V_res4c_branch2c_W']  # in place: the new V_res4c_branch2c_W
-        rt.ew(ew_mul_add, V_res4c_branch2c_W_new, T['V_res4c_branch2c_W'], momentum, d_res4c_branch2c_W, decay, T['res4c_branch2c_W'])
+        # res4c_branch2c_W_new = res4c_branch2c_W - lr*V_res4c_branch2c_W_new
+        res4c_branch2c_W_new = T['res4c_branch2c_W']  # in place: the new res4c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4c_branch2c_W_new, T['V_res4c_branch2c_W'], momentum, d_res4c_branch2c_W, decay, T['res4c_branch2c_W']),
+                   (ew_mul_sub, res4c_branch2c_W_new, T['res4c_branch2c_W'], lr, V_res4c_branch2c_W_new))
         # free d_res4c_branch2c_W
         del d_res4c_branch2c_W
         mem.free(401)
-        # res4c_branch2c_W_new = res4c_branch2c_W - lr*V_res4c_branch2c_W_new
-        res4c_branch2c_W_new = T['res4c_branch2c_W']  # in place: the new res4c_branch2c_W
-        rt.ew(ew_mul_sub, res4c_branch2c_W_new, T['res4c_branch2c_W'], lr, V_res4c_branch2c_W_new)
 
         # ---- bn4c_branch2b (batch norm), backward ----
         # d_bn4c_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered)
         d_bn4c_branch2b_ew_sum = mem.tensor(403, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4c_branch2b_ew_sum, d_bn4c_branch2b, bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4c_branch2b_inv_std = bn4c_branch2b_weight*d_bn4c_branch2b_ew_sum
+        # d_bn4c_branch2b_inv_std = bn4c_branch2b_weight*d_bn4c_branch2b_ew_sum   (computed with the next statement)
         d_bn4c_branch2b_inv_std = mem.tensor(404, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_ew_sum)
         # d_bn4c_branch2b_sum_of_squares = -d_bn4c_branch2b_inv_std/(12544*(bn4c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2b_sum_of_squares = d_bn4c_branch2b_inv_std  # in place: over d_bn4c_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4c_branch2b_sum_of_squares, d_bn4c_branch2b_inv_std, bn4c_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4c_branch2b_sum_of_squares, d_bn4c_branch2b_inv_std, bn4c_branch2b_batch_var))
         # free bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         del bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         mem.free(160)
@@ -5259,26 +5259,26 @@ class Resnet50(rp.Model):
         mem.free(403)
         # d_bn4c_branch2b_W = reshape[256](d_bn4c_branch2b_weight)
         d_bn4c_branch2b_W = rt.reshape(d_bn4c_branch2b_weight, shape=(256,))
-        # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W
+        # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W   (computed with the next statement)
         V_bn4c_branch2b_W_new = T['V_bn4c_branch2b_W']  # in place: the new V_bn4c_branch2b_W
-        rt.ew(ew_mul_add, V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W'])
+        # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new
+        bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W']),
+                   (ew_mul_sub, bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new))
         # free bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
         del bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
         mem.free(161)
-        # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new
-        bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
-        rt.ew(ew_mul_sub, bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new)
         # d_bn4c_branch2b_B = reshape[256](d_bn4c_branch2b_bias)
         d_bn4c_branch2b_B = rt.reshape(d_bn4c_branch2b_bias, shape=(256,))
-        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B
+        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B   (computed with the next statement)
         V_bn4c_branch2b_B_new = T['V_bn4c_branch2b_B']  # in place: the new V_bn4c_branch2b_B
-        rt.ew(ew_mul_add, V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B'])
+        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new
+        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B']),
+                   (ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new))
         # free d_bn4c_branch2b_bias, d_bn4c_branch2b_B
         del d_bn4c_branch2b_bias, d_bn4c_branch2b_B
         mem.free(405)
-        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new
-        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
-        rt.ew(ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new)
         # d_bn4c_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2b_centered)
         d_bn4c_branch2b_batch_mean = mem.tensor(406, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5333,12 +5333,12 @@ class Resnet50(rp.Model):
         # d_bn4c_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered)
         d_bn4c_branch2a_ew_sum = mem.tensor(410, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4c_branch2a_ew_sum, d_bn4c_branch2a, bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4c_branch2a_inv_std = bn4c_branch2a_weight*d_bn4c_branch2a_ew_sum
+        # d_bn4c_branch2a_inv_std = bn4c_branch2a_weight*d_bn4c_branch2a_ew_sum   (computed with the next statement)
         d_bn4c_branch2a_inv_std = mem.tensor(411, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_ew_sum)
         # d_bn4c_branch2a_sum_of_squares = -d_bn4c_branch2a_inv_std/(12544*(bn4c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4c_branch2a_sum_of_squares = d_bn4c_branch2a_inv_std  # in place: over d_bn4c_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4c_branch2a_sum_of_squares, d_bn4c_branch2a_inv_std, bn4c_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4c_branch2a_sum_of_squares, d_bn4c_branch2a_inv_std, bn4c_branch2a_batch_var))
         # free bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         del bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         mem.free(155)
@@ -5362,26 +5362,26 @@ class Resnet50(rp.Model):
         mem.free(410)
         # d_bn4c_branch2a_W = reshape[256](d_bn4c_branch2a_weight)
         d_bn4c_branch2a_W = rt.reshape(d_bn4c_branch2a_weight, shape=(256,))
-        # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W
+        # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W   (computed with the next statement)
         V_bn4c_branch2a_W_new = T['V_bn4c_branch2a_W']  # in place: the new V_bn4c_branch2a_W
-        rt.ew(ew_mul_add, V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W'])
+        # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new
+        bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W']),
+                   (ew_mul_sub, bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new))
         # free bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
         del bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
         mem.free(156)
-        # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new
-        bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
-        rt.ew(ew_mul_sub, bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new)
         # d_bn4c_branch2a_B = reshape[256](d_bn4c_branch2a_bias)
         d_bn4c_branch2a_B = rt.reshape(d_bn4c_branch2a_bias, shape=(256,))
-        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B
+        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B   (computed with the next statement)
         V_bn4c_branch2a_B_new = T['V_bn4c_branch2a_B']  # in place: the new V_bn4c_branch2a_B
-        rt.ew(ew_mul_add, V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B'])
+        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new
+        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B']),
+                   (ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new))
         # free d_bn4c_branch2a_bias, d_bn4c_branch2a_B
         del d_bn4c_branch2a_bias, d_bn4c_branch2a_B
         mem.free(412)
-        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new
-        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
-        rt.ew(ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new)
         # d_bn4c_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2a_centered)
         d_bn4c_branch2a_batch_mean = mem.tensor(413, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5429,12 +5429,12 @@ class Resnet50(rp.Model):
         # d_bn4b_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered)
         d_bn4b_branch2c_ew_sum = mem.tensor(416, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4b_branch2c_ew_sum, d_bn4b_branch2c_add, bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4b_branch2c_inv_std = bn4b_branch2c_weight*d_bn4b_branch2c_ew_sum
+        # d_bn4b_branch2c_inv_std = bn4b_branch2c_weight*d_bn4b_branch2c_ew_sum   (computed with the next statement)
         d_bn4b_branch2c_inv_std = mem.tensor(417, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_ew_sum)
         # d_bn4b_branch2c_sum_of_squares = -d_bn4b_branch2c_inv_std/(12544*(bn4b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2c_sum_of_squares = d_bn4b_branch2c_inv_std  # in place: over d_bn4b_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4b_branch2c_sum_of_squares, d_bn4b_branch2c_inv_std, bn4b_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4b_branch2c_sum_of_squares, d_bn4b_branch2c_inv_std, bn4b_branch2c_batch_var))
         # free bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         del bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         mem.free(151)
@@ -5452,15 +5452,15 @@ class Resnet50(rp.Model):
         mem.free(416)
         # d_bn4b_branch2c_W = reshape[1024](d_bn4b_branch2c_weight)
         d_bn4b_branch2c_W = rt.reshape(d_bn4b_branch2c_weight, shape=(1024,))
-        # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W
+        # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W   (computed with the next statement)
         V_bn4b_branch2c_W_new = T['V_bn4b_branch2c_W']  # in place: the new V_bn4b_branch2c_W
-        rt.ew(ew_mul_add, V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W'])
+        # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new
+        bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W']),
+                   (ew_mul_sub, bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new))
         # free bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
         del bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
         mem.free(152)
-        # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new
-        bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
-        rt.ew(ew_mul_sub, bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new)
         # d_bn4b_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4b_branch2c_centered)
         d_bn4b_branch2c_batch_mean = mem.tensor(418, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -5482,15 +5482,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4b_branch2c_add, out=d_bn4b_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4b_branch2c_B = reshape[1024](d_bn4b_branch2c_bias)
         d_bn4b_branch2c_B = rt.reshape(d_bn4b_branch2c_bias, shape=(1024,))
-        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B
+        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B   (computed with the next statement)
         V_bn4b_branch2c_B_new = T['V_bn4b_branch2c_B']  # in place: the new V_bn4b_branch2c_B
-        rt.ew(ew_mul_add, V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B'])
+        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new
+        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B']),
+                   (ew_mul_sub, bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new))
         # free d_bn4b_branch2c_bias, d_bn4b_branch2c_B
         del d_bn4b_branch2c_bias, d_bn4b_branch2c_B
         mem.free(419)
-        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new
-        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
-        rt.ew(ew_mul_sub, bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new)
 
         # ---- bn4b_branch2b_relu (relu), forward ----
         # bn4b_branch2b_relu_2 = Max(0, bn4b_branch2b_centered*bn4b_branch2b_inv_std*bn4b_branch2b_weight + bn4b_branch2b_bias)
@@ -5517,26 +5517,26 @@ class Resnet50(rp.Model):
         mem.free(420)
 
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4b_branch2c_W_new = V_res4b_branch2c_W*momentum + d_res4b_branch2c_W + decay*res4b_branch2c_W
+        # V_res4b_branch2c_W_new = V_res4b_branch2c_W*momentum + d_res4b_branch2c_W + decay*res4b_branch2c_W   (computed with the next statement)
         V_res4b_branch2c_W_new = T['V_res4b_branch2c_W']  # in place: the new V_res4b_branch2c_W
-        rt.ew(ew_mul_add, V_res4b_branch2c_W_new, T['V_res4b_branch2c_W'], momentum, d_res4b_branch2c_W, decay, T['res4b_branch2c_W'])
+        # res4b_branch2c_W_new = res4b_branch2c_W - lr*V_res4b_branch2c_W_new
+        res4b_branch2c_W_new = T['res4b_branch2c_W']  # in place: the new res4b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4b_branch2c_W_new, T['V_res4b_branch2c_W'], momentum, d_res4b_branch2c_W, decay, T['res4b_branch2c_W']),
+                   (ew_mul_sub, res4b_branch2c_W_new, T['res4b_branch2c_W'], lr, V_res4b_branch2c_W_new))
         # free d_res4b_branch2c_W
         del d_res4b_branch2c_W
         mem.free(421)
-        # res4b_branch2c_W_new = res4b_branch2c_W - lr*V_res4b_branch2c_W_new
-        res4b_branch2c_W_new = T['res4b_branch2c_W']  # in place: the new res4b_branch2c_W
-        rt.ew(ew_mul_sub, res4b_branch2c_W_new, T['res4b_branch2c_W'], lr, V_res4b_branch2c_W_new)
 
         # ---- bn4b_branch2b (batch norm), backward ----
         # d_bn4b_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered)
         d_bn4b_branch2b_ew_sum = mem.tensor(423, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4b_branch2b_ew_sum, d_bn4b_branch2b, bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4b_branch2b_inv_std = bn4b_branch2b_weight*d_bn4b_branch2b_ew_sum
+        # d_bn4b_branch2b_inv_std = bn4b_branch2b_weight*d_bn4b_branch2b_ew_sum   (computed with the next statement)
         d_bn4b_branch2b_inv_std = mem.tensor(424, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_ew_sum)
         # d_bn4b_branch2b_sum_of_squares = -d_bn4b_branch2b_inv_std/(12544*(bn4b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2b_sum_of_squares = d_bn4b_branch2b_inv_std  # in place: over d_bn4b_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4b_branch2b_sum_of_squares, d_bn4b_branch2b_inv_std, bn4b_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4b_branch2b_sum_of_squares, d_bn4b_branch2b_inv_std, bn4b_branch2b_batch_var))
         # free bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         del bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         mem.free(146)
@@ -5560,26 +5560,26 @@ class Resnet50(rp.Model):
         mem.free(423)
         # d_bn4b_branch2b_W = reshape[256](d_bn4b_branch2b_weight)
         d_bn4b_branch2b_W = rt.reshape(d_bn4b_branch2b_weight, shape=(256,))
-        # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W
+        # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W   (computed with the next statement)
         V_bn4b_branch2b_W_new = T['V_bn4b_branch2b_W']  # in place: the new V_bn4b_branch2b_W
-        rt.ew(ew_mul_add, V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W'])
+        # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new
+        bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W']),
+                   (ew_mul_sub, bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new))
         # free bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
         del bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
         mem.free(147)
-        # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new
-        bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
-        rt.ew(ew_mul_sub, bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new)
         # d_bn4b_branch2b_B = reshape[256](d_bn4b_branch2b_bias)
         d_bn4b_branch2b_B = rt.reshape(d_bn4b_branch2b_bias, shape=(256,))
-        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B
+        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B   (computed with the next statement)
         V_bn4b_branch2b_B_new = T['V_bn4b_branch2b_B']  # in place: the new V_bn4b_branch2b_B
-        rt.ew(ew_mul_add, V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B'])
+        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new
+        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B']),
+                   (ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new))
         # free d_bn4b_branch2b_bias, d_bn4b_branch2b_B
         del d_bn4b_branch2b_bias, d_bn4b_branch2b_B
         mem.free(425)
-        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new
-        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
-        rt.ew(ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new)
         # d_bn4b_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2b_centered)
         d_bn4b_branch2b_batch_mean = mem.tensor(426, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5634,12 +5634,12 @@ class Resnet50(rp.Model):
         # d_bn4b_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered)
         d_bn4b_branch2a_ew_sum = mem.tensor(430, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4b_branch2a_ew_sum, d_bn4b_branch2a, bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4b_branch2a_inv_std = bn4b_branch2a_weight*d_bn4b_branch2a_ew_sum
+        # d_bn4b_branch2a_inv_std = bn4b_branch2a_weight*d_bn4b_branch2a_ew_sum   (computed with the next statement)
         d_bn4b_branch2a_inv_std = mem.tensor(431, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_ew_sum)
         # d_bn4b_branch2a_sum_of_squares = -d_bn4b_branch2a_inv_std/(12544*(bn4b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4b_branch2a_sum_of_squares = d_bn4b_branch2a_inv_std  # in place: over d_bn4b_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4b_branch2a_sum_of_squares, d_bn4b_branch2a_inv_std, bn4b_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4b_branch2a_sum_of_squares, d_bn4b_branch2a_inv_std, bn4b_branch2a_batch_var))
         # free bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         del bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         mem.free(141)
@@ -5663,26 +5663,26 @@ class Resnet50(rp.Model):
         mem.free(430)
         # d_bn4b_branch2a_W = reshape[256](d_bn4b_branch2a_weight)
         d_bn4b_branch2a_W = rt.reshape(d_bn4b_branch2a_weight, shape=(256,))
-        # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W
+        # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W   (computed with the next statement)
         V_bn4b_branch2a_W_new = T['V_bn4b_branch2a_W']  # in place: the new V_bn4b_branch2a_W
-        rt.ew(ew_mul_add, V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W'])
+        # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new
+        bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W']),
+                   (ew_mul_sub, bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new))
         # free bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
         del bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
         mem.free(142)
-        # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new
-        bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
-        rt.ew(ew_mul_sub, bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new)
         # d_bn4b_branch2a_B = reshape[256](d_bn4b_branch2a_bias)
         d_bn4b_branch2a_B = rt.reshape(d_bn4b_branch2a_bias, shape=(256,))
-        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B
+        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B   (computed with the next statement)
         V_bn4b_branch2a_B_new = T['V_bn4b_branch2a_B']  # in place: the new V_bn4b_branch2a_B
-        rt.ew(ew_mul_add, V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B'])
+        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new
+        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B']),
+                   (ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new))
         # free d_bn4b_branch2a_bias, d_bn4b_branch2a_B
         del d_bn4b_branch2a_bias, d_bn4b_branch2a_B
         mem.free(432)
-        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new
-        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
-        rt.ew(ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new)
         # d_bn4b_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2a_centered)
         d_bn4b_branch2a_batch_mean = mem.tensor(433, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -5737,12 +5737,12 @@ class Resnet50(rp.Model):
         # d_bn4a_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered)
         d_bn4a_branch2c_ew_sum = mem.tensor(437, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4a_branch2c_ew_sum, d_bn4a_branch2c_add, bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4a_branch2c_inv_std = bn4a_branch2c_weight*d_bn4a_branch2c_ew_sum
+        # d_bn4a_branch2c_inv_std = bn4a_branch2c_weight*d_bn4a_branch2c_ew_sum   (computed with the next statement)
         d_bn4a_branch2c_inv_std = mem.tensor(438, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_ew_sum)
         # d_bn4a_branch2c_sum_of_squares = -d_bn4a_branch2c_inv_std/(12544*(bn4a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2c_sum_of_squares = d_bn4a_branch2c_inv_std  # in place: over d_bn4a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2c_sum_of_squares, d_bn4a_branch2c_inv_std, bn4a_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4a_branch2c_sum_of_squares, d_bn4a_branch2c_inv_std, bn4a_branch2c_batch_var))
         # free bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         del bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         mem.free(136)
@@ -5760,15 +5760,15 @@ class Resnet50(rp.Model):
         mem.free(437)
         # d_bn4a_branch2c_W = reshape[1024](d_bn4a_branch2c_weight)
         d_bn4a_branch2c_W = rt.reshape(d_bn4a_branch2c_weight, shape=(1024,))
-        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W
+        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W   (computed with the next statement)
         V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
-        rt.ew(ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W'])
+        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
+        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W']),
+                   (ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new))
         # free bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
         del bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
         mem.free(137)
-        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
-        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
-        rt.ew(ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new)
         # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch2c_centered)
         d_bn4a_branch2c_batch_mean = mem.tensor(439, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
@@ -5788,12 +5788,12 @@ class Resnet50(rp.Model):
         # d_bn4a_branch1_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch1_centered)
         d_bn4a_branch1_ew_sum = mem.tensor(440, (1, 1024, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4a_branch1_ew_sum, d_bn4a_branch2c_add, bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
-        # d_bn4a_branch1_inv_std = bn4a_branch1_weight*d_bn4a_branch1_ew_sum
+        # d_bn4a_branch1_inv_std = bn4a_branch1_weight*d_bn4a_branch1_ew_sum   (computed with the next statement)
         d_bn4a_branch1_inv_std = mem.tensor(441, (1, 1024, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_ew_sum)
         # d_bn4a_branch1_sum_of_squares = -d_bn4a_branch1_inv_std/(12544*(bn4a_branch1_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch1_sum_of_squares = d_bn4a_branch1_inv_std  # in place: over d_bn4a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var)
+        rt.ew_pair((ew_mul, d_bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4a_branch1_sum_of_squares, d_bn4a_branch1_inv_std, bn4a_branch1_batch_var))
         # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
         del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
         mem.free(132)
@@ -5839,15 +5839,15 @@ class Resnet50(rp.Model):
         # ---- bn4a_branch1 (batch norm), backward ----
         # d_bn4a_branch1_W = reshape[1024](d_bn4a_branch1_weight)
         d_bn4a_branch1_W = rt.reshape(d_bn4a_branch1_weight, shape=(1024,))
-        # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W
+        # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W   (computed with the next statement)
         V_bn4a_branch1_W_new = T['V_bn4a_branch1_W']  # in place: the new V_bn4a_branch1_W
-        rt.ew(ew_mul_add, V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W'])
+        # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new
+        bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
+        rt.ew_pair((ew_mul_add, V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W']),
+                   (ew_mul_sub, bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new))
         # free bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
         del bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
         mem.free(133)
-        # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new
-        bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
-        rt.ew(ew_mul_sub, bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new)
         # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
         bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
         rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
@@ -5891,26 +5891,26 @@ class Resnet50(rp.Model):
         mem.free(444)
 
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), backward ----
-        # V_res4a_branch2c_W_new = V_res4a_branch2c_W*momentum + d_res4a_branch2c_W + decay*res4a_branch2c_W
+        # V_res4a_branch2c_W_new = V_res4a_branch2c_W*momentum + d_res4a_branch2c_W + decay*res4a_branch2c_W   (computed with the next statement)
         V_res4a_branch2c_W_new = T['V_res4a_branch2c_W']  # in place: the new V_res4a_branch2c_W
-        rt.ew(ew_mul_add, V_res4a_branch2c_W_new, T['V_res4a_branch2c_W'], momentum, d_res4a_branch2c_W, decay, T['res4a_branch2c_W'])
+        # res4a_branch2c_W_new = res4a_branch2c_W - lr*V_res4a_branch2c_W_new
+        res4a_branch2c_W_new = T['res4a_branch2c_W']  # in place: the new res4a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res4a_branch2c_W_new, T['V_res4a_branch2c_W'], momentum, d_res4a_branch2c_W, decay, T['res4a_branch2c_W']),
+                   (ew_mul_sub, res4a_branch2c_W_new, T['res4a_branch2c_W'], lr, V_res4a_branch2c_W_new))
         # free d_res4a_branch2c_W
         del d_res4a_branch2c_W
         mem.free(445)
-        # res4a_branch2c_W_new = res4a_branch2c_W - lr*V_res4a_branch2c_W_new
-        res4a_branch2c_W_new = T['res4a_branch2c_W']  # in place: the new res4a_branch2c_W
-        rt.ew(ew_mul_sub, res4a_branch2c_W_new, T['res4a_branch2c_W'], lr, V_res4a_branch2c_W_new)
 
         # ---- bn4a_branch2b (batch norm), backward ----
         # d_bn4a_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered)
         d_bn4a_branch2b_ew_sum = mem.tensor(447, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4a_branch2b_ew_sum, d_bn4a_branch2b, bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4a_branch2b_inv_std = bn4a_branch2b_weight*d_bn4a_branch2b_ew_sum
+        # d_bn4a_branch2b_inv_std = bn4a_branch2b_weight*d_bn4a_branch2b_ew_sum   (computed with the next statement)
         d_bn4a_branch2b_inv_std = mem.tensor(448, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_ew_sum)
         # d_bn4a_branch2b_sum_of_squares = -d_bn4a_branch2b_inv_std/(12544*(bn4a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2b_sum_of_squares = d_bn4a_branch2b_inv_std  # in place: over d_bn4a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2b_sum_of_squares, d_bn4a_branch2b_inv_std, bn4a_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4a_branch2b_sum_of_squares, d_bn4a_branch2b_inv_std, bn4a_branch2b_batch_var))
         # free bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         del bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         mem.free(127)
@@ -5934,26 +5934,26 @@ class Resnet50(rp.Model):
         mem.free(447)
         # d_bn4a_branch2b_W = reshape[256](d_bn4a_branch2b_weight)
         d_bn4a_branch2b_W = rt.reshape(d_bn4a_branch2b_weight, shape=(256,))
-        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W
+        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W   (computed with the next statement)
         V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
-        rt.ew(ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W'])
+        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
+        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W']),
+                   (ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new))
         # free bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
         del bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
         mem.free(128)
-        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
-        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
-        rt.ew(ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new)
         # d_bn4a_branch2b_B = reshape[256](d_bn4a_branch2b_bias)
         d_bn4a_branch2b_B = rt.reshape(d_bn4a_branch2b_bias, shape=(256,))
-        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B
+        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B   (computed with the next statement)
         V_bn4a_branch2b_B_new = T['V_bn4a_branch2b_B']  # in place: the new V_bn4a_branch2b_B
-        rt.ew(ew_mul_add, V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B'])
+        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new
+        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B']),
+                   (ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new))
         # free d_bn4a_branch2b_bias, d_bn4a_branch2b_B
         del d_bn4a_branch2b_bias, d_bn4a_branch2b_B
         mem.free(449)
-        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new
-        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
-        rt.ew(ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new)
         # d_bn4a_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2b_centered)
         d_bn4a_branch2b_batch_mean = mem.tensor(450, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -6019,12 +6019,12 @@ class Resnet50(rp.Model):
         # d_bn4a_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered)
         d_bn4a_branch2a_ew_sum = mem.tensor(455, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn4a_branch2a_ew_sum, d_bn4a_branch2a, bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
-        # d_bn4a_branch2a_inv_std = bn4a_branch2a_weight*d_bn4a_branch2a_ew_sum
+        # d_bn4a_branch2a_inv_std = bn4a_branch2a_weight*d_bn4a_branch2a_ew_sum   (computed with the next statement)
         d_bn4a_branch2a_inv_std = mem.tensor(456, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_ew_sum)
         # d_bn4a_branch2a_sum_of_squares = -d_bn4a_branch2a_inv_std/(12544*(bn4a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn4a_branch2a_sum_of_squares = d_bn4a_branch2a_inv_std  # in place: over d_bn4a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_2, d_bn4a_branch2a_sum_of_squares, d_bn4a_branch2a_inv_std, bn4a_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_ew_sum),
+                   (ew_add_pow_mul_2, d_bn4a_branch2a_sum_of_squares, d_bn4a_branch2a_inv_std, bn4a_branch2a_batch_var))
         # free bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         del bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         mem.free(122)
@@ -6048,26 +6048,26 @@ class Resnet50(rp.Model):
         mem.free(455)
         # d_bn4a_branch2a_W = reshape[256](d_bn4a_branch2a_weight)
         d_bn4a_branch2a_W = rt.reshape(d_bn4a_branch2a_weight, shape=(256,))
-        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W
+        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W   (computed with the next statement)
         V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
-        rt.ew(ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W'])
+        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
+        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W']),
+                   (ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new))
         # free bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
         del bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
         mem.free(123)
-        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
-        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
-        rt.ew(ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new)
         # d_bn4a_branch2a_B = reshape[256](d_bn4a_branch2a_bias)
         d_bn4a_branch2a_B = rt.reshape(d_bn4a_branch2a_bias, shape=(256,))
-        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B
+        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B   (computed with the next statement)
         V_bn4a_branch2a_B_new = T['V_bn4a_branch2a_B']  # in place: the new V_bn4a_branch2a_B
-        rt.ew(ew_mul_add, V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B'])
+        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new
+        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B']),
+                   (ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new))
         # free d_bn4a_branch2a_bias, d_bn4a_branch2a_B
         del d_bn4a_branch2a_bias, d_bn4a_branch2a_B
         mem.free(457)
-        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new
-        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
-        rt.ew(ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new)
         # d_bn4a_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2a_centered)
         d_bn4a_branch2a_batch_mean = mem.tensor(458, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
@@ -6128,12 +6128,12 @@ class Resnet50(rp.Model):
         # d_bn3d_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered)
         d_bn3d_branch2c_ew_sum = mem.tensor(462, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3d_branch2c_ew_sum, d_bn3d_branch2c_add, bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3d_branch2c_inv_std = bn3d_branch2c_weight*d_bn3d_branch2c_ew_sum
+        # d_bn3d_branch2c_inv_std = bn3d_branch2c_weight*d_bn3d_branch2c_ew_sum   (computed with the next statement)
         d_bn3d_branch2c_inv_std = mem.tensor(463, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_ew_sum)
         # d_bn3d_branch2c_sum_of_squares = -d_bn3d_branch2c_inv_std/(50176*(bn3d_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2c_sum_of_squares = d_bn3d_branch2c_inv_std  # in place: over d_bn3d_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3d_branch2c_sum_of_squares, d_bn3d_branch2c_inv_std, bn3d_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3d_branch2c_sum_of_squares, d_bn3d_branch2c_inv_std, bn3d_branch2c_batch_var))
         # free bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         del bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         mem.free(118)
@@ -6151,15 +6151,15 @@ class Resnet50(rp.Model):
         mem.free(462)
         # d_bn3d_branch2c_W = reshape[512](d_bn3d_branch2c_weight)
         d_bn3d_branch2c_W = rt.reshape(d_bn3d_branch2c_weight, shape=(512,))
-        # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W
+        # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W   (computed with the next statement)
         V_bn3d_branch2c_W_new = T['V_bn3d_branch2c_W']  # in place: the new V_bn3d_branch2c_W
-        rt.ew(ew_mul_add, V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W'])
+        # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new
+        bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W']),
+                   (ew_mul_sub, bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new))
         # free bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
         del bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
         mem.free(119)
-        # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new
-        bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
-        rt.ew(ew_mul_sub, bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new)
         # d_bn3d_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3d_branch2c_centered)
         d_bn3d_branch2c_batch_mean = mem.tensor(464, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
@@ -6181,15 +6181,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3d_branch2c_add, out=d_bn3d_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3d_branch2c_B = reshape[512](d_bn3d_branch2c_bias)
         d_bn3d_branch2c_B = rt.reshape(d_bn3d_branch2c_bias, shape=(512,))
-        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B
+        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B   (computed with the next statement)
         V_bn3d_branch2c_B_new = T['V_bn3d_branch2c_B']  # in place: the new V_bn3d_branch2c_B
-        rt.ew(ew_mul_add, V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B'])
+        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new
+        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B']),
+                   (ew_mul_sub, bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new))
         # free d_bn3d_branch2c_bias, d_bn3d_branch2c_B
         del d_bn3d_branch2c_bias, d_bn3d_branch2c_B
         mem.free(465)
-        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new
-        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
-        rt.ew(ew_mul_sub, bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new)
 
         # ---- bn3d_branch2b_relu (relu), forward ----
         # bn3d_branch2b_relu_2 = Max(0, bn3d_branch2b_centered*bn3d_branch2b_inv_std*bn3d_branch2b_weight + bn3d_branch2b_bias)
@@ -6216,26 +6216,26 @@ class Resnet50(rp.Model):
         mem.free(466)
 
         # ---- res3d_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # V_res3d_branch2c_W_new = V_res3d_branch2c_W*momentum + d_res3d_branch2c_W + decay*res3d_branch2c_W
+        # V_res3d_branch2c_W_new = V_res3d_branch2c_W*momentum + d_res3d_branch2c_W + decay*res3d_branch2c_W   (computed with the next statement)
         V_res3d_branch2c_W_new = T['V_res3d_branch2c_W']  # in place: the new V_res3d_branch2c_W
-        rt.ew(ew_mul_add, V_res3d_branch2c_W_new, T['V_res3d_branch2c_W'], momentum, d_res3d_branch2c_W, decay, T['res3d_branch2c_W'])
+        # res3d_branch2c_W_new = res3d_branch2c_W - lr*V_res3d_branch2c_W_new
+        res3d_branch2c_W_new = T['res3d_branch2c_W']  # in place: the new res3d_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res3d_branch2c_W_new, T['V_res3d_branch2c_W'], momentum, d_res3d_branch2c_W, decay, T['res3d_branch2c_W']),
+                   (ew_mul_sub, res3d_branch2c_W_new, T['res3d_branch2c_W'], lr, V_res3d_branch2c_W_new))
         # free d_res3d_branch2c_W
         del d_res3d_branch2c_W
         mem.free(467)
-        # res3d_branch2c_W_new = res3d_branch2c_W - lr*V_res3d_branch2c_W_new
-        res3d_branch2c_W_new = T['res3d_branch2c_W']  # in place: the new res3d_branch2c_W
-        rt.ew(ew_mul_sub, res3d_branch2c_W_new, T['res3d_branch2c_W'], lr, V_res3d_branch2c_W_new)
 
         # ---- bn3d_branch2b (batch norm), backward ----
         # d_bn3d_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered)
         d_bn3d_branch2b_ew_sum = mem.tensor(469, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3d_branch2b_ew_sum, d_bn3d_branch2b, bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3d_branch2b_inv_std = bn3d_branch2b_weight*d_bn3d_branch2b_ew_sum
+        # d_bn3d_branch2b_inv_std = bn3d_branch2b_weight*d_bn3d_branch2b_ew_sum   (computed with the next statement)
         d_bn3d_branch2b_inv_std = mem.tensor(470, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_ew_sum)
         # d_bn3d_branch2b_sum_of_squares = -d_bn3d_branch2b_inv_std/(50176*(bn3d_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2b_sum_of_squares = d_bn3d_branch2b_inv_std  # in place: over d_bn3d_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3d_branch2b_sum_of_squares, d_bn3d_branch2b_inv_std, bn3d_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3d_branch2b_sum_of_squares, d_bn3d_branch2b_inv_std, bn3d_branch2b_batch_var))
         # free bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         del bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         mem.free(113)
@@ -6259,26 +6259,26 @@ class Resnet50(rp.Model):
         mem.free(469)
         # d_bn3d_branch2b_W = reshape[128](d_bn3d_branch2b_weight)
         d_bn3d_branch2b_W = rt.reshape(d_bn3d_branch2b_weight, shape=(128,))
-        # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W
+        # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W   (computed with the next statement)
         V_bn3d_branch2b_W_new = T['V_bn3d_branch2b_W']  # in place: the new V_bn3d_branch2b_W
-        rt.ew(ew_mul_add, V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W'])
+        # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new
+        bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W']),
+                   (ew_mul_sub, bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new))
         # free bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
         del bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
         mem.free(114)
-        # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new
-        bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
-        rt.ew(ew_mul_sub, bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new)
         # d_bn3d_branch2b_B = reshape[128](d_bn3d_branch2b_bias)
         d_bn3d_branch2b_B = rt.reshape(d_bn3d_branch2b_bias, shape=(128,))
-        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B
+        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B   (computed with the next statement)
         V_bn3d_branch2b_B_new = T['V_bn3d_branch2b_B']  # in place: the new V_bn3d_branch2b_B
-        rt.ew(ew_mul_add, V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B'])
+        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new
+        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B']),
+                   (ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new))
         # free d_bn3d_branch2b_bias, d_bn3d_branch2b_B
         del d_bn3d_branch2b_bias, d_bn3d_branch2b_B
         mem.free(471)
-        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new
-        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
-        rt.ew(ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new)
         # d_bn3d_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2b_centered)
         d_bn3d_branch2b_batch_mean = mem.tensor(472, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -6333,12 +6333,12 @@ class Resnet50(rp.Model):
         # d_bn3d_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered)
         d_bn3d_branch2a_ew_sum = mem.tensor(476, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3d_branch2a_ew_sum, d_bn3d_branch2a, bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3d_branch2a_inv_std = bn3d_branch2a_weight*d_bn3d_branch2a_ew_sum
+        # d_bn3d_branch2a_inv_std = bn3d_branch2a_weight*d_bn3d_branch2a_ew_sum   (computed with the next statement)
         d_bn3d_branch2a_inv_std = mem.tensor(477, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_ew_sum)
         # d_bn3d_branch2a_sum_of_squares = -d_bn3d_branch2a_inv_std/(50176*(bn3d_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3d_branch2a_sum_of_squares = d_bn3d_branch2a_inv_std  # in place: over d_bn3d_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3d_branch2a_sum_of_squares, d_bn3d_branch2a_inv_std, bn3d_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3d_branch2a_sum_of_squares, d_bn3d_branch2a_inv_std, bn3d_branch2a_batch_var))
         # free bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         del bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         mem.free(108)
@@ -6362,26 +6362,26 @@ class Resnet50(rp.Model):
         mem.free(476)
         # d_bn3d_branch2a_W = reshape[128](d_bn3d_branch2a_weight)
         d_bn3d_branch2a_W = rt.reshape(d_bn3d_branch2a_weight, shape=(128,))
-        # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W
+        # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W   (computed with the next statement)
         V_bn3d_branch2a_W_new = T['V_bn3d_branch2a_W']  # in place: the new V_bn3d_branch2a_W
-        rt.ew(ew_mul_add, V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W'])
+        # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new
+        bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W']),
+                   (ew_mul_sub, bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new))
         # free bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
         del bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
         mem.free(109)
-        # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new
-        bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
-        rt.ew(ew_mul_sub, bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new)
         # d_bn3d_branch2a_B = reshape[128](d_bn3d_branch2a_bias)
         d_bn3d_branch2a_B = rt.reshape(d_bn3d_branch2a_bias, shape=(128,))
-        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B
+        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B   (computed with the next statement)
         V_bn3d_branch2a_B_new = T['V_bn3d_branch2a_B']  # in place: the new V_bn3d_branch2a_B
-        rt.ew(ew_mul_add, V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B'])
+        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new
+        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B']),
+                   (ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new))
         # free d_bn3d_branch2a_bias, d_bn3d_branch2a_B
         del d_bn3d_branch2a_bias, d_bn3d_branch2a_B
         mem.free(478)
-        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new
-        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
-        rt.ew(ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new)
         # d_bn3d_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2a_centered)
         d_bn3d_branch2a_batch_mean = mem.tensor(479, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -6436,12 +6436,12 @@ class Resnet50(rp.Model):
         # d_bn3c_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered)
         d_bn3c_branch2c_ew_sum = mem.tensor(483, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3c_branch2c_ew_sum, d_bn3c_branch2c_add, bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3c_branch2c_inv_std = bn3c_branch2c_weight*d_bn3c_branch2c_ew_sum
+        # d_bn3c_branch2c_inv_std = bn3c_branch2c_weight*d_bn3c_branch2c_ew_sum   (computed with the next statement)
         d_bn3c_branch2c_inv_std = mem.tensor(484, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_ew_sum)
         # d_bn3c_branch2c_sum_of_squares = -d_bn3c_branch2c_inv_std/(50176*(bn3c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2c_sum_of_squares = d_bn3c_branch2c_inv_std  # in place: over d_bn3c_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3c_branch2c_sum_of_squares, d_bn3c_branch2c_inv_std, bn3c_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3c_branch2c_sum_of_squares, d_bn3c_branch2c_inv_std, bn3c_branch2c_batch_var))
         # free bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         del bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         mem.free(103)
@@ -6459,15 +6459,15 @@ class Resnet50(rp.Model):
         mem.free(483)
         # d_bn3c_branch2c_W = reshape[512](d_bn3c_branch2c_weight)
         d_bn3c_branch2c_W = rt.reshape(d_bn3c_branch2c_weight, shape=(512,))
-        # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W
+        # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W   (computed with the next statement)
         V_bn3c_branch2c_W_new = T['V_bn3c_branch2c_W']  # in place: the new V_bn3c_branch2c_W
-        rt.ew(ew_mul_add, V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W'])
+        # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new
+        bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W']),
+                   (ew_mul_sub, bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new))
         # free bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
         del bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
         mem.free(104)
-        # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new
-        bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
-        rt.ew(ew_mul_sub, bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new)
         # d_bn3c_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3c_branch2c_centered)
         d_bn3c_branch2c_batch_mean = mem.tensor(485, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
@@ -6489,15 +6489,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3c_branch2c_add, out=d_bn3c_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3c_branch2c_B = reshape[512](d_bn3c_branch2c_bias)
         d_bn3c_branch2c_B = rt.reshape(d_bn3c_branch2c_bias, shape=(512,))
-        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B
+        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B   (computed with the next statement)
         V_bn3c_branch2c_B_new = T['V_bn3c_branch2c_B']  # in place: the new V_bn3c_branch2c_B
-        rt.ew(ew_mul_add, V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B'])
+        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new
+        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B']),
+                   (ew_mul_sub, bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new))
         # free d_bn3c_branch2c_bias, d_bn3c_branch2c_B
         del d_bn3c_branch2c_bias, d_bn3c_branch2c_B
         mem.free(486)
-        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new
-        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
-        rt.ew(ew_mul_sub, bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new)
 
         # ---- bn3c_branch2b_relu (relu), forward ----
         # bn3c_branch2b_relu_2 = Max(0, bn3c_branch2b_centered*bn3c_branch2b_inv_std*bn3c_branch2b_weight + bn3c_branch2b_bias)
@@ -6524,26 +6524,26 @@ class Resnet50(rp.Model):
         mem.free(487)
 
         # ---- res3c_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # V_res3c_branch2c_W_new = V_res3c_branch2c_W*momentum + d_res3c_branch2c_W + decay*res3c_branch2c_W
+        # V_res3c_branch2c_W_new = V_res3c_branch2c_W*momentum + d_res3c_branch2c_W + decay*res3c_branch2c_W   (computed with the next statement)
         V_res3c_branch2c_W_new = T['V_res3c_branch2c_W']  # in place: the new V_res3c_branch2c_W
-        rt.ew(ew_mul_add, V_res3c_branch2c_W_new, T['V_res3c_branch2c_W'], momentum, d_res3c_branch2c_W, decay, T['res3c_branch2c_W'])
+        # res3c_branch2c_W_new = res3c_branch2c_W - lr*V_res3c_branch2c_W_new
+        res3c_branch2c_W_new = T['res3c_branch2c_W']  # in place: the new res3c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res3c_branch2c_W_new, T['V_res3c_branch2c_W'], momentum, d_res3c_branch2c_W, decay, T['res3c_branch2c_W']),
+                   (ew_mul_sub, res3c_branch2c_W_new, T['res3c_branch2c_W'], lr, V_res3c_branch2c_W_new))
         # free d_res3c_branch2c_W
         del d_res3c_branch2c_W
         mem.free(488)
-        # res3c_branch2c_W_new = res3c_branch2c_W - lr*V_res3c_branch2c_W_new
-        res3c_branch2c_W_new = T['res3c_branch2c_W']  # in place: the new res3c_branch2c_W
-        rt.ew(ew_mul_sub, res3c_branch2c_W_new, T['res3c_branch2c_W'], lr, V_res3c_branch2c_W_new)
 
         # ---- bn3c_branch2b (batch norm), backward ----
         # d_bn3c_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered)
         d_bn3c_branch2b_ew_sum = mem.tensor(490, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3c_branch2b_ew_sum, d_bn3c_branch2b, bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3c_branch2b_inv_std = bn3c_branch2b_weight*d_bn3c_branch2b_ew_sum
+        # d_bn3c_branch2b_inv_std = bn3c_branch2b_weight*d_bn3c_branch2b_ew_sum   (computed with the next statement)
         d_bn3c_branch2b_inv_std = mem.tensor(491, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_ew_sum)
         # d_bn3c_branch2b_sum_of_squares = -d_bn3c_branch2b_inv_std/(50176*(bn3c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2b_sum_of_squares = d_bn3c_branch2b_inv_std  # in place: over d_bn3c_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3c_branch2b_sum_of_squares, d_bn3c_branch2b_inv_std, bn3c_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3c_branch2b_sum_of_squares, d_bn3c_branch2b_inv_std, bn3c_branch2b_batch_var))
         # free bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         del bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         mem.free(98)
@@ -6567,26 +6567,26 @@ class Resnet50(rp.Model):
         mem.free(490)
         # d_bn3c_branch2b_W = reshape[128](d_bn3c_branch2b_weight)
         d_bn3c_branch2b_W = rt.reshape(d_bn3c_branch2b_weight, shape=(128,))
-        # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W
+        # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W   (computed with the next statement)
         V_bn3c_branch2b_W_new = T['V_bn3c_branch2b_W']  # in place: the new V_bn3c_branch2b_W
-        rt.ew(ew_mul_add, V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W'])
+        # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new
+        bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W']),
+                   (ew_mul_sub, bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new))
         # free bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
         del bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
         mem.free(99)
-        # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new
-        bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
-        rt.ew(ew_mul_sub, bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new)
         # d_bn3c_branch2b_B = reshape[128](d_bn3c_branch2b_bias)
         d_bn3c_branch2b_B = rt.reshape(d_bn3c_branch2b_bias, shape=(128,))
-        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B
+        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B   (computed with the next statement)
         V_bn3c_branch2b_B_new = T['V_bn3c_branch2b_B']  # in place: the new V_bn3c_branch2b_B
-        rt.ew(ew_mul_add, V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B'])
+        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new
+        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B']),
+                   (ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new))
         # free d_bn3c_branch2b_bias, d_bn3c_branch2b_B
         del d_bn3c_branch2b_bias, d_bn3c_branch2b_B
         mem.free(492)
-        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new
-        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
-        rt.ew(ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new)
         # d_bn3c_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2b_centered)
         d_bn3c_branch2b_batch_mean = mem.tensor(493, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -6641,12 +6641,12 @@ class Resnet50(rp.Model):
         # d_bn3c_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered)
         d_bn3c_branch2a_ew_sum = mem.tensor(497, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3c_branch2a_ew_sum, d_bn3c_branch2a, bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3c_branch2a_inv_std = bn3c_branch2a_weight*d_bn3c_branch2a_ew_sum
+        # d_bn3c_branch2a_inv_std = bn3c_branch2a_weight*d_bn3c_branch2a_ew_sum   (computed with the next statement)
         d_bn3c_branch2a_inv_std = mem.tensor(498, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_ew_sum)
         # d_bn3c_branch2a_sum_of_squares = -d_bn3c_branch2a_inv_std/(50176*(bn3c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3c_branch2a_sum_of_squares = d_bn3c_branch2a_inv_std  # in place: over d_bn3c_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3c_branch2a_sum_of_squares, d_bn3c_branch2a_inv_std, bn3c_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3c_branch2a_sum_of_squares, d_bn3c_branch2a_inv_std, bn3c_branch2a_batch_var))
         # free bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         del bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         mem.free(93)
@@ -6670,26 +6670,26 @@ class Resnet50(rp.Model):
         mem.free(497)
         # d_bn3c_branch2a_W = reshape[128](d_bn3c_branch2a_weight)
         d_bn3c_branch2a_W = rt.reshape(d_bn3c_branch2a_weight, shape=(128,))
-        # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W
+        # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W   (computed with the next statement)
         V_bn3c_branch2a_W_new = T['V_bn3c_branch2a_W']  # in place: the new V_bn3c_branch2a_W
-        rt.ew(ew_mul_add, V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W'])
+        # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new
+        bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W']),
+                   (ew_mul_sub, bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new))
         # free bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
         del bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
         mem.free(94)
-        # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new
-        bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
-        rt.ew(ew_mul_sub, bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new)
         # d_bn3c_branch2a_B = reshape[128](d_bn3c_branch2a_bias)
         d_bn3c_branch2a_B = rt.reshape(d_bn3c_branch2a_bias, shape=(128,))
-        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B
+        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B   (computed with the next statement)
         V_bn3c_branch2a_B_new = T['V_bn3c_branch2a_B']  # in place: the new V_bn3c_branch2a_B
-        rt.ew(ew_mul_add, V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B'])
+        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new
+        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B']),
+                   (ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new))
         # free d_bn3c_branch2a_bias, d_bn3c_branch2a_B
         del d_bn3c_branch2a_bias, d_bn3c_branch2a_B
         mem.free(499)
-        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new
-        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
-        rt.ew(ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new)
         # d_bn3c_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2a_centered)
         d_bn3c_branch2a_batch_mean = mem.tensor(500, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -6737,12 +6737,12 @@ class Resnet50(rp.Model):
         # d_bn3b_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered)
         d_bn3b_branch2c_ew_sum = mem.tensor(503, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3b_branch2c_ew_sum, d_bn3b_branch2c_add, bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3b_branch2c_inv_std = bn3b_branch2c_weight*d_bn3b_branch2c_ew_sum
+        # d_bn3b_branch2c_inv_std = bn3b_branch2c_weight*d_bn3b_branch2c_ew_sum   (computed with the next statement)
         d_bn3b_branch2c_inv_std = mem.tensor(504, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_ew_sum)
         # d_bn3b_branch2c_sum_of_squares = -d_bn3b_branch2c_inv_std/(50176*(bn3b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2c_sum_of_squares = d_bn3b_branch2c_inv_std  # in place: over d_bn3b_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3b_branch2c_sum_of_squares, d_bn3b_branch2c_inv_std, bn3b_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3b_branch2c_sum_of_squares, d_bn3b_branch2c_inv_std, bn3b_branch2c_batch_var))
         # free bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         del bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         mem.free(89)
@@ -6760,15 +6760,15 @@ class Resnet50(rp.Model):
         mem.free(503)
         # d_bn3b_branch2c_W = reshape[512](d_bn3b_branch2c_weight)
         d_bn3b_branch2c_W = rt.reshape(d_bn3b_branch2c_weight, shape=(512,))
-        # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W
+        # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W   (computed with the next statement)
         V_bn3b_branch2c_W_new = T['V_bn3b_branch2c_W']  # in place: the new V_bn3b_branch2c_W
-        rt.ew(ew_mul_add, V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W'])
+        # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new
+        bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W']),
+                   (ew_mul_sub, bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new))
         # free bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
         del bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
         mem.free(90)
-        # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new
-        bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
-        rt.ew(ew_mul_sub, bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new)
         # d_bn3b_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3b_branch2c_centered)
         d_bn3b_branch2c_batch_mean = mem.tensor(505, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
@@ -6790,15 +6790,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3b_branch2c_add, out=d_bn3b_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3b_branch2c_B = reshape[512](d_bn3b_branch2c_bias)
         d_bn3b_branch2c_B = rt.reshape(d_bn3b_branch2c_bias, shape=(512,))
-        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B
+        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B   (computed with the next statement)
         V_bn3b_branch2c_B_new = T['V_bn3b_branch2c_B']  # in place: the new V_bn3b_branch2c_B
-        rt.ew(ew_mul_add, V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B'])
+        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new
+        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B']),
+                   (ew_mul_sub, bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new))
         # free d_bn3b_branch2c_bias, d_bn3b_branch2c_B
         del d_bn3b_branch2c_bias, d_bn3b_branch2c_B
         mem.free(506)
-        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new
-        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
-        rt.ew(ew_mul_sub, bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new)
 
         # ---- bn3b_branch2b_relu (relu), forward ----
         # bn3b_branch2b_relu_2 = Max(0, bn3b_branch2b_centered*bn3b_branch2b_inv_std*bn3b_branch2b_weight + bn3b_branch2b_bias)
@@ -6825,26 +6825,26 @@ class Resnet50(rp.Model):
         mem.free(507)
 
         # ---- res3b_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # V_res3b_branch2c_W_new = V_res3b_branch2c_W*momentum + d_res3b_branch2c_W + decay*res3b_branch2c_W
+        # V_res3b_branch2c_W_new = V_res3b_branch2c_W*momentum + d_res3b_branch2c_W + decay*res3b_branch2c_W   (computed with the next statement)
         V_res3b_branch2c_W_new = T['V_res3b_branch2c_W']  # in place: the new V_res3b_branch2c_W
-        rt.ew(ew_mul_add, V_res3b_branch2c_W_new, T['V_res3b_branch2c_W'], momentum, d_res3b_branch2c_W, decay, T['res3b_branch2c_W'])
+        # res3b_branch2c_W_new = res3b_branch2c_W - lr*V_res3b_branch2c_W_new
+        res3b_branch2c_W_new = T['res3b_branch2c_W']  # in place: the new res3b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res3b_branch2c_W_new, T['V_res3b_branch2c_W'], momentum, d_res3b_branch2c_W, decay, T['res3b_branch2c_W']),
+                   (ew_mul_sub, res3b_branch2c_W_new, T['res3b_branch2c_W'], lr, V_res3b_branch2c_W_new))
         # free d_res3b_branch2c_W
         del d_res3b_branch2c_W
         mem.free(508)
-        # res3b_branch2c_W_new = res3b_branch2c_W - lr*V_res3b_branch2c_W_new
-        res3b_branch2c_W_new = T['res3b_branch2c_W']  # in place: the new res3b_branch2c_W
-        rt.ew(ew_mul_sub, res3b_branch2c_W_new, T['res3b_branch2c_W'], lr, V_res3b_branch2c_W_new)
 
         # ---- bn3b_branch2b (batch norm), backward ----
         # d_bn3b_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered)
         d_bn3b_branch2b_ew_sum = mem.tensor(510, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3b_branch2b_ew_sum, d_bn3b_branch2b, bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3b_branch2b_inv_std = bn3b_branch2b_weight*d_bn3b_branch2b_ew_sum
+        # d_bn3b_branch2b_inv_std = bn3b_branch2b_weight*d_bn3b_branch2b_ew_sum   (computed with the next statement)
         d_bn3b_branch2b_inv_std = mem.tensor(511, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_ew_sum)
         # d_bn3b_branch2b_sum_of_squares = -d_bn3b_branch2b_inv_std/(50176*(bn3b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2b_sum_of_squares = d_bn3b_branch2b_inv_std  # in place: over d_bn3b_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3b_branch2b_sum_of_squares, d_bn3b_branch2b_inv_std, bn3b_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3b_branch2b_sum_of_squares, d_bn3b_branch2b_inv_std, bn3b_branch2b_batch_var))
         # free bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         del bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         mem.free(84)
@@ -6868,26 +6868,26 @@ class Resnet50(rp.Model):
         mem.free(510)
         # d_bn3b_branch2b_W = reshape[128](d_bn3b_branch2b_weight)
         d_bn3b_branch2b_W = rt.reshape(d_bn3b_branch2b_weight, shape=(128,))
-        # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W
+        # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W   (computed with the next statement)
         V_bn3b_branch2b_W_new = T['V_bn3b_branch2b_W']  # in place: the new V_bn3b_branch2b_W
-        rt.ew(ew_mul_add, V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W'])
+        # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new
+        bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W']),
+                   (ew_mul_sub, bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new))
         # free bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
         del bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
         mem.free(85)
-        # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new
-        bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
-        rt.ew(ew_mul_sub, bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new)
         # d_bn3b_branch2b_B = reshape[128](d_bn3b_branch2b_bias)
         d_bn3b_branch2b_B = rt.reshape(d_bn3b_branch2b_bias, shape=(128,))
-        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B
+        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B   (computed with the next statement)
         V_bn3b_branch2b_B_new = T['V_bn3b_branch2b_B']  # in place: the new V_bn3b_branch2b_B
-        rt.ew(ew_mul_add, V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B'])
+        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new
+        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B']),
+                   (ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new))
         # free d_bn3b_branch2b_bias, d_bn3b_branch2b_B
         del d_bn3b_branch2b_bias, d_bn3b_branch2b_B
         mem.free(512)
-        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new
-        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
-        rt.ew(ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new)
         # d_bn3b_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2b_centered)
         d_bn3b_branch2b_batch_mean = mem.tensor(513, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -6942,12 +6942,12 @@ class Resnet50(rp.Model):
         # d_bn3b_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered)
         d_bn3b_branch2a_ew_sum = mem.tensor(517, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3b_branch2a_ew_sum, d_bn3b_branch2a, bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3b_branch2a_inv_std = bn3b_branch2a_weight*d_bn3b_branch2a_ew_sum
+        # d_bn3b_branch2a_inv_std = bn3b_branch2a_weight*d_bn3b_branch2a_ew_sum   (computed with the next statement)
         d_bn3b_branch2a_inv_std = mem.tensor(518, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_ew_sum)
         # d_bn3b_branch2a_sum_of_squares = -d_bn3b_branch2a_inv_std/(50176*(bn3b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3b_branch2a_sum_of_squares = d_bn3b_branch2a_inv_std  # in place: over d_bn3b_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3b_branch2a_sum_of_squares, d_bn3b_branch2a_inv_std, bn3b_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3b_branch2a_sum_of_squares, d_bn3b_branch2a_inv_std, bn3b_branch2a_batch_var))
         # free bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         del bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         mem.free(79)
@@ -6971,26 +6971,26 @@ class Resnet50(rp.Model):
         mem.free(517)
         # d_bn3b_branch2a_W = reshape[128](d_bn3b_branch2a_weight)
         d_bn3b_branch2a_W = rt.reshape(d_bn3b_branch2a_weight, shape=(128,))
-        # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W
+        # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W   (computed with the next statement)
         V_bn3b_branch2a_W_new = T['V_bn3b_branch2a_W']  # in place: the new V_bn3b_branch2a_W
-        rt.ew(ew_mul_add, V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W'])
+        # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new
+        bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W']),
+                   (ew_mul_sub, bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new))
         # free bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
         del bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
         mem.free(80)
-        # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new
-        bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
-        rt.ew(ew_mul_sub, bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new)
         # d_bn3b_branch2a_B = reshape[128](d_bn3b_branch2a_bias)
         d_bn3b_branch2a_B = rt.reshape(d_bn3b_branch2a_bias, shape=(128,))
-        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B
+        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B   (computed with the next statement)
         V_bn3b_branch2a_B_new = T['V_bn3b_branch2a_B']  # in place: the new V_bn3b_branch2a_B
-        rt.ew(ew_mul_add, V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B'])
+        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new
+        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B']),
+                   (ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new))
         # free d_bn3b_branch2a_bias, d_bn3b_branch2a_B
         del d_bn3b_branch2a_bias, d_bn3b_branch2a_B
         mem.free(519)
-        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new
-        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
-        rt.ew(ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new)
         # d_bn3b_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2a_centered)
         d_bn3b_branch2a_batch_mean = mem.tensor(520, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -7045,12 +7045,12 @@ class Resnet50(rp.Model):
         # d_bn3a_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered)
         d_bn3a_branch2c_ew_sum = mem.tensor(524, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3a_branch2c_ew_sum, d_bn3a_branch2c_add, bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3a_branch2c_inv_std = bn3a_branch2c_weight*d_bn3a_branch2c_ew_sum
+        # d_bn3a_branch2c_inv_std = bn3a_branch2c_weight*d_bn3a_branch2c_ew_sum   (computed with the next statement)
         d_bn3a_branch2c_inv_std = mem.tensor(525, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_ew_sum)
         # d_bn3a_branch2c_sum_of_squares = -d_bn3a_branch2c_inv_std/(50176*(bn3a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2c_sum_of_squares = d_bn3a_branch2c_inv_std  # in place: over d_bn3a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2c_sum_of_squares, d_bn3a_branch2c_inv_std, bn3a_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3a_branch2c_sum_of_squares, d_bn3a_branch2c_inv_std, bn3a_branch2c_batch_var))
         # free bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         del bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         mem.free(74)
@@ -7068,15 +7068,15 @@ class Resnet50(rp.Model):
         mem.free(524)
         # d_bn3a_branch2c_W = reshape[512](d_bn3a_branch2c_weight)
         d_bn3a_branch2c_W = rt.reshape(d_bn3a_branch2c_weight, shape=(512,))
-        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W
+        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W   (computed with the next statement)
         V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
-        rt.ew(ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W'])
+        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
+        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W']),
+                   (ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new))
         # free bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
         del bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
         mem.free(75)
-        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
-        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
-        rt.ew(ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new)
         # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch2c_centered)
         d_bn3a_branch2c_batch_mean = mem.tensor(526, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
@@ -7096,12 +7096,12 @@ class Resnet50(rp.Model):
         # d_bn3a_branch1_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch1_centered)
         d_bn3a_branch1_ew_sum = mem.tensor(527, (1, 512, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3a_branch1_ew_sum, d_bn3a_branch2c_add, bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
-        # d_bn3a_branch1_inv_std = bn3a_branch1_weight*d_bn3a_branch1_ew_sum
+        # d_bn3a_branch1_inv_std = bn3a_branch1_weight*d_bn3a_branch1_ew_sum   (computed with the next statement)
         d_bn3a_branch1_inv_std = mem.tensor(528, (1, 512, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_ew_sum)
         # d_bn3a_branch1_sum_of_squares = -d_bn3a_branch1_inv_std/(50176*(bn3a_branch1_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch1_sum_of_squares = d_bn3a_branch1_inv_std  # in place: over d_bn3a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var)
+        rt.ew_pair((ew_mul, d_bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3a_branch1_sum_of_squares, d_bn3a_branch1_inv_std, bn3a_branch1_batch_var))
         # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
         del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
         mem.free(70)
@@ -7147,15 +7147,15 @@ class Resnet50(rp.Model):
         # ---- bn3a_branch1 (batch norm), backward ----
         # d_bn3a_branch1_W = reshape[512](d_bn3a_branch1_weight)
         d_bn3a_branch1_W = rt.reshape(d_bn3a_branch1_weight, shape=(512,))
-        # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W
+        # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W   (computed with the next statement)
         V_bn3a_branch1_W_new = T['V_bn3a_branch1_W']  # in place: the new V_bn3a_branch1_W
-        rt.ew(ew_mul_add, V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W'])
+        # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new
+        bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
+        rt.ew_pair((ew_mul_add, V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W']),
+                   (ew_mul_sub, bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new))
         # free bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
         del bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
         mem.free(71)
-        # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new
-        bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
-        rt.ew(ew_mul_sub, bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new)
         # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
         bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
         rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
@@ -7199,26 +7199,26 @@ class Resnet50(rp.Model):
         mem.free(531)
 
         # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), backward ----
-        # V_res3a_branch2c_W_new = V_res3a_branch2c_W*momentum + d_res3a_branch2c_W + decay*res3a_branch2c_W
+        # V_res3a_branch2c_W_new = V_res3a_branch2c_W*momentum + d_res3a_branch2c_W + decay*res3a_branch2c_W   (computed with the next statement)
         V_res3a_branch2c_W_new = T['V_res3a_branch2c_W']  # in place: the new V_res3a_branch2c_W
-        rt.ew(ew_mul_add, V_res3a_branch2c_W_new, T['V_res3a_branch2c_W'], momentum, d_res3a_branch2c_W, decay, T['res3a_branch2c_W'])
+        # res3a_branch2c_W_new = res3a_branch2c_W - lr*V_res3a_branch2c_W_new
+        res3a_branch2c_W_new = T['res3a_branch2c_W']  # in place: the new res3a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res3a_branch2c_W_new, T['V_res3a_branch2c_W'], momentum, d_res3a_branch2c_W, decay, T['res3a_branch2c_W']),
+                   (ew_mul_sub, res3a_branch2c_W_new, T['res3a_branch2c_W'], lr, V_res3a_branch2c_W_new))
         # free d_res3a_branch2c_W
         del d_res3a_branch2c_W
         mem.free(532)
-        # res3a_branch2c_W_new = res3a_branch2c_W - lr*V_res3a_branch2c_W_new
-        res3a_branch2c_W_new = T['res3a_branch2c_W']  # in place: the new res3a_branch2c_W
-        rt.ew(ew_mul_sub, res3a_branch2c_W_new, T['res3a_branch2c_W'], lr, V_res3a_branch2c_W_new)
 
         # ---- bn3a_branch2b (batch norm), backward ----
         # d_bn3a_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered)
         d_bn3a_branch2b_ew_sum = mem.tensor(534, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3a_branch2b_ew_sum, d_bn3a_branch2b, bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3a_branch2b_inv_std = bn3a_branch2b_weight*d_bn3a_branch2b_ew_sum
+        # d_bn3a_branch2b_inv_std = bn3a_branch2b_weight*d_bn3a_branch2b_ew_sum   (computed with the next statement)
         d_bn3a_branch2b_inv_std = mem.tensor(535, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_ew_sum)
         # d_bn3a_branch2b_sum_of_squares = -d_bn3a_branch2b_inv_std/(50176*(bn3a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2b_sum_of_squares = d_bn3a_branch2b_inv_std  # in place: over d_bn3a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2b_sum_of_squares, d_bn3a_branch2b_inv_std, bn3a_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3a_branch2b_sum_of_squares, d_bn3a_branch2b_inv_std, bn3a_branch2b_batch_var))
         # free bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         del bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         mem.free(65)
@@ -7242,26 +7242,26 @@ class Resnet50(rp.Model):
         mem.free(534)
         # d_bn3a_branch2b_W = reshape[128](d_bn3a_branch2b_weight)
         d_bn3a_branch2b_W = rt.reshape(d_bn3a_branch2b_weight, shape=(128,))
-        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W
+        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W   (computed with the next statement)
         V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
-        rt.ew(ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W'])
+        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
+        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W']),
+                   (ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new))
         # free bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
         del bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
         mem.free(66)
-        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
-        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
-        rt.ew(ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new)
         # d_bn3a_branch2b_B = reshape[128](d_bn3a_branch2b_bias)
         d_bn3a_branch2b_B = rt.reshape(d_bn3a_branch2b_bias, shape=(128,))
-        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B
+        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B   (computed with the next statement)
         V_bn3a_branch2b_B_new = T['V_bn3a_branch2b_B']  # in place: the new V_bn3a_branch2b_B
-        rt.ew(ew_mul_add, V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B'])
+        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new
+        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B']),
+                   (ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new))
         # free d_bn3a_branch2b_bias, d_bn3a_branch2b_B
         del d_bn3a_branch2b_bias, d_bn3a_branch2b_B
         mem.free(536)
-        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new
-        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
-        rt.ew(ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new)
         # d_bn3a_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2b_centered)
         d_bn3a_branch2b_batch_mean = mem.tensor(537, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -7332,12 +7332,12 @@ class Resnet50(rp.Model):
         # d_bn3a_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered)
         d_bn3a_branch2a_ew_sum = mem.tensor(543, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn3a_branch2a_ew_sum, d_bn3a_branch2a, bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
-        # d_bn3a_branch2a_inv_std = bn3a_branch2a_weight*d_bn3a_branch2a_ew_sum
+        # d_bn3a_branch2a_inv_std = bn3a_branch2a_weight*d_bn3a_branch2a_ew_sum   (computed with the next statement)
         d_bn3a_branch2a_inv_std = mem.tensor(544, (1, 128, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_ew_sum)
         # d_bn3a_branch2a_sum_of_squares = -d_bn3a_branch2a_inv_std/(50176*(bn3a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn3a_branch2a_sum_of_squares = d_bn3a_branch2a_inv_std  # in place: over d_bn3a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bn3a_branch2a_sum_of_squares, d_bn3a_branch2a_inv_std, bn3a_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_ew_sum),
+                   (ew_add_pow_mul_3, d_bn3a_branch2a_sum_of_squares, d_bn3a_branch2a_inv_std, bn3a_branch2a_batch_var))
         # free bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         del bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         mem.free(60)
@@ -7361,26 +7361,26 @@ class Resnet50(rp.Model):
         mem.free(543)
         # d_bn3a_branch2a_W = reshape[128](d_bn3a_branch2a_weight)
         d_bn3a_branch2a_W = rt.reshape(d_bn3a_branch2a_weight, shape=(128,))
-        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W
+        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W   (computed with the next statement)
         V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
-        rt.ew(ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W'])
+        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
+        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W']),
+                   (ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new))
         # free bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
         del bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
         mem.free(61)
-        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
-        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
-        rt.ew(ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new)
         # d_bn3a_branch2a_B = reshape[128](d_bn3a_branch2a_bias)
         d_bn3a_branch2a_B = rt.reshape(d_bn3a_branch2a_bias, shape=(128,))
-        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B
+        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B   (computed with the next statement)
         V_bn3a_branch2a_B_new = T['V_bn3a_branch2a_B']  # in place: the new V_bn3a_branch2a_B
-        rt.ew(ew_mul_add, V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B'])
+        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new
+        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B']),
+                   (ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new))
         # free d_bn3a_branch2a_bias, d_bn3a_branch2a_B
         del d_bn3a_branch2a_bias, d_bn3a_branch2a_B
         mem.free(545)
-        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new
-        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
-        rt.ew(ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new)
         # d_bn3a_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2a_centered)
         d_bn3a_branch2a_batch_mean = mem.tensor(546, (1, 128, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
@@ -7441,12 +7441,12 @@ class Resnet50(rp.Model):
         # d_bn2c_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered)
         d_bn2c_branch2c_ew_sum = mem.tensor(550, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2c_branch2c_ew_sum, d_bn2c_branch2c_add, bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2c_branch2c_inv_std = bn2c_branch2c_weight*d_bn2c_branch2c_ew_sum
+        # d_bn2c_branch2c_inv_std = bn2c_branch2c_weight*d_bn2c_branch2c_ew_sum   (computed with the next statement)
         d_bn2c_branch2c_inv_std = mem.tensor(551, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_ew_sum)
         # d_bn2c_branch2c_sum_of_squares = -d_bn2c_branch2c_inv_std/(200704*(bn2c_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2c_sum_of_squares = d_bn2c_branch2c_inv_std  # in place: over d_bn2c_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2c_branch2c_sum_of_squares, d_bn2c_branch2c_inv_std, bn2c_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2c_branch2c_sum_of_squares, d_bn2c_branch2c_inv_std, bn2c_branch2c_batch_var))
         # free bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         del bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         mem.free(55)
@@ -7464,15 +7464,15 @@ class Resnet50(rp.Model):
         mem.free(550)
         # d_bn2c_branch2c_W = reshape[256](d_bn2c_branch2c_weight)
         d_bn2c_branch2c_W = rt.reshape(d_bn2c_branch2c_weight, shape=(256,))
-        # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W
+        # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W   (computed with the next statement)
         V_bn2c_branch2c_W_new = T['V_bn2c_branch2c_W']  # in place: the new V_bn2c_branch2c_W
-        rt.ew(ew_mul_add, V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W'])
+        # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new
+        bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W']),
+                   (ew_mul_sub, bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new))
         # free bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
         del bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
         mem.free(56)
-        # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new
-        bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
-        rt.ew(ew_mul_sub, bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new)
         # d_bn2c_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2c_branch2c_centered)
         d_bn2c_branch2c_batch_mean = mem.tensor(552, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
@@ -7494,15 +7494,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn2c_branch2c_add, out=d_bn2c_branch2c_bias, shape=(1, 256, 1, 1))
         # d_bn2c_branch2c_B = reshape[256](d_bn2c_branch2c_bias)
         d_bn2c_branch2c_B = rt.reshape(d_bn2c_branch2c_bias, shape=(256,))
-        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B
+        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B   (computed with the next statement)
         V_bn2c_branch2c_B_new = T['V_bn2c_branch2c_B']  # in place: the new V_bn2c_branch2c_B
-        rt.ew(ew_mul_add, V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B'])
+        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new
+        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B']),
+                   (ew_mul_sub, bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new))
         # free d_bn2c_branch2c_bias, d_bn2c_branch2c_B
         del d_bn2c_branch2c_bias, d_bn2c_branch2c_B
         mem.free(553)
-        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new
-        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
-        rt.ew(ew_mul_sub, bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new)
 
         # ---- bn2c_branch2b_relu (relu), forward ----
         # bn2c_branch2b_relu_2 = Max(0, bn2c_branch2b_centered*bn2c_branch2b_inv_std*bn2c_branch2b_weight + bn2c_branch2b_bias)
@@ -7529,26 +7529,26 @@ class Resnet50(rp.Model):
         mem.free(554)
 
         # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2c_branch2c_W_new = V_res2c_branch2c_W*momentum + d_res2c_branch2c_W + decay*res2c_branch2c_W
+        # V_res2c_branch2c_W_new = V_res2c_branch2c_W*momentum + d_res2c_branch2c_W + decay*res2c_branch2c_W   (computed with the next statement)
         V_res2c_branch2c_W_new = T['V_res2c_branch2c_W']  # in place: the new V_res2c_branch2c_W
-        rt.ew(ew_mul_add, V_res2c_branch2c_W_new, T['V_res2c_branch2c_W'], momentum, d_res2c_branch2c_W, decay, T['res2c_branch2c_W'])
+        # res2c_branch2c_W_new = res2c_branch2c_W - lr*V_res2c_branch2c_W_new
+        res2c_branch2c_W_new = T['res2c_branch2c_W']  # in place: the new res2c_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res2c_branch2c_W_new, T['V_res2c_branch2c_W'], momentum, d_res2c_branch2c_W, decay, T['res2c_branch2c_W']),
+                   (ew_mul_sub, res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new))
         # free d_res2c_branch2c_W
         del d_res2c_branch2c_W
         mem.free(555)
-        # res2c_branch2c_W_new = res2c_branch2c_W - lr*V_res2c_branch2c_W_new
-        res2c_branch2c_W_new = T['res2c_branch2c_W']  # in place: the new res2c_branch2c_W
-        rt.ew(ew_mul_sub, res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new)
 
         # ---- bn2c_branch2b (batch norm), backward ----
         # d_bn2c_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered)
         d_bn2c_branch2b_ew_sum = mem.tensor(557, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2c_branch2b_ew_sum, d_bn2c_branch2b, bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2c_branch2b_inv_std = bn2c_branch2b_weight*d_bn2c_branch2b_ew_sum
+        # d_bn2c_branch2b_inv_std = bn2c_branch2b_weight*d_bn2c_branch2b_ew_sum   (computed with the next statement)
         d_bn2c_branch2b_inv_std = mem.tensor(558, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_ew_sum)
         # d_bn2c_branch2b_sum_of_squares = -d_bn2c_branch2b_inv_std/(200704*(bn2c_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2b_sum_of_squares = d_bn2c_branch2b_inv_std  # in place: over d_bn2c_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2c_branch2b_sum_of_squares, d_bn2c_branch2b_inv_std, bn2c_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2c_branch2b_sum_of_squares, d_bn2c_branch2b_inv_std, bn2c_branch2b_batch_var))
         # free bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         del bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         mem.free(50)
@@ -7572,26 +7572,26 @@ class Resnet50(rp.Model):
         mem.free(557)
         # d_bn2c_branch2b_W = reshape[64](d_bn2c_branch2b_weight)
         d_bn2c_branch2b_W = rt.reshape(d_bn2c_branch2b_weight, shape=(64,))
-        # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W
+        # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W   (computed with the next statement)
         V_bn2c_branch2b_W_new = T['V_bn2c_branch2b_W']  # in place: the new V_bn2c_branch2b_W
-        rt.ew(ew_mul_add, V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W'])
+        # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new
+        bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W']),
+                   (ew_mul_sub, bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new))
         # free bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
         del bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
         mem.free(51)
-        # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new
-        bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
-        rt.ew(ew_mul_sub, bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new)
         # d_bn2c_branch2b_B = reshape[64](d_bn2c_branch2b_bias)
         d_bn2c_branch2b_B = rt.reshape(d_bn2c_branch2b_bias, shape=(64,))
-        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B
+        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B   (computed with the next statement)
         V_bn2c_branch2b_B_new = T['V_bn2c_branch2b_B']  # in place: the new V_bn2c_branch2b_B
-        rt.ew(ew_mul_add, V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B'])
+        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new
+        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B']),
+                   (ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new))
         # free d_bn2c_branch2b_bias, d_bn2c_branch2b_B
         del d_bn2c_branch2b_bias, d_bn2c_branch2b_B
         mem.free(559)
-        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new
-        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
-        rt.ew(ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new)
         # d_bn2c_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2b_centered)
         d_bn2c_branch2b_batch_mean = mem.tensor(560, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -7646,12 +7646,12 @@ class Resnet50(rp.Model):
         # d_bn2c_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered)
         d_bn2c_branch2a_ew_sum = mem.tensor(564, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2c_branch2a_ew_sum, d_bn2c_branch2a, bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2c_branch2a_inv_std = bn2c_branch2a_weight*d_bn2c_branch2a_ew_sum
+        # d_bn2c_branch2a_inv_std = bn2c_branch2a_weight*d_bn2c_branch2a_ew_sum   (computed with the next statement)
         d_bn2c_branch2a_inv_std = mem.tensor(565, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_ew_sum)
         # d_bn2c_branch2a_sum_of_squares = -d_bn2c_branch2a_inv_std/(200704*(bn2c_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2c_branch2a_sum_of_squares = d_bn2c_branch2a_inv_std  # in place: over d_bn2c_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2c_branch2a_sum_of_squares, d_bn2c_branch2a_inv_std, bn2c_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2c_branch2a_sum_of_squares, d_bn2c_branch2a_inv_std, bn2c_branch2a_batch_var))
         # free bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         del bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         mem.free(45)
@@ -7675,26 +7675,26 @@ class Resnet50(rp.Model):
         mem.free(564)
         # d_bn2c_branch2a_W = reshape[64](d_bn2c_branch2a_weight)
         d_bn2c_branch2a_W = rt.reshape(d_bn2c_branch2a_weight, shape=(64,))
-        # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W
+        # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W   (computed with the next statement)
         V_bn2c_branch2a_W_new = T['V_bn2c_branch2a_W']  # in place: the new V_bn2c_branch2a_W
-        rt.ew(ew_mul_add, V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W'])
+        # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new
+        bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W']),
+                   (ew_mul_sub, bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new))
         # free bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
         del bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
         mem.free(46)
-        # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new
-        bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
-        rt.ew(ew_mul_sub, bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new)
         # d_bn2c_branch2a_B = reshape[64](d_bn2c_branch2a_bias)
         d_bn2c_branch2a_B = rt.reshape(d_bn2c_branch2a_bias, shape=(64,))
-        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B
+        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B   (computed with the next statement)
         V_bn2c_branch2a_B_new = T['V_bn2c_branch2a_B']  # in place: the new V_bn2c_branch2a_B
-        rt.ew(ew_mul_add, V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B'])
+        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new
+        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B']),
+                   (ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new))
         # free d_bn2c_branch2a_bias, d_bn2c_branch2a_B
         del d_bn2c_branch2a_bias, d_bn2c_branch2a_B
         mem.free(566)
-        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new
-        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
-        rt.ew(ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new)
         # d_bn2c_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2a_centered)
         d_bn2c_branch2a_batch_mean = mem.tensor(567, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -7742,12 +7742,12 @@ class Resnet50(rp.Model):
         # d_bn2b_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered)
         d_bn2b_branch2c_ew_sum = mem.tensor(570, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2b_branch2c_ew_sum, d_bn2b_branch2c_add, bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2b_branch2c_inv_std = bn2b_branch2c_weight*d_bn2b_branch2c_ew_sum
+        # d_bn2b_branch2c_inv_std = bn2b_branch2c_weight*d_bn2b_branch2c_ew_sum   (computed with the next statement)
         d_bn2b_branch2c_inv_std = mem.tensor(571, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_ew_sum)
         # d_bn2b_branch2c_sum_of_squares = -d_bn2b_branch2c_inv_std/(200704*(bn2b_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2c_sum_of_squares = d_bn2b_branch2c_inv_std  # in place: over d_bn2b_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2b_branch2c_sum_of_squares, d_bn2b_branch2c_inv_std, bn2b_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2b_branch2c_sum_of_squares, d_bn2b_branch2c_inv_std, bn2b_branch2c_batch_var))
         # free bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         del bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         mem.free(41)
@@ -7765,15 +7765,15 @@ class Resnet50(rp.Model):
         mem.free(570)
         # d_bn2b_branch2c_W = reshape[256](d_bn2b_branch2c_weight)
         d_bn2b_branch2c_W = rt.reshape(d_bn2b_branch2c_weight, shape=(256,))
-        # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W
+        # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W   (computed with the next statement)
         V_bn2b_branch2c_W_new = T['V_bn2b_branch2c_W']  # in place: the new V_bn2b_branch2c_W
-        rt.ew(ew_mul_add, V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W'])
+        # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new
+        bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W']),
+                   (ew_mul_sub, bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new))
         # free bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
         del bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
         mem.free(42)
-        # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new
-        bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
-        rt.ew(ew_mul_sub, bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new)
         # d_bn2b_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2b_branch2c_centered)
         d_bn2b_branch2c_batch_mean = mem.tensor(572, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
@@ -7795,15 +7795,15 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn2b_branch2c_add, out=d_bn2b_branch2c_bias, shape=(1, 256, 1, 1))
         # d_bn2b_branch2c_B = reshape[256](d_bn2b_branch2c_bias)
         d_bn2b_branch2c_B = rt.reshape(d_bn2b_branch2c_bias, shape=(256,))
-        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B
+        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B   (computed with the next statement)
         V_bn2b_branch2c_B_new = T['V_bn2b_branch2c_B']  # in place: the new V_bn2b_branch2c_B
-        rt.ew(ew_mul_add, V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B'])
+        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new
+        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B']),
+                   (ew_mul_sub, bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new))
         # free d_bn2b_branch2c_bias, d_bn2b_branch2c_B
         del d_bn2b_branch2c_bias, d_bn2b_branch2c_B
         mem.free(573)
-        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new
-        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
-        rt.ew(ew_mul_sub, bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new)
 
         # ---- bn2b_branch2b_relu (relu), forward ----
         # bn2b_branch2b_relu_2 = Max(0, bn2b_branch2b_centered*bn2b_branch2b_inv_std*bn2b_branch2b_weight + bn2b_branch2b_bias)
@@ -7830,26 +7830,26 @@ class Resnet50(rp.Model):
         mem.free(574)
 
         # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2b_branch2c_W_new = V_res2b_branch2c_W*momentum + d_res2b_branch2c_W + decay*res2b_branch2c_W
+        # V_res2b_branch2c_W_new = V_res2b_branch2c_W*momentum + d_res2b_branch2c_W + decay*res2b_branch2c_W   (computed with the next statement)
         V_res2b_branch2c_W_new = T['V_res2b_branch2c_W']  # in place: the new V_res2b_branch2c_W
-        rt.ew(ew_mul_add, V_res2b_branch2c_W_new, T['V_res2b_branch2c_W'], momentum, d_res2b_branch2c_W, decay, T['res2b_branch2c_W'])
+        # res2b_branch2c_W_new = res2b_branch2c_W - lr*V_res2b_branch2c_W_new
+        res2b_branch2c_W_new = T['res2b_branch2c_W']  # in place: the new res2b_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res2b_branch2c_W_new, T['V_res2b_branch2c_W'], momentum, d_res2b_branch2c_W, decay, T['res2b_branch2c_W']),
+                   (ew_mul_sub, res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new))
         # free d_res2b_branch2c_W
         del d_res2b_branch2c_W
         mem.free(575)
-        # res2b_branch2c_W_new = res2b_branch2c_W - lr*V_res2b_branch2c_W_new
-        res2b_branch2c_W_new = T['res2b_branch2c_W']  # in place: the new res2b_branch2c_W
-        rt.ew(ew_mul_sub, res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new)
 
         # ---- bn2b_branch2b (batch norm), backward ----
         # d_bn2b_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered)
         d_bn2b_branch2b_ew_sum = mem.tensor(577, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2b_branch2b_ew_sum, d_bn2b_branch2b, bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2b_branch2b_inv_std = bn2b_branch2b_weight*d_bn2b_branch2b_ew_sum
+        # d_bn2b_branch2b_inv_std = bn2b_branch2b_weight*d_bn2b_branch2b_ew_sum   (computed with the next statement)
         d_bn2b_branch2b_inv_std = mem.tensor(578, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_ew_sum)
         # d_bn2b_branch2b_sum_of_squares = -d_bn2b_branch2b_inv_std/(200704*(bn2b_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2b_sum_of_squares = d_bn2b_branch2b_inv_std  # in place: over d_bn2b_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2b_branch2b_sum_of_squares, d_bn2b_branch2b_inv_std, bn2b_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2b_branch2b_sum_of_squares, d_bn2b_branch2b_inv_std, bn2b_branch2b_batch_var))
         # free bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         del bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         mem.free(36)
@@ -7873,26 +7873,26 @@ class Resnet50(rp.Model):
         mem.free(577)
         # d_bn2b_branch2b_W = reshape[64](d_bn2b_branch2b_weight)
         d_bn2b_branch2b_W = rt.reshape(d_bn2b_branch2b_weight, shape=(64,))
-        # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W
+        # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W   (computed with the next statement)
         V_bn2b_branch2b_W_new = T['V_bn2b_branch2b_W']  # in place: the new V_bn2b_branch2b_W
-        rt.ew(ew_mul_add, V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W'])
+        # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new
+        bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W']),
+                   (ew_mul_sub, bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new))
         # free bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
         del bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
         mem.free(37)
-        # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new
-        bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
-        rt.ew(ew_mul_sub, bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new)
         # d_bn2b_branch2b_B = reshape[64](d_bn2b_branch2b_bias)
         d_bn2b_branch2b_B = rt.reshape(d_bn2b_branch2b_bias, shape=(64,))
-        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B
+        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B   (computed with the next statement)
         V_bn2b_branch2b_B_new = T['V_bn2b_branch2b_B']  # in place: the new V_bn2b_branch2b_B
-        rt.ew(ew_mul_add, V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B'])
+        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new
+        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B']),
+                   (ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new))
         # free d_bn2b_branch2b_bias, d_bn2b_branch2b_B
         del d_bn2b_branch2b_bias, d_bn2b_branch2b_B
         mem.free(579)
-        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new
-        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
-        rt.ew(ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new)
         # d_bn2b_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2b_centered)
         d_bn2b_branch2b_batch_mean = mem.tensor(580, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -7947,12 +7947,12 @@ class Resnet50(rp.Model):
         # d_bn2b_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered)
         d_bn2b_branch2a_ew_sum = mem.tensor(584, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2b_branch2a_ew_sum, d_bn2b_branch2a, bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2b_branch2a_inv_std = bn2b_branch2a_weight*d_bn2b_branch2a_ew_sum
+        # d_bn2b_branch2a_inv_std = bn2b_branch2a_weight*d_bn2b_branch2a_ew_sum   (computed with the next statement)
         d_bn2b_branch2a_inv_std = mem.tensor(585, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_ew_sum)
         # d_bn2b_branch2a_sum_of_squares = -d_bn2b_branch2a_inv_std/(200704*(bn2b_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2b_branch2a_sum_of_squares = d_bn2b_branch2a_inv_std  # in place: over d_bn2b_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2b_branch2a_sum_of_squares, d_bn2b_branch2a_inv_std, bn2b_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2b_branch2a_sum_of_squares, d_bn2b_branch2a_inv_std, bn2b_branch2a_batch_var))
         # free bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         del bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         mem.free(31)
@@ -7976,26 +7976,26 @@ class Resnet50(rp.Model):
         mem.free(584)
         # d_bn2b_branch2a_W = reshape[64](d_bn2b_branch2a_weight)
         d_bn2b_branch2a_W = rt.reshape(d_bn2b_branch2a_weight, shape=(64,))
-        # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W
+        # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W   (computed with the next statement)
         V_bn2b_branch2a_W_new = T['V_bn2b_branch2a_W']  # in place: the new V_bn2b_branch2a_W
-        rt.ew(ew_mul_add, V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W'])
+        # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new
+        bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W']),
+                   (ew_mul_sub, bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new))
         # free bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
         del bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
         mem.free(32)
-        # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new
-        bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
-        rt.ew(ew_mul_sub, bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new)
         # d_bn2b_branch2a_B = reshape[64](d_bn2b_branch2a_bias)
         d_bn2b_branch2a_B = rt.reshape(d_bn2b_branch2a_bias, shape=(64,))
-        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B
+        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B   (computed with the next statement)
         V_bn2b_branch2a_B_new = T['V_bn2b_branch2a_B']  # in place: the new V_bn2b_branch2a_B
-        rt.ew(ew_mul_add, V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B'])
+        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new
+        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B']),
+                   (ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new))
         # free d_bn2b_branch2a_bias, d_bn2b_branch2a_B
         del d_bn2b_branch2a_bias, d_bn2b_branch2a_B
         mem.free(586)
-        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new
-        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
-        rt.ew(ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new)
         # d_bn2b_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2a_centered)
         d_bn2b_branch2a_batch_mean = mem.tensor(587, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -8050,12 +8050,12 @@ class Resnet50(rp.Model):
         # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
         d_bn2a_branch2c_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2a_branch2c_inv_std = bn2a_branch2c_weight*d_bn2a_branch2c_ew_sum
+        # d_bn2a_branch2c_inv_std = bn2a_branch2c_weight*d_bn2a_branch2c_ew_sum   (computed with the next statement)
         d_bn2a_branch2c_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_ew_sum)
         # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2c_sum_of_squares = d_bn2a_branch2c_inv_std  # in place: over d_bn2a_branch2c_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2c_sum_of_squares, d_bn2a_branch2c_inv_std, bn2a_branch2c_batch_var)
+        rt.ew_pair((ew_mul, d_bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2a_branch2c_sum_of_squares, d_bn2a_branch2c_inv_std, bn2a_branch2c_batch_var))
         # free bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         del bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         mem.free(26)
@@ -8073,15 +8073,15 @@ class Resnet50(rp.Model):
         mem.free(591)
         # d_bn2a_branch2c_W = reshape[256](d_bn2a_branch2c_weight)
         d_bn2a_branch2c_W = rt.reshape(d_bn2a_branch2c_weight, shape=(256,))
-        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W
+        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W   (computed with the next statement)
         V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
-        rt.ew(ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W'])
+        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
+        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W']),
+                   (ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new))
         # free bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
         del bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
         mem.free(27)
-        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
-        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
-        rt.ew(ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new)
         # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
         d_bn2a_branch2c_batch_mean = mem.tensor(593, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
@@ -8101,12 +8101,12 @@ class Resnet50(rp.Model):
         # d_bn2a_branch1_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered)
         d_bn2a_branch1_ew_sum = mem.tensor(594, (1, 256, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2a_branch1_ew_sum, d_bn2a_branch2c_add, bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
-        # d_bn2a_branch1_inv_std = bn2a_branch1_weight*d_bn2a_branch1_ew_sum
+        # d_bn2a_branch1_inv_std = bn2a_branch1_weight*d_bn2a_branch1_ew_sum   (computed with the next statement)
         d_bn2a_branch1_inv_std = mem.tensor(595, (1, 256, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_ew_sum)
         # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch1_sum_of_squares = d_bn2a_branch1_inv_std  # in place: over d_bn2a_branch1_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var)
+        rt.ew_pair((ew_mul, d_bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2a_branch1_sum_of_squares, d_bn2a_branch1_inv_std, bn2a_branch1_batch_var))
         # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
         del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
         mem.free(22)
@@ -8152,15 +8152,15 @@ class Resnet50(rp.Model):
         # ---- bn2a_branch1 (batch norm), backward ----
         # d_bn2a_branch1_W = reshape[256](d_bn2a_branch1_weight)
         d_bn2a_branch1_W = rt.reshape(d_bn2a_branch1_weight, shape=(256,))
-        # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W
+        # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W   (computed with the next statement)
         V_bn2a_branch1_W_new = T['V_bn2a_branch1_W']  # in place: the new V_bn2a_branch1_W
-        rt.ew(ew_mul_add, V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W'])
+        # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new
+        bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
+        rt.ew_pair((ew_mul_add, V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W']),
+                   (ew_mul_sub, bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new))
         # free bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
         del bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
         mem.free(23)
-        # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new
-        bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
-        rt.ew(ew_mul_sub, bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new)
         # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
         bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
         rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
@@ -8204,26 +8204,26 @@ class Resnet50(rp.Model):
         mem.free(598)
 
         # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W
+        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W   (computed with the next statement)
         V_res2a_branch2c_W_new = T['V_res2a_branch2c_W']  # in place: the new V_res2a_branch2c_W
-        rt.ew(ew_mul_add, V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W'])
+        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new
+        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
+        rt.ew_pair((ew_mul_add, V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W']),
+                   (ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new))
         # free d_res2a_branch2c_W
         del d_res2a_branch2c_W
         mem.free(599)
-        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new
-        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
-        rt.ew(ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new)
 
         # ---- bn2a_branch2b (batch norm), backward ----
         # d_bn2a_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered)
         d_bn2a_branch2b_ew_sum = mem.tensor(601, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2a_branch2b_ew_sum, d_bn2a_branch2b, bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2a_branch2b_inv_std = bn2a_branch2b_weight*d_bn2a_branch2b_ew_sum
+        # d_bn2a_branch2b_inv_std = bn2a_branch2b_weight*d_bn2a_branch2b_ew_sum   (computed with the next statement)
         d_bn2a_branch2b_inv_std = mem.tensor(602, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_ew_sum)
         # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2b_sum_of_squares = d_bn2a_branch2b_inv_std  # in place: over d_bn2a_branch2b_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2b_sum_of_squares, d_bn2a_branch2b_inv_std, bn2a_branch2b_batch_var)
+        rt.ew_pair((ew_mul, d_bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2a_branch2b_sum_of_squares, d_bn2a_branch2b_inv_std, bn2a_branch2b_batch_var))
         # free bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         del bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         mem.free(17)
@@ -8247,26 +8247,26 @@ class Resnet50(rp.Model):
         mem.free(601)
         # d_bn2a_branch2b_W = reshape[64](d_bn2a_branch2b_weight)
         d_bn2a_branch2b_W = rt.reshape(d_bn2a_branch2b_weight, shape=(64,))
-        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W
+        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W   (computed with the next statement)
         V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
-        rt.ew(ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W'])
+        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
+        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
+        rt.ew_pair((ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W']),
+                   (ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new))
         # free bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
         del bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
         mem.free(18)
-        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
-        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
-        rt.ew(ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new)
         # d_bn2a_branch2b_B = reshape[64](d_bn2a_branch2b_bias)
         d_bn2a_branch2b_B = rt.reshape(d_bn2a_branch2b_bias, shape=(64,))
-        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B
+        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B   (computed with the next statement)
         V_bn2a_branch2b_B_new = T['V_bn2a_branch2b_B']  # in place: the new V_bn2a_branch2b_B
-        rt.ew(ew_mul_add, V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B'])
+        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new
+        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
+        rt.ew_pair((ew_mul_add, V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B']),
+                   (ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new))
         # free d_bn2a_branch2b_bias, d_bn2a_branch2b_B
         del d_bn2a_branch2b_bias, d_bn2a_branch2b_B
         mem.free(603)
-        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new
-        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
-        rt.ew(ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new)
         # d_bn2a_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2b_centered)
         d_bn2a_branch2b_batch_mean = mem.tensor(604, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -8292,15 +8292,15 @@ class Resnet50(rp.Model):
         # free res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
         del res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
         mem.free(20)
-        # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W
+        # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W   (computed with the next statement)
         V_res2a_branch1_W_new = T['V_res2a_branch1_W']  # in place: the new V_res2a_branch1_W
-        rt.ew(ew_mul_add, V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W'])
+        # res2a_branch1_W_new = res2a_branch1_W - lr*V_res2a_branch1_W_new
+        res2a_branch1_W_new = T['res2a_branch1_W']  # in place: the new res2a_branch1_W
+        rt.ew_pair((ew_mul_add, V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W']),
+                   (ew_mul_sub, res2a_branch1_W_new, T['res2a_branch1_W'], lr, V_res2a_branch1_W_new))
         # free d_res2a_branch1_W
         del d_res2a_branch1_W
         mem.free(605)
-        # res2a_branch1_W_new = res2a_branch1_W - lr*V_res2a_branch1_W_new
-        res2a_branch1_W_new = T['res2a_branch1_W']  # in place: the new res2a_branch1_W
-        rt.ew(ew_mul_sub, res2a_branch1_W_new, T['res2a_branch1_W'], lr, V_res2a_branch1_W_new)
 
         # ---- bn2a_branch2a_relu (relu), forward ----
         # bn2a_branch2a_relu_2 = Max(0, bn2a_branch2a_centered*bn2a_branch2a_inv_std*bn2a_branch2a_weight + bn2a_branch2a_bias)
@@ -8341,12 +8341,12 @@ class Resnet50(rp.Model):
         # d_bn2a_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered)
         d_bn2a_branch2a_ew_sum = mem.tensor(610, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bn2a_branch2a_ew_sum, d_bn2a_branch2a, bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
-        # d_bn2a_branch2a_inv_std = bn2a_branch2a_weight*d_bn2a_branch2a_ew_sum
+        # d_bn2a_branch2a_inv_std = bn2a_branch2a_weight*d_bn2a_branch2a_ew_sum   (computed with the next statement)
         d_bn2a_branch2a_inv_std = mem.tensor(611, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_ew_sum)
         # d_bn2a_branch2a_sum_of_squares = -d_bn2a_branch2a_inv_std/(200704*(bn2a_branch2a_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2a_sum_of_squares = d_bn2a_branch2a_inv_std  # in place: over d_bn2a_branch2a_inv_std
-        rt.ew(ew_add_pow_mul_4, d_bn2a_branch2a_sum_of_squares, d_bn2a_branch2a_inv_std, bn2a_branch2a_batch_var)
+        rt.ew_pair((ew_mul, d_bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_ew_sum),
+                   (ew_add_pow_mul_4, d_bn2a_branch2a_sum_of_squares, d_bn2a_branch2a_inv_std, bn2a_branch2a_batch_var))
         # free bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         del bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         mem.free(12)
@@ -8370,26 +8370,26 @@ class Resnet50(rp.Model):
         mem.free(610)
         # d_bn2a_branch2a_W = reshape[64](d_bn2a_branch2a_weight)
         d_bn2a_branch2a_W = rt.reshape(d_bn2a_branch2a_weight, shape=(64,))
-        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W
+        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W   (computed with the next statement)
         V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
-        rt.ew(ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W'])
+        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
+        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
+        rt.ew_pair((ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W']),
+                   (ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new))
         # free bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
         del bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
         mem.free(13)
-        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
-        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
-        rt.ew(ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new)
         # d_bn2a_branch2a_B = reshape[64](d_bn2a_branch2a_bias)
         d_bn2a_branch2a_B = rt.reshape(d_bn2a_branch2a_bias, shape=(64,))
-        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B
+        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B   (computed with the next statement)
         V_bn2a_branch2a_B_new = T['V_bn2a_branch2a_B']  # in place: the new V_bn2a_branch2a_B
-        rt.ew(ew_mul_add, V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B'])
+        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new
+        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
+        rt.ew_pair((ew_mul_add, V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B']),
+                   (ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new))
         # free d_bn2a_branch2a_bias, d_bn2a_branch2a_B
         del d_bn2a_branch2a_bias, d_bn2a_branch2a_B
         mem.free(612)
-        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new
-        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
-        rt.ew(ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new)
         # d_bn2a_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2a_centered)
         d_bn2a_branch2a_batch_mean = mem.tensor(613, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
@@ -8459,37 +8459,37 @@ class Resnet50(rp.Model):
         # d_bn_conv1_weight = bn_conv1_inv_std*d_bn_conv1_ew_sum
         d_bn_conv1_weight = bn_conv1_inv_std  # in place: over bn_conv1_inv_std
         rt.ew(ew_mul_2, d_bn_conv1_weight, bn_conv1_inv_std, d_bn_conv1_ew_sum)
-        # d_bn_conv1_inv_std = bn_conv1_weight*d_bn_conv1_ew_sum
+        # d_bn_conv1_inv_std = bn_conv1_weight*d_bn_conv1_ew_sum   (computed with the next statement)
         d_bn_conv1_inv_std = d_bn_conv1_ew_sum  # in place: over d_bn_conv1_ew_sum
-        rt.ew(ew_mul_4, d_bn_conv1_inv_std, bn_conv1_weight, d_bn_conv1_ew_sum)
         # d_bn_conv1_sum_of_squares = -d_bn_conv1_inv_std/(802816*(bn_conv1_batch_var + 1.0e-5)**(3/2))
         d_bn_conv1_sum_of_squares = d_bn_conv1_inv_std  # in place: over d_bn_conv1_inv_std
-        rt.ew(ew_add_pow_mul_5, d_bn_conv1_sum_of_squares, d_bn_conv1_inv_std, bn_conv1_batch_var)
+        rt.ew_pair((ew_mul_4, d_bn_conv1_inv_std, bn_conv1_weight, d_bn_conv1_ew_sum),
+                   (ew_add_pow_mul_5, d_bn_conv1_sum_of_squares, d_bn_conv1_inv_std, bn_conv1_batch_var))
         # free bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
         del bn_conv1_sum_of_squares, bn_conv1_batch_var, bn_conv1_batch_var_flat
         mem.free(5)
         # d_bn_conv1_W = reshape[64](d_bn_conv1_weight)
         d_bn_conv1_W = rt.reshape(d_bn_conv1_weight, shape=(64,))
-        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W
+        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W   (computed with the next statement)
         V_bn_conv1_W_new = T['V_bn_conv1_W']  # in place: the new V_bn_conv1_W
-        rt.ew(ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W'])
+        # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new
+        bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
+        rt.ew_pair((ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W']),
+                   (ew_mul_sub, bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new))
         # free bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
         del bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
         mem.free(6)
-        # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new
-        bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
-        rt.ew(ew_mul_sub, bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new)
         # d_bn_conv1_B = reshape[64](d_bn_conv1_bias)
         d_bn_conv1_B = rt.reshape(d_bn_conv1_bias, shape=(64,))
-        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B
+        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B   (computed with the next statement)
         V_bn_conv1_B_new = T['V_bn_conv1_B']  # in place: the new V_bn_conv1_B
-        rt.ew(ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B'])
+        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
+        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
+        rt.ew_pair((ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B']),
+                   (ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new))
         # free d_bn_conv1_bias, d_bn_conv1_B
         del d_bn_conv1_bias, d_bn_conv1_B
         mem.free(619)
-        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
-        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
-        rt.ew(ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new)
         # d_bn_conv1_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1_centered, bn_conv1_max_pool_argmax)
         d_bn_conv1_max_pool_bwd = mem.tensor(620, (32, 64, 112, 112), 'float32')
         rt.max_pool_bwd(d_bn_conv1_centered, bn_conv1_max_pool_argmax, out=d_bn_conv1_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
@@ -8522,15 +8522,15 @@ class Resnet50(rp.Model):
         # free x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         del x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         mem.free(0, 620)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(622)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         loss = rt.scalar(fc1000_cross_entropy)
         mem.end()
         return loss

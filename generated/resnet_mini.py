@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 35.59 MB, pool 39.21 MB, workspace 31.97 MB
-Structure hash: 814f615869ec8ecd
+Structure hash: f446cf7b1b91ef22
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "814f615869ec8ecd"
+    structure_hash = "f446cf7b1b91ef22"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -662,15 +662,15 @@ class ResnetMini(rp.Model):
         # d_fc_B = sum_to[10](d_fc)
         d_fc_B = mem.tensor(50, (10,), 'float32')
         rt.sum_to(d_fc, out=d_fc_B, shape=(10,))
-        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B
+        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B   (computed with the next statement)
         V_fc_B_new = T['V_fc_B']  # in place: the new V_fc_B
-        rt.ew(ew_mul_add, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B'])
+        # fc_B_new = fc_B - lr*V_fc_B_new
+        fc_B_new = T['fc_B']  # in place: the new fc_B
+        rt.ew_pair((ew_mul_add, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B']),
+                   (ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new))
         # free d_fc_B
         del d_fc_B
         mem.free(50)
-        # fc_B_new = fc_B - lr*V_fc_B_new
-        fc_B_new = T['fc_B']  # in place: the new fc_B
-        rt.ew(ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new)
         # d_res4_b_bn_flatten = matmul(d_fc, fc_W)
         d_res4_b_bn_flatten = mem.tensor(51, (100, 64), 'float32')
         rt.matmul(d_fc, T['fc_W'], out=d_res4_b_bn_flatten)
@@ -705,12 +705,12 @@ class ResnetMini(rp.Model):
         # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered)
         d_res4_b_bn_ew_sum = mem.tensor(53, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn_add, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum
+        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum   (computed with the next statement)
         d_res4_b_bn_inv_std = mem.tensor(54, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum)
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var))
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(42)
@@ -728,15 +728,15 @@ class ResnetMini(rp.Model):
         mem.free(53)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
-        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
+        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W   (computed with the next statement)
         V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
-        rt.ew(ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
+        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
+        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
+        rt.ew_pair((ew_mul_add, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W']),
+                   (ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new))
         # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         mem.free(43)
-        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
-        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
-        rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
         # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
         d_res4_b_bn_batch_mean = mem.tensor(55, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -756,12 +756,12 @@ class ResnetMini(rp.Model):
         # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered)
         d_res4_proj_bn_ew_sum = mem.tensor(56, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_proj_bn_ew_sum, d_res4_b_bn_add, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum
+        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum   (computed with the next statement)
         d_res4_proj_bn_inv_std = mem.tensor(57, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum)
         # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var))
         # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(33)
@@ -807,15 +807,15 @@ class ResnetMini(rp.Model):
         # ---- res4_proj_bn (batch norm), backward ----
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
-        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
+        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W   (computed with the next statement)
         V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
-        rt.ew(ew_mul_add, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
+        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
+        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
+        rt.ew_pair((ew_mul_add, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W']),
+                   (ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new))
         # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         mem.free(34)
-        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
-        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
-        rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
         # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
         res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
         rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
@@ -884,12 +884,12 @@ class ResnetMini(rp.Model):
         # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
         d_res4_a_bn_ew_sum = mem.tensor(64, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum
+        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum   (computed with the next statement)
         d_res4_a_bn_inv_std = mem.tensor(65, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum)
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var))
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(37)
@@ -913,26 +913,26 @@ class ResnetMini(rp.Model):
         mem.free(64)
         # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
         d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
-        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
+        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W   (computed with the next statement)
         V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
-        rt.ew(ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
+        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
+        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
+        rt.ew_pair((ew_mul_add, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W']),
+                   (ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new))
         # free res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
         del res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
         mem.free(38)
-        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
-        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
-        rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
         # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
         d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
-        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B
+        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B   (computed with the next statement)
         V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
-        rt.ew(ew_mul_add, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B'])
+        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
+        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
+        rt.ew_pair((ew_mul_add, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B']),
+                   (ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new))
         # free d_res4_a_bn_bias, d_res4_a_bn_B
         del d_res4_a_bn_bias, d_res4_a_bn_B
         mem.free(66)
-        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
-        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
-        rt.ew(ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new)
         # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
         d_res4_a_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -991,12 +991,12 @@ class ResnetMini(rp.Model):
         # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered)
         d_res3_b_bn_ew_sum = mem.tensor(71, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn_add, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum
+        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum   (computed with the next statement)
         d_res3_b_bn_inv_std = mem.tensor(72, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum)
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var))
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(28)
@@ -1014,15 +1014,15 @@ class ResnetMini(rp.Model):
         mem.free(71)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
-        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the next statement)
         V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        rt.ew(ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        rt.ew_pair((ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
+                   (ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new))
         # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         mem.free(29)
-        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
-        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
         # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
         d_res3_b_bn_batch_mean = mem.tensor(73, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1042,12 +1042,12 @@ class ResnetMini(rp.Model):
         # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_proj_bn_centered)
         d_res3_proj_bn_ew_sum = mem.tensor(74, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_proj_bn_ew_sum, d_res3_b_bn_add, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum
+        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum   (computed with the next statement)
         d_res3_proj_bn_inv_std = mem.tensor(75, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum)
         # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var))
         # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(19)
@@ -1093,15 +1093,15 @@ class ResnetMini(rp.Model):
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
-        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
+        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the next statement)
         V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
-        rt.ew(ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
+        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
+        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
+        rt.ew_pair((ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
+                   (ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new))
         # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         mem.free(20)
-        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
-        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
-        rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
         # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
         res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
         rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
@@ -1168,12 +1168,12 @@ class ResnetMini(rp.Model):
         # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
         d_res3_a_bn_ew_sum = mem.tensor(82, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum
+        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(83, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum)
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var))
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(23)
@@ -1197,26 +1197,26 @@ class ResnetMini(rp.Model):
         mem.free(82)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
-        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the next statement)
         V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        rt.ew(ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        rt.ew_pair((ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
+                   (ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new))
         # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
         del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
         mem.free(24)
-        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
-        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
         # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
         d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
-        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the next statement)
         V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        rt.ew(ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B'])
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        rt.ew_pair((ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
+                   (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
         # free d_res3_a_bn_bias, d_res3_a_bn_B
         del d_res3_a_bn_bias, d_res3_a_bn_B
         mem.free(84)
-        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
-        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew(ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new)
         # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
         d_res3_a_bn_batch_mean = mem.tensor(85, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1275,12 +1275,12 @@ class ResnetMini(rp.Model):
         # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered)
         d_res2_b_bn_ew_sum = mem.tensor(89, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn_add, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum
+        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum   (computed with the next statement)
         d_res2_b_bn_inv_std = mem.tensor(90, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum)
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var))
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
@@ -1298,15 +1298,15 @@ class ResnetMini(rp.Model):
         mem.free(89)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
-        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
+        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the next statement)
         V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
-        rt.ew(ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
+        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
+        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
+        rt.ew_pair((ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
+                   (ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new))
         # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         mem.free(16)
-        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
-        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
-        rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
         # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
         d_res2_b_bn_batch_mean = mem.tensor(91, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1328,15 +1328,15 @@ class ResnetMini(rp.Model):
         rt.sum_to(d_res2_b_bn_add, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
         # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
         d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
-        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the next statement)
         V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        rt.ew(ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B'])
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        rt.ew_pair((ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
+                   (ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new))
         # free d_res2_b_bn_bias, d_res2_b_bn_B
         del d_res2_b_bn_bias, d_res2_b_bn_B
         mem.free(92)
-        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
-        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew(ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new)
 
         # ---- res2_a_bn_relu (relu), forward ----
         # res2_a_bn_relu_2 = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
@@ -1377,12 +1377,12 @@ class ResnetMini(rp.Model):
         # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
         d_res2_a_bn_ew_sum = mem.tensor(96, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum
+        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(97, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum)
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var))
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
@@ -1406,26 +1406,26 @@ class ResnetMini(rp.Model):
         mem.free(96)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
-        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
+        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the next statement)
         V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
-        rt.ew(ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
+        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
+        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
+        rt.ew_pair((ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
+                   (ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new))
         # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
         del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
         mem.free(11)
-        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
-        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
-        rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
         # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
         d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
-        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the next statement)
         V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        rt.ew(ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B'])
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        rt.ew_pair((ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
+                   (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
         # free d_res2_a_bn_bias, d_res2_a_bn_B
         del d_res2_a_bn_bias, d_res2_a_bn_B
         mem.free(98)
-        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
-        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew(ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new)
         # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
         d_res2_a_bn_batch_mean = mem.tensor(99, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1480,12 +1480,12 @@ class ResnetMini(rp.Model):
         # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
         d_conv1_bn_ew_sum = mem.tensor(103, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(104, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
+        rt.ew_pair((ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var))
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
@@ -1509,26 +1509,26 @@ class ResnetMini(rp.Model):
         mem.free(103)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        rt.ew(ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        rt.ew_pair((ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
         # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         mem.free(6)
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
         # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
         V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        rt.ew(ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        rt.ew_pair((ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
         mem.free(105)
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
         # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
         d_conv1_bn_batch_mean = mem.tensor(106, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1549,15 +1549,15 @@ class ResnetMini(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 3)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(107)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.82 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: 8fabf1b4b6ac4c31
+Structure hash: 14454713879ddc92
 
 Usage: python se_resnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class SeResnet(rp.Model):
 
     name = "se_resnet"
     source = "networks/se_resnet.py"
-    structure_hash = "8fabf1b4b6ac4c31"
+    structure_hash = "14454713879ddc92"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -790,15 +790,15 @@ class SeResnet(rp.Model):
         # d_fc_B = sum_to[10](d_fc)
         d_fc_B = mem.tensor(60, (10,), 'float32')
         rt.sum_to(d_fc, out=d_fc_B, shape=(10,))
-        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B
+        # V_fc_B_new = V_fc_B*momentum + d_fc_B + decay*fc_B   (computed with the next statement)
         V_fc_B_new = T['V_fc_B']  # in place: the new V_fc_B
-        rt.ew(ew_mul_add_2, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B'])
+        # fc_B_new = fc_B - lr*V_fc_B_new
+        fc_B_new = T['fc_B']  # in place: the new fc_B
+        rt.ew_pair((ew_mul_add_2, V_fc_B_new, T['V_fc_B'], momentum, d_fc_B, decay, T['fc_B']),
+                   (ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new))
         # free d_fc_B
         del d_fc_B
         mem.free(60)
-        # fc_B_new = fc_B - lr*V_fc_B_new
-        fc_B_new = T['fc_B']  # in place: the new fc_B
-        rt.ew(ew_mul_sub, fc_B_new, T['fc_B'], lr, V_fc_B_new)
         # d_res4_proj_bn_flatten = matmul(d_fc, fc_W)
         d_res4_proj_bn_flatten = mem.tensor(61, (100, 64), 'float32')
         rt.matmul(d_fc, T['fc_W'], out=d_res4_proj_bn_flatten)
@@ -853,12 +853,12 @@ class SeResnet(rp.Model):
         # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_proj_bn_add*res4_proj_bn_centered)
         d_res4_proj_bn_ew_sum = mem.tensor(65, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_proj_bn_ew_sum, d_res4_proj_bn_add, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum
+        # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum   (computed with the next statement)
         d_res4_proj_bn_inv_std = mem.tensor(66, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum)
         # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_proj_bn_sum_of_squares = d_res4_proj_bn_inv_std  # in place: over d_res4_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_proj_bn_sum_of_squares, d_res4_proj_bn_inv_std, res4_proj_bn_batch_var))
         # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(40)
@@ -876,15 +876,15 @@ class SeResnet(rp.Model):
         mem.free(65)
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
-        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W
+        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W   (computed with the next statement)
         V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
-        rt.ew(ew_mul_add_2, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W'])
+        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
+        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W']),
+                   (ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new))
         # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         mem.free(41)
-        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
-        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
-        rt.ew(ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new)
         # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
         d_res4_proj_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -904,15 +904,15 @@ class SeResnet(rp.Model):
         # d_res4_se_up_B = sum_to[64](d_res4_se_up)
         d_res4_se_up_B = mem.tensor(68, (64,), 'float32')
         rt.sum_to(d_res4_se_up, out=d_res4_se_up_B, shape=(64,))
-        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B
+        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B   (computed with the next statement)
         V_res4_se_up_B_new = T['V_res4_se_up_B']  # in place: the new V_res4_se_up_B
-        rt.ew(ew_mul_add_2, V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B'])
+        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new
+        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
+        rt.ew_pair((ew_mul_add_2, V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B']),
+                   (ew_mul_sub, res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new))
         # free d_res4_se_up_B
         del d_res4_se_up_B
         mem.free(68)
-        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new
-        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
-        rt.ew(ew_mul_sub, res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new)
 
         # ---- res4_proj_bn (batch norm), backward ----
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_proj_bn_add)
@@ -920,15 +920,15 @@ class SeResnet(rp.Model):
         rt.sum_to(d_res4_proj_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
         # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
         d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
-        # V_res4_proj_bn_B_new = V_res4_proj_bn_B*momentum + d_res4_proj_bn_B + decay*res4_proj_bn_B
+        # V_res4_proj_bn_B_new = V_res4_proj_bn_B*momentum + d_res4_proj_bn_B + decay*res4_proj_bn_B   (computed with the next statement)
         V_res4_proj_bn_B_new = T['V_res4_proj_bn_B']  # in place: the new V_res4_proj_bn_B
-        rt.ew(ew_mul_add_2, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B'])
+        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
+        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B']),
+                   (ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new))
         # free d_res4_proj_bn_bias, d_res4_proj_bn_B
         del d_res4_proj_bn_bias, d_res4_proj_bn_B
         mem.free(69)
-        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
-        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
-        rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
 
         # ---- res4_se_up (fully connected, 64 outputs), backward ----
         # d_res4_se_up_W = matmul[ta](d_res4_se_up, res4_se_down_relu)
@@ -964,29 +964,29 @@ class SeResnet(rp.Model):
         mem.free(72)
 
         # ---- res4_se_up (fully connected, 64 outputs), backward ----
-        # V_res4_se_up_W_new = V_res4_se_up_W*momentum + d_res4_se_up_W + decay*res4_se_up_W
+        # V_res4_se_up_W_new = V_res4_se_up_W*momentum + d_res4_se_up_W + decay*res4_se_up_W   (computed with the next statement)
         V_res4_se_up_W_new = T['V_res4_se_up_W']  # in place: the new V_res4_se_up_W
-        rt.ew(ew_mul_add_2, V_res4_se_up_W_new, T['V_res4_se_up_W'], momentum, d_res4_se_up_W, decay, T['res4_se_up_W'])
+        # res4_se_up_W_new = res4_se_up_W - lr*V_res4_se_up_W_new
+        res4_se_up_W_new = T['res4_se_up_W']  # in place: the new res4_se_up_W
+        rt.ew_pair((ew_mul_add_2, V_res4_se_up_W_new, T['V_res4_se_up_W'], momentum, d_res4_se_up_W, decay, T['res4_se_up_W']),
+                   (ew_mul_sub, res4_se_up_W_new, T['res4_se_up_W'], lr, V_res4_se_up_W_new))
         # free d_res4_se_up_W
         del d_res4_se_up_W
         mem.free(70)
-        # res4_se_up_W_new = res4_se_up_W - lr*V_res4_se_up_W_new
-        res4_se_up_W_new = T['res4_se_up_W']  # in place: the new res4_se_up_W
-        rt.ew(ew_mul_sub, res4_se_up_W_new, T['res4_se_up_W'], lr, V_res4_se_up_W_new)
 
         # ---- res4_se_down (fully connected, 16 outputs), backward ----
         # d_res4_se_down_B = sum_to[16](d_res4_se_down)
         d_res4_se_down_B = mem.tensor(73, (16,), 'float32')
         rt.sum_to(d_res4_se_down, out=d_res4_se_down_B, shape=(16,))
-        # V_res4_se_down_B_new = V_res4_se_down_B*momentum + d_res4_se_down_B + decay*res4_se_down_B
+        # V_res4_se_down_B_new = V_res4_se_down_B*momentum + d_res4_se_down_B + decay*res4_se_down_B   (computed with the next statement)
         V_res4_se_down_B_new = T['V_res4_se_down_B']  # in place: the new V_res4_se_down_B
-        rt.ew(ew_mul_add_2, V_res4_se_down_B_new, T['V_res4_se_down_B'], momentum, d_res4_se_down_B, decay, T['res4_se_down_B'])
+        # res4_se_down_B_new = res4_se_down_B - lr*V_res4_se_down_B_new
+        res4_se_down_B_new = T['res4_se_down_B']  # in place: the new res4_se_down_B
+        rt.ew_pair((ew_mul_add_2, V_res4_se_down_B_new, T['V_res4_se_down_B'], momentum, d_res4_se_down_B, decay, T['res4_se_down_B']),
+                   (ew_mul_sub, res4_se_down_B_new, T['res4_se_down_B'], lr, V_res4_se_down_B_new))
         # free d_res4_se_down_B
         del d_res4_se_down_B
         mem.free(73)
-        # res4_se_down_B_new = res4_se_down_B - lr*V_res4_se_down_B_new
-        res4_se_down_B_new = T['res4_se_down_B']  # in place: the new res4_se_down_B
-        rt.ew(ew_mul_sub, res4_se_down_B_new, T['res4_se_down_B'], lr, V_res4_se_down_B_new)
 
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res4_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4_proj, res3_proj_bn_relu)
@@ -1029,12 +1029,12 @@ class SeResnet(rp.Model):
         # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered)
         d_res4_b_bn_ew_sum = mem.tensor(76, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum
+        # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum   (computed with the next statement)
         d_res4_b_bn_inv_std = mem.tensor(77, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum)
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_b_bn_sum_of_squares, d_res4_b_bn_inv_std, res4_b_bn_batch_var))
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(49)
@@ -1058,26 +1058,26 @@ class SeResnet(rp.Model):
         mem.free(76)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
-        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W
+        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W   (computed with the next statement)
         V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
-        rt.ew(ew_mul_add_2, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W'])
+        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
+        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W']),
+                   (ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new))
         # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         mem.free(50)
-        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
-        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
-        rt.ew(ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new)
         # d_res4_b_bn_B = reshape[64](d_res4_b_bn_bias)
         d_res4_b_bn_B = rt.reshape(d_res4_b_bn_bias, shape=(64,))
-        # V_res4_b_bn_B_new = V_res4_b_bn_B*momentum + d_res4_b_bn_B + decay*res4_b_bn_B
+        # V_res4_b_bn_B_new = V_res4_b_bn_B*momentum + d_res4_b_bn_B + decay*res4_b_bn_B   (computed with the next statement)
         V_res4_b_bn_B_new = T['V_res4_b_bn_B']  # in place: the new V_res4_b_bn_B
-        rt.ew(ew_mul_add_2, V_res4_b_bn_B_new, T['V_res4_b_bn_B'], momentum, d_res4_b_bn_B, decay, T['res4_b_bn_B'])
+        # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
+        res4_b_bn_B_new = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res4_b_bn_B_new, T['V_res4_b_bn_B'], momentum, d_res4_b_bn_B, decay, T['res4_b_bn_B']),
+                   (ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new))
         # free d_res4_b_bn_bias, d_res4_b_bn_B
         del d_res4_b_bn_bias, d_res4_b_bn_B
         mem.free(78)
-        # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
-        res4_b_bn_B_new = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
-        rt.ew(ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new)
         # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
         d_res4_b_bn_batch_mean = mem.tensor(79, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -1132,12 +1132,12 @@ class SeResnet(rp.Model):
         # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
         d_res4_a_bn_ew_sum = mem.tensor(83, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum
+        # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum   (computed with the next statement)
         d_res4_a_bn_inv_std = mem.tensor(84, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum)
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_a_bn_sum_of_squares = d_res4_a_bn_inv_std  # in place: over d_res4_a_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_ew_sum),
+                   (ew_add_pow_mul, d_res4_a_bn_sum_of_squares, d_res4_a_bn_inv_std, res4_a_bn_batch_var))
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(44)
@@ -1161,26 +1161,26 @@ class SeResnet(rp.Model):
         mem.free(83)
         # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
         d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
-        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W
+        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W   (computed with the next statement)
         V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
-        rt.ew(ew_mul_add_2, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W'])
+        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
+        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W']),
+                   (ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new))
         # free res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
         del res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
         mem.free(45)
-        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
-        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
-        rt.ew(ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new)
         # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
         d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
-        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B
+        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B   (computed with the next statement)
         V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
-        rt.ew(ew_mul_add_2, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B'])
+        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
+        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B']),
+                   (ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new))
         # free d_res4_a_bn_bias, d_res4_a_bn_B
         del d_res4_a_bn_bias, d_res4_a_bn_B
         mem.free(85)
-        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
-        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
-        rt.ew(ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new)
         # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
         d_res4_a_bn_batch_mean = mem.tensor(86, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -1259,12 +1259,12 @@ class SeResnet(rp.Model):
         # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered)
         d_res3_proj_bn_ew_sum = mem.tensor(92, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_proj_bn_ew_sum, d_res3_proj_bn_add, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum
+        # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum   (computed with the next statement)
         d_res3_proj_bn_inv_std = mem.tensor(93, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum)
         # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_proj_bn_sum_of_squares = d_res3_proj_bn_inv_std  # in place: over d_res3_proj_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_proj_bn_sum_of_squares, d_res3_proj_bn_inv_std, res3_proj_bn_batch_var))
         # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(23)
@@ -1282,15 +1282,15 @@ class SeResnet(rp.Model):
         mem.free(92)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
-        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W
+        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the next statement)
         V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
-        rt.ew(ew_mul_add_2, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W'])
+        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
+        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
+                   (ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new))
         # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         mem.free(24)
-        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
-        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
-        rt.ew(ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new)
         # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
         d_res3_proj_bn_batch_mean = mem.tensor(94, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1310,15 +1310,15 @@ class SeResnet(rp.Model):
         # d_res3_se_up_B = sum_to[32](d_res3_se_up)
         d_res3_se_up_B = mem.tensor(95, (32,), 'float32')
         rt.sum_to(d_res3_se_up, out=d_res3_se_up_B, shape=(32,))
-        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B
+        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B   (computed with the next statement)
         V_res3_se_up_B_new = T['V_res3_se_up_B']  # in place: the new V_res3_se_up_B
-        rt.ew(ew_mul_add_2, V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B'])
+        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new
+        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
+        rt.ew_pair((ew_mul_add_2, V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B']),
+                   (ew_mul_sub, res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new))
         # free d_res3_se_up_B
         del d_res3_se_up_B
         mem.free(95)
-        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new
-        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
-        rt.ew(ew_mul_sub, res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new)
 
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_proj_bn_add)
@@ -1326,15 +1326,15 @@ class SeResnet(rp.Model):
         rt.sum_to(d_res3_proj_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
         # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
         d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
-        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B
+        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B   (computed with the next statement)
         V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
-        rt.ew(ew_mul_add_2, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
+        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
+        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B']),
+                   (ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new))
         # free d_res3_proj_bn_bias, d_res3_proj_bn_B
         del d_res3_proj_bn_bias, d_res3_proj_bn_B
         mem.free(96)
-        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
-        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
-        rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
 
         # ---- res3_se_up (fully connected, 32 outputs), backward ----
         # d_res3_se_up_W = matmul[ta](d_res3_se_up, res3_se_down_relu)
@@ -1370,29 +1370,29 @@ class SeResnet(rp.Model):
         mem.free(99)
 
         # ---- res3_se_up (fully connected, 32 outputs), backward ----
-        # V_res3_se_up_W_new = V_res3_se_up_W*momentum + d_res3_se_up_W + decay*res3_se_up_W
+        # V_res3_se_up_W_new = V_res3_se_up_W*momentum + d_res3_se_up_W + decay*res3_se_up_W   (computed with the next statement)
         V_res3_se_up_W_new = T['V_res3_se_up_W']  # in place: the new V_res3_se_up_W
-        rt.ew(ew_mul_add_2, V_res3_se_up_W_new, T['V_res3_se_up_W'], momentum, d_res3_se_up_W, decay, T['res3_se_up_W'])
+        # res3_se_up_W_new = res3_se_up_W - lr*V_res3_se_up_W_new
+        res3_se_up_W_new = T['res3_se_up_W']  # in place: the new res3_se_up_W
+        rt.ew_pair((ew_mul_add_2, V_res3_se_up_W_new, T['V_res3_se_up_W'], momentum, d_res3_se_up_W, decay, T['res3_se_up_W']),
+                   (ew_mul_sub, res3_se_up_W_new, T['res3_se_up_W'], lr, V_res3_se_up_W_new))
         # free d_res3_se_up_W
         del d_res3_se_up_W
         mem.free(97)
-        # res3_se_up_W_new = res3_se_up_W - lr*V_res3_se_up_W_new
-        res3_se_up_W_new = T['res3_se_up_W']  # in place: the new res3_se_up_W
-        rt.ew(ew_mul_sub, res3_se_up_W_new, T['res3_se_up_W'], lr, V_res3_se_up_W_new)
 
         # ---- res3_se_down (fully connected, 8 outputs), backward ----
         # d_res3_se_down_B = sum_to[8](d_res3_se_down)
         d_res3_se_down_B = mem.tensor(100, (8,), 'float32')
         rt.sum_to(d_res3_se_down, out=d_res3_se_down_B, shape=(8,))
-        # V_res3_se_down_B_new = V_res3_se_down_B*momentum + d_res3_se_down_B + decay*res3_se_down_B
+        # V_res3_se_down_B_new = V_res3_se_down_B*momentum + d_res3_se_down_B + decay*res3_se_down_B   (computed with the next statement)
         V_res3_se_down_B_new = T['V_res3_se_down_B']  # in place: the new V_res3_se_down_B
-        rt.ew(ew_mul_add_2, V_res3_se_down_B_new, T['V_res3_se_down_B'], momentum, d_res3_se_down_B, decay, T['res3_se_down_B'])
+        # res3_se_down_B_new = res3_se_down_B - lr*V_res3_se_down_B_new
+        res3_se_down_B_new = T['res3_se_down_B']  # in place: the new res3_se_down_B
+        rt.ew_pair((ew_mul_add_2, V_res3_se_down_B_new, T['V_res3_se_down_B'], momentum, d_res3_se_down_B, decay, T['res3_se_down_B']),
+                   (ew_mul_sub, res3_se_down_B_new, T['res3_se_down_B'], lr, V_res3_se_down_B_new))
         # free d_res3_se_down_B
         del d_res3_se_down_B
         mem.free(100)
-        # res3_se_down_B_new = res3_se_down_B - lr*V_res3_se_down_B_new
-        res3_se_down_B_new = T['res3_se_down_B']  # in place: the new res3_se_down_B
-        rt.ew(ew_mul_sub, res3_se_down_B_new, T['res3_se_down_B'], lr, V_res3_se_down_B_new)
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, conv1_bn_relu_2)
@@ -1435,12 +1435,12 @@ class SeResnet(rp.Model):
         # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered)
         d_res3_b_bn_ew_sum = mem.tensor(103, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum
+        # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum   (computed with the next statement)
         d_res3_b_bn_inv_std = mem.tensor(104, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum)
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_b_bn_sum_of_squares = d_res3_b_bn_inv_std  # in place: over d_res3_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_b_bn_sum_of_squares, d_res3_b_bn_inv_std, res3_b_bn_batch_var))
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(32)
@@ -1464,26 +1464,26 @@ class SeResnet(rp.Model):
         mem.free(103)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
-        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the next statement)
         V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        rt.ew(ew_mul_add_2, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W'])
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
+                   (ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new))
         # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         mem.free(33)
-        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
-        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew(ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new)
         # d_res3_b_bn_B = reshape[32](d_res3_b_bn_bias)
         d_res3_b_bn_B = rt.reshape(d_res3_b_bn_bias, shape=(32,))
-        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_b_bn_B + decay*res3_b_bn_B
+        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_b_bn_B + decay*res3_b_bn_B   (computed with the next statement)
         V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
-        rt.ew(ew_mul_add_2, V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_b_bn_B, decay, T['res3_b_bn_B'])
+        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
+        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_b_bn_B, decay, T['res3_b_bn_B']),
+                   (ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new))
         # free d_res3_b_bn_bias, d_res3_b_bn_B
         del d_res3_b_bn_bias, d_res3_b_bn_B
         mem.free(105)
-        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
-        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
-        rt.ew(ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new)
         # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
         d_res3_b_bn_batch_mean = mem.tensor(106, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1538,12 +1538,12 @@ class SeResnet(rp.Model):
         # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
         d_res3_a_bn_ew_sum = mem.tensor(110, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum
+        # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(111, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum)
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res3_a_bn_sum_of_squares = d_res3_a_bn_inv_std  # in place: over d_res3_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_res3_a_bn_sum_of_squares, d_res3_a_bn_inv_std, res3_a_bn_batch_var))
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(27)
@@ -1567,26 +1567,26 @@ class SeResnet(rp.Model):
         mem.free(110)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
-        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the next statement)
         V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        rt.ew(ew_mul_add_2, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W'])
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
+                   (ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new))
         # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
         del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
         mem.free(28)
-        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
-        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew(ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new)
         # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
         d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
-        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the next statement)
         V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        rt.ew(ew_mul_add_2, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B'])
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
+                   (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
         # free d_res3_a_bn_bias, d_res3_a_bn_B
         del d_res3_a_bn_bias, d_res3_a_bn_B
         mem.free(112)
-        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
-        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew(ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new)
         # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
         d_res3_a_bn_batch_mean = mem.tensor(113, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1721,15 +1721,15 @@ class SeResnet(rp.Model):
         # d_res2_se_down_B = sum_to[4](d_res2_se_down)
         d_res2_se_down_B = mem.tensor(123, (4,), 'float32')
         rt.sum_to(d_res2_se_down, out=d_res2_se_down_B, shape=(4,))
-        # V_res2_se_down_B_new = V_res2_se_down_B*momentum + d_res2_se_down_B + decay*res2_se_down_B
+        # V_res2_se_down_B_new = V_res2_se_down_B*momentum + d_res2_se_down_B + decay*res2_se_down_B   (computed with the next statement)
         V_res2_se_down_B_new = T['V_res2_se_down_B']  # in place: the new V_res2_se_down_B
-        rt.ew(ew_mul_add_2, V_res2_se_down_B_new, T['V_res2_se_down_B'], momentum, d_res2_se_down_B, decay, T['res2_se_down_B'])
+        # res2_se_down_B_new = res2_se_down_B - lr*V_res2_se_down_B_new
+        res2_se_down_B_new = T['res2_se_down_B']  # in place: the new res2_se_down_B
+        rt.ew_pair((ew_mul_add_2, V_res2_se_down_B_new, T['V_res2_se_down_B'], momentum, d_res2_se_down_B, decay, T['res2_se_down_B']),
+                   (ew_mul_sub, res2_se_down_B_new, T['res2_se_down_B'], lr, V_res2_se_down_B_new))
         # free d_res2_se_down_B
         del d_res2_se_down_B
         mem.free(123)
-        # res2_se_down_B_new = res2_se_down_B - lr*V_res2_se_down_B_new
-        res2_se_down_B_new = T['res2_se_down_B']  # in place: the new res2_se_down_B
-        rt.ew(ew_mul_sub, res2_se_down_B_new, T['res2_se_down_B'], lr, V_res2_se_down_B_new)
         # d_res2_se_down_scale = matmul(d_res2_se_down, res2_se_down_W)
         d_res2_se_down_scale = mem.tensor(124, (100, 16), 'float32')
         rt.matmul(d_res2_se_down, T['res2_se_down_W'], out=d_res2_se_down_scale)
@@ -1755,12 +1755,12 @@ class SeResnet(rp.Model):
         # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered)
         d_res2_b_bn_ew_sum = mem.tensor(126, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum
+        # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum   (computed with the next statement)
         d_res2_b_bn_inv_std = mem.tensor(127, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum)
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_b_bn_sum_of_squares = d_res2_b_bn_inv_std  # in place: over d_res2_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_res2_b_bn_sum_of_squares, d_res2_b_bn_inv_std, res2_b_bn_batch_var))
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
@@ -1784,26 +1784,26 @@ class SeResnet(rp.Model):
         mem.free(126)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
-        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W
+        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the next statement)
         V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
-        rt.ew(ew_mul_add_2, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W'])
+        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
+        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
+                   (ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new))
         # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         mem.free(16)
-        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
-        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
-        rt.ew(ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new)
         # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
         d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
-        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the next statement)
         V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        rt.ew(ew_mul_add_2, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B'])
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
+                   (ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new))
         # free d_res2_b_bn_bias, d_res2_b_bn_B
         del d_res2_b_bn_bias, d_res2_b_bn_B
         mem.free(128)
-        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
-        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew(ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new)
         # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
         d_res2_b_bn_batch_mean = mem.tensor(129, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1858,12 +1858,12 @@ class SeResnet(rp.Model):
         # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
         d_res2_a_bn_ew_sum = mem.tensor(133, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum
+        # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(134, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum)
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_res2_a_bn_sum_of_squares = d_res2_a_bn_inv_std  # in place: over d_res2_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_res2_a_bn_sum_of_squares, d_res2_a_bn_inv_std, res2_a_bn_batch_var))
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
@@ -1887,26 +1887,26 @@ class SeResnet(rp.Model):
         mem.free(133)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
-        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W
+        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the next statement)
         V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
-        rt.ew(ew_mul_add_2, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W'])
+        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
+        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
+        rt.ew_pair((ew_mul_add_2, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
+                   (ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new))
         # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
         del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
         mem.free(11)
-        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
-        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
-        rt.ew(ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new)
         # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
         d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
-        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the next statement)
         V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        rt.ew(ew_mul_add_2, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B'])
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        rt.ew_pair((ew_mul_add_2, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
+                   (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
         # free d_res2_a_bn_bias, d_res2_a_bn_B
         del d_res2_a_bn_bias, d_res2_a_bn_B
         mem.free(135)
-        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
-        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew(ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new)
         # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
         d_res2_a_bn_batch_mean = mem.tensor(136, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1961,12 +1961,12 @@ class SeResnet(rp.Model):
         # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
         d_conv1_bn_ew_sum = mem.tensor(140, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum
+        # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(141, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum)
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
         d_conv1_bn_sum_of_squares = d_conv1_bn_inv_std  # in place: over d_conv1_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var)
+        rt.ew_pair((ew_mul, d_conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_conv1_bn_sum_of_squares, d_conv1_bn_inv_std, conv1_bn_batch_var))
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
@@ -1990,26 +1990,26 @@ class SeResnet(rp.Model):
         mem.free(140)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
         V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        rt.ew(ew_mul_add_2, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W'])
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        rt.ew_pair((ew_mul_add_2, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
         # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
         mem.free(6)
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew(ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new)
         # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
         V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        rt.ew(ew_mul_add_2, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B'])
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        rt.ew_pair((ew_mul_add_2, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
         mem.free(142)
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew(ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new)
         # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
         d_conv1_bn_batch_mean = mem.tensor(143, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -2030,15 +2030,15 @@ class SeResnet(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 3)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        rt.ew(ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew_pair((ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
+                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         # free d_conv1_W
         del d_conv1_W
         mem.free(144)
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 60.37 MB of tensors planned for the training step (20.07 MB testing); static arena 60.37 MB, pool 64.29 MB, workspace 31.97 MB
-Structure hash: 96e25df7934cb7a9
+Structure hash: 049b198f6f1cb21a
 
 Usage: python unet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Unet(rp.Model):
 
     name = "unet"
     source = "networks/unet.py"
-    structure_hash = "96e25df7934cb7a9"
+    structure_hash = "049b198f6f1cb21a"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -789,15 +789,15 @@ class Unet(rp.Model):
         rt.sum_to(d_classes, out=d_classes_sum_to, shape=(1, 10, 1, 1))
         # d_classes_B = reshape[10](d_classes_sum_to)
         d_classes_B = rt.reshape(d_classes_sum_to, shape=(10,))
-        # V_classes_B_new = V_classes_B*momentum + d_classes_B + decay*classes_B
+        # V_classes_B_new = V_classes_B*momentum + d_classes_B + decay*classes_B   (computed with the next statement)
         V_classes_B_new = T['V_classes_B']  # in place: the new V_classes_B
-        rt.ew(ew_mul_add, V_classes_B_new, T['V_classes_B'], momentum, d_classes_B, decay, T['classes_B'])
+        # classes_B_new = classes_B - lr*V_classes_B_new
+        classes_B_new = T['classes_B']  # in place: the new classes_B
+        rt.ew_pair((ew_mul_add, V_classes_B_new, T['V_classes_B'], momentum, d_classes_B, decay, T['classes_B']),
+                   (ew_mul_sub, classes_B_new, T['classes_B'], lr, V_classes_B_new))
         # free d_classes_sum_to, d_classes_B
         del d_classes_sum_to, d_classes_B
         mem.free(66)
-        # classes_B_new = classes_B - lr*V_classes_B_new
-        classes_B_new = T['classes_B']  # in place: the new classes_B
-        rt.ew(ew_mul_sub, classes_B_new, T['classes_B'], lr, V_classes_B_new)
         # d_classes_W = conv2d_bwd_filter[kernel=(1,1)](d_classes, merge1_b_bn_relu)
         d_classes_W = mem.tensor(67, (10, 16, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_classes, merge1_b_bn_relu, out=d_classes_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(8153600))
@@ -818,14 +818,14 @@ class Unet(rp.Model):
         mem.free(65)
 
         # ---- merge1_b_bn_relu (relu), forward ----
-        # merge1_b_bn_relu_2 = Max(0, merge1_b_bn_centered*merge1_b_bn_inv_std*merge1_b_bn_weight + merge1_b_bn_bias)
+        # merge1_b_bn_relu_2 = Max(0, merge1_b_bn_centered*merge1_b_bn_inv_std*merge1_b_bn_weight + merge1_b_bn_bias)   (computed with the next statement)
         merge1_b_bn_relu_2 = mem.tensor(69, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul_add_relu, merge1_b_bn_relu_2, merge1_b_bn_centered, merge1_b_bn_inv_std, merge1_b_bn_weight, merge1_b_bn_bias)
 
         # ---- merge1_b_bn_relu (relu), backward ----
         # d_merge1_b_bn = d_merge1_b_bn_relu*Heaviside(merge1_b_bn_relu_2, 0)
         d_merge1_b_bn = d_merge1_b_bn_relu  # in place: over d_merge1_b_bn_relu
-        rt.ew(ew_step_mul, d_merge1_b_bn, d_merge1_b_bn_relu, merge1_b_bn_relu_2)
+        rt.ew_pair((ew_mul_add_relu, merge1_b_bn_relu_2, merge1_b_bn_centered, merge1_b_bn_inv_std, merge1_b_bn_weight, merge1_b_bn_bias),
+                   (ew_step_mul, d_merge1_b_bn, d_merge1_b_bn_relu, merge1_b_bn_relu_2))
         # free merge1_b_bn_relu_2
         del merge1_b_bn_relu_2
         mem.free(69)
@@ -839,12 +839,12 @@ class Unet(rp.Model):
         # d_merge1_b_bn_ew_sum = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered)
         d_merge1_b_bn_ew_sum = mem.tensor(70, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_merge1_b_bn_ew_sum, d_merge1_b_bn, merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_merge1_b_bn_inv_std = merge1_b_bn_weight*d_merge1_b_bn_ew_sum
+        # d_merge1_b_bn_inv_std = merge1_b_bn_weight*d_merge1_b_bn_ew_sum   (computed with the next statement)
         d_merge1_b_bn_inv_std = mem.tensor(71, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_ew_sum)
         # d_merge1_b_bn_sum_of_squares = -d_merge1_b_bn_inv_std/(156800*(merge1_b_bn_batch_var + 1.0e-5)**(3/2))
         d_merge1_b_bn_sum_of_squares = d_merge1_b_bn_inv_std  # in place: over d_merge1_b_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_merge1_b_bn_sum_of_squares, d_merge1_b_bn_inv_std, merge1_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_ew_sum),
+                   (ew_add_pow_mul, d_merge1_b_bn_sum_of_squares, d_merge1_b_bn_inv_std, merge1_b_bn_batch_var))
         # free merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         del merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         mem.free(58)
@@ -868,26 +868,26 @@ class Unet(rp.Model):
         mem.free(70)
         # d_merge1_b_bn_W = reshape[16](d_merge1_b_bn_weight)
         d_merge1_b_bn_W = rt.reshape(d_merge1_b_bn_weight, shape=(16,))
-        # V_merge1_b_bn_W_new = V_merge1_b_bn_W*momentum + d_merge1_b_bn_W + decay*merge1_b_bn_W
+        # V_merge1_b_bn_W_new = V_merge1_b_bn_W*momentum + d_merge1_b_bn_W + decay*merge1_b_bn_W   (computed with the next statement)
         V_merge1_b_bn_W_new = T['V_merge1_b_bn_W']  # in place: the new V_merge1_b_bn_W
-        rt.ew(ew_mul_add, V_merge1_b_bn_W_new, T['V_merge1_b_bn_W'], momentum, d_merge1_b_bn_W, decay, T['merge1_b_bn_W'])
+        # merge1_b_bn_W_new = merge1_b_bn_W - lr*V_merge1_b_bn_W_new
+        merge1_b_bn_W_new = T['merge1_b_bn_W']  # in place: the new merge1_b_bn_W
+        rt.ew_pair((ew_mul_add, V_merge1_b_bn_W_new, T['V_merge1_b_bn_W'], momentum, d_merge1_b_bn_W, decay, T['merge1_b_bn_W']),
+                   (ew_mul_sub, merge1_b_bn_W_new, T['merge1_b_bn_W'], lr, V_merge1_b_bn_W_new))
         # free merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
         del merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
         mem.free(59)
-        # merge1_b_bn_W_new = merge1_b_bn_W - lr*V_merge1_b_bn_W_new
-        merge1_b_bn_W_new = T['merge1_b_bn_W']  # in place: the new merge1_b_bn_W
-        rt.ew(ew_mul_sub, merge1_b_bn_W_new, T['merge1_b_bn_W'], lr, V_merge1_b_bn_W_new)
         # d_merge1_b_bn_B = reshape[16](d_merge1_b_bn_bias)
         d_merge1_b_bn_B = rt.reshape(d_merge1_b_bn_bias, shape=(16,))
-        # V_merge1_b_bn_B_new = V_merge1_b_bn_B*momentum + d_merge1_b_bn_B + decay*merge1_b_bn_B
+        # V_merge1_b_bn_B_new = V_merge1_b_bn_B*momentum + d_merge1_b_bn_B + decay*merge1_b_bn_B   (computed with the next statement)
         V_merge1_b_bn_B_new = T['V_merge1_b_bn_B']  # in place: the new V_merge1_b_bn_B
-        rt.ew(ew_mul_add, V_merge1_b_bn_B_new, T['V_merge1_b_bn_B'], momentum, d_merge1_b_bn_B, decay, T['merge1_b_bn_B'])
+        # merge1_b_bn_B_new = merge1_b_bn_B - lr*V_merge1_b_bn_B_new
+        merge1_b_bn_B_new = T['merge1_b_bn_B']  # in place: the new merge1_b_bn_B
+        rt.ew_pair((ew_mul_add, V_merge1_b_bn_B_new, T['V_merge1_b_bn_B'], momentum, d_merge1_b_bn_B, decay, T['merge1_b_bn_B']),
+                   (ew_mul_sub, merge1_b_bn_B_new, T['merge1_b_bn_B'], lr, V_merge1_b_bn_B_new))
         # free d_merge1_b_bn_bias, d_merge1_b_bn_B
         del d_merge1_b_bn_bias, d_merge1_b_bn_B
         mem.free(72)
-        # merge1_b_bn_B_new = merge1_b_bn_B - lr*V_merge1_b_bn_B_new
-        merge1_b_bn_B_new = T['merge1_b_bn_B']  # in place: the new merge1_b_bn_B
-        rt.ew(ew_mul_sub, merge1_b_bn_B_new, T['merge1_b_bn_B'], lr, V_merge1_b_bn_B_new)
         # d_merge1_b_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_b_bn_centered)
         d_merge1_b_bn_batch_mean = mem.tensor(73, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_merge1_b_bn_batch_mean, d_merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -942,12 +942,12 @@ class Unet(rp.Model):
         # d_merge1_a_bn_ew_sum = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered)
         d_merge1_a_bn_ew_sum = mem.tensor(77, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_merge1_a_bn_ew_sum, d_merge1_a_bn, merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_merge1_a_bn_inv_std = merge1_a_bn_weight*d_merge1_a_bn_ew_sum
+        # d_merge1_a_bn_inv_std = merge1_a_bn_weight*d_merge1_a_bn_ew_sum   (computed with the next statement)
         d_merge1_a_bn_inv_std = mem.tensor(78, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_ew_sum)
         # d_merge1_a_bn_sum_of_squares = -d_merge1_a_bn_inv_std/(156800*(merge1_a_bn_batch_var + 1.0e-5)**(3/2))
         d_merge1_a_bn_sum_of_squares = d_merge1_a_bn_inv_std  # in place: over d_merge1_a_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_merge1_a_bn_sum_of_squares, d_merge1_a_bn_inv_std, merge1_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_ew_sum),
+                   (ew_add_pow_mul, d_merge1_a_bn_sum_of_squares, d_merge1_a_bn_inv_std, merge1_a_bn_batch_var))
         # free merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         del merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         mem.free(53)
@@ -971,26 +971,26 @@ class Unet(rp.Model):
         mem.free(77)
         # d_merge1_a_bn_W = reshape[16](d_merge1_a_bn_weight)
         d_merge1_a_bn_W = rt.reshape(d_merge1_a_bn_weight, shape=(16,))
-        # V_merge1_a_bn_W_new = V_merge1_a_bn_W*momentum + d_merge1_a_bn_W + decay*merge1_a_bn_W
+        # V_merge1_a_bn_W_new = V_merge1_a_bn_W*momentum + d_merge1_a_bn_W + decay*merge1_a_bn_W   (computed with the next statement)
         V_merge1_a_bn_W_new = T['V_merge1_a_bn_W']  # in place: the new V_merge1_a_bn_W
-        rt.ew(ew_mul_add, V_merge1_a_bn_W_new, T['V_merge1_a_bn_W'], momentum, d_merge1_a_bn_W, decay, T['merge1_a_bn_W'])
+        # merge1_a_bn_W_new = merge1_a_bn_W - lr*V_merge1_a_bn_W_new
+        merge1_a_bn_W_new = T['merge1_a_bn_W']  # in place: the new merge1_a_bn_W
+        rt.ew_pair((ew_mul_add, V_merge1_a_bn_W_new, T['V_merge1_a_bn_W'], momentum, d_merge1_a_bn_W, decay, T['merge1_a_bn_W']),
+                   (ew_mul_sub, merge1_a_bn_W_new, T['merge1_a_bn_W'], lr, V_merge1_a_bn_W_new))
         # free merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
         del merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
         mem.free(54)
-        # merge1_a_bn_W_new = merge1_a_bn_W - lr*V_merge1_a_bn_W_new
-        merge1_a_bn_W_new = T['merge1_a_bn_W']  # in place: the new merge1_a_bn_W
-        rt.ew(ew_mul_sub, merge1_a_bn_W_new, T['merge1_a_bn_W'], lr, V_merge1_a_bn_W_new)
         # d_merge1_a_bn_B = reshape[16](d_merge1_a_bn_bias)
         d_merge1_a_bn_B = rt.reshape(d_merge1_a_bn_bias, shape=(16,))
-        # V_merge1_a_bn_B_new = V_merge1_a_bn_B*momentum + d_merge1_a_bn_B + decay*merge1_a_bn_B
+        # V_merge1_a_bn_B_new = V_merge1_a_bn_B*momentum + d_merge1_a_bn_B + decay*merge1_a_bn_B   (computed with the next statement)
         V_merge1_a_bn_B_new = T['V_merge1_a_bn_B']  # in place: the new V_merge1_a_bn_B
-        rt.ew(ew_mul_add, V_merge1_a_bn_B_new, T['V_merge1_a_bn_B'], momentum, d_merge1_a_bn_B, decay, T['merge1_a_bn_B'])
+        # merge1_a_bn_B_new = merge1_a_bn_B - lr*V_merge1_a_bn_B_new
+        merge1_a_bn_B_new = T['merge1_a_bn_B']  # in place: the new merge1_a_bn_B
+        rt.ew_pair((ew_mul_add, V_merge1_a_bn_B_new, T['V_merge1_a_bn_B'], momentum, d_merge1_a_bn_B, decay, T['merge1_a_bn_B']),
+                   (ew_mul_sub, merge1_a_bn_B_new, T['merge1_a_bn_B'], lr, V_merge1_a_bn_B_new))
         # free d_merge1_a_bn_bias, d_merge1_a_bn_B
         del d_merge1_a_bn_bias, d_merge1_a_bn_B
         mem.free(79)
-        # merge1_a_bn_B_new = merge1_a_bn_B - lr*V_merge1_a_bn_B_new
-        merge1_a_bn_B_new = T['merge1_a_bn_B']  # in place: the new merge1_a_bn_B
-        rt.ew(ew_mul_sub, merge1_a_bn_B_new, T['merge1_a_bn_B'], lr, V_merge1_a_bn_B_new)
         # d_merge1_a_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_a_bn_centered)
         d_merge1_a_bn_batch_mean = mem.tensor(80, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_merge1_a_bn_batch_mean, d_merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1044,15 +1044,15 @@ class Unet(rp.Model):
         rt.sum_to(d_up1, out=d_up1_reshape, shape=(1, 16, 1, 1))
         # d_up1_B = reshape[16](d_up1_reshape)
         d_up1_B = rt.reshape(d_up1_reshape, shape=(16,))
-        # V_up1_B_new = V_up1_B*momentum + d_up1_B + decay*up1_B
+        # V_up1_B_new = V_up1_B*momentum + d_up1_B + decay*up1_B   (computed with the next statement)
         V_up1_B_new = T['V_up1_B']  # in place: the new V_up1_B
-        rt.ew(ew_mul_add, V_up1_B_new, T['V_up1_B'], momentum, d_up1_B, decay, T['up1_B'])
+        # up1_B_new = up1_B - lr*V_up1_B_new
+        up1_B_new = T['up1_B']  # in place: the new up1_B
+        rt.ew_pair((ew_mul_add, V_up1_B_new, T['V_up1_B'], momentum, d_up1_B, decay, T['up1_B']),
+                   (ew_mul_sub, up1_B_new, T['up1_B'], lr, V_up1_B_new))
         # free d_up1_reshape, d_up1_B
         del d_up1_reshape, d_up1_B
         mem.free(85)
-        # up1_B_new = up1_B - lr*V_up1_B_new
-        up1_B_new = T['up1_B']  # in place: the new up1_B
-        rt.ew(ew_mul_sub, up1_B_new, T['up1_B'], lr, V_up1_B_new)
 
         # ---- merge2_b_bn_relu (relu), forward ----
         # merge2_b_bn_relu_2 = Max(0, merge2_b_bn_centered*merge2_b_bn_inv_std*merge2_b_bn_weight + merge2_b_bn_bias)
@@ -1079,26 +1079,26 @@ class Unet(rp.Model):
         mem.free(86)
 
         # ---- up1 (transposed conv 2x2, 16 channels, stride 2, padding 0), backward ----
-        # V_up1_W_new = V_up1_W*momentum + d_up1_W + decay*up1_W
+        # V_up1_W_new = V_up1_W*momentum + d_up1_W + decay*up1_W   (computed with the next statement)
         V_up1_W_new = T['V_up1_W']  # in place: the new V_up1_W
-        rt.ew(ew_mul_add, V_up1_W_new, T['V_up1_W'], momentum, d_up1_W, decay, T['up1_W'])
+        # up1_W_new = up1_W - lr*V_up1_W_new
+        up1_W_new = T['up1_W']  # in place: the new up1_W
+        rt.ew_pair((ew_mul_add, V_up1_W_new, T['V_up1_W'], momentum, d_up1_W, decay, T['up1_W']),
+                   (ew_mul_sub, up1_W_new, T['up1_W'], lr, V_up1_W_new))
         # free d_up1_W
         del d_up1_W
         mem.free(87)
-        # up1_W_new = up1_W - lr*V_up1_W_new
-        up1_W_new = T['up1_W']  # in place: the new up1_W
-        rt.ew(ew_mul_sub, up1_W_new, T['up1_W'], lr, V_up1_W_new)
 
         # ---- merge2_b_bn (batch norm), backward ----
         # d_merge2_b_bn_ew_sum = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered)
         d_merge2_b_bn_ew_sum = mem.tensor(89, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_merge2_b_bn_ew_sum, d_merge2_b_bn, merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_merge2_b_bn_inv_std = merge2_b_bn_weight*d_merge2_b_bn_ew_sum
+        # d_merge2_b_bn_inv_std = merge2_b_bn_weight*d_merge2_b_bn_ew_sum   (computed with the next statement)
         d_merge2_b_bn_inv_std = mem.tensor(90, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_ew_sum)
         # d_merge2_b_bn_sum_of_squares = -d_merge2_b_bn_inv_std/(39200*(merge2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_merge2_b_bn_sum_of_squares = d_merge2_b_bn_inv_std  # in place: over d_merge2_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_merge2_b_bn_sum_of_squares, d_merge2_b_bn_inv_std, merge2_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_merge2_b_bn_sum_of_squares, d_merge2_b_bn_inv_std, merge2_b_bn_batch_var))
         # free merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         del merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         mem.free(46)
@@ -1122,26 +1122,26 @@ class Unet(rp.Model):
         mem.free(89)
         # d_merge2_b_bn_W = reshape[32](d_merge2_b_bn_weight)
         d_merge2_b_bn_W = rt.reshape(d_merge2_b_bn_weight, shape=(32,))
-        # V_merge2_b_bn_W_new = V_merge2_b_bn_W*momentum + d_merge2_b_bn_W + decay*merge2_b_bn_W
+        # V_merge2_b_bn_W_new = V_merge2_b_bn_W*momentum + d_merge2_b_bn_W + decay*merge2_b_bn_W   (computed with the next statement)
         V_merge2_b_bn_W_new = T['V_merge2_b_bn_W']  # in place: the new V_merge2_b_bn_W
-        rt.ew(ew_mul_add, V_merge2_b_bn_W_new, T['V_merge2_b_bn_W'], momentum, d_merge2_b_bn_W, decay, T['merge2_b_bn_W'])
+        # merge2_b_bn_W_new = merge2_b_bn_W - lr*V_merge2_b_bn_W_new
+        merge2_b_bn_W_new = T['merge2_b_bn_W']  # in place: the new merge2_b_bn_W
+        rt.ew_pair((ew_mul_add, V_merge2_b_bn_W_new, T['V_merge2_b_bn_W'], momentum, d_merge2_b_bn_W, decay, T['merge2_b_bn_W']),
+                   (ew_mul_sub, merge2_b_bn_W_new, T['merge2_b_bn_W'], lr, V_merge2_b_bn_W_new))
         # free merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
         del merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
         mem.free(47)
-        # merge2_b_bn_W_new = merge2_b_bn_W - lr*V_merge2_b_bn_W_new
-        merge2_b_bn_W_new = T['merge2_b_bn_W']  # in place: the new merge2_b_bn_W
-        rt.ew(ew_mul_sub, merge2_b_bn_W_new, T['merge2_b_bn_W'], lr, V_merge2_b_bn_W_new)
         # d_merge2_b_bn_B = reshape[32](d_merge2_b_bn_bias)
         d_merge2_b_bn_B = rt.reshape(d_merge2_b_bn_bias, shape=(32,))
-        # V_merge2_b_bn_B_new = V_merge2_b_bn_B*momentum + d_merge2_b_bn_B + decay*merge2_b_bn_B
+        # V_merge2_b_bn_B_new = V_merge2_b_bn_B*momentum + d_merge2_b_bn_B + decay*merge2_b_bn_B   (computed with the next statement)
         V_merge2_b_bn_B_new = T['V_merge2_b_bn_B']  # in place: the new V_merge2_b_bn_B
-        rt.ew(ew_mul_add, V_merge2_b_bn_B_new, T['V_merge2_b_bn_B'], momentum, d_merge2_b_bn_B, decay, T['merge2_b_bn_B'])
+        # merge2_b_bn_B_new = merge2_b_bn_B - lr*V_merge2_b_bn_B_new
+        merge2_b_bn_B_new = T['merge2_b_bn_B']  # in place: the new merge2_b_bn_B
+        rt.ew_pair((ew_mul_add, V_merge2_b_bn_B_new, T['V_merge2_b_bn_B'], momentum, d_merge2_b_bn_B, decay, T['merge2_b_bn_B']),
+                   (ew_mul_sub, merge2_b_bn_B_new, T['merge2_b_bn_B'], lr, V_merge2_b_bn_B_new))
         # free d_merge2_b_bn_bias, d_merge2_b_bn_B
         del d_merge2_b_bn_bias, d_merge2_b_bn_B
         mem.free(91)
-        # merge2_b_bn_B_new = merge2_b_bn_B - lr*V_merge2_b_bn_B_new
-        merge2_b_bn_B_new = T['merge2_b_bn_B']  # in place: the new merge2_b_bn_B
-        rt.ew(ew_mul_sub, merge2_b_bn_B_new, T['merge2_b_bn_B'], lr, V_merge2_b_bn_B_new)
         # d_merge2_b_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_b_bn_centered)
         d_merge2_b_bn_batch_mean = mem.tensor(92, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_merge2_b_bn_batch_mean, d_merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1196,12 +1196,12 @@ class Unet(rp.Model):
         # d_merge2_a_bn_ew_sum = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered)
         d_merge2_a_bn_ew_sum = mem.tensor(96, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_merge2_a_bn_ew_sum, d_merge2_a_bn, merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_merge2_a_bn_inv_std = merge2_a_bn_weight*d_merge2_a_bn_ew_sum
+        # d_merge2_a_bn_inv_std = merge2_a_bn_weight*d_merge2_a_bn_ew_sum   (computed with the next statement)
         d_merge2_a_bn_inv_std = mem.tensor(97, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_ew_sum)
         # d_merge2_a_bn_sum_of_squares = -d_merge2_a_bn_inv_std/(39200*(merge2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_merge2_a_bn_sum_of_squares = d_merge2_a_bn_inv_std  # in place: over d_merge2_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_merge2_a_bn_sum_of_squares, d_merge2_a_bn_inv_std, merge2_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_merge2_a_bn_sum_of_squares, d_merge2_a_bn_inv_std, merge2_a_bn_batch_var))
         # free merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         del merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         mem.free(41)
@@ -1225,26 +1225,26 @@ class Unet(rp.Model):
         mem.free(96)
         # d_merge2_a_bn_W = reshape[32](d_merge2_a_bn_weight)
         d_merge2_a_bn_W = rt.reshape(d_merge2_a_bn_weight, shape=(32,))
-        # V_merge2_a_bn_W_new = V_merge2_a_bn_W*momentum + d_merge2_a_bn_W + decay*merge2_a_bn_W
+        # V_merge2_a_bn_W_new = V_merge2_a_bn_W*momentum + d_merge2_a_bn_W + decay*merge2_a_bn_W   (computed with the next statement)
         V_merge2_a_bn_W_new = T['V_merge2_a_bn_W']  # in place: the new V_merge2_a_bn_W
-        rt.ew(ew_mul_add, V_merge2_a_bn_W_new, T['V_merge2_a_bn_W'], momentum, d_merge2_a_bn_W, decay, T['merge2_a_bn_W'])
+        # merge2_a_bn_W_new = merge2_a_bn_W - lr*V_merge2_a_bn_W_new
+        merge2_a_bn_W_new = T['merge2_a_bn_W']  # in place: the new merge2_a_bn_W
+        rt.ew_pair((ew_mul_add, V_merge2_a_bn_W_new, T['V_merge2_a_bn_W'], momentum, d_merge2_a_bn_W, decay, T['merge2_a_bn_W']),
+                   (ew_mul_sub, merge2_a_bn_W_new, T['merge2_a_bn_W'], lr, V_merge2_a_bn_W_new))
         # free merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
         del merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
         mem.free(42)
-        # merge2_a_bn_W_new = merge2_a_bn_W - lr*V_merge2_a_bn_W_new
-        merge2_a_bn_W_new = T['merge2_a_bn_W']  # in place: the new merge2_a_bn_W
-        rt.ew(ew_mul_sub, merge2_a_bn_W_new, T['merge2_a_bn_W'], lr, V_merge2_a_bn_W_new)
         # d_merge2_a_bn_B = reshape[32](d_merge2_a_bn_bias)
         d_merge2_a_bn_B = rt.reshape(d_merge2_a_bn_bias, shape=(32,))
-        # V_merge2_a_bn_B_new = V_merge2_a_bn_B*momentum + d_merge2_a_bn_B + decay*merge2_a_bn_B
+        # V_merge2_a_bn_B_new = V_merge2_a_bn_B*momentum + d_merge2_a_bn_B + decay*merge2_a_bn_B   (computed with the next statement)
         V_merge2_a_bn_B_new = T['V_merge2_a_bn_B']  # in place: the new V_merge2_a_bn_B
-        rt.ew(ew_mul_add, V_merge2_a_bn_B_new, T['V_merge2_a_bn_B'], momentum, d_merge2_a_bn_B, decay, T['merge2_a_bn_B'])
+        # merge2_a_bn_B_new = merge2_a_bn_B - lr*V_merge2_a_bn_B_new
+        merge2_a_bn_B_new = T['merge2_a_bn_B']  # in place: the new merge2_a_bn_B
+        rt.ew_pair((ew_mul_add, V_merge2_a_bn_B_new, T['V_merge2_a_bn_B'], momentum, d_merge2_a_bn_B, decay, T['merge2_a_bn_B']),
+                   (ew_mul_sub, merge2_a_bn_B_new, T['merge2_a_bn_B'], lr, V_merge2_a_bn_B_new))
         # free d_merge2_a_bn_bias, d_merge2_a_bn_B
         del d_merge2_a_bn_bias, d_merge2_a_bn_B
         mem.free(98)
-        # merge2_a_bn_B_new = merge2_a_bn_B - lr*V_merge2_a_bn_B_new
-        merge2_a_bn_B_new = T['merge2_a_bn_B']  # in place: the new merge2_a_bn_B
-        rt.ew(ew_mul_sub, merge2_a_bn_B_new, T['merge2_a_bn_B'], lr, V_merge2_a_bn_B_new)
         # d_merge2_a_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_a_bn_centered)
         d_merge2_a_bn_batch_mean = mem.tensor(99, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_merge2_a_bn_batch_mean, d_merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1298,15 +1298,15 @@ class Unet(rp.Model):
         rt.sum_to(d_up2, out=d_up2_reshape, shape=(1, 32, 1, 1))
         # d_up2_B = reshape[32](d_up2_reshape)
         d_up2_B = rt.reshape(d_up2_reshape, shape=(32,))
-        # V_up2_B_new = V_up2_B*momentum + d_up2_B + decay*up2_B
+        # V_up2_B_new = V_up2_B*momentum + d_up2_B + decay*up2_B   (computed with the next statement)
         V_up2_B_new = T['V_up2_B']  # in place: the new V_up2_B
-        rt.ew(ew_mul_add, V_up2_B_new, T['V_up2_B'], momentum, d_up2_B, decay, T['up2_B'])
+        # up2_B_new = up2_B - lr*V_up2_B_new
+        up2_B_new = T['up2_B']  # in place: the new up2_B
+        rt.ew_pair((ew_mul_add, V_up2_B_new, T['V_up2_B'], momentum, d_up2_B, decay, T['up2_B']),
+                   (ew_mul_sub, up2_B_new, T['up2_B'], lr, V_up2_B_new))
         # free d_up2_reshape, d_up2_B
         del d_up2_reshape, d_up2_B
         mem.free(104)
-        # up2_B_new = up2_B - lr*V_up2_B_new
-        up2_B_new = T['up2_B']  # in place: the new up2_B
-        rt.ew(ew_mul_sub, up2_B_new, T['up2_B'], lr, V_up2_B_new)
 
         # ---- bottom_b_bn_relu (relu), forward ----
         # bottom_b_bn_relu_2 = Max(0, bottom_b_bn_centered*bottom_b_bn_inv_std*bottom_b_bn_weight + bottom_b_bn_bias)
@@ -1333,26 +1333,26 @@ class Unet(rp.Model):
         mem.free(105)
 
         # ---- up2 (transposed conv 2x2, 32 channels, stride 2, padding 0), backward ----
-        # V_up2_W_new = V_up2_W*momentum + d_up2_W + decay*up2_W
+        # V_up2_W_new = V_up2_W*momentum + d_up2_W + decay*up2_W   (computed with the next statement)
         V_up2_W_new = T['V_up2_W']  # in place: the new V_up2_W
-        rt.ew(ew_mul_add, V_up2_W_new, T['V_up2_W'], momentum, d_up2_W, decay, T['up2_W'])
+        # up2_W_new = up2_W - lr*V_up2_W_new
+        up2_W_new = T['up2_W']  # in place: the new up2_W
+        rt.ew_pair((ew_mul_add, V_up2_W_new, T['V_up2_W'], momentum, d_up2_W, decay, T['up2_W']),
+                   (ew_mul_sub, up2_W_new, T['up2_W'], lr, V_up2_W_new))
         # free d_up2_W
         del d_up2_W
         mem.free(106)
-        # up2_W_new = up2_W - lr*V_up2_W_new
-        up2_W_new = T['up2_W']  # in place: the new up2_W
-        rt.ew(ew_mul_sub, up2_W_new, T['up2_W'], lr, V_up2_W_new)
 
         # ---- bottom_b_bn (batch norm), backward ----
         # d_bottom_b_bn_ew_sum = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered)
         d_bottom_b_bn_ew_sum = mem.tensor(108, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bottom_b_bn_ew_sum, d_bottom_b_bn, bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_bottom_b_bn_inv_std = bottom_b_bn_weight*d_bottom_b_bn_ew_sum
+        # d_bottom_b_bn_inv_std = bottom_b_bn_weight*d_bottom_b_bn_ew_sum   (computed with the next statement)
         d_bottom_b_bn_inv_std = mem.tensor(109, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_ew_sum)
         # d_bottom_b_bn_sum_of_squares = -d_bottom_b_bn_inv_std/(9800*(bottom_b_bn_batch_var + 1.0e-5)**(3/2))
         d_bottom_b_bn_sum_of_squares = d_bottom_b_bn_inv_std  # in place: over d_bottom_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bottom_b_bn_sum_of_squares, d_bottom_b_bn_inv_std, bottom_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_bottom_b_bn_sum_of_squares, d_bottom_b_bn_inv_std, bottom_b_bn_batch_var))
         # free bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         del bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         mem.free(34)
@@ -1376,26 +1376,26 @@ class Unet(rp.Model):
         mem.free(108)
         # d_bottom_b_bn_W = reshape[64](d_bottom_b_bn_weight)
         d_bottom_b_bn_W = rt.reshape(d_bottom_b_bn_weight, shape=(64,))
-        # V_bottom_b_bn_W_new = V_bottom_b_bn_W*momentum + d_bottom_b_bn_W + decay*bottom_b_bn_W
+        # V_bottom_b_bn_W_new = V_bottom_b_bn_W*momentum + d_bottom_b_bn_W + decay*bottom_b_bn_W   (computed with the next statement)
         V_bottom_b_bn_W_new = T['V_bottom_b_bn_W']  # in place: the new V_bottom_b_bn_W
-        rt.ew(ew_mul_add, V_bottom_b_bn_W_new, T['V_bottom_b_bn_W'], momentum, d_bottom_b_bn_W, decay, T['bottom_b_bn_W'])
+        # bottom_b_bn_W_new = bottom_b_bn_W - lr*V_bottom_b_bn_W_new
+        bottom_b_bn_W_new = T['bottom_b_bn_W']  # in place: the new bottom_b_bn_W
+        rt.ew_pair((ew_mul_add, V_bottom_b_bn_W_new, T['V_bottom_b_bn_W'], momentum, d_bottom_b_bn_W, decay, T['bottom_b_bn_W']),
+                   (ew_mul_sub, bottom_b_bn_W_new, T['bottom_b_bn_W'], lr, V_bottom_b_bn_W_new))
         # free bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
         del bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
         mem.free(35)
-        # bottom_b_bn_W_new = bottom_b_bn_W - lr*V_bottom_b_bn_W_new
-        bottom_b_bn_W_new = T['bottom_b_bn_W']  # in place: the new bottom_b_bn_W
-        rt.ew(ew_mul_sub, bottom_b_bn_W_new, T['bottom_b_bn_W'], lr, V_bottom_b_bn_W_new)
         # d_bottom_b_bn_B = reshape[64](d_bottom_b_bn_bias)
         d_bottom_b_bn_B = rt.reshape(d_bottom_b_bn_bias, shape=(64,))
-        # V_bottom_b_bn_B_new = V_bottom_b_bn_B*momentum + d_bottom_b_bn_B + decay*bottom_b_bn_B
+        # V_bottom_b_bn_B_new = V_bottom_b_bn_B*momentum + d_bottom_b_bn_B + decay*bottom_b_bn_B   (computed with the next statement)
         V_bottom_b_bn_B_new = T['V_bottom_b_bn_B']  # in place: the new V_bottom_b_bn_B
-        rt.ew(ew_mul_add, V_bottom_b_bn_B_new, T['V_bottom_b_bn_B'], momentum, d_bottom_b_bn_B, decay, T['bottom_b_bn_B'])
+        # bottom_b_bn_B_new = bottom_b_bn_B - lr*V_bottom_b_bn_B_new
+        bottom_b_bn_B_new = T['bottom_b_bn_B']  # in place: the new bottom_b_bn_B
+        rt.ew_pair((ew_mul_add, V_bottom_b_bn_B_new, T['V_bottom_b_bn_B'], momentum, d_bottom_b_bn_B, decay, T['bottom_b_bn_B']),
+                   (ew_mul_sub, bottom_b_bn_B_new, T['bottom_b_bn_B'], lr, V_bottom_b_bn_B_new))
         # free d_bottom_b_bn_bias, d_bottom_b_bn_B
         del d_bottom_b_bn_bias, d_bottom_b_bn_B
         mem.free(110)
-        # bottom_b_bn_B_new = bottom_b_bn_B - lr*V_bottom_b_bn_B_new
-        bottom_b_bn_B_new = T['bottom_b_bn_B']  # in place: the new bottom_b_bn_B
-        rt.ew(ew_mul_sub, bottom_b_bn_B_new, T['bottom_b_bn_B'], lr, V_bottom_b_bn_B_new)
         # d_bottom_b_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_b_bn_centered)
         d_bottom_b_bn_batch_mean = mem.tensor(111, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bottom_b_bn_batch_mean, d_bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -1450,12 +1450,12 @@ class Unet(rp.Model):
         # d_bottom_a_bn_ew_sum = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered)
         d_bottom_a_bn_ew_sum = mem.tensor(115, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_bottom_a_bn_ew_sum, d_bottom_a_bn, bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
-        # d_bottom_a_bn_inv_std = bottom_a_bn_weight*d_bottom_a_bn_ew_sum
+        # d_bottom_a_bn_inv_std = bottom_a_bn_weight*d_bottom_a_bn_ew_sum   (computed with the next statement)
         d_bottom_a_bn_inv_std = mem.tensor(116, (1, 64, 1, 1), 'float32')
-        rt.ew(ew_mul, d_bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_ew_sum)
         # d_bottom_a_bn_sum_of_squares = -d_bottom_a_bn_inv_std/(9800*(bottom_a_bn_batch_var + 1.0e-5)**(3/2))
         d_bottom_a_bn_sum_of_squares = d_bottom_a_bn_inv_std  # in place: over d_bottom_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_3, d_bottom_a_bn_sum_of_squares, d_bottom_a_bn_inv_std, bottom_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_ew_sum),
+                   (ew_add_pow_mul_3, d_bottom_a_bn_sum_of_squares, d_bottom_a_bn_inv_std, bottom_a_bn_batch_var))
         # free bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         del bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         mem.free(29)
@@ -1479,26 +1479,26 @@ class Unet(rp.Model):
         mem.free(115)
         # d_bottom_a_bn_W = reshape[64](d_bottom_a_bn_weight)
         d_bottom_a_bn_W = rt.reshape(d_bottom_a_bn_weight, shape=(64,))
-        # V_bottom_a_bn_W_new = V_bottom_a_bn_W*momentum + d_bottom_a_bn_W + decay*bottom_a_bn_W
+        # V_bottom_a_bn_W_new = V_bottom_a_bn_W*momentum + d_bottom_a_bn_W + decay*bottom_a_bn_W   (computed with the next statement)
         V_bottom_a_bn_W_new = T['V_bottom_a_bn_W']  # in place: the new V_bottom_a_bn_W
-        rt.ew(ew_mul_add, V_bottom_a_bn_W_new, T['V_bottom_a_bn_W'], momentum, d_bottom_a_bn_W, decay, T['bottom_a_bn_W'])
+        # bottom_a_bn_W_new = bottom_a_bn_W - lr*V_bottom_a_bn_W_new
+        bottom_a_bn_W_new = T['bottom_a_bn_W']  # in place: the new bottom_a_bn_W
+        rt.ew_pair((ew_mul_add, V_bottom_a_bn_W_new, T['V_bottom_a_bn_W'], momentum, d_bottom_a_bn_W, decay, T['bottom_a_bn_W']),
+                   (ew_mul_sub, bottom_a_bn_W_new, T['bottom_a_bn_W'], lr, V_bottom_a_bn_W_new))
         # free bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
         del bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
         mem.free(30)
-        # bottom_a_bn_W_new = bottom_a_bn_W - lr*V_bottom_a_bn_W_new
-        bottom_a_bn_W_new = T['bottom_a_bn_W']  # in place: the new bottom_a_bn_W
-        rt.ew(ew_mul_sub, bottom_a_bn_W_new, T['bottom_a_bn_W'], lr, V_bottom_a_bn_W_new)
         # d_bottom_a_bn_B = reshape[64](d_bottom_a_bn_bias)
         d_bottom_a_bn_B = rt.reshape(d_bottom_a_bn_bias, shape=(64,))
-        # V_bottom_a_bn_B_new = V_bottom_a_bn_B*momentum + d_bottom_a_bn_B + decay*bottom_a_bn_B
+        # V_bottom_a_bn_B_new = V_bottom_a_bn_B*momentum + d_bottom_a_bn_B + decay*bottom_a_bn_B   (computed with the next statement)
         V_bottom_a_bn_B_new = T['V_bottom_a_bn_B']  # in place: the new V_bottom_a_bn_B
-        rt.ew(ew_mul_add, V_bottom_a_bn_B_new, T['V_bottom_a_bn_B'], momentum, d_bottom_a_bn_B, decay, T['bottom_a_bn_B'])
+        # bottom_a_bn_B_new = bottom_a_bn_B - lr*V_bottom_a_bn_B_new
+        bottom_a_bn_B_new = T['bottom_a_bn_B']  # in place: the new bottom_a_bn_B
+        rt.ew_pair((ew_mul_add, V_bottom_a_bn_B_new, T['V_bottom_a_bn_B'], momentum, d_bottom_a_bn_B, decay, T['bottom_a_bn_B']),
+                   (ew_mul_sub, bottom_a_bn_B_new, T['bottom_a_bn_B'], lr, V_bottom_a_bn_B_new))
         # free d_bottom_a_bn_bias, d_bottom_a_bn_B
         del d_bottom_a_bn_bias, d_bottom_a_bn_B
         mem.free(117)
-        # bottom_a_bn_B_new = bottom_a_bn_B - lr*V_bottom_a_bn_B_new
-        bottom_a_bn_B_new = T['bottom_a_bn_B']  # in place: the new bottom_a_bn_B
-        rt.ew(ew_mul_sub, bottom_a_bn_B_new, T['bottom_a_bn_B'], lr, V_bottom_a_bn_B_new)
         # d_bottom_a_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_a_bn_centered)
         d_bottom_a_bn_batch_mean = mem.tensor(118, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_bottom_a_bn_batch_mean, d_bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
@@ -1525,15 +1525,15 @@ class Unet(rp.Model):
         # free bottom_a, bottom_a_bn_centered, d_bottom_a_bn_centered, d_bottom_a
         del bottom_a, bottom_a_bn_centered, d_bottom_a_bn_centered, d_bottom_a
         mem.free(27)
-        # V_bottom_a_W_new = V_bottom_a_W*momentum + d_bottom_a_W + decay*bottom_a_W
+        # V_bottom_a_W_new = V_bottom_a_W*momentum + d_bottom_a_W + decay*bottom_a_W   (computed with the next statement)
         V_bottom_a_W_new = T['V_bottom_a_W']  # in place: the new V_bottom_a_W
-        rt.ew(ew_mul_add, V_bottom_a_W_new, T['V_bottom_a_W'], momentum, d_bottom_a_W, decay, T['bottom_a_W'])
+        # bottom_a_W_new = bottom_a_W - lr*V_bottom_a_W_new
+        bottom_a_W_new = T['bottom_a_W']  # in place: the new bottom_a_W
+        rt.ew_pair((ew_mul_add, V_bottom_a_W_new, T['V_bottom_a_W'], momentum, d_bottom_a_W, decay, T['bottom_a_W']),
+                   (ew_mul_sub, bottom_a_W_new, T['bottom_a_W'], lr, V_bottom_a_W_new))
         # free d_bottom_a_W
         del d_bottom_a_W
         mem.free(119)
-        # bottom_a_W_new = bottom_a_W - lr*V_bottom_a_W_new
-        bottom_a_W_new = T['bottom_a_W']  # in place: the new bottom_a_W
-        rt.ew(ew_mul_sub, bottom_a_W_new, T['bottom_a_W'], lr, V_bottom_a_W_new)
 
         # ---- down2_b_bn_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_down2_b_bn_relu_2 = max_pool_bwd[kernel=2,size=(14,14),stride=2](d_down2_b_bn_max_pool, down2_b_bn_max_pool_argmax)
@@ -1544,14 +1544,14 @@ class Unet(rp.Model):
         mem.free(25, 120)
 
         # ---- down2_b_bn_relu (relu), forward ----
-        # down2_b_bn_relu_2 = Max(0, down2_b_bn_centered*down2_b_bn_inv_std*down2_b_bn_weight + down2_b_bn_bias)
+        # down2_b_bn_relu_2 = Max(0, down2_b_bn_centered*down2_b_bn_inv_std*down2_b_bn_weight + down2_b_bn_bias)   (computed with the next statement)
         down2_b_bn_relu_2 = mem.tensor(122, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add_relu, down2_b_bn_relu_2, down2_b_bn_centered, down2_b_bn_inv_std, down2_b_bn_weight, down2_b_bn_bias)
 
         # ---- down2_b_bn_relu (relu), backward ----
         # d_down2_b_bn = (d_down2_b_bn_relu + d_down2_b_bn_relu_2)*Heaviside(down2_b_bn_relu_2, 0)
         d_down2_b_bn = d_down2_b_bn_relu  # in place: over d_down2_b_bn_relu
-        rt.ew(ew_add_step_mul, d_down2_b_bn, d_down2_b_bn_relu, d_down2_b_bn_relu_2, down2_b_bn_relu_2)
+        rt.ew_pair((ew_mul_add_relu, down2_b_bn_relu_2, down2_b_bn_centered, down2_b_bn_inv_std, down2_b_bn_weight, down2_b_bn_bias),
+                   (ew_add_step_mul, d_down2_b_bn, d_down2_b_bn_relu, d_down2_b_bn_relu_2, down2_b_bn_relu_2))
         # free d_down2_b_bn_relu_2, down2_b_bn_relu_2
         del d_down2_b_bn_relu_2, down2_b_bn_relu_2
         mem.free(121, 122)
@@ -1560,12 +1560,12 @@ class Unet(rp.Model):
         # d_down2_b_bn_ew_sum = sum_to[1x32x1x1](d_down2_b_bn*down2_b_bn_centered)
         d_down2_b_bn_ew_sum = mem.tensor(123, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_down2_b_bn_ew_sum, d_down2_b_bn, down2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_down2_b_bn_inv_std = down2_b_bn_weight*d_down2_b_bn_ew_sum
+        # d_down2_b_bn_inv_std = down2_b_bn_weight*d_down2_b_bn_ew_sum   (computed with the next statement)
         d_down2_b_bn_inv_std = mem.tensor(124, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_ew_sum)
         # d_down2_b_bn_sum_of_squares = -d_down2_b_bn_inv_std/(39200*(down2_b_bn_batch_var + 1.0e-5)**(3/2))
         d_down2_b_bn_sum_of_squares = d_down2_b_bn_inv_std  # in place: over d_down2_b_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_down2_b_bn_sum_of_squares, d_down2_b_bn_inv_std, down2_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_down2_b_bn_sum_of_squares, d_down2_b_bn_inv_std, down2_b_bn_batch_var))
         # free down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         del down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         mem.free(22)
@@ -1589,26 +1589,26 @@ class Unet(rp.Model):
         mem.free(123)
         # d_down2_b_bn_W = reshape[32](d_down2_b_bn_weight)
         d_down2_b_bn_W = rt.reshape(d_down2_b_bn_weight, shape=(32,))
-        # V_down2_b_bn_W_new = V_down2_b_bn_W*momentum + d_down2_b_bn_W + decay*down2_b_bn_W
+        # V_down2_b_bn_W_new = V_down2_b_bn_W*momentum + d_down2_b_bn_W + decay*down2_b_bn_W   (computed with the next statement)
         V_down2_b_bn_W_new = T['V_down2_b_bn_W']  # in place: the new V_down2_b_bn_W
-        rt.ew(ew_mul_add, V_down2_b_bn_W_new, T['V_down2_b_bn_W'], momentum, d_down2_b_bn_W, decay, T['down2_b_bn_W'])
+        # down2_b_bn_W_new = down2_b_bn_W - lr*V_down2_b_bn_W_new
+        down2_b_bn_W_new = T['down2_b_bn_W']  # in place: the new down2_b_bn_W
+        rt.ew_pair((ew_mul_add, V_down2_b_bn_W_new, T['V_down2_b_bn_W'], momentum, d_down2_b_bn_W, decay, T['down2_b_bn_W']),
+                   (ew_mul_sub, down2_b_bn_W_new, T['down2_b_bn_W'], lr, V_down2_b_bn_W_new))
         # free down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
         del down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
         mem.free(23)
-        # down2_b_bn_W_new = down2_b_bn_W - lr*V_down2_b_bn_W_new
-        down2_b_bn_W_new = T['down2_b_bn_W']  # in place: the new down2_b_bn_W
-        rt.ew(ew_mul_sub, down2_b_bn_W_new, T['down2_b_bn_W'], lr, V_down2_b_bn_W_new)
         # d_down2_b_bn_B = reshape[32](d_down2_b_bn_bias)
         d_down2_b_bn_B = rt.reshape(d_down2_b_bn_bias, shape=(32,))
-        # V_down2_b_bn_B_new = V_down2_b_bn_B*momentum + d_down2_b_bn_B + decay*down2_b_bn_B
+        # V_down2_b_bn_B_new = V_down2_b_bn_B*momentum + d_down2_b_bn_B + decay*down2_b_bn_B   (computed with the next statement)
         V_down2_b_bn_B_new = T['V_down2_b_bn_B']  # in place: the new V_down2_b_bn_B
-        rt.ew(ew_mul_add, V_down2_b_bn_B_new, T['V_down2_b_bn_B'], momentum, d_down2_b_bn_B, decay, T['down2_b_bn_B'])
+        # down2_b_bn_B_new = down2_b_bn_B - lr*V_down2_b_bn_B_new
+        down2_b_bn_B_new = T['down2_b_bn_B']  # in place: the new down2_b_bn_B
+        rt.ew_pair((ew_mul_add, V_down2_b_bn_B_new, T['V_down2_b_bn_B'], momentum, d_down2_b_bn_B, decay, T['down2_b_bn_B']),
+                   (ew_mul_sub, down2_b_bn_B_new, T['down2_b_bn_B'], lr, V_down2_b_bn_B_new))
         # free d_down2_b_bn_bias, d_down2_b_bn_B
         del d_down2_b_bn_bias, d_down2_b_bn_B
         mem.free(125)
-        # down2_b_bn_B_new = down2_b_bn_B - lr*V_down2_b_bn_B_new
-        down2_b_bn_B_new = T['down2_b_bn_B']  # in place: the new down2_b_bn_B
-        rt.ew(ew_mul_sub, down2_b_bn_B_new, T['down2_b_bn_B'], lr, V_down2_b_bn_B_new)
         # d_down2_b_bn_batch_mean = sum_to[1x32x1x1](-d_down2_b_bn_centered)
         d_down2_b_bn_batch_mean = mem.tensor(126, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_down2_b_bn_batch_mean, d_down2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1663,12 +1663,12 @@ class Unet(rp.Model):
         # d_down2_a_bn_ew_sum = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered)
         d_down2_a_bn_ew_sum = mem.tensor(130, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_down2_a_bn_ew_sum, d_down2_a_bn, down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
-        # d_down2_a_bn_inv_std = down2_a_bn_weight*d_down2_a_bn_ew_sum
+        # d_down2_a_bn_inv_std = down2_a_bn_weight*d_down2_a_bn_ew_sum   (computed with the next statement)
         d_down2_a_bn_inv_std = mem.tensor(131, (1, 32, 1, 1), 'float32')
-        rt.ew(ew_mul, d_down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_ew_sum)
         # d_down2_a_bn_sum_of_squares = -d_down2_a_bn_inv_std/(39200*(down2_a_bn_batch_var + 1.0e-5)**(3/2))
         d_down2_a_bn_sum_of_squares = d_down2_a_bn_inv_std  # in place: over d_down2_a_bn_inv_std
-        rt.ew(ew_add_pow_mul_2, d_down2_a_bn_sum_of_squares, d_down2_a_bn_inv_std, down2_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_ew_sum),
+                   (ew_add_pow_mul_2, d_down2_a_bn_sum_of_squares, d_down2_a_bn_inv_std, down2_a_bn_batch_var))
         # free down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         del down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         mem.free(17)
@@ -1692,26 +1692,26 @@ class Unet(rp.Model):
         mem.free(130)
         # d_down2_a_bn_W = reshape[32](d_down2_a_bn_weight)
         d_down2_a_bn_W = rt.reshape(d_down2_a_bn_weight, shape=(32,))
-        # V_down2_a_bn_W_new = V_down2_a_bn_W*momentum + d_down2_a_bn_W + decay*down2_a_bn_W
+        # V_down2_a_bn_W_new = V_down2_a_bn_W*momentum + d_down2_a_bn_W + decay*down2_a_bn_W   (computed with the next statement)
         V_down2_a_bn_W_new = T['V_down2_a_bn_W']  # in place: the new V_down2_a_bn_W
-        rt.ew(ew_mul_add, V_down2_a_bn_W_new, T['V_down2_a_bn_W'], momentum, d_down2_a_bn_W, decay, T['down2_a_bn_W'])
+        # down2_a_bn_W_new = down2_a_bn_W - lr*V_down2_a_bn_W_new
+        down2_a_bn_W_new = T['down2_a_bn_W']  # in place: the new down2_a_bn_W
+        rt.ew_pair((ew_mul_add, V_down2_a_bn_W_new, T['V_down2_a_bn_W'], momentum, d_down2_a_bn_W, decay, T['down2_a_bn_W']),
+                   (ew_mul_sub, down2_a_bn_W_new, T['down2_a_bn_W'], lr, V_down2_a_bn_W_new))
         # free down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
         del down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
         mem.free(18)
-        # down2_a_bn_W_new = down2_a_bn_W - lr*V_down2_a_bn_W_new
-        down2_a_bn_W_new = T['down2_a_bn_W']  # in place: the new down2_a_bn_W
-        rt.ew(ew_mul_sub, down2_a_bn_W_new, T['down2_a_bn_W'], lr, V_down2_a_bn_W_new)
         # d_down2_a_bn_B = reshape[32](d_down2_a_bn_bias)
         d_down2_a_bn_B = rt.reshape(d_down2_a_bn_bias, shape=(32,))
-        # V_down2_a_bn_B_new = V_down2_a_bn_B*momentum + d_down2_a_bn_B + decay*down2_a_bn_B
+        # V_down2_a_bn_B_new = V_down2_a_bn_B*momentum + d_down2_a_bn_B + decay*down2_a_bn_B   (computed with the next statement)
         V_down2_a_bn_B_new = T['V_down2_a_bn_B']  # in place: the new V_down2_a_bn_B
-        rt.ew(ew_mul_add, V_down2_a_bn_B_new, T['V_down2_a_bn_B'], momentum, d_down2_a_bn_B, decay, T['down2_a_bn_B'])
+        # down2_a_bn_B_new = down2_a_bn_B - lr*V_down2_a_bn_B_new
+        down2_a_bn_B_new = T['down2_a_bn_B']  # in place: the new down2_a_bn_B
+        rt.ew_pair((ew_mul_add, V_down2_a_bn_B_new, T['V_down2_a_bn_B'], momentum, d_down2_a_bn_B, decay, T['down2_a_bn_B']),
+                   (ew_mul_sub, down2_a_bn_B_new, T['down2_a_bn_B'], lr, V_down2_a_bn_B_new))
         # free d_down2_a_bn_bias, d_down2_a_bn_B
         del d_down2_a_bn_bias, d_down2_a_bn_B
         mem.free(132)
-        # down2_a_bn_B_new = down2_a_bn_B - lr*V_down2_a_bn_B_new
-        down2_a_bn_B_new = T['down2_a_bn_B']  # in place: the new down2_a_bn_B
-        rt.ew(ew_mul_sub, down2_a_bn_B_new, T['down2_a_bn_B'], lr, V_down2_a_bn_B_new)
         # d_down2_a_bn_batch_mean = sum_to[1x32x1x1](-d_down2_a_bn_centered)
         d_down2_a_bn_batch_mean = mem.tensor(133, (1, 32, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_down2_a_bn_batch_mean, d_down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
@@ -1738,15 +1738,15 @@ class Unet(rp.Model):
         # free down2_a, down2_a_bn_centered, d_down2_a_bn_centered, d_down2_a
         del down2_a, down2_a_bn_centered, d_down2_a_bn_centered, d_down2_a
         mem.free(15)
-        # V_down2_a_W_new = V_down2_a_W*momentum + d_down2_a_W + decay*down2_a_W
+        # V_down2_a_W_new = V_down2_a_W*momentum + d_down2_a_W + decay*down2_a_W   (computed with the next statement)
         V_down2_a_W_new = T['V_down2_a_W']  # in place: the new V_down2_a_W
-        rt.ew(ew_mul_add, V_down2_a_W_new, T['V_down2_a_W'], momentum, d_down2_a_W, decay, T['down2_a_W'])
+        # down2_a_W_new = down2_a_W - lr*V_down2_a_W_new
+        down2_a_W_new = T['down2_a_W']  # in place: the new down2_a_W
+        rt.ew_pair((ew_mul_add, V_down2_a_W_new, T['V_down2_a_W'], momentum, d_down2_a_W, decay, T['down2_a_W']),
+                   (ew_mul_sub, down2_a_W_new, T['down2_a_W'], lr, V_down2_a_W_new))
         # free d_down2_a_W
         del d_down2_a_W
         mem.free(134)
-        # down2_a_W_new = down2_a_W - lr*V_down2_a_W_new
-        down2_a_W_new = T['down2_a_W']  # in place: the new down2_a_W
-        rt.ew(ew_mul_sub, down2_a_W_new, T['down2_a_W'], lr, V_down2_a_W_new)
 
         # ---- down1_b_bn_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_down1_b_bn_relu_2 = max_pool_bwd[kernel=2,size=(28,28),stride=2](d_down1_b_bn_max_pool, down1_b_bn_max_pool_argmax)
@@ -1757,14 +1757,14 @@ class Unet(rp.Model):
         mem.free(13, 135)
 
         # ---- down1_b_bn_relu (relu), forward ----
-        # down1_b_bn_relu_2 = Max(0, down1_b_bn_centered*down1_b_bn_inv_std*down1_b_bn_weight + down1_b_bn_bias)
+        # down1_b_bn_relu_2 = Max(0, down1_b_bn_centered*down1_b_bn_inv_std*down1_b_bn_weight + down1_b_bn_bias)   (computed with the next statement)
         down1_b_bn_relu_2 = mem.tensor(137, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul_add_relu, down1_b_bn_relu_2, down1_b_bn_centered, down1_b_bn_inv_std, down1_b_bn_weight, down1_b_bn_bias)
 
         # ---- down1_b_bn_relu (relu), backward ----
         # d_down1_b_bn = (d_down1_b_bn_relu + d_down1_b_bn_relu_2)*Heaviside(down1_b_bn_relu_2, 0)
         d_down1_b_bn = d_down1_b_bn_relu  # in place: over d_down1_b_bn_relu
-        rt.ew(ew_add_step_mul, d_down1_b_bn, d_down1_b_bn_relu, d_down1_b_bn_relu_2, down1_b_bn_relu_2)
+        rt.ew_pair((ew_mul_add_relu, down1_b_bn_relu_2, down1_b_bn_centered, down1_b_bn_inv_std, down1_b_bn_weight, down1_b_bn_bias),
+                   (ew_add_step_mul, d_down1_b_bn, d_down1_b_bn_relu, d_down1_b_bn_relu_2, down1_b_bn_relu_2))
         # free d_down1_b_bn_relu_2, down1_b_bn_relu_2
         del d_down1_b_bn_relu_2, down1_b_bn_relu_2
         mem.free(136, 137)
@@ -1773,12 +1773,12 @@ class Unet(rp.Model):
         # d_down1_b_bn_ew_sum = sum_to[1x16x1x1](d_down1_b_bn*down1_b_bn_centered)
         d_down1_b_bn_ew_sum = mem.tensor(138, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_down1_b_bn_ew_sum, d_down1_b_bn, down1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_down1_b_bn_inv_std = down1_b_bn_weight*d_down1_b_bn_ew_sum
+        # d_down1_b_bn_inv_std = down1_b_bn_weight*d_down1_b_bn_ew_sum   (computed with the next statement)
         d_down1_b_bn_inv_std = mem.tensor(139, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_ew_sum)
         # d_down1_b_bn_sum_of_squares = -d_down1_b_bn_inv_std/(156800*(down1_b_bn_batch_var + 1.0e-5)**(3/2))
         d_down1_b_bn_sum_of_squares = d_down1_b_bn_inv_std  # in place: over d_down1_b_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_down1_b_bn_sum_of_squares, d_down1_b_bn_inv_std, down1_b_bn_batch_var)
+        rt.ew_pair((ew_mul, d_down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_ew_sum),
+                   (ew_add_pow_mul, d_down1_b_bn_sum_of_squares, d_down1_b_bn_inv_std, down1_b_bn_batch_var))
         # free down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         del down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         mem.free(10)
@@ -1802,26 +1802,26 @@ class Unet(rp.Model):
         mem.free(138)
         # d_down1_b_bn_W = reshape[16](d_down1_b_bn_weight)
         d_down1_b_bn_W = rt.reshape(d_down1_b_bn_weight, shape=(16,))
-        # V_down1_b_bn_W_new = V_down1_b_bn_W*momentum + d_down1_b_bn_W + decay*down1_b_bn_W
+        # V_down1_b_bn_W_new = V_down1_b_bn_W*momentum + d_down1_b_bn_W + decay*down1_b_bn_W   (computed with the next statement)
         V_down1_b_bn_W_new = T['V_down1_b_bn_W']  # in place: the new V_down1_b_bn_W
-        rt.ew(ew_mul_add, V_down1_b_bn_W_new, T['V_down1_b_bn_W'], momentum, d_down1_b_bn_W, decay, T['down1_b_bn_W'])
+        # down1_b_bn_W_new = down1_b_bn_W - lr*V_down1_b_bn_W_new
+        down1_b_bn_W_new = T['down1_b_bn_W']  # in place: the new down1_b_bn_W
+        rt.ew_pair((ew_mul_add, V_down1_b_bn_W_new, T['V_down1_b_bn_W'], momentum, d_down1_b_bn_W, decay, T['down1_b_bn_W']),
+                   (ew_mul_sub, down1_b_bn_W_new, T['down1_b_bn_W'], lr, V_down1_b_bn_W_new))
         # free down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
         del down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
         mem.free(11)
-        # down1_b_bn_W_new = down1_b_bn_W - lr*V_down1_b_bn_W_new
-        down1_b_bn_W_new = T['down1_b_bn_W']  # in place: the new down1_b_bn_W
-        rt.ew(ew_mul_sub, down1_b_bn_W_new, T['down1_b_bn_W'], lr, V_down1_b_bn_W_new)
         # d_down1_b_bn_B = reshape[16](d_down1_b_bn_bias)
         d_down1_b_bn_B = rt.reshape(d_down1_b_bn_bias, shape=(16,))
-        # V_down1_b_bn_B_new = V_down1_b_bn_B*momentum + d_down1_b_bn_B + decay*down1_b_bn_B
+        # V_down1_b_bn_B_new = V_down1_b_bn_B*momentum + d_down1_b_bn_B + decay*down1_b_bn_B   (computed with the next statement)
         V_down1_b_bn_B_new = T['V_down1_b_bn_B']  # in place: the new V_down1_b_bn_B
-        rt.ew(ew_mul_add, V_down1_b_bn_B_new, T['V_down1_b_bn_B'], momentum, d_down1_b_bn_B, decay, T['down1_b_bn_B'])
+        # down1_b_bn_B_new = down1_b_bn_B - lr*V_down1_b_bn_B_new
+        down1_b_bn_B_new = T['down1_b_bn_B']  # in place: the new down1_b_bn_B
+        rt.ew_pair((ew_mul_add, V_down1_b_bn_B_new, T['V_down1_b_bn_B'], momentum, d_down1_b_bn_B, decay, T['down1_b_bn_B']),
+                   (ew_mul_sub, down1_b_bn_B_new, T['down1_b_bn_B'], lr, V_down1_b_bn_B_new))
         # free d_down1_b_bn_bias, d_down1_b_bn_B
         del d_down1_b_bn_bias, d_down1_b_bn_B
         mem.free(140)
-        # down1_b_bn_B_new = down1_b_bn_B - lr*V_down1_b_bn_B_new
-        down1_b_bn_B_new = T['down1_b_bn_B']  # in place: the new down1_b_bn_B
-        rt.ew(ew_mul_sub, down1_b_bn_B_new, T['down1_b_bn_B'], lr, V_down1_b_bn_B_new)
         # d_down1_b_bn_batch_mean = sum_to[1x16x1x1](-d_down1_b_bn_centered)
         d_down1_b_bn_batch_mean = mem.tensor(141, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_down1_b_bn_batch_mean, d_down1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1876,12 +1876,12 @@ class Unet(rp.Model):
         # d_down1_a_bn_ew_sum = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered)
         d_down1_a_bn_ew_sum = mem.tensor(145, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_down1_a_bn_ew_sum, d_down1_a_bn, down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
-        # d_down1_a_bn_inv_std = down1_a_bn_weight*d_down1_a_bn_ew_sum
+        # d_down1_a_bn_inv_std = down1_a_bn_weight*d_down1_a_bn_ew_sum   (computed with the next statement)
         d_down1_a_bn_inv_std = mem.tensor(146, (1, 16, 1, 1), 'float32')
-        rt.ew(ew_mul, d_down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_ew_sum)
         # d_down1_a_bn_sum_of_squares = -d_down1_a_bn_inv_std/(156800*(down1_a_bn_batch_var + 1.0e-5)**(3/2))
         d_down1_a_bn_sum_of_squares = d_down1_a_bn_inv_std  # in place: over d_down1_a_bn_inv_std
-        rt.ew(ew_add_pow_mul, d_down1_a_bn_sum_of_squares, d_down1_a_bn_inv_std, down1_a_bn_batch_var)
+        rt.ew_pair((ew_mul, d_down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_ew_sum),
+                   (ew_add_pow_mul, d_down1_a_bn_sum_of_squares, d_down1_a_bn_inv_std, down1_a_bn_batch_var))
         # free down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         del down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         mem.free(5)
@@ -1905,26 +1905,26 @@ class Unet(rp.Model):
         mem.free(145)
         # d_down1_a_bn_W = reshape[16](d_down1_a_bn_weight)
         d_down1_a_bn_W = rt.reshape(d_down1_a_bn_weight, shape=(16,))
-        # V_down1_a_bn_W_new = V_down1_a_bn_W*momentum + d_down1_a_bn_W + decay*down1_a_bn_W
+        # V_down1_a_bn_W_new = V_down1_a_bn_W*momentum + d_down1_a_bn_W + decay*down1_a_bn_W   (computed with the next statement)
         V_down1_a_bn_W_new = T['V_down1_a_bn_W']  # in place: the new V_down1_a_bn_W
-        rt.ew(ew_mul_add, V_down1_a_bn_W_new, T['V_down1_a_bn_W'], momentum, d_down1_a_bn_W, decay, T['down1_a_bn_W'])
+        # down1_a_bn_W_new = down1_a_bn_W - lr*V_down1_a_bn_W_new
+        down1_a_bn_W_new = T['down1_a_bn_W']  # in place: the new down1_a_bn_W
+        rt.ew_pair((ew_mul_add, V_down1_a_bn_W_new, T['V_down1_a_bn_W'], momentum, d_down1_a_bn_W, decay, T['down1_a_bn_W']),
+                   (ew_mul_sub, down1_a_bn_W_new, T['down1_a_bn_W'], lr, V_down1_a_bn_W_new))
         # free down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
         del down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
         mem.free(6)
-        # down1_a_bn_W_new = down1_a_bn_W - lr*V_down1_a_bn_W_new
-        down1_a_bn_W_new = T['down1_a_bn_W']  # in place: the new down1_a_bn_W
-        rt.ew(ew_mul_sub, down1_a_bn_W_new, T['down1_a_bn_W'], lr, V_down1_a_bn_W_new)
         # d_down1_a_bn_B = reshape[16](d_down1_a_bn_bias)
         d_down1_a_bn_B = rt.reshape(d_down1_a_bn_bias, shape=(16,))
-        # V_down1_a_bn_B_new = V_down1_a_bn_B*momentum + d_down1_a_bn_B + decay*down1_a_bn_B
+        # V_down1_a_bn_B_new = V_down1_a_bn_B*momentum + d_down1_a_bn_B + decay*down1_a_bn_B   (computed with the next statement)
         V_down1_a_bn_B_new = T['V_down1_a_bn_B']  # in place: the new V_down1_a_bn_B
-        rt.ew(ew_mul_add, V_down1_a_bn_B_new, T['V_down1_a_bn_B'], momentum, d_down1_a_bn_B, decay, T['down1_a_bn_B'])
+        # down1_a_bn_B_new = down1_a_bn_B - lr*V_down1_a_bn_B_new
+        down1_a_bn_B_new = T['down1_a_bn_B']  # in place: the new down1_a_bn_B
+        rt.ew_pair((ew_mul_add, V_down1_a_bn_B_new, T['V_down1_a_bn_B'], momentum, d_down1_a_bn_B, decay, T['down1_a_bn_B']),
+                   (ew_mul_sub, down1_a_bn_B_new, T['down1_a_bn_B'], lr, V_down1_a_bn_B_new))
         # free d_down1_a_bn_bias, d_down1_a_bn_B
         del d_down1_a_bn_bias, d_down1_a_bn_B
         mem.free(147)
-        # down1_a_bn_B_new = down1_a_bn_B - lr*V_down1_a_bn_B_new
-        down1_a_bn_B_new = T['down1_a_bn_B']  # in place: the new down1_a_bn_B
-        rt.ew(ew_mul_sub, down1_a_bn_B_new, T['down1_a_bn_B'], lr, V_down1_a_bn_B_new)
         # d_down1_a_bn_batch_mean = sum_to[1x16x1x1](-d_down1_a_bn_centered)
         d_down1_a_bn_batch_mean = mem.tensor(148, (1, 16, 1, 1), 'float32')
         rt.ew_sum(ew_neg, d_down1_a_bn_batch_mean, d_down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
@@ -1945,15 +1945,15 @@ class Unet(rp.Model):
         # free x, down1_a, down1_a_bn_centered, d_down1_a_bn_centered, d_down1_a
         del x, down1_a, down1_a_bn_centered, d_down1_a_bn_centered, d_down1_a
         mem.free(0, 3)
-        # V_down1_a_W_new = V_down1_a_W*momentum + d_down1_a_W + decay*down1_a_W
+        # V_down1_a_W_new = V_down1_a_W*momentum + d_down1_a_W + decay*down1_a_W   (computed with the next statement)
         V_down1_a_W_new = T['V_down1_a_W']  # in place: the new V_down1_a_W
-        rt.ew(ew_mul_add, V_down1_a_W_new, T['V_down1_a_W'], momentum, d_down1_a_W, decay, T['down1_a_W'])
+        # down1_a_W_new = down1_a_W - lr*V_down1_a_W_new
+        down1_a_W_new = T['down1_a_W']  # in place: the new down1_a_W
+        rt.ew_pair((ew_mul_add, V_down1_a_W_new, T['V_down1_a_W'], momentum, d_down1_a_W, decay, T['down1_a_W']),
+                   (ew_mul_sub, down1_a_W_new, T['down1_a_W'], lr, V_down1_a_W_new))
         # free d_down1_a_W
         del d_down1_a_W
         mem.free(149)
-        # down1_a_W_new = down1_a_W - lr*V_down1_a_W_new
-        down1_a_W_new = T['down1_a_W']  # in place: the new down1_a_W
-        rt.ew(ew_mul_sub, down1_a_W_new, T['down1_a_W'], lr, V_down1_a_W_new)
         loss = rt.scalar(classes_cross_entropy)
         mem.end()
         return loss

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 64x3x224x224 float32 images, 64 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 370000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 2465.99 MB of tensors planned for the training step (1644.17 MB testing); static arena 2549.74 MB, pool 2653.28 MB, workspace 155.52 MB
-Structure hash: 1be0774d06fa0a23
+Structure hash: da078beb2fb92c77
 
 Usage: python vgg16.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Vgg16(rp.Model):
 
     name = "vgg16"
     source = "networks/vgg16.py"
-    structure_hash = "1be0774d06fa0a23"
+    structure_hash = "da078beb2fb92c77"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (64, 3, 224, 224)
@@ -355,14 +355,14 @@ class Vgg16(rp.Model):
         rt.matmul(conv5_3_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
 
         # ---- fc6_relu (relu), forward ----
-        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)   (computed with the next statement)
         fc6_relu = fc6_matmul  # in place: over fc6_matmul
-        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
 
         # ---- fc6_dropout (dropout 0.5), forward ----
         # fc6_dropout = 2.0*fc6_relu*fc6_dropout_mask
         fc6_dropout = mem.tensor(29, (64, 4096), 'float32')
-        rt.ew(ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B']),
+                   (ew_mul, fc6_dropout, fc6_relu, fc6_dropout_mask))
 
         # ---- fc7 (fully connected, 4096 outputs), forward ----
         # fc7_matmul = matmul[tb](fc6_dropout, fc7_W)
@@ -370,14 +370,14 @@ class Vgg16(rp.Model):
         rt.matmul(fc6_dropout, T['fc7_W'], out=fc7_matmul, tb=True)
 
         # ---- fc7_relu (relu), forward ----
-        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)   (computed with the next statement)
         fc7_relu = fc7_matmul  # in place: over fc7_matmul
-        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc7_dropout (dropout 0.5), forward ----
         # fc7_dropout = 2.0*fc7_relu*fc7_dropout_mask
         fc7_dropout = mem.tensor(31, (64, 4096), 'float32')
-        rt.ew(ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask)
+        rt.ew_pair((ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B']),
+                   (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
         # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
@@ -421,15 +421,15 @@ class Vgg16(rp.Model):
         # d_fc8_B = sum_to[1000](d_fc8)
         d_fc8_B = mem.tensor(35, (1000,), 'float32')
         rt.sum_to(d_fc8, out=d_fc8_B, shape=(1000,))
-        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B
+        # V_fc8_B_new = V_fc8_B*momentum + d_fc8_B + decay*fc8_B   (computed with the next statement)
         V_fc8_B_new = T['V_fc8_B']  # in place: the new V_fc8_B
-        rt.ew(ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B'])
+        # fc8_B_new = fc8_B - lr*V_fc8_B_new
+        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
+        rt.ew_pair((ew_mul_add, V_fc8_B_new, T['V_fc8_B'], momentum, d_fc8_B, decay, T['fc8_B']),
+                   (ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new))
         # free d_fc8_B
         del d_fc8_B
         mem.free(35)
-        # fc8_B_new = fc8_B - lr*V_fc8_B_new
-        fc8_B_new = T['fc8_B']  # in place: the new fc8_B
-        rt.ew(ew_mul_sub, fc8_B_new, T['fc8_B'], lr, V_fc8_B_new)
         # d_fc7_dropout = matmul(d_fc8, fc8_W)
         d_fc7_dropout = mem.tensor(36, (64, 4096), 'float32')
         rt.matmul(d_fc8, T['fc8_W'], out=d_fc7_dropout)
@@ -446,15 +446,15 @@ class Vgg16(rp.Model):
         # d_fc7_B = sum_to[4096](d_fc7)
         d_fc7_B = mem.tensor(37, (4096,), 'float32')
         rt.sum_to(d_fc7, out=d_fc7_B, shape=(4096,))
-        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B
+        # V_fc7_B_new = V_fc7_B*momentum + d_fc7_B + decay*fc7_B   (computed with the next statement)
         V_fc7_B_new = T['V_fc7_B']  # in place: the new V_fc7_B
-        rt.ew(ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B'])
+        # fc7_B_new = fc7_B - lr*V_fc7_B_new
+        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
+        rt.ew_pair((ew_mul_add, V_fc7_B_new, T['V_fc7_B'], momentum, d_fc7_B, decay, T['fc7_B']),
+                   (ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new))
         # free d_fc7_B
         del d_fc7_B
         mem.free(37)
-        # fc7_B_new = fc7_B - lr*V_fc7_B_new
-        fc7_B_new = T['fc7_B']  # in place: the new fc7_B
-        rt.ew(ew_mul_sub, fc7_B_new, T['fc7_B'], lr, V_fc7_B_new)
         # d_fc6_dropout = matmul(d_fc7, fc7_W)
         d_fc6_dropout = mem.tensor(38, (64, 4096), 'float32')
         rt.matmul(d_fc7, T['fc7_W'], out=d_fc6_dropout)
@@ -471,15 +471,15 @@ class Vgg16(rp.Model):
         # d_fc6_B = sum_to[4096](d_fc6)
         d_fc6_B = mem.tensor(39, (4096,), 'float32')
         rt.sum_to(d_fc6, out=d_fc6_B, shape=(4096,))
-        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B
+        # V_fc6_B_new = V_fc6_B*momentum + d_fc6_B + decay*fc6_B   (computed with the next statement)
         V_fc6_B_new = T['V_fc6_B']  # in place: the new V_fc6_B
-        rt.ew(ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B'])
+        # fc6_B_new = fc6_B - lr*V_fc6_B_new
+        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
+        rt.ew_pair((ew_mul_add, V_fc6_B_new, T['V_fc6_B'], momentum, d_fc6_B, decay, T['fc6_B']),
+                   (ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new))
         # free d_fc6_B
         del d_fc6_B
         mem.free(39)
-        # fc6_B_new = fc6_B - lr*V_fc6_B_new
-        fc6_B_new = T['fc6_B']  # in place: the new fc6_B
-        rt.ew(ew_mul_sub, fc6_B_new, T['fc6_B'], lr, V_fc6_B_new)
         # d_conv5_3_flatten = matmul(d_fc6, fc6_W)
         d_conv5_3_flatten = mem.tensor(40, (64, 25088), 'float32')
         rt.matmul(d_fc6, T['fc6_W'], out=d_conv5_3_flatten)
@@ -500,15 +500,15 @@ class Vgg16(rp.Model):
         # free d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         del d_fc8_cross_entropy_log_softmax, d_fc8, fc7_dropout
         mem.free(2, 31)
-        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W
+        # V_fc8_W_new = V_fc8_W*momentum + d_fc8_W + decay*fc8_W   (computed with the next statement)
         V_fc8_W_new = T['V_fc8_W']  # in place: the new V_fc8_W
-        rt.ew(ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W'])
+        # fc8_W_new = fc8_W - lr*V_fc8_W_new
+        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
+        rt.ew_pair((ew_mul_add, V_fc8_W_new, T['V_fc8_W'], momentum, d_fc8_W, decay, T['fc8_W']),
+                   (ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new))
         # free d_fc8_W
         del d_fc8_W
         mem.free(41)
-        # fc8_W_new = fc8_W - lr*V_fc8_W_new
-        fc8_W_new = T['fc8_W']  # in place: the new fc8_W
-        rt.ew(ew_mul_sub, fc8_W_new, T['fc8_W'], lr, V_fc8_W_new)
 
         # ---- conv5_3_relu (relu), backward ----
         # d_conv5_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(14,14),stride=2](d_conv5_3, conv5_3_max_pool_argmax)
@@ -524,15 +524,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv5_3_relu_max_pool_bwd, out=d_conv5_3_sum_to, shape=(1, 512, 1, 1))
         # d_conv5_3_B = reshape[512](d_conv5_3_sum_to)
         d_conv5_3_B = rt.reshape(d_conv5_3_sum_to, shape=(512,))
-        # V_conv5_3_B_new = V_conv5_3_B*momentum + d_conv5_3_B + decay*conv5_3_B
+        # V_conv5_3_B_new = V_conv5_3_B*momentum + d_conv5_3_B + decay*conv5_3_B   (computed with the next statement)
         V_conv5_3_B_new = T['V_conv5_3_B']  # in place: the new V_conv5_3_B
-        rt.ew(ew_mul_add, V_conv5_3_B_new, T['V_conv5_3_B'], momentum, d_conv5_3_B, decay, T['conv5_3_B'])
+        # conv5_3_B_new = conv5_3_B - lr*V_conv5_3_B_new
+        conv5_3_B_new = T['conv5_3_B']  # in place: the new conv5_3_B
+        rt.ew_pair((ew_mul_add, V_conv5_3_B_new, T['V_conv5_3_B'], momentum, d_conv5_3_B, decay, T['conv5_3_B']),
+                   (ew_mul_sub, conv5_3_B_new, T['conv5_3_B'], lr, V_conv5_3_B_new))
         # free d_conv5_3_sum_to, d_conv5_3_B
         del d_conv5_3_sum_to, d_conv5_3_B
         mem.free(43)
-        # conv5_3_B_new = conv5_3_B - lr*V_conv5_3_B_new
-        conv5_3_B_new = T['conv5_3_B']  # in place: the new conv5_3_B
-        rt.ew(ew_mul_sub, conv5_3_B_new, T['conv5_3_B'], lr, V_conv5_3_B_new)
         # d_conv5_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_3_relu_max_pool_bwd, conv5_2_relu)
         d_conv5_3_W = mem.tensor(44, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_3_relu_max_pool_bwd, conv5_2_relu, out=d_conv5_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
@@ -568,15 +568,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv5_2, out=d_conv5_2_sum_to, shape=(1, 512, 1, 1))
         # d_conv5_2_B = reshape[512](d_conv5_2_sum_to)
         d_conv5_2_B = rt.reshape(d_conv5_2_sum_to, shape=(512,))
-        # V_conv5_2_B_new = V_conv5_2_B*momentum + d_conv5_2_B + decay*conv5_2_B
+        # V_conv5_2_B_new = V_conv5_2_B*momentum + d_conv5_2_B + decay*conv5_2_B   (computed with the next statement)
         V_conv5_2_B_new = T['V_conv5_2_B']  # in place: the new V_conv5_2_B
-        rt.ew(ew_mul_add, V_conv5_2_B_new, T['V_conv5_2_B'], momentum, d_conv5_2_B, decay, T['conv5_2_B'])
+        # conv5_2_B_new = conv5_2_B - lr*V_conv5_2_B_new
+        conv5_2_B_new = T['conv5_2_B']  # in place: the new conv5_2_B
+        rt.ew_pair((ew_mul_add, V_conv5_2_B_new, T['V_conv5_2_B'], momentum, d_conv5_2_B, decay, T['conv5_2_B']),
+                   (ew_mul_sub, conv5_2_B_new, T['conv5_2_B'], lr, V_conv5_2_B_new))
         # free d_conv5_2_sum_to, d_conv5_2_B
         del d_conv5_2_sum_to, d_conv5_2_B
         mem.free(46)
-        # conv5_2_B_new = conv5_2_B - lr*V_conv5_2_B_new
-        conv5_2_B_new = T['conv5_2_B']  # in place: the new conv5_2_B
-        rt.ew(ew_mul_sub, conv5_2_B_new, T['conv5_2_B'], lr, V_conv5_2_B_new)
         # d_conv5_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_2, conv5_1_relu)
         d_conv5_2_W = mem.tensor(47, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_2, conv5_1_relu, out=d_conv5_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
@@ -612,15 +612,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv5_1, out=d_conv5_1_sum_to, shape=(1, 512, 1, 1))
         # d_conv5_1_B = reshape[512](d_conv5_1_sum_to)
         d_conv5_1_B = rt.reshape(d_conv5_1_sum_to, shape=(512,))
-        # V_conv5_1_B_new = V_conv5_1_B*momentum + d_conv5_1_B + decay*conv5_1_B
+        # V_conv5_1_B_new = V_conv5_1_B*momentum + d_conv5_1_B + decay*conv5_1_B   (computed with the next statement)
         V_conv5_1_B_new = T['V_conv5_1_B']  # in place: the new V_conv5_1_B
-        rt.ew(ew_mul_add, V_conv5_1_B_new, T['V_conv5_1_B'], momentum, d_conv5_1_B, decay, T['conv5_1_B'])
+        # conv5_1_B_new = conv5_1_B - lr*V_conv5_1_B_new
+        conv5_1_B_new = T['conv5_1_B']  # in place: the new conv5_1_B
+        rt.ew_pair((ew_mul_add, V_conv5_1_B_new, T['V_conv5_1_B'], momentum, d_conv5_1_B, decay, T['conv5_1_B']),
+                   (ew_mul_sub, conv5_1_B_new, T['conv5_1_B'], lr, V_conv5_1_B_new))
         # free d_conv5_1_sum_to, d_conv5_1_B
         del d_conv5_1_sum_to, d_conv5_1_B
         mem.free(49)
-        # conv5_1_B_new = conv5_1_B - lr*V_conv5_1_B_new
-        conv5_1_B_new = T['conv5_1_B']  # in place: the new conv5_1_B
-        rt.ew(ew_mul_sub, conv5_1_B_new, T['conv5_1_B'], lr, V_conv5_1_B_new)
         # d_conv5_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_1, conv4_3_max_pool)
         d_conv5_1_W = mem.tensor(50, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_1, conv4_3_max_pool, out=d_conv5_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
@@ -657,15 +657,15 @@ class Vgg16(rp.Model):
         # free fc6_dropout, d_fc7_dropout, d_fc7
         del fc6_dropout, d_fc7_dropout, d_fc7
         mem.free(29, 36)
-        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W
+        # V_fc7_W_new = V_fc7_W*momentum + d_fc7_W + decay*fc7_W   (computed with the next statement)
         V_fc7_W_new = T['V_fc7_W']  # in place: the new V_fc7_W
-        rt.ew(ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W'])
+        # fc7_W_new = fc7_W - lr*V_fc7_W_new
+        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
+        rt.ew_pair((ew_mul_add, V_fc7_W_new, T['V_fc7_W'], momentum, d_fc7_W, decay, T['fc7_W']),
+                   (ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new))
         # free d_fc7_W
         del d_fc7_W
         mem.free(52)
-        # fc7_W_new = fc7_W - lr*V_fc7_W_new
-        fc7_W_new = T['fc7_W']  # in place: the new fc7_W
-        rt.ew(ew_mul_sub, fc7_W_new, T['fc7_W'], lr, V_fc7_W_new)
 
         # ---- conv4_3_relu (relu), backward ----
         # d_conv4_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(28,28),stride=2](d_conv4_3, conv4_3_max_pool_argmax)
@@ -681,15 +681,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_3_relu_max_pool_bwd, out=d_conv4_3_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_3_B = reshape[512](d_conv4_3_sum_to)
         d_conv4_3_B = rt.reshape(d_conv4_3_sum_to, shape=(512,))
-        # V_conv4_3_B_new = V_conv4_3_B*momentum + d_conv4_3_B + decay*conv4_3_B
+        # V_conv4_3_B_new = V_conv4_3_B*momentum + d_conv4_3_B + decay*conv4_3_B   (computed with the next statement)
         V_conv4_3_B_new = T['V_conv4_3_B']  # in place: the new V_conv4_3_B
-        rt.ew(ew_mul_add, V_conv4_3_B_new, T['V_conv4_3_B'], momentum, d_conv4_3_B, decay, T['conv4_3_B'])
+        # conv4_3_B_new = conv4_3_B - lr*V_conv4_3_B_new
+        conv4_3_B_new = T['conv4_3_B']  # in place: the new conv4_3_B
+        rt.ew_pair((ew_mul_add, V_conv4_3_B_new, T['V_conv4_3_B'], momentum, d_conv4_3_B, decay, T['conv4_3_B']),
+                   (ew_mul_sub, conv4_3_B_new, T['conv4_3_B'], lr, V_conv4_3_B_new))
         # free d_conv4_3_sum_to, d_conv4_3_B
         del d_conv4_3_sum_to, d_conv4_3_B
         mem.free(54)
-        # conv4_3_B_new = conv4_3_B - lr*V_conv4_3_B_new
-        conv4_3_B_new = T['conv4_3_B']  # in place: the new conv4_3_B
-        rt.ew(ew_mul_sub, conv4_3_B_new, T['conv4_3_B'], lr, V_conv4_3_B_new)
         # d_conv4_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_3_relu_max_pool_bwd, conv4_2_relu)
         d_conv4_3_W = mem.tensor(55, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_3_relu_max_pool_bwd, conv4_2_relu, out=d_conv4_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
@@ -725,15 +725,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_2, out=d_conv4_2_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_2_B = reshape[512](d_conv4_2_sum_to)
         d_conv4_2_B = rt.reshape(d_conv4_2_sum_to, shape=(512,))
-        # V_conv4_2_B_new = V_conv4_2_B*momentum + d_conv4_2_B + decay*conv4_2_B
+        # V_conv4_2_B_new = V_conv4_2_B*momentum + d_conv4_2_B + decay*conv4_2_B   (computed with the next statement)
         V_conv4_2_B_new = T['V_conv4_2_B']  # in place: the new V_conv4_2_B
-        rt.ew(ew_mul_add, V_conv4_2_B_new, T['V_conv4_2_B'], momentum, d_conv4_2_B, decay, T['conv4_2_B'])
+        # conv4_2_B_new = conv4_2_B - lr*V_conv4_2_B_new
+        conv4_2_B_new = T['conv4_2_B']  # in place: the new conv4_2_B
+        rt.ew_pair((ew_mul_add, V_conv4_2_B_new, T['V_conv4_2_B'], momentum, d_conv4_2_B, decay, T['conv4_2_B']),
+                   (ew_mul_sub, conv4_2_B_new, T['conv4_2_B'], lr, V_conv4_2_B_new))
         # free d_conv4_2_sum_to, d_conv4_2_B
         del d_conv4_2_sum_to, d_conv4_2_B
         mem.free(57)
-        # conv4_2_B_new = conv4_2_B - lr*V_conv4_2_B_new
-        conv4_2_B_new = T['conv4_2_B']  # in place: the new conv4_2_B
-        rt.ew(ew_mul_sub, conv4_2_B_new, T['conv4_2_B'], lr, V_conv4_2_B_new)
         # d_conv4_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_2, conv4_1_relu)
         d_conv4_2_W = mem.tensor(58, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_2, conv4_1_relu, out=d_conv4_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
@@ -769,15 +769,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_1, out=d_conv4_1_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_1_B = reshape[512](d_conv4_1_sum_to)
         d_conv4_1_B = rt.reshape(d_conv4_1_sum_to, shape=(512,))
-        # V_conv4_1_B_new = V_conv4_1_B*momentum + d_conv4_1_B + decay*conv4_1_B
+        # V_conv4_1_B_new = V_conv4_1_B*momentum + d_conv4_1_B + decay*conv4_1_B   (computed with the next statement)
         V_conv4_1_B_new = T['V_conv4_1_B']  # in place: the new V_conv4_1_B
-        rt.ew(ew_mul_add, V_conv4_1_B_new, T['V_conv4_1_B'], momentum, d_conv4_1_B, decay, T['conv4_1_B'])
+        # conv4_1_B_new = conv4_1_B - lr*V_conv4_1_B_new
+        conv4_1_B_new = T['conv4_1_B']  # in place: the new conv4_1_B
+        rt.ew_pair((ew_mul_add, V_conv4_1_B_new, T['V_conv4_1_B'], momentum, d_conv4_1_B, decay, T['conv4_1_B']),
+                   (ew_mul_sub, conv4_1_B_new, T['conv4_1_B'], lr, V_conv4_1_B_new))
         # free d_conv4_1_sum_to, d_conv4_1_B
         del d_conv4_1_sum_to, d_conv4_1_B
         mem.free(60)
-        # conv4_1_B_new = conv4_1_B - lr*V_conv4_1_B_new
-        conv4_1_B_new = T['conv4_1_B']  # in place: the new conv4_1_B
-        rt.ew(ew_mul_sub, conv4_1_B_new, T['conv4_1_B'], lr, V_conv4_1_B_new)
         # d_conv4_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_1, conv3_3_max_pool)
         d_conv4_1_W = mem.tensor(61, (512, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_1, conv3_3_max_pool, out=d_conv4_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24223744))
@@ -797,15 +797,15 @@ class Vgg16(rp.Model):
         mem.free(17)
 
         # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), backward ----
-        # V_conv4_1_W_new = V_conv4_1_W*momentum + d_conv4_1_W + decay*conv4_1_W
+        # V_conv4_1_W_new = V_conv4_1_W*momentum + d_conv4_1_W + decay*conv4_1_W   (computed with the next statement)
         V_conv4_1_W_new = T['V_conv4_1_W']  # in place: the new V_conv4_1_W
-        rt.ew(ew_mul_add, V_conv4_1_W_new, T['V_conv4_1_W'], momentum, d_conv4_1_W, decay, T['conv4_1_W'])
+        # conv4_1_W_new = conv4_1_W - lr*V_conv4_1_W_new
+        conv4_1_W_new = T['conv4_1_W']  # in place: the new conv4_1_W
+        rt.ew_pair((ew_mul_add, V_conv4_1_W_new, T['V_conv4_1_W'], momentum, d_conv4_1_W, decay, T['conv4_1_W']),
+                   (ew_mul_sub, conv4_1_W_new, T['conv4_1_W'], lr, V_conv4_1_W_new))
         # free d_conv4_1_W
         del d_conv4_1_W
         mem.free(61)
-        # conv4_1_W_new = conv4_1_W - lr*V_conv4_1_W_new
-        conv4_1_W_new = T['conv4_1_W']  # in place: the new conv4_1_W
-        rt.ew(ew_mul_sub, conv4_1_W_new, T['conv4_1_W'], lr, V_conv4_1_W_new)
 
         # ---- conv3_3_relu (relu), backward ----
         # d_conv3_3_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(56,56),stride=2](d_conv3_3, conv3_3_max_pool_argmax)
@@ -821,15 +821,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_3_relu_max_pool_bwd, out=d_conv3_3_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_3_B = reshape[256](d_conv3_3_sum_to)
         d_conv3_3_B = rt.reshape(d_conv3_3_sum_to, shape=(256,))
-        # V_conv3_3_B_new = V_conv3_3_B*momentum + d_conv3_3_B + decay*conv3_3_B
+        # V_conv3_3_B_new = V_conv3_3_B*momentum + d_conv3_3_B + decay*conv3_3_B   (computed with the next statement)
         V_conv3_3_B_new = T['V_conv3_3_B']  # in place: the new V_conv3_3_B
-        rt.ew(ew_mul_add, V_conv3_3_B_new, T['V_conv3_3_B'], momentum, d_conv3_3_B, decay, T['conv3_3_B'])
+        # conv3_3_B_new = conv3_3_B - lr*V_conv3_3_B_new
+        conv3_3_B_new = T['conv3_3_B']  # in place: the new conv3_3_B
+        rt.ew_pair((ew_mul_add, V_conv3_3_B_new, T['V_conv3_3_B'], momentum, d_conv3_3_B, decay, T['conv3_3_B']),
+                   (ew_mul_sub, conv3_3_B_new, T['conv3_3_B'], lr, V_conv3_3_B_new))
         # free d_conv3_3_sum_to, d_conv3_3_B
         del d_conv3_3_sum_to, d_conv3_3_B
         mem.free(64)
-        # conv3_3_B_new = conv3_3_B - lr*V_conv3_3_B_new
-        conv3_3_B_new = T['conv3_3_B']  # in place: the new conv3_3_B
-        rt.ew(ew_mul_sub, conv3_3_B_new, T['conv3_3_B'], lr, V_conv3_3_B_new)
         # d_conv3_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_3_relu_max_pool_bwd, conv3_2_relu)
         d_conv3_3_W = mem.tensor(65, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_3_relu_max_pool_bwd, conv3_2_relu, out=d_conv3_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
@@ -865,15 +865,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_2, out=d_conv3_2_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_2_B = reshape[256](d_conv3_2_sum_to)
         d_conv3_2_B = rt.reshape(d_conv3_2_sum_to, shape=(256,))
-        # V_conv3_2_B_new = V_conv3_2_B*momentum + d_conv3_2_B + decay*conv3_2_B
+        # V_conv3_2_B_new = V_conv3_2_B*momentum + d_conv3_2_B + decay*conv3_2_B   (computed with the next statement)
         V_conv3_2_B_new = T['V_conv3_2_B']  # in place: the new V_conv3_2_B
-        rt.ew(ew_mul_add, V_conv3_2_B_new, T['V_conv3_2_B'], momentum, d_conv3_2_B, decay, T['conv3_2_B'])
+        # conv3_2_B_new = conv3_2_B - lr*V_conv3_2_B_new
+        conv3_2_B_new = T['conv3_2_B']  # in place: the new conv3_2_B
+        rt.ew_pair((ew_mul_add, V_conv3_2_B_new, T['V_conv3_2_B'], momentum, d_conv3_2_B, decay, T['conv3_2_B']),
+                   (ew_mul_sub, conv3_2_B_new, T['conv3_2_B'], lr, V_conv3_2_B_new))
         # free d_conv3_2_sum_to, d_conv3_2_B
         del d_conv3_2_sum_to, d_conv3_2_B
         mem.free(67)
-        # conv3_2_B_new = conv3_2_B - lr*V_conv3_2_B_new
-        conv3_2_B_new = T['conv3_2_B']  # in place: the new conv3_2_B
-        rt.ew(ew_mul_sub, conv3_2_B_new, T['conv3_2_B'], lr, V_conv3_2_B_new)
         # d_conv3_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_2, conv3_1_relu)
         d_conv3_2_W = mem.tensor(68, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_2, conv3_1_relu, out=d_conv3_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
@@ -909,15 +909,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_1, out=d_conv3_1_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_1_B = reshape[256](d_conv3_1_sum_to)
         d_conv3_1_B = rt.reshape(d_conv3_1_sum_to, shape=(256,))
-        # V_conv3_1_B_new = V_conv3_1_B*momentum + d_conv3_1_B + decay*conv3_1_B
+        # V_conv3_1_B_new = V_conv3_1_B*momentum + d_conv3_1_B + decay*conv3_1_B   (computed with the next statement)
         V_conv3_1_B_new = T['V_conv3_1_B']  # in place: the new V_conv3_1_B
-        rt.ew(ew_mul_add, V_conv3_1_B_new, T['V_conv3_1_B'], momentum, d_conv3_1_B, decay, T['conv3_1_B'])
+        # conv3_1_B_new = conv3_1_B - lr*V_conv3_1_B_new
+        conv3_1_B_new = T['conv3_1_B']  # in place: the new conv3_1_B
+        rt.ew_pair((ew_mul_add, V_conv3_1_B_new, T['V_conv3_1_B'], momentum, d_conv3_1_B, decay, T['conv3_1_B']),
+                   (ew_mul_sub, conv3_1_B_new, T['conv3_1_B'], lr, V_conv3_1_B_new))
         # free d_conv3_1_sum_to, d_conv3_1_B
         del d_conv3_1_sum_to, d_conv3_1_B
         mem.free(70)
-        # conv3_1_B_new = conv3_1_B - lr*V_conv3_1_B_new
-        conv3_1_B_new = T['conv3_1_B']  # in place: the new conv3_1_B
-        rt.ew(ew_mul_sub, conv3_1_B_new, T['conv3_1_B'], lr, V_conv3_1_B_new)
         # d_conv3_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_1, conv2_2_max_pool)
         d_conv3_1_W = mem.tensor(71, (256, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_1, conv2_2_max_pool, out=d_conv3_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20563968))
@@ -937,15 +937,15 @@ class Vgg16(rp.Model):
         mem.free(12)
 
         # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), backward ----
-        # V_conv3_1_W_new = V_conv3_1_W*momentum + d_conv3_1_W + decay*conv3_1_W
+        # V_conv3_1_W_new = V_conv3_1_W*momentum + d_conv3_1_W + decay*conv3_1_W   (computed with the next statement)
         V_conv3_1_W_new = T['V_conv3_1_W']  # in place: the new V_conv3_1_W
-        rt.ew(ew_mul_add, V_conv3_1_W_new, T['V_conv3_1_W'], momentum, d_conv3_1_W, decay, T['conv3_1_W'])
+        # conv3_1_W_new = conv3_1_W - lr*V_conv3_1_W_new
+        conv3_1_W_new = T['conv3_1_W']  # in place: the new conv3_1_W
+        rt.ew_pair((ew_mul_add, V_conv3_1_W_new, T['V_conv3_1_W'], momentum, d_conv3_1_W, decay, T['conv3_1_W']),
+                   (ew_mul_sub, conv3_1_W_new, T['conv3_1_W'], lr, V_conv3_1_W_new))
         # free d_conv3_1_W
         del d_conv3_1_W
         mem.free(71)
-        # conv3_1_W_new = conv3_1_W - lr*V_conv3_1_W_new
-        conv3_1_W_new = T['conv3_1_W']  # in place: the new conv3_1_W
-        rt.ew(ew_mul_sub, conv3_1_W_new, T['conv3_1_W'], lr, V_conv3_1_W_new)
 
         # ---- conv2_2_relu (relu), backward ----
         # d_conv2_2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(112,112),stride=2](d_conv2_2, conv2_2_max_pool_argmax)
@@ -961,15 +961,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv2_2_relu_max_pool_bwd, out=d_conv2_2_sum_to, shape=(1, 128, 1, 1))
         # d_conv2_2_B = reshape[128](d_conv2_2_sum_to)
         d_conv2_2_B = rt.reshape(d_conv2_2_sum_to, shape=(128,))
-        # V_conv2_2_B_new = V_conv2_2_B*momentum + d_conv2_2_B + decay*conv2_2_B
+        # V_conv2_2_B_new = V_conv2_2_B*momentum + d_conv2_2_B + decay*conv2_2_B   (computed with the next statement)
         V_conv2_2_B_new = T['V_conv2_2_B']  # in place: the new V_conv2_2_B
-        rt.ew(ew_mul_add, V_conv2_2_B_new, T['V_conv2_2_B'], momentum, d_conv2_2_B, decay, T['conv2_2_B'])
+        # conv2_2_B_new = conv2_2_B - lr*V_conv2_2_B_new
+        conv2_2_B_new = T['conv2_2_B']  # in place: the new conv2_2_B
+        rt.ew_pair((ew_mul_add, V_conv2_2_B_new, T['V_conv2_2_B'], momentum, d_conv2_2_B, decay, T['conv2_2_B']),
+                   (ew_mul_sub, conv2_2_B_new, T['conv2_2_B'], lr, V_conv2_2_B_new))
         # free d_conv2_2_sum_to, d_conv2_2_B
         del d_conv2_2_sum_to, d_conv2_2_B
         mem.free(74)
-        # conv2_2_B_new = conv2_2_B - lr*V_conv2_2_B_new
-        conv2_2_B_new = T['conv2_2_B']  # in place: the new conv2_2_B
-        rt.ew(ew_mul_sub, conv2_2_B_new, T['conv2_2_B'], lr, V_conv2_2_B_new)
         # d_conv2_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_2_relu_max_pool_bwd, conv2_1_relu)
         d_conv2_2_W = mem.tensor(75, (128, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv2_2_relu_max_pool_bwd, conv2_1_relu, out=d_conv2_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(71469056))
@@ -1005,15 +1005,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv2_1, out=d_conv2_1_sum_to, shape=(1, 128, 1, 1))
         # d_conv2_1_B = reshape[128](d_conv2_1_sum_to)
         d_conv2_1_B = rt.reshape(d_conv2_1_sum_to, shape=(128,))
-        # V_conv2_1_B_new = V_conv2_1_B*momentum + d_conv2_1_B + decay*conv2_1_B
+        # V_conv2_1_B_new = V_conv2_1_B*momentum + d_conv2_1_B + decay*conv2_1_B   (computed with the next statement)
         V_conv2_1_B_new = T['V_conv2_1_B']  # in place: the new V_conv2_1_B
-        rt.ew(ew_mul_add, V_conv2_1_B_new, T['V_conv2_1_B'], momentum, d_conv2_1_B, decay, T['conv2_1_B'])
+        # conv2_1_B_new = conv2_1_B - lr*V_conv2_1_B_new
+        conv2_1_B_new = T['conv2_1_B']  # in place: the new conv2_1_B
+        rt.ew_pair((ew_mul_add, V_conv2_1_B_new, T['V_conv2_1_B'], momentum, d_conv2_1_B, decay, T['conv2_1_B']),
+                   (ew_mul_sub, conv2_1_B_new, T['conv2_1_B'], lr, V_conv2_1_B_new))
         # free d_conv2_1_sum_to, d_conv2_1_B
         del d_conv2_1_sum_to, d_conv2_1_B
         mem.free(77)
-        # conv2_1_B_new = conv2_1_B - lr*V_conv2_1_B_new
-        conv2_1_B_new = T['conv2_1_B']  # in place: the new conv2_1_B
-        rt.ew(ew_mul_sub, conv2_1_B_new, T['conv2_1_B'], lr, V_conv2_1_B_new)
         # d_conv2_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_1, conv1_2_max_pool)
         d_conv2_1_W = mem.tensor(78, (128, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv2_1, conv1_2_max_pool, out=d_conv2_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(38945792))
@@ -1033,15 +1033,15 @@ class Vgg16(rp.Model):
         mem.free(8)
 
         # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), backward ----
-        # V_conv2_1_W_new = V_conv2_1_W*momentum + d_conv2_1_W + decay*conv2_1_W
+        # V_conv2_1_W_new = V_conv2_1_W*momentum + d_conv2_1_W + decay*conv2_1_W   (computed with the next statement)
         V_conv2_1_W_new = T['V_conv2_1_W']  # in place: the new V_conv2_1_W
-        rt.ew(ew_mul_add, V_conv2_1_W_new, T['V_conv2_1_W'], momentum, d_conv2_1_W, decay, T['conv2_1_W'])
+        # conv2_1_W_new = conv2_1_W - lr*V_conv2_1_W_new
+        conv2_1_W_new = T['conv2_1_W']  # in place: the new conv2_1_W
+        rt.ew_pair((ew_mul_add, V_conv2_1_W_new, T['V_conv2_1_W'], momentum, d_conv2_1_W, decay, T['conv2_1_W']),
+                   (ew_mul_sub, conv2_1_W_new, T['conv2_1_W'], lr, V_conv2_1_W_new))
         # free d_conv2_1_W
         del d_conv2_1_W
         mem.free(78)
-        # conv2_1_W_new = conv2_1_W - lr*V_conv2_1_W_new
-        conv2_1_W_new = T['conv2_1_W']  # in place: the new conv2_1_W
-        rt.ew(ew_mul_sub, conv2_1_W_new, T['conv2_1_W'], lr, V_conv2_1_W_new)
 
         # ---- fc6 (fully connected, 4096 outputs), backward ----
         # d_fc6_W = matmul[ta](d_fc6, conv5_3_flatten)
@@ -1050,15 +1050,15 @@ class Vgg16(rp.Model):
         # free conv5_3_max_pool, conv5_3_flatten, d_fc6_dropout, d_fc6
         del conv5_3_max_pool, conv5_3_flatten, d_fc6_dropout, d_fc6
         mem.free(27, 38)
-        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W
+        # V_fc6_W_new = V_fc6_W*momentum + d_fc6_W + decay*fc6_W   (computed with the next statement)
         V_fc6_W_new = T['V_fc6_W']  # in place: the new V_fc6_W
-        rt.ew(ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W'])
+        # fc6_W_new = fc6_W - lr*V_fc6_W_new
+        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
+        rt.ew_pair((ew_mul_add, V_fc6_W_new, T['V_fc6_W'], momentum, d_fc6_W, decay, T['fc6_W']),
+                   (ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new))
         # free d_fc6_W
         del d_fc6_W
         mem.free(80)
-        # fc6_W_new = fc6_W - lr*V_fc6_W_new
-        fc6_W_new = T['fc6_W']  # in place: the new fc6_W
-        rt.ew(ew_mul_sub, fc6_W_new, T['fc6_W'], lr, V_fc6_W_new)
 
         # ---- conv1_2_relu (relu), backward ----
         # d_conv1_2_relu_max_pool_bwd = max_pool_bwd[kernel=2,size=(224,224),stride=2](d_conv1_2, conv1_2_max_pool_argmax)
@@ -1074,15 +1074,15 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv1_2_relu_max_pool_bwd, out=d_conv1_2_sum_to, shape=(1, 64, 1, 1))
         # d_conv1_2_B = reshape[64](d_conv1_2_sum_to)
         d_conv1_2_B = rt.reshape(d_conv1_2_sum_to, shape=(64,))
-        # V_conv1_2_B_new = V_conv1_2_B*momentum + d_conv1_2_B + decay*conv1_2_B
+        # V_conv1_2_B_new = V_conv1_2_B*momentum + d_conv1_2_B + decay*conv1_2_B   (computed with the next statement)
         V_conv1_2_B_new = T['V_conv1_2_B']  # in place: the new V_conv1_2_B
-        rt.ew(ew_mul_add, V_conv1_2_B_new, T['V_conv1_2_B'], momentum, d_conv1_2_B, decay, T['conv1_2_B'])
+        # conv1_2_B_new = conv1_2_B - lr*V_conv1_2_B_new
+        conv1_2_B_new = T['conv1_2_B']  # in place: the new conv1_2_B
+        rt.ew_pair((ew_mul_add, V_conv1_2_B_new, T['V_conv1_2_B'], momentum, d_conv1_2_B, decay, T['conv1_2_B']),
+                   (ew_mul_sub, conv1_2_B_new, T['conv1_2_B'], lr, V_conv1_2_B_new))
         # free d_conv1_2_sum_to, d_conv1_2_B
         del d_conv1_2_sum_to, d_conv1_2_B
         mem.free(82)
-        # conv1_2_B_new = conv1_2_B - lr*V_conv1_2_B_new
-        conv1_2_B_new = T['conv1_2_B']  # in place: the new conv1_2_B
-        rt.ew(ew_mul_sub, conv1_2_B_new, T['conv1_2_B'], lr, V_conv1_2_B_new)
         # d_conv1_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1_2_relu_max_pool_bwd, conv1_1_relu)
         d_conv1_2_W = mem.tensor(83, (64, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1_2_relu_max_pool_bwd, conv1_1_relu, out=d_conv1_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(141673472))
@@ -1120,26 +1120,26 @@ class Vgg16(rp.Model):
         # free d_conv1_1_relu, d_conv1_1
         del d_conv1_1_relu, d_conv1_1
         mem.free(84)
-        # V_conv1_1_W_new = V_conv1_1_W*momentum + d_conv1_1_W + decay*conv1_1_W
+        # V_conv1_1_W_new = V_conv1_1_W*momentum + d_conv1_1_W + decay*conv1_1_W   (computed with the next statement)
         V_conv1_1_W_new = T['V_conv1_1_W']  # in place: the new V_conv1_1_W
-        rt.ew(ew_mul_add, V_conv1_1_W_new, T['V_conv1_1_W'], momentum, d_conv1_1_W, decay, T['conv1_1_W'])
+        # conv1_1_W_new = conv1_1_W - lr*V_conv1_1_W_new
+        conv1_1_W_new = T['conv1_1_W']  # in place: the new conv1_1_W
+        rt.ew_pair((ew_mul_add, V_conv1_1_W_new, T['V_conv1_1_W'], momentum, d_conv1_1_W, decay, T['conv1_1_W']),
+                   (ew_mul_sub, conv1_1_W_new, T['conv1_1_W'], lr, V_conv1_1_W_new))
         # free d_conv1_1_W
         del d_conv1_1_W
         mem.free(85)
-        # conv1_1_W_new = conv1_1_W - lr*V_conv1_1_W_new
-        conv1_1_W_new = T['conv1_1_W']  # in place: the new conv1_1_W
-        rt.ew(ew_mul_sub, conv1_1_W_new, T['conv1_1_W'], lr, V_conv1_1_W_new)
         # d_conv1_1_B = reshape[64](d_conv1_1_sum_to)
         d_conv1_1_B = rt.reshape(d_conv1_1_sum_to, shape=(64,))
-        # V_conv1_1_B_new = V_conv1_1_B*momentum + d_conv1_1_B + decay*conv1_1_B
+        # V_conv1_1_B_new = V_conv1_1_B*momentum + d_conv1_1_B + decay*conv1_1_B   (computed with the next statement)
         V_conv1_1_B_new = T['V_conv1_1_B']  # in place: the new V_conv1_1_B
-        rt.ew(ew_mul_add, V_conv1_1_B_new, T['V_conv1_1_B'], momentum, d_conv1_1_B, decay, T['conv1_1_B'])
+        # conv1_1_B_new = conv1_1_B - lr*V_conv1_1_B_new
+        conv1_1_B_new = T['conv1_1_B']  # in place: the new conv1_1_B
+        rt.ew_pair((ew_mul_add, V_conv1_1_B_new, T['V_conv1_1_B'], momentum, d_conv1_1_B, decay, T['conv1_1_B']),
+                   (ew_mul_sub, conv1_1_B_new, T['conv1_1_B'], lr, V_conv1_1_B_new))
         # free d_conv1_1_sum_to, d_conv1_1_B
         del d_conv1_1_sum_to, d_conv1_1_B
         mem.free(86)
-        # conv1_1_B_new = conv1_1_B - lr*V_conv1_1_B_new
-        conv1_1_B_new = T['conv1_1_B']  # in place: the new conv1_1_B
-        rt.ew(ew_mul_sub, conv1_1_B_new, T['conv1_1_B'], lr, V_conv1_1_B_new)
 
         # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # conv1_2_W_new = conv1_2_W - lr*V_conv1_2_W_new

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
 Memory: peak 22.58 MB of tensors planned for the training step (2.05 MB testing); static arena 22.58 MB, pool 22.85 MB, workspace 0.72 MB
-Structure hash: f1589fafd5ee471f
+Structure hash: 76054354e87b26e6
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "f1589fafd5ee471f"
+    structure_hash = "76054354e87b26e6"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -327,18 +327,18 @@ class Vit(rp.Model):
         # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
         block1_ln1_sum_to_2 = mem.tensor(7, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5
+        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2)
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
         block1_ln1_rsqrt = mem.tensor(8, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add)
-        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
+                   (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
+        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
         block1_ln1_mul = mem.tensor(9, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt)
         # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
         block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
-        rt.ew(ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B'])
+        rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
+                   (ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B']))
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
@@ -457,18 +457,18 @@ class Vit(rp.Model):
         # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
         block1_ln2_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5
+        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2)
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
         block1_ln2_rsqrt = mem.tensor(24, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3)
-        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
+                   (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
+        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
         block1_ln2_mul = mem.tensor(25, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt)
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
-        rt.ew(ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B'])
+        rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
+                   (ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B']))
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
@@ -521,18 +521,18 @@ class Vit(rp.Model):
         # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
         block2_ln1_sum_to_2 = mem.tensor(31, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5
+        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2)
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
         block2_ln1_rsqrt = mem.tensor(32, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2)
-        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
+                   (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
+        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
         block2_ln1_mul = mem.tensor(33, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt)
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
-        rt.ew(ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B'])
+        rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
+                   (ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B']))
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
@@ -651,18 +651,18 @@ class Vit(rp.Model):
         # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
         block2_ln2_sum_to_2 = mem.tensor(47, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5
+        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2)
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
         block2_ln2_rsqrt = mem.tensor(48, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2)
-        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
+                   (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
+        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
         block2_ln2_mul = mem.tensor(49, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt)
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
-        rt.ew(ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B'])
+        rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
+                   (ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B']))
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
@@ -715,18 +715,18 @@ class Vit(rp.Model):
         # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
         block3_ln1_sum_to_2 = mem.tensor(55, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block3_ln1_sum_to_2, block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block3_ln1_add_2 = 0.015625*block3_ln1_sum_to_2 + 1.0e-5
+        # block3_ln1_add_2 = 0.015625*block3_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln1_add_2 = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
-        rt.ew(ew_scale_add, block3_ln1_add_2, block3_ln1_sum_to_2)
         # block3_ln1_rsqrt = 1/sqrt(block3_ln1_add_2)
         block3_ln1_rsqrt = mem.tensor(56, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block3_ln1_rsqrt, block3_ln1_add_2)
-        # block3_ln1_mul = block3_ln1_sub*block3_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block3_ln1_add_2, block3_ln1_sum_to_2),
+                   (ew_rsqrt, block3_ln1_rsqrt, block3_ln1_add_2))
+        # block3_ln1_mul = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
         block3_ln1_mul = mem.tensor(57, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block3_ln1_mul, block3_ln1_sub, block3_ln1_rsqrt)
         # block3_ln1 = block3_ln1_mul*block3_ln1_W + block3_ln1_B
         block3_ln1 = block3_ln1_mul  # in place: over block3_ln1_mul
-        rt.ew(ew_mul_add, block3_ln1, block3_ln1_mul, T['block3_ln1_W'], T['block3_ln1_B'])
+        rt.ew_pair((ew_mul, block3_ln1_mul, block3_ln1_sub, block3_ln1_rsqrt),
+                   (ew_mul_add, block3_ln1, block3_ln1_mul, T['block3_ln1_W'], T['block3_ln1_B']))
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
@@ -845,18 +845,18 @@ class Vit(rp.Model):
         # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
         block3_ln2_sum_to_2 = mem.tensor(71, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block3_ln2_sum_to_2, block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block3_ln2_add_2 = 0.015625*block3_ln2_sum_to_2 + 1.0e-5
+        # block3_ln2_add_2 = 0.015625*block3_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln2_add_2 = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
-        rt.ew(ew_scale_add, block3_ln2_add_2, block3_ln2_sum_to_2)
         # block3_ln2_rsqrt = 1/sqrt(block3_ln2_add_2)
         block3_ln2_rsqrt = mem.tensor(72, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block3_ln2_rsqrt, block3_ln2_add_2)
-        # block3_ln2_mul = block3_ln2_sub*block3_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block3_ln2_add_2, block3_ln2_sum_to_2),
+                   (ew_rsqrt, block3_ln2_rsqrt, block3_ln2_add_2))
+        # block3_ln2_mul = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
         block3_ln2_mul = mem.tensor(73, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block3_ln2_mul, block3_ln2_sub, block3_ln2_rsqrt)
         # block3_ln2 = block3_ln2_mul*block3_ln2_W + block3_ln2_B
         block3_ln2 = block3_ln2_mul  # in place: over block3_ln2_mul
-        rt.ew(ew_mul_add, block3_ln2, block3_ln2_mul, T['block3_ln2_W'], T['block3_ln2_B'])
+        rt.ew_pair((ew_mul, block3_ln2_mul, block3_ln2_sub, block3_ln2_rsqrt),
+                   (ew_mul_add, block3_ln2, block3_ln2_mul, T['block3_ln2_W'], T['block3_ln2_B']))
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
@@ -909,18 +909,18 @@ class Vit(rp.Model):
         # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
         block4_ln1_sum_to_2 = mem.tensor(79, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block4_ln1_sum_to_2, block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block4_ln1_add_2 = 0.015625*block4_ln1_sum_to_2 + 1.0e-5
+        # block4_ln1_add_2 = 0.015625*block4_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln1_add_2 = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
-        rt.ew(ew_scale_add, block4_ln1_add_2, block4_ln1_sum_to_2)
         # block4_ln1_rsqrt = 1/sqrt(block4_ln1_add_2)
         block4_ln1_rsqrt = mem.tensor(80, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block4_ln1_rsqrt, block4_ln1_add_2)
-        # block4_ln1_mul = block4_ln1_sub*block4_ln1_rsqrt
+        rt.ew_pair((ew_scale_add, block4_ln1_add_2, block4_ln1_sum_to_2),
+                   (ew_rsqrt, block4_ln1_rsqrt, block4_ln1_add_2))
+        # block4_ln1_mul = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
         block4_ln1_mul = mem.tensor(81, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block4_ln1_mul, block4_ln1_sub, block4_ln1_rsqrt)
         # block4_ln1 = block4_ln1_mul*block4_ln1_W + block4_ln1_B
         block4_ln1 = block4_ln1_mul  # in place: over block4_ln1_mul
-        rt.ew(ew_mul_add, block4_ln1, block4_ln1_mul, T['block4_ln1_W'], T['block4_ln1_B'])
+        rt.ew_pair((ew_mul, block4_ln1_mul, block4_ln1_sub, block4_ln1_rsqrt),
+                   (ew_mul_add, block4_ln1, block4_ln1_mul, T['block4_ln1_W'], T['block4_ln1_B']))
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
@@ -1039,18 +1039,18 @@ class Vit(rp.Model):
         # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
         block4_ln2_sum_to_2 = mem.tensor(95, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, block4_ln2_sum_to_2, block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block4_ln2_add_2 = 0.015625*block4_ln2_sum_to_2 + 1.0e-5
+        # block4_ln2_add_2 = 0.015625*block4_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln2_add_2 = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
-        rt.ew(ew_scale_add, block4_ln2_add_2, block4_ln2_sum_to_2)
         # block4_ln2_rsqrt = 1/sqrt(block4_ln2_add_2)
         block4_ln2_rsqrt = mem.tensor(96, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, block4_ln2_rsqrt, block4_ln2_add_2)
-        # block4_ln2_mul = block4_ln2_sub*block4_ln2_rsqrt
+        rt.ew_pair((ew_scale_add, block4_ln2_add_2, block4_ln2_sum_to_2),
+                   (ew_rsqrt, block4_ln2_rsqrt, block4_ln2_add_2))
+        # block4_ln2_mul = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
         block4_ln2_mul = mem.tensor(97, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block4_ln2_mul, block4_ln2_sub, block4_ln2_rsqrt)
         # block4_ln2 = block4_ln2_mul*block4_ln2_W + block4_ln2_B
         block4_ln2 = block4_ln2_mul  # in place: over block4_ln2_mul
-        rt.ew(ew_mul_add, block4_ln2, block4_ln2_mul, T['block4_ln2_W'], T['block4_ln2_B'])
+        rt.ew_pair((ew_mul, block4_ln2_mul, block4_ln2_sub, block4_ln2_rsqrt),
+                   (ew_mul_add, block4_ln2, block4_ln2_mul, T['block4_ln2_W'], T['block4_ln2_B']))
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
@@ -1103,12 +1103,12 @@ class Vit(rp.Model):
         # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
         ln_sum_to_2 = mem.tensor(102, (100, 16, 1), 'float32')
         rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5
+        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add, ln_add_2, ln_sum_to_2)
         # ln_rsqrt = 1/sqrt(ln_add_2)
         ln_rsqrt = mem.tensor(103, (100, 16, 1), 'float32')
-        rt.ew(ew_rsqrt, ln_rsqrt, ln_add_2)
+        rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
+                   (ew_rsqrt, ln_rsqrt, ln_add_2))
         # ln_mul = ln_sub*ln_rsqrt
         ln_mul = mem.tensor(104, (100, 16, 64), 'float32')
         rt.ew(ew_mul, ln_mul, ln_sub, ln_rsqrt)
@@ -1186,15 +1186,15 @@ class Vit(rp.Model):
         # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
         S_head_B_new = T['S_head_B']  # in place: the new S_head_B
         rt.ew(ew_square_scale_add, S_head_B_new, T['S_head_B'], d_head_B)
-        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B
+        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B   (computed with the next statement)
         M_head_B_new = T['M_head_B']  # in place: the new M_head_B
-        rt.ew(ew_scale_add_2, M_head_B_new, T['M_head_B'], d_head_B)
+        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))
+        head_B_new = T['head_B']  # in place: the new head_B
+        rt.ew_pair((ew_scale_add_2, M_head_B_new, T['M_head_B'], d_head_B),
+                   (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
         # free d_head_B
         del d_head_B
         mem.free(110)
-        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))
-        head_B_new = T['head_B']  # in place: the new head_B
-        rt.ew(ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay)
         # d_head_scale = matmul(d_head, head_W)
         d_head_scale = mem.tensor(111, (100, 64), 'float32')
         rt.matmul(d_head, T['head_W'], out=d_head_scale)
@@ -1253,15 +1253,15 @@ class Vit(rp.Model):
         # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
         S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
         rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
         M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        rt.ew(ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B)
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
         mem.free(115)
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew(ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay)
         # d_ln_rsqrt = sum_to[100x16x1](d_ln_mul*ln_sub)
         d_ln_rsqrt = mem.tensor(116, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1314,15 +1314,15 @@ class Vit(rp.Model):
         # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
         S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
         rt.ew(ew_square_scale_add, S_block4_fc2_B_new, T['S_block4_fc2_B'], d_block4_fc2_B)
-        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B
+        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B   (computed with the next statement)
         M_block4_fc2_B_new = T['M_block4_fc2_B']  # in place: the new M_block4_fc2_B
-        rt.ew(ew_scale_add_2, M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B)
+        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
         # free d_block4_fc2_B
         del d_block4_fc2_B
         mem.free(119)
-        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay)
         # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
         d_block4_fc2_reshape = mem.tensor(120, (1600, 128), 'float32')
         rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
@@ -1403,15 +1403,15 @@ class Vit(rp.Model):
         # S_block4_fc1_B_new = 0.999*S_block4_fc1_B + 0.001*d_block4_fc1_B**2
         S_block4_fc1_B_new = T['S_block4_fc1_B']  # in place: the new S_block4_fc1_B
         rt.ew(ew_square_scale_add, S_block4_fc1_B_new, T['S_block4_fc1_B'], d_block4_fc1_B)
-        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B
+        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B   (computed with the next statement)
         M_block4_fc1_B_new = T['M_block4_fc1_B']  # in place: the new M_block4_fc1_B
-        rt.ew(ew_scale_add_2, M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B)
+        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
         # free d_block4_fc1_B
         del d_block4_fc1_B
         mem.free(122)
-        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay)
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_B = sum_to[64](d_block4_ln2)
@@ -1426,15 +1426,15 @@ class Vit(rp.Model):
         # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
         S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
         rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
-        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B
+        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
         M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
-        rt.ew(ew_scale_add_2, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B)
+        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
         # free d_block4_ln2_B
         del d_block4_ln2_B
         mem.free(126)
-        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay)
         # d_block4_ln2_rsqrt = sum_to[100x16x1](d_block4_ln2_mul*block4_ln2_sub)
         d_block4_ln2_rsqrt = mem.tensor(127, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block4_ln2_rsqrt, d_block4_ln2_mul, block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1487,15 +1487,15 @@ class Vit(rp.Model):
         # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
         S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
         rt.ew(ew_square_scale_add, S_block4_attn_out_B_new, T['S_block4_attn_out_B'], d_block4_attn_out_B)
-        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B
+        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B   (computed with the next statement)
         M_block4_attn_out_B_new = T['M_block4_attn_out_B']  # in place: the new M_block4_attn_out_B
-        rt.ew(ew_scale_add_2, M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B)
+        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
         # free d_block4_attn_out_B
         del d_block4_attn_out_B
         mem.free(130)
-        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay)
         # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
         d_block4_attn_out_reshape = mem.tensor(131, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
@@ -1538,15 +1538,15 @@ class Vit(rp.Model):
         # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
         S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
         rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
-        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B
+        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
         M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
-        rt.ew(ew_scale_add_2, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B)
+        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
         # free d_block4_attn_v_B
         del d_block4_attn_v_B
         mem.free(136)
-        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay)
         # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
         d_block4_attn_v_W = mem.tensor(137, (64, 64), 'float32')
         rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True)
@@ -1559,15 +1559,15 @@ class Vit(rp.Model):
         # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
         S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
         rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
-        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W
+        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
         M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
-        rt.ew(ew_scale_add_2, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W)
+        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
         # free d_block4_attn_v_W
         del d_block4_attn_v_W
         mem.free(137)
-        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay)
 
         # ---- softmax (softmax), backward ----
         # d_softmax_softmax = reshape[6400x16](d_softmax)
@@ -1626,15 +1626,15 @@ class Vit(rp.Model):
         # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
         S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
         rt.ew(ew_square_scale_add, S_block4_attn_q_B_new, T['S_block4_attn_q_B'], d_block4_attn_q_B)
-        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B
+        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B   (computed with the next statement)
         M_block4_attn_q_B_new = T['M_block4_attn_q_B']  # in place: the new M_block4_attn_q_B
-        rt.ew(ew_scale_add_2, M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B)
+        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
         # free d_block4_attn_q_B
         del d_block4_attn_q_B
         mem.free(145)
-        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay)
         # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
         d_block4_attn_q_W = mem.tensor(146, (64, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True)
@@ -1703,29 +1703,29 @@ class Vit(rp.Model):
         # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
         S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
         rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
-        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W
+        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W   (computed with the next statement)
         M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
-        rt.ew(ew_scale_add_2, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W)
+        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
         # free d_block4_attn_q_W
         del d_block4_attn_q_W
         mem.free(146)
-        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
         S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
         rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
-        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W
+        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W   (computed with the next statement)
         M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
-        rt.ew(ew_scale_add_2, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W)
+        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
         # free d_block4_attn_k_W
         del d_block4_attn_k_W
         mem.free(147)
-        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay)
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_B = sum_to[64](d_block4_ln1)
@@ -1740,15 +1740,15 @@ class Vit(rp.Model):
         # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
         S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
         rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
-        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B
+        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
         M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
-        rt.ew(ew_scale_add_2, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B)
+        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
         # free d_block4_ln1_B
         del d_block4_ln1_B
         mem.free(152)
-        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay)
         # d_block4_ln1_rsqrt = sum_to[100x16x1](d_block4_ln1_mul*block4_ln1_sub)
         d_block4_ln1_rsqrt = mem.tensor(153, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block4_ln1_rsqrt, d_block4_ln1_mul, block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1801,15 +1801,15 @@ class Vit(rp.Model):
         # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
         S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
         rt.ew(ew_square_scale_add, S_block3_fc2_B_new, T['S_block3_fc2_B'], d_block3_fc2_B)
-        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B
+        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B   (computed with the next statement)
         M_block3_fc2_B_new = T['M_block3_fc2_B']  # in place: the new M_block3_fc2_B
-        rt.ew(ew_scale_add_2, M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B)
+        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
         # free d_block3_fc2_B
         del d_block3_fc2_B
         mem.free(156)
-        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay)
         # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
         d_block3_fc2_reshape = mem.tensor(157, (1600, 128), 'float32')
         rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
@@ -1890,15 +1890,15 @@ class Vit(rp.Model):
         # S_block3_fc1_B_new = 0.999*S_block3_fc1_B + 0.001*d_block3_fc1_B**2
         S_block3_fc1_B_new = T['S_block3_fc1_B']  # in place: the new S_block3_fc1_B
         rt.ew(ew_square_scale_add, S_block3_fc1_B_new, T['S_block3_fc1_B'], d_block3_fc1_B)
-        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B
+        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B   (computed with the next statement)
         M_block3_fc1_B_new = T['M_block3_fc1_B']  # in place: the new M_block3_fc1_B
-        rt.ew(ew_scale_add_2, M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B)
+        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
         # free d_block3_fc1_B
         del d_block3_fc1_B
         mem.free(159)
-        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay)
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_B = sum_to[64](d_block3_ln2)
@@ -1913,15 +1913,15 @@ class Vit(rp.Model):
         # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
         S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
         rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
-        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B
+        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
         M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
-        rt.ew(ew_scale_add_2, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B)
+        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
         # free d_block3_ln2_B
         del d_block3_ln2_B
         mem.free(163)
-        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay)
         # d_block3_ln2_rsqrt = sum_to[100x16x1](d_block3_ln2_mul*block3_ln2_sub)
         d_block3_ln2_rsqrt = mem.tensor(164, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block3_ln2_rsqrt, d_block3_ln2_mul, block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1974,15 +1974,15 @@ class Vit(rp.Model):
         # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
         S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
         rt.ew(ew_square_scale_add, S_block3_attn_out_B_new, T['S_block3_attn_out_B'], d_block3_attn_out_B)
-        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B
+        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B   (computed with the next statement)
         M_block3_attn_out_B_new = T['M_block3_attn_out_B']  # in place: the new M_block3_attn_out_B
-        rt.ew(ew_scale_add_2, M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B)
+        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
         # free d_block3_attn_out_B
         del d_block3_attn_out_B
         mem.free(167)
-        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay)
         # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
         d_block3_attn_out_reshape = mem.tensor(168, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
@@ -2025,15 +2025,15 @@ class Vit(rp.Model):
         # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
         S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
         rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
-        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B
+        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
         M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
-        rt.ew(ew_scale_add_2, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B)
+        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
         # free d_block3_attn_v_B
         del d_block3_attn_v_B
         mem.free(173)
-        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay)
         # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
         d_block3_attn_v_W = mem.tensor(174, (64, 64), 'float32')
         rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True)
@@ -2046,15 +2046,15 @@ class Vit(rp.Model):
         # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
         S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
         rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
-        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W
+        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
         M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
-        rt.ew(ew_scale_add_2, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W)
+        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
         # free d_block3_attn_v_W
         del d_block3_attn_v_W
         mem.free(174)
-        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay)
 
         # ---- softmax (softmax), backward ----
         # d_softmax_softmax_2 = reshape[6400x16](d_softmax_2)
@@ -2113,15 +2113,15 @@ class Vit(rp.Model):
         # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
         S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
         rt.ew(ew_square_scale_add, S_block3_attn_q_B_new, T['S_block3_attn_q_B'], d_block3_attn_q_B)
-        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B
+        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B   (computed with the next statement)
         M_block3_attn_q_B_new = T['M_block3_attn_q_B']  # in place: the new M_block3_attn_q_B
-        rt.ew(ew_scale_add_2, M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B)
+        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
         # free d_block3_attn_q_B
         del d_block3_attn_q_B
         mem.free(182)
-        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay)
         # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
         d_block3_attn_q_W = mem.tensor(183, (64, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True)
@@ -2190,29 +2190,29 @@ class Vit(rp.Model):
         # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
         S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
         rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
-        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W
+        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W   (computed with the next statement)
         M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
-        rt.ew(ew_scale_add_2, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W)
+        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
         # free d_block3_attn_q_W
         del d_block3_attn_q_W
         mem.free(183)
-        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
         S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
         rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
-        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W
+        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W   (computed with the next statement)
         M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
-        rt.ew(ew_scale_add_2, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W)
+        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
         # free d_block3_attn_k_W
         del d_block3_attn_k_W
         mem.free(184)
-        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay)
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_B = sum_to[64](d_block3_ln1)
@@ -2227,15 +2227,15 @@ class Vit(rp.Model):
         # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
         S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
         rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
-        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B
+        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
         M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
-        rt.ew(ew_scale_add_2, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B)
+        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
         # free d_block3_ln1_B
         del d_block3_ln1_B
         mem.free(189)
-        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay)
         # d_block3_ln1_rsqrt = sum_to[100x16x1](d_block3_ln1_mul*block3_ln1_sub)
         d_block3_ln1_rsqrt = mem.tensor(190, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block3_ln1_rsqrt, d_block3_ln1_mul, block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2288,15 +2288,15 @@ class Vit(rp.Model):
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
         rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
         M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        rt.ew(ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B)
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
         mem.free(193)
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
         d_block2_fc2_reshape = mem.tensor(194, (1600, 128), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
@@ -2377,15 +2377,15 @@ class Vit(rp.Model):
         # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
         S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
         rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
         M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        rt.ew(ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B)
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
         mem.free(196)
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
@@ -2400,15 +2400,15 @@ class Vit(rp.Model):
         # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
         S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
         rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
         M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        rt.ew(ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B)
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
         mem.free(200)
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay)
         # d_block2_ln2_rsqrt = sum_to[100x16x1](d_block2_ln2_mul*block2_ln2_sub)
         d_block2_ln2_rsqrt = mem.tensor(201, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2461,15 +2461,15 @@ class Vit(rp.Model):
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
         rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
         M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        rt.ew(ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B)
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
         mem.free(204)
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
         d_block2_attn_out_reshape = mem.tensor(205, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
@@ -2512,15 +2512,15 @@ class Vit(rp.Model):
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
         rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
         M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        rt.ew(ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B)
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
         mem.free(210)
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay)
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
         d_block2_attn_v_W = mem.tensor(211, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
@@ -2533,15 +2533,15 @@ class Vit(rp.Model):
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
         S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
         rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
         M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        rt.ew(ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W)
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
         mem.free(211)
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay)
 
         # ---- softmax (softmax), backward ----
         # d_softmax_softmax_3 = reshape[6400x16](d_softmax_3)
@@ -2600,15 +2600,15 @@ class Vit(rp.Model):
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
         rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
         M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        rt.ew(ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B)
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
         mem.free(219)
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(220, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
@@ -2677,29 +2677,29 @@ class Vit(rp.Model):
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
         M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        rt.ew(ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W)
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
         mem.free(220)
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
         S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
         rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
         M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        rt.ew(ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W)
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
         mem.free(221)
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
@@ -2714,15 +2714,15 @@ class Vit(rp.Model):
         # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
         S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
         rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
         M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        rt.ew(ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B)
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
         mem.free(226)
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay)
         # d_block2_ln1_rsqrt = sum_to[100x16x1](d_block2_ln1_mul*block2_ln1_sub)
         d_block2_ln1_rsqrt = mem.tensor(227, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2775,15 +2775,15 @@ class Vit(rp.Model):
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
         rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
         M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        rt.ew(ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B)
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        rt.ew_pair((ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
         mem.free(230)
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
         d_block1_fc2_reshape = mem.tensor(231, (1600, 128), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
@@ -2864,15 +2864,15 @@ class Vit(rp.Model):
         # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
         S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
         rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
         M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        rt.ew(ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B)
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        rt.ew_pair((ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
         mem.free(233)
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
@@ -2887,15 +2887,15 @@ class Vit(rp.Model):
         # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
         S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
         rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
         M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        rt.ew(ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B)
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
         mem.free(237)
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay)
         # d_block1_ln2_rsqrt = sum_to[100x16x1](d_block1_ln2_mul*block1_ln2_sub)
         d_block1_ln2_rsqrt = mem.tensor(238, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2948,15 +2948,15 @@ class Vit(rp.Model):
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
         rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
         M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        rt.ew(ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B)
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
         mem.free(241)
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
         d_block1_attn_out_reshape = mem.tensor(242, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
@@ -2999,15 +2999,15 @@ class Vit(rp.Model):
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
         rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
         M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        rt.ew(ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B)
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
         mem.free(247)
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay)
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
         d_block1_attn_v_W = mem.tensor(248, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
@@ -3020,15 +3020,15 @@ class Vit(rp.Model):
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
         S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
         rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
         M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        rt.ew(ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W)
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
         mem.free(248)
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay)
 
         # ---- softmax (softmax), backward ----
         # d_softmax_softmax_4 = reshape[6400x16](d_softmax_4)
@@ -3087,15 +3087,15 @@ class Vit(rp.Model):
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
         rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
         M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        rt.ew(ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B)
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
         mem.free(256)
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(257, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
@@ -3164,29 +3164,29 @@ class Vit(rp.Model):
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
         M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        rt.ew(ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W)
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
         mem.free(257)
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
         S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
         rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
         M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        rt.ew(ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W)
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
         mem.free(258)
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
@@ -3201,15 +3201,15 @@ class Vit(rp.Model):
         # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
         S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
         rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
         M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        rt.ew(ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B)
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        rt.ew_pair((ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
         mem.free(263)
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay)
         # d_block1_ln1_rsqrt = sum_to[100x16x1](d_block1_ln1_mul*block1_ln1_sub)
         d_block1_ln1_rsqrt = mem.tensor(264, (100, 16, 1), 'float32')
         rt.ew_sum(ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -3267,43 +3267,43 @@ class Vit(rp.Model):
         # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
         S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
         rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
-        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W
+        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W   (computed with the next statement)
         M_patch_W_new = T['M_patch_W']  # in place: the new M_patch_W
-        rt.ew(ew_scale_add_2, M_patch_W_new, T['M_patch_W'], d_patch_W)
+        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))
+        patch_W_new = T['patch_W']  # in place: the new patch_W
+        rt.ew_pair((ew_scale_add_2, M_patch_W_new, T['M_patch_W'], d_patch_W),
+                   (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
         # free d_patch_W
         del d_patch_W
         mem.free(268)
-        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))
-        patch_W_new = T['patch_W']  # in place: the new patch_W
-        rt.ew(ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay)
         # d_patch_B = reshape[64](d_patch_sum_to)
         d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
         # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
         S_patch_B_new = T['S_patch_B']  # in place: the new S_patch_B
         rt.ew(ew_square_scale_add, S_patch_B_new, T['S_patch_B'], d_patch_B)
-        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B
+        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B   (computed with the next statement)
         M_patch_B_new = T['M_patch_B']  # in place: the new M_patch_B
-        rt.ew(ew_scale_add_2, M_patch_B_new, T['M_patch_B'], d_patch_B)
+        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))
+        patch_B_new = T['patch_B']  # in place: the new patch_B
+        rt.ew_pair((ew_scale_add_2, M_patch_B_new, T['M_patch_B'], d_patch_B),
+                   (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
         # free d_patch_sum_to, d_patch_B
         del d_patch_sum_to, d_patch_B
         mem.free(269)
-        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))
-        patch_B_new = T['patch_B']  # in place: the new patch_B
-        rt.ew(ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay)
 
         # ---- pos (parameter 1x16x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
         S_pos_new = T['S_pos']  # in place: the new S_pos
         rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
         M_pos_new = T['M_pos']  # in place: the new M_pos
-        rt.ew(ew_scale_add_2, M_pos_new, T['M_pos'], d_pos)
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        pos_new = T['pos']  # in place: the new pos
+        rt.ew_pair((ew_scale_add_2, M_pos_new, T['M_pos'], d_pos),
+                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
         mem.free(266)
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
-        pos_new = T['pos']  # in place: the new pos
-        rt.ew(ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay)
         loss = rt.scalar(head_cross_entropy)
         mem.end()
         return loss

@@ -298,6 +298,16 @@ def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
     return "".join(letters)
 
 
+def pair_function(first: str, first_pattern: str, second: str, second_pattern: str) -> str | None:
+    """The compiled library's function computing elementwise kernel `first` over operands of `first_pattern` and
+    then `second` (which reads the first's output) over `second_pattern`, in one pass over the elements: there is
+    one for each pair of whole-tensor and scalar patterns (letters f, u and s) the program calls; None for other
+    patterns (the pair is then two calls)."""
+    if not set(first_pattern + second_pattern) <= set("fsu"):
+        return None
+    return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}"
+
+
 def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
     """The operand pattern (`operand_pattern` over the summed values) of an ew_sum a compiled kernel computes
     directly, never storing the values: a per-channel sum ((N, C, ...) of 3 or more axes to (1, C, 1, ...), as

@@ -19,7 +19,7 @@ from deepdsl.passes.linearize import linearize
 from deepdsl.passes.rematerialize import rematerialize
 from deepdsl.passes.schedule import schedule_for_memory
 from deepdsl.pipeline import CompileOptions
-from deepdsl.ssa import Free
+from deepdsl.ssa import Free, Let
 
 from tests import test_memory_modes
 from tests.support.memory_programs import small_networks, step_programs
@@ -72,14 +72,16 @@ def test_the_scheduled_estimate_is_the_planned_peak_without_rematerialization(na
 
 
 def test_live_ranges_are_the_plan_buffers_and_deaths_are_the_frees():
-    in_place = {}
+    stages = {}
     compiled = deepdsl.compile(deepdsl.load(ROOT / "networks" / "resnet_mini.py", Overrides(batch=2)),
-                               hook=lambda label, value: in_place.setdefault(label, value))
+                               hook=lambda label, value: stages.setdefault(label, value))
     program, plan = compiled.train, compiled.steps["train"].plan
     assert [(r.storage.root, r.begin, r.end, r.size) for r in live_ranges(program)] == \
         [(b.value, b.begin, b.end, b.size) for b in plan.buffers]
-    # each storage dies at its last use, and the Free right after that statement releases it
-    before = in_place[f"{program.name}:inplace"]
+    # each storage dies at its last use (a pair's call using the first statement's inputs and output), and the Free
+    # right after that statement releases it
+    before = stages[f"{program.name}:fuse_multi_output"]
+    assert any(isinstance(i, Let) and i.computes_also is not None for i in before.body)
     position = [k for k, instr in enumerate(program.body) if not isinstance(instr, Free)]
     dying = deaths(before)
     assert dying

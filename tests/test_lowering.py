@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import numpy as np
 import pytest
+import sympy
 
 import deepdsl
 from deepdsl import dsl as D
+from deepdsl import interpret
 from deepdsl.codegen import description as description_module
 from deepdsl.codegen import render_program, write_program
 from deepdsl.codegen.cuda import render_cuda
@@ -17,7 +20,9 @@ from deepdsl.codegen.description import ProgramDescription, describe
 from deepdsl.dsl import Overrides
 from deepdsl.errors import VerifyError
 from deepdsl.ir import FLOAT, make
-from deepdsl.passes.fuse_pool_argmax import fuse_pool_argmax
+from deepdsl.ops.elementwise import elementwise, sym
+from deepdsl.passes.dealloc import insert_frees
+from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.training import is_optimizer_state
 from deepdsl.verify import verify
@@ -48,9 +53,9 @@ def test_adjacent_pool_and_argmax_of_the_same_windows_are_paired_in_either_order
     x, pool, index = _pooling()
     for first, second in ((pool, index), (index, pool)):
         program = _program(x, [Let(first), Let(second)], [("a", pool), ("b", index)])
-        fused = verify(fuse_pool_argmax(program))
+        fused = verify(fuse_multi_output(program))
         assert [i.computes_also for i in fused.body] == [None, first]
-        assert fuse_pool_argmax(fused) is fused                      # idempotent
+        assert fuse_multi_output(fused) is fused                      # idempotent
         assert fused.text() == program.text()                        # the values are the same
 
 
@@ -63,7 +68,7 @@ def test_pools_apart_of_other_windows_or_in_place_are_not_paired():
         _program(x, [Let(pool, into=x), Let(index)], [("a", pool), ("b", index)]),          # one in place
     ]
     for program in cases:
-        assert fuse_pool_argmax(program) is program
+        assert fuse_multi_output(program) is program
 
 
 def test_the_verifier_rejects_a_wrong_pairing():
@@ -78,14 +83,90 @@ def test_the_verifier_rejects_a_wrong_pairing():
         verify(apart)
 
 
-def test_compiled_networks_pair_their_pools_and_keep_their_plans(lenet):
+def _momentum_update(shape=(4, 3)):
+    """An optimizer's two updates as a program: v' = 0.9*v + g (over v) and then w' = w - 0.1*v' (over w)."""
+    v0, v1, v2 = sym(0), sym(1), sym(2)
+    w = make("param", (), name="w", shape=shape, dtype=FLOAT, init="zeros")
+    v = make("state", (), name="v", shape=shape, dtype=FLOAT, init="zeros")
+    g = make("input", (), name="g", shape=shape, dtype=FLOAT, role="data")
+    v_new = elementwise(sympy.Float(0.9) * v0 + v1 + v2 * 0, [v, g, w])
+    w_new = elementwise(v0 - sympy.Float(0.1) * v1, [w, v_new])
+    return (w, v, g), v_new, w_new
+
+
+def test_an_elementwise_statement_and_its_elementwise_reader_are_paired_in_place_or_not():
+    (w, v, g), v_new, w_new = _momentum_update()
+    feeds = {"w": np.arange(12.0).reshape(4, 3), "v": np.ones((4, 3)), "g": np.full((4, 3), 0.5)}
+    for into in ((None, None), (v, w)):
+        program = Program("p", (w, v, g), (Let(v_new, into=into[0]), Let(w_new, into=into[1])),
+                          (("v", v_new), ("w", w_new)))
+        fused = verify(fuse_multi_output(program))
+        assert [i.computes_also for i in fused.body] == [None, v_new]
+        assert [i.into for i in fused.body] == list(into)
+        for key, value in interpret.run(program, feeds).items():
+            np.testing.assert_array_equal(interpret.run(fused, feeds)[key], value)
+
+
+def test_elementwise_statements_apart_unrelated_or_of_other_shapes_are_not_paired():
+    (w, v, g), v_new, w_new = _momentum_update()
+    other = elementwise(sym(0) * 2, [g])
+    wide = elementwise(sym(0) + sym(1), [v_new, make("input", (), name="b", shape=(2, 4, 3), dtype=FLOAT,
+                                                           role="label")])
+    cases = [
+        Program("p", (w, v, g), (Let(v_new), Let(other), Let(w_new)), (("v", v_new), ("w", w_new), ("o", other))),
+        Program("p", (w, v, g), (Let(v_new), Let(other)), (("v", v_new), ("o", other))),        # no reader
+        Program("p", (w, v, g, wide.inputs[1]), (Let(v_new), Let(wide)), (("v", v_new), ("x", wide))),  # broadcast
+    ]
+    for program in cases:
+        assert fuse_multi_output(program) is program
+
+
+def test_a_pair_keeps_the_first_statements_inputs_until_the_call():
+    """The gradient dies at the first statement of the pair: its Free comes after the second, which is the call
+    that reads it, so no output of that statement or after can take its memory while it is still to be read. Of the
+    chain gradient -> momentum -> weight, the pair that saves more reading is taken: the two updates, which also
+    share the weight."""
+    (w, v, g), v_new, w_new = _momentum_update()
+    scratch = elementwise(sym(0) * 3, [g])             # an arena gradient, read by the first statement only
+    v_new = elementwise(sympy.Float(0.9) * sym(0) + sym(1) + sympy.Float(1e-4) * sym(2), [v, scratch, w])
+    w_new = elementwise(sym(0) - sympy.Float(0.1) * sym(1), [w, v_new])
+    program = Program("p", (w, v, g), (Let(scratch), Let(v_new, into=v), Let(w_new, into=w)),
+                      (("v", v_new), ("w", w_new)))
+    def order(body):
+        return [i.node if isinstance(i, Let) else i.nodes for i in body]
+
+    freed = verify(insert_frees(fuse_multi_output(program)))
+    assert order(freed.body) == [scratch, (g,), v_new, w_new, (scratch,)]
+    assert [i.computes_also for i in freed.body if isinstance(i, Let)] == [None, None, v_new]
+    assert order(insert_frees(program).body) == [scratch, (g,), v_new, (scratch,), w_new]
+
+
+def test_a_pairs_first_output_that_nothing_reads_is_freed_after_the_call_that_writes_it():
+    x, pool, index = _pooling()
+    program = _program(x, [Let(index), Let(pool)], [("a", pool)])          # the argmax is never read
+    freed = verify(insert_frees(fuse_multi_output(program)))
+    assert [i.node if isinstance(i, Let) else i.nodes for i in freed.body] == [index, pool, (x, index)]
+
+
+def test_the_verifier_rejects_an_elementwise_pair_whose_second_does_not_read_the_first():
+    (w, v, g), v_new, _ = _momentum_update()
+    other = elementwise(sym(0) * 2, [g])
+    wrong = Program("p", (w, v, g), (Let(v_new), Let(other, computes_also=v_new)), (("v", v_new), ("o", other)))
+    with pytest.raises(VerifyError, match="cannot be computed by one call"):
+        verify(wrong)
+
+
+def test_compiled_networks_pair_their_pools_and_updates_and_keep_their_plans(lenet):
     pairs = [(body[k - 1].node.op, i.node.op) for body in [lenet.train.body]
              for k, i in enumerate(body) if isinstance(i, Let) and i.computes_also is not None]
-    assert pairs and all({a, b} == {"max_pool", "max_pool_argmax"} for a, b in pairs)
+    pools = [p for p in pairs if set(p) == {"max_pool", "max_pool_argmax"}]
+    updates = [p for p in pairs if p == ("ew", "ew")]
+    assert pools and len(updates) >= 8 and len(pools) + len(updates) == len(pairs)   # 8: LeNet's parameters
     assert len(lenet.steps["train"].plan.steps) == len(lenet.train.body)
     text = render_program(describe(lenet))
     assert text.count("(computed with the next statement)") == len(pairs)
-    assert text.count("argmax=") == len(pairs)
+    assert text.count("argmax=") == len(pools)
+    assert text.count("rt.ew_pair(") == len(updates)
 
 
 # --- one frozen description for both renderers -------------------------------------------------------------------

@@ -63,7 +63,8 @@ class ProgramDescription:
     """Everything the Python program and its CUDA kernels are rendered from, as frozen data: texts are final,
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
     and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
-    `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`); `steps`
+    `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`; `kernel_pairs`: the kernels
+    computed two in one pass, each with its pattern, `steps.Kernels.use_pair`); `steps`
     are setup, training step and test step (then the accumulate, apply and statistics steps, where compiled);
     `memory_plans`
     their plans, in that order."""
@@ -98,6 +99,7 @@ class ProgramDescription:
     kernel_imports: tuple[str, ...]
     kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
     kernel_sums: tuple[tuple[str, tuple[str, ...]], ...]
+    kernel_pairs: tuple[tuple[str, str, str, str], ...]
     iters: int
     test_iters: int
     lr: str
@@ -276,6 +278,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "kernel_imports": ufuncs.runtime_imports(k.body for k in kernels.items),
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),
         "kernel_sums": tuple((k.name, tuple(kernels.sums.get(k.name, ()))) for k in kernels.items),
+        "kernel_pairs": tuple(kernels.pairs),
         "iters": solver.iters,
         "test_iters": solver.test_iters,
         "lr": _number(solver.lr),

@@ -65,6 +65,13 @@ def elementwise_sum(site: Site) -> str:
             f"shape={literal(site.node.attr('shape'))}{ws})")
 
 
+def elementwise_pair(first: Site, second: Site) -> str:
+    """Two `ew` statements in one pass, the second reading the first's output (`passes.fuse_multi_output`): each
+    call as `rt.ew` takes it, kernel, output and arguments; one line each."""
+    calls = [f"({site.kernel}, {site.out}{''.join(', ' + a for a in site.args)})" for site in (first, second)]
+    return f"rt.ew_pair({calls[0]},\n{' ' * len('rt.ew_pair(')}{calls[1]})"
+
+
 def bernoulli(site: Site) -> str:
     """Masks are drawn from (seed, step, key): the run's seed and the iteration number complete the attributes."""
     ws = f", workspace={site.workspace}" if site.workspace else ""

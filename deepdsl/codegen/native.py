@@ -20,6 +20,7 @@ from pathlib import Path
 
 import sympy
 
+from deepdsl_runtime import contract
 from deepdsl_runtime.cpu.native import BUILD_FLAGS, KERNELS_DIR, library_path
 
 __all__ = ["render_c", "build_library", "build_in_background", "find_compiler", "compile_command", "not_built"]
@@ -34,9 +35,12 @@ def render_c(description, program: str | None = None) -> str:
     patterns, sums = dict(description.kernel_patterns), dict(description.kernel_sums)
     kernels = [{"name": k.name, "text": sympy.sstr(k.expr), "c": c_expression(k.expr), "inputs": list(range(k.arity)),
                 "patterns": patterns.get(k.name, ()), "sums": sums.get(k.name, ())} for k in description.kernels]
+    by_name = {k["name"]: k for k in kernels}
+    pairs = [{"function": contract.pair_function(*pair), "first": by_name[pair[0]], "first_pattern": pair[1],
+              "second": by_name[pair[2]], "second_pattern": pair[3]} for pair in description.kernel_pairs]
     return render("kernels.c.jinja", name=description.name, program=program or description.filename,
                   version=description.version, source=description.source,
-                  structure_hash=description.structure_hash, kernels=kernels)
+                  structure_hash=description.structure_hash, kernels=kernels, pairs=pairs)
 
 
 NO_COMPILER = "no C compiler (cc, gcc or $CC)"

@@ -97,6 +97,9 @@ class Kernels:
     patterns: dict[str, list[str]] = field(default_factory=dict)
     # kernel name -> the operand patterns of its per-channel sums (`ew_sum` statements), each a compiled function
     sums: dict[str, list[str]] = field(default_factory=dict)
+    # (first kernel, its pattern, second kernel, its pattern) of the pairs of statements computed in one pass, in
+    # order of first use: the compiled CPU library has one function for each
+    pairs: list[tuple[str, str, str, str]] = field(default_factory=list)
     _by_key: dict[tuple, str] = field(default_factory=dict)
 
     def use(self, name: str, pattern: str | None) -> None:
@@ -110,6 +113,17 @@ class Kernels:
         one the compiled library leaves to numpy's chunks)."""
         if pattern is not None and pattern not in self.sums.setdefault(name, []):
             self.sums[name].append(pattern)
+
+    def use_pair(self, first: str, first_pattern: str | None, second: str, second_pattern: str | None) -> None:
+        """Note a call computing kernel `first` and then kernel `second` (which reads the first's output) in one
+        pass: the compiled library has one function for each pair of patterns that has one
+        (`deepdsl_runtime.contract.pair_function`: whole tensors and scalars)."""
+        if first_pattern is None or second_pattern is None or \
+                contract.pair_function(first, first_pattern, second, second_pattern) is None:
+            return
+        pair = (first, first_pattern, second, second_pattern)
+        if pair not in self.pairs:
+            self.pairs.append(pair)
 
     def get(self, expr: sympy.Expr, nargs: int, alias: int | None) -> str:
         key = (sympy.srepr(expr), nargs, alias)
@@ -243,12 +257,12 @@ class StepBuilder:
         return tuple(result)
 
     def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
-        """The block of one statement. A `max_pool` and `max_pool_argmax` pair over the same windows (marked by
-        `passes.fuse_pool_argmax`) makes one pass: the first statement only binds its buffer (`call=False`), the
-        second (`pair`: the first's node and plan step) makes one `rt.max_pool(..., argmax=)` call for both, in
-        max_pool's workspace (the kernel's small mask may be a temporary): both statements keep the plan's buffers
-        and the call asks for no more workspace than the plan gives max_pool, so every allocator mode stays within
-        the plan."""
+        """The block of one statement. A pair of statements computed together (`passes.fuse_multi_output`) makes
+        one call: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's node and
+        plan step) calls `rt.ew_pair` for two elementwise kernels, or `rt.max_pool(..., argmax=)` for a window's
+        maximum and position, in max_pool's workspace (the kernel's small mask may be a temporary). Both statements
+        keep the plan's buffers and the call asks for no more workspace than the plan gives, so every allocator
+        mode stays within the plan."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -270,6 +284,15 @@ class StepBuilder:
             raise GenerateError(f"the memory plan gives statement {name} no buffer")
         if not call:
             return Block(comment + "   (computed with the next statement)", tuple(lines))
+        if pair is not None and node.op == "ew":
+            first = pair[0]
+            first_kernel = self.kernel(first, self.into.get(id(first)))
+            kernel = self.kernel(node, target)
+            self.kernels.use_pair(first_kernel, operand_pattern(first), kernel, operand_pattern(node))
+            lines += lowering.elementwise_pair(
+                lowering.Site(first, tuple(self.arg(x) for x in first.inputs), self.py[id(first)], None, first_kernel),
+                lowering.Site(node, args, name, None, kernel)).split("\n")
+            return Block(comment, tuple(lines))
         if pair is not None:
             first, first_step = pair
             pool, index = (first, node) if first.op == "max_pool" else (node, first)
@@ -279,17 +302,20 @@ class StepBuilder:
                 lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
             return Block(comment, tuple(lines))
         workspace = f"mem.workspace({step.workspace})" if step.workspace else None
-        kernel = None
-        if node.op in ("ew", "ew_sum"):
-            alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
-            kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
-            self.kernels.use(kernel, operand_pattern(node))
-            if node.op == "ew_sum":
-                self.kernels.use_sum(kernel, contract.channel_sum_pattern(
-                    [(x.shape, x.dtype == "uint8") for x in node.inputs],
-                    broadcast_shapes(*(x.shape for x in node.inputs)), node.shape))
+        kernel = self.kernel(node, target) if node.op in ("ew", "ew_sum") else None
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, tuple(lines))
+
+    def kernel(self, node: Node, target: Node | None) -> str:
+        """The kernel of an `ew` or `ew_sum` statement (writing over its input `target`, if any), its call noted."""
+        alias = next((i for i, x in enumerate(node.inputs) if x is target), None) if target is not None else None
+        kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
+        self.kernels.use(kernel, operand_pattern(node))
+        if node.op == "ew_sum":
+            self.kernels.use_sum(kernel, contract.channel_sum_pattern(
+                [(x.shape, x.dtype == "uint8") for x in node.inputs],
+                broadcast_shapes(*(x.shape for x in node.inputs)), node.shape))
+        return kernel
 
     def lives_in(self, value: Node, leaf: Node) -> bool:
         """Whether the step leaves `value` in the persistent buffer of `leaf` (in place, or as a view of it)."""

@@ -10,7 +10,8 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
   trades speed for memory without changing results. Without a workspace an op allocates its
   own scratch (handy interactively, never done by generated programs).
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
-- `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote.
+- `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote,
+  `ew_pair((kernel, out, *args), (kernel, out, *args))` two of them in one pass (the second reads the first's out).
 - The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
   product `gemm(a, b, out=c)` (c = a @ b, 2-D or batched as numpy's matmul; operands may be transposed views):
   `np.matmul` by default. `with_gemm(gemm)` is this backend with another one bound, such as the tiled
@@ -36,7 +37,7 @@ import types
 
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
-from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_sum
+from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_pair, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
@@ -48,15 +49,15 @@ from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zer
 
 __all__ = [
     "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
-    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_sum",
-    "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
-    "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
+    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_pair",
+    "ew_sum", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size",
+    "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_sum")
+             "max_pool_bwd", "ew", "ew_pair", "ew_sum")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

@@ -1,5 +1,5 @@
 """Elementwise work on the CPU: constants, copies and the elementwise kernels the compiler writes (`ew`), run in
-cache-sized chunks, and their sums (`ew_sum`); `erf`, the one function those kernels call that numpy has no ufunc
+cache-sized chunks, two of them in one pass (`ew_pair`), and their sums (`ew_sum`); `erf`, the one function those kernels call that numpy has no ufunc
 for."""
 from __future__ import annotations
 
@@ -50,6 +50,17 @@ def ew(kernel, out, *args, native=None):
     for s in range(0, n, EW_CHUNK):
         e = s + EW_CHUNK
         kernel(o[s:e], *(a[s:e] if cut else a for a, cut in flat))
+
+
+def ew_pair(first, second, native=None):
+    """Two elementwise kernels, each given as `ew` takes it, `(kernel, out, *args)`, the second reading the first's
+    output (two statements computed together, `deepdsl.passes.fuse_multi_output`): with `native`, one pass of the
+    program's compiled pair where it has one for these operands, else `ew` of the one and then of the other. The
+    values are the same either way."""
+    if native is not None and native.ew_pair(first, second):
+        return
+    ew(*first, native=native)
+    ew(*second, native=native)
 
 
 def ew_sum(kernel, out, *args, shape, workspace=None, native=None):

@@ -329,6 +329,37 @@ class Native:
         self._call(function, pattern, sizes, out, args)
         return True
 
+    def ew_pair(self, first, second) -> bool:
+        """Run two elementwise kernels, each `(kernel, out, *args)`, the second reading the first's output, in one
+        pass of the library's pair function (`contract.pair_function`) when it has one for these operands and the
+        outputs are contiguous float32 of one size, at least EW_NATIVE_MIN elements; False otherwise (nothing run)."""
+        (k0, out0, *args0), (k1, out1, *args1) = first, second
+        if out0.size < EW_NATIVE_MIN or out0.shape != out1.shape or not _contiguous32(out0, out1):
+            return False
+        if any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args0 + args1):
+            return False
+        key = ("pair", k0.__name__, k1.__name__, out0.shape,
+               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args0 + args1))
+        found = self._ew.get(key)
+        if found is None:
+            found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape)
+        if found is False:
+            return False
+        function, pattern = found
+        function(out0.size, out0.ctypes.data, out1.ctypes.data, *_operands(args0 + args1, pattern))
+        return True
+
+    def _pair_function(self, first: str, args0, second: str, args1, out_shape):
+        patterns = [self._pattern(args, out_shape) for args in (args0, args1)]
+        if None in patterns:
+            return False
+        name = contract.pair_function(first, patterns[0], second, patterns[1])
+        function = None if name is None else getattr(self.lib, name, None)
+        if function is None:
+            return False
+        function.argtypes = [_L, _P, _P, _P, _P]
+        return function, patterns[0] + patterns[1]
+
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's
         `deepdsl_<name>_<pattern>_csum`, `contract.channel_sum_pattern`), the values never stored; False where the
@@ -361,24 +392,26 @@ class Native:
         return function, pattern, sizes
 
     def _call(self, function, pattern, sizes, out, args) -> None:
-        n = len(args)
-        pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
-        values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
-                            for a, p in zip(args, pattern)))
-        function(*sizes, out.ctypes.data, pointers, values)
+        function(*sizes, out.ctypes.data, *_operands(args, pattern))
 
-    def _ew_function(self, name: str, out_shape, args):
-        """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or
-        False where there is none (operands it does not take, or a pattern the program does not call it with)."""
+    @staticmethod
+    def _pattern(args, out_shape) -> str | None:
+        """The operand pattern of a kernel call (`contract.operand_pattern`); None for operands no compiled kernel
+        takes."""
         shapes = []
         for a in args:
             if not isinstance(a, np.ndarray):
                 shapes.append(((), False))
             elif a.dtype not in (np.float32, np.uint8):
-                return False
+                return None
             else:
                 shapes.append((a.shape, a.dtype == np.uint8))
-        pattern = contract.operand_pattern(shapes, out_shape)
+        return contract.operand_pattern(shapes, out_shape)
+
+    def _ew_function(self, name: str, out_shape, args):
+        """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or
+        False where there is none (operands it does not take, or a pattern the program does not call it with)."""
+        pattern = self._pattern(args, out_shape)
         function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}", None)
         if function is None:
             return False
@@ -387,6 +420,16 @@ class Native:
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
         return function, pattern, sizes
+
+
+def _operands(args, pattern):
+    """A compiled elementwise function's `in` and `value` arrays: each operand's pointer, or for a scalar (`s`)
+    its value as float32."""
+    n = len(args)
+    pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
+    values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
+                        for a, p in zip(args, pattern)))
+    return pointers, values
 
 
 def _contiguous32(*arrays) -> bool:

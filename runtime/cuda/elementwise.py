@@ -1,5 +1,5 @@
-"""Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`) and their sums (`ew_sum`),
-broadcasts and reductions to a shape, copies and constants."""
+"""Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`, two at a time `ew_pair`) and their
+sums (`ew_sum`), broadcasts and reductions to a shape, copies and constants."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,6 +58,13 @@ def ew(kernel, out: DeviceArray, *args) -> None:
     config = L.launch_1d(layout.size)
     out.device.launch(L.ew_entry(name, layout.nd), "IIIIP" + _EW_ARG * len(args), config.grid, config.block,
                       (layout.size, d[1], d[2], d[3], out.ptr, *_ew_args(layout, args)), kernel)
+
+
+def ew_pair(first, second) -> None:
+    """Two elementwise kernels, each `(kernel, out, *args)` as `ew` takes it, the second reading the first's
+    output: the CPU backend's one pass (`deepdsl_runtime.cpu.elementwise.ew_pair`) is two launches here."""
+    ew(*first)
+    ew(*second)
 
 
 def ew_sum(kernel, out: DeviceArray, *args, shape, workspace=None) -> None:
