@@ -171,12 +171,8 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
     """The memory plan of `program` (see the module docstring); `takeover`: let statements take over the storage of
     a dying input where that lowers the peak."""
     storage = analyze(program)
-    ranges = live_ranges(program, storage)
-    roots = [r.storage for r in ranges]
-    intervals = [(r.begin, r.end) for r in ranges]
-    sizes = [r.size for r in ranges]
+    roots, intervals, sizes, takes = _buffers(program, storage, takeover)
     placements: dict[int, Placement] = {}
-    takes = _takeovers(program, storage, roots, intervals, sizes) if takeover else {}   # buffer -> buffer it takes over
     pairs = [(a, b) for b, a in takes.items()]
     offsets, packing = pack(intervals, sizes, peak_bytes(intervals, sizes, pairs), pairs)
     buffers = tuple(Buffer(k, info.root, nbytes(info.root), sizes[k], offsets[k], intervals[k][0], intervals[k][1],
@@ -201,6 +197,24 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
     outputs = tuple((name, None if is_inline(node) else placements.get(id(node))) for name, node in program.outputs)
     return MemoryPlan(program.name, ALIGNMENT, buffers, steps, persistent, outputs, arena, ws_max, workspace_limit,
                       peak, peak_exact, peak_step, packing, placements)
+
+
+def _buffers(program: Program, storage, takeover: bool):
+    """(the arena storages in allocation order, their live intervals, their placed sizes, buffer index -> index of
+    the buffer it takes over)."""
+    ranges = live_ranges(program, storage)
+    roots = [r.storage for r in ranges]
+    intervals = [(r.begin, r.end) for r in ranges]
+    sizes = [r.size for r in ranges]
+    takes = _takeovers(program, storage, roots, intervals, sizes) if takeover else {}
+    return roots, intervals, sizes, takes
+
+
+def planned_live_bytes(program: Program, takeover: bool = True) -> list[int]:
+    """The live bytes at each body index of `program` (after dealloc) as its plan counts them (`MemoryPlan.steps`),
+    without packing the buffers: for a pass that compares the peaks of two versions of a program."""
+    _, intervals, sizes, takes = _buffers(program, analyze(program), takeover)
+    return live_bytes(intervals, sizes, [(a, b) for b, a in takes.items()], len(program.body))
 
 
 def _kind(leaf: Node) -> str:

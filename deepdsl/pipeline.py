@@ -162,7 +162,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("rematerialize", rematerialize, "rematerialize"),   # needs the final order; before in-place and frees
     Stage("inplace", compute_in_place, "inplace",
           lambda o: {"activations": o.inplace_activations, "updates": o.inplace_updates}),
-    Stage("fuse_multi_output", fuse_multi_output),        # needs the final order and in-place statements
+    Stage("fuse_multi_output", fuse_multi_output, None, lambda o: {"takeover": o.takeover}),  # final order, in place
     Stage("dealloc", insert_frees, "dealloc"),            # frees after the reads of both statements of a pair
     Stage("plan_memory", plan_memory, None, lambda o: {"workspace_limit": o.workspace_limit, "takeover": o.takeover}),
 )

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
 Memory: peak 28.40 MB of tensors planned for the training step (4.20 MB testing); static arena 28.40 MB, pool 28.86 MB, workspace 2.10 MB
-Structure hash: 37855d7b6cb05b3d
+Structure hash: 1b080cdfa30f59c6
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "37855d7b6cb05b3d"
+    structure_hash = "1b080cdfa30f59c6"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -227,15 +227,16 @@ class CharLm(rp.Model):
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
         block1_ln1_sub = mem.tensor(5, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale)
+        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
         mem.free(4)
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
@@ -357,15 +358,16 @@ class CharLm(rp.Model):
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
         block1_ln2_sub = mem.tensor(21, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale)
+        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
         mem.free(20)
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
@@ -421,15 +423,16 @@ class CharLm(rp.Model):
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
         block2_ln1_sub = mem.tensor(29, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale)
+        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(30, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
         mem.free(28)
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(30, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
@@ -551,15 +554,16 @@ class CharLm(rp.Model):
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
         block2_ln2_sub = mem.tensor(45, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale)
+        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(46, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
         mem.free(44)
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(46, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
@@ -615,15 +619,16 @@ class CharLm(rp.Model):
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
         rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
-        rt.ew(ew_sub_2, ln_sub, ln_add, ln_scale)
+        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(53, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
         mem.free(52)
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(53, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
@@ -709,14 +714,15 @@ class CharLm(rp.Model):
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_mul_2 = ln_sub*ln_rsqrt
+        # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
         ln_mul_2 = mem.tensor(63, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, ln_mul_2, ln_sub, ln_rsqrt)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_ln*ln_mul_2)
         d_ln_W = mem.tensor(64, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_ln_W, d_ln, ln_mul_2, shape=(64,), workspace=mem.workspace(524288))
+        rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
+                      (ew_mul, d_ln_W, d_ln, ln_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
         # free ln_mul_2
         del ln_mul_2
         mem.free(63)
@@ -751,9 +757,13 @@ class CharLm(rp.Model):
         # d_ln_B = sum_to[64](d_ln)
         d_ln_B = mem.tensor(65, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
-        # d_ln_mul = d_ln*ln_W
+        # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
-        rt.ew(ew_mul_2, d_ln_mul, d_ln, T['ln_W'])
+        # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
+        d_ln_rsqrt = mem.tensor(66, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
+                      (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
         ln_W_new = T['ln_W']  # in place: the new ln_W
         rt.ew(ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay)
@@ -769,24 +779,22 @@ class CharLm(rp.Model):
         # free d_ln_B
         del d_ln_B
         mem.free(65)
-        # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(66, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
         mem.free(53)
-        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub
+        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
-        rt.ew(ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub)
+        # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
+        d_ln_scale = mem.tensor(67, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
+                      (ew_neg, d_ln_scale, d_ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         del embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         mem.free(3, 54, 66)
-        # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(67, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_neg, d_ln_scale, d_ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -882,14 +890,15 @@ class CharLm(rp.Model):
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt
+        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
         block2_ln2_mul_2 = mem.tensor(74, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
         d_block2_ln2_W = mem.tensor(75, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2, shape=(64,), workspace=mem.workspace(524288))
+        rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
+                      (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
         mem.free(74)
@@ -924,9 +933,13 @@ class CharLm(rp.Model):
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
         d_block2_ln2_B = mem.tensor(76, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
-        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W
+        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
-        rt.ew(ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W'])
+        # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
+        d_block2_ln2_rsqrt = mem.tensor(77, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
+                      (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay)
@@ -942,24 +955,22 @@ class CharLm(rp.Model):
         # free d_block2_ln2_B
         del d_block2_ln2_B
         mem.free(76)
-        # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(77, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
         mem.free(46)
-        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub
+        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
-        rt.ew(ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub)
+        # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
+        d_block2_ln2_scale = mem.tensor(78, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
+                      (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         mem.free(45, 47, 77)
-        # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(78, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_ln2_scale, d_block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -1184,14 +1195,15 @@ class CharLm(rp.Model):
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt
+        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
         block2_ln1_mul_2 = mem.tensor(100, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
         d_block2_ln1_W = mem.tensor(101, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2, shape=(64,), workspace=mem.workspace(524288))
+        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
+                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln1_mul_2
         del block2_ln1_mul_2
         mem.free(100)
@@ -1237,9 +1249,13 @@ class CharLm(rp.Model):
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
         d_block2_ln1_B = mem.tensor(102, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
-        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W
+        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
-        rt.ew(ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W'])
+        # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
+        d_block2_ln1_rsqrt = mem.tensor(103, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
+                      (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay)
@@ -1255,24 +1271,22 @@ class CharLm(rp.Model):
         # free d_block2_ln1_B
         del d_block2_ln1_B
         mem.free(102)
-        # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(103, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
         mem.free(30)
-        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub
+        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
-        rt.ew(ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub)
+        # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
+        d_block2_ln1_scale = mem.tensor(104, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
+                      (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         mem.free(29, 31, 103)
-        # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(104, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_ln1_scale, d_block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
@@ -1368,14 +1382,15 @@ class CharLm(rp.Model):
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt
+        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
         block1_ln2_mul_2 = mem.tensor(111, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
         d_block1_ln2_W = mem.tensor(112, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2, shape=(64,), workspace=mem.workspace(524288))
+        rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
+                      (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
         mem.free(111)
@@ -1410,9 +1425,13 @@ class CharLm(rp.Model):
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
         d_block1_ln2_B = mem.tensor(113, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
-        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W
+        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
-        rt.ew(ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W'])
+        # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
+        d_block1_ln2_rsqrt = mem.tensor(114, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
+                      (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay)
@@ -1428,24 +1447,22 @@ class CharLm(rp.Model):
         # free d_block1_ln2_B
         del d_block1_ln2_B
         mem.free(113)
-        # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(114, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
         mem.free(22)
-        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub
+        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
-        rt.ew(ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub)
+        # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
+        d_block1_ln2_scale = mem.tensor(115, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
+                      (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         mem.free(21, 23, 114)
-        # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(115, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_ln2_scale, d_block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -1670,14 +1687,15 @@ class CharLm(rp.Model):
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt
+        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
         block1_ln1_mul_2 = mem.tensor(137, (32, 64, 64), 'float32')
-        rt.ew(ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
         d_block1_ln1_W = mem.tensor(138, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2, shape=(64,), workspace=mem.workspace(524288))
+        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
+                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln1_mul_2
         del block1_ln1_mul_2
         mem.free(137)
@@ -1723,9 +1741,13 @@ class CharLm(rp.Model):
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
         d_block1_ln1_B = mem.tensor(139, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
-        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W
+        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
-        rt.ew(ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W'])
+        # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
+        d_block1_ln1_rsqrt = mem.tensor(140, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
+                      (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay)
@@ -1741,24 +1763,22 @@ class CharLm(rp.Model):
         # free d_block1_ln1_B
         del d_block1_ln1_B
         mem.free(139)
-        # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(140, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
         # free block1_ln1_sum_to_2, block1_ln1_add
         del block1_ln1_sum_to_2, block1_ln1_add
         mem.free(6)
-        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub
+        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
-        rt.ew(ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub)
+        # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
+        d_block1_ln1_scale = mem.tensor(141, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
+                      (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         mem.free(5, 7, 140)
-        # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(141, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_ln1_scale, d_block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -1856,15 +1876,16 @@ class CharLm(rp.Model):
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
         block1_ln1_sub = mem.tensor(5, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale)
+        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
         mem.free(4)
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
         block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
@@ -1995,15 +2016,16 @@ class CharLm(rp.Model):
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
         block1_ln2_sub = mem.tensor(19, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale)
+        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(20, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
         mem.free(18)
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(20, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -2062,15 +2084,16 @@ class CharLm(rp.Model):
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
         block2_ln1_sub = mem.tensor(24, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale)
+        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(25, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
         mem.free(23)
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(25, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -2201,15 +2224,16 @@ class CharLm(rp.Model):
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
         block2_ln2_sub = mem.tensor(38, (32, 64, 64), 'float32')
-        rt.ew(ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale)
+        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(39, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
         mem.free(37)
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(39, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -2268,15 +2292,16 @@ class CharLm(rp.Model):
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
         rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
-        rt.ew(ew_sub_2, ln_sub, ln_add, ln_scale)
+        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(43, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
         mem.free(42)
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(43, (32, 64, 1), 'float32')
-        rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(32, 64, 1), workspace=mem.workspace(524288))
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
@@ -2410,9 +2435,9 @@ class CharLm(rp.Model):
                 (14680064, 524288),  # 62: d_next_reshape 2048x64 float32
                 (15204352, 524288),  # 63: ln_mul_2 32x64x64 float32
                 (15729664, 256),  # 64: d_ln_W 64 float32
-                (15204352, 256),  # 65: d_ln_B 64 float32
+                (15212544, 256),  # 65: d_ln_B 64 float32
                 (15204352, 8192),  # 66: d_ln_rsqrt 32x64x1 float32
-                (15204352, 8192),  # 67: d_ln_scale 32x64x1 float32
+                (15212544, 8192),  # 67: d_ln_scale 32x64x1 float32
                 (15204352, 65536),  # 68: d_block2_fc2_W 64x256 float32
                 (12582912, 256),  # 69: d_block2_fc2_B 64 float32
                 (12582912, 2097152),  # 70: d_block2_fc2_reshape 2048x256 float32
@@ -2421,9 +2446,9 @@ class CharLm(rp.Model):
                 (10485760, 524288),  # 73: d_block2_fc1_reshape 2048x64 float32
                 (11010048, 524288),  # 74: block2_ln2_mul_2 32x64x64 float32
                 (11535360, 256),  # 75: d_block2_ln2_W 64 float32
-                (11010048, 256),  # 76: d_block2_ln2_B 64 float32
+                (11018240, 256),  # 76: d_block2_ln2_B 64 float32
                 (11010048, 8192),  # 77: d_block2_ln2_rsqrt 32x64x1 float32
-                (11010048, 8192),  # 78: d_block2_ln2_scale 32x64x1 float32
+                (11018240, 8192),  # 78: d_block2_ln2_scale 32x64x1 float32
                 (10485760, 16384),  # 79: d_block2_attn_out_W 64x64 float32
                 (10485760, 256),  # 80: d_block2_attn_out_B 64 float32
                 (10485760, 524288),  # 81: d_block2_attn_out_reshape 2048x64 float32
@@ -2447,9 +2472,9 @@ class CharLm(rp.Model):
                 (9437184, 524288),  # 99: d_block2_attn_q_reshape_3 2048x64 float32
                 (8388608, 524288),  # 100: block2_ln1_mul_2 32x64x64 float32
                 (8912896, 256),  # 101: d_block2_ln1_W 64 float32
-                (8388608, 256),  # 102: d_block2_ln1_B 64 float32
+                (8396800, 256),  # 102: d_block2_ln1_B 64 float32
                 (8388608, 8192),  # 103: d_block2_ln1_rsqrt 32x64x1 float32
-                (8388608, 8192),  # 104: d_block2_ln1_scale 32x64x1 float32
+                (8396800, 8192),  # 104: d_block2_ln1_scale 32x64x1 float32
                 (8388608, 65536),  # 105: d_block1_fc2_W 64x256 float32
                 (6291456, 256),  # 106: d_block1_fc2_B 64 float32
                 (6291456, 2097152),  # 107: d_block1_fc2_reshape 2048x256 float32
@@ -2458,9 +2483,9 @@ class CharLm(rp.Model):
                 (4194304, 524288),  # 110: d_block1_fc1_reshape 2048x64 float32
                 (4718592, 524288),  # 111: block1_ln2_mul_2 32x64x64 float32
                 (5243904, 256),  # 112: d_block1_ln2_W 64 float32
-                (4718592, 256),  # 113: d_block1_ln2_B 64 float32
+                (4726784, 256),  # 113: d_block1_ln2_B 64 float32
                 (4718592, 8192),  # 114: d_block1_ln2_rsqrt 32x64x1 float32
-                (4718592, 8192),  # 115: d_block1_ln2_scale 32x64x1 float32
+                (4726784, 8192),  # 115: d_block1_ln2_scale 32x64x1 float32
                 (4194304, 16384),  # 116: d_block1_attn_out_W 64x64 float32
                 (4194304, 256),  # 117: d_block1_attn_out_B 64 float32
                 (4194304, 524288),  # 118: d_block1_attn_out_reshape 2048x64 float32
@@ -2484,9 +2509,9 @@ class CharLm(rp.Model):
                 (3145728, 524288),  # 136: d_block1_attn_q_reshape_3 2048x64 float32
                 (2097152, 524288),  # 137: block1_ln1_mul_2 32x64x64 float32
                 (2621440, 256),  # 138: d_block1_ln1_W 64 float32
-                (2097152, 256),  # 139: d_block1_ln1_B 64 float32
+                (2105344, 256),  # 139: d_block1_ln1_B 64 float32
                 (2097152, 8192),  # 140: d_block1_ln1_rsqrt 32x64x1 float32
-                (2097152, 8192),  # 141: d_block1_ln1_scale 32x64x1 float32
+                (2105344, 8192),  # 141: d_block1_ln1_scale 32x64x1 float32
                 (2097152, 65536),  # 142: d_embed_W 256x64 float32
                 (0, 16384),  # 143: d_pos 1x64x64 float32
             )),
@@ -2499,7 +2524,7 @@ class CharLm(rp.Model):
                 (2097152, 524288),  # 3: embed_matmul 2048x64 float32
                 (524288, 8192),  # 4: block1_ln1_sum_to 32x64x1 float32
                 (0, 524288),  # 5: block1_ln1_sub 32x64x64 float32
-                (524288, 8192),  # 6: block1_ln1_sum_to_2 32x64x1 float32
+                (532480, 8192),  # 6: block1_ln1_sum_to_2 32x64x1 float32
                 (524288, 524288),  # 7: block1_attn_v_matmul 2048x64 float32
                 (2621440, 524288),  # 8: block1_attn_out_transpose 32x4x64x16 float32
                 (524288, 524288),  # 9: block1_attn_k_matmul 2048x64 float32
@@ -2513,12 +2538,12 @@ class CharLm(rp.Model):
                 (524288, 524288),  # 17: block1_attn_out_matmul_2 2048x64 float32
                 (0, 8192),  # 18: block1_ln2_sum_to 32x64x1 float32
                 (2621440, 524288),  # 19: block1_ln2_sub 32x64x64 float32
-                (0, 8192),  # 20: block1_ln2_sum_to_2 32x64x1 float32
+                (8192, 8192),  # 20: block1_ln2_sum_to_2 32x64x1 float32
                 (0, 2097152),  # 21: block1_fc1_matmul 2048x256 float32
                 (2621440, 524288),  # 22: block1_fc2_matmul 2048x64 float32
                 (524288, 8192),  # 23: block2_ln1_sum_to 32x64x1 float32
                 (0, 524288),  # 24: block2_ln1_sub 32x64x64 float32
-                (524288, 8192),  # 25: block2_ln1_sum_to_2 32x64x1 float32
+                (532480, 8192),  # 25: block2_ln1_sum_to_2 32x64x1 float32
                 (524288, 524288),  # 26: block2_attn_v_matmul 2048x64 float32
                 (2621440, 524288),  # 27: block2_attn_out_transpose 32x4x64x16 float32
                 (524288, 524288),  # 28: block2_attn_k_matmul 2048x64 float32
@@ -2532,11 +2557,11 @@ class CharLm(rp.Model):
                 (524288, 524288),  # 36: block2_attn_out_matmul_2 2048x64 float32
                 (0, 8192),  # 37: block2_ln2_sum_to 32x64x1 float32
                 (2621440, 524288),  # 38: block2_ln2_sub 32x64x64 float32
-                (0, 8192),  # 39: block2_ln2_sum_to_2 32x64x1 float32
+                (8192, 8192),  # 39: block2_ln2_sum_to_2 32x64x1 float32
                 (0, 2097152),  # 40: block2_fc1_matmul 2048x256 float32
                 (2621440, 524288),  # 41: block2_fc2_matmul 2048x64 float32
                 (0, 8192),  # 42: ln_sum_to 32x64x1 float32
-                (0, 8192),  # 43: ln_sum_to_2 32x64x1 float32
+                (8192, 8192),  # 43: ln_sum_to_2 32x64x1 float32
                 (0, 2097152),  # 44: next_matmul 2048x256 float32
                 (2105344, 4),  # 45: next_precision scalar float32
                 (2097152, 8192),  # 46: next_cross_entropy_pick 2048 float32

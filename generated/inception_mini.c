@@ -311,9 +311,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
     const float* p2 = (const float*)in[2];
     const float v3 = value[3];
     const float* p4 = (const float*)in[4];
-    const float* q0 = (const float*)in[5];
+    const float* b0 = (const float*)in[5];
     const float w1 = value[6];
-    const float* q2 = (const float*)in[7];
+    const float* b2 = (const float*)in[7];
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         {
@@ -323,9 +323,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
             out0[i] = v0*v1 + v2 + v3*v4;
         }
         {
-            const float v0 = (float)q0[i];
+            const float v0 = (float)b0[i];
             const float v1 = w1;
-            const float v2 = (float)q2[i];
+            const float v2 = (float)b2[i];
             out1[i] = v0 - v1*v2;
         }
     }
@@ -349,9 +349,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fsf_then_ew_mul_sub_2
     const float* p0 = (const float*)in[0];
     const float v1 = value[1];
     const float* p2 = (const float*)in[2];
-    const float* q0 = (const float*)in[3];
+    const float* b0 = (const float*)in[3];
     const float w1 = value[4];
-    const float* q2 = (const float*)in[5];
+    const float* b2 = (const float*)in[5];
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         {
@@ -360,9 +360,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fsf_then_ew_mul_sub_2
             out0[i] = v0*v1 + v2;
         }
         {
-            const float v0 = (float)q0[i];
+            const float v0 = (float)b0[i];
             const float v1 = w1;
-            const float v2 = (float)q2[i];
+            const float v2 = (float)b2[i];
             out1[i] = v0 - 2*v1*v2;
         }
     }

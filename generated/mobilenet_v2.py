@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 1000 iterations, lr 0.045, momentum 0.9, decay 4e-05
 Memory: peak 909.73 MB of tensors planned for the training step (192.68 MB testing); static arena 909.73 MB, pool 918.19 MB, workspace 32.74 MB
-Structure hash: 7db4d39f43b7cf9e
+Structure hash: 183bd8ec7c105b3b
 
 Usage: python mobilenet_v2.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class MobilenetV2(rp.Model):
 
     name = "mobilenet_v2"
     source = "networks/mobilenet_v2.py"
-    structure_hash = "7db4d39f43b7cf9e"
+    structure_hash = "183bd8ec7c105b3b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -528,9 +528,13 @@ class MobilenetV2(rp.Model):
         # conv1_bn_batch_mean = conv1_bn_sum/401408
         conv1_bn_batch_mean = conv1_bn_sum  # in place: over conv1_bn_sum
         rt.ew(ew_scale, conv1_bn_batch_mean, conv1_bn_sum)
-        # conv1_bn_centered = conv1 - conv1_bn_batch_mean
+        # conv1_bn_centered = conv1 - conv1_bn_batch_mean   (computed with the next statement)
         conv1_bn_centered = conv1  # in place: over conv1
-        rt.ew(ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean)
+        # conv1_bn_sum_of_squares = sum_to[1x32x1x1](conv1_bn_centered**2)
+        conv1_bn_sum_of_squares = mem.tensor(6, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean),
+                      (ew_square, conv1_bn_sum_of_squares, conv1_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # conv1_bn_batch_mean_flat = reshape[32](conv1_bn_batch_mean)
         conv1_bn_batch_mean_flat = rt.reshape(conv1_bn_batch_mean, shape=(32,))
         # conv1_bn_mean_new = 0.9*conv1_bn_mean + 0.1*conv1_bn_batch_mean_flat
@@ -539,9 +543,6 @@ class MobilenetV2(rp.Model):
         # free conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         del conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         mem.free(5)
-        # conv1_bn_sum_of_squares = sum_to[1x32x1x1](conv1_bn_centered**2)
-        conv1_bn_sum_of_squares = mem.tensor(6, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, conv1_bn_sum_of_squares, conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # conv1_bn_batch_var = conv1_bn_sum_of_squares/401408
         conv1_bn_batch_var = conv1_bn_sum_of_squares  # in place: over conv1_bn_sum_of_squares
         rt.ew(ew_scale, conv1_bn_batch_var, conv1_bn_sum_of_squares)
@@ -578,9 +579,13 @@ class MobilenetV2(rp.Model):
         # block1_dw_bn_batch_mean = block1_dw_bn_sum/401408
         block1_dw_bn_batch_mean = block1_dw_bn_sum  # in place: over block1_dw_bn_sum
         rt.ew(ew_scale, block1_dw_bn_batch_mean, block1_dw_bn_sum)
-        # block1_dw_bn_centered = block1_dw - block1_dw_bn_batch_mean
+        # block1_dw_bn_centered = block1_dw - block1_dw_bn_batch_mean   (computed with the next statement)
         block1_dw_bn_centered = block1_dw  # in place: over block1_dw
-        rt.ew(ew_sub, block1_dw_bn_centered, block1_dw, block1_dw_bn_batch_mean)
+        # block1_dw_bn_sum_of_squares = sum_to[1x32x1x1](block1_dw_bn_centered**2)
+        block1_dw_bn_sum_of_squares = mem.tensor(11, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_dw_bn_centered, block1_dw, block1_dw_bn_batch_mean),
+                      (ew_square, block1_dw_bn_sum_of_squares, block1_dw_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # block1_dw_bn_batch_mean_flat = reshape[32](block1_dw_bn_batch_mean)
         block1_dw_bn_batch_mean_flat = rt.reshape(block1_dw_bn_batch_mean, shape=(32,))
         # block1_dw_bn_mean_new = 0.9*block1_dw_bn_mean + 0.1*block1_dw_bn_batch_mean_flat
@@ -589,9 +594,6 @@ class MobilenetV2(rp.Model):
         # free block1_dw_bn_sum, block1_dw_bn_batch_mean, block1_dw_bn_batch_mean_flat
         del block1_dw_bn_sum, block1_dw_bn_batch_mean, block1_dw_bn_batch_mean_flat
         mem.free(10)
-        # block1_dw_bn_sum_of_squares = sum_to[1x32x1x1](block1_dw_bn_centered**2)
-        block1_dw_bn_sum_of_squares = mem.tensor(11, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block1_dw_bn_sum_of_squares, block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # block1_dw_bn_batch_var = block1_dw_bn_sum_of_squares/401408
         block1_dw_bn_batch_var = block1_dw_bn_sum_of_squares  # in place: over block1_dw_bn_sum_of_squares
         rt.ew(ew_scale, block1_dw_bn_batch_var, block1_dw_bn_sum_of_squares)
@@ -628,9 +630,13 @@ class MobilenetV2(rp.Model):
         # block1_project_bn_batch_mean = block1_project_bn_sum/401408
         block1_project_bn_batch_mean = block1_project_bn_sum  # in place: over block1_project_bn_sum
         rt.ew(ew_scale, block1_project_bn_batch_mean, block1_project_bn_sum)
-        # block1_project_bn_centered = block1_project - block1_project_bn_batch_mean
+        # block1_project_bn_centered = block1_project - block1_project_bn_batch_mean   (computed with the next statement)
         block1_project_bn_centered = block1_project  # in place: over block1_project
-        rt.ew(ew_sub, block1_project_bn_centered, block1_project, block1_project_bn_batch_mean)
+        # block1_project_bn_sum_of_squares = sum_to[1x16x1x1](block1_project_bn_centered**2)
+        block1_project_bn_sum_of_squares = mem.tensor(16, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_project_bn_centered, block1_project, block1_project_bn_batch_mean),
+                      (ew_square, block1_project_bn_sum_of_squares, block1_project_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
         # block1_project_bn_batch_mean_flat = reshape[16](block1_project_bn_batch_mean)
         block1_project_bn_batch_mean_flat = rt.reshape(block1_project_bn_batch_mean, shape=(16,))
         # block1_project_bn_mean_new = 0.9*block1_project_bn_mean + 0.1*block1_project_bn_batch_mean_flat
@@ -639,9 +645,6 @@ class MobilenetV2(rp.Model):
         # free block1_project_bn_sum, block1_project_bn_batch_mean, block1_project_bn_batch_mean_flat
         del block1_project_bn_sum, block1_project_bn_batch_mean, block1_project_bn_batch_mean_flat
         mem.free(15)
-        # block1_project_bn_sum_of_squares = sum_to[1x16x1x1](block1_project_bn_centered**2)
-        block1_project_bn_sum_of_squares = mem.tensor(16, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block1_project_bn_sum_of_squares, block1_project_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
         # block1_project_bn_batch_var = block1_project_bn_sum_of_squares/401408
         block1_project_bn_batch_var = block1_project_bn_sum_of_squares  # in place: over block1_project_bn_sum_of_squares
         rt.ew(ew_scale, block1_project_bn_batch_var, block1_project_bn_sum_of_squares)
@@ -676,9 +679,13 @@ class MobilenetV2(rp.Model):
         # block2_expand_bn_batch_mean = block2_expand_bn_sum/401408
         block2_expand_bn_batch_mean = block2_expand_bn_sum  # in place: over block2_expand_bn_sum
         rt.ew(ew_scale, block2_expand_bn_batch_mean, block2_expand_bn_sum)
-        # block2_expand_bn_centered = block2_expand - block2_expand_bn_batch_mean
+        # block2_expand_bn_centered = block2_expand - block2_expand_bn_batch_mean   (computed with the next statement)
         block2_expand_bn_centered = block2_expand  # in place: over block2_expand
-        rt.ew(ew_sub, block2_expand_bn_centered, block2_expand, block2_expand_bn_batch_mean)
+        # block2_expand_bn_sum_of_squares = sum_to[1x96x1x1](block2_expand_bn_centered**2)
+        block2_expand_bn_sum_of_squares = mem.tensor(21, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_expand_bn_centered, block2_expand, block2_expand_bn_batch_mean),
+                      (ew_square, block2_expand_bn_sum_of_squares, block2_expand_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # block2_expand_bn_batch_mean_flat = reshape[96](block2_expand_bn_batch_mean)
         block2_expand_bn_batch_mean_flat = rt.reshape(block2_expand_bn_batch_mean, shape=(96,))
         # block2_expand_bn_mean_new = 0.9*block2_expand_bn_mean + 0.1*block2_expand_bn_batch_mean_flat
@@ -687,9 +694,6 @@ class MobilenetV2(rp.Model):
         # free block2_expand_bn_sum, block2_expand_bn_batch_mean, block2_expand_bn_batch_mean_flat
         del block2_expand_bn_sum, block2_expand_bn_batch_mean, block2_expand_bn_batch_mean_flat
         mem.free(20)
-        # block2_expand_bn_sum_of_squares = sum_to[1x96x1x1](block2_expand_bn_centered**2)
-        block2_expand_bn_sum_of_squares = mem.tensor(21, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block2_expand_bn_sum_of_squares, block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # block2_expand_bn_batch_var = block2_expand_bn_sum_of_squares/401408
         block2_expand_bn_batch_var = block2_expand_bn_sum_of_squares  # in place: over block2_expand_bn_sum_of_squares
         rt.ew(ew_scale, block2_expand_bn_batch_var, block2_expand_bn_sum_of_squares)
@@ -726,9 +730,13 @@ class MobilenetV2(rp.Model):
         # block2_dw_bn_batch_mean = block2_dw_bn_sum/100352
         block2_dw_bn_batch_mean = block2_dw_bn_sum  # in place: over block2_dw_bn_sum
         rt.ew(ew_scale_2, block2_dw_bn_batch_mean, block2_dw_bn_sum)
-        # block2_dw_bn_centered = block2_dw - block2_dw_bn_batch_mean
+        # block2_dw_bn_centered = block2_dw - block2_dw_bn_batch_mean   (computed with the next statement)
         block2_dw_bn_centered = block2_dw  # in place: over block2_dw
-        rt.ew(ew_sub, block2_dw_bn_centered, block2_dw, block2_dw_bn_batch_mean)
+        # block2_dw_bn_sum_of_squares = sum_to[1x96x1x1](block2_dw_bn_centered**2)
+        block2_dw_bn_sum_of_squares = mem.tensor(26, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_dw_bn_centered, block2_dw, block2_dw_bn_batch_mean),
+                      (ew_square, block2_dw_bn_sum_of_squares, block2_dw_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # block2_dw_bn_batch_mean_flat = reshape[96](block2_dw_bn_batch_mean)
         block2_dw_bn_batch_mean_flat = rt.reshape(block2_dw_bn_batch_mean, shape=(96,))
         # block2_dw_bn_mean_new = 0.9*block2_dw_bn_mean + 0.1*block2_dw_bn_batch_mean_flat
@@ -737,9 +745,6 @@ class MobilenetV2(rp.Model):
         # free block2_dw_bn_sum, block2_dw_bn_batch_mean, block2_dw_bn_batch_mean_flat
         del block2_dw_bn_sum, block2_dw_bn_batch_mean, block2_dw_bn_batch_mean_flat
         mem.free(25)
-        # block2_dw_bn_sum_of_squares = sum_to[1x96x1x1](block2_dw_bn_centered**2)
-        block2_dw_bn_sum_of_squares = mem.tensor(26, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block2_dw_bn_sum_of_squares, block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # block2_dw_bn_batch_var = block2_dw_bn_sum_of_squares/100352
         block2_dw_bn_batch_var = block2_dw_bn_sum_of_squares  # in place: over block2_dw_bn_sum_of_squares
         rt.ew(ew_scale_2, block2_dw_bn_batch_var, block2_dw_bn_sum_of_squares)
@@ -776,9 +781,13 @@ class MobilenetV2(rp.Model):
         # block2_project_bn_batch_mean = block2_project_bn_sum/100352
         block2_project_bn_batch_mean = block2_project_bn_sum  # in place: over block2_project_bn_sum
         rt.ew(ew_scale_2, block2_project_bn_batch_mean, block2_project_bn_sum)
-        # block2_project_bn_centered = block2_project - block2_project_bn_batch_mean
+        # block2_project_bn_centered = block2_project - block2_project_bn_batch_mean   (computed with the next statement)
         block2_project_bn_centered = block2_project  # in place: over block2_project
-        rt.ew(ew_sub, block2_project_bn_centered, block2_project, block2_project_bn_batch_mean)
+        # block2_project_bn_sum_of_squares = sum_to[1x24x1x1](block2_project_bn_centered**2)
+        block2_project_bn_sum_of_squares = mem.tensor(31, (1, 24, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_project_bn_centered, block2_project, block2_project_bn_batch_mean),
+                      (ew_square, block2_project_bn_sum_of_squares, block2_project_bn_centered),
+                      shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # block2_project_bn_batch_mean_flat = reshape[24](block2_project_bn_batch_mean)
         block2_project_bn_batch_mean_flat = rt.reshape(block2_project_bn_batch_mean, shape=(24,))
         # block2_project_bn_mean_new = 0.9*block2_project_bn_mean + 0.1*block2_project_bn_batch_mean_flat
@@ -787,9 +796,6 @@ class MobilenetV2(rp.Model):
         # free block2_project_bn_sum, block2_project_bn_batch_mean, block2_project_bn_batch_mean_flat
         del block2_project_bn_sum, block2_project_bn_batch_mean, block2_project_bn_batch_mean_flat
         mem.free(30)
-        # block2_project_bn_sum_of_squares = sum_to[1x24x1x1](block2_project_bn_centered**2)
-        block2_project_bn_sum_of_squares = mem.tensor(31, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block2_project_bn_sum_of_squares, block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # block2_project_bn_batch_var = block2_project_bn_sum_of_squares/100352
         block2_project_bn_batch_var = block2_project_bn_sum_of_squares  # in place: over block2_project_bn_sum_of_squares
         rt.ew(ew_scale_2, block2_project_bn_batch_var, block2_project_bn_sum_of_squares)
@@ -821,9 +827,13 @@ class MobilenetV2(rp.Model):
         # block3_expand_bn_batch_mean = block3_expand_bn_sum/100352
         block3_expand_bn_batch_mean = block3_expand_bn_sum  # in place: over block3_expand_bn_sum
         rt.ew(ew_scale_2, block3_expand_bn_batch_mean, block3_expand_bn_sum)
-        # block3_expand_bn_centered = block3_expand - block3_expand_bn_batch_mean
+        # block3_expand_bn_centered = block3_expand - block3_expand_bn_batch_mean   (computed with the next statement)
         block3_expand_bn_centered = block3_expand  # in place: over block3_expand
-        rt.ew(ew_sub, block3_expand_bn_centered, block3_expand, block3_expand_bn_batch_mean)
+        # block3_expand_bn_sum_of_squares = sum_to[1x144x1x1](block3_expand_bn_centered**2)
+        block3_expand_bn_sum_of_squares = mem.tensor(36, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_expand_bn_centered, block3_expand, block3_expand_bn_batch_mean),
+                      (ew_square, block3_expand_bn_sum_of_squares, block3_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block3_expand_bn_batch_mean_flat = reshape[144](block3_expand_bn_batch_mean)
         block3_expand_bn_batch_mean_flat = rt.reshape(block3_expand_bn_batch_mean, shape=(144,))
         # block3_expand_bn_mean_new = 0.9*block3_expand_bn_mean + 0.1*block3_expand_bn_batch_mean_flat
@@ -832,9 +842,6 @@ class MobilenetV2(rp.Model):
         # free block3_expand_bn_sum, block3_expand_bn_batch_mean, block3_expand_bn_batch_mean_flat
         del block3_expand_bn_sum, block3_expand_bn_batch_mean, block3_expand_bn_batch_mean_flat
         mem.free(35)
-        # block3_expand_bn_sum_of_squares = sum_to[1x144x1x1](block3_expand_bn_centered**2)
-        block3_expand_bn_sum_of_squares = mem.tensor(36, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block3_expand_bn_sum_of_squares, block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block3_expand_bn_batch_var = block3_expand_bn_sum_of_squares/100352
         block3_expand_bn_batch_var = block3_expand_bn_sum_of_squares  # in place: over block3_expand_bn_sum_of_squares
         rt.ew(ew_scale_2, block3_expand_bn_batch_var, block3_expand_bn_sum_of_squares)
@@ -871,9 +878,13 @@ class MobilenetV2(rp.Model):
         # block3_dw_bn_batch_mean = block3_dw_bn_sum/100352
         block3_dw_bn_batch_mean = block3_dw_bn_sum  # in place: over block3_dw_bn_sum
         rt.ew(ew_scale_2, block3_dw_bn_batch_mean, block3_dw_bn_sum)
-        # block3_dw_bn_centered = block3_dw - block3_dw_bn_batch_mean
+        # block3_dw_bn_centered = block3_dw - block3_dw_bn_batch_mean   (computed with the next statement)
         block3_dw_bn_centered = block3_dw  # in place: over block3_dw
-        rt.ew(ew_sub, block3_dw_bn_centered, block3_dw, block3_dw_bn_batch_mean)
+        # block3_dw_bn_sum_of_squares = sum_to[1x144x1x1](block3_dw_bn_centered**2)
+        block3_dw_bn_sum_of_squares = mem.tensor(41, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_dw_bn_centered, block3_dw, block3_dw_bn_batch_mean),
+                      (ew_square, block3_dw_bn_sum_of_squares, block3_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block3_dw_bn_batch_mean_flat = reshape[144](block3_dw_bn_batch_mean)
         block3_dw_bn_batch_mean_flat = rt.reshape(block3_dw_bn_batch_mean, shape=(144,))
         # block3_dw_bn_mean_new = 0.9*block3_dw_bn_mean + 0.1*block3_dw_bn_batch_mean_flat
@@ -882,9 +893,6 @@ class MobilenetV2(rp.Model):
         # free block3_dw_bn_sum, block3_dw_bn_batch_mean, block3_dw_bn_batch_mean_flat
         del block3_dw_bn_sum, block3_dw_bn_batch_mean, block3_dw_bn_batch_mean_flat
         mem.free(40)
-        # block3_dw_bn_sum_of_squares = sum_to[1x144x1x1](block3_dw_bn_centered**2)
-        block3_dw_bn_sum_of_squares = mem.tensor(41, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block3_dw_bn_sum_of_squares, block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block3_dw_bn_batch_var = block3_dw_bn_sum_of_squares/100352
         block3_dw_bn_batch_var = block3_dw_bn_sum_of_squares  # in place: over block3_dw_bn_sum_of_squares
         rt.ew(ew_scale_2, block3_dw_bn_batch_var, block3_dw_bn_sum_of_squares)
@@ -921,9 +929,13 @@ class MobilenetV2(rp.Model):
         # block3_project_bn_batch_mean = block3_project_bn_sum/100352
         block3_project_bn_batch_mean = block3_project_bn_sum  # in place: over block3_project_bn_sum
         rt.ew(ew_scale_2, block3_project_bn_batch_mean, block3_project_bn_sum)
-        # block3_project_bn_centered = block3_project - block3_project_bn_batch_mean
+        # block3_project_bn_centered = block3_project - block3_project_bn_batch_mean   (computed with the next statement)
         block3_project_bn_centered = block3_project  # in place: over block3_project
-        rt.ew(ew_sub, block3_project_bn_centered, block3_project, block3_project_bn_batch_mean)
+        # block3_project_bn_sum_of_squares = sum_to[1x24x1x1](block3_project_bn_centered**2)
+        block3_project_bn_sum_of_squares = mem.tensor(46, (1, 24, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_project_bn_centered, block3_project, block3_project_bn_batch_mean),
+                      (ew_square, block3_project_bn_sum_of_squares, block3_project_bn_centered),
+                      shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # block3_project_bn_batch_mean_flat = reshape[24](block3_project_bn_batch_mean)
         block3_project_bn_batch_mean_flat = rt.reshape(block3_project_bn_batch_mean, shape=(24,))
         # block3_project_bn_mean_new = 0.9*block3_project_bn_mean + 0.1*block3_project_bn_batch_mean_flat
@@ -932,9 +944,6 @@ class MobilenetV2(rp.Model):
         # free block3_project_bn_sum, block3_project_bn_batch_mean, block3_project_bn_batch_mean_flat
         del block3_project_bn_sum, block3_project_bn_batch_mean, block3_project_bn_batch_mean_flat
         mem.free(45)
-        # block3_project_bn_sum_of_squares = sum_to[1x24x1x1](block3_project_bn_centered**2)
-        block3_project_bn_sum_of_squares = mem.tensor(46, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block3_project_bn_sum_of_squares, block3_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # block3_project_bn_batch_var = block3_project_bn_sum_of_squares/100352
         block3_project_bn_batch_var = block3_project_bn_sum_of_squares  # in place: over block3_project_bn_sum_of_squares
         rt.ew(ew_scale_2, block3_project_bn_batch_var, block3_project_bn_sum_of_squares)
@@ -968,9 +977,13 @@ class MobilenetV2(rp.Model):
         # block4_expand_bn_batch_mean = block4_expand_bn_sum/100352
         block4_expand_bn_batch_mean = block4_expand_bn_sum  # in place: over block4_expand_bn_sum
         rt.ew(ew_scale_2, block4_expand_bn_batch_mean, block4_expand_bn_sum)
-        # block4_expand_bn_centered = block4_expand - block4_expand_bn_batch_mean
+        # block4_expand_bn_centered = block4_expand - block4_expand_bn_batch_mean   (computed with the next statement)
         block4_expand_bn_centered = block4_expand  # in place: over block4_expand
-        rt.ew(ew_sub, block4_expand_bn_centered, block4_expand, block4_expand_bn_batch_mean)
+        # block4_expand_bn_sum_of_squares = sum_to[1x144x1x1](block4_expand_bn_centered**2)
+        block4_expand_bn_sum_of_squares = mem.tensor(50, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_expand_bn_centered, block4_expand, block4_expand_bn_batch_mean),
+                      (ew_square, block4_expand_bn_sum_of_squares, block4_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block4_expand_bn_batch_mean_flat = reshape[144](block4_expand_bn_batch_mean)
         block4_expand_bn_batch_mean_flat = rt.reshape(block4_expand_bn_batch_mean, shape=(144,))
         # block4_expand_bn_mean_new = 0.9*block4_expand_bn_mean + 0.1*block4_expand_bn_batch_mean_flat
@@ -979,9 +992,6 @@ class MobilenetV2(rp.Model):
         # free block4_expand_bn_sum, block4_expand_bn_batch_mean, block4_expand_bn_batch_mean_flat
         del block4_expand_bn_sum, block4_expand_bn_batch_mean, block4_expand_bn_batch_mean_flat
         mem.free(49)
-        # block4_expand_bn_sum_of_squares = sum_to[1x144x1x1](block4_expand_bn_centered**2)
-        block4_expand_bn_sum_of_squares = mem.tensor(50, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block4_expand_bn_sum_of_squares, block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block4_expand_bn_batch_var = block4_expand_bn_sum_of_squares/100352
         block4_expand_bn_batch_var = block4_expand_bn_sum_of_squares  # in place: over block4_expand_bn_sum_of_squares
         rt.ew(ew_scale_2, block4_expand_bn_batch_var, block4_expand_bn_sum_of_squares)
@@ -1018,9 +1028,13 @@ class MobilenetV2(rp.Model):
         # block4_dw_bn_batch_mean = block4_dw_bn_sum/25088
         block4_dw_bn_batch_mean = block4_dw_bn_sum  # in place: over block4_dw_bn_sum
         rt.ew(ew_scale_3, block4_dw_bn_batch_mean, block4_dw_bn_sum)
-        # block4_dw_bn_centered = block4_dw - block4_dw_bn_batch_mean
+        # block4_dw_bn_centered = block4_dw - block4_dw_bn_batch_mean   (computed with the next statement)
         block4_dw_bn_centered = block4_dw  # in place: over block4_dw
-        rt.ew(ew_sub, block4_dw_bn_centered, block4_dw, block4_dw_bn_batch_mean)
+        # block4_dw_bn_sum_of_squares = sum_to[1x144x1x1](block4_dw_bn_centered**2)
+        block4_dw_bn_sum_of_squares = mem.tensor(55, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_dw_bn_centered, block4_dw, block4_dw_bn_batch_mean),
+                      (ew_square, block4_dw_bn_sum_of_squares, block4_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block4_dw_bn_batch_mean_flat = reshape[144](block4_dw_bn_batch_mean)
         block4_dw_bn_batch_mean_flat = rt.reshape(block4_dw_bn_batch_mean, shape=(144,))
         # block4_dw_bn_mean_new = 0.9*block4_dw_bn_mean + 0.1*block4_dw_bn_batch_mean_flat
@@ -1029,9 +1043,6 @@ class MobilenetV2(rp.Model):
         # free block4_dw_bn_sum, block4_dw_bn_batch_mean, block4_dw_bn_batch_mean_flat
         del block4_dw_bn_sum, block4_dw_bn_batch_mean, block4_dw_bn_batch_mean_flat
         mem.free(54)
-        # block4_dw_bn_sum_of_squares = sum_to[1x144x1x1](block4_dw_bn_centered**2)
-        block4_dw_bn_sum_of_squares = mem.tensor(55, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block4_dw_bn_sum_of_squares, block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # block4_dw_bn_batch_var = block4_dw_bn_sum_of_squares/25088
         block4_dw_bn_batch_var = block4_dw_bn_sum_of_squares  # in place: over block4_dw_bn_sum_of_squares
         rt.ew(ew_scale_3, block4_dw_bn_batch_var, block4_dw_bn_sum_of_squares)
@@ -1068,9 +1079,13 @@ class MobilenetV2(rp.Model):
         # block4_project_bn_batch_mean = block4_project_bn_sum/25088
         block4_project_bn_batch_mean = block4_project_bn_sum  # in place: over block4_project_bn_sum
         rt.ew(ew_scale_3, block4_project_bn_batch_mean, block4_project_bn_sum)
-        # block4_project_bn_centered = block4_project - block4_project_bn_batch_mean
+        # block4_project_bn_centered = block4_project - block4_project_bn_batch_mean   (computed with the next statement)
         block4_project_bn_centered = block4_project  # in place: over block4_project
-        rt.ew(ew_sub, block4_project_bn_centered, block4_project, block4_project_bn_batch_mean)
+        # block4_project_bn_sum_of_squares = sum_to[1x32x1x1](block4_project_bn_centered**2)
+        block4_project_bn_sum_of_squares = mem.tensor(60, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_project_bn_centered, block4_project, block4_project_bn_batch_mean),
+                      (ew_square, block4_project_bn_sum_of_squares, block4_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block4_project_bn_batch_mean_flat = reshape[32](block4_project_bn_batch_mean)
         block4_project_bn_batch_mean_flat = rt.reshape(block4_project_bn_batch_mean, shape=(32,))
         # block4_project_bn_mean_new = 0.9*block4_project_bn_mean + 0.1*block4_project_bn_batch_mean_flat
@@ -1079,9 +1094,6 @@ class MobilenetV2(rp.Model):
         # free block4_project_bn_sum, block4_project_bn_batch_mean, block4_project_bn_batch_mean_flat
         del block4_project_bn_sum, block4_project_bn_batch_mean, block4_project_bn_batch_mean_flat
         mem.free(59)
-        # block4_project_bn_sum_of_squares = sum_to[1x32x1x1](block4_project_bn_centered**2)
-        block4_project_bn_sum_of_squares = mem.tensor(60, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block4_project_bn_sum_of_squares, block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block4_project_bn_batch_var = block4_project_bn_sum_of_squares/25088
         block4_project_bn_batch_var = block4_project_bn_sum_of_squares  # in place: over block4_project_bn_sum_of_squares
         rt.ew(ew_scale_3, block4_project_bn_batch_var, block4_project_bn_sum_of_squares)
@@ -1113,9 +1125,13 @@ class MobilenetV2(rp.Model):
         # block5_expand_bn_batch_mean = block5_expand_bn_sum/25088
         block5_expand_bn_batch_mean = block5_expand_bn_sum  # in place: over block5_expand_bn_sum
         rt.ew(ew_scale_3, block5_expand_bn_batch_mean, block5_expand_bn_sum)
-        # block5_expand_bn_centered = block5_expand - block5_expand_bn_batch_mean
+        # block5_expand_bn_centered = block5_expand - block5_expand_bn_batch_mean   (computed with the next statement)
         block5_expand_bn_centered = block5_expand  # in place: over block5_expand
-        rt.ew(ew_sub, block5_expand_bn_centered, block5_expand, block5_expand_bn_batch_mean)
+        # block5_expand_bn_sum_of_squares = sum_to[1x192x1x1](block5_expand_bn_centered**2)
+        block5_expand_bn_sum_of_squares = mem.tensor(65, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block5_expand_bn_centered, block5_expand, block5_expand_bn_batch_mean),
+                      (ew_square, block5_expand_bn_sum_of_squares, block5_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block5_expand_bn_batch_mean_flat = reshape[192](block5_expand_bn_batch_mean)
         block5_expand_bn_batch_mean_flat = rt.reshape(block5_expand_bn_batch_mean, shape=(192,))
         # block5_expand_bn_mean_new = 0.9*block5_expand_bn_mean + 0.1*block5_expand_bn_batch_mean_flat
@@ -1124,9 +1140,6 @@ class MobilenetV2(rp.Model):
         # free block5_expand_bn_sum, block5_expand_bn_batch_mean, block5_expand_bn_batch_mean_flat
         del block5_expand_bn_sum, block5_expand_bn_batch_mean, block5_expand_bn_batch_mean_flat
         mem.free(64)
-        # block5_expand_bn_sum_of_squares = sum_to[1x192x1x1](block5_expand_bn_centered**2)
-        block5_expand_bn_sum_of_squares = mem.tensor(65, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block5_expand_bn_sum_of_squares, block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block5_expand_bn_batch_var = block5_expand_bn_sum_of_squares/25088
         block5_expand_bn_batch_var = block5_expand_bn_sum_of_squares  # in place: over block5_expand_bn_sum_of_squares
         rt.ew(ew_scale_3, block5_expand_bn_batch_var, block5_expand_bn_sum_of_squares)
@@ -1163,9 +1176,13 @@ class MobilenetV2(rp.Model):
         # block5_dw_bn_batch_mean = block5_dw_bn_sum/25088
         block5_dw_bn_batch_mean = block5_dw_bn_sum  # in place: over block5_dw_bn_sum
         rt.ew(ew_scale_3, block5_dw_bn_batch_mean, block5_dw_bn_sum)
-        # block5_dw_bn_centered = block5_dw - block5_dw_bn_batch_mean
+        # block5_dw_bn_centered = block5_dw - block5_dw_bn_batch_mean   (computed with the next statement)
         block5_dw_bn_centered = block5_dw  # in place: over block5_dw
-        rt.ew(ew_sub, block5_dw_bn_centered, block5_dw, block5_dw_bn_batch_mean)
+        # block5_dw_bn_sum_of_squares = sum_to[1x192x1x1](block5_dw_bn_centered**2)
+        block5_dw_bn_sum_of_squares = mem.tensor(70, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block5_dw_bn_centered, block5_dw, block5_dw_bn_batch_mean),
+                      (ew_square, block5_dw_bn_sum_of_squares, block5_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block5_dw_bn_batch_mean_flat = reshape[192](block5_dw_bn_batch_mean)
         block5_dw_bn_batch_mean_flat = rt.reshape(block5_dw_bn_batch_mean, shape=(192,))
         # block5_dw_bn_mean_new = 0.9*block5_dw_bn_mean + 0.1*block5_dw_bn_batch_mean_flat
@@ -1174,9 +1191,6 @@ class MobilenetV2(rp.Model):
         # free block5_dw_bn_sum, block5_dw_bn_batch_mean, block5_dw_bn_batch_mean_flat
         del block5_dw_bn_sum, block5_dw_bn_batch_mean, block5_dw_bn_batch_mean_flat
         mem.free(69)
-        # block5_dw_bn_sum_of_squares = sum_to[1x192x1x1](block5_dw_bn_centered**2)
-        block5_dw_bn_sum_of_squares = mem.tensor(70, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block5_dw_bn_sum_of_squares, block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block5_dw_bn_batch_var = block5_dw_bn_sum_of_squares/25088
         block5_dw_bn_batch_var = block5_dw_bn_sum_of_squares  # in place: over block5_dw_bn_sum_of_squares
         rt.ew(ew_scale_3, block5_dw_bn_batch_var, block5_dw_bn_sum_of_squares)
@@ -1213,9 +1227,13 @@ class MobilenetV2(rp.Model):
         # block5_project_bn_batch_mean = block5_project_bn_sum/25088
         block5_project_bn_batch_mean = block5_project_bn_sum  # in place: over block5_project_bn_sum
         rt.ew(ew_scale_3, block5_project_bn_batch_mean, block5_project_bn_sum)
-        # block5_project_bn_centered = block5_project - block5_project_bn_batch_mean
+        # block5_project_bn_centered = block5_project - block5_project_bn_batch_mean   (computed with the next statement)
         block5_project_bn_centered = block5_project  # in place: over block5_project
-        rt.ew(ew_sub, block5_project_bn_centered, block5_project, block5_project_bn_batch_mean)
+        # block5_project_bn_sum_of_squares = sum_to[1x32x1x1](block5_project_bn_centered**2)
+        block5_project_bn_sum_of_squares = mem.tensor(75, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block5_project_bn_centered, block5_project, block5_project_bn_batch_mean),
+                      (ew_square, block5_project_bn_sum_of_squares, block5_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block5_project_bn_batch_mean_flat = reshape[32](block5_project_bn_batch_mean)
         block5_project_bn_batch_mean_flat = rt.reshape(block5_project_bn_batch_mean, shape=(32,))
         # block5_project_bn_mean_new = 0.9*block5_project_bn_mean + 0.1*block5_project_bn_batch_mean_flat
@@ -1224,9 +1242,6 @@ class MobilenetV2(rp.Model):
         # free block5_project_bn_sum, block5_project_bn_batch_mean, block5_project_bn_batch_mean_flat
         del block5_project_bn_sum, block5_project_bn_batch_mean, block5_project_bn_batch_mean_flat
         mem.free(74)
-        # block5_project_bn_sum_of_squares = sum_to[1x32x1x1](block5_project_bn_centered**2)
-        block5_project_bn_sum_of_squares = mem.tensor(75, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block5_project_bn_sum_of_squares, block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block5_project_bn_batch_var = block5_project_bn_sum_of_squares/25088
         block5_project_bn_batch_var = block5_project_bn_sum_of_squares  # in place: over block5_project_bn_sum_of_squares
         rt.ew(ew_scale_3, block5_project_bn_batch_var, block5_project_bn_sum_of_squares)
@@ -1260,9 +1275,13 @@ class MobilenetV2(rp.Model):
         # block6_expand_bn_batch_mean = block6_expand_bn_sum/25088
         block6_expand_bn_batch_mean = block6_expand_bn_sum  # in place: over block6_expand_bn_sum
         rt.ew(ew_scale_3, block6_expand_bn_batch_mean, block6_expand_bn_sum)
-        # block6_expand_bn_centered = block6_expand - block6_expand_bn_batch_mean
+        # block6_expand_bn_centered = block6_expand - block6_expand_bn_batch_mean   (computed with the next statement)
         block6_expand_bn_centered = block6_expand  # in place: over block6_expand
-        rt.ew(ew_sub, block6_expand_bn_centered, block6_expand, block6_expand_bn_batch_mean)
+        # block6_expand_bn_sum_of_squares = sum_to[1x192x1x1](block6_expand_bn_centered**2)
+        block6_expand_bn_sum_of_squares = mem.tensor(79, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block6_expand_bn_centered, block6_expand, block6_expand_bn_batch_mean),
+                      (ew_square, block6_expand_bn_sum_of_squares, block6_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block6_expand_bn_batch_mean_flat = reshape[192](block6_expand_bn_batch_mean)
         block6_expand_bn_batch_mean_flat = rt.reshape(block6_expand_bn_batch_mean, shape=(192,))
         # block6_expand_bn_mean_new = 0.9*block6_expand_bn_mean + 0.1*block6_expand_bn_batch_mean_flat
@@ -1271,9 +1290,6 @@ class MobilenetV2(rp.Model):
         # free block6_expand_bn_sum, block6_expand_bn_batch_mean, block6_expand_bn_batch_mean_flat
         del block6_expand_bn_sum, block6_expand_bn_batch_mean, block6_expand_bn_batch_mean_flat
         mem.free(78)
-        # block6_expand_bn_sum_of_squares = sum_to[1x192x1x1](block6_expand_bn_centered**2)
-        block6_expand_bn_sum_of_squares = mem.tensor(79, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block6_expand_bn_sum_of_squares, block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block6_expand_bn_batch_var = block6_expand_bn_sum_of_squares/25088
         block6_expand_bn_batch_var = block6_expand_bn_sum_of_squares  # in place: over block6_expand_bn_sum_of_squares
         rt.ew(ew_scale_3, block6_expand_bn_batch_var, block6_expand_bn_sum_of_squares)
@@ -1310,9 +1326,13 @@ class MobilenetV2(rp.Model):
         # block6_dw_bn_batch_mean = block6_dw_bn_sum/25088
         block6_dw_bn_batch_mean = block6_dw_bn_sum  # in place: over block6_dw_bn_sum
         rt.ew(ew_scale_3, block6_dw_bn_batch_mean, block6_dw_bn_sum)
-        # block6_dw_bn_centered = block6_dw - block6_dw_bn_batch_mean
+        # block6_dw_bn_centered = block6_dw - block6_dw_bn_batch_mean   (computed with the next statement)
         block6_dw_bn_centered = block6_dw  # in place: over block6_dw
-        rt.ew(ew_sub, block6_dw_bn_centered, block6_dw, block6_dw_bn_batch_mean)
+        # block6_dw_bn_sum_of_squares = sum_to[1x192x1x1](block6_dw_bn_centered**2)
+        block6_dw_bn_sum_of_squares = mem.tensor(84, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block6_dw_bn_centered, block6_dw, block6_dw_bn_batch_mean),
+                      (ew_square, block6_dw_bn_sum_of_squares, block6_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block6_dw_bn_batch_mean_flat = reshape[192](block6_dw_bn_batch_mean)
         block6_dw_bn_batch_mean_flat = rt.reshape(block6_dw_bn_batch_mean, shape=(192,))
         # block6_dw_bn_mean_new = 0.9*block6_dw_bn_mean + 0.1*block6_dw_bn_batch_mean_flat
@@ -1321,9 +1341,6 @@ class MobilenetV2(rp.Model):
         # free block6_dw_bn_sum, block6_dw_bn_batch_mean, block6_dw_bn_batch_mean_flat
         del block6_dw_bn_sum, block6_dw_bn_batch_mean, block6_dw_bn_batch_mean_flat
         mem.free(83)
-        # block6_dw_bn_sum_of_squares = sum_to[1x192x1x1](block6_dw_bn_centered**2)
-        block6_dw_bn_sum_of_squares = mem.tensor(84, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block6_dw_bn_sum_of_squares, block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block6_dw_bn_batch_var = block6_dw_bn_sum_of_squares/25088
         block6_dw_bn_batch_var = block6_dw_bn_sum_of_squares  # in place: over block6_dw_bn_sum_of_squares
         rt.ew(ew_scale_3, block6_dw_bn_batch_var, block6_dw_bn_sum_of_squares)
@@ -1360,9 +1377,13 @@ class MobilenetV2(rp.Model):
         # block6_project_bn_batch_mean = block6_project_bn_sum/25088
         block6_project_bn_batch_mean = block6_project_bn_sum  # in place: over block6_project_bn_sum
         rt.ew(ew_scale_3, block6_project_bn_batch_mean, block6_project_bn_sum)
-        # block6_project_bn_centered = block6_project - block6_project_bn_batch_mean
+        # block6_project_bn_centered = block6_project - block6_project_bn_batch_mean   (computed with the next statement)
         block6_project_bn_centered = block6_project  # in place: over block6_project
-        rt.ew(ew_sub, block6_project_bn_centered, block6_project, block6_project_bn_batch_mean)
+        # block6_project_bn_sum_of_squares = sum_to[1x32x1x1](block6_project_bn_centered**2)
+        block6_project_bn_sum_of_squares = mem.tensor(89, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block6_project_bn_centered, block6_project, block6_project_bn_batch_mean),
+                      (ew_square, block6_project_bn_sum_of_squares, block6_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block6_project_bn_batch_mean_flat = reshape[32](block6_project_bn_batch_mean)
         block6_project_bn_batch_mean_flat = rt.reshape(block6_project_bn_batch_mean, shape=(32,))
         # block6_project_bn_mean_new = 0.9*block6_project_bn_mean + 0.1*block6_project_bn_batch_mean_flat
@@ -1371,9 +1392,6 @@ class MobilenetV2(rp.Model):
         # free block6_project_bn_sum, block6_project_bn_batch_mean, block6_project_bn_batch_mean_flat
         del block6_project_bn_sum, block6_project_bn_batch_mean, block6_project_bn_batch_mean_flat
         mem.free(88)
-        # block6_project_bn_sum_of_squares = sum_to[1x32x1x1](block6_project_bn_centered**2)
-        block6_project_bn_sum_of_squares = mem.tensor(89, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block6_project_bn_sum_of_squares, block6_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # block6_project_bn_batch_var = block6_project_bn_sum_of_squares/25088
         block6_project_bn_batch_var = block6_project_bn_sum_of_squares  # in place: over block6_project_bn_sum_of_squares
         rt.ew(ew_scale_3, block6_project_bn_batch_var, block6_project_bn_sum_of_squares)
@@ -1410,9 +1428,13 @@ class MobilenetV2(rp.Model):
         # block7_expand_bn_batch_mean = block7_expand_bn_sum/25088
         block7_expand_bn_batch_mean = block7_expand_bn_sum  # in place: over block7_expand_bn_sum
         rt.ew(ew_scale_3, block7_expand_bn_batch_mean, block7_expand_bn_sum)
-        # block7_expand_bn_centered = block7_expand - block7_expand_bn_batch_mean
+        # block7_expand_bn_centered = block7_expand - block7_expand_bn_batch_mean   (computed with the next statement)
         block7_expand_bn_centered = block7_expand  # in place: over block7_expand
-        rt.ew(ew_sub, block7_expand_bn_centered, block7_expand, block7_expand_bn_batch_mean)
+        # block7_expand_bn_sum_of_squares = sum_to[1x192x1x1](block7_expand_bn_centered**2)
+        block7_expand_bn_sum_of_squares = mem.tensor(94, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block7_expand_bn_centered, block7_expand, block7_expand_bn_batch_mean),
+                      (ew_square, block7_expand_bn_sum_of_squares, block7_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block7_expand_bn_batch_mean_flat = reshape[192](block7_expand_bn_batch_mean)
         block7_expand_bn_batch_mean_flat = rt.reshape(block7_expand_bn_batch_mean, shape=(192,))
         # block7_expand_bn_mean_new = 0.9*block7_expand_bn_mean + 0.1*block7_expand_bn_batch_mean_flat
@@ -1421,9 +1443,6 @@ class MobilenetV2(rp.Model):
         # free block7_expand_bn_sum, block7_expand_bn_batch_mean, block7_expand_bn_batch_mean_flat
         del block7_expand_bn_sum, block7_expand_bn_batch_mean, block7_expand_bn_batch_mean_flat
         mem.free(93)
-        # block7_expand_bn_sum_of_squares = sum_to[1x192x1x1](block7_expand_bn_centered**2)
-        block7_expand_bn_sum_of_squares = mem.tensor(94, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block7_expand_bn_sum_of_squares, block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # block7_expand_bn_batch_var = block7_expand_bn_sum_of_squares/25088
         block7_expand_bn_batch_var = block7_expand_bn_sum_of_squares  # in place: over block7_expand_bn_sum_of_squares
         rt.ew(ew_scale_3, block7_expand_bn_batch_var, block7_expand_bn_sum_of_squares)
@@ -1460,9 +1479,13 @@ class MobilenetV2(rp.Model):
         # block7_dw_bn_batch_mean = block7_dw_bn_sum/6272
         block7_dw_bn_batch_mean = block7_dw_bn_sum  # in place: over block7_dw_bn_sum
         rt.ew(ew_scale_4, block7_dw_bn_batch_mean, block7_dw_bn_sum)
-        # block7_dw_bn_centered = block7_dw - block7_dw_bn_batch_mean
+        # block7_dw_bn_centered = block7_dw - block7_dw_bn_batch_mean   (computed with the next statement)
         block7_dw_bn_centered = block7_dw  # in place: over block7_dw
-        rt.ew(ew_sub, block7_dw_bn_centered, block7_dw, block7_dw_bn_batch_mean)
+        # block7_dw_bn_sum_of_squares = sum_to[1x192x1x1](block7_dw_bn_centered**2)
+        block7_dw_bn_sum_of_squares = mem.tensor(99, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block7_dw_bn_centered, block7_dw, block7_dw_bn_batch_mean),
+                      (ew_square, block7_dw_bn_sum_of_squares, block7_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # block7_dw_bn_batch_mean_flat = reshape[192](block7_dw_bn_batch_mean)
         block7_dw_bn_batch_mean_flat = rt.reshape(block7_dw_bn_batch_mean, shape=(192,))
         # block7_dw_bn_mean_new = 0.9*block7_dw_bn_mean + 0.1*block7_dw_bn_batch_mean_flat
@@ -1471,9 +1494,6 @@ class MobilenetV2(rp.Model):
         # free block7_dw_bn_sum, block7_dw_bn_batch_mean, block7_dw_bn_batch_mean_flat
         del block7_dw_bn_sum, block7_dw_bn_batch_mean, block7_dw_bn_batch_mean_flat
         mem.free(98)
-        # block7_dw_bn_sum_of_squares = sum_to[1x192x1x1](block7_dw_bn_centered**2)
-        block7_dw_bn_sum_of_squares = mem.tensor(99, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block7_dw_bn_sum_of_squares, block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # block7_dw_bn_batch_var = block7_dw_bn_sum_of_squares/6272
         block7_dw_bn_batch_var = block7_dw_bn_sum_of_squares  # in place: over block7_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block7_dw_bn_batch_var, block7_dw_bn_sum_of_squares)
@@ -1510,9 +1530,13 @@ class MobilenetV2(rp.Model):
         # block7_project_bn_batch_mean = block7_project_bn_sum/6272
         block7_project_bn_batch_mean = block7_project_bn_sum  # in place: over block7_project_bn_sum
         rt.ew(ew_scale_4, block7_project_bn_batch_mean, block7_project_bn_sum)
-        # block7_project_bn_centered = block7_project - block7_project_bn_batch_mean
+        # block7_project_bn_centered = block7_project - block7_project_bn_batch_mean   (computed with the next statement)
         block7_project_bn_centered = block7_project  # in place: over block7_project
-        rt.ew(ew_sub, block7_project_bn_centered, block7_project, block7_project_bn_batch_mean)
+        # block7_project_bn_sum_of_squares = sum_to[1x64x1x1](block7_project_bn_centered**2)
+        block7_project_bn_sum_of_squares = mem.tensor(104, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block7_project_bn_centered, block7_project, block7_project_bn_batch_mean),
+                      (ew_square, block7_project_bn_sum_of_squares, block7_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block7_project_bn_batch_mean_flat = reshape[64](block7_project_bn_batch_mean)
         block7_project_bn_batch_mean_flat = rt.reshape(block7_project_bn_batch_mean, shape=(64,))
         # block7_project_bn_mean_new = 0.9*block7_project_bn_mean + 0.1*block7_project_bn_batch_mean_flat
@@ -1521,9 +1545,6 @@ class MobilenetV2(rp.Model):
         # free block7_project_bn_sum, block7_project_bn_batch_mean, block7_project_bn_batch_mean_flat
         del block7_project_bn_sum, block7_project_bn_batch_mean, block7_project_bn_batch_mean_flat
         mem.free(103)
-        # block7_project_bn_sum_of_squares = sum_to[1x64x1x1](block7_project_bn_centered**2)
-        block7_project_bn_sum_of_squares = mem.tensor(104, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block7_project_bn_sum_of_squares, block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block7_project_bn_batch_var = block7_project_bn_sum_of_squares/6272
         block7_project_bn_batch_var = block7_project_bn_sum_of_squares  # in place: over block7_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block7_project_bn_batch_var, block7_project_bn_sum_of_squares)
@@ -1555,9 +1576,13 @@ class MobilenetV2(rp.Model):
         # block8_expand_bn_batch_mean = block8_expand_bn_sum/6272
         block8_expand_bn_batch_mean = block8_expand_bn_sum  # in place: over block8_expand_bn_sum
         rt.ew(ew_scale_4, block8_expand_bn_batch_mean, block8_expand_bn_sum)
-        # block8_expand_bn_centered = block8_expand - block8_expand_bn_batch_mean
+        # block8_expand_bn_centered = block8_expand - block8_expand_bn_batch_mean   (computed with the next statement)
         block8_expand_bn_centered = block8_expand  # in place: over block8_expand
-        rt.ew(ew_sub, block8_expand_bn_centered, block8_expand, block8_expand_bn_batch_mean)
+        # block8_expand_bn_sum_of_squares = sum_to[1x384x1x1](block8_expand_bn_centered**2)
+        block8_expand_bn_sum_of_squares = mem.tensor(109, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block8_expand_bn_centered, block8_expand, block8_expand_bn_batch_mean),
+                      (ew_square, block8_expand_bn_sum_of_squares, block8_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block8_expand_bn_batch_mean_flat = reshape[384](block8_expand_bn_batch_mean)
         block8_expand_bn_batch_mean_flat = rt.reshape(block8_expand_bn_batch_mean, shape=(384,))
         # block8_expand_bn_mean_new = 0.9*block8_expand_bn_mean + 0.1*block8_expand_bn_batch_mean_flat
@@ -1566,9 +1591,6 @@ class MobilenetV2(rp.Model):
         # free block8_expand_bn_sum, block8_expand_bn_batch_mean, block8_expand_bn_batch_mean_flat
         del block8_expand_bn_sum, block8_expand_bn_batch_mean, block8_expand_bn_batch_mean_flat
         mem.free(108)
-        # block8_expand_bn_sum_of_squares = sum_to[1x384x1x1](block8_expand_bn_centered**2)
-        block8_expand_bn_sum_of_squares = mem.tensor(109, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block8_expand_bn_sum_of_squares, block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block8_expand_bn_batch_var = block8_expand_bn_sum_of_squares/6272
         block8_expand_bn_batch_var = block8_expand_bn_sum_of_squares  # in place: over block8_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block8_expand_bn_batch_var, block8_expand_bn_sum_of_squares)
@@ -1605,9 +1627,13 @@ class MobilenetV2(rp.Model):
         # block8_dw_bn_batch_mean = block8_dw_bn_sum/6272
         block8_dw_bn_batch_mean = block8_dw_bn_sum  # in place: over block8_dw_bn_sum
         rt.ew(ew_scale_4, block8_dw_bn_batch_mean, block8_dw_bn_sum)
-        # block8_dw_bn_centered = block8_dw - block8_dw_bn_batch_mean
+        # block8_dw_bn_centered = block8_dw - block8_dw_bn_batch_mean   (computed with the next statement)
         block8_dw_bn_centered = block8_dw  # in place: over block8_dw
-        rt.ew(ew_sub, block8_dw_bn_centered, block8_dw, block8_dw_bn_batch_mean)
+        # block8_dw_bn_sum_of_squares = sum_to[1x384x1x1](block8_dw_bn_centered**2)
+        block8_dw_bn_sum_of_squares = mem.tensor(114, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block8_dw_bn_centered, block8_dw, block8_dw_bn_batch_mean),
+                      (ew_square, block8_dw_bn_sum_of_squares, block8_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block8_dw_bn_batch_mean_flat = reshape[384](block8_dw_bn_batch_mean)
         block8_dw_bn_batch_mean_flat = rt.reshape(block8_dw_bn_batch_mean, shape=(384,))
         # block8_dw_bn_mean_new = 0.9*block8_dw_bn_mean + 0.1*block8_dw_bn_batch_mean_flat
@@ -1616,9 +1642,6 @@ class MobilenetV2(rp.Model):
         # free block8_dw_bn_sum, block8_dw_bn_batch_mean, block8_dw_bn_batch_mean_flat
         del block8_dw_bn_sum, block8_dw_bn_batch_mean, block8_dw_bn_batch_mean_flat
         mem.free(113)
-        # block8_dw_bn_sum_of_squares = sum_to[1x384x1x1](block8_dw_bn_centered**2)
-        block8_dw_bn_sum_of_squares = mem.tensor(114, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block8_dw_bn_sum_of_squares, block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block8_dw_bn_batch_var = block8_dw_bn_sum_of_squares/6272
         block8_dw_bn_batch_var = block8_dw_bn_sum_of_squares  # in place: over block8_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block8_dw_bn_batch_var, block8_dw_bn_sum_of_squares)
@@ -1655,9 +1678,13 @@ class MobilenetV2(rp.Model):
         # block8_project_bn_batch_mean = block8_project_bn_sum/6272
         block8_project_bn_batch_mean = block8_project_bn_sum  # in place: over block8_project_bn_sum
         rt.ew(ew_scale_4, block8_project_bn_batch_mean, block8_project_bn_sum)
-        # block8_project_bn_centered = block8_project - block8_project_bn_batch_mean
+        # block8_project_bn_centered = block8_project - block8_project_bn_batch_mean   (computed with the next statement)
         block8_project_bn_centered = block8_project  # in place: over block8_project
-        rt.ew(ew_sub, block8_project_bn_centered, block8_project, block8_project_bn_batch_mean)
+        # block8_project_bn_sum_of_squares = sum_to[1x64x1x1](block8_project_bn_centered**2)
+        block8_project_bn_sum_of_squares = mem.tensor(119, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block8_project_bn_centered, block8_project, block8_project_bn_batch_mean),
+                      (ew_square, block8_project_bn_sum_of_squares, block8_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block8_project_bn_batch_mean_flat = reshape[64](block8_project_bn_batch_mean)
         block8_project_bn_batch_mean_flat = rt.reshape(block8_project_bn_batch_mean, shape=(64,))
         # block8_project_bn_mean_new = 0.9*block8_project_bn_mean + 0.1*block8_project_bn_batch_mean_flat
@@ -1666,9 +1693,6 @@ class MobilenetV2(rp.Model):
         # free block8_project_bn_sum, block8_project_bn_batch_mean, block8_project_bn_batch_mean_flat
         del block8_project_bn_sum, block8_project_bn_batch_mean, block8_project_bn_batch_mean_flat
         mem.free(118)
-        # block8_project_bn_sum_of_squares = sum_to[1x64x1x1](block8_project_bn_centered**2)
-        block8_project_bn_sum_of_squares = mem.tensor(119, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block8_project_bn_sum_of_squares, block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block8_project_bn_batch_var = block8_project_bn_sum_of_squares/6272
         block8_project_bn_batch_var = block8_project_bn_sum_of_squares  # in place: over block8_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block8_project_bn_batch_var, block8_project_bn_sum_of_squares)
@@ -1702,9 +1726,13 @@ class MobilenetV2(rp.Model):
         # block9_expand_bn_batch_mean = block9_expand_bn_sum/6272
         block9_expand_bn_batch_mean = block9_expand_bn_sum  # in place: over block9_expand_bn_sum
         rt.ew(ew_scale_4, block9_expand_bn_batch_mean, block9_expand_bn_sum)
-        # block9_expand_bn_centered = block9_expand - block9_expand_bn_batch_mean
+        # block9_expand_bn_centered = block9_expand - block9_expand_bn_batch_mean   (computed with the next statement)
         block9_expand_bn_centered = block9_expand  # in place: over block9_expand
-        rt.ew(ew_sub, block9_expand_bn_centered, block9_expand, block9_expand_bn_batch_mean)
+        # block9_expand_bn_sum_of_squares = sum_to[1x384x1x1](block9_expand_bn_centered**2)
+        block9_expand_bn_sum_of_squares = mem.tensor(123, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block9_expand_bn_centered, block9_expand, block9_expand_bn_batch_mean),
+                      (ew_square, block9_expand_bn_sum_of_squares, block9_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block9_expand_bn_batch_mean_flat = reshape[384](block9_expand_bn_batch_mean)
         block9_expand_bn_batch_mean_flat = rt.reshape(block9_expand_bn_batch_mean, shape=(384,))
         # block9_expand_bn_mean_new = 0.9*block9_expand_bn_mean + 0.1*block9_expand_bn_batch_mean_flat
@@ -1713,9 +1741,6 @@ class MobilenetV2(rp.Model):
         # free block9_expand_bn_sum, block9_expand_bn_batch_mean, block9_expand_bn_batch_mean_flat
         del block9_expand_bn_sum, block9_expand_bn_batch_mean, block9_expand_bn_batch_mean_flat
         mem.free(122)
-        # block9_expand_bn_sum_of_squares = sum_to[1x384x1x1](block9_expand_bn_centered**2)
-        block9_expand_bn_sum_of_squares = mem.tensor(123, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block9_expand_bn_sum_of_squares, block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block9_expand_bn_batch_var = block9_expand_bn_sum_of_squares/6272
         block9_expand_bn_batch_var = block9_expand_bn_sum_of_squares  # in place: over block9_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block9_expand_bn_batch_var, block9_expand_bn_sum_of_squares)
@@ -1752,9 +1777,13 @@ class MobilenetV2(rp.Model):
         # block9_dw_bn_batch_mean = block9_dw_bn_sum/6272
         block9_dw_bn_batch_mean = block9_dw_bn_sum  # in place: over block9_dw_bn_sum
         rt.ew(ew_scale_4, block9_dw_bn_batch_mean, block9_dw_bn_sum)
-        # block9_dw_bn_centered = block9_dw - block9_dw_bn_batch_mean
+        # block9_dw_bn_centered = block9_dw - block9_dw_bn_batch_mean   (computed with the next statement)
         block9_dw_bn_centered = block9_dw  # in place: over block9_dw
-        rt.ew(ew_sub, block9_dw_bn_centered, block9_dw, block9_dw_bn_batch_mean)
+        # block9_dw_bn_sum_of_squares = sum_to[1x384x1x1](block9_dw_bn_centered**2)
+        block9_dw_bn_sum_of_squares = mem.tensor(128, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block9_dw_bn_centered, block9_dw, block9_dw_bn_batch_mean),
+                      (ew_square, block9_dw_bn_sum_of_squares, block9_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block9_dw_bn_batch_mean_flat = reshape[384](block9_dw_bn_batch_mean)
         block9_dw_bn_batch_mean_flat = rt.reshape(block9_dw_bn_batch_mean, shape=(384,))
         # block9_dw_bn_mean_new = 0.9*block9_dw_bn_mean + 0.1*block9_dw_bn_batch_mean_flat
@@ -1763,9 +1792,6 @@ class MobilenetV2(rp.Model):
         # free block9_dw_bn_sum, block9_dw_bn_batch_mean, block9_dw_bn_batch_mean_flat
         del block9_dw_bn_sum, block9_dw_bn_batch_mean, block9_dw_bn_batch_mean_flat
         mem.free(127)
-        # block9_dw_bn_sum_of_squares = sum_to[1x384x1x1](block9_dw_bn_centered**2)
-        block9_dw_bn_sum_of_squares = mem.tensor(128, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block9_dw_bn_sum_of_squares, block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block9_dw_bn_batch_var = block9_dw_bn_sum_of_squares/6272
         block9_dw_bn_batch_var = block9_dw_bn_sum_of_squares  # in place: over block9_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block9_dw_bn_batch_var, block9_dw_bn_sum_of_squares)
@@ -1802,9 +1828,13 @@ class MobilenetV2(rp.Model):
         # block9_project_bn_batch_mean = block9_project_bn_sum/6272
         block9_project_bn_batch_mean = block9_project_bn_sum  # in place: over block9_project_bn_sum
         rt.ew(ew_scale_4, block9_project_bn_batch_mean, block9_project_bn_sum)
-        # block9_project_bn_centered = block9_project - block9_project_bn_batch_mean
+        # block9_project_bn_centered = block9_project - block9_project_bn_batch_mean   (computed with the next statement)
         block9_project_bn_centered = block9_project  # in place: over block9_project
-        rt.ew(ew_sub, block9_project_bn_centered, block9_project, block9_project_bn_batch_mean)
+        # block9_project_bn_sum_of_squares = sum_to[1x64x1x1](block9_project_bn_centered**2)
+        block9_project_bn_sum_of_squares = mem.tensor(133, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block9_project_bn_centered, block9_project, block9_project_bn_batch_mean),
+                      (ew_square, block9_project_bn_sum_of_squares, block9_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block9_project_bn_batch_mean_flat = reshape[64](block9_project_bn_batch_mean)
         block9_project_bn_batch_mean_flat = rt.reshape(block9_project_bn_batch_mean, shape=(64,))
         # block9_project_bn_mean_new = 0.9*block9_project_bn_mean + 0.1*block9_project_bn_batch_mean_flat
@@ -1813,9 +1843,6 @@ class MobilenetV2(rp.Model):
         # free block9_project_bn_sum, block9_project_bn_batch_mean, block9_project_bn_batch_mean_flat
         del block9_project_bn_sum, block9_project_bn_batch_mean, block9_project_bn_batch_mean_flat
         mem.free(132)
-        # block9_project_bn_sum_of_squares = sum_to[1x64x1x1](block9_project_bn_centered**2)
-        block9_project_bn_sum_of_squares = mem.tensor(133, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block9_project_bn_sum_of_squares, block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block9_project_bn_batch_var = block9_project_bn_sum_of_squares/6272
         block9_project_bn_batch_var = block9_project_bn_sum_of_squares  # in place: over block9_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block9_project_bn_batch_var, block9_project_bn_sum_of_squares)
@@ -1849,9 +1876,13 @@ class MobilenetV2(rp.Model):
         # block10_expand_bn_batch_mean = block10_expand_bn_sum/6272
         block10_expand_bn_batch_mean = block10_expand_bn_sum  # in place: over block10_expand_bn_sum
         rt.ew(ew_scale_4, block10_expand_bn_batch_mean, block10_expand_bn_sum)
-        # block10_expand_bn_centered = block10_expand - block10_expand_bn_batch_mean
+        # block10_expand_bn_centered = block10_expand - block10_expand_bn_batch_mean   (computed with the next statement)
         block10_expand_bn_centered = block10_expand  # in place: over block10_expand
-        rt.ew(ew_sub, block10_expand_bn_centered, block10_expand, block10_expand_bn_batch_mean)
+        # block10_expand_bn_sum_of_squares = sum_to[1x384x1x1](block10_expand_bn_centered**2)
+        block10_expand_bn_sum_of_squares = mem.tensor(138, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block10_expand_bn_centered, block10_expand, block10_expand_bn_batch_mean),
+                      (ew_square, block10_expand_bn_sum_of_squares, block10_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block10_expand_bn_batch_mean_flat = reshape[384](block10_expand_bn_batch_mean)
         block10_expand_bn_batch_mean_flat = rt.reshape(block10_expand_bn_batch_mean, shape=(384,))
         # block10_expand_bn_mean_new = 0.9*block10_expand_bn_mean + 0.1*block10_expand_bn_batch_mean_flat
@@ -1860,9 +1891,6 @@ class MobilenetV2(rp.Model):
         # free block10_expand_bn_sum, block10_expand_bn_batch_mean, block10_expand_bn_batch_mean_flat
         del block10_expand_bn_sum, block10_expand_bn_batch_mean, block10_expand_bn_batch_mean_flat
         mem.free(137)
-        # block10_expand_bn_sum_of_squares = sum_to[1x384x1x1](block10_expand_bn_centered**2)
-        block10_expand_bn_sum_of_squares = mem.tensor(138, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block10_expand_bn_sum_of_squares, block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block10_expand_bn_batch_var = block10_expand_bn_sum_of_squares/6272
         block10_expand_bn_batch_var = block10_expand_bn_sum_of_squares  # in place: over block10_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block10_expand_bn_batch_var, block10_expand_bn_sum_of_squares)
@@ -1899,9 +1927,13 @@ class MobilenetV2(rp.Model):
         # block10_dw_bn_batch_mean = block10_dw_bn_sum/6272
         block10_dw_bn_batch_mean = block10_dw_bn_sum  # in place: over block10_dw_bn_sum
         rt.ew(ew_scale_4, block10_dw_bn_batch_mean, block10_dw_bn_sum)
-        # block10_dw_bn_centered = block10_dw - block10_dw_bn_batch_mean
+        # block10_dw_bn_centered = block10_dw - block10_dw_bn_batch_mean   (computed with the next statement)
         block10_dw_bn_centered = block10_dw  # in place: over block10_dw
-        rt.ew(ew_sub, block10_dw_bn_centered, block10_dw, block10_dw_bn_batch_mean)
+        # block10_dw_bn_sum_of_squares = sum_to[1x384x1x1](block10_dw_bn_centered**2)
+        block10_dw_bn_sum_of_squares = mem.tensor(143, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block10_dw_bn_centered, block10_dw, block10_dw_bn_batch_mean),
+                      (ew_square, block10_dw_bn_sum_of_squares, block10_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block10_dw_bn_batch_mean_flat = reshape[384](block10_dw_bn_batch_mean)
         block10_dw_bn_batch_mean_flat = rt.reshape(block10_dw_bn_batch_mean, shape=(384,))
         # block10_dw_bn_mean_new = 0.9*block10_dw_bn_mean + 0.1*block10_dw_bn_batch_mean_flat
@@ -1910,9 +1942,6 @@ class MobilenetV2(rp.Model):
         # free block10_dw_bn_sum, block10_dw_bn_batch_mean, block10_dw_bn_batch_mean_flat
         del block10_dw_bn_sum, block10_dw_bn_batch_mean, block10_dw_bn_batch_mean_flat
         mem.free(142)
-        # block10_dw_bn_sum_of_squares = sum_to[1x384x1x1](block10_dw_bn_centered**2)
-        block10_dw_bn_sum_of_squares = mem.tensor(143, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block10_dw_bn_sum_of_squares, block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block10_dw_bn_batch_var = block10_dw_bn_sum_of_squares/6272
         block10_dw_bn_batch_var = block10_dw_bn_sum_of_squares  # in place: over block10_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block10_dw_bn_batch_var, block10_dw_bn_sum_of_squares)
@@ -1949,9 +1978,13 @@ class MobilenetV2(rp.Model):
         # block10_project_bn_batch_mean = block10_project_bn_sum/6272
         block10_project_bn_batch_mean = block10_project_bn_sum  # in place: over block10_project_bn_sum
         rt.ew(ew_scale_4, block10_project_bn_batch_mean, block10_project_bn_sum)
-        # block10_project_bn_centered = block10_project - block10_project_bn_batch_mean
+        # block10_project_bn_centered = block10_project - block10_project_bn_batch_mean   (computed with the next statement)
         block10_project_bn_centered = block10_project  # in place: over block10_project
-        rt.ew(ew_sub, block10_project_bn_centered, block10_project, block10_project_bn_batch_mean)
+        # block10_project_bn_sum_of_squares = sum_to[1x64x1x1](block10_project_bn_centered**2)
+        block10_project_bn_sum_of_squares = mem.tensor(148, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block10_project_bn_centered, block10_project, block10_project_bn_batch_mean),
+                      (ew_square, block10_project_bn_sum_of_squares, block10_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block10_project_bn_batch_mean_flat = reshape[64](block10_project_bn_batch_mean)
         block10_project_bn_batch_mean_flat = rt.reshape(block10_project_bn_batch_mean, shape=(64,))
         # block10_project_bn_mean_new = 0.9*block10_project_bn_mean + 0.1*block10_project_bn_batch_mean_flat
@@ -1960,9 +1993,6 @@ class MobilenetV2(rp.Model):
         # free block10_project_bn_sum, block10_project_bn_batch_mean, block10_project_bn_batch_mean_flat
         del block10_project_bn_sum, block10_project_bn_batch_mean, block10_project_bn_batch_mean_flat
         mem.free(147)
-        # block10_project_bn_sum_of_squares = sum_to[1x64x1x1](block10_project_bn_centered**2)
-        block10_project_bn_sum_of_squares = mem.tensor(148, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block10_project_bn_sum_of_squares, block10_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # block10_project_bn_batch_var = block10_project_bn_sum_of_squares/6272
         block10_project_bn_batch_var = block10_project_bn_sum_of_squares  # in place: over block10_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block10_project_bn_batch_var, block10_project_bn_sum_of_squares)
@@ -1996,9 +2026,13 @@ class MobilenetV2(rp.Model):
         # block11_expand_bn_batch_mean = block11_expand_bn_sum/6272
         block11_expand_bn_batch_mean = block11_expand_bn_sum  # in place: over block11_expand_bn_sum
         rt.ew(ew_scale_4, block11_expand_bn_batch_mean, block11_expand_bn_sum)
-        # block11_expand_bn_centered = block11_expand - block11_expand_bn_batch_mean
+        # block11_expand_bn_centered = block11_expand - block11_expand_bn_batch_mean   (computed with the next statement)
         block11_expand_bn_centered = block11_expand  # in place: over block11_expand
-        rt.ew(ew_sub, block11_expand_bn_centered, block11_expand, block11_expand_bn_batch_mean)
+        # block11_expand_bn_sum_of_squares = sum_to[1x384x1x1](block11_expand_bn_centered**2)
+        block11_expand_bn_sum_of_squares = mem.tensor(152, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block11_expand_bn_centered, block11_expand, block11_expand_bn_batch_mean),
+                      (ew_square, block11_expand_bn_sum_of_squares, block11_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block11_expand_bn_batch_mean_flat = reshape[384](block11_expand_bn_batch_mean)
         block11_expand_bn_batch_mean_flat = rt.reshape(block11_expand_bn_batch_mean, shape=(384,))
         # block11_expand_bn_mean_new = 0.9*block11_expand_bn_mean + 0.1*block11_expand_bn_batch_mean_flat
@@ -2007,9 +2041,6 @@ class MobilenetV2(rp.Model):
         # free block11_expand_bn_sum, block11_expand_bn_batch_mean, block11_expand_bn_batch_mean_flat
         del block11_expand_bn_sum, block11_expand_bn_batch_mean, block11_expand_bn_batch_mean_flat
         mem.free(151)
-        # block11_expand_bn_sum_of_squares = sum_to[1x384x1x1](block11_expand_bn_centered**2)
-        block11_expand_bn_sum_of_squares = mem.tensor(152, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block11_expand_bn_sum_of_squares, block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block11_expand_bn_batch_var = block11_expand_bn_sum_of_squares/6272
         block11_expand_bn_batch_var = block11_expand_bn_sum_of_squares  # in place: over block11_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block11_expand_bn_batch_var, block11_expand_bn_sum_of_squares)
@@ -2046,9 +2077,13 @@ class MobilenetV2(rp.Model):
         # block11_dw_bn_batch_mean = block11_dw_bn_sum/6272
         block11_dw_bn_batch_mean = block11_dw_bn_sum  # in place: over block11_dw_bn_sum
         rt.ew(ew_scale_4, block11_dw_bn_batch_mean, block11_dw_bn_sum)
-        # block11_dw_bn_centered = block11_dw - block11_dw_bn_batch_mean
+        # block11_dw_bn_centered = block11_dw - block11_dw_bn_batch_mean   (computed with the next statement)
         block11_dw_bn_centered = block11_dw  # in place: over block11_dw
-        rt.ew(ew_sub, block11_dw_bn_centered, block11_dw, block11_dw_bn_batch_mean)
+        # block11_dw_bn_sum_of_squares = sum_to[1x384x1x1](block11_dw_bn_centered**2)
+        block11_dw_bn_sum_of_squares = mem.tensor(157, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block11_dw_bn_centered, block11_dw, block11_dw_bn_batch_mean),
+                      (ew_square, block11_dw_bn_sum_of_squares, block11_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block11_dw_bn_batch_mean_flat = reshape[384](block11_dw_bn_batch_mean)
         block11_dw_bn_batch_mean_flat = rt.reshape(block11_dw_bn_batch_mean, shape=(384,))
         # block11_dw_bn_mean_new = 0.9*block11_dw_bn_mean + 0.1*block11_dw_bn_batch_mean_flat
@@ -2057,9 +2092,6 @@ class MobilenetV2(rp.Model):
         # free block11_dw_bn_sum, block11_dw_bn_batch_mean, block11_dw_bn_batch_mean_flat
         del block11_dw_bn_sum, block11_dw_bn_batch_mean, block11_dw_bn_batch_mean_flat
         mem.free(156)
-        # block11_dw_bn_sum_of_squares = sum_to[1x384x1x1](block11_dw_bn_centered**2)
-        block11_dw_bn_sum_of_squares = mem.tensor(157, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block11_dw_bn_sum_of_squares, block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # block11_dw_bn_batch_var = block11_dw_bn_sum_of_squares/6272
         block11_dw_bn_batch_var = block11_dw_bn_sum_of_squares  # in place: over block11_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block11_dw_bn_batch_var, block11_dw_bn_sum_of_squares)
@@ -2096,9 +2128,13 @@ class MobilenetV2(rp.Model):
         # block11_project_bn_batch_mean = block11_project_bn_sum/6272
         block11_project_bn_batch_mean = block11_project_bn_sum  # in place: over block11_project_bn_sum
         rt.ew(ew_scale_4, block11_project_bn_batch_mean, block11_project_bn_sum)
-        # block11_project_bn_centered = block11_project - block11_project_bn_batch_mean
+        # block11_project_bn_centered = block11_project - block11_project_bn_batch_mean   (computed with the next statement)
         block11_project_bn_centered = block11_project  # in place: over block11_project
-        rt.ew(ew_sub, block11_project_bn_centered, block11_project, block11_project_bn_batch_mean)
+        # block11_project_bn_sum_of_squares = sum_to[1x96x1x1](block11_project_bn_centered**2)
+        block11_project_bn_sum_of_squares = mem.tensor(162, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block11_project_bn_centered, block11_project, block11_project_bn_batch_mean),
+                      (ew_square, block11_project_bn_sum_of_squares, block11_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block11_project_bn_batch_mean_flat = reshape[96](block11_project_bn_batch_mean)
         block11_project_bn_batch_mean_flat = rt.reshape(block11_project_bn_batch_mean, shape=(96,))
         # block11_project_bn_mean_new = 0.9*block11_project_bn_mean + 0.1*block11_project_bn_batch_mean_flat
@@ -2107,9 +2143,6 @@ class MobilenetV2(rp.Model):
         # free block11_project_bn_sum, block11_project_bn_batch_mean, block11_project_bn_batch_mean_flat
         del block11_project_bn_sum, block11_project_bn_batch_mean, block11_project_bn_batch_mean_flat
         mem.free(161)
-        # block11_project_bn_sum_of_squares = sum_to[1x96x1x1](block11_project_bn_centered**2)
-        block11_project_bn_sum_of_squares = mem.tensor(162, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block11_project_bn_sum_of_squares, block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block11_project_bn_batch_var = block11_project_bn_sum_of_squares/6272
         block11_project_bn_batch_var = block11_project_bn_sum_of_squares  # in place: over block11_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block11_project_bn_batch_var, block11_project_bn_sum_of_squares)
@@ -2141,9 +2174,13 @@ class MobilenetV2(rp.Model):
         # block12_expand_bn_batch_mean = block12_expand_bn_sum/6272
         block12_expand_bn_batch_mean = block12_expand_bn_sum  # in place: over block12_expand_bn_sum
         rt.ew(ew_scale_4, block12_expand_bn_batch_mean, block12_expand_bn_sum)
-        # block12_expand_bn_centered = block12_expand - block12_expand_bn_batch_mean
+        # block12_expand_bn_centered = block12_expand - block12_expand_bn_batch_mean   (computed with the next statement)
         block12_expand_bn_centered = block12_expand  # in place: over block12_expand
-        rt.ew(ew_sub, block12_expand_bn_centered, block12_expand, block12_expand_bn_batch_mean)
+        # block12_expand_bn_sum_of_squares = sum_to[1x576x1x1](block12_expand_bn_centered**2)
+        block12_expand_bn_sum_of_squares = mem.tensor(167, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block12_expand_bn_centered, block12_expand, block12_expand_bn_batch_mean),
+                      (ew_square, block12_expand_bn_sum_of_squares, block12_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block12_expand_bn_batch_mean_flat = reshape[576](block12_expand_bn_batch_mean)
         block12_expand_bn_batch_mean_flat = rt.reshape(block12_expand_bn_batch_mean, shape=(576,))
         # block12_expand_bn_mean_new = 0.9*block12_expand_bn_mean + 0.1*block12_expand_bn_batch_mean_flat
@@ -2152,9 +2189,6 @@ class MobilenetV2(rp.Model):
         # free block12_expand_bn_sum, block12_expand_bn_batch_mean, block12_expand_bn_batch_mean_flat
         del block12_expand_bn_sum, block12_expand_bn_batch_mean, block12_expand_bn_batch_mean_flat
         mem.free(166)
-        # block12_expand_bn_sum_of_squares = sum_to[1x576x1x1](block12_expand_bn_centered**2)
-        block12_expand_bn_sum_of_squares = mem.tensor(167, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block12_expand_bn_sum_of_squares, block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block12_expand_bn_batch_var = block12_expand_bn_sum_of_squares/6272
         block12_expand_bn_batch_var = block12_expand_bn_sum_of_squares  # in place: over block12_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block12_expand_bn_batch_var, block12_expand_bn_sum_of_squares)
@@ -2191,9 +2225,13 @@ class MobilenetV2(rp.Model):
         # block12_dw_bn_batch_mean = block12_dw_bn_sum/6272
         block12_dw_bn_batch_mean = block12_dw_bn_sum  # in place: over block12_dw_bn_sum
         rt.ew(ew_scale_4, block12_dw_bn_batch_mean, block12_dw_bn_sum)
-        # block12_dw_bn_centered = block12_dw - block12_dw_bn_batch_mean
+        # block12_dw_bn_centered = block12_dw - block12_dw_bn_batch_mean   (computed with the next statement)
         block12_dw_bn_centered = block12_dw  # in place: over block12_dw
-        rt.ew(ew_sub, block12_dw_bn_centered, block12_dw, block12_dw_bn_batch_mean)
+        # block12_dw_bn_sum_of_squares = sum_to[1x576x1x1](block12_dw_bn_centered**2)
+        block12_dw_bn_sum_of_squares = mem.tensor(172, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block12_dw_bn_centered, block12_dw, block12_dw_bn_batch_mean),
+                      (ew_square, block12_dw_bn_sum_of_squares, block12_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block12_dw_bn_batch_mean_flat = reshape[576](block12_dw_bn_batch_mean)
         block12_dw_bn_batch_mean_flat = rt.reshape(block12_dw_bn_batch_mean, shape=(576,))
         # block12_dw_bn_mean_new = 0.9*block12_dw_bn_mean + 0.1*block12_dw_bn_batch_mean_flat
@@ -2202,9 +2240,6 @@ class MobilenetV2(rp.Model):
         # free block12_dw_bn_sum, block12_dw_bn_batch_mean, block12_dw_bn_batch_mean_flat
         del block12_dw_bn_sum, block12_dw_bn_batch_mean, block12_dw_bn_batch_mean_flat
         mem.free(171)
-        # block12_dw_bn_sum_of_squares = sum_to[1x576x1x1](block12_dw_bn_centered**2)
-        block12_dw_bn_sum_of_squares = mem.tensor(172, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block12_dw_bn_sum_of_squares, block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block12_dw_bn_batch_var = block12_dw_bn_sum_of_squares/6272
         block12_dw_bn_batch_var = block12_dw_bn_sum_of_squares  # in place: over block12_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block12_dw_bn_batch_var, block12_dw_bn_sum_of_squares)
@@ -2241,9 +2276,13 @@ class MobilenetV2(rp.Model):
         # block12_project_bn_batch_mean = block12_project_bn_sum/6272
         block12_project_bn_batch_mean = block12_project_bn_sum  # in place: over block12_project_bn_sum
         rt.ew(ew_scale_4, block12_project_bn_batch_mean, block12_project_bn_sum)
-        # block12_project_bn_centered = block12_project - block12_project_bn_batch_mean
+        # block12_project_bn_centered = block12_project - block12_project_bn_batch_mean   (computed with the next statement)
         block12_project_bn_centered = block12_project  # in place: over block12_project
-        rt.ew(ew_sub, block12_project_bn_centered, block12_project, block12_project_bn_batch_mean)
+        # block12_project_bn_sum_of_squares = sum_to[1x96x1x1](block12_project_bn_centered**2)
+        block12_project_bn_sum_of_squares = mem.tensor(177, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block12_project_bn_centered, block12_project, block12_project_bn_batch_mean),
+                      (ew_square, block12_project_bn_sum_of_squares, block12_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block12_project_bn_batch_mean_flat = reshape[96](block12_project_bn_batch_mean)
         block12_project_bn_batch_mean_flat = rt.reshape(block12_project_bn_batch_mean, shape=(96,))
         # block12_project_bn_mean_new = 0.9*block12_project_bn_mean + 0.1*block12_project_bn_batch_mean_flat
@@ -2252,9 +2291,6 @@ class MobilenetV2(rp.Model):
         # free block12_project_bn_sum, block12_project_bn_batch_mean, block12_project_bn_batch_mean_flat
         del block12_project_bn_sum, block12_project_bn_batch_mean, block12_project_bn_batch_mean_flat
         mem.free(176)
-        # block12_project_bn_sum_of_squares = sum_to[1x96x1x1](block12_project_bn_centered**2)
-        block12_project_bn_sum_of_squares = mem.tensor(177, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block12_project_bn_sum_of_squares, block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block12_project_bn_batch_var = block12_project_bn_sum_of_squares/6272
         block12_project_bn_batch_var = block12_project_bn_sum_of_squares  # in place: over block12_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block12_project_bn_batch_var, block12_project_bn_sum_of_squares)
@@ -2288,9 +2324,13 @@ class MobilenetV2(rp.Model):
         # block13_expand_bn_batch_mean = block13_expand_bn_sum/6272
         block13_expand_bn_batch_mean = block13_expand_bn_sum  # in place: over block13_expand_bn_sum
         rt.ew(ew_scale_4, block13_expand_bn_batch_mean, block13_expand_bn_sum)
-        # block13_expand_bn_centered = block13_expand - block13_expand_bn_batch_mean
+        # block13_expand_bn_centered = block13_expand - block13_expand_bn_batch_mean   (computed with the next statement)
         block13_expand_bn_centered = block13_expand  # in place: over block13_expand
-        rt.ew(ew_sub, block13_expand_bn_centered, block13_expand, block13_expand_bn_batch_mean)
+        # block13_expand_bn_sum_of_squares = sum_to[1x576x1x1](block13_expand_bn_centered**2)
+        block13_expand_bn_sum_of_squares = mem.tensor(181, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block13_expand_bn_centered, block13_expand, block13_expand_bn_batch_mean),
+                      (ew_square, block13_expand_bn_sum_of_squares, block13_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block13_expand_bn_batch_mean_flat = reshape[576](block13_expand_bn_batch_mean)
         block13_expand_bn_batch_mean_flat = rt.reshape(block13_expand_bn_batch_mean, shape=(576,))
         # block13_expand_bn_mean_new = 0.9*block13_expand_bn_mean + 0.1*block13_expand_bn_batch_mean_flat
@@ -2299,9 +2339,6 @@ class MobilenetV2(rp.Model):
         # free block13_expand_bn_sum, block13_expand_bn_batch_mean, block13_expand_bn_batch_mean_flat
         del block13_expand_bn_sum, block13_expand_bn_batch_mean, block13_expand_bn_batch_mean_flat
         mem.free(180)
-        # block13_expand_bn_sum_of_squares = sum_to[1x576x1x1](block13_expand_bn_centered**2)
-        block13_expand_bn_sum_of_squares = mem.tensor(181, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block13_expand_bn_sum_of_squares, block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block13_expand_bn_batch_var = block13_expand_bn_sum_of_squares/6272
         block13_expand_bn_batch_var = block13_expand_bn_sum_of_squares  # in place: over block13_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block13_expand_bn_batch_var, block13_expand_bn_sum_of_squares)
@@ -2338,9 +2375,13 @@ class MobilenetV2(rp.Model):
         # block13_dw_bn_batch_mean = block13_dw_bn_sum/6272
         block13_dw_bn_batch_mean = block13_dw_bn_sum  # in place: over block13_dw_bn_sum
         rt.ew(ew_scale_4, block13_dw_bn_batch_mean, block13_dw_bn_sum)
-        # block13_dw_bn_centered = block13_dw - block13_dw_bn_batch_mean
+        # block13_dw_bn_centered = block13_dw - block13_dw_bn_batch_mean   (computed with the next statement)
         block13_dw_bn_centered = block13_dw  # in place: over block13_dw
-        rt.ew(ew_sub, block13_dw_bn_centered, block13_dw, block13_dw_bn_batch_mean)
+        # block13_dw_bn_sum_of_squares = sum_to[1x576x1x1](block13_dw_bn_centered**2)
+        block13_dw_bn_sum_of_squares = mem.tensor(186, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block13_dw_bn_centered, block13_dw, block13_dw_bn_batch_mean),
+                      (ew_square, block13_dw_bn_sum_of_squares, block13_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block13_dw_bn_batch_mean_flat = reshape[576](block13_dw_bn_batch_mean)
         block13_dw_bn_batch_mean_flat = rt.reshape(block13_dw_bn_batch_mean, shape=(576,))
         # block13_dw_bn_mean_new = 0.9*block13_dw_bn_mean + 0.1*block13_dw_bn_batch_mean_flat
@@ -2349,9 +2390,6 @@ class MobilenetV2(rp.Model):
         # free block13_dw_bn_sum, block13_dw_bn_batch_mean, block13_dw_bn_batch_mean_flat
         del block13_dw_bn_sum, block13_dw_bn_batch_mean, block13_dw_bn_batch_mean_flat
         mem.free(185)
-        # block13_dw_bn_sum_of_squares = sum_to[1x576x1x1](block13_dw_bn_centered**2)
-        block13_dw_bn_sum_of_squares = mem.tensor(186, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block13_dw_bn_sum_of_squares, block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block13_dw_bn_batch_var = block13_dw_bn_sum_of_squares/6272
         block13_dw_bn_batch_var = block13_dw_bn_sum_of_squares  # in place: over block13_dw_bn_sum_of_squares
         rt.ew(ew_scale_4, block13_dw_bn_batch_var, block13_dw_bn_sum_of_squares)
@@ -2388,9 +2426,13 @@ class MobilenetV2(rp.Model):
         # block13_project_bn_batch_mean = block13_project_bn_sum/6272
         block13_project_bn_batch_mean = block13_project_bn_sum  # in place: over block13_project_bn_sum
         rt.ew(ew_scale_4, block13_project_bn_batch_mean, block13_project_bn_sum)
-        # block13_project_bn_centered = block13_project - block13_project_bn_batch_mean
+        # block13_project_bn_centered = block13_project - block13_project_bn_batch_mean   (computed with the next statement)
         block13_project_bn_centered = block13_project  # in place: over block13_project
-        rt.ew(ew_sub, block13_project_bn_centered, block13_project, block13_project_bn_batch_mean)
+        # block13_project_bn_sum_of_squares = sum_to[1x96x1x1](block13_project_bn_centered**2)
+        block13_project_bn_sum_of_squares = mem.tensor(191, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block13_project_bn_centered, block13_project, block13_project_bn_batch_mean),
+                      (ew_square, block13_project_bn_sum_of_squares, block13_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block13_project_bn_batch_mean_flat = reshape[96](block13_project_bn_batch_mean)
         block13_project_bn_batch_mean_flat = rt.reshape(block13_project_bn_batch_mean, shape=(96,))
         # block13_project_bn_mean_new = 0.9*block13_project_bn_mean + 0.1*block13_project_bn_batch_mean_flat
@@ -2399,9 +2441,6 @@ class MobilenetV2(rp.Model):
         # free block13_project_bn_sum, block13_project_bn_batch_mean, block13_project_bn_batch_mean_flat
         del block13_project_bn_sum, block13_project_bn_batch_mean, block13_project_bn_batch_mean_flat
         mem.free(190)
-        # block13_project_bn_sum_of_squares = sum_to[1x96x1x1](block13_project_bn_centered**2)
-        block13_project_bn_sum_of_squares = mem.tensor(191, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block13_project_bn_sum_of_squares, block13_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # block13_project_bn_batch_var = block13_project_bn_sum_of_squares/6272
         block13_project_bn_batch_var = block13_project_bn_sum_of_squares  # in place: over block13_project_bn_sum_of_squares
         rt.ew(ew_scale_4, block13_project_bn_batch_var, block13_project_bn_sum_of_squares)
@@ -2438,9 +2477,13 @@ class MobilenetV2(rp.Model):
         # block14_expand_bn_batch_mean = block14_expand_bn_sum/6272
         block14_expand_bn_batch_mean = block14_expand_bn_sum  # in place: over block14_expand_bn_sum
         rt.ew(ew_scale_4, block14_expand_bn_batch_mean, block14_expand_bn_sum)
-        # block14_expand_bn_centered = block14_expand - block14_expand_bn_batch_mean
+        # block14_expand_bn_centered = block14_expand - block14_expand_bn_batch_mean   (computed with the next statement)
         block14_expand_bn_centered = block14_expand  # in place: over block14_expand
-        rt.ew(ew_sub, block14_expand_bn_centered, block14_expand, block14_expand_bn_batch_mean)
+        # block14_expand_bn_sum_of_squares = sum_to[1x576x1x1](block14_expand_bn_centered**2)
+        block14_expand_bn_sum_of_squares = mem.tensor(196, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block14_expand_bn_centered, block14_expand, block14_expand_bn_batch_mean),
+                      (ew_square, block14_expand_bn_sum_of_squares, block14_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block14_expand_bn_batch_mean_flat = reshape[576](block14_expand_bn_batch_mean)
         block14_expand_bn_batch_mean_flat = rt.reshape(block14_expand_bn_batch_mean, shape=(576,))
         # block14_expand_bn_mean_new = 0.9*block14_expand_bn_mean + 0.1*block14_expand_bn_batch_mean_flat
@@ -2449,9 +2492,6 @@ class MobilenetV2(rp.Model):
         # free block14_expand_bn_sum, block14_expand_bn_batch_mean, block14_expand_bn_batch_mean_flat
         del block14_expand_bn_sum, block14_expand_bn_batch_mean, block14_expand_bn_batch_mean_flat
         mem.free(195)
-        # block14_expand_bn_sum_of_squares = sum_to[1x576x1x1](block14_expand_bn_centered**2)
-        block14_expand_bn_sum_of_squares = mem.tensor(196, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block14_expand_bn_sum_of_squares, block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # block14_expand_bn_batch_var = block14_expand_bn_sum_of_squares/6272
         block14_expand_bn_batch_var = block14_expand_bn_sum_of_squares  # in place: over block14_expand_bn_sum_of_squares
         rt.ew(ew_scale_4, block14_expand_bn_batch_var, block14_expand_bn_sum_of_squares)
@@ -2488,9 +2528,13 @@ class MobilenetV2(rp.Model):
         # block14_dw_bn_batch_mean = block14_dw_bn_sum/1568
         block14_dw_bn_batch_mean = block14_dw_bn_sum  # in place: over block14_dw_bn_sum
         rt.ew(ew_scale_5, block14_dw_bn_batch_mean, block14_dw_bn_sum)
-        # block14_dw_bn_centered = block14_dw - block14_dw_bn_batch_mean
+        # block14_dw_bn_centered = block14_dw - block14_dw_bn_batch_mean   (computed with the next statement)
         block14_dw_bn_centered = block14_dw  # in place: over block14_dw
-        rt.ew(ew_sub, block14_dw_bn_centered, block14_dw, block14_dw_bn_batch_mean)
+        # block14_dw_bn_sum_of_squares = sum_to[1x576x1x1](block14_dw_bn_centered**2)
+        block14_dw_bn_sum_of_squares = mem.tensor(201, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block14_dw_bn_centered, block14_dw, block14_dw_bn_batch_mean),
+                      (ew_square, block14_dw_bn_sum_of_squares, block14_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # block14_dw_bn_batch_mean_flat = reshape[576](block14_dw_bn_batch_mean)
         block14_dw_bn_batch_mean_flat = rt.reshape(block14_dw_bn_batch_mean, shape=(576,))
         # block14_dw_bn_mean_new = 0.9*block14_dw_bn_mean + 0.1*block14_dw_bn_batch_mean_flat
@@ -2499,9 +2543,6 @@ class MobilenetV2(rp.Model):
         # free block14_dw_bn_sum, block14_dw_bn_batch_mean, block14_dw_bn_batch_mean_flat
         del block14_dw_bn_sum, block14_dw_bn_batch_mean, block14_dw_bn_batch_mean_flat
         mem.free(200)
-        # block14_dw_bn_sum_of_squares = sum_to[1x576x1x1](block14_dw_bn_centered**2)
-        block14_dw_bn_sum_of_squares = mem.tensor(201, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block14_dw_bn_sum_of_squares, block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # block14_dw_bn_batch_var = block14_dw_bn_sum_of_squares/1568
         block14_dw_bn_batch_var = block14_dw_bn_sum_of_squares  # in place: over block14_dw_bn_sum_of_squares
         rt.ew(ew_scale_5, block14_dw_bn_batch_var, block14_dw_bn_sum_of_squares)
@@ -2538,9 +2579,13 @@ class MobilenetV2(rp.Model):
         # block14_project_bn_batch_mean = block14_project_bn_sum/1568
         block14_project_bn_batch_mean = block14_project_bn_sum  # in place: over block14_project_bn_sum
         rt.ew(ew_scale_5, block14_project_bn_batch_mean, block14_project_bn_sum)
-        # block14_project_bn_centered = block14_project - block14_project_bn_batch_mean
+        # block14_project_bn_centered = block14_project - block14_project_bn_batch_mean   (computed with the next statement)
         block14_project_bn_centered = block14_project  # in place: over block14_project
-        rt.ew(ew_sub, block14_project_bn_centered, block14_project, block14_project_bn_batch_mean)
+        # block14_project_bn_sum_of_squares = sum_to[1x160x1x1](block14_project_bn_centered**2)
+        block14_project_bn_sum_of_squares = mem.tensor(206, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block14_project_bn_centered, block14_project, block14_project_bn_batch_mean),
+                      (ew_square, block14_project_bn_sum_of_squares, block14_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block14_project_bn_batch_mean_flat = reshape[160](block14_project_bn_batch_mean)
         block14_project_bn_batch_mean_flat = rt.reshape(block14_project_bn_batch_mean, shape=(160,))
         # block14_project_bn_mean_new = 0.9*block14_project_bn_mean + 0.1*block14_project_bn_batch_mean_flat
@@ -2549,9 +2594,6 @@ class MobilenetV2(rp.Model):
         # free block14_project_bn_sum, block14_project_bn_batch_mean, block14_project_bn_batch_mean_flat
         del block14_project_bn_sum, block14_project_bn_batch_mean, block14_project_bn_batch_mean_flat
         mem.free(205)
-        # block14_project_bn_sum_of_squares = sum_to[1x160x1x1](block14_project_bn_centered**2)
-        block14_project_bn_sum_of_squares = mem.tensor(206, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block14_project_bn_sum_of_squares, block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block14_project_bn_batch_var = block14_project_bn_sum_of_squares/1568
         block14_project_bn_batch_var = block14_project_bn_sum_of_squares  # in place: over block14_project_bn_sum_of_squares
         rt.ew(ew_scale_5, block14_project_bn_batch_var, block14_project_bn_sum_of_squares)
@@ -2583,9 +2625,13 @@ class MobilenetV2(rp.Model):
         # block15_expand_bn_batch_mean = block15_expand_bn_sum/1568
         block15_expand_bn_batch_mean = block15_expand_bn_sum  # in place: over block15_expand_bn_sum
         rt.ew(ew_scale_5, block15_expand_bn_batch_mean, block15_expand_bn_sum)
-        # block15_expand_bn_centered = block15_expand - block15_expand_bn_batch_mean
+        # block15_expand_bn_centered = block15_expand - block15_expand_bn_batch_mean   (computed with the next statement)
         block15_expand_bn_centered = block15_expand  # in place: over block15_expand
-        rt.ew(ew_sub, block15_expand_bn_centered, block15_expand, block15_expand_bn_batch_mean)
+        # block15_expand_bn_sum_of_squares = sum_to[1x960x1x1](block15_expand_bn_centered**2)
+        block15_expand_bn_sum_of_squares = mem.tensor(211, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block15_expand_bn_centered, block15_expand, block15_expand_bn_batch_mean),
+                      (ew_square, block15_expand_bn_sum_of_squares, block15_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block15_expand_bn_batch_mean_flat = reshape[960](block15_expand_bn_batch_mean)
         block15_expand_bn_batch_mean_flat = rt.reshape(block15_expand_bn_batch_mean, shape=(960,))
         # block15_expand_bn_mean_new = 0.9*block15_expand_bn_mean + 0.1*block15_expand_bn_batch_mean_flat
@@ -2594,9 +2640,6 @@ class MobilenetV2(rp.Model):
         # free block15_expand_bn_sum, block15_expand_bn_batch_mean, block15_expand_bn_batch_mean_flat
         del block15_expand_bn_sum, block15_expand_bn_batch_mean, block15_expand_bn_batch_mean_flat
         mem.free(210)
-        # block15_expand_bn_sum_of_squares = sum_to[1x960x1x1](block15_expand_bn_centered**2)
-        block15_expand_bn_sum_of_squares = mem.tensor(211, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block15_expand_bn_sum_of_squares, block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block15_expand_bn_batch_var = block15_expand_bn_sum_of_squares/1568
         block15_expand_bn_batch_var = block15_expand_bn_sum_of_squares  # in place: over block15_expand_bn_sum_of_squares
         rt.ew(ew_scale_5, block15_expand_bn_batch_var, block15_expand_bn_sum_of_squares)
@@ -2633,9 +2676,13 @@ class MobilenetV2(rp.Model):
         # block15_dw_bn_batch_mean = block15_dw_bn_sum/1568
         block15_dw_bn_batch_mean = block15_dw_bn_sum  # in place: over block15_dw_bn_sum
         rt.ew(ew_scale_5, block15_dw_bn_batch_mean, block15_dw_bn_sum)
-        # block15_dw_bn_centered = block15_dw - block15_dw_bn_batch_mean
+        # block15_dw_bn_centered = block15_dw - block15_dw_bn_batch_mean   (computed with the next statement)
         block15_dw_bn_centered = block15_dw  # in place: over block15_dw
-        rt.ew(ew_sub, block15_dw_bn_centered, block15_dw, block15_dw_bn_batch_mean)
+        # block15_dw_bn_sum_of_squares = sum_to[1x960x1x1](block15_dw_bn_centered**2)
+        block15_dw_bn_sum_of_squares = mem.tensor(216, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block15_dw_bn_centered, block15_dw, block15_dw_bn_batch_mean),
+                      (ew_square, block15_dw_bn_sum_of_squares, block15_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block15_dw_bn_batch_mean_flat = reshape[960](block15_dw_bn_batch_mean)
         block15_dw_bn_batch_mean_flat = rt.reshape(block15_dw_bn_batch_mean, shape=(960,))
         # block15_dw_bn_mean_new = 0.9*block15_dw_bn_mean + 0.1*block15_dw_bn_batch_mean_flat
@@ -2644,9 +2691,6 @@ class MobilenetV2(rp.Model):
         # free block15_dw_bn_sum, block15_dw_bn_batch_mean, block15_dw_bn_batch_mean_flat
         del block15_dw_bn_sum, block15_dw_bn_batch_mean, block15_dw_bn_batch_mean_flat
         mem.free(215)
-        # block15_dw_bn_sum_of_squares = sum_to[1x960x1x1](block15_dw_bn_centered**2)
-        block15_dw_bn_sum_of_squares = mem.tensor(216, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block15_dw_bn_sum_of_squares, block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block15_dw_bn_batch_var = block15_dw_bn_sum_of_squares/1568
         block15_dw_bn_batch_var = block15_dw_bn_sum_of_squares  # in place: over block15_dw_bn_sum_of_squares
         rt.ew(ew_scale_5, block15_dw_bn_batch_var, block15_dw_bn_sum_of_squares)
@@ -2683,9 +2727,13 @@ class MobilenetV2(rp.Model):
         # block15_project_bn_batch_mean = block15_project_bn_sum/1568
         block15_project_bn_batch_mean = block15_project_bn_sum  # in place: over block15_project_bn_sum
         rt.ew(ew_scale_5, block15_project_bn_batch_mean, block15_project_bn_sum)
-        # block15_project_bn_centered = block15_project - block15_project_bn_batch_mean
+        # block15_project_bn_centered = block15_project - block15_project_bn_batch_mean   (computed with the next statement)
         block15_project_bn_centered = block15_project  # in place: over block15_project
-        rt.ew(ew_sub, block15_project_bn_centered, block15_project, block15_project_bn_batch_mean)
+        # block15_project_bn_sum_of_squares = sum_to[1x160x1x1](block15_project_bn_centered**2)
+        block15_project_bn_sum_of_squares = mem.tensor(221, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block15_project_bn_centered, block15_project, block15_project_bn_batch_mean),
+                      (ew_square, block15_project_bn_sum_of_squares, block15_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block15_project_bn_batch_mean_flat = reshape[160](block15_project_bn_batch_mean)
         block15_project_bn_batch_mean_flat = rt.reshape(block15_project_bn_batch_mean, shape=(160,))
         # block15_project_bn_mean_new = 0.9*block15_project_bn_mean + 0.1*block15_project_bn_batch_mean_flat
@@ -2694,9 +2742,6 @@ class MobilenetV2(rp.Model):
         # free block15_project_bn_sum, block15_project_bn_batch_mean, block15_project_bn_batch_mean_flat
         del block15_project_bn_sum, block15_project_bn_batch_mean, block15_project_bn_batch_mean_flat
         mem.free(220)
-        # block15_project_bn_sum_of_squares = sum_to[1x160x1x1](block15_project_bn_centered**2)
-        block15_project_bn_sum_of_squares = mem.tensor(221, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block15_project_bn_sum_of_squares, block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block15_project_bn_batch_var = block15_project_bn_sum_of_squares/1568
         block15_project_bn_batch_var = block15_project_bn_sum_of_squares  # in place: over block15_project_bn_sum_of_squares
         rt.ew(ew_scale_5, block15_project_bn_batch_var, block15_project_bn_sum_of_squares)
@@ -2730,9 +2775,13 @@ class MobilenetV2(rp.Model):
         # block16_expand_bn_batch_mean = block16_expand_bn_sum/1568
         block16_expand_bn_batch_mean = block16_expand_bn_sum  # in place: over block16_expand_bn_sum
         rt.ew(ew_scale_5, block16_expand_bn_batch_mean, block16_expand_bn_sum)
-        # block16_expand_bn_centered = block16_expand - block16_expand_bn_batch_mean
+        # block16_expand_bn_centered = block16_expand - block16_expand_bn_batch_mean   (computed with the next statement)
         block16_expand_bn_centered = block16_expand  # in place: over block16_expand
-        rt.ew(ew_sub, block16_expand_bn_centered, block16_expand, block16_expand_bn_batch_mean)
+        # block16_expand_bn_sum_of_squares = sum_to[1x960x1x1](block16_expand_bn_centered**2)
+        block16_expand_bn_sum_of_squares = mem.tensor(225, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block16_expand_bn_centered, block16_expand, block16_expand_bn_batch_mean),
+                      (ew_square, block16_expand_bn_sum_of_squares, block16_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block16_expand_bn_batch_mean_flat = reshape[960](block16_expand_bn_batch_mean)
         block16_expand_bn_batch_mean_flat = rt.reshape(block16_expand_bn_batch_mean, shape=(960,))
         # block16_expand_bn_mean_new = 0.9*block16_expand_bn_mean + 0.1*block16_expand_bn_batch_mean_flat
@@ -2741,9 +2790,6 @@ class MobilenetV2(rp.Model):
         # free block16_expand_bn_sum, block16_expand_bn_batch_mean, block16_expand_bn_batch_mean_flat
         del block16_expand_bn_sum, block16_expand_bn_batch_mean, block16_expand_bn_batch_mean_flat
         mem.free(224)
-        # block16_expand_bn_sum_of_squares = sum_to[1x960x1x1](block16_expand_bn_centered**2)
-        block16_expand_bn_sum_of_squares = mem.tensor(225, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block16_expand_bn_sum_of_squares, block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block16_expand_bn_batch_var = block16_expand_bn_sum_of_squares/1568
         block16_expand_bn_batch_var = block16_expand_bn_sum_of_squares  # in place: over block16_expand_bn_sum_of_squares
         rt.ew(ew_scale_5, block16_expand_bn_batch_var, block16_expand_bn_sum_of_squares)
@@ -2780,9 +2826,13 @@ class MobilenetV2(rp.Model):
         # block16_dw_bn_batch_mean = block16_dw_bn_sum/1568
         block16_dw_bn_batch_mean = block16_dw_bn_sum  # in place: over block16_dw_bn_sum
         rt.ew(ew_scale_5, block16_dw_bn_batch_mean, block16_dw_bn_sum)
-        # block16_dw_bn_centered = block16_dw - block16_dw_bn_batch_mean
+        # block16_dw_bn_centered = block16_dw - block16_dw_bn_batch_mean   (computed with the next statement)
         block16_dw_bn_centered = block16_dw  # in place: over block16_dw
-        rt.ew(ew_sub, block16_dw_bn_centered, block16_dw, block16_dw_bn_batch_mean)
+        # block16_dw_bn_sum_of_squares = sum_to[1x960x1x1](block16_dw_bn_centered**2)
+        block16_dw_bn_sum_of_squares = mem.tensor(230, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block16_dw_bn_centered, block16_dw, block16_dw_bn_batch_mean),
+                      (ew_square, block16_dw_bn_sum_of_squares, block16_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block16_dw_bn_batch_mean_flat = reshape[960](block16_dw_bn_batch_mean)
         block16_dw_bn_batch_mean_flat = rt.reshape(block16_dw_bn_batch_mean, shape=(960,))
         # block16_dw_bn_mean_new = 0.9*block16_dw_bn_mean + 0.1*block16_dw_bn_batch_mean_flat
@@ -2791,9 +2841,6 @@ class MobilenetV2(rp.Model):
         # free block16_dw_bn_sum, block16_dw_bn_batch_mean, block16_dw_bn_batch_mean_flat
         del block16_dw_bn_sum, block16_dw_bn_batch_mean, block16_dw_bn_batch_mean_flat
         mem.free(229)
-        # block16_dw_bn_sum_of_squares = sum_to[1x960x1x1](block16_dw_bn_centered**2)
-        block16_dw_bn_sum_of_squares = mem.tensor(230, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block16_dw_bn_sum_of_squares, block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block16_dw_bn_batch_var = block16_dw_bn_sum_of_squares/1568
         block16_dw_bn_batch_var = block16_dw_bn_sum_of_squares  # in place: over block16_dw_bn_sum_of_squares
         rt.ew(ew_scale_5, block16_dw_bn_batch_var, block16_dw_bn_sum_of_squares)
@@ -2830,9 +2877,13 @@ class MobilenetV2(rp.Model):
         # block16_project_bn_batch_mean = block16_project_bn_sum/1568
         block16_project_bn_batch_mean = block16_project_bn_sum  # in place: over block16_project_bn_sum
         rt.ew(ew_scale_5, block16_project_bn_batch_mean, block16_project_bn_sum)
-        # block16_project_bn_centered = block16_project - block16_project_bn_batch_mean
+        # block16_project_bn_centered = block16_project - block16_project_bn_batch_mean   (computed with the next statement)
         block16_project_bn_centered = block16_project  # in place: over block16_project
-        rt.ew(ew_sub, block16_project_bn_centered, block16_project, block16_project_bn_batch_mean)
+        # block16_project_bn_sum_of_squares = sum_to[1x160x1x1](block16_project_bn_centered**2)
+        block16_project_bn_sum_of_squares = mem.tensor(235, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block16_project_bn_centered, block16_project, block16_project_bn_batch_mean),
+                      (ew_square, block16_project_bn_sum_of_squares, block16_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block16_project_bn_batch_mean_flat = reshape[160](block16_project_bn_batch_mean)
         block16_project_bn_batch_mean_flat = rt.reshape(block16_project_bn_batch_mean, shape=(160,))
         # block16_project_bn_mean_new = 0.9*block16_project_bn_mean + 0.1*block16_project_bn_batch_mean_flat
@@ -2841,9 +2892,6 @@ class MobilenetV2(rp.Model):
         # free block16_project_bn_sum, block16_project_bn_batch_mean, block16_project_bn_batch_mean_flat
         del block16_project_bn_sum, block16_project_bn_batch_mean, block16_project_bn_batch_mean_flat
         mem.free(234)
-        # block16_project_bn_sum_of_squares = sum_to[1x160x1x1](block16_project_bn_centered**2)
-        block16_project_bn_sum_of_squares = mem.tensor(235, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block16_project_bn_sum_of_squares, block16_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # block16_project_bn_batch_var = block16_project_bn_sum_of_squares/1568
         block16_project_bn_batch_var = block16_project_bn_sum_of_squares  # in place: over block16_project_bn_sum_of_squares
         rt.ew(ew_scale_5, block16_project_bn_batch_var, block16_project_bn_sum_of_squares)
@@ -2880,9 +2928,13 @@ class MobilenetV2(rp.Model):
         # block17_expand_bn_batch_mean = block17_expand_bn_sum/1568
         block17_expand_bn_batch_mean = block17_expand_bn_sum  # in place: over block17_expand_bn_sum
         rt.ew(ew_scale_5, block17_expand_bn_batch_mean, block17_expand_bn_sum)
-        # block17_expand_bn_centered = block17_expand - block17_expand_bn_batch_mean
+        # block17_expand_bn_centered = block17_expand - block17_expand_bn_batch_mean   (computed with the next statement)
         block17_expand_bn_centered = block17_expand  # in place: over block17_expand
-        rt.ew(ew_sub, block17_expand_bn_centered, block17_expand, block17_expand_bn_batch_mean)
+        # block17_expand_bn_sum_of_squares = sum_to[1x960x1x1](block17_expand_bn_centered**2)
+        block17_expand_bn_sum_of_squares = mem.tensor(240, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block17_expand_bn_centered, block17_expand, block17_expand_bn_batch_mean),
+                      (ew_square, block17_expand_bn_sum_of_squares, block17_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block17_expand_bn_batch_mean_flat = reshape[960](block17_expand_bn_batch_mean)
         block17_expand_bn_batch_mean_flat = rt.reshape(block17_expand_bn_batch_mean, shape=(960,))
         # block17_expand_bn_mean_new = 0.9*block17_expand_bn_mean + 0.1*block17_expand_bn_batch_mean_flat
@@ -2891,9 +2943,6 @@ class MobilenetV2(rp.Model):
         # free block17_expand_bn_sum, block17_expand_bn_batch_mean, block17_expand_bn_batch_mean_flat
         del block17_expand_bn_sum, block17_expand_bn_batch_mean, block17_expand_bn_batch_mean_flat
         mem.free(239)
-        # block17_expand_bn_sum_of_squares = sum_to[1x960x1x1](block17_expand_bn_centered**2)
-        block17_expand_bn_sum_of_squares = mem.tensor(240, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block17_expand_bn_sum_of_squares, block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block17_expand_bn_batch_var = block17_expand_bn_sum_of_squares/1568
         block17_expand_bn_batch_var = block17_expand_bn_sum_of_squares  # in place: over block17_expand_bn_sum_of_squares
         rt.ew(ew_scale_5, block17_expand_bn_batch_var, block17_expand_bn_sum_of_squares)
@@ -2930,9 +2979,13 @@ class MobilenetV2(rp.Model):
         # block17_dw_bn_batch_mean = block17_dw_bn_sum/1568
         block17_dw_bn_batch_mean = block17_dw_bn_sum  # in place: over block17_dw_bn_sum
         rt.ew(ew_scale_5, block17_dw_bn_batch_mean, block17_dw_bn_sum)
-        # block17_dw_bn_centered = block17_dw - block17_dw_bn_batch_mean
+        # block17_dw_bn_centered = block17_dw - block17_dw_bn_batch_mean   (computed with the next statement)
         block17_dw_bn_centered = block17_dw  # in place: over block17_dw
-        rt.ew(ew_sub, block17_dw_bn_centered, block17_dw, block17_dw_bn_batch_mean)
+        # block17_dw_bn_sum_of_squares = sum_to[1x960x1x1](block17_dw_bn_centered**2)
+        block17_dw_bn_sum_of_squares = mem.tensor(245, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block17_dw_bn_centered, block17_dw, block17_dw_bn_batch_mean),
+                      (ew_square, block17_dw_bn_sum_of_squares, block17_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block17_dw_bn_batch_mean_flat = reshape[960](block17_dw_bn_batch_mean)
         block17_dw_bn_batch_mean_flat = rt.reshape(block17_dw_bn_batch_mean, shape=(960,))
         # block17_dw_bn_mean_new = 0.9*block17_dw_bn_mean + 0.1*block17_dw_bn_batch_mean_flat
@@ -2941,9 +2994,6 @@ class MobilenetV2(rp.Model):
         # free block17_dw_bn_sum, block17_dw_bn_batch_mean, block17_dw_bn_batch_mean_flat
         del block17_dw_bn_sum, block17_dw_bn_batch_mean, block17_dw_bn_batch_mean_flat
         mem.free(244)
-        # block17_dw_bn_sum_of_squares = sum_to[1x960x1x1](block17_dw_bn_centered**2)
-        block17_dw_bn_sum_of_squares = mem.tensor(245, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block17_dw_bn_sum_of_squares, block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # block17_dw_bn_batch_var = block17_dw_bn_sum_of_squares/1568
         block17_dw_bn_batch_var = block17_dw_bn_sum_of_squares  # in place: over block17_dw_bn_sum_of_squares
         rt.ew(ew_scale_5, block17_dw_bn_batch_var, block17_dw_bn_sum_of_squares)
@@ -2980,9 +3030,13 @@ class MobilenetV2(rp.Model):
         # block17_project_bn_batch_mean = block17_project_bn_sum/1568
         block17_project_bn_batch_mean = block17_project_bn_sum  # in place: over block17_project_bn_sum
         rt.ew(ew_scale_5, block17_project_bn_batch_mean, block17_project_bn_sum)
-        # block17_project_bn_centered = block17_project - block17_project_bn_batch_mean
+        # block17_project_bn_centered = block17_project - block17_project_bn_batch_mean   (computed with the next statement)
         block17_project_bn_centered = block17_project  # in place: over block17_project
-        rt.ew(ew_sub, block17_project_bn_centered, block17_project, block17_project_bn_batch_mean)
+        # block17_project_bn_sum_of_squares = sum_to[1x320x1x1](block17_project_bn_centered**2)
+        block17_project_bn_sum_of_squares = mem.tensor(250, (1, 320, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block17_project_bn_centered, block17_project, block17_project_bn_batch_mean),
+                      (ew_square, block17_project_bn_sum_of_squares, block17_project_bn_centered),
+                      shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
         # block17_project_bn_batch_mean_flat = reshape[320](block17_project_bn_batch_mean)
         block17_project_bn_batch_mean_flat = rt.reshape(block17_project_bn_batch_mean, shape=(320,))
         # block17_project_bn_mean_new = 0.9*block17_project_bn_mean + 0.1*block17_project_bn_batch_mean_flat
@@ -2991,9 +3045,6 @@ class MobilenetV2(rp.Model):
         # free block17_project_bn_sum, block17_project_bn_batch_mean, block17_project_bn_batch_mean_flat
         del block17_project_bn_sum, block17_project_bn_batch_mean, block17_project_bn_batch_mean_flat
         mem.free(249)
-        # block17_project_bn_sum_of_squares = sum_to[1x320x1x1](block17_project_bn_centered**2)
-        block17_project_bn_sum_of_squares = mem.tensor(250, (1, 320, 1, 1), 'float32')
-        rt.ew_sum(ew_square, block17_project_bn_sum_of_squares, block17_project_bn_centered, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
         # block17_project_bn_batch_var = block17_project_bn_sum_of_squares/1568
         block17_project_bn_batch_var = block17_project_bn_sum_of_squares  # in place: over block17_project_bn_sum_of_squares
         rt.ew(ew_scale_5, block17_project_bn_batch_var, block17_project_bn_sum_of_squares)
@@ -3028,9 +3079,13 @@ class MobilenetV2(rp.Model):
         # conv_last_bn_batch_mean = conv_last_bn_sum/1568
         conv_last_bn_batch_mean = conv_last_bn_sum  # in place: over conv_last_bn_sum
         rt.ew(ew_scale_5, conv_last_bn_batch_mean, conv_last_bn_sum)
-        # conv_last_bn_centered = conv_last - conv_last_bn_batch_mean
+        # conv_last_bn_centered = conv_last - conv_last_bn_batch_mean   (computed with the next statement)
         conv_last_bn_centered = conv_last  # in place: over conv_last
-        rt.ew(ew_sub, conv_last_bn_centered, conv_last, conv_last_bn_batch_mean)
+        # conv_last_bn_sum_of_squares = sum_to[1x1280x1x1](conv_last_bn_centered**2)
+        conv_last_bn_sum_of_squares = mem.tensor(255, (1, 1280, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, conv_last_bn_centered, conv_last, conv_last_bn_batch_mean),
+                      (ew_square, conv_last_bn_sum_of_squares, conv_last_bn_centered),
+                      shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
         # conv_last_bn_batch_mean_flat = reshape[1280](conv_last_bn_batch_mean)
         conv_last_bn_batch_mean_flat = rt.reshape(conv_last_bn_batch_mean, shape=(1280,))
         # conv_last_bn_mean_new = 0.9*conv_last_bn_mean + 0.1*conv_last_bn_batch_mean_flat
@@ -3039,9 +3094,6 @@ class MobilenetV2(rp.Model):
         # free conv_last_bn_sum, conv_last_bn_batch_mean, conv_last_bn_batch_mean_flat
         del conv_last_bn_sum, conv_last_bn_batch_mean, conv_last_bn_batch_mean_flat
         mem.free(254)
-        # conv_last_bn_sum_of_squares = sum_to[1x1280x1x1](conv_last_bn_centered**2)
-        conv_last_bn_sum_of_squares = mem.tensor(255, (1, 1280, 1, 1), 'float32')
-        rt.ew_sum(ew_square, conv_last_bn_sum_of_squares, conv_last_bn_centered, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
         # conv_last_bn_batch_var = conv_last_bn_sum_of_squares/1568
         conv_last_bn_batch_var = conv_last_bn_sum_of_squares  # in place: over conv_last_bn_sum_of_squares
         rt.ew(ew_scale_5, conv_last_bn_batch_var, conv_last_bn_sum_of_squares)
@@ -3198,14 +3250,18 @@ class MobilenetV2(rp.Model):
         # free conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         del conv_last_bn_sum_of_squares, conv_last_bn_batch_var, conv_last_bn_batch_var_flat
         mem.free(255)
-        # d_conv_last_bn_centered = d_conv_last_bn*conv_last_bn_inv_std*conv_last_bn_weight + 2*d_conv_last_bn_sum_of_squares*conv_last_bn_centered
+        # d_conv_last_bn_centered = d_conv_last_bn*conv_last_bn_inv_std*conv_last_bn_weight + 2*d_conv_last_bn_sum_of_squares*conv_last_bn_centered   (computed with the next statement)
         d_conv_last_bn_centered = conv_last_bn_centered  # in place: over conv_last_bn_centered
-        rt.ew(ew_mul_add_5, d_conv_last_bn_centered, d_conv_last_bn, conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_sum_of_squares, conv_last_bn_centered)
+        # d_conv_last_bn_batch_mean = sum_to[1x1280x1x1](-d_conv_last_bn_centered)
+        d_conv_last_bn_batch_mean = mem.tensor(269, (1, 1280, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_conv_last_bn_centered, d_conv_last_bn, conv_last_bn_inv_std, conv_last_bn_weight, d_conv_last_bn_sum_of_squares, conv_last_bn_centered),
+                      (ew_neg, d_conv_last_bn_batch_mean, d_conv_last_bn_centered),
+                      shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
         # free d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
         del d_conv_last_bn_inv_std, d_conv_last_bn_sum_of_squares
         mem.free(268)
         # d_conv_last_bn_bias = sum_to[1x1280x1x1](d_conv_last_bn)
-        d_conv_last_bn_bias = mem.tensor(269, (1, 1280, 1, 1), 'float32')
+        d_conv_last_bn_bias = mem.tensor(270, (1, 1280, 1, 1), 'float32')
         rt.sum_to(d_conv_last_bn, out=d_conv_last_bn_bias, shape=(1, 1280, 1, 1))
         # free d_conv_last_bn_clipped_relu, d_conv_last_bn
         del d_conv_last_bn_clipped_relu, d_conv_last_bn
@@ -3237,10 +3293,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, conv_last_bn_B_new, T['conv_last_bn_B'], lr, V_conv_last_bn_B_new))
         # free d_conv_last_bn_bias, d_conv_last_bn_B
         del d_conv_last_bn_bias, d_conv_last_bn_B
-        mem.free(269)
-        # d_conv_last_bn_batch_mean = sum_to[1x1280x1x1](-d_conv_last_bn_centered)
-        d_conv_last_bn_batch_mean = mem.tensor(270, (1, 1280, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_conv_last_bn_batch_mean, d_conv_last_bn_centered, shape=(1, 1280, 1, 1), workspace=mem.workspace(8028160))
+        mem.free(270)
         # d_conv_last_bn_sum = d_conv_last_bn_batch_mean/1568
         d_conv_last_bn_sum = d_conv_last_bn_batch_mean  # in place: over d_conv_last_bn_batch_mean
         rt.ew(ew_scale_5, d_conv_last_bn_sum, d_conv_last_bn_batch_mean)
@@ -3251,7 +3304,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_conv_last, d_conv_last_bn_centered, d_conv_last_bn_sum)
         # free d_conv_last_bn_batch_mean, d_conv_last_bn_sum
         del d_conv_last_bn_batch_mean, d_conv_last_bn_sum
-        mem.free(270)
+        mem.free(269)
 
         # ---- block17_project_bn (batch norm), forward ----
         # block17_project_bn_2 = block17_project_bn_centered*block17_project_bn_inv_std*block17_project_bn_weight + block17_project_bn_bias
@@ -3294,14 +3347,18 @@ class MobilenetV2(rp.Model):
         # free block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         del block17_project_bn_sum_of_squares, block17_project_bn_batch_var, block17_project_bn_batch_var_flat
         mem.free(250)
-        # d_block17_project_bn_centered = d_block17_project_bn*block17_project_bn_inv_std*block17_project_bn_weight + 2*d_block17_project_bn_sum_of_squares*block17_project_bn_centered
+        # d_block17_project_bn_centered = d_block17_project_bn*block17_project_bn_inv_std*block17_project_bn_weight + 2*d_block17_project_bn_sum_of_squares*block17_project_bn_centered   (computed with the next statement)
         d_block17_project_bn_centered = block17_project_bn_centered  # in place: over block17_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block17_project_bn_centered, d_block17_project_bn, block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_sum_of_squares, block17_project_bn_centered)
+        # d_block17_project_bn_batch_mean = sum_to[1x320x1x1](-d_block17_project_bn_centered)
+        d_block17_project_bn_batch_mean = mem.tensor(276, (1, 320, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block17_project_bn_centered, d_block17_project_bn, block17_project_bn_inv_std, block17_project_bn_weight, d_block17_project_bn_sum_of_squares, block17_project_bn_centered),
+                      (ew_neg, d_block17_project_bn_batch_mean, d_block17_project_bn_centered),
+                      shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
         # free d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
         del d_block17_project_bn_inv_std, d_block17_project_bn_sum_of_squares
         mem.free(275)
         # d_block17_project_bn_bias = sum_to[1x320x1x1](d_block17_project_bn)
-        d_block17_project_bn_bias = mem.tensor(276, (1, 320, 1, 1), 'float32')
+        d_block17_project_bn_bias = mem.tensor(277, (1, 320, 1, 1), 'float32')
         rt.sum_to(d_block17_project_bn, out=d_block17_project_bn_bias, shape=(1, 320, 1, 1))
         # free d_block17_project_bn
         del d_block17_project_bn
@@ -3333,10 +3390,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block17_project_bn_B_new, T['block17_project_bn_B'], lr, V_block17_project_bn_B_new))
         # free d_block17_project_bn_bias, d_block17_project_bn_B
         del d_block17_project_bn_bias, d_block17_project_bn_B
-        mem.free(276)
-        # d_block17_project_bn_batch_mean = sum_to[1x320x1x1](-d_block17_project_bn_centered)
-        d_block17_project_bn_batch_mean = mem.tensor(277, (1, 320, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block17_project_bn_batch_mean, d_block17_project_bn_centered, shape=(1, 320, 1, 1), workspace=mem.workspace(2007040))
+        mem.free(277)
         # d_block17_project_bn_sum = d_block17_project_bn_batch_mean/1568
         d_block17_project_bn_sum = d_block17_project_bn_batch_mean  # in place: over d_block17_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_project_bn_sum, d_block17_project_bn_batch_mean)
@@ -3347,7 +3401,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block17_project, d_block17_project_bn_centered, d_block17_project_bn_sum)
         # free d_block17_project_bn_batch_mean, d_block17_project_bn_sum
         del d_block17_project_bn_batch_mean, d_block17_project_bn_sum
-        mem.free(277)
+        mem.free(276)
 
         # ---- block17_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block17_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block17_dw_bn_centered*block17_dw_bn_inv_std*block17_dw_bn_weight + block17_dw_bn_bias))
@@ -3372,9 +3426,15 @@ class MobilenetV2(rp.Model):
         mem.free(248)
 
         # ---- block17_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block17_dw_bn = d_block17_dw_bn_clipped_relu*Heaviside(block17_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block17_dw_bn_clipped_relu_2, 0)
+        # d_block17_dw_bn = d_block17_dw_bn_clipped_relu*Heaviside(block17_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block17_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block17_dw_bn = d_block17_dw_bn_clipped_relu  # in place: over d_block17_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block17_dw_bn, d_block17_dw_bn_clipped_relu, block17_dw_bn_clipped_relu_2)
+
+        # ---- block17_dw_bn (batch norm), backward ----
+        # d_block17_dw_bn_ew_sum = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered)
+        d_block17_dw_bn_ew_sum = mem.tensor(281, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block17_dw_bn, d_block17_dw_bn_clipped_relu, block17_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block17_dw_bn_ew_sum, d_block17_dw_bn, block17_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block17_dw_bn_clipped_relu_2
         del block17_dw_bn_clipped_relu_2
         mem.free(278)
@@ -3385,9 +3445,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block17_project_W_new, T['block17_project_W'], lr, V_block17_project_W_new)
 
         # ---- block17_dw_bn (batch norm), backward ----
-        # d_block17_dw_bn_ew_sum = sum_to[1x960x1x1](d_block17_dw_bn*block17_dw_bn_centered)
-        d_block17_dw_bn_ew_sum = mem.tensor(281, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_dw_bn_ew_sum, d_block17_dw_bn, block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block17_dw_bn_inv_std = block17_dw_bn_weight*d_block17_dw_bn_ew_sum   (computed with the next statement)
         d_block17_dw_bn_inv_std = mem.tensor(282, (1, 960, 1, 1), 'float32')
         # d_block17_dw_bn_sum_of_squares = -d_block17_dw_bn_inv_std/(3136*(block17_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -3397,14 +3454,18 @@ class MobilenetV2(rp.Model):
         # free block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         del block17_dw_bn_sum_of_squares, block17_dw_bn_batch_var, block17_dw_bn_batch_var_flat
         mem.free(245)
-        # d_block17_dw_bn_centered = d_block17_dw_bn*block17_dw_bn_inv_std*block17_dw_bn_weight + 2*d_block17_dw_bn_sum_of_squares*block17_dw_bn_centered
+        # d_block17_dw_bn_centered = d_block17_dw_bn*block17_dw_bn_inv_std*block17_dw_bn_weight + 2*d_block17_dw_bn_sum_of_squares*block17_dw_bn_centered   (computed with the next statement)
         d_block17_dw_bn_centered = block17_dw_bn_centered  # in place: over block17_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block17_dw_bn_centered, d_block17_dw_bn, block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_sum_of_squares, block17_dw_bn_centered)
+        # d_block17_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block17_dw_bn_centered)
+        d_block17_dw_bn_batch_mean = mem.tensor(283, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block17_dw_bn_centered, d_block17_dw_bn, block17_dw_bn_inv_std, block17_dw_bn_weight, d_block17_dw_bn_sum_of_squares, block17_dw_bn_centered),
+                      (ew_neg, d_block17_dw_bn_batch_mean, d_block17_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
         del d_block17_dw_bn_inv_std, d_block17_dw_bn_sum_of_squares
         mem.free(282)
         # d_block17_dw_bn_bias = sum_to[1x960x1x1](d_block17_dw_bn)
-        d_block17_dw_bn_bias = mem.tensor(283, (1, 960, 1, 1), 'float32')
+        d_block17_dw_bn_bias = mem.tensor(284, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block17_dw_bn, out=d_block17_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block17_dw_bn_clipped_relu, d_block17_dw_bn
         del d_block17_dw_bn_clipped_relu, d_block17_dw_bn
@@ -3436,10 +3497,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block17_dw_bn_B_new, T['block17_dw_bn_B'], lr, V_block17_dw_bn_B_new))
         # free d_block17_dw_bn_bias, d_block17_dw_bn_B
         del d_block17_dw_bn_bias, d_block17_dw_bn_B
-        mem.free(283)
-        # d_block17_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block17_dw_bn_centered)
-        d_block17_dw_bn_batch_mean = mem.tensor(284, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block17_dw_bn_batch_mean, d_block17_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(284)
         # d_block17_dw_bn_sum = d_block17_dw_bn_batch_mean/1568
         d_block17_dw_bn_sum = d_block17_dw_bn_batch_mean  # in place: over d_block17_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_dw_bn_sum, d_block17_dw_bn_batch_mean)
@@ -3450,7 +3508,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block17_dw, d_block17_dw_bn_centered, d_block17_dw_bn_sum)
         # free d_block17_dw_bn_batch_mean, d_block17_dw_bn_sum
         del d_block17_dw_bn_batch_mean, d_block17_dw_bn_sum
-        mem.free(284)
+        mem.free(283)
 
         # ---- block17_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block17_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block17_expand_bn_centered*block17_expand_bn_inv_std*block17_expand_bn_weight + block17_expand_bn_bias))
@@ -3475,9 +3533,15 @@ class MobilenetV2(rp.Model):
         mem.free(243)
 
         # ---- block17_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block17_expand_bn = d_block17_expand_bn_clipped_relu*Heaviside(block17_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block17_expand_bn_clipped_relu_2, 0)
+        # d_block17_expand_bn = d_block17_expand_bn_clipped_relu*Heaviside(block17_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block17_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block17_expand_bn = d_block17_expand_bn_clipped_relu  # in place: over d_block17_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block17_expand_bn, d_block17_expand_bn_clipped_relu, block17_expand_bn_clipped_relu_2)
+
+        # ---- block17_expand_bn (batch norm), backward ----
+        # d_block17_expand_bn_ew_sum = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered)
+        d_block17_expand_bn_ew_sum = mem.tensor(288, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block17_expand_bn, d_block17_expand_bn_clipped_relu, block17_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block17_expand_bn_ew_sum, d_block17_expand_bn, block17_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block17_expand_bn_clipped_relu_2
         del block17_expand_bn_clipped_relu_2
         mem.free(285)
@@ -3488,9 +3552,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block17_dw_W_new, T['block17_dw_W'], lr, V_block17_dw_W_new)
 
         # ---- block17_expand_bn (batch norm), backward ----
-        # d_block17_expand_bn_ew_sum = sum_to[1x960x1x1](d_block17_expand_bn*block17_expand_bn_centered)
-        d_block17_expand_bn_ew_sum = mem.tensor(288, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block17_expand_bn_ew_sum, d_block17_expand_bn, block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block17_expand_bn_inv_std = block17_expand_bn_weight*d_block17_expand_bn_ew_sum   (computed with the next statement)
         d_block17_expand_bn_inv_std = mem.tensor(289, (1, 960, 1, 1), 'float32')
         # d_block17_expand_bn_sum_of_squares = -d_block17_expand_bn_inv_std/(3136*(block17_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -3500,14 +3561,18 @@ class MobilenetV2(rp.Model):
         # free block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         del block17_expand_bn_sum_of_squares, block17_expand_bn_batch_var, block17_expand_bn_batch_var_flat
         mem.free(240)
-        # d_block17_expand_bn_centered = d_block17_expand_bn*block17_expand_bn_inv_std*block17_expand_bn_weight + 2*d_block17_expand_bn_sum_of_squares*block17_expand_bn_centered
+        # d_block17_expand_bn_centered = d_block17_expand_bn*block17_expand_bn_inv_std*block17_expand_bn_weight + 2*d_block17_expand_bn_sum_of_squares*block17_expand_bn_centered   (computed with the next statement)
         d_block17_expand_bn_centered = block17_expand_bn_centered  # in place: over block17_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block17_expand_bn_centered, d_block17_expand_bn, block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_sum_of_squares, block17_expand_bn_centered)
+        # d_block17_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block17_expand_bn_centered)
+        d_block17_expand_bn_batch_mean = mem.tensor(290, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block17_expand_bn_centered, d_block17_expand_bn, block17_expand_bn_inv_std, block17_expand_bn_weight, d_block17_expand_bn_sum_of_squares, block17_expand_bn_centered),
+                      (ew_neg, d_block17_expand_bn_batch_mean, d_block17_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
         del d_block17_expand_bn_inv_std, d_block17_expand_bn_sum_of_squares
         mem.free(289)
         # d_block17_expand_bn_bias = sum_to[1x960x1x1](d_block17_expand_bn)
-        d_block17_expand_bn_bias = mem.tensor(290, (1, 960, 1, 1), 'float32')
+        d_block17_expand_bn_bias = mem.tensor(291, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block17_expand_bn, out=d_block17_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block17_expand_bn_clipped_relu, d_block17_expand_bn
         del d_block17_expand_bn_clipped_relu, d_block17_expand_bn
@@ -3539,10 +3604,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block17_expand_bn_B_new, T['block17_expand_bn_B'], lr, V_block17_expand_bn_B_new))
         # free d_block17_expand_bn_bias, d_block17_expand_bn_B
         del d_block17_expand_bn_bias, d_block17_expand_bn_B
-        mem.free(290)
-        # d_block17_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block17_expand_bn_centered)
-        d_block17_expand_bn_batch_mean = mem.tensor(291, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block17_expand_bn_batch_mean, d_block17_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(291)
         # d_block17_expand_bn_sum = d_block17_expand_bn_batch_mean/1568
         d_block17_expand_bn_sum = d_block17_expand_bn_batch_mean  # in place: over d_block17_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_expand_bn_sum, d_block17_expand_bn_batch_mean)
@@ -3553,7 +3615,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block17_expand, d_block17_expand_bn_centered, d_block17_expand_bn_sum)
         # free d_block17_expand_bn_batch_mean, d_block17_expand_bn_sum
         del d_block17_expand_bn_batch_mean, d_block17_expand_bn_sum
-        mem.free(291)
+        mem.free(290)
 
         # ---- block16_project_bn_add (sum of 2 branches), forward ----
         # block16_project_bn_add_2 = block16_project_bn_centered*block16_project_bn_inv_std*block16_project_bn_weight + block16_project_bn_bias + block15_project_bn_add
@@ -3596,9 +3658,13 @@ class MobilenetV2(rp.Model):
         # free block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         del block16_project_bn_sum_of_squares, block16_project_bn_batch_var, block16_project_bn_batch_var_flat
         mem.free(235)
-        # d_block16_project_bn_centered = d_block16_project_bn_add*block16_project_bn_inv_std*block16_project_bn_weight + 2*d_block16_project_bn_sum_of_squares*block16_project_bn_centered
+        # d_block16_project_bn_centered = d_block16_project_bn_add*block16_project_bn_inv_std*block16_project_bn_weight + 2*d_block16_project_bn_sum_of_squares*block16_project_bn_centered   (computed with the next statement)
         d_block16_project_bn_centered = block16_project_bn_centered  # in place: over block16_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block16_project_bn_centered, d_block16_project_bn_add, block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_sum_of_squares, block16_project_bn_centered)
+        # d_block16_project_bn_batch_mean = sum_to[1x160x1x1](-d_block16_project_bn_centered)
+        d_block16_project_bn_batch_mean = mem.tensor(297, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block16_project_bn_centered, d_block16_project_bn_add, block16_project_bn_inv_std, block16_project_bn_weight, d_block16_project_bn_sum_of_squares, block16_project_bn_centered),
+                      (ew_neg, d_block16_project_bn_batch_mean, d_block16_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # free d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
         del d_block16_project_bn_inv_std, d_block16_project_bn_sum_of_squares
         mem.free(296)
@@ -3619,9 +3685,6 @@ class MobilenetV2(rp.Model):
         # free block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
         del block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
         mem.free(236)
-        # d_block16_project_bn_batch_mean = sum_to[1x160x1x1](-d_block16_project_bn_centered)
-        d_block16_project_bn_batch_mean = mem.tensor(297, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block16_project_bn_batch_mean, d_block16_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block16_project_bn_sum = d_block16_project_bn_batch_mean/1568
         d_block16_project_bn_sum = d_block16_project_bn_batch_mean  # in place: over d_block16_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_project_bn_sum, d_block16_project_bn_batch_mean)
@@ -3673,9 +3736,15 @@ class MobilenetV2(rp.Model):
         mem.free(233)
 
         # ---- block16_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block16_dw_bn = d_block16_dw_bn_clipped_relu*Heaviside(block16_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block16_dw_bn_clipped_relu_2, 0)
+        # d_block16_dw_bn = d_block16_dw_bn_clipped_relu*Heaviside(block16_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block16_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block16_dw_bn = d_block16_dw_bn_clipped_relu  # in place: over d_block16_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block16_dw_bn, d_block16_dw_bn_clipped_relu, block16_dw_bn_clipped_relu_2)
+
+        # ---- block16_dw_bn (batch norm), backward ----
+        # d_block16_dw_bn_ew_sum = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered)
+        d_block16_dw_bn_ew_sum = mem.tensor(302, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block16_dw_bn, d_block16_dw_bn_clipped_relu, block16_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block16_dw_bn_ew_sum, d_block16_dw_bn, block16_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block16_dw_bn_clipped_relu_2
         del block16_dw_bn_clipped_relu_2
         mem.free(299)
@@ -3686,9 +3755,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block16_project_W_new, T['block16_project_W'], lr, V_block16_project_W_new)
 
         # ---- block16_dw_bn (batch norm), backward ----
-        # d_block16_dw_bn_ew_sum = sum_to[1x960x1x1](d_block16_dw_bn*block16_dw_bn_centered)
-        d_block16_dw_bn_ew_sum = mem.tensor(302, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_dw_bn_ew_sum, d_block16_dw_bn, block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block16_dw_bn_inv_std = block16_dw_bn_weight*d_block16_dw_bn_ew_sum   (computed with the next statement)
         d_block16_dw_bn_inv_std = mem.tensor(303, (1, 960, 1, 1), 'float32')
         # d_block16_dw_bn_sum_of_squares = -d_block16_dw_bn_inv_std/(3136*(block16_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -3698,14 +3764,18 @@ class MobilenetV2(rp.Model):
         # free block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         del block16_dw_bn_sum_of_squares, block16_dw_bn_batch_var, block16_dw_bn_batch_var_flat
         mem.free(230)
-        # d_block16_dw_bn_centered = d_block16_dw_bn*block16_dw_bn_inv_std*block16_dw_bn_weight + 2*d_block16_dw_bn_sum_of_squares*block16_dw_bn_centered
+        # d_block16_dw_bn_centered = d_block16_dw_bn*block16_dw_bn_inv_std*block16_dw_bn_weight + 2*d_block16_dw_bn_sum_of_squares*block16_dw_bn_centered   (computed with the next statement)
         d_block16_dw_bn_centered = block16_dw_bn_centered  # in place: over block16_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block16_dw_bn_centered, d_block16_dw_bn, block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_sum_of_squares, block16_dw_bn_centered)
+        # d_block16_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block16_dw_bn_centered)
+        d_block16_dw_bn_batch_mean = mem.tensor(304, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block16_dw_bn_centered, d_block16_dw_bn, block16_dw_bn_inv_std, block16_dw_bn_weight, d_block16_dw_bn_sum_of_squares, block16_dw_bn_centered),
+                      (ew_neg, d_block16_dw_bn_batch_mean, d_block16_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
         del d_block16_dw_bn_inv_std, d_block16_dw_bn_sum_of_squares
         mem.free(303)
         # d_block16_dw_bn_bias = sum_to[1x960x1x1](d_block16_dw_bn)
-        d_block16_dw_bn_bias = mem.tensor(304, (1, 960, 1, 1), 'float32')
+        d_block16_dw_bn_bias = mem.tensor(305, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block16_dw_bn, out=d_block16_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block16_dw_bn_clipped_relu, d_block16_dw_bn
         del d_block16_dw_bn_clipped_relu, d_block16_dw_bn
@@ -3737,10 +3807,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block16_dw_bn_B_new, T['block16_dw_bn_B'], lr, V_block16_dw_bn_B_new))
         # free d_block16_dw_bn_bias, d_block16_dw_bn_B
         del d_block16_dw_bn_bias, d_block16_dw_bn_B
-        mem.free(304)
-        # d_block16_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block16_dw_bn_centered)
-        d_block16_dw_bn_batch_mean = mem.tensor(305, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block16_dw_bn_batch_mean, d_block16_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(305)
         # d_block16_dw_bn_sum = d_block16_dw_bn_batch_mean/1568
         d_block16_dw_bn_sum = d_block16_dw_bn_batch_mean  # in place: over d_block16_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_dw_bn_sum, d_block16_dw_bn_batch_mean)
@@ -3751,7 +3818,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block16_dw, d_block16_dw_bn_centered, d_block16_dw_bn_sum)
         # free d_block16_dw_bn_batch_mean, d_block16_dw_bn_sum
         del d_block16_dw_bn_batch_mean, d_block16_dw_bn_sum
-        mem.free(305)
+        mem.free(304)
 
         # ---- block16_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block16_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block16_expand_bn_centered*block16_expand_bn_inv_std*block16_expand_bn_weight + block16_expand_bn_bias))
@@ -3776,9 +3843,15 @@ class MobilenetV2(rp.Model):
         mem.free(228)
 
         # ---- block16_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block16_expand_bn = d_block16_expand_bn_clipped_relu*Heaviside(block16_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block16_expand_bn_clipped_relu_2, 0)
+        # d_block16_expand_bn = d_block16_expand_bn_clipped_relu*Heaviside(block16_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block16_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block16_expand_bn = d_block16_expand_bn_clipped_relu  # in place: over d_block16_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block16_expand_bn, d_block16_expand_bn_clipped_relu, block16_expand_bn_clipped_relu_2)
+
+        # ---- block16_expand_bn (batch norm), backward ----
+        # d_block16_expand_bn_ew_sum = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered)
+        d_block16_expand_bn_ew_sum = mem.tensor(309, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block16_expand_bn, d_block16_expand_bn_clipped_relu, block16_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block16_expand_bn_ew_sum, d_block16_expand_bn, block16_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block16_expand_bn_clipped_relu_2
         del block16_expand_bn_clipped_relu_2
         mem.free(306)
@@ -3789,9 +3862,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block16_dw_W_new, T['block16_dw_W'], lr, V_block16_dw_W_new)
 
         # ---- block16_expand_bn (batch norm), backward ----
-        # d_block16_expand_bn_ew_sum = sum_to[1x960x1x1](d_block16_expand_bn*block16_expand_bn_centered)
-        d_block16_expand_bn_ew_sum = mem.tensor(309, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block16_expand_bn_ew_sum, d_block16_expand_bn, block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block16_expand_bn_inv_std = block16_expand_bn_weight*d_block16_expand_bn_ew_sum   (computed with the next statement)
         d_block16_expand_bn_inv_std = mem.tensor(310, (1, 960, 1, 1), 'float32')
         # d_block16_expand_bn_sum_of_squares = -d_block16_expand_bn_inv_std/(3136*(block16_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -3801,14 +3871,18 @@ class MobilenetV2(rp.Model):
         # free block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         del block16_expand_bn_sum_of_squares, block16_expand_bn_batch_var, block16_expand_bn_batch_var_flat
         mem.free(225)
-        # d_block16_expand_bn_centered = d_block16_expand_bn*block16_expand_bn_inv_std*block16_expand_bn_weight + 2*d_block16_expand_bn_sum_of_squares*block16_expand_bn_centered
+        # d_block16_expand_bn_centered = d_block16_expand_bn*block16_expand_bn_inv_std*block16_expand_bn_weight + 2*d_block16_expand_bn_sum_of_squares*block16_expand_bn_centered   (computed with the next statement)
         d_block16_expand_bn_centered = block16_expand_bn_centered  # in place: over block16_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block16_expand_bn_centered, d_block16_expand_bn, block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_sum_of_squares, block16_expand_bn_centered)
+        # d_block16_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block16_expand_bn_centered)
+        d_block16_expand_bn_batch_mean = mem.tensor(311, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block16_expand_bn_centered, d_block16_expand_bn, block16_expand_bn_inv_std, block16_expand_bn_weight, d_block16_expand_bn_sum_of_squares, block16_expand_bn_centered),
+                      (ew_neg, d_block16_expand_bn_batch_mean, d_block16_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
         del d_block16_expand_bn_inv_std, d_block16_expand_bn_sum_of_squares
         mem.free(310)
         # d_block16_expand_bn_bias = sum_to[1x960x1x1](d_block16_expand_bn)
-        d_block16_expand_bn_bias = mem.tensor(311, (1, 960, 1, 1), 'float32')
+        d_block16_expand_bn_bias = mem.tensor(312, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block16_expand_bn, out=d_block16_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block16_expand_bn_clipped_relu, d_block16_expand_bn
         del d_block16_expand_bn_clipped_relu, d_block16_expand_bn
@@ -3840,10 +3914,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block16_expand_bn_B_new, T['block16_expand_bn_B'], lr, V_block16_expand_bn_B_new))
         # free d_block16_expand_bn_bias, d_block16_expand_bn_B
         del d_block16_expand_bn_bias, d_block16_expand_bn_B
-        mem.free(311)
-        # d_block16_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block16_expand_bn_centered)
-        d_block16_expand_bn_batch_mean = mem.tensor(312, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block16_expand_bn_batch_mean, d_block16_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(312)
         # d_block16_expand_bn_sum = d_block16_expand_bn_batch_mean/1568
         d_block16_expand_bn_sum = d_block16_expand_bn_batch_mean  # in place: over d_block16_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_expand_bn_sum, d_block16_expand_bn_batch_mean)
@@ -3854,7 +3925,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block16_expand, d_block16_expand_bn_centered, d_block16_expand_bn_sum)
         # free d_block16_expand_bn_batch_mean, d_block16_expand_bn_sum
         del d_block16_expand_bn_batch_mean, d_block16_expand_bn_sum
-        mem.free(312)
+        mem.free(311)
         # d_block16_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block16_expand, block15_project_bn_add)
         d_block16_expand_W = mem.tensor(313, (960, 160, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block16_expand, block15_project_bn_add, out=d_block16_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(7024640))
@@ -3869,9 +3940,15 @@ class MobilenetV2(rp.Model):
         mem.free(223)
 
         # ---- block15_project_bn_add (sum of 2 branches), backward ----
-        # d_block15_project_bn_add_2 = d_block16_project_bn_add + d_block15_project_bn_add
+        # d_block15_project_bn_add_2 = d_block16_project_bn_add + d_block15_project_bn_add   (computed with the next statement)
         d_block15_project_bn_add_2 = d_block16_project_bn_add  # in place: over d_block16_project_bn_add
-        rt.ew(ew_add, d_block15_project_bn_add_2, d_block16_project_bn_add, d_block15_project_bn_add)
+
+        # ---- block15_project_bn (batch norm), backward ----
+        # d_block15_project_bn_ew_sum = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered)
+        d_block15_project_bn_ew_sum = mem.tensor(315, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block15_project_bn_add_2, d_block16_project_bn_add, d_block15_project_bn_add),
+                      (ew_mul_2, d_block15_project_bn_ew_sum, d_block15_project_bn_add_2, block15_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # free d_block15_project_bn_add
         del d_block15_project_bn_add
         mem.free(314)
@@ -3888,9 +3965,6 @@ class MobilenetV2(rp.Model):
         mem.free(313)
 
         # ---- block15_project_bn (batch norm), backward ----
-        # d_block15_project_bn_ew_sum = sum_to[1x160x1x1](d_block15_project_bn_add_2*block15_project_bn_centered)
-        d_block15_project_bn_ew_sum = mem.tensor(315, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_project_bn_ew_sum, d_block15_project_bn_add_2, block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block15_project_bn_inv_std = block15_project_bn_weight*d_block15_project_bn_ew_sum   (computed with the next statement)
         d_block15_project_bn_inv_std = mem.tensor(316, (1, 160, 1, 1), 'float32')
         # d_block15_project_bn_sum_of_squares = -d_block15_project_bn_inv_std/(3136*(block15_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -3900,9 +3974,13 @@ class MobilenetV2(rp.Model):
         # free block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         del block15_project_bn_sum_of_squares, block15_project_bn_batch_var, block15_project_bn_batch_var_flat
         mem.free(221)
-        # d_block15_project_bn_centered = d_block15_project_bn_add_2*block15_project_bn_inv_std*block15_project_bn_weight + 2*d_block15_project_bn_sum_of_squares*block15_project_bn_centered
+        # d_block15_project_bn_centered = d_block15_project_bn_add_2*block15_project_bn_inv_std*block15_project_bn_weight + 2*d_block15_project_bn_sum_of_squares*block15_project_bn_centered   (computed with the next statement)
         d_block15_project_bn_centered = block15_project_bn_centered  # in place: over block15_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block15_project_bn_centered, d_block15_project_bn_add_2, block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_sum_of_squares, block15_project_bn_centered)
+        # d_block15_project_bn_batch_mean = sum_to[1x160x1x1](-d_block15_project_bn_centered)
+        d_block15_project_bn_batch_mean = mem.tensor(317, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block15_project_bn_centered, d_block15_project_bn_add_2, block15_project_bn_inv_std, block15_project_bn_weight, d_block15_project_bn_sum_of_squares, block15_project_bn_centered),
+                      (ew_neg, d_block15_project_bn_batch_mean, d_block15_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # free d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
         del d_block15_project_bn_inv_std, d_block15_project_bn_sum_of_squares
         mem.free(316)
@@ -3923,9 +4001,6 @@ class MobilenetV2(rp.Model):
         # free block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
         del block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
         mem.free(222)
-        # d_block15_project_bn_batch_mean = sum_to[1x160x1x1](-d_block15_project_bn_centered)
-        d_block15_project_bn_batch_mean = mem.tensor(317, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block15_project_bn_batch_mean, d_block15_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block15_project_bn_sum = d_block15_project_bn_batch_mean/1568
         d_block15_project_bn_sum = d_block15_project_bn_batch_mean  # in place: over d_block15_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_project_bn_sum, d_block15_project_bn_batch_mean)
@@ -3977,9 +4052,15 @@ class MobilenetV2(rp.Model):
         mem.free(219)
 
         # ---- block15_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block15_dw_bn = d_block15_dw_bn_clipped_relu*Heaviside(block15_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block15_dw_bn_clipped_relu_2, 0)
+        # d_block15_dw_bn = d_block15_dw_bn_clipped_relu*Heaviside(block15_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block15_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block15_dw_bn = d_block15_dw_bn_clipped_relu  # in place: over d_block15_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block15_dw_bn, d_block15_dw_bn_clipped_relu, block15_dw_bn_clipped_relu_2)
+
+        # ---- block15_dw_bn (batch norm), backward ----
+        # d_block15_dw_bn_ew_sum = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered)
+        d_block15_dw_bn_ew_sum = mem.tensor(322, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block15_dw_bn, d_block15_dw_bn_clipped_relu, block15_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block15_dw_bn_ew_sum, d_block15_dw_bn, block15_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block15_dw_bn_clipped_relu_2
         del block15_dw_bn_clipped_relu_2
         mem.free(319)
@@ -3990,9 +4071,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block15_project_W_new, T['block15_project_W'], lr, V_block15_project_W_new)
 
         # ---- block15_dw_bn (batch norm), backward ----
-        # d_block15_dw_bn_ew_sum = sum_to[1x960x1x1](d_block15_dw_bn*block15_dw_bn_centered)
-        d_block15_dw_bn_ew_sum = mem.tensor(322, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_dw_bn_ew_sum, d_block15_dw_bn, block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block15_dw_bn_inv_std = block15_dw_bn_weight*d_block15_dw_bn_ew_sum   (computed with the next statement)
         d_block15_dw_bn_inv_std = mem.tensor(323, (1, 960, 1, 1), 'float32')
         # d_block15_dw_bn_sum_of_squares = -d_block15_dw_bn_inv_std/(3136*(block15_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -4002,14 +4080,18 @@ class MobilenetV2(rp.Model):
         # free block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         del block15_dw_bn_sum_of_squares, block15_dw_bn_batch_var, block15_dw_bn_batch_var_flat
         mem.free(216)
-        # d_block15_dw_bn_centered = d_block15_dw_bn*block15_dw_bn_inv_std*block15_dw_bn_weight + 2*d_block15_dw_bn_sum_of_squares*block15_dw_bn_centered
+        # d_block15_dw_bn_centered = d_block15_dw_bn*block15_dw_bn_inv_std*block15_dw_bn_weight + 2*d_block15_dw_bn_sum_of_squares*block15_dw_bn_centered   (computed with the next statement)
         d_block15_dw_bn_centered = block15_dw_bn_centered  # in place: over block15_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block15_dw_bn_centered, d_block15_dw_bn, block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_sum_of_squares, block15_dw_bn_centered)
+        # d_block15_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block15_dw_bn_centered)
+        d_block15_dw_bn_batch_mean = mem.tensor(324, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block15_dw_bn_centered, d_block15_dw_bn, block15_dw_bn_inv_std, block15_dw_bn_weight, d_block15_dw_bn_sum_of_squares, block15_dw_bn_centered),
+                      (ew_neg, d_block15_dw_bn_batch_mean, d_block15_dw_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
         del d_block15_dw_bn_inv_std, d_block15_dw_bn_sum_of_squares
         mem.free(323)
         # d_block15_dw_bn_bias = sum_to[1x960x1x1](d_block15_dw_bn)
-        d_block15_dw_bn_bias = mem.tensor(324, (1, 960, 1, 1), 'float32')
+        d_block15_dw_bn_bias = mem.tensor(325, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block15_dw_bn, out=d_block15_dw_bn_bias, shape=(1, 960, 1, 1))
         # free d_block15_dw_bn_clipped_relu, d_block15_dw_bn
         del d_block15_dw_bn_clipped_relu, d_block15_dw_bn
@@ -4041,10 +4123,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block15_dw_bn_B_new, T['block15_dw_bn_B'], lr, V_block15_dw_bn_B_new))
         # free d_block15_dw_bn_bias, d_block15_dw_bn_B
         del d_block15_dw_bn_bias, d_block15_dw_bn_B
-        mem.free(324)
-        # d_block15_dw_bn_batch_mean = sum_to[1x960x1x1](-d_block15_dw_bn_centered)
-        d_block15_dw_bn_batch_mean = mem.tensor(325, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block15_dw_bn_batch_mean, d_block15_dw_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(325)
         # d_block15_dw_bn_sum = d_block15_dw_bn_batch_mean/1568
         d_block15_dw_bn_sum = d_block15_dw_bn_batch_mean  # in place: over d_block15_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_dw_bn_sum, d_block15_dw_bn_batch_mean)
@@ -4055,7 +4134,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block15_dw, d_block15_dw_bn_centered, d_block15_dw_bn_sum)
         # free d_block15_dw_bn_batch_mean, d_block15_dw_bn_sum
         del d_block15_dw_bn_batch_mean, d_block15_dw_bn_sum
-        mem.free(325)
+        mem.free(324)
 
         # ---- block15_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block15_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block15_expand_bn_centered*block15_expand_bn_inv_std*block15_expand_bn_weight + block15_expand_bn_bias))
@@ -4080,9 +4159,15 @@ class MobilenetV2(rp.Model):
         mem.free(214)
 
         # ---- block15_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block15_expand_bn = d_block15_expand_bn_clipped_relu*Heaviside(block15_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block15_expand_bn_clipped_relu_2, 0)
+        # d_block15_expand_bn = d_block15_expand_bn_clipped_relu*Heaviside(block15_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block15_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block15_expand_bn = d_block15_expand_bn_clipped_relu  # in place: over d_block15_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block15_expand_bn, d_block15_expand_bn_clipped_relu, block15_expand_bn_clipped_relu_2)
+
+        # ---- block15_expand_bn (batch norm), backward ----
+        # d_block15_expand_bn_ew_sum = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered)
+        d_block15_expand_bn_ew_sum = mem.tensor(329, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block15_expand_bn, d_block15_expand_bn_clipped_relu, block15_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block15_expand_bn_ew_sum, d_block15_expand_bn, block15_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free block15_expand_bn_clipped_relu_2
         del block15_expand_bn_clipped_relu_2
         mem.free(326)
@@ -4093,9 +4178,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block15_dw_W_new, T['block15_dw_W'], lr, V_block15_dw_W_new)
 
         # ---- block15_expand_bn (batch norm), backward ----
-        # d_block15_expand_bn_ew_sum = sum_to[1x960x1x1](d_block15_expand_bn*block15_expand_bn_centered)
-        d_block15_expand_bn_ew_sum = mem.tensor(329, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block15_expand_bn_ew_sum, d_block15_expand_bn, block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # d_block15_expand_bn_inv_std = block15_expand_bn_weight*d_block15_expand_bn_ew_sum   (computed with the next statement)
         d_block15_expand_bn_inv_std = mem.tensor(330, (1, 960, 1, 1), 'float32')
         # d_block15_expand_bn_sum_of_squares = -d_block15_expand_bn_inv_std/(3136*(block15_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4105,14 +4187,18 @@ class MobilenetV2(rp.Model):
         # free block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         del block15_expand_bn_sum_of_squares, block15_expand_bn_batch_var, block15_expand_bn_batch_var_flat
         mem.free(211)
-        # d_block15_expand_bn_centered = d_block15_expand_bn*block15_expand_bn_inv_std*block15_expand_bn_weight + 2*d_block15_expand_bn_sum_of_squares*block15_expand_bn_centered
+        # d_block15_expand_bn_centered = d_block15_expand_bn*block15_expand_bn_inv_std*block15_expand_bn_weight + 2*d_block15_expand_bn_sum_of_squares*block15_expand_bn_centered   (computed with the next statement)
         d_block15_expand_bn_centered = block15_expand_bn_centered  # in place: over block15_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block15_expand_bn_centered, d_block15_expand_bn, block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_sum_of_squares, block15_expand_bn_centered)
+        # d_block15_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block15_expand_bn_centered)
+        d_block15_expand_bn_batch_mean = mem.tensor(331, (1, 960, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block15_expand_bn_centered, d_block15_expand_bn, block15_expand_bn_inv_std, block15_expand_bn_weight, d_block15_expand_bn_sum_of_squares, block15_expand_bn_centered),
+                      (ew_neg, d_block15_expand_bn_batch_mean, d_block15_expand_bn_centered),
+                      shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
         # free d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
         del d_block15_expand_bn_inv_std, d_block15_expand_bn_sum_of_squares
         mem.free(330)
         # d_block15_expand_bn_bias = sum_to[1x960x1x1](d_block15_expand_bn)
-        d_block15_expand_bn_bias = mem.tensor(331, (1, 960, 1, 1), 'float32')
+        d_block15_expand_bn_bias = mem.tensor(332, (1, 960, 1, 1), 'float32')
         rt.sum_to(d_block15_expand_bn, out=d_block15_expand_bn_bias, shape=(1, 960, 1, 1))
         # free d_block15_expand_bn_clipped_relu, d_block15_expand_bn
         del d_block15_expand_bn_clipped_relu, d_block15_expand_bn
@@ -4144,10 +4230,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block15_expand_bn_B_new, T['block15_expand_bn_B'], lr, V_block15_expand_bn_B_new))
         # free d_block15_expand_bn_bias, d_block15_expand_bn_B
         del d_block15_expand_bn_bias, d_block15_expand_bn_B
-        mem.free(331)
-        # d_block15_expand_bn_batch_mean = sum_to[1x960x1x1](-d_block15_expand_bn_centered)
-        d_block15_expand_bn_batch_mean = mem.tensor(332, (1, 960, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block15_expand_bn_batch_mean, d_block15_expand_bn_centered, shape=(1, 960, 1, 1), workspace=mem.workspace(6021120))
+        mem.free(332)
         # d_block15_expand_bn_sum = d_block15_expand_bn_batch_mean/1568
         d_block15_expand_bn_sum = d_block15_expand_bn_batch_mean  # in place: over d_block15_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_expand_bn_sum, d_block15_expand_bn_batch_mean)
@@ -4158,7 +4241,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block15_expand, d_block15_expand_bn_centered, d_block15_expand_bn_sum)
         # free d_block15_expand_bn_batch_mean, d_block15_expand_bn_sum
         del d_block15_expand_bn_batch_mean, d_block15_expand_bn_sum
-        mem.free(332)
+        mem.free(331)
 
         # ---- block14_project_bn (batch norm), forward ----
         # block14_project_bn_2 = block14_project_bn_centered*block14_project_bn_inv_std*block14_project_bn_weight + block14_project_bn_bias
@@ -4180,9 +4263,13 @@ class MobilenetV2(rp.Model):
         mem.free(209)
 
         # ---- block14_project_bn (batch norm), backward ----
-        # d_block14_project_bn_2 = d_block15_project_bn_add_2 + d_block14_project_bn
+        # d_block14_project_bn_2 = d_block15_project_bn_add_2 + d_block14_project_bn   (computed with the next statement)
         d_block14_project_bn_2 = d_block15_project_bn_add_2  # in place: over d_block15_project_bn_add_2
-        rt.ew(ew_add, d_block14_project_bn_2, d_block15_project_bn_add_2, d_block14_project_bn)
+        # d_block14_project_bn_ew_sum = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered)
+        d_block14_project_bn_ew_sum = mem.tensor(336, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block14_project_bn_2, d_block15_project_bn_add_2, d_block14_project_bn),
+                      (ew_mul_2, d_block14_project_bn_ew_sum, d_block14_project_bn_2, block14_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # free d_block14_project_bn
         del d_block14_project_bn
         mem.free(335)
@@ -4199,9 +4286,6 @@ class MobilenetV2(rp.Model):
         mem.free(334)
 
         # ---- block14_project_bn (batch norm), backward ----
-        # d_block14_project_bn_ew_sum = sum_to[1x160x1x1](d_block14_project_bn_2*block14_project_bn_centered)
-        d_block14_project_bn_ew_sum = mem.tensor(336, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_project_bn_ew_sum, d_block14_project_bn_2, block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # d_block14_project_bn_inv_std = block14_project_bn_weight*d_block14_project_bn_ew_sum   (computed with the next statement)
         d_block14_project_bn_inv_std = mem.tensor(337, (1, 160, 1, 1), 'float32')
         # d_block14_project_bn_sum_of_squares = -d_block14_project_bn_inv_std/(3136*(block14_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -4211,14 +4295,18 @@ class MobilenetV2(rp.Model):
         # free block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         del block14_project_bn_sum_of_squares, block14_project_bn_batch_var, block14_project_bn_batch_var_flat
         mem.free(206)
-        # d_block14_project_bn_centered = d_block14_project_bn_2*block14_project_bn_inv_std*block14_project_bn_weight + 2*d_block14_project_bn_sum_of_squares*block14_project_bn_centered
+        # d_block14_project_bn_centered = d_block14_project_bn_2*block14_project_bn_inv_std*block14_project_bn_weight + 2*d_block14_project_bn_sum_of_squares*block14_project_bn_centered   (computed with the next statement)
         d_block14_project_bn_centered = block14_project_bn_centered  # in place: over block14_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block14_project_bn_centered, d_block14_project_bn_2, block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_sum_of_squares, block14_project_bn_centered)
+        # d_block14_project_bn_batch_mean = sum_to[1x160x1x1](-d_block14_project_bn_centered)
+        d_block14_project_bn_batch_mean = mem.tensor(338, (1, 160, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block14_project_bn_centered, d_block14_project_bn_2, block14_project_bn_inv_std, block14_project_bn_weight, d_block14_project_bn_sum_of_squares, block14_project_bn_centered),
+                      (ew_neg, d_block14_project_bn_batch_mean, d_block14_project_bn_centered),
+                      shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
         # free d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
         del d_block14_project_bn_inv_std, d_block14_project_bn_sum_of_squares
         mem.free(337)
         # d_block14_project_bn_bias = sum_to[1x160x1x1](d_block14_project_bn_2)
-        d_block14_project_bn_bias = mem.tensor(338, (1, 160, 1, 1), 'float32')
+        d_block14_project_bn_bias = mem.tensor(339, (1, 160, 1, 1), 'float32')
         rt.sum_to(d_block14_project_bn_2, out=d_block14_project_bn_bias, shape=(1, 160, 1, 1))
         # free d_block16_project_bn_add, d_block15_project_bn_add_2, d_block14_project_bn_2
         del d_block16_project_bn_add, d_block15_project_bn_add_2, d_block14_project_bn_2
@@ -4250,10 +4338,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block14_project_bn_B_new, T['block14_project_bn_B'], lr, V_block14_project_bn_B_new))
         # free d_block14_project_bn_bias, d_block14_project_bn_B
         del d_block14_project_bn_bias, d_block14_project_bn_B
-        mem.free(338)
-        # d_block14_project_bn_batch_mean = sum_to[1x160x1x1](-d_block14_project_bn_centered)
-        d_block14_project_bn_batch_mean = mem.tensor(339, (1, 160, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block14_project_bn_batch_mean, d_block14_project_bn_centered, shape=(1, 160, 1, 1), workspace=mem.workspace(1003520))
+        mem.free(339)
         # d_block14_project_bn_sum = d_block14_project_bn_batch_mean/1568
         d_block14_project_bn_sum = d_block14_project_bn_batch_mean  # in place: over d_block14_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block14_project_bn_sum, d_block14_project_bn_batch_mean)
@@ -4264,7 +4349,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block14_project, d_block14_project_bn_centered, d_block14_project_bn_sum)
         # free d_block14_project_bn_batch_mean, d_block14_project_bn_sum
         del d_block14_project_bn_batch_mean, d_block14_project_bn_sum
-        mem.free(339)
+        mem.free(338)
 
         # ---- block14_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block14_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block14_dw_bn_centered*block14_dw_bn_inv_std*block14_dw_bn_weight + block14_dw_bn_bias))
@@ -4289,9 +4374,15 @@ class MobilenetV2(rp.Model):
         mem.free(204)
 
         # ---- block14_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block14_dw_bn = d_block14_dw_bn_clipped_relu*Heaviside(block14_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block14_dw_bn_clipped_relu_2, 0)
+        # d_block14_dw_bn = d_block14_dw_bn_clipped_relu*Heaviside(block14_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block14_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block14_dw_bn = d_block14_dw_bn_clipped_relu  # in place: over d_block14_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block14_dw_bn, d_block14_dw_bn_clipped_relu, block14_dw_bn_clipped_relu_2)
+
+        # ---- block14_dw_bn (batch norm), backward ----
+        # d_block14_dw_bn_ew_sum = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered)
+        d_block14_dw_bn_ew_sum = mem.tensor(343, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block14_dw_bn, d_block14_dw_bn_clipped_relu, block14_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block14_dw_bn_ew_sum, d_block14_dw_bn, block14_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # free block14_dw_bn_clipped_relu_2
         del block14_dw_bn_clipped_relu_2
         mem.free(340)
@@ -4302,9 +4393,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block14_project_W_new, T['block14_project_W'], lr, V_block14_project_W_new)
 
         # ---- block14_dw_bn (batch norm), backward ----
-        # d_block14_dw_bn_ew_sum = sum_to[1x576x1x1](d_block14_dw_bn*block14_dw_bn_centered)
-        d_block14_dw_bn_ew_sum = mem.tensor(343, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_dw_bn_ew_sum, d_block14_dw_bn, block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # d_block14_dw_bn_inv_std = block14_dw_bn_weight*d_block14_dw_bn_ew_sum   (computed with the next statement)
         d_block14_dw_bn_inv_std = mem.tensor(344, (1, 576, 1, 1), 'float32')
         # d_block14_dw_bn_sum_of_squares = -d_block14_dw_bn_inv_std/(3136*(block14_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -4314,14 +4402,18 @@ class MobilenetV2(rp.Model):
         # free block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         del block14_dw_bn_sum_of_squares, block14_dw_bn_batch_var, block14_dw_bn_batch_var_flat
         mem.free(201)
-        # d_block14_dw_bn_centered = d_block14_dw_bn*block14_dw_bn_inv_std*block14_dw_bn_weight + 2*d_block14_dw_bn_sum_of_squares*block14_dw_bn_centered
+        # d_block14_dw_bn_centered = d_block14_dw_bn*block14_dw_bn_inv_std*block14_dw_bn_weight + 2*d_block14_dw_bn_sum_of_squares*block14_dw_bn_centered   (computed with the next statement)
         d_block14_dw_bn_centered = block14_dw_bn_centered  # in place: over block14_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block14_dw_bn_centered, d_block14_dw_bn, block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_sum_of_squares, block14_dw_bn_centered)
+        # d_block14_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block14_dw_bn_centered)
+        d_block14_dw_bn_batch_mean = mem.tensor(345, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block14_dw_bn_centered, d_block14_dw_bn, block14_dw_bn_inv_std, block14_dw_bn_weight, d_block14_dw_bn_sum_of_squares, block14_dw_bn_centered),
+                      (ew_neg, d_block14_dw_bn_batch_mean, d_block14_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
         # free d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
         del d_block14_dw_bn_inv_std, d_block14_dw_bn_sum_of_squares
         mem.free(344)
         # d_block14_dw_bn_bias = sum_to[1x576x1x1](d_block14_dw_bn)
-        d_block14_dw_bn_bias = mem.tensor(345, (1, 576, 1, 1), 'float32')
+        d_block14_dw_bn_bias = mem.tensor(346, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block14_dw_bn, out=d_block14_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block14_dw_bn_clipped_relu, d_block14_dw_bn
         del d_block14_dw_bn_clipped_relu, d_block14_dw_bn
@@ -4353,10 +4445,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block14_dw_bn_B_new, T['block14_dw_bn_B'], lr, V_block14_dw_bn_B_new))
         # free d_block14_dw_bn_bias, d_block14_dw_bn_B
         del d_block14_dw_bn_bias, d_block14_dw_bn_B
-        mem.free(345)
-        # d_block14_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block14_dw_bn_centered)
-        d_block14_dw_bn_batch_mean = mem.tensor(346, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block14_dw_bn_batch_mean, d_block14_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(3612672))
+        mem.free(346)
         # d_block14_dw_bn_sum = d_block14_dw_bn_batch_mean/1568
         d_block14_dw_bn_sum = d_block14_dw_bn_batch_mean  # in place: over d_block14_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block14_dw_bn_sum, d_block14_dw_bn_batch_mean)
@@ -4367,7 +4456,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block14_dw, d_block14_dw_bn_centered, d_block14_dw_bn_sum)
         # free d_block14_dw_bn_batch_mean, d_block14_dw_bn_sum
         del d_block14_dw_bn_batch_mean, d_block14_dw_bn_sum
-        mem.free(346)
+        mem.free(345)
 
         # ---- block14_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block14_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block14_expand_bn_centered*block14_expand_bn_inv_std*block14_expand_bn_weight + block14_expand_bn_bias))
@@ -4392,9 +4481,15 @@ class MobilenetV2(rp.Model):
         mem.free(199)
 
         # ---- block14_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block14_expand_bn = d_block14_expand_bn_clipped_relu*Heaviside(block14_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block14_expand_bn_clipped_relu_2, 0)
+        # d_block14_expand_bn = d_block14_expand_bn_clipped_relu*Heaviside(block14_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block14_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block14_expand_bn = d_block14_expand_bn_clipped_relu  # in place: over d_block14_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block14_expand_bn, d_block14_expand_bn_clipped_relu, block14_expand_bn_clipped_relu_2)
+
+        # ---- block14_expand_bn (batch norm), backward ----
+        # d_block14_expand_bn_ew_sum = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered)
+        d_block14_expand_bn_ew_sum = mem.tensor(350, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block14_expand_bn, d_block14_expand_bn_clipped_relu, block14_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block14_expand_bn_ew_sum, d_block14_expand_bn, block14_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free block14_expand_bn_clipped_relu_2
         del block14_expand_bn_clipped_relu_2
         mem.free(347)
@@ -4405,9 +4500,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block14_dw_W_new, T['block14_dw_W'], lr, V_block14_dw_W_new)
 
         # ---- block14_expand_bn (batch norm), backward ----
-        # d_block14_expand_bn_ew_sum = sum_to[1x576x1x1](d_block14_expand_bn*block14_expand_bn_centered)
-        d_block14_expand_bn_ew_sum = mem.tensor(350, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block14_expand_bn_ew_sum, d_block14_expand_bn, block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block14_expand_bn_inv_std = block14_expand_bn_weight*d_block14_expand_bn_ew_sum   (computed with the next statement)
         d_block14_expand_bn_inv_std = mem.tensor(351, (1, 576, 1, 1), 'float32')
         # d_block14_expand_bn_sum_of_squares = -d_block14_expand_bn_inv_std/(12544*(block14_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4417,14 +4509,18 @@ class MobilenetV2(rp.Model):
         # free block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         del block14_expand_bn_sum_of_squares, block14_expand_bn_batch_var, block14_expand_bn_batch_var_flat
         mem.free(196)
-        # d_block14_expand_bn_centered = d_block14_expand_bn*block14_expand_bn_inv_std*block14_expand_bn_weight + 2*d_block14_expand_bn_sum_of_squares*block14_expand_bn_centered
+        # d_block14_expand_bn_centered = d_block14_expand_bn*block14_expand_bn_inv_std*block14_expand_bn_weight + 2*d_block14_expand_bn_sum_of_squares*block14_expand_bn_centered   (computed with the next statement)
         d_block14_expand_bn_centered = block14_expand_bn_centered  # in place: over block14_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block14_expand_bn_centered, d_block14_expand_bn, block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_sum_of_squares, block14_expand_bn_centered)
+        # d_block14_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block14_expand_bn_centered)
+        d_block14_expand_bn_batch_mean = mem.tensor(352, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block14_expand_bn_centered, d_block14_expand_bn, block14_expand_bn_inv_std, block14_expand_bn_weight, d_block14_expand_bn_sum_of_squares, block14_expand_bn_centered),
+                      (ew_neg, d_block14_expand_bn_batch_mean, d_block14_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
         del d_block14_expand_bn_inv_std, d_block14_expand_bn_sum_of_squares
         mem.free(351)
         # d_block14_expand_bn_bias = sum_to[1x576x1x1](d_block14_expand_bn)
-        d_block14_expand_bn_bias = mem.tensor(352, (1, 576, 1, 1), 'float32')
+        d_block14_expand_bn_bias = mem.tensor(353, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block14_expand_bn, out=d_block14_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block14_expand_bn_clipped_relu, d_block14_expand_bn
         del d_block14_expand_bn_clipped_relu, d_block14_expand_bn
@@ -4456,10 +4552,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block14_expand_bn_B_new, T['block14_expand_bn_B'], lr, V_block14_expand_bn_B_new))
         # free d_block14_expand_bn_bias, d_block14_expand_bn_B
         del d_block14_expand_bn_bias, d_block14_expand_bn_B
-        mem.free(352)
-        # d_block14_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block14_expand_bn_centered)
-        d_block14_expand_bn_batch_mean = mem.tensor(353, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block14_expand_bn_batch_mean, d_block14_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        mem.free(353)
         # d_block14_expand_bn_sum = d_block14_expand_bn_batch_mean/6272
         d_block14_expand_bn_sum = d_block14_expand_bn_batch_mean  # in place: over d_block14_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block14_expand_bn_sum, d_block14_expand_bn_batch_mean)
@@ -4470,7 +4563,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block14_expand, d_block14_expand_bn_centered, d_block14_expand_bn_sum)
         # free d_block14_expand_bn_batch_mean, d_block14_expand_bn_sum
         del d_block14_expand_bn_batch_mean, d_block14_expand_bn_sum
-        mem.free(353)
+        mem.free(352)
 
         # ---- block13_project_bn_add (sum of 2 branches), forward ----
         # block13_project_bn_add_2 = block13_project_bn_centered*block13_project_bn_inv_std*block13_project_bn_weight + block13_project_bn_bias + block12_project_bn_add
@@ -4513,9 +4606,13 @@ class MobilenetV2(rp.Model):
         # free block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         del block13_project_bn_sum_of_squares, block13_project_bn_batch_var, block13_project_bn_batch_var_flat
         mem.free(191)
-        # d_block13_project_bn_centered = d_block13_project_bn_add*block13_project_bn_inv_std*block13_project_bn_weight + 2*d_block13_project_bn_sum_of_squares*block13_project_bn_centered
+        # d_block13_project_bn_centered = d_block13_project_bn_add*block13_project_bn_inv_std*block13_project_bn_weight + 2*d_block13_project_bn_sum_of_squares*block13_project_bn_centered   (computed with the next statement)
         d_block13_project_bn_centered = block13_project_bn_centered  # in place: over block13_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block13_project_bn_centered, d_block13_project_bn_add, block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_sum_of_squares, block13_project_bn_centered)
+        # d_block13_project_bn_batch_mean = sum_to[1x96x1x1](-d_block13_project_bn_centered)
+        d_block13_project_bn_batch_mean = mem.tensor(359, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block13_project_bn_centered, d_block13_project_bn_add, block13_project_bn_inv_std, block13_project_bn_weight, d_block13_project_bn_sum_of_squares, block13_project_bn_centered),
+                      (ew_neg, d_block13_project_bn_batch_mean, d_block13_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # free d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
         del d_block13_project_bn_inv_std, d_block13_project_bn_sum_of_squares
         mem.free(358)
@@ -4536,9 +4633,6 @@ class MobilenetV2(rp.Model):
         # free block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
         del block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
         mem.free(192)
-        # d_block13_project_bn_batch_mean = sum_to[1x96x1x1](-d_block13_project_bn_centered)
-        d_block13_project_bn_batch_mean = mem.tensor(359, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block13_project_bn_batch_mean, d_block13_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block13_project_bn_sum = d_block13_project_bn_batch_mean/6272
         d_block13_project_bn_sum = d_block13_project_bn_batch_mean  # in place: over d_block13_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_project_bn_sum, d_block13_project_bn_batch_mean)
@@ -4590,9 +4684,15 @@ class MobilenetV2(rp.Model):
         mem.free(189)
 
         # ---- block13_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block13_dw_bn = d_block13_dw_bn_clipped_relu*Heaviside(block13_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block13_dw_bn_clipped_relu_2, 0)
+        # d_block13_dw_bn = d_block13_dw_bn_clipped_relu*Heaviside(block13_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block13_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block13_dw_bn = d_block13_dw_bn_clipped_relu  # in place: over d_block13_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block13_dw_bn, d_block13_dw_bn_clipped_relu, block13_dw_bn_clipped_relu_2)
+
+        # ---- block13_dw_bn (batch norm), backward ----
+        # d_block13_dw_bn_ew_sum = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered)
+        d_block13_dw_bn_ew_sum = mem.tensor(364, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block13_dw_bn, d_block13_dw_bn_clipped_relu, block13_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block13_dw_bn_ew_sum, d_block13_dw_bn, block13_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free block13_dw_bn_clipped_relu_2
         del block13_dw_bn_clipped_relu_2
         mem.free(361)
@@ -4603,9 +4703,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block13_project_W_new, T['block13_project_W'], lr, V_block13_project_W_new)
 
         # ---- block13_dw_bn (batch norm), backward ----
-        # d_block13_dw_bn_ew_sum = sum_to[1x576x1x1](d_block13_dw_bn*block13_dw_bn_centered)
-        d_block13_dw_bn_ew_sum = mem.tensor(364, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_dw_bn_ew_sum, d_block13_dw_bn, block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block13_dw_bn_inv_std = block13_dw_bn_weight*d_block13_dw_bn_ew_sum   (computed with the next statement)
         d_block13_dw_bn_inv_std = mem.tensor(365, (1, 576, 1, 1), 'float32')
         # d_block13_dw_bn_sum_of_squares = -d_block13_dw_bn_inv_std/(12544*(block13_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -4615,14 +4712,18 @@ class MobilenetV2(rp.Model):
         # free block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         del block13_dw_bn_sum_of_squares, block13_dw_bn_batch_var, block13_dw_bn_batch_var_flat
         mem.free(186)
-        # d_block13_dw_bn_centered = d_block13_dw_bn*block13_dw_bn_inv_std*block13_dw_bn_weight + 2*d_block13_dw_bn_sum_of_squares*block13_dw_bn_centered
+        # d_block13_dw_bn_centered = d_block13_dw_bn*block13_dw_bn_inv_std*block13_dw_bn_weight + 2*d_block13_dw_bn_sum_of_squares*block13_dw_bn_centered   (computed with the next statement)
         d_block13_dw_bn_centered = block13_dw_bn_centered  # in place: over block13_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block13_dw_bn_centered, d_block13_dw_bn, block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_sum_of_squares, block13_dw_bn_centered)
+        # d_block13_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block13_dw_bn_centered)
+        d_block13_dw_bn_batch_mean = mem.tensor(366, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block13_dw_bn_centered, d_block13_dw_bn, block13_dw_bn_inv_std, block13_dw_bn_weight, d_block13_dw_bn_sum_of_squares, block13_dw_bn_centered),
+                      (ew_neg, d_block13_dw_bn_batch_mean, d_block13_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
         del d_block13_dw_bn_inv_std, d_block13_dw_bn_sum_of_squares
         mem.free(365)
         # d_block13_dw_bn_bias = sum_to[1x576x1x1](d_block13_dw_bn)
-        d_block13_dw_bn_bias = mem.tensor(366, (1, 576, 1, 1), 'float32')
+        d_block13_dw_bn_bias = mem.tensor(367, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block13_dw_bn, out=d_block13_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block13_dw_bn_clipped_relu, d_block13_dw_bn
         del d_block13_dw_bn_clipped_relu, d_block13_dw_bn
@@ -4654,10 +4755,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block13_dw_bn_B_new, T['block13_dw_bn_B'], lr, V_block13_dw_bn_B_new))
         # free d_block13_dw_bn_bias, d_block13_dw_bn_B
         del d_block13_dw_bn_bias, d_block13_dw_bn_B
-        mem.free(366)
-        # d_block13_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block13_dw_bn_centered)
-        d_block13_dw_bn_batch_mean = mem.tensor(367, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block13_dw_bn_batch_mean, d_block13_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        mem.free(367)
         # d_block13_dw_bn_sum = d_block13_dw_bn_batch_mean/6272
         d_block13_dw_bn_sum = d_block13_dw_bn_batch_mean  # in place: over d_block13_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_dw_bn_sum, d_block13_dw_bn_batch_mean)
@@ -4668,7 +4766,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block13_dw, d_block13_dw_bn_centered, d_block13_dw_bn_sum)
         # free d_block13_dw_bn_batch_mean, d_block13_dw_bn_sum
         del d_block13_dw_bn_batch_mean, d_block13_dw_bn_sum
-        mem.free(367)
+        mem.free(366)
 
         # ---- block13_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block13_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block13_expand_bn_centered*block13_expand_bn_inv_std*block13_expand_bn_weight + block13_expand_bn_bias))
@@ -4693,9 +4791,15 @@ class MobilenetV2(rp.Model):
         mem.free(184)
 
         # ---- block13_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block13_expand_bn = d_block13_expand_bn_clipped_relu*Heaviside(block13_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block13_expand_bn_clipped_relu_2, 0)
+        # d_block13_expand_bn = d_block13_expand_bn_clipped_relu*Heaviside(block13_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block13_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block13_expand_bn = d_block13_expand_bn_clipped_relu  # in place: over d_block13_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block13_expand_bn, d_block13_expand_bn_clipped_relu, block13_expand_bn_clipped_relu_2)
+
+        # ---- block13_expand_bn (batch norm), backward ----
+        # d_block13_expand_bn_ew_sum = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered)
+        d_block13_expand_bn_ew_sum = mem.tensor(371, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block13_expand_bn, d_block13_expand_bn_clipped_relu, block13_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block13_expand_bn_ew_sum, d_block13_expand_bn, block13_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free block13_expand_bn_clipped_relu_2
         del block13_expand_bn_clipped_relu_2
         mem.free(368)
@@ -4706,9 +4810,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block13_dw_W_new, T['block13_dw_W'], lr, V_block13_dw_W_new)
 
         # ---- block13_expand_bn (batch norm), backward ----
-        # d_block13_expand_bn_ew_sum = sum_to[1x576x1x1](d_block13_expand_bn*block13_expand_bn_centered)
-        d_block13_expand_bn_ew_sum = mem.tensor(371, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block13_expand_bn_ew_sum, d_block13_expand_bn, block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block13_expand_bn_inv_std = block13_expand_bn_weight*d_block13_expand_bn_ew_sum   (computed with the next statement)
         d_block13_expand_bn_inv_std = mem.tensor(372, (1, 576, 1, 1), 'float32')
         # d_block13_expand_bn_sum_of_squares = -d_block13_expand_bn_inv_std/(12544*(block13_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4718,14 +4819,18 @@ class MobilenetV2(rp.Model):
         # free block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         del block13_expand_bn_sum_of_squares, block13_expand_bn_batch_var, block13_expand_bn_batch_var_flat
         mem.free(181)
-        # d_block13_expand_bn_centered = d_block13_expand_bn*block13_expand_bn_inv_std*block13_expand_bn_weight + 2*d_block13_expand_bn_sum_of_squares*block13_expand_bn_centered
+        # d_block13_expand_bn_centered = d_block13_expand_bn*block13_expand_bn_inv_std*block13_expand_bn_weight + 2*d_block13_expand_bn_sum_of_squares*block13_expand_bn_centered   (computed with the next statement)
         d_block13_expand_bn_centered = block13_expand_bn_centered  # in place: over block13_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block13_expand_bn_centered, d_block13_expand_bn, block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_sum_of_squares, block13_expand_bn_centered)
+        # d_block13_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block13_expand_bn_centered)
+        d_block13_expand_bn_batch_mean = mem.tensor(373, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block13_expand_bn_centered, d_block13_expand_bn, block13_expand_bn_inv_std, block13_expand_bn_weight, d_block13_expand_bn_sum_of_squares, block13_expand_bn_centered),
+                      (ew_neg, d_block13_expand_bn_batch_mean, d_block13_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
         del d_block13_expand_bn_inv_std, d_block13_expand_bn_sum_of_squares
         mem.free(372)
         # d_block13_expand_bn_bias = sum_to[1x576x1x1](d_block13_expand_bn)
-        d_block13_expand_bn_bias = mem.tensor(373, (1, 576, 1, 1), 'float32')
+        d_block13_expand_bn_bias = mem.tensor(374, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block13_expand_bn, out=d_block13_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block13_expand_bn_clipped_relu, d_block13_expand_bn
         del d_block13_expand_bn_clipped_relu, d_block13_expand_bn
@@ -4757,10 +4862,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block13_expand_bn_B_new, T['block13_expand_bn_B'], lr, V_block13_expand_bn_B_new))
         # free d_block13_expand_bn_bias, d_block13_expand_bn_B
         del d_block13_expand_bn_bias, d_block13_expand_bn_B
-        mem.free(373)
-        # d_block13_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block13_expand_bn_centered)
-        d_block13_expand_bn_batch_mean = mem.tensor(374, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block13_expand_bn_batch_mean, d_block13_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        mem.free(374)
         # d_block13_expand_bn_sum = d_block13_expand_bn_batch_mean/6272
         d_block13_expand_bn_sum = d_block13_expand_bn_batch_mean  # in place: over d_block13_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_expand_bn_sum, d_block13_expand_bn_batch_mean)
@@ -4771,7 +4873,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block13_expand, d_block13_expand_bn_centered, d_block13_expand_bn_sum)
         # free d_block13_expand_bn_batch_mean, d_block13_expand_bn_sum
         del d_block13_expand_bn_batch_mean, d_block13_expand_bn_sum
-        mem.free(374)
+        mem.free(373)
         # d_block13_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block13_expand, block12_project_bn_add)
         d_block13_expand_W = mem.tensor(375, (576, 96, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block13_expand, block12_project_bn_add, out=d_block13_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(16859136))
@@ -4786,9 +4888,15 @@ class MobilenetV2(rp.Model):
         mem.free(179)
 
         # ---- block12_project_bn_add (sum of 2 branches), backward ----
-        # d_block12_project_bn_add_2 = d_block13_project_bn_add + d_block12_project_bn_add
+        # d_block12_project_bn_add_2 = d_block13_project_bn_add + d_block12_project_bn_add   (computed with the next statement)
         d_block12_project_bn_add_2 = d_block13_project_bn_add  # in place: over d_block13_project_bn_add
-        rt.ew(ew_add, d_block12_project_bn_add_2, d_block13_project_bn_add, d_block12_project_bn_add)
+
+        # ---- block12_project_bn (batch norm), backward ----
+        # d_block12_project_bn_ew_sum = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered)
+        d_block12_project_bn_ew_sum = mem.tensor(377, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block12_project_bn_add_2, d_block13_project_bn_add, d_block12_project_bn_add),
+                      (ew_mul_2, d_block12_project_bn_ew_sum, d_block12_project_bn_add_2, block12_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # free d_block12_project_bn_add
         del d_block12_project_bn_add
         mem.free(376)
@@ -4805,9 +4913,6 @@ class MobilenetV2(rp.Model):
         mem.free(375)
 
         # ---- block12_project_bn (batch norm), backward ----
-        # d_block12_project_bn_ew_sum = sum_to[1x96x1x1](d_block12_project_bn_add_2*block12_project_bn_centered)
-        d_block12_project_bn_ew_sum = mem.tensor(377, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_project_bn_ew_sum, d_block12_project_bn_add_2, block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block12_project_bn_inv_std = block12_project_bn_weight*d_block12_project_bn_ew_sum   (computed with the next statement)
         d_block12_project_bn_inv_std = mem.tensor(378, (1, 96, 1, 1), 'float32')
         # d_block12_project_bn_sum_of_squares = -d_block12_project_bn_inv_std/(12544*(block12_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -4817,9 +4922,13 @@ class MobilenetV2(rp.Model):
         # free block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         del block12_project_bn_sum_of_squares, block12_project_bn_batch_var, block12_project_bn_batch_var_flat
         mem.free(177)
-        # d_block12_project_bn_centered = d_block12_project_bn_add_2*block12_project_bn_inv_std*block12_project_bn_weight + 2*d_block12_project_bn_sum_of_squares*block12_project_bn_centered
+        # d_block12_project_bn_centered = d_block12_project_bn_add_2*block12_project_bn_inv_std*block12_project_bn_weight + 2*d_block12_project_bn_sum_of_squares*block12_project_bn_centered   (computed with the next statement)
         d_block12_project_bn_centered = block12_project_bn_centered  # in place: over block12_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block12_project_bn_centered, d_block12_project_bn_add_2, block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_sum_of_squares, block12_project_bn_centered)
+        # d_block12_project_bn_batch_mean = sum_to[1x96x1x1](-d_block12_project_bn_centered)
+        d_block12_project_bn_batch_mean = mem.tensor(379, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block12_project_bn_centered, d_block12_project_bn_add_2, block12_project_bn_inv_std, block12_project_bn_weight, d_block12_project_bn_sum_of_squares, block12_project_bn_centered),
+                      (ew_neg, d_block12_project_bn_batch_mean, d_block12_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # free d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
         del d_block12_project_bn_inv_std, d_block12_project_bn_sum_of_squares
         mem.free(378)
@@ -4840,9 +4949,6 @@ class MobilenetV2(rp.Model):
         # free block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
         del block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
         mem.free(178)
-        # d_block12_project_bn_batch_mean = sum_to[1x96x1x1](-d_block12_project_bn_centered)
-        d_block12_project_bn_batch_mean = mem.tensor(379, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block12_project_bn_batch_mean, d_block12_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block12_project_bn_sum = d_block12_project_bn_batch_mean/6272
         d_block12_project_bn_sum = d_block12_project_bn_batch_mean  # in place: over d_block12_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_project_bn_sum, d_block12_project_bn_batch_mean)
@@ -4894,9 +5000,15 @@ class MobilenetV2(rp.Model):
         mem.free(175)
 
         # ---- block12_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block12_dw_bn = d_block12_dw_bn_clipped_relu*Heaviside(block12_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block12_dw_bn_clipped_relu_2, 0)
+        # d_block12_dw_bn = d_block12_dw_bn_clipped_relu*Heaviside(block12_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block12_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block12_dw_bn = d_block12_dw_bn_clipped_relu  # in place: over d_block12_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block12_dw_bn, d_block12_dw_bn_clipped_relu, block12_dw_bn_clipped_relu_2)
+
+        # ---- block12_dw_bn (batch norm), backward ----
+        # d_block12_dw_bn_ew_sum = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered)
+        d_block12_dw_bn_ew_sum = mem.tensor(384, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block12_dw_bn, d_block12_dw_bn_clipped_relu, block12_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block12_dw_bn_ew_sum, d_block12_dw_bn, block12_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free block12_dw_bn_clipped_relu_2
         del block12_dw_bn_clipped_relu_2
         mem.free(381)
@@ -4907,9 +5019,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block12_project_W_new, T['block12_project_W'], lr, V_block12_project_W_new)
 
         # ---- block12_dw_bn (batch norm), backward ----
-        # d_block12_dw_bn_ew_sum = sum_to[1x576x1x1](d_block12_dw_bn*block12_dw_bn_centered)
-        d_block12_dw_bn_ew_sum = mem.tensor(384, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_dw_bn_ew_sum, d_block12_dw_bn, block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block12_dw_bn_inv_std = block12_dw_bn_weight*d_block12_dw_bn_ew_sum   (computed with the next statement)
         d_block12_dw_bn_inv_std = mem.tensor(385, (1, 576, 1, 1), 'float32')
         # d_block12_dw_bn_sum_of_squares = -d_block12_dw_bn_inv_std/(12544*(block12_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -4919,14 +5028,18 @@ class MobilenetV2(rp.Model):
         # free block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         del block12_dw_bn_sum_of_squares, block12_dw_bn_batch_var, block12_dw_bn_batch_var_flat
         mem.free(172)
-        # d_block12_dw_bn_centered = d_block12_dw_bn*block12_dw_bn_inv_std*block12_dw_bn_weight + 2*d_block12_dw_bn_sum_of_squares*block12_dw_bn_centered
+        # d_block12_dw_bn_centered = d_block12_dw_bn*block12_dw_bn_inv_std*block12_dw_bn_weight + 2*d_block12_dw_bn_sum_of_squares*block12_dw_bn_centered   (computed with the next statement)
         d_block12_dw_bn_centered = block12_dw_bn_centered  # in place: over block12_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block12_dw_bn_centered, d_block12_dw_bn, block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_sum_of_squares, block12_dw_bn_centered)
+        # d_block12_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block12_dw_bn_centered)
+        d_block12_dw_bn_batch_mean = mem.tensor(386, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block12_dw_bn_centered, d_block12_dw_bn, block12_dw_bn_inv_std, block12_dw_bn_weight, d_block12_dw_bn_sum_of_squares, block12_dw_bn_centered),
+                      (ew_neg, d_block12_dw_bn_batch_mean, d_block12_dw_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
         del d_block12_dw_bn_inv_std, d_block12_dw_bn_sum_of_squares
         mem.free(385)
         # d_block12_dw_bn_bias = sum_to[1x576x1x1](d_block12_dw_bn)
-        d_block12_dw_bn_bias = mem.tensor(386, (1, 576, 1, 1), 'float32')
+        d_block12_dw_bn_bias = mem.tensor(387, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block12_dw_bn, out=d_block12_dw_bn_bias, shape=(1, 576, 1, 1))
         # free d_block12_dw_bn_clipped_relu, d_block12_dw_bn
         del d_block12_dw_bn_clipped_relu, d_block12_dw_bn
@@ -4958,10 +5071,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block12_dw_bn_B_new, T['block12_dw_bn_B'], lr, V_block12_dw_bn_B_new))
         # free d_block12_dw_bn_bias, d_block12_dw_bn_B
         del d_block12_dw_bn_bias, d_block12_dw_bn_B
-        mem.free(386)
-        # d_block12_dw_bn_batch_mean = sum_to[1x576x1x1](-d_block12_dw_bn_centered)
-        d_block12_dw_bn_batch_mean = mem.tensor(387, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block12_dw_bn_batch_mean, d_block12_dw_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        mem.free(387)
         # d_block12_dw_bn_sum = d_block12_dw_bn_batch_mean/6272
         d_block12_dw_bn_sum = d_block12_dw_bn_batch_mean  # in place: over d_block12_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_dw_bn_sum, d_block12_dw_bn_batch_mean)
@@ -4972,7 +5082,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block12_dw, d_block12_dw_bn_centered, d_block12_dw_bn_sum)
         # free d_block12_dw_bn_batch_mean, d_block12_dw_bn_sum
         del d_block12_dw_bn_batch_mean, d_block12_dw_bn_sum
-        mem.free(387)
+        mem.free(386)
 
         # ---- block12_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block12_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block12_expand_bn_centered*block12_expand_bn_inv_std*block12_expand_bn_weight + block12_expand_bn_bias))
@@ -4997,9 +5107,15 @@ class MobilenetV2(rp.Model):
         mem.free(170)
 
         # ---- block12_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block12_expand_bn = d_block12_expand_bn_clipped_relu*Heaviside(block12_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block12_expand_bn_clipped_relu_2, 0)
+        # d_block12_expand_bn = d_block12_expand_bn_clipped_relu*Heaviside(block12_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block12_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block12_expand_bn = d_block12_expand_bn_clipped_relu  # in place: over d_block12_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block12_expand_bn, d_block12_expand_bn_clipped_relu, block12_expand_bn_clipped_relu_2)
+
+        # ---- block12_expand_bn (batch norm), backward ----
+        # d_block12_expand_bn_ew_sum = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered)
+        d_block12_expand_bn_ew_sum = mem.tensor(391, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block12_expand_bn, d_block12_expand_bn_clipped_relu, block12_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block12_expand_bn_ew_sum, d_block12_expand_bn, block12_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free block12_expand_bn_clipped_relu_2
         del block12_expand_bn_clipped_relu_2
         mem.free(388)
@@ -5010,9 +5126,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block12_dw_W_new, T['block12_dw_W'], lr, V_block12_dw_W_new)
 
         # ---- block12_expand_bn (batch norm), backward ----
-        # d_block12_expand_bn_ew_sum = sum_to[1x576x1x1](d_block12_expand_bn*block12_expand_bn_centered)
-        d_block12_expand_bn_ew_sum = mem.tensor(391, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block12_expand_bn_ew_sum, d_block12_expand_bn, block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # d_block12_expand_bn_inv_std = block12_expand_bn_weight*d_block12_expand_bn_ew_sum   (computed with the next statement)
         d_block12_expand_bn_inv_std = mem.tensor(392, (1, 576, 1, 1), 'float32')
         # d_block12_expand_bn_sum_of_squares = -d_block12_expand_bn_inv_std/(12544*(block12_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5022,14 +5135,18 @@ class MobilenetV2(rp.Model):
         # free block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         del block12_expand_bn_sum_of_squares, block12_expand_bn_batch_var, block12_expand_bn_batch_var_flat
         mem.free(167)
-        # d_block12_expand_bn_centered = d_block12_expand_bn*block12_expand_bn_inv_std*block12_expand_bn_weight + 2*d_block12_expand_bn_sum_of_squares*block12_expand_bn_centered
+        # d_block12_expand_bn_centered = d_block12_expand_bn*block12_expand_bn_inv_std*block12_expand_bn_weight + 2*d_block12_expand_bn_sum_of_squares*block12_expand_bn_centered   (computed with the next statement)
         d_block12_expand_bn_centered = block12_expand_bn_centered  # in place: over block12_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block12_expand_bn_centered, d_block12_expand_bn, block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_sum_of_squares, block12_expand_bn_centered)
+        # d_block12_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block12_expand_bn_centered)
+        d_block12_expand_bn_batch_mean = mem.tensor(393, (1, 576, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block12_expand_bn_centered, d_block12_expand_bn, block12_expand_bn_inv_std, block12_expand_bn_weight, d_block12_expand_bn_sum_of_squares, block12_expand_bn_centered),
+                      (ew_neg, d_block12_expand_bn_batch_mean, d_block12_expand_bn_centered),
+                      shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
         # free d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
         del d_block12_expand_bn_inv_std, d_block12_expand_bn_sum_of_squares
         mem.free(392)
         # d_block12_expand_bn_bias = sum_to[1x576x1x1](d_block12_expand_bn)
-        d_block12_expand_bn_bias = mem.tensor(393, (1, 576, 1, 1), 'float32')
+        d_block12_expand_bn_bias = mem.tensor(394, (1, 576, 1, 1), 'float32')
         rt.sum_to(d_block12_expand_bn, out=d_block12_expand_bn_bias, shape=(1, 576, 1, 1))
         # free d_block12_expand_bn_clipped_relu, d_block12_expand_bn
         del d_block12_expand_bn_clipped_relu, d_block12_expand_bn
@@ -5061,10 +5178,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block12_expand_bn_B_new, T['block12_expand_bn_B'], lr, V_block12_expand_bn_B_new))
         # free d_block12_expand_bn_bias, d_block12_expand_bn_B
         del d_block12_expand_bn_bias, d_block12_expand_bn_B
-        mem.free(393)
-        # d_block12_expand_bn_batch_mean = sum_to[1x576x1x1](-d_block12_expand_bn_centered)
-        d_block12_expand_bn_batch_mean = mem.tensor(394, (1, 576, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block12_expand_bn_batch_mean, d_block12_expand_bn_centered, shape=(1, 576, 1, 1), workspace=mem.workspace(7227648))
+        mem.free(394)
         # d_block12_expand_bn_sum = d_block12_expand_bn_batch_mean/6272
         d_block12_expand_bn_sum = d_block12_expand_bn_batch_mean  # in place: over d_block12_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_expand_bn_sum, d_block12_expand_bn_batch_mean)
@@ -5075,7 +5189,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block12_expand, d_block12_expand_bn_centered, d_block12_expand_bn_sum)
         # free d_block12_expand_bn_batch_mean, d_block12_expand_bn_sum
         del d_block12_expand_bn_batch_mean, d_block12_expand_bn_sum
-        mem.free(394)
+        mem.free(393)
 
         # ---- block11_project_bn (batch norm), forward ----
         # block11_project_bn_2 = block11_project_bn_centered*block11_project_bn_inv_std*block11_project_bn_weight + block11_project_bn_bias
@@ -5097,9 +5211,13 @@ class MobilenetV2(rp.Model):
         mem.free(165)
 
         # ---- block11_project_bn (batch norm), backward ----
-        # d_block11_project_bn_2 = d_block12_project_bn_add_2 + d_block11_project_bn
+        # d_block11_project_bn_2 = d_block12_project_bn_add_2 + d_block11_project_bn   (computed with the next statement)
         d_block11_project_bn_2 = d_block12_project_bn_add_2  # in place: over d_block12_project_bn_add_2
-        rt.ew(ew_add, d_block11_project_bn_2, d_block12_project_bn_add_2, d_block11_project_bn)
+        # d_block11_project_bn_ew_sum = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered)
+        d_block11_project_bn_ew_sum = mem.tensor(398, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block11_project_bn_2, d_block12_project_bn_add_2, d_block11_project_bn),
+                      (ew_mul_2, d_block11_project_bn_ew_sum, d_block11_project_bn_2, block11_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # free d_block11_project_bn
         del d_block11_project_bn
         mem.free(397)
@@ -5116,9 +5234,6 @@ class MobilenetV2(rp.Model):
         mem.free(396)
 
         # ---- block11_project_bn (batch norm), backward ----
-        # d_block11_project_bn_ew_sum = sum_to[1x96x1x1](d_block11_project_bn_2*block11_project_bn_centered)
-        d_block11_project_bn_ew_sum = mem.tensor(398, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_project_bn_ew_sum, d_block11_project_bn_2, block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # d_block11_project_bn_inv_std = block11_project_bn_weight*d_block11_project_bn_ew_sum   (computed with the next statement)
         d_block11_project_bn_inv_std = mem.tensor(399, (1, 96, 1, 1), 'float32')
         # d_block11_project_bn_sum_of_squares = -d_block11_project_bn_inv_std/(12544*(block11_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -5128,14 +5243,18 @@ class MobilenetV2(rp.Model):
         # free block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         del block11_project_bn_sum_of_squares, block11_project_bn_batch_var, block11_project_bn_batch_var_flat
         mem.free(162)
-        # d_block11_project_bn_centered = d_block11_project_bn_2*block11_project_bn_inv_std*block11_project_bn_weight + 2*d_block11_project_bn_sum_of_squares*block11_project_bn_centered
+        # d_block11_project_bn_centered = d_block11_project_bn_2*block11_project_bn_inv_std*block11_project_bn_weight + 2*d_block11_project_bn_sum_of_squares*block11_project_bn_centered   (computed with the next statement)
         d_block11_project_bn_centered = block11_project_bn_centered  # in place: over block11_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block11_project_bn_centered, d_block11_project_bn_2, block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_sum_of_squares, block11_project_bn_centered)
+        # d_block11_project_bn_batch_mean = sum_to[1x96x1x1](-d_block11_project_bn_centered)
+        d_block11_project_bn_batch_mean = mem.tensor(400, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block11_project_bn_centered, d_block11_project_bn_2, block11_project_bn_inv_std, block11_project_bn_weight, d_block11_project_bn_sum_of_squares, block11_project_bn_centered),
+                      (ew_neg, d_block11_project_bn_batch_mean, d_block11_project_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
         # free d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
         del d_block11_project_bn_inv_std, d_block11_project_bn_sum_of_squares
         mem.free(399)
         # d_block11_project_bn_bias = sum_to[1x96x1x1](d_block11_project_bn_2)
-        d_block11_project_bn_bias = mem.tensor(400, (1, 96, 1, 1), 'float32')
+        d_block11_project_bn_bias = mem.tensor(401, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block11_project_bn_2, out=d_block11_project_bn_bias, shape=(1, 96, 1, 1))
         # free d_block13_project_bn_add, d_block12_project_bn_add_2, d_block11_project_bn_2
         del d_block13_project_bn_add, d_block12_project_bn_add_2, d_block11_project_bn_2
@@ -5167,10 +5286,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block11_project_bn_B_new, T['block11_project_bn_B'], lr, V_block11_project_bn_B_new))
         # free d_block11_project_bn_bias, d_block11_project_bn_B
         del d_block11_project_bn_bias, d_block11_project_bn_B
-        mem.free(400)
-        # d_block11_project_bn_batch_mean = sum_to[1x96x1x1](-d_block11_project_bn_centered)
-        d_block11_project_bn_batch_mean = mem.tensor(401, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block11_project_bn_batch_mean, d_block11_project_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(2408448))
+        mem.free(401)
         # d_block11_project_bn_sum = d_block11_project_bn_batch_mean/6272
         d_block11_project_bn_sum = d_block11_project_bn_batch_mean  # in place: over d_block11_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_project_bn_sum, d_block11_project_bn_batch_mean)
@@ -5181,7 +5297,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block11_project, d_block11_project_bn_centered, d_block11_project_bn_sum)
         # free d_block11_project_bn_batch_mean, d_block11_project_bn_sum
         del d_block11_project_bn_batch_mean, d_block11_project_bn_sum
-        mem.free(401)
+        mem.free(400)
 
         # ---- block11_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block11_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block11_dw_bn_centered*block11_dw_bn_inv_std*block11_dw_bn_weight + block11_dw_bn_bias))
@@ -5206,9 +5322,15 @@ class MobilenetV2(rp.Model):
         mem.free(160)
 
         # ---- block11_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block11_dw_bn = d_block11_dw_bn_clipped_relu*Heaviside(block11_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block11_dw_bn_clipped_relu_2, 0)
+        # d_block11_dw_bn = d_block11_dw_bn_clipped_relu*Heaviside(block11_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block11_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block11_dw_bn = d_block11_dw_bn_clipped_relu  # in place: over d_block11_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block11_dw_bn, d_block11_dw_bn_clipped_relu, block11_dw_bn_clipped_relu_2)
+
+        # ---- block11_dw_bn (batch norm), backward ----
+        # d_block11_dw_bn_ew_sum = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered)
+        d_block11_dw_bn_ew_sum = mem.tensor(405, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block11_dw_bn, d_block11_dw_bn_clipped_relu, block11_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block11_dw_bn_ew_sum, d_block11_dw_bn, block11_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block11_dw_bn_clipped_relu_2
         del block11_dw_bn_clipped_relu_2
         mem.free(402)
@@ -5219,9 +5341,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block11_project_W_new, T['block11_project_W'], lr, V_block11_project_W_new)
 
         # ---- block11_dw_bn (batch norm), backward ----
-        # d_block11_dw_bn_ew_sum = sum_to[1x384x1x1](d_block11_dw_bn*block11_dw_bn_centered)
-        d_block11_dw_bn_ew_sum = mem.tensor(405, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_dw_bn_ew_sum, d_block11_dw_bn, block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block11_dw_bn_inv_std = block11_dw_bn_weight*d_block11_dw_bn_ew_sum   (computed with the next statement)
         d_block11_dw_bn_inv_std = mem.tensor(406, (1, 384, 1, 1), 'float32')
         # d_block11_dw_bn_sum_of_squares = -d_block11_dw_bn_inv_std/(12544*(block11_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -5231,14 +5350,18 @@ class MobilenetV2(rp.Model):
         # free block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         del block11_dw_bn_sum_of_squares, block11_dw_bn_batch_var, block11_dw_bn_batch_var_flat
         mem.free(157)
-        # d_block11_dw_bn_centered = d_block11_dw_bn*block11_dw_bn_inv_std*block11_dw_bn_weight + 2*d_block11_dw_bn_sum_of_squares*block11_dw_bn_centered
+        # d_block11_dw_bn_centered = d_block11_dw_bn*block11_dw_bn_inv_std*block11_dw_bn_weight + 2*d_block11_dw_bn_sum_of_squares*block11_dw_bn_centered   (computed with the next statement)
         d_block11_dw_bn_centered = block11_dw_bn_centered  # in place: over block11_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block11_dw_bn_centered, d_block11_dw_bn, block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_sum_of_squares, block11_dw_bn_centered)
+        # d_block11_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block11_dw_bn_centered)
+        d_block11_dw_bn_batch_mean = mem.tensor(407, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block11_dw_bn_centered, d_block11_dw_bn, block11_dw_bn_inv_std, block11_dw_bn_weight, d_block11_dw_bn_sum_of_squares, block11_dw_bn_centered),
+                      (ew_neg, d_block11_dw_bn_batch_mean, d_block11_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
         del d_block11_dw_bn_inv_std, d_block11_dw_bn_sum_of_squares
         mem.free(406)
         # d_block11_dw_bn_bias = sum_to[1x384x1x1](d_block11_dw_bn)
-        d_block11_dw_bn_bias = mem.tensor(407, (1, 384, 1, 1), 'float32')
+        d_block11_dw_bn_bias = mem.tensor(408, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block11_dw_bn, out=d_block11_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block11_dw_bn_clipped_relu, d_block11_dw_bn
         del d_block11_dw_bn_clipped_relu, d_block11_dw_bn
@@ -5270,10 +5393,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block11_dw_bn_B_new, T['block11_dw_bn_B'], lr, V_block11_dw_bn_B_new))
         # free d_block11_dw_bn_bias, d_block11_dw_bn_B
         del d_block11_dw_bn_bias, d_block11_dw_bn_B
-        mem.free(407)
-        # d_block11_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block11_dw_bn_centered)
-        d_block11_dw_bn_batch_mean = mem.tensor(408, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block11_dw_bn_batch_mean, d_block11_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(408)
         # d_block11_dw_bn_sum = d_block11_dw_bn_batch_mean/6272
         d_block11_dw_bn_sum = d_block11_dw_bn_batch_mean  # in place: over d_block11_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_dw_bn_sum, d_block11_dw_bn_batch_mean)
@@ -5284,7 +5404,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block11_dw, d_block11_dw_bn_centered, d_block11_dw_bn_sum)
         # free d_block11_dw_bn_batch_mean, d_block11_dw_bn_sum
         del d_block11_dw_bn_batch_mean, d_block11_dw_bn_sum
-        mem.free(408)
+        mem.free(407)
 
         # ---- block11_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block11_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block11_expand_bn_centered*block11_expand_bn_inv_std*block11_expand_bn_weight + block11_expand_bn_bias))
@@ -5309,9 +5429,15 @@ class MobilenetV2(rp.Model):
         mem.free(155)
 
         # ---- block11_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block11_expand_bn = d_block11_expand_bn_clipped_relu*Heaviside(block11_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block11_expand_bn_clipped_relu_2, 0)
+        # d_block11_expand_bn = d_block11_expand_bn_clipped_relu*Heaviside(block11_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block11_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block11_expand_bn = d_block11_expand_bn_clipped_relu  # in place: over d_block11_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block11_expand_bn, d_block11_expand_bn_clipped_relu, block11_expand_bn_clipped_relu_2)
+
+        # ---- block11_expand_bn (batch norm), backward ----
+        # d_block11_expand_bn_ew_sum = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered)
+        d_block11_expand_bn_ew_sum = mem.tensor(412, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block11_expand_bn, d_block11_expand_bn_clipped_relu, block11_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block11_expand_bn_ew_sum, d_block11_expand_bn, block11_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block11_expand_bn_clipped_relu_2
         del block11_expand_bn_clipped_relu_2
         mem.free(409)
@@ -5322,9 +5448,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block11_dw_W_new, T['block11_dw_W'], lr, V_block11_dw_W_new)
 
         # ---- block11_expand_bn (batch norm), backward ----
-        # d_block11_expand_bn_ew_sum = sum_to[1x384x1x1](d_block11_expand_bn*block11_expand_bn_centered)
-        d_block11_expand_bn_ew_sum = mem.tensor(412, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block11_expand_bn_ew_sum, d_block11_expand_bn, block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block11_expand_bn_inv_std = block11_expand_bn_weight*d_block11_expand_bn_ew_sum   (computed with the next statement)
         d_block11_expand_bn_inv_std = mem.tensor(413, (1, 384, 1, 1), 'float32')
         # d_block11_expand_bn_sum_of_squares = -d_block11_expand_bn_inv_std/(12544*(block11_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5334,14 +5457,18 @@ class MobilenetV2(rp.Model):
         # free block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         del block11_expand_bn_sum_of_squares, block11_expand_bn_batch_var, block11_expand_bn_batch_var_flat
         mem.free(152)
-        # d_block11_expand_bn_centered = d_block11_expand_bn*block11_expand_bn_inv_std*block11_expand_bn_weight + 2*d_block11_expand_bn_sum_of_squares*block11_expand_bn_centered
+        # d_block11_expand_bn_centered = d_block11_expand_bn*block11_expand_bn_inv_std*block11_expand_bn_weight + 2*d_block11_expand_bn_sum_of_squares*block11_expand_bn_centered   (computed with the next statement)
         d_block11_expand_bn_centered = block11_expand_bn_centered  # in place: over block11_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block11_expand_bn_centered, d_block11_expand_bn, block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_sum_of_squares, block11_expand_bn_centered)
+        # d_block11_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block11_expand_bn_centered)
+        d_block11_expand_bn_batch_mean = mem.tensor(414, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block11_expand_bn_centered, d_block11_expand_bn, block11_expand_bn_inv_std, block11_expand_bn_weight, d_block11_expand_bn_sum_of_squares, block11_expand_bn_centered),
+                      (ew_neg, d_block11_expand_bn_batch_mean, d_block11_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
         del d_block11_expand_bn_inv_std, d_block11_expand_bn_sum_of_squares
         mem.free(413)
         # d_block11_expand_bn_bias = sum_to[1x384x1x1](d_block11_expand_bn)
-        d_block11_expand_bn_bias = mem.tensor(414, (1, 384, 1, 1), 'float32')
+        d_block11_expand_bn_bias = mem.tensor(415, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block11_expand_bn, out=d_block11_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block11_expand_bn_clipped_relu, d_block11_expand_bn
         del d_block11_expand_bn_clipped_relu, d_block11_expand_bn
@@ -5373,10 +5500,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block11_expand_bn_B_new, T['block11_expand_bn_B'], lr, V_block11_expand_bn_B_new))
         # free d_block11_expand_bn_bias, d_block11_expand_bn_B
         del d_block11_expand_bn_bias, d_block11_expand_bn_B
-        mem.free(414)
-        # d_block11_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block11_expand_bn_centered)
-        d_block11_expand_bn_batch_mean = mem.tensor(415, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block11_expand_bn_batch_mean, d_block11_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(415)
         # d_block11_expand_bn_sum = d_block11_expand_bn_batch_mean/6272
         d_block11_expand_bn_sum = d_block11_expand_bn_batch_mean  # in place: over d_block11_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_expand_bn_sum, d_block11_expand_bn_batch_mean)
@@ -5387,7 +5511,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block11_expand, d_block11_expand_bn_centered, d_block11_expand_bn_sum)
         # free d_block11_expand_bn_batch_mean, d_block11_expand_bn_sum
         del d_block11_expand_bn_batch_mean, d_block11_expand_bn_sum
-        mem.free(415)
+        mem.free(414)
         # d_block11_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block11_expand, block10_project_bn_add)
         d_block11_expand_W = mem.tensor(416, (384, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block11_expand, block10_project_bn_add, out=d_block11_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(11239424))
@@ -5423,9 +5547,13 @@ class MobilenetV2(rp.Model):
         # free block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         del block10_project_bn_sum_of_squares, block10_project_bn_batch_var, block10_project_bn_batch_var_flat
         mem.free(148)
-        # d_block10_project_bn_centered = d_block10_project_bn_add*block10_project_bn_inv_std*block10_project_bn_weight + 2*d_block10_project_bn_sum_of_squares*block10_project_bn_centered
+        # d_block10_project_bn_centered = d_block10_project_bn_add*block10_project_bn_inv_std*block10_project_bn_weight + 2*d_block10_project_bn_sum_of_squares*block10_project_bn_centered   (computed with the next statement)
         d_block10_project_bn_centered = block10_project_bn_centered  # in place: over block10_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block10_project_bn_centered, d_block10_project_bn_add, block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_sum_of_squares, block10_project_bn_centered)
+        # d_block10_project_bn_batch_mean = sum_to[1x64x1x1](-d_block10_project_bn_centered)
+        d_block10_project_bn_batch_mean = mem.tensor(420, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block10_project_bn_centered, d_block10_project_bn_add, block10_project_bn_inv_std, block10_project_bn_weight, d_block10_project_bn_sum_of_squares, block10_project_bn_centered),
+                      (ew_neg, d_block10_project_bn_batch_mean, d_block10_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
         del d_block10_project_bn_inv_std, d_block10_project_bn_sum_of_squares
         mem.free(419)
@@ -5446,9 +5574,6 @@ class MobilenetV2(rp.Model):
         # free block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
         del block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
         mem.free(149)
-        # d_block10_project_bn_batch_mean = sum_to[1x64x1x1](-d_block10_project_bn_centered)
-        d_block10_project_bn_batch_mean = mem.tensor(420, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block10_project_bn_batch_mean, d_block10_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block10_project_bn_sum = d_block10_project_bn_batch_mean/6272
         d_block10_project_bn_sum = d_block10_project_bn_batch_mean  # in place: over d_block10_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_project_bn_sum, d_block10_project_bn_batch_mean)
@@ -5500,9 +5625,15 @@ class MobilenetV2(rp.Model):
         mem.free(146)
 
         # ---- block10_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block10_dw_bn = d_block10_dw_bn_clipped_relu*Heaviside(block10_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block10_dw_bn_clipped_relu_2, 0)
+        # d_block10_dw_bn = d_block10_dw_bn_clipped_relu*Heaviside(block10_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block10_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block10_dw_bn = d_block10_dw_bn_clipped_relu  # in place: over d_block10_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block10_dw_bn, d_block10_dw_bn_clipped_relu, block10_dw_bn_clipped_relu_2)
+
+        # ---- block10_dw_bn (batch norm), backward ----
+        # d_block10_dw_bn_ew_sum = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered)
+        d_block10_dw_bn_ew_sum = mem.tensor(425, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block10_dw_bn, d_block10_dw_bn_clipped_relu, block10_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block10_dw_bn_ew_sum, d_block10_dw_bn, block10_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block10_dw_bn_clipped_relu_2
         del block10_dw_bn_clipped_relu_2
         mem.free(422)
@@ -5513,9 +5644,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block10_project_W_new, T['block10_project_W'], lr, V_block10_project_W_new)
 
         # ---- block10_dw_bn (batch norm), backward ----
-        # d_block10_dw_bn_ew_sum = sum_to[1x384x1x1](d_block10_dw_bn*block10_dw_bn_centered)
-        d_block10_dw_bn_ew_sum = mem.tensor(425, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_dw_bn_ew_sum, d_block10_dw_bn, block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block10_dw_bn_inv_std = block10_dw_bn_weight*d_block10_dw_bn_ew_sum   (computed with the next statement)
         d_block10_dw_bn_inv_std = mem.tensor(426, (1, 384, 1, 1), 'float32')
         # d_block10_dw_bn_sum_of_squares = -d_block10_dw_bn_inv_std/(12544*(block10_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -5525,14 +5653,18 @@ class MobilenetV2(rp.Model):
         # free block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         del block10_dw_bn_sum_of_squares, block10_dw_bn_batch_var, block10_dw_bn_batch_var_flat
         mem.free(143)
-        # d_block10_dw_bn_centered = d_block10_dw_bn*block10_dw_bn_inv_std*block10_dw_bn_weight + 2*d_block10_dw_bn_sum_of_squares*block10_dw_bn_centered
+        # d_block10_dw_bn_centered = d_block10_dw_bn*block10_dw_bn_inv_std*block10_dw_bn_weight + 2*d_block10_dw_bn_sum_of_squares*block10_dw_bn_centered   (computed with the next statement)
         d_block10_dw_bn_centered = block10_dw_bn_centered  # in place: over block10_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block10_dw_bn_centered, d_block10_dw_bn, block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_sum_of_squares, block10_dw_bn_centered)
+        # d_block10_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block10_dw_bn_centered)
+        d_block10_dw_bn_batch_mean = mem.tensor(427, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block10_dw_bn_centered, d_block10_dw_bn, block10_dw_bn_inv_std, block10_dw_bn_weight, d_block10_dw_bn_sum_of_squares, block10_dw_bn_centered),
+                      (ew_neg, d_block10_dw_bn_batch_mean, d_block10_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
         del d_block10_dw_bn_inv_std, d_block10_dw_bn_sum_of_squares
         mem.free(426)
         # d_block10_dw_bn_bias = sum_to[1x384x1x1](d_block10_dw_bn)
-        d_block10_dw_bn_bias = mem.tensor(427, (1, 384, 1, 1), 'float32')
+        d_block10_dw_bn_bias = mem.tensor(428, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block10_dw_bn, out=d_block10_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block10_dw_bn_clipped_relu, d_block10_dw_bn
         del d_block10_dw_bn_clipped_relu, d_block10_dw_bn
@@ -5564,10 +5696,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block10_dw_bn_B_new, T['block10_dw_bn_B'], lr, V_block10_dw_bn_B_new))
         # free d_block10_dw_bn_bias, d_block10_dw_bn_B
         del d_block10_dw_bn_bias, d_block10_dw_bn_B
-        mem.free(427)
-        # d_block10_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block10_dw_bn_centered)
-        d_block10_dw_bn_batch_mean = mem.tensor(428, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block10_dw_bn_batch_mean, d_block10_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(428)
         # d_block10_dw_bn_sum = d_block10_dw_bn_batch_mean/6272
         d_block10_dw_bn_sum = d_block10_dw_bn_batch_mean  # in place: over d_block10_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_dw_bn_sum, d_block10_dw_bn_batch_mean)
@@ -5578,7 +5707,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block10_dw, d_block10_dw_bn_centered, d_block10_dw_bn_sum)
         # free d_block10_dw_bn_batch_mean, d_block10_dw_bn_sum
         del d_block10_dw_bn_batch_mean, d_block10_dw_bn_sum
-        mem.free(428)
+        mem.free(427)
 
         # ---- block10_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block10_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block10_expand_bn_centered*block10_expand_bn_inv_std*block10_expand_bn_weight + block10_expand_bn_bias))
@@ -5603,9 +5732,15 @@ class MobilenetV2(rp.Model):
         mem.free(141)
 
         # ---- block10_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block10_expand_bn = d_block10_expand_bn_clipped_relu*Heaviside(block10_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block10_expand_bn_clipped_relu_2, 0)
+        # d_block10_expand_bn = d_block10_expand_bn_clipped_relu*Heaviside(block10_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block10_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block10_expand_bn = d_block10_expand_bn_clipped_relu  # in place: over d_block10_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block10_expand_bn, d_block10_expand_bn_clipped_relu, block10_expand_bn_clipped_relu_2)
+
+        # ---- block10_expand_bn (batch norm), backward ----
+        # d_block10_expand_bn_ew_sum = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered)
+        d_block10_expand_bn_ew_sum = mem.tensor(432, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block10_expand_bn, d_block10_expand_bn_clipped_relu, block10_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block10_expand_bn_ew_sum, d_block10_expand_bn, block10_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block10_expand_bn_clipped_relu_2
         del block10_expand_bn_clipped_relu_2
         mem.free(429)
@@ -5616,9 +5751,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block10_dw_W_new, T['block10_dw_W'], lr, V_block10_dw_W_new)
 
         # ---- block10_expand_bn (batch norm), backward ----
-        # d_block10_expand_bn_ew_sum = sum_to[1x384x1x1](d_block10_expand_bn*block10_expand_bn_centered)
-        d_block10_expand_bn_ew_sum = mem.tensor(432, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block10_expand_bn_ew_sum, d_block10_expand_bn, block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block10_expand_bn_inv_std = block10_expand_bn_weight*d_block10_expand_bn_ew_sum   (computed with the next statement)
         d_block10_expand_bn_inv_std = mem.tensor(433, (1, 384, 1, 1), 'float32')
         # d_block10_expand_bn_sum_of_squares = -d_block10_expand_bn_inv_std/(12544*(block10_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5628,14 +5760,18 @@ class MobilenetV2(rp.Model):
         # free block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         del block10_expand_bn_sum_of_squares, block10_expand_bn_batch_var, block10_expand_bn_batch_var_flat
         mem.free(138)
-        # d_block10_expand_bn_centered = d_block10_expand_bn*block10_expand_bn_inv_std*block10_expand_bn_weight + 2*d_block10_expand_bn_sum_of_squares*block10_expand_bn_centered
+        # d_block10_expand_bn_centered = d_block10_expand_bn*block10_expand_bn_inv_std*block10_expand_bn_weight + 2*d_block10_expand_bn_sum_of_squares*block10_expand_bn_centered   (computed with the next statement)
         d_block10_expand_bn_centered = block10_expand_bn_centered  # in place: over block10_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block10_expand_bn_centered, d_block10_expand_bn, block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_sum_of_squares, block10_expand_bn_centered)
+        # d_block10_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block10_expand_bn_centered)
+        d_block10_expand_bn_batch_mean = mem.tensor(434, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block10_expand_bn_centered, d_block10_expand_bn, block10_expand_bn_inv_std, block10_expand_bn_weight, d_block10_expand_bn_sum_of_squares, block10_expand_bn_centered),
+                      (ew_neg, d_block10_expand_bn_batch_mean, d_block10_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
         del d_block10_expand_bn_inv_std, d_block10_expand_bn_sum_of_squares
         mem.free(433)
         # d_block10_expand_bn_bias = sum_to[1x384x1x1](d_block10_expand_bn)
-        d_block10_expand_bn_bias = mem.tensor(434, (1, 384, 1, 1), 'float32')
+        d_block10_expand_bn_bias = mem.tensor(435, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block10_expand_bn, out=d_block10_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block10_expand_bn_clipped_relu, d_block10_expand_bn
         del d_block10_expand_bn_clipped_relu, d_block10_expand_bn
@@ -5667,10 +5803,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block10_expand_bn_B_new, T['block10_expand_bn_B'], lr, V_block10_expand_bn_B_new))
         # free d_block10_expand_bn_bias, d_block10_expand_bn_B
         del d_block10_expand_bn_bias, d_block10_expand_bn_B
-        mem.free(434)
-        # d_block10_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block10_expand_bn_centered)
-        d_block10_expand_bn_batch_mean = mem.tensor(435, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block10_expand_bn_batch_mean, d_block10_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(435)
         # d_block10_expand_bn_sum = d_block10_expand_bn_batch_mean/6272
         d_block10_expand_bn_sum = d_block10_expand_bn_batch_mean  # in place: over d_block10_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_expand_bn_sum, d_block10_expand_bn_batch_mean)
@@ -5681,7 +5814,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block10_expand, d_block10_expand_bn_centered, d_block10_expand_bn_sum)
         # free d_block10_expand_bn_batch_mean, d_block10_expand_bn_sum
         del d_block10_expand_bn_batch_mean, d_block10_expand_bn_sum
-        mem.free(435)
+        mem.free(434)
 
         # ---- block9_project_bn_add (sum of 2 branches), forward ----
         # block9_project_bn_add_2 = block9_project_bn_centered*block9_project_bn_inv_std*block9_project_bn_weight + block9_project_bn_bias + block8_project_bn_add
@@ -5703,9 +5836,15 @@ class MobilenetV2(rp.Model):
         mem.free(136)
 
         # ---- block9_project_bn_add (sum of 2 branches), backward ----
-        # d_block9_project_bn_add_2 = d_block10_project_bn_add + d_block9_project_bn_add
+        # d_block9_project_bn_add_2 = d_block10_project_bn_add + d_block9_project_bn_add   (computed with the next statement)
         d_block9_project_bn_add_2 = d_block10_project_bn_add  # in place: over d_block10_project_bn_add
-        rt.ew(ew_add, d_block9_project_bn_add_2, d_block10_project_bn_add, d_block9_project_bn_add)
+
+        # ---- block9_project_bn (batch norm), backward ----
+        # d_block9_project_bn_ew_sum = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered)
+        d_block9_project_bn_ew_sum = mem.tensor(439, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block9_project_bn_add_2, d_block10_project_bn_add, d_block9_project_bn_add),
+                      (ew_mul_2, d_block9_project_bn_ew_sum, d_block9_project_bn_add_2, block9_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block9_project_bn_add
         del d_block9_project_bn_add
         mem.free(438)
@@ -5722,9 +5861,6 @@ class MobilenetV2(rp.Model):
         mem.free(437)
 
         # ---- block9_project_bn (batch norm), backward ----
-        # d_block9_project_bn_ew_sum = sum_to[1x64x1x1](d_block9_project_bn_add_2*block9_project_bn_centered)
-        d_block9_project_bn_ew_sum = mem.tensor(439, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_project_bn_ew_sum, d_block9_project_bn_add_2, block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block9_project_bn_inv_std = block9_project_bn_weight*d_block9_project_bn_ew_sum   (computed with the next statement)
         d_block9_project_bn_inv_std = mem.tensor(440, (1, 64, 1, 1), 'float32')
         # d_block9_project_bn_sum_of_squares = -d_block9_project_bn_inv_std/(12544*(block9_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -5734,9 +5870,13 @@ class MobilenetV2(rp.Model):
         # free block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         del block9_project_bn_sum_of_squares, block9_project_bn_batch_var, block9_project_bn_batch_var_flat
         mem.free(133)
-        # d_block9_project_bn_centered = d_block9_project_bn_add_2*block9_project_bn_inv_std*block9_project_bn_weight + 2*d_block9_project_bn_sum_of_squares*block9_project_bn_centered
+        # d_block9_project_bn_centered = d_block9_project_bn_add_2*block9_project_bn_inv_std*block9_project_bn_weight + 2*d_block9_project_bn_sum_of_squares*block9_project_bn_centered   (computed with the next statement)
         d_block9_project_bn_centered = block9_project_bn_centered  # in place: over block9_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block9_project_bn_centered, d_block9_project_bn_add_2, block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_sum_of_squares, block9_project_bn_centered)
+        # d_block9_project_bn_batch_mean = sum_to[1x64x1x1](-d_block9_project_bn_centered)
+        d_block9_project_bn_batch_mean = mem.tensor(441, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block9_project_bn_centered, d_block9_project_bn_add_2, block9_project_bn_inv_std, block9_project_bn_weight, d_block9_project_bn_sum_of_squares, block9_project_bn_centered),
+                      (ew_neg, d_block9_project_bn_batch_mean, d_block9_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
         del d_block9_project_bn_inv_std, d_block9_project_bn_sum_of_squares
         mem.free(440)
@@ -5757,9 +5897,6 @@ class MobilenetV2(rp.Model):
         # free block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
         del block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
         mem.free(134)
-        # d_block9_project_bn_batch_mean = sum_to[1x64x1x1](-d_block9_project_bn_centered)
-        d_block9_project_bn_batch_mean = mem.tensor(441, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block9_project_bn_batch_mean, d_block9_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block9_project_bn_sum = d_block9_project_bn_batch_mean/6272
         d_block9_project_bn_sum = d_block9_project_bn_batch_mean  # in place: over d_block9_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_project_bn_sum, d_block9_project_bn_batch_mean)
@@ -5811,9 +5948,15 @@ class MobilenetV2(rp.Model):
         mem.free(131)
 
         # ---- block9_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block9_dw_bn = d_block9_dw_bn_clipped_relu*Heaviside(block9_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block9_dw_bn_clipped_relu_2, 0)
+        # d_block9_dw_bn = d_block9_dw_bn_clipped_relu*Heaviside(block9_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block9_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block9_dw_bn = d_block9_dw_bn_clipped_relu  # in place: over d_block9_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block9_dw_bn, d_block9_dw_bn_clipped_relu, block9_dw_bn_clipped_relu_2)
+
+        # ---- block9_dw_bn (batch norm), backward ----
+        # d_block9_dw_bn_ew_sum = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered)
+        d_block9_dw_bn_ew_sum = mem.tensor(446, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block9_dw_bn, d_block9_dw_bn_clipped_relu, block9_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block9_dw_bn_ew_sum, d_block9_dw_bn, block9_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block9_dw_bn_clipped_relu_2
         del block9_dw_bn_clipped_relu_2
         mem.free(443)
@@ -5824,9 +5967,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block9_project_W_new, T['block9_project_W'], lr, V_block9_project_W_new)
 
         # ---- block9_dw_bn (batch norm), backward ----
-        # d_block9_dw_bn_ew_sum = sum_to[1x384x1x1](d_block9_dw_bn*block9_dw_bn_centered)
-        d_block9_dw_bn_ew_sum = mem.tensor(446, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_dw_bn_ew_sum, d_block9_dw_bn, block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block9_dw_bn_inv_std = block9_dw_bn_weight*d_block9_dw_bn_ew_sum   (computed with the next statement)
         d_block9_dw_bn_inv_std = mem.tensor(447, (1, 384, 1, 1), 'float32')
         # d_block9_dw_bn_sum_of_squares = -d_block9_dw_bn_inv_std/(12544*(block9_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -5836,14 +5976,18 @@ class MobilenetV2(rp.Model):
         # free block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         del block9_dw_bn_sum_of_squares, block9_dw_bn_batch_var, block9_dw_bn_batch_var_flat
         mem.free(128)
-        # d_block9_dw_bn_centered = d_block9_dw_bn*block9_dw_bn_inv_std*block9_dw_bn_weight + 2*d_block9_dw_bn_sum_of_squares*block9_dw_bn_centered
+        # d_block9_dw_bn_centered = d_block9_dw_bn*block9_dw_bn_inv_std*block9_dw_bn_weight + 2*d_block9_dw_bn_sum_of_squares*block9_dw_bn_centered   (computed with the next statement)
         d_block9_dw_bn_centered = block9_dw_bn_centered  # in place: over block9_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block9_dw_bn_centered, d_block9_dw_bn, block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_sum_of_squares, block9_dw_bn_centered)
+        # d_block9_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block9_dw_bn_centered)
+        d_block9_dw_bn_batch_mean = mem.tensor(448, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block9_dw_bn_centered, d_block9_dw_bn, block9_dw_bn_inv_std, block9_dw_bn_weight, d_block9_dw_bn_sum_of_squares, block9_dw_bn_centered),
+                      (ew_neg, d_block9_dw_bn_batch_mean, d_block9_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
         del d_block9_dw_bn_inv_std, d_block9_dw_bn_sum_of_squares
         mem.free(447)
         # d_block9_dw_bn_bias = sum_to[1x384x1x1](d_block9_dw_bn)
-        d_block9_dw_bn_bias = mem.tensor(448, (1, 384, 1, 1), 'float32')
+        d_block9_dw_bn_bias = mem.tensor(449, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block9_dw_bn, out=d_block9_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block9_dw_bn_clipped_relu, d_block9_dw_bn
         del d_block9_dw_bn_clipped_relu, d_block9_dw_bn
@@ -5875,10 +6019,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block9_dw_bn_B_new, T['block9_dw_bn_B'], lr, V_block9_dw_bn_B_new))
         # free d_block9_dw_bn_bias, d_block9_dw_bn_B
         del d_block9_dw_bn_bias, d_block9_dw_bn_B
-        mem.free(448)
-        # d_block9_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block9_dw_bn_centered)
-        d_block9_dw_bn_batch_mean = mem.tensor(449, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block9_dw_bn_batch_mean, d_block9_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(449)
         # d_block9_dw_bn_sum = d_block9_dw_bn_batch_mean/6272
         d_block9_dw_bn_sum = d_block9_dw_bn_batch_mean  # in place: over d_block9_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_dw_bn_sum, d_block9_dw_bn_batch_mean)
@@ -5889,7 +6030,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block9_dw, d_block9_dw_bn_centered, d_block9_dw_bn_sum)
         # free d_block9_dw_bn_batch_mean, d_block9_dw_bn_sum
         del d_block9_dw_bn_batch_mean, d_block9_dw_bn_sum
-        mem.free(449)
+        mem.free(448)
 
         # ---- block9_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block9_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block9_expand_bn_centered*block9_expand_bn_inv_std*block9_expand_bn_weight + block9_expand_bn_bias))
@@ -5914,9 +6055,15 @@ class MobilenetV2(rp.Model):
         mem.free(126)
 
         # ---- block9_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block9_expand_bn = d_block9_expand_bn_clipped_relu*Heaviside(block9_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block9_expand_bn_clipped_relu_2, 0)
+        # d_block9_expand_bn = d_block9_expand_bn_clipped_relu*Heaviside(block9_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block9_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block9_expand_bn = d_block9_expand_bn_clipped_relu  # in place: over d_block9_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block9_expand_bn, d_block9_expand_bn_clipped_relu, block9_expand_bn_clipped_relu_2)
+
+        # ---- block9_expand_bn (batch norm), backward ----
+        # d_block9_expand_bn_ew_sum = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered)
+        d_block9_expand_bn_ew_sum = mem.tensor(453, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block9_expand_bn, d_block9_expand_bn_clipped_relu, block9_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block9_expand_bn_ew_sum, d_block9_expand_bn, block9_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block9_expand_bn_clipped_relu_2
         del block9_expand_bn_clipped_relu_2
         mem.free(450)
@@ -5927,9 +6074,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block9_dw_W_new, T['block9_dw_W'], lr, V_block9_dw_W_new)
 
         # ---- block9_expand_bn (batch norm), backward ----
-        # d_block9_expand_bn_ew_sum = sum_to[1x384x1x1](d_block9_expand_bn*block9_expand_bn_centered)
-        d_block9_expand_bn_ew_sum = mem.tensor(453, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block9_expand_bn_ew_sum, d_block9_expand_bn, block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block9_expand_bn_inv_std = block9_expand_bn_weight*d_block9_expand_bn_ew_sum   (computed with the next statement)
         d_block9_expand_bn_inv_std = mem.tensor(454, (1, 384, 1, 1), 'float32')
         # d_block9_expand_bn_sum_of_squares = -d_block9_expand_bn_inv_std/(12544*(block9_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5939,14 +6083,18 @@ class MobilenetV2(rp.Model):
         # free block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         del block9_expand_bn_sum_of_squares, block9_expand_bn_batch_var, block9_expand_bn_batch_var_flat
         mem.free(123)
-        # d_block9_expand_bn_centered = d_block9_expand_bn*block9_expand_bn_inv_std*block9_expand_bn_weight + 2*d_block9_expand_bn_sum_of_squares*block9_expand_bn_centered
+        # d_block9_expand_bn_centered = d_block9_expand_bn*block9_expand_bn_inv_std*block9_expand_bn_weight + 2*d_block9_expand_bn_sum_of_squares*block9_expand_bn_centered   (computed with the next statement)
         d_block9_expand_bn_centered = block9_expand_bn_centered  # in place: over block9_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block9_expand_bn_centered, d_block9_expand_bn, block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_sum_of_squares, block9_expand_bn_centered)
+        # d_block9_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block9_expand_bn_centered)
+        d_block9_expand_bn_batch_mean = mem.tensor(455, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block9_expand_bn_centered, d_block9_expand_bn, block9_expand_bn_inv_std, block9_expand_bn_weight, d_block9_expand_bn_sum_of_squares, block9_expand_bn_centered),
+                      (ew_neg, d_block9_expand_bn_batch_mean, d_block9_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
         del d_block9_expand_bn_inv_std, d_block9_expand_bn_sum_of_squares
         mem.free(454)
         # d_block9_expand_bn_bias = sum_to[1x384x1x1](d_block9_expand_bn)
-        d_block9_expand_bn_bias = mem.tensor(455, (1, 384, 1, 1), 'float32')
+        d_block9_expand_bn_bias = mem.tensor(456, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block9_expand_bn, out=d_block9_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block9_expand_bn_clipped_relu, d_block9_expand_bn
         del d_block9_expand_bn_clipped_relu, d_block9_expand_bn
@@ -5978,10 +6126,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block9_expand_bn_B_new, T['block9_expand_bn_B'], lr, V_block9_expand_bn_B_new))
         # free d_block9_expand_bn_bias, d_block9_expand_bn_B
         del d_block9_expand_bn_bias, d_block9_expand_bn_B
-        mem.free(455)
-        # d_block9_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block9_expand_bn_centered)
-        d_block9_expand_bn_batch_mean = mem.tensor(456, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block9_expand_bn_batch_mean, d_block9_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(456)
         # d_block9_expand_bn_sum = d_block9_expand_bn_batch_mean/6272
         d_block9_expand_bn_sum = d_block9_expand_bn_batch_mean  # in place: over d_block9_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_expand_bn_sum, d_block9_expand_bn_batch_mean)
@@ -5992,7 +6137,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block9_expand, d_block9_expand_bn_centered, d_block9_expand_bn_sum)
         # free d_block9_expand_bn_batch_mean, d_block9_expand_bn_sum
         del d_block9_expand_bn_batch_mean, d_block9_expand_bn_sum
-        mem.free(456)
+        mem.free(455)
         # d_block9_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block9_expand, block8_project_bn_add)
         d_block9_expand_W = mem.tensor(457, (384, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block9_expand, block8_project_bn_add, out=d_block9_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(11239424))
@@ -6007,9 +6152,15 @@ class MobilenetV2(rp.Model):
         mem.free(121)
 
         # ---- block8_project_bn_add (sum of 2 branches), backward ----
-        # d_block8_project_bn_add_2 = d_block9_project_bn_add_2 + d_block8_project_bn_add
+        # d_block8_project_bn_add_2 = d_block9_project_bn_add_2 + d_block8_project_bn_add   (computed with the next statement)
         d_block8_project_bn_add_2 = d_block9_project_bn_add_2  # in place: over d_block9_project_bn_add_2
-        rt.ew(ew_add, d_block8_project_bn_add_2, d_block9_project_bn_add_2, d_block8_project_bn_add)
+
+        # ---- block8_project_bn (batch norm), backward ----
+        # d_block8_project_bn_ew_sum = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered)
+        d_block8_project_bn_ew_sum = mem.tensor(459, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block8_project_bn_add_2, d_block9_project_bn_add_2, d_block8_project_bn_add),
+                      (ew_mul_2, d_block8_project_bn_ew_sum, d_block8_project_bn_add_2, block8_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block8_project_bn_add
         del d_block8_project_bn_add
         mem.free(458)
@@ -6026,9 +6177,6 @@ class MobilenetV2(rp.Model):
         mem.free(457)
 
         # ---- block8_project_bn (batch norm), backward ----
-        # d_block8_project_bn_ew_sum = sum_to[1x64x1x1](d_block8_project_bn_add_2*block8_project_bn_centered)
-        d_block8_project_bn_ew_sum = mem.tensor(459, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_project_bn_ew_sum, d_block8_project_bn_add_2, block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block8_project_bn_inv_std = block8_project_bn_weight*d_block8_project_bn_ew_sum   (computed with the next statement)
         d_block8_project_bn_inv_std = mem.tensor(460, (1, 64, 1, 1), 'float32')
         # d_block8_project_bn_sum_of_squares = -d_block8_project_bn_inv_std/(12544*(block8_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -6038,9 +6186,13 @@ class MobilenetV2(rp.Model):
         # free block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         del block8_project_bn_sum_of_squares, block8_project_bn_batch_var, block8_project_bn_batch_var_flat
         mem.free(119)
-        # d_block8_project_bn_centered = d_block8_project_bn_add_2*block8_project_bn_inv_std*block8_project_bn_weight + 2*d_block8_project_bn_sum_of_squares*block8_project_bn_centered
+        # d_block8_project_bn_centered = d_block8_project_bn_add_2*block8_project_bn_inv_std*block8_project_bn_weight + 2*d_block8_project_bn_sum_of_squares*block8_project_bn_centered   (computed with the next statement)
         d_block8_project_bn_centered = block8_project_bn_centered  # in place: over block8_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block8_project_bn_centered, d_block8_project_bn_add_2, block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_sum_of_squares, block8_project_bn_centered)
+        # d_block8_project_bn_batch_mean = sum_to[1x64x1x1](-d_block8_project_bn_centered)
+        d_block8_project_bn_batch_mean = mem.tensor(461, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block8_project_bn_centered, d_block8_project_bn_add_2, block8_project_bn_inv_std, block8_project_bn_weight, d_block8_project_bn_sum_of_squares, block8_project_bn_centered),
+                      (ew_neg, d_block8_project_bn_batch_mean, d_block8_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
         del d_block8_project_bn_inv_std, d_block8_project_bn_sum_of_squares
         mem.free(460)
@@ -6061,9 +6213,6 @@ class MobilenetV2(rp.Model):
         # free block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
         del block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
         mem.free(120)
-        # d_block8_project_bn_batch_mean = sum_to[1x64x1x1](-d_block8_project_bn_centered)
-        d_block8_project_bn_batch_mean = mem.tensor(461, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block8_project_bn_batch_mean, d_block8_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block8_project_bn_sum = d_block8_project_bn_batch_mean/6272
         d_block8_project_bn_sum = d_block8_project_bn_batch_mean  # in place: over d_block8_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_project_bn_sum, d_block8_project_bn_batch_mean)
@@ -6115,9 +6264,15 @@ class MobilenetV2(rp.Model):
         mem.free(117)
 
         # ---- block8_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block8_dw_bn = d_block8_dw_bn_clipped_relu*Heaviside(block8_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block8_dw_bn_clipped_relu_2, 0)
+        # d_block8_dw_bn = d_block8_dw_bn_clipped_relu*Heaviside(block8_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block8_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block8_dw_bn = d_block8_dw_bn_clipped_relu  # in place: over d_block8_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block8_dw_bn, d_block8_dw_bn_clipped_relu, block8_dw_bn_clipped_relu_2)
+
+        # ---- block8_dw_bn (batch norm), backward ----
+        # d_block8_dw_bn_ew_sum = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered)
+        d_block8_dw_bn_ew_sum = mem.tensor(466, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block8_dw_bn, d_block8_dw_bn_clipped_relu, block8_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block8_dw_bn_ew_sum, d_block8_dw_bn, block8_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block8_dw_bn_clipped_relu_2
         del block8_dw_bn_clipped_relu_2
         mem.free(463)
@@ -6128,9 +6283,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block8_project_W_new, T['block8_project_W'], lr, V_block8_project_W_new)
 
         # ---- block8_dw_bn (batch norm), backward ----
-        # d_block8_dw_bn_ew_sum = sum_to[1x384x1x1](d_block8_dw_bn*block8_dw_bn_centered)
-        d_block8_dw_bn_ew_sum = mem.tensor(466, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_dw_bn_ew_sum, d_block8_dw_bn, block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block8_dw_bn_inv_std = block8_dw_bn_weight*d_block8_dw_bn_ew_sum   (computed with the next statement)
         d_block8_dw_bn_inv_std = mem.tensor(467, (1, 384, 1, 1), 'float32')
         # d_block8_dw_bn_sum_of_squares = -d_block8_dw_bn_inv_std/(12544*(block8_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -6140,14 +6292,18 @@ class MobilenetV2(rp.Model):
         # free block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         del block8_dw_bn_sum_of_squares, block8_dw_bn_batch_var, block8_dw_bn_batch_var_flat
         mem.free(114)
-        # d_block8_dw_bn_centered = d_block8_dw_bn*block8_dw_bn_inv_std*block8_dw_bn_weight + 2*d_block8_dw_bn_sum_of_squares*block8_dw_bn_centered
+        # d_block8_dw_bn_centered = d_block8_dw_bn*block8_dw_bn_inv_std*block8_dw_bn_weight + 2*d_block8_dw_bn_sum_of_squares*block8_dw_bn_centered   (computed with the next statement)
         d_block8_dw_bn_centered = block8_dw_bn_centered  # in place: over block8_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block8_dw_bn_centered, d_block8_dw_bn, block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_sum_of_squares, block8_dw_bn_centered)
+        # d_block8_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block8_dw_bn_centered)
+        d_block8_dw_bn_batch_mean = mem.tensor(468, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block8_dw_bn_centered, d_block8_dw_bn, block8_dw_bn_inv_std, block8_dw_bn_weight, d_block8_dw_bn_sum_of_squares, block8_dw_bn_centered),
+                      (ew_neg, d_block8_dw_bn_batch_mean, d_block8_dw_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
         del d_block8_dw_bn_inv_std, d_block8_dw_bn_sum_of_squares
         mem.free(467)
         # d_block8_dw_bn_bias = sum_to[1x384x1x1](d_block8_dw_bn)
-        d_block8_dw_bn_bias = mem.tensor(468, (1, 384, 1, 1), 'float32')
+        d_block8_dw_bn_bias = mem.tensor(469, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block8_dw_bn, out=d_block8_dw_bn_bias, shape=(1, 384, 1, 1))
         # free d_block8_dw_bn_clipped_relu, d_block8_dw_bn
         del d_block8_dw_bn_clipped_relu, d_block8_dw_bn
@@ -6179,10 +6335,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block8_dw_bn_B_new, T['block8_dw_bn_B'], lr, V_block8_dw_bn_B_new))
         # free d_block8_dw_bn_bias, d_block8_dw_bn_B
         del d_block8_dw_bn_bias, d_block8_dw_bn_B
-        mem.free(468)
-        # d_block8_dw_bn_batch_mean = sum_to[1x384x1x1](-d_block8_dw_bn_centered)
-        d_block8_dw_bn_batch_mean = mem.tensor(469, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block8_dw_bn_batch_mean, d_block8_dw_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(469)
         # d_block8_dw_bn_sum = d_block8_dw_bn_batch_mean/6272
         d_block8_dw_bn_sum = d_block8_dw_bn_batch_mean  # in place: over d_block8_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_dw_bn_sum, d_block8_dw_bn_batch_mean)
@@ -6193,7 +6346,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block8_dw, d_block8_dw_bn_centered, d_block8_dw_bn_sum)
         # free d_block8_dw_bn_batch_mean, d_block8_dw_bn_sum
         del d_block8_dw_bn_batch_mean, d_block8_dw_bn_sum
-        mem.free(469)
+        mem.free(468)
 
         # ---- block8_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block8_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block8_expand_bn_centered*block8_expand_bn_inv_std*block8_expand_bn_weight + block8_expand_bn_bias))
@@ -6218,9 +6371,15 @@ class MobilenetV2(rp.Model):
         mem.free(112)
 
         # ---- block8_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block8_expand_bn = d_block8_expand_bn_clipped_relu*Heaviside(block8_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block8_expand_bn_clipped_relu_2, 0)
+        # d_block8_expand_bn = d_block8_expand_bn_clipped_relu*Heaviside(block8_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block8_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block8_expand_bn = d_block8_expand_bn_clipped_relu  # in place: over d_block8_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block8_expand_bn, d_block8_expand_bn_clipped_relu, block8_expand_bn_clipped_relu_2)
+
+        # ---- block8_expand_bn (batch norm), backward ----
+        # d_block8_expand_bn_ew_sum = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered)
+        d_block8_expand_bn_ew_sum = mem.tensor(473, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block8_expand_bn, d_block8_expand_bn_clipped_relu, block8_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block8_expand_bn_ew_sum, d_block8_expand_bn, block8_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free block8_expand_bn_clipped_relu_2
         del block8_expand_bn_clipped_relu_2
         mem.free(470)
@@ -6231,9 +6390,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block8_dw_W_new, T['block8_dw_W'], lr, V_block8_dw_W_new)
 
         # ---- block8_expand_bn (batch norm), backward ----
-        # d_block8_expand_bn_ew_sum = sum_to[1x384x1x1](d_block8_expand_bn*block8_expand_bn_centered)
-        d_block8_expand_bn_ew_sum = mem.tensor(473, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block8_expand_bn_ew_sum, d_block8_expand_bn, block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # d_block8_expand_bn_inv_std = block8_expand_bn_weight*d_block8_expand_bn_ew_sum   (computed with the next statement)
         d_block8_expand_bn_inv_std = mem.tensor(474, (1, 384, 1, 1), 'float32')
         # d_block8_expand_bn_sum_of_squares = -d_block8_expand_bn_inv_std/(12544*(block8_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6243,14 +6399,18 @@ class MobilenetV2(rp.Model):
         # free block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         del block8_expand_bn_sum_of_squares, block8_expand_bn_batch_var, block8_expand_bn_batch_var_flat
         mem.free(109)
-        # d_block8_expand_bn_centered = d_block8_expand_bn*block8_expand_bn_inv_std*block8_expand_bn_weight + 2*d_block8_expand_bn_sum_of_squares*block8_expand_bn_centered
+        # d_block8_expand_bn_centered = d_block8_expand_bn*block8_expand_bn_inv_std*block8_expand_bn_weight + 2*d_block8_expand_bn_sum_of_squares*block8_expand_bn_centered   (computed with the next statement)
         d_block8_expand_bn_centered = block8_expand_bn_centered  # in place: over block8_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block8_expand_bn_centered, d_block8_expand_bn, block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_sum_of_squares, block8_expand_bn_centered)
+        # d_block8_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block8_expand_bn_centered)
+        d_block8_expand_bn_batch_mean = mem.tensor(475, (1, 384, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block8_expand_bn_centered, d_block8_expand_bn, block8_expand_bn_inv_std, block8_expand_bn_weight, d_block8_expand_bn_sum_of_squares, block8_expand_bn_centered),
+                      (ew_neg, d_block8_expand_bn_batch_mean, d_block8_expand_bn_centered),
+                      shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
         # free d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
         del d_block8_expand_bn_inv_std, d_block8_expand_bn_sum_of_squares
         mem.free(474)
         # d_block8_expand_bn_bias = sum_to[1x384x1x1](d_block8_expand_bn)
-        d_block8_expand_bn_bias = mem.tensor(475, (1, 384, 1, 1), 'float32')
+        d_block8_expand_bn_bias = mem.tensor(476, (1, 384, 1, 1), 'float32')
         rt.sum_to(d_block8_expand_bn, out=d_block8_expand_bn_bias, shape=(1, 384, 1, 1))
         # free d_block8_expand_bn_clipped_relu, d_block8_expand_bn
         del d_block8_expand_bn_clipped_relu, d_block8_expand_bn
@@ -6282,10 +6442,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block8_expand_bn_B_new, T['block8_expand_bn_B'], lr, V_block8_expand_bn_B_new))
         # free d_block8_expand_bn_bias, d_block8_expand_bn_B
         del d_block8_expand_bn_bias, d_block8_expand_bn_B
-        mem.free(475)
-        # d_block8_expand_bn_batch_mean = sum_to[1x384x1x1](-d_block8_expand_bn_centered)
-        d_block8_expand_bn_batch_mean = mem.tensor(476, (1, 384, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block8_expand_bn_batch_mean, d_block8_expand_bn_centered, shape=(1, 384, 1, 1), workspace=mem.workspace(4818432))
+        mem.free(476)
         # d_block8_expand_bn_sum = d_block8_expand_bn_batch_mean/6272
         d_block8_expand_bn_sum = d_block8_expand_bn_batch_mean  # in place: over d_block8_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_expand_bn_sum, d_block8_expand_bn_batch_mean)
@@ -6296,7 +6453,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block8_expand, d_block8_expand_bn_centered, d_block8_expand_bn_sum)
         # free d_block8_expand_bn_batch_mean, d_block8_expand_bn_sum
         del d_block8_expand_bn_batch_mean, d_block8_expand_bn_sum
-        mem.free(476)
+        mem.free(475)
 
         # ---- block7_project_bn (batch norm), forward ----
         # block7_project_bn_2 = block7_project_bn_centered*block7_project_bn_inv_std*block7_project_bn_weight + block7_project_bn_bias
@@ -6318,9 +6475,13 @@ class MobilenetV2(rp.Model):
         mem.free(107)
 
         # ---- block7_project_bn (batch norm), backward ----
-        # d_block7_project_bn_2 = d_block8_project_bn_add_2 + d_block7_project_bn
+        # d_block7_project_bn_2 = d_block8_project_bn_add_2 + d_block7_project_bn   (computed with the next statement)
         d_block7_project_bn_2 = d_block8_project_bn_add_2  # in place: over d_block8_project_bn_add_2
-        rt.ew(ew_add, d_block7_project_bn_2, d_block8_project_bn_add_2, d_block7_project_bn)
+        # d_block7_project_bn_ew_sum = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered)
+        d_block7_project_bn_ew_sum = mem.tensor(480, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block7_project_bn_2, d_block8_project_bn_add_2, d_block7_project_bn),
+                      (ew_mul_2, d_block7_project_bn_ew_sum, d_block7_project_bn_2, block7_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block7_project_bn
         del d_block7_project_bn
         mem.free(479)
@@ -6337,9 +6498,6 @@ class MobilenetV2(rp.Model):
         mem.free(478)
 
         # ---- block7_project_bn (batch norm), backward ----
-        # d_block7_project_bn_ew_sum = sum_to[1x64x1x1](d_block7_project_bn_2*block7_project_bn_centered)
-        d_block7_project_bn_ew_sum = mem.tensor(480, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_project_bn_ew_sum, d_block7_project_bn_2, block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # d_block7_project_bn_inv_std = block7_project_bn_weight*d_block7_project_bn_ew_sum   (computed with the next statement)
         d_block7_project_bn_inv_std = mem.tensor(481, (1, 64, 1, 1), 'float32')
         # d_block7_project_bn_sum_of_squares = -d_block7_project_bn_inv_std/(12544*(block7_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -6349,14 +6507,18 @@ class MobilenetV2(rp.Model):
         # free block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         del block7_project_bn_sum_of_squares, block7_project_bn_batch_var, block7_project_bn_batch_var_flat
         mem.free(104)
-        # d_block7_project_bn_centered = d_block7_project_bn_2*block7_project_bn_inv_std*block7_project_bn_weight + 2*d_block7_project_bn_sum_of_squares*block7_project_bn_centered
+        # d_block7_project_bn_centered = d_block7_project_bn_2*block7_project_bn_inv_std*block7_project_bn_weight + 2*d_block7_project_bn_sum_of_squares*block7_project_bn_centered   (computed with the next statement)
         d_block7_project_bn_centered = block7_project_bn_centered  # in place: over block7_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block7_project_bn_centered, d_block7_project_bn_2, block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_sum_of_squares, block7_project_bn_centered)
+        # d_block7_project_bn_batch_mean = sum_to[1x64x1x1](-d_block7_project_bn_centered)
+        d_block7_project_bn_batch_mean = mem.tensor(482, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block7_project_bn_centered, d_block7_project_bn_2, block7_project_bn_inv_std, block7_project_bn_weight, d_block7_project_bn_sum_of_squares, block7_project_bn_centered),
+                      (ew_neg, d_block7_project_bn_batch_mean, d_block7_project_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
         # free d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
         del d_block7_project_bn_inv_std, d_block7_project_bn_sum_of_squares
         mem.free(481)
         # d_block7_project_bn_bias = sum_to[1x64x1x1](d_block7_project_bn_2)
-        d_block7_project_bn_bias = mem.tensor(482, (1, 64, 1, 1), 'float32')
+        d_block7_project_bn_bias = mem.tensor(483, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_block7_project_bn_2, out=d_block7_project_bn_bias, shape=(1, 64, 1, 1))
         # free d_block10_project_bn_add, d_block9_project_bn_add_2, d_block8_project_bn_add_2, d_block7_project_bn_2
         del d_block10_project_bn_add, d_block9_project_bn_add_2, d_block8_project_bn_add_2, d_block7_project_bn_2
@@ -6388,10 +6550,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block7_project_bn_B_new, T['block7_project_bn_B'], lr, V_block7_project_bn_B_new))
         # free d_block7_project_bn_bias, d_block7_project_bn_B
         del d_block7_project_bn_bias, d_block7_project_bn_B
-        mem.free(482)
-        # d_block7_project_bn_batch_mean = sum_to[1x64x1x1](-d_block7_project_bn_centered)
-        d_block7_project_bn_batch_mean = mem.tensor(483, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block7_project_bn_batch_mean, d_block7_project_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1605632))
+        mem.free(483)
         # d_block7_project_bn_sum = d_block7_project_bn_batch_mean/6272
         d_block7_project_bn_sum = d_block7_project_bn_batch_mean  # in place: over d_block7_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block7_project_bn_sum, d_block7_project_bn_batch_mean)
@@ -6402,7 +6561,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block7_project, d_block7_project_bn_centered, d_block7_project_bn_sum)
         # free d_block7_project_bn_batch_mean, d_block7_project_bn_sum
         del d_block7_project_bn_batch_mean, d_block7_project_bn_sum
-        mem.free(483)
+        mem.free(482)
 
         # ---- block7_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block7_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block7_dw_bn_centered*block7_dw_bn_inv_std*block7_dw_bn_weight + block7_dw_bn_bias))
@@ -6427,9 +6586,15 @@ class MobilenetV2(rp.Model):
         mem.free(102)
 
         # ---- block7_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block7_dw_bn = d_block7_dw_bn_clipped_relu*Heaviside(block7_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block7_dw_bn_clipped_relu_2, 0)
+        # d_block7_dw_bn = d_block7_dw_bn_clipped_relu*Heaviside(block7_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block7_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block7_dw_bn = d_block7_dw_bn_clipped_relu  # in place: over d_block7_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block7_dw_bn, d_block7_dw_bn_clipped_relu, block7_dw_bn_clipped_relu_2)
+
+        # ---- block7_dw_bn (batch norm), backward ----
+        # d_block7_dw_bn_ew_sum = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered)
+        d_block7_dw_bn_ew_sum = mem.tensor(487, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block7_dw_bn, d_block7_dw_bn_clipped_relu, block7_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block7_dw_bn_ew_sum, d_block7_dw_bn, block7_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # free block7_dw_bn_clipped_relu_2
         del block7_dw_bn_clipped_relu_2
         mem.free(484)
@@ -6440,9 +6605,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block7_project_W_new, T['block7_project_W'], lr, V_block7_project_W_new)
 
         # ---- block7_dw_bn (batch norm), backward ----
-        # d_block7_dw_bn_ew_sum = sum_to[1x192x1x1](d_block7_dw_bn*block7_dw_bn_centered)
-        d_block7_dw_bn_ew_sum = mem.tensor(487, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_dw_bn_ew_sum, d_block7_dw_bn, block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # d_block7_dw_bn_inv_std = block7_dw_bn_weight*d_block7_dw_bn_ew_sum   (computed with the next statement)
         d_block7_dw_bn_inv_std = mem.tensor(488, (1, 192, 1, 1), 'float32')
         # d_block7_dw_bn_sum_of_squares = -d_block7_dw_bn_inv_std/(12544*(block7_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -6452,14 +6614,18 @@ class MobilenetV2(rp.Model):
         # free block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         del block7_dw_bn_sum_of_squares, block7_dw_bn_batch_var, block7_dw_bn_batch_var_flat
         mem.free(99)
-        # d_block7_dw_bn_centered = d_block7_dw_bn*block7_dw_bn_inv_std*block7_dw_bn_weight + 2*d_block7_dw_bn_sum_of_squares*block7_dw_bn_centered
+        # d_block7_dw_bn_centered = d_block7_dw_bn*block7_dw_bn_inv_std*block7_dw_bn_weight + 2*d_block7_dw_bn_sum_of_squares*block7_dw_bn_centered   (computed with the next statement)
         d_block7_dw_bn_centered = block7_dw_bn_centered  # in place: over block7_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block7_dw_bn_centered, d_block7_dw_bn, block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_sum_of_squares, block7_dw_bn_centered)
+        # d_block7_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block7_dw_bn_centered)
+        d_block7_dw_bn_batch_mean = mem.tensor(489, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block7_dw_bn_centered, d_block7_dw_bn, block7_dw_bn_inv_std, block7_dw_bn_weight, d_block7_dw_bn_sum_of_squares, block7_dw_bn_centered),
+                      (ew_neg, d_block7_dw_bn_batch_mean, d_block7_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
         # free d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
         del d_block7_dw_bn_inv_std, d_block7_dw_bn_sum_of_squares
         mem.free(488)
         # d_block7_dw_bn_bias = sum_to[1x192x1x1](d_block7_dw_bn)
-        d_block7_dw_bn_bias = mem.tensor(489, (1, 192, 1, 1), 'float32')
+        d_block7_dw_bn_bias = mem.tensor(490, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block7_dw_bn, out=d_block7_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block7_dw_bn_clipped_relu, d_block7_dw_bn
         del d_block7_dw_bn_clipped_relu, d_block7_dw_bn
@@ -6491,10 +6657,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block7_dw_bn_B_new, T['block7_dw_bn_B'], lr, V_block7_dw_bn_B_new))
         # free d_block7_dw_bn_bias, d_block7_dw_bn_B
         del d_block7_dw_bn_bias, d_block7_dw_bn_B
-        mem.free(489)
-        # d_block7_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block7_dw_bn_centered)
-        d_block7_dw_bn_batch_mean = mem.tensor(490, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block7_dw_bn_batch_mean, d_block7_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(4816896))
+        mem.free(490)
         # d_block7_dw_bn_sum = d_block7_dw_bn_batch_mean/6272
         d_block7_dw_bn_sum = d_block7_dw_bn_batch_mean  # in place: over d_block7_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block7_dw_bn_sum, d_block7_dw_bn_batch_mean)
@@ -6505,7 +6668,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block7_dw, d_block7_dw_bn_centered, d_block7_dw_bn_sum)
         # free d_block7_dw_bn_batch_mean, d_block7_dw_bn_sum
         del d_block7_dw_bn_batch_mean, d_block7_dw_bn_sum
-        mem.free(490)
+        mem.free(489)
 
         # ---- block7_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block7_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block7_expand_bn_centered*block7_expand_bn_inv_std*block7_expand_bn_weight + block7_expand_bn_bias))
@@ -6530,9 +6693,15 @@ class MobilenetV2(rp.Model):
         mem.free(97)
 
         # ---- block7_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block7_expand_bn = d_block7_expand_bn_clipped_relu*Heaviside(block7_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block7_expand_bn_clipped_relu_2, 0)
+        # d_block7_expand_bn = d_block7_expand_bn_clipped_relu*Heaviside(block7_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block7_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block7_expand_bn = d_block7_expand_bn_clipped_relu  # in place: over d_block7_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block7_expand_bn, d_block7_expand_bn_clipped_relu, block7_expand_bn_clipped_relu_2)
+
+        # ---- block7_expand_bn (batch norm), backward ----
+        # d_block7_expand_bn_ew_sum = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered)
+        d_block7_expand_bn_ew_sum = mem.tensor(494, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block7_expand_bn, d_block7_expand_bn_clipped_relu, block7_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block7_expand_bn_ew_sum, d_block7_expand_bn, block7_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free block7_expand_bn_clipped_relu_2
         del block7_expand_bn_clipped_relu_2
         mem.free(491)
@@ -6543,9 +6712,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block7_dw_W_new, T['block7_dw_W'], lr, V_block7_dw_W_new)
 
         # ---- block7_expand_bn (batch norm), backward ----
-        # d_block7_expand_bn_ew_sum = sum_to[1x192x1x1](d_block7_expand_bn*block7_expand_bn_centered)
-        d_block7_expand_bn_ew_sum = mem.tensor(494, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block7_expand_bn_ew_sum, d_block7_expand_bn, block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block7_expand_bn_inv_std = block7_expand_bn_weight*d_block7_expand_bn_ew_sum   (computed with the next statement)
         d_block7_expand_bn_inv_std = mem.tensor(495, (1, 192, 1, 1), 'float32')
         # d_block7_expand_bn_sum_of_squares = -d_block7_expand_bn_inv_std/(50176*(block7_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6555,14 +6721,18 @@ class MobilenetV2(rp.Model):
         # free block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         del block7_expand_bn_sum_of_squares, block7_expand_bn_batch_var, block7_expand_bn_batch_var_flat
         mem.free(94)
-        # d_block7_expand_bn_centered = d_block7_expand_bn*block7_expand_bn_inv_std*block7_expand_bn_weight + 2*d_block7_expand_bn_sum_of_squares*block7_expand_bn_centered
+        # d_block7_expand_bn_centered = d_block7_expand_bn*block7_expand_bn_inv_std*block7_expand_bn_weight + 2*d_block7_expand_bn_sum_of_squares*block7_expand_bn_centered   (computed with the next statement)
         d_block7_expand_bn_centered = block7_expand_bn_centered  # in place: over block7_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block7_expand_bn_centered, d_block7_expand_bn, block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_sum_of_squares, block7_expand_bn_centered)
+        # d_block7_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block7_expand_bn_centered)
+        d_block7_expand_bn_batch_mean = mem.tensor(496, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block7_expand_bn_centered, d_block7_expand_bn, block7_expand_bn_inv_std, block7_expand_bn_weight, d_block7_expand_bn_sum_of_squares, block7_expand_bn_centered),
+                      (ew_neg, d_block7_expand_bn_batch_mean, d_block7_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
         del d_block7_expand_bn_inv_std, d_block7_expand_bn_sum_of_squares
         mem.free(495)
         # d_block7_expand_bn_bias = sum_to[1x192x1x1](d_block7_expand_bn)
-        d_block7_expand_bn_bias = mem.tensor(496, (1, 192, 1, 1), 'float32')
+        d_block7_expand_bn_bias = mem.tensor(497, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block7_expand_bn, out=d_block7_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block7_expand_bn_clipped_relu, d_block7_expand_bn
         del d_block7_expand_bn_clipped_relu, d_block7_expand_bn
@@ -6594,10 +6764,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block7_expand_bn_B_new, T['block7_expand_bn_B'], lr, V_block7_expand_bn_B_new))
         # free d_block7_expand_bn_bias, d_block7_expand_bn_B
         del d_block7_expand_bn_bias, d_block7_expand_bn_B
-        mem.free(496)
-        # d_block7_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block7_expand_bn_centered)
-        d_block7_expand_bn_batch_mean = mem.tensor(497, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block7_expand_bn_batch_mean, d_block7_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        mem.free(497)
         # d_block7_expand_bn_sum = d_block7_expand_bn_batch_mean/25088
         d_block7_expand_bn_sum = d_block7_expand_bn_batch_mean  # in place: over d_block7_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block7_expand_bn_sum, d_block7_expand_bn_batch_mean)
@@ -6608,7 +6775,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block7_expand, d_block7_expand_bn_centered, d_block7_expand_bn_sum)
         # free d_block7_expand_bn_batch_mean, d_block7_expand_bn_sum
         del d_block7_expand_bn_batch_mean, d_block7_expand_bn_sum
-        mem.free(497)
+        mem.free(496)
 
         # ---- block6_project_bn_add (sum of 2 branches), forward ----
         # block6_project_bn_add_2 = block6_project_bn_centered*block6_project_bn_inv_std*block6_project_bn_weight + block6_project_bn_bias + block5_project_bn_add
@@ -6651,9 +6818,13 @@ class MobilenetV2(rp.Model):
         # free block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         del block6_project_bn_sum_of_squares, block6_project_bn_batch_var, block6_project_bn_batch_var_flat
         mem.free(89)
-        # d_block6_project_bn_centered = d_block6_project_bn_add*block6_project_bn_inv_std*block6_project_bn_weight + 2*d_block6_project_bn_sum_of_squares*block6_project_bn_centered
+        # d_block6_project_bn_centered = d_block6_project_bn_add*block6_project_bn_inv_std*block6_project_bn_weight + 2*d_block6_project_bn_sum_of_squares*block6_project_bn_centered   (computed with the next statement)
         d_block6_project_bn_centered = block6_project_bn_centered  # in place: over block6_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block6_project_bn_centered, d_block6_project_bn_add, block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_sum_of_squares, block6_project_bn_centered)
+        # d_block6_project_bn_batch_mean = sum_to[1x32x1x1](-d_block6_project_bn_centered)
+        d_block6_project_bn_batch_mean = mem.tensor(503, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block6_project_bn_centered, d_block6_project_bn_add, block6_project_bn_inv_std, block6_project_bn_weight, d_block6_project_bn_sum_of_squares, block6_project_bn_centered),
+                      (ew_neg, d_block6_project_bn_batch_mean, d_block6_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # free d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
         del d_block6_project_bn_inv_std, d_block6_project_bn_sum_of_squares
         mem.free(502)
@@ -6674,9 +6845,6 @@ class MobilenetV2(rp.Model):
         # free block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
         del block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
         mem.free(90)
-        # d_block6_project_bn_batch_mean = sum_to[1x32x1x1](-d_block6_project_bn_centered)
-        d_block6_project_bn_batch_mean = mem.tensor(503, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block6_project_bn_batch_mean, d_block6_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block6_project_bn_sum = d_block6_project_bn_batch_mean/25088
         d_block6_project_bn_sum = d_block6_project_bn_batch_mean  # in place: over d_block6_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_project_bn_sum, d_block6_project_bn_batch_mean)
@@ -6728,9 +6896,15 @@ class MobilenetV2(rp.Model):
         mem.free(87)
 
         # ---- block6_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block6_dw_bn = d_block6_dw_bn_clipped_relu*Heaviside(block6_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block6_dw_bn_clipped_relu_2, 0)
+        # d_block6_dw_bn = d_block6_dw_bn_clipped_relu*Heaviside(block6_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block6_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block6_dw_bn = d_block6_dw_bn_clipped_relu  # in place: over d_block6_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block6_dw_bn, d_block6_dw_bn_clipped_relu, block6_dw_bn_clipped_relu_2)
+
+        # ---- block6_dw_bn (batch norm), backward ----
+        # d_block6_dw_bn_ew_sum = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered)
+        d_block6_dw_bn_ew_sum = mem.tensor(508, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block6_dw_bn, d_block6_dw_bn_clipped_relu, block6_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block6_dw_bn_ew_sum, d_block6_dw_bn, block6_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free block6_dw_bn_clipped_relu_2
         del block6_dw_bn_clipped_relu_2
         mem.free(505)
@@ -6741,9 +6915,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block6_project_W_new, T['block6_project_W'], lr, V_block6_project_W_new)
 
         # ---- block6_dw_bn (batch norm), backward ----
-        # d_block6_dw_bn_ew_sum = sum_to[1x192x1x1](d_block6_dw_bn*block6_dw_bn_centered)
-        d_block6_dw_bn_ew_sum = mem.tensor(508, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_dw_bn_ew_sum, d_block6_dw_bn, block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block6_dw_bn_inv_std = block6_dw_bn_weight*d_block6_dw_bn_ew_sum   (computed with the next statement)
         d_block6_dw_bn_inv_std = mem.tensor(509, (1, 192, 1, 1), 'float32')
         # d_block6_dw_bn_sum_of_squares = -d_block6_dw_bn_inv_std/(50176*(block6_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -6753,14 +6924,18 @@ class MobilenetV2(rp.Model):
         # free block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         del block6_dw_bn_sum_of_squares, block6_dw_bn_batch_var, block6_dw_bn_batch_var_flat
         mem.free(84)
-        # d_block6_dw_bn_centered = d_block6_dw_bn*block6_dw_bn_inv_std*block6_dw_bn_weight + 2*d_block6_dw_bn_sum_of_squares*block6_dw_bn_centered
+        # d_block6_dw_bn_centered = d_block6_dw_bn*block6_dw_bn_inv_std*block6_dw_bn_weight + 2*d_block6_dw_bn_sum_of_squares*block6_dw_bn_centered   (computed with the next statement)
         d_block6_dw_bn_centered = block6_dw_bn_centered  # in place: over block6_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block6_dw_bn_centered, d_block6_dw_bn, block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_sum_of_squares, block6_dw_bn_centered)
+        # d_block6_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block6_dw_bn_centered)
+        d_block6_dw_bn_batch_mean = mem.tensor(510, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block6_dw_bn_centered, d_block6_dw_bn, block6_dw_bn_inv_std, block6_dw_bn_weight, d_block6_dw_bn_sum_of_squares, block6_dw_bn_centered),
+                      (ew_neg, d_block6_dw_bn_batch_mean, d_block6_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
         del d_block6_dw_bn_inv_std, d_block6_dw_bn_sum_of_squares
         mem.free(509)
         # d_block6_dw_bn_bias = sum_to[1x192x1x1](d_block6_dw_bn)
-        d_block6_dw_bn_bias = mem.tensor(510, (1, 192, 1, 1), 'float32')
+        d_block6_dw_bn_bias = mem.tensor(511, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block6_dw_bn, out=d_block6_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block6_dw_bn_clipped_relu, d_block6_dw_bn
         del d_block6_dw_bn_clipped_relu, d_block6_dw_bn
@@ -6792,10 +6967,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block6_dw_bn_B_new, T['block6_dw_bn_B'], lr, V_block6_dw_bn_B_new))
         # free d_block6_dw_bn_bias, d_block6_dw_bn_B
         del d_block6_dw_bn_bias, d_block6_dw_bn_B
-        mem.free(510)
-        # d_block6_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block6_dw_bn_centered)
-        d_block6_dw_bn_batch_mean = mem.tensor(511, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block6_dw_bn_batch_mean, d_block6_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        mem.free(511)
         # d_block6_dw_bn_sum = d_block6_dw_bn_batch_mean/25088
         d_block6_dw_bn_sum = d_block6_dw_bn_batch_mean  # in place: over d_block6_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_dw_bn_sum, d_block6_dw_bn_batch_mean)
@@ -6806,7 +6978,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block6_dw, d_block6_dw_bn_centered, d_block6_dw_bn_sum)
         # free d_block6_dw_bn_batch_mean, d_block6_dw_bn_sum
         del d_block6_dw_bn_batch_mean, d_block6_dw_bn_sum
-        mem.free(511)
+        mem.free(510)
 
         # ---- block6_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block6_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block6_expand_bn_centered*block6_expand_bn_inv_std*block6_expand_bn_weight + block6_expand_bn_bias))
@@ -6831,9 +7003,15 @@ class MobilenetV2(rp.Model):
         mem.free(82)
 
         # ---- block6_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block6_expand_bn = d_block6_expand_bn_clipped_relu*Heaviside(block6_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block6_expand_bn_clipped_relu_2, 0)
+        # d_block6_expand_bn = d_block6_expand_bn_clipped_relu*Heaviside(block6_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block6_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block6_expand_bn = d_block6_expand_bn_clipped_relu  # in place: over d_block6_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block6_expand_bn, d_block6_expand_bn_clipped_relu, block6_expand_bn_clipped_relu_2)
+
+        # ---- block6_expand_bn (batch norm), backward ----
+        # d_block6_expand_bn_ew_sum = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered)
+        d_block6_expand_bn_ew_sum = mem.tensor(515, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block6_expand_bn, d_block6_expand_bn_clipped_relu, block6_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block6_expand_bn_ew_sum, d_block6_expand_bn, block6_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free block6_expand_bn_clipped_relu_2
         del block6_expand_bn_clipped_relu_2
         mem.free(512)
@@ -6844,9 +7022,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block6_dw_W_new, T['block6_dw_W'], lr, V_block6_dw_W_new)
 
         # ---- block6_expand_bn (batch norm), backward ----
-        # d_block6_expand_bn_ew_sum = sum_to[1x192x1x1](d_block6_expand_bn*block6_expand_bn_centered)
-        d_block6_expand_bn_ew_sum = mem.tensor(515, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block6_expand_bn_ew_sum, d_block6_expand_bn, block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block6_expand_bn_inv_std = block6_expand_bn_weight*d_block6_expand_bn_ew_sum   (computed with the next statement)
         d_block6_expand_bn_inv_std = mem.tensor(516, (1, 192, 1, 1), 'float32')
         # d_block6_expand_bn_sum_of_squares = -d_block6_expand_bn_inv_std/(50176*(block6_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6856,14 +7031,18 @@ class MobilenetV2(rp.Model):
         # free block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         del block6_expand_bn_sum_of_squares, block6_expand_bn_batch_var, block6_expand_bn_batch_var_flat
         mem.free(79)
-        # d_block6_expand_bn_centered = d_block6_expand_bn*block6_expand_bn_inv_std*block6_expand_bn_weight + 2*d_block6_expand_bn_sum_of_squares*block6_expand_bn_centered
+        # d_block6_expand_bn_centered = d_block6_expand_bn*block6_expand_bn_inv_std*block6_expand_bn_weight + 2*d_block6_expand_bn_sum_of_squares*block6_expand_bn_centered   (computed with the next statement)
         d_block6_expand_bn_centered = block6_expand_bn_centered  # in place: over block6_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block6_expand_bn_centered, d_block6_expand_bn, block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_sum_of_squares, block6_expand_bn_centered)
+        # d_block6_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block6_expand_bn_centered)
+        d_block6_expand_bn_batch_mean = mem.tensor(517, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block6_expand_bn_centered, d_block6_expand_bn, block6_expand_bn_inv_std, block6_expand_bn_weight, d_block6_expand_bn_sum_of_squares, block6_expand_bn_centered),
+                      (ew_neg, d_block6_expand_bn_batch_mean, d_block6_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
         del d_block6_expand_bn_inv_std, d_block6_expand_bn_sum_of_squares
         mem.free(516)
         # d_block6_expand_bn_bias = sum_to[1x192x1x1](d_block6_expand_bn)
-        d_block6_expand_bn_bias = mem.tensor(517, (1, 192, 1, 1), 'float32')
+        d_block6_expand_bn_bias = mem.tensor(518, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block6_expand_bn, out=d_block6_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block6_expand_bn_clipped_relu, d_block6_expand_bn
         del d_block6_expand_bn_clipped_relu, d_block6_expand_bn
@@ -6895,10 +7074,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block6_expand_bn_B_new, T['block6_expand_bn_B'], lr, V_block6_expand_bn_B_new))
         # free d_block6_expand_bn_bias, d_block6_expand_bn_B
         del d_block6_expand_bn_bias, d_block6_expand_bn_B
-        mem.free(517)
-        # d_block6_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block6_expand_bn_centered)
-        d_block6_expand_bn_batch_mean = mem.tensor(518, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block6_expand_bn_batch_mean, d_block6_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        mem.free(518)
         # d_block6_expand_bn_sum = d_block6_expand_bn_batch_mean/25088
         d_block6_expand_bn_sum = d_block6_expand_bn_batch_mean  # in place: over d_block6_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_expand_bn_sum, d_block6_expand_bn_batch_mean)
@@ -6909,7 +7085,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block6_expand, d_block6_expand_bn_centered, d_block6_expand_bn_sum)
         # free d_block6_expand_bn_batch_mean, d_block6_expand_bn_sum
         del d_block6_expand_bn_batch_mean, d_block6_expand_bn_sum
-        mem.free(518)
+        mem.free(517)
         # d_block6_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block6_expand, block5_project_bn_add)
         d_block6_expand_W = mem.tensor(519, (192, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block6_expand, block5_project_bn_add, out=d_block6_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(22478848))
@@ -6924,9 +7100,15 @@ class MobilenetV2(rp.Model):
         mem.free(77)
 
         # ---- block5_project_bn_add (sum of 2 branches), backward ----
-        # d_block5_project_bn_add_2 = d_block6_project_bn_add + d_block5_project_bn_add
+        # d_block5_project_bn_add_2 = d_block6_project_bn_add + d_block5_project_bn_add   (computed with the next statement)
         d_block5_project_bn_add_2 = d_block6_project_bn_add  # in place: over d_block6_project_bn_add
-        rt.ew(ew_add, d_block5_project_bn_add_2, d_block6_project_bn_add, d_block5_project_bn_add)
+
+        # ---- block5_project_bn (batch norm), backward ----
+        # d_block5_project_bn_ew_sum = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered)
+        d_block5_project_bn_ew_sum = mem.tensor(521, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block5_project_bn_add_2, d_block6_project_bn_add, d_block5_project_bn_add),
+                      (ew_mul_2, d_block5_project_bn_ew_sum, d_block5_project_bn_add_2, block5_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # free d_block5_project_bn_add
         del d_block5_project_bn_add
         mem.free(520)
@@ -6943,9 +7125,6 @@ class MobilenetV2(rp.Model):
         mem.free(519)
 
         # ---- block5_project_bn (batch norm), backward ----
-        # d_block5_project_bn_ew_sum = sum_to[1x32x1x1](d_block5_project_bn_add_2*block5_project_bn_centered)
-        d_block5_project_bn_ew_sum = mem.tensor(521, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_project_bn_ew_sum, d_block5_project_bn_add_2, block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block5_project_bn_inv_std = block5_project_bn_weight*d_block5_project_bn_ew_sum   (computed with the next statement)
         d_block5_project_bn_inv_std = mem.tensor(522, (1, 32, 1, 1), 'float32')
         # d_block5_project_bn_sum_of_squares = -d_block5_project_bn_inv_std/(50176*(block5_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -6955,9 +7134,13 @@ class MobilenetV2(rp.Model):
         # free block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         del block5_project_bn_sum_of_squares, block5_project_bn_batch_var, block5_project_bn_batch_var_flat
         mem.free(75)
-        # d_block5_project_bn_centered = d_block5_project_bn_add_2*block5_project_bn_inv_std*block5_project_bn_weight + 2*d_block5_project_bn_sum_of_squares*block5_project_bn_centered
+        # d_block5_project_bn_centered = d_block5_project_bn_add_2*block5_project_bn_inv_std*block5_project_bn_weight + 2*d_block5_project_bn_sum_of_squares*block5_project_bn_centered   (computed with the next statement)
         d_block5_project_bn_centered = block5_project_bn_centered  # in place: over block5_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block5_project_bn_centered, d_block5_project_bn_add_2, block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_sum_of_squares, block5_project_bn_centered)
+        # d_block5_project_bn_batch_mean = sum_to[1x32x1x1](-d_block5_project_bn_centered)
+        d_block5_project_bn_batch_mean = mem.tensor(523, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block5_project_bn_centered, d_block5_project_bn_add_2, block5_project_bn_inv_std, block5_project_bn_weight, d_block5_project_bn_sum_of_squares, block5_project_bn_centered),
+                      (ew_neg, d_block5_project_bn_batch_mean, d_block5_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # free d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
         del d_block5_project_bn_inv_std, d_block5_project_bn_sum_of_squares
         mem.free(522)
@@ -6978,9 +7161,6 @@ class MobilenetV2(rp.Model):
         # free block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
         del block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
         mem.free(76)
-        # d_block5_project_bn_batch_mean = sum_to[1x32x1x1](-d_block5_project_bn_centered)
-        d_block5_project_bn_batch_mean = mem.tensor(523, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block5_project_bn_batch_mean, d_block5_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block5_project_bn_sum = d_block5_project_bn_batch_mean/25088
         d_block5_project_bn_sum = d_block5_project_bn_batch_mean  # in place: over d_block5_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_project_bn_sum, d_block5_project_bn_batch_mean)
@@ -7032,9 +7212,15 @@ class MobilenetV2(rp.Model):
         mem.free(73)
 
         # ---- block5_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block5_dw_bn = d_block5_dw_bn_clipped_relu*Heaviside(block5_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block5_dw_bn_clipped_relu_2, 0)
+        # d_block5_dw_bn = d_block5_dw_bn_clipped_relu*Heaviside(block5_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block5_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block5_dw_bn = d_block5_dw_bn_clipped_relu  # in place: over d_block5_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block5_dw_bn, d_block5_dw_bn_clipped_relu, block5_dw_bn_clipped_relu_2)
+
+        # ---- block5_dw_bn (batch norm), backward ----
+        # d_block5_dw_bn_ew_sum = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered)
+        d_block5_dw_bn_ew_sum = mem.tensor(528, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block5_dw_bn, d_block5_dw_bn_clipped_relu, block5_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block5_dw_bn_ew_sum, d_block5_dw_bn, block5_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free block5_dw_bn_clipped_relu_2
         del block5_dw_bn_clipped_relu_2
         mem.free(525)
@@ -7045,9 +7231,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block5_project_W_new, T['block5_project_W'], lr, V_block5_project_W_new)
 
         # ---- block5_dw_bn (batch norm), backward ----
-        # d_block5_dw_bn_ew_sum = sum_to[1x192x1x1](d_block5_dw_bn*block5_dw_bn_centered)
-        d_block5_dw_bn_ew_sum = mem.tensor(528, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_dw_bn_ew_sum, d_block5_dw_bn, block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block5_dw_bn_inv_std = block5_dw_bn_weight*d_block5_dw_bn_ew_sum   (computed with the next statement)
         d_block5_dw_bn_inv_std = mem.tensor(529, (1, 192, 1, 1), 'float32')
         # d_block5_dw_bn_sum_of_squares = -d_block5_dw_bn_inv_std/(50176*(block5_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7057,14 +7240,18 @@ class MobilenetV2(rp.Model):
         # free block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         del block5_dw_bn_sum_of_squares, block5_dw_bn_batch_var, block5_dw_bn_batch_var_flat
         mem.free(70)
-        # d_block5_dw_bn_centered = d_block5_dw_bn*block5_dw_bn_inv_std*block5_dw_bn_weight + 2*d_block5_dw_bn_sum_of_squares*block5_dw_bn_centered
+        # d_block5_dw_bn_centered = d_block5_dw_bn*block5_dw_bn_inv_std*block5_dw_bn_weight + 2*d_block5_dw_bn_sum_of_squares*block5_dw_bn_centered   (computed with the next statement)
         d_block5_dw_bn_centered = block5_dw_bn_centered  # in place: over block5_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block5_dw_bn_centered, d_block5_dw_bn, block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_sum_of_squares, block5_dw_bn_centered)
+        # d_block5_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block5_dw_bn_centered)
+        d_block5_dw_bn_batch_mean = mem.tensor(530, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block5_dw_bn_centered, d_block5_dw_bn, block5_dw_bn_inv_std, block5_dw_bn_weight, d_block5_dw_bn_sum_of_squares, block5_dw_bn_centered),
+                      (ew_neg, d_block5_dw_bn_batch_mean, d_block5_dw_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
         del d_block5_dw_bn_inv_std, d_block5_dw_bn_sum_of_squares
         mem.free(529)
         # d_block5_dw_bn_bias = sum_to[1x192x1x1](d_block5_dw_bn)
-        d_block5_dw_bn_bias = mem.tensor(530, (1, 192, 1, 1), 'float32')
+        d_block5_dw_bn_bias = mem.tensor(531, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block5_dw_bn, out=d_block5_dw_bn_bias, shape=(1, 192, 1, 1))
         # free d_block5_dw_bn_clipped_relu, d_block5_dw_bn
         del d_block5_dw_bn_clipped_relu, d_block5_dw_bn
@@ -7096,10 +7283,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block5_dw_bn_B_new, T['block5_dw_bn_B'], lr, V_block5_dw_bn_B_new))
         # free d_block5_dw_bn_bias, d_block5_dw_bn_B
         del d_block5_dw_bn_bias, d_block5_dw_bn_B
-        mem.free(530)
-        # d_block5_dw_bn_batch_mean = sum_to[1x192x1x1](-d_block5_dw_bn_centered)
-        d_block5_dw_bn_batch_mean = mem.tensor(531, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block5_dw_bn_batch_mean, d_block5_dw_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        mem.free(531)
         # d_block5_dw_bn_sum = d_block5_dw_bn_batch_mean/25088
         d_block5_dw_bn_sum = d_block5_dw_bn_batch_mean  # in place: over d_block5_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_dw_bn_sum, d_block5_dw_bn_batch_mean)
@@ -7110,7 +7294,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block5_dw, d_block5_dw_bn_centered, d_block5_dw_bn_sum)
         # free d_block5_dw_bn_batch_mean, d_block5_dw_bn_sum
         del d_block5_dw_bn_batch_mean, d_block5_dw_bn_sum
-        mem.free(531)
+        mem.free(530)
 
         # ---- block5_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block5_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block5_expand_bn_centered*block5_expand_bn_inv_std*block5_expand_bn_weight + block5_expand_bn_bias))
@@ -7135,9 +7319,15 @@ class MobilenetV2(rp.Model):
         mem.free(68)
 
         # ---- block5_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block5_expand_bn = d_block5_expand_bn_clipped_relu*Heaviside(block5_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block5_expand_bn_clipped_relu_2, 0)
+        # d_block5_expand_bn = d_block5_expand_bn_clipped_relu*Heaviside(block5_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block5_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block5_expand_bn = d_block5_expand_bn_clipped_relu  # in place: over d_block5_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block5_expand_bn, d_block5_expand_bn_clipped_relu, block5_expand_bn_clipped_relu_2)
+
+        # ---- block5_expand_bn (batch norm), backward ----
+        # d_block5_expand_bn_ew_sum = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered)
+        d_block5_expand_bn_ew_sum = mem.tensor(535, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block5_expand_bn, d_block5_expand_bn_clipped_relu, block5_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block5_expand_bn_ew_sum, d_block5_expand_bn, block5_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free block5_expand_bn_clipped_relu_2
         del block5_expand_bn_clipped_relu_2
         mem.free(532)
@@ -7148,9 +7338,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block5_dw_W_new, T['block5_dw_W'], lr, V_block5_dw_W_new)
 
         # ---- block5_expand_bn (batch norm), backward ----
-        # d_block5_expand_bn_ew_sum = sum_to[1x192x1x1](d_block5_expand_bn*block5_expand_bn_centered)
-        d_block5_expand_bn_ew_sum = mem.tensor(535, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block5_expand_bn_ew_sum, d_block5_expand_bn, block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # d_block5_expand_bn_inv_std = block5_expand_bn_weight*d_block5_expand_bn_ew_sum   (computed with the next statement)
         d_block5_expand_bn_inv_std = mem.tensor(536, (1, 192, 1, 1), 'float32')
         # d_block5_expand_bn_sum_of_squares = -d_block5_expand_bn_inv_std/(50176*(block5_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7160,14 +7347,18 @@ class MobilenetV2(rp.Model):
         # free block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         del block5_expand_bn_sum_of_squares, block5_expand_bn_batch_var, block5_expand_bn_batch_var_flat
         mem.free(65)
-        # d_block5_expand_bn_centered = d_block5_expand_bn*block5_expand_bn_inv_std*block5_expand_bn_weight + 2*d_block5_expand_bn_sum_of_squares*block5_expand_bn_centered
+        # d_block5_expand_bn_centered = d_block5_expand_bn*block5_expand_bn_inv_std*block5_expand_bn_weight + 2*d_block5_expand_bn_sum_of_squares*block5_expand_bn_centered   (computed with the next statement)
         d_block5_expand_bn_centered = block5_expand_bn_centered  # in place: over block5_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block5_expand_bn_centered, d_block5_expand_bn, block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_sum_of_squares, block5_expand_bn_centered)
+        # d_block5_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block5_expand_bn_centered)
+        d_block5_expand_bn_batch_mean = mem.tensor(537, (1, 192, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block5_expand_bn_centered, d_block5_expand_bn, block5_expand_bn_inv_std, block5_expand_bn_weight, d_block5_expand_bn_sum_of_squares, block5_expand_bn_centered),
+                      (ew_neg, d_block5_expand_bn_batch_mean, d_block5_expand_bn_centered),
+                      shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
         # free d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
         del d_block5_expand_bn_inv_std, d_block5_expand_bn_sum_of_squares
         mem.free(536)
         # d_block5_expand_bn_bias = sum_to[1x192x1x1](d_block5_expand_bn)
-        d_block5_expand_bn_bias = mem.tensor(537, (1, 192, 1, 1), 'float32')
+        d_block5_expand_bn_bias = mem.tensor(538, (1, 192, 1, 1), 'float32')
         rt.sum_to(d_block5_expand_bn, out=d_block5_expand_bn_bias, shape=(1, 192, 1, 1))
         # free d_block5_expand_bn_clipped_relu, d_block5_expand_bn
         del d_block5_expand_bn_clipped_relu, d_block5_expand_bn
@@ -7199,10 +7390,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block5_expand_bn_B_new, T['block5_expand_bn_B'], lr, V_block5_expand_bn_B_new))
         # free d_block5_expand_bn_bias, d_block5_expand_bn_B
         del d_block5_expand_bn_bias, d_block5_expand_bn_B
-        mem.free(537)
-        # d_block5_expand_bn_batch_mean = sum_to[1x192x1x1](-d_block5_expand_bn_centered)
-        d_block5_expand_bn_batch_mean = mem.tensor(538, (1, 192, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block5_expand_bn_batch_mean, d_block5_expand_bn_centered, shape=(1, 192, 1, 1), workspace=mem.workspace(6624000))
+        mem.free(538)
         # d_block5_expand_bn_sum = d_block5_expand_bn_batch_mean/25088
         d_block5_expand_bn_sum = d_block5_expand_bn_batch_mean  # in place: over d_block5_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_expand_bn_sum, d_block5_expand_bn_batch_mean)
@@ -7213,7 +7401,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block5_expand, d_block5_expand_bn_centered, d_block5_expand_bn_sum)
         # free d_block5_expand_bn_batch_mean, d_block5_expand_bn_sum
         del d_block5_expand_bn_batch_mean, d_block5_expand_bn_sum
-        mem.free(538)
+        mem.free(537)
 
         # ---- block4_project_bn (batch norm), forward ----
         # block4_project_bn_2 = block4_project_bn_centered*block4_project_bn_inv_std*block4_project_bn_weight + block4_project_bn_bias
@@ -7235,9 +7423,13 @@ class MobilenetV2(rp.Model):
         mem.free(63)
 
         # ---- block4_project_bn (batch norm), backward ----
-        # d_block4_project_bn_2 = d_block5_project_bn_add_2 + d_block4_project_bn
+        # d_block4_project_bn_2 = d_block5_project_bn_add_2 + d_block4_project_bn   (computed with the next statement)
         d_block4_project_bn_2 = d_block5_project_bn_add_2  # in place: over d_block5_project_bn_add_2
-        rt.ew(ew_add, d_block4_project_bn_2, d_block5_project_bn_add_2, d_block4_project_bn)
+        # d_block4_project_bn_ew_sum = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered)
+        d_block4_project_bn_ew_sum = mem.tensor(542, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block4_project_bn_2, d_block5_project_bn_add_2, d_block4_project_bn),
+                      (ew_mul_2, d_block4_project_bn_ew_sum, d_block4_project_bn_2, block4_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # free d_block4_project_bn
         del d_block4_project_bn
         mem.free(541)
@@ -7254,9 +7446,6 @@ class MobilenetV2(rp.Model):
         mem.free(540)
 
         # ---- block4_project_bn (batch norm), backward ----
-        # d_block4_project_bn_ew_sum = sum_to[1x32x1x1](d_block4_project_bn_2*block4_project_bn_centered)
-        d_block4_project_bn_ew_sum = mem.tensor(542, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_project_bn_ew_sum, d_block4_project_bn_2, block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # d_block4_project_bn_inv_std = block4_project_bn_weight*d_block4_project_bn_ew_sum   (computed with the next statement)
         d_block4_project_bn_inv_std = mem.tensor(543, (1, 32, 1, 1), 'float32')
         # d_block4_project_bn_sum_of_squares = -d_block4_project_bn_inv_std/(50176*(block4_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -7266,14 +7455,18 @@ class MobilenetV2(rp.Model):
         # free block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         del block4_project_bn_sum_of_squares, block4_project_bn_batch_var, block4_project_bn_batch_var_flat
         mem.free(60)
-        # d_block4_project_bn_centered = d_block4_project_bn_2*block4_project_bn_inv_std*block4_project_bn_weight + 2*d_block4_project_bn_sum_of_squares*block4_project_bn_centered
+        # d_block4_project_bn_centered = d_block4_project_bn_2*block4_project_bn_inv_std*block4_project_bn_weight + 2*d_block4_project_bn_sum_of_squares*block4_project_bn_centered   (computed with the next statement)
         d_block4_project_bn_centered = block4_project_bn_centered  # in place: over block4_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block4_project_bn_centered, d_block4_project_bn_2, block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_sum_of_squares, block4_project_bn_centered)
+        # d_block4_project_bn_batch_mean = sum_to[1x32x1x1](-d_block4_project_bn_centered)
+        d_block4_project_bn_batch_mean = mem.tensor(544, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block4_project_bn_centered, d_block4_project_bn_2, block4_project_bn_inv_std, block4_project_bn_weight, d_block4_project_bn_sum_of_squares, block4_project_bn_centered),
+                      (ew_neg, d_block4_project_bn_batch_mean, d_block4_project_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
         # free d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
         del d_block4_project_bn_inv_std, d_block4_project_bn_sum_of_squares
         mem.free(543)
         # d_block4_project_bn_bias = sum_to[1x32x1x1](d_block4_project_bn_2)
-        d_block4_project_bn_bias = mem.tensor(544, (1, 32, 1, 1), 'float32')
+        d_block4_project_bn_bias = mem.tensor(545, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_block4_project_bn_2, out=d_block4_project_bn_bias, shape=(1, 32, 1, 1))
         # free d_block6_project_bn_add, d_block5_project_bn_add_2, d_block4_project_bn_2
         del d_block6_project_bn_add, d_block5_project_bn_add_2, d_block4_project_bn_2
@@ -7305,10 +7498,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block4_project_bn_B_new, T['block4_project_bn_B'], lr, V_block4_project_bn_B_new))
         # free d_block4_project_bn_bias, d_block4_project_bn_B
         del d_block4_project_bn_bias, d_block4_project_bn_B
-        mem.free(544)
-        # d_block4_project_bn_batch_mean = sum_to[1x32x1x1](-d_block4_project_bn_centered)
-        d_block4_project_bn_batch_mean = mem.tensor(545, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block4_project_bn_batch_mean, d_block4_project_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(545)
         # d_block4_project_bn_sum = d_block4_project_bn_batch_mean/25088
         d_block4_project_bn_sum = d_block4_project_bn_batch_mean  # in place: over d_block4_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block4_project_bn_sum, d_block4_project_bn_batch_mean)
@@ -7319,7 +7509,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block4_project, d_block4_project_bn_centered, d_block4_project_bn_sum)
         # free d_block4_project_bn_batch_mean, d_block4_project_bn_sum
         del d_block4_project_bn_batch_mean, d_block4_project_bn_sum
-        mem.free(545)
+        mem.free(544)
 
         # ---- block4_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block4_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block4_dw_bn_centered*block4_dw_bn_inv_std*block4_dw_bn_weight + block4_dw_bn_bias))
@@ -7344,9 +7534,15 @@ class MobilenetV2(rp.Model):
         mem.free(58)
 
         # ---- block4_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block4_dw_bn = d_block4_dw_bn_clipped_relu*Heaviside(block4_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block4_dw_bn_clipped_relu_2, 0)
+        # d_block4_dw_bn = d_block4_dw_bn_clipped_relu*Heaviside(block4_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block4_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block4_dw_bn = d_block4_dw_bn_clipped_relu  # in place: over d_block4_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block4_dw_bn, d_block4_dw_bn_clipped_relu, block4_dw_bn_clipped_relu_2)
+
+        # ---- block4_dw_bn (batch norm), backward ----
+        # d_block4_dw_bn_ew_sum = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered)
+        d_block4_dw_bn_ew_sum = mem.tensor(549, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block4_dw_bn, d_block4_dw_bn_clipped_relu, block4_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block4_dw_bn_ew_sum, d_block4_dw_bn, block4_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free block4_dw_bn_clipped_relu_2
         del block4_dw_bn_clipped_relu_2
         mem.free(546)
@@ -7357,9 +7553,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block4_project_W_new, T['block4_project_W'], lr, V_block4_project_W_new)
 
         # ---- block4_dw_bn (batch norm), backward ----
-        # d_block4_dw_bn_ew_sum = sum_to[1x144x1x1](d_block4_dw_bn*block4_dw_bn_centered)
-        d_block4_dw_bn_ew_sum = mem.tensor(549, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_dw_bn_ew_sum, d_block4_dw_bn, block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block4_dw_bn_inv_std = block4_dw_bn_weight*d_block4_dw_bn_ew_sum   (computed with the next statement)
         d_block4_dw_bn_inv_std = mem.tensor(550, (1, 144, 1, 1), 'float32')
         # d_block4_dw_bn_sum_of_squares = -d_block4_dw_bn_inv_std/(50176*(block4_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7369,14 +7562,18 @@ class MobilenetV2(rp.Model):
         # free block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         del block4_dw_bn_sum_of_squares, block4_dw_bn_batch_var, block4_dw_bn_batch_var_flat
         mem.free(55)
-        # d_block4_dw_bn_centered = d_block4_dw_bn*block4_dw_bn_inv_std*block4_dw_bn_weight + 2*d_block4_dw_bn_sum_of_squares*block4_dw_bn_centered
+        # d_block4_dw_bn_centered = d_block4_dw_bn*block4_dw_bn_inv_std*block4_dw_bn_weight + 2*d_block4_dw_bn_sum_of_squares*block4_dw_bn_centered   (computed with the next statement)
         d_block4_dw_bn_centered = block4_dw_bn_centered  # in place: over block4_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block4_dw_bn_centered, d_block4_dw_bn, block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_sum_of_squares, block4_dw_bn_centered)
+        # d_block4_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block4_dw_bn_centered)
+        d_block4_dw_bn_batch_mean = mem.tensor(551, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block4_dw_bn_centered, d_block4_dw_bn, block4_dw_bn_inv_std, block4_dw_bn_weight, d_block4_dw_bn_sum_of_squares, block4_dw_bn_centered),
+                      (ew_neg, d_block4_dw_bn_batch_mean, d_block4_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
         del d_block4_dw_bn_inv_std, d_block4_dw_bn_sum_of_squares
         mem.free(550)
         # d_block4_dw_bn_bias = sum_to[1x144x1x1](d_block4_dw_bn)
-        d_block4_dw_bn_bias = mem.tensor(551, (1, 144, 1, 1), 'float32')
+        d_block4_dw_bn_bias = mem.tensor(552, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block4_dw_bn, out=d_block4_dw_bn_bias, shape=(1, 144, 1, 1))
         # free d_block4_dw_bn_clipped_relu, d_block4_dw_bn
         del d_block4_dw_bn_clipped_relu, d_block4_dw_bn
@@ -7408,10 +7605,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block4_dw_bn_B_new, T['block4_dw_bn_B'], lr, V_block4_dw_bn_B_new))
         # free d_block4_dw_bn_bias, d_block4_dw_bn_B
         del d_block4_dw_bn_bias, d_block4_dw_bn_B
-        mem.free(551)
-        # d_block4_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block4_dw_bn_centered)
-        d_block4_dw_bn_batch_mean = mem.tensor(552, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block4_dw_bn_batch_mean, d_block4_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        mem.free(552)
         # d_block4_dw_bn_sum = d_block4_dw_bn_batch_mean/25088
         d_block4_dw_bn_sum = d_block4_dw_bn_batch_mean  # in place: over d_block4_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block4_dw_bn_sum, d_block4_dw_bn_batch_mean)
@@ -7422,7 +7616,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block4_dw, d_block4_dw_bn_centered, d_block4_dw_bn_sum)
         # free d_block4_dw_bn_batch_mean, d_block4_dw_bn_sum
         del d_block4_dw_bn_batch_mean, d_block4_dw_bn_sum
-        mem.free(552)
+        mem.free(551)
 
         # ---- block4_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block4_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block4_expand_bn_centered*block4_expand_bn_inv_std*block4_expand_bn_weight + block4_expand_bn_bias))
@@ -7447,9 +7641,15 @@ class MobilenetV2(rp.Model):
         mem.free(53)
 
         # ---- block4_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block4_expand_bn = d_block4_expand_bn_clipped_relu*Heaviside(block4_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block4_expand_bn_clipped_relu_2, 0)
+        # d_block4_expand_bn = d_block4_expand_bn_clipped_relu*Heaviside(block4_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block4_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block4_expand_bn = d_block4_expand_bn_clipped_relu  # in place: over d_block4_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block4_expand_bn, d_block4_expand_bn_clipped_relu, block4_expand_bn_clipped_relu_2)
+
+        # ---- block4_expand_bn (batch norm), backward ----
+        # d_block4_expand_bn_ew_sum = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered)
+        d_block4_expand_bn_ew_sum = mem.tensor(556, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block4_expand_bn, d_block4_expand_bn_clipped_relu, block4_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block4_expand_bn_ew_sum, d_block4_expand_bn, block4_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free block4_expand_bn_clipped_relu_2
         del block4_expand_bn_clipped_relu_2
         mem.free(553)
@@ -7460,9 +7660,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block4_dw_W_new, T['block4_dw_W'], lr, V_block4_dw_W_new)
 
         # ---- block4_expand_bn (batch norm), backward ----
-        # d_block4_expand_bn_ew_sum = sum_to[1x144x1x1](d_block4_expand_bn*block4_expand_bn_centered)
-        d_block4_expand_bn_ew_sum = mem.tensor(556, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block4_expand_bn_ew_sum, d_block4_expand_bn, block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block4_expand_bn_inv_std = block4_expand_bn_weight*d_block4_expand_bn_ew_sum   (computed with the next statement)
         d_block4_expand_bn_inv_std = mem.tensor(557, (1, 144, 1, 1), 'float32')
         # d_block4_expand_bn_sum_of_squares = -d_block4_expand_bn_inv_std/(200704*(block4_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7472,14 +7669,18 @@ class MobilenetV2(rp.Model):
         # free block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         del block4_expand_bn_sum_of_squares, block4_expand_bn_batch_var, block4_expand_bn_batch_var_flat
         mem.free(50)
-        # d_block4_expand_bn_centered = d_block4_expand_bn*block4_expand_bn_inv_std*block4_expand_bn_weight + 2*d_block4_expand_bn_sum_of_squares*block4_expand_bn_centered
+        # d_block4_expand_bn_centered = d_block4_expand_bn*block4_expand_bn_inv_std*block4_expand_bn_weight + 2*d_block4_expand_bn_sum_of_squares*block4_expand_bn_centered   (computed with the next statement)
         d_block4_expand_bn_centered = block4_expand_bn_centered  # in place: over block4_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block4_expand_bn_centered, d_block4_expand_bn, block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_sum_of_squares, block4_expand_bn_centered)
+        # d_block4_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block4_expand_bn_centered)
+        d_block4_expand_bn_batch_mean = mem.tensor(558, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block4_expand_bn_centered, d_block4_expand_bn, block4_expand_bn_inv_std, block4_expand_bn_weight, d_block4_expand_bn_sum_of_squares, block4_expand_bn_centered),
+                      (ew_neg, d_block4_expand_bn_batch_mean, d_block4_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
         del d_block4_expand_bn_inv_std, d_block4_expand_bn_sum_of_squares
         mem.free(557)
         # d_block4_expand_bn_bias = sum_to[1x144x1x1](d_block4_expand_bn)
-        d_block4_expand_bn_bias = mem.tensor(558, (1, 144, 1, 1), 'float32')
+        d_block4_expand_bn_bias = mem.tensor(559, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block4_expand_bn, out=d_block4_expand_bn_bias, shape=(1, 144, 1, 1))
         # free d_block4_expand_bn_clipped_relu, d_block4_expand_bn
         del d_block4_expand_bn_clipped_relu, d_block4_expand_bn
@@ -7511,10 +7712,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block4_expand_bn_B_new, T['block4_expand_bn_B'], lr, V_block4_expand_bn_B_new))
         # free d_block4_expand_bn_bias, d_block4_expand_bn_B
         del d_block4_expand_bn_bias, d_block4_expand_bn_B
-        mem.free(558)
-        # d_block4_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block4_expand_bn_centered)
-        d_block4_expand_bn_batch_mean = mem.tensor(559, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block4_expand_bn_batch_mean, d_block4_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        mem.free(559)
         # d_block4_expand_bn_sum = d_block4_expand_bn_batch_mean/100352
         d_block4_expand_bn_sum = d_block4_expand_bn_batch_mean  # in place: over d_block4_expand_bn_batch_mean
         rt.ew(ew_scale_2, d_block4_expand_bn_sum, d_block4_expand_bn_batch_mean)
@@ -7525,7 +7723,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block4_expand, d_block4_expand_bn_centered, d_block4_expand_bn_sum)
         # free d_block4_expand_bn_batch_mean, d_block4_expand_bn_sum
         del d_block4_expand_bn_batch_mean, d_block4_expand_bn_sum
-        mem.free(559)
+        mem.free(558)
         # d_block4_expand_W = conv2d_bwd_filter[kernel=(1,1)](d_block4_expand, block3_project_bn_add)
         d_block4_expand_W = mem.tensor(560, (144, 24, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block4_expand, block3_project_bn_add, out=d_block4_expand_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(23195136))
@@ -7561,9 +7759,13 @@ class MobilenetV2(rp.Model):
         # free block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         del block3_project_bn_sum_of_squares, block3_project_bn_batch_var, block3_project_bn_batch_var_flat
         mem.free(46)
-        # d_block3_project_bn_centered = d_block3_project_bn_add*block3_project_bn_inv_std*block3_project_bn_weight + 2*d_block3_project_bn_sum_of_squares*block3_project_bn_centered
+        # d_block3_project_bn_centered = d_block3_project_bn_add*block3_project_bn_inv_std*block3_project_bn_weight + 2*d_block3_project_bn_sum_of_squares*block3_project_bn_centered   (computed with the next statement)
         d_block3_project_bn_centered = block3_project_bn_centered  # in place: over block3_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block3_project_bn_centered, d_block3_project_bn_add, block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_sum_of_squares, block3_project_bn_centered)
+        # d_block3_project_bn_batch_mean = sum_to[1x24x1x1](-d_block3_project_bn_centered)
+        d_block3_project_bn_batch_mean = mem.tensor(564, (1, 24, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block3_project_bn_centered, d_block3_project_bn_add, block3_project_bn_inv_std, block3_project_bn_weight, d_block3_project_bn_sum_of_squares, block3_project_bn_centered),
+                      (ew_neg, d_block3_project_bn_batch_mean, d_block3_project_bn_centered),
+                      shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # free d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
         del d_block3_project_bn_inv_std, d_block3_project_bn_sum_of_squares
         mem.free(563)
@@ -7584,9 +7786,6 @@ class MobilenetV2(rp.Model):
         # free block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
         del block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
         mem.free(47)
-        # d_block3_project_bn_batch_mean = sum_to[1x24x1x1](-d_block3_project_bn_centered)
-        d_block3_project_bn_batch_mean = mem.tensor(564, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block3_project_bn_batch_mean, d_block3_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # d_block3_project_bn_sum = d_block3_project_bn_batch_mean/100352
         d_block3_project_bn_sum = d_block3_project_bn_batch_mean  # in place: over d_block3_project_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_project_bn_sum, d_block3_project_bn_batch_mean)
@@ -7638,9 +7837,15 @@ class MobilenetV2(rp.Model):
         mem.free(44)
 
         # ---- block3_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block3_dw_bn = d_block3_dw_bn_clipped_relu*Heaviside(block3_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block3_dw_bn_clipped_relu_2, 0)
+        # d_block3_dw_bn = d_block3_dw_bn_clipped_relu*Heaviside(block3_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block3_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block3_dw_bn = d_block3_dw_bn_clipped_relu  # in place: over d_block3_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block3_dw_bn, d_block3_dw_bn_clipped_relu, block3_dw_bn_clipped_relu_2)
+
+        # ---- block3_dw_bn (batch norm), backward ----
+        # d_block3_dw_bn_ew_sum = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered)
+        d_block3_dw_bn_ew_sum = mem.tensor(569, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block3_dw_bn, d_block3_dw_bn_clipped_relu, block3_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block3_dw_bn_ew_sum, d_block3_dw_bn, block3_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free block3_dw_bn_clipped_relu_2
         del block3_dw_bn_clipped_relu_2
         mem.free(566)
@@ -7651,9 +7856,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block3_project_W_new, T['block3_project_W'], lr, V_block3_project_W_new)
 
         # ---- block3_dw_bn (batch norm), backward ----
-        # d_block3_dw_bn_ew_sum = sum_to[1x144x1x1](d_block3_dw_bn*block3_dw_bn_centered)
-        d_block3_dw_bn_ew_sum = mem.tensor(569, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_dw_bn_ew_sum, d_block3_dw_bn, block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block3_dw_bn_inv_std = block3_dw_bn_weight*d_block3_dw_bn_ew_sum   (computed with the next statement)
         d_block3_dw_bn_inv_std = mem.tensor(570, (1, 144, 1, 1), 'float32')
         # d_block3_dw_bn_sum_of_squares = -d_block3_dw_bn_inv_std/(200704*(block3_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7663,14 +7865,18 @@ class MobilenetV2(rp.Model):
         # free block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         del block3_dw_bn_sum_of_squares, block3_dw_bn_batch_var, block3_dw_bn_batch_var_flat
         mem.free(41)
-        # d_block3_dw_bn_centered = d_block3_dw_bn*block3_dw_bn_inv_std*block3_dw_bn_weight + 2*d_block3_dw_bn_sum_of_squares*block3_dw_bn_centered
+        # d_block3_dw_bn_centered = d_block3_dw_bn*block3_dw_bn_inv_std*block3_dw_bn_weight + 2*d_block3_dw_bn_sum_of_squares*block3_dw_bn_centered   (computed with the next statement)
         d_block3_dw_bn_centered = block3_dw_bn_centered  # in place: over block3_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block3_dw_bn_centered, d_block3_dw_bn, block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_sum_of_squares, block3_dw_bn_centered)
+        # d_block3_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block3_dw_bn_centered)
+        d_block3_dw_bn_batch_mean = mem.tensor(571, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block3_dw_bn_centered, d_block3_dw_bn, block3_dw_bn_inv_std, block3_dw_bn_weight, d_block3_dw_bn_sum_of_squares, block3_dw_bn_centered),
+                      (ew_neg, d_block3_dw_bn_batch_mean, d_block3_dw_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
         del d_block3_dw_bn_inv_std, d_block3_dw_bn_sum_of_squares
         mem.free(570)
         # d_block3_dw_bn_bias = sum_to[1x144x1x1](d_block3_dw_bn)
-        d_block3_dw_bn_bias = mem.tensor(571, (1, 144, 1, 1), 'float32')
+        d_block3_dw_bn_bias = mem.tensor(572, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block3_dw_bn, out=d_block3_dw_bn_bias, shape=(1, 144, 1, 1))
         # free d_block3_dw_bn_clipped_relu, d_block3_dw_bn
         del d_block3_dw_bn_clipped_relu, d_block3_dw_bn
@@ -7702,10 +7908,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block3_dw_bn_B_new, T['block3_dw_bn_B'], lr, V_block3_dw_bn_B_new))
         # free d_block3_dw_bn_bias, d_block3_dw_bn_B
         del d_block3_dw_bn_bias, d_block3_dw_bn_B
-        mem.free(571)
-        # d_block3_dw_bn_batch_mean = sum_to[1x144x1x1](-d_block3_dw_bn_centered)
-        d_block3_dw_bn_batch_mean = mem.tensor(572, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block3_dw_bn_batch_mean, d_block3_dw_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        mem.free(572)
         # d_block3_dw_bn_sum = d_block3_dw_bn_batch_mean/100352
         d_block3_dw_bn_sum = d_block3_dw_bn_batch_mean  # in place: over d_block3_dw_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_dw_bn_sum, d_block3_dw_bn_batch_mean)
@@ -7716,7 +7919,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block3_dw, d_block3_dw_bn_centered, d_block3_dw_bn_sum)
         # free d_block3_dw_bn_batch_mean, d_block3_dw_bn_sum
         del d_block3_dw_bn_batch_mean, d_block3_dw_bn_sum
-        mem.free(572)
+        mem.free(571)
 
         # ---- block3_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block3_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block3_expand_bn_centered*block3_expand_bn_inv_std*block3_expand_bn_weight + block3_expand_bn_bias))
@@ -7741,9 +7944,15 @@ class MobilenetV2(rp.Model):
         mem.free(39)
 
         # ---- block3_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block3_expand_bn = d_block3_expand_bn_clipped_relu*Heaviside(block3_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block3_expand_bn_clipped_relu_2, 0)
+        # d_block3_expand_bn = d_block3_expand_bn_clipped_relu*Heaviside(block3_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block3_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block3_expand_bn = d_block3_expand_bn_clipped_relu  # in place: over d_block3_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block3_expand_bn, d_block3_expand_bn_clipped_relu, block3_expand_bn_clipped_relu_2)
+
+        # ---- block3_expand_bn (batch norm), backward ----
+        # d_block3_expand_bn_ew_sum = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered)
+        d_block3_expand_bn_ew_sum = mem.tensor(576, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block3_expand_bn, d_block3_expand_bn_clipped_relu, block3_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block3_expand_bn_ew_sum, d_block3_expand_bn, block3_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free block3_expand_bn_clipped_relu_2
         del block3_expand_bn_clipped_relu_2
         mem.free(573)
@@ -7754,9 +7963,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block3_dw_W_new, T['block3_dw_W'], lr, V_block3_dw_W_new)
 
         # ---- block3_expand_bn (batch norm), backward ----
-        # d_block3_expand_bn_ew_sum = sum_to[1x144x1x1](d_block3_expand_bn*block3_expand_bn_centered)
-        d_block3_expand_bn_ew_sum = mem.tensor(576, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block3_expand_bn_ew_sum, d_block3_expand_bn, block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # d_block3_expand_bn_inv_std = block3_expand_bn_weight*d_block3_expand_bn_ew_sum   (computed with the next statement)
         d_block3_expand_bn_inv_std = mem.tensor(577, (1, 144, 1, 1), 'float32')
         # d_block3_expand_bn_sum_of_squares = -d_block3_expand_bn_inv_std/(200704*(block3_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7766,14 +7972,18 @@ class MobilenetV2(rp.Model):
         # free block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         del block3_expand_bn_sum_of_squares, block3_expand_bn_batch_var, block3_expand_bn_batch_var_flat
         mem.free(36)
-        # d_block3_expand_bn_centered = d_block3_expand_bn*block3_expand_bn_inv_std*block3_expand_bn_weight + 2*d_block3_expand_bn_sum_of_squares*block3_expand_bn_centered
+        # d_block3_expand_bn_centered = d_block3_expand_bn*block3_expand_bn_inv_std*block3_expand_bn_weight + 2*d_block3_expand_bn_sum_of_squares*block3_expand_bn_centered   (computed with the next statement)
         d_block3_expand_bn_centered = block3_expand_bn_centered  # in place: over block3_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block3_expand_bn_centered, d_block3_expand_bn, block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_sum_of_squares, block3_expand_bn_centered)
+        # d_block3_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block3_expand_bn_centered)
+        d_block3_expand_bn_batch_mean = mem.tensor(578, (1, 144, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block3_expand_bn_centered, d_block3_expand_bn, block3_expand_bn_inv_std, block3_expand_bn_weight, d_block3_expand_bn_sum_of_squares, block3_expand_bn_centered),
+                      (ew_neg, d_block3_expand_bn_batch_mean, d_block3_expand_bn_centered),
+                      shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
         # free d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
         del d_block3_expand_bn_inv_std, d_block3_expand_bn_sum_of_squares
         mem.free(577)
         # d_block3_expand_bn_bias = sum_to[1x144x1x1](d_block3_expand_bn)
-        d_block3_expand_bn_bias = mem.tensor(578, (1, 144, 1, 1), 'float32')
+        d_block3_expand_bn_bias = mem.tensor(579, (1, 144, 1, 1), 'float32')
         rt.sum_to(d_block3_expand_bn, out=d_block3_expand_bn_bias, shape=(1, 144, 1, 1))
         # free d_block3_expand_bn_clipped_relu, d_block3_expand_bn
         del d_block3_expand_bn_clipped_relu, d_block3_expand_bn
@@ -7805,10 +8015,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block3_expand_bn_B_new, T['block3_expand_bn_B'], lr, V_block3_expand_bn_B_new))
         # free d_block3_expand_bn_bias, d_block3_expand_bn_B
         del d_block3_expand_bn_bias, d_block3_expand_bn_B
-        mem.free(578)
-        # d_block3_expand_bn_batch_mean = sum_to[1x144x1x1](-d_block3_expand_bn_centered)
-        d_block3_expand_bn_batch_mean = mem.tensor(579, (1, 144, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block3_expand_bn_batch_mean, d_block3_expand_bn_centered, shape=(1, 144, 1, 1), workspace=mem.workspace(7225920))
+        mem.free(579)
         # d_block3_expand_bn_sum = d_block3_expand_bn_batch_mean/100352
         d_block3_expand_bn_sum = d_block3_expand_bn_batch_mean  # in place: over d_block3_expand_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_expand_bn_sum, d_block3_expand_bn_batch_mean)
@@ -7819,7 +8026,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block3_expand, d_block3_expand_bn_centered, d_block3_expand_bn_sum)
         # free d_block3_expand_bn_batch_mean, d_block3_expand_bn_sum
         del d_block3_expand_bn_batch_mean, d_block3_expand_bn_sum
-        mem.free(579)
+        mem.free(578)
 
         # ---- block2_project_bn (batch norm), forward ----
         # block2_project_bn_2 = block2_project_bn_centered*block2_project_bn_inv_std*block2_project_bn_weight + block2_project_bn_bias
@@ -7841,9 +8048,13 @@ class MobilenetV2(rp.Model):
         mem.free(34)
 
         # ---- block2_project_bn (batch norm), backward ----
-        # d_block2_project_bn_2 = d_block3_project_bn_add + d_block2_project_bn
+        # d_block2_project_bn_2 = d_block3_project_bn_add + d_block2_project_bn   (computed with the next statement)
         d_block2_project_bn_2 = d_block3_project_bn_add  # in place: over d_block3_project_bn_add
-        rt.ew(ew_add, d_block2_project_bn_2, d_block3_project_bn_add, d_block2_project_bn)
+        # d_block2_project_bn_ew_sum = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered)
+        d_block2_project_bn_ew_sum = mem.tensor(583, (1, 24, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add, d_block2_project_bn_2, d_block3_project_bn_add, d_block2_project_bn),
+                      (ew_mul_2, d_block2_project_bn_ew_sum, d_block2_project_bn_2, block2_project_bn_centered),
+                      shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # free d_block2_project_bn
         del d_block2_project_bn
         mem.free(582)
@@ -7860,9 +8071,6 @@ class MobilenetV2(rp.Model):
         mem.free(581)
 
         # ---- block2_project_bn (batch norm), backward ----
-        # d_block2_project_bn_ew_sum = sum_to[1x24x1x1](d_block2_project_bn_2*block2_project_bn_centered)
-        d_block2_project_bn_ew_sum = mem.tensor(583, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_project_bn_ew_sum, d_block2_project_bn_2, block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # d_block2_project_bn_inv_std = block2_project_bn_weight*d_block2_project_bn_ew_sum   (computed with the next statement)
         d_block2_project_bn_inv_std = mem.tensor(584, (1, 24, 1, 1), 'float32')
         # d_block2_project_bn_sum_of_squares = -d_block2_project_bn_inv_std/(200704*(block2_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -7872,14 +8080,18 @@ class MobilenetV2(rp.Model):
         # free block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         del block2_project_bn_sum_of_squares, block2_project_bn_batch_var, block2_project_bn_batch_var_flat
         mem.free(31)
-        # d_block2_project_bn_centered = d_block2_project_bn_2*block2_project_bn_inv_std*block2_project_bn_weight + 2*d_block2_project_bn_sum_of_squares*block2_project_bn_centered
+        # d_block2_project_bn_centered = d_block2_project_bn_2*block2_project_bn_inv_std*block2_project_bn_weight + 2*d_block2_project_bn_sum_of_squares*block2_project_bn_centered   (computed with the next statement)
         d_block2_project_bn_centered = block2_project_bn_centered  # in place: over block2_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block2_project_bn_centered, d_block2_project_bn_2, block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_sum_of_squares, block2_project_bn_centered)
+        # d_block2_project_bn_batch_mean = sum_to[1x24x1x1](-d_block2_project_bn_centered)
+        d_block2_project_bn_batch_mean = mem.tensor(585, (1, 24, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block2_project_bn_centered, d_block2_project_bn_2, block2_project_bn_inv_std, block2_project_bn_weight, d_block2_project_bn_sum_of_squares, block2_project_bn_centered),
+                      (ew_neg, d_block2_project_bn_batch_mean, d_block2_project_bn_centered),
+                      shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
         # free d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
         del d_block2_project_bn_inv_std, d_block2_project_bn_sum_of_squares
         mem.free(584)
         # d_block2_project_bn_bias = sum_to[1x24x1x1](d_block2_project_bn_2)
-        d_block2_project_bn_bias = mem.tensor(585, (1, 24, 1, 1), 'float32')
+        d_block2_project_bn_bias = mem.tensor(586, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_block2_project_bn_2, out=d_block2_project_bn_bias, shape=(1, 24, 1, 1))
         # free d_block3_project_bn_add, d_block2_project_bn_2
         del d_block3_project_bn_add, d_block2_project_bn_2
@@ -7911,10 +8123,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block2_project_bn_B_new, T['block2_project_bn_B'], lr, V_block2_project_bn_B_new))
         # free d_block2_project_bn_bias, d_block2_project_bn_B
         del d_block2_project_bn_bias, d_block2_project_bn_B
-        mem.free(585)
-        # d_block2_project_bn_batch_mean = sum_to[1x24x1x1](-d_block2_project_bn_centered)
-        d_block2_project_bn_batch_mean = mem.tensor(586, (1, 24, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_project_bn_batch_mean, d_block2_project_bn_centered, shape=(1, 24, 1, 1), workspace=mem.workspace(4816992))
+        mem.free(586)
         # d_block2_project_bn_sum = d_block2_project_bn_batch_mean/100352
         d_block2_project_bn_sum = d_block2_project_bn_batch_mean  # in place: over d_block2_project_bn_batch_mean
         rt.ew(ew_scale_2, d_block2_project_bn_sum, d_block2_project_bn_batch_mean)
@@ -7925,7 +8134,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block2_project, d_block2_project_bn_centered, d_block2_project_bn_sum)
         # free d_block2_project_bn_batch_mean, d_block2_project_bn_sum
         del d_block2_project_bn_batch_mean, d_block2_project_bn_sum
-        mem.free(586)
+        mem.free(585)
 
         # ---- block2_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block2_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block2_dw_bn_centered*block2_dw_bn_inv_std*block2_dw_bn_weight + block2_dw_bn_bias))
@@ -7950,9 +8159,15 @@ class MobilenetV2(rp.Model):
         mem.free(29)
 
         # ---- block2_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block2_dw_bn = d_block2_dw_bn_clipped_relu*Heaviside(block2_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block2_dw_bn_clipped_relu_2, 0)
+        # d_block2_dw_bn = d_block2_dw_bn_clipped_relu*Heaviside(block2_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block2_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block2_dw_bn = d_block2_dw_bn_clipped_relu  # in place: over d_block2_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block2_dw_bn, d_block2_dw_bn_clipped_relu, block2_dw_bn_clipped_relu_2)
+
+        # ---- block2_dw_bn (batch norm), backward ----
+        # d_block2_dw_bn_ew_sum = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered)
+        d_block2_dw_bn_ew_sum = mem.tensor(590, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block2_dw_bn, d_block2_dw_bn_clipped_relu, block2_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block2_dw_bn_ew_sum, d_block2_dw_bn, block2_dw_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # free block2_dw_bn_clipped_relu_2
         del block2_dw_bn_clipped_relu_2
         mem.free(587)
@@ -7963,9 +8178,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block2_project_W_new, T['block2_project_W'], lr, V_block2_project_W_new)
 
         # ---- block2_dw_bn (batch norm), backward ----
-        # d_block2_dw_bn_ew_sum = sum_to[1x96x1x1](d_block2_dw_bn*block2_dw_bn_centered)
-        d_block2_dw_bn_ew_sum = mem.tensor(590, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_dw_bn_ew_sum, d_block2_dw_bn, block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # d_block2_dw_bn_inv_std = block2_dw_bn_weight*d_block2_dw_bn_ew_sum   (computed with the next statement)
         d_block2_dw_bn_inv_std = mem.tensor(591, (1, 96, 1, 1), 'float32')
         # d_block2_dw_bn_sum_of_squares = -d_block2_dw_bn_inv_std/(200704*(block2_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7975,14 +8187,18 @@ class MobilenetV2(rp.Model):
         # free block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         del block2_dw_bn_sum_of_squares, block2_dw_bn_batch_var, block2_dw_bn_batch_var_flat
         mem.free(26)
-        # d_block2_dw_bn_centered = d_block2_dw_bn*block2_dw_bn_inv_std*block2_dw_bn_weight + 2*d_block2_dw_bn_sum_of_squares*block2_dw_bn_centered
+        # d_block2_dw_bn_centered = d_block2_dw_bn*block2_dw_bn_inv_std*block2_dw_bn_weight + 2*d_block2_dw_bn_sum_of_squares*block2_dw_bn_centered   (computed with the next statement)
         d_block2_dw_bn_centered = block2_dw_bn_centered  # in place: over block2_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block2_dw_bn_centered, d_block2_dw_bn, block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_sum_of_squares, block2_dw_bn_centered)
+        # d_block2_dw_bn_batch_mean = sum_to[1x96x1x1](-d_block2_dw_bn_centered)
+        d_block2_dw_bn_batch_mean = mem.tensor(592, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block2_dw_bn_centered, d_block2_dw_bn, block2_dw_bn_inv_std, block2_dw_bn_weight, d_block2_dw_bn_sum_of_squares, block2_dw_bn_centered),
+                      (ew_neg, d_block2_dw_bn_batch_mean, d_block2_dw_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
         # free d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
         del d_block2_dw_bn_inv_std, d_block2_dw_bn_sum_of_squares
         mem.free(591)
         # d_block2_dw_bn_bias = sum_to[1x96x1x1](d_block2_dw_bn)
-        d_block2_dw_bn_bias = mem.tensor(592, (1, 96, 1, 1), 'float32')
+        d_block2_dw_bn_bias = mem.tensor(593, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block2_dw_bn, out=d_block2_dw_bn_bias, shape=(1, 96, 1, 1))
         # free d_block2_dw_bn_clipped_relu, d_block2_dw_bn
         del d_block2_dw_bn_clipped_relu, d_block2_dw_bn
@@ -8014,10 +8230,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block2_dw_bn_B_new, T['block2_dw_bn_B'], lr, V_block2_dw_bn_B_new))
         # free d_block2_dw_bn_bias, d_block2_dw_bn_B
         del d_block2_dw_bn_bias, d_block2_dw_bn_B
-        mem.free(592)
-        # d_block2_dw_bn_batch_mean = sum_to[1x96x1x1](-d_block2_dw_bn_centered)
-        d_block2_dw_bn_batch_mean = mem.tensor(593, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_dw_bn_batch_mean, d_block2_dw_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(7225728))
+        mem.free(593)
         # d_block2_dw_bn_sum = d_block2_dw_bn_batch_mean/100352
         d_block2_dw_bn_sum = d_block2_dw_bn_batch_mean  # in place: over d_block2_dw_bn_batch_mean
         rt.ew(ew_scale_2, d_block2_dw_bn_sum, d_block2_dw_bn_batch_mean)
@@ -8028,7 +8241,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block2_dw, d_block2_dw_bn_centered, d_block2_dw_bn_sum)
         # free d_block2_dw_bn_batch_mean, d_block2_dw_bn_sum
         del d_block2_dw_bn_batch_mean, d_block2_dw_bn_sum
-        mem.free(593)
+        mem.free(592)
 
         # ---- block2_expand_bn_clipped_relu (clipped_relu(6)), forward ----
         # block2_expand_bn_clipped_relu_2 = Min(6.0, Max(0, block2_expand_bn_centered*block2_expand_bn_inv_std*block2_expand_bn_weight + block2_expand_bn_bias))
@@ -8053,9 +8266,15 @@ class MobilenetV2(rp.Model):
         mem.free(24)
 
         # ---- block2_expand_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block2_expand_bn = d_block2_expand_bn_clipped_relu*Heaviside(block2_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block2_expand_bn_clipped_relu_2, 0)
+        # d_block2_expand_bn = d_block2_expand_bn_clipped_relu*Heaviside(block2_expand_bn_clipped_relu_2, 0)*Heaviside(6.0 - block2_expand_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block2_expand_bn = d_block2_expand_bn_clipped_relu  # in place: over d_block2_expand_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block2_expand_bn, d_block2_expand_bn_clipped_relu, block2_expand_bn_clipped_relu_2)
+
+        # ---- block2_expand_bn (batch norm), backward ----
+        # d_block2_expand_bn_ew_sum = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered)
+        d_block2_expand_bn_ew_sum = mem.tensor(597, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block2_expand_bn, d_block2_expand_bn_clipped_relu, block2_expand_bn_clipped_relu_2),
+                      (ew_mul_2, d_block2_expand_bn_ew_sum, d_block2_expand_bn, block2_expand_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # free block2_expand_bn_clipped_relu_2
         del block2_expand_bn_clipped_relu_2
         mem.free(594)
@@ -8066,9 +8285,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block2_dw_W_new, T['block2_dw_W'], lr, V_block2_dw_W_new)
 
         # ---- block2_expand_bn (batch norm), backward ----
-        # d_block2_expand_bn_ew_sum = sum_to[1x96x1x1](d_block2_expand_bn*block2_expand_bn_centered)
-        d_block2_expand_bn_ew_sum = mem.tensor(597, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block2_expand_bn_ew_sum, d_block2_expand_bn, block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # d_block2_expand_bn_inv_std = block2_expand_bn_weight*d_block2_expand_bn_ew_sum   (computed with the next statement)
         d_block2_expand_bn_inv_std = mem.tensor(598, (1, 96, 1, 1), 'float32')
         # d_block2_expand_bn_sum_of_squares = -d_block2_expand_bn_inv_std/(802816*(block2_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -8078,14 +8294,18 @@ class MobilenetV2(rp.Model):
         # free block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         del block2_expand_bn_sum_of_squares, block2_expand_bn_batch_var, block2_expand_bn_batch_var_flat
         mem.free(21)
-        # d_block2_expand_bn_centered = d_block2_expand_bn*block2_expand_bn_inv_std*block2_expand_bn_weight + 2*d_block2_expand_bn_sum_of_squares*block2_expand_bn_centered
+        # d_block2_expand_bn_centered = d_block2_expand_bn*block2_expand_bn_inv_std*block2_expand_bn_weight + 2*d_block2_expand_bn_sum_of_squares*block2_expand_bn_centered   (computed with the next statement)
         d_block2_expand_bn_centered = block2_expand_bn_centered  # in place: over block2_expand_bn_centered
-        rt.ew(ew_mul_add_5, d_block2_expand_bn_centered, d_block2_expand_bn, block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_sum_of_squares, block2_expand_bn_centered)
+        # d_block2_expand_bn_batch_mean = sum_to[1x96x1x1](-d_block2_expand_bn_centered)
+        d_block2_expand_bn_batch_mean = mem.tensor(599, (1, 96, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block2_expand_bn_centered, d_block2_expand_bn, block2_expand_bn_inv_std, block2_expand_bn_weight, d_block2_expand_bn_sum_of_squares, block2_expand_bn_centered),
+                      (ew_neg, d_block2_expand_bn_batch_mean, d_block2_expand_bn_centered),
+                      shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
         # free d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
         del d_block2_expand_bn_inv_std, d_block2_expand_bn_sum_of_squares
         mem.free(598)
         # d_block2_expand_bn_bias = sum_to[1x96x1x1](d_block2_expand_bn)
-        d_block2_expand_bn_bias = mem.tensor(599, (1, 96, 1, 1), 'float32')
+        d_block2_expand_bn_bias = mem.tensor(600, (1, 96, 1, 1), 'float32')
         rt.sum_to(d_block2_expand_bn, out=d_block2_expand_bn_bias, shape=(1, 96, 1, 1))
         # free d_block2_expand_bn_clipped_relu, d_block2_expand_bn
         del d_block2_expand_bn_clipped_relu, d_block2_expand_bn
@@ -8117,10 +8337,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block2_expand_bn_B_new, T['block2_expand_bn_B'], lr, V_block2_expand_bn_B_new))
         # free d_block2_expand_bn_bias, d_block2_expand_bn_B
         del d_block2_expand_bn_bias, d_block2_expand_bn_B
-        mem.free(599)
-        # d_block2_expand_bn_batch_mean = sum_to[1x96x1x1](-d_block2_expand_bn_centered)
-        d_block2_expand_bn_batch_mean = mem.tensor(600, (1, 96, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_expand_bn_batch_mean, d_block2_expand_bn_centered, shape=(1, 96, 1, 1), workspace=mem.workspace(4817280))
+        mem.free(600)
         # d_block2_expand_bn_sum = d_block2_expand_bn_batch_mean/401408
         d_block2_expand_bn_sum = d_block2_expand_bn_batch_mean  # in place: over d_block2_expand_bn_batch_mean
         rt.ew(ew_scale, d_block2_expand_bn_sum, d_block2_expand_bn_batch_mean)
@@ -8131,7 +8348,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block2_expand, d_block2_expand_bn_centered, d_block2_expand_bn_sum)
         # free d_block2_expand_bn_batch_mean, d_block2_expand_bn_sum
         del d_block2_expand_bn_batch_mean, d_block2_expand_bn_sum
-        mem.free(600)
+        mem.free(599)
 
         # ---- block1_project_bn (batch norm), forward ----
         # block1_project_bn_2 = block1_project_bn_centered*block1_project_bn_inv_std*block1_project_bn_weight + block1_project_bn_bias
@@ -8174,14 +8391,18 @@ class MobilenetV2(rp.Model):
         # free block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         del block1_project_bn_sum_of_squares, block1_project_bn_batch_var, block1_project_bn_batch_var_flat
         mem.free(16)
-        # d_block1_project_bn_centered = d_block1_project_bn*block1_project_bn_inv_std*block1_project_bn_weight + 2*d_block1_project_bn_sum_of_squares*block1_project_bn_centered
+        # d_block1_project_bn_centered = d_block1_project_bn*block1_project_bn_inv_std*block1_project_bn_weight + 2*d_block1_project_bn_sum_of_squares*block1_project_bn_centered   (computed with the next statement)
         d_block1_project_bn_centered = block1_project_bn_centered  # in place: over block1_project_bn_centered
-        rt.ew(ew_mul_add_5, d_block1_project_bn_centered, d_block1_project_bn, block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_sum_of_squares, block1_project_bn_centered)
+        # d_block1_project_bn_batch_mean = sum_to[1x16x1x1](-d_block1_project_bn_centered)
+        d_block1_project_bn_batch_mean = mem.tensor(606, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block1_project_bn_centered, d_block1_project_bn, block1_project_bn_inv_std, block1_project_bn_weight, d_block1_project_bn_sum_of_squares, block1_project_bn_centered),
+                      (ew_neg, d_block1_project_bn_batch_mean, d_block1_project_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
         # free d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
         del d_block1_project_bn_inv_std, d_block1_project_bn_sum_of_squares
         mem.free(605)
         # d_block1_project_bn_bias = sum_to[1x16x1x1](d_block1_project_bn)
-        d_block1_project_bn_bias = mem.tensor(606, (1, 16, 1, 1), 'float32')
+        d_block1_project_bn_bias = mem.tensor(607, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_block1_project_bn, out=d_block1_project_bn_bias, shape=(1, 16, 1, 1))
         # free d_block1_project_bn
         del d_block1_project_bn
@@ -8213,10 +8434,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block1_project_bn_B_new, T['block1_project_bn_B'], lr, V_block1_project_bn_B_new))
         # free d_block1_project_bn_bias, d_block1_project_bn_B
         del d_block1_project_bn_bias, d_block1_project_bn_B
-        mem.free(606)
-        # d_block1_project_bn_batch_mean = sum_to[1x16x1x1](-d_block1_project_bn_centered)
-        d_block1_project_bn_batch_mean = mem.tensor(607, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_project_bn_batch_mean, d_block1_project_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(6422592))
+        mem.free(607)
         # d_block1_project_bn_sum = d_block1_project_bn_batch_mean/401408
         d_block1_project_bn_sum = d_block1_project_bn_batch_mean  # in place: over d_block1_project_bn_batch_mean
         rt.ew(ew_scale, d_block1_project_bn_sum, d_block1_project_bn_batch_mean)
@@ -8227,7 +8445,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block1_project, d_block1_project_bn_centered, d_block1_project_bn_sum)
         # free d_block1_project_bn_batch_mean, d_block1_project_bn_sum
         del d_block1_project_bn_batch_mean, d_block1_project_bn_sum
-        mem.free(607)
+        mem.free(606)
 
         # ---- block1_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block1_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block1_dw_bn_centered*block1_dw_bn_inv_std*block1_dw_bn_weight + block1_dw_bn_bias))
@@ -8252,9 +8470,15 @@ class MobilenetV2(rp.Model):
         mem.free(14)
 
         # ---- block1_dw_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_block1_dw_bn = d_block1_dw_bn_clipped_relu*Heaviside(block1_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block1_dw_bn_clipped_relu_2, 0)
+        # d_block1_dw_bn = d_block1_dw_bn_clipped_relu*Heaviside(block1_dw_bn_clipped_relu_2, 0)*Heaviside(6.0 - block1_dw_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_block1_dw_bn = d_block1_dw_bn_clipped_relu  # in place: over d_block1_dw_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_block1_dw_bn, d_block1_dw_bn_clipped_relu, block1_dw_bn_clipped_relu_2)
+
+        # ---- block1_dw_bn (batch norm), backward ----
+        # d_block1_dw_bn_ew_sum = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered)
+        d_block1_dw_bn_ew_sum = mem.tensor(611, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_block1_dw_bn, d_block1_dw_bn_clipped_relu, block1_dw_bn_clipped_relu_2),
+                      (ew_mul_2, d_block1_dw_bn_ew_sum, d_block1_dw_bn, block1_dw_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # free block1_dw_bn_clipped_relu_2
         del block1_dw_bn_clipped_relu_2
         mem.free(608)
@@ -8265,9 +8489,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block1_project_W_new, T['block1_project_W'], lr, V_block1_project_W_new)
 
         # ---- block1_dw_bn (batch norm), backward ----
-        # d_block1_dw_bn_ew_sum = sum_to[1x32x1x1](d_block1_dw_bn*block1_dw_bn_centered)
-        d_block1_dw_bn_ew_sum = mem.tensor(611, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_block1_dw_bn_ew_sum, d_block1_dw_bn, block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # d_block1_dw_bn_inv_std = block1_dw_bn_weight*d_block1_dw_bn_ew_sum   (computed with the next statement)
         d_block1_dw_bn_inv_std = mem.tensor(612, (1, 32, 1, 1), 'float32')
         # d_block1_dw_bn_sum_of_squares = -d_block1_dw_bn_inv_std/(802816*(block1_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -8277,14 +8498,18 @@ class MobilenetV2(rp.Model):
         # free block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         del block1_dw_bn_sum_of_squares, block1_dw_bn_batch_var, block1_dw_bn_batch_var_flat
         mem.free(11)
-        # d_block1_dw_bn_centered = d_block1_dw_bn*block1_dw_bn_inv_std*block1_dw_bn_weight + 2*d_block1_dw_bn_sum_of_squares*block1_dw_bn_centered
+        # d_block1_dw_bn_centered = d_block1_dw_bn*block1_dw_bn_inv_std*block1_dw_bn_weight + 2*d_block1_dw_bn_sum_of_squares*block1_dw_bn_centered   (computed with the next statement)
         d_block1_dw_bn_centered = block1_dw_bn_centered  # in place: over block1_dw_bn_centered
-        rt.ew(ew_mul_add_5, d_block1_dw_bn_centered, d_block1_dw_bn, block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_sum_of_squares, block1_dw_bn_centered)
+        # d_block1_dw_bn_batch_mean = sum_to[1x32x1x1](-d_block1_dw_bn_centered)
+        d_block1_dw_bn_batch_mean = mem.tensor(613, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_block1_dw_bn_centered, d_block1_dw_bn, block1_dw_bn_inv_std, block1_dw_bn_weight, d_block1_dw_bn_sum_of_squares, block1_dw_bn_centered),
+                      (ew_neg, d_block1_dw_bn_batch_mean, d_block1_dw_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # free d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
         del d_block1_dw_bn_inv_std, d_block1_dw_bn_sum_of_squares
         mem.free(612)
         # d_block1_dw_bn_bias = sum_to[1x32x1x1](d_block1_dw_bn)
-        d_block1_dw_bn_bias = mem.tensor(613, (1, 32, 1, 1), 'float32')
+        d_block1_dw_bn_bias = mem.tensor(614, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_block1_dw_bn, out=d_block1_dw_bn_bias, shape=(1, 32, 1, 1))
         # free d_block1_dw_bn_clipped_relu, d_block1_dw_bn
         del d_block1_dw_bn_clipped_relu, d_block1_dw_bn
@@ -8316,10 +8541,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, block1_dw_bn_B_new, T['block1_dw_bn_B'], lr, V_block1_dw_bn_B_new))
         # free d_block1_dw_bn_bias, d_block1_dw_bn_B
         del d_block1_dw_bn_bias, d_block1_dw_bn_B
-        mem.free(613)
-        # d_block1_dw_bn_batch_mean = sum_to[1x32x1x1](-d_block1_dw_bn_centered)
-        d_block1_dw_bn_batch_mean = mem.tensor(614, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_dw_bn_batch_mean, d_block1_dw_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        mem.free(614)
         # d_block1_dw_bn_sum = d_block1_dw_bn_batch_mean/401408
         d_block1_dw_bn_sum = d_block1_dw_bn_batch_mean  # in place: over d_block1_dw_bn_batch_mean
         rt.ew(ew_scale, d_block1_dw_bn_sum, d_block1_dw_bn_batch_mean)
@@ -8330,7 +8552,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_block1_dw, d_block1_dw_bn_centered, d_block1_dw_bn_sum)
         # free d_block1_dw_bn_batch_mean, d_block1_dw_bn_sum
         del d_block1_dw_bn_batch_mean, d_block1_dw_bn_sum
-        mem.free(614)
+        mem.free(613)
 
         # ---- conv1_bn_clipped_relu (clipped_relu(6)), forward ----
         # conv1_bn_clipped_relu_2 = Min(6.0, Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias))
@@ -8355,9 +8577,15 @@ class MobilenetV2(rp.Model):
         mem.free(9)
 
         # ---- conv1_bn_clipped_relu (clipped_relu(6)), backward ----
-        # d_conv1_bn = d_conv1_bn_clipped_relu*Heaviside(conv1_bn_clipped_relu_2, 0)*Heaviside(6.0 - conv1_bn_clipped_relu_2, 0)
+        # d_conv1_bn = d_conv1_bn_clipped_relu*Heaviside(conv1_bn_clipped_relu_2, 0)*Heaviside(6.0 - conv1_bn_clipped_relu_2, 0)   (computed with the next statement)
         d_conv1_bn = d_conv1_bn_clipped_relu  # in place: over d_conv1_bn_clipped_relu
-        rt.ew(ew_step_sub_mul, d_conv1_bn, d_conv1_bn_clipped_relu, conv1_bn_clipped_relu_2)
+
+        # ---- conv1_bn (batch norm), backward ----
+        # d_conv1_bn_ew_sum = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(618, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_sub_mul, d_conv1_bn, d_conv1_bn_clipped_relu, conv1_bn_clipped_relu_2),
+                      (ew_mul_2, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # free conv1_bn_clipped_relu_2
         del conv1_bn_clipped_relu_2
         mem.free(615)
@@ -8368,9 +8596,6 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul_sub, block1_dw_W_new, T['block1_dw_W'], lr, V_block1_dw_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_ew_sum = sum_to[1x32x1x1](d_conv1_bn*conv1_bn_centered)
-        d_conv1_bn_ew_sum = mem.tensor(618, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul_2, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(619, (1, 32, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(802816*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -8380,14 +8605,18 @@ class MobilenetV2(rp.Model):
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(6)
-        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
+        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered   (computed with the next statement)
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
-        rt.ew(ew_mul_add_5, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
+        # d_conv1_bn_batch_mean = sum_to[1x32x1x1](-d_conv1_bn_centered)
+        d_conv1_bn_batch_mean = mem.tensor(620, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered),
+                      (ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
         # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         mem.free(619)
         # d_conv1_bn_bias = sum_to[1x32x1x1](d_conv1_bn)
-        d_conv1_bn_bias = mem.tensor(620, (1, 32, 1, 1), 'float32')
+        d_conv1_bn_bias = mem.tensor(621, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 32, 1, 1))
         # free d_conv1_bn_clipped_relu, d_conv1_bn
         del d_conv1_bn_clipped_relu, d_conv1_bn
@@ -8419,10 +8648,7 @@ class MobilenetV2(rp.Model):
                    (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(620)
-        # d_conv1_bn_batch_mean = sum_to[1x32x1x1](-d_conv1_bn_centered)
-        d_conv1_bn_batch_mean = mem.tensor(621, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(8028288))
+        mem.free(621)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/401408
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -8433,7 +8659,7 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_add, d_conv1, d_conv1_bn_centered, d_conv1_bn_sum)
         # free d_conv1_bn_batch_mean, d_conv1_bn_sum
         del d_conv1_bn_batch_mean, d_conv1_bn_sum
-        mem.free(621)
+        mem.free(620)
         # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_conv1, x)
         d_conv1_W = mem.tensor(622, (32, 3, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(28589824))
@@ -9745,13 +9971,13 @@ class MobilenetV2(rp.Model):
                 (372506624, 57802752),  # 38: block3_expand_bn_clipped_relu 32x144x56x56 float32
                 (314703872, 57802752),  # 39: block3_dw 32x144x56x56 float32
                 (372506624, 576),  # 40: block3_dw_bn_sum 1x144x1x1 float32
-                (909638912, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909641216, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
                 (909638144, 576),  # 42: block3_dw_bn_inv_std 1x144x1x1 float32
                 (372506624, 57802752),  # 43: block3_dw_bn_clipped_relu 32x144x56x56 float32
                 (643858432, 9633792),  # 44: block3_project 32x24x56x56 float32
                 (372506624, 96),  # 45: block3_project_bn_sum 1x24x1x1 float32
-                (909704704, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
-                (909704448, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
+                (909708544, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
+                (909708288, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
                 (372506624, 57802752),  # 48: block4_expand 32x144x56x56 float32
                 (513802240, 576),  # 49: block4_expand_bn_sum 1x144x1x1 float32
                 (909649664, 576),  # 50: block4_expand_bn_sum_of_squares 1x144x1x1 float32
@@ -9759,7 +9985,7 @@ class MobilenetV2(rp.Model):
                 (513802240, 57802752),  # 52: block4_expand_bn_clipped_relu 32x144x56x56 float32
                 (610140160, 14450688),  # 53: block4_dw 32x144x28x28 float32
                 (513802240, 576),  # 54: block4_dw_bn_sum 1x144x1x1 float32
-                (909652736, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909654272, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
                 (909651968, 576),  # 56: block4_dw_bn_inv_std 1x144x1x1 float32
                 (513802240, 14450688),  # 57: block4_dw_bn_clipped_relu 32x144x28x28 float32
                 (807632896, 3211264),  # 58: block4_project 32x32x28x28 float32
@@ -9774,7 +10000,7 @@ class MobilenetV2(rp.Model):
                 (552337408, 19267584),  # 67: block5_expand_bn_clipped_relu 32x192x28x28 float32
                 (533069824, 19267584),  # 68: block5_dw 32x192x28x28 float32
                 (552337408, 768),  # 69: block5_dw_bn_sum 1x192x1x1 float32
-                (909659648, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909661952, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
                 (909658880, 768),  # 71: block5_dw_bn_inv_std 1x192x1x1 float32
                 (552337408, 19267584),  # 72: block5_dw_bn_clipped_relu 32x192x28x28 float32
                 (810844160, 3211264),  # 73: block5_project 32x32x28x28 float32
@@ -9788,7 +10014,7 @@ class MobilenetV2(rp.Model):
                 (590872576, 19267584),  # 81: block6_expand_bn_clipped_relu 32x192x28x28 float32
                 (571604992, 19267584),  # 82: block6_dw 32x192x28x28 float32
                 (590872576, 768),  # 83: block6_dw_bn_sum 1x192x1x1 float32
-                (909667328, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909669632, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
                 (909666560, 768),  # 85: block6_dw_bn_inv_std 1x192x1x1 float32
                 (590872576, 19267584),  # 86: block6_dw_bn_clipped_relu 32x192x28x28 float32
                 (817266688, 3211264),  # 87: block6_project 32x32x28x28 float32
@@ -9861,7 +10087,7 @@ class MobilenetV2(rp.Model):
                 (672759808, 9633792),  # 154: block11_expand_bn_clipped_relu 32x384x14x14 float32
                 (778731520, 9633792),  # 155: block11_dw 32x384x14x14 float32
                 (672759808, 1536),  # 156: block11_dw_bn_sum 1x384x1x1 float32
-                (909653504, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909652736, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
                 (909650432, 1536),  # 158: block11_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 159: block11_dw_bn_clipped_relu 32x384x14x14 float32
                 (834125824, 2408448),  # 160: block11_project 32x96x14x14 float32
@@ -9890,8 +10116,8 @@ class MobilenetV2(rp.Model):
                 (788365312, 14450688),  # 183: block13_expand_bn_clipped_relu 32x576x14x14 float32
                 (754647040, 14450688),  # 184: block13_dw 32x576x14x14 float32
                 (788365312, 2304),  # 185: block13_dw_bn_sum 1x576x1x1 float32
-                (909639680, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909632000, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
+                (909638912, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909635840, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
                 (788365312, 14450688),  # 188: block13_dw_bn_clipped_relu 32x576x14x14 float32
                 (865034240, 2408448),  # 189: block13_project 32x96x14x14 float32
                 (788365312, 384),  # 190: block13_project_bn_sum 1x96x1x1 float32
@@ -9900,12 +10126,12 @@ class MobilenetV2(rp.Model):
                 (820477952, 2408448),  # 193: block13_project_bn_add 32x96x14x14 float32
                 (788365312, 14450688),  # 194: block14_expand 32x576x14x14 float32
                 (820477952, 2304),  # 195: block14_expand_bn_sum 1x576x1x1 float32
-                (909660416, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909659648, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
                 (909656576, 2304),  # 197: block14_expand_bn_inv_std 1x576x1x1 float32
                 (867442688, 14450688),  # 198: block14_expand_bn_clipped_relu 32x576x14x14 float32
                 (839745536, 3612672),  # 199: block14_dw 32x576x7x7 float32
                 (820477952, 2304),  # 200: block14_dw_bn_sum 1x576x1x1 float32
-                (909668096, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909667328, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
                 (909664256, 2304),  # 202: block14_dw_bn_inv_std 1x576x1x1 float32
                 (820477952, 3612672),  # 203: block14_dw_bn_clipped_relu 32x576x7x7 float32
                 (887513088, 1003520),  # 204: block14_project 32x160x7x7 float32
@@ -9921,7 +10147,7 @@ class MobilenetV2(rp.Model):
                 (826499072, 6021120),  # 214: block15_dw 32x960x7x7 float32
                 (843358208, 3840),  # 215: block15_dw_bn_sum 1x960x1x1 float32
                 (909641984, 3840),  # 216: block15_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909634304, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
+                (909632000, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
                 (843358208, 6021120),  # 218: block15_dw_bn_clipped_relu 32x960x7x7 float32
                 (888516608, 1003520),  # 219: block15_project 32x160x7x7 float32
                 (843358208, 640),  # 220: block15_project_bn_sum 1x160x1x1 float32
@@ -9949,7 +10175,7 @@ class MobilenetV2(rp.Model):
                 (879484928, 6021120),  # 242: block17_expand_bn_clipped_relu 32x960x7x7 float32
                 (873463808, 6021120),  # 243: block17_dw 32x960x7x7 float32
                 (879484928, 3840),  # 244: block17_dw_bn_sum 1x960x1x1 float32
-                (909704960, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909704448, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
                 (909700608, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 247: block17_dw_bn_clipped_relu 32x960x7x7 float32
                 (891527168, 2007040),  # 248: block17_project 32x320x7x7 float32
@@ -9971,179 +10197,179 @@ class MobilenetV2(rp.Model):
                 (893662208, 5120000),  # 264: d_fc_W 1000x1280 float32
                 (893534208, 8028160),  # 265: d_conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901562368, 8028160),  # 266: conv_last_bn_clipped_relu_2 32x1280x7x7 float32
-                (901567488, 5120),  # 267: d_conv_last_bn_ew_sum 1x1280x1x1 float32
-                (901562368, 5120),  # 268: d_conv_last_bn_inv_std 1x1280x1x1 float32
-                (901562368, 5120),  # 269: d_conv_last_bn_bias 1x1280x1x1 float32
-                (893534208, 5120),  # 270: d_conv_last_bn_batch_mean 1x1280x1x1 float32
+                (901572608, 5120),  # 267: d_conv_last_bn_ew_sum 1x1280x1x1 float32
+                (901567488, 5120),  # 268: d_conv_last_bn_inv_std 1x1280x1x1 float32
+                (901562368, 5120),  # 269: d_conv_last_bn_batch_mean 1x1280x1x1 float32
+                (901567488, 5120),  # 270: d_conv_last_bn_bias 1x1280x1x1 float32
                 (893534208, 2007040),  # 271: block17_project_bn_2 32x320x7x7 float32
                 (895541248, 1638400),  # 272: d_conv_last_W 1280x320x1x1 float32
                 (893534208, 2007040),  # 273: d_block17_project_bn 32x320x7x7 float32
-                (879486208, 1280),  # 274: d_block17_project_bn_ew_sum 1x320x1x1 float32
-                (879484928, 1280),  # 275: d_block17_project_bn_inv_std 1x320x1x1 float32
-                (879484928, 1280),  # 276: d_block17_project_bn_bias 1x320x1x1 float32
-                (879484928, 1280),  # 277: d_block17_project_bn_batch_mean 1x320x1x1 float32
+                (879487488, 1280),  # 274: d_block17_project_bn_ew_sum 1x320x1x1 float32
+                (879486208, 1280),  # 275: d_block17_project_bn_inv_std 1x320x1x1 float32
+                (879484928, 1280),  # 276: d_block17_project_bn_batch_mean 1x320x1x1 float32
+                (879486208, 1280),  # 277: d_block17_project_bn_bias 1x320x1x1 float32
                 (893534208, 6021120),  # 278: block17_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (879484928, 1228800),  # 279: d_block17_project_W 320x960x1x1 float32
                 (879484928, 6021120),  # 280: d_block17_dw_bn_clipped_relu 32x960x7x7 float32
                 (885509888, 3840),  # 281: d_block17_dw_bn_ew_sum 1x960x1x1 float32
-                (885506048, 3840),  # 282: d_block17_dw_bn_inv_std 1x960x1x1 float32
-                (885506048, 3840),  # 283: d_block17_dw_bn_bias 1x960x1x1 float32
-                (879484928, 3840),  # 284: d_block17_dw_bn_batch_mean 1x960x1x1 float32
+                (885513728, 3840),  # 282: d_block17_dw_bn_inv_std 1x960x1x1 float32
+                (885506048, 3840),  # 283: d_block17_dw_bn_batch_mean 1x960x1x1 float32
+                (885513728, 3840),  # 284: d_block17_dw_bn_bias 1x960x1x1 float32
                 (891527168, 6021120),  # 285: block17_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (879484928, 34560),  # 286: d_block17_dw_W 960x1x3x3 float32
                 (879484928, 6021120),  # 287: d_block17_expand_bn_clipped_relu 32x960x7x7 float32
                 (873467648, 3840),  # 288: d_block17_expand_bn_ew_sum 1x960x1x1 float32
-                (873463808, 3840),  # 289: d_block17_expand_bn_inv_std 1x960x1x1 float32
-                (873463808, 3840),  # 290: d_block17_expand_bn_bias 1x960x1x1 float32
-                (873463808, 3840),  # 291: d_block17_expand_bn_batch_mean 1x960x1x1 float32
+                (873471488, 3840),  # 289: d_block17_expand_bn_inv_std 1x960x1x1 float32
+                (873463808, 3840),  # 290: d_block17_expand_bn_batch_mean 1x960x1x1 float32
+                (873471488, 3840),  # 291: d_block17_expand_bn_bias 1x960x1x1 float32
                 (873463808, 1003520),  # 292: block16_project_bn_add_2 32x160x7x7 float32
                 (874467328, 614400),  # 293: d_block17_expand_W 960x160x1x1 float32
                 (873463808, 1003520),  # 294: d_block16_project_bn_add 32x160x7x7 float32
-                (867442688, 640),  # 295: d_block16_project_bn_ew_sum 1x160x1x1 float32
-                (867443456, 640),  # 296: d_block16_project_bn_inv_std 1x160x1x1 float32
+                (867443456, 640),  # 295: d_block16_project_bn_ew_sum 1x160x1x1 float32
+                (867444224, 640),  # 296: d_block16_project_bn_inv_std 1x160x1x1 float32
                 (867442688, 640),  # 297: d_block16_project_bn_batch_mean 1x160x1x1 float32
                 (867442688, 640),  # 298: d_block16_project_bn_bias 1x160x1x1 float32
                 (874467328, 6021120),  # 299: block16_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (867442688, 614400),  # 300: d_block16_project_W 160x960x1x1 float32
                 (867442688, 6021120),  # 301: d_block16_dw_bn_clipped_relu 32x960x7x7 float32
-                (874471168, 3840),  # 302: d_block16_dw_bn_ew_sum 1x960x1x1 float32
-                (874467328, 3840),  # 303: d_block16_dw_bn_inv_std 1x960x1x1 float32
-                (874467328, 3840),  # 304: d_block16_dw_bn_bias 1x960x1x1 float32
-                (867442688, 3840),  # 305: d_block16_dw_bn_batch_mean 1x960x1x1 float32
+                (880488448, 3840),  # 302: d_block16_dw_bn_ew_sum 1x960x1x1 float32
+                (874471168, 3840),  # 303: d_block16_dw_bn_inv_std 1x960x1x1 float32
+                (874467328, 3840),  # 304: d_block16_dw_bn_batch_mean 1x960x1x1 float32
+                (874471168, 3840),  # 305: d_block16_dw_bn_bias 1x960x1x1 float32
                 (874467328, 6021120),  # 306: block16_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (867442688, 34560),  # 307: d_block16_dw_W 960x1x3x3 float32
                 (867442688, 6021120),  # 308: d_block16_expand_bn_clipped_relu 32x960x7x7 float32
                 (855805696, 3840),  # 309: d_block16_expand_bn_ew_sum 1x960x1x1 float32
-                (855801856, 3840),  # 310: d_block16_expand_bn_inv_std 1x960x1x1 float32
-                (855801856, 3840),  # 311: d_block16_expand_bn_bias 1x960x1x1 float32
-                (855801856, 3840),  # 312: d_block16_expand_bn_batch_mean 1x960x1x1 float32
+                (855809536, 3840),  # 310: d_block16_expand_bn_inv_std 1x960x1x1 float32
+                (855801856, 3840),  # 311: d_block16_expand_bn_batch_mean 1x960x1x1 float32
+                (855809536, 3840),  # 312: d_block16_expand_bn_bias 1x960x1x1 float32
                 (855801856, 614400),  # 313: d_block16_expand_W 960x160x1x1 float32
                 (856416256, 1003520),  # 314: d_block15_project_bn_add 32x160x7x7 float32
                 (843358208, 640),  # 315: d_block15_project_bn_ew_sum 1x160x1x1 float32
-                (843358976, 640),  # 316: d_block15_project_bn_inv_std 1x160x1x1 float32
-                (843358208, 640),  # 317: d_block15_project_bn_batch_mean 1x160x1x1 float32
+                (843359744, 640),  # 316: d_block15_project_bn_inv_std 1x160x1x1 float32
+                (843358976, 640),  # 317: d_block15_project_bn_batch_mean 1x160x1x1 float32
                 (843358208, 640),  # 318: d_block15_project_bn_bias 1x160x1x1 float32
                 (855801856, 6021120),  # 319: block15_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (843358208, 614400),  # 320: d_block15_project_W 160x960x1x1 float32
                 (843358208, 6021120),  # 321: d_block15_dw_bn_clipped_relu 32x960x7x7 float32
-                (855805696, 3840),  # 322: d_block15_dw_bn_ew_sum 1x960x1x1 float32
-                (855801856, 3840),  # 323: d_block15_dw_bn_inv_std 1x960x1x1 float32
-                (855801856, 3840),  # 324: d_block15_dw_bn_bias 1x960x1x1 float32
-                (843358208, 3840),  # 325: d_block15_dw_bn_batch_mean 1x960x1x1 float32
+                (867442688, 3840),  # 322: d_block15_dw_bn_ew_sum 1x960x1x1 float32
+                (855805696, 3840),  # 323: d_block15_dw_bn_inv_std 1x960x1x1 float32
+                (855801856, 3840),  # 324: d_block15_dw_bn_batch_mean 1x960x1x1 float32
+                (855805696, 3840),  # 325: d_block15_dw_bn_bias 1x960x1x1 float32
                 (855801856, 6021120),  # 326: block15_expand_bn_clipped_relu_2 32x960x7x7 float32
                 (843358208, 34560),  # 327: d_block15_dw_W 960x1x3x3 float32
                 (843358208, 6021120),  # 328: d_block15_expand_bn_clipped_relu 32x960x7x7 float32
                 (826502912, 3840),  # 329: d_block15_expand_bn_ew_sum 1x960x1x1 float32
-                (826499072, 3840),  # 330: d_block15_expand_bn_inv_std 1x960x1x1 float32
-                (826499072, 3840),  # 331: d_block15_expand_bn_bias 1x960x1x1 float32
-                (826499072, 3840),  # 332: d_block15_expand_bn_batch_mean 1x960x1x1 float32
+                (826506752, 3840),  # 330: d_block15_expand_bn_inv_std 1x960x1x1 float32
+                (826499072, 3840),  # 331: d_block15_expand_bn_batch_mean 1x960x1x1 float32
+                (826506752, 3840),  # 332: d_block15_expand_bn_bias 1x960x1x1 float32
                 (827113472, 1003520),  # 333: block14_project_bn_2 32x160x7x7 float32
                 (826499072, 614400),  # 334: d_block15_expand_W 960x160x1x1 float32
                 (827113472, 1003520),  # 335: d_block14_project_bn 32x160x7x7 float32
                 (820478720, 640),  # 336: d_block14_project_bn_ew_sum 1x160x1x1 float32
-                (820477952, 640),  # 337: d_block14_project_bn_inv_std 1x160x1x1 float32
-                (820477952, 640),  # 338: d_block14_project_bn_bias 1x160x1x1 float32
-                (820477952, 640),  # 339: d_block14_project_bn_batch_mean 1x160x1x1 float32
+                (820479488, 640),  # 337: d_block14_project_bn_inv_std 1x160x1x1 float32
+                (820477952, 640),  # 338: d_block14_project_bn_batch_mean 1x160x1x1 float32
+                (820479488, 640),  # 339: d_block14_project_bn_bias 1x160x1x1 float32
                 (824090624, 3612672),  # 340: block14_dw_bn_clipped_relu_2 32x576x7x7 float32
                 (820477952, 368640),  # 341: d_block14_project_W 160x576x1x1 float32
                 (820477952, 3612672),  # 342: d_block14_dw_bn_clipped_relu 32x576x7x7 float32
-                (824092928, 2304),  # 343: d_block14_dw_bn_ew_sum 1x576x1x1 float32
-                (824090624, 2304),  # 344: d_block14_dw_bn_inv_std 1x576x1x1 float32
-                (824090624, 2304),  # 345: d_block14_dw_bn_bias 1x576x1x1 float32
-                (820477952, 2304),  # 346: d_block14_dw_bn_batch_mean 1x576x1x1 float32
+                (827703296, 2304),  # 343: d_block14_dw_bn_ew_sum 1x576x1x1 float32
+                (824092928, 2304),  # 344: d_block14_dw_bn_inv_std 1x576x1x1 float32
+                (824090624, 2304),  # 345: d_block14_dw_bn_batch_mean 1x576x1x1 float32
+                (824092928, 2304),  # 346: d_block14_dw_bn_bias 1x576x1x1 float32
                 (881893376, 14450688),  # 347: block14_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (820477952, 20736),  # 348: d_block14_dw_W 576x1x3x3 float32
                 (867442688, 14450688),  # 349: d_block14_expand_bn_clipped_relu 32x576x14x14 float32
                 (820480256, 2304),  # 350: d_block14_expand_bn_ew_sum 1x576x1x1 float32
-                (820477952, 2304),  # 351: d_block14_expand_bn_inv_std 1x576x1x1 float32
-                (820477952, 2304),  # 352: d_block14_expand_bn_bias 1x576x1x1 float32
-                (820477952, 2304),  # 353: d_block14_expand_bn_batch_mean 1x576x1x1 float32
+                (820482560, 2304),  # 351: d_block14_expand_bn_inv_std 1x576x1x1 float32
+                (820477952, 2304),  # 352: d_block14_expand_bn_batch_mean 1x576x1x1 float32
+                (820482560, 2304),  # 353: d_block14_expand_bn_bias 1x576x1x1 float32
                 (820477952, 2408448),  # 354: block13_project_bn_add_2 32x96x14x14 float32
                 (822886400, 221184),  # 355: d_block14_expand_W 576x96x1x1 float32
                 (820477952, 2408448),  # 356: d_block13_project_bn_add 32x96x14x14 float32
-                (788365312, 384),  # 357: d_block13_project_bn_ew_sum 1x96x1x1 float32
-                (788365824, 384),  # 358: d_block13_project_bn_inv_std 1x96x1x1 float32
+                (788365824, 384),  # 357: d_block13_project_bn_ew_sum 1x96x1x1 float32
+                (788366336, 384),  # 358: d_block13_project_bn_inv_std 1x96x1x1 float32
                 (788365312, 384),  # 359: d_block13_project_bn_batch_mean 1x96x1x1 float32
                 (788365312, 384),  # 360: d_block13_project_bn_bias 1x96x1x1 float32
                 (867442688, 14450688),  # 361: block13_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (788365312, 221184),  # 362: d_block13_project_W 96x576x1x1 float32
                 (788365312, 14450688),  # 363: d_block13_dw_bn_clipped_relu 32x576x14x14 float32
                 (822888704, 2304),  # 364: d_block13_dw_bn_ew_sum 1x576x1x1 float32
-                (822886400, 2304),  # 365: d_block13_dw_bn_inv_std 1x576x1x1 float32
-                (822886400, 2304),  # 366: d_block13_dw_bn_bias 1x576x1x1 float32
-                (788365312, 2304),  # 367: d_block13_dw_bn_batch_mean 1x576x1x1 float32
+                (822891008, 2304),  # 365: d_block13_dw_bn_inv_std 1x576x1x1 float32
+                (822886400, 2304),  # 366: d_block13_dw_bn_batch_mean 1x576x1x1 float32
+                (822891008, 2304),  # 367: d_block13_dw_bn_bias 1x576x1x1 float32
                 (865034240, 14450688),  # 368: block13_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (788365312, 20736),  # 369: d_block13_dw_W 576x1x3x3 float32
                 (788365312, 14450688),  # 370: d_block13_expand_bn_clipped_relu 32x576x14x14 float32
                 (754649344, 2304),  # 371: d_block13_expand_bn_ew_sum 1x576x1x1 float32
-                (754647040, 2304),  # 372: d_block13_expand_bn_inv_std 1x576x1x1 float32
-                (754647040, 2304),  # 373: d_block13_expand_bn_bias 1x576x1x1 float32
-                (754647040, 2304),  # 374: d_block13_expand_bn_batch_mean 1x576x1x1 float32
+                (754651648, 2304),  # 372: d_block13_expand_bn_inv_std 1x576x1x1 float32
+                (754647040, 2304),  # 373: d_block13_expand_bn_batch_mean 1x576x1x1 float32
+                (754651648, 2304),  # 374: d_block13_expand_bn_bias 1x576x1x1 float32
                 (757055488, 221184),  # 375: d_block13_expand_W 576x96x1x1 float32
                 (754647040, 2408448),  # 376: d_block12_project_bn_add 32x96x14x14 float32
                 (730562560, 384),  # 377: d_block12_project_bn_ew_sum 1x96x1x1 float32
-                (730563072, 384),  # 378: d_block12_project_bn_inv_std 1x96x1x1 float32
-                (730562560, 384),  # 379: d_block12_project_bn_batch_mean 1x96x1x1 float32
+                (730563584, 384),  # 378: d_block12_project_bn_inv_std 1x96x1x1 float32
+                (730563072, 384),  # 379: d_block12_project_bn_batch_mean 1x96x1x1 float32
                 (730562560, 384),  # 380: d_block12_project_bn_bias 1x96x1x1 float32
                 (754647040, 14450688),  # 381: block12_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (730562560, 221184),  # 382: d_block12_project_W 96x576x1x1 float32
                 (730562560, 14450688),  # 383: d_block12_dw_bn_clipped_relu 32x576x14x14 float32
-                (754649344, 2304),  # 384: d_block12_dw_bn_ew_sum 1x576x1x1 float32
-                (754647040, 2304),  # 385: d_block12_dw_bn_inv_std 1x576x1x1 float32
-                (754647040, 2304),  # 386: d_block12_dw_bn_bias 1x576x1x1 float32
-                (730562560, 2304),  # 387: d_block12_dw_bn_batch_mean 1x576x1x1 float32
+                (788365312, 2304),  # 384: d_block12_dw_bn_ew_sum 1x576x1x1 float32
+                (754649344, 2304),  # 385: d_block12_dw_bn_inv_std 1x576x1x1 float32
+                (754647040, 2304),  # 386: d_block12_dw_bn_batch_mean 1x576x1x1 float32
+                (754649344, 2304),  # 387: d_block12_dw_bn_bias 1x576x1x1 float32
                 (754647040, 14450688),  # 388: block12_expand_bn_clipped_relu_2 32x576x14x14 float32
                 (730562560, 20736),  # 389: d_block12_dw_W 576x1x3x3 float32
                 (730562560, 14450688),  # 390: d_block12_expand_bn_clipped_relu 32x576x14x14 float32
                 (696846592, 2304),  # 391: d_block12_expand_bn_ew_sum 1x576x1x1 float32
-                (696844288, 2304),  # 392: d_block12_expand_bn_inv_std 1x576x1x1 float32
-                (696844288, 2304),  # 393: d_block12_expand_bn_bias 1x576x1x1 float32
-                (696844288, 2304),  # 394: d_block12_expand_bn_batch_mean 1x576x1x1 float32
+                (696848896, 2304),  # 392: d_block12_expand_bn_inv_std 1x576x1x1 float32
+                (696844288, 2304),  # 393: d_block12_expand_bn_batch_mean 1x576x1x1 float32
+                (696848896, 2304),  # 394: d_block12_expand_bn_bias 1x576x1x1 float32
                 (696844288, 2408448),  # 395: block11_project_bn_2 32x96x14x14 float32
                 (699252736, 221184),  # 396: d_block12_expand_W 576x96x1x1 float32
                 (696844288, 2408448),  # 397: d_block11_project_bn 32x96x14x14 float32
                 (672760320, 384),  # 398: d_block11_project_bn_ew_sum 1x96x1x1 float32
-                (672759808, 384),  # 399: d_block11_project_bn_inv_std 1x96x1x1 float32
-                (672759808, 384),  # 400: d_block11_project_bn_bias 1x96x1x1 float32
-                (672759808, 384),  # 401: d_block11_project_bn_batch_mean 1x96x1x1 float32
+                (672760832, 384),  # 399: d_block11_project_bn_inv_std 1x96x1x1 float32
+                (672759808, 384),  # 400: d_block11_project_bn_batch_mean 1x96x1x1 float32
+                (672760832, 384),  # 401: d_block11_project_bn_bias 1x96x1x1 float32
                 (696844288, 9633792),  # 402: block11_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (672759808, 147456),  # 403: d_block11_project_W 96x384x1x1 float32
                 (672759808, 9633792),  # 404: d_block11_dw_bn_clipped_relu 32x384x14x14 float32
                 (682395136, 1536),  # 405: d_block11_dw_bn_ew_sum 1x384x1x1 float32
-                (682393600, 1536),  # 406: d_block11_dw_bn_inv_std 1x384x1x1 float32
-                (682393600, 1536),  # 407: d_block11_dw_bn_bias 1x384x1x1 float32
-                (672759808, 1536),  # 408: d_block11_dw_bn_batch_mean 1x384x1x1 float32
+                (682396672, 1536),  # 406: d_block11_dw_bn_inv_std 1x384x1x1 float32
+                (682393600, 1536),  # 407: d_block11_dw_bn_batch_mean 1x384x1x1 float32
+                (682396672, 1536),  # 408: d_block11_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 409: block11_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (672759808, 13824),  # 410: d_block11_dw_W 384x1x3x3 float32
                 (672759808, 9633792),  # 411: d_block11_expand_bn_clipped_relu 32x384x14x14 float32
                 (682395136, 1536),  # 412: d_block11_expand_bn_ew_sum 1x384x1x1 float32
-                (682393600, 1536),  # 413: d_block11_expand_bn_inv_std 1x384x1x1 float32
-                (682393600, 1536),  # 414: d_block11_expand_bn_bias 1x384x1x1 float32
-                (672759808, 1536),  # 415: d_block11_expand_bn_batch_mean 1x384x1x1 float32
+                (682396672, 1536),  # 413: d_block11_expand_bn_inv_std 1x384x1x1 float32
+                (682393600, 1536),  # 414: d_block11_expand_bn_batch_mean 1x384x1x1 float32
+                (682396672, 1536),  # 415: d_block11_expand_bn_bias 1x384x1x1 float32
                 (674365440, 98304),  # 416: d_block11_expand_W 384x64x1x1 float32
                 (672759808, 1605632),  # 417: d_block10_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 418: d_block10_project_bn_ew_sum 1x64x1x1 float32
-                (674365696, 256),  # 419: d_block10_project_bn_inv_std 1x64x1x1 float32
+                (674365696, 256),  # 418: d_block10_project_bn_ew_sum 1x64x1x1 float32
+                (674365952, 256),  # 419: d_block10_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 420: d_block10_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 421: d_block10_project_bn_bias 1x64x1x1 float32
                 (696844288, 9633792),  # 422: block10_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 423: d_block10_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 424: d_block10_dw_bn_clipped_relu 32x384x14x14 float32
                 (684000768, 1536),  # 425: d_block10_dw_bn_ew_sum 1x384x1x1 float32
-                (683999232, 1536),  # 426: d_block10_dw_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 427: d_block10_dw_bn_bias 1x384x1x1 float32
-                (674365440, 1536),  # 428: d_block10_dw_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 426: d_block10_dw_bn_inv_std 1x384x1x1 float32
+                (683999232, 1536),  # 427: d_block10_dw_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 428: d_block10_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 429: block10_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 430: d_block10_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 431: d_block10_expand_bn_clipped_relu 32x384x14x14 float32
                 (684000768, 1536),  # 432: d_block10_expand_bn_ew_sum 1x384x1x1 float32
-                (683999232, 1536),  # 433: d_block10_expand_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 434: d_block10_expand_bn_bias 1x384x1x1 float32
-                (674365440, 1536),  # 435: d_block10_expand_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 433: d_block10_expand_bn_inv_std 1x384x1x1 float32
+                (683999232, 1536),  # 434: d_block10_expand_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 435: d_block10_expand_bn_bias 1x384x1x1 float32
                 (674365440, 1605632),  # 436: block9_project_bn_add_2 32x64x14x14 float32
                 (675971072, 98304),  # 437: d_block10_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 438: d_block9_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 439: d_block9_project_bn_ew_sum 1x64x1x1 float32
+                (676069376, 256),  # 439: d_block9_project_bn_ew_sum 1x64x1x1 float32
                 (674365696, 256),  # 440: d_block9_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 441: d_block9_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 442: d_block9_project_bn_bias 1x64x1x1 float32
@@ -10151,181 +10377,181 @@ class MobilenetV2(rp.Model):
                 (674365440, 98304),  # 444: d_block9_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 445: d_block9_dw_bn_clipped_relu 32x384x14x14 float32
                 (684000768, 1536),  # 446: d_block9_dw_bn_ew_sum 1x384x1x1 float32
-                (683999232, 1536),  # 447: d_block9_dw_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 448: d_block9_dw_bn_bias 1x384x1x1 float32
-                (674365440, 1536),  # 449: d_block9_dw_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 447: d_block9_dw_bn_inv_std 1x384x1x1 float32
+                (683999232, 1536),  # 448: d_block9_dw_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 449: d_block9_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 450: block9_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 451: d_block9_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 452: d_block9_expand_bn_clipped_relu 32x384x14x14 float32
                 (684000768, 1536),  # 453: d_block9_expand_bn_ew_sum 1x384x1x1 float32
-                (683999232, 1536),  # 454: d_block9_expand_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 455: d_block9_expand_bn_bias 1x384x1x1 float32
-                (674365440, 1536),  # 456: d_block9_expand_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 454: d_block9_expand_bn_inv_std 1x384x1x1 float32
+                (683999232, 1536),  # 455: d_block9_expand_bn_batch_mean 1x384x1x1 float32
+                (684002304, 1536),  # 456: d_block9_expand_bn_bias 1x384x1x1 float32
                 (675971072, 98304),  # 457: d_block9_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 458: d_block8_project_bn_add 32x64x14x14 float32
-                (674365440, 256),  # 459: d_block8_project_bn_ew_sum 1x64x1x1 float32
+                (676069376, 256),  # 459: d_block8_project_bn_ew_sum 1x64x1x1 float32
                 (674365696, 256),  # 460: d_block8_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 461: d_block8_project_bn_batch_mean 1x64x1x1 float32
                 (674365440, 256),  # 462: d_block8_project_bn_bias 1x64x1x1 float32
                 (683999232, 9633792),  # 463: block8_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 464: d_block8_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 465: d_block8_dw_bn_clipped_relu 32x384x14x14 float32
-                (684000768, 1536),  # 466: d_block8_dw_bn_ew_sum 1x384x1x1 float32
-                (683999232, 1536),  # 467: d_block8_dw_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 468: d_block8_dw_bn_bias 1x384x1x1 float32
-                (674365440, 1536),  # 469: d_block8_dw_bn_batch_mean 1x384x1x1 float32
+                (693633024, 1536),  # 466: d_block8_dw_bn_ew_sum 1x384x1x1 float32
+                (684000768, 1536),  # 467: d_block8_dw_bn_inv_std 1x384x1x1 float32
+                (683999232, 1536),  # 468: d_block8_dw_bn_batch_mean 1x384x1x1 float32
+                (684000768, 1536),  # 469: d_block8_dw_bn_bias 1x384x1x1 float32
                 (683999232, 9633792),  # 470: block8_expand_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 13824),  # 471: d_block8_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 472: d_block8_expand_bn_clipped_relu 32x384x14x14 float32
                 (663127552, 1536),  # 473: d_block8_expand_bn_ew_sum 1x384x1x1 float32
-                (663126016, 1536),  # 474: d_block8_expand_bn_inv_std 1x384x1x1 float32
-                (663126016, 1536),  # 475: d_block8_expand_bn_bias 1x384x1x1 float32
-                (663126016, 1536),  # 476: d_block8_expand_bn_batch_mean 1x384x1x1 float32
+                (663129088, 1536),  # 474: d_block8_expand_bn_inv_std 1x384x1x1 float32
+                (663126016, 1536),  # 475: d_block8_expand_bn_batch_mean 1x384x1x1 float32
+                (663129088, 1536),  # 476: d_block8_expand_bn_bias 1x384x1x1 float32
                 (663126016, 1605632),  # 477: block7_project_bn_2 32x64x14x14 float32
                 (664731648, 98304),  # 478: d_block8_expand_W 384x64x1x1 float32
                 (663126016, 1605632),  # 479: d_block7_project_bn 32x64x14x14 float32
                 (653492480, 256),  # 480: d_block7_project_bn_ew_sum 1x64x1x1 float32
-                (653492224, 256),  # 481: d_block7_project_bn_inv_std 1x64x1x1 float32
-                (653492224, 256),  # 482: d_block7_project_bn_bias 1x64x1x1 float32
-                (653492224, 256),  # 483: d_block7_project_bn_batch_mean 1x64x1x1 float32
+                (653492736, 256),  # 481: d_block7_project_bn_inv_std 1x64x1x1 float32
+                (653492224, 256),  # 482: d_block7_project_bn_batch_mean 1x64x1x1 float32
+                (653492736, 256),  # 483: d_block7_project_bn_bias 1x64x1x1 float32
                 (658309120, 4816896),  # 484: block7_dw_bn_clipped_relu_2 32x192x14x14 float32
                 (653492224, 49152),  # 485: d_block7_project_W 64x192x1x1 float32
                 (653492224, 4816896),  # 486: d_block7_dw_bn_clipped_relu 32x192x14x14 float32
-                (658309888, 768),  # 487: d_block7_dw_bn_ew_sum 1x192x1x1 float32
-                (658309120, 768),  # 488: d_block7_dw_bn_inv_std 1x192x1x1 float32
-                (658309120, 768),  # 489: d_block7_dw_bn_bias 1x192x1x1 float32
-                (653492224, 768),  # 490: d_block7_dw_bn_batch_mean 1x192x1x1 float32
+                (663126016, 768),  # 487: d_block7_dw_bn_ew_sum 1x192x1x1 float32
+                (658309888, 768),  # 488: d_block7_dw_bn_inv_std 1x192x1x1 float32
+                (658309120, 768),  # 489: d_block7_dw_bn_batch_mean 1x192x1x1 float32
+                (658309888, 768),  # 490: d_block7_dw_bn_bias 1x192x1x1 float32
                 (672759808, 19267584),  # 491: block7_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (653492224, 6912),  # 492: d_block7_dw_W 192x1x3x3 float32
                 (653492224, 19267584),  # 493: d_block7_expand_bn_clipped_relu 32x192x28x28 float32
-                (672760576, 768),  # 494: d_block7_expand_bn_ew_sum 1x192x1x1 float32
-                (672759808, 768),  # 495: d_block7_expand_bn_inv_std 1x192x1x1 float32
-                (672759808, 768),  # 496: d_block7_expand_bn_bias 1x192x1x1 float32
-                (653492224, 768),  # 497: d_block7_expand_bn_batch_mean 1x192x1x1 float32
+                (692027392, 768),  # 494: d_block7_expand_bn_ew_sum 1x192x1x1 float32
+                (672760576, 768),  # 495: d_block7_expand_bn_inv_std 1x192x1x1 float32
+                (672759808, 768),  # 496: d_block7_expand_bn_batch_mean 1x192x1x1 float32
+                (672760576, 768),  # 497: d_block7_expand_bn_bias 1x192x1x1 float32
                 (653492224, 3211264),  # 498: block6_project_bn_add_2 32x32x28x28 float32
                 (656703488, 24576),  # 499: d_block7_expand_W 192x32x1x1 float32
                 (653492224, 3211264),  # 500: d_block6_project_bn_add 32x32x28x28 float32
-                (590872576, 128),  # 501: d_block6_project_bn_ew_sum 1x32x1x1 float32
-                (590872832, 128),  # 502: d_block6_project_bn_inv_std 1x32x1x1 float32
+                (590872832, 128),  # 501: d_block6_project_bn_ew_sum 1x32x1x1 float32
+                (590873088, 128),  # 502: d_block6_project_bn_inv_std 1x32x1x1 float32
                 (590872576, 128),  # 503: d_block6_project_bn_batch_mean 1x32x1x1 float32
                 (590872576, 128),  # 504: d_block6_project_bn_bias 1x32x1x1 float32
                 (656703488, 19267584),  # 505: block6_dw_bn_clipped_relu_2 32x192x28x28 float32
                 (590872576, 24576),  # 506: d_block6_project_W 32x192x1x1 float32
                 (590872576, 19267584),  # 507: d_block6_dw_bn_clipped_relu 32x192x28x28 float32
-                (656704256, 768),  # 508: d_block6_dw_bn_ew_sum 1x192x1x1 float32
-                (656703488, 768),  # 509: d_block6_dw_bn_inv_std 1x192x1x1 float32
-                (656703488, 768),  # 510: d_block6_dw_bn_bias 1x192x1x1 float32
-                (590872576, 768),  # 511: d_block6_dw_bn_batch_mean 1x192x1x1 float32
+                (675971072, 768),  # 508: d_block6_dw_bn_ew_sum 1x192x1x1 float32
+                (656704256, 768),  # 509: d_block6_dw_bn_inv_std 1x192x1x1 float32
+                (656703488, 768),  # 510: d_block6_dw_bn_batch_mean 1x192x1x1 float32
+                (656704256, 768),  # 511: d_block6_dw_bn_bias 1x192x1x1 float32
                 (656703488, 19267584),  # 512: block6_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (590872576, 6912),  # 513: d_block6_dw_W 192x1x3x3 float32
                 (590872576, 19267584),  # 514: d_block6_expand_bn_clipped_relu 32x192x28x28 float32
                 (571605760, 768),  # 515: d_block6_expand_bn_ew_sum 1x192x1x1 float32
-                (571604992, 768),  # 516: d_block6_expand_bn_inv_std 1x192x1x1 float32
-                (571604992, 768),  # 517: d_block6_expand_bn_bias 1x192x1x1 float32
-                (571604992, 768),  # 518: d_block6_expand_bn_batch_mean 1x192x1x1 float32
+                (571606528, 768),  # 516: d_block6_expand_bn_inv_std 1x192x1x1 float32
+                (571604992, 768),  # 517: d_block6_expand_bn_batch_mean 1x192x1x1 float32
+                (571606528, 768),  # 518: d_block6_expand_bn_bias 1x192x1x1 float32
                 (574816256, 24576),  # 519: d_block6_expand_W 192x32x1x1 float32
                 (571604992, 3211264),  # 520: d_block5_project_bn_add 32x32x28x28 float32
                 (552337408, 128),  # 521: d_block5_project_bn_ew_sum 1x32x1x1 float32
-                (552337664, 128),  # 522: d_block5_project_bn_inv_std 1x32x1x1 float32
-                (552337408, 128),  # 523: d_block5_project_bn_batch_mean 1x32x1x1 float32
+                (552337920, 128),  # 522: d_block5_project_bn_inv_std 1x32x1x1 float32
+                (552337664, 128),  # 523: d_block5_project_bn_batch_mean 1x32x1x1 float32
                 (552337408, 128),  # 524: d_block5_project_bn_bias 1x32x1x1 float32
                 (571604992, 19267584),  # 525: block5_dw_bn_clipped_relu_2 32x192x28x28 float32
                 (552337408, 24576),  # 526: d_block5_project_W 32x192x1x1 float32
                 (552337408, 19267584),  # 527: d_block5_dw_bn_clipped_relu 32x192x28x28 float32
-                (571605760, 768),  # 528: d_block5_dw_bn_ew_sum 1x192x1x1 float32
-                (571604992, 768),  # 529: d_block5_dw_bn_inv_std 1x192x1x1 float32
-                (571604992, 768),  # 530: d_block5_dw_bn_bias 1x192x1x1 float32
-                (552337408, 768),  # 531: d_block5_dw_bn_batch_mean 1x192x1x1 float32
+                (590872576, 768),  # 528: d_block5_dw_bn_ew_sum 1x192x1x1 float32
+                (571605760, 768),  # 529: d_block5_dw_bn_inv_std 1x192x1x1 float32
+                (571604992, 768),  # 530: d_block5_dw_bn_batch_mean 1x192x1x1 float32
+                (571605760, 768),  # 531: d_block5_dw_bn_bias 1x192x1x1 float32
                 (571604992, 19267584),  # 532: block5_expand_bn_clipped_relu_2 32x192x28x28 float32
                 (552337408, 6912),  # 533: d_block5_dw_W 192x1x3x3 float32
                 (552337408, 19267584),  # 534: d_block5_expand_bn_clipped_relu 32x192x28x28 float32
                 (533070592, 768),  # 535: d_block5_expand_bn_ew_sum 1x192x1x1 float32
-                (533069824, 768),  # 536: d_block5_expand_bn_inv_std 1x192x1x1 float32
-                (533069824, 768),  # 537: d_block5_expand_bn_bias 1x192x1x1 float32
-                (533069824, 768),  # 538: d_block5_expand_bn_batch_mean 1x192x1x1 float32
+                (533071360, 768),  # 536: d_block5_expand_bn_inv_std 1x192x1x1 float32
+                (533069824, 768),  # 537: d_block5_expand_bn_batch_mean 1x192x1x1 float32
+                (533071360, 768),  # 538: d_block5_expand_bn_bias 1x192x1x1 float32
                 (533069824, 3211264),  # 539: block4_project_bn_2 32x32x28x28 float32
                 (536281088, 24576),  # 540: d_block5_expand_W 192x32x1x1 float32
                 (533069824, 3211264),  # 541: d_block4_project_bn 32x32x28x28 float32
                 (513802496, 128),  # 542: d_block4_project_bn_ew_sum 1x32x1x1 float32
-                (513802240, 128),  # 543: d_block4_project_bn_inv_std 1x32x1x1 float32
-                (513802240, 128),  # 544: d_block4_project_bn_bias 1x32x1x1 float32
-                (513802240, 128),  # 545: d_block4_project_bn_batch_mean 1x32x1x1 float32
+                (513802752, 128),  # 543: d_block4_project_bn_inv_std 1x32x1x1 float32
+                (513802240, 128),  # 544: d_block4_project_bn_batch_mean 1x32x1x1 float32
+                (513802752, 128),  # 545: d_block4_project_bn_bias 1x32x1x1 float32
                 (528252928, 14450688),  # 546: block4_dw_bn_clipped_relu_2 32x144x28x28 float32
                 (513802240, 18432),  # 547: d_block4_project_W 32x144x1x1 float32
                 (513802240, 14450688),  # 548: d_block4_dw_bn_clipped_relu 32x144x28x28 float32
-                (528253696, 576),  # 549: d_block4_dw_bn_ew_sum 1x144x1x1 float32
-                (528252928, 576),  # 550: d_block4_dw_bn_inv_std 1x144x1x1 float32
-                (528252928, 576),  # 551: d_block4_dw_bn_bias 1x144x1x1 float32
-                (513802240, 576),  # 552: d_block4_dw_bn_batch_mean 1x144x1x1 float32
+                (542703616, 576),  # 549: d_block4_dw_bn_ew_sum 1x144x1x1 float32
+                (528253696, 576),  # 550: d_block4_dw_bn_inv_std 1x144x1x1 float32
+                (528252928, 576),  # 551: d_block4_dw_bn_batch_mean 1x144x1x1 float32
+                (528253696, 576),  # 552: d_block4_dw_bn_bias 1x144x1x1 float32
                 (653492224, 57802752),  # 553: block4_expand_bn_clipped_relu_2 32x144x56x56 float32
                 (513802240, 5184),  # 554: d_block4_dw_W 144x1x3x3 float32
                 (513802240, 57802752),  # 555: d_block4_expand_bn_clipped_relu 32x144x56x56 float32
                 (571605760, 576),  # 556: d_block4_expand_bn_ew_sum 1x144x1x1 float32
-                (571604992, 576),  # 557: d_block4_expand_bn_inv_std 1x144x1x1 float32
-                (571604992, 576),  # 558: d_block4_expand_bn_bias 1x144x1x1 float32
-                (513802240, 576),  # 559: d_block4_expand_bn_batch_mean 1x144x1x1 float32
+                (571606528, 576),  # 557: d_block4_expand_bn_inv_std 1x144x1x1 float32
+                (571604992, 576),  # 558: d_block4_expand_bn_batch_mean 1x144x1x1 float32
+                (571606528, 576),  # 559: d_block4_expand_bn_bias 1x144x1x1 float32
                 (523436032, 13824),  # 560: d_block4_expand_W 144x24x1x1 float32
                 (513802240, 9633792),  # 561: d_block3_project_bn_add 32x24x56x56 float32
-                (372506624, 96),  # 562: d_block3_project_bn_ew_sum 1x24x1x1 float32
-                (372506880, 96),  # 563: d_block3_project_bn_inv_std 1x24x1x1 float32
+                (372506880, 96),  # 562: d_block3_project_bn_ew_sum 1x24x1x1 float32
+                (372507136, 96),  # 563: d_block3_project_bn_inv_std 1x24x1x1 float32
                 (372506624, 96),  # 564: d_block3_project_bn_batch_mean 1x24x1x1 float32
                 (372506624, 96),  # 565: d_block3_project_bn_bias 1x24x1x1 float32
                 (523436032, 57802752),  # 566: block3_dw_bn_clipped_relu_2 32x144x56x56 float32
                 (372506624, 13824),  # 567: d_block3_project_W 24x144x1x1 float32
                 (372506624, 57802752),  # 568: d_block3_dw_bn_clipped_relu 32x144x56x56 float32
-                (523436800, 576),  # 569: d_block3_dw_bn_ew_sum 1x144x1x1 float32
-                (523436032, 576),  # 570: d_block3_dw_bn_inv_std 1x144x1x1 float32
-                (523436032, 576),  # 571: d_block3_dw_bn_bias 1x144x1x1 float32
-                (372506624, 576),  # 572: d_block3_dw_bn_batch_mean 1x144x1x1 float32
+                (581238784, 576),  # 569: d_block3_dw_bn_ew_sum 1x144x1x1 float32
+                (523436800, 576),  # 570: d_block3_dw_bn_inv_std 1x144x1x1 float32
+                (523436032, 576),  # 571: d_block3_dw_bn_batch_mean 1x144x1x1 float32
+                (523436800, 576),  # 572: d_block3_dw_bn_bias 1x144x1x1 float32
                 (523436032, 57802752),  # 573: block3_expand_bn_clipped_relu_2 32x144x56x56 float32
                 (372506624, 5184),  # 574: d_block3_dw_W 144x1x3x3 float32
                 (372506624, 57802752),  # 575: d_block3_expand_bn_clipped_relu 32x144x56x56 float32
                 (314704640, 576),  # 576: d_block3_expand_bn_ew_sum 1x144x1x1 float32
-                (314703872, 576),  # 577: d_block3_expand_bn_inv_std 1x144x1x1 float32
-                (314703872, 576),  # 578: d_block3_expand_bn_bias 1x144x1x1 float32
-                (314703872, 576),  # 579: d_block3_expand_bn_batch_mean 1x144x1x1 float32
+                (314705408, 576),  # 577: d_block3_expand_bn_inv_std 1x144x1x1 float32
+                (314703872, 576),  # 578: d_block3_expand_bn_batch_mean 1x144x1x1 float32
+                (314705408, 576),  # 579: d_block3_expand_bn_bias 1x144x1x1 float32
                 (314703872, 9633792),  # 580: block2_project_bn_2 32x24x56x56 float32
                 (324337664, 13824),  # 581: d_block3_expand_W 144x24x1x1 float32
                 (314703872, 9633792),  # 582: d_block2_project_bn 32x24x56x56 float32
                 (205521152, 96),  # 583: d_block2_project_bn_ew_sum 1x24x1x1 float32
-                (205520896, 96),  # 584: d_block2_project_bn_inv_std 1x24x1x1 float32
-                (205520896, 96),  # 585: d_block2_project_bn_bias 1x24x1x1 float32
-                (205520896, 96),  # 586: d_block2_project_bn_batch_mean 1x24x1x1 float32
+                (205521408, 96),  # 584: d_block2_project_bn_inv_std 1x24x1x1 float32
+                (205520896, 96),  # 585: d_block2_project_bn_batch_mean 1x24x1x1 float32
+                (205521408, 96),  # 586: d_block2_project_bn_bias 1x24x1x1 float32
                 (314703872, 38535168),  # 587: block2_dw_bn_clipped_relu_2 32x96x56x56 float32
                 (205520896, 9216),  # 588: d_block2_project_W 24x96x1x1 float32
                 (205520896, 38535168),  # 589: d_block2_dw_bn_clipped_relu 32x96x56x56 float32
                 (244056576, 384),  # 590: d_block2_dw_bn_ew_sum 1x96x1x1 float32
-                (244056064, 384),  # 591: d_block2_dw_bn_inv_std 1x96x1x1 float32
-                (244056064, 384),  # 592: d_block2_dw_bn_bias 1x96x1x1 float32
-                (205520896, 384),  # 593: d_block2_dw_bn_batch_mean 1x96x1x1 float32
+                (244057088, 384),  # 591: d_block2_dw_bn_inv_std 1x96x1x1 float32
+                (244056064, 384),  # 592: d_block2_dw_bn_batch_mean 1x96x1x1 float32
+                (244057088, 384),  # 593: d_block2_dw_bn_bias 1x96x1x1 float32
                 (667942912, 154140672),  # 594: block2_expand_bn_clipped_relu_2 32x96x112x112 float32
                 (205520896, 3456),  # 595: d_block2_dw_W 96x1x3x3 float32
                 (513802240, 154140672),  # 596: d_block2_expand_bn_clipped_relu 32x96x112x112 float32
                 (205521408, 384),  # 597: d_block2_expand_bn_ew_sum 1x96x1x1 float32
-                (205520896, 384),  # 598: d_block2_expand_bn_inv_std 1x96x1x1 float32
-                (205520896, 384),  # 599: d_block2_expand_bn_bias 1x96x1x1 float32
-                (205520896, 384),  # 600: d_block2_expand_bn_batch_mean 1x96x1x1 float32
+                (205521920, 384),  # 598: d_block2_expand_bn_inv_std 1x96x1x1 float32
+                (205520896, 384),  # 599: d_block2_expand_bn_batch_mean 1x96x1x1 float32
+                (205521920, 384),  # 600: d_block2_expand_bn_bias 1x96x1x1 float32
                 (205520896, 25690112),  # 601: block1_project_bn_2 32x16x112x112 float32
                 (231211008, 6144),  # 602: d_block2_expand_W 96x16x1x1 float32
                 (205520896, 25690112),  # 603: d_block1_project_bn 32x16x112x112 float32
-                (256, 64),  # 604: d_block1_project_bn_ew_sum 1x16x1x1 float32
-                (0, 64),  # 605: d_block1_project_bn_inv_std 1x16x1x1 float32
-                (0, 64),  # 606: d_block1_project_bn_bias 1x16x1x1 float32
-                (0, 64),  # 607: d_block1_project_bn_batch_mean 1x16x1x1 float32
+                (512, 64),  # 604: d_block1_project_bn_ew_sum 1x16x1x1 float32
+                (256, 64),  # 605: d_block1_project_bn_inv_std 1x16x1x1 float32
+                (0, 64),  # 606: d_block1_project_bn_batch_mean 1x16x1x1 float32
+                (256, 64),  # 607: d_block1_project_bn_bias 1x16x1x1 float32
                 (51380224, 51380224),  # 608: block1_dw_bn_clipped_relu_2 32x32x112x112 float32
                 (0, 2048),  # 609: d_block1_project_W 16x32x1x1 float32
                 (0, 51380224),  # 610: d_block1_dw_bn_clipped_relu 32x32x112x112 float32
-                (51380480, 128),  # 611: d_block1_dw_bn_ew_sum 1x32x1x1 float32
-                (51380224, 128),  # 612: d_block1_dw_bn_inv_std 1x32x1x1 float32
-                (51380224, 128),  # 613: d_block1_dw_bn_bias 1x32x1x1 float32
-                (0, 128),  # 614: d_block1_dw_bn_batch_mean 1x32x1x1 float32
+                (102760448, 128),  # 611: d_block1_dw_bn_ew_sum 1x32x1x1 float32
+                (51380480, 128),  # 612: d_block1_dw_bn_inv_std 1x32x1x1 float32
+                (51380224, 128),  # 613: d_block1_dw_bn_batch_mean 1x32x1x1 float32
+                (51380480, 128),  # 614: d_block1_dw_bn_bias 1x32x1x1 float32
                 (51380224, 51380224),  # 615: conv1_bn_clipped_relu_2 32x32x112x112 float32
                 (0, 1152),  # 616: d_block1_dw_W 32x1x3x3 float32
                 (0, 51380224),  # 617: d_conv1_bn_clipped_relu 32x32x112x112 float32
-                (51380480, 128),  # 618: d_conv1_bn_ew_sum 1x32x1x1 float32
-                (51380224, 128),  # 619: d_conv1_bn_inv_std 1x32x1x1 float32
-                (51380224, 128),  # 620: d_conv1_bn_bias 1x32x1x1 float32
-                (0, 128),  # 621: d_conv1_bn_batch_mean 1x32x1x1 float32
+                (102760448, 128),  # 618: d_conv1_bn_ew_sum 1x32x1x1 float32
+                (51380480, 128),  # 619: d_conv1_bn_inv_std 1x32x1x1 float32
+                (51380224, 128),  # 620: d_conv1_bn_batch_mean 1x32x1x1 float32
+                (51380480, 128),  # 621: d_conv1_bn_bias 1x32x1x1 float32
                 (0, 3456),  # 622: d_conv1_W 32x3x3x3 float32
             )),
         "test_step": rp.StepPlan(
@@ -10407,15 +10633,15 @@ def ew_sub(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
+def ew_square(out, v0):
+    """out = v0**2"""
+    np.square(v0, out=out)
+
+
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.1, out, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
@@ -10560,14 +10786,14 @@ def ew_mul_add_5(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew_mul_3(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
+
+
+def ew_mul_3(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):

@@ -263,9 +263,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
     const float* p2 = (const float*)in[2];
     const float v3 = value[3];
     const float* p4 = (const float*)in[4];
-    const float* q0 = (const float*)in[5];
+    const float* b0 = (const float*)in[5];
     const float w1 = value[6];
-    const float* q2 = (const float*)in[7];
+    const float* b2 = (const float*)in[7];
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         {
@@ -275,9 +275,9 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
             out0[i] = v0*v1 + v2 + v3*v4;
         }
         {
-            const float v0 = (float)q0[i];
+            const float v0 = (float)b0[i];
             const float v1 = w1;
-            const float v2 = (float)q2[i];
+            const float v2 = (float)b2[i];
             out1[i] = v0 - v1*v2;
         }
     }

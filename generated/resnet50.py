@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
 Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: 472dd462b06de0cc
+Structure hash: 678c10fa9204463b
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "472dd462b06de0cc"
+    structure_hash = "678c10fa9204463b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -531,9 +531,13 @@ class Resnet50(rp.Model):
         # bn_conv1_batch_mean = bn_conv1_sum/401408
         bn_conv1_batch_mean = bn_conv1_sum  # in place: over bn_conv1_sum
         rt.ew(ew_scale, bn_conv1_batch_mean, bn_conv1_sum)
-        # bn_conv1_centered = conv1 - bn_conv1_batch_mean
+        # bn_conv1_centered = conv1 - bn_conv1_batch_mean   (computed with the next statement)
         bn_conv1_centered = conv1  # in place: over conv1
-        rt.ew(ew_sub, bn_conv1_centered, conv1, bn_conv1_batch_mean)
+        # bn_conv1_sum_of_squares = sum_to[1x64x1x1](bn_conv1_centered**2)
+        bn_conv1_sum_of_squares = mem.tensor(5, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn_conv1_centered, conv1, bn_conv1_batch_mean),
+                      (ew_square, bn_conv1_sum_of_squares, bn_conv1_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn_conv1_batch_mean_flat = reshape[64](bn_conv1_batch_mean)
         bn_conv1_batch_mean_flat = rt.reshape(bn_conv1_batch_mean, shape=(64,))
         # bn_conv1_mean_new = 0.9*bn_conv1_mean + 0.1*bn_conv1_batch_mean_flat
@@ -542,9 +546,6 @@ class Resnet50(rp.Model):
         # free bn_conv1_sum, bn_conv1_batch_mean, bn_conv1_batch_mean_flat
         del bn_conv1_sum, bn_conv1_batch_mean, bn_conv1_batch_mean_flat
         mem.free(4)
-        # bn_conv1_sum_of_squares = sum_to[1x64x1x1](bn_conv1_centered**2)
-        bn_conv1_sum_of_squares = mem.tensor(5, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn_conv1_sum_of_squares, bn_conv1_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn_conv1_batch_var = bn_conv1_sum_of_squares/401408
         bn_conv1_batch_var = bn_conv1_sum_of_squares  # in place: over bn_conv1_sum_of_squares
         rt.ew(ew_scale, bn_conv1_batch_var, bn_conv1_sum_of_squares)
@@ -588,9 +589,13 @@ class Resnet50(rp.Model):
         # bn2a_branch2a_batch_mean = bn2a_branch2a_sum/100352
         bn2a_branch2a_batch_mean = bn2a_branch2a_sum  # in place: over bn2a_branch2a_sum
         rt.ew(ew_scale_2, bn2a_branch2a_batch_mean, bn2a_branch2a_sum)
-        # bn2a_branch2a_centered = res2a_branch2a - bn2a_branch2a_batch_mean
+        # bn2a_branch2a_centered = res2a_branch2a - bn2a_branch2a_batch_mean   (computed with the next statement)
         bn2a_branch2a_centered = res2a_branch2a  # in place: over res2a_branch2a
-        rt.ew(ew_sub, bn2a_branch2a_centered, res2a_branch2a, bn2a_branch2a_batch_mean)
+        # bn2a_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2a_centered**2)
+        bn2a_branch2a_sum_of_squares = mem.tensor(12, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2a_branch2a_centered, res2a_branch2a, bn2a_branch2a_batch_mean),
+                      (ew_square, bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2a_batch_mean_flat = reshape[64](bn2a_branch2a_batch_mean)
         bn2a_branch2a_batch_mean_flat = rt.reshape(bn2a_branch2a_batch_mean, shape=(64,))
         # bn2a_branch2a_mean_new = 0.9*bn2a_branch2a_mean + 0.1*bn2a_branch2a_batch_mean_flat
@@ -599,9 +604,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2a_sum, bn2a_branch2a_batch_mean, bn2a_branch2a_batch_mean_flat
         del bn2a_branch2a_sum, bn2a_branch2a_batch_mean, bn2a_branch2a_batch_mean_flat
         mem.free(11)
-        # bn2a_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2a_centered**2)
-        bn2a_branch2a_sum_of_squares = mem.tensor(12, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2a_batch_var = bn2a_branch2a_sum_of_squares/100352
         bn2a_branch2a_batch_var = bn2a_branch2a_sum_of_squares  # in place: over bn2a_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2a_batch_var, bn2a_branch2a_sum_of_squares)
@@ -638,9 +640,13 @@ class Resnet50(rp.Model):
         # bn2a_branch2b_batch_mean = bn2a_branch2b_sum/100352
         bn2a_branch2b_batch_mean = bn2a_branch2b_sum  # in place: over bn2a_branch2b_sum
         rt.ew(ew_scale_2, bn2a_branch2b_batch_mean, bn2a_branch2b_sum)
-        # bn2a_branch2b_centered = res2a_branch2b - bn2a_branch2b_batch_mean
+        # bn2a_branch2b_centered = res2a_branch2b - bn2a_branch2b_batch_mean   (computed with the next statement)
         bn2a_branch2b_centered = res2a_branch2b  # in place: over res2a_branch2b
-        rt.ew(ew_sub, bn2a_branch2b_centered, res2a_branch2b, bn2a_branch2b_batch_mean)
+        # bn2a_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2b_centered**2)
+        bn2a_branch2b_sum_of_squares = mem.tensor(17, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2a_branch2b_centered, res2a_branch2b, bn2a_branch2b_batch_mean),
+                      (ew_square, bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2b_batch_mean_flat = reshape[64](bn2a_branch2b_batch_mean)
         bn2a_branch2b_batch_mean_flat = rt.reshape(bn2a_branch2b_batch_mean, shape=(64,))
         # bn2a_branch2b_mean_new = 0.9*bn2a_branch2b_mean + 0.1*bn2a_branch2b_batch_mean_flat
@@ -649,9 +655,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2b_sum, bn2a_branch2b_batch_mean, bn2a_branch2b_batch_mean_flat
         del bn2a_branch2b_sum, bn2a_branch2b_batch_mean, bn2a_branch2b_batch_mean_flat
         mem.free(16)
-        # bn2a_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2a_branch2b_centered**2)
-        bn2a_branch2b_sum_of_squares = mem.tensor(17, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2a_branch2b_batch_var = bn2a_branch2b_sum_of_squares/100352
         bn2a_branch2b_batch_var = bn2a_branch2b_sum_of_squares  # in place: over bn2a_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2b_batch_var, bn2a_branch2b_sum_of_squares)
@@ -685,9 +688,13 @@ class Resnet50(rp.Model):
         # bn2a_branch1_batch_mean = bn2a_branch1_sum/100352
         bn2a_branch1_batch_mean = bn2a_branch1_sum  # in place: over bn2a_branch1_sum
         rt.ew(ew_scale_2, bn2a_branch1_batch_mean, bn2a_branch1_sum)
-        # bn2a_branch1_centered = res2a_branch1 - bn2a_branch1_batch_mean
+        # bn2a_branch1_centered = res2a_branch1 - bn2a_branch1_batch_mean   (computed with the next statement)
         bn2a_branch1_centered = res2a_branch1  # in place: over res2a_branch1
-        rt.ew(ew_sub, bn2a_branch1_centered, res2a_branch1, bn2a_branch1_batch_mean)
+        # bn2a_branch1_sum_of_squares = sum_to[1x256x1x1](bn2a_branch1_centered**2)
+        bn2a_branch1_sum_of_squares = mem.tensor(22, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2a_branch1_centered, res2a_branch1, bn2a_branch1_batch_mean),
+                      (ew_square, bn2a_branch1_sum_of_squares, bn2a_branch1_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch1_batch_mean_flat = reshape[256](bn2a_branch1_batch_mean)
         bn2a_branch1_batch_mean_flat = rt.reshape(bn2a_branch1_batch_mean, shape=(256,))
         # bn2a_branch1_mean_new = 0.9*bn2a_branch1_mean + 0.1*bn2a_branch1_batch_mean_flat
@@ -696,9 +703,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch1_sum, bn2a_branch1_batch_mean, bn2a_branch1_batch_mean_flat
         del bn2a_branch1_sum, bn2a_branch1_batch_mean, bn2a_branch1_batch_mean_flat
         mem.free(21)
-        # bn2a_branch1_sum_of_squares = sum_to[1x256x1x1](bn2a_branch1_centered**2)
-        bn2a_branch1_sum_of_squares = mem.tensor(22, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2a_branch1_sum_of_squares, bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch1_batch_var = bn2a_branch1_sum_of_squares/100352
         bn2a_branch1_batch_var = bn2a_branch1_sum_of_squares  # in place: over bn2a_branch1_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch1_batch_var, bn2a_branch1_sum_of_squares)
@@ -726,9 +730,13 @@ class Resnet50(rp.Model):
         # bn2a_branch2c_batch_mean = bn2a_branch2c_sum/100352
         bn2a_branch2c_batch_mean = bn2a_branch2c_sum  # in place: over bn2a_branch2c_sum
         rt.ew(ew_scale_2, bn2a_branch2c_batch_mean, bn2a_branch2c_sum)
-        # bn2a_branch2c_centered = res2a_branch2c - bn2a_branch2c_batch_mean
+        # bn2a_branch2c_centered = res2a_branch2c - bn2a_branch2c_batch_mean   (computed with the next statement)
         bn2a_branch2c_centered = res2a_branch2c  # in place: over res2a_branch2c
-        rt.ew(ew_sub, bn2a_branch2c_centered, res2a_branch2c, bn2a_branch2c_batch_mean)
+        # bn2a_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2a_branch2c_centered**2)
+        bn2a_branch2c_sum_of_squares = mem.tensor(26, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2a_branch2c_centered, res2a_branch2c, bn2a_branch2c_batch_mean),
+                      (ew_square, bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch2c_batch_mean_flat = reshape[256](bn2a_branch2c_batch_mean)
         bn2a_branch2c_batch_mean_flat = rt.reshape(bn2a_branch2c_batch_mean, shape=(256,))
         # bn2a_branch2c_mean_new = 0.9*bn2a_branch2c_mean + 0.1*bn2a_branch2c_batch_mean_flat
@@ -737,9 +745,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2c_sum, bn2a_branch2c_batch_mean, bn2a_branch2c_batch_mean_flat
         del bn2a_branch2c_sum, bn2a_branch2c_batch_mean, bn2a_branch2c_batch_mean_flat
         mem.free(25)
-        # bn2a_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2a_branch2c_centered**2)
-        bn2a_branch2c_sum_of_squares = mem.tensor(26, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2a_branch2c_batch_var = bn2a_branch2c_sum_of_squares/100352
         bn2a_branch2c_batch_var = bn2a_branch2c_sum_of_squares  # in place: over bn2a_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2a_branch2c_batch_var, bn2a_branch2c_sum_of_squares)
@@ -779,9 +784,13 @@ class Resnet50(rp.Model):
         # bn2b_branch2a_batch_mean = bn2b_branch2a_sum/100352
         bn2b_branch2a_batch_mean = bn2b_branch2a_sum  # in place: over bn2b_branch2a_sum
         rt.ew(ew_scale_2, bn2b_branch2a_batch_mean, bn2b_branch2a_sum)
-        # bn2b_branch2a_centered = res2b_branch2a - bn2b_branch2a_batch_mean
+        # bn2b_branch2a_centered = res2b_branch2a - bn2b_branch2a_batch_mean   (computed with the next statement)
         bn2b_branch2a_centered = res2b_branch2a  # in place: over res2b_branch2a
-        rt.ew(ew_sub, bn2b_branch2a_centered, res2b_branch2a, bn2b_branch2a_batch_mean)
+        # bn2b_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2a_centered**2)
+        bn2b_branch2a_sum_of_squares = mem.tensor(31, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2b_branch2a_centered, res2b_branch2a, bn2b_branch2a_batch_mean),
+                      (ew_square, bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2a_batch_mean_flat = reshape[64](bn2b_branch2a_batch_mean)
         bn2b_branch2a_batch_mean_flat = rt.reshape(bn2b_branch2a_batch_mean, shape=(64,))
         # bn2b_branch2a_mean_new = 0.9*bn2b_branch2a_mean + 0.1*bn2b_branch2a_batch_mean_flat
@@ -790,9 +799,6 @@ class Resnet50(rp.Model):
         # free bn2b_branch2a_sum, bn2b_branch2a_batch_mean, bn2b_branch2a_batch_mean_flat
         del bn2b_branch2a_sum, bn2b_branch2a_batch_mean, bn2b_branch2a_batch_mean_flat
         mem.free(30)
-        # bn2b_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2a_centered**2)
-        bn2b_branch2a_sum_of_squares = mem.tensor(31, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2a_batch_var = bn2b_branch2a_sum_of_squares/100352
         bn2b_branch2a_batch_var = bn2b_branch2a_sum_of_squares  # in place: over bn2b_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2a_batch_var, bn2b_branch2a_sum_of_squares)
@@ -829,9 +835,13 @@ class Resnet50(rp.Model):
         # bn2b_branch2b_batch_mean = bn2b_branch2b_sum/100352
         bn2b_branch2b_batch_mean = bn2b_branch2b_sum  # in place: over bn2b_branch2b_sum
         rt.ew(ew_scale_2, bn2b_branch2b_batch_mean, bn2b_branch2b_sum)
-        # bn2b_branch2b_centered = res2b_branch2b - bn2b_branch2b_batch_mean
+        # bn2b_branch2b_centered = res2b_branch2b - bn2b_branch2b_batch_mean   (computed with the next statement)
         bn2b_branch2b_centered = res2b_branch2b  # in place: over res2b_branch2b
-        rt.ew(ew_sub, bn2b_branch2b_centered, res2b_branch2b, bn2b_branch2b_batch_mean)
+        # bn2b_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2b_centered**2)
+        bn2b_branch2b_sum_of_squares = mem.tensor(36, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2b_branch2b_centered, res2b_branch2b, bn2b_branch2b_batch_mean),
+                      (ew_square, bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2b_batch_mean_flat = reshape[64](bn2b_branch2b_batch_mean)
         bn2b_branch2b_batch_mean_flat = rt.reshape(bn2b_branch2b_batch_mean, shape=(64,))
         # bn2b_branch2b_mean_new = 0.9*bn2b_branch2b_mean + 0.1*bn2b_branch2b_batch_mean_flat
@@ -840,9 +850,6 @@ class Resnet50(rp.Model):
         # free bn2b_branch2b_sum, bn2b_branch2b_batch_mean, bn2b_branch2b_batch_mean_flat
         del bn2b_branch2b_sum, bn2b_branch2b_batch_mean, bn2b_branch2b_batch_mean_flat
         mem.free(35)
-        # bn2b_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2b_branch2b_centered**2)
-        bn2b_branch2b_sum_of_squares = mem.tensor(36, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2b_branch2b_batch_var = bn2b_branch2b_sum_of_squares/100352
         bn2b_branch2b_batch_var = bn2b_branch2b_sum_of_squares  # in place: over bn2b_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2b_batch_var, bn2b_branch2b_sum_of_squares)
@@ -879,9 +886,13 @@ class Resnet50(rp.Model):
         # bn2b_branch2c_batch_mean = bn2b_branch2c_sum/100352
         bn2b_branch2c_batch_mean = bn2b_branch2c_sum  # in place: over bn2b_branch2c_sum
         rt.ew(ew_scale_2, bn2b_branch2c_batch_mean, bn2b_branch2c_sum)
-        # bn2b_branch2c_centered = res2b_branch2c - bn2b_branch2c_batch_mean
+        # bn2b_branch2c_centered = res2b_branch2c - bn2b_branch2c_batch_mean   (computed with the next statement)
         bn2b_branch2c_centered = res2b_branch2c  # in place: over res2b_branch2c
-        rt.ew(ew_sub, bn2b_branch2c_centered, res2b_branch2c, bn2b_branch2c_batch_mean)
+        # bn2b_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2b_branch2c_centered**2)
+        bn2b_branch2c_sum_of_squares = mem.tensor(41, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2b_branch2c_centered, res2b_branch2c, bn2b_branch2c_batch_mean),
+                      (ew_square, bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2b_branch2c_batch_mean_flat = reshape[256](bn2b_branch2c_batch_mean)
         bn2b_branch2c_batch_mean_flat = rt.reshape(bn2b_branch2c_batch_mean, shape=(256,))
         # bn2b_branch2c_mean_new = 0.9*bn2b_branch2c_mean + 0.1*bn2b_branch2c_batch_mean_flat
@@ -890,9 +901,6 @@ class Resnet50(rp.Model):
         # free bn2b_branch2c_sum, bn2b_branch2c_batch_mean, bn2b_branch2c_batch_mean_flat
         del bn2b_branch2c_sum, bn2b_branch2c_batch_mean, bn2b_branch2c_batch_mean_flat
         mem.free(40)
-        # bn2b_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2b_branch2c_centered**2)
-        bn2b_branch2c_sum_of_squares = mem.tensor(41, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2b_branch2c_batch_var = bn2b_branch2c_sum_of_squares/100352
         bn2b_branch2c_batch_var = bn2b_branch2c_sum_of_squares  # in place: over bn2b_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2b_branch2c_batch_var, bn2b_branch2c_sum_of_squares)
@@ -926,9 +934,13 @@ class Resnet50(rp.Model):
         # bn2c_branch2a_batch_mean = bn2c_branch2a_sum/100352
         bn2c_branch2a_batch_mean = bn2c_branch2a_sum  # in place: over bn2c_branch2a_sum
         rt.ew(ew_scale_2, bn2c_branch2a_batch_mean, bn2c_branch2a_sum)
-        # bn2c_branch2a_centered = res2c_branch2a - bn2c_branch2a_batch_mean
+        # bn2c_branch2a_centered = res2c_branch2a - bn2c_branch2a_batch_mean   (computed with the next statement)
         bn2c_branch2a_centered = res2c_branch2a  # in place: over res2c_branch2a
-        rt.ew(ew_sub, bn2c_branch2a_centered, res2c_branch2a, bn2c_branch2a_batch_mean)
+        # bn2c_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2a_centered**2)
+        bn2c_branch2a_sum_of_squares = mem.tensor(45, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2c_branch2a_centered, res2c_branch2a, bn2c_branch2a_batch_mean),
+                      (ew_square, bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2a_batch_mean_flat = reshape[64](bn2c_branch2a_batch_mean)
         bn2c_branch2a_batch_mean_flat = rt.reshape(bn2c_branch2a_batch_mean, shape=(64,))
         # bn2c_branch2a_mean_new = 0.9*bn2c_branch2a_mean + 0.1*bn2c_branch2a_batch_mean_flat
@@ -937,9 +949,6 @@ class Resnet50(rp.Model):
         # free bn2c_branch2a_sum, bn2c_branch2a_batch_mean, bn2c_branch2a_batch_mean_flat
         del bn2c_branch2a_sum, bn2c_branch2a_batch_mean, bn2c_branch2a_batch_mean_flat
         mem.free(44)
-        # bn2c_branch2a_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2a_centered**2)
-        bn2c_branch2a_sum_of_squares = mem.tensor(45, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2a_batch_var = bn2c_branch2a_sum_of_squares/100352
         bn2c_branch2a_batch_var = bn2c_branch2a_sum_of_squares  # in place: over bn2c_branch2a_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2a_batch_var, bn2c_branch2a_sum_of_squares)
@@ -976,9 +985,13 @@ class Resnet50(rp.Model):
         # bn2c_branch2b_batch_mean = bn2c_branch2b_sum/100352
         bn2c_branch2b_batch_mean = bn2c_branch2b_sum  # in place: over bn2c_branch2b_sum
         rt.ew(ew_scale_2, bn2c_branch2b_batch_mean, bn2c_branch2b_sum)
-        # bn2c_branch2b_centered = res2c_branch2b - bn2c_branch2b_batch_mean
+        # bn2c_branch2b_centered = res2c_branch2b - bn2c_branch2b_batch_mean   (computed with the next statement)
         bn2c_branch2b_centered = res2c_branch2b  # in place: over res2c_branch2b
-        rt.ew(ew_sub, bn2c_branch2b_centered, res2c_branch2b, bn2c_branch2b_batch_mean)
+        # bn2c_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2b_centered**2)
+        bn2c_branch2b_sum_of_squares = mem.tensor(50, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2c_branch2b_centered, res2c_branch2b, bn2c_branch2b_batch_mean),
+                      (ew_square, bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2b_batch_mean_flat = reshape[64](bn2c_branch2b_batch_mean)
         bn2c_branch2b_batch_mean_flat = rt.reshape(bn2c_branch2b_batch_mean, shape=(64,))
         # bn2c_branch2b_mean_new = 0.9*bn2c_branch2b_mean + 0.1*bn2c_branch2b_batch_mean_flat
@@ -987,9 +1000,6 @@ class Resnet50(rp.Model):
         # free bn2c_branch2b_sum, bn2c_branch2b_batch_mean, bn2c_branch2b_batch_mean_flat
         del bn2c_branch2b_sum, bn2c_branch2b_batch_mean, bn2c_branch2b_batch_mean_flat
         mem.free(49)
-        # bn2c_branch2b_sum_of_squares = sum_to[1x64x1x1](bn2c_branch2b_centered**2)
-        bn2c_branch2b_sum_of_squares = mem.tensor(50, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # bn2c_branch2b_batch_var = bn2c_branch2b_sum_of_squares/100352
         bn2c_branch2b_batch_var = bn2c_branch2b_sum_of_squares  # in place: over bn2c_branch2b_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2b_batch_var, bn2c_branch2b_sum_of_squares)
@@ -1026,9 +1036,13 @@ class Resnet50(rp.Model):
         # bn2c_branch2c_batch_mean = bn2c_branch2c_sum/100352
         bn2c_branch2c_batch_mean = bn2c_branch2c_sum  # in place: over bn2c_branch2c_sum
         rt.ew(ew_scale_2, bn2c_branch2c_batch_mean, bn2c_branch2c_sum)
-        # bn2c_branch2c_centered = res2c_branch2c - bn2c_branch2c_batch_mean
+        # bn2c_branch2c_centered = res2c_branch2c - bn2c_branch2c_batch_mean   (computed with the next statement)
         bn2c_branch2c_centered = res2c_branch2c  # in place: over res2c_branch2c
-        rt.ew(ew_sub, bn2c_branch2c_centered, res2c_branch2c, bn2c_branch2c_batch_mean)
+        # bn2c_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2c_branch2c_centered**2)
+        bn2c_branch2c_sum_of_squares = mem.tensor(55, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn2c_branch2c_centered, res2c_branch2c, bn2c_branch2c_batch_mean),
+                      (ew_square, bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2c_branch2c_batch_mean_flat = reshape[256](bn2c_branch2c_batch_mean)
         bn2c_branch2c_batch_mean_flat = rt.reshape(bn2c_branch2c_batch_mean, shape=(256,))
         # bn2c_branch2c_mean_new = 0.9*bn2c_branch2c_mean + 0.1*bn2c_branch2c_batch_mean_flat
@@ -1037,9 +1051,6 @@ class Resnet50(rp.Model):
         # free bn2c_branch2c_sum, bn2c_branch2c_batch_mean, bn2c_branch2c_batch_mean_flat
         del bn2c_branch2c_sum, bn2c_branch2c_batch_mean, bn2c_branch2c_batch_mean_flat
         mem.free(54)
-        # bn2c_branch2c_sum_of_squares = sum_to[1x256x1x1](bn2c_branch2c_centered**2)
-        bn2c_branch2c_sum_of_squares = mem.tensor(55, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # bn2c_branch2c_batch_var = bn2c_branch2c_sum_of_squares/100352
         bn2c_branch2c_batch_var = bn2c_branch2c_sum_of_squares  # in place: over bn2c_branch2c_sum_of_squares
         rt.ew(ew_scale_2, bn2c_branch2c_batch_var, bn2c_branch2c_sum_of_squares)
@@ -1073,9 +1084,13 @@ class Resnet50(rp.Model):
         # bn3a_branch2a_batch_mean = bn3a_branch2a_sum/25088
         bn3a_branch2a_batch_mean = bn3a_branch2a_sum  # in place: over bn3a_branch2a_sum
         rt.ew(ew_scale_3, bn3a_branch2a_batch_mean, bn3a_branch2a_sum)
-        # bn3a_branch2a_centered = res3a_branch2a - bn3a_branch2a_batch_mean
+        # bn3a_branch2a_centered = res3a_branch2a - bn3a_branch2a_batch_mean   (computed with the next statement)
         bn3a_branch2a_centered = res3a_branch2a  # in place: over res3a_branch2a
-        rt.ew(ew_sub, bn3a_branch2a_centered, res3a_branch2a, bn3a_branch2a_batch_mean)
+        # bn3a_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2a_centered**2)
+        bn3a_branch2a_sum_of_squares = mem.tensor(60, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3a_branch2a_centered, res3a_branch2a, bn3a_branch2a_batch_mean),
+                      (ew_square, bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2a_batch_mean_flat = reshape[128](bn3a_branch2a_batch_mean)
         bn3a_branch2a_batch_mean_flat = rt.reshape(bn3a_branch2a_batch_mean, shape=(128,))
         # bn3a_branch2a_mean_new = 0.9*bn3a_branch2a_mean + 0.1*bn3a_branch2a_batch_mean_flat
@@ -1084,9 +1099,6 @@ class Resnet50(rp.Model):
         # free bn3a_branch2a_sum, bn3a_branch2a_batch_mean, bn3a_branch2a_batch_mean_flat
         del bn3a_branch2a_sum, bn3a_branch2a_batch_mean, bn3a_branch2a_batch_mean_flat
         mem.free(59)
-        # bn3a_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2a_centered**2)
-        bn3a_branch2a_sum_of_squares = mem.tensor(60, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2a_batch_var = bn3a_branch2a_sum_of_squares/25088
         bn3a_branch2a_batch_var = bn3a_branch2a_sum_of_squares  # in place: over bn3a_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2a_batch_var, bn3a_branch2a_sum_of_squares)
@@ -1123,9 +1135,13 @@ class Resnet50(rp.Model):
         # bn3a_branch2b_batch_mean = bn3a_branch2b_sum/25088
         bn3a_branch2b_batch_mean = bn3a_branch2b_sum  # in place: over bn3a_branch2b_sum
         rt.ew(ew_scale_3, bn3a_branch2b_batch_mean, bn3a_branch2b_sum)
-        # bn3a_branch2b_centered = res3a_branch2b - bn3a_branch2b_batch_mean
+        # bn3a_branch2b_centered = res3a_branch2b - bn3a_branch2b_batch_mean   (computed with the next statement)
         bn3a_branch2b_centered = res3a_branch2b  # in place: over res3a_branch2b
-        rt.ew(ew_sub, bn3a_branch2b_centered, res3a_branch2b, bn3a_branch2b_batch_mean)
+        # bn3a_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2b_centered**2)
+        bn3a_branch2b_sum_of_squares = mem.tensor(65, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3a_branch2b_centered, res3a_branch2b, bn3a_branch2b_batch_mean),
+                      (ew_square, bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2b_batch_mean_flat = reshape[128](bn3a_branch2b_batch_mean)
         bn3a_branch2b_batch_mean_flat = rt.reshape(bn3a_branch2b_batch_mean, shape=(128,))
         # bn3a_branch2b_mean_new = 0.9*bn3a_branch2b_mean + 0.1*bn3a_branch2b_batch_mean_flat
@@ -1134,9 +1150,6 @@ class Resnet50(rp.Model):
         # free bn3a_branch2b_sum, bn3a_branch2b_batch_mean, bn3a_branch2b_batch_mean_flat
         del bn3a_branch2b_sum, bn3a_branch2b_batch_mean, bn3a_branch2b_batch_mean_flat
         mem.free(64)
-        # bn3a_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3a_branch2b_centered**2)
-        bn3a_branch2b_sum_of_squares = mem.tensor(65, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3a_branch2b_batch_var = bn3a_branch2b_sum_of_squares/25088
         bn3a_branch2b_batch_var = bn3a_branch2b_sum_of_squares  # in place: over bn3a_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2b_batch_var, bn3a_branch2b_sum_of_squares)
@@ -1173,9 +1186,13 @@ class Resnet50(rp.Model):
         # bn3a_branch1_batch_mean = bn3a_branch1_sum/25088
         bn3a_branch1_batch_mean = bn3a_branch1_sum  # in place: over bn3a_branch1_sum
         rt.ew(ew_scale_3, bn3a_branch1_batch_mean, bn3a_branch1_sum)
-        # bn3a_branch1_centered = res3a_branch1 - bn3a_branch1_batch_mean
+        # bn3a_branch1_centered = res3a_branch1 - bn3a_branch1_batch_mean   (computed with the next statement)
         bn3a_branch1_centered = res3a_branch1  # in place: over res3a_branch1
-        rt.ew(ew_sub, bn3a_branch1_centered, res3a_branch1, bn3a_branch1_batch_mean)
+        # bn3a_branch1_sum_of_squares = sum_to[1x512x1x1](bn3a_branch1_centered**2)
+        bn3a_branch1_sum_of_squares = mem.tensor(70, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3a_branch1_centered, res3a_branch1, bn3a_branch1_batch_mean),
+                      (ew_square, bn3a_branch1_sum_of_squares, bn3a_branch1_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch1_batch_mean_flat = reshape[512](bn3a_branch1_batch_mean)
         bn3a_branch1_batch_mean_flat = rt.reshape(bn3a_branch1_batch_mean, shape=(512,))
         # bn3a_branch1_mean_new = 0.9*bn3a_branch1_mean + 0.1*bn3a_branch1_batch_mean_flat
@@ -1184,9 +1201,6 @@ class Resnet50(rp.Model):
         # free bn3a_branch1_sum, bn3a_branch1_batch_mean, bn3a_branch1_batch_mean_flat
         del bn3a_branch1_sum, bn3a_branch1_batch_mean, bn3a_branch1_batch_mean_flat
         mem.free(69)
-        # bn3a_branch1_sum_of_squares = sum_to[1x512x1x1](bn3a_branch1_centered**2)
-        bn3a_branch1_sum_of_squares = mem.tensor(70, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3a_branch1_sum_of_squares, bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch1_batch_var = bn3a_branch1_sum_of_squares/25088
         bn3a_branch1_batch_var = bn3a_branch1_sum_of_squares  # in place: over bn3a_branch1_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch1_batch_var, bn3a_branch1_sum_of_squares)
@@ -1214,9 +1228,13 @@ class Resnet50(rp.Model):
         # bn3a_branch2c_batch_mean = bn3a_branch2c_sum/25088
         bn3a_branch2c_batch_mean = bn3a_branch2c_sum  # in place: over bn3a_branch2c_sum
         rt.ew(ew_scale_3, bn3a_branch2c_batch_mean, bn3a_branch2c_sum)
-        # bn3a_branch2c_centered = res3a_branch2c - bn3a_branch2c_batch_mean
+        # bn3a_branch2c_centered = res3a_branch2c - bn3a_branch2c_batch_mean   (computed with the next statement)
         bn3a_branch2c_centered = res3a_branch2c  # in place: over res3a_branch2c
-        rt.ew(ew_sub, bn3a_branch2c_centered, res3a_branch2c, bn3a_branch2c_batch_mean)
+        # bn3a_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3a_branch2c_centered**2)
+        bn3a_branch2c_sum_of_squares = mem.tensor(74, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3a_branch2c_centered, res3a_branch2c, bn3a_branch2c_batch_mean),
+                      (ew_square, bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch2c_batch_mean_flat = reshape[512](bn3a_branch2c_batch_mean)
         bn3a_branch2c_batch_mean_flat = rt.reshape(bn3a_branch2c_batch_mean, shape=(512,))
         # bn3a_branch2c_mean_new = 0.9*bn3a_branch2c_mean + 0.1*bn3a_branch2c_batch_mean_flat
@@ -1225,9 +1243,6 @@ class Resnet50(rp.Model):
         # free bn3a_branch2c_sum, bn3a_branch2c_batch_mean, bn3a_branch2c_batch_mean_flat
         del bn3a_branch2c_sum, bn3a_branch2c_batch_mean, bn3a_branch2c_batch_mean_flat
         mem.free(73)
-        # bn3a_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3a_branch2c_centered**2)
-        bn3a_branch2c_sum_of_squares = mem.tensor(74, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3a_branch2c_batch_var = bn3a_branch2c_sum_of_squares/25088
         bn3a_branch2c_batch_var = bn3a_branch2c_sum_of_squares  # in place: over bn3a_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3a_branch2c_batch_var, bn3a_branch2c_sum_of_squares)
@@ -1269,9 +1284,13 @@ class Resnet50(rp.Model):
         # bn3b_branch2a_batch_mean = bn3b_branch2a_sum/25088
         bn3b_branch2a_batch_mean = bn3b_branch2a_sum  # in place: over bn3b_branch2a_sum
         rt.ew(ew_scale_3, bn3b_branch2a_batch_mean, bn3b_branch2a_sum)
-        # bn3b_branch2a_centered = res3b_branch2a - bn3b_branch2a_batch_mean
+        # bn3b_branch2a_centered = res3b_branch2a - bn3b_branch2a_batch_mean   (computed with the next statement)
         bn3b_branch2a_centered = res3b_branch2a  # in place: over res3b_branch2a
-        rt.ew(ew_sub, bn3b_branch2a_centered, res3b_branch2a, bn3b_branch2a_batch_mean)
+        # bn3b_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2a_centered**2)
+        bn3b_branch2a_sum_of_squares = mem.tensor(79, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3b_branch2a_centered, res3b_branch2a, bn3b_branch2a_batch_mean),
+                      (ew_square, bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2a_batch_mean_flat = reshape[128](bn3b_branch2a_batch_mean)
         bn3b_branch2a_batch_mean_flat = rt.reshape(bn3b_branch2a_batch_mean, shape=(128,))
         # bn3b_branch2a_mean_new = 0.9*bn3b_branch2a_mean + 0.1*bn3b_branch2a_batch_mean_flat
@@ -1280,9 +1299,6 @@ class Resnet50(rp.Model):
         # free bn3b_branch2a_sum, bn3b_branch2a_batch_mean, bn3b_branch2a_batch_mean_flat
         del bn3b_branch2a_sum, bn3b_branch2a_batch_mean, bn3b_branch2a_batch_mean_flat
         mem.free(78)
-        # bn3b_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2a_centered**2)
-        bn3b_branch2a_sum_of_squares = mem.tensor(79, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2a_batch_var = bn3b_branch2a_sum_of_squares/25088
         bn3b_branch2a_batch_var = bn3b_branch2a_sum_of_squares  # in place: over bn3b_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2a_batch_var, bn3b_branch2a_sum_of_squares)
@@ -1319,9 +1335,13 @@ class Resnet50(rp.Model):
         # bn3b_branch2b_batch_mean = bn3b_branch2b_sum/25088
         bn3b_branch2b_batch_mean = bn3b_branch2b_sum  # in place: over bn3b_branch2b_sum
         rt.ew(ew_scale_3, bn3b_branch2b_batch_mean, bn3b_branch2b_sum)
-        # bn3b_branch2b_centered = res3b_branch2b - bn3b_branch2b_batch_mean
+        # bn3b_branch2b_centered = res3b_branch2b - bn3b_branch2b_batch_mean   (computed with the next statement)
         bn3b_branch2b_centered = res3b_branch2b  # in place: over res3b_branch2b
-        rt.ew(ew_sub, bn3b_branch2b_centered, res3b_branch2b, bn3b_branch2b_batch_mean)
+        # bn3b_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2b_centered**2)
+        bn3b_branch2b_sum_of_squares = mem.tensor(84, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3b_branch2b_centered, res3b_branch2b, bn3b_branch2b_batch_mean),
+                      (ew_square, bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2b_batch_mean_flat = reshape[128](bn3b_branch2b_batch_mean)
         bn3b_branch2b_batch_mean_flat = rt.reshape(bn3b_branch2b_batch_mean, shape=(128,))
         # bn3b_branch2b_mean_new = 0.9*bn3b_branch2b_mean + 0.1*bn3b_branch2b_batch_mean_flat
@@ -1330,9 +1350,6 @@ class Resnet50(rp.Model):
         # free bn3b_branch2b_sum, bn3b_branch2b_batch_mean, bn3b_branch2b_batch_mean_flat
         del bn3b_branch2b_sum, bn3b_branch2b_batch_mean, bn3b_branch2b_batch_mean_flat
         mem.free(83)
-        # bn3b_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3b_branch2b_centered**2)
-        bn3b_branch2b_sum_of_squares = mem.tensor(84, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3b_branch2b_batch_var = bn3b_branch2b_sum_of_squares/25088
         bn3b_branch2b_batch_var = bn3b_branch2b_sum_of_squares  # in place: over bn3b_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2b_batch_var, bn3b_branch2b_sum_of_squares)
@@ -1369,9 +1386,13 @@ class Resnet50(rp.Model):
         # bn3b_branch2c_batch_mean = bn3b_branch2c_sum/25088
         bn3b_branch2c_batch_mean = bn3b_branch2c_sum  # in place: over bn3b_branch2c_sum
         rt.ew(ew_scale_3, bn3b_branch2c_batch_mean, bn3b_branch2c_sum)
-        # bn3b_branch2c_centered = res3b_branch2c - bn3b_branch2c_batch_mean
+        # bn3b_branch2c_centered = res3b_branch2c - bn3b_branch2c_batch_mean   (computed with the next statement)
         bn3b_branch2c_centered = res3b_branch2c  # in place: over res3b_branch2c
-        rt.ew(ew_sub, bn3b_branch2c_centered, res3b_branch2c, bn3b_branch2c_batch_mean)
+        # bn3b_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3b_branch2c_centered**2)
+        bn3b_branch2c_sum_of_squares = mem.tensor(89, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3b_branch2c_centered, res3b_branch2c, bn3b_branch2c_batch_mean),
+                      (ew_square, bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3b_branch2c_batch_mean_flat = reshape[512](bn3b_branch2c_batch_mean)
         bn3b_branch2c_batch_mean_flat = rt.reshape(bn3b_branch2c_batch_mean, shape=(512,))
         # bn3b_branch2c_mean_new = 0.9*bn3b_branch2c_mean + 0.1*bn3b_branch2c_batch_mean_flat
@@ -1380,9 +1401,6 @@ class Resnet50(rp.Model):
         # free bn3b_branch2c_sum, bn3b_branch2c_batch_mean, bn3b_branch2c_batch_mean_flat
         del bn3b_branch2c_sum, bn3b_branch2c_batch_mean, bn3b_branch2c_batch_mean_flat
         mem.free(88)
-        # bn3b_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3b_branch2c_centered**2)
-        bn3b_branch2c_sum_of_squares = mem.tensor(89, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3b_branch2c_batch_var = bn3b_branch2c_sum_of_squares/25088
         bn3b_branch2c_batch_var = bn3b_branch2c_sum_of_squares  # in place: over bn3b_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3b_branch2c_batch_var, bn3b_branch2c_sum_of_squares)
@@ -1416,9 +1434,13 @@ class Resnet50(rp.Model):
         # bn3c_branch2a_batch_mean = bn3c_branch2a_sum/25088
         bn3c_branch2a_batch_mean = bn3c_branch2a_sum  # in place: over bn3c_branch2a_sum
         rt.ew(ew_scale_3, bn3c_branch2a_batch_mean, bn3c_branch2a_sum)
-        # bn3c_branch2a_centered = res3c_branch2a - bn3c_branch2a_batch_mean
+        # bn3c_branch2a_centered = res3c_branch2a - bn3c_branch2a_batch_mean   (computed with the next statement)
         bn3c_branch2a_centered = res3c_branch2a  # in place: over res3c_branch2a
-        rt.ew(ew_sub, bn3c_branch2a_centered, res3c_branch2a, bn3c_branch2a_batch_mean)
+        # bn3c_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2a_centered**2)
+        bn3c_branch2a_sum_of_squares = mem.tensor(93, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3c_branch2a_centered, res3c_branch2a, bn3c_branch2a_batch_mean),
+                      (ew_square, bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2a_batch_mean_flat = reshape[128](bn3c_branch2a_batch_mean)
         bn3c_branch2a_batch_mean_flat = rt.reshape(bn3c_branch2a_batch_mean, shape=(128,))
         # bn3c_branch2a_mean_new = 0.9*bn3c_branch2a_mean + 0.1*bn3c_branch2a_batch_mean_flat
@@ -1427,9 +1449,6 @@ class Resnet50(rp.Model):
         # free bn3c_branch2a_sum, bn3c_branch2a_batch_mean, bn3c_branch2a_batch_mean_flat
         del bn3c_branch2a_sum, bn3c_branch2a_batch_mean, bn3c_branch2a_batch_mean_flat
         mem.free(92)
-        # bn3c_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2a_centered**2)
-        bn3c_branch2a_sum_of_squares = mem.tensor(93, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2a_batch_var = bn3c_branch2a_sum_of_squares/25088
         bn3c_branch2a_batch_var = bn3c_branch2a_sum_of_squares  # in place: over bn3c_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2a_batch_var, bn3c_branch2a_sum_of_squares)
@@ -1466,9 +1485,13 @@ class Resnet50(rp.Model):
         # bn3c_branch2b_batch_mean = bn3c_branch2b_sum/25088
         bn3c_branch2b_batch_mean = bn3c_branch2b_sum  # in place: over bn3c_branch2b_sum
         rt.ew(ew_scale_3, bn3c_branch2b_batch_mean, bn3c_branch2b_sum)
-        # bn3c_branch2b_centered = res3c_branch2b - bn3c_branch2b_batch_mean
+        # bn3c_branch2b_centered = res3c_branch2b - bn3c_branch2b_batch_mean   (computed with the next statement)
         bn3c_branch2b_centered = res3c_branch2b  # in place: over res3c_branch2b
-        rt.ew(ew_sub, bn3c_branch2b_centered, res3c_branch2b, bn3c_branch2b_batch_mean)
+        # bn3c_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2b_centered**2)
+        bn3c_branch2b_sum_of_squares = mem.tensor(98, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3c_branch2b_centered, res3c_branch2b, bn3c_branch2b_batch_mean),
+                      (ew_square, bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2b_batch_mean_flat = reshape[128](bn3c_branch2b_batch_mean)
         bn3c_branch2b_batch_mean_flat = rt.reshape(bn3c_branch2b_batch_mean, shape=(128,))
         # bn3c_branch2b_mean_new = 0.9*bn3c_branch2b_mean + 0.1*bn3c_branch2b_batch_mean_flat
@@ -1477,9 +1500,6 @@ class Resnet50(rp.Model):
         # free bn3c_branch2b_sum, bn3c_branch2b_batch_mean, bn3c_branch2b_batch_mean_flat
         del bn3c_branch2b_sum, bn3c_branch2b_batch_mean, bn3c_branch2b_batch_mean_flat
         mem.free(97)
-        # bn3c_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3c_branch2b_centered**2)
-        bn3c_branch2b_sum_of_squares = mem.tensor(98, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3c_branch2b_batch_var = bn3c_branch2b_sum_of_squares/25088
         bn3c_branch2b_batch_var = bn3c_branch2b_sum_of_squares  # in place: over bn3c_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2b_batch_var, bn3c_branch2b_sum_of_squares)
@@ -1516,9 +1536,13 @@ class Resnet50(rp.Model):
         # bn3c_branch2c_batch_mean = bn3c_branch2c_sum/25088
         bn3c_branch2c_batch_mean = bn3c_branch2c_sum  # in place: over bn3c_branch2c_sum
         rt.ew(ew_scale_3, bn3c_branch2c_batch_mean, bn3c_branch2c_sum)
-        # bn3c_branch2c_centered = res3c_branch2c - bn3c_branch2c_batch_mean
+        # bn3c_branch2c_centered = res3c_branch2c - bn3c_branch2c_batch_mean   (computed with the next statement)
         bn3c_branch2c_centered = res3c_branch2c  # in place: over res3c_branch2c
-        rt.ew(ew_sub, bn3c_branch2c_centered, res3c_branch2c, bn3c_branch2c_batch_mean)
+        # bn3c_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3c_branch2c_centered**2)
+        bn3c_branch2c_sum_of_squares = mem.tensor(103, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3c_branch2c_centered, res3c_branch2c, bn3c_branch2c_batch_mean),
+                      (ew_square, bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3c_branch2c_batch_mean_flat = reshape[512](bn3c_branch2c_batch_mean)
         bn3c_branch2c_batch_mean_flat = rt.reshape(bn3c_branch2c_batch_mean, shape=(512,))
         # bn3c_branch2c_mean_new = 0.9*bn3c_branch2c_mean + 0.1*bn3c_branch2c_batch_mean_flat
@@ -1527,9 +1551,6 @@ class Resnet50(rp.Model):
         # free bn3c_branch2c_sum, bn3c_branch2c_batch_mean, bn3c_branch2c_batch_mean_flat
         del bn3c_branch2c_sum, bn3c_branch2c_batch_mean, bn3c_branch2c_batch_mean_flat
         mem.free(102)
-        # bn3c_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3c_branch2c_centered**2)
-        bn3c_branch2c_sum_of_squares = mem.tensor(103, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3c_branch2c_batch_var = bn3c_branch2c_sum_of_squares/25088
         bn3c_branch2c_batch_var = bn3c_branch2c_sum_of_squares  # in place: over bn3c_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3c_branch2c_batch_var, bn3c_branch2c_sum_of_squares)
@@ -1563,9 +1584,13 @@ class Resnet50(rp.Model):
         # bn3d_branch2a_batch_mean = bn3d_branch2a_sum/25088
         bn3d_branch2a_batch_mean = bn3d_branch2a_sum  # in place: over bn3d_branch2a_sum
         rt.ew(ew_scale_3, bn3d_branch2a_batch_mean, bn3d_branch2a_sum)
-        # bn3d_branch2a_centered = res3d_branch2a - bn3d_branch2a_batch_mean
+        # bn3d_branch2a_centered = res3d_branch2a - bn3d_branch2a_batch_mean   (computed with the next statement)
         bn3d_branch2a_centered = res3d_branch2a  # in place: over res3d_branch2a
-        rt.ew(ew_sub, bn3d_branch2a_centered, res3d_branch2a, bn3d_branch2a_batch_mean)
+        # bn3d_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2a_centered**2)
+        bn3d_branch2a_sum_of_squares = mem.tensor(108, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3d_branch2a_centered, res3d_branch2a, bn3d_branch2a_batch_mean),
+                      (ew_square, bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2a_batch_mean_flat = reshape[128](bn3d_branch2a_batch_mean)
         bn3d_branch2a_batch_mean_flat = rt.reshape(bn3d_branch2a_batch_mean, shape=(128,))
         # bn3d_branch2a_mean_new = 0.9*bn3d_branch2a_mean + 0.1*bn3d_branch2a_batch_mean_flat
@@ -1574,9 +1599,6 @@ class Resnet50(rp.Model):
         # free bn3d_branch2a_sum, bn3d_branch2a_batch_mean, bn3d_branch2a_batch_mean_flat
         del bn3d_branch2a_sum, bn3d_branch2a_batch_mean, bn3d_branch2a_batch_mean_flat
         mem.free(107)
-        # bn3d_branch2a_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2a_centered**2)
-        bn3d_branch2a_sum_of_squares = mem.tensor(108, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2a_batch_var = bn3d_branch2a_sum_of_squares/25088
         bn3d_branch2a_batch_var = bn3d_branch2a_sum_of_squares  # in place: over bn3d_branch2a_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2a_batch_var, bn3d_branch2a_sum_of_squares)
@@ -1613,9 +1635,13 @@ class Resnet50(rp.Model):
         # bn3d_branch2b_batch_mean = bn3d_branch2b_sum/25088
         bn3d_branch2b_batch_mean = bn3d_branch2b_sum  # in place: over bn3d_branch2b_sum
         rt.ew(ew_scale_3, bn3d_branch2b_batch_mean, bn3d_branch2b_sum)
-        # bn3d_branch2b_centered = res3d_branch2b - bn3d_branch2b_batch_mean
+        # bn3d_branch2b_centered = res3d_branch2b - bn3d_branch2b_batch_mean   (computed with the next statement)
         bn3d_branch2b_centered = res3d_branch2b  # in place: over res3d_branch2b
-        rt.ew(ew_sub, bn3d_branch2b_centered, res3d_branch2b, bn3d_branch2b_batch_mean)
+        # bn3d_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2b_centered**2)
+        bn3d_branch2b_sum_of_squares = mem.tensor(113, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3d_branch2b_centered, res3d_branch2b, bn3d_branch2b_batch_mean),
+                      (ew_square, bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2b_batch_mean_flat = reshape[128](bn3d_branch2b_batch_mean)
         bn3d_branch2b_batch_mean_flat = rt.reshape(bn3d_branch2b_batch_mean, shape=(128,))
         # bn3d_branch2b_mean_new = 0.9*bn3d_branch2b_mean + 0.1*bn3d_branch2b_batch_mean_flat
@@ -1624,9 +1650,6 @@ class Resnet50(rp.Model):
         # free bn3d_branch2b_sum, bn3d_branch2b_batch_mean, bn3d_branch2b_batch_mean_flat
         del bn3d_branch2b_sum, bn3d_branch2b_batch_mean, bn3d_branch2b_batch_mean_flat
         mem.free(112)
-        # bn3d_branch2b_sum_of_squares = sum_to[1x128x1x1](bn3d_branch2b_centered**2)
-        bn3d_branch2b_sum_of_squares = mem.tensor(113, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # bn3d_branch2b_batch_var = bn3d_branch2b_sum_of_squares/25088
         bn3d_branch2b_batch_var = bn3d_branch2b_sum_of_squares  # in place: over bn3d_branch2b_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2b_batch_var, bn3d_branch2b_sum_of_squares)
@@ -1663,9 +1686,13 @@ class Resnet50(rp.Model):
         # bn3d_branch2c_batch_mean = bn3d_branch2c_sum/25088
         bn3d_branch2c_batch_mean = bn3d_branch2c_sum  # in place: over bn3d_branch2c_sum
         rt.ew(ew_scale_3, bn3d_branch2c_batch_mean, bn3d_branch2c_sum)
-        # bn3d_branch2c_centered = res3d_branch2c - bn3d_branch2c_batch_mean
+        # bn3d_branch2c_centered = res3d_branch2c - bn3d_branch2c_batch_mean   (computed with the next statement)
         bn3d_branch2c_centered = res3d_branch2c  # in place: over res3d_branch2c
-        rt.ew(ew_sub, bn3d_branch2c_centered, res3d_branch2c, bn3d_branch2c_batch_mean)
+        # bn3d_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3d_branch2c_centered**2)
+        bn3d_branch2c_sum_of_squares = mem.tensor(118, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn3d_branch2c_centered, res3d_branch2c, bn3d_branch2c_batch_mean),
+                      (ew_square, bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3d_branch2c_batch_mean_flat = reshape[512](bn3d_branch2c_batch_mean)
         bn3d_branch2c_batch_mean_flat = rt.reshape(bn3d_branch2c_batch_mean, shape=(512,))
         # bn3d_branch2c_mean_new = 0.9*bn3d_branch2c_mean + 0.1*bn3d_branch2c_batch_mean_flat
@@ -1674,9 +1701,6 @@ class Resnet50(rp.Model):
         # free bn3d_branch2c_sum, bn3d_branch2c_batch_mean, bn3d_branch2c_batch_mean_flat
         del bn3d_branch2c_sum, bn3d_branch2c_batch_mean, bn3d_branch2c_batch_mean_flat
         mem.free(117)
-        # bn3d_branch2c_sum_of_squares = sum_to[1x512x1x1](bn3d_branch2c_centered**2)
-        bn3d_branch2c_sum_of_squares = mem.tensor(118, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # bn3d_branch2c_batch_var = bn3d_branch2c_sum_of_squares/25088
         bn3d_branch2c_batch_var = bn3d_branch2c_sum_of_squares  # in place: over bn3d_branch2c_sum_of_squares
         rt.ew(ew_scale_3, bn3d_branch2c_batch_var, bn3d_branch2c_sum_of_squares)
@@ -1710,9 +1734,13 @@ class Resnet50(rp.Model):
         # bn4a_branch2a_batch_mean = bn4a_branch2a_sum/6272
         bn4a_branch2a_batch_mean = bn4a_branch2a_sum  # in place: over bn4a_branch2a_sum
         rt.ew(ew_scale_4, bn4a_branch2a_batch_mean, bn4a_branch2a_sum)
-        # bn4a_branch2a_centered = res4a_branch2a - bn4a_branch2a_batch_mean
+        # bn4a_branch2a_centered = res4a_branch2a - bn4a_branch2a_batch_mean   (computed with the next statement)
         bn4a_branch2a_centered = res4a_branch2a  # in place: over res4a_branch2a
-        rt.ew(ew_sub, bn4a_branch2a_centered, res4a_branch2a, bn4a_branch2a_batch_mean)
+        # bn4a_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2a_centered**2)
+        bn4a_branch2a_sum_of_squares = mem.tensor(122, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4a_branch2a_centered, res4a_branch2a, bn4a_branch2a_batch_mean),
+                      (ew_square, bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2a_batch_mean_flat = reshape[256](bn4a_branch2a_batch_mean)
         bn4a_branch2a_batch_mean_flat = rt.reshape(bn4a_branch2a_batch_mean, shape=(256,))
         # bn4a_branch2a_mean_new = 0.9*bn4a_branch2a_mean + 0.1*bn4a_branch2a_batch_mean_flat
@@ -1721,9 +1749,6 @@ class Resnet50(rp.Model):
         # free bn4a_branch2a_sum, bn4a_branch2a_batch_mean, bn4a_branch2a_batch_mean_flat
         del bn4a_branch2a_sum, bn4a_branch2a_batch_mean, bn4a_branch2a_batch_mean_flat
         mem.free(121)
-        # bn4a_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2a_centered**2)
-        bn4a_branch2a_sum_of_squares = mem.tensor(122, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2a_batch_var = bn4a_branch2a_sum_of_squares/6272
         bn4a_branch2a_batch_var = bn4a_branch2a_sum_of_squares  # in place: over bn4a_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2a_batch_var, bn4a_branch2a_sum_of_squares)
@@ -1760,9 +1785,13 @@ class Resnet50(rp.Model):
         # bn4a_branch2b_batch_mean = bn4a_branch2b_sum/6272
         bn4a_branch2b_batch_mean = bn4a_branch2b_sum  # in place: over bn4a_branch2b_sum
         rt.ew(ew_scale_4, bn4a_branch2b_batch_mean, bn4a_branch2b_sum)
-        # bn4a_branch2b_centered = res4a_branch2b - bn4a_branch2b_batch_mean
+        # bn4a_branch2b_centered = res4a_branch2b - bn4a_branch2b_batch_mean   (computed with the next statement)
         bn4a_branch2b_centered = res4a_branch2b  # in place: over res4a_branch2b
-        rt.ew(ew_sub, bn4a_branch2b_centered, res4a_branch2b, bn4a_branch2b_batch_mean)
+        # bn4a_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2b_centered**2)
+        bn4a_branch2b_sum_of_squares = mem.tensor(127, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4a_branch2b_centered, res4a_branch2b, bn4a_branch2b_batch_mean),
+                      (ew_square, bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2b_batch_mean_flat = reshape[256](bn4a_branch2b_batch_mean)
         bn4a_branch2b_batch_mean_flat = rt.reshape(bn4a_branch2b_batch_mean, shape=(256,))
         # bn4a_branch2b_mean_new = 0.9*bn4a_branch2b_mean + 0.1*bn4a_branch2b_batch_mean_flat
@@ -1771,9 +1800,6 @@ class Resnet50(rp.Model):
         # free bn4a_branch2b_sum, bn4a_branch2b_batch_mean, bn4a_branch2b_batch_mean_flat
         del bn4a_branch2b_sum, bn4a_branch2b_batch_mean, bn4a_branch2b_batch_mean_flat
         mem.free(126)
-        # bn4a_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4a_branch2b_centered**2)
-        bn4a_branch2b_sum_of_squares = mem.tensor(127, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4a_branch2b_batch_var = bn4a_branch2b_sum_of_squares/6272
         bn4a_branch2b_batch_var = bn4a_branch2b_sum_of_squares  # in place: over bn4a_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2b_batch_var, bn4a_branch2b_sum_of_squares)
@@ -1807,9 +1833,13 @@ class Resnet50(rp.Model):
         # bn4a_branch1_batch_mean = bn4a_branch1_sum/6272
         bn4a_branch1_batch_mean = bn4a_branch1_sum  # in place: over bn4a_branch1_sum
         rt.ew(ew_scale_4, bn4a_branch1_batch_mean, bn4a_branch1_sum)
-        # bn4a_branch1_centered = res4a_branch1 - bn4a_branch1_batch_mean
+        # bn4a_branch1_centered = res4a_branch1 - bn4a_branch1_batch_mean   (computed with the next statement)
         bn4a_branch1_centered = res4a_branch1  # in place: over res4a_branch1
-        rt.ew(ew_sub, bn4a_branch1_centered, res4a_branch1, bn4a_branch1_batch_mean)
+        # bn4a_branch1_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch1_centered**2)
+        bn4a_branch1_sum_of_squares = mem.tensor(132, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4a_branch1_centered, res4a_branch1, bn4a_branch1_batch_mean),
+                      (ew_square, bn4a_branch1_sum_of_squares, bn4a_branch1_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch1_batch_mean_flat = reshape[1024](bn4a_branch1_batch_mean)
         bn4a_branch1_batch_mean_flat = rt.reshape(bn4a_branch1_batch_mean, shape=(1024,))
         # bn4a_branch1_mean_new = 0.9*bn4a_branch1_mean + 0.1*bn4a_branch1_batch_mean_flat
@@ -1818,9 +1848,6 @@ class Resnet50(rp.Model):
         # free bn4a_branch1_sum, bn4a_branch1_batch_mean, bn4a_branch1_batch_mean_flat
         del bn4a_branch1_sum, bn4a_branch1_batch_mean, bn4a_branch1_batch_mean_flat
         mem.free(131)
-        # bn4a_branch1_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch1_centered**2)
-        bn4a_branch1_sum_of_squares = mem.tensor(132, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4a_branch1_sum_of_squares, bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch1_batch_var = bn4a_branch1_sum_of_squares/6272
         bn4a_branch1_batch_var = bn4a_branch1_sum_of_squares  # in place: over bn4a_branch1_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch1_batch_var, bn4a_branch1_sum_of_squares)
@@ -1848,9 +1875,13 @@ class Resnet50(rp.Model):
         # bn4a_branch2c_batch_mean = bn4a_branch2c_sum/6272
         bn4a_branch2c_batch_mean = bn4a_branch2c_sum  # in place: over bn4a_branch2c_sum
         rt.ew(ew_scale_4, bn4a_branch2c_batch_mean, bn4a_branch2c_sum)
-        # bn4a_branch2c_centered = res4a_branch2c - bn4a_branch2c_batch_mean
+        # bn4a_branch2c_centered = res4a_branch2c - bn4a_branch2c_batch_mean   (computed with the next statement)
         bn4a_branch2c_centered = res4a_branch2c  # in place: over res4a_branch2c
-        rt.ew(ew_sub, bn4a_branch2c_centered, res4a_branch2c, bn4a_branch2c_batch_mean)
+        # bn4a_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch2c_centered**2)
+        bn4a_branch2c_sum_of_squares = mem.tensor(136, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4a_branch2c_centered, res4a_branch2c, bn4a_branch2c_batch_mean),
+                      (ew_square, bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch2c_batch_mean_flat = reshape[1024](bn4a_branch2c_batch_mean)
         bn4a_branch2c_batch_mean_flat = rt.reshape(bn4a_branch2c_batch_mean, shape=(1024,))
         # bn4a_branch2c_mean_new = 0.9*bn4a_branch2c_mean + 0.1*bn4a_branch2c_batch_mean_flat
@@ -1859,9 +1890,6 @@ class Resnet50(rp.Model):
         # free bn4a_branch2c_sum, bn4a_branch2c_batch_mean, bn4a_branch2c_batch_mean_flat
         del bn4a_branch2c_sum, bn4a_branch2c_batch_mean, bn4a_branch2c_batch_mean_flat
         mem.free(135)
-        # bn4a_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4a_branch2c_centered**2)
-        bn4a_branch2c_sum_of_squares = mem.tensor(136, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4a_branch2c_batch_var = bn4a_branch2c_sum_of_squares/6272
         bn4a_branch2c_batch_var = bn4a_branch2c_sum_of_squares  # in place: over bn4a_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4a_branch2c_batch_var, bn4a_branch2c_sum_of_squares)
@@ -1901,9 +1929,13 @@ class Resnet50(rp.Model):
         # bn4b_branch2a_batch_mean = bn4b_branch2a_sum/6272
         bn4b_branch2a_batch_mean = bn4b_branch2a_sum  # in place: over bn4b_branch2a_sum
         rt.ew(ew_scale_4, bn4b_branch2a_batch_mean, bn4b_branch2a_sum)
-        # bn4b_branch2a_centered = res4b_branch2a - bn4b_branch2a_batch_mean
+        # bn4b_branch2a_centered = res4b_branch2a - bn4b_branch2a_batch_mean   (computed with the next statement)
         bn4b_branch2a_centered = res4b_branch2a  # in place: over res4b_branch2a
-        rt.ew(ew_sub, bn4b_branch2a_centered, res4b_branch2a, bn4b_branch2a_batch_mean)
+        # bn4b_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2a_centered**2)
+        bn4b_branch2a_sum_of_squares = mem.tensor(141, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4b_branch2a_centered, res4b_branch2a, bn4b_branch2a_batch_mean),
+                      (ew_square, bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2a_batch_mean_flat = reshape[256](bn4b_branch2a_batch_mean)
         bn4b_branch2a_batch_mean_flat = rt.reshape(bn4b_branch2a_batch_mean, shape=(256,))
         # bn4b_branch2a_mean_new = 0.9*bn4b_branch2a_mean + 0.1*bn4b_branch2a_batch_mean_flat
@@ -1912,9 +1944,6 @@ class Resnet50(rp.Model):
         # free bn4b_branch2a_sum, bn4b_branch2a_batch_mean, bn4b_branch2a_batch_mean_flat
         del bn4b_branch2a_sum, bn4b_branch2a_batch_mean, bn4b_branch2a_batch_mean_flat
         mem.free(140)
-        # bn4b_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2a_centered**2)
-        bn4b_branch2a_sum_of_squares = mem.tensor(141, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2a_batch_var = bn4b_branch2a_sum_of_squares/6272
         bn4b_branch2a_batch_var = bn4b_branch2a_sum_of_squares  # in place: over bn4b_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2a_batch_var, bn4b_branch2a_sum_of_squares)
@@ -1951,9 +1980,13 @@ class Resnet50(rp.Model):
         # bn4b_branch2b_batch_mean = bn4b_branch2b_sum/6272
         bn4b_branch2b_batch_mean = bn4b_branch2b_sum  # in place: over bn4b_branch2b_sum
         rt.ew(ew_scale_4, bn4b_branch2b_batch_mean, bn4b_branch2b_sum)
-        # bn4b_branch2b_centered = res4b_branch2b - bn4b_branch2b_batch_mean
+        # bn4b_branch2b_centered = res4b_branch2b - bn4b_branch2b_batch_mean   (computed with the next statement)
         bn4b_branch2b_centered = res4b_branch2b  # in place: over res4b_branch2b
-        rt.ew(ew_sub, bn4b_branch2b_centered, res4b_branch2b, bn4b_branch2b_batch_mean)
+        # bn4b_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2b_centered**2)
+        bn4b_branch2b_sum_of_squares = mem.tensor(146, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4b_branch2b_centered, res4b_branch2b, bn4b_branch2b_batch_mean),
+                      (ew_square, bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2b_batch_mean_flat = reshape[256](bn4b_branch2b_batch_mean)
         bn4b_branch2b_batch_mean_flat = rt.reshape(bn4b_branch2b_batch_mean, shape=(256,))
         # bn4b_branch2b_mean_new = 0.9*bn4b_branch2b_mean + 0.1*bn4b_branch2b_batch_mean_flat
@@ -1962,9 +1995,6 @@ class Resnet50(rp.Model):
         # free bn4b_branch2b_sum, bn4b_branch2b_batch_mean, bn4b_branch2b_batch_mean_flat
         del bn4b_branch2b_sum, bn4b_branch2b_batch_mean, bn4b_branch2b_batch_mean_flat
         mem.free(145)
-        # bn4b_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4b_branch2b_centered**2)
-        bn4b_branch2b_sum_of_squares = mem.tensor(146, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4b_branch2b_batch_var = bn4b_branch2b_sum_of_squares/6272
         bn4b_branch2b_batch_var = bn4b_branch2b_sum_of_squares  # in place: over bn4b_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2b_batch_var, bn4b_branch2b_sum_of_squares)
@@ -2001,9 +2031,13 @@ class Resnet50(rp.Model):
         # bn4b_branch2c_batch_mean = bn4b_branch2c_sum/6272
         bn4b_branch2c_batch_mean = bn4b_branch2c_sum  # in place: over bn4b_branch2c_sum
         rt.ew(ew_scale_4, bn4b_branch2c_batch_mean, bn4b_branch2c_sum)
-        # bn4b_branch2c_centered = res4b_branch2c - bn4b_branch2c_batch_mean
+        # bn4b_branch2c_centered = res4b_branch2c - bn4b_branch2c_batch_mean   (computed with the next statement)
         bn4b_branch2c_centered = res4b_branch2c  # in place: over res4b_branch2c
-        rt.ew(ew_sub, bn4b_branch2c_centered, res4b_branch2c, bn4b_branch2c_batch_mean)
+        # bn4b_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4b_branch2c_centered**2)
+        bn4b_branch2c_sum_of_squares = mem.tensor(151, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4b_branch2c_centered, res4b_branch2c, bn4b_branch2c_batch_mean),
+                      (ew_square, bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4b_branch2c_batch_mean_flat = reshape[1024](bn4b_branch2c_batch_mean)
         bn4b_branch2c_batch_mean_flat = rt.reshape(bn4b_branch2c_batch_mean, shape=(1024,))
         # bn4b_branch2c_mean_new = 0.9*bn4b_branch2c_mean + 0.1*bn4b_branch2c_batch_mean_flat
@@ -2012,9 +2046,6 @@ class Resnet50(rp.Model):
         # free bn4b_branch2c_sum, bn4b_branch2c_batch_mean, bn4b_branch2c_batch_mean_flat
         del bn4b_branch2c_sum, bn4b_branch2c_batch_mean, bn4b_branch2c_batch_mean_flat
         mem.free(150)
-        # bn4b_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4b_branch2c_centered**2)
-        bn4b_branch2c_sum_of_squares = mem.tensor(151, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4b_branch2c_batch_var = bn4b_branch2c_sum_of_squares/6272
         bn4b_branch2c_batch_var = bn4b_branch2c_sum_of_squares  # in place: over bn4b_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4b_branch2c_batch_var, bn4b_branch2c_sum_of_squares)
@@ -2048,9 +2079,13 @@ class Resnet50(rp.Model):
         # bn4c_branch2a_batch_mean = bn4c_branch2a_sum/6272
         bn4c_branch2a_batch_mean = bn4c_branch2a_sum  # in place: over bn4c_branch2a_sum
         rt.ew(ew_scale_4, bn4c_branch2a_batch_mean, bn4c_branch2a_sum)
-        # bn4c_branch2a_centered = res4c_branch2a - bn4c_branch2a_batch_mean
+        # bn4c_branch2a_centered = res4c_branch2a - bn4c_branch2a_batch_mean   (computed with the next statement)
         bn4c_branch2a_centered = res4c_branch2a  # in place: over res4c_branch2a
-        rt.ew(ew_sub, bn4c_branch2a_centered, res4c_branch2a, bn4c_branch2a_batch_mean)
+        # bn4c_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2a_centered**2)
+        bn4c_branch2a_sum_of_squares = mem.tensor(155, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4c_branch2a_centered, res4c_branch2a, bn4c_branch2a_batch_mean),
+                      (ew_square, bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2a_batch_mean_flat = reshape[256](bn4c_branch2a_batch_mean)
         bn4c_branch2a_batch_mean_flat = rt.reshape(bn4c_branch2a_batch_mean, shape=(256,))
         # bn4c_branch2a_mean_new = 0.9*bn4c_branch2a_mean + 0.1*bn4c_branch2a_batch_mean_flat
@@ -2059,9 +2094,6 @@ class Resnet50(rp.Model):
         # free bn4c_branch2a_sum, bn4c_branch2a_batch_mean, bn4c_branch2a_batch_mean_flat
         del bn4c_branch2a_sum, bn4c_branch2a_batch_mean, bn4c_branch2a_batch_mean_flat
         mem.free(154)
-        # bn4c_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2a_centered**2)
-        bn4c_branch2a_sum_of_squares = mem.tensor(155, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2a_batch_var = bn4c_branch2a_sum_of_squares/6272
         bn4c_branch2a_batch_var = bn4c_branch2a_sum_of_squares  # in place: over bn4c_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2a_batch_var, bn4c_branch2a_sum_of_squares)
@@ -2098,9 +2130,13 @@ class Resnet50(rp.Model):
         # bn4c_branch2b_batch_mean = bn4c_branch2b_sum/6272
         bn4c_branch2b_batch_mean = bn4c_branch2b_sum  # in place: over bn4c_branch2b_sum
         rt.ew(ew_scale_4, bn4c_branch2b_batch_mean, bn4c_branch2b_sum)
-        # bn4c_branch2b_centered = res4c_branch2b - bn4c_branch2b_batch_mean
+        # bn4c_branch2b_centered = res4c_branch2b - bn4c_branch2b_batch_mean   (computed with the next statement)
         bn4c_branch2b_centered = res4c_branch2b  # in place: over res4c_branch2b
-        rt.ew(ew_sub, bn4c_branch2b_centered, res4c_branch2b, bn4c_branch2b_batch_mean)
+        # bn4c_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2b_centered**2)
+        bn4c_branch2b_sum_of_squares = mem.tensor(160, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4c_branch2b_centered, res4c_branch2b, bn4c_branch2b_batch_mean),
+                      (ew_square, bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2b_batch_mean_flat = reshape[256](bn4c_branch2b_batch_mean)
         bn4c_branch2b_batch_mean_flat = rt.reshape(bn4c_branch2b_batch_mean, shape=(256,))
         # bn4c_branch2b_mean_new = 0.9*bn4c_branch2b_mean + 0.1*bn4c_branch2b_batch_mean_flat
@@ -2109,9 +2145,6 @@ class Resnet50(rp.Model):
         # free bn4c_branch2b_sum, bn4c_branch2b_batch_mean, bn4c_branch2b_batch_mean_flat
         del bn4c_branch2b_sum, bn4c_branch2b_batch_mean, bn4c_branch2b_batch_mean_flat
         mem.free(159)
-        # bn4c_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4c_branch2b_centered**2)
-        bn4c_branch2b_sum_of_squares = mem.tensor(160, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4c_branch2b_batch_var = bn4c_branch2b_sum_of_squares/6272
         bn4c_branch2b_batch_var = bn4c_branch2b_sum_of_squares  # in place: over bn4c_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2b_batch_var, bn4c_branch2b_sum_of_squares)
@@ -2148,9 +2181,13 @@ class Resnet50(rp.Model):
         # bn4c_branch2c_batch_mean = bn4c_branch2c_sum/6272
         bn4c_branch2c_batch_mean = bn4c_branch2c_sum  # in place: over bn4c_branch2c_sum
         rt.ew(ew_scale_4, bn4c_branch2c_batch_mean, bn4c_branch2c_sum)
-        # bn4c_branch2c_centered = res4c_branch2c - bn4c_branch2c_batch_mean
+        # bn4c_branch2c_centered = res4c_branch2c - bn4c_branch2c_batch_mean   (computed with the next statement)
         bn4c_branch2c_centered = res4c_branch2c  # in place: over res4c_branch2c
-        rt.ew(ew_sub, bn4c_branch2c_centered, res4c_branch2c, bn4c_branch2c_batch_mean)
+        # bn4c_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4c_branch2c_centered**2)
+        bn4c_branch2c_sum_of_squares = mem.tensor(165, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4c_branch2c_centered, res4c_branch2c, bn4c_branch2c_batch_mean),
+                      (ew_square, bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4c_branch2c_batch_mean_flat = reshape[1024](bn4c_branch2c_batch_mean)
         bn4c_branch2c_batch_mean_flat = rt.reshape(bn4c_branch2c_batch_mean, shape=(1024,))
         # bn4c_branch2c_mean_new = 0.9*bn4c_branch2c_mean + 0.1*bn4c_branch2c_batch_mean_flat
@@ -2159,9 +2196,6 @@ class Resnet50(rp.Model):
         # free bn4c_branch2c_sum, bn4c_branch2c_batch_mean, bn4c_branch2c_batch_mean_flat
         del bn4c_branch2c_sum, bn4c_branch2c_batch_mean, bn4c_branch2c_batch_mean_flat
         mem.free(164)
-        # bn4c_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4c_branch2c_centered**2)
-        bn4c_branch2c_sum_of_squares = mem.tensor(165, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4c_branch2c_batch_var = bn4c_branch2c_sum_of_squares/6272
         bn4c_branch2c_batch_var = bn4c_branch2c_sum_of_squares  # in place: over bn4c_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4c_branch2c_batch_var, bn4c_branch2c_sum_of_squares)
@@ -2195,9 +2229,13 @@ class Resnet50(rp.Model):
         # bn4d_branch2a_batch_mean = bn4d_branch2a_sum/6272
         bn4d_branch2a_batch_mean = bn4d_branch2a_sum  # in place: over bn4d_branch2a_sum
         rt.ew(ew_scale_4, bn4d_branch2a_batch_mean, bn4d_branch2a_sum)
-        # bn4d_branch2a_centered = res4d_branch2a - bn4d_branch2a_batch_mean
+        # bn4d_branch2a_centered = res4d_branch2a - bn4d_branch2a_batch_mean   (computed with the next statement)
         bn4d_branch2a_centered = res4d_branch2a  # in place: over res4d_branch2a
-        rt.ew(ew_sub, bn4d_branch2a_centered, res4d_branch2a, bn4d_branch2a_batch_mean)
+        # bn4d_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2a_centered**2)
+        bn4d_branch2a_sum_of_squares = mem.tensor(170, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4d_branch2a_centered, res4d_branch2a, bn4d_branch2a_batch_mean),
+                      (ew_square, bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2a_batch_mean_flat = reshape[256](bn4d_branch2a_batch_mean)
         bn4d_branch2a_batch_mean_flat = rt.reshape(bn4d_branch2a_batch_mean, shape=(256,))
         # bn4d_branch2a_mean_new = 0.9*bn4d_branch2a_mean + 0.1*bn4d_branch2a_batch_mean_flat
@@ -2206,9 +2244,6 @@ class Resnet50(rp.Model):
         # free bn4d_branch2a_sum, bn4d_branch2a_batch_mean, bn4d_branch2a_batch_mean_flat
         del bn4d_branch2a_sum, bn4d_branch2a_batch_mean, bn4d_branch2a_batch_mean_flat
         mem.free(169)
-        # bn4d_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2a_centered**2)
-        bn4d_branch2a_sum_of_squares = mem.tensor(170, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2a_batch_var = bn4d_branch2a_sum_of_squares/6272
         bn4d_branch2a_batch_var = bn4d_branch2a_sum_of_squares  # in place: over bn4d_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2a_batch_var, bn4d_branch2a_sum_of_squares)
@@ -2245,9 +2280,13 @@ class Resnet50(rp.Model):
         # bn4d_branch2b_batch_mean = bn4d_branch2b_sum/6272
         bn4d_branch2b_batch_mean = bn4d_branch2b_sum  # in place: over bn4d_branch2b_sum
         rt.ew(ew_scale_4, bn4d_branch2b_batch_mean, bn4d_branch2b_sum)
-        # bn4d_branch2b_centered = res4d_branch2b - bn4d_branch2b_batch_mean
+        # bn4d_branch2b_centered = res4d_branch2b - bn4d_branch2b_batch_mean   (computed with the next statement)
         bn4d_branch2b_centered = res4d_branch2b  # in place: over res4d_branch2b
-        rt.ew(ew_sub, bn4d_branch2b_centered, res4d_branch2b, bn4d_branch2b_batch_mean)
+        # bn4d_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2b_centered**2)
+        bn4d_branch2b_sum_of_squares = mem.tensor(175, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4d_branch2b_centered, res4d_branch2b, bn4d_branch2b_batch_mean),
+                      (ew_square, bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2b_batch_mean_flat = reshape[256](bn4d_branch2b_batch_mean)
         bn4d_branch2b_batch_mean_flat = rt.reshape(bn4d_branch2b_batch_mean, shape=(256,))
         # bn4d_branch2b_mean_new = 0.9*bn4d_branch2b_mean + 0.1*bn4d_branch2b_batch_mean_flat
@@ -2256,9 +2295,6 @@ class Resnet50(rp.Model):
         # free bn4d_branch2b_sum, bn4d_branch2b_batch_mean, bn4d_branch2b_batch_mean_flat
         del bn4d_branch2b_sum, bn4d_branch2b_batch_mean, bn4d_branch2b_batch_mean_flat
         mem.free(174)
-        # bn4d_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4d_branch2b_centered**2)
-        bn4d_branch2b_sum_of_squares = mem.tensor(175, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4d_branch2b_batch_var = bn4d_branch2b_sum_of_squares/6272
         bn4d_branch2b_batch_var = bn4d_branch2b_sum_of_squares  # in place: over bn4d_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2b_batch_var, bn4d_branch2b_sum_of_squares)
@@ -2295,9 +2331,13 @@ class Resnet50(rp.Model):
         # bn4d_branch2c_batch_mean = bn4d_branch2c_sum/6272
         bn4d_branch2c_batch_mean = bn4d_branch2c_sum  # in place: over bn4d_branch2c_sum
         rt.ew(ew_scale_4, bn4d_branch2c_batch_mean, bn4d_branch2c_sum)
-        # bn4d_branch2c_centered = res4d_branch2c - bn4d_branch2c_batch_mean
+        # bn4d_branch2c_centered = res4d_branch2c - bn4d_branch2c_batch_mean   (computed with the next statement)
         bn4d_branch2c_centered = res4d_branch2c  # in place: over res4d_branch2c
-        rt.ew(ew_sub, bn4d_branch2c_centered, res4d_branch2c, bn4d_branch2c_batch_mean)
+        # bn4d_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4d_branch2c_centered**2)
+        bn4d_branch2c_sum_of_squares = mem.tensor(180, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4d_branch2c_centered, res4d_branch2c, bn4d_branch2c_batch_mean),
+                      (ew_square, bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4d_branch2c_batch_mean_flat = reshape[1024](bn4d_branch2c_batch_mean)
         bn4d_branch2c_batch_mean_flat = rt.reshape(bn4d_branch2c_batch_mean, shape=(1024,))
         # bn4d_branch2c_mean_new = 0.9*bn4d_branch2c_mean + 0.1*bn4d_branch2c_batch_mean_flat
@@ -2306,9 +2346,6 @@ class Resnet50(rp.Model):
         # free bn4d_branch2c_sum, bn4d_branch2c_batch_mean, bn4d_branch2c_batch_mean_flat
         del bn4d_branch2c_sum, bn4d_branch2c_batch_mean, bn4d_branch2c_batch_mean_flat
         mem.free(179)
-        # bn4d_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4d_branch2c_centered**2)
-        bn4d_branch2c_sum_of_squares = mem.tensor(180, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4d_branch2c_batch_var = bn4d_branch2c_sum_of_squares/6272
         bn4d_branch2c_batch_var = bn4d_branch2c_sum_of_squares  # in place: over bn4d_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4d_branch2c_batch_var, bn4d_branch2c_sum_of_squares)
@@ -2342,9 +2379,13 @@ class Resnet50(rp.Model):
         # bn4e_branch2a_batch_mean = bn4e_branch2a_sum/6272
         bn4e_branch2a_batch_mean = bn4e_branch2a_sum  # in place: over bn4e_branch2a_sum
         rt.ew(ew_scale_4, bn4e_branch2a_batch_mean, bn4e_branch2a_sum)
-        # bn4e_branch2a_centered = res4e_branch2a - bn4e_branch2a_batch_mean
+        # bn4e_branch2a_centered = res4e_branch2a - bn4e_branch2a_batch_mean   (computed with the next statement)
         bn4e_branch2a_centered = res4e_branch2a  # in place: over res4e_branch2a
-        rt.ew(ew_sub, bn4e_branch2a_centered, res4e_branch2a, bn4e_branch2a_batch_mean)
+        # bn4e_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2a_centered**2)
+        bn4e_branch2a_sum_of_squares = mem.tensor(184, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4e_branch2a_centered, res4e_branch2a, bn4e_branch2a_batch_mean),
+                      (ew_square, bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2a_batch_mean_flat = reshape[256](bn4e_branch2a_batch_mean)
         bn4e_branch2a_batch_mean_flat = rt.reshape(bn4e_branch2a_batch_mean, shape=(256,))
         # bn4e_branch2a_mean_new = 0.9*bn4e_branch2a_mean + 0.1*bn4e_branch2a_batch_mean_flat
@@ -2353,9 +2394,6 @@ class Resnet50(rp.Model):
         # free bn4e_branch2a_sum, bn4e_branch2a_batch_mean, bn4e_branch2a_batch_mean_flat
         del bn4e_branch2a_sum, bn4e_branch2a_batch_mean, bn4e_branch2a_batch_mean_flat
         mem.free(183)
-        # bn4e_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2a_centered**2)
-        bn4e_branch2a_sum_of_squares = mem.tensor(184, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2a_batch_var = bn4e_branch2a_sum_of_squares/6272
         bn4e_branch2a_batch_var = bn4e_branch2a_sum_of_squares  # in place: over bn4e_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2a_batch_var, bn4e_branch2a_sum_of_squares)
@@ -2392,9 +2430,13 @@ class Resnet50(rp.Model):
         # bn4e_branch2b_batch_mean = bn4e_branch2b_sum/6272
         bn4e_branch2b_batch_mean = bn4e_branch2b_sum  # in place: over bn4e_branch2b_sum
         rt.ew(ew_scale_4, bn4e_branch2b_batch_mean, bn4e_branch2b_sum)
-        # bn4e_branch2b_centered = res4e_branch2b - bn4e_branch2b_batch_mean
+        # bn4e_branch2b_centered = res4e_branch2b - bn4e_branch2b_batch_mean   (computed with the next statement)
         bn4e_branch2b_centered = res4e_branch2b  # in place: over res4e_branch2b
-        rt.ew(ew_sub, bn4e_branch2b_centered, res4e_branch2b, bn4e_branch2b_batch_mean)
+        # bn4e_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2b_centered**2)
+        bn4e_branch2b_sum_of_squares = mem.tensor(189, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4e_branch2b_centered, res4e_branch2b, bn4e_branch2b_batch_mean),
+                      (ew_square, bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2b_batch_mean_flat = reshape[256](bn4e_branch2b_batch_mean)
         bn4e_branch2b_batch_mean_flat = rt.reshape(bn4e_branch2b_batch_mean, shape=(256,))
         # bn4e_branch2b_mean_new = 0.9*bn4e_branch2b_mean + 0.1*bn4e_branch2b_batch_mean_flat
@@ -2403,9 +2445,6 @@ class Resnet50(rp.Model):
         # free bn4e_branch2b_sum, bn4e_branch2b_batch_mean, bn4e_branch2b_batch_mean_flat
         del bn4e_branch2b_sum, bn4e_branch2b_batch_mean, bn4e_branch2b_batch_mean_flat
         mem.free(188)
-        # bn4e_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4e_branch2b_centered**2)
-        bn4e_branch2b_sum_of_squares = mem.tensor(189, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4e_branch2b_batch_var = bn4e_branch2b_sum_of_squares/6272
         bn4e_branch2b_batch_var = bn4e_branch2b_sum_of_squares  # in place: over bn4e_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2b_batch_var, bn4e_branch2b_sum_of_squares)
@@ -2442,9 +2481,13 @@ class Resnet50(rp.Model):
         # bn4e_branch2c_batch_mean = bn4e_branch2c_sum/6272
         bn4e_branch2c_batch_mean = bn4e_branch2c_sum  # in place: over bn4e_branch2c_sum
         rt.ew(ew_scale_4, bn4e_branch2c_batch_mean, bn4e_branch2c_sum)
-        # bn4e_branch2c_centered = res4e_branch2c - bn4e_branch2c_batch_mean
+        # bn4e_branch2c_centered = res4e_branch2c - bn4e_branch2c_batch_mean   (computed with the next statement)
         bn4e_branch2c_centered = res4e_branch2c  # in place: over res4e_branch2c
-        rt.ew(ew_sub, bn4e_branch2c_centered, res4e_branch2c, bn4e_branch2c_batch_mean)
+        # bn4e_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4e_branch2c_centered**2)
+        bn4e_branch2c_sum_of_squares = mem.tensor(194, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4e_branch2c_centered, res4e_branch2c, bn4e_branch2c_batch_mean),
+                      (ew_square, bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4e_branch2c_batch_mean_flat = reshape[1024](bn4e_branch2c_batch_mean)
         bn4e_branch2c_batch_mean_flat = rt.reshape(bn4e_branch2c_batch_mean, shape=(1024,))
         # bn4e_branch2c_mean_new = 0.9*bn4e_branch2c_mean + 0.1*bn4e_branch2c_batch_mean_flat
@@ -2453,9 +2496,6 @@ class Resnet50(rp.Model):
         # free bn4e_branch2c_sum, bn4e_branch2c_batch_mean, bn4e_branch2c_batch_mean_flat
         del bn4e_branch2c_sum, bn4e_branch2c_batch_mean, bn4e_branch2c_batch_mean_flat
         mem.free(193)
-        # bn4e_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4e_branch2c_centered**2)
-        bn4e_branch2c_sum_of_squares = mem.tensor(194, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4e_branch2c_batch_var = bn4e_branch2c_sum_of_squares/6272
         bn4e_branch2c_batch_var = bn4e_branch2c_sum_of_squares  # in place: over bn4e_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4e_branch2c_batch_var, bn4e_branch2c_sum_of_squares)
@@ -2489,9 +2529,13 @@ class Resnet50(rp.Model):
         # bn4f_branch2a_batch_mean = bn4f_branch2a_sum/6272
         bn4f_branch2a_batch_mean = bn4f_branch2a_sum  # in place: over bn4f_branch2a_sum
         rt.ew(ew_scale_4, bn4f_branch2a_batch_mean, bn4f_branch2a_sum)
-        # bn4f_branch2a_centered = res4f_branch2a - bn4f_branch2a_batch_mean
+        # bn4f_branch2a_centered = res4f_branch2a - bn4f_branch2a_batch_mean   (computed with the next statement)
         bn4f_branch2a_centered = res4f_branch2a  # in place: over res4f_branch2a
-        rt.ew(ew_sub, bn4f_branch2a_centered, res4f_branch2a, bn4f_branch2a_batch_mean)
+        # bn4f_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2a_centered**2)
+        bn4f_branch2a_sum_of_squares = mem.tensor(199, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4f_branch2a_centered, res4f_branch2a, bn4f_branch2a_batch_mean),
+                      (ew_square, bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2a_batch_mean_flat = reshape[256](bn4f_branch2a_batch_mean)
         bn4f_branch2a_batch_mean_flat = rt.reshape(bn4f_branch2a_batch_mean, shape=(256,))
         # bn4f_branch2a_mean_new = 0.9*bn4f_branch2a_mean + 0.1*bn4f_branch2a_batch_mean_flat
@@ -2500,9 +2544,6 @@ class Resnet50(rp.Model):
         # free bn4f_branch2a_sum, bn4f_branch2a_batch_mean, bn4f_branch2a_batch_mean_flat
         del bn4f_branch2a_sum, bn4f_branch2a_batch_mean, bn4f_branch2a_batch_mean_flat
         mem.free(198)
-        # bn4f_branch2a_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2a_centered**2)
-        bn4f_branch2a_sum_of_squares = mem.tensor(199, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2a_batch_var = bn4f_branch2a_sum_of_squares/6272
         bn4f_branch2a_batch_var = bn4f_branch2a_sum_of_squares  # in place: over bn4f_branch2a_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2a_batch_var, bn4f_branch2a_sum_of_squares)
@@ -2539,9 +2580,13 @@ class Resnet50(rp.Model):
         # bn4f_branch2b_batch_mean = bn4f_branch2b_sum/6272
         bn4f_branch2b_batch_mean = bn4f_branch2b_sum  # in place: over bn4f_branch2b_sum
         rt.ew(ew_scale_4, bn4f_branch2b_batch_mean, bn4f_branch2b_sum)
-        # bn4f_branch2b_centered = res4f_branch2b - bn4f_branch2b_batch_mean
+        # bn4f_branch2b_centered = res4f_branch2b - bn4f_branch2b_batch_mean   (computed with the next statement)
         bn4f_branch2b_centered = res4f_branch2b  # in place: over res4f_branch2b
-        rt.ew(ew_sub, bn4f_branch2b_centered, res4f_branch2b, bn4f_branch2b_batch_mean)
+        # bn4f_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2b_centered**2)
+        bn4f_branch2b_sum_of_squares = mem.tensor(204, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4f_branch2b_centered, res4f_branch2b, bn4f_branch2b_batch_mean),
+                      (ew_square, bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2b_batch_mean_flat = reshape[256](bn4f_branch2b_batch_mean)
         bn4f_branch2b_batch_mean_flat = rt.reshape(bn4f_branch2b_batch_mean, shape=(256,))
         # bn4f_branch2b_mean_new = 0.9*bn4f_branch2b_mean + 0.1*bn4f_branch2b_batch_mean_flat
@@ -2550,9 +2595,6 @@ class Resnet50(rp.Model):
         # free bn4f_branch2b_sum, bn4f_branch2b_batch_mean, bn4f_branch2b_batch_mean_flat
         del bn4f_branch2b_sum, bn4f_branch2b_batch_mean, bn4f_branch2b_batch_mean_flat
         mem.free(203)
-        # bn4f_branch2b_sum_of_squares = sum_to[1x256x1x1](bn4f_branch2b_centered**2)
-        bn4f_branch2b_sum_of_squares = mem.tensor(204, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # bn4f_branch2b_batch_var = bn4f_branch2b_sum_of_squares/6272
         bn4f_branch2b_batch_var = bn4f_branch2b_sum_of_squares  # in place: over bn4f_branch2b_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2b_batch_var, bn4f_branch2b_sum_of_squares)
@@ -2589,9 +2631,13 @@ class Resnet50(rp.Model):
         # bn4f_branch2c_batch_mean = bn4f_branch2c_sum/6272
         bn4f_branch2c_batch_mean = bn4f_branch2c_sum  # in place: over bn4f_branch2c_sum
         rt.ew(ew_scale_4, bn4f_branch2c_batch_mean, bn4f_branch2c_sum)
-        # bn4f_branch2c_centered = res4f_branch2c - bn4f_branch2c_batch_mean
+        # bn4f_branch2c_centered = res4f_branch2c - bn4f_branch2c_batch_mean   (computed with the next statement)
         bn4f_branch2c_centered = res4f_branch2c  # in place: over res4f_branch2c
-        rt.ew(ew_sub, bn4f_branch2c_centered, res4f_branch2c, bn4f_branch2c_batch_mean)
+        # bn4f_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4f_branch2c_centered**2)
+        bn4f_branch2c_sum_of_squares = mem.tensor(209, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn4f_branch2c_centered, res4f_branch2c, bn4f_branch2c_batch_mean),
+                      (ew_square, bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4f_branch2c_batch_mean_flat = reshape[1024](bn4f_branch2c_batch_mean)
         bn4f_branch2c_batch_mean_flat = rt.reshape(bn4f_branch2c_batch_mean, shape=(1024,))
         # bn4f_branch2c_mean_new = 0.9*bn4f_branch2c_mean + 0.1*bn4f_branch2c_batch_mean_flat
@@ -2600,9 +2646,6 @@ class Resnet50(rp.Model):
         # free bn4f_branch2c_sum, bn4f_branch2c_batch_mean, bn4f_branch2c_batch_mean_flat
         del bn4f_branch2c_sum, bn4f_branch2c_batch_mean, bn4f_branch2c_batch_mean_flat
         mem.free(208)
-        # bn4f_branch2c_sum_of_squares = sum_to[1x1024x1x1](bn4f_branch2c_centered**2)
-        bn4f_branch2c_sum_of_squares = mem.tensor(209, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # bn4f_branch2c_batch_var = bn4f_branch2c_sum_of_squares/6272
         bn4f_branch2c_batch_var = bn4f_branch2c_sum_of_squares  # in place: over bn4f_branch2c_sum_of_squares
         rt.ew(ew_scale_4, bn4f_branch2c_batch_var, bn4f_branch2c_sum_of_squares)
@@ -2636,9 +2679,13 @@ class Resnet50(rp.Model):
         # bn5a_branch2a_batch_mean = bn5a_branch2a_sum/1568
         bn5a_branch2a_batch_mean = bn5a_branch2a_sum  # in place: over bn5a_branch2a_sum
         rt.ew(ew_scale_5, bn5a_branch2a_batch_mean, bn5a_branch2a_sum)
-        # bn5a_branch2a_centered = res5a_branch2a - bn5a_branch2a_batch_mean
+        # bn5a_branch2a_centered = res5a_branch2a - bn5a_branch2a_batch_mean   (computed with the next statement)
         bn5a_branch2a_centered = res5a_branch2a  # in place: over res5a_branch2a
-        rt.ew(ew_sub, bn5a_branch2a_centered, res5a_branch2a, bn5a_branch2a_batch_mean)
+        # bn5a_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2a_centered**2)
+        bn5a_branch2a_sum_of_squares = mem.tensor(213, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5a_branch2a_centered, res5a_branch2a, bn5a_branch2a_batch_mean),
+                      (ew_square, bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2a_batch_mean_flat = reshape[512](bn5a_branch2a_batch_mean)
         bn5a_branch2a_batch_mean_flat = rt.reshape(bn5a_branch2a_batch_mean, shape=(512,))
         # bn5a_branch2a_mean_new = 0.9*bn5a_branch2a_mean + 0.1*bn5a_branch2a_batch_mean_flat
@@ -2647,9 +2694,6 @@ class Resnet50(rp.Model):
         # free bn5a_branch2a_sum, bn5a_branch2a_batch_mean, bn5a_branch2a_batch_mean_flat
         del bn5a_branch2a_sum, bn5a_branch2a_batch_mean, bn5a_branch2a_batch_mean_flat
         mem.free(212)
-        # bn5a_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2a_centered**2)
-        bn5a_branch2a_sum_of_squares = mem.tensor(213, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2a_batch_var = bn5a_branch2a_sum_of_squares/1568
         bn5a_branch2a_batch_var = bn5a_branch2a_sum_of_squares  # in place: over bn5a_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2a_batch_var, bn5a_branch2a_sum_of_squares)
@@ -2686,9 +2730,13 @@ class Resnet50(rp.Model):
         # bn5a_branch2b_batch_mean = bn5a_branch2b_sum/1568
         bn5a_branch2b_batch_mean = bn5a_branch2b_sum  # in place: over bn5a_branch2b_sum
         rt.ew(ew_scale_5, bn5a_branch2b_batch_mean, bn5a_branch2b_sum)
-        # bn5a_branch2b_centered = res5a_branch2b - bn5a_branch2b_batch_mean
+        # bn5a_branch2b_centered = res5a_branch2b - bn5a_branch2b_batch_mean   (computed with the next statement)
         bn5a_branch2b_centered = res5a_branch2b  # in place: over res5a_branch2b
-        rt.ew(ew_sub, bn5a_branch2b_centered, res5a_branch2b, bn5a_branch2b_batch_mean)
+        # bn5a_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2b_centered**2)
+        bn5a_branch2b_sum_of_squares = mem.tensor(218, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5a_branch2b_centered, res5a_branch2b, bn5a_branch2b_batch_mean),
+                      (ew_square, bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2b_batch_mean_flat = reshape[512](bn5a_branch2b_batch_mean)
         bn5a_branch2b_batch_mean_flat = rt.reshape(bn5a_branch2b_batch_mean, shape=(512,))
         # bn5a_branch2b_mean_new = 0.9*bn5a_branch2b_mean + 0.1*bn5a_branch2b_batch_mean_flat
@@ -2697,9 +2745,6 @@ class Resnet50(rp.Model):
         # free bn5a_branch2b_sum, bn5a_branch2b_batch_mean, bn5a_branch2b_batch_mean_flat
         del bn5a_branch2b_sum, bn5a_branch2b_batch_mean, bn5a_branch2b_batch_mean_flat
         mem.free(217)
-        # bn5a_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5a_branch2b_centered**2)
-        bn5a_branch2b_sum_of_squares = mem.tensor(218, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5a_branch2b_batch_var = bn5a_branch2b_sum_of_squares/1568
         bn5a_branch2b_batch_var = bn5a_branch2b_sum_of_squares  # in place: over bn5a_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2b_batch_var, bn5a_branch2b_sum_of_squares)
@@ -2733,9 +2778,13 @@ class Resnet50(rp.Model):
         # bn5a_branch1_batch_mean = bn5a_branch1_sum/1568
         bn5a_branch1_batch_mean = bn5a_branch1_sum  # in place: over bn5a_branch1_sum
         rt.ew(ew_scale_5, bn5a_branch1_batch_mean, bn5a_branch1_sum)
-        # bn5a_branch1_centered = res5a_branch1 - bn5a_branch1_batch_mean
+        # bn5a_branch1_centered = res5a_branch1 - bn5a_branch1_batch_mean   (computed with the next statement)
         bn5a_branch1_centered = res5a_branch1  # in place: over res5a_branch1
-        rt.ew(ew_sub, bn5a_branch1_centered, res5a_branch1, bn5a_branch1_batch_mean)
+        # bn5a_branch1_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch1_centered**2)
+        bn5a_branch1_sum_of_squares = mem.tensor(223, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5a_branch1_centered, res5a_branch1, bn5a_branch1_batch_mean),
+                      (ew_square, bn5a_branch1_sum_of_squares, bn5a_branch1_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch1_batch_mean_flat = reshape[2048](bn5a_branch1_batch_mean)
         bn5a_branch1_batch_mean_flat = rt.reshape(bn5a_branch1_batch_mean, shape=(2048,))
         # bn5a_branch1_mean_new = 0.9*bn5a_branch1_mean + 0.1*bn5a_branch1_batch_mean_flat
@@ -2744,9 +2793,6 @@ class Resnet50(rp.Model):
         # free bn5a_branch1_sum, bn5a_branch1_batch_mean, bn5a_branch1_batch_mean_flat
         del bn5a_branch1_sum, bn5a_branch1_batch_mean, bn5a_branch1_batch_mean_flat
         mem.free(222)
-        # bn5a_branch1_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch1_centered**2)
-        bn5a_branch1_sum_of_squares = mem.tensor(223, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5a_branch1_sum_of_squares, bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch1_batch_var = bn5a_branch1_sum_of_squares/1568
         bn5a_branch1_batch_var = bn5a_branch1_sum_of_squares  # in place: over bn5a_branch1_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch1_batch_var, bn5a_branch1_sum_of_squares)
@@ -2774,9 +2820,13 @@ class Resnet50(rp.Model):
         # bn5a_branch2c_batch_mean = bn5a_branch2c_sum/1568
         bn5a_branch2c_batch_mean = bn5a_branch2c_sum  # in place: over bn5a_branch2c_sum
         rt.ew(ew_scale_5, bn5a_branch2c_batch_mean, bn5a_branch2c_sum)
-        # bn5a_branch2c_centered = res5a_branch2c - bn5a_branch2c_batch_mean
+        # bn5a_branch2c_centered = res5a_branch2c - bn5a_branch2c_batch_mean   (computed with the next statement)
         bn5a_branch2c_centered = res5a_branch2c  # in place: over res5a_branch2c
-        rt.ew(ew_sub, bn5a_branch2c_centered, res5a_branch2c, bn5a_branch2c_batch_mean)
+        # bn5a_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch2c_centered**2)
+        bn5a_branch2c_sum_of_squares = mem.tensor(227, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5a_branch2c_centered, res5a_branch2c, bn5a_branch2c_batch_mean),
+                      (ew_square, bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch2c_batch_mean_flat = reshape[2048](bn5a_branch2c_batch_mean)
         bn5a_branch2c_batch_mean_flat = rt.reshape(bn5a_branch2c_batch_mean, shape=(2048,))
         # bn5a_branch2c_mean_new = 0.9*bn5a_branch2c_mean + 0.1*bn5a_branch2c_batch_mean_flat
@@ -2785,9 +2835,6 @@ class Resnet50(rp.Model):
         # free bn5a_branch2c_sum, bn5a_branch2c_batch_mean, bn5a_branch2c_batch_mean_flat
         del bn5a_branch2c_sum, bn5a_branch2c_batch_mean, bn5a_branch2c_batch_mean_flat
         mem.free(226)
-        # bn5a_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5a_branch2c_centered**2)
-        bn5a_branch2c_sum_of_squares = mem.tensor(227, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5a_branch2c_batch_var = bn5a_branch2c_sum_of_squares/1568
         bn5a_branch2c_batch_var = bn5a_branch2c_sum_of_squares  # in place: over bn5a_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5a_branch2c_batch_var, bn5a_branch2c_sum_of_squares)
@@ -2827,9 +2874,13 @@ class Resnet50(rp.Model):
         # bn5b_branch2a_batch_mean = bn5b_branch2a_sum/1568
         bn5b_branch2a_batch_mean = bn5b_branch2a_sum  # in place: over bn5b_branch2a_sum
         rt.ew(ew_scale_5, bn5b_branch2a_batch_mean, bn5b_branch2a_sum)
-        # bn5b_branch2a_centered = res5b_branch2a - bn5b_branch2a_batch_mean
+        # bn5b_branch2a_centered = res5b_branch2a - bn5b_branch2a_batch_mean   (computed with the next statement)
         bn5b_branch2a_centered = res5b_branch2a  # in place: over res5b_branch2a
-        rt.ew(ew_sub, bn5b_branch2a_centered, res5b_branch2a, bn5b_branch2a_batch_mean)
+        # bn5b_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2a_centered**2)
+        bn5b_branch2a_sum_of_squares = mem.tensor(232, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5b_branch2a_centered, res5b_branch2a, bn5b_branch2a_batch_mean),
+                      (ew_square, bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2a_batch_mean_flat = reshape[512](bn5b_branch2a_batch_mean)
         bn5b_branch2a_batch_mean_flat = rt.reshape(bn5b_branch2a_batch_mean, shape=(512,))
         # bn5b_branch2a_mean_new = 0.9*bn5b_branch2a_mean + 0.1*bn5b_branch2a_batch_mean_flat
@@ -2838,9 +2889,6 @@ class Resnet50(rp.Model):
         # free bn5b_branch2a_sum, bn5b_branch2a_batch_mean, bn5b_branch2a_batch_mean_flat
         del bn5b_branch2a_sum, bn5b_branch2a_batch_mean, bn5b_branch2a_batch_mean_flat
         mem.free(231)
-        # bn5b_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2a_centered**2)
-        bn5b_branch2a_sum_of_squares = mem.tensor(232, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2a_batch_var = bn5b_branch2a_sum_of_squares/1568
         bn5b_branch2a_batch_var = bn5b_branch2a_sum_of_squares  # in place: over bn5b_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2a_batch_var, bn5b_branch2a_sum_of_squares)
@@ -2877,9 +2925,13 @@ class Resnet50(rp.Model):
         # bn5b_branch2b_batch_mean = bn5b_branch2b_sum/1568
         bn5b_branch2b_batch_mean = bn5b_branch2b_sum  # in place: over bn5b_branch2b_sum
         rt.ew(ew_scale_5, bn5b_branch2b_batch_mean, bn5b_branch2b_sum)
-        # bn5b_branch2b_centered = res5b_branch2b - bn5b_branch2b_batch_mean
+        # bn5b_branch2b_centered = res5b_branch2b - bn5b_branch2b_batch_mean   (computed with the next statement)
         bn5b_branch2b_centered = res5b_branch2b  # in place: over res5b_branch2b
-        rt.ew(ew_sub, bn5b_branch2b_centered, res5b_branch2b, bn5b_branch2b_batch_mean)
+        # bn5b_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2b_centered**2)
+        bn5b_branch2b_sum_of_squares = mem.tensor(237, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5b_branch2b_centered, res5b_branch2b, bn5b_branch2b_batch_mean),
+                      (ew_square, bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2b_batch_mean_flat = reshape[512](bn5b_branch2b_batch_mean)
         bn5b_branch2b_batch_mean_flat = rt.reshape(bn5b_branch2b_batch_mean, shape=(512,))
         # bn5b_branch2b_mean_new = 0.9*bn5b_branch2b_mean + 0.1*bn5b_branch2b_batch_mean_flat
@@ -2888,9 +2940,6 @@ class Resnet50(rp.Model):
         # free bn5b_branch2b_sum, bn5b_branch2b_batch_mean, bn5b_branch2b_batch_mean_flat
         del bn5b_branch2b_sum, bn5b_branch2b_batch_mean, bn5b_branch2b_batch_mean_flat
         mem.free(236)
-        # bn5b_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5b_branch2b_centered**2)
-        bn5b_branch2b_sum_of_squares = mem.tensor(237, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5b_branch2b_batch_var = bn5b_branch2b_sum_of_squares/1568
         bn5b_branch2b_batch_var = bn5b_branch2b_sum_of_squares  # in place: over bn5b_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2b_batch_var, bn5b_branch2b_sum_of_squares)
@@ -2927,9 +2976,13 @@ class Resnet50(rp.Model):
         # bn5b_branch2c_batch_mean = bn5b_branch2c_sum/1568
         bn5b_branch2c_batch_mean = bn5b_branch2c_sum  # in place: over bn5b_branch2c_sum
         rt.ew(ew_scale_5, bn5b_branch2c_batch_mean, bn5b_branch2c_sum)
-        # bn5b_branch2c_centered = res5b_branch2c - bn5b_branch2c_batch_mean
+        # bn5b_branch2c_centered = res5b_branch2c - bn5b_branch2c_batch_mean   (computed with the next statement)
         bn5b_branch2c_centered = res5b_branch2c  # in place: over res5b_branch2c
-        rt.ew(ew_sub, bn5b_branch2c_centered, res5b_branch2c, bn5b_branch2c_batch_mean)
+        # bn5b_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5b_branch2c_centered**2)
+        bn5b_branch2c_sum_of_squares = mem.tensor(242, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5b_branch2c_centered, res5b_branch2c, bn5b_branch2c_batch_mean),
+                      (ew_square, bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5b_branch2c_batch_mean_flat = reshape[2048](bn5b_branch2c_batch_mean)
         bn5b_branch2c_batch_mean_flat = rt.reshape(bn5b_branch2c_batch_mean, shape=(2048,))
         # bn5b_branch2c_mean_new = 0.9*bn5b_branch2c_mean + 0.1*bn5b_branch2c_batch_mean_flat
@@ -2938,9 +2991,6 @@ class Resnet50(rp.Model):
         # free bn5b_branch2c_sum, bn5b_branch2c_batch_mean, bn5b_branch2c_batch_mean_flat
         del bn5b_branch2c_sum, bn5b_branch2c_batch_mean, bn5b_branch2c_batch_mean_flat
         mem.free(241)
-        # bn5b_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5b_branch2c_centered**2)
-        bn5b_branch2c_sum_of_squares = mem.tensor(242, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5b_branch2c_batch_var = bn5b_branch2c_sum_of_squares/1568
         bn5b_branch2c_batch_var = bn5b_branch2c_sum_of_squares  # in place: over bn5b_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5b_branch2c_batch_var, bn5b_branch2c_sum_of_squares)
@@ -2974,9 +3024,13 @@ class Resnet50(rp.Model):
         # bn5c_branch2a_batch_mean = bn5c_branch2a_sum/1568
         bn5c_branch2a_batch_mean = bn5c_branch2a_sum  # in place: over bn5c_branch2a_sum
         rt.ew(ew_scale_5, bn5c_branch2a_batch_mean, bn5c_branch2a_sum)
-        # bn5c_branch2a_centered = res5c_branch2a - bn5c_branch2a_batch_mean
+        # bn5c_branch2a_centered = res5c_branch2a - bn5c_branch2a_batch_mean   (computed with the next statement)
         bn5c_branch2a_centered = res5c_branch2a  # in place: over res5c_branch2a
-        rt.ew(ew_sub, bn5c_branch2a_centered, res5c_branch2a, bn5c_branch2a_batch_mean)
+        # bn5c_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2a_centered**2)
+        bn5c_branch2a_sum_of_squares = mem.tensor(246, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5c_branch2a_centered, res5c_branch2a, bn5c_branch2a_batch_mean),
+                      (ew_square, bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2a_batch_mean_flat = reshape[512](bn5c_branch2a_batch_mean)
         bn5c_branch2a_batch_mean_flat = rt.reshape(bn5c_branch2a_batch_mean, shape=(512,))
         # bn5c_branch2a_mean_new = 0.9*bn5c_branch2a_mean + 0.1*bn5c_branch2a_batch_mean_flat
@@ -2985,9 +3039,6 @@ class Resnet50(rp.Model):
         # free bn5c_branch2a_sum, bn5c_branch2a_batch_mean, bn5c_branch2a_batch_mean_flat
         del bn5c_branch2a_sum, bn5c_branch2a_batch_mean, bn5c_branch2a_batch_mean_flat
         mem.free(245)
-        # bn5c_branch2a_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2a_centered**2)
-        bn5c_branch2a_sum_of_squares = mem.tensor(246, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2a_batch_var = bn5c_branch2a_sum_of_squares/1568
         bn5c_branch2a_batch_var = bn5c_branch2a_sum_of_squares  # in place: over bn5c_branch2a_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2a_batch_var, bn5c_branch2a_sum_of_squares)
@@ -3024,9 +3075,13 @@ class Resnet50(rp.Model):
         # bn5c_branch2b_batch_mean = bn5c_branch2b_sum/1568
         bn5c_branch2b_batch_mean = bn5c_branch2b_sum  # in place: over bn5c_branch2b_sum
         rt.ew(ew_scale_5, bn5c_branch2b_batch_mean, bn5c_branch2b_sum)
-        # bn5c_branch2b_centered = res5c_branch2b - bn5c_branch2b_batch_mean
+        # bn5c_branch2b_centered = res5c_branch2b - bn5c_branch2b_batch_mean   (computed with the next statement)
         bn5c_branch2b_centered = res5c_branch2b  # in place: over res5c_branch2b
-        rt.ew(ew_sub, bn5c_branch2b_centered, res5c_branch2b, bn5c_branch2b_batch_mean)
+        # bn5c_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2b_centered**2)
+        bn5c_branch2b_sum_of_squares = mem.tensor(251, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5c_branch2b_centered, res5c_branch2b, bn5c_branch2b_batch_mean),
+                      (ew_square, bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2b_batch_mean_flat = reshape[512](bn5c_branch2b_batch_mean)
         bn5c_branch2b_batch_mean_flat = rt.reshape(bn5c_branch2b_batch_mean, shape=(512,))
         # bn5c_branch2b_mean_new = 0.9*bn5c_branch2b_mean + 0.1*bn5c_branch2b_batch_mean_flat
@@ -3035,9 +3090,6 @@ class Resnet50(rp.Model):
         # free bn5c_branch2b_sum, bn5c_branch2b_batch_mean, bn5c_branch2b_batch_mean_flat
         del bn5c_branch2b_sum, bn5c_branch2b_batch_mean, bn5c_branch2b_batch_mean_flat
         mem.free(250)
-        # bn5c_branch2b_sum_of_squares = sum_to[1x512x1x1](bn5c_branch2b_centered**2)
-        bn5c_branch2b_sum_of_squares = mem.tensor(251, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # bn5c_branch2b_batch_var = bn5c_branch2b_sum_of_squares/1568
         bn5c_branch2b_batch_var = bn5c_branch2b_sum_of_squares  # in place: over bn5c_branch2b_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2b_batch_var, bn5c_branch2b_sum_of_squares)
@@ -3074,9 +3126,13 @@ class Resnet50(rp.Model):
         # bn5c_branch2c_batch_mean = bn5c_branch2c_sum/1568
         bn5c_branch2c_batch_mean = bn5c_branch2c_sum  # in place: over bn5c_branch2c_sum
         rt.ew(ew_scale_5, bn5c_branch2c_batch_mean, bn5c_branch2c_sum)
-        # bn5c_branch2c_centered = res5c_branch2c - bn5c_branch2c_batch_mean
+        # bn5c_branch2c_centered = res5c_branch2c - bn5c_branch2c_batch_mean   (computed with the next statement)
         bn5c_branch2c_centered = res5c_branch2c  # in place: over res5c_branch2c
-        rt.ew(ew_sub, bn5c_branch2c_centered, res5c_branch2c, bn5c_branch2c_batch_mean)
+        # bn5c_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5c_branch2c_centered**2)
+        bn5c_branch2c_sum_of_squares = mem.tensor(256, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bn5c_branch2c_centered, res5c_branch2c, bn5c_branch2c_batch_mean),
+                      (ew_square, bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5c_branch2c_batch_mean_flat = reshape[2048](bn5c_branch2c_batch_mean)
         bn5c_branch2c_batch_mean_flat = rt.reshape(bn5c_branch2c_batch_mean, shape=(2048,))
         # bn5c_branch2c_mean_new = 0.9*bn5c_branch2c_mean + 0.1*bn5c_branch2c_batch_mean_flat
@@ -3085,9 +3141,6 @@ class Resnet50(rp.Model):
         # free bn5c_branch2c_sum, bn5c_branch2c_batch_mean, bn5c_branch2c_batch_mean_flat
         del bn5c_branch2c_sum, bn5c_branch2c_batch_mean, bn5c_branch2c_batch_mean_flat
         mem.free(255)
-        # bn5c_branch2c_sum_of_squares = sum_to[1x2048x1x1](bn5c_branch2c_centered**2)
-        bn5c_branch2c_sum_of_squares = mem.tensor(256, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # bn5c_branch2c_batch_var = bn5c_branch2c_sum_of_squares/1568
         bn5c_branch2c_batch_var = bn5c_branch2c_sum_of_squares  # in place: over bn5c_branch2c_sum_of_squares
         rt.ew(ew_scale_5, bn5c_branch2c_batch_var, bn5c_branch2c_sum_of_squares)
@@ -3229,9 +3282,13 @@ class Resnet50(rp.Model):
         # free bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         del bn5c_branch2c_sum_of_squares, bn5c_branch2c_batch_var, bn5c_branch2c_batch_var_flat
         mem.free(256)
-        # d_bn5c_branch2c_centered = d_bn5c_branch2c_add*bn5c_branch2c_inv_std*bn5c_branch2c_weight + 2*d_bn5c_branch2c_sum_of_squares*bn5c_branch2c_centered
+        # d_bn5c_branch2c_centered = d_bn5c_branch2c_add*bn5c_branch2c_inv_std*bn5c_branch2c_weight + 2*d_bn5c_branch2c_sum_of_squares*bn5c_branch2c_centered   (computed with the next statement)
         d_bn5c_branch2c_centered = bn5c_branch2c_centered  # in place: over bn5c_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn5c_branch2c_centered, d_bn5c_branch2c_add, bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered)
+        # d_bn5c_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5c_branch2c_centered)
+        d_bn5c_branch2c_batch_mean = mem.tensor(270, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5c_branch2c_centered, d_bn5c_branch2c_add, bn5c_branch2c_inv_std, bn5c_branch2c_weight, d_bn5c_branch2c_sum_of_squares, bn5c_branch2c_centered),
+                      (ew_neg, d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
         del d_bn5c_branch2c_inv_std, d_bn5c_branch2c_sum_of_squares
         mem.free(269)
@@ -3252,9 +3309,6 @@ class Resnet50(rp.Model):
         # free bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
         del bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
         mem.free(257)
-        # d_bn5c_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5c_branch2c_centered)
-        d_bn5c_branch2c_batch_mean = mem.tensor(270, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5c_branch2c_batch_mean, d_bn5c_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean/1568
         d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean  # in place: over d_bn5c_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2c_sum, d_bn5c_branch2c_batch_mean)
@@ -3308,9 +3362,15 @@ class Resnet50(rp.Model):
         mem.free(274)
 
         # ---- bn5c_branch2b_relu (relu), backward ----
-        # d_bn5c_branch2b = d_bn5c_branch2b_relu*Heaviside(bn5c_branch2b_relu_2, 0)
+        # d_bn5c_branch2b = d_bn5c_branch2b_relu*Heaviside(bn5c_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn5c_branch2b = d_bn5c_branch2b_relu  # in place: over d_bn5c_branch2b_relu
-        rt.ew(ew_step_mul, d_bn5c_branch2b, d_bn5c_branch2b_relu, bn5c_branch2b_relu_2)
+
+        # ---- bn5c_branch2b (batch norm), backward ----
+        # d_bn5c_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered)
+        d_bn5c_branch2b_ew_sum = mem.tensor(275, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn5c_branch2b, d_bn5c_branch2b_relu, bn5c_branch2b_relu_2),
+                      (ew_mul, d_bn5c_branch2b_ew_sum, d_bn5c_branch2b, bn5c_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free bn5c_branch2b_relu_2
         del bn5c_branch2b_relu_2
         mem.free(273)
@@ -3321,9 +3381,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2c_W_new, T['res5c_branch2c_W'], lr, V_res5c_branch2c_W_new)
 
         # ---- bn5c_branch2b (batch norm), backward ----
-        # d_bn5c_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5c_branch2b*bn5c_branch2b_centered)
-        d_bn5c_branch2b_ew_sum = mem.tensor(275, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5c_branch2b_ew_sum, d_bn5c_branch2b, bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5c_branch2b_inv_std = bn5c_branch2b_weight*d_bn5c_branch2b_ew_sum   (computed with the next statement)
         d_bn5c_branch2b_inv_std = mem.tensor(276, (1, 512, 1, 1), 'float32')
         # d_bn5c_branch2b_sum_of_squares = -d_bn5c_branch2b_inv_std/(3136*(bn5c_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -3333,14 +3390,18 @@ class Resnet50(rp.Model):
         # free bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         del bn5c_branch2b_sum_of_squares, bn5c_branch2b_batch_var, bn5c_branch2b_batch_var_flat
         mem.free(251)
-        # d_bn5c_branch2b_centered = d_bn5c_branch2b*bn5c_branch2b_inv_std*bn5c_branch2b_weight + 2*d_bn5c_branch2b_sum_of_squares*bn5c_branch2b_centered
+        # d_bn5c_branch2b_centered = d_bn5c_branch2b*bn5c_branch2b_inv_std*bn5c_branch2b_weight + 2*d_bn5c_branch2b_sum_of_squares*bn5c_branch2b_centered   (computed with the next statement)
         d_bn5c_branch2b_centered = bn5c_branch2b_centered  # in place: over bn5c_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn5c_branch2b_centered, d_bn5c_branch2b, bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered)
+        # d_bn5c_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2b_centered)
+        d_bn5c_branch2b_batch_mean = mem.tensor(277, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5c_branch2b_centered, d_bn5c_branch2b, bn5c_branch2b_inv_std, bn5c_branch2b_weight, d_bn5c_branch2b_sum_of_squares, bn5c_branch2b_centered),
+                      (ew_neg, d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
         del d_bn5c_branch2b_inv_std, d_bn5c_branch2b_sum_of_squares
         mem.free(276)
         # d_bn5c_branch2b_bias = sum_to[1x512x1x1](d_bn5c_branch2b)
-        d_bn5c_branch2b_bias = mem.tensor(277, (1, 512, 1, 1), 'float32')
+        d_bn5c_branch2b_bias = mem.tensor(278, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5c_branch2b, out=d_bn5c_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5c_branch2b_relu, d_bn5c_branch2b
         del d_bn5c_branch2b_relu, d_bn5c_branch2b
@@ -3372,10 +3433,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new))
         # free d_bn5c_branch2b_bias, d_bn5c_branch2b_B
         del d_bn5c_branch2b_bias, d_bn5c_branch2b_B
-        mem.free(277)
-        # d_bn5c_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2b_centered)
-        d_bn5c_branch2b_batch_mean = mem.tensor(278, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(278)
         # d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean/1568
         d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean  # in place: over d_bn5c_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2b_sum, d_bn5c_branch2b_batch_mean)
@@ -3386,7 +3444,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5c_branch2b, d_bn5c_branch2b_centered, d_bn5c_branch2b_sum)
         # free d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_sum
         del d_bn5c_branch2b_batch_mean, d_bn5c_branch2b_sum
-        mem.free(278)
+        mem.free(277)
         # d_bn5c_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5c_branch2b, res5c_branch2b_W)
         d_bn5c_branch2a_relu = mem.tensor(279, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5c_branch2b, T['res5c_branch2b_W'], out=d_bn5c_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
@@ -3414,14 +3472,18 @@ class Resnet50(rp.Model):
         # free bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         del bn5c_branch2a_sum_of_squares, bn5c_branch2a_batch_var, bn5c_branch2a_batch_var_flat
         mem.free(246)
-        # d_bn5c_branch2a_centered = d_bn5c_branch2a*bn5c_branch2a_inv_std*bn5c_branch2a_weight + 2*d_bn5c_branch2a_sum_of_squares*bn5c_branch2a_centered
+        # d_bn5c_branch2a_centered = d_bn5c_branch2a*bn5c_branch2a_inv_std*bn5c_branch2a_weight + 2*d_bn5c_branch2a_sum_of_squares*bn5c_branch2a_centered   (computed with the next statement)
         d_bn5c_branch2a_centered = bn5c_branch2a_centered  # in place: over bn5c_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn5c_branch2a_centered, d_bn5c_branch2a, bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered)
+        # d_bn5c_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2a_centered)
+        d_bn5c_branch2a_batch_mean = mem.tensor(283, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5c_branch2a_centered, d_bn5c_branch2a, bn5c_branch2a_inv_std, bn5c_branch2a_weight, d_bn5c_branch2a_sum_of_squares, bn5c_branch2a_centered),
+                      (ew_neg, d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
         del d_bn5c_branch2a_inv_std, d_bn5c_branch2a_sum_of_squares
         mem.free(282)
         # d_bn5c_branch2a_bias = sum_to[1x512x1x1](d_bn5c_branch2a)
-        d_bn5c_branch2a_bias = mem.tensor(283, (1, 512, 1, 1), 'float32')
+        d_bn5c_branch2a_bias = mem.tensor(284, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5c_branch2a, out=d_bn5c_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5c_branch2a_relu, d_bn5c_branch2a
         del d_bn5c_branch2a_relu, d_bn5c_branch2a
@@ -3453,10 +3515,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new))
         # free d_bn5c_branch2a_bias, d_bn5c_branch2a_B
         del d_bn5c_branch2a_bias, d_bn5c_branch2a_B
-        mem.free(283)
-        # d_bn5c_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5c_branch2a_centered)
-        d_bn5c_branch2a_batch_mean = mem.tensor(284, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(284)
         # d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean/1568
         d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean  # in place: over d_bn5c_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2a_sum, d_bn5c_branch2a_batch_mean)
@@ -3467,7 +3526,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5c_branch2a, d_bn5c_branch2a_centered, d_bn5c_branch2a_sum)
         # free d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_sum
         del d_bn5c_branch2a_batch_mean, d_bn5c_branch2a_sum
-        mem.free(284)
+        mem.free(283)
 
         # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_res5c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5c_branch2b, bn5c_branch2a_relu_2)
@@ -3504,9 +3563,15 @@ class Resnet50(rp.Model):
         mem.free(244)
 
         # ---- bn5b_branch2c_relu (relu), backward ----
-        # d_bn5b_branch2c_add = (d_bn5c_branch2c_add + d_bn5b_branch2c_relu)*Heaviside(bn5b_branch2c_relu, 0)
+        # d_bn5b_branch2c_add = (d_bn5c_branch2c_add + d_bn5b_branch2c_relu)*Heaviside(bn5b_branch2c_relu, 0)   (computed with the next statement)
         d_bn5b_branch2c_add = d_bn5c_branch2c_add  # in place: over d_bn5c_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn5b_branch2c_add, d_bn5c_branch2c_add, d_bn5b_branch2c_relu, bn5b_branch2c_relu)
+
+        # ---- bn5b_branch2c (batch norm), backward ----
+        # d_bn5b_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered)
+        d_bn5b_branch2c_ew_sum = mem.tensor(288, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn5b_branch2c_add, d_bn5c_branch2c_add, d_bn5b_branch2c_relu, bn5b_branch2c_relu),
+                      (ew_mul, d_bn5b_branch2c_ew_sum, d_bn5b_branch2c_add, bn5b_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free bn5a_branch2c_relu, bn5b_branch2c_relu, d_bn5b_branch2c_relu
         del bn5a_branch2c_relu, bn5b_branch2c_relu, d_bn5b_branch2c_relu
         mem.free(229, 287)
@@ -3517,9 +3582,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5c_branch2a_W_new, T['res5c_branch2a_W'], lr, V_res5c_branch2a_W_new)
 
         # ---- bn5b_branch2c (batch norm), backward ----
-        # d_bn5b_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5b_branch2c_add*bn5b_branch2c_centered)
-        d_bn5b_branch2c_ew_sum = mem.tensor(288, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2c_ew_sum, d_bn5b_branch2c_add, bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_inv_std = bn5b_branch2c_weight*d_bn5b_branch2c_ew_sum   (computed with the next statement)
         d_bn5b_branch2c_inv_std = mem.tensor(289, (1, 2048, 1, 1), 'float32')
         # d_bn5b_branch2c_sum_of_squares = -d_bn5b_branch2c_inv_std/(3136*(bn5b_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -3529,9 +3591,13 @@ class Resnet50(rp.Model):
         # free bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         del bn5b_branch2c_sum_of_squares, bn5b_branch2c_batch_var, bn5b_branch2c_batch_var_flat
         mem.free(242)
-        # d_bn5b_branch2c_centered = d_bn5b_branch2c_add*bn5b_branch2c_inv_std*bn5b_branch2c_weight + 2*d_bn5b_branch2c_sum_of_squares*bn5b_branch2c_centered
+        # d_bn5b_branch2c_centered = d_bn5b_branch2c_add*bn5b_branch2c_inv_std*bn5b_branch2c_weight + 2*d_bn5b_branch2c_sum_of_squares*bn5b_branch2c_centered   (computed with the next statement)
         d_bn5b_branch2c_centered = bn5b_branch2c_centered  # in place: over bn5b_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn5b_branch2c_centered, d_bn5b_branch2c_add, bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered)
+        # d_bn5b_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5b_branch2c_centered)
+        d_bn5b_branch2c_batch_mean = mem.tensor(290, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5b_branch2c_centered, d_bn5b_branch2c_add, bn5b_branch2c_inv_std, bn5b_branch2c_weight, d_bn5b_branch2c_sum_of_squares, bn5b_branch2c_centered),
+                      (ew_neg, d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
         del d_bn5b_branch2c_inv_std, d_bn5b_branch2c_sum_of_squares
         mem.free(289)
@@ -3552,9 +3618,6 @@ class Resnet50(rp.Model):
         # free bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
         del bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
         mem.free(243)
-        # d_bn5b_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5b_branch2c_centered)
-        d_bn5b_branch2c_batch_mean = mem.tensor(290, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5b_branch2c_batch_mean, d_bn5b_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean/1568
         d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean  # in place: over d_bn5b_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2c_sum, d_bn5b_branch2c_batch_mean)
@@ -3608,9 +3671,15 @@ class Resnet50(rp.Model):
         mem.free(294)
 
         # ---- bn5b_branch2b_relu (relu), backward ----
-        # d_bn5b_branch2b = d_bn5b_branch2b_relu*Heaviside(bn5b_branch2b_relu_2, 0)
+        # d_bn5b_branch2b = d_bn5b_branch2b_relu*Heaviside(bn5b_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn5b_branch2b = d_bn5b_branch2b_relu  # in place: over d_bn5b_branch2b_relu
-        rt.ew(ew_step_mul, d_bn5b_branch2b, d_bn5b_branch2b_relu, bn5b_branch2b_relu_2)
+
+        # ---- bn5b_branch2b (batch norm), backward ----
+        # d_bn5b_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered)
+        d_bn5b_branch2b_ew_sum = mem.tensor(295, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn5b_branch2b, d_bn5b_branch2b_relu, bn5b_branch2b_relu_2),
+                      (ew_mul, d_bn5b_branch2b_ew_sum, d_bn5b_branch2b, bn5b_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free bn5b_branch2b_relu_2
         del bn5b_branch2b_relu_2
         mem.free(293)
@@ -3621,9 +3690,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5b_branch2c_W_new, T['res5b_branch2c_W'], lr, V_res5b_branch2c_W_new)
 
         # ---- bn5b_branch2b (batch norm), backward ----
-        # d_bn5b_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5b_branch2b*bn5b_branch2b_centered)
-        d_bn5b_branch2b_ew_sum = mem.tensor(295, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5b_branch2b_ew_sum, d_bn5b_branch2b, bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5b_branch2b_inv_std = bn5b_branch2b_weight*d_bn5b_branch2b_ew_sum   (computed with the next statement)
         d_bn5b_branch2b_inv_std = mem.tensor(296, (1, 512, 1, 1), 'float32')
         # d_bn5b_branch2b_sum_of_squares = -d_bn5b_branch2b_inv_std/(3136*(bn5b_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -3633,14 +3699,18 @@ class Resnet50(rp.Model):
         # free bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         del bn5b_branch2b_sum_of_squares, bn5b_branch2b_batch_var, bn5b_branch2b_batch_var_flat
         mem.free(237)
-        # d_bn5b_branch2b_centered = d_bn5b_branch2b*bn5b_branch2b_inv_std*bn5b_branch2b_weight + 2*d_bn5b_branch2b_sum_of_squares*bn5b_branch2b_centered
+        # d_bn5b_branch2b_centered = d_bn5b_branch2b*bn5b_branch2b_inv_std*bn5b_branch2b_weight + 2*d_bn5b_branch2b_sum_of_squares*bn5b_branch2b_centered   (computed with the next statement)
         d_bn5b_branch2b_centered = bn5b_branch2b_centered  # in place: over bn5b_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn5b_branch2b_centered, d_bn5b_branch2b, bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered)
+        # d_bn5b_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2b_centered)
+        d_bn5b_branch2b_batch_mean = mem.tensor(297, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5b_branch2b_centered, d_bn5b_branch2b, bn5b_branch2b_inv_std, bn5b_branch2b_weight, d_bn5b_branch2b_sum_of_squares, bn5b_branch2b_centered),
+                      (ew_neg, d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
         del d_bn5b_branch2b_inv_std, d_bn5b_branch2b_sum_of_squares
         mem.free(296)
         # d_bn5b_branch2b_bias = sum_to[1x512x1x1](d_bn5b_branch2b)
-        d_bn5b_branch2b_bias = mem.tensor(297, (1, 512, 1, 1), 'float32')
+        d_bn5b_branch2b_bias = mem.tensor(298, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5b_branch2b, out=d_bn5b_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5b_branch2b_relu, d_bn5b_branch2b
         del d_bn5b_branch2b_relu, d_bn5b_branch2b
@@ -3672,10 +3742,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new))
         # free d_bn5b_branch2b_bias, d_bn5b_branch2b_B
         del d_bn5b_branch2b_bias, d_bn5b_branch2b_B
-        mem.free(297)
-        # d_bn5b_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2b_centered)
-        d_bn5b_branch2b_batch_mean = mem.tensor(298, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(298)
         # d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean/1568
         d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean  # in place: over d_bn5b_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2b_sum, d_bn5b_branch2b_batch_mean)
@@ -3686,7 +3753,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5b_branch2b, d_bn5b_branch2b_centered, d_bn5b_branch2b_sum)
         # free d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_sum
         del d_bn5b_branch2b_batch_mean, d_bn5b_branch2b_sum
-        mem.free(298)
+        mem.free(297)
         # d_bn5b_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5b_branch2b, res5b_branch2b_W)
         d_bn5b_branch2a_relu = mem.tensor(299, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5b_branch2b, T['res5b_branch2b_W'], out=d_bn5b_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
@@ -3714,14 +3781,18 @@ class Resnet50(rp.Model):
         # free bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         del bn5b_branch2a_sum_of_squares, bn5b_branch2a_batch_var, bn5b_branch2a_batch_var_flat
         mem.free(232)
-        # d_bn5b_branch2a_centered = d_bn5b_branch2a*bn5b_branch2a_inv_std*bn5b_branch2a_weight + 2*d_bn5b_branch2a_sum_of_squares*bn5b_branch2a_centered
+        # d_bn5b_branch2a_centered = d_bn5b_branch2a*bn5b_branch2a_inv_std*bn5b_branch2a_weight + 2*d_bn5b_branch2a_sum_of_squares*bn5b_branch2a_centered   (computed with the next statement)
         d_bn5b_branch2a_centered = bn5b_branch2a_centered  # in place: over bn5b_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn5b_branch2a_centered, d_bn5b_branch2a, bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered)
+        # d_bn5b_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2a_centered)
+        d_bn5b_branch2a_batch_mean = mem.tensor(303, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5b_branch2a_centered, d_bn5b_branch2a, bn5b_branch2a_inv_std, bn5b_branch2a_weight, d_bn5b_branch2a_sum_of_squares, bn5b_branch2a_centered),
+                      (ew_neg, d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
         del d_bn5b_branch2a_inv_std, d_bn5b_branch2a_sum_of_squares
         mem.free(302)
         # d_bn5b_branch2a_bias = sum_to[1x512x1x1](d_bn5b_branch2a)
-        d_bn5b_branch2a_bias = mem.tensor(303, (1, 512, 1, 1), 'float32')
+        d_bn5b_branch2a_bias = mem.tensor(304, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5b_branch2a, out=d_bn5b_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5b_branch2a_relu, d_bn5b_branch2a
         del d_bn5b_branch2a_relu, d_bn5b_branch2a
@@ -3753,10 +3824,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new))
         # free d_bn5b_branch2a_bias, d_bn5b_branch2a_B
         del d_bn5b_branch2a_bias, d_bn5b_branch2a_B
-        mem.free(303)
-        # d_bn5b_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5b_branch2a_centered)
-        d_bn5b_branch2a_batch_mean = mem.tensor(304, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(304)
         # d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean/1568
         d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean  # in place: over d_bn5b_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2a_sum, d_bn5b_branch2a_batch_mean)
@@ -3767,7 +3835,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5b_branch2a, d_bn5b_branch2a_centered, d_bn5b_branch2a_sum)
         # free d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_sum
         del d_bn5b_branch2a_batch_mean, d_bn5b_branch2a_sum
-        mem.free(304)
+        mem.free(303)
 
         # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_res5b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5b_branch2b, bn5b_branch2a_relu_2)
@@ -3809,9 +3877,15 @@ class Resnet50(rp.Model):
         mem.free(230)
 
         # ---- bn5a_branch2c_relu (relu), backward ----
-        # d_bn5a_branch2c_add = (d_bn5b_branch2c_add + d_bn5a_branch2c_relu)*Heaviside(bn5a_branch2c_relu_2, 0)
+        # d_bn5a_branch2c_add = (d_bn5b_branch2c_add + d_bn5a_branch2c_relu)*Heaviside(bn5a_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn5a_branch2c_add = d_bn5b_branch2c_add  # in place: over d_bn5b_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn5a_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_relu, bn5a_branch2c_relu_2)
+
+        # ---- bn5a_branch2c (batch norm), backward ----
+        # d_bn5a_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered)
+        d_bn5a_branch2c_ew_sum = mem.tensor(309, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn5a_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_relu, bn5a_branch2c_relu_2),
+                      (ew_mul, d_bn5a_branch2c_ew_sum, d_bn5a_branch2c_add, bn5a_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free bn5a_branch2c_relu_2, d_bn5a_branch2c_relu
         del bn5a_branch2c_relu_2, d_bn5a_branch2c_relu
         mem.free(306, 308)
@@ -3822,9 +3896,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5b_branch2a_W_new, T['res5b_branch2a_W'], lr, V_res5b_branch2a_W_new)
 
         # ---- bn5a_branch2c (batch norm), backward ----
-        # d_bn5a_branch2c_ew_sum = sum_to[1x2048x1x1](d_bn5a_branch2c_add*bn5a_branch2c_centered)
-        d_bn5a_branch2c_ew_sum = mem.tensor(309, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2c_ew_sum, d_bn5a_branch2c_add, bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch2c_inv_std = bn5a_branch2c_weight*d_bn5a_branch2c_ew_sum   (computed with the next statement)
         d_bn5a_branch2c_inv_std = mem.tensor(310, (1, 2048, 1, 1), 'float32')
         # d_bn5a_branch2c_sum_of_squares = -d_bn5a_branch2c_inv_std/(3136*(bn5a_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -3834,9 +3905,13 @@ class Resnet50(rp.Model):
         # free bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         del bn5a_branch2c_sum_of_squares, bn5a_branch2c_batch_var, bn5a_branch2c_batch_var_flat
         mem.free(227)
-        # d_bn5a_branch2c_centered = d_bn5a_branch2c_add*bn5a_branch2c_inv_std*bn5a_branch2c_weight + 2*d_bn5a_branch2c_sum_of_squares*bn5a_branch2c_centered
+        # d_bn5a_branch2c_centered = d_bn5a_branch2c_add*bn5a_branch2c_inv_std*bn5a_branch2c_weight + 2*d_bn5a_branch2c_sum_of_squares*bn5a_branch2c_centered   (computed with the next statement)
         d_bn5a_branch2c_centered = bn5a_branch2c_centered  # in place: over bn5a_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn5a_branch2c_centered, d_bn5a_branch2c_add, bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered)
+        # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch2c_centered)
+        d_bn5a_branch2c_batch_mean = mem.tensor(311, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5a_branch2c_centered, d_bn5a_branch2c_add, bn5a_branch2c_inv_std, bn5a_branch2c_weight, d_bn5a_branch2c_sum_of_squares, bn5a_branch2c_centered),
+                      (ew_neg, d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
         del d_bn5a_branch2c_inv_std, d_bn5a_branch2c_sum_of_squares
         mem.free(310)
@@ -3857,9 +3932,6 @@ class Resnet50(rp.Model):
         # free bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
         del bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
         mem.free(228)
-        # d_bn5a_branch2c_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch2c_centered)
-        d_bn5a_branch2c_batch_mean = mem.tensor(311, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5a_branch2c_batch_mean, d_bn5a_branch2c_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean/1568
         d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean  # in place: over d_bn5a_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2c_sum, d_bn5a_branch2c_batch_mean)
@@ -3885,14 +3957,18 @@ class Resnet50(rp.Model):
         # free bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
         del bn5a_branch1_sum_of_squares, bn5a_branch1_batch_var, bn5a_branch1_batch_var_flat
         mem.free(223)
-        # d_bn5a_branch1_centered = d_bn5a_branch2c_add*bn5a_branch1_inv_std*bn5a_branch1_weight + 2*d_bn5a_branch1_sum_of_squares*bn5a_branch1_centered
+        # d_bn5a_branch1_centered = d_bn5a_branch2c_add*bn5a_branch1_inv_std*bn5a_branch1_weight + 2*d_bn5a_branch1_sum_of_squares*bn5a_branch1_centered   (computed with the next statement)
         d_bn5a_branch1_centered = bn5a_branch1_centered  # in place: over bn5a_branch1_centered
-        rt.ew(ew_mul_add_2, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered)
+        # d_bn5a_branch1_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch1_centered)
+        d_bn5a_branch1_batch_mean = mem.tensor(314, (1, 2048, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5a_branch1_centered, d_bn5a_branch2c_add, bn5a_branch1_inv_std, bn5a_branch1_weight, d_bn5a_branch1_sum_of_squares, bn5a_branch1_centered),
+                      (ew_neg, d_bn5a_branch1_batch_mean, d_bn5a_branch1_centered),
+                      shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # free d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
         del d_bn5a_branch1_inv_std, d_bn5a_branch1_sum_of_squares
         mem.free(313)
         # d_bn5a_branch1_bias = sum_to[1x2048x1x1](d_bn5a_branch2c_add)
-        d_bn5a_branch1_bias = mem.tensor(314, (1, 2048, 1, 1), 'float32')
+        d_bn5a_branch1_bias = mem.tensor(315, (1, 2048, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2c_add, out=d_bn5a_branch1_bias, shape=(1, 2048, 1, 1))
         # free d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add
         del d_bn5c_branch2c_relu, d_bn5c_branch2c_add, d_bn5b_branch2c_add, d_bn5a_branch2c_add
@@ -3917,7 +3993,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn5a_branch1_B_new, T['V_bn5a_branch1_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch1_B'])
         # free d_bn5a_branch1_bias, d_bn5a_branch1_B
         del d_bn5a_branch1_bias, d_bn5a_branch1_B
-        mem.free(314)
+        mem.free(315)
 
         # ---- bn5a_branch2c (batch norm), backward ----
         # bn5a_branch2c_B_new = bn5a_branch2c_B - lr*V_bn5a_branch2c_B_new
@@ -3939,9 +4015,6 @@ class Resnet50(rp.Model):
         # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
         bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
         rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
-        # d_bn5a_branch1_batch_mean = sum_to[1x2048x1x1](-d_bn5a_branch1_centered)
-        d_bn5a_branch1_batch_mean = mem.tensor(315, (1, 2048, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5a_branch1_batch_mean, d_bn5a_branch1_centered, shape=(1, 2048, 1, 1), workspace=mem.workspace(6430720))
         # d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean/1568
         d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean  # in place: over d_bn5a_branch1_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch1_sum, d_bn5a_branch1_batch_mean)
@@ -3952,7 +4025,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5a_branch1, d_bn5a_branch1_centered, d_bn5a_branch1_sum)
         # free d_bn5a_branch1_batch_mean, d_bn5a_branch1_sum
         del d_bn5a_branch1_batch_mean, d_bn5a_branch1_sum
-        mem.free(315)
+        mem.free(314)
 
         # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5a_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5a_branch2c, res5a_branch2c_W)
@@ -3979,9 +4052,15 @@ class Resnet50(rp.Model):
         mem.free(318)
 
         # ---- bn5a_branch2b_relu (relu), backward ----
-        # d_bn5a_branch2b = d_bn5a_branch2b_relu*Heaviside(bn5a_branch2b_relu_2, 0)
+        # d_bn5a_branch2b = d_bn5a_branch2b_relu*Heaviside(bn5a_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn5a_branch2b = d_bn5a_branch2b_relu  # in place: over d_bn5a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn5a_branch2b, d_bn5a_branch2b_relu, bn5a_branch2b_relu_2)
+
+        # ---- bn5a_branch2b (batch norm), backward ----
+        # d_bn5a_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered)
+        d_bn5a_branch2b_ew_sum = mem.tensor(319, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn5a_branch2b, d_bn5a_branch2b_relu, bn5a_branch2b_relu_2),
+                      (ew_mul, d_bn5a_branch2b_ew_sum, d_bn5a_branch2b, bn5a_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free bn5a_branch2b_relu_2
         del bn5a_branch2b_relu_2
         mem.free(317)
@@ -3992,9 +4071,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5a_branch2c_W_new, T['res5a_branch2c_W'], lr, V_res5a_branch2c_W_new)
 
         # ---- bn5a_branch2b (batch norm), backward ----
-        # d_bn5a_branch2b_ew_sum = sum_to[1x512x1x1](d_bn5a_branch2b*bn5a_branch2b_centered)
-        d_bn5a_branch2b_ew_sum = mem.tensor(319, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn5a_branch2b_ew_sum, d_bn5a_branch2b, bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # d_bn5a_branch2b_inv_std = bn5a_branch2b_weight*d_bn5a_branch2b_ew_sum   (computed with the next statement)
         d_bn5a_branch2b_inv_std = mem.tensor(320, (1, 512, 1, 1), 'float32')
         # d_bn5a_branch2b_sum_of_squares = -d_bn5a_branch2b_inv_std/(3136*(bn5a_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -4004,14 +4080,18 @@ class Resnet50(rp.Model):
         # free bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         del bn5a_branch2b_sum_of_squares, bn5a_branch2b_batch_var, bn5a_branch2b_batch_var_flat
         mem.free(218)
-        # d_bn5a_branch2b_centered = d_bn5a_branch2b*bn5a_branch2b_inv_std*bn5a_branch2b_weight + 2*d_bn5a_branch2b_sum_of_squares*bn5a_branch2b_centered
+        # d_bn5a_branch2b_centered = d_bn5a_branch2b*bn5a_branch2b_inv_std*bn5a_branch2b_weight + 2*d_bn5a_branch2b_sum_of_squares*bn5a_branch2b_centered   (computed with the next statement)
         d_bn5a_branch2b_centered = bn5a_branch2b_centered  # in place: over bn5a_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn5a_branch2b_centered, d_bn5a_branch2b, bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered)
+        # d_bn5a_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2b_centered)
+        d_bn5a_branch2b_batch_mean = mem.tensor(321, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5a_branch2b_centered, d_bn5a_branch2b, bn5a_branch2b_inv_std, bn5a_branch2b_weight, d_bn5a_branch2b_sum_of_squares, bn5a_branch2b_centered),
+                      (ew_neg, d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
         del d_bn5a_branch2b_inv_std, d_bn5a_branch2b_sum_of_squares
         mem.free(320)
         # d_bn5a_branch2b_bias = sum_to[1x512x1x1](d_bn5a_branch2b)
-        d_bn5a_branch2b_bias = mem.tensor(321, (1, 512, 1, 1), 'float32')
+        d_bn5a_branch2b_bias = mem.tensor(322, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2b, out=d_bn5a_branch2b_bias, shape=(1, 512, 1, 1))
         # free d_bn5a_branch2b_relu, d_bn5a_branch2b
         del d_bn5a_branch2b_relu, d_bn5a_branch2b
@@ -4043,10 +4123,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new))
         # free d_bn5a_branch2b_bias, d_bn5a_branch2b_B
         del d_bn5a_branch2b_bias, d_bn5a_branch2b_B
-        mem.free(321)
-        # d_bn5a_branch2b_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2b_centered)
-        d_bn5a_branch2b_batch_mean = mem.tensor(322, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(322)
         # d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean/1568
         d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean  # in place: over d_bn5a_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2b_sum, d_bn5a_branch2b_batch_mean)
@@ -4057,7 +4134,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5a_branch2b, d_bn5a_branch2b_centered, d_bn5a_branch2b_sum)
         # free d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
         del d_bn5a_branch2b_batch_mean, d_bn5a_branch2b_sum
-        mem.free(322)
+        mem.free(321)
         # d_bn5a_branch2a_relu = conv2d_bwd_data[pad=1,size=(7,7)](d_res5a_branch2b, res5a_branch2b_W)
         d_bn5a_branch2a_relu = mem.tensor(323, (32, 512, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_res5a_branch2b, T['res5a_branch2b_W'], out=d_bn5a_branch2a_relu, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(23363584))
@@ -4085,14 +4162,18 @@ class Resnet50(rp.Model):
         # free bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         del bn5a_branch2a_sum_of_squares, bn5a_branch2a_batch_var, bn5a_branch2a_batch_var_flat
         mem.free(213)
-        # d_bn5a_branch2a_centered = d_bn5a_branch2a*bn5a_branch2a_inv_std*bn5a_branch2a_weight + 2*d_bn5a_branch2a_sum_of_squares*bn5a_branch2a_centered
+        # d_bn5a_branch2a_centered = d_bn5a_branch2a*bn5a_branch2a_inv_std*bn5a_branch2a_weight + 2*d_bn5a_branch2a_sum_of_squares*bn5a_branch2a_centered   (computed with the next statement)
         d_bn5a_branch2a_centered = bn5a_branch2a_centered  # in place: over bn5a_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn5a_branch2a_centered, d_bn5a_branch2a, bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered)
+        # d_bn5a_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2a_centered)
+        d_bn5a_branch2a_batch_mean = mem.tensor(327, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn5a_branch2a_centered, d_bn5a_branch2a, bn5a_branch2a_inv_std, bn5a_branch2a_weight, d_bn5a_branch2a_sum_of_squares, bn5a_branch2a_centered),
+                      (ew_neg, d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
         # free d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
         del d_bn5a_branch2a_inv_std, d_bn5a_branch2a_sum_of_squares
         mem.free(326)
         # d_bn5a_branch2a_bias = sum_to[1x512x1x1](d_bn5a_branch2a)
-        d_bn5a_branch2a_bias = mem.tensor(327, (1, 512, 1, 1), 'float32')
+        d_bn5a_branch2a_bias = mem.tensor(328, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn5a_branch2a, out=d_bn5a_branch2a_bias, shape=(1, 512, 1, 1))
         # free d_bn5a_branch2a_relu, d_bn5a_branch2a
         del d_bn5a_branch2a_relu, d_bn5a_branch2a
@@ -4124,10 +4205,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new))
         # free d_bn5a_branch2a_bias, d_bn5a_branch2a_B
         del d_bn5a_branch2a_bias, d_bn5a_branch2a_B
-        mem.free(327)
-        # d_bn5a_branch2a_batch_mean = sum_to[1x512x1x1](-d_bn5a_branch2a_centered)
-        d_bn5a_branch2a_batch_mean = mem.tensor(328, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(3211264))
+        mem.free(328)
         # d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean/1568
         d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean  # in place: over d_bn5a_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2a_sum, d_bn5a_branch2a_batch_mean)
@@ -4138,7 +4216,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res5a_branch2a, d_bn5a_branch2a_centered, d_bn5a_branch2a_sum)
         # free d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
         del d_bn5a_branch2a_batch_mean, d_bn5a_branch2a_sum
-        mem.free(328)
+        mem.free(327)
         # d_res5a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res5a_branch2a, bn4f_branch2c_relu)
         d_res5a_branch2a_W = mem.tensor(329, (512, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res5a_branch2a, bn4f_branch2c_relu, out=d_res5a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(9633792))
@@ -4195,9 +4273,15 @@ class Resnet50(rp.Model):
         mem.free(211)
 
         # ---- bn4f_branch2c_relu (relu), backward ----
-        # d_bn4f_branch2c_add = (d_bn4f_branch2c_relu + d_bn4f_branch2c_relu_2)*Heaviside(bn4f_branch2c_relu, 0)
+        # d_bn4f_branch2c_add = (d_bn4f_branch2c_relu + d_bn4f_branch2c_relu_2)*Heaviside(bn4f_branch2c_relu, 0)   (computed with the next statement)
         d_bn4f_branch2c_add = d_bn4f_branch2c_relu  # in place: over d_bn4f_branch2c_relu
-        rt.ew(ew_add_step_mul, d_bn4f_branch2c_add, d_bn4f_branch2c_relu, d_bn4f_branch2c_relu_2, bn4f_branch2c_relu)
+
+        # ---- bn4f_branch2c (batch norm), backward ----
+        # d_bn4f_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered)
+        d_bn4f_branch2c_ew_sum = mem.tensor(334, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4f_branch2c_add, d_bn4f_branch2c_relu, d_bn4f_branch2c_relu_2, bn4f_branch2c_relu),
+                      (ew_mul, d_bn4f_branch2c_ew_sum, d_bn4f_branch2c_add, bn4f_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4e_branch2c_relu, bn4f_branch2c_relu, d_bn4f_branch2c_relu_2
         del bn4e_branch2c_relu, bn4f_branch2c_relu, d_bn4f_branch2c_relu_2
         mem.free(196, 333)
@@ -4208,9 +4292,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res5a_branch2a_W_new, T['res5a_branch2a_W'], lr, V_res5a_branch2a_W_new)
 
         # ---- bn4f_branch2c (batch norm), backward ----
-        # d_bn4f_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4f_branch2c_add*bn4f_branch2c_centered)
-        d_bn4f_branch2c_ew_sum = mem.tensor(334, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2c_ew_sum, d_bn4f_branch2c_add, bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_inv_std = bn4f_branch2c_weight*d_bn4f_branch2c_ew_sum   (computed with the next statement)
         d_bn4f_branch2c_inv_std = mem.tensor(335, (1, 1024, 1, 1), 'float32')
         # d_bn4f_branch2c_sum_of_squares = -d_bn4f_branch2c_inv_std/(12544*(bn4f_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -4220,9 +4301,13 @@ class Resnet50(rp.Model):
         # free bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         del bn4f_branch2c_sum_of_squares, bn4f_branch2c_batch_var, bn4f_branch2c_batch_var_flat
         mem.free(209)
-        # d_bn4f_branch2c_centered = d_bn4f_branch2c_add*bn4f_branch2c_inv_std*bn4f_branch2c_weight + 2*d_bn4f_branch2c_sum_of_squares*bn4f_branch2c_centered
+        # d_bn4f_branch2c_centered = d_bn4f_branch2c_add*bn4f_branch2c_inv_std*bn4f_branch2c_weight + 2*d_bn4f_branch2c_sum_of_squares*bn4f_branch2c_centered   (computed with the next statement)
         d_bn4f_branch2c_centered = bn4f_branch2c_centered  # in place: over bn4f_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4f_branch2c_centered, d_bn4f_branch2c_add, bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered)
+        # d_bn4f_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4f_branch2c_centered)
+        d_bn4f_branch2c_batch_mean = mem.tensor(336, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4f_branch2c_centered, d_bn4f_branch2c_add, bn4f_branch2c_inv_std, bn4f_branch2c_weight, d_bn4f_branch2c_sum_of_squares, bn4f_branch2c_centered),
+                      (ew_neg, d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
         del d_bn4f_branch2c_inv_std, d_bn4f_branch2c_sum_of_squares
         mem.free(335)
@@ -4243,9 +4328,6 @@ class Resnet50(rp.Model):
         # free bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
         del bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
         mem.free(210)
-        # d_bn4f_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4f_branch2c_centered)
-        d_bn4f_branch2c_batch_mean = mem.tensor(336, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4f_branch2c_batch_mean, d_bn4f_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean/6272
         d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean  # in place: over d_bn4f_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2c_sum, d_bn4f_branch2c_batch_mean)
@@ -4291,9 +4373,15 @@ class Resnet50(rp.Model):
         mem.free(207)
 
         # ---- bn4f_branch2b_relu (relu), backward ----
-        # d_bn4f_branch2b = d_bn4f_branch2b_relu*Heaviside(bn4f_branch2b_relu_2, 0)
+        # d_bn4f_branch2b = d_bn4f_branch2b_relu*Heaviside(bn4f_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4f_branch2b = d_bn4f_branch2b_relu  # in place: over d_bn4f_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4f_branch2b, d_bn4f_branch2b_relu, bn4f_branch2b_relu_2)
+
+        # ---- bn4f_branch2b (batch norm), backward ----
+        # d_bn4f_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered)
+        d_bn4f_branch2b_ew_sum = mem.tensor(341, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4f_branch2b, d_bn4f_branch2b_relu, bn4f_branch2b_relu_2),
+                      (ew_mul, d_bn4f_branch2b_ew_sum, d_bn4f_branch2b, bn4f_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4f_branch2b_relu_2
         del bn4f_branch2b_relu_2
         mem.free(338)
@@ -4310,9 +4398,6 @@ class Resnet50(rp.Model):
         mem.free(339)
 
         # ---- bn4f_branch2b (batch norm), backward ----
-        # d_bn4f_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2b*bn4f_branch2b_centered)
-        d_bn4f_branch2b_ew_sum = mem.tensor(341, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2b_ew_sum, d_bn4f_branch2b, bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2b_inv_std = bn4f_branch2b_weight*d_bn4f_branch2b_ew_sum   (computed with the next statement)
         d_bn4f_branch2b_inv_std = mem.tensor(342, (1, 256, 1, 1), 'float32')
         # d_bn4f_branch2b_sum_of_squares = -d_bn4f_branch2b_inv_std/(12544*(bn4f_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -4322,14 +4407,18 @@ class Resnet50(rp.Model):
         # free bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         del bn4f_branch2b_sum_of_squares, bn4f_branch2b_batch_var, bn4f_branch2b_batch_var_flat
         mem.free(204)
-        # d_bn4f_branch2b_centered = d_bn4f_branch2b*bn4f_branch2b_inv_std*bn4f_branch2b_weight + 2*d_bn4f_branch2b_sum_of_squares*bn4f_branch2b_centered
+        # d_bn4f_branch2b_centered = d_bn4f_branch2b*bn4f_branch2b_inv_std*bn4f_branch2b_weight + 2*d_bn4f_branch2b_sum_of_squares*bn4f_branch2b_centered   (computed with the next statement)
         d_bn4f_branch2b_centered = bn4f_branch2b_centered  # in place: over bn4f_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4f_branch2b_centered, d_bn4f_branch2b, bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered)
+        # d_bn4f_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2b_centered)
+        d_bn4f_branch2b_batch_mean = mem.tensor(343, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4f_branch2b_centered, d_bn4f_branch2b, bn4f_branch2b_inv_std, bn4f_branch2b_weight, d_bn4f_branch2b_sum_of_squares, bn4f_branch2b_centered),
+                      (ew_neg, d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
         del d_bn4f_branch2b_inv_std, d_bn4f_branch2b_sum_of_squares
         mem.free(342)
         # d_bn4f_branch2b_bias = sum_to[1x256x1x1](d_bn4f_branch2b)
-        d_bn4f_branch2b_bias = mem.tensor(343, (1, 256, 1, 1), 'float32')
+        d_bn4f_branch2b_bias = mem.tensor(344, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4f_branch2b, out=d_bn4f_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4f_branch2b_relu, d_bn4f_branch2b
         del d_bn4f_branch2b_relu, d_bn4f_branch2b
@@ -4361,10 +4450,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new))
         # free d_bn4f_branch2b_bias, d_bn4f_branch2b_B
         del d_bn4f_branch2b_bias, d_bn4f_branch2b_B
-        mem.free(343)
-        # d_bn4f_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2b_centered)
-        d_bn4f_branch2b_batch_mean = mem.tensor(344, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(344)
         # d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean/6272
         d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean  # in place: over d_bn4f_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2b_sum, d_bn4f_branch2b_batch_mean)
@@ -4375,7 +4461,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4f_branch2b, d_bn4f_branch2b_centered, d_bn4f_branch2b_sum)
         # free d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_sum
         del d_bn4f_branch2b_batch_mean, d_bn4f_branch2b_sum
-        mem.free(344)
+        mem.free(343)
 
         # ---- bn4f_branch2a_relu (relu), forward ----
         # bn4f_branch2a_relu_2 = Max(0, bn4f_branch2a_centered*bn4f_branch2a_inv_std*bn4f_branch2a_weight + bn4f_branch2a_bias)
@@ -4400,9 +4486,15 @@ class Resnet50(rp.Model):
         mem.free(202)
 
         # ---- bn4f_branch2a_relu (relu), backward ----
-        # d_bn4f_branch2a = d_bn4f_branch2a_relu*Heaviside(bn4f_branch2a_relu_2, 0)
+        # d_bn4f_branch2a = d_bn4f_branch2a_relu*Heaviside(bn4f_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4f_branch2a = d_bn4f_branch2a_relu  # in place: over d_bn4f_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4f_branch2a, d_bn4f_branch2a_relu, bn4f_branch2a_relu_2)
+
+        # ---- bn4f_branch2a (batch norm), backward ----
+        # d_bn4f_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered)
+        d_bn4f_branch2a_ew_sum = mem.tensor(348, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4f_branch2a, d_bn4f_branch2a_relu, bn4f_branch2a_relu_2),
+                      (ew_mul, d_bn4f_branch2a_ew_sum, d_bn4f_branch2a, bn4f_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4f_branch2a_relu_2
         del bn4f_branch2a_relu_2
         mem.free(345)
@@ -4413,9 +4505,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2b_W_new, T['res4f_branch2b_W'], lr, V_res4f_branch2b_W_new)
 
         # ---- bn4f_branch2a (batch norm), backward ----
-        # d_bn4f_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4f_branch2a*bn4f_branch2a_centered)
-        d_bn4f_branch2a_ew_sum = mem.tensor(348, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4f_branch2a_ew_sum, d_bn4f_branch2a, bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4f_branch2a_inv_std = bn4f_branch2a_weight*d_bn4f_branch2a_ew_sum   (computed with the next statement)
         d_bn4f_branch2a_inv_std = mem.tensor(349, (1, 256, 1, 1), 'float32')
         # d_bn4f_branch2a_sum_of_squares = -d_bn4f_branch2a_inv_std/(12544*(bn4f_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -4425,14 +4514,18 @@ class Resnet50(rp.Model):
         # free bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         del bn4f_branch2a_sum_of_squares, bn4f_branch2a_batch_var, bn4f_branch2a_batch_var_flat
         mem.free(199)
-        # d_bn4f_branch2a_centered = d_bn4f_branch2a*bn4f_branch2a_inv_std*bn4f_branch2a_weight + 2*d_bn4f_branch2a_sum_of_squares*bn4f_branch2a_centered
+        # d_bn4f_branch2a_centered = d_bn4f_branch2a*bn4f_branch2a_inv_std*bn4f_branch2a_weight + 2*d_bn4f_branch2a_sum_of_squares*bn4f_branch2a_centered   (computed with the next statement)
         d_bn4f_branch2a_centered = bn4f_branch2a_centered  # in place: over bn4f_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4f_branch2a_centered, d_bn4f_branch2a, bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered)
+        # d_bn4f_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2a_centered)
+        d_bn4f_branch2a_batch_mean = mem.tensor(350, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4f_branch2a_centered, d_bn4f_branch2a, bn4f_branch2a_inv_std, bn4f_branch2a_weight, d_bn4f_branch2a_sum_of_squares, bn4f_branch2a_centered),
+                      (ew_neg, d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
         del d_bn4f_branch2a_inv_std, d_bn4f_branch2a_sum_of_squares
         mem.free(349)
         # d_bn4f_branch2a_bias = sum_to[1x256x1x1](d_bn4f_branch2a)
-        d_bn4f_branch2a_bias = mem.tensor(350, (1, 256, 1, 1), 'float32')
+        d_bn4f_branch2a_bias = mem.tensor(351, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4f_branch2a, out=d_bn4f_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4f_branch2a_relu, d_bn4f_branch2a
         del d_bn4f_branch2a_relu, d_bn4f_branch2a
@@ -4464,10 +4557,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new))
         # free d_bn4f_branch2a_bias, d_bn4f_branch2a_B
         del d_bn4f_branch2a_bias, d_bn4f_branch2a_B
-        mem.free(350)
-        # d_bn4f_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4f_branch2a_centered)
-        d_bn4f_branch2a_batch_mean = mem.tensor(351, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(351)
         # d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean/6272
         d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean  # in place: over d_bn4f_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2a_sum, d_bn4f_branch2a_batch_mean)
@@ -4478,7 +4568,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4f_branch2a, d_bn4f_branch2a_centered, d_bn4f_branch2a_sum)
         # free d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_sum
         del d_bn4f_branch2a_batch_mean, d_bn4f_branch2a_sum
-        mem.free(351)
+        mem.free(350)
 
         # ---- bn4e_branch2c_relu (relu), forward ----
         # bn4e_branch2c_relu_2 = Max(0, bn4e_branch2c_centered*bn4e_branch2c_inv_std*bn4e_branch2c_weight + bn4e_branch2c_bias + bn4d_branch2c_relu)
@@ -4503,9 +4593,15 @@ class Resnet50(rp.Model):
         mem.free(197)
 
         # ---- bn4e_branch2c_relu (relu), backward ----
-        # d_bn4e_branch2c_add = (d_bn4f_branch2c_add + d_bn4e_branch2c_relu)*Heaviside(bn4e_branch2c_relu_2, 0)
+        # d_bn4e_branch2c_add = (d_bn4f_branch2c_add + d_bn4e_branch2c_relu)*Heaviside(bn4e_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn4e_branch2c_add = d_bn4f_branch2c_add  # in place: over d_bn4f_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn4e_branch2c_add, d_bn4f_branch2c_add, d_bn4e_branch2c_relu, bn4e_branch2c_relu_2)
+
+        # ---- bn4e_branch2c (batch norm), backward ----
+        # d_bn4e_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered)
+        d_bn4e_branch2c_ew_sum = mem.tensor(355, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4e_branch2c_add, d_bn4f_branch2c_add, d_bn4e_branch2c_relu, bn4e_branch2c_relu_2),
+                      (ew_mul, d_bn4e_branch2c_ew_sum, d_bn4e_branch2c_add, bn4e_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4e_branch2c_relu_2, d_bn4e_branch2c_relu
         del bn4e_branch2c_relu_2, d_bn4e_branch2c_relu
         mem.free(352, 354)
@@ -4516,9 +4612,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4f_branch2a_W_new, T['res4f_branch2a_W'], lr, V_res4f_branch2a_W_new)
 
         # ---- bn4e_branch2c (batch norm), backward ----
-        # d_bn4e_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4e_branch2c_add*bn4e_branch2c_centered)
-        d_bn4e_branch2c_ew_sum = mem.tensor(355, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2c_ew_sum, d_bn4e_branch2c_add, bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_inv_std = bn4e_branch2c_weight*d_bn4e_branch2c_ew_sum   (computed with the next statement)
         d_bn4e_branch2c_inv_std = mem.tensor(356, (1, 1024, 1, 1), 'float32')
         # d_bn4e_branch2c_sum_of_squares = -d_bn4e_branch2c_inv_std/(12544*(bn4e_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -4528,9 +4621,13 @@ class Resnet50(rp.Model):
         # free bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         del bn4e_branch2c_sum_of_squares, bn4e_branch2c_batch_var, bn4e_branch2c_batch_var_flat
         mem.free(194)
-        # d_bn4e_branch2c_centered = d_bn4e_branch2c_add*bn4e_branch2c_inv_std*bn4e_branch2c_weight + 2*d_bn4e_branch2c_sum_of_squares*bn4e_branch2c_centered
+        # d_bn4e_branch2c_centered = d_bn4e_branch2c_add*bn4e_branch2c_inv_std*bn4e_branch2c_weight + 2*d_bn4e_branch2c_sum_of_squares*bn4e_branch2c_centered   (computed with the next statement)
         d_bn4e_branch2c_centered = bn4e_branch2c_centered  # in place: over bn4e_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4e_branch2c_centered, d_bn4e_branch2c_add, bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered)
+        # d_bn4e_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4e_branch2c_centered)
+        d_bn4e_branch2c_batch_mean = mem.tensor(357, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4e_branch2c_centered, d_bn4e_branch2c_add, bn4e_branch2c_inv_std, bn4e_branch2c_weight, d_bn4e_branch2c_sum_of_squares, bn4e_branch2c_centered),
+                      (ew_neg, d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
         del d_bn4e_branch2c_inv_std, d_bn4e_branch2c_sum_of_squares
         mem.free(356)
@@ -4551,9 +4648,6 @@ class Resnet50(rp.Model):
         # free bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
         del bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
         mem.free(195)
-        # d_bn4e_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4e_branch2c_centered)
-        d_bn4e_branch2c_batch_mean = mem.tensor(357, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4e_branch2c_batch_mean, d_bn4e_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean/6272
         d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean  # in place: over d_bn4e_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2c_sum, d_bn4e_branch2c_batch_mean)
@@ -4599,9 +4693,15 @@ class Resnet50(rp.Model):
         mem.free(192)
 
         # ---- bn4e_branch2b_relu (relu), backward ----
-        # d_bn4e_branch2b = d_bn4e_branch2b_relu*Heaviside(bn4e_branch2b_relu_2, 0)
+        # d_bn4e_branch2b = d_bn4e_branch2b_relu*Heaviside(bn4e_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4e_branch2b = d_bn4e_branch2b_relu  # in place: over d_bn4e_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4e_branch2b, d_bn4e_branch2b_relu, bn4e_branch2b_relu_2)
+
+        # ---- bn4e_branch2b (batch norm), backward ----
+        # d_bn4e_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered)
+        d_bn4e_branch2b_ew_sum = mem.tensor(362, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4e_branch2b, d_bn4e_branch2b_relu, bn4e_branch2b_relu_2),
+                      (ew_mul, d_bn4e_branch2b_ew_sum, d_bn4e_branch2b, bn4e_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4e_branch2b_relu_2
         del bn4e_branch2b_relu_2
         mem.free(359)
@@ -4618,9 +4718,6 @@ class Resnet50(rp.Model):
         mem.free(360)
 
         # ---- bn4e_branch2b (batch norm), backward ----
-        # d_bn4e_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2b*bn4e_branch2b_centered)
-        d_bn4e_branch2b_ew_sum = mem.tensor(362, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2b_ew_sum, d_bn4e_branch2b, bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2b_inv_std = bn4e_branch2b_weight*d_bn4e_branch2b_ew_sum   (computed with the next statement)
         d_bn4e_branch2b_inv_std = mem.tensor(363, (1, 256, 1, 1), 'float32')
         # d_bn4e_branch2b_sum_of_squares = -d_bn4e_branch2b_inv_std/(12544*(bn4e_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -4630,14 +4727,18 @@ class Resnet50(rp.Model):
         # free bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         del bn4e_branch2b_sum_of_squares, bn4e_branch2b_batch_var, bn4e_branch2b_batch_var_flat
         mem.free(189)
-        # d_bn4e_branch2b_centered = d_bn4e_branch2b*bn4e_branch2b_inv_std*bn4e_branch2b_weight + 2*d_bn4e_branch2b_sum_of_squares*bn4e_branch2b_centered
+        # d_bn4e_branch2b_centered = d_bn4e_branch2b*bn4e_branch2b_inv_std*bn4e_branch2b_weight + 2*d_bn4e_branch2b_sum_of_squares*bn4e_branch2b_centered   (computed with the next statement)
         d_bn4e_branch2b_centered = bn4e_branch2b_centered  # in place: over bn4e_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4e_branch2b_centered, d_bn4e_branch2b, bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered)
+        # d_bn4e_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2b_centered)
+        d_bn4e_branch2b_batch_mean = mem.tensor(364, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4e_branch2b_centered, d_bn4e_branch2b, bn4e_branch2b_inv_std, bn4e_branch2b_weight, d_bn4e_branch2b_sum_of_squares, bn4e_branch2b_centered),
+                      (ew_neg, d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
         del d_bn4e_branch2b_inv_std, d_bn4e_branch2b_sum_of_squares
         mem.free(363)
         # d_bn4e_branch2b_bias = sum_to[1x256x1x1](d_bn4e_branch2b)
-        d_bn4e_branch2b_bias = mem.tensor(364, (1, 256, 1, 1), 'float32')
+        d_bn4e_branch2b_bias = mem.tensor(365, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4e_branch2b, out=d_bn4e_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4e_branch2b_relu, d_bn4e_branch2b
         del d_bn4e_branch2b_relu, d_bn4e_branch2b
@@ -4669,10 +4770,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new))
         # free d_bn4e_branch2b_bias, d_bn4e_branch2b_B
         del d_bn4e_branch2b_bias, d_bn4e_branch2b_B
-        mem.free(364)
-        # d_bn4e_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2b_centered)
-        d_bn4e_branch2b_batch_mean = mem.tensor(365, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(365)
         # d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean/6272
         d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean  # in place: over d_bn4e_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2b_sum, d_bn4e_branch2b_batch_mean)
@@ -4683,7 +4781,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4e_branch2b, d_bn4e_branch2b_centered, d_bn4e_branch2b_sum)
         # free d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_sum
         del d_bn4e_branch2b_batch_mean, d_bn4e_branch2b_sum
-        mem.free(365)
+        mem.free(364)
 
         # ---- bn4e_branch2a_relu (relu), forward ----
         # bn4e_branch2a_relu_2 = Max(0, bn4e_branch2a_centered*bn4e_branch2a_inv_std*bn4e_branch2a_weight + bn4e_branch2a_bias)
@@ -4708,9 +4806,15 @@ class Resnet50(rp.Model):
         mem.free(187)
 
         # ---- bn4e_branch2a_relu (relu), backward ----
-        # d_bn4e_branch2a = d_bn4e_branch2a_relu*Heaviside(bn4e_branch2a_relu_2, 0)
+        # d_bn4e_branch2a = d_bn4e_branch2a_relu*Heaviside(bn4e_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4e_branch2a = d_bn4e_branch2a_relu  # in place: over d_bn4e_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4e_branch2a, d_bn4e_branch2a_relu, bn4e_branch2a_relu_2)
+
+        # ---- bn4e_branch2a (batch norm), backward ----
+        # d_bn4e_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered)
+        d_bn4e_branch2a_ew_sum = mem.tensor(369, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4e_branch2a, d_bn4e_branch2a_relu, bn4e_branch2a_relu_2),
+                      (ew_mul, d_bn4e_branch2a_ew_sum, d_bn4e_branch2a, bn4e_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4e_branch2a_relu_2
         del bn4e_branch2a_relu_2
         mem.free(366)
@@ -4721,9 +4825,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2b_W_new, T['res4e_branch2b_W'], lr, V_res4e_branch2b_W_new)
 
         # ---- bn4e_branch2a (batch norm), backward ----
-        # d_bn4e_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4e_branch2a*bn4e_branch2a_centered)
-        d_bn4e_branch2a_ew_sum = mem.tensor(369, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4e_branch2a_ew_sum, d_bn4e_branch2a, bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4e_branch2a_inv_std = bn4e_branch2a_weight*d_bn4e_branch2a_ew_sum   (computed with the next statement)
         d_bn4e_branch2a_inv_std = mem.tensor(370, (1, 256, 1, 1), 'float32')
         # d_bn4e_branch2a_sum_of_squares = -d_bn4e_branch2a_inv_std/(12544*(bn4e_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -4733,14 +4834,18 @@ class Resnet50(rp.Model):
         # free bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         del bn4e_branch2a_sum_of_squares, bn4e_branch2a_batch_var, bn4e_branch2a_batch_var_flat
         mem.free(184)
-        # d_bn4e_branch2a_centered = d_bn4e_branch2a*bn4e_branch2a_inv_std*bn4e_branch2a_weight + 2*d_bn4e_branch2a_sum_of_squares*bn4e_branch2a_centered
+        # d_bn4e_branch2a_centered = d_bn4e_branch2a*bn4e_branch2a_inv_std*bn4e_branch2a_weight + 2*d_bn4e_branch2a_sum_of_squares*bn4e_branch2a_centered   (computed with the next statement)
         d_bn4e_branch2a_centered = bn4e_branch2a_centered  # in place: over bn4e_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4e_branch2a_centered, d_bn4e_branch2a, bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered)
+        # d_bn4e_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2a_centered)
+        d_bn4e_branch2a_batch_mean = mem.tensor(371, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4e_branch2a_centered, d_bn4e_branch2a, bn4e_branch2a_inv_std, bn4e_branch2a_weight, d_bn4e_branch2a_sum_of_squares, bn4e_branch2a_centered),
+                      (ew_neg, d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
         del d_bn4e_branch2a_inv_std, d_bn4e_branch2a_sum_of_squares
         mem.free(370)
         # d_bn4e_branch2a_bias = sum_to[1x256x1x1](d_bn4e_branch2a)
-        d_bn4e_branch2a_bias = mem.tensor(371, (1, 256, 1, 1), 'float32')
+        d_bn4e_branch2a_bias = mem.tensor(372, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4e_branch2a, out=d_bn4e_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4e_branch2a_relu, d_bn4e_branch2a
         del d_bn4e_branch2a_relu, d_bn4e_branch2a
@@ -4772,10 +4877,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new))
         # free d_bn4e_branch2a_bias, d_bn4e_branch2a_B
         del d_bn4e_branch2a_bias, d_bn4e_branch2a_B
-        mem.free(371)
-        # d_bn4e_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4e_branch2a_centered)
-        d_bn4e_branch2a_batch_mean = mem.tensor(372, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(372)
         # d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean/6272
         d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean  # in place: over d_bn4e_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2a_sum, d_bn4e_branch2a_batch_mean)
@@ -4786,7 +4888,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4e_branch2a, d_bn4e_branch2a_centered, d_bn4e_branch2a_sum)
         # free d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_sum
         del d_bn4e_branch2a_batch_mean, d_bn4e_branch2a_sum
-        mem.free(372)
+        mem.free(371)
         # d_res4e_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4e_branch2a, bn4d_branch2c_relu)
         d_res4e_branch2a_W = mem.tensor(373, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4e_branch2a, bn4d_branch2c_relu, out=d_res4e_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
@@ -4804,9 +4906,15 @@ class Resnet50(rp.Model):
         mem.free(182)
 
         # ---- bn4d_branch2c_relu (relu), backward ----
-        # d_bn4d_branch2c_add = (d_bn4e_branch2c_add + d_bn4d_branch2c_relu)*Heaviside(bn4d_branch2c_relu, 0)
+        # d_bn4d_branch2c_add = (d_bn4e_branch2c_add + d_bn4d_branch2c_relu)*Heaviside(bn4d_branch2c_relu, 0)   (computed with the next statement)
         d_bn4d_branch2c_add = d_bn4e_branch2c_add  # in place: over d_bn4e_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn4d_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_relu, bn4d_branch2c_relu)
+
+        # ---- bn4d_branch2c (batch norm), backward ----
+        # d_bn4d_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered)
+        d_bn4d_branch2c_ew_sum = mem.tensor(375, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4d_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_relu, bn4d_branch2c_relu),
+                      (ew_mul, d_bn4d_branch2c_ew_sum, d_bn4d_branch2c_add, bn4d_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4c_branch2c_relu, bn4d_branch2c_relu, d_bn4d_branch2c_relu
         del bn4c_branch2c_relu, bn4d_branch2c_relu, d_bn4d_branch2c_relu
         mem.free(167, 374)
@@ -4817,9 +4925,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4e_branch2a_W_new, T['res4e_branch2a_W'], lr, V_res4e_branch2a_W_new)
 
         # ---- bn4d_branch2c (batch norm), backward ----
-        # d_bn4d_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4d_branch2c_add*bn4d_branch2c_centered)
-        d_bn4d_branch2c_ew_sum = mem.tensor(375, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2c_ew_sum, d_bn4d_branch2c_add, bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_inv_std = bn4d_branch2c_weight*d_bn4d_branch2c_ew_sum   (computed with the next statement)
         d_bn4d_branch2c_inv_std = mem.tensor(376, (1, 1024, 1, 1), 'float32')
         # d_bn4d_branch2c_sum_of_squares = -d_bn4d_branch2c_inv_std/(12544*(bn4d_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -4829,9 +4934,13 @@ class Resnet50(rp.Model):
         # free bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         del bn4d_branch2c_sum_of_squares, bn4d_branch2c_batch_var, bn4d_branch2c_batch_var_flat
         mem.free(180)
-        # d_bn4d_branch2c_centered = d_bn4d_branch2c_add*bn4d_branch2c_inv_std*bn4d_branch2c_weight + 2*d_bn4d_branch2c_sum_of_squares*bn4d_branch2c_centered
+        # d_bn4d_branch2c_centered = d_bn4d_branch2c_add*bn4d_branch2c_inv_std*bn4d_branch2c_weight + 2*d_bn4d_branch2c_sum_of_squares*bn4d_branch2c_centered   (computed with the next statement)
         d_bn4d_branch2c_centered = bn4d_branch2c_centered  # in place: over bn4d_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4d_branch2c_centered, d_bn4d_branch2c_add, bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered)
+        # d_bn4d_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4d_branch2c_centered)
+        d_bn4d_branch2c_batch_mean = mem.tensor(377, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4d_branch2c_centered, d_bn4d_branch2c_add, bn4d_branch2c_inv_std, bn4d_branch2c_weight, d_bn4d_branch2c_sum_of_squares, bn4d_branch2c_centered),
+                      (ew_neg, d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
         del d_bn4d_branch2c_inv_std, d_bn4d_branch2c_sum_of_squares
         mem.free(376)
@@ -4852,9 +4961,6 @@ class Resnet50(rp.Model):
         # free bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
         del bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
         mem.free(181)
-        # d_bn4d_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4d_branch2c_centered)
-        d_bn4d_branch2c_batch_mean = mem.tensor(377, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4d_branch2c_batch_mean, d_bn4d_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean/6272
         d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean  # in place: over d_bn4d_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2c_sum, d_bn4d_branch2c_batch_mean)
@@ -4900,9 +5006,15 @@ class Resnet50(rp.Model):
         mem.free(178)
 
         # ---- bn4d_branch2b_relu (relu), backward ----
-        # d_bn4d_branch2b = d_bn4d_branch2b_relu*Heaviside(bn4d_branch2b_relu_2, 0)
+        # d_bn4d_branch2b = d_bn4d_branch2b_relu*Heaviside(bn4d_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4d_branch2b = d_bn4d_branch2b_relu  # in place: over d_bn4d_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4d_branch2b, d_bn4d_branch2b_relu, bn4d_branch2b_relu_2)
+
+        # ---- bn4d_branch2b (batch norm), backward ----
+        # d_bn4d_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered)
+        d_bn4d_branch2b_ew_sum = mem.tensor(382, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4d_branch2b, d_bn4d_branch2b_relu, bn4d_branch2b_relu_2),
+                      (ew_mul, d_bn4d_branch2b_ew_sum, d_bn4d_branch2b, bn4d_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4d_branch2b_relu_2
         del bn4d_branch2b_relu_2
         mem.free(379)
@@ -4919,9 +5031,6 @@ class Resnet50(rp.Model):
         mem.free(380)
 
         # ---- bn4d_branch2b (batch norm), backward ----
-        # d_bn4d_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2b*bn4d_branch2b_centered)
-        d_bn4d_branch2b_ew_sum = mem.tensor(382, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2b_ew_sum, d_bn4d_branch2b, bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2b_inv_std = bn4d_branch2b_weight*d_bn4d_branch2b_ew_sum   (computed with the next statement)
         d_bn4d_branch2b_inv_std = mem.tensor(383, (1, 256, 1, 1), 'float32')
         # d_bn4d_branch2b_sum_of_squares = -d_bn4d_branch2b_inv_std/(12544*(bn4d_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -4931,14 +5040,18 @@ class Resnet50(rp.Model):
         # free bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         del bn4d_branch2b_sum_of_squares, bn4d_branch2b_batch_var, bn4d_branch2b_batch_var_flat
         mem.free(175)
-        # d_bn4d_branch2b_centered = d_bn4d_branch2b*bn4d_branch2b_inv_std*bn4d_branch2b_weight + 2*d_bn4d_branch2b_sum_of_squares*bn4d_branch2b_centered
+        # d_bn4d_branch2b_centered = d_bn4d_branch2b*bn4d_branch2b_inv_std*bn4d_branch2b_weight + 2*d_bn4d_branch2b_sum_of_squares*bn4d_branch2b_centered   (computed with the next statement)
         d_bn4d_branch2b_centered = bn4d_branch2b_centered  # in place: over bn4d_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4d_branch2b_centered, d_bn4d_branch2b, bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered)
+        # d_bn4d_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2b_centered)
+        d_bn4d_branch2b_batch_mean = mem.tensor(384, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4d_branch2b_centered, d_bn4d_branch2b, bn4d_branch2b_inv_std, bn4d_branch2b_weight, d_bn4d_branch2b_sum_of_squares, bn4d_branch2b_centered),
+                      (ew_neg, d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
         del d_bn4d_branch2b_inv_std, d_bn4d_branch2b_sum_of_squares
         mem.free(383)
         # d_bn4d_branch2b_bias = sum_to[1x256x1x1](d_bn4d_branch2b)
-        d_bn4d_branch2b_bias = mem.tensor(384, (1, 256, 1, 1), 'float32')
+        d_bn4d_branch2b_bias = mem.tensor(385, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4d_branch2b, out=d_bn4d_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4d_branch2b_relu, d_bn4d_branch2b
         del d_bn4d_branch2b_relu, d_bn4d_branch2b
@@ -4970,10 +5083,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new))
         # free d_bn4d_branch2b_bias, d_bn4d_branch2b_B
         del d_bn4d_branch2b_bias, d_bn4d_branch2b_B
-        mem.free(384)
-        # d_bn4d_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2b_centered)
-        d_bn4d_branch2b_batch_mean = mem.tensor(385, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(385)
         # d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean/6272
         d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean  # in place: over d_bn4d_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2b_sum, d_bn4d_branch2b_batch_mean)
@@ -4984,7 +5094,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4d_branch2b, d_bn4d_branch2b_centered, d_bn4d_branch2b_sum)
         # free d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_sum
         del d_bn4d_branch2b_batch_mean, d_bn4d_branch2b_sum
-        mem.free(385)
+        mem.free(384)
 
         # ---- bn4d_branch2a_relu (relu), forward ----
         # bn4d_branch2a_relu_2 = Max(0, bn4d_branch2a_centered*bn4d_branch2a_inv_std*bn4d_branch2a_weight + bn4d_branch2a_bias)
@@ -5009,9 +5119,15 @@ class Resnet50(rp.Model):
         mem.free(173)
 
         # ---- bn4d_branch2a_relu (relu), backward ----
-        # d_bn4d_branch2a = d_bn4d_branch2a_relu*Heaviside(bn4d_branch2a_relu_2, 0)
+        # d_bn4d_branch2a = d_bn4d_branch2a_relu*Heaviside(bn4d_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4d_branch2a = d_bn4d_branch2a_relu  # in place: over d_bn4d_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4d_branch2a, d_bn4d_branch2a_relu, bn4d_branch2a_relu_2)
+
+        # ---- bn4d_branch2a (batch norm), backward ----
+        # d_bn4d_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered)
+        d_bn4d_branch2a_ew_sum = mem.tensor(389, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4d_branch2a, d_bn4d_branch2a_relu, bn4d_branch2a_relu_2),
+                      (ew_mul, d_bn4d_branch2a_ew_sum, d_bn4d_branch2a, bn4d_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4d_branch2a_relu_2
         del bn4d_branch2a_relu_2
         mem.free(386)
@@ -5022,9 +5138,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2b_W_new, T['res4d_branch2b_W'], lr, V_res4d_branch2b_W_new)
 
         # ---- bn4d_branch2a (batch norm), backward ----
-        # d_bn4d_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4d_branch2a*bn4d_branch2a_centered)
-        d_bn4d_branch2a_ew_sum = mem.tensor(389, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4d_branch2a_ew_sum, d_bn4d_branch2a, bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4d_branch2a_inv_std = bn4d_branch2a_weight*d_bn4d_branch2a_ew_sum   (computed with the next statement)
         d_bn4d_branch2a_inv_std = mem.tensor(390, (1, 256, 1, 1), 'float32')
         # d_bn4d_branch2a_sum_of_squares = -d_bn4d_branch2a_inv_std/(12544*(bn4d_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -5034,14 +5147,18 @@ class Resnet50(rp.Model):
         # free bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         del bn4d_branch2a_sum_of_squares, bn4d_branch2a_batch_var, bn4d_branch2a_batch_var_flat
         mem.free(170)
-        # d_bn4d_branch2a_centered = d_bn4d_branch2a*bn4d_branch2a_inv_std*bn4d_branch2a_weight + 2*d_bn4d_branch2a_sum_of_squares*bn4d_branch2a_centered
+        # d_bn4d_branch2a_centered = d_bn4d_branch2a*bn4d_branch2a_inv_std*bn4d_branch2a_weight + 2*d_bn4d_branch2a_sum_of_squares*bn4d_branch2a_centered   (computed with the next statement)
         d_bn4d_branch2a_centered = bn4d_branch2a_centered  # in place: over bn4d_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4d_branch2a_centered, d_bn4d_branch2a, bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered)
+        # d_bn4d_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2a_centered)
+        d_bn4d_branch2a_batch_mean = mem.tensor(391, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4d_branch2a_centered, d_bn4d_branch2a, bn4d_branch2a_inv_std, bn4d_branch2a_weight, d_bn4d_branch2a_sum_of_squares, bn4d_branch2a_centered),
+                      (ew_neg, d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
         del d_bn4d_branch2a_inv_std, d_bn4d_branch2a_sum_of_squares
         mem.free(390)
         # d_bn4d_branch2a_bias = sum_to[1x256x1x1](d_bn4d_branch2a)
-        d_bn4d_branch2a_bias = mem.tensor(391, (1, 256, 1, 1), 'float32')
+        d_bn4d_branch2a_bias = mem.tensor(392, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4d_branch2a, out=d_bn4d_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4d_branch2a_relu, d_bn4d_branch2a
         del d_bn4d_branch2a_relu, d_bn4d_branch2a
@@ -5073,10 +5190,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new))
         # free d_bn4d_branch2a_bias, d_bn4d_branch2a_B
         del d_bn4d_branch2a_bias, d_bn4d_branch2a_B
-        mem.free(391)
-        # d_bn4d_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4d_branch2a_centered)
-        d_bn4d_branch2a_batch_mean = mem.tensor(392, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(392)
         # d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean/6272
         d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean  # in place: over d_bn4d_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2a_sum, d_bn4d_branch2a_batch_mean)
@@ -5087,7 +5201,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4d_branch2a, d_bn4d_branch2a_centered, d_bn4d_branch2a_sum)
         # free d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_sum
         del d_bn4d_branch2a_batch_mean, d_bn4d_branch2a_sum
-        mem.free(392)
+        mem.free(391)
 
         # ---- bn4c_branch2c_relu (relu), forward ----
         # bn4c_branch2c_relu_2 = Max(0, bn4c_branch2c_centered*bn4c_branch2c_inv_std*bn4c_branch2c_weight + bn4c_branch2c_bias + bn4b_branch2c_relu)
@@ -5112,9 +5226,15 @@ class Resnet50(rp.Model):
         mem.free(168)
 
         # ---- bn4c_branch2c_relu (relu), backward ----
-        # d_bn4c_branch2c_add = (d_bn4d_branch2c_add + d_bn4c_branch2c_relu)*Heaviside(bn4c_branch2c_relu_2, 0)
+        # d_bn4c_branch2c_add = (d_bn4d_branch2c_add + d_bn4c_branch2c_relu)*Heaviside(bn4c_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn4c_branch2c_add = d_bn4d_branch2c_add  # in place: over d_bn4d_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn4c_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_relu, bn4c_branch2c_relu_2)
+
+        # ---- bn4c_branch2c (batch norm), backward ----
+        # d_bn4c_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered)
+        d_bn4c_branch2c_ew_sum = mem.tensor(396, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4c_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_relu, bn4c_branch2c_relu_2),
+                      (ew_mul, d_bn4c_branch2c_ew_sum, d_bn4c_branch2c_add, bn4c_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4c_branch2c_relu_2, d_bn4c_branch2c_relu
         del bn4c_branch2c_relu_2, d_bn4c_branch2c_relu
         mem.free(393, 395)
@@ -5125,9 +5245,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4d_branch2a_W_new, T['res4d_branch2a_W'], lr, V_res4d_branch2a_W_new)
 
         # ---- bn4c_branch2c (batch norm), backward ----
-        # d_bn4c_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4c_branch2c_add*bn4c_branch2c_centered)
-        d_bn4c_branch2c_ew_sum = mem.tensor(396, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2c_ew_sum, d_bn4c_branch2c_add, bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_inv_std = bn4c_branch2c_weight*d_bn4c_branch2c_ew_sum   (computed with the next statement)
         d_bn4c_branch2c_inv_std = mem.tensor(397, (1, 1024, 1, 1), 'float32')
         # d_bn4c_branch2c_sum_of_squares = -d_bn4c_branch2c_inv_std/(12544*(bn4c_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -5137,9 +5254,13 @@ class Resnet50(rp.Model):
         # free bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         del bn4c_branch2c_sum_of_squares, bn4c_branch2c_batch_var, bn4c_branch2c_batch_var_flat
         mem.free(165)
-        # d_bn4c_branch2c_centered = d_bn4c_branch2c_add*bn4c_branch2c_inv_std*bn4c_branch2c_weight + 2*d_bn4c_branch2c_sum_of_squares*bn4c_branch2c_centered
+        # d_bn4c_branch2c_centered = d_bn4c_branch2c_add*bn4c_branch2c_inv_std*bn4c_branch2c_weight + 2*d_bn4c_branch2c_sum_of_squares*bn4c_branch2c_centered   (computed with the next statement)
         d_bn4c_branch2c_centered = bn4c_branch2c_centered  # in place: over bn4c_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4c_branch2c_centered, d_bn4c_branch2c_add, bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered)
+        # d_bn4c_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4c_branch2c_centered)
+        d_bn4c_branch2c_batch_mean = mem.tensor(398, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4c_branch2c_centered, d_bn4c_branch2c_add, bn4c_branch2c_inv_std, bn4c_branch2c_weight, d_bn4c_branch2c_sum_of_squares, bn4c_branch2c_centered),
+                      (ew_neg, d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
         del d_bn4c_branch2c_inv_std, d_bn4c_branch2c_sum_of_squares
         mem.free(397)
@@ -5160,9 +5281,6 @@ class Resnet50(rp.Model):
         # free bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
         del bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
         mem.free(166)
-        # d_bn4c_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4c_branch2c_centered)
-        d_bn4c_branch2c_batch_mean = mem.tensor(398, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4c_branch2c_batch_mean, d_bn4c_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean/6272
         d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean  # in place: over d_bn4c_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2c_sum, d_bn4c_branch2c_batch_mean)
@@ -5208,9 +5326,15 @@ class Resnet50(rp.Model):
         mem.free(163)
 
         # ---- bn4c_branch2b_relu (relu), backward ----
-        # d_bn4c_branch2b = d_bn4c_branch2b_relu*Heaviside(bn4c_branch2b_relu_2, 0)
+        # d_bn4c_branch2b = d_bn4c_branch2b_relu*Heaviside(bn4c_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4c_branch2b = d_bn4c_branch2b_relu  # in place: over d_bn4c_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4c_branch2b, d_bn4c_branch2b_relu, bn4c_branch2b_relu_2)
+
+        # ---- bn4c_branch2b (batch norm), backward ----
+        # d_bn4c_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered)
+        d_bn4c_branch2b_ew_sum = mem.tensor(403, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4c_branch2b, d_bn4c_branch2b_relu, bn4c_branch2b_relu_2),
+                      (ew_mul, d_bn4c_branch2b_ew_sum, d_bn4c_branch2b, bn4c_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4c_branch2b_relu_2
         del bn4c_branch2b_relu_2
         mem.free(400)
@@ -5227,9 +5351,6 @@ class Resnet50(rp.Model):
         mem.free(401)
 
         # ---- bn4c_branch2b (batch norm), backward ----
-        # d_bn4c_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2b*bn4c_branch2b_centered)
-        d_bn4c_branch2b_ew_sum = mem.tensor(403, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2b_ew_sum, d_bn4c_branch2b, bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2b_inv_std = bn4c_branch2b_weight*d_bn4c_branch2b_ew_sum   (computed with the next statement)
         d_bn4c_branch2b_inv_std = mem.tensor(404, (1, 256, 1, 1), 'float32')
         # d_bn4c_branch2b_sum_of_squares = -d_bn4c_branch2b_inv_std/(12544*(bn4c_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -5239,14 +5360,18 @@ class Resnet50(rp.Model):
         # free bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         del bn4c_branch2b_sum_of_squares, bn4c_branch2b_batch_var, bn4c_branch2b_batch_var_flat
         mem.free(160)
-        # d_bn4c_branch2b_centered = d_bn4c_branch2b*bn4c_branch2b_inv_std*bn4c_branch2b_weight + 2*d_bn4c_branch2b_sum_of_squares*bn4c_branch2b_centered
+        # d_bn4c_branch2b_centered = d_bn4c_branch2b*bn4c_branch2b_inv_std*bn4c_branch2b_weight + 2*d_bn4c_branch2b_sum_of_squares*bn4c_branch2b_centered   (computed with the next statement)
         d_bn4c_branch2b_centered = bn4c_branch2b_centered  # in place: over bn4c_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4c_branch2b_centered, d_bn4c_branch2b, bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered)
+        # d_bn4c_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2b_centered)
+        d_bn4c_branch2b_batch_mean = mem.tensor(405, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4c_branch2b_centered, d_bn4c_branch2b, bn4c_branch2b_inv_std, bn4c_branch2b_weight, d_bn4c_branch2b_sum_of_squares, bn4c_branch2b_centered),
+                      (ew_neg, d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
         del d_bn4c_branch2b_inv_std, d_bn4c_branch2b_sum_of_squares
         mem.free(404)
         # d_bn4c_branch2b_bias = sum_to[1x256x1x1](d_bn4c_branch2b)
-        d_bn4c_branch2b_bias = mem.tensor(405, (1, 256, 1, 1), 'float32')
+        d_bn4c_branch2b_bias = mem.tensor(406, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4c_branch2b, out=d_bn4c_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4c_branch2b_relu, d_bn4c_branch2b
         del d_bn4c_branch2b_relu, d_bn4c_branch2b
@@ -5278,10 +5403,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new))
         # free d_bn4c_branch2b_bias, d_bn4c_branch2b_B
         del d_bn4c_branch2b_bias, d_bn4c_branch2b_B
-        mem.free(405)
-        # d_bn4c_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2b_centered)
-        d_bn4c_branch2b_batch_mean = mem.tensor(406, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(406)
         # d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean/6272
         d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean  # in place: over d_bn4c_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2b_sum, d_bn4c_branch2b_batch_mean)
@@ -5292,7 +5414,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4c_branch2b, d_bn4c_branch2b_centered, d_bn4c_branch2b_sum)
         # free d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_sum
         del d_bn4c_branch2b_batch_mean, d_bn4c_branch2b_sum
-        mem.free(406)
+        mem.free(405)
 
         # ---- bn4c_branch2a_relu (relu), forward ----
         # bn4c_branch2a_relu_2 = Max(0, bn4c_branch2a_centered*bn4c_branch2a_inv_std*bn4c_branch2a_weight + bn4c_branch2a_bias)
@@ -5317,9 +5439,15 @@ class Resnet50(rp.Model):
         mem.free(158)
 
         # ---- bn4c_branch2a_relu (relu), backward ----
-        # d_bn4c_branch2a = d_bn4c_branch2a_relu*Heaviside(bn4c_branch2a_relu_2, 0)
+        # d_bn4c_branch2a = d_bn4c_branch2a_relu*Heaviside(bn4c_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4c_branch2a = d_bn4c_branch2a_relu  # in place: over d_bn4c_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4c_branch2a, d_bn4c_branch2a_relu, bn4c_branch2a_relu_2)
+
+        # ---- bn4c_branch2a (batch norm), backward ----
+        # d_bn4c_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered)
+        d_bn4c_branch2a_ew_sum = mem.tensor(410, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4c_branch2a, d_bn4c_branch2a_relu, bn4c_branch2a_relu_2),
+                      (ew_mul, d_bn4c_branch2a_ew_sum, d_bn4c_branch2a, bn4c_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4c_branch2a_relu_2
         del bn4c_branch2a_relu_2
         mem.free(407)
@@ -5330,9 +5458,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2b_W_new, T['res4c_branch2b_W'], lr, V_res4c_branch2b_W_new)
 
         # ---- bn4c_branch2a (batch norm), backward ----
-        # d_bn4c_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4c_branch2a*bn4c_branch2a_centered)
-        d_bn4c_branch2a_ew_sum = mem.tensor(410, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4c_branch2a_ew_sum, d_bn4c_branch2a, bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4c_branch2a_inv_std = bn4c_branch2a_weight*d_bn4c_branch2a_ew_sum   (computed with the next statement)
         d_bn4c_branch2a_inv_std = mem.tensor(411, (1, 256, 1, 1), 'float32')
         # d_bn4c_branch2a_sum_of_squares = -d_bn4c_branch2a_inv_std/(12544*(bn4c_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -5342,14 +5467,18 @@ class Resnet50(rp.Model):
         # free bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         del bn4c_branch2a_sum_of_squares, bn4c_branch2a_batch_var, bn4c_branch2a_batch_var_flat
         mem.free(155)
-        # d_bn4c_branch2a_centered = d_bn4c_branch2a*bn4c_branch2a_inv_std*bn4c_branch2a_weight + 2*d_bn4c_branch2a_sum_of_squares*bn4c_branch2a_centered
+        # d_bn4c_branch2a_centered = d_bn4c_branch2a*bn4c_branch2a_inv_std*bn4c_branch2a_weight + 2*d_bn4c_branch2a_sum_of_squares*bn4c_branch2a_centered   (computed with the next statement)
         d_bn4c_branch2a_centered = bn4c_branch2a_centered  # in place: over bn4c_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4c_branch2a_centered, d_bn4c_branch2a, bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered)
+        # d_bn4c_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2a_centered)
+        d_bn4c_branch2a_batch_mean = mem.tensor(412, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4c_branch2a_centered, d_bn4c_branch2a, bn4c_branch2a_inv_std, bn4c_branch2a_weight, d_bn4c_branch2a_sum_of_squares, bn4c_branch2a_centered),
+                      (ew_neg, d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
         del d_bn4c_branch2a_inv_std, d_bn4c_branch2a_sum_of_squares
         mem.free(411)
         # d_bn4c_branch2a_bias = sum_to[1x256x1x1](d_bn4c_branch2a)
-        d_bn4c_branch2a_bias = mem.tensor(412, (1, 256, 1, 1), 'float32')
+        d_bn4c_branch2a_bias = mem.tensor(413, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4c_branch2a, out=d_bn4c_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4c_branch2a_relu, d_bn4c_branch2a
         del d_bn4c_branch2a_relu, d_bn4c_branch2a
@@ -5381,10 +5510,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new))
         # free d_bn4c_branch2a_bias, d_bn4c_branch2a_B
         del d_bn4c_branch2a_bias, d_bn4c_branch2a_B
-        mem.free(412)
-        # d_bn4c_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4c_branch2a_centered)
-        d_bn4c_branch2a_batch_mean = mem.tensor(413, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(413)
         # d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean/6272
         d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean  # in place: over d_bn4c_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2a_sum, d_bn4c_branch2a_batch_mean)
@@ -5395,7 +5521,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4c_branch2a, d_bn4c_branch2a_centered, d_bn4c_branch2a_sum)
         # free d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_sum
         del d_bn4c_branch2a_batch_mean, d_bn4c_branch2a_sum
-        mem.free(413)
+        mem.free(412)
         # d_res4c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res4c_branch2a, bn4b_branch2c_relu)
         d_res4c_branch2a_W = mem.tensor(414, (256, 1024, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4c_branch2a, bn4b_branch2c_relu, out=d_res4c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
@@ -5413,9 +5539,15 @@ class Resnet50(rp.Model):
         mem.free(153)
 
         # ---- bn4b_branch2c_relu (relu), backward ----
-        # d_bn4b_branch2c_add = (d_bn4c_branch2c_add + d_bn4b_branch2c_relu)*Heaviside(bn4b_branch2c_relu, 0)
+        # d_bn4b_branch2c_add = (d_bn4c_branch2c_add + d_bn4b_branch2c_relu)*Heaviside(bn4b_branch2c_relu, 0)   (computed with the next statement)
         d_bn4b_branch2c_add = d_bn4c_branch2c_add  # in place: over d_bn4c_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn4b_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_relu, bn4b_branch2c_relu)
+
+        # ---- bn4b_branch2c (batch norm), backward ----
+        # d_bn4b_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered)
+        d_bn4b_branch2c_ew_sum = mem.tensor(416, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4b_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_relu, bn4b_branch2c_relu),
+                      (ew_mul, d_bn4b_branch2c_ew_sum, d_bn4b_branch2c_add, bn4b_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4a_branch2c_relu, bn4b_branch2c_relu, d_bn4b_branch2c_relu
         del bn4a_branch2c_relu, bn4b_branch2c_relu, d_bn4b_branch2c_relu
         mem.free(138, 415)
@@ -5426,9 +5558,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4c_branch2a_W_new, T['res4c_branch2a_W'], lr, V_res4c_branch2a_W_new)
 
         # ---- bn4b_branch2c (batch norm), backward ----
-        # d_bn4b_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4b_branch2c_add*bn4b_branch2c_centered)
-        d_bn4b_branch2c_ew_sum = mem.tensor(416, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2c_ew_sum, d_bn4b_branch2c_add, bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_inv_std = bn4b_branch2c_weight*d_bn4b_branch2c_ew_sum   (computed with the next statement)
         d_bn4b_branch2c_inv_std = mem.tensor(417, (1, 1024, 1, 1), 'float32')
         # d_bn4b_branch2c_sum_of_squares = -d_bn4b_branch2c_inv_std/(12544*(bn4b_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -5438,9 +5567,13 @@ class Resnet50(rp.Model):
         # free bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         del bn4b_branch2c_sum_of_squares, bn4b_branch2c_batch_var, bn4b_branch2c_batch_var_flat
         mem.free(151)
-        # d_bn4b_branch2c_centered = d_bn4b_branch2c_add*bn4b_branch2c_inv_std*bn4b_branch2c_weight + 2*d_bn4b_branch2c_sum_of_squares*bn4b_branch2c_centered
+        # d_bn4b_branch2c_centered = d_bn4b_branch2c_add*bn4b_branch2c_inv_std*bn4b_branch2c_weight + 2*d_bn4b_branch2c_sum_of_squares*bn4b_branch2c_centered   (computed with the next statement)
         d_bn4b_branch2c_centered = bn4b_branch2c_centered  # in place: over bn4b_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4b_branch2c_centered, d_bn4b_branch2c_add, bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered)
+        # d_bn4b_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4b_branch2c_centered)
+        d_bn4b_branch2c_batch_mean = mem.tensor(418, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4b_branch2c_centered, d_bn4b_branch2c_add, bn4b_branch2c_inv_std, bn4b_branch2c_weight, d_bn4b_branch2c_sum_of_squares, bn4b_branch2c_centered),
+                      (ew_neg, d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
         del d_bn4b_branch2c_inv_std, d_bn4b_branch2c_sum_of_squares
         mem.free(417)
@@ -5461,9 +5594,6 @@ class Resnet50(rp.Model):
         # free bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
         del bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
         mem.free(152)
-        # d_bn4b_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4b_branch2c_centered)
-        d_bn4b_branch2c_batch_mean = mem.tensor(418, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4b_branch2c_batch_mean, d_bn4b_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean/6272
         d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean  # in place: over d_bn4b_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2c_sum, d_bn4b_branch2c_batch_mean)
@@ -5509,9 +5639,15 @@ class Resnet50(rp.Model):
         mem.free(149)
 
         # ---- bn4b_branch2b_relu (relu), backward ----
-        # d_bn4b_branch2b = d_bn4b_branch2b_relu*Heaviside(bn4b_branch2b_relu_2, 0)
+        # d_bn4b_branch2b = d_bn4b_branch2b_relu*Heaviside(bn4b_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4b_branch2b = d_bn4b_branch2b_relu  # in place: over d_bn4b_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4b_branch2b, d_bn4b_branch2b_relu, bn4b_branch2b_relu_2)
+
+        # ---- bn4b_branch2b (batch norm), backward ----
+        # d_bn4b_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered)
+        d_bn4b_branch2b_ew_sum = mem.tensor(423, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4b_branch2b, d_bn4b_branch2b_relu, bn4b_branch2b_relu_2),
+                      (ew_mul, d_bn4b_branch2b_ew_sum, d_bn4b_branch2b, bn4b_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4b_branch2b_relu_2
         del bn4b_branch2b_relu_2
         mem.free(420)
@@ -5528,9 +5664,6 @@ class Resnet50(rp.Model):
         mem.free(421)
 
         # ---- bn4b_branch2b (batch norm), backward ----
-        # d_bn4b_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2b*bn4b_branch2b_centered)
-        d_bn4b_branch2b_ew_sum = mem.tensor(423, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2b_ew_sum, d_bn4b_branch2b, bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2b_inv_std = bn4b_branch2b_weight*d_bn4b_branch2b_ew_sum   (computed with the next statement)
         d_bn4b_branch2b_inv_std = mem.tensor(424, (1, 256, 1, 1), 'float32')
         # d_bn4b_branch2b_sum_of_squares = -d_bn4b_branch2b_inv_std/(12544*(bn4b_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -5540,14 +5673,18 @@ class Resnet50(rp.Model):
         # free bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         del bn4b_branch2b_sum_of_squares, bn4b_branch2b_batch_var, bn4b_branch2b_batch_var_flat
         mem.free(146)
-        # d_bn4b_branch2b_centered = d_bn4b_branch2b*bn4b_branch2b_inv_std*bn4b_branch2b_weight + 2*d_bn4b_branch2b_sum_of_squares*bn4b_branch2b_centered
+        # d_bn4b_branch2b_centered = d_bn4b_branch2b*bn4b_branch2b_inv_std*bn4b_branch2b_weight + 2*d_bn4b_branch2b_sum_of_squares*bn4b_branch2b_centered   (computed with the next statement)
         d_bn4b_branch2b_centered = bn4b_branch2b_centered  # in place: over bn4b_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4b_branch2b_centered, d_bn4b_branch2b, bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered)
+        # d_bn4b_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2b_centered)
+        d_bn4b_branch2b_batch_mean = mem.tensor(425, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4b_branch2b_centered, d_bn4b_branch2b, bn4b_branch2b_inv_std, bn4b_branch2b_weight, d_bn4b_branch2b_sum_of_squares, bn4b_branch2b_centered),
+                      (ew_neg, d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
         del d_bn4b_branch2b_inv_std, d_bn4b_branch2b_sum_of_squares
         mem.free(424)
         # d_bn4b_branch2b_bias = sum_to[1x256x1x1](d_bn4b_branch2b)
-        d_bn4b_branch2b_bias = mem.tensor(425, (1, 256, 1, 1), 'float32')
+        d_bn4b_branch2b_bias = mem.tensor(426, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4b_branch2b, out=d_bn4b_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4b_branch2b_relu, d_bn4b_branch2b
         del d_bn4b_branch2b_relu, d_bn4b_branch2b
@@ -5579,10 +5716,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new))
         # free d_bn4b_branch2b_bias, d_bn4b_branch2b_B
         del d_bn4b_branch2b_bias, d_bn4b_branch2b_B
-        mem.free(425)
-        # d_bn4b_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2b_centered)
-        d_bn4b_branch2b_batch_mean = mem.tensor(426, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(426)
         # d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean/6272
         d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean  # in place: over d_bn4b_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2b_sum, d_bn4b_branch2b_batch_mean)
@@ -5593,7 +5727,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4b_branch2b, d_bn4b_branch2b_centered, d_bn4b_branch2b_sum)
         # free d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_sum
         del d_bn4b_branch2b_batch_mean, d_bn4b_branch2b_sum
-        mem.free(426)
+        mem.free(425)
 
         # ---- bn4b_branch2a_relu (relu), forward ----
         # bn4b_branch2a_relu_2 = Max(0, bn4b_branch2a_centered*bn4b_branch2a_inv_std*bn4b_branch2a_weight + bn4b_branch2a_bias)
@@ -5618,9 +5752,15 @@ class Resnet50(rp.Model):
         mem.free(144)
 
         # ---- bn4b_branch2a_relu (relu), backward ----
-        # d_bn4b_branch2a = d_bn4b_branch2a_relu*Heaviside(bn4b_branch2a_relu_2, 0)
+        # d_bn4b_branch2a = d_bn4b_branch2a_relu*Heaviside(bn4b_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4b_branch2a = d_bn4b_branch2a_relu  # in place: over d_bn4b_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4b_branch2a, d_bn4b_branch2a_relu, bn4b_branch2a_relu_2)
+
+        # ---- bn4b_branch2a (batch norm), backward ----
+        # d_bn4b_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered)
+        d_bn4b_branch2a_ew_sum = mem.tensor(430, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4b_branch2a, d_bn4b_branch2a_relu, bn4b_branch2a_relu_2),
+                      (ew_mul, d_bn4b_branch2a_ew_sum, d_bn4b_branch2a, bn4b_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4b_branch2a_relu_2
         del bn4b_branch2a_relu_2
         mem.free(427)
@@ -5631,9 +5771,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2b_W_new, T['res4b_branch2b_W'], lr, V_res4b_branch2b_W_new)
 
         # ---- bn4b_branch2a (batch norm), backward ----
-        # d_bn4b_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4b_branch2a*bn4b_branch2a_centered)
-        d_bn4b_branch2a_ew_sum = mem.tensor(430, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4b_branch2a_ew_sum, d_bn4b_branch2a, bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4b_branch2a_inv_std = bn4b_branch2a_weight*d_bn4b_branch2a_ew_sum   (computed with the next statement)
         d_bn4b_branch2a_inv_std = mem.tensor(431, (1, 256, 1, 1), 'float32')
         # d_bn4b_branch2a_sum_of_squares = -d_bn4b_branch2a_inv_std/(12544*(bn4b_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -5643,14 +5780,18 @@ class Resnet50(rp.Model):
         # free bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         del bn4b_branch2a_sum_of_squares, bn4b_branch2a_batch_var, bn4b_branch2a_batch_var_flat
         mem.free(141)
-        # d_bn4b_branch2a_centered = d_bn4b_branch2a*bn4b_branch2a_inv_std*bn4b_branch2a_weight + 2*d_bn4b_branch2a_sum_of_squares*bn4b_branch2a_centered
+        # d_bn4b_branch2a_centered = d_bn4b_branch2a*bn4b_branch2a_inv_std*bn4b_branch2a_weight + 2*d_bn4b_branch2a_sum_of_squares*bn4b_branch2a_centered   (computed with the next statement)
         d_bn4b_branch2a_centered = bn4b_branch2a_centered  # in place: over bn4b_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4b_branch2a_centered, d_bn4b_branch2a, bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered)
+        # d_bn4b_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2a_centered)
+        d_bn4b_branch2a_batch_mean = mem.tensor(432, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4b_branch2a_centered, d_bn4b_branch2a, bn4b_branch2a_inv_std, bn4b_branch2a_weight, d_bn4b_branch2a_sum_of_squares, bn4b_branch2a_centered),
+                      (ew_neg, d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
         del d_bn4b_branch2a_inv_std, d_bn4b_branch2a_sum_of_squares
         mem.free(431)
         # d_bn4b_branch2a_bias = sum_to[1x256x1x1](d_bn4b_branch2a)
-        d_bn4b_branch2a_bias = mem.tensor(432, (1, 256, 1, 1), 'float32')
+        d_bn4b_branch2a_bias = mem.tensor(433, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4b_branch2a, out=d_bn4b_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4b_branch2a_relu, d_bn4b_branch2a
         del d_bn4b_branch2a_relu, d_bn4b_branch2a
@@ -5682,10 +5823,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new))
         # free d_bn4b_branch2a_bias, d_bn4b_branch2a_B
         del d_bn4b_branch2a_bias, d_bn4b_branch2a_B
-        mem.free(432)
-        # d_bn4b_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4b_branch2a_centered)
-        d_bn4b_branch2a_batch_mean = mem.tensor(433, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(433)
         # d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean/6272
         d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean  # in place: over d_bn4b_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2a_sum, d_bn4b_branch2a_batch_mean)
@@ -5696,7 +5834,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4b_branch2a, d_bn4b_branch2a_centered, d_bn4b_branch2a_sum)
         # free d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_sum
         del d_bn4b_branch2a_batch_mean, d_bn4b_branch2a_sum
-        mem.free(433)
+        mem.free(432)
 
         # ---- bn4a_branch2c_relu (relu), forward ----
         # bn4a_branch2c_relu_2 = Max(0, bn4a_branch2c_centered*bn4a_branch2c_inv_std*bn4a_branch2c_weight + bn4a_branch2c_bias + bn4a_branch1_centered*bn4a_branch1_inv_std*bn4a_branch1_weight + bn4a_branch1_bias)
@@ -5721,9 +5859,15 @@ class Resnet50(rp.Model):
         mem.free(139)
 
         # ---- bn4a_branch2c_relu (relu), backward ----
-        # d_bn4a_branch2c_add = (d_bn4b_branch2c_add + d_bn4a_branch2c_relu)*Heaviside(bn4a_branch2c_relu_2, 0)
+        # d_bn4a_branch2c_add = (d_bn4b_branch2c_add + d_bn4a_branch2c_relu)*Heaviside(bn4a_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn4a_branch2c_add = d_bn4b_branch2c_add  # in place: over d_bn4b_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn4a_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_relu, bn4a_branch2c_relu_2)
+
+        # ---- bn4a_branch2c (batch norm), backward ----
+        # d_bn4a_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered)
+        d_bn4a_branch2c_ew_sum = mem.tensor(437, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn4a_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_relu, bn4a_branch2c_relu_2),
+                      (ew_mul, d_bn4a_branch2c_ew_sum, d_bn4a_branch2c_add, bn4a_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free bn4a_branch2c_relu_2, d_bn4a_branch2c_relu
         del bn4a_branch2c_relu_2, d_bn4a_branch2c_relu
         mem.free(434, 436)
@@ -5734,9 +5878,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4b_branch2a_W_new, T['res4b_branch2a_W'], lr, V_res4b_branch2a_W_new)
 
         # ---- bn4a_branch2c (batch norm), backward ----
-        # d_bn4a_branch2c_ew_sum = sum_to[1x1024x1x1](d_bn4a_branch2c_add*bn4a_branch2c_centered)
-        d_bn4a_branch2c_ew_sum = mem.tensor(437, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2c_ew_sum, d_bn4a_branch2c_add, bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch2c_inv_std = bn4a_branch2c_weight*d_bn4a_branch2c_ew_sum   (computed with the next statement)
         d_bn4a_branch2c_inv_std = mem.tensor(438, (1, 1024, 1, 1), 'float32')
         # d_bn4a_branch2c_sum_of_squares = -d_bn4a_branch2c_inv_std/(12544*(bn4a_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -5746,9 +5887,13 @@ class Resnet50(rp.Model):
         # free bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         del bn4a_branch2c_sum_of_squares, bn4a_branch2c_batch_var, bn4a_branch2c_batch_var_flat
         mem.free(136)
-        # d_bn4a_branch2c_centered = d_bn4a_branch2c_add*bn4a_branch2c_inv_std*bn4a_branch2c_weight + 2*d_bn4a_branch2c_sum_of_squares*bn4a_branch2c_centered
+        # d_bn4a_branch2c_centered = d_bn4a_branch2c_add*bn4a_branch2c_inv_std*bn4a_branch2c_weight + 2*d_bn4a_branch2c_sum_of_squares*bn4a_branch2c_centered   (computed with the next statement)
         d_bn4a_branch2c_centered = bn4a_branch2c_centered  # in place: over bn4a_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn4a_branch2c_centered, d_bn4a_branch2c_add, bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered)
+        # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch2c_centered)
+        d_bn4a_branch2c_batch_mean = mem.tensor(439, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4a_branch2c_centered, d_bn4a_branch2c_add, bn4a_branch2c_inv_std, bn4a_branch2c_weight, d_bn4a_branch2c_sum_of_squares, bn4a_branch2c_centered),
+                      (ew_neg, d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
         del d_bn4a_branch2c_inv_std, d_bn4a_branch2c_sum_of_squares
         mem.free(438)
@@ -5769,9 +5914,6 @@ class Resnet50(rp.Model):
         # free bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
         del bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
         mem.free(137)
-        # d_bn4a_branch2c_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch2c_centered)
-        d_bn4a_branch2c_batch_mean = mem.tensor(439, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4a_branch2c_batch_mean, d_bn4a_branch2c_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean/6272
         d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean  # in place: over d_bn4a_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2c_sum, d_bn4a_branch2c_batch_mean)
@@ -5797,14 +5939,18 @@ class Resnet50(rp.Model):
         # free bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
         del bn4a_branch1_sum_of_squares, bn4a_branch1_batch_var, bn4a_branch1_batch_var_flat
         mem.free(132)
-        # d_bn4a_branch1_centered = d_bn4a_branch2c_add*bn4a_branch1_inv_std*bn4a_branch1_weight + 2*d_bn4a_branch1_sum_of_squares*bn4a_branch1_centered
+        # d_bn4a_branch1_centered = d_bn4a_branch2c_add*bn4a_branch1_inv_std*bn4a_branch1_weight + 2*d_bn4a_branch1_sum_of_squares*bn4a_branch1_centered   (computed with the next statement)
         d_bn4a_branch1_centered = bn4a_branch1_centered  # in place: over bn4a_branch1_centered
-        rt.ew(ew_mul_add_2, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered)
+        # d_bn4a_branch1_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch1_centered)
+        d_bn4a_branch1_batch_mean = mem.tensor(442, (1, 1024, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4a_branch1_centered, d_bn4a_branch2c_add, bn4a_branch1_inv_std, bn4a_branch1_weight, d_bn4a_branch1_sum_of_squares, bn4a_branch1_centered),
+                      (ew_neg, d_bn4a_branch1_batch_mean, d_bn4a_branch1_centered),
+                      shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # free d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
         del d_bn4a_branch1_inv_std, d_bn4a_branch1_sum_of_squares
         mem.free(441)
         # d_bn4a_branch1_bias = sum_to[1x1024x1x1](d_bn4a_branch2c_add)
-        d_bn4a_branch1_bias = mem.tensor(442, (1, 1024, 1, 1), 'float32')
+        d_bn4a_branch1_bias = mem.tensor(443, (1, 1024, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2c_add, out=d_bn4a_branch1_bias, shape=(1, 1024, 1, 1))
         # free d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add
         del d_bn4f_branch2c_relu, d_bn4f_branch2c_add, d_bn4e_branch2c_add, d_bn4d_branch2c_add, d_bn4c_branch2c_add, d_bn4b_branch2c_add, d_bn4a_branch2c_add
@@ -5829,7 +5975,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn4a_branch1_B_new, T['V_bn4a_branch1_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch1_B'])
         # free d_bn4a_branch1_bias, d_bn4a_branch1_B
         del d_bn4a_branch1_bias, d_bn4a_branch1_B
-        mem.free(442)
+        mem.free(443)
 
         # ---- bn4a_branch2c (batch norm), backward ----
         # bn4a_branch2c_B_new = bn4a_branch2c_B - lr*V_bn4a_branch2c_B_new
@@ -5851,9 +5997,6 @@ class Resnet50(rp.Model):
         # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
         bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
         rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
-        # d_bn4a_branch1_batch_mean = sum_to[1x1024x1x1](-d_bn4a_branch1_centered)
-        d_bn4a_branch1_batch_mean = mem.tensor(443, (1, 1024, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4a_branch1_batch_mean, d_bn4a_branch1_centered, shape=(1, 1024, 1, 1), workspace=mem.workspace(6426624))
         # d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean/6272
         d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean  # in place: over d_bn4a_branch1_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch1_sum, d_bn4a_branch1_batch_mean)
@@ -5864,7 +6007,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4a_branch1, d_bn4a_branch1_centered, d_bn4a_branch1_sum)
         # free d_bn4a_branch1_batch_mean, d_bn4a_branch1_sum
         del d_bn4a_branch1_batch_mean, d_bn4a_branch1_sum
-        mem.free(443)
+        mem.free(442)
 
         # ---- bn4a_branch2b_relu (relu), forward ----
         # bn4a_branch2b_relu_2 = Max(0, bn4a_branch2b_centered*bn4a_branch2b_inv_std*bn4a_branch2b_weight + bn4a_branch2b_bias)
@@ -5883,9 +6026,15 @@ class Resnet50(rp.Model):
         mem.free(134)
 
         # ---- bn4a_branch2b_relu (relu), backward ----
-        # d_bn4a_branch2b = d_bn4a_branch2b_relu*Heaviside(bn4a_branch2b_relu_2, 0)
+        # d_bn4a_branch2b = d_bn4a_branch2b_relu*Heaviside(bn4a_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn4a_branch2b = d_bn4a_branch2b_relu  # in place: over d_bn4a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn4a_branch2b, d_bn4a_branch2b_relu, bn4a_branch2b_relu_2)
+
+        # ---- bn4a_branch2b (batch norm), backward ----
+        # d_bn4a_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered)
+        d_bn4a_branch2b_ew_sum = mem.tensor(447, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4a_branch2b, d_bn4a_branch2b_relu, bn4a_branch2b_relu_2),
+                      (ew_mul, d_bn4a_branch2b_ew_sum, d_bn4a_branch2b, bn4a_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4a_branch2b_relu_2
         del bn4a_branch2b_relu_2
         mem.free(444)
@@ -5902,9 +6051,6 @@ class Resnet50(rp.Model):
         mem.free(445)
 
         # ---- bn4a_branch2b (batch norm), backward ----
-        # d_bn4a_branch2b_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2b*bn4a_branch2b_centered)
-        d_bn4a_branch2b_ew_sum = mem.tensor(447, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2b_ew_sum, d_bn4a_branch2b, bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4a_branch2b_inv_std = bn4a_branch2b_weight*d_bn4a_branch2b_ew_sum   (computed with the next statement)
         d_bn4a_branch2b_inv_std = mem.tensor(448, (1, 256, 1, 1), 'float32')
         # d_bn4a_branch2b_sum_of_squares = -d_bn4a_branch2b_inv_std/(12544*(bn4a_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -5914,14 +6060,18 @@ class Resnet50(rp.Model):
         # free bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         del bn4a_branch2b_sum_of_squares, bn4a_branch2b_batch_var, bn4a_branch2b_batch_var_flat
         mem.free(127)
-        # d_bn4a_branch2b_centered = d_bn4a_branch2b*bn4a_branch2b_inv_std*bn4a_branch2b_weight + 2*d_bn4a_branch2b_sum_of_squares*bn4a_branch2b_centered
+        # d_bn4a_branch2b_centered = d_bn4a_branch2b*bn4a_branch2b_inv_std*bn4a_branch2b_weight + 2*d_bn4a_branch2b_sum_of_squares*bn4a_branch2b_centered   (computed with the next statement)
         d_bn4a_branch2b_centered = bn4a_branch2b_centered  # in place: over bn4a_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn4a_branch2b_centered, d_bn4a_branch2b, bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered)
+        # d_bn4a_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2b_centered)
+        d_bn4a_branch2b_batch_mean = mem.tensor(449, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4a_branch2b_centered, d_bn4a_branch2b, bn4a_branch2b_inv_std, bn4a_branch2b_weight, d_bn4a_branch2b_sum_of_squares, bn4a_branch2b_centered),
+                      (ew_neg, d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
         del d_bn4a_branch2b_inv_std, d_bn4a_branch2b_sum_of_squares
         mem.free(448)
         # d_bn4a_branch2b_bias = sum_to[1x256x1x1](d_bn4a_branch2b)
-        d_bn4a_branch2b_bias = mem.tensor(449, (1, 256, 1, 1), 'float32')
+        d_bn4a_branch2b_bias = mem.tensor(450, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2b, out=d_bn4a_branch2b_bias, shape=(1, 256, 1, 1))
         # free d_bn4a_branch2b_relu, d_bn4a_branch2b
         del d_bn4a_branch2b_relu, d_bn4a_branch2b
@@ -5953,10 +6103,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new))
         # free d_bn4a_branch2b_bias, d_bn4a_branch2b_B
         del d_bn4a_branch2b_bias, d_bn4a_branch2b_B
-        mem.free(449)
-        # d_bn4a_branch2b_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2b_centered)
-        d_bn4a_branch2b_batch_mean = mem.tensor(450, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(450)
         # d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean/6272
         d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean  # in place: over d_bn4a_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2b_sum, d_bn4a_branch2b_batch_mean)
@@ -5967,7 +6114,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4a_branch2b, d_bn4a_branch2b_centered, d_bn4a_branch2b_sum)
         # free d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
         del d_bn4a_branch2b_batch_mean, d_bn4a_branch2b_sum
-        mem.free(450)
+        mem.free(449)
 
         # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), backward ----
         # d_res4a_branch1_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4a_branch1, bn3d_branch2c_relu)
@@ -6003,9 +6150,15 @@ class Resnet50(rp.Model):
         mem.free(125)
 
         # ---- bn4a_branch2a_relu (relu), backward ----
-        # d_bn4a_branch2a = d_bn4a_branch2a_relu*Heaviside(bn4a_branch2a_relu_2, 0)
+        # d_bn4a_branch2a = d_bn4a_branch2a_relu*Heaviside(bn4a_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn4a_branch2a = d_bn4a_branch2a_relu  # in place: over d_bn4a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn4a_branch2a, d_bn4a_branch2a_relu, bn4a_branch2a_relu_2)
+
+        # ---- bn4a_branch2a (batch norm), backward ----
+        # d_bn4a_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered)
+        d_bn4a_branch2a_ew_sum = mem.tensor(455, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn4a_branch2a, d_bn4a_branch2a_relu, bn4a_branch2a_relu_2),
+                      (ew_mul, d_bn4a_branch2a_ew_sum, d_bn4a_branch2a, bn4a_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free bn4a_branch2a_relu_2
         del bn4a_branch2a_relu_2
         mem.free(452)
@@ -6016,9 +6169,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2b_W_new, T['res4a_branch2b_W'], lr, V_res4a_branch2b_W_new)
 
         # ---- bn4a_branch2a (batch norm), backward ----
-        # d_bn4a_branch2a_ew_sum = sum_to[1x256x1x1](d_bn4a_branch2a*bn4a_branch2a_centered)
-        d_bn4a_branch2a_ew_sum = mem.tensor(455, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn4a_branch2a_ew_sum, d_bn4a_branch2a, bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # d_bn4a_branch2a_inv_std = bn4a_branch2a_weight*d_bn4a_branch2a_ew_sum   (computed with the next statement)
         d_bn4a_branch2a_inv_std = mem.tensor(456, (1, 256, 1, 1), 'float32')
         # d_bn4a_branch2a_sum_of_squares = -d_bn4a_branch2a_inv_std/(12544*(bn4a_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -6028,14 +6178,18 @@ class Resnet50(rp.Model):
         # free bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         del bn4a_branch2a_sum_of_squares, bn4a_branch2a_batch_var, bn4a_branch2a_batch_var_flat
         mem.free(122)
-        # d_bn4a_branch2a_centered = d_bn4a_branch2a*bn4a_branch2a_inv_std*bn4a_branch2a_weight + 2*d_bn4a_branch2a_sum_of_squares*bn4a_branch2a_centered
+        # d_bn4a_branch2a_centered = d_bn4a_branch2a*bn4a_branch2a_inv_std*bn4a_branch2a_weight + 2*d_bn4a_branch2a_sum_of_squares*bn4a_branch2a_centered   (computed with the next statement)
         d_bn4a_branch2a_centered = bn4a_branch2a_centered  # in place: over bn4a_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn4a_branch2a_centered, d_bn4a_branch2a, bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered)
+        # d_bn4a_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2a_centered)
+        d_bn4a_branch2a_batch_mean = mem.tensor(457, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn4a_branch2a_centered, d_bn4a_branch2a, bn4a_branch2a_inv_std, bn4a_branch2a_weight, d_bn4a_branch2a_sum_of_squares, bn4a_branch2a_centered),
+                      (ew_neg, d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
         # free d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
         del d_bn4a_branch2a_inv_std, d_bn4a_branch2a_sum_of_squares
         mem.free(456)
         # d_bn4a_branch2a_bias = sum_to[1x256x1x1](d_bn4a_branch2a)
-        d_bn4a_branch2a_bias = mem.tensor(457, (1, 256, 1, 1), 'float32')
+        d_bn4a_branch2a_bias = mem.tensor(458, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn4a_branch2a, out=d_bn4a_branch2a_bias, shape=(1, 256, 1, 1))
         # free d_bn4a_branch2a_relu, d_bn4a_branch2a
         del d_bn4a_branch2a_relu, d_bn4a_branch2a
@@ -6067,10 +6221,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new))
         # free d_bn4a_branch2a_bias, d_bn4a_branch2a_B
         del d_bn4a_branch2a_bias, d_bn4a_branch2a_B
-        mem.free(457)
-        # d_bn4a_branch2a_batch_mean = sum_to[1x256x1x1](-d_bn4a_branch2a_centered)
-        d_bn4a_branch2a_batch_mean = mem.tensor(458, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6422528))
+        mem.free(458)
         # d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean/6272
         d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean  # in place: over d_bn4a_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2a_sum, d_bn4a_branch2a_batch_mean)
@@ -6081,7 +6232,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res4a_branch2a, d_bn4a_branch2a_centered, d_bn4a_branch2a_sum)
         # free d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
         del d_bn4a_branch2a_batch_mean, d_bn4a_branch2a_sum
-        mem.free(458)
+        mem.free(457)
         # d_res4a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4a_branch2a, bn3d_branch2c_relu)
         d_res4a_branch2a_W = mem.tensor(459, (256, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4a_branch2a, bn3d_branch2c_relu, out=d_res4a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19267584))
@@ -6112,9 +6263,15 @@ class Resnet50(rp.Model):
         mem.free(120)
 
         # ---- bn3d_branch2c_relu (relu), backward ----
-        # d_bn3d_branch2c_add = (d_bn3d_branch2c_relu + d_bn3d_branch2c_relu_2)*Heaviside(bn3d_branch2c_relu, 0)
+        # d_bn3d_branch2c_add = (d_bn3d_branch2c_relu + d_bn3d_branch2c_relu_2)*Heaviside(bn3d_branch2c_relu, 0)   (computed with the next statement)
         d_bn3d_branch2c_add = d_bn3d_branch2c_relu  # in place: over d_bn3d_branch2c_relu
-        rt.ew(ew_add_step_mul, d_bn3d_branch2c_add, d_bn3d_branch2c_relu, d_bn3d_branch2c_relu_2, bn3d_branch2c_relu)
+
+        # ---- bn3d_branch2c (batch norm), backward ----
+        # d_bn3d_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered)
+        d_bn3d_branch2c_ew_sum = mem.tensor(462, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn3d_branch2c_add, d_bn3d_branch2c_relu, d_bn3d_branch2c_relu_2, bn3d_branch2c_relu),
+                      (ew_mul, d_bn3d_branch2c_ew_sum, d_bn3d_branch2c_add, bn3d_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free bn3c_branch2c_relu, bn3d_branch2c_relu, d_bn3d_branch2c_relu_2
         del bn3c_branch2c_relu, bn3d_branch2c_relu, d_bn3d_branch2c_relu_2
         mem.free(105, 461)
@@ -6125,9 +6282,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res4a_branch2a_W_new, T['res4a_branch2a_W'], lr, V_res4a_branch2a_W_new)
 
         # ---- bn3d_branch2c (batch norm), backward ----
-        # d_bn3d_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3d_branch2c_add*bn3d_branch2c_centered)
-        d_bn3d_branch2c_ew_sum = mem.tensor(462, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2c_ew_sum, d_bn3d_branch2c_add, bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_inv_std = bn3d_branch2c_weight*d_bn3d_branch2c_ew_sum   (computed with the next statement)
         d_bn3d_branch2c_inv_std = mem.tensor(463, (1, 512, 1, 1), 'float32')
         # d_bn3d_branch2c_sum_of_squares = -d_bn3d_branch2c_inv_std/(50176*(bn3d_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -6137,9 +6291,13 @@ class Resnet50(rp.Model):
         # free bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         del bn3d_branch2c_sum_of_squares, bn3d_branch2c_batch_var, bn3d_branch2c_batch_var_flat
         mem.free(118)
-        # d_bn3d_branch2c_centered = d_bn3d_branch2c_add*bn3d_branch2c_inv_std*bn3d_branch2c_weight + 2*d_bn3d_branch2c_sum_of_squares*bn3d_branch2c_centered
+        # d_bn3d_branch2c_centered = d_bn3d_branch2c_add*bn3d_branch2c_inv_std*bn3d_branch2c_weight + 2*d_bn3d_branch2c_sum_of_squares*bn3d_branch2c_centered   (computed with the next statement)
         d_bn3d_branch2c_centered = bn3d_branch2c_centered  # in place: over bn3d_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn3d_branch2c_centered, d_bn3d_branch2c_add, bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered)
+        # d_bn3d_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3d_branch2c_centered)
+        d_bn3d_branch2c_batch_mean = mem.tensor(464, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3d_branch2c_centered, d_bn3d_branch2c_add, bn3d_branch2c_inv_std, bn3d_branch2c_weight, d_bn3d_branch2c_sum_of_squares, bn3d_branch2c_centered),
+                      (ew_neg, d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
         del d_bn3d_branch2c_inv_std, d_bn3d_branch2c_sum_of_squares
         mem.free(463)
@@ -6160,9 +6318,6 @@ class Resnet50(rp.Model):
         # free bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
         del bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
         mem.free(119)
-        # d_bn3d_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3d_branch2c_centered)
-        d_bn3d_branch2c_batch_mean = mem.tensor(464, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3d_branch2c_batch_mean, d_bn3d_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean/25088
         d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean  # in place: over d_bn3d_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2c_sum, d_bn3d_branch2c_batch_mean)
@@ -6208,9 +6363,15 @@ class Resnet50(rp.Model):
         mem.free(116)
 
         # ---- bn3d_branch2b_relu (relu), backward ----
-        # d_bn3d_branch2b = d_bn3d_branch2b_relu*Heaviside(bn3d_branch2b_relu_2, 0)
+        # d_bn3d_branch2b = d_bn3d_branch2b_relu*Heaviside(bn3d_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn3d_branch2b = d_bn3d_branch2b_relu  # in place: over d_bn3d_branch2b_relu
-        rt.ew(ew_step_mul, d_bn3d_branch2b, d_bn3d_branch2b_relu, bn3d_branch2b_relu_2)
+
+        # ---- bn3d_branch2b (batch norm), backward ----
+        # d_bn3d_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered)
+        d_bn3d_branch2b_ew_sum = mem.tensor(469, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3d_branch2b, d_bn3d_branch2b_relu, bn3d_branch2b_relu_2),
+                      (ew_mul, d_bn3d_branch2b_ew_sum, d_bn3d_branch2b, bn3d_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3d_branch2b_relu_2
         del bn3d_branch2b_relu_2
         mem.free(466)
@@ -6227,9 +6388,6 @@ class Resnet50(rp.Model):
         mem.free(467)
 
         # ---- bn3d_branch2b (batch norm), backward ----
-        # d_bn3d_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2b*bn3d_branch2b_centered)
-        d_bn3d_branch2b_ew_sum = mem.tensor(469, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2b_ew_sum, d_bn3d_branch2b, bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2b_inv_std = bn3d_branch2b_weight*d_bn3d_branch2b_ew_sum   (computed with the next statement)
         d_bn3d_branch2b_inv_std = mem.tensor(470, (1, 128, 1, 1), 'float32')
         # d_bn3d_branch2b_sum_of_squares = -d_bn3d_branch2b_inv_std/(50176*(bn3d_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -6239,14 +6397,18 @@ class Resnet50(rp.Model):
         # free bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         del bn3d_branch2b_sum_of_squares, bn3d_branch2b_batch_var, bn3d_branch2b_batch_var_flat
         mem.free(113)
-        # d_bn3d_branch2b_centered = d_bn3d_branch2b*bn3d_branch2b_inv_std*bn3d_branch2b_weight + 2*d_bn3d_branch2b_sum_of_squares*bn3d_branch2b_centered
+        # d_bn3d_branch2b_centered = d_bn3d_branch2b*bn3d_branch2b_inv_std*bn3d_branch2b_weight + 2*d_bn3d_branch2b_sum_of_squares*bn3d_branch2b_centered   (computed with the next statement)
         d_bn3d_branch2b_centered = bn3d_branch2b_centered  # in place: over bn3d_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn3d_branch2b_centered, d_bn3d_branch2b, bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered)
+        # d_bn3d_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2b_centered)
+        d_bn3d_branch2b_batch_mean = mem.tensor(471, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3d_branch2b_centered, d_bn3d_branch2b, bn3d_branch2b_inv_std, bn3d_branch2b_weight, d_bn3d_branch2b_sum_of_squares, bn3d_branch2b_centered),
+                      (ew_neg, d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
         del d_bn3d_branch2b_inv_std, d_bn3d_branch2b_sum_of_squares
         mem.free(470)
         # d_bn3d_branch2b_bias = sum_to[1x128x1x1](d_bn3d_branch2b)
-        d_bn3d_branch2b_bias = mem.tensor(471, (1, 128, 1, 1), 'float32')
+        d_bn3d_branch2b_bias = mem.tensor(472, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3d_branch2b, out=d_bn3d_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3d_branch2b_relu, d_bn3d_branch2b
         del d_bn3d_branch2b_relu, d_bn3d_branch2b
@@ -6278,10 +6440,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new))
         # free d_bn3d_branch2b_bias, d_bn3d_branch2b_B
         del d_bn3d_branch2b_bias, d_bn3d_branch2b_B
-        mem.free(471)
-        # d_bn3d_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2b_centered)
-        d_bn3d_branch2b_batch_mean = mem.tensor(472, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(472)
         # d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean/25088
         d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean  # in place: over d_bn3d_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2b_sum, d_bn3d_branch2b_batch_mean)
@@ -6292,7 +6451,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3d_branch2b, d_bn3d_branch2b_centered, d_bn3d_branch2b_sum)
         # free d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_sum
         del d_bn3d_branch2b_batch_mean, d_bn3d_branch2b_sum
-        mem.free(472)
+        mem.free(471)
 
         # ---- bn3d_branch2a_relu (relu), forward ----
         # bn3d_branch2a_relu_2 = Max(0, bn3d_branch2a_centered*bn3d_branch2a_inv_std*bn3d_branch2a_weight + bn3d_branch2a_bias)
@@ -6317,9 +6476,15 @@ class Resnet50(rp.Model):
         mem.free(111)
 
         # ---- bn3d_branch2a_relu (relu), backward ----
-        # d_bn3d_branch2a = d_bn3d_branch2a_relu*Heaviside(bn3d_branch2a_relu_2, 0)
+        # d_bn3d_branch2a = d_bn3d_branch2a_relu*Heaviside(bn3d_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn3d_branch2a = d_bn3d_branch2a_relu  # in place: over d_bn3d_branch2a_relu
-        rt.ew(ew_step_mul, d_bn3d_branch2a, d_bn3d_branch2a_relu, bn3d_branch2a_relu_2)
+
+        # ---- bn3d_branch2a (batch norm), backward ----
+        # d_bn3d_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered)
+        d_bn3d_branch2a_ew_sum = mem.tensor(476, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3d_branch2a, d_bn3d_branch2a_relu, bn3d_branch2a_relu_2),
+                      (ew_mul, d_bn3d_branch2a_ew_sum, d_bn3d_branch2a, bn3d_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3d_branch2a_relu_2
         del bn3d_branch2a_relu_2
         mem.free(473)
@@ -6330,9 +6495,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2b_W_new, T['res3d_branch2b_W'], lr, V_res3d_branch2b_W_new)
 
         # ---- bn3d_branch2a (batch norm), backward ----
-        # d_bn3d_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3d_branch2a*bn3d_branch2a_centered)
-        d_bn3d_branch2a_ew_sum = mem.tensor(476, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3d_branch2a_ew_sum, d_bn3d_branch2a, bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3d_branch2a_inv_std = bn3d_branch2a_weight*d_bn3d_branch2a_ew_sum   (computed with the next statement)
         d_bn3d_branch2a_inv_std = mem.tensor(477, (1, 128, 1, 1), 'float32')
         # d_bn3d_branch2a_sum_of_squares = -d_bn3d_branch2a_inv_std/(50176*(bn3d_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -6342,14 +6504,18 @@ class Resnet50(rp.Model):
         # free bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         del bn3d_branch2a_sum_of_squares, bn3d_branch2a_batch_var, bn3d_branch2a_batch_var_flat
         mem.free(108)
-        # d_bn3d_branch2a_centered = d_bn3d_branch2a*bn3d_branch2a_inv_std*bn3d_branch2a_weight + 2*d_bn3d_branch2a_sum_of_squares*bn3d_branch2a_centered
+        # d_bn3d_branch2a_centered = d_bn3d_branch2a*bn3d_branch2a_inv_std*bn3d_branch2a_weight + 2*d_bn3d_branch2a_sum_of_squares*bn3d_branch2a_centered   (computed with the next statement)
         d_bn3d_branch2a_centered = bn3d_branch2a_centered  # in place: over bn3d_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn3d_branch2a_centered, d_bn3d_branch2a, bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered)
+        # d_bn3d_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2a_centered)
+        d_bn3d_branch2a_batch_mean = mem.tensor(478, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3d_branch2a_centered, d_bn3d_branch2a, bn3d_branch2a_inv_std, bn3d_branch2a_weight, d_bn3d_branch2a_sum_of_squares, bn3d_branch2a_centered),
+                      (ew_neg, d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
         del d_bn3d_branch2a_inv_std, d_bn3d_branch2a_sum_of_squares
         mem.free(477)
         # d_bn3d_branch2a_bias = sum_to[1x128x1x1](d_bn3d_branch2a)
-        d_bn3d_branch2a_bias = mem.tensor(478, (1, 128, 1, 1), 'float32')
+        d_bn3d_branch2a_bias = mem.tensor(479, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3d_branch2a, out=d_bn3d_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3d_branch2a_relu, d_bn3d_branch2a
         del d_bn3d_branch2a_relu, d_bn3d_branch2a
@@ -6381,10 +6547,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new))
         # free d_bn3d_branch2a_bias, d_bn3d_branch2a_B
         del d_bn3d_branch2a_bias, d_bn3d_branch2a_B
-        mem.free(478)
-        # d_bn3d_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3d_branch2a_centered)
-        d_bn3d_branch2a_batch_mean = mem.tensor(479, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(479)
         # d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean/25088
         d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean  # in place: over d_bn3d_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2a_sum, d_bn3d_branch2a_batch_mean)
@@ -6395,7 +6558,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3d_branch2a, d_bn3d_branch2a_centered, d_bn3d_branch2a_sum)
         # free d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_sum
         del d_bn3d_branch2a_batch_mean, d_bn3d_branch2a_sum
-        mem.free(479)
+        mem.free(478)
 
         # ---- bn3c_branch2c_relu (relu), forward ----
         # bn3c_branch2c_relu_2 = Max(0, bn3c_branch2c_centered*bn3c_branch2c_inv_std*bn3c_branch2c_weight + bn3c_branch2c_bias + bn3b_branch2c_relu)
@@ -6420,9 +6583,15 @@ class Resnet50(rp.Model):
         mem.free(106)
 
         # ---- bn3c_branch2c_relu (relu), backward ----
-        # d_bn3c_branch2c_add = (d_bn3d_branch2c_add + d_bn3c_branch2c_relu)*Heaviside(bn3c_branch2c_relu_2, 0)
+        # d_bn3c_branch2c_add = (d_bn3d_branch2c_add + d_bn3c_branch2c_relu)*Heaviside(bn3c_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn3c_branch2c_add = d_bn3d_branch2c_add  # in place: over d_bn3d_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn3c_branch2c_add, d_bn3d_branch2c_add, d_bn3c_branch2c_relu, bn3c_branch2c_relu_2)
+
+        # ---- bn3c_branch2c (batch norm), backward ----
+        # d_bn3c_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered)
+        d_bn3c_branch2c_ew_sum = mem.tensor(483, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn3c_branch2c_add, d_bn3d_branch2c_add, d_bn3c_branch2c_relu, bn3c_branch2c_relu_2),
+                      (ew_mul, d_bn3c_branch2c_ew_sum, d_bn3c_branch2c_add, bn3c_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free bn3c_branch2c_relu_2, d_bn3c_branch2c_relu
         del bn3c_branch2c_relu_2, d_bn3c_branch2c_relu
         mem.free(480, 482)
@@ -6433,9 +6602,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3d_branch2a_W_new, T['res3d_branch2a_W'], lr, V_res3d_branch2a_W_new)
 
         # ---- bn3c_branch2c (batch norm), backward ----
-        # d_bn3c_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3c_branch2c_add*bn3c_branch2c_centered)
-        d_bn3c_branch2c_ew_sum = mem.tensor(483, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2c_ew_sum, d_bn3c_branch2c_add, bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_inv_std = bn3c_branch2c_weight*d_bn3c_branch2c_ew_sum   (computed with the next statement)
         d_bn3c_branch2c_inv_std = mem.tensor(484, (1, 512, 1, 1), 'float32')
         # d_bn3c_branch2c_sum_of_squares = -d_bn3c_branch2c_inv_std/(50176*(bn3c_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -6445,9 +6611,13 @@ class Resnet50(rp.Model):
         # free bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         del bn3c_branch2c_sum_of_squares, bn3c_branch2c_batch_var, bn3c_branch2c_batch_var_flat
         mem.free(103)
-        # d_bn3c_branch2c_centered = d_bn3c_branch2c_add*bn3c_branch2c_inv_std*bn3c_branch2c_weight + 2*d_bn3c_branch2c_sum_of_squares*bn3c_branch2c_centered
+        # d_bn3c_branch2c_centered = d_bn3c_branch2c_add*bn3c_branch2c_inv_std*bn3c_branch2c_weight + 2*d_bn3c_branch2c_sum_of_squares*bn3c_branch2c_centered   (computed with the next statement)
         d_bn3c_branch2c_centered = bn3c_branch2c_centered  # in place: over bn3c_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn3c_branch2c_centered, d_bn3c_branch2c_add, bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered)
+        # d_bn3c_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3c_branch2c_centered)
+        d_bn3c_branch2c_batch_mean = mem.tensor(485, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3c_branch2c_centered, d_bn3c_branch2c_add, bn3c_branch2c_inv_std, bn3c_branch2c_weight, d_bn3c_branch2c_sum_of_squares, bn3c_branch2c_centered),
+                      (ew_neg, d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
         del d_bn3c_branch2c_inv_std, d_bn3c_branch2c_sum_of_squares
         mem.free(484)
@@ -6468,9 +6638,6 @@ class Resnet50(rp.Model):
         # free bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
         del bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
         mem.free(104)
-        # d_bn3c_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3c_branch2c_centered)
-        d_bn3c_branch2c_batch_mean = mem.tensor(485, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3c_branch2c_batch_mean, d_bn3c_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean/25088
         d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean  # in place: over d_bn3c_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2c_sum, d_bn3c_branch2c_batch_mean)
@@ -6516,9 +6683,15 @@ class Resnet50(rp.Model):
         mem.free(101)
 
         # ---- bn3c_branch2b_relu (relu), backward ----
-        # d_bn3c_branch2b = d_bn3c_branch2b_relu*Heaviside(bn3c_branch2b_relu_2, 0)
+        # d_bn3c_branch2b = d_bn3c_branch2b_relu*Heaviside(bn3c_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn3c_branch2b = d_bn3c_branch2b_relu  # in place: over d_bn3c_branch2b_relu
-        rt.ew(ew_step_mul, d_bn3c_branch2b, d_bn3c_branch2b_relu, bn3c_branch2b_relu_2)
+
+        # ---- bn3c_branch2b (batch norm), backward ----
+        # d_bn3c_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered)
+        d_bn3c_branch2b_ew_sum = mem.tensor(490, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3c_branch2b, d_bn3c_branch2b_relu, bn3c_branch2b_relu_2),
+                      (ew_mul, d_bn3c_branch2b_ew_sum, d_bn3c_branch2b, bn3c_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3c_branch2b_relu_2
         del bn3c_branch2b_relu_2
         mem.free(487)
@@ -6535,9 +6708,6 @@ class Resnet50(rp.Model):
         mem.free(488)
 
         # ---- bn3c_branch2b (batch norm), backward ----
-        # d_bn3c_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2b*bn3c_branch2b_centered)
-        d_bn3c_branch2b_ew_sum = mem.tensor(490, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2b_ew_sum, d_bn3c_branch2b, bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2b_inv_std = bn3c_branch2b_weight*d_bn3c_branch2b_ew_sum   (computed with the next statement)
         d_bn3c_branch2b_inv_std = mem.tensor(491, (1, 128, 1, 1), 'float32')
         # d_bn3c_branch2b_sum_of_squares = -d_bn3c_branch2b_inv_std/(50176*(bn3c_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -6547,14 +6717,18 @@ class Resnet50(rp.Model):
         # free bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         del bn3c_branch2b_sum_of_squares, bn3c_branch2b_batch_var, bn3c_branch2b_batch_var_flat
         mem.free(98)
-        # d_bn3c_branch2b_centered = d_bn3c_branch2b*bn3c_branch2b_inv_std*bn3c_branch2b_weight + 2*d_bn3c_branch2b_sum_of_squares*bn3c_branch2b_centered
+        # d_bn3c_branch2b_centered = d_bn3c_branch2b*bn3c_branch2b_inv_std*bn3c_branch2b_weight + 2*d_bn3c_branch2b_sum_of_squares*bn3c_branch2b_centered   (computed with the next statement)
         d_bn3c_branch2b_centered = bn3c_branch2b_centered  # in place: over bn3c_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn3c_branch2b_centered, d_bn3c_branch2b, bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered)
+        # d_bn3c_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2b_centered)
+        d_bn3c_branch2b_batch_mean = mem.tensor(492, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3c_branch2b_centered, d_bn3c_branch2b, bn3c_branch2b_inv_std, bn3c_branch2b_weight, d_bn3c_branch2b_sum_of_squares, bn3c_branch2b_centered),
+                      (ew_neg, d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
         del d_bn3c_branch2b_inv_std, d_bn3c_branch2b_sum_of_squares
         mem.free(491)
         # d_bn3c_branch2b_bias = sum_to[1x128x1x1](d_bn3c_branch2b)
-        d_bn3c_branch2b_bias = mem.tensor(492, (1, 128, 1, 1), 'float32')
+        d_bn3c_branch2b_bias = mem.tensor(493, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3c_branch2b, out=d_bn3c_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3c_branch2b_relu, d_bn3c_branch2b
         del d_bn3c_branch2b_relu, d_bn3c_branch2b
@@ -6586,10 +6760,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new))
         # free d_bn3c_branch2b_bias, d_bn3c_branch2b_B
         del d_bn3c_branch2b_bias, d_bn3c_branch2b_B
-        mem.free(492)
-        # d_bn3c_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2b_centered)
-        d_bn3c_branch2b_batch_mean = mem.tensor(493, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(493)
         # d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean/25088
         d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean  # in place: over d_bn3c_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2b_sum, d_bn3c_branch2b_batch_mean)
@@ -6600,7 +6771,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3c_branch2b, d_bn3c_branch2b_centered, d_bn3c_branch2b_sum)
         # free d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_sum
         del d_bn3c_branch2b_batch_mean, d_bn3c_branch2b_sum
-        mem.free(493)
+        mem.free(492)
 
         # ---- bn3c_branch2a_relu (relu), forward ----
         # bn3c_branch2a_relu_2 = Max(0, bn3c_branch2a_centered*bn3c_branch2a_inv_std*bn3c_branch2a_weight + bn3c_branch2a_bias)
@@ -6625,9 +6796,15 @@ class Resnet50(rp.Model):
         mem.free(96)
 
         # ---- bn3c_branch2a_relu (relu), backward ----
-        # d_bn3c_branch2a = d_bn3c_branch2a_relu*Heaviside(bn3c_branch2a_relu_2, 0)
+        # d_bn3c_branch2a = d_bn3c_branch2a_relu*Heaviside(bn3c_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn3c_branch2a = d_bn3c_branch2a_relu  # in place: over d_bn3c_branch2a_relu
-        rt.ew(ew_step_mul, d_bn3c_branch2a, d_bn3c_branch2a_relu, bn3c_branch2a_relu_2)
+
+        # ---- bn3c_branch2a (batch norm), backward ----
+        # d_bn3c_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered)
+        d_bn3c_branch2a_ew_sum = mem.tensor(497, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3c_branch2a, d_bn3c_branch2a_relu, bn3c_branch2a_relu_2),
+                      (ew_mul, d_bn3c_branch2a_ew_sum, d_bn3c_branch2a, bn3c_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3c_branch2a_relu_2
         del bn3c_branch2a_relu_2
         mem.free(494)
@@ -6638,9 +6815,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2b_W_new, T['res3c_branch2b_W'], lr, V_res3c_branch2b_W_new)
 
         # ---- bn3c_branch2a (batch norm), backward ----
-        # d_bn3c_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3c_branch2a*bn3c_branch2a_centered)
-        d_bn3c_branch2a_ew_sum = mem.tensor(497, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3c_branch2a_ew_sum, d_bn3c_branch2a, bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3c_branch2a_inv_std = bn3c_branch2a_weight*d_bn3c_branch2a_ew_sum   (computed with the next statement)
         d_bn3c_branch2a_inv_std = mem.tensor(498, (1, 128, 1, 1), 'float32')
         # d_bn3c_branch2a_sum_of_squares = -d_bn3c_branch2a_inv_std/(50176*(bn3c_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -6650,14 +6824,18 @@ class Resnet50(rp.Model):
         # free bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         del bn3c_branch2a_sum_of_squares, bn3c_branch2a_batch_var, bn3c_branch2a_batch_var_flat
         mem.free(93)
-        # d_bn3c_branch2a_centered = d_bn3c_branch2a*bn3c_branch2a_inv_std*bn3c_branch2a_weight + 2*d_bn3c_branch2a_sum_of_squares*bn3c_branch2a_centered
+        # d_bn3c_branch2a_centered = d_bn3c_branch2a*bn3c_branch2a_inv_std*bn3c_branch2a_weight + 2*d_bn3c_branch2a_sum_of_squares*bn3c_branch2a_centered   (computed with the next statement)
         d_bn3c_branch2a_centered = bn3c_branch2a_centered  # in place: over bn3c_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn3c_branch2a_centered, d_bn3c_branch2a, bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered)
+        # d_bn3c_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2a_centered)
+        d_bn3c_branch2a_batch_mean = mem.tensor(499, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3c_branch2a_centered, d_bn3c_branch2a, bn3c_branch2a_inv_std, bn3c_branch2a_weight, d_bn3c_branch2a_sum_of_squares, bn3c_branch2a_centered),
+                      (ew_neg, d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
         del d_bn3c_branch2a_inv_std, d_bn3c_branch2a_sum_of_squares
         mem.free(498)
         # d_bn3c_branch2a_bias = sum_to[1x128x1x1](d_bn3c_branch2a)
-        d_bn3c_branch2a_bias = mem.tensor(499, (1, 128, 1, 1), 'float32')
+        d_bn3c_branch2a_bias = mem.tensor(500, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3c_branch2a, out=d_bn3c_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3c_branch2a_relu, d_bn3c_branch2a
         del d_bn3c_branch2a_relu, d_bn3c_branch2a
@@ -6689,10 +6867,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new))
         # free d_bn3c_branch2a_bias, d_bn3c_branch2a_B
         del d_bn3c_branch2a_bias, d_bn3c_branch2a_B
-        mem.free(499)
-        # d_bn3c_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3c_branch2a_centered)
-        d_bn3c_branch2a_batch_mean = mem.tensor(500, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(500)
         # d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean/25088
         d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean  # in place: over d_bn3c_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2a_sum, d_bn3c_branch2a_batch_mean)
@@ -6703,7 +6878,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3c_branch2a, d_bn3c_branch2a_centered, d_bn3c_branch2a_sum)
         # free d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_sum
         del d_bn3c_branch2a_batch_mean, d_bn3c_branch2a_sum
-        mem.free(500)
+        mem.free(499)
         # d_res3c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res3c_branch2a, bn3b_branch2c_relu)
         d_res3c_branch2a_W = mem.tensor(501, (128, 512, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3c_branch2a, bn3b_branch2c_relu, out=d_res3c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32374784))
@@ -6721,9 +6896,15 @@ class Resnet50(rp.Model):
         mem.free(91)
 
         # ---- bn3b_branch2c_relu (relu), backward ----
-        # d_bn3b_branch2c_add = (d_bn3c_branch2c_add + d_bn3b_branch2c_relu)*Heaviside(bn3b_branch2c_relu, 0)
+        # d_bn3b_branch2c_add = (d_bn3c_branch2c_add + d_bn3b_branch2c_relu)*Heaviside(bn3b_branch2c_relu, 0)   (computed with the next statement)
         d_bn3b_branch2c_add = d_bn3c_branch2c_add  # in place: over d_bn3c_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn3b_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_relu, bn3b_branch2c_relu)
+
+        # ---- bn3b_branch2c (batch norm), backward ----
+        # d_bn3b_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered)
+        d_bn3b_branch2c_ew_sum = mem.tensor(503, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn3b_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_relu, bn3b_branch2c_relu),
+                      (ew_mul, d_bn3b_branch2c_ew_sum, d_bn3b_branch2c_add, bn3b_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free bn3a_branch2c_relu, bn3b_branch2c_relu, d_bn3b_branch2c_relu
         del bn3a_branch2c_relu, bn3b_branch2c_relu, d_bn3b_branch2c_relu
         mem.free(76, 502)
@@ -6734,9 +6915,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3c_branch2a_W_new, T['res3c_branch2a_W'], lr, V_res3c_branch2a_W_new)
 
         # ---- bn3b_branch2c (batch norm), backward ----
-        # d_bn3b_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3b_branch2c_add*bn3b_branch2c_centered)
-        d_bn3b_branch2c_ew_sum = mem.tensor(503, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2c_ew_sum, d_bn3b_branch2c_add, bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_inv_std = bn3b_branch2c_weight*d_bn3b_branch2c_ew_sum   (computed with the next statement)
         d_bn3b_branch2c_inv_std = mem.tensor(504, (1, 512, 1, 1), 'float32')
         # d_bn3b_branch2c_sum_of_squares = -d_bn3b_branch2c_inv_std/(50176*(bn3b_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -6746,9 +6924,13 @@ class Resnet50(rp.Model):
         # free bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         del bn3b_branch2c_sum_of_squares, bn3b_branch2c_batch_var, bn3b_branch2c_batch_var_flat
         mem.free(89)
-        # d_bn3b_branch2c_centered = d_bn3b_branch2c_add*bn3b_branch2c_inv_std*bn3b_branch2c_weight + 2*d_bn3b_branch2c_sum_of_squares*bn3b_branch2c_centered
+        # d_bn3b_branch2c_centered = d_bn3b_branch2c_add*bn3b_branch2c_inv_std*bn3b_branch2c_weight + 2*d_bn3b_branch2c_sum_of_squares*bn3b_branch2c_centered   (computed with the next statement)
         d_bn3b_branch2c_centered = bn3b_branch2c_centered  # in place: over bn3b_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn3b_branch2c_centered, d_bn3b_branch2c_add, bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered)
+        # d_bn3b_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3b_branch2c_centered)
+        d_bn3b_branch2c_batch_mean = mem.tensor(505, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3b_branch2c_centered, d_bn3b_branch2c_add, bn3b_branch2c_inv_std, bn3b_branch2c_weight, d_bn3b_branch2c_sum_of_squares, bn3b_branch2c_centered),
+                      (ew_neg, d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
         del d_bn3b_branch2c_inv_std, d_bn3b_branch2c_sum_of_squares
         mem.free(504)
@@ -6769,9 +6951,6 @@ class Resnet50(rp.Model):
         # free bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
         del bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
         mem.free(90)
-        # d_bn3b_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3b_branch2c_centered)
-        d_bn3b_branch2c_batch_mean = mem.tensor(505, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3b_branch2c_batch_mean, d_bn3b_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean/25088
         d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean  # in place: over d_bn3b_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2c_sum, d_bn3b_branch2c_batch_mean)
@@ -6817,9 +6996,15 @@ class Resnet50(rp.Model):
         mem.free(87)
 
         # ---- bn3b_branch2b_relu (relu), backward ----
-        # d_bn3b_branch2b = d_bn3b_branch2b_relu*Heaviside(bn3b_branch2b_relu_2, 0)
+        # d_bn3b_branch2b = d_bn3b_branch2b_relu*Heaviside(bn3b_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn3b_branch2b = d_bn3b_branch2b_relu  # in place: over d_bn3b_branch2b_relu
-        rt.ew(ew_step_mul, d_bn3b_branch2b, d_bn3b_branch2b_relu, bn3b_branch2b_relu_2)
+
+        # ---- bn3b_branch2b (batch norm), backward ----
+        # d_bn3b_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered)
+        d_bn3b_branch2b_ew_sum = mem.tensor(510, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3b_branch2b, d_bn3b_branch2b_relu, bn3b_branch2b_relu_2),
+                      (ew_mul, d_bn3b_branch2b_ew_sum, d_bn3b_branch2b, bn3b_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3b_branch2b_relu_2
         del bn3b_branch2b_relu_2
         mem.free(507)
@@ -6836,9 +7021,6 @@ class Resnet50(rp.Model):
         mem.free(508)
 
         # ---- bn3b_branch2b (batch norm), backward ----
-        # d_bn3b_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2b*bn3b_branch2b_centered)
-        d_bn3b_branch2b_ew_sum = mem.tensor(510, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2b_ew_sum, d_bn3b_branch2b, bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2b_inv_std = bn3b_branch2b_weight*d_bn3b_branch2b_ew_sum   (computed with the next statement)
         d_bn3b_branch2b_inv_std = mem.tensor(511, (1, 128, 1, 1), 'float32')
         # d_bn3b_branch2b_sum_of_squares = -d_bn3b_branch2b_inv_std/(50176*(bn3b_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -6848,14 +7030,18 @@ class Resnet50(rp.Model):
         # free bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         del bn3b_branch2b_sum_of_squares, bn3b_branch2b_batch_var, bn3b_branch2b_batch_var_flat
         mem.free(84)
-        # d_bn3b_branch2b_centered = d_bn3b_branch2b*bn3b_branch2b_inv_std*bn3b_branch2b_weight + 2*d_bn3b_branch2b_sum_of_squares*bn3b_branch2b_centered
+        # d_bn3b_branch2b_centered = d_bn3b_branch2b*bn3b_branch2b_inv_std*bn3b_branch2b_weight + 2*d_bn3b_branch2b_sum_of_squares*bn3b_branch2b_centered   (computed with the next statement)
         d_bn3b_branch2b_centered = bn3b_branch2b_centered  # in place: over bn3b_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn3b_branch2b_centered, d_bn3b_branch2b, bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered)
+        # d_bn3b_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2b_centered)
+        d_bn3b_branch2b_batch_mean = mem.tensor(512, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3b_branch2b_centered, d_bn3b_branch2b, bn3b_branch2b_inv_std, bn3b_branch2b_weight, d_bn3b_branch2b_sum_of_squares, bn3b_branch2b_centered),
+                      (ew_neg, d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
         del d_bn3b_branch2b_inv_std, d_bn3b_branch2b_sum_of_squares
         mem.free(511)
         # d_bn3b_branch2b_bias = sum_to[1x128x1x1](d_bn3b_branch2b)
-        d_bn3b_branch2b_bias = mem.tensor(512, (1, 128, 1, 1), 'float32')
+        d_bn3b_branch2b_bias = mem.tensor(513, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3b_branch2b, out=d_bn3b_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3b_branch2b_relu, d_bn3b_branch2b
         del d_bn3b_branch2b_relu, d_bn3b_branch2b
@@ -6887,10 +7073,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new))
         # free d_bn3b_branch2b_bias, d_bn3b_branch2b_B
         del d_bn3b_branch2b_bias, d_bn3b_branch2b_B
-        mem.free(512)
-        # d_bn3b_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2b_centered)
-        d_bn3b_branch2b_batch_mean = mem.tensor(513, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(513)
         # d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean/25088
         d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean  # in place: over d_bn3b_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2b_sum, d_bn3b_branch2b_batch_mean)
@@ -6901,7 +7084,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3b_branch2b, d_bn3b_branch2b_centered, d_bn3b_branch2b_sum)
         # free d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_sum
         del d_bn3b_branch2b_batch_mean, d_bn3b_branch2b_sum
-        mem.free(513)
+        mem.free(512)
 
         # ---- bn3b_branch2a_relu (relu), forward ----
         # bn3b_branch2a_relu_2 = Max(0, bn3b_branch2a_centered*bn3b_branch2a_inv_std*bn3b_branch2a_weight + bn3b_branch2a_bias)
@@ -6926,9 +7109,15 @@ class Resnet50(rp.Model):
         mem.free(82)
 
         # ---- bn3b_branch2a_relu (relu), backward ----
-        # d_bn3b_branch2a = d_bn3b_branch2a_relu*Heaviside(bn3b_branch2a_relu_2, 0)
+        # d_bn3b_branch2a = d_bn3b_branch2a_relu*Heaviside(bn3b_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn3b_branch2a = d_bn3b_branch2a_relu  # in place: over d_bn3b_branch2a_relu
-        rt.ew(ew_step_mul, d_bn3b_branch2a, d_bn3b_branch2a_relu, bn3b_branch2a_relu_2)
+
+        # ---- bn3b_branch2a (batch norm), backward ----
+        # d_bn3b_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered)
+        d_bn3b_branch2a_ew_sum = mem.tensor(517, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3b_branch2a, d_bn3b_branch2a_relu, bn3b_branch2a_relu_2),
+                      (ew_mul, d_bn3b_branch2a_ew_sum, d_bn3b_branch2a, bn3b_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3b_branch2a_relu_2
         del bn3b_branch2a_relu_2
         mem.free(514)
@@ -6939,9 +7128,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2b_W_new, T['res3b_branch2b_W'], lr, V_res3b_branch2b_W_new)
 
         # ---- bn3b_branch2a (batch norm), backward ----
-        # d_bn3b_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3b_branch2a*bn3b_branch2a_centered)
-        d_bn3b_branch2a_ew_sum = mem.tensor(517, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3b_branch2a_ew_sum, d_bn3b_branch2a, bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3b_branch2a_inv_std = bn3b_branch2a_weight*d_bn3b_branch2a_ew_sum   (computed with the next statement)
         d_bn3b_branch2a_inv_std = mem.tensor(518, (1, 128, 1, 1), 'float32')
         # d_bn3b_branch2a_sum_of_squares = -d_bn3b_branch2a_inv_std/(50176*(bn3b_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -6951,14 +7137,18 @@ class Resnet50(rp.Model):
         # free bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         del bn3b_branch2a_sum_of_squares, bn3b_branch2a_batch_var, bn3b_branch2a_batch_var_flat
         mem.free(79)
-        # d_bn3b_branch2a_centered = d_bn3b_branch2a*bn3b_branch2a_inv_std*bn3b_branch2a_weight + 2*d_bn3b_branch2a_sum_of_squares*bn3b_branch2a_centered
+        # d_bn3b_branch2a_centered = d_bn3b_branch2a*bn3b_branch2a_inv_std*bn3b_branch2a_weight + 2*d_bn3b_branch2a_sum_of_squares*bn3b_branch2a_centered   (computed with the next statement)
         d_bn3b_branch2a_centered = bn3b_branch2a_centered  # in place: over bn3b_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn3b_branch2a_centered, d_bn3b_branch2a, bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered)
+        # d_bn3b_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2a_centered)
+        d_bn3b_branch2a_batch_mean = mem.tensor(519, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3b_branch2a_centered, d_bn3b_branch2a, bn3b_branch2a_inv_std, bn3b_branch2a_weight, d_bn3b_branch2a_sum_of_squares, bn3b_branch2a_centered),
+                      (ew_neg, d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
         del d_bn3b_branch2a_inv_std, d_bn3b_branch2a_sum_of_squares
         mem.free(518)
         # d_bn3b_branch2a_bias = sum_to[1x128x1x1](d_bn3b_branch2a)
-        d_bn3b_branch2a_bias = mem.tensor(519, (1, 128, 1, 1), 'float32')
+        d_bn3b_branch2a_bias = mem.tensor(520, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3b_branch2a, out=d_bn3b_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3b_branch2a_relu, d_bn3b_branch2a
         del d_bn3b_branch2a_relu, d_bn3b_branch2a
@@ -6990,10 +7180,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new))
         # free d_bn3b_branch2a_bias, d_bn3b_branch2a_B
         del d_bn3b_branch2a_bias, d_bn3b_branch2a_B
-        mem.free(519)
-        # d_bn3b_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3b_branch2a_centered)
-        d_bn3b_branch2a_batch_mean = mem.tensor(520, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(520)
         # d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean/25088
         d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean  # in place: over d_bn3b_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2a_sum, d_bn3b_branch2a_batch_mean)
@@ -7004,7 +7191,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3b_branch2a, d_bn3b_branch2a_centered, d_bn3b_branch2a_sum)
         # free d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_sum
         del d_bn3b_branch2a_batch_mean, d_bn3b_branch2a_sum
-        mem.free(520)
+        mem.free(519)
 
         # ---- bn3a_branch2c_relu (relu), forward ----
         # bn3a_branch2c_relu_2 = Max(0, bn3a_branch2c_centered*bn3a_branch2c_inv_std*bn3a_branch2c_weight + bn3a_branch2c_bias + bn3a_branch1_centered*bn3a_branch1_inv_std*bn3a_branch1_weight + bn3a_branch1_bias)
@@ -7029,9 +7216,15 @@ class Resnet50(rp.Model):
         mem.free(77)
 
         # ---- bn3a_branch2c_relu (relu), backward ----
-        # d_bn3a_branch2c_add = (d_bn3b_branch2c_add + d_bn3a_branch2c_relu)*Heaviside(bn3a_branch2c_relu_2, 0)
+        # d_bn3a_branch2c_add = (d_bn3b_branch2c_add + d_bn3a_branch2c_relu)*Heaviside(bn3a_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn3a_branch2c_add = d_bn3b_branch2c_add  # in place: over d_bn3b_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn3a_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_relu, bn3a_branch2c_relu_2)
+
+        # ---- bn3a_branch2c (batch norm), backward ----
+        # d_bn3a_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered)
+        d_bn3a_branch2c_ew_sum = mem.tensor(524, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn3a_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_relu, bn3a_branch2c_relu_2),
+                      (ew_mul, d_bn3a_branch2c_ew_sum, d_bn3a_branch2c_add, bn3a_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free bn3a_branch2c_relu_2, d_bn3a_branch2c_relu
         del bn3a_branch2c_relu_2, d_bn3a_branch2c_relu
         mem.free(521, 523)
@@ -7042,9 +7235,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3b_branch2a_W_new, T['res3b_branch2a_W'], lr, V_res3b_branch2a_W_new)
 
         # ---- bn3a_branch2c (batch norm), backward ----
-        # d_bn3a_branch2c_ew_sum = sum_to[1x512x1x1](d_bn3a_branch2c_add*bn3a_branch2c_centered)
-        d_bn3a_branch2c_ew_sum = mem.tensor(524, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2c_ew_sum, d_bn3a_branch2c_add, bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch2c_inv_std = bn3a_branch2c_weight*d_bn3a_branch2c_ew_sum   (computed with the next statement)
         d_bn3a_branch2c_inv_std = mem.tensor(525, (1, 512, 1, 1), 'float32')
         # d_bn3a_branch2c_sum_of_squares = -d_bn3a_branch2c_inv_std/(50176*(bn3a_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -7054,9 +7244,13 @@ class Resnet50(rp.Model):
         # free bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         del bn3a_branch2c_sum_of_squares, bn3a_branch2c_batch_var, bn3a_branch2c_batch_var_flat
         mem.free(74)
-        # d_bn3a_branch2c_centered = d_bn3a_branch2c_add*bn3a_branch2c_inv_std*bn3a_branch2c_weight + 2*d_bn3a_branch2c_sum_of_squares*bn3a_branch2c_centered
+        # d_bn3a_branch2c_centered = d_bn3a_branch2c_add*bn3a_branch2c_inv_std*bn3a_branch2c_weight + 2*d_bn3a_branch2c_sum_of_squares*bn3a_branch2c_centered   (computed with the next statement)
         d_bn3a_branch2c_centered = bn3a_branch2c_centered  # in place: over bn3a_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn3a_branch2c_centered, d_bn3a_branch2c_add, bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered)
+        # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch2c_centered)
+        d_bn3a_branch2c_batch_mean = mem.tensor(526, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3a_branch2c_centered, d_bn3a_branch2c_add, bn3a_branch2c_inv_std, bn3a_branch2c_weight, d_bn3a_branch2c_sum_of_squares, bn3a_branch2c_centered),
+                      (ew_neg, d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
         del d_bn3a_branch2c_inv_std, d_bn3a_branch2c_sum_of_squares
         mem.free(525)
@@ -7077,9 +7271,6 @@ class Resnet50(rp.Model):
         # free bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
         del bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
         mem.free(75)
-        # d_bn3a_branch2c_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch2c_centered)
-        d_bn3a_branch2c_batch_mean = mem.tensor(526, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3a_branch2c_batch_mean, d_bn3a_branch2c_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean/25088
         d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean  # in place: over d_bn3a_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2c_sum, d_bn3a_branch2c_batch_mean)
@@ -7105,14 +7296,18 @@ class Resnet50(rp.Model):
         # free bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
         del bn3a_branch1_sum_of_squares, bn3a_branch1_batch_var, bn3a_branch1_batch_var_flat
         mem.free(70)
-        # d_bn3a_branch1_centered = d_bn3a_branch2c_add*bn3a_branch1_inv_std*bn3a_branch1_weight + 2*d_bn3a_branch1_sum_of_squares*bn3a_branch1_centered
+        # d_bn3a_branch1_centered = d_bn3a_branch2c_add*bn3a_branch1_inv_std*bn3a_branch1_weight + 2*d_bn3a_branch1_sum_of_squares*bn3a_branch1_centered   (computed with the next statement)
         d_bn3a_branch1_centered = bn3a_branch1_centered  # in place: over bn3a_branch1_centered
-        rt.ew(ew_mul_add_2, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered)
+        # d_bn3a_branch1_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch1_centered)
+        d_bn3a_branch1_batch_mean = mem.tensor(529, (1, 512, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3a_branch1_centered, d_bn3a_branch2c_add, bn3a_branch1_inv_std, bn3a_branch1_weight, d_bn3a_branch1_sum_of_squares, bn3a_branch1_centered),
+                      (ew_neg, d_bn3a_branch1_batch_mean, d_bn3a_branch1_centered),
+                      shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # free d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
         del d_bn3a_branch1_inv_std, d_bn3a_branch1_sum_of_squares
         mem.free(528)
         # d_bn3a_branch1_bias = sum_to[1x512x1x1](d_bn3a_branch2c_add)
-        d_bn3a_branch1_bias = mem.tensor(529, (1, 512, 1, 1), 'float32')
+        d_bn3a_branch1_bias = mem.tensor(530, (1, 512, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2c_add, out=d_bn3a_branch1_bias, shape=(1, 512, 1, 1))
         # free d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add
         del d_bn3d_branch2c_relu, d_bn3d_branch2c_add, d_bn3c_branch2c_add, d_bn3b_branch2c_add, d_bn3a_branch2c_add
@@ -7137,7 +7332,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn3a_branch1_B_new, T['V_bn3a_branch1_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch1_B'])
         # free d_bn3a_branch1_bias, d_bn3a_branch1_B
         del d_bn3a_branch1_bias, d_bn3a_branch1_B
-        mem.free(529)
+        mem.free(530)
 
         # ---- bn3a_branch2c (batch norm), backward ----
         # bn3a_branch2c_B_new = bn3a_branch2c_B - lr*V_bn3a_branch2c_B_new
@@ -7159,9 +7354,6 @@ class Resnet50(rp.Model):
         # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
         bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
         rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
-        # d_bn3a_branch1_batch_mean = sum_to[1x512x1x1](-d_bn3a_branch1_centered)
-        d_bn3a_branch1_batch_mean = mem.tensor(530, (1, 512, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3a_branch1_batch_mean, d_bn3a_branch1_centered, shape=(1, 512, 1, 1), workspace=mem.workspace(8030208))
         # d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean/25088
         d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean  # in place: over d_bn3a_branch1_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch1_sum, d_bn3a_branch1_batch_mean)
@@ -7172,7 +7364,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3a_branch1, d_bn3a_branch1_centered, d_bn3a_branch1_sum)
         # free d_bn3a_branch1_batch_mean, d_bn3a_branch1_sum
         del d_bn3a_branch1_batch_mean, d_bn3a_branch1_sum
-        mem.free(530)
+        mem.free(529)
 
         # ---- bn3a_branch2b_relu (relu), forward ----
         # bn3a_branch2b_relu_2 = Max(0, bn3a_branch2b_centered*bn3a_branch2b_inv_std*bn3a_branch2b_weight + bn3a_branch2b_bias)
@@ -7191,9 +7383,15 @@ class Resnet50(rp.Model):
         mem.free(72)
 
         # ---- bn3a_branch2b_relu (relu), backward ----
-        # d_bn3a_branch2b = d_bn3a_branch2b_relu*Heaviside(bn3a_branch2b_relu_2, 0)
+        # d_bn3a_branch2b = d_bn3a_branch2b_relu*Heaviside(bn3a_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn3a_branch2b = d_bn3a_branch2b_relu  # in place: over d_bn3a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn3a_branch2b, d_bn3a_branch2b_relu, bn3a_branch2b_relu_2)
+
+        # ---- bn3a_branch2b (batch norm), backward ----
+        # d_bn3a_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered)
+        d_bn3a_branch2b_ew_sum = mem.tensor(534, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3a_branch2b, d_bn3a_branch2b_relu, bn3a_branch2b_relu_2),
+                      (ew_mul, d_bn3a_branch2b_ew_sum, d_bn3a_branch2b, bn3a_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3a_branch2b_relu_2
         del bn3a_branch2b_relu_2
         mem.free(531)
@@ -7210,9 +7408,6 @@ class Resnet50(rp.Model):
         mem.free(532)
 
         # ---- bn3a_branch2b (batch norm), backward ----
-        # d_bn3a_branch2b_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2b*bn3a_branch2b_centered)
-        d_bn3a_branch2b_ew_sum = mem.tensor(534, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2b_ew_sum, d_bn3a_branch2b, bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3a_branch2b_inv_std = bn3a_branch2b_weight*d_bn3a_branch2b_ew_sum   (computed with the next statement)
         d_bn3a_branch2b_inv_std = mem.tensor(535, (1, 128, 1, 1), 'float32')
         # d_bn3a_branch2b_sum_of_squares = -d_bn3a_branch2b_inv_std/(50176*(bn3a_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -7222,14 +7417,18 @@ class Resnet50(rp.Model):
         # free bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         del bn3a_branch2b_sum_of_squares, bn3a_branch2b_batch_var, bn3a_branch2b_batch_var_flat
         mem.free(65)
-        # d_bn3a_branch2b_centered = d_bn3a_branch2b*bn3a_branch2b_inv_std*bn3a_branch2b_weight + 2*d_bn3a_branch2b_sum_of_squares*bn3a_branch2b_centered
+        # d_bn3a_branch2b_centered = d_bn3a_branch2b*bn3a_branch2b_inv_std*bn3a_branch2b_weight + 2*d_bn3a_branch2b_sum_of_squares*bn3a_branch2b_centered   (computed with the next statement)
         d_bn3a_branch2b_centered = bn3a_branch2b_centered  # in place: over bn3a_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn3a_branch2b_centered, d_bn3a_branch2b, bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered)
+        # d_bn3a_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2b_centered)
+        d_bn3a_branch2b_batch_mean = mem.tensor(536, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3a_branch2b_centered, d_bn3a_branch2b, bn3a_branch2b_inv_std, bn3a_branch2b_weight, d_bn3a_branch2b_sum_of_squares, bn3a_branch2b_centered),
+                      (ew_neg, d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
         del d_bn3a_branch2b_inv_std, d_bn3a_branch2b_sum_of_squares
         mem.free(535)
         # d_bn3a_branch2b_bias = sum_to[1x128x1x1](d_bn3a_branch2b)
-        d_bn3a_branch2b_bias = mem.tensor(536, (1, 128, 1, 1), 'float32')
+        d_bn3a_branch2b_bias = mem.tensor(537, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2b, out=d_bn3a_branch2b_bias, shape=(1, 128, 1, 1))
         # free d_bn3a_branch2b_relu, d_bn3a_branch2b
         del d_bn3a_branch2b_relu, d_bn3a_branch2b
@@ -7261,10 +7460,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new))
         # free d_bn3a_branch2b_bias, d_bn3a_branch2b_B
         del d_bn3a_branch2b_bias, d_bn3a_branch2b_B
-        mem.free(536)
-        # d_bn3a_branch2b_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2b_centered)
-        d_bn3a_branch2b_batch_mean = mem.tensor(537, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(537)
         # d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean/25088
         d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean  # in place: over d_bn3a_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2b_sum, d_bn3a_branch2b_batch_mean)
@@ -7275,7 +7471,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3a_branch2b, d_bn3a_branch2b_centered, d_bn3a_branch2b_sum)
         # free d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
         del d_bn3a_branch2b_batch_mean, d_bn3a_branch2b_sum
-        mem.free(537)
+        mem.free(536)
 
         # ---- bn2c_branch2c_relu (relu), forward ----
         # bn2c_branch2c_relu_2 = Max(0, bn2c_branch2c_centered*bn2c_branch2c_inv_std*bn2c_branch2c_weight + bn2c_branch2c_bias + bn2b_branch2c_relu)
@@ -7316,9 +7512,15 @@ class Resnet50(rp.Model):
         mem.free(63)
 
         # ---- bn3a_branch2a_relu (relu), backward ----
-        # d_bn3a_branch2a = d_bn3a_branch2a_relu*Heaviside(bn3a_branch2a_relu_2, 0)
+        # d_bn3a_branch2a = d_bn3a_branch2a_relu*Heaviside(bn3a_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn3a_branch2a = d_bn3a_branch2a_relu  # in place: over d_bn3a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn3a_branch2a, d_bn3a_branch2a_relu, bn3a_branch2a_relu_2)
+
+        # ---- bn3a_branch2a (batch norm), backward ----
+        # d_bn3a_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered)
+        d_bn3a_branch2a_ew_sum = mem.tensor(543, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn3a_branch2a, d_bn3a_branch2a_relu, bn3a_branch2a_relu_2),
+                      (ew_mul, d_bn3a_branch2a_ew_sum, d_bn3a_branch2a, bn3a_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free bn3a_branch2a_relu_2
         del bn3a_branch2a_relu_2
         mem.free(540)
@@ -7329,9 +7531,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2b_W_new, T['res3a_branch2b_W'], lr, V_res3a_branch2b_W_new)
 
         # ---- bn3a_branch2a (batch norm), backward ----
-        # d_bn3a_branch2a_ew_sum = sum_to[1x128x1x1](d_bn3a_branch2a*bn3a_branch2a_centered)
-        d_bn3a_branch2a_ew_sum = mem.tensor(543, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn3a_branch2a_ew_sum, d_bn3a_branch2a, bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # d_bn3a_branch2a_inv_std = bn3a_branch2a_weight*d_bn3a_branch2a_ew_sum   (computed with the next statement)
         d_bn3a_branch2a_inv_std = mem.tensor(544, (1, 128, 1, 1), 'float32')
         # d_bn3a_branch2a_sum_of_squares = -d_bn3a_branch2a_inv_std/(50176*(bn3a_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -7341,14 +7540,18 @@ class Resnet50(rp.Model):
         # free bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         del bn3a_branch2a_sum_of_squares, bn3a_branch2a_batch_var, bn3a_branch2a_batch_var_flat
         mem.free(60)
-        # d_bn3a_branch2a_centered = d_bn3a_branch2a*bn3a_branch2a_inv_std*bn3a_branch2a_weight + 2*d_bn3a_branch2a_sum_of_squares*bn3a_branch2a_centered
+        # d_bn3a_branch2a_centered = d_bn3a_branch2a*bn3a_branch2a_inv_std*bn3a_branch2a_weight + 2*d_bn3a_branch2a_sum_of_squares*bn3a_branch2a_centered   (computed with the next statement)
         d_bn3a_branch2a_centered = bn3a_branch2a_centered  # in place: over bn3a_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn3a_branch2a_centered, d_bn3a_branch2a, bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered)
+        # d_bn3a_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2a_centered)
+        d_bn3a_branch2a_batch_mean = mem.tensor(545, (1, 128, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn3a_branch2a_centered, d_bn3a_branch2a, bn3a_branch2a_inv_std, bn3a_branch2a_weight, d_bn3a_branch2a_sum_of_squares, bn3a_branch2a_centered),
+                      (ew_neg, d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_centered),
+                      shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
         # free d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
         del d_bn3a_branch2a_inv_std, d_bn3a_branch2a_sum_of_squares
         mem.free(544)
         # d_bn3a_branch2a_bias = sum_to[1x128x1x1](d_bn3a_branch2a)
-        d_bn3a_branch2a_bias = mem.tensor(545, (1, 128, 1, 1), 'float32')
+        d_bn3a_branch2a_bias = mem.tensor(546, (1, 128, 1, 1), 'float32')
         rt.sum_to(d_bn3a_branch2a, out=d_bn3a_branch2a_bias, shape=(1, 128, 1, 1))
         # free d_bn3a_branch2a_relu, d_bn3a_branch2a
         del d_bn3a_branch2a_relu, d_bn3a_branch2a
@@ -7380,10 +7583,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new))
         # free d_bn3a_branch2a_bias, d_bn3a_branch2a_B
         del d_bn3a_branch2a_bias, d_bn3a_branch2a_B
-        mem.free(545)
-        # d_bn3a_branch2a_batch_mean = sum_to[1x128x1x1](-d_bn3a_branch2a_centered)
-        d_bn3a_branch2a_batch_mean = mem.tensor(546, (1, 128, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_centered, shape=(1, 128, 1, 1), workspace=mem.workspace(6423040))
+        mem.free(546)
         # d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean/25088
         d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean  # in place: over d_bn3a_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2a_sum, d_bn3a_branch2a_batch_mean)
@@ -7394,7 +7594,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res3a_branch2a, d_bn3a_branch2a_centered, d_bn3a_branch2a_sum)
         # free d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
         del d_bn3a_branch2a_batch_mean, d_bn3a_branch2a_sum
-        mem.free(546)
+        mem.free(545)
         # d_res3a_branch2a_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3a_branch2a, bn2c_branch2c_relu_2)
         d_res3a_branch2a_W = mem.tensor(547, (128, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3a_branch2a, bn2c_branch2c_relu_2, out=d_res3a_branch2a_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(19398656))
@@ -7425,9 +7625,15 @@ class Resnet50(rp.Model):
         mem.free(58)
 
         # ---- bn2c_branch2c_relu (relu), backward ----
-        # d_bn2c_branch2c_add = (d_bn2c_branch2c_relu + d_bn2c_branch2c_relu_2)*Heaviside(bn2c_branch2c_relu_2, 0)
+        # d_bn2c_branch2c_add = (d_bn2c_branch2c_relu + d_bn2c_branch2c_relu_2)*Heaviside(bn2c_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn2c_branch2c_add = d_bn2c_branch2c_relu  # in place: over d_bn2c_branch2c_relu
-        rt.ew(ew_add_step_mul, d_bn2c_branch2c_add, d_bn2c_branch2c_relu, d_bn2c_branch2c_relu_2, bn2c_branch2c_relu_2)
+
+        # ---- bn2c_branch2c (batch norm), backward ----
+        # d_bn2c_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered)
+        d_bn2c_branch2c_ew_sum = mem.tensor(550, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn2c_branch2c_add, d_bn2c_branch2c_relu, d_bn2c_branch2c_relu_2, bn2c_branch2c_relu_2),
+                      (ew_mul, d_bn2c_branch2c_ew_sum, d_bn2c_branch2c_add, bn2c_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free bn2c_branch2c_relu_2, d_bn2c_branch2c_relu_2
         del bn2c_branch2c_relu_2, d_bn2c_branch2c_relu_2
         mem.free(538, 549)
@@ -7438,9 +7644,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res3a_branch2a_W_new, T['res3a_branch2a_W'], lr, V_res3a_branch2a_W_new)
 
         # ---- bn2c_branch2c (batch norm), backward ----
-        # d_bn2c_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2c_branch2c_add*bn2c_branch2c_centered)
-        d_bn2c_branch2c_ew_sum = mem.tensor(550, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2c_ew_sum, d_bn2c_branch2c_add, bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_inv_std = bn2c_branch2c_weight*d_bn2c_branch2c_ew_sum   (computed with the next statement)
         d_bn2c_branch2c_inv_std = mem.tensor(551, (1, 256, 1, 1), 'float32')
         # d_bn2c_branch2c_sum_of_squares = -d_bn2c_branch2c_inv_std/(200704*(bn2c_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -7450,9 +7653,13 @@ class Resnet50(rp.Model):
         # free bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         del bn2c_branch2c_sum_of_squares, bn2c_branch2c_batch_var, bn2c_branch2c_batch_var_flat
         mem.free(55)
-        # d_bn2c_branch2c_centered = d_bn2c_branch2c_add*bn2c_branch2c_inv_std*bn2c_branch2c_weight + 2*d_bn2c_branch2c_sum_of_squares*bn2c_branch2c_centered
+        # d_bn2c_branch2c_centered = d_bn2c_branch2c_add*bn2c_branch2c_inv_std*bn2c_branch2c_weight + 2*d_bn2c_branch2c_sum_of_squares*bn2c_branch2c_centered   (computed with the next statement)
         d_bn2c_branch2c_centered = bn2c_branch2c_centered  # in place: over bn2c_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn2c_branch2c_centered, d_bn2c_branch2c_add, bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered)
+        # d_bn2c_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2c_branch2c_centered)
+        d_bn2c_branch2c_batch_mean = mem.tensor(552, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2c_branch2c_centered, d_bn2c_branch2c_add, bn2c_branch2c_inv_std, bn2c_branch2c_weight, d_bn2c_branch2c_sum_of_squares, bn2c_branch2c_centered),
+                      (ew_neg, d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
         del d_bn2c_branch2c_inv_std, d_bn2c_branch2c_sum_of_squares
         mem.free(551)
@@ -7473,9 +7680,6 @@ class Resnet50(rp.Model):
         # free bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
         del bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
         mem.free(56)
-        # d_bn2c_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2c_branch2c_centered)
-        d_bn2c_branch2c_batch_mean = mem.tensor(552, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2c_branch2c_batch_mean, d_bn2c_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean/100352
         d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean  # in place: over d_bn2c_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2c_sum, d_bn2c_branch2c_batch_mean)
@@ -7521,9 +7725,15 @@ class Resnet50(rp.Model):
         mem.free(53)
 
         # ---- bn2c_branch2b_relu (relu), backward ----
-        # d_bn2c_branch2b = d_bn2c_branch2b_relu*Heaviside(bn2c_branch2b_relu_2, 0)
+        # d_bn2c_branch2b = d_bn2c_branch2b_relu*Heaviside(bn2c_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn2c_branch2b = d_bn2c_branch2b_relu  # in place: over d_bn2c_branch2b_relu
-        rt.ew(ew_step_mul, d_bn2c_branch2b, d_bn2c_branch2b_relu, bn2c_branch2b_relu_2)
+
+        # ---- bn2c_branch2b (batch norm), backward ----
+        # d_bn2c_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered)
+        d_bn2c_branch2b_ew_sum = mem.tensor(557, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2c_branch2b, d_bn2c_branch2b_relu, bn2c_branch2b_relu_2),
+                      (ew_mul, d_bn2c_branch2b_ew_sum, d_bn2c_branch2b, bn2c_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2c_branch2b_relu_2
         del bn2c_branch2b_relu_2
         mem.free(554)
@@ -7540,9 +7750,6 @@ class Resnet50(rp.Model):
         mem.free(555)
 
         # ---- bn2c_branch2b (batch norm), backward ----
-        # d_bn2c_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2b*bn2c_branch2b_centered)
-        d_bn2c_branch2b_ew_sum = mem.tensor(557, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2b_ew_sum, d_bn2c_branch2b, bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2b_inv_std = bn2c_branch2b_weight*d_bn2c_branch2b_ew_sum   (computed with the next statement)
         d_bn2c_branch2b_inv_std = mem.tensor(558, (1, 64, 1, 1), 'float32')
         # d_bn2c_branch2b_sum_of_squares = -d_bn2c_branch2b_inv_std/(200704*(bn2c_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -7552,14 +7759,18 @@ class Resnet50(rp.Model):
         # free bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         del bn2c_branch2b_sum_of_squares, bn2c_branch2b_batch_var, bn2c_branch2b_batch_var_flat
         mem.free(50)
-        # d_bn2c_branch2b_centered = d_bn2c_branch2b*bn2c_branch2b_inv_std*bn2c_branch2b_weight + 2*d_bn2c_branch2b_sum_of_squares*bn2c_branch2b_centered
+        # d_bn2c_branch2b_centered = d_bn2c_branch2b*bn2c_branch2b_inv_std*bn2c_branch2b_weight + 2*d_bn2c_branch2b_sum_of_squares*bn2c_branch2b_centered   (computed with the next statement)
         d_bn2c_branch2b_centered = bn2c_branch2b_centered  # in place: over bn2c_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn2c_branch2b_centered, d_bn2c_branch2b, bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered)
+        # d_bn2c_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2b_centered)
+        d_bn2c_branch2b_batch_mean = mem.tensor(559, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2c_branch2b_centered, d_bn2c_branch2b, bn2c_branch2b_inv_std, bn2c_branch2b_weight, d_bn2c_branch2b_sum_of_squares, bn2c_branch2b_centered),
+                      (ew_neg, d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
         del d_bn2c_branch2b_inv_std, d_bn2c_branch2b_sum_of_squares
         mem.free(558)
         # d_bn2c_branch2b_bias = sum_to[1x64x1x1](d_bn2c_branch2b)
-        d_bn2c_branch2b_bias = mem.tensor(559, (1, 64, 1, 1), 'float32')
+        d_bn2c_branch2b_bias = mem.tensor(560, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2c_branch2b, out=d_bn2c_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2c_branch2b_relu, d_bn2c_branch2b
         del d_bn2c_branch2b_relu, d_bn2c_branch2b
@@ -7591,10 +7802,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new))
         # free d_bn2c_branch2b_bias, d_bn2c_branch2b_B
         del d_bn2c_branch2b_bias, d_bn2c_branch2b_B
-        mem.free(559)
-        # d_bn2c_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2b_centered)
-        d_bn2c_branch2b_batch_mean = mem.tensor(560, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(560)
         # d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean/100352
         d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean  # in place: over d_bn2c_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2b_sum, d_bn2c_branch2b_batch_mean)
@@ -7605,7 +7813,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2c_branch2b, d_bn2c_branch2b_centered, d_bn2c_branch2b_sum)
         # free d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_sum
         del d_bn2c_branch2b_batch_mean, d_bn2c_branch2b_sum
-        mem.free(560)
+        mem.free(559)
 
         # ---- bn2c_branch2a_relu (relu), forward ----
         # bn2c_branch2a_relu_2 = Max(0, bn2c_branch2a_centered*bn2c_branch2a_inv_std*bn2c_branch2a_weight + bn2c_branch2a_bias)
@@ -7630,9 +7838,15 @@ class Resnet50(rp.Model):
         mem.free(48)
 
         # ---- bn2c_branch2a_relu (relu), backward ----
-        # d_bn2c_branch2a = d_bn2c_branch2a_relu*Heaviside(bn2c_branch2a_relu_2, 0)
+        # d_bn2c_branch2a = d_bn2c_branch2a_relu*Heaviside(bn2c_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn2c_branch2a = d_bn2c_branch2a_relu  # in place: over d_bn2c_branch2a_relu
-        rt.ew(ew_step_mul, d_bn2c_branch2a, d_bn2c_branch2a_relu, bn2c_branch2a_relu_2)
+
+        # ---- bn2c_branch2a (batch norm), backward ----
+        # d_bn2c_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered)
+        d_bn2c_branch2a_ew_sum = mem.tensor(564, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2c_branch2a, d_bn2c_branch2a_relu, bn2c_branch2a_relu_2),
+                      (ew_mul, d_bn2c_branch2a_ew_sum, d_bn2c_branch2a, bn2c_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2c_branch2a_relu_2
         del bn2c_branch2a_relu_2
         mem.free(561)
@@ -7643,9 +7857,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2b_W_new, T['res2c_branch2b_W'], lr, V_res2c_branch2b_W_new)
 
         # ---- bn2c_branch2a (batch norm), backward ----
-        # d_bn2c_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2c_branch2a*bn2c_branch2a_centered)
-        d_bn2c_branch2a_ew_sum = mem.tensor(564, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2c_branch2a_ew_sum, d_bn2c_branch2a, bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2c_branch2a_inv_std = bn2c_branch2a_weight*d_bn2c_branch2a_ew_sum   (computed with the next statement)
         d_bn2c_branch2a_inv_std = mem.tensor(565, (1, 64, 1, 1), 'float32')
         # d_bn2c_branch2a_sum_of_squares = -d_bn2c_branch2a_inv_std/(200704*(bn2c_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -7655,14 +7866,18 @@ class Resnet50(rp.Model):
         # free bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         del bn2c_branch2a_sum_of_squares, bn2c_branch2a_batch_var, bn2c_branch2a_batch_var_flat
         mem.free(45)
-        # d_bn2c_branch2a_centered = d_bn2c_branch2a*bn2c_branch2a_inv_std*bn2c_branch2a_weight + 2*d_bn2c_branch2a_sum_of_squares*bn2c_branch2a_centered
+        # d_bn2c_branch2a_centered = d_bn2c_branch2a*bn2c_branch2a_inv_std*bn2c_branch2a_weight + 2*d_bn2c_branch2a_sum_of_squares*bn2c_branch2a_centered   (computed with the next statement)
         d_bn2c_branch2a_centered = bn2c_branch2a_centered  # in place: over bn2c_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn2c_branch2a_centered, d_bn2c_branch2a, bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered)
+        # d_bn2c_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2a_centered)
+        d_bn2c_branch2a_batch_mean = mem.tensor(566, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2c_branch2a_centered, d_bn2c_branch2a, bn2c_branch2a_inv_std, bn2c_branch2a_weight, d_bn2c_branch2a_sum_of_squares, bn2c_branch2a_centered),
+                      (ew_neg, d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
         del d_bn2c_branch2a_inv_std, d_bn2c_branch2a_sum_of_squares
         mem.free(565)
         # d_bn2c_branch2a_bias = sum_to[1x64x1x1](d_bn2c_branch2a)
-        d_bn2c_branch2a_bias = mem.tensor(566, (1, 64, 1, 1), 'float32')
+        d_bn2c_branch2a_bias = mem.tensor(567, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2c_branch2a, out=d_bn2c_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2c_branch2a_relu, d_bn2c_branch2a
         del d_bn2c_branch2a_relu, d_bn2c_branch2a
@@ -7694,10 +7909,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new))
         # free d_bn2c_branch2a_bias, d_bn2c_branch2a_B
         del d_bn2c_branch2a_bias, d_bn2c_branch2a_B
-        mem.free(566)
-        # d_bn2c_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2c_branch2a_centered)
-        d_bn2c_branch2a_batch_mean = mem.tensor(567, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(567)
         # d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean/100352
         d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean  # in place: over d_bn2c_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2a_sum, d_bn2c_branch2a_batch_mean)
@@ -7708,7 +7920,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2c_branch2a, d_bn2c_branch2a_centered, d_bn2c_branch2a_sum)
         # free d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_sum
         del d_bn2c_branch2a_batch_mean, d_bn2c_branch2a_sum
-        mem.free(567)
+        mem.free(566)
         # d_res2c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2c_branch2a, bn2b_branch2c_relu)
         d_res2c_branch2a_W = mem.tensor(568, (64, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2c_branch2a, bn2b_branch2c_relu, out=d_res2c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
@@ -7726,9 +7938,15 @@ class Resnet50(rp.Model):
         mem.free(43)
 
         # ---- bn2b_branch2c_relu (relu), backward ----
-        # d_bn2b_branch2c_add = (d_bn2c_branch2c_add + d_bn2b_branch2c_relu)*Heaviside(bn2b_branch2c_relu, 0)
+        # d_bn2b_branch2c_add = (d_bn2c_branch2c_add + d_bn2b_branch2c_relu)*Heaviside(bn2b_branch2c_relu, 0)   (computed with the next statement)
         d_bn2b_branch2c_add = d_bn2c_branch2c_add  # in place: over d_bn2c_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn2b_branch2c_add, d_bn2c_branch2c_add, d_bn2b_branch2c_relu, bn2b_branch2c_relu)
+
+        # ---- bn2b_branch2c (batch norm), backward ----
+        # d_bn2b_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered)
+        d_bn2b_branch2c_ew_sum = mem.tensor(570, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn2b_branch2c_add, d_bn2c_branch2c_add, d_bn2b_branch2c_relu, bn2b_branch2c_relu),
+                      (ew_mul, d_bn2b_branch2c_ew_sum, d_bn2b_branch2c_add, bn2b_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
         del bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
         mem.free(28, 569)
@@ -7739,9 +7957,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2c_branch2a_W_new, T['res2c_branch2a_W'], lr, V_res2c_branch2a_W_new)
 
         # ---- bn2b_branch2c (batch norm), backward ----
-        # d_bn2b_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2b_branch2c_add*bn2b_branch2c_centered)
-        d_bn2b_branch2c_ew_sum = mem.tensor(570, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2c_ew_sum, d_bn2b_branch2c_add, bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_inv_std = bn2b_branch2c_weight*d_bn2b_branch2c_ew_sum   (computed with the next statement)
         d_bn2b_branch2c_inv_std = mem.tensor(571, (1, 256, 1, 1), 'float32')
         # d_bn2b_branch2c_sum_of_squares = -d_bn2b_branch2c_inv_std/(200704*(bn2b_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -7751,9 +7966,13 @@ class Resnet50(rp.Model):
         # free bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         del bn2b_branch2c_sum_of_squares, bn2b_branch2c_batch_var, bn2b_branch2c_batch_var_flat
         mem.free(41)
-        # d_bn2b_branch2c_centered = d_bn2b_branch2c_add*bn2b_branch2c_inv_std*bn2b_branch2c_weight + 2*d_bn2b_branch2c_sum_of_squares*bn2b_branch2c_centered
+        # d_bn2b_branch2c_centered = d_bn2b_branch2c_add*bn2b_branch2c_inv_std*bn2b_branch2c_weight + 2*d_bn2b_branch2c_sum_of_squares*bn2b_branch2c_centered   (computed with the next statement)
         d_bn2b_branch2c_centered = bn2b_branch2c_centered  # in place: over bn2b_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn2b_branch2c_centered, d_bn2b_branch2c_add, bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered)
+        # d_bn2b_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2b_branch2c_centered)
+        d_bn2b_branch2c_batch_mean = mem.tensor(572, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2b_branch2c_centered, d_bn2b_branch2c_add, bn2b_branch2c_inv_std, bn2b_branch2c_weight, d_bn2b_branch2c_sum_of_squares, bn2b_branch2c_centered),
+                      (ew_neg, d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
         del d_bn2b_branch2c_inv_std, d_bn2b_branch2c_sum_of_squares
         mem.free(571)
@@ -7774,9 +7993,6 @@ class Resnet50(rp.Model):
         # free bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
         del bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
         mem.free(42)
-        # d_bn2b_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2b_branch2c_centered)
-        d_bn2b_branch2c_batch_mean = mem.tensor(572, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2b_branch2c_batch_mean, d_bn2b_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean/100352
         d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean  # in place: over d_bn2b_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2c_sum, d_bn2b_branch2c_batch_mean)
@@ -7822,9 +8038,15 @@ class Resnet50(rp.Model):
         mem.free(39)
 
         # ---- bn2b_branch2b_relu (relu), backward ----
-        # d_bn2b_branch2b = d_bn2b_branch2b_relu*Heaviside(bn2b_branch2b_relu_2, 0)
+        # d_bn2b_branch2b = d_bn2b_branch2b_relu*Heaviside(bn2b_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn2b_branch2b = d_bn2b_branch2b_relu  # in place: over d_bn2b_branch2b_relu
-        rt.ew(ew_step_mul, d_bn2b_branch2b, d_bn2b_branch2b_relu, bn2b_branch2b_relu_2)
+
+        # ---- bn2b_branch2b (batch norm), backward ----
+        # d_bn2b_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered)
+        d_bn2b_branch2b_ew_sum = mem.tensor(577, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2b_branch2b, d_bn2b_branch2b_relu, bn2b_branch2b_relu_2),
+                      (ew_mul, d_bn2b_branch2b_ew_sum, d_bn2b_branch2b, bn2b_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2b_branch2b_relu_2
         del bn2b_branch2b_relu_2
         mem.free(574)
@@ -7841,9 +8063,6 @@ class Resnet50(rp.Model):
         mem.free(575)
 
         # ---- bn2b_branch2b (batch norm), backward ----
-        # d_bn2b_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2b*bn2b_branch2b_centered)
-        d_bn2b_branch2b_ew_sum = mem.tensor(577, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2b_ew_sum, d_bn2b_branch2b, bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2b_inv_std = bn2b_branch2b_weight*d_bn2b_branch2b_ew_sum   (computed with the next statement)
         d_bn2b_branch2b_inv_std = mem.tensor(578, (1, 64, 1, 1), 'float32')
         # d_bn2b_branch2b_sum_of_squares = -d_bn2b_branch2b_inv_std/(200704*(bn2b_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -7853,14 +8072,18 @@ class Resnet50(rp.Model):
         # free bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         del bn2b_branch2b_sum_of_squares, bn2b_branch2b_batch_var, bn2b_branch2b_batch_var_flat
         mem.free(36)
-        # d_bn2b_branch2b_centered = d_bn2b_branch2b*bn2b_branch2b_inv_std*bn2b_branch2b_weight + 2*d_bn2b_branch2b_sum_of_squares*bn2b_branch2b_centered
+        # d_bn2b_branch2b_centered = d_bn2b_branch2b*bn2b_branch2b_inv_std*bn2b_branch2b_weight + 2*d_bn2b_branch2b_sum_of_squares*bn2b_branch2b_centered   (computed with the next statement)
         d_bn2b_branch2b_centered = bn2b_branch2b_centered  # in place: over bn2b_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn2b_branch2b_centered, d_bn2b_branch2b, bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered)
+        # d_bn2b_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2b_centered)
+        d_bn2b_branch2b_batch_mean = mem.tensor(579, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2b_branch2b_centered, d_bn2b_branch2b, bn2b_branch2b_inv_std, bn2b_branch2b_weight, d_bn2b_branch2b_sum_of_squares, bn2b_branch2b_centered),
+                      (ew_neg, d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
         del d_bn2b_branch2b_inv_std, d_bn2b_branch2b_sum_of_squares
         mem.free(578)
         # d_bn2b_branch2b_bias = sum_to[1x64x1x1](d_bn2b_branch2b)
-        d_bn2b_branch2b_bias = mem.tensor(579, (1, 64, 1, 1), 'float32')
+        d_bn2b_branch2b_bias = mem.tensor(580, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2b_branch2b, out=d_bn2b_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2b_branch2b_relu, d_bn2b_branch2b
         del d_bn2b_branch2b_relu, d_bn2b_branch2b
@@ -7892,10 +8115,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new))
         # free d_bn2b_branch2b_bias, d_bn2b_branch2b_B
         del d_bn2b_branch2b_bias, d_bn2b_branch2b_B
-        mem.free(579)
-        # d_bn2b_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2b_centered)
-        d_bn2b_branch2b_batch_mean = mem.tensor(580, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(580)
         # d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean/100352
         d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean  # in place: over d_bn2b_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2b_sum, d_bn2b_branch2b_batch_mean)
@@ -7906,7 +8126,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2b_branch2b, d_bn2b_branch2b_centered, d_bn2b_branch2b_sum)
         # free d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_sum
         del d_bn2b_branch2b_batch_mean, d_bn2b_branch2b_sum
-        mem.free(580)
+        mem.free(579)
 
         # ---- bn2b_branch2a_relu (relu), forward ----
         # bn2b_branch2a_relu_2 = Max(0, bn2b_branch2a_centered*bn2b_branch2a_inv_std*bn2b_branch2a_weight + bn2b_branch2a_bias)
@@ -7931,9 +8151,15 @@ class Resnet50(rp.Model):
         mem.free(34)
 
         # ---- bn2b_branch2a_relu (relu), backward ----
-        # d_bn2b_branch2a = d_bn2b_branch2a_relu*Heaviside(bn2b_branch2a_relu_2, 0)
+        # d_bn2b_branch2a = d_bn2b_branch2a_relu*Heaviside(bn2b_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn2b_branch2a = d_bn2b_branch2a_relu  # in place: over d_bn2b_branch2a_relu
-        rt.ew(ew_step_mul, d_bn2b_branch2a, d_bn2b_branch2a_relu, bn2b_branch2a_relu_2)
+
+        # ---- bn2b_branch2a (batch norm), backward ----
+        # d_bn2b_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered)
+        d_bn2b_branch2a_ew_sum = mem.tensor(584, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2b_branch2a, d_bn2b_branch2a_relu, bn2b_branch2a_relu_2),
+                      (ew_mul, d_bn2b_branch2a_ew_sum, d_bn2b_branch2a, bn2b_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2b_branch2a_relu_2
         del bn2b_branch2a_relu_2
         mem.free(581)
@@ -7944,9 +8170,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2b_W_new, T['res2b_branch2b_W'], lr, V_res2b_branch2b_W_new)
 
         # ---- bn2b_branch2a (batch norm), backward ----
-        # d_bn2b_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2b_branch2a*bn2b_branch2a_centered)
-        d_bn2b_branch2a_ew_sum = mem.tensor(584, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2b_branch2a_ew_sum, d_bn2b_branch2a, bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2b_branch2a_inv_std = bn2b_branch2a_weight*d_bn2b_branch2a_ew_sum   (computed with the next statement)
         d_bn2b_branch2a_inv_std = mem.tensor(585, (1, 64, 1, 1), 'float32')
         # d_bn2b_branch2a_sum_of_squares = -d_bn2b_branch2a_inv_std/(200704*(bn2b_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -7956,14 +8179,18 @@ class Resnet50(rp.Model):
         # free bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         del bn2b_branch2a_sum_of_squares, bn2b_branch2a_batch_var, bn2b_branch2a_batch_var_flat
         mem.free(31)
-        # d_bn2b_branch2a_centered = d_bn2b_branch2a*bn2b_branch2a_inv_std*bn2b_branch2a_weight + 2*d_bn2b_branch2a_sum_of_squares*bn2b_branch2a_centered
+        # d_bn2b_branch2a_centered = d_bn2b_branch2a*bn2b_branch2a_inv_std*bn2b_branch2a_weight + 2*d_bn2b_branch2a_sum_of_squares*bn2b_branch2a_centered   (computed with the next statement)
         d_bn2b_branch2a_centered = bn2b_branch2a_centered  # in place: over bn2b_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn2b_branch2a_centered, d_bn2b_branch2a, bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered)
+        # d_bn2b_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2a_centered)
+        d_bn2b_branch2a_batch_mean = mem.tensor(586, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2b_branch2a_centered, d_bn2b_branch2a, bn2b_branch2a_inv_std, bn2b_branch2a_weight, d_bn2b_branch2a_sum_of_squares, bn2b_branch2a_centered),
+                      (ew_neg, d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
         del d_bn2b_branch2a_inv_std, d_bn2b_branch2a_sum_of_squares
         mem.free(585)
         # d_bn2b_branch2a_bias = sum_to[1x64x1x1](d_bn2b_branch2a)
-        d_bn2b_branch2a_bias = mem.tensor(586, (1, 64, 1, 1), 'float32')
+        d_bn2b_branch2a_bias = mem.tensor(587, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2b_branch2a, out=d_bn2b_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2b_branch2a_relu, d_bn2b_branch2a
         del d_bn2b_branch2a_relu, d_bn2b_branch2a
@@ -7995,10 +8222,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new))
         # free d_bn2b_branch2a_bias, d_bn2b_branch2a_B
         del d_bn2b_branch2a_bias, d_bn2b_branch2a_B
-        mem.free(586)
-        # d_bn2b_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2b_branch2a_centered)
-        d_bn2b_branch2a_batch_mean = mem.tensor(587, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(587)
         # d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean/100352
         d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean  # in place: over d_bn2b_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2a_sum, d_bn2b_branch2a_batch_mean)
@@ -8009,7 +8233,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2b_branch2a, d_bn2b_branch2a_centered, d_bn2b_branch2a_sum)
         # free d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_sum
         del d_bn2b_branch2a_batch_mean, d_bn2b_branch2a_sum
-        mem.free(587)
+        mem.free(586)
 
         # ---- bn2a_branch2c_relu (relu), forward ----
         # bn2a_branch2c_relu_2 = Max(0, bn2a_branch2c_centered*bn2a_branch2c_inv_std*bn2a_branch2c_weight + bn2a_branch2c_bias + bn2a_branch1_centered*bn2a_branch1_inv_std*bn2a_branch1_weight + bn2a_branch1_bias)
@@ -8034,9 +8258,15 @@ class Resnet50(rp.Model):
         mem.free(29)
 
         # ---- bn2a_branch2c_relu (relu), backward ----
-        # d_bn2a_branch2c_add = (d_bn2b_branch2c_add + d_bn2a_branch2c_relu)*Heaviside(bn2a_branch2c_relu_2, 0)
+        # d_bn2a_branch2c_add = (d_bn2b_branch2c_add + d_bn2a_branch2c_relu)*Heaviside(bn2a_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn2a_branch2c_add = d_bn2b_branch2c_add  # in place: over d_bn2b_branch2c_add
-        rt.ew(ew_add_step_mul, d_bn2a_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_relu, bn2a_branch2c_relu_2)
+
+        # ---- bn2a_branch2c (batch norm), backward ----
+        # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
+        d_bn2a_branch2c_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_bn2a_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_relu, bn2a_branch2c_relu_2),
+                      (ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
         del bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
         mem.free(588, 590)
@@ -8047,9 +8277,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2b_branch2a_W_new, T['res2b_branch2a_W'], lr, V_res2b_branch2a_W_new)
 
         # ---- bn2a_branch2c (batch norm), backward ----
-        # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
-        d_bn2a_branch2c_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch2c_inv_std = bn2a_branch2c_weight*d_bn2a_branch2c_ew_sum   (computed with the next statement)
         d_bn2a_branch2c_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
         # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -8059,9 +8286,13 @@ class Resnet50(rp.Model):
         # free bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         del bn2a_branch2c_sum_of_squares, bn2a_branch2c_batch_var, bn2a_branch2c_batch_var_flat
         mem.free(26)
-        # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered
+        # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered   (computed with the next statement)
         d_bn2a_branch2c_centered = bn2a_branch2c_centered  # in place: over bn2a_branch2c_centered
-        rt.ew(ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered)
+        # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
+        d_bn2a_branch2c_batch_mean = mem.tensor(593, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered),
+                      (ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
         del d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
         mem.free(592)
@@ -8082,9 +8313,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
         del bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
         mem.free(27)
-        # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
-        d_bn2a_branch2c_batch_mean = mem.tensor(593, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean/100352
         d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean  # in place: over d_bn2a_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2c_sum, d_bn2a_branch2c_batch_mean)
@@ -8110,14 +8338,18 @@ class Resnet50(rp.Model):
         # free bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
         del bn2a_branch1_sum_of_squares, bn2a_branch1_batch_var, bn2a_branch1_batch_var_flat
         mem.free(22)
-        # d_bn2a_branch1_centered = d_bn2a_branch2c_add*bn2a_branch1_inv_std*bn2a_branch1_weight + 2*d_bn2a_branch1_sum_of_squares*bn2a_branch1_centered
+        # d_bn2a_branch1_centered = d_bn2a_branch2c_add*bn2a_branch1_inv_std*bn2a_branch1_weight + 2*d_bn2a_branch1_sum_of_squares*bn2a_branch1_centered   (computed with the next statement)
         d_bn2a_branch1_centered = bn2a_branch1_centered  # in place: over bn2a_branch1_centered
-        rt.ew(ew_mul_add_2, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered)
+        # d_bn2a_branch1_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch1_centered)
+        d_bn2a_branch1_batch_mean = mem.tensor(596, (1, 256, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2a_branch1_centered, d_bn2a_branch2c_add, bn2a_branch1_inv_std, bn2a_branch1_weight, d_bn2a_branch1_sum_of_squares, bn2a_branch1_centered),
+                      (ew_neg, d_bn2a_branch1_batch_mean, d_bn2a_branch1_centered),
+                      shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
         del d_bn2a_branch1_inv_std, d_bn2a_branch1_sum_of_squares
         mem.free(595)
         # d_bn2a_branch1_bias = sum_to[1x256x1x1](d_bn2a_branch2c_add)
-        d_bn2a_branch1_bias = mem.tensor(596, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch1_bias = mem.tensor(597, (1, 256, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2c_add, out=d_bn2a_branch1_bias, shape=(1, 256, 1, 1))
         # free d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add
         del d_bn2c_branch2c_relu, d_bn2c_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_add
@@ -8142,7 +8374,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_add, V_bn2a_branch1_B_new, T['V_bn2a_branch1_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch1_B'])
         # free d_bn2a_branch1_bias, d_bn2a_branch1_B
         del d_bn2a_branch1_bias, d_bn2a_branch1_B
-        mem.free(596)
+        mem.free(597)
 
         # ---- bn2a_branch2c (batch norm), backward ----
         # bn2a_branch2c_B_new = bn2a_branch2c_B - lr*V_bn2a_branch2c_B_new
@@ -8164,9 +8396,6 @@ class Resnet50(rp.Model):
         # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
         bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
         rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
-        # d_bn2a_branch1_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch1_centered)
-        d_bn2a_branch1_batch_mean = mem.tensor(597, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2a_branch1_batch_mean, d_bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean/100352
         d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean  # in place: over d_bn2a_branch1_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch1_sum, d_bn2a_branch1_batch_mean)
@@ -8177,7 +8406,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch1, d_bn2a_branch1_centered, d_bn2a_branch1_sum)
         # free d_bn2a_branch1_batch_mean, d_bn2a_branch1_sum
         del d_bn2a_branch1_batch_mean, d_bn2a_branch1_sum
-        mem.free(597)
+        mem.free(596)
 
         # ---- bn2a_branch2b_relu (relu), forward ----
         # bn2a_branch2b_relu_2 = Max(0, bn2a_branch2b_centered*bn2a_branch2b_inv_std*bn2a_branch2b_weight + bn2a_branch2b_bias)
@@ -8196,9 +8425,15 @@ class Resnet50(rp.Model):
         mem.free(24)
 
         # ---- bn2a_branch2b_relu (relu), backward ----
-        # d_bn2a_branch2b = d_bn2a_branch2b_relu*Heaviside(bn2a_branch2b_relu_2, 0)
+        # d_bn2a_branch2b = d_bn2a_branch2b_relu*Heaviside(bn2a_branch2b_relu_2, 0)   (computed with the next statement)
         d_bn2a_branch2b = d_bn2a_branch2b_relu  # in place: over d_bn2a_branch2b_relu
-        rt.ew(ew_step_mul, d_bn2a_branch2b, d_bn2a_branch2b_relu, bn2a_branch2b_relu_2)
+
+        # ---- bn2a_branch2b (batch norm), backward ----
+        # d_bn2a_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered)
+        d_bn2a_branch2b_ew_sum = mem.tensor(601, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2a_branch2b, d_bn2a_branch2b_relu, bn2a_branch2b_relu_2),
+                      (ew_mul, d_bn2a_branch2b_ew_sum, d_bn2a_branch2b, bn2a_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2a_branch2b_relu_2
         del bn2a_branch2b_relu_2
         mem.free(598)
@@ -8215,9 +8450,6 @@ class Resnet50(rp.Model):
         mem.free(599)
 
         # ---- bn2a_branch2b (batch norm), backward ----
-        # d_bn2a_branch2b_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2b*bn2a_branch2b_centered)
-        d_bn2a_branch2b_ew_sum = mem.tensor(601, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2b_ew_sum, d_bn2a_branch2b, bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2a_branch2b_inv_std = bn2a_branch2b_weight*d_bn2a_branch2b_ew_sum   (computed with the next statement)
         d_bn2a_branch2b_inv_std = mem.tensor(602, (1, 64, 1, 1), 'float32')
         # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -8227,14 +8459,18 @@ class Resnet50(rp.Model):
         # free bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         del bn2a_branch2b_sum_of_squares, bn2a_branch2b_batch_var, bn2a_branch2b_batch_var_flat
         mem.free(17)
-        # d_bn2a_branch2b_centered = d_bn2a_branch2b*bn2a_branch2b_inv_std*bn2a_branch2b_weight + 2*d_bn2a_branch2b_sum_of_squares*bn2a_branch2b_centered
+        # d_bn2a_branch2b_centered = d_bn2a_branch2b*bn2a_branch2b_inv_std*bn2a_branch2b_weight + 2*d_bn2a_branch2b_sum_of_squares*bn2a_branch2b_centered   (computed with the next statement)
         d_bn2a_branch2b_centered = bn2a_branch2b_centered  # in place: over bn2a_branch2b_centered
-        rt.ew(ew_mul_add_2, d_bn2a_branch2b_centered, d_bn2a_branch2b, bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered)
+        # d_bn2a_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2b_centered)
+        d_bn2a_branch2b_batch_mean = mem.tensor(603, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2a_branch2b_centered, d_bn2a_branch2b, bn2a_branch2b_inv_std, bn2a_branch2b_weight, d_bn2a_branch2b_sum_of_squares, bn2a_branch2b_centered),
+                      (ew_neg, d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
         del d_bn2a_branch2b_inv_std, d_bn2a_branch2b_sum_of_squares
         mem.free(602)
         # d_bn2a_branch2b_bias = sum_to[1x64x1x1](d_bn2a_branch2b)
-        d_bn2a_branch2b_bias = mem.tensor(603, (1, 64, 1, 1), 'float32')
+        d_bn2a_branch2b_bias = mem.tensor(604, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2b, out=d_bn2a_branch2b_bias, shape=(1, 64, 1, 1))
         # free d_bn2a_branch2b_relu, d_bn2a_branch2b
         del d_bn2a_branch2b_relu, d_bn2a_branch2b
@@ -8266,10 +8502,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new))
         # free d_bn2a_branch2b_bias, d_bn2a_branch2b_B
         del d_bn2a_branch2b_bias, d_bn2a_branch2b_B
-        mem.free(603)
-        # d_bn2a_branch2b_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2b_centered)
-        d_bn2a_branch2b_batch_mean = mem.tensor(604, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(604)
         # d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean/100352
         d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean  # in place: over d_bn2a_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2b_sum, d_bn2a_branch2b_batch_mean)
@@ -8280,7 +8513,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch2b, d_bn2a_branch2b_centered, d_bn2a_branch2b_sum)
         # free d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
         del d_bn2a_branch2b_batch_mean, d_bn2a_branch2b_sum
-        mem.free(604)
+        mem.free(603)
 
         # ---- res2a_branch1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_res2a_branch1_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch1, bn_conv1_max_pool)
@@ -8325,9 +8558,15 @@ class Resnet50(rp.Model):
         mem.free(15)
 
         # ---- bn2a_branch2a_relu (relu), backward ----
-        # d_bn2a_branch2a = d_bn2a_branch2a_relu*Heaviside(bn2a_branch2a_relu_2, 0)
+        # d_bn2a_branch2a = d_bn2a_branch2a_relu*Heaviside(bn2a_branch2a_relu_2, 0)   (computed with the next statement)
         d_bn2a_branch2a = d_bn2a_branch2a_relu  # in place: over d_bn2a_branch2a_relu
-        rt.ew(ew_step_mul, d_bn2a_branch2a, d_bn2a_branch2a_relu, bn2a_branch2a_relu_2)
+
+        # ---- bn2a_branch2a (batch norm), backward ----
+        # d_bn2a_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered)
+        d_bn2a_branch2a_ew_sum = mem.tensor(610, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bn2a_branch2a, d_bn2a_branch2a_relu, bn2a_branch2a_relu_2),
+                      (ew_mul, d_bn2a_branch2a_ew_sum, d_bn2a_branch2a, bn2a_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free bn2a_branch2a_relu_2
         del bn2a_branch2a_relu_2
         mem.free(607)
@@ -8338,9 +8577,6 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_sub, res2a_branch2b_W_new, T['res2a_branch2b_W'], lr, V_res2a_branch2b_W_new)
 
         # ---- bn2a_branch2a (batch norm), backward ----
-        # d_bn2a_branch2a_ew_sum = sum_to[1x64x1x1](d_bn2a_branch2a*bn2a_branch2a_centered)
-        d_bn2a_branch2a_ew_sum = mem.tensor(610, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch2a_ew_sum, d_bn2a_branch2a, bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn2a_branch2a_inv_std = bn2a_branch2a_weight*d_bn2a_branch2a_ew_sum   (computed with the next statement)
         d_bn2a_branch2a_inv_std = mem.tensor(611, (1, 64, 1, 1), 'float32')
         # d_bn2a_branch2a_sum_of_squares = -d_bn2a_branch2a_inv_std/(200704*(bn2a_branch2a_batch_var + 1.0e-5)**(3/2))
@@ -8350,14 +8586,18 @@ class Resnet50(rp.Model):
         # free bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         del bn2a_branch2a_sum_of_squares, bn2a_branch2a_batch_var, bn2a_branch2a_batch_var_flat
         mem.free(12)
-        # d_bn2a_branch2a_centered = d_bn2a_branch2a*bn2a_branch2a_inv_std*bn2a_branch2a_weight + 2*d_bn2a_branch2a_sum_of_squares*bn2a_branch2a_centered
+        # d_bn2a_branch2a_centered = d_bn2a_branch2a*bn2a_branch2a_inv_std*bn2a_branch2a_weight + 2*d_bn2a_branch2a_sum_of_squares*bn2a_branch2a_centered   (computed with the next statement)
         d_bn2a_branch2a_centered = bn2a_branch2a_centered  # in place: over bn2a_branch2a_centered
-        rt.ew(ew_mul_add_2, d_bn2a_branch2a_centered, d_bn2a_branch2a, bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered)
+        # d_bn2a_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2a_centered)
+        d_bn2a_branch2a_batch_mean = mem.tensor(612, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bn2a_branch2a_centered, d_bn2a_branch2a, bn2a_branch2a_inv_std, bn2a_branch2a_weight, d_bn2a_branch2a_sum_of_squares, bn2a_branch2a_centered),
+                      (ew_neg, d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
         del d_bn2a_branch2a_inv_std, d_bn2a_branch2a_sum_of_squares
         mem.free(611)
         # d_bn2a_branch2a_bias = sum_to[1x64x1x1](d_bn2a_branch2a)
-        d_bn2a_branch2a_bias = mem.tensor(612, (1, 64, 1, 1), 'float32')
+        d_bn2a_branch2a_bias = mem.tensor(613, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bn2a_branch2a, out=d_bn2a_branch2a_bias, shape=(1, 64, 1, 1))
         # free d_bn2a_branch2a_relu, d_bn2a_branch2a
         del d_bn2a_branch2a_relu, d_bn2a_branch2a
@@ -8389,10 +8629,7 @@ class Resnet50(rp.Model):
                    (ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new))
         # free d_bn2a_branch2a_bias, d_bn2a_branch2a_B
         del d_bn2a_branch2a_bias, d_bn2a_branch2a_B
-        mem.free(612)
-        # d_bn2a_branch2a_batch_mean = sum_to[1x64x1x1](-d_bn2a_branch2a_centered)
-        d_bn2a_branch2a_batch_mean = mem.tensor(613, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
+        mem.free(613)
         # d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean/100352
         d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean  # in place: over d_bn2a_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2a_sum, d_bn2a_branch2a_batch_mean)
@@ -8403,7 +8640,7 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch2a, d_bn2a_branch2a_centered, d_bn2a_branch2a_sum)
         # free d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
         del d_bn2a_branch2a_batch_mean, d_bn2a_branch2a_sum
-        mem.free(613)
+        mem.free(612)
         # d_res2a_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2a, bn_conv1_max_pool)
         d_res2a_branch2a_W = mem.tensor(614, (64, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2a_branch2a, bn_conv1_max_pool, out=d_res2a_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25706496))
@@ -8496,15 +8733,16 @@ class Resnet50(rp.Model):
         # free bn_conv1_max_pool_argmax, d_bn_conv1_centered
         del bn_conv1_max_pool_argmax, d_bn_conv1_centered
         mem.free(8, 616)
-        # d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd + 2*d_bn_conv1_sum_of_squares*bn_conv1_centered
+        # d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd + 2*d_bn_conv1_sum_of_squares*bn_conv1_centered   (computed with the next statement)
         d_bn_conv1_centered_2 = d_bn_conv1_max_pool_bwd  # in place: over d_bn_conv1_max_pool_bwd
-        rt.ew(ew_mul_add_3, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered)
+        # d_bn_conv1_batch_mean = sum_to[1x64x1x1](-d_bn_conv1_centered_2)
+        d_bn_conv1_batch_mean = mem.tensor(621, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_bn_conv1_centered_2, d_bn_conv1_max_pool_bwd, d_bn_conv1_sum_of_squares, bn_conv1_centered),
+                      (ew_neg, d_bn_conv1_batch_mean, d_bn_conv1_centered_2),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # free conv1, bn_conv1_centered, d_bn_conv1_ew_sum, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
         del conv1, bn_conv1_centered, d_bn_conv1_ew_sum, d_bn_conv1_inv_std, d_bn_conv1_sum_of_squares
         mem.free(3, 618)
-        # d_bn_conv1_batch_mean = sum_to[1x64x1x1](-d_bn_conv1_centered_2)
-        d_bn_conv1_batch_mean = mem.tensor(621, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bn_conv1_batch_mean, d_bn_conv1_centered_2, shape=(1, 64, 1, 1), workspace=mem.workspace(6422784))
         # d_bn_conv1_sum = d_bn_conv1_batch_mean/401408
         d_bn_conv1_sum = d_bn_conv1_batch_mean  # in place: over d_bn_conv1_batch_mean
         rt.ew(ew_scale, d_bn_conv1_sum, d_bn_conv1_batch_mean)
@@ -10093,350 +10331,350 @@ class Resnet50(rp.Model):
                 (1612054528, 12845056),  # 267: bn5c_branch2c_relu_2 32x2048x7x7 float32
                 (1612054528, 8192),  # 268: d_bn5c_branch2c_ew_sum 1x2048x1x1 float32
                 (1612062720, 8192),  # 269: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
-                (1612054528, 8192),  # 270: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
+                (1612070912, 8192),  # 270: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
                 (1612054528, 8192),  # 271: d_bn5c_branch2c_bias 1x2048x1x1 float32
                 (1616248832, 3211264),  # 272: d_bn5c_branch2b_relu 32x512x7x7 float32
                 (1619460096, 3211264),  # 273: bn5c_branch2b_relu_2 32x512x7x7 float32
                 (1612054528, 4194304),  # 274: d_res5c_branch2c_W 2048x512x1x1 float32
                 (1586364416, 2048),  # 275: d_bn5c_branch2b_ew_sum 1x512x1x1 float32
                 (1586366464, 2048),  # 276: d_bn5c_branch2b_inv_std 1x512x1x1 float32
-                (1586366464, 2048),  # 277: d_bn5c_branch2b_bias 1x512x1x1 float32
-                (1586364416, 2048),  # 278: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
+                (1586368512, 2048),  # 277: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
+                (1586366464, 2048),  # 278: d_bn5c_branch2b_bias 1x512x1x1 float32
                 (1586364416, 3211264),  # 279: d_bn5c_branch2a_relu 32x512x7x7 float32
                 (1595801600, 3211264),  # 280: bn5c_branch2a_relu_2 32x512x7x7 float32
                 (1589575680, 2048),  # 281: d_bn5c_branch2a_ew_sum 1x512x1x1 float32
                 (1589577728, 2048),  # 282: d_bn5c_branch2a_inv_std 1x512x1x1 float32
-                (1589577728, 2048),  # 283: d_bn5c_branch2a_bias 1x512x1x1 float32
-                (1586364416, 2048),  # 284: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
+                (1589579776, 2048),  # 283: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
+                (1589577728, 2048),  # 284: d_bn5c_branch2a_bias 1x512x1x1 float32
                 (1586364416, 9437184),  # 285: d_res5c_branch2b_W 512x512x3x3 float32
                 (1586364416, 4194304),  # 286: d_res5c_branch2a_W 512x2048x1x1 float32
                 (1586364416, 12845056),  # 287: d_bn5b_branch2c_relu 32x2048x7x7 float32
-                (1425801216, 8192),  # 288: d_bn5b_branch2c_ew_sum 1x2048x1x1 float32
-                (1425809408, 8192),  # 289: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
-                (1425801216, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
+                (1612054528, 8192),  # 288: d_bn5b_branch2c_ew_sum 1x2048x1x1 float32
+                (1425801216, 8192),  # 289: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
+                (1425809408, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
                 (1425801216, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
                 (1429995520, 3211264),  # 292: d_bn5b_branch2b_relu 32x512x7x7 float32
                 (1433206784, 3211264),  # 293: bn5b_branch2b_relu_2 32x512x7x7 float32
                 (1425801216, 4194304),  # 294: d_res5b_branch2c_W 2048x512x1x1 float32
                 (1425801216, 2048),  # 295: d_bn5b_branch2b_ew_sum 1x512x1x1 float32
                 (1425803264, 2048),  # 296: d_bn5b_branch2b_inv_std 1x512x1x1 float32
-                (1425803264, 2048),  # 297: d_bn5b_branch2b_bias 1x512x1x1 float32
-                (1425801216, 2048),  # 298: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
+                (1425805312, 2048),  # 297: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
+                (1425803264, 2048),  # 298: d_bn5b_branch2b_bias 1x512x1x1 float32
                 (1425801216, 3211264),  # 299: d_bn5b_branch2a_relu 32x512x7x7 float32
                 (1435238400, 3211264),  # 300: bn5b_branch2a_relu_2 32x512x7x7 float32
                 (1429012480, 2048),  # 301: d_bn5b_branch2a_ew_sum 1x512x1x1 float32
                 (1429014528, 2048),  # 302: d_bn5b_branch2a_inv_std 1x512x1x1 float32
-                (1429014528, 2048),  # 303: d_bn5b_branch2a_bias 1x512x1x1 float32
-                (1425801216, 2048),  # 304: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
+                (1429016576, 2048),  # 303: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
+                (1429014528, 2048),  # 304: d_bn5b_branch2a_bias 1x512x1x1 float32
                 (1425801216, 9437184),  # 305: d_res5b_branch2b_W 512x512x3x3 float32
                 (1425801216, 12845056),  # 306: bn5a_branch2c_relu_2 32x2048x7x7 float32
                 (1451491328, 4194304),  # 307: d_res5b_branch2a_W 512x2048x1x1 float32
                 (1451491328, 12845056),  # 308: d_bn5a_branch2c_relu 32x2048x7x7 float32
-                (1425801216, 8192),  # 309: d_bn5a_branch2c_ew_sum 1x2048x1x1 float32
-                (1425809408, 8192),  # 310: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
-                (1425801216, 8192),  # 311: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
+                (1586364416, 8192),  # 309: d_bn5a_branch2c_ew_sum 1x2048x1x1 float32
+                (1425801216, 8192),  # 310: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
+                (1425809408, 8192),  # 311: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
                 (1425801216, 8192),  # 312: d_bn5a_branch1_ew_sum 1x2048x1x1 float32
                 (1425809408, 8192),  # 313: d_bn5a_branch1_inv_std 1x2048x1x1 float32
-                (1425809408, 8192),  # 314: d_bn5a_branch1_bias 1x2048x1x1 float32
-                (1425801216, 8192),  # 315: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
+                (1425817600, 8192),  # 314: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
+                (1425809408, 8192),  # 315: d_bn5a_branch1_bias 1x2048x1x1 float32
                 (1429995520, 3211264),  # 316: d_bn5a_branch2b_relu 32x512x7x7 float32
                 (1433206784, 3211264),  # 317: bn5a_branch2b_relu_2 32x512x7x7 float32
                 (1425801216, 4194304),  # 318: d_res5a_branch2c_W 2048x512x1x1 float32
                 (1412956160, 2048),  # 319: d_bn5a_branch2b_ew_sum 1x512x1x1 float32
                 (1412958208, 2048),  # 320: d_bn5a_branch2b_inv_std 1x512x1x1 float32
-                (1412958208, 2048),  # 321: d_bn5a_branch2b_bias 1x512x1x1 float32
-                (1412956160, 2048),  # 322: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
+                (1412960256, 2048),  # 321: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
+                (1412958208, 2048),  # 322: d_bn5a_branch2b_bias 1x512x1x1 float32
                 (1412956160, 3211264),  # 323: d_bn5a_branch2a_relu 32x512x7x7 float32
                 (1422393344, 3211264),  # 324: bn5a_branch2a_relu_2 32x512x7x7 float32
                 (1416167424, 2048),  # 325: d_bn5a_branch2a_ew_sum 1x512x1x1 float32
                 (1416169472, 2048),  # 326: d_bn5a_branch2a_inv_std 1x512x1x1 float32
-                (1416169472, 2048),  # 327: d_bn5a_branch2a_bias 1x512x1x1 float32
-                (1412956160, 2048),  # 328: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
+                (1416171520, 2048),  # 327: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
+                (1416169472, 2048),  # 328: d_bn5a_branch2a_bias 1x512x1x1 float32
                 (1412956160, 2097152),  # 329: d_res5a_branch2a_W 512x1024x1x1 float32
                 (1412956160, 9437184),  # 330: d_res5a_branch2b_W 512x512x3x3 float32
                 (1412956160, 8388608),  # 331: d_res5a_branch1_W 2048x1024x1x1 float32
                 (1412956160, 25690112),  # 332: d_bn4f_branch2c_relu 32x1024x14x14 float32
                 (1438646272, 25690112),  # 333: d_bn4f_branch2c_relu_2 32x1024x14x14 float32
-                (1361575936, 4096),  # 334: d_bn4f_branch2c_ew_sum 1x1024x1x1 float32
-                (1361580032, 4096),  # 335: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
-                (1361575936, 4096),  # 336: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
+                (1586364416, 4096),  # 334: d_bn4f_branch2c_ew_sum 1x1024x1x1 float32
+                (1361575936, 4096),  # 335: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
+                (1361580032, 4096),  # 336: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
                 (1361575936, 4096),  # 337: d_bn4f_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 338: bn4f_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 339: d_res4f_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 340: d_bn4f_branch2b_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 341: d_bn4f_branch2b_ew_sum 1x256x1x1 float32
-                (1361576960, 1024),  # 342: d_bn4f_branch2b_inv_std 1x256x1x1 float32
-                (1361576960, 1024),  # 343: d_bn4f_branch2b_bias 1x256x1x1 float32
-                (1361575936, 1024),  # 344: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
+                (1375469568, 1024),  # 341: d_bn4f_branch2b_ew_sum 1x256x1x1 float32
+                (1361575936, 1024),  # 342: d_bn4f_branch2b_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 343: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
+                (1361575936, 1024),  # 344: d_bn4f_branch2b_bias 1x256x1x1 float32
                 (1361575936, 6422528),  # 345: bn4f_branch2a_relu_2 32x256x14x14 float32
                 (1367998464, 2359296),  # 346: d_res4f_branch2b_W 256x256x3x3 float32
                 (1367998464, 6422528),  # 347: d_bn4f_branch2a_relu 32x256x14x14 float32
-                (1361575936, 1024),  # 348: d_bn4f_branch2a_ew_sum 1x256x1x1 float32
-                (1361576960, 1024),  # 349: d_bn4f_branch2a_inv_std 1x256x1x1 float32
-                (1361576960, 1024),  # 350: d_bn4f_branch2a_bias 1x256x1x1 float32
-                (1361575936, 1024),  # 351: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
+                (1374420992, 1024),  # 348: d_bn4f_branch2a_ew_sum 1x256x1x1 float32
+                (1361575936, 1024),  # 349: d_bn4f_branch2a_inv_std 1x256x1x1 float32
+                (1361576960, 1024),  # 350: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
+                (1361575936, 1024),  # 351: d_bn4f_branch2a_bias 1x256x1x1 float32
                 (1361575936, 25690112),  # 352: bn4e_branch2c_relu_2 32x1024x14x14 float32
                 (1387266048, 1048576),  # 353: d_res4f_branch2a_W 256x1024x1x1 float32
                 (1387266048, 25690112),  # 354: d_bn4e_branch2c_relu 32x1024x14x14 float32
-                (1361575936, 4096),  # 355: d_bn4e_branch2c_ew_sum 1x1024x1x1 float32
-                (1361580032, 4096),  # 356: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
-                (1361575936, 4096),  # 357: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
+                (1438646272, 4096),  # 355: d_bn4e_branch2c_ew_sum 1x1024x1x1 float32
+                (1361575936, 4096),  # 356: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
+                (1361580032, 4096),  # 357: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
                 (1361575936, 4096),  # 358: d_bn4e_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 359: bn4e_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 360: d_res4e_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 361: d_bn4e_branch2b_relu 32x256x14x14 float32
                 (1335885824, 1024),  # 362: d_bn4e_branch2b_ew_sum 1x256x1x1 float32
                 (1335886848, 1024),  # 363: d_bn4e_branch2b_inv_std 1x256x1x1 float32
-                (1335886848, 1024),  # 364: d_bn4e_branch2b_bias 1x256x1x1 float32
-                (1335885824, 1024),  # 365: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
+                (1335887872, 1024),  # 364: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
+                (1335886848, 1024),  # 365: d_bn4e_branch2b_bias 1x256x1x1 float32
                 (1335885824, 6422528),  # 366: bn4e_branch2a_relu_2 32x256x14x14 float32
                 (1342308352, 2359296),  # 367: d_res4e_branch2b_W 256x256x3x3 float32
                 (1342308352, 6422528),  # 368: d_bn4e_branch2a_relu 32x256x14x14 float32
-                (1335885824, 1024),  # 369: d_bn4e_branch2a_ew_sum 1x256x1x1 float32
-                (1335886848, 1024),  # 370: d_bn4e_branch2a_inv_std 1x256x1x1 float32
-                (1335886848, 1024),  # 371: d_bn4e_branch2a_bias 1x256x1x1 float32
-                (1335885824, 1024),  # 372: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
+                (1348730880, 1024),  # 369: d_bn4e_branch2a_ew_sum 1x256x1x1 float32
+                (1335885824, 1024),  # 370: d_bn4e_branch2a_inv_std 1x256x1x1 float32
+                (1335886848, 1024),  # 371: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
+                (1335885824, 1024),  # 372: d_bn4e_branch2a_bias 1x256x1x1 float32
                 (1335885824, 1048576),  # 373: d_res4e_branch2a_W 256x1024x1x1 float32
                 (1335885824, 25690112),  # 374: d_bn4d_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 375: d_bn4d_branch2c_ew_sum 1x1024x1x1 float32
-                (1284509696, 4096),  # 376: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
-                (1284505600, 4096),  # 377: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
+                (1361575936, 4096),  # 375: d_bn4d_branch2c_ew_sum 1x1024x1x1 float32
+                (1284505600, 4096),  # 376: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
+                (1284509696, 4096),  # 377: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
                 (1284505600, 4096),  # 378: d_bn4d_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 379: bn4d_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 380: d_res4d_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 381: d_bn4d_branch2b_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 382: d_bn4d_branch2b_ew_sum 1x256x1x1 float32
-                (1284506624, 1024),  # 383: d_bn4d_branch2b_inv_std 1x256x1x1 float32
-                (1284506624, 1024),  # 384: d_bn4d_branch2b_bias 1x256x1x1 float32
-                (1284505600, 1024),  # 385: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
+                (1298399232, 1024),  # 382: d_bn4d_branch2b_ew_sum 1x256x1x1 float32
+                (1284505600, 1024),  # 383: d_bn4d_branch2b_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 384: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
+                (1284505600, 1024),  # 385: d_bn4d_branch2b_bias 1x256x1x1 float32
                 (1284505600, 6422528),  # 386: bn4d_branch2a_relu_2 32x256x14x14 float32
                 (1290928128, 2359296),  # 387: d_res4d_branch2b_W 256x256x3x3 float32
                 (1290928128, 6422528),  # 388: d_bn4d_branch2a_relu 32x256x14x14 float32
-                (1284505600, 1024),  # 389: d_bn4d_branch2a_ew_sum 1x256x1x1 float32
-                (1284506624, 1024),  # 390: d_bn4d_branch2a_inv_std 1x256x1x1 float32
-                (1284506624, 1024),  # 391: d_bn4d_branch2a_bias 1x256x1x1 float32
-                (1284505600, 1024),  # 392: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
+                (1297350656, 1024),  # 389: d_bn4d_branch2a_ew_sum 1x256x1x1 float32
+                (1284505600, 1024),  # 390: d_bn4d_branch2a_inv_std 1x256x1x1 float32
+                (1284506624, 1024),  # 391: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
+                (1284505600, 1024),  # 392: d_bn4d_branch2a_bias 1x256x1x1 float32
                 (1284505600, 25690112),  # 393: bn4c_branch2c_relu_2 32x1024x14x14 float32
                 (1310195712, 1048576),  # 394: d_res4d_branch2a_W 256x1024x1x1 float32
                 (1310195712, 25690112),  # 395: d_bn4c_branch2c_relu 32x1024x14x14 float32
-                (1284505600, 4096),  # 396: d_bn4c_branch2c_ew_sum 1x1024x1x1 float32
-                (1284509696, 4096),  # 397: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
-                (1284505600, 4096),  # 398: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
+                (1335885824, 4096),  # 396: d_bn4c_branch2c_ew_sum 1x1024x1x1 float32
+                (1284505600, 4096),  # 397: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
+                (1284509696, 4096),  # 398: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
                 (1284505600, 4096),  # 399: d_bn4c_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 400: bn4c_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 401: d_res4c_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 402: d_bn4c_branch2b_relu 32x256x14x14 float32
                 (1258815488, 1024),  # 403: d_bn4c_branch2b_ew_sum 1x256x1x1 float32
                 (1258816512, 1024),  # 404: d_bn4c_branch2b_inv_std 1x256x1x1 float32
-                (1258816512, 1024),  # 405: d_bn4c_branch2b_bias 1x256x1x1 float32
-                (1258815488, 1024),  # 406: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
+                (1258817536, 1024),  # 405: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
+                (1258816512, 1024),  # 406: d_bn4c_branch2b_bias 1x256x1x1 float32
                 (1258815488, 6422528),  # 407: bn4c_branch2a_relu_2 32x256x14x14 float32
                 (1265238016, 2359296),  # 408: d_res4c_branch2b_W 256x256x3x3 float32
                 (1265238016, 6422528),  # 409: d_bn4c_branch2a_relu 32x256x14x14 float32
-                (1258815488, 1024),  # 410: d_bn4c_branch2a_ew_sum 1x256x1x1 float32
-                (1258816512, 1024),  # 411: d_bn4c_branch2a_inv_std 1x256x1x1 float32
-                (1258816512, 1024),  # 412: d_bn4c_branch2a_bias 1x256x1x1 float32
-                (1258815488, 1024),  # 413: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
+                (1271660544, 1024),  # 410: d_bn4c_branch2a_ew_sum 1x256x1x1 float32
+                (1258815488, 1024),  # 411: d_bn4c_branch2a_inv_std 1x256x1x1 float32
+                (1258816512, 1024),  # 412: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
+                (1258815488, 1024),  # 413: d_bn4c_branch2a_bias 1x256x1x1 float32
                 (1258815488, 1048576),  # 414: d_res4c_branch2a_W 256x1024x1x1 float32
                 (1258815488, 25690112),  # 415: d_bn4b_branch2c_relu 32x1024x14x14 float32
-                (1001914368, 4096),  # 416: d_bn4b_branch2c_ew_sum 1x1024x1x1 float32
-                (1001918464, 4096),  # 417: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
-                (1001914368, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
+                (1284505600, 4096),  # 416: d_bn4b_branch2c_ew_sum 1x1024x1x1 float32
+                (1001914368, 4096),  # 417: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
+                (1001918464, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
                 (1001914368, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
                 (1001914368, 6422528),  # 420: bn4b_branch2b_relu_2 32x256x14x14 float32
                 (1014759424, 1048576),  # 421: d_res4b_branch2c_W 1024x256x1x1 float32
                 (1008336896, 6422528),  # 422: d_bn4b_branch2b_relu 32x256x14x14 float32
-                (1001914368, 1024),  # 423: d_bn4b_branch2b_ew_sum 1x256x1x1 float32
-                (1001915392, 1024),  # 424: d_bn4b_branch2b_inv_std 1x256x1x1 float32
-                (1001915392, 1024),  # 425: d_bn4b_branch2b_bias 1x256x1x1 float32
-                (1001914368, 1024),  # 426: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
+                (1015808000, 1024),  # 423: d_bn4b_branch2b_ew_sum 1x256x1x1 float32
+                (1001914368, 1024),  # 424: d_bn4b_branch2b_inv_std 1x256x1x1 float32
+                (1001915392, 1024),  # 425: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
+                (1001914368, 1024),  # 426: d_bn4b_branch2b_bias 1x256x1x1 float32
                 (1001914368, 6422528),  # 427: bn4b_branch2a_relu_2 32x256x14x14 float32
                 (1008336896, 2359296),  # 428: d_res4b_branch2b_W 256x256x3x3 float32
                 (1008336896, 6422528),  # 429: d_bn4b_branch2a_relu 32x256x14x14 float32
-                (1001914368, 1024),  # 430: d_bn4b_branch2a_ew_sum 1x256x1x1 float32
-                (1001915392, 1024),  # 431: d_bn4b_branch2a_inv_std 1x256x1x1 float32
-                (1001915392, 1024),  # 432: d_bn4b_branch2a_bias 1x256x1x1 float32
-                (1001914368, 1024),  # 433: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
+                (1014759424, 1024),  # 430: d_bn4b_branch2a_ew_sum 1x256x1x1 float32
+                (1001914368, 1024),  # 431: d_bn4b_branch2a_inv_std 1x256x1x1 float32
+                (1001915392, 1024),  # 432: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
+                (1001914368, 1024),  # 433: d_bn4b_branch2a_bias 1x256x1x1 float32
                 (1001914368, 25690112),  # 434: bn4a_branch2c_relu_2 32x1024x14x14 float32
                 (1053294592, 1048576),  # 435: d_res4b_branch2a_W 256x1024x1x1 float32
                 (1053294592, 25690112),  # 436: d_bn4a_branch2c_relu 32x1024x14x14 float32
-                (1001914368, 4096),  # 437: d_bn4a_branch2c_ew_sum 1x1024x1x1 float32
-                (1001918464, 4096),  # 438: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
-                (1001914368, 4096),  # 439: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
+                (1258815488, 4096),  # 437: d_bn4a_branch2c_ew_sum 1x1024x1x1 float32
+                (1001914368, 4096),  # 438: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
+                (1001918464, 4096),  # 439: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
                 (1001914368, 4096),  # 440: d_bn4a_branch1_ew_sum 1x1024x1x1 float32
                 (1001918464, 4096),  # 441: d_bn4a_branch1_inv_std 1x1024x1x1 float32
-                (1001918464, 4096),  # 442: d_bn4a_branch1_bias 1x1024x1x1 float32
-                (1001914368, 4096),  # 443: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
+                (1001922560, 4096),  # 442: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
+                (1001918464, 4096),  # 443: d_bn4a_branch1_bias 1x1024x1x1 float32
                 (1001914368, 6422528),  # 444: bn4a_branch2b_relu_2 32x256x14x14 float32
                 (1014759424, 1048576),  # 445: d_res4a_branch2c_W 1024x256x1x1 float32
                 (1008336896, 6422528),  # 446: d_bn4a_branch2b_relu 32x256x14x14 float32
                 (976224256, 1024),  # 447: d_bn4a_branch2b_ew_sum 1x256x1x1 float32
                 (976225280, 1024),  # 448: d_bn4a_branch2b_inv_std 1x256x1x1 float32
-                (976225280, 1024),  # 449: d_bn4a_branch2b_bias 1x256x1x1 float32
-                (976224256, 1024),  # 450: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
+                (976226304, 1024),  # 449: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
+                (976225280, 1024),  # 450: d_bn4a_branch2b_bias 1x256x1x1 float32
                 (976224256, 2097152),  # 451: d_res4a_branch1_W 1024x512x1x1 float32
                 (976224256, 6422528),  # 452: bn4a_branch2a_relu_2 32x256x14x14 float32
                 (982646784, 2359296),  # 453: d_res4a_branch2b_W 256x256x3x3 float32
                 (982646784, 6422528),  # 454: d_bn4a_branch2a_relu 32x256x14x14 float32
-                (976224256, 1024),  # 455: d_bn4a_branch2a_ew_sum 1x256x1x1 float32
-                (976225280, 1024),  # 456: d_bn4a_branch2a_inv_std 1x256x1x1 float32
-                (976225280, 1024),  # 457: d_bn4a_branch2a_bias 1x256x1x1 float32
-                (976224256, 1024),  # 458: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
+                (989069312, 1024),  # 455: d_bn4a_branch2a_ew_sum 1x256x1x1 float32
+                (976224256, 1024),  # 456: d_bn4a_branch2a_inv_std 1x256x1x1 float32
+                (976225280, 1024),  # 457: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
+                (976224256, 1024),  # 458: d_bn4a_branch2a_bias 1x256x1x1 float32
                 (976224256, 524288),  # 459: d_res4a_branch2a_W 256x512x1x1 float32
                 (976224256, 51380224),  # 460: d_bn3d_branch2c_relu 32x512x28x28 float32
                 (1027604480, 51380224),  # 461: d_bn3d_branch2c_relu_2 32x512x28x28 float32
-                (873463808, 2048),  # 462: d_bn3d_branch2c_ew_sum 1x512x1x1 float32
-                (873465856, 2048),  # 463: d_bn3d_branch2c_inv_std 1x512x1x1 float32
-                (873463808, 2048),  # 464: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
+                (1258815488, 2048),  # 462: d_bn3d_branch2c_ew_sum 1x512x1x1 float32
+                (873463808, 2048),  # 463: d_bn3d_branch2c_inv_std 1x512x1x1 float32
+                (873465856, 2048),  # 464: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
                 (873463808, 2048),  # 465: d_bn3d_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 466: bn3d_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 467: d_res3d_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 468: d_bn3d_branch2b_relu 32x128x28x28 float32
-                (873463808, 512),  # 469: d_bn3d_branch2b_ew_sum 1x128x1x1 float32
-                (873464320, 512),  # 470: d_bn3d_branch2b_inv_std 1x128x1x1 float32
-                (873464320, 512),  # 471: d_bn3d_branch2b_bias 1x128x1x1 float32
-                (873463808, 512),  # 472: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
+                (899416064, 512),  # 469: d_bn3d_branch2b_ew_sum 1x128x1x1 float32
+                (873463808, 512),  # 470: d_bn3d_branch2b_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 471: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
+                (873463808, 512),  # 472: d_bn3d_branch2b_bias 1x128x1x1 float32
                 (873463808, 12845056),  # 473: bn3d_branch2a_relu_2 32x128x28x28 float32
                 (886308864, 589824),  # 474: d_res3d_branch2b_W 128x128x3x3 float32
                 (886308864, 12845056),  # 475: d_bn3d_branch2a_relu 32x128x28x28 float32
-                (873463808, 512),  # 476: d_bn3d_branch2a_ew_sum 1x128x1x1 float32
-                (873464320, 512),  # 477: d_bn3d_branch2a_inv_std 1x128x1x1 float32
-                (873464320, 512),  # 478: d_bn3d_branch2a_bias 1x128x1x1 float32
-                (873463808, 512),  # 479: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
+                (899153920, 512),  # 476: d_bn3d_branch2a_ew_sum 1x128x1x1 float32
+                (873463808, 512),  # 477: d_bn3d_branch2a_inv_std 1x128x1x1 float32
+                (873464320, 512),  # 478: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
+                (873463808, 512),  # 479: d_bn3d_branch2a_bias 1x128x1x1 float32
                 (873463808, 51380224),  # 480: bn3c_branch2c_relu_2 32x512x28x28 float32
                 (924844032, 262144),  # 481: d_res3d_branch2a_W 128x512x1x1 float32
                 (924844032, 51380224),  # 482: d_bn3c_branch2c_relu 32x512x28x28 float32
-                (873463808, 2048),  # 483: d_bn3c_branch2c_ew_sum 1x512x1x1 float32
-                (873465856, 2048),  # 484: d_bn3c_branch2c_inv_std 1x512x1x1 float32
-                (873463808, 2048),  # 485: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
+                (1027604480, 2048),  # 483: d_bn3c_branch2c_ew_sum 1x512x1x1 float32
+                (873463808, 2048),  # 484: d_bn3c_branch2c_inv_std 1x512x1x1 float32
+                (873465856, 2048),  # 485: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
                 (873463808, 2048),  # 486: d_bn3c_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 487: bn3c_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 488: d_res3c_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 489: d_bn3c_branch2b_relu 32x128x28x28 float32
                 (770703360, 512),  # 490: d_bn3c_branch2b_ew_sum 1x128x1x1 float32
                 (770703872, 512),  # 491: d_bn3c_branch2b_inv_std 1x128x1x1 float32
-                (770703872, 512),  # 492: d_bn3c_branch2b_bias 1x128x1x1 float32
-                (770703360, 512),  # 493: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
+                (770704384, 512),  # 492: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
+                (770703872, 512),  # 493: d_bn3c_branch2b_bias 1x128x1x1 float32
                 (770703360, 12845056),  # 494: bn3c_branch2a_relu_2 32x128x28x28 float32
                 (783548416, 589824),  # 495: d_res3c_branch2b_W 128x128x3x3 float32
                 (783548416, 12845056),  # 496: d_bn3c_branch2a_relu 32x128x28x28 float32
-                (770703360, 512),  # 497: d_bn3c_branch2a_ew_sum 1x128x1x1 float32
-                (770703872, 512),  # 498: d_bn3c_branch2a_inv_std 1x128x1x1 float32
-                (770703872, 512),  # 499: d_bn3c_branch2a_bias 1x128x1x1 float32
-                (770703360, 512),  # 500: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
+                (796393472, 512),  # 497: d_bn3c_branch2a_ew_sum 1x128x1x1 float32
+                (770703360, 512),  # 498: d_bn3c_branch2a_inv_std 1x128x1x1 float32
+                (770703872, 512),  # 499: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
+                (770703360, 512),  # 500: d_bn3c_branch2a_bias 1x128x1x1 float32
                 (770703360, 262144),  # 501: d_res3c_branch2a_W 128x512x1x1 float32
                 (770703360, 51380224),  # 502: d_bn3b_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 503: d_bn3b_branch2c_ew_sum 1x512x1x1 float32
-                (667944960, 2048),  # 504: d_bn3b_branch2c_inv_std 1x512x1x1 float32
-                (667942912, 2048),  # 505: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
+                (873463808, 2048),  # 503: d_bn3b_branch2c_ew_sum 1x512x1x1 float32
+                (667942912, 2048),  # 504: d_bn3b_branch2c_inv_std 1x512x1x1 float32
+                (667944960, 2048),  # 505: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
                 (667942912, 2048),  # 506: d_bn3b_branch2c_bias 1x512x1x1 float32
                 (667942912, 12845056),  # 507: bn3b_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 508: d_res3b_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 509: d_bn3b_branch2b_relu 32x128x28x28 float32
-                (667942912, 512),  # 510: d_bn3b_branch2b_ew_sum 1x128x1x1 float32
-                (667943424, 512),  # 511: d_bn3b_branch2b_inv_std 1x128x1x1 float32
-                (667943424, 512),  # 512: d_bn3b_branch2b_bias 1x128x1x1 float32
-                (667942912, 512),  # 513: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
+                (693895168, 512),  # 510: d_bn3b_branch2b_ew_sum 1x128x1x1 float32
+                (667942912, 512),  # 511: d_bn3b_branch2b_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 512: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
+                (667942912, 512),  # 513: d_bn3b_branch2b_bias 1x128x1x1 float32
                 (667942912, 12845056),  # 514: bn3b_branch2a_relu_2 32x128x28x28 float32
                 (680787968, 589824),  # 515: d_res3b_branch2b_W 128x128x3x3 float32
                 (680787968, 12845056),  # 516: d_bn3b_branch2a_relu 32x128x28x28 float32
-                (667942912, 512),  # 517: d_bn3b_branch2a_ew_sum 1x128x1x1 float32
-                (667943424, 512),  # 518: d_bn3b_branch2a_inv_std 1x128x1x1 float32
-                (667943424, 512),  # 519: d_bn3b_branch2a_bias 1x128x1x1 float32
-                (667942912, 512),  # 520: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
+                (693633024, 512),  # 517: d_bn3b_branch2a_ew_sum 1x128x1x1 float32
+                (667942912, 512),  # 518: d_bn3b_branch2a_inv_std 1x128x1x1 float32
+                (667943424, 512),  # 519: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
+                (667942912, 512),  # 520: d_bn3b_branch2a_bias 1x128x1x1 float32
                 (667942912, 51380224),  # 521: bn3a_branch2c_relu_2 32x512x28x28 float32
                 (719323136, 262144),  # 522: d_res3b_branch2a_W 128x512x1x1 float32
                 (719323136, 51380224),  # 523: d_bn3a_branch2c_relu 32x512x28x28 float32
-                (667942912, 2048),  # 524: d_bn3a_branch2c_ew_sum 1x512x1x1 float32
-                (667944960, 2048),  # 525: d_bn3a_branch2c_inv_std 1x512x1x1 float32
-                (667942912, 2048),  # 526: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
+                (770703360, 2048),  # 524: d_bn3a_branch2c_ew_sum 1x512x1x1 float32
+                (667942912, 2048),  # 525: d_bn3a_branch2c_inv_std 1x512x1x1 float32
+                (667944960, 2048),  # 526: d_bn3a_branch2c_batch_mean 1x512x1x1 float32
                 (667942912, 2048),  # 527: d_bn3a_branch1_ew_sum 1x512x1x1 float32
                 (667944960, 2048),  # 528: d_bn3a_branch1_inv_std 1x512x1x1 float32
-                (667944960, 2048),  # 529: d_bn3a_branch1_bias 1x512x1x1 float32
-                (667942912, 2048),  # 530: d_bn3a_branch1_batch_mean 1x512x1x1 float32
+                (667947008, 2048),  # 529: d_bn3a_branch1_batch_mean 1x512x1x1 float32
+                (667944960, 2048),  # 530: d_bn3a_branch1_bias 1x512x1x1 float32
                 (667942912, 12845056),  # 531: bn3a_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 532: d_res3a_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 533: d_bn3a_branch2b_relu 32x128x28x28 float32
                 (616562688, 512),  # 534: d_bn3a_branch2b_ew_sum 1x128x1x1 float32
                 (616563200, 512),  # 535: d_bn3a_branch2b_inv_std 1x128x1x1 float32
-                (616563200, 512),  # 536: d_bn3a_branch2b_bias 1x128x1x1 float32
-                (616562688, 512),  # 537: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
+                (616563712, 512),  # 536: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
+                (616563200, 512),  # 537: d_bn3a_branch2b_bias 1x128x1x1 float32
                 (616562688, 102760448),  # 538: bn2c_branch2c_relu_2 32x256x56x56 float32
                 (719323136, 524288),  # 539: d_res3a_branch1_W 512x256x1x1 float32
                 (719323136, 12845056),  # 540: bn3a_branch2a_relu_2 32x128x28x28 float32
                 (732168192, 589824),  # 541: d_res3a_branch2b_W 128x128x3x3 float32
                 (732168192, 12845056),  # 542: d_bn3a_branch2a_relu 32x128x28x28 float32
-                (719323136, 512),  # 543: d_bn3a_branch2a_ew_sum 1x128x1x1 float32
-                (719323648, 512),  # 544: d_bn3a_branch2a_inv_std 1x128x1x1 float32
-                (719323648, 512),  # 545: d_bn3a_branch2a_bias 1x128x1x1 float32
-                (719323136, 512),  # 546: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
+                (745013248, 512),  # 543: d_bn3a_branch2a_ew_sum 1x128x1x1 float32
+                (719323136, 512),  # 544: d_bn3a_branch2a_inv_std 1x128x1x1 float32
+                (719323648, 512),  # 545: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
+                (719323136, 512),  # 546: d_bn3a_branch2a_bias 1x128x1x1 float32
                 (719323136, 131072),  # 547: d_res3a_branch2a_W 128x256x1x1 float32
                 (719323136, 102760448),  # 548: d_bn2c_branch2c_relu 32x256x56x56 float32
                 (822083584, 102760448),  # 549: d_bn2c_branch2c_relu_2 32x256x56x56 float32
-                (616562688, 1024),  # 550: d_bn2c_branch2c_ew_sum 1x256x1x1 float32
-                (616563712, 1024),  # 551: d_bn2c_branch2c_inv_std 1x256x1x1 float32
-                (616562688, 1024),  # 552: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
+                (924844032, 1024),  # 550: d_bn2c_branch2c_ew_sum 1x256x1x1 float32
+                (616562688, 1024),  # 551: d_bn2c_branch2c_inv_std 1x256x1x1 float32
+                (616563712, 1024),  # 552: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
                 (616562688, 1024),  # 553: d_bn2c_branch2c_bias 1x256x1x1 float32
                 (616562688, 25690112),  # 554: bn2c_branch2b_relu_2 32x64x56x56 float32
                 (667942912, 65536),  # 555: d_res2c_branch2c_W 256x64x1x1 float32
                 (642252800, 25690112),  # 556: d_bn2c_branch2b_relu 32x64x56x56 float32
                 (513802240, 256),  # 557: d_bn2c_branch2b_ew_sum 1x64x1x1 float32
                 (513802496, 256),  # 558: d_bn2c_branch2b_inv_std 1x64x1x1 float32
-                (513802496, 256),  # 559: d_bn2c_branch2b_bias 1x64x1x1 float32
-                (513802240, 256),  # 560: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
+                (513802752, 256),  # 559: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
+                (513802496, 256),  # 560: d_bn2c_branch2b_bias 1x64x1x1 float32
                 (513802240, 25690112),  # 561: bn2c_branch2a_relu_2 32x64x56x56 float32
                 (539492352, 147456),  # 562: d_res2c_branch2b_W 64x64x3x3 float32
                 (539492352, 25690112),  # 563: d_bn2c_branch2a_relu 32x64x56x56 float32
-                (513802240, 256),  # 564: d_bn2c_branch2a_ew_sum 1x64x1x1 float32
-                (513802496, 256),  # 565: d_bn2c_branch2a_inv_std 1x64x1x1 float32
-                (513802496, 256),  # 566: d_bn2c_branch2a_bias 1x64x1x1 float32
-                (513802240, 256),  # 567: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
+                (565182464, 256),  # 564: d_bn2c_branch2a_ew_sum 1x64x1x1 float32
+                (513802240, 256),  # 565: d_bn2c_branch2a_inv_std 1x64x1x1 float32
+                (513802496, 256),  # 566: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
+                (513802240, 256),  # 567: d_bn2c_branch2a_bias 1x64x1x1 float32
                 (513802240, 65536),  # 568: d_res2c_branch2a_W 64x256x1x1 float32
                 (513802240, 102760448),  # 569: d_bn2b_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 570: d_bn2b_branch2c_ew_sum 1x256x1x1 float32
-                (308282368, 1024),  # 571: d_bn2b_branch2c_inv_std 1x256x1x1 float32
-                (308281344, 1024),  # 572: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
+                (616562688, 1024),  # 570: d_bn2b_branch2c_ew_sum 1x256x1x1 float32
+                (308281344, 1024),  # 571: d_bn2b_branch2c_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 572: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
                 (308281344, 1024),  # 573: d_bn2b_branch2c_bias 1x256x1x1 float32
                 (308281344, 25690112),  # 574: bn2b_branch2b_relu_2 32x64x56x56 float32
                 (359661568, 65536),  # 575: d_res2b_branch2c_W 256x64x1x1 float32
                 (333971456, 25690112),  # 576: d_bn2b_branch2b_relu 32x64x56x56 float32
-                (308281344, 256),  # 577: d_bn2b_branch2b_ew_sum 1x64x1x1 float32
-                (308281600, 256),  # 578: d_bn2b_branch2b_inv_std 1x64x1x1 float32
-                (308281600, 256),  # 579: d_bn2b_branch2b_bias 1x64x1x1 float32
-                (308281344, 256),  # 580: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
+                (359727104, 256),  # 577: d_bn2b_branch2b_ew_sum 1x64x1x1 float32
+                (308281344, 256),  # 578: d_bn2b_branch2b_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 579: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
+                (308281344, 256),  # 580: d_bn2b_branch2b_bias 1x64x1x1 float32
                 (308281344, 25690112),  # 581: bn2b_branch2a_relu_2 32x64x56x56 float32
                 (333971456, 147456),  # 582: d_res2b_branch2b_W 64x64x3x3 float32
                 (333971456, 25690112),  # 583: d_bn2b_branch2a_relu 32x64x56x56 float32
-                (308281344, 256),  # 584: d_bn2b_branch2a_ew_sum 1x64x1x1 float32
-                (308281600, 256),  # 585: d_bn2b_branch2a_inv_std 1x64x1x1 float32
-                (308281600, 256),  # 586: d_bn2b_branch2a_bias 1x64x1x1 float32
-                (308281344, 256),  # 587: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
+                (359661568, 256),  # 584: d_bn2b_branch2a_ew_sum 1x64x1x1 float32
+                (308281344, 256),  # 585: d_bn2b_branch2a_inv_std 1x64x1x1 float32
+                (308281600, 256),  # 586: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
+                (308281344, 256),  # 587: d_bn2b_branch2a_bias 1x64x1x1 float32
                 (308281344, 102760448),  # 588: bn2a_branch2c_relu_2 32x256x56x56 float32
                 (411041792, 65536),  # 589: d_res2b_branch2a_W 64x256x1x1 float32
                 (411041792, 102760448),  # 590: d_bn2a_branch2c_relu 32x256x56x56 float32
-                (308281344, 1024),  # 591: d_bn2a_branch2c_ew_sum 1x256x1x1 float32
-                (308282368, 1024),  # 592: d_bn2a_branch2c_inv_std 1x256x1x1 float32
-                (308281344, 1024),  # 593: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
+                (513802240, 1024),  # 591: d_bn2a_branch2c_ew_sum 1x256x1x1 float32
+                (308281344, 1024),  # 592: d_bn2a_branch2c_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 593: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
                 (308281344, 1024),  # 594: d_bn2a_branch1_ew_sum 1x256x1x1 float32
                 (308282368, 1024),  # 595: d_bn2a_branch1_inv_std 1x256x1x1 float32
-                (308282368, 1024),  # 596: d_bn2a_branch1_bias 1x256x1x1 float32
-                (308281344, 1024),  # 597: d_bn2a_branch1_batch_mean 1x256x1x1 float32
+                (308283392, 1024),  # 596: d_bn2a_branch1_batch_mean 1x256x1x1 float32
+                (308282368, 1024),  # 597: d_bn2a_branch1_bias 1x256x1x1 float32
                 (308281344, 25690112),  # 598: bn2a_branch2b_relu_2 32x64x56x56 float32
                 (359661568, 65536),  # 599: d_res2a_branch2c_W 256x64x1x1 float32
                 (333971456, 25690112),  # 600: d_bn2a_branch2b_relu 32x64x56x56 float32
                 (205520896, 256),  # 601: d_bn2a_branch2b_ew_sum 1x64x1x1 float32
                 (205521152, 256),  # 602: d_bn2a_branch2b_inv_std 1x64x1x1 float32
-                (205521152, 256),  # 603: d_bn2a_branch2b_bias 1x64x1x1 float32
-                (205520896, 256),  # 604: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
+                (205521408, 256),  # 603: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
+                (205521152, 256),  # 604: d_bn2a_branch2b_bias 1x64x1x1 float32
                 (231211008, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
                 (205520896, 25690112),  # 606: d_bn_conv1_max_pool 32x64x56x56 float32
                 (102760448, 25690112),  # 607: bn2a_branch2a_relu_2 32x64x56x56 float32
                 (128450560, 147456),  # 608: d_res2a_branch2b_W 64x64x3x3 float32
                 (128450560, 25690112),  # 609: d_bn2a_branch2a_relu 32x64x56x56 float32
-                (102760448, 256),  # 610: d_bn2a_branch2a_ew_sum 1x64x1x1 float32
-                (102760704, 256),  # 611: d_bn2a_branch2a_inv_std 1x64x1x1 float32
-                (102760704, 256),  # 612: d_bn2a_branch2a_bias 1x64x1x1 float32
-                (102760448, 256),  # 613: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
+                (154140672, 256),  # 610: d_bn2a_branch2a_ew_sum 1x64x1x1 float32
+                (102760448, 256),  # 611: d_bn2a_branch2a_inv_std 1x64x1x1 float32
+                (102760704, 256),  # 612: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
+                (102760448, 256),  # 613: d_bn2a_branch2a_bias 1x64x1x1 float32
                 (102760448, 16384),  # 614: d_res2a_branch2a_W 64x64x1x1 float32
                 (102760448, 25690112),  # 615: d_bn_conv1_max_pool_2 32x64x56x56 float32
                 (231211008, 25690112),  # 616: d_bn_conv1_centered 32x64x56x56 float32
@@ -10444,7 +10682,7 @@ class Resnet50(rp.Model):
                 (205520896, 256),  # 618: d_bn_conv1_ew_sum 1x64x1x1 float32
                 (205521152, 256),  # 619: d_bn_conv1_bias 1x64x1x1 float32
                 (102760448, 102760448),  # 620: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
-                (0, 256),  # 621: d_bn_conv1_batch_mean 1x64x1x1 float32
+                (205521152, 256),  # 621: d_bn_conv1_batch_mean 1x64x1x1 float32
                 (0, 37632),  # 622: d_conv1_W 64x3x7x7 float32
             )),
         "test_step": rp.StepPlan(
@@ -10528,15 +10766,15 @@ def ew_sub(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
+def ew_square(out, v0):
+    """out = v0**2"""
+    np.square(v0, out=out)
+
+
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.1, out, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
@@ -10679,14 +10917,14 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

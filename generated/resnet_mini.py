@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 35.59 MB, pool 39.21 MB, workspace 31.97 MB
-Structure hash: f446cf7b1b91ef22
+Structure hash: a92e26cf920c052e
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "f446cf7b1b91ef22"
+    structure_hash = "a92e26cf920c052e"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -179,9 +179,13 @@ class ResnetMini(rp.Model):
         # conv1_bn_batch_mean = conv1_bn_sum/78400
         conv1_bn_batch_mean = conv1_bn_sum  # in place: over conv1_bn_sum
         rt.ew(ew_scale, conv1_bn_batch_mean, conv1_bn_sum)
-        # conv1_bn_centered = conv1 - conv1_bn_batch_mean
+        # conv1_bn_centered = conv1 - conv1_bn_batch_mean   (computed with the next statement)
         conv1_bn_centered = conv1  # in place: over conv1
-        rt.ew(ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean)
+        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_centered**2)
+        conv1_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean),
+                      (ew_square, conv1_bn_sum_of_squares, conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # conv1_bn_batch_mean_flat = reshape[16](conv1_bn_batch_mean)
         conv1_bn_batch_mean_flat = rt.reshape(conv1_bn_batch_mean, shape=(16,))
         # conv1_bn_mean_new = 0.9*conv1_bn_mean + 0.1*conv1_bn_batch_mean_flat
@@ -190,9 +194,6 @@ class ResnetMini(rp.Model):
         # free conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         del conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         mem.free(4)
-        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_centered**2)
-        conv1_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, conv1_bn_sum_of_squares, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # conv1_bn_batch_var = conv1_bn_sum_of_squares/78400
         conv1_bn_batch_var = conv1_bn_sum_of_squares  # in place: over conv1_bn_sum_of_squares
         rt.ew(ew_scale, conv1_bn_batch_var, conv1_bn_sum_of_squares)
@@ -226,9 +227,13 @@ class ResnetMini(rp.Model):
         # res2_a_bn_batch_mean = res2_a_bn_sum/78400
         res2_a_bn_batch_mean = res2_a_bn_sum  # in place: over res2_a_bn_sum
         rt.ew(ew_scale, res2_a_bn_batch_mean, res2_a_bn_sum)
-        # res2_a_bn_centered = res2_a - res2_a_bn_batch_mean
+        # res2_a_bn_centered = res2_a - res2_a_bn_batch_mean   (computed with the next statement)
         res2_a_bn_centered = res2_a  # in place: over res2_a
-        rt.ew(ew_sub, res2_a_bn_centered, res2_a, res2_a_bn_batch_mean)
+        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_centered**2)
+        res2_a_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res2_a_bn_centered, res2_a, res2_a_bn_batch_mean),
+                      (ew_square, res2_a_bn_sum_of_squares, res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_a_bn_batch_mean_flat = reshape[16](res2_a_bn_batch_mean)
         res2_a_bn_batch_mean_flat = rt.reshape(res2_a_bn_batch_mean, shape=(16,))
         # res2_a_bn_mean_new = 0.9*res2_a_bn_mean + 0.1*res2_a_bn_batch_mean_flat
@@ -237,9 +242,6 @@ class ResnetMini(rp.Model):
         # free res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         del res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         mem.free(9)
-        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_centered**2)
-        res2_a_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res2_a_bn_sum_of_squares, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_a_bn_batch_var = res2_a_bn_sum_of_squares/78400
         res2_a_bn_batch_var = res2_a_bn_sum_of_squares  # in place: over res2_a_bn_sum_of_squares
         rt.ew(ew_scale, res2_a_bn_batch_var, res2_a_bn_sum_of_squares)
@@ -276,9 +278,13 @@ class ResnetMini(rp.Model):
         # res2_b_bn_batch_mean = res2_b_bn_sum/78400
         res2_b_bn_batch_mean = res2_b_bn_sum  # in place: over res2_b_bn_sum
         rt.ew(ew_scale, res2_b_bn_batch_mean, res2_b_bn_sum)
-        # res2_b_bn_centered = res2_b - res2_b_bn_batch_mean
+        # res2_b_bn_centered = res2_b - res2_b_bn_batch_mean   (computed with the next statement)
         res2_b_bn_centered = res2_b  # in place: over res2_b
-        rt.ew(ew_sub, res2_b_bn_centered, res2_b, res2_b_bn_batch_mean)
+        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_centered**2)
+        res2_b_bn_sum_of_squares = mem.tensor(15, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res2_b_bn_centered, res2_b, res2_b_bn_batch_mean),
+                      (ew_square, res2_b_bn_sum_of_squares, res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_b_bn_batch_mean_flat = reshape[16](res2_b_bn_batch_mean)
         res2_b_bn_batch_mean_flat = rt.reshape(res2_b_bn_batch_mean, shape=(16,))
         # res2_b_bn_mean_new = 0.9*res2_b_bn_mean + 0.1*res2_b_bn_batch_mean_flat
@@ -287,9 +293,6 @@ class ResnetMini(rp.Model):
         # free res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         del res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         mem.free(14)
-        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_centered**2)
-        res2_b_bn_sum_of_squares = mem.tensor(15, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res2_b_bn_sum_of_squares, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_b_bn_batch_var = res2_b_bn_sum_of_squares/78400
         res2_b_bn_batch_var = res2_b_bn_sum_of_squares  # in place: over res2_b_bn_sum_of_squares
         rt.ew(ew_scale, res2_b_bn_batch_var, res2_b_bn_sum_of_squares)
@@ -323,9 +326,13 @@ class ResnetMini(rp.Model):
         # res3_proj_bn_batch_mean = res3_proj_bn_sum/19600
         res3_proj_bn_batch_mean = res3_proj_bn_sum  # in place: over res3_proj_bn_sum
         rt.ew(ew_scale_2, res3_proj_bn_batch_mean, res3_proj_bn_sum)
-        # res3_proj_bn_centered = res3_proj - res3_proj_bn_batch_mean
+        # res3_proj_bn_centered = res3_proj - res3_proj_bn_batch_mean   (computed with the next statement)
         res3_proj_bn_centered = res3_proj  # in place: over res3_proj
-        rt.ew(ew_sub, res3_proj_bn_centered, res3_proj, res3_proj_bn_batch_mean)
+        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_centered**2)
+        res3_proj_bn_sum_of_squares = mem.tensor(19, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_proj_bn_centered, res3_proj, res3_proj_bn_batch_mean),
+                      (ew_square, res3_proj_bn_sum_of_squares, res3_proj_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_proj_bn_batch_mean_flat = reshape[32](res3_proj_bn_batch_mean)
         res3_proj_bn_batch_mean_flat = rt.reshape(res3_proj_bn_batch_mean, shape=(32,))
         # res3_proj_bn_mean_new = 0.9*res3_proj_bn_mean + 0.1*res3_proj_bn_batch_mean_flat
@@ -334,9 +341,6 @@ class ResnetMini(rp.Model):
         # free res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         del res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         mem.free(18)
-        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_centered**2)
-        res3_proj_bn_sum_of_squares = mem.tensor(19, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_proj_bn_sum_of_squares, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares/19600
         res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares  # in place: over res3_proj_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_proj_bn_batch_var, res3_proj_bn_sum_of_squares)
@@ -361,9 +365,13 @@ class ResnetMini(rp.Model):
         # res3_a_bn_batch_mean = res3_a_bn_sum/19600
         res3_a_bn_batch_mean = res3_a_bn_sum  # in place: over res3_a_bn_sum
         rt.ew(ew_scale_2, res3_a_bn_batch_mean, res3_a_bn_sum)
-        # res3_a_bn_centered = res3_a - res3_a_bn_batch_mean
+        # res3_a_bn_centered = res3_a - res3_a_bn_batch_mean   (computed with the next statement)
         res3_a_bn_centered = res3_a  # in place: over res3_a
-        rt.ew(ew_sub, res3_a_bn_centered, res3_a, res3_a_bn_batch_mean)
+        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_centered**2)
+        res3_a_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_a_bn_centered, res3_a, res3_a_bn_batch_mean),
+                      (ew_square, res3_a_bn_sum_of_squares, res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_a_bn_batch_mean_flat = reshape[32](res3_a_bn_batch_mean)
         res3_a_bn_batch_mean_flat = rt.reshape(res3_a_bn_batch_mean, shape=(32,))
         # res3_a_bn_mean_new = 0.9*res3_a_bn_mean + 0.1*res3_a_bn_batch_mean_flat
@@ -372,9 +380,6 @@ class ResnetMini(rp.Model):
         # free res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         del res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         mem.free(22)
-        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_centered**2)
-        res3_a_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_a_bn_sum_of_squares, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_a_bn_batch_var = res3_a_bn_sum_of_squares/19600
         res3_a_bn_batch_var = res3_a_bn_sum_of_squares  # in place: over res3_a_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_a_bn_batch_var, res3_a_bn_sum_of_squares)
@@ -411,9 +416,13 @@ class ResnetMini(rp.Model):
         # res3_b_bn_batch_mean = res3_b_bn_sum/19600
         res3_b_bn_batch_mean = res3_b_bn_sum  # in place: over res3_b_bn_sum
         rt.ew(ew_scale_2, res3_b_bn_batch_mean, res3_b_bn_sum)
-        # res3_b_bn_centered = res3_b - res3_b_bn_batch_mean
+        # res3_b_bn_centered = res3_b - res3_b_bn_batch_mean   (computed with the next statement)
         res3_b_bn_centered = res3_b  # in place: over res3_b
-        rt.ew(ew_sub, res3_b_bn_centered, res3_b, res3_b_bn_batch_mean)
+        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_centered**2)
+        res3_b_bn_sum_of_squares = mem.tensor(28, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_b_bn_centered, res3_b, res3_b_bn_batch_mean),
+                      (ew_square, res3_b_bn_sum_of_squares, res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_b_bn_batch_mean_flat = reshape[32](res3_b_bn_batch_mean)
         res3_b_bn_batch_mean_flat = rt.reshape(res3_b_bn_batch_mean, shape=(32,))
         # res3_b_bn_mean_new = 0.9*res3_b_bn_mean + 0.1*res3_b_bn_batch_mean_flat
@@ -422,9 +431,6 @@ class ResnetMini(rp.Model):
         # free res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         del res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         mem.free(27)
-        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_centered**2)
-        res3_b_bn_sum_of_squares = mem.tensor(28, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_b_bn_sum_of_squares, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_b_bn_batch_var = res3_b_bn_sum_of_squares/19600
         res3_b_bn_batch_var = res3_b_bn_sum_of_squares  # in place: over res3_b_bn_sum_of_squares
         rt.ew(ew_scale_2, res3_b_bn_batch_var, res3_b_bn_sum_of_squares)
@@ -466,9 +472,13 @@ class ResnetMini(rp.Model):
         # res4_proj_bn_batch_mean = res4_proj_bn_sum/4900
         res4_proj_bn_batch_mean = res4_proj_bn_sum  # in place: over res4_proj_bn_sum
         rt.ew(ew_scale_3, res4_proj_bn_batch_mean, res4_proj_bn_sum)
-        # res4_proj_bn_centered = res4_proj - res4_proj_bn_batch_mean
+        # res4_proj_bn_centered = res4_proj - res4_proj_bn_batch_mean   (computed with the next statement)
         res4_proj_bn_centered = res4_proj  # in place: over res4_proj
-        rt.ew(ew_sub, res4_proj_bn_centered, res4_proj, res4_proj_bn_batch_mean)
+        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_centered**2)
+        res4_proj_bn_sum_of_squares = mem.tensor(33, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_proj_bn_centered, res4_proj, res4_proj_bn_batch_mean),
+                      (ew_square, res4_proj_bn_sum_of_squares, res4_proj_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_proj_bn_batch_mean_flat = reshape[64](res4_proj_bn_batch_mean)
         res4_proj_bn_batch_mean_flat = rt.reshape(res4_proj_bn_batch_mean, shape=(64,))
         # res4_proj_bn_mean_new = 0.9*res4_proj_bn_mean + 0.1*res4_proj_bn_batch_mean_flat
@@ -477,9 +487,6 @@ class ResnetMini(rp.Model):
         # free res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         del res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         mem.free(32)
-        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_centered**2)
-        res4_proj_bn_sum_of_squares = mem.tensor(33, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_proj_bn_sum_of_squares, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares/4900
         res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares  # in place: over res4_proj_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_proj_bn_batch_var, res4_proj_bn_sum_of_squares)
@@ -507,9 +514,13 @@ class ResnetMini(rp.Model):
         # res4_a_bn_batch_mean = res4_a_bn_sum/4900
         res4_a_bn_batch_mean = res4_a_bn_sum  # in place: over res4_a_bn_sum
         rt.ew(ew_scale_3, res4_a_bn_batch_mean, res4_a_bn_sum)
-        # res4_a_bn_centered = res4_a - res4_a_bn_batch_mean
+        # res4_a_bn_centered = res4_a - res4_a_bn_batch_mean   (computed with the next statement)
         res4_a_bn_centered = res4_a  # in place: over res4_a
-        rt.ew(ew_sub, res4_a_bn_centered, res4_a, res4_a_bn_batch_mean)
+        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_centered**2)
+        res4_a_bn_sum_of_squares = mem.tensor(37, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_a_bn_centered, res4_a, res4_a_bn_batch_mean),
+                      (ew_square, res4_a_bn_sum_of_squares, res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_a_bn_batch_mean_flat = reshape[64](res4_a_bn_batch_mean)
         res4_a_bn_batch_mean_flat = rt.reshape(res4_a_bn_batch_mean, shape=(64,))
         # res4_a_bn_mean_new = 0.9*res4_a_bn_mean + 0.1*res4_a_bn_batch_mean_flat
@@ -518,9 +529,6 @@ class ResnetMini(rp.Model):
         # free res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         del res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         mem.free(36)
-        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_centered**2)
-        res4_a_bn_sum_of_squares = mem.tensor(37, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_a_bn_sum_of_squares, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_a_bn_batch_var = res4_a_bn_sum_of_squares/4900
         res4_a_bn_batch_var = res4_a_bn_sum_of_squares  # in place: over res4_a_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_a_bn_batch_var, res4_a_bn_sum_of_squares)
@@ -554,9 +562,13 @@ class ResnetMini(rp.Model):
         # res4_b_bn_batch_mean = res4_b_bn_sum/4900
         res4_b_bn_batch_mean = res4_b_bn_sum  # in place: over res4_b_bn_sum
         rt.ew(ew_scale_3, res4_b_bn_batch_mean, res4_b_bn_sum)
-        # res4_b_bn_centered = res4_b - res4_b_bn_batch_mean
+        # res4_b_bn_centered = res4_b - res4_b_bn_batch_mean   (computed with the next statement)
         res4_b_bn_centered = res4_b  # in place: over res4_b
-        rt.ew(ew_sub, res4_b_bn_centered, res4_b, res4_b_bn_batch_mean)
+        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_centered**2)
+        res4_b_bn_sum_of_squares = mem.tensor(42, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_b_bn_centered, res4_b, res4_b_bn_batch_mean),
+                      (ew_square, res4_b_bn_sum_of_squares, res4_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_b_bn_batch_mean_flat = reshape[64](res4_b_bn_batch_mean)
         res4_b_bn_batch_mean_flat = rt.reshape(res4_b_bn_batch_mean, shape=(64,))
         # res4_b_bn_mean_new = 0.9*res4_b_bn_mean + 0.1*res4_b_bn_batch_mean_flat
@@ -565,9 +577,6 @@ class ResnetMini(rp.Model):
         # free res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         del res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         mem.free(41)
-        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_centered**2)
-        res4_b_bn_sum_of_squares = mem.tensor(42, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_b_bn_sum_of_squares, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_b_bn_batch_var = res4_b_bn_sum_of_squares/4900
         res4_b_bn_batch_var = res4_b_bn_sum_of_squares  # in place: over res4_b_bn_sum_of_squares
         rt.ew(ew_scale_3, res4_b_bn_batch_var, res4_b_bn_sum_of_squares)
@@ -694,19 +703,25 @@ class ResnetMini(rp.Model):
         mem.free(51)
 
         # ---- res4_b_bn_relu (relu), backward ----
-        # d_res4_b_bn_add = d_res4_b_bn_relu*Heaviside(res4_b_bn_relu, 0)
+        # d_res4_b_bn_add = d_res4_b_bn_relu*Heaviside(res4_b_bn_relu, 0)   (computed with the next statement)
         d_res4_b_bn_add = d_res4_b_bn_relu  # in place: over d_res4_b_bn_relu
-        rt.ew(ew_step_mul, d_res4_b_bn_add, d_res4_b_bn_relu, res4_b_bn_relu)
+
+        # ---- res4_proj_bn (batch norm), backward ----
+        # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered)
+        d_res4_proj_bn_ew_sum = mem.tensor(53, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res4_b_bn_add, d_res4_b_bn_relu, res4_b_bn_relu),
+                      (ew_mul, d_res4_proj_bn_ew_sum, d_res4_b_bn_add, res4_proj_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free res4_b_bn_relu
         del res4_b_bn_relu
         mem.free(44)
 
         # ---- res4_b_bn (batch norm), backward ----
         # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_b_bn_centered)
-        d_res4_b_bn_ew_sum = mem.tensor(53, (1, 64, 1, 1), 'float32')
+        d_res4_b_bn_ew_sum = mem.tensor(54, (1, 64, 1, 1), 'float32')
         rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn_add, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum   (computed with the next statement)
-        d_res4_b_bn_inv_std = mem.tensor(54, (1, 64, 1, 1), 'float32')
+        d_res4_b_bn_inv_std = mem.tensor(55, (1, 64, 1, 1), 'float32')
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
         d_res4_b_bn_sum_of_squares = d_res4_b_bn_inv_std  # in place: over d_res4_b_bn_inv_std
         rt.ew_pair((ew_mul, d_res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_ew_sum),
@@ -714,18 +729,22 @@ class ResnetMini(rp.Model):
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(42)
-        # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
+        # d_res4_b_bn_centered = d_res4_b_bn_add*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered   (computed with the next statement)
         d_res4_b_bn_centered = res4_b_bn_centered  # in place: over res4_b_bn_centered
-        rt.ew(ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
+        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
+        d_res4_b_bn_batch_mean = mem.tensor(56, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res4_b_bn_centered, d_res4_b_bn_add, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered),
+                      (ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
         del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
-        mem.free(54)
+        mem.free(55)
         # d_res4_b_bn_weight = res4_b_bn_inv_std*d_res4_b_bn_ew_sum
         d_res4_b_bn_weight = res4_b_bn_inv_std  # in place: over res4_b_bn_inv_std
         rt.ew(ew_mul_2, d_res4_b_bn_weight, res4_b_bn_inv_std, d_res4_b_bn_ew_sum)
         # free d_res4_b_bn_ew_sum
         del d_res4_b_bn_ew_sum
-        mem.free(53)
+        mem.free(54)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
         # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W   (computed with the next statement)
@@ -737,9 +756,6 @@ class ResnetMini(rp.Model):
         # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
         mem.free(43)
-        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
-        d_res4_b_bn_batch_mean = mem.tensor(55, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
         d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
         rt.ew(ew_scale_3, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
@@ -750,12 +766,9 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
         # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
         del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
-        mem.free(55)
+        mem.free(56)
 
         # ---- res4_proj_bn (batch norm), backward ----
-        # d_res4_proj_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn_add*res4_proj_bn_centered)
-        d_res4_proj_bn_ew_sum = mem.tensor(56, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_proj_bn_ew_sum, d_res4_b_bn_add, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_inv_std = res4_proj_bn_weight*d_res4_proj_bn_ew_sum   (computed with the next statement)
         d_res4_proj_bn_inv_std = mem.tensor(57, (1, 64, 1, 1), 'float32')
         # d_res4_proj_bn_sum_of_squares = -d_res4_proj_bn_inv_std/(9800*(res4_proj_bn_batch_var + 1.0e-5)**(3/2))
@@ -765,14 +778,18 @@ class ResnetMini(rp.Model):
         # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(33)
-        # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
+        # d_res4_proj_bn_centered = d_res4_b_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered   (computed with the next statement)
         d_res4_proj_bn_centered = res4_proj_bn_centered  # in place: over res4_proj_bn_centered
-        rt.ew(ew_mul_add_2, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
+        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
+        d_res4_proj_bn_batch_mean = mem.tensor(58, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res4_proj_bn_centered, d_res4_b_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered),
+                      (ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
         del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
         mem.free(57)
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_b_bn_add)
-        d_res4_proj_bn_bias = mem.tensor(58, (1, 64, 1, 1), 'float32')
+        d_res4_proj_bn_bias = mem.tensor(59, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_b_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_b_bn_relu, d_res4_b_bn_add
         del d_res4_b_bn_relu, d_res4_b_bn_add
@@ -782,7 +799,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_2, d_res4_proj_bn_weight, res4_proj_bn_inv_std, d_res4_proj_bn_ew_sum)
         # free d_res4_proj_bn_ew_sum
         del d_res4_proj_bn_ew_sum
-        mem.free(56)
+        mem.free(53)
         # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
         d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
 
@@ -797,7 +814,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B'])
         # free d_res4_proj_bn_bias, d_res4_proj_bn_B
         del d_res4_proj_bn_bias, d_res4_proj_bn_B
-        mem.free(58)
+        mem.free(59)
 
         # ---- res4_b_bn (batch norm), backward ----
         # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
@@ -819,9 +836,6 @@ class ResnetMini(rp.Model):
         # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
         res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
         rt.ew(ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new)
-        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
-        d_res4_proj_bn_batch_mean = mem.tensor(59, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
         d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
         rt.ew(ew_scale_3, d_res4_proj_bn_sum, d_res4_proj_bn_batch_mean)
@@ -832,7 +846,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res4_proj, d_res4_proj_bn_centered, d_res4_proj_bn_sum)
         # free d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
         del d_res4_proj_bn_batch_mean, d_res4_proj_bn_sum
-        mem.free(59)
+        mem.free(58)
 
         # ---- res3_b_bn_relu (relu), forward ----
         # res3_b_bn_relu_2 = Max(0, res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias + res3_proj_bn_centered*res3_proj_bn_inv_std*res3_proj_bn_weight + res3_proj_bn_bias)
@@ -868,9 +882,15 @@ class ResnetMini(rp.Model):
         mem.free(40)
 
         # ---- res4_a_bn_relu (relu), backward ----
-        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu, 0)
+        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu, 0)   (computed with the next statement)
         d_res4_a_bn = d_res4_a_bn_relu  # in place: over d_res4_a_bn_relu
-        rt.ew(ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu)
+
+        # ---- res4_a_bn (batch norm), backward ----
+        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
+        d_res4_a_bn_ew_sum = mem.tensor(64, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu),
+                      (ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free res4_a_bn_relu
         del res4_a_bn_relu
         mem.free(39)
@@ -881,9 +901,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
 
         # ---- res4_a_bn (batch norm), backward ----
-        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
-        d_res4_a_bn_ew_sum = mem.tensor(64, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum   (computed with the next statement)
         d_res4_a_bn_inv_std = mem.tensor(65, (1, 64, 1, 1), 'float32')
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -893,14 +910,18 @@ class ResnetMini(rp.Model):
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(37)
-        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
+        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered   (computed with the next statement)
         d_res4_a_bn_centered = res4_a_bn_centered  # in place: over res4_a_bn_centered
-        rt.ew(ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
+        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
+        d_res4_a_bn_batch_mean = mem.tensor(66, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered),
+                      (ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
         del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
         mem.free(65)
         # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
-        d_res4_a_bn_bias = mem.tensor(66, (1, 64, 1, 1), 'float32')
+        d_res4_a_bn_bias = mem.tensor(67, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_a_bn_relu, d_res4_a_bn
         del d_res4_a_bn_relu, d_res4_a_bn
@@ -932,10 +953,7 @@ class ResnetMini(rp.Model):
                    (ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new))
         # free d_res4_a_bn_bias, d_res4_a_bn_B
         del d_res4_a_bn_bias, d_res4_a_bn_B
-        mem.free(66)
-        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
-        d_res4_a_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        mem.free(67)
         # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
         d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
         rt.ew(ew_scale_3, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
@@ -946,7 +964,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res4_a, d_res4_a_bn_centered, d_res4_a_bn_sum)
         # free d_res4_a_bn_batch_mean, d_res4_a_bn_sum
         del d_res4_a_bn_batch_mean, d_res4_a_bn_sum
-        mem.free(67)
+        mem.free(66)
         # d_res4_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res4_a, res3_b_bn_relu_2)
         d_res4_a_W = mem.tensor(68, (64, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4_a, res3_b_bn_relu_2, out=d_res4_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
@@ -975,9 +993,15 @@ class ResnetMini(rp.Model):
         mem.free(31)
 
         # ---- res3_b_bn_relu (relu), backward ----
-        # d_res3_b_bn_add = (d_res3_b_bn_relu_2 + d_res3_b_bn_relu)*Heaviside(res3_b_bn_relu_2, 0)
+        # d_res3_b_bn_add = (d_res3_b_bn_relu_2 + d_res3_b_bn_relu)*Heaviside(res3_b_bn_relu_2, 0)   (computed with the next statement)
         d_res3_b_bn_add = d_res3_b_bn_relu_2  # in place: over d_res3_b_bn_relu_2
-        rt.ew(ew_add_step_mul, d_res3_b_bn_add, d_res3_b_bn_relu_2, d_res3_b_bn_relu, res3_b_bn_relu_2)
+
+        # ---- res3_b_bn (batch norm), backward ----
+        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered)
+        d_res3_b_bn_ew_sum = mem.tensor(71, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_res3_b_bn_add, d_res3_b_bn_relu_2, d_res3_b_bn_relu, res3_b_bn_relu_2),
+                      (ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn_add, res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_b_bn_relu_2, d_res3_b_bn_relu
         del res3_b_bn_relu_2, d_res3_b_bn_relu
         mem.free(60, 69)
@@ -988,9 +1012,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
 
         # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn_add*res3_b_bn_centered)
-        d_res3_b_bn_ew_sum = mem.tensor(71, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn_add, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum   (computed with the next statement)
         d_res3_b_bn_inv_std = mem.tensor(72, (1, 32, 1, 1), 'float32')
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1000,9 +1021,13 @@ class ResnetMini(rp.Model):
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(28)
-        # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
+        # d_res3_b_bn_centered = d_res3_b_bn_add*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered   (computed with the next statement)
         d_res3_b_bn_centered = res3_b_bn_centered  # in place: over res3_b_bn_centered
-        rt.ew(ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
+        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
+        d_res3_b_bn_batch_mean = mem.tensor(73, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res3_b_bn_centered, d_res3_b_bn_add, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered),
+                      (ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
         del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
         mem.free(72)
@@ -1023,9 +1048,6 @@ class ResnetMini(rp.Model):
         # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
         mem.free(29)
-        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
-        d_res3_b_bn_batch_mean = mem.tensor(73, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
         d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
@@ -1051,14 +1073,18 @@ class ResnetMini(rp.Model):
         # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(19)
-        # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
+        # d_res3_proj_bn_centered = d_res3_b_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered   (computed with the next statement)
         d_res3_proj_bn_centered = res3_proj_bn_centered  # in place: over res3_proj_bn_centered
-        rt.ew(ew_mul_add_2, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
+        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
+        d_res3_proj_bn_batch_mean = mem.tensor(76, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res3_proj_bn_centered, d_res3_b_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered),
+                      (ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
         del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
         mem.free(75)
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_b_bn_add)
-        d_res3_proj_bn_bias = mem.tensor(76, (1, 32, 1, 1), 'float32')
+        d_res3_proj_bn_bias = mem.tensor(77, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_b_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_b_bn_relu_2, d_res3_b_bn_add
         del d_res3_b_bn_relu_2, d_res3_b_bn_add
@@ -1083,7 +1109,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_add, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
         # free d_res3_proj_bn_bias, d_res3_proj_bn_B
         del d_res3_proj_bn_bias, d_res3_proj_bn_B
-        mem.free(76)
+        mem.free(77)
 
         # ---- res3_b_bn (batch norm), backward ----
         # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
@@ -1105,9 +1131,6 @@ class ResnetMini(rp.Model):
         # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
         res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
         rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
-        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
-        d_res3_proj_bn_batch_mean = mem.tensor(77, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
@@ -1118,7 +1141,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res3_proj, d_res3_proj_bn_centered, d_res3_proj_bn_sum)
         # free d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
         del d_res3_proj_bn_batch_mean, d_res3_proj_bn_sum
-        mem.free(77)
+        mem.free(76)
         # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, res2_b_bn_relu)
         d_res3_proj_W = mem.tensor(78, (32, 16, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3_proj, res2_b_bn_relu, out=d_res3_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
@@ -1152,9 +1175,15 @@ class ResnetMini(rp.Model):
         mem.free(26)
 
         # ---- res3_a_bn_relu (relu), backward ----
-        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)
+        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)   (computed with the next statement)
         d_res3_a_bn = d_res3_a_bn_relu  # in place: over d_res3_a_bn_relu
-        rt.ew(ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2)
+
+        # ---- res3_a_bn (batch norm), backward ----
+        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
+        d_res3_a_bn_ew_sum = mem.tensor(82, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2),
+                      (ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_a_bn_relu_2
         del res3_a_bn_relu_2
         mem.free(79)
@@ -1165,9 +1194,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
 
         # ---- res3_a_bn (batch norm), backward ----
-        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
-        d_res3_a_bn_ew_sum = mem.tensor(82, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(83, (1, 32, 1, 1), 'float32')
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1177,14 +1203,18 @@ class ResnetMini(rp.Model):
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(23)
-        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
+        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered   (computed with the next statement)
         d_res3_a_bn_centered = res3_a_bn_centered  # in place: over res3_a_bn_centered
-        rt.ew(ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
+        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
+        d_res3_a_bn_batch_mean = mem.tensor(84, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered),
+                      (ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
         del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
         mem.free(83)
         # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
-        d_res3_a_bn_bias = mem.tensor(84, (1, 32, 1, 1), 'float32')
+        d_res3_a_bn_bias = mem.tensor(85, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_a_bn_relu, d_res3_a_bn
         del d_res3_a_bn_relu, d_res3_a_bn
@@ -1216,10 +1246,7 @@ class ResnetMini(rp.Model):
                    (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
         # free d_res3_a_bn_bias, d_res3_a_bn_B
         del d_res3_a_bn_bias, d_res3_a_bn_B
-        mem.free(84)
-        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
-        d_res3_a_bn_batch_mean = mem.tensor(85, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(85)
         # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
         d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
@@ -1230,7 +1257,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res3_a, d_res3_a_bn_centered, d_res3_a_bn_sum)
         # free d_res3_a_bn_batch_mean, d_res3_a_bn_sum
         del d_res3_a_bn_batch_mean, d_res3_a_bn_sum
-        mem.free(85)
+        mem.free(84)
         # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, res2_b_bn_relu)
         d_res3_a_W = mem.tensor(86, (32, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_a, res2_b_bn_relu, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
@@ -1259,9 +1286,15 @@ class ResnetMini(rp.Model):
         mem.free(17)
 
         # ---- res2_b_bn_relu (relu), backward ----
-        # d_res2_b_bn_add = (d_res2_b_bn_relu_2 + d_res2_b_bn_relu)*Heaviside(res2_b_bn_relu, 0)
+        # d_res2_b_bn_add = (d_res2_b_bn_relu_2 + d_res2_b_bn_relu)*Heaviside(res2_b_bn_relu, 0)   (computed with the next statement)
         d_res2_b_bn_add = d_res2_b_bn_relu_2  # in place: over d_res2_b_bn_relu_2
-        rt.ew(ew_add_step_mul, d_res2_b_bn_add, d_res2_b_bn_relu_2, d_res2_b_bn_relu, res2_b_bn_relu)
+
+        # ---- res2_b_bn (batch norm), backward ----
+        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered)
+        d_res2_b_bn_ew_sum = mem.tensor(89, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_res2_b_bn_add, d_res2_b_bn_relu_2, d_res2_b_bn_relu, res2_b_bn_relu),
+                      (ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn_add, res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         del conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         mem.free(7, 87)
@@ -1272,9 +1305,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
 
         # ---- res2_b_bn (batch norm), backward ----
-        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn_add*res2_b_bn_centered)
-        d_res2_b_bn_ew_sum = mem.tensor(89, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn_add, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum   (computed with the next statement)
         d_res2_b_bn_inv_std = mem.tensor(90, (1, 16, 1, 1), 'float32')
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1284,9 +1314,13 @@ class ResnetMini(rp.Model):
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
-        # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
+        # d_res2_b_bn_centered = d_res2_b_bn_add*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered   (computed with the next statement)
         d_res2_b_bn_centered = res2_b_bn_centered  # in place: over res2_b_bn_centered
-        rt.ew(ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
+        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
+        d_res2_b_bn_batch_mean = mem.tensor(91, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res2_b_bn_centered, d_res2_b_bn_add, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered),
+                      (ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
         del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
         mem.free(90)
@@ -1307,9 +1341,6 @@ class ResnetMini(rp.Model):
         # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
         mem.free(16)
-        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
-        d_res2_b_bn_batch_mean = mem.tensor(91, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
         d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
         rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
@@ -1361,9 +1392,15 @@ class ResnetMini(rp.Model):
         mem.free(13)
 
         # ---- res2_a_bn_relu (relu), backward ----
-        # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)
+        # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)   (computed with the next statement)
         d_res2_a_bn = d_res2_a_bn_relu  # in place: over d_res2_a_bn_relu
-        rt.ew(ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2)
+
+        # ---- res2_a_bn (batch norm), backward ----
+        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
+        d_res2_a_bn_ew_sum = mem.tensor(96, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2),
+                      (ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free res2_a_bn_relu_2
         del res2_a_bn_relu_2
         mem.free(93)
@@ -1374,9 +1411,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
 
         # ---- res2_a_bn (batch norm), backward ----
-        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
-        d_res2_a_bn_ew_sum = mem.tensor(96, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(97, (1, 16, 1, 1), 'float32')
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1386,14 +1420,18 @@ class ResnetMini(rp.Model):
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
-        # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
+        # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered   (computed with the next statement)
         d_res2_a_bn_centered = res2_a_bn_centered  # in place: over res2_a_bn_centered
-        rt.ew(ew_mul_add_2, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
+        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
+        d_res2_a_bn_batch_mean = mem.tensor(98, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered),
+                      (ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
         del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
         mem.free(97)
         # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
-        d_res2_a_bn_bias = mem.tensor(98, (1, 16, 1, 1), 'float32')
+        d_res2_a_bn_bias = mem.tensor(99, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_a_bn_relu, d_res2_a_bn
         del d_res2_a_bn_relu, d_res2_a_bn
@@ -1425,10 +1463,7 @@ class ResnetMini(rp.Model):
                    (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
         # free d_res2_a_bn_bias, d_res2_a_bn_B
         del d_res2_a_bn_bias, d_res2_a_bn_B
-        mem.free(98)
-        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
-        d_res2_a_bn_batch_mean = mem.tensor(99, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(99)
         # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
         d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
         rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
@@ -1439,7 +1474,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_res2_a, d_res2_a_bn_centered, d_res2_a_bn_sum)
         # free d_res2_a_bn_batch_mean, d_res2_a_bn_sum
         del d_res2_a_bn_batch_mean, d_res2_a_bn_sum
-        mem.free(99)
+        mem.free(98)
 
         # ---- conv1_bn_relu (relu), forward ----
         # conv1_bn_relu_2 = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
@@ -1464,9 +1499,15 @@ class ResnetMini(rp.Model):
         mem.free(8)
 
         # ---- conv1_bn_relu (relu), backward ----
-        # d_conv1_bn = (d_res2_b_bn_add + d_conv1_bn_relu)*Heaviside(conv1_bn_relu_2, 0)
+        # d_conv1_bn = (d_res2_b_bn_add + d_conv1_bn_relu)*Heaviside(conv1_bn_relu_2, 0)   (computed with the next statement)
         d_conv1_bn = d_res2_b_bn_add  # in place: over d_res2_b_bn_add
-        rt.ew(ew_add_step_mul, d_conv1_bn, d_res2_b_bn_add, d_conv1_bn_relu, conv1_bn_relu_2)
+
+        # ---- conv1_bn (batch norm), backward ----
+        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(103, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_conv1_bn, d_res2_b_bn_add, d_conv1_bn_relu, conv1_bn_relu_2),
+                      (ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free conv1_bn_relu_2, d_conv1_bn_relu
         del conv1_bn_relu_2, d_conv1_bn_relu
         mem.free(100, 102)
@@ -1477,9 +1518,6 @@ class ResnetMini(rp.Model):
         rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
-        d_conv1_bn_ew_sum = mem.tensor(103, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(104, (1, 16, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -1489,14 +1527,18 @@ class ResnetMini(rp.Model):
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
-        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
+        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered   (computed with the next statement)
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
-        rt.ew(ew_mul_add_2, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
+        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
+        d_conv1_bn_batch_mean = mem.tensor(105, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered),
+                      (ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         mem.free(104)
         # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
-        d_conv1_bn_bias = mem.tensor(105, (1, 16, 1, 1), 'float32')
+        d_conv1_bn_bias = mem.tensor(106, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
         del d_res2_b_bn_relu_2, d_res2_b_bn_add, d_conv1_bn
@@ -1528,10 +1570,7 @@ class ResnetMini(rp.Model):
                    (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(105)
-        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
-        d_conv1_bn_batch_mean = mem.tensor(106, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(106)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -1542,7 +1581,7 @@ class ResnetMini(rp.Model):
         rt.ew(ew_add, d_conv1, d_conv1_bn_centered, d_conv1_bn_sum)
         # free d_conv1_bn_batch_mean, d_conv1_bn_sum
         del d_conv1_bn_batch_mean, d_conv1_bn_sum
-        mem.free(106)
+        mem.free(105)
         # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1, x)
         d_conv1_W = mem.tensor(107, (16, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
@@ -1887,60 +1926,60 @@ class ResnetMini(rp.Model):
                 (16307200, 40),  # 50: d_fc_B 10 float32
                 (35436800, 25600),  # 51: d_res4_b_bn_flatten 100x64 float32
                 (16307200, 1254400),  # 52: d_res4_b_bn_relu 100x64x7x7 float32
-                (15052800, 256),  # 53: d_res4_b_bn_ew_sum 1x64x1x1 float32
-                (15053056, 256),  # 54: d_res4_b_bn_inv_std 1x64x1x1 float32
-                (15052800, 256),  # 55: d_res4_b_bn_batch_mean 1x64x1x1 float32
-                (15052800, 256),  # 56: d_res4_proj_bn_ew_sum 1x64x1x1 float32
-                (15053056, 256),  # 57: d_res4_proj_bn_inv_std 1x64x1x1 float32
-                (15053056, 256),  # 58: d_res4_proj_bn_bias 1x64x1x1 float32
-                (15052800, 256),  # 59: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (35436800, 256),  # 53: d_res4_proj_bn_ew_sum 1x64x1x1 float32
+                (15052800, 256),  # 54: d_res4_b_bn_ew_sum 1x64x1x1 float32
+                (15053056, 256),  # 55: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (15053312, 256),  # 56: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (15052800, 256),  # 57: d_res4_proj_bn_inv_std 1x64x1x1 float32
+                (15053056, 256),  # 58: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (15052800, 256),  # 59: d_res4_proj_bn_bias 1x64x1x1 float32
                 (15052800, 2508800),  # 60: res3_b_bn_relu_2 100x32x14x14 float32
                 (35436800, 8192),  # 61: d_res4_proj_W 64x32x1x1 float32
                 (35436800, 147456),  # 62: d_res4_b_W 64x64x3x3 float32
                 (28851200, 1254400),  # 63: d_res4_a_bn_relu 100x64x7x7 float32
-                (27596800, 256),  # 64: d_res4_a_bn_ew_sum 1x64x1x1 float32
-                (27597056, 256),  # 65: d_res4_a_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 66: d_res4_a_bn_bias 1x64x1x1 float32
-                (27596800, 256),  # 67: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (35436800, 256),  # 64: d_res4_a_bn_ew_sum 1x64x1x1 float32
+                (27596800, 256),  # 65: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 66: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (27596800, 256),  # 67: d_res4_a_bn_bias 1x64x1x1 float32
                 (27596800, 73728),  # 68: d_res4_a_W 64x32x3x3 float32
                 (27596800, 2508800),  # 69: d_res3_b_bn_relu 100x32x14x14 float32
                 (32614400, 2508800),  # 70: d_res3_b_bn_relu_2 100x32x14x14 float32
-                (15052800, 128),  # 71: d_res3_b_bn_ew_sum 1x32x1x1 float32
-                (15053056, 128),  # 72: d_res3_b_bn_inv_std 1x32x1x1 float32
-                (15052800, 128),  # 73: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (35436800, 128),  # 71: d_res3_b_bn_ew_sum 1x32x1x1 float32
+                (15052800, 128),  # 72: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (15053056, 128),  # 73: d_res3_b_bn_batch_mean 1x32x1x1 float32
                 (15052800, 128),  # 74: d_res3_proj_bn_ew_sum 1x32x1x1 float32
                 (15053056, 128),  # 75: d_res3_proj_bn_inv_std 1x32x1x1 float32
-                (15053056, 128),  # 76: d_res3_proj_bn_bias 1x32x1x1 float32
-                (15052800, 128),  # 77: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (15053312, 128),  # 76: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (15053056, 128),  # 77: d_res3_proj_bn_bias 1x32x1x1 float32
                 (15052800, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
                 (15052800, 2508800),  # 79: res3_a_bn_relu_2 100x32x14x14 float32
                 (27596800, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
                 (27596800, 2508800),  # 81: d_res3_a_bn_relu 100x32x14x14 float32
-                (15052800, 128),  # 82: d_res3_a_bn_ew_sum 1x32x1x1 float32
-                (15053056, 128),  # 83: d_res3_a_bn_inv_std 1x32x1x1 float32
-                (15053056, 128),  # 84: d_res3_a_bn_bias 1x32x1x1 float32
-                (15052800, 128),  # 85: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (17561600, 128),  # 82: d_res3_a_bn_ew_sum 1x32x1x1 float32
+                (15052800, 128),  # 83: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (15053056, 128),  # 84: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (15052800, 128),  # 85: d_res3_a_bn_bias 1x32x1x1 float32
                 (15052800, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
                 (15052800, 5017600),  # 87: d_res2_b_bn_relu 100x16x28x28 float32
                 (25088000, 5017600),  # 88: d_res2_b_bn_relu_2 100x16x28x28 float32
-                (5017600, 64),  # 89: d_res2_b_bn_ew_sum 1x16x1x1 float32
-                (5017856, 64),  # 90: d_res2_b_bn_inv_std 1x16x1x1 float32
-                (5017600, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (30105600, 64),  # 89: d_res2_b_bn_ew_sum 1x16x1x1 float32
+                (5017600, 64),  # 90: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
                 (5017600, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 93: res2_a_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 94: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 95: d_res2_a_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 96: d_res2_a_bn_ew_sum 1x16x1x1 float32
-                (5017856, 64),  # 97: d_res2_a_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 98: d_res2_a_bn_bias 1x16x1x1 float32
-                (5017600, 64),  # 99: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (20070400, 64),  # 96: d_res2_a_bn_ew_sum 1x16x1x1 float32
+                (5017600, 64),  # 97: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 98: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (5017600, 64),  # 99: d_res2_a_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 100: conv1_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 101: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 102: d_conv1_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 103: d_conv1_bn_ew_sum 1x16x1x1 float32
-                (5017856, 64),  # 104: d_conv1_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 105: d_conv1_bn_bias 1x16x1x1 float32
-                (5017600, 64),  # 106: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (10035200, 64),  # 103: d_conv1_bn_ew_sum 1x16x1x1 float32
+                (5017600, 64),  # 104: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 105: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (5017600, 64),  # 106: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 576),  # 107: d_conv1_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(
@@ -1979,15 +2018,15 @@ def ew_sub(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
+def ew_square(out, v0):
+    """out = v0**2"""
+    np.square(v0, out=out)
+
+
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.1, out, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
@@ -2099,14 +2138,14 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.82 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: 14454713879ddc92
+Structure hash: 9af5c00f4161e4c1
 
 Usage: python se_resnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class SeResnet(rp.Model):
 
     name = "se_resnet"
     source = "networks/se_resnet.py"
-    structure_hash = "14454713879ddc92"
+    structure_hash = "9af5c00f4161e4c1"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -203,9 +203,13 @@ class SeResnet(rp.Model):
         # conv1_bn_batch_mean = conv1_bn_sum/78400
         conv1_bn_batch_mean = conv1_bn_sum  # in place: over conv1_bn_sum
         rt.ew(ew_scale, conv1_bn_batch_mean, conv1_bn_sum)
-        # conv1_bn_centered = conv1 - conv1_bn_batch_mean
+        # conv1_bn_centered = conv1 - conv1_bn_batch_mean   (computed with the next statement)
         conv1_bn_centered = conv1  # in place: over conv1
-        rt.ew(ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean)
+        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_centered**2)
+        conv1_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, conv1_bn_centered, conv1, conv1_bn_batch_mean),
+                      (ew_square, conv1_bn_sum_of_squares, conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # conv1_bn_batch_mean_flat = reshape[16](conv1_bn_batch_mean)
         conv1_bn_batch_mean_flat = rt.reshape(conv1_bn_batch_mean, shape=(16,))
         # conv1_bn_mean_new = 0.9*conv1_bn_mean + 0.1*conv1_bn_batch_mean_flat
@@ -214,9 +218,6 @@ class SeResnet(rp.Model):
         # free conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         del conv1_bn_sum, conv1_bn_batch_mean, conv1_bn_batch_mean_flat
         mem.free(4)
-        # conv1_bn_sum_of_squares = sum_to[1x16x1x1](conv1_bn_centered**2)
-        conv1_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, conv1_bn_sum_of_squares, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # conv1_bn_batch_var = conv1_bn_sum_of_squares/78400
         conv1_bn_batch_var = conv1_bn_sum_of_squares  # in place: over conv1_bn_sum_of_squares
         rt.ew(ew_scale, conv1_bn_batch_var, conv1_bn_sum_of_squares)
@@ -250,9 +251,13 @@ class SeResnet(rp.Model):
         # res2_a_bn_batch_mean = res2_a_bn_sum/78400
         res2_a_bn_batch_mean = res2_a_bn_sum  # in place: over res2_a_bn_sum
         rt.ew(ew_scale, res2_a_bn_batch_mean, res2_a_bn_sum)
-        # res2_a_bn_centered = res2_a - res2_a_bn_batch_mean
+        # res2_a_bn_centered = res2_a - res2_a_bn_batch_mean   (computed with the next statement)
         res2_a_bn_centered = res2_a  # in place: over res2_a
-        rt.ew(ew_sub, res2_a_bn_centered, res2_a, res2_a_bn_batch_mean)
+        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_centered**2)
+        res2_a_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res2_a_bn_centered, res2_a, res2_a_bn_batch_mean),
+                      (ew_square, res2_a_bn_sum_of_squares, res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_a_bn_batch_mean_flat = reshape[16](res2_a_bn_batch_mean)
         res2_a_bn_batch_mean_flat = rt.reshape(res2_a_bn_batch_mean, shape=(16,))
         # res2_a_bn_mean_new = 0.9*res2_a_bn_mean + 0.1*res2_a_bn_batch_mean_flat
@@ -261,9 +266,6 @@ class SeResnet(rp.Model):
         # free res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         del res2_a_bn_sum, res2_a_bn_batch_mean, res2_a_bn_batch_mean_flat
         mem.free(9)
-        # res2_a_bn_sum_of_squares = sum_to[1x16x1x1](res2_a_bn_centered**2)
-        res2_a_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res2_a_bn_sum_of_squares, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_a_bn_batch_var = res2_a_bn_sum_of_squares/78400
         res2_a_bn_batch_var = res2_a_bn_sum_of_squares  # in place: over res2_a_bn_sum_of_squares
         rt.ew(ew_scale, res2_a_bn_batch_var, res2_a_bn_sum_of_squares)
@@ -300,9 +302,13 @@ class SeResnet(rp.Model):
         # res2_b_bn_batch_mean = res2_b_bn_sum/78400
         res2_b_bn_batch_mean = res2_b_bn_sum  # in place: over res2_b_bn_sum
         rt.ew(ew_scale, res2_b_bn_batch_mean, res2_b_bn_sum)
-        # res2_b_bn_centered = res2_b - res2_b_bn_batch_mean
+        # res2_b_bn_centered = res2_b - res2_b_bn_batch_mean   (computed with the next statement)
         res2_b_bn_centered = res2_b  # in place: over res2_b
-        rt.ew(ew_sub, res2_b_bn_centered, res2_b, res2_b_bn_batch_mean)
+        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_centered**2)
+        res2_b_bn_sum_of_squares = mem.tensor(15, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res2_b_bn_centered, res2_b, res2_b_bn_batch_mean),
+                      (ew_square, res2_b_bn_sum_of_squares, res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_b_bn_batch_mean_flat = reshape[16](res2_b_bn_batch_mean)
         res2_b_bn_batch_mean_flat = rt.reshape(res2_b_bn_batch_mean, shape=(16,))
         # res2_b_bn_mean_new = 0.9*res2_b_bn_mean + 0.1*res2_b_bn_batch_mean_flat
@@ -311,9 +317,6 @@ class SeResnet(rp.Model):
         # free res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         del res2_b_bn_sum, res2_b_bn_batch_mean, res2_b_bn_batch_mean_flat
         mem.free(14)
-        # res2_b_bn_sum_of_squares = sum_to[1x16x1x1](res2_b_bn_centered**2)
-        res2_b_bn_sum_of_squares = mem.tensor(15, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res2_b_bn_sum_of_squares, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # res2_b_bn_batch_var = res2_b_bn_sum_of_squares/78400
         res2_b_bn_batch_var = res2_b_bn_sum_of_squares  # in place: over res2_b_bn_sum_of_squares
         rt.ew(ew_scale, res2_b_bn_batch_var, res2_b_bn_sum_of_squares)
@@ -385,9 +388,13 @@ class SeResnet(rp.Model):
         # res3_proj_bn_batch_mean = res3_proj_bn_sum/19600
         res3_proj_bn_batch_mean = res3_proj_bn_sum  # in place: over res3_proj_bn_sum
         rt.ew(ew_scale_3, res3_proj_bn_batch_mean, res3_proj_bn_sum)
-        # res3_proj_bn_centered = res3_proj - res3_proj_bn_batch_mean
+        # res3_proj_bn_centered = res3_proj - res3_proj_bn_batch_mean   (computed with the next statement)
         res3_proj_bn_centered = res3_proj  # in place: over res3_proj
-        rt.ew(ew_sub, res3_proj_bn_centered, res3_proj, res3_proj_bn_batch_mean)
+        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_centered**2)
+        res3_proj_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_proj_bn_centered, res3_proj, res3_proj_bn_batch_mean),
+                      (ew_square, res3_proj_bn_sum_of_squares, res3_proj_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_proj_bn_batch_mean_flat = reshape[32](res3_proj_bn_batch_mean)
         res3_proj_bn_batch_mean_flat = rt.reshape(res3_proj_bn_batch_mean, shape=(32,))
         # res3_proj_bn_mean_new = 0.9*res3_proj_bn_mean + 0.1*res3_proj_bn_batch_mean_flat
@@ -396,9 +403,6 @@ class SeResnet(rp.Model):
         # free res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         del res3_proj_bn_sum, res3_proj_bn_batch_mean, res3_proj_bn_batch_mean_flat
         mem.free(22)
-        # res3_proj_bn_sum_of_squares = sum_to[1x32x1x1](res3_proj_bn_centered**2)
-        res3_proj_bn_sum_of_squares = mem.tensor(23, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_proj_bn_sum_of_squares, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares/19600
         res3_proj_bn_batch_var = res3_proj_bn_sum_of_squares  # in place: over res3_proj_bn_sum_of_squares
         rt.ew(ew_scale_3, res3_proj_bn_batch_var, res3_proj_bn_sum_of_squares)
@@ -423,9 +427,13 @@ class SeResnet(rp.Model):
         # res3_a_bn_batch_mean = res3_a_bn_sum/19600
         res3_a_bn_batch_mean = res3_a_bn_sum  # in place: over res3_a_bn_sum
         rt.ew(ew_scale_3, res3_a_bn_batch_mean, res3_a_bn_sum)
-        # res3_a_bn_centered = res3_a - res3_a_bn_batch_mean
+        # res3_a_bn_centered = res3_a - res3_a_bn_batch_mean   (computed with the next statement)
         res3_a_bn_centered = res3_a  # in place: over res3_a
-        rt.ew(ew_sub, res3_a_bn_centered, res3_a, res3_a_bn_batch_mean)
+        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_centered**2)
+        res3_a_bn_sum_of_squares = mem.tensor(27, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_a_bn_centered, res3_a, res3_a_bn_batch_mean),
+                      (ew_square, res3_a_bn_sum_of_squares, res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_a_bn_batch_mean_flat = reshape[32](res3_a_bn_batch_mean)
         res3_a_bn_batch_mean_flat = rt.reshape(res3_a_bn_batch_mean, shape=(32,))
         # res3_a_bn_mean_new = 0.9*res3_a_bn_mean + 0.1*res3_a_bn_batch_mean_flat
@@ -434,9 +442,6 @@ class SeResnet(rp.Model):
         # free res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         del res3_a_bn_sum, res3_a_bn_batch_mean, res3_a_bn_batch_mean_flat
         mem.free(26)
-        # res3_a_bn_sum_of_squares = sum_to[1x32x1x1](res3_a_bn_centered**2)
-        res3_a_bn_sum_of_squares = mem.tensor(27, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_a_bn_sum_of_squares, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_a_bn_batch_var = res3_a_bn_sum_of_squares/19600
         res3_a_bn_batch_var = res3_a_bn_sum_of_squares  # in place: over res3_a_bn_sum_of_squares
         rt.ew(ew_scale_3, res3_a_bn_batch_var, res3_a_bn_sum_of_squares)
@@ -473,9 +478,13 @@ class SeResnet(rp.Model):
         # res3_b_bn_batch_mean = res3_b_bn_sum/19600
         res3_b_bn_batch_mean = res3_b_bn_sum  # in place: over res3_b_bn_sum
         rt.ew(ew_scale_3, res3_b_bn_batch_mean, res3_b_bn_sum)
-        # res3_b_bn_centered = res3_b - res3_b_bn_batch_mean
+        # res3_b_bn_centered = res3_b - res3_b_bn_batch_mean   (computed with the next statement)
         res3_b_bn_centered = res3_b  # in place: over res3_b
-        rt.ew(ew_sub, res3_b_bn_centered, res3_b, res3_b_bn_batch_mean)
+        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_centered**2)
+        res3_b_bn_sum_of_squares = mem.tensor(32, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res3_b_bn_centered, res3_b, res3_b_bn_batch_mean),
+                      (ew_square, res3_b_bn_sum_of_squares, res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_b_bn_batch_mean_flat = reshape[32](res3_b_bn_batch_mean)
         res3_b_bn_batch_mean_flat = rt.reshape(res3_b_bn_batch_mean, shape=(32,))
         # res3_b_bn_mean_new = 0.9*res3_b_bn_mean + 0.1*res3_b_bn_batch_mean_flat
@@ -484,9 +493,6 @@ class SeResnet(rp.Model):
         # free res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         del res3_b_bn_sum, res3_b_bn_batch_mean, res3_b_bn_batch_mean_flat
         mem.free(31)
-        # res3_b_bn_sum_of_squares = sum_to[1x32x1x1](res3_b_bn_centered**2)
-        res3_b_bn_sum_of_squares = mem.tensor(32, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res3_b_bn_sum_of_squares, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # res3_b_bn_batch_var = res3_b_bn_sum_of_squares/19600
         res3_b_bn_batch_var = res3_b_bn_sum_of_squares  # in place: over res3_b_bn_sum_of_squares
         rt.ew(ew_scale_3, res3_b_bn_batch_var, res3_b_bn_sum_of_squares)
@@ -561,9 +567,13 @@ class SeResnet(rp.Model):
         # res4_proj_bn_batch_mean = res4_proj_bn_sum/4900
         res4_proj_bn_batch_mean = res4_proj_bn_sum  # in place: over res4_proj_bn_sum
         rt.ew(ew_scale_5, res4_proj_bn_batch_mean, res4_proj_bn_sum)
-        # res4_proj_bn_centered = res4_proj - res4_proj_bn_batch_mean
+        # res4_proj_bn_centered = res4_proj - res4_proj_bn_batch_mean   (computed with the next statement)
         res4_proj_bn_centered = res4_proj  # in place: over res4_proj
-        rt.ew(ew_sub, res4_proj_bn_centered, res4_proj, res4_proj_bn_batch_mean)
+        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_centered**2)
+        res4_proj_bn_sum_of_squares = mem.tensor(40, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_proj_bn_centered, res4_proj, res4_proj_bn_batch_mean),
+                      (ew_square, res4_proj_bn_sum_of_squares, res4_proj_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_proj_bn_batch_mean_flat = reshape[64](res4_proj_bn_batch_mean)
         res4_proj_bn_batch_mean_flat = rt.reshape(res4_proj_bn_batch_mean, shape=(64,))
         # res4_proj_bn_mean_new = 0.9*res4_proj_bn_mean + 0.1*res4_proj_bn_batch_mean_flat
@@ -572,9 +582,6 @@ class SeResnet(rp.Model):
         # free res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         del res4_proj_bn_sum, res4_proj_bn_batch_mean, res4_proj_bn_batch_mean_flat
         mem.free(39)
-        # res4_proj_bn_sum_of_squares = sum_to[1x64x1x1](res4_proj_bn_centered**2)
-        res4_proj_bn_sum_of_squares = mem.tensor(40, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_proj_bn_sum_of_squares, res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares/4900
         res4_proj_bn_batch_var = res4_proj_bn_sum_of_squares  # in place: over res4_proj_bn_sum_of_squares
         rt.ew(ew_scale_5, res4_proj_bn_batch_var, res4_proj_bn_sum_of_squares)
@@ -599,9 +606,13 @@ class SeResnet(rp.Model):
         # res4_a_bn_batch_mean = res4_a_bn_sum/4900
         res4_a_bn_batch_mean = res4_a_bn_sum  # in place: over res4_a_bn_sum
         rt.ew(ew_scale_5, res4_a_bn_batch_mean, res4_a_bn_sum)
-        # res4_a_bn_centered = res4_a - res4_a_bn_batch_mean
+        # res4_a_bn_centered = res4_a - res4_a_bn_batch_mean   (computed with the next statement)
         res4_a_bn_centered = res4_a  # in place: over res4_a
-        rt.ew(ew_sub, res4_a_bn_centered, res4_a, res4_a_bn_batch_mean)
+        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_centered**2)
+        res4_a_bn_sum_of_squares = mem.tensor(44, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_a_bn_centered, res4_a, res4_a_bn_batch_mean),
+                      (ew_square, res4_a_bn_sum_of_squares, res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_a_bn_batch_mean_flat = reshape[64](res4_a_bn_batch_mean)
         res4_a_bn_batch_mean_flat = rt.reshape(res4_a_bn_batch_mean, shape=(64,))
         # res4_a_bn_mean_new = 0.9*res4_a_bn_mean + 0.1*res4_a_bn_batch_mean_flat
@@ -610,9 +621,6 @@ class SeResnet(rp.Model):
         # free res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         del res4_a_bn_sum, res4_a_bn_batch_mean, res4_a_bn_batch_mean_flat
         mem.free(43)
-        # res4_a_bn_sum_of_squares = sum_to[1x64x1x1](res4_a_bn_centered**2)
-        res4_a_bn_sum_of_squares = mem.tensor(44, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_a_bn_sum_of_squares, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_a_bn_batch_var = res4_a_bn_sum_of_squares/4900
         res4_a_bn_batch_var = res4_a_bn_sum_of_squares  # in place: over res4_a_bn_sum_of_squares
         rt.ew(ew_scale_5, res4_a_bn_batch_var, res4_a_bn_sum_of_squares)
@@ -649,9 +657,13 @@ class SeResnet(rp.Model):
         # res4_b_bn_batch_mean = res4_b_bn_sum/4900
         res4_b_bn_batch_mean = res4_b_bn_sum  # in place: over res4_b_bn_sum
         rt.ew(ew_scale_5, res4_b_bn_batch_mean, res4_b_bn_sum)
-        # res4_b_bn_centered = res4_b - res4_b_bn_batch_mean
+        # res4_b_bn_centered = res4_b - res4_b_bn_batch_mean   (computed with the next statement)
         res4_b_bn_centered = res4_b  # in place: over res4_b
-        rt.ew(ew_sub, res4_b_bn_centered, res4_b, res4_b_bn_batch_mean)
+        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_centered**2)
+        res4_b_bn_sum_of_squares = mem.tensor(49, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, res4_b_bn_centered, res4_b, res4_b_bn_batch_mean),
+                      (ew_square, res4_b_bn_sum_of_squares, res4_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_b_bn_batch_mean_flat = reshape[64](res4_b_bn_batch_mean)
         res4_b_bn_batch_mean_flat = rt.reshape(res4_b_bn_batch_mean, shape=(64,))
         # res4_b_bn_mean_new = 0.9*res4_b_bn_mean + 0.1*res4_b_bn_batch_mean_flat
@@ -660,9 +672,6 @@ class SeResnet(rp.Model):
         # free res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         del res4_b_bn_sum, res4_b_bn_batch_mean, res4_b_bn_batch_mean_flat
         mem.free(48)
-        # res4_b_bn_sum_of_squares = sum_to[1x64x1x1](res4_b_bn_centered**2)
-        res4_b_bn_sum_of_squares = mem.tensor(49, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, res4_b_bn_sum_of_squares, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # res4_b_bn_batch_var = res4_b_bn_sum_of_squares/4900
         res4_b_bn_batch_var = res4_b_bn_sum_of_squares  # in place: over res4_b_bn_sum_of_squares
         rt.ew(ew_scale_5, res4_b_bn_batch_var, res4_b_bn_sum_of_squares)
@@ -830,14 +839,15 @@ class SeResnet(rp.Model):
         mem.free(51)
 
         # ---- res4_b_bn (batch norm), forward ----
-        # res4_b_bn_2 = res4_b_bn_centered*res4_b_bn_inv_std*res4_b_bn_weight + res4_b_bn_bias
+        # res4_b_bn_2 = res4_b_bn_centered*res4_b_bn_inv_std*res4_b_bn_weight + res4_b_bn_bias   (computed with the next statement)
         res4_b_bn_2 = mem.tensor(63, (100, 64, 7, 7), 'float32')
-        rt.ew(ew_mul_add, res4_b_bn_2, res4_b_bn_centered, res4_b_bn_inv_std, res4_b_bn_weight, res4_b_bn_bias)
 
         # ---- res4_proj_bn_add (sum of 2 branches), backward ----
         # d_res4_proj_bn_add_reshape = sum_to[100x64x1x1](d_res4_proj_bn_add*res4_b_bn_2)
         d_res4_proj_bn_add_reshape = mem.tensor(64, (100, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_proj_bn_add_reshape, d_res4_proj_bn_add, res4_b_bn_2, shape=(100, 64, 1, 1), workspace=mem.workspace(1254400))
+        rt.ew_and_sum((ew_mul_add, res4_b_bn_2, res4_b_bn_centered, res4_b_bn_inv_std, res4_b_bn_weight, res4_b_bn_bias),
+                      (ew_mul, d_res4_proj_bn_add_reshape, d_res4_proj_bn_add, res4_b_bn_2),
+                      shape=(100, 64, 1, 1), workspace=mem.workspace(1254400))
         # free res4_b_bn_2
         del res4_b_bn_2
         mem.free(63)
@@ -862,9 +872,13 @@ class SeResnet(rp.Model):
         # free res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         del res4_proj_bn_sum_of_squares, res4_proj_bn_batch_var, res4_proj_bn_batch_var_flat
         mem.free(40)
-        # d_res4_proj_bn_centered = d_res4_proj_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered
+        # d_res4_proj_bn_centered = d_res4_proj_bn_add*res4_proj_bn_inv_std*res4_proj_bn_weight + 2*d_res4_proj_bn_sum_of_squares*res4_proj_bn_centered   (computed with the next statement)
         d_res4_proj_bn_centered = res4_proj_bn_centered  # in place: over res4_proj_bn_centered
-        rt.ew(ew_mul_add_3, d_res4_proj_bn_centered, d_res4_proj_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered)
+        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
+        d_res4_proj_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res4_proj_bn_centered, d_res4_proj_bn_add, res4_proj_bn_inv_std, res4_proj_bn_weight, d_res4_proj_bn_sum_of_squares, res4_proj_bn_centered),
+                      (ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
         del d_res4_proj_bn_inv_std, d_res4_proj_bn_sum_of_squares
         mem.free(66)
@@ -885,9 +899,6 @@ class SeResnet(rp.Model):
         # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
         mem.free(41)
-        # d_res4_proj_bn_batch_mean = sum_to[1x64x1x1](-d_res4_proj_bn_centered)
-        d_res4_proj_bn_batch_mean = mem.tensor(67, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_proj_bn_batch_mean, d_res4_proj_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
         d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_proj_bn_sum, d_res4_proj_bn_batch_mean)
@@ -1013,9 +1024,13 @@ class SeResnet(rp.Model):
         d_res4_se_down_sum_to = rt.reshape(d_res4_se_down_reshape, shape=(100, 64, 1, 1))
 
         # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn = d_res4_proj_bn_add*res4_proj_bn_add_reshape + d_res4_se_down_sum_to
+        # d_res4_b_bn = d_res4_proj_bn_add*res4_proj_bn_add_reshape + d_res4_se_down_sum_to   (computed with the next statement)
         d_res4_b_bn = d_res4_proj_bn_add  # in place: over d_res4_proj_bn_add
-        rt.ew(ew_mul_add_4, d_res4_b_bn, d_res4_proj_bn_add, res4_proj_bn_add_reshape, d_res4_se_down_sum_to)
+        # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered)
+        d_res4_b_bn_ew_sum = mem.tensor(76, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_4, d_res4_b_bn, d_res4_proj_bn_add, res4_proj_bn_add_reshape, d_res4_se_down_sum_to),
+                      (ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn, res4_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape, d_res4_se_down_scale, d_res4_se_down_reshape, d_res4_se_down_sum_to
         del res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape, d_res4_se_down_scale, d_res4_se_down_reshape, d_res4_se_down_sum_to
         mem.free(54, 75)
@@ -1026,9 +1041,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_se_down_W_new, T['res4_se_down_W'], lr, V_res4_se_down_W_new)
 
         # ---- res4_b_bn (batch norm), backward ----
-        # d_res4_b_bn_ew_sum = sum_to[1x64x1x1](d_res4_b_bn*res4_b_bn_centered)
-        d_res4_b_bn_ew_sum = mem.tensor(76, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_b_bn_ew_sum, d_res4_b_bn, res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum   (computed with the next statement)
         d_res4_b_bn_inv_std = mem.tensor(77, (1, 64, 1, 1), 'float32')
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1038,14 +1050,18 @@ class SeResnet(rp.Model):
         # free res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         del res4_b_bn_sum_of_squares, res4_b_bn_batch_var, res4_b_bn_batch_var_flat
         mem.free(49)
-        # d_res4_b_bn_centered = d_res4_b_bn*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered
+        # d_res4_b_bn_centered = d_res4_b_bn*res4_b_bn_inv_std*res4_b_bn_weight + 2*d_res4_b_bn_sum_of_squares*res4_b_bn_centered   (computed with the next statement)
         d_res4_b_bn_centered = res4_b_bn_centered  # in place: over res4_b_bn_centered
-        rt.ew(ew_mul_add_3, d_res4_b_bn_centered, d_res4_b_bn, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered)
+        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
+        d_res4_b_bn_batch_mean = mem.tensor(78, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res4_b_bn_centered, d_res4_b_bn, res4_b_bn_inv_std, res4_b_bn_weight, d_res4_b_bn_sum_of_squares, res4_b_bn_centered),
+                      (ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
         del d_res4_b_bn_inv_std, d_res4_b_bn_sum_of_squares
         mem.free(77)
         # d_res4_b_bn_bias = sum_to[1x64x1x1](d_res4_b_bn)
-        d_res4_b_bn_bias = mem.tensor(78, (1, 64, 1, 1), 'float32')
+        d_res4_b_bn_bias = mem.tensor(79, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_b_bn, out=d_res4_b_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_proj_bn_relu, d_res4_proj_bn_add, d_res4_b_bn
         del d_res4_proj_bn_relu, d_res4_proj_bn_add, d_res4_b_bn
@@ -1077,10 +1093,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new))
         # free d_res4_b_bn_bias, d_res4_b_bn_B
         del d_res4_b_bn_bias, d_res4_b_bn_B
-        mem.free(78)
-        # d_res4_b_bn_batch_mean = sum_to[1x64x1x1](-d_res4_b_bn_centered)
-        d_res4_b_bn_batch_mean = mem.tensor(79, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_b_bn_batch_mean, d_res4_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        mem.free(79)
         # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
         d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
@@ -1091,7 +1104,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res4_b, d_res4_b_bn_centered, d_res4_b_bn_sum)
         # free d_res4_b_bn_batch_mean, d_res4_b_bn_sum
         del d_res4_b_bn_batch_mean, d_res4_b_bn_sum
-        mem.free(79)
+        mem.free(78)
 
         # ---- res4_a_bn_relu (relu), forward ----
         # res4_a_bn_relu_2 = Max(0, res4_a_bn_centered*res4_a_bn_inv_std*res4_a_bn_weight + res4_a_bn_bias)
@@ -1116,9 +1129,15 @@ class SeResnet(rp.Model):
         mem.free(47)
 
         # ---- res4_a_bn_relu (relu), backward ----
-        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu_2, 0)
+        # d_res4_a_bn = d_res4_a_bn_relu*Heaviside(res4_a_bn_relu_2, 0)   (computed with the next statement)
         d_res4_a_bn = d_res4_a_bn_relu  # in place: over d_res4_a_bn_relu
-        rt.ew(ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu_2)
+
+        # ---- res4_a_bn (batch norm), backward ----
+        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
+        d_res4_a_bn_ew_sum = mem.tensor(83, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res4_a_bn, d_res4_a_bn_relu, res4_a_bn_relu_2),
+                      (ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free res4_a_bn_relu_2
         del res4_a_bn_relu_2
         mem.free(80)
@@ -1129,9 +1148,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_b_W_new, T['res4_b_W'], lr, V_res4_b_W_new)
 
         # ---- res4_a_bn (batch norm), backward ----
-        # d_res4_a_bn_ew_sum = sum_to[1x64x1x1](d_res4_a_bn*res4_a_bn_centered)
-        d_res4_a_bn_ew_sum = mem.tensor(83, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res4_a_bn_ew_sum, d_res4_a_bn, res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_res4_a_bn_inv_std = res4_a_bn_weight*d_res4_a_bn_ew_sum   (computed with the next statement)
         d_res4_a_bn_inv_std = mem.tensor(84, (1, 64, 1, 1), 'float32')
         # d_res4_a_bn_sum_of_squares = -d_res4_a_bn_inv_std/(9800*(res4_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1141,14 +1157,18 @@ class SeResnet(rp.Model):
         # free res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         del res4_a_bn_sum_of_squares, res4_a_bn_batch_var, res4_a_bn_batch_var_flat
         mem.free(44)
-        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered
+        # d_res4_a_bn_centered = d_res4_a_bn*res4_a_bn_inv_std*res4_a_bn_weight + 2*d_res4_a_bn_sum_of_squares*res4_a_bn_centered   (computed with the next statement)
         d_res4_a_bn_centered = res4_a_bn_centered  # in place: over res4_a_bn_centered
-        rt.ew(ew_mul_add_3, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered)
+        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
+        d_res4_a_bn_batch_mean = mem.tensor(85, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res4_a_bn_centered, d_res4_a_bn, res4_a_bn_inv_std, res4_a_bn_weight, d_res4_a_bn_sum_of_squares, res4_a_bn_centered),
+                      (ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
         del d_res4_a_bn_inv_std, d_res4_a_bn_sum_of_squares
         mem.free(84)
         # d_res4_a_bn_bias = sum_to[1x64x1x1](d_res4_a_bn)
-        d_res4_a_bn_bias = mem.tensor(85, (1, 64, 1, 1), 'float32')
+        d_res4_a_bn_bias = mem.tensor(86, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_res4_a_bn, out=d_res4_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_res4_a_bn_relu, d_res4_a_bn
         del d_res4_a_bn_relu, d_res4_a_bn
@@ -1180,10 +1200,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new))
         # free d_res4_a_bn_bias, d_res4_a_bn_B
         del d_res4_a_bn_bias, d_res4_a_bn_B
-        mem.free(85)
-        # d_res4_a_bn_batch_mean = sum_to[1x64x1x1](-d_res4_a_bn_centered)
-        d_res4_a_bn_batch_mean = mem.tensor(86, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res4_a_bn_batch_mean, d_res4_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        mem.free(86)
         # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
         d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
@@ -1194,7 +1211,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res4_a, d_res4_a_bn_centered, d_res4_a_bn_sum)
         # free d_res4_a_bn_batch_mean, d_res4_a_bn_sum
         del d_res4_a_bn_batch_mean, d_res4_a_bn_sum
-        mem.free(86)
+        mem.free(85)
         # d_res4_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res4_a, res3_proj_bn_relu)
         d_res4_a_W = mem.tensor(87, (64, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res4_a, res3_proj_bn_relu, out=d_res4_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(10176000))
@@ -1223,25 +1240,32 @@ class SeResnet(rp.Model):
         mem.free(38)
 
         # ---- res3_proj_bn_relu (relu), backward ----
-        # d_res3_proj_bn_add = (d_res3_proj_bn_relu_2 + d_res3_proj_bn_relu)*Heaviside(res3_proj_bn_relu, 0)
+        # d_res3_proj_bn_add = (d_res3_proj_bn_relu_2 + d_res3_proj_bn_relu)*Heaviside(res3_proj_bn_relu, 0)   (computed with the next statement)
         d_res3_proj_bn_add = d_res3_proj_bn_relu_2  # in place: over d_res3_proj_bn_relu_2
-        rt.ew(ew_add_step_mul, d_res3_proj_bn_add, d_res3_proj_bn_relu_2, d_res3_proj_bn_relu, res3_proj_bn_relu)
+
+        # ---- res3_proj_bn (batch norm), backward ----
+        # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered)
+        d_res3_proj_bn_ew_sum = mem.tensor(90, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_res3_proj_bn_add, d_res3_proj_bn_relu_2, d_res3_proj_bn_relu, res3_proj_bn_relu),
+                      (ew_mul, d_res3_proj_bn_ew_sum, d_res3_proj_bn_add, res3_proj_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_b_bn, res3_proj_bn_relu, d_res3_proj_bn_relu
         del res3_b_bn, res3_proj_bn_relu, d_res3_proj_bn_relu
         mem.free(34, 88)
 
         # ---- res3_b_bn (batch norm), forward ----
-        # res3_b_bn_2 = res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias
-        res3_b_bn_2 = mem.tensor(90, (100, 32, 14, 14), 'float32')
-        rt.ew(ew_mul_add, res3_b_bn_2, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias)
+        # res3_b_bn_2 = res3_b_bn_centered*res3_b_bn_inv_std*res3_b_bn_weight + res3_b_bn_bias   (computed with the next statement)
+        res3_b_bn_2 = mem.tensor(91, (100, 32, 14, 14), 'float32')
 
         # ---- res3_proj_bn_add (sum of 2 branches), backward ----
         # d_res3_proj_bn_add_reshape = sum_to[100x32x1x1](d_res3_proj_bn_add*res3_b_bn_2)
-        d_res3_proj_bn_add_reshape = mem.tensor(91, (100, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_proj_bn_add_reshape, d_res3_proj_bn_add, res3_b_bn_2, shape=(100, 32, 1, 1), workspace=mem.workspace(2508800))
+        d_res3_proj_bn_add_reshape = mem.tensor(92, (100, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add, res3_b_bn_2, res3_b_bn_centered, res3_b_bn_inv_std, res3_b_bn_weight, res3_b_bn_bias),
+                      (ew_mul, d_res3_proj_bn_add_reshape, d_res3_proj_bn_add, res3_b_bn_2),
+                      shape=(100, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_b_bn_2
         del res3_b_bn_2
-        mem.free(90)
+        mem.free(91)
         # d_res3_se_up_sigmoid = reshape[100x32](d_res3_proj_bn_add_reshape)
         d_res3_se_up_sigmoid = rt.reshape(d_res3_proj_bn_add_reshape, shape=(100, 32))
 
@@ -1256,9 +1280,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
 
         # ---- res3_proj_bn (batch norm), backward ----
-        # d_res3_proj_bn_ew_sum = sum_to[1x32x1x1](d_res3_proj_bn_add*res3_proj_bn_centered)
-        d_res3_proj_bn_ew_sum = mem.tensor(92, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_proj_bn_ew_sum, d_res3_proj_bn_add, res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum   (computed with the next statement)
         d_res3_proj_bn_inv_std = mem.tensor(93, (1, 32, 1, 1), 'float32')
         # d_res3_proj_bn_sum_of_squares = -d_res3_proj_bn_inv_std/(39200*(res3_proj_bn_batch_var + 1.0e-5)**(3/2))
@@ -1268,9 +1289,13 @@ class SeResnet(rp.Model):
         # free res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         del res3_proj_bn_sum_of_squares, res3_proj_bn_batch_var, res3_proj_bn_batch_var_flat
         mem.free(23)
-        # d_res3_proj_bn_centered = d_res3_proj_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered
+        # d_res3_proj_bn_centered = d_res3_proj_bn_add*res3_proj_bn_inv_std*res3_proj_bn_weight + 2*d_res3_proj_bn_sum_of_squares*res3_proj_bn_centered   (computed with the next statement)
         d_res3_proj_bn_centered = res3_proj_bn_centered  # in place: over res3_proj_bn_centered
-        rt.ew(ew_mul_add_3, d_res3_proj_bn_centered, d_res3_proj_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered)
+        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
+        d_res3_proj_bn_batch_mean = mem.tensor(94, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res3_proj_bn_centered, d_res3_proj_bn_add, res3_proj_bn_inv_std, res3_proj_bn_weight, d_res3_proj_bn_sum_of_squares, res3_proj_bn_centered),
+                      (ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
         del d_res3_proj_bn_inv_std, d_res3_proj_bn_sum_of_squares
         mem.free(93)
@@ -1279,7 +1304,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_2, d_res3_proj_bn_weight, res3_proj_bn_inv_std, d_res3_proj_bn_ew_sum)
         # free d_res3_proj_bn_ew_sum
         del d_res3_proj_bn_ew_sum
-        mem.free(92)
+        mem.free(90)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
         # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the next statement)
@@ -1291,9 +1316,6 @@ class SeResnet(rp.Model):
         # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
         mem.free(24)
-        # d_res3_proj_bn_batch_mean = sum_to[1x32x1x1](-d_res3_proj_bn_centered)
-        d_res3_proj_bn_batch_mean = mem.tensor(94, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_proj_bn_batch_mean, d_res3_proj_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
@@ -1345,7 +1367,7 @@ class SeResnet(rp.Model):
         rt.matmul(d_res3_se_up, T['res3_se_up_W'], out=d_res3_se_down_relu)
         # free d_res3_proj_bn_add_reshape, d_res3_se_up_sigmoid, d_res3_se_up
         del d_res3_proj_bn_add_reshape, d_res3_se_up_sigmoid, d_res3_se_up
-        mem.free(91)
+        mem.free(92)
 
         # ---- res3_se_down_relu (relu), backward ----
         # d_res3_se_down = d_res3_se_down_relu*Heaviside(res3_se_down_relu, 0)
@@ -1419,9 +1441,13 @@ class SeResnet(rp.Model):
         d_res3_se_down_sum_to = rt.reshape(d_res3_se_down_reshape, shape=(100, 32, 1, 1))
 
         # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn = d_res3_proj_bn_add*res3_proj_bn_add_reshape + d_res3_se_down_sum_to
+        # d_res3_b_bn = d_res3_proj_bn_add*res3_proj_bn_add_reshape + d_res3_se_down_sum_to   (computed with the next statement)
         d_res3_b_bn = d_res3_proj_bn_add  # in place: over d_res3_proj_bn_add
-        rt.ew(ew_mul_add_4, d_res3_b_bn, d_res3_proj_bn_add, res3_proj_bn_add_reshape, d_res3_se_down_sum_to)
+        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered)
+        d_res3_b_bn_ew_sum = mem.tensor(103, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_4, d_res3_b_bn, d_res3_proj_bn_add, res3_proj_bn_add_reshape, d_res3_se_down_sum_to),
+                      (ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn, res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape, d_res3_se_down_scale, d_res3_se_down_reshape, d_res3_se_down_sum_to
         del res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape, d_res3_se_down_scale, d_res3_se_down_reshape, d_res3_se_down_sum_to
         mem.free(37, 102)
@@ -1432,9 +1458,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res3_se_down_W_new, T['res3_se_down_W'], lr, V_res3_se_down_W_new)
 
         # ---- res3_b_bn (batch norm), backward ----
-        # d_res3_b_bn_ew_sum = sum_to[1x32x1x1](d_res3_b_bn*res3_b_bn_centered)
-        d_res3_b_bn_ew_sum = mem.tensor(103, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_b_bn_ew_sum, d_res3_b_bn, res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum   (computed with the next statement)
         d_res3_b_bn_inv_std = mem.tensor(104, (1, 32, 1, 1), 'float32')
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1444,14 +1467,18 @@ class SeResnet(rp.Model):
         # free res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         del res3_b_bn_sum_of_squares, res3_b_bn_batch_var, res3_b_bn_batch_var_flat
         mem.free(32)
-        # d_res3_b_bn_centered = d_res3_b_bn*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered
+        # d_res3_b_bn_centered = d_res3_b_bn*res3_b_bn_inv_std*res3_b_bn_weight + 2*d_res3_b_bn_sum_of_squares*res3_b_bn_centered   (computed with the next statement)
         d_res3_b_bn_centered = res3_b_bn_centered  # in place: over res3_b_bn_centered
-        rt.ew(ew_mul_add_3, d_res3_b_bn_centered, d_res3_b_bn, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered)
+        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
+        d_res3_b_bn_batch_mean = mem.tensor(105, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res3_b_bn_centered, d_res3_b_bn, res3_b_bn_inv_std, res3_b_bn_weight, d_res3_b_bn_sum_of_squares, res3_b_bn_centered),
+                      (ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
         del d_res3_b_bn_inv_std, d_res3_b_bn_sum_of_squares
         mem.free(104)
         # d_res3_b_bn_bias = sum_to[1x32x1x1](d_res3_b_bn)
-        d_res3_b_bn_bias = mem.tensor(105, (1, 32, 1, 1), 'float32')
+        d_res3_b_bn_bias = mem.tensor(106, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_b_bn, out=d_res3_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_proj_bn_relu_2, d_res3_proj_bn_add, d_res3_b_bn
         del d_res3_proj_bn_relu_2, d_res3_proj_bn_add, d_res3_b_bn
@@ -1483,10 +1510,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new))
         # free d_res3_b_bn_bias, d_res3_b_bn_B
         del d_res3_b_bn_bias, d_res3_b_bn_B
-        mem.free(105)
-        # d_res3_b_bn_batch_mean = sum_to[1x32x1x1](-d_res3_b_bn_centered)
-        d_res3_b_bn_batch_mean = mem.tensor(106, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_b_bn_batch_mean, d_res3_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(106)
         # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
         d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
@@ -1497,7 +1521,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res3_b, d_res3_b_bn_centered, d_res3_b_bn_sum)
         # free d_res3_b_bn_batch_mean, d_res3_b_bn_sum
         del d_res3_b_bn_batch_mean, d_res3_b_bn_sum
-        mem.free(106)
+        mem.free(105)
 
         # ---- res3_a_bn_relu (relu), forward ----
         # res3_a_bn_relu_2 = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
@@ -1522,9 +1546,15 @@ class SeResnet(rp.Model):
         mem.free(30)
 
         # ---- res3_a_bn_relu (relu), backward ----
-        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)
+        # d_res3_a_bn = d_res3_a_bn_relu*Heaviside(res3_a_bn_relu_2, 0)   (computed with the next statement)
         d_res3_a_bn = d_res3_a_bn_relu  # in place: over d_res3_a_bn_relu
-        rt.ew(ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2)
+
+        # ---- res3_a_bn (batch norm), backward ----
+        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
+        d_res3_a_bn_ew_sum = mem.tensor(110, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res3_a_bn, d_res3_a_bn_relu, res3_a_bn_relu_2),
+                      (ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free res3_a_bn_relu_2
         del res3_a_bn_relu_2
         mem.free(107)
@@ -1535,9 +1565,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
 
         # ---- res3_a_bn (batch norm), backward ----
-        # d_res3_a_bn_ew_sum = sum_to[1x32x1x1](d_res3_a_bn*res3_a_bn_centered)
-        d_res3_a_bn_ew_sum = mem.tensor(110, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res3_a_bn_ew_sum, d_res3_a_bn, res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(111, (1, 32, 1, 1), 'float32')
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1547,14 +1574,18 @@ class SeResnet(rp.Model):
         # free res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         del res3_a_bn_sum_of_squares, res3_a_bn_batch_var, res3_a_bn_batch_var_flat
         mem.free(27)
-        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered
+        # d_res3_a_bn_centered = d_res3_a_bn*res3_a_bn_inv_std*res3_a_bn_weight + 2*d_res3_a_bn_sum_of_squares*res3_a_bn_centered   (computed with the next statement)
         d_res3_a_bn_centered = res3_a_bn_centered  # in place: over res3_a_bn_centered
-        rt.ew(ew_mul_add_3, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered)
+        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
+        d_res3_a_bn_batch_mean = mem.tensor(112, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res3_a_bn_centered, d_res3_a_bn, res3_a_bn_inv_std, res3_a_bn_weight, d_res3_a_bn_sum_of_squares, res3_a_bn_centered),
+                      (ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
         del d_res3_a_bn_inv_std, d_res3_a_bn_sum_of_squares
         mem.free(111)
         # d_res3_a_bn_bias = sum_to[1x32x1x1](d_res3_a_bn)
-        d_res3_a_bn_bias = mem.tensor(112, (1, 32, 1, 1), 'float32')
+        d_res3_a_bn_bias = mem.tensor(113, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_res3_a_bn, out=d_res3_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_res3_a_bn_relu, d_res3_a_bn
         del d_res3_a_bn_relu, d_res3_a_bn
@@ -1586,10 +1617,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
         # free d_res3_a_bn_bias, d_res3_a_bn_B
         del d_res3_a_bn_bias, d_res3_a_bn_B
-        mem.free(112)
-        # d_res3_a_bn_batch_mean = sum_to[1x32x1x1](-d_res3_a_bn_centered)
-        d_res3_a_bn_batch_mean = mem.tensor(113, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res3_a_bn_batch_mean, d_res3_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(113)
         # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
         d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
@@ -1600,7 +1628,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res3_a, d_res3_a_bn_centered, d_res3_a_bn_sum)
         # free d_res3_a_bn_batch_mean, d_res3_a_bn_sum
         del d_res3_a_bn_batch_mean, d_res3_a_bn_sum
-        mem.free(113)
+        mem.free(112)
         # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, conv1_bn_relu_2)
         d_res3_a_W = mem.tensor(114, (32, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_a, conv1_bn_relu_2, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
@@ -1637,14 +1665,15 @@ class SeResnet(rp.Model):
         mem.free(17, 115)
 
         # ---- res2_b_bn (batch norm), forward ----
-        # res2_b_bn_2 = res2_b_bn_centered*res2_b_bn_inv_std*res2_b_bn_weight + res2_b_bn_bias
+        # res2_b_bn_2 = res2_b_bn_centered*res2_b_bn_inv_std*res2_b_bn_weight + res2_b_bn_bias   (computed with the next statement)
         res2_b_bn_2 = mem.tensor(117, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul_add, res2_b_bn_2, res2_b_bn_centered, res2_b_bn_inv_std, res2_b_bn_weight, res2_b_bn_bias)
 
         # ---- conv1_bn_add (sum of 2 branches), backward ----
         # d_conv1_bn_add_reshape = sum_to[100x16x1x1](d_conv1_bn_add*res2_b_bn_2)
         d_conv1_bn_add_reshape = mem.tensor(118, (100, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_conv1_bn_add_reshape, d_conv1_bn_add, res2_b_bn_2, shape=(100, 16, 1, 1), workspace=mem.workspace(5017600))
+        rt.ew_and_sum((ew_mul_add, res2_b_bn_2, res2_b_bn_centered, res2_b_bn_inv_std, res2_b_bn_weight, res2_b_bn_bias),
+                      (ew_mul, d_conv1_bn_add_reshape, d_conv1_bn_add, res2_b_bn_2),
+                      shape=(100, 16, 1, 1), workspace=mem.workspace(5017600))
         # free res2_b_bn_2
         del res2_b_bn_2
         mem.free(117)
@@ -1746,15 +1775,16 @@ class SeResnet(rp.Model):
         d_res2_se_down_sum_to = rt.reshape(d_res2_se_down_reshape, shape=(100, 16, 1, 1))
 
         # ---- res2_b_bn (batch norm), backward ----
-        # d_res2_b_bn = d_conv1_bn_add*conv1_bn_add_reshape + d_res2_se_down_sum_to
+        # d_res2_b_bn = d_conv1_bn_add*conv1_bn_add_reshape + d_res2_se_down_sum_to   (computed with the next statement)
         d_res2_b_bn = mem.tensor(125, (100, 16, 28, 28), 'float32')
-        rt.ew(ew_mul_add_5, d_res2_b_bn, d_conv1_bn_add, conv1_bn_add_reshape, d_res2_se_down_sum_to)
+        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered)
+        d_res2_b_bn_ew_sum = mem.tensor(126, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_5, d_res2_b_bn, d_conv1_bn_add, conv1_bn_add_reshape, d_res2_se_down_sum_to),
+                      (ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn, res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape, d_res2_se_down_scale, d_res2_se_down_reshape, d_res2_se_down_sum_to
         del res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape, d_res2_se_down_scale, d_res2_se_down_reshape, d_res2_se_down_sum_to
         mem.free(20, 124)
-        # d_res2_b_bn_ew_sum = sum_to[1x16x1x1](d_res2_b_bn*res2_b_bn_centered)
-        d_res2_b_bn_ew_sum = mem.tensor(126, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_b_bn_ew_sum, d_res2_b_bn, res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum   (computed with the next statement)
         d_res2_b_bn_inv_std = mem.tensor(127, (1, 16, 1, 1), 'float32')
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1764,14 +1794,18 @@ class SeResnet(rp.Model):
         # free res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         del res2_b_bn_sum_of_squares, res2_b_bn_batch_var, res2_b_bn_batch_var_flat
         mem.free(15)
-        # d_res2_b_bn_centered = d_res2_b_bn*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered
+        # d_res2_b_bn_centered = d_res2_b_bn*res2_b_bn_inv_std*res2_b_bn_weight + 2*d_res2_b_bn_sum_of_squares*res2_b_bn_centered   (computed with the next statement)
         d_res2_b_bn_centered = res2_b_bn_centered  # in place: over res2_b_bn_centered
-        rt.ew(ew_mul_add_3, d_res2_b_bn_centered, d_res2_b_bn, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered)
+        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
+        d_res2_b_bn_batch_mean = mem.tensor(128, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res2_b_bn_centered, d_res2_b_bn, res2_b_bn_inv_std, res2_b_bn_weight, d_res2_b_bn_sum_of_squares, res2_b_bn_centered),
+                      (ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
         del d_res2_b_bn_inv_std, d_res2_b_bn_sum_of_squares
         mem.free(127)
         # d_res2_b_bn_bias = sum_to[1x16x1x1](d_res2_b_bn)
-        d_res2_b_bn_bias = mem.tensor(128, (1, 16, 1, 1), 'float32')
+        d_res2_b_bn_bias = mem.tensor(129, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_b_bn, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_b_bn
         del d_res2_b_bn
@@ -1803,10 +1837,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new))
         # free d_res2_b_bn_bias, d_res2_b_bn_B
         del d_res2_b_bn_bias, d_res2_b_bn_B
-        mem.free(128)
-        # d_res2_b_bn_batch_mean = sum_to[1x16x1x1](-d_res2_b_bn_centered)
-        d_res2_b_bn_batch_mean = mem.tensor(129, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res2_b_bn_batch_mean, d_res2_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(129)
         # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
         d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
         rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
@@ -1817,7 +1848,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res2_b, d_res2_b_bn_centered, d_res2_b_bn_sum)
         # free d_res2_b_bn_batch_mean, d_res2_b_bn_sum
         del d_res2_b_bn_batch_mean, d_res2_b_bn_sum
-        mem.free(129)
+        mem.free(128)
 
         # ---- res2_a_bn_relu (relu), forward ----
         # res2_a_bn_relu_2 = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
@@ -1842,9 +1873,15 @@ class SeResnet(rp.Model):
         mem.free(13)
 
         # ---- res2_a_bn_relu (relu), backward ----
-        # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)
+        # d_res2_a_bn = d_res2_a_bn_relu*Heaviside(res2_a_bn_relu_2, 0)   (computed with the next statement)
         d_res2_a_bn = d_res2_a_bn_relu  # in place: over d_res2_a_bn_relu
-        rt.ew(ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2)
+
+        # ---- res2_a_bn (batch norm), backward ----
+        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
+        d_res2_a_bn_ew_sum = mem.tensor(133, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_res2_a_bn, d_res2_a_bn_relu, res2_a_bn_relu_2),
+                      (ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free res2_a_bn_relu_2
         del res2_a_bn_relu_2
         mem.free(130)
@@ -1855,9 +1892,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
 
         # ---- res2_a_bn (batch norm), backward ----
-        # d_res2_a_bn_ew_sum = sum_to[1x16x1x1](d_res2_a_bn*res2_a_bn_centered)
-        d_res2_a_bn_ew_sum = mem.tensor(133, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_res2_a_bn_ew_sum, d_res2_a_bn, res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(134, (1, 16, 1, 1), 'float32')
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1867,14 +1901,18 @@ class SeResnet(rp.Model):
         # free res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         del res2_a_bn_sum_of_squares, res2_a_bn_batch_var, res2_a_bn_batch_var_flat
         mem.free(10)
-        # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered
+        # d_res2_a_bn_centered = d_res2_a_bn*res2_a_bn_inv_std*res2_a_bn_weight + 2*d_res2_a_bn_sum_of_squares*res2_a_bn_centered   (computed with the next statement)
         d_res2_a_bn_centered = res2_a_bn_centered  # in place: over res2_a_bn_centered
-        rt.ew(ew_mul_add_3, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered)
+        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
+        d_res2_a_bn_batch_mean = mem.tensor(135, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_res2_a_bn_centered, d_res2_a_bn, res2_a_bn_inv_std, res2_a_bn_weight, d_res2_a_bn_sum_of_squares, res2_a_bn_centered),
+                      (ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
         del d_res2_a_bn_inv_std, d_res2_a_bn_sum_of_squares
         mem.free(134)
         # d_res2_a_bn_bias = sum_to[1x16x1x1](d_res2_a_bn)
-        d_res2_a_bn_bias = mem.tensor(135, (1, 16, 1, 1), 'float32')
+        d_res2_a_bn_bias = mem.tensor(136, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_res2_a_bn, out=d_res2_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_res2_a_bn_relu, d_res2_a_bn
         del d_res2_a_bn_relu, d_res2_a_bn
@@ -1906,10 +1944,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
         # free d_res2_a_bn_bias, d_res2_a_bn_B
         del d_res2_a_bn_bias, d_res2_a_bn_B
-        mem.free(135)
-        # d_res2_a_bn_batch_mean = sum_to[1x16x1x1](-d_res2_a_bn_centered)
-        d_res2_a_bn_batch_mean = mem.tensor(136, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_res2_a_bn_batch_mean, d_res2_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(136)
         # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
         d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
         rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
@@ -1920,7 +1955,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_res2_a, d_res2_a_bn_centered, d_res2_a_bn_sum)
         # free d_res2_a_bn_batch_mean, d_res2_a_bn_sum
         del d_res2_a_bn_batch_mean, d_res2_a_bn_sum
-        mem.free(136)
+        mem.free(135)
 
         # ---- conv1_bn_relu (relu), forward ----
         # conv1_bn_relu_3 = Max(0, conv1_bn_centered*conv1_bn_inv_std*conv1_bn_weight + conv1_bn_bias)
@@ -1945,9 +1980,15 @@ class SeResnet(rp.Model):
         mem.free(8)
 
         # ---- conv1_bn_relu (relu), backward ----
-        # d_conv1_bn = (d_conv1_bn_add + d_conv1_bn_relu_3)*Heaviside(conv1_bn_relu_3, 0)
+        # d_conv1_bn = (d_conv1_bn_add + d_conv1_bn_relu_3)*Heaviside(conv1_bn_relu_3, 0)   (computed with the next statement)
         d_conv1_bn = d_conv1_bn_add  # in place: over d_conv1_bn_add
-        rt.ew(ew_add_step_mul, d_conv1_bn, d_conv1_bn_add, d_conv1_bn_relu_3, conv1_bn_relu_3)
+
+        # ---- conv1_bn (batch norm), backward ----
+        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
+        d_conv1_bn_ew_sum = mem.tensor(140, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_add_step_mul, d_conv1_bn, d_conv1_bn_add, d_conv1_bn_relu_3, conv1_bn_relu_3),
+                      (ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free conv1_bn_relu_3, d_conv1_bn_relu_3
         del conv1_bn_relu_3, d_conv1_bn_relu_3
         mem.free(137, 139)
@@ -1958,9 +1999,6 @@ class SeResnet(rp.Model):
         rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
 
         # ---- conv1_bn (batch norm), backward ----
-        # d_conv1_bn_ew_sum = sum_to[1x16x1x1](d_conv1_bn*conv1_bn_centered)
-        d_conv1_bn_ew_sum = mem.tensor(140, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_conv1_bn_ew_sum, d_conv1_bn, conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(141, (1, 16, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -1970,14 +2008,18 @@ class SeResnet(rp.Model):
         # free conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         del conv1_bn_sum_of_squares, conv1_bn_batch_var, conv1_bn_batch_var_flat
         mem.free(5)
-        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered
+        # d_conv1_bn_centered = d_conv1_bn*conv1_bn_inv_std*conv1_bn_weight + 2*d_conv1_bn_sum_of_squares*conv1_bn_centered   (computed with the next statement)
         d_conv1_bn_centered = conv1_bn_centered  # in place: over conv1_bn_centered
-        rt.ew(ew_mul_add_3, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered)
+        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
+        d_conv1_bn_batch_mean = mem.tensor(142, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_conv1_bn_centered, d_conv1_bn, conv1_bn_inv_std, conv1_bn_weight, d_conv1_bn_sum_of_squares, conv1_bn_centered),
+                      (ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         del d_conv1_bn_inv_std, d_conv1_bn_sum_of_squares
         mem.free(141)
         # d_conv1_bn_bias = sum_to[1x16x1x1](d_conv1_bn)
-        d_conv1_bn_bias = mem.tensor(142, (1, 16, 1, 1), 'float32')
+        d_conv1_bn_bias = mem.tensor(143, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_conv1_bn, out=d_conv1_bn_bias, shape=(1, 16, 1, 1))
         # free d_conv1_bn_relu_2, d_conv1_bn_add, d_conv1_bn
         del d_conv1_bn_relu_2, d_conv1_bn_add, d_conv1_bn
@@ -2009,10 +2051,7 @@ class SeResnet(rp.Model):
                    (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
         # free d_conv1_bn_bias, d_conv1_bn_B
         del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(142)
-        # d_conv1_bn_batch_mean = sum_to[1x16x1x1](-d_conv1_bn_centered)
-        d_conv1_bn_batch_mean = mem.tensor(143, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_conv1_bn_batch_mean, d_conv1_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(143)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -2023,7 +2062,7 @@ class SeResnet(rp.Model):
         rt.ew(ew_add, d_conv1, d_conv1_bn_centered, d_conv1_bn_sum)
         # free d_conv1_bn_batch_mean, d_conv1_bn_sum
         del d_conv1_bn_batch_mean, d_conv1_bn_sum
-        mem.free(143)
+        mem.free(142)
         # d_conv1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1, x)
         d_conv1_W = mem.tensor(144, (16, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1, x, out=d_conv1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
@@ -2499,7 +2538,7 @@ class SeResnet(rp.Model):
                 (36742400, 25600),  # 64: d_res4_proj_bn_add_reshape 100x64x1x1 float32
                 (27596800, 256),  # 65: d_res4_proj_bn_ew_sum 1x64x1x1 float32
                 (27597056, 256),  # 66: d_res4_proj_bn_inv_std 1x64x1x1 float32
-                (27596800, 256),  # 67: d_res4_proj_bn_batch_mean 1x64x1x1 float32
+                (27597312, 256),  # 67: d_res4_proj_bn_batch_mean 1x64x1x1 float32
                 (27596800, 256),  # 68: d_res4_se_up_B 64 float32
                 (27596800, 256),  # 69: d_res4_proj_bn_bias 1x64x1x1 float32
                 (27596800, 4096),  # 70: d_res4_se_up_W 64x16 float32
@@ -2508,25 +2547,25 @@ class SeResnet(rp.Model):
                 (27596800, 64),  # 73: d_res4_se_down_B 16 float32
                 (27596800, 8192),  # 74: d_res4_proj_W 64x32x1x1 float32
                 (27596800, 25600),  # 75: d_res4_se_down_scale 100x64 float32
-                (27596800, 256),  # 76: d_res4_b_bn_ew_sum 1x64x1x1 float32
-                (27597056, 256),  # 77: d_res4_b_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 78: d_res4_b_bn_bias 1x64x1x1 float32
-                (27596800, 256),  # 79: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (27622400, 256),  # 76: d_res4_b_bn_ew_sum 1x64x1x1 float32
+                (27596800, 256),  # 77: d_res4_b_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 78: d_res4_b_bn_batch_mean 1x64x1x1 float32
+                (27596800, 256),  # 79: d_res4_b_bn_bias 1x64x1x1 float32
                 (27596800, 1254400),  # 80: res4_a_bn_relu_2 100x64x7x7 float32
                 (33868800, 147456),  # 81: d_res4_b_W 64x64x3x3 float32
                 (33868800, 1254400),  # 82: d_res4_a_bn_relu 100x64x7x7 float32
-                (27596800, 256),  # 83: d_res4_a_bn_ew_sum 1x64x1x1 float32
-                (27597056, 256),  # 84: d_res4_a_bn_inv_std 1x64x1x1 float32
-                (27597056, 256),  # 85: d_res4_a_bn_bias 1x64x1x1 float32
-                (27596800, 256),  # 86: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (28851200, 256),  # 83: d_res4_a_bn_ew_sum 1x64x1x1 float32
+                (27596800, 256),  # 84: d_res4_a_bn_inv_std 1x64x1x1 float32
+                (27597056, 256),  # 85: d_res4_a_bn_batch_mean 1x64x1x1 float32
+                (27596800, 256),  # 86: d_res4_a_bn_bias 1x64x1x1 float32
                 (27596800, 73728),  # 87: d_res4_a_W 64x32x3x3 float32
                 (27596800, 2508800),  # 88: d_res3_proj_bn_relu 100x32x14x14 float32
                 (32614400, 2508800),  # 89: d_res3_proj_bn_relu_2 100x32x14x14 float32
-                (5017600, 2508800),  # 90: res3_b_bn_2 100x32x14x14 float32
-                (27596800, 12800),  # 91: d_res3_proj_bn_add_reshape 100x32x1x1 float32
-                (5017600, 128),  # 92: d_res3_proj_bn_ew_sum 1x32x1x1 float32
-                (5017856, 128),  # 93: d_res3_proj_bn_inv_std 1x32x1x1 float32
-                (5017600, 128),  # 94: d_res3_proj_bn_batch_mean 1x32x1x1 float32
+                (35123200, 128),  # 90: d_res3_proj_bn_ew_sum 1x32x1x1 float32
+                (5017600, 2508800),  # 91: res3_b_bn_2 100x32x14x14 float32
+                (27596800, 12800),  # 92: d_res3_proj_bn_add_reshape 100x32x1x1 float32
+                (5017600, 128),  # 93: d_res3_proj_bn_inv_std 1x32x1x1 float32
+                (5017856, 128),  # 94: d_res3_proj_bn_batch_mean 1x32x1x1 float32
                 (5017600, 128),  # 95: d_res3_se_up_B 32 float32
                 (5017600, 128),  # 96: d_res3_proj_bn_bias 1x32x1x1 float32
                 (5017600, 1024),  # 97: d_res3_se_up_W 32x8 float32
@@ -2535,17 +2574,17 @@ class SeResnet(rp.Model):
                 (5017600, 32),  # 100: d_res3_se_down_B 8 float32
                 (5017600, 2048),  # 101: d_res3_proj_W 32x16x1x1 float32
                 (5017600, 12800),  # 102: d_res3_se_down_scale 100x32 float32
-                (5017600, 128),  # 103: d_res3_b_bn_ew_sum 1x32x1x1 float32
-                (5017856, 128),  # 104: d_res3_b_bn_inv_std 1x32x1x1 float32
-                (5017856, 128),  # 105: d_res3_b_bn_bias 1x32x1x1 float32
-                (5017600, 128),  # 106: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (5030400, 128),  # 103: d_res3_b_bn_ew_sum 1x32x1x1 float32
+                (5017600, 128),  # 104: d_res3_b_bn_inv_std 1x32x1x1 float32
+                (5017856, 128),  # 105: d_res3_b_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 106: d_res3_b_bn_bias 1x32x1x1 float32
                 (5017600, 2508800),  # 107: res3_a_bn_relu_2 100x32x14x14 float32
                 (27596800, 36864),  # 108: d_res3_b_W 32x32x3x3 float32
                 (27596800, 2508800),  # 109: d_res3_a_bn_relu 100x32x14x14 float32
-                (5017600, 128),  # 110: d_res3_a_bn_ew_sum 1x32x1x1 float32
-                (5017856, 128),  # 111: d_res3_a_bn_inv_std 1x32x1x1 float32
-                (5017856, 128),  # 112: d_res3_a_bn_bias 1x32x1x1 float32
-                (5017600, 128),  # 113: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (7526400, 128),  # 110: d_res3_a_bn_ew_sum 1x32x1x1 float32
+                (5017600, 128),  # 111: d_res3_a_bn_inv_std 1x32x1x1 float32
+                (5017856, 128),  # 112: d_res3_a_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 113: d_res3_a_bn_bias 1x32x1x1 float32
                 (5017600, 18432),  # 114: d_res3_a_W 32x16x3x3 float32
                 (5017600, 5017600),  # 115: d_conv1_bn_relu 100x16x28x28 float32
                 (25088000, 5017600),  # 116: d_conv1_bn_relu_2 100x16x28x28 float32
@@ -2558,24 +2597,24 @@ class SeResnet(rp.Model):
                 (5019392, 16),  # 123: d_res2_se_down_B 4 float32
                 (15052800, 6400),  # 124: d_res2_se_down_scale 100x16 float32
                 (5017600, 5017600),  # 125: d_res2_b_bn 100x16x28x28 float32
-                (15052800, 64),  # 126: d_res2_b_bn_ew_sum 1x16x1x1 float32
-                (15053056, 64),  # 127: d_res2_b_bn_inv_std 1x16x1x1 float32
-                (15053056, 64),  # 128: d_res2_b_bn_bias 1x16x1x1 float32
-                (5017600, 64),  # 129: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (15059200, 64),  # 126: d_res2_b_bn_ew_sum 1x16x1x1 float32
+                (15052800, 64),  # 127: d_res2_b_bn_inv_std 1x16x1x1 float32
+                (15053056, 64),  # 128: d_res2_b_bn_batch_mean 1x16x1x1 float32
+                (15052800, 64),  # 129: d_res2_b_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 130: res2_a_bn_relu_2 100x16x28x28 float32
                 (15052800, 9216),  # 131: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 132: d_res2_a_bn_relu 100x16x28x28 float32
-                (5017600, 64),  # 133: d_res2_a_bn_ew_sum 1x16x1x1 float32
-                (5017856, 64),  # 134: d_res2_a_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 135: d_res2_a_bn_bias 1x16x1x1 float32
-                (5017600, 64),  # 136: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (20070400, 64),  # 133: d_res2_a_bn_ew_sum 1x16x1x1 float32
+                (5017600, 64),  # 134: d_res2_a_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 135: d_res2_a_bn_batch_mean 1x16x1x1 float32
+                (5017600, 64),  # 136: d_res2_a_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 137: conv1_bn_relu_3 100x16x28x28 float32
                 (15052800, 9216),  # 138: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 139: d_conv1_bn_relu_3 100x16x28x28 float32
-                (5017600, 64),  # 140: d_conv1_bn_ew_sum 1x16x1x1 float32
-                (5017856, 64),  # 141: d_conv1_bn_inv_std 1x16x1x1 float32
-                (5017856, 64),  # 142: d_conv1_bn_bias 1x16x1x1 float32
-                (5017600, 64),  # 143: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (10035200, 64),  # 140: d_conv1_bn_ew_sum 1x16x1x1 float32
+                (5017600, 64),  # 141: d_conv1_bn_inv_std 1x16x1x1 float32
+                (5017856, 64),  # 142: d_conv1_bn_batch_mean 1x16x1x1 float32
+                (5017600, 64),  # 143: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 576),  # 144: d_conv1_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(
@@ -2623,15 +2662,15 @@ def ew_sub(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
+def ew_square(out, v0):
+    """out = v0**2"""
+    np.square(v0, out=out)
+
+
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.1, out, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
@@ -2785,14 +2824,14 @@ def ew_mul_add_3(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_mul_add_4(out, v0, v1, v2):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 60.37 MB of tensors planned for the training step (20.07 MB testing); static arena 60.37 MB, pool 64.29 MB, workspace 31.97 MB
-Structure hash: 049b198f6f1cb21a
+Structure hash: 1df837e8839247f1
 
 Usage: python unet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -56,7 +56,7 @@ class Unet(rp.Model):
 
     name = "unet"
     source = "networks/unet.py"
-    structure_hash = "049b198f6f1cb21a"
+    structure_hash = "1df837e8839247f1"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -195,9 +195,13 @@ class Unet(rp.Model):
         # down1_a_bn_batch_mean = down1_a_bn_sum/78400
         down1_a_bn_batch_mean = down1_a_bn_sum  # in place: over down1_a_bn_sum
         rt.ew(ew_scale, down1_a_bn_batch_mean, down1_a_bn_sum)
-        # down1_a_bn_centered = down1_a - down1_a_bn_batch_mean
+        # down1_a_bn_centered = down1_a - down1_a_bn_batch_mean   (computed with the next statement)
         down1_a_bn_centered = down1_a  # in place: over down1_a
-        rt.ew(ew_sub, down1_a_bn_centered, down1_a, down1_a_bn_batch_mean)
+        # down1_a_bn_sum_of_squares = sum_to[1x16x1x1](down1_a_bn_centered**2)
+        down1_a_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, down1_a_bn_centered, down1_a, down1_a_bn_batch_mean),
+                      (ew_square, down1_a_bn_sum_of_squares, down1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # down1_a_bn_batch_mean_flat = reshape[16](down1_a_bn_batch_mean)
         down1_a_bn_batch_mean_flat = rt.reshape(down1_a_bn_batch_mean, shape=(16,))
         # down1_a_bn_mean_new = 0.9*down1_a_bn_mean + 0.1*down1_a_bn_batch_mean_flat
@@ -206,9 +210,6 @@ class Unet(rp.Model):
         # free down1_a_bn_sum, down1_a_bn_batch_mean, down1_a_bn_batch_mean_flat
         del down1_a_bn_sum, down1_a_bn_batch_mean, down1_a_bn_batch_mean_flat
         mem.free(4)
-        # down1_a_bn_sum_of_squares = sum_to[1x16x1x1](down1_a_bn_centered**2)
-        down1_a_bn_sum_of_squares = mem.tensor(5, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, down1_a_bn_sum_of_squares, down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # down1_a_bn_batch_var = down1_a_bn_sum_of_squares/78400
         down1_a_bn_batch_var = down1_a_bn_sum_of_squares  # in place: over down1_a_bn_sum_of_squares
         rt.ew(ew_scale, down1_a_bn_batch_var, down1_a_bn_sum_of_squares)
@@ -245,9 +246,13 @@ class Unet(rp.Model):
         # down1_b_bn_batch_mean = down1_b_bn_sum/78400
         down1_b_bn_batch_mean = down1_b_bn_sum  # in place: over down1_b_bn_sum
         rt.ew(ew_scale, down1_b_bn_batch_mean, down1_b_bn_sum)
-        # down1_b_bn_centered = down1_b - down1_b_bn_batch_mean
+        # down1_b_bn_centered = down1_b - down1_b_bn_batch_mean   (computed with the next statement)
         down1_b_bn_centered = down1_b  # in place: over down1_b
-        rt.ew(ew_sub, down1_b_bn_centered, down1_b, down1_b_bn_batch_mean)
+        # down1_b_bn_sum_of_squares = sum_to[1x16x1x1](down1_b_bn_centered**2)
+        down1_b_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, down1_b_bn_centered, down1_b, down1_b_bn_batch_mean),
+                      (ew_square, down1_b_bn_sum_of_squares, down1_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # down1_b_bn_batch_mean_flat = reshape[16](down1_b_bn_batch_mean)
         down1_b_bn_batch_mean_flat = rt.reshape(down1_b_bn_batch_mean, shape=(16,))
         # down1_b_bn_mean_new = 0.9*down1_b_bn_mean + 0.1*down1_b_bn_batch_mean_flat
@@ -256,9 +261,6 @@ class Unet(rp.Model):
         # free down1_b_bn_sum, down1_b_bn_batch_mean, down1_b_bn_batch_mean_flat
         del down1_b_bn_sum, down1_b_bn_batch_mean, down1_b_bn_batch_mean_flat
         mem.free(9)
-        # down1_b_bn_sum_of_squares = sum_to[1x16x1x1](down1_b_bn_centered**2)
-        down1_b_bn_sum_of_squares = mem.tensor(10, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, down1_b_bn_sum_of_squares, down1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # down1_b_bn_batch_var = down1_b_bn_sum_of_squares/78400
         down1_b_bn_batch_var = down1_b_bn_sum_of_squares  # in place: over down1_b_bn_sum_of_squares
         rt.ew(ew_scale, down1_b_bn_batch_var, down1_b_bn_sum_of_squares)
@@ -299,9 +301,13 @@ class Unet(rp.Model):
         # down2_a_bn_batch_mean = down2_a_bn_sum/19600
         down2_a_bn_batch_mean = down2_a_bn_sum  # in place: over down2_a_bn_sum
         rt.ew(ew_scale_2, down2_a_bn_batch_mean, down2_a_bn_sum)
-        # down2_a_bn_centered = down2_a - down2_a_bn_batch_mean
+        # down2_a_bn_centered = down2_a - down2_a_bn_batch_mean   (computed with the next statement)
         down2_a_bn_centered = down2_a  # in place: over down2_a
-        rt.ew(ew_sub, down2_a_bn_centered, down2_a, down2_a_bn_batch_mean)
+        # down2_a_bn_sum_of_squares = sum_to[1x32x1x1](down2_a_bn_centered**2)
+        down2_a_bn_sum_of_squares = mem.tensor(17, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, down2_a_bn_centered, down2_a, down2_a_bn_batch_mean),
+                      (ew_square, down2_a_bn_sum_of_squares, down2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # down2_a_bn_batch_mean_flat = reshape[32](down2_a_bn_batch_mean)
         down2_a_bn_batch_mean_flat = rt.reshape(down2_a_bn_batch_mean, shape=(32,))
         # down2_a_bn_mean_new = 0.9*down2_a_bn_mean + 0.1*down2_a_bn_batch_mean_flat
@@ -310,9 +316,6 @@ class Unet(rp.Model):
         # free down2_a_bn_sum, down2_a_bn_batch_mean, down2_a_bn_batch_mean_flat
         del down2_a_bn_sum, down2_a_bn_batch_mean, down2_a_bn_batch_mean_flat
         mem.free(16)
-        # down2_a_bn_sum_of_squares = sum_to[1x32x1x1](down2_a_bn_centered**2)
-        down2_a_bn_sum_of_squares = mem.tensor(17, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, down2_a_bn_sum_of_squares, down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # down2_a_bn_batch_var = down2_a_bn_sum_of_squares/19600
         down2_a_bn_batch_var = down2_a_bn_sum_of_squares  # in place: over down2_a_bn_sum_of_squares
         rt.ew(ew_scale_2, down2_a_bn_batch_var, down2_a_bn_sum_of_squares)
@@ -349,9 +352,13 @@ class Unet(rp.Model):
         # down2_b_bn_batch_mean = down2_b_bn_sum/19600
         down2_b_bn_batch_mean = down2_b_bn_sum  # in place: over down2_b_bn_sum
         rt.ew(ew_scale_2, down2_b_bn_batch_mean, down2_b_bn_sum)
-        # down2_b_bn_centered = down2_b - down2_b_bn_batch_mean
+        # down2_b_bn_centered = down2_b - down2_b_bn_batch_mean   (computed with the next statement)
         down2_b_bn_centered = down2_b  # in place: over down2_b
-        rt.ew(ew_sub, down2_b_bn_centered, down2_b, down2_b_bn_batch_mean)
+        # down2_b_bn_sum_of_squares = sum_to[1x32x1x1](down2_b_bn_centered**2)
+        down2_b_bn_sum_of_squares = mem.tensor(22, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, down2_b_bn_centered, down2_b, down2_b_bn_batch_mean),
+                      (ew_square, down2_b_bn_sum_of_squares, down2_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # down2_b_bn_batch_mean_flat = reshape[32](down2_b_bn_batch_mean)
         down2_b_bn_batch_mean_flat = rt.reshape(down2_b_bn_batch_mean, shape=(32,))
         # down2_b_bn_mean_new = 0.9*down2_b_bn_mean + 0.1*down2_b_bn_batch_mean_flat
@@ -360,9 +367,6 @@ class Unet(rp.Model):
         # free down2_b_bn_sum, down2_b_bn_batch_mean, down2_b_bn_batch_mean_flat
         del down2_b_bn_sum, down2_b_bn_batch_mean, down2_b_bn_batch_mean_flat
         mem.free(21)
-        # down2_b_bn_sum_of_squares = sum_to[1x32x1x1](down2_b_bn_centered**2)
-        down2_b_bn_sum_of_squares = mem.tensor(22, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, down2_b_bn_sum_of_squares, down2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # down2_b_bn_batch_var = down2_b_bn_sum_of_squares/19600
         down2_b_bn_batch_var = down2_b_bn_sum_of_squares  # in place: over down2_b_bn_sum_of_squares
         rt.ew(ew_scale_2, down2_b_bn_batch_var, down2_b_bn_sum_of_squares)
@@ -403,9 +407,13 @@ class Unet(rp.Model):
         # bottom_a_bn_batch_mean = bottom_a_bn_sum/4900
         bottom_a_bn_batch_mean = bottom_a_bn_sum  # in place: over bottom_a_bn_sum
         rt.ew(ew_scale_3, bottom_a_bn_batch_mean, bottom_a_bn_sum)
-        # bottom_a_bn_centered = bottom_a - bottom_a_bn_batch_mean
+        # bottom_a_bn_centered = bottom_a - bottom_a_bn_batch_mean   (computed with the next statement)
         bottom_a_bn_centered = bottom_a  # in place: over bottom_a
-        rt.ew(ew_sub, bottom_a_bn_centered, bottom_a, bottom_a_bn_batch_mean)
+        # bottom_a_bn_sum_of_squares = sum_to[1x64x1x1](bottom_a_bn_centered**2)
+        bottom_a_bn_sum_of_squares = mem.tensor(29, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bottom_a_bn_centered, bottom_a, bottom_a_bn_batch_mean),
+                      (ew_square, bottom_a_bn_sum_of_squares, bottom_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # bottom_a_bn_batch_mean_flat = reshape[64](bottom_a_bn_batch_mean)
         bottom_a_bn_batch_mean_flat = rt.reshape(bottom_a_bn_batch_mean, shape=(64,))
         # bottom_a_bn_mean_new = 0.9*bottom_a_bn_mean + 0.1*bottom_a_bn_batch_mean_flat
@@ -414,9 +422,6 @@ class Unet(rp.Model):
         # free bottom_a_bn_sum, bottom_a_bn_batch_mean, bottom_a_bn_batch_mean_flat
         del bottom_a_bn_sum, bottom_a_bn_batch_mean, bottom_a_bn_batch_mean_flat
         mem.free(28)
-        # bottom_a_bn_sum_of_squares = sum_to[1x64x1x1](bottom_a_bn_centered**2)
-        bottom_a_bn_sum_of_squares = mem.tensor(29, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bottom_a_bn_sum_of_squares, bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # bottom_a_bn_batch_var = bottom_a_bn_sum_of_squares/4900
         bottom_a_bn_batch_var = bottom_a_bn_sum_of_squares  # in place: over bottom_a_bn_sum_of_squares
         rt.ew(ew_scale_3, bottom_a_bn_batch_var, bottom_a_bn_sum_of_squares)
@@ -453,9 +458,13 @@ class Unet(rp.Model):
         # bottom_b_bn_batch_mean = bottom_b_bn_sum/4900
         bottom_b_bn_batch_mean = bottom_b_bn_sum  # in place: over bottom_b_bn_sum
         rt.ew(ew_scale_3, bottom_b_bn_batch_mean, bottom_b_bn_sum)
-        # bottom_b_bn_centered = bottom_b - bottom_b_bn_batch_mean
+        # bottom_b_bn_centered = bottom_b - bottom_b_bn_batch_mean   (computed with the next statement)
         bottom_b_bn_centered = bottom_b  # in place: over bottom_b
-        rt.ew(ew_sub, bottom_b_bn_centered, bottom_b, bottom_b_bn_batch_mean)
+        # bottom_b_bn_sum_of_squares = sum_to[1x64x1x1](bottom_b_bn_centered**2)
+        bottom_b_bn_sum_of_squares = mem.tensor(34, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, bottom_b_bn_centered, bottom_b, bottom_b_bn_batch_mean),
+                      (ew_square, bottom_b_bn_sum_of_squares, bottom_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # bottom_b_bn_batch_mean_flat = reshape[64](bottom_b_bn_batch_mean)
         bottom_b_bn_batch_mean_flat = rt.reshape(bottom_b_bn_batch_mean, shape=(64,))
         # bottom_b_bn_mean_new = 0.9*bottom_b_bn_mean + 0.1*bottom_b_bn_batch_mean_flat
@@ -464,9 +473,6 @@ class Unet(rp.Model):
         # free bottom_b_bn_sum, bottom_b_bn_batch_mean, bottom_b_bn_batch_mean_flat
         del bottom_b_bn_sum, bottom_b_bn_batch_mean, bottom_b_bn_batch_mean_flat
         mem.free(33)
-        # bottom_b_bn_sum_of_squares = sum_to[1x64x1x1](bottom_b_bn_centered**2)
-        bottom_b_bn_sum_of_squares = mem.tensor(34, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_square, bottom_b_bn_sum_of_squares, bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # bottom_b_bn_batch_var = bottom_b_bn_sum_of_squares/4900
         bottom_b_bn_batch_var = bottom_b_bn_sum_of_squares  # in place: over bottom_b_bn_sum_of_squares
         rt.ew(ew_scale_3, bottom_b_bn_batch_var, bottom_b_bn_sum_of_squares)
@@ -521,9 +527,13 @@ class Unet(rp.Model):
         # merge2_a_bn_batch_mean = merge2_a_bn_sum/19600
         merge2_a_bn_batch_mean = merge2_a_bn_sum  # in place: over merge2_a_bn_sum
         rt.ew(ew_scale_2, merge2_a_bn_batch_mean, merge2_a_bn_sum)
-        # merge2_a_bn_centered = merge2_a - merge2_a_bn_batch_mean
+        # merge2_a_bn_centered = merge2_a - merge2_a_bn_batch_mean   (computed with the next statement)
         merge2_a_bn_centered = merge2_a  # in place: over merge2_a
-        rt.ew(ew_sub, merge2_a_bn_centered, merge2_a, merge2_a_bn_batch_mean)
+        # merge2_a_bn_sum_of_squares = sum_to[1x32x1x1](merge2_a_bn_centered**2)
+        merge2_a_bn_sum_of_squares = mem.tensor(41, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, merge2_a_bn_centered, merge2_a, merge2_a_bn_batch_mean),
+                      (ew_square, merge2_a_bn_sum_of_squares, merge2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # merge2_a_bn_batch_mean_flat = reshape[32](merge2_a_bn_batch_mean)
         merge2_a_bn_batch_mean_flat = rt.reshape(merge2_a_bn_batch_mean, shape=(32,))
         # merge2_a_bn_mean_new = 0.9*merge2_a_bn_mean + 0.1*merge2_a_bn_batch_mean_flat
@@ -532,9 +542,6 @@ class Unet(rp.Model):
         # free merge2_a_bn_sum, merge2_a_bn_batch_mean, merge2_a_bn_batch_mean_flat
         del merge2_a_bn_sum, merge2_a_bn_batch_mean, merge2_a_bn_batch_mean_flat
         mem.free(40)
-        # merge2_a_bn_sum_of_squares = sum_to[1x32x1x1](merge2_a_bn_centered**2)
-        merge2_a_bn_sum_of_squares = mem.tensor(41, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, merge2_a_bn_sum_of_squares, merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # merge2_a_bn_batch_var = merge2_a_bn_sum_of_squares/19600
         merge2_a_bn_batch_var = merge2_a_bn_sum_of_squares  # in place: over merge2_a_bn_sum_of_squares
         rt.ew(ew_scale_2, merge2_a_bn_batch_var, merge2_a_bn_sum_of_squares)
@@ -571,9 +578,13 @@ class Unet(rp.Model):
         # merge2_b_bn_batch_mean = merge2_b_bn_sum/19600
         merge2_b_bn_batch_mean = merge2_b_bn_sum  # in place: over merge2_b_bn_sum
         rt.ew(ew_scale_2, merge2_b_bn_batch_mean, merge2_b_bn_sum)
-        # merge2_b_bn_centered = merge2_b - merge2_b_bn_batch_mean
+        # merge2_b_bn_centered = merge2_b - merge2_b_bn_batch_mean   (computed with the next statement)
         merge2_b_bn_centered = merge2_b  # in place: over merge2_b
-        rt.ew(ew_sub, merge2_b_bn_centered, merge2_b, merge2_b_bn_batch_mean)
+        # merge2_b_bn_sum_of_squares = sum_to[1x32x1x1](merge2_b_bn_centered**2)
+        merge2_b_bn_sum_of_squares = mem.tensor(46, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, merge2_b_bn_centered, merge2_b, merge2_b_bn_batch_mean),
+                      (ew_square, merge2_b_bn_sum_of_squares, merge2_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # merge2_b_bn_batch_mean_flat = reshape[32](merge2_b_bn_batch_mean)
         merge2_b_bn_batch_mean_flat = rt.reshape(merge2_b_bn_batch_mean, shape=(32,))
         # merge2_b_bn_mean_new = 0.9*merge2_b_bn_mean + 0.1*merge2_b_bn_batch_mean_flat
@@ -582,9 +593,6 @@ class Unet(rp.Model):
         # free merge2_b_bn_sum, merge2_b_bn_batch_mean, merge2_b_bn_batch_mean_flat
         del merge2_b_bn_sum, merge2_b_bn_batch_mean, merge2_b_bn_batch_mean_flat
         mem.free(45)
-        # merge2_b_bn_sum_of_squares = sum_to[1x32x1x1](merge2_b_bn_centered**2)
-        merge2_b_bn_sum_of_squares = mem.tensor(46, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_square, merge2_b_bn_sum_of_squares, merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # merge2_b_bn_batch_var = merge2_b_bn_sum_of_squares/19600
         merge2_b_bn_batch_var = merge2_b_bn_sum_of_squares  # in place: over merge2_b_bn_sum_of_squares
         rt.ew(ew_scale_2, merge2_b_bn_batch_var, merge2_b_bn_sum_of_squares)
@@ -639,9 +647,13 @@ class Unet(rp.Model):
         # merge1_a_bn_batch_mean = merge1_a_bn_sum/78400
         merge1_a_bn_batch_mean = merge1_a_bn_sum  # in place: over merge1_a_bn_sum
         rt.ew(ew_scale, merge1_a_bn_batch_mean, merge1_a_bn_sum)
-        # merge1_a_bn_centered = merge1_a - merge1_a_bn_batch_mean
+        # merge1_a_bn_centered = merge1_a - merge1_a_bn_batch_mean   (computed with the next statement)
         merge1_a_bn_centered = merge1_a  # in place: over merge1_a
-        rt.ew(ew_sub, merge1_a_bn_centered, merge1_a, merge1_a_bn_batch_mean)
+        # merge1_a_bn_sum_of_squares = sum_to[1x16x1x1](merge1_a_bn_centered**2)
+        merge1_a_bn_sum_of_squares = mem.tensor(53, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, merge1_a_bn_centered, merge1_a, merge1_a_bn_batch_mean),
+                      (ew_square, merge1_a_bn_sum_of_squares, merge1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # merge1_a_bn_batch_mean_flat = reshape[16](merge1_a_bn_batch_mean)
         merge1_a_bn_batch_mean_flat = rt.reshape(merge1_a_bn_batch_mean, shape=(16,))
         # merge1_a_bn_mean_new = 0.9*merge1_a_bn_mean + 0.1*merge1_a_bn_batch_mean_flat
@@ -650,9 +662,6 @@ class Unet(rp.Model):
         # free merge1_a_bn_sum, merge1_a_bn_batch_mean, merge1_a_bn_batch_mean_flat
         del merge1_a_bn_sum, merge1_a_bn_batch_mean, merge1_a_bn_batch_mean_flat
         mem.free(52)
-        # merge1_a_bn_sum_of_squares = sum_to[1x16x1x1](merge1_a_bn_centered**2)
-        merge1_a_bn_sum_of_squares = mem.tensor(53, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, merge1_a_bn_sum_of_squares, merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # merge1_a_bn_batch_var = merge1_a_bn_sum_of_squares/78400
         merge1_a_bn_batch_var = merge1_a_bn_sum_of_squares  # in place: over merge1_a_bn_sum_of_squares
         rt.ew(ew_scale, merge1_a_bn_batch_var, merge1_a_bn_sum_of_squares)
@@ -689,9 +698,13 @@ class Unet(rp.Model):
         # merge1_b_bn_batch_mean = merge1_b_bn_sum/78400
         merge1_b_bn_batch_mean = merge1_b_bn_sum  # in place: over merge1_b_bn_sum
         rt.ew(ew_scale, merge1_b_bn_batch_mean, merge1_b_bn_sum)
-        # merge1_b_bn_centered = merge1_b - merge1_b_bn_batch_mean
+        # merge1_b_bn_centered = merge1_b - merge1_b_bn_batch_mean   (computed with the next statement)
         merge1_b_bn_centered = merge1_b  # in place: over merge1_b
-        rt.ew(ew_sub, merge1_b_bn_centered, merge1_b, merge1_b_bn_batch_mean)
+        # merge1_b_bn_sum_of_squares = sum_to[1x16x1x1](merge1_b_bn_centered**2)
+        merge1_b_bn_sum_of_squares = mem.tensor(58, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_sub, merge1_b_bn_centered, merge1_b, merge1_b_bn_batch_mean),
+                      (ew_square, merge1_b_bn_sum_of_squares, merge1_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # merge1_b_bn_batch_mean_flat = reshape[16](merge1_b_bn_batch_mean)
         merge1_b_bn_batch_mean_flat = rt.reshape(merge1_b_bn_batch_mean, shape=(16,))
         # merge1_b_bn_mean_new = 0.9*merge1_b_bn_mean + 0.1*merge1_b_bn_batch_mean_flat
@@ -700,9 +713,6 @@ class Unet(rp.Model):
         # free merge1_b_bn_sum, merge1_b_bn_batch_mean, merge1_b_bn_batch_mean_flat
         del merge1_b_bn_sum, merge1_b_bn_batch_mean, merge1_b_bn_batch_mean_flat
         mem.free(57)
-        # merge1_b_bn_sum_of_squares = sum_to[1x16x1x1](merge1_b_bn_centered**2)
-        merge1_b_bn_sum_of_squares = mem.tensor(58, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_square, merge1_b_bn_sum_of_squares, merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # merge1_b_bn_batch_var = merge1_b_bn_sum_of_squares/78400
         merge1_b_bn_batch_var = merge1_b_bn_sum_of_squares  # in place: over merge1_b_bn_sum_of_squares
         rt.ew(ew_scale, merge1_b_bn_batch_var, merge1_b_bn_sum_of_squares)
@@ -830,15 +840,17 @@ class Unet(rp.Model):
         del merge1_b_bn_relu_2
         mem.free(69)
 
+        # ---- merge1_b_bn (batch norm), backward ----
+        # d_merge1_b_bn_ew_sum = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered)
+        d_merge1_b_bn_ew_sum = mem.tensor(70, (1, 16, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_merge1_b_bn_ew_sum, d_merge1_b_bn, merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+
         # ---- classes (conv 1x1, 10 channels, stride 1, padding 0), backward ----
         # classes_W_new = classes_W - lr*V_classes_W_new
         classes_W_new = T['classes_W']  # in place: the new classes_W
         rt.ew(ew_mul_sub, classes_W_new, T['classes_W'], lr, V_classes_W_new)
 
         # ---- merge1_b_bn (batch norm), backward ----
-        # d_merge1_b_bn_ew_sum = sum_to[1x16x1x1](d_merge1_b_bn*merge1_b_bn_centered)
-        d_merge1_b_bn_ew_sum = mem.tensor(70, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_b_bn_ew_sum, d_merge1_b_bn, merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_merge1_b_bn_inv_std = merge1_b_bn_weight*d_merge1_b_bn_ew_sum   (computed with the next statement)
         d_merge1_b_bn_inv_std = mem.tensor(71, (1, 16, 1, 1), 'float32')
         # d_merge1_b_bn_sum_of_squares = -d_merge1_b_bn_inv_std/(156800*(merge1_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -848,14 +860,18 @@ class Unet(rp.Model):
         # free merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         del merge1_b_bn_sum_of_squares, merge1_b_bn_batch_var, merge1_b_bn_batch_var_flat
         mem.free(58)
-        # d_merge1_b_bn_centered = d_merge1_b_bn*merge1_b_bn_inv_std*merge1_b_bn_weight + 2*d_merge1_b_bn_sum_of_squares*merge1_b_bn_centered
+        # d_merge1_b_bn_centered = d_merge1_b_bn*merge1_b_bn_inv_std*merge1_b_bn_weight + 2*d_merge1_b_bn_sum_of_squares*merge1_b_bn_centered   (computed with the next statement)
         d_merge1_b_bn_centered = merge1_b_bn_centered  # in place: over merge1_b_bn_centered
-        rt.ew(ew_mul_add_2, d_merge1_b_bn_centered, d_merge1_b_bn, merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_sum_of_squares, merge1_b_bn_centered)
+        # d_merge1_b_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_b_bn_centered)
+        d_merge1_b_bn_batch_mean = mem.tensor(72, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_merge1_b_bn_centered, d_merge1_b_bn, merge1_b_bn_inv_std, merge1_b_bn_weight, d_merge1_b_bn_sum_of_squares, merge1_b_bn_centered),
+                      (ew_neg, d_merge1_b_bn_batch_mean, d_merge1_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
         del d_merge1_b_bn_inv_std, d_merge1_b_bn_sum_of_squares
         mem.free(71)
         # d_merge1_b_bn_bias = sum_to[1x16x1x1](d_merge1_b_bn)
-        d_merge1_b_bn_bias = mem.tensor(72, (1, 16, 1, 1), 'float32')
+        d_merge1_b_bn_bias = mem.tensor(73, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_merge1_b_bn, out=d_merge1_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_merge1_b_bn_relu, d_merge1_b_bn
         del d_merge1_b_bn_relu, d_merge1_b_bn
@@ -887,10 +903,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, merge1_b_bn_B_new, T['merge1_b_bn_B'], lr, V_merge1_b_bn_B_new))
         # free d_merge1_b_bn_bias, d_merge1_b_bn_B
         del d_merge1_b_bn_bias, d_merge1_b_bn_B
-        mem.free(72)
-        # d_merge1_b_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_b_bn_centered)
-        d_merge1_b_bn_batch_mean = mem.tensor(73, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_merge1_b_bn_batch_mean, d_merge1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(73)
         # d_merge1_b_bn_sum = d_merge1_b_bn_batch_mean/78400
         d_merge1_b_bn_sum = d_merge1_b_bn_batch_mean  # in place: over d_merge1_b_bn_batch_mean
         rt.ew(ew_scale, d_merge1_b_bn_sum, d_merge1_b_bn_batch_mean)
@@ -901,7 +914,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_merge1_b, d_merge1_b_bn_centered, d_merge1_b_bn_sum)
         # free d_merge1_b_bn_batch_mean, d_merge1_b_bn_sum
         del d_merge1_b_bn_batch_mean, d_merge1_b_bn_sum
-        mem.free(73)
+        mem.free(72)
 
         # ---- merge1_a_bn_relu (relu), forward ----
         # merge1_a_bn_relu_2 = Max(0, merge1_a_bn_centered*merge1_a_bn_inv_std*merge1_a_bn_weight + merge1_a_bn_bias)
@@ -926,9 +939,15 @@ class Unet(rp.Model):
         mem.free(56)
 
         # ---- merge1_a_bn_relu (relu), backward ----
-        # d_merge1_a_bn = d_merge1_a_bn_relu*Heaviside(merge1_a_bn_relu_2, 0)
+        # d_merge1_a_bn = d_merge1_a_bn_relu*Heaviside(merge1_a_bn_relu_2, 0)   (computed with the next statement)
         d_merge1_a_bn = d_merge1_a_bn_relu  # in place: over d_merge1_a_bn_relu
-        rt.ew(ew_step_mul, d_merge1_a_bn, d_merge1_a_bn_relu, merge1_a_bn_relu_2)
+
+        # ---- merge1_a_bn (batch norm), backward ----
+        # d_merge1_a_bn_ew_sum = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered)
+        d_merge1_a_bn_ew_sum = mem.tensor(77, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_merge1_a_bn, d_merge1_a_bn_relu, merge1_a_bn_relu_2),
+                      (ew_mul, d_merge1_a_bn_ew_sum, d_merge1_a_bn, merge1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free merge1_a_bn_relu_2
         del merge1_a_bn_relu_2
         mem.free(74)
@@ -939,9 +958,6 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, merge1_b_W_new, T['merge1_b_W'], lr, V_merge1_b_W_new)
 
         # ---- merge1_a_bn (batch norm), backward ----
-        # d_merge1_a_bn_ew_sum = sum_to[1x16x1x1](d_merge1_a_bn*merge1_a_bn_centered)
-        d_merge1_a_bn_ew_sum = mem.tensor(77, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge1_a_bn_ew_sum, d_merge1_a_bn, merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_merge1_a_bn_inv_std = merge1_a_bn_weight*d_merge1_a_bn_ew_sum   (computed with the next statement)
         d_merge1_a_bn_inv_std = mem.tensor(78, (1, 16, 1, 1), 'float32')
         # d_merge1_a_bn_sum_of_squares = -d_merge1_a_bn_inv_std/(156800*(merge1_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -951,14 +967,18 @@ class Unet(rp.Model):
         # free merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         del merge1_a_bn_sum_of_squares, merge1_a_bn_batch_var, merge1_a_bn_batch_var_flat
         mem.free(53)
-        # d_merge1_a_bn_centered = d_merge1_a_bn*merge1_a_bn_inv_std*merge1_a_bn_weight + 2*d_merge1_a_bn_sum_of_squares*merge1_a_bn_centered
+        # d_merge1_a_bn_centered = d_merge1_a_bn*merge1_a_bn_inv_std*merge1_a_bn_weight + 2*d_merge1_a_bn_sum_of_squares*merge1_a_bn_centered   (computed with the next statement)
         d_merge1_a_bn_centered = merge1_a_bn_centered  # in place: over merge1_a_bn_centered
-        rt.ew(ew_mul_add_2, d_merge1_a_bn_centered, d_merge1_a_bn, merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_sum_of_squares, merge1_a_bn_centered)
+        # d_merge1_a_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_a_bn_centered)
+        d_merge1_a_bn_batch_mean = mem.tensor(79, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_merge1_a_bn_centered, d_merge1_a_bn, merge1_a_bn_inv_std, merge1_a_bn_weight, d_merge1_a_bn_sum_of_squares, merge1_a_bn_centered),
+                      (ew_neg, d_merge1_a_bn_batch_mean, d_merge1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
         del d_merge1_a_bn_inv_std, d_merge1_a_bn_sum_of_squares
         mem.free(78)
         # d_merge1_a_bn_bias = sum_to[1x16x1x1](d_merge1_a_bn)
-        d_merge1_a_bn_bias = mem.tensor(79, (1, 16, 1, 1), 'float32')
+        d_merge1_a_bn_bias = mem.tensor(80, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_merge1_a_bn, out=d_merge1_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_merge1_a_bn_relu, d_merge1_a_bn
         del d_merge1_a_bn_relu, d_merge1_a_bn
@@ -990,10 +1010,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, merge1_a_bn_B_new, T['merge1_a_bn_B'], lr, V_merge1_a_bn_B_new))
         # free d_merge1_a_bn_bias, d_merge1_a_bn_B
         del d_merge1_a_bn_bias, d_merge1_a_bn_B
-        mem.free(79)
-        # d_merge1_a_bn_batch_mean = sum_to[1x16x1x1](-d_merge1_a_bn_centered)
-        d_merge1_a_bn_batch_mean = mem.tensor(80, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_merge1_a_bn_batch_mean, d_merge1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(80)
         # d_merge1_a_bn_sum = d_merge1_a_bn_batch_mean/78400
         d_merge1_a_bn_sum = d_merge1_a_bn_batch_mean  # in place: over d_merge1_a_bn_batch_mean
         rt.ew(ew_scale, d_merge1_a_bn_sum, d_merge1_a_bn_batch_mean)
@@ -1004,7 +1021,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_merge1_a, d_merge1_a_bn_centered, d_merge1_a_bn_sum)
         # free d_merge1_a_bn_batch_mean, d_merge1_a_bn_sum
         del d_merge1_a_bn_batch_mean, d_merge1_a_bn_sum
-        mem.free(80)
+        mem.free(79)
         # d_merge1_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_merge1_a, down1_b_bn_concat)
         d_merge1_a_W = mem.tensor(81, (16, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_merge1_a, down1_b_bn_concat, out=d_merge1_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26732032))
@@ -1071,9 +1088,15 @@ class Unet(rp.Model):
         mem.free(83)
 
         # ---- merge2_b_bn_relu (relu), backward ----
-        # d_merge2_b_bn = d_merge2_b_bn_relu*Heaviside(merge2_b_bn_relu_2, 0)
+        # d_merge2_b_bn = d_merge2_b_bn_relu*Heaviside(merge2_b_bn_relu_2, 0)   (computed with the next statement)
         d_merge2_b_bn = d_merge2_b_bn_relu  # in place: over d_merge2_b_bn_relu
-        rt.ew(ew_step_mul, d_merge2_b_bn, d_merge2_b_bn_relu, merge2_b_bn_relu_2)
+
+        # ---- merge2_b_bn (batch norm), backward ----
+        # d_merge2_b_bn_ew_sum = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered)
+        d_merge2_b_bn_ew_sum = mem.tensor(89, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_merge2_b_bn, d_merge2_b_bn_relu, merge2_b_bn_relu_2),
+                      (ew_mul, d_merge2_b_bn_ew_sum, d_merge2_b_bn, merge2_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free merge2_b_bn_relu_2
         del merge2_b_bn_relu_2
         mem.free(86)
@@ -1090,9 +1113,6 @@ class Unet(rp.Model):
         mem.free(87)
 
         # ---- merge2_b_bn (batch norm), backward ----
-        # d_merge2_b_bn_ew_sum = sum_to[1x32x1x1](d_merge2_b_bn*merge2_b_bn_centered)
-        d_merge2_b_bn_ew_sum = mem.tensor(89, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_b_bn_ew_sum, d_merge2_b_bn, merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_merge2_b_bn_inv_std = merge2_b_bn_weight*d_merge2_b_bn_ew_sum   (computed with the next statement)
         d_merge2_b_bn_inv_std = mem.tensor(90, (1, 32, 1, 1), 'float32')
         # d_merge2_b_bn_sum_of_squares = -d_merge2_b_bn_inv_std/(39200*(merge2_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1102,14 +1122,18 @@ class Unet(rp.Model):
         # free merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         del merge2_b_bn_sum_of_squares, merge2_b_bn_batch_var, merge2_b_bn_batch_var_flat
         mem.free(46)
-        # d_merge2_b_bn_centered = d_merge2_b_bn*merge2_b_bn_inv_std*merge2_b_bn_weight + 2*d_merge2_b_bn_sum_of_squares*merge2_b_bn_centered
+        # d_merge2_b_bn_centered = d_merge2_b_bn*merge2_b_bn_inv_std*merge2_b_bn_weight + 2*d_merge2_b_bn_sum_of_squares*merge2_b_bn_centered   (computed with the next statement)
         d_merge2_b_bn_centered = merge2_b_bn_centered  # in place: over merge2_b_bn_centered
-        rt.ew(ew_mul_add_2, d_merge2_b_bn_centered, d_merge2_b_bn, merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_sum_of_squares, merge2_b_bn_centered)
+        # d_merge2_b_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_b_bn_centered)
+        d_merge2_b_bn_batch_mean = mem.tensor(91, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_merge2_b_bn_centered, d_merge2_b_bn, merge2_b_bn_inv_std, merge2_b_bn_weight, d_merge2_b_bn_sum_of_squares, merge2_b_bn_centered),
+                      (ew_neg, d_merge2_b_bn_batch_mean, d_merge2_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
         del d_merge2_b_bn_inv_std, d_merge2_b_bn_sum_of_squares
         mem.free(90)
         # d_merge2_b_bn_bias = sum_to[1x32x1x1](d_merge2_b_bn)
-        d_merge2_b_bn_bias = mem.tensor(91, (1, 32, 1, 1), 'float32')
+        d_merge2_b_bn_bias = mem.tensor(92, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_merge2_b_bn, out=d_merge2_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_merge2_b_bn_relu, d_merge2_b_bn
         del d_merge2_b_bn_relu, d_merge2_b_bn
@@ -1141,10 +1165,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, merge2_b_bn_B_new, T['merge2_b_bn_B'], lr, V_merge2_b_bn_B_new))
         # free d_merge2_b_bn_bias, d_merge2_b_bn_B
         del d_merge2_b_bn_bias, d_merge2_b_bn_B
-        mem.free(91)
-        # d_merge2_b_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_b_bn_centered)
-        d_merge2_b_bn_batch_mean = mem.tensor(92, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_merge2_b_bn_batch_mean, d_merge2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(92)
         # d_merge2_b_bn_sum = d_merge2_b_bn_batch_mean/19600
         d_merge2_b_bn_sum = d_merge2_b_bn_batch_mean  # in place: over d_merge2_b_bn_batch_mean
         rt.ew(ew_scale_2, d_merge2_b_bn_sum, d_merge2_b_bn_batch_mean)
@@ -1155,7 +1176,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_merge2_b, d_merge2_b_bn_centered, d_merge2_b_bn_sum)
         # free d_merge2_b_bn_batch_mean, d_merge2_b_bn_sum
         del d_merge2_b_bn_batch_mean, d_merge2_b_bn_sum
-        mem.free(92)
+        mem.free(91)
 
         # ---- merge2_a_bn_relu (relu), forward ----
         # merge2_a_bn_relu_2 = Max(0, merge2_a_bn_centered*merge2_a_bn_inv_std*merge2_a_bn_weight + merge2_a_bn_bias)
@@ -1180,9 +1201,15 @@ class Unet(rp.Model):
         mem.free(44)
 
         # ---- merge2_a_bn_relu (relu), backward ----
-        # d_merge2_a_bn = d_merge2_a_bn_relu*Heaviside(merge2_a_bn_relu_2, 0)
+        # d_merge2_a_bn = d_merge2_a_bn_relu*Heaviside(merge2_a_bn_relu_2, 0)   (computed with the next statement)
         d_merge2_a_bn = d_merge2_a_bn_relu  # in place: over d_merge2_a_bn_relu
-        rt.ew(ew_step_mul, d_merge2_a_bn, d_merge2_a_bn_relu, merge2_a_bn_relu_2)
+
+        # ---- merge2_a_bn (batch norm), backward ----
+        # d_merge2_a_bn_ew_sum = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered)
+        d_merge2_a_bn_ew_sum = mem.tensor(96, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_merge2_a_bn, d_merge2_a_bn_relu, merge2_a_bn_relu_2),
+                      (ew_mul, d_merge2_a_bn_ew_sum, d_merge2_a_bn, merge2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free merge2_a_bn_relu_2
         del merge2_a_bn_relu_2
         mem.free(93)
@@ -1193,9 +1220,6 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, merge2_b_W_new, T['merge2_b_W'], lr, V_merge2_b_W_new)
 
         # ---- merge2_a_bn (batch norm), backward ----
-        # d_merge2_a_bn_ew_sum = sum_to[1x32x1x1](d_merge2_a_bn*merge2_a_bn_centered)
-        d_merge2_a_bn_ew_sum = mem.tensor(96, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_merge2_a_bn_ew_sum, d_merge2_a_bn, merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_merge2_a_bn_inv_std = merge2_a_bn_weight*d_merge2_a_bn_ew_sum   (computed with the next statement)
         d_merge2_a_bn_inv_std = mem.tensor(97, (1, 32, 1, 1), 'float32')
         # d_merge2_a_bn_sum_of_squares = -d_merge2_a_bn_inv_std/(39200*(merge2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1205,14 +1229,18 @@ class Unet(rp.Model):
         # free merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         del merge2_a_bn_sum_of_squares, merge2_a_bn_batch_var, merge2_a_bn_batch_var_flat
         mem.free(41)
-        # d_merge2_a_bn_centered = d_merge2_a_bn*merge2_a_bn_inv_std*merge2_a_bn_weight + 2*d_merge2_a_bn_sum_of_squares*merge2_a_bn_centered
+        # d_merge2_a_bn_centered = d_merge2_a_bn*merge2_a_bn_inv_std*merge2_a_bn_weight + 2*d_merge2_a_bn_sum_of_squares*merge2_a_bn_centered   (computed with the next statement)
         d_merge2_a_bn_centered = merge2_a_bn_centered  # in place: over merge2_a_bn_centered
-        rt.ew(ew_mul_add_2, d_merge2_a_bn_centered, d_merge2_a_bn, merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_sum_of_squares, merge2_a_bn_centered)
+        # d_merge2_a_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_a_bn_centered)
+        d_merge2_a_bn_batch_mean = mem.tensor(98, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_merge2_a_bn_centered, d_merge2_a_bn, merge2_a_bn_inv_std, merge2_a_bn_weight, d_merge2_a_bn_sum_of_squares, merge2_a_bn_centered),
+                      (ew_neg, d_merge2_a_bn_batch_mean, d_merge2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
         del d_merge2_a_bn_inv_std, d_merge2_a_bn_sum_of_squares
         mem.free(97)
         # d_merge2_a_bn_bias = sum_to[1x32x1x1](d_merge2_a_bn)
-        d_merge2_a_bn_bias = mem.tensor(98, (1, 32, 1, 1), 'float32')
+        d_merge2_a_bn_bias = mem.tensor(99, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_merge2_a_bn, out=d_merge2_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_merge2_a_bn_relu, d_merge2_a_bn
         del d_merge2_a_bn_relu, d_merge2_a_bn
@@ -1244,10 +1272,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, merge2_a_bn_B_new, T['merge2_a_bn_B'], lr, V_merge2_a_bn_B_new))
         # free d_merge2_a_bn_bias, d_merge2_a_bn_B
         del d_merge2_a_bn_bias, d_merge2_a_bn_B
-        mem.free(98)
-        # d_merge2_a_bn_batch_mean = sum_to[1x32x1x1](-d_merge2_a_bn_centered)
-        d_merge2_a_bn_batch_mean = mem.tensor(99, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_merge2_a_bn_batch_mean, d_merge2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(99)
         # d_merge2_a_bn_sum = d_merge2_a_bn_batch_mean/19600
         d_merge2_a_bn_sum = d_merge2_a_bn_batch_mean  # in place: over d_merge2_a_bn_batch_mean
         rt.ew(ew_scale_2, d_merge2_a_bn_sum, d_merge2_a_bn_batch_mean)
@@ -1258,7 +1283,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_merge2_a, d_merge2_a_bn_centered, d_merge2_a_bn_sum)
         # free d_merge2_a_bn_batch_mean, d_merge2_a_bn_sum
         del d_merge2_a_bn_batch_mean, d_merge2_a_bn_sum
-        mem.free(99)
+        mem.free(98)
         # d_merge2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_merge2_a, down2_b_bn_concat)
         d_merge2_a_W = mem.tensor(100, (32, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_merge2_a, down2_b_bn_concat, out=d_merge2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27184128))
@@ -1325,9 +1350,15 @@ class Unet(rp.Model):
         mem.free(102)
 
         # ---- bottom_b_bn_relu (relu), backward ----
-        # d_bottom_b_bn = d_bottom_b_bn_relu*Heaviside(bottom_b_bn_relu_2, 0)
+        # d_bottom_b_bn = d_bottom_b_bn_relu*Heaviside(bottom_b_bn_relu_2, 0)   (computed with the next statement)
         d_bottom_b_bn = d_bottom_b_bn_relu  # in place: over d_bottom_b_bn_relu
-        rt.ew(ew_step_mul, d_bottom_b_bn, d_bottom_b_bn_relu, bottom_b_bn_relu_2)
+
+        # ---- bottom_b_bn (batch norm), backward ----
+        # d_bottom_b_bn_ew_sum = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered)
+        d_bottom_b_bn_ew_sum = mem.tensor(108, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bottom_b_bn, d_bottom_b_bn_relu, bottom_b_bn_relu_2),
+                      (ew_mul, d_bottom_b_bn_ew_sum, d_bottom_b_bn, bottom_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free bottom_b_bn_relu_2
         del bottom_b_bn_relu_2
         mem.free(105)
@@ -1344,9 +1375,6 @@ class Unet(rp.Model):
         mem.free(106)
 
         # ---- bottom_b_bn (batch norm), backward ----
-        # d_bottom_b_bn_ew_sum = sum_to[1x64x1x1](d_bottom_b_bn*bottom_b_bn_centered)
-        d_bottom_b_bn_ew_sum = mem.tensor(108, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_b_bn_ew_sum, d_bottom_b_bn, bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_bottom_b_bn_inv_std = bottom_b_bn_weight*d_bottom_b_bn_ew_sum   (computed with the next statement)
         d_bottom_b_bn_inv_std = mem.tensor(109, (1, 64, 1, 1), 'float32')
         # d_bottom_b_bn_sum_of_squares = -d_bottom_b_bn_inv_std/(9800*(bottom_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1356,14 +1384,18 @@ class Unet(rp.Model):
         # free bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         del bottom_b_bn_sum_of_squares, bottom_b_bn_batch_var, bottom_b_bn_batch_var_flat
         mem.free(34)
-        # d_bottom_b_bn_centered = d_bottom_b_bn*bottom_b_bn_inv_std*bottom_b_bn_weight + 2*d_bottom_b_bn_sum_of_squares*bottom_b_bn_centered
+        # d_bottom_b_bn_centered = d_bottom_b_bn*bottom_b_bn_inv_std*bottom_b_bn_weight + 2*d_bottom_b_bn_sum_of_squares*bottom_b_bn_centered   (computed with the next statement)
         d_bottom_b_bn_centered = bottom_b_bn_centered  # in place: over bottom_b_bn_centered
-        rt.ew(ew_mul_add_2, d_bottom_b_bn_centered, d_bottom_b_bn, bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_sum_of_squares, bottom_b_bn_centered)
+        # d_bottom_b_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_b_bn_centered)
+        d_bottom_b_bn_batch_mean = mem.tensor(110, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bottom_b_bn_centered, d_bottom_b_bn, bottom_b_bn_inv_std, bottom_b_bn_weight, d_bottom_b_bn_sum_of_squares, bottom_b_bn_centered),
+                      (ew_neg, d_bottom_b_bn_batch_mean, d_bottom_b_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
         del d_bottom_b_bn_inv_std, d_bottom_b_bn_sum_of_squares
         mem.free(109)
         # d_bottom_b_bn_bias = sum_to[1x64x1x1](d_bottom_b_bn)
-        d_bottom_b_bn_bias = mem.tensor(110, (1, 64, 1, 1), 'float32')
+        d_bottom_b_bn_bias = mem.tensor(111, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bottom_b_bn, out=d_bottom_b_bn_bias, shape=(1, 64, 1, 1))
         # free d_bottom_b_bn_relu, d_bottom_b_bn
         del d_bottom_b_bn_relu, d_bottom_b_bn
@@ -1395,10 +1427,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, bottom_b_bn_B_new, T['bottom_b_bn_B'], lr, V_bottom_b_bn_B_new))
         # free d_bottom_b_bn_bias, d_bottom_b_bn_B
         del d_bottom_b_bn_bias, d_bottom_b_bn_B
-        mem.free(110)
-        # d_bottom_b_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_b_bn_centered)
-        d_bottom_b_bn_batch_mean = mem.tensor(111, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bottom_b_bn_batch_mean, d_bottom_b_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        mem.free(111)
         # d_bottom_b_bn_sum = d_bottom_b_bn_batch_mean/4900
         d_bottom_b_bn_sum = d_bottom_b_bn_batch_mean  # in place: over d_bottom_b_bn_batch_mean
         rt.ew(ew_scale_3, d_bottom_b_bn_sum, d_bottom_b_bn_batch_mean)
@@ -1409,7 +1438,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_bottom_b, d_bottom_b_bn_centered, d_bottom_b_bn_sum)
         # free d_bottom_b_bn_batch_mean, d_bottom_b_bn_sum
         del d_bottom_b_bn_batch_mean, d_bottom_b_bn_sum
-        mem.free(111)
+        mem.free(110)
 
         # ---- bottom_a_bn_relu (relu), forward ----
         # bottom_a_bn_relu_2 = Max(0, bottom_a_bn_centered*bottom_a_bn_inv_std*bottom_a_bn_weight + bottom_a_bn_bias)
@@ -1434,9 +1463,15 @@ class Unet(rp.Model):
         mem.free(32)
 
         # ---- bottom_a_bn_relu (relu), backward ----
-        # d_bottom_a_bn = d_bottom_a_bn_relu*Heaviside(bottom_a_bn_relu_2, 0)
+        # d_bottom_a_bn = d_bottom_a_bn_relu*Heaviside(bottom_a_bn_relu_2, 0)   (computed with the next statement)
         d_bottom_a_bn = d_bottom_a_bn_relu  # in place: over d_bottom_a_bn_relu
-        rt.ew(ew_step_mul, d_bottom_a_bn, d_bottom_a_bn_relu, bottom_a_bn_relu_2)
+
+        # ---- bottom_a_bn (batch norm), backward ----
+        # d_bottom_a_bn_ew_sum = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered)
+        d_bottom_a_bn_ew_sum = mem.tensor(115, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_bottom_a_bn, d_bottom_a_bn_relu, bottom_a_bn_relu_2),
+                      (ew_mul, d_bottom_a_bn_ew_sum, d_bottom_a_bn, bottom_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free bottom_a_bn_relu_2
         del bottom_a_bn_relu_2
         mem.free(112)
@@ -1447,9 +1482,6 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, bottom_b_W_new, T['bottom_b_W'], lr, V_bottom_b_W_new)
 
         # ---- bottom_a_bn (batch norm), backward ----
-        # d_bottom_a_bn_ew_sum = sum_to[1x64x1x1](d_bottom_a_bn*bottom_a_bn_centered)
-        d_bottom_a_bn_ew_sum = mem.tensor(115, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bottom_a_bn_ew_sum, d_bottom_a_bn, bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # d_bottom_a_bn_inv_std = bottom_a_bn_weight*d_bottom_a_bn_ew_sum   (computed with the next statement)
         d_bottom_a_bn_inv_std = mem.tensor(116, (1, 64, 1, 1), 'float32')
         # d_bottom_a_bn_sum_of_squares = -d_bottom_a_bn_inv_std/(9800*(bottom_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1459,14 +1491,18 @@ class Unet(rp.Model):
         # free bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         del bottom_a_bn_sum_of_squares, bottom_a_bn_batch_var, bottom_a_bn_batch_var_flat
         mem.free(29)
-        # d_bottom_a_bn_centered = d_bottom_a_bn*bottom_a_bn_inv_std*bottom_a_bn_weight + 2*d_bottom_a_bn_sum_of_squares*bottom_a_bn_centered
+        # d_bottom_a_bn_centered = d_bottom_a_bn*bottom_a_bn_inv_std*bottom_a_bn_weight + 2*d_bottom_a_bn_sum_of_squares*bottom_a_bn_centered   (computed with the next statement)
         d_bottom_a_bn_centered = bottom_a_bn_centered  # in place: over bottom_a_bn_centered
-        rt.ew(ew_mul_add_2, d_bottom_a_bn_centered, d_bottom_a_bn, bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_sum_of_squares, bottom_a_bn_centered)
+        # d_bottom_a_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_a_bn_centered)
+        d_bottom_a_bn_batch_mean = mem.tensor(117, (1, 64, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_bottom_a_bn_centered, d_bottom_a_bn, bottom_a_bn_inv_std, bottom_a_bn_weight, d_bottom_a_bn_sum_of_squares, bottom_a_bn_centered),
+                      (ew_neg, d_bottom_a_bn_batch_mean, d_bottom_a_bn_centered),
+                      shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
         # free d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
         del d_bottom_a_bn_inv_std, d_bottom_a_bn_sum_of_squares
         mem.free(116)
         # d_bottom_a_bn_bias = sum_to[1x64x1x1](d_bottom_a_bn)
-        d_bottom_a_bn_bias = mem.tensor(117, (1, 64, 1, 1), 'float32')
+        d_bottom_a_bn_bias = mem.tensor(118, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_bottom_a_bn, out=d_bottom_a_bn_bias, shape=(1, 64, 1, 1))
         # free d_bottom_a_bn_relu, d_bottom_a_bn
         del d_bottom_a_bn_relu, d_bottom_a_bn
@@ -1498,10 +1534,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, bottom_a_bn_B_new, T['bottom_a_bn_B'], lr, V_bottom_a_bn_B_new))
         # free d_bottom_a_bn_bias, d_bottom_a_bn_B
         del d_bottom_a_bn_bias, d_bottom_a_bn_B
-        mem.free(117)
-        # d_bottom_a_bn_batch_mean = sum_to[1x64x1x1](-d_bottom_a_bn_centered)
-        d_bottom_a_bn_batch_mean = mem.tensor(118, (1, 64, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_bottom_a_bn_batch_mean, d_bottom_a_bn_centered, shape=(1, 64, 1, 1), workspace=mem.workspace(1254400))
+        mem.free(118)
         # d_bottom_a_bn_sum = d_bottom_a_bn_batch_mean/4900
         d_bottom_a_bn_sum = d_bottom_a_bn_batch_mean  # in place: over d_bottom_a_bn_batch_mean
         rt.ew(ew_scale_3, d_bottom_a_bn_sum, d_bottom_a_bn_batch_mean)
@@ -1512,7 +1545,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_bottom_a, d_bottom_a_bn_centered, d_bottom_a_bn_sum)
         # free d_bottom_a_bn_batch_mean, d_bottom_a_bn_sum
         del d_bottom_a_bn_batch_mean, d_bottom_a_bn_sum
-        mem.free(118)
+        mem.free(117)
         # d_bottom_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_bottom_a, down2_b_bn_max_pool)
         d_bottom_a_W = mem.tensor(119, (64, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_bottom_a, down2_b_bn_max_pool, out=d_bottom_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(7936000))
@@ -1569,14 +1602,18 @@ class Unet(rp.Model):
         # free down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         del down2_b_bn_sum_of_squares, down2_b_bn_batch_var, down2_b_bn_batch_var_flat
         mem.free(22)
-        # d_down2_b_bn_centered = d_down2_b_bn*down2_b_bn_inv_std*down2_b_bn_weight + 2*d_down2_b_bn_sum_of_squares*down2_b_bn_centered
+        # d_down2_b_bn_centered = d_down2_b_bn*down2_b_bn_inv_std*down2_b_bn_weight + 2*d_down2_b_bn_sum_of_squares*down2_b_bn_centered   (computed with the next statement)
         d_down2_b_bn_centered = down2_b_bn_centered  # in place: over down2_b_bn_centered
-        rt.ew(ew_mul_add_2, d_down2_b_bn_centered, d_down2_b_bn, down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_sum_of_squares, down2_b_bn_centered)
+        # d_down2_b_bn_batch_mean = sum_to[1x32x1x1](-d_down2_b_bn_centered)
+        d_down2_b_bn_batch_mean = mem.tensor(125, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_down2_b_bn_centered, d_down2_b_bn, down2_b_bn_inv_std, down2_b_bn_weight, d_down2_b_bn_sum_of_squares, down2_b_bn_centered),
+                      (ew_neg, d_down2_b_bn_batch_mean, d_down2_b_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
         del d_down2_b_bn_inv_std, d_down2_b_bn_sum_of_squares
         mem.free(124)
         # d_down2_b_bn_bias = sum_to[1x32x1x1](d_down2_b_bn)
-        d_down2_b_bn_bias = mem.tensor(125, (1, 32, 1, 1), 'float32')
+        d_down2_b_bn_bias = mem.tensor(126, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_down2_b_bn, out=d_down2_b_bn_bias, shape=(1, 32, 1, 1))
         # free d_down2_b_bn_relu, d_down2_b_bn
         del d_down2_b_bn_relu, d_down2_b_bn
@@ -1608,10 +1645,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, down2_b_bn_B_new, T['down2_b_bn_B'], lr, V_down2_b_bn_B_new))
         # free d_down2_b_bn_bias, d_down2_b_bn_B
         del d_down2_b_bn_bias, d_down2_b_bn_B
-        mem.free(125)
-        # d_down2_b_bn_batch_mean = sum_to[1x32x1x1](-d_down2_b_bn_centered)
-        d_down2_b_bn_batch_mean = mem.tensor(126, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_down2_b_bn_batch_mean, d_down2_b_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(126)
         # d_down2_b_bn_sum = d_down2_b_bn_batch_mean/19600
         d_down2_b_bn_sum = d_down2_b_bn_batch_mean  # in place: over d_down2_b_bn_batch_mean
         rt.ew(ew_scale_2, d_down2_b_bn_sum, d_down2_b_bn_batch_mean)
@@ -1622,7 +1656,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_down2_b, d_down2_b_bn_centered, d_down2_b_bn_sum)
         # free d_down2_b_bn_batch_mean, d_down2_b_bn_sum
         del d_down2_b_bn_batch_mean, d_down2_b_bn_sum
-        mem.free(126)
+        mem.free(125)
 
         # ---- down2_a_bn_relu (relu), forward ----
         # down2_a_bn_relu_2 = Max(0, down2_a_bn_centered*down2_a_bn_inv_std*down2_a_bn_weight + down2_a_bn_bias)
@@ -1647,9 +1681,15 @@ class Unet(rp.Model):
         mem.free(20)
 
         # ---- down2_a_bn_relu (relu), backward ----
-        # d_down2_a_bn = d_down2_a_bn_relu*Heaviside(down2_a_bn_relu_2, 0)
+        # d_down2_a_bn = d_down2_a_bn_relu*Heaviside(down2_a_bn_relu_2, 0)   (computed with the next statement)
         d_down2_a_bn = d_down2_a_bn_relu  # in place: over d_down2_a_bn_relu
-        rt.ew(ew_step_mul, d_down2_a_bn, d_down2_a_bn_relu, down2_a_bn_relu_2)
+
+        # ---- down2_a_bn (batch norm), backward ----
+        # d_down2_a_bn_ew_sum = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered)
+        d_down2_a_bn_ew_sum = mem.tensor(130, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_down2_a_bn, d_down2_a_bn_relu, down2_a_bn_relu_2),
+                      (ew_mul, d_down2_a_bn_ew_sum, d_down2_a_bn, down2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free down2_a_bn_relu_2
         del down2_a_bn_relu_2
         mem.free(127)
@@ -1660,9 +1700,6 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, down2_b_W_new, T['down2_b_W'], lr, V_down2_b_W_new)
 
         # ---- down2_a_bn (batch norm), backward ----
-        # d_down2_a_bn_ew_sum = sum_to[1x32x1x1](d_down2_a_bn*down2_a_bn_centered)
-        d_down2_a_bn_ew_sum = mem.tensor(130, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down2_a_bn_ew_sum, d_down2_a_bn, down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # d_down2_a_bn_inv_std = down2_a_bn_weight*d_down2_a_bn_ew_sum   (computed with the next statement)
         d_down2_a_bn_inv_std = mem.tensor(131, (1, 32, 1, 1), 'float32')
         # d_down2_a_bn_sum_of_squares = -d_down2_a_bn_inv_std/(39200*(down2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1672,14 +1709,18 @@ class Unet(rp.Model):
         # free down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         del down2_a_bn_sum_of_squares, down2_a_bn_batch_var, down2_a_bn_batch_var_flat
         mem.free(17)
-        # d_down2_a_bn_centered = d_down2_a_bn*down2_a_bn_inv_std*down2_a_bn_weight + 2*d_down2_a_bn_sum_of_squares*down2_a_bn_centered
+        # d_down2_a_bn_centered = d_down2_a_bn*down2_a_bn_inv_std*down2_a_bn_weight + 2*d_down2_a_bn_sum_of_squares*down2_a_bn_centered   (computed with the next statement)
         d_down2_a_bn_centered = down2_a_bn_centered  # in place: over down2_a_bn_centered
-        rt.ew(ew_mul_add_2, d_down2_a_bn_centered, d_down2_a_bn, down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_sum_of_squares, down2_a_bn_centered)
+        # d_down2_a_bn_batch_mean = sum_to[1x32x1x1](-d_down2_a_bn_centered)
+        d_down2_a_bn_batch_mean = mem.tensor(132, (1, 32, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_down2_a_bn_centered, d_down2_a_bn, down2_a_bn_inv_std, down2_a_bn_weight, d_down2_a_bn_sum_of_squares, down2_a_bn_centered),
+                      (ew_neg, d_down2_a_bn_batch_mean, d_down2_a_bn_centered),
+                      shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
         # free d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
         del d_down2_a_bn_inv_std, d_down2_a_bn_sum_of_squares
         mem.free(131)
         # d_down2_a_bn_bias = sum_to[1x32x1x1](d_down2_a_bn)
-        d_down2_a_bn_bias = mem.tensor(132, (1, 32, 1, 1), 'float32')
+        d_down2_a_bn_bias = mem.tensor(133, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_down2_a_bn, out=d_down2_a_bn_bias, shape=(1, 32, 1, 1))
         # free d_down2_a_bn_relu, d_down2_a_bn
         del d_down2_a_bn_relu, d_down2_a_bn
@@ -1711,10 +1752,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, down2_a_bn_B_new, T['down2_a_bn_B'], lr, V_down2_a_bn_B_new))
         # free d_down2_a_bn_bias, d_down2_a_bn_B
         del d_down2_a_bn_bias, d_down2_a_bn_B
-        mem.free(132)
-        # d_down2_a_bn_batch_mean = sum_to[1x32x1x1](-d_down2_a_bn_centered)
-        d_down2_a_bn_batch_mean = mem.tensor(133, (1, 32, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_down2_a_bn_batch_mean, d_down2_a_bn_centered, shape=(1, 32, 1, 1), workspace=mem.workspace(2508800))
+        mem.free(133)
         # d_down2_a_bn_sum = d_down2_a_bn_batch_mean/19600
         d_down2_a_bn_sum = d_down2_a_bn_batch_mean  # in place: over d_down2_a_bn_batch_mean
         rt.ew(ew_scale_2, d_down2_a_bn_sum, d_down2_a_bn_batch_mean)
@@ -1725,7 +1763,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_down2_a, d_down2_a_bn_centered, d_down2_a_bn_sum)
         # free d_down2_a_bn_batch_mean, d_down2_a_bn_sum
         del d_down2_a_bn_batch_mean, d_down2_a_bn_sum
-        mem.free(133)
+        mem.free(132)
         # d_down2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_down2_a, down1_b_bn_max_pool)
         d_down2_a_W = mem.tensor(134, (32, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_down2_a, down1_b_bn_max_pool, out=d_down2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(15436800))
@@ -1782,14 +1820,18 @@ class Unet(rp.Model):
         # free down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         del down1_b_bn_sum_of_squares, down1_b_bn_batch_var, down1_b_bn_batch_var_flat
         mem.free(10)
-        # d_down1_b_bn_centered = d_down1_b_bn*down1_b_bn_inv_std*down1_b_bn_weight + 2*d_down1_b_bn_sum_of_squares*down1_b_bn_centered
+        # d_down1_b_bn_centered = d_down1_b_bn*down1_b_bn_inv_std*down1_b_bn_weight + 2*d_down1_b_bn_sum_of_squares*down1_b_bn_centered   (computed with the next statement)
         d_down1_b_bn_centered = down1_b_bn_centered  # in place: over down1_b_bn_centered
-        rt.ew(ew_mul_add_2, d_down1_b_bn_centered, d_down1_b_bn, down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_sum_of_squares, down1_b_bn_centered)
+        # d_down1_b_bn_batch_mean = sum_to[1x16x1x1](-d_down1_b_bn_centered)
+        d_down1_b_bn_batch_mean = mem.tensor(140, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_down1_b_bn_centered, d_down1_b_bn, down1_b_bn_inv_std, down1_b_bn_weight, d_down1_b_bn_sum_of_squares, down1_b_bn_centered),
+                      (ew_neg, d_down1_b_bn_batch_mean, d_down1_b_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
         del d_down1_b_bn_inv_std, d_down1_b_bn_sum_of_squares
         mem.free(139)
         # d_down1_b_bn_bias = sum_to[1x16x1x1](d_down1_b_bn)
-        d_down1_b_bn_bias = mem.tensor(140, (1, 16, 1, 1), 'float32')
+        d_down1_b_bn_bias = mem.tensor(141, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_down1_b_bn, out=d_down1_b_bn_bias, shape=(1, 16, 1, 1))
         # free d_down1_b_bn_relu, d_down1_b_bn
         del d_down1_b_bn_relu, d_down1_b_bn
@@ -1821,10 +1863,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, down1_b_bn_B_new, T['down1_b_bn_B'], lr, V_down1_b_bn_B_new))
         # free d_down1_b_bn_bias, d_down1_b_bn_B
         del d_down1_b_bn_bias, d_down1_b_bn_B
-        mem.free(140)
-        # d_down1_b_bn_batch_mean = sum_to[1x16x1x1](-d_down1_b_bn_centered)
-        d_down1_b_bn_batch_mean = mem.tensor(141, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_down1_b_bn_batch_mean, d_down1_b_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(141)
         # d_down1_b_bn_sum = d_down1_b_bn_batch_mean/78400
         d_down1_b_bn_sum = d_down1_b_bn_batch_mean  # in place: over d_down1_b_bn_batch_mean
         rt.ew(ew_scale, d_down1_b_bn_sum, d_down1_b_bn_batch_mean)
@@ -1835,7 +1874,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_down1_b, d_down1_b_bn_centered, d_down1_b_bn_sum)
         # free d_down1_b_bn_batch_mean, d_down1_b_bn_sum
         del d_down1_b_bn_batch_mean, d_down1_b_bn_sum
-        mem.free(141)
+        mem.free(140)
 
         # ---- down1_a_bn_relu (relu), forward ----
         # down1_a_bn_relu_2 = Max(0, down1_a_bn_centered*down1_a_bn_inv_std*down1_a_bn_weight + down1_a_bn_bias)
@@ -1860,9 +1899,15 @@ class Unet(rp.Model):
         mem.free(8)
 
         # ---- down1_a_bn_relu (relu), backward ----
-        # d_down1_a_bn = d_down1_a_bn_relu*Heaviside(down1_a_bn_relu_2, 0)
+        # d_down1_a_bn = d_down1_a_bn_relu*Heaviside(down1_a_bn_relu_2, 0)   (computed with the next statement)
         d_down1_a_bn = d_down1_a_bn_relu  # in place: over d_down1_a_bn_relu
-        rt.ew(ew_step_mul, d_down1_a_bn, d_down1_a_bn_relu, down1_a_bn_relu_2)
+
+        # ---- down1_a_bn (batch norm), backward ----
+        # d_down1_a_bn_ew_sum = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered)
+        d_down1_a_bn_ew_sum = mem.tensor(145, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_step_mul, d_down1_a_bn, d_down1_a_bn_relu, down1_a_bn_relu_2),
+                      (ew_mul, d_down1_a_bn_ew_sum, d_down1_a_bn, down1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free down1_a_bn_relu_2
         del down1_a_bn_relu_2
         mem.free(142)
@@ -1873,9 +1918,6 @@ class Unet(rp.Model):
         rt.ew(ew_mul_sub, down1_b_W_new, T['down1_b_W'], lr, V_down1_b_W_new)
 
         # ---- down1_a_bn (batch norm), backward ----
-        # d_down1_a_bn_ew_sum = sum_to[1x16x1x1](d_down1_a_bn*down1_a_bn_centered)
-        d_down1_a_bn_ew_sum = mem.tensor(145, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_down1_a_bn_ew_sum, d_down1_a_bn, down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # d_down1_a_bn_inv_std = down1_a_bn_weight*d_down1_a_bn_ew_sum   (computed with the next statement)
         d_down1_a_bn_inv_std = mem.tensor(146, (1, 16, 1, 1), 'float32')
         # d_down1_a_bn_sum_of_squares = -d_down1_a_bn_inv_std/(156800*(down1_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1885,14 +1927,18 @@ class Unet(rp.Model):
         # free down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         del down1_a_bn_sum_of_squares, down1_a_bn_batch_var, down1_a_bn_batch_var_flat
         mem.free(5)
-        # d_down1_a_bn_centered = d_down1_a_bn*down1_a_bn_inv_std*down1_a_bn_weight + 2*d_down1_a_bn_sum_of_squares*down1_a_bn_centered
+        # d_down1_a_bn_centered = d_down1_a_bn*down1_a_bn_inv_std*down1_a_bn_weight + 2*d_down1_a_bn_sum_of_squares*down1_a_bn_centered   (computed with the next statement)
         d_down1_a_bn_centered = down1_a_bn_centered  # in place: over down1_a_bn_centered
-        rt.ew(ew_mul_add_2, d_down1_a_bn_centered, d_down1_a_bn, down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_sum_of_squares, down1_a_bn_centered)
+        # d_down1_a_bn_batch_mean = sum_to[1x16x1x1](-d_down1_a_bn_centered)
+        d_down1_a_bn_batch_mean = mem.tensor(147, (1, 16, 1, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_2, d_down1_a_bn_centered, d_down1_a_bn, down1_a_bn_inv_std, down1_a_bn_weight, d_down1_a_bn_sum_of_squares, down1_a_bn_centered),
+                      (ew_neg, d_down1_a_bn_batch_mean, d_down1_a_bn_centered),
+                      shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
         # free d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
         del d_down1_a_bn_inv_std, d_down1_a_bn_sum_of_squares
         mem.free(146)
         # d_down1_a_bn_bias = sum_to[1x16x1x1](d_down1_a_bn)
-        d_down1_a_bn_bias = mem.tensor(147, (1, 16, 1, 1), 'float32')
+        d_down1_a_bn_bias = mem.tensor(148, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_down1_a_bn, out=d_down1_a_bn_bias, shape=(1, 16, 1, 1))
         # free d_down1_a_bn_relu, d_down1_a_bn
         del d_down1_a_bn_relu, d_down1_a_bn
@@ -1924,10 +1970,7 @@ class Unet(rp.Model):
                    (ew_mul_sub, down1_a_bn_B_new, T['down1_a_bn_B'], lr, V_down1_a_bn_B_new))
         # free d_down1_a_bn_bias, d_down1_a_bn_B
         del d_down1_a_bn_bias, d_down1_a_bn_B
-        mem.free(147)
-        # d_down1_a_bn_batch_mean = sum_to[1x16x1x1](-d_down1_a_bn_centered)
-        d_down1_a_bn_batch_mean = mem.tensor(148, (1, 16, 1, 1), 'float32')
-        rt.ew_sum(ew_neg, d_down1_a_bn_batch_mean, d_down1_a_bn_centered, shape=(1, 16, 1, 1), workspace=mem.workspace(5017600))
+        mem.free(148)
         # d_down1_a_bn_sum = d_down1_a_bn_batch_mean/78400
         d_down1_a_bn_sum = d_down1_a_bn_batch_mean  # in place: over d_down1_a_bn_batch_mean
         rt.ew(ew_scale, d_down1_a_bn_sum, d_down1_a_bn_batch_mean)
@@ -1938,7 +1981,7 @@ class Unet(rp.Model):
         rt.ew(ew_add, d_down1_a, d_down1_a_bn_centered, d_down1_a_bn_sum)
         # free d_down1_a_bn_batch_mean, d_down1_a_bn_sum
         del d_down1_a_bn_batch_mean, d_down1_a_bn_sum
-        mem.free(148)
+        mem.free(147)
         # d_down1_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_down1_a, x)
         d_down1_a_W = mem.tensor(149, (16, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_down1_a, x, out=d_down1_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(8200000))
@@ -2378,15 +2421,15 @@ class Unet(rp.Model):
                 (40140800, 5017600),  # 69: merge1_b_bn_relu_2 100x16x28x28 float32
                 (40140800, 64),  # 70: d_merge1_b_bn_ew_sum 1x16x1x1 float32
                 (40141056, 64),  # 71: d_merge1_b_bn_inv_std 1x16x1x1 float32
-                (40141056, 64),  # 72: d_merge1_b_bn_bias 1x16x1x1 float32
-                (30105600, 64),  # 73: d_merge1_b_bn_batch_mean 1x16x1x1 float32
+                (40141312, 64),  # 72: d_merge1_b_bn_batch_mean 1x16x1x1 float32
+                (40141056, 64),  # 73: d_merge1_b_bn_bias 1x16x1x1 float32
                 (30105600, 5017600),  # 74: merge1_a_bn_relu_2 100x16x28x28 float32
                 (40140800, 9216),  # 75: d_merge1_b_W 16x16x3x3 float32
                 (40140800, 5017600),  # 76: d_merge1_a_bn_relu 100x16x28x28 float32
-                (30105600, 64),  # 77: d_merge1_a_bn_ew_sum 1x16x1x1 float32
-                (30105856, 64),  # 78: d_merge1_a_bn_inv_std 1x16x1x1 float32
-                (30105856, 64),  # 79: d_merge1_a_bn_bias 1x16x1x1 float32
-                (30105600, 64),  # 80: d_merge1_a_bn_batch_mean 1x16x1x1 float32
+                (35123200, 64),  # 77: d_merge1_a_bn_ew_sum 1x16x1x1 float32
+                (30105600, 64),  # 78: d_merge1_a_bn_inv_std 1x16x1x1 float32
+                (30105856, 64),  # 79: d_merge1_a_bn_batch_mean 1x16x1x1 float32
+                (30105600, 64),  # 80: d_merge1_a_bn_bias 1x16x1x1 float32
                 (30105600, 18432),  # 81: d_merge1_a_W 16x32x3x3 float32
                 (0, 10035200),  # 82: d_down1_b_bn_concat 100x32x28x28 float32
                 (20070400, 5017600),  # 83: d_up1 100x16x28x28 float32
@@ -2395,17 +2438,17 @@ class Unet(rp.Model):
                 (0, 2508800),  # 86: merge2_b_bn_relu_2 100x32x14x14 float32
                 (5017600, 8192),  # 87: d_up1_W 32x16x2x2 float32
                 (2508800, 2508800),  # 88: d_merge2_b_bn_relu 100x32x14x14 float32
-                (0, 128),  # 89: d_merge2_b_bn_ew_sum 1x32x1x1 float32
-                (256, 128),  # 90: d_merge2_b_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 91: d_merge2_b_bn_bias 1x32x1x1 float32
-                (0, 128),  # 92: d_merge2_b_bn_batch_mean 1x32x1x1 float32
+                (5025792, 128),  # 89: d_merge2_b_bn_ew_sum 1x32x1x1 float32
+                (0, 128),  # 90: d_merge2_b_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 91: d_merge2_b_bn_batch_mean 1x32x1x1 float32
+                (0, 128),  # 92: d_merge2_b_bn_bias 1x32x1x1 float32
                 (0, 2508800),  # 93: merge2_a_bn_relu_2 100x32x14x14 float32
                 (2508800, 36864),  # 94: d_merge2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 95: d_merge2_a_bn_relu 100x32x14x14 float32
-                (0, 128),  # 96: d_merge2_a_bn_ew_sum 1x32x1x1 float32
-                (256, 128),  # 97: d_merge2_a_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 98: d_merge2_a_bn_bias 1x32x1x1 float32
-                (0, 128),  # 99: d_merge2_a_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 96: d_merge2_a_bn_ew_sum 1x32x1x1 float32
+                (0, 128),  # 97: d_merge2_a_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 98: d_merge2_a_bn_batch_mean 1x32x1x1 float32
+                (0, 128),  # 99: d_merge2_a_bn_bias 1x32x1x1 float32
                 (0, 73728),  # 100: d_merge2_a_W 32x64x3x3 float32
                 (0, 5017600),  # 101: d_down2_b_bn_concat 100x64x14x14 float32
                 (5017600, 2508800),  # 102: d_up2 100x32x14x14 float32
@@ -2414,47 +2457,47 @@ class Unet(rp.Model):
                 (0, 1254400),  # 105: bottom_b_bn_relu_2 100x64x7x7 float32
                 (2508800, 32768),  # 106: d_up2_W 64x32x2x2 float32
                 (1254400, 1254400),  # 107: d_bottom_b_bn_relu 100x64x7x7 float32
-                (0, 256),  # 108: d_bottom_b_bn_ew_sum 1x64x1x1 float32
-                (256, 256),  # 109: d_bottom_b_bn_inv_std 1x64x1x1 float32
-                (256, 256),  # 110: d_bottom_b_bn_bias 1x64x1x1 float32
-                (0, 256),  # 111: d_bottom_b_bn_batch_mean 1x64x1x1 float32
+                (2541568, 256),  # 108: d_bottom_b_bn_ew_sum 1x64x1x1 float32
+                (0, 256),  # 109: d_bottom_b_bn_inv_std 1x64x1x1 float32
+                (256, 256),  # 110: d_bottom_b_bn_batch_mean 1x64x1x1 float32
+                (0, 256),  # 111: d_bottom_b_bn_bias 1x64x1x1 float32
                 (0, 1254400),  # 112: bottom_a_bn_relu_2 100x64x7x7 float32
                 (1254400, 147456),  # 113: d_bottom_b_W 64x64x3x3 float32
                 (1254400, 1254400),  # 114: d_bottom_a_bn_relu 100x64x7x7 float32
-                (0, 256),  # 115: d_bottom_a_bn_ew_sum 1x64x1x1 float32
-                (256, 256),  # 116: d_bottom_a_bn_inv_std 1x64x1x1 float32
-                (256, 256),  # 117: d_bottom_a_bn_bias 1x64x1x1 float32
-                (0, 256),  # 118: d_bottom_a_bn_batch_mean 1x64x1x1 float32
+                (2508800, 256),  # 115: d_bottom_a_bn_ew_sum 1x64x1x1 float32
+                (0, 256),  # 116: d_bottom_a_bn_inv_std 1x64x1x1 float32
+                (256, 256),  # 117: d_bottom_a_bn_batch_mean 1x64x1x1 float32
+                (0, 256),  # 118: d_bottom_a_bn_bias 1x64x1x1 float32
                 (0, 73728),  # 119: d_bottom_a_W 64x32x3x3 float32
                 (2508800, 627200),  # 120: d_down2_b_bn_max_pool 100x32x7x7 float32
                 (0, 2508800),  # 121: d_down2_b_bn_relu_2 100x32x14x14 float32
                 (2508800, 2508800),  # 122: down2_b_bn_relu_2 100x32x14x14 float32
                 (0, 128),  # 123: d_down2_b_bn_ew_sum 1x32x1x1 float32
                 (256, 128),  # 124: d_down2_b_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 125: d_down2_b_bn_bias 1x32x1x1 float32
-                (0, 128),  # 126: d_down2_b_bn_batch_mean 1x32x1x1 float32
+                (512, 128),  # 125: d_down2_b_bn_batch_mean 1x32x1x1 float32
+                (256, 128),  # 126: d_down2_b_bn_bias 1x32x1x1 float32
                 (0, 2508800),  # 127: down2_a_bn_relu_2 100x32x14x14 float32
                 (2508800, 36864),  # 128: d_down2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 129: d_down2_a_bn_relu 100x32x14x14 float32
-                (0, 128),  # 130: d_down2_a_bn_ew_sum 1x32x1x1 float32
-                (256, 128),  # 131: d_down2_a_bn_inv_std 1x32x1x1 float32
-                (256, 128),  # 132: d_down2_a_bn_bias 1x32x1x1 float32
-                (0, 128),  # 133: d_down2_a_bn_batch_mean 1x32x1x1 float32
+                (5017600, 128),  # 130: d_down2_a_bn_ew_sum 1x32x1x1 float32
+                (0, 128),  # 131: d_down2_a_bn_inv_std 1x32x1x1 float32
+                (256, 128),  # 132: d_down2_a_bn_batch_mean 1x32x1x1 float32
+                (0, 128),  # 133: d_down2_a_bn_bias 1x32x1x1 float32
                 (0, 18432),  # 134: d_down2_a_W 32x16x3x3 float32
                 (5017600, 1254400),  # 135: d_down1_b_bn_max_pool 100x16x14x14 float32
                 (0, 5017600),  # 136: d_down1_b_bn_relu_2 100x16x28x28 float32
                 (5017600, 5017600),  # 137: down1_b_bn_relu_2 100x16x28x28 float32
                 (0, 64),  # 138: d_down1_b_bn_ew_sum 1x16x1x1 float32
                 (256, 64),  # 139: d_down1_b_bn_inv_std 1x16x1x1 float32
-                (256, 64),  # 140: d_down1_b_bn_bias 1x16x1x1 float32
-                (0, 64),  # 141: d_down1_b_bn_batch_mean 1x16x1x1 float32
+                (512, 64),  # 140: d_down1_b_bn_batch_mean 1x16x1x1 float32
+                (256, 64),  # 141: d_down1_b_bn_bias 1x16x1x1 float32
                 (0, 5017600),  # 142: down1_a_bn_relu_2 100x16x28x28 float32
                 (5017600, 9216),  # 143: d_down1_b_W 16x16x3x3 float32
                 (5017600, 5017600),  # 144: d_down1_a_bn_relu 100x16x28x28 float32
-                (0, 64),  # 145: d_down1_a_bn_ew_sum 1x16x1x1 float32
-                (256, 64),  # 146: d_down1_a_bn_inv_std 1x16x1x1 float32
-                (256, 64),  # 147: d_down1_a_bn_bias 1x16x1x1 float32
-                (0, 64),  # 148: d_down1_a_bn_batch_mean 1x16x1x1 float32
+                (15052800, 64),  # 145: d_down1_a_bn_ew_sum 1x16x1x1 float32
+                (0, 64),  # 146: d_down1_a_bn_inv_std 1x16x1x1 float32
+                (256, 64),  # 147: d_down1_a_bn_batch_mean 1x16x1x1 float32
+                (0, 64),  # 148: d_down1_a_bn_bias 1x16x1x1 float32
                 (0, 576),  # 149: d_down1_a_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(
@@ -2500,15 +2543,15 @@ def ew_sub(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
+def ew_square(out, v0):
+    """out = v0**2"""
+    np.square(v0, out=out)
+
+
 def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.1, out, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
 
 
 def ew_scale_add_2(out, v0, v1):
@@ -2604,14 +2647,14 @@ def ew_mul_add_2(out, v0, v1, v2, v3, v4):
     np.add(out, v0 * v1 * v2, out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
 def ew_neg(out, v0):
     """out = -v0"""
     np.negative(v0, out=out)
+
+
+def ew_mul_2(out, v0, v1):
+    """out = v0*v1   (out may be v0)"""
+    np.multiply(v0, v1, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):

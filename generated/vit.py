@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
 Memory: peak 22.58 MB of tensors planned for the training step (2.05 MB testing); static arena 22.58 MB, pool 22.85 MB, workspace 0.72 MB
-Structure hash: 76054354e87b26e6
+Structure hash: d65294e5dfc112a5
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "76054354e87b26e6"
+    structure_hash = "d65294e5dfc112a5"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -318,15 +318,16 @@ class Vit(rp.Model):
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
         block1_ln1_sub = mem.tensor(6, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale)
+        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(7, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
         mem.free(5)
-        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(7, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
@@ -448,15 +449,16 @@ class Vit(rp.Model):
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
         block1_ln2_sub = mem.tensor(22, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale)
+        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
         mem.free(21)
-        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
@@ -512,15 +514,16 @@ class Vit(rp.Model):
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
         block2_ln1_sub = mem.tensor(30, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale)
+        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(31, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
         mem.free(29)
-        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(31, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
@@ -642,15 +645,16 @@ class Vit(rp.Model):
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
         block2_ln2_sub = mem.tensor(46, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale)
+        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(47, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
         mem.free(45)
-        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(47, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
@@ -706,15 +710,16 @@ class Vit(rp.Model):
         # block3_ln1_scale = 0.015625*block3_ln1_sum_to
         block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
         rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
-        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale
+        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
         block3_ln1_sub = mem.tensor(54, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale)
+        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
+        block3_ln1_sum_to_2 = mem.tensor(55, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
+                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sum_to, block3_ln1_scale
         del block3_ln1_sum_to, block3_ln1_scale
         mem.free(53)
-        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(55, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block3_ln1_sum_to_2, block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln1_add_2 = 0.015625*block3_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln1_add_2 = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
         # block3_ln1_rsqrt = 1/sqrt(block3_ln1_add_2)
@@ -836,15 +841,16 @@ class Vit(rp.Model):
         # block3_ln2_scale = 0.015625*block3_ln2_sum_to
         block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
         rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
-        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale
+        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
         block3_ln2_sub = mem.tensor(70, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale)
+        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
+        block3_ln2_sum_to_2 = mem.tensor(71, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
+                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sum_to, block3_ln2_scale
         del block3_ln2_sum_to, block3_ln2_scale
         mem.free(69)
-        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(71, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block3_ln2_sum_to_2, block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln2_add_2 = 0.015625*block3_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln2_add_2 = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
         # block3_ln2_rsqrt = 1/sqrt(block3_ln2_add_2)
@@ -900,15 +906,16 @@ class Vit(rp.Model):
         # block4_ln1_scale = 0.015625*block4_ln1_sum_to
         block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
         rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
-        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale
+        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
         block4_ln1_sub = mem.tensor(78, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale)
+        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
+        block4_ln1_sum_to_2 = mem.tensor(79, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
+                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sum_to, block4_ln1_scale
         del block4_ln1_sum_to, block4_ln1_scale
         mem.free(77)
-        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(79, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block4_ln1_sum_to_2, block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln1_add_2 = 0.015625*block4_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln1_add_2 = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
         # block4_ln1_rsqrt = 1/sqrt(block4_ln1_add_2)
@@ -1030,15 +1037,16 @@ class Vit(rp.Model):
         # block4_ln2_scale = 0.015625*block4_ln2_sum_to
         block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
         rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
-        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale
+        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
         block4_ln2_sub = mem.tensor(94, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale)
+        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
+        block4_ln2_sum_to_2 = mem.tensor(95, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
+                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sum_to, block4_ln2_scale
         del block4_ln2_sum_to, block4_ln2_scale
         mem.free(93)
-        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(95, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block4_ln2_sum_to_2, block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln2_add_2 = 0.015625*block4_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln2_add_2 = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
         # block4_ln2_rsqrt = 1/sqrt(block4_ln2_add_2)
@@ -1094,29 +1102,31 @@ class Vit(rp.Model):
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
         rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
-        rt.ew(ew_sub_2, ln_sub, ln_add, ln_scale)
+        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(102, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
         mem.free(101)
-        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(102, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
         ln_rsqrt = mem.tensor(103, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
                    (ew_rsqrt, ln_rsqrt, ln_add_2))
-        # ln_mul = ln_sub*ln_rsqrt
+        # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
         ln_mul = mem.tensor(104, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, ln_mul, ln_sub, ln_rsqrt)
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln_mul*ln_W + ln_B)
         head_sum_to = mem.tensor(105, (100, 1, 64), 'float32')
-        rt.ew_sum(ew_mul_add_2, head_sum_to, ln_mul, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, ln_mul, ln_sub, ln_rsqrt),
+                      (ew_mul_add_2, head_sum_to, ln_mul, T['ln_W'], T['ln_B']),
+                      shape=(100, 1, 64), workspace=mem.workspace(409600))
         # free ln_mul
         del ln_mul
         mem.free(104)
@@ -1208,14 +1218,15 @@ class Vit(rp.Model):
         d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_mul_2 = ln_sub*ln_rsqrt
+        # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
         ln_mul_2 = mem.tensor(112, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, ln_mul_2, ln_sub, ln_rsqrt)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_head_sum_to*ln_mul_2)
         d_ln_W = mem.tensor(113, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_ln_W, d_head_sum_to, ln_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
+                      (ew_mul, d_ln_W, d_head_sum_to, ln_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free ln_mul_2
         del ln_mul_2
         mem.free(112)
@@ -1244,9 +1255,13 @@ class Vit(rp.Model):
         # d_ln_B = sum_to[64](d_ln)
         d_ln_B = mem.tensor(115, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
-        # d_ln_mul = d_ln*ln_W
+        # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
-        rt.ew(ew_mul_2, d_ln_mul, d_ln, T['ln_W'])
+        # d_ln_rsqrt = sum_to[100x16x1](d_ln_mul*ln_sub)
+        d_ln_rsqrt = mem.tensor(116, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
+                      (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
         ln_W_new = T['ln_W']  # in place: the new ln_W
         rt.ew(ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay)
@@ -1262,24 +1277,22 @@ class Vit(rp.Model):
         # free d_ln_B
         del d_ln_B
         mem.free(115)
-        # d_ln_rsqrt = sum_to[100x16x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(116, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
         mem.free(102)
-        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub
+        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
-        rt.ew(ew_mul_add_3, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub)
+        # d_ln_scale = sum_to[100x16x1](-d_ln_sub)
+        d_ln_scale = mem.tensor(117, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
+                      (ew_neg, d_ln_scale, d_ln_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         mem.free(4, 103, 116)
-        # d_ln_scale = sum_to[100x16x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(117, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_ln_scale, d_ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -1375,14 +1388,15 @@ class Vit(rp.Model):
         d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
-        # block4_ln2_mul_2 = block4_ln2_sub*block4_ln2_rsqrt
+        # block4_ln2_mul_2 = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
         block4_ln2_mul_2 = mem.tensor(124, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block4_ln2_mul_2, block4_ln2_sub, block4_ln2_rsqrt)
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_W = sum_to[64](d_block4_ln2*block4_ln2_mul_2)
         d_block4_ln2_W = mem.tensor(125, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block4_ln2_W, d_block4_ln2, block4_ln2_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block4_ln2_mul_2, block4_ln2_sub, block4_ln2_rsqrt),
+                      (ew_mul, d_block4_ln2_W, d_block4_ln2, block4_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block4_ln2_mul_2
         del block4_ln2_mul_2
         mem.free(124)
@@ -1417,9 +1431,13 @@ class Vit(rp.Model):
         # d_block4_ln2_B = sum_to[64](d_block4_ln2)
         d_block4_ln2_B = mem.tensor(126, (64,), 'float32')
         rt.sum_to(d_block4_ln2, out=d_block4_ln2_B, shape=(64,))
-        # d_block4_ln2_mul = d_block4_ln2*block4_ln2_W
+        # d_block4_ln2_mul = d_block4_ln2*block4_ln2_W   (computed with the next statement)
         d_block4_ln2_mul = d_block4_ln2  # in place: over d_block4_ln2
-        rt.ew(ew_mul_2, d_block4_ln2_mul, d_block4_ln2, T['block4_ln2_W'])
+        # d_block4_ln2_rsqrt = sum_to[100x16x1](d_block4_ln2_mul*block4_ln2_sub)
+        d_block4_ln2_rsqrt = mem.tensor(127, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block4_ln2_mul, d_block4_ln2, T['block4_ln2_W']),
+                      (ew_mul, d_block4_ln2_rsqrt, d_block4_ln2_mul, block4_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay)
@@ -1435,24 +1453,22 @@ class Vit(rp.Model):
         # free d_block4_ln2_B
         del d_block4_ln2_B
         mem.free(126)
-        # d_block4_ln2_rsqrt = sum_to[100x16x1](d_block4_ln2_mul*block4_ln2_sub)
-        d_block4_ln2_rsqrt = mem.tensor(127, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block4_ln2_rsqrt, d_block4_ln2_mul, block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block4_ln2_sum_to = -0.0078125*d_block4_ln2_rsqrt/block4_ln2_add_2**(3/2)
         d_block4_ln2_sum_to = d_block4_ln2_rsqrt  # in place: over d_block4_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block4_ln2_sum_to, d_block4_ln2_rsqrt, block4_ln2_add_2)
         # free block4_ln2_sum_to_2, block4_ln2_add_2
         del block4_ln2_sum_to_2, block4_ln2_add_2
         mem.free(95)
-        # d_block4_ln2_sub = d_block4_ln2_mul*block4_ln2_rsqrt + 2*d_block4_ln2_sum_to*block4_ln2_sub
+        # d_block4_ln2_sub = d_block4_ln2_mul*block4_ln2_rsqrt + 2*d_block4_ln2_sum_to*block4_ln2_sub   (computed with the next statement)
         d_block4_ln2_sub = d_block4_ln2_mul  # in place: over d_block4_ln2_mul
-        rt.ew(ew_mul_add_3, d_block4_ln2_sub, d_block4_ln2_mul, block4_ln2_rsqrt, d_block4_ln2_sum_to, block4_ln2_sub)
+        # d_block4_ln2_scale = sum_to[100x16x1](-d_block4_ln2_sub)
+        d_block4_ln2_scale = mem.tensor(128, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block4_ln2_sub, d_block4_ln2_mul, block4_ln2_rsqrt, d_block4_ln2_sum_to, block4_ln2_sub),
+                      (ew_neg, d_block4_ln2_scale, d_block4_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
         del block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
         mem.free(94, 96, 127)
-        # d_block4_ln2_scale = sum_to[100x16x1](-d_block4_ln2_sub)
-        d_block4_ln2_scale = mem.tensor(128, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block4_ln2_scale, d_block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block4_ln2_sum_to_2 = 0.015625*d_block4_ln2_scale
         d_block4_ln2_sum_to_2 = d_block4_ln2_scale  # in place: over d_block4_ln2_scale
         rt.ew(ew_scale, d_block4_ln2_sum_to_2, d_block4_ln2_scale)
@@ -1678,14 +1694,15 @@ class Vit(rp.Model):
         d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
 
         # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
-        # block4_ln1_mul_2 = block4_ln1_sub*block4_ln1_rsqrt
+        # block4_ln1_mul_2 = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
         block4_ln1_mul_2 = mem.tensor(150, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block4_ln1_mul_2, block4_ln1_sub, block4_ln1_rsqrt)
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_W = sum_to[64](d_block4_ln1*block4_ln1_mul_2)
         d_block4_ln1_W = mem.tensor(151, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block4_ln1_W, d_block4_ln1, block4_ln1_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block4_ln1_mul_2, block4_ln1_sub, block4_ln1_rsqrt),
+                      (ew_mul, d_block4_ln1_W, d_block4_ln1, block4_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block4_ln1_mul_2
         del block4_ln1_mul_2
         mem.free(150)
@@ -1731,9 +1748,13 @@ class Vit(rp.Model):
         # d_block4_ln1_B = sum_to[64](d_block4_ln1)
         d_block4_ln1_B = mem.tensor(152, (64,), 'float32')
         rt.sum_to(d_block4_ln1, out=d_block4_ln1_B, shape=(64,))
-        # d_block4_ln1_mul = d_block4_ln1*block4_ln1_W
+        # d_block4_ln1_mul = d_block4_ln1*block4_ln1_W   (computed with the next statement)
         d_block4_ln1_mul = d_block4_ln1  # in place: over d_block4_ln1
-        rt.ew(ew_mul_2, d_block4_ln1_mul, d_block4_ln1, T['block4_ln1_W'])
+        # d_block4_ln1_rsqrt = sum_to[100x16x1](d_block4_ln1_mul*block4_ln1_sub)
+        d_block4_ln1_rsqrt = mem.tensor(153, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block4_ln1_mul, d_block4_ln1, T['block4_ln1_W']),
+                      (ew_mul, d_block4_ln1_rsqrt, d_block4_ln1_mul, block4_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay)
@@ -1749,24 +1770,22 @@ class Vit(rp.Model):
         # free d_block4_ln1_B
         del d_block4_ln1_B
         mem.free(152)
-        # d_block4_ln1_rsqrt = sum_to[100x16x1](d_block4_ln1_mul*block4_ln1_sub)
-        d_block4_ln1_rsqrt = mem.tensor(153, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block4_ln1_rsqrt, d_block4_ln1_mul, block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block4_ln1_sum_to = -0.0078125*d_block4_ln1_rsqrt/block4_ln1_add_2**(3/2)
         d_block4_ln1_sum_to = d_block4_ln1_rsqrt  # in place: over d_block4_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block4_ln1_sum_to, d_block4_ln1_rsqrt, block4_ln1_add_2)
         # free block4_ln1_sum_to_2, block4_ln1_add_2
         del block4_ln1_sum_to_2, block4_ln1_add_2
         mem.free(79)
-        # d_block4_ln1_sub = d_block4_ln1_mul*block4_ln1_rsqrt + 2*d_block4_ln1_sum_to*block4_ln1_sub
+        # d_block4_ln1_sub = d_block4_ln1_mul*block4_ln1_rsqrt + 2*d_block4_ln1_sum_to*block4_ln1_sub   (computed with the next statement)
         d_block4_ln1_sub = d_block4_ln1_mul  # in place: over d_block4_ln1_mul
-        rt.ew(ew_mul_add_3, d_block4_ln1_sub, d_block4_ln1_mul, block4_ln1_rsqrt, d_block4_ln1_sum_to, block4_ln1_sub)
+        # d_block4_ln1_scale = sum_to[100x16x1](-d_block4_ln1_sub)
+        d_block4_ln1_scale = mem.tensor(154, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block4_ln1_sub, d_block4_ln1_mul, block4_ln1_rsqrt, d_block4_ln1_sum_to, block4_ln1_sub),
+                      (ew_neg, d_block4_ln1_scale, d_block4_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
         del block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
         mem.free(78, 80, 153)
-        # d_block4_ln1_scale = sum_to[100x16x1](-d_block4_ln1_sub)
-        d_block4_ln1_scale = mem.tensor(154, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block4_ln1_scale, d_block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block4_ln1_sum_to_2 = 0.015625*d_block4_ln1_scale
         d_block4_ln1_sum_to_2 = d_block4_ln1_scale  # in place: over d_block4_ln1_scale
         rt.ew(ew_scale, d_block4_ln1_sum_to_2, d_block4_ln1_scale)
@@ -1862,14 +1881,15 @@ class Vit(rp.Model):
         d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
-        # block3_ln2_mul_2 = block3_ln2_sub*block3_ln2_rsqrt
+        # block3_ln2_mul_2 = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
         block3_ln2_mul_2 = mem.tensor(161, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block3_ln2_mul_2, block3_ln2_sub, block3_ln2_rsqrt)
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_W = sum_to[64](d_block3_ln2*block3_ln2_mul_2)
         d_block3_ln2_W = mem.tensor(162, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block3_ln2_W, d_block3_ln2, block3_ln2_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block3_ln2_mul_2, block3_ln2_sub, block3_ln2_rsqrt),
+                      (ew_mul, d_block3_ln2_W, d_block3_ln2, block3_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block3_ln2_mul_2
         del block3_ln2_mul_2
         mem.free(161)
@@ -1904,9 +1924,13 @@ class Vit(rp.Model):
         # d_block3_ln2_B = sum_to[64](d_block3_ln2)
         d_block3_ln2_B = mem.tensor(163, (64,), 'float32')
         rt.sum_to(d_block3_ln2, out=d_block3_ln2_B, shape=(64,))
-        # d_block3_ln2_mul = d_block3_ln2*block3_ln2_W
+        # d_block3_ln2_mul = d_block3_ln2*block3_ln2_W   (computed with the next statement)
         d_block3_ln2_mul = d_block3_ln2  # in place: over d_block3_ln2
-        rt.ew(ew_mul_2, d_block3_ln2_mul, d_block3_ln2, T['block3_ln2_W'])
+        # d_block3_ln2_rsqrt = sum_to[100x16x1](d_block3_ln2_mul*block3_ln2_sub)
+        d_block3_ln2_rsqrt = mem.tensor(164, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block3_ln2_mul, d_block3_ln2, T['block3_ln2_W']),
+                      (ew_mul, d_block3_ln2_rsqrt, d_block3_ln2_mul, block3_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay)
@@ -1922,24 +1946,22 @@ class Vit(rp.Model):
         # free d_block3_ln2_B
         del d_block3_ln2_B
         mem.free(163)
-        # d_block3_ln2_rsqrt = sum_to[100x16x1](d_block3_ln2_mul*block3_ln2_sub)
-        d_block3_ln2_rsqrt = mem.tensor(164, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block3_ln2_rsqrt, d_block3_ln2_mul, block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block3_ln2_sum_to = -0.0078125*d_block3_ln2_rsqrt/block3_ln2_add_2**(3/2)
         d_block3_ln2_sum_to = d_block3_ln2_rsqrt  # in place: over d_block3_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block3_ln2_sum_to, d_block3_ln2_rsqrt, block3_ln2_add_2)
         # free block3_ln2_sum_to_2, block3_ln2_add_2
         del block3_ln2_sum_to_2, block3_ln2_add_2
         mem.free(71)
-        # d_block3_ln2_sub = d_block3_ln2_mul*block3_ln2_rsqrt + 2*d_block3_ln2_sum_to*block3_ln2_sub
+        # d_block3_ln2_sub = d_block3_ln2_mul*block3_ln2_rsqrt + 2*d_block3_ln2_sum_to*block3_ln2_sub   (computed with the next statement)
         d_block3_ln2_sub = d_block3_ln2_mul  # in place: over d_block3_ln2_mul
-        rt.ew(ew_mul_add_3, d_block3_ln2_sub, d_block3_ln2_mul, block3_ln2_rsqrt, d_block3_ln2_sum_to, block3_ln2_sub)
+        # d_block3_ln2_scale = sum_to[100x16x1](-d_block3_ln2_sub)
+        d_block3_ln2_scale = mem.tensor(165, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block3_ln2_sub, d_block3_ln2_mul, block3_ln2_rsqrt, d_block3_ln2_sum_to, block3_ln2_sub),
+                      (ew_neg, d_block3_ln2_scale, d_block3_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
         del block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
         mem.free(70, 72, 164)
-        # d_block3_ln2_scale = sum_to[100x16x1](-d_block3_ln2_sub)
-        d_block3_ln2_scale = mem.tensor(165, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block3_ln2_scale, d_block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block3_ln2_sum_to_2 = 0.015625*d_block3_ln2_scale
         d_block3_ln2_sum_to_2 = d_block3_ln2_scale  # in place: over d_block3_ln2_scale
         rt.ew(ew_scale, d_block3_ln2_sum_to_2, d_block3_ln2_scale)
@@ -2165,14 +2187,15 @@ class Vit(rp.Model):
         d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
 
         # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
-        # block3_ln1_mul_2 = block3_ln1_sub*block3_ln1_rsqrt
+        # block3_ln1_mul_2 = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
         block3_ln1_mul_2 = mem.tensor(187, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block3_ln1_mul_2, block3_ln1_sub, block3_ln1_rsqrt)
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_W = sum_to[64](d_block3_ln1*block3_ln1_mul_2)
         d_block3_ln1_W = mem.tensor(188, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block3_ln1_W, d_block3_ln1, block3_ln1_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block3_ln1_mul_2, block3_ln1_sub, block3_ln1_rsqrt),
+                      (ew_mul, d_block3_ln1_W, d_block3_ln1, block3_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block3_ln1_mul_2
         del block3_ln1_mul_2
         mem.free(187)
@@ -2218,9 +2241,13 @@ class Vit(rp.Model):
         # d_block3_ln1_B = sum_to[64](d_block3_ln1)
         d_block3_ln1_B = mem.tensor(189, (64,), 'float32')
         rt.sum_to(d_block3_ln1, out=d_block3_ln1_B, shape=(64,))
-        # d_block3_ln1_mul = d_block3_ln1*block3_ln1_W
+        # d_block3_ln1_mul = d_block3_ln1*block3_ln1_W   (computed with the next statement)
         d_block3_ln1_mul = d_block3_ln1  # in place: over d_block3_ln1
-        rt.ew(ew_mul_2, d_block3_ln1_mul, d_block3_ln1, T['block3_ln1_W'])
+        # d_block3_ln1_rsqrt = sum_to[100x16x1](d_block3_ln1_mul*block3_ln1_sub)
+        d_block3_ln1_rsqrt = mem.tensor(190, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block3_ln1_mul, d_block3_ln1, T['block3_ln1_W']),
+                      (ew_mul, d_block3_ln1_rsqrt, d_block3_ln1_mul, block3_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay)
@@ -2236,24 +2263,22 @@ class Vit(rp.Model):
         # free d_block3_ln1_B
         del d_block3_ln1_B
         mem.free(189)
-        # d_block3_ln1_rsqrt = sum_to[100x16x1](d_block3_ln1_mul*block3_ln1_sub)
-        d_block3_ln1_rsqrt = mem.tensor(190, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block3_ln1_rsqrt, d_block3_ln1_mul, block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block3_ln1_sum_to = -0.0078125*d_block3_ln1_rsqrt/block3_ln1_add_2**(3/2)
         d_block3_ln1_sum_to = d_block3_ln1_rsqrt  # in place: over d_block3_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block3_ln1_sum_to, d_block3_ln1_rsqrt, block3_ln1_add_2)
         # free block3_ln1_sum_to_2, block3_ln1_add_2
         del block3_ln1_sum_to_2, block3_ln1_add_2
         mem.free(55)
-        # d_block3_ln1_sub = d_block3_ln1_mul*block3_ln1_rsqrt + 2*d_block3_ln1_sum_to*block3_ln1_sub
+        # d_block3_ln1_sub = d_block3_ln1_mul*block3_ln1_rsqrt + 2*d_block3_ln1_sum_to*block3_ln1_sub   (computed with the next statement)
         d_block3_ln1_sub = d_block3_ln1_mul  # in place: over d_block3_ln1_mul
-        rt.ew(ew_mul_add_3, d_block3_ln1_sub, d_block3_ln1_mul, block3_ln1_rsqrt, d_block3_ln1_sum_to, block3_ln1_sub)
+        # d_block3_ln1_scale = sum_to[100x16x1](-d_block3_ln1_sub)
+        d_block3_ln1_scale = mem.tensor(191, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block3_ln1_sub, d_block3_ln1_mul, block3_ln1_rsqrt, d_block3_ln1_sum_to, block3_ln1_sub),
+                      (ew_neg, d_block3_ln1_scale, d_block3_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
         del block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
         mem.free(54, 56, 190)
-        # d_block3_ln1_scale = sum_to[100x16x1](-d_block3_ln1_sub)
-        d_block3_ln1_scale = mem.tensor(191, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block3_ln1_scale, d_block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block3_ln1_sum_to_2 = 0.015625*d_block3_ln1_scale
         d_block3_ln1_sum_to_2 = d_block3_ln1_scale  # in place: over d_block3_ln1_scale
         rt.ew(ew_scale, d_block3_ln1_sum_to_2, d_block3_ln1_scale)
@@ -2349,14 +2374,15 @@ class Vit(rp.Model):
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt
+        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
         block2_ln2_mul_2 = mem.tensor(198, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
         d_block2_ln2_W = mem.tensor(199, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
+                      (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
         mem.free(198)
@@ -2391,9 +2417,13 @@ class Vit(rp.Model):
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
         d_block2_ln2_B = mem.tensor(200, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
-        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W
+        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
-        rt.ew(ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W'])
+        # d_block2_ln2_rsqrt = sum_to[100x16x1](d_block2_ln2_mul*block2_ln2_sub)
+        d_block2_ln2_rsqrt = mem.tensor(201, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
+                      (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay)
@@ -2409,24 +2439,22 @@ class Vit(rp.Model):
         # free d_block2_ln2_B
         del d_block2_ln2_B
         mem.free(200)
-        # d_block2_ln2_rsqrt = sum_to[100x16x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(201, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
         mem.free(47)
-        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub
+        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
-        rt.ew(ew_mul_add_3, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub)
+        # d_block2_ln2_scale = sum_to[100x16x1](-d_block2_ln2_sub)
+        d_block2_ln2_scale = mem.tensor(202, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
+                      (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         mem.free(46, 48, 201)
-        # d_block2_ln2_scale = sum_to[100x16x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(202, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_ln2_scale, d_block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -2652,14 +2680,15 @@ class Vit(rp.Model):
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
 
         # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt
+        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
         block2_ln1_mul_2 = mem.tensor(224, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
         d_block2_ln1_W = mem.tensor(225, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
+                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block2_ln1_mul_2
         del block2_ln1_mul_2
         mem.free(224)
@@ -2705,9 +2734,13 @@ class Vit(rp.Model):
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
         d_block2_ln1_B = mem.tensor(226, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
-        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W
+        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
-        rt.ew(ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W'])
+        # d_block2_ln1_rsqrt = sum_to[100x16x1](d_block2_ln1_mul*block2_ln1_sub)
+        d_block2_ln1_rsqrt = mem.tensor(227, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
+                      (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay)
@@ -2723,24 +2756,22 @@ class Vit(rp.Model):
         # free d_block2_ln1_B
         del d_block2_ln1_B
         mem.free(226)
-        # d_block2_ln1_rsqrt = sum_to[100x16x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(227, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
         mem.free(31)
-        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub
+        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
-        rt.ew(ew_mul_add_3, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub)
+        # d_block2_ln1_scale = sum_to[100x16x1](-d_block2_ln1_sub)
+        d_block2_ln1_scale = mem.tensor(228, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
+                      (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         mem.free(30, 32, 227)
-        # d_block2_ln1_scale = sum_to[100x16x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(228, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block2_ln1_scale, d_block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
@@ -2836,14 +2867,15 @@ class Vit(rp.Model):
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt
+        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
         block1_ln2_mul_2 = mem.tensor(235, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
         d_block1_ln2_W = mem.tensor(236, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
+                      (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
         mem.free(235)
@@ -2878,9 +2910,13 @@ class Vit(rp.Model):
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
         d_block1_ln2_B = mem.tensor(237, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
-        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W
+        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
-        rt.ew(ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W'])
+        # d_block1_ln2_rsqrt = sum_to[100x16x1](d_block1_ln2_mul*block1_ln2_sub)
+        d_block1_ln2_rsqrt = mem.tensor(238, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
+                      (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
         block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay)
@@ -2896,24 +2932,22 @@ class Vit(rp.Model):
         # free d_block1_ln2_B
         del d_block1_ln2_B
         mem.free(237)
-        # d_block1_ln2_rsqrt = sum_to[100x16x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(238, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
         mem.free(23)
-        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub
+        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
-        rt.ew(ew_mul_add_3, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub)
+        # d_block1_ln2_scale = sum_to[100x16x1](-d_block1_ln2_sub)
+        d_block1_ln2_scale = mem.tensor(239, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
+                      (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         mem.free(22, 24, 238)
-        # d_block1_ln2_scale = sum_to[100x16x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(239, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_ln2_scale, d_block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -3139,14 +3173,15 @@ class Vit(rp.Model):
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt
+        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
         block1_ln1_mul_2 = mem.tensor(261, (100, 16, 64), 'float32')
-        rt.ew(ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
         d_block1_ln1_W = mem.tensor(262, (64,), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2, shape=(64,), workspace=mem.workspace(409600))
+        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
+                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
         # free block1_ln1_mul_2
         del block1_ln1_mul_2
         mem.free(261)
@@ -3192,9 +3227,13 @@ class Vit(rp.Model):
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
         d_block1_ln1_B = mem.tensor(263, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
-        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W
+        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
-        rt.ew(ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W'])
+        # d_block1_ln1_rsqrt = sum_to[100x16x1](d_block1_ln1_mul*block1_ln1_sub)
+        d_block1_ln1_rsqrt = mem.tensor(264, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
+                      (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
         block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay)
@@ -3210,24 +3249,22 @@ class Vit(rp.Model):
         # free d_block1_ln1_B
         del d_block1_ln1_B
         mem.free(263)
-        # d_block1_ln1_rsqrt = sum_to[100x16x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(264, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
         # free block1_ln1_sum_to_2, block1_ln1_add
         del block1_ln1_sum_to_2, block1_ln1_add
         mem.free(7)
-        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub
+        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
-        rt.ew(ew_mul_add_3, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub)
+        # d_block1_ln1_scale = sum_to[100x16x1](-d_block1_ln1_sub)
+        d_block1_ln1_scale = mem.tensor(265, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_mul_add_3, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
+                      (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         mem.free(6, 8, 264)
-        # d_block1_ln1_scale = sum_to[100x16x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(265, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_neg, d_block1_ln1_scale, d_block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -3342,15 +3379,16 @@ class Vit(rp.Model):
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
         block1_ln1_sub = mem.tensor(5, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale)
+        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(6, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
         mem.free(4)
-        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln1_sum_to_2, block1_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
         block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
@@ -3481,15 +3519,16 @@ class Vit(rp.Model):
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
         block1_ln2_sub = mem.tensor(19, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale)
+        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(20, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
         mem.free(18)
-        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(20, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block1_ln2_sum_to_2, block1_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -3548,15 +3587,16 @@ class Vit(rp.Model):
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
         block2_ln1_sub = mem.tensor(24, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale)
+        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(25, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
         mem.free(23)
-        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(25, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln1_sum_to_2, block2_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -3687,15 +3727,16 @@ class Vit(rp.Model):
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
         block2_ln2_sub = mem.tensor(38, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale)
+        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(39, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
         mem.free(37)
-        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(39, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block2_ln2_sum_to_2, block2_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -3754,15 +3795,16 @@ class Vit(rp.Model):
         # block3_ln1_scale = 0.015625*block3_ln1_sum_to
         block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
         rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
-        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale
+        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
         block3_ln1_sub = mem.tensor(43, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale)
+        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
+        block3_ln1_sum_to_2 = mem.tensor(44, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
+                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sum_to, block3_ln1_scale
         del block3_ln1_sum_to, block3_ln1_scale
         mem.free(42)
-        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(44, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block3_ln1_sum_to_2, block3_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
         block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
@@ -3893,15 +3935,16 @@ class Vit(rp.Model):
         # block3_ln2_scale = 0.015625*block3_ln2_sum_to
         block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
         rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
-        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale
+        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
         block3_ln2_sub = mem.tensor(57, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale)
+        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
+        block3_ln2_sum_to_2 = mem.tensor(58, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
+                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sum_to, block3_ln2_scale
         del block3_ln2_sum_to, block3_ln2_scale
         mem.free(56)
-        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(58, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block3_ln2_sum_to_2, block3_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
         block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
@@ -3960,15 +4003,16 @@ class Vit(rp.Model):
         # block4_ln1_scale = 0.015625*block4_ln1_sum_to
         block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
         rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
-        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale
+        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
         block4_ln1_sub = mem.tensor(62, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale)
+        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
+        block4_ln1_sum_to_2 = mem.tensor(63, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
+                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sum_to, block4_ln1_scale
         del block4_ln1_sum_to, block4_ln1_scale
         mem.free(61)
-        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(63, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block4_ln1_sum_to_2, block4_ln1_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
         block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
@@ -4099,15 +4143,16 @@ class Vit(rp.Model):
         # block4_ln2_scale = 0.015625*block4_ln2_sum_to
         block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
         rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
-        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale
+        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
         block4_ln2_sub = mem.tensor(76, (100, 16, 64), 'float32')
-        rt.ew(ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale)
+        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
+        block4_ln2_sum_to_2 = mem.tensor(77, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
+                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sum_to, block4_ln2_scale
         del block4_ln2_sum_to, block4_ln2_scale
         mem.free(75)
-        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(77, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, block4_ln2_sum_to_2, block4_ln2_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
         block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
@@ -4166,15 +4211,16 @@ class Vit(rp.Model):
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
         rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
-        rt.ew(ew_sub_2, ln_sub, ln_add, ln_scale)
+        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(81, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
         mem.free(80)
-        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(81, (100, 16, 1), 'float32')
-        rt.ew_sum(ew_square, ln_sum_to_2, ln_sub, shape=(100, 16, 1), workspace=mem.workspace(409600))
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
@@ -4356,9 +4402,9 @@ class Vit(rp.Model):
                 (21708800, 409600),  # 112: ln_mul_2 100x16x64 float32
                 (22572800, 256),  # 113: d_ln_W 64 float32
                 (21708800, 409600),  # 114: d_ln 100x16x64 float32
-                (22432000, 256),  # 115: d_ln_B 64 float32
+                (22438400, 256),  # 115: d_ln_B 64 float32
                 (22432000, 6400),  # 116: d_ln_rsqrt 100x16x1 float32
-                (6553600, 6400),  # 117: d_ln_scale 100x16x1 float32
+                (22438400, 6400),  # 117: d_ln_scale 100x16x1 float32
                 (6553600, 32768),  # 118: d_block4_fc2_W 64x128 float32
                 (5734400, 256),  # 119: d_block4_fc2_B 64 float32
                 (5734400, 819200),  # 120: d_block4_fc2_reshape 1600x128 float32
@@ -4367,9 +4413,9 @@ class Vit(rp.Model):
                 (4915200, 409600),  # 123: d_block4_fc1_reshape 1600x64 float32
                 (5324800, 409600),  # 124: block4_ln2_mul_2 100x16x64 float32
                 (5734400, 256),  # 125: d_block4_ln2_W 64 float32
-                (5324800, 256),  # 126: d_block4_ln2_B 64 float32
+                (5331200, 256),  # 126: d_block4_ln2_B 64 float32
                 (5324800, 6400),  # 127: d_block4_ln2_rsqrt 100x16x1 float32
-                (5324800, 6400),  # 128: d_block4_ln2_scale 100x16x1 float32
+                (5331200, 6400),  # 128: d_block4_ln2_scale 100x16x1 float32
                 (4915200, 16384),  # 129: d_block4_attn_out_W 64x64 float32
                 (4915200, 256),  # 130: d_block4_attn_out_B 64 float32
                 (4915200, 409600),  # 131: d_block4_attn_out_reshape 1600x64 float32
@@ -4393,9 +4439,9 @@ class Vit(rp.Model):
                 (4915200, 409600),  # 149: d_block4_attn_q_reshape_3 1600x64 float32
                 (4915200, 409600),  # 150: block4_ln1_mul_2 100x16x64 float32
                 (5324800, 256),  # 151: d_block4_ln1_W 64 float32
-                (4915200, 256),  # 152: d_block4_ln1_B 64 float32
+                (4921600, 256),  # 152: d_block4_ln1_B 64 float32
                 (4915200, 6400),  # 153: d_block4_ln1_rsqrt 100x16x1 float32
-                (4915200, 6400),  # 154: d_block4_ln1_scale 100x16x1 float32
+                (4921600, 6400),  # 154: d_block4_ln1_scale 100x16x1 float32
                 (4915200, 32768),  # 155: d_block3_fc2_W 64x128 float32
                 (4096000, 256),  # 156: d_block3_fc2_B 64 float32
                 (4096000, 819200),  # 157: d_block3_fc2_reshape 1600x128 float32
@@ -4404,9 +4450,9 @@ class Vit(rp.Model):
                 (3276800, 409600),  # 160: d_block3_fc1_reshape 1600x64 float32
                 (3686400, 409600),  # 161: block3_ln2_mul_2 100x16x64 float32
                 (4096000, 256),  # 162: d_block3_ln2_W 64 float32
-                (3686400, 256),  # 163: d_block3_ln2_B 64 float32
+                (3692800, 256),  # 163: d_block3_ln2_B 64 float32
                 (3686400, 6400),  # 164: d_block3_ln2_rsqrt 100x16x1 float32
-                (3686400, 6400),  # 165: d_block3_ln2_scale 100x16x1 float32
+                (3692800, 6400),  # 165: d_block3_ln2_scale 100x16x1 float32
                 (3276800, 16384),  # 166: d_block3_attn_out_W 64x64 float32
                 (3276800, 256),  # 167: d_block3_attn_out_B 64 float32
                 (3276800, 409600),  # 168: d_block3_attn_out_reshape 1600x64 float32
@@ -4430,9 +4476,9 @@ class Vit(rp.Model):
                 (3276800, 409600),  # 186: d_block3_attn_q_reshape_3 1600x64 float32
                 (3276800, 409600),  # 187: block3_ln1_mul_2 100x16x64 float32
                 (3686400, 256),  # 188: d_block3_ln1_W 64 float32
-                (3276800, 256),  # 189: d_block3_ln1_B 64 float32
+                (3283200, 256),  # 189: d_block3_ln1_B 64 float32
                 (3276800, 6400),  # 190: d_block3_ln1_rsqrt 100x16x1 float32
-                (3276800, 6400),  # 191: d_block3_ln1_scale 100x16x1 float32
+                (3283200, 6400),  # 191: d_block3_ln1_scale 100x16x1 float32
                 (3276800, 32768),  # 192: d_block2_fc2_W 64x128 float32
                 (2457600, 256),  # 193: d_block2_fc2_B 64 float32
                 (2457600, 819200),  # 194: d_block2_fc2_reshape 1600x128 float32
@@ -4441,9 +4487,9 @@ class Vit(rp.Model):
                 (1638400, 409600),  # 197: d_block2_fc1_reshape 1600x64 float32
                 (2048000, 409600),  # 198: block2_ln2_mul_2 100x16x64 float32
                 (2457600, 256),  # 199: d_block2_ln2_W 64 float32
-                (2048000, 256),  # 200: d_block2_ln2_B 64 float32
+                (2054400, 256),  # 200: d_block2_ln2_B 64 float32
                 (2048000, 6400),  # 201: d_block2_ln2_rsqrt 100x16x1 float32
-                (2048000, 6400),  # 202: d_block2_ln2_scale 100x16x1 float32
+                (2054400, 6400),  # 202: d_block2_ln2_scale 100x16x1 float32
                 (1638400, 16384),  # 203: d_block2_attn_out_W 64x64 float32
                 (1638400, 256),  # 204: d_block2_attn_out_B 64 float32
                 (1638400, 409600),  # 205: d_block2_attn_out_reshape 1600x64 float32
@@ -4467,9 +4513,9 @@ class Vit(rp.Model):
                 (1638400, 409600),  # 223: d_block2_attn_q_reshape_3 1600x64 float32
                 (1638400, 409600),  # 224: block2_ln1_mul_2 100x16x64 float32
                 (2048000, 256),  # 225: d_block2_ln1_W 64 float32
-                (1638400, 256),  # 226: d_block2_ln1_B 64 float32
+                (1644800, 256),  # 226: d_block2_ln1_B 64 float32
                 (1638400, 6400),  # 227: d_block2_ln1_rsqrt 100x16x1 float32
-                (1638400, 6400),  # 228: d_block2_ln1_scale 100x16x1 float32
+                (1644800, 6400),  # 228: d_block2_ln1_scale 100x16x1 float32
                 (1638400, 32768),  # 229: d_block1_fc2_W 64x128 float32
                 (819200, 256),  # 230: d_block1_fc2_B 64 float32
                 (819200, 819200),  # 231: d_block1_fc2_reshape 1600x128 float32
@@ -4478,9 +4524,9 @@ class Vit(rp.Model):
                 (0, 409600),  # 234: d_block1_fc1_reshape 1600x64 float32
                 (409600, 409600),  # 235: block1_ln2_mul_2 100x16x64 float32
                 (819200, 256),  # 236: d_block1_ln2_W 64 float32
-                (409600, 256),  # 237: d_block1_ln2_B 64 float32
+                (416000, 256),  # 237: d_block1_ln2_B 64 float32
                 (409600, 6400),  # 238: d_block1_ln2_rsqrt 100x16x1 float32
-                (409600, 6400),  # 239: d_block1_ln2_scale 100x16x1 float32
+                (416000, 6400),  # 239: d_block1_ln2_scale 100x16x1 float32
                 (0, 16384),  # 240: d_block1_attn_out_W 64x64 float32
                 (0, 256),  # 241: d_block1_attn_out_B 64 float32
                 (0, 409600),  # 242: d_block1_attn_out_reshape 1600x64 float32
@@ -4504,9 +4550,9 @@ class Vit(rp.Model):
                 (0, 409600),  # 260: d_block1_attn_q_reshape_3 1600x64 float32
                 (0, 409600),  # 261: block1_ln1_mul_2 100x16x64 float32
                 (409600, 256),  # 262: d_block1_ln1_W 64 float32
-                (0, 256),  # 263: d_block1_ln1_B 64 float32
+                (6400, 256),  # 263: d_block1_ln1_B 64 float32
                 (0, 6400),  # 264: d_block1_ln1_rsqrt 100x16x1 float32
-                (0, 6400),  # 265: d_block1_ln1_scale 100x16x1 float32
+                (6400, 6400),  # 265: d_block1_ln1_scale 100x16x1 float32
                 (422144, 4096),  # 266: d_pos 1x16x64 float32
                 (0, 409600),  # 267: d_block1_ln2_reshape 100x64x16 float32
                 (409600, 12544),  # 268: d_patch_W 64x1x7x7 float32
@@ -4521,7 +4567,7 @@ class Vit(rp.Model):
                 (819200, 409600),  # 3: block1_ln2_transpose 100x16x64 float32
                 (409600, 6400),  # 4: block1_ln1_sum_to 100x16x1 float32
                 (0, 409600),  # 5: block1_ln1_sub 100x16x64 float32
-                (409600, 6400),  # 6: block1_ln1_sum_to_2 100x16x1 float32
+                (416000, 6400),  # 6: block1_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 7: block1_attn_v_matmul 1600x64 float32
                 (1228800, 409600),  # 8: block1_attn_out_transpose 100x4x16x16 float32
                 (409600, 409600),  # 9: block1_attn_k_matmul 1600x64 float32
@@ -4535,12 +4581,12 @@ class Vit(rp.Model):
                 (0, 409600),  # 17: block1_attn_out_matmul_2 1600x64 float32
                 (0, 6400),  # 18: block1_ln2_sum_to 100x16x1 float32
                 (1228800, 409600),  # 19: block1_ln2_sub 100x16x64 float32
-                (0, 6400),  # 20: block1_ln2_sum_to_2 100x16x1 float32
+                (6400, 6400),  # 20: block1_ln2_sum_to_2 100x16x1 float32
                 (0, 819200),  # 21: block1_fc1_matmul 1600x128 float32
                 (1228800, 409600),  # 22: block1_fc2_matmul 1600x64 float32
                 (409600, 6400),  # 23: block2_ln1_sum_to 100x16x1 float32
                 (0, 409600),  # 24: block2_ln1_sub 100x16x64 float32
-                (409600, 6400),  # 25: block2_ln1_sum_to_2 100x16x1 float32
+                (416000, 6400),  # 25: block2_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 26: block2_attn_v_matmul 1600x64 float32
                 (1228800, 409600),  # 27: block2_attn_out_transpose 100x4x16x16 float32
                 (409600, 409600),  # 28: block2_attn_k_matmul 1600x64 float32
@@ -4554,12 +4600,12 @@ class Vit(rp.Model):
                 (0, 409600),  # 36: block2_attn_out_matmul_2 1600x64 float32
                 (0, 6400),  # 37: block2_ln2_sum_to 100x16x1 float32
                 (1228800, 409600),  # 38: block2_ln2_sub 100x16x64 float32
-                (0, 6400),  # 39: block2_ln2_sum_to_2 100x16x1 float32
+                (6400, 6400),  # 39: block2_ln2_sum_to_2 100x16x1 float32
                 (0, 819200),  # 40: block2_fc1_matmul 1600x128 float32
                 (1228800, 409600),  # 41: block2_fc2_matmul 1600x64 float32
                 (409600, 6400),  # 42: block3_ln1_sum_to 100x16x1 float32
                 (0, 409600),  # 43: block3_ln1_sub 100x16x64 float32
-                (409600, 6400),  # 44: block3_ln1_sum_to_2 100x16x1 float32
+                (416000, 6400),  # 44: block3_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 45: block3_attn_v_matmul 1600x64 float32
                 (1228800, 409600),  # 46: block3_attn_out_transpose 100x4x16x16 float32
                 (409600, 409600),  # 47: block3_attn_k_matmul 1600x64 float32
@@ -4573,12 +4619,12 @@ class Vit(rp.Model):
                 (0, 409600),  # 55: block3_attn_out_matmul_2 1600x64 float32
                 (0, 6400),  # 56: block3_ln2_sum_to 100x16x1 float32
                 (1228800, 409600),  # 57: block3_ln2_sub 100x16x64 float32
-                (0, 6400),  # 58: block3_ln2_sum_to_2 100x16x1 float32
+                (6400, 6400),  # 58: block3_ln2_sum_to_2 100x16x1 float32
                 (0, 819200),  # 59: block3_fc1_matmul 1600x128 float32
                 (1228800, 409600),  # 60: block3_fc2_matmul 1600x64 float32
                 (409600, 6400),  # 61: block4_ln1_sum_to 100x16x1 float32
                 (0, 409600),  # 62: block4_ln1_sub 100x16x64 float32
-                (409600, 6400),  # 63: block4_ln1_sum_to_2 100x16x1 float32
+                (416000, 6400),  # 63: block4_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 64: block4_attn_v_matmul 1600x64 float32
                 (1228800, 409600),  # 65: block4_attn_out_transpose 100x4x16x16 float32
                 (409600, 409600),  # 66: block4_attn_k_matmul 1600x64 float32
@@ -4592,7 +4638,7 @@ class Vit(rp.Model):
                 (0, 409600),  # 74: block4_attn_out_matmul_2 1600x64 float32
                 (0, 6400),  # 75: block4_ln2_sum_to 100x16x1 float32
                 (1228800, 409600),  # 76: block4_ln2_sub 100x16x64 float32
-                (0, 6400),  # 77: block4_ln2_sum_to_2 100x16x1 float32
+                (6400, 6400),  # 77: block4_ln2_sum_to_2 100x16x1 float32
                 (0, 819200),  # 78: block4_fc1_matmul 1600x128 float32
                 (1228800, 409600),  # 79: block4_fc2_matmul 1600x64 float32
                 (0, 6400),  # 80: ln_sum_to 100x16x1 float32

@@ -298,14 +298,17 @@ def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
     return "".join(letters)
 
 
-def pair_function(first: str, first_pattern: str, second: str, second_pattern: str) -> str | None:
+def pair_function(first: str, first_pattern: str, second: str, second_pattern: str,
+                  summed: bool = False) -> str | None:
     """The compiled library's function computing elementwise kernel `first` over operands of `first_pattern` and
-    then `second` (which reads the first's output) over `second_pattern`, in one pass over the elements: there is
-    one for each pair of whole-tensor and scalar patterns (letters f, u and s) the program calls; None for other
-    patterns (the pair is then two calls)."""
-    if not set(first_pattern + second_pattern) <= set("fsu"):
+    then `second` (which reads the first's output) over `second_pattern`, in one pass over the elements. There is
+    one for each pair of patterns the program calls: whole tensors and scalars (letters f, u and s) for two
+    stored results; with `summed`, the second summed per channel (`channel_sum_pattern`, over rows of channels as
+    `kernel_rows`), per-channel operands (c) allowed in both. None for other patterns (the pair is two calls)."""
+    letters = "fusc" if summed else "fsu"
+    if not set(first_pattern + second_pattern) <= set(letters):
         return None
-    return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}"
+    return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}" + ("_csum" if summed else "")
 
 
 def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:

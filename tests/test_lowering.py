@@ -21,6 +21,7 @@ from deepdsl.dsl import Overrides
 from deepdsl.errors import VerifyError
 from deepdsl.ir import FLOAT, make
 from deepdsl.ops.elementwise import elementwise, sym
+from deepdsl.memory_plan import plan_memory
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.ssa import Free, Let, Program
@@ -95,14 +96,18 @@ def _momentum_update(shape=(4, 3)):
 
 
 def test_an_elementwise_statement_and_its_elementwise_reader_are_paired_in_place_or_not():
+    """Paired where the second statement writes in place; where it allocates, keeping the gradient (a batch input,
+    in the arena) up to it would raise the planned peak, so they stay apart."""
     (w, v, g), v_new, w_new = _momentum_update()
     feeds = {"w": np.arange(12.0).reshape(4, 3), "v": np.ones((4, 3)), "g": np.full((4, 3), 0.5)}
-    for into in ((None, None), (v, w)):
+    for into, paired in (((v, w), True), ((None, w), True), ((v, None), False), ((None, None), False)):
         program = Program("p", (w, v, g), (Let(v_new, into=into[0]), Let(w_new, into=into[1])),
                           (("v", v_new), ("w", w_new)))
         fused = verify(fuse_multi_output(program))
-        assert [i.computes_also for i in fused.body] == [None, v_new]
+        assert [i.computes_also for i in fused.body] == [None, v_new if paired else None], into
         assert [i.into for i in fused.body] == list(into)
+        planned = [plan_memory(insert_frees(p)).peak_live_bytes for p in (program, fused)]
+        assert planned[1] <= planned[0]
         for key, value in interpret.run(program, feeds).items():
             np.testing.assert_array_equal(interpret.run(fused, feeds)[key], value)
 
@@ -143,9 +148,41 @@ def test_a_pair_keeps_the_first_statements_inputs_until_the_call():
 
 def test_a_pairs_first_output_that_nothing_reads_is_freed_after_the_call_that_writes_it():
     x, pool, index = _pooling()
-    program = _program(x, [Let(index), Let(pool)], [("a", pool)])          # the argmax is never read
-    freed = verify(insert_frees(fuse_multi_output(program)))
+    paired = _program(x, [Let(index), Let(pool, computes_also=index)], [("a", pool)])   # the argmax is never read
+    freed = verify(insert_frees(paired))
     assert [i.node if isinstance(i, Let) else i.nodes for i in freed.body] == [index, pool, (x, index)]
+    # which raises the peak (the argmax and the maximum live together): the pass leaves them apart
+    program = _program(x, [Let(index), Let(pool)], [("a", pool)])
+    assert fuse_multi_output(program) is program
+
+
+def _centred_and_sum(between_shape):
+    """A batch norm's centred input `c = y - m` (over its producer y, a layer's output) and the sum of its squares
+    per channel, a statement of `between_shape` (reading a batch input of that shape) between them."""
+    x = make("input", (), name="x", shape=(2, 3, 4, 4), dtype=FLOAT, role="data")
+    z = make("input", (), name="z", shape=between_shape, dtype=FLOAT, role="label")
+    m = make("state", (), name="m", shape=(1, 3, 1, 1), dtype=FLOAT, init="zeros")
+    y = make("max_pool", (x,), kernel=1, stride=1)
+    c = elementwise(sym(0) - sym(1), [y, m])
+    between = elementwise(sym(0) * 3, [z])
+    total = make("ew_sum", (c,), expr=sym(0) ** 2, shape=(1, 3, 1, 1))
+    program = Program("p", (x, z, m), (Let(y), Let(c, into=y), Let(between), Let(total)),
+                      (("s", total), ("b", between)))
+    return program, c, between, total
+
+
+def test_a_sum_is_moved_up_to_the_elementwise_statement_it_sums_unless_that_raises_the_peak():
+    feeds = {"x": np.arange(96.0).reshape(2, 3, 4, 4), "m": np.ones((1, 3, 1, 1))}
+    program, c, between, total = _centred_and_sum((2,))
+    fused = verify(fuse_multi_output(program))
+    assert [i.node for i in fused.body][1:] == [c, total, between]
+    assert fused.body[2].computes_also is c
+    assert [plan_memory(insert_frees(p)).peak_live_bytes for p in (fused, program)] == [1280, 1280]
+    for key, value in interpret.run(program, {**feeds, "z": np.ones(2)}).items():
+        np.testing.assert_array_equal(interpret.run(fused, {**feeds, "z": np.ones(2)})[key], value)
+    # the statement in between at the peak: the sum's output, live there, would raise it
+    program, *_ = _centred_and_sum((64, 64))
+    assert fuse_multi_output(program) is program
 
 
 def test_the_verifier_rejects_an_elementwise_pair_whose_second_does_not_read_the_first():

@@ -267,10 +267,11 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
 @needs_cc
 @pytest.mark.parametrize("name", ["resnet_mini", "lenet"])
 def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
-    """Every pair of kernels a program computes in one pass (an optimizer's two updates) gives the bits of its two
-    compiled kernels run one after the other, and their values within float32 roundings of numpy's: with fresh
-    outputs, the first's output over one of its operands, the second's over one of the first's (the parameter both
-    read), both at once, on odd sizes and one threaded."""
+    """Every pair of kernels a program computes in one pass (an optimizer's two updates; batch norm's centred input
+    and its sum of squares, a gradient and its sum) gives the bits of its two compiled kernels run one after the
+    other, and their values within float32 roundings of numpy's: with fresh outputs, the first's output over one of
+    its operands, the second's (stored) over one of the first's (the parameter both read), both at once, on odd
+    sizes and one threaded, and sums over more channels than a thread reads at a time."""
     from deepdsl.codegen.description import describe
     from deepdsl_runtime.cpu import elementwise
 
@@ -278,33 +279,47 @@ def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
     found, why = native.load(path)
     assert found is not None, why
     rng = np.random.default_rng(11)
-    pairs = describe(compiled).kernel_pairs
-    assert pairs
-    for first_name, first_pattern, second_name, second_pattern in pairs:
+    description = describe(compiled)
+    alias = {k.name: k.alias for k in description.kernels}      # the operand a kernel may write over
+    pairs = description.kernel_pairs
+    assert {summed for *_, summed in pairs} == ({False, True} if name == "resnet_mini" else {False}), pairs
+    for first_name, first_pattern, second_name, second_pattern, summed in pairs:
         k0, k1 = getattr(module, first_name), getattr(module, second_name)
         full = [k for k, letter in enumerate(first_pattern) if letter == "f"]
         link = second_pattern.rindex("f")          # where the second reads the first's output
-        for shape in ((3, 5, native.EW_NATIVE_MIN // 8 + 3), (2, 7, 3, 1 << 15)):
-            for over in (None, "first", "second", "both"):
+        overs = [None, "second"] if alias[first_name] is None else [None, "first", "second", "both"]
+        shapes = ((3, 5, 47, 47), (4, 9, 64, 130), (4, 600, 3, 5)) if summed else \
+            ((3, 5, native.EW_NATIVE_MIN // 8 + 3), (2, 7, 3, 1 << 15))
+        for shape in shapes:
+            target = (1, shape[1], 1, 1)
+            for over in [o for o in overs if not (summed and o in ("second", "both"))]:
                 args0, args1 = _operands(first_pattern, shape, rng), _operands(second_pattern, shape, rng)
                 runs = []
                 for how in ("two kernels", "one pass", "numpy"):
                     a0, a1 = [np.copy(a) for a in args0], [np.copy(a) for a in args1]
-                    out0 = a0[full[0]] if over in ("first", "both") else np.full(shape, np.nan, np.float32)
-                    out1 = a0[full[-1]] if over in ("second", "both") else np.full(shape, np.nan, np.float32)
+                    out0 = a0[alias[first_name]] if over in ("first", "both") else np.full(shape, np.nan, np.float32)
+                    out1 = np.full(target, np.nan, np.float32) if summed else \
+                        a0[full[-1]] if over in ("second", "both") else np.full(shape, np.nan, np.float32)
                     a1[link] = out0
+                    first, second = (k0, out0, *a0), (k1, out1, *a1)
                     if how == "two kernels":
-                        assert found.ew(k0, out0, a0) and found.ew(k1, out1, a1)
+                        assert found.ew(k0, out0, a0)
+                        assert found.ew_sum(k1, out1, a1, target) if summed else found.ew(k1, out1, a1)
                     elif how == "one pass":
-                        assert found.ew_pair((k0, out0, *a0), (k1, out1, *a1)), (first_name, second_name)
+                        assert (found.ew_and_sum(first, second, target) if summed
+                                else found.ew_pair(first, second)), (first_name, second_name)
+                    elif summed:
+                        elementwise.ew_and_sum(first, second, shape=target)
                     else:
-                        elementwise.ew_pair((k0, out0, *a0), (k1, out1, *a1))
+                        elementwise.ew_pair(first, second)
                     runs.append((np.copy(out0), np.copy(out1)))
                 message = f"{first_name} {first_pattern} then {second_name} {second_pattern}, over {over}"
                 for got, want, numpy_ in zip(runs[1], runs[0], runs[2]):
                     np.testing.assert_array_equal(got, want, err_msg=message)
-                    # (the second may subtract numbers near 1: a rounding of those is the absolute tolerance)
-                    np.testing.assert_allclose(got, numpy_, rtol=2e-6, atol=1e-6, err_msg=message)
+                    # (the second may subtract numbers near 1, or sum many: roundings of those are the tolerance)
+                    scale = float(np.abs(numpy_).max())
+                    np.testing.assert_allclose(got, numpy_, rtol=1e-5 if summed else 2e-6,
+                                               atol=1e-5 * scale if summed else 1e-6, err_msg=message)
 
 
 @needs_cc

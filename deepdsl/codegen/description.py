@@ -64,7 +64,7 @@ class ProgramDescription:
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
     and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
     `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`; `kernel_pairs`: the kernels
-    computed two in one pass, each with its pattern, `steps.Kernels.use_pair`); `steps`
+    computed two in one pass, each with its pattern, and whether the second is summed, `steps.Kernels.use_pair`); `steps`
     are setup, training step and test step (then the accumulate, apply and statistics steps, where compiled);
     `memory_plans`
     their plans, in that order."""
@@ -99,7 +99,7 @@ class ProgramDescription:
     kernel_imports: tuple[str, ...]
     kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
     kernel_sums: tuple[tuple[str, tuple[str, ...]], ...]
-    kernel_pairs: tuple[tuple[str, str, str, str], ...]
+    kernel_pairs: tuple[tuple[str, str, str, str, bool], ...]
     iters: int
     test_iters: int
     lr: str

@@ -66,10 +66,16 @@ def elementwise_sum(site: Site) -> str:
 
 
 def elementwise_pair(first: Site, second: Site) -> str:
-    """Two `ew` statements in one pass, the second reading the first's output (`passes.fuse_multi_output`): each
-    call as `rt.ew` takes it, kernel, output and arguments; one line each."""
+    """An `ew` statement and an `ew` (or `ew_sum`) statement reading its output in one pass
+    (`passes.fuse_multi_output`): `rt.ew_pair` (or `rt.ew_and_sum`, with the sum's shape and workspace), each
+    call as `rt.ew` takes it, kernel, output and arguments, one line each."""
     calls = [f"({site.kernel}, {site.out}{''.join(', ' + a for a in site.args)})" for site in (first, second)]
-    return f"rt.ew_pair({calls[0]},\n{' ' * len('rt.ew_pair(')}{calls[1]})"
+    if second.node.op == "ew":
+        return f"rt.ew_pair({calls[0]},\n{' ' * len('rt.ew_pair(')}{calls[1]})"
+    ws = f", workspace={second.workspace}" if second.workspace else ""
+    indent = " " * len("rt.ew_and_sum(")
+    return (f"rt.ew_and_sum({calls[0]},\n{indent}{calls[1]},\n{indent}"
+            f"shape={literal(second.node.attr('shape'))}{ws})")
 
 
 def bernoulli(site: Site) -> str:

@@ -37,7 +37,8 @@ def render_c(description, program: str | None = None) -> str:
                 "patterns": patterns.get(k.name, ()), "sums": sums.get(k.name, ())} for k in description.kernels]
     by_name = {k["name"]: k for k in kernels}
     pairs = [{"function": contract.pair_function(*pair), "first": by_name[pair[0]], "first_pattern": pair[1],
-              "second": by_name[pair[2]], "second_pattern": pair[3]} for pair in description.kernel_pairs]
+              "second": by_name[pair[2]], "second_pattern": pair[3], "summed": pair[4]}
+             for pair in description.kernel_pairs]
     return render("kernels.c.jinja", name=description.name, program=program or description.filename,
                   version=description.version, source=description.source,
                   structure_hash=description.structure_hash, kernels=kernels, pairs=pairs)

@@ -97,9 +97,9 @@ class Kernels:
     patterns: dict[str, list[str]] = field(default_factory=dict)
     # kernel name -> the operand patterns of its per-channel sums (`ew_sum` statements), each a compiled function
     sums: dict[str, list[str]] = field(default_factory=dict)
-    # (first kernel, its pattern, second kernel, its pattern) of the pairs of statements computed in one pass, in
-    # order of first use: the compiled CPU library has one function for each
-    pairs: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # (first kernel, its pattern, second kernel, its pattern, whether the second is summed per channel) of the pairs
+    # of statements computed in one pass, in order of first use: the compiled CPU library has one function for each
+    pairs: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
     _by_key: dict[tuple, str] = field(default_factory=dict)
 
     def use(self, name: str, pattern: str | None) -> None:
@@ -114,14 +114,15 @@ class Kernels:
         if pattern is not None and pattern not in self.sums.setdefault(name, []):
             self.sums[name].append(pattern)
 
-    def use_pair(self, first: str, first_pattern: str | None, second: str, second_pattern: str | None) -> None:
-        """Note a call computing kernel `first` and then kernel `second` (which reads the first's output) in one
-        pass: the compiled library has one function for each pair of patterns that has one
-        (`deepdsl_runtime.contract.pair_function`: whole tensors and scalars)."""
+    def use_pair(self, first: str, first_pattern: str | None, second: str, second_pattern: str | None,
+                 summed: bool = False) -> None:
+        """Note a call computing kernel `first` and then kernel `second` (which reads the first's output; `summed`:
+        the per-channel sum of the second) in one pass: the compiled library has one function for each pair of
+        patterns that has one (`deepdsl_runtime.contract.pair_function`)."""
         if first_pattern is None or second_pattern is None or \
-                contract.pair_function(first, first_pattern, second, second_pattern) is None:
+                contract.pair_function(first, first_pattern, second, second_pattern, summed) is None:
             return
-        pair = (first, first_pattern, second, second_pattern)
+        pair = (first, first_pattern, second, second_pattern, summed)
         if pair not in self.pairs:
             self.pairs.append(pair)
 
@@ -145,6 +146,13 @@ def operand_pattern(node: Node) -> str | None:
     kernel runs. An `ew_sum` runs its kernel over the values it sums (chunks of samples of them: the same letters)."""
     values = node.shape if node.op == "ew" else broadcast_shapes(*(x.shape for x in node.inputs))
     return contract.operand_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], values)
+
+
+def sum_pattern(node: Node) -> str | None:
+    """The operand pattern of an `ew_sum` statement's compiled per-channel sum (`contract.channel_sum_pattern`);
+    None where numpy's chunks sum it."""
+    return contract.channel_sum_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs],
+                                        broadcast_shapes(*(x.shape for x in node.inputs)), node.shape)
 
 
 def kernel_name(expr: sympy.Expr, most: int = 4) -> str:
@@ -284,14 +292,17 @@ class StepBuilder:
             raise GenerateError(f"the memory plan gives statement {name} no buffer")
         if not call:
             return Block(comment + "   (computed with the next statement)", tuple(lines))
-        if pair is not None and node.op == "ew":
+        workspace = f"mem.workspace({step.workspace})" if step.workspace else None
+        if pair is not None and node.op in ("ew", "ew_sum"):
             first = pair[0]
             first_kernel = self.kernel(first, self.into.get(id(first)))
             kernel = self.kernel(node, target)
-            self.kernels.use_pair(first_kernel, operand_pattern(first), kernel, operand_pattern(node))
+            summed = node.op == "ew_sum"
+            self.kernels.use_pair(first_kernel, operand_pattern(first), kernel,
+                                  sum_pattern(node) if summed else operand_pattern(node), summed)
             lines += lowering.elementwise_pair(
                 lowering.Site(first, tuple(self.arg(x) for x in first.inputs), self.py[id(first)], None, first_kernel),
-                lowering.Site(node, args, name, None, kernel)).split("\n")
+                lowering.Site(node, args, name, workspace, kernel)).split("\n")
             return Block(comment, tuple(lines))
         if pair is not None:
             first, first_step = pair
@@ -301,7 +312,6 @@ class StepBuilder:
             lines.append(lowering.max_pool_pair(
                 lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
             return Block(comment, tuple(lines))
-        workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         kernel = self.kernel(node, target) if node.op in ("ew", "ew_sum") else None
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, tuple(lines))
@@ -312,9 +322,7 @@ class StepBuilder:
         kernel = self.kernels.get(node.attr("expr"), len(node.inputs), alias)
         self.kernels.use(kernel, operand_pattern(node))
         if node.op == "ew_sum":
-            self.kernels.use_sum(kernel, contract.channel_sum_pattern(
-                [(x.shape, x.dtype == "uint8") for x in node.inputs],
-                broadcast_shapes(*(x.shape for x in node.inputs)), node.shape))
+            self.kernels.use_sum(kernel, sum_pattern(node))
         return kernel
 
     def lives_in(self, value: Node, leaf: Node) -> bool:

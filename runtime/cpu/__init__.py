@@ -11,7 +11,8 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
   own scratch (handy interactively, never done by generated programs).
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
 - `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote,
-  `ew_pair((kernel, out, *args), (kernel, out, *args))` two of them in one pass (the second reads the first's out).
+  `ew_pair((kernel, out, *args), (kernel, out, *args))` two of them in one pass (the second reads the first's out),
+  `ew_and_sum` the same with the second summed (as `ew_sum`).
 - The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
   product `gemm(a, b, out=c)` (c = a @ b, 2-D or batched as numpy's matmul; operands may be transposed views):
   `np.matmul` by default. `with_gemm(gemm)` is this backend with another one bound, such as the tiled
@@ -37,7 +38,7 @@ import types
 
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
-from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_pair, ew_sum
+from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_pair, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
@@ -48,16 +49,17 @@ from deepdsl_runtime.cpu.shape import broadcast_to, concat, pad_axis, reshape, s
 from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zeros
 
 __all__ = [
-    "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask",
-    "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_pair",
+    "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
+    "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_and_sum", "ew_pair",
     "ew_sum", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size",
-    "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
+    "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy", "transpose",
+    "unpick", "zeros",
 ]
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_pair", "ew_sum")
+             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

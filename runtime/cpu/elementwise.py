@@ -1,5 +1,6 @@
 """Elementwise work on the CPU: constants, copies and the elementwise kernels the compiler writes (`ew`), run in
-cache-sized chunks, two of them in one pass (`ew_pair`), and their sums (`ew_sum`); `erf`, the one function those kernels call that numpy has no ufunc
+cache-sized chunks, two of them in one pass (`ew_pair`), and their sums (`ew_sum`, after another kernel
+`ew_and_sum`); `erf`, the one function those kernels call that numpy has no ufunc
 for."""
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ def ew_pair(first, second, native=None):
         return
     ew(*first, native=native)
     ew(*second, native=native)
+
+
+def ew_and_sum(first, second, *, shape, workspace=None, native=None):
+    """An elementwise kernel and the sum to `shape` of another reading its output, each given as its function takes
+    it (`ew`: `(kernel, out, *args)`, `ew_sum`: the same and `shape`, `workspace`): with `native`, one pass of the
+    program's compiled pair where it has one (a per-channel sum), else `ew` and then `ew_sum`. The values are
+    those of the two calls."""
+    if native is not None and native.ew_and_sum(first, second, shape):
+        return
+    ew(*first, native=native)
+    ew_sum(*second, shape=shape, workspace=workspace, native=native)
 
 
 def ew_sum(kernel, out, *args, shape, workspace=None, native=None):

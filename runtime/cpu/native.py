@@ -349,16 +349,48 @@ class Native:
         function(out0.size, out0.ctypes.data, out1.ctypes.data, *_operands(args0 + args1, pattern))
         return True
 
-    def _pair_function(self, first: str, args0, second: str, args1, out_shape):
-        patterns = [self._pattern(args, out_shape) for args in (args0, args1)]
-        if None in patterns:
+    def ew_and_sum(self, first, second, shape) -> bool:
+        """Run an elementwise kernel, `(kernel, out, *args)`, and the per-channel sum to `shape` of a second kernel
+        reading its output, `(kernel, out, *args)`, in one pass of the library's pair function
+        (`contract.pair_function`, summed) when it has one for these operands; False otherwise (nothing run)."""
+        (k0, out0, *args0), (k1, out1, *args1) = first, second
+        if not _contiguous32(out0, out1) or \
+                any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args0 + args1):
             return False
-        name = contract.pair_function(first, patterns[0], second, patterns[1])
+        key = ("pair sum", k0.__name__, k1.__name__, out0.shape, tuple(shape),
+               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args0 + args1))
+        found = self._ew.get(key)
+        if found is None:
+            found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape, shape)
+        if found is False:
+            return False
+        function, pattern = found
+        n, c = out0.shape[:2]
+        function(n * c, c, out0.size // max(n * c, 1), out0.ctypes.data, out1.ctypes.data,
+                 *_operands(args0 + args1, pattern))
+        return True
+
+    def _pair_function(self, first: str, args0, second: str, args1, out_shape, sum_shape=None):
+        """(the library's pair function for these operands, their patterns joined), or False where it has none;
+        `sum_shape`: the second kernel's values summed to it (per channel)."""
+        summed = sum_shape is not None
+        if summed:
+            if any(isinstance(a, np.ndarray) and a.dtype not in (np.float32, np.uint8) for a in args1):
+                return False
+            second_pattern = contract.channel_sum_pattern(
+                [(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8) for a in args1], out_shape,
+                sum_shape)
+        else:
+            second_pattern = self._pattern(args1, out_shape)
+        first_pattern = self._pattern(args0, out_shape)
+        if first_pattern is None or second_pattern is None:
+            return False
+        name = contract.pair_function(first, first_pattern, second, second_pattern, summed)
         function = None if name is None else getattr(self.lib, name, None)
         if function is None:
             return False
-        function.argtypes = [_L, _P, _P, _P, _P]
-        return function, patterns[0] + patterns[1]
+        function.argtypes = [_L] * (3 if summed else 1) + [_P, _P, _P, _P]
+        return function, first_pattern + second_pattern
 
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's

@@ -1,5 +1,5 @@
 """Elementwise work on the CUDA device: the compiler's elementwise kernels (`ew`, two at a time `ew_pair`) and their
-sums (`ew_sum`), broadcasts and reductions to a shape, copies and constants."""
+sums (`ew_sum`, after another kernel `ew_and_sum`), broadcasts and reductions to a shape, copies and constants."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,6 +65,13 @@ def ew_pair(first, second) -> None:
     output: the CPU backend's one pass (`deepdsl_runtime.cpu.elementwise.ew_pair`) is two launches here."""
     ew(*first)
     ew(*second)
+
+
+def ew_and_sum(first, second, *, shape, workspace=None) -> None:
+    """An elementwise kernel, `(kernel, out, *args)`, and the sum to `shape` of another reading its output (`ew_sum`'s
+    arguments): the CPU backend's one pass (`deepdsl_runtime.cpu.elementwise.ew_and_sum`) is `ew` and `ew_sum` here."""
+    ew(*first)
+    ew_sum(*second, shape=shape, workspace=workspace)
 
 
 def ew_sum(kernel, out: DeviceArray, *args, shape, workspace=None) -> None:
