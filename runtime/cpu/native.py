@@ -333,55 +333,37 @@ class Native:
         """Run two elementwise kernels, each `(kernel, out, *args)`, the second reading the first's output, in one
         pass of the library's pair function (`contract.pair_function`) when it has one for these operands and the
         outputs are contiguous float32 of one size, at least EW_NATIVE_MIN elements; False otherwise (nothing run)."""
-        (k0, out0, *args0), (k1, out1, *args1) = first, second
-        if out0.size < EW_NATIVE_MIN or out0.shape != out1.shape or not _contiguous32(out0, out1):
+        if first[1].size < EW_NATIVE_MIN or first[1].shape != second[1].shape:
             return False
-        if any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args0 + args1):
-            return False
-        key = ("pair", k0.__name__, k1.__name__, out0.shape,
-               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args0 + args1))
-        found = self._ew.get(key)
-        if found is None:
-            found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape)
-        if found is False:
-            return False
-        function, pattern = found
-        function(out0.size, out0.ctypes.data, out1.ctypes.data, *_operands(args0 + args1, pattern))
-        return True
+        return self._pair(first, second, None)
 
     def ew_and_sum(self, first, second, shape) -> bool:
         """Run an elementwise kernel, `(kernel, out, *args)`, and the per-channel sum to `shape` of a second kernel
         reading its output, `(kernel, out, *args)`, in one pass of the library's pair function
         (`contract.pair_function`, summed) when it has one for these operands; False otherwise (nothing run)."""
+        return self._pair(first, second, tuple(shape))
+
+    def _pair(self, first, second, sum_shape) -> bool:
         (k0, out0, *args0), (k1, out1, *args1) = first, second
         if not _contiguous32(out0, out1) or \
                 any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args0 + args1):
             return False
-        key = ("pair sum", k0.__name__, k1.__name__, out0.shape, tuple(shape),
+        key = ("pair", k0.__name__, k1.__name__, out0.shape, sum_shape,
                tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args0 + args1))
         found = self._ew.get(key)
         if found is None:
-            found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape, shape)
+            found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape, sum_shape)
         if found is False:
             return False
-        function, pattern = found
-        n, c = out0.shape[:2]
-        function(n * c, c, out0.size // max(n * c, 1), out0.ctypes.data, out1.ctypes.data,
-                 *_operands(args0 + args1, pattern))
+        function, pattern, sizes = found
+        function(*sizes, out0.ctypes.data, out1.ctypes.data, *_operands(args0 + args1, pattern))
         return True
 
-    def _pair_function(self, first: str, args0, second: str, args1, out_shape, sum_shape=None):
-        """(the library's pair function for these operands, their patterns joined), or False where it has none;
-        `sum_shape`: the second kernel's values summed to it (per channel)."""
+    def _pair_function(self, first: str, args0, second: str, args1, out_shape, sum_shape):
+        """(the library's pair function for these operands, their patterns joined, its size arguments), or False
+        where it has none; `sum_shape`: the second kernel's values summed to it (per channel), or None."""
         summed = sum_shape is not None
-        if summed:
-            if any(isinstance(a, np.ndarray) and a.dtype not in (np.float32, np.uint8) for a in args1):
-                return False
-            second_pattern = contract.channel_sum_pattern(
-                [(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8) for a in args1], out_shape,
-                sum_shape)
-        else:
-            second_pattern = self._pattern(args1, out_shape)
+        second_pattern = _sum_pattern(args1, out_shape, sum_shape) if summed else self._pattern(args1, out_shape)
         first_pattern = self._pattern(args0, out_shape)
         if first_pattern is None or second_pattern is None:
             return False
@@ -389,8 +371,9 @@ class Native:
         function = None if name is None else getattr(self.lib, name, None)
         if function is None:
             return False
-        function.argtypes = [_L] * (3 if summed else 1) + [_P, _P, _P, _P]
-        return function, first_pattern + second_pattern
+        sizes = _channel_rows(out_shape) if summed else (math.prod(out_shape),)
+        function.argtypes = [_L] * len(sizes) + [_P, _P, _P, _P]
+        return function, first_pattern + second_pattern, sizes
 
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's
@@ -410,18 +393,13 @@ class Native:
         return True
 
     def _sum_function(self, name: str, shape, args):
-        if any(isinstance(a, np.ndarray) and a.dtype not in (np.float32, np.uint8) for a in args):
-            return False
         values = np.broadcast_shapes(*(np.shape(a) for a in args))
-        pattern = contract.channel_sum_pattern([(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8)
-                                                for a in args], values, shape)
+        pattern = _sum_pattern(args, values, shape)
         function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}_csum", None)
         if function is None:
             return False
-        inner = math.prod(values[2:])
-        sizes = (values[0] * values[1], values[1], inner)
         function.argtypes = [_L] * 3 + [_P, _P, _P]
-        return function, pattern, sizes
+        return function, pattern, _channel_rows(values)
 
     def _call(self, function, pattern, sizes, out, args) -> None:
         function(*sizes, out.ctypes.data, *_operands(args, pattern))
@@ -452,6 +430,20 @@ class Native:
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
         return function, pattern, sizes
+
+
+def _sum_pattern(args, values_shape, shape) -> str | None:
+    """The pattern of a compiled per-channel sum to `shape` of a kernel over `args` (`contract.channel_sum_pattern`),
+    or None where it has none (operands of other dtypes among them)."""
+    if any(isinstance(a, np.ndarray) and a.dtype not in (np.float32, np.uint8) for a in args):
+        return None
+    return contract.channel_sum_pattern([(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8)
+                                         for a in args], values_shape, shape)
+
+
+def _channel_rows(values_shape) -> tuple[int, int, int]:
+    """(rows, channels, inner) of a per-channel sum's values: samples times channels rows of one channel each."""
+    return values_shape[0] * values_shape[1], values_shape[1], math.prod(values_shape[2:])
 
 
 def _operands(args, pattern):
