@@ -267,10 +267,10 @@ class StepBuilder:
     def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
         """The block of one statement. A pair of statements computed together (`passes.fuse_multi_output`) makes
         one call: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's node and
-        plan step) calls `rt.ew_pair` for two elementwise kernels, or `rt.max_pool(..., argmax=)` for a window's
-        maximum and position, in max_pool's workspace (the kernel's small mask may be a temporary). Both statements
-        keep the plan's buffers and the call asks for no more workspace than the plan gives, so every allocator
-        mode stays within the plan."""
+        plan step) calls `rt.ew_pair` for two elementwise kernels (`rt.ew_and_sum` when the second is summed), or
+        `rt.max_pool(..., argmax=)` for a window's maximum and position, in max_pool's workspace (the kernel's
+        small mask may be a temporary). Both statements keep the plan's buffers and the call asks for no more
+        workspace than the plan gives, so every allocator mode stays within the plan."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
