@@ -68,6 +68,9 @@ def _shape(a) -> str:
 def _label(name: str, args, kwargs) -> str:
     if name == "ew":
         return f"ew {args[0].__name__} {_shape(args[1])}"
+    if name in ("ew_pair", "ew_and_sum"):          # two kernels' calls, each (kernel, out, *operands)
+        first, second = args
+        return f"{name} {first[0].__name__}+{second[0].__name__} {_shape(first[1])}"
     out = kwargs.get("out")
     return f"{name} " + ",".join(s for s in map(_shape, args) if s) + (f"->{_shape(out)}" if out is not None else "")
 
