@@ -66,8 +66,11 @@ def backend(native=None, gemm=None) -> types.SimpleNamespace:
     """This backend (every name of `__all__`) with the ops of `_PRODUCTS` computing their matrix products by
     `gemm(a, b, out=c)` instead of `np.matmul` (the tiled GEMM), and those of `_COMPILED` running the compiled
     kernels `native` has (`deepdsl_runtime.cpu.native`): what a generated program's `rt` is. Its `with_gemm` keeps
-    the compiled kernels; `native` is the `Native` (or None)."""
+    the compiled kernels; `native` is the `Native` (or None). Without a `gemm`, the products run on the compiled
+    kernels' threads where `native` computes them (`Native.gemm`), else by np.matmul."""
     names = {name: globals()[name] for name in __all__}
+    if gemm is None and native is not None and native.products:
+        gemm = native.gemm
     if gemm is not None:
         names.update({name: functools.partial(names[name], gemm=gemm) for name in _PRODUCTS})
     if native is not None:

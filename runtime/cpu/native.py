@@ -11,7 +11,9 @@ its gradient, and every elementwise statement whose operands are whole tensors, 
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
 writes (to float32 rounding where it sums in another order: thin convolutions' filter gradients, LRN with beta
 0.75), into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
-without them. `set_threads` sets the kernels' OpenMP threads.
+without them. Where numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
+kernels' threads too (numpy's BLAS on one thread: one team for the whole step). `set_threads` sets the kernels'
+OpenMP threads.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "deepdsl_math.h")
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "deepdsl_math.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -144,6 +146,14 @@ class Native:
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
+        lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
+        lib.deepdsl_gemm.restype = _I
+        lib.deepdsl_set_sgemm.argtypes = [_P, _I]
+        sgemm = blas_sgemm()
+        if sgemm is not None:
+            lib.deepdsl_set_sgemm(sgemm[0], int(sgemm[1]))
+        # whether matrix products run on the kernels' threads (`gemm`), numpy's BLAS on one thread of its own
+        self.products = sgemm is not None
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
         self._ew: dict[tuple, object] = {}
 
@@ -152,7 +162,40 @@ class Native:
         return self.lib.deepdsl_threads()
 
     def set_threads(self, threads: int) -> None:
+        """Run the kernels, and the matrix products where this library computes them, on `threads` threads (numpy's
+        BLAS then on one: each thread of the kernels' calls it for parts of a product)."""
         self.lib.deepdsl_set_threads(int(threads))
+        if self.products:
+            set_blas_threads(1)
+
+    # matrix products ------------------------------------------------------------------------------------------
+
+    def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = a @ b as `np.matmul(a, b, out=out)` computes it (matrices, or stacks of them broadcast against each
+        other; transposed views read in place), on the kernels' threads (kernels/cpu_gemm.c), the BLAS's sgemm
+        computing each part. What the library cannot address (another dtype, a view with strides of its own) runs
+        np.matmul; a stack that is not one stride apart, one product per leading index."""
+        if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
+                not a.dtype == b.dtype == out.dtype == np.float32:
+            return np.matmul(a, b, out=out)
+        m, k = a.shape[-2:]
+        n = out.shape[-1]
+        ta, tb, to = _matrix(a), _matrix(b), _matrix(out)
+        if ta is None or tb is None or to is None or to[0] or out.shape[-2] != m or b.shape[-2:] != (k, n):
+            return np.matmul(a, b, out=out)
+        lead = out.shape[:-2]
+        sa, sb, sc = _stack(a, lead), _stack(b, lead), _stack(out, lead)
+        if sa is None or sb is None or sc is None:
+            if not lead or lead != np.broadcast_shapes(a.shape[:-2], b.shape[:-2], lead):
+                return np.matmul(a, b, out=out)
+            for i in range(lead[0]):            # one stride apart below the first axis, maybe
+                self.gemm(_index(a, i, len(lead)), _index(b, i, len(lead)), out[i])
+            return out
+        if 0 in (m, n, k, *lead):
+            return np.matmul(a, b, out=out)
+        self.lib.deepdsl_gemm(math.prod(lead), ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1],
+                              sb, out.ctypes.data, to[1], sc)
+        return out
 
     # convolution ----------------------------------------------------------------------------------------------
 
@@ -456,6 +499,41 @@ def _operands(args, pattern):
     return pointers, values
 
 
+def _matrix(x: np.ndarray) -> tuple[int, int] | None:
+    """How the BLAS reads the last two axes of `x` (rows, columns): (0, the distance between rows) stored by rows,
+    (1, the distance between columns) a transposed view of such a matrix, in floats; None where neither."""
+    rows, columns = x.shape[-2:]
+    down, across = x.strides[-2:]
+    if (across == 4 or columns == 1) and down % 4 == 0 and down // 4 >= max(1, columns):
+        return 0, max(down // 4, columns, 1)
+    if (down == 4 or rows == 1) and across % 4 == 0 and across // 4 >= max(1, rows):
+        return 1, max(across // 4, rows, 1)
+    return None
+
+
+def _stack(x: np.ndarray, lead: tuple[int, ...]) -> int | None:
+    """The distance in floats between the matrices of `x` over the leading axes `lead` of a product's output: 0
+    where `x` is one matrix broadcast to them, None where its matrices are not one stride apart."""
+    shape, strides = x.shape[:-2], x.strides[:-2]
+    if math.prod(shape) == 1:
+        return 0
+    if shape != lead:
+        return None
+    axes = [(size, stride) for size, stride in zip(shape, strides) if size > 1]
+    step = axes[-1][1]
+    for (size, stride), (inner, inner_stride) in zip(axes, axes[1:]):
+        if stride != inner_stride * inner:
+            return None
+    return step // 4 if step % 4 == 0 and step > 0 else None
+
+
+def _index(x: np.ndarray, i: int, axes: int) -> np.ndarray:
+    """Matrix stack `x` at index i of the first of an output's `axes` leading axes (x broadcast along it)."""
+    if x.ndim - 2 < axes:
+        return x
+    return x[i] if x.shape[0] > 1 else x[0]
+
+
 def _contiguous32(*arrays) -> bool:
     return all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays)
 
@@ -463,21 +541,31 @@ def _contiguous32(*arrays) -> bool:
 EW_NATIVE_MIN = 1 << 15       # smaller elementwise statements stay with numpy: a ctypes call costs more than they do
 _BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
                  "scipy_openblas_set_num_threads")
+# CBLAS sgemm by its name in the OpenBLAS builds numpy ships or links: (name, 64-bit integers)
+_SGEMMS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
+           ("cblas_sgemm", False))
+
+
+def _openblas() -> list[ctypes.CDLL]:
+    """The OpenBLAS libraries this process has loaded (numpy's), by path."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return []
+    found = []
+    for path in sorted(paths):
+        try:
+            found.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return found
 
 
 def set_blas_threads(threads: int) -> bool:
     """Set the threads of the OpenBLAS numpy's matrix products run on (found among the libraries this process has
     loaded); False when there is none to set."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line}
-    except OSError:
-        return False
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in _openblas():
         for name in _BLAS_SETTERS:
             setter = getattr(lib, name, None)
             if setter is not None:
@@ -485,6 +573,19 @@ def set_blas_threads(threads: int) -> bool:
                 setter(int(threads))
                 return True
     return False
+
+
+def blas_sgemm() -> tuple[int, bool] | None:
+    """(the address of the CBLAS sgemm of numpy's OpenBLAS, whether it takes 64-bit integers), or None where this
+    process has loaded no OpenBLAS with one, or no way to set its threads."""
+    for lib in _openblas():
+        if not any(getattr(lib, name, None) is not None for name in _BLAS_SETTERS):
+            continue
+        for name, ilp64 in _SGEMMS:
+            function = getattr(lib, name, None)
+            if function is not None:
+                return ctypes.cast(function, ctypes.c_void_p).value, ilp64
+    return None
 
 
 def threads_available() -> int:

@@ -650,3 +650,6 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
 
 // thin convolutions straight from the input
 #include "cpu_conv.c"
+
+// matrix products on these threads
+#include "cpu_gemm.c"

@@ -1,0 +1,70 @@
+// Matrix products on the kernels' own threads (included by cpu_ops.c): one pool of threads for the whole step.
+//
+// The BLAS numpy loaded (OpenBLAS) keeps threads of its own; between two products they sleep, and waking them, as
+// waking the kernels' OpenMP threads after them, costs tens of microseconds on a virtual machine, several hundred
+// times a step. Here a product is cut into one part per thread (a stack of products: whole products per thread
+// where they share evenly), each part computed by the BLAS's single-threaded sgemm (its own threads set to one) on
+// the OpenMP team the elementwise kernels and the convolutions' passes run on. As with the BLAS's own threads, the
+// last bits of a product may depend on the thread count (the BLAS's kernels round the edges of a part differently
+// with some processors' kernels); on a given thread count they are always the same.
+//
+// deepdsl_set_sgemm gives the BLAS's CBLAS sgemm (row-major calls; 64-bit integers where `ilp64`).
+
+typedef void (*deepdsl_sgemm64)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                                const float*, int64_t, float, float*, int64_t);
+typedef void (*deepdsl_sgemm32)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                                float*, int);
+static void* deepdsl_sgemm_function;
+static int deepdsl_sgemm_ilp64;
+
+void deepdsl_set_sgemm(void* sgemm, int ilp64) {
+    deepdsl_sgemm_function = sgemm;
+    deepdsl_sgemm_ilp64 = ilp64;
+}
+
+enum { DEEPDSL_ROW_MAJOR = 101, DEEPDSL_NO_TRANS = 111, DEEPDSL_TRANS = 112 };
+#define DEEPDSL_GEMM_PARALLEL_MIN 1e6   /* multiply-adds below which a product runs on one thread */
+
+// c (m x n, rows ldc apart) = a (m x k) b (k x n), each operand read transposed where ta / tb (then its rows are
+// columns ld apart)
+static void deepdsl_sgemm(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
+                          long ldb, float* c, long ldc) {
+    const int oa = ta ? DEEPDSL_TRANS : DEEPDSL_NO_TRANS, ob = tb ? DEEPDSL_TRANS : DEEPDSL_NO_TRANS;
+    if (deepdsl_sgemm_ilp64)
+        ((deepdsl_sgemm64)deepdsl_sgemm_function)(DEEPDSL_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
+                                                  ldc);
+    else
+        ((deepdsl_sgemm32)deepdsl_sgemm_function)(DEEPDSL_ROW_MAJOR, oa, ob, (int)m, (int)n, (int)k, 1.0f, a,
+                                                  (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
+}
+
+// c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand): the batch's
+// products shared among the threads where they share evenly, else each cut along its longer side (of c) into one
+// part per thread, in whole vectors of 16 floats. 0 without an sgemm.
+int deepdsl_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
+                 const float* b, long ldb, long sb, float* c, long ldc, long sc) {
+    if (!deepdsl_sgemm_function) return 0;
+    const int by_columns = n >= m;
+    const long side = by_columns ? n : m, threads = deepdsl_threads();
+    const long parts = batch % threads == 0 ? 1 : threads;
+    const long width = ((side + parts - 1) / parts + 15) / 16 * 16;
+#pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(batch * parts, 1, &begin, &end);
+        for (long item = begin; item < end; ++item) {
+            const long i = item / parts, first = item % parts * width;
+            const long size = side - first < width ? side - first : width;
+            if (size <= 0) continue;
+            const float* ai = a + i * sa;
+            const float* bi = b + i * sb;
+            float* ci = c + i * sc;
+            if (by_columns)
+                deepdsl_sgemm(ta, tb, m, size, k, ai, lda, bi + (tb ? first * ldb : first), ldb, ci + first, ldc);
+            else
+                deepdsl_sgemm(ta, tb, size, n, k, ai + (ta ? first : first * lda), lda, bi, ldb, ci + first * ldc,
+                              ldc);
+        }
+    }
+    return 1;
+}

@@ -1,0 +1,114 @@
+"""Matrix products on the compiled kernels' threads (`Native.gemm`, runtime/kernels/cpu_gemm.c): each product cut
+into parts the BLAS's single-threaded sgemm computes, shared among the kernels' OpenMP threads. Against numpy's
+matmul in float64 on the layouts the convolutions and fully connected layers hand it (transposed views, stacks
+broadcast against one matrix, stacks not one stride apart), every element written, the same bits on every call at
+one thread count; what it cannot address runs numpy's matmul. The program's backend computes its products there,
+with numpy's BLAS on one thread."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from deepdsl_runtime.cpu import backend, native
+from tests.test_native_kernels import _program, needs_cc
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    _, _, path = _program("lenet", None, tmp_path_factory)
+    found, why = native.load(path)
+    assert found is not None, why
+    if not found.products:
+        pytest.skip("numpy's BLAS has no CBLAS sgemm this process can call")
+    yield found
+    found.set_threads(native.threads_available())
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _transposed(rng, *shape):
+    """A (.., r, c) array as the transposed view of a (.., c, r) one."""
+    return _rand(rng, *shape[:-2], shape[-1], shape[-2]).swapaxes(-1, -2)
+
+
+CASES = {  # name: (a, b) from a generator
+    "plain": lambda r: (_rand(r, 70, 300), _rand(r, 300, 530)),
+    "tall": lambda r: (_rand(r, 1000, 37), _rand(r, 37, 45)),        # cut along the rows
+    "a transposed": lambda r: (_transposed(r, 64, 200), _rand(r, 200, 333)),
+    "b transposed (a filter gradient)": lambda r: (_rand(r, 50, 777), _transposed(r, 777, 120)),
+    "both transposed, rows cut": lambda r: (_transposed(r, 500, 60), _transposed(r, 60, 70)),
+    "a stack by one matrix": lambda r: (_rand(r, 3, 40, 50), _rand(r, 50, 90)),
+    "one matrix by a stack (the convolutions)": lambda r: (_rand(r, 96, 72), _rand(r, 5, 72, 49)),
+    "a stack of five on three threads": lambda r: (_rand(r, 5, 33, 60), _rand(r, 5, 60, 41)),
+    "a stack of 2x3, one stride apart": lambda r: (_rand(r, 2, 3, 20, 30), _rand(r, 2, 3, 30, 25)),
+    "a view of a wider matrix": lambda r: (_rand(r, 30, 100)[:, 7:87], _rand(r, 80, 64)),
+    "groups of samples (not one stride apart)": lambda r: (_rand(r, 2, 16, 12),
+                                                           _rand(r, 2, 3, 12, 40).transpose(1, 0, 2, 3)),
+    "one column": lambda r: (_rand(r, 200, 64), _rand(r, 64, 1)),
+    "one row": lambda r: (_rand(r, 1, 64), _rand(r, 64, 300)),
+    "small": lambda r: (_rand(r, 3, 4), _rand(r, 4, 5)),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_products_on_the_kernels_threads_equal_numpy(lib, case, threads):
+    a, b = CASES[case](np.random.default_rng(7))
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    lib.set_threads(threads)
+    got = []
+    for _ in range(2):
+        out = np.full(want.shape, np.nan, np.float32)
+        assert lib.gemm(a, b, out) is out
+        got.append(out)
+    assert np.isfinite(got[0]).all(), "an element was not written"
+    np.testing.assert_array_equal(got[0], got[1])
+    scale = np.sqrt(a.shape[-1]) * 1e-6
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=scale * max(1.0, float(np.abs(want).max())))
+
+
+@needs_cc
+def test_what_the_library_cannot_address_runs_numpy(lib):
+    rng = np.random.default_rng(3)
+    a64, b64 = rng.standard_normal((20, 30)), rng.standard_normal((30, 10))
+    out64 = np.empty((20, 10))
+    lib.gemm(a64, b64, out64)                                 # float64
+    np.testing.assert_array_equal(out64, np.matmul(a64, b64))
+    a, b = _rand(rng, 20, 60)[:, ::2], _rand(rng, 30, 10)     # columns two floats apart
+    out = np.full((20, 10), np.nan, np.float32)
+    lib.gemm(a, b, out)
+    np.testing.assert_array_equal(out, np.matmul(a, b))
+    strided = np.full((20, 20), np.nan, np.float32)[:, ::2]  # an output the library does not write
+    lib.gemm(a, b, strided)
+    np.testing.assert_array_equal(strided, np.matmul(a, b))
+
+
+def _blas_threads() -> int | None:
+    for blas in native._openblas():
+        for name in ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_"):
+            getter = getattr(blas, name, None)
+            if getter is not None:
+                getter.restype = ctypes.c_int
+                return getter()
+    return None
+
+
+@needs_cc
+def test_the_backend_computes_its_products_on_the_kernels_threads(lib):
+    lib.set_threads(2)
+    assert _blas_threads() in (1, None)       # the BLAS's own threads would compete with the kernels'
+    rt = backend(lib)
+    for op in ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter"):
+        assert getattr(rt, op).keywords["gemm"] == lib.gemm, op
+    tiled = rt.with_gemm(np.matmul)            # another product function bound instead (the tiled GEMM's)
+    assert tiled.conv2d.keywords["gemm"] is np.matmul
+    lib.products = False
+    try:
+        assert "gemm" not in backend(lib).conv2d.keywords
+    finally:
+        lib.products = True
