@@ -18,6 +18,7 @@ import numpy as np
 
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory, parallel
+from deepdsl_runtime.cpu.cores import FreeCores
 from deepdsl_runtime.memory import StepPlan
 from deepdsl_runtime.run import (KERNELS, RunError, add_gemm_options, add_kernel_options,  # noqa: F401
                                  add_parallel_options, run)
@@ -113,6 +114,7 @@ class Model:
     def __init__(self, device: str = "cpu", seed: int = 0, memory_mode: str = "static", check_memory: bool = False,
                  kernels: str = "auto", threads: int | None = None):
         self.rt = backend(device)
+        self.free_cores: FreeCores | None = None
         # on the CPU: the program's compiled kernels where its library is built ("auto"), else numpy's
         self.kernels = f"{device} kernels"
         if device == "cpu":
@@ -143,6 +145,8 @@ class Model:
             raise RunError(f"unknown kernels '{kernels}' (use {', '.join(KERNELS)})")
         if threads is not None and threads < 1:
             raise RunError("--threads must be >= 1")
+        # without a thread count asked for: the cores available, fewer while other processes keep some busy
+        self.free_cores = FreeCores(compiled.threads_available()) if threads is None else None
         threads = threads or compiled.threads_available()
         compiled.set_blas_threads(threads)
         if kernels == "numpy":
@@ -158,6 +162,19 @@ class Model:
         found.set_threads(threads)
         self.kernels = f"compiled kernels, {threads} thread{'s' if threads > 1 else ''}"
         return found
+
+    def follow_free_cores(self) -> int | None:
+        """Between steps, where the run did not ask for a thread count: the kernels' and the products' threads set
+        to the cores other processes leave free (`deepdsl_runtime.cpu.cores`) when those changed, and returned;
+        else None."""
+        threads = self.free_cores.update() if self.free_cores is not None else None
+        if threads is not None:
+            from deepdsl_runtime.cpu import native as compiled
+
+            compiled.set_blas_threads(threads)
+            if self.rt.native is not None:
+                self.rt.native.set_threads(threads)
+        return threads
 
     @classmethod
     def random_batch(cls, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -72,7 +72,7 @@ def add_kernel_options(parser) -> None:
                              "(compiled), or numpy's")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads of the compiled kernels and the matrix products (default: the cores this "
-                             "process may use)")
+                             "process may use, fewer while other processes keep some of them busy)")
 
 
 def add_parallel_options(parser) -> None:
@@ -690,6 +690,18 @@ class _Run:
         self.saved_iteration = iteration
         return True
 
+    def follow_free_cores(self, bar) -> None:
+        """Threads to the cores other processes leave free (without --threads), said when they change."""
+        threads = self.model.follow_free_cores()
+        if threads is not None:
+            cores = self.model.free_cores
+            text = (f"{threads} thread{'s' if threads > 1 else ''}: other processes keep {cores.others:.1f} of the "
+                    f"{len(cores.cpus)} cores busy")
+            if bar is not None:
+                bar.write(text)
+            else:
+                _say(self.args, text)
+
     def train(self, start: int) -> tuple[int, float | None, float, int | None]:
         """Train from iteration `start` to --iters: (iteration reached, last loss, seconds, exit status if the
         run must stop here). The progress bar is closed before anything else is printed."""
@@ -707,6 +719,7 @@ class _Run:
                 else:
                     value = model.train_step(xb, yb, step=self.batches_done, **hyper)
                 self.batches_done += acc.batches
+                self.follow_free_cores(bar)
                 self.watchdog.beat()
                 if not math.isfinite(value):
                     diverged = value
