@@ -1,14 +1,16 @@
 """deepdsl_runtime: what generated deepdsl programs import."""
 import os
 
-# Idle worker threads sleep almost at once instead of spinning: OpenBLAS's threads otherwise spin for about 2^28
-# cycles (0.1 s) after every matrix product, and OpenMP's for a while after every compiled kernel, so each pool would
-# keep the cores busy while the other works (LeNet at batch 64 on 2 cores: 16.6 ms a step spinning, 13.9 ms
-# sleeping), and a machine shared with other processes would lose them too. GNU OpenMP's threads spin 1000 times
-# first (microseconds): a thread that finds the next kernel or the end of a barrier in that time is not woken by the
-# kernel (LeNet at batch 64, 2 threads: 6.7 ms a step sleeping at once, 5.7 ms with the short spin; batch 500:
-# 43.9 and 41.2 ms). Values the user set win.
-IDLE_THREADS_SLEEP = {"OPENBLAS_THREAD_TIMEOUT": "4", "OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "1000"}
+# Idle worker threads sleep instead of spinning for long: OpenBLAS's threads otherwise spin for about 2^28 cycles
+# (0.1 s) after every matrix product, and would keep a core busy while the compiled kernels work (LeNet at batch 64
+# on 2 cores: 16.6 ms a step spinning, 13.9 ms sleeping); with the compiled kernels the products run on the kernels'
+# OpenMP threads anyway (deepdsl_runtime.cpu.native), OpenBLAS's own on one. GNU OpenMP's threads spin 10000 times
+# first (about a hundred microseconds): a thread that finds the next pass in that time is not woken for it, which
+# costs tens of microseconds on a virtual machine, several hundred times a step (ResNet-50 at batch 8, 2 threads:
+# 209.6 ms a step with 1000 spins, 202.5 with 10000; LeNet at batch 500: 30.0 and 29.7 ms). On a machine shared with
+# busy processes spinning threads lose more: the threads follow the free cores there (deepdsl_runtime.cpu.cores).
+# Values the user set win.
+IDLE_THREADS_SLEEP = {"OPENBLAS_THREAD_TIMEOUT": "4", "OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"}
 
 
 def idle_threads_sleep() -> None:
