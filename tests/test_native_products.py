@@ -86,6 +86,10 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
     strided = np.full((20, 20), np.nan, np.float32)[:, ::2]  # an output the library does not write
     lib.gemm(a, b, strided)
     np.testing.assert_array_equal(strided, np.matmul(a, b))
+    square = _rand(rng, 40, 40)
+    want = np.matmul(square, square)
+    lib.gemm(square, square.copy(), square)                   # an output over an operand (numpy buffers it)
+    np.testing.assert_array_equal(square, want)
 
 
 def _blas_threads() -> int | None:
@@ -112,3 +116,22 @@ def test_the_backend_computes_its_products_on_the_kernels_threads(lib):
         assert "gemm" not in backend(lib).conv2d.keywords
     finally:
         lib.products = True
+
+
+@needs_cc
+def test_the_thread_policy_benchmark_runs(tmp_path, lib):
+    """benchmarks/thread_policies.py at a tiny size: a row per configuration (products on OpenBLAS's threads or
+    the kernels', each spin count), each timed in its own process, the first the reference."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "thread_policies.py"), "lenet:8", "--threads",
+                           "2", "--rounds", "2", "--warmup", "1", "--steps", "2", "--spins", "100", "1000"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^ *(blas|team) +(\d+) +([\d.]+) +([\d.]+) +([\d.]+) ([\d.]+)$", done.stdout, re.M)
+    assert [(p, s) for p, s, *_ in rows] == [("blas", "100"), ("blas", "1000"), ("team", "100"), ("team", "1000")]
+    assert rows[0][3] == "1.000" and all(float(ms) > 0 for _, _, ms, *_ in rows), done.stdout

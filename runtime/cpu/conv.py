@@ -81,6 +81,11 @@ class _NumpyPasses:
     def add_bias(x, b):
         np.add(x, b.reshape((1, -1) + (1,) * (x.ndim - 2)), out=x)
 
+    @staticmethod
+    def gemm(a, b, out):
+        """The stacked products of grouped convolutions (numpy's matmul; the compiled kernels' on their threads)."""
+        return np.matmul(a, b, out=out)
+
 
 _NUMPY = _NumpyPasses()
 
@@ -173,7 +178,7 @@ def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
         return
     filters = w.reshape(groups, co, ci * kh * kw)
     if contract.pointwise_conv(kh, kw, stride, pad):
-        np.matmul(filters, x.reshape(n, groups, ci, h * wd), out=out.reshape(n, groups, co, hw))
+        passes.gemm(filters, x.reshape(n, groups, ci, h * wd), out=out.reshape(n, groups, co, hw))
     else:
         step = samples_per_chunk(n, workspace, contract.conv2d_scratch(x.shape, w.shape, out.shape, stride, pad,
                                                                        groups))
@@ -184,7 +189,7 @@ def _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, passes):
             cols = scratch.take((c, kh, kw, m, ho, wo))
             passes.im2col(x[s:e], cols.transpose(3, 0, 1, 2, 4, 5), stride, pad, scratch)
             rows = cols.reshape(groups, ci * kh * kw, m, hw).transpose(2, 0, 1, 3)     # (samples, groups, rows, hw)
-            np.matmul(filters, rows, out=out[s:e].reshape(m, groups, co, hw))
+            passes.gemm(filters, rows, out=out[s:e].reshape(m, groups, co, hw))
     if b is not None:
         passes.add_bias(out, b)
 
@@ -357,14 +362,14 @@ def _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, pa
         return
     filters = w.reshape(groups, co, ci * kh * kw).transpose(0, 2, 1)
     if contract.pointwise_conv(kh, kw, stride, pad):
-        np.matmul(filters, g.reshape(n, groups, co, hw), out=out.reshape(n, groups, ci, size[0] * size[1]))
+        passes.gemm(filters, g.reshape(n, groups, co, hw), out=out.reshape(n, groups, ci, size[0] * size[1]))
         return
     step = samples_per_chunk(n, workspace, contract.conv2d_bwd_data_scratch(g.shape, w.shape, size, stride, pad,
                                                                             groups))
     for s in range(0, n, step):
         e = min(n, s + step)
         dcols = Scratch(workspace).take((e - s, c, kh, kw, ho, wo))
-        np.matmul(filters, g[s:e].reshape(e - s, groups, co, hw), out=dcols.reshape(e - s, groups, ci * kh * kw, hw))
+        passes.gemm(filters, g[s:e].reshape(e - s, groups, co, hw), out=dcols.reshape(e - s, groups, ci * kh * kw, hw))
         passes.col2im(dcols, out[s:e], stride, pad)
 
 
@@ -385,7 +390,7 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     if groups > 1:
         if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):
             return
-        weights, gemm = (groups, o // groups, ckk // groups), np.matmul
+        weights, gemm = (groups, o // groups, ckk // groups), (native or _NUMPY).gemm
     else:
         weights = (o, ckk)
     out2 = out.reshape(weights)

@@ -173,10 +173,12 @@ class Native:
     def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = a @ b as `np.matmul(a, b, out=out)` computes it (matrices, or stacks of them broadcast against each
         other; transposed views read in place), on the kernels' threads (kernels/cpu_gemm.c), the BLAS's sgemm
-        computing each part. What the library cannot address (another dtype, a view with strides of its own) runs
-        np.matmul; a stack that is not one stride apart, one product per leading index."""
+        computing each part. What the library cannot address (another dtype, a view with strides of its own, an
+        output over an operand) runs np.matmul; a stack that is not one stride apart, one product per leading
+        index."""
         if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
-                not a.dtype == b.dtype == out.dtype == np.float32:
+                not a.dtype == b.dtype == out.dtype == np.float32 or \
+                np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return np.matmul(a, b, out=out)
         m, k = a.shape[-2:]
         n = out.shape[-1]
@@ -521,7 +523,7 @@ def _stack(x: np.ndarray, lead: tuple[int, ...]) -> int | None:
         return None
     axes = [(size, stride) for size, stride in zip(shape, strides) if size > 1]
     step = axes[-1][1]
-    for (size, stride), (inner, inner_stride) in zip(axes, axes[1:]):
+    for (_, stride), (inner, inner_stride) in zip(axes, axes[1:]):
         if stride != inner_stride * inner:
             return None
     return step // 4 if step % 4 == 0 and step > 0 else None
