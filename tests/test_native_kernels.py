@@ -288,7 +288,7 @@ def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
         full = [k for k, letter in enumerate(first_pattern) if letter == "f"]
         link = second_pattern.rindex("f")          # where the second reads the first's output
         overs = [None, "second"] if alias[first_name] is None else [None, "first", "second", "both"]
-        shapes = ((3, 5, 47, 47), (4, 9, 64, 130), (4, 600, 3, 5)) if summed else \
+        shapes = ((3, 5, 47, 47), (4, 9, 64, 130), (4, 600, 3, 5), (40, 65, 4, 4)) if summed else \
             ((3, 5, native.EW_NATIVE_MIN // 8 + 3), (2, 7, 3, 1 << 15))
         for shape in shapes:
             target = (1, shape[1], 1, 1)
@@ -339,9 +339,11 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
     for kernel_name, patterns in describe(compiled).kernel_sums:
         kernel = getattr(module, kernel_name)
         for pattern in patterns:
-            # odd shapes, one threaded, and more channels than a thread reads at a time (DEEPDSL_CSUM_BLOCK, 256),
-            # on one thread and on two
-            for shape in ((3, 5, 7, 3), (4, 9, 64, 130), (2, 600, 3, 5), (2, 700, 15, 15)):
+            # odd shapes, one threaded, and more channels than a thread reads at a time (DEEPDSL_CSUM_BLOCK, 256;
+            # DEEPDSL_CSUM_LANES / the plane on small planes), on one thread and on two; planes on either side of
+            # DEEPDSL_CSUM_PLANE (256) and more samples than a lane sums in float32 (DEEPDSL_CSUM_SAMPLES, 32)
+            for shape in ((3, 5, 7, 3), (4, 9, 64, 130), (2, 600, 3, 5), (2, 700, 15, 15), (70, 3, 4, 4),
+                          (3, 40, 16, 16), (3, 40, 1, 257), (33, 300, 4, 4)):
                 args = _operands(pattern, shape, rng)
                 target = (1, shape[1], 1, 1)
                 want = np.empty(target, np.float32)

@@ -67,6 +67,9 @@ static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepd
 /* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
 #define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
 #define DEEPDSL_CSUM_BLOCK 256          /* channels a per-channel sum reads at a time, sample by sample */
+#define DEEPDSL_CSUM_PLANE 256          /* planes of at most this many floats are summed position by position */
+#define DEEPDSL_CSUM_LANES 4096         /* floats of such sums' lanes (16 KB, on the stack) */
+#define DEEPDSL_CSUM_SAMPLES 32         /* samples a lane sums in float32 before it is added in double */
 
 void deepdsl_set_threads(int threads) {
 #ifdef _OPENMP
