@@ -86,28 +86,58 @@ void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float*
 }
 
 // ew_square summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
-// (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
-// by sample (consecutive rows in memory)
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                const float* q0 = p0 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    const float v0 = (float)q0[i];
-                    row += (v0*v0);
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        row += (v0*v0);
+                    }
+                    total[c - first] += row;
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        lane[i] += (v0*v0);
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -645,31 +675,63 @@ void deepdsl_ew_mul_ff(long n, float* out, const void* const* in, const float* v
 }
 
 // ew_mul summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
-// (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
-// by sample (consecutive rows in memory)
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                const float* q0 = p0 + r * inner;
-                const float* q1 = p1 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    const float v0 = (float)q0[i];
-                    const float v1 = (float)q1[i];
-                    row += v0*v1;
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        const float v1 = (float)q1[i];
+                        row += v0*v1;
+                    }
+                    total[c - first] += row;
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        const float v1 = (float)q1[i];
+                        lane[i] += v0*v1;
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -785,28 +847,58 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
 }
 
 // ew_neg summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
-// (r % channels == c) and their elements of the expression, never stored (each row's sum in float32 vectors, the
-// rows' in double, in the order of r); each thread a share of the channels, read a block of them at a time sample
-// by sample (consecutive rows in memory)
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
 static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long c1, long rows,
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                const float* q0 = p0 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    const float v0 = (float)q0[i];
-                    row += -v0;
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        row += -v0;
+                    }
+                    total[c - first] += row;
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        lane[i] += -v0;
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -989,38 +1081,77 @@ void deepdsl_ew_add_rsqrt_sub_mul_2_fcccc(long rows, long channels, long inner, 
 
 // ew_sub then ew_square summed per channel, in one pass (two statements computed together): out0 = v0 - v1,
 // stored, and out1[c] = the sum over channel c of v0**2 over it, as ew_square's _csum adds it (the same
-// rows in the same order, each row's sum in float32 vectors, the rows' in double); `in` and `value` hold the first's
-// operands, then the second's. Each thread a share of the channels.
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
 static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_range(
         long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
         const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* b0 = (const float*)in[2];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                float* o = out0 + r * inner;
-                const float* q0 = p0 + r * inner;
-                const float v1 = p1[c];
-                const float* bq0 = b0 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    {
-                        const float v0 = (float)q0[i];
-                        o[i] = v0 - v1;
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            row += (v0*v0);
+                        }
                     }
-                    {
-                        const float v0 = (float)bq0[i];
-                        row += (v0*v0);
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += (v0*v0);
+                        }
                     }
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1112,8 +1243,8 @@ void deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff(
 
 // ew_mul_add_3 then ew_neg summed per channel, in one pass (two statements computed together): out0 = v0*v1*v2 + 2*v3*v4,
 // stored, and out1[c] = the sum over channel c of -v0 over it, as ew_neg's _csum adds it (the same
-// rows in the same order, each row's sum in float32 vectors, the rows' in double); `in` and `value` hold the first's
-// operands, then the second's. Each thread a share of the channels.
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
 static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcccf_then_ew_neg_f_csum_range(
         long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
         const float* value) {
@@ -1123,34 +1254,77 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcccf_then_ew_neg_f_c
     const float* p3 = (const float*)in[3];
     const float* p4 = (const float*)in[4];
     const float* b0 = (const float*)in[5];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                float* o = out0 + r * inner;
-                const float* q0 = p0 + r * inner;
-                const float v1 = p1[c];
-                const float v2 = p2[c];
-                const float v3 = p3[c];
-                const float* q4 = p4 + r * inner;
-                const float* bq0 = b0 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float v2 = p2[c];
+                    const float v3 = p3[c];
+                    const float* q4 = p4 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    {
-                        const float v0 = (float)q0[i];
-                        const float v4 = (float)q4[i];
-                        o[i] = v0*v1*v2 + 2*v3*v4;
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v4 = (float)q4[i];
+                            o[i] = v0*v1*v2 + 2*v3*v4;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            row += -v0;
+                        }
                     }
-                    {
-                        const float v0 = (float)bq0[i];
-                        row += -v0;
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float v2 = p2[c];
+                    const float v3 = p3[c];
+                    const float* q4 = p4 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v4 = (float)q4[i];
+                            o[i] = v0*v1*v2 + 2*v3*v4;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += -v0;
+                        }
                     }
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1168,8 +1342,8 @@ void deepdsl_ew_mul_add_3_fcccf_then_ew_neg_f_csum(
 
 // ew_step_mul then ew_mul summed per channel, in one pass (two statements computed together): out0 = v0*Heaviside(v1, 0),
 // stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
-// rows in the same order, each row's sum in float32 vectors, the rows' in double); `in` and `value` hold the first's
-// operands, then the second's. Each thread a share of the channels.
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
 static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum_range(
         long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
         const float* value) {
@@ -1177,33 +1351,75 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum
     const float* p1 = (const float*)in[1];
     const float* b0 = (const float*)in[2];
     const float* b1 = (const float*)in[3];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                float* o = out0 + r * inner;
-                const float* q0 = p0 + r * inner;
-                const float* q1 = p1 + r * inner;
-                const float* bq0 = b0 + r * inner;
-                const float* bq1 = b1 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    {
-                        const float v0 = (float)q0[i];
-                        const float v1 = (float)q1[i];
-                        o[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            o[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            row += v0*v1;
+                        }
                     }
-                    {
-                        const float v0 = (float)bq0[i];
-                        const float v1 = (float)bq1[i];
-                        row += v0*v1;
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            o[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
                     }
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1221,8 +1437,8 @@ void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum(
 
 // ew_add_step_mul then ew_mul summed per channel, in one pass (two statements computed together): out0 = (v0 + v1)*Heaviside(v2, 0),
 // stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
-// rows in the same order, each row's sum in float32 vectors, the rows' in double); `in` and `value` hold the first's
-// operands, then the second's. Each thread a share of the channels.
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
 static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_then_ew_mul_ff_csum_range(
         long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
         const float* value) {
@@ -1231,35 +1447,79 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_then_ew_mul_ff
     const float* p2 = (const float*)in[2];
     const float* b0 = (const float*)in[3];
     const float* b1 = (const float*)in[4];
-    for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
-        const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
-        double total[DEEPDSL_CSUM_BLOCK] = {0.0};
-        for (long sample = 0; sample < rows; sample += channels) {
-            for (long c = first; c < last; ++c) {
-                const long r = sample + c;
-                float* o = out0 + r * inner;
-                const float* q0 = p0 + r * inner;
-                const float* q1 = p1 + r * inner;
-                const float* q2 = p2 + r * inner;
-                const float* bq0 = b0 + r * inner;
-                const float* bq1 = b1 + r * inner;
-                float row = 0.0f;
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    const float* q2 = p2 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+                    float row = 0.0f;
 #pragma omp simd reduction(+ : row)
-                for (long i = 0; i < inner; ++i) {
-                    {
-                        const float v0 = (float)q0[i];
-                        const float v1 = (float)q1[i];
-                        const float v2 = (float)q2[i];
-                        o[i] = (v0 + v1)*((v2) > 0.0F ? 1.0F : 0.0F);
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            const float v2 = (float)q2[i];
+                            o[i] = (v0 + v1)*((v2) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            row += v0*v1;
+                        }
                     }
-                    {
-                        const float v0 = (float)bq0[i];
-                        const float v1 = (float)bq1[i];
-                        row += v0*v1;
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    const float* q2 = p2 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            const float v2 = (float)q2[i];
+                            o[i] = (v0 + v1)*((v2) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
                     }
                 }
-                total[c - first] += row;
             }
+            for (long c = first; c < last; ++c)
+                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
