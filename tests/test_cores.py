@@ -50,6 +50,15 @@ def test_threads_follow_the_cores_other_processes_leave():
     assert _steps(machine, free, 3.0, ours=0.5, others=1.6) == [1]          # never fewer than one
 
 
+def test_the_load_is_read_once_a_window():
+    machine = Machine()
+    reads = []
+    free = FreeCores(2, cpus={0, 1}, busy=lambda cpus: reads.append(machine.now) or machine.busy,
+                     clock=lambda: machine.now, ours=lambda: machine.mine)
+    _steps(machine, free, 3.0, ours=1.0, others=0.0, step=0.01)        # 300 short steps
+    assert len(reads) <= 3.0 / cores.WINDOW + 1, len(reads)
+
+
 def test_one_window_of_load_changes_nothing():
     machine = Machine()
     free = machine.cores()

@@ -55,14 +55,12 @@ class FreeCores:
         return None if busy is None else (self._clock(), busy, self._ours())
 
     def update(self) -> int | None:
-        if self._start is None or self.most <= 1:
-            return None
+        if self._start is None or self.most <= 1 or self._clock() - self._start[0] < WINDOW:
+            return None                      # (the clock only: reading /proc/stat costs tens of microseconds)
         now = self._sample()
         if now is None:
             return None
         wall = now[0] - self._start[0]
-        if wall < WINDOW:
-            return None
         others = max(0.0, (now[1] - self._start[1]) - (now[2] - self._start[2])) / wall
         self._start, self.others = now, others
         free = len(self.cpus) - others
