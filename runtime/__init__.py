@@ -5,8 +5,8 @@ import os
 # (0.1 s) after every matrix product, and would keep a core busy while the compiled kernels work (LeNet at batch 64
 # on 2 cores: 16.6 ms a step spinning, 13.9 ms sleeping); with the compiled kernels the products run on the kernels'
 # OpenMP threads anyway (deepdsl_runtime.cpu.native), OpenBLAS's own on one. GNU OpenMP's threads spin 10000 times
-# first (about a hundred microseconds): a thread that finds the next pass in that time is not woken for it, which
-# costs tens of microseconds on a virtual machine, several hundred times a step (ResNet-50 at batch 8, 2 threads:
+# first (200-300 us here, benchmarks/omp_wake.c): a thread that finds the next pass in that time is not woken for it,
+# which costs 16-50 us on a virtual machine, several hundred times a step (ResNet-50 at batch 8, 2 threads:
 # 209.6 ms a step with 1000 spins, 202.5 with 10000; LeNet at batch 500: 30.0 and 29.7 ms). On a machine shared with
 # busy processes spinning threads lose more: the threads follow the free cores there (deepdsl_runtime.cpu.cores).
 # Values the user set win.
