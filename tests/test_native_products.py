@@ -135,3 +135,47 @@ def test_the_thread_policy_benchmark_runs(tmp_path, lib):
     rows = re.findall(r"^ *(blas|team) +(\d+) +([\d.]+) +([\d.]+) +([\d.]+) ([\d.]+)$", done.stdout, re.M)
     assert [(p, s) for p, s, *_ in rows] == [("blas", "100"), ("blas", "1000"), ("team", "100"), ("team", "1000")]
     assert rows[0][3] == "1.000" and all(float(ms) > 0 for _, _, ms, *_ in rows), done.stdout
+
+
+# a CBLAS sgemm taking 32-bit integers (an LP64 OpenBLAS's `cblas_sgemm`), row-major calls only
+_LP64_SGEMM = r"""
+void lp64_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float* a, int lda,
+                const float* b, int ldb, float beta, float* c, int ldc) {
+    (void)order;
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) {
+            double sum = 0.0;
+            for (int p = 0; p < k; ++p)
+                sum += (double)(ta == 112 ? a[p * lda + i] : a[i * lda + p]) *
+                       (double)(tb == 112 ? b[j * ldb + p] : b[p * ldb + j]);
+            c[i * ldc + j] = alpha * (float)sum + (beta == 0.0f ? 0.0f : beta * c[i * ldc + j]);  // as BLAS
+        }
+}
+"""
+
+
+@needs_cc
+def test_products_through_an_lp64_sgemm(lib, tmp_path):
+    """The library calls an sgemm taking 32-bit integers as such (the BLAS numpy links may be an LP64 OpenBLAS):
+    a naive one here, its results against numpy's in float64."""
+    import shutil
+    import subprocess
+
+    source = tmp_path / "lp64.c"
+    source.write_text(_LP64_SGEMM)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", str(source), "-o", str(tmp_path / "lp64.so")], check=True)
+    naive = ctypes.CDLL(str(tmp_path / "lp64.so"))
+    lib.set_threads(2)
+    real = native.blas_sgemm()
+    lib.lib.deepdsl_set_sgemm(ctypes.cast(naive.lp64_sgemm, ctypes.c_void_p).value, 0)
+    try:
+        for case in ("plain", "tall", "a transposed", "b transposed (a filter gradient)", "both transposed, rows cut",
+                     "one matrix by a stack (the convolutions)"):
+            a, b = CASES[case](np.random.default_rng(5))
+            want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+            out = np.full(want.shape, np.nan, np.float32)
+            lib.gemm(a, b, out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()), err_msg=case)
+    finally:
+        lib.lib.deepdsl_set_sgemm(real[0], int(real[1]))
