@@ -160,6 +160,7 @@ class Model:
             self.kernels = f"numpy kernels: {why}"
             return None
         found.set_threads(threads)
+        found.set_product_parts(threads)       # the same bits on fewer threads (`follow_free_cores`)
         self.kernels = f"compiled kernels, {threads} thread{'s' if threads > 1 else ''}"
         return found
 

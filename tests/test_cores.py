@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 
 from deepdsl_runtime.cpu import cores, native
@@ -88,7 +89,7 @@ def test_busy_seconds_of_this_machine():
 
 def test_a_program_sets_its_threads_to_the_free_cores(tmp_path, monkeypatch):
     """A model without a thread count asked for follows FreeCores: the compiled kernels' threads (or, with numpy's
-    kernels, the BLAS's) change between steps; one with --threads keeps them."""
+    kernels, the BLAS's) change between steps, its products' bits do not; one with --threads keeps them."""
     from deepdsl.codegen.native import build_library
 
     _, path = compile_program("mlp", tmp_path, batch=2)
@@ -100,6 +101,9 @@ def test_a_program_sets_its_threads_to_the_free_cores(tmp_path, monkeypatch):
     model = cls("cpu", 0, kernels="compiled")
     machine = Machine()
     model.free_cores = machine.cores()
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((70, 300)).astype(np.float32), rng.standard_normal((300, 530)).astype(np.float32)
+    products = [model.rt.native.gemm(a, b, np.empty((70, 530), np.float32))]
     blas = []
     monkeypatch.setattr(native, "set_blas_threads", blas.append)
     said = []
@@ -108,4 +112,6 @@ def test_a_program_sets_its_threads_to_the_free_cores(tmp_path, monkeypatch):
         said.append(model.follow_free_cores())
     assert [t for t in said if t is not None] == [1]
     assert model.rt.native.threads == 1 and blas[0] == 1
+    products.append(model.rt.native.gemm(a, b, np.empty((70, 530), np.float32)))
+    np.testing.assert_array_equal(products[1], products[0])     # the bits do not follow the load
     model.rt.native.set_threads(native.threads_available())

@@ -73,6 +73,26 @@ def test_products_on_the_kernels_threads_equal_numpy(lib, case, threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("case", ["plain", "both transposed, rows cut", "a stack of five on three threads"])
+def test_fixed_parts_give_the_same_bits_on_fewer_threads(lib, case):
+    """With the parts fixed (a program: the threads it started with), the bits do not change with the threads
+    computing them (fewer where other processes keep cores busy)."""
+    a, b = CASES[case](np.random.default_rng(9))
+    runs = []
+    try:
+        lib.set_product_parts(3)
+        for threads in (3, 2, 1):
+            lib.set_threads(threads)
+            out = np.full((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]), np.nan,
+                          np.float32)
+            runs.append(lib.gemm(a, b, out))
+    finally:
+        lib.set_product_parts(0)
+    for got in runs[1:]:
+        np.testing.assert_array_equal(got, runs[0])
+
+
+@needs_cc
 def test_what_the_library_cannot_address_runs_numpy(lib):
     rng = np.random.default_rng(3)
     a64, b64 = rng.standard_normal((20, 30)), rng.standard_normal((30, 10))

@@ -149,6 +149,7 @@ class Native:
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
         lib.deepdsl_gemm.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
+        lib.deepdsl_set_gemm_parts.argtypes = [_L]
         sgemm = blas_sgemm()
         if sgemm is not None:
             lib.deepdsl_set_sgemm(sgemm[0], int(sgemm[1]))
@@ -167,6 +168,11 @@ class Native:
         self.lib.deepdsl_set_threads(int(threads))
         if self.products:
             set_blas_threads(1)
+
+    def set_product_parts(self, parts: int) -> None:
+        """Cut each matrix product into `parts` parts whatever the threads (a program: the threads it starts with,
+        so that its results do not change when it runs on fewer, `cpu.cores`); 0: as many as the threads."""
+        self.lib.deepdsl_set_gemm_parts(int(parts))
 
     # matrix products ------------------------------------------------------------------------------------------
 
