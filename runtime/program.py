@@ -169,12 +169,12 @@ class Model:
         to the cores other processes leave free (`deepdsl_runtime.cpu.cores`) when those changed, and returned;
         else None."""
         threads = self.free_cores.update() if self.free_cores is not None else None
-        if threads is not None:
+        if threads is not None and self.rt.native is not None:
+            self.rt.native.set_threads(threads)      # (and numpy's BLAS)
+        elif threads is not None:
             from deepdsl_runtime.cpu import native as compiled
 
             compiled.set_blas_threads(threads)
-            if self.rt.native is not None:
-                self.rt.native.set_threads(threads)
         return threads
 
     @classmethod

@@ -164,10 +164,9 @@ class Native:
 
     def set_threads(self, threads: int) -> None:
         """Run the kernels, and the matrix products where this library computes them, on `threads` threads (numpy's
-        BLAS then on one: each thread of the kernels' calls it for parts of a product)."""
+        BLAS then on one: each thread of the kernels' calls it for parts of a product; else on `threads`)."""
         self.lib.deepdsl_set_threads(int(threads))
-        if self.products:
-            set_blas_threads(1)
+        set_blas_threads(1 if self.products else threads)
 
     def set_product_parts(self, parts: int) -> None:
         """Cut each matrix product into `parts` parts whatever the threads (a program: the threads it starts with,
