@@ -110,6 +110,15 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
     want = np.matmul(square, square)
     lib.gemm(square, square.copy(), square)                   # an output over an operand (numpy buffers it)
     np.testing.assert_array_equal(square, want)
+    real = native.blas_sgemm()
+    lib.lib.deepdsl_set_sgemm(None, 1)                        # a library left without an sgemm to call
+    try:
+        a, b = _rand(rng, 30, 50), _rand(rng, 50, 20)
+        out = np.full((30, 20), np.nan, np.float32)
+        lib.gemm(a, b, out)
+        np.testing.assert_array_equal(out, np.matmul(a, b))
+    finally:
+        lib.lib.deepdsl_set_sgemm(real[0], int(real[1]))
 
 
 def _blas_threads() -> int | None:

@@ -198,10 +198,10 @@ class Native:
             for i in range(lead[0]):            # one stride apart below the first axis, maybe
                 self.gemm(_index(a, i, len(lead)), _index(b, i, len(lead)), out[i])
             return out
-        if 0 in (m, n, k, *lead):
+        if 0 in (m, n, k, *lead) or not self.lib.deepdsl_gemm(
+                math.prod(lead), ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1], sb,
+                out.ctypes.data, to[1], sc):        # (0: the library has no sgemm to call)
             return np.matmul(a, b, out=out)
-        self.lib.deepdsl_gemm(math.prod(lead), ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1],
-                              sb, out.ctypes.data, to[1], sc)
         return out
 
     # convolution ----------------------------------------------------------------------------------------------
