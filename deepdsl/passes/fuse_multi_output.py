@@ -72,16 +72,18 @@ def _hoist_sums(body: tuple, live: list[int]) -> tuple:
     position = {id(i.node): k for k, i in enumerate(body)}
     peak, added = max(live, default=0), [0] * len(body)
     moves: dict[int, int] = {}
+    targets: set[int] = set()               # the statements a sum moved up to
     for k, instr in enumerate(body):
         if instr.node.op != "ew_sum" or instr.into is not None:
             continue
         p = max((position[id(x)] for x in instr.node.inputs if id(x) in position), default=k)
         if p + 1 >= k or body[p].node.op != "ew" or body[p].node.shape != _summed_shape(instr.node) \
-                or p in moves.values():
+                or p in targets:
             continue
         size = placed_size(instr.node.nbytes)
         if all(live[j] + added[j] + size <= peak for j in range(p + 1, k)):
             moves[k] = p
+            targets.add(p)
             for j in range(p + 1, k):
                 added[j] += size
     if not moves:
