@@ -136,8 +136,13 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, lo
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -806,8 +811,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_csum_range(long c0, lo
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -951,8 +961,13 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long 
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -1255,8 +1270,13 @@ static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_ra
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1428,8 +1448,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_5_fcccf_then_ew_neg_f_c
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1523,8 +1548,13 @@ static __attribute__((noinline)) void deepdsl_ew_step_sub_mul_ff_then_ew_mul_2_f
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1618,8 +1648,13 @@ static __attribute__((noinline)) void deepdsl_ew_add_ff_then_ew_mul_2_ff_csum_ra
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }

@@ -136,8 +136,13 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, lo
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -773,8 +778,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -918,8 +928,13 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long 
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -1329,8 +1344,13 @@ static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_ra
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1502,8 +1522,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fcccf_then_ew_neg_f_c
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1597,8 +1622,13 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1697,8 +1727,13 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_then_ew_mul_ff
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1926,8 +1961,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcf_then_ew_neg_f_csu
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }

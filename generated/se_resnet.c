@@ -136,8 +136,13 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, lo
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -730,8 +735,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -897,8 +907,13 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long 
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -1150,8 +1165,13 @@ static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_ra
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1323,8 +1343,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcccf_then_ew_neg_f_c
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1418,8 +1443,13 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1518,8 +1548,13 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_then_ew_mul_ff
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }

@@ -136,8 +136,13 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, lo
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -552,8 +557,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -697,8 +707,13 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long 
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
     }
@@ -910,8 +925,13 @@ static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_ra
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1083,8 +1103,13 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fcccf_then_ew_neg_f_c
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
@@ -1178,8 +1203,13 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum
                     }
                 }
             }
-            for (long c = first; c < last; ++c)
-                for (long i = 0; i < inner; ++i) total[c - first] += lanes[(c - first) * inner + i];
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
         }
         for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
     }
