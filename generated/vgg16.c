@@ -6,7 +6,7 @@
 // `python vgg16.py` runs these where the library built from this file is current (deepdsl compile builds
 // `<program>.<digest>.so` with a C compiler; deepdsl_runtime.cpu.native loads it, else numpy's kernels run): the
 // runtime's generic kernels (the convolutions' im2col and axis swaps, max pooling and its gradient:
-// kernels/cpu_ops.c, included here)
+// kernels/cpu_ops.c, included here), a tensor's sum per channel (`deepdsl_channel_sum`),
 // and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
 // with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the output's size, u a uint8 one, s a
 // scalar, c one value per channel, r one value per position of the last axis), computing the same expression in
@@ -16,6 +16,76 @@
 // Last, a function for each pair of kernels two statements compute in one pass (`_then_`: the second reads the
 // first's output; deepdsl.passes.fuse_multi_output).
 #include "cpu_ops.c"
+// A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
+// gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
+// x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels; 1. Planes of at
+// most DEEPDSL_CSUM_PLANE floats: 0, nothing summed (numpy's product of each sample's planes by a vector of ones
+// sums them faster than the lanes of `channel_sums`).
+static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1, long rows, long channels,
+                                                               long inner, float* out, const float* x) {
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q = x + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        row += q[i];
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q = x + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        lane[i] += q[i];
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+    }
+}
+
+int deepdsl_channel_sum(long rows, long channels, long inner, float* out, const float* x) {
+    if (inner <= DEEPDSL_CSUM_PLANE) return 0;
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_channel_sum_range(begin, end, rows, channels, inner, out, x);
+    }
+    return 1;
+}
 
 // ew_relu: out = Max(0, v0)
 static __attribute__((noinline)) void deepdsl_ew_relu_f_range(long begin, long end, float* out,

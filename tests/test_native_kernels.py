@@ -357,6 +357,51 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
+    """sum_to (1, C, 1, 1) with the compiled kernels (`Native.channel_sum`, the library's `deepdsl_channel_sum`)
+    against the float64 sum, on odd shapes and one threaded, more channels than a thread reads at a time; through the
+    backend's `sum_to` too. Planes of at most DEEPDSL_CSUM_PLANE (256) floats are numpy's, as are tensors that are
+    not contiguous float32 and every sum where the library has none."""
+    from deepdsl_runtime import cpu
+    from deepdsl_runtime.cpu import shape as shapes
+
+    rng = np.random.default_rng(11)
+    rt = cpu.backend(lib)
+    before = lib.threads
+    lib.set_threads(threads)
+    try:
+        for shape in ((4, 9, 64, 130), (2, 700, 15, 18), (3, 40, 1, 257), (5, 300, 17, 17), (3, 5, 7, 3),
+                      (8, 256, 7, 7), (2, 40, 16, 16)):
+            x = rng.standard_normal(shape).astype(np.float32) + 0.5
+            want = x.astype(np.float64).sum(axis=(0, 2, 3)).reshape(1, shape[1], 1, 1)
+            tolerance = dict(rtol=1e-6, atol=1e-6 * float(np.abs(x).sum() / shape[1]), err_msg=str(shape))
+            got = np.full(want.shape, np.nan, np.float32)
+            compiled = shape[2] * shape[3] > 256
+            assert lib.channel_sum(x, got) == compiled, shape
+            if compiled:
+                np.testing.assert_allclose(got, want, **tolerance)
+            got = np.full(want.shape, np.nan, np.float32)
+            rt.sum_to(x, out=got, shape=got.shape)
+            np.testing.assert_allclose(got, want, **tolerance)
+    finally:
+        lib.set_threads(before)
+    strided = np.ones((2, 8, 6, 6), np.float32)[:, :, ::2]
+    out = np.full((1, 8, 1, 1), np.nan, np.float32)
+    assert not lib.channel_sum(strided, out) and not lib.channel_sum(strided.astype(np.float64), out)
+    shapes.sum_to(strided, out=out, shape=out.shape, native=lib)
+    np.testing.assert_array_equal(out.ravel(), np.full(8, 36.0, np.float32))
+    kept, lib._channel_sum = lib._channel_sum, None      # a library built from an older program's C file
+    try:
+        x = np.ones((2, 8, 6, 6), np.float32)
+        assert not lib.channel_sum(x, out)
+        rt.sum_to(x, out=out, shape=out.shape)
+        np.testing.assert_array_equal(out.ravel(), np.full(8, 72.0, np.float32))
+    finally:
+        lib._channel_sum = kept
+
+
+@needs_cc
 def test_broadcast_and_small_operands_run_numpy(lib):
     def kernel(out, v0, v1):
         np.add(v0, v1, out=out)

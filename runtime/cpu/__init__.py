@@ -59,7 +59,7 @@ __all__ = [
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum")
+             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

@@ -149,6 +149,11 @@ class Native:
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
         lib.deepdsl_gemm.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
+        # (a library built from the C file of an older program has no per-channel sum of a tensor)
+        self._channel_sum = getattr(lib, "deepdsl_channel_sum", None)
+        if self._channel_sum is not None:
+            self._channel_sum.argtypes = [_L, _L, _L, _P, _P]
+            self._channel_sum.restype = _I
         lib.deepdsl_set_gemm_parts.argtypes = [_L]
         sgemm = blas_sgemm()
         if sgemm is not None:
@@ -424,6 +429,14 @@ class Native:
         sizes = _channel_rows(out_shape) if summed else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P, _P]
         return function, first_pattern + second_pattern, sizes
+
+    def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """out (1, C, 1, ...) = x (N, C, ...) summed per channel (`sum_to`), as a compiled per-channel sum adds its
+        values (the library's `deepdsl_channel_sum`, on the kernels' threads); False where it does not (small planes,
+        another dtype, strides, or a library without it): the caller sums with numpy."""
+        if self._channel_sum is None or not _contiguous32(x, out) or x.ndim < 3:
+            return False
+        return bool(self._channel_sum(*_channel_rows(x.shape), out.ctypes.data, x.ctypes.data))
 
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's

@@ -12,12 +12,15 @@ def _reduced_axes(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]
     return tuple(range(lead)) + tuple(lead + i for i, d in enumerate(dst) if d == 1 and src[lead + i] != 1)
 
 
-def sum_to(x, *, out, shape):
-    """Sum x down to `shape` (the inverse of broadcasting)."""
+def sum_to(x, *, out, shape, native=None):
+    """Sum x down to `shape` (the inverse of broadcasting). Per channel ((N, C, H, W) to (1, C, 1, 1)) with `native`,
+    the program's compiled kernels sum (`Native.channel_sum`, on their threads)."""
     if x.shape == tuple(shape):
         np.copyto(out, x)
         return
     if x.ndim == 4 and tuple(shape) == (1, x.shape[1], 1, 1) and x.shape[2] * x.shape[3] > 1:
+        if native is not None and native.channel_sum(x, out):
+            return
         # per-channel sums (bias and batch-norm gradients): a matrix-vector product over each sample's planes runs
         # at memory speed, numpy's reduction over axes (0, 2, 3) several times slower
         n, c, h, w = x.shape
