@@ -65,6 +65,11 @@ GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
     # more, rows ending inside a vector or at its end, and the padded planes on either side of the limit (2048)
     (2, 3, 4, 4, 3, 3, 1, 1), (2, 2, 1, 1, 3, 3, 1, 1), (1, 2, 12, 12, 5, 5, 1, 0), (3, 2, 7, 13, 3, 3, 1, 1),
     (1, 2, 43, 43, 3, 3, 1, 1), (1, 2, 44, 44, 3, 3, 1, 1), (2, 2, 5, 9, 3, 2, 1, 3),
+    # "same" padding on planes of at most 256 floats and kernels of at most 25 taps: shifted planes
+    # (DEEPDSL_SHIFT_PLANE): a plane of whole vectors at the limit and one just past it, a 5x5 kernel, a 7x7 one (past
+    # the taps' limit), planes of one row or one column
+    (2, 3, 16, 16, 3, 3, 1, 1), (1, 2, 16, 17, 3, 3, 1, 1), (2, 2, 6, 5, 5, 5, 1, 2), (1, 2, 7, 7, 7, 7, 1, 3),
+    (2, 2, 1, 9, 3, 3, 1, 1), (2, 2, 9, 1, 3, 3, 1, 1),
 ]
 
 

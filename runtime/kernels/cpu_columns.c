@@ -2,7 +2,8 @@
 // convolution's windows as the rows of a matrix product (runtime/cpu/conv.py's im2col; cols[ch][i][j][s][p][q]),
 // and the additions that bring the product's column gradients back to the input gradient, in numpy's order
 // (_col2im_add, and the shifted sums of the stride-1 schemes). Stride 1 on small planes goes through a zero-padded
-// copy of each plane (DEEPDSL_SMALL_PLANE).
+// copy of each plane (DEEPDSL_SMALL_PLANE), or with "same" padding on small planes as shifted planes
+// (DEEPDSL_SHIFT_PLANE).
 
 // One plane of the im2col matrix: plane[p][q] = src[i + stride*p - pad][j + stride*q - pad] (0 outside the h x w
 // plane src), the rows of tap (i, j) of one channel and sample.
@@ -97,6 +98,78 @@ DEEPDSL_ROW void deepdsl_im2col_small(const float* src, int h, int w, int kh, in
 }
 #endif
 
+#if DEEPDSL_MASKED
+// Stride 1 with output planes the size of the input's ("same" padding, pad = (kh - 1) / 2 = (kw - 1) / 2) on planes
+// of at most DEEPDSL_SHIFT_PLANE floats and kernels of at most DEEPDSL_SHIFT_TAPS taps: tap (i, j) of a plane is the
+// plane itself shifted by (i - pad) * w + j - pad floats, zero where the window leaves the plane. Vectors of 8 run
+// over the whole plane, rows and all, read masked (the lanes outside the plane or the window are not read): no row
+// loop and no padded copy (on 4x4 and 7x7 planes the rows are shorter than a vector). The masks of each tap's
+// vectors are computed once a call (`deepdsl_shift_masks`, on the stack: at most 25 x 33 vectors of 8 ints).
+#define DEEPDSL_SHIFT_PLANE 256
+#define DEEPDSL_SHIFT_TAPS 25
+#define DEEPDSL_SHIFT_MASKS (DEEPDSL_SHIFT_TAPS * (DEEPDSL_SHIFT_PLANE / 8 + 1))
+
+static inline int deepdsl_shifts(int h, int w, int kh, int kw, int ho, int wo, int stride, int pad) {
+    return stride == 1 && ho == h && wo == w && 2 * pad == kh - 1 && 2 * pad == kw - 1 &&
+           (long)h * w <= DEEPDSL_SHIFT_PLANE && kh * kw <= DEEPDSL_SHIFT_TAPS;
+}
+
+// masks[(i*kw + j) * vectors + v]: the lanes of positions t = 8v .. 8v + 7 (rows t / w, columns t % w) whose row
+// plus `sign` * (i - pad) and column plus `sign` * (j - pad) lie in the h x w plane (and t in it: `inside` only
+// with `within`). sign 1: the positions of tap (i, j) im2col reads; -1: those of its plane col2im adds to t.
+static void deepdsl_shift_masks(int h, int w, int kh, int kw, int pad, int sign, deepdsl_v8i* masks) {
+    const int hw = h * w, vectors = (hw + 7) / 8;
+    for (int i = 0; i < kh; ++i)
+        for (int j = 0; j < kw; ++j)
+            for (int v = 0; v < vectors; ++v) {
+                deepdsl_v8i lanes;
+                for (int l = 0; l < 8; ++l) {
+                    const int t = 8 * v + l, y = t / w + sign * (i - pad), x = t % w + sign * (j - pad);
+                    lanes[l] = t < hw && y >= 0 && y < h && x >= 0 && x < w ? -1 : 0;
+                }
+                masks[(i * kw + j) * vectors + v] = lanes;
+            }
+}
+
+// The kh*kw tap planes of one channel of one sample (tap (i, j) at dst + (i*kw + j) * tap_stride).
+DEEPDSL_ROW void deepdsl_im2col_shifted(const float* src, int h, int w, int kh, int kw, int pad, long tap_stride,
+                                        const deepdsl_v8i* masks, float* dst) {
+    const int hw = h * w, vectors = (hw + 7) / 8;
+    for (int i = 0; i < kh; ++i)
+        for (int j = 0; j < kw; ++j) {
+            const long shift = (long)(i - pad) * w + j - pad;
+            const deepdsl_v8i* mask = masks + (i * kw + j) * vectors;
+            float* to = dst + (long)(i * kw + j) * tap_stride;
+            int v = 0;
+            for (; 8 * v + 8 <= hw; ++v) {
+                const deepdsl_v8f x = deepdsl_load(src + 8 * v + shift, mask[v]);
+                memcpy(to + 8 * v, &x, sizeof x);
+            }
+            if (v < vectors)
+                deepdsl_store(to + 8 * v, deepdsl_inside(8 * v, hw), deepdsl_load(src + 8 * v + shift, mask[v]));
+        }
+}
+
+// Its adjoint, one input plane: o[t] = the sum over taps (i, j) in order of the tap plane at t - shift, where the
+// window holds t (0 + each contribution, as deepdsl_col2im_plane adds them: a masked-off lane adds +0.0, which
+// changes no sum that starts from +0.0).
+DEEPDSL_ROW void deepdsl_col2im_shifted(const float* cols, long row_stride, int h, int w, int kh, int kw, int pad,
+                                        const deepdsl_v8i* masks, float* o) {
+    const int hw = h * w, vectors = (hw + 7) / 8;
+    for (int v = 0; v < vectors; ++v) {
+        deepdsl_v8f sum = {0};
+        for (int i = 0; i < kh; ++i)
+            for (int j = 0; j < kw; ++j) {
+                const long shift = (long)(i - pad) * w + j - pad;
+                sum += deepdsl_load(cols + (long)(i * kw + j) * row_stride + 8 * v - shift,
+                                    masks[(i * kw + j) * vectors + v]);
+            }
+        if (8 * v + 8 <= hw) memcpy(o + 8 * v, &sum, sizeof sum);
+        else deepdsl_store(o + 8 * v, deepdsl_inside(8 * v, hw), sum);
+    }
+}
+#endif
+
 // cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
 // samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
 void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
@@ -104,6 +177,16 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     const long rows = (long)c * kh * kw;
     const long plane = (long)ho * wo;
 #if DEEPDSL_MASKED
+    if (deepdsl_shifts(h, w, kh, kw, ho, wo, stride, pad) && !(kh == 1 && kw == 1)) {
+        deepdsl_v8i masks[DEEPDSL_SHIFT_MASKS];
+        deepdsl_shift_masks(h, w, kh, kw, pad, 1, masks);
+#pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
+        for (int ch = 0; ch < c; ++ch)
+            for (int s = 0; s < m; ++s)
+                deepdsl_im2col_shifted(x + ((long)s * c + ch) * h * w, h, w, kh, kw, pad, m * plane, masks,
+                                       cols + ((long)ch * kh * kw * m + s) * plane);
+        return;
+    }
     /* (a column kernel without padding copies each tap's plane at once, below) */
     if (stride == 1 && !(kw == 1 && pad == 0) && deepdsl_small_plane(h, w, pad)) {
 #pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
@@ -216,7 +299,10 @@ DEEPDSL_ROW void deepdsl_col2im_small(const float* cols, long row_stride, int h,
 void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
                     int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
 #if DEEPDSL_MASKED
+    const int shifted = deepdsl_shifts(h, w, kh, kw, ho, wo, stride, pad);
     const int small = stride == 1 && deepdsl_small_plane(h, w, pad);
+    deepdsl_v8i masks[DEEPDSL_SHIFT_MASKS];
+    if (shifted) deepdsl_shift_masks(h, w, kh, kw, pad, -1, masks);
 #endif
 #pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
     for (long s = 0; s < m; ++s)
@@ -224,6 +310,10 @@ void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long
             const float* planes = cols + s * sample_stride + ch * kh * kw * row_stride;
             float* o = out + (s * channels + ch) * h * w;
 #if DEEPDSL_MASKED
+            if (shifted) {
+                deepdsl_col2im_shifted(planes, row_stride, h, w, kh, kw, pad, masks, o);
+                continue;
+            }
             if (small) {
                 deepdsl_col2im_small(planes, row_stride, h, w, kh, kw, ho, wo, pad, o);
                 continue;
