@@ -6,7 +6,7 @@ and axis-swap kernels alone, or whole training steps of a network.
 
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
-kernel, pad, stride 1; for the swap (A, B, inner)), the median microseconds of 15 calls, medians over `--rounds`
+kernel, pad, stride; for the swap (A, B, inner)), the median microseconds of 15 calls, medians over `--rounds`
 rounds that alternate the two libraries, their ratio (this / other), and a check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
@@ -39,9 +39,10 @@ from deepdsl_runtime.cpu import native  # noqa: E402
 from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 from timing import load_average, median_ms  # noqa: E402
 
-GEOMETRIES = [  # (N, C, H=W, kernel, pad): ResNet-50's 3x3 layers at 112x112 (a chunk of 8), LeNet's, AlexNet's
-    (8, 256, 7, 3, 1), (8, 512, 4, 3, 1), (8, 128, 14, 3, 1), (8, 64, 28, 3, 1), (64, 20, 12, 5, 0),
-    (64, 1, 28, 5, 0), (1, 256, 27, 5, 2), (4, 256, 13, 3, 1),
+GEOMETRIES = [  # (N, C, H=W, kernel, pad, stride): ResNet-50's 3x3 layers at 112x112 (a chunk of 8), LeNet's,
+    # AlexNet's; ResNet-50's first layer (a chunk of 4) and its strided pointwise layers
+    (8, 256, 7, 3, 1, 1), (8, 512, 4, 3, 1, 1), (8, 128, 14, 3, 1, 1), (8, 64, 28, 3, 1, 1), (64, 20, 12, 5, 0, 1),
+    (64, 1, 28, 5, 0, 1), (1, 256, 27, 5, 2, 1), (4, 256, 13, 3, 1, 1), (4, 3, 112, 7, 3, 2), (8, 256, 28, 1, 0, 2),
 ]
 SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 784), (64, 50, 64)]  # (A, B, inner)
 
@@ -70,22 +71,22 @@ def _cell(times: dict) -> str:
 
 def kernels(libs: dict, threads: list[int], rounds: int) -> None:
     rng = np.random.default_rng(0)
-    print("threads  geometry               im2col this / other (us)    col2im this / other (us)")
+    print("threads  geometry                 im2col this / other (us)    col2im this / other (us)")
     for t in threads:
         for lib in libs.values():
             lib.set_threads(t)
-        for n, c, h, k, pad in GEOMETRIES:
-            ho = h + 2 * pad - k + 1
+        for n, c, h, k, pad, stride in GEOMETRIES:
+            ho = (h + 2 * pad - k) // stride + 1
             x = rng.standard_normal((n, c, h, h), dtype=np.float32)
             grads = rng.standard_normal((c, k, k, n, ho, ho), dtype=np.float32)
             cols = {name: np.full(grads.shape, np.nan, np.float32) for name in libs}
             dx = {name: np.full(x.shape, np.nan, np.float32) for name in libs}
             gradient = grads.transpose(3, 0, 1, 2, 4, 5)
             im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(x, cols[name].transpose(3, 0, 1, 2, 4,
-                                                                                                       5), 1, pad))
-            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], 1, pad))
+                                                                                                       5), stride, pad))
+            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], stride, pad))
             same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
-            print(f"{t:>7}  {str((n, c, h, k, pad)):<20} {_cell(im2col)}    {_cell(col2im)}"
+            print(f"{t:>7}  {str((n, c, h, k, pad, stride)):<22} {_cell(im2col)}    {_cell(col2im)}"
                   f"{'' if same else '  RESULTS DIFFER'}")
     print("threads  swap (A, B, inner)     this / other (us)")
     for t in threads:

@@ -11,6 +11,7 @@ import ctypes
 import math
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,6 +71,9 @@ GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
     # the taps' limit), planes of one row or one column
     (2, 3, 16, 16, 3, 3, 1, 1), (1, 2, 16, 17, 3, 3, 1, 1), (2, 2, 6, 5, 5, 5, 1, 2), (1, 2, 7, 7, 7, 7, 1, 3),
     (2, 2, 1, 9, 3, 3, 1, 1), (2, 2, 9, 1, 3, 3, 1, 1),
+    # stride 2 (every other float of two vectors): rows of 8 columns or more with padding on both sides, the last
+    # vector reaching past the input row (read masked), a pointwise kernel
+    (2, 3, 30, 37, 7, 7, 2, 3), (1, 2, 9, 33, 3, 3, 2, 1), (2, 2, 28, 28, 1, 1, 2, 0), (1, 2, 12, 34, 2, 2, 2, 0),
 ]
 
 
@@ -111,6 +115,68 @@ def test_col2im_equals_numpy_bit_for_bit(lib, geometry):
         lib.col2im(dcols, got, stride, pad)
         np.testing.assert_array_equal(got, want)
         assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+# Arrays whose bytes end at, or start after, a page no process may read: a kernel reading a lane past an array (a
+# vector reaching past a row's end, a plane shifted by a tap) ends the process instead of reading a neighbour.
+_GUARDED = """
+import ctypes, mmap, sys
+import numpy as np
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu import conv, native
+from deepdsl_runtime.cpu.scratch import Scratch
+
+found, why = native.load(sys.argv[1])
+assert found is not None, why
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+regions = []
+
+def guarded(shape, at_end):
+    nbytes = int(np.prod(shape)) * 4
+    pages = -(-nbytes // mmap.PAGESIZE)
+    region = mmap.mmap(-1, (pages + 2) * mmap.PAGESIZE)
+    regions.append(region)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    for page in (0, pages + 1):
+        assert libc.mprotect(base + page * mmap.PAGESIZE, mmap.PAGESIZE, 0) == 0
+    offset = (pages + 1) * mmap.PAGESIZE - nbytes if at_end else mmap.PAGESIZE
+    return np.frombuffer(region, np.float32, count=nbytes // 4, offset=offset).reshape(shape)
+
+rng = np.random.default_rng(4)
+for n, c, h, w, kh, kw, stride, pad in GEOMETRIES:
+    ho, wo = contract.out_size(h, kh, stride, pad), contract.out_size(w, kw, stride, pad)
+    for at_end in (True, False):
+        x = guarded((n, c, h, w), at_end)
+        x[...] = rng.standard_normal(x.shape)
+        cols = guarded((c, kh, kw, n, ho, wo), at_end)
+        found.im2col(x, cols.transpose(3, 0, 1, 2, 4, 5), stride, pad)
+        want = np.empty_like(cols)
+        conv._NUMPY.im2col(np.array(x), want.transpose(3, 0, 1, 2, 4, 5), stride, pad, Scratch(None))
+        assert np.array_equal(cols, want), (n, c, h, w, kh, kw, stride, pad)
+        if stride == 1:
+            out = guarded((n, c, h, w), at_end)
+            found.col2im(cols.transpose(3, 0, 1, 2, 4, 5), out, stride, pad)
+            expected = np.empty(out.shape, np.float32)
+            conv._NUMPY.col2im(want.transpose(3, 0, 1, 2, 4, 5), expected, stride, pad)
+            assert np.array_equal(out, expected), (n, c, h, w, kh, kw, stride, pad)
+print("read nothing outside its arrays")
+"""
+GUARDED_GEOMETRIES = [(2, 3, 7, 7, 3, 3, 1, 1), (2, 2, 4, 4, 3, 3, 1, 1), (1, 2, 6, 5, 5, 5, 1, 2),
+                      (2, 2, 1, 9, 3, 3, 1, 1), (3, 2, 7, 13, 3, 3, 1, 1), (2, 3, 30, 37, 7, 7, 2, 3),
+                      (1, 2, 9, 33, 3, 3, 2, 1), (2, 2, 28, 28, 1, 1, 2, 0)]
+
+
+@needs_cc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's mprotect")
+def test_im2col_and_col2im_read_nothing_outside_their_arrays(lib, tmp_path_factory):
+    """The masked copies and additions (shifted planes, stride-2 rows, short rows) on arrays placed against pages no
+    process may read, at their ends and at their starts: they equal numpy's, and the process is not ended by a
+    read outside them. In a process of its own."""
+    _, _, path = _program("resnet_mini", None, tmp_path_factory)
+    script = f"GEOMETRIES = {GUARDED_GEOMETRIES!r}\n" + _GUARDED
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "read nothing outside" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
 @needs_cc

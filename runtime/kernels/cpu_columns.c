@@ -5,6 +5,28 @@
 // copy of each plane (DEEPDSL_SMALL_PLANE), or with "same" padding on small planes as shifted planes
 // (DEEPDSL_SHIFT_PLANE).
 
+#if DEEPDSL_MASKED
+// d[q] = row[2q] for q in [q0, q1) (a stride-2 window row; `avail` floats of the input row lie at row[0 ..]): two
+// vectors of 8 read, their even lanes kept, 8 columns at a time; the vectors reaching past the row read masked.
+static inline __attribute__((always_inline)) void deepdsl_gather_even(float* d, const float* row, int q0, int q1,
+                                                                      int avail) {
+    const deepdsl_v8i even = {0, 2, 4, 6, 8, 10, 12, 14};
+    for (int q = q0; q < q1; q += 8) {
+        deepdsl_v8f a, b;
+        if (2 * q + 16 <= avail) {
+            memcpy(&a, row + 2 * q, sizeof a);
+            memcpy(&b, row + 2 * q + 8, sizeof b);
+        } else {
+            a = deepdsl_load(row + 2 * q, deepdsl_inside(2 * q, avail));
+            b = deepdsl_load(row + 2 * q + 8, deepdsl_inside(2 * q + 8, avail));
+        }
+        const deepdsl_v8f v = __builtin_shuffle(a, b, even);
+        if (q + 8 <= q1) memcpy(d + q, &v, sizeof v);
+        else deepdsl_store(d + q, deepdsl_inside(q, q1), v);
+    }
+}
+#endif
+
 // One plane of the im2col matrix: plane[p][q] = src[i + stride*p - pad][j + stride*q - pad] (0 outside the h x w
 // plane src), the rows of tap (i, j) of one channel and sample.
 DEEPDSL_ROW void deepdsl_im2col_plane(const float* src, int h, int w, int ho, int wo, int i, int j, int stride,
@@ -42,6 +64,10 @@ DEEPDSL_ROW void deepdsl_im2col_plane(const float* src, int h, int w, int ho, in
         for (int q = 0; q < q0; ++q) d[q] = 0.0f;
         if (stride == 1) {
             deepdsl_copy_floats(d + q0, row + q0, q1 - q0);
+#if DEEPDSL_MASKED
+        } else if (stride == 2) {
+            deepdsl_gather_even(d, row, q0, q1, w - (j - pad));
+#endif
         } else {
             for (int q = q0; q < q1; ++q) d[q] = row[(long)stride * q];
         }
