@@ -140,9 +140,9 @@ static inline int deepdsl_shifts(int h, int w, int kh, int kw, int ho, int wo, i
            (long)h * w <= DEEPDSL_SHIFT_PLANE && kh * kw <= DEEPDSL_SHIFT_TAPS;
 }
 
-// masks[(i*kw + j) * vectors + v]: the lanes of positions t = 8v .. 8v + 7 (rows t / w, columns t % w) whose row
-// plus `sign` * (i - pad) and column plus `sign` * (j - pad) lie in the h x w plane (and t in it: `inside` only
-// with `within`). sign 1: the positions of tap (i, j) im2col reads; -1: those of its plane col2im adds to t.
+// masks[(i*kw + j) * vectors + v]: the lanes of positions t = 8v .. 8v + 7 (rows t / w, columns t % w) inside the
+// h x w plane whose row plus `sign` * (i - pad) and column plus `sign` * (j - pad) lie in it too. sign 1: the
+// positions of tap (i, j) whose input im2col reads; -1: those col2im adds tap (i, j)'s plane to.
 static void deepdsl_shift_masks(int h, int w, int kh, int kw, int pad, int sign, deepdsl_v8i* masks) {
     const int hw = h * w, vectors = (hw + 7) / 8;
     for (int i = 0; i < kh; ++i)
