@@ -72,8 +72,10 @@ GEOMETRIES = [  # (N, C, H, W, kernel h, kernel w, stride, pad)
     (2, 3, 16, 16, 3, 3, 1, 1), (1, 2, 16, 17, 3, 3, 1, 1), (2, 2, 6, 5, 5, 5, 1, 2), (1, 2, 7, 7, 7, 7, 1, 3),
     (2, 2, 1, 9, 3, 3, 1, 1), (2, 2, 9, 1, 3, 3, 1, 1),
     # stride 2 (every other float of two vectors): rows of 8 columns or more with padding on both sides, the last
-    # vector reaching past the input row (read masked), a pointwise kernel
+    # vector reaching past the input row (read masked), a pointwise kernel; stride 4 (a float at a time), AlexNet's
+    # first layer among them
     (2, 3, 30, 37, 7, 7, 2, 3), (1, 2, 9, 33, 3, 3, 2, 1), (2, 2, 28, 28, 1, 1, 2, 0), (1, 2, 12, 34, 2, 2, 2, 0),
+    (2, 3, 35, 39, 11, 11, 4, 0), (1, 2, 13, 70, 3, 3, 4, 1), (2, 2, 9, 37, 1, 1, 4, 0),
 ]
 
 
@@ -164,7 +166,8 @@ print("read nothing outside its arrays")
 """
 GUARDED_GEOMETRIES = [(2, 3, 7, 7, 3, 3, 1, 1), (2, 2, 4, 4, 3, 3, 1, 1), (1, 2, 6, 5, 5, 5, 1, 2),
                       (2, 2, 1, 9, 3, 3, 1, 1), (3, 2, 7, 13, 3, 3, 1, 1), (2, 3, 30, 37, 7, 7, 2, 3),
-                      (1, 2, 9, 33, 3, 3, 2, 1), (2, 2, 28, 28, 1, 1, 2, 0)]
+                      (1, 2, 9, 33, 3, 3, 2, 1), (2, 2, 28, 28, 1, 1, 2, 0), (2, 3, 35, 39, 11, 11, 4, 0),
+                      (1, 2, 13, 70, 3, 3, 4, 1)]
 
 
 @needs_cc
