@@ -18,9 +18,9 @@
 #include "cpu_ops.c"
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
-// x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels; 1. Planes of at
-// most DEEPDSL_CSUM_PLANE floats: 0, nothing summed (numpy's product of each sample's planes by a vector of ones
-// sums them faster than the lanes of `channel_sums`).
+// x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels. Returns 1, or 0
+// without summing on planes of at most DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a
+// vector of ones sums them faster than the lanes of `channel_sums`).
 static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1, long rows, long channels,
                                                                long inner, float* out, const float* x) {
     if (inner > DEEPDSL_CSUM_PLANE) {

@@ -435,8 +435,8 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
 def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
     """sum_to (1, C, 1, 1) with the compiled kernels (`Native.channel_sum`, the library's `deepdsl_channel_sum`)
     against the float64 sum, on odd shapes at one, two and three threads, more channels than a thread reads at a
-    time; through the backend's `sum_to` too. Planes of at most DEEPDSL_CSUM_PLANE (256) floats are numpy's, as are tensors that are
-    not contiguous float32 and every sum where the library has none."""
+    time; through the backend's `sum_to` too. Planes of at most DEEPDSL_CSUM_PLANE (256) floats are numpy's, as are
+    tensors that are not contiguous float32 and every sum where the library has none."""
     from deepdsl_runtime import cpu
     from deepdsl_runtime.cpu import shape as shapes
 

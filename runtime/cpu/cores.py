@@ -3,12 +3,12 @@
 The kernels' threads and the matrix products' (one team, `deepdsl_runtime.cpu.native`) share each pass statically
 and wait for one another at its end: when another process keeps one of the cores busy, every pass waits for the
 thread that shares a core with it, and a step takes longer on two threads than on one (ResNet-50 at batch 8 on two
-cores beside one busy process: 695 ms an iteration on two threads, 345 on one; docs/performance.md). `FreeCores` follows the load of the cores
-this process may run on (`/proc/stat`, less the CPU time of this process): between steps, a window of
-`WINDOW` seconds at a time, the thread count becomes the cores the other processes left free (rounded, at least
-one, at most the threads asked for) once two windows in a row agree on it. Where /proc/stat cannot be read it
-keeps the threads asked for. (A program's products stay cut into as many parts as the threads it started with:
-its results do not change with the threads, `Native.set_product_parts`.)
+cores beside one busy process: 695 ms an iteration on two threads, 345 on one; docs/performance.md). `FreeCores`
+follows the load of the cores this process may run on (`/proc/stat`, less the CPU time of this process): between
+steps, a window of `WINDOW` seconds at a time, the thread count becomes the cores the other processes left free
+(rounded, at least one, at most the threads asked for) once two windows in a row agree on it. Where /proc/stat
+cannot be read it keeps the threads asked for. (A program's products stay cut into as many parts as the threads it
+started with: its results do not change with the threads, `Native.set_product_parts`.)
 """
 from __future__ import annotations
 
