@@ -15,6 +15,9 @@ never the compiler) and the compiler read the same rules, and a rule changed her
   workspace (`FLOAT_BYTES` each; boolean scratch takes `bool_floats(count)` of them). An op's `workspace` rule is
   these figures times the samples of a chunk, in bytes; the kernel derives its chunk from the workspace it is
   handed by the same figures, so the plan's workspace is exactly what the kernel uses.
+- Matrix products: `product_cuts` cuts a product into parts by its shape alone, never by the threads computing it,
+  so that a step's bits are the same on any number of threads (the compiled kernels' `deepdsl_gemm` and numpy's
+  `cpu.linalg.Products` cut alike).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ __all__ = [
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
-    "operand_pattern", "kernel_rows",
+    "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts", "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
+    "PRODUCT_PART_WORK",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -41,6 +45,41 @@ ALIGNMENT = 256     # bytes; what cudaMalloc guarantees, so host and device buff
 def placed_size(nbytes: int, alignment: int = ALIGNMENT) -> int:
     """Bytes a buffer of `nbytes` occupies: rounded up to a multiple of `alignment`, at least one unit."""
     return max(alignment, -(-nbytes // alignment) * alignment)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matrix products
+
+PRODUCT_ITEMS = 24              # the parts a product (or a stack of them) is cut into at most: 24 share evenly among
+                                # 1, 2, 3, 4, 6, 8, 12 or 24 threads
+PRODUCT_PART_WIDTH = 128        # a part's rows or columns at least (a multiple of 16 floats: whole vectors)
+PRODUCT_PART_WORK = 1 << 20     # a part's multiply-adds at least (packing its operands costs little beside them)
+_EVEN_PARTS = (1, 2, 4, 6, 8, 12, 24)    # part counts that share evenly among two threads (or one)
+
+
+class ProductCuts(tuple):
+    """How `batch` products c (m x n) = a (m x k) b (k x n) are cut: (`by_columns`, `parts`, `width`). Each
+    product is cut along the longer side of c (its columns where n >= m) into `parts` parts of `width` rows or
+    columns (the last one shorter, or empty), each computed by one call of a single-threaded sgemm; the threads
+    take whole parts."""
+
+    by_columns = property(lambda self: self[0])
+    parts = property(lambda self: self[1])
+    width = property(lambda self: self[2])
+
+
+def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
+    """The cut of `batch` products of (m x k) by (k x n), from their shapes alone: as many parts per product as
+    make `PRODUCT_ITEMS` parts in all, no narrower than `PRODUCT_PART_WIDTH` and no smaller than
+    `PRODUCT_PART_WORK` multiply-adds, rounded down to an even count; a width of whole vectors of 16 floats. A
+    product computed in the same parts rounds alike on any number of threads (a BLAS rounds the edges of a part as
+    its kernels for that edge do)."""
+    by_columns = n >= m
+    side = n if by_columns else m
+    most = min(-(-PRODUCT_ITEMS // max(batch, 1)), side // PRODUCT_PART_WIDTH, m * n * k // PRODUCT_PART_WORK)
+    parts = max(p for p in _EVEN_PARTS if p <= max(most, 1))
+    width = (-(-side // parts) + 15) // 16 * 16 if side else 0
+    return ProductCuts((by_columns, parts, width))
 
 
 # ----------------------------------------------------------------------------------------------------------------

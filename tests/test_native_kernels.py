@@ -553,32 +553,39 @@ def test_grouped_convolutions_with_compiled_passes(lib, case, monkeypatch):
 @needs_cc
 @pytest.mark.parametrize("name,image", NETWORKS, ids=[n for n, _ in NETWORKS])
 def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_factory):
-    """Every network: a training step and a test step with the compiled kernels equal the numpy backend's within
+    """Every network: a training step with the compiled kernels computes the same bits on 1, 2 and 3 threads, and
+    numpy's on 1 and 2; a training step and a test step with the compiled kernels equal the numpy backend's within
     float32 tolerance (elementwise kernels round as C's float32 functions do, per-channel sums and thin convolutions'
-    filter gradients add in another order, products cut into parts round their edges otherwise, which an
-    ill-conditioned network at this size amplifies: 1e-4 (networks trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten
-    times the difference one rounding of the input or the products on one thread make), and the allocator measures
-    the planned peaks (the plan is the same)."""
+    filter gradients add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
+    trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten times the difference one rounding of the input makes), and the
+    allocator measures the planned peaks (the plan is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)
     cls = model_class(module)
     rng = np.random.default_rng(7)
     data = [cls.random_batch(rng) for _ in range(2)]
-    reference = cls("cpu", 0, "static", kernels="numpy")
+    reference = cls("cpu", 0, "static", kernels="numpy", threads=2)
     losses, _, _, tensors = _steps(reference, data[:1])
     # the network's own float32 spread at this size: numpy's step on the batch moved by one rounding (ResNet-50 at
     # 64x64 and batch 2 turns that into differences of a few parts in 10^3 in its first layer's gradient)
     nudged = [(x * np.float32(1 + 2 ** -23), y) for x, y in data[:1]]
     _, _, _, moved = _steps(cls("cpu", 0, "static", kernels="numpy"), nudged)
-    # and its step with the products on one thread (the BLAS rounds a product's parts otherwise: with Adam, an
-    # element whose gradients nearly cancel then moves by up to 2e-3 of the char model's largest weight)
-    _, _, _, alone = _steps(cls("cpu", 0, "static", kernels="numpy", threads=1), data[:1])
-    model = cls("cpu", 0, "static", kernels="compiled")
-    assert model.kernels.startswith("compiled kernels") and model.rt.native is not None
-    got_losses, _, _, got_tensors = _steps(model, data[:1])
+    # numpy's products on one thread: the same bits (the parts are the shapes', not the threads')
+    alone_losses, _, _, alone = _steps(cls("cpu", 0, "static", kernels="numpy", threads=1), data[:1])
+    assert alone_losses == losses and all(np.array_equal(alone[k], v) for k, v in tensors.items())
+    runs = {}
+    for threads in (1, 2, 3):
+        model = cls("cpu", 0, "static", kernels="compiled", threads=threads)
+        assert model.kernels.startswith("compiled kernels") and model.rt.native is not None
+        runs[threads] = _steps(model, data[:1])
+    got_losses, _, _, got_tensors = runs[1]
+    for threads in (2, 3):        # the compiled kernels compute the same bits on any number of threads
+        assert runs[threads][0] == got_losses, threads
+        for key, value in got_tensors.items():
+            assert np.array_equal(runs[threads][3][key], value), (threads, key)
     np.testing.assert_allclose(got_losses, losses, rtol=1e-4, atol=1e-6)
     for key, value in tensors.items():
         scale = max(float(np.max(np.abs(value))), 1e-6)
-        spread = max(float(np.max(np.abs(other[key] - value))) for other in (moved, alone)) / scale
+        spread = float(np.max(np.abs(moved[key] - value))) / scale
         error = float(np.max(np.abs(got_tensors[key] - value))) / scale
         assert error <= max(ADAPTIVE_TOLERANCE.get(name, 1e-4), 10 * spread), (key, error, spread)
     model.load_tensors(tensors)            # the test step on the same tensors

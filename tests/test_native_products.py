@@ -11,7 +11,9 @@ import ctypes
 import numpy as np
 import pytest
 
+from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import backend, native
+from deepdsl_runtime.cpu.linalg import Products
 from tests.test_native_kernels import _program, needs_cc
 
 
@@ -73,23 +75,44 @@ def test_products_on_the_kernels_threads_equal_numpy(lib, case, threads):
 
 
 @needs_cc
-@pytest.mark.parametrize("case", ["plain", "both transposed, rows cut", "a stack of five on three threads"])
-def test_fixed_parts_give_the_same_bits_on_fewer_threads(lib, case):
-    """With the parts fixed (a program: the threads it started with), the bits do not change with the threads
-    computing them (fewer where other processes keep cores busy)."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_bits_do_not_depend_on_the_threads(lib, case):
+    """A product's parts are fixed by its shape (`contract.product_cuts`), never by the threads taking them: the
+    compiled kernels on 1, 2, 3 and 5 threads and numpy's products (`cpu.linalg.Products`) on 1, 2 and 3 compute the
+    same bits each, and both equal numpy's matmul in float64 to float32 rounding."""
     a, b = CASES[case](np.random.default_rng(9))
-    runs = []
-    try:
-        lib.set_product_parts(3)
-        for threads in (3, 2, 1):
-            lib.set_threads(threads)
-            out = np.full((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]), np.nan,
-                          np.float32)
-            runs.append(lib.gemm(a, b, out))
-    finally:
-        lib.set_product_parts(0)
-    for got in runs[1:]:
-        np.testing.assert_array_equal(got, runs[0])
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    compiled, numpys = [], []
+    for threads in (1, 2, 3, 5):
+        lib.set_threads(threads)
+        compiled.append(lib.gemm(a, b, np.full(shape, np.nan, np.float32)))
+    for threads in (1, 2, 3):
+        numpys.append(Products(threads)(a, b, np.full(shape, np.nan, np.float32)))
+    for got in compiled[1:]:
+        np.testing.assert_array_equal(got, compiled[0])
+    for got in numpys[1:]:
+        np.testing.assert_array_equal(got, numpys[0])
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    scale = np.sqrt(a.shape[-1]) * 1e-6 * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(numpys[0], want, rtol=0, atol=scale)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 24, 100])
+@pytest.mark.parametrize("m, n, k", [(70, 530, 300), (1000, 45, 37), (50, 500, 4096), (20, 25, 36864), (3, 4, 5),
+                                     (64, 6272, 576), (4096, 4096, 1), (0, 10, 10), (10, 0, 10)])
+def test_a_products_cut_follows_its_shape_alone(batch, m, n, k):
+    """The parts cover the longer side of the output in whole vectors, at most PRODUCT_ITEMS in all, an even count
+    (or one), each at least PRODUCT_PART_WIDTH wide and PRODUCT_PART_WORK multiply-adds where there are several."""
+    by_columns, parts, width = contract.product_cuts(batch, m, n, k)
+    side = n if by_columns else m
+    assert by_columns == (n >= m) and side == max(m, n)
+    assert parts == 1 or parts % 2 == 0
+    assert width % 16 == 0 and parts * width >= side and (parts - 1) * width < max(side, 1)
+    if parts > 1:
+        assert batch * parts <= contract.PRODUCT_ITEMS
+        assert side // parts >= contract.PRODUCT_PART_WIDTH - 16
+        assert m * n * k // parts >= contract.PRODUCT_PART_WORK
+    assert contract.product_cuts(batch, m, n, k) == (by_columns, parts, width)
 
 
 @needs_cc

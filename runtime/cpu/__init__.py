@@ -67,7 +67,8 @@ def backend(native=None, gemm=None) -> types.SimpleNamespace:
     `gemm(a, b, out=c)` instead of `np.matmul` (the tiled GEMM), and those of `_COMPILED` running the compiled
     kernels `native` has (`deepdsl_runtime.cpu.native`): what a generated program's `rt` is. Its `with_gemm` keeps
     the compiled kernels; `native` is the `Native` (or None). Without a `gemm`, the products run on the compiled
-    kernels' threads where `native` computes them (`Native.gemm`), else by np.matmul."""
+    kernels' threads where `native` computes them (`Native.gemm`), else by np.matmul (a program passes numpy's
+    products on its threads, `linalg.Products`)."""
     names = {name: globals()[name] for name in __all__}
     if gemm is None and native is not None and native.products:
         gemm = native.gemm

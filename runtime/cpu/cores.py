@@ -7,8 +7,8 @@ cores beside one busy process: 695 ms an iteration on two threads, 345 on one; d
 follows the load of the cores this process may run on (`/proc/stat`, less the CPU time of this process): between
 steps, a window of `WINDOW` seconds at a time, the thread count becomes the cores the other processes left free
 (rounded, at least one, at most the threads asked for) once two windows in a row agree on it. Where /proc/stat
-cannot be read it keeps the threads asked for. (A program's products stay cut into as many parts as the threads it
-started with: its results do not change with the threads, `Native.set_product_parts`.)
+cannot be read it keeps the threads asked for. (No result changes with the threads: products are cut into parts fixed
+by their shapes, `contract.product_cuts`, and every other kernel sums each output on one thread in a fixed order.)
 """
 from __future__ import annotations
 

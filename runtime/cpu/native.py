@@ -146,7 +146,7 @@ class Native:
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
-        lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
+        lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
         lib.deepdsl_gemm.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
         # (a library built from the C file of an older program has no per-channel sum of a tensor)
@@ -154,7 +154,6 @@ class Native:
         if self._channel_sum is not None:
             self._channel_sum.argtypes = [_L, _L, _L, _P, _P]
             self._channel_sum.restype = _I
-        lib.deepdsl_set_gemm_parts.argtypes = [_L]
         sgemm = blas_sgemm()
         if sgemm is not None:
             lib.deepdsl_set_sgemm(sgemm[0], int(sgemm[1]))
@@ -169,23 +168,18 @@ class Native:
 
     def set_threads(self, threads: int) -> None:
         """Run the kernels, and the matrix products where this library computes them, on `threads` threads (numpy's
-        BLAS then on one: each thread of the kernels' calls it for parts of a product; else on `threads`)."""
+        BLAS on one: each thread of the kernels' calls it for parts of a product). No result depends on them."""
         self.lib.deepdsl_set_threads(int(threads))
-        set_blas_threads(1 if self.products else threads)
-
-    def set_product_parts(self, parts: int) -> None:
-        """Cut each matrix product into `parts` parts whatever the threads (a program: the threads it starts with,
-        so that its results do not change when it runs on fewer, `cpu.cores`); 0: as many as the threads."""
-        self.lib.deepdsl_set_gemm_parts(int(parts))
+        set_blas_threads(1)
 
     # matrix products ------------------------------------------------------------------------------------------
 
     def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = a @ b as `np.matmul(a, b, out=out)` computes it (matrices, or stacks of them broadcast against each
         other; transposed views read in place), on the kernels' threads (kernels/cpu_gemm.c), the BLAS's sgemm
-        computing each part. What the library cannot address (another dtype, a view with strides of its own, an
-        output over an operand) runs np.matmul; a stack that is not one stride apart, one product per leading
-        index."""
+        computing each part of the cut `contract.product_cuts` fixes by the shapes. What the library cannot address
+        (another dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is
+        not one stride apart, one product per leading index."""
         if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
                 not a.dtype == b.dtype == out.dtype == np.float32 or \
                 np.may_share_memory(out, a) or np.may_share_memory(out, b):
@@ -203,9 +197,11 @@ class Native:
             for i in range(lead[0]):            # one stride apart below the first axis, maybe
                 self.gemm(_index(a, i, len(lead)), _index(b, i, len(lead)), out[i])
             return out
+        batch = math.prod(lead)
+        by_columns, parts, width = contract.product_cuts(batch, m, n, k)
         if 0 in (m, n, k, *lead) or not self.lib.deepdsl_gemm(
-                math.prod(lead), ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1], sb,
-                out.ctypes.data, to[1], sc):        # (0: the library has no sgemm to call)
+                batch, ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1], sb,
+                out.ctypes.data, to[1], sc, by_columns, parts, width):        # (0: the library has no sgemm to call)
             return np.matmul(a, b, out=out)
         return out
 

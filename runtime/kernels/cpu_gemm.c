@@ -2,13 +2,11 @@
 //
 // The BLAS numpy loaded (OpenBLAS) keeps threads of its own; between two products they sleep, and waking them, as
 // waking the kernels' OpenMP threads after them, costs tens of microseconds on a virtual machine, several hundred
-// times a step. Here a product is cut into parts, one per thread (a stack of products: whole products per thread
-// where they share evenly), each part computed by the BLAS's single-threaded sgemm (its own threads set to one) on
-// the OpenMP team the elementwise kernels and the convolutions' passes run on. As with the BLAS's own threads, the
-// last bits of a product may depend on how it is cut (the BLAS's kernels round the edges of a part differently with
-// some processors' kernels): the parts are as many as deepdsl_set_gemm_parts says (a program: the threads it
-// started with), whatever the threads computing them now (fewer where other processes keep cores busy), so a run's
-// bits do not depend on the machine's load; unset, as many as the threads.
+// times a step. Here a product is cut into parts, each computed by the BLAS's single-threaded sgemm (its own threads
+// set to one) on the OpenMP team the elementwise kernels and the convolutions' passes run on. The last bits of a
+// product depend on how it is cut (the BLAS's kernels round the edges of a part as their kernels for that edge do),
+// so the cut is the caller's, fixed by the product's shape alone (deepdsl_runtime.contract.product_cuts), and the
+// threads only take whole parts: a step computes the same bits on any number of threads.
 //
 // deepdsl_set_sgemm gives the BLAS's CBLAS sgemm (row-major calls; 64-bit integers where `ilp64`).
 
@@ -18,11 +16,6 @@ typedef void (*deepdsl_sgemm32)(int, int, int, int, int, int, float, const float
                                 float*, int);
 static void* deepdsl_sgemm_function;
 static int deepdsl_sgemm_ilp64;
-static long deepdsl_gemm_cut;           // the parts of a product (0: as many as the threads)
-
-void deepdsl_set_gemm_parts(long parts) {
-    deepdsl_gemm_cut = parts;
-}
 
 void deepdsl_set_sgemm(void* sgemm, int ilp64) {
     deepdsl_sgemm_function = sgemm;
@@ -45,17 +38,15 @@ static void deepdsl_sgemm(int ta, int tb, long m, long n, long k, const float* a
                                                   (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
 }
 
-// c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand): the batch's
-// products shared among the threads where they share among the parts evenly, else each cut along its longer side
-// (of c) into the parts, in whole vectors of 16 floats. 0 without an sgemm.
+// c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand), each product cut
+// along the columns of c (`by_columns`), else its rows, into `parts` parts of `width` (the last one shorter, or
+// empty): the threads take whole parts, the batch's parts in order. 0 without an sgemm.
 int deepdsl_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
-                 const float* b, long ldb, long sb, float* c, long ldc, long sc) {
+                 const float* b, long ldb, long sb, float* c, long ldc, long sc, int by_columns, long parts,
+                 long width) {
     if (!deepdsl_sgemm_function) return 0;
-    const int by_columns = n >= m;
-    const long side = by_columns ? n : m, cut = deepdsl_gemm_cut > 0 ? deepdsl_gemm_cut : deepdsl_threads();
-    const long parts = batch % cut == 0 ? 1 : cut;
-    const long width = ((side + parts - 1) / parts + 15) / 16 * 16;
-#pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    const long side = by_columns ? n : m;
+#pragma omp parallel if (batch * parts > 1 && (double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
     {
         long begin, end;
         deepdsl_share(batch * parts, 1, &begin, &end);
