@@ -19,6 +19,7 @@ import numpy as np
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory, parallel
 from deepdsl_runtime.cpu.cores import FreeCores
+from deepdsl_runtime.cpu.linalg import Products
 from deepdsl_runtime.memory import StepPlan
 from deepdsl_runtime.run import (KERNELS, RunError, add_gemm_options, add_kernel_options,  # noqa: F401
                                  add_parallel_options, run)
@@ -115,10 +116,15 @@ class Model:
                  kernels: str = "auto", threads: int | None = None):
         self.rt = backend(device)
         self.free_cores: FreeCores | None = None
+        self.threads = 1
+        self.products: Products | None = None
         # on the CPU: the program's compiled kernels where its library is built ("auto"), else numpy's
         self.kernels = f"{device} kernels"
         if device == "cpu":
-            self.rt = self.rt.backend(self._compiled_kernels(kernels, threads))
+            found = self._compiled_kernels(kernels, threads)
+            # the products on the kernels' threads where the library computes them, else numpy's in the same parts
+            self.products = None if found is not None and found.products else Products(self.threads)
+            self.rt = self.rt.backend(found, self.products)
         if memory_mode not in memory.MODES:
             raise RunError(f"unknown memory mode '{memory_mode}' (use {', '.join(memory.MODES)})")
         # a device backend serves the plan from device memory (the same bookkeeping) and runs this program's kernels
@@ -138,7 +144,9 @@ class Model:
     def _compiled_kernels(self, kernels: str, threads: int | None):
         """The program's compiled CPU kernels (`deepdsl_runtime.cpu.native`), or None for numpy's; `kernels` is
         "auto" (compiled where built), "compiled" (an error where not) or "numpy". `self.kernels` says which run
-        and why. Sets the compiled kernels' and the matrix products' threads (default: the cores available)."""
+        and why. Sets the threads (default: the cores available) and numpy's BLAS to one: the products are cut into
+        parts fixed by their shapes, which the threads take (`contract.product_cuts`), so no bit depends on the
+        threads."""
         from deepdsl_runtime.cpu import native as compiled
 
         if kernels not in KERNELS:
@@ -147,8 +155,8 @@ class Model:
             raise RunError("--threads must be >= 1")
         # without a thread count asked for: the cores available, fewer while other processes keep some busy
         self.free_cores = FreeCores(compiled.threads_available()) if threads is None else None
-        threads = threads or compiled.threads_available()
-        compiled.set_blas_threads(threads)
+        self.threads = threads = threads or compiled.threads_available()
+        compiled.set_blas_threads(1)
         if kernels == "numpy":
             self.kernels = "numpy kernels"
             return None
@@ -160,21 +168,20 @@ class Model:
             self.kernels = f"numpy kernels: {why}"
             return None
         found.set_threads(threads)
-        found.set_product_parts(threads)       # the same bits on fewer threads (`follow_free_cores`)
         self.kernels = f"compiled kernels, {threads} thread{'s' if threads > 1 else ''}"
         return found
 
     def follow_free_cores(self) -> int | None:
-        """Between steps, where the run did not ask for a thread count: the kernels' and the products' threads set
-        to the cores other processes leave free (`deepdsl_runtime.cpu.cores`) when those changed, and returned;
-        else None."""
+        """Between steps, where the run did not ask for a thread count: the threads (the compiled kernels', or
+        numpy's products') set to the cores other processes leave free (`deepdsl_runtime.cpu.cores`) when those
+        changed, and returned; else None. The bits do not change with them."""
         threads = self.free_cores.update() if self.free_cores is not None else None
-        if threads is not None and self.rt.native is not None:
-            self.rt.native.set_threads(threads)      # (and numpy's BLAS)
-        elif threads is not None:
-            from deepdsl_runtime.cpu import native as compiled
-
-            compiled.set_blas_threads(threads)
+        if threads is not None:
+            self.threads = threads
+            if self.rt.native is not None:
+                self.rt.native.set_threads(threads)
+            if self.products is not None:
+                self.products.set_threads(threads)
         return threads
 
     @classmethod
