@@ -84,6 +84,30 @@ def test_resume_is_bit_exact(inception, tmp_path):
     assert not np.array_equal(read(init)["conv1_W"], a["conv1_W"])
 
 
+@pytest.mark.parametrize("kernels", ["compiled", "numpy"])
+def test_resume_on_another_number_of_threads_is_bit_exact(tmp_path, kernels):
+    """The bits do not depend on the threads: 4 iterations on one thread == 2 on two, then 2 more resumed on three
+    (a checkpoint moved to a machine with other cores, or started under another load), with the compiled kernels
+    (products on their threads) and with numpy's."""
+    from deepdsl.codegen.native import build_library, find_compiler
+
+    if kernels == "compiled" and find_compiler() is None:
+        pytest.skip("no C compiler")
+    _, program = compile_program("resnet_mini", tmp_path / "program", batch=4)
+    if kernels == "compiled":
+        built, why = build_library(program.with_suffix(".c"))
+        assert built is not None, why
+    whole, halves = tmp_path / "whole.npz", tmp_path / "halves.npz"
+    common = ("--data", "digits", "--seed", "3", "--test-iters", "0", "--quiet", "--kernels", kernels)
+    for path, iters, threads in ((whole, 4, 1), (halves, 2, 2), (halves, 4, 3)):
+        done = run_cli(program, "--iters", str(iters), "--params", str(path), "--threads", str(threads), *common)
+        assert done.returncode == 0, done.stderr
+    a, b = read(whole), read(halves)
+    assert sorted(a) == sorted(b) and int(b["__iteration__"]) == 4
+    differ = [key for key in a if not np.array_equal(a[key], b[key])]
+    assert not differ, differ
+
+
 def test_fresh_starts_over(mlp, tmp_path):
     path = tmp_path / "p.npz"
     assert run_cli(mlp, "--iters", "2", "--params", str(path), "--quiet", "--test-iters", "0").returncode == 0

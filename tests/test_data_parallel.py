@@ -32,7 +32,8 @@ MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathse
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpi]' brings one)")
 
 TIMEOUT = 120
-# one thread and numpy's kernels: the bits compared do not depend on how many cores the ranks share
+# one thread and numpy's kernels: ranks sharing the cores are not slowed by threads of their own (no bit depends on
+# the threads: `test_ranks_of_one_thread_equal_one_process_of_two_or_three_accumulating`)
 SAME_BITS = ("--kernels", "numpy", "--threads", "1", "--quiet")
 
 DROPOUT_NETWORK = """
@@ -115,6 +116,26 @@ def train(path: Path, out: Path, *args: str, ranks: int = 0, iters: int = 4) -> 
     done = mpiexec(ranks, path, "--data-parallel", *common) if ranks else run_cli(path, *common, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(report.read_text())
+
+
+def test_ranks_of_one_thread_equal_one_process_of_two_or_three_accumulating(tmp_path):
+    """The bits do not depend on the threads: two ranks of one thread each train bit for bit as one process of two
+    threads (and of three) accumulating two batches, with the compiled kernels (products on their threads) and with
+    numpy's."""
+    from deepdsl.codegen.native import build_library, find_compiler
+
+    path = program("lenet", tmp_path / "program", batch=8)
+    kernels = ["numpy"]
+    if find_compiler() is not None:
+        built, why = build_library(path.with_suffix(".c"))
+        assert built is not None, why
+        kernels.append("compiled")
+    for kind in kernels:
+        train(path, tmp_path / f"ranks-{kind}.npz", "--kernels", kind, ranks=2)
+        for threads in ("2", "3"):
+            one = tmp_path / f"one-{kind}-{threads}.npz"
+            train(path, one, "--accumulate", "2", "--kernels", kind, "--threads", threads)
+            assert_bitwise(tmp_path / f"ranks-{kind}.npz", one)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
