@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from deepdsl.errors import DeepDSLError
+from deepdsl.errors import DeepDSLError, SizeError
 from deepdsl.ir import REMAT
 from deepdsl.liveness import peak_estimate
 from deepdsl.memory_plan import MemoryPlan, workspace_bytes
@@ -276,13 +276,13 @@ def largest_batch(loop, options, recompute: bool = True, start: int | None = Non
     budget = options.memory_budget
 
     def fits(batch: int) -> bool:
-        other = load(loop.source, Overrides(batch=batch, image=image))
-        if not recompute:
-            compiled = compile_loop(other, options.changed(memory_budget=None))
-            return all(s.plan.total_bytes <= budget for s in compiled.steps.values())
-        try:
+        try:                    # a value or plan beyond any machine (`ir.MAX_BYTES`) fits no budget
+            other = load(loop.source, Overrides(batch=batch, image=image))
+            if not recompute:
+                compiled = compile_loop(other, options.changed(memory_budget=None))
+                return all(s.plan.total_bytes <= budget for s in compiled.steps.values())
             compile_loop(other, options, explain=False)
-        except DoesNotFit:
+        except (DoesNotFit, SizeError):
             return False
         return True
 

@@ -47,15 +47,27 @@ def _positive(text: str) -> int:
 
 
 def _bytes(text: str) -> int:
-    """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables)."""
+    """A byte count: `67108864`, `64MB`, `1.5GB`, `800k` (decimal units: 1 MB = 10^6 bytes, as in the tables),
+    exactly, of any size (`_check_sizes` refuses one beyond `ir.MAX_BYTES`)."""
     import re
+    from fractions import Fraction
     if text.strip().lower() in ("none", "unlimited"):
         return -1                        # no limit
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*", text.lower())
     if not match:
         raise argparse.ArgumentTypeError(f"expected a number of bytes such as 67108864 or 64MB, got '{text}'")
-    value = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
+    value = Fraction(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
     return int(value)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """The byte options within what a plan may take (`ir.MAX_BYTES`: beyond any machine's memory)."""
+    from deepdsl.ir import MAX_BYTES, bytes_text
+    for option in ("--memory-budget", "--workspace-limit", "--fit"):
+        value = getattr(args, option[2:].replace("-", "_"), None)
+        if value is not None and value > MAX_BYTES:
+            raise DeepDSLError(f"{option}: {bytes_text(value)} is more than any machine holds; give at most 2^48 "
+                               f"= {MAX_BYTES} bytes ({MAX_BYTES // 10**9}GB)")
 
 
 def _workspace_limit(args: argparse.Namespace) -> int | None:
@@ -417,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("options after `--` are for `deepdsl run` only")
     args.program_args = program_args
     try:
+        _check_sizes(args)
         return args.func(args)
     except DeepDSLError as err:
         if args.debug:

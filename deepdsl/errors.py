@@ -38,6 +38,10 @@ class ShapeError(DeepDSLError):
     """A tensor's shape does not fit the layer it flows into."""
 
 
+class SizeError(ShapeError):
+    """A value, or a step's memory plan, larger than any machine holds (`deepdsl.ir.MAX_BYTES`)."""
+
+
 class ArgumentError(DeepDSLError):
     """A layer, input, initializer or solver is given an argument it cannot take: of the wrong type, out of range, or
     a name the generated program cannot use."""

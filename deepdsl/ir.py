@@ -3,7 +3,8 @@
 Nodes are frozen and hash-consed: `make` returns the existing node when an equal one (same op, same input
 objects, same attributes) is alive, so structurally equal subexpressions are one object and common-subexpression
 elimination is a matter of rebuilding through `make`. A node's shape and dtype are inferred by its op's shape rule
-when it is made, so every graph that exists has been shape-checked.
+when it is made, so every graph that exists has been shape-checked; a value of more than `MAX_BYTES` (2^48
+bytes, 256 TiB: more memory than any machine has) is a `SizeError` when it is made, naming the network file's line.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from deepdsl.errors import SizeError, user_location
 from deepdsl.provenance import inherit
 
 FLOAT = "float"   # the training dtype: float32 in generated programs, float64 in gradient tests
@@ -23,6 +25,16 @@ INT32 = "int32"   # labels
 UINT8 = "uint8"   # pooling argmax indices
 
 ITEMSIZE = {FLOAT: 4, INT32: 4, UINT8: 1}
+# the most bytes a value, or a step's whole memory plan (`pipeline.plan_steps`), may take: 2^48 = 256 TiB is beyond
+# any machine's memory, so a larger size is a mistake in the network's sizes (channels=10**12), refused while
+# compiling rather than when the program allocates it; it also keeps every sum of sizes within int64
+MAX_BYTES = 1 << 48
+
+
+def bytes_text(nbytes: int) -> str:
+    """A byte count for a message: `2.430e+15 bytes` (an integer of any size)."""
+    digits = len(str(nbytes)) - 1
+    return f"{nbytes:.3e} bytes" if digits < 300 else f"about 10^{digits} bytes"
 
 
 def numpy_dtype(dtype: str, float_dtype=np.float32):
@@ -99,7 +111,12 @@ def _make(op: str, inputs: tuple[Node, ...], items: tuple[tuple[str, Any], ...])
         return found
     kwargs = {k: v for k, v in items if k not in HIDDEN}
     shape, dtype = _get_op(op).infer(*inputs, **kwargs)
-    node = Node(op, inputs, items, tuple(map(int, shape)), dtype, next(_serial))
+    shape = tuple(map(int, shape))
+    nbytes = math.prod(shape) * ITEMSIZE.get(dtype, 8)
+    if nbytes > MAX_BYTES:
+        raise SizeError(f"a value of shape {'x'.join(map(str, shape))} takes {bytes_text(nbytes)}, more than the "
+                        "2^48 bytes (256 TiB) any machine holds", user_location())
+    node = Node(op, inputs, items, shape, dtype, next(_serial))
     _cache[key] = node
     return node
 

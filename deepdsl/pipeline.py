@@ -22,7 +22,8 @@ from typing import Callable, Mapping
 
 from deepdsl import provenance
 from deepdsl.dsl import Loop
-from deepdsl.ir import Graph, Node
+from deepdsl.errors import SizeError
+from deepdsl.ir import MAX_BYTES, Graph, Node, bytes_text
 from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.passes.cse import cse
@@ -284,7 +285,23 @@ def plan_steps(unplanned: Mapping[str, Program], options: CompileOptions = Compi
             return fit_steps(unplanned, options, hook, network, explain)
         final = run_stages(unplanned, MEMORY_STAGES, options, hook)
         plans = run_stages(final, PLANNING_STAGES, options, hook)
+        for step, plan in plans.items():
+            _refuse_oversized(step, plan)
     return {step: CompiledStep(final[step], plans[step], unplanned[step]) for step in unplanned}
+
+
+def _refuse_oversized(step: str, plan: MemoryPlan) -> None:
+    """A `SizeError` for a plan larger than any machine holds (`MAX_BYTES`), naming the step, its size and the
+    layer of its largest value; every value is within the limit (`ir.make` refuses others), their sum may not be."""
+    if plan.total_bytes <= MAX_BYTES:
+        return
+    values = [(b.nbytes, b.value) for b in plan.buffers] + [(p.nbytes, p.leaf) for p in plan.persistent]
+    nbytes, largest = max(values, key=lambda pair: pair[0])
+    origin = provenance.origin(largest)
+    layer = f" of layer '{origin.layer}'" if origin is not None else ""
+    raise SizeError(f"the {step} step's memory plan takes {bytes_text(plan.total_bytes)} (persistent + arena + "
+                    f"workspace), more than the 2^48 bytes (256 TiB) any machine holds; its largest value takes "
+                    f"{bytes_text(nbytes)}{layer}: make the layers or the batch smaller")
 
 
 def plan_program(program: Program, options: CompileOptions = CompileOptions(),

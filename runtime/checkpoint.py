@@ -9,7 +9,11 @@ Contents (every entry a plain array; no pickled objects):
   `__structure_hash__` (hash of the compiled training program, so a file cannot be loaded into a program of
   another structure), `__iteration__` (training iterations done), `__seed__`, `__data_epoch__` and
   `__data_offset__` (the data stream's position; with the seed they are its whole random state, since shuffling
-  and dropout masks are drawn from counters), `__data__` (the data spec used).
+  and dropout masks are drawn from counters), `__data__` (the data spec used); optionally `__batches__` (batches
+  of the compiled size trained on), `__ranks__` and `__global_batch__` (how the run that wrote it made a batch).
+  `read` checks every field's type and range (`__iteration__`, `__data_epoch__`, `__data_offset__` and
+  `__batches__` >= 0, `__seed__` in [0, 2^63) as `--seed` is, `__ranks__` and `__global_batch__` >= 1): a bad one
+  is a `CheckpointError` naming the file and the field.
 
 Files are written atomically: into a temporary file in the same directory (`.NAME.PID-XXXXXXXX.tmp`: the writer's
 process id and a random suffix), flushed and fsynced, then renamed over the target, so a crash or a signal mid-write
@@ -19,6 +23,7 @@ leaves the previous checkpoint intact. A process killed mid-write leaves its tem
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -36,6 +41,10 @@ __all__ = ["FORMAT", "Checkpoint", "CheckpointError", "atomic_write", "check_tar
            "remove_stale_temporaries", "write"]
 
 FORMAT = "deepdsl-checkpoint-1"
+# the least value of each integer field (all below 2^63: they are int64), the optional ones among them
+_LEAST = {"__iteration__": 0, "__seed__": 0, "__data_epoch__": 0, "__data_offset__": 0, "__batches__": 0,
+          "__ranks__": 1, "__global_batch__": 1}
+_OPTIONAL = ("__batches__", "__ranks__", "__global_batch__")
 
 
 class CheckpointError(Exception):
@@ -220,11 +229,20 @@ def read(path: str) -> Checkpoint:
         if value.shape != () or (kind == "str" and value.dtype.kind != "U") or \
                 (kind == "int" and value.dtype.kind not in "iu"):
             raise CheckpointError(f"{path}: field '{name}': expected a {kind}, found {value.dtype} {value.shape}")
-        return str(value) if kind == "str" else int(value)
+        if kind == "str":
+            return str(value)
+        number = int(value)
+        if not _LEAST[name] <= number < 2 ** 63:       # (a uint64 may hold more)
+            raise CheckpointError(f"{path}: field '{name}': {number}, expected an integer in "
+                                  f"[{_LEAST[name]}, 2^63)")
+        return number
 
     if meta("__format__", "str") != FORMAT:
         raise CheckpointError(f"{path}: field '__format__': {meta('__format__', 'str')!r}, expected {FORMAT!r}")
     tensors = {k: v for k, v in entries.items() if not k.startswith("__")}
+    for name in _OPTIONAL:
+        if name in entries:
+            meta(name, "int")
     known = {"__format__", "__network__", "__structure_hash__", "__iteration__", "__seed__", "__data_epoch__",
              "__data_offset__", "__data__"}
     return Checkpoint(
@@ -305,7 +323,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     length = int.from_bytes(raw[:8], "little")
     try:
         header = json.loads(raw[8:8 + length].decode("utf-8")) if 8 + length <= len(raw) else None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         header = None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file (no JSON header of {length} bytes)")
@@ -315,12 +333,15 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
             continue
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
+            shape = tuple(_count(d) for d in entry["shape"])
+            begin, end = (_count(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: field '{name}': not a tensor entry this reader knows "
-                                  f"(dtype {entry.get('dtype') if isinstance(entry, dict) else '?'})") from None
-        count = int(np.prod(shape, dtype=np.int64))
+                                  f"(dtype {entry.get('dtype') if isinstance(entry, dict) else '?'}, shape and "
+                                  "offsets of non-negative integers)") from None
+        # in Python's integers, before anything is allocated: [2**32, 2**32] would wrap to 0 elements in int64, and
+        # the bytes a shape declares must be the bytes the file holds for it
+        count = math.prod(shape)
         if not 0 <= begin <= end <= len(data) or end - begin != count * np.dtype(dtype).itemsize:
             raise CheckpointError(f"{path}: field '{name}': its bytes [{begin}, {end}) do not hold {entry['dtype']} "
                                   f"{_dims(shape)}")
@@ -329,6 +350,13 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
             array = (array.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = array
     return tensors
+
+
+def _count(value) -> int:
+    """A JSON size or offset: a non-negative integer (a float, a string or a boolean is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(value)
+    return value
 
 
 def check_tensors(checkpoint: Checkpoint, expected: dict[str, tuple[int, ...]]) -> None:

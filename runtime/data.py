@@ -7,9 +7,11 @@ Specs:
   `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, each optionally gzipped), scaled to [0, 1].
 - `cifar10:DIR`: the CIFAR-10 binary batches in DIR or DIR/cifar-10-batches-bin (`data_batch_*.bin`,
   `test_batch.bin`; one label byte and 3072 pixel bytes per image), scaled to [0, 1].
-- `npz:PATH`: arrays `x` (N,C,H,W or N,H,W) and `y`, optionally `x_test` and `y_test` (else the training arrays
-  are also the test set); integer pixels are scaled by 1/255. For a network of float targets (`D.targets`), `y`
-  holds them, of the network's target shape per example.
+- `npz:PATH`: arrays `x` (N,C,H,W or N,H,W) and `y` (or `x_train` and `y_train`, as Keras names them),
+  optionally `x_test` and `y_test` (else the training arrays are also the test set); an array without its partner
+  (`x_test` without `y_test`, ...) is an error. Integer pixels are scaled by 1/255; labels are checked against the
+  classes before they become int32. For a network of float targets (`D.targets`), `y` holds them, of the network's
+  target shape per example.
 - `synthetic`: normally distributed images and uniform labels (for timing; there is nothing to learn); for a network
   of tokens, uniform tokens and next tokens; of float targets, normal targets.
 - `digits` for a network whose float targets have its images' shape: each image is its own target (an
@@ -83,7 +85,7 @@ def load(spec: str, image_shape: tuple[int, ...], classes: int, seed: int = 0, b
     elif kind == "cifar10" and arg:
         data = _cifar10(spec, arg)
     elif kind == "npz" and arg:
-        data = _npz(spec, arg)
+        data = _npz(spec, arg, classes=classes)
     else:
         raise DataError(f"unknown data spec '{spec}' (use digits, synthetic, mnist:DIR, cifar10:DIR, npz:PATH or "
                         "text:PATH)")
@@ -183,8 +185,8 @@ def _text(spec: str, path: str, length: int, vocab: int) -> Dataset:
     """Windows of `length` + 1 consecutive bytes of the file at `path`, overlapping by one: tokens and next tokens."""
     try:
         data = np.frombuffer(_read(path), dtype=np.uint8)
-    except OSError as err:
-        raise DataError(f"{spec}: cannot read {path}: {err.strerror or err}") from None
+    except (OSError, EOFError, zlib.error) as err:        # a truncated gzip: EOFError; a damaged one: the others
+        raise DataError(f"{spec}: cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     windows = (len(data) - 1) // length
     if windows < 2:
         raise DataError(f"{spec}: {len(data)} bytes make {max(windows, 0)} window(s) of {length} + 1 tokens; the "
@@ -287,7 +289,7 @@ def _cifar10(spec: str, directory: str) -> Dataset:
                    x_test, y_test)
 
 
-def _npz(spec: str, path: str, float_targets: bool = False) -> Dataset:
+def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None = None) -> Dataset:
     if os.path.isdir(path):
         raise DataError(f"{spec}: {path} is a directory, not an .npz file")
     try:
@@ -304,7 +306,14 @@ def _npz(spec: str, path: str, float_targets: bool = False) -> Dataset:
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
             raise DataError(f"{spec}: member '{key}' of {path} is not an .npy array")
-    for key in ("x", "y"):
+    for x_key, y_key in (("x", "y"), ("x_train", "y_train"), ("x_test", "y_test")):
+        for key, partner in ((x_key, y_key), (y_key, x_key)):
+            if key in arrays and partner not in arrays:      # never fall back to other arrays for the missing one
+                raise DataError(f"{spec}: no array '{partner}' in {path}, which has '{key}'")
+    if "x" in arrays and "x_train" in arrays:
+        raise DataError(f"{spec}: {path} has both 'x' and 'x_train'; keep one pair of training arrays")
+    train = ("x", "y") if "x" in arrays or "x_train" not in arrays else ("x_train", "y_train")
+    for key in train:
         if key not in arrays:
             raise DataError(f"{spec}: no array '{key}' in {path}")
 
@@ -325,15 +334,24 @@ def _npz(spec: str, path: str, float_targets: bool = False) -> Dataset:
     def labels(key):
         y = arrays[key]
         if float_targets:
-            if y.dtype.kind not in "iuf" or not np.all(np.isfinite(y)):
+            if y.dtype.kind not in "iuf":
                 raise DataError(f"{spec}: array '{key}' must hold finite numbers (the targets), got {y.dtype}")
-            return np.ascontiguousarray(y, dtype=np.float32)
+            y = np.ascontiguousarray(y, dtype=np.float32)
+            if not np.all(np.isfinite(y)):          # after the cast: float64 beyond float32's range becomes inf
+                raise DataError(f"{spec}: array '{key}' holds NaN, infinite or beyond-float32 targets")
+            return y
         if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{spec}: array '{key}' must hold integer labels, got {y.dtype} of shape {y.shape}")
+        # the range before the cast: int64 2^32 + 3 would become 3, a valid label
+        above = 2 ** 31 if classes is None else classes
+        if y.size and (int(y.min()) < 0 or int(y.max()) >= above):
+            raise DataError(f"{spec}: array '{key}' of {path}: labels range over [{y.min()}, {y.max()}], "
+                            + (f"the network has {classes} classes" if classes is not None else
+                               "labels must lie in [0, 2^31)"))
         return y.astype(np.int32)
 
-    x, y = images("x"), labels("y")
-    if "x_test" in arrays and "y_test" in arrays:
+    x, y = images(train[0]), labels(train[1])
+    if "x_test" in arrays:
         return Dataset(spec, x, y, images("x_test"), labels("y_test"))
     return Dataset(spec, x, y, x, y)
 

@@ -49,17 +49,22 @@ class RunError(Exception):
 # matrix products through the tiled multi-device GEMM
 
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+MOST_DEVICE_BYTES = 1 << 48      # 256 TiB: more memory than any device has; a larger size is a mistake
+MOST_THREADS = 1024              # more threads than any machine runs at once (each takes a stack and scratch)
 
 
-def _byte_size(text: str) -> int:
-    """'65536', '64K', '256M', '2G' (binary units, an optional trailing 'B' or 'iB') as bytes."""
+def _byte_size(text: str) -> int | float:
+    """'65536', '64K', '256M', '2G' (binary units, an optional trailing 'B' or 'iB') as bytes; a size too large for
+    an integer (1e999) as a float, which `_check_args` refuses naming the option."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     unit = t[-1:] if t[-1:] in _BYTE_UNITS and not t[-1:].isdigit() else ""
     try:
-        value = int(float(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit])
+        value = float(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes (e.g. 65536, 64K, 256M, 2G)") from None
-    return value
+        value = math.nan
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes (e.g. 65536, 64K, 256M, 2G)")
+    return int(value) if abs(value) <= MOST_DEVICE_BYTES else value
 
 
 KERNELS = ("auto", "compiled", "numpy")
@@ -208,16 +213,29 @@ def _check_args(args) -> None:
     timeout = getattr(args, "rank_timeout", 0.0)
     if not (math.isfinite(timeout) and timeout >= 0):
         raise RunError(f"--rank-timeout must be a finite number >= 0, got {timeout}")
+    threads = getattr(args, "threads", None)
+    if threads is not None and not 1 <= threads <= MOST_THREADS:
+        raise RunError(f"--threads must be in [1, {MOST_THREADS}], got {threads}")
+    memory = getattr(args, "gemm_device_memory", None)
+    if memory is not None and memory > MOST_DEVICE_BYTES:
+        raise RunError(f"--gemm-device-memory must be at most 2^48 bytes (256 TiB), got {memory:g} bytes")
 
 
-def _recipe(args) -> tuple[Schedule, datasets.Augment]:
+def _recipe(args, input_shape: tuple[int, ...] = ()) -> tuple[Schedule, datasets.Augment]:
     """The learning-rate schedule (--lr-schedule, --warmup; cosine's length follows --iters) and the augmentation
-    (--augment) of the options."""
+    (--augment) of the options; for images of `input_shape` (N, C, H, W), a crop pads them by at most their height
+    and width (a larger padding crops mostly zeros, and its scratch grows with its square)."""
     try:
-        return (Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters),
-                datasets.Augment.parse(getattr(args, "augment", "none")))
+        recipe = (Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters),
+                  datasets.Augment.parse(getattr(args, "augment", "none")))
     except (ScheduleError, datasets.DataError) as err:
         raise RunError(str(err)) from None
+    crop = recipe[1].crop
+    if crop and len(input_shape) == 4 and crop > min(input_shape[2:]):
+        h, w = input_shape[2:]
+        raise RunError(f"--augment {args.augment}: crop:{crop} pads the network's {h}x{w} images by more than their "
+                       f"size; use at most crop:{min(h, w)}")
+    return recipe
 
 
 def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
@@ -349,7 +367,7 @@ class _Run:
 
     def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=None):
         _check_args(args)
-        self.schedule, self.augment = _recipe(args)
+        self.schedule, self.augment = _recipe(args, model_cls.batch_shape)
         self.args, self.signals, self.ranks = args, signals, ranks or parallel.Alone()
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
                                                   getattr(args, "reduce", "exact"),

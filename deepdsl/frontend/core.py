@@ -421,8 +421,8 @@ class Layer(Fn):
             applied = user_location()
             where = f" (applied at line {applied.lineno})" if applied and self.defined_at and \
                 applied.lineno != self.defined_at.lineno else ""
-            new = ShapeError(f"layer '{self.label}' ({self.describe}) on input {dims(x.shape)}: {err.message}{where}",
-                             self.defined_at or applied)
+            new = type(err)(f"layer '{self.label}' ({self.describe}) on input {dims(x.shape)}: {err.message}{where}",
+                            self.defined_at or applied)          # (a SizeError stays one)
             new.layer_done = True
             raise new from None
 

@@ -417,6 +417,9 @@ ELEMENTWISE_FUNCTIONS = {f.__name__: f for f in (
 # besides them, the logistic function and softplus (written out, they are found and replaced by these: see
 # `stable_forms`)
 ELEMENTWISE_HELPERS = {"sigmoid": Sigmoid, "softplus": Softplus}
+# and the constants a string may name (any other name is the user's own, never sympy's: read by sympy, `zoo`, `I` or
+# `nan` would be complex infinity, the imaginary unit, not a number)
+ELEMENTWISE_CONSTANTS = {"pi": sympy.pi, "E": sympy.E}
 
 
 def elementwise(name: str, f, derivative=None) -> Layer:
@@ -437,20 +440,27 @@ def _user_expression(name: str, f, what: str) -> sympy.Expr:
     """A user function's expression (or its `what` = "derivative "), read and checked as `elementwise` says."""
     try:
         if isinstance(f, str):
-            expr = sympy.sympify(f, locals={"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS})
+            known = {"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS, **ELEMENTWISE_CONSTANTS}
+            expr = sympy.sympify(f, locals={**_own_names(f, known), **known})
         elif callable(f) and not isinstance(f, sympy.Basic):
             expr = sympy.sympify(f(v))
         else:
             expr = sympy.sympify(f)
-    except (sympy.SympifyError, SyntaxError, TypeError, ValueError):
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError, AttributeError):
         raise DeepDSLError(f"elementwise function '{name}': cannot read {what}{f!r} as an expression in v",
                            user_location()) from None
     if not isinstance(expr, sympy.Expr):
         raise DeepDSLError(f"elementwise function '{name}': {what}{f!r} is not an expression in v", user_location())
+    written = repr(f if isinstance(f, str) else str(expr))
     extra = expr.free_symbols - {v}
     if extra:
-        raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))}"
-                           f"{' in its derivative' if what else ''}; write it in terms of v", user_location())
+        raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))} in "
+                           f"{'its derivative ' if what else ''}{written}; write it in terms of v (and pi, E)",
+                           user_location())
+    infinite = [str(c) for c in (sympy.zoo, sympy.oo, sympy.S.NegativeInfinity, sympy.nan, sympy.I) if expr.has(c)]
+    if infinite:         # `1/0`, `log(0)` (zoo), `sqrt(-1)` (I), or a sympy expression holding them
+        raise DeepDSLError(f"elementwise function '{name}': {what}{written} holds {', '.join(infinite)} (an infinity, "
+                           "not-a-number or the imaginary unit), not finite real numbers", user_location())
     expr = stable_forms(expr)
     known = (*ELEMENTWISE_FUNCTIONS.values(), *ELEMENTWISE_HELPERS.values())
     unknown = sorted({type(e).__name__ for e in expr.atoms(sympy.Function) if type(e) not in known})
@@ -460,6 +470,21 @@ def _user_expression(name: str, f, what: str) -> sympy.Expr:
                            f"{' in its derivative' if what else ''}, which deepdsl cannot compute (it knows {known})",
                            user_location())
     return expr
+
+
+def _own_names(text: str, known: dict) -> dict:
+    """Every name `text` uses that is not `known`, as the user's own: a symbol, or a function where it is called (so
+    that the checks of `_user_expression` refuse it by its name)."""
+    import keyword
+    import re
+    names = {}
+    for found in re.finditer(r"(?<![\w.])([A-Za-z_]\w*)(\s*\()?", text):    # not the e3 of 1e3, not attributes
+        name = found.group(1)
+        if keyword.iskeyword(name):          # `lambda`, `if`: Python, not an expression
+            raise SyntaxError(name)
+        if name not in known:
+            names[name] = sympy.Function(name) if found.group(2) else sympy.Symbol(name)
+    return names
 
 
 def lrn(size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Layer:
