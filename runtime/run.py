@@ -51,6 +51,13 @@ class RunError(Exception):
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 MOST_DEVICE_BYTES = 1 << 48      # 256 TiB: more memory than any device has; a larger size is a mistake
 MOST_THREADS = 1024              # more threads than any machine runs at once (each takes a stack and scratch)
+MOST_GEMM_DEVICES = 1024         # likewise devices
+
+
+def _shown(number: int) -> str:
+    """An integer for a message: its digits, or how many there are of them."""
+    text = str(number)
+    return text if len(text) <= 24 else f"a number of {len(text)} digits"
 
 
 def _byte_size(text: str) -> int | float:
@@ -121,6 +128,8 @@ def _tiled_products(args):
         raise RunError("--gemm-devices must be >= 0")
     if count == 0 and memory_bytes is None:
         return None
+    if count > MOST_GEMM_DEVICES:
+        raise RunError(f"--gemm-devices must be at most {MOST_GEMM_DEVICES}, got {_shown(count)}")
     count = max(count, 1)
     memory_bytes = (256 << 20) if memory_bytes is None else memory_bytes
     tile = args.gemm_tile
@@ -134,7 +143,12 @@ def _tiled_products(args):
         raise RunError("--gemm-devices: only the CPU backend routes its matrix products through the tiled GEMM")
     from deepdsl_runtime.gemm import TiledGemm
     from deepdsl_runtime.gemm.products import TiledProducts, cpu_devices
-    return TiledProducts(TiledGemm(cpu_devices(count, memory_bytes), tile=tile))
+    try:                                  # a simulated device holds its memory from the start
+        devices = cpu_devices(count, memory_bytes)
+    except MemoryError:
+        raise RunError(f"--gemm-devices {count} x --gemm-device-memory {memory_bytes} bytes: this machine cannot hold "
+                       "the simulated devices' memory; give fewer or smaller devices") from None
+    return TiledProducts(TiledGemm(devices, tile=tile))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,9 +212,10 @@ def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:
 
 def _check_args(args) -> None:
     """Every numeric option in its range before anything runs."""
-    for key in ("iters", "test_iters", "save_every"):
-        if getattr(args, key) < 0:
-            raise RunError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
+    for key in ("iters", "test_iters", "save_every", "warmup"):
+        count = getattr(args, key, 0)
+        if not 0 <= count < 2 ** 63:           # a checkpoint keeps iterations as int64
+            raise RunError(f"--{key.replace('_', '-')} must be in [0, 2^63), got {_shown(count)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise RunError(f"--lr must be a finite number > 0, got {args.lr}")
     momentum = getattr(args, "momentum", None)

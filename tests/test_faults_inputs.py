@@ -192,7 +192,8 @@ def test_a_byte_option_beyond_any_machine_is_one_line(tmp_path, option, command)
 @pytest.mark.parametrize("option, value, fragment", [
     ("--gemm-device-memory", "1e999", "--gemm-device-memory"), ("--gemm-device-memory", "1e20", "2^48"),
     ("--threads", "99999999999", "--threads"), ("--threads", "1025", "[1, 1024]"),
-    ("--augment", "crop:100000", "--augment crop:100000"), ("--augment", "crop:9,flip", "at most crop:8")])
+    ("--augment", "crop:100000", "--augment crop:100000"), ("--augment", "crop:9,flip", "at most crop:8"),
+    ("--warmup", HUGE, "401 digits"), ("--iters", str(2 ** 63), "2^63"), ("--gemm-devices", "99999999999", "1024")])
 def test_a_program_option_beyond_any_machine_is_one_line(tiny, option, value, fragment):
     one_line(train(tiny, "--data", "synthetic", "--params", "", option, value), option, fragment)
 
