@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import signal
 import sys
 import threading
 import time
@@ -53,9 +54,10 @@ BATCH_NORM_MODES = ("synced", "local")
 class ParallelError(Exception):
     """The ranks cannot train together (one line); `collective`: every rank found it at the same point."""
 
-    def __init__(self, message: str, collective: bool = False):
+    def __init__(self, message: str, collective: bool = False, said: bool = False):
         super().__init__(message)
         self.collective = collective
+        self.said = said              # already said (by rank 0): the other ranks stay silent
 
 
 class Alone:
@@ -97,9 +99,11 @@ class Alone:
 class Ranks:
     """The ranks of an MPI job (`MPI.COMM_WORLD`, R > 1)."""
 
-    def __init__(self, comm, mpi):
+    def __init__(self, comm, mpi, timeout: float = 0.0, interrupted=None, name: str = "program"):
         self.comm, self.mpi = comm, mpi
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        # how long the agreements wait for every rank (0: for ever), the signal received meanwhile, who speaks
+        self.timeout, self.interrupted, self.name = timeout, interrupted or (lambda: None), name
         local = comm.Split_type(mpi.COMM_TYPE_SHARED)
         self.local_size = local.Get_size()          # ranks on this machine, which share its cores
         local.Free()
@@ -162,7 +166,9 @@ class Ranks:
         return int(self.comm.allreduce(int(value), op=self.mpi.MAX))
 
     def agree(self, what: dict) -> None:
-        """Refuse to start unless every rank runs with the same `what` (program and options)."""
+        """Refuse to start unless every rank runs with the same `what` (program and options). Every rank has
+        reached the agreement before the exchange (`meet`: within --rank-timeout, a signal heard meanwhile)."""
+        meet(self.comm, self.comm.Ibarrier(), self.timeout, self.interrupted, self.name, "agreement before training")
         everyone = self.comm.allgather(what)
         for r, theirs in enumerate(everyone):
             differ = [k for k in what if theirs.get(k) != what[k]]
@@ -183,10 +189,13 @@ class Ranks:
 
     def end(self, status: int, collective: bool) -> None:
         """After an error this rank has reported: wait for the others where they stop at the same point
-        (`collective`), else end the job (`MPI.Abort`), so that no rank waits for ever in a collective."""
+        (`collective`), else end the job (`MPI.Abort`), so that no rank waits for ever in a collective. Either
+        way after a pause in which mpiexec forwards the lines said (`forwarded`): mpi4py aborts the job when a rank
+        leaves with a non-zero status."""
         if collective:
             self.comm.Barrier()
-        else:
+        forwarded()
+        if not collective:
             self.comm.Abort(status)
 
 
@@ -205,6 +214,7 @@ class Watchdog:
 
     def __init__(self, ranks: "Ranks", seconds: float, name: str):
         self.ranks, self.seconds, self.name = ranks, seconds, name
+        self.bar_shown = False          # a progress bar holds the current line of standard error
         self.last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="deepdsl-watchdog", daemon=True)
@@ -219,14 +229,15 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.seconds / 4)):
             if time.monotonic() - self.last > self.seconds:
-                sys.stderr.write(f"{self.name}: rank {self.ranks.rank}: no progress for {self.seconds:g} s (another "
-                                 "rank stopped, hung or cannot be reached); ending the job\n")
-                sys.stderr.flush()
-                time.sleep(1.0)         # mpiexec forwards the line before the abort ends every process
+                # on a line of its own: a progress bar may end the line so far (without a newline)
+                forwarded(f"{self.name}: rank {self.ranks.rank}: no progress for {self.seconds:g} s (another rank "
+                          "stopped, hung or cannot be reached); ending the job", fresh_line=self.bar_shown)
                 self.ranks.comm.Abort(EXIT_STALLED)
 
 
 class _NoWatchdog:
+    bar_shown = False
+
     def beat(self) -> None:
         pass
 
@@ -239,16 +250,95 @@ def watchdog(ranks, seconds: float, name: str):
     return Watchdog(ranks, seconds, name) if ranks.size > 1 and seconds > 0 else _NoWatchdog()
 
 
-def world(data_parallel: bool):
-    """The job this process trains in: `Ranks` under mpiexec with --data-parallel and R > 1, else `Alone`."""
-    if not data_parallel:
+def world(data_parallel: bool, timeout: float = 0.0, interrupted=None, name: str = "program"):
+    """The job this process trains in: `Ranks` under mpiexec with --data-parallel and R > 1, else `Alone`.
+
+    In a job of R > 1 ranks (under `python -m mpi4py`, or with --data-parallel) the ranks first tell each other
+    whether they run with --data-parallel, without blocking: a rank that never answers ends the job after
+    `timeout` seconds (0: waits for ever), a signal meanwhile (`interrupted()`: its number, or None) ends it at
+    once, each with one line; ranks that disagree are refused with one line (rank 0's), `ParallelError(said=True)`
+    on every rank. Ranks all without --data-parallel train each alone."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        if not data_parallel and "mpi4py.run" not in sys.modules:     # not under `python -m mpi4py`
+            return Alone()
+        try:
+            from mpi4py import MPI as mpi
+        except ImportError:
+            raise ParallelError("--data-parallel needs mpi4py and an MPI library (pip install 'deepdsl[mpi]')") \
+                from None
+    comm = mpi.COMM_WORLD
+    if comm.Get_size() == 1:
         return Alone()
+    timeout = timeout if math.isfinite(timeout) and timeout > 0 else 0.0
+    interrupted = interrupted or (lambda: None)
+    mine, everyone = np.array([int(data_parallel)], np.int32), np.zeros(comm.Get_size(), np.int32)
+    meet(comm, comm.Iallgather(mine, everyone), timeout, interrupted, name, "start-up agreement")
+    if everyone.min() != everyone.max():
+        with_it, without = (_ranks_named(np.flatnonzero(everyone == v)) for v in (1, 0))
+        message = (f"{with_it} with --data-parallel, {without} without it: every rank of a job must run with it "
+                   "(or none: each then trains alone)")
+        if comm.Get_rank() == 0:
+            _say_line(f"{name}: error: {message}")
+        comm.Barrier()
+        forwarded()
+        raise ParallelError(message, collective=True, said=True)
+    return Ranks(comm, mpi, timeout, interrupted, name) if data_parallel else Alone()
+
+
+FORWARD_SECONDS = 1.0     # how long mpiexec is given to forward a rank's last lines before an abort ends the job
+
+
+def _say_line(text: str, fresh_line: bool = False) -> None:
     try:
-        from mpi4py import MPI
-    except ImportError:
-        raise ParallelError("--data-parallel needs mpi4py and an MPI library (pip install 'deepdsl[mpi]')") from None
-    comm = MPI.COMM_WORLD
-    return Ranks(comm, MPI) if comm.Get_size() > 1 else Alone()
+        sys.stderr.write(("\n" if fresh_line else "") + text + "\n")
+    except OSError:
+        pass
+
+
+def forwarded(text: str | None = None, fresh_line: bool = False) -> None:
+    """Say `text` (one line on standard error; `fresh_line`: after ending the line a progress bar holds), flush
+    both streams and pause: mpiexec forwards what a rank wrote before an abort (MPI's, or mpi4py's at a non-zero
+    exit) ends every process, which would otherwise race the lines and sometimes win."""
+    if text is not None:
+        _say_line(text, fresh_line)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    time.sleep(FORWARD_SECONDS)
+
+
+def meet(comm, request, timeout: float, interrupted, name: str, what: str) -> None:
+    """Wait for the non-blocking collective `request` without spinning (MPI's blocking calls poll at full speed
+    and hold off signals): within `timeout` seconds (0: for ever), else end the job (exit 5); a signal received
+    meanwhile ends it at once (exit 128 + N). Each with one line and `MPI.Abort` (the collective cannot be
+    withdrawn, so the process cannot leave MPI in order)."""
+    began, rank = time.monotonic(), comm.Get_rank()
+    while not request.Test():
+        received = interrupted()
+        if received:
+            forwarded(f"{name}: rank {rank}: {_signal_name(received)} during the {what}; stopped before training")
+            comm.Abort(128 + received)
+        if timeout and time.monotonic() - began > timeout:
+            forwarded(f"{name}: error: rank {rank}: no answer from every rank within {timeout:g} s in the {what} "
+                      "(does every rank run this program, with --data-parallel, under `python -m mpi4py`?); "
+                      "ending the job")
+            comm.Abort(EXIT_STALLED)
+        time.sleep(0.005)
+
+
+def _ranks_named(ranks) -> str:
+    """`rank 1 runs` or `ranks 0, 2 run`."""
+    return f"rank {ranks[0]} runs" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} run"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def digest(tensors: dict[str, np.ndarray]) -> str:

@@ -334,14 +334,19 @@ def run(model_cls: type[Model], args) -> int:
             warnings.simplefilter("ignore")
         session = ranks = None
         try:
-            ranks = parallel.world(getattr(args, "data_parallel", False))
+            ranks = parallel.world(getattr(args, "data_parallel", False), getattr(args, "rank_timeout", 0.0),
+                                   lambda: signals.received, model_cls.name)
             session = _Run(model_cls, args, signals, ranks)
             status = session.execute()
             ranks.barrier()                   # every rank has said its line before any exits
             session.watchdog.stop()
+            if status:                        # said before mpi4py ends the job for the status
+                ranks.end(status, collective=True)
             return status
         except (RunError, ckpt.CheckpointError, datasets.DataError, parallel.ParallelError) as err:
-            status = _error(model_cls, str(err), getattr(err, "status", EXIT_USAGE))
+            status = getattr(err, "status", EXIT_USAGE)
+            if not getattr(err, "said", False):
+                _error(model_cls, str(err), status)
             if ranks is not None:             # the others stop at the same point, or are stopped
                 ranks.end(status, collective=getattr(err, "collective", False))
             return status
@@ -741,6 +746,7 @@ class _Run:
         args, model = self.args, self.model
         iteration, loss, diverged = start, None, None
         bar = _progress(args, start)
+        self.watchdog.bar_shown = bar is not None        # its line of stderr is open: a watchdog starts a new one
         began = time.perf_counter()
         acc, stop = self.accumulation, 0
         try:
@@ -769,6 +775,7 @@ class _Run:
         finally:
             if bar is not None:
                 bar.close()
+            self.watchdog.bar_shown = False
         elapsed = time.perf_counter() - began
         if diverged is not None:
             raise RunError(f"the loss is {diverged} at iteration {iteration + 1}; training stopped, {self.kept()}",

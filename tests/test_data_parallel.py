@@ -360,6 +360,103 @@ def test_ranks_running_different_programs_are_refused(lenet, tmp_path):
     assert "every rank must run the same program" in done.stderr, done.stderr
 
 
+def _job(command: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """An MPI job (each part of `command` separated by ":"), ended with its whole session when it overruns."""
+    job = subprocess.Popen([MPIEXEC, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=program_env(), start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+# a rank that starts MPI but never reaches the program's agreements
+SILENT_RANK = ["-n", "1", sys.executable, "-m", "mpi4py", "-c", "import time; from mpi4py import MPI; time.sleep(60)"]
+
+
+def test_ranks_that_disagree_on_data_parallel_are_refused_in_one_line(lenet):
+    began = time.monotonic()
+    done = _job(["-n", "1", sys.executable, "-m", "mpi4py", str(lenet), "--data-parallel", "--iters", "2",
+                 "--params", "", ":", "-n", "1", sys.executable, "-m", "mpi4py", str(lenet), "--iters", "2",
+                 "--params", ""])
+    assert done.returncode == 1 and time.monotonic() - began < 60, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lenet:")]
+    assert lines == ["lenet: error: rank 0 runs with --data-parallel, rank 1 runs without it: every rank of a job "
+                     "must run with it (or none: each then trains alone)"], done.stderr
+    assert "Traceback" not in done.stderr and "training" not in done.stdout
+
+
+def test_the_start_up_agreement_ends_after_the_rank_timeout(lenet):
+    began = time.monotonic()
+    done = _job(["-n", "1", sys.executable, "-m", "mpi4py", str(lenet), "--data-parallel", "--iters", "2",
+                 "--params", "", "--rank-timeout", "2", ":", *SILENT_RANK])
+    assert done.returncode == parallel.EXIT_STALLED and time.monotonic() - began < 40, done.stderr
+    assert "lenet: error: rank 0: no answer from every rank within 2 s in the start-up agreement" in done.stderr
+
+
+def test_a_signal_ends_the_start_up_agreement_without_a_timeout(lenet, tmp_path):
+    """Waiting for ever (--rank-timeout 0) for a rank that never answers, a rank still hears SIGTERM, and waits
+    without spinning."""
+    out = tmp_path / "waiting.npz"
+    job = subprocess.Popen([MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(lenet), "--data-parallel",
+                            "--iters", "2", "--params", str(out), "--rank-timeout", "0", ":", *SILENT_RANK],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
+                           start_new_session=True)
+    try:
+        rank = _ranks_of(out, 1)[0]
+        began = time.monotonic()
+        cpu = _cpu_seconds(rank)
+        time.sleep(1.0)
+        assert _cpu_seconds(rank) - cpu < 0.5          # not polling at full speed
+        os.kill(rank, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert job.returncode == 128 + signal.SIGTERM and time.monotonic() - began < 30, stderr
+    assert "lenet: rank 0: SIGTERM during the start-up agreement; stopped before training" in stderr, stderr
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_error_of_one_rank_is_said_before_the_job_ends(monkeypatch, capsys):
+    """MPI.Abort ends every process, racing mpiexec's forwarding of what the rank wrote last: the line is flushed
+    and given time to arrive first."""
+    events = []
+
+    class Comm:
+        def Abort(self, status):
+            events.append(("abort", status))
+
+        def Barrier(self):
+            events.append(("barrier",))
+
+    monkeypatch.setattr(parallel.time, "sleep", lambda seconds: events.append(("pause", seconds)))
+    ranks = parallel.Ranks.__new__(parallel.Ranks)
+    ranks.comm = Comm()
+    ranks.end(1, collective=False)
+    ranks.end(3, collective=True)
+    assert events == [("pause", parallel.FORWARD_SECONDS), ("abort", 1),
+                      ("barrier",), ("pause", parallel.FORWARD_SECONDS)]
+    assert parallel.FORWARD_SECONDS >= 0.5
+
+
+def test_a_missing_data_file_is_said_by_every_rank(lenet, tmp_path):
+    for _ in range(2):
+        done = mpiexec(2, lenet, "--data-parallel", "--iters", "2", "--params", "", "--data",
+                       f"npz:{tmp_path / 'missing.npz'}", *SAME_BITS)
+        assert done.returncode == 1, done.stderr
+        lines = [line for line in done.stderr.splitlines() if line.startswith("lenet: error:")]
+        assert len(lines) == 2 and "missing.npz" in lines[0], done.stderr
+
+
 def test_a_program_without_the_split_steps_says_how_to_compile_one(tmp_path):
     plain = program("lenet", tmp_path / "plain", batch=4, data_parallel=False)
     done = run_cli(plain, "--accumulate", "2", "--iters", "1", "--params", "")
@@ -471,6 +568,9 @@ def test_a_rank_stopped_where_mpi_cannot_see_it_ends_the_job_after_the_rank_time
     stopped = None
     try:
         stopped = _ranks_of(out, 2)[-1]
+        while "training lenet" not in job.stdout.readline():     # past the agreements: the watchdog's watch
+            assert job.poll() is None, job.stderr.read()
+        time.sleep(1.0)                                            # the progress bar is shown
         os.kill(stopped, signal.SIGSTOP)
         began = time.monotonic()
         _, stderr = job.communicate(timeout=60)
@@ -484,3 +584,5 @@ def test_a_rank_stopped_where_mpi_cannot_see_it_ends_the_job_after_the_rank_time
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0 and time.monotonic() - began < 30
     assert "no progress for 3 s" in stderr and "ending the job" in stderr, stderr
+    # on a line of its own, not after the progress bar's last state (which ends with a carriage return at most)
+    assert any(line.startswith("lenet: rank 0: no progress for 3 s") for line in stderr.split("\n")), stderr
