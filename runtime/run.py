@@ -151,6 +151,26 @@ def _tiled_products(args):
     return TiledProducts(TiledGemm(devices, tile=tile))
 
 
+def _build_kernels(model_cls, args) -> None:
+    """A program's first run on this machine builds its compiled CPU kernels from the `.c` beside it where they
+    are missing and a C compiler is there (as `deepdsl compile` does; `deepdsl_runtime.cpu.native.to_build`),
+    saying so; a failed build leaves numpy's kernels, and says why."""
+    if args.device != "cpu" or getattr(args, "kernels", "auto") == "numpy":
+        return
+    from deepdsl_runtime.cpu import native
+
+    program = model_cls.program_file()
+    target = native.to_build(program) if program else None
+    if target is None:
+        return
+    source = os.path.splitext(os.path.abspath(program))[0] + ".c"
+    _say(args, f"building {target.name} from {os.path.basename(source)} (the compiled CPU kernels, once on this "
+               "machine)")
+    built, why = native.build_library(source)
+    if built is None:
+        _say(args, f"compiled CPU kernels not built ({why}): running numpy's")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -399,6 +419,7 @@ class _Run:
                            "--data-parallel`")
         if self.ranks.rank > 0:
             args.quiet = True                     # rank 0 speaks for the job
+        _build_kernels(model_cls, args)
         threads = getattr(args, "threads", None)
         if threads is None and self.ranks.local_size > 1:       # the ranks on this machine share its cores
             threads = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)

@@ -12,6 +12,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from deepdsl.ops import get_op
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
-from tests.support.program_helpers import compile_program, import_program, model_class, run_cli
+from tests.support.program_helpers import compile_program, import_program, model_class, popen_cli, run_cli
 from tests.test_cuda_codegen import ADAPTIVE_TOLERANCE, _steps
 from tests.support.random_programs import pool_geometries
 from tests.test_memory_modes import NETWORKS
@@ -604,9 +605,39 @@ def test_a_missing_library_runs_numpy_or_is_refused(tmp_path):
     assert model.rt.native is None and model.kernels.startswith("numpy kernels: ") and ".so" in model.kernels
     with pytest.raises(RunError, match="compiled CPU kernels: .*is not built"):
         cls("cpu", 0, kernels="compiled")
-    done = run_cli(path, "--iters", "1", "--test-iters", "1", "--data", "synthetic", "--params",
-                   str(tmp_path / "p.npz"), "--kernels", "compiled")
+    # the program's run builds a missing library; where the build fails, compiled kernels are refused in one line
+    from deepdsl.codegen import program_env
+    done = subprocess.run([sys.executable, str(path), "--iters", "1", "--test-iters", "1", "--data", "synthetic",
+                           "--params", str(tmp_path / "p.npz"), "--kernels", "compiled"], capture_output=True,
+                          text=True, timeout=300, env={**program_env(), "CC": str(tmp_path / "no-such-cc")})
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "is not built" in done.stderr, done.stderr
+    assert "not built (" in done.stdout and "no-such-cc did not run" in done.stdout, done.stdout
+
+
+@needs_cc
+def test_a_program_builds_its_missing_library_on_its_first_run(tmp_path):
+    """A program shipped with its `.c` but no library (as generated/'s are) builds it when first run, saying so
+    once, atomically (no partial file left), and runs the compiled kernels."""
+    root = Path(__file__).resolve().parents[1]
+    for suffix in (".py", ".c"):
+        shutil.copy(root / "generated" / f"mlp{suffix}", tmp_path / f"mlp{suffix}")
+    program = tmp_path / "mlp.py"
+    target = native.library_path(tmp_path / "mlp.c")
+    common = ("--test-iters", "1", "--data", "synthetic", "--threads", "1")
+    # two programs started together: one builds (or each, into a file of its own), neither loads a partial library
+    together = [popen_cli(program, "--iters", "1", *common, "--params", str(tmp_path / f"{k}.npz")) for k in "ab"]
+    outputs = [job.communicate(timeout=300) for job in together]
+    assert [job.returncode for job in together] == [0, 0], outputs
+    said = "".join(out for out, _ in outputs)
+    assert 1 <= said.count("building ") <= 2 and f"building {target.name} from mlp.c" in said, said
+    assert said.count("(compiled kernels, 1 thread)") == 2, said
+    assert {p.name for p in tmp_path.iterdir()} == {"mlp.py", "mlp.c", target.name, "a.npz", "b.npz"}
+    common += ("--params", str(tmp_path / "a.npz"))
+    second = run_cli(program, "--iters", "2", *common)
+    assert second.returncode == 0 and "building" not in second.stdout, second.stdout
+    assert "(compiled kernels, 1 thread)" in second.stdout
+    numpy_only = run_cli(program, "--iters", "3", *common, "--kernels", "numpy")
+    assert numpy_only.returncode == 0 and "building" not in numpy_only.stdout
 
 
 @needs_cc

@@ -3,17 +3,17 @@
 `render_c(description)` renders `codegen_templates/kernels.c.jinja` from the `ProgramDescription` the Python
 program is rendered from: the runtime's generic kernels (`#include "cpu_ops.c"`) and, for each elementwise kernel
 of the program, one function per operand pattern its statements call it with, the expression printed as float32
-C by the same printer as the CUDA kernels. `build_library(c)` compiles it with the C compiler (`cc`, or $CC) and
-OpenMP into the library `deepdsl_runtime.cpu.native.load` looks for (its name's digest covers the sources, the
-flags and the processor); it returns None, and says why, where there is no compiler or the build fails: the
-program then runs its numpy kernels.
+C by the same printer as the CUDA kernels. `build_library(c)` (the runtime's, `deepdsl_runtime.cpu.native`, which
+a program's first run calls too) compiles it with the C compiler (`cc`, or $CC) and OpenMP into the library
+`deepdsl_runtime.cpu.native.load` looks for (its name's digest covers the sources, the flags and the processor);
+it returns None, and says why, where there is no compiler or the build fails: the program then runs its numpy
+kernels.
 
     python -m deepdsl.codegen.native build generated/lenet.c      # (re)build one program's library
 """
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +21,8 @@ from pathlib import Path
 import sympy
 
 from deepdsl_runtime import contract
-from deepdsl_runtime.cpu.native import BUILD_FLAGS, KERNELS_DIR, library_path
+# the build is the runtime's (a program builds its own library on its first run): one build command, one place
+from deepdsl_runtime.cpu.native import NO_COMPILER, build_library, compile_command, find_compiler, library_path
 
 __all__ = ["render_c", "build_library", "build_in_background", "find_compiler", "compile_command", "not_built"]
 
@@ -44,50 +45,9 @@ def render_c(description, program: str | None = None) -> str:
                   structure_hash=description.structure_hash, kernels=kernels, pairs=pairs)
 
 
-NO_COMPILER = "no C compiler (cc, gcc or $CC)"
-
-
 def not_built(why: str) -> str:
     """What `deepdsl compile` and `deepdsl run` say when the library is not built."""
     return f"compiled CPU kernels not built ({why}): the program runs numpy's"
-
-
-def find_compiler() -> str | None:
-    """The C compiler: $CC, else cc or gcc on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def compile_command(source: Path, output: Path, compiler: str | None = None) -> list[str]:
-    return [compiler or find_compiler() or "cc", *BUILD_FLAGS, "-I", str(KERNELS_DIR), "-o", str(output),
-            str(source), "-lm"]
-
-
-def build_library(source, compiler: str | None = None) -> tuple[Path | None, str]:
-    """Build the library of `source` (`<program>.c`) beside it, unless the current one is there (older libraries of
-    the program are removed): (its path, "") or (None, why not)."""
-    source = Path(source)
-    compiler = compiler or find_compiler()
-    if compiler is None:
-        return None, NO_COMPILER
-    target = library_path(source)
-    if target.exists():
-        return target, ""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        done = subprocess.run(compile_command(source, partial, compiler), capture_output=True, text=True,
-                              timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        partial.unlink(missing_ok=True)
-        return None, f"{compiler} did not run: {err}"
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-        return None, f"{compiler} failed: {first}"
-    os.replace(partial, target)
-    for old in source.parent.glob(f"{source.stem}.*.so"):
-        if old != target:
-            old.unlink(missing_ok=True)
-    return target, ""
 
 
 def build_in_background(source) -> str:

@@ -4,7 +4,8 @@ generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) 
 `load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
 names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
 loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None
-and the reason: the program then runs the numpy kernels). `Native` runs the kernels that replace numpy passes:
+and the reason: the program then runs the numpy kernels). `build_library` builds it (for `deepdsl compile`, and for
+a program's first run where it is missing: `to_build`). `Native` runs the kernels that replace numpy passes:
 im2col, axis swaps and the input gradient's shifted sums inside the convolutions, thin convolutions and their
 filter gradients straight from the input (`contract.direct_conv`), max pooling with its argmax and
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
@@ -22,6 +23,8 @@ import hashlib
 import math
 import os
 import platform
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,7 +34,7 @@ import deepdsl_runtime
 from deepdsl_runtime import contract
 
 __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads", "threads_available", "BUILD_FLAGS",
-           "KERNELS_DIR"]
+           "KERNELS_DIR", "build_library", "compile_command", "find_compiler", "to_build"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
@@ -110,12 +113,69 @@ def load(program) -> tuple["Native | None", str]:
     except OSError as err:
         return None, f"cannot read {source}: {err.strerror or err}"
     if not path.exists() and not _built_meanwhile(path):
-        return None, f"{path.name} is not built (deepdsl compile builds it with a C compiler)"
+        return None, f"{path.name} is not built (deepdsl compile, or the program's run, builds it with a C compiler)"
     deepdsl_runtime.idle_threads_sleep()        # (the program did so before numpy; another caller may not have)
     try:
         return Native(ctypes.CDLL(str(path))), ""
     except OSError as err:
         return None, f"cannot load {path.name}: {err}"
+
+
+NO_COMPILER = "no C compiler (cc, gcc or $CC)"
+
+
+def find_compiler() -> str | None:
+    """The C compiler: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_command(source: Path, output: Path, compiler: str | None = None) -> list[str]:
+    """The command that builds the library of `source` into `output`."""
+    return [compiler or find_compiler() or "cc", *BUILD_FLAGS, "-I", str(KERNELS_DIR), "-o", str(output),
+            str(source), "-lm"]
+
+
+def build_library(source, compiler: str | None = None) -> tuple[Path | None, str]:
+    """Build the library of `source` (`<program>.c`) beside it, unless the current one is there (older libraries of
+    the program are removed): (its path, "") or (None, why not). The build writes `.<name>.<pid>.tmp` (a build in
+    progress to others, `building`) and renames it, so programs starting together never load a partial file."""
+    source = Path(source)
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        return None, NO_COMPILER
+    target = library_path(source)
+    if target.exists():
+        return target, ""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run(compile_command(source, partial, compiler), capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        partial.unlink(missing_ok=True)
+        return None, f"{compiler} did not run: {err}"
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+        return None, f"{compiler} failed: {first}"
+    os.replace(partial, target)
+    for old in source.parent.glob(f"{source.stem}.*.so"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    return target, ""
+
+
+def to_build(program) -> Path | None:
+    """The library a generated program's run should build first (`build_library` of the `.c` beside it): where
+    the current one is missing, no build is in progress and there is a C compiler (a program shipped without its
+    library, as `generated/`'s are, or written by the Python API); else None."""
+    source = Path(program).absolute().with_suffix(".c")
+    try:
+        target = library_path(source)
+    except OSError:
+        return None
+    if target.exists() or building(target) or find_compiler() is None:
+        return None
+    return target
 
 
 def _numpy_passes():
