@@ -394,6 +394,23 @@ def _release_quietly(interrupt: BaseException) -> None:
         sys.unraisablehook = hook
 
 
+def _network_files(source: str, program: str | None) -> list[str]:
+    """The files that may be the network file the program's header names (`source`, relative to where it was
+    compiled): `source` from the current directory (where `deepdsl run` runs it) and from the program's directory
+    and each directory above it (`generated/lenet.py` of `networks/lenet.py`)."""
+    if not source:
+        return []
+    bases = [os.getcwd()]
+    if program:
+        directory = os.path.dirname(os.path.realpath(program))
+        bases.append(directory)
+        while os.path.dirname(directory) != directory:
+            directory = os.path.dirname(directory)
+            bases.append(directory)
+    found = (os.path.join(base, source) for base in bases)
+    return list(dict.fromkeys(path for path in found if os.path.isfile(path)))
+
+
 # options a rank may set on its own: threads follow its machine's cores, only rank 0 speaks
 _PER_RANK = ("threads", "quiet")
 
@@ -438,6 +455,8 @@ class _Run:
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
         self.by_another = False                          # stopping for a signal another rank received
         self.watchdog = parallel.watchdog(self.ranks, 0, model_cls.name)    # started with the training
+        if self.ranks.rank == 0:
+            self.check_outputs(before_reading=True)
         if self.path and self.ranks.rank == 0:
             removed = ckpt.remove_stale_temporaries(self.path)
             if removed:
@@ -479,13 +498,20 @@ class _Run:
                                    f"--data '{given}'; leave out --data to continue on '{recorded}', add "
                                    "--switch-data to continue on other data (no longer an exact resume), or --fresh")
 
-    def check_outputs(self) -> None:
+    def check_outputs(self, before_reading: bool = False) -> None:
+        """No output (--params, --report-json) is the network file, this program, its kernels' sources or another
+        output (checked `before_reading` a checkpoint, which --params may name), nor an input (--init-from, the
+        --data file); every output is writable."""
         args = self.args
         outputs = [("--params", self.path), ("--report-json", args.report_json)]
         program = self.model.program_file()
-        kind, _, data_file = self.data_spec.partition(":")
-        inputs = [("this program", program), ("--init-from", args.init_from),
-                  ("--data", data_file if kind == "npz" else None)]
+        kernels = [(f"this program's {suffix} kernels", os.path.splitext(program)[0] + suffix)
+                   for suffix in (".c", ".cu")] if program else []
+        networks = [("the network file", path) for path in _network_files(self.model.source, program)]
+        inputs = [("this program", program), *kernels, *networks]
+        if not before_reading:
+            kind, _, data_file = self.data_spec.partition(":")
+            inputs = [("--init-from", args.init_from), ("--data", data_file if kind == "npz" else None)]
         seen = {}
         for option, target in outputs:
             if not target:
@@ -494,9 +520,11 @@ class _Run:
             for what, source in inputs + list(seen.items()):
                 if source and os.path.realpath(source) == real and not (what == "--init-from" and option ==
                                                                          "--params"):
-                    raise RunError(f"{option} {target} is {what if what == 'this program' else what + ' too'}; "
+                    raise RunError(f"{option} {target} is {what if not what.startswith('--') else what + ' too'}; "
                                    "choose another file")
             seen[option] = target
+        if before_reading:
+            return
         if self.path:
             ckpt.check_target(self.path, "--params", _checkpoint_bytes(self.model))
         if args.report_json:
