@@ -22,6 +22,7 @@ leaves the previous checkpoint intact. A process killed mid-write leaves its tem
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -95,8 +96,15 @@ def write(path: str, checkpoint: Checkpoint) -> None:
 def atomic_write(path: str, write_to: Callable[[IO[bytes]], None]) -> None:
     """Call `write_to` on a temporary file beside `path`, make it durable, then rename it over `path`: readers see
     the old file or the new one, never a part. On any failure (a full disk, an interrupt) the temporary is removed
-    and the old file stays as it was."""
+    and the old file stays as it was. What `path` names is looked at again on every call: a FIFO, a device or a
+    directory put there since it was checked is an `OSError` (ENOTSUP), never replaced by a regular file."""
     path = os.path.realpath(path)               # a link is followed: the file it names is replaced, not the link
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OSError(errno.ENOTSUP, "not a regular file", path)
     directory = os.path.dirname(path)
     temporary = None
     try:

@@ -535,6 +535,8 @@ class _Run:
         (before this run noted it saved) has put the new checkpoint in place: the file says so."""
         if not self.path:
             return "nothing was saved (no --params)"
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            return f"{self.path} is left as it is (not a regular file)"
         if self.writing is not None and ckpt.recorded_iteration(self.path) == self.writing:
             return f"{self.path} keeps the checkpoint of iteration {self.writing}"
         if self.saved_iteration is not None:
