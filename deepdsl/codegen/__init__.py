@@ -23,7 +23,8 @@ import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["CodegenOptions", "generate", "program_env", "render_program", "run_program", "write_program"]
+__all__ = ["CodegenOptions", "generate", "program_env", "render_program", "run_program", "write_program",
+           "write_text_atomically"]
 
 def _templates_dir() -> Path:
     """`codegen_templates/` of a source checkout, else the copy installed as `deepdsl.codegen_templates`."""
@@ -91,11 +92,23 @@ def write_program(compiled, path, options: CodegenOptions | None = None) -> Path
 
     path = Path(path)
     description = describe(compiled, options)
+    program, c_source = render_program(description), render_c(description, path.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_program(description))
+    # each file replaced whole (a full disk leaves the previous one), the program last: it is replaced only once
+    # its kernels are in place
     write_cuda(description, path, build=False)
-    path.with_suffix(".c").write_text(render_c(description, path.name))
+    write_text_atomically(path.with_suffix(".c"), c_source)
+    write_text_atomically(path, program)
     return path
+
+
+def write_text_atomically(path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` as checkpoints are written (`deepdsl_runtime.checkpoint.atomic_write`: into a
+    temporary file beside it, fsynced, then renamed over it): a write that fails leaves the previous file whole."""
+    from deepdsl_runtime.checkpoint import atomic_write
+
+    data = text.encode("utf-8")
+    atomic_write(str(path), lambda f: f.write(data))
 
 
 def run_program(path, args: list[str]) -> int:

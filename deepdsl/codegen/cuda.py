@@ -137,9 +137,11 @@ def generate_cuda(compiled, options=None, program: str | None = None) -> str:
 def write_cuda(description, program_path, build: bool = True) -> list[Path]:
     """Write `<program>.cu` of a `ProgramDescription` beside the program at `program_path` and, with `build` and
     nvcc installed, its fat binary (older fat binaries of the program are removed). Returns the files written."""
+    from deepdsl.codegen import write_text_atomically
+
     program_path = Path(program_path)
     cu = program_path.with_suffix(".cu")
-    cu.write_text(render_cuda(description, program_path.name))
+    write_text_atomically(cu, render_cuda(description, program_path.name))
     written = [cu]
     if build and find_nvcc():
         fatbin = build_fatbin(cu)

@@ -51,6 +51,8 @@ def stale_programs(networks: Path, out: Path) -> tuple[dict[str, str], list[str]
 
 def refresh(networks: Path, out: Path, check: bool = False) -> int:
     """Rewrite the stale programs of `out` (with `check`, only list them); returns the exit status."""
+    from deepdsl.codegen import write_text_atomically
+
     programs, stale = stale_programs(Path(networks), Path(out))
     if check:
         for name in stale:
@@ -58,7 +60,7 @@ def refresh(networks: Path, out: Path, check: bool = False) -> int:
         return 1 if stale else 0
     Path(out).mkdir(parents=True, exist_ok=True)
     for name in stale:
-        (Path(out) / name).write_text(programs[name])
+        write_text_atomically(Path(out) / name, programs[name])
         print(f"wrote {Path(out) / name}")
     print(f"{len(programs)} files, {len(stale)} rewritten")
     return 0
