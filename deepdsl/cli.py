@@ -2,19 +2,21 @@
 
 Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
 line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead. Outputs (`-o`,
-`--plot`) are written after creating missing directories; one that would overwrite the network file, or whose
-location cannot be written, is such a one-line error naming it.
+`--plot`) are written after creating missing directories; one that would overwrite the network file, a program
+whose kernels (`.c`, `.cu` beside it) would overwrite it, or whose location cannot be written, is such a one-line
+error naming it. SIGINT, SIGTERM and SIGHUP stop a command with one line and exit status 128 + the signal.
 
 `run` writes the program and its default checkpoint under `.deepdsl/`, named after the network file, the batch and
 the structure hash (so different compilations never share a checkpoint), prints both paths, and runs the program
-through `deepdsl.codegen.run_program`: SIGINT and SIGTERM reach the program once, `run` waits while it saves and
-exits with its status.
+through `deepdsl.codegen.run_program`: SIGINT, SIGTERM and SIGHUP reach the program once, `run` waits while it
+saves and exits with its status.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import fnmatch
+import os
 import sys
 from pathlib import Path
 
@@ -182,13 +184,23 @@ def _writing(path: Path):
 
 def _check_output(network: str, option: str, output: Path, program: bool = False) -> None:
     """Refuse an output that would overwrite the network file: `output` itself or, for a program (`program`), the
-    files written beside it (`<stem>.cu`, `<stem>.c`, `<stem>.<digest>.fatbin`, `<stem>.<digest>.so`)."""
-    source = Path(network).resolve()
-    target = output.resolve()
+    files written beside it (`<stem>.cu`, `<stem>.c`, `<stem>.<digest>.fatbin`, `<stem>.<digest>.so`), nor be one
+    of those files itself, nor a directory."""
+    # (os.path.realpath, not Path.resolve: a loop of symbolic links is a path like another here, and the loader
+    # names it)
+    source = Path(os.path.realpath(network))
+    target = Path(os.path.realpath(output))
     if target == source:
         raise DeepDSLError(f"{option} {output} is the network file itself; choose another output")
     if not program:
         return
+    if not target.name or target.is_dir():
+        raise DeepDSLError(f"cannot write {output}: is a directory; name the program file ({option} "
+                           f"{Path(output, Path(network).name)})")
+    if target.suffix in (".c", ".cu"):
+        raise DeepDSLError(f"{option} {output}: the program's kernels are written beside it as "
+                           f"{output.with_suffix('.c')} and {output.with_suffix('.cu')}, which would replace it; "
+                           "name the program <name>.py")
     beside = source in (target.with_suffix(".cu"), target.with_suffix(".c")) or (
         source.parent == target.parent and any(fnmatch.fnmatchcase(source.name, f"{target.stem}.*.{kind}*")
                                                for kind in ("fatbin", "so")))

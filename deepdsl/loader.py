@@ -1,8 +1,9 @@
 """Load a network file: run it as a Python module and return the `Loop` it defines.
 
 Any failure is turned into a one-line `DeepDSLError` naming the file and line: syntax errors, import errors, shape
-errors raised by layers, any other exception raised while the file runs (`sys.exit` included), and two tensors of
-one name in the Loop.
+errors raised by layers, any other exception raised while the file runs (`sys.exit` and a `BaseException` subclass of
+the file's own included; a KeyboardInterrupt stops the command), a path that is no regular file (a loop of symbolic
+links, a FIFO), and two tensors of one name in the Loop.
 """
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ def load(path: str, overrides: Overrides | None = None) -> Loop:
     if os.path.isdir(path):
         raise NetworkFileError(f"{path}: is a directory, not a network file")
     if not os.path.isfile(path):
-        raise NetworkFileError(f"{path}: no such network file")
+        try:
+            os.stat(path)
+            why = "not a regular file"            # a FIFO or a device: reading it could wait for ever
+        except FileNotFoundError:
+            why = "no such network file"
+        except OSError as err:                    # a loop of symbolic links, a directory not searchable
+            why = f"cannot read: {err.strerror}"
+        raise NetworkFileError(f"{path}: {why}")
     ctx = contextvars.copy_context()
     return ctx.run(_load, path, overrides or Overrides())
 
@@ -54,7 +62,10 @@ def _load(path: str, overrides: Overrides) -> Loop:
                                location_from_traceback(err, path)) from None
     except ImportError as err:
         raise NetworkFileError(f"import error: {err}", location_from_traceback(err, path)) from None
-    except Exception as err:   # noqa: BLE001 -- any error in user code becomes one line naming its place
+    except KeyboardInterrupt:             # an interrupt (Ctrl-C) stops the command, as it does anywhere
+        raise
+    except BaseException as err:   # noqa: BLE001 -- any error in user code (a BaseException subclass of its own
+        # included) becomes one line naming its place
         raise NetworkFileError(f"{type(err).__name__}: {err}", location_from_traceback(err, path)) from None
     finally:
         sys.modules.pop(name, None)
