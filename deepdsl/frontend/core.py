@@ -46,6 +46,14 @@ def _name(what: str, name: Any) -> str:
     return name
 
 
+def _stored_name(what: str, tensor: str) -> None:
+    """A parameter's or state's name, `tensor`, kept clear of the checkpoint's metadata entries (`__iteration__`,
+    `__seed__`: every name beginning with `__`), checked where the layer or parameter is defined."""
+    if tensor.startswith("__"):
+        _reject(what, f"its tensors would be named '{tensor}', and names beginning with '__' are reserved for the "
+                      "checkpoint's metadata; choose another name")
+
+
 def _input_name(kind: str, name: Any) -> str:
     """How errors name a data or label input, once its name is checked."""
     what = f"{kind} '{_name(f'D.{kind}', name)}'"
@@ -476,6 +484,7 @@ def param(name: str, shape: tuple[int, ...], init: Param | None = None) -> Tenso
     """A learned tensor of its own, e.g. a Transformer's position embeddings `D.param("pos", (1, 16, 64),
     D.gaussian(0.02))` (added to (N, 16, 64) tokens by broadcasting); `init` defaults to N(0, 0.02^2)."""
     what = f"D.param '{_name('D.param', name)}'"
+    _stored_name(what, name)
     if not isinstance(shape, (tuple, list)) or not shape or \
             not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         _reject(what, f"shape must be a tuple of positive sizes, got {shape!r}")

@@ -18,15 +18,17 @@ from deepdsl.ops.shape import concat as _concat
 from deepdsl.ops.shape import slice_axis
 from deepdsl.frontend.core import (Layer, Param, Tensor, _ParamLayer, _flag, _fraction, _integer, _made, _name,
                                    _next_dropout_key, _node, _nonnegative_int, _nonnegative_number, _number,
-                                   _positive_int, _positive_number, _reject, _spec, _state, constant, gaussian, v,
-                                   xavier)
+                                   _positive_int, _positive_number, _reject, _spec, _state, _stored_name, constant,
+                                   gaussian, v, xavier)
 
 # ----------------------------------------------------------------------------------------------------------------
 # layers
 
 def _layer(kind: str, name: Any) -> str:
-    """How errors name a layer with parameters, once its name is checked."""
-    return f"layer '{_name(kind, name)}'"
+    """How errors name a layer with parameters, once its name is checked (its tensors are `<name>_W`, ...)."""
+    what = f"layer '{_name(kind, name)}'"
+    _stored_name(what, f"{name}_W")
+    return what
 
 
 def _pair(what: str, field: str, value: Any, least: int) -> tuple[int, int]:
