@@ -6,7 +6,16 @@ code generation and the memory planner need.
 """
 __version__ = "0.1.0"
 
-from deepdsl.loader import load  # noqa: E402
-from deepdsl.pipeline import CompileOptions, Compiled, compile  # noqa: E402,A004
-
 __all__ = ["CompileOptions", "Compiled", "compile", "load", "__version__"]
+
+
+def __getattr__(name: str):
+    """`load`, `compile`, `CompileOptions` and `Compiled`, imported on first use: the compiler loads sympy (a
+    second), which the command line imports only after it has set its signal handlers (`deepdsl.cli`)."""
+    if name == "load":
+        from deepdsl.loader import load
+        return load
+    if name in ("CompileOptions", "Compiled", "compile"):
+        from deepdsl import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'deepdsl' has no attribute {name!r}")

@@ -440,7 +440,56 @@ def main(argv: list[str] | None = None) -> int:
     if program_args and args.command != "run":
         parser.error("options after `--` are for `deepdsl run` only")
     args.program_args = program_args
+    with _stopping_on_signals() as received:
+        return _main(args, received)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals():
+    """SIGTERM and SIGHUP stop a command as Ctrl-C does (a KeyboardInterrupt where it is; `deepdsl run` relays them
+    to its program while that runs); yields the list the signals received are appended to."""
+    import signal
+    import threading
+
+    received: list[int] = []
+
+    def interrupt(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            if hasattr(signal, name):
+                old[name] = signal.signal(getattr(signal, name), interrupt)
     try:
+        yield received
+    finally:
+        for name, handler in old.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _load_compiler() -> None:
+    """Import the compiler (sympy and numpy: a second or more) with the stopping signals held: one arriving inside
+    an extension module's import would surface as a broken import; held, it stops the command just after, as one
+    line."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} if hasattr(signal, "pthread_sigmask") else set()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if held else None
+    try:
+        import deepdsl.loader  # noqa: F401
+        import deepdsl.pipeline  # noqa: F401
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _main(args: argparse.Namespace, received: list[int]) -> int:
+    import signal
+
+    try:
+        _load_compiler()
         _check_sizes(args)
         return args.func(args)
     except DeepDSLError as err:
@@ -449,8 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepdsl: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("deepdsl: interrupted", file=sys.stderr)
-        return 130
+        if not received:
+            print("deepdsl: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
+        print(f"deepdsl: interrupted by {signal.Signals(received[0]).name}", file=sys.stderr)
+        return 128 + received[0]
     except Exception as err:   # noqa: BLE001 -- an internal error: one line unless --debug
         if args.debug:
             raise

@@ -20,8 +20,8 @@ import sys
 
 
 def _interrupted_while_starting(signum, frame):
-    """SIGINT/SIGTERM before the run installs its own handlers (which save a checkpoint first): nothing has been
-    written yet, so say so and exit."""
+    """SIGINT/SIGTERM/SIGHUP before the run installs its own handlers (which save a checkpoint first): nothing has
+    been written yet, so say so and exit."""
     print("se_resnet: interrupted while starting; nothing was written", file=sys.stderr)
     raise SystemExit(128 + signum)
 
@@ -32,8 +32,9 @@ _HELD_WHILE_LOADING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQ
     if hasattr(signal, "pthread_sigmask") else set()
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
-    signal.signal(signal.SIGTERM, _interrupted_while_starting)
+    for _sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if _sig is not None:
+            signal.signal(_sig, _interrupted_while_starting)
     if _HELD_WHILE_LOADING:
         signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_WHILE_LOADING)
 
@@ -2942,6 +2943,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     status = main()
-    for sig in (signal.SIGINT, signal.SIGTERM):     # the run has said what it did: a signal now ends it quietly
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:                 # the run has said what it did: a signal now ends it quietly
+            signal.signal(sig, signal.SIG_DFL)
     sys.exit(status)
