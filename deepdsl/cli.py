@@ -305,9 +305,27 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Path, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from deepdsl.codegen import run_program
 
+    if any(arg in ("-h", "--help") for arg in args.program_args):
+        return _program_help(args)
     path, params = _prepare_run(args)
     print(f"wrote {path}; running it (" + (f"checkpoint: {params})" if params else "no checkpoint)"), flush=True)
     return run_program(path, args.program_args)
+
+
+def _program_help(args: argparse.Namespace) -> int:
+    """`deepdsl run NET.py -- --help`: the program's own help, from its text in memory (compiled as `run` compiles
+    it, from the compile caches where they hold it); nothing is written, built or run."""
+    from deepdsl.codegen import CodegenOptions, generate
+
+    compiled = _compile(args)
+    out = Path(args.output) if args.output else Path(".deepdsl") / f"{_run_name(compiled, args.network)}.py"
+    text = generate(compiled, CodegenOptions(params_file=str(out.with_name(f"{out.stem}.params.npz"))))
+    program: dict = {"__name__": "deepdsl_help", "__file__": str(out)}
+    exec(compile(text, str(out), "exec"), program)
+    try:
+        return program["main"](["--help"])
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0
 
 
 def _check_plot_format(path: Path) -> None:
@@ -388,13 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ir", help="print the optimized SSA programs of a network")
     _add_network_options(p)
-    p.add_argument("--step", choices=STEP_NAMES + ("all",), default="all")
+    p.add_argument("--step", choices=STEP_NAMES + ("all",), default="all",
+                   help="which step's program to print: train, test, setup (values computed once), all; with "
+                        "--data-parallel also accumulate, apply, statistics")
     p.set_defaults(func=cmd_ir)
 
     p = sub.add_parser("graph", help="write a step's dependency graph as Graphviz DOT")
     _add_network_options(p)
     p.add_argument("-o", "--output", help="DOT file to write (default: standard output)")
-    p.add_argument("--step", choices=STEP_NAMES, default="train")
+    p.add_argument("--step", choices=STEP_NAMES, default="train", help="the step whose graph to write")
     p.set_defaults(func=cmd_graph)
 
     p = sub.add_parser("compile", help="write the standalone training program of a network")
@@ -414,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory", help="print the static memory table of a step (peak, arena, workspace, what-ifs)")
     _add_network_options(p)
-    p.add_argument("--step", choices=STEP_NAMES, default="train")
+    p.add_argument("--step", choices=STEP_NAMES, default="train", help="the step whose memory table to print")
     p.add_argument("--json", action="store_true", help="write the table as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
     p.add_argument("--fit", type=_bytes, metavar="BYTES",

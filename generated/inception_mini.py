@@ -1626,7 +1626,9 @@ def main(argv=None):
     parser.add_argument("--fresh", action="store_true",
                         help="start over even if --params exists (it is replaced at the first save)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters, data order and dropout")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run: cpu (numpy and the compiled CPU kernels) or cuda (the first GPU, "
+                             "with pycuda and cuBLAS)")
     parser.add_argument("--memory-mode", choices=("static", "pooled", "dynamic"), default="static",
                         help="where tensors live: static (the planned offsets of one arena), pooled (a first-fit "
                              "pool) or dynamic (one allocation per tensor)")

@@ -4838,7 +4838,8 @@ def main(argv=None):
                         help="constant, step:SIZE:GAMMA or cosine[:MIN] (as PyTorch's StepLR, CosineAnnealingLR)")
     parser.add_argument("--warmup", type=int, default=50, metavar="N",
                         help="iterations of linear warm-up from a third of --lr before the schedule")
-    parser.add_argument("--decay", type=float, default=0.05, help="weight decay (L2, added to the gradient)")
+    parser.add_argument("--decay", type=float, default=0.05,
+                        help="decoupled weight decay (AdamW's): each step first shrinks the parameters by lr x decay")
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
                         help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: digits; "
                              "when resuming, the data the checkpoint was trained on)")
@@ -4859,7 +4860,9 @@ def main(argv=None):
     parser.add_argument("--fresh", action="store_true",
                         help="start over even if --params exists (it is replaced at the first save)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters, data order and dropout")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run: cpu (numpy and the compiled CPU kernels) or cuda (the first GPU, "
+                             "with pycuda and cuBLAS)")
     parser.add_argument("--memory-mode", choices=("static", "pooled", "dynamic"), default="static",
                         help="where tensors live: static (the planned offsets of one arena), pooled (a first-fit "
                              "pool) or dynamic (one allocation per tensor)")

@@ -425,6 +425,10 @@ class _Run:
     def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=None):
         _check_args(args)
         self.schedule, self.augment = _recipe(args, model_cls.batch_shape)
+        if self.augment and (getattr(model_cls, "tokens", False) or getattr(model_cls, "target_shape", None)):
+            raise RunError(f"--augment {args.augment}: augmentation crops and mirrors images, and {model_cls.name} "
+                           f"takes {'tokens' if getattr(model_cls, 'tokens', False) else 'float targets'}; "
+                           "leave it out")
         self.args, self.signals, self.ranks = args, signals, ranks or parallel.Alone()
         self.accumulation = parallel.Accumulation(self.ranks, getattr(args, "accumulate", 1),
                                                   getattr(args, "reduce", "exact"),
@@ -566,6 +570,9 @@ class _Run:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
                              tokens=model.tokens, targets=model.target_shape)
+        if self.data_spec == "synthetic" and getattr(args, "data", None) is None and args.iters > 0:
+            _say(args, f"warning: training on synthetic data, the default of a network file without dataset=: "
+                       f"{len(data.x_train)} random examples with nothing to learn; --data SPEC chooses real data")
         self.accumulation.start(model)
         # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
         self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
@@ -613,7 +620,10 @@ class _Run:
             if not math.isfinite(test_loss):
                 raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED,
                                collective=True)
-            _say(args, f"test accuracy {accuracy:.4f}, test loss {test_loss:.4f} ({batches} batches of {self.batch})")
+            # the Loop's second value: a classifier's accuracy; of a network of float targets, whatever it computes
+            metric = "accuracy" if model.classes else "metric (the Loop's second value)"
+            _say(args, f"test {metric} {accuracy:.4f}, test loss {test_loss:.4f} ({batches} "
+                       f"batch{'es' if batches != 1 else ''} of {self.batch})")
         if self.agreed_signal():
             return self.interrupted(f"after iteration {iteration}")
         done = iteration - start

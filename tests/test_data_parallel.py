@@ -362,8 +362,13 @@ def test_ranks_running_different_programs_are_refused(lenet, tmp_path):
 
 def _job(command: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     """An MPI job (each part of `command` separated by ":"), ended with its whole session when it overruns."""
-    job = subprocess.Popen([MPIEXEC, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=program_env(), start_new_session=True)
+    return _session([MPIEXEC, *command], timeout)
+
+
+def _session(argv: list[str], timeout: float, cwd=None) -> subprocess.CompletedProcess:
+    """`argv` run in a session of its own, ended with all its processes when it overruns."""
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
+                           start_new_session=True, cwd=cwd)
     try:
         out, err = job.communicate(timeout=timeout)
     finally:
@@ -455,6 +460,34 @@ def test_a_missing_data_file_is_said_by_every_rank(lenet, tmp_path):
         assert done.returncode == 1, done.stderr
         lines = [line for line in done.stderr.splitlines() if line.startswith("lenet: error:")]
         assert len(lines) == 2 and "missing.npz" in lines[0], done.stderr
+
+
+def test_the_documented_commands_run_as_written(tmp_path):
+    """docs/distributed.md's first commands, in a directory holding the network file as a checkout does (2
+    iterations each): nothing is written under generated/, and each run has a checkpoint of its own."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "distributed.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    commands = [line.split("  #")[0].split() for line in block.splitlines() if line.strip()]
+    assert commands[0][:3] == ["pip", "install", "-e"], commands[0]       # keeps an editable install editable
+    (tmp_path / "networks").mkdir()
+    shutil.copy(root / "networks" / "lenet.py", tmp_path / "networks" / "lenet.py")
+    checkpoints = []
+    for command in commands[1:]:
+        assert "generated/" not in " ".join(command), command
+        if command[0] == "deepdsl":
+            done = subprocess.run([sys.executable, "-m", "deepdsl", *command[1:]], capture_output=True, text=True,
+                                  cwd=tmp_path, env=program_env(), timeout=TIMEOUT)
+        else:
+            command = [MPIEXEC if c == "mpiexec" else sys.executable if c == "python" else c for c in command]
+            checkpoints.append(command[command.index("--params") + 1])
+            done = _session(command + ["--iters", "2", "--test-iters", "1", "--quiet"], TIMEOUT, cwd=tmp_path)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    assert len(checkpoints) == 3 and len(set(checkpoints)) == 3
+    for checkpoint in checkpoints:
+        assert meta(tmp_path / checkpoint, "__iteration__") == 2
+    assert not (tmp_path / "generated").exists()
 
 
 def test_a_program_without_the_split_steps_says_how_to_compile_one(tmp_path):

@@ -1,6 +1,7 @@
 """The documentation shows what the code does: every line of the worked example in docs/dsl.md is a line of
 `deepdsl ir networks/lenet.py --step train`, in order (`...` stands for left-out lines or, inside a line, for
-left-out text); docs/ir.md lists the pipeline's stages in their order, and its hook example runs."""
+left-out text); docs/ir.md lists the pipeline's stages in their order, and its hook example runs; so does the
+Python API example of docs/dsl.md; docs/porting.md quotes the line `deepdsl memory` prints."""
 from __future__ import annotations
 
 import re
@@ -99,3 +100,37 @@ def test_subnet_examples_build_the_shapes_they_promise():
     assert names["language_model"](text).shape == (2, 64, 256)
     deeper = D.images("deep", (2, 16, 3, 3))
     assert names["up_level"]("up", maps, deeper, 4).shape == (2, 12, 6, 6)
+
+
+def test_python_api_example_in_the_dsl_guide_runs(capsys):
+    """docs/dsl.md's Python API example runs as written: it compiles LeNet and runs a training step on the
+    reference interpreter (every name it uses is defined in it)."""
+    import numpy as np
+
+    example = code_block((ROOT / "docs" / "dsl.md").read_text(), "## Python API")
+    names: dict = {"__name__": "docs_example"}
+    exec(compile("\n".join(example), "docs/dsl.md", "exec"), names)
+    outputs = names["outputs"]
+    assert np.isfinite(outputs["loss"]) and outputs["cv1_W"].shape == (20, 1, 5, 5)
+    assert capsys.readouterr().out.strip()
+
+
+def test_porting_guide_says_what_deepdsl_memory_prints_of_the_parameters():
+    """docs/porting.md's check of the parameters against PyTorch's count reads the line `deepdsl memory` prints:
+    its example figure is LeNet's, 4 bytes a parameter."""
+    import math
+    import subprocess
+    import sys
+
+    from deepdsl.codegen import program_env
+
+    text = (ROOT / "docs" / "porting.md").read_text()
+    match = re.search(r"`deepdsl memory net.py` prints the parameters' size in MB \(`(parameters: +[\d.]+ MB)` for "
+                      r"LeNet", text)
+    assert match, "docs/porting.md no longer says which line of `deepdsl memory` to compare"
+    done = subprocess.run([sys.executable, "-m", "deepdsl", "memory", "networks/lenet.py"], capture_output=True,
+                          text=True, cwd=str(ROOT), env=program_env(), timeout=300)
+    assert match.group(1) in [" ".join(line.split()) for line in done.stdout.splitlines()], done.stdout[-2000:]
+    compiled = deepdsl.compile(deepdsl.load(str(ROOT / "networks" / "lenet.py")))
+    count = sum(math.prod(p.shape) for p in compiled.params)
+    assert float(match.group(1).split()[1]) == 4 * count / 1e6
