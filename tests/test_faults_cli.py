@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -294,3 +295,207 @@ def test_a_signal_while_an_extension_module_loads_is_one_line(tmp_path):
     assert done.stdout.strip() == "signalled", (done.stdout, done.stderr)   # the signal came inside the import
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip() == "mlp: interrupted while starting; nothing was written", done.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nothing the user has is overwritten, and every fault is one line
+
+TINY = '''\
+from deepdsl import dsl as D
+
+x = D.images("x", (2, 1, 4, 4), dataset="synthetic")
+y = D.labels("y", 2, classes=3)
+network = D.full("fc1", 3) @ D.flatten
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("tiny", iters=2, test_iters=0, lr=0.01))
+'''
+
+
+def program_error(done: subprocess.CompletedProcess, status: int, *fragments: str) -> str:
+    """The only line on standard error of a generated program (or of `deepdsl run` running it) that failed with
+    `status`, holding every fragment."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == status, done.stdout + done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def tiny_program(tmp_path: Path) -> Path:
+    """tiny.py in `tmp_path` and its program gen/tiny.py (the header naming tiny.py, as compiled from there)."""
+    (tmp_path / "tiny.py").write_text(TINY)
+    done = deepdsl("compile", "tiny.py", "-o", "gen/tiny.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return tmp_path / "gen" / "tiny.py"
+
+
+def program(program_file: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(program_file), *args], capture_output=True, text=True, cwd=str(cwd),
+                          env=_env(), timeout=300)
+
+
+@pytest.mark.parametrize("options", [("--report-json", "tiny.py"), ("--params", "tiny.py", "--fresh")],
+                         ids=["report-json", "params-fresh"])
+def test_a_program_output_onto_the_network_file_is_refused_through_run(tmp_path, options):
+    (tmp_path / "tiny.py").write_text(TINY)
+    done = deepdsl("run", "tiny.py", "--", "--iters", "1", *options, cwd=tmp_path)
+    program_error(done, 1, f"tiny: error: {options[0]} tiny.py is the network file; choose another file")
+    assert (tmp_path / "tiny.py").read_text() == TINY
+
+
+def test_a_program_output_onto_its_own_files_or_the_network_file_is_refused(tmp_path):
+    """Run directly, from the directory it was compiled in or from another: the network file, the program and its
+    kernels' sources stay as they are, and the outputs do not collide."""
+    path = tiny_program(tmp_path)
+    files = {p: p.read_bytes() for p in (tmp_path / "tiny.py", path, path.with_suffix(".c"), path.with_suffix(".cu"))}
+    (tmp_path / "elsewhere").mkdir()
+    for cwd, options, what in [
+        (tmp_path, ("--report-json", "tiny.py"), "is the network file"),
+        (tmp_path / "elsewhere", ("--report-json", "../tiny.py"), "is the network file"),
+        (tmp_path / "elsewhere", ("--params", str(tmp_path / "tiny.py"), "--fresh"), "is the network file"),
+        (tmp_path, ("--report-json", "gen/tiny.py"), "is this program"),
+        (tmp_path, ("--report-json", "gen/tiny.c"), "is this program's .c kernels"),
+        (tmp_path, ("--params", "gen/tiny.cu", "--fresh"), "is this program's .cu kernels"),
+        (tmp_path, ("--report-json", "out.npz", "--params", "out.npz"), "is --params too"),
+    ]:
+        done = program(path, "--iters", "1", *options, cwd=cwd)
+        program_error(done, 1, f"tiny: error: {options[0]} {options[1]} {what}")
+        assert {p: p.read_bytes() for p in files} == files, options
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_checkpoint_replaced_by_a_fifo_during_the_run_is_left_as_it_is(tmp_path):
+    """The checkpoint path is looked at again at every save: a link to a FIFO put there while the program trains
+    stops the run at the next save (exit 4, one line), and stays a link to a FIFO."""
+    path = tiny_program(tmp_path)
+    checkpoint, fifo = tmp_path / "ck.npz", tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = subprocess.Popen([sys.executable, str(path), "--iters", "100000000", "--save-every", "50", "--params",
+                            "ck.npz", "--quiet"], cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(checkpoint.is_file, 120, "the first checkpoint")
+        good = ckpt.read(str(checkpoint)).iteration
+        assert good >= 50
+        deadline = time.monotonic() + 120
+        while run.poll() is None and time.monotonic() < deadline:
+            if not checkpoint.is_symlink():  # (again, where a save renamed its file over the link just made)
+                (tmp_path / "link").symlink_to("fifo")
+                os.replace(tmp_path / "link", checkpoint)
+            time.sleep(0.05)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    done = subprocess.CompletedProcess(run.args, run.returncode, out, err)
+    program_error(done, 4, "tiny: error: cannot write ck.npz: not a regular file; training stopped at iteration",
+                  "ck.npz is left as it is (not a regular file)")
+    assert checkpoint.is_symlink() and os.readlink(checkpoint) == "fifo"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _limit_file_size():
+    """In the child: files may grow to 64 bytes, and a write past it fails (EFBIG, as a full disk fails with
+    ENOSPC) instead of ending the process."""
+    import resource
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+
+
+def test_a_compile_that_cannot_write_leaves_the_previous_program_whole(tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "small").mkdir()
+    before = {name: f"previous {name}\n".encode() for name in ("prog.py", "prog.c", "prog.cu")}
+    for name, data in before.items():
+        (tmp_path / "small" / name).write_bytes(data)
+    env = {**_env(), "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-m", "deepdsl", "compile", "tiny.py", "-o", "small/prog.py"],
+                          capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300,
+                          preexec_fn=_limit_file_size)
+    assert_one_line_error(done, "cannot write small/prog.py: File too large")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "small").iterdir()} == before
+
+
+@pytest.mark.parametrize("command", [("compile", "tiny.py", "-o", "prog.c"), ("compile", "tiny.py", "-o", "prog.cu"),
+                                     ("run", "tiny.py", "-o", "prog.c", "--", "--iters", "0")],
+                         ids=["compile-c", "compile-cu", "run-c"])
+def test_a_program_output_that_its_kernels_would_overwrite_is_refused(tmp_path, command):
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / command[3]).write_text("int kept;\n")
+    assert_one_line_error(deepdsl(*command, cwd=tmp_path), f"-o {command[3]}: the program's kernels are written "
+                                                           "beside it as prog.c and prog.cu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([command[3], "tiny.py"])
+    assert (tmp_path / command[3]).read_text() == "int kept;\n"
+
+
+@pytest.mark.parametrize("name, tensor", [("__init__", "__init___W"), ("_", "__W")])
+def test_a_layer_name_that_makes_a_metadata_name_is_refused_where_it_is_defined(tmp_path, name, tensor):
+    (tmp_path / "tiny.py").write_text(TINY.replace('"fc1"', repr(name)))
+    assert_one_line_error(deepdsl("compile", "tiny.py", "-o", "gen/tiny.py", cwd=tmp_path),
+                          f"tiny.py:5: layer '{name}': its tensors would be named '{tensor}'", "reserved")
+    assert not (tmp_path / "gen").exists()
+
+
+def test_a_parameter_name_of_the_metadata_is_refused(tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY.replace("network = ", 'pos = D.param("__seed__", (2, 1, 4, 4))\n'
+                                                                 "network = "))
+    assert_one_line_error(deepdsl("compile", "tiny.py", cwd=tmp_path), "tiny.py:5: D.param '__seed__'", "reserved")
+
+
+@pytest.mark.parametrize("command", [("compile", "tiny.py", "-o", "/"), ("run", "tiny.py", "-o", "/"),
+                                     ("compile", "tiny.py", "-o", "gen")],
+                         ids=["compile-root", "run-root", "compile-directory"])
+def test_a_program_output_that_is_a_directory_is_a_one_line_error(tmp_path, command):
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "gen").mkdir()
+    assert_one_line_error(deepdsl(*command, cwd=tmp_path), f"cannot write {command[3]}: is a directory; name the program file")
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "memory"])
+def test_a_network_path_in_a_loop_of_links_is_a_one_line_error(tmp_path, command):
+    os.symlink("b.py", tmp_path / "a.py")
+    os.symlink("a.py", tmp_path / "b.py")
+    assert_one_line_error(deepdsl(command, "a.py", cwd=tmp_path), "a.py: cannot read:", "symbolic links")
+
+
+def test_a_network_file_raising_a_base_exception_is_one_line(tmp_path):
+    (tmp_path / "odd.py").write_text("class Odd(BaseException):\n    pass\n\n\nraise Odd('not an Exception')\n")
+    assert_one_line_error(deepdsl("compile", "odd.py", cwd=tmp_path), "odd.py:5: Odd: not an Exception")
+
+
+@needs_proc
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["sighup", "sigterm"])
+def test_a_signal_while_the_network_loads_is_one_line(tmp_path, sig):
+    """`deepdsl run` stopped before its program starts: one line and 128 + the signal, nothing written."""
+    (tmp_path / "slow.py").write_text("import pathlib, time\npathlib.Path('loading').touch()\ntime.sleep(60)\n"
+                                      + TINY)
+    run = subprocess.Popen([sys.executable, "-m", "deepdsl", "run", "slow.py"], cwd=str(tmp_path), env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for((tmp_path / "loading").exists, 120, "the network file to run")
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 128 + sig, (run.returncode, err)
+    assert err.strip() == f"deepdsl: interrupted by {sig.name}", err
+    assert not (tmp_path / ".deepdsl").exists()
+
+
+SIGHUP_INSIDE_AN_IMPORT = SIGNAL_INSIDE_AN_IMPORT.replace("signal.SIGINT", "signal.SIGHUP")
+
+
+def test_a_sighup_while_the_program_starts_is_one_line(tmp_path):
+    """As SIGINT and SIGTERM: held while the modules load, then one line and 128 + SIGHUP."""
+    path = tiny_program(tmp_path)
+    done = subprocess.run([sys.executable, "-c", SIGHUP_INSIDE_AN_IMPORT, str(path)], capture_output=True,
+                          text=True, timeout=120, env=program_env())
+    assert done.stdout.strip() == "signalled", (done.stdout, done.stderr)
+    assert done.returncode == 128 + signal.SIGHUP, done.stderr
+    assert done.stderr.strip() == "tiny: interrupted while starting; nothing was written", done.stderr
