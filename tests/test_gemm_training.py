@@ -124,9 +124,11 @@ STEPS = 2
 
 
 def _train(program, tmp_path, tag, *extra):
+    """Train with numpy's kernels (a program builds its compiled ones where a C compiler is there; their
+    convolutions make fewer products), the products numpy's or tiled."""
     params, report = tmp_path / f"{tag}.npz", tmp_path / f"{tag}.json"
     done = run_cli(program, "--iters", str(STEPS), "--data", "synthetic", "--test-iters", "1", "--params", str(params),
-                   "--report-json", str(report), "--quiet", *extra)
+                   "--report-json", str(report), "--quiet", "--kernels", "numpy", *extra)
     assert done.returncode == 0, done.stderr
     with np.load(params) as z:
         tensors = {k: z[k] for k in z.files if not k.startswith("__")}
@@ -146,7 +148,7 @@ def test_lenet_trains_the_same_with_tiled_products(tmp_path):
     assert worst[0] < 1e-5, worst
 
     # the products the same steps make with numpy, counted in this process
-    model = model_class(import_program(program))("cpu", 0)
+    model = model_class(import_program(program))("cpu", 0, kernels="numpy")
     counting = Counting()
     model.rt = cpu.with_gemm(counting)
     model.initialize(0)
