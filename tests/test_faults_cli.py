@@ -452,7 +452,8 @@ def test_a_parameter_name_of_the_metadata_is_refused(tmp_path):
 def test_a_program_output_that_is_a_directory_is_a_one_line_error(tmp_path, command):
     (tmp_path / "tiny.py").write_text(TINY)
     (tmp_path / "gen").mkdir()
-    assert_one_line_error(deepdsl(*command, cwd=tmp_path), f"cannot write {command[3]}: is a directory; name the program file")
+    assert_one_line_error(deepdsl(*command, cwd=tmp_path),
+                          f"cannot write {command[3]}: is a directory; name the program file")
 
 
 @pytest.mark.parametrize("command", ["compile", "run", "memory"])
