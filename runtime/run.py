@@ -570,9 +570,6 @@ class _Run:
             return self.write_initial()
         data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
                              tokens=model.tokens, targets=model.target_shape)
-        if self.data_spec == "synthetic" and getattr(args, "data", None) is None and args.iters > 0:
-            _say(args, f"warning: training on synthetic data, the default of a network file without dataset=: "
-                       f"{len(data.x_train)} random examples with nothing to learn; --data SPEC chooses real data")
         self.accumulation.start(model)
         # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
         self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
@@ -608,6 +605,9 @@ class _Run:
             _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
                        f"{self.batch}{self.grouping()}) on {args.device} ({model.kernels}): iterations {start + 1} "
                        f"to {args.iters}" + (f"; checkpoint {self.path}" if self.path else ""))
+            if self.data_spec == "synthetic" and getattr(args, "data", None) is None:
+                _say(args, f"warning: training on synthetic data (the default of a network file without dataset=): "
+                           f"{len(data.x_train)} random examples with nothing to learn; --data SPEC chooses real data")
             iteration, loss, elapsed, stopped = self.train(start)
             if stopped is not None:
                 return stopped

@@ -92,8 +92,10 @@ def test_a_run_on_the_synthetic_default_says_so(tmp_path):
     done = run_cli(program, "--iters", "2", "--test-iters", "1", "--kernels", "numpy", "--params",
                    str(tmp_path / "p.npz"))
     assert done.returncode == 0, done.stderr
-    assert "warning: training on synthetic data, the default of a network file without dataset=: 8 random " \
-           "examples with nothing to learn; --data SPEC chooses real data" in done.stdout, done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("training plain on synthetic"), done.stdout      # the run's first line stays first
+    assert lines[1] == "warning: training on synthetic data (the default of a network file without dataset=): 8 " \
+                       "random examples with nothing to learn; --data SPEC chooses real data", done.stdout
     chosen = run_cli(program, "--iters", "2", "--test-iters", "1", "--kernels", "numpy", "--data", "synthetic",
                      "--params", str(tmp_path / "q.npz"))
     assert chosen.returncode == 0 and "warning" not in chosen.stdout, chosen.stdout
