@@ -102,7 +102,8 @@ def test_the_bits_do_not_depend_on_the_threads(lib, case):
                                      (64, 6272, 576), (4096, 4096, 1), (0, 10, 10), (10, 0, 10)])
 def test_a_products_cut_follows_its_shape_alone(batch, m, n, k):
     """The parts cover the longer side of the output in whole vectors, at most PRODUCT_ITEMS in all, an even count
-    (or one), each at least PRODUCT_PART_WIDTH wide and PRODUCT_PART_WORK multiply-adds where there are several."""
+    (or one), each at least PRODUCT_PART_WIDTH wide (and k / PRODUCT_PART_DEPTH) and PRODUCT_PART_WORK multiply-adds
+    where there are several."""
     by_columns, parts, width = contract.product_cuts(batch, m, n, k)
     side = n if by_columns else m
     assert by_columns == (n >= m) and side == max(m, n)
@@ -110,7 +111,7 @@ def test_a_products_cut_follows_its_shape_alone(batch, m, n, k):
     assert width % 16 == 0 and parts * width >= side and (parts - 1) * width < max(side, 1)
     if parts > 1:
         assert batch * parts <= contract.PRODUCT_ITEMS
-        assert side // parts >= contract.PRODUCT_PART_WIDTH - 16
+        assert side // parts >= max(contract.PRODUCT_PART_WIDTH, k // contract.PRODUCT_PART_DEPTH) - 16
         assert m * n * k // parts >= contract.PRODUCT_PART_WORK
     assert contract.product_cuts(batch, m, n, k) == (by_columns, parts, width)
 
