@@ -1,14 +1,15 @@
 """What cutting matrix products by their shapes costs against cutting them by the thread count.
 
-    python benchmarks/product_cuts.py lenet:64 resnet50:8:112 vit:64 --threads 1 2 --rounds 5 --steps 6 [--markdown]
+    python benchmarks/product_cuts.py lenet:64 resnet50:8:112 vit:64 --threads 1 2 --rounds 10 --steps 3 [--markdown]
 
 A generated program's products run on the compiled kernels' threads in parts: `shapes` cuts each as
 `deepdsl_runtime.contract.product_cuts` does (parts fixed by the shapes, the same bits on any number of threads),
 `threads` as the runtime did before (one part per thread, whole products per thread where a stack shares evenly:
-bits that depend on the thread count). Each (network, threads, cut) runs in a process of its own, the cuts
-alternating within each round, `--rounds` times; prints the median ms a step (median over rounds of each
-process's median step) of each cut, their ratio (shapes / threads), the load average before and after, and the
-processor's vector extensions and numpy's BLAS kernel (bits and speed both depend on them).
+bits that depend on the thread count). Each (network, threads) runs in a process of its own, in which the two cuts
+alternate `--rounds` times, each round timing `--steps` training steps after one untimed step (alternating in one
+process: a shared machine's drift reaches both alike). Prints each cut's median ms a step over the rounds, their
+ratio (shapes / threads), the load average before and after, and the processor's vector extensions and numpy's
+BLAS kernel (bits and speed both depend on them).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from timing import load_average, print_row, timed_steps
+from timing import load_average, print_row, train_step_ms
 
 HERE = Path(__file__).resolve().parent
 CUTS = ("shapes", "threads")
@@ -38,23 +39,20 @@ def _by_threads(threads: int):
     return cuts
 
 
-def _child(program: Path, cut: str, threads: int, warmup: int, steps: int) -> None:
-    """One process's median ms a step (printed), its products cut by `cut`."""
-    import numpy as np
-
+def _child(program: Path, threads: int, rounds: int, steps: int) -> None:
+    """The median ms a step of each cut (printed, in the order of CUTS), alternating in this process."""
     import op_profile
     from deepdsl_runtime import contract
 
-    if cut == "threads":
-        contract.product_cuts = _by_threads(threads)
     model = op_profile._model(program, "compiled", threads)
     assert model.rt.native is not None and model.rt.native.products, model.kernels
-    x, y = model.random_batch(np.random.default_rng(0))
-    hyper = model.hyper(0.01, 0.9, 0.0005, 0)
-    model.prepare(hyper)
-    x, y = model.rt.asarray(x), model.rt.asarray(y)
-    times = timed_steps(lambda i: model.train_step(x, y, step=i, **hyper), warmup, steps)
-    print(f"{statistics.median(times) * 1000:.3f}")
+    rules = {"shapes": contract.product_cuts, "threads": _by_threads(threads)}
+    times: dict[str, list[float]] = {cut: [] for cut in CUTS}
+    for _ in range(rounds):
+        for cut in CUTS:
+            contract.product_cuts = rules[cut]
+            times[cut].append(train_step_ms(model, 1, steps))
+    print(" ".join(f"{statistics.median(times[cut]):.3f}" for cut in CUTS))
 
 
 def _machine() -> str:
@@ -71,38 +69,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("networks", nargs="+", help="NAME[:BATCH[:IMAGE]] of networks/")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--child", nargs=2, metavar=("PROGRAM", "CUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", metavar="PROGRAM", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(Path(args.child[0]), args.child[1], args.threads[0], args.warmup, args.steps)
+        _child(Path(args.child), args.threads[0], args.rounds, args.steps)
         return 0
     import op_profile
 
     print(f"{_machine()}; {args.rounds} rounds; load average before: {load_average()}")
-    print_row(("network", "threads", "shapes ms", "threads ms", "ratio", "rounds (shapes / threads)"), args.markdown,
-              12, header=True)
+    print_row(("network", "threads", "shapes ms", "threads ms", "ratio"), args.markdown, 12, header=True)
     with tempfile.TemporaryDirectory() as tmp:
         for network in args.networks:
             program = op_profile._compile(network, Path(tmp) / network.replace(":", "_"))
             for threads in args.threads:
-                results: dict[str, list[float]] = {cut: [] for cut in CUTS}
-                for _ in range(args.rounds):
-                    for cut in CUTS:
-                        done = subprocess.run([sys.executable, __file__, network, "--threads", str(threads),
-                                               "--warmup", str(args.warmup), "--steps", str(args.steps),
-                                               "--child", str(program), cut], capture_output=True, text=True,
-                                              cwd=HERE)
-                        if done.returncode != 0:
-                            raise SystemExit(f"{network} {cut}: {done.stderr.strip()}")
-                        results[cut].append(float(done.stdout.split()[-1]))
-                shapes, by_threads = (statistics.median(results[cut]) for cut in CUTS)
-                rounds = " / ".join(" ".join(f"{t:.1f}" for t in results[cut]) for cut in CUTS)
-                print_row((network, str(threads), f"{shapes:.1f}", f"{by_threads:.1f}", f"{shapes / by_threads:.3f}",
-                           rounds), args.markdown, 12)
+                done = subprocess.run([sys.executable, __file__, network, "--threads", str(threads), "--rounds",
+                                       str(args.rounds), "--steps", str(args.steps), "--child", str(program)],
+                                      capture_output=True, text=True, cwd=HERE)
+                if done.returncode != 0:
+                    raise SystemExit(f"{network}: {done.stderr.strip()}")
+                shapes, by_threads = (float(v) for v in done.stdout.split()[-2:])
+                print_row((network, str(threads), f"{shapes:.1f}", f"{by_threads:.1f}", f"{shapes / by_threads:.3f}"),
+                          args.markdown, 12)
     print(f"load average after: {load_average()}")
     return 0
 

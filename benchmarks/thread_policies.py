@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from timing import load_average, print_row, timed_steps
+from timing import load_average, print_row, train_step_ms
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,14 +34,7 @@ def _child(program: Path, products: str, threads: int, warmup: int, steps: int) 
         native.blas_sgemm = lambda: None          # as where numpy's BLAS has no sgemm to call: OpenBLAS's threads
     model = op_profile._model(program, "compiled", threads)
     assert model.rt.native.products == (products == "team"), model.kernels
-    import numpy as np
-
-    x, y = model.random_batch(np.random.default_rng(0))
-    hyper = model.hyper(0.01, 0.9, 0.0005, 0)
-    model.prepare(hyper)
-    x, y = model.rt.asarray(x), model.rt.asarray(y)
-    times = timed_steps(lambda i: model.train_step(x, y, step=i, **hyper), warmup, steps)
-    print(f"{statistics.median(times) * 1000:.3f}")
+    print(f"{train_step_ms(model, warmup, steps):.3f}")
 
 
 def main() -> int:

@@ -18,6 +18,20 @@ def timed_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def train_step_ms(model, warmup: int, steps: int) -> float:
+    """The median milliseconds of a model's training step on a random batch (its hyperparameters those of step 0),
+    after `warmup` untimed steps."""
+    import statistics
+
+    import numpy as np
+
+    x, y = model.random_batch(np.random.default_rng(0))
+    hyper = model.hyper(0.01, 0.9, 0.0005, 0)
+    model.prepare(hyper)
+    x, y = model.rt.asarray(x), model.rt.asarray(y)
+    return statistics.median(timed_steps(lambda i: model.train_step(x, y, step=i, **hyper), warmup, steps)) * 1000
+
+
 def median_ms(call, repeats: int) -> float:
     """The median milliseconds of `repeats` calls of `call()`, after one untimed call."""
     call()

@@ -33,7 +33,7 @@ __all__ = [
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
     "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts", "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
-    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH",
+    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH", "PRODUCT_HALVES_WORK",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,6 +54,9 @@ PRODUCT_ITEMS = 24              # the parts a product (or a stack of them) is cu
                                 # 1, 2, 3, 4, 6, 8, 12 or 24 threads
 PRODUCT_PART_WIDTH = 128        # a part's rows or columns at least (a multiple of 16 floats: whole vectors)
 PRODUCT_PART_WORK = 1 << 20     # a part's multiply-adds at least (packing its operands costs little beside them)
+PRODUCT_HALVES_WORK = 1 << 24   # a single product of at least these multiply-adds is cut in two parts at least,
+                                # however narrow or deep (LeNet's filter gradients at batch 64: 13.3 ms a step on two
+                                # threads uncut, against 11.5 cut in two)
 PRODUCT_PART_DEPTH = 8          # a part's width at least its inner dimension over this: each part packs the operand
                                 # it shares again, which a long inner dimension makes costly (64 x 6272 by 6272 x 576
                                 # on one thread: 6.2 ms whole, 7.9 ms in four parts of 144 columns)
@@ -74,13 +77,16 @@ class ProductCuts(tuple):
 def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
     """The cut of `batch` products of (m x k) by (k x n), from their shapes alone: as many parts per product as
     make `PRODUCT_ITEMS` parts in all, no narrower than `PRODUCT_PART_WIDTH` nor than k / `PRODUCT_PART_DEPTH`, and
-    no smaller than `PRODUCT_PART_WORK` multiply-adds, rounded down to an even count; a width of whole vectors of 16 floats. A
+    no smaller than `PRODUCT_PART_WORK` multiply-adds (but a single product of `PRODUCT_HALVES_WORK` in two
+    halves at least), rounded down to an even count; a width of whole vectors of 16 floats. A
     product computed in the same parts rounds alike on any number of threads (a BLAS rounds the edges of a part as
     its kernels for that edge do)."""
     by_columns = n >= m
     side = n if by_columns else m
     widest = max(PRODUCT_PART_WIDTH, k // PRODUCT_PART_DEPTH)
     most = min(-(-PRODUCT_ITEMS // max(batch, 1)), side // widest, m * n * k // PRODUCT_PART_WORK)
+    if batch == 1 and side >= 32 and m * n * k >= PRODUCT_HALVES_WORK:
+        most = max(most, 2)     # a large product in halves at least: two threads share it (a filter gradient's)
     parts = max(p for p in _EVEN_PARTS if p <= max(most, 1))
     width = (-(-side // parts) + 15) // 16 * 16 if side else 0
     return ProductCuts((by_columns, parts, width))

@@ -103,7 +103,7 @@ def test_the_bits_do_not_depend_on_the_threads(lib, case):
 def test_a_products_cut_follows_its_shape_alone(batch, m, n, k):
     """The parts cover the longer side of the output in whole vectors, at most PRODUCT_ITEMS in all, an even count
     (or one), each at least PRODUCT_PART_WIDTH wide (and k / PRODUCT_PART_DEPTH) and PRODUCT_PART_WORK multiply-adds
-    where there are several."""
+    where there are several; a single product of PRODUCT_HALVES_WORK in two parts at least."""
     by_columns, parts, width = contract.product_cuts(batch, m, n, k)
     side = n if by_columns else m
     assert by_columns == (n >= m) and side == max(m, n)
@@ -111,8 +111,11 @@ def test_a_products_cut_follows_its_shape_alone(batch, m, n, k):
     assert width % 16 == 0 and parts * width >= side and (parts - 1) * width < max(side, 1)
     if parts > 1:
         assert batch * parts <= contract.PRODUCT_ITEMS
-        assert side // parts >= max(contract.PRODUCT_PART_WIDTH, k // contract.PRODUCT_PART_DEPTH) - 16
+        halves = batch == 1 and parts == 2 and m * n * k >= contract.PRODUCT_HALVES_WORK     # a large one's
+        assert halves or side // parts >= max(contract.PRODUCT_PART_WIDTH, k // contract.PRODUCT_PART_DEPTH) - 16
         assert m * n * k // parts >= contract.PRODUCT_PART_WORK
+    if batch == 1 and side >= 32 and m * n * k >= contract.PRODUCT_HALVES_WORK:
+        assert parts >= 2, "a large product runs on two threads"
     assert contract.product_cuts(batch, m, n, k) == (by_columns, parts, width)
 
 
