@@ -473,7 +473,7 @@ def test_the_gpu_tests_pass_on_the_emulated_gpu():
 
     if importlib.util.find_spec("pycuda") is not None:
         pytest.skip("a real pycuda is installed: run tests/test_cuda_gpu.py on the GPU instead")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--fake-gpu",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--fake-gpu",
                            str(ROOT / "tests" / "test_cuda_gpu.py")], capture_output=True, text=True, cwd=ROOT,
                           timeout=1200)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
