@@ -76,22 +76,24 @@ def test_augmentation_of_a_language_model_is_refused_in_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_network_of_float_targets_reports_its_metric_not_an_accuracy(tmp_path):
-    (tmp_path / "autoencoder.py").write_text(AUTOENCODER)
-    _, program = compile_program(tmp_path / "autoencoder.py", tmp_path / "out")
+def _train_network(tmp_path, name: str, text: str):
+    """(the program of network file `text`, its run of two iterations and one test batch on numpy's kernels)."""
+    (tmp_path / f"{name}.py").write_text(text)
+    _, program = compile_program(tmp_path / f"{name}.py", tmp_path / "out")
     done = run_cli(program, "--iters", "2", "--test-iters", "1", "--kernels", "numpy", "--params",
                    str(tmp_path / "p.npz"))
     assert done.returncode == 0, done.stderr
+    return program, done
+
+
+def test_a_network_of_float_targets_reports_its_metric_not_an_accuracy(tmp_path):
+    _, done = _train_network(tmp_path, "autoencoder", AUTOENCODER)
     assert "test accuracy" not in done.stdout, done.stdout
     assert "test metric (the Loop's second value) " in done.stdout and "(1 batch of 4)" in done.stdout, done.stdout
 
 
 def test_a_run_on_the_synthetic_default_says_so(tmp_path):
-    (tmp_path / "plain.py").write_text(NO_DATASET)
-    _, program = compile_program(tmp_path / "plain.py", tmp_path / "out")
-    done = run_cli(program, "--iters", "2", "--test-iters", "1", "--kernels", "numpy", "--params",
-                   str(tmp_path / "p.npz"))
-    assert done.returncode == 0, done.stderr
+    program, done = _train_network(tmp_path, "plain", NO_DATASET)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("training plain on synthetic"), done.stdout      # the run's first line stays first
     assert lines[1] == "warning: training on synthetic data (the default of a network file without dataset=): 8 " \
