@@ -144,21 +144,19 @@ def test_compile_leaves_no_cyclic_garbage_and_restores_the_collector():
     """The collector is paused while compiling (what compiling drops must be freed by reference counting, so no
     cycles), and is running again afterwards, also when compiling fails; a paused collector stays paused."""
     import gc
+    import json
 
-    loop = deepdsl.load(str(ROOT / "networks" / "resnet_mini.py"), Overrides(batch=2))
-    deepdsl.compile(loop)
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        compiled = deepdsl.compile(loop)
-        del compiled
-        gc.collect()
-        garbage = [type(o).__name__ for o in gc.garbage]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
+    # in a fresh process: objects other tests of this process leave in cycles may become garbage meanwhile
+    script = ("import gc, json, sys, deepdsl; from deepdsl.dsl import Overrides; "
+              "loop = deepdsl.load(sys.argv[1], Overrides(batch=2)); deepdsl.compile(loop); gc.collect(); "
+              "gc.set_debug(gc.DEBUG_SAVEALL); compiled = deepdsl.compile(loop); del compiled; gc.collect(); "
+              "print(json.dumps([type(o).__name__ for o in gc.garbage] + [gc.isenabled()]))")
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT / "networks" / "resnet_mini.py")], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    *garbage, enabled = json.loads(done.stdout.splitlines()[-1])
     assert garbage == [], f"compiling left {len(garbage)} objects in reference cycles: {garbage[:10]}"
-    assert gc.isenabled()
+    assert enabled
+    loop = deepdsl.load(str(ROOT / "networks" / "resnet_mini.py"), Overrides(batch=2))
 
     from deepdsl import dsl as D
     from deepdsl.errors import DeepDSLError
