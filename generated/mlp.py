@@ -455,11 +455,23 @@ def main(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
     parser.add_argument("--decay", type=float, default=0.0005, help="weight decay (L2, added to the gradient)")
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
-                        help="digits, synthetic, mnist:DIR, cifar10:DIR or npz:PATH (default: digits; "
+                        help="digits, synthetic, mnist:DIR, cifar10:DIR, npz:PATH, or images read from files: "
+                             "folder:DIR (DIR/train/<class>/*.jpg|png, DIR/val/...) or shards:'DIR/train-{0..9}.tar' "
+                             "(default: digits; "
                              "when resuming, the data the checkpoint was trained on)")
     parser.add_argument("--augment", metavar="SPEC", default="none",
                         help="training-data augmentation: none, or crop:P (pad P zeros, crop back at random) and flip "
-                             "(mirror left-right at random) joined by commas; drawn from the seed, resumed exactly")
+                             "(mirror left-right at random) joined by commas; for folder: and shards: images also "
+                             "random-resized-crop[:MIN,MAX], normalize:imagenet|MEAN/STD and center-crop:F (the test "
+                             "images' evaluation transform); drawn from the seed, resumed exactly")
+    parser.add_argument("--workers", type=int, metavar="N", default=argparse.SUPPRESS,
+                        help="processes decoding folder: and shards: images (default: the cores this process may "
+                             "use; 0: decode between steps)")
+    parser.add_argument("--prefetch", type=int, default=2, metavar="N",
+                        help="batches of folder: and shards: images decoded ahead of the step")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="replace an image that cannot be read or decoded by another drawn from the seed (said "
+                             "on standard error) instead of stopping")
     parser.add_argument("--switch-data", action="store_true",
                         help="resume on another --data than the checkpoint's (no longer an exact continuation)")
     parser.add_argument("--params", default="mlp.params.npz",

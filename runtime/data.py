@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Augment", "Batches", "DataError", "Dataset", "load", "resize_bilinear"]
+__all__ = ["Augment", "Batches", "DataError", "Dataset", "Order", "load", "resize_bilinear"]
 
 DIGITS_TEST = 300
 
@@ -404,17 +404,61 @@ class Augment:
                 image[...] = image[:, :, ::-1].copy()
 
 
+class Order:
+    """The positions of a stream of examples over a set of `size`: shuffled, each epoch follows its own permutation
+    drawn from (seed, epoch), and a batch that crosses the end of an epoch continues into the next; not shuffled,
+    the examples in order, wrapping around. The position (epoch, offset) is the whole state."""
+
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True):
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.size))
+        return self._order[1]
+
+    def take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next `count` positions, advancing past them: the examples' indices, the epoch of each and its offset
+        in that epoch."""
+        indices, epochs, offsets, need = [], [], [], count
+        while need:
+            order = self.order(self.epoch)
+            take = order[self.offset:self.offset + need]
+            indices.append(take)
+            epochs.append(np.full(len(take), self.epoch, np.int64))
+            offsets.append(np.arange(self.offset, self.offset + len(take)))
+            need -= len(take)
+            self.offset += len(take)
+            if self.offset == len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        if len(indices) == 1:
+            return indices[0], epochs[0], offsets[0]
+        return np.concatenate(indices), np.concatenate(epochs), np.concatenate(offsets)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.offset
+
+    @position.setter
+    def position(self, value: tuple[int, int]) -> None:
+        epoch, offset = (int(v) for v in value)
+        if epoch < 0 or not 0 <= offset < self.size:
+            raise ValueError(f"data position ({epoch}, {offset}) outside a dataset of {self.size} examples")
+        self.epoch, self.offset = epoch, offset
+
+
 class Batches:
-    """Batches of `batch` examples into reused buffers. Shuffled: each epoch follows its own permutation drawn
-    from (seed, epoch), and a batch that crosses the end of an epoch continues into the next. Not shuffled: the
-    examples in order, wrapping around. With `augment`, each example is augmented by the draws of its position in
-    its epoch (`Augment.draws`)."""
+    """Batches of `batch` examples into reused buffers, in the positions of an `Order` over them. With `augment`,
+    each example is augmented by the draws of its position in its epoch (`Augment.draws`)."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0, shuffle: bool = True,
                  augment: Augment = Augment()):
-        self.x, self.y, self.batch, self.seed, self.shuffle, self.augment = x, y, batch, seed, shuffle, augment
-        self.epoch, self.offset = 0, 0
-        self._order: tuple[int, np.ndarray] | None = None
+        self.x, self.y, self.batch, self.seed, self.augment = x, y, batch, seed, augment
+        self.positions = Order(len(x), seed, shuffle)
         self._draws: tuple[int, np.ndarray] | None = None
         self.xb = np.empty((batch,) + x.shape[1:], dtype=np.int32 if x.dtype == np.int32 else np.float32)
         self.yb = np.empty((batch,) + y.shape[1:], dtype=np.float32 if y.dtype.kind == "f" else np.int32)
@@ -424,29 +468,15 @@ class Batches:
             self._padded = np.zeros((c, h + 2 * augment.crop, w + 2 * augment.crop), np.float32)
 
     def order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.x))
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.x)))
-        return self._order[1]
+        return self.positions.order(epoch)
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        parts, draws, need = [], [], self.batch
-        while need:
-            order = self.order(self.epoch)
-            take = order[self.offset:self.offset + need]
-            parts.append(take)
-            if self.augment:
-                draws.append(self.epoch_draws(self.epoch)[self.offset:self.offset + len(take)])
-            need -= len(take)
-            self.offset += len(take)
-            if self.offset == len(order):
-                self.epoch, self.offset = self.epoch + 1, 0
-        index = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        index, epochs, offsets = self.positions.take(self.batch)
         np.take(self.x, index, axis=0, out=self.xb)
         np.take(self.y, index, axis=0, out=self.yb)
         if self.augment and self.xb.ndim == 4:
-            self.augment.apply(self.xb, np.concatenate(draws), self._padded)
+            draws = np.stack([self.epoch_draws(int(e))[o] for e, o in zip(epochs, offsets)])
+            self.augment.apply(self.xb, draws, self._padded)
         return self.xb, self.yb
 
     def epoch_draws(self, epoch: int) -> np.ndarray:
@@ -456,11 +486,8 @@ class Batches:
 
     @property
     def position(self) -> tuple[int, int]:
-        return self.epoch, self.offset
+        return self.positions.position
 
     @position.setter
     def position(self, value: tuple[int, int]) -> None:
-        epoch, offset = (int(v) for v in value)
-        if epoch < 0 or not 0 <= offset < len(self.x):
-            raise ValueError(f"data position ({epoch}, {offset}) outside a dataset of {len(self.x)} examples")
-        self.epoch, self.offset = epoch, offset
+        self.positions.position = value

@@ -567,8 +567,11 @@ class Accumulation:
 
     def iterate(self, model, x: np.ndarray, y: np.ndarray, first: int, hyper: dict) -> float:
         """One iteration over the global batch (x, y) whose first batch has index `first` in the global stream of
-        batches: this rank's K batches accumulated, the sum over the ranks, the update. Returns the mean loss."""
+        batches (or over this rank's K batches of it alone): this rank's K batches accumulated, the sum over the
+        ranks, the update. Returns the mean loss."""
         b, k0 = model.batch_shape[0], self.ranks.rank * self.accumulate
+        if len(x) == self.accumulate * b < self.batches * b:       # only this rank's K batches (images read from
+            k0 = 0                                                  # files: each rank decodes its own share)
         gradients = self.gradients
         gradients.zero()
         overlapped = None

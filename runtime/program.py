@@ -281,8 +281,10 @@ class Model:
         """Mean test accuracy and loss over `batches` consecutive batches of (x, y) (at most one pass; the last
         batch wraps around to the start when the set is not a multiple of the batch size)."""
         n = self.batch_shape[0]
-        count = min(batches, -(-len(x) // n))
-        stream = datasets.Batches(x, y, n, shuffle=False)
+        return self.evaluate_batches(datasets.Batches(x, y, n, shuffle=False), min(batches, -(-len(x) // n)))
+
+    def evaluate_batches(self, stream, count: int) -> tuple[float, float, int]:
+        """Mean test accuracy and loss over the next `count` batches of `stream` (its `next()` gives a batch)."""
         accuracy = loss = 0.0
         for _ in range(count):
             xb, yb = stream.next()

@@ -6,8 +6,9 @@ on a non-finite loss, the test pass and the report.
 Exit status: 0 on success, 1 for a usage problem (bad option, data spec or output path, unusable checkpoint,
 unavailable device), 3 when the loss or the state became NaN or infinite (nothing is saved over the last good
 checkpoint), 4 when a checkpoint or report could not be written (a full disk: the previous checkpoint stays),
-5 when a data-parallel job was ended because a rank made no progress (--rank-timeout), 128 + signal number after
-SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
+5 when a data-parallel job was ended because a rank made no progress (--rank-timeout), 6 when an image read from
+files cannot be read or decoded during the run (the last checkpoint stays; --skip-bad replaces it), 128 + signal
+number after SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ import numpy as np
 
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
-from deepdsl_runtime import parallel
+from deepdsl_runtime import image_stream, parallel
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 if TYPE_CHECKING:
     from deepdsl_runtime.program import Model
 
-EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE = 1, 3, 4
+EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE, EXIT_DATA = 1, 3, 4, 6
 
 
 class RunError(Exception):
@@ -52,6 +53,7 @@ _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 MOST_DEVICE_BYTES = 1 << 48      # 256 TiB: more memory than any device has; a larger size is a mistake
 MOST_THREADS = 1024              # more threads than any machine runs at once (each takes a stack and scratch)
 MOST_GEMM_DEVICES = 1024         # likewise devices
+MOST_PREFETCH = 64               # batches decoded ahead: each holds a slot of shared memory
 
 
 def _shown(number: int) -> str:
@@ -248,6 +250,12 @@ def _check_args(args) -> None:
     timeout = getattr(args, "rank_timeout", 0.0)
     if not (math.isfinite(timeout) and timeout >= 0):
         raise RunError(f"--rank-timeout must be a finite number >= 0, got {timeout}")
+    workers = getattr(args, "workers", None)
+    if workers is not None and not 0 <= workers <= MOST_THREADS:
+        raise RunError(f"--workers must be in [0, {MOST_THREADS}], got {_shown(workers)}")
+    prefetch = getattr(args, "prefetch", 2)
+    if not 1 <= prefetch <= MOST_PREFETCH:
+        raise RunError(f"--prefetch must be in [1, {MOST_PREFETCH}], got {_shown(prefetch)}")
     threads = getattr(args, "threads", None)
     if threads is not None and not 1 <= threads <= MOST_THREADS:
         raise RunError(f"--threads must be in [1, {MOST_THREADS}], got {threads}")
@@ -256,21 +264,33 @@ def _check_args(args) -> None:
         raise RunError(f"--gemm-device-memory must be at most 2^48 bytes (256 TiB), got {memory:g} bytes")
 
 
-def _recipe(args, input_shape: tuple[int, ...] = ()) -> tuple[Schedule, datasets.Augment]:
+def _recipe(args, input_shape: tuple[int, ...] = ()) -> tuple[Schedule, object]:
     """The learning-rate schedule (--lr-schedule, --warmup; cosine's length follows --iters) and the augmentation
-    (--augment) of the options; for images of `input_shape` (N, C, H, W), a crop pads them by at most their height
-    and width (a larger padding crops mostly zeros, and its scratch grows with its square)."""
+    (--augment) of the options: a `data.Augment` where the spec is one (crop:P, flip), else an
+    `image_transforms.ImageTransform` (random-resized-crop, normalize, center-crop: images read from files, which
+    `_Run.choose_augment` checks once the data is known); for images of `input_shape` (N, C, H, W), a crop pads
+    them by at most their height and width (a larger padding crops mostly zeros, and its scratch grows with its
+    square)."""
+    spec = getattr(args, "augment", "none")
     try:
-        recipe = (Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters),
-                  datasets.Augment.parse(getattr(args, "augment", "none")))
-    except (ScheduleError, datasets.DataError) as err:
+        schedule = Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0), args.iters)
+    except ScheduleError as err:
         raise RunError(str(err)) from None
-    crop = recipe[1].crop
+    try:
+        augment = datasets.Augment.parse(spec)
+    except datasets.DataError as err:
+        try:
+            from deepdsl_runtime.image_transforms import ImageTransform
+            augment = ImageTransform.parse(spec)
+        except datasets.DataError as image_err:
+            known = "random-resized-crop", "normalize", "center-crop"
+            raise RunError(str(image_err if any(k in spec for k in known) else err)) from None
+    crop = getattr(augment, "crop", 0)
     if crop and len(input_shape) == 4 and crop > min(input_shape[2:]):
         h, w = input_shape[2:]
         raise RunError(f"--augment {args.augment}: crop:{crop} pads the network's {h}x{w} images by more than their "
                        f"size; use at most crop:{min(h, w)}")
-    return recipe
+    return schedule, augment
 
 
 def _checkpoint(model: Model, iteration: int, position: tuple[int, int], data_spec: str) -> ckpt.Checkpoint:
@@ -357,7 +377,11 @@ def run(model_cls: type[Model], args) -> int:
             ranks = parallel.world(getattr(args, "data_parallel", False), getattr(args, "rank_timeout", 0.0),
                                    lambda: signals.received, model_cls.name)
             session = _Run(model_cls, args, signals, ranks)
-            status = session.execute()
+            try:
+                status = session.execute()
+            finally:
+                if session.pipeline is not None:
+                    session.pipeline.close()
             ranks.barrier()                   # every rank has said its line before any exits
             session.watchdog.stop()
             if status:                        # said before mpi4py ends the job for the status
@@ -475,6 +499,8 @@ class _Run:
             self.saved_iteration = self.resumed.iteration
             self.batches_done = self.recorded("__batches__", self.resumed.iteration)
         self.data_spec = self.choose_data()
+        self.augment = self.choose_augment()
+        self.pipeline = None                             # the workers of images read from files
         # an unusable --init-from file is an error before anything else happens; what it holds is used at the start
         self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
         if self.ranks.rank == 0:
@@ -501,6 +527,22 @@ class _Run:
         raise ckpt.CheckpointError(f"{self.path}: field '__data__': trained on '{recorded}', this run asks for "
                                    f"--data '{given}'; leave out --data to continue on '{recorded}', add "
                                    "--switch-data to continue on other data (no longer an exact resume), or --fresh")
+
+    def choose_augment(self):
+        """The augmentation for the data chosen: an `ImageTransform` for images read from files (its evaluation
+        transform also without --augment), else the `Augment` of in-memory data."""
+        spec = getattr(self.args, "augment", "none")
+        if image_stream.is_image_spec(self.data_spec):
+            from deepdsl_runtime.image_transforms import ImageTransform
+            try:
+                return ImageTransform.parse(spec)
+            except datasets.DataError as err:
+                raise RunError(str(err)) from None
+        if not isinstance(self.augment, datasets.Augment):
+            raise RunError(f"--augment {spec}: random-resized-crop, normalize and center-crop transform images read "
+                           f"from files (folder:DIR, shards:PATTERN); '{self.data_spec}' is held in memory: use "
+                           "crop:P and flip")
+        return self.augment
 
     def check_outputs(self, before_reading: bool = False) -> None:
         """No output (--params, --report-json) is the network file, this program, its kernels' sources or another
@@ -568,14 +610,18 @@ class _Run:
         args, model = self.args, self.model
         if self.resumed is None and args.iters == 0:
             return self.write_initial()
-        data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed, batch=self.batch,
-                             tokens=model.tokens, targets=model.target_shape)
+        if image_stream.is_image_spec(self.data_spec):
+            data = self.image_data()
+        else:
+            data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed,
+                                 batch=self.batch, tokens=model.tokens, targets=model.target_shape)
+            # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
+            self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
+                                           seed=model.seed, augment=self.augment)
+            self.probe = tuple(np.copy(a) for a in
+                               datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
+        self.examples = len(data) if isinstance(data, image_stream.ImageData) else len(data.x_train)
         self.accumulation.start(model)
-        # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
-        self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
-                                       seed=model.seed, augment=self.augment)
-        self.probe = tuple(np.copy(a) for a in
-                           datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
         if self.resumed is not None:
             model.load_tensors({k: self.resumed.tensors[k] for k in model.expected_shapes()})
             switched = self.resumed.data and self.resumed.data != self.data_spec
@@ -587,7 +633,7 @@ class _Run:
             except ValueError:
                 raise ckpt.CheckpointError(
                     f"{self.path}: fields '__data_epoch__', '__data_offset__': position {self.resumed.data_position} "
-                    f"lies outside the {len(data.x_train)} training examples of '{self.data_spec}' (the data changed "
+                    f"lies outside the {self.examples} training examples of '{self.data_spec}' (the data changed "
                     "since the checkpoint was written; --fresh starts over)") from None
             start = self.resumed.iteration
             _say(args, f"resuming from {self.path} at iteration {start}" + self.regrouped())
@@ -602,12 +648,12 @@ class _Run:
             return self.interrupted("before training started")
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
-            _say(args, f"training {model.name} on {self.data_spec} ({len(data.x_train)} examples, batch "
+            _say(args, f"training {model.name} on {self.data_spec} ({self.examples} examples, batch "
                        f"{self.batch}{self.grouping()}) on {args.device} ({model.kernels}): iterations {start + 1} "
                        f"to {args.iters}" + (f"; checkpoint {self.path}" if self.path else ""))
             if self.data_spec == "synthetic" and getattr(args, "data", None) is None:
                 _say(args, f"warning: training on synthetic data (the default of a network file without dataset=): "
-                           f"{len(data.x_train)} random examples with nothing to learn; --data SPEC chooses real data")
+                           f"{self.examples} random examples with nothing to learn; --data SPEC chooses real data")
             iteration, loss, elapsed, stopped = self.train(start)
             if stopped is not None:
                 return stopped
@@ -616,7 +662,7 @@ class _Run:
         accuracy = test_loss = None
         if args.test_iters:
             self.watchdog.beat()
-            accuracy, test_loss, batches = model.evaluate(data.x_test, data.y_test, args.test_iters)
+            accuracy, test_loss, batches = self.evaluate(data, args.test_iters)
             if not math.isfinite(test_loss):
                 raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED,
                                collective=True)
@@ -647,6 +693,82 @@ class _Run:
         self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
                           test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
         return 0
+
+    def image_data(self) -> image_stream.ImageData:
+        """Images read from files: their manifests (the data set a resumed checkpoint was trained on), the
+        workers and their ring, the training stream of this rank's rows and the probe batch."""
+        args, model = self.args, self.model
+        if model.tokens or model.target_shape is not None:
+            raise RunError(f"--data {self.data_spec}: images and class labels read from files, and {model.name} "
+                           f"takes {'tokens' if model.tokens else 'float targets'}")
+        data = image_stream.load(self.data_spec, model.batch_shape[1:], model.classes, progress=not args.quiet)
+        self.check_data_set(data)
+        workers = getattr(args, "workers", None)
+        if workers is None:                   # the cores this process may use, shared with the other ranks here
+            workers = max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
+        rows = self.accumulation.accumulate * self.batch              # this rank's share of a global batch
+        library = None
+        if model.rt.native is not None:
+            from deepdsl_runtime.cpu import native
+            library = str(native.library_path(os.path.splitext(os.path.abspath(model.program_file()))[0] + ".c"))
+        try:
+            self.pipeline = image_stream.Pipeline(data, self.augment, rows, getattr(args, "prefetch", 2) + 1,
+                                                  workers, model.seed, library, getattr(args, "skip_bad", False))
+        except OSError as err:
+            raise RunError(f"cannot start the decoding workers: {err.strerror or err}") from None
+        self.stream = image_stream.ImageBatches(self.pipeline, "train", rows, self.global_batch,
+                                                self.ranks.rank * rows, model.seed, train=True, say=_line)
+        x = np.empty(model.batch_shape, np.float32)
+        y = np.empty(self.batch, np.int32)
+        indices, epochs, _ = datasets.Order(len(data.test), shuffle=False).take(self.batch)
+        try:
+            self.pipeline.decoder().fill("test", indices, epochs, False, x, y)
+        except image_stream.BadImage as err:
+            raise RunError(str(err), EXIT_DATA) from None
+        self.probe = (x, y)
+        figures = self.pipeline.figures()
+        _say(args, f"input: {len(data.train)} training and {len(data.test)} test images"
+                   + (" (no validation split: testing on the training images)" if data.test_is_train else "")
+                   + f", {data.channels}x{data.size[0]}x{data.size[1]}; "
+                   + (f"{workers} decoding worker{'s' if workers > 1 else ''}" if workers else "decoded between steps")
+                   + f" into {figures['slots']} slots of {rows} images ({figures['ring_bytes'] / 1e6:.2f} MB shared), "
+                   f"manifests {figures['index_bytes'] / 1e6:.2f} MB")
+        return data
+
+    def check_data_set(self, data: image_stream.ImageData) -> None:
+        """A resumed run continues on the data set its checkpoint recorded (the manifests' digest), decoded by the
+        same decoders (else it says that pixels may differ)."""
+        if self.resumed is None or (self.resumed.data and self.resumed.data != self.data_spec):
+            return
+        recorded = self.resumed.extra.get("__data_digest__")
+        if recorded is not None and str(recorded) != data.digest:
+            if not getattr(self.args, "switch_data", False):
+                raise ckpt.CheckpointError(
+                    f"{self.path}: field '__data_digest__': the files of '{self.data_spec}' changed since the "
+                    "checkpoint was written (images added, removed, relabelled or rewritten); --switch-data continues "
+                    "on them (no longer an exact resume), --fresh starts over")
+            _say(self.args, f"the files of '{self.data_spec}' changed since the checkpoint (--switch-data): the run "
+                            "continues, no longer an exact resume")
+        decoder = self.resumed.extra.get("__decoder__")
+        from deepdsl_runtime.image_transforms import decoder_versions
+        if decoder is not None and str(decoder) != decoder_versions():
+            _say(self.args, f"warning: the checkpoint's images were decoded by {decoder}, these by "
+                            f"{decoder_versions()}: pixels may differ, so the resumed run may not be bit for bit")
+
+    def evaluate(self, data, count: int) -> tuple[float, float, int]:
+        """The test pass: mean accuracy and loss over `count` test batches (at most one pass)."""
+        if not isinstance(data, image_stream.ImageData):
+            return self.model.evaluate(data.x_test, data.y_test, count)
+        self.stream.close()                   # the ring's slots now serve the test batches
+        count = min(count, -(-len(data.test) // self.batch))
+        stream = image_stream.ImageBatches(self.pipeline, "test", self.batch, self.batch, 0, self.model.seed,
+                                           train=False)
+        try:
+            return self.model.evaluate_batches(stream, count)
+        except image_stream.BadImage as err:
+            raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
+        finally:
+            stream.close()
 
     def recorded(self, field: str, default: int) -> int:
         """An integer field of how the resumed checkpoint was trained (`default` where it predates the field)."""
@@ -705,7 +827,8 @@ class _Run:
             return
         report = {"network": self.model.name, "device": args.device, "data": self.data_spec, "batch": self.batch,
                   "params": self.path or None, **results,
-                  "gemm": self.products.totals() if self.products is not None else None}
+                  "gemm": self.products.totals() if self.products is not None else None,
+                  "input_pipeline": self.input_figures()}
         keys = ("network", "device", "data", "batch", "iterations", "iterations_run", "loss", "test_accuracy",
                 "test_loss", "seconds_per_iter", "params")
         report = {**{k: report[k] for k in keys}, **{k: v for k, v in report.items() if k not in keys}}
@@ -771,6 +894,10 @@ class _Run:
         state.extra.update({"__batches__": np.array(self.batches_done, dtype=np.int64),
                             "__ranks__": np.array(self.ranks.size, dtype=np.int64),
                             "__global_batch__": np.array(self.global_batch, dtype=np.int64)})
+        if self.pipeline is not None:        # the data set and the decoders its pixels came from
+            from deepdsl_runtime.image_transforms import decoder_versions
+            state.extra.update({"__data_digest__": np.array(self.pipeline.data.digest),
+                                "__decoder__": np.array(decoder_versions())})
         bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
         if bad is not None:
             raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "
@@ -788,6 +915,22 @@ class _Run:
                            f"{iteration}, {self.kept()}", EXIT_SAVE) from None
         self.saved_iteration = iteration
         return True
+
+    def input_figures(self) -> dict | None:
+        """The report's figures of images read from files: the pipeline's memory, images a second and the share of
+        the training time spent waiting for them."""
+        if self.pipeline is None:
+            return None
+        stream = self.stream
+        rates = stream.rates()
+        return {**self.pipeline.figures(), "images_per_second": rates[0] if rates else None,
+                "data_wait_share": rates[1] if rates else None, "data_wait_seconds": stream.waited}
+
+    def input_rates(self) -> str:
+        """For the progress line, of images read from files: images a second and the share of the time the steps
+        waited for them ('' otherwise)."""
+        rates = self.stream.rates() if self.pipeline is not None else None
+        return f", {rates[0]:.0f} img/s, data wait {100 * rates[1]:.0f} %" if rates else ""
 
     def follow_free_cores(self, bar) -> None:
         """Threads to the cores other processes leave free (without --threads), said when they change."""
@@ -812,7 +955,10 @@ class _Run:
         acc, stop = self.accumulation, 0
         try:
             while iteration < args.iters:
-                xb, yb = self.stream.next()
+                try:
+                    xb, yb = self.stream.next()
+                except image_stream.BadImage as err:
+                    raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
                 hyper = self.hyper(iteration)
                 if acc.split:
                     value = acc.iterate(model, xb, yb, self.batches_done, hyper)
@@ -826,7 +972,7 @@ class _Run:
                     break
                 iteration, loss = iteration + 1, value
                 if bar is not None:
-                    bar.set_postfix_str(f"loss {value:.4f}", refresh=False)
+                    bar.set_postfix_str(f"loss {value:.4f}" + self.input_rates(), refresh=False)
                     bar.update(1)
                 stop = self.agreed_signal()          # a signal to any rank stops them all here
                 if stop:
