@@ -277,9 +277,8 @@ def _native(library: str | None):
 
 
 def _reason(err: Exception) -> str:
-    text = str(err)
-    return text.split(": ", 1)[1] if isinstance(err, DataError) and ": " in text and text.startswith(
-        ("folder:", "shards:")) else text
+    """Why a record could not be used, without its name (the caller says it)."""
+    return getattr(err, "reason", None) or str(err)
 
 
 def _split_name(split: str) -> str:
@@ -625,5 +624,6 @@ def _send(conn: Connection, message) -> bool:
         return False
 
 
-if __name__ == "__main__":
-    sys.exit(_worker(*(int(a) for a in sys.argv[1:5])))
+if __name__ == "__main__":               # the worker runs the package's module (what it sends is its classes')
+    from deepdsl_runtime import image_stream
+    sys.exit(image_stream._worker(*(int(a) for a in sys.argv[1:5])))

@@ -347,9 +347,8 @@ def render(image: np.ndarray, plan_: Plan, scale: np.ndarray, bias: np.ndarray, 
     image = np.ascontiguousarray(image)
     (ys, wy), (xs, wx) = plan_.rows, plan_.cols
     c = image.shape[2]
-    if native is not None and scratch is not None:
-        native.resample_image(image, ys, wy, xs, wx, scale, bias, out, scratch)
-    else:
+    if scratch is None or native is None or not native.resample_image(image, ys, wy, xs, wx, scale, bias, out,
+                                                                       scratch):
         r0, r1 = _rows_needed(plan_)
         part = image[r0:r1]
         columns = np.zeros((r1 - r0, len(xs), c), np.float32)

@@ -38,7 +38,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "deepdsl_math.h")
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "cpu_images.c", "deepdsl_math.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -214,6 +214,10 @@ class Native:
         if self._channel_sum is not None:
             self._channel_sum.argtypes = [_L, _L, _L, _P, _P]
             self._channel_sum.restype = _I
+        # (nor the render of images read from files)
+        self._resample = getattr(lib, "deepdsl_resample_image", None)
+        if self._resample is not None:
+            self._resample.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P]
         sgemm = blas_sgemm()
         if sgemm is not None:
             lib.deepdsl_set_sgemm(sgemm[0], int(sgemm[1]))
@@ -266,6 +270,23 @@ class Native:
         return out
 
     # convolution ----------------------------------------------------------------------------------------------
+
+    def resample_image(self, image: np.ndarray, ys: np.ndarray, wy: np.ndarray, xs: np.ndarray, wx: np.ndarray,
+                       scale: np.ndarray, bias: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> bool:
+        """`image_transforms.render`'s pass (kernels/cpu_images.c): the uint8 (H, W, C) image resampled by the rows
+        (ys, wy) and columns (xs, wx) into float32 (C, OH, OW) `out`, x scale + bias; False where this library has
+        no such kernel (the caller runs numpy's, with the same bits)."""
+        if self._resample is None or not (image.flags.c_contiguous and out.flags.c_contiguous):
+            return False
+        h, w, c = image.shape
+        args = [np.ascontiguousarray(a, dtype) for a, dtype in ((ys, np.int32), (wy, np.float32), (xs, np.int32),
+                                                                 (wx, np.float32), (scale, np.float32),
+                                                                 (bias, np.float32))]
+        ys, wy, xs, wx, scale, bias = args
+        self._resample(image.ctypes.data, h, w, c, ys.ctypes.data, wy.ctypes.data, len(ys), wy.shape[1],
+                       xs.ctypes.data, wx.ctypes.data, len(xs), wx.shape[1], scale.ctypes.data, bias.ctypes.data,
+                       out.ctypes.data, scratch.ctypes.data)
+        return True
 
     def im2col(self, x: np.ndarray, cols: np.ndarray, stride: int, pad: int, scratch=None) -> None:
         """`cols` (C, kh, kw, m, Ho, Wo) of the m samples of `x`, read through its (m, C, kh, kw, Ho, Wo)

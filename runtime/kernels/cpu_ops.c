@@ -656,3 +656,6 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
 
 // matrix products on these threads
 #include "cpu_gemm.c"
+
+// the render of images read from files into batch slots
+#include "cpu_images.c"
