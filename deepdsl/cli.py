@@ -1,4 +1,4 @@
-"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`, `refresh`.
+"""The `deepdsl` command line: `ir`, `graph`, `compile`, `run`, `memory`, `data`, `refresh`.
 
 Every error a user can cause (a network file that does not load, a shape mismatch, a bad option) is printed as one
 line naming the file and line, with exit status 1; `--debug` shows the Python traceback instead. Outputs (`-o`,
@@ -351,16 +351,56 @@ def cmd_memory(args: argparse.Namespace) -> int:
         _check_plot_format(plot)
     if args.fit is not None:
         return _fit(args)
+    if args.accumulate < 1:
+        raise DeepDSLError(f"--accumulate must be >= 1, got {args.accumulate}")
     compiled = _compile_step(args)
     report = memory_table.memory_report(compiled, args.step)
+    pipeline = _input_pipeline(compiled, args) if args.data else None
     if plot is not None:
         with _writing(plot):
             plot.parent.mkdir(parents=True, exist_ok=True)
             memory_table.plot(report, args.plot)
-    sys.stdout.write(memory_table.to_json(report) if args.json else memory_table.format_table(report))
+    if args.json:
+        text = memory_table.to_json(report)
+        if pipeline is not None:
+            import json
+            text = json.dumps({**json.loads(text), "input_pipeline": pipeline[1]}, indent=2) + "\n"
+        sys.stdout.write(text)
+    else:
+        sys.stdout.write(memory_table.format_table(report))
+        if pipeline is not None:
+            print()
+            print("\n".join(pipeline[0]))
     if args.plot:
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _input_pipeline(compiled, args: argparse.Namespace) -> tuple[list[str], dict]:
+    """The memory of the input pipeline `--data` (images read from files) would take beside the step: its lines and
+    figures (`deepdsl_runtime.image_stream.planned`), for the batch of `--accumulate` compiled batches."""
+    from deepdsl.ir import toposort
+    from deepdsl_runtime import image_stream
+    from deepdsl_runtime.data import DataError
+
+    if not image_stream.is_image_spec(args.data):
+        raise DeepDSLError(f"--data {args.data}: `deepdsl memory` states the pipeline of images read from files "
+                           "(folder:DIR, shards:PATTERN); in-memory data sets take no memory beside the step's inputs")
+    nodes = toposort([compiled.loop.loss.node])
+    data = next(n for n in nodes if n.op == "input" and n.attr("role") == "data")
+    label = next(n for n in nodes if n.op == "input" and n.attr("role") == "label")
+    from deepdsl.codegen.description import _classes
+    if len(data.shape) != 4 or len(label.shape) != 1:
+        raise DeepDSLError(f"--data {args.data}: {compiled.name} takes {'x'.join(map(str, data.shape))} inputs, not "
+                           "images and class labels")
+    workers = args.workers if args.workers is not None else (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        loaded = image_stream.load(args.data, tuple(data.shape[1:]), _classes(compiled), progress=True)
+    except DataError as err:
+        raise DeepDSLError(str(err)) from None
+    figures = image_stream.planned(loaded, args.accumulate * data.shape[0], args.prefetch + 1, workers)
+    return image_stream.describe(loaded, figures), figures
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -388,6 +428,79 @@ def _declared_batch(loop) -> int | None:
 
     data = [n for n in toposort([loop.loss.node]) if n.op == "input" and n.attr("role") == "data" and n.shape]
     return data[0].shape[0] if data else None
+
+
+@contextlib.contextmanager
+def _data_errors():
+    """A data set's problem (`deepdsl_runtime.data.DataError`) as the command's one-line error."""
+    from deepdsl_runtime.data import DataError
+    try:
+        yield
+    except DataError as err:
+        raise DeepDSLError(str(err)) from None
+
+
+def _image_spec(spec: str) -> None:
+    from deepdsl_runtime import image_stream
+    if not image_stream.is_image_spec(spec):
+        raise DeepDSLError(f"'{spec}' is not a data set of image files (use folder:DIR or shards:PATTERN)")
+
+
+def cmd_data_index(args: argparse.Namespace) -> int:
+    from deepdsl_runtime import image_index
+
+    _image_spec(args.spec)
+    with _data_errors():
+        train_source, val_source = image_index.splits(args.spec)
+        train = image_index.load_index(train_source, args.spec, "train", progress=True, rebuild=True)
+        indexes = [train]
+        if val_source is not None:
+            indexes.append(image_index.load_index(val_source, args.spec, "val", progress=True, rebuild=True,
+                                                  classes=train.classes))
+    for index in indexes:
+        print(f"{index.split}: {len(index)} images in {len(index.classes)} classes, "
+              f"{int(index.sizes.sum()) / 1e6:.1f} MB; manifest {index.meta()['cache']} "
+              f"({index.nbytes / 1e6:.2f} MB, digest {index.digest[:12]})")
+    if val_source is None:
+        print("no validation split: programs test on the training images")
+    return 0
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    from deepdsl_runtime import image_index
+
+    _image_spec(args.spec)
+    workers = args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    with _data_errors():
+        bad, total = image_index.check(args.spec, args.channels, workers, progress=True)
+    for split, i, name, reason in bad:
+        print(f"{name} ({split} split, sample {i}): {reason}")
+    print(f"{len(bad)} of {total} images cannot be read or decoded" if bad else f"all {total} images decode")
+    return 1 if bad else 0
+
+
+def cmd_data_pack(args: argparse.Namespace) -> int:
+    from deepdsl_runtime import image_index
+
+    _image_spec(args.spec)
+    out = Path(args.output)
+    kind, _, source = args.spec.partition(":")
+    roots = [Path(source)] if kind == "folder" else [Path(p).parent for p in image_index.expand(source)[:1]]
+    for root in roots:
+        if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
+            raise DeepDSLError(f"-o {out} lies inside the data set {root}; choose a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise DeepDSLError(f"-o {out} is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise DeepDSLError(f"-o {out} already holds files; add --force to write into it, or choose another")
+    if args.shard_bytes < 1:
+        raise DeepDSLError("--shard-bytes must be > 0")
+    with _data_errors(), _writing(out):
+        patterns = image_index.pack(args.spec, str(out), args.shard_bytes, progress=True)
+    for split, pattern in patterns.items():
+        print(f"{split}: {pattern}")
+    print(f"train from them with --data shards:'{patterns['train']}'")
+    return 0
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
@@ -439,7 +552,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw live memory over the statements (needs matplotlib)")
     p.add_argument("--fit", type=_bytes, metavar="BYTES",
                    help="print the largest batch whose steps fit BYTES (e.g. 16GB), without and with recomputation")
+    p.add_argument("--data", metavar="SPEC",
+                   help="also the memory of the input pipeline of these images read from files (folder:DIR, "
+                        "shards:PATTERN): batch slots, manifests, each worker's bound")
+    p.add_argument("--workers", type=int, metavar="N", help="with --data: decoding workers (default: the cores)")
+    p.add_argument("--prefetch", type=_positive, default=2, metavar="N", help="with --data: batches decoded ahead")
+    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="with --data: the program's --accumulate (a slot holds K batches)")
     p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("data", help="image data sets read from files: index, check, pack into shards",
+                       description="folder:DIR (DIR/train/<class>/*.jpg, DIR/val/...) or shards:PATTERN (tar shards "
+                                   "of KEY.jpg + KEY.cls); see docs/data.md")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = actions.add_parser("index", help="build the manifests of both splits again and cache them")
+    q.add_argument("spec", metavar="SPEC")
+    q.set_defaults(func=cmd_data_index)
+    q = actions.add_parser("check", help="decode every image of both splits; list those that cannot be")
+    q.add_argument("spec", metavar="SPEC")
+    q.add_argument("--workers", type=_positive, metavar="N", help="decoding processes (default: the cores)")
+    q.add_argument("--channels", type=int, choices=(1, 3), default=3, help="decode to grey (1) or RGB (3)")
+    q.set_defaults(func=cmd_data_check)
+    q = actions.add_parser("pack", help="write both splits as tar shards (KEY.<ext> + KEY.cls) and classes.txt")
+    q.add_argument("spec", metavar="SPEC")
+    q.add_argument("-o", "--output", required=True, metavar="DIR", help="directory of the shards")
+    q.add_argument("--shard-bytes", type=_bytes, default=10**9, metavar="BYTES",
+                   help="close a shard before it passes this size (default 1GB)")
+    q.add_argument("--force", action="store_true", help="write into a directory that already holds files")
+    q.set_defaults(func=cmd_data_pack)
 
     p = sub.add_parser("refresh", help="regenerate the programs of a directory of networks (generated/ from networks/)")
     p.add_argument("--check", action="store_true", help="only list stale or missing programs (exit status 1 if any)")

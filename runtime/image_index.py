@@ -34,7 +34,7 @@ import numpy as np
 
 from deepdsl_runtime.data import DataError
 
-__all__ = ["IMAGE_EXTENSIONS", "Index", "RecordError", "Source", "expand", "load_index", "pack", "splits"]
+__all__ = ["IMAGE_EXTENSIONS", "Index", "RecordError", "Source", "expand", "check", "load_index", "pack", "splits"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
 CACHE_VERSION = 1
@@ -470,3 +470,71 @@ def _write_shard(f, index: Index, records) -> None:
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
                 tar.addfile(info, io.BytesIO(data))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checking every record
+
+CHECK_CHUNK = 256      # records a checking process takes at a time
+
+
+def check(spec: str, channels: int = 3, workers: int = 1, progress: bool = False,
+          say=None) -> tuple[list[tuple[str, int, str, str]], int]:
+    """Read and decode every record of both splits (`workers` fresh processes, or this one for 1): ([(split,
+    index, name, reason)] of those that cannot be, sorted), and the number of records."""
+    train_source, val_source = splits(spec)
+    train = load_index(train_source, spec, "train", progress=progress, say=say)
+    jobs = [("train", 0, len(train))]
+    if val_source is not None:
+        val = load_index(val_source, spec, "val", progress=progress, classes=train.classes, say=say)
+        jobs.append(("val", 0, len(val)))
+    chunks = [(spec, split, lo, min(lo + CHECK_CHUNK, n), channels) for split, _, n in jobs
+              for lo in range(0, n, CHECK_CHUNK)]
+    total = sum(n for _, _, n in jobs)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc="checking", unit="img", dynamic_ncols=True, mininterval=0.5, leave=False)
+        except ImportError:
+            pass
+    bad = []
+    if workers <= 1:
+        results = map(_check_chunk, chunks)
+        pool = None
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(_check_chunk, chunks)
+    try:
+        for chunk, found in zip(chunks, results):
+            bad += found
+            if bar is not None:
+                bar.update(chunk[3] - chunk[2])
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    return sorted(bad, key=lambda b: (b[0] != "train", b[1])), total
+
+
+def _check_chunk(job) -> list[tuple[str, int, str, str]]:
+    from deepdsl_runtime import image_transforms
+
+    spec, split, lo, hi, channels = job
+    train_source, val_source = splits(spec)
+    train = load_index(train_source, spec, "train", say=lambda text: None)
+    index = train if split == "train" else load_index(val_source, spec, "val", classes=train.classes,
+                                                      say=lambda text: None)
+    bad = []
+    for i in range(lo, hi):
+        try:
+            image_transforms.decode(index.read(i), channels)
+        except RecordError as err:
+            bad.append((split, i, index.name(i), err.reason))
+        except image_transforms.DecodeError as err:
+            bad.append((split, i, index.name(i), str(err)))
+    index.close()
+    return bad
