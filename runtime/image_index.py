@@ -179,14 +179,15 @@ def _say_stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _progress(total: int, what: str, shown: bool):
-    if not shown:
+def _progress(total: int, what: str, shown: bool, unit: str = "dir"):
+    """A progress bar on a terminal (none where standard error is a file or a pipe)."""
+    if not shown or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=what, unit="dir", dynamic_ncols=True, mininterval=0.5, leave=False)
+    return tqdm(total=total, desc=what, unit=unit, dynamic_ncols=True, mininterval=0.5, leave=False)
 
 
 def _class_dirs(root: str) -> list[tuple[str, int]]:
@@ -277,7 +278,7 @@ def _build_folder(source: Source, spec: str, split: str, classes, progress: bool
 
 def _build_shards(source: Source, spec: str, split: str, classes, progress: bool) -> tuple[dict, dict]:
     names, labels, sizes, offsets, shard_of = [], [], [], [], []
-    bar = _progress(len(source.location), f"indexing {split}", progress)
+    bar = _progress(len(source.location), f"indexing {split}", progress, "shard")
     for k, path in enumerate(source.location):
         shard = os.path.basename(path)
         images, cls = {}, {}
@@ -406,9 +407,9 @@ def load_index(source: Source, spec: str, split: str, progress: bool = False, re
                                                                     meta["classes"] == list(classes)):
                 return Index(meta, arrays)
     if source.kind == "folder":
-        meta, arrays = _build_folder(source, spec, split, classes, progress, say)
+        meta, arrays = _build_folder(source, spec, split, classes, progress and sys.stderr.isatty(), say)
     else:
-        meta, arrays = _build_shards(source, spec, split, classes, progress)
+        meta, arrays = _build_shards(source, spec, split, classes, progress and sys.stderr.isatty())
     meta.update({"version": CACHE_VERSION, "spec": spec, "split": split, "kind": source.kind, "state": state,
                  "digest": _digest(meta["classes"], arrays["names"], arrays["labels"], arrays["sizes"]),
                  "cache": path})
@@ -445,7 +446,7 @@ def pack(spec: str, out: str, shard_bytes: int = 1 << 30, progress: bool = False
             size += need
         if members:
             shards.append(members)
-        bar = _progress(len(shards), f"packing {split}", progress)
+        bar = _progress(len(shards), f"packing {split}", progress, "shard")
         for n, records in enumerate(shards):
             path = os.path.join(out, f"{split}-{n:06d}.tar")
             atomic_write(path, lambda f, records=records: _write_shard(f, index, records))
@@ -491,13 +492,7 @@ def check(spec: str, channels: int = 3, workers: int = 1, progress: bool = False
     chunks = [(spec, split, lo, min(lo + CHECK_CHUNK, n), channels) for split, _, n in jobs
               for lo in range(0, n, CHECK_CHUNK)]
     total = sum(n for _, _, n in jobs)
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=total, desc="checking", unit="img", dynamic_ncols=True, mininterval=0.5, leave=False)
-        except ImportError:
-            pass
+    bar = _progress(total, "checking", progress, "img")
     bad = []
     if workers <= 1:
         results = map(_check_chunk, chunks)
