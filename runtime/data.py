@@ -20,6 +20,7 @@ Specs:
   windows of the network's T + 1 bytes overlapping by one: the example is the first T, its labels the last T (each
   token's next one). The last tenth of the windows (at least one) is the test set. Byte values must lie below the
   network's vocabulary.
+- `folder:DIR`, `shards:PATTERN`: images read from files a batch at a time, not loaded here: `image_stream`.
 Images must have the network's channels and size (only `digits` is resized); a mismatch is a `DataError` naming
 the spec. Labels must lie in [0, classes).
 

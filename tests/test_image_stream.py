@@ -219,6 +219,22 @@ def test_a_bad_file_stops_the_run_naming_it_and_keeps_the_checkpoint(lenet, dama
     assert "used train/" in skipped.stderr
 
 
+def test_an_undecodable_file_of_the_manifests_size_stops_the_run(lenet, damaged, tmp_path):
+    index_line = run_cli(lenet, "--data", f"folder:{damaged}", "--iters", "1", "--params", str(tmp_path / "a.npz"),
+                         "--test-iters", "0", "--quiet", timeout=TIMEOUT)
+    assert index_line.returncode == 0, index_line.stderr
+    victim = sorted((damaged / "train").rglob("*.jpg"))[2]
+    data = bytearray(victim.read_bytes())
+    data[2:4] = b"\x00\x00"                     # the marker after the start of image broken; the size unchanged
+    victim.write_bytes(bytes(data))
+    done = run_cli(lenet, "--data", f"folder:{damaged}", "--iters", "20", "--params", str(tmp_path / "b.npz"),
+                   "--test-iters", "0", "--quiet", "--workers", "1", timeout=TIMEOUT)
+    assert done.returncode == 6, done.stderr
+    line = _one_line(done.stderr)
+    assert f"{victim.parent.name}/{victim.name} (sample 2 of the training split, epoch 0)" in line, line
+    assert "no checkpoint was written" in line and not (tmp_path / "b.npz").exists()
+
+
 def test_a_changed_data_set_is_refused_on_resume(lenet, damaged, tmp_path):
     out = tmp_path / "p.npz"
     assert run_cli(lenet, "--data", f"folder:{damaged}", "--iters", "2", "--params", str(out), "--test-iters", "0",
