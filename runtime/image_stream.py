@@ -405,8 +405,11 @@ class Pipeline:
             if lo == hi:
                 continue
             worker = (self.turn + part) % workers
-            self.tasks[worker].send(("fill", slot, lo, split, indices[lo:hi].tolist(), epochs[lo:hi].tolist(),
-                                     train))
+            try:
+                self.tasks[worker].send(("fill", slot, lo, split, indices[lo:hi].tolist(), epochs[lo:hi].tolist(),
+                                         train))
+            except OSError:                  # its pipe closed: the worker has ended
+                raise self._ended(worker) from None
             batch.waiting += 1
         self.turn = (self.turn + rows) % workers
 
@@ -428,10 +431,7 @@ class Pipeline:
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            process = self.processes[worker]
-            status = process.wait()
-            how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
-            raise DataError(f"{self.data.spec}: decoding worker {worker} ended ({how})") from None
+            raise self._ended(worker) from None
         kind, slot = message[0], message[1]
         if kind == "failed":
             raise DataError(f"{self.data.spec}: decoding worker {worker}: {message[2]}")
@@ -445,13 +445,19 @@ class Pipeline:
             batch.replaced.extend(message[2])
             self.worker_scratch = max(self.worker_scratch, message[3])
 
+    def _ended(self, worker: int) -> DataError:
+        """The error of a worker that ended (killed, or out of memory) while the run needed it."""
+        status = self.processes[worker].wait()
+        how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        return DataError(f"{self.data.spec}: decoding worker {worker} ended ({how})")
+
     def drain(self) -> None:
         """Wait for every slot in flight (their contents are then discarded)."""
         for slot in list(self.batches):
             try:
                 self.collect(slot)
-            except BadImage:
-                pass
+            except DataError:            # a bad image, or a worker gone: said where its batch was wanted
+                self.batches.pop(slot, None)
 
     def figures(self) -> dict:
         """The pipeline's memory and shape, for the report and `deepdsl memory`."""
@@ -571,7 +577,8 @@ class ImageBatches:
 # a worker process: python -m deepdsl_runtime.image_stream TASKS RESULTS RING INDEX
 
 def _worker(task_fd: int, result_fd: int, ring_fd: int, index_fd: int) -> int:
-    for sig in (signal.SIGINT, getattr(signal, "SIGHUP", None)):     # the program decides when its workers end
+    # the program decides when its workers end (it saves its checkpoint on these first), and they end with it
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)

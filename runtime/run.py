@@ -7,7 +7,7 @@ Exit status: 0 on success, 1 for a usage problem (bad option, data spec or outpu
 unavailable device), 3 when the loss or the state became NaN or infinite (nothing is saved over the last good
 checkpoint), 4 when a checkpoint or report could not be written (a full disk: the previous checkpoint stays),
 5 when a data-parallel job was ended because a rank made no progress (--rank-timeout), 6 when an image read from
-files cannot be read or decoded during the run (the last checkpoint stays; --skip-bad replaces it), 128 + signal
+files cannot be read or decoded during the run, or a decoding worker ended (the last checkpoint stays), 128 + signal
 number after SIGINT/SIGTERM/SIGHUP (the checkpoint saved first; a second signal stops at once).
 """
 from __future__ import annotations
@@ -766,7 +766,7 @@ class _Run:
                                            train=False)
         try:
             return self.model.evaluate_batches(stream, count)
-        except image_stream.BadImage as err:
+        except datasets.DataError as err:
             raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
         finally:
             stream.close()
@@ -958,7 +958,7 @@ class _Run:
             while iteration < args.iters:
                 try:
                     xb, yb = self.stream.next()
-                except image_stream.BadImage as err:
+                except datasets.DataError as err:        # a bad image, or a decoding worker that ended
                     raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
                 hyper = self.hyper(iteration)
                 if acc.split:

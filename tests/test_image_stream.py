@@ -121,6 +121,29 @@ def test_sigkill_mid_epoch_resumes_bit_for_bit(lenet, few_digits, tmp_path):
     assert_bitwise(killed, straight)
 
 
+def test_a_decoding_worker_killed_stops_the_run_with_one_line(lenet, few_digits, tmp_path):
+    out = tmp_path / "p.npz"
+    mark = uuid.uuid4().hex
+    process = subprocess.Popen([sys.executable, str(lenet), "--data", few_digits["folder"], "--iters", "1000000",
+                                "--params", str(out), "--save-every", "5", "--workers", "2", "--test-iters", "0",
+                                "--quiet"], env={**program_env(), "DEEPDSL_TEST_MARK": mark},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not out.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        workers = sorted(_marked(mark) - {process.pid})
+        assert out.exists() and len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 6, err
+    line = _one_line(err)
+    assert "decoding worker" in line and "SIGKILL" in line and f"{out} keeps the checkpoint of iteration" in line, line
+
+
 def _marked(mark: str) -> set[int]:
     """The processes whose environment holds DEEPDSL_TEST_MARK=`mark`."""
     found = set()
