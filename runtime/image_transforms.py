@@ -333,10 +333,10 @@ def _rows_needed(plan_: Plan) -> tuple[int, int]:
 
 
 def scratch_size(image_shape: tuple[int, ...], plan_: Plan) -> int:
-    """Floats of scratch `render` needs: the column pass over the rows needed, and one output row."""
+    """Floats of scratch `render` needs: the column pass over the rows needed, one output row and one source row."""
     r0, r1 = _rows_needed(plan_)
     ow, c = len(plan_.cols[0]), image_shape[2]
-    return (r1 - r0) * ow * c + ow * c
+    return (r1 - r0) * ow * c + ow * c + image_shape[1] * c
 
 
 def render(image: np.ndarray, plan_: Plan, scale: np.ndarray, bias: np.ndarray, out: np.ndarray,

@@ -3,9 +3,9 @@
 // source index and weights of each output row and column, computed once in Python: PIL's triangle filter, crop,
 // flip and the evaluation transform are all in them), then x scale + bias per channel (normalization).
 //
-// The columns' taps first, over the rows the plan needs, into `scratch` ((r1 - r0) x OW x C floats), then the
-// rows' taps into one output row (the last OW x C floats of `scratch`), which is scaled and scattered to the
-// channels. Each sum is acc = acc + w_t * x_t for t = 0, 1, ... in float32 (no fused multiply-add: the program
+// The columns' taps first, over the rows the plan needs, into `scratch` ((r1 - r0) x OW x C floats; each source
+// row converted to floats once, in the last W x C floats of `scratch`), then the rows' taps into one output row
+// (OW x C floats after the first part), which is scaled and scattered to the channels. Each sum is acc = acc + w_t * x_t for t = 0, 1, ... in float32 (no fused multiply-add: the program
 // is built with -ffp-contract=off), the order of the numpy path: both give the same bits. One thread: the images
 // of a batch are spread over processes.
 void deepdsl_resample_image(const uint8_t *image, int h, int w, int c,
@@ -18,21 +18,29 @@ void deepdsl_resample_image(const uint8_t *image, int h, int w, int c,
         r0 = ys[o] < r0 ? ys[o] : r0;
         r1 = ys[o] + ty > r1 ? ys[o] + ty : r1;
     }
+    int x0 = xs[0], x1 = xs[0] + tx;                // the columns the plan reads
+    for (int o = 1; o < ow; o++) {
+        x0 = xs[o] < x0 ? xs[o] : x0;
+        x1 = xs[o] + tx > x1 ? xs[o] + tx : x1;
+    }
     const long row = (long)ow * c;
     float *cols = scratch;
     float *line = scratch + (long)(r1 - r0) * row;
+    float *pixels = line + row;                      // one source row as floats, from column x0
     for (int r = r0; r < r1; r++) {
-        const uint8_t *src = image + (long)r * w * c;
+        const uint8_t *src = image + ((long)r * w + x0) * c;
+        for (long j = 0; j < (long)(x1 - x0) * c; j++)
+            pixels[j] = (float)src[j];
         float *dst = cols + (long)(r - r0) * row;
         if (c == 3) {
             for (int o = 0; o < ow; o++) {
-                const uint8_t *p = src + (long)xs[o] * 3;
+                const float *p = pixels + (long)(xs[o] - x0) * 3;
                 const float *k = wx + (long)o * tx;
                 float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
                 for (int t = 0; t < tx; t++) {
-                    a0 = a0 + k[t] * (float)p[3 * t];
-                    a1 = a1 + k[t] * (float)p[3 * t + 1];
-                    a2 = a2 + k[t] * (float)p[3 * t + 2];
+                    a0 = a0 + k[t] * p[3 * t];
+                    a1 = a1 + k[t] * p[3 * t + 1];
+                    a2 = a2 + k[t] * p[3 * t + 2];
                 }
                 dst[3 * o] = a0;
                 dst[3 * o + 1] = a1;
@@ -40,12 +48,12 @@ void deepdsl_resample_image(const uint8_t *image, int h, int w, int c,
             }
         } else {
             for (int o = 0; o < ow; o++) {
-                const uint8_t *p = src + (long)xs[o] * c;
+                const float *p = pixels + (long)(xs[o] - x0) * c;
                 const float *k = wx + (long)o * tx;
                 for (int ch = 0; ch < c; ch++) {
                     float a = 0.0f;
                     for (int t = 0; t < tx; t++)
-                        a = a + k[t] * (float)p[(long)t * c + ch];
+                        a = a + k[t] * p[(long)t * c + ch];
                     dst[(long)o * c + ch] = a;
                 }
             }
