@@ -475,26 +475,25 @@ def planned(data: ImageData, rows: int, slots: int, workers: int) -> dict:
     c, (h, w) = data.channels, data.size
     indexes = [data.train] if data.test_is_train else [data.train, data.test]
     largest_file = max(int(ix.sizes.max()) for ix in indexes)
-    side = math.isqrt(it.MOST_PIXELS)
+    render = (it.MOST_SIDE * w * c + w * c + it.MOST_SIDE * c) * 4        # image_transforms.scratch_size at most
     return {"workers": workers, "slots": slots, "rows_per_slot": rows,
             "ring_bytes": slots * Ring.slot_size(rows, (c, h, w)),
             "index_bytes": sum(ix.nbytes for ix in indexes), "largest_file_bytes": largest_file,
-            "worker_bytes_bound": largest_file + it.MOST_PIXELS * c + side * w * c * 4}
+            "worker_bytes_bound": largest_file + it.MOST_PIXELS * c + render}
 
 
 def describe(data: ImageData, figures: dict) -> list[str]:
     """Lines stating the pipeline's memory beside a step's memory table."""
     c, (h, w) = data.channels, data.size
-    mb = lambda n: f"{n / 1e6:10.2f} MB"        # noqa: E731
     workers = figures["workers"]
-    return [f"input pipeline of {data.spec}: {len(data.train)} training and {len(data.test)} test images, decoded "
-            f"to {c}x{h}x{w}",
-            f"  ring of batch slots  {mb(figures['ring_bytes'])}  {figures['slots']} slots x {figures['rows_per_slot']} "
-            "images (shared memory)",
-            f"  manifests            {mb(figures['index_bytes'])}  shared by the workers",
-            f"  each of {workers} worker{'s' if workers != 1 else ''} {mb(figures['worker_bytes_bound'])}  at most: the "
-            f"largest file ({figures['largest_file_bytes'] / 1e6:.2f} MB), its decoded image and row pass at the "
-            "decoder's limit of pixels"]
+    rows = [("ring of batch slots", figures["ring_bytes"],
+             f"{figures['slots']} slots x {figures['rows_per_slot']} images (shared memory)"),
+            ("manifests", figures["index_bytes"], "shared by the workers"),
+            (f"each of {workers} worker{'s' if workers != 1 else ''}", figures["worker_bytes_bound"],
+             f"at most: the largest file ({figures['largest_file_bytes'] / 1e6:.2f} MB), its decoded image and the "
+             "render's scratch at the decoder's limits (2^26 pixels, sides of 2^15)")]
+    return ([f"input pipeline of {data.spec}: {len(data.train)} training and {len(data.test)} test images, decoded "
+             f"to {c}x{h}x{w}"] + [f"  {what:22s}{n / 1e6:10.2f} MB  {why}" for what, n, why in rows])
 
 
 class ImageBatches:

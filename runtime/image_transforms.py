@@ -26,10 +26,11 @@ import numpy as np
 
 from deepdsl_runtime.data import DataError
 
-__all__ = ["DecodeError", "ImageTransform", "MOST_PIXELS", "Plan", "UNIFORMS", "axis_plan", "decode",
+__all__ = ["DecodeError", "ImageTransform", "MOST_PIXELS", "MOST_SIDE", "Plan", "UNIFORMS", "axis_plan", "decode",
            "decoder_versions", "plan", "render", "resized_crop_box", "scratch_size", "uniforms"]
 
 MOST_PIXELS = 1 << 26            # larger images are refused (decompression bombs; the workers' memory stays bounded)
+MOST_SIDE = 1 << 15              # so is a side longer than this (the render's scratch grows with the height)
 UNIFORMS = 25
 ATTEMPTS = 10                    # RandomResizedCrop's
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -65,6 +66,8 @@ def decoder_versions() -> str:
 def _too_large(h: int, w: int) -> None:
     if h * w > MOST_PIXELS:
         raise DecodeError(f"image of {w}x{h} pixels exceeds the limit of {MOST_PIXELS}")
+    if max(h, w) > MOST_SIDE:
+        raise DecodeError(f"image of {w}x{h} pixels: a side longer than the limit of {MOST_SIDE}")
 
 
 def decode(data: bytes, channels: int) -> np.ndarray:

@@ -182,6 +182,6 @@ def test_memory_states_the_input_pipeline(digits):
     text = done.stdout
     slot = 16 * 1 * 28 * 28 * 4 + 64                     # images and the labels' cache line
     assert f"input pipeline of folder:{digits}: 60 training and 20 test images, decoded to 1x28x28" in text
-    assert f"{4 * slot / 1e6:10.2f} MB  4 slots x 16 images" in text
+    assert f"  ring of batch slots   {4 * slot / 1e6:10.2f} MB  4 slots x 16 images" in text
     assert "each of 2 workers" in text
     assert "in-memory" in error_line(deepdsl("memory", "networks/lenet.py", "--data", "digits"))
