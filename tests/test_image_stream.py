@@ -262,6 +262,8 @@ def test_a_changed_data_set_is_refused_on_resume(lenet, damaged, tmp_path):
     out = tmp_path / "p.npz"
     assert run_cli(lenet, "--data", f"folder:{damaged}", "--iters", "2", "--params", str(out), "--test-iters", "0",
                    "--quiet", timeout=TIMEOUT).returncode == 0
+    with np.load(out) as archive:                  # the data set and the decoders the pixels came from
+        assert "simplejpeg" in str(archive["__decoder__"]) and len(str(archive["__data_digest__"])) == 32
     extra = damaged / "train" / "3" / "extra.jpg"
     shutil.copy(next((damaged / "train" / "3").glob("*.jpg")), extra)
     done = run_cli(lenet, "--data", f"folder:{damaged}", "--iters", "4", "--params", str(out), "--test-iters", "0",

@@ -244,6 +244,9 @@ def test_damaged_files_raise_one_line_reasons():
     big[sof + 5:sof + 9] = (20000).to_bytes(2, "big") + (20000).to_bytes(2, "big")
     with pytest.raises(it.DecodeError, match="exceeds the limit"):
         it.decode(bytes(big), 3)
+    big[sof + 5:sof + 9] = (8).to_bytes(2, "big") + (40000).to_bytes(2, "big")
+    with pytest.raises(it.DecodeError, match="a side longer than the limit"):
+        it.decode(bytes(big), 3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
