@@ -7,7 +7,7 @@ antialiased resampling plan and the one pass that renders it (torchvision's sema
   Images over MOST_PIXELS are refused from their header, before any decoding.
 - `ImageTransform.parse(spec)`: the `--augment` spec of images read from files.
 - `uniforms(seed, epoch, index)`: a sample's draws from a counter-based generator (numpy's Philox keyed by the
-  seed, counter (index, epoch)): any sample's draws without the others'. Layout: [0, 20) the 10 attempts of
+  seed, counter (0, index, epoch, 0)): any sample's draws without the others'. Layout: [0, 20) the 10 attempts of
   RandomResizedCrop (area, log ratio), 20 and 21 its top and left, 22 the flip, 23 and 24 crop:P's offsets.
 - `resized_crop_box`: RandomResizedCrop.get_params with those draws; `plan`: the rows and columns of a render, the
   random box or the evaluation transform (Resize(int) then CenterCrop), flipped by reversing the columns.
@@ -228,7 +228,9 @@ def _number(token: str) -> bool:
 
 def uniforms(seed: int, epoch: int, index: int) -> np.ndarray:
     """The UNIFORMS draws in [0, 1) of sample `index` in epoch `epoch`."""
-    bits = np.random.Philox(counter=[index, epoch, 0, 0], key=[seed, _KEY])
+    # Philox counts its blocks in the counter's first word: (index, epoch) in the others, so that no two samples'
+    # streams overlap (index in the first word, sample i + 1's draws would be sample i's moved by one block)
+    bits = np.random.Philox(counter=[0, index, epoch, 0], key=[seed, _KEY])
     return np.random.Generator(bits).random(UNIFORMS)
 
 
