@@ -20,6 +20,7 @@ antialiased resampling plan and the one pass that renders it (torchvision's sema
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,10 +116,34 @@ def _pillow(data: bytes, channels: int) -> np.ndarray:
     except DecodeError:
         raise
     except Image.UnidentifiedImageError:
+        kind = _signature(data)
+        if kind:
+            raise DecodeError(f"corrupt {kind} (Pillow cannot read its header)") from None
         raise DecodeError("not an image (no JPEG, PNG, BMP, WebP, TIFF or PPM signature)") from None
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+    except Image.DecompressionBombError as err:          # Pillow's own limit, over ours, refused on opening
+        pixels = re.search(r"\((\d+) pixels\)", str(err))
+        raise DecodeError(f"image of {pixels[1] if pixels else 'more'} pixels exceeds the limit of {MOST_PIXELS}") \
+            from None
+    except (OSError, ValueError, SyntaxError, EOFError) as err:
         raise DecodeError(f"truncated or corrupt image (Pillow: {err})") from None
     return array if array.ndim == 3 else array[:, :, None]
+
+
+def _signature(data: bytes) -> str:
+    """The format whose signature `data` starts with, or ""."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "PNG"
+    if data[:3] == b"\xff\xd8\xff":
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    if data[:4] in (b"II*\x00", b"MM\x00*"):
+        return "TIFF"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:2] == b"BM":
+        return "BMP"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------------------

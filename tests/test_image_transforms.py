@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +249,17 @@ def test_damaged_files_raise_one_line_reasons():
     big[sof + 5:sof + 9] = (8).to_bytes(2, "big") + (40000).to_bytes(2, "big")
     with pytest.raises(it.DecodeError, match="a side longer than the limit"):
         it.decode(bytes(big), 3)
+    # so is a PNG's, also past Pillow's own limit (which it enforces on opening); a damaged header names the format
+    header = bytearray(png.getvalue())
+    ihdr = header.index(b"IHDR")
+    header[ihdr + 4:ihdr + 12] = (20000).to_bytes(4, "big") * 2
+    with pytest.raises(it.DecodeError, match="corrupt PNG"):                        # its checksum is now wrong
+        it.decode(bytes(header), 3)
+    header[ihdr + 17:ihdr + 21] = zlib.crc32(bytes(header[ihdr:ihdr + 17])).to_bytes(4, "big")
+    with pytest.raises(it.DecodeError, match="^image of 400000000 pixels exceeds the limit of 67108864$"):
+        it.decode(bytes(header), 3)
+    with pytest.raises(it.DecodeError, match="^not an image"):
+        it.decode(b"hello, world\n" * 10, 3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
