@@ -485,7 +485,10 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     _image_spec(args.spec)
     out = Path(args.output)
     kind, _, source = args.spec.partition(":")
-    roots = [Path(source)] if kind == "folder" else [Path(p).parent for p in image_index.expand(source)[:1]]
+    if kind == "folder" or os.path.isdir(source):
+        roots = [Path(source)]
+    else:
+        roots = [Path(p).parent for p in image_index.expand(source)[:1]]
     for root in roots:
         if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents:
             raise DeepDSLError(f"-o {out} lies inside the data set {root}; choose a directory outside it")

@@ -5,7 +5,8 @@ Specs (`splits`):
 - `folder:DIR`: the ImageFolder layout, `DIR/train/<class>/<image>` and `DIR/val/<class>/<image>` (a DIR without
   `train/` is itself the training split). Classes are the sub-directories, sorted (torchvision's numbering; the
   validation split takes the training split's); images are files of IMAGE_EXTENSIONS (any case); hidden files and
-  directories are skipped, other files ignored and counted. An empty class keeps its label.
+  directories are skipped, other entries (files of other types, sub-directories) ignored and counted. An empty
+  class keeps its label; a split without any image is refused.
 - `shards:PATTERN`: WebDataset-style tar files (brace ranges `{000000..000127}` and globs expanded, sorted): each
   sample is `KEY.<image extension>` and `KEY.cls` (an ASCII integer label), KEY the member's name up to the first
   dot of its base name. The validation shards: the pattern with the last `train` of its file name replaced by
@@ -28,6 +29,7 @@ import os
 import re
 import sys
 import tarfile
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,14 +203,11 @@ def _class_dirs(root: str) -> list[tuple[str, int]]:
 
 
 def _state(source: Source) -> list:
-    """What the cache's freshness is judged by: the class directories and their times, or the shards' sizes and
-    times."""
-    try:
-        if source.kind == "folder":
-            return [list(d) for d in _class_dirs(source.location)]
-        return [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in source.location]
-    except OSError as err:
-        raise DataError(f"cannot read {err.filename}: {err.strerror}") from None
+    """What the cache's freshness is judged by: the class directories and their times (the split directory is
+    listed, each class directory only looked at), or the shards' sizes and times."""
+    if source.kind == "folder":
+        return [list(d) for d in _class_dirs(source.location)]
+    return [[p, st.st_size, st.st_mtime_ns] for p, st in ((p, os.stat(p)) for p in source.location)]
 
 
 def _digest(classes, names: np.ndarray, labels: np.ndarray, sizes: np.ndarray) -> str:
@@ -266,13 +265,17 @@ def _build_folder(source: Source, spec: str, split: str, classes, progress: bool
         os.path.normpath(root)) == split else ""
     if ignored:
         say(f"{spec}: ignored {len(ignored)} non-image file(s) in the {split} split (e.g. {prefix}{ignored[0]})")
-    if empty and len(empty) < len(classes):
+    if not labels:
+        raise DataError(f"{spec}: no images in the {split} split {root} (files of "
+                        f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)} in its class folders)")
+    if empty:
         say(f"{spec}: class(es) {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''} of the {split} split have "
             "no images (they keep their labels)")
     blob, ends = _pack(names)
     n = len(labels)
     arrays = {"names": blob, "name_ends": ends, "labels": np.array(labels, np.int32),
-              "sizes": np.array(sizes, np.int64), "offsets": np.zeros(n, np.int64), "shard_of": np.full(n, -1, np.int32)}
+              "sizes": np.array(sizes, np.int64), "offsets": np.zeros(n, np.int64),
+              "shard_of": np.full(n, -1, np.int32)}
     return {"root": os.path.abspath(root), "prefix": prefix, "shards": [], "classes": list(classes)}, arrays
 
 
@@ -304,9 +307,12 @@ def _build_shards(source: Source, spec: str, split: str, classes, progress: bool
                         if cls[key] < 0:
                             raise DataError(f"{spec}: {shard}: label {member.name} is negative ({cls[key]})")
                     elif ext in IMAGE_EXTENSIONS:
+                        if key in images:
+                            raise DataError(f"{spec}: {shard}: sample '{key}' has two images, {images[key][0]} "
+                                            f"and {member.name}")
                         images[key] = (member.name, member.offset_data, member.size)
         except tarfile.TarError as err:
-            raise DataError(f"{spec}: {shard} is not an uncompressed tar file ({err})") from None
+            raise DataError(f"{spec}: {shard} {_not_tar(path, err)}") from None
         except OSError as err:
             raise DataError(f"{spec}: cannot read {shard}: {err.strerror or err}") from None
         for key in images:
@@ -337,12 +343,31 @@ def _build_shards(source: Source, spec: str, split: str, classes, progress: bool
                 raise DataError(f"{spec}: labels reach {top - 1}, {listed} names {len(classes)} classes")
         else:
             classes = [str(c) for c in range(top)]
+    elif max(labels) >= len(classes):
+        at = labels.index(max(labels))
+        raise DataError(f"{spec}: {os.path.basename(source.location[shard_of[at]])}: the label {labels[at]} of "
+                        f"{names[at].decode('utf-8', 'surrogateescape')} is not one of the training split's "
+                        f"{len(classes)} classes")
     blob, ends = _pack(names)
     arrays = {"names": blob, "name_ends": ends, "labels": np.array(labels, np.int32),
               "sizes": np.array(sizes, np.int64), "offsets": np.array(offsets, np.int64),
               "shard_of": np.array(shard_of, np.int32)}
     return {"root": "", "prefix": "", "shards": [os.path.abspath(p) for p in source.location],
             "classes": list(classes)}, arrays
+
+
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def _not_tar(path: str, err: Exception) -> str:
+    """Why a shard could not be read as a tar file, for its one-line error."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
+    if kind:
+        return (f"is {kind}-compressed: records are read in place, so shards must be uncompressed tar files "
+                "(decompress it)")
+    return f"is not a tar file ({err})"
 
 
 def _cache_path(source: Source, split: str) -> str:
@@ -369,7 +394,7 @@ def _read_cache(path: str) -> tuple[dict, dict] | None:
         return (meta, arrays) if meta.get("version") == CACHE_VERSION else None
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, json.JSONDecodeError):
         raise _Damaged() from None
 
 
@@ -393,6 +418,14 @@ def load_index(source: Source, spec: str, split: str, progress: bool = False, re
     cached; `classes`: the training split's (for the validation split). `say` reports what the build found
     (default: standard error)."""
     say = say or _say_stderr
+    try:
+        return _load_index(source, spec, split, progress, rebuild, classes, say)
+    except OSError as err:
+        raise DataError(f"{spec}: cannot read {err.filename or 'the ' + split + ' split'}: "
+                        f"{err.strerror or err}") from None
+
+
+def _load_index(source: Source, spec: str, split: str, progress: bool, rebuild: bool, classes, say) -> Index:
     path = _cache_path(source, split)
     state = _state(source)
     if not rebuild:
@@ -428,24 +461,11 @@ def pack(spec: str, out: str, shard_bytes: int = 1 << 30, progress: bool = False
     the data alone) and `classes.txt`. Returns {split: the shard pattern to use}."""
     from deepdsl_runtime.checkpoint import atomic_write
 
-    train_source, val_source = splits(spec)
-    os.makedirs(out, exist_ok=True)
-    train = load_index(train_source, spec, "train", progress=progress, say=say)
-    indexes = {"train": train}
-    if val_source is not None:
-        indexes["val"] = load_index(val_source, spec, "val", progress=progress, classes=train.classes, say=say)
+    indexes = _both(spec, progress, say)
+    os.makedirs(out, exist_ok=True)          # (only once the data set is known to be readable)
     patterns = {}
     for split, index in indexes.items():
-        shards, members, size = [], [], 0
-        for i in range(len(index)):
-            need = 3 * 512 + int(index.sizes[i]) + 1024      # headers, data and the .cls, rounded up
-            if members and size + need > shard_bytes:
-                shards.append(members)
-                members, size = [], 0
-            members.append(i)
-            size += need
-        if members:
-            shards.append(members)
+        shards = _shard_records(index.sizes, shard_bytes)
         bar = _progress(len(shards), f"packing {split}", progress, "shard")
         for n, records in enumerate(shards):
             path = os.path.join(out, f"{split}-{n:06d}.tar")
@@ -455,9 +475,38 @@ def pack(spec: str, out: str, shard_bytes: int = 1 << 30, progress: bool = False
         if bar is not None:
             bar.close()
         patterns[split] = os.path.join(out, f"{split}-{{{0:06d}..{len(shards) - 1:06d}}}.tar")
-    text = "".join(f"{c}\n" for c in train.classes).encode()
+    text = "".join(f"{c}\n" for c in indexes["train"].classes).encode()
     atomic_write(os.path.join(out, "classes.txt"), lambda f: f.write(text))
     return patterns
+
+
+def _both(spec: str, progress: bool, say) -> dict[str, Index]:
+    """{"train": its index, "val": its index (where the spec has a validation split)}."""
+    train_source, val_source = splits(spec)
+    indexes = {"train": load_index(train_source, spec, "train", progress=progress, say=say)}
+    if val_source is not None:
+        indexes["val"] = load_index(val_source, spec, "val", progress=progress, classes=indexes["train"].classes,
+                                    say=say)
+    return indexes
+
+
+TAR_BLOCK, TAR_RECORD = 512, 10240      # tarfile's block, and the record it pads an archive to
+
+
+def _shard_records(sizes: np.ndarray, shard_bytes: int) -> list[range]:
+    """The records of each shard, in order: as many as keep the tar file (each image and its .cls a header block
+    and their data in whole blocks; two zero blocks at the end; padded to a whole record) within `shard_bytes`; a
+    record over that alone takes a shard."""
+    member = TAR_BLOCK + (sizes + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK + 2 * TAR_BLOCK
+    shards, first, size = [], 0, 0
+    for i, need in enumerate(member.tolist()):
+        if i > first and -(-(size + need + 2 * TAR_BLOCK) // TAR_RECORD) * TAR_RECORD > shard_bytes:
+            shards.append(range(first, i))
+            first, size = i, 0
+        size += need
+    if len(sizes) > first:
+        shards.append(range(first, len(sizes)))
+    return shards
 
 
 def _write_shard(f, index: Index, records) -> None:
@@ -481,48 +530,48 @@ CHECK_CHUNK = 256      # records a checking process takes at a time
 
 def check(spec: str, channels: int = 3, workers: int = 1, progress: bool = False,
           say=None) -> tuple[list[tuple[str, int, str, str]], int]:
-    """Read and decode every record of both splits (`workers` fresh processes, or this one for 1): ([(split,
-    index, name, reason)] of those that cannot be, sorted), and the number of records."""
-    train_source, val_source = splits(spec)
-    train = load_index(train_source, spec, "train", progress=progress, say=say)
-    jobs = [("train", 0, len(train))]
-    if val_source is not None:
-        val = load_index(val_source, spec, "val", progress=progress, classes=train.classes, say=say)
-        jobs.append(("val", 0, len(val)))
-    chunks = [(spec, split, lo, min(lo + CHECK_CHUNK, n), channels) for split, _, n in jobs
-              for lo in range(0, n, CHECK_CHUNK)]
-    total = sum(n for _, _, n in jobs)
-    bar = _progress(total, "checking", progress, "img")
-    bad = []
-    if workers <= 1:
-        results = map(_check_chunk, chunks)
-        pool = None
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        results = pool.map(_check_chunk, chunks)
+    """Read and decode every record of both splits (`workers` processes of the spawn context, or this one for 1):
+    ([(split, index, name, reason)] of those that cannot be, train's first, in order), and the number of
+    records."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    indexes = _both(spec, progress, say)
+    chunks = [(split, lo, min(lo + CHECK_CHUNK, len(index))) for split, index in indexes.items()
+              for lo in range(0, len(index), CHECK_CHUNK)]
+    bar = _progress(sum(map(len, indexes.values())), "checking", progress, "img")
+    bad, pool = [], None
     try:
+        if workers <= 1:
+            results = (_check_records(indexes, chunk, channels) for chunk in chunks)
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+            # each process reads the manifests once (from the cache just made fresh), then takes chunks
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_check_start, initargs=(spec,))
+            results = pool.map(_check_chunk, chunks, [channels] * len(chunks))
         for chunk, found in zip(chunks, results):
             bad += found
             if bar is not None:
-                bar.update(chunk[3] - chunk[2])
+                bar.update(chunk[2] - chunk[1])
+    except BrokenProcessPool as err:
+        raise DataError(f"{spec}: a checking process ended ({err}); check with --workers 1 to find the image that "
+                        "ends it") from None
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
         if bar is not None:
             bar.close()
-    return sorted(bad, key=lambda b: (b[0] != "train", b[1])), total
+        for index in indexes.values():
+            index.close()
+    return sorted(bad, key=lambda b: (b[0] != "train", b[1])), sum(map(len, indexes.values()))
 
 
-def _check_chunk(job) -> list[tuple[str, int, str, str]]:
+def _check_records(indexes: dict[str, Index], chunk, channels: int) -> list[tuple[str, int, str, str]]:
     from deepdsl_runtime import image_transforms
 
-    spec, split, lo, hi, channels = job
-    train_source, val_source = splits(spec)
-    train = load_index(train_source, spec, "train", say=lambda text: None)
-    index = train if split == "train" else load_index(val_source, spec, "val", classes=train.classes,
-                                                      say=lambda text: None)
+    split, lo, hi = chunk
+    index = indexes[split]
     bad = []
     for i in range(lo, hi):
         try:
@@ -531,5 +580,15 @@ def _check_chunk(job) -> list[tuple[str, int, str, str]]:
             bad.append((split, i, index.name(i), err.reason))
         except image_transforms.DecodeError as err:
             bad.append((split, i, index.name(i), str(err)))
-    index.close()
     return bad
+
+
+_checking: dict[str, Index] = {}     # a checking process's manifests (set once by _check_start)
+
+
+def _check_start(spec: str) -> None:
+    _checking.update(_both(spec, False, lambda text: None))
+
+
+def _check_chunk(chunk, channels: int) -> list[tuple[str, int, str, str]]:
+    return _check_records(_checking, chunk, channels)

@@ -69,10 +69,38 @@ def test_the_cache_is_used_while_the_class_folders_are_unchanged(digits, tmp_pat
     extra.write_bytes(next((digits / "train" / "3").glob("0*.png")).read_bytes())
     grown = load(spec)
     assert len(grown) == len(first) + 1 and grown.digest != first.digest
-    cache.write_bytes(b"not an archive")
-    said = []
-    assert load(spec, say=said.append).digest == grown.digest
-    assert any("cannot be read; building it again" in s for s in said)
+    good = cache.read_bytes()
+    for damaged in (b"not an archive", good[:len(good) // 2], good[:300] + bytes([good[300] ^ 8]) + good[301:]):
+        cache.write_bytes(damaged)
+        said = []
+        assert load(spec, say=said.append).digest == grown.digest
+        assert any("cannot be read; building it again" in s for s in said), said
+        assert cache.read_bytes() == good                                    # written again, whole
+
+
+def test_a_start_with_a_fresh_cache_lists_only_the_split_directory(digits, monkeypatch):
+    spec = f"folder:{digits}"
+    built = load(spec)
+    listed, opened = [], []
+    scandir, listdir, stat = os.scandir, os.listdir, os.stat
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(os.fspath(path)) or scandir(path))
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(os.fspath(path)) or listdir(path))
+    monkeypatch.setattr(os, "stat", lambda path, **kw: opened.append(os.fspath(path)) or stat(path, **kw))
+    again = load(spec)
+    assert again.digest == built.digest and listed == [str(digits / "train")], listed
+    assert not [p for p in opened if p.endswith(".png")], opened
+
+
+def test_a_manifest_holds_arrays_not_an_object_per_record(digits):
+    index = load(f"folder:{digits}")
+    arrays = index.arrays()
+    assert {k: a.dtype for k, a in arrays.items()} == {
+        "names": np.uint8, "name_ends": np.int64, "labels": np.int32, "sizes": np.int64, "offsets": np.int64,
+        "shard_of": np.int32}
+    assert index.nbytes == sum(a.nbytes for a in arrays.values())
+    rebuilt = image_index.Index.from_parts(index.meta(), arrays)
+    assert [rebuilt.name(i) for i in range(len(index))] == [index.name(i) for i in range(len(index))]
+    assert rebuilt.read(7) == index.read(7)
 
 
 def test_a_read_only_data_directory_caches_in_the_users_cache(digits, tmp_path, monkeypatch):
@@ -106,6 +134,32 @@ def test_folder_faults(digits, tmp_path):
         index.read(5)
 
 
+def test_folder_faults_through_the_cli(digits, tmp_path):
+    spec = f"folder:{digits}"
+    (digits / "train" / "3" / "notes.txt").write_text("a note")
+    (digits / "train" / "3" / "scans").mkdir()
+    (digits / "train" / "10").mkdir()
+    done = deepdsl("data", "index", spec)
+    assert done.returncode == 0, done.stderr
+    assert f"{spec}: ignored 2 non-image file(s) in the train split (e.g. train/3/" in done.stderr
+    assert f"{spec}: class(es) 10 of the train split have no images (they keep their labels)" in done.stderr
+    assert done.stdout.splitlines()[0].startswith("train: 60 images in 11 classes")
+    assert done.stdout.splitlines()[1].startswith("val: 20 images in 11 classes")
+    assert "Traceback" not in done.stderr
+    (digits / "val" / "cat").mkdir()
+    assert error_line(deepdsl("data", "index", spec)) == (
+        f"deepdsl: error: {spec}: class folder 'cat' of the val split is not a class of the training split")
+    missing = tmp_path / "missing"
+    assert error_line(deepdsl("data", "check", f"folder:{missing}")) == (
+        f"deepdsl: error: folder:{missing}: {missing} is not a directory")
+    empty = tmp_path / "empty"
+    for name in ("a", "b"):
+        (empty / "train" / name).mkdir(parents=True)
+    (empty / "train" / "a" / "labels.csv").write_text("x")
+    assert f"no images in the train split {empty / 'train'}" in error_line(deepdsl("data", "index", f"folder:{empty}"))
+    assert "no class folders" in error_line(deepdsl("data", "index", f"folder:{tmp_path / 'empty' / 'train' / 'b'}"))
+
+
 def test_pack_round_trip_and_deterministic_bytes(digits, tmp_path):
     out = tmp_path / "shards"
     done = deepdsl("data", "pack", f"folder:{digits}", "-o", str(out), "--shard-bytes", "16k")
@@ -126,32 +180,91 @@ def test_pack_round_trip_and_deterministic_bytes(digits, tmp_path):
         assert (again / a.name).read_bytes() == a.read_bytes()
     with tarfile.open(sorted(out.glob("train-*.tar"))[0]) as tar:                 # a standard tar
         assert tar.getnames()[:2] == ["000000000.png", "000000000.cls"]
+        assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in tar} == {(0, 0, 0, "", "", 0o644)}
+    assert all(p.stat().st_size <= 16 << 10 for p in out.glob("*.tar"))
+    assert (out / "classes.txt").read_text() == "".join(f"{d}\n" for d in range(10))
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     assert "already holds files" in error_line(deepdsl("data", "pack", f"folder:{digits}", "-o", str(out)))
     assert "lies inside the data set" in error_line(deepdsl("data", "pack", f"folder:{digits}", "-o",
                                                             str(digits / "out")))
+    assert not (digits / "out").exists()
+    repacked = tmp_path / "repacked"                   # shards packed again from their directory: the same bytes
+    done = deepdsl("data", "pack", f"shards:{out}", "-o", str(repacked), "--shard-bytes", "16k")
+    assert done.returncode == 0, done.stderr
+    tars = sorted(p.name for p in out.glob("*.tar"))
+    assert sorted(p.name for p in repacked.glob("*.tar")) == tars
+    assert all((repacked / name).read_bytes() == (out / name).read_bytes() for name in tars)
 
 
-def shard(path: Path, members: dict[str, bytes], mode: str = "w") -> None:
+def test_packed_shards_read_by_webdataset(digits, tmp_path):
+    wds = pytest.importorskip("webdataset")
+    pattern = image_data.pack_shards(digits, tmp_path / "shards", shard_bytes=16 << 10)
+    folder = load(f"folder:{digits}")
+    samples = list(wds.WebDataset(pattern, shardshuffle=False))
+    assert len(samples) == len(folder)
+    for i, sample in enumerate(samples):
+        assert sample["__key__"] == f"{i:09d}" and sample["png"] == folder.read(i)
+        assert int(sample["cls"]) == folder.labels[i]
+
+
+def test_a_faulty_data_set_is_not_packed(digits, tmp_path):
+    (digits / "val" / "cat").mkdir()
+    out = tmp_path / "shards"
+    assert "not a class of the training split" in error_line(deepdsl("data", "pack", f"folder:{digits}", "-o",
+                                                                     str(out)))
+    assert not out.exists()
+
+
+PNG = image_data.encode(np.zeros((8, 8), np.uint8), "png")
+SYMLINK = tarfile.TarInfo("a.png")
+SYMLINK.type, SYMLINK.linkname = tarfile.SYMTYPE, "elsewhere.png"
+SHARD_FAULTS = {         # {case: ({shard file: members}, the spec's tail, the error's tail)}
+    "no label": ({"train-000000.tar": {"a.png": PNG, "b.png": PNG, "b.cls": b"1"}}, "train-{000000..000000}.tar",
+                 "train-000000.tar: sample 'a' has an image but no a.cls label"),
+    "not an integer": ({"train-000000.tar": {"a.png": PNG, "a.cls": b"cat"}}, "train-000000.tar",
+                       "train-000000.tar: label a.cls is not an integer (b'cat')"),
+    "no image": ({"train-000000.tar": {"b.png": PNG, "b.cls": b"0"}, "train-000001.tar": {"a.cls": b"1"}}, "",
+                 "train-000001.tar: sample 'a' has a label but no image"),
+    "two images": ({"train-000000.tar": {"a.png": PNG, "a.jpg": PNG, "a.cls": b"1"}}, "train-*.tar",
+                   "train-000000.tar: sample 'a' has two images, a.png and a.jpg"),
+    "not a regular file": ({"train-000000.tar": {SYMLINK: b""}}, "",
+                           "train-000000.tar: member a.png is not a regular file"),
+    "a val label unknown to train": ({"train-000000.tar": {"a.png": PNG, "a.cls": b"0", "b.png": PNG, "b.cls": b" 1\n"},
+                                      "val-000000.tar": {"c.png": PNG, "c.cls": b"2"}}, "train-000000.tar",
+                                     "val-000000.tar: the label 2 of c.png is not one of the training split's 2 "
+                                     "classes"),
+    "compressed": ({"train-000000.tar.gz": {"a.png": PNG, "a.cls": b"0"}}, "train-*.tar.gz",
+                   "train-000000.tar.gz is gzip-compressed: records are read in place, so shards must be "
+                   "uncompressed tar files (decompress it)"),
+    "not a tar file": ({"train-000000.tar": {}}, "", "train-000000.tar is not a tar file (empty file)"),
+    "no file of a range": ({}, "none-{0..3}.tar", "no shard {dir}/none-0.tar"),
+    "no file of a glob": ({}, "none-*.tar", "no shard {dir}/none-*.tar"),
+    "no train shards in a directory": ({"val-000000.tar": {"a.png": PNG, "a.cls": b"0"}}, "",
+                                       "no train-*.tar in {dir}"),
+}
+
+
+def shard(path: Path, members: dict, mode: str = "w") -> None:
     with tarfile.open(path, mode) as tar:
         for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            info = name if isinstance(name, tarfile.TarInfo) else tarfile.TarInfo(name)
+            info.size = len(data) if info.isfile() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
 
 
-def test_shard_faults(tmp_path):
-    png = image_data.encode(np.zeros((8, 8), np.uint8), "png")
-    cases = {"no label": ({"a.png": png, "b.png": png, "b.cls": b"1"}, "sample 'a' has an image but no a.cls"),
-             "not an integer": ({"a.png": png, "a.cls": b"cat"}, "label a.cls is not an integer"),
-             "no image": ({"a.cls": b"1"}, "sample 'a' has a label but no image")}
-    for name, (members, message) in cases.items():
-        directory = tmp_path / name.replace(" ", "_")
-        directory.mkdir()
-        shard(directory / "train-000000.tar", members)
-        assert message in error_line(deepdsl("data", "index", f"shards:{directory}/train-{{000000..000000}}.tar"))
-    shard(tmp_path / "train-000000.tar.gz", {"a.png": png, "a.cls": b"0"}, "w:gz")
-    assert "not an uncompressed tar" in error_line(deepdsl("data", "index", f"shards:{tmp_path}/train-*.tar.gz"))
-    assert "no shard" in error_line(deepdsl("data", "index", f"shards:{tmp_path}/none-{{0..3}}.tar"))
+@pytest.mark.parametrize("case", SHARD_FAULTS)
+def test_shard_faults(tmp_path, case):
+    files, tail, message = SHARD_FAULTS[case]
+    for name, members in files.items():
+        if members:
+            shard(tmp_path / name, members, "w:gz" if name.endswith(".gz") else "w")
+        else:
+            (tmp_path / name).write_bytes(b"")
+    spec = f"shards:{tmp_path}/{tail}" if tail else f"shards:{tmp_path}"
+    assert error_line(deepdsl("data", "index", spec)) == f"deepdsl: error: {spec}: {message.format(dir=tmp_path)}"
+
+
+def test_a_spec_not_of_image_files():
     assert "not a data set of image files" in error_line(deepdsl("data", "index", "digits"))
 
 
@@ -160,9 +273,7 @@ def test_check_lists_the_files_that_cannot_be_decoded(tmp_path):
     index = load(f"folder:{folder}")
     truncated, flipped = folder / index.name(4), folder / index.name(9)
     image_data.truncate(truncated)
-    data = bytearray(flipped.read_bytes())
-    data[2:4] = b"\x00\x00"                                  # the JPEG marker after SOI broken
-    flipped.write_bytes(bytes(data))
+    image_data.flip_bit(flipped, byte=2, bit=4)               # the marker after SOI: FF -> EF
     assert deepdsl("data", "index", f"folder:{folder}").returncode == 0
     done = deepdsl("data", "check", f"folder:{folder}", "--workers", "2")
     assert done.returncode == 1, done.stderr

@@ -58,11 +58,13 @@ def pack_shards(folder: Path, out: Path, shard_bytes: int = 1 << 20) -> str:
 
 
 def truncate(path: Path, keep: float = 0.6) -> None:
+    """Keep the first `keep` of the file's bytes."""
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[:int(len(data) * keep)])
 
 
-def flip_bit(path: Path, at: float = 0.5, bit: int = 4) -> None:
+def flip_bit(path: Path, at: float = 0.5, bit: int = 4, byte: int | None = None) -> None:
+    """Flip one bit of the file: of the byte at fraction `at` of its length, or of byte number `byte`."""
     data = bytearray(Path(path).read_bytes())
-    data[int(len(data) * at)] ^= 1 << bit
+    data[int(len(data) * at) if byte is None else byte] ^= 1 << bit
     Path(path).write_bytes(bytes(data))
