@@ -11,8 +11,8 @@ antialiased resampling plan and the one pass that renders it (torchvision's sema
   RandomResizedCrop (area, log ratio), 20 and 21 its top and left, 22 the flip, 23 and 24 crop:P's offsets.
 - `resized_crop_box`: RandomResizedCrop.get_params with those draws; `plan`: the rows and columns of a render, the
   random box or the evaluation transform (Resize(int) then CenterCrop), flipped by reversing the columns.
-- `render`: one pass from the decoded image to the float32 (C, OH, OW) rows of a batch slot: the columns' taps
-  into a scratch of the rows needed, the rows' taps, then x scale + bias (normalization). The weights come from
+- `render`: one pass from the decoded image to the float32 (C, OH, OW) rows of a batch slot: the rows' taps over
+  the columns the plan reads, the columns' taps, then x scale + bias (normalization). The weights come from
   `axis_plan` (PIL's triangle filter, as `interpolate(mode="bilinear", antialias=True)`), computed once here; the
   compiled kernel (`kernels/cpu_images.c`) and the numpy path sum the taps in the same order in float32, so
   their bits are the same.
@@ -28,7 +28,7 @@ import numpy as np
 from deepdsl_runtime.data import DataError
 
 __all__ = ["DecodeError", "ImageTransform", "MOST_PIXELS", "MOST_SIDE", "Plan", "UNIFORMS", "axis_plan", "decode",
-           "decoder_versions", "plan", "render", "resized_crop_box", "scratch_size", "uniforms"]
+           "decoder_versions", "plan", "render", "resized_crop_box", "scratch_bound", "scratch_size", "uniforms"]
 
 MOST_PIXELS = 1 << 26            # larger images are refused (decompression bombs; the workers' memory stays bounded)
 MOST_SIDE = 1 << 15              # so is a side longer than this (the render's scratch grows with the height)
@@ -357,36 +357,43 @@ def _centre(resized: int, out: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # rendering
 
-def _rows_needed(plan_: Plan) -> tuple[int, int]:
-    starts, weights = plan_.rows
+ROWS = 8                         # output rows the compiled render takes at a time (kernels/cpu_images.c)
+
+
+def _columns_read(plan_: Plan) -> tuple[int, int]:
+    """[x0, x1): the source columns the plan reads."""
+    starts, weights = plan_.cols
     return int(starts.min()), int(starts.max()) + weights.shape[1]
 
 
 def scratch_size(image_shape: tuple[int, ...], plan_: Plan) -> int:
-    """Floats of scratch `render` needs: the column pass over the rows needed, one output row and one source row."""
-    r0, r1 = _rows_needed(plan_)
-    ow, c = len(plan_.cols[0]), image_shape[2]
-    return (r1 - r0) * ow * c + ow * c + image_shape[1] * c
+    """Floats of scratch `render` needs: the rows' taps of ROWS output rows over the columns the plan reads."""
+    x0, x1 = _columns_read(plan_)
+    return (x1 - x0) * image_shape[2] * ROWS
+
+
+def scratch_bound(channels: int) -> int:
+    """The most floats `scratch_size` asks for, whatever the image (sides are at most MOST_SIDE)."""
+    return MOST_SIDE * channels * ROWS
 
 
 def render(image: np.ndarray, plan_: Plan, scale: np.ndarray, bias: np.ndarray, out: np.ndarray,
            scratch: np.ndarray | None = None, native=None) -> None:
     """out (C, OH, OW) float32 <- the image (H, W, C) uint8 resampled by `plan_`, x scale + bias per channel; then
     crop:P's shift, the uncovered border the value of a zero pixel (black). With `native` (the program's compiled
-    kernels, `Native.resample_image`), the same bits by the compiled kernel."""
+    kernels, `Native.resample_image`) and `scratch` (scratch_size floats), the same bits by the compiled kernel."""
     image = np.ascontiguousarray(image)
     (ys, wy), (xs, wx) = plan_.rows, plan_.cols
-    c = image.shape[2]
     if scratch is None or native is None or not native.resample_image(image, ys, wy, xs, wx, scale, bias, out,
                                                                        scratch):
-        r0, r1 = _rows_needed(plan_)
-        part = image[r0:r1]
-        columns = np.zeros((r1 - r0, len(xs), c), np.float32)
-        for t in range(wx.shape[1]):             # acc = acc + w_t x_t, tap by tap (the kernel's order)
-            columns += wx[:, t][None, :, None] * part[:, xs + t, :].astype(np.float32)
-        acc = np.zeros((len(ys), len(xs), c), np.float32)
-        for t in range(wy.shape[1]):
-            acc += wy[:, t][:, None, None] * columns[ys - r0 + t]
+        x0, x1 = _columns_read(plan_)
+        part = image[:, x0:x1]
+        rows = np.zeros((len(ys), x1 - x0, image.shape[2]), np.float32)
+        for t in range(wy.shape[1]):         # acc = acc + w_t x_t tap by tap, the kernel's order: the rows' taps,
+            rows += wy[:, t, None, None] * part[ys + t].astype(np.float32)
+        acc = np.zeros((len(ys), len(xs), image.shape[2]), np.float32)
+        for t in range(wx.shape[1]):         # then the columns'
+            acc += wx[None, :, t, None] * rows[:, xs - x0 + t]
         out[...] = (acc * scale + bias).transpose(2, 0, 1)
     if plan_.shift is not None:
         dy, dx = plan_.shift

@@ -163,13 +163,24 @@ def native(tmp_path_factory):
 def test_the_compiled_render_has_the_bits_of_numpy(native, channels):
     rng = np.random.default_rng(channels)
     image = rng.integers(0, 256, (97, 143, channels), dtype=np.uint8)
-    for spec in ("random-resized-crop,flip,normalize:0.5/0.25", "center-crop:0.875", "flip,crop:3"):
+    for spec in ("random-resized-crop,flip,normalize:0.5/0.25", "center-crop:0.875", "flip,crop:3",
+                 "random-resized-crop:0.9,1"):
         transform = it.ImageTransform.parse(spec)
+        scale, bias = transform.scale_bias(channels)
         for index in range(8):
-            for out in ((24, 24), (64, 80), (200, 150)):
+            # whole blocks of eight rows and columns and not, smaller than a block, up- and downsampling
+            for out in ((24, 24), (64, 80), (200, 150), (7, 33), (13, 5)):
                 plan = it.plan(transform, 97, 143, *out, it.uniforms(5, 2, index), train=index % 3 != 0)
-                a, b = rendered(image, plan, transform), rendered(image, plan, transform, native)
+                a = rendered(image, plan, transform)
+                b = np.empty_like(a)
+                scratch = np.full(it.scratch_size(image.shape, plan) + 16, np.nan, np.float32)
+                it.render(image, plan, scale, bias, b, scratch[:-16], native)
                 assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (spec, index, out)
+                assert np.isnan(scratch[-16:]).all()                # nothing written past the scratch asked for
+    assert it.scratch_size((97, 143, channels), plan) <= it.scratch_bound(channels)
+    whole = it.plan(it.ImageTransform(), 97, 143, 8, 8, None, False)          # (the compiled kernel did run)
+    assert native.resample_image(image, *whole.rows, *whole.cols, scale, bias, np.empty((channels, 8, 8), np.float32),
+                                 np.empty(it.scratch_size(image.shape, whole), np.float32))
 
 
 def test_draws_are_keyed_by_seed_epoch_and_index():
