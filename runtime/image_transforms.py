@@ -294,23 +294,17 @@ def axis_plan(lo: int, length: int, out_len: int, first: int, count: int,
     o = np.arange(first, first + count, dtype=np.float64)
     inside = (o >= 0) & (o < out_len)
     center = scale * (o + 0.5)
-    xmin = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)
-    xsize = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), length) - xmin
-    xsize = np.where(inside, np.maximum(xsize, 0), 0)
+    xmin = np.maximum(np.trunc(center - support + 0.5), 0)
+    xsize = np.where(inside, np.maximum(np.minimum(np.trunc(center + support + 0.5), length) - xmin, 0), 0)
     taps = max(int(xsize.max()) if count else 1, 1)
-    j = np.arange(taps)
-    w = np.clip(1 - np.abs((j[None, :] + xmin[:, None] - center[:, None] + 0.5) * inverse), 0, None)
-    w = np.where(j[None, :] < xsize[:, None], w, 0.0)
-    total = w.sum(axis=1, keepdims=True)
-    w = np.divide(w, total, out=np.zeros_like(w), where=total != 0)
     starts = np.where(inside, lo + xmin, 0)
-    shift = np.maximum(starts + taps - size, 0)           # taps past the axis: start earlier, weights later
-    if shift.any():
-        rows = np.nonzero(shift)[0]
-        for r in rows:
-            w[r] = np.roll(w[r], shift[r])
-        starts = starts - shift
-    return starts.astype(np.int32), w.astype(np.float32)
+    shift = np.maximum(starts + taps - size, 0)          # taps past the axis: start earlier, weights later
+    j = np.arange(taps) - shift[:, None]                  # the tap each weight is
+    w = np.maximum(1 - np.abs((j + xmin[:, None] - center[:, None] + 0.5) * inverse), 0)
+    w[(j < 0) | (j >= xsize[:, None])] = 0
+    total = w.sum(axis=1, keepdims=True)
+    w /= np.where(total == 0, 1, total)
+    return (starts - shift).astype(np.int32), w.astype(np.float32)
 
 
 @dataclass(frozen=True)
