@@ -4,9 +4,13 @@ the evaluation transform against Resize + CenterCrop, the compiled render bit fo
 strict decoding of real and damaged files, and the --augment spec."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+import pickle
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -273,6 +277,22 @@ def test_damaged_files_raise_one_line_reasons():
         it.decode(b"hello, world\n" * 10, 3)
 
 
+def test_decoders_missing(monkeypatch):
+    data = photograph("flower.jpg")
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)                 # (an import of it raises ImportError)
+    np.testing.assert_array_equal(it.decode(data, 3), pillow(data, "RGB"))     # Pillow decodes JPEG then
+    assert it.decoder_versions().startswith("Pillow ")
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(it.DecodeError, match=r'pip install "deepdsl\[images\]"'):
+        it.decode(data, 3)
+    assert it.decoder_versions() == "none"
+    # and the runtime imports without either
+    code = ("import sys; sys.modules['PIL'] = sys.modules['simplejpeg'] = None; "
+            "from deepdsl_runtime import image_transforms, image_stream; print(image_transforms.MOST_PIXELS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(it.MOST_PIXELS), done.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the --augment spec
 
@@ -291,3 +311,7 @@ def test_the_augment_spec():
         assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="3 means.*1 channels"):
         it.ImageTransform.parse("normalize:imagenet").scale_bias(1)
+    # sent to the decoding workers: picklable, and frozen
+    assert pickle.loads(pickle.dumps(t)) == t
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.flip = False
