@@ -11,9 +11,9 @@ temporary directory) and reused from there.
 
 Sides, each turning the training images into batches of --batch float32 3x224x224 with RandomResizedCrop (scale
 0.08-1, ratio 3/4-4/3), a horizontal flip and ImageNet's normalization, on W worker processes:
-- folder / shards: deepdsl's pipeline on `folder:DIR` / `shards:DIR` (`image_stream.Pipeline` with the compiled
-  render of a program built here, 3 batch slots as a program's default --prefetch 2; `ImageBatches.next()` in a
-  loop, nothing else);
+- folder / shards: deepdsl's pipeline on `folder:DIR` / `shards:'DIR/train-{000000..00000N}.tar'` (the pattern
+  `pack` prints; `image_stream.Pipeline` with the compiled render of a program built here, 3 batch slots as a
+  program's default --prefetch 2; `ImageBatches.next()` in a loop, nothing else);
 - torch: `torch.utils.data.DataLoader(num_workers=W, persistent_workers=True, shuffle=True, drop_last=True)` over
   a Dataset that does what torchvision's ImageFolder loader, RandomResizedCrop, RandomHorizontalFlip, ToTensor and
   Normalize do (torchvision is not needed: its crop-box algorithm is written here, with the central fallback after
@@ -105,19 +105,23 @@ def make_images(directory: Path, count: int) -> None:
     partial.rename(directory)
 
 
-def make_shards(images: Path) -> Path:
-    """The folder's splits packed as tar shards (`deepdsl data pack`) beside it; their directory."""
+def make_shards(images: Path) -> str:
+    """The folder's splits packed as tar shards (`deepdsl data pack`) beside it; the spec of the training shards,
+    the brace pattern `pack` prints (`shards:'DIR/train-{000000..00000N}.tar'`)."""
     out = images.with_name(images.name + "-shards")
-    if out.is_dir():
-        return out
-    partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    done = subprocess.run([sys.executable, "-m", "deepdsl", "data", "pack", f"folder:{images}", "-o", str(partial),
-                           "--shard-bytes", "16M"], capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"deepdsl data pack folder:{images} failed:\n{done.stderr.strip()}")
-    partial.rename(out)
-    return out
+    if not out.is_dir():
+        partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        shutil.rmtree(partial, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-m", "deepdsl", "data", "pack", f"folder:{images}", "-o",
+                               str(partial), "--shard-bytes", "16M"], capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise SystemExit(f"deepdsl data pack folder:{images} failed:\n{done.stderr.strip()}")
+        partial.rename(out)
+    train = sorted(p.name for p in out.glob("train-*.tar"))
+    if not train:
+        raise SystemExit(f"{out} holds no train-*.tar shards; remove it to pack the folder again")
+    first, last = train[0][len("train-"):-len(".tar")], train[-1][len("train-"):-len(".tar")]
+    return f"shards:{out}/train-{{{first}..{last}}}.tar" if first != last else f"shards:{out}/{train[0]}"
 
 
 def kernels_library(work: Path) -> tuple[str | None, str]:
@@ -250,6 +254,11 @@ def train_resnet(images: Path, work: Path, iters: int) -> dict:
                           cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"compiling resnet50 failed:\n{done.stderr.strip()}")
+    from deepdsl_runtime.cpu import native
+
+    kernels, why = native.load(program)          # the build `deepdsl compile` started in the background, finished
+    if kernels is None:
+        raise SystemExit(f"resnet50's compiled kernels: {why}")
     report = work / "resnet50-report.json"
     report.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, str(program), "--data", f"folder:{images}", "--iters", str(iters),
@@ -307,7 +316,7 @@ def main() -> int:
           f"{args.batch} 3x{SIZE}x{SIZE}, {timed} images timed after a warm-up batch; {args.rounds} rounds "
           f"interleaved; load average before: {load_average()}", flush=True)
 
-    specs = {"folder": f"folder:{images}", "shards": f"shards:{shards}", "torch": None}
+    specs = {"folder": f"folder:{images}", "shards": shards, "torch": None}
     sides = [s for s in SIDES if s in args.sides]
     runs: dict[tuple[str, int], list[float]] = {}
     errors: dict[tuple[str, int], str] = {}
