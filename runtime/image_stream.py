@@ -475,7 +475,7 @@ def planned(data: ImageData, rows: int, slots: int, workers: int) -> dict:
     c, (h, w) = data.channels, data.size
     indexes = [data.train] if data.test_is_train else [data.train, data.test]
     largest_file = max(int(ix.sizes.max()) for ix in indexes)
-    render = (it.MOST_SIDE * w * c + w * c + it.MOST_SIDE * c) * 4        # image_transforms.scratch_size at most
+    render = it.scratch_bound(c) * 4                                          # image_transforms.scratch_size at most
     return {"workers": workers, "slots": slots, "rows_per_slot": rows,
             "ring_bytes": slots * Ring.slot_size(rows, (c, h, w)),
             "index_bytes": sum(ix.nbytes for ix in indexes), "largest_file_bytes": largest_file,
