@@ -16,9 +16,10 @@ Specs (`splits`):
 The manifest (`Index`) is numpy arrays, no object per record: the names as one UTF-8 blob and their ends, labels,
 byte sizes, and for shards the shard and the offset of each member's data (a record is one positioned read). Its
 cache (`load_index`) is `.deepdsl-index-<split>[-<shards digest>].npz` beside the data, or under
-$XDG_CACHE_HOME/deepdsl/index (~/.cache) where that directory is read-only; it is fresh while the class directories
-(and their times) or the shards (sizes and times) are those recorded; a stale or damaged cache is rebuilt. The
-digest names the data set: class names, record names, labels and sizes.
+$XDG_CACHE_HOME/deepdsl/index (~/.cache) where that directory is read-only; it is fresh while the times of the
+split directory and of its class directories (found by a stat of each, no directory listed) or the shards' sizes
+and times are those recorded; a stale or damaged cache is rebuilt. The digest names the data set: class names,
+record names, labels and sizes.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from deepdsl_runtime.data import DataError
 __all__ = ["IMAGE_EXTENSIONS", "Index", "RecordError", "Source", "expand", "check", "load_index", "pack", "splits"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _ARRAYS = ("names", "name_ends", "labels", "sizes", "offsets", "shard_of")
 
 
@@ -203,11 +204,26 @@ def _class_dirs(root: str) -> list[tuple[str, int]]:
 
 
 def _state(source: Source) -> list:
-    """What the cache's freshness is judged by: the class directories and their times (the split directory is
-    listed, each class directory only looked at), or the shards' sizes and times."""
+    """What the cache's freshness is judged by: the split directory's time and its class directories' (names and
+    times), or the shards' sizes and times. Taken before a build lists anything, so a change made during the build
+    is seen at the next start."""
     if source.kind == "folder":
-        return [list(d) for d in _class_dirs(source.location)]
+        return [os.stat(source.location).st_mtime_ns, [list(d) for d in _class_dirs(source.location)]]
     return [[p, st.st_size, st.st_mtime_ns] for p, st in ((p, os.stat(p)) for p in source.location)]
+
+
+def _unchanged(source: Source, recorded: list) -> bool:
+    """Whether the state recorded with a cache is still the data's, without listing any directory: the split
+    directory's time (a class directory added, removed or renamed changes it) and each class directory's (an image
+    added, removed or renamed changes it) are looked at, the shards' sizes and times."""
+    try:
+        if source.kind == "folder":
+            root_time, dirs = recorded
+            return os.stat(source.location).st_mtime_ns == root_time and all(
+                os.stat(os.path.join(source.location, name)).st_mtime_ns == t for name, t in dirs)
+        return recorded == _state(source)
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def _digest(classes, names: np.ndarray, labels: np.ndarray, sizes: np.ndarray) -> str:
@@ -427,7 +443,6 @@ def load_index(source: Source, spec: str, split: str, progress: bool = False, re
 
 def _load_index(source: Source, spec: str, split: str, progress: bool, rebuild: bool, classes, say) -> Index:
     path = _cache_path(source, split)
-    state = _state(source)
     if not rebuild:
         try:
             cached = _read_cache(path)
@@ -436,9 +451,10 @@ def _load_index(source: Source, spec: str, split: str, progress: bool, rebuild: 
             cached = None
         if cached is not None:
             meta, arrays = cached
-            if meta["state"] == state and meta["spec"] == spec and (classes is None or
+            if _unchanged(source, meta["state"]) and meta["spec"] == spec and (classes is None or
                                                                     meta["classes"] == list(classes)):
                 return Index(meta, arrays)
+    state = _state(source)
     if source.kind == "folder":
         meta, arrays = _build_folder(source, spec, split, classes, progress and sys.stderr.isatty(), say)
     else:

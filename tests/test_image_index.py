@@ -78,7 +78,7 @@ def test_the_cache_is_used_while_the_class_folders_are_unchanged(digits, tmp_pat
         assert cache.read_bytes() == good                                    # written again, whole
 
 
-def test_a_start_with_a_fresh_cache_lists_only_the_split_directory(digits, monkeypatch):
+def test_a_start_with_a_fresh_cache_lists_no_directory(digits, monkeypatch):
     spec = f"folder:{digits}"
     built = load(spec)
     listed, opened = [], []
@@ -87,8 +87,12 @@ def test_a_start_with_a_fresh_cache_lists_only_the_split_directory(digits, monke
     monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(os.fspath(path)) or listdir(path))
     monkeypatch.setattr(os, "stat", lambda path, **kw: opened.append(os.fspath(path)) or stat(path, **kw))
     again = load(spec)
-    assert again.digest == built.digest and listed == [str(digits / "train")], listed
-    assert not [p for p in opened if p.endswith(".png")], opened
+    assert again.digest == built.digest and listed == [], listed
+    looked_at = {p for p in opened if not p.endswith(".npz")}
+    splits = {str(digits), str(digits / "train"), str(digits / "val")}          # splits() looks for them
+    assert looked_at == splits | {str(digits / "train" / c) for c in built.classes}, opened
+    (digits / "train" / "10").mkdir()                      # a new class: the split directory's time changes
+    assert load(spec).classes == tuple(sorted(built.classes + ("10",)))
 
 
 def test_a_manifest_holds_arrays_not_an_object_per_record(digits):
