@@ -395,7 +395,9 @@ def _cache_path(source: Source, split: str) -> str:
         directory = os.path.dirname(os.path.abspath(source.location[0]))
         tag = hashlib.sha256("\0".join(os.path.abspath(p) for p in source.location).encode()).hexdigest()[:12]
         name = f".deepdsl-index-{split}-{tag}.npz"
-    if os.access(directory, os.W_OK):
+    inside = source.kind == "folder" and directory == os.path.normpath(source.location)
+    # a cache written inside the split directory would change the time its freshness is judged by
+    if os.access(directory, os.W_OK) and not inside:
         return os.path.join(directory, name)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(os.path.realpath(os.path.join(directory, name)).encode()).hexdigest()[:16]
