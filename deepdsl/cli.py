@@ -393,8 +393,8 @@ def _input_pipeline(compiled, args: argparse.Namespace) -> tuple[list[str], dict
     if len(data.shape) != 4 or len(label.shape) != 1:
         raise DeepDSLError(f"--data {args.data}: {compiled.name} takes {'x'.join(map(str, data.shape))} inputs, not "
                            "images and class labels")
-    workers = args.workers if args.workers is not None else (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    from deepdsl_runtime.cpu.native import threads_available
+    workers = args.workers if args.workers is not None else threads_available()
     try:
         loaded = image_stream.load(args.data, tuple(data.shape[1:]), _classes(compiled), progress=True)
     except DataError as err:
@@ -470,7 +470,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     from deepdsl_runtime import image_index
 
     _image_spec(args.spec)
-    workers = args.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    from deepdsl_runtime.cpu.native import threads_available
+    workers = args.workers or threads_available()
     with _data_errors():
         bad, total = image_index.check(args.spec, args.channels, workers, progress=True)
     for split, i, name, reason in bad:

@@ -476,7 +476,8 @@ class Batches:
         np.take(self.x, index, axis=0, out=self.xb)
         np.take(self.y, index, axis=0, out=self.yb)
         if self.augment and self.xb.ndim == 4:
-            draws = np.stack([self.epoch_draws(int(e))[o] for e, o in zip(epochs, offsets)])
+            # the positions run through one epoch, then the next: each epoch's draws sliced once
+            draws = np.concatenate([self.epoch_draws(int(e))[offsets[epochs == e]] for e in np.unique(epochs)])
             self.augment.apply(self.xb, draws, self._padded)
         return self.xb, self.yb
 

@@ -305,7 +305,7 @@ class Pipeline:
 
     def __init__(self, data: ImageData, transform, rows: int, slots: int, workers: int, seed: int,
                  library: str | None = None, skip_bad: bool = False):
-        self.data, self.transform, self.workers_asked = data, transform, workers
+        self.data, self.transform = data, transform
         self.rows, self.seed, self.library, self.skip_bad = rows, seed, library, skip_bad
         c, (h, w) = data.channels, data.size
         self.ring = Ring(slots, rows, (c, h, w))
@@ -347,7 +347,7 @@ class Pipeline:
             try:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "deepdsl_runtime.image_stream", *map(str, fds)], pass_fds=fds,
-                    env=env, stdin=subprocess.DEVNULL, start_new_session=False)
+                    env=env, stdin=subprocess.DEVNULL)
             finally:
                 os.close(task_r)
                 os.close(result_w)
@@ -535,7 +535,6 @@ class ImageBatches:
             self.pending.append(slot)
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        began = time.perf_counter()
         if self.held is not None:
             self.free.append(self.held)
             self.held = None
@@ -553,7 +552,6 @@ class ImageBatches:
             if self.say is not None:
                 self.say(f"skipped {r.name} (sample {r.index}, epoch {r.epoch}): {r.reason}; used {r.used} "
                          f"(sample {r.used_index}) instead")
-        del began
         return self.pipeline.ring.x[slot][:self.rows], self.pipeline.ring.y[slot][:self.rows]
 
     def close(self) -> None:

@@ -705,8 +705,8 @@ class _Run:
         self.check_data_set(data)
         workers = getattr(args, "workers", None)
         if workers is None:                   # the cores this process may use, shared with the other ranks here
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            workers = max(1, cores // self.ranks.local_size)
+            from deepdsl_runtime.cpu.native import threads_available
+            workers = max(1, threads_available() // self.ranks.local_size)
         rows = self.accumulation.accumulate * self.batch              # this rank's share of a global batch
         library = None
         if model.rt.native is not None:
