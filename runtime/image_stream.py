@@ -85,9 +85,10 @@ class ImageData:
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def load(spec: str, image_shape: tuple[int, ...], classes: int, progress: bool = False) -> ImageData:
+def load(spec: str, image_shape: tuple[int, ...], classes: int, progress: bool = False, say=None) -> ImageData:
     """The data of an image spec for a network of (C, H, W) images and `classes` classes: the manifests (cached;
-    built on the first use, with a progress bar when `progress`), checked against the network."""
+    built on the first use, with a progress bar when `progress`; what a build finds goes to `say`, by default
+    standard error), checked against the network."""
     from deepdsl_runtime import image_index
 
     if len(image_shape) != 3:
@@ -97,9 +98,10 @@ def load(spec: str, image_shape: tuple[int, ...], classes: int, progress: bool =
     if channels not in (1, 3):
         raise DataError(f"{spec}: images decode to 1 (grey) or 3 (RGB) channels; the network takes {channels}")
     train_source, val_source = image_index.splits(spec)
-    train = image_index.load_index(train_source, spec, "train", progress=progress)
+    train = image_index.load_index(train_source, spec, "train", progress=progress, say=say)
     if val_source is not None:
-        test = image_index.load_index(val_source, spec, "val", progress=progress, classes=train.classes)
+        test = image_index.load_index(val_source, spec, "val", progress=progress, classes=train.classes,
+                                       say=say)
     else:
         test = train
     for index, part in ((train, "training"), (test, "test")):

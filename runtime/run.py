@@ -701,7 +701,8 @@ class _Run:
         if model.tokens or model.target_shape is not None:
             raise RunError(f"--data {self.data_spec}: images and class labels read from files, and {model.name} "
                            f"takes {'tokens' if model.tokens else 'float targets'}")
-        data = image_stream.load(self.data_spec, model.batch_shape[1:], model.classes, progress=not args.quiet)
+        data = image_stream.load(self.data_spec, model.batch_shape[1:], model.classes, progress=not args.quiet,
+                                 say=lambda text: _say(args, text))
         self.check_data_set(data)
         workers = getattr(args, "workers", None)
         if workers is None:                   # the cores this process may use, shared with the other ranks here
