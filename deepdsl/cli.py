@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deepdsl.errors import DeepDSLError
 
-STEP_NAMES = ("train", "test", "setup", "accumulate", "apply", "statistics")
+STEP_NAMES = ("train", "test", "predict", "setup", "accumulate", "apply", "statistics")
 
 
 def _image(text: str) -> tuple[int, int]:

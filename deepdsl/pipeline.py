@@ -41,7 +41,7 @@ from deepdsl.ssa import Program
 from deepdsl.training import build_step_graphs
 
 Hook = Callable[[str, object], None]
-STEPS = ("setup", "train", "test")
+STEPS = ("setup", "train", "test", "predict")
 
 # Scratch of one statement at most (im2col matrices, pooling and LRN buffers): ops run over the batch in chunks
 # to fit. Unbounded, VGG-16 would need 9 GB; the CPU kernels work in cache-sized chunks of samples anyway, so a
@@ -244,10 +244,10 @@ class CompiledStep:
 
 @dataclass(frozen=True)
 class Compiled:
-    """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train" and "test"
-    (and, with `data_parallel`, "accumulate", "apply" and, with batch norm, "statistics") to each step's program
-    and memory plan; `setup`, `train`
-    and `test` are the programs."""
+    """The result of compiling a Loop: `steps` maps "setup" (values hoisted out of the step), "train", "test",
+    "predict" (the forward pass alone, where the Loop says what it gives: `training.predict_graph`) and, with
+    `data_parallel`, "accumulate", "apply" and, with batch norm, "statistics" to each step's program and memory
+    plan; `setup`, `train` and `test` are the programs."""
 
     name: str
     source: str | None
@@ -354,6 +354,8 @@ def _compile(loop: Loop, options: CompileOptions, hook: Hook | None, explain: bo
         hook(f"{graphs.train.name}:autodiff", graphs.train)
     # the setup step starts empty: `hoist_invariants` (the `code_motion` option) moves values into it
     steps = {"setup": Graph(f"{loop.name}_setup", ()), "train": graphs.train, "test": graphs.test}
+    if graphs.predict is not None:
+        steps["predict"] = graphs.predict
     if options.data_parallel:
         steps.update(accumulate=graphs.accumulate, apply=graphs.apply)
         if graphs.statistics is not None:

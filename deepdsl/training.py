@@ -81,6 +81,42 @@ class StepGraphs:
     accumulators: tuple[Node, ...] = ()
     statistics: Graph | None = None    # running statistics from the batch statistics (None without batch norm)
     batch_statistics: tuple[Node, ...] = ()     # the accumulate step's batch statistics B_, by name
+    predict: Graph | None = None       # the forward pass alone (`predict_graph`); None where nothing says what it is
+
+
+def scores(loop: Loop) -> Node | None:
+    """The scores a classifier's accuracy reads: the first input of the `precision` the Loop's accuracy is (None
+    for another accuracy: a network of float targets reports what it computes)."""
+    node = loop.accuracy.node
+    return node.inputs[0] if node.op == "precision" else None
+
+
+def test_graph(loop: Loop) -> Graph:
+    """The test step: accuracy and loss of a batch, and for a classifier each row's `label_rank` (the rank of its
+    label among its scores: top-k accuracy over any number of rows, counted exactly)."""
+    outputs = (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))
+    found = scores(loop)
+    if found is not None:
+        ranks = make("label_rank", (found, loop.accuracy.node.inputs[1]))
+        provenance.record_rest(ranks, "label_rank", "each row's rank of its label among its scores: top-k accuracy",
+                               "label_ranks")
+        outputs += (("ranks", ranks),)
+    return specialize(Graph(f"{loop.name}_test", outputs), "test")
+
+
+def predict_graph(loop: Loop) -> Graph | None:
+    """The forward pass of a trained network (no labels, no gradients, no update): a classifier's probabilities
+    (the softmax of the scores its accuracy reads), or the Loop's `prediction`; None where it has neither."""
+    if loop.prediction is not None:
+        output = ("outputs", loop.prediction.node)
+    else:
+        found = scores(loop)
+        if found is None:
+            return None
+        probabilities = make("softmax", (found,))
+        provenance.record_rest(probabilities, "predict", "the class probabilities", "probabilities")
+        output = ("probabilities", probabilities)
+    return specialize(Graph(f"{loop.name}_predict", (output,)), "test")
 
 
 def parameters(loss: Node) -> list[Node]:
@@ -124,7 +160,7 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
     update = _sgd if loop.solver.optimizer == "sgd" else _adam
     train_forward = train
     train = Graph(train.name, train.outputs[:1] + tuple(update(params, grads, loop.solver)) + train.outputs[1:])
-    test = specialize(Graph(f"{name}_test", (("accuracy", loop.accuracy.node), ("loss", loop.loss.node))), "test")
+    test = test_graph(loop)
     states = [n for n in toposort(node for _, node in train.outputs) if n.op == "state"]
     accumulate = apply = statistics = None
     batch = ()
@@ -155,7 +191,7 @@ def build_step_graphs(loop: Loop, forward: Callable[[Graph], Graph] | None = Non
         apply = Graph(f"{name}_apply", tuple(update(params, scaled, loop.solver)))
     _distinct_names([*params, *states, *accumulators, *batch])
     return StepGraphs(train, test, tuple(params), tuple(sorted(states, key=lambda s: s.name)), accumulate, apply,
-                      accumulators, statistics, batch)
+                      accumulators, statistics, batch, predict_graph(loop))
 
 
 def _clipped(params, grads, solver: Train) -> dict[Node, Node]:

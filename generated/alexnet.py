@@ -63,6 +63,7 @@ class Alexnet(rp.Model):
     batch_shape = (128, 3, 227, 227)
     classes = 1000
     dataset = "synthetic"
+    defaults = {"iters": 450000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -675,7 +676,7 @@ class Alexnet(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -825,29 +826,188 @@ class Alexnet(rp.Model):
         fc8_precision = mem.tensor(13, (), 'float32')
         rt.precision(fc8, y, out=fc8_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc8, y)
+        label_ranks = mem.tensor(14, (128,), 'float32')
+        rt.label_rank(fc8, y, out=label_ranks)
+
         # ---- fc8_log_loss (log_loss), forward ----
         # fc8_log_loss_log_softmax = log_softmax(fc8)
         fc8_log_loss_log_softmax = fc8  # in place: over fc8
         rt.log_softmax(fc8, out=fc8_log_loss_log_softmax, workspace=mem.workspace(512000))
         # fc8_log_loss_pick = pick(fc8_log_loss_log_softmax, y)
-        fc8_log_loss_pick = mem.tensor(14, (128,), 'float32')
+        fc8_log_loss_pick = mem.tensor(15, (128,), 'float32')
         rt.pick(fc8_log_loss_log_softmax, y, out=fc8_log_loss_pick)
         # free y, fc8_matmul, fc8, fc8_log_loss_log_softmax
         del y, fc8_matmul, fc8, fc8_log_loss_log_softmax
         mem.free(1, 12)
         # fc8_log_loss_sum_to = sum_to[scalar](fc8_log_loss_pick)
-        fc8_log_loss_sum_to = mem.tensor(15, (), 'float32')
+        fc8_log_loss_sum_to = mem.tensor(16, (), 'float32')
         rt.sum_to(fc8_log_loss_pick, out=fc8_log_loss_sum_to, shape=())
         # free fc8_log_loss_pick
         del fc8_log_loss_pick
-        mem.free(14)
+        mem.free(15)
         # fc8_log_loss = -fc8_log_loss_sum_to/128
         fc8_log_loss = fc8_log_loss_sum_to  # in place: over fc8_log_loss_sum_to
         rt.ew(ew_scale, fc8_log_loss, fc8_log_loss_sum_to)
         accuracy = rt.scalar(fc8_precision)
         loss = rt.scalar(fc8_log_loss)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 11x11, 96 channels, stride 4, padding 0), forward ----
+        # conv1 = conv2d[stride=4](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(1, (128, 96, 55, 55), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=0, stride=4, workspace=mem.workspace(30746100))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_lrn (LRN size 5), forward ----
+        # conv1_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv1_relu)
+        conv1_lrn = conv1_relu  # in place: over conv1_relu
+        rt.lrn(conv1_relu, out=conv1_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30201600))
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv1_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv1_lrn)
+        conv1_max_pool = mem.tensor(2, (128, 96, 27, 27), 'float32')
+        rt.max_pool(conv1_lrn, out=conv1_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv1, conv1_relu, conv1_lrn
+        del conv1, conv1_relu, conv1_lrn
+        mem.free(1)
+
+        # ---- conv2 (conv 5x5, 256 channels, stride 1, padding 2), forward ----
+        # conv2 = conv2d[pad=2](conv1_max_pool, conv2_W, conv2_B)
+        conv2 = mem.tensor(3, (128, 256, 27, 27), 'float32')
+        rt.conv2d(conv1_max_pool, T['conv2_W'], T['conv2_B'], out=conv2, pad=2, stride=1, workspace=mem.workspace(29469696))
+        # free conv1_max_pool
+        del conv1_max_pool
+        mem.free(2)
+
+        # ---- conv2_relu (relu), forward ----
+        # conv2_relu = Max(0, conv2)
+        conv2_relu = conv2  # in place: over conv2
+        rt.ew(ew_relu, conv2_relu, conv2)
+
+        # ---- conv2_lrn (LRN size 5), forward ----
+        # conv2_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv2_relu)
+        conv2_lrn = conv2_relu  # in place: over conv2_relu
+        rt.lrn(conv2_relu, out=conv2_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(32845824))
+
+        # ---- conv2_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv2_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv2_lrn)
+        conv2_max_pool = mem.tensor(4, (128, 256, 13, 13), 'float32')
+        rt.max_pool(conv2_lrn, out=conv2_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv2, conv2_relu, conv2_lrn
+        del conv2, conv2_relu, conv2_lrn
+        mem.free(3)
+
+        # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
+        conv3 = mem.tensor(5, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
+        # free conv2_max_pool
+        del conv2_max_pool
+        mem.free(4)
+
+        # ---- conv3_relu (relu), forward ----
+        # conv3_relu = Max(0, conv3)
+        conv3_relu = conv3  # in place: over conv3
+        rt.ew(ew_relu, conv3_relu, conv3)
+
+        # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
+        conv4 = mem.tensor(6, (128, 384, 13, 13), 'float32')
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
+        # free conv3, conv3_relu
+        del conv3, conv3_relu
+        mem.free(5)
+
+        # ---- conv4_relu (relu), forward ----
+        # conv4_relu = Max(0, conv4)
+        conv4_relu = conv4  # in place: over conv4
+        rt.ew(ew_relu, conv4_relu, conv4)
+
+        # ---- conv5 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv5 = conv2d[pad=1](conv4_relu, conv5_W, conv5_B)
+        conv5 = mem.tensor(7, (128, 256, 13, 13), 'float32')
+        rt.conv2d(conv4_relu, T['conv5_W'], T['conv5_B'], out=conv5, pad=1, stride=1, workspace=mem.workspace(32182272))
+        # free conv4, conv4_relu
+        del conv4, conv4_relu
+        mem.free(6)
+
+        # ---- conv5_relu (relu), forward ----
+        # conv5_relu = Max(0, conv5)
+        conv5_relu = conv5  # in place: over conv5
+        rt.ew(ew_relu, conv5_relu, conv5)
+
+        # ---- conv5_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv5_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv5_relu)
+        conv5_max_pool = mem.tensor(8, (128, 256, 6, 6), 'float32')
+        rt.max_pool(conv5_relu, out=conv5_max_pool, ceil=True, kernel=3, pad=0, stride=2)
+        # free conv5, conv5_relu
+        del conv5, conv5_relu
+        mem.free(7)
+
+        # ---- conv5_flatten (flatten), forward ----
+        # conv5_flatten = reshape[128x9216](conv5_max_pool)
+        conv5_flatten = rt.reshape(conv5_max_pool, shape=(128, 9216))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_flatten, fc6_W)
+        fc6_matmul = mem.tensor(9, (128, 4096), 'float32')
+        rt.matmul(conv5_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+        # free conv5_max_pool, conv5_flatten
+        del conv5_max_pool, conv5_flatten
+        mem.free(8)
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_relu, fc7_W)
+        fc7_matmul = mem.tensor(10, (128, 4096), 'float32')
+        rt.matmul(fc6_relu, T['fc7_W'], out=fc7_matmul, tb=True)
+        # free fc6_matmul, fc6_relu
+        del fc6_matmul, fc6_relu
+        mem.free(9)
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
+        fc8_matmul = mem.tensor(11, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # free fc7_matmul, fc7_relu
+        del fc7_matmul, fc7_relu
+        mem.free(10)
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- fc8_softmax (softmax), forward ----
+        # fc8_softmax = softmax(fc8)
+        fc8_softmax = fc8  # in place: over fc8
+        rt.softmax(fc8, out=fc8_softmax)
+        probabilities = rt.to_numpy(fc8_softmax)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -928,9 +1088,26 @@ class Alexnet(rp.Model):
                 (0, 2097152),  # 10: fc6_matmul 128x4096 float32
                 (2097152, 2097152),  # 11: fc7_matmul 128x4096 float32
                 (0, 512000),  # 12: fc8_matmul 128x1000 float32
-                (512512, 4),  # 13: fc8_precision scalar float32
-                (512000, 512),  # 14: fc8_log_loss_pick 128 float32
-                (0, 4),  # 15: fc8_log_loss_sum_to scalar float32
+                (513024, 4),  # 13: fc8_precision scalar float32
+                (512000, 512),  # 14: label_ranks 128 float32
+                (512512, 512),  # 15: fc8_log_loss_pick 128 float32
+                (0, 4),  # 16: fc8_log_loss_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=227833344, peak_bytes=227833344, workspace_bytes=32845824, pool_bytes=227833344,
+            buffers=(
+                (148684800, 79148544),  # 0: x 128x3x227x227 float32
+                (0, 148684800),  # 1: conv1 128x96x55x55 float32
+                (148684800, 35831808),  # 2: conv1_max_pool 128x96x27x27 float32
+                (0, 95551488),  # 3: conv2 128x256x27x27 float32
+                (95551488, 22151168),  # 4: conv2_max_pool 128x256x13x13 float32
+                (0, 33226752),  # 5: conv3 128x384x13x13 float32
+                (33226752, 33226752),  # 6: conv4 128x384x13x13 float32
+                (0, 22151168),  # 7: conv5 128x256x13x13 float32
+                (22151168, 4718592),  # 8: conv5_max_pool 128x256x6x6 float32
+                (0, 2097152),  # 9: fc6_matmul 128x4096 float32
+                (2097152, 2097152),  # 10: fc7_matmul 128x4096 float32
+                (0, 512000),  # 11: fc8_matmul 128x1000 float32
             )),
     }
 
@@ -1009,9 +1186,9 @@ def main(argv=None):
     """Train alexnet, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="alexnet.py", description="Train and test alexnet (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=450000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 450000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=1000, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -1064,6 +1241,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -64,6 +64,7 @@ class CharLm(rp.Model):
     batch_shape = (32, 64)
     classes = 256
     dataset = "synthetic"
+    defaults = {"iters": 2000}         # what the command line's --iters is without --iters nor --epochs
     tokens = True
 
     # name: (shape, initializer, lr_mult, decay_mult)
@@ -1842,7 +1843,7 @@ class CharLm(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -2335,29 +2336,527 @@ class CharLm(rp.Model):
         next_precision = mem.tensor(45, (), 'float32')
         rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
+        label_ranks = mem.tensor(46, (2048,), 'float32')
+        rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
+
         # ---- next_cross_entropy (cross_entropy), forward ----
         # next_cross_entropy_log_softmax = log_softmax(next_add)
         next_cross_entropy_log_softmax = next_add  # in place: over next_add
         rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(46, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(47, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
         del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
         mem.free(1, 44)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(47, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(48, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(46)
+        mem.free(47)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
         rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
         accuracy = rt.scalar(next_precision)
         loss = rt.scalar(next_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- embed (embedding of 256 tokens in 64 features), forward ----
+        # embed_reshape = reshape[2048](x)
+        embed_reshape = rt.reshape(x, shape=(2048,))
+        # embed_unpick = unpick[classes=256](H1, embed_reshape)
+        embed_unpick = mem.tensor(1, (2048, 256), 'float32')
+        rt.unpick(T['H1'], embed_reshape, out=embed_unpick, classes=256)
+        # free x, embed_reshape
+        del x, embed_reshape
+        mem.free(0)
+        # embed_matmul = matmul(embed_unpick, embed_W)
+        embed_matmul = mem.tensor(2, (2048, 64), 'float32')
+        rt.matmul(embed_unpick, T['embed_W'], out=embed_matmul)
+        # free embed_unpick
+        del embed_unpick
+        mem.free(1)
+        # embed = reshape[32x64x64](embed_matmul)
+        embed = rt.reshape(embed_matmul, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add = embed + pos
+        block1_ln2_add = embed  # in place: over embed
+        rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
+        block1_ln1_sum_to = mem.tensor(3, (32, 64, 1), 'float32')
+        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
+        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
+        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
+        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
+        block1_ln1_sub = mem.tensor(4, (32, 64, 64), 'float32')
+        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(5, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block1_ln1_sum_to, block1_ln1_scale
+        del block1_ln1_sum_to, block1_ln1_scale
+        mem.free(3)
+        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
+        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
+        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
+        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
+        rt.ew(ew_mul_add_3, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
+        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
+        del block1_ln1_sum_to_2, block1_ln1_rsqrt
+        mem.free(5)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(6, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
+        block1_attn_out_transpose = mem.tensor(7, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        mem.free(6)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(8, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
+        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
+        causal_softmax_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
+        # free block1_attn_k_matmul, causal_softmax_reshape
+        del block1_attn_k_matmul, causal_softmax_reshape
+        mem.free(8)
+        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
+        causal_softmax_transpose_2 = mem.tensor(10, (32, 4, 16, 64), 'float32')
+        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
+        # free causal_softmax_transpose
+        del causal_softmax_transpose
+        mem.free(9)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(11, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        mem.free(4)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
+        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
+        causal_softmax_transpose_3 = mem.tensor(12, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
+        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
+        mem.free(11)
+        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
+        causal_softmax_matmul = mem.tensor(13, (32, 4, 64, 64), 'float32')
+        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
+        # free causal_softmax_transpose_2, causal_softmax_transpose_3
+        del causal_softmax_transpose_2, causal_softmax_transpose_3
+        mem.free(10, 12)
+        # causal_softmax_scale = 0.25*causal_softmax_matmul
+        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
+        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
+        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
+        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
+        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
+        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
+        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
+        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
+        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
+        block1_attn_out_matmul = mem.tensor(14, (32, 4, 64, 16), 'float32')
+        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
+        # free block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
+        del block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
+        mem.free(7, 13)
+        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
+        block1_attn_out_transpose_2 = mem.tensor(15, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
+        # free block1_attn_out_matmul
+        del block1_attn_out_matmul
+        mem.free(14)
+        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
+        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
+        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
+        block1_attn_out_matmul_2 = mem.tensor(16, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
+        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        mem.free(15)
+        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
+        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        mem.free(16)
+        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
+        block1_ln2_sum_to = mem.tensor(17, (32, 64, 1), 'float32')
+        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
+        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
+        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
+        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
+        block1_ln2_sub = mem.tensor(18, (32, 64, 64), 'float32')
+        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(19, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block1_ln2_sum_to, block1_ln2_scale
+        del block1_ln2_sum_to, block1_ln2_scale
+        mem.free(17)
+        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
+        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
+        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
+        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
+        rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
+        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
+        del block1_ln2_sum_to_2, block1_ln2_rsqrt
+        mem.free(19)
+
+        # ---- block1_fc1 (fully connected, 256 outputs), forward ----
+        # block1_fc1_reshape = reshape[2048x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(20, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        mem.free(18)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[32x64x256](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(21, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        mem.free(20)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[32x64x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
+        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        mem.free(21)
+        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
+        block2_ln1_sum_to = mem.tensor(22, (32, 64, 1), 'float32')
+        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
+        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
+        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
+        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
+        block2_ln1_sub = mem.tensor(23, (32, 64, 64), 'float32')
+        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(24, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block2_ln1_sum_to, block2_ln1_scale
+        del block2_ln1_sum_to, block2_ln1_scale
+        mem.free(22)
+        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
+        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
+        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
+        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
+        rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
+        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
+        del block2_ln1_sum_to_2, block2_ln1_rsqrt
+        mem.free(24)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(25, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
+        block2_attn_out_transpose = mem.tensor(26, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        mem.free(25)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(27, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
+        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
+        causal_softmax_transpose_4 = mem.tensor(28, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
+        # free block2_attn_k_matmul, causal_softmax_reshape_4
+        del block2_attn_k_matmul, causal_softmax_reshape_4
+        mem.free(27)
+        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
+        causal_softmax_transpose_5 = mem.tensor(29, (32, 4, 16, 64), 'float32')
+        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
+        # free causal_softmax_transpose_4
+        del causal_softmax_transpose_4
+        mem.free(28)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(30, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        mem.free(23)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
+        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
+        causal_softmax_transpose_6 = mem.tensor(31, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
+        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
+        mem.free(30)
+        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
+        causal_softmax_matmul_2 = mem.tensor(32, (32, 4, 64, 64), 'float32')
+        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
+        # free causal_softmax_transpose_5, causal_softmax_transpose_6
+        del causal_softmax_transpose_5, causal_softmax_transpose_6
+        mem.free(29, 31)
+        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
+        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
+        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
+        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
+        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
+        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
+        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
+        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
+        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
+        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
+        block2_attn_out_matmul = mem.tensor(33, (32, 4, 64, 16), 'float32')
+        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
+        # free block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
+        del block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
+        mem.free(26, 32)
+        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
+        block2_attn_out_transpose_2 = mem.tensor(34, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
+        # free block2_attn_out_matmul
+        del block2_attn_out_matmul
+        mem.free(33)
+        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
+        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
+        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
+        block2_attn_out_matmul_2 = mem.tensor(35, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
+        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        mem.free(34)
+        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
+        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        mem.free(35)
+        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
+        block2_ln2_sum_to = mem.tensor(36, (32, 64, 1), 'float32')
+        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
+        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
+        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
+        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
+        block2_ln2_sub = mem.tensor(37, (32, 64, 64), 'float32')
+        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(38, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block2_ln2_sum_to, block2_ln2_scale
+        del block2_ln2_sum_to, block2_ln2_scale
+        mem.free(36)
+        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
+        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
+        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
+        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
+        rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
+        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
+        del block2_ln2_sum_to_2, block2_ln2_rsqrt
+        mem.free(38)
+
+        # ---- block2_fc1 (fully connected, 256 outputs), forward ----
+        # block2_fc1_reshape = reshape[2048x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(39, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        mem.free(37)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[32x64x256](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(40, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        mem.free(39)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[32x64x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block2_ln2_add + block2_fc2
+        ln_add = block2_ln2_add  # in place: over block2_ln2_add
+        rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        mem.free(40)
+        # ln_sum_to = sum_to[32x64x1](ln_add)
+        ln_sum_to = mem.tensor(41, (32, 64, 1), 'float32')
+        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
+        # ln_scale = 0.015625*ln_sum_to
+        ln_scale = ln_sum_to  # in place: over ln_sum_to
+        rt.ew(ew_scale, ln_scale, ln_sum_to)
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
+        ln_sub = ln_add  # in place: over ln_add
+        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(42, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free ln_sum_to, ln_scale
+        del ln_sum_to, ln_scale
+        mem.free(41)
+        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
+        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
+        # ln = ln_sub*ln_rsqrt*ln_W + ln_B
+        ln = ln_sub  # in place: over ln_sub
+        rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
+        # free ln_sum_to_2, ln_rsqrt
+        del ln_sum_to_2, ln_rsqrt
+        mem.free(42)
+
+        # ---- next (fully connected, 256 outputs), forward ----
+        # next_reshape = reshape[2048x64](ln)
+        next_reshape = rt.reshape(ln, shape=(2048, 64))
+        # next_matmul = matmul[tb](next_reshape, next_W)
+        next_matmul = mem.tensor(43, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
+        # free embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        del embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        mem.free(2)
+        # next_add = next_matmul + next_B
+        next_add = next_matmul  # in place: over next_matmul
+        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(next_add)
+        probabilities = next_add  # in place: over next_add
+        rt.softmax(next_add, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -2564,9 +3063,58 @@ class CharLm(rp.Model):
                 (0, 8192),  # 42: ln_sum_to 32x64x1 float32
                 (8192, 8192),  # 43: ln_sum_to_2 32x64x1 float32
                 (0, 2097152),  # 44: next_matmul 2048x256 float32
-                (2105344, 4),  # 45: next_precision scalar float32
-                (2097152, 8192),  # 46: next_cross_entropy_pick 2048 float32
-                (0, 4),  # 47: next_cross_entropy_sum_to scalar float32
+                (2113536, 4),  # 45: next_precision scalar float32
+                (2097152, 8192),  # 46: label_ranks 2048 float32
+                (2105344, 8192),  # 47: next_cross_entropy_pick 2048 float32
+                (0, 4),  # 48: next_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=4194304, peak_bytes=4194304, workspace_bytes=524288, pool_bytes=4726784,
+            buffers=(
+                (2097152, 8192),  # 0: x 32x64 int32
+                (0, 2097152),  # 1: embed_unpick 2048x256 float32
+                (2097152, 524288),  # 2: embed_matmul 2048x64 float32
+                (524288, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 4: block1_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 6: block1_attn_v_matmul 2048x64 float32
+                (2621440, 524288),  # 7: block1_attn_out_transpose 32x4x64x16 float32
+                (524288, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
+                (1048576, 524288),  # 9: causal_softmax_transpose 32x4x64x16 float32
+                (3145728, 524288),  # 10: causal_softmax_transpose_2 32x4x16x64 float32
+                (524288, 524288),  # 11: block1_attn_q_matmul 2048x64 float32
+                (3670016, 524288),  # 12: causal_softmax_transpose_3 32x4x64x16 float32
+                (0, 2097152),  # 13: causal_softmax_matmul 32x4x64x64 float32
+                (3145728, 524288),  # 14: block1_attn_out_matmul 32x4x64x16 float32
+                (0, 524288),  # 15: block1_attn_out_transpose_2 32x64x4x16 float32
+                (524288, 524288),  # 16: block1_attn_out_matmul_2 2048x64 float32
+                (0, 8192),  # 17: block1_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 18: block1_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 19: block1_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 20: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 21: block1_fc2_matmul 2048x64 float32
+                (524288, 8192),  # 22: block2_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 23: block2_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 24: block2_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 25: block2_attn_v_matmul 2048x64 float32
+                (2621440, 524288),  # 26: block2_attn_out_transpose 32x4x64x16 float32
+                (524288, 524288),  # 27: block2_attn_k_matmul 2048x64 float32
+                (1048576, 524288),  # 28: causal_softmax_transpose_4 32x4x64x16 float32
+                (3145728, 524288),  # 29: causal_softmax_transpose_5 32x4x16x64 float32
+                (524288, 524288),  # 30: block2_attn_q_matmul 2048x64 float32
+                (3670016, 524288),  # 31: causal_softmax_transpose_6 32x4x64x16 float32
+                (0, 2097152),  # 32: causal_softmax_matmul_2 32x4x64x64 float32
+                (3145728, 524288),  # 33: block2_attn_out_matmul 32x4x64x16 float32
+                (0, 524288),  # 34: block2_attn_out_transpose_2 32x64x4x16 float32
+                (524288, 524288),  # 35: block2_attn_out_matmul_2 2048x64 float32
+                (0, 8192),  # 36: block2_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 37: block2_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 38: block2_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 39: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 40: block2_fc2_matmul 2048x64 float32
+                (0, 8192),  # 41: ln_sum_to 32x64x1 float32
+                (8192, 8192),  # 42: ln_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 43: next_matmul 2048x256 float32
             )),
     }
 
@@ -2729,9 +3277,9 @@ def main(argv=None):
     """Train char_lm, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="char_lm.py", description="Train and test char_lm (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=2000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 2000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=10, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.003, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="cosine",
@@ -2772,6 +3320,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

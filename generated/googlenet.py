@@ -63,6 +63,7 @@ class Googlenet(rp.Model):
     batch_shape = (128, 3, 224, 224)
     classes = 1000
     dataset = "synthetic"
+    defaults = {"iters": 2400000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -4678,7 +4679,7 @@ class Googlenet(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -5683,22 +5684,27 @@ class Googlenet(rp.Model):
         loss3_classifier_precision = mem.tensor(95, (), 'float32')
         rt.precision(loss3_classifier, y, out=loss3_classifier_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(loss3_classifier, y)
+        label_ranks = mem.tensor(96, (128,), 'float32')
+        rt.label_rank(loss3_classifier, y, out=label_ranks)
+
         # ---- loss3_classifier_cross_entropy (cross_entropy), forward ----
         # loss3_classifier_cross_entropy_log_softmax = log_softmax(loss3_classifier)
         loss3_classifier_cross_entropy_log_softmax = loss3_classifier  # in place: over loss3_classifier
         rt.log_softmax(loss3_classifier, out=loss3_classifier_cross_entropy_log_softmax, workspace=mem.workspace(512000))
         # loss3_classifier_cross_entropy_pick = pick(loss3_classifier_cross_entropy_log_softmax, y)
-        loss3_classifier_cross_entropy_pick = mem.tensor(96, (128,), 'float32')
+        loss3_classifier_cross_entropy_pick = mem.tensor(97, (128,), 'float32')
         rt.pick(loss3_classifier_cross_entropy_log_softmax, y, out=loss3_classifier_cross_entropy_pick)
         # free y, loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
         del y, loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
         mem.free(1, 94)
         # loss3_classifier_cross_entropy_sum_to = sum_to[scalar](loss3_classifier_cross_entropy_pick)
-        loss3_classifier_cross_entropy_sum_to = mem.tensor(97, (), 'float32')
+        loss3_classifier_cross_entropy_sum_to = mem.tensor(98, (), 'float32')
         rt.sum_to(loss3_classifier_cross_entropy_pick, out=loss3_classifier_cross_entropy_sum_to, shape=())
         # free loss3_classifier_cross_entropy_pick
         del loss3_classifier_cross_entropy_pick
-        mem.free(96)
+        mem.free(97)
 
         # ---- loss (the loss the step minimizes), forward ----
         # total_loss = -loss3_classifier_cross_entropy_sum_to/128 - 0.00234375*loss1_classifier_cross_entropy_sum_to - 0.00234375*loss2_classifier_cross_entropy_sum_to
@@ -5709,8 +5715,891 @@ class Googlenet(rp.Model):
         mem.free(39, 68)
         accuracy = rt.scalar(loss3_classifier_precision)
         loss = rt.scalar(total_loss)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1_7x7_s2 (conv 7x7, 64 channels, stride 2, padding 3), forward ----
+        # conv1_7x7_s2 = conv2d[pad=3,stride=2](x, conv1_7x7_s2_W, conv1_7x7_s2_B)
+        conv1_7x7_s2 = mem.tensor(1, (128, 64, 112, 112), 'float32')
+        rt.conv2d(x, T['conv1_7x7_s2_W'], T['conv1_7x7_s2_B'], out=conv1_7x7_s2, pad=3, stride=2, workspace=mem.workspace(32042688))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_7x7_s2_relu (relu), forward ----
+        # conv1_7x7_s2_relu = Max(0, conv1_7x7_s2)
+        conv1_7x7_s2_relu = conv1_7x7_s2  # in place: over conv1_7x7_s2
+        rt.ew(ew_relu, conv1_7x7_s2_relu, conv1_7x7_s2)
+
+        # ---- conv1_7x7_s2_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv1_7x7_s2_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv1_7x7_s2_relu)
+        conv1_7x7_s2_max_pool = mem.tensor(2, (128, 64, 56, 56), 'float32', over=1)
+        rt.max_pool(conv1_7x7_s2_relu, out=conv1_7x7_s2_max_pool, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(33491456))
+        # free conv1_7x7_s2, conv1_7x7_s2_relu
+        del conv1_7x7_s2, conv1_7x7_s2_relu
+        mem.free(1)
+
+        # ---- conv1_7x7_s2_lrn (LRN size 5), forward ----
+        # conv1_7x7_s2_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv1_7x7_s2_max_pool)
+        conv1_7x7_s2_lrn = conv1_7x7_s2_max_pool  # in place: over conv1_7x7_s2_max_pool
+        rt.lrn(conv1_7x7_s2_max_pool, out=conv1_7x7_s2_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(30507008))
+
+        # ---- conv2_3x3_reduce (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # conv2_3x3_reduce = conv2d(conv1_7x7_s2_lrn, conv2_3x3_reduce_W, conv2_3x3_reduce_B)
+        conv2_3x3_reduce = mem.tensor(3, (128, 64, 56, 56), 'float32')
+        rt.conv2d(conv1_7x7_s2_lrn, T['conv2_3x3_reduce_W'], T['conv2_3x3_reduce_B'], out=conv2_3x3_reduce, pad=0, stride=1)
+        # free conv1_7x7_s2_max_pool, conv1_7x7_s2_lrn
+        del conv1_7x7_s2_max_pool, conv1_7x7_s2_lrn
+        mem.free(2)
+
+        # ---- conv2_3x3_reduce_relu (relu), forward ----
+        # conv2_3x3_reduce_relu = Max(0, conv2_3x3_reduce)
+        conv2_3x3_reduce_relu = conv2_3x3_reduce  # in place: over conv2_3x3_reduce
+        rt.ew(ew_relu, conv2_3x3_reduce_relu, conv2_3x3_reduce)
+
+        # ---- conv2_3x3 (conv 3x3, 192 channels, stride 1, padding 1), forward ----
+        # conv2_3x3 = conv2d[pad=1](conv2_3x3_reduce_relu, conv2_3x3_W, conv2_3x3_B)
+        conv2_3x3 = mem.tensor(4, (128, 192, 56, 56), 'float32')
+        rt.conv2d(conv2_3x3_reduce_relu, T['conv2_3x3_W'], T['conv2_3x3_B'], out=conv2_3x3, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv2_3x3_reduce, conv2_3x3_reduce_relu
+        del conv2_3x3_reduce, conv2_3x3_reduce_relu
+        mem.free(3)
+
+        # ---- conv2_3x3_relu (relu), forward ----
+        # conv2_3x3_relu = Max(0, conv2_3x3)
+        conv2_3x3_relu = conv2_3x3  # in place: over conv2_3x3
+        rt.ew(ew_relu, conv2_3x3_relu, conv2_3x3)
+
+        # ---- conv2_3x3_lrn (LRN size 5), forward ----
+        # conv2_3x3_lrn = lrn[alpha=0.0001,beta=0.75,k=1.0,size=5](conv2_3x3_relu)
+        conv2_3x3_lrn = conv2_3x3_relu  # in place: over conv2_3x3_relu
+        rt.lrn(conv2_3x3_relu, out=conv2_3x3_lrn, alpha=0.0001, beta=0.75, k=1.0, size=5, workspace=mem.workspace(28901376))
+
+        # ---- conv2_3x3_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # conv2_3x3_max_pool = max_pool[ceil=True,kernel=3,stride=2](conv2_3x3_lrn)
+        conv2_3x3_max_pool = mem.tensor(5, (128, 192, 28, 28), 'float32')
+        rt.max_pool(conv2_3x3_lrn, out=conv2_3x3_max_pool, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(32438016))
+        # free conv2_3x3, conv2_3x3_relu, conv2_3x3_lrn
+        del conv2_3x3, conv2_3x3_relu, conv2_3x3_lrn
+        mem.free(4)
+
+        # ---- inception_3a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_3a_5x5_reduce = conv2d(conv2_3x3_max_pool, inception_3a_5x5_reduce_W, inception_3a_5x5_reduce_B)
+        inception_3a_5x5_reduce = mem.tensor(6, (128, 16, 28, 28), 'float32')
+        rt.conv2d(conv2_3x3_max_pool, T['inception_3a_5x5_reduce_W'], T['inception_3a_5x5_reduce_B'], out=inception_3a_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_3a_5x5_reduce_relu (relu), forward ----
+        # inception_3a_5x5_reduce_relu = Max(0, inception_3a_5x5_reduce)
+        inception_3a_5x5_reduce_relu = inception_3a_5x5_reduce  # in place: over inception_3a_5x5_reduce
+        rt.ew(ew_relu, inception_3a_5x5_reduce_relu, inception_3a_5x5_reduce)
+
+        # ---- inception_3a_5x5 (conv 5x5, 32 channels, stride 1, padding 2), forward ----
+        # inception_3a_5x5 = conv2d[pad=2](inception_3a_5x5_reduce_relu, inception_3a_5x5_W, inception_3a_5x5_B)
+        inception_3a_5x5 = mem.tensor(7, (128, 32, 28, 28), 'float32')
+        rt.conv2d(inception_3a_5x5_reduce_relu, T['inception_3a_5x5_W'], T['inception_3a_5x5_B'], out=inception_3a_5x5, pad=2, stride=1, workspace=mem.workspace(29038592))
+        # free inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
+        del inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
+        mem.free(6)
+
+        # ---- inception_3a_5x5_relu (relu), forward ----
+        # inception_3a_5x5_relu = Max(0, inception_3a_5x5)
+        inception_3a_5x5_relu = inception_3a_5x5  # in place: over inception_3a_5x5
+        rt.ew(ew_relu, inception_3a_5x5_relu, inception_3a_5x5)
+
+        # ---- inception_3a_1x1 (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_3a_1x1 = conv2d(conv2_3x3_max_pool, inception_3a_1x1_W, inception_3a_1x1_B)
+        inception_3a_1x1 = mem.tensor(8, (128, 64, 28, 28), 'float32')
+        rt.conv2d(conv2_3x3_max_pool, T['inception_3a_1x1_W'], T['inception_3a_1x1_B'], out=inception_3a_1x1, pad=0, stride=1)
+
+        # ---- inception_3a_1x1_relu (relu), forward ----
+        # inception_3a_1x1_relu = Max(0, inception_3a_1x1)
+        inception_3a_1x1_relu = inception_3a_1x1  # in place: over inception_3a_1x1
+        rt.ew(ew_relu, inception_3a_1x1_relu, inception_3a_1x1)
+
+        # ---- inception_3a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # inception_3a_3x3_reduce = conv2d(conv2_3x3_max_pool, inception_3a_3x3_reduce_W, inception_3a_3x3_reduce_B)
+        inception_3a_3x3_reduce = mem.tensor(9, (128, 96, 28, 28), 'float32')
+        rt.conv2d(conv2_3x3_max_pool, T['inception_3a_3x3_reduce_W'], T['inception_3a_3x3_reduce_B'], out=inception_3a_3x3_reduce, pad=0, stride=1)
+
+        # ---- conv2_3x3_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # conv2_3x3_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](conv2_3x3_max_pool)
+        conv2_3x3_max_pool_2 = mem.tensor(10, (128, 192, 28, 28), 'float32')
+        rt.max_pool(conv2_3x3_max_pool, out=conv2_3x3_max_pool_2, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(29721600))
+        # free conv2_3x3_max_pool
+        del conv2_3x3_max_pool
+        mem.free(5)
+
+        # ---- inception_3a_pool_proj (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_3a_pool_proj = conv2d(conv2_3x3_max_pool_2, inception_3a_pool_proj_W, inception_3a_pool_proj_B)
+        inception_3a_pool_proj = mem.tensor(11, (128, 32, 28, 28), 'float32')
+        rt.conv2d(conv2_3x3_max_pool_2, T['inception_3a_pool_proj_W'], T['inception_3a_pool_proj_B'], out=inception_3a_pool_proj, pad=0, stride=1)
+        # free conv2_3x3_max_pool_2
+        del conv2_3x3_max_pool_2
+        mem.free(10)
+
+        # ---- inception_3a_pool_proj_relu (relu), forward ----
+        # inception_3a_pool_proj_relu = Max(0, inception_3a_pool_proj)
+        inception_3a_pool_proj_relu = inception_3a_pool_proj  # in place: over inception_3a_pool_proj
+        rt.ew(ew_relu, inception_3a_pool_proj_relu, inception_3a_pool_proj)
+
+        # ---- inception_3a_3x3_reduce_relu (relu), forward ----
+        # inception_3a_3x3_reduce_relu = Max(0, inception_3a_3x3_reduce)
+        inception_3a_3x3_reduce_relu = inception_3a_3x3_reduce  # in place: over inception_3a_3x3_reduce
+        rt.ew(ew_relu, inception_3a_3x3_reduce_relu, inception_3a_3x3_reduce)
+
+        # ---- inception_3a_3x3 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # inception_3a_3x3 = conv2d[pad=1](inception_3a_3x3_reduce_relu, inception_3a_3x3_W, inception_3a_3x3_B)
+        inception_3a_3x3 = mem.tensor(12, (128, 128, 28, 28), 'float32')
+        rt.conv2d(inception_3a_3x3_reduce_relu, T['inception_3a_3x3_W'], T['inception_3a_3x3_B'], out=inception_3a_3x3, pad=1, stride=1, workspace=mem.workspace(30551040))
+        # free inception_3a_3x3_reduce, inception_3a_3x3_reduce_relu
+        del inception_3a_3x3_reduce, inception_3a_3x3_reduce_relu
+        mem.free(9)
+
+        # ---- inception_3a_3x3_relu (relu), forward ----
+        # inception_3a_3x3_relu = Max(0, inception_3a_3x3)
+        inception_3a_3x3_relu = inception_3a_3x3  # in place: over inception_3a_3x3
+        rt.ew(ew_relu, inception_3a_3x3_relu, inception_3a_3x3)
+
+        # ---- inception_3a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_3a_1x1_concat = concat[axis=1](inception_3a_1x1_relu, inception_3a_3x3_relu, inception_3a_5x5_relu, inception_3a_pool_proj_relu)
+        inception_3a_1x1_concat = mem.tensor(13, (128, 256, 28, 28), 'float32')
+        rt.concat(inception_3a_1x1_relu, inception_3a_3x3_relu, inception_3a_5x5_relu, inception_3a_pool_proj_relu, out=inception_3a_1x1_concat, axis=1)
+        # free inception_3a_5x5, inception_3a_5x5_relu, inception_3a_1x1, inception_3a_1x1_relu, inception_3a_pool_proj, inception_3a_pool_proj_relu, inception_3a_3x3, inception_3a_3x3_relu
+        del inception_3a_5x5, inception_3a_5x5_relu, inception_3a_1x1, inception_3a_1x1_relu, inception_3a_pool_proj, inception_3a_pool_proj_relu, inception_3a_3x3, inception_3a_3x3_relu
+        mem.free(7, 8, 11, 12)
+
+        # ---- inception_3b_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_3b_5x5_reduce = conv2d(inception_3a_1x1_concat, inception_3b_5x5_reduce_W, inception_3b_5x5_reduce_B)
+        inception_3b_5x5_reduce = mem.tensor(14, (128, 32, 28, 28), 'float32')
+        rt.conv2d(inception_3a_1x1_concat, T['inception_3b_5x5_reduce_W'], T['inception_3b_5x5_reduce_B'], out=inception_3b_5x5_reduce, pad=0, stride=1)
+
+        # ---- inception_3b_5x5_reduce_relu (relu), forward ----
+        # inception_3b_5x5_reduce_relu = Max(0, inception_3b_5x5_reduce)
+        inception_3b_5x5_reduce_relu = inception_3b_5x5_reduce  # in place: over inception_3b_5x5_reduce
+        rt.ew(ew_relu, inception_3b_5x5_reduce_relu, inception_3b_5x5_reduce)
+
+        # ---- inception_3b_5x5 (conv 5x5, 96 channels, stride 1, padding 2), forward ----
+        # inception_3b_5x5 = conv2d[pad=2](inception_3b_5x5_reduce_relu, inception_3b_5x5_W, inception_3b_5x5_B)
+        inception_3b_5x5 = mem.tensor(15, (128, 96, 28, 28), 'float32')
+        rt.conv2d(inception_3b_5x5_reduce_relu, T['inception_3b_5x5_W'], T['inception_3b_5x5_B'], out=inception_3b_5x5, pad=2, stride=1, workspace=mem.workspace(31678464))
+        # free inception_3b_5x5_reduce, inception_3b_5x5_reduce_relu
+        del inception_3b_5x5_reduce, inception_3b_5x5_reduce_relu
+        mem.free(14)
+
+        # ---- inception_3b_5x5_relu (relu), forward ----
+        # inception_3b_5x5_relu = Max(0, inception_3b_5x5)
+        inception_3b_5x5_relu = inception_3b_5x5  # in place: over inception_3b_5x5
+        rt.ew(ew_relu, inception_3b_5x5_relu, inception_3b_5x5)
+
+        # ---- inception_3b_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_3b_3x3_reduce = conv2d(inception_3a_1x1_concat, inception_3b_3x3_reduce_W, inception_3b_3x3_reduce_B)
+        inception_3b_3x3_reduce = mem.tensor(16, (128, 128, 28, 28), 'float32')
+        rt.conv2d(inception_3a_1x1_concat, T['inception_3b_3x3_reduce_W'], T['inception_3b_3x3_reduce_B'], out=inception_3b_3x3_reduce, pad=0, stride=1)
+
+        # ---- inception_3b_3x3_reduce_relu (relu), forward ----
+        # inception_3b_3x3_reduce_relu = Max(0, inception_3b_3x3_reduce)
+        inception_3b_3x3_reduce_relu = inception_3b_3x3_reduce  # in place: over inception_3b_3x3_reduce
+        rt.ew(ew_relu, inception_3b_3x3_reduce_relu, inception_3b_3x3_reduce)
+
+        # ---- inception_3b_3x3 (conv 3x3, 192 channels, stride 1, padding 1), forward ----
+        # inception_3b_3x3 = conv2d[pad=1](inception_3b_3x3_reduce_relu, inception_3b_3x3_W, inception_3b_3x3_B)
+        inception_3b_3x3 = mem.tensor(17, (128, 192, 28, 28), 'float32')
+        rt.conv2d(inception_3b_3x3_reduce_relu, T['inception_3b_3x3_W'], T['inception_3b_3x3_B'], out=inception_3b_3x3, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free inception_3b_3x3_reduce, inception_3b_3x3_reduce_relu
+        del inception_3b_3x3_reduce, inception_3b_3x3_reduce_relu
+        mem.free(16)
+
+        # ---- inception_3b_3x3_relu (relu), forward ----
+        # inception_3b_3x3_relu = Max(0, inception_3b_3x3)
+        inception_3b_3x3_relu = inception_3b_3x3  # in place: over inception_3b_3x3
+        rt.ew(ew_relu, inception_3b_3x3_relu, inception_3b_3x3)
+
+        # ---- inception_3b_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_3b_1x1 = conv2d(inception_3a_1x1_concat, inception_3b_1x1_W, inception_3b_1x1_B)
+        inception_3b_1x1 = mem.tensor(18, (128, 128, 28, 28), 'float32')
+        rt.conv2d(inception_3a_1x1_concat, T['inception_3b_1x1_W'], T['inception_3b_1x1_B'], out=inception_3b_1x1, pad=0, stride=1)
+
+        # ---- inception_3a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_3a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_3a_1x1_concat)
+        inception_3a_1x1_max_pool = mem.tensor(19, (128, 256, 28, 28), 'float32')
+        rt.max_pool(inception_3a_1x1_concat, out=inception_3a_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(29491200))
+        # free inception_3a_1x1_concat
+        del inception_3a_1x1_concat
+        mem.free(13)
+
+        # ---- inception_3b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_3b_pool_proj = conv2d(inception_3a_1x1_max_pool, inception_3b_pool_proj_W, inception_3b_pool_proj_B)
+        inception_3b_pool_proj = mem.tensor(20, (128, 64, 28, 28), 'float32')
+        rt.conv2d(inception_3a_1x1_max_pool, T['inception_3b_pool_proj_W'], T['inception_3b_pool_proj_B'], out=inception_3b_pool_proj, pad=0, stride=1)
+        # free inception_3a_1x1_max_pool
+        del inception_3a_1x1_max_pool
+        mem.free(19)
+
+        # ---- inception_3b_pool_proj_relu (relu), forward ----
+        # inception_3b_pool_proj_relu = Max(0, inception_3b_pool_proj)
+        inception_3b_pool_proj_relu = inception_3b_pool_proj  # in place: over inception_3b_pool_proj
+        rt.ew(ew_relu, inception_3b_pool_proj_relu, inception_3b_pool_proj)
+
+        # ---- inception_3b_1x1_relu (relu), forward ----
+        # inception_3b_1x1_relu = Max(0, inception_3b_1x1)
+        inception_3b_1x1_relu = inception_3b_1x1  # in place: over inception_3b_1x1
+        rt.ew(ew_relu, inception_3b_1x1_relu, inception_3b_1x1)
+
+        # ---- inception_3b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_3b_1x1_concat = concat[axis=1](inception_3b_1x1_relu, inception_3b_3x3_relu, inception_3b_5x5_relu, inception_3b_pool_proj_relu)
+        inception_3b_1x1_concat = mem.tensor(21, (128, 480, 28, 28), 'float32')
+        rt.concat(inception_3b_1x1_relu, inception_3b_3x3_relu, inception_3b_5x5_relu, inception_3b_pool_proj_relu, out=inception_3b_1x1_concat, axis=1)
+        # free inception_3b_5x5, inception_3b_5x5_relu, inception_3b_3x3, inception_3b_3x3_relu, inception_3b_1x1, inception_3b_1x1_relu, inception_3b_pool_proj, inception_3b_pool_proj_relu
+        del inception_3b_5x5, inception_3b_5x5_relu, inception_3b_3x3, inception_3b_3x3_relu, inception_3b_1x1, inception_3b_1x1_relu, inception_3b_pool_proj, inception_3b_pool_proj_relu
+        mem.free(15, 17, 18, 20)
+
+        # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # inception_3b_1x1_max_pool = max_pool[ceil=True,kernel=3,stride=2](inception_3b_1x1_concat)
+        inception_3b_1x1_max_pool = mem.tensor(22, (128, 480, 14, 14), 'float32')
+        rt.max_pool(inception_3b_1x1_concat, out=inception_3b_1x1_max_pool, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(30679680))
+        # free inception_3b_1x1_concat
+        del inception_3b_1x1_concat
+        mem.free(21)
+
+        # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
+        inception_4a_5x5_reduce = mem.tensor(23, (128, 16, 14, 14), 'float32')
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+
+        # ---- inception_4a_5x5_reduce_relu (relu), forward ----
+        # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
+        inception_4a_5x5_reduce_relu = inception_4a_5x5_reduce  # in place: over inception_4a_5x5_reduce
+        rt.ew(ew_relu, inception_4a_5x5_reduce_relu, inception_4a_5x5_reduce)
+
+        # ---- inception_4a_5x5 (conv 5x5, 48 channels, stride 1, padding 2), forward ----
+        # inception_4a_5x5 = conv2d[pad=2](inception_4a_5x5_reduce_relu, inception_4a_5x5_W, inception_4a_5x5_B)
+        inception_4a_5x5 = mem.tensor(24, (128, 48, 14, 14), 'float32')
+        rt.conv2d(inception_4a_5x5_reduce_relu, T['inception_4a_5x5_W'], T['inception_4a_5x5_B'], out=inception_4a_5x5, pad=2, stride=1, workspace=mem.workspace(21397504))
+        # free inception_4a_5x5_reduce, inception_4a_5x5_reduce_relu
+        del inception_4a_5x5_reduce, inception_4a_5x5_reduce_relu
+        mem.free(23)
+
+        # ---- inception_4a_5x5_relu (relu), forward ----
+        # inception_4a_5x5_relu = Max(0, inception_4a_5x5)
+        inception_4a_5x5_relu = inception_4a_5x5  # in place: over inception_4a_5x5
+        rt.ew(ew_relu, inception_4a_5x5_relu, inception_4a_5x5)
+
+        # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
+        inception_4a_3x3_reduce = mem.tensor(25, (128, 96, 14, 14), 'float32')
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+
+        # ---- inception_4a_3x3_reduce_relu (relu), forward ----
+        # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
+        inception_4a_3x3_reduce_relu = inception_4a_3x3_reduce  # in place: over inception_4a_3x3_reduce
+        rt.ew(ew_relu, inception_4a_3x3_reduce_relu, inception_4a_3x3_reduce)
+
+        # ---- inception_4a_3x3 (conv 3x3, 208 channels, stride 1, padding 1), forward ----
+        # inception_4a_3x3 = conv2d[pad=1](inception_4a_3x3_reduce_relu, inception_4a_3x3_W, inception_4a_3x3_B)
+        inception_4a_3x3 = mem.tensor(26, (128, 208, 14, 14), 'float32')
+        rt.conv2d(inception_4a_3x3_reduce_relu, T['inception_4a_3x3_W'], T['inception_4a_3x3_B'], out=inception_4a_3x3, pad=1, stride=1, workspace=mem.workspace(33354240))
+        # free inception_4a_3x3_reduce, inception_4a_3x3_reduce_relu
+        del inception_4a_3x3_reduce, inception_4a_3x3_reduce_relu
+        mem.free(25)
+
+        # ---- inception_4a_3x3_relu (relu), forward ----
+        # inception_4a_3x3_relu = Max(0, inception_4a_3x3)
+        inception_4a_3x3_relu = inception_4a_3x3  # in place: over inception_4a_3x3
+        rt.ew(ew_relu, inception_4a_3x3_relu, inception_4a_3x3)
+
+        # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
+        # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
+        inception_4a_1x1 = mem.tensor(27, (128, 192, 14, 14), 'float32')
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
+
+        # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_3b_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_3b_1x1_max_pool)
+        inception_3b_1x1_max_pool_2 = mem.tensor(28, (128, 480, 14, 14), 'float32')
+        rt.max_pool(inception_3b_1x1_max_pool, out=inception_3b_1x1_max_pool_2, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(31457280))
+        # free inception_3b_1x1_max_pool
+        del inception_3b_1x1_max_pool
+        mem.free(22)
+
+        # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
+        inception_4a_pool_proj = mem.tensor(29, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
+        # free inception_3b_1x1_max_pool_2
+        del inception_3b_1x1_max_pool_2
+        mem.free(28)
+
+        # ---- inception_4a_pool_proj_relu (relu), forward ----
+        # inception_4a_pool_proj_relu = Max(0, inception_4a_pool_proj)
+        inception_4a_pool_proj_relu = inception_4a_pool_proj  # in place: over inception_4a_pool_proj
+        rt.ew(ew_relu, inception_4a_pool_proj_relu, inception_4a_pool_proj)
+
+        # ---- inception_4a_1x1_relu (relu), forward ----
+        # inception_4a_1x1_relu = Max(0, inception_4a_1x1)
+        inception_4a_1x1_relu = inception_4a_1x1  # in place: over inception_4a_1x1
+        rt.ew(ew_relu, inception_4a_1x1_relu, inception_4a_1x1)
+
+        # ---- inception_4a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_4a_1x1_concat = concat[axis=1](inception_4a_1x1_relu, inception_4a_3x3_relu, inception_4a_5x5_relu, inception_4a_pool_proj_relu)
+        inception_4a_1x1_concat = mem.tensor(30, (128, 512, 14, 14), 'float32')
+        rt.concat(inception_4a_1x1_relu, inception_4a_3x3_relu, inception_4a_5x5_relu, inception_4a_pool_proj_relu, out=inception_4a_1x1_concat, axis=1)
+        # free inception_4a_5x5, inception_4a_5x5_relu, inception_4a_3x3, inception_4a_3x3_relu, inception_4a_1x1, inception_4a_1x1_relu, inception_4a_pool_proj, inception_4a_pool_proj_relu
+        del inception_4a_5x5, inception_4a_5x5_relu, inception_4a_3x3, inception_4a_3x3_relu, inception_4a_1x1, inception_4a_1x1_relu, inception_4a_pool_proj, inception_4a_pool_proj_relu
+        mem.free(24, 26, 27, 29)
+
+        # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
+        # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
+        inception_4b_5x5_reduce = mem.tensor(31, (128, 24, 14, 14), 'float32')
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4b_5x5_reduce_relu (relu), forward ----
+        # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
+        inception_4b_5x5_reduce_relu = inception_4b_5x5_reduce  # in place: over inception_4b_5x5_reduce
+        rt.ew(ew_relu, inception_4b_5x5_reduce_relu, inception_4b_5x5_reduce)
+
+        # ---- inception_4b_5x5 (conv 5x5, 64 channels, stride 1, padding 2), forward ----
+        # inception_4b_5x5 = conv2d[pad=2](inception_4b_5x5_reduce_relu, inception_4b_5x5_W, inception_4b_5x5_B)
+        inception_4b_5x5 = mem.tensor(32, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4b_5x5_reduce_relu, T['inception_4b_5x5_W'], T['inception_4b_5x5_B'], out=inception_4b_5x5, pad=2, stride=1, workspace=mem.workspace(32096256))
+        # free inception_4b_5x5_reduce, inception_4b_5x5_reduce_relu
+        del inception_4b_5x5_reduce, inception_4b_5x5_reduce_relu
+        mem.free(31)
+
+        # ---- inception_4b_5x5_relu (relu), forward ----
+        # inception_4b_5x5_relu = Max(0, inception_4b_5x5)
+        inception_4b_5x5_relu = inception_4b_5x5  # in place: over inception_4b_5x5
+        rt.ew(ew_relu, inception_4b_5x5_relu, inception_4b_5x5)
+
+        # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
+        # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
+        inception_4b_3x3_reduce = mem.tensor(33, (128, 112, 14, 14), 'float32')
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4b_3x3_reduce_relu (relu), forward ----
+        # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
+        inception_4b_3x3_reduce_relu = inception_4b_3x3_reduce  # in place: over inception_4b_3x3_reduce
+        rt.ew(ew_relu, inception_4b_3x3_reduce_relu, inception_4b_3x3_reduce)
+
+        # ---- inception_4b_3x3 (conv 3x3, 224 channels, stride 1, padding 1), forward ----
+        # inception_4b_3x3 = conv2d[pad=1](inception_4b_3x3_reduce_relu, inception_4b_3x3_W, inception_4b_3x3_B)
+        inception_4b_3x3 = mem.tensor(34, (128, 224, 14, 14), 'float32')
+        rt.conv2d(inception_4b_3x3_reduce_relu, T['inception_4b_3x3_W'], T['inception_4b_3x3_B'], out=inception_4b_3x3, pad=1, stride=1, workspace=mem.workspace(28958720))
+        # free inception_4b_3x3_reduce, inception_4b_3x3_reduce_relu
+        del inception_4b_3x3_reduce, inception_4b_3x3_reduce_relu
+        mem.free(33)
+
+        # ---- inception_4b_3x3_relu (relu), forward ----
+        # inception_4b_3x3_relu = Max(0, inception_4b_3x3)
+        inception_4b_3x3_relu = inception_4b_3x3  # in place: over inception_4b_3x3
+        rt.ew(ew_relu, inception_4b_3x3_relu, inception_4b_3x3)
+
+        # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
+        inception_4b_1x1 = mem.tensor(35, (128, 160, 14, 14), 'float32')
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_4a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4a_1x1_concat)
+        inception_4a_1x1_max_pool = mem.tensor(36, (128, 512, 14, 14), 'float32')
+        rt.max_pool(inception_4a_1x1_concat, out=inception_4a_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(33554432))
+        # free inception_4a_1x1_concat
+        del inception_4a_1x1_concat
+        mem.free(30)
+
+        # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
+        inception_4b_pool_proj = mem.tensor(37, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free inception_4a_1x1_max_pool
+        del inception_4a_1x1_max_pool
+        mem.free(36)
+
+        # ---- inception_4b_pool_proj_relu (relu), forward ----
+        # inception_4b_pool_proj_relu = Max(0, inception_4b_pool_proj)
+        inception_4b_pool_proj_relu = inception_4b_pool_proj  # in place: over inception_4b_pool_proj
+        rt.ew(ew_relu, inception_4b_pool_proj_relu, inception_4b_pool_proj)
+
+        # ---- inception_4b_1x1_relu (relu), forward ----
+        # inception_4b_1x1_relu = Max(0, inception_4b_1x1)
+        inception_4b_1x1_relu = inception_4b_1x1  # in place: over inception_4b_1x1
+        rt.ew(ew_relu, inception_4b_1x1_relu, inception_4b_1x1)
+
+        # ---- inception_4b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_4b_1x1_concat = concat[axis=1](inception_4b_1x1_relu, inception_4b_3x3_relu, inception_4b_5x5_relu, inception_4b_pool_proj_relu)
+        inception_4b_1x1_concat = mem.tensor(38, (128, 512, 14, 14), 'float32')
+        rt.concat(inception_4b_1x1_relu, inception_4b_3x3_relu, inception_4b_5x5_relu, inception_4b_pool_proj_relu, out=inception_4b_1x1_concat, axis=1)
+        # free inception_4b_5x5, inception_4b_5x5_relu, inception_4b_3x3, inception_4b_3x3_relu, inception_4b_1x1, inception_4b_1x1_relu, inception_4b_pool_proj, inception_4b_pool_proj_relu
+        del inception_4b_5x5, inception_4b_5x5_relu, inception_4b_3x3, inception_4b_3x3_relu, inception_4b_1x1, inception_4b_1x1_relu, inception_4b_pool_proj, inception_4b_pool_proj_relu
+        mem.free(32, 34, 35, 37)
+
+        # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
+        # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
+        inception_4c_5x5_reduce = mem.tensor(39, (128, 24, 14, 14), 'float32')
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4c_5x5_reduce_relu (relu), forward ----
+        # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
+        inception_4c_5x5_reduce_relu = inception_4c_5x5_reduce  # in place: over inception_4c_5x5_reduce
+        rt.ew(ew_relu, inception_4c_5x5_reduce_relu, inception_4c_5x5_reduce)
+
+        # ---- inception_4c_5x5 (conv 5x5, 64 channels, stride 1, padding 2), forward ----
+        # inception_4c_5x5 = conv2d[pad=2](inception_4c_5x5_reduce_relu, inception_4c_5x5_W, inception_4c_5x5_B)
+        inception_4c_5x5 = mem.tensor(40, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4c_5x5_reduce_relu, T['inception_4c_5x5_W'], T['inception_4c_5x5_B'], out=inception_4c_5x5, pad=2, stride=1, workspace=mem.workspace(32096256))
+        # free inception_4c_5x5_reduce, inception_4c_5x5_reduce_relu
+        del inception_4c_5x5_reduce, inception_4c_5x5_reduce_relu
+        mem.free(39)
+
+        # ---- inception_4c_5x5_relu (relu), forward ----
+        # inception_4c_5x5_relu = Max(0, inception_4c_5x5)
+        inception_4c_5x5_relu = inception_4c_5x5  # in place: over inception_4c_5x5
+        rt.ew(ew_relu, inception_4c_5x5_relu, inception_4c_5x5)
+
+        # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
+        inception_4c_3x3_reduce = mem.tensor(41, (128, 128, 14, 14), 'float32')
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4c_3x3_reduce_relu (relu), forward ----
+        # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
+        inception_4c_3x3_reduce_relu = inception_4c_3x3_reduce  # in place: over inception_4c_3x3_reduce
+        rt.ew(ew_relu, inception_4c_3x3_reduce_relu, inception_4c_3x3_reduce)
+
+        # ---- inception_4c_3x3 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # inception_4c_3x3 = conv2d[pad=1](inception_4c_3x3_reduce_relu, inception_4c_3x3_W, inception_4c_3x3_B)
+        inception_4c_3x3 = mem.tensor(42, (128, 256, 14, 14), 'float32')
+        rt.conv2d(inception_4c_3x3_reduce_relu, T['inception_4c_3x3_W'], T['inception_4c_3x3_B'], out=inception_4c_3x3, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free inception_4c_3x3_reduce, inception_4c_3x3_reduce_relu
+        del inception_4c_3x3_reduce, inception_4c_3x3_reduce_relu
+        mem.free(41)
+
+        # ---- inception_4c_3x3_relu (relu), forward ----
+        # inception_4c_3x3_relu = Max(0, inception_4c_3x3)
+        inception_4c_3x3_relu = inception_4c_3x3  # in place: over inception_4c_3x3
+        rt.ew(ew_relu, inception_4c_3x3_relu, inception_4c_3x3)
+
+        # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
+        inception_4c_1x1 = mem.tensor(43, (128, 128, 14, 14), 'float32')
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_4b_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4b_1x1_concat)
+        inception_4b_1x1_max_pool = mem.tensor(44, (128, 512, 14, 14), 'float32')
+        rt.max_pool(inception_4b_1x1_concat, out=inception_4b_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(33554432))
+        # free inception_4b_1x1_concat
+        del inception_4b_1x1_concat
+        mem.free(38)
+
+        # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
+        inception_4c_pool_proj = mem.tensor(45, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free inception_4b_1x1_max_pool
+        del inception_4b_1x1_max_pool
+        mem.free(44)
+
+        # ---- inception_4c_pool_proj_relu (relu), forward ----
+        # inception_4c_pool_proj_relu = Max(0, inception_4c_pool_proj)
+        inception_4c_pool_proj_relu = inception_4c_pool_proj  # in place: over inception_4c_pool_proj
+        rt.ew(ew_relu, inception_4c_pool_proj_relu, inception_4c_pool_proj)
+
+        # ---- inception_4c_1x1_relu (relu), forward ----
+        # inception_4c_1x1_relu = Max(0, inception_4c_1x1)
+        inception_4c_1x1_relu = inception_4c_1x1  # in place: over inception_4c_1x1
+        rt.ew(ew_relu, inception_4c_1x1_relu, inception_4c_1x1)
+
+        # ---- inception_4c_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_4c_1x1_concat = concat[axis=1](inception_4c_1x1_relu, inception_4c_3x3_relu, inception_4c_5x5_relu, inception_4c_pool_proj_relu)
+        inception_4c_1x1_concat = mem.tensor(46, (128, 512, 14, 14), 'float32')
+        rt.concat(inception_4c_1x1_relu, inception_4c_3x3_relu, inception_4c_5x5_relu, inception_4c_pool_proj_relu, out=inception_4c_1x1_concat, axis=1)
+        # free inception_4c_5x5, inception_4c_5x5_relu, inception_4c_3x3, inception_4c_3x3_relu, inception_4c_1x1, inception_4c_1x1_relu, inception_4c_pool_proj, inception_4c_pool_proj_relu
+        del inception_4c_5x5, inception_4c_5x5_relu, inception_4c_3x3, inception_4c_3x3_relu, inception_4c_1x1, inception_4c_1x1_relu, inception_4c_pool_proj, inception_4c_pool_proj_relu
+        mem.free(40, 42, 43, 45)
+
+        # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
+        inception_4d_5x5_reduce = mem.tensor(47, (128, 32, 14, 14), 'float32')
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4d_5x5_reduce_relu (relu), forward ----
+        # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
+        inception_4d_5x5_reduce_relu = inception_4d_5x5_reduce  # in place: over inception_4d_5x5_reduce
+        rt.ew(ew_relu, inception_4d_5x5_reduce_relu, inception_4d_5x5_reduce)
+
+        # ---- inception_4d_5x5 (conv 5x5, 64 channels, stride 1, padding 2), forward ----
+        # inception_4d_5x5 = conv2d[pad=2](inception_4d_5x5_reduce_relu, inception_4d_5x5_W, inception_4d_5x5_B)
+        inception_4d_5x5 = mem.tensor(48, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4d_5x5_reduce_relu, T['inception_4d_5x5_W'], T['inception_4d_5x5_B'], out=inception_4d_5x5, pad=2, stride=1, workspace=mem.workspace(28752896))
+        # free inception_4d_5x5_reduce, inception_4d_5x5_reduce_relu
+        del inception_4d_5x5_reduce, inception_4d_5x5_reduce_relu
+        mem.free(47)
+
+        # ---- inception_4d_5x5_relu (relu), forward ----
+        # inception_4d_5x5_relu = Max(0, inception_4d_5x5)
+        inception_4d_5x5_relu = inception_4d_5x5  # in place: over inception_4d_5x5
+        rt.ew(ew_relu, inception_4d_5x5_relu, inception_4d_5x5)
+
+        # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
+        # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
+        inception_4d_1x1 = mem.tensor(49, (128, 112, 14, 14), 'float32')
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4d_1x1_relu (relu), forward ----
+        # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
+        inception_4d_1x1_relu = inception_4d_1x1  # in place: over inception_4d_1x1
+        rt.ew(ew_relu, inception_4d_1x1_relu, inception_4d_1x1)
+
+        # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
+        # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
+        inception_4d_3x3_reduce = mem.tensor(50, (128, 144, 14, 14), 'float32')
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_4c_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4c_1x1_concat)
+        inception_4c_1x1_max_pool = mem.tensor(51, (128, 512, 14, 14), 'float32')
+        rt.max_pool(inception_4c_1x1_concat, out=inception_4c_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(33554432))
+        # free inception_4c_1x1_concat
+        del inception_4c_1x1_concat
+        mem.free(46)
+
+        # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
+        inception_4d_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free inception_4c_1x1_max_pool
+        del inception_4c_1x1_max_pool
+        mem.free(51)
+
+        # ---- inception_4d_pool_proj_relu (relu), forward ----
+        # inception_4d_pool_proj_relu = Max(0, inception_4d_pool_proj)
+        inception_4d_pool_proj_relu = inception_4d_pool_proj  # in place: over inception_4d_pool_proj
+        rt.ew(ew_relu, inception_4d_pool_proj_relu, inception_4d_pool_proj)
+
+        # ---- inception_4d_3x3_reduce_relu (relu), forward ----
+        # inception_4d_3x3_reduce_relu = Max(0, inception_4d_3x3_reduce)
+        inception_4d_3x3_reduce_relu = inception_4d_3x3_reduce  # in place: over inception_4d_3x3_reduce
+        rt.ew(ew_relu, inception_4d_3x3_reduce_relu, inception_4d_3x3_reduce)
+
+        # ---- inception_4d_3x3 (conv 3x3, 288 channels, stride 1, padding 1), forward ----
+        # inception_4d_3x3 = conv2d[pad=1](inception_4d_3x3_reduce_relu, inception_4d_3x3_W, inception_4d_3x3_B)
+        inception_4d_3x3 = mem.tensor(53, (128, 288, 14, 14), 'float32')
+        rt.conv2d(inception_4d_3x3_reduce_relu, T['inception_4d_3x3_W'], T['inception_4d_3x3_B'], out=inception_4d_3x3, pad=1, stride=1, workspace=mem.workspace(30251520))
+        # free inception_4d_3x3_reduce, inception_4d_3x3_reduce_relu
+        del inception_4d_3x3_reduce, inception_4d_3x3_reduce_relu
+        mem.free(50)
+
+        # ---- inception_4d_3x3_relu (relu), forward ----
+        # inception_4d_3x3_relu = Max(0, inception_4d_3x3)
+        inception_4d_3x3_relu = inception_4d_3x3  # in place: over inception_4d_3x3
+        rt.ew(ew_relu, inception_4d_3x3_relu, inception_4d_3x3)
+
+        # ---- inception_4d_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_4d_1x1_concat = concat[axis=1](inception_4d_1x1_relu, inception_4d_3x3_relu, inception_4d_5x5_relu, inception_4d_pool_proj_relu)
+        inception_4d_1x1_concat = mem.tensor(54, (128, 528, 14, 14), 'float32')
+        rt.concat(inception_4d_1x1_relu, inception_4d_3x3_relu, inception_4d_5x5_relu, inception_4d_pool_proj_relu, out=inception_4d_1x1_concat, axis=1)
+        # free inception_4d_5x5, inception_4d_5x5_relu, inception_4d_1x1, inception_4d_1x1_relu, inception_4d_pool_proj, inception_4d_pool_proj_relu, inception_4d_3x3, inception_4d_3x3_relu
+        del inception_4d_5x5, inception_4d_5x5_relu, inception_4d_1x1, inception_4d_1x1_relu, inception_4d_pool_proj, inception_4d_pool_proj_relu, inception_4d_3x3, inception_4d_3x3_relu
+        mem.free(48, 49, 52, 53)
+
+        # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
+        inception_4e_5x5_reduce = mem.tensor(55, (128, 32, 14, 14), 'float32')
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+
+        # ---- inception_4e_5x5_reduce_relu (relu), forward ----
+        # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
+        inception_4e_5x5_reduce_relu = inception_4e_5x5_reduce  # in place: over inception_4e_5x5_reduce
+        rt.ew(ew_relu, inception_4e_5x5_reduce_relu, inception_4e_5x5_reduce)
+
+        # ---- inception_4e_5x5 (conv 5x5, 128 channels, stride 1, padding 2), forward ----
+        # inception_4e_5x5 = conv2d[pad=2](inception_4e_5x5_reduce_relu, inception_4e_5x5_W, inception_4e_5x5_B)
+        inception_4e_5x5 = mem.tensor(56, (128, 128, 14, 14), 'float32')
+        rt.conv2d(inception_4e_5x5_reduce_relu, T['inception_4e_5x5_W'], T['inception_4e_5x5_B'], out=inception_4e_5x5, pad=2, stride=1, workspace=mem.workspace(28752896))
+        # free inception_4e_5x5_reduce, inception_4e_5x5_reduce_relu
+        del inception_4e_5x5_reduce, inception_4e_5x5_reduce_relu
+        mem.free(55)
+
+        # ---- inception_4e_5x5_relu (relu), forward ----
+        # inception_4e_5x5_relu = Max(0, inception_4e_5x5)
+        inception_4e_5x5_relu = inception_4e_5x5  # in place: over inception_4e_5x5
+        rt.ew(ew_relu, inception_4e_5x5_relu, inception_4e_5x5)
+
+        # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
+        inception_4e_3x3_reduce = mem.tensor(57, (128, 160, 14, 14), 'float32')
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+
+        # ---- inception_4e_3x3_reduce_relu (relu), forward ----
+        # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
+        inception_4e_3x3_reduce_relu = inception_4e_3x3_reduce  # in place: over inception_4e_3x3_reduce
+        rt.ew(ew_relu, inception_4e_3x3_reduce_relu, inception_4e_3x3_reduce)
+
+        # ---- inception_4e_3x3 (conv 3x3, 320 channels, stride 1, padding 1), forward ----
+        # inception_4e_3x3 = conv2d[pad=1](inception_4e_3x3_reduce_relu, inception_4e_3x3_W, inception_4e_3x3_B)
+        inception_4e_3x3 = mem.tensor(58, (128, 320, 14, 14), 'float32')
+        rt.conv2d(inception_4e_3x3_reduce_relu, T['inception_4e_3x3_W'], T['inception_4e_3x3_B'], out=inception_4e_3x3, pad=1, stride=1, workspace=mem.workspace(28441600))
+        # free inception_4e_3x3_reduce, inception_4e_3x3_reduce_relu
+        del inception_4e_3x3_reduce, inception_4e_3x3_reduce_relu
+        mem.free(57)
+
+        # ---- inception_4e_3x3_relu (relu), forward ----
+        # inception_4e_3x3_relu = Max(0, inception_4e_3x3)
+        inception_4e_3x3_relu = inception_4e_3x3  # in place: over inception_4e_3x3
+        rt.ew(ew_relu, inception_4e_3x3_relu, inception_4e_3x3)
+
+        # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
+        inception_4e_1x1 = mem.tensor(59, (128, 256, 14, 14), 'float32')
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
+
+        # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_4d_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4d_1x1_concat)
+        inception_4d_1x1_max_pool = mem.tensor(60, (128, 528, 14, 14), 'float32')
+        rt.max_pool(inception_4d_1x1_concat, out=inception_4d_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(23248896))
+        # free inception_4d_1x1_concat
+        del inception_4d_1x1_concat
+        mem.free(54)
+
+        # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
+        inception_4e_pool_proj = mem.tensor(61, (128, 128, 14, 14), 'float32')
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
+        # free inception_4d_1x1_max_pool
+        del inception_4d_1x1_max_pool
+        mem.free(60)
+
+        # ---- inception_4e_pool_proj_relu (relu), forward ----
+        # inception_4e_pool_proj_relu = Max(0, inception_4e_pool_proj)
+        inception_4e_pool_proj_relu = inception_4e_pool_proj  # in place: over inception_4e_pool_proj
+        rt.ew(ew_relu, inception_4e_pool_proj_relu, inception_4e_pool_proj)
+
+        # ---- inception_4e_1x1_relu (relu), forward ----
+        # inception_4e_1x1_relu = Max(0, inception_4e_1x1)
+        inception_4e_1x1_relu = inception_4e_1x1  # in place: over inception_4e_1x1
+        rt.ew(ew_relu, inception_4e_1x1_relu, inception_4e_1x1)
+
+        # ---- inception_4e_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_4e_1x1_concat = concat[axis=1](inception_4e_1x1_relu, inception_4e_3x3_relu, inception_4e_5x5_relu, inception_4e_pool_proj_relu)
+        inception_4e_1x1_concat = mem.tensor(62, (128, 832, 14, 14), 'float32')
+        rt.concat(inception_4e_1x1_relu, inception_4e_3x3_relu, inception_4e_5x5_relu, inception_4e_pool_proj_relu, out=inception_4e_1x1_concat, axis=1)
+        # free inception_4e_5x5, inception_4e_5x5_relu, inception_4e_3x3, inception_4e_3x3_relu, inception_4e_1x1, inception_4e_1x1_relu, inception_4e_pool_proj, inception_4e_pool_proj_relu
+        del inception_4e_5x5, inception_4e_5x5_relu, inception_4e_3x3, inception_4e_3x3_relu, inception_4e_1x1, inception_4e_1x1_relu, inception_4e_pool_proj, inception_4e_pool_proj_relu
+        mem.free(56, 58, 59, 61)
+
+        # ---- inception_4e_1x1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # inception_4e_1x1_max_pool = max_pool[ceil=True,kernel=3,stride=2](inception_4e_1x1_concat)
+        inception_4e_1x1_max_pool = mem.tensor(63, (128, 832, 7, 7), 'float32')
+        rt.max_pool(inception_4e_1x1_concat, out=inception_4e_1x1_max_pool, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(32198400))
+        # free inception_4e_1x1_concat
+        del inception_4e_1x1_concat
+        mem.free(62)
+
+        # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
+        inception_5a_5x5_reduce = mem.tensor(64, (128, 32, 7, 7), 'float32')
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_5a_5x5_reduce_relu (relu), forward ----
+        # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
+        inception_5a_5x5_reduce_relu = inception_5a_5x5_reduce  # in place: over inception_5a_5x5_reduce
+        rt.ew(ew_relu, inception_5a_5x5_reduce_relu, inception_5a_5x5_reduce)
+
+        # ---- inception_5a_5x5 (conv 5x5, 128 channels, stride 1, padding 2), forward ----
+        # inception_5a_5x5 = conv2d[pad=2](inception_5a_5x5_reduce_relu, inception_5a_5x5_W, inception_5a_5x5_B)
+        inception_5a_5x5 = mem.tensor(65, (128, 128, 7, 7), 'float32')
+        rt.conv2d(inception_5a_5x5_reduce_relu, T['inception_5a_5x5_W'], T['inception_5a_5x5_B'], out=inception_5a_5x5, pad=2, stride=1, workspace=mem.workspace(22052864))
+        # free inception_5a_5x5_reduce, inception_5a_5x5_reduce_relu
+        del inception_5a_5x5_reduce, inception_5a_5x5_reduce_relu
+        mem.free(64)
+
+        # ---- inception_5a_5x5_relu (relu), forward ----
+        # inception_5a_5x5_relu = Max(0, inception_5a_5x5)
+        inception_5a_5x5_relu = inception_5a_5x5  # in place: over inception_5a_5x5
+        rt.ew(ew_relu, inception_5a_5x5_relu, inception_5a_5x5)
+
+        # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # inception_5a_3x3_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_3x3_reduce_W, inception_5a_3x3_reduce_B)
+        inception_5a_3x3_reduce = mem.tensor(66, (128, 160, 7, 7), 'float32')
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_3x3_reduce_W'], T['inception_5a_3x3_reduce_B'], out=inception_5a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_5a_3x3_reduce_relu (relu), forward ----
+        # inception_5a_3x3_reduce_relu = Max(0, inception_5a_3x3_reduce)
+        inception_5a_3x3_reduce_relu = inception_5a_3x3_reduce  # in place: over inception_5a_3x3_reduce
+        rt.ew(ew_relu, inception_5a_3x3_reduce_relu, inception_5a_3x3_reduce)
+
+        # ---- inception_5a_3x3 (conv 3x3, 320 channels, stride 1, padding 1), forward ----
+        # inception_5a_3x3 = conv2d[pad=1](inception_5a_3x3_reduce_relu, inception_5a_3x3_W, inception_5a_3x3_B)
+        inception_5a_3x3 = mem.tensor(67, (128, 320, 7, 7), 'float32')
+        rt.conv2d(inception_5a_3x3_reduce_relu, T['inception_5a_3x3_W'], T['inception_5a_3x3_B'], out=inception_5a_3x3, pad=1, stride=1, workspace=mem.workspace(21381120))
+        # free inception_5a_3x3_reduce, inception_5a_3x3_reduce_relu
+        del inception_5a_3x3_reduce, inception_5a_3x3_reduce_relu
+        mem.free(66)
+
+        # ---- inception_5a_3x3_relu (relu), forward ----
+        # inception_5a_3x3_relu = Max(0, inception_5a_3x3)
+        inception_5a_3x3_relu = inception_5a_3x3  # in place: over inception_5a_3x3
+        rt.ew(ew_relu, inception_5a_3x3_relu, inception_5a_3x3)
+
+        # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # inception_5a_1x1 = conv2d(inception_4e_1x1_max_pool, inception_5a_1x1_W, inception_5a_1x1_B)
+        inception_5a_1x1 = mem.tensor(68, (128, 256, 7, 7), 'float32')
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_1x1_W'], T['inception_5a_1x1_B'], out=inception_5a_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_4e_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_4e_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4e_1x1_max_pool)
+        inception_4e_1x1_max_pool_2 = mem.tensor(69, (128, 832, 7, 7), 'float32')
+        rt.max_pool(inception_4e_1x1_max_pool, out=inception_4e_1x1_max_pool_2, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(17252352))
+        # free inception_4e_1x1_max_pool
+        del inception_4e_1x1_max_pool
+        mem.free(63)
+
+        # ---- inception_5a_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_5a_pool_proj = conv2d(inception_4e_1x1_max_pool_2, inception_5a_pool_proj_W, inception_5a_pool_proj_B)
+        inception_5a_pool_proj = mem.tensor(70, (128, 128, 7, 7), 'float32')
+        rt.conv2d(inception_4e_1x1_max_pool_2, T['inception_5a_pool_proj_W'], T['inception_5a_pool_proj_B'], out=inception_5a_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
+        # free inception_4e_1x1_max_pool_2
+        del inception_4e_1x1_max_pool_2
+        mem.free(69)
+
+        # ---- inception_5a_pool_proj_relu (relu), forward ----
+        # inception_5a_pool_proj_relu = Max(0, inception_5a_pool_proj)
+        inception_5a_pool_proj_relu = inception_5a_pool_proj  # in place: over inception_5a_pool_proj
+        rt.ew(ew_relu, inception_5a_pool_proj_relu, inception_5a_pool_proj)
+
+        # ---- inception_5a_1x1_relu (relu), forward ----
+        # inception_5a_1x1_relu = Max(0, inception_5a_1x1)
+        inception_5a_1x1_relu = inception_5a_1x1  # in place: over inception_5a_1x1
+        rt.ew(ew_relu, inception_5a_1x1_relu, inception_5a_1x1)
+
+        # ---- inception_5a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_5a_1x1_concat = concat[axis=1](inception_5a_1x1_relu, inception_5a_3x3_relu, inception_5a_5x5_relu, inception_5a_pool_proj_relu)
+        inception_5a_1x1_concat = mem.tensor(71, (128, 832, 7, 7), 'float32')
+        rt.concat(inception_5a_1x1_relu, inception_5a_3x3_relu, inception_5a_5x5_relu, inception_5a_pool_proj_relu, out=inception_5a_1x1_concat, axis=1)
+        # free inception_5a_5x5, inception_5a_5x5_relu, inception_5a_3x3, inception_5a_3x3_relu, inception_5a_1x1, inception_5a_1x1_relu, inception_5a_pool_proj, inception_5a_pool_proj_relu
+        del inception_5a_5x5, inception_5a_5x5_relu, inception_5a_3x3, inception_5a_3x3_relu, inception_5a_1x1, inception_5a_1x1_relu, inception_5a_pool_proj, inception_5a_pool_proj_relu
+        mem.free(65, 67, 68, 70)
+
+        # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
+        # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
+        inception_5b_5x5_reduce = mem.tensor(72, (128, 48, 7, 7), 'float32')
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_5b_5x5_reduce_relu (relu), forward ----
+        # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)
+        inception_5b_5x5_reduce_relu = inception_5b_5x5_reduce  # in place: over inception_5b_5x5_reduce
+        rt.ew(ew_relu, inception_5b_5x5_reduce_relu, inception_5b_5x5_reduce)
+
+        # ---- inception_5b_5x5 (conv 5x5, 128 channels, stride 1, padding 2), forward ----
+        # inception_5b_5x5 = conv2d[pad=2](inception_5b_5x5_reduce_relu, inception_5b_5x5_W, inception_5b_5x5_B)
+        inception_5b_5x5 = mem.tensor(73, (128, 128, 7, 7), 'float32')
+        rt.conv2d(inception_5b_5x5_reduce_relu, T['inception_5b_5x5_W'], T['inception_5b_5x5_B'], out=inception_5b_5x5, pad=2, stride=1, workspace=mem.workspace(33079296))
+        # free inception_5b_5x5_reduce, inception_5b_5x5_reduce_relu
+        del inception_5b_5x5_reduce, inception_5b_5x5_reduce_relu
+        mem.free(72)
+
+        # ---- inception_5b_5x5_relu (relu), forward ----
+        # inception_5b_5x5_relu = Max(0, inception_5b_5x5)
+        inception_5b_5x5_relu = inception_5b_5x5  # in place: over inception_5b_5x5
+        rt.ew(ew_relu, inception_5b_5x5_relu, inception_5b_5x5)
+
+        # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), forward ----
+        # inception_5b_3x3_reduce = conv2d(inception_5a_1x1_concat, inception_5b_3x3_reduce_W, inception_5b_3x3_reduce_B)
+        inception_5b_3x3_reduce = mem.tensor(74, (128, 192, 7, 7), 'float32')
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_3x3_reduce_W'], T['inception_5b_3x3_reduce_B'], out=inception_5b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_5b_3x3_reduce_relu (relu), forward ----
+        # inception_5b_3x3_reduce_relu = Max(0, inception_5b_3x3_reduce)
+        inception_5b_3x3_reduce_relu = inception_5b_3x3_reduce  # in place: over inception_5b_3x3_reduce
+        rt.ew(ew_relu, inception_5b_3x3_reduce_relu, inception_5b_3x3_reduce)
+
+        # ---- inception_5b_3x3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
+        # inception_5b_3x3 = conv2d[pad=1](inception_5b_3x3_reduce_relu, inception_5b_3x3_W, inception_5b_3x3_B)
+        inception_5b_3x3 = mem.tensor(75, (128, 384, 7, 7), 'float32')
+        rt.conv2d(inception_5b_3x3_reduce_relu, T['inception_5b_3x3_W'], T['inception_5b_3x3_B'], out=inception_5b_3x3, pad=1, stride=1, workspace=mem.workspace(25657344))
+        # free inception_5b_3x3_reduce, inception_5b_3x3_reduce_relu
+        del inception_5b_3x3_reduce, inception_5b_3x3_reduce_relu
+        mem.free(74)
+
+        # ---- inception_5b_3x3_relu (relu), forward ----
+        # inception_5b_3x3_relu = Max(0, inception_5b_3x3)
+        inception_5b_3x3_relu = inception_5b_3x3  # in place: over inception_5b_3x3
+        rt.ew(ew_relu, inception_5b_3x3_relu, inception_5b_3x3)
+
+        # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), forward ----
+        # inception_5b_1x1 = conv2d(inception_5a_1x1_concat, inception_5b_1x1_W, inception_5b_1x1_B)
+        inception_5b_1x1 = mem.tensor(76, (128, 384, 7, 7), 'float32')
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_1x1_W'], T['inception_5b_1x1_B'], out=inception_5b_1x1, pad=0, stride=1, workspace=mem.workspace(20873216))
+
+        # ---- inception_5a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_5a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_5a_1x1_concat)
+        inception_5a_1x1_max_pool = mem.tensor(77, (128, 832, 7, 7), 'float32')
+        rt.max_pool(inception_5a_1x1_concat, out=inception_5a_1x1_max_pool, ceil=True, kernel=3, pad=1, stride=1, workspace=mem.workspace(17252352))
+        # free inception_5a_1x1_concat
+        del inception_5a_1x1_concat
+        mem.free(71)
+
+        # ---- inception_5b_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # inception_5b_pool_proj = conv2d(inception_5a_1x1_max_pool, inception_5b_pool_proj_W, inception_5b_pool_proj_B)
+        inception_5b_pool_proj = mem.tensor(78, (128, 128, 7, 7), 'float32')
+        rt.conv2d(inception_5a_1x1_max_pool, T['inception_5b_pool_proj_W'], T['inception_5b_pool_proj_B'], out=inception_5b_pool_proj, pad=0, stride=1, workspace=mem.workspace(20873216))
+        # free inception_5a_1x1_max_pool
+        del inception_5a_1x1_max_pool
+        mem.free(77)
+
+        # ---- inception_5b_pool_proj_relu (relu), forward ----
+        # inception_5b_pool_proj_relu = Max(0, inception_5b_pool_proj)
+        inception_5b_pool_proj_relu = inception_5b_pool_proj  # in place: over inception_5b_pool_proj
+        rt.ew(ew_relu, inception_5b_pool_proj_relu, inception_5b_pool_proj)
+
+        # ---- inception_5b_1x1_relu (relu), forward ----
+        # inception_5b_1x1_relu = Max(0, inception_5b_1x1)
+        inception_5b_1x1_relu = inception_5b_1x1  # in place: over inception_5b_1x1
+        rt.ew(ew_relu, inception_5b_1x1_relu, inception_5b_1x1)
+
+        # ---- inception_5b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_5b_1x1_concat = concat[axis=1](inception_5b_1x1_relu, inception_5b_3x3_relu, inception_5b_5x5_relu, inception_5b_pool_proj_relu)
+        inception_5b_1x1_concat = mem.tensor(79, (128, 1024, 7, 7), 'float32')
+        rt.concat(inception_5b_1x1_relu, inception_5b_3x3_relu, inception_5b_5x5_relu, inception_5b_pool_proj_relu, out=inception_5b_1x1_concat, axis=1)
+        # free inception_5b_5x5, inception_5b_5x5_relu, inception_5b_3x3, inception_5b_3x3_relu, inception_5b_1x1, inception_5b_1x1_relu, inception_5b_pool_proj, inception_5b_pool_proj_relu
+        del inception_5b_5x5, inception_5b_5x5_relu, inception_5b_3x3, inception_5b_3x3_relu, inception_5b_1x1, inception_5b_1x1_relu, inception_5b_pool_proj, inception_5b_pool_proj_relu
+        mem.free(73, 75, 76, 78)
+
+        # ---- inception_5b_1x1_avg_pool (average pooling), forward ----
+        # inception_5b_1x1_avg_pool = avg_pool[kernel=7,stride=7](inception_5b_1x1_concat)
+        inception_5b_1x1_avg_pool = mem.tensor(80, (128, 1024, 1, 1), 'float32')
+        rt.avg_pool(inception_5b_1x1_concat, out=inception_5b_1x1_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free inception_5b_1x1_concat
+        del inception_5b_1x1_concat
+        mem.free(79)
+
+        # ---- inception_5b_1x1_flatten (flatten), forward ----
+        # inception_5b_1x1_flatten = reshape[128x1024](inception_5b_1x1_avg_pool)
+        inception_5b_1x1_flatten = rt.reshape(inception_5b_1x1_avg_pool, shape=(128, 1024))
+
+        # ---- loss3_classifier (fully connected, 1000 outputs), forward ----
+        # loss3_classifier_matmul = matmul[tb](inception_5b_1x1_flatten, loss3_classifier_W)
+        loss3_classifier_matmul = mem.tensor(81, (128, 1000), 'float32')
+        rt.matmul(inception_5b_1x1_flatten, T['loss3_classifier_W'], out=loss3_classifier_matmul, tb=True)
+        # free inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
+        del inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
+        mem.free(80)
+        # loss3_classifier = loss3_classifier_matmul + loss3_classifier_B
+        loss3_classifier = loss3_classifier_matmul  # in place: over loss3_classifier_matmul
+        rt.ew(ew_add, loss3_classifier, loss3_classifier_matmul, T['loss3_classifier_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(loss3_classifier)
+        probabilities = loss3_classifier  # in place: over loss3_classifier
+        rt.softmax(loss3_classifier, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -6202,9 +7091,96 @@ class Googlenet(rp.Model):
                 (0, 25690112),  # 92: inception_5b_1x1_concat 128x1024x7x7 float32
                 (25690112, 524288),  # 93: inception_5b_1x1_avg_pool 128x1024x1x1 float32
                 (0, 512000),  # 94: loss3_classifier_matmul 128x1000 float32
-                (512512, 4),  # 95: loss3_classifier_precision scalar float32
-                (512000, 512),  # 96: loss3_classifier_cross_entropy_pick 128 float32
-                (0, 4),  # 97: loss3_classifier_cross_entropy_sum_to scalar float32
+                (513024, 4),  # 95: loss3_classifier_precision scalar float32
+                (512000, 512),  # 96: label_ranks 128 float32
+                (512512, 512),  # 97: loss3_classifier_cross_entropy_pick 128 float32
+                (0, 4),  # 98: loss3_classifier_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=488112128, peak_bytes=488112128, workspace_bytes=33554432, pool_bytes=590872576, pool_peak_bytes=513802240,
+            buffers=(
+                (411041792, 77070336),  # 0: x 128x3x224x224 float32
+                (0, 411041792),  # 1: conv1_7x7_s2 128x64x112x112 float32
+                (0, 102760448),  # 2: conv1_7x7_s2_max_pool 128x64x56x56 float32
+                (308281344, 102760448),  # 3: conv2_3x3_reduce 128x64x56x56 float32
+                (0, 308281344),  # 4: conv2_3x3 128x192x56x56 float32
+                (308281344, 77070336),  # 5: conv2_3x3_max_pool 128x192x28x28 float32
+                (0, 6422528),  # 6: inception_3a_5x5_reduce 128x16x28x28 float32
+                (218365952, 12845056),  # 7: inception_3a_5x5 128x32x28x28 float32
+                (192675840, 25690112),  # 8: inception_3a_1x1 128x64x28x28 float32
+                (154140672, 38535168),  # 9: inception_3a_3x3_reduce 128x96x28x28 float32
+                (0, 77070336),  # 10: conv2_3x3_max_pool_2 128x192x28x28 float32
+                (231211008, 12845056),  # 11: inception_3a_pool_proj 128x32x28x28 float32
+                (102760448, 51380224),  # 12: inception_3a_3x3 128x128x28x28 float32
+                (0, 102760448),  # 13: inception_3a_1x1_concat 128x256x28x28 float32
+                (102760448, 12845056),  # 14: inception_3b_5x5_reduce 128x32x28x28 float32
+                (333971456, 38535168),  # 15: inception_3b_5x5 128x96x28x28 float32
+                (102760448, 51380224),  # 16: inception_3b_3x3_reduce 128x128x28x28 float32
+                (205520896, 77070336),  # 17: inception_3b_3x3 128x192x28x28 float32
+                (282591232, 51380224),  # 18: inception_3b_1x1 128x128x28x28 float32
+                (102760448, 102760448),  # 19: inception_3a_1x1_max_pool 128x256x28x28 float32
+                (372506624, 25690112),  # 20: inception_3b_pool_proj 128x64x28x28 float32
+                (0, 192675840),  # 21: inception_3b_1x1_concat 128x480x28x28 float32
+                (192675840, 48168960),  # 22: inception_3b_1x1_max_pool 128x480x14x14 float32
+                (0, 1605632),  # 23: inception_4a_5x5_reduce 128x16x14x14 float32
+                (97943552, 4816896),  # 24: inception_4a_5x5 128x48x14x14 float32
+                (0, 9633792),  # 25: inception_4a_3x3_reduce 128x96x14x14 float32
+                (51380224, 20873216),  # 26: inception_4a_3x3 128x208x14x14 float32
+                (72253440, 19267584),  # 27: inception_4a_1x1 128x192x14x14 float32
+                (0, 48168960),  # 28: inception_3b_1x1_max_pool_2 128x480x14x14 float32
+                (91521024, 6422528),  # 29: inception_4a_pool_proj 128x64x14x14 float32
+                (0, 51380224),  # 30: inception_4a_1x1_concat 128x512x14x14 float32
+                (51380224, 2408448),  # 31: inception_4b_5x5_reduce 128x24x14x14 float32
+                (141295616, 6422528),  # 32: inception_4b_5x5 128x64x14x14 float32
+                (51380224, 11239424),  # 33: inception_4b_3x3_reduce 128x112x14x14 float32
+                (102760448, 22478848),  # 34: inception_4b_3x3 128x224x14x14 float32
+                (125239296, 16056320),  # 35: inception_4b_1x1 128x160x14x14 float32
+                (51380224, 51380224),  # 36: inception_4a_1x1_max_pool 128x512x14x14 float32
+                (147718144, 6422528),  # 37: inception_4b_pool_proj 128x64x14x14 float32
+                (0, 51380224),  # 38: inception_4b_1x1_concat 128x512x14x14 float32
+                (51380224, 2408448),  # 39: inception_4c_5x5_reduce 128x24x14x14 float32
+                (141295616, 6422528),  # 40: inception_4c_5x5 128x64x14x14 float32
+                (51380224, 12845056),  # 41: inception_4c_3x3_reduce 128x128x14x14 float32
+                (102760448, 25690112),  # 42: inception_4c_3x3 128x256x14x14 float32
+                (128450560, 12845056),  # 43: inception_4c_1x1 128x128x14x14 float32
+                (51380224, 51380224),  # 44: inception_4b_1x1_max_pool 128x512x14x14 float32
+                (147718144, 6422528),  # 45: inception_4c_pool_proj 128x64x14x14 float32
+                (0, 51380224),  # 46: inception_4c_1x1_concat 128x512x14x14 float32
+                (51380224, 3211264),  # 47: inception_4d_5x5_reduce 128x32x14x14 float32
+                (128450560, 6422528),  # 48: inception_4d_5x5 128x64x14x14 float32
+                (117211136, 11239424),  # 49: inception_4d_1x1 128x112x14x14 float32
+                (102760448, 14450688),  # 50: inception_4d_3x3_reduce 128x144x14x14 float32
+                (51380224, 51380224),  # 51: inception_4c_1x1_max_pool 128x512x14x14 float32
+                (134873088, 6422528),  # 52: inception_4d_pool_proj 128x64x14x14 float32
+                (52985856, 28901376),  # 53: inception_4d_3x3 128x288x14x14 float32
+                (0, 52985856),  # 54: inception_4d_1x1_concat 128x528x14x14 float32
+                (52985856, 3211264),  # 55: inception_4e_5x5_reduce 128x32x14x14 float32
+                (163774464, 12845056),  # 56: inception_4e_5x5 128x128x14x14 float32
+                (52985856, 16056320),  # 57: inception_4e_3x3_reduce 128x160x14x14 float32
+                (105971712, 32112640),  # 58: inception_4e_3x3 128x320x14x14 float32
+                (138084352, 25690112),  # 59: inception_4e_1x1 128x256x14x14 float32
+                (52985856, 52985856),  # 60: inception_4d_1x1_max_pool 128x528x14x14 float32
+                (176619520, 12845056),  # 61: inception_4e_pool_proj 128x128x14x14 float32
+                (0, 83492864),  # 62: inception_4e_1x1_concat 128x832x14x14 float32
+                (83492864, 20873216),  # 63: inception_4e_1x1_max_pool 128x832x7x7 float32
+                (0, 802816),  # 64: inception_5a_5x5_reduce 128x32x7x7 float32
+                (35323904, 3211264),  # 65: inception_5a_5x5 128x128x7x7 float32
+                (0, 4014080),  # 66: inception_5a_3x3_reduce 128x160x7x7 float32
+                (20873216, 8028160),  # 67: inception_5a_3x3 128x320x7x7 float32
+                (28901376, 6422528),  # 68: inception_5a_1x1 128x256x7x7 float32
+                (0, 20873216),  # 69: inception_4e_1x1_max_pool_2 128x832x7x7 float32
+                (38535168, 3211264),  # 70: inception_5a_pool_proj 128x128x7x7 float32
+                (0, 20873216),  # 71: inception_5a_1x1_concat 128x832x7x7 float32
+                (20873216, 1204224),  # 72: inception_5b_5x5_reduce 128x48x7x7 float32
+                (61014016, 3211264),  # 73: inception_5b_5x5 128x128x7x7 float32
+                (20873216, 4816896),  # 74: inception_5b_3x3_reduce 128x192x7x7 float32
+                (41746432, 9633792),  # 75: inception_5b_3x3 128x384x7x7 float32
+                (51380224, 9633792),  # 76: inception_5b_1x1 128x384x7x7 float32
+                (20873216, 20873216),  # 77: inception_5a_1x1_max_pool 128x832x7x7 float32
+                (64225280, 3211264),  # 78: inception_5b_pool_proj 128x128x7x7 float32
+                (0, 25690112),  # 79: inception_5b_1x1_concat 128x1024x7x7 float32
+                (25690112, 524288),  # 80: inception_5b_1x1_avg_pool 128x1024x1x1 float32
+                (0, 512000),  # 81: loss3_classifier_matmul 128x1000 float32
             )),
     }
 
@@ -6318,9 +7294,9 @@ def main(argv=None):
     """Train googlenet, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="googlenet.py", description="Train and test googlenet (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=2400000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 2400000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=1000, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -6373,6 +7349,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

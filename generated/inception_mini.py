@@ -63,6 +63,7 @@ class InceptionMini(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 300}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -1132,7 +1133,7 @@ class InceptionMini(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -1364,29 +1365,270 @@ class InceptionMini(rp.Model):
         classifier_precision = mem.tensor(23, (), 'float32')
         rt.precision(classifier, y, out=classifier_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(classifier, y)
+        label_ranks = mem.tensor(24, (100,), 'float32')
+        rt.label_rank(classifier, y, out=label_ranks)
+
         # ---- classifier_cross_entropy (cross_entropy), forward ----
         # classifier_cross_entropy_log_softmax = log_softmax(classifier)
         classifier_cross_entropy_log_softmax = classifier  # in place: over classifier
         rt.log_softmax(classifier, out=classifier_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # classifier_cross_entropy_pick = pick(classifier_cross_entropy_log_softmax, y)
-        classifier_cross_entropy_pick = mem.tensor(24, (100,), 'float32')
+        classifier_cross_entropy_pick = mem.tensor(25, (100,), 'float32')
         rt.pick(classifier_cross_entropy_log_softmax, y, out=classifier_cross_entropy_pick)
         # free y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
         del y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
         mem.free(1, 22)
         # classifier_cross_entropy_sum_to = sum_to[scalar](classifier_cross_entropy_pick)
-        classifier_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
+        classifier_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
         rt.sum_to(classifier_cross_entropy_pick, out=classifier_cross_entropy_sum_to, shape=())
         # free classifier_cross_entropy_pick
         del classifier_cross_entropy_pick
-        mem.free(24)
+        mem.free(25)
         # classifier_cross_entropy = -classifier_cross_entropy_sum_to/100
         classifier_cross_entropy = classifier_cross_entropy_sum_to  # in place: over classifier_cross_entropy_sum_to
         rt.ew(ew_scale, classifier_cross_entropy, classifier_cross_entropy_sum_to)
         accuracy = rt.scalar(classifier_precision)
         loss = rt.scalar(classifier_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W, conv1_B)
+        conv1 = mem.tensor(1, (100, 32, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], T['conv1_B'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_relu (relu), forward ----
+        # conv1_relu = Max(0, conv1)
+        conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_relu, conv1_relu, conv1)
+
+        # ---- conv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_max_pool = max_pool[kernel=2,stride=2](conv1_relu)
+        conv1_max_pool = mem.tensor(2, (100, 32, 14, 14), 'float32', over=1)
+        rt.max_pool(conv1_relu, out=conv1_max_pool, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(25088))
+        # free conv1, conv1_relu
+        del conv1, conv1_relu
+        mem.free(1)
+
+        # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
+        # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
+        inception_a_5x5_reduce = mem.tensor(3, (100, 4, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+
+        # ---- inception_a_5x5_reduce_relu (relu), forward ----
+        # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
+        inception_a_5x5_reduce_relu = inception_a_5x5_reduce  # in place: over inception_a_5x5_reduce
+        rt.ew(ew_relu, inception_a_5x5_reduce_relu, inception_a_5x5_reduce)
+
+        # ---- inception_a_5x5 (conv 5x5, 8 channels, stride 1, padding 2), forward ----
+        # inception_a_5x5 = conv2d[pad=2](inception_a_5x5_reduce_relu, inception_a_5x5_W, inception_a_5x5_B)
+        inception_a_5x5 = mem.tensor(4, (100, 8, 14, 14), 'float32')
+        rt.conv2d(inception_a_5x5_reduce_relu, T['inception_a_5x5_W'], T['inception_a_5x5_B'], out=inception_a_5x5, pad=2, stride=1, workspace=mem.workspace(8358400))
+        # free inception_a_5x5_reduce, inception_a_5x5_reduce_relu
+        del inception_a_5x5_reduce, inception_a_5x5_reduce_relu
+        mem.free(3)
+
+        # ---- inception_a_5x5_relu (relu), forward ----
+        # inception_a_5x5_relu = Max(0, inception_a_5x5)
+        inception_a_5x5_relu = inception_a_5x5  # in place: over inception_a_5x5
+        rt.ew(ew_relu, inception_a_5x5_relu, inception_a_5x5)
+
+        # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
+        inception_a_3x3_reduce = mem.tensor(5, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+
+        # ---- inception_a_3x3_reduce_relu (relu), forward ----
+        # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
+        inception_a_3x3_reduce_relu = inception_a_3x3_reduce  # in place: over inception_a_3x3_reduce
+        rt.ew(ew_relu, inception_a_3x3_reduce_relu, inception_a_3x3_reduce)
+
+        # ---- inception_a_3x3 (conv 3x3, 24 channels, stride 1, padding 1), forward ----
+        # inception_a_3x3 = conv2d[pad=1](inception_a_3x3_reduce_relu, inception_a_3x3_W, inception_a_3x3_B)
+        inception_a_3x3 = mem.tensor(6, (100, 24, 14, 14), 'float32')
+        rt.conv2d(inception_a_3x3_reduce_relu, T['inception_a_3x3_W'], T['inception_a_3x3_B'], out=inception_a_3x3, pad=1, stride=1, workspace=mem.workspace(12928000))
+        # free inception_a_3x3_reduce, inception_a_3x3_reduce_relu
+        del inception_a_3x3_reduce, inception_a_3x3_reduce_relu
+        mem.free(5)
+
+        # ---- inception_a_3x3_relu (relu), forward ----
+        # inception_a_3x3_relu = Max(0, inception_a_3x3)
+        inception_a_3x3_relu = inception_a_3x3  # in place: over inception_a_3x3
+        rt.ew(ew_relu, inception_a_3x3_relu, inception_a_3x3)
+
+        # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
+        inception_a_1x1 = mem.tensor(7, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
+
+        # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
+        conv1_max_pool_2 = mem.tensor(8, (100, 32, 14, 14), 'float32')
+        rt.max_pool(conv1_max_pool, out=conv1_max_pool_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(3276800))
+        # free conv1_max_pool
+        del conv1_max_pool
+        mem.free(2)
+
+        # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
+        inception_a_pool_proj = mem.tensor(9, (100, 16, 14, 14), 'float32')
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
+        # free conv1_max_pool_2
+        del conv1_max_pool_2
+        mem.free(8)
+
+        # ---- inception_a_pool_proj_relu (relu), forward ----
+        # inception_a_pool_proj_relu = Max(0, inception_a_pool_proj)
+        inception_a_pool_proj_relu = inception_a_pool_proj  # in place: over inception_a_pool_proj
+        rt.ew(ew_relu, inception_a_pool_proj_relu, inception_a_pool_proj)
+
+        # ---- inception_a_1x1_relu (relu), forward ----
+        # inception_a_1x1_relu = Max(0, inception_a_1x1)
+        inception_a_1x1_relu = inception_a_1x1  # in place: over inception_a_1x1
+        rt.ew(ew_relu, inception_a_1x1_relu, inception_a_1x1)
+
+        # ---- inception_a_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_a_1x1_concat = concat[axis=1](inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu)
+        inception_a_1x1_concat = mem.tensor(10, (100, 64, 14, 14), 'float32')
+        rt.concat(inception_a_1x1_relu, inception_a_3x3_relu, inception_a_5x5_relu, inception_a_pool_proj_relu, out=inception_a_1x1_concat, axis=1)
+        # free inception_a_5x5, inception_a_5x5_relu, inception_a_3x3, inception_a_3x3_relu, inception_a_1x1, inception_a_1x1_relu, inception_a_pool_proj, inception_a_pool_proj_relu
+        del inception_a_5x5, inception_a_5x5_relu, inception_a_3x3, inception_a_3x3_relu, inception_a_1x1, inception_a_1x1_relu, inception_a_pool_proj, inception_a_pool_proj_relu
+        mem.free(4, 6, 7, 9)
+
+        # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # inception_a_1x1_max_pool = max_pool[kernel=2,stride=2](inception_a_1x1_concat)
+        inception_a_1x1_max_pool = mem.tensor(11, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_concat, out=inception_a_1x1_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free inception_a_1x1_concat
+        del inception_a_1x1_concat
+        mem.free(10)
+
+        # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
+        # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
+        inception_b_5x5_reduce = mem.tensor(12, (100, 8, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+
+        # ---- inception_b_5x5_reduce_relu (relu), forward ----
+        # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
+        inception_b_5x5_reduce_relu = inception_b_5x5_reduce  # in place: over inception_b_5x5_reduce
+        rt.ew(ew_relu, inception_b_5x5_reduce_relu, inception_b_5x5_reduce)
+
+        # ---- inception_b_5x5 (conv 5x5, 16 channels, stride 1, padding 2), forward ----
+        # inception_b_5x5 = conv2d[pad=2](inception_b_5x5_reduce_relu, inception_b_5x5_W, inception_b_5x5_B)
+        inception_b_5x5 = mem.tensor(13, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_b_5x5_reduce_relu, T['inception_b_5x5_W'], T['inception_b_5x5_B'], out=inception_b_5x5, pad=2, stride=1, workspace=mem.workspace(4307200))
+        # free inception_b_5x5_reduce, inception_b_5x5_reduce_relu
+        del inception_b_5x5_reduce, inception_b_5x5_reduce_relu
+        mem.free(12)
+
+        # ---- inception_b_5x5_relu (relu), forward ----
+        # inception_b_5x5_relu = Max(0, inception_b_5x5)
+        inception_b_5x5_relu = inception_b_5x5  # in place: over inception_b_5x5
+        rt.ew(ew_relu, inception_b_5x5_relu, inception_b_5x5)
+
+        # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
+        inception_b_3x3_reduce = mem.tensor(14, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+
+        # ---- inception_b_3x3_reduce_relu (relu), forward ----
+        # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
+        inception_b_3x3_reduce_relu = inception_b_3x3_reduce  # in place: over inception_b_3x3_reduce
+        rt.ew(ew_relu, inception_b_3x3_reduce_relu, inception_b_3x3_reduce)
+
+        # ---- inception_b_3x3 (conv 3x3, 48 channels, stride 1, padding 1), forward ----
+        # inception_b_3x3 = conv2d[pad=1](inception_b_3x3_reduce_relu, inception_b_3x3_W, inception_b_3x3_B)
+        inception_b_3x3 = mem.tensor(15, (100, 48, 7, 7), 'float32')
+        rt.conv2d(inception_b_3x3_reduce_relu, T['inception_b_3x3_W'], T['inception_b_3x3_B'], out=inception_b_3x3, pad=1, stride=1, workspace=mem.workspace(6681600))
+        # free inception_b_3x3_reduce, inception_b_3x3_reduce_relu
+        del inception_b_3x3_reduce, inception_b_3x3_reduce_relu
+        mem.free(14)
+
+        # ---- inception_b_3x3_relu (relu), forward ----
+        # inception_b_3x3_relu = Max(0, inception_b_3x3)
+        inception_b_3x3_relu = inception_b_3x3  # in place: over inception_b_3x3
+        rt.ew(ew_relu, inception_b_3x3_relu, inception_b_3x3)
+
+        # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
+        inception_b_1x1 = mem.tensor(16, (100, 32, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
+
+        # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
+        # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
+        inception_a_1x1_max_pool_2 = mem.tensor(17, (100, 64, 7, 7), 'float32')
+        rt.max_pool(inception_a_1x1_max_pool, out=inception_a_1x1_max_pool_2, ceil=False, kernel=3, pad=1, stride=1, workspace=mem.workspace(2073600))
+        # free inception_a_1x1_max_pool
+        del inception_a_1x1_max_pool
+        mem.free(11)
+
+        # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
+        inception_b_pool_proj = mem.tensor(18, (100, 16, 7, 7), 'float32')
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
+        # free inception_a_1x1_max_pool_2
+        del inception_a_1x1_max_pool_2
+        mem.free(17)
+
+        # ---- inception_b_pool_proj_relu (relu), forward ----
+        # inception_b_pool_proj_relu = Max(0, inception_b_pool_proj)
+        inception_b_pool_proj_relu = inception_b_pool_proj  # in place: over inception_b_pool_proj
+        rt.ew(ew_relu, inception_b_pool_proj_relu, inception_b_pool_proj)
+
+        # ---- inception_b_1x1_relu (relu), forward ----
+        # inception_b_1x1_relu = Max(0, inception_b_1x1)
+        inception_b_1x1_relu = inception_b_1x1  # in place: over inception_b_1x1
+        rt.ew(ew_relu, inception_b_1x1_relu, inception_b_1x1)
+
+        # ---- inception_b_1x1_concat (concatenation of 4 branches), forward ----
+        # inception_b_1x1_concat = concat[axis=1](inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu)
+        inception_b_1x1_concat = mem.tensor(19, (100, 112, 7, 7), 'float32')
+        rt.concat(inception_b_1x1_relu, inception_b_3x3_relu, inception_b_5x5_relu, inception_b_pool_proj_relu, out=inception_b_1x1_concat, axis=1)
+        # free inception_b_5x5, inception_b_5x5_relu, inception_b_3x3, inception_b_3x3_relu, inception_b_1x1, inception_b_1x1_relu, inception_b_pool_proj, inception_b_pool_proj_relu
+        del inception_b_5x5, inception_b_5x5_relu, inception_b_3x3, inception_b_3x3_relu, inception_b_1x1, inception_b_1x1_relu, inception_b_pool_proj, inception_b_pool_proj_relu
+        mem.free(13, 15, 16, 18)
+
+        # ---- inception_b_1x1_avg_pool (average pooling), forward ----
+        # inception_b_1x1_avg_pool = avg_pool[kernel=7,stride=7](inception_b_1x1_concat)
+        inception_b_1x1_avg_pool = mem.tensor(20, (100, 112, 1, 1), 'float32')
+        rt.avg_pool(inception_b_1x1_concat, out=inception_b_1x1_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free inception_b_1x1_concat
+        del inception_b_1x1_concat
+        mem.free(19)
+
+        # ---- inception_b_1x1_flatten (flatten), forward ----
+        # inception_b_1x1_flatten = reshape[100x112](inception_b_1x1_avg_pool)
+        inception_b_1x1_flatten = rt.reshape(inception_b_1x1_avg_pool, shape=(100, 112))
+
+        # ---- classifier (fully connected, 10 outputs), forward ----
+        # classifier_matmul = matmul[tb](inception_b_1x1_flatten, classifier_W)
+        classifier_matmul = mem.tensor(21, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], out=classifier_matmul, tb=True)
+        # free inception_b_1x1_avg_pool, inception_b_1x1_flatten
+        del inception_b_1x1_avg_pool, inception_b_1x1_flatten
+        mem.free(20)
+        # classifier = classifier_matmul + classifier_B
+        classifier = classifier_matmul  # in place: over classifier_matmul
+        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(classifier)
+        probabilities = classifier  # in place: over classifier
+        rt.softmax(classifier, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -1512,9 +1754,36 @@ class InceptionMini(rp.Model):
                 (0, 2195200),  # 20: inception_b_1x1_concat 100x112x7x7 float32
                 (2195200, 44800),  # 21: inception_b_1x1_avg_pool 100x112x1x1 float32
                 (0, 4000),  # 22: classifier_matmul 100x10 float32
-                (4608, 4),  # 23: classifier_precision scalar float32
-                (4096, 400),  # 24: classifier_cross_entropy_pick 100 float32
-                (0, 4),  # 25: classifier_cross_entropy_sum_to scalar float32
+                (5120, 4),  # 23: classifier_precision scalar float32
+                (4096, 400),  # 24: label_ranks 100 float32
+                (4608, 400),  # 25: classifier_cross_entropy_pick 100 float32
+                (0, 4),  # 26: classifier_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=10348800, peak_bytes=10348800, workspace_bytes=12928000, pool_bytes=12857600, pool_peak_bytes=12544000,
+            buffers=(
+                (10035200, 313600),  # 0: x 100x1x28x28 float32
+                (0, 10035200),  # 1: conv1 100x32x28x28 float32
+                (0, 2508800),  # 2: conv1_max_pool 100x32x14x14 float32
+                (2508800, 313600),  # 3: inception_a_5x5_reduce 100x4x14x14 float32
+                (9408000, 627200),  # 4: inception_a_5x5 100x8x14x14 float32
+                (2508800, 1254400),  # 5: inception_a_3x3_reduce 100x16x14x14 float32
+                (5017600, 1881600),  # 6: inception_a_3x3 100x24x14x14 float32
+                (6899200, 1254400),  # 7: inception_a_1x1 100x16x14x14 float32
+                (2508800, 2508800),  # 8: conv1_max_pool_2 100x32x14x14 float32
+                (8153600, 1254400),  # 9: inception_a_pool_proj 100x16x14x14 float32
+                (0, 5017600),  # 10: inception_a_1x1_concat 100x64x14x14 float32
+                (5017600, 1254400),  # 11: inception_a_1x1_max_pool 100x64x7x7 float32
+                (0, 156800),  # 12: inception_b_5x5_reduce 100x8x7x7 float32
+                (3763200, 313600),  # 13: inception_b_5x5 100x16x7x7 float32
+                (0, 627200),  # 14: inception_b_3x3_reduce 100x32x7x7 float32
+                (2195200, 940800),  # 15: inception_b_3x3 100x48x7x7 float32
+                (3136000, 627200),  # 16: inception_b_1x1 100x32x7x7 float32
+                (0, 1254400),  # 17: inception_a_1x1_max_pool_2 100x64x7x7 float32
+                (4076800, 313600),  # 18: inception_b_pool_proj 100x16x7x7 float32
+                (0, 2195200),  # 19: inception_b_1x1_concat 100x112x7x7 float32
+                (2195200, 44800),  # 20: inception_b_1x1_avg_pool 100x112x1x1 float32
+                (0, 4000),  # 21: classifier_matmul 100x10 float32
             )),
     }
 
@@ -1595,9 +1864,9 @@ def main(argv=None):
     """Train inception_mini, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="inception_mini.py", description="Train and test inception_mini (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=300,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 300; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=5, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -1650,6 +1919,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class Lenet(rp.Model):
     batch_shape = (500, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 1000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -360,7 +361,7 @@ class Lenet(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -430,29 +431,108 @@ class Lenet(rp.Model):
         fc2_precision = mem.tensor(8, (), 'float32')
         rt.precision(fc2, y, out=fc2_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc2, y)
+        label_ranks = mem.tensor(9, (500,), 'float32')
+        rt.label_rank(fc2, y, out=label_ranks)
+
         # ---- fc2_log_loss (log_loss), forward ----
         # fc2_log_loss_log_softmax = log_softmax(fc2)
         fc2_log_loss_log_softmax = fc2  # in place: over fc2
         rt.log_softmax(fc2, out=fc2_log_loss_log_softmax, workspace=mem.workspace(20000))
         # fc2_log_loss_pick = pick(fc2_log_loss_log_softmax, y)
-        fc2_log_loss_pick = mem.tensor(9, (500,), 'float32')
+        fc2_log_loss_pick = mem.tensor(10, (500,), 'float32')
         rt.pick(fc2_log_loss_log_softmax, y, out=fc2_log_loss_pick)
         # free y, fc2_matmul, fc2, fc2_log_loss_log_softmax
         del y, fc2_matmul, fc2, fc2_log_loss_log_softmax
         mem.free(1, 7)
         # fc2_log_loss_sum_to = sum_to[scalar](fc2_log_loss_pick)
-        fc2_log_loss_sum_to = mem.tensor(10, (), 'float32')
+        fc2_log_loss_sum_to = mem.tensor(11, (), 'float32')
         rt.sum_to(fc2_log_loss_pick, out=fc2_log_loss_sum_to, shape=())
         # free fc2_log_loss_pick
         del fc2_log_loss_pick
-        mem.free(9)
+        mem.free(10)
         # fc2_log_loss = -fc2_log_loss_sum_to/500
         fc2_log_loss = fc2_log_loss_sum_to  # in place: over fc2_log_loss_sum_to
         rt.ew(ew_scale, fc2_log_loss, fc2_log_loss_sum_to)
         accuracy = rt.scalar(fc2_precision)
         loss = rt.scalar(fc2_log_loss)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- cv1 (conv 5x5, 20 channels, stride 1, padding 0), forward ----
+        # cv1 = conv2d(x, cv1_W, cv1_B)
+        cv1 = mem.tensor(1, (500, 20, 24, 24), 'float32')
+        rt.conv2d(x, T['cv1_W'], T['cv1_B'], out=cv1, pad=0, stride=1, workspace=mem.workspace(28800000))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv1_max_pool = max_pool[kernel=2,stride=2](cv1)
+        cv1_max_pool = mem.tensor(2, (500, 20, 12, 12), 'float32', over=1)
+        rt.max_pool(cv1, out=cv1_max_pool, ceil=False, kernel=2, pad=0, stride=2, workspace=mem.workspace(11520))
+        # free cv1
+        del cv1
+        mem.free(1)
+
+        # ---- cv2 (conv 5x5, 50 channels, stride 1, padding 0), forward ----
+        # cv2 = conv2d(cv1_max_pool, cv2_W, cv2_B)
+        cv2 = mem.tensor(3, (500, 50, 8, 8), 'float32')
+        rt.conv2d(cv1_max_pool, T['cv2_W'], T['cv2_B'], out=cv2, pad=0, stride=1, workspace=mem.workspace(32000000))
+        # free cv1_max_pool
+        del cv1_max_pool
+        mem.free(2)
+
+        # ---- cv2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # cv2_max_pool = max_pool[kernel=2,stride=2](cv2)
+        cv2_max_pool = mem.tensor(4, (500, 50, 4, 4), 'float32')
+        rt.max_pool(cv2, out=cv2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free cv2
+        del cv2
+        mem.free(3)
+
+        # ---- cv2_flatten (flatten), forward ----
+        # cv2_flatten = reshape[500x800](cv2_max_pool)
+        cv2_flatten = rt.reshape(cv2_max_pool, shape=(500, 800))
+
+        # ---- fc1 (fully connected, 500 outputs), forward ----
+        # fc1_matmul = matmul[tb](cv2_flatten, fc1_W)
+        fc1_matmul = mem.tensor(5, (500, 500), 'float32')
+        rt.matmul(cv2_flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+        # free cv2_max_pool, cv2_flatten
+        del cv2_max_pool, cv2_flatten
+        mem.free(4)
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 10 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(6, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # free fc1_matmul, fc1_relu
+        del fc1_matmul, fc1_relu
+        mem.free(5)
+        # fc2 = fc2_matmul + fc2_B
+        fc2 = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
+
+        # ---- fc2_softmax (softmax), forward ----
+        # fc2_softmax = softmax(fc2)
+        fc2_softmax = fc2  # in place: over fc2
+        rt.softmax(fc2, out=fc2_softmax)
+        probabilities = rt.to_numpy(fc2_softmax)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -503,9 +583,21 @@ class Lenet(rp.Model):
                 (0, 1600000),  # 5: cv2_max_pool 500x50x4x4 float32
                 (1600000, 1000000),  # 6: fc1_matmul 500x500 float32
                 (0, 20000),  # 7: fc2_matmul 500x10 float32
-                (22272, 4),  # 8: fc2_precision scalar float32
-                (20224, 2000),  # 9: fc2_log_loss_pick 500 float32
-                (0, 4),  # 10: fc2_log_loss_sum_to scalar float32
+                (24320, 4),  # 8: fc2_precision scalar float32
+                (20224, 2000),  # 9: label_ranks 500 float32
+                (22272, 2000),  # 10: fc2_log_loss_pick 500 float32
+                (0, 4),  # 11: fc2_log_loss_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=24608000, peak_bytes=24608000, workspace_bytes=32000000, pool_bytes=30368000, pool_peak_bytes=28800000,
+            buffers=(
+                (23040000, 1568000),  # 0: x 500x1x28x28 float32
+                (0, 23040000),  # 1: cv1 500x20x24x24 float32
+                (0, 5760000),  # 2: cv1_max_pool 500x20x12x12 float32
+                (5760000, 6400000),  # 3: cv2 500x50x8x8 float32
+                (0, 1600000),  # 4: cv2_max_pool 500x50x4x4 float32
+                (1600000, 1000000),  # 5: fc1_matmul 500x500 float32
+                (0, 20000),  # 6: fc2_matmul 500x10 float32
             )),
     }
 
@@ -555,9 +647,9 @@ def main(argv=None):
     """Train lenet, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="lenet.py", description="Train and test lenet (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=1000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 1000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=10, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -610,6 +702,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class Mlp(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 1000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -280,7 +281,7 @@ class Mlp(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -331,29 +332,89 @@ class Mlp(rp.Model):
         fc3_precision = mem.tensor(5, (), 'float32')
         rt.precision(fc3, y, out=fc3_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc3, y)
+        label_ranks = mem.tensor(6, (100,), 'float32')
+        rt.label_rank(fc3, y, out=label_ranks)
+
         # ---- fc3_cross_entropy (cross_entropy), forward ----
         # fc3_cross_entropy_log_softmax = log_softmax(fc3)
         fc3_cross_entropy_log_softmax = fc3  # in place: over fc3
         rt.log_softmax(fc3, out=fc3_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # fc3_cross_entropy_pick = pick(fc3_cross_entropy_log_softmax, y)
-        fc3_cross_entropy_pick = mem.tensor(6, (100,), 'float32')
+        fc3_cross_entropy_pick = mem.tensor(7, (100,), 'float32')
         rt.pick(fc3_cross_entropy_log_softmax, y, out=fc3_cross_entropy_pick)
         # free y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
         del y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
         mem.free(1, 4)
         # fc3_cross_entropy_sum_to = sum_to[scalar](fc3_cross_entropy_pick)
-        fc3_cross_entropy_sum_to = mem.tensor(7, (), 'float32')
+        fc3_cross_entropy_sum_to = mem.tensor(8, (), 'float32')
         rt.sum_to(fc3_cross_entropy_pick, out=fc3_cross_entropy_sum_to, shape=())
         # free fc3_cross_entropy_pick
         del fc3_cross_entropy_pick
-        mem.free(6)
+        mem.free(7)
         # fc3_cross_entropy = -fc3_cross_entropy_sum_to/100
         fc3_cross_entropy = fc3_cross_entropy_sum_to  # in place: over fc3_cross_entropy_sum_to
         rt.ew(ew_scale, fc3_cross_entropy, fc3_cross_entropy_sum_to)
         accuracy = rt.scalar(fc3_precision)
         loss = rt.scalar(fc3_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- flatten (flatten), forward ----
+        # flatten = reshape[100x784](x)
+        flatten = rt.reshape(x, shape=(100, 784))
+
+        # ---- fc1 (fully connected, 300 outputs), forward ----
+        # fc1_matmul = matmul[tb](flatten, fc1_W)
+        fc1_matmul = mem.tensor(1, (100, 300), 'float32')
+        rt.matmul(flatten, T['fc1_W'], out=fc1_matmul, tb=True)
+        # free x, flatten
+        del x, flatten
+        mem.free(0)
+
+        # ---- fc1_relu (relu), forward ----
+        # fc1_relu = Max(0, fc1_matmul + fc1_B)
+        fc1_relu = fc1_matmul  # in place: over fc1_matmul
+        rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
+
+        # ---- fc2 (fully connected, 100 outputs), forward ----
+        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
+        fc2_matmul = mem.tensor(2, (100, 100), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # free fc1_matmul, fc1_relu
+        del fc1_matmul, fc1_relu
+        mem.free(1)
+
+        # ---- fc2_relu (relu), forward ----
+        # fc2_relu = Max(0, fc2_matmul + fc2_B)
+        fc2_relu = fc2_matmul  # in place: over fc2_matmul
+        rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
+
+        # ---- fc3 (fully connected, 10 outputs), forward ----
+        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
+        fc3_matmul = mem.tensor(3, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
+        # free fc2_matmul, fc2_relu
+        del fc2_matmul, fc2_relu
+        mem.free(2)
+        # fc3 = fc3_matmul + fc3_B
+        fc3 = fc3_matmul  # in place: over fc3_matmul
+        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc3)
+        probabilities = fc3  # in place: over fc3
+        rt.softmax(fc3, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -391,9 +452,18 @@ class Mlp(rp.Model):
                 (313600, 120000),  # 2: fc1_matmul 100x300 float32
                 (0, 40000),  # 3: fc2_matmul 100x100 float32
                 (40192, 4000),  # 4: fc3_matmul 100x10 float32
-                (512, 4),  # 5: fc3_precision scalar float32
-                (0, 400),  # 6: fc3_cross_entropy_pick 100 float32
-                (768, 4),  # 7: fc3_cross_entropy_sum_to scalar float32
+                (1024, 4),  # 5: fc3_precision scalar float32
+                (0, 400),  # 6: label_ranks 100 float32
+                (512, 400),  # 7: fc3_cross_entropy_pick 100 float32
+                (1280, 4),  # 8: fc3_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=433664, peak_bytes=433664, workspace_bytes=0, pool_bytes=433664,
+            buffers=(
+                (0, 313600),  # 0: x 100x1x28x28 float32
+                (313600, 120000),  # 1: fc1_matmul 100x300 float32
+                (0, 40000),  # 2: fc2_matmul 100x100 float32
+                (40192, 4000),  # 3: fc3_matmul 100x10 float32
             )),
     }
 
@@ -443,9 +513,9 @@ def main(argv=None):
     """Train mlp, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="mlp.py", description="Train and test mlp (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=1000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 1000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=10, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -498,6 +568,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class MobilenetV2(rp.Model):
     batch_shape = (32, 3, 224, 224)
     classes = 1000
     dataset = "synthetic"
+    defaults = {"iters": 1000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -8681,7 +8682,7 @@ class MobilenetV2(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -9896,29 +9897,1253 @@ class MobilenetV2(rp.Model):
         fc_precision = mem.tensor(56, (), 'float32')
         rt.precision(fc, y, out=fc_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc, y)
+        label_ranks = mem.tensor(57, (32,), 'float32')
+        rt.label_rank(fc, y, out=label_ranks)
+
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
         fc_cross_entropy_log_softmax = fc  # in place: over fc
         rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(128000))
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
-        fc_cross_entropy_pick = mem.tensor(57, (32,), 'float32')
+        fc_cross_entropy_pick = mem.tensor(58, (32,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
         # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
         del y, fc_matmul, fc, fc_cross_entropy_log_softmax
         mem.free(1, 55)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
-        fc_cross_entropy_sum_to = mem.tensor(58, (), 'float32')
+        fc_cross_entropy_sum_to = mem.tensor(59, (), 'float32')
         rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
         # free fc_cross_entropy_pick
         del fc_cross_entropy_pick
-        mem.free(57)
+        mem.free(58)
         # fc_cross_entropy = -fc_cross_entropy_sum_to/32
         fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
         rt.ew(ew_scale_6, fc_cross_entropy, fc_cross_entropy_sum_to)
         accuracy = rt.scalar(fc_precision)
         loss = rt.scalar(fc_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 3x3, 32 channels, stride 2, padding 1), forward ----
+        # conv1 = conv2d[pad=1,stride=2](x, conv1_W)
+        conv1 = mem.tensor(1, (32, 32, 112, 112), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=1, stride=2, workspace=mem.workspace(31482624))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_bn (batch norm), forward ----
+        # conv1_bn_bias = reshape[1x32x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 32, 1, 1))
+        # conv1_bn_weight = reshape[1x32x1x1](conv1_bn_W)
+        conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 32, 1, 1))
+        # conv1_bn_running_var = reshape[1x32x1x1](conv1_bn_var)
+        conv1_bn_running_var = rt.reshape(T['conv1_bn_var'], shape=(1, 32, 1, 1))
+        # conv1_bn_running_mean = reshape[1x32x1x1](conv1_bn_mean)
+        conv1_bn_running_mean = rt.reshape(T['conv1_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- conv1_bn_clipped_relu (clipped_relu(6)), forward ----
+        # conv1_bn_clipped_relu = Min(6.0, Max(0, conv1_bn_weight*(conv1 - conv1_bn_running_mean)/sqrt(conv1_bn_running_var + 1.0e-5) + conv1_bn_bias))
+        conv1_bn_clipped_relu = conv1  # in place: over conv1
+        rt.ew(ew_add_rsqrt_sub_mul, conv1_bn_clipped_relu, conv1, conv1_bn_running_mean, conv1_bn_running_var, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- block1_dw (conv 3x3, 32 channels, stride 1, padding 1, 32 groups), forward ----
+        # block1_dw = conv2d[groups=32,pad=1](conv1_bn_clipped_relu, block1_dw_W)
+        block1_dw = mem.tensor(2, (32, 32, 112, 112), 'float32')
+        rt.conv2d(conv1_bn_clipped_relu, T['block1_dw_W'], out=block1_dw, groups=32, pad=1, stride=1, workspace=mem.workspace(32228352))
+        # free conv1, conv1_bn_clipped_relu
+        del conv1, conv1_bn_clipped_relu
+        mem.free(1)
+
+        # ---- block1_dw_bn (batch norm), forward ----
+        # block1_dw_bn_bias = reshape[1x32x1x1](block1_dw_bn_B)
+        block1_dw_bn_bias = rt.reshape(T['block1_dw_bn_B'], shape=(1, 32, 1, 1))
+        # block1_dw_bn_weight = reshape[1x32x1x1](block1_dw_bn_W)
+        block1_dw_bn_weight = rt.reshape(T['block1_dw_bn_W'], shape=(1, 32, 1, 1))
+        # block1_dw_bn_running_var = reshape[1x32x1x1](block1_dw_bn_var)
+        block1_dw_bn_running_var = rt.reshape(T['block1_dw_bn_var'], shape=(1, 32, 1, 1))
+        # block1_dw_bn_running_mean = reshape[1x32x1x1](block1_dw_bn_mean)
+        block1_dw_bn_running_mean = rt.reshape(T['block1_dw_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- block1_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block1_dw_bn_clipped_relu = Min(6.0, Max(0, block1_dw_bn_weight*(block1_dw - block1_dw_bn_running_mean)/sqrt(block1_dw_bn_running_var + 1.0e-5) + block1_dw_bn_bias))
+        block1_dw_bn_clipped_relu = block1_dw  # in place: over block1_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block1_dw_bn_clipped_relu, block1_dw, block1_dw_bn_running_mean, block1_dw_bn_running_var, block1_dw_bn_weight, block1_dw_bn_bias)
+
+        # ---- block1_project (conv 1x1, 16 channels, stride 1, padding 0), forward ----
+        # block1_project = conv2d(block1_dw_bn_clipped_relu, block1_project_W)
+        block1_project = mem.tensor(3, (32, 16, 112, 112), 'float32')
+        rt.conv2d(block1_dw_bn_clipped_relu, T['block1_project_W'], out=block1_project, pad=0, stride=1)
+        # free block1_dw, block1_dw_bn_clipped_relu
+        del block1_dw, block1_dw_bn_clipped_relu
+        mem.free(2)
+
+        # ---- block1_project_bn (batch norm), forward ----
+        # block1_project_bn_bias = reshape[1x16x1x1](block1_project_bn_B)
+        block1_project_bn_bias = rt.reshape(T['block1_project_bn_B'], shape=(1, 16, 1, 1))
+        # block1_project_bn_weight = reshape[1x16x1x1](block1_project_bn_W)
+        block1_project_bn_weight = rt.reshape(T['block1_project_bn_W'], shape=(1, 16, 1, 1))
+        # block1_project_bn_running_var = reshape[1x16x1x1](block1_project_bn_var)
+        block1_project_bn_running_var = rt.reshape(T['block1_project_bn_var'], shape=(1, 16, 1, 1))
+        # block1_project_bn_running_mean = reshape[1x16x1x1](block1_project_bn_mean)
+        block1_project_bn_running_mean = rt.reshape(T['block1_project_bn_mean'], shape=(1, 16, 1, 1))
+        # block1_project_bn = block1_project_bn_weight*(block1_project - block1_project_bn_running_mean)/sqrt(block1_project_bn_running_var + 1.0e-5) + block1_project_bn_bias
+        block1_project_bn = block1_project  # in place: over block1_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block1_project_bn, block1_project, block1_project_bn_running_mean, block1_project_bn_running_var, block1_project_bn_weight, block1_project_bn_bias)
+
+        # ---- block2_expand (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # block2_expand = conv2d(block1_project_bn, block2_expand_W)
+        block2_expand = mem.tensor(4, (32, 96, 112, 112), 'float32')
+        rt.conv2d(block1_project_bn, T['block2_expand_W'], out=block2_expand, pad=0, stride=1)
+        # free block1_project, block1_project_bn
+        del block1_project, block1_project_bn
+        mem.free(3)
+
+        # ---- block2_expand_bn (batch norm), forward ----
+        # block2_expand_bn_bias = reshape[1x96x1x1](block2_expand_bn_B)
+        block2_expand_bn_bias = rt.reshape(T['block2_expand_bn_B'], shape=(1, 96, 1, 1))
+        # block2_expand_bn_weight = reshape[1x96x1x1](block2_expand_bn_W)
+        block2_expand_bn_weight = rt.reshape(T['block2_expand_bn_W'], shape=(1, 96, 1, 1))
+        # block2_expand_bn_running_var = reshape[1x96x1x1](block2_expand_bn_var)
+        block2_expand_bn_running_var = rt.reshape(T['block2_expand_bn_var'], shape=(1, 96, 1, 1))
+        # block2_expand_bn_running_mean = reshape[1x96x1x1](block2_expand_bn_mean)
+        block2_expand_bn_running_mean = rt.reshape(T['block2_expand_bn_mean'], shape=(1, 96, 1, 1))
+
+        # ---- block2_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block2_expand_bn_clipped_relu = Min(6.0, Max(0, block2_expand_bn_weight*(block2_expand - block2_expand_bn_running_mean)/sqrt(block2_expand_bn_running_var + 1.0e-5) + block2_expand_bn_bias))
+        block2_expand_bn_clipped_relu = block2_expand  # in place: over block2_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block2_expand_bn_clipped_relu, block2_expand, block2_expand_bn_running_mean, block2_expand_bn_running_var, block2_expand_bn_weight, block2_expand_bn_bias)
+
+        # ---- block2_dw (conv 3x3, 96 channels, stride 2, padding 1, 96 groups), forward ----
+        # block2_dw = conv2d[groups=96,pad=1,stride=2](block2_expand_bn_clipped_relu, block2_dw_W)
+        block2_dw = mem.tensor(5, (32, 96, 56, 56), 'float32')
+        rt.conv2d(block2_expand_bn_clipped_relu, T['block2_dw_W'], out=block2_dw, groups=96, pad=1, stride=2, workspace=mem.workspace(31656960))
+        # free block2_expand, block2_expand_bn_clipped_relu
+        del block2_expand, block2_expand_bn_clipped_relu
+        mem.free(4)
+
+        # ---- block2_dw_bn (batch norm), forward ----
+        # block2_dw_bn_bias = reshape[1x96x1x1](block2_dw_bn_B)
+        block2_dw_bn_bias = rt.reshape(T['block2_dw_bn_B'], shape=(1, 96, 1, 1))
+        # block2_dw_bn_weight = reshape[1x96x1x1](block2_dw_bn_W)
+        block2_dw_bn_weight = rt.reshape(T['block2_dw_bn_W'], shape=(1, 96, 1, 1))
+        # block2_dw_bn_running_var = reshape[1x96x1x1](block2_dw_bn_var)
+        block2_dw_bn_running_var = rt.reshape(T['block2_dw_bn_var'], shape=(1, 96, 1, 1))
+        # block2_dw_bn_running_mean = reshape[1x96x1x1](block2_dw_bn_mean)
+        block2_dw_bn_running_mean = rt.reshape(T['block2_dw_bn_mean'], shape=(1, 96, 1, 1))
+
+        # ---- block2_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block2_dw_bn_clipped_relu = Min(6.0, Max(0, block2_dw_bn_weight*(block2_dw - block2_dw_bn_running_mean)/sqrt(block2_dw_bn_running_var + 1.0e-5) + block2_dw_bn_bias))
+        block2_dw_bn_clipped_relu = block2_dw  # in place: over block2_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block2_dw_bn_clipped_relu, block2_dw, block2_dw_bn_running_mean, block2_dw_bn_running_var, block2_dw_bn_weight, block2_dw_bn_bias)
+
+        # ---- block2_project (conv 1x1, 24 channels, stride 1, padding 0), forward ----
+        # block2_project = conv2d(block2_dw_bn_clipped_relu, block2_project_W)
+        block2_project = mem.tensor(6, (32, 24, 56, 56), 'float32')
+        rt.conv2d(block2_dw_bn_clipped_relu, T['block2_project_W'], out=block2_project, pad=0, stride=1)
+        # free block2_dw, block2_dw_bn_clipped_relu
+        del block2_dw, block2_dw_bn_clipped_relu
+        mem.free(5)
+
+        # ---- block2_project_bn (batch norm), forward ----
+        # block2_project_bn_bias = reshape[1x24x1x1](block2_project_bn_B)
+        block2_project_bn_bias = rt.reshape(T['block2_project_bn_B'], shape=(1, 24, 1, 1))
+        # block2_project_bn_weight = reshape[1x24x1x1](block2_project_bn_W)
+        block2_project_bn_weight = rt.reshape(T['block2_project_bn_W'], shape=(1, 24, 1, 1))
+        # block2_project_bn_running_var = reshape[1x24x1x1](block2_project_bn_var)
+        block2_project_bn_running_var = rt.reshape(T['block2_project_bn_var'], shape=(1, 24, 1, 1))
+        # block2_project_bn_running_mean = reshape[1x24x1x1](block2_project_bn_mean)
+        block2_project_bn_running_mean = rt.reshape(T['block2_project_bn_mean'], shape=(1, 24, 1, 1))
+        # block2_project_bn = block2_project_bn_weight*(block2_project - block2_project_bn_running_mean)/sqrt(block2_project_bn_running_var + 1.0e-5) + block2_project_bn_bias
+        block2_project_bn = block2_project  # in place: over block2_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block2_project_bn, block2_project, block2_project_bn_running_mean, block2_project_bn_running_var, block2_project_bn_weight, block2_project_bn_bias)
+
+        # ---- block3_expand (conv 1x1, 144 channels, stride 1, padding 0), forward ----
+        # block3_expand = conv2d(block2_project_bn, block3_expand_W)
+        block3_expand = mem.tensor(7, (32, 144, 56, 56), 'float32')
+        rt.conv2d(block2_project_bn, T['block3_expand_W'], out=block3_expand, pad=0, stride=1)
+
+        # ---- block3_expand_bn (batch norm), forward ----
+        # block3_expand_bn_bias = reshape[1x144x1x1](block3_expand_bn_B)
+        block3_expand_bn_bias = rt.reshape(T['block3_expand_bn_B'], shape=(1, 144, 1, 1))
+        # block3_expand_bn_weight = reshape[1x144x1x1](block3_expand_bn_W)
+        block3_expand_bn_weight = rt.reshape(T['block3_expand_bn_W'], shape=(1, 144, 1, 1))
+        # block3_expand_bn_running_var = reshape[1x144x1x1](block3_expand_bn_var)
+        block3_expand_bn_running_var = rt.reshape(T['block3_expand_bn_var'], shape=(1, 144, 1, 1))
+        # block3_expand_bn_running_mean = reshape[1x144x1x1](block3_expand_bn_mean)
+        block3_expand_bn_running_mean = rt.reshape(T['block3_expand_bn_mean'], shape=(1, 144, 1, 1))
+
+        # ---- block3_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block3_expand_bn_clipped_relu = Min(6.0, Max(0, block3_expand_bn_weight*(block3_expand - block3_expand_bn_running_mean)/sqrt(block3_expand_bn_running_var + 1.0e-5) + block3_expand_bn_bias))
+        block3_expand_bn_clipped_relu = block3_expand  # in place: over block3_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block3_expand_bn_clipped_relu, block3_expand, block3_expand_bn_running_mean, block3_expand_bn_running_var, block3_expand_bn_weight, block3_expand_bn_bias)
+
+        # ---- block3_dw (conv 3x3, 144 channels, stride 1, padding 1, 144 groups), forward ----
+        # block3_dw = conv2d[groups=144,pad=1](block3_expand_bn_clipped_relu, block3_dw_W)
+        block3_dw = mem.tensor(8, (32, 144, 56, 56), 'float32')
+        rt.conv2d(block3_expand_bn_clipped_relu, T['block3_dw_W'], out=block3_dw, groups=144, pad=1, stride=1, workspace=mem.workspace(18194688))
+        # free block3_expand, block3_expand_bn_clipped_relu
+        del block3_expand, block3_expand_bn_clipped_relu
+        mem.free(7)
+
+        # ---- block3_dw_bn (batch norm), forward ----
+        # block3_dw_bn_bias = reshape[1x144x1x1](block3_dw_bn_B)
+        block3_dw_bn_bias = rt.reshape(T['block3_dw_bn_B'], shape=(1, 144, 1, 1))
+        # block3_dw_bn_weight = reshape[1x144x1x1](block3_dw_bn_W)
+        block3_dw_bn_weight = rt.reshape(T['block3_dw_bn_W'], shape=(1, 144, 1, 1))
+        # block3_dw_bn_running_var = reshape[1x144x1x1](block3_dw_bn_var)
+        block3_dw_bn_running_var = rt.reshape(T['block3_dw_bn_var'], shape=(1, 144, 1, 1))
+        # block3_dw_bn_running_mean = reshape[1x144x1x1](block3_dw_bn_mean)
+        block3_dw_bn_running_mean = rt.reshape(T['block3_dw_bn_mean'], shape=(1, 144, 1, 1))
+
+        # ---- block3_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block3_dw_bn_clipped_relu = Min(6.0, Max(0, block3_dw_bn_weight*(block3_dw - block3_dw_bn_running_mean)/sqrt(block3_dw_bn_running_var + 1.0e-5) + block3_dw_bn_bias))
+        block3_dw_bn_clipped_relu = block3_dw  # in place: over block3_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block3_dw_bn_clipped_relu, block3_dw, block3_dw_bn_running_mean, block3_dw_bn_running_var, block3_dw_bn_weight, block3_dw_bn_bias)
+
+        # ---- block3_project (conv 1x1, 24 channels, stride 1, padding 0), forward ----
+        # block3_project = conv2d(block3_dw_bn_clipped_relu, block3_project_W)
+        block3_project = mem.tensor(9, (32, 24, 56, 56), 'float32')
+        rt.conv2d(block3_dw_bn_clipped_relu, T['block3_project_W'], out=block3_project, pad=0, stride=1)
+        # free block3_dw, block3_dw_bn_clipped_relu
+        del block3_dw, block3_dw_bn_clipped_relu
+        mem.free(8)
+
+        # ---- block3_project_bn (batch norm), forward ----
+        # block3_project_bn_bias = reshape[1x24x1x1](block3_project_bn_B)
+        block3_project_bn_bias = rt.reshape(T['block3_project_bn_B'], shape=(1, 24, 1, 1))
+        # block3_project_bn_weight = reshape[1x24x1x1](block3_project_bn_W)
+        block3_project_bn_weight = rt.reshape(T['block3_project_bn_W'], shape=(1, 24, 1, 1))
+        # block3_project_bn_running_var = reshape[1x24x1x1](block3_project_bn_var)
+        block3_project_bn_running_var = rt.reshape(T['block3_project_bn_var'], shape=(1, 24, 1, 1))
+        # block3_project_bn_running_mean = reshape[1x24x1x1](block3_project_bn_mean)
+        block3_project_bn_running_mean = rt.reshape(T['block3_project_bn_mean'], shape=(1, 24, 1, 1))
+
+        # ---- block3_project_bn_add (sum of 2 branches), forward ----
+        # block3_project_bn_add = block3_project_bn_weight*(block3_project - block3_project_bn_running_mean)/sqrt(block3_project_bn_running_var + 1.0e-5) + block3_project_bn_bias + block2_project_bn
+        block3_project_bn_add = block3_project  # in place: over block3_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block3_project_bn_add, block3_project, block3_project_bn_running_mean, block3_project_bn_running_var, block3_project_bn_weight, block3_project_bn_bias, block2_project_bn)
+        # free block2_project, block2_project_bn
+        del block2_project, block2_project_bn
+        mem.free(6)
+
+        # ---- block4_expand (conv 1x1, 144 channels, stride 1, padding 0), forward ----
+        # block4_expand = conv2d(block3_project_bn_add, block4_expand_W)
+        block4_expand = mem.tensor(10, (32, 144, 56, 56), 'float32')
+        rt.conv2d(block3_project_bn_add, T['block4_expand_W'], out=block4_expand, pad=0, stride=1)
+        # free block3_project, block3_project_bn_add
+        del block3_project, block3_project_bn_add
+        mem.free(9)
+
+        # ---- block4_expand_bn (batch norm), forward ----
+        # block4_expand_bn_bias = reshape[1x144x1x1](block4_expand_bn_B)
+        block4_expand_bn_bias = rt.reshape(T['block4_expand_bn_B'], shape=(1, 144, 1, 1))
+        # block4_expand_bn_weight = reshape[1x144x1x1](block4_expand_bn_W)
+        block4_expand_bn_weight = rt.reshape(T['block4_expand_bn_W'], shape=(1, 144, 1, 1))
+        # block4_expand_bn_running_var = reshape[1x144x1x1](block4_expand_bn_var)
+        block4_expand_bn_running_var = rt.reshape(T['block4_expand_bn_var'], shape=(1, 144, 1, 1))
+        # block4_expand_bn_running_mean = reshape[1x144x1x1](block4_expand_bn_mean)
+        block4_expand_bn_running_mean = rt.reshape(T['block4_expand_bn_mean'], shape=(1, 144, 1, 1))
+
+        # ---- block4_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block4_expand_bn_clipped_relu = Min(6.0, Max(0, block4_expand_bn_weight*(block4_expand - block4_expand_bn_running_mean)/sqrt(block4_expand_bn_running_var + 1.0e-5) + block4_expand_bn_bias))
+        block4_expand_bn_clipped_relu = block4_expand  # in place: over block4_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block4_expand_bn_clipped_relu, block4_expand, block4_expand_bn_running_mean, block4_expand_bn_running_var, block4_expand_bn_weight, block4_expand_bn_bias)
+
+        # ---- block4_dw (conv 3x3, 144 channels, stride 2, padding 1, 144 groups), forward ----
+        # block4_dw = conv2d[groups=144,pad=1,stride=2](block4_expand_bn_clipped_relu, block4_dw_W)
+        block4_dw = mem.tensor(11, (32, 144, 28, 28), 'float32')
+        rt.conv2d(block4_expand_bn_clipped_relu, T['block4_dw_W'], out=block4_dw, groups=144, pad=1, stride=2, workspace=mem.workspace(30009600))
+        # free block4_expand, block4_expand_bn_clipped_relu
+        del block4_expand, block4_expand_bn_clipped_relu
+        mem.free(10)
+
+        # ---- block4_dw_bn (batch norm), forward ----
+        # block4_dw_bn_bias = reshape[1x144x1x1](block4_dw_bn_B)
+        block4_dw_bn_bias = rt.reshape(T['block4_dw_bn_B'], shape=(1, 144, 1, 1))
+        # block4_dw_bn_weight = reshape[1x144x1x1](block4_dw_bn_W)
+        block4_dw_bn_weight = rt.reshape(T['block4_dw_bn_W'], shape=(1, 144, 1, 1))
+        # block4_dw_bn_running_var = reshape[1x144x1x1](block4_dw_bn_var)
+        block4_dw_bn_running_var = rt.reshape(T['block4_dw_bn_var'], shape=(1, 144, 1, 1))
+        # block4_dw_bn_running_mean = reshape[1x144x1x1](block4_dw_bn_mean)
+        block4_dw_bn_running_mean = rt.reshape(T['block4_dw_bn_mean'], shape=(1, 144, 1, 1))
+
+        # ---- block4_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block4_dw_bn_clipped_relu = Min(6.0, Max(0, block4_dw_bn_weight*(block4_dw - block4_dw_bn_running_mean)/sqrt(block4_dw_bn_running_var + 1.0e-5) + block4_dw_bn_bias))
+        block4_dw_bn_clipped_relu = block4_dw  # in place: over block4_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block4_dw_bn_clipped_relu, block4_dw, block4_dw_bn_running_mean, block4_dw_bn_running_var, block4_dw_bn_weight, block4_dw_bn_bias)
+
+        # ---- block4_project (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # block4_project = conv2d(block4_dw_bn_clipped_relu, block4_project_W)
+        block4_project = mem.tensor(12, (32, 32, 28, 28), 'float32')
+        rt.conv2d(block4_dw_bn_clipped_relu, T['block4_project_W'], out=block4_project, pad=0, stride=1)
+        # free block4_dw, block4_dw_bn_clipped_relu
+        del block4_dw, block4_dw_bn_clipped_relu
+        mem.free(11)
+
+        # ---- block4_project_bn (batch norm), forward ----
+        # block4_project_bn_bias = reshape[1x32x1x1](block4_project_bn_B)
+        block4_project_bn_bias = rt.reshape(T['block4_project_bn_B'], shape=(1, 32, 1, 1))
+        # block4_project_bn_weight = reshape[1x32x1x1](block4_project_bn_W)
+        block4_project_bn_weight = rt.reshape(T['block4_project_bn_W'], shape=(1, 32, 1, 1))
+        # block4_project_bn_running_var = reshape[1x32x1x1](block4_project_bn_var)
+        block4_project_bn_running_var = rt.reshape(T['block4_project_bn_var'], shape=(1, 32, 1, 1))
+        # block4_project_bn_running_mean = reshape[1x32x1x1](block4_project_bn_mean)
+        block4_project_bn_running_mean = rt.reshape(T['block4_project_bn_mean'], shape=(1, 32, 1, 1))
+        # block4_project_bn = block4_project_bn_weight*(block4_project - block4_project_bn_running_mean)/sqrt(block4_project_bn_running_var + 1.0e-5) + block4_project_bn_bias
+        block4_project_bn = block4_project  # in place: over block4_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block4_project_bn, block4_project, block4_project_bn_running_mean, block4_project_bn_running_var, block4_project_bn_weight, block4_project_bn_bias)
+
+        # ---- block5_expand (conv 1x1, 192 channels, stride 1, padding 0), forward ----
+        # block5_expand = conv2d(block4_project_bn, block5_expand_W)
+        block5_expand = mem.tensor(13, (32, 192, 28, 28), 'float32')
+        rt.conv2d(block4_project_bn, T['block5_expand_W'], out=block5_expand, pad=0, stride=1)
+
+        # ---- block5_expand_bn (batch norm), forward ----
+        # block5_expand_bn_bias = reshape[1x192x1x1](block5_expand_bn_B)
+        block5_expand_bn_bias = rt.reshape(T['block5_expand_bn_B'], shape=(1, 192, 1, 1))
+        # block5_expand_bn_weight = reshape[1x192x1x1](block5_expand_bn_W)
+        block5_expand_bn_weight = rt.reshape(T['block5_expand_bn_W'], shape=(1, 192, 1, 1))
+        # block5_expand_bn_running_var = reshape[1x192x1x1](block5_expand_bn_var)
+        block5_expand_bn_running_var = rt.reshape(T['block5_expand_bn_var'], shape=(1, 192, 1, 1))
+        # block5_expand_bn_running_mean = reshape[1x192x1x1](block5_expand_bn_mean)
+        block5_expand_bn_running_mean = rt.reshape(T['block5_expand_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block5_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block5_expand_bn_clipped_relu = Min(6.0, Max(0, block5_expand_bn_weight*(block5_expand - block5_expand_bn_running_mean)/sqrt(block5_expand_bn_running_var + 1.0e-5) + block5_expand_bn_bias))
+        block5_expand_bn_clipped_relu = block5_expand  # in place: over block5_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block5_expand_bn_clipped_relu, block5_expand, block5_expand_bn_running_mean, block5_expand_bn_running_var, block5_expand_bn_weight, block5_expand_bn_bias)
+
+        # ---- block5_dw (conv 3x3, 192 channels, stride 1, padding 1, 192 groups), forward ----
+        # block5_dw = conv2d[groups=192,pad=1](block5_expand_bn_clipped_relu, block5_dw_W)
+        block5_dw = mem.tensor(14, (32, 192, 28, 28), 'float32')
+        rt.conv2d(block5_expand_bn_clipped_relu, T['block5_dw_W'], out=block5_dw, groups=192, pad=1, stride=1, workspace=mem.workspace(30551040))
+        # free block5_expand, block5_expand_bn_clipped_relu
+        del block5_expand, block5_expand_bn_clipped_relu
+        mem.free(13)
+
+        # ---- block5_dw_bn (batch norm), forward ----
+        # block5_dw_bn_bias = reshape[1x192x1x1](block5_dw_bn_B)
+        block5_dw_bn_bias = rt.reshape(T['block5_dw_bn_B'], shape=(1, 192, 1, 1))
+        # block5_dw_bn_weight = reshape[1x192x1x1](block5_dw_bn_W)
+        block5_dw_bn_weight = rt.reshape(T['block5_dw_bn_W'], shape=(1, 192, 1, 1))
+        # block5_dw_bn_running_var = reshape[1x192x1x1](block5_dw_bn_var)
+        block5_dw_bn_running_var = rt.reshape(T['block5_dw_bn_var'], shape=(1, 192, 1, 1))
+        # block5_dw_bn_running_mean = reshape[1x192x1x1](block5_dw_bn_mean)
+        block5_dw_bn_running_mean = rt.reshape(T['block5_dw_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block5_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block5_dw_bn_clipped_relu = Min(6.0, Max(0, block5_dw_bn_weight*(block5_dw - block5_dw_bn_running_mean)/sqrt(block5_dw_bn_running_var + 1.0e-5) + block5_dw_bn_bias))
+        block5_dw_bn_clipped_relu = block5_dw  # in place: over block5_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block5_dw_bn_clipped_relu, block5_dw, block5_dw_bn_running_mean, block5_dw_bn_running_var, block5_dw_bn_weight, block5_dw_bn_bias)
+
+        # ---- block5_project (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # block5_project = conv2d(block5_dw_bn_clipped_relu, block5_project_W)
+        block5_project = mem.tensor(15, (32, 32, 28, 28), 'float32')
+        rt.conv2d(block5_dw_bn_clipped_relu, T['block5_project_W'], out=block5_project, pad=0, stride=1)
+        # free block5_dw, block5_dw_bn_clipped_relu
+        del block5_dw, block5_dw_bn_clipped_relu
+        mem.free(14)
+
+        # ---- block5_project_bn (batch norm), forward ----
+        # block5_project_bn_bias = reshape[1x32x1x1](block5_project_bn_B)
+        block5_project_bn_bias = rt.reshape(T['block5_project_bn_B'], shape=(1, 32, 1, 1))
+        # block5_project_bn_weight = reshape[1x32x1x1](block5_project_bn_W)
+        block5_project_bn_weight = rt.reshape(T['block5_project_bn_W'], shape=(1, 32, 1, 1))
+        # block5_project_bn_running_var = reshape[1x32x1x1](block5_project_bn_var)
+        block5_project_bn_running_var = rt.reshape(T['block5_project_bn_var'], shape=(1, 32, 1, 1))
+        # block5_project_bn_running_mean = reshape[1x32x1x1](block5_project_bn_mean)
+        block5_project_bn_running_mean = rt.reshape(T['block5_project_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- block5_project_bn_add (sum of 2 branches), forward ----
+        # block5_project_bn_add = block5_project_bn_weight*(block5_project - block5_project_bn_running_mean)/sqrt(block5_project_bn_running_var + 1.0e-5) + block5_project_bn_bias + block4_project_bn
+        block5_project_bn_add = block5_project  # in place: over block5_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block5_project_bn_add, block5_project, block5_project_bn_running_mean, block5_project_bn_running_var, block5_project_bn_weight, block5_project_bn_bias, block4_project_bn)
+        # free block4_project, block4_project_bn
+        del block4_project, block4_project_bn
+        mem.free(12)
+
+        # ---- block6_expand (conv 1x1, 192 channels, stride 1, padding 0), forward ----
+        # block6_expand = conv2d(block5_project_bn_add, block6_expand_W)
+        block6_expand = mem.tensor(16, (32, 192, 28, 28), 'float32')
+        rt.conv2d(block5_project_bn_add, T['block6_expand_W'], out=block6_expand, pad=0, stride=1)
+
+        # ---- block6_expand_bn (batch norm), forward ----
+        # block6_expand_bn_bias = reshape[1x192x1x1](block6_expand_bn_B)
+        block6_expand_bn_bias = rt.reshape(T['block6_expand_bn_B'], shape=(1, 192, 1, 1))
+        # block6_expand_bn_weight = reshape[1x192x1x1](block6_expand_bn_W)
+        block6_expand_bn_weight = rt.reshape(T['block6_expand_bn_W'], shape=(1, 192, 1, 1))
+        # block6_expand_bn_running_var = reshape[1x192x1x1](block6_expand_bn_var)
+        block6_expand_bn_running_var = rt.reshape(T['block6_expand_bn_var'], shape=(1, 192, 1, 1))
+        # block6_expand_bn_running_mean = reshape[1x192x1x1](block6_expand_bn_mean)
+        block6_expand_bn_running_mean = rt.reshape(T['block6_expand_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block6_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block6_expand_bn_clipped_relu = Min(6.0, Max(0, block6_expand_bn_weight*(block6_expand - block6_expand_bn_running_mean)/sqrt(block6_expand_bn_running_var + 1.0e-5) + block6_expand_bn_bias))
+        block6_expand_bn_clipped_relu = block6_expand  # in place: over block6_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block6_expand_bn_clipped_relu, block6_expand, block6_expand_bn_running_mean, block6_expand_bn_running_var, block6_expand_bn_weight, block6_expand_bn_bias)
+
+        # ---- block6_dw (conv 3x3, 192 channels, stride 1, padding 1, 192 groups), forward ----
+        # block6_dw = conv2d[groups=192,pad=1](block6_expand_bn_clipped_relu, block6_dw_W)
+        block6_dw = mem.tensor(17, (32, 192, 28, 28), 'float32')
+        rt.conv2d(block6_expand_bn_clipped_relu, T['block6_dw_W'], out=block6_dw, groups=192, pad=1, stride=1, workspace=mem.workspace(30551040))
+        # free block6_expand, block6_expand_bn_clipped_relu
+        del block6_expand, block6_expand_bn_clipped_relu
+        mem.free(16)
+
+        # ---- block6_dw_bn (batch norm), forward ----
+        # block6_dw_bn_bias = reshape[1x192x1x1](block6_dw_bn_B)
+        block6_dw_bn_bias = rt.reshape(T['block6_dw_bn_B'], shape=(1, 192, 1, 1))
+        # block6_dw_bn_weight = reshape[1x192x1x1](block6_dw_bn_W)
+        block6_dw_bn_weight = rt.reshape(T['block6_dw_bn_W'], shape=(1, 192, 1, 1))
+        # block6_dw_bn_running_var = reshape[1x192x1x1](block6_dw_bn_var)
+        block6_dw_bn_running_var = rt.reshape(T['block6_dw_bn_var'], shape=(1, 192, 1, 1))
+        # block6_dw_bn_running_mean = reshape[1x192x1x1](block6_dw_bn_mean)
+        block6_dw_bn_running_mean = rt.reshape(T['block6_dw_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block6_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block6_dw_bn_clipped_relu = Min(6.0, Max(0, block6_dw_bn_weight*(block6_dw - block6_dw_bn_running_mean)/sqrt(block6_dw_bn_running_var + 1.0e-5) + block6_dw_bn_bias))
+        block6_dw_bn_clipped_relu = block6_dw  # in place: over block6_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block6_dw_bn_clipped_relu, block6_dw, block6_dw_bn_running_mean, block6_dw_bn_running_var, block6_dw_bn_weight, block6_dw_bn_bias)
+
+        # ---- block6_project (conv 1x1, 32 channels, stride 1, padding 0), forward ----
+        # block6_project = conv2d(block6_dw_bn_clipped_relu, block6_project_W)
+        block6_project = mem.tensor(18, (32, 32, 28, 28), 'float32')
+        rt.conv2d(block6_dw_bn_clipped_relu, T['block6_project_W'], out=block6_project, pad=0, stride=1)
+        # free block6_dw, block6_dw_bn_clipped_relu
+        del block6_dw, block6_dw_bn_clipped_relu
+        mem.free(17)
+
+        # ---- block6_project_bn (batch norm), forward ----
+        # block6_project_bn_bias = reshape[1x32x1x1](block6_project_bn_B)
+        block6_project_bn_bias = rt.reshape(T['block6_project_bn_B'], shape=(1, 32, 1, 1))
+        # block6_project_bn_weight = reshape[1x32x1x1](block6_project_bn_W)
+        block6_project_bn_weight = rt.reshape(T['block6_project_bn_W'], shape=(1, 32, 1, 1))
+        # block6_project_bn_running_var = reshape[1x32x1x1](block6_project_bn_var)
+        block6_project_bn_running_var = rt.reshape(T['block6_project_bn_var'], shape=(1, 32, 1, 1))
+        # block6_project_bn_running_mean = reshape[1x32x1x1](block6_project_bn_mean)
+        block6_project_bn_running_mean = rt.reshape(T['block6_project_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- block6_project_bn_add (sum of 2 branches), forward ----
+        # block6_project_bn_add = block6_project_bn_weight*(block6_project - block6_project_bn_running_mean)/sqrt(block6_project_bn_running_var + 1.0e-5) + block6_project_bn_bias + block5_project_bn_add
+        block6_project_bn_add = block6_project  # in place: over block6_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block6_project_bn_add, block6_project, block6_project_bn_running_mean, block6_project_bn_running_var, block6_project_bn_weight, block6_project_bn_bias, block5_project_bn_add)
+        # free block5_project, block5_project_bn_add
+        del block5_project, block5_project_bn_add
+        mem.free(15)
+
+        # ---- block7_expand (conv 1x1, 192 channels, stride 1, padding 0), forward ----
+        # block7_expand = conv2d(block6_project_bn_add, block7_expand_W)
+        block7_expand = mem.tensor(19, (32, 192, 28, 28), 'float32')
+        rt.conv2d(block6_project_bn_add, T['block7_expand_W'], out=block7_expand, pad=0, stride=1)
+        # free block6_project, block6_project_bn_add
+        del block6_project, block6_project_bn_add
+        mem.free(18)
+
+        # ---- block7_expand_bn (batch norm), forward ----
+        # block7_expand_bn_bias = reshape[1x192x1x1](block7_expand_bn_B)
+        block7_expand_bn_bias = rt.reshape(T['block7_expand_bn_B'], shape=(1, 192, 1, 1))
+        # block7_expand_bn_weight = reshape[1x192x1x1](block7_expand_bn_W)
+        block7_expand_bn_weight = rt.reshape(T['block7_expand_bn_W'], shape=(1, 192, 1, 1))
+        # block7_expand_bn_running_var = reshape[1x192x1x1](block7_expand_bn_var)
+        block7_expand_bn_running_var = rt.reshape(T['block7_expand_bn_var'], shape=(1, 192, 1, 1))
+        # block7_expand_bn_running_mean = reshape[1x192x1x1](block7_expand_bn_mean)
+        block7_expand_bn_running_mean = rt.reshape(T['block7_expand_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block7_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block7_expand_bn_clipped_relu = Min(6.0, Max(0, block7_expand_bn_weight*(block7_expand - block7_expand_bn_running_mean)/sqrt(block7_expand_bn_running_var + 1.0e-5) + block7_expand_bn_bias))
+        block7_expand_bn_clipped_relu = block7_expand  # in place: over block7_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block7_expand_bn_clipped_relu, block7_expand, block7_expand_bn_running_mean, block7_expand_bn_running_var, block7_expand_bn_weight, block7_expand_bn_bias)
+
+        # ---- block7_dw (conv 3x3, 192 channels, stride 2, padding 1, 192 groups), forward ----
+        # block7_dw = conv2d[groups=192,pad=1,stride=2](block7_expand_bn_clipped_relu, block7_dw_W)
+        block7_dw = mem.tensor(20, (32, 192, 14, 14), 'float32')
+        rt.conv2d(block7_expand_bn_clipped_relu, T['block7_dw_W'], out=block7_dw, groups=192, pad=1, stride=2, workspace=mem.workspace(32735232))
+        # free block7_expand, block7_expand_bn_clipped_relu
+        del block7_expand, block7_expand_bn_clipped_relu
+        mem.free(19)
+
+        # ---- block7_dw_bn (batch norm), forward ----
+        # block7_dw_bn_bias = reshape[1x192x1x1](block7_dw_bn_B)
+        block7_dw_bn_bias = rt.reshape(T['block7_dw_bn_B'], shape=(1, 192, 1, 1))
+        # block7_dw_bn_weight = reshape[1x192x1x1](block7_dw_bn_W)
+        block7_dw_bn_weight = rt.reshape(T['block7_dw_bn_W'], shape=(1, 192, 1, 1))
+        # block7_dw_bn_running_var = reshape[1x192x1x1](block7_dw_bn_var)
+        block7_dw_bn_running_var = rt.reshape(T['block7_dw_bn_var'], shape=(1, 192, 1, 1))
+        # block7_dw_bn_running_mean = reshape[1x192x1x1](block7_dw_bn_mean)
+        block7_dw_bn_running_mean = rt.reshape(T['block7_dw_bn_mean'], shape=(1, 192, 1, 1))
+
+        # ---- block7_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block7_dw_bn_clipped_relu = Min(6.0, Max(0, block7_dw_bn_weight*(block7_dw - block7_dw_bn_running_mean)/sqrt(block7_dw_bn_running_var + 1.0e-5) + block7_dw_bn_bias))
+        block7_dw_bn_clipped_relu = block7_dw  # in place: over block7_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block7_dw_bn_clipped_relu, block7_dw, block7_dw_bn_running_mean, block7_dw_bn_running_var, block7_dw_bn_weight, block7_dw_bn_bias)
+
+        # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
+        block7_project = mem.tensor(21, (32, 64, 14, 14), 'float32')
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
+        # free block7_dw, block7_dw_bn_clipped_relu
+        del block7_dw, block7_dw_bn_clipped_relu
+        mem.free(20)
+
+        # ---- block7_project_bn (batch norm), forward ----
+        # block7_project_bn_bias = reshape[1x64x1x1](block7_project_bn_B)
+        block7_project_bn_bias = rt.reshape(T['block7_project_bn_B'], shape=(1, 64, 1, 1))
+        # block7_project_bn_weight = reshape[1x64x1x1](block7_project_bn_W)
+        block7_project_bn_weight = rt.reshape(T['block7_project_bn_W'], shape=(1, 64, 1, 1))
+        # block7_project_bn_running_var = reshape[1x64x1x1](block7_project_bn_var)
+        block7_project_bn_running_var = rt.reshape(T['block7_project_bn_var'], shape=(1, 64, 1, 1))
+        # block7_project_bn_running_mean = reshape[1x64x1x1](block7_project_bn_mean)
+        block7_project_bn_running_mean = rt.reshape(T['block7_project_bn_mean'], shape=(1, 64, 1, 1))
+        # block7_project_bn = block7_project_bn_weight*(block7_project - block7_project_bn_running_mean)/sqrt(block7_project_bn_running_var + 1.0e-5) + block7_project_bn_bias
+        block7_project_bn = block7_project  # in place: over block7_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block7_project_bn, block7_project, block7_project_bn_running_mean, block7_project_bn_running_var, block7_project_bn_weight, block7_project_bn_bias)
+
+        # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
+        # block8_expand = conv2d(block7_project_bn, block8_expand_W)
+        block8_expand = mem.tensor(22, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+
+        # ---- block8_expand_bn (batch norm), forward ----
+        # block8_expand_bn_running_var = reshape[1x384x1x1](block8_expand_bn_var)
+        block8_expand_bn_running_var = rt.reshape(T['block8_expand_bn_var'], shape=(1, 384, 1, 1))
+        # block8_expand_bn_bias = reshape[1x384x1x1](block8_expand_bn_B)
+        block8_expand_bn_bias = rt.reshape(T['block8_expand_bn_B'], shape=(1, 384, 1, 1))
+        # block8_expand_bn_weight = reshape[1x384x1x1](block8_expand_bn_W)
+        block8_expand_bn_weight = rt.reshape(T['block8_expand_bn_W'], shape=(1, 384, 1, 1))
+        # block8_expand_bn_running_mean = reshape[1x384x1x1](block8_expand_bn_mean)
+        block8_expand_bn_running_mean = rt.reshape(T['block8_expand_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block8_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block8_expand_bn_clipped_relu = Min(6.0, Max(0, block8_expand_bn_weight*(block8_expand - block8_expand_bn_running_mean)/sqrt(block8_expand_bn_running_var + 1.0e-5) + block8_expand_bn_bias))
+        block8_expand_bn_clipped_relu = block8_expand  # in place: over block8_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block8_expand_bn_clipped_relu, block8_expand, block8_expand_bn_running_mean, block8_expand_bn_running_var, block8_expand_bn_weight, block8_expand_bn_bias)
+
+        # ---- block8_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), forward ----
+        # block8_dw = conv2d[groups=384,pad=1](block8_expand_bn_clipped_relu, block8_dw_W)
+        block8_dw = mem.tensor(23, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block8_expand_bn_clipped_relu, T['block8_dw_W'], out=block8_dw, groups=384, pad=1, stride=1, workspace=mem.workspace(24821760))
+        # free block8_expand, block8_expand_bn_clipped_relu
+        del block8_expand, block8_expand_bn_clipped_relu
+        mem.free(22)
+
+        # ---- block8_dw_bn (batch norm), forward ----
+        # block8_dw_bn_bias = reshape[1x384x1x1](block8_dw_bn_B)
+        block8_dw_bn_bias = rt.reshape(T['block8_dw_bn_B'], shape=(1, 384, 1, 1))
+        # block8_dw_bn_weight = reshape[1x384x1x1](block8_dw_bn_W)
+        block8_dw_bn_weight = rt.reshape(T['block8_dw_bn_W'], shape=(1, 384, 1, 1))
+        # block8_dw_bn_running_var = reshape[1x384x1x1](block8_dw_bn_var)
+        block8_dw_bn_running_var = rt.reshape(T['block8_dw_bn_var'], shape=(1, 384, 1, 1))
+        # block8_dw_bn_running_mean = reshape[1x384x1x1](block8_dw_bn_mean)
+        block8_dw_bn_running_mean = rt.reshape(T['block8_dw_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block8_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block8_dw_bn_clipped_relu = Min(6.0, Max(0, block8_dw_bn_weight*(block8_dw - block8_dw_bn_running_mean)/sqrt(block8_dw_bn_running_var + 1.0e-5) + block8_dw_bn_bias))
+        block8_dw_bn_clipped_relu = block8_dw  # in place: over block8_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block8_dw_bn_clipped_relu, block8_dw, block8_dw_bn_running_mean, block8_dw_bn_running_var, block8_dw_bn_weight, block8_dw_bn_bias)
+
+        # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
+        block8_project = mem.tensor(24, (32, 64, 14, 14), 'float32')
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        # free block8_dw, block8_dw_bn_clipped_relu
+        del block8_dw, block8_dw_bn_clipped_relu
+        mem.free(23)
+
+        # ---- block8_project_bn (batch norm), forward ----
+        # block8_project_bn_bias = reshape[1x64x1x1](block8_project_bn_B)
+        block8_project_bn_bias = rt.reshape(T['block8_project_bn_B'], shape=(1, 64, 1, 1))
+        # block8_project_bn_weight = reshape[1x64x1x1](block8_project_bn_W)
+        block8_project_bn_weight = rt.reshape(T['block8_project_bn_W'], shape=(1, 64, 1, 1))
+        # block8_project_bn_running_var = reshape[1x64x1x1](block8_project_bn_var)
+        block8_project_bn_running_var = rt.reshape(T['block8_project_bn_var'], shape=(1, 64, 1, 1))
+        # block8_project_bn_running_mean = reshape[1x64x1x1](block8_project_bn_mean)
+        block8_project_bn_running_mean = rt.reshape(T['block8_project_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- block8_project_bn_add (sum of 2 branches), forward ----
+        # block8_project_bn_add = block8_project_bn_weight*(block8_project - block8_project_bn_running_mean)/sqrt(block8_project_bn_running_var + 1.0e-5) + block8_project_bn_bias + block7_project_bn
+        block8_project_bn_add = block8_project  # in place: over block8_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block8_project_bn_add, block8_project, block8_project_bn_running_mean, block8_project_bn_running_var, block8_project_bn_weight, block8_project_bn_bias, block7_project_bn)
+        # free block7_project, block7_project_bn
+        del block7_project, block7_project_bn
+        mem.free(21)
+
+        # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
+        # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
+        block9_expand = mem.tensor(25, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+
+        # ---- block9_expand_bn (batch norm), forward ----
+        # block9_expand_bn_bias = reshape[1x384x1x1](block9_expand_bn_B)
+        block9_expand_bn_bias = rt.reshape(T['block9_expand_bn_B'], shape=(1, 384, 1, 1))
+        # block9_expand_bn_weight = reshape[1x384x1x1](block9_expand_bn_W)
+        block9_expand_bn_weight = rt.reshape(T['block9_expand_bn_W'], shape=(1, 384, 1, 1))
+        # block9_expand_bn_running_var = reshape[1x384x1x1](block9_expand_bn_var)
+        block9_expand_bn_running_var = rt.reshape(T['block9_expand_bn_var'], shape=(1, 384, 1, 1))
+        # block9_expand_bn_running_mean = reshape[1x384x1x1](block9_expand_bn_mean)
+        block9_expand_bn_running_mean = rt.reshape(T['block9_expand_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block9_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block9_expand_bn_clipped_relu = Min(6.0, Max(0, block9_expand_bn_weight*(block9_expand - block9_expand_bn_running_mean)/sqrt(block9_expand_bn_running_var + 1.0e-5) + block9_expand_bn_bias))
+        block9_expand_bn_clipped_relu = block9_expand  # in place: over block9_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block9_expand_bn_clipped_relu, block9_expand, block9_expand_bn_running_mean, block9_expand_bn_running_var, block9_expand_bn_weight, block9_expand_bn_bias)
+
+        # ---- block9_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), forward ----
+        # block9_dw = conv2d[groups=384,pad=1](block9_expand_bn_clipped_relu, block9_dw_W)
+        block9_dw = mem.tensor(26, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block9_expand_bn_clipped_relu, T['block9_dw_W'], out=block9_dw, groups=384, pad=1, stride=1, workspace=mem.workspace(24821760))
+        # free block9_expand, block9_expand_bn_clipped_relu
+        del block9_expand, block9_expand_bn_clipped_relu
+        mem.free(25)
+
+        # ---- block9_dw_bn (batch norm), forward ----
+        # block9_dw_bn_bias = reshape[1x384x1x1](block9_dw_bn_B)
+        block9_dw_bn_bias = rt.reshape(T['block9_dw_bn_B'], shape=(1, 384, 1, 1))
+        # block9_dw_bn_weight = reshape[1x384x1x1](block9_dw_bn_W)
+        block9_dw_bn_weight = rt.reshape(T['block9_dw_bn_W'], shape=(1, 384, 1, 1))
+        # block9_dw_bn_running_var = reshape[1x384x1x1](block9_dw_bn_var)
+        block9_dw_bn_running_var = rt.reshape(T['block9_dw_bn_var'], shape=(1, 384, 1, 1))
+        # block9_dw_bn_running_mean = reshape[1x384x1x1](block9_dw_bn_mean)
+        block9_dw_bn_running_mean = rt.reshape(T['block9_dw_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block9_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block9_dw_bn_clipped_relu = Min(6.0, Max(0, block9_dw_bn_weight*(block9_dw - block9_dw_bn_running_mean)/sqrt(block9_dw_bn_running_var + 1.0e-5) + block9_dw_bn_bias))
+        block9_dw_bn_clipped_relu = block9_dw  # in place: over block9_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block9_dw_bn_clipped_relu, block9_dw, block9_dw_bn_running_mean, block9_dw_bn_running_var, block9_dw_bn_weight, block9_dw_bn_bias)
+
+        # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
+        block9_project = mem.tensor(27, (32, 64, 14, 14), 'float32')
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        # free block9_dw, block9_dw_bn_clipped_relu
+        del block9_dw, block9_dw_bn_clipped_relu
+        mem.free(26)
+
+        # ---- block9_project_bn (batch norm), forward ----
+        # block9_project_bn_bias = reshape[1x64x1x1](block9_project_bn_B)
+        block9_project_bn_bias = rt.reshape(T['block9_project_bn_B'], shape=(1, 64, 1, 1))
+        # block9_project_bn_weight = reshape[1x64x1x1](block9_project_bn_W)
+        block9_project_bn_weight = rt.reshape(T['block9_project_bn_W'], shape=(1, 64, 1, 1))
+        # block9_project_bn_running_var = reshape[1x64x1x1](block9_project_bn_var)
+        block9_project_bn_running_var = rt.reshape(T['block9_project_bn_var'], shape=(1, 64, 1, 1))
+        # block9_project_bn_running_mean = reshape[1x64x1x1](block9_project_bn_mean)
+        block9_project_bn_running_mean = rt.reshape(T['block9_project_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- block9_project_bn_add (sum of 2 branches), forward ----
+        # block9_project_bn_add = block9_project_bn_weight*(block9_project - block9_project_bn_running_mean)/sqrt(block9_project_bn_running_var + 1.0e-5) + block9_project_bn_bias + block8_project_bn_add
+        block9_project_bn_add = block9_project  # in place: over block9_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block9_project_bn_add, block9_project, block9_project_bn_running_mean, block9_project_bn_running_var, block9_project_bn_weight, block9_project_bn_bias, block8_project_bn_add)
+        # free block8_project, block8_project_bn_add
+        del block8_project, block8_project_bn_add
+        mem.free(24)
+
+        # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
+        # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
+        block10_expand = mem.tensor(28, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+
+        # ---- block10_expand_bn (batch norm), forward ----
+        # block10_expand_bn_bias = reshape[1x384x1x1](block10_expand_bn_B)
+        block10_expand_bn_bias = rt.reshape(T['block10_expand_bn_B'], shape=(1, 384, 1, 1))
+        # block10_expand_bn_weight = reshape[1x384x1x1](block10_expand_bn_W)
+        block10_expand_bn_weight = rt.reshape(T['block10_expand_bn_W'], shape=(1, 384, 1, 1))
+        # block10_expand_bn_running_var = reshape[1x384x1x1](block10_expand_bn_var)
+        block10_expand_bn_running_var = rt.reshape(T['block10_expand_bn_var'], shape=(1, 384, 1, 1))
+        # block10_expand_bn_running_mean = reshape[1x384x1x1](block10_expand_bn_mean)
+        block10_expand_bn_running_mean = rt.reshape(T['block10_expand_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block10_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block10_expand_bn_clipped_relu = Min(6.0, Max(0, block10_expand_bn_weight*(block10_expand - block10_expand_bn_running_mean)/sqrt(block10_expand_bn_running_var + 1.0e-5) + block10_expand_bn_bias))
+        block10_expand_bn_clipped_relu = block10_expand  # in place: over block10_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block10_expand_bn_clipped_relu, block10_expand, block10_expand_bn_running_mean, block10_expand_bn_running_var, block10_expand_bn_weight, block10_expand_bn_bias)
+
+        # ---- block10_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), forward ----
+        # block10_dw = conv2d[groups=384,pad=1](block10_expand_bn_clipped_relu, block10_dw_W)
+        block10_dw = mem.tensor(29, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block10_expand_bn_clipped_relu, T['block10_dw_W'], out=block10_dw, groups=384, pad=1, stride=1, workspace=mem.workspace(24821760))
+        # free block10_expand, block10_expand_bn_clipped_relu
+        del block10_expand, block10_expand_bn_clipped_relu
+        mem.free(28)
+
+        # ---- block10_dw_bn (batch norm), forward ----
+        # block10_dw_bn_bias = reshape[1x384x1x1](block10_dw_bn_B)
+        block10_dw_bn_bias = rt.reshape(T['block10_dw_bn_B'], shape=(1, 384, 1, 1))
+        # block10_dw_bn_weight = reshape[1x384x1x1](block10_dw_bn_W)
+        block10_dw_bn_weight = rt.reshape(T['block10_dw_bn_W'], shape=(1, 384, 1, 1))
+        # block10_dw_bn_running_var = reshape[1x384x1x1](block10_dw_bn_var)
+        block10_dw_bn_running_var = rt.reshape(T['block10_dw_bn_var'], shape=(1, 384, 1, 1))
+        # block10_dw_bn_running_mean = reshape[1x384x1x1](block10_dw_bn_mean)
+        block10_dw_bn_running_mean = rt.reshape(T['block10_dw_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block10_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block10_dw_bn_clipped_relu = Min(6.0, Max(0, block10_dw_bn_weight*(block10_dw - block10_dw_bn_running_mean)/sqrt(block10_dw_bn_running_var + 1.0e-5) + block10_dw_bn_bias))
+        block10_dw_bn_clipped_relu = block10_dw  # in place: over block10_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block10_dw_bn_clipped_relu, block10_dw, block10_dw_bn_running_mean, block10_dw_bn_running_var, block10_dw_bn_weight, block10_dw_bn_bias)
+
+        # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
+        block10_project = mem.tensor(30, (32, 64, 14, 14), 'float32')
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        # free block10_dw, block10_dw_bn_clipped_relu
+        del block10_dw, block10_dw_bn_clipped_relu
+        mem.free(29)
+
+        # ---- block10_project_bn (batch norm), forward ----
+        # block10_project_bn_bias = reshape[1x64x1x1](block10_project_bn_B)
+        block10_project_bn_bias = rt.reshape(T['block10_project_bn_B'], shape=(1, 64, 1, 1))
+        # block10_project_bn_weight = reshape[1x64x1x1](block10_project_bn_W)
+        block10_project_bn_weight = rt.reshape(T['block10_project_bn_W'], shape=(1, 64, 1, 1))
+        # block10_project_bn_running_var = reshape[1x64x1x1](block10_project_bn_var)
+        block10_project_bn_running_var = rt.reshape(T['block10_project_bn_var'], shape=(1, 64, 1, 1))
+        # block10_project_bn_running_mean = reshape[1x64x1x1](block10_project_bn_mean)
+        block10_project_bn_running_mean = rt.reshape(T['block10_project_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- block10_project_bn_add (sum of 2 branches), forward ----
+        # block10_project_bn_add = block10_project_bn_weight*(block10_project - block10_project_bn_running_mean)/sqrt(block10_project_bn_running_var + 1.0e-5) + block10_project_bn_bias + block9_project_bn_add
+        block10_project_bn_add = block10_project  # in place: over block10_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block10_project_bn_add, block10_project, block10_project_bn_running_mean, block10_project_bn_running_var, block10_project_bn_weight, block10_project_bn_bias, block9_project_bn_add)
+        # free block9_project, block9_project_bn_add
+        del block9_project, block9_project_bn_add
+        mem.free(27)
+
+        # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
+        # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
+        block11_expand = mem.tensor(31, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        # free block10_project, block10_project_bn_add
+        del block10_project, block10_project_bn_add
+        mem.free(30)
+
+        # ---- block11_expand_bn (batch norm), forward ----
+        # block11_expand_bn_bias = reshape[1x384x1x1](block11_expand_bn_B)
+        block11_expand_bn_bias = rt.reshape(T['block11_expand_bn_B'], shape=(1, 384, 1, 1))
+        # block11_expand_bn_weight = reshape[1x384x1x1](block11_expand_bn_W)
+        block11_expand_bn_weight = rt.reshape(T['block11_expand_bn_W'], shape=(1, 384, 1, 1))
+        # block11_expand_bn_running_var = reshape[1x384x1x1](block11_expand_bn_var)
+        block11_expand_bn_running_var = rt.reshape(T['block11_expand_bn_var'], shape=(1, 384, 1, 1))
+        # block11_expand_bn_running_mean = reshape[1x384x1x1](block11_expand_bn_mean)
+        block11_expand_bn_running_mean = rt.reshape(T['block11_expand_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block11_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block11_expand_bn_clipped_relu = Min(6.0, Max(0, block11_expand_bn_weight*(block11_expand - block11_expand_bn_running_mean)/sqrt(block11_expand_bn_running_var + 1.0e-5) + block11_expand_bn_bias))
+        block11_expand_bn_clipped_relu = block11_expand  # in place: over block11_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block11_expand_bn_clipped_relu, block11_expand, block11_expand_bn_running_mean, block11_expand_bn_running_var, block11_expand_bn_weight, block11_expand_bn_bias)
+
+        # ---- block11_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), forward ----
+        # block11_dw = conv2d[groups=384,pad=1](block11_expand_bn_clipped_relu, block11_dw_W)
+        block11_dw = mem.tensor(32, (32, 384, 14, 14), 'float32')
+        rt.conv2d(block11_expand_bn_clipped_relu, T['block11_dw_W'], out=block11_dw, groups=384, pad=1, stride=1, workspace=mem.workspace(24821760))
+        # free block11_expand, block11_expand_bn_clipped_relu
+        del block11_expand, block11_expand_bn_clipped_relu
+        mem.free(31)
+
+        # ---- block11_dw_bn (batch norm), forward ----
+        # block11_dw_bn_bias = reshape[1x384x1x1](block11_dw_bn_B)
+        block11_dw_bn_bias = rt.reshape(T['block11_dw_bn_B'], shape=(1, 384, 1, 1))
+        # block11_dw_bn_weight = reshape[1x384x1x1](block11_dw_bn_W)
+        block11_dw_bn_weight = rt.reshape(T['block11_dw_bn_W'], shape=(1, 384, 1, 1))
+        # block11_dw_bn_running_var = reshape[1x384x1x1](block11_dw_bn_var)
+        block11_dw_bn_running_var = rt.reshape(T['block11_dw_bn_var'], shape=(1, 384, 1, 1))
+        # block11_dw_bn_running_mean = reshape[1x384x1x1](block11_dw_bn_mean)
+        block11_dw_bn_running_mean = rt.reshape(T['block11_dw_bn_mean'], shape=(1, 384, 1, 1))
+
+        # ---- block11_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block11_dw_bn_clipped_relu = Min(6.0, Max(0, block11_dw_bn_weight*(block11_dw - block11_dw_bn_running_mean)/sqrt(block11_dw_bn_running_var + 1.0e-5) + block11_dw_bn_bias))
+        block11_dw_bn_clipped_relu = block11_dw  # in place: over block11_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block11_dw_bn_clipped_relu, block11_dw, block11_dw_bn_running_mean, block11_dw_bn_running_var, block11_dw_bn_weight, block11_dw_bn_bias)
+
+        # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
+        block11_project = mem.tensor(33, (32, 96, 14, 14), 'float32')
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        # free block11_dw, block11_dw_bn_clipped_relu
+        del block11_dw, block11_dw_bn_clipped_relu
+        mem.free(32)
+
+        # ---- block11_project_bn (batch norm), forward ----
+        # block11_project_bn_bias = reshape[1x96x1x1](block11_project_bn_B)
+        block11_project_bn_bias = rt.reshape(T['block11_project_bn_B'], shape=(1, 96, 1, 1))
+        # block11_project_bn_weight = reshape[1x96x1x1](block11_project_bn_W)
+        block11_project_bn_weight = rt.reshape(T['block11_project_bn_W'], shape=(1, 96, 1, 1))
+        # block11_project_bn_running_var = reshape[1x96x1x1](block11_project_bn_var)
+        block11_project_bn_running_var = rt.reshape(T['block11_project_bn_var'], shape=(1, 96, 1, 1))
+        # block11_project_bn_running_mean = reshape[1x96x1x1](block11_project_bn_mean)
+        block11_project_bn_running_mean = rt.reshape(T['block11_project_bn_mean'], shape=(1, 96, 1, 1))
+        # block11_project_bn = block11_project_bn_weight*(block11_project - block11_project_bn_running_mean)/sqrt(block11_project_bn_running_var + 1.0e-5) + block11_project_bn_bias
+        block11_project_bn = block11_project  # in place: over block11_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block11_project_bn, block11_project, block11_project_bn_running_mean, block11_project_bn_running_var, block11_project_bn_weight, block11_project_bn_bias)
+
+        # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
+        # block12_expand = conv2d(block11_project_bn, block12_expand_W)
+        block12_expand = mem.tensor(34, (32, 576, 14, 14), 'float32')
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+
+        # ---- block12_expand_bn (batch norm), forward ----
+        # block12_expand_bn_bias = reshape[1x576x1x1](block12_expand_bn_B)
+        block12_expand_bn_bias = rt.reshape(T['block12_expand_bn_B'], shape=(1, 576, 1, 1))
+        # block12_expand_bn_weight = reshape[1x576x1x1](block12_expand_bn_W)
+        block12_expand_bn_weight = rt.reshape(T['block12_expand_bn_W'], shape=(1, 576, 1, 1))
+        # block12_expand_bn_running_var = reshape[1x576x1x1](block12_expand_bn_var)
+        block12_expand_bn_running_var = rt.reshape(T['block12_expand_bn_var'], shape=(1, 576, 1, 1))
+        # block12_expand_bn_running_mean = reshape[1x576x1x1](block12_expand_bn_mean)
+        block12_expand_bn_running_mean = rt.reshape(T['block12_expand_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block12_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block12_expand_bn_clipped_relu = Min(6.0, Max(0, block12_expand_bn_weight*(block12_expand - block12_expand_bn_running_mean)/sqrt(block12_expand_bn_running_var + 1.0e-5) + block12_expand_bn_bias))
+        block12_expand_bn_clipped_relu = block12_expand  # in place: over block12_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block12_expand_bn_clipped_relu, block12_expand, block12_expand_bn_running_mean, block12_expand_bn_running_var, block12_expand_bn_weight, block12_expand_bn_bias)
+
+        # ---- block12_dw (conv 3x3, 576 channels, stride 1, padding 1, 576 groups), forward ----
+        # block12_dw = conv2d[groups=576,pad=1](block12_expand_bn_clipped_relu, block12_dw_W)
+        block12_dw = mem.tensor(35, (32, 576, 14, 14), 'float32')
+        rt.conv2d(block12_expand_bn_clipped_relu, T['block12_dw_W'], out=block12_dw, groups=576, pad=1, stride=1, workspace=mem.workspace(32578560))
+        # free block12_expand, block12_expand_bn_clipped_relu
+        del block12_expand, block12_expand_bn_clipped_relu
+        mem.free(34)
+
+        # ---- block12_dw_bn (batch norm), forward ----
+        # block12_dw_bn_bias = reshape[1x576x1x1](block12_dw_bn_B)
+        block12_dw_bn_bias = rt.reshape(T['block12_dw_bn_B'], shape=(1, 576, 1, 1))
+        # block12_dw_bn_weight = reshape[1x576x1x1](block12_dw_bn_W)
+        block12_dw_bn_weight = rt.reshape(T['block12_dw_bn_W'], shape=(1, 576, 1, 1))
+        # block12_dw_bn_running_var = reshape[1x576x1x1](block12_dw_bn_var)
+        block12_dw_bn_running_var = rt.reshape(T['block12_dw_bn_var'], shape=(1, 576, 1, 1))
+        # block12_dw_bn_running_mean = reshape[1x576x1x1](block12_dw_bn_mean)
+        block12_dw_bn_running_mean = rt.reshape(T['block12_dw_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block12_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block12_dw_bn_clipped_relu = Min(6.0, Max(0, block12_dw_bn_weight*(block12_dw - block12_dw_bn_running_mean)/sqrt(block12_dw_bn_running_var + 1.0e-5) + block12_dw_bn_bias))
+        block12_dw_bn_clipped_relu = block12_dw  # in place: over block12_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block12_dw_bn_clipped_relu, block12_dw, block12_dw_bn_running_mean, block12_dw_bn_running_var, block12_dw_bn_weight, block12_dw_bn_bias)
+
+        # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
+        block12_project = mem.tensor(36, (32, 96, 14, 14), 'float32')
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        # free block12_dw, block12_dw_bn_clipped_relu
+        del block12_dw, block12_dw_bn_clipped_relu
+        mem.free(35)
+
+        # ---- block12_project_bn (batch norm), forward ----
+        # block12_project_bn_bias = reshape[1x96x1x1](block12_project_bn_B)
+        block12_project_bn_bias = rt.reshape(T['block12_project_bn_B'], shape=(1, 96, 1, 1))
+        # block12_project_bn_weight = reshape[1x96x1x1](block12_project_bn_W)
+        block12_project_bn_weight = rt.reshape(T['block12_project_bn_W'], shape=(1, 96, 1, 1))
+        # block12_project_bn_running_var = reshape[1x96x1x1](block12_project_bn_var)
+        block12_project_bn_running_var = rt.reshape(T['block12_project_bn_var'], shape=(1, 96, 1, 1))
+        # block12_project_bn_running_mean = reshape[1x96x1x1](block12_project_bn_mean)
+        block12_project_bn_running_mean = rt.reshape(T['block12_project_bn_mean'], shape=(1, 96, 1, 1))
+
+        # ---- block12_project_bn_add (sum of 2 branches), forward ----
+        # block12_project_bn_add = block12_project_bn_weight*(block12_project - block12_project_bn_running_mean)/sqrt(block12_project_bn_running_var + 1.0e-5) + block12_project_bn_bias + block11_project_bn
+        block12_project_bn_add = block12_project  # in place: over block12_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block12_project_bn_add, block12_project, block12_project_bn_running_mean, block12_project_bn_running_var, block12_project_bn_weight, block12_project_bn_bias, block11_project_bn)
+        # free block11_project, block11_project_bn
+        del block11_project, block11_project_bn
+        mem.free(33)
+
+        # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
+        # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
+        block13_expand = mem.tensor(37, (32, 576, 14, 14), 'float32')
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+
+        # ---- block13_expand_bn (batch norm), forward ----
+        # block13_expand_bn_bias = reshape[1x576x1x1](block13_expand_bn_B)
+        block13_expand_bn_bias = rt.reshape(T['block13_expand_bn_B'], shape=(1, 576, 1, 1))
+        # block13_expand_bn_weight = reshape[1x576x1x1](block13_expand_bn_W)
+        block13_expand_bn_weight = rt.reshape(T['block13_expand_bn_W'], shape=(1, 576, 1, 1))
+        # block13_expand_bn_running_var = reshape[1x576x1x1](block13_expand_bn_var)
+        block13_expand_bn_running_var = rt.reshape(T['block13_expand_bn_var'], shape=(1, 576, 1, 1))
+        # block13_expand_bn_running_mean = reshape[1x576x1x1](block13_expand_bn_mean)
+        block13_expand_bn_running_mean = rt.reshape(T['block13_expand_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block13_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block13_expand_bn_clipped_relu = Min(6.0, Max(0, block13_expand_bn_weight*(block13_expand - block13_expand_bn_running_mean)/sqrt(block13_expand_bn_running_var + 1.0e-5) + block13_expand_bn_bias))
+        block13_expand_bn_clipped_relu = block13_expand  # in place: over block13_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block13_expand_bn_clipped_relu, block13_expand, block13_expand_bn_running_mean, block13_expand_bn_running_var, block13_expand_bn_weight, block13_expand_bn_bias)
+
+        # ---- block13_dw (conv 3x3, 576 channels, stride 1, padding 1, 576 groups), forward ----
+        # block13_dw = conv2d[groups=576,pad=1](block13_expand_bn_clipped_relu, block13_dw_W)
+        block13_dw = mem.tensor(38, (32, 576, 14, 14), 'float32')
+        rt.conv2d(block13_expand_bn_clipped_relu, T['block13_dw_W'], out=block13_dw, groups=576, pad=1, stride=1, workspace=mem.workspace(32578560))
+        # free block13_expand, block13_expand_bn_clipped_relu
+        del block13_expand, block13_expand_bn_clipped_relu
+        mem.free(37)
+
+        # ---- block13_dw_bn (batch norm), forward ----
+        # block13_dw_bn_running_var = reshape[1x576x1x1](block13_dw_bn_var)
+        block13_dw_bn_running_var = rt.reshape(T['block13_dw_bn_var'], shape=(1, 576, 1, 1))
+        # block13_dw_bn_bias = reshape[1x576x1x1](block13_dw_bn_B)
+        block13_dw_bn_bias = rt.reshape(T['block13_dw_bn_B'], shape=(1, 576, 1, 1))
+        # block13_dw_bn_weight = reshape[1x576x1x1](block13_dw_bn_W)
+        block13_dw_bn_weight = rt.reshape(T['block13_dw_bn_W'], shape=(1, 576, 1, 1))
+        # block13_dw_bn_running_mean = reshape[1x576x1x1](block13_dw_bn_mean)
+        block13_dw_bn_running_mean = rt.reshape(T['block13_dw_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block13_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block13_dw_bn_clipped_relu = Min(6.0, Max(0, block13_dw_bn_weight*(block13_dw - block13_dw_bn_running_mean)/sqrt(block13_dw_bn_running_var + 1.0e-5) + block13_dw_bn_bias))
+        block13_dw_bn_clipped_relu = block13_dw  # in place: over block13_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block13_dw_bn_clipped_relu, block13_dw, block13_dw_bn_running_mean, block13_dw_bn_running_var, block13_dw_bn_weight, block13_dw_bn_bias)
+
+        # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
+        # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
+        block13_project = mem.tensor(39, (32, 96, 14, 14), 'float32')
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        # free block13_dw, block13_dw_bn_clipped_relu
+        del block13_dw, block13_dw_bn_clipped_relu
+        mem.free(38)
+
+        # ---- block13_project_bn (batch norm), forward ----
+        # block13_project_bn_bias = reshape[1x96x1x1](block13_project_bn_B)
+        block13_project_bn_bias = rt.reshape(T['block13_project_bn_B'], shape=(1, 96, 1, 1))
+        # block13_project_bn_weight = reshape[1x96x1x1](block13_project_bn_W)
+        block13_project_bn_weight = rt.reshape(T['block13_project_bn_W'], shape=(1, 96, 1, 1))
+        # block13_project_bn_running_var = reshape[1x96x1x1](block13_project_bn_var)
+        block13_project_bn_running_var = rt.reshape(T['block13_project_bn_var'], shape=(1, 96, 1, 1))
+        # block13_project_bn_running_mean = reshape[1x96x1x1](block13_project_bn_mean)
+        block13_project_bn_running_mean = rt.reshape(T['block13_project_bn_mean'], shape=(1, 96, 1, 1))
+
+        # ---- block13_project_bn_add (sum of 2 branches), forward ----
+        # block13_project_bn_add = block13_project_bn_weight*(block13_project - block13_project_bn_running_mean)/sqrt(block13_project_bn_running_var + 1.0e-5) + block13_project_bn_bias + block12_project_bn_add
+        block13_project_bn_add = block13_project  # in place: over block13_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block13_project_bn_add, block13_project, block13_project_bn_running_mean, block13_project_bn_running_var, block13_project_bn_weight, block13_project_bn_bias, block12_project_bn_add)
+        # free block12_project, block12_project_bn_add
+        del block12_project, block12_project_bn_add
+        mem.free(36)
+
+        # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
+        # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
+        block14_expand = mem.tensor(40, (32, 576, 14, 14), 'float32')
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        # free block13_project, block13_project_bn_add
+        del block13_project, block13_project_bn_add
+        mem.free(39)
+
+        # ---- block14_expand_bn (batch norm), forward ----
+        # block14_expand_bn_bias = reshape[1x576x1x1](block14_expand_bn_B)
+        block14_expand_bn_bias = rt.reshape(T['block14_expand_bn_B'], shape=(1, 576, 1, 1))
+        # block14_expand_bn_weight = reshape[1x576x1x1](block14_expand_bn_W)
+        block14_expand_bn_weight = rt.reshape(T['block14_expand_bn_W'], shape=(1, 576, 1, 1))
+        # block14_expand_bn_running_var = reshape[1x576x1x1](block14_expand_bn_var)
+        block14_expand_bn_running_var = rt.reshape(T['block14_expand_bn_var'], shape=(1, 576, 1, 1))
+        # block14_expand_bn_running_mean = reshape[1x576x1x1](block14_expand_bn_mean)
+        block14_expand_bn_running_mean = rt.reshape(T['block14_expand_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block14_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block14_expand_bn_clipped_relu = Min(6.0, Max(0, block14_expand_bn_weight*(block14_expand - block14_expand_bn_running_mean)/sqrt(block14_expand_bn_running_var + 1.0e-5) + block14_expand_bn_bias))
+        block14_expand_bn_clipped_relu = block14_expand  # in place: over block14_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block14_expand_bn_clipped_relu, block14_expand, block14_expand_bn_running_mean, block14_expand_bn_running_var, block14_expand_bn_weight, block14_expand_bn_bias)
+
+        # ---- block14_dw (conv 3x3, 576 channels, stride 2, padding 1, 576 groups), forward ----
+        # block14_dw = conv2d[groups=576,pad=1,stride=2](block14_expand_bn_clipped_relu, block14_dw_W)
+        block14_dw = mem.tensor(41, (32, 576, 7, 7), 'float32')
+        rt.conv2d(block14_expand_bn_clipped_relu, T['block14_dw_W'], out=block14_dw, groups=576, pad=1, stride=2, workspace=mem.workspace(25694208))
+        # free block14_expand, block14_expand_bn_clipped_relu
+        del block14_expand, block14_expand_bn_clipped_relu
+        mem.free(40)
+
+        # ---- block14_dw_bn (batch norm), forward ----
+        # block14_dw_bn_bias = reshape[1x576x1x1](block14_dw_bn_B)
+        block14_dw_bn_bias = rt.reshape(T['block14_dw_bn_B'], shape=(1, 576, 1, 1))
+        # block14_dw_bn_weight = reshape[1x576x1x1](block14_dw_bn_W)
+        block14_dw_bn_weight = rt.reshape(T['block14_dw_bn_W'], shape=(1, 576, 1, 1))
+        # block14_dw_bn_running_var = reshape[1x576x1x1](block14_dw_bn_var)
+        block14_dw_bn_running_var = rt.reshape(T['block14_dw_bn_var'], shape=(1, 576, 1, 1))
+        # block14_dw_bn_running_mean = reshape[1x576x1x1](block14_dw_bn_mean)
+        block14_dw_bn_running_mean = rt.reshape(T['block14_dw_bn_mean'], shape=(1, 576, 1, 1))
+
+        # ---- block14_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block14_dw_bn_clipped_relu = Min(6.0, Max(0, block14_dw_bn_weight*(block14_dw - block14_dw_bn_running_mean)/sqrt(block14_dw_bn_running_var + 1.0e-5) + block14_dw_bn_bias))
+        block14_dw_bn_clipped_relu = block14_dw  # in place: over block14_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block14_dw_bn_clipped_relu, block14_dw, block14_dw_bn_running_mean, block14_dw_bn_running_var, block14_dw_bn_weight, block14_dw_bn_bias)
+
+        # ---- block14_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # block14_project = conv2d(block14_dw_bn_clipped_relu, block14_project_W)
+        block14_project = mem.tensor(42, (32, 160, 7, 7), 'float32')
+        rt.conv2d(block14_dw_bn_clipped_relu, T['block14_project_W'], out=block14_project, pad=0, stride=1, workspace=mem.workspace(3612672))
+        # free block14_dw, block14_dw_bn_clipped_relu
+        del block14_dw, block14_dw_bn_clipped_relu
+        mem.free(41)
+
+        # ---- block14_project_bn (batch norm), forward ----
+        # block14_project_bn_bias = reshape[1x160x1x1](block14_project_bn_B)
+        block14_project_bn_bias = rt.reshape(T['block14_project_bn_B'], shape=(1, 160, 1, 1))
+        # block14_project_bn_weight = reshape[1x160x1x1](block14_project_bn_W)
+        block14_project_bn_weight = rt.reshape(T['block14_project_bn_W'], shape=(1, 160, 1, 1))
+        # block14_project_bn_running_var = reshape[1x160x1x1](block14_project_bn_var)
+        block14_project_bn_running_var = rt.reshape(T['block14_project_bn_var'], shape=(1, 160, 1, 1))
+        # block14_project_bn_running_mean = reshape[1x160x1x1](block14_project_bn_mean)
+        block14_project_bn_running_mean = rt.reshape(T['block14_project_bn_mean'], shape=(1, 160, 1, 1))
+        # block14_project_bn = block14_project_bn_weight*(block14_project - block14_project_bn_running_mean)/sqrt(block14_project_bn_running_var + 1.0e-5) + block14_project_bn_bias
+        block14_project_bn = block14_project  # in place: over block14_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block14_project_bn, block14_project, block14_project_bn_running_mean, block14_project_bn_running_var, block14_project_bn_weight, block14_project_bn_bias)
+
+        # ---- block15_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
+        # block15_expand = conv2d(block14_project_bn, block15_expand_W)
+        block15_expand = mem.tensor(43, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block14_project_bn, T['block15_expand_W'], out=block15_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
+
+        # ---- block15_expand_bn (batch norm), forward ----
+        # block15_expand_bn_bias = reshape[1x960x1x1](block15_expand_bn_B)
+        block15_expand_bn_bias = rt.reshape(T['block15_expand_bn_B'], shape=(1, 960, 1, 1))
+        # block15_expand_bn_weight = reshape[1x960x1x1](block15_expand_bn_W)
+        block15_expand_bn_weight = rt.reshape(T['block15_expand_bn_W'], shape=(1, 960, 1, 1))
+        # block15_expand_bn_running_var = reshape[1x960x1x1](block15_expand_bn_var)
+        block15_expand_bn_running_var = rt.reshape(T['block15_expand_bn_var'], shape=(1, 960, 1, 1))
+        # block15_expand_bn_running_mean = reshape[1x960x1x1](block15_expand_bn_mean)
+        block15_expand_bn_running_mean = rt.reshape(T['block15_expand_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block15_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block15_expand_bn_clipped_relu = Min(6.0, Max(0, block15_expand_bn_weight*(block15_expand - block15_expand_bn_running_mean)/sqrt(block15_expand_bn_running_var + 1.0e-5) + block15_expand_bn_bias))
+        block15_expand_bn_clipped_relu = block15_expand  # in place: over block15_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block15_expand_bn_clipped_relu, block15_expand, block15_expand_bn_running_mean, block15_expand_bn_running_var, block15_expand_bn_weight, block15_expand_bn_bias)
+
+        # ---- block15_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), forward ----
+        # block15_dw = conv2d[groups=960,pad=1](block15_expand_bn_clipped_relu, block15_dw_W)
+        block15_dw = mem.tensor(44, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block15_expand_bn_clipped_relu, T['block15_dw_W'], out=block15_dw, groups=960, pad=1, stride=1, workspace=mem.workspace(32071680))
+        # free block15_expand, block15_expand_bn_clipped_relu
+        del block15_expand, block15_expand_bn_clipped_relu
+        mem.free(43)
+
+        # ---- block15_dw_bn (batch norm), forward ----
+        # block15_dw_bn_bias = reshape[1x960x1x1](block15_dw_bn_B)
+        block15_dw_bn_bias = rt.reshape(T['block15_dw_bn_B'], shape=(1, 960, 1, 1))
+        # block15_dw_bn_weight = reshape[1x960x1x1](block15_dw_bn_W)
+        block15_dw_bn_weight = rt.reshape(T['block15_dw_bn_W'], shape=(1, 960, 1, 1))
+        # block15_dw_bn_running_var = reshape[1x960x1x1](block15_dw_bn_var)
+        block15_dw_bn_running_var = rt.reshape(T['block15_dw_bn_var'], shape=(1, 960, 1, 1))
+        # block15_dw_bn_running_mean = reshape[1x960x1x1](block15_dw_bn_mean)
+        block15_dw_bn_running_mean = rt.reshape(T['block15_dw_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block15_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block15_dw_bn_clipped_relu = Min(6.0, Max(0, block15_dw_bn_weight*(block15_dw - block15_dw_bn_running_mean)/sqrt(block15_dw_bn_running_var + 1.0e-5) + block15_dw_bn_bias))
+        block15_dw_bn_clipped_relu = block15_dw  # in place: over block15_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block15_dw_bn_clipped_relu, block15_dw, block15_dw_bn_running_mean, block15_dw_bn_running_var, block15_dw_bn_weight, block15_dw_bn_bias)
+
+        # ---- block15_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # block15_project = conv2d(block15_dw_bn_clipped_relu, block15_project_W)
+        block15_project = mem.tensor(45, (32, 160, 7, 7), 'float32')
+        rt.conv2d(block15_dw_bn_clipped_relu, T['block15_project_W'], out=block15_project, pad=0, stride=1, workspace=mem.workspace(6021120))
+        # free block15_dw, block15_dw_bn_clipped_relu
+        del block15_dw, block15_dw_bn_clipped_relu
+        mem.free(44)
+
+        # ---- block15_project_bn (batch norm), forward ----
+        # block15_project_bn_bias = reshape[1x160x1x1](block15_project_bn_B)
+        block15_project_bn_bias = rt.reshape(T['block15_project_bn_B'], shape=(1, 160, 1, 1))
+        # block15_project_bn_weight = reshape[1x160x1x1](block15_project_bn_W)
+        block15_project_bn_weight = rt.reshape(T['block15_project_bn_W'], shape=(1, 160, 1, 1))
+        # block15_project_bn_running_var = reshape[1x160x1x1](block15_project_bn_var)
+        block15_project_bn_running_var = rt.reshape(T['block15_project_bn_var'], shape=(1, 160, 1, 1))
+        # block15_project_bn_running_mean = reshape[1x160x1x1](block15_project_bn_mean)
+        block15_project_bn_running_mean = rt.reshape(T['block15_project_bn_mean'], shape=(1, 160, 1, 1))
+
+        # ---- block15_project_bn_add (sum of 2 branches), forward ----
+        # block15_project_bn_add = block15_project_bn_weight*(block15_project - block15_project_bn_running_mean)/sqrt(block15_project_bn_running_var + 1.0e-5) + block15_project_bn_bias + block14_project_bn
+        block15_project_bn_add = block15_project  # in place: over block15_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block15_project_bn_add, block15_project, block15_project_bn_running_mean, block15_project_bn_running_var, block15_project_bn_weight, block15_project_bn_bias, block14_project_bn)
+        # free block14_project, block14_project_bn
+        del block14_project, block14_project_bn
+        mem.free(42)
+
+        # ---- block16_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
+        # block16_expand = conv2d(block15_project_bn_add, block16_expand_W)
+        block16_expand = mem.tensor(46, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block15_project_bn_add, T['block16_expand_W'], out=block16_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
+
+        # ---- block16_expand_bn (batch norm), forward ----
+        # block16_expand_bn_bias = reshape[1x960x1x1](block16_expand_bn_B)
+        block16_expand_bn_bias = rt.reshape(T['block16_expand_bn_B'], shape=(1, 960, 1, 1))
+        # block16_expand_bn_weight = reshape[1x960x1x1](block16_expand_bn_W)
+        block16_expand_bn_weight = rt.reshape(T['block16_expand_bn_W'], shape=(1, 960, 1, 1))
+        # block16_expand_bn_running_var = reshape[1x960x1x1](block16_expand_bn_var)
+        block16_expand_bn_running_var = rt.reshape(T['block16_expand_bn_var'], shape=(1, 960, 1, 1))
+        # block16_expand_bn_running_mean = reshape[1x960x1x1](block16_expand_bn_mean)
+        block16_expand_bn_running_mean = rt.reshape(T['block16_expand_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block16_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block16_expand_bn_clipped_relu = Min(6.0, Max(0, block16_expand_bn_weight*(block16_expand - block16_expand_bn_running_mean)/sqrt(block16_expand_bn_running_var + 1.0e-5) + block16_expand_bn_bias))
+        block16_expand_bn_clipped_relu = block16_expand  # in place: over block16_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block16_expand_bn_clipped_relu, block16_expand, block16_expand_bn_running_mean, block16_expand_bn_running_var, block16_expand_bn_weight, block16_expand_bn_bias)
+
+        # ---- block16_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), forward ----
+        # block16_dw = conv2d[groups=960,pad=1](block16_expand_bn_clipped_relu, block16_dw_W)
+        block16_dw = mem.tensor(47, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block16_expand_bn_clipped_relu, T['block16_dw_W'], out=block16_dw, groups=960, pad=1, stride=1, workspace=mem.workspace(32071680))
+        # free block16_expand, block16_expand_bn_clipped_relu
+        del block16_expand, block16_expand_bn_clipped_relu
+        mem.free(46)
+
+        # ---- block16_dw_bn (batch norm), forward ----
+        # block16_dw_bn_bias = reshape[1x960x1x1](block16_dw_bn_B)
+        block16_dw_bn_bias = rt.reshape(T['block16_dw_bn_B'], shape=(1, 960, 1, 1))
+        # block16_dw_bn_weight = reshape[1x960x1x1](block16_dw_bn_W)
+        block16_dw_bn_weight = rt.reshape(T['block16_dw_bn_W'], shape=(1, 960, 1, 1))
+        # block16_dw_bn_running_var = reshape[1x960x1x1](block16_dw_bn_var)
+        block16_dw_bn_running_var = rt.reshape(T['block16_dw_bn_var'], shape=(1, 960, 1, 1))
+        # block16_dw_bn_running_mean = reshape[1x960x1x1](block16_dw_bn_mean)
+        block16_dw_bn_running_mean = rt.reshape(T['block16_dw_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block16_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block16_dw_bn_clipped_relu = Min(6.0, Max(0, block16_dw_bn_weight*(block16_dw - block16_dw_bn_running_mean)/sqrt(block16_dw_bn_running_var + 1.0e-5) + block16_dw_bn_bias))
+        block16_dw_bn_clipped_relu = block16_dw  # in place: over block16_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block16_dw_bn_clipped_relu, block16_dw, block16_dw_bn_running_mean, block16_dw_bn_running_var, block16_dw_bn_weight, block16_dw_bn_bias)
+
+        # ---- block16_project (conv 1x1, 160 channels, stride 1, padding 0), forward ----
+        # block16_project = conv2d(block16_dw_bn_clipped_relu, block16_project_W)
+        block16_project = mem.tensor(48, (32, 160, 7, 7), 'float32')
+        rt.conv2d(block16_dw_bn_clipped_relu, T['block16_project_W'], out=block16_project, pad=0, stride=1, workspace=mem.workspace(6021120))
+        # free block16_dw, block16_dw_bn_clipped_relu
+        del block16_dw, block16_dw_bn_clipped_relu
+        mem.free(47)
+
+        # ---- block16_project_bn (batch norm), forward ----
+        # block16_project_bn_bias = reshape[1x160x1x1](block16_project_bn_B)
+        block16_project_bn_bias = rt.reshape(T['block16_project_bn_B'], shape=(1, 160, 1, 1))
+        # block16_project_bn_weight = reshape[1x160x1x1](block16_project_bn_W)
+        block16_project_bn_weight = rt.reshape(T['block16_project_bn_W'], shape=(1, 160, 1, 1))
+        # block16_project_bn_running_var = reshape[1x160x1x1](block16_project_bn_var)
+        block16_project_bn_running_var = rt.reshape(T['block16_project_bn_var'], shape=(1, 160, 1, 1))
+        # block16_project_bn_running_mean = reshape[1x160x1x1](block16_project_bn_mean)
+        block16_project_bn_running_mean = rt.reshape(T['block16_project_bn_mean'], shape=(1, 160, 1, 1))
+
+        # ---- block16_project_bn_add (sum of 2 branches), forward ----
+        # block16_project_bn_add = block16_project_bn_weight*(block16_project - block16_project_bn_running_mean)/sqrt(block16_project_bn_running_var + 1.0e-5) + block16_project_bn_bias + block15_project_bn_add
+        block16_project_bn_add = block16_project  # in place: over block16_project
+        rt.ew(ew_add_rsqrt_sub_mul_3, block16_project_bn_add, block16_project, block16_project_bn_running_mean, block16_project_bn_running_var, block16_project_bn_weight, block16_project_bn_bias, block15_project_bn_add)
+        # free block15_project, block15_project_bn_add
+        del block15_project, block15_project_bn_add
+        mem.free(45)
+
+        # ---- block17_expand (conv 1x1, 960 channels, stride 1, padding 0), forward ----
+        # block17_expand = conv2d(block16_project_bn_add, block17_expand_W)
+        block17_expand = mem.tensor(49, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block16_project_bn_add, T['block17_expand_W'], out=block17_expand, pad=0, stride=1, workspace=mem.workspace(6021120))
+        # free block16_project, block16_project_bn_add
+        del block16_project, block16_project_bn_add
+        mem.free(48)
+
+        # ---- block17_expand_bn (batch norm), forward ----
+        # block17_expand_bn_bias = reshape[1x960x1x1](block17_expand_bn_B)
+        block17_expand_bn_bias = rt.reshape(T['block17_expand_bn_B'], shape=(1, 960, 1, 1))
+        # block17_expand_bn_weight = reshape[1x960x1x1](block17_expand_bn_W)
+        block17_expand_bn_weight = rt.reshape(T['block17_expand_bn_W'], shape=(1, 960, 1, 1))
+        # block17_expand_bn_running_var = reshape[1x960x1x1](block17_expand_bn_var)
+        block17_expand_bn_running_var = rt.reshape(T['block17_expand_bn_var'], shape=(1, 960, 1, 1))
+        # block17_expand_bn_running_mean = reshape[1x960x1x1](block17_expand_bn_mean)
+        block17_expand_bn_running_mean = rt.reshape(T['block17_expand_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block17_expand_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block17_expand_bn_clipped_relu = Min(6.0, Max(0, block17_expand_bn_weight*(block17_expand - block17_expand_bn_running_mean)/sqrt(block17_expand_bn_running_var + 1.0e-5) + block17_expand_bn_bias))
+        block17_expand_bn_clipped_relu = block17_expand  # in place: over block17_expand
+        rt.ew(ew_add_rsqrt_sub_mul, block17_expand_bn_clipped_relu, block17_expand, block17_expand_bn_running_mean, block17_expand_bn_running_var, block17_expand_bn_weight, block17_expand_bn_bias)
+
+        # ---- block17_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), forward ----
+        # block17_dw = conv2d[groups=960,pad=1](block17_expand_bn_clipped_relu, block17_dw_W)
+        block17_dw = mem.tensor(50, (32, 960, 7, 7), 'float32')
+        rt.conv2d(block17_expand_bn_clipped_relu, T['block17_dw_W'], out=block17_dw, groups=960, pad=1, stride=1, workspace=mem.workspace(32071680))
+        # free block17_expand, block17_expand_bn_clipped_relu
+        del block17_expand, block17_expand_bn_clipped_relu
+        mem.free(49)
+
+        # ---- block17_dw_bn (batch norm), forward ----
+        # block17_dw_bn_bias = reshape[1x960x1x1](block17_dw_bn_B)
+        block17_dw_bn_bias = rt.reshape(T['block17_dw_bn_B'], shape=(1, 960, 1, 1))
+        # block17_dw_bn_weight = reshape[1x960x1x1](block17_dw_bn_W)
+        block17_dw_bn_weight = rt.reshape(T['block17_dw_bn_W'], shape=(1, 960, 1, 1))
+        # block17_dw_bn_running_var = reshape[1x960x1x1](block17_dw_bn_var)
+        block17_dw_bn_running_var = rt.reshape(T['block17_dw_bn_var'], shape=(1, 960, 1, 1))
+        # block17_dw_bn_running_mean = reshape[1x960x1x1](block17_dw_bn_mean)
+        block17_dw_bn_running_mean = rt.reshape(T['block17_dw_bn_mean'], shape=(1, 960, 1, 1))
+
+        # ---- block17_dw_bn_clipped_relu (clipped_relu(6)), forward ----
+        # block17_dw_bn_clipped_relu = Min(6.0, Max(0, block17_dw_bn_weight*(block17_dw - block17_dw_bn_running_mean)/sqrt(block17_dw_bn_running_var + 1.0e-5) + block17_dw_bn_bias))
+        block17_dw_bn_clipped_relu = block17_dw  # in place: over block17_dw
+        rt.ew(ew_add_rsqrt_sub_mul, block17_dw_bn_clipped_relu, block17_dw, block17_dw_bn_running_mean, block17_dw_bn_running_var, block17_dw_bn_weight, block17_dw_bn_bias)
+
+        # ---- block17_project (conv 1x1, 320 channels, stride 1, padding 0), forward ----
+        # block17_project = conv2d(block17_dw_bn_clipped_relu, block17_project_W)
+        block17_project = mem.tensor(51, (32, 320, 7, 7), 'float32')
+        rt.conv2d(block17_dw_bn_clipped_relu, T['block17_project_W'], out=block17_project, pad=0, stride=1, workspace=mem.workspace(6021120))
+        # free block17_dw, block17_dw_bn_clipped_relu
+        del block17_dw, block17_dw_bn_clipped_relu
+        mem.free(50)
+
+        # ---- block17_project_bn (batch norm), forward ----
+        # block17_project_bn_bias = reshape[1x320x1x1](block17_project_bn_B)
+        block17_project_bn_bias = rt.reshape(T['block17_project_bn_B'], shape=(1, 320, 1, 1))
+        # block17_project_bn_weight = reshape[1x320x1x1](block17_project_bn_W)
+        block17_project_bn_weight = rt.reshape(T['block17_project_bn_W'], shape=(1, 320, 1, 1))
+        # block17_project_bn_running_var = reshape[1x320x1x1](block17_project_bn_var)
+        block17_project_bn_running_var = rt.reshape(T['block17_project_bn_var'], shape=(1, 320, 1, 1))
+        # block17_project_bn_running_mean = reshape[1x320x1x1](block17_project_bn_mean)
+        block17_project_bn_running_mean = rt.reshape(T['block17_project_bn_mean'], shape=(1, 320, 1, 1))
+        # block17_project_bn = block17_project_bn_weight*(block17_project - block17_project_bn_running_mean)/sqrt(block17_project_bn_running_var + 1.0e-5) + block17_project_bn_bias
+        block17_project_bn = block17_project  # in place: over block17_project
+        rt.ew(ew_add_rsqrt_sub_mul_2, block17_project_bn, block17_project, block17_project_bn_running_mean, block17_project_bn_running_var, block17_project_bn_weight, block17_project_bn_bias)
+
+        # ---- conv_last (conv 1x1, 1280 channels, stride 1, padding 0), forward ----
+        # conv_last = conv2d(block17_project_bn, conv_last_W)
+        conv_last = mem.tensor(52, (32, 1280, 7, 7), 'float32')
+        rt.conv2d(block17_project_bn, T['conv_last_W'], out=conv_last, pad=0, stride=1, workspace=mem.workspace(8028160))
+        # free block17_project, block17_project_bn
+        del block17_project, block17_project_bn
+        mem.free(51)
+
+        # ---- conv_last_bn (batch norm), forward ----
+        # conv_last_bn_bias = reshape[1x1280x1x1](conv_last_bn_B)
+        conv_last_bn_bias = rt.reshape(T['conv_last_bn_B'], shape=(1, 1280, 1, 1))
+        # conv_last_bn_weight = reshape[1x1280x1x1](conv_last_bn_W)
+        conv_last_bn_weight = rt.reshape(T['conv_last_bn_W'], shape=(1, 1280, 1, 1))
+        # conv_last_bn_running_var = reshape[1x1280x1x1](conv_last_bn_var)
+        conv_last_bn_running_var = rt.reshape(T['conv_last_bn_var'], shape=(1, 1280, 1, 1))
+        # conv_last_bn_running_mean = reshape[1x1280x1x1](conv_last_bn_mean)
+        conv_last_bn_running_mean = rt.reshape(T['conv_last_bn_mean'], shape=(1, 1280, 1, 1))
+
+        # ---- conv_last_bn_clipped_relu (clipped_relu(6)), forward ----
+        # conv_last_bn_clipped_relu = Min(6.0, Max(0, conv_last_bn_weight*(conv_last - conv_last_bn_running_mean)/sqrt(conv_last_bn_running_var + 1.0e-5) + conv_last_bn_bias))
+        conv_last_bn_clipped_relu = conv_last  # in place: over conv_last
+        rt.ew(ew_add_rsqrt_sub_mul, conv_last_bn_clipped_relu, conv_last, conv_last_bn_running_mean, conv_last_bn_running_var, conv_last_bn_weight, conv_last_bn_bias)
+
+        # ---- conv_last_bn_avg_pool (average pooling), forward ----
+        # conv_last_bn_avg_pool = avg_pool[kernel=7,stride=7](conv_last_bn_clipped_relu)
+        conv_last_bn_avg_pool = mem.tensor(53, (32, 1280, 1, 1), 'float32')
+        rt.avg_pool(conv_last_bn_clipped_relu, out=conv_last_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free conv_last, conv_last_bn_clipped_relu
+        del conv_last, conv_last_bn_clipped_relu
+        mem.free(52)
+
+        # ---- conv_last_bn_flatten (flatten), forward ----
+        # conv_last_bn_flatten = reshape[32x1280](conv_last_bn_avg_pool)
+        conv_last_bn_flatten = rt.reshape(conv_last_bn_avg_pool, shape=(32, 1280))
+
+        # ---- fc (fully connected, 1000 outputs), forward ----
+        # fc_matmul = matmul[tb](conv_last_bn_flatten, fc_W)
+        fc_matmul = mem.tensor(54, (32, 1000), 'float32')
+        rt.matmul(conv_last_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # free conv_last_bn_avg_pool, conv_last_bn_flatten
+        del conv_last_bn_avg_pool, conv_last_bn_flatten
+        mem.free(53)
+        # fc = fc_matmul + fc_B
+        fc = fc_matmul  # in place: over fc_matmul
+        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc)
+        probabilities = fc  # in place: over fc
+        rt.softmax(fc, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -10615,8 +11840,68 @@ class MobilenetV2(rp.Model):
                 (8028160, 163840),  # 54: conv_last_bn_avg_pool 32x1280x1x1 float32
                 (0, 128000),  # 55: fc_matmul 32x1000 float32
                 (128000, 4),  # 56: fc_precision scalar float32
-                (128256, 128),  # 57: fc_cross_entropy_pick 32 float32
-                (0, 4),  # 58: fc_cross_entropy_sum_to scalar float32
+                (128256, 128),  # 57: label_ranks 32 float32
+                (128512, 128),  # 58: fc_cross_entropy_pick 32 float32
+                (0, 4),  # 59: fc_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=192675840, peak_bytes=192675840, workspace_bytes=32735232, pool_bytes=218365952,
+            buffers=(
+                (51380224, 19267584),  # 0: x 32x3x224x224 float32
+                (0, 51380224),  # 1: conv1 32x32x112x112 float32
+                (51380224, 51380224),  # 2: block1_dw 32x32x112x112 float32
+                (154140672, 25690112),  # 3: block1_project 32x16x112x112 float32
+                (0, 154140672),  # 4: block2_expand 32x96x112x112 float32
+                (154140672, 38535168),  # 5: block2_dw 32x96x56x56 float32
+                (115605504, 9633792),  # 6: block2_project 32x24x56x56 float32
+                (0, 57802752),  # 7: block3_expand 32x144x56x56 float32
+                (57802752, 57802752),  # 8: block3_dw 32x144x56x56 float32
+                (125239296, 9633792),  # 9: block3_project 32x24x56x56 float32
+                (0, 57802752),  # 10: block4_expand 32x144x56x56 float32
+                (57802752, 14450688),  # 11: block4_dw 32x144x28x28 float32
+                (38535168, 3211264),  # 12: block4_project 32x32x28x28 float32
+                (0, 19267584),  # 13: block5_expand 32x192x28x28 float32
+                (19267584, 19267584),  # 14: block5_dw 32x192x28x28 float32
+                (41746432, 3211264),  # 15: block5_project 32x32x28x28 float32
+                (0, 19267584),  # 16: block6_expand 32x192x28x28 float32
+                (19267584, 19267584),  # 17: block6_dw 32x192x28x28 float32
+                (38535168, 3211264),  # 18: block6_project 32x32x28x28 float32
+                (0, 19267584),  # 19: block7_expand 32x192x28x28 float32
+                (19267584, 4816896),  # 20: block7_dw 32x192x14x14 float32
+                (24084480, 1605632),  # 21: block7_project 32x64x14x14 float32
+                (0, 9633792),  # 22: block8_expand 32x384x14x14 float32
+                (9633792, 9633792),  # 23: block8_dw 32x384x14x14 float32
+                (19267584, 1605632),  # 24: block8_project 32x64x14x14 float32
+                (0, 9633792),  # 25: block9_expand 32x384x14x14 float32
+                (9633792, 9633792),  # 26: block9_dw 32x384x14x14 float32
+                (20873216, 1605632),  # 27: block9_project 32x64x14x14 float32
+                (0, 9633792),  # 28: block10_expand 32x384x14x14 float32
+                (9633792, 9633792),  # 29: block10_dw 32x384x14x14 float32
+                (19267584, 1605632),  # 30: block10_project 32x64x14x14 float32
+                (0, 9633792),  # 31: block11_expand 32x384x14x14 float32
+                (9633792, 9633792),  # 32: block11_dw 32x384x14x14 float32
+                (28901376, 2408448),  # 33: block11_project 32x96x14x14 float32
+                (0, 14450688),  # 34: block12_expand 32x576x14x14 float32
+                (14450688, 14450688),  # 35: block12_dw 32x576x14x14 float32
+                (31309824, 2408448),  # 36: block12_project 32x96x14x14 float32
+                (0, 14450688),  # 37: block13_expand 32x576x14x14 float32
+                (14450688, 14450688),  # 38: block13_dw 32x576x14x14 float32
+                (28901376, 2408448),  # 39: block13_project 32x96x14x14 float32
+                (0, 14450688),  # 40: block14_expand 32x576x14x14 float32
+                (14450688, 3612672),  # 41: block14_dw 32x576x7x7 float32
+                (12042240, 1003520),  # 42: block14_project 32x160x7x7 float32
+                (0, 6021120),  # 43: block15_expand 32x960x7x7 float32
+                (6021120, 6021120),  # 44: block15_dw 32x960x7x7 float32
+                (13045760, 1003520),  # 45: block15_project 32x160x7x7 float32
+                (0, 6021120),  # 46: block16_expand 32x960x7x7 float32
+                (6021120, 6021120),  # 47: block16_dw 32x960x7x7 float32
+                (12042240, 1003520),  # 48: block16_project 32x160x7x7 float32
+                (0, 6021120),  # 49: block17_expand 32x960x7x7 float32
+                (6021120, 6021120),  # 50: block17_dw 32x960x7x7 float32
+                (12042240, 2007040),  # 51: block17_project 32x320x7x7 float32
+                (0, 8028160),  # 52: conv_last 32x1280x7x7 float32
+                (8028160, 163840),  # 53: conv_last_bn_avg_pool 32x1280x1x1 float32
+                (0, 128000),  # 54: fc_matmul 32x1000 float32
             )),
     }
 
@@ -10852,9 +12137,9 @@ def main(argv=None):
     """Train mobilenet_v2, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="mobilenet_v2.py", description="Train and test mobilenet_v2 (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=1000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 1000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=10, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.045, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -10907,6 +12192,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

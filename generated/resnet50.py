@@ -63,6 +63,7 @@ class Resnet50(rp.Model):
     batch_shape = (32, 3, 224, 224)
     classes = 1000
     dataset = "synthetic"
+    defaults = {"iters": 600000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -8775,7 +8776,7 @@ class Resnet50(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -10027,29 +10028,1290 @@ class Resnet50(rp.Model):
         fc1000_precision = mem.tensor(58, (), 'float32')
         rt.precision(fc1000, y, out=fc1000_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc1000, y)
+        label_ranks = mem.tensor(59, (32,), 'float32')
+        rt.label_rank(fc1000, y, out=label_ranks)
+
         # ---- fc1000_cross_entropy (cross_entropy), forward ----
         # fc1000_cross_entropy_log_softmax = log_softmax(fc1000)
         fc1000_cross_entropy_log_softmax = fc1000  # in place: over fc1000
         rt.log_softmax(fc1000, out=fc1000_cross_entropy_log_softmax, workspace=mem.workspace(128000))
         # fc1000_cross_entropy_pick = pick(fc1000_cross_entropy_log_softmax, y)
-        fc1000_cross_entropy_pick = mem.tensor(59, (32,), 'float32')
+        fc1000_cross_entropy_pick = mem.tensor(60, (32,), 'float32')
         rt.pick(fc1000_cross_entropy_log_softmax, y, out=fc1000_cross_entropy_pick)
         # free y, fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
         del y, fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
         mem.free(1, 57)
         # fc1000_cross_entropy_sum_to = sum_to[scalar](fc1000_cross_entropy_pick)
-        fc1000_cross_entropy_sum_to = mem.tensor(60, (), 'float32')
+        fc1000_cross_entropy_sum_to = mem.tensor(61, (), 'float32')
         rt.sum_to(fc1000_cross_entropy_pick, out=fc1000_cross_entropy_sum_to, shape=())
         # free fc1000_cross_entropy_pick
         del fc1000_cross_entropy_pick
-        mem.free(59)
+        mem.free(60)
         # fc1000_cross_entropy = -fc1000_cross_entropy_sum_to/32
         fc1000_cross_entropy = fc1000_cross_entropy_sum_to  # in place: over fc1000_cross_entropy_sum_to
         rt.ew(ew_scale_6, fc1000_cross_entropy, fc1000_cross_entropy_sum_to)
         accuracy = rt.scalar(fc1000_precision)
         loss = rt.scalar(fc1000_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 7x7, 64 channels, stride 2, padding 3), forward ----
+        # conv1 = conv2d[pad=3,stride=2](x, conv1_W)
+        conv1 = mem.tensor(1, (32, 64, 112, 112), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=3, stride=2, workspace=mem.workspace(32042688))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- bn_conv1 (batch norm), forward ----
+        # bn_conv1_bias = reshape[1x64x1x1](bn_conv1_B)
+        bn_conv1_bias = rt.reshape(T['bn_conv1_B'], shape=(1, 64, 1, 1))
+        # bn_conv1_weight = reshape[1x64x1x1](bn_conv1_W)
+        bn_conv1_weight = rt.reshape(T['bn_conv1_W'], shape=(1, 64, 1, 1))
+        # bn_conv1_running_var = reshape[1x64x1x1](bn_conv1_var)
+        bn_conv1_running_var = rt.reshape(T['bn_conv1_var'], shape=(1, 64, 1, 1))
+        # bn_conv1_running_mean = reshape[1x64x1x1](bn_conv1_mean)
+        bn_conv1_running_mean = rt.reshape(T['bn_conv1_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn_conv1_relu (relu), forward ----
+        # bn_conv1_relu = Max(0, bn_conv1_weight*(conv1 - bn_conv1_running_mean)/sqrt(bn_conv1_running_var + 1.0e-5) + bn_conv1_bias)
+        bn_conv1_relu = conv1  # in place: over conv1
+        rt.ew(ew_add_rsqrt_sub_mul, bn_conv1_relu, conv1, bn_conv1_running_mean, bn_conv1_running_var, bn_conv1_weight, bn_conv1_bias)
+
+        # ---- bn_conv1_max_pool (max pooling 3x3, stride 2, padding 0), forward ----
+        # bn_conv1_max_pool = max_pool[ceil=True,kernel=3,stride=2](bn_conv1_relu)
+        bn_conv1_max_pool = mem.tensor(2, (32, 64, 56, 56), 'float32')
+        rt.max_pool(bn_conv1_relu, out=bn_conv1_max_pool, ceil=True, kernel=3, pad=0, stride=2, workspace=mem.workspace(26150912))
+        # free conv1, bn_conv1_relu
+        del conv1, bn_conv1_relu
+        mem.free(1)
+
+        # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # res2a_branch2a = conv2d(bn_conv1_max_pool, res2a_branch2a_W)
+        res2a_branch2a = mem.tensor(3, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn_conv1_max_pool, T['res2a_branch2a_W'], out=res2a_branch2a, pad=0, stride=1)
+
+        # ---- bn2a_branch2a (batch norm), forward ----
+        # bn2a_branch2a_bias = reshape[1x64x1x1](bn2a_branch2a_B)
+        bn2a_branch2a_bias = rt.reshape(T['bn2a_branch2a_B'], shape=(1, 64, 1, 1))
+        # bn2a_branch2a_weight = reshape[1x64x1x1](bn2a_branch2a_W)
+        bn2a_branch2a_weight = rt.reshape(T['bn2a_branch2a_W'], shape=(1, 64, 1, 1))
+        # bn2a_branch2a_running_var = reshape[1x64x1x1](bn2a_branch2a_var)
+        bn2a_branch2a_running_var = rt.reshape(T['bn2a_branch2a_var'], shape=(1, 64, 1, 1))
+        # bn2a_branch2a_running_mean = reshape[1x64x1x1](bn2a_branch2a_mean)
+        bn2a_branch2a_running_mean = rt.reshape(T['bn2a_branch2a_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn2a_branch2a_relu (relu), forward ----
+        # bn2a_branch2a_relu = Max(0, bn2a_branch2a_weight*(res2a_branch2a - bn2a_branch2a_running_mean)/sqrt(bn2a_branch2a_running_var + 1.0e-5) + bn2a_branch2a_bias)
+        bn2a_branch2a_relu = res2a_branch2a  # in place: over res2a_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn2a_branch2a_relu, res2a_branch2a, bn2a_branch2a_running_mean, bn2a_branch2a_running_var, bn2a_branch2a_weight, bn2a_branch2a_bias)
+
+        # ---- res2a_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res2a_branch2b = conv2d[pad=1](bn2a_branch2a_relu, res2a_branch2b_W)
+        res2a_branch2b = mem.tensor(4, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn2a_branch2a_relu, T['res2a_branch2b_W'], out=res2a_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free res2a_branch2a, bn2a_branch2a_relu
+        del res2a_branch2a, bn2a_branch2a_relu
+        mem.free(3)
+
+        # ---- bn2a_branch2b (batch norm), forward ----
+        # bn2a_branch2b_bias = reshape[1x64x1x1](bn2a_branch2b_B)
+        bn2a_branch2b_bias = rt.reshape(T['bn2a_branch2b_B'], shape=(1, 64, 1, 1))
+        # bn2a_branch2b_weight = reshape[1x64x1x1](bn2a_branch2b_W)
+        bn2a_branch2b_weight = rt.reshape(T['bn2a_branch2b_W'], shape=(1, 64, 1, 1))
+        # bn2a_branch2b_running_var = reshape[1x64x1x1](bn2a_branch2b_var)
+        bn2a_branch2b_running_var = rt.reshape(T['bn2a_branch2b_var'], shape=(1, 64, 1, 1))
+        # bn2a_branch2b_running_mean = reshape[1x64x1x1](bn2a_branch2b_mean)
+        bn2a_branch2b_running_mean = rt.reshape(T['bn2a_branch2b_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn2a_branch2b_relu (relu), forward ----
+        # bn2a_branch2b_relu = Max(0, bn2a_branch2b_weight*(res2a_branch2b - bn2a_branch2b_running_mean)/sqrt(bn2a_branch2b_running_var + 1.0e-5) + bn2a_branch2b_bias)
+        bn2a_branch2b_relu = res2a_branch2b  # in place: over res2a_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn2a_branch2b_relu, res2a_branch2b, bn2a_branch2b_running_mean, bn2a_branch2b_running_var, bn2a_branch2b_weight, bn2a_branch2b_bias)
+
+        # ---- res2a_branch1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res2a_branch1 = conv2d(bn_conv1_max_pool, res2a_branch1_W)
+        res2a_branch1 = mem.tensor(5, (32, 256, 56, 56), 'float32')
+        rt.conv2d(bn_conv1_max_pool, T['res2a_branch1_W'], out=res2a_branch1, pad=0, stride=1)
+        # free bn_conv1_max_pool
+        del bn_conv1_max_pool
+        mem.free(2)
+
+        # ---- bn2a_branch1 (batch norm), forward ----
+        # bn2a_branch1_bias = reshape[1x256x1x1](bn2a_branch1_B)
+        bn2a_branch1_bias = rt.reshape(T['bn2a_branch1_B'], shape=(1, 256, 1, 1))
+        # bn2a_branch1_weight = reshape[1x256x1x1](bn2a_branch1_W)
+        bn2a_branch1_weight = rt.reshape(T['bn2a_branch1_W'], shape=(1, 256, 1, 1))
+        # bn2a_branch1_running_var = reshape[1x256x1x1](bn2a_branch1_var)
+        bn2a_branch1_running_var = rt.reshape(T['bn2a_branch1_var'], shape=(1, 256, 1, 1))
+        # bn2a_branch1_running_mean = reshape[1x256x1x1](bn2a_branch1_mean)
+        bn2a_branch1_running_mean = rt.reshape(T['bn2a_branch1_mean'], shape=(1, 256, 1, 1))
+        # bn2a_branch1 = bn2a_branch1_weight*(res2a_branch1 - bn2a_branch1_running_mean)/sqrt(bn2a_branch1_running_var + 1.0e-5) + bn2a_branch1_bias
+        bn2a_branch1 = res2a_branch1  # in place: over res2a_branch1
+        rt.ew(ew_add_rsqrt_sub_mul_2, bn2a_branch1, res2a_branch1, bn2a_branch1_running_mean, bn2a_branch1_running_var, bn2a_branch1_weight, bn2a_branch1_bias)
+
+        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res2a_branch2c = conv2d(bn2a_branch2b_relu, res2a_branch2c_W)
+        res2a_branch2c = mem.tensor(6, (32, 256, 56, 56), 'float32')
+        rt.conv2d(bn2a_branch2b_relu, T['res2a_branch2c_W'], out=res2a_branch2c, pad=0, stride=1)
+        # free res2a_branch2b, bn2a_branch2b_relu
+        del res2a_branch2b, bn2a_branch2b_relu
+        mem.free(4)
+
+        # ---- bn2a_branch2c (batch norm), forward ----
+        # bn2a_branch2c_bias = reshape[1x256x1x1](bn2a_branch2c_B)
+        bn2a_branch2c_bias = rt.reshape(T['bn2a_branch2c_B'], shape=(1, 256, 1, 1))
+        # bn2a_branch2c_weight = reshape[1x256x1x1](bn2a_branch2c_W)
+        bn2a_branch2c_weight = rt.reshape(T['bn2a_branch2c_W'], shape=(1, 256, 1, 1))
+        # bn2a_branch2c_running_var = reshape[1x256x1x1](bn2a_branch2c_var)
+        bn2a_branch2c_running_var = rt.reshape(T['bn2a_branch2c_var'], shape=(1, 256, 1, 1))
+        # bn2a_branch2c_running_mean = reshape[1x256x1x1](bn2a_branch2c_mean)
+        bn2a_branch2c_running_mean = rt.reshape(T['bn2a_branch2c_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn2a_branch2c_relu (relu), forward ----
+        # bn2a_branch2c_relu = Max(0, bn2a_branch2c_weight*(res2a_branch2c - bn2a_branch2c_running_mean)/sqrt(bn2a_branch2c_running_var + 1.0e-5) + bn2a_branch2c_bias + bn2a_branch1)
+        bn2a_branch2c_relu = res2a_branch2c  # in place: over res2a_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn2a_branch2c_relu, res2a_branch2c, bn2a_branch2c_running_mean, bn2a_branch2c_running_var, bn2a_branch2c_weight, bn2a_branch2c_bias, bn2a_branch1)
+        # free res2a_branch1, bn2a_branch1
+        del res2a_branch1, bn2a_branch1
+        mem.free(5)
+
+        # ---- res2b_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # res2b_branch2a = conv2d(bn2a_branch2c_relu, res2b_branch2a_W)
+        res2b_branch2a = mem.tensor(7, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn2a_branch2c_relu, T['res2b_branch2a_W'], out=res2b_branch2a, pad=0, stride=1)
+
+        # ---- bn2b_branch2a (batch norm), forward ----
+        # bn2b_branch2a_running_mean = reshape[1x64x1x1](bn2b_branch2a_mean)
+        bn2b_branch2a_running_mean = rt.reshape(T['bn2b_branch2a_mean'], shape=(1, 64, 1, 1))
+        # bn2b_branch2a_bias = reshape[1x64x1x1](bn2b_branch2a_B)
+        bn2b_branch2a_bias = rt.reshape(T['bn2b_branch2a_B'], shape=(1, 64, 1, 1))
+        # bn2b_branch2a_weight = reshape[1x64x1x1](bn2b_branch2a_W)
+        bn2b_branch2a_weight = rt.reshape(T['bn2b_branch2a_W'], shape=(1, 64, 1, 1))
+        # bn2b_branch2a_running_var = reshape[1x64x1x1](bn2b_branch2a_var)
+        bn2b_branch2a_running_var = rt.reshape(T['bn2b_branch2a_var'], shape=(1, 64, 1, 1))
+
+        # ---- bn2b_branch2a_relu (relu), forward ----
+        # bn2b_branch2a_relu = Max(0, bn2b_branch2a_weight*(res2b_branch2a - bn2b_branch2a_running_mean)/sqrt(bn2b_branch2a_running_var + 1.0e-5) + bn2b_branch2a_bias)
+        bn2b_branch2a_relu = res2b_branch2a  # in place: over res2b_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn2b_branch2a_relu, res2b_branch2a, bn2b_branch2a_running_mean, bn2b_branch2a_running_var, bn2b_branch2a_weight, bn2b_branch2a_bias)
+
+        # ---- res2b_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res2b_branch2b = conv2d[pad=1](bn2b_branch2a_relu, res2b_branch2b_W)
+        res2b_branch2b = mem.tensor(8, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn2b_branch2a_relu, T['res2b_branch2b_W'], out=res2b_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free res2b_branch2a, bn2b_branch2a_relu
+        del res2b_branch2a, bn2b_branch2a_relu
+        mem.free(7)
+
+        # ---- bn2b_branch2b (batch norm), forward ----
+        # bn2b_branch2b_bias = reshape[1x64x1x1](bn2b_branch2b_B)
+        bn2b_branch2b_bias = rt.reshape(T['bn2b_branch2b_B'], shape=(1, 64, 1, 1))
+        # bn2b_branch2b_weight = reshape[1x64x1x1](bn2b_branch2b_W)
+        bn2b_branch2b_weight = rt.reshape(T['bn2b_branch2b_W'], shape=(1, 64, 1, 1))
+        # bn2b_branch2b_running_var = reshape[1x64x1x1](bn2b_branch2b_var)
+        bn2b_branch2b_running_var = rt.reshape(T['bn2b_branch2b_var'], shape=(1, 64, 1, 1))
+        # bn2b_branch2b_running_mean = reshape[1x64x1x1](bn2b_branch2b_mean)
+        bn2b_branch2b_running_mean = rt.reshape(T['bn2b_branch2b_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn2b_branch2b_relu (relu), forward ----
+        # bn2b_branch2b_relu = Max(0, bn2b_branch2b_weight*(res2b_branch2b - bn2b_branch2b_running_mean)/sqrt(bn2b_branch2b_running_var + 1.0e-5) + bn2b_branch2b_bias)
+        bn2b_branch2b_relu = res2b_branch2b  # in place: over res2b_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn2b_branch2b_relu, res2b_branch2b, bn2b_branch2b_running_mean, bn2b_branch2b_running_var, bn2b_branch2b_weight, bn2b_branch2b_bias)
+
+        # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res2b_branch2c = conv2d(bn2b_branch2b_relu, res2b_branch2c_W)
+        res2b_branch2c = mem.tensor(9, (32, 256, 56, 56), 'float32')
+        rt.conv2d(bn2b_branch2b_relu, T['res2b_branch2c_W'], out=res2b_branch2c, pad=0, stride=1)
+        # free res2b_branch2b, bn2b_branch2b_relu
+        del res2b_branch2b, bn2b_branch2b_relu
+        mem.free(8)
+
+        # ---- bn2b_branch2c (batch norm), forward ----
+        # bn2b_branch2c_bias = reshape[1x256x1x1](bn2b_branch2c_B)
+        bn2b_branch2c_bias = rt.reshape(T['bn2b_branch2c_B'], shape=(1, 256, 1, 1))
+        # bn2b_branch2c_weight = reshape[1x256x1x1](bn2b_branch2c_W)
+        bn2b_branch2c_weight = rt.reshape(T['bn2b_branch2c_W'], shape=(1, 256, 1, 1))
+        # bn2b_branch2c_running_var = reshape[1x256x1x1](bn2b_branch2c_var)
+        bn2b_branch2c_running_var = rt.reshape(T['bn2b_branch2c_var'], shape=(1, 256, 1, 1))
+        # bn2b_branch2c_running_mean = reshape[1x256x1x1](bn2b_branch2c_mean)
+        bn2b_branch2c_running_mean = rt.reshape(T['bn2b_branch2c_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn2b_branch2c_relu (relu), forward ----
+        # bn2b_branch2c_relu = Max(0, bn2b_branch2c_weight*(res2b_branch2c - bn2b_branch2c_running_mean)/sqrt(bn2b_branch2c_running_var + 1.0e-5) + bn2b_branch2c_bias + bn2a_branch2c_relu)
+        bn2b_branch2c_relu = res2b_branch2c  # in place: over res2b_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn2b_branch2c_relu, res2b_branch2c, bn2b_branch2c_running_mean, bn2b_branch2c_running_var, bn2b_branch2c_weight, bn2b_branch2c_bias, bn2a_branch2c_relu)
+        # free res2a_branch2c, bn2a_branch2c_relu
+        del res2a_branch2c, bn2a_branch2c_relu
+        mem.free(6)
+
+        # ---- res2c_branch2a (conv 1x1, 64 channels, stride 1, padding 0), forward ----
+        # res2c_branch2a = conv2d(bn2b_branch2c_relu, res2c_branch2a_W)
+        res2c_branch2a = mem.tensor(10, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn2b_branch2c_relu, T['res2c_branch2a_W'], out=res2c_branch2a, pad=0, stride=1)
+
+        # ---- bn2c_branch2a (batch norm), forward ----
+        # bn2c_branch2a_bias = reshape[1x64x1x1](bn2c_branch2a_B)
+        bn2c_branch2a_bias = rt.reshape(T['bn2c_branch2a_B'], shape=(1, 64, 1, 1))
+        # bn2c_branch2a_weight = reshape[1x64x1x1](bn2c_branch2a_W)
+        bn2c_branch2a_weight = rt.reshape(T['bn2c_branch2a_W'], shape=(1, 64, 1, 1))
+        # bn2c_branch2a_running_var = reshape[1x64x1x1](bn2c_branch2a_var)
+        bn2c_branch2a_running_var = rt.reshape(T['bn2c_branch2a_var'], shape=(1, 64, 1, 1))
+        # bn2c_branch2a_running_mean = reshape[1x64x1x1](bn2c_branch2a_mean)
+        bn2c_branch2a_running_mean = rt.reshape(T['bn2c_branch2a_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn2c_branch2a_relu (relu), forward ----
+        # bn2c_branch2a_relu = Max(0, bn2c_branch2a_weight*(res2c_branch2a - bn2c_branch2a_running_mean)/sqrt(bn2c_branch2a_running_var + 1.0e-5) + bn2c_branch2a_bias)
+        bn2c_branch2a_relu = res2c_branch2a  # in place: over res2c_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn2c_branch2a_relu, res2c_branch2a, bn2c_branch2a_running_mean, bn2c_branch2a_running_var, bn2c_branch2a_weight, bn2c_branch2a_bias)
+
+        # ---- res2c_branch2b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res2c_branch2b = conv2d[pad=1](bn2c_branch2a_relu, res2c_branch2b_W)
+        res2c_branch2b = mem.tensor(11, (32, 64, 56, 56), 'float32')
+        rt.conv2d(bn2c_branch2a_relu, T['res2c_branch2b_W'], out=res2c_branch2b, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free res2c_branch2a, bn2c_branch2a_relu
+        del res2c_branch2a, bn2c_branch2a_relu
+        mem.free(10)
+
+        # ---- bn2c_branch2b (batch norm), forward ----
+        # bn2c_branch2b_bias = reshape[1x64x1x1](bn2c_branch2b_B)
+        bn2c_branch2b_bias = rt.reshape(T['bn2c_branch2b_B'], shape=(1, 64, 1, 1))
+        # bn2c_branch2b_weight = reshape[1x64x1x1](bn2c_branch2b_W)
+        bn2c_branch2b_weight = rt.reshape(T['bn2c_branch2b_W'], shape=(1, 64, 1, 1))
+        # bn2c_branch2b_running_var = reshape[1x64x1x1](bn2c_branch2b_var)
+        bn2c_branch2b_running_var = rt.reshape(T['bn2c_branch2b_var'], shape=(1, 64, 1, 1))
+        # bn2c_branch2b_running_mean = reshape[1x64x1x1](bn2c_branch2b_mean)
+        bn2c_branch2b_running_mean = rt.reshape(T['bn2c_branch2b_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bn2c_branch2b_relu (relu), forward ----
+        # bn2c_branch2b_relu = Max(0, bn2c_branch2b_weight*(res2c_branch2b - bn2c_branch2b_running_mean)/sqrt(bn2c_branch2b_running_var + 1.0e-5) + bn2c_branch2b_bias)
+        bn2c_branch2b_relu = res2c_branch2b  # in place: over res2c_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn2c_branch2b_relu, res2c_branch2b, bn2c_branch2b_running_mean, bn2c_branch2b_running_var, bn2c_branch2b_weight, bn2c_branch2b_bias)
+
+        # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res2c_branch2c = conv2d(bn2c_branch2b_relu, res2c_branch2c_W)
+        res2c_branch2c = mem.tensor(12, (32, 256, 56, 56), 'float32')
+        rt.conv2d(bn2c_branch2b_relu, T['res2c_branch2c_W'], out=res2c_branch2c, pad=0, stride=1)
+        # free res2c_branch2b, bn2c_branch2b_relu
+        del res2c_branch2b, bn2c_branch2b_relu
+        mem.free(11)
+
+        # ---- bn2c_branch2c (batch norm), forward ----
+        # bn2c_branch2c_bias = reshape[1x256x1x1](bn2c_branch2c_B)
+        bn2c_branch2c_bias = rt.reshape(T['bn2c_branch2c_B'], shape=(1, 256, 1, 1))
+        # bn2c_branch2c_weight = reshape[1x256x1x1](bn2c_branch2c_W)
+        bn2c_branch2c_weight = rt.reshape(T['bn2c_branch2c_W'], shape=(1, 256, 1, 1))
+        # bn2c_branch2c_running_var = reshape[1x256x1x1](bn2c_branch2c_var)
+        bn2c_branch2c_running_var = rt.reshape(T['bn2c_branch2c_var'], shape=(1, 256, 1, 1))
+        # bn2c_branch2c_running_mean = reshape[1x256x1x1](bn2c_branch2c_mean)
+        bn2c_branch2c_running_mean = rt.reshape(T['bn2c_branch2c_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn2c_branch2c_relu (relu), forward ----
+        # bn2c_branch2c_relu = Max(0, bn2c_branch2c_weight*(res2c_branch2c - bn2c_branch2c_running_mean)/sqrt(bn2c_branch2c_running_var + 1.0e-5) + bn2c_branch2c_bias + bn2b_branch2c_relu)
+        bn2c_branch2c_relu = res2c_branch2c  # in place: over res2c_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn2c_branch2c_relu, res2c_branch2c, bn2c_branch2c_running_mean, bn2c_branch2c_running_var, bn2c_branch2c_weight, bn2c_branch2c_bias, bn2b_branch2c_relu)
+        # free res2b_branch2c, bn2b_branch2c_relu
+        del res2b_branch2c, bn2b_branch2c_relu
+        mem.free(9)
+
+        # ---- res3a_branch2a (conv 1x1, 128 channels, stride 2, padding 0), forward ----
+        # res3a_branch2a = conv2d[stride=2](bn2c_branch2c_relu, res3a_branch2a_W)
+        res3a_branch2a = mem.tensor(13, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn2c_branch2c_relu, T['res3a_branch2a_W'], out=res3a_branch2a, pad=0, stride=2, workspace=mem.workspace(25690112))
+
+        # ---- res3a_branch1 (conv 1x1, 512 channels, stride 2, padding 0), forward ----
+        # res3a_branch1 = conv2d[stride=2](bn2c_branch2c_relu, res3a_branch1_W)
+        res3a_branch1 = mem.tensor(14, (32, 512, 28, 28), 'float32')
+        rt.conv2d(bn2c_branch2c_relu, T['res3a_branch1_W'], out=res3a_branch1, pad=0, stride=2, workspace=mem.workspace(25690112))
+        # free res2c_branch2c, bn2c_branch2c_relu
+        del res2c_branch2c, bn2c_branch2c_relu
+        mem.free(12)
+
+        # ---- bn3a_branch1 (batch norm), forward ----
+        # bn3a_branch1_bias = reshape[1x512x1x1](bn3a_branch1_B)
+        bn3a_branch1_bias = rt.reshape(T['bn3a_branch1_B'], shape=(1, 512, 1, 1))
+        # bn3a_branch1_weight = reshape[1x512x1x1](bn3a_branch1_W)
+        bn3a_branch1_weight = rt.reshape(T['bn3a_branch1_W'], shape=(1, 512, 1, 1))
+        # bn3a_branch1_running_var = reshape[1x512x1x1](bn3a_branch1_var)
+        bn3a_branch1_running_var = rt.reshape(T['bn3a_branch1_var'], shape=(1, 512, 1, 1))
+        # bn3a_branch1_running_mean = reshape[1x512x1x1](bn3a_branch1_mean)
+        bn3a_branch1_running_mean = rt.reshape(T['bn3a_branch1_mean'], shape=(1, 512, 1, 1))
+        # bn3a_branch1 = bn3a_branch1_weight*(res3a_branch1 - bn3a_branch1_running_mean)/sqrt(bn3a_branch1_running_var + 1.0e-5) + bn3a_branch1_bias
+        bn3a_branch1 = res3a_branch1  # in place: over res3a_branch1
+        rt.ew(ew_add_rsqrt_sub_mul_2, bn3a_branch1, res3a_branch1, bn3a_branch1_running_mean, bn3a_branch1_running_var, bn3a_branch1_weight, bn3a_branch1_bias)
+
+        # ---- bn3a_branch2a (batch norm), forward ----
+        # bn3a_branch2a_bias = reshape[1x128x1x1](bn3a_branch2a_B)
+        bn3a_branch2a_bias = rt.reshape(T['bn3a_branch2a_B'], shape=(1, 128, 1, 1))
+        # bn3a_branch2a_weight = reshape[1x128x1x1](bn3a_branch2a_W)
+        bn3a_branch2a_weight = rt.reshape(T['bn3a_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3a_branch2a_running_var = reshape[1x128x1x1](bn3a_branch2a_var)
+        bn3a_branch2a_running_var = rt.reshape(T['bn3a_branch2a_var'], shape=(1, 128, 1, 1))
+        # bn3a_branch2a_running_mean = reshape[1x128x1x1](bn3a_branch2a_mean)
+        bn3a_branch2a_running_mean = rt.reshape(T['bn3a_branch2a_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3a_branch2a_relu (relu), forward ----
+        # bn3a_branch2a_relu = Max(0, bn3a_branch2a_weight*(res3a_branch2a - bn3a_branch2a_running_mean)/sqrt(bn3a_branch2a_running_var + 1.0e-5) + bn3a_branch2a_bias)
+        bn3a_branch2a_relu = res3a_branch2a  # in place: over res3a_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn3a_branch2a_relu, res3a_branch2a, bn3a_branch2a_running_mean, bn3a_branch2a_running_var, bn3a_branch2a_weight, bn3a_branch2a_bias)
+
+        # ---- res3a_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # res3a_branch2b = conv2d[pad=1](bn3a_branch2a_relu, res3a_branch2b_W)
+        res3a_branch2b = mem.tensor(15, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3a_branch2a_relu, T['res3a_branch2b_W'], out=res3a_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free res3a_branch2a, bn3a_branch2a_relu
+        del res3a_branch2a, bn3a_branch2a_relu
+        mem.free(13)
+
+        # ---- bn3a_branch2b (batch norm), forward ----
+        # bn3a_branch2b_bias = reshape[1x128x1x1](bn3a_branch2b_B)
+        bn3a_branch2b_bias = rt.reshape(T['bn3a_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3a_branch2b_weight = reshape[1x128x1x1](bn3a_branch2b_W)
+        bn3a_branch2b_weight = rt.reshape(T['bn3a_branch2b_W'], shape=(1, 128, 1, 1))
+        # bn3a_branch2b_running_var = reshape[1x128x1x1](bn3a_branch2b_var)
+        bn3a_branch2b_running_var = rt.reshape(T['bn3a_branch2b_var'], shape=(1, 128, 1, 1))
+        # bn3a_branch2b_running_mean = reshape[1x128x1x1](bn3a_branch2b_mean)
+        bn3a_branch2b_running_mean = rt.reshape(T['bn3a_branch2b_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3a_branch2b_relu (relu), forward ----
+        # bn3a_branch2b_relu = Max(0, bn3a_branch2b_weight*(res3a_branch2b - bn3a_branch2b_running_mean)/sqrt(bn3a_branch2b_running_var + 1.0e-5) + bn3a_branch2b_bias)
+        bn3a_branch2b_relu = res3a_branch2b  # in place: over res3a_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn3a_branch2b_relu, res3a_branch2b, bn3a_branch2b_running_mean, bn3a_branch2b_running_var, bn3a_branch2b_weight, bn3a_branch2b_bias)
+
+        # ---- res3a_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res3a_branch2c = conv2d(bn3a_branch2b_relu, res3a_branch2c_W)
+        res3a_branch2c = mem.tensor(16, (32, 512, 28, 28), 'float32')
+        rt.conv2d(bn3a_branch2b_relu, T['res3a_branch2c_W'], out=res3a_branch2c, pad=0, stride=1)
+        # free res3a_branch2b, bn3a_branch2b_relu
+        del res3a_branch2b, bn3a_branch2b_relu
+        mem.free(15)
+
+        # ---- bn3a_branch2c (batch norm), forward ----
+        # bn3a_branch2c_bias = reshape[1x512x1x1](bn3a_branch2c_B)
+        bn3a_branch2c_bias = rt.reshape(T['bn3a_branch2c_B'], shape=(1, 512, 1, 1))
+        # bn3a_branch2c_weight = reshape[1x512x1x1](bn3a_branch2c_W)
+        bn3a_branch2c_weight = rt.reshape(T['bn3a_branch2c_W'], shape=(1, 512, 1, 1))
+        # bn3a_branch2c_running_var = reshape[1x512x1x1](bn3a_branch2c_var)
+        bn3a_branch2c_running_var = rt.reshape(T['bn3a_branch2c_var'], shape=(1, 512, 1, 1))
+        # bn3a_branch2c_running_mean = reshape[1x512x1x1](bn3a_branch2c_mean)
+        bn3a_branch2c_running_mean = rt.reshape(T['bn3a_branch2c_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn3a_branch2c_relu (relu), forward ----
+        # bn3a_branch2c_relu = Max(0, bn3a_branch2c_weight*(res3a_branch2c - bn3a_branch2c_running_mean)/sqrt(bn3a_branch2c_running_var + 1.0e-5) + bn3a_branch2c_bias + bn3a_branch1)
+        bn3a_branch2c_relu = res3a_branch2c  # in place: over res3a_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn3a_branch2c_relu, res3a_branch2c, bn3a_branch2c_running_mean, bn3a_branch2c_running_var, bn3a_branch2c_weight, bn3a_branch2c_bias, bn3a_branch1)
+        # free res3a_branch1, bn3a_branch1
+        del res3a_branch1, bn3a_branch1
+        mem.free(14)
+
+        # ---- res3b_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # res3b_branch2a = conv2d(bn3a_branch2c_relu, res3b_branch2a_W)
+        res3b_branch2a = mem.tensor(17, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3a_branch2c_relu, T['res3b_branch2a_W'], out=res3b_branch2a, pad=0, stride=1)
+
+        # ---- bn3b_branch2a (batch norm), forward ----
+        # bn3b_branch2a_bias = reshape[1x128x1x1](bn3b_branch2a_B)
+        bn3b_branch2a_bias = rt.reshape(T['bn3b_branch2a_B'], shape=(1, 128, 1, 1))
+        # bn3b_branch2a_weight = reshape[1x128x1x1](bn3b_branch2a_W)
+        bn3b_branch2a_weight = rt.reshape(T['bn3b_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3b_branch2a_running_var = reshape[1x128x1x1](bn3b_branch2a_var)
+        bn3b_branch2a_running_var = rt.reshape(T['bn3b_branch2a_var'], shape=(1, 128, 1, 1))
+        # bn3b_branch2a_running_mean = reshape[1x128x1x1](bn3b_branch2a_mean)
+        bn3b_branch2a_running_mean = rt.reshape(T['bn3b_branch2a_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3b_branch2a_relu (relu), forward ----
+        # bn3b_branch2a_relu = Max(0, bn3b_branch2a_weight*(res3b_branch2a - bn3b_branch2a_running_mean)/sqrt(bn3b_branch2a_running_var + 1.0e-5) + bn3b_branch2a_bias)
+        bn3b_branch2a_relu = res3b_branch2a  # in place: over res3b_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn3b_branch2a_relu, res3b_branch2a, bn3b_branch2a_running_mean, bn3b_branch2a_running_var, bn3b_branch2a_weight, bn3b_branch2a_bias)
+
+        # ---- res3b_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # res3b_branch2b = conv2d[pad=1](bn3b_branch2a_relu, res3b_branch2b_W)
+        res3b_branch2b = mem.tensor(18, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3b_branch2a_relu, T['res3b_branch2b_W'], out=res3b_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free res3b_branch2a, bn3b_branch2a_relu
+        del res3b_branch2a, bn3b_branch2a_relu
+        mem.free(17)
+
+        # ---- bn3b_branch2b (batch norm), forward ----
+        # bn3b_branch2b_bias = reshape[1x128x1x1](bn3b_branch2b_B)
+        bn3b_branch2b_bias = rt.reshape(T['bn3b_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3b_branch2b_weight = reshape[1x128x1x1](bn3b_branch2b_W)
+        bn3b_branch2b_weight = rt.reshape(T['bn3b_branch2b_W'], shape=(1, 128, 1, 1))
+        # bn3b_branch2b_running_var = reshape[1x128x1x1](bn3b_branch2b_var)
+        bn3b_branch2b_running_var = rt.reshape(T['bn3b_branch2b_var'], shape=(1, 128, 1, 1))
+        # bn3b_branch2b_running_mean = reshape[1x128x1x1](bn3b_branch2b_mean)
+        bn3b_branch2b_running_mean = rt.reshape(T['bn3b_branch2b_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3b_branch2b_relu (relu), forward ----
+        # bn3b_branch2b_relu = Max(0, bn3b_branch2b_weight*(res3b_branch2b - bn3b_branch2b_running_mean)/sqrt(bn3b_branch2b_running_var + 1.0e-5) + bn3b_branch2b_bias)
+        bn3b_branch2b_relu = res3b_branch2b  # in place: over res3b_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn3b_branch2b_relu, res3b_branch2b, bn3b_branch2b_running_mean, bn3b_branch2b_running_var, bn3b_branch2b_weight, bn3b_branch2b_bias)
+
+        # ---- res3b_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res3b_branch2c = conv2d(bn3b_branch2b_relu, res3b_branch2c_W)
+        res3b_branch2c = mem.tensor(19, (32, 512, 28, 28), 'float32')
+        rt.conv2d(bn3b_branch2b_relu, T['res3b_branch2c_W'], out=res3b_branch2c, pad=0, stride=1)
+        # free res3b_branch2b, bn3b_branch2b_relu
+        del res3b_branch2b, bn3b_branch2b_relu
+        mem.free(18)
+
+        # ---- bn3b_branch2c (batch norm), forward ----
+        # bn3b_branch2c_bias = reshape[1x512x1x1](bn3b_branch2c_B)
+        bn3b_branch2c_bias = rt.reshape(T['bn3b_branch2c_B'], shape=(1, 512, 1, 1))
+        # bn3b_branch2c_weight = reshape[1x512x1x1](bn3b_branch2c_W)
+        bn3b_branch2c_weight = rt.reshape(T['bn3b_branch2c_W'], shape=(1, 512, 1, 1))
+        # bn3b_branch2c_running_var = reshape[1x512x1x1](bn3b_branch2c_var)
+        bn3b_branch2c_running_var = rt.reshape(T['bn3b_branch2c_var'], shape=(1, 512, 1, 1))
+        # bn3b_branch2c_running_mean = reshape[1x512x1x1](bn3b_branch2c_mean)
+        bn3b_branch2c_running_mean = rt.reshape(T['bn3b_branch2c_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn3b_branch2c_relu (relu), forward ----
+        # bn3b_branch2c_relu = Max(0, bn3b_branch2c_weight*(res3b_branch2c - bn3b_branch2c_running_mean)/sqrt(bn3b_branch2c_running_var + 1.0e-5) + bn3b_branch2c_bias + bn3a_branch2c_relu)
+        bn3b_branch2c_relu = res3b_branch2c  # in place: over res3b_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn3b_branch2c_relu, res3b_branch2c, bn3b_branch2c_running_mean, bn3b_branch2c_running_var, bn3b_branch2c_weight, bn3b_branch2c_bias, bn3a_branch2c_relu)
+        # free res3a_branch2c, bn3a_branch2c_relu
+        del res3a_branch2c, bn3a_branch2c_relu
+        mem.free(16)
+
+        # ---- res3c_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # res3c_branch2a = conv2d(bn3b_branch2c_relu, res3c_branch2a_W)
+        res3c_branch2a = mem.tensor(20, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3b_branch2c_relu, T['res3c_branch2a_W'], out=res3c_branch2a, pad=0, stride=1)
+
+        # ---- bn3c_branch2a (batch norm), forward ----
+        # bn3c_branch2a_bias = reshape[1x128x1x1](bn3c_branch2a_B)
+        bn3c_branch2a_bias = rt.reshape(T['bn3c_branch2a_B'], shape=(1, 128, 1, 1))
+        # bn3c_branch2a_weight = reshape[1x128x1x1](bn3c_branch2a_W)
+        bn3c_branch2a_weight = rt.reshape(T['bn3c_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3c_branch2a_running_var = reshape[1x128x1x1](bn3c_branch2a_var)
+        bn3c_branch2a_running_var = rt.reshape(T['bn3c_branch2a_var'], shape=(1, 128, 1, 1))
+        # bn3c_branch2a_running_mean = reshape[1x128x1x1](bn3c_branch2a_mean)
+        bn3c_branch2a_running_mean = rt.reshape(T['bn3c_branch2a_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3c_branch2a_relu (relu), forward ----
+        # bn3c_branch2a_relu = Max(0, bn3c_branch2a_weight*(res3c_branch2a - bn3c_branch2a_running_mean)/sqrt(bn3c_branch2a_running_var + 1.0e-5) + bn3c_branch2a_bias)
+        bn3c_branch2a_relu = res3c_branch2a  # in place: over res3c_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn3c_branch2a_relu, res3c_branch2a, bn3c_branch2a_running_mean, bn3c_branch2a_running_var, bn3c_branch2a_weight, bn3c_branch2a_bias)
+
+        # ---- res3c_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # res3c_branch2b = conv2d[pad=1](bn3c_branch2a_relu, res3c_branch2b_W)
+        res3c_branch2b = mem.tensor(21, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3c_branch2a_relu, T['res3c_branch2b_W'], out=res3c_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free res3c_branch2a, bn3c_branch2a_relu
+        del res3c_branch2a, bn3c_branch2a_relu
+        mem.free(20)
+
+        # ---- bn3c_branch2b (batch norm), forward ----
+        # bn3c_branch2b_bias = reshape[1x128x1x1](bn3c_branch2b_B)
+        bn3c_branch2b_bias = rt.reshape(T['bn3c_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3c_branch2b_weight = reshape[1x128x1x1](bn3c_branch2b_W)
+        bn3c_branch2b_weight = rt.reshape(T['bn3c_branch2b_W'], shape=(1, 128, 1, 1))
+        # bn3c_branch2b_running_var = reshape[1x128x1x1](bn3c_branch2b_var)
+        bn3c_branch2b_running_var = rt.reshape(T['bn3c_branch2b_var'], shape=(1, 128, 1, 1))
+        # bn3c_branch2b_running_mean = reshape[1x128x1x1](bn3c_branch2b_mean)
+        bn3c_branch2b_running_mean = rt.reshape(T['bn3c_branch2b_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3c_branch2b_relu (relu), forward ----
+        # bn3c_branch2b_relu = Max(0, bn3c_branch2b_weight*(res3c_branch2b - bn3c_branch2b_running_mean)/sqrt(bn3c_branch2b_running_var + 1.0e-5) + bn3c_branch2b_bias)
+        bn3c_branch2b_relu = res3c_branch2b  # in place: over res3c_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn3c_branch2b_relu, res3c_branch2b, bn3c_branch2b_running_mean, bn3c_branch2b_running_var, bn3c_branch2b_weight, bn3c_branch2b_bias)
+
+        # ---- res3c_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res3c_branch2c = conv2d(bn3c_branch2b_relu, res3c_branch2c_W)
+        res3c_branch2c = mem.tensor(22, (32, 512, 28, 28), 'float32')
+        rt.conv2d(bn3c_branch2b_relu, T['res3c_branch2c_W'], out=res3c_branch2c, pad=0, stride=1)
+        # free res3c_branch2b, bn3c_branch2b_relu
+        del res3c_branch2b, bn3c_branch2b_relu
+        mem.free(21)
+
+        # ---- bn3c_branch2c (batch norm), forward ----
+        # bn3c_branch2c_bias = reshape[1x512x1x1](bn3c_branch2c_B)
+        bn3c_branch2c_bias = rt.reshape(T['bn3c_branch2c_B'], shape=(1, 512, 1, 1))
+        # bn3c_branch2c_weight = reshape[1x512x1x1](bn3c_branch2c_W)
+        bn3c_branch2c_weight = rt.reshape(T['bn3c_branch2c_W'], shape=(1, 512, 1, 1))
+        # bn3c_branch2c_running_var = reshape[1x512x1x1](bn3c_branch2c_var)
+        bn3c_branch2c_running_var = rt.reshape(T['bn3c_branch2c_var'], shape=(1, 512, 1, 1))
+        # bn3c_branch2c_running_mean = reshape[1x512x1x1](bn3c_branch2c_mean)
+        bn3c_branch2c_running_mean = rt.reshape(T['bn3c_branch2c_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn3c_branch2c_relu (relu), forward ----
+        # bn3c_branch2c_relu = Max(0, bn3c_branch2c_weight*(res3c_branch2c - bn3c_branch2c_running_mean)/sqrt(bn3c_branch2c_running_var + 1.0e-5) + bn3c_branch2c_bias + bn3b_branch2c_relu)
+        bn3c_branch2c_relu = res3c_branch2c  # in place: over res3c_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn3c_branch2c_relu, res3c_branch2c, bn3c_branch2c_running_mean, bn3c_branch2c_running_var, bn3c_branch2c_weight, bn3c_branch2c_bias, bn3b_branch2c_relu)
+        # free res3b_branch2c, bn3b_branch2c_relu
+        del res3b_branch2c, bn3b_branch2c_relu
+        mem.free(19)
+
+        # ---- res3d_branch2a (conv 1x1, 128 channels, stride 1, padding 0), forward ----
+        # res3d_branch2a = conv2d(bn3c_branch2c_relu, res3d_branch2a_W)
+        res3d_branch2a = mem.tensor(23, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3c_branch2c_relu, T['res3d_branch2a_W'], out=res3d_branch2a, pad=0, stride=1)
+
+        # ---- bn3d_branch2a (batch norm), forward ----
+        # bn3d_branch2a_bias = reshape[1x128x1x1](bn3d_branch2a_B)
+        bn3d_branch2a_bias = rt.reshape(T['bn3d_branch2a_B'], shape=(1, 128, 1, 1))
+        # bn3d_branch2a_weight = reshape[1x128x1x1](bn3d_branch2a_W)
+        bn3d_branch2a_weight = rt.reshape(T['bn3d_branch2a_W'], shape=(1, 128, 1, 1))
+        # bn3d_branch2a_running_var = reshape[1x128x1x1](bn3d_branch2a_var)
+        bn3d_branch2a_running_var = rt.reshape(T['bn3d_branch2a_var'], shape=(1, 128, 1, 1))
+        # bn3d_branch2a_running_mean = reshape[1x128x1x1](bn3d_branch2a_mean)
+        bn3d_branch2a_running_mean = rt.reshape(T['bn3d_branch2a_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3d_branch2a_relu (relu), forward ----
+        # bn3d_branch2a_relu = Max(0, bn3d_branch2a_weight*(res3d_branch2a - bn3d_branch2a_running_mean)/sqrt(bn3d_branch2a_running_var + 1.0e-5) + bn3d_branch2a_bias)
+        bn3d_branch2a_relu = res3d_branch2a  # in place: over res3d_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn3d_branch2a_relu, res3d_branch2a, bn3d_branch2a_running_mean, bn3d_branch2a_running_var, bn3d_branch2a_weight, bn3d_branch2a_bias)
+
+        # ---- res3d_branch2b (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # res3d_branch2b = conv2d[pad=1](bn3d_branch2a_relu, res3d_branch2b_W)
+        res3d_branch2b = mem.tensor(24, (32, 128, 28, 28), 'float32')
+        rt.conv2d(bn3d_branch2a_relu, T['res3d_branch2b_W'], out=res3d_branch2b, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free res3d_branch2a, bn3d_branch2a_relu
+        del res3d_branch2a, bn3d_branch2a_relu
+        mem.free(23)
+
+        # ---- bn3d_branch2b (batch norm), forward ----
+        # bn3d_branch2b_bias = reshape[1x128x1x1](bn3d_branch2b_B)
+        bn3d_branch2b_bias = rt.reshape(T['bn3d_branch2b_B'], shape=(1, 128, 1, 1))
+        # bn3d_branch2b_weight = reshape[1x128x1x1](bn3d_branch2b_W)
+        bn3d_branch2b_weight = rt.reshape(T['bn3d_branch2b_W'], shape=(1, 128, 1, 1))
+        # bn3d_branch2b_running_var = reshape[1x128x1x1](bn3d_branch2b_var)
+        bn3d_branch2b_running_var = rt.reshape(T['bn3d_branch2b_var'], shape=(1, 128, 1, 1))
+        # bn3d_branch2b_running_mean = reshape[1x128x1x1](bn3d_branch2b_mean)
+        bn3d_branch2b_running_mean = rt.reshape(T['bn3d_branch2b_mean'], shape=(1, 128, 1, 1))
+
+        # ---- bn3d_branch2b_relu (relu), forward ----
+        # bn3d_branch2b_relu = Max(0, bn3d_branch2b_weight*(res3d_branch2b - bn3d_branch2b_running_mean)/sqrt(bn3d_branch2b_running_var + 1.0e-5) + bn3d_branch2b_bias)
+        bn3d_branch2b_relu = res3d_branch2b  # in place: over res3d_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn3d_branch2b_relu, res3d_branch2b, bn3d_branch2b_running_mean, bn3d_branch2b_running_var, bn3d_branch2b_weight, bn3d_branch2b_bias)
+
+        # ---- res3d_branch2c (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res3d_branch2c = conv2d(bn3d_branch2b_relu, res3d_branch2c_W)
+        res3d_branch2c = mem.tensor(25, (32, 512, 28, 28), 'float32')
+        rt.conv2d(bn3d_branch2b_relu, T['res3d_branch2c_W'], out=res3d_branch2c, pad=0, stride=1)
+        # free res3d_branch2b, bn3d_branch2b_relu
+        del res3d_branch2b, bn3d_branch2b_relu
+        mem.free(24)
+
+        # ---- bn3d_branch2c (batch norm), forward ----
+        # bn3d_branch2c_bias = reshape[1x512x1x1](bn3d_branch2c_B)
+        bn3d_branch2c_bias = rt.reshape(T['bn3d_branch2c_B'], shape=(1, 512, 1, 1))
+        # bn3d_branch2c_weight = reshape[1x512x1x1](bn3d_branch2c_W)
+        bn3d_branch2c_weight = rt.reshape(T['bn3d_branch2c_W'], shape=(1, 512, 1, 1))
+        # bn3d_branch2c_running_var = reshape[1x512x1x1](bn3d_branch2c_var)
+        bn3d_branch2c_running_var = rt.reshape(T['bn3d_branch2c_var'], shape=(1, 512, 1, 1))
+        # bn3d_branch2c_running_mean = reshape[1x512x1x1](bn3d_branch2c_mean)
+        bn3d_branch2c_running_mean = rt.reshape(T['bn3d_branch2c_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn3d_branch2c_relu (relu), forward ----
+        # bn3d_branch2c_relu = Max(0, bn3d_branch2c_weight*(res3d_branch2c - bn3d_branch2c_running_mean)/sqrt(bn3d_branch2c_running_var + 1.0e-5) + bn3d_branch2c_bias + bn3c_branch2c_relu)
+        bn3d_branch2c_relu = res3d_branch2c  # in place: over res3d_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn3d_branch2c_relu, res3d_branch2c, bn3d_branch2c_running_mean, bn3d_branch2c_running_var, bn3d_branch2c_weight, bn3d_branch2c_bias, bn3c_branch2c_relu)
+        # free res3c_branch2c, bn3c_branch2c_relu
+        del res3c_branch2c, bn3c_branch2c_relu
+        mem.free(22)
+
+        # ---- res4a_branch2a (conv 1x1, 256 channels, stride 2, padding 0), forward ----
+        # res4a_branch2a = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch2a_W)
+        res4a_branch2a = mem.tensor(26, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch2a_W'], out=res4a_branch2a, pad=0, stride=2, workspace=mem.workspace(12845056))
+
+        # ---- res4a_branch1 (conv 1x1, 1024 channels, stride 2, padding 0), forward ----
+        # res4a_branch1 = conv2d[stride=2](bn3d_branch2c_relu, res4a_branch1_W)
+        res4a_branch1 = mem.tensor(27, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn3d_branch2c_relu, T['res4a_branch1_W'], out=res4a_branch1, pad=0, stride=2, workspace=mem.workspace(25690112))
+        # free res3d_branch2c, bn3d_branch2c_relu
+        del res3d_branch2c, bn3d_branch2c_relu
+        mem.free(25)
+
+        # ---- bn4a_branch1 (batch norm), forward ----
+        # bn4a_branch1_bias = reshape[1x1024x1x1](bn4a_branch1_B)
+        bn4a_branch1_bias = rt.reshape(T['bn4a_branch1_B'], shape=(1, 1024, 1, 1))
+        # bn4a_branch1_weight = reshape[1x1024x1x1](bn4a_branch1_W)
+        bn4a_branch1_weight = rt.reshape(T['bn4a_branch1_W'], shape=(1, 1024, 1, 1))
+        # bn4a_branch1_running_var = reshape[1x1024x1x1](bn4a_branch1_var)
+        bn4a_branch1_running_var = rt.reshape(T['bn4a_branch1_var'], shape=(1, 1024, 1, 1))
+        # bn4a_branch1_running_mean = reshape[1x1024x1x1](bn4a_branch1_mean)
+        bn4a_branch1_running_mean = rt.reshape(T['bn4a_branch1_mean'], shape=(1, 1024, 1, 1))
+        # bn4a_branch1 = bn4a_branch1_weight*(res4a_branch1 - bn4a_branch1_running_mean)/sqrt(bn4a_branch1_running_var + 1.0e-5) + bn4a_branch1_bias
+        bn4a_branch1 = res4a_branch1  # in place: over res4a_branch1
+        rt.ew(ew_add_rsqrt_sub_mul_2, bn4a_branch1, res4a_branch1, bn4a_branch1_running_mean, bn4a_branch1_running_var, bn4a_branch1_weight, bn4a_branch1_bias)
+
+        # ---- bn4a_branch2a (batch norm), forward ----
+        # bn4a_branch2a_bias = reshape[1x256x1x1](bn4a_branch2a_B)
+        bn4a_branch2a_bias = rt.reshape(T['bn4a_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4a_branch2a_weight = reshape[1x256x1x1](bn4a_branch2a_W)
+        bn4a_branch2a_weight = rt.reshape(T['bn4a_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4a_branch2a_running_var = reshape[1x256x1x1](bn4a_branch2a_var)
+        bn4a_branch2a_running_var = rt.reshape(T['bn4a_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4a_branch2a_running_mean = reshape[1x256x1x1](bn4a_branch2a_mean)
+        bn4a_branch2a_running_mean = rt.reshape(T['bn4a_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4a_branch2a_relu (relu), forward ----
+        # bn4a_branch2a_relu = Max(0, bn4a_branch2a_weight*(res4a_branch2a - bn4a_branch2a_running_mean)/sqrt(bn4a_branch2a_running_var + 1.0e-5) + bn4a_branch2a_bias)
+        bn4a_branch2a_relu = res4a_branch2a  # in place: over res4a_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4a_branch2a_relu, res4a_branch2a, bn4a_branch2a_running_mean, bn4a_branch2a_running_var, bn4a_branch2a_weight, bn4a_branch2a_bias)
+
+        # ---- res4a_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4a_branch2b = conv2d[pad=1](bn4a_branch2a_relu, res4a_branch2b_W)
+        res4a_branch2b = mem.tensor(28, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4a_branch2a_relu, T['res4a_branch2b_W'], out=res4a_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4a_branch2a, bn4a_branch2a_relu
+        del res4a_branch2a, bn4a_branch2a_relu
+        mem.free(26)
+
+        # ---- bn4a_branch2b (batch norm), forward ----
+        # bn4a_branch2b_bias = reshape[1x256x1x1](bn4a_branch2b_B)
+        bn4a_branch2b_bias = rt.reshape(T['bn4a_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4a_branch2b_weight = reshape[1x256x1x1](bn4a_branch2b_W)
+        bn4a_branch2b_weight = rt.reshape(T['bn4a_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4a_branch2b_running_var = reshape[1x256x1x1](bn4a_branch2b_var)
+        bn4a_branch2b_running_var = rt.reshape(T['bn4a_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4a_branch2b_running_mean = reshape[1x256x1x1](bn4a_branch2b_mean)
+        bn4a_branch2b_running_mean = rt.reshape(T['bn4a_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4a_branch2b_relu (relu), forward ----
+        # bn4a_branch2b_relu = Max(0, bn4a_branch2b_weight*(res4a_branch2b - bn4a_branch2b_running_mean)/sqrt(bn4a_branch2b_running_var + 1.0e-5) + bn4a_branch2b_bias)
+        bn4a_branch2b_relu = res4a_branch2b  # in place: over res4a_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4a_branch2b_relu, res4a_branch2b, bn4a_branch2b_running_mean, bn4a_branch2b_running_var, bn4a_branch2b_weight, bn4a_branch2b_bias)
+
+        # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
+        res4a_branch2c = mem.tensor(29, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4a_branch2b, bn4a_branch2b_relu
+        del res4a_branch2b, bn4a_branch2b_relu
+        mem.free(28)
+
+        # ---- bn4a_branch2c (batch norm), forward ----
+        # bn4a_branch2c_bias = reshape[1x1024x1x1](bn4a_branch2c_B)
+        bn4a_branch2c_bias = rt.reshape(T['bn4a_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4a_branch2c_weight = reshape[1x1024x1x1](bn4a_branch2c_W)
+        bn4a_branch2c_weight = rt.reshape(T['bn4a_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4a_branch2c_running_var = reshape[1x1024x1x1](bn4a_branch2c_var)
+        bn4a_branch2c_running_var = rt.reshape(T['bn4a_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4a_branch2c_running_mean = reshape[1x1024x1x1](bn4a_branch2c_mean)
+        bn4a_branch2c_running_mean = rt.reshape(T['bn4a_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4a_branch2c_relu (relu), forward ----
+        # bn4a_branch2c_relu = Max(0, bn4a_branch2c_weight*(res4a_branch2c - bn4a_branch2c_running_mean)/sqrt(bn4a_branch2c_running_var + 1.0e-5) + bn4a_branch2c_bias + bn4a_branch1)
+        bn4a_branch2c_relu = res4a_branch2c  # in place: over res4a_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4a_branch2c_relu, res4a_branch2c, bn4a_branch2c_running_mean, bn4a_branch2c_running_var, bn4a_branch2c_weight, bn4a_branch2c_bias, bn4a_branch1)
+        # free res4a_branch1, bn4a_branch1
+        del res4a_branch1, bn4a_branch1
+        mem.free(27)
+
+        # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
+        res4b_branch2a = mem.tensor(30, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- bn4b_branch2a (batch norm), forward ----
+        # bn4b_branch2a_bias = reshape[1x256x1x1](bn4b_branch2a_B)
+        bn4b_branch2a_bias = rt.reshape(T['bn4b_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4b_branch2a_weight = reshape[1x256x1x1](bn4b_branch2a_W)
+        bn4b_branch2a_weight = rt.reshape(T['bn4b_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4b_branch2a_running_var = reshape[1x256x1x1](bn4b_branch2a_var)
+        bn4b_branch2a_running_var = rt.reshape(T['bn4b_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4b_branch2a_running_mean = reshape[1x256x1x1](bn4b_branch2a_mean)
+        bn4b_branch2a_running_mean = rt.reshape(T['bn4b_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4b_branch2a_relu (relu), forward ----
+        # bn4b_branch2a_relu = Max(0, bn4b_branch2a_weight*(res4b_branch2a - bn4b_branch2a_running_mean)/sqrt(bn4b_branch2a_running_var + 1.0e-5) + bn4b_branch2a_bias)
+        bn4b_branch2a_relu = res4b_branch2a  # in place: over res4b_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4b_branch2a_relu, res4b_branch2a, bn4b_branch2a_running_mean, bn4b_branch2a_running_var, bn4b_branch2a_weight, bn4b_branch2a_bias)
+
+        # ---- res4b_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4b_branch2b = conv2d[pad=1](bn4b_branch2a_relu, res4b_branch2b_W)
+        res4b_branch2b = mem.tensor(31, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4b_branch2a_relu, T['res4b_branch2b_W'], out=res4b_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4b_branch2a, bn4b_branch2a_relu
+        del res4b_branch2a, bn4b_branch2a_relu
+        mem.free(30)
+
+        # ---- bn4b_branch2b (batch norm), forward ----
+        # bn4b_branch2b_bias = reshape[1x256x1x1](bn4b_branch2b_B)
+        bn4b_branch2b_bias = rt.reshape(T['bn4b_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4b_branch2b_weight = reshape[1x256x1x1](bn4b_branch2b_W)
+        bn4b_branch2b_weight = rt.reshape(T['bn4b_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4b_branch2b_running_var = reshape[1x256x1x1](bn4b_branch2b_var)
+        bn4b_branch2b_running_var = rt.reshape(T['bn4b_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4b_branch2b_running_mean = reshape[1x256x1x1](bn4b_branch2b_mean)
+        bn4b_branch2b_running_mean = rt.reshape(T['bn4b_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4b_branch2b_relu (relu), forward ----
+        # bn4b_branch2b_relu = Max(0, bn4b_branch2b_weight*(res4b_branch2b - bn4b_branch2b_running_mean)/sqrt(bn4b_branch2b_running_var + 1.0e-5) + bn4b_branch2b_bias)
+        bn4b_branch2b_relu = res4b_branch2b  # in place: over res4b_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4b_branch2b_relu, res4b_branch2b, bn4b_branch2b_running_mean, bn4b_branch2b_running_var, bn4b_branch2b_weight, bn4b_branch2b_bias)
+
+        # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
+        res4b_branch2c = mem.tensor(32, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4b_branch2b, bn4b_branch2b_relu
+        del res4b_branch2b, bn4b_branch2b_relu
+        mem.free(31)
+
+        # ---- bn4b_branch2c (batch norm), forward ----
+        # bn4b_branch2c_bias = reshape[1x1024x1x1](bn4b_branch2c_B)
+        bn4b_branch2c_bias = rt.reshape(T['bn4b_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4b_branch2c_weight = reshape[1x1024x1x1](bn4b_branch2c_W)
+        bn4b_branch2c_weight = rt.reshape(T['bn4b_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4b_branch2c_running_var = reshape[1x1024x1x1](bn4b_branch2c_var)
+        bn4b_branch2c_running_var = rt.reshape(T['bn4b_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4b_branch2c_running_mean = reshape[1x1024x1x1](bn4b_branch2c_mean)
+        bn4b_branch2c_running_mean = rt.reshape(T['bn4b_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4b_branch2c_relu (relu), forward ----
+        # bn4b_branch2c_relu = Max(0, bn4b_branch2c_weight*(res4b_branch2c - bn4b_branch2c_running_mean)/sqrt(bn4b_branch2c_running_var + 1.0e-5) + bn4b_branch2c_bias + bn4a_branch2c_relu)
+        bn4b_branch2c_relu = res4b_branch2c  # in place: over res4b_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4b_branch2c_relu, res4b_branch2c, bn4b_branch2c_running_mean, bn4b_branch2c_running_var, bn4b_branch2c_weight, bn4b_branch2c_bias, bn4a_branch2c_relu)
+        # free res4a_branch2c, bn4a_branch2c_relu
+        del res4a_branch2c, bn4a_branch2c_relu
+        mem.free(29)
+
+        # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
+        res4c_branch2a = mem.tensor(33, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- bn4c_branch2a (batch norm), forward ----
+        # bn4c_branch2a_bias = reshape[1x256x1x1](bn4c_branch2a_B)
+        bn4c_branch2a_bias = rt.reshape(T['bn4c_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4c_branch2a_weight = reshape[1x256x1x1](bn4c_branch2a_W)
+        bn4c_branch2a_weight = rt.reshape(T['bn4c_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4c_branch2a_running_var = reshape[1x256x1x1](bn4c_branch2a_var)
+        bn4c_branch2a_running_var = rt.reshape(T['bn4c_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4c_branch2a_running_mean = reshape[1x256x1x1](bn4c_branch2a_mean)
+        bn4c_branch2a_running_mean = rt.reshape(T['bn4c_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4c_branch2a_relu (relu), forward ----
+        # bn4c_branch2a_relu = Max(0, bn4c_branch2a_weight*(res4c_branch2a - bn4c_branch2a_running_mean)/sqrt(bn4c_branch2a_running_var + 1.0e-5) + bn4c_branch2a_bias)
+        bn4c_branch2a_relu = res4c_branch2a  # in place: over res4c_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4c_branch2a_relu, res4c_branch2a, bn4c_branch2a_running_mean, bn4c_branch2a_running_var, bn4c_branch2a_weight, bn4c_branch2a_bias)
+
+        # ---- res4c_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4c_branch2b = conv2d[pad=1](bn4c_branch2a_relu, res4c_branch2b_W)
+        res4c_branch2b = mem.tensor(34, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4c_branch2a_relu, T['res4c_branch2b_W'], out=res4c_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4c_branch2a, bn4c_branch2a_relu
+        del res4c_branch2a, bn4c_branch2a_relu
+        mem.free(33)
+
+        # ---- bn4c_branch2b (batch norm), forward ----
+        # bn4c_branch2b_bias = reshape[1x256x1x1](bn4c_branch2b_B)
+        bn4c_branch2b_bias = rt.reshape(T['bn4c_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4c_branch2b_weight = reshape[1x256x1x1](bn4c_branch2b_W)
+        bn4c_branch2b_weight = rt.reshape(T['bn4c_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4c_branch2b_running_var = reshape[1x256x1x1](bn4c_branch2b_var)
+        bn4c_branch2b_running_var = rt.reshape(T['bn4c_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4c_branch2b_running_mean = reshape[1x256x1x1](bn4c_branch2b_mean)
+        bn4c_branch2b_running_mean = rt.reshape(T['bn4c_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4c_branch2b_relu (relu), forward ----
+        # bn4c_branch2b_relu = Max(0, bn4c_branch2b_weight*(res4c_branch2b - bn4c_branch2b_running_mean)/sqrt(bn4c_branch2b_running_var + 1.0e-5) + bn4c_branch2b_bias)
+        bn4c_branch2b_relu = res4c_branch2b  # in place: over res4c_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4c_branch2b_relu, res4c_branch2b, bn4c_branch2b_running_mean, bn4c_branch2b_running_var, bn4c_branch2b_weight, bn4c_branch2b_bias)
+
+        # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
+        res4c_branch2c = mem.tensor(35, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4c_branch2b, bn4c_branch2b_relu
+        del res4c_branch2b, bn4c_branch2b_relu
+        mem.free(34)
+
+        # ---- bn4c_branch2c (batch norm), forward ----
+        # bn4c_branch2c_bias = reshape[1x1024x1x1](bn4c_branch2c_B)
+        bn4c_branch2c_bias = rt.reshape(T['bn4c_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4c_branch2c_weight = reshape[1x1024x1x1](bn4c_branch2c_W)
+        bn4c_branch2c_weight = rt.reshape(T['bn4c_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4c_branch2c_running_var = reshape[1x1024x1x1](bn4c_branch2c_var)
+        bn4c_branch2c_running_var = rt.reshape(T['bn4c_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4c_branch2c_running_mean = reshape[1x1024x1x1](bn4c_branch2c_mean)
+        bn4c_branch2c_running_mean = rt.reshape(T['bn4c_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4c_branch2c_relu (relu), forward ----
+        # bn4c_branch2c_relu = Max(0, bn4c_branch2c_weight*(res4c_branch2c - bn4c_branch2c_running_mean)/sqrt(bn4c_branch2c_running_var + 1.0e-5) + bn4c_branch2c_bias + bn4b_branch2c_relu)
+        bn4c_branch2c_relu = res4c_branch2c  # in place: over res4c_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4c_branch2c_relu, res4c_branch2c, bn4c_branch2c_running_mean, bn4c_branch2c_running_var, bn4c_branch2c_weight, bn4c_branch2c_bias, bn4b_branch2c_relu)
+        # free res4b_branch2c, bn4b_branch2c_relu
+        del res4b_branch2c, bn4b_branch2c_relu
+        mem.free(32)
+
+        # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
+        res4d_branch2a = mem.tensor(36, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- bn4d_branch2a (batch norm), forward ----
+        # bn4d_branch2a_bias = reshape[1x256x1x1](bn4d_branch2a_B)
+        bn4d_branch2a_bias = rt.reshape(T['bn4d_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4d_branch2a_weight = reshape[1x256x1x1](bn4d_branch2a_W)
+        bn4d_branch2a_weight = rt.reshape(T['bn4d_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4d_branch2a_running_var = reshape[1x256x1x1](bn4d_branch2a_var)
+        bn4d_branch2a_running_var = rt.reshape(T['bn4d_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4d_branch2a_running_mean = reshape[1x256x1x1](bn4d_branch2a_mean)
+        bn4d_branch2a_running_mean = rt.reshape(T['bn4d_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4d_branch2a_relu (relu), forward ----
+        # bn4d_branch2a_relu = Max(0, bn4d_branch2a_weight*(res4d_branch2a - bn4d_branch2a_running_mean)/sqrt(bn4d_branch2a_running_var + 1.0e-5) + bn4d_branch2a_bias)
+        bn4d_branch2a_relu = res4d_branch2a  # in place: over res4d_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4d_branch2a_relu, res4d_branch2a, bn4d_branch2a_running_mean, bn4d_branch2a_running_var, bn4d_branch2a_weight, bn4d_branch2a_bias)
+
+        # ---- res4d_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4d_branch2b = conv2d[pad=1](bn4d_branch2a_relu, res4d_branch2b_W)
+        res4d_branch2b = mem.tensor(37, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4d_branch2a_relu, T['res4d_branch2b_W'], out=res4d_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4d_branch2a, bn4d_branch2a_relu
+        del res4d_branch2a, bn4d_branch2a_relu
+        mem.free(36)
+
+        # ---- bn4d_branch2b (batch norm), forward ----
+        # bn4d_branch2b_bias = reshape[1x256x1x1](bn4d_branch2b_B)
+        bn4d_branch2b_bias = rt.reshape(T['bn4d_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4d_branch2b_weight = reshape[1x256x1x1](bn4d_branch2b_W)
+        bn4d_branch2b_weight = rt.reshape(T['bn4d_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4d_branch2b_running_var = reshape[1x256x1x1](bn4d_branch2b_var)
+        bn4d_branch2b_running_var = rt.reshape(T['bn4d_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4d_branch2b_running_mean = reshape[1x256x1x1](bn4d_branch2b_mean)
+        bn4d_branch2b_running_mean = rt.reshape(T['bn4d_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4d_branch2b_relu (relu), forward ----
+        # bn4d_branch2b_relu = Max(0, bn4d_branch2b_weight*(res4d_branch2b - bn4d_branch2b_running_mean)/sqrt(bn4d_branch2b_running_var + 1.0e-5) + bn4d_branch2b_bias)
+        bn4d_branch2b_relu = res4d_branch2b  # in place: over res4d_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4d_branch2b_relu, res4d_branch2b, bn4d_branch2b_running_mean, bn4d_branch2b_running_var, bn4d_branch2b_weight, bn4d_branch2b_bias)
+
+        # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
+        res4d_branch2c = mem.tensor(38, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4d_branch2b, bn4d_branch2b_relu
+        del res4d_branch2b, bn4d_branch2b_relu
+        mem.free(37)
+
+        # ---- bn4d_branch2c (batch norm), forward ----
+        # bn4d_branch2c_bias = reshape[1x1024x1x1](bn4d_branch2c_B)
+        bn4d_branch2c_bias = rt.reshape(T['bn4d_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4d_branch2c_weight = reshape[1x1024x1x1](bn4d_branch2c_W)
+        bn4d_branch2c_weight = rt.reshape(T['bn4d_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4d_branch2c_running_var = reshape[1x1024x1x1](bn4d_branch2c_var)
+        bn4d_branch2c_running_var = rt.reshape(T['bn4d_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4d_branch2c_running_mean = reshape[1x1024x1x1](bn4d_branch2c_mean)
+        bn4d_branch2c_running_mean = rt.reshape(T['bn4d_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4d_branch2c_relu (relu), forward ----
+        # bn4d_branch2c_relu = Max(0, bn4d_branch2c_weight*(res4d_branch2c - bn4d_branch2c_running_mean)/sqrt(bn4d_branch2c_running_var + 1.0e-5) + bn4d_branch2c_bias + bn4c_branch2c_relu)
+        bn4d_branch2c_relu = res4d_branch2c  # in place: over res4d_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4d_branch2c_relu, res4d_branch2c, bn4d_branch2c_running_mean, bn4d_branch2c_running_var, bn4d_branch2c_weight, bn4d_branch2c_bias, bn4c_branch2c_relu)
+        # free res4c_branch2c, bn4c_branch2c_relu
+        del res4c_branch2c, bn4c_branch2c_relu
+        mem.free(35)
+
+        # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
+        res4e_branch2a = mem.tensor(39, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- bn4e_branch2a (batch norm), forward ----
+        # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
+        bn4e_branch2a_bias = rt.reshape(T['bn4e_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4e_branch2a_weight = reshape[1x256x1x1](bn4e_branch2a_W)
+        bn4e_branch2a_weight = rt.reshape(T['bn4e_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4e_branch2a_running_var = reshape[1x256x1x1](bn4e_branch2a_var)
+        bn4e_branch2a_running_var = rt.reshape(T['bn4e_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4e_branch2a_running_mean = reshape[1x256x1x1](bn4e_branch2a_mean)
+        bn4e_branch2a_running_mean = rt.reshape(T['bn4e_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4e_branch2a_relu (relu), forward ----
+        # bn4e_branch2a_relu = Max(0, bn4e_branch2a_weight*(res4e_branch2a - bn4e_branch2a_running_mean)/sqrt(bn4e_branch2a_running_var + 1.0e-5) + bn4e_branch2a_bias)
+        bn4e_branch2a_relu = res4e_branch2a  # in place: over res4e_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4e_branch2a_relu, res4e_branch2a, bn4e_branch2a_running_mean, bn4e_branch2a_running_var, bn4e_branch2a_weight, bn4e_branch2a_bias)
+
+        # ---- res4e_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4e_branch2b = conv2d[pad=1](bn4e_branch2a_relu, res4e_branch2b_W)
+        res4e_branch2b = mem.tensor(40, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4e_branch2a_relu, T['res4e_branch2b_W'], out=res4e_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4e_branch2a, bn4e_branch2a_relu
+        del res4e_branch2a, bn4e_branch2a_relu
+        mem.free(39)
+
+        # ---- bn4e_branch2b (batch norm), forward ----
+        # bn4e_branch2b_bias = reshape[1x256x1x1](bn4e_branch2b_B)
+        bn4e_branch2b_bias = rt.reshape(T['bn4e_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4e_branch2b_weight = reshape[1x256x1x1](bn4e_branch2b_W)
+        bn4e_branch2b_weight = rt.reshape(T['bn4e_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4e_branch2b_running_var = reshape[1x256x1x1](bn4e_branch2b_var)
+        bn4e_branch2b_running_var = rt.reshape(T['bn4e_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4e_branch2b_running_mean = reshape[1x256x1x1](bn4e_branch2b_mean)
+        bn4e_branch2b_running_mean = rt.reshape(T['bn4e_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4e_branch2b_relu (relu), forward ----
+        # bn4e_branch2b_relu = Max(0, bn4e_branch2b_weight*(res4e_branch2b - bn4e_branch2b_running_mean)/sqrt(bn4e_branch2b_running_var + 1.0e-5) + bn4e_branch2b_bias)
+        bn4e_branch2b_relu = res4e_branch2b  # in place: over res4e_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4e_branch2b_relu, res4e_branch2b, bn4e_branch2b_running_mean, bn4e_branch2b_running_var, bn4e_branch2b_weight, bn4e_branch2b_bias)
+
+        # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
+        res4e_branch2c = mem.tensor(41, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4e_branch2b, bn4e_branch2b_relu
+        del res4e_branch2b, bn4e_branch2b_relu
+        mem.free(40)
+
+        # ---- bn4e_branch2c (batch norm), forward ----
+        # bn4e_branch2c_bias = reshape[1x1024x1x1](bn4e_branch2c_B)
+        bn4e_branch2c_bias = rt.reshape(T['bn4e_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4e_branch2c_weight = reshape[1x1024x1x1](bn4e_branch2c_W)
+        bn4e_branch2c_weight = rt.reshape(T['bn4e_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4e_branch2c_running_var = reshape[1x1024x1x1](bn4e_branch2c_var)
+        bn4e_branch2c_running_var = rt.reshape(T['bn4e_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4e_branch2c_running_mean = reshape[1x1024x1x1](bn4e_branch2c_mean)
+        bn4e_branch2c_running_mean = rt.reshape(T['bn4e_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4e_branch2c_relu (relu), forward ----
+        # bn4e_branch2c_relu = Max(0, bn4e_branch2c_weight*(res4e_branch2c - bn4e_branch2c_running_mean)/sqrt(bn4e_branch2c_running_var + 1.0e-5) + bn4e_branch2c_bias + bn4d_branch2c_relu)
+        bn4e_branch2c_relu = res4e_branch2c  # in place: over res4e_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4e_branch2c_relu, res4e_branch2c, bn4e_branch2c_running_mean, bn4e_branch2c_running_var, bn4e_branch2c_weight, bn4e_branch2c_bias, bn4d_branch2c_relu)
+        # free res4d_branch2c, bn4d_branch2c_relu
+        del res4d_branch2c, bn4d_branch2c_relu
+        mem.free(38)
+
+        # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
+        # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
+        res4f_branch2a = mem.tensor(42, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+
+        # ---- bn4f_branch2a (batch norm), forward ----
+        # bn4f_branch2a_bias = reshape[1x256x1x1](bn4f_branch2a_B)
+        bn4f_branch2a_bias = rt.reshape(T['bn4f_branch2a_B'], shape=(1, 256, 1, 1))
+        # bn4f_branch2a_weight = reshape[1x256x1x1](bn4f_branch2a_W)
+        bn4f_branch2a_weight = rt.reshape(T['bn4f_branch2a_W'], shape=(1, 256, 1, 1))
+        # bn4f_branch2a_running_var = reshape[1x256x1x1](bn4f_branch2a_var)
+        bn4f_branch2a_running_var = rt.reshape(T['bn4f_branch2a_var'], shape=(1, 256, 1, 1))
+        # bn4f_branch2a_running_mean = reshape[1x256x1x1](bn4f_branch2a_mean)
+        bn4f_branch2a_running_mean = rt.reshape(T['bn4f_branch2a_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4f_branch2a_relu (relu), forward ----
+        # bn4f_branch2a_relu = Max(0, bn4f_branch2a_weight*(res4f_branch2a - bn4f_branch2a_running_mean)/sqrt(bn4f_branch2a_running_var + 1.0e-5) + bn4f_branch2a_bias)
+        bn4f_branch2a_relu = res4f_branch2a  # in place: over res4f_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn4f_branch2a_relu, res4f_branch2a, bn4f_branch2a_running_mean, bn4f_branch2a_running_var, bn4f_branch2a_weight, bn4f_branch2a_bias)
+
+        # ---- res4f_branch2b (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # res4f_branch2b = conv2d[pad=1](bn4f_branch2a_relu, res4f_branch2b_W)
+        res4f_branch2b = mem.tensor(43, (32, 256, 14, 14), 'float32')
+        rt.conv2d(bn4f_branch2a_relu, T['res4f_branch2b_W'], out=res4f_branch2b, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free res4f_branch2a, bn4f_branch2a_relu
+        del res4f_branch2a, bn4f_branch2a_relu
+        mem.free(42)
+
+        # ---- bn4f_branch2b (batch norm), forward ----
+        # bn4f_branch2b_bias = reshape[1x256x1x1](bn4f_branch2b_B)
+        bn4f_branch2b_bias = rt.reshape(T['bn4f_branch2b_B'], shape=(1, 256, 1, 1))
+        # bn4f_branch2b_weight = reshape[1x256x1x1](bn4f_branch2b_W)
+        bn4f_branch2b_weight = rt.reshape(T['bn4f_branch2b_W'], shape=(1, 256, 1, 1))
+        # bn4f_branch2b_running_var = reshape[1x256x1x1](bn4f_branch2b_var)
+        bn4f_branch2b_running_var = rt.reshape(T['bn4f_branch2b_var'], shape=(1, 256, 1, 1))
+        # bn4f_branch2b_running_mean = reshape[1x256x1x1](bn4f_branch2b_mean)
+        bn4f_branch2b_running_mean = rt.reshape(T['bn4f_branch2b_mean'], shape=(1, 256, 1, 1))
+
+        # ---- bn4f_branch2b_relu (relu), forward ----
+        # bn4f_branch2b_relu = Max(0, bn4f_branch2b_weight*(res4f_branch2b - bn4f_branch2b_running_mean)/sqrt(bn4f_branch2b_running_var + 1.0e-5) + bn4f_branch2b_bias)
+        bn4f_branch2b_relu = res4f_branch2b  # in place: over res4f_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn4f_branch2b_relu, res4f_branch2b, bn4f_branch2b_running_mean, bn4f_branch2b_running_var, bn4f_branch2b_weight, bn4f_branch2b_bias)
+
+        # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
+        # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
+        res4f_branch2c = mem.tensor(44, (32, 1024, 14, 14), 'float32')
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        # free res4f_branch2b, bn4f_branch2b_relu
+        del res4f_branch2b, bn4f_branch2b_relu
+        mem.free(43)
+
+        # ---- bn4f_branch2c (batch norm), forward ----
+        # bn4f_branch2c_bias = reshape[1x1024x1x1](bn4f_branch2c_B)
+        bn4f_branch2c_bias = rt.reshape(T['bn4f_branch2c_B'], shape=(1, 1024, 1, 1))
+        # bn4f_branch2c_weight = reshape[1x1024x1x1](bn4f_branch2c_W)
+        bn4f_branch2c_weight = rt.reshape(T['bn4f_branch2c_W'], shape=(1, 1024, 1, 1))
+        # bn4f_branch2c_running_var = reshape[1x1024x1x1](bn4f_branch2c_var)
+        bn4f_branch2c_running_var = rt.reshape(T['bn4f_branch2c_var'], shape=(1, 1024, 1, 1))
+        # bn4f_branch2c_running_mean = reshape[1x1024x1x1](bn4f_branch2c_mean)
+        bn4f_branch2c_running_mean = rt.reshape(T['bn4f_branch2c_mean'], shape=(1, 1024, 1, 1))
+
+        # ---- bn4f_branch2c_relu (relu), forward ----
+        # bn4f_branch2c_relu = Max(0, bn4f_branch2c_weight*(res4f_branch2c - bn4f_branch2c_running_mean)/sqrt(bn4f_branch2c_running_var + 1.0e-5) + bn4f_branch2c_bias + bn4e_branch2c_relu)
+        bn4f_branch2c_relu = res4f_branch2c  # in place: over res4f_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn4f_branch2c_relu, res4f_branch2c, bn4f_branch2c_running_mean, bn4f_branch2c_running_var, bn4f_branch2c_weight, bn4f_branch2c_bias, bn4e_branch2c_relu)
+        # free res4e_branch2c, bn4e_branch2c_relu
+        del res4e_branch2c, bn4e_branch2c_relu
+        mem.free(41)
+
+        # ---- res5a_branch2a (conv 1x1, 512 channels, stride 2, padding 0), forward ----
+        # res5a_branch2a = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch2a_W)
+        res5a_branch2a = mem.tensor(45, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch2a_W'], out=res5a_branch2a, pad=0, stride=2, workspace=mem.workspace(6422528))
+
+        # ---- res5a_branch1 (conv 1x1, 2048 channels, stride 2, padding 0), forward ----
+        # res5a_branch1 = conv2d[stride=2](bn4f_branch2c_relu, res5a_branch1_W)
+        res5a_branch1 = mem.tensor(46, (32, 2048, 7, 7), 'float32')
+        rt.conv2d(bn4f_branch2c_relu, T['res5a_branch1_W'], out=res5a_branch1, pad=0, stride=2, workspace=mem.workspace(12845056))
+        # free res4f_branch2c, bn4f_branch2c_relu
+        del res4f_branch2c, bn4f_branch2c_relu
+        mem.free(44)
+
+        # ---- bn5a_branch1 (batch norm), forward ----
+        # bn5a_branch1_bias = reshape[1x2048x1x1](bn5a_branch1_B)
+        bn5a_branch1_bias = rt.reshape(T['bn5a_branch1_B'], shape=(1, 2048, 1, 1))
+        # bn5a_branch1_weight = reshape[1x2048x1x1](bn5a_branch1_W)
+        bn5a_branch1_weight = rt.reshape(T['bn5a_branch1_W'], shape=(1, 2048, 1, 1))
+        # bn5a_branch1_running_var = reshape[1x2048x1x1](bn5a_branch1_var)
+        bn5a_branch1_running_var = rt.reshape(T['bn5a_branch1_var'], shape=(1, 2048, 1, 1))
+        # bn5a_branch1_running_mean = reshape[1x2048x1x1](bn5a_branch1_mean)
+        bn5a_branch1_running_mean = rt.reshape(T['bn5a_branch1_mean'], shape=(1, 2048, 1, 1))
+        # bn5a_branch1 = bn5a_branch1_weight*(res5a_branch1 - bn5a_branch1_running_mean)/sqrt(bn5a_branch1_running_var + 1.0e-5) + bn5a_branch1_bias
+        bn5a_branch1 = res5a_branch1  # in place: over res5a_branch1
+        rt.ew(ew_add_rsqrt_sub_mul_2, bn5a_branch1, res5a_branch1, bn5a_branch1_running_mean, bn5a_branch1_running_var, bn5a_branch1_weight, bn5a_branch1_bias)
+
+        # ---- bn5a_branch2a (batch norm), forward ----
+        # bn5a_branch2a_bias = reshape[1x512x1x1](bn5a_branch2a_B)
+        bn5a_branch2a_bias = rt.reshape(T['bn5a_branch2a_B'], shape=(1, 512, 1, 1))
+        # bn5a_branch2a_weight = reshape[1x512x1x1](bn5a_branch2a_W)
+        bn5a_branch2a_weight = rt.reshape(T['bn5a_branch2a_W'], shape=(1, 512, 1, 1))
+        # bn5a_branch2a_running_var = reshape[1x512x1x1](bn5a_branch2a_var)
+        bn5a_branch2a_running_var = rt.reshape(T['bn5a_branch2a_var'], shape=(1, 512, 1, 1))
+        # bn5a_branch2a_running_mean = reshape[1x512x1x1](bn5a_branch2a_mean)
+        bn5a_branch2a_running_mean = rt.reshape(T['bn5a_branch2a_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5a_branch2a_relu (relu), forward ----
+        # bn5a_branch2a_relu = Max(0, bn5a_branch2a_weight*(res5a_branch2a - bn5a_branch2a_running_mean)/sqrt(bn5a_branch2a_running_var + 1.0e-5) + bn5a_branch2a_bias)
+        bn5a_branch2a_relu = res5a_branch2a  # in place: over res5a_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn5a_branch2a_relu, res5a_branch2a, bn5a_branch2a_running_mean, bn5a_branch2a_running_var, bn5a_branch2a_weight, bn5a_branch2a_bias)
+
+        # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # res5a_branch2b = conv2d[pad=1](bn5a_branch2a_relu, res5a_branch2b_W)
+        res5a_branch2b = mem.tensor(47, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn5a_branch2a_relu, T['res5a_branch2b_W'], out=res5a_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
+        # free res5a_branch2a, bn5a_branch2a_relu
+        del res5a_branch2a, bn5a_branch2a_relu
+        mem.free(45)
+
+        # ---- bn5a_branch2b (batch norm), forward ----
+        # bn5a_branch2b_bias = reshape[1x512x1x1](bn5a_branch2b_B)
+        bn5a_branch2b_bias = rt.reshape(T['bn5a_branch2b_B'], shape=(1, 512, 1, 1))
+        # bn5a_branch2b_weight = reshape[1x512x1x1](bn5a_branch2b_W)
+        bn5a_branch2b_weight = rt.reshape(T['bn5a_branch2b_W'], shape=(1, 512, 1, 1))
+        # bn5a_branch2b_running_var = reshape[1x512x1x1](bn5a_branch2b_var)
+        bn5a_branch2b_running_var = rt.reshape(T['bn5a_branch2b_var'], shape=(1, 512, 1, 1))
+        # bn5a_branch2b_running_mean = reshape[1x512x1x1](bn5a_branch2b_mean)
+        bn5a_branch2b_running_mean = rt.reshape(T['bn5a_branch2b_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5a_branch2b_relu (relu), forward ----
+        # bn5a_branch2b_relu = Max(0, bn5a_branch2b_weight*(res5a_branch2b - bn5a_branch2b_running_mean)/sqrt(bn5a_branch2b_running_var + 1.0e-5) + bn5a_branch2b_bias)
+        bn5a_branch2b_relu = res5a_branch2b  # in place: over res5a_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn5a_branch2b_relu, res5a_branch2b, bn5a_branch2b_running_mean, bn5a_branch2b_running_var, bn5a_branch2b_weight, bn5a_branch2b_bias)
+
+        # ---- res5a_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
+        # res5a_branch2c = conv2d(bn5a_branch2b_relu, res5a_branch2c_W)
+        res5a_branch2c = mem.tensor(48, (32, 2048, 7, 7), 'float32')
+        rt.conv2d(bn5a_branch2b_relu, T['res5a_branch2c_W'], out=res5a_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
+        # free res5a_branch2b, bn5a_branch2b_relu
+        del res5a_branch2b, bn5a_branch2b_relu
+        mem.free(47)
+
+        # ---- bn5a_branch2c (batch norm), forward ----
+        # bn5a_branch2c_bias = reshape[1x2048x1x1](bn5a_branch2c_B)
+        bn5a_branch2c_bias = rt.reshape(T['bn5a_branch2c_B'], shape=(1, 2048, 1, 1))
+        # bn5a_branch2c_weight = reshape[1x2048x1x1](bn5a_branch2c_W)
+        bn5a_branch2c_weight = rt.reshape(T['bn5a_branch2c_W'], shape=(1, 2048, 1, 1))
+        # bn5a_branch2c_running_var = reshape[1x2048x1x1](bn5a_branch2c_var)
+        bn5a_branch2c_running_var = rt.reshape(T['bn5a_branch2c_var'], shape=(1, 2048, 1, 1))
+        # bn5a_branch2c_running_mean = reshape[1x2048x1x1](bn5a_branch2c_mean)
+        bn5a_branch2c_running_mean = rt.reshape(T['bn5a_branch2c_mean'], shape=(1, 2048, 1, 1))
+
+        # ---- bn5a_branch2c_relu (relu), forward ----
+        # bn5a_branch2c_relu = Max(0, bn5a_branch2c_weight*(res5a_branch2c - bn5a_branch2c_running_mean)/sqrt(bn5a_branch2c_running_var + 1.0e-5) + bn5a_branch2c_bias + bn5a_branch1)
+        bn5a_branch2c_relu = res5a_branch2c  # in place: over res5a_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn5a_branch2c_relu, res5a_branch2c, bn5a_branch2c_running_mean, bn5a_branch2c_running_var, bn5a_branch2c_weight, bn5a_branch2c_bias, bn5a_branch1)
+        # free res5a_branch1, bn5a_branch1
+        del res5a_branch1, bn5a_branch1
+        mem.free(46)
+
+        # ---- res5b_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res5b_branch2a = conv2d(bn5a_branch2c_relu, res5b_branch2a_W)
+        res5b_branch2a = mem.tensor(49, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn5a_branch2c_relu, T['res5b_branch2a_W'], out=res5b_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
+
+        # ---- bn5b_branch2a (batch norm), forward ----
+        # bn5b_branch2a_bias = reshape[1x512x1x1](bn5b_branch2a_B)
+        bn5b_branch2a_bias = rt.reshape(T['bn5b_branch2a_B'], shape=(1, 512, 1, 1))
+        # bn5b_branch2a_weight = reshape[1x512x1x1](bn5b_branch2a_W)
+        bn5b_branch2a_weight = rt.reshape(T['bn5b_branch2a_W'], shape=(1, 512, 1, 1))
+        # bn5b_branch2a_running_var = reshape[1x512x1x1](bn5b_branch2a_var)
+        bn5b_branch2a_running_var = rt.reshape(T['bn5b_branch2a_var'], shape=(1, 512, 1, 1))
+        # bn5b_branch2a_running_mean = reshape[1x512x1x1](bn5b_branch2a_mean)
+        bn5b_branch2a_running_mean = rt.reshape(T['bn5b_branch2a_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5b_branch2a_relu (relu), forward ----
+        # bn5b_branch2a_relu = Max(0, bn5b_branch2a_weight*(res5b_branch2a - bn5b_branch2a_running_mean)/sqrt(bn5b_branch2a_running_var + 1.0e-5) + bn5b_branch2a_bias)
+        bn5b_branch2a_relu = res5b_branch2a  # in place: over res5b_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn5b_branch2a_relu, res5b_branch2a, bn5b_branch2a_running_mean, bn5b_branch2a_running_var, bn5b_branch2a_weight, bn5b_branch2a_bias)
+
+        # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # res5b_branch2b = conv2d[pad=1](bn5b_branch2a_relu, res5b_branch2b_W)
+        res5b_branch2b = mem.tensor(50, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn5b_branch2a_relu, T['res5b_branch2b_W'], out=res5b_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
+        # free res5b_branch2a, bn5b_branch2a_relu
+        del res5b_branch2a, bn5b_branch2a_relu
+        mem.free(49)
+
+        # ---- bn5b_branch2b (batch norm), forward ----
+        # bn5b_branch2b_bias = reshape[1x512x1x1](bn5b_branch2b_B)
+        bn5b_branch2b_bias = rt.reshape(T['bn5b_branch2b_B'], shape=(1, 512, 1, 1))
+        # bn5b_branch2b_weight = reshape[1x512x1x1](bn5b_branch2b_W)
+        bn5b_branch2b_weight = rt.reshape(T['bn5b_branch2b_W'], shape=(1, 512, 1, 1))
+        # bn5b_branch2b_running_var = reshape[1x512x1x1](bn5b_branch2b_var)
+        bn5b_branch2b_running_var = rt.reshape(T['bn5b_branch2b_var'], shape=(1, 512, 1, 1))
+        # bn5b_branch2b_running_mean = reshape[1x512x1x1](bn5b_branch2b_mean)
+        bn5b_branch2b_running_mean = rt.reshape(T['bn5b_branch2b_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5b_branch2b_relu (relu), forward ----
+        # bn5b_branch2b_relu = Max(0, bn5b_branch2b_weight*(res5b_branch2b - bn5b_branch2b_running_mean)/sqrt(bn5b_branch2b_running_var + 1.0e-5) + bn5b_branch2b_bias)
+        bn5b_branch2b_relu = res5b_branch2b  # in place: over res5b_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn5b_branch2b_relu, res5b_branch2b, bn5b_branch2b_running_mean, bn5b_branch2b_running_var, bn5b_branch2b_weight, bn5b_branch2b_bias)
+
+        # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
+        # res5b_branch2c = conv2d(bn5b_branch2b_relu, res5b_branch2c_W)
+        res5b_branch2c = mem.tensor(51, (32, 2048, 7, 7), 'float32')
+        rt.conv2d(bn5b_branch2b_relu, T['res5b_branch2c_W'], out=res5b_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
+        # free res5b_branch2b, bn5b_branch2b_relu
+        del res5b_branch2b, bn5b_branch2b_relu
+        mem.free(50)
+
+        # ---- bn5b_branch2c (batch norm), forward ----
+        # bn5b_branch2c_bias = reshape[1x2048x1x1](bn5b_branch2c_B)
+        bn5b_branch2c_bias = rt.reshape(T['bn5b_branch2c_B'], shape=(1, 2048, 1, 1))
+        # bn5b_branch2c_weight = reshape[1x2048x1x1](bn5b_branch2c_W)
+        bn5b_branch2c_weight = rt.reshape(T['bn5b_branch2c_W'], shape=(1, 2048, 1, 1))
+        # bn5b_branch2c_running_var = reshape[1x2048x1x1](bn5b_branch2c_var)
+        bn5b_branch2c_running_var = rt.reshape(T['bn5b_branch2c_var'], shape=(1, 2048, 1, 1))
+        # bn5b_branch2c_running_mean = reshape[1x2048x1x1](bn5b_branch2c_mean)
+        bn5b_branch2c_running_mean = rt.reshape(T['bn5b_branch2c_mean'], shape=(1, 2048, 1, 1))
+
+        # ---- bn5b_branch2c_relu (relu), forward ----
+        # bn5b_branch2c_relu = Max(0, bn5b_branch2c_weight*(res5b_branch2c - bn5b_branch2c_running_mean)/sqrt(bn5b_branch2c_running_var + 1.0e-5) + bn5b_branch2c_bias + bn5a_branch2c_relu)
+        bn5b_branch2c_relu = res5b_branch2c  # in place: over res5b_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn5b_branch2c_relu, res5b_branch2c, bn5b_branch2c_running_mean, bn5b_branch2c_running_var, bn5b_branch2c_weight, bn5b_branch2c_bias, bn5a_branch2c_relu)
+        # free res5a_branch2c, bn5a_branch2c_relu
+        del res5a_branch2c, bn5a_branch2c_relu
+        mem.free(48)
+
+        # ---- res5c_branch2a (conv 1x1, 512 channels, stride 1, padding 0), forward ----
+        # res5c_branch2a = conv2d(bn5b_branch2c_relu, res5c_branch2a_W)
+        res5c_branch2a = mem.tensor(52, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn5b_branch2c_relu, T['res5c_branch2a_W'], out=res5c_branch2a, pad=0, stride=1, workspace=mem.workspace(12845056))
+
+        # ---- bn5c_branch2a (batch norm), forward ----
+        # bn5c_branch2a_bias = reshape[1x512x1x1](bn5c_branch2a_B)
+        bn5c_branch2a_bias = rt.reshape(T['bn5c_branch2a_B'], shape=(1, 512, 1, 1))
+        # bn5c_branch2a_weight = reshape[1x512x1x1](bn5c_branch2a_W)
+        bn5c_branch2a_weight = rt.reshape(T['bn5c_branch2a_W'], shape=(1, 512, 1, 1))
+        # bn5c_branch2a_running_var = reshape[1x512x1x1](bn5c_branch2a_var)
+        bn5c_branch2a_running_var = rt.reshape(T['bn5c_branch2a_var'], shape=(1, 512, 1, 1))
+        # bn5c_branch2a_running_mean = reshape[1x512x1x1](bn5c_branch2a_mean)
+        bn5c_branch2a_running_mean = rt.reshape(T['bn5c_branch2a_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5c_branch2a_relu (relu), forward ----
+        # bn5c_branch2a_relu = Max(0, bn5c_branch2a_weight*(res5c_branch2a - bn5c_branch2a_running_mean)/sqrt(bn5c_branch2a_running_var + 1.0e-5) + bn5c_branch2a_bias)
+        bn5c_branch2a_relu = res5c_branch2a  # in place: over res5c_branch2a
+        rt.ew(ew_add_rsqrt_sub_mul, bn5c_branch2a_relu, res5c_branch2a, bn5c_branch2a_running_mean, bn5c_branch2a_running_var, bn5c_branch2a_weight, bn5c_branch2a_bias)
+
+        # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # res5c_branch2b = conv2d[pad=1](bn5c_branch2a_relu, res5c_branch2b_W)
+        res5c_branch2b = mem.tensor(53, (32, 512, 7, 7), 'float32')
+        rt.conv2d(bn5c_branch2a_relu, T['res5c_branch2b_W'], out=res5c_branch2b, pad=1, stride=1, workspace=mem.workspace(17104896))
+        # free res5c_branch2a, bn5c_branch2a_relu
+        del res5c_branch2a, bn5c_branch2a_relu
+        mem.free(52)
+
+        # ---- bn5c_branch2b (batch norm), forward ----
+        # bn5c_branch2b_bias = reshape[1x512x1x1](bn5c_branch2b_B)
+        bn5c_branch2b_bias = rt.reshape(T['bn5c_branch2b_B'], shape=(1, 512, 1, 1))
+        # bn5c_branch2b_weight = reshape[1x512x1x1](bn5c_branch2b_W)
+        bn5c_branch2b_weight = rt.reshape(T['bn5c_branch2b_W'], shape=(1, 512, 1, 1))
+        # bn5c_branch2b_running_var = reshape[1x512x1x1](bn5c_branch2b_var)
+        bn5c_branch2b_running_var = rt.reshape(T['bn5c_branch2b_var'], shape=(1, 512, 1, 1))
+        # bn5c_branch2b_running_mean = reshape[1x512x1x1](bn5c_branch2b_mean)
+        bn5c_branch2b_running_mean = rt.reshape(T['bn5c_branch2b_mean'], shape=(1, 512, 1, 1))
+
+        # ---- bn5c_branch2b_relu (relu), forward ----
+        # bn5c_branch2b_relu = Max(0, bn5c_branch2b_weight*(res5c_branch2b - bn5c_branch2b_running_mean)/sqrt(bn5c_branch2b_running_var + 1.0e-5) + bn5c_branch2b_bias)
+        bn5c_branch2b_relu = res5c_branch2b  # in place: over res5c_branch2b
+        rt.ew(ew_add_rsqrt_sub_mul, bn5c_branch2b_relu, res5c_branch2b, bn5c_branch2b_running_mean, bn5c_branch2b_running_var, bn5c_branch2b_weight, bn5c_branch2b_bias)
+
+        # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), forward ----
+        # res5c_branch2c = conv2d(bn5c_branch2b_relu, res5c_branch2c_W)
+        res5c_branch2c = mem.tensor(54, (32, 2048, 7, 7), 'float32')
+        rt.conv2d(bn5c_branch2b_relu, T['res5c_branch2c_W'], out=res5c_branch2c, pad=0, stride=1, workspace=mem.workspace(12845056))
+        # free res5c_branch2b, bn5c_branch2b_relu
+        del res5c_branch2b, bn5c_branch2b_relu
+        mem.free(53)
+
+        # ---- bn5c_branch2c (batch norm), forward ----
+        # bn5c_branch2c_bias = reshape[1x2048x1x1](bn5c_branch2c_B)
+        bn5c_branch2c_bias = rt.reshape(T['bn5c_branch2c_B'], shape=(1, 2048, 1, 1))
+        # bn5c_branch2c_weight = reshape[1x2048x1x1](bn5c_branch2c_W)
+        bn5c_branch2c_weight = rt.reshape(T['bn5c_branch2c_W'], shape=(1, 2048, 1, 1))
+        # bn5c_branch2c_running_var = reshape[1x2048x1x1](bn5c_branch2c_var)
+        bn5c_branch2c_running_var = rt.reshape(T['bn5c_branch2c_var'], shape=(1, 2048, 1, 1))
+        # bn5c_branch2c_running_mean = reshape[1x2048x1x1](bn5c_branch2c_mean)
+        bn5c_branch2c_running_mean = rt.reshape(T['bn5c_branch2c_mean'], shape=(1, 2048, 1, 1))
+
+        # ---- bn5c_branch2c_relu (relu), forward ----
+        # bn5c_branch2c_relu = Max(0, bn5c_branch2c_weight*(res5c_branch2c - bn5c_branch2c_running_mean)/sqrt(bn5c_branch2c_running_var + 1.0e-5) + bn5c_branch2c_bias + bn5b_branch2c_relu)
+        bn5c_branch2c_relu = res5c_branch2c  # in place: over res5c_branch2c
+        rt.ew(ew_add_rsqrt_sub_mul_3, bn5c_branch2c_relu, res5c_branch2c, bn5c_branch2c_running_mean, bn5c_branch2c_running_var, bn5c_branch2c_weight, bn5c_branch2c_bias, bn5b_branch2c_relu)
+        # free res5b_branch2c, bn5b_branch2c_relu
+        del res5b_branch2c, bn5b_branch2c_relu
+        mem.free(51)
+
+        # ---- bn5c_branch2c_avg_pool (average pooling), forward ----
+        # bn5c_branch2c_avg_pool = avg_pool[kernel=7,stride=7](bn5c_branch2c_relu)
+        bn5c_branch2c_avg_pool = mem.tensor(55, (32, 2048, 1, 1), 'float32')
+        rt.avg_pool(bn5c_branch2c_relu, out=bn5c_branch2c_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free res5c_branch2c, bn5c_branch2c_relu
+        del res5c_branch2c, bn5c_branch2c_relu
+        mem.free(54)
+
+        # ---- bn5c_branch2c_flatten (flatten), forward ----
+        # bn5c_branch2c_flatten = reshape[32x2048](bn5c_branch2c_avg_pool)
+        bn5c_branch2c_flatten = rt.reshape(bn5c_branch2c_avg_pool, shape=(32, 2048))
+
+        # ---- fc1000 (fully connected, 1000 outputs), forward ----
+        # fc1000_matmul = matmul[tb](bn5c_branch2c_flatten, fc1000_W)
+        fc1000_matmul = mem.tensor(56, (32, 1000), 'float32')
+        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], out=fc1000_matmul, tb=True)
+        # free bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
+        del bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
+        mem.free(55)
+        # fc1000 = fc1000_matmul + fc1000_B
+        fc1000 = fc1000_matmul  # in place: over fc1000_matmul
+        rt.ew(ew_add, fc1000, fc1000_matmul, T['fc1000_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc1000)
+        probabilities = fc1000  # in place: over fc1000
+        rt.softmax(fc1000, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -10748,8 +12010,70 @@ class Resnet50(rp.Model):
                 (0, 262144),  # 56: bn5c_branch2c_avg_pool 32x2048x1x1 float32
                 (262144, 128000),  # 57: fc1000_matmul 32x1000 float32
                 (0, 4),  # 58: fc1000_precision scalar float32
-                (256, 128),  # 59: fc1000_cross_entropy_pick 32 float32
-                (512, 4),  # 60: fc1000_cross_entropy_sum_to scalar float32
+                (256, 128),  # 59: label_ranks 32 float32
+                (512, 128),  # 60: fc1000_cross_entropy_pick 32 float32
+                (768, 4),  # 61: fc1000_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=231211008, peak_bytes=231211008, workspace_bytes=33095680, pool_bytes=353239040,
+            buffers=(
+                (102760448, 19267584),  # 0: x 32x3x224x224 float32
+                (0, 102760448),  # 1: conv1 32x64x112x112 float32
+                (102760448, 25690112),  # 2: bn_conv1_max_pool 32x64x56x56 float32
+                (0, 25690112),  # 3: res2a_branch2a 32x64x56x56 float32
+                (205520896, 25690112),  # 4: res2a_branch2b 32x64x56x56 float32
+                (0, 102760448),  # 5: res2a_branch1 32x256x56x56 float32
+                (102760448, 102760448),  # 6: res2a_branch2c 32x256x56x56 float32
+                (0, 25690112),  # 7: res2b_branch2a 32x64x56x56 float32
+                (205520896, 25690112),  # 8: res2b_branch2b 32x64x56x56 float32
+                (0, 102760448),  # 9: res2b_branch2c 32x256x56x56 float32
+                (102760448, 25690112),  # 10: res2c_branch2a 32x64x56x56 float32
+                (205520896, 25690112),  # 11: res2c_branch2b 32x64x56x56 float32
+                (102760448, 102760448),  # 12: res2c_branch2c 32x256x56x56 float32
+                (51380224, 12845056),  # 13: res3a_branch2a 32x128x28x28 float32
+                (0, 51380224),  # 14: res3a_branch1 32x512x28x28 float32
+                (102760448, 12845056),  # 15: res3a_branch2b 32x128x28x28 float32
+                (51380224, 51380224),  # 16: res3a_branch2c 32x512x28x28 float32
+                (0, 12845056),  # 17: res3b_branch2a 32x128x28x28 float32
+                (102760448, 12845056),  # 18: res3b_branch2b 32x128x28x28 float32
+                (0, 51380224),  # 19: res3b_branch2c 32x512x28x28 float32
+                (51380224, 12845056),  # 20: res3c_branch2a 32x128x28x28 float32
+                (102760448, 12845056),  # 21: res3c_branch2b 32x128x28x28 float32
+                (51380224, 51380224),  # 22: res3c_branch2c 32x512x28x28 float32
+                (0, 12845056),  # 23: res3d_branch2a 32x128x28x28 float32
+                (102760448, 12845056),  # 24: res3d_branch2b 32x128x28x28 float32
+                (0, 51380224),  # 25: res3d_branch2c 32x512x28x28 float32
+                (77070336, 6422528),  # 26: res4a_branch2a 32x256x14x14 float32
+                (51380224, 25690112),  # 27: res4a_branch1 32x1024x14x14 float32
+                (25690112, 6422528),  # 28: res4a_branch2b 32x256x14x14 float32
+                (0, 25690112),  # 29: res4a_branch2c 32x1024x14x14 float32
+                (25690112, 6422528),  # 30: res4b_branch2a 32x256x14x14 float32
+                (51380224, 6422528),  # 31: res4b_branch2b 32x256x14x14 float32
+                (25690112, 25690112),  # 32: res4b_branch2c 32x1024x14x14 float32
+                (0, 6422528),  # 33: res4c_branch2a 32x256x14x14 float32
+                (51380224, 6422528),  # 34: res4c_branch2b 32x256x14x14 float32
+                (0, 25690112),  # 35: res4c_branch2c 32x1024x14x14 float32
+                (25690112, 6422528),  # 36: res4d_branch2a 32x256x14x14 float32
+                (51380224, 6422528),  # 37: res4d_branch2b 32x256x14x14 float32
+                (25690112, 25690112),  # 38: res4d_branch2c 32x1024x14x14 float32
+                (0, 6422528),  # 39: res4e_branch2a 32x256x14x14 float32
+                (51380224, 6422528),  # 40: res4e_branch2b 32x256x14x14 float32
+                (0, 25690112),  # 41: res4e_branch2c 32x1024x14x14 float32
+                (25690112, 6422528),  # 42: res4f_branch2a 32x256x14x14 float32
+                (51380224, 6422528),  # 43: res4f_branch2b 32x256x14x14 float32
+                (25690112, 25690112),  # 44: res4f_branch2c 32x1024x14x14 float32
+                (12845056, 3211264),  # 45: res5a_branch2a 32x512x7x7 float32
+                (0, 12845056),  # 46: res5a_branch1 32x2048x7x7 float32
+                (25690112, 3211264),  # 47: res5a_branch2b 32x512x7x7 float32
+                (12845056, 12845056),  # 48: res5a_branch2c 32x2048x7x7 float32
+                (0, 3211264),  # 49: res5b_branch2a 32x512x7x7 float32
+                (25690112, 3211264),  # 50: res5b_branch2b 32x512x7x7 float32
+                (0, 12845056),  # 51: res5b_branch2c 32x2048x7x7 float32
+                (12845056, 3211264),  # 52: res5c_branch2a 32x512x7x7 float32
+                (25690112, 3211264),  # 53: res5c_branch2b 32x512x7x7 float32
+                (12845056, 12845056),  # 54: res5c_branch2c 32x2048x7x7 float32
+                (0, 262144),  # 55: bn5c_branch2c_avg_pool 32x2048x1x1 float32
+                (262144, 128000),  # 56: fc1000_matmul 32x1000 float32
             )),
     }
 
@@ -11005,9 +12329,9 @@ def main(argv=None):
     """Train resnet50, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="resnet50.py", description="Train and test resnet50 (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=600000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 600000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=1000, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -11060,6 +12384,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

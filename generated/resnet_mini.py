@@ -63,6 +63,7 @@ class ResnetMini(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 300}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -1603,7 +1604,7 @@ class ResnetMini(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -1839,29 +1840,274 @@ class ResnetMini(rp.Model):
         fc_precision = mem.tensor(13, (), 'float32')
         rt.precision(fc, y, out=fc_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc, y)
+        label_ranks = mem.tensor(14, (100,), 'float32')
+        rt.label_rank(fc, y, out=label_ranks)
+
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
         fc_cross_entropy_log_softmax = fc  # in place: over fc
         rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
-        fc_cross_entropy_pick = mem.tensor(14, (100,), 'float32')
+        fc_cross_entropy_pick = mem.tensor(15, (100,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
         # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
         del y, fc_matmul, fc, fc_cross_entropy_log_softmax
         mem.free(1, 12)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
-        fc_cross_entropy_sum_to = mem.tensor(15, (), 'float32')
+        fc_cross_entropy_sum_to = mem.tensor(16, (), 'float32')
         rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
         # free fc_cross_entropy_pick
         del fc_cross_entropy_pick
-        mem.free(14)
+        mem.free(15)
         # fc_cross_entropy = -fc_cross_entropy_sum_to/100
         fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
         rt.ew(ew_scale_4, fc_cross_entropy, fc_cross_entropy_sum_to)
         accuracy = rt.scalar(fc_precision)
         loss = rt.scalar(fc_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W)
+        conv1 = mem.tensor(1, (100, 16, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_bn (batch norm), forward ----
+        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
+        # conv1_bn_weight = reshape[1x16x1x1](conv1_bn_W)
+        conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_var = reshape[1x16x1x1](conv1_bn_var)
+        conv1_bn_running_var = rt.reshape(T['conv1_bn_var'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_mean = reshape[1x16x1x1](conv1_bn_mean)
+        conv1_bn_running_mean = rt.reshape(T['conv1_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu = Max(0, conv1_bn_weight*(conv1 - conv1_bn_running_mean)/sqrt(conv1_bn_running_var + 1.0e-5) + conv1_bn_bias)
+        conv1_bn_relu = conv1  # in place: over conv1
+        rt.ew(ew_add_rsqrt_sub_mul, conv1_bn_relu, conv1, conv1_bn_running_mean, conv1_bn_running_var, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_a = conv2d[pad=1](conv1_bn_relu, res2_a_W)
+        res2_a = mem.tensor(2, (100, 16, 28, 28), 'float32')
+        rt.conv2d(conv1_bn_relu, T['res2_a_W'], out=res2_a, pad=1, stride=1, workspace=mem.workspace(25459200))
+
+        # ---- res2_a_bn (batch norm), forward ----
+        # res2_a_bn_bias = reshape[1x16x1x1](res2_a_bn_B)
+        res2_a_bn_bias = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
+        # res2_a_bn_weight = reshape[1x16x1x1](res2_a_bn_W)
+        res2_a_bn_weight = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_var = reshape[1x16x1x1](res2_a_bn_var)
+        res2_a_bn_running_var = rt.reshape(T['res2_a_bn_var'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_mean = reshape[1x16x1x1](res2_a_bn_mean)
+        res2_a_bn_running_mean = rt.reshape(T['res2_a_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- res2_a_bn_relu (relu), forward ----
+        # res2_a_bn_relu = Max(0, res2_a_bn_weight*(res2_a - res2_a_bn_running_mean)/sqrt(res2_a_bn_running_var + 1.0e-5) + res2_a_bn_bias)
+        res2_a_bn_relu = res2_a  # in place: over res2_a
+        rt.ew(ew_add_rsqrt_sub_mul, res2_a_bn_relu, res2_a, res2_a_bn_running_mean, res2_a_bn_running_var, res2_a_bn_weight, res2_a_bn_bias)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_b = conv2d[pad=1](res2_a_bn_relu, res2_b_W)
+        res2_b = mem.tensor(3, (100, 16, 28, 28), 'float32')
+        rt.conv2d(res2_a_bn_relu, T['res2_b_W'], out=res2_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free res2_a, res2_a_bn_relu
+        del res2_a, res2_a_bn_relu
+        mem.free(2)
+
+        # ---- res2_b_bn (batch norm), forward ----
+        # res2_b_bn_bias = reshape[1x16x1x1](res2_b_bn_B)
+        res2_b_bn_bias = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
+        # res2_b_bn_weight = reshape[1x16x1x1](res2_b_bn_W)
+        res2_b_bn_weight = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_var = reshape[1x16x1x1](res2_b_bn_var)
+        res2_b_bn_running_var = rt.reshape(T['res2_b_bn_var'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_mean = reshape[1x16x1x1](res2_b_bn_mean)
+        res2_b_bn_running_mean = rt.reshape(T['res2_b_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- res2_b_bn_relu (relu), forward ----
+        # res2_b_bn_relu = Max(0, res2_b_bn_weight*(res2_b - res2_b_bn_running_mean)/sqrt(res2_b_bn_running_var + 1.0e-5) + res2_b_bn_bias + conv1_bn_relu)
+        res2_b_bn_relu = res2_b  # in place: over res2_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res2_b_bn_relu, res2_b, res2_b_bn_running_mean, res2_b_bn_running_var, res2_b_bn_weight, res2_b_bn_bias, conv1_bn_relu)
+        # free conv1, conv1_bn_relu
+        del conv1, conv1_bn_relu
+        mem.free(1)
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
+        # res3_proj = conv2d[stride=2](res2_b_bn_relu, res3_proj_W)
+        res3_proj = mem.tensor(4, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
+        # res3_a = conv2d[pad=1,stride=2](res2_b_bn_relu, res3_a_W)
+        res3_a = mem.tensor(5, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res2_b_bn_relu, T['res3_a_W'], out=res3_a, pad=1, stride=2, workspace=mem.workspace(17049600))
+        # free res2_b, res2_b_bn_relu
+        del res2_b, res2_b_bn_relu
+        mem.free(3)
+
+        # ---- res3_proj_bn (batch norm), forward ----
+        # res3_proj_bn_bias = reshape[1x32x1x1](res3_proj_bn_B)
+        res3_proj_bn_bias = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_weight = reshape[1x32x1x1](res3_proj_bn_W)
+        res3_proj_bn_weight = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_var = reshape[1x32x1x1](res3_proj_bn_var)
+        res3_proj_bn_running_var = rt.reshape(T['res3_proj_bn_var'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_mean = reshape[1x32x1x1](res3_proj_bn_mean)
+        res3_proj_bn_running_mean = rt.reshape(T['res3_proj_bn_mean'], shape=(1, 32, 1, 1))
+        # res3_proj_bn = res3_proj_bn_weight*(res3_proj - res3_proj_bn_running_mean)/sqrt(res3_proj_bn_running_var + 1.0e-5) + res3_proj_bn_bias
+        res3_proj_bn = res3_proj  # in place: over res3_proj
+        rt.ew(ew_add_rsqrt_sub_mul_3, res3_proj_bn, res3_proj, res3_proj_bn_running_mean, res3_proj_bn_running_var, res3_proj_bn_weight, res3_proj_bn_bias)
+
+        # ---- res3_a_bn (batch norm), forward ----
+        # res3_a_bn_bias = reshape[1x32x1x1](res3_a_bn_B)
+        res3_a_bn_bias = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
+        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
+        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_var = reshape[1x32x1x1](res3_a_bn_var)
+        res3_a_bn_running_var = rt.reshape(T['res3_a_bn_var'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_mean = reshape[1x32x1x1](res3_a_bn_mean)
+        res3_a_bn_running_mean = rt.reshape(T['res3_a_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu = Max(0, res3_a_bn_weight*(res3_a - res3_a_bn_running_mean)/sqrt(res3_a_bn_running_var + 1.0e-5) + res3_a_bn_bias)
+        res3_a_bn_relu = res3_a  # in place: over res3_a
+        rt.ew(ew_add_rsqrt_sub_mul, res3_a_bn_relu, res3_a, res3_a_bn_running_mean, res3_a_bn_running_var, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # res3_b = conv2d[pad=1](res3_a_bn_relu, res3_b_W)
+        res3_b = mem.tensor(6, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res3_a_bn_relu, T['res3_b_W'], out=res3_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free res3_a, res3_a_bn_relu
+        del res3_a, res3_a_bn_relu
+        mem.free(5)
+
+        # ---- res3_b_bn (batch norm), forward ----
+        # res3_b_bn_bias = reshape[1x32x1x1](res3_b_bn_B)
+        res3_b_bn_bias = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
+        # res3_b_bn_weight = reshape[1x32x1x1](res3_b_bn_W)
+        res3_b_bn_weight = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_var = reshape[1x32x1x1](res3_b_bn_var)
+        res3_b_bn_running_var = rt.reshape(T['res3_b_bn_var'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_mean = reshape[1x32x1x1](res3_b_bn_mean)
+        res3_b_bn_running_mean = rt.reshape(T['res3_b_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_b_bn_relu (relu), forward ----
+        # res3_b_bn_relu = Max(0, res3_b_bn_weight*(res3_b - res3_b_bn_running_mean)/sqrt(res3_b_bn_running_var + 1.0e-5) + res3_b_bn_bias + res3_proj_bn)
+        res3_b_bn_relu = res3_b  # in place: over res3_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res3_b_bn_relu, res3_b, res3_b_bn_running_mean, res3_b_bn_running_var, res3_b_bn_weight, res3_b_bn_bias, res3_proj_bn)
+        # free res3_proj, res3_proj_bn
+        del res3_proj, res3_proj_bn
+        mem.free(4)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
+        # res4_proj = conv2d[stride=2](res3_b_bn_relu, res4_proj_W)
+        res4_proj = mem.tensor(7, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
+        # res4_a = conv2d[pad=1,stride=2](res3_b_bn_relu, res4_a_W)
+        res4_a = mem.tensor(8, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_b_bn_relu, T['res4_a_W'], out=res4_a, pad=1, stride=2, workspace=mem.workspace(8921600))
+        # free res3_b, res3_b_bn_relu
+        del res3_b, res3_b_bn_relu
+        mem.free(6)
+
+        # ---- res4_proj_bn (batch norm), forward ----
+        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
+        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_weight = reshape[1x64x1x1](res4_proj_bn_W)
+        res4_proj_bn_weight = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_var = reshape[1x64x1x1](res4_proj_bn_var)
+        res4_proj_bn_running_var = rt.reshape(T['res4_proj_bn_var'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_mean = reshape[1x64x1x1](res4_proj_bn_mean)
+        res4_proj_bn_running_mean = rt.reshape(T['res4_proj_bn_mean'], shape=(1, 64, 1, 1))
+        # res4_proj_bn = res4_proj_bn_weight*(res4_proj - res4_proj_bn_running_mean)/sqrt(res4_proj_bn_running_var + 1.0e-5) + res4_proj_bn_bias
+        res4_proj_bn = res4_proj  # in place: over res4_proj
+        rt.ew(ew_add_rsqrt_sub_mul_3, res4_proj_bn, res4_proj, res4_proj_bn_running_mean, res4_proj_bn_running_var, res4_proj_bn_weight, res4_proj_bn_bias)
+
+        # ---- res4_a_bn (batch norm), forward ----
+        # res4_a_bn_bias = reshape[1x64x1x1](res4_a_bn_B)
+        res4_a_bn_bias = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
+        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
+        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
+        # res4_a_bn_running_var = reshape[1x64x1x1](res4_a_bn_var)
+        res4_a_bn_running_var = rt.reshape(T['res4_a_bn_var'], shape=(1, 64, 1, 1))
+        # res4_a_bn_running_mean = reshape[1x64x1x1](res4_a_bn_mean)
+        res4_a_bn_running_mean = rt.reshape(T['res4_a_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- res4_a_bn_relu (relu), forward ----
+        # res4_a_bn_relu = Max(0, res4_a_bn_weight*(res4_a - res4_a_bn_running_mean)/sqrt(res4_a_bn_running_var + 1.0e-5) + res4_a_bn_bias)
+        res4_a_bn_relu = res4_a  # in place: over res4_a
+        rt.ew(ew_add_rsqrt_sub_mul, res4_a_bn_relu, res4_a, res4_a_bn_running_mean, res4_a_bn_running_var, res4_a_bn_weight, res4_a_bn_bias)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res4_b = conv2d[pad=1](res4_a_bn_relu, res4_b_W)
+        res4_b = mem.tensor(9, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res4_a_bn_relu, T['res4_b_W'], out=res4_b, pad=1, stride=1, workspace=mem.workspace(13363200))
+        # free res4_a, res4_a_bn_relu
+        del res4_a, res4_a_bn_relu
+        mem.free(8)
+
+        # ---- res4_b_bn (batch norm), forward ----
+        # res4_b_bn_bias = reshape[1x64x1x1](res4_b_bn_B)
+        res4_b_bn_bias = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
+        # res4_b_bn_weight = reshape[1x64x1x1](res4_b_bn_W)
+        res4_b_bn_weight = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_var = reshape[1x64x1x1](res4_b_bn_var)
+        res4_b_bn_running_var = rt.reshape(T['res4_b_bn_var'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_mean = reshape[1x64x1x1](res4_b_bn_mean)
+        res4_b_bn_running_mean = rt.reshape(T['res4_b_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- res4_b_bn_relu (relu), forward ----
+        # res4_b_bn_relu = Max(0, res4_b_bn_weight*(res4_b - res4_b_bn_running_mean)/sqrt(res4_b_bn_running_var + 1.0e-5) + res4_b_bn_bias + res4_proj_bn)
+        res4_b_bn_relu = res4_b  # in place: over res4_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res4_b_bn_relu, res4_b, res4_b_bn_running_mean, res4_b_bn_running_var, res4_b_bn_weight, res4_b_bn_bias, res4_proj_bn)
+        # free res4_proj, res4_proj_bn
+        del res4_proj, res4_proj_bn
+        mem.free(7)
+
+        # ---- res4_b_bn_avg_pool (average pooling), forward ----
+        # res4_b_bn_avg_pool = avg_pool[kernel=7,stride=7](res4_b_bn_relu)
+        res4_b_bn_avg_pool = mem.tensor(10, (100, 64, 1, 1), 'float32')
+        rt.avg_pool(res4_b_bn_relu, out=res4_b_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free res4_b, res4_b_bn_relu
+        del res4_b, res4_b_bn_relu
+        mem.free(9)
+
+        # ---- res4_b_bn_flatten (flatten), forward ----
+        # res4_b_bn_flatten = reshape[100x64](res4_b_bn_avg_pool)
+        res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
+
+        # ---- fc (fully connected, 10 outputs), forward ----
+        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
+        fc_matmul = mem.tensor(11, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # free res4_b_bn_avg_pool, res4_b_bn_flatten
+        del res4_b_bn_avg_pool, res4_b_bn_flatten
+        mem.free(10)
+        # fc = fc_matmul + fc_B
+        fc = fc_matmul  # in place: over fc_matmul
+        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc)
+        probabilities = fc  # in place: over fc
+        rt.softmax(fc, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -1999,9 +2245,26 @@ class ResnetMini(rp.Model):
                 (2508800, 1254400),  # 10: res4_b 100x64x7x7 float32
                 (0, 25600),  # 11: res4_b_bn_avg_pool 100x64x1x1 float32
                 (25600, 4000),  # 12: fc_matmul 100x10 float32
-                (512, 4),  # 13: fc_precision scalar float32
-                (0, 400),  # 14: fc_cross_entropy_pick 100 float32
-                (768, 4),  # 15: fc_cross_entropy_sum_to scalar float32
+                (1024, 4),  # 13: fc_precision scalar float32
+                (0, 400),  # 14: label_ranks 100 float32
+                (512, 400),  # 15: fc_cross_entropy_pick 100 float32
+                (1280, 4),  # 16: fc_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=15052800, peak_bytes=15052800, workspace_bytes=25856000, pool_bytes=15366400,
+            buffers=(
+                (5017600, 313600),  # 0: x 100x1x28x28 float32
+                (0, 5017600),  # 1: conv1 100x16x28x28 float32
+                (5017600, 5017600),  # 2: res2_a 100x16x28x28 float32
+                (10035200, 5017600),  # 3: res2_b 100x16x28x28 float32
+                (0, 2508800),  # 4: res3_proj 100x32x14x14 float32
+                (2508800, 2508800),  # 5: res3_a 100x32x14x14 float32
+                (5017600, 2508800),  # 6: res3_b 100x32x14x14 float32
+                (0, 1254400),  # 7: res4_proj 100x64x7x7 float32
+                (1254400, 1254400),  # 8: res4_a 100x64x7x7 float32
+                (2508800, 1254400),  # 9: res4_b 100x64x7x7 float32
+                (0, 25600),  # 10: res4_b_bn_avg_pool 100x64x1x1 float32
+                (25600, 4000),  # 11: fc_matmul 100x10 float32
             )),
     }
 
@@ -2198,9 +2461,9 @@ def main(argv=None):
     """Train resnet_mini, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="resnet_mini.py", description="Train and test resnet_mini (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=300,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 300; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=5, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -2253,6 +2516,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class SeResnet(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 300}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -2084,7 +2085,7 @@ class SeResnet(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -2437,29 +2438,391 @@ class SeResnet(rp.Model):
         fc_precision = mem.tensor(22, (), 'float32')
         rt.precision(fc, y, out=fc_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc, y)
+        label_ranks = mem.tensor(23, (100,), 'float32')
+        rt.label_rank(fc, y, out=label_ranks)
+
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
         fc_cross_entropy_log_softmax = fc  # in place: over fc
         rt.log_softmax(fc, out=fc_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
-        fc_cross_entropy_pick = mem.tensor(23, (100,), 'float32')
+        fc_cross_entropy_pick = mem.tensor(24, (100,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
         # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
         del y, fc_matmul, fc, fc_cross_entropy_log_softmax
         mem.free(1, 21)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
-        fc_cross_entropy_sum_to = mem.tensor(24, (), 'float32')
+        fc_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
         rt.sum_to(fc_cross_entropy_pick, out=fc_cross_entropy_sum_to, shape=())
         # free fc_cross_entropy_pick
         del fc_cross_entropy_pick
-        mem.free(23)
+        mem.free(24)
         # fc_cross_entropy = -fc_cross_entropy_sum_to/100
         fc_cross_entropy = fc_cross_entropy_sum_to  # in place: over fc_cross_entropy_sum_to
         rt.ew(ew_scale_7, fc_cross_entropy, fc_cross_entropy_sum_to)
         accuracy = rt.scalar(fc_precision)
         loss = rt.scalar(fc_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1 (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # conv1 = conv2d[pad=1](x, conv1_W)
+        conv1 = mem.tensor(1, (100, 16, 28, 28), 'float32')
+        rt.conv2d(x, T['conv1_W'], out=conv1, pad=1, stride=1, workspace=mem.workspace(3182400))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_bn (batch norm), forward ----
+        # conv1_bn_bias = reshape[1x16x1x1](conv1_bn_B)
+        conv1_bn_bias = rt.reshape(T['conv1_bn_B'], shape=(1, 16, 1, 1))
+        # conv1_bn_weight = reshape[1x16x1x1](conv1_bn_W)
+        conv1_bn_weight = rt.reshape(T['conv1_bn_W'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_var = reshape[1x16x1x1](conv1_bn_var)
+        conv1_bn_running_var = rt.reshape(T['conv1_bn_var'], shape=(1, 16, 1, 1))
+        # conv1_bn_running_mean = reshape[1x16x1x1](conv1_bn_mean)
+        conv1_bn_running_mean = rt.reshape(T['conv1_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu = Max(0, conv1_bn_weight*(conv1 - conv1_bn_running_mean)/sqrt(conv1_bn_running_var + 1.0e-5) + conv1_bn_bias)
+        conv1_bn_relu = conv1  # in place: over conv1
+        rt.ew(ew_add_rsqrt_sub_mul, conv1_bn_relu, conv1, conv1_bn_running_mean, conv1_bn_running_var, conv1_bn_weight, conv1_bn_bias)
+
+        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_a = conv2d[pad=1](conv1_bn_relu, res2_a_W)
+        res2_a = mem.tensor(2, (100, 16, 28, 28), 'float32')
+        rt.conv2d(conv1_bn_relu, T['res2_a_W'], out=res2_a, pad=1, stride=1, workspace=mem.workspace(25459200))
+
+        # ---- res2_a_bn (batch norm), forward ----
+        # res2_a_bn_bias = reshape[1x16x1x1](res2_a_bn_B)
+        res2_a_bn_bias = rt.reshape(T['res2_a_bn_B'], shape=(1, 16, 1, 1))
+        # res2_a_bn_weight = reshape[1x16x1x1](res2_a_bn_W)
+        res2_a_bn_weight = rt.reshape(T['res2_a_bn_W'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_var = reshape[1x16x1x1](res2_a_bn_var)
+        res2_a_bn_running_var = rt.reshape(T['res2_a_bn_var'], shape=(1, 16, 1, 1))
+        # res2_a_bn_running_mean = reshape[1x16x1x1](res2_a_bn_mean)
+        res2_a_bn_running_mean = rt.reshape(T['res2_a_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- res2_a_bn_relu (relu), forward ----
+        # res2_a_bn_relu = Max(0, res2_a_bn_weight*(res2_a - res2_a_bn_running_mean)/sqrt(res2_a_bn_running_var + 1.0e-5) + res2_a_bn_bias)
+        res2_a_bn_relu = res2_a  # in place: over res2_a
+        rt.ew(ew_add_rsqrt_sub_mul, res2_a_bn_relu, res2_a, res2_a_bn_running_mean, res2_a_bn_running_var, res2_a_bn_weight, res2_a_bn_bias)
+
+        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # res2_b = conv2d[pad=1](res2_a_bn_relu, res2_b_W)
+        res2_b = mem.tensor(3, (100, 16, 28, 28), 'float32')
+        rt.conv2d(res2_a_bn_relu, T['res2_b_W'], out=res2_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free res2_a, res2_a_bn_relu
+        del res2_a, res2_a_bn_relu
+        mem.free(2)
+
+        # ---- res2_b_bn (batch norm), forward ----
+        # res2_b_bn_bias = reshape[1x16x1x1](res2_b_bn_B)
+        res2_b_bn_bias = rt.reshape(T['res2_b_bn_B'], shape=(1, 16, 1, 1))
+        # res2_b_bn_weight = reshape[1x16x1x1](res2_b_bn_W)
+        res2_b_bn_weight = rt.reshape(T['res2_b_bn_W'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_var = reshape[1x16x1x1](res2_b_bn_var)
+        res2_b_bn_running_var = rt.reshape(T['res2_b_bn_var'], shape=(1, 16, 1, 1))
+        # res2_b_bn_running_mean = reshape[1x16x1x1](res2_b_bn_mean)
+        res2_b_bn_running_mean = rt.reshape(T['res2_b_bn_mean'], shape=(1, 16, 1, 1))
+        # res2_b_bn = res2_b_bn_weight*(res2_b - res2_b_bn_running_mean)/sqrt(res2_b_bn_running_var + 1.0e-5) + res2_b_bn_bias
+        res2_b_bn = res2_b  # in place: over res2_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res2_b_bn, res2_b, res2_b_bn_running_mean, res2_b_bn_running_var, res2_b_bn_weight, res2_b_bn_bias)
+
+        # ---- res2_se_down (fully connected, 4 outputs), forward ----
+        # res2_se_down_sum_to = sum_to[100x16x1x1](res2_b_bn)
+        res2_se_down_sum_to = mem.tensor(4, (100, 16, 1, 1), 'float32')
+        rt.sum_to(res2_b_bn, out=res2_se_down_sum_to, shape=(100, 16, 1, 1))
+        # res2_se_down_reshape = reshape[100x16](res2_se_down_sum_to)
+        res2_se_down_reshape = rt.reshape(res2_se_down_sum_to, shape=(100, 16))
+        # res2_se_down_scale = 0.00127551020408163*res2_se_down_reshape
+        res2_se_down_scale = res2_se_down_reshape  # in place: over res2_se_down_reshape
+        rt.ew(ew_scale_2, res2_se_down_scale, res2_se_down_reshape)
+        # res2_se_down_matmul = matmul[tb](res2_se_down_scale, res2_se_down_W)
+        res2_se_down_matmul = mem.tensor(5, (100, 4), 'float32')
+        rt.matmul(res2_se_down_scale, T['res2_se_down_W'], out=res2_se_down_matmul, tb=True)
+        # free res2_se_down_sum_to, res2_se_down_reshape, res2_se_down_scale
+        del res2_se_down_sum_to, res2_se_down_reshape, res2_se_down_scale
+        mem.free(4)
+
+        # ---- res2_se_down_relu (relu), forward ----
+        # res2_se_down_relu = Max(0, res2_se_down_matmul + res2_se_down_B)
+        res2_se_down_relu = res2_se_down_matmul  # in place: over res2_se_down_matmul
+        rt.ew(ew_add_relu, res2_se_down_relu, res2_se_down_matmul, T['res2_se_down_B'])
+
+        # ---- res2_se_up (fully connected, 16 outputs), forward ----
+        # res2_se_up_matmul = matmul[tb](res2_se_down_relu, res2_se_up_W)
+        res2_se_up_matmul = mem.tensor(6, (100, 16), 'float32')
+        rt.matmul(res2_se_down_relu, T['res2_se_up_W'], out=res2_se_up_matmul, tb=True)
+        # free res2_se_down_matmul, res2_se_down_relu
+        del res2_se_down_matmul, res2_se_down_relu
+        mem.free(5)
+
+        # ---- res2_se_up_sigmoid (sigmoid), forward ----
+        # res2_se_up_sigmoid = 1/(exp(-res2_se_up_matmul - res2_se_up_B) + 1)
+        res2_se_up_sigmoid = res2_se_up_matmul  # in place: over res2_se_up_matmul
+        rt.ew(ew_sub_exp_add_recip, res2_se_up_sigmoid, res2_se_up_matmul, T['res2_se_up_B'])
+
+        # ---- conv1_bn_add (sum of 2 branches), forward ----
+        # conv1_bn_add_reshape = reshape[100x16x1x1](res2_se_up_sigmoid)
+        conv1_bn_add_reshape = rt.reshape(res2_se_up_sigmoid, shape=(100, 16, 1, 1))
+
+        # ---- conv1_bn_relu (relu), forward ----
+        # conv1_bn_relu_2 = Max(0, res2_b_bn*conv1_bn_add_reshape + conv1_bn_relu)
+        conv1_bn_relu_2 = res2_b_bn  # in place: over res2_b_bn
+        rt.ew(ew_mul_add_relu_2, conv1_bn_relu_2, res2_b_bn, conv1_bn_add_reshape, conv1_bn_relu)
+        # free conv1, conv1_bn_relu, res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape
+        del conv1, conv1_bn_relu, res2_se_up_matmul, res2_se_up_sigmoid, conv1_bn_add_reshape
+        mem.free(1, 6)
+
+        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), forward ----
+        # res3_proj = conv2d[stride=2](conv1_bn_relu_2, res3_proj_W)
+        res3_proj = mem.tensor(7, (100, 32, 14, 14), 'float32')
+        rt.conv2d(conv1_bn_relu_2, T['res3_proj_W'], out=res3_proj, pad=0, stride=2, workspace=mem.workspace(2508800))
+
+        # ---- res3_a (conv 3x3, 32 channels, stride 2, padding 1), forward ----
+        # res3_a = conv2d[pad=1,stride=2](conv1_bn_relu_2, res3_a_W)
+        res3_a = mem.tensor(8, (100, 32, 14, 14), 'float32')
+        rt.conv2d(conv1_bn_relu_2, T['res3_a_W'], out=res3_a, pad=1, stride=2, workspace=mem.workspace(17049600))
+        # free res2_b, res2_b_bn, conv1_bn_relu_2
+        del res2_b, res2_b_bn, conv1_bn_relu_2
+        mem.free(3)
+
+        # ---- res3_a_bn (batch norm), forward ----
+        # res3_a_bn_bias = reshape[1x32x1x1](res3_a_bn_B)
+        res3_a_bn_bias = rt.reshape(T['res3_a_bn_B'], shape=(1, 32, 1, 1))
+        # res3_a_bn_weight = reshape[1x32x1x1](res3_a_bn_W)
+        res3_a_bn_weight = rt.reshape(T['res3_a_bn_W'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_var = reshape[1x32x1x1](res3_a_bn_var)
+        res3_a_bn_running_var = rt.reshape(T['res3_a_bn_var'], shape=(1, 32, 1, 1))
+        # res3_a_bn_running_mean = reshape[1x32x1x1](res3_a_bn_mean)
+        res3_a_bn_running_mean = rt.reshape(T['res3_a_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_a_bn_relu (relu), forward ----
+        # res3_a_bn_relu = Max(0, res3_a_bn_weight*(res3_a - res3_a_bn_running_mean)/sqrt(res3_a_bn_running_var + 1.0e-5) + res3_a_bn_bias)
+        res3_a_bn_relu = res3_a  # in place: over res3_a
+        rt.ew(ew_add_rsqrt_sub_mul, res3_a_bn_relu, res3_a, res3_a_bn_running_mean, res3_a_bn_running_var, res3_a_bn_weight, res3_a_bn_bias)
+
+        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # res3_b = conv2d[pad=1](res3_a_bn_relu, res3_b_W)
+        res3_b = mem.tensor(9, (100, 32, 14, 14), 'float32')
+        rt.conv2d(res3_a_bn_relu, T['res3_b_W'], out=res3_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free res3_a, res3_a_bn_relu
+        del res3_a, res3_a_bn_relu
+        mem.free(8)
+
+        # ---- res3_b_bn (batch norm), forward ----
+        # res3_b_bn_bias = reshape[1x32x1x1](res3_b_bn_B)
+        res3_b_bn_bias = rt.reshape(T['res3_b_bn_B'], shape=(1, 32, 1, 1))
+        # res3_b_bn_weight = reshape[1x32x1x1](res3_b_bn_W)
+        res3_b_bn_weight = rt.reshape(T['res3_b_bn_W'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_var = reshape[1x32x1x1](res3_b_bn_var)
+        res3_b_bn_running_var = rt.reshape(T['res3_b_bn_var'], shape=(1, 32, 1, 1))
+        # res3_b_bn_running_mean = reshape[1x32x1x1](res3_b_bn_mean)
+        res3_b_bn_running_mean = rt.reshape(T['res3_b_bn_mean'], shape=(1, 32, 1, 1))
+        # res3_b_bn = res3_b_bn_weight*(res3_b - res3_b_bn_running_mean)/sqrt(res3_b_bn_running_var + 1.0e-5) + res3_b_bn_bias
+        res3_b_bn = res3_b  # in place: over res3_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res3_b_bn, res3_b, res3_b_bn_running_mean, res3_b_bn_running_var, res3_b_bn_weight, res3_b_bn_bias)
+
+        # ---- res3_se_down (fully connected, 8 outputs), forward ----
+        # res3_se_down_sum_to = sum_to[100x32x1x1](res3_b_bn)
+        res3_se_down_sum_to = mem.tensor(10, (100, 32, 1, 1), 'float32')
+        rt.sum_to(res3_b_bn, out=res3_se_down_sum_to, shape=(100, 32, 1, 1))
+        # res3_se_down_reshape = reshape[100x32](res3_se_down_sum_to)
+        res3_se_down_reshape = rt.reshape(res3_se_down_sum_to, shape=(100, 32))
+        # res3_se_down_scale = 0.00510204081632653*res3_se_down_reshape
+        res3_se_down_scale = res3_se_down_reshape  # in place: over res3_se_down_reshape
+        rt.ew(ew_scale_4, res3_se_down_scale, res3_se_down_reshape)
+        # res3_se_down_matmul = matmul[tb](res3_se_down_scale, res3_se_down_W)
+        res3_se_down_matmul = mem.tensor(11, (100, 8), 'float32')
+        rt.matmul(res3_se_down_scale, T['res3_se_down_W'], out=res3_se_down_matmul, tb=True)
+        # free res3_se_down_sum_to, res3_se_down_reshape, res3_se_down_scale
+        del res3_se_down_sum_to, res3_se_down_reshape, res3_se_down_scale
+        mem.free(10)
+
+        # ---- res3_se_down_relu (relu), forward ----
+        # res3_se_down_relu = Max(0, res3_se_down_matmul + res3_se_down_B)
+        res3_se_down_relu = res3_se_down_matmul  # in place: over res3_se_down_matmul
+        rt.ew(ew_add_relu, res3_se_down_relu, res3_se_down_matmul, T['res3_se_down_B'])
+
+        # ---- res3_se_up (fully connected, 32 outputs), forward ----
+        # res3_se_up_matmul = matmul[tb](res3_se_down_relu, res3_se_up_W)
+        res3_se_up_matmul = mem.tensor(12, (100, 32), 'float32')
+        rt.matmul(res3_se_down_relu, T['res3_se_up_W'], out=res3_se_up_matmul, tb=True)
+        # free res3_se_down_matmul, res3_se_down_relu
+        del res3_se_down_matmul, res3_se_down_relu
+        mem.free(11)
+
+        # ---- res3_se_up_sigmoid (sigmoid), forward ----
+        # res3_se_up_sigmoid = 1/(exp(-res3_se_up_matmul - res3_se_up_B) + 1)
+        res3_se_up_sigmoid = res3_se_up_matmul  # in place: over res3_se_up_matmul
+        rt.ew(ew_sub_exp_add_recip, res3_se_up_sigmoid, res3_se_up_matmul, T['res3_se_up_B'])
+
+        # ---- res3_proj_bn (batch norm), forward ----
+        # res3_proj_bn_bias = reshape[1x32x1x1](res3_proj_bn_B)
+        res3_proj_bn_bias = rt.reshape(T['res3_proj_bn_B'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_weight = reshape[1x32x1x1](res3_proj_bn_W)
+        res3_proj_bn_weight = rt.reshape(T['res3_proj_bn_W'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_var = reshape[1x32x1x1](res3_proj_bn_var)
+        res3_proj_bn_running_var = rt.reshape(T['res3_proj_bn_var'], shape=(1, 32, 1, 1))
+        # res3_proj_bn_running_mean = reshape[1x32x1x1](res3_proj_bn_mean)
+        res3_proj_bn_running_mean = rt.reshape(T['res3_proj_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- res3_proj_bn_add (sum of 2 branches), forward ----
+        # res3_proj_bn_add_reshape = reshape[100x32x1x1](res3_se_up_sigmoid)
+        res3_proj_bn_add_reshape = rt.reshape(res3_se_up_sigmoid, shape=(100, 32, 1, 1))
+
+        # ---- res3_proj_bn_relu (relu), forward ----
+        # res3_proj_bn_relu = Max(0, res3_b_bn*res3_proj_bn_add_reshape + res3_proj_bn_weight*(res3_proj - res3_proj_bn_running_mean)/sqrt(res3_proj_bn_running_var + 1.0e-5) + res3_proj_bn_bias)
+        res3_proj_bn_relu = res3_b_bn  # in place: over res3_b_bn
+        rt.ew(ew_mul_add_rsqrt_sub, res3_proj_bn_relu, res3_b_bn, res3_proj_bn_add_reshape, res3_proj, res3_proj_bn_running_mean, res3_proj_bn_running_var, res3_proj_bn_weight, res3_proj_bn_bias)
+        # free res3_proj, res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape
+        del res3_proj, res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape
+        mem.free(7, 12)
+
+        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), forward ----
+        # res4_proj = conv2d[stride=2](res3_proj_bn_relu, res4_proj_W)
+        res4_proj = mem.tensor(13, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_proj_bn_relu, T['res4_proj_W'], out=res4_proj, pad=0, stride=2, workspace=mem.workspace(1254400))
+
+        # ---- res4_a (conv 3x3, 64 channels, stride 2, padding 1), forward ----
+        # res4_a = conv2d[pad=1,stride=2](res3_proj_bn_relu, res4_a_W)
+        res4_a = mem.tensor(14, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res3_proj_bn_relu, T['res4_a_W'], out=res4_a, pad=1, stride=2, workspace=mem.workspace(8921600))
+        # free res3_b, res3_b_bn, res3_proj_bn_relu
+        del res3_b, res3_b_bn, res3_proj_bn_relu
+        mem.free(9)
+
+        # ---- res4_a_bn (batch norm), forward ----
+        # res4_a_bn_running_var = reshape[1x64x1x1](res4_a_bn_var)
+        res4_a_bn_running_var = rt.reshape(T['res4_a_bn_var'], shape=(1, 64, 1, 1))
+        # res4_a_bn_running_mean = reshape[1x64x1x1](res4_a_bn_mean)
+        res4_a_bn_running_mean = rt.reshape(T['res4_a_bn_mean'], shape=(1, 64, 1, 1))
+        # res4_a_bn_bias = reshape[1x64x1x1](res4_a_bn_B)
+        res4_a_bn_bias = rt.reshape(T['res4_a_bn_B'], shape=(1, 64, 1, 1))
+        # res4_a_bn_weight = reshape[1x64x1x1](res4_a_bn_W)
+        res4_a_bn_weight = rt.reshape(T['res4_a_bn_W'], shape=(1, 64, 1, 1))
+
+        # ---- res4_a_bn_relu (relu), forward ----
+        # res4_a_bn_relu = Max(0, res4_a_bn_weight*(res4_a - res4_a_bn_running_mean)/sqrt(res4_a_bn_running_var + 1.0e-5) + res4_a_bn_bias)
+        res4_a_bn_relu = res4_a  # in place: over res4_a
+        rt.ew(ew_add_rsqrt_sub_mul, res4_a_bn_relu, res4_a, res4_a_bn_running_mean, res4_a_bn_running_var, res4_a_bn_weight, res4_a_bn_bias)
+
+        # ---- res4_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # res4_b = conv2d[pad=1](res4_a_bn_relu, res4_b_W)
+        res4_b = mem.tensor(15, (100, 64, 7, 7), 'float32')
+        rt.conv2d(res4_a_bn_relu, T['res4_b_W'], out=res4_b, pad=1, stride=1, workspace=mem.workspace(13363200))
+        # free res4_a, res4_a_bn_relu
+        del res4_a, res4_a_bn_relu
+        mem.free(14)
+
+        # ---- res4_b_bn (batch norm), forward ----
+        # res4_b_bn_bias = reshape[1x64x1x1](res4_b_bn_B)
+        res4_b_bn_bias = rt.reshape(T['res4_b_bn_B'], shape=(1, 64, 1, 1))
+        # res4_b_bn_weight = reshape[1x64x1x1](res4_b_bn_W)
+        res4_b_bn_weight = rt.reshape(T['res4_b_bn_W'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_var = reshape[1x64x1x1](res4_b_bn_var)
+        res4_b_bn_running_var = rt.reshape(T['res4_b_bn_var'], shape=(1, 64, 1, 1))
+        # res4_b_bn_running_mean = reshape[1x64x1x1](res4_b_bn_mean)
+        res4_b_bn_running_mean = rt.reshape(T['res4_b_bn_mean'], shape=(1, 64, 1, 1))
+        # res4_b_bn = res4_b_bn_weight*(res4_b - res4_b_bn_running_mean)/sqrt(res4_b_bn_running_var + 1.0e-5) + res4_b_bn_bias
+        res4_b_bn = res4_b  # in place: over res4_b
+        rt.ew(ew_add_rsqrt_sub_mul_2, res4_b_bn, res4_b, res4_b_bn_running_mean, res4_b_bn_running_var, res4_b_bn_weight, res4_b_bn_bias)
+
+        # ---- res4_se_down (fully connected, 16 outputs), forward ----
+        # res4_se_down_sum_to = sum_to[100x64x1x1](res4_b_bn)
+        res4_se_down_sum_to = mem.tensor(16, (100, 64, 1, 1), 'float32')
+        rt.sum_to(res4_b_bn, out=res4_se_down_sum_to, shape=(100, 64, 1, 1))
+        # res4_se_down_reshape = reshape[100x64](res4_se_down_sum_to)
+        res4_se_down_reshape = rt.reshape(res4_se_down_sum_to, shape=(100, 64))
+        # res4_se_down_scale = 0.0204081632653061*res4_se_down_reshape
+        res4_se_down_scale = res4_se_down_reshape  # in place: over res4_se_down_reshape
+        rt.ew(ew_scale_6, res4_se_down_scale, res4_se_down_reshape)
+        # res4_se_down_matmul = matmul[tb](res4_se_down_scale, res4_se_down_W)
+        res4_se_down_matmul = mem.tensor(17, (100, 16), 'float32')
+        rt.matmul(res4_se_down_scale, T['res4_se_down_W'], out=res4_se_down_matmul, tb=True)
+        # free res4_se_down_sum_to, res4_se_down_reshape, res4_se_down_scale
+        del res4_se_down_sum_to, res4_se_down_reshape, res4_se_down_scale
+        mem.free(16)
+
+        # ---- res4_se_down_relu (relu), forward ----
+        # res4_se_down_relu = Max(0, res4_se_down_matmul + res4_se_down_B)
+        res4_se_down_relu = res4_se_down_matmul  # in place: over res4_se_down_matmul
+        rt.ew(ew_add_relu, res4_se_down_relu, res4_se_down_matmul, T['res4_se_down_B'])
+
+        # ---- res4_se_up (fully connected, 64 outputs), forward ----
+        # res4_se_up_matmul = matmul[tb](res4_se_down_relu, res4_se_up_W)
+        res4_se_up_matmul = mem.tensor(18, (100, 64), 'float32')
+        rt.matmul(res4_se_down_relu, T['res4_se_up_W'], out=res4_se_up_matmul, tb=True)
+        # free res4_se_down_matmul, res4_se_down_relu
+        del res4_se_down_matmul, res4_se_down_relu
+        mem.free(17)
+
+        # ---- res4_se_up_sigmoid (sigmoid), forward ----
+        # res4_se_up_sigmoid = 1/(exp(-res4_se_up_matmul - res4_se_up_B) + 1)
+        res4_se_up_sigmoid = res4_se_up_matmul  # in place: over res4_se_up_matmul
+        rt.ew(ew_sub_exp_add_recip, res4_se_up_sigmoid, res4_se_up_matmul, T['res4_se_up_B'])
+
+        # ---- res4_proj_bn (batch norm), forward ----
+        # res4_proj_bn_bias = reshape[1x64x1x1](res4_proj_bn_B)
+        res4_proj_bn_bias = rt.reshape(T['res4_proj_bn_B'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_weight = reshape[1x64x1x1](res4_proj_bn_W)
+        res4_proj_bn_weight = rt.reshape(T['res4_proj_bn_W'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_var = reshape[1x64x1x1](res4_proj_bn_var)
+        res4_proj_bn_running_var = rt.reshape(T['res4_proj_bn_var'], shape=(1, 64, 1, 1))
+        # res4_proj_bn_running_mean = reshape[1x64x1x1](res4_proj_bn_mean)
+        res4_proj_bn_running_mean = rt.reshape(T['res4_proj_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- res4_proj_bn_add (sum of 2 branches), forward ----
+        # res4_proj_bn_add_reshape = reshape[100x64x1x1](res4_se_up_sigmoid)
+        res4_proj_bn_add_reshape = rt.reshape(res4_se_up_sigmoid, shape=(100, 64, 1, 1))
+
+        # ---- res4_proj_bn_relu (relu), forward ----
+        # res4_proj_bn_relu = Max(0, res4_b_bn*res4_proj_bn_add_reshape + res4_proj_bn_weight*(res4_proj - res4_proj_bn_running_mean)/sqrt(res4_proj_bn_running_var + 1.0e-5) + res4_proj_bn_bias)
+        res4_proj_bn_relu = res4_b_bn  # in place: over res4_b_bn
+        rt.ew(ew_mul_add_rsqrt_sub, res4_proj_bn_relu, res4_b_bn, res4_proj_bn_add_reshape, res4_proj, res4_proj_bn_running_mean, res4_proj_bn_running_var, res4_proj_bn_weight, res4_proj_bn_bias)
+        # free res4_proj, res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape
+        del res4_proj, res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape
+        mem.free(13, 18)
+
+        # ---- res4_proj_bn_avg_pool (average pooling), forward ----
+        # res4_proj_bn_avg_pool = avg_pool[kernel=7,stride=7](res4_proj_bn_relu)
+        res4_proj_bn_avg_pool = mem.tensor(19, (100, 64, 1, 1), 'float32')
+        rt.avg_pool(res4_proj_bn_relu, out=res4_proj_bn_avg_pool, ceil=False, include_pad=True, kernel=7, pad=0, stride=7)
+        # free res4_b, res4_b_bn, res4_proj_bn_relu
+        del res4_b, res4_b_bn, res4_proj_bn_relu
+        mem.free(15)
+
+        # ---- res4_proj_bn_flatten (flatten), forward ----
+        # res4_proj_bn_flatten = reshape[100x64](res4_proj_bn_avg_pool)
+        res4_proj_bn_flatten = rt.reshape(res4_proj_bn_avg_pool, shape=(100, 64))
+
+        # ---- fc (fully connected, 10 outputs), forward ----
+        # fc_matmul = matmul[tb](res4_proj_bn_flatten, fc_W)
+        fc_matmul = mem.tensor(20, (100, 10), 'float32')
+        rt.matmul(res4_proj_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # free res4_proj_bn_avg_pool, res4_proj_bn_flatten
+        del res4_proj_bn_avg_pool, res4_proj_bn_flatten
+        mem.free(19)
+        # fc = fc_matmul + fc_B
+        fc = fc_matmul  # in place: over fc_matmul
+        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc)
+        probabilities = fc  # in place: over fc
+        rt.softmax(fc, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -2643,9 +3006,35 @@ class SeResnet(rp.Model):
                 (1254400, 25600),  # 19: res4_se_up_matmul 100x64 float32
                 (0, 25600),  # 20: res4_proj_bn_avg_pool 100x64x1x1 float32
                 (25600, 4000),  # 21: fc_matmul 100x10 float32
-                (512, 4),  # 22: fc_precision scalar float32
-                (0, 400),  # 23: fc_cross_entropy_pick 100 float32
-                (768, 4),  # 24: fc_cross_entropy_sum_to scalar float32
+                (1024, 4),  # 22: fc_precision scalar float32
+                (0, 400),  # 23: label_ranks 100 float32
+                (512, 400),  # 24: fc_cross_entropy_pick 100 float32
+                (1280, 4),  # 25: fc_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=15052800, peak_bytes=15052800, workspace_bytes=25856000, pool_bytes=15366400,
+            buffers=(
+                (5017600, 313600),  # 0: x 100x1x28x28 float32
+                (0, 5017600),  # 1: conv1 100x16x28x28 float32
+                (5017600, 5017600),  # 2: res2_a 100x16x28x28 float32
+                (10035200, 5017600),  # 3: res2_b 100x16x28x28 float32
+                (5017600, 6400),  # 4: res2_se_down_sum_to 100x16x1x1 float32
+                (5024000, 1600),  # 5: res2_se_down_matmul 100x4 float32
+                (5017600, 6400),  # 6: res2_se_up_matmul 100x16 float32
+                (0, 2508800),  # 7: res3_proj 100x32x14x14 float32
+                (2508800, 2508800),  # 8: res3_a 100x32x14x14 float32
+                (5017600, 2508800),  # 9: res3_b 100x32x14x14 float32
+                (2508800, 12800),  # 10: res3_se_down_sum_to 100x32x1x1 float32
+                (2521600, 3200),  # 11: res3_se_down_matmul 100x8 float32
+                (2508800, 12800),  # 12: res3_se_up_matmul 100x32 float32
+                (0, 1254400),  # 13: res4_proj 100x64x7x7 float32
+                (1254400, 1254400),  # 14: res4_a 100x64x7x7 float32
+                (2508800, 1254400),  # 15: res4_b 100x64x7x7 float32
+                (1254400, 25600),  # 16: res4_se_down_sum_to 100x64x1x1 float32
+                (1280000, 6400),  # 17: res4_se_down_matmul 100x16 float32
+                (1254400, 25600),  # 18: res4_se_up_matmul 100x64 float32
+                (0, 25600),  # 19: res4_proj_bn_avg_pool 100x64x1x1 float32
+                (25600, 4000),  # 20: fc_matmul 100x10 float32
             )),
     }
 
@@ -2894,9 +3283,9 @@ def main(argv=None):
     """Train se_resnet, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="se_resnet.py", description="Train and test se_resnet (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=300,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 300; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=5, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -2949,6 +3338,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class Unet(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 300}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -2003,7 +2004,7 @@ class Unet(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -2315,29 +2316,350 @@ class Unet(rp.Model):
         classes_precision = mem.tensor(20, (), 'float32')
         rt.precision(classes_flatten, y, out=classes_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(classes_flatten, y)
+        label_ranks = mem.tensor(21, (100,), 'float32')
+        rt.label_rank(classes_flatten, y, out=label_ranks)
+
         # ---- classes_cross_entropy (cross_entropy), forward ----
         # classes_cross_entropy_log_softmax = log_softmax(classes_flatten)
         classes_cross_entropy_log_softmax = classes_flatten  # in place: over classes_flatten
         rt.log_softmax(classes_flatten, out=classes_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # classes_cross_entropy_pick = pick(classes_cross_entropy_log_softmax, y)
-        classes_cross_entropy_pick = mem.tensor(21, (100,), 'float32')
+        classes_cross_entropy_pick = mem.tensor(22, (100,), 'float32')
         rt.pick(classes_cross_entropy_log_softmax, y, out=classes_cross_entropy_pick)
         # free y, classes_avg_pool, classes_flatten, classes_cross_entropy_log_softmax
         del y, classes_avg_pool, classes_flatten, classes_cross_entropy_log_softmax
         mem.free(1, 19)
         # classes_cross_entropy_sum_to = sum_to[scalar](classes_cross_entropy_pick)
-        classes_cross_entropy_sum_to = mem.tensor(22, (), 'float32')
+        classes_cross_entropy_sum_to = mem.tensor(23, (), 'float32')
         rt.sum_to(classes_cross_entropy_pick, out=classes_cross_entropy_sum_to, shape=())
         # free classes_cross_entropy_pick
         del classes_cross_entropy_pick
-        mem.free(21)
+        mem.free(22)
         # classes_cross_entropy = -classes_cross_entropy_sum_to/100
         classes_cross_entropy = classes_cross_entropy_sum_to  # in place: over classes_cross_entropy_sum_to
         rt.ew(ew_scale_4, classes_cross_entropy, classes_cross_entropy_sum_to)
         accuracy = rt.scalar(classes_precision)
         loss = rt.scalar(classes_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- down1_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # down1_a = conv2d[pad=1](x, down1_a_W)
+        down1_a = mem.tensor(1, (100, 16, 28, 28), 'float32')
+        rt.conv2d(x, T['down1_a_W'], out=down1_a, pad=1, stride=1, workspace=mem.workspace(3182400))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- down1_a_bn (batch norm), forward ----
+        # down1_a_bn_bias = reshape[1x16x1x1](down1_a_bn_B)
+        down1_a_bn_bias = rt.reshape(T['down1_a_bn_B'], shape=(1, 16, 1, 1))
+        # down1_a_bn_weight = reshape[1x16x1x1](down1_a_bn_W)
+        down1_a_bn_weight = rt.reshape(T['down1_a_bn_W'], shape=(1, 16, 1, 1))
+        # down1_a_bn_running_var = reshape[1x16x1x1](down1_a_bn_var)
+        down1_a_bn_running_var = rt.reshape(T['down1_a_bn_var'], shape=(1, 16, 1, 1))
+        # down1_a_bn_running_mean = reshape[1x16x1x1](down1_a_bn_mean)
+        down1_a_bn_running_mean = rt.reshape(T['down1_a_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- down1_a_bn_relu (relu), forward ----
+        # down1_a_bn_relu = Max(0, down1_a_bn_weight*(down1_a - down1_a_bn_running_mean)/sqrt(down1_a_bn_running_var + 1.0e-5) + down1_a_bn_bias)
+        down1_a_bn_relu = down1_a  # in place: over down1_a
+        rt.ew(ew_add_rsqrt_sub_mul, down1_a_bn_relu, down1_a, down1_a_bn_running_mean, down1_a_bn_running_var, down1_a_bn_weight, down1_a_bn_bias)
+
+        # ---- down1_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # down1_b = conv2d[pad=1](down1_a_bn_relu, down1_b_W)
+        down1_b = mem.tensor(2, (100, 16, 28, 28), 'float32')
+        rt.conv2d(down1_a_bn_relu, T['down1_b_W'], out=down1_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free down1_a, down1_a_bn_relu
+        del down1_a, down1_a_bn_relu
+        mem.free(1)
+
+        # ---- down1_b_bn (batch norm), forward ----
+        # down1_b_bn_bias = reshape[1x16x1x1](down1_b_bn_B)
+        down1_b_bn_bias = rt.reshape(T['down1_b_bn_B'], shape=(1, 16, 1, 1))
+        # down1_b_bn_weight = reshape[1x16x1x1](down1_b_bn_W)
+        down1_b_bn_weight = rt.reshape(T['down1_b_bn_W'], shape=(1, 16, 1, 1))
+        # down1_b_bn_running_var = reshape[1x16x1x1](down1_b_bn_var)
+        down1_b_bn_running_var = rt.reshape(T['down1_b_bn_var'], shape=(1, 16, 1, 1))
+        # down1_b_bn_running_mean = reshape[1x16x1x1](down1_b_bn_mean)
+        down1_b_bn_running_mean = rt.reshape(T['down1_b_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- down1_b_bn_relu (relu), forward ----
+        # down1_b_bn_relu = Max(0, down1_b_bn_weight*(down1_b - down1_b_bn_running_mean)/sqrt(down1_b_bn_running_var + 1.0e-5) + down1_b_bn_bias)
+        down1_b_bn_relu = down1_b  # in place: over down1_b
+        rt.ew(ew_add_rsqrt_sub_mul, down1_b_bn_relu, down1_b, down1_b_bn_running_mean, down1_b_bn_running_var, down1_b_bn_weight, down1_b_bn_bias)
+
+        # ---- down1_b_bn_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # down1_b_bn_max_pool = max_pool[kernel=2,stride=2](down1_b_bn_relu)
+        down1_b_bn_max_pool = mem.tensor(3, (100, 16, 14, 14), 'float32')
+        rt.max_pool(down1_b_bn_relu, out=down1_b_bn_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+
+        # ---- down2_a (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # down2_a = conv2d[pad=1](down1_b_bn_max_pool, down2_a_W)
+        down2_a = mem.tensor(4, (100, 32, 14, 14), 'float32')
+        rt.conv2d(down1_b_bn_max_pool, T['down2_a_W'], out=down2_a, pad=1, stride=1, workspace=mem.workspace(12928000))
+        # free down1_b_bn_max_pool
+        del down1_b_bn_max_pool
+        mem.free(3)
+
+        # ---- down2_a_bn (batch norm), forward ----
+        # down2_a_bn_running_var = reshape[1x32x1x1](down2_a_bn_var)
+        down2_a_bn_running_var = rt.reshape(T['down2_a_bn_var'], shape=(1, 32, 1, 1))
+        # down2_a_bn_running_mean = reshape[1x32x1x1](down2_a_bn_mean)
+        down2_a_bn_running_mean = rt.reshape(T['down2_a_bn_mean'], shape=(1, 32, 1, 1))
+        # down2_a_bn_bias = reshape[1x32x1x1](down2_a_bn_B)
+        down2_a_bn_bias = rt.reshape(T['down2_a_bn_B'], shape=(1, 32, 1, 1))
+        # down2_a_bn_weight = reshape[1x32x1x1](down2_a_bn_W)
+        down2_a_bn_weight = rt.reshape(T['down2_a_bn_W'], shape=(1, 32, 1, 1))
+
+        # ---- down2_a_bn_relu (relu), forward ----
+        # down2_a_bn_relu = Max(0, down2_a_bn_weight*(down2_a - down2_a_bn_running_mean)/sqrt(down2_a_bn_running_var + 1.0e-5) + down2_a_bn_bias)
+        down2_a_bn_relu = down2_a  # in place: over down2_a
+        rt.ew(ew_add_rsqrt_sub_mul, down2_a_bn_relu, down2_a, down2_a_bn_running_mean, down2_a_bn_running_var, down2_a_bn_weight, down2_a_bn_bias)
+
+        # ---- down2_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # down2_b = conv2d[pad=1](down2_a_bn_relu, down2_b_W)
+        down2_b = mem.tensor(5, (100, 32, 14, 14), 'float32')
+        rt.conv2d(down2_a_bn_relu, T['down2_b_W'], out=down2_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free down2_a, down2_a_bn_relu
+        del down2_a, down2_a_bn_relu
+        mem.free(4)
+
+        # ---- down2_b_bn (batch norm), forward ----
+        # down2_b_bn_bias = reshape[1x32x1x1](down2_b_bn_B)
+        down2_b_bn_bias = rt.reshape(T['down2_b_bn_B'], shape=(1, 32, 1, 1))
+        # down2_b_bn_weight = reshape[1x32x1x1](down2_b_bn_W)
+        down2_b_bn_weight = rt.reshape(T['down2_b_bn_W'], shape=(1, 32, 1, 1))
+        # down2_b_bn_running_var = reshape[1x32x1x1](down2_b_bn_var)
+        down2_b_bn_running_var = rt.reshape(T['down2_b_bn_var'], shape=(1, 32, 1, 1))
+        # down2_b_bn_running_mean = reshape[1x32x1x1](down2_b_bn_mean)
+        down2_b_bn_running_mean = rt.reshape(T['down2_b_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- down2_b_bn_relu (relu), forward ----
+        # down2_b_bn_relu = Max(0, down2_b_bn_weight*(down2_b - down2_b_bn_running_mean)/sqrt(down2_b_bn_running_var + 1.0e-5) + down2_b_bn_bias)
+        down2_b_bn_relu = down2_b  # in place: over down2_b
+        rt.ew(ew_add_rsqrt_sub_mul, down2_b_bn_relu, down2_b, down2_b_bn_running_mean, down2_b_bn_running_var, down2_b_bn_weight, down2_b_bn_bias)
+
+        # ---- down2_b_bn_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # down2_b_bn_max_pool = max_pool[kernel=2,stride=2](down2_b_bn_relu)
+        down2_b_bn_max_pool = mem.tensor(6, (100, 32, 7, 7), 'float32')
+        rt.max_pool(down2_b_bn_relu, out=down2_b_bn_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+
+        # ---- bottom_a (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # bottom_a = conv2d[pad=1](down2_b_bn_max_pool, bottom_a_W)
+        bottom_a = mem.tensor(7, (100, 64, 7, 7), 'float32')
+        rt.conv2d(down2_b_bn_max_pool, T['bottom_a_W'], out=bottom_a, pad=1, stride=1, workspace=mem.workspace(6681600))
+        # free down2_b_bn_max_pool
+        del down2_b_bn_max_pool
+        mem.free(6)
+
+        # ---- bottom_a_bn (batch norm), forward ----
+        # bottom_a_bn_bias = reshape[1x64x1x1](bottom_a_bn_B)
+        bottom_a_bn_bias = rt.reshape(T['bottom_a_bn_B'], shape=(1, 64, 1, 1))
+        # bottom_a_bn_weight = reshape[1x64x1x1](bottom_a_bn_W)
+        bottom_a_bn_weight = rt.reshape(T['bottom_a_bn_W'], shape=(1, 64, 1, 1))
+        # bottom_a_bn_running_var = reshape[1x64x1x1](bottom_a_bn_var)
+        bottom_a_bn_running_var = rt.reshape(T['bottom_a_bn_var'], shape=(1, 64, 1, 1))
+        # bottom_a_bn_running_mean = reshape[1x64x1x1](bottom_a_bn_mean)
+        bottom_a_bn_running_mean = rt.reshape(T['bottom_a_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bottom_a_bn_relu (relu), forward ----
+        # bottom_a_bn_relu = Max(0, bottom_a_bn_weight*(bottom_a - bottom_a_bn_running_mean)/sqrt(bottom_a_bn_running_var + 1.0e-5) + bottom_a_bn_bias)
+        bottom_a_bn_relu = bottom_a  # in place: over bottom_a
+        rt.ew(ew_add_rsqrt_sub_mul, bottom_a_bn_relu, bottom_a, bottom_a_bn_running_mean, bottom_a_bn_running_var, bottom_a_bn_weight, bottom_a_bn_bias)
+
+        # ---- bottom_b (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # bottom_b = conv2d[pad=1](bottom_a_bn_relu, bottom_b_W)
+        bottom_b = mem.tensor(8, (100, 64, 7, 7), 'float32')
+        rt.conv2d(bottom_a_bn_relu, T['bottom_b_W'], out=bottom_b, pad=1, stride=1, workspace=mem.workspace(13363200))
+        # free bottom_a, bottom_a_bn_relu
+        del bottom_a, bottom_a_bn_relu
+        mem.free(7)
+
+        # ---- bottom_b_bn (batch norm), forward ----
+        # bottom_b_bn_bias = reshape[1x64x1x1](bottom_b_bn_B)
+        bottom_b_bn_bias = rt.reshape(T['bottom_b_bn_B'], shape=(1, 64, 1, 1))
+        # bottom_b_bn_weight = reshape[1x64x1x1](bottom_b_bn_W)
+        bottom_b_bn_weight = rt.reshape(T['bottom_b_bn_W'], shape=(1, 64, 1, 1))
+        # bottom_b_bn_running_var = reshape[1x64x1x1](bottom_b_bn_var)
+        bottom_b_bn_running_var = rt.reshape(T['bottom_b_bn_var'], shape=(1, 64, 1, 1))
+        # bottom_b_bn_running_mean = reshape[1x64x1x1](bottom_b_bn_mean)
+        bottom_b_bn_running_mean = rt.reshape(T['bottom_b_bn_mean'], shape=(1, 64, 1, 1))
+
+        # ---- bottom_b_bn_relu (relu), forward ----
+        # bottom_b_bn_relu = Max(0, bottom_b_bn_weight*(bottom_b - bottom_b_bn_running_mean)/sqrt(bottom_b_bn_running_var + 1.0e-5) + bottom_b_bn_bias)
+        bottom_b_bn_relu = bottom_b  # in place: over bottom_b
+        rt.ew(ew_add_rsqrt_sub_mul, bottom_b_bn_relu, bottom_b, bottom_b_bn_running_mean, bottom_b_bn_running_var, bottom_b_bn_weight, bottom_b_bn_bias)
+
+        # ---- up2 (transposed conv 2x2, 32 channels, stride 2, padding 0), forward ----
+        # up2_conv2d_bwd_data = conv2d_bwd_data[size=(14,14),stride=2](bottom_b_bn_relu, up2_W)
+        up2_conv2d_bwd_data = mem.tensor(9, (100, 32, 14, 14), 'float32')
+        rt.conv2d_bwd_data(bottom_b_bn_relu, T['up2_W'], out=up2_conv2d_bwd_data, pad=0, size=(14, 14), stride=2, workspace=mem.workspace(3763200))
+        # free bottom_b, bottom_b_bn_relu
+        del bottom_b, bottom_b_bn_relu
+        mem.free(8)
+        # up2_reshape = reshape[1x32x1x1](up2_B)
+        up2_reshape = rt.reshape(T['up2_B'], shape=(1, 32, 1, 1))
+        # up2 = up2_conv2d_bwd_data + up2_reshape
+        up2 = up2_conv2d_bwd_data  # in place: over up2_conv2d_bwd_data
+        rt.ew(ew_add, up2, up2_conv2d_bwd_data, up2_reshape)
+
+        # ---- down2_b_bn_concat (concatenation of 2 branches), forward ----
+        # down2_b_bn_concat = concat[axis=1](down2_b_bn_relu, up2)
+        down2_b_bn_concat = mem.tensor(10, (100, 64, 14, 14), 'float32')
+        rt.concat(down2_b_bn_relu, up2, out=down2_b_bn_concat, axis=1)
+        # free down2_b, down2_b_bn_relu, up2_conv2d_bwd_data, up2
+        del down2_b, down2_b_bn_relu, up2_conv2d_bwd_data, up2
+        mem.free(5, 9)
+
+        # ---- merge2_a (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # merge2_a = conv2d[pad=1](down2_b_bn_concat, merge2_a_W)
+        merge2_a = mem.tensor(11, (100, 32, 14, 14), 'float32')
+        rt.conv2d(down2_b_bn_concat, T['merge2_a_W'], out=merge2_a, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free down2_b_bn_concat
+        del down2_b_bn_concat
+        mem.free(10)
+
+        # ---- merge2_a_bn (batch norm), forward ----
+        # merge2_a_bn_bias = reshape[1x32x1x1](merge2_a_bn_B)
+        merge2_a_bn_bias = rt.reshape(T['merge2_a_bn_B'], shape=(1, 32, 1, 1))
+        # merge2_a_bn_weight = reshape[1x32x1x1](merge2_a_bn_W)
+        merge2_a_bn_weight = rt.reshape(T['merge2_a_bn_W'], shape=(1, 32, 1, 1))
+        # merge2_a_bn_running_var = reshape[1x32x1x1](merge2_a_bn_var)
+        merge2_a_bn_running_var = rt.reshape(T['merge2_a_bn_var'], shape=(1, 32, 1, 1))
+        # merge2_a_bn_running_mean = reshape[1x32x1x1](merge2_a_bn_mean)
+        merge2_a_bn_running_mean = rt.reshape(T['merge2_a_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- merge2_a_bn_relu (relu), forward ----
+        # merge2_a_bn_relu = Max(0, merge2_a_bn_weight*(merge2_a - merge2_a_bn_running_mean)/sqrt(merge2_a_bn_running_var + 1.0e-5) + merge2_a_bn_bias)
+        merge2_a_bn_relu = merge2_a  # in place: over merge2_a
+        rt.ew(ew_add_rsqrt_sub_mul, merge2_a_bn_relu, merge2_a, merge2_a_bn_running_mean, merge2_a_bn_running_var, merge2_a_bn_weight, merge2_a_bn_bias)
+
+        # ---- merge2_b (conv 3x3, 32 channels, stride 1, padding 1), forward ----
+        # merge2_b = conv2d[pad=1](merge2_a_bn_relu, merge2_b_W)
+        merge2_b = mem.tensor(12, (100, 32, 14, 14), 'float32')
+        rt.conv2d(merge2_a_bn_relu, T['merge2_b_W'], out=merge2_b, pad=1, stride=1, workspace=mem.workspace(25856000))
+        # free merge2_a, merge2_a_bn_relu
+        del merge2_a, merge2_a_bn_relu
+        mem.free(11)
+
+        # ---- merge2_b_bn (batch norm), forward ----
+        # merge2_b_bn_bias = reshape[1x32x1x1](merge2_b_bn_B)
+        merge2_b_bn_bias = rt.reshape(T['merge2_b_bn_B'], shape=(1, 32, 1, 1))
+        # merge2_b_bn_weight = reshape[1x32x1x1](merge2_b_bn_W)
+        merge2_b_bn_weight = rt.reshape(T['merge2_b_bn_W'], shape=(1, 32, 1, 1))
+        # merge2_b_bn_running_var = reshape[1x32x1x1](merge2_b_bn_var)
+        merge2_b_bn_running_var = rt.reshape(T['merge2_b_bn_var'], shape=(1, 32, 1, 1))
+        # merge2_b_bn_running_mean = reshape[1x32x1x1](merge2_b_bn_mean)
+        merge2_b_bn_running_mean = rt.reshape(T['merge2_b_bn_mean'], shape=(1, 32, 1, 1))
+
+        # ---- merge2_b_bn_relu (relu), forward ----
+        # merge2_b_bn_relu = Max(0, merge2_b_bn_weight*(merge2_b - merge2_b_bn_running_mean)/sqrt(merge2_b_bn_running_var + 1.0e-5) + merge2_b_bn_bias)
+        merge2_b_bn_relu = merge2_b  # in place: over merge2_b
+        rt.ew(ew_add_rsqrt_sub_mul, merge2_b_bn_relu, merge2_b, merge2_b_bn_running_mean, merge2_b_bn_running_var, merge2_b_bn_weight, merge2_b_bn_bias)
+
+        # ---- up1 (transposed conv 2x2, 16 channels, stride 2, padding 0), forward ----
+        # up1_conv2d_bwd_data = conv2d_bwd_data[size=(28,28),stride=2](merge2_b_bn_relu, up1_W)
+        up1_conv2d_bwd_data = mem.tensor(13, (100, 16, 28, 28), 'float32')
+        rt.conv2d_bwd_data(merge2_b_bn_relu, T['up1_W'], out=up1_conv2d_bwd_data, pad=0, size=(28, 28), stride=2, workspace=mem.workspace(7526400))
+        # free merge2_b, merge2_b_bn_relu
+        del merge2_b, merge2_b_bn_relu
+        mem.free(12)
+        # up1_reshape = reshape[1x16x1x1](up1_B)
+        up1_reshape = rt.reshape(T['up1_B'], shape=(1, 16, 1, 1))
+        # up1 = up1_conv2d_bwd_data + up1_reshape
+        up1 = up1_conv2d_bwd_data  # in place: over up1_conv2d_bwd_data
+        rt.ew(ew_add, up1, up1_conv2d_bwd_data, up1_reshape)
+
+        # ---- down1_b_bn_concat (concatenation of 2 branches), forward ----
+        # down1_b_bn_concat = concat[axis=1](down1_b_bn_relu, up1)
+        down1_b_bn_concat = mem.tensor(14, (100, 32, 28, 28), 'float32')
+        rt.concat(down1_b_bn_relu, up1, out=down1_b_bn_concat, axis=1)
+        # free down1_b, down1_b_bn_relu, up1_conv2d_bwd_data, up1
+        del down1_b, down1_b_bn_relu, up1_conv2d_bwd_data, up1
+        mem.free(2, 13)
+
+        # ---- merge1_a (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # merge1_a = conv2d[pad=1](down1_b_bn_concat, merge1_a_W)
+        merge1_a = mem.tensor(15, (100, 16, 28, 28), 'float32')
+        rt.conv2d(down1_b_bn_concat, T['merge1_a_W'], out=merge1_a, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free down1_b_bn_concat
+        del down1_b_bn_concat
+        mem.free(14)
+
+        # ---- merge1_a_bn (batch norm), forward ----
+        # merge1_a_bn_bias = reshape[1x16x1x1](merge1_a_bn_B)
+        merge1_a_bn_bias = rt.reshape(T['merge1_a_bn_B'], shape=(1, 16, 1, 1))
+        # merge1_a_bn_weight = reshape[1x16x1x1](merge1_a_bn_W)
+        merge1_a_bn_weight = rt.reshape(T['merge1_a_bn_W'], shape=(1, 16, 1, 1))
+        # merge1_a_bn_running_var = reshape[1x16x1x1](merge1_a_bn_var)
+        merge1_a_bn_running_var = rt.reshape(T['merge1_a_bn_var'], shape=(1, 16, 1, 1))
+        # merge1_a_bn_running_mean = reshape[1x16x1x1](merge1_a_bn_mean)
+        merge1_a_bn_running_mean = rt.reshape(T['merge1_a_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- merge1_a_bn_relu (relu), forward ----
+        # merge1_a_bn_relu = Max(0, merge1_a_bn_weight*(merge1_a - merge1_a_bn_running_mean)/sqrt(merge1_a_bn_running_var + 1.0e-5) + merge1_a_bn_bias)
+        merge1_a_bn_relu = merge1_a  # in place: over merge1_a
+        rt.ew(ew_add_rsqrt_sub_mul, merge1_a_bn_relu, merge1_a, merge1_a_bn_running_mean, merge1_a_bn_running_var, merge1_a_bn_weight, merge1_a_bn_bias)
+
+        # ---- merge1_b (conv 3x3, 16 channels, stride 1, padding 1), forward ----
+        # merge1_b = conv2d[pad=1](merge1_a_bn_relu, merge1_b_W)
+        merge1_b = mem.tensor(16, (100, 16, 28, 28), 'float32')
+        rt.conv2d(merge1_a_bn_relu, T['merge1_b_W'], out=merge1_b, pad=1, stride=1, workspace=mem.workspace(25459200))
+        # free merge1_a, merge1_a_bn_relu
+        del merge1_a, merge1_a_bn_relu
+        mem.free(15)
+
+        # ---- merge1_b_bn (batch norm), forward ----
+        # merge1_b_bn_bias = reshape[1x16x1x1](merge1_b_bn_B)
+        merge1_b_bn_bias = rt.reshape(T['merge1_b_bn_B'], shape=(1, 16, 1, 1))
+        # merge1_b_bn_weight = reshape[1x16x1x1](merge1_b_bn_W)
+        merge1_b_bn_weight = rt.reshape(T['merge1_b_bn_W'], shape=(1, 16, 1, 1))
+        # merge1_b_bn_running_var = reshape[1x16x1x1](merge1_b_bn_var)
+        merge1_b_bn_running_var = rt.reshape(T['merge1_b_bn_var'], shape=(1, 16, 1, 1))
+        # merge1_b_bn_running_mean = reshape[1x16x1x1](merge1_b_bn_mean)
+        merge1_b_bn_running_mean = rt.reshape(T['merge1_b_bn_mean'], shape=(1, 16, 1, 1))
+
+        # ---- merge1_b_bn_relu (relu), forward ----
+        # merge1_b_bn_relu = Max(0, merge1_b_bn_weight*(merge1_b - merge1_b_bn_running_mean)/sqrt(merge1_b_bn_running_var + 1.0e-5) + merge1_b_bn_bias)
+        merge1_b_bn_relu = merge1_b  # in place: over merge1_b
+        rt.ew(ew_add_rsqrt_sub_mul, merge1_b_bn_relu, merge1_b, merge1_b_bn_running_mean, merge1_b_bn_running_var, merge1_b_bn_weight, merge1_b_bn_bias)
+
+        # ---- classes (conv 1x1, 10 channels, stride 1, padding 0), forward ----
+        # classes = conv2d(merge1_b_bn_relu, classes_W, classes_B)
+        classes = mem.tensor(17, (100, 10, 28, 28), 'float32')
+        rt.conv2d(merge1_b_bn_relu, T['classes_W'], T['classes_B'], out=classes, pad=0, stride=1)
+        # free merge1_b, merge1_b_bn_relu
+        del merge1_b, merge1_b_bn_relu
+        mem.free(16)
+
+        # ---- classes_avg_pool (average pooling), forward ----
+        # classes_avg_pool = avg_pool[kernel=28,stride=28](classes)
+        classes_avg_pool = mem.tensor(18, (100, 10, 1, 1), 'float32')
+        rt.avg_pool(classes, out=classes_avg_pool, ceil=False, include_pad=True, kernel=28, pad=0, stride=28)
+        # free classes
+        del classes
+        mem.free(17)
+
+        # ---- classes_flatten (flatten), forward ----
+        # classes_flatten = reshape[100x10](classes_avg_pool)
+        classes_flatten = rt.reshape(classes_avg_pool, shape=(100, 10))
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(classes_flatten)
+        probabilities = classes_flatten  # in place: over classes_flatten
+        rt.softmax(classes_flatten, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -2524,9 +2846,33 @@ class Unet(rp.Model):
                 (0, 5017600),  # 17: merge1_b 100x16x28x28 float32
                 (5017600, 3136000),  # 18: classes 100x10x28x28 float32
                 (0, 4000),  # 19: classes_avg_pool 100x10x1x1 float32
-                (4608, 4),  # 20: classes_precision scalar float32
-                (4096, 400),  # 21: classes_cross_entropy_pick 100 float32
-                (0, 4),  # 22: classes_cross_entropy_sum_to scalar float32
+                (5120, 4),  # 20: classes_precision scalar float32
+                (4096, 400),  # 21: label_ranks 100 float32
+                (4608, 400),  # 22: classes_cross_entropy_pick 100 float32
+                (0, 4),  # 23: classes_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=20070400, peak_bytes=20070400, workspace_bytes=25856000, pool_bytes=25401600,
+            buffers=(
+                (5017600, 313600),  # 0: x 100x1x28x28 float32
+                (0, 5017600),  # 1: down1_a 100x16x28x28 float32
+                (10035200, 5017600),  # 2: down1_b 100x16x28x28 float32
+                (2508800, 1254400),  # 3: down1_b_bn_max_pool 100x16x14x14 float32
+                (0, 2508800),  # 4: down2_a 100x32x14x14 float32
+                (5017600, 2508800),  # 5: down2_b 100x32x14x14 float32
+                (1254400, 627200),  # 6: down2_b_bn_max_pool 100x32x7x7 float32
+                (0, 1254400),  # 7: bottom_a 100x64x7x7 float32
+                (1254400, 1254400),  # 8: bottom_b 100x64x7x7 float32
+                (7526400, 2508800),  # 9: up2_conv2d_bwd_data 100x32x14x14 float32
+                (0, 5017600),  # 10: down2_b_bn_concat 100x64x14x14 float32
+                (5017600, 2508800),  # 11: merge2_a 100x32x14x14 float32
+                (0, 2508800),  # 12: merge2_b 100x32x14x14 float32
+                (15052800, 5017600),  # 13: up1_conv2d_bwd_data 100x16x28x28 float32
+                (0, 10035200),  # 14: down1_b_bn_concat 100x32x28x28 float32
+                (10035200, 5017600),  # 15: merge1_a 100x16x28x28 float32
+                (0, 5017600),  # 16: merge1_b 100x16x28x28 float32
+                (5017600, 3136000),  # 17: classes 100x10x28x28 float32
+                (0, 4000),  # 18: classes_avg_pool 100x10x1x1 float32
             )),
     }
 
@@ -2689,9 +3035,9 @@ def main(argv=None):
     """Train unet, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="unet.py", description="Train and test unet (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=300,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 300; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=5, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -2744,6 +3090,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -63,6 +63,7 @@ class Vgg16(rp.Model):
     batch_shape = (64, 3, 224, 224)
     classes = 1000
     dataset = "synthetic"
+    defaults = {"iters": 370000}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -1151,7 +1152,7 @@ class Vgg16(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -1411,29 +1412,298 @@ class Vgg16(rp.Model):
         fc8_precision = mem.tensor(23, (), 'float32')
         rt.precision(fc8, y, out=fc8_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(fc8, y)
+        label_ranks = mem.tensor(24, (64,), 'float32')
+        rt.label_rank(fc8, y, out=label_ranks)
+
         # ---- fc8_cross_entropy (cross_entropy), forward ----
         # fc8_cross_entropy_log_softmax = log_softmax(fc8)
         fc8_cross_entropy_log_softmax = fc8  # in place: over fc8
         rt.log_softmax(fc8, out=fc8_cross_entropy_log_softmax, workspace=mem.workspace(256000))
         # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
-        fc8_cross_entropy_pick = mem.tensor(24, (64,), 'float32')
+        fc8_cross_entropy_pick = mem.tensor(25, (64,), 'float32')
         rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
         # free y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         del y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
         mem.free(1, 22)
         # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
-        fc8_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
+        fc8_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
         rt.sum_to(fc8_cross_entropy_pick, out=fc8_cross_entropy_sum_to, shape=())
         # free fc8_cross_entropy_pick
         del fc8_cross_entropy_pick
-        mem.free(24)
+        mem.free(25)
         # fc8_cross_entropy = -fc8_cross_entropy_sum_to/64
         fc8_cross_entropy = fc8_cross_entropy_sum_to  # in place: over fc8_cross_entropy_sum_to
         rt.ew(ew_scale, fc8_cross_entropy, fc8_cross_entropy_sum_to)
         accuracy = rt.scalar(fc8_precision)
         loss = rt.scalar(fc8_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- conv1_1 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_1 = conv2d[pad=1](x, conv1_1_W, conv1_1_B)
+        conv1_1 = mem.tensor(1, (64, 64, 224, 224), 'float32')
+        rt.conv2d(x, T['conv1_1_W'], T['conv1_1_B'], out=conv1_1, pad=1, stride=1, workspace=mem.workspace(30159600))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- conv1_1_relu (relu), forward ----
+        # conv1_1_relu = Max(0, conv1_1)
+        conv1_1_relu = conv1_1  # in place: over conv1_1
+        rt.ew(ew_relu, conv1_1_relu, conv1_1)
+
+        # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), forward ----
+        # conv1_2 = conv2d[pad=1](conv1_1_relu, conv1_2_W, conv1_2_B)
+        conv1_2 = mem.tensor(2, (64, 64, 224, 224), 'float32')
+        rt.conv2d(conv1_1_relu, T['conv1_2_W'], T['conv1_2_B'], out=conv1_2, pad=1, stride=1, workspace=mem.workspace(128680960))
+        # free conv1_1, conv1_1_relu
+        del conv1_1, conv1_1_relu
+        mem.free(1)
+
+        # ---- conv1_2_relu (relu), forward ----
+        # conv1_2_relu = Max(0, conv1_2)
+        conv1_2_relu = conv1_2  # in place: over conv1_2
+        rt.ew(ew_relu, conv1_2_relu, conv1_2)
+
+        # ---- conv1_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv1_2_max_pool = max_pool[kernel=2,stride=2](conv1_2_relu)
+        conv1_2_max_pool = mem.tensor(3, (64, 64, 112, 112), 'float32')
+        rt.max_pool(conv1_2_relu, out=conv1_2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv1_2, conv1_2_relu
+        del conv1_2, conv1_2_relu
+        mem.free(2)
+
+        # ---- conv2_1 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_1 = conv2d[pad=1](conv1_2_max_pool, conv2_1_W, conv2_1_B)
+        conv2_1 = mem.tensor(4, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv1_2_max_pool, T['conv2_1_W'], T['conv2_1_B'], out=conv2_1, pad=1, stride=1, workspace=mem.workspace(32228352))
+        # free conv1_2_max_pool
+        del conv1_2_max_pool
+        mem.free(3)
+
+        # ---- conv2_1_relu (relu), forward ----
+        # conv2_1_relu = Max(0, conv2_1)
+        conv2_1_relu = conv2_1  # in place: over conv2_1
+        rt.ew(ew_relu, conv2_1_relu, conv2_1)
+
+        # ---- conv2_2 (conv 3x3, 128 channels, stride 1, padding 1), forward ----
+        # conv2_2 = conv2d[pad=1](conv2_1_relu, conv2_2_W, conv2_2_B)
+        conv2_2 = mem.tensor(5, (64, 128, 112, 112), 'float32')
+        rt.conv2d(conv2_1_relu, T['conv2_2_W'], T['conv2_2_B'], out=conv2_2, pad=1, stride=1, workspace=mem.workspace(64456704))
+        # free conv2_1, conv2_1_relu
+        del conv2_1, conv2_1_relu
+        mem.free(4)
+
+        # ---- conv2_2_relu (relu), forward ----
+        # conv2_2_relu = Max(0, conv2_2)
+        conv2_2_relu = conv2_2  # in place: over conv2_2
+        rt.ew(ew_relu, conv2_2_relu, conv2_2)
+
+        # ---- conv2_2_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv2_2_max_pool = max_pool[kernel=2,stride=2](conv2_2_relu)
+        conv2_2_max_pool = mem.tensor(6, (64, 128, 56, 56), 'float32')
+        rt.max_pool(conv2_2_relu, out=conv2_2_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv2_2, conv2_2_relu
+        del conv2_2, conv2_2_relu
+        mem.free(5)
+
+        # ---- conv3_1 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_1 = conv2d[pad=1](conv2_2_max_pool, conv3_1_W, conv3_1_B)
+        conv3_1 = mem.tensor(7, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv2_2_max_pool, T['conv3_1_W'], T['conv3_1_B'], out=conv3_1, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv2_2_max_pool
+        del conv2_2_max_pool
+        mem.free(6)
+
+        # ---- conv3_1_relu (relu), forward ----
+        # conv3_1_relu = Max(0, conv3_1)
+        conv3_1_relu = conv3_1  # in place: over conv3_1
+        rt.ew(ew_relu, conv3_1_relu, conv3_1)
+
+        # ---- conv3_2 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_2 = conv2d[pad=1](conv3_1_relu, conv3_2_W, conv3_2_B)
+        conv3_2 = mem.tensor(8, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_1_relu, T['conv3_2_W'], T['conv3_2_B'], out=conv3_2, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv3_1, conv3_1_relu
+        del conv3_1, conv3_1_relu
+        mem.free(7)
+
+        # ---- conv3_2_relu (relu), forward ----
+        # conv3_2_relu = Max(0, conv3_2)
+        conv3_2_relu = conv3_2  # in place: over conv3_2
+        rt.ew(ew_relu, conv3_2_relu, conv3_2)
+
+        # ---- conv3_3 (conv 3x3, 256 channels, stride 1, padding 1), forward ----
+        # conv3_3 = conv2d[pad=1](conv3_2_relu, conv3_3_W, conv3_3_B)
+        conv3_3 = mem.tensor(9, (64, 256, 56, 56), 'float32')
+        rt.conv2d(conv3_2_relu, T['conv3_3_W'], T['conv3_3_B'], out=conv3_3, pad=1, stride=1, workspace=mem.workspace(32346112))
+        # free conv3_2, conv3_2_relu
+        del conv3_2, conv3_2_relu
+        mem.free(8)
+
+        # ---- conv3_3_relu (relu), forward ----
+        # conv3_3_relu = Max(0, conv3_3)
+        conv3_3_relu = conv3_3  # in place: over conv3_3
+        rt.ew(ew_relu, conv3_3_relu, conv3_3)
+
+        # ---- conv3_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv3_3_max_pool = max_pool[kernel=2,stride=2](conv3_3_relu)
+        conv3_3_max_pool = mem.tensor(10, (64, 256, 28, 28), 'float32')
+        rt.max_pool(conv3_3_relu, out=conv3_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv3_3, conv3_3_relu
+        del conv3_3, conv3_3_relu
+        mem.free(9)
+
+        # ---- conv4_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_1 = conv2d[pad=1](conv3_3_max_pool, conv4_1_W, conv4_1_B)
+        conv4_1 = mem.tensor(11, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv3_3_max_pool, T['conv4_1_W'], T['conv4_1_B'], out=conv4_1, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv3_3_max_pool
+        del conv3_3_max_pool
+        mem.free(10)
+
+        # ---- conv4_1_relu (relu), forward ----
+        # conv4_1_relu = Max(0, conv4_1)
+        conv4_1_relu = conv4_1  # in place: over conv4_1
+        rt.ew(ew_relu, conv4_1_relu, conv4_1)
+
+        # ---- conv4_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_2 = conv2d[pad=1](conv4_1_relu, conv4_2_W, conv4_2_B)
+        conv4_2 = mem.tensor(12, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_1_relu, T['conv4_2_W'], T['conv4_2_B'], out=conv4_2, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv4_1, conv4_1_relu
+        del conv4_1, conv4_1_relu
+        mem.free(11)
+
+        # ---- conv4_2_relu (relu), forward ----
+        # conv4_2_relu = Max(0, conv4_2)
+        conv4_2_relu = conv4_2  # in place: over conv4_2
+        rt.ew(ew_relu, conv4_2_relu, conv4_2)
+
+        # ---- conv4_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv4_3 = conv2d[pad=1](conv4_2_relu, conv4_3_W, conv4_3_B)
+        conv4_3 = mem.tensor(13, (64, 512, 28, 28), 'float32')
+        rt.conv2d(conv4_2_relu, T['conv4_3_W'], T['conv4_3_B'], out=conv4_3, pad=1, stride=1, workspace=mem.workspace(32587776))
+        # free conv4_2, conv4_2_relu
+        del conv4_2, conv4_2_relu
+        mem.free(12)
+
+        # ---- conv4_3_relu (relu), forward ----
+        # conv4_3_relu = Max(0, conv4_3)
+        conv4_3_relu = conv4_3  # in place: over conv4_3
+        rt.ew(ew_relu, conv4_3_relu, conv4_3)
+
+        # ---- conv4_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv4_3_max_pool = max_pool[kernel=2,stride=2](conv4_3_relu)
+        conv4_3_max_pool = mem.tensor(14, (64, 512, 14, 14), 'float32')
+        rt.max_pool(conv4_3_relu, out=conv4_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv4_3, conv4_3_relu
+        del conv4_3, conv4_3_relu
+        mem.free(13)
+
+        # ---- conv5_1 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_1 = conv2d[pad=1](conv4_3_max_pool, conv5_1_W, conv5_1_B)
+        conv5_1 = mem.tensor(15, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv4_3_max_pool, T['conv5_1_W'], T['conv5_1_B'], out=conv5_1, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv4_3_max_pool
+        del conv4_3_max_pool
+        mem.free(14)
+
+        # ---- conv5_1_relu (relu), forward ----
+        # conv5_1_relu = Max(0, conv5_1)
+        conv5_1_relu = conv5_1  # in place: over conv5_1
+        rt.ew(ew_relu, conv5_1_relu, conv5_1)
+
+        # ---- conv5_2 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_2 = conv2d[pad=1](conv5_1_relu, conv5_2_W, conv5_2_B)
+        conv5_2 = mem.tensor(16, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_1_relu, T['conv5_2_W'], T['conv5_2_B'], out=conv5_2, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv5_1, conv5_1_relu
+        del conv5_1, conv5_1_relu
+        mem.free(15)
+
+        # ---- conv5_2_relu (relu), forward ----
+        # conv5_2_relu = Max(0, conv5_2)
+        conv5_2_relu = conv5_2  # in place: over conv5_2
+        rt.ew(ew_relu, conv5_2_relu, conv5_2)
+
+        # ---- conv5_3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
+        # conv5_3 = conv2d[pad=1](conv5_2_relu, conv5_3_W, conv5_3_B)
+        conv5_3 = mem.tensor(17, (64, 512, 14, 14), 'float32')
+        rt.conv2d(conv5_2_relu, T['conv5_3_W'], T['conv5_3_B'], out=conv5_3, pad=1, stride=1, workspace=mem.workspace(33095680))
+        # free conv5_2, conv5_2_relu
+        del conv5_2, conv5_2_relu
+        mem.free(16)
+
+        # ---- conv5_3_relu (relu), forward ----
+        # conv5_3_relu = Max(0, conv5_3)
+        conv5_3_relu = conv5_3  # in place: over conv5_3
+        rt.ew(ew_relu, conv5_3_relu, conv5_3)
+
+        # ---- conv5_3_max_pool (max pooling 2x2, stride 2, padding 0), forward ----
+        # conv5_3_max_pool = max_pool[kernel=2,stride=2](conv5_3_relu)
+        conv5_3_max_pool = mem.tensor(18, (64, 512, 7, 7), 'float32')
+        rt.max_pool(conv5_3_relu, out=conv5_3_max_pool, ceil=False, kernel=2, pad=0, stride=2)
+        # free conv5_3, conv5_3_relu
+        del conv5_3, conv5_3_relu
+        mem.free(17)
+
+        # ---- conv5_3_flatten (flatten), forward ----
+        # conv5_3_flatten = reshape[64x25088](conv5_3_max_pool)
+        conv5_3_flatten = rt.reshape(conv5_3_max_pool, shape=(64, 25088))
+
+        # ---- fc6 (fully connected, 4096 outputs), forward ----
+        # fc6_matmul = matmul[tb](conv5_3_flatten, fc6_W)
+        fc6_matmul = mem.tensor(19, (64, 4096), 'float32')
+        rt.matmul(conv5_3_flatten, T['fc6_W'], out=fc6_matmul, tb=True)
+        # free conv5_3_max_pool, conv5_3_flatten
+        del conv5_3_max_pool, conv5_3_flatten
+        mem.free(18)
+
+        # ---- fc6_relu (relu), forward ----
+        # fc6_relu = Max(0, fc6_matmul + fc6_B)
+        fc6_relu = fc6_matmul  # in place: over fc6_matmul
+        rt.ew(ew_add_relu, fc6_relu, fc6_matmul, T['fc6_B'])
+
+        # ---- fc7 (fully connected, 4096 outputs), forward ----
+        # fc7_matmul = matmul[tb](fc6_relu, fc7_W)
+        fc7_matmul = mem.tensor(20, (64, 4096), 'float32')
+        rt.matmul(fc6_relu, T['fc7_W'], out=fc7_matmul, tb=True)
+        # free fc6_matmul, fc6_relu
+        del fc6_matmul, fc6_relu
+        mem.free(19)
+
+        # ---- fc7_relu (relu), forward ----
+        # fc7_relu = Max(0, fc7_matmul + fc7_B)
+        fc7_relu = fc7_matmul  # in place: over fc7_matmul
+        rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
+
+        # ---- fc8 (fully connected, 1000 outputs), forward ----
+        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
+        fc8_matmul = mem.tensor(21, (64, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # free fc7_matmul, fc7_relu
+        del fc7_matmul, fc7_relu
+        mem.free(20)
+        # fc8 = fc8_matmul + fc8_B
+        fc8 = fc8_matmul  # in place: over fc8_matmul
+        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(fc8)
+        probabilities = fc8  # in place: over fc8
+        rt.softmax(fc8, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -1561,8 +1831,35 @@ class Vgg16(rp.Model):
                 (1048576, 1048576),  # 21: fc7_matmul 64x4096 float32
                 (0, 256000),  # 22: fc8_matmul 64x1000 float32
                 (256000, 4),  # 23: fc8_precision scalar float32
-                (256256, 256),  # 24: fc8_cross_entropy_pick 64 float32
-                (0, 4),  # 25: fc8_cross_entropy_sum_to scalar float32
+                (256256, 256),  # 24: label_ranks 64 float32
+                (256512, 256),  # 25: fc8_cross_entropy_pick 64 float32
+                (0, 4),  # 26: fc8_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=1644167168, peak_bytes=1644167168, workspace_bytes=128680960, pool_bytes=1682702336,
+            buffers=(
+                (822083584, 38535168),  # 0: x 64x3x224x224 float32
+                (0, 822083584),  # 1: conv1_1 64x64x224x224 float32
+                (822083584, 822083584),  # 2: conv1_2 64x64x224x224 float32
+                (411041792, 205520896),  # 3: conv1_2_max_pool 64x64x112x112 float32
+                (0, 411041792),  # 4: conv2_1 64x128x112x112 float32
+                (411041792, 411041792),  # 5: conv2_2 64x128x112x112 float32
+                (205520896, 102760448),  # 6: conv2_2_max_pool 64x128x56x56 float32
+                (0, 205520896),  # 7: conv3_1 64x256x56x56 float32
+                (205520896, 205520896),  # 8: conv3_2 64x256x56x56 float32
+                (0, 205520896),  # 9: conv3_3 64x256x56x56 float32
+                (205520896, 51380224),  # 10: conv3_3_max_pool 64x256x28x28 float32
+                (0, 102760448),  # 11: conv4_1 64x512x28x28 float32
+                (102760448, 102760448),  # 12: conv4_2 64x512x28x28 float32
+                (0, 102760448),  # 13: conv4_3 64x512x28x28 float32
+                (102760448, 25690112),  # 14: conv4_3_max_pool 64x512x14x14 float32
+                (0, 25690112),  # 15: conv5_1 64x512x14x14 float32
+                (25690112, 25690112),  # 16: conv5_2 64x512x14x14 float32
+                (0, 25690112),  # 17: conv5_3 64x512x14x14 float32
+                (25690112, 6422528),  # 18: conv5_3_max_pool 64x512x7x7 float32
+                (0, 1048576),  # 19: fc6_matmul 64x4096 float32
+                (1048576, 1048576),  # 20: fc7_matmul 64x4096 float32
+                (0, 256000),  # 21: fc8_matmul 64x1000 float32
             )),
     }
 
@@ -1630,9 +1927,9 @@ def main(argv=None):
     """Train vgg16, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="vgg16.py", description="Train and test vgg16 (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=370000,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 370000; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=1000, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="constant",
@@ -1685,6 +1982,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -64,6 +64,7 @@ class Vit(rp.Model):
     batch_shape = (100, 1, 28, 28)
     classes = 10
     dataset = "digits"
+    defaults = {"iters": 600}         # what the command line's --iters is without --iters nor --epochs
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {
@@ -3347,7 +3348,7 @@ class Vit(rp.Model):
         return loss
 
     def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update)."""
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
         rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
         x = mem.load(0, x)
         y = mem.load(1, y)
@@ -4253,29 +4254,944 @@ class Vit(rp.Model):
         head_precision = mem.tensor(84, (), 'float32')
         rt.precision(head, y, out=head_precision)
 
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(head, y)
+        label_ranks = mem.tensor(85, (100,), 'float32')
+        rt.label_rank(head, y, out=label_ranks)
+
         # ---- head_cross_entropy (cross_entropy), forward ----
         # head_cross_entropy_log_softmax = log_softmax(head)
         head_cross_entropy_log_softmax = head  # in place: over head
         rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(85, (100,), 'float32')
+        head_cross_entropy_pick = mem.tensor(86, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
         # free y, head_matmul, head, head_cross_entropy_log_softmax
         del y, head_matmul, head, head_cross_entropy_log_softmax
         mem.free(1, 83)
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(86, (), 'float32')
+        head_cross_entropy_sum_to = mem.tensor(87, (), 'float32')
         rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
         # free head_cross_entropy_pick
         del head_cross_entropy_pick
-        mem.free(85)
+        mem.free(86)
         # head_cross_entropy = -head_cross_entropy_sum_to/100
         head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
         rt.ew(ew_scale_4, head_cross_entropy, head_cross_entropy_sum_to)
         accuracy = rt.scalar(head_precision)
         loss = rt.scalar(head_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
         mem.end()
-        return accuracy, loss
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
+        # patch = conv2d[stride=7](x, patch_W, patch_B)
+        patch = mem.tensor(1, (100, 64, 4, 4), 'float32')
+        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_reshape = reshape[100x64x16](patch)
+        block1_ln2_reshape = rt.reshape(patch, shape=(100, 64, 16))
+        # block1_ln2_transpose = transpose[axes=(1,2)](block1_ln2_reshape)
+        block1_ln2_transpose = mem.tensor(2, (100, 16, 64), 'float32')
+        rt.transpose(block1_ln2_reshape, out=block1_ln2_transpose, axes=(1, 2))
+        # free patch, block1_ln2_reshape
+        del patch, block1_ln2_reshape
+        mem.free(1)
+        # block1_ln2_add = block1_ln2_transpose + pos
+        block1_ln2_add = block1_ln2_transpose  # in place: over block1_ln2_transpose
+        rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1_sum_to = sum_to[100x16x1](block1_ln2_add)
+        block1_ln1_sum_to = mem.tensor(3, (100, 16, 1), 'float32')
+        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(100, 16, 1))
+        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
+        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
+        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
+        block1_ln1_sub = mem.tensor(4, (100, 16, 64), 'float32')
+        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(5, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block1_ln1_sum_to, block1_ln1_scale
+        del block1_ln1_sum_to, block1_ln1_scale
+        mem.free(3)
+        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
+        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
+        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
+        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
+        rt.ew(ew_mul_add_4, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
+        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
+        del block1_ln1_sum_to_2, block1_ln1_rsqrt
+        mem.free(5)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(6, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
+        block1_attn_out_transpose = mem.tensor(7, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        mem.free(6)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(8, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
+        softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # softmax_transpose = transpose[axes=(1,2)](softmax_reshape)
+        softmax_transpose = mem.tensor(9, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape, out=softmax_transpose, axes=(1, 2))
+        # free block1_attn_k_matmul, softmax_reshape
+        del block1_attn_k_matmul, softmax_reshape
+        mem.free(8)
+        # softmax_transpose_2 = transpose[axes=(2,3)](softmax_transpose)
+        softmax_transpose_2 = mem.tensor(10, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_transpose, out=softmax_transpose_2, axes=(2, 3))
+        # free softmax_transpose
+        del softmax_transpose
+        mem.free(9)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(11, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        mem.free(4)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
+        softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # softmax_transpose_3 = transpose[axes=(1,2)](softmax_reshape_2)
+        softmax_transpose_3 = mem.tensor(12, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_2, out=softmax_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
+        del block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
+        mem.free(11)
+        # softmax_matmul = matmul(softmax_transpose_3, softmax_transpose_2)
+        softmax_matmul = mem.tensor(13, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_transpose_3, softmax_transpose_2, out=softmax_matmul)
+        # free softmax_transpose_2, softmax_transpose_3
+        del softmax_transpose_2, softmax_transpose_3
+        mem.free(10, 12)
+        # softmax_scale = 0.25*softmax_matmul
+        softmax_scale = softmax_matmul  # in place: over softmax_matmul
+        rt.ew(ew_scale_2, softmax_scale, softmax_matmul)
+        # softmax_reshape_3 = reshape[6400x16](softmax_scale)
+        softmax_reshape_3 = rt.reshape(softmax_scale, shape=(6400, 16))
+        # softmax_softmax = softmax(softmax_reshape_3)
+        softmax_softmax = softmax_reshape_3  # in place: over softmax_reshape_3
+        rt.softmax(softmax_reshape_3, out=softmax_softmax)
+        # softmax = reshape[100x4x16x16](softmax_softmax)
+        softmax = rt.reshape(softmax_softmax, shape=(100, 4, 16, 16))
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_matmul = matmul(softmax, block1_attn_out_transpose)
+        block1_attn_out_matmul = mem.tensor(14, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
+        # free block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
+        del block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
+        mem.free(7, 13)
+        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
+        block1_attn_out_transpose_2 = mem.tensor(15, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
+        # free block1_attn_out_matmul
+        del block1_attn_out_matmul
+        mem.free(14)
+        # block1_attn_out_reshape_2 = reshape[1600x64](block1_attn_out_transpose_2)
+        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(1600, 64))
+        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
+        block1_attn_out_matmul_2 = mem.tensor(16, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
+        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        mem.free(15)
+        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
+        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        mem.free(16)
+        # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
+        block1_ln2_sum_to = mem.tensor(17, (100, 16, 1), 'float32')
+        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
+        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
+        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
+        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
+        block1_ln2_sub = mem.tensor(18, (100, 16, 64), 'float32')
+        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(19, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block1_ln2_sum_to, block1_ln2_scale
+        del block1_ln2_sum_to, block1_ln2_scale
+        mem.free(17)
+        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
+        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
+        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
+        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
+        rt.ew(ew_mul_add_4, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
+        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
+        del block1_ln2_sum_to_2, block1_ln2_rsqrt
+        mem.free(19)
+
+        # ---- block1_fc1 (fully connected, 128 outputs), forward ----
+        # block1_fc1_reshape = reshape[1600x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(20, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        mem.free(18)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[100x16x128](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(21, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        mem.free(20)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[100x16x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
+        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        mem.free(21)
+        # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
+        block2_ln1_sum_to = mem.tensor(22, (100, 16, 1), 'float32')
+        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
+        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
+        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
+        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
+        block2_ln1_sub = mem.tensor(23, (100, 16, 64), 'float32')
+        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(24, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block2_ln1_sum_to, block2_ln1_scale
+        del block2_ln1_sum_to, block2_ln1_scale
+        mem.free(22)
+        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
+        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
+        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
+        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
+        rt.ew(ew_mul_add_4, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
+        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
+        del block2_ln1_sum_to_2, block2_ln1_rsqrt
+        mem.free(24)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(25, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
+        block2_attn_out_transpose = mem.tensor(26, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        mem.free(25)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(27, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_4 = reshape[100x16x4x16](block2_attn_k_matmul)
+        softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # softmax_transpose_4 = transpose[axes=(1,2)](softmax_reshape_4)
+        softmax_transpose_4 = mem.tensor(28, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_4, out=softmax_transpose_4, axes=(1, 2))
+        # free block2_attn_k_matmul, softmax_reshape_4
+        del block2_attn_k_matmul, softmax_reshape_4
+        mem.free(27)
+        # softmax_transpose_5 = transpose[axes=(2,3)](softmax_transpose_4)
+        softmax_transpose_5 = mem.tensor(29, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_transpose_4, out=softmax_transpose_5, axes=(2, 3))
+        # free softmax_transpose_4
+        del softmax_transpose_4
+        mem.free(28)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(30, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        mem.free(23)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_5 = reshape[100x16x4x16](block2_attn_q_add)
+        softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # softmax_transpose_6 = transpose[axes=(1,2)](softmax_reshape_5)
+        softmax_transpose_6 = mem.tensor(31, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_5, out=softmax_transpose_6, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
+        del block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
+        mem.free(30)
+        # softmax_matmul_2 = matmul(softmax_transpose_6, softmax_transpose_5)
+        softmax_matmul_2 = mem.tensor(32, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_transpose_6, softmax_transpose_5, out=softmax_matmul_2)
+        # free softmax_transpose_5, softmax_transpose_6
+        del softmax_transpose_5, softmax_transpose_6
+        mem.free(29, 31)
+        # softmax_scale_2 = 0.25*softmax_matmul_2
+        softmax_scale_2 = softmax_matmul_2  # in place: over softmax_matmul_2
+        rt.ew(ew_scale_2, softmax_scale_2, softmax_matmul_2)
+        # softmax_reshape_6 = reshape[6400x16](softmax_scale_2)
+        softmax_reshape_6 = rt.reshape(softmax_scale_2, shape=(6400, 16))
+        # softmax_softmax_2 = softmax(softmax_reshape_6)
+        softmax_softmax_2 = softmax_reshape_6  # in place: over softmax_reshape_6
+        rt.softmax(softmax_reshape_6, out=softmax_softmax_2)
+        # softmax_2 = reshape[100x4x16x16](softmax_softmax_2)
+        softmax_2 = rt.reshape(softmax_softmax_2, shape=(100, 4, 16, 16))
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_matmul = matmul(softmax_2, block2_attn_out_transpose)
+        block2_attn_out_matmul = mem.tensor(33, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
+        # free block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
+        del block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
+        mem.free(26, 32)
+        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
+        block2_attn_out_transpose_2 = mem.tensor(34, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
+        # free block2_attn_out_matmul
+        del block2_attn_out_matmul
+        mem.free(33)
+        # block2_attn_out_reshape_2 = reshape[1600x64](block2_attn_out_transpose_2)
+        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(1600, 64))
+        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
+        block2_attn_out_matmul_2 = mem.tensor(35, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
+        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        mem.free(34)
+        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
+        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        mem.free(35)
+        # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
+        block2_ln2_sum_to = mem.tensor(36, (100, 16, 1), 'float32')
+        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
+        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
+        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
+        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
+        block2_ln2_sub = mem.tensor(37, (100, 16, 64), 'float32')
+        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(38, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block2_ln2_sum_to, block2_ln2_scale
+        del block2_ln2_sum_to, block2_ln2_scale
+        mem.free(36)
+        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
+        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
+        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
+        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
+        rt.ew(ew_mul_add_4, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
+        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
+        del block2_ln2_sum_to_2, block2_ln2_rsqrt
+        mem.free(38)
+
+        # ---- block2_fc1 (fully connected, 128 outputs), forward ----
+        # block2_fc1_reshape = reshape[1600x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(39, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        mem.free(37)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[100x16x128](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(40, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        mem.free(39)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[100x16x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
+        # block3_ln1_add = block2_ln2_add + block2_fc2
+        block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
+        rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        mem.free(40)
+        # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
+        block3_ln1_sum_to = mem.tensor(41, (100, 16, 1), 'float32')
+        rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
+        # block3_ln1_scale = 0.015625*block3_ln1_sum_to
+        block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
+        rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
+        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
+        block3_ln1_sub = mem.tensor(42, (100, 16, 64), 'float32')
+        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
+        block3_ln1_sum_to_2 = mem.tensor(43, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
+                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block3_ln1_sum_to, block3_ln1_scale
+        del block3_ln1_sum_to, block3_ln1_scale
+        mem.free(41)
+        # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
+        block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
+        # block3_ln1 = block3_ln1_sub*block3_ln1_rsqrt*block3_ln1_W + block3_ln1_B
+        block3_ln1 = block3_ln1_sub  # in place: over block3_ln1_sub
+        rt.ew(ew_mul_add_4, block3_ln1, block3_ln1_sub, block3_ln1_rsqrt, T['block3_ln1_W'], T['block3_ln1_B'])
+        # free block3_ln1_sum_to_2, block3_ln1_rsqrt
+        del block3_ln1_sum_to_2, block3_ln1_rsqrt
+        mem.free(43)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
+        block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), forward ----
+        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
+        block3_attn_v_matmul = mem.tensor(44, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
+        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
+        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
+        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+
+        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
+        # block3_attn_out_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_out_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn_out_reshape)
+        block3_attn_out_transpose = mem.tensor(45, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_out_reshape, out=block3_attn_out_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
+        mem.free(44)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), forward ----
+        # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
+        block3_attn_k_matmul = mem.tensor(46, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_7 = reshape[100x16x4x16](block3_attn_k_matmul)
+        softmax_reshape_7 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # softmax_transpose_7 = transpose[axes=(1,2)](softmax_reshape_7)
+        softmax_transpose_7 = mem.tensor(47, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_7, out=softmax_transpose_7, axes=(1, 2))
+        # free block3_attn_k_matmul, softmax_reshape_7
+        del block3_attn_k_matmul, softmax_reshape_7
+        mem.free(46)
+        # softmax_transpose_8 = transpose[axes=(2,3)](softmax_transpose_7)
+        softmax_transpose_8 = mem.tensor(48, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_transpose_7, out=softmax_transpose_8, axes=(2, 3))
+        # free softmax_transpose_7
+        del softmax_transpose_7
+        mem.free(47)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
+        block3_attn_q_matmul = mem.tensor(49, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
+        # free block3_ln1_sub, block3_ln1, block3_attn_q_reshape
+        del block3_ln1_sub, block3_ln1, block3_attn_q_reshape
+        mem.free(42)
+        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
+        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
+        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_8 = reshape[100x16x4x16](block3_attn_q_add)
+        softmax_reshape_8 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # softmax_transpose_9 = transpose[axes=(1,2)](softmax_reshape_8)
+        softmax_transpose_9 = mem.tensor(50, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_8, out=softmax_transpose_9, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
+        del block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
+        mem.free(49)
+        # softmax_matmul_3 = matmul(softmax_transpose_9, softmax_transpose_8)
+        softmax_matmul_3 = mem.tensor(51, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_transpose_9, softmax_transpose_8, out=softmax_matmul_3)
+        # free softmax_transpose_8, softmax_transpose_9
+        del softmax_transpose_8, softmax_transpose_9
+        mem.free(48, 50)
+        # softmax_scale_3 = 0.25*softmax_matmul_3
+        softmax_scale_3 = softmax_matmul_3  # in place: over softmax_matmul_3
+        rt.ew(ew_scale_2, softmax_scale_3, softmax_matmul_3)
+        # softmax_reshape_9 = reshape[6400x16](softmax_scale_3)
+        softmax_reshape_9 = rt.reshape(softmax_scale_3, shape=(6400, 16))
+        # softmax_softmax_3 = softmax(softmax_reshape_9)
+        softmax_softmax_3 = softmax_reshape_9  # in place: over softmax_reshape_9
+        rt.softmax(softmax_reshape_9, out=softmax_softmax_3)
+        # softmax_3 = reshape[100x4x16x16](softmax_softmax_3)
+        softmax_3 = rt.reshape(softmax_softmax_3, shape=(100, 4, 16, 16))
+
+        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
+        # block3_attn_out_matmul = matmul(softmax_3, block3_attn_out_transpose)
+        block3_attn_out_matmul = mem.tensor(52, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_3, block3_attn_out_transpose, out=block3_attn_out_matmul)
+        # free block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
+        del block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
+        mem.free(45, 51)
+        # block3_attn_out_transpose_2 = transpose[axes=(1,2)](block3_attn_out_matmul)
+        block3_attn_out_transpose_2 = mem.tensor(53, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn_out_matmul, out=block3_attn_out_transpose_2, axes=(1, 2))
+        # free block3_attn_out_matmul
+        del block3_attn_out_matmul
+        mem.free(52)
+        # block3_attn_out_reshape_2 = reshape[1600x64](block3_attn_out_transpose_2)
+        block3_attn_out_reshape_2 = rt.reshape(block3_attn_out_transpose_2, shape=(1600, 64))
+        # block3_attn_out_matmul_2 = matmul[tb](block3_attn_out_reshape_2, block3_attn_out_W)
+        block3_attn_out_matmul_2 = mem.tensor(54, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape_2, T['block3_attn_out_W'], out=block3_attn_out_matmul_2, tb=True)
+        # free block3_attn_out_transpose_2, block3_attn_out_reshape_2
+        del block3_attn_out_transpose_2, block3_attn_out_reshape_2
+        mem.free(53)
+        # block3_attn_out_add = block3_attn_out_matmul_2 + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul_2  # in place: over block3_attn_out_matmul_2
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul_2, T['block3_attn_out_B'])
+        # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
+        block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
+        # block3_ln2_add = block3_ln1_add + block3_attn_out
+        block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
+        rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
+        # free block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
+        del block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
+        mem.free(54)
+        # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
+        block3_ln2_sum_to = mem.tensor(55, (100, 16, 1), 'float32')
+        rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
+        # block3_ln2_scale = 0.015625*block3_ln2_sum_to
+        block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
+        rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
+        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
+        block3_ln2_sub = mem.tensor(56, (100, 16, 64), 'float32')
+        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
+        block3_ln2_sum_to_2 = mem.tensor(57, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
+                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block3_ln2_sum_to, block3_ln2_scale
+        del block3_ln2_sum_to, block3_ln2_scale
+        mem.free(55)
+        # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
+        block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
+        # block3_ln2 = block3_ln2_sub*block3_ln2_rsqrt*block3_ln2_W + block3_ln2_B
+        block3_ln2 = block3_ln2_sub  # in place: over block3_ln2_sub
+        rt.ew(ew_mul_add_4, block3_ln2, block3_ln2_sub, block3_ln2_rsqrt, T['block3_ln2_W'], T['block3_ln2_B'])
+        # free block3_ln2_sum_to_2, block3_ln2_rsqrt
+        del block3_ln2_sum_to_2, block3_ln2_rsqrt
+        mem.free(57)
+
+        # ---- block3_fc1 (fully connected, 128 outputs), forward ----
+        # block3_fc1_reshape = reshape[1600x64](block3_ln2)
+        block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
+        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
+        block3_fc1_matmul = mem.tensor(58, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
+        # free block3_ln2_sub, block3_ln2, block3_fc1_reshape
+        del block3_ln2_sub, block3_ln2, block3_fc1_reshape
+        mem.free(56)
+        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
+        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
+        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
+        # block3_fc1 = reshape[100x16x128](block3_fc1_add)
+        block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
+
+        # ---- block3_fc1_gelu (gelu), forward ----
+        # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
+        block3_fc1_gelu = block3_fc1  # in place: over block3_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block3_fc1_gelu, block3_fc1)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), forward ----
+        # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
+        block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
+        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
+        block3_fc2_matmul = mem.tensor(59, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
+        # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        mem.free(58)
+        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
+        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
+        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
+        # block3_fc2 = reshape[100x16x64](block3_fc2_add)
+        block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
+        # block4_ln1_add = block3_ln2_add + block3_fc2
+        block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
+        rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
+        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
+        del block3_fc2_matmul, block3_fc2_add, block3_fc2
+        mem.free(59)
+        # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
+        block4_ln1_sum_to = mem.tensor(60, (100, 16, 1), 'float32')
+        rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
+        # block4_ln1_scale = 0.015625*block4_ln1_sum_to
+        block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
+        rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
+        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
+        block4_ln1_sub = mem.tensor(61, (100, 16, 64), 'float32')
+        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
+        block4_ln1_sum_to_2 = mem.tensor(62, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
+                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block4_ln1_sum_to, block4_ln1_scale
+        del block4_ln1_sum_to, block4_ln1_scale
+        mem.free(60)
+        # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
+        block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
+        # block4_ln1 = block4_ln1_sub*block4_ln1_rsqrt*block4_ln1_W + block4_ln1_B
+        block4_ln1 = block4_ln1_sub  # in place: over block4_ln1_sub
+        rt.ew(ew_mul_add_4, block4_ln1, block4_ln1_sub, block4_ln1_rsqrt, T['block4_ln1_W'], T['block4_ln1_B'])
+        # free block4_ln1_sum_to_2, block4_ln1_rsqrt
+        del block4_ln1_sum_to_2, block4_ln1_rsqrt
+        mem.free(62)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
+        block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), forward ----
+        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
+        block4_attn_v_matmul = mem.tensor(63, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
+        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
+        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
+        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+
+        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
+        # block4_attn_out_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_out_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn_out_reshape)
+        block4_attn_out_transpose = mem.tensor(64, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_out_reshape, out=block4_attn_out_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
+        mem.free(63)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), forward ----
+        # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
+        block4_attn_k_matmul = mem.tensor(65, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_10 = reshape[100x16x4x16](block4_attn_k_matmul)
+        softmax_reshape_10 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # softmax_transpose_10 = transpose[axes=(1,2)](softmax_reshape_10)
+        softmax_transpose_10 = mem.tensor(66, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_10, out=softmax_transpose_10, axes=(1, 2))
+        # free block4_attn_k_matmul, softmax_reshape_10
+        del block4_attn_k_matmul, softmax_reshape_10
+        mem.free(65)
+        # softmax_transpose_11 = transpose[axes=(2,3)](softmax_transpose_10)
+        softmax_transpose_11 = mem.tensor(67, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_transpose_10, out=softmax_transpose_11, axes=(2, 3))
+        # free softmax_transpose_10
+        del softmax_transpose_10
+        mem.free(66)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
+        block4_attn_q_matmul = mem.tensor(68, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
+        # free block4_ln1_sub, block4_ln1, block4_attn_q_reshape
+        del block4_ln1_sub, block4_ln1, block4_attn_q_reshape
+        mem.free(61)
+        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
+        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
+        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
+
+        # ---- softmax (softmax), forward ----
+        # softmax_reshape_11 = reshape[100x16x4x16](block4_attn_q_add)
+        softmax_reshape_11 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # softmax_transpose_12 = transpose[axes=(1,2)](softmax_reshape_11)
+        softmax_transpose_12 = mem.tensor(69, (100, 4, 16, 16), 'float32')
+        rt.transpose(softmax_reshape_11, out=softmax_transpose_12, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
+        del block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
+        mem.free(68)
+        # softmax_matmul_4 = matmul(softmax_transpose_12, softmax_transpose_11)
+        softmax_matmul_4 = mem.tensor(70, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_transpose_12, softmax_transpose_11, out=softmax_matmul_4)
+        # free softmax_transpose_11, softmax_transpose_12
+        del softmax_transpose_11, softmax_transpose_12
+        mem.free(67, 69)
+        # softmax_scale_4 = 0.25*softmax_matmul_4
+        softmax_scale_4 = softmax_matmul_4  # in place: over softmax_matmul_4
+        rt.ew(ew_scale_2, softmax_scale_4, softmax_matmul_4)
+        # softmax_reshape_12 = reshape[6400x16](softmax_scale_4)
+        softmax_reshape_12 = rt.reshape(softmax_scale_4, shape=(6400, 16))
+        # softmax_softmax_4 = softmax(softmax_reshape_12)
+        softmax_softmax_4 = softmax_reshape_12  # in place: over softmax_reshape_12
+        rt.softmax(softmax_reshape_12, out=softmax_softmax_4)
+        # softmax_4 = reshape[100x4x16x16](softmax_softmax_4)
+        softmax_4 = rt.reshape(softmax_softmax_4, shape=(100, 4, 16, 16))
+
+        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
+        # block4_attn_out_matmul = matmul(softmax_4, block4_attn_out_transpose)
+        block4_attn_out_matmul = mem.tensor(71, (100, 4, 16, 16), 'float32')
+        rt.matmul(softmax_4, block4_attn_out_transpose, out=block4_attn_out_matmul)
+        # free block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
+        del block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
+        mem.free(64, 70)
+        # block4_attn_out_transpose_2 = transpose[axes=(1,2)](block4_attn_out_matmul)
+        block4_attn_out_transpose_2 = mem.tensor(72, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn_out_matmul, out=block4_attn_out_transpose_2, axes=(1, 2))
+        # free block4_attn_out_matmul
+        del block4_attn_out_matmul
+        mem.free(71)
+        # block4_attn_out_reshape_2 = reshape[1600x64](block4_attn_out_transpose_2)
+        block4_attn_out_reshape_2 = rt.reshape(block4_attn_out_transpose_2, shape=(1600, 64))
+        # block4_attn_out_matmul_2 = matmul[tb](block4_attn_out_reshape_2, block4_attn_out_W)
+        block4_attn_out_matmul_2 = mem.tensor(73, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape_2, T['block4_attn_out_W'], out=block4_attn_out_matmul_2, tb=True)
+        # free block4_attn_out_transpose_2, block4_attn_out_reshape_2
+        del block4_attn_out_transpose_2, block4_attn_out_reshape_2
+        mem.free(72)
+        # block4_attn_out_add = block4_attn_out_matmul_2 + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul_2  # in place: over block4_attn_out_matmul_2
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul_2, T['block4_attn_out_B'])
+        # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
+        block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
+        # block4_ln2_add = block4_ln1_add + block4_attn_out
+        block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
+        rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
+        # free block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
+        del block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
+        mem.free(73)
+        # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
+        block4_ln2_sum_to = mem.tensor(74, (100, 16, 1), 'float32')
+        rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
+        # block4_ln2_scale = 0.015625*block4_ln2_sum_to
+        block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
+        rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
+        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
+        block4_ln2_sub = mem.tensor(75, (100, 16, 64), 'float32')
+        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
+        block4_ln2_sum_to_2 = mem.tensor(76, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
+                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free block4_ln2_sum_to, block4_ln2_scale
+        del block4_ln2_sum_to, block4_ln2_scale
+        mem.free(74)
+        # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
+        block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
+        # block4_ln2 = block4_ln2_sub*block4_ln2_rsqrt*block4_ln2_W + block4_ln2_B
+        block4_ln2 = block4_ln2_sub  # in place: over block4_ln2_sub
+        rt.ew(ew_mul_add_4, block4_ln2, block4_ln2_sub, block4_ln2_rsqrt, T['block4_ln2_W'], T['block4_ln2_B'])
+        # free block4_ln2_sum_to_2, block4_ln2_rsqrt
+        del block4_ln2_sum_to_2, block4_ln2_rsqrt
+        mem.free(76)
+
+        # ---- block4_fc1 (fully connected, 128 outputs), forward ----
+        # block4_fc1_reshape = reshape[1600x64](block4_ln2)
+        block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
+        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
+        block4_fc1_matmul = mem.tensor(77, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
+        # free block4_ln2_sub, block4_ln2, block4_fc1_reshape
+        del block4_ln2_sub, block4_ln2, block4_fc1_reshape
+        mem.free(75)
+        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
+        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
+        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
+        # block4_fc1 = reshape[100x16x128](block4_fc1_add)
+        block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
+
+        # ---- block4_fc1_gelu (gelu), forward ----
+        # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
+        block4_fc1_gelu = block4_fc1  # in place: over block4_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block4_fc1_gelu, block4_fc1)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), forward ----
+        # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
+        block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
+        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
+        block4_fc2_matmul = mem.tensor(78, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
+        # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        mem.free(77)
+        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
+        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
+        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
+        # block4_fc2 = reshape[100x16x64](block4_fc2_add)
+        block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block4_ln2_add + block4_fc2
+        ln_add = block4_ln2_add  # in place: over block4_ln2_add
+        rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
+        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
+        del block4_fc2_matmul, block4_fc2_add, block4_fc2
+        mem.free(78)
+        # ln_sum_to = sum_to[100x16x1](ln_add)
+        ln_sum_to = mem.tensor(79, (100, 16, 1), 'float32')
+        rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
+        # ln_scale = 0.015625*ln_sum_to
+        ln_scale = ln_sum_to  # in place: over ln_sum_to
+        rt.ew(ew_scale, ln_scale, ln_sum_to)
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
+        ln_sub = ln_add  # in place: over ln_add
+        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(80, (100, 16, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(100, 16, 1), workspace=mem.workspace(409600))
+        # free ln_sum_to, ln_scale
+        del ln_sum_to, ln_scale
+        mem.free(79)
+        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
+        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
+
+        # ---- head (fully connected, 10 outputs), forward ----
+        # head_sum_to = sum_to[100x1x64](ln_sub*ln_rsqrt*ln_W + ln_B)
+        head_sum_to = mem.tensor(81, (100, 1, 64), 'float32')
+        rt.ew_sum(ew_mul_add_5, head_sum_to, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
+        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
+        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
+        mem.free(2, 80)
+        # head_reshape = reshape[100x64](head_sum_to)
+        head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
+        # head_scale = 0.0625*head_reshape
+        head_scale = head_reshape  # in place: over head_reshape
+        rt.ew(ew_scale_3, head_scale, head_reshape)
+        # head_matmul = matmul[tb](head_scale, head_W)
+        head_matmul = mem.tensor(82, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
+        # free head_sum_to, head_reshape, head_scale
+        del head_sum_to, head_reshape, head_scale
+        mem.free(81)
+        # head = head_matmul + head_B
+        head = head_matmul  # in place: over head_matmul
+        rt.ew(ew_add, head, head_matmul, T['head_B'])
+
+        # ---- predict (the class probabilities), forward ----
+        # probabilities = softmax(head)
+        probabilities = head  # in place: over head
+        rt.softmax(head, out=probabilities)
+        probabilities = rt.to_numpy(probabilities)
+        mem.end()
+        return probabilities
 
     # memory plan of each step: (arena offset, bytes) of buffer k at row k; peak: the planned high-water mark of
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
@@ -4646,9 +5562,97 @@ class Vit(rp.Model):
                 (25600, 6400),  # 81: ln_sum_to_2 100x16x1 float32
                 (0, 25600),  # 82: head_sum_to 100x1x64 float32
                 (25600, 4000),  # 83: head_matmul 100x10 float32
-                (512, 4),  # 84: head_precision scalar float32
-                (0, 400),  # 85: head_cross_entropy_pick 100 float32
-                (768, 4),  # 86: head_cross_entropy_sum_to scalar float32
+                (1024, 4),  # 84: head_precision scalar float32
+                (0, 400),  # 85: label_ranks 100 float32
+                (512, 400),  # 86: head_cross_entropy_pick 100 float32
+                (1280, 4),  # 87: head_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=2048000, peak_bytes=2048000, workspace_bytes=409600, pool_bytes=2361600,
+            buffers=(
+                (409600, 313600),  # 0: x 100x1x28x28 float32
+                (0, 409600),  # 1: patch 100x64x4x4 float32
+                (819200, 409600),  # 2: block1_ln2_transpose 100x16x64 float32
+                (409600, 6400),  # 3: block1_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 4: block1_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 5: block1_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 7: block1_attn_out_transpose 100x4x16x16 float32
+                (409600, 409600),  # 8: block1_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 9: softmax_transpose 100x4x16x16 float32
+                (409600, 409600),  # 10: softmax_transpose_2 100x4x16x16 float32
+                (1638400, 409600),  # 11: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 12: softmax_transpose_3 100x4x16x16 float32
+                (1638400, 409600),  # 13: softmax_matmul 100x4x16x16 float32
+                (0, 409600),  # 14: block1_attn_out_matmul 100x4x16x16 float32
+                (409600, 409600),  # 15: block1_attn_out_transpose_2 100x16x4x16 float32
+                (0, 409600),  # 16: block1_attn_out_matmul_2 1600x64 float32
+                (0, 6400),  # 17: block1_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 18: block1_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 19: block1_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 20: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 21: block1_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 22: block2_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 23: block2_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 24: block2_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 25: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 26: block2_attn_out_transpose 100x4x16x16 float32
+                (409600, 409600),  # 27: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 28: softmax_transpose_4 100x4x16x16 float32
+                (409600, 409600),  # 29: softmax_transpose_5 100x4x16x16 float32
+                (1638400, 409600),  # 30: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 31: softmax_transpose_6 100x4x16x16 float32
+                (1638400, 409600),  # 32: softmax_matmul_2 100x4x16x16 float32
+                (0, 409600),  # 33: block2_attn_out_matmul 100x4x16x16 float32
+                (409600, 409600),  # 34: block2_attn_out_transpose_2 100x16x4x16 float32
+                (0, 409600),  # 35: block2_attn_out_matmul_2 1600x64 float32
+                (0, 6400),  # 36: block2_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 37: block2_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 38: block2_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 39: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 40: block2_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 41: block3_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 42: block3_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 43: block3_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 44: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 45: block3_attn_out_transpose 100x4x16x16 float32
+                (409600, 409600),  # 46: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 47: softmax_transpose_7 100x4x16x16 float32
+                (409600, 409600),  # 48: softmax_transpose_8 100x4x16x16 float32
+                (1638400, 409600),  # 49: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 50: softmax_transpose_9 100x4x16x16 float32
+                (1638400, 409600),  # 51: softmax_matmul_3 100x4x16x16 float32
+                (0, 409600),  # 52: block3_attn_out_matmul 100x4x16x16 float32
+                (409600, 409600),  # 53: block3_attn_out_transpose_2 100x16x4x16 float32
+                (0, 409600),  # 54: block3_attn_out_matmul_2 1600x64 float32
+                (0, 6400),  # 55: block3_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 56: block3_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 57: block3_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 58: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 59: block3_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 60: block4_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 61: block4_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 62: block4_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 63: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 64: block4_attn_out_transpose 100x4x16x16 float32
+                (409600, 409600),  # 65: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 66: softmax_transpose_10 100x4x16x16 float32
+                (409600, 409600),  # 67: softmax_transpose_11 100x4x16x16 float32
+                (1638400, 409600),  # 68: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 69: softmax_transpose_12 100x4x16x16 float32
+                (1638400, 409600),  # 70: softmax_matmul_4 100x4x16x16 float32
+                (0, 409600),  # 71: block4_attn_out_matmul 100x4x16x16 float32
+                (409600, 409600),  # 72: block4_attn_out_transpose_2 100x16x4x16 float32
+                (0, 409600),  # 73: block4_attn_out_matmul_2 1600x64 float32
+                (0, 6400),  # 74: block4_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 75: block4_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 76: block4_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 77: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 78: block4_fc2_matmul 1600x64 float32
+                (0, 6400),  # 79: ln_sum_to 100x16x1 float32
+                (25600, 6400),  # 80: ln_sum_to_2 100x16x1 float32
+                (0, 25600),  # 81: head_sum_to 100x1x64 float32
+                (25600, 4000),  # 82: head_matmul 100x10 float32
             )),
     }
 
@@ -4829,9 +5833,9 @@ def main(argv=None):
     """Train vit, checkpointing to --params, then test it."""
     parser = argparse.ArgumentParser(prog="vit.py", description="Train and test vit (generated by deepdsl 0.1.0).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--iters", type=int, default=600,
-                        help="train until this many iterations are done in all (0: write the initial parameters to "
-                             "--params and exit)")
+    parser.add_argument("--iters", type=int, metavar="N",
+                        help="train until this many iterations are done in all (default: 600; 0: write the "
+                             "initial parameters to --params and exit)")
     parser.add_argument("--test-iters", type=int, default=5, help="test batches to evaluate at the end")
     parser.add_argument("--lr", type=float, default=0.002, help="learning rate")
     parser.add_argument("--lr-schedule", metavar="SPEC", default="cosine",
@@ -4884,6 +5888,7 @@ def main(argv=None):
                         help="write a JSON report (loss, test accuracy, seconds per iteration, memory measured and "
                              "planned)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
+    rp.add_workflow_options(parser)
     rp.add_kernel_options(parser)
     rp.add_gemm_options(parser)
     rp.add_parallel_options(parser)

@@ -557,10 +557,19 @@ class ImageBatches:
         return self.pipeline.ring.x[slot][:self.rows], self.pipeline.ring.y[slot][:self.rows]
 
     def close(self) -> None:
-        """Give the slots back: wait for the batches in flight."""
+        """Give the slots back: wait for the batches in flight (their images are discarded)."""
         self.pipeline.drain()
         self.pending.clear()
         self.held = None
+
+    def pause(self) -> None:
+        """Give the slots back to another stream (the test batches of a validation) and rewind to the next batch
+        not yet returned: the stream goes on where it was, its batches decoded again (the same bits: draws are
+        keyed by sample and epoch)."""
+        self.close()
+        self.order.position = self.consumed
+        self.free = list(range(self.pipeline.ring.slots))
+        self._last = None
 
     def rates(self) -> tuple[float, float] | None:
         """(images a second, the share of the time spent waiting for data) over the last batches."""

@@ -22,10 +22,10 @@ from deepdsl_runtime.cpu.cores import FreeCores
 from deepdsl_runtime.cpu.linalg import Products
 from deepdsl_runtime.memory import StepPlan
 from deepdsl_runtime.run import (KERNELS, RunError, add_gemm_options, add_kernel_options,  # noqa: F401
-                                 add_parallel_options, run)
+                                 add_parallel_options, add_workflow_options, run)
 
 __all__ = ["Model", "Param", "RunError", "State", "StepPlan", "add_gemm_options", "add_kernel_options",
-           "add_parallel_options", "backend", "initial_value", "model_class", "run"]
+           "add_parallel_options", "add_workflow_options", "backend", "initial_value", "model_class", "run"]
 
 
 def backend(device: str) -> ModuleType:
@@ -90,7 +90,9 @@ class Model:
     """Parameters, state and hoisted values of one network (in `tensors`, by name) plus its compiled steps.
 
     Subclasses (generated) set the class attributes and define `setup`, `train_step(x, y, *, step, <hyper>)`
-    returning the loss, and `test_step(x, y)` returning (accuracy, loss). `memory_plans` holds each step's memory
+    returning the loss, `test_step(x, y)` returning (accuracy, loss, ranks: each row's rank of its label among its
+    scores, None for a network that is no classifier) and, where the network says what it predicts,
+    `predict_step(x)` returning its outputs (a classifier's class probabilities). `memory_plans` holds each step's memory
     plan; the steps take their buffers from `self.mem`, an allocator of `memory_mode` (static, pooled, dynamic;
     see `deepdsl_runtime.memory`) that also measures what they use."""
 
@@ -104,7 +106,7 @@ class Model:
     tokens = False             # the input is (N, T) integer tokens (a language model's), not images
     target_shape: tuple[int, ...] | None = None     # float targets of this shape per example, instead of labels
     dataset = "synthetic"
-    defaults: dict = {}
+    defaults: dict = {}        # the network's Train(...): "iters", the training length without --iters or --epochs
     params: dict[str, Param] = {}
     states: dict[str, State] = {}
     accumulators: dict[str, State] = {}      # of accumulate_step and apply_step, where compiled
@@ -244,8 +246,13 @@ class Model:
     def train_step(self, x, y, *, step: int, **hyper) -> float:
         raise NotImplementedError
 
-    def test_step(self, x, y) -> tuple[float, float]:
+    def test_step(self, x, y) -> tuple[float, float, np.ndarray | None]:
         raise NotImplementedError
+
+    def predict_step(self, x) -> np.ndarray:
+        raise RunError(f"{self.name} has no predict step: its accuracy is no D.precision (a classifier's predict "
+                       "step gives its class probabilities); give D.Loop a prediction= (the network's output) and "
+                       "compile it again")
 
     def accumulate_step(self, x, y, *, step: int) -> float:
         raise NotImplementedError
@@ -277,21 +284,61 @@ class Model:
         result["max_rss_bytes"] = _max_rss()
         return result
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray, batches: int) -> tuple[float, float, int]:
-        """Mean test accuracy and loss over `batches` consecutive batches of (x, y) (at most one pass; the last
-        batch wraps around to the start when the set is not a multiple of the batch size)."""
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batches: int, top: tuple[int, ...] = ()) -> "Evaluation":
+        """The test step over the first `batches` batches of (x, y) (at most one pass: the last batch completed
+        with the first examples when the set is not a multiple of the batch size, which are not counted twice)."""
         n = self.batch_shape[0]
-        return self.evaluate_batches(datasets.Batches(x, y, n, shuffle=False), min(batches, -(-len(x) // n)))
+        count = min(batches, -(-len(x) // n))
+        return self.evaluate_batches(datasets.Batches(x, y, n, shuffle=False), count, min(count * n, len(x)), top)
 
-    def evaluate_batches(self, stream, count: int) -> tuple[float, float, int]:
-        """Mean test accuracy and loss over the next `count` batches of `stream` (its `next()` gives a batch)."""
-        accuracy = loss = 0.0
-        for _ in range(count):
+    def evaluate_batches(self, stream, count: int, examples: int | None = None,
+                         top: tuple[int, ...] = ()) -> "Evaluation":
+        """The test step over the next `count` batches of `stream` (its `next()` gives a batch), of which the first
+        `examples` rows count (default: all): a classifier's accuracy and top-k accuracies (each k of `top`)
+        counted exactly over those rows (from the ranks of their labels), another network's accuracy and every
+        loss the mean of its batches' weighted by the rows each adds. Summed in batch order in float64: the same
+        figures on every rank and at every thread count."""
+        n = self.batch_shape[0]
+        examples = count * n if examples is None else examples
+        within = {k: 0 for k in sorted({1, *top})}
+        loss = accuracy = 0.0
+        rows = 0
+        for b in range(count):
             xb, yb = stream.next()
-            a, l_ = self.test_step(xb, yb)
-            accuracy += a
-            loss += l_
-        return accuracy / count, loss / count, count
+            a, l_, ranks = self.test_step(xb, yb)
+            valid = min(n, examples - b * n)
+            loss += l_ * valid
+            accuracy += a * valid
+            if ranks is not None:
+                counted = ranks.reshape(n, -1)[:valid]          # a language model ranks every position
+                rows += counted.size
+                for k in within:
+                    within[k] += int(np.count_nonzero(counted < k))
+        if not count:
+            return Evaluation(0, 0, math.nan, math.nan, {})
+        if rows:
+            return Evaluation(count, examples, loss / examples, within[1] / rows,
+                              {k: within[k] / rows for k in top}, rows)
+        return Evaluation(count, examples, loss / examples, accuracy / examples, {})
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What the test step gave over some batches of a split: `examples` counted in `batches` batches, the mean
+    loss, the accuracy (a classifier's top-1) and a classifier's top-k accuracies by k; `rows` the labels ranked
+    (a language model's: every position of every sequence; 0 for a network that is no classifier)."""
+
+    batches: int
+    examples: int
+    loss: float
+    accuracy: float
+    top: dict[int, float]
+    rows: int = 0
+
+    def figures(self, prefix: str = "val_") -> dict:
+        """The figures as a log entry's fields: `val_loss`, `val_accuracy`, `val_top5`, `val_examples`."""
+        return {f"{prefix}loss": self.loss, f"{prefix}accuracy": self.accuracy,
+                **{f"{prefix}top{k}": v for k, v in self.top.items()}, f"{prefix}examples": self.examples}
 
 
 def model_class(module) -> type[Model]:

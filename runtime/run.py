@@ -28,7 +28,7 @@ import numpy as np
 
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
-from deepdsl_runtime import image_stream, parallel
+from deepdsl_runtime import image_stream, metrics, parallel
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 if TYPE_CHECKING:
@@ -110,6 +110,31 @@ def add_parallel_options(parser) -> None:
     parser.add_argument("--rank-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="end the job (exit 5) when a rank has made no progress for this long: a rank stopped or "
                              "hung in a way MPI does not notice (0: wait for ever)")
+
+
+def add_workflow_options(parser) -> None:
+    """The command-line options of a run's length in epochs, its validation, metric log and best checkpoint."""
+    parser.add_argument("--epochs", type=int, metavar="E",
+                        help="train for E passes over the training split (instead of --iters; counted from where "
+                             "a resumed run's data stream is)")
+    parser.add_argument("--eval-every", metavar="N|epoch",
+                        help="run the test step over the validation split every N iterations, or after each epoch; "
+                             "its loss and accuracies are printed and logged")
+    parser.add_argument("--eval-batches", type=int, metavar="K",
+                        help="validate on the first K batches of the validation split (default: all of it)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="also the top-K accuracy of classifiers (default: 5 for networks of 10 classes or "
+                             "more; 0: none)")
+    parser.add_argument("--keep-best", metavar="METRIC",
+                        help="write PARAMS.best.npz whenever the validation METRIC (loss, accuracy, topK) improves")
+    parser.add_argument("--log", metavar="PATH",
+                        help="append one JSON object per logged iteration (iteration, epoch, loss, lr, images/s, "
+                             "data wait, memory, validation figures); a resumed run continues it exactly")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="iterations between entries of --log and --tensorboard (and every validation)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write the logged figures as TensorBoard event files into DIR (needs the "
+                             "tensorboard extra: tensorboardX)")
 
 
 def add_gemm_options(parser) -> None:
@@ -232,12 +257,39 @@ def _error(model_cls, text: str, status: int = EXIT_USAGE) -> int:
     return status
 
 
+def best_path(params: str) -> str:
+    """Where --keep-best writes: `P.best.npz` beside the checkpoint `P.npz` (`P.best.npz` for a `P` without .npz)."""
+    return (params[:-4] if params.endswith(".npz") else params) + ".best.npz"
+
+
+def _check_directory(path: str, option: str) -> None:
+    """A directory an option writes files into: one there, or one that can be made (its parent a directory)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise RunError(f"{option} {path}: not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RunError(f"{option} {path}: the directory is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise RunError(f"{option} {path}: cannot be made ({parent} is not a writable directory)")
+
+
 def _check_args(args) -> None:
     """Every numeric option in its range before anything runs."""
     for key in ("iters", "test_iters", "save_every", "warmup"):
-        count = getattr(args, key, 0)
+        count = getattr(args, key, 0) or 0
         if not 0 <= count < 2 ** 63:           # a checkpoint keeps iterations as int64
             raise RunError(f"--{key.replace('_', '-')} must be in [0, 2^63), got {_shown(count)}")
+    for key in ("epochs", "eval_batches", "log_every"):
+        count = getattr(args, key, None)
+        if count is not None and not 1 <= count < 2 ** 63:
+            raise RunError(f"--{key.replace('_', '-')} must be in [1, 2^63), got {_shown(count)}")
+    top = getattr(args, "top_k", None)
+    if top is not None and not 0 <= top < 2 ** 31:
+        raise RunError(f"--top-k must be in [0, 2^31), got {_shown(top)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise RunError(f"--lr must be a finite number > 0, got {args.lr}")
     momentum = getattr(args, "momentum", None)
@@ -262,6 +314,16 @@ def _check_args(args) -> None:
     memory = getattr(args, "gemm_device_memory", None)
     if memory is not None and memory > MOST_DEVICE_BYTES:
         raise RunError(f"--gemm-device-memory must be at most 2^48 bytes (256 TiB), got {memory:g} bytes")
+
+
+def _training_length(model_cls, args) -> None:
+    """--iters or --epochs, not both; without either, the network's own iterations (`Model.defaults`). With
+    --epochs, `args.iters` stays 0 until the data is known (`_Run.count_epochs`)."""
+    epochs = getattr(args, "epochs", None)
+    if epochs is not None and args.iters is not None:
+        raise RunError(f"--epochs {epochs} and --iters {args.iters} both say how long to train; give one of them")
+    if args.iters is None:
+        args.iters = 0 if epochs is not None else int(model_cls.defaults.get("iters", 1000))
 
 
 def _recipe(args, input_shape: tuple[int, ...] = ()) -> tuple[Schedule, object]:
@@ -447,6 +509,7 @@ class _Run:
     removed. A checkpoint is written only over a finite state whose test loss on one batch is finite."""
 
     def __init__(self, model_cls: type[Model], args, signals: _Signals, ranks=None):
+        _training_length(model_cls, args)
         _check_args(args)
         self.schedule, self.augment = _recipe(args, model_cls.batch_shape)
         if self.augment and (getattr(model_cls, "tokens", False) or getattr(model_cls, "target_shape", None)):
@@ -480,9 +543,13 @@ class _Run:
         self.saved_iteration: int | None = None          # iteration of the checkpoint self.path holds for this run
         self.writing: int | None = None                  # iteration of the last checkpoint this run began to write
         self.probe = None                                # one test batch each checkpoint's state is tried on
+        self.data = None                                 # the data set, once loaded
+        self.sinks: list = []                            # --log and --tensorboard, open while training
+        self.logged = (0, time.perf_counter(), 0.0)      # iteration, time and data wait of the last log entry
         self.batches_done = 0                            # batches of the compiled size trained on, over all ranks
         self.by_another = False                          # stopping for a signal another rank received
         self.watchdog = parallel.watchdog(self.ranks, 0, model_cls.name)    # started with the training
+        self.choose_validation()
         if self.ranks.rank == 0:
             self.check_outputs(before_reading=True)
         if self.path and self.ranks.rank == 0:
@@ -498,6 +565,7 @@ class _Run:
             self.model.seed = self.resumed.seed
             self.saved_iteration = self.resumed.iteration
             self.batches_done = self.recorded("__batches__", self.resumed.iteration)
+            self.best = self.recorded_best()
         self.data_spec = self.choose_data()
         self.augment = self.choose_augment()
         self.pipeline = None                             # the workers of images read from files
@@ -505,6 +573,57 @@ class _Run:
         self.init_weights = ckpt.read_weights(args.init_from) if args.init_from and self.resumed is None else None
         if self.ranks.rank == 0:
             self.check_outputs()
+
+    def choose_validation(self) -> None:
+        """--eval-every, --eval-batches, --top-k and --keep-best, checked against each other and the network."""
+        args, model = self.args, self.model
+        try:
+            self.eval_every = metrics.parse_every(getattr(args, "eval_every", None))
+        except metrics.MetricsError as err:
+            raise RunError(str(err)) from None
+        if getattr(args, "eval_batches", None) is not None and self.eval_every is None:
+            raise RunError(f"--eval-batches {args.eval_batches} says how much to validate on: add --eval-every "
+                           "N|epoch")
+        classes = model.classes if model.target_shape is None else 0
+        top = getattr(args, "top_k", None)
+        if top and not classes:
+            raise RunError(f"--top-k {top}: {model.name} is no classifier (its accuracy is no D.precision)")
+        if top and top > classes:
+            raise RunError(f"--top-k {top}: {model.name} has {classes} classes; use at most {classes}")
+        if top is None:
+            top = 5 if classes >= 10 else 0
+        self.top = (top,) if top > 1 else ()          # top-1 is the accuracy
+        self.best: tuple[float, int] | None = None     # the best validation so far: (value, iteration)
+        self.best_path = self.best_sense = None
+        metric = getattr(args, "keep_best", None)
+        if metric is None:
+            return
+        try:
+            self.best_sense = metrics.metric_sense(metric, self.top)
+        except metrics.MetricsError as err:
+            raise RunError(str(err)) from None
+        if self.eval_every is None:
+            raise RunError(f"--keep-best {metric} keeps the checkpoint of the best validation: add --eval-every "
+                           "N|epoch")
+        if not self.path:
+            raise RunError(f"--keep-best {metric} writes its checkpoint beside --params, which is empty")
+        self.best_path = best_path(self.path)
+
+    def recorded_best(self) -> tuple[float, int] | None:
+        """The best validation a resumed checkpoint recorded for this run's --keep-best metric (None: none, or
+        another metric, which is said)."""
+        metric = getattr(self.args, "keep_best", None)
+        found = self.resumed.extra.get("__best_metric__")
+        if metric is None or found is None:
+            return None
+        if str(found) != metric:
+            _say(self.args, f"the checkpoint kept the best {found}, this run keeps the best {metric}: "
+                            f"{self.best_path} is written at its next validation")
+            return None
+        value, iteration = self.resumed.extra.get("__best_value__"), self.recorded("__best_iteration__", 0)
+        if value is None or value.shape != () or value.dtype.kind != "f":
+            raise ckpt.CheckpointError(f"{self.path}: field '__best_value__': expected a float")
+        return float(value), iteration
 
     def _check_parallel(self) -> None:
         """The options of accumulation and data parallelism, and the same program and options on every rank."""
@@ -549,7 +668,8 @@ class _Run:
         output (checked `before_reading` a checkpoint, which --params may name), nor an input (--init-from, the
         --data file); every output is writable."""
         args = self.args
-        outputs = [("--params", self.path), ("--report-json", args.report_json)]
+        outputs = [("--params", self.path), ("--report-json", args.report_json), ("--log", getattr(args, "log", None)),
+                   ("--keep-best's checkpoint", self.best_path), ("--tensorboard", getattr(args, "tensorboard", None))]
         program = self.model.program_file()
         kernels = [(f"this program's {suffix} kernels", os.path.splitext(program)[0] + suffix)
                    for suffix in (".c", ".cu")] if program else []
@@ -575,6 +695,13 @@ class _Run:
             ckpt.check_target(self.path, "--params", _checkpoint_bytes(self.model))
         if args.report_json:
             ckpt.check_target(args.report_json, "--report-json")
+        if getattr(args, "log", None):
+            ckpt.check_target(args.log, "--log")
+        if self.best_path:
+            ckpt.check_target(self.best_path, "--keep-best's checkpoint", _checkpoint_bytes(self.model))
+        board = getattr(args, "tensorboard", None)
+        if board:
+            _check_directory(board, "--tensorboard")
 
     def kept(self) -> str:
         """What the checkpoint file holds now, said after a run stops early. A write interrupted after its rename
@@ -608,7 +735,7 @@ class _Run:
 
     def execute(self) -> int:
         args, model = self.args, self.model
-        if self.resumed is None and args.iters == 0:
+        if self.resumed is None and args.iters == 0 and getattr(args, "epochs", None) is None:
             return self.write_initial()
         if image_stream.is_image_spec(self.data_spec):
             data = self.image_data()
@@ -620,6 +747,7 @@ class _Run:
                                            seed=model.seed, augment=self.augment)
             self.probe = tuple(np.copy(a) for a in
                                datasets.Batches(data.x_test, data.y_test, self.batch, shuffle=False).next())
+        self.data = data
         self.examples = len(data) if isinstance(data, image_stream.ImageData) else len(data.x_train)
         self.accumulation.start(model)
         if self.resumed is not None:
@@ -640,6 +768,7 @@ class _Run:
         else:
             self.fresh_start()
             start = 0
+        self.count_epochs(start)
         model.prepare(self.hyper(0))
         self.ranks.agree({"start iteration": start, "batches trained on": self.batches_done,
                           "data position": self.stream.position})
@@ -648,28 +777,34 @@ class _Run:
             return self.interrupted("before training started")
         iteration, loss, elapsed = start, None, 0.0
         if args.iters > start:
+            self.open_logs(start)
+            epochs = f" ({args.epochs} epoch{'s' if args.epochs > 1 else ''})" if getattr(args, "epochs", None) else ""
             _say(args, f"training {model.name} on {self.data_spec} ({self.examples} examples, batch "
                        f"{self.batch}{self.grouping()}) on {args.device} ({model.kernels}): iterations {start + 1} "
-                       f"to {args.iters}" + (f"; checkpoint {self.path}" if self.path else ""))
+                       f"to {args.iters}{epochs}" + (f"; checkpoint {self.path}" if self.path else ""))
             if self.data_spec == "synthetic" and getattr(args, "data", None) is None:
                 _say(args, f"warning: training on synthetic data (the default of a network file without dataset=): "
                            f"{self.examples} random examples with nothing to learn; --data SPEC chooses real data")
-            iteration, loss, elapsed, stopped = self.train(start)
+            try:
+                iteration, loss, elapsed, stopped = self.train(start)
+            finally:
+                self.close_logs()
             if stopped is not None:
                 return stopped
         else:
             _say(args, f"nothing to train: already at iteration {iteration} of {args.iters}")
-        accuracy = test_loss = None
+        tested = None
         if args.test_iters:
             self.watchdog.beat()
-            accuracy, test_loss, batches = self.evaluate(data, args.test_iters)
-            if not math.isfinite(test_loss):
-                raise RunError(f"the test loss is {test_loss} after iteration {iteration}", EXIT_DIVERGED,
+            tested = self.validate(args.test_iters)
+            if not math.isfinite(tested.loss):
+                raise RunError(f"the test loss is {tested.loss} after iteration {iteration}", EXIT_DIVERGED,
                                collective=True)
             # the Loop's second value: a classifier's accuracy; of a network of float targets, whatever it computes
             metric = "accuracy" if model.classes else "metric (the Loop's second value)"
-            _say(args, f"test {metric} {accuracy:.4f}, test loss {test_loss:.4f} ({batches} "
-                       f"batch{'es' if batches != 1 else ''} of {self.batch})")
+            tops = "".join(f", top-{k} {v:.4f}" for k, v in tested.top.items())
+            _say(args, f"test {metric} {tested.accuracy:.4f}{tops}, test loss {tested.loss:.4f} ({tested.examples} "
+                       f"examples in {tested.batches} batch{'es' if tested.batches != 1 else ''} of {self.batch})")
         if self.agreed_signal():
             return self.interrupted(f"after iteration {iteration}")
         done = iteration - start
@@ -690,9 +825,142 @@ class _Run:
             _say(args, f"{self.ranks.size} ranks: {parallel_figures['bytes_reduced_per_step'] / 1e6:.2f} MB reduced a "
                        f"step ({self.ranks.mode}), {100 * parallel_figures['communication_share']:.1f} % of "
                        "the time in reductions")
-        self.write_report(iterations=iteration, iterations_run=done, loss=loss, test_accuracy=accuracy,
-                          test_loss=test_loss, seconds_per_iter=per_iter, **parallel_figures, **figures)
+        tops = {f"test_top{k}": v for k, v in tested.top.items()} if tested is not None else {}
+        best = ({"best": {"metric": args.keep_best, "value": self.best[0], "iteration": self.best[1],
+                          "path": self.best_path}} if self.best is not None else {})
+        self.write_report(iterations=iteration, iterations_run=done, loss=loss,
+                          test_accuracy=tested.accuracy if tested else None,
+                          test_loss=tested.loss if tested else None, seconds_per_iter=per_iter, **tops,
+                          test_examples=tested.examples if tested else None, epochs=self.epoch_now(),
+                          **best, **parallel_figures, **figures)
         return 0
+
+    def count_epochs(self, start: int) -> None:
+        """--epochs E: train to the iteration whose batch reaches the end of epoch E of the training data, counted
+        from where the data stream is (so a resumed run stops where the uninterrupted one does); the learning-rate
+        schedule's length follows."""
+        args = self.args
+        epochs = getattr(args, "epochs", None)
+        if epochs is None:
+            return
+        epoch, offset = self.stream.position
+        remaining = max(0, epochs * self.examples - (epoch * self.examples + offset))
+        args.iters = start + -(-remaining // self.global_batch)
+        try:
+            self.schedule = Schedule.parse(getattr(args, "lr_schedule", "constant"), getattr(args, "warmup", 0),
+                                           args.iters)
+        except ScheduleError as err:
+            raise RunError(str(err)) from None
+
+    def epoch_now(self) -> float:
+        """Passes over the training data so far: the epoch of the data stream's position and the fraction done."""
+        epoch, offset = self.stream.position
+        return epoch + offset / self.examples
+
+    def validate(self, count: int | None = None):
+        """The test step over the validation split: all of it, or its first `count` batches (a `program.Evaluation`).
+        Images read from files: the training stream gives the ring's slots to the test batches, then goes on."""
+        data, model = self.data, self.model
+        if not isinstance(data, image_stream.ImageData):
+            return model.evaluate(data.x_test, data.y_test, len(data.x_test) if count is None else count, self.top)
+        self.stream.pause()
+        total = len(data.test)
+        batches = -(-total // self.batch) if count is None else min(count, -(-total // self.batch))
+        stream = image_stream.ImageBatches(self.pipeline, "test", self.batch, self.batch, 0, model.seed, train=False)
+        try:
+            return model.evaluate_batches(stream, batches, min(batches * self.batch, total), self.top)
+        except datasets.DataError as err:
+            raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
+        finally:
+            stream.close()
+
+    def open_logs(self, start: int) -> None:
+        """--log and --tensorboard, opened for a run that starts after iteration `start` (rank 0 writes them)."""
+        args = self.args
+        self.sinks = []
+        self.logged = (start, time.perf_counter(), 0.0)       # iteration, time and data wait of the last entry
+        if self.ranks.rank != 0:
+            return
+        try:
+            if getattr(args, "log", None):
+                self.sinks.append(metrics.MetricLog(args.log, start, bool(args.fresh)))
+            if getattr(args, "tensorboard", None):
+                self.sinks.append(metrics.Board(args.tensorboard, start))
+        except metrics.MetricsError as err:
+            self.close_logs()
+            raise RunError(str(err)) from None
+
+    def close_logs(self) -> None:
+        for sink in getattr(self, "sinks", ()):
+            sink.close()
+        self.sinks = []
+
+    def record(self, iteration: int, loss: float, evaluation) -> None:
+        """The log entry of `iteration` to --log and --tensorboard: the iteration's loss and learning rate, where
+        the data stream is, images a second and the share of time waiting for data since the last entry, the
+        training step's measured peak, and the validation's figures where one ran."""
+        now = time.perf_counter()
+        last, then, waited = self.logged
+        seconds = now - then
+        stream_waited = getattr(self.stream, "waited", None) if self.pipeline is not None else None
+        usage = self.model.mem.usage.get(self.accumulation.training_step)
+        entry = {"iteration": iteration, "epoch": self.epoch_now(), "loss": loss,
+                 "lr": self.schedule.lr(self.args.lr, iteration - 1),
+                 "images_per_second": (iteration - last) * self.global_batch / seconds if seconds > 0 else None,
+                 "data_wait": (stream_waited - waited) / seconds if stream_waited is not None and seconds > 0
+                 else None,
+                 "peak_bytes": usage.peak_bytes if usage else None, "time": time.time()}
+        if evaluation is not None:
+            entry.update(evaluation.figures())
+        self.logged = (iteration, now, stream_waited or 0.0)
+        try:
+            for sink in self.sinks:
+                sink.write(entry)
+        except metrics.MetricsError as err:
+            raise RunError(f"{err}; training stopped at iteration {iteration}, {self.kept()}", EXIT_SAVE) from None
+
+    def validation(self, iteration: int, bar) -> object:
+        """The validation after `iteration`: printed on its own line, the best checkpoint written when it
+        improves (--keep-best); a non-finite loss stops the run."""
+        args = self.args
+        self.watchdog.beat()
+        began = time.perf_counter()
+        found = self.validate(getattr(args, "eval_batches", None))
+        self.watchdog.beat()
+        if not math.isfinite(found.loss):
+            raise RunError(f"the validation loss is {found.loss} after iteration {iteration}; training stopped, "
+                           f"{self.kept()}", EXIT_DIVERGED, collective=True)
+        tops = "".join(f", top-{k} {v:.4f}" for k, v in found.top.items())
+        text = (f"iteration {iteration} (epoch {self.epoch_now():.2f}): validation loss {found.loss:.4f}, accuracy "
+                f"{found.accuracy:.4f}{tops} ({found.examples} examples, {time.perf_counter() - began:.1f} s)")
+        if self.best_sense is not None:
+            value = found.figures("")[args.keep_best]
+            if metrics.improves(value, self.best[0] if self.best else None, self.best_sense):
+                self.best = (value, iteration)
+                self.save_best(iteration)
+                text += f"; best {args.keep_best} so far: wrote {self.best_path}"
+        if bar is not None:
+            bar.write(text)
+        else:
+            _say(args, text)
+        # the time validating is not the steps': images a second count from here
+        self.logged = (self.logged[0], self.logged[1] + time.perf_counter() - began, self.logged[2])
+        return found
+
+    def save_best(self, iteration: int) -> None:
+        """The checkpoint of `iteration` to --keep-best's file, atomically, with the metric, value and iteration
+        (rank 0 writes; the ranks stop alike if it fails)."""
+        outcome = ("", 0)
+        if self.ranks.rank == 0:
+            state = self.checkpoint_state(iteration)
+            try:
+                ckpt.write(self.best_path, state)
+            except OSError as err:
+                outcome = (f"cannot write {self.best_path}: {err.strerror or err}; training stopped at iteration "
+                           f"{iteration}, {self.kept()}", EXIT_SAVE)
+        message, status = self.ranks.share(outcome) if self.ranks.size > 1 else outcome
+        if message:
+            raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
 
     def image_data(self) -> image_stream.ImageData:
         """Images read from files: their manifests (the data set a resumed checkpoint was trained on), the
@@ -756,21 +1024,6 @@ class _Run:
         if decoder is not None and str(decoder) != decoder_versions():
             _say(self.args, f"warning: the checkpoint's images were decoded by {decoder}, these by "
                             f"{decoder_versions()}: pixels may differ, so the resumed run may not be bit for bit")
-
-    def evaluate(self, data, count: int) -> tuple[float, float, int]:
-        """The test pass: mean accuracy and loss over `count` test batches (at most one pass)."""
-        if not isinstance(data, image_stream.ImageData):
-            return self.model.evaluate(data.x_test, data.y_test, count)
-        self.stream.close()                   # the ring's slots now serve the test batches
-        count = min(count, -(-len(data.test) // self.batch))
-        stream = image_stream.ImageBatches(self.pipeline, "test", self.batch, self.batch, 0, self.model.seed,
-                                           train=False)
-        try:
-            return self.model.evaluate_batches(stream, count)
-        except datasets.DataError as err:
-            raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
-        finally:
-            stream.close()
 
     def recorded(self, field: str, default: int) -> int:
         """An integer field of how the resumed checkpoint was trained (`default` where it predates the field)."""
@@ -890,7 +1143,9 @@ class _Run:
         self.saved_iteration = iteration
         return saved
 
-    def _write(self, iteration: int) -> bool:
+    def checkpoint_state(self, iteration: int) -> ckpt.Checkpoint:
+        """What a checkpoint of `iteration` holds: the tensors, where the data stream is, how the global batch was
+        made, the data set's digest and decoders (images read from files) and the best validation so far."""
         position = self.stream.position if self.probe is not None else (0, 0)
         state = _checkpoint(self.model, iteration, position, self.data_spec)
         state.extra.update({"__batches__": np.array(self.batches_done, dtype=np.int64),
@@ -900,12 +1155,20 @@ class _Run:
             from deepdsl_runtime.image_transforms import decoder_versions
             state.extra.update({"__data_digest__": np.array(self.pipeline.data.digest),
                                 "__decoder__": np.array(decoder_versions())})
+        if self.best is not None:
+            state.extra.update({"__best_metric__": np.array(self.args.keep_best),
+                                "__best_value__": np.array(self.best[0], dtype=np.float64),
+                                "__best_iteration__": np.array(self.best[1], dtype=np.int64)})
+        return state
+
+    def _write(self, iteration: int) -> bool:
+        state = self.checkpoint_state(iteration)
         bad = next((name for name, a in state.tensors.items() if not np.all(np.isfinite(a))), None)
         if bad is not None:
             raise RunError(f"NaN or infinite values in '{bad}' at iteration {iteration}; training stopped, "
                            f"{self.kept()}", EXIT_DIVERGED)
         if self.probe is not None:
-            _, probe_loss = self.model.test_step(*self.probe)
+            _, probe_loss, _ = self.model.test_step(*self.probe)
             if not math.isfinite(probe_loss):
                 raise RunError(f"the loss is {probe_loss} on a test batch at iteration {iteration}; training stopped, "
                                f"{self.kept()}", EXIT_DIVERGED)
@@ -955,6 +1218,7 @@ class _Run:
         self.watchdog.bar_shown = bar is not None        # its line of stderr is open: a watchdog starts a new one
         began = time.perf_counter()
         acc, stop = self.accumulation, 0
+        epoch, log_every = self.stream.position[0], getattr(args, "log_every", 10)
         try:
             while iteration < args.iters:
                 try:
@@ -976,6 +1240,13 @@ class _Run:
                 if bar is not None:
                     bar.set_postfix_str(f"loss {value:.4f}" + self.input_rates(), refresh=False)
                     bar.update(1)
+                evaluation = None
+                if self.eval_every is not None and (self.stream.position[0] > epoch if self.eval_every == metrics.EPOCH
+                                                    else iteration % self.eval_every == 0):
+                    evaluation = self.validation(iteration, bar)
+                if self.sinks and (iteration % log_every == 0 or evaluation is not None or iteration == args.iters):
+                    self.record(iteration, value, evaluation)
+                epoch = self.stream.position[0]
                 stop = self.agreed_signal()          # a signal to any rank stops them all here
                 if stop:
                     break

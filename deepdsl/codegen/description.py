@@ -187,7 +187,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     from deepdsl.training import is_optimizer_state
 
     options = options or CodegenOptions()
-    names = tuple(step for step in ("setup", "train", "test", "accumulate", "apply", "statistics")
+    names = tuple(step for step in ("setup", "train", "test", "predict", "accumulate", "apply", "statistics")
                   if step in compiled.steps)
     plans = {step: compiled.steps[step].plan for step in names}
     programs = {step: compiled.steps[step].program for step in names}
@@ -213,6 +213,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
     train = steps.build_train(compiled.train, plans["train"], kernels, data_name, label_name, hyper)
     test = steps.build_test(compiled.test, plans["test"], kernels, data_name, label_name)
     built = [setup, train, test]
+    if "predict" in plans:
+        built.append(steps.build_predict(programs["predict"], plans["predict"], kernels, data_name))
     accumulators = []
     if "accumulate" in plans:
         accumulators = steps.accumulation_order(programs["accumulate"], compiled.accumulators)

@@ -429,12 +429,33 @@ def build_apply(program: Program, plan: MemoryPlan, kernels: Kernels, hyper: tup
 
 
 def build_test(program: Program, plan: MemoryPlan, kernels: Kernels, data: str, label: str) -> Step:
+    """The test step: returns the batch's accuracy and loss, and a classifier's `ranks` (each row's rank of its
+    label among its scores, `label_rank`: top-k accuracy), None for another network."""
     b = StepBuilder(program, plan, kernels)
     blocks = b.blocks()
     names = [k for k, _ in program.outputs]
-    if names != ["accuracy", "loss"]:
-        raise GenerateError(f"the test step's results are {names}, expected ['accuracy', 'loss']")
-    epilogue = [f"{k} = {_scalar(b, v)}" for k, v in program.outputs] + ["mem.end()", "return accuracy, loss"]
-    return Step("test_step", f"self, {data}, {label}", "Accuracy and loss of the batch (no update).",
+    if names not in (["accuracy", "loss"], ["accuracy", "loss", "ranks"]):
+        raise GenerateError(f"the test step's results are {names}, expected ['accuracy', 'loss'] (and 'ranks')")
+    outputs = dict(program.outputs)
+    epilogue = [f"accuracy = {_scalar(b, outputs['accuracy'])}", f"loss = {_scalar(b, outputs['loss'])}",
+                f"ranks = rt.to_numpy({b.arg(outputs['ranks'])})" if "ranks" in outputs else "ranks = None",
+                "mem.end()", "return accuracy, loss, ranks"]
+    doc = ("Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: "
+           "the best; below k: among the k best)." if "ranks" in outputs else
+           "Accuracy and loss of the batch (no update); no ranks (not a classifier).")
+    return Step("test_step", f"self, {data}, {label}", doc,
                 ('rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors', *b.loads()), blocks,
                 tuple(epilogue))
+
+
+def build_predict(program: Program, plan: MemoryPlan, kernels: Kernels, data: str) -> Step:
+    """The predict step: the forward pass of the batch, its one output copied to the host (a classifier's class
+    probabilities, or what the Loop's `prediction` computes)."""
+    b = StepBuilder(program, plan, kernels)
+    blocks = b.blocks()
+    (name, value), = program.outputs
+    doc = ("The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."
+           if name == "probabilities" else "The network's outputs for the batch (the forward pass alone: no update).")
+    epilogue = (f"{name} = rt.to_numpy({b.arg(value)})", "mem.end()", f"return {name}")
+    return Step("predict_step", f"self, {data}", doc,
+                ('rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors', *b.loads()), blocks, epilogue)

@@ -33,7 +33,7 @@ _NAME = re.compile(r"[A-Za-z0-9_]+")
 # the data and label inputs are arguments of the generated step functions (deepdsl/codegen/steps.py), so their names
 # must not be Python keywords nor the names those functions give their other arguments, locals and kernels
 _STEP_NAMES = frozenset({"self", "step", "lr", "momentum", "decay", "bias1", "bias2", "rt", "mem", "T", "loss",
-                         "accuracy"})
+                         "accuracy", "ranks", "probabilities", "outputs"})
 
 
 def _reject(what: str, message: str) -> NoReturn:

@@ -124,11 +124,14 @@ def AdamW(name: str, iters: int = 1000, test_iters: int = 10, lr: float = 1e-3, 
 
 @dataclass
 class Loop:
-    """What a network file compiles: a scalar training loss, a scalar test accuracy and the solver."""
+    """What a network file compiles: a scalar training loss, a scalar test accuracy and the solver; `prediction`,
+    what the program's predict step computes (`deepdsl predict`), where the accuracy is no `precision` (a
+    classifier's predict step gives the softmax of the scores its precision reads)."""
 
     loss: Tensor
     accuracy: Tensor
     solver: Train
+    prediction: Tensor | None = field(default=None, kw_only=True)
     source: str | None = field(default=None, compare=False)
     # the batch and image sizes it was loaded with (`deepdsl.load`), so it can be loaded again at another batch
     overrides: Any = field(default=None, compare=False, repr=False)
@@ -143,6 +146,9 @@ class Loop:
             if not isinstance(t, Tensor) or t.shape != ():
                 got = dims(t.shape) if isinstance(t, Tensor) else type(t).__name__
                 raise DeepDSLError(f"Loop: {what} must be a scalar tensor, got {got}", user_location())
+        if self.prediction is not None and not isinstance(self.prediction, Tensor):
+            raise DeepDSLError(f"Loop: prediction must be a tensor (the network's output), got "
+                               f"{type(self.prediction).__name__}", user_location())
         if not isinstance(self.solver, Train):
             raise DeepDSLError("Loop: solver must be a D.Train(...)", user_location())
         self.defined_at = user_location()

@@ -1,4 +1,5 @@
-"""Softmax, log-softmax and the label-indexed ops losses are built from (`pick`, `unpick`), and top-1 precision."""
+"""Softmax, log-softmax and the label-indexed ops losses are built from (`pick`, `unpick`), top-1 precision and
+the rank of each label among its row's scores (top-k accuracy)."""
 from __future__ import annotations
 
 import numpy as np
@@ -125,6 +126,28 @@ class Precision(Op):
 
     def evaluate(self, ctx, x, labels):
         return np.asarray((x.argmax(axis=1) == labels).mean(), dtype=ctx.float_dtype)
+
+
+@register
+class LabelRank(Op):
+    """Each row's rank of its label: how many scores come before the label's when the row is sorted by decreasing
+    score, ties in column order (so rank 0 exactly where `precision` counts the row, rank < k where the label is
+    among the row's k best). As floats: exact up to 2^24 classes."""
+
+    name = "label_rank"
+
+    def infer(self, x: Node, labels: Node):
+        _check_scores(x, "label_rank")
+        _check_labels(x, labels)
+        return (x.shape[0],), FLOAT
+
+    def vjp(self, node, g):
+        return None, None
+
+    def evaluate(self, ctx, x, labels):
+        own = x[np.arange(x.shape[0]), labels][:, None]
+        before = np.arange(x.shape[1])[None, :] < labels[:, None]
+        return ((x > own) | ((x == own) & before)).sum(axis=1).astype(ctx.float_dtype)
 
 
 def mean_over_batch(per_example: Node) -> Node:

@@ -1,4 +1,4 @@
-"""Losses on the CPU: softmax, log-softmax, picking and unpicking labels, precision."""
+"""Losses on the CPU: softmax, log-softmax, picking and unpicking labels, precision, labels' ranks."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,3 +44,19 @@ def unpick(g, labels, *, out, classes):
 def precision(x, labels, *, out):
     """Fraction of rows whose first largest score is at the label."""
     out[...] = np.mean(np.argmax(x, axis=1) == labels)
+
+
+RANK_CHUNK = 1 << 16      # scores compared at once by label_rank (its temporaries stay small for any vocabulary)
+
+
+def label_rank(x, labels, *, out):
+    """out[i] = how many scores of row i come before its label's when sorted by decreasing score, ties in column
+    order (0 exactly where `precision` counts the row)."""
+    rows, classes = x.shape
+    step = max(1, RANK_CHUNK // max(classes, 1))
+    columns = np.arange(classes)
+    for a in range(0, rows, step):
+        xs, ls = x[a:a + step], labels[a:a + step].astype(np.intp, copy=False)
+        own = np.take_along_axis(xs, ls[:, None], axis=1)
+        ahead = (xs > own) | ((xs == own) & (columns[None, :] < ls[:, None]))
+        out[a:a + step] = ahead.sum(axis=1)

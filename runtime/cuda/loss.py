@@ -1,4 +1,4 @@
-"""Losses on the CUDA device: softmax, log-softmax, picking and unpicking labels, precision."""
+"""Losses on the CUDA device: softmax, log-softmax, picking and unpicking labels, precision, labels' ranks."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +33,13 @@ def precision(x, labels, *, out):
     rows, classes = x.shape
     out.device.launch("deepdsl_precision", "IIPPP", (1, 1), (L.THREADS, 1, 1),
                       (rows, classes, x.ptr, _labels(labels).ptr, out.ptr))
+
+
+def label_rank(x, labels, *, out):
+    """out[i] = how many scores of row i come before its label's sorted by decreasing score, ties in column order."""
+    rows, classes = x.shape
+    launch_items(out.device, "deepdsl_label_rank", "IIPPP", rows, rows, classes, x.ptr, _labels(labels).ptr,
+                 out.ptr)
 
 
 def _labels(labels) -> DeviceArray:

@@ -168,6 +168,19 @@ DEEPDSL_HD unsigned deepdsl_precision_row(unsigned i, unsigned classes, const fl
     return static_cast<int>(best) == labels[i] ? 1u : 0u;
 }
 
+// how many scores of the row come before its label's sorted by decreasing score, ties in column order (0 exactly
+// where deepdsl_precision_row counts the row); NaN for a label out of range
+DEEPDSL_HD void deepdsl_label_rank_at(unsigned i, unsigned classes, const float* x, const int* labels, float* out) {
+    const int label = labels[i];
+    if (label < 0 || static_cast<unsigned>(label) >= classes) { out[i] = nanf(""); return; }
+    const float* row = x + static_cast<size_t>(i) * classes;
+    const float own = row[label];
+    unsigned ahead = 0;
+    for (unsigned j = 0; j < classes; ++j)
+        ahead += (row[j] > own || (row[j] == own && j < static_cast<unsigned>(label))) ? 1u : 0u;
+    out[i] = static_cast<float>(ahead);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // pooling over (planes = N * C, H, W) -> (planes, Ho, Wo); windows k x k, `stride`, `pad`; positions outside the
 // input (padding, and in ceil mode the part of the last window beyond the edge) take no part.
@@ -507,6 +520,9 @@ DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, 
 }
 DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_pick_at(i, classes, x, labels, out);
+}
+DEEPDSL_KERNEL deepdsl_label_rank(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
+    DEEPDSL_FOR(i, 0, rows) deepdsl_label_rank_at(i, classes, x, labels, out);
 }
 DEEPDSL_KERNEL deepdsl_unpick(unsigned n, unsigned classes, const float* g, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, n) deepdsl_unpick_at(i, classes, g, labels, out);
