@@ -507,6 +507,33 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Compile the network (as `run` does: its program in .deepdsl/, its CPU kernels built), then run its predict
+    step over what the options name (`deepdsl_runtime.predict`); what is not the result goes to standard error."""
+    import importlib.util
+
+    from deepdsl.codegen import CodegenOptions
+    from deepdsl.codegen.native import build_library, not_built
+    from deepdsl_runtime.predict import predict
+    from deepdsl_runtime.program import model_class
+
+    compiled = _compile(args)
+    if "predict" not in compiled.steps:
+        raise DeepDSLError(f"{compiled.name} has no predict step: its accuracy is no D.precision (a classifier's "
+                           "predict step gives its class probabilities); give D.Loop a prediction= (the network's "
+                           "output)")
+    out = Path(".deepdsl") / f"{_run_name(compiled, args.network)}.py"
+    path = _write(compiled, args.network, out, CodegenOptions(params_file=str(out.with_name(f"{out.stem}.params.npz"))))
+    if args.device == "cpu":
+        built, why = build_library(path.with_suffix(".c"))
+        if built is None:
+            print(not_built(why), file=sys.stderr)
+    spec = importlib.util.spec_from_file_location(f"deepdsl_predict_{path.stem.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return predict(model_class(module), args)
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     from deepdsl.codegen.refresh import refresh
 
@@ -584,6 +611,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close a shard before it passes this size (default 1GB)")
     q.add_argument("--force", action="store_true", help="write into a directory that already holds files")
     q.set_defaults(func=cmd_data_pack)
+
+    p = sub.add_parser("predict", help="run a trained network's forward pass over images, a data spec or a prompt",
+                       description="Class probabilities of a trained classifier (its predict step) over image "
+                                   "files, the validation split of --data SPEC or an npz; a language model's "
+                                   "continuation of --prompt.")
+    _add_network_options(p)
+    from deepdsl_runtime.predict import add_arguments as add_predict_arguments
+    add_predict_arguments(p)
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("refresh", help="regenerate the programs of a directory of networks (generated/ from networks/)")
     p.add_argument("--check", action="store_true", help="only list stale or missing programs (exit status 1 if any)")

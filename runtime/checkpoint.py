@@ -270,6 +270,17 @@ def recorded_iteration(path: str) -> int | None:
         return None
 
 
+def recorded_text(path: str, field: str) -> str | None:
+    """A text field a checkpoint at `path` records (`__augment__`), None where there is none (a plain .npz, a
+    safetensors file) or it cannot be read: only that field is read."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            value = archive[field]
+            return str(value) if value.dtype.kind == "U" and value.shape == () else None
+    except Exception:       # absent, not an archive, no such field: nothing recorded
+        return None
+
+
 def _entries(path: str) -> dict[str, np.ndarray]:
     """The arrays of an .npz file by name; any damage is a `CheckpointError` naming the file (and the field)."""
     if os.path.isdir(path):

@@ -1154,7 +1154,8 @@ class _Run:
         if self.pipeline is not None:        # the data set and the decoders its pixels came from
             from deepdsl_runtime.image_transforms import decoder_versions
             state.extra.update({"__data_digest__": np.array(self.pipeline.data.digest),
-                                "__decoder__": np.array(decoder_versions())})
+                                "__decoder__": np.array(decoder_versions()),
+                                "__augment__": np.array(getattr(self.args, "augment", "none"))})
         if self.best is not None:
             state.extra.update({"__best_metric__": np.array(self.args.keep_best),
                                 "__best_value__": np.array(self.best[0], dtype=np.float64),

@@ -256,6 +256,23 @@ def test_pick_unpick_precision():
     assert_same(evaluate(make("precision", (xn, yn)), {"x": x, "y": labels}), expected)
 
 
+def test_label_rank_is_the_labels_place_in_torch_topk():
+    """Each row's label rank: below k exactly where the label is among torch.topk's k best (no ties), 0 exactly
+    where precision counts the row; ties go to the lower column, as argmax's first maximum."""
+    x, labels = randn(50, 7), np.random.default_rng(3).integers(0, 7, 50).astype(np.int32)
+    xn, yn = leaf("x", x.shape), leaf("y", labels.shape, INT32)
+    ranks = evaluate(make("label_rank", (xn, yn)), {"x": x, "y": labels})
+    tl = torch.from_numpy(labels.astype(np.int64))
+    for k in range(1, 8):
+        among = (torch.topk(t(x), k, dim=1).indices == tl[:, None]).any(dim=1).numpy()
+        assert np.array_equal(ranks < k, among), k
+    assert np.array_equal(ranks == 0, x.argmax(1) == labels)
+    tied = np.array([[1.0, 3.0, 3.0, 0.0]] * 4)
+    got = evaluate(make("label_rank", (leaf("t", tied.shape), leaf("l", (4,), INT32))),
+                   {"t": tied, "l": np.array([1, 2, 0, 3], np.int32)})
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_losses():
     x, labels = randn(5, 4), np.array([0, 3, 1, 3, 2], dtype=np.int32)
     xn, yn = leaf("x", x.shape), leaf("y", labels.shape, INT32)

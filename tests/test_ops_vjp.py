@@ -571,7 +571,8 @@ NOT_DIFFERENTIATED = {
     "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
     "avg_pool_bwd": "backward op", "lrn_bwd": "backward op", "max_pool_argmax": "backward op (integer output)",
     # non-differentiable outputs
-    "precision": "piecewise constant", "bernoulli": "random integer mask",
+    "precision": "piecewise constant", "label_rank": "piecewise constant (a count)",
+    "bernoulli": "random integer mask",
 }
 
 

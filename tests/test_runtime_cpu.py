@@ -243,7 +243,7 @@ def test_lrn(shape, size):
     check(make("lrn_bwd", (leaf("g", shape), x), **attrs))
 
 
-@covers("softmax", "log_softmax", "pick", "unpick", "precision")
+@covers("softmax", "log_softmax", "pick", "unpick", "precision", "label_rank")
 def test_losses():
     rng = np.random.default_rng(2)
     x, labels = leaf("x", (6, 5)), leaf("y", (6,), INT32)
@@ -257,6 +257,9 @@ def test_losses():
     check(make("pick", (x, labels)), [scores, yv], exact=True)
     check(make("unpick", (leaf("g", (6,)), labels), classes=5), [scores[:, 0].copy(), yv], exact=True)
     check(make("precision", (x, labels)), [scores, yv], exact=True)
+    ties = np.round(scores / 20).astype(np.float32)                       # many equal scores
+    check(make("label_rank", (x, labels)), [ties, yv], exact=True)
+    check(make("label_rank", (x, labels)), [scores, yv], exact=True)
 
 
 @covers("bernoulli")

@@ -111,6 +111,27 @@ def test_precision_matches_numpy(ops, rows, classes):
     assert results[0][0] == F32(np.count_nonzero(x.argmax(axis=1) == labels)) / F32(rows)
 
 
+@pytest.mark.parametrize("rows,classes", [(1, 7), (300, 7), (1000, 10)])
+def test_label_rank_matches_numpy(ops, rows, classes):
+    from deepdsl_runtime.cpu.loss import label_rank
+
+    rng = np.random.default_rng(rows * classes)
+    x = np.round(rng.standard_normal((rows, classes)) * 2).astype(F32)        # with ties
+    labels = rng.integers(0, classes, rows).astype(np.int32)
+
+    def launch():
+        out = np.full(rows, np.nan, F32)
+        ops.run("deepdsl_label_rank", struct.pack("@IIPPP", rows, classes, _ptr(x), _ptr(labels), _ptr(out)),
+                (-(-rows // 256), 1), (256, 1, 1))
+        return out
+
+    results = _in_every_order(ops, launch)
+    _same_bits(results, "label_rank")
+    want = np.empty(rows, F32)
+    label_rank(x, labels, out=want)
+    assert np.array_equal(results[0], want)
+
+
 POOL = (3, 40, 40, 2, 2)                            # planes, h, w, kernel, stride: 2 forward, 5 backward tiles
 
 
