@@ -636,7 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, program_args = argv[:cut], argv[cut + 1:]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "predict":       # image files may come after the options
+        files = [a for a in extra if not a.startswith("-")]
+        args.files, extra = args.files + files, [a for a in extra if a.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if program_args and args.command != "run":
         parser.error("options after `--` are for `deepdsl run` only")
     args.program_args = program_args

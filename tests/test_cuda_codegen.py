@@ -502,7 +502,7 @@ def _steps(model, data, hyper=(0.01, 0.9, 0.001)):
     model.initialize(0)
     model.prepare(model.hyper(*hyper, 0))
     losses = [model.train_step(x, y, step=k, **model.hyper(*hyper, k)) for k, (x, y) in enumerate(data)]
-    accuracy, test_loss = model.test_step(*data[0])
+    accuracy, test_loss, _ = model.test_step(*data[0])
     return losses, accuracy, test_loss, model.host_tensors()
 
 

@@ -236,7 +236,7 @@ def test_test_step_matches_pytorch_eval(tmp_path):
     model.load_tensors(values)
     model.prepare(model.hyper(0.1, 0.9, 0.0, 0))
     (x, y), = batches(program, 1, rng)
-    accuracy, loss = model.test_step(x, y)
+    accuracy, loss, _ = model.test_step(x, y)
     twin = torch_nets.ResNetMini().float()
     load_twin(twin, values)
     twin.eval()
@@ -547,7 +547,7 @@ def _check_against_the_interpreter(name, batch, image, tmp_path, kernels="numpy"
     assert worst[0][1] <= tolerance, f"{name}: largest relative errors {worst}"
 
     model.load_tensors(values)
-    accuracy, test_loss = model.test_step(x, y)
+    accuracy, test_loss, _ = model.test_step(x, y)
     reference = run(compiled.test, feeds(compiled.test), seed=SEED)
     if any(isinstance(s, Let) and s.node.op == "precision" for s in compiled.test.body):
         assert accuracy == float(reference["accuracy"])

@@ -88,7 +88,7 @@ def run_steps(model_cls, mode, data, check=True, kernels="auto", threads=None):
     model.initialize(0)
     model.prepare(model.hyper(0.01, 0.9, 0.001, 0))
     losses = [model.train_step(x, y, step=k, **model.hyper(0.01, 0.9, 0.001, k)) for k, (x, y) in enumerate(data)]
-    accuracy, test_loss = model.test_step(*data[0])
+    accuracy, test_loss, _ = model.test_step(*data[0])
     return model, (losses, accuracy, test_loss)
 
 
