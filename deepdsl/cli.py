@@ -510,7 +510,7 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Compile the network (as `run` does: its program in .deepdsl/, its CPU kernels built), then run its predict
     step over what the options name (`deepdsl_runtime.predict`); what is not the result goes to standard error."""
-    import importlib.util
+    from types import SimpleNamespace
 
     from deepdsl.codegen import CodegenOptions
     from deepdsl.codegen.native import build_library, not_built
@@ -528,10 +528,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         built, why = build_library(path.with_suffix(".c"))
         if built is None:
             print(not_built(why), file=sys.stderr)
-    spec = importlib.util.spec_from_file_location(f"deepdsl_predict_{path.stem.replace('-', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return predict(model_class(module), args)
+    program: dict = {"__name__": "deepdsl_predict", "__file__": str(path)}     # run as `run --help` runs it
+    exec(compile(path.read_text(), str(path), "exec"), program)
+    return predict(model_class(SimpleNamespace(**program)), args)
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:

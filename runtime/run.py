@@ -320,6 +320,7 @@ def _training_length(model_cls, args) -> None:
     """--iters or --epochs, not both; without either, the network's own iterations (`Model.defaults`). With
     --epochs, `args.iters` stays 0 until the data is known (`_Run.count_epochs`)."""
     epochs = getattr(args, "epochs", None)
+    args.iters = getattr(args, "iters", None)
     if epochs is not None and args.iters is not None:
         raise RunError(f"--epochs {epochs} and --iters {args.iters} both say how long to train; give one of them")
     if args.iters is None:

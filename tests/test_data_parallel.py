@@ -107,11 +107,11 @@ def assert_bitwise(got: Path, want: Path):
     assert not differ, f"{got.name} and {want.name} differ in {differ}"
 
 
-def train(path: Path, out: Path, *args: str, ranks: int = 0, iters: int = 4) -> dict:
-    """Train `iters` iterations into checkpoint `out` (`ranks` > 0: under mpiexec with --data-parallel); the
-    report."""
+def train(path: Path, out: Path, *args: str, ranks: int = 0, iters: int | None = 4) -> dict:
+    """Train `iters` iterations (None: as `args` say) into checkpoint `out` (`ranks` > 0: under mpiexec with
+    --data-parallel); the report."""
     report = out.with_suffix(".json")
-    common = ("--iters", str(iters), "--params", str(out), "--report-json", str(report), "--test-iters", "1",
+    common = (*(("--iters", str(iters)) if iters is not None else ()), "--params", str(out), "--report-json", str(report), "--test-iters", "1",
               *SAME_BITS, *args)
     done = mpiexec(ranks, path, "--data-parallel", *common) if ranks else run_cli(path, *common, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -619,3 +619,18 @@ def test_a_rank_stopped_where_mpi_cannot_see_it_ends_the_job_after_the_rank_time
     assert "no progress for 3 s" in stderr and "ending the job" in stderr, stderr
     # on a line of its own, not after the progress bar's last state (which ends with a carriage return at most)
     assert any(line.startswith("lenet: rank 0: no progress for 3 s") for line in stderr.split("\n")), stderr
+
+
+def test_validation_during_training_gives_the_figures_of_one_process(lenet, tmp_path):
+    """--eval-every under two ranks: the same validation figures, log entries and best checkpoint as one process
+    accumulating two batches (each rank validates the whole split, summed in batch order)."""
+    common = ("--eval-every", "3", "--eval-batches", "5", "--keep-best", "accuracy", "--log-every", "2",
+              "--top-k", "3", "--epochs", "1")
+    train(lenet, tmp_path / "one.npz", "--accumulate", "2", "--log", str(tmp_path / "one.jsonl"), *common, iters=None)
+    train(lenet, tmp_path / "many.npz", "--log", str(tmp_path / "many.jsonl"), *common, ranks=2, iters=None)
+    fields = ("iteration", "epoch", "loss", "lr", "val_loss", "val_accuracy", "val_top3", "val_examples")
+    one, many = ([{k: e.get(k) for k in fields} for e in map(json.loads, (tmp_path / f"{n}.jsonl").open())]
+                 for n in ("one", "many"))
+    assert one == many and any(e["val_loss"] is not None for e in one)
+    assert one[-1]["iteration"] == -(-1497 // 16)          # one pass over digits in global batches of 16
+    assert_bitwise(tmp_path / "many.best.npz", tmp_path / "one.best.npz")

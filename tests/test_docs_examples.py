@@ -72,8 +72,8 @@ def test_hook_example_in_the_ir_guide_dumps_every_stage(capsys):
     example = code_block(text, "## Dumping after each stage")
     exec(compile("\n".join(example), "docs/ir.md", "exec"), {"__name__": "docs_example"})
     stages = re.findall(r"^== after (\S+?):?(?: |$)", capsys.readouterr().out, re.M)
-    assert stages[0] == "lenet_train:autodiff" and stages[-1] == "lenet_test:plan_memory"
-    for step in ("setup", "train", "test"):
+    assert stages[0] == "lenet_train:autodiff" and stages[-1] == "lenet_predict:plan_memory"
+    for step in ("setup", "train", "test", "predict"):
         for stage in ("linearize", "sink", "schedule", "inplace", "dealloc", "plan_memory"):
             assert f"lenet_{step}:{stage}" in stages
 

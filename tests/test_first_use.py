@@ -89,7 +89,7 @@ def _train_network(tmp_path, name: str, text: str):
 def test_a_network_of_float_targets_reports_its_metric_not_an_accuracy(tmp_path):
     _, done = _train_network(tmp_path, "autoencoder", AUTOENCODER)
     assert "test accuracy" not in done.stdout, done.stdout
-    assert "test metric (the Loop's second value) " in done.stdout and "(1 batch of 4)" in done.stdout, done.stdout
+    assert "test metric (the Loop's second value) " in done.stdout and "(4 examples in 1 batch of 4)" in done.stdout, done.stdout
 
 
 def test_a_run_on_the_synthetic_default_says_so(tmp_path):
@@ -109,7 +109,7 @@ def test_run_prints_the_program_s_help_without_writing_or_building_anything(tmp_
     began = time.monotonic()
     done = deepdsl("run", "lenet.py", "--", "--help", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: lenet.py [-h] [--iters ITERS]"), done.stdout[:300]
+    assert done.stdout.startswith("usage: lenet.py [-h] [--iters N]"), done.stdout[:300]
     assert "--data-parallel" in done.stdout and "wrote" not in done.stdout and "running it" not in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lenet.py"]         # no .deepdsl/, no library
     assert time.monotonic() - began < 120

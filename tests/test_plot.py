@@ -273,7 +273,12 @@ def test_failed_write_leaves_the_old_picture(tmp_path, two_logs, capsys, monkeyp
     out = tmp_path / "c.png"
     out.write_bytes(b"old")
 
-    def broken(self, *args, **kwargs):
+    def broken(self, fname, *args, **kwargs):        # a disk that fills up halfway through the picture
+        if isinstance(fname, (str, os.PathLike)):
+            with open(fname, "wb") as f:
+                f.write(b"part")
+        else:
+            fname.write(b"part")
         raise OSError(28, "No space left on device")
 
     from matplotlib.figure import Figure
