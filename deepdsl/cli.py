@@ -620,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_arguments(p)
     p.set_defaults(func=cmd_predict)
 
+    p = sub.add_parser("plot", help="training curves of metric logs (--log run.jsonl): loss, validation accuracy, "
+                                    "learning rate",
+                       description="Draw the curves of one or more runs' metric logs on one figure.")
+    from deepdsl import plot
+    plot.add_arguments(p)
+    p.set_defaults(func=lambda args: plot.main(args))
+
     p = sub.add_parser("refresh", help="regenerate the programs of a directory of networks (generated/ from networks/)")
     p.add_argument("--check", action="store_true", help="only list stale or missing programs (exit status 1 if any)")
     p.add_argument("--networks", default="networks", metavar="DIR", help="directory of network files")

@@ -280,3 +280,19 @@ def test_a_language_model_continues_a_prompt_deterministically(tmp_path):
     assert first["peak_bytes_measured"] == first["peak_bytes_planned"]
     done = predict(str(network), "--batch", "4", "--params", str(params), "--prompt", "", cwd=tmp_path)
     assert done.returncode == 1 and "--prompt is empty" in done.stderr
+
+
+def test_plot_through_the_cli_draws_the_logs_of_runs(lenet, tmp_path):
+    pytest.importorskip("matplotlib")
+    for name, lr in (("a", "0.01"), ("b", "0.02")):
+        ok(run_cli(lenet, "--iters", "12", "--eval-every", "6", "--log-every", "3", "--log", str(tmp_path / f"{name}.jsonl"),
+                   "--params", "", "--test-iters", "0", "--lr", lr, timeout=TIMEOUT))
+    done = subprocess.run([sys.executable, "-m", "deepdsl", "plot", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+                           "-o", str(tmp_path / "curves.png")], capture_output=True, text=True, env=program_env(),
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert "2 runs" in done.stdout
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    done = subprocess.run([sys.executable, "-m", "deepdsl", "plot", str(tmp_path / "missing.jsonl")],
+                          capture_output=True, text=True, env=program_env(), timeout=TIMEOUT)
+    assert done.returncode == 1 and "missing.jsonl" in done.stderr and "Traceback" not in done.stderr
