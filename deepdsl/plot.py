@@ -203,15 +203,13 @@ def figure(runs: Sequence[tuple[str, Sequence[dict]]], smooth: int | None = None
             lrs.extend(ly)
             lr_ax.plot(lx, ly, color=color, linewidth=1.5, gid=f"{name}:lr", label=f"{name} learning rate")
 
-    # loss: the runs' colours, and what each line style means
+    # loss: the runs' colours, then what each line style means (one legend per panel: constrained layout makes
+    # room beside the axes for that one only)
     loss_ax.set_ylabel("loss")
     loss_ax.grid(True, alpha=0.3)
     if not loss_ax.lines:
         _say(loss_ax, "no loss in these logs")
-    runs_legend = loss_ax.legend([Line2D([], [], color=palette[i % len(palette)], linewidth=2)
-                                  for i in range(len(runs))], [name for name, _ in runs], title="runs",
-                                 loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
-                                 ncols=1 if len(runs) <= 12 else 2)
+    key = [(Line2D([], [], color=palette[i % len(palette)], linewidth=2), name) for i, (name, _) in enumerate(runs)]
     styles = []
     if any(line.get_gid().endswith(":loss") for line in loss_ax.lines):
         styles.append((Line2D([], [], color="0.35", linewidth=0.7, alpha=0.5), "training loss"))
@@ -222,8 +220,9 @@ def figure(runs: Sequence[tuple[str, Sequence[dict]]], smooth: int | None = None
         styles.append((Line2D([], [], color="0.35", linestyle="--", linewidth=1, marker="o", markersize=4),
                        "validation loss"))
     if styles:
-        loss_ax.legend(*zip(*styles), loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize="small")
-        loss_ax.add_artist(runs_legend)
+        key += [(Line2D([], [], linestyle="none"), ""), *styles]
+    loss_ax.legend(*zip(*key), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                   ncols=1 if len(runs) <= 16 else 2)
 
     # validation accuracy: top-1 and every top-K, in [0, 1]
     acc_ax.set_ylabel("validation accuracy")

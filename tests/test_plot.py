@@ -161,6 +161,20 @@ def test_figure_legend_titles_and_axes(two_logs):
     assert plot.figure([("alpha", a)], title="mine")._suptitle.get_text() == "mine"
 
 
+def test_legends_lie_inside_the_picture(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    name = "a-run-with-a-rather-long-name-of-many-words-" * 2
+    runs = [(f"{name}{i}", entries_of(50, 1.0 + i)) for i in range(6)]
+    fig = plot.figure(runs)
+    FigureCanvasAgg(fig).draw()
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 2
+    for legend in legends:
+        extent = legend.get_window_extent()
+        assert fig.bbox.x0 <= extent.x0 and extent.x1 <= fig.bbox.x1 and extent.y1 <= fig.bbox.y1
+
+
 def test_smoothing_window(two_logs):
     (_, a), _ = two_logs
     ys = [e["loss"] for e in a]
