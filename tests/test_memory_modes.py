@@ -97,7 +97,7 @@ def test_every_mode_measures_the_planned_peak_and_computes_the_same_bits(name, i
     compiled, model_cls = program(name, image, tmp_path_factory)
     data = batches(model_cls, 2)
     train, test = compiled.steps["train"].plan, compiled.steps["test"].plan
-    results = {}
+    results, probabilities = {}, {}
     for mode in MODES:
         model, outputs = run_steps(model_cls, mode, data, kernels="numpy", threads=MODE_THREADS[mode])
         usage = model.mem.usage
@@ -109,6 +109,13 @@ def test_every_mode_measures_the_planned_peak_and_computes_the_same_bits(name, i
         allocations = sum(1 for s in train.steps if s.allocates is not None) + \
             sum(1 for b in train.buffers if b.value.op == "input")
         assert usage["train_step"].allocations == allocations, mode
+        # the predict step (the forward pass alone) on the trained tensors: its own plan's peak, the same bits
+        predicted = model.predict_step(data[0][0])
+        predict = compiled.steps["predict"].plan
+        assert usage["predict_step"].peak_bytes == planned_peak(predict, mode), mode
+        assert usage["predict_step"].workspace_bytes == predict.workspace_bytes, mode
+        probabilities.setdefault("static", predicted)
+        assert np.array_equal(predicted, probabilities["static"]), mode
         results[mode] = outputs, model.host_tensors()
     (reference, tensors), *others = results.values()
     assert all(np.isfinite(reference[0]))

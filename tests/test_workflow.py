@@ -195,6 +195,32 @@ def test_tensorboard_events_hold_the_logged_figures(lenet, tmp_path):
                                                     for e in entries if "val_accuracy" in e]
 
 
+def test_tensorboard_hides_what_a_stopped_run_wrote_after_its_checkpoint(lenet, tmp_path):
+    """A run went on past its checkpoint (to 20), then resumed from the checkpoint (10) to 30: TensorBoard shows
+    each step once, those after 10 from the resumed run, equal to an uninterrupted run's."""
+    pytest.importorskip("tensorboardX")
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    common = ("--log-every", "2", "--test-iters", "0", "--quiet")
+    params, kept = tmp_path / "p.npz", tmp_path / "p10.npz"
+    ok(run_cli(lenet, "--iters", "10", "--params", str(params), "--tensorboard", str(tmp_path / "tb"), *common,
+               timeout=TIMEOUT))
+    kept.write_bytes(params.read_bytes())
+    ok(run_cli(lenet, "--iters", "20", "--params", str(params), "--tensorboard", str(tmp_path / "tb"), *common,
+               timeout=TIMEOUT))
+    params.write_bytes(kept.read_bytes())
+    ok(run_cli(lenet, "--iters", "30", "--params", str(params), "--tensorboard", str(tmp_path / "tb"), *common,
+               timeout=TIMEOUT))
+    ok(run_cli(lenet, "--iters", "30", "--params", str(tmp_path / "s.npz"), "--tensorboard", str(tmp_path / "s"),
+               *common, timeout=TIMEOUT))
+    shown = []
+    for board in ("tb", "s"):
+        events = accumulator.EventAccumulator(str(tmp_path / board))
+        events.Reload()
+        shown.append([(s.step, s.value) for s in events.Scalars("train/loss")])
+    assert [step for step, _ in shown[0]] == list(range(2, 31, 2))
+    assert shown[0] == shown[1]
+
+
 def predict(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = program_env()
     return subprocess.run([sys.executable, "-m", "deepdsl", "predict", *args], capture_output=True, text=True,
