@@ -533,6 +533,43 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return predict(model_class(SimpleNamespace(**program)), args)
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    """`deepdsl import MODEL.py:FACTORY --input ...`: the network file and its weights (`deepdsl.torch_import`);
+    every unsupported op one line on standard error, nothing written then."""
+    from deepdsl import torch_import as ti
+
+    inputs = [ti.InputSpec.parse(text) for text in args.input]
+    if args.labels is not None and args.labels < 1:
+        raise DeepDSLError(f"--labels must be >= 1, got {args.labels}")
+    name = args.name or (Path(args.output).stem if args.output else None)
+    out = Path(args.output) if args.output else Path(f"{name or ti._default_name(args.model)}.py")
+    weights = out.with_name(f"{out.stem}.weights.npz")
+    for option, path in (("-o", out), ("its weights", weights)):
+        if path.exists() and not args.force:
+            raise DeepDSLError(f"{option} {path} exists; choose another -o, or add --force to replace it")
+        if path.is_dir():
+            raise DeepDSLError(f"{option} {path} is a directory")
+    try:
+        imported = ti.import_module(args.model, inputs, args.labels, name or out.stem)
+    except ti.UnsupportedOps as err:
+        print(f"deepdsl: error: {err}", file=sys.stderr)
+        for line in err.lines:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    import numpy as np
+
+    from deepdsl_runtime.checkpoint import atomic_write
+
+    text = imported.text.replace(f"{imported.name}.weights.npz", weights.name)
+    with _writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(str(weights), lambda f: np.savez(f, **imported.weights))
+        atomic_write(str(out), lambda f: f.write(text.encode()))
+    print(f"wrote {out} ({len(imported.weights)} tensors, {imported.parameters:,} parameters) and {weights}")
+    print(f"train it: deepdsl run {out} -- --init-from {weights} --data SPEC")
+    return 0
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     from deepdsl.codegen.refresh import refresh
 
@@ -619,6 +656,22 @@ def build_parser() -> argparse.ArgumentParser:
     from deepdsl_runtime.predict import add_arguments as add_predict_arguments
     add_predict_arguments(p)
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("import", help="a PyTorch nn.Module as a network file and its weights (torch.export)",
+                       description="Export MODEL.py:FACTORY's module with torch.export and write it as a deepdsl "
+                                   "network file (one line per layer, named after the module paths) and its "
+                                   "weights under deepdsl's names.")
+    p.add_argument("model", metavar="MODEL.py:FACTORY", help="a file and the class or function in it that makes "
+                                                              "the module (called with no arguments)")
+    p.add_argument("--input", action="append", required=True, metavar="NxCxHxW[:DTYPE]",
+                   help="the shape of the module's input (the first size the batch), e.g. 8x3x224x224, or 2x16:int64 "
+                        "for tokens")
+    p.add_argument("--labels", type=int, metavar="K", help="classes (checked against the module's output)")
+    p.add_argument("--name", help="the network's name (default: -o's stem, else the factory's)")
+    p.add_argument("-o", "--output", metavar="NET.py", help="network file to write (default: NAME.py); the "
+                                                            "weights go beside it as NET.weights.npz")
+    p.add_argument("--force", action="store_true", help="replace existing files")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("plot", help="training curves of metric logs (--log run.jsonl): loss, validation accuracy, "
                                     "learning rate",

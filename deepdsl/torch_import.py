@@ -1,0 +1,635 @@
+"""`deepdsl import MODEL.py:FACTORY --input 8x3x224x224 [--labels K] [-o net.py]`: a PyTorch `nn.Module` as a
+deepdsl network file and its weights, through `torch.export`.
+
+FACTORY (a class, or a function returning the module) is called with no arguments, the module exported in
+training mode on example inputs of the shapes given, and its graph walked in order: every ATen op of the export's
+training IR that keeps layers whole (`aten.conv2d`, `batch_norm`, `linear`, `max_pool2d`, ...) becomes one line of
+the network file, named after the module it belongs to (`layer1.0.conv1` -> `layer1_0_conv1`), so the file reads
+as the module does and its parameters carry PyTorch's `state_dict` names (`layer1_0_conv1_W` is
+`layer1.0.conv1.weight`). The weights are written beside it under deepdsl's names (`--init-from` takes them).
+
+Ops with no DSL counterpart are all listed at once, one line per distinct op naming the user's file and line, the
+module path and class, the ATen op and what to do; nothing is written then. torch is needed only here.
+"""
+from __future__ import annotations
+
+import keyword
+import os
+import re
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from deepdsl.errors import DeepDSLError
+
+INPUT = re.compile(r"^(\d+(?:x\d+)*)(?::(float32|float64|int32|int64))?$")
+
+
+class ImportProblem(DeepDSLError):
+    """An importer error, said as one line (or, for unsupported ops, one line per op)."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def parse(cls, text: str) -> "InputSpec":
+        match = INPUT.match(text.strip())
+        if not match:
+            raise ImportProblem(f"--input {text}: expected sizes joined by 'x' and an optional dtype, e.g. "
+                                "8x3x224x224 or 2x16:int64")
+        shape = tuple(int(s) for s in match.group(1).split("x"))
+        if any(s < 1 for s in shape):
+            raise ImportProblem(f"--input {text}: every size must be >= 1")
+        return cls(shape, match.group(2) or "float32")
+
+    @property
+    def tokens(self) -> bool:
+        return self.dtype.startswith("int")
+
+
+def load_factory(target: str):
+    """The module FACTORY of MODEL.py builds: FACTORY a class or a function, called with no arguments."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise ImportProblem(f"{target}: expected MODEL.py:FACTORY (a class or a function returning the module)")
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ImportProblem(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
+    module = types.ModuleType(f"deepdsl_import_{Path(path).stem}")
+    module.__file__ = os.path.abspath(path)
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 -- the user's file: any error is one line naming it
+        raise ImportProblem(f"{path}: {type(err).__name__}: {err}") from None
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise ImportProblem(f"{path}: defines no '{name}'")
+    try:
+        built = factory()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001
+        raise ImportProblem(f"{path}:{name}(): {type(err).__name__}: {err}") from None
+    import torch
+
+    if not isinstance(built, torch.nn.Module):
+        raise ImportProblem(f"{path}:{name}() returned a {type(built).__name__}, not a torch.nn.Module")
+    return built, module.__file__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the walk over the exported graph
+
+@dataclass
+class Unsupported:
+    op: str
+    where: str            # the user's file and line
+    module: str           # module path and class
+    advice: str
+    count: int = 1
+
+
+ADVICE = {
+    "aten.scaled_dot_product_attention.default": "not supported yet: write the attention with D.softmax or "
+                                                 "D.causal_softmax and matrix products (docs/porting.md)",
+    "aten.permute.default": "permutations of three or more axes are not supported yet: use x.transpose(i, j)",
+    "aten.where.self": "not supported yet (masks other than the causal pattern)",
+    "aten.masked_fill.Scalar": "not supported yet (masks other than the causal pattern: D.causal_softmax)",
+    "aten.expand.default": "not supported yet (a parameter broadcast along the batch)",
+    "aten.index.Tensor": "not supported yet (indexing by a tensor)",
+}
+
+
+def _shown_path(path: str) -> str:
+    """A file as errors name it: relative to the current directory where it lies below it."""
+    relative = os.path.relpath(path) if not path.startswith("<") else path
+    return path if relative.startswith("..") else relative
+
+
+def _short(target) -> str:
+    return f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}" if hasattr(target, "_schema") \
+        else str(target)
+
+
+@dataclass
+class Network:
+    """What the walk makes: the lines of the forward function, the layers' weights, the output's node."""
+
+    lines: list[str] = field(default_factory=list)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    unsupported: dict[str, Unsupported] = field(default_factory=dict)
+    uses_gelu: bool = False
+
+
+class Walk:
+    """One pass over the exported program's nodes in order: a handler per ATen op writes the DSL line of its node
+    (`handlers`) and records its parameters; an op without one is recorded as unsupported."""
+
+    def __init__(self, exported, state: dict, user_file: str):
+        self.ep, self.state, self.user_file = exported, state, user_file
+        signature = exported.graph_signature
+        self.param_of = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+        self.names: dict[str, str] = {}           # node name -> its Python variable in the network file
+        self.taken: set[str] = set()
+        self.net = Network()
+        self.vocab = 0                            # the first embedding's vocabulary (of token inputs)
+
+    # naming ------------------------------------------------------------------------------------------------
+    def variable(self, wanted: str) -> str:
+        base = re.sub(r"\W", "_", wanted).strip("_") or "h"
+        if base[0].isdigit() or keyword.iskeyword(base) or base in ("D", "x", "y", "network", "forward"):
+            base = f"h_{base}"
+        name, k = base, 1
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    @staticmethod
+    def module_path(node, qualified: bool = False) -> tuple[str, str]:
+        """The path of the module `node` belongs to and its class (qualified: with its module's name)."""
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            return "", ""
+        path, kind = list(stack.values())[-1]
+        kind = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+        return path, kind if qualified else kind.rsplit(".", 1)[-1]
+
+    def value_name(self, node, op: str) -> str:
+        """The name of a parameter-free op's value: its module's path where the module is one of torch.nn's own
+        (`self.pool = nn.AdaptiveAvgPool2d(1)`: `pool`), else the path and the op (`layer1_0_relu`)."""
+        path, kind = self.module_path(node, qualified=True)
+        path = path.replace(".", "_")
+        if path and kind.startswith("torch.nn.modules.") and path not in self.taken:
+            return path
+        return f"{path}_{op}" if path else op
+
+    def where(self, node) -> str:
+        """The user's file and line that made `node` (the innermost frame of the stack in a file not of torch)."""
+        trace = node.meta.get("stack_trace") or ""
+        found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        torch_dir = os.path.dirname(sys.modules["torch"].__file__)
+        for file, line in reversed(found):
+            if not os.path.abspath(file).startswith(torch_dir):
+                return f"{_shown_path(file)}:{line}"
+        return _shown_path(self.user_file)
+
+    def layer_name(self, weight_node) -> str:
+        """A layer's name from its weight's `state_dict` key (`layer1.0.conv1.weight` -> `layer1_0_conv1`)."""
+        key = self.param_of[weight_node.name]
+        return key.rpartition(".")[0].replace(".", "_") or key.replace(".", "_")
+
+    def take(self, node, layer: str, suffix: str, arg) -> None:
+        """The parameter or buffer `arg` (a placeholder) as `<layer>_<suffix>` of the weights file."""
+        if arg is None:
+            return
+        key = self.param_of[arg.name]
+        self.net.weights[f"{layer}_{suffix}"] = self.state[key].detach().cpu().numpy().astype(np.float32)
+
+    def arg(self, a) -> str:
+        return self.names[a.name]
+
+    def emit(self, node, wanted: str, expression: str) -> None:
+        name = self.variable(wanted)
+        self.names[node.name] = name
+        self.net.lines.append(f"{name} = {expression}")
+
+    def refuse(self, node, advice: str | None = None) -> None:
+        op = _short(node.target)
+        seen = self.net.unsupported.get(op)
+        if seen is not None:
+            seen.count += 1
+            return
+        path, kind = self.module_path(node)
+        module = f"{path} ({kind})" if path else f"{kind or 'the model'} (the model itself)"
+        self.net.unsupported[op] = Unsupported(op, self.where(node), module, advice or ADVICE.get(
+            op, "not supported yet: no DSL layer computes it"))
+
+    # the walk ------------------------------------------------------------------------------------------------
+    def run(self, inputs: list[str]) -> str:
+        user = list(self.ep.graph_signature.user_inputs)
+        for name, variable in zip(user, inputs):
+            self.names[name] = variable
+            self.taken.add(variable)
+        output = None
+        for node in self.ep.graph.nodes:
+            if node.op == "call_function":
+                handler = HANDLERS.get(_short(node.target))
+                if handler is None:
+                    self.refuse(node)
+                    self.names[node.name] = "None"
+                else:
+                    handler(self, node)
+            elif node.op == "output":
+                outputs = [o for o in node.args[0] if o is not None and o.name in self.names and
+                           o.name not in self.param_of]
+                user_outputs = [o for o in self.ep.graph_signature.user_outputs]
+                if len(user_outputs) != 1:
+                    raise ImportProblem(f"the module returns {len(user_outputs)} values; a network returns one "
+                                        "tensor of scores")
+                output = next((self.names[o.name] for o in outputs if o.name == user_outputs[0]), None)
+        return output
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# handlers: one per ATen op of the training IR
+
+HANDLERS: dict = {}
+
+
+def handles(*ops: str):
+    def register(f):
+        for op in ops:
+            HANDLERS[op] = f
+        return f
+    return register
+
+
+def _pair(value) -> int | tuple[int, int]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(values) == 1:
+        return int(values[0])
+    a, b = (int(v) for v in values)
+    return a if a == b else (a, b)
+
+
+def _keyword(name: str, value, default) -> str:
+    return "" if value == default else f", {name}={value!r}"
+
+
+@handles("aten.conv2d.default")
+def _conv(walk: Walk, node) -> None:
+    defaults = (None, None, None, 1, 0, 1, 1)         # conv2d(input, weight, bias, stride, padding, dilation, groups)
+    x, weight, bias, stride, padding, dilation, groups = list(node.args) + list(defaults[len(node.args):])
+    if isinstance(padding, str):
+        walk.refuse(node, "padding given as a string ('same'): give the padding in numbers")
+        return
+    layer = walk.layer_name(weight)
+    out, _, kh, kw = weight.meta["val"].shape
+    walk.take(node, layer, "W", weight)
+    walk.take(node, layer, "B", bias)
+    kernel = _pair((kh, kw))
+    options = (_keyword("stride", _pair(stride), 1) + _keyword("padding", _pair(padding), 0) +
+               _keyword("dilation", _pair(dilation), 1) + _keyword("groups", int(groups), 1) +
+               ("" if bias is not None else ", bias=False"))
+    walk.emit(node, layer, f'D.conv("{layer}", {kernel!r}, {int(out)}{options})({walk.arg(x)})')
+
+
+@handles("aten.conv_transpose2d.input")
+def _conv_transpose(walk: Walk, node) -> None:
+    args = list(node.args) + [None] * (8 - len(node.args))
+    x, weight, bias, stride, padding, output_padding, groups, dilation = args
+    _, out, kh, kw = weight.meta["val"].shape
+    stride, padding = _pair(stride or 1), _pair(padding or 0)
+    output_padding, dilation = _pair(output_padding or 0), _pair(dilation or 1)
+    if kh != kw or not all(isinstance(v, int) for v in (stride, padding, output_padding)) or dilation != 1 or \
+            (groups or 1) != 1:
+        walk.refuse(node, "only square kernels, equal strides and paddings, no dilation or groups: "
+                          "D.conv_transpose")
+        return
+    layer = walk.layer_name(weight)
+    walk.take(node, layer, "W", weight)
+    walk.take(node, layer, "B", bias)
+    options = (_keyword("stride", stride, 1) + _keyword("padding", padding, 0) +
+               _keyword("output_padding", output_padding, 0) + ("" if bias is not None else ", bias=False"))
+    walk.emit(node, layer, f'D.conv_transpose("{layer}", {int(kh)}, {int(out)}{options})({walk.arg(x)})')
+
+
+@handles("aten.batch_norm.default")
+def _batch_norm(walk: Walk, node) -> None:
+    x, weight, bias, mean, var, _training, momentum, eps, *_ = node.args
+    if weight is None or bias is None or mean is None:
+        walk.refuse(node, "batch norm without affine parameters or running statistics is not supported yet")
+        return
+    layer = walk.layer_name(weight)
+    for suffix, a in (("W", weight), ("B", bias), ("mean", mean), ("var", var)):
+        walk.take(node, layer, suffix, a)
+    options = _keyword("eps", float(eps), 1e-5) + _keyword("momentum", float(momentum), 0.1)
+    walk.emit(node, layer, f'D.batch_norm("{layer}"{options})({walk.arg(x)})')
+
+
+@handles("aten.layer_norm.default")
+def _layer_norm(walk: Walk, node) -> None:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, shape, weight, bias, eps = args[:5]
+    if (weight is None) != (bias is None):
+        walk.refuse(node, "layer norm with a weight but no bias (or the reverse) is not supported yet")
+        return
+    if weight is None:
+        name = walk.variable(f"{walk.module_path(node)[0].replace('.', '_') or 'layer_norm'}")
+        walk.taken.discard(name)
+        layer, affine = name, ", affine=False"
+    else:
+        layer, affine = walk.layer_name(weight), ""
+        walk.take(node, layer, "W", weight)
+        walk.take(node, layer, "B", bias)
+    options = _keyword("axes", len(shape), 1) + _keyword("eps", float(eps if eps is not None else 1e-5), 1e-5)
+    walk.emit(node, layer, f'D.layer_norm("{layer}"{options}{affine})({walk.arg(x)})')
+
+
+@handles("aten.linear.default")
+def _linear(walk: Walk, node) -> None:
+    x, weight, *rest = node.args
+    bias = rest[0] if rest else None
+    layer = walk.layer_name(weight)
+    out = int(weight.meta["val"].shape[0])
+    walk.take(node, layer, "W", weight)
+    walk.take(node, layer, "B", bias)
+    walk.emit(node, layer, f'D.full("{layer}", {out}{"" if bias is not None else ", bias=False"})({walk.arg(x)})')
+
+
+@handles("aten.embedding.default")
+def _embedding(walk: Walk, node) -> None:
+    weight, indices = node.args[:2]
+    layer = walk.layer_name(weight)
+    vocab, dim = (int(s) for s in weight.meta["val"].shape)
+    walk.take(node, layer, "W", weight)
+    walk.vocab = walk.vocab or vocab
+    walk.emit(node, layer, f'D.embedding("{layer}", {vocab}, {dim})({walk.arg(indices)})')
+
+
+def _simple(wanted: str, expression: str):
+    def handle(walk: Walk, node) -> None:
+        walk.emit(node, walk.value_name(node, wanted), expression.format(walk.arg(node.args[0])))
+    return handle
+
+
+for _op in ("aten.relu.default", "aten.relu_.default"):
+    HANDLERS[_op] = _simple("relu", "D.relu({})")
+HANDLERS["aten.sigmoid.default"] = _simple("sigmoid", "D.sigmoid({})")
+HANDLERS["aten.tanh.default"] = _simple("tanh", "D.tanh({})")
+
+
+@handles("aten.hardtanh.default", "aten.hardtanh_.default")
+def _hardtanh(walk: Walk, node) -> None:
+    low, high = (list(node.args[1:]) + [-1.0, 1.0])[:2]
+    if float(low) != 0.0:
+        walk.refuse(node, "hardtanh with a floor other than 0 is not supported yet (ReLU6 is: D.clipped_relu(6))")
+        return
+    _simple("relu6", f"D.clipped_relu({float(high)!r})({{}})")(walk, node)
+
+
+@handles("aten.gelu.default")
+def _gelu(walk: Walk, node) -> None:
+    if node.kwargs.get("approximate", "none") != "none":
+        walk.refuse(node, "tanh-approximated GELU is not supported yet: nn.GELU() (exact)")
+        return
+    walk.net.uses_gelu = True
+    _simple("gelu", "gelu({})")(walk, node)
+
+
+@handles("aten.silu.default", "aten.silu_.default")
+def _silu(walk: Walk, node) -> None:
+    _simple("silu", 'D.elementwise("silu", "v * sigmoid(v)")({})')(walk, node)
+
+
+@handles("aten.dropout.default")
+def _dropout(walk: Walk, node) -> None:
+    x, p = node.args[:2]
+    _simple("dropout", f"D.dropout({float(p)!r})({{}})")(walk, node)
+
+
+@handles("aten.max_pool2d.default")
+def _max_pool(walk: Walk, node) -> None:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    x, kernel, stride, padding, dilation, ceil = args
+    kernel, stride = _pair(kernel), _pair(stride if stride else kernel)
+    padding, dilation = _pair(padding or 0), _pair(dilation or 1)
+    if not all(isinstance(v, int) for v in (kernel, stride, padding)) or dilation != 1:
+        walk.refuse(node, "max pooling over windows that are not square, or dilated, is not supported yet")
+        return
+    options = _keyword("stride", stride, kernel) + _keyword("padding", padding, 0) + _keyword("ceil", bool(ceil),
+                                                                                              False)
+    _simple("max_pool", f"D.max_pool({kernel}{options})({{}})")(walk, node)
+
+
+@handles("aten.avg_pool2d.default")
+def _avg_pool(walk: Walk, node) -> None:
+    args = list(node.args) + [None] * (7 - len(node.args))
+    x, kernel, stride, padding, ceil, include_pad, divisor = args
+    kernel, stride, padding = _pair(kernel), _pair(stride if stride else kernel), _pair(padding or 0)
+    if not all(isinstance(v, int) for v in (kernel, stride, padding)) or divisor is not None:
+        walk.refuse(node, "average pooling over windows that are not square, or with a divisor, is not supported "
+                          "yet")
+        return
+    options = (_keyword("stride", stride, kernel) + _keyword("padding", padding, 0) +
+               _keyword("ceil", bool(ceil), False) + _keyword("include_pad", bool(include_pad is not False), True))
+    _simple("avg_pool", f"D.avg_pool({kernel}{options})({{}})")(walk, node)
+
+
+@handles("aten.adaptive_avg_pool2d.default")
+def _adaptive_avg_pool(walk: Walk, node) -> None:
+    size = _pair(node.args[1])
+    _simple("pool", "D.avg_pool()({})" if size == 1 else f"D.adaptive_avg_pool({size!r})({{}})")(walk, node)
+
+
+@handles("aten.flatten.using_ints")
+def _flatten(walk: Walk, node) -> None:
+    x, start, *end = node.args
+    rank = len(x.meta["val"].shape)
+    end = end[0] if end else -1
+    if start != 1 or end not in (-1, rank - 1):
+        walk.refuse(node, "flattening other axes than all but the batch is not supported yet: x.reshape(...)")
+        return
+    _simple("flatten", "D.flatten({})")(walk, node)
+
+
+@handles("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+def _reshape(walk: Walk, node) -> None:
+    shape = tuple(int(s) for s in node.meta["val"].shape)
+    _simple("reshape", f"{{}}.reshape{shape!r}")(walk, node)
+
+
+@handles("aten.transpose.int")
+def _transpose(walk: Walk, node) -> None:
+    x, a, b = node.args
+    _simple("transpose", f"{{}}.transpose({int(a)}, {int(b)})")(walk, node)
+
+
+@handles("aten.mean.dim")
+def _mean(walk: Walk, node) -> None:
+    x, axes, *rest = node.args
+    keep = bool(rest[0]) if rest else False
+    axes = tuple(int(a) % len(x.meta["val"].shape) for a in axes)
+    _simple("mean", f"{{}}.mean({axes if len(axes) > 1 else axes[0]!r}{', keepdims=True' if keep else ''})")(
+        walk, node)
+
+
+def _binary(symbol: str, name: str):
+    def handle(walk: Walk, node) -> None:
+        a, b = node.args[:2]
+        if node.kwargs.get("alpha", 1) != 1:
+            walk.refuse(node, f"{name} with alpha is not supported yet")
+            return
+        left = walk.arg(a) if hasattr(a, "name") else repr(float(a))
+        right = walk.arg(b) if hasattr(b, "name") else repr(float(b))
+        walk.emit(node, walk.value_name(node, name), f"{left} {symbol} {right}")
+    return handle
+
+
+for _op, _symbol, _name in (("aten.add.Tensor", "+", "add"), ("aten.add_.Tensor", "+", "add"),
+                            ("aten.mul.Tensor", "*", "mul"), ("aten.sub.Tensor", "-", "sub"),
+                            ("aten.div.Tensor", "/", "div"), ("aten.matmul.default", "@", "matmul")):
+    HANDLERS[_op] = _binary(_symbol, _name)
+_add = HANDLERS["aten.add_.Tensor"]
+
+
+def _add_in_place(walk: Walk, node) -> None:
+    """`num_batches_tracked += 1` of batch norm (a counter deepdsl does not keep) is left out; other in-place sums
+    are sums."""
+    target = node.args[0]
+    if target.op == "placeholder" and walk.param_of.get(target.name, "").endswith("num_batches_tracked"):
+        return
+    _add(walk, node)
+
+
+HANDLERS["aten.add_.Tensor"] = _add_in_place
+
+
+@handles("aten.cat.default")
+def _cat(walk: Walk, node) -> None:
+    tensors, *rest = node.args
+    axis = int(rest[0]) if rest else 0
+    rank = len(tensors[0].meta["val"].shape)
+    if axis % rank != 1:
+        walk.refuse(node, "concatenation along another axis than the channels is not supported yet")
+        return
+    walk.emit(node, walk.value_name(node, "cat"), f"D.concat({', '.join(walk.arg(t) for t in tensors)})")
+
+
+@handles("aten.upsample_nearest2d.vec", "aten.upsample_bilinear2d.vec")
+def _upsample(walk: Walk, node) -> None:
+    x, size, *rest = node.args
+    h, w = x.meta["val"].shape[2:]
+    oh, ow = node.meta["val"].shape[2:]
+    if oh % h or ow % w or oh // h != ow // w or (rest and rest[0] and "bilinear" in str(node.target)):
+        walk.refuse(node, "upsampling by a whole factor, the same on both axes (bilinear without align_corners) is "
+                          "what D.upsample does")
+        return
+    mode = "bilinear" if "bilinear" in str(node.target) else "nearest"
+    _simple("upsample", f"D.upsample({oh // h}{', ' + repr(mode) if mode != 'nearest' else ''})({{}})")(walk, node)
+
+
+@handles("aten.contiguous.default", "aten.clone.default", "aten.detach.default", "aten.alias.default")
+def _same(walk: Walk, node) -> None:
+    walk.names[node.name] = walk.arg(node.args[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the network file
+
+@dataclass
+class Imported:
+    text: str                             # the network file
+    weights: dict[str, np.ndarray]        # by deepdsl's names
+    name: str
+    parameters: int                       # trained parameters (running statistics not counted)
+    module: object = None                 # the nn.Module exported
+
+
+def import_module(target: str, inputs: list[InputSpec], labels: int | None = None, name: str | None = None,
+                  batch_first: bool = True) -> Imported:
+    """The network file and weights of FACTORY's module (see the module's docstring); `ImportProblem` naming every
+    unsupported op at once."""
+    try:
+        import torch
+    except ImportError:
+        raise ImportProblem("deepdsl import needs PyTorch: pip install torch (the importer's only use of it)") \
+            from None
+    module, user_file = load_factory(target)
+    if len(inputs) != 1:
+        raise ImportProblem(f"{len(inputs)} --input given: a deepdsl network takes one input (images or tokens)")
+    spec = inputs[0]
+    kind, rank = ("token inputs are (N, T)", 2) if spec.tokens else ("image inputs are (N, C, H, W)", 4)
+    if len(spec.shape) != rank:
+        raise ImportProblem(f"--input {'x'.join(map(str, spec.shape))}:{spec.dtype}: {kind}")
+    generator = torch.Generator().manual_seed(0)
+    if spec.tokens:
+        example = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype))
+    else:
+        example = torch.randn(spec.shape, generator=generator, dtype=torch.float32)
+    module.train()
+    try:
+        exported = torch.export.export(module, (example,))
+    except Exception as err:  # noqa: BLE001 -- torch.export's own errors, many kinds: one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ImportProblem(f"{target}: torch.export cannot export the module on an input of "
+                            f"{'x'.join(map(str, spec.shape))} {spec.dtype}: {first}") from None
+    state = {**dict(module.named_parameters(remove_duplicate=False)),
+             **dict(module.named_buffers(remove_duplicate=False))}
+    walk = Walk(exported, state, user_file)
+    output = walk.run(["x"])
+    if walk.net.unsupported:
+        raise UnsupportedOps(target, list(walk.net.unsupported.values()))
+    shape = tuple(int(s) for s in exported.graph_signature.user_outputs and
+                  next(n for n in exported.graph.nodes if n.name == exported.graph_signature.user_outputs[0])
+                  .meta["val"].shape)
+    imported = _network_file(target, spec, shape, output, walk, labels, name or _default_name(target))
+    imported.module = module
+    return imported
+
+
+class UnsupportedOps(ImportProblem):
+    """Every op of the module with no DSL counterpart: one line each."""
+
+    def __init__(self, target: str, found: list[Unsupported]):
+        self.lines = [f"{u.where}: {u.module}: {u.op}{f' ({u.count} uses)' if u.count > 1 else ''}: {u.advice}"
+                      for u in found]
+        super().__init__(f"{target}: {len(found)} op{'s' if len(found) > 1 else ''} with no DSL counterpart "
+                         "(nothing written):")
+
+
+def _default_name(target: str) -> str:
+    stem = target.rpartition(":")[2]
+    return re.sub(r"\W", "_", stem).lower() or "imported"
+
+
+def _network_file(target: str, spec: InputSpec, out_shape: tuple[int, ...], output: str, walk: Walk,
+                  labels: int | None, name: str) -> Imported:
+    import torch
+
+    n = spec.shape[0]
+    if len(out_shape) == 2:
+        classes = out_shape[1]
+        label_shape = f"{n}"
+    elif len(out_shape) == 3 and spec.tokens:
+        classes = out_shape[2]
+        label_shape = f"({n}, {out_shape[1]})"
+    else:
+        raise ImportProblem(f"{target}: the module returns {'x'.join(map(str, out_shape))} scores; an imported "
+                            "network returns (N, classes) scores (or (N, T, classes) for token inputs)")
+    if labels is not None and labels != classes:
+        raise ImportProblem(f"--labels {labels}: the module returns scores of {classes} classes")
+    if spec.tokens:
+        vocab = walk.vocab or classes
+        data = f'x = D.tokens("x", ({n}, {spec.shape[1]}), vocab={vocab})'
+    else:
+        data = f'x = D.images("x", {spec.shape!r})'
+    count = sum(int(np.prod(w.shape)) for k, w in walk.net.weights.items() if not k.endswith(("_mean", "_var")))
+    header = [f"# {name}: imported from {target} by `deepdsl import` (torch.export, torch {torch.__version__}),",
+              f"# {count:,} parameters; its weights under these layers' names are in {name}.weights.npz",
+              f"# (`--init-from`). One line per layer, named after the module it came from; edit the loss and",
+              "# the solver below.",
+              "from deepdsl import dsl as D", ""]
+    lines = header + [data, f'y = D.labels("y", {label_shape}, classes={classes})', ""]
+    if walk.net.uses_gelu:
+        lines += ['gelu = D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2")', ""]
+    lines += ["", "def forward(x):"] + [f"    {line}" for line in walk.net.lines] + [f"    return {output}", "", ""]
+    lines += [f'network = D.fn(forward, "{name}")',
+              "loss = (D.cross_entropy(y) @ network)(x)",
+              "accuracy = (D.precision(y) @ network)(x)",
+              "",
+              f'solver = D.Train("{name}", iters=1000, test_iters=10, lr=0.01, momentum=0.9, decay=0.0001)',
+              "loop = D.Loop(loss, accuracy, solver)", ""]
+    return Imported("\n".join(lines), walk.net.weights, name, count)
