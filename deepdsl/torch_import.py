@@ -14,6 +14,7 @@ module path and class, the ATen op and what to do; nothing is written then. torc
 from __future__ import annotations
 
 import keyword
+import operator
 import os
 import re
 import sys
@@ -128,7 +129,7 @@ class Network:
     lines: list[str] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     unsupported: dict[str, Unsupported] = field(default_factory=dict)
-    uses_gelu: bool = False
+    functions: set = field(default_factory=set)       # elementwise functions the file defines (GELU's kinds)
 
 
 class Walk:
@@ -143,6 +144,13 @@ class Walk:
         self.taken: set[str] = set()
         self.net = Network()
         self.vocab = 0                            # the first embedding's vocabulary (of token inputs)
+        self.ranges: dict[str, tuple[int, int]] = {}     # arange nodes: (start, stop)
+        self.parts: dict[str, tuple] = {}         # split nodes: (variable, axis, rank, [(start, stop), ...])
+        self.ops_in: dict[str, int] = {}          # module path -> how many ops of the graph it makes
+        for node in exported.graph.nodes:
+            if node.op == "call_function":
+                path = self.module_path(node)[0]
+                self.ops_in[path] = self.ops_in.get(path, 0) + 1
 
     # naming ------------------------------------------------------------------------------------------------
     def variable(self, wanted: str) -> str:
@@ -170,8 +178,9 @@ class Walk:
         """The name of a parameter-free op's value: its module's path where the module is one of torch.nn's own
         (`self.pool = nn.AdaptiveAvgPool2d(1)`: `pool`), else the path and the op (`layer1_0_relu`)."""
         path, kind = self.module_path(node, qualified=True)
+        alone = self.ops_in.get(path, 0) == 1
         path = path.replace(".", "_")
-        if path and kind.startswith("torch.nn.modules.") and path not in self.taken:
+        if path and alone and kind.startswith("torch.nn.modules.") and path not in self.taken:
             return path
         return f"{path}_{op}" if path else op
 
@@ -186,9 +195,19 @@ class Walk:
         return _shown_path(self.user_file)
 
     def layer_name(self, weight_node) -> str:
-        """A layer's name from its weight's `state_dict` key (`layer1.0.conv1.weight` -> `layer1_0_conv1`)."""
+        """A layer's name from its weight's `state_dict` key, as `--init-from` reads PyTorch's names
+        (`run.pytorch_name`: `layer1.0.conv1.weight` -> `layer1_0_conv1`, `attn.in_proj_weight` -> `attn_in_proj`)."""
+        from deepdsl_runtime.run import pytorch_name
+
         key = self.param_of[weight_node.name]
-        return key.rpartition(".")[0].replace(".", "_") or key.replace(".", "_")
+        name = pytorch_name(key) or key.replace(".", "_")
+        return name[:-2] if name.endswith("_W") else name
+
+    def tied(self, weight_node) -> str:
+        """`, weight=D.gaussian(0.02)` for a weight more than one layer uses (tied: the layers share one parameter
+        when they declare it alike), else ''."""
+        users = [u for u in weight_node.users if u.op == "call_function"]
+        return ", weight=D.gaussian(0.02)" if len(users) > 1 else ""
 
     def take(self, node, layer: str, suffix: str, arg) -> None:
         """The parameter or buffer `arg` (a placeholder) as `<layer>_<suffix>` of the weights file."""
@@ -198,7 +217,28 @@ class Walk:
         self.net.weights[f"{layer}_{suffix}"] = self.state[key].detach().cpu().numpy().astype(np.float32)
 
     def arg(self, a) -> str:
+        """The variable of node `a`; a parameter read directly (`self.pos`, not by a layer) is declared where it
+        is first read: `pos = D.param("pos", (1, 17, 32))`, its value in the weights under that name."""
+        if a.name not in self.names and a.name in self.param_of:
+            from deepdsl_runtime.run import pytorch_name
+
+            key = self.param_of[a.name]
+            name = pytorch_name(key) or key.replace(".", "_")
+            value = self.state[key].detach().cpu().numpy().astype(np.float32)
+            if key in dict(self.ep.graph_signature.inputs_to_buffers).values():
+                self.refuse_value(a, key)
+                return "None"
+            self.net.weights[name] = value
+            variable = self.variable(name)
+            self.names[a.name] = variable
+            self.net.lines.append(f'{variable} = D.param("{name}", {tuple(value.shape)!r})')
         return self.names[a.name]
+
+    def refuse_value(self, a, key: str) -> None:
+        op = f"buffer {key}"
+        if op not in self.net.unsupported:
+            self.net.unsupported[op] = Unsupported(op, _shown_path(self.user_file), "(read directly)",
+                                                   "buffers read outside batch norm are not supported yet")
 
     def emit(self, node, wanted: str, expression: str) -> None:
         name = self.variable(wanted)
@@ -225,12 +265,12 @@ class Walk:
         output = None
         for node in self.ep.graph.nodes:
             if node.op == "call_function":
-                handler = HANDLERS.get(_short(node.target))
+                handler = _getitem if node.target is operator.getitem else HANDLERS.get(_short(node.target))
                 if handler is None:
                     self.refuse(node)
-                    self.names[node.name] = "None"
                 else:
                     handler(self, node)
+                self.names.setdefault(node.name, "None")     # refused: its users are walked on
             elif node.op == "output":
                 outputs = [o for o in node.args[0] if o is not None and o.name in self.names and
                            o.name not in self.param_of]
@@ -346,7 +386,8 @@ def _linear(walk: Walk, node) -> None:
     out = int(weight.meta["val"].shape[0])
     walk.take(node, layer, "W", weight)
     walk.take(node, layer, "B", bias)
-    walk.emit(node, layer, f'D.full("{layer}", {out}{"" if bias is not None else ", bias=False"})({walk.arg(x)})')
+    walk.emit(node, layer, f'D.full("{layer}", {out}{"" if bias is not None else ", bias=False"}'
+                           f'{walk.tied(weight)})({walk.arg(x)})')
 
 
 @handles("aten.embedding.default")
@@ -355,8 +396,25 @@ def _embedding(walk: Walk, node) -> None:
     layer = walk.layer_name(weight)
     vocab, dim = (int(s) for s in weight.meta["val"].shape)
     walk.take(node, layer, "W", weight)
+    if indices.name in walk.ranges:           # positions 0, 1, ...: rows of the table, no tokens to look up
+        start, stop = walk.ranges[indices.name]
+        rows = "" if (start, stop) == (0, vocab) else f"[{start}:{stop}]"
+        walk.emit(node, layer, f'D.param("{layer}_W", ({vocab}, {dim})){rows}')
+        return
     walk.vocab = walk.vocab or vocab
-    walk.emit(node, layer, f'D.embedding("{layer}", {vocab}, {dim})({walk.arg(indices)})')
+    walk.emit(node, layer, f'D.embedding("{layer}", {vocab}, {dim}{walk.tied(weight)})({walk.arg(indices)})')
+
+
+@handles("aten.arange.default", "aten.arange.start")
+def _arange(walk: Walk, node) -> None:
+    """A range of integers: only as the positions an embedding looks up (`pos = torch.arange(T)`)."""
+    bounds = [int(a) for a in node.args[:2]]
+    start, stop = (0, bounds[0]) if len(bounds) == 1 else bounds
+    if any(u.target is not None and _short(u.target) != "aten.embedding.default" or u.args[1] is not node
+           for u in node.users):
+        walk.refuse(node, "a range is only supported as the positions an embedding looks up")
+        return
+    walk.ranges[node.name] = (start, stop)
 
 
 def _simple(wanted: str, expression: str):
@@ -380,13 +438,43 @@ def _hardtanh(walk: Walk, node) -> None:
     _simple("relu6", f"D.clipped_relu({float(high)!r})({{}})")(walk, node)
 
 
+GELU = {"none": ("gelu", "v * (1 + erf(v / sqrt(2))) / 2"),
+        "tanh": ("gelu_tanh", "v * (1 + tanh(sqrt(2 / pi) * (v + 0.044715 * v**3))) / 2")}
+
+
 @handles("aten.gelu.default")
 def _gelu(walk: Walk, node) -> None:
-    if node.kwargs.get("approximate", "none") != "none":
-        walk.refuse(node, "tanh-approximated GELU is not supported yet: nn.GELU() (exact)")
+    kind = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    if kind not in GELU:
+        walk.refuse(node, f"GELU approximated by {kind!r} is not supported yet")
         return
-    walk.net.uses_gelu = True
-    _simple("gelu", "gelu({})")(walk, node)
+    walk.net.functions.add(kind)
+    _simple(GELU[kind][0], f"{GELU[kind][0]}({{}})")(walk, node)
+
+
+@handles("aten.split.Tensor", "aten.split_with_sizes.default")
+def _split(walk: Walk, node) -> None:
+    """Parts of an axis, taken by the `getitem` nodes that read them (each a slice)."""
+    x, sizes, *rest = node.args
+    axis = int(rest[0]) if rest else 0
+    rank = len(x.meta["val"].shape)
+    length = int(x.meta["val"].shape[axis])
+    sizes = [int(sizes)] * -(-length // int(sizes)) if isinstance(sizes, int) else [int(s) for s in sizes]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, min(start + size, length)))
+        start += size
+    walk.parts[node.name] = (walk.arg(x), axis % rank, rank, bounds)
+
+
+def _getitem(walk: Walk, node) -> None:
+    source, index = node.args
+    if source.name not in walk.parts:
+        walk.refuse(node, "taking an item of this op's result is not supported yet")
+        return
+    variable, axis, rank, bounds = walk.parts[source.name]
+    start, stop = bounds[index]
+    walk.emit(node, walk.value_name(node, "part"), f"{variable}{_index(rank, axis, f'{start}:{stop}')}")
 
 
 @handles("aten.silu.default", "aten.silu_.default")
@@ -434,21 +522,77 @@ def _adaptive_avg_pool(walk: Walk, node) -> None:
     _simple("pool", "D.avg_pool()({})" if size == 1 else f"D.adaptive_avg_pool({size!r})({{}})")(walk, node)
 
 
-@handles("aten.flatten.using_ints")
-def _flatten(walk: Walk, node) -> None:
-    x, start, *end = node.args
-    rank = len(x.meta["val"].shape)
-    end = end[0] if end else -1
-    if start != 1 or end not in (-1, rank - 1):
-        walk.refuse(node, "flattening other axes than all but the batch is not supported yet: x.reshape(...)")
-        return
-    _simple("flatten", "D.flatten({})")(walk, node)
-
-
-@handles("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+@handles("aten.flatten.using_ints", "aten.unflatten.int", "aten.view.default", "aten.reshape.default",
+         "aten._unsafe_view.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+         "aten.squeeze.default")
 def _reshape(walk: Walk, node) -> None:
+    """Views: the same elements in the node's shape (`D.flatten` where all axes but the batch are joined)."""
+    x = node.args[0]
     shape = tuple(int(s) for s in node.meta["val"].shape)
-    _simple("reshape", f"{{}}.reshape{shape!r}")(walk, node)
+    before = tuple(int(s) for s in x.meta["val"].shape)
+    if len(shape) == 2 and len(before) > 2 and shape[0] == before[0]:
+        _simple("flatten", "D.flatten({})")(walk, node)
+    elif shape == before:
+        walk.names[node.name] = walk.arg(x)
+    else:
+        _simple("reshape", f"{{}}.reshape{shape!r}")(walk, node)
+
+
+def _index(rank: int, axis: int, part: str) -> str:
+    return "[" + ", ".join([":"] * axis + [part]) + "]" if axis < rank - 1 or axis == 0 else \
+        "[..., " + part + "]"
+
+
+@handles("aten.select.int")
+def _select(walk: Walk, node) -> None:
+    x, axis, index = node.args
+    shape = tuple(int(s) for s in x.meta["val"].shape)
+    axis, index = int(axis) % len(shape), int(index) % shape[int(axis) % len(shape)]
+    out = tuple(int(s) for s in node.meta["val"].shape)
+    _simple("select", f"{{}}{_index(len(shape), axis, f'{index}:{index + 1}')}.reshape{out!r}")(walk, node)
+
+
+@handles("aten.slice.Tensor")
+def _slice(walk: Walk, node) -> None:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, axis, start, end, step = args
+    shape = tuple(int(s) for s in x.meta["val"].shape)
+    axis = int(axis or 0) % len(shape)
+    start, stop, step = slice(start, end, step).indices(shape[axis])
+    if step != 1 or start >= stop:
+        walk.refuse(node, "slices with a step, or empty ones, are not supported yet")
+        return
+    if (start, stop) == (0, shape[axis]):
+        walk.names[node.name] = walk.arg(x)
+        return
+    _simple("slice", f"{{}}{_index(len(shape), axis, f'{start}:{stop}')}")(walk, node)
+
+
+@handles("aten.expand.default")
+def _expand(walk: Walk, node) -> None:
+    shape = tuple(int(s) for s in node.meta["val"].shape)
+    _simple("expand", f"{{}}.expand{shape!r}")(walk, node)
+
+
+@handles("aten.permute.default")
+def _permute(walk: Walk, node) -> None:
+    axes = tuple(int(a) for a in node.args[1])
+    _simple("permute", f"{{}}.permute{axes!r}")(walk, node)
+
+
+@handles("aten.scaled_dot_product_attention.default")
+def _attention(walk: Walk, node) -> None:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    given = {**dict(zip(names, node.args)), **node.kwargs}
+    if given.get("attn_mask") is not None or given.get("enable_gqa"):
+        walk.refuse(node, "attention with a mask other than the causal one (or grouped queries) is not supported "
+                          "yet: is_causal=True is")
+        return
+    options = ((", causal=True" if given.get("is_causal") else "") +
+               (f", scale={float(given['scale'])!r}" if given.get("scale") is not None else "") +
+               (f", dropout={float(given['dropout_p'])!r}" if given.get("dropout_p") else ""))
+    q, k, v = (walk.arg(given[n]) for n in names[:3])
+    walk.emit(node, walk.value_name(node, "attention"), f"D.attention({q}, {k}, {v}{options})")
 
 
 @handles("aten.transpose.int")
@@ -623,8 +767,11 @@ def _network_file(target: str, spec: InputSpec, out_shape: tuple[int, ...], outp
               "# the solver below.",
               "from deepdsl import dsl as D", ""]
     lines = header + [data, f'y = D.labels("y", {label_shape}, classes={classes})', ""]
-    if walk.net.uses_gelu:
-        lines += ['gelu = D.elementwise("gelu", "v * (1 + erf(v / sqrt(2))) / 2")', ""]
+    for kind in sorted(walk.net.functions):
+        name, expression = GELU[kind]
+        lines += [f'{name} = D.elementwise("{name}", "{expression}")']
+    if walk.net.functions:
+        lines.append("")
     lines += ["", "def forward(x):"] + [f"    {line}" for line in walk.net.lines] + [f"    return {output}", "", ""]
     lines += [f'network = D.fn(forward, "{name}")',
               "loss = (D.cross_entropy(y) @ network)(x)",

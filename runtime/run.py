@@ -387,11 +387,20 @@ _PYTORCH_SUFFIXES = {"weight": "W", "bias": "B", "running_mean": "mean", "runnin
 
 def pytorch_name(name: str) -> str | None:
     """The deepdsl name of a PyTorch `state_dict` entry: its module path with underscores for dots, and deepdsl's
-    suffix for the tensor (`layer1.0.conv1.weight` -> `layer1_0_conv1_W`, `bn1.running_var` -> `bn1_var`); None
-    for an entry with no counterpart (`num_batches_tracked`)."""
+    suffix for the tensor (`layer1.0.conv1.weight` -> `layer1_0_conv1_W`, `bn1.running_var` -> `bn1_var`,
+    `attn.in_proj_weight` -> `attn_in_proj_W`); a parameter of a module's own (`cls_token`, `blocks.0.gamma`) by its
+    path (`cls_token`, `blocks_0_gamma`); None for an entry with no counterpart (`num_batches_tracked`)."""
     module, _, tensor = name.rpartition(".")
+    prefix = f"{module.replace('.', '_')}_" if module else ""
     suffix = _PYTORCH_SUFFIXES.get(tensor)
-    return f"{module.replace('.', '_')}_{suffix}" if module and suffix else None
+    if suffix is not None:
+        return f"{prefix}{suffix}" if module else None
+    if tensor == "num_batches_tracked":
+        return None
+    for ending, short in (("_weight", "W"), ("_bias", "B")):
+        if tensor.endswith(ending) and len(tensor) > len(ending):
+            return f"{prefix}{tensor[:-len(ending)]}_{short}"
+    return f"{prefix}{tensor}"
 
 
 def _init_from(model: Model, path: str, source: dict[str, np.ndarray], args) -> None:

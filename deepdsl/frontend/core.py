@@ -17,7 +17,7 @@ from deepdsl.errors import ArgumentError, DeepDSLError, ShapeError, SourceLocati
 from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make
 from deepdsl.ops import dims
-from deepdsl.ops.elementwise import broadcast_shapes, reshape, sum_to, sym
+from deepdsl.ops.elementwise import broadcast_shapes, broadcast_to, reshape, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import slice_axis, transpose
@@ -254,6 +254,36 @@ class Tensor:
         """The tensor with axes `i` and `j` swapped (negative from the end), as torch.transpose (a copy)."""
         i, j = _axes(self.shape, i)[0], _axes(self.shape, j)[0]
         return Tensor(transpose(self.node, i, j))
+
+    def permute(self, *axes) -> "Tensor":
+        """The tensor with its axes reordered, as torch.permute: axis k of the result is axis `axes[k]` of this one
+        (negative from the end); made of swaps of two axes (`transpose`), each a copy."""
+        axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else tuple(axes)
+        rank = len(self.shape)
+        if len(axes) != rank or sorted(a % rank if isinstance(a, int) and -rank <= a < rank else -1
+                                       for a in axes) != list(range(rank)):
+            raise ShapeError(f"permute{axes!r} of a tensor of {dims(self.shape)}: give each of its {rank} axes "
+                             "once", user_location())
+        order, node = list(range(rank)), self.node           # order[k]: the original axis now at position k
+        for k, want in enumerate(a % rank for a in axes):
+            at = order.index(want)
+            if at != k:
+                node = transpose(node, k, at)
+                order[k], order[at] = order[at], order[k]
+        return Tensor(node)
+
+    def expand(self, *shape) -> "Tensor":
+        """The tensor repeated along its axes of size 1 to `shape` (-1: keep the size), as torch.expand: a
+        parameter broadcast along the batch (ViT's class token); its gradient the sum over the copies."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if len(shape) != len(self.shape) or not all(isinstance(d, int) and (d == -1 or d > 0) for d in shape):
+            raise ShapeError(f"expand{shape!r} of a tensor of {dims(self.shape)}: give a size (or -1) for each "
+                             "axis", user_location())
+        target = tuple(have if want == -1 else want for have, want in zip(self.shape, shape))
+        if any(have not in (1, want) for have, want in zip(self.shape, target)):
+            raise ShapeError(f"expand of {dims(self.shape)} to {dims(target)}: only axes of size 1 grow",
+                             user_location())
+        return Tensor(broadcast_to(self.node, target))
 
     def reshape(self, *shape) -> "Tensor":
         """The same elements in another shape (a view: no copy)."""

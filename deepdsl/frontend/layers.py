@@ -513,6 +513,9 @@ def dropout(ratio: float = 0.5) -> Layer:
     return _Dropout(_fraction("layer 'dropout'", "ratio", ratio))
 
 
+_dropout_layer = dropout          # `attention` takes a `dropout` ratio
+
+
 class _BatchNorm(_ParamLayer):
     def __init__(self, name, eps, momentum):
         super().__init__(name, "batch norm")
@@ -621,4 +624,28 @@ def _causal_softmax(x: Node) -> Node:
 
 # attention's weights of a causal model: each query (axis -2) weighs only the keys (axis -1) at or before it
 causal_softmax = _Op("causal_softmax", "causal softmax", _causal_softmax)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+              dropout: float = 0.0) -> Tensor:
+    """Scaled dot-product attention of queries (..., T, d), keys (..., S, d) and values (..., S, e), as PyTorch's
+    scaled_dot_product_attention: softmax(q k^T scale) v, scale 1 / sqrt(d) by default; `causal`: query i weighs
+    only keys 0..i; `dropout`: of the weights, while training."""
+    what = "D.attention"
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        _reject(what, "q, k and v must be tensors")
+    if len(q.shape) < 2 or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1] or \
+            k.shape[:-1] != v.shape[:-1]:
+        raise ShapeError(f"D.attention of q {dims(q.shape)}, k {dims(k.shape)}, v {dims(v.shape)}: needs (..., T, d), "
+                         "(..., S, d) and (..., S, e)", user_location())
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ShapeError(f"D.attention(causal=True) needs as many queries as keys, got {q.shape[-2]} and "
+                         f"{k.shape[-2]}", user_location())
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _number(what, "scale", scale, "a finite number",
+                                                                        math.isfinite)
+    scores = (q @ k.transpose(-2, -1)) * float(scale)
+    weights = causal_softmax(scores) if causal else softmax(scores)
+    if dropout:
+        weights = _dropout_layer(dropout)(weights)
+    return weights @ v
 log_softmax = _Op("log_softmax", "log-softmax", lambda x: make("log_softmax", (x,)))

@@ -176,3 +176,103 @@ class Unsupported(nn.Module):
         x = self.conv(x).permute(0, 2, 3, 1)             # channels last: a permutation of four axes
         x = torch.cumsum(x, dim=1)
         return self.fc(x.mean((1, 2)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a Vision Transformer with nn.MultiheadAttention and a class token (Dosovitskiy et al. 2021, in miniature)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.ln_2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        x = x + self.self_attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class VisionTransformer(nn.Module):
+    """torchvision's VisionTransformer layout: a patch convolution, a class token, position embeddings, encoder
+    blocks, a final layer norm and a head on the class token."""
+
+    def __init__(self, image: int = 16, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4,
+                 classes: int = 10):
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, dim, patch, stride=patch)
+        tokens = (image // patch) ** 2 + 1
+        self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embedding = nn.Parameter(torch.empty(1, tokens, dim).normal_(std=0.02))
+        self.layers = nn.Sequential(*(EncoderBlock(dim, heads, 2 * dim) for _ in range(depth)))
+        self.ln = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
+        return self.head(self.ln(self.layers(x))[:, 0])
+
+
+def vit() -> VisionTransformer:
+    return VisionTransformer()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-2 (Radford et al. 2019) at a small configuration: the same modules and names as the published model, the
+# output projection tied to the token embedding
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(dim, 4 * dim), "c_proj": nn.Linear(4 * dim, dim)})
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2(nn.Module):
+    def __init__(self, vocab: int = 96, context: int = 16, dim: int = 32, depth: int = 2, heads: int = 4):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.h = nn.ModuleList(GPT2Block(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight                # tied
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt2() -> GPT2:
+    return GPT2()
