@@ -332,3 +332,18 @@ def test_tensor_ranges_are_checked_where_written():
         with pytest.raises(deepdsl.errors.ShapeError, match=message) as raised:
             bad()
         assert raised.value.location.filename == __file__
+
+
+@pytest.mark.parametrize("make_bad,fragment", [
+    (lambda t: t.permute(0, 1), "permute(0, 1) of a tensor of 2x3x4: give each of its 3 axes once"),
+    (lambda t: t.permute(0, 0, 1), "give each of its 3 axes once"),
+    (lambda t: t.expand(2, 3, 8), "only axes of size 1 grow"),
+    (lambda t: t.expand(2, 3), "give a size (or -1) for each axis"),
+    (lambda t: D.attention(t, t, D.param("v", (2, 4, 4))), "needs (..., T, d), (..., S, d) and (..., S, e)"),
+    (lambda t: D.attention(t, D.param("k", (2, 5, 4)), D.param("v", (2, 5, 4)), causal=True),
+     "as many queries as keys"),
+], ids=["permute-rank", "permute-repeat", "expand-size", "expand-rank", "attention-shapes", "attention-causal"])
+def test_permute_expand_and_attention_refuse_bad_shapes_in_one_line(make_bad, fragment):
+    with pytest.raises(ShapeError) as err:
+        make_bad(D.param("t", (2, 3, 4)))
+    assert fragment in str(err.value)

@@ -418,6 +418,22 @@ case("dsl_embedding", lambda emb_W, ids: D.embedding("emb", 5, 3)(D.Tensor(ids))
      labels={"ids": np.array([[1, 4, 1], [0, 2, 4]], dtype=np.int32)})
 
 
+# what imported models are written with: permutations of any axes, a parameter broadcast along the batch,
+# scaled dot-product attention (plain, causal, with a scale)
+case("dsl_permute", lambda x: D.Tensor(x).permute(2, 0, 3, 1).node, lambda x: x.permute(2, 0, 3, 1),
+     {"x": randn(2, 3, 4, 5)})
+case("dsl_permute_reverse", lambda x: D.Tensor(x).permute(-1, -2, -3).node, lambda x: x.permute(2, 1, 0),
+     {"x": randn(2, 3, 4)})
+case("dsl_expand", lambda x: D.Tensor(x).expand(3, -1, 4).node, lambda x: x.expand(3, -1, 4), {"x": randn(1, 2, 1)})
+case("dsl_attention", lambda q, k, v: D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v)).node,
+     lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+     {"q": randn(2, 2, 3, 4), "k": randn(2, 2, 5, 4), "v": randn(2, 2, 5, 3)})
+case("dsl_attention_causal_scaled",
+     lambda q, k, v: D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v), causal=True, scale=0.3).node,
+     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+     {"q": randn(2, 4, 4), "k": randn(2, 4, 4), "v": randn(2, 4, 2)})
+
+
 # mode-dependent layers, through `specialize`
 def specialized(node: Node, mode: str) -> dict[str, Node]:
     return dict(specialize(Graph("g", (("out", node),)), mode).outputs)
