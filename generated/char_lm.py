@@ -4,8 +4,8 @@ Source network: networks/char_lm.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
-Memory: peak 28.40 MB of tensors planned for the training step (4.20 MB testing); static arena 28.40 MB, pool 28.86 MB, workspace 2.10 MB
-Structure hash: 1b080cdfa30f59c6
+Memory: peak 26.31 MB of tensors planned for the training step (4.20 MB testing); static arena 26.31 MB, pool 26.77 MB, workspace 2.10 MB
+Structure hash: beedee3d85d9120f
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "1b080cdfa30f59c6"
+    structure_hash = "beedee3d85d9120f"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -186,14 +186,10 @@ class CharLm(rp.Model):
     def setup(self):
         """Values computed once before training (hoisted out of the steps); they outlive the step."""
         rt, mem, T = self.rt, self.mem.begin("setup", persistent=True), self.tensors
-        # const = fill(1)
+        # const = fill(-0.000488281)
         const = mem.tensor(0, (2048,), 'float32')
-        rt.const(out=const, shape=(2048,), value=1.0)
-        # const_2 = fill(-0.000488281)
-        const_2 = mem.tensor(1, (2048,), 'float32')
-        rt.const(out=const_2, shape=(2048,), value=-0.00048828125)
+        rt.const(out=const, shape=(2048,), value=-0.00048828125)
         T['H1'] = const
-        T['H2'] = const_2
         mem.end()
 
     def train_step(self, x, y, *, step, lr, bias1, bias2, decay):
@@ -205,17 +201,11 @@ class CharLm(rp.Model):
         # ---- embed (embedding of 256 tokens in 64 features), forward ----
         # embed_reshape = reshape[2048](x)
         embed_reshape = rt.reshape(x, shape=(2048,))
-        # embed_unpick = unpick[classes=256](H1, embed_reshape)
-        embed_unpick = mem.tensor(2, (2048, 256), 'float32')
-        rt.unpick(T['H1'], embed_reshape, out=embed_unpick, classes=256)
-        # free x, embed_reshape
-        del x, embed_reshape
-        mem.free(0)
-        # embed_matmul = matmul(embed_unpick, embed_W)
-        embed_matmul = mem.tensor(3, (2048, 64), 'float32')
-        rt.matmul(embed_unpick, T['embed_W'], out=embed_matmul)
-        # embed = reshape[32x64x64](embed_matmul)
-        embed = rt.reshape(embed_matmul, shape=(32, 64, 64))
+        # embed_gather_rows = gather_rows(embed_W, embed_reshape)
+        embed_gather_rows = mem.tensor(2, (2048, 64), 'float32')
+        rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
+        # embed = reshape[32x64x64](embed_gather_rows)
+        embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_add = embed + pos
@@ -224,29 +214,29 @@ class CharLm(rp.Model):
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
         # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(4, (32, 64, 1), 'float32')
+        block1_ln1_sum_to = mem.tensor(3, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
         # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(5, (32, 64, 64), 'float32')
+        block1_ln1_sub = mem.tensor(4, (32, 64, 64), 'float32')
         # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
+        block1_ln1_sum_to_2 = mem.tensor(5, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
                       (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(4)
+        mem.free(3)
         # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
-        block1_ln1_rsqrt = mem.tensor(7, (32, 64, 1), 'float32')
+        block1_ln1_rsqrt = mem.tensor(6, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
                    (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
         # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul = mem.tensor(8, (32, 64, 64), 'float32')
+        block1_ln1_mul = mem.tensor(7, (32, 64, 64), 'float32')
         # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
         block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
         rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
@@ -258,7 +248,7 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
         # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(9, (2048, 64), 'float32')
+        block1_attn_v_matmul = mem.tensor(8, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
         # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
@@ -268,36 +258,36 @@ class CharLm(rp.Model):
         # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
         block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
         # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(10, (32, 4, 64, 16), 'float32')
+        block1_attn_out_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
         # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
         del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        mem.free(9)
+        mem.free(8)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(11, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- causal_softmax (causal softmax), forward ----
         # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
         causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
-        causal_softmax_transpose = mem.tensor(12, (32, 4, 64, 16), 'float32')
+        causal_softmax_transpose = mem.tensor(11, (32, 4, 64, 16), 'float32')
         rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
         # free block1_attn_k_matmul, causal_softmax_reshape
         del block1_attn_k_matmul, causal_softmax_reshape
-        mem.free(11)
+        mem.free(10)
         # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
-        causal_softmax_transpose_2 = mem.tensor(13, (32, 4, 16, 64), 'float32')
+        causal_softmax_transpose_2 = mem.tensor(12, (32, 4, 16, 64), 'float32')
         rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
         # free causal_softmax_transpose
         del causal_softmax_transpose
-        mem.free(12)
+        mem.free(11)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(14, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(13, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
@@ -307,13 +297,13 @@ class CharLm(rp.Model):
         # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
         causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
         # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
-        causal_softmax_transpose_3 = mem.tensor(15, (32, 4, 64, 16), 'float32')
+        causal_softmax_transpose_3 = mem.tensor(14, (32, 4, 64, 16), 'float32')
         rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
         # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
         del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        mem.free(14)
+        mem.free(13)
         # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
-        causal_softmax_matmul = mem.tensor(16, (32, 4, 64, 64), 'float32')
+        causal_softmax_matmul = mem.tensor(15, (32, 4, 64, 64), 'float32')
         rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
         # causal_softmax_scale = 0.25*causal_softmax_matmul
         causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
@@ -328,18 +318,18 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(17, (32, 4, 64, 16), 'float32')
+        block1_attn_out_matmul = mem.tensor(16, (32, 4, 64, 16), 'float32')
         rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
         # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(18, (32, 64, 4, 16), 'float32')
+        block1_attn_out_transpose_2 = mem.tensor(17, (32, 64, 4, 16), 'float32')
         rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
         # free block1_attn_out_matmul
         del block1_attn_out_matmul
-        mem.free(17)
+        mem.free(16)
         # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
         block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
         # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(19, (2048, 64), 'float32')
+        block1_attn_out_matmul_2 = mem.tensor(18, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
         # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
@@ -353,31 +343,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(19)
+        mem.free(18)
         # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(20, (32, 64, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(21, (32, 64, 64), 'float32')
+        block1_ln2_sub = mem.tensor(20, (32, 64, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(20)
+        mem.free(19)
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(23, (32, 64, 1), 'float32')
+        block1_ln2_rsqrt = mem.tensor(22, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
                    (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
         # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(24, (32, 64, 64), 'float32')
+        block1_ln2_mul = mem.tensor(23, (32, 64, 64), 'float32')
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
         rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
@@ -387,7 +377,7 @@ class CharLm(rp.Model):
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(25, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(24, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
@@ -397,14 +387,14 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(26, (32, 64, 256), 'float32')
+        block1_fc1_gelu = mem.tensor(25, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(27, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(26, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
@@ -418,31 +408,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(27)
+        mem.free(26)
         # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(28, (32, 64, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(27, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(29, (32, 64, 64), 'float32')
+        block2_ln1_sub = mem.tensor(28, (32, 64, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(30, (32, 64, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(29, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(28)
+        mem.free(27)
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(31, (32, 64, 1), 'float32')
+        block2_ln1_rsqrt = mem.tensor(30, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
                    (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
         # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(32, (32, 64, 64), 'float32')
+        block2_ln1_mul = mem.tensor(31, (32, 64, 64), 'float32')
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
         rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
@@ -454,7 +444,7 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(33, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(32, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
@@ -464,36 +454,36 @@ class CharLm(rp.Model):
         # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
         block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
         # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(34, (32, 4, 64, 16), 'float32')
+        block2_attn_out_transpose = mem.tensor(33, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(33)
+        mem.free(32)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(35, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(34, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- causal_softmax (causal softmax), forward ----
         # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
         causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
         # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
-        causal_softmax_transpose_4 = mem.tensor(36, (32, 4, 64, 16), 'float32')
+        causal_softmax_transpose_4 = mem.tensor(35, (32, 4, 64, 16), 'float32')
         rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
         # free block2_attn_k_matmul, causal_softmax_reshape_4
         del block2_attn_k_matmul, causal_softmax_reshape_4
-        mem.free(35)
+        mem.free(34)
         # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
-        causal_softmax_transpose_5 = mem.tensor(37, (32, 4, 16, 64), 'float32')
+        causal_softmax_transpose_5 = mem.tensor(36, (32, 4, 16, 64), 'float32')
         rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
         # free causal_softmax_transpose_4
         del causal_softmax_transpose_4
-        mem.free(36)
+        mem.free(35)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(38, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(37, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
@@ -503,13 +493,13 @@ class CharLm(rp.Model):
         # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
         causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
         # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
-        causal_softmax_transpose_6 = mem.tensor(39, (32, 4, 64, 16), 'float32')
+        causal_softmax_transpose_6 = mem.tensor(38, (32, 4, 64, 16), 'float32')
         rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
         # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
         del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        mem.free(38)
+        mem.free(37)
         # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
-        causal_softmax_matmul_2 = mem.tensor(40, (32, 4, 64, 64), 'float32')
+        causal_softmax_matmul_2 = mem.tensor(39, (32, 4, 64, 64), 'float32')
         rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
         # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
         causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
@@ -524,18 +514,18 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(41, (32, 4, 64, 16), 'float32')
+        block2_attn_out_matmul = mem.tensor(40, (32, 4, 64, 16), 'float32')
         rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
         # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(42, (32, 64, 4, 16), 'float32')
+        block2_attn_out_transpose_2 = mem.tensor(41, (32, 64, 4, 16), 'float32')
         rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
         # free block2_attn_out_matmul
         del block2_attn_out_matmul
-        mem.free(41)
+        mem.free(40)
         # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
         block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
         # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(43, (2048, 64), 'float32')
+        block2_attn_out_matmul_2 = mem.tensor(42, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
         # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
@@ -549,31 +539,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(43)
+        mem.free(42)
         # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(44, (32, 64, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(43, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(45, (32, 64, 64), 'float32')
+        block2_ln2_sub = mem.tensor(44, (32, 64, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(46, (32, 64, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(45, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(44)
+        mem.free(43)
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(47, (32, 64, 1), 'float32')
+        block2_ln2_rsqrt = mem.tensor(46, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
                    (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
         # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(48, (32, 64, 64), 'float32')
+        block2_ln2_mul = mem.tensor(47, (32, 64, 64), 'float32')
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
         rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
@@ -583,7 +573,7 @@ class CharLm(rp.Model):
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(49, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(48, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
@@ -593,14 +583,14 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(50, (32, 64, 256), 'float32')
+        block2_fc1_gelu = mem.tensor(49, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(51, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(50, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
@@ -614,9 +604,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(51)
+        mem.free(50)
         # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(52, (32, 64, 1), 'float32')
+        ln_sum_to = mem.tensor(51, (32, 64, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -624,21 +614,21 @@ class CharLm(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(53, (32, 64, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(52, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(52)
+        mem.free(51)
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(54, (32, 64, 1), 'float32')
+        ln_rsqrt = mem.tensor(53, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
                    (ew_rsqrt, ln_rsqrt, ln_add_2))
         # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(55, (32, 64, 64), 'float32')
+        ln_mul = mem.tensor(54, (32, 64, 64), 'float32')
         # ln = ln_mul*ln_W + ln_B
         ln = ln_mul  # in place: over ln_mul
         rt.ew_pair((ew_mul, ln_mul, ln_sub, ln_rsqrt),
@@ -648,7 +638,7 @@ class CharLm(rp.Model):
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(56, (2048, 256), 'float32')
+        next_matmul = mem.tensor(55, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
@@ -661,22 +651,22 @@ class CharLm(rp.Model):
         # next_cross_entropy_reshape = reshape[2048](y)
         next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(57, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(56, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(58, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(57, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(57)
+        mem.free(56)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
         rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
 
         # ---- next_cross_entropy (cross_entropy), backward ----
-        # d_next_cross_entropy_log_softmax = unpick[classes=256](H2, next_cross_entropy_reshape)
-        d_next_cross_entropy_log_softmax = mem.tensor(59, (2048, 256), 'float32')
-        rt.unpick(T['H2'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
+        # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
+        d_next_cross_entropy_log_softmax = mem.tensor(58, (2048, 256), 'float32')
+        rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
         # free y, next_cross_entropy_reshape
         del y, next_cross_entropy_reshape
         mem.free(1)
@@ -685,15 +675,15 @@ class CharLm(rp.Model):
         rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
         # free next_matmul, next_add, next_cross_entropy_log_softmax
         del next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(56)
+        mem.free(55)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # d_next_W = matmul[ta](d_next_add, next_reshape)
-        d_next_W = mem.tensor(60, (256, 64), 'float32')
+        d_next_W = mem.tensor(59, (256, 64), 'float32')
         rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
         # free ln_mul, ln, next_reshape
         del ln_mul, ln, next_reshape
-        mem.free(55)
+        mem.free(54)
         # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
         S_next_W_new = T['S_next_W']  # in place: the new S_next_W
         rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
@@ -702,32 +692,32 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_next_W_new, T['M_next_W'], d_next_W)
         # free d_next_W
         del d_next_W
-        mem.free(60)
+        mem.free(59)
         # d_next_B = sum_to[256](d_next_add)
-        d_next_B = mem.tensor(61, (256,), 'float32')
+        d_next_B = mem.tensor(60, (256,), 'float32')
         rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
         # d_next_reshape = matmul(d_next_add, next_W)
-        d_next_reshape = mem.tensor(62, (2048, 64), 'float32')
+        d_next_reshape = mem.tensor(61, (2048, 64), 'float32')
         rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
         # free d_next_cross_entropy_log_softmax, d_next_add
         del d_next_cross_entropy_log_softmax, d_next_add
-        mem.free(59)
+        mem.free(58)
         # d_ln = reshape[32x64x64](d_next_reshape)
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
         # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(63, (32, 64, 64), 'float32')
+        ln_mul_2 = mem.tensor(62, (32, 64, 64), 'float32')
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_ln*ln_mul_2)
-        d_ln_W = mem.tensor(64, (64,), 'float32')
+        d_ln_W = mem.tensor(63, (64,), 'float32')
         rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
                       (ew_mul, d_ln_W, d_ln, ln_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free ln_mul_2
         del ln_mul_2
-        mem.free(63)
+        mem.free(62)
         # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
         S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
         rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
@@ -736,7 +726,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
         # free d_ln_W
         del d_ln_W
-        mem.free(64)
+        mem.free(63)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
@@ -753,16 +743,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
         # free d_next_B
         del d_next_B
-        mem.free(61)
+        mem.free(60)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(65, (64,), 'float32')
+        d_ln_B = mem.tensor(64, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
         # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
         # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(66, (32, 64, 1), 'float32')
+        d_ln_rsqrt = mem.tensor(65, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
                       (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -780,23 +770,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
-        mem.free(65)
+        mem.free(64)
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
-        mem.free(53)
+        mem.free(52)
         # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
         # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(67, (32, 64, 1), 'float32')
+        d_ln_scale = mem.tensor(66, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
                       (ew_neg, d_ln_scale, d_ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        del embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(3, 54, 66)
+        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
+        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
+        mem.free(2, 53, 65)
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -805,17 +795,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
         # free d_ln_scale, d_ln_sum_to_2
         del d_ln_scale, d_ln_sum_to_2
-        mem.free(67)
+        mem.free(66)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[2048x64](d_ln_add)
         d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(68, (64, 256), 'float32')
+        d_block2_fc2_W = mem.tensor(67, (64, 256), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(50)
+        mem.free(49)
         # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
         S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
         rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
@@ -824,9 +814,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(68)
+        mem.free(67)
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(69, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(68, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -839,9 +829,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(69)
+        mem.free(68)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(70, (2048, 256), 'float32')
+        d_block2_fc2_reshape = mem.tensor(69, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
@@ -852,17 +842,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1
         del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(49)
+        mem.free(48)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(71, (256, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(70, (256, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
         del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(48)
+        mem.free(47)
         # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
@@ -871,7 +861,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(71)
+        mem.free(70)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -880,30 +870,30 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(72, (256,), 'float32')
+        d_block2_fc1_B = mem.tensor(71, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(73, (2048, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(72, (2048, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(70)
+        mem.free(69)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
         # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(74, (32, 64, 64), 'float32')
+        block2_ln2_mul_2 = mem.tensor(73, (32, 64, 64), 'float32')
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(75, (64,), 'float32')
+        d_block2_ln2_W = mem.tensor(74, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
                       (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
-        mem.free(74)
+        mem.free(73)
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
         S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
         rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
@@ -912,7 +902,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
         # free d_block2_ln2_W
         del d_block2_ln2_W
-        mem.free(75)
+        mem.free(74)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -929,16 +919,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(72)
+        mem.free(71)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(76, (64,), 'float32')
+        d_block2_ln2_B = mem.tensor(75, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
         # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
         # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(77, (32, 64, 1), 'float32')
+        d_block2_ln2_rsqrt = mem.tensor(76, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
                       (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -956,23 +946,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
-        mem.free(76)
+        mem.free(75)
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(46)
+        mem.free(45)
         # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
         # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(78, (32, 64, 1), 'float32')
+        d_block2_ln2_scale = mem.tensor(77, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
                       (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(45, 47, 77)
+        mem.free(44, 46, 76)
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -981,17 +971,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_ln2_add, d_ln_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(73, 78)
+        mem.free(72, 77)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(2048, 64))
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape_2)
-        d_block2_attn_out_W = mem.tensor(79, (64, 64), 'float32')
+        d_block2_attn_out_W = mem.tensor(78, (64, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape_2, out=d_block2_attn_out_W, ta=True)
         # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
         del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(42)
+        mem.free(41)
         # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
         S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
@@ -1000,9 +990,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(79)
+        mem.free(78)
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(80, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(79, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -1015,36 +1005,36 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(80)
+        mem.free(79)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(81, (2048, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(80, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block2_attn_out_matmul = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn_out_matmul = mem.tensor(82, (32, 4, 64, 16), 'float32')
+        d_block2_attn_out_matmul = mem.tensor(81, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn_out_matmul, axes=(1, 2))
         # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(81)
+        mem.free(80)
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
         # d_block2_attn_out_transpose_2 = matmul[ta](causal_softmax_2, d_block2_attn_out_matmul)
-        d_block2_attn_out_transpose_2 = mem.tensor(83, (32, 4, 64, 16), 'float32')
+        d_block2_attn_out_transpose_2 = mem.tensor(82, (32, 4, 64, 16), 'float32')
         rt.matmul(causal_softmax_2, d_block2_attn_out_matmul, out=d_block2_attn_out_transpose_2, ta=True)
         # d_block2_attn_out_reshape_2 = transpose[axes=(1,2)](d_block2_attn_out_transpose_2)
-        d_block2_attn_out_reshape_2 = mem.tensor(84, (32, 64, 4, 16), 'float32')
+        d_block2_attn_out_reshape_2 = mem.tensor(83, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_out_transpose_2, out=d_block2_attn_out_reshape_2, axes=(1, 2))
         # free d_block2_attn_out_transpose_2
         del d_block2_attn_out_transpose_2
-        mem.free(83)
+        mem.free(82)
         # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_out_reshape_2)
         d_block2_attn_v_add = rt.reshape(d_block2_attn_out_reshape_2, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(85, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(84, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
@@ -1057,16 +1047,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
-        mem.free(85)
+        mem.free(84)
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(86, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(85, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
         # d_block2_attn_q_reshape = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape = mem.tensor(87, (2048, 64), 'float32')
+        d_block2_attn_q_reshape = mem.tensor(86, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape)
         # free d_block2_attn_out_reshape_2, d_block2_attn_v_add
         del d_block2_attn_out_reshape_2, d_block2_attn_v_add
-        mem.free(84)
+        mem.free(83)
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
         S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
         rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
@@ -1078,69 +1068,69 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
-        mem.free(86)
+        mem.free(85)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_causal_softmax = matmul[tb](d_block2_attn_out_matmul, block2_attn_out_transpose)
-        d_causal_softmax = mem.tensor(88, (32, 4, 64, 64), 'float32')
+        d_causal_softmax = mem.tensor(87, (32, 4, 64, 64), 'float32')
         rt.matmul(d_block2_attn_out_matmul, block2_attn_out_transpose, out=d_causal_softmax, tb=True)
         # free block2_attn_out_transpose, d_block2_attn_out_matmul
         del block2_attn_out_transpose, d_block2_attn_out_matmul
-        mem.free(34, 82)
+        mem.free(33, 81)
 
         # ---- causal_softmax (causal softmax), backward ----
         # d_causal_softmax_softmax = reshape[8192x64](d_causal_softmax)
         d_causal_softmax_softmax = rt.reshape(d_causal_softmax, shape=(8192, 64))
         # d_causal_softmax_sum_to = sum_to[8192x1](d_causal_softmax_softmax*causal_softmax_softmax_2)
-        d_causal_softmax_sum_to = mem.tensor(89, (8192, 1), 'float32')
+        d_causal_softmax_sum_to = mem.tensor(88, (8192, 1), 'float32')
         rt.ew_sum(ew_mul, d_causal_softmax_sum_to, d_causal_softmax_softmax, causal_softmax_softmax_2, shape=(8192, 1), workspace=mem.workspace(2097152))
         # d_causal_softmax_reshape = causal_softmax_softmax_2*(d_causal_softmax_softmax - d_causal_softmax_sum_to)
         d_causal_softmax_reshape = d_causal_softmax_softmax  # in place: over d_causal_softmax_softmax
         rt.ew(ew_sub_mul, d_causal_softmax_reshape, d_causal_softmax_softmax, causal_softmax_softmax_2, d_causal_softmax_sum_to)
         # free causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2, d_causal_softmax_sum_to
         del causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2, d_causal_softmax_sum_to
-        mem.free(40, 89)
+        mem.free(39, 88)
         # d_causal_softmax_scale = reshape[32x4x64x64](d_causal_softmax_reshape)
         d_causal_softmax_scale = rt.reshape(d_causal_softmax_reshape, shape=(32, 4, 64, 64))
         # d_causal_softmax_matmul = 0.25*d_causal_softmax_scale
         d_causal_softmax_matmul = d_causal_softmax_scale  # in place: over d_causal_softmax_scale
         rt.ew(ew_scale_2, d_causal_softmax_matmul, d_causal_softmax_scale)
         # d_causal_softmax_transpose = matmul[tb](d_causal_softmax_matmul, causal_softmax_transpose_5)
-        d_causal_softmax_transpose = mem.tensor(90, (32, 4, 64, 16), 'float32')
+        d_causal_softmax_transpose = mem.tensor(89, (32, 4, 64, 16), 'float32')
         rt.matmul(d_causal_softmax_matmul, causal_softmax_transpose_5, out=d_causal_softmax_transpose, tb=True)
         # free causal_softmax_transpose_5
         del causal_softmax_transpose_5
-        mem.free(37)
+        mem.free(36)
         # d_causal_softmax_transpose_2 = matmul[ta](causal_softmax_transpose_6, d_causal_softmax_matmul)
-        d_causal_softmax_transpose_2 = mem.tensor(91, (32, 4, 16, 64), 'float32')
+        d_causal_softmax_transpose_2 = mem.tensor(90, (32, 4, 16, 64), 'float32')
         rt.matmul(causal_softmax_transpose_6, d_causal_softmax_matmul, out=d_causal_softmax_transpose_2, ta=True)
         # free causal_softmax_transpose_6, d_causal_softmax, d_causal_softmax_softmax, d_causal_softmax_reshape, d_causal_softmax_scale, d_causal_softmax_matmul
         del causal_softmax_transpose_6, d_causal_softmax, d_causal_softmax_softmax, d_causal_softmax_reshape, d_causal_softmax_scale, d_causal_softmax_matmul
-        mem.free(39, 88)
+        mem.free(38, 87)
         # d_causal_softmax_reshape_2 = transpose[axes=(1,2)](d_causal_softmax_transpose)
-        d_causal_softmax_reshape_2 = mem.tensor(92, (32, 64, 4, 16), 'float32')
+        d_causal_softmax_reshape_2 = mem.tensor(91, (32, 64, 4, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose, out=d_causal_softmax_reshape_2, axes=(1, 2))
         # free d_causal_softmax_transpose
         del d_causal_softmax_transpose
-        mem.free(90)
+        mem.free(89)
         # d_causal_softmax_transpose_3 = transpose[axes=(2,3)](d_causal_softmax_transpose_2)
-        d_causal_softmax_transpose_3 = mem.tensor(93, (32, 4, 64, 16), 'float32')
+        d_causal_softmax_transpose_3 = mem.tensor(92, (32, 4, 64, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose_2, out=d_causal_softmax_transpose_3, axes=(2, 3))
         # free d_causal_softmax_transpose_2
         del d_causal_softmax_transpose_2
-        mem.free(91)
+        mem.free(90)
         # d_causal_softmax_reshape_3 = transpose[axes=(1,2)](d_causal_softmax_transpose_3)
-        d_causal_softmax_reshape_3 = mem.tensor(94, (32, 64, 4, 16), 'float32')
+        d_causal_softmax_reshape_3 = mem.tensor(93, (32, 64, 4, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose_3, out=d_causal_softmax_reshape_3, axes=(1, 2))
         # free d_causal_softmax_transpose_3
         del d_causal_softmax_transpose_3
-        mem.free(93)
+        mem.free(92)
         # d_block2_attn_q_add = reshape[2048x64](d_causal_softmax_reshape_2)
         d_block2_attn_q_add = rt.reshape(d_causal_softmax_reshape_2, shape=(2048, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(95, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(94, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -1153,9 +1143,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(95)
+        mem.free(94)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(96, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(95, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
 
         # ---- causal_softmax (causal softmax), backward ----
@@ -1164,27 +1154,27 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(97, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(96, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
         # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(32)
+        mem.free(31)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(98, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(97, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape_2)
         # free d_causal_softmax_reshape_2, d_block2_attn_q_add
         del d_causal_softmax_reshape_2, d_block2_attn_q_add
-        mem.free(92)
+        mem.free(91)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(99, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(98, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_3)
         # free d_causal_softmax_reshape_3, d_block2_attn_k_matmul
         del d_causal_softmax_reshape_3, d_block2_attn_k_matmul
-        mem.free(94)
+        mem.free(93)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape + d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2
@@ -1192,23 +1182,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2)
         # free d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
         del d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
-        mem.free(98, 99)
+        mem.free(97, 98)
         # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
         # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(100, (32, 64, 64), 'float32')
+        block2_ln1_mul_2 = mem.tensor(99, (32, 64, 64), 'float32')
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(101, (64,), 'float32')
+        d_block2_ln1_W = mem.tensor(100, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
                       (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln1_mul_2
         del block2_ln1_mul_2
-        mem.free(100)
+        mem.free(99)
         # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
         S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
         rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
@@ -1217,7 +1207,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
         # free d_block2_ln1_W
         del d_block2_ln1_W
-        mem.free(101)
+        mem.free(100)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
@@ -1231,7 +1221,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(96)
+        mem.free(95)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -1245,16 +1235,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(97)
+        mem.free(96)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(102, (64,), 'float32')
+        d_block2_ln1_B = mem.tensor(101, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
         # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
         # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(103, (32, 64, 1), 'float32')
+        d_block2_ln1_rsqrt = mem.tensor(102, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
                       (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1272,23 +1262,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
-        mem.free(102)
+        mem.free(101)
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(30)
+        mem.free(29)
         # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
         # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(104, (32, 64, 1), 'float32')
+        d_block2_ln1_scale = mem.tensor(103, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
                       (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(29, 31, 103)
+        mem.free(28, 30, 102)
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
@@ -1297,17 +1287,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(87, 104)
+        mem.free(86, 103)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(2048, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(105, (64, 256), 'float32')
+        d_block1_fc2_W = mem.tensor(104, (64, 256), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(26)
+        mem.free(25)
         # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
         S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
         rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
@@ -1316,9 +1306,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(105)
+        mem.free(104)
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(106, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(105, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -1331,9 +1321,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(106)
+        mem.free(105)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(107, (2048, 256), 'float32')
+        d_block1_fc2_reshape = mem.tensor(106, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
@@ -1344,17 +1334,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1
         del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(25)
+        mem.free(24)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(108, (256, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(107, (256, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
         del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(24)
+        mem.free(23)
         # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
@@ -1363,7 +1353,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(108)
+        mem.free(107)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1372,30 +1362,30 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(109, (256,), 'float32')
+        d_block1_fc1_B = mem.tensor(108, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(110, (2048, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(109, (2048, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(107)
+        mem.free(106)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(111, (32, 64, 64), 'float32')
+        block1_ln2_mul_2 = mem.tensor(110, (32, 64, 64), 'float32')
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(112, (64,), 'float32')
+        d_block1_ln2_W = mem.tensor(111, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
                       (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
-        mem.free(111)
+        mem.free(110)
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
         S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
         rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
@@ -1404,7 +1394,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
         # free d_block1_ln2_W
         del d_block1_ln2_W
-        mem.free(112)
+        mem.free(111)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1421,16 +1411,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(109)
+        mem.free(108)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(113, (64,), 'float32')
+        d_block1_ln2_B = mem.tensor(112, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
         # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
         # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(114, (32, 64, 1), 'float32')
+        d_block1_ln2_rsqrt = mem.tensor(113, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
                       (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1448,23 +1438,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
-        mem.free(113)
+        mem.free(112)
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(22)
+        mem.free(21)
         # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
         # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(115, (32, 64, 1), 'float32')
+        d_block1_ln2_scale = mem.tensor(114, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
                       (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(21, 23, 114)
+        mem.free(20, 22, 113)
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -1473,17 +1463,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(110, 115)
+        mem.free(109, 114)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(2048, 64))
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape_2)
-        d_block1_attn_out_W = mem.tensor(116, (64, 64), 'float32')
+        d_block1_attn_out_W = mem.tensor(115, (64, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape_2, out=d_block1_attn_out_W, ta=True)
         # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
         del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(18)
+        mem.free(17)
         # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
         S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
@@ -1492,9 +1482,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(116)
+        mem.free(115)
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(117, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(116, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -1507,36 +1497,36 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(117)
+        mem.free(116)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(118, (2048, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(117, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block1_attn_out_matmul = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn_out_matmul = mem.tensor(119, (32, 4, 64, 16), 'float32')
+        d_block1_attn_out_matmul = mem.tensor(118, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn_out_matmul, axes=(1, 2))
         # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(118)
+        mem.free(117)
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
         # d_block1_attn_out_transpose_2 = matmul[ta](causal_softmax, d_block1_attn_out_matmul)
-        d_block1_attn_out_transpose_2 = mem.tensor(120, (32, 4, 64, 16), 'float32')
+        d_block1_attn_out_transpose_2 = mem.tensor(119, (32, 4, 64, 16), 'float32')
         rt.matmul(causal_softmax, d_block1_attn_out_matmul, out=d_block1_attn_out_transpose_2, ta=True)
         # d_block1_attn_out_reshape_2 = transpose[axes=(1,2)](d_block1_attn_out_transpose_2)
-        d_block1_attn_out_reshape_2 = mem.tensor(121, (32, 64, 4, 16), 'float32')
+        d_block1_attn_out_reshape_2 = mem.tensor(120, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_out_transpose_2, out=d_block1_attn_out_reshape_2, axes=(1, 2))
         # free d_block1_attn_out_transpose_2
         del d_block1_attn_out_transpose_2
-        mem.free(120)
+        mem.free(119)
         # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_out_reshape_2)
         d_block1_attn_v_add = rt.reshape(d_block1_attn_out_reshape_2, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(122, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(121, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
@@ -1549,16 +1539,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
-        mem.free(122)
+        mem.free(121)
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(123, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(122, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
         # d_block1_attn_q_reshape = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape = mem.tensor(124, (2048, 64), 'float32')
+        d_block1_attn_q_reshape = mem.tensor(123, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape)
         # free d_block1_attn_out_reshape_2, d_block1_attn_v_add
         del d_block1_attn_out_reshape_2, d_block1_attn_v_add
-        mem.free(121)
+        mem.free(120)
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
         S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
         rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
@@ -1570,69 +1560,69 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
-        mem.free(123)
+        mem.free(122)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_causal_softmax_2 = matmul[tb](d_block1_attn_out_matmul, block1_attn_out_transpose)
-        d_causal_softmax_2 = mem.tensor(125, (32, 4, 64, 64), 'float32')
+        d_causal_softmax_2 = mem.tensor(124, (32, 4, 64, 64), 'float32')
         rt.matmul(d_block1_attn_out_matmul, block1_attn_out_transpose, out=d_causal_softmax_2, tb=True)
         # free block1_attn_out_transpose, d_block1_attn_out_matmul
         del block1_attn_out_transpose, d_block1_attn_out_matmul
-        mem.free(10, 119)
+        mem.free(9, 118)
 
         # ---- causal_softmax (causal softmax), backward ----
         # d_causal_softmax_softmax_2 = reshape[8192x64](d_causal_softmax_2)
         d_causal_softmax_softmax_2 = rt.reshape(d_causal_softmax_2, shape=(8192, 64))
         # d_causal_softmax_sum_to_2 = sum_to[8192x1](d_causal_softmax_softmax_2*causal_softmax_softmax)
-        d_causal_softmax_sum_to_2 = mem.tensor(126, (8192, 1), 'float32')
+        d_causal_softmax_sum_to_2 = mem.tensor(125, (8192, 1), 'float32')
         rt.ew_sum(ew_mul, d_causal_softmax_sum_to_2, d_causal_softmax_softmax_2, causal_softmax_softmax, shape=(8192, 1), workspace=mem.workspace(2097152))
         # d_causal_softmax_reshape_4 = causal_softmax_softmax*(d_causal_softmax_softmax_2 - d_causal_softmax_sum_to_2)
         d_causal_softmax_reshape_4 = d_causal_softmax_softmax_2  # in place: over d_causal_softmax_softmax_2
         rt.ew(ew_sub_mul, d_causal_softmax_reshape_4, d_causal_softmax_softmax_2, causal_softmax_softmax, d_causal_softmax_sum_to_2)
         # free causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax, d_causal_softmax_sum_to_2
         del causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax, d_causal_softmax_sum_to_2
-        mem.free(16, 126)
+        mem.free(15, 125)
         # d_causal_softmax_scale_2 = reshape[32x4x64x64](d_causal_softmax_reshape_4)
         d_causal_softmax_scale_2 = rt.reshape(d_causal_softmax_reshape_4, shape=(32, 4, 64, 64))
         # d_causal_softmax_matmul_2 = 0.25*d_causal_softmax_scale_2
         d_causal_softmax_matmul_2 = d_causal_softmax_scale_2  # in place: over d_causal_softmax_scale_2
         rt.ew(ew_scale_2, d_causal_softmax_matmul_2, d_causal_softmax_scale_2)
         # d_causal_softmax_transpose_4 = matmul[tb](d_causal_softmax_matmul_2, causal_softmax_transpose_2)
-        d_causal_softmax_transpose_4 = mem.tensor(127, (32, 4, 64, 16), 'float32')
+        d_causal_softmax_transpose_4 = mem.tensor(126, (32, 4, 64, 16), 'float32')
         rt.matmul(d_causal_softmax_matmul_2, causal_softmax_transpose_2, out=d_causal_softmax_transpose_4, tb=True)
         # free causal_softmax_transpose_2
         del causal_softmax_transpose_2
-        mem.free(13)
+        mem.free(12)
         # d_causal_softmax_transpose_5 = matmul[ta](causal_softmax_transpose_3, d_causal_softmax_matmul_2)
-        d_causal_softmax_transpose_5 = mem.tensor(128, (32, 4, 16, 64), 'float32')
+        d_causal_softmax_transpose_5 = mem.tensor(127, (32, 4, 16, 64), 'float32')
         rt.matmul(causal_softmax_transpose_3, d_causal_softmax_matmul_2, out=d_causal_softmax_transpose_5, ta=True)
         # free causal_softmax_transpose_3, d_causal_softmax_2, d_causal_softmax_softmax_2, d_causal_softmax_reshape_4, d_causal_softmax_scale_2, d_causal_softmax_matmul_2
         del causal_softmax_transpose_3, d_causal_softmax_2, d_causal_softmax_softmax_2, d_causal_softmax_reshape_4, d_causal_softmax_scale_2, d_causal_softmax_matmul_2
-        mem.free(15, 125)
+        mem.free(14, 124)
         # d_causal_softmax_reshape_5 = transpose[axes=(1,2)](d_causal_softmax_transpose_4)
-        d_causal_softmax_reshape_5 = mem.tensor(129, (32, 64, 4, 16), 'float32')
+        d_causal_softmax_reshape_5 = mem.tensor(128, (32, 64, 4, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose_4, out=d_causal_softmax_reshape_5, axes=(1, 2))
         # free d_causal_softmax_transpose_4
         del d_causal_softmax_transpose_4
-        mem.free(127)
+        mem.free(126)
         # d_causal_softmax_transpose_6 = transpose[axes=(2,3)](d_causal_softmax_transpose_5)
-        d_causal_softmax_transpose_6 = mem.tensor(130, (32, 4, 64, 16), 'float32')
+        d_causal_softmax_transpose_6 = mem.tensor(129, (32, 4, 64, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose_5, out=d_causal_softmax_transpose_6, axes=(2, 3))
         # free d_causal_softmax_transpose_5
         del d_causal_softmax_transpose_5
-        mem.free(128)
+        mem.free(127)
         # d_causal_softmax_reshape_6 = transpose[axes=(1,2)](d_causal_softmax_transpose_6)
-        d_causal_softmax_reshape_6 = mem.tensor(131, (32, 64, 4, 16), 'float32')
+        d_causal_softmax_reshape_6 = mem.tensor(130, (32, 64, 4, 16), 'float32')
         rt.transpose(d_causal_softmax_transpose_6, out=d_causal_softmax_reshape_6, axes=(1, 2))
         # free d_causal_softmax_transpose_6
         del d_causal_softmax_transpose_6
-        mem.free(130)
+        mem.free(129)
         # d_block1_attn_q_add = reshape[2048x64](d_causal_softmax_reshape_5)
         d_block1_attn_q_add = rt.reshape(d_causal_softmax_reshape_5, shape=(2048, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(132, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(131, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -1645,9 +1635,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(132)
+        mem.free(131)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(133, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(132, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
 
         # ---- causal_softmax (causal softmax), backward ----
@@ -1656,27 +1646,27 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(134, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(133, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
         # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(8)
+        mem.free(7)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(135, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(134, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape_2)
         # free d_causal_softmax_reshape_5, d_block1_attn_q_add
         del d_causal_softmax_reshape_5, d_block1_attn_q_add
-        mem.free(129)
+        mem.free(128)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(136, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(135, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_3)
         # free d_causal_softmax_reshape_6, d_block1_attn_k_matmul
         del d_causal_softmax_reshape_6, d_block1_attn_k_matmul
-        mem.free(131)
+        mem.free(130)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape + d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2
@@ -1684,23 +1674,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2)
         # free d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
         del d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
-        mem.free(135, 136)
+        mem.free(134, 135)
         # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
         # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(137, (32, 64, 64), 'float32')
+        block1_ln1_mul_2 = mem.tensor(136, (32, 64, 64), 'float32')
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(138, (64,), 'float32')
+        d_block1_ln1_W = mem.tensor(137, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
                       (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln1_mul_2
         del block1_ln1_mul_2
-        mem.free(137)
+        mem.free(136)
         # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
         S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
         rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
@@ -1709,7 +1699,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
         # free d_block1_ln1_W
         del d_block1_ln1_W
-        mem.free(138)
+        mem.free(137)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
@@ -1723,7 +1713,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(133)
+        mem.free(132)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -1737,16 +1727,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(134)
+        mem.free(133)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(139, (64,), 'float32')
+        d_block1_ln1_B = mem.tensor(138, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
         # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
         # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(140, (32, 64, 1), 'float32')
+        d_block1_ln1_rsqrt = mem.tensor(139, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
                       (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1764,23 +1754,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
-        mem.free(139)
+        mem.free(138)
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
         # free block1_ln1_sum_to_2, block1_ln1_add
         del block1_ln1_sum_to_2, block1_ln1_add
-        mem.free(6)
+        mem.free(5)
         # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
         # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(141, (32, 64, 1), 'float32')
+        d_block1_ln1_scale = mem.tensor(140, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
                       (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(5, 7, 140)
+        mem.free(4, 6, 139)
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -1791,27 +1781,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(124, 141)
-
-        # ---- embed (embedding of 256 tokens in 64 features), backward ----
-        # d_embed_matmul = reshape[2048x64](d_block1_ln2_add_2)
-        d_embed_matmul = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
-        # d_embed_W = matmul[ta](embed_unpick, d_embed_matmul)
-        d_embed_W = mem.tensor(142, (256, 64), 'float32')
-        rt.matmul(embed_unpick, d_embed_matmul, out=d_embed_W, ta=True)
-        # free embed_unpick
-        del embed_unpick
-        mem.free(2)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        mem.free(123, 140)
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(143, (1, 64, 64), 'float32')
+        d_pos = mem.tensor(141, (1, 64, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 64, 64))
-        # free d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_matmul
-        del d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_matmul
-        mem.free(62)
 
         # ---- embed (embedding of 256 tokens in 64 features), backward ----
+        # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_2)
+        d_embed_gather_rows = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
+        # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
+        d_embed_W = mem.tensor(142, (256, 64), 'float32')
+        rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
+        # free x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
+        del x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
+        mem.free(0, 61)
         # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
         S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
         rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
@@ -1837,7 +1820,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(143)
+        mem.free(141)
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss
@@ -1851,543 +1834,14 @@ class CharLm(rp.Model):
         # ---- embed (embedding of 256 tokens in 64 features), forward ----
         # embed_reshape = reshape[2048](x)
         embed_reshape = rt.reshape(x, shape=(2048,))
-        # embed_unpick = unpick[classes=256](H1, embed_reshape)
-        embed_unpick = mem.tensor(2, (2048, 256), 'float32')
-        rt.unpick(T['H1'], embed_reshape, out=embed_unpick, classes=256)
+        # embed_gather_rows = gather_rows(embed_W, embed_reshape)
+        embed_gather_rows = mem.tensor(2, (2048, 64), 'float32')
+        rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
         # free x, embed_reshape
         del x, embed_reshape
         mem.free(0)
-        # embed_matmul = matmul(embed_unpick, embed_W)
-        embed_matmul = mem.tensor(3, (2048, 64), 'float32')
-        rt.matmul(embed_unpick, T['embed_W'], out=embed_matmul)
-        # free embed_unpick
-        del embed_unpick
-        mem.free(2)
-        # embed = reshape[32x64x64](embed_matmul)
-        embed = rt.reshape(embed_matmul, shape=(32, 64, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add = embed + pos
-        block1_ln2_add = embed  # in place: over embed
-        rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(4, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(5, (32, 64, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(4)
-        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
-        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
-        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
-        rt.ew(ew_mul_add_3, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
-        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
-        del block1_ln1_sum_to_2, block1_ln1_rsqrt
-        mem.free(6)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
-        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(7, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
-
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(8, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        mem.free(7)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
-        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(9, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
-        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
-        causal_softmax_transpose = mem.tensor(10, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, causal_softmax_reshape
-        del block1_attn_k_matmul, causal_softmax_reshape
-        mem.free(9)
-        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
-        causal_softmax_transpose_2 = mem.tensor(11, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
-        # free causal_softmax_transpose
-        del causal_softmax_transpose
-        mem.free(10)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(12, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        mem.free(5)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
-
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
-        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
-        causal_softmax_transpose_3 = mem.tensor(13, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        mem.free(12)
-        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
-        causal_softmax_matmul = mem.tensor(14, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
-        # free causal_softmax_transpose_2, causal_softmax_transpose_3
-        del causal_softmax_transpose_2, causal_softmax_transpose_3
-        mem.free(11, 13)
-        # causal_softmax_scale = 0.25*causal_softmax_matmul
-        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
-        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
-        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
-        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
-        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
-        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
-        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
-        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
-        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
-
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(15, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # free block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        del block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        mem.free(8, 14)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(16, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(15)
-        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(17, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(16)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
-        # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
-        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
-        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
-        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(17)
-        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(18, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(19, (32, 64, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(20, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(18)
-        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
-        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
-        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
-        rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
-        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
-        del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(20)
-
-        # ---- block1_fc1 (fully connected, 256 outputs), forward ----
-        # block1_fc1_reshape = reshape[2048x64](block1_ln2)
-        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(21, (2048, 256), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(19)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
-        # block1_fc1 = reshape[32x64x256](block1_fc1_add)
-        block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
-
-        # ---- block1_fc1_gelu (gelu), forward ----
-        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
-        # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
-        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(22, (2048, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(21)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
-        # block1_fc2 = reshape[32x64x64](block1_fc2_add)
-        block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
-        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
-        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(22)
-        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(23, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(24, (32, 64, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(25, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(23)
-        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
-        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
-        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
-        rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
-        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
-        del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(25)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
-        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(26, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
-
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(27, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(26)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
-        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(28, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
-        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
-        causal_softmax_transpose_4 = mem.tensor(29, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, causal_softmax_reshape_4
-        del block2_attn_k_matmul, causal_softmax_reshape_4
-        mem.free(28)
-        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
-        causal_softmax_transpose_5 = mem.tensor(30, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
-        # free causal_softmax_transpose_4
-        del causal_softmax_transpose_4
-        mem.free(29)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(31, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(24)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
-
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
-        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
-        causal_softmax_transpose_6 = mem.tensor(32, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        mem.free(31)
-        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
-        causal_softmax_matmul_2 = mem.tensor(33, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
-        # free causal_softmax_transpose_5, causal_softmax_transpose_6
-        del causal_softmax_transpose_5, causal_softmax_transpose_6
-        mem.free(30, 32)
-        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
-        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
-        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
-        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
-        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
-        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
-        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
-        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
-        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
-        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
-
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(34, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # free block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        del block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        mem.free(27, 33)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(35, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(34)
-        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(36, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(35)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
-        # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
-        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_add = block2_ln1_add + block2_attn_out
-        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
-        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(36)
-        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(37, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(38, (32, 64, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(39, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(37)
-        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
-        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
-        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
-        rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
-        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
-        del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(39)
-
-        # ---- block2_fc1 (fully connected, 256 outputs), forward ----
-        # block2_fc1_reshape = reshape[2048x64](block2_ln2)
-        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(40, (2048, 256), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(38)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
-        # block2_fc1 = reshape[32x64x256](block2_fc1_add)
-        block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
-
-        # ---- block2_fc1_gelu (gelu), forward ----
-        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
-        # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
-        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(41, (2048, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(40)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
-        # block2_fc2 = reshape[32x64x64](block2_fc2_add)
-        block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_add = block2_ln2_add + block2_fc2
-        ln_add = block2_ln2_add  # in place: over block2_ln2_add
-        rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(41)
-        # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(42, (32, 64, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(43, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(42)
-        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
-        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
-        # ln = ln_sub*ln_rsqrt*ln_W + ln_B
-        ln = ln_sub  # in place: over ln_sub
-        rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
-        # free ln_sum_to_2, ln_rsqrt
-        del ln_sum_to_2, ln_rsqrt
-        mem.free(43)
-
-        # ---- next (fully connected, 256 outputs), forward ----
-        # next_reshape = reshape[2048x64](ln)
-        next_reshape = rt.reshape(ln, shape=(2048, 64))
-        # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(44, (2048, 256), 'float32')
-        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # free embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        del embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        mem.free(3)
-        # next_add = next_matmul + next_B
-        next_add = next_matmul  # in place: over next_matmul
-        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
-
-        # ---- next_cross_entropy (cross_entropy), forward ----
-        # next_cross_entropy_reshape = reshape[2048](y)
-        next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
-
-        # ---- next_precision (precision), forward ----
-        # next_precision = precision(next_add, next_cross_entropy_reshape)
-        next_precision = mem.tensor(45, (), 'float32')
-        rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
-
-        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
-        # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
-        label_ranks = mem.tensor(46, (2048,), 'float32')
-        rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
-
-        # ---- next_cross_entropy (cross_entropy), forward ----
-        # next_cross_entropy_log_softmax = log_softmax(next_add)
-        next_cross_entropy_log_softmax = next_add  # in place: over next_add
-        rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
-        # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(47, (2048,), 'float32')
-        rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
-        # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(1, 44)
-        # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(48, (), 'float32')
-        rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
-        # free next_cross_entropy_pick
-        del next_cross_entropy_pick
-        mem.free(47)
-        # next_cross_entropy = -next_cross_entropy_sum_to/2048
-        next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
-        rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
-        accuracy = rt.scalar(next_precision)
-        loss = rt.scalar(next_cross_entropy)
-        ranks = rt.to_numpy(label_ranks)
-        mem.end()
-        return accuracy, loss, ranks
-
-    def predict_step(self, x):
-        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
-        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
-        x = mem.load(0, x)
-
-        # ---- embed (embedding of 256 tokens in 64 features), forward ----
-        # embed_reshape = reshape[2048](x)
-        embed_reshape = rt.reshape(x, shape=(2048,))
-        # embed_unpick = unpick[classes=256](H1, embed_reshape)
-        embed_unpick = mem.tensor(1, (2048, 256), 'float32')
-        rt.unpick(T['H1'], embed_reshape, out=embed_unpick, classes=256)
-        # free x, embed_reshape
-        del x, embed_reshape
-        mem.free(0)
-        # embed_matmul = matmul(embed_unpick, embed_W)
-        embed_matmul = mem.tensor(2, (2048, 64), 'float32')
-        rt.matmul(embed_unpick, T['embed_W'], out=embed_matmul)
-        # free embed_unpick
-        del embed_unpick
-        mem.free(1)
-        # embed = reshape[32x64x64](embed_matmul)
-        embed = rt.reshape(embed_matmul, shape=(32, 64, 64))
+        # embed = reshape[32x64x64](embed_gather_rows)
+        embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_add = embed + pos
@@ -2843,9 +2297,526 @@ class CharLm(rp.Model):
         # next_matmul = matmul[tb](next_reshape, next_W)
         next_matmul = mem.tensor(43, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # free embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        del embed_matmul, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
         mem.free(2)
+        # next_add = next_matmul + next_B
+        next_add = next_matmul  # in place: over next_matmul
+        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
+
+        # ---- next_cross_entropy (cross_entropy), forward ----
+        # next_cross_entropy_reshape = reshape[2048](y)
+        next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
+
+        # ---- next_precision (precision), forward ----
+        # next_precision = precision(next_add, next_cross_entropy_reshape)
+        next_precision = mem.tensor(44, (), 'float32')
+        rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
+
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
+        label_ranks = mem.tensor(45, (2048,), 'float32')
+        rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
+
+        # ---- next_cross_entropy (cross_entropy), forward ----
+        # next_cross_entropy_log_softmax = log_softmax(next_add)
+        next_cross_entropy_log_softmax = next_add  # in place: over next_add
+        rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
+        # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
+        next_cross_entropy_pick = mem.tensor(46, (2048,), 'float32')
+        rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
+        # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
+        del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
+        mem.free(1, 43)
+        # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
+        next_cross_entropy_sum_to = mem.tensor(47, (), 'float32')
+        rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
+        # free next_cross_entropy_pick
+        del next_cross_entropy_pick
+        mem.free(46)
+        # next_cross_entropy = -next_cross_entropy_sum_to/2048
+        next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
+        rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
+        accuracy = rt.scalar(next_precision)
+        loss = rt.scalar(next_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
+        mem.end()
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- embed (embedding of 256 tokens in 64 features), forward ----
+        # embed_reshape = reshape[2048](x)
+        embed_reshape = rt.reshape(x, shape=(2048,))
+        # embed_gather_rows = gather_rows(embed_W, embed_reshape)
+        embed_gather_rows = mem.tensor(1, (2048, 64), 'float32')
+        rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
+        # free x, embed_reshape
+        del x, embed_reshape
+        mem.free(0)
+        # embed = reshape[32x64x64](embed_gather_rows)
+        embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add = embed + pos
+        block1_ln2_add = embed  # in place: over embed
+        rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
+        block1_ln1_sum_to = mem.tensor(2, (32, 64, 1), 'float32')
+        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
+        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
+        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
+        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
+        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
+        block1_ln1_sub = mem.tensor(3, (32, 64, 64), 'float32')
+        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
+        block1_ln1_sum_to_2 = mem.tensor(4, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
+                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block1_ln1_sum_to, block1_ln1_scale
+        del block1_ln1_sum_to, block1_ln1_scale
+        mem.free(2)
+        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
+        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
+        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
+        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
+        rt.ew(ew_mul_add_3, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
+        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
+        del block1_ln1_sum_to_2, block1_ln1_rsqrt
+        mem.free(4)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(5, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
+        block1_attn_out_transpose = mem.tensor(6, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        mem.free(5)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(7, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
+        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
+        causal_softmax_transpose = mem.tensor(8, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
+        # free block1_attn_k_matmul, causal_softmax_reshape
+        del block1_attn_k_matmul, causal_softmax_reshape
+        mem.free(7)
+        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
+        causal_softmax_transpose_2 = mem.tensor(9, (32, 4, 16, 64), 'float32')
+        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
+        # free causal_softmax_transpose
+        del causal_softmax_transpose
+        mem.free(8)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(10, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
+        mem.free(3)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
+        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
+        causal_softmax_transpose_3 = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
+        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
+        mem.free(10)
+        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
+        causal_softmax_matmul = mem.tensor(12, (32, 4, 64, 64), 'float32')
+        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
+        # free causal_softmax_transpose_2, causal_softmax_transpose_3
+        del causal_softmax_transpose_2, causal_softmax_transpose_3
+        mem.free(9, 11)
+        # causal_softmax_scale = 0.25*causal_softmax_matmul
+        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
+        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
+        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
+        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
+        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
+        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
+        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
+        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
+        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
+        block1_attn_out_matmul = mem.tensor(13, (32, 4, 64, 16), 'float32')
+        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
+        # free block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
+        del block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
+        mem.free(6, 12)
+        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
+        block1_attn_out_transpose_2 = mem.tensor(14, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
+        # free block1_attn_out_matmul
+        del block1_attn_out_matmul
+        mem.free(13)
+        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
+        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
+        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
+        block1_attn_out_matmul_2 = mem.tensor(15, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
+        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
+        mem.free(14)
+        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
+        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
+        mem.free(15)
+        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
+        block1_ln2_sum_to = mem.tensor(16, (32, 64, 1), 'float32')
+        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
+        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
+        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
+        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
+        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
+        block1_ln2_sub = mem.tensor(17, (32, 64, 64), 'float32')
+        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
+        block1_ln2_sum_to_2 = mem.tensor(18, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
+                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block1_ln2_sum_to, block1_ln2_scale
+        del block1_ln2_sum_to, block1_ln2_scale
+        mem.free(16)
+        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
+        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
+        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
+        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
+        rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
+        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
+        del block1_ln2_sum_to_2, block1_ln2_rsqrt
+        mem.free(18)
+
+        # ---- block1_fc1 (fully connected, 256 outputs), forward ----
+        # block1_fc1_reshape = reshape[2048x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(19, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
+        mem.free(17)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[32x64x256](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(20, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        mem.free(19)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[32x64x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
+        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        mem.free(20)
+        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
+        block2_ln1_sum_to = mem.tensor(21, (32, 64, 1), 'float32')
+        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
+        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
+        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
+        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
+        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
+        block2_ln1_sub = mem.tensor(22, (32, 64, 64), 'float32')
+        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
+        block2_ln1_sum_to_2 = mem.tensor(23, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
+                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block2_ln1_sum_to, block2_ln1_scale
+        del block2_ln1_sum_to, block2_ln1_scale
+        mem.free(21)
+        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
+        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
+        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
+        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
+        rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
+        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
+        del block2_ln1_sum_to_2, block2_ln1_rsqrt
+        mem.free(23)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(24, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
+        block2_attn_out_transpose = mem.tensor(25, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
+        mem.free(24)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(26, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
+        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
+        causal_softmax_transpose_4 = mem.tensor(27, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
+        # free block2_attn_k_matmul, causal_softmax_reshape_4
+        del block2_attn_k_matmul, causal_softmax_reshape_4
+        mem.free(26)
+        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
+        causal_softmax_transpose_5 = mem.tensor(28, (32, 4, 16, 64), 'float32')
+        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
+        # free causal_softmax_transpose_4
+        del causal_softmax_transpose_4
+        mem.free(27)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(29, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
+        mem.free(22)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- causal_softmax (causal softmax), forward ----
+        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
+        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
+        causal_softmax_transpose_6 = mem.tensor(30, (32, 4, 64, 16), 'float32')
+        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
+        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
+        mem.free(29)
+        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
+        causal_softmax_matmul_2 = mem.tensor(31, (32, 4, 64, 64), 'float32')
+        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
+        # free causal_softmax_transpose_5, causal_softmax_transpose_6
+        del causal_softmax_transpose_5, causal_softmax_transpose_6
+        mem.free(28, 30)
+        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
+        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
+        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
+        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
+        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
+        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
+        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
+        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
+        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
+        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
+        block2_attn_out_matmul = mem.tensor(32, (32, 4, 64, 16), 'float32')
+        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
+        # free block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
+        del block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
+        mem.free(25, 31)
+        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
+        block2_attn_out_transpose_2 = mem.tensor(33, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
+        # free block2_attn_out_matmul
+        del block2_attn_out_matmul
+        mem.free(32)
+        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
+        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
+        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
+        block2_attn_out_matmul_2 = mem.tensor(34, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
+        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
+        mem.free(33)
+        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
+        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
+        mem.free(34)
+        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
+        block2_ln2_sum_to = mem.tensor(35, (32, 64, 1), 'float32')
+        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
+        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
+        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
+        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
+        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
+        block2_ln2_sub = mem.tensor(36, (32, 64, 64), 'float32')
+        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
+        block2_ln2_sum_to_2 = mem.tensor(37, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
+                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free block2_ln2_sum_to, block2_ln2_scale
+        del block2_ln2_sum_to, block2_ln2_scale
+        mem.free(35)
+        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
+        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
+        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
+        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
+        rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
+        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
+        del block2_ln2_sum_to_2, block2_ln2_rsqrt
+        mem.free(37)
+
+        # ---- block2_fc1 (fully connected, 256 outputs), forward ----
+        # block2_fc1_reshape = reshape[2048x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(38, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
+        mem.free(36)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[32x64x256](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(39, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        mem.free(38)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[32x64x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block2_ln2_add + block2_fc2
+        ln_add = block2_ln2_add  # in place: over block2_ln2_add
+        rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        mem.free(39)
+        # ln_sum_to = sum_to[32x64x1](ln_add)
+        ln_sum_to = mem.tensor(40, (32, 64, 1), 'float32')
+        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
+        # ln_scale = 0.015625*ln_sum_to
+        ln_scale = ln_sum_to  # in place: over ln_sum_to
+        rt.ew(ew_scale, ln_scale, ln_sum_to)
+        # ln_sub = ln_add - ln_scale   (computed with the next statement)
+        ln_sub = ln_add  # in place: over ln_add
+        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
+        ln_sum_to_2 = mem.tensor(41, (32, 64, 1), 'float32')
+        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
+                      (ew_square, ln_sum_to_2, ln_sub),
+                      shape=(32, 64, 1), workspace=mem.workspace(524288))
+        # free ln_sum_to, ln_scale
+        del ln_sum_to, ln_scale
+        mem.free(40)
+        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
+        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
+        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
+        # ln = ln_sub*ln_rsqrt*ln_W + ln_B
+        ln = ln_sub  # in place: over ln_sub
+        rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
+        # free ln_sum_to_2, ln_rsqrt
+        del ln_sum_to_2, ln_rsqrt
+        mem.free(41)
+
+        # ---- next (fully connected, 256 outputs), forward ----
+        # next_reshape = reshape[2048x64](ln)
+        next_reshape = rt.reshape(ln, shape=(2048, 64))
+        # next_matmul = matmul[tb](next_reshape, next_W)
+        next_matmul = mem.tensor(42, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
+        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
+        mem.free(1)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
         rt.ew(ew_add, next_add, next_matmul, T['next_B'])
@@ -2862,218 +2833,163 @@ class CharLm(rp.Model):
     # tensor bytes (each buffer counted rounded up to 256 bytes), which the allocator measures again at run time
     memory_plans = {
         "setup": rp.StepPlan(
-            arena_bytes=16384, peak_bytes=16384, workspace_bytes=0, pool_bytes=16384,
+            arena_bytes=8192, peak_bytes=8192, workspace_bytes=0, pool_bytes=8192,
             buffers=(
                 (0, 8192),  # 0: const 2048 float32
-                (8192, 8192),  # 1: const_2 2048 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=28401920, peak_bytes=28401920, workspace_bytes=2097152, pool_bytes=28860416,
+            arena_bytes=26312960, peak_bytes=26312960, workspace_bytes=2097152, pool_bytes=26771456,
             buffers=(
-                (2097152, 8192),  # 0: x 32x64 int32
-                (28311552, 8192),  # 1: y 32x64 int32
-                (0, 2097152),  # 2: embed_unpick 2048x256 float32
-                (18874368, 524288),  # 3: embed_matmul 2048x64 float32
-                (2097152, 8192),  # 4: block1_ln1_sum_to 32x64x1 float32
-                (19398656, 524288),  # 5: block1_ln1_sub 32x64x64 float32
-                (28319744, 8192),  # 6: block1_ln1_sum_to_2 32x64x1 float32
-                (28327936, 8192),  # 7: block1_ln1_rsqrt 32x64x1 float32
-                (19922944, 524288),  # 8: block1_ln1_mul 32x64x64 float32
-                (2097152, 524288),  # 9: block1_attn_v_matmul 2048x64 float32
-                (20447232, 524288),  # 10: block1_attn_out_transpose 32x4x64x16 float32
-                (2097152, 524288),  # 11: block1_attn_k_matmul 2048x64 float32
-                (2621440, 524288),  # 12: causal_softmax_transpose 32x4x64x16 float32
-                (20971520, 524288),  # 13: causal_softmax_transpose_2 32x4x16x64 float32
-                (2097152, 524288),  # 14: block1_attn_q_matmul 2048x64 float32
-                (21495808, 524288),  # 15: causal_softmax_transpose_3 32x4x64x16 float32
-                (2097152, 2097152),  # 16: causal_softmax_matmul 32x4x64x64 float32
-                (4194304, 524288),  # 17: block1_attn_out_matmul 32x4x64x16 float32
-                (22020096, 524288),  # 18: block1_attn_out_transpose_2 32x64x4x16 float32
-                (4194304, 524288),  # 19: block1_attn_out_matmul_2 2048x64 float32
-                (4194304, 8192),  # 20: block1_ln2_sum_to 32x64x1 float32
-                (22544384, 524288),  # 21: block1_ln2_sub 32x64x64 float32
-                (28336128, 8192),  # 22: block1_ln2_sum_to_2 32x64x1 float32
-                (28344320, 8192),  # 23: block1_ln2_rsqrt 32x64x1 float32
-                (23068672, 524288),  # 24: block1_ln2_mul 32x64x64 float32
-                (4194304, 2097152),  # 25: block1_fc1_matmul 2048x256 float32
-                (6291456, 2097152),  # 26: block1_fc1_gelu 32x64x256 float32
-                (8388608, 524288),  # 27: block1_fc2_matmul 2048x64 float32
-                (8388608, 8192),  # 28: block2_ln1_sum_to 32x64x1 float32
-                (23592960, 524288),  # 29: block2_ln1_sub 32x64x64 float32
-                (28352512, 8192),  # 30: block2_ln1_sum_to_2 32x64x1 float32
-                (28360704, 8192),  # 31: block2_ln1_rsqrt 32x64x1 float32
-                (24117248, 524288),  # 32: block2_ln1_mul 32x64x64 float32
-                (8388608, 524288),  # 33: block2_attn_v_matmul 2048x64 float32
-                (24641536, 524288),  # 34: block2_attn_out_transpose 32x4x64x16 float32
-                (8388608, 524288),  # 35: block2_attn_k_matmul 2048x64 float32
-                (8912896, 524288),  # 36: causal_softmax_transpose_4 32x4x64x16 float32
-                (25165824, 524288),  # 37: causal_softmax_transpose_5 32x4x16x64 float32
-                (8388608, 524288),  # 38: block2_attn_q_matmul 2048x64 float32
-                (25690112, 524288),  # 39: causal_softmax_transpose_6 32x4x64x16 float32
-                (8388608, 2097152),  # 40: causal_softmax_matmul_2 32x4x64x64 float32
-                (10485760, 524288),  # 41: block2_attn_out_matmul 32x4x64x16 float32
-                (26214400, 524288),  # 42: block2_attn_out_transpose_2 32x64x4x16 float32
-                (10485760, 524288),  # 43: block2_attn_out_matmul_2 2048x64 float32
-                (10485760, 8192),  # 44: block2_ln2_sum_to 32x64x1 float32
-                (26738688, 524288),  # 45: block2_ln2_sub 32x64x64 float32
-                (28368896, 8192),  # 46: block2_ln2_sum_to_2 32x64x1 float32
-                (28377088, 8192),  # 47: block2_ln2_rsqrt 32x64x1 float32
-                (27262976, 524288),  # 48: block2_ln2_mul 32x64x64 float32
-                (10485760, 2097152),  # 49: block2_fc1_matmul 2048x256 float32
-                (12582912, 2097152),  # 50: block2_fc1_gelu 32x64x256 float32
-                (14680064, 524288),  # 51: block2_fc2_matmul 2048x64 float32
-                (14680064, 8192),  # 52: ln_sum_to 32x64x1 float32
-                (28385280, 8192),  # 53: ln_sum_to_2 32x64x1 float32
-                (28393472, 8192),  # 54: ln_rsqrt 32x64x1 float32
-                (27787264, 524288),  # 55: ln_mul 32x64x64 float32
-                (14680064, 2097152),  # 56: next_matmul 2048x256 float32
-                (16777216, 8192),  # 57: next_cross_entropy_pick 2048 float32
-                (28401664, 4),  # 58: next_cross_entropy_sum_to scalar float32
-                (16777216, 2097152),  # 59: d_next_cross_entropy_log_softmax 2048x256 float32
-                (14680064, 65536),  # 60: d_next_W 256x64 float32
-                (15728640, 1024),  # 61: d_next_B 256 float32
-                (14680064, 524288),  # 62: d_next_reshape 2048x64 float32
-                (15204352, 524288),  # 63: ln_mul_2 32x64x64 float32
-                (15729664, 256),  # 64: d_ln_W 64 float32
-                (15212544, 256),  # 65: d_ln_B 64 float32
-                (15204352, 8192),  # 66: d_ln_rsqrt 32x64x1 float32
-                (15212544, 8192),  # 67: d_ln_scale 32x64x1 float32
-                (15204352, 65536),  # 68: d_block2_fc2_W 64x256 float32
-                (12582912, 256),  # 69: d_block2_fc2_B 64 float32
-                (12582912, 2097152),  # 70: d_block2_fc2_reshape 2048x256 float32
-                (10485760, 65536),  # 71: d_block2_fc1_W 256x64 float32
-                (11534336, 1024),  # 72: d_block2_fc1_B 256 float32
-                (10485760, 524288),  # 73: d_block2_fc1_reshape 2048x64 float32
-                (11010048, 524288),  # 74: block2_ln2_mul_2 32x64x64 float32
-                (11535360, 256),  # 75: d_block2_ln2_W 64 float32
-                (11018240, 256),  # 76: d_block2_ln2_B 64 float32
-                (11010048, 8192),  # 77: d_block2_ln2_rsqrt 32x64x1 float32
-                (11018240, 8192),  # 78: d_block2_ln2_scale 32x64x1 float32
-                (10485760, 16384),  # 79: d_block2_attn_out_W 64x64 float32
-                (10485760, 256),  # 80: d_block2_attn_out_B 64 float32
-                (10485760, 524288),  # 81: d_block2_attn_out_reshape 2048x64 float32
-                (12582912, 524288),  # 82: d_block2_attn_out_matmul 32x4x64x16 float32
-                (10485760, 524288),  # 83: d_block2_attn_out_transpose_2 32x4x64x16 float32
-                (11010048, 524288),  # 84: d_block2_attn_out_reshape_2 32x64x4x16 float32
-                (10485760, 256),  # 85: d_block2_attn_v_B 64 float32
-                (10485760, 16384),  # 86: d_block2_attn_v_W 64x64 float32
-                (13107200, 524288),  # 87: d_block2_attn_q_reshape 2048x64 float32
-                (10485760, 2097152),  # 88: d_causal_softmax 32x4x64x64 float32
-                (12582912, 32768),  # 89: d_causal_softmax_sum_to 8192x1 float32
-                (8388608, 524288),  # 90: d_causal_softmax_transpose 32x4x64x16 float32
-                (8912896, 524288),  # 91: d_causal_softmax_transpose_2 32x4x16x64 float32
-                (9437184, 524288),  # 92: d_causal_softmax_reshape_2 32x64x4x16 float32
-                (8388608, 524288),  # 93: d_causal_softmax_transpose_3 32x4x64x16 float32
-                (8912896, 524288),  # 94: d_causal_softmax_reshape_3 32x64x4x16 float32
-                (8388608, 256),  # 95: d_block2_attn_q_B 64 float32
-                (9961472, 16384),  # 96: d_block2_attn_q_W 64x64 float32
-                (9977856, 16384),  # 97: d_block2_attn_k_W 64x64 float32
-                (8388608, 524288),  # 98: d_block2_attn_q_reshape_2 2048x64 float32
-                (9437184, 524288),  # 99: d_block2_attn_q_reshape_3 2048x64 float32
-                (8388608, 524288),  # 100: block2_ln1_mul_2 32x64x64 float32
-                (8912896, 256),  # 101: d_block2_ln1_W 64 float32
-                (8396800, 256),  # 102: d_block2_ln1_B 64 float32
-                (8388608, 8192),  # 103: d_block2_ln1_rsqrt 32x64x1 float32
-                (8396800, 8192),  # 104: d_block2_ln1_scale 32x64x1 float32
-                (8388608, 65536),  # 105: d_block1_fc2_W 64x256 float32
-                (6291456, 256),  # 106: d_block1_fc2_B 64 float32
-                (6291456, 2097152),  # 107: d_block1_fc2_reshape 2048x256 float32
-                (4194304, 65536),  # 108: d_block1_fc1_W 256x64 float32
-                (5242880, 1024),  # 109: d_block1_fc1_B 256 float32
-                (4194304, 524288),  # 110: d_block1_fc1_reshape 2048x64 float32
-                (4718592, 524288),  # 111: block1_ln2_mul_2 32x64x64 float32
-                (5243904, 256),  # 112: d_block1_ln2_W 64 float32
-                (4726784, 256),  # 113: d_block1_ln2_B 64 float32
-                (4718592, 8192),  # 114: d_block1_ln2_rsqrt 32x64x1 float32
-                (4726784, 8192),  # 115: d_block1_ln2_scale 32x64x1 float32
-                (4194304, 16384),  # 116: d_block1_attn_out_W 64x64 float32
-                (4194304, 256),  # 117: d_block1_attn_out_B 64 float32
-                (4194304, 524288),  # 118: d_block1_attn_out_reshape 2048x64 float32
-                (6291456, 524288),  # 119: d_block1_attn_out_matmul 32x4x64x16 float32
-                (4194304, 524288),  # 120: d_block1_attn_out_transpose_2 32x4x64x16 float32
-                (4718592, 524288),  # 121: d_block1_attn_out_reshape_2 32x64x4x16 float32
-                (4194304, 256),  # 122: d_block1_attn_v_B 64 float32
-                (4194304, 16384),  # 123: d_block1_attn_v_W 64x64 float32
-                (6815744, 524288),  # 124: d_block1_attn_q_reshape 2048x64 float32
-                (4194304, 2097152),  # 125: d_causal_softmax_2 32x4x64x64 float32
-                (6291456, 32768),  # 126: d_causal_softmax_sum_to_2 8192x1 float32
-                (2097152, 524288),  # 127: d_causal_softmax_transpose_4 32x4x64x16 float32
-                (2621440, 524288),  # 128: d_causal_softmax_transpose_5 32x4x16x64 float32
-                (3145728, 524288),  # 129: d_causal_softmax_reshape_5 32x64x4x16 float32
-                (2097152, 524288),  # 130: d_causal_softmax_transpose_6 32x4x64x16 float32
-                (2621440, 524288),  # 131: d_causal_softmax_reshape_6 32x64x4x16 float32
-                (2097152, 256),  # 132: d_block1_attn_q_B 64 float32
-                (3670016, 16384),  # 133: d_block1_attn_q_W 64x64 float32
-                (3686400, 16384),  # 134: d_block1_attn_k_W 64x64 float32
-                (2097152, 524288),  # 135: d_block1_attn_q_reshape_2 2048x64 float32
-                (3145728, 524288),  # 136: d_block1_attn_q_reshape_3 2048x64 float32
-                (2097152, 524288),  # 137: block1_ln1_mul_2 32x64x64 float32
-                (2621440, 256),  # 138: d_block1_ln1_W 64 float32
-                (2105344, 256),  # 139: d_block1_ln1_B 64 float32
-                (2097152, 8192),  # 140: d_block1_ln1_rsqrt 32x64x1 float32
-                (2105344, 8192),  # 141: d_block1_ln1_scale 32x64x1 float32
-                (2097152, 65536),  # 142: d_embed_W 256x64 float32
-                (0, 16384),  # 143: d_pos 1x64x64 float32
+                (26214400, 8192),  # 0: x 32x64 int32
+                (26222592, 8192),  # 1: y 32x64 int32
+                (16777216, 524288),  # 2: embed_gather_rows 2048x64 float32
+                (0, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
+                (17301504, 524288),  # 4: block1_ln1_sub 32x64x64 float32
+                (26230784, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
+                (26238976, 8192),  # 6: block1_ln1_rsqrt 32x64x1 float32
+                (17825792, 524288),  # 7: block1_ln1_mul 32x64x64 float32
+                (0, 524288),  # 8: block1_attn_v_matmul 2048x64 float32
+                (18350080, 524288),  # 9: block1_attn_out_transpose 32x4x64x16 float32
+                (0, 524288),  # 10: block1_attn_k_matmul 2048x64 float32
+                (524288, 524288),  # 11: causal_softmax_transpose 32x4x64x16 float32
+                (18874368, 524288),  # 12: causal_softmax_transpose_2 32x4x16x64 float32
+                (0, 524288),  # 13: block1_attn_q_matmul 2048x64 float32
+                (19398656, 524288),  # 14: causal_softmax_transpose_3 32x4x64x16 float32
+                (0, 2097152),  # 15: causal_softmax_matmul 32x4x64x64 float32
+                (2097152, 524288),  # 16: block1_attn_out_matmul 32x4x64x16 float32
+                (19922944, 524288),  # 17: block1_attn_out_transpose_2 32x64x4x16 float32
+                (2097152, 524288),  # 18: block1_attn_out_matmul_2 2048x64 float32
+                (2097152, 8192),  # 19: block1_ln2_sum_to 32x64x1 float32
+                (20447232, 524288),  # 20: block1_ln2_sub 32x64x64 float32
+                (26247168, 8192),  # 21: block1_ln2_sum_to_2 32x64x1 float32
+                (26255360, 8192),  # 22: block1_ln2_rsqrt 32x64x1 float32
+                (20971520, 524288),  # 23: block1_ln2_mul 32x64x64 float32
+                (2097152, 2097152),  # 24: block1_fc1_matmul 2048x256 float32
+                (4194304, 2097152),  # 25: block1_fc1_gelu 32x64x256 float32
+                (6291456, 524288),  # 26: block1_fc2_matmul 2048x64 float32
+                (6291456, 8192),  # 27: block2_ln1_sum_to 32x64x1 float32
+                (21495808, 524288),  # 28: block2_ln1_sub 32x64x64 float32
+                (26263552, 8192),  # 29: block2_ln1_sum_to_2 32x64x1 float32
+                (26271744, 8192),  # 30: block2_ln1_rsqrt 32x64x1 float32
+                (22020096, 524288),  # 31: block2_ln1_mul 32x64x64 float32
+                (6291456, 524288),  # 32: block2_attn_v_matmul 2048x64 float32
+                (22544384, 524288),  # 33: block2_attn_out_transpose 32x4x64x16 float32
+                (6291456, 524288),  # 34: block2_attn_k_matmul 2048x64 float32
+                (6815744, 524288),  # 35: causal_softmax_transpose_4 32x4x64x16 float32
+                (23068672, 524288),  # 36: causal_softmax_transpose_5 32x4x16x64 float32
+                (6291456, 524288),  # 37: block2_attn_q_matmul 2048x64 float32
+                (23592960, 524288),  # 38: causal_softmax_transpose_6 32x4x64x16 float32
+                (6291456, 2097152),  # 39: causal_softmax_matmul_2 32x4x64x64 float32
+                (8388608, 524288),  # 40: block2_attn_out_matmul 32x4x64x16 float32
+                (24117248, 524288),  # 41: block2_attn_out_transpose_2 32x64x4x16 float32
+                (8388608, 524288),  # 42: block2_attn_out_matmul_2 2048x64 float32
+                (8388608, 8192),  # 43: block2_ln2_sum_to 32x64x1 float32
+                (24641536, 524288),  # 44: block2_ln2_sub 32x64x64 float32
+                (26279936, 8192),  # 45: block2_ln2_sum_to_2 32x64x1 float32
+                (26288128, 8192),  # 46: block2_ln2_rsqrt 32x64x1 float32
+                (25165824, 524288),  # 47: block2_ln2_mul 32x64x64 float32
+                (8388608, 2097152),  # 48: block2_fc1_matmul 2048x256 float32
+                (10485760, 2097152),  # 49: block2_fc1_gelu 32x64x256 float32
+                (12582912, 524288),  # 50: block2_fc2_matmul 2048x64 float32
+                (12582912, 8192),  # 51: ln_sum_to 32x64x1 float32
+                (26296320, 8192),  # 52: ln_sum_to_2 32x64x1 float32
+                (26304512, 8192),  # 53: ln_rsqrt 32x64x1 float32
+                (25690112, 524288),  # 54: ln_mul 32x64x64 float32
+                (12582912, 2097152),  # 55: next_matmul 2048x256 float32
+                (14680064, 8192),  # 56: next_cross_entropy_pick 2048 float32
+                (26312704, 4),  # 57: next_cross_entropy_sum_to scalar float32
+                (14680064, 2097152),  # 58: d_next_cross_entropy_log_softmax 2048x256 float32
+                (12582912, 65536),  # 59: d_next_W 256x64 float32
+                (13631488, 1024),  # 60: d_next_B 256 float32
+                (12582912, 524288),  # 61: d_next_reshape 2048x64 float32
+                (13107200, 524288),  # 62: ln_mul_2 32x64x64 float32
+                (13632512, 256),  # 63: d_ln_W 64 float32
+                (13115392, 256),  # 64: d_ln_B 64 float32
+                (13107200, 8192),  # 65: d_ln_rsqrt 32x64x1 float32
+                (13115392, 8192),  # 66: d_ln_scale 32x64x1 float32
+                (13107200, 65536),  # 67: d_block2_fc2_W 64x256 float32
+                (10485760, 256),  # 68: d_block2_fc2_B 64 float32
+                (10485760, 2097152),  # 69: d_block2_fc2_reshape 2048x256 float32
+                (8388608, 65536),  # 70: d_block2_fc1_W 256x64 float32
+                (9437184, 1024),  # 71: d_block2_fc1_B 256 float32
+                (8388608, 524288),  # 72: d_block2_fc1_reshape 2048x64 float32
+                (8912896, 524288),  # 73: block2_ln2_mul_2 32x64x64 float32
+                (9438208, 256),  # 74: d_block2_ln2_W 64 float32
+                (8921088, 256),  # 75: d_block2_ln2_B 64 float32
+                (8912896, 8192),  # 76: d_block2_ln2_rsqrt 32x64x1 float32
+                (8921088, 8192),  # 77: d_block2_ln2_scale 32x64x1 float32
+                (8388608, 16384),  # 78: d_block2_attn_out_W 64x64 float32
+                (8388608, 256),  # 79: d_block2_attn_out_B 64 float32
+                (8388608, 524288),  # 80: d_block2_attn_out_reshape 2048x64 float32
+                (10485760, 524288),  # 81: d_block2_attn_out_matmul 32x4x64x16 float32
+                (8388608, 524288),  # 82: d_block2_attn_out_transpose_2 32x4x64x16 float32
+                (8912896, 524288),  # 83: d_block2_attn_out_reshape_2 32x64x4x16 float32
+                (8388608, 256),  # 84: d_block2_attn_v_B 64 float32
+                (8388608, 16384),  # 85: d_block2_attn_v_W 64x64 float32
+                (11010048, 524288),  # 86: d_block2_attn_q_reshape 2048x64 float32
+                (8388608, 2097152),  # 87: d_causal_softmax 32x4x64x64 float32
+                (10485760, 32768),  # 88: d_causal_softmax_sum_to 8192x1 float32
+                (6291456, 524288),  # 89: d_causal_softmax_transpose 32x4x64x16 float32
+                (6815744, 524288),  # 90: d_causal_softmax_transpose_2 32x4x16x64 float32
+                (7340032, 524288),  # 91: d_causal_softmax_reshape_2 32x64x4x16 float32
+                (6291456, 524288),  # 92: d_causal_softmax_transpose_3 32x4x64x16 float32
+                (6815744, 524288),  # 93: d_causal_softmax_reshape_3 32x64x4x16 float32
+                (6291456, 256),  # 94: d_block2_attn_q_B 64 float32
+                (7864320, 16384),  # 95: d_block2_attn_q_W 64x64 float32
+                (7880704, 16384),  # 96: d_block2_attn_k_W 64x64 float32
+                (6291456, 524288),  # 97: d_block2_attn_q_reshape_2 2048x64 float32
+                (7340032, 524288),  # 98: d_block2_attn_q_reshape_3 2048x64 float32
+                (6291456, 524288),  # 99: block2_ln1_mul_2 32x64x64 float32
+                (6815744, 256),  # 100: d_block2_ln1_W 64 float32
+                (6299648, 256),  # 101: d_block2_ln1_B 64 float32
+                (6291456, 8192),  # 102: d_block2_ln1_rsqrt 32x64x1 float32
+                (6299648, 8192),  # 103: d_block2_ln1_scale 32x64x1 float32
+                (6291456, 65536),  # 104: d_block1_fc2_W 64x256 float32
+                (4194304, 256),  # 105: d_block1_fc2_B 64 float32
+                (4194304, 2097152),  # 106: d_block1_fc2_reshape 2048x256 float32
+                (2097152, 65536),  # 107: d_block1_fc1_W 256x64 float32
+                (3145728, 1024),  # 108: d_block1_fc1_B 256 float32
+                (2097152, 524288),  # 109: d_block1_fc1_reshape 2048x64 float32
+                (2621440, 524288),  # 110: block1_ln2_mul_2 32x64x64 float32
+                (3146752, 256),  # 111: d_block1_ln2_W 64 float32
+                (2629632, 256),  # 112: d_block1_ln2_B 64 float32
+                (2621440, 8192),  # 113: d_block1_ln2_rsqrt 32x64x1 float32
+                (2629632, 8192),  # 114: d_block1_ln2_scale 32x64x1 float32
+                (2097152, 16384),  # 115: d_block1_attn_out_W 64x64 float32
+                (2097152, 256),  # 116: d_block1_attn_out_B 64 float32
+                (2097152, 524288),  # 117: d_block1_attn_out_reshape 2048x64 float32
+                (4194304, 524288),  # 118: d_block1_attn_out_matmul 32x4x64x16 float32
+                (2097152, 524288),  # 119: d_block1_attn_out_transpose_2 32x4x64x16 float32
+                (2621440, 524288),  # 120: d_block1_attn_out_reshape_2 32x64x4x16 float32
+                (2097152, 256),  # 121: d_block1_attn_v_B 64 float32
+                (2097152, 16384),  # 122: d_block1_attn_v_W 64x64 float32
+                (4718592, 524288),  # 123: d_block1_attn_q_reshape 2048x64 float32
+                (2097152, 2097152),  # 124: d_causal_softmax_2 32x4x64x64 float32
+                (4194304, 32768),  # 125: d_causal_softmax_sum_to_2 8192x1 float32
+                (0, 524288),  # 126: d_causal_softmax_transpose_4 32x4x64x16 float32
+                (524288, 524288),  # 127: d_causal_softmax_transpose_5 32x4x16x64 float32
+                (1048576, 524288),  # 128: d_causal_softmax_reshape_5 32x64x4x16 float32
+                (0, 524288),  # 129: d_causal_softmax_transpose_6 32x4x64x16 float32
+                (524288, 524288),  # 130: d_causal_softmax_reshape_6 32x64x4x16 float32
+                (0, 256),  # 131: d_block1_attn_q_B 64 float32
+                (1572864, 16384),  # 132: d_block1_attn_q_W 64x64 float32
+                (1589248, 16384),  # 133: d_block1_attn_k_W 64x64 float32
+                (0, 524288),  # 134: d_block1_attn_q_reshape_2 2048x64 float32
+                (1048576, 524288),  # 135: d_block1_attn_q_reshape_3 2048x64 float32
+                (0, 524288),  # 136: block1_ln1_mul_2 32x64x64 float32
+                (524288, 256),  # 137: d_block1_ln1_W 64 float32
+                (8192, 256),  # 138: d_block1_ln1_B 64 float32
+                (0, 8192),  # 139: d_block1_ln1_rsqrt 32x64x1 float32
+                (8192, 8192),  # 140: d_block1_ln1_scale 32x64x1 float32
+                (65536, 16384),  # 141: d_pos 1x64x64 float32
+                (0, 65536),  # 142: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
-            arena_bytes=4202496, peak_bytes=4202496, workspace_bytes=2097152, pool_bytes=4734976,
+            arena_bytes=4202496, peak_bytes=4202496, workspace_bytes=2097152, pool_bytes=4210688,
             buffers=(
-                (2097152, 8192),  # 0: x 32x64 int32
+                (0, 8192),  # 0: x 32x64 int32
                 (4194304, 8192),  # 1: y 32x64 int32
-                (0, 2097152),  # 2: embed_unpick 2048x256 float32
-                (2097152, 524288),  # 3: embed_matmul 2048x64 float32
-                (524288, 8192),  # 4: block1_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 5: block1_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 6: block1_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 7: block1_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 8: block1_attn_out_transpose 32x4x64x16 float32
-                (524288, 524288),  # 9: block1_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 10: causal_softmax_transpose 32x4x64x16 float32
-                (3145728, 524288),  # 11: causal_softmax_transpose_2 32x4x16x64 float32
-                (524288, 524288),  # 12: block1_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 13: causal_softmax_transpose_3 32x4x64x16 float32
-                (0, 2097152),  # 14: causal_softmax_matmul 32x4x64x64 float32
-                (3145728, 524288),  # 15: block1_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 16: block1_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 17: block1_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 18: block1_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 19: block1_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 20: block1_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 21: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 22: block1_fc2_matmul 2048x64 float32
-                (524288, 8192),  # 23: block2_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 24: block2_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 25: block2_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 26: block2_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 27: block2_attn_out_transpose 32x4x64x16 float32
-                (524288, 524288),  # 28: block2_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 29: causal_softmax_transpose_4 32x4x64x16 float32
-                (3145728, 524288),  # 30: causal_softmax_transpose_5 32x4x16x64 float32
-                (524288, 524288),  # 31: block2_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 32: causal_softmax_transpose_6 32x4x64x16 float32
-                (0, 2097152),  # 33: causal_softmax_matmul_2 32x4x64x64 float32
-                (3145728, 524288),  # 34: block2_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 35: block2_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 36: block2_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 37: block2_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 38: block2_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 39: block2_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 40: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 41: block2_fc2_matmul 2048x64 float32
-                (0, 8192),  # 42: ln_sum_to 32x64x1 float32
-                (8192, 8192),  # 43: ln_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 44: next_matmul 2048x256 float32
-                (2113536, 4),  # 45: next_precision scalar float32
-                (2097152, 8192),  # 46: label_ranks 2048 float32
-                (2105344, 8192),  # 47: next_cross_entropy_pick 2048 float32
-                (0, 4),  # 48: next_cross_entropy_sum_to scalar float32
-            )),
-        "predict_step": rp.StepPlan(
-            arena_bytes=4194304, peak_bytes=4194304, workspace_bytes=524288, pool_bytes=4726784,
-            buffers=(
-                (2097152, 8192),  # 0: x 32x64 int32
-                (0, 2097152),  # 1: embed_unpick 2048x256 float32
-                (2097152, 524288),  # 2: embed_matmul 2048x64 float32
+                (2097152, 524288),  # 2: embed_gather_rows 2048x64 float32
                 (524288, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
                 (0, 524288),  # 4: block1_ln1_sub 32x64x64 float32
                 (532480, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
@@ -3115,6 +3031,57 @@ class CharLm(rp.Model):
                 (0, 8192),  # 41: ln_sum_to 32x64x1 float32
                 (8192, 8192),  # 42: ln_sum_to_2 32x64x1 float32
                 (0, 2097152),  # 43: next_matmul 2048x256 float32
+                (2113536, 4),  # 44: next_precision scalar float32
+                (2097152, 8192),  # 45: label_ranks 2048 float32
+                (2105344, 8192),  # 46: next_cross_entropy_pick 2048 float32
+                (0, 4),  # 47: next_cross_entropy_sum_to scalar float32
+            )),
+        "predict_step": rp.StepPlan(
+            arena_bytes=4194304, peak_bytes=4194304, workspace_bytes=524288, pool_bytes=4202496,
+            buffers=(
+                (0, 8192),  # 0: x 32x64 int32
+                (2097152, 524288),  # 1: embed_gather_rows 2048x64 float32
+                (524288, 8192),  # 2: block1_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 3: block1_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 4: block1_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 5: block1_attn_v_matmul 2048x64 float32
+                (2621440, 524288),  # 6: block1_attn_out_transpose 32x4x64x16 float32
+                (524288, 524288),  # 7: block1_attn_k_matmul 2048x64 float32
+                (1048576, 524288),  # 8: causal_softmax_transpose 32x4x64x16 float32
+                (3145728, 524288),  # 9: causal_softmax_transpose_2 32x4x16x64 float32
+                (524288, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
+                (3670016, 524288),  # 11: causal_softmax_transpose_3 32x4x64x16 float32
+                (0, 2097152),  # 12: causal_softmax_matmul 32x4x64x64 float32
+                (3145728, 524288),  # 13: block1_attn_out_matmul 32x4x64x16 float32
+                (0, 524288),  # 14: block1_attn_out_transpose_2 32x64x4x16 float32
+                (524288, 524288),  # 15: block1_attn_out_matmul_2 2048x64 float32
+                (0, 8192),  # 16: block1_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 17: block1_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 18: block1_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 19: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 20: block1_fc2_matmul 2048x64 float32
+                (524288, 8192),  # 21: block2_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 22: block2_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 23: block2_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 24: block2_attn_v_matmul 2048x64 float32
+                (2621440, 524288),  # 25: block2_attn_out_transpose 32x4x64x16 float32
+                (524288, 524288),  # 26: block2_attn_k_matmul 2048x64 float32
+                (1048576, 524288),  # 27: causal_softmax_transpose_4 32x4x64x16 float32
+                (3145728, 524288),  # 28: causal_softmax_transpose_5 32x4x16x64 float32
+                (524288, 524288),  # 29: block2_attn_q_matmul 2048x64 float32
+                (3670016, 524288),  # 30: causal_softmax_transpose_6 32x4x64x16 float32
+                (0, 2097152),  # 31: causal_softmax_matmul_2 32x4x64x64 float32
+                (3145728, 524288),  # 32: block2_attn_out_matmul 32x4x64x16 float32
+                (0, 524288),  # 33: block2_attn_out_transpose_2 32x64x4x16 float32
+                (524288, 524288),  # 34: block2_attn_out_matmul_2 2048x64 float32
+                (0, 8192),  # 35: block2_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 36: block2_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 37: block2_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 38: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 39: block2_fc2_matmul 2048x64 float32
+                (0, 8192),  # 40: ln_sum_to 32x64x1 float32
+                (8192, 8192),  # 41: ln_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 42: next_matmul 2048x256 float32
             )),
     }
 

@@ -477,6 +477,38 @@ def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_by_index_equal_numpy_bit_for_bit(lib, threads):
+    """gather_rows and scatter_rows (a token embedding and its gradient) of the library against numpy's kernels at
+    one, two and three threads: the same bits (each sum made in the order of the lookups), row numbers outside the
+    table included; a GPT-2-like width (769 features: blocks of 16 and a rest)."""
+    from deepdsl_runtime.cpu import shape as shapes
+
+    rng = np.random.default_rng(12)
+    before = lib.threads
+    lib.set_threads(threads)
+    try:
+        for rows, d, m in ((50, 769, 300), (7, 3, 40), (1000, 64, 64)):
+            table = rng.standard_normal((rows, d)).astype(np.float32)
+            ids = rng.integers(0, rows, m).astype(np.int32)
+            ids[::7] = ids[0]                        # many lookups of one row
+            ids[5] = -3
+            ids[-1] = rows
+            g = rng.standard_normal((m, d)).astype(np.float32)
+            want, got = np.full((m, d), 1.0, np.float32), np.full((m, d), 2.0, np.float32)
+            shapes.gather_rows(table, ids, out=want)
+            assert lib.gather_rows(table, ids, got)
+            np.testing.assert_array_equal(got, want)
+            want, got = np.full((rows, d), 1.0, np.float32), np.full((rows, d), 2.0, np.float32)
+            shapes.scatter_rows(g, ids, out=want, rows=rows)
+            assert lib.scatter_rows(g, ids, got)
+            np.testing.assert_array_equal(got, want)
+        assert not lib.gather_rows(table, ids.astype(np.int64), got[:len(ids)])
+    finally:
+        lib.set_threads(before)
+
+
+@needs_cc
 def test_broadcast_and_small_operands_run_numpy(lib):
     def kernel(out, v0, v1):
         np.add(v0, v1, out=out)

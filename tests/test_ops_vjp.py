@@ -417,6 +417,12 @@ case("dsl_embedding", lambda emb_W, ids: D.embedding("emb", 5, 3)(D.Tensor(ids))
      lambda w, ids: F.embedding(ids, w), {"emb_W": randn(5, 3)},
      labels={"ids": np.array([[1, 4, 1], [0, 2, 4]], dtype=np.int32)})
 
+_IDS = {"ids": np.array([3, 0, 3, 1, 3, 4], dtype=np.int32)}         # repeated rows: their gradients summed
+case("gather_rows", lambda table, ids: make("gather_rows", (table, ids)), lambda table, ids: table[ids],
+     {"table": randn(5, 3)}, labels=_IDS)
+case("scatter_rows", lambda g, ids: make("scatter_rows", (g, ids), rows=5),
+     lambda g, ids: torch.zeros(5, 3).index_add(0, ids, g), {"g": randn(6, 3)}, labels=_IDS)
+
 
 # what imported models are written with: permutations of any axes, a parameter broadcast along the batch,
 # scaled dot-product attention (plain, causal, with a scale)

@@ -262,6 +262,21 @@ def test_losses():
     check(make("label_rank", (x, labels)), [scores, yv], exact=True)
 
 
+@covers("gather_rows", "scatter_rows")
+def test_rows_by_index():
+    rng = np.random.default_rng(4)
+    table, ids = leaf("t", (7, 5)), leaf("i", (9,), INT32)
+    values = rng.standard_normal((7, 5)).astype(np.float32)
+    rows = np.array([3, 0, 3, 6, 3, 1, 0, 6, 2], np.int32)
+    check(make("gather_rows", (table, ids)), [values, rows], exact=True)
+    g = rng.standard_normal((9, 5)).astype(np.float32)
+    check(make("scatter_rows", (leaf("g", (9, 5)), ids), rows=7), [g, rows], exact=True)
+    outside = np.array([3, -1, 7, 0, 3, 100, 1, 6, 2], np.int32)      # rows outside the table: NaN, nothing added
+    got = check(make("gather_rows", (table, ids)), [values, outside], exact=True)
+    assert np.isnan(got[[1, 2, 5]]).all() and not np.isnan(np.delete(got, [1, 2, 5], axis=0)).any()
+    check(make("scatter_rows", (leaf("g", (9, 5)), ids), rows=7), [g, outside], exact=True)
+
+
 @covers("bernoulli")
 def test_bernoulli_matches_the_reference_bit_for_bit():
     node = make("bernoulli", (), shape=(4, 33), keep=0.7, key=2)

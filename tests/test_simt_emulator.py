@@ -132,6 +132,40 @@ def test_label_rank_matches_numpy(ops, rows, classes):
     assert np.array_equal(results[0], want)
 
 
+@pytest.mark.parametrize("rows,d,m", [(7, 3, 40), (50, 65, 300)])
+def test_rows_by_index_match_numpy(ops, rows, d, m):
+    """deepdsl_gather_rows and deepdsl_scatter_rows (a token embedding and its gradient) against numpy's kernels:
+    the same bits in every block order (each column's sum in the order of the lookups)."""
+    from deepdsl_runtime.cpu import shape as shapes
+
+    rng = np.random.default_rng(rows + m)
+    table = rng.standard_normal((rows, d)).astype(F32)
+    g = rng.standard_normal((m, d)).astype(F32)
+    ids = rng.integers(0, rows, m).astype(np.int32)
+    ids[3], ids[-1] = -1, rows                       # outside the table
+
+    def gather():
+        out = np.full((m, d), 7.0, F32)
+        ops.run("deepdsl_gather_rows", struct.pack("@IIIPPP", m * d, d, rows, _ptr(table), _ptr(ids), _ptr(out)),
+                (-(-m * d // 256), 1), (256, 1, 1))
+        return out
+
+    def scatter():
+        out = np.full((rows, d), 7.0, F32)
+        ops.run("deepdsl_scatter_rows", struct.pack("@IIIPPP", d, m, rows, _ptr(g), _ptr(ids), _ptr(out)),
+                (-(-d // 256), 1), (256, 1, 1))
+        return out
+
+    for launch, numpy_kernel, shape in ((gather, lambda out: shapes.gather_rows(table, ids, out=out), (m, d)),
+                                        (scatter, lambda out: shapes.scatter_rows(g, ids, out=out, rows=rows),
+                                         (rows, d))):
+        results = _in_every_order(ops, launch)
+        _same_bits(results, launch.__name__)
+        want = np.empty(shape, F32)
+        numpy_kernel(want)
+        np.testing.assert_array_equal(results[0], want)
+
+
 POOL = (3, 40, 40, 2, 2)                            # planes, h, w, kernel, stride: 2 forward, 5 backward tiles
 
 

@@ -206,11 +206,9 @@ class _Embedding(_ParamLayer):
             raise ShapeError(f"an embedding takes integer tokens (D.tokens), got {x.node.dtype} {dims(x.shape)}")
         p = self._weights({"W": (self.vocab, self.dim)}, {"W": self.weight_spec})
         count = math.prod(x.shape)
-        # each token as a one-hot row times the table: a product (exact, deterministic, backpropagated as one) of
-        # vocab x dim multiply-adds per token, sized for character and byte vocabularies
-        ones = make("const", (), value=1.0, shape=(count,))
-        one_hot = make("unpick", (ones, reshape(x.node, (count,))), classes=self.vocab)
-        return Tensor(reshape(make("matmul", (one_hot, p["W"])), (*x.shape, self.dim)))
+        # each token's row of the table (its gradient: the rows of the tokens' gradients summed into the table's)
+        rows = make("gather_rows", (p["W"], reshape(x.node, (count,))))
+        return Tensor(reshape(rows, (*x.shape, self.dim)))
 
 
 def embedding(name: str, vocab: int, dim: int, weight: Param | None = None) -> Layer:

@@ -1,10 +1,11 @@
-"""Joining and splitting tensors along an axis (inception modules concatenate branches along channels), and
-swapping two axes (attention's heads and tokens)."""
+"""Joining and splitting tensors along an axis (inception modules concatenate branches along channels), swapping
+two axes (attention's heads and tokens), and taking rows of a table by index (token embeddings) with the sum back
+into them (their gradient)."""
 from __future__ import annotations
 
 import numpy as np
 
-from deepdsl.ir import Node, make
+from deepdsl.ir import INT32, Node, make
 from deepdsl.ops import Op, dims, register, require
 
 
@@ -119,3 +120,61 @@ def slice_axis(x: Node, axis: int, start: int, stop: int) -> Node:
     if start == 0 and stop == x.shape[axis]:
         return x
     return make("slice", (x,), axis=axis, start=start, stop=stop)
+
+
+def _check_ids(ids: Node, what: str):
+    require(ids.dtype == INT32 and len(ids.shape) == 1, f"{what} takes a vector of int32 row numbers, got "
+                                                         f"{ids.dtype} {dims(ids.shape)}")
+
+
+@register
+class GatherRows(Op):
+    """out[m] = table[ids[m]]: rows of a (V, D) table (a token embedding's lookup); a row number outside [0, V)
+    gives a row of NaN."""
+
+    name = "gather_rows"
+
+    def infer(self, table: Node, ids: Node):
+        require(len(table.shape) == 2, f"gather_rows takes a (rows, features) table, got {dims(table.shape)}")
+        _check_ids(ids, "gather_rows")
+        return (ids.shape[0], table.shape[1]), table.dtype
+
+    def vjp(self, node, g):
+        table, ids = node.inputs
+        return make("scatter_rows", (g, ids), rows=table.shape[0]), None
+
+    def evaluate(self, ctx, table, ids):
+        valid = (ids >= 0) & (ids < table.shape[0])
+        out = np.full((len(ids), table.shape[1]), np.nan, dtype=ctx.float_dtype)
+        out[valid] = table[ids[valid]]
+        return out
+
+    def flops(self, node):
+        return 0
+
+
+@register
+class ScatterRows(Op):
+    """out = zeros(rows, D); out[ids[m]] += g[m] for m in order (the gradient of `gather_rows`: each row the sum of
+    the gradients of its lookups, added in the order of the lookups); a row number outside [0, rows) adds nothing."""
+
+    name = "scatter_rows"
+
+    def infer(self, g: Node, ids: Node, *, rows):
+        require(len(g.shape) == 2, f"scatter_rows takes (lookups, features) gradients, got {dims(g.shape)}")
+        _check_ids(ids, "scatter_rows")
+        require(ids.shape[0] == g.shape[0], f"scatter_rows of {dims(g.shape)} gradients by {dims(ids.shape)} rows")
+        return (rows, g.shape[1]), g.dtype
+
+    def vjp(self, node, g):
+        return make("gather_rows", (g, node.inputs[1])), None
+
+    def evaluate(self, ctx, g, ids, *, rows):
+        out = np.zeros((rows, g.shape[1]), dtype=ctx.float_dtype)
+        for m, row in enumerate(ids):           # in order: the sums the kernels compute, bit for bit
+            if 0 <= row < rows:
+                out[row] += g[m]
+        return out
+
+    def flops(self, node):
+        return node.inputs[0].size

@@ -45,21 +45,22 @@ from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
 from deepdsl_runtime.cpu.norm import lrn, lrn_bwd
 from deepdsl_runtime.cpu.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
 from deepdsl_runtime.cpu.pool import avg_pool_divisor  # noqa: F401  (public, not an op)
-from deepdsl_runtime.cpu.shape import broadcast_to, concat, pad_axis, reshape, slice, sum_to, transpose
+from deepdsl_runtime.cpu.shape import (broadcast_to, concat, gather_rows, pad_axis, reshape, scatter_rows, slice,
+                                       sum_to, transpose)
 from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zeros
 
 __all__ = [
     "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
     "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_and_sum", "ew_pair",
-    "ew_sum", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd",
-    "out_size", "pad_axis", "pick", "precision", "reshape", "scalar", "slice", "softmax", "sum_to", "to_numpy",
-    "transpose", "unpick", "zeros",
+    "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax",
+    "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape", "scalar", "scatter_rows", "slice",
+    "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to")
+             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

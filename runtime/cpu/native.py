@@ -184,6 +184,12 @@ def _numpy_passes():
     return _NUMPY
 
 
+def _plain(floats: np.ndarray, out: np.ndarray, ids: np.ndarray) -> bool:
+    """Contiguous float32 arrays and int32 row numbers, as the row kernels take them."""
+    return (floats.dtype == out.dtype == np.float32 and ids.dtype == np.int32 and floats.flags.c_contiguous
+            and out.flags.c_contiguous and ids.flags.c_contiguous)
+
+
 class Native:
     """The kernels of one loaded library."""
 
@@ -204,6 +210,8 @@ class Native:
         lib.deepdsl_depthwise_bwd_filter.argtypes = [_P, _P] + depthwise
         lib.deepdsl_direct_conv.argtypes = [_P, _P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
+        lib.deepdsl_take_rows.argtypes = [_P, _P, _L, _L, _L, _P]
+        lib.deepdsl_add_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
@@ -359,6 +367,23 @@ class Native:
         else:
             self.lib.deepdsl_direct_conv_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, o, kh, kw, ho, wo, pad,
                                                     out.ctypes.data)
+        return True
+
+    def gather_rows(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
+        """out[i] = table[ids[i]] (`deepdsl_take_rows`); False where the arrays are not contiguous float32 and
+        int32 (numpy's kernel then)."""
+        if not _plain(table, out, ids):
+            return False
+        self.lib.deepdsl_take_rows(table.ctypes.data, ids.ctypes.data, out.shape[0], out.shape[1], table.shape[0],
+                                     out.ctypes.data)
+        return True
+
+    def scatter_rows(self, g: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
+        """out = 0; out[ids[i]] += g[i] in order (`deepdsl_add_rows`); False as `gather_rows`."""
+        if not _plain(g, out, ids):
+            return False
+        self.lib.deepdsl_add_rows(g.ctypes.data, ids.ctypes.data, g.shape[0], g.shape[1], out.shape[0],
+                                      out.ctypes.data)
         return True
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:

@@ -62,3 +62,24 @@ def pad_axis(x, *, out, axis, start, size):
 def transpose(x, *, out, axes):
     """out = x with axes (i, j) swapped, in out's (contiguous) order."""
     np.copyto(out, x.swapaxes(*axes))
+
+
+def gather_rows(table, ids, *, out, native=None):
+    """out[m] = table[ids[m]] (a row of NaN for a row number outside the table)."""
+    if native is not None and native.gather_rows(table, ids, out):
+        return
+    valid = (ids >= 0) & (ids < table.shape[0])
+    if valid.all():
+        np.take(table, ids, axis=0, out=out)
+    else:
+        out.fill(np.nan)
+        out[valid] = table[ids[valid]]
+
+
+def scatter_rows(g, ids, *, out, rows, native=None):
+    """out = zeros; out[ids[m]] += g[m] in the order of m (row numbers outside [0, rows) add nothing)."""
+    if native is not None and native.scatter_rows(g, ids, out):
+        return
+    out.fill(0)
+    valid = (ids >= 0) & (ids < rows)
+    np.add.at(out, ids[valid], g[valid])       # unbuffered, in index order: the compiled kernel's sums

@@ -40,3 +40,16 @@ def transpose(x, *, out, axes):
     shape = x.shape
     dims = (math.prod(shape[:i]), shape[i], math.prod(shape[i + 1:j]), shape[j], math.prod(shape[j + 1:]))
     launch_items(out.device, "deepdsl_transpose", "IIIIIPP", out.size, *dims, x.ptr, out.ptr)
+
+
+def gather_rows(table, ids, *, out):
+    """out[i] = table[ids[i]] (a row of NaN for a row number outside the table)."""
+    m, d = out.shape
+    launch_items(out.device, "deepdsl_gather_rows", "IIIPPP", m * d, m * d, d, table.shape[0], table.ptr, ids.ptr,
+                 out.ptr)
+
+
+def scatter_rows(g, ids, *, out, rows):
+    """out = 0; out[ids[i]] += g[i] in the order of i (one item per column: no atomics, the CPU's bits)."""
+    m, d = g.shape
+    launch_items(out.device, "deepdsl_scatter_rows", "IIIPPP", d, d, m, rows, g.ptr, ids.ptr, out.ptr)

@@ -651,6 +651,41 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
                                    out + pl * h * w);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// rows of a table by index (token embeddings) and their gradient
+
+// out[i] = table[ids[i]] (a row of NaN for a row number outside [0, rows)); a thread copies whole rows.
+void deepdsl_take_rows(const float* table, const int* ids, long m, long d, long rows, float* out) {
+#pragma omp parallel for schedule(static) if (m * d >= DEEPDSL_PARALLEL_MIN)
+    for (long i = 0; i < m; ++i) {
+        float* to = out + i * d;
+        const long row = ids[i];
+        if (row >= 0 && row < rows)
+            deepdsl_copy_floats(to, table + row * d, d);
+        else
+            for (long c = 0; c < d; ++c) to[c] = __builtin_nanf("");
+    }
+}
+
+// out = 0; out[ids[i]] += g[i] for i in order. A thread owns blocks of 16 columns of every row and adds the rows of
+// g into them in the order of i: each sum is made in that order whatever the threads, the numpy kernel's bits.
+void deepdsl_add_rows(const float* g, const int* ids, long m, long d, long rows, float* out) {
+#pragma omp parallel if (m * d >= DEEPDSL_PARALLEL_MIN)
+    {
+        long c0, c1;
+        deepdsl_share(d, 16, &c0, &c1);
+        for (long r = 0; r < rows; ++r)
+            for (long c = c0; c < c1; ++c) out[r * d + c] = 0.0f;
+        for (long i = 0; i < m; ++i) {
+            const long row = ids[i];
+            if (row < 0 || row >= rows) continue;
+            float* to = out + row * d;
+            const float* from = g + i * d;
+            for (long c = c0; c < c1; ++c) to[c] += from[c];
+        }
+    }
+}
+
 // thin convolutions straight from the input
 #include "cpu_conv.c"
 

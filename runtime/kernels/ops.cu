@@ -524,6 +524,29 @@ DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, con
 DEEPDSL_KERNEL deepdsl_label_rank(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_label_rank_at(i, classes, x, labels, out);
 }
+// out[i] = table[ids[i]]: item i * d + c copies one feature (NaN for a row number outside [0, rows))
+DEEPDSL_KERNEL deepdsl_gather_rows(unsigned n, unsigned d, unsigned rows, const float* table, const int* ids,
+                                   float* out) {
+    DEEPDSL_FOR(i, 0, n) {
+        const int row = ids[i / d];
+        out[i] = (row >= 0 && static_cast<unsigned>(row) < rows) ? table[static_cast<size_t>(row) * d + i % d]
+                                                                  : nanf("");
+    }
+}
+
+// out = 0; out[ids[i]] += g[i] in the order of i: item c owns column c of every row and adds the lookups into it one
+// after another (the CPU kernels' sums, bit for bit; no atomics)
+DEEPDSL_KERNEL deepdsl_scatter_rows(unsigned d, unsigned m, unsigned rows, const float* g, const int* ids,
+                                    float* out) {
+    DEEPDSL_FOR(c, 0, d) {
+        for (unsigned r = 0; r < rows; ++r) out[static_cast<size_t>(r) * d + c] = 0.0f;
+        for (unsigned i = 0; i < m; ++i) {
+            const int row = ids[i];
+            if (row >= 0 && static_cast<unsigned>(row) < rows)
+                out[static_cast<size_t>(row) * d + c] += g[static_cast<size_t>(i) * d + c];
+        }
+    }
+}
 DEEPDSL_KERNEL deepdsl_unpick(unsigned n, unsigned classes, const float* g, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, n) deepdsl_unpick_at(i, classes, g, labels, out);
 }
