@@ -66,6 +66,8 @@ class CharLm(rp.Model):
     dataset = "synthetic"
     defaults = {"iters": 2000}         # what the command line's --iters is without --iters nor --epochs
     tokens = True
+    vocab = 256
+    label_shape = (64,)
 
     # name: (shape, initializer, lr_mult, decay_mult)
     params = {

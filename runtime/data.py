@@ -58,21 +58,38 @@ class Dataset:
 
 
 def load(spec: str, image_shape: tuple[int, ...], classes: int, seed: int = 0, batch: int = 1,
-         tokens: bool = False, targets: tuple[int, ...] | None = None) -> Dataset:
+         tokens: bool = False, targets: tuple[int, ...] | None = None, vocab: int | None = None,
+         label_shape: tuple[int, ...] | None = None) -> Dataset:
     """The dataset named by `spec`, checked against the network's (C, H, W) input and its number of classes; for a
-    network of `tokens`, against its (T,) input and its vocabulary (`classes`); for a network of float `targets`
-    (their shape per example), against their shape."""
+    network of `tokens`, against its (T,) input, its vocabulary (`vocab`, default `classes`) and its labels: one per
+    position (`label_shape` (T,), a language model's next tokens: the default) or one per sequence (`label_shape`
+    (), a sequence classifier's, of `classes` classes); for a network of float `targets` (their shape per example),
+    against their shape."""
     kind, _, arg = spec.partition(":")
     if targets is not None:
         return _with_targets(spec, kind, arg, tuple(image_shape), tuple(targets), seed, batch)
     if tokens:
+        vocab = vocab or classes
+        per_sequence = label_shape is not None and tuple(label_shape) == ()
         if kind == "text" and arg:
-            data = _text(spec, arg, image_shape[0], classes)
+            if per_sequence:
+                raise DataError(f"data spec '{spec}' gives each position's next byte, and this network takes one "
+                                "label per sequence: use npz:PATH (x: N x T integer tokens, y: N labels)")
+            data = _text(spec, arg, image_shape[0], vocab)
         elif kind == "synthetic" and not arg:
-            data = _synthetic_tokens(spec, image_shape[0], classes, seed, batch)
+            data = _synthetic_tokens(spec, image_shape[0], vocab, seed, batch, classes if per_sequence else None)
+        elif kind == "npz" and arg:
+            data = _npz(spec, arg, classes=classes, tokens=(image_shape[0], vocab, not per_sequence))
         else:
-            raise DataError(f"data spec '{spec}' does not give tokens, which this network takes (use text:PATH or "
-                            "synthetic)")
+            raise DataError(f"data spec '{spec}' does not give tokens, which this network takes (use text:PATH, "
+                            "npz:PATH or synthetic)")
+        for x, y, part in ((data.x_train, data.y_train, "training"), (data.x_test, data.y_test, "test")):
+            if len(x) != len(y) or (not per_sequence and y.shape != x.shape):
+                raise DataError(f"{spec}: {part} tokens of shape {_dims(x.shape)} and labels of shape "
+                                f"{_dims(y.shape)}: " + ("one label per sequence" if per_sequence else
+                                                        "one label per token"))
+            if len(x) == 0:
+                raise DataError(f"{spec}: no {part} sequences")
         return data
     if kind == "text":
         raise DataError(f"data spec '{spec}' gives tokens; this network takes images (use digits, synthetic, "
@@ -201,10 +218,17 @@ def _text(spec: str, path: str, length: int, vocab: int) -> Dataset:
     return Dataset(spec, x[:-test], y[:-test], x[-test:], y[-test:])
 
 
-def _synthetic_tokens(spec: str, length: int, vocab: int, seed: int, batch: int) -> Dataset:
+def _synthetic_tokens(spec: str, length: int, vocab: int, seed: int, batch: int,
+                      classes: int | None = None) -> Dataset:
+    """Uniform tokens, and uniform next tokens (a language model's), or with `classes` one uniform label per
+    sequence (a sequence classifier's)."""
     rng = np.random.default_rng([seed, 12345])
     n = max(2 * batch, 2)
-    x, y = (rng.integers(0, vocab, (n + batch, length), dtype=np.int32) for _ in range(2))
+    x = rng.integers(0, vocab, (n + batch, length), dtype=np.int32)
+    if classes is None:
+        y = rng.integers(0, vocab, (n + batch, length), dtype=np.int32)
+    else:
+        y = rng.integers(0, classes, n + batch, dtype=np.int32)
     return Dataset(spec, x[:n], y[:n], x[n:], y[n:])
 
 
@@ -290,7 +314,11 @@ def _cifar10(spec: str, directory: str) -> Dataset:
                    x_test, y_test)
 
 
-def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None = None) -> Dataset:
+def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None = None,
+         tokens: tuple[int, int, bool] | None = None) -> Dataset:
+    """Arrays `x` and `y` (or `x_train`, `y_train` and `x_test`, `y_test`) of an .npz: images (N, C, H, W) or
+    (N, H, W), integer pixels scaled by 1/255, with integer labels (N,) or float targets; with `tokens` = (T,
+    vocab, per_token), integer tokens (N, T) in [0, vocab) with labels (N, T) (per_token) or (N,)."""
     if os.path.isdir(path):
         raise DataError(f"{spec}: {path} is a directory, not an .npz file")
     try:
@@ -320,6 +348,15 @@ def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None 
 
     def images(key):
         x = arrays[key]
+        if tokens is not None:
+            length, vocab, _ = tokens
+            if x.ndim != 2 or x.shape[1] != length or x.dtype.kind not in "iu":
+                raise DataError(f"{spec}: array '{key}' must hold integer tokens of shape N x {length}, got {x.dtype} "
+                                f"of shape {x.shape}")
+            if x.size and (int(x.min()) < 0 or int(x.max()) >= vocab):
+                raise DataError(f"{spec}: array '{key}' of {path}: tokens range over [{x.min()}, {x.max()}], the "
+                                f"network's vocabulary has {vocab}")
+            return np.ascontiguousarray(x, dtype=np.int32)
         if x.ndim == 3:
             x = x[:, None]
         if x.ndim != 4:
@@ -341,8 +378,10 @@ def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None 
             if not np.all(np.isfinite(y)):          # after the cast: float64 beyond float32's range becomes inf
                 raise DataError(f"{spec}: array '{key}' holds NaN, infinite or beyond-float32 targets")
             return y
-        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{spec}: array '{key}' must hold integer labels, got {y.dtype} of shape {y.shape}")
+        rank = 2 if tokens is not None and tokens[2] else 1        # a label per position, or per example
+        if y.ndim != rank or not np.issubdtype(y.dtype, np.integer):
+            what = "integer labels of shape N x T (one per position)" if rank == 2 else "integer labels of shape N"
+            raise DataError(f"{spec}: array '{key}' must hold {what}, got {y.dtype} of shape {y.shape}")
         # the range before the cast: int64 2^32 + 3 would become 3, a valid label
         above = 2 ** 31 if classes is None else classes
         if y.size and (int(y.min()) < 0 or int(y.max()) >= above):

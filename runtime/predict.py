@@ -168,7 +168,8 @@ def _read_spec(spec: str, model, augment: str) -> tuple[np.ndarray, np.ndarray |
             raise RunError(str(err)) from None
         return x, y, [data.test.name(i) for i in range(n)], list(data.test.classes)
     data = datasets.load(spec, model.batch_shape[1:], model.classes, seed=0, batch=model.batch_shape[0],
-                         tokens=model.tokens, targets=model.target_shape)
+                         tokens=model.tokens, targets=model.target_shape, vocab=model.vocab,
+                         label_shape=model.label_shape)
     return data.x_test, data.y_test, [f"{spec}[{k}]" for k in range(len(data.x_test))], []
 
 

@@ -104,6 +104,8 @@ class Model:
     batch_shape: tuple[int, ...] = ()
     classes = 0
     tokens = False             # the input is (N, T) integer tokens (a language model's), not images
+    vocab = 0                  # tokens: their vocabulary (0: the classes, a language model's)
+    label_shape: tuple[int, ...] = ()     # a label per example (), or per position (T,) (a language model's)
     target_shape: tuple[int, ...] | None = None     # float targets of this shape per example, instead of labels
     dataset = "synthetic"
     defaults: dict = {}        # the network's Train(...): "iters", the training length without --iters or --epochs
@@ -195,8 +197,8 @@ class Model:
             return (rng.standard_normal(cls.batch_shape).astype(np.float32),
                     rng.standard_normal((n, *cls.target_shape)).astype(np.float32))
         if cls.tokens:
-            return (rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32),
-                    rng.integers(0, cls.classes, cls.batch_shape).astype(np.int32))
+            return (rng.integers(0, cls.vocab or cls.classes, cls.batch_shape).astype(np.int32),
+                    rng.integers(0, cls.classes, (n, *cls.label_shape)).astype(np.int32))
         return (rng.standard_normal(cls.batch_shape).astype(np.float32),
                 rng.integers(0, cls.classes, n).astype(np.int32))
 

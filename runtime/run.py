@@ -751,7 +751,8 @@ class _Run:
             data = self.image_data()
         else:
             data = datasets.load(self.data_spec, model.batch_shape[1:], model.classes, seed=model.seed,
-                                 batch=self.batch, tokens=model.tokens, targets=model.target_shape)
+                                 batch=self.batch, tokens=model.tokens, targets=model.target_shape,
+                                 vocab=model.vocab, label_shape=model.label_shape)
             # every rank draws the same global batches; each trains on its share (parallel.Accumulation)
             self.stream = datasets.Batches(data.x_train, data.y_train, self.global_batch,
                                            seed=model.seed, augment=self.augment)

@@ -341,3 +341,62 @@ def test_float_targets_come_from_npz_digits_or_synthetic(tmp_path):
         data.load("digits", (1, 8, 8), 0, targets=(3,))
     with pytest.raises(data.DataError, match="gives no float targets"):
         data.load("mnist:/nowhere", (1, 28, 28), 0, targets=(3,))
+
+
+TEXT_CLASSIFIER = '''
+from deepdsl import dsl as D
+N, T, V, K = 8, 16, 50, 4
+x = D.tokens("x", (N, T), vocab=V)
+y = D.labels("y", N, classes=K)
+def classify(tokens):
+    h = D.embedding("embed", V, 32)(tokens).mean(1)
+    return D.full("out", K)(D.relu(D.full("hidden", 32)(h)))
+network = D.fn(classify, "textcls")
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("textcls", iters=20, lr=0.1))
+'''
+
+
+def test_token_data_for_a_sequence_classifier_and_a_language_model(tmp_path):
+    """Tokens with one label per sequence (a classifier's) or per position (a language model's): synthetic data of
+    the network's label shape, npz:PATH of integer tokens checked against the vocabulary and the labels' shape."""
+    per_sequence = data.load("synthetic", (16,), 4, batch=8, tokens=True, vocab=50, label_shape=())
+    assert per_sequence.x_train.shape[1:] == (16,) and per_sequence.y_train.shape == (len(per_sequence.x_train),)
+    assert per_sequence.x_train.max() >= 4 and per_sequence.x_train.max() < 50 and per_sequence.y_train.max() < 4
+    per_token = data.load("synthetic", (16,), 50, batch=8, tokens=True, label_shape=(16,))
+    assert per_token.y_train.shape == per_token.x_train.shape
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 50, (30, 16))
+    np.savez(tmp_path / "seq.npz", x=x, y=x[:, 0] % 4)
+    np.savez(tmp_path / "lm.npz", x=x, y=np.roll(x, -1, axis=1))
+    loaded = data.load(f"npz:{tmp_path / 'seq.npz'}", (16,), 4, tokens=True, vocab=50, label_shape=())
+    assert loaded.x_train.dtype == np.int32 and np.array_equal(loaded.y_train, x[:, 0] % 4)
+    loaded = data.load(f"npz:{tmp_path / 'lm.npz'}", (16,), 50, tokens=True, label_shape=(16,))
+    assert loaded.y_train.shape == (30, 16)
+    bad = {"float": dict(x=x.astype(np.float32), y=x[:, 0] % 4), "vocab": dict(x=x + 40, y=x[:, 0] % 4),
+           "classes": dict(x=x, y=x[:, 0] % 9), "shape": dict(x=x, y=x % 4), "length": dict(x=x[:, :8], y=x[:, 0] % 4)}
+    for name, arrays in bad.items():
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        with pytest.raises(data.DataError) as err:
+            data.load(f"npz:{tmp_path / name}.npz", (16,), 4, tokens=True, vocab=50, label_shape=())
+        assert f"npz:{tmp_path / name}.npz" in str(err.value), name
+    (tmp_path / "text.txt").write_text("some text " * 100)
+    with pytest.raises(data.DataError, match="one label per sequence: use npz:PATH"):
+        data.load(f"text:{tmp_path / 'text.txt'}", (16,), 4, tokens=True, vocab=256, label_shape=())
+
+
+def test_a_sequence_classifier_trains_through_the_cli(tmp_path):
+    network = tmp_path / "textcls.py"
+    network.write_text(TEXT_CLASSIFIER)
+    _, program = compile_program(network, tmp_path / "p")
+    done = run_cli(program, "--iters", "3", "--params", "", "--test-iters", "1")       # synthetic: its labels' shape
+    assert done.returncode == 0, done.stderr
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 50, (64, 16))
+    np.savez(tmp_path / "seq.npz", x=x, y=x[:, 0] % 4)
+    done = run_cli(program, "--data", f"npz:{tmp_path / 'seq.npz'}", "--iters", "150", "--params", "",
+                   "--test-iters", "8")
+    assert done.returncode == 0, done.stderr
+    accuracy = float(done.stdout.split("test accuracy ")[1].split(",")[0])
+    assert accuracy > 0.9, done.stdout                     # the label is the first token's class: learnable

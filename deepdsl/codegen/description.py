@@ -83,6 +83,8 @@ class ProgramDescription:
     classes: int
     dataset: str
     tokens: bool
+    vocab: int                            # token inputs' vocabulary (0 for images)
+    label_shape: str | None               # a label per position: its shape per example ("(T,)"), else None
     target_shape: str | None
     solver: str
     structure_hash: str
@@ -262,6 +264,8 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "classes": n_classes,
         "dataset": data.attr("dataset") or "synthetic",
         "tokens": data.dtype == INT32,
+        "vocab": _vocab(compiled, data, n_classes) if data.dtype == INT32 else 0,
+        "label_shape": literal(label.shape[1:]) if label.dtype != FLOAT and label.shape[1:] else None,
         "target_shape": literal(label.shape[1:]) if label.dtype == FLOAT else None,
         "solver": solver_text,
         "structure_hash": structure_hash(compiled),
@@ -293,6 +297,19 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
 
 
 _OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+
+
+def _vocab(compiled, data, classes: int) -> int:
+    """The vocabulary of token inputs: the rows of the table the first embedding looks them up in (`gather_rows`
+    of the tokens), else the classes (a language model's)."""
+    for node in compiled.train.statements():
+        if node.op == "gather_rows":
+            ids = node.inputs[1]
+            while ids.op == "reshape":
+                ids = ids.inputs[0]
+            if ids is data or (ids.op == "input" and ids.name == data.name):
+                return node.inputs[0].shape[0]
+    return classes
 
 
 def _classes(compiled) -> int:
