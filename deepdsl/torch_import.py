@@ -111,6 +111,16 @@ ADVICE = {
 }
 
 
+def _is_tensor(node) -> bool:
+    """Whether a node computes a tensor (or tensors), not a size (`sym_size`, a product of sizes)."""
+    import torch
+
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return value is None or isinstance(value, torch.Tensor)
+
+
 def _shown_path(path: str) -> str:
     """A file as errors name it: relative to the current directory where it lies below it."""
     relative = os.path.relpath(path) if not path.startswith("<") else path
@@ -144,6 +154,8 @@ class Walk:
         self.taken: set[str] = set()
         self.net = Network()
         self.vocab = 0                            # the first embedding's vocabulary (of token inputs)
+        self.batch_symbol = None                  # the exported program's symbol of the batch size
+        self.uses_batch = False                   # whether a line of the file writes a size in N
         self.ranges: dict[str, tuple[int, int]] = {}     # arange nodes: (start, stop)
         self.parts: dict[str, tuple] = {}         # split nodes: (variable, axis, rank, [(start, stop), ...])
         self.ops_in: dict[str, int] = {}          # module path -> how many ops of the graph it makes
@@ -216,6 +228,22 @@ class Walk:
         key = self.param_of[arg.name]
         self.net.weights[f"{layer}_{suffix}"] = self.state[key].detach().cpu().numpy().astype(np.float32)
 
+    def shape(self, node) -> tuple[str, ...]:
+        """The sizes of a node's value as the network file writes them: numbers, and `N` (the batch) in those that
+        follow it (`4 * N`)."""
+        import sympy
+
+        sizes = []
+        for d in node.meta["val"].shape:
+            if isinstance(d, int) or str(d).isdigit():
+                sizes.append(str(int(d)))
+            else:
+                expr = d.node.expr.subs(self.batch_symbol, sympy.Symbol("N")) if self.batch_symbol is not None \
+                    else d.node.expr
+                sizes.append(str(expr).replace("*", " * "))
+                self.uses_batch = True
+        return tuple(sizes)
+
     def arg(self, a) -> str:
         """The variable of node `a`; a parameter read directly (`self.pos`, not by a layer) is declared where it
         is first read: `pos = D.param("pos", (1, 17, 32))`, its value in the weights under that name."""
@@ -262,8 +290,14 @@ class Walk:
         for name, variable in zip(user, inputs):
             self.names[name] = variable
             self.taken.add(variable)
+        first = next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == user[0])
+        size = first.meta["val"].shape[0]
+        self.batch_symbol = None if isinstance(size, int) else size.node.expr
         output = None
         for node in self.ep.graph.nodes:
+            if node.op == "call_function" and not _is_tensor(node):
+                self.names[node.name] = "None"        # sizes computed from the batch: in the shapes instead
+                continue
             if node.op == "call_function":
                 handler = _getitem if node.target is operator.getitem else HANDLERS.get(_short(node.target))
                 if handler is None:
@@ -528,14 +562,13 @@ def _adaptive_avg_pool(walk: Walk, node) -> None:
 def _reshape(walk: Walk, node) -> None:
     """Views: the same elements in the node's shape (`D.flatten` where all axes but the batch are joined)."""
     x = node.args[0]
-    shape = tuple(int(s) for s in node.meta["val"].shape)
-    before = tuple(int(s) for s in x.meta["val"].shape)
-    if len(shape) == 2 and len(before) > 2 and shape[0] == before[0]:
+    shape, before = walk.shape(node), walk.shape(x)
+    if len(shape) == 2 and len(before) > 2 and shape[0] == before[0] == "N":
         _simple("flatten", "D.flatten({})")(walk, node)
     elif shape == before:
         walk.names[node.name] = walk.arg(x)
     else:
-        _simple("reshape", f"{{}}.reshape{shape!r}")(walk, node)
+        _simple("reshape", f"{{}}.reshape({', '.join(shape)})")(walk, node)
 
 
 def _index(rank: int, axis: int, part: str) -> str:
@@ -546,18 +579,30 @@ def _index(rank: int, axis: int, part: str) -> str:
 @handles("aten.select.int")
 def _select(walk: Walk, node) -> None:
     x, axis, index = node.args
-    shape = tuple(int(s) for s in x.meta["val"].shape)
-    axis, index = int(axis) % len(shape), int(index) % shape[int(axis) % len(shape)]
-    out = tuple(int(s) for s in node.meta["val"].shape)
-    _simple("select", f"{{}}{_index(len(shape), axis, f'{index}:{index + 1}')}.reshape{out!r}")(walk, node)
+    shape = walk.shape(x)
+    axis = int(axis) % len(shape)
+    if not shape[axis].isdigit():
+        walk.refuse(node, "selecting one example of the batch is not supported")
+        return
+    index = int(index) % int(shape[axis])
+    out = walk.shape(node)
+    _simple("select", f"{{}}{_index(len(shape), axis, f'{index}:{index + 1}')}.reshape({', '.join(out)})")(
+        walk, node)
 
 
 @handles("aten.slice.Tensor")
 def _slice(walk: Walk, node) -> None:
     args = list(node.args) + [None] * (5 - len(node.args))
     x, axis, start, end, step = args
-    shape = tuple(int(s) for s in x.meta["val"].shape)
+    shape = walk.shape(x)
     axis = int(axis or 0) % len(shape)
+    if not shape[axis].isdigit():
+        if (start or 0) == 0 and (end is None or int(end) >= 2 ** 62) and (step or 1) == 1:
+            walk.names[node.name] = walk.arg(x)           # all of the batch
+        else:
+            walk.refuse(node, "slicing the batch is not supported")
+        return
+    shape = tuple(int(d) for d in shape)
     start, stop, step = slice(start, end, step).indices(shape[axis])
     if step != 1 or start >= stop:
         walk.refuse(node, "slices with a step, or empty ones, are not supported yet")
@@ -570,8 +615,7 @@ def _slice(walk: Walk, node) -> None:
 
 @handles("aten.expand.default")
 def _expand(walk: Walk, node) -> None:
-    shape = tuple(int(s) for s in node.meta["val"].shape)
-    _simple("expand", f"{{}}.expand{shape!r}")(walk, node)
+    _simple("expand", f"{{}}.expand({', '.join(walk.shape(node))})")(walk, node)
 
 
 @handles("aten.permute.default")
@@ -699,13 +743,21 @@ def import_module(target: str, inputs: list[InputSpec], labels: int | None = Non
     if len(spec.shape) != rank:
         raise ImportProblem(f"--input {'x'.join(map(str, spec.shape))}:{spec.dtype}: {kind}")
     generator = torch.Generator().manual_seed(0)
+    # the batch exported as a size of its own (at least 2: torch.export fixes sizes of 1), so the file writes the
+    # sizes that follow it in N and compiles at any batch (`--batch`, `--fit`); a module that fixes its batch is
+    # exported at the batch given
+    shape = (max(2, spec.shape[0]),) + spec.shape[1:]
     if spec.tokens:
-        example = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype))
+        example = torch.zeros(shape, dtype=getattr(torch, spec.dtype))
     else:
-        example = torch.randn(spec.shape, generator=generator, dtype=torch.float32)
+        example = torch.randn(shape, generator=generator, dtype=torch.float32)
     module.train()
     try:
-        exported = torch.export.export(module, (example,))
+        try:
+            exported = torch.export.export(module, (example,),
+                                           dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+        except Exception:  # noqa: BLE001 -- a module that needs its batch fixed
+            exported = torch.export.export(module, (example[:spec.shape[0]],))
     except Exception as err:  # noqa: BLE001 -- torch.export's own errors, many kinds: one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ImportProblem(f"{target}: torch.export cannot export the module on an input of "
@@ -716,9 +768,8 @@ def import_module(target: str, inputs: list[InputSpec], labels: int | None = Non
     output = walk.run(["x"])
     if walk.net.unsupported:
         raise UnsupportedOps(target, list(walk.net.unsupported.values()))
-    shape = tuple(int(s) for s in exported.graph_signature.user_outputs and
-                  next(n for n in exported.graph.nodes if n.name == exported.graph_signature.user_outputs[0])
-                  .meta["val"].shape)
+    result = next(n for n in exported.graph.nodes if n.name == exported.graph_signature.user_outputs[0])
+    shape = (spec.shape[0], *(int(d) for d in result.meta["val"].shape[1:]))
     imported = _network_file(target, spec, shape, output, walk, labels, name or _default_name(target))
     imported.module = module
     return imported
@@ -768,11 +819,14 @@ def _network_file(target: str, spec: InputSpec, out_shape: tuple[int, ...], outp
               "from deepdsl import dsl as D", ""]
     lines = header + [data, f'y = D.labels("y", {label_shape}, classes={classes})', ""]
     for kind in sorted(walk.net.functions):
-        name, expression = GELU[kind]
-        lines += [f'{name} = D.elementwise("{name}", "{expression}")']
+        function, expression = GELU[kind]
+        lines += [f'{function} = D.elementwise("{function}", "{expression}")']
     if walk.net.functions:
         lines.append("")
-    lines += ["", "def forward(x):"] + [f"    {line}" for line in walk.net.lines] + [f"    return {output}", "", ""]
+    batch = ["    N = x.shape[0]                    # the batch: the sizes that follow it are written in N"] \
+        if walk.uses_batch else []
+    lines += ["", "def forward(x):"] + batch + [f"    {line}" for line in walk.net.lines] + \
+        [f"    return {output}", "", ""]
     lines += [f'network = D.fn(forward, "{name}")',
               "loss = (D.cross_entropy(y) @ network)(x)",
               "accuracy = (D.precision(y) @ network)(x)",

@@ -169,3 +169,17 @@ def test_import_errors_are_one_line(tmp_path, args, fragment):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_imported_network_compiles_at_any_batch(imported, batch):
+    """The file writes the sizes that follow the batch in N (the batch exported as a size of its own), so it
+    compiles at another batch (`--batch`, `--fit`)."""
+    from deepdsl.dsl import Overrides
+
+    name, result, path = imported
+    compiled = deepdsl.compile(deepdsl.load(str(path), Overrides(batch=batch)))
+    x = next(leaf for leaf in compiled.train.inputs if leaf.name == "x")
+    assert x.shape[0] == batch
+    if name in ("vit", "gpt2"):
+        assert "N = x.shape[0]" in result.text and ".reshape(N, " in result.text
