@@ -193,9 +193,20 @@ UNARY = {
     "sigmoid_named": (dsl(D.elementwise("sig", "sigmoid(2 * v)")), lambda x: torch.sigmoid(2 * x), []),
     "sign_square": (dsl(D.elementwise("sign_square", "sign(v) * v**2 + Heaviside(v)")),
                     lambda x: torch.sign(x) * x ** 2 + torch.heaviside(x.detach(), torch.zeros_like(x)), [0.0]),
+    # written piecewise, or through functions deepdsl computes by others (ELEMENTWISE_REWRITTEN)
+    "elu": (dsl(D.elementwise("elu", "Piecewise((v, v > 0), (exp(v) - 1, True))")), F.elu, [0.0]),
+    "selu": (dsl(D.elementwise("selu", "1.0507009873554805 * Piecewise((v, v > 0), "
+                                       "(1.6732632423543772 * (exp(v) - 1), True))")), torch.selu, [0.0]),
+    "hardswish": (dsl(D.elementwise("hardswish", "Piecewise((0, v <= -3), (v, v >= 3), (v * (v + 3) / 6, True))")),
+                  F.hardswish, [-3.0, 3.0]),
+    "hardsigmoid": (dsl(D.elementwise("hardsigmoid", "Piecewise((0, v <= -3), (1, v >= 3), (v / 6 + 1/2, True))")),
+                    F.hardsigmoid, [-3.0, 3.0]),
+    "erfc": (dsl(D.elementwise("erfc", "erfc(v)")), torch.erfc, []),
+    "asinh": (dsl(D.elementwise("asinh", "asinh(3 * v)")), lambda x: torch.asinh(3 * x), [0.0]),
 }
 for _name, (_build, _reference, _kinks) in UNARY.items():
-    case(f"ew_{_name}", _build, _reference, {"x": away_from(randn(3, 5, scale=1.5), _kinks)})
+    _scale = 3.0 if _name in ("hardswish", "hardsigmoid") else 1.5      # values on every piece
+    case(f"ew_{_name}", _build, _reference, {"x": away_from(randn(3, 5, scale=_scale), _kinks)})
 
 case("ew_broadcast", lambda a, b, c: elementwise(sym(0) * sympy.sin(sym(1)) + sym(0) * sym(1) / sym(2)
                                                  + sympy.exp(sym(2)) * sym(1), [a, b, c]),

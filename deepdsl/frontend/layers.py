@@ -420,6 +420,45 @@ ELEMENTWISE_HELPERS = {"sigmoid": Sigmoid, "softplus": Softplus}
 # and the constants a string may name (any other name is the user's own, never sympy's: read by sympy, `zoo`, `I` or
 # `nan` would be complex infinity, the imaginary unit, not a number)
 ELEMENTWISE_CONSTANTS = {"pi": sympy.pi, "E": sympy.E}
+# and functions computed through those above (`_rewritten`): a complementary error function, inverse hyperbolic
+# functions, and piecewise definitions with conditions on v (ELU, SELU, hardswish, hardsigmoid)
+ELEMENTWISE_REWRITTEN = {"erfc": sympy.erfc, "asinh": sympy.asinh, "acosh": sympy.acosh, "atanh": sympy.atanh,
+                         "Piecewise": sympy.Piecewise, "True": sympy.true}
+
+
+def _rewritten(name: str, expr: sympy.Expr) -> sympy.Expr:
+    """`expr` with the functions of ELEMENTWISE_REWRITTEN written through those deepdsl computes: erfc(u) as
+    1 - erf(u), asinh(u) as sign(u) log(|u| + sqrt(u^2 + 1)) (no cancellation for negative u; acosh and atanh as
+    logarithms likewise), and Piecewise((a, cond), ...,
+    (z, True)) as steps: a H + (rest) (1 - H) with H = Heaviside of the condition (0 or 1 on its boundary as the
+    condition says), where a condition on v against a number also clamps v in each branch to the side that branch
+    is used on (ELU's exp(v) - 1 is computed at min(v, 0): no overflow where it is not used)."""
+    expr = expr.replace(sympy.erfc, lambda u: 1 - sympy.erf(u))
+    expr = expr.replace(sympy.asinh, lambda u: sympy.sign(u) * sympy.log(sympy.Abs(u) + sympy.sqrt(u ** 2 + 1)))
+    expr = expr.replace(sympy.acosh, lambda u: sympy.log(u + sympy.sqrt(u ** 2 - 1)))
+    expr = expr.replace(sympy.atanh, lambda u: sympy.log((1 + u) / (1 - u)) / 2)
+
+    def steps(pieces) -> sympy.Expr:
+        (value, condition), rest = pieces[0], pieces[1:]
+        if condition == sympy.true or not rest:
+            return value
+        if not isinstance(condition, (sympy.StrictGreaterThan, sympy.GreaterThan, sympy.StrictLessThan,
+                                      sympy.LessThan)):
+            raise DeepDSLError(f"elementwise function '{name}': a piece's condition {condition} is not a comparison "
+                               "(>, >=, <, <=) of two expressions in v", user_location())
+        above = isinstance(condition, (sympy.StrictGreaterThan, sympy.GreaterThan))
+        difference = condition.lhs - condition.rhs if above else condition.rhs - condition.lhs
+        step = sympy.Heaviside(difference, 1 if isinstance(condition, (sympy.GreaterThan, sympy.LessThan)) else 0)
+        otherwise = steps(rest)
+        bound = condition.rhs if condition.lhs == v else condition.lhs if condition.rhs == v else None
+        if bound is not None and bound.is_number:       # v against a number: each branch sees its side only
+            v_above = v if condition.lhs == v else None
+            inside, outside = (sympy.Max(v, bound), sympy.Min(v, bound)) if above == (v_above is not None) \
+                else (sympy.Min(v, bound), sympy.Max(v, bound))
+            value, otherwise = value.subs(v, inside), otherwise.subs(v, outside)
+        return value * step + otherwise * (1 - step)
+
+    return expr.replace(lambda e: isinstance(e, sympy.Piecewise), lambda e: steps(list(e.args)))
 
 
 def elementwise(name: str, f, derivative=None) -> Layer:
@@ -440,7 +479,8 @@ def _user_expression(name: str, f, what: str) -> sympy.Expr:
     """A user function's expression (or its `what` = "derivative "), read and checked as `elementwise` says."""
     try:
         if isinstance(f, str):
-            known = {"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS, **ELEMENTWISE_CONSTANTS}
+            known = {"v": v, **ELEMENTWISE_FUNCTIONS, **ELEMENTWISE_HELPERS, **ELEMENTWISE_CONSTANTS,
+                     **ELEMENTWISE_REWRITTEN}
             expr = sympy.sympify(f, locals={**_own_names(f, known), **known})
         elif callable(f) and not isinstance(f, sympy.Basic):
             expr = sympy.sympify(f(v))
@@ -452,6 +492,7 @@ def _user_expression(name: str, f, what: str) -> sympy.Expr:
     if not isinstance(expr, sympy.Expr):
         raise DeepDSLError(f"elementwise function '{name}': {what}{f!r} is not an expression in v", user_location())
     written = repr(f if isinstance(f, str) else str(expr))
+    expr = _rewritten(name, expr)
     extra = expr.free_symbols - {v}
     if extra:
         raise DeepDSLError(f"elementwise function '{name}' uses unknown symbols {sorted(map(str, extra))} in "
@@ -480,7 +521,7 @@ def _own_names(text: str, known: dict) -> dict:
     names = {}
     for found in re.finditer(r"(?<![\w.])([A-Za-z_]\w*)(\s*\()?", text):    # not the e3 of 1e3, not attributes
         name = found.group(1)
-        if keyword.iskeyword(name):          # `lambda`, `if`: Python, not an expression
+        if keyword.iskeyword(name) and name not in known:      # `lambda`, `if`: Python, not an expression
             raise SyntaxError(name)
         if name not in known:
             names[name] = sympy.Function(name) if found.group(2) else sympy.Symbol(name)
