@@ -20,7 +20,8 @@ from deepdsl.frontend.core import _dropout_keys as _dropout_keys, _leaf_makers a
 from deepdsl.frontend.core import _overrides as _overrides
 from deepdsl.frontend.layers import (ELEMENTWISE_FUNCTIONS, ELEMENTWISE_HELPERS, adaptive_avg_pool, adaptive_max_pool,
                                      add, attention, avg_pool, batch_norm, causal_softmax, clipped_relu, concat, conv,
-                                     conv_transpose, dropout, elementwise, embedding, flatten, full, layer_norm,
+                                     conv_transpose, drop_path, dropout, elementwise, embedding, flatten, full,
+                                     layer_norm,
                                      log_softmax, lrn, max_pool, pad_channels, relu, sigmoid, softmax, tanh, upsample)
 from deepdsl.frontend.training import (Adam, AdamW, Loop, Train, check_names, cross_entropy, log_loss, mse_loss,
                                        nll_loss, precision)
@@ -31,7 +32,8 @@ __all__ = [
     "gaussian", "constant", "Overrides", "v",
     # layers
     "conv", "conv_transpose", "full", "embedding", "upsample", "max_pool", "avg_pool", "adaptive_avg_pool",
-    "adaptive_max_pool", "relu", "tanh", "sigmoid", "clipped_relu", "elementwise", "lrn", "dropout", "batch_norm",
+    "adaptive_max_pool", "relu", "tanh", "sigmoid", "clipped_relu", "elementwise", "lrn", "dropout", "drop_path",
+    "batch_norm",
     "layer_norm", "pad_channels", "concat", "add", "flatten", "softmax", "causal_softmax", "log_softmax", "attention",
     "ELEMENTWISE_FUNCTIONS", "ELEMENTWISE_HELPERS",
     # losses, metrics, training

@@ -400,3 +400,38 @@ def test_a_sequence_classifier_trains_through_the_cli(tmp_path):
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.split("test accuracy ")[1].split(",")[0])
     assert accuracy > 0.9, done.stdout                     # the label is the first token's class: learnable
+
+
+RESIDUAL_WITH_DROP_PATH = '''
+from deepdsl import dsl as D
+x = D.images("x", (8, 1, 28, 28), dataset="digits")
+y = D.labels("y", 8, classes=10)
+def block(name):
+    branch = D.batch_norm(f"{name}_bn") @ D.conv(f"{name}_conv", kernel=3, channels=4, padding=1, bias=False)
+    return D.fn(lambda h: D.relu(h + D.drop_path(0.3)(branch(h))), name)
+stem = D.relu @ D.conv("stem", kernel=3, channels=4, padding=1)
+network = D.full("fc", 10) @ D.flatten @ D.avg_pool() @ block("b2") @ block("b1") @ stem
+loss = (D.cross_entropy(y) @ network)(x)
+accuracy = (D.precision(y) @ network)(x)
+loop = D.Loop(loss, accuracy, D.Train("droppath", iters=10, lr=0.05))
+'''
+
+
+def test_a_network_with_drop_path_trains_in_its_plan_and_resumes_exactly(tmp_path):
+    """Stochastic depth's per-example masks come from (seed, step, place): a run stopped and resumed equals an
+    uninterrupted one bit for bit, and the measured peak is the planned one."""
+    network = tmp_path / "droppath.py"
+    network.write_text(RESIDUAL_WITH_DROP_PATH)
+    _, program = compile_program(network, tmp_path / "p")
+    report = tmp_path / "r.json"
+    done = run_cli(program, "--iters", "6", "--params", str(tmp_path / "a.npz"), "--report-json", str(report),
+                   "--test-iters", "1", "--kernels", "numpy")
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(report.read_text())
+    assert figures["peak_bytes_measured"] == figures["peak_bytes_planned"] and np.isfinite(figures["loss"])
+    for iters in ("3", "6"):
+        done = run_cli(program, "--iters", iters, "--params", str(tmp_path / "b.npz"), "--test-iters", "0",
+                       "--kernels", "numpy")
+        assert done.returncode == 0, done.stderr
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in a.files if not k.startswith("__"))

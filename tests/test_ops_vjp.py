@@ -509,6 +509,28 @@ def _dropout_train():
 _dropout_train()
 
 
+def _drop_path_train():
+    """Training-mode drop path: one draw per example, y = mask[n] * x / keep (torchvision's StochasticDepth, row)."""
+    ratio, shape, keys = 0.5, (8, 2, 3, 2), []
+
+    def build(x):
+        node = D.drop_path(ratio)(D.Tensor(x)).node
+        keys.append(node.attr("key"))
+        return specialized(node, "train")["out"]
+
+    def reference(x):
+        mask = torch.from_numpy(bernoulli_mask(0, 0, keys[-1], (8, 1, 1, 1), 1 - ratio).astype(np.float64))
+        assert 0 < mask.sum() < mask.numel()
+        return x * mask / (1 - ratio)
+
+    case("drop_path_train", build, reference, {"x": randn(*shape)}, mode_ops=("dropout",))
+    case("drop_path_test", lambda x: specialized(D.drop_path(ratio)(D.Tensor(x)).node, "test")["out"],
+         lambda x: x, {"x": randn(3, 4)}, mode_ops=("dropout",))
+
+
+_drop_path_train()
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_vjp(name):
     c = CASES[name]

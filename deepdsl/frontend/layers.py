@@ -555,6 +555,23 @@ def dropout(ratio: float = 0.5) -> Layer:
 _dropout_layer = dropout          # `attention` takes a `dropout` ratio
 
 
+class _DropPath(Layer):
+    def __init__(self, ratio):
+        super().__init__(f"drop_path({ratio:g})", f"drop path {ratio:g}")
+        self.ratio = float(ratio)
+
+    def forward(self, x):
+        return Tensor(make("dropout", (x.node,), ratio=self.ratio, key=_next_dropout_key(), per_sample=True))
+
+
+def drop_path(ratio: float) -> Layer:
+    """Stochastic depth (Huang et al. 2016), as torchvision's StochasticDepth(ratio, "row"): while training, each
+    example's whole tensor is zeroed with probability `ratio` and the others scaled by 1/(1 - ratio), one draw per
+    example from the program's masks (seed, step, place); identity when testing. Applied to a residual branch:
+    `x + D.drop_path(0.1)(branch(x))`."""
+    return _DropPath(_fraction("layer 'drop_path'", "ratio", ratio))
+
+
 class _BatchNorm(_ParamLayer):
     def __init__(self, name, eps, momentum):
         super().__init__(name, "batch norm")

@@ -116,11 +116,13 @@ class AllSum(Op):
 @register
 class Dropout(Op):
     """Zero each element with probability `ratio` and scale the rest by 1/(1-ratio) when training; identity when
-    testing. `key` tells apart the places a dropout layer is applied, so each draws its own mask."""
+    testing. `key` tells apart the places a dropout layer is applied, so each draws its own mask. `per_sample` (an
+    attribute present only when set): one draw per example, zeroing or keeping all of it (stochastic depth, drop
+    path: the mask (N, 1, ..., 1) broadcast over the example)."""
 
     name = "dropout"
 
-    def infer(self, x, *, ratio, key):
+    def infer(self, x, *, ratio, key, per_sample=False):
         require(0.0 <= ratio < 1.0, f"dropout ratio {ratio} outside [0, 1)")
         return x.shape, FLOAT
 

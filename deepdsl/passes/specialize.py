@@ -1,6 +1,6 @@
 """Specialize mode-dependent layers for the step being compiled.
 
-Training: `dropout` becomes a product with a random 0/1 mask; `batch_norm` normalizes with the batch statistics and
+Training: `dropout` becomes a product with a random 0/1 mask (one per example for drop path); `batch_norm` normalizes with the batch statistics and
 adds graph outputs that update the running statistics (PyTorch's rule: unbiased variance, `momentum` weight on the
 new value). Testing: `dropout` is the identity; `batch_norm` uses the running statistics.
 The split step (`specialize_split`, the accumulate step of data-parallel training) is synced: the batch statistics
@@ -60,7 +60,8 @@ def _specialize(graph: Graph, mode: str, synced: bool, statistics: dict[str, Nod
             if mode == "test" or node.attr("ratio") == 0.0:
                 return node.inputs[0]
             keep = 1.0 - node.attr("ratio")
-            mask = make("bernoulli", (), shape=node.shape, keep=keep, key=node.attr("key"))
+            shape = (node.shape[0],) + (1,) * (len(node.shape) - 1) if node.attr("per_sample") else node.shape
+            mask = make("bernoulli", (), shape=shape, keep=keep, key=node.attr("key"))
             provenance.record_parts(node, {"mask": mask})
             return elementwise(sym(0) * sym(1) / sympy.Float(keep), [node.inputs[0], mask])
         if node.op == "batch_norm":
