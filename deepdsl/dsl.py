@@ -14,7 +14,7 @@ parameters), `layers` and `training` (losses and metrics, solvers, the Loop).
 from __future__ import annotations
 
 from deepdsl.frontend.core import (Fn, Layer, Overrides, Param, Tensor, constant, fn, gaussian, images, labels, param,
-                                   scalar, targets, tokens, v, xavier)
+                                   scalar, targets, tokens, v, where, xavier)
 # what the loader sets while a network file runs (deepdsl/loader.py)
 from deepdsl.frontend.core import _dropout_keys as _dropout_keys, _leaf_makers as _leaf_makers
 from deepdsl.frontend.core import _overrides as _overrides
@@ -29,7 +29,7 @@ from deepdsl.frontend.training import (Adam, AdamW, Loop, Train, check_names, cr
 __all__ = [
     # inputs, tensors, tensor functions, parameters
     "Tensor", "Fn", "Layer", "fn", "images", "tokens", "labels", "targets", "scalar", "param", "Param", "xavier",
-    "gaussian", "constant", "Overrides", "v",
+    "gaussian", "constant", "Overrides", "v", "where",
     # layers
     "conv", "conv_transpose", "full", "embedding", "upsample", "max_pool", "avg_pool", "adaptive_avg_pool",
     "adaptive_max_pool", "relu", "tanh", "sigmoid", "clipped_relu", "elementwise", "lrn", "dropout", "drop_path",

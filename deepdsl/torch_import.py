@@ -338,6 +338,12 @@ def _pair(value) -> int | tuple[int, int]:
     return a if a == b else (a, b)
 
 
+def _number(value) -> str:
+    """A number as the network file writes it (infinities as float("inf"))."""
+    value = float(value)
+    return repr(value) if abs(value) != float("inf") else f'float("{value}")'
+
+
 def _keyword(name: str, value, default) -> str:
     return "" if value == default else f", {name}={value!r}"
 
@@ -628,11 +634,16 @@ def _permute(walk: Walk, node) -> None:
 def _attention(walk: Walk, node) -> None:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     given = {**dict(zip(names, node.args)), **node.kwargs}
-    if given.get("attn_mask") is not None or given.get("enable_gqa"):
-        walk.refuse(node, "attention with a mask other than the causal one (or grouped queries) is not supported "
-                          "yet: is_causal=True is")
+    if given.get("enable_gqa"):
+        walk.refuse(node, "attention with grouped queries is not supported yet")
         return
-    options = ((", causal=True" if given.get("is_causal") else "") +
+    mask = given.get("attn_mask")
+    masking = ""
+    if mask is not None:        # a boolean mask: the keys that take part; a float one: added to the scores
+        import torch
+        kind = "mask" if mask.meta["val"].dtype == torch.bool else "bias"
+        masking = f", {kind}={walk.arg(mask)}"
+    options = ((", causal=True" if given.get("is_causal") else "") + masking +
                (f", scale={float(given['scale'])!r}" if given.get("scale") is not None else "") +
                (f", dropout={float(given['dropout_p'])!r}" if given.get("dropout_p") else ""))
     q, k, v = (walk.arg(given[n]) for n in names[:3])
@@ -660,8 +671,8 @@ def _binary(symbol: str, name: str):
         if node.kwargs.get("alpha", 1) != 1:
             walk.refuse(node, f"{name} with alpha is not supported yet")
             return
-        left = walk.arg(a) if hasattr(a, "name") else repr(float(a))
-        right = walk.arg(b) if hasattr(b, "name") else repr(float(b))
+        left = walk.arg(a) if hasattr(a, "name") else _number(a)
+        right = walk.arg(b) if hasattr(b, "name") else _number(b)
         walk.emit(node, walk.value_name(node, name), f"{left} {symbol} {right}")
     return handle
 
@@ -709,9 +720,77 @@ def _upsample(walk: Walk, node) -> None:
     _simple("upsample", f"D.upsample({oh // h}{', ' + repr(mode) if mode != 'nearest' else ''})({{}})")(walk, node)
 
 
-@handles("aten.contiguous.default", "aten.clone.default", "aten.detach.default", "aten.alias.default")
+@handles("aten.contiguous.default", "aten.clone.default", "aten.detach.default", "aten.alias.default",
+         "aten.to.dtype", "aten._to_copy.default", "aten.type_as.default")
 def _same(walk: Walk, node) -> None:
+    """The same values: copies, and conversions between float and boolean masks (deepdsl's masks are 0/1 values
+    either way); a conversion to integers is not supported."""
+    import torch
+
+    dtype = node.meta["val"].dtype
+    if dtype not in (torch.float32, torch.float64, torch.bool, torch.float16, torch.bfloat16):
+        walk.refuse(node, f"a conversion to {dtype} is not supported")
+        return
     walk.names[node.name] = walk.arg(node.args[0])
+
+
+@handles("aten._assert_tensor_metadata.default", "aten._assert_async.msg", "aten.sym_constrain_range_for_size.default")
+def _check(walk: Walk, node) -> None:
+    """torch.export's own checks: nothing to compute."""
+
+
+@handles("aten.eq.Scalar")
+def _eq(walk: Walk, node) -> None:
+    x, value = node.args
+    _simple("eq", f"{{}}.eq({float(value)!r})")(walk, node)
+
+
+@handles("aten.bitwise_not.default", "aten.logical_not.default")
+def _not(walk: Walk, node) -> None:
+    _simple("not", "D.where({}, 0.0, 1.0)")(walk, node)
+
+
+@handles("aten.zeros_like.default")
+def _zeros_like(walk: Walk, node) -> None:
+    _simple("zeros", "D.where({0}.eq(0.0), 0.0, 0.0)")(walk, node)
+
+
+@handles("aten.masked_fill.Scalar", "aten.masked_fill_.Scalar")
+def _masked_fill(walk: Walk, node) -> None:
+    x, mask, value = node.args
+    walk.emit(node, walk.value_name(node, "masked"), f"{walk.arg(x)}.masked_fill({walk.arg(mask)}, "
+                                                       f"{_number(value)})")
+
+
+@handles("aten.where.self")
+def _where(walk: Walk, node) -> None:
+    condition, a, b = node.args
+    operands = [walk.arg(t) if hasattr(t, "name") else _number(t) for t in (condition, a, b)]
+    walk.emit(node, walk.value_name(node, "where"), f"D.where({', '.join(operands)})")
+
+
+@handles("aten.sum.dim_IntList")
+def _sum(walk: Walk, node) -> None:
+    x, axes, *rest = node.args
+    keep = bool(rest[0]) if rest else False
+    rank = len(x.meta["val"].shape)
+    axes = tuple(int(a) % rank for a in axes)
+    _simple("sum", f"{{}}.sum({axes if len(axes) > 1 else axes[0]!r}{', keepdims=True' if keep else ''})")(
+        walk, node)
+
+
+@handles("aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default")
+def _clamp(walk: Walk, node) -> None:
+    x, *bounds = node.args
+    low, high = (bounds + [None, None])[:2]
+    if "clamp_max" in str(node.target):
+        low, high = None, low
+    expression = "v"
+    if low is not None:
+        expression = f"Max({expression}, {float(low)!r})"
+    if high is not None:
+        expression = f"Min({expression}, {float(high)!r})"
+    _simple("clamp", f'D.elementwise("clamp", "{expression}")({{}})')(walk, node)
 
 
 # ----------------------------------------------------------------------------------------------------------------

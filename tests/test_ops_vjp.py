@@ -435,6 +435,16 @@ case("scatter_rows", lambda g, ids: make("scatter_rows", (g, ids), rows=5),
      lambda g, ids: torch.zeros(5, 3).index_add(0, ids, g), {"g": randn(6, 3)}, labels=_IDS)
 
 
+# masks from tokens: a padding mask filling attention scores, a choice between two tensors
+_TOKENS = {"t": np.array([[3, 0, 1, 0], [2, 2, 0, 5]], dtype=np.int32)}
+case("dsl_masked_fill_padding",
+     lambda s, t: D.softmax(D.Tensor(s).masked_fill(D.Tensor(t).eq(0).reshape(2, 1, 1, 4), float("-inf"))).node,
+     lambda s, t: torch.softmax(s.masked_fill((t == 0).reshape(2, 1, 1, 4), float("-inf")), -1),
+     {"s": randn(2, 3, 4, 4)}, labels=_TOKENS)
+case("dsl_where", lambda a, b, t: D.where(D.Tensor(t).eq(2), D.Tensor(a), D.Tensor(b)).node,
+     lambda a, b, t: torch.where(t == 2, a, b), {"a": randn(2, 4), "b": randn(2, 4, seed=1)}, labels=_TOKENS)
+
+
 # what imported models are written with: permutations of any axes, a parameter broadcast along the batch,
 # scaled dot-product attention (plain, causal, with a scale)
 case("dsl_permute", lambda x: D.Tensor(x).permute(2, 0, 3, 1).node, lambda x: x.permute(2, 0, 3, 1),

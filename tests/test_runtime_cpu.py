@@ -262,6 +262,15 @@ def test_losses():
     check(make("label_rank", (x, labels)), [scores, yv], exact=True)
 
 
+@covers("equal")
+def test_equality_masks():
+    tokens = np.array([[3, 0, 1, 0], [2, 2, 0, 5]], np.int32)
+    got = check(make("equal", (leaf("t", (2, 4), INT32),), value=0.0), [tokens], exact=True)
+    assert got.dtype == np.uint8 and got.tolist() == [[0, 1, 0, 1], [0, 0, 1, 0]]
+    check(make("equal", (leaf("x", (3, 5)),), value=0.5), [np.round(np.random.default_rng(1).random((3, 5)) * 2)
+                                                            .astype(np.float32) / 2], exact=True)
+
+
 @covers("gather_rows", "scatter_rows")
 def test_rows_by_index():
     rng = np.random.default_rng(4)

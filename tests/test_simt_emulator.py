@@ -132,6 +132,23 @@ def test_label_rank_matches_numpy(ops, rows, classes):
     assert np.array_equal(results[0], want)
 
 
+def test_equality_masks_match_numpy(ops):
+    from deepdsl_runtime.cpu.masks import equal
+
+    rng = np.random.default_rng(3)
+    for x in (rng.integers(0, 4, 1000).astype(np.int32), (rng.integers(0, 4, 1000) / 2).astype(F32)):
+        kernel = "deepdsl_equal_i32" if x.dtype == np.int32 else "deepdsl_equal_f32"
+
+        def launch():
+            out = np.full(x.size, 7, np.uint8)
+            ops.run(kernel, struct.pack("@IPfP", x.size, _ptr(x), 1.0, _ptr(out)), (4, 1), (256, 1, 1))
+            return out
+
+        want = np.empty(x.size, np.uint8)
+        equal(x, out=want, value=1.0)
+        assert np.array_equal(_in_every_order(ops, launch)[0], want) and 0 < want.sum() < x.size
+
+
 @pytest.mark.parametrize("rows,d,m", [(7, 3, 40), (50, 65, 300)])
 def test_rows_by_index_match_numpy(ops, rows, d, m):
     """deepdsl_gather_rows and deepdsl_scatter_rows (a token embedding and its gradient) against numpy's kernels:

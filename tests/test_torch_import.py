@@ -18,13 +18,13 @@ import deepdsl  # noqa: E402
 from deepdsl import torch_import as ti  # noqa: E402
 from deepdsl.codegen import program_env  # noqa: E402
 from deepdsl_runtime.run import pytorch_name  # noqa: E402
-from tests.test_networks import (EXACT_TOLERANCE, TOLERANCE, _interpreter_step, _step_errors,  # noqa: E402
-                                 dropout_masks, random_value)
+from tests.test_networks import (EXACT_TOLERANCE, TOLERANCE, _classes, _interpreter_step,  # noqa: E402
+                                 _step_errors, dropout_masks, random_value)
 
 MODELS = Path(__file__).parent / "support" / "torch_models.py"
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"resnet18": "2x3x32x32", "mobilenet_v2": "2x3x32x32", "unet": "2x3x16x16", "vit": "2x3x16x16",
-         "gpt2": "2x16:int64"}
+         "gpt2": "2x16:int64", "text_classifier": "2x16:int64"}
 TIMEOUT = 600
 
 
@@ -95,11 +95,12 @@ def test_a_training_step_equals_the_pytorch_module(imported):
     compiled = deepdsl.compile(deepdsl.load(str(path)), deepdsl.CompileOptions(verify=True))
     rng = np.random.default_rng(5)
     leaves = {leaf.name: leaf for leaf in compiled.train.inputs}
-    if leaves["x"].dtype == "int32":                      # tokens
-        x = rng.integers(0, 96, leaves["x"].shape).astype(np.int32)
+    if leaves["x"].dtype == "int32":                      # tokens, the last ones padding (token 0)
+        x = rng.integers(1, 96, leaves["x"].shape).astype(np.int32)
+        x[0, -3:] = x[1, -7:] = 0
     else:
         x = rng.standard_normal(leaves["x"].shape).astype(np.float32)
-    y = rng.integers(0, 10, leaves["y"].shape).astype(np.int32)
+    y = rng.integers(0, _classes(compiled), leaves["y"].shape).astype(np.int32)
     # values of every scale (batch norm's weights and shifts away from 1 and 0, so no statistic is zero)
     values = {k: random_value(k, w.shape, rng).astype(np.float32) for k, w in result.weights.items()}
     masks = dropout_masks(compiled.train)

@@ -272,6 +272,25 @@ class Tensor:
                 order[k], order[at] = order[at], order[k]
         return Tensor(node)
 
+    def eq(self, value: float) -> "Tensor":
+        """A 0/1 mask of this tensor's shape: 1 where it equals `value` (tokens equal to a padding token: a padding
+        mask); no gradient flows through it."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ArgumentError(f"eq({value!r}): compare with a finite number", user_location())
+        return Tensor(make("equal", (self.node,), value=float(value)))
+
+    def masked_fill(self, mask: "Tensor", value: float) -> "Tensor":
+        """This tensor with `value` where `mask` (0/1, broadcast to its shape) is 1, as torch.masked_fill; an
+        infinite `value` is the largest finite float32 of its sign (a masked score then weighs exactly 0 after a
+        softmax, as with -inf, but a row masked whole is uniform, not NaN)."""
+        if not isinstance(mask, Tensor):
+            raise ArgumentError("masked_fill: the mask must be a tensor (e.g. tokens.eq(0))", user_location())
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise ArgumentError(f"masked_fill(..., {value!r}): the value must be a number", user_location())
+        value = max(-FLOAT32_MAX, min(FLOAT32_MAX, float(value)))
+        return Tensor(ew_node(sym(0) * (1 - sym(1)) + sympy.Float(value) * sym(1),
+                              [self.node, _broadcastable(mask.node, self.shape, "masked_fill")]))
+
     def expand(self, *shape) -> "Tensor":
         """The tensor repeated along its axes of size 1 to `shape` (-1: keep the size), as torch.expand: a
         parameter broadcast along the batch (ViT's class token); its gradient the sum over the copies."""
@@ -306,6 +325,41 @@ class Tensor:
         """The mean over `axis` (as `sum`)."""
         count = math.prod(self.shape[k] for k in _axes(self.shape, axis))
         return self.sum(axis, keepdims) * (1.0 / count)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _broadcastable(node: Node, shape: tuple[int, ...], what: str) -> Node:
+    try:
+        ok = broadcast_shapes(shape, node.shape) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"{what}: a mask of {dims(node.shape)} does not broadcast to {dims(shape)}", user_location())
+    return node
+
+
+def where(condition: Tensor, a, b) -> Tensor:
+    """`a` where `condition` (a 0/1 mask) is 1, else `b`, as torch.where; `a` and `b` tensors or numbers,
+    broadcast together (an infinite number is the largest finite float32 of its sign)."""
+    if not isinstance(condition, Tensor):
+        raise ArgumentError("D.where: the condition must be a mask tensor (e.g. tokens.eq(0))", user_location())
+    operands, terms = [condition.node], []
+    for value in (a, b):
+        if isinstance(value, Tensor):
+            operands.append(value.node)
+            terms.append(sym(len(operands) - 1))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            terms.append(sympy.Float(max(-FLOAT32_MAX, min(FLOAT32_MAX, float(value)))))
+        else:
+            raise ArgumentError(f"D.where: {value!r} is neither a tensor nor a number", user_location())
+    try:
+        broadcast_shapes(*(n.shape for n in operands))
+    except ValueError:
+        raise ShapeError("D.where of shapes " + ", ".join(dims(n.shape) for n in operands) + " that do not "
+                         "broadcast together", user_location()) from None
+    return Tensor(ew_node(terms[0] * sym(0) + terms[1] * (1 - sym(0)), operands))
 
 
 def _axes(shape: tuple[int, ...], axis) -> tuple[int, ...]:

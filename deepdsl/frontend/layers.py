@@ -11,7 +11,7 @@ from deepdsl.errors import DeepDSLError, ShapeError, user_location
 from deepdsl import provenance
 from deepdsl.ir import INT32, Node, make
 from deepdsl.ops import dims
-from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, reshape, stable_forms, sum_to, sym
+from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcast_shapes, reshape, stable_forms, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.conv import grouping
 from deepdsl.ops.shape import concat as _concat
@@ -19,7 +19,7 @@ from deepdsl.ops.shape import slice_axis
 from deepdsl.frontend.core import (Layer, Param, Tensor, _ParamLayer, _flag, _fraction, _integer, _made, _name,
                                    _next_dropout_key, _node, _nonnegative_int, _nonnegative_number, _number,
                                    _positive_int, _positive_number, _reject, _spec, _state, _stored_name, constant,
-                                   gaussian, v, xavier)
+                                   gaussian, v, where, xavier)
 
 # ----------------------------------------------------------------------------------------------------------------
 # layers
@@ -682,11 +682,28 @@ def _causal_softmax(x: Node) -> Node:
 causal_softmax = _Op("causal_softmax", "causal softmax", _causal_softmax)
 
 
+def _scores_shaped(t, scores: Tensor, what: str) -> Tensor:
+    """A mask or bias of attention that broadcasts to the scores' shape (a one-line error otherwise)."""
+    if not isinstance(t, Tensor):
+        _reject("D.attention", f"{what} must be a tensor")
+    try:
+        ok = broadcast_shapes(scores.shape, t.shape) == scores.shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"D.attention: a {what} of {dims(t.shape)} does not broadcast to the scores' "
+                         f"{dims(scores.shape)} (queries by keys)", user_location())
+    return t
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-              dropout: float = 0.0) -> Tensor:
+              dropout: float = 0.0, mask: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     """Scaled dot-product attention of queries (..., T, d), keys (..., S, d) and values (..., S, e), as PyTorch's
-    scaled_dot_product_attention: softmax(q k^T scale) v, scale 1 / sqrt(d) by default; `causal`: query i weighs
-    only keys 0..i; `dropout`: of the weights, while training."""
+    scaled_dot_product_attention: softmax(q k^T scale + bias) v, scale 1 / sqrt(d) by default; `causal`: query i
+    weighs only keys 0..i; `mask` (0/1, broadcast to (..., T, S)): the keys each query weighs are those of 1 (a
+    boolean attn_mask; a key padding mask is `1 - tokens.eq(pad)` reshaped to (N, 1, 1, S)); `bias` (broadcast
+    likewise): added to the scores (a float attn_mask: -inf leaves a key out); `dropout`: of the weights, while
+    training."""
     what = "D.attention"
     if not all(isinstance(t, Tensor) for t in (q, k, v)):
         _reject(what, "q, k and v must be tensors")
@@ -700,6 +717,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _number(what, "scale", scale, "a finite number",
                                                                         math.isfinite)
     scores = (q @ k.transpose(-2, -1)) * float(scale)
+    if bias is not None:
+        scores = scores + _scores_shaped(bias, scores, "bias")
+    if mask is not None:
+        scores = where(_scores_shaped(mask, scores, "mask"), scores, -math.inf)
     weights = causal_softmax(scores) if causal else softmax(scores)
     if dropout:
         weights = _dropout_layer(dropout)(weights)

@@ -128,6 +128,25 @@ class Dropout(Op):
 
 
 @register
+class Equal(Op):
+    """A 0/1 mask: 1 where `x` (tokens or floats) equals `value` (a padding mask from a padding token)."""
+
+    name = "equal"
+
+    def infer(self, x, *, value):
+        return x.shape, UINT8
+
+    def vjp(self, node, g):
+        return (None,)
+
+    def evaluate(self, ctx, x, *, value):
+        return np.equal(x, value).astype(np.uint8)
+
+    def flops(self, node):
+        return node.size
+
+
+@register
 class Bernoulli(Op):
     """A random 0/1 mask, 1 with probability `keep`, drawn from (seed, step, key): reproducible from the seed."""
 

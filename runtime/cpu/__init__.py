@@ -41,7 +41,7 @@ from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
 from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_pair, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import label_rank, log_softmax, pick, precision, softmax, unpick
-from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask
+from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask, equal
 from deepdsl_runtime.cpu.norm import lrn, lrn_bwd
 from deepdsl_runtime.cpu.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
 from deepdsl_runtime.cpu.pool import avg_pool_divisor  # noqa: F401  (public, not an op)
@@ -52,9 +52,9 @@ from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zer
 __all__ = [
     "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
     "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_and_sum", "ew_pair",
-    "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax",
-    "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape", "scalar", "scatter_rows", "slice",
-    "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
+    "equal", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool",
+    "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape", "scalar",
+    "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"

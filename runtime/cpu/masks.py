@@ -23,3 +23,8 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
         draws = Scratch(workspace).take((b - a,) + rows.shape[1:])
         rng.random(dtype=np.float32, out=draws)
         np.less(draws, keep, out=rows[a:b])
+
+
+def equal(x, *, out, value):
+    """out = 1 where x equals `value`, else 0 (a uint8 mask)."""
+    np.equal(x, value, out=out.view(np.bool_))

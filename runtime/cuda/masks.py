@@ -1,4 +1,4 @@
-"""Random masks on the CUDA device (dropout): the CPU backend's Bernoulli mask, uploaded."""
+"""Masks on the CUDA device: dropout's random ones (the CPU backend's Bernoulli mask) and equality masks."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,3 +21,9 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
     groups = -(-n // 8)
     launch_items(out.device, "deepdsl_bernoulli", "IIQQfP", groups, groups, n, int(seed),
                  contract.counter_key(step, key), np.float32(keep), out.ptr)
+
+
+def equal(x, *, out, value):
+    """out = 1 where x (int32 tokens or float32) equals `value`, else 0."""
+    kernel = "deepdsl_equal_i32" if x.dtype == np.int32 else "deepdsl_equal_f32"
+    launch_items(out.device, kernel, "IPfP", out.size, out.size, x.ptr, np.float32(value), out.ptr)

@@ -643,6 +643,14 @@ DEEPDSL_KERNEL deepdsl_col2im(unsigned n, ConvGeom g, const float* dcols, float*
     DEEPDSL_FOR(i, 0, n) deepdsl_col2im_at(i, g, dcols, dx);
 }
 
+// out[i] = 1 where x[i] equals value (a padding mask of tokens, or of floats)
+DEEPDSL_KERNEL deepdsl_equal_i32(unsigned n, const int* x, float value, unsigned char* out) {
+    DEEPDSL_FOR(i, 0, n) out[i] = static_cast<float>(x[i]) == value ? 1 : 0;
+}
+DEEPDSL_KERNEL deepdsl_equal_f32(unsigned n, const float* x, float value, unsigned char* out) {
+    DEEPDSL_FOR(i, 0, n) out[i] = x[i] == value ? 1 : 0;
+}
+
 DEEPDSL_KERNEL deepdsl_bernoulli(unsigned groups, unsigned n, deepdsl_u64 seed, deepdsl_u64 stream, float keep,
                                  deepdsl_u8* out) {
     DEEPDSL_FOR(group, 0, groups) deepdsl_bernoulli_group(group, n, seed, stream, keep, out);

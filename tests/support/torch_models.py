@@ -276,3 +276,28 @@ class GPT2(nn.Module):
 
 def gpt2() -> GPT2:
     return GPT2()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a text classifier that ignores padding (token 0): a padding mask in nn.MultiheadAttention and in the mean
+
+
+class TextClassifier(nn.Module):
+    def __init__(self, vocab: int = 96, length: int = 16, dim: int = 32, heads: int = 4, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, length, dim).normal_(std=0.02))
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens):
+        pad = tokens == 0
+        h = self.embed(tokens) + self.pos
+        h = self.ln(h + self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0])
+        keep = (~pad).unsqueeze(-1).float()
+        return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1))
+
+
+def text_classifier() -> TextClassifier:
+    return TextClassifier()
