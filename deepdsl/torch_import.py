@@ -158,6 +158,7 @@ class Walk:
         self.uses_batch = False                   # whether a line of the file writes a size in N
         self.ranges: dict[str, tuple[int, int]] = {}     # arange nodes: (start, stop)
         self.parts: dict[str, tuple] = {}         # split nodes: (variable, axis, rank, [(start, stop), ...])
+        self.noise: dict[str, dict] = {}          # stochastic depth's noise: its shape, keep ratio, scaling
         self.ops_in: dict[str, int] = {}          # module path -> how many ops of the graph it makes
         for node in exported.graph.nodes:
             if node.op == "call_function":
@@ -681,6 +682,69 @@ for _op, _symbol, _name in (("aten.add.Tensor", "+", "add"), ("aten.add_.Tensor"
                             ("aten.mul.Tensor", "*", "mul"), ("aten.sub.Tensor", "-", "sub"),
                             ("aten.div.Tensor", "/", "div"), ("aten.matmul.default", "@", "matmul")):
     HANDLERS[_op] = _binary(_symbol, _name)
+_times = HANDLERS["aten.mul.Tensor"]
+
+
+# stochastic depth as torchvision writes it: noise = empty(N, 1, ..., 1).bernoulli_(keep).div_(keep); x * noise
+
+
+@handles("aten.empty.memory_format")
+def _empty(walk: Walk, node) -> None:
+    """An uninitialized tensor: only as the noise of stochastic depth or dropout, which `bernoulli_` fills."""
+    walk.noise[node.name] = {"shape": tuple(walk.shape(node)), "keep": None, "scaled": False}
+
+
+@handles("aten.bernoulli_.float")
+def _bernoulli(walk: Walk, node) -> None:
+    source = node.args[0]
+    keep = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    if source.name not in walk.noise:
+        walk.refuse(node, "random draws other than stochastic depth's noise are not supported yet: D.dropout")
+        return
+    walk.noise[node.name] = {**walk.noise[source.name], "keep": float(keep)}
+
+
+def _scaled_noise(walk: Walk, node) -> bool:
+    """`noise / keep` of stochastic depth's noise: recorded, nothing emitted."""
+    source, by = node.args[:2]
+    found = walk.noise.get(getattr(source, "name", None))
+    if found is None or found["keep"] is None or hasattr(by, "name") or float(by) != found["keep"]:
+        return False
+    walk.noise[node.name] = {**found, "scaled": True}
+    return True
+
+
+def _divide(walk: Walk, node) -> None:
+    if not _scaled_noise(walk, node):
+        _binary("/", "div")(walk, node)
+
+
+HANDLERS["aten.div.Tensor"] = HANDLERS["aten.div_.Tensor"] = _divide
+
+
+def _multiply(walk: Walk, node) -> None:
+    """x * noise of stochastic depth (a draw per example: `D.drop_path`) or of dropout (a draw per element:
+    `D.dropout`); other products as products."""
+    a, b = node.args[:2]
+    found = walk.noise.get(getattr(b, "name", None)) or walk.noise.get(getattr(a, "name", None))
+    if found is None:
+        _times(walk, node)
+        return
+    x = a if walk.noise.get(getattr(b, "name", None)) else b
+    shape, keep = found["shape"], found["keep"]
+    if keep is None or not found["scaled"]:
+        walk.refuse(node, "a product with unscaled random noise is not supported yet: D.dropout, D.drop_path")
+        return
+    per_example = len(shape) > 1 and shape[0] in ("N", walk.shape(x)[0]) and all(d == "1" for d in shape[1:])
+    if shape == tuple(walk.shape(x)):
+        walk.emit(node, walk.value_name(node, "dropout"), f"D.dropout({round(1 - keep, 12)!r})({walk.arg(x)})")
+    elif per_example:
+        walk.emit(node, walk.value_name(node, "drop_path"), f"D.drop_path({round(1 - keep, 12)!r})({walk.arg(x)})")
+    else:
+        walk.refuse(node, f"noise of shape {shape} is not supported yet (one draw per example: D.drop_path)")
+
+
+HANDLERS["aten.mul.Tensor"] = _multiply
 _add = HANDLERS["aten.add_.Tensor"]
 
 

@@ -24,7 +24,7 @@ from tests.test_networks import (EXACT_TOLERANCE, TOLERANCE, _classes, _interpre
 MODELS = Path(__file__).parent / "support" / "torch_models.py"
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"resnet18": "2x3x32x32", "mobilenet_v2": "2x3x32x32", "unet": "2x3x16x16", "vit": "2x3x16x16",
-         "gpt2": "2x16:int64", "text_classifier": "2x16:int64"}
+         "gpt2": "2x16:int64", "text_classifier": "2x16:int64", "drop_path_net": "8x3x8x8"}
 TIMEOUT = 600
 
 
@@ -62,18 +62,22 @@ def _torch_step(module, values: dict, x, y, masks, dtype) -> dict:
         for key, tensor in named.items():
             tensor.copy_(torch.from_numpy(values[key].astype(np.float64)))
     pending = [torch.from_numpy(m).to(dtype) for m in masks]
-    original = torch.nn.functional.dropout
+    original, original_bernoulli = torch.nn.functional.dropout, torch.Tensor.bernoulli_
 
     def dropout(input, p=0.5, training=True, inplace=False):
         return input * pending.pop(0) / (1 - p) if training and p > 0 else input
-    torch.nn.functional.dropout = dropout
+
+    def bernoulli_(tensor, p=0.5, generator=None):       # stochastic depth's noise: deepdsl's per-example masks
+        with torch.no_grad():
+            return tensor.copy_(pending.pop(0).reshape(tensor.shape))
+    torch.nn.functional.dropout, torch.Tensor.bernoulli_ = dropout, bernoulli_
     try:
         inputs = torch.from_numpy(x).long() if x.dtype == np.int32 else torch.from_numpy(x).to(dtype)
         scores = module(inputs)
         loss = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]),
                                                  torch.from_numpy(y).long().reshape(-1))
     finally:
-        torch.nn.functional.dropout = original
+        torch.nn.functional.dropout, torch.Tensor.bernoulli_ = original, original_bernoulli
     assert not pending, "masks left over"
     module.zero_grad()
     loss.backward()

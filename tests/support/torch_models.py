@@ -301,3 +301,48 @@ class TextClassifier(nn.Module):
 
 def text_classifier() -> TextClassifier:
     return TextClassifier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# residual blocks with stochastic depth as torchvision writes it (torchvision.ops.stochastic_depth, "row" mode)
+
+
+def stochastic_depth(input, p: float, mode: str, training: bool = True):
+    if not training or p == 0.0:
+        return input
+    survival_rate = 1.0 - p
+    size = [input.shape[0]] + [1] * (input.ndim - 1) if mode == "row" else [1] * input.ndim
+    noise = torch.empty(size, dtype=input.dtype, device=input.device)
+    noise = noise.bernoulli_(survival_rate)
+    if survival_rate > 0.0:
+        noise.div_(survival_rate)
+    return input * noise
+
+
+class StochasticDepth(nn.Module):
+    def __init__(self, p: float, mode: str):
+        super().__init__()
+        self.p, self.mode = p, mode
+
+    def forward(self, x):
+        return stochastic_depth(x, self.p, self.mode, self.training)
+
+
+class DropPathNet(nn.Module):
+    def __init__(self, width: int = 8, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False),
+                                                  nn.BatchNorm2d(width), nn.ReLU()) for _ in range(2))
+        self.drop = nn.ModuleList(StochasticDepth(p, "row") for p in (0.25, 0.5))
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block, drop in zip(self.blocks, self.drop):
+            x = x + drop(block(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def drop_path_net() -> DropPathNet:
+    return DropPathNet()
