@@ -85,7 +85,7 @@ def load_factory(target: str):
 
     if not isinstance(built, torch.nn.Module):
         raise ImportProblem(f"{path}:{name}() returned a {type(built).__name__}, not a torch.nn.Module")
-    return built, module.__file__
+    return built.float(), module.__file__          # deepdsl trains in float32 (whatever torch's default dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

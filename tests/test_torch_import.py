@@ -4,6 +4,7 @@ own float32 spread), with the same parameter count and the weights carried over 
 train with measured == planned memory; unsupported ops are all listed at once and nothing is written."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -54,8 +55,9 @@ def test_parameters_and_weights_carry_over_exactly(imported):
 
 def _torch_step(module, values: dict, x, y, masks, dtype) -> dict:
     """One training step of the module in `dtype` on the network's tensors `values` (deepdsl's names), with
-    deepdsl's dropout masks: loss, gradients, parameter changes of lr 1 and the new running statistics."""
-    module = module.to(dtype).train()
+    deepdsl's dropout masks: loss, gradients, parameter changes of lr 1 and the new running statistics (on a copy:
+    the imported module stays as it was)."""
+    module = copy.deepcopy(module).to(dtype).train()
     everything = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
     named = {pytorch_name(k): t for k, t in everything.items() if pytorch_name(k) in values}
     with torch.no_grad():
@@ -88,7 +90,6 @@ def _torch_step(module, values: dict, x, y, masks, dtype) -> dict:
             result[f"new {key}"] = (tensor - tensor.grad).detach().double().numpy() - values[key]
         elif not key.endswith("num_batches_tracked"):
             result[key] = tensor.detach().double().numpy()
-    module.double()
     return result
 
 
