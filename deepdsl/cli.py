@@ -524,7 +524,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                            "output)")
     out = Path(".deepdsl") / f"{_run_name(compiled, args.network)}.py"
     path = _write(compiled, args.network, out, CodegenOptions(params_file=str(out.with_name(f"{out.stem}.params.npz"))))
-    if args.device == "cpu":
+    if args.device == "cpu" and args.kernels != "numpy":
         built, why = build_library(path.with_suffix(".c"))
         if built is None:
             print(not_built(why), file=sys.stderr)

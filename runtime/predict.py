@@ -274,6 +274,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of --prompt's sampling")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the predict step runs")
     parser.add_argument("--threads", type=int, metavar="N", help="threads of the compiled kernels")
+    parser.add_argument("--kernels", choices=("auto", "compiled", "numpy"), default="auto",
+                        help="CPU kernels: the program's compiled library (built where missing), or numpy's")
 
 
 def _text(result: dict) -> str:
@@ -298,7 +300,7 @@ def predict(model_cls, args) -> int:
             raise RunError(f"--top must be >= 1, got {args.top}")
         if args.out:
             ckpt.check_target(args.out, "-o")
-        model = model_cls(args.device, 0, "static", False, "auto", args.threads)
+        model = model_cls(args.device, 0, "static", False, args.kernels, args.threads)
         if "predict_step" not in model.memory_plans:
             model.predict_step(None)                      # says why there is none
         augment = load_parameters(model, args.params)

@@ -19,6 +19,7 @@ import deepdsl  # noqa: E402
 from deepdsl import torch_import as ti  # noqa: E402
 from deepdsl.codegen import program_env  # noqa: E402
 from deepdsl_runtime.run import pytorch_name  # noqa: E402
+from tests.support.program_helpers import compile_program, run_cli  # noqa: E402
 from tests.test_networks import (EXACT_TOLERANCE, TOLERANCE, _classes, _interpreter_step,  # noqa: E402
                                  _step_errors, dropout_masks, random_value)
 
@@ -136,8 +137,9 @@ def test_the_command_writes_a_network_that_trains_in_its_planned_memory(tmp_path
     assert 'down1_0 = D.conv("down1_0", 3, 8, padding=1, bias=False)(x)' in text
     assert 'up2 = D.conv_transpose("up2", 2, 16, stride=2)(bottom_5)' in text
     report = tmp_path / "report.json"
-    done = deepdsl_cli("run", "net/unet.py", "--", "--iters", "3", "--init-from", "net/unet.weights.npz",
-                       "--report-json", str(report), "--test-iters", "1", "--params", "p.npz", cwd=tmp_path)
+    program = compile_program(tmp_path / "net" / "unet.py", tmp_path / "program")[1]       # what `run` writes
+    done = run_cli(program, "--iters", "3", "--init-from", "net/unet.weights.npz", "--report-json", str(report),
+                   "--test-iters", "1", "--params", "p.npz", "--kernels", "numpy", cwd=tmp_path, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "initialized 56 of 56 tensors from net/unet.weights.npz" in done.stdout
     figures = json.loads(report.read_text())

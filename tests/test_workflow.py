@@ -222,9 +222,10 @@ def test_tensorboard_hides_what_a_stopped_run_wrote_after_its_checkpoint(lenet, 
 
 
 def predict(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`deepdsl predict` with numpy's kernels (no library built for each test's directory)."""
     env = program_env()
-    return subprocess.run([sys.executable, "-m", "deepdsl", "predict", *args], capture_output=True, text=True,
-                          cwd=str(cwd), env=env, timeout=TIMEOUT)
+    return subprocess.run([sys.executable, "-m", "deepdsl", "predict", "--kernels", "numpy", *args],
+                          capture_output=True, text=True, cwd=str(cwd), env=env, timeout=TIMEOUT)
 
 
 def test_predict_agrees_with_the_test_step_and_its_memory_plan(lenet, tmp_path):
@@ -254,10 +255,10 @@ def test_predict_of_image_files_equals_predict_of_their_folder(tmp_path):
     folder = image_data.write_digits_folder(tmp_path / "digits", fmt="png", train=40, val=12)
     network = ROOT / "networks" / "lenet.py"
     params = tmp_path / "p.npz"
-    ok(subprocess.run([sys.executable, "-m", "deepdsl", "run", str(network), "--batch", "8", "--", "--iters", "3",
-                       "--data", f"folder:{folder}", "--params", str(params), "--workers", "0",
-                       "--augment", "normalize:0.5/0.25", "--test-iters", "0", "--quiet"],
-                      capture_output=True, text=True, cwd=str(tmp_path), env=program_env(), timeout=TIMEOUT))
+    program = compile_program("lenet", tmp_path / "program", batch=8)[1]
+    ok(run_cli(program, "--iters", "3", "--data", f"folder:{folder}", "--params", str(params), "--workers", "0",
+               "--augment", "normalize:0.5/0.25", "--test-iters", "0", "--quiet", "--kernels", "numpy",
+               timeout=TIMEOUT))
     assert ckpt.recorded_text(str(params), "__augment__") == "normalize:0.5/0.25"
     by_folder = json.loads(ok(predict(str(network), "--batch", "8", "--params", str(params), "--data",
                                       f"folder:{folder}", "--json", cwd=tmp_path)).stdout)
@@ -290,9 +291,9 @@ def test_a_language_model_continues_a_prompt_deterministically(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     params = tmp_path / "lm.npz"
-    ok(subprocess.run([sys.executable, "-m", "deepdsl", "run", str(network), "--batch", "4", "--", "--iters", "6",
-                       "--data", f"text:{text}", "--params", str(params), "--test-iters", "0", "--quiet"],
-                      capture_output=True, text=True, cwd=str(tmp_path), env=program_env(), timeout=TIMEOUT))
+    program = compile_program("char_lm", tmp_path / "program", batch=4)[1]
+    ok(run_cli(program, "--iters", "6", "--data", f"text:{text}", "--params", str(params), "--test-iters", "0",
+               "--quiet", "--kernels", "numpy", timeout=TIMEOUT))
 
     def continued(*extra: str) -> dict:
         return json.loads(ok(predict(str(network), "--batch", "4", "--params", str(params), "--prompt", "the qu",
