@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import load_average, print_row  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, processor  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = 8
@@ -55,23 +55,6 @@ SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 AUGMENT = "random-resized-crop,flip,normalize:imagenet"
 SLOTS = 3                                  # a program's default: --prefetch 2, and the slot of the batch in use
 SIDES = ("folder", "shards", "torch")
-
-
-def processor() -> tuple[str, str]:
-    """(the processor's name, its widest vector extension: AVX-512, AVX2 or neither) from /proc/cpuinfo."""
-    name, flags = "unknown processor", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and name == "unknown processor":
-                    name = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        return name, "unknown"
-    return name, "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from timing import processor  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 
 FACTORY = '''import sys
 sys.path.insert(0, {root!r})
@@ -32,15 +33,6 @@ from tests.support.torch_models import GPT2
 def gpt2_small():
     return GPT2(vocab=50257, context=1024, dim=768, depth=12, heads=12)
 '''
-
-
-def isa() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if flag in flags),
-                "unknown")
 
 
 def stage(what: str, command: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -64,7 +56,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "gpt2small.py").write_text(FACTORY.format(root=str(ROOT)))
     deepdsl = [sys.executable, "-m", "deepdsl"]
-    print(f"ISA {isa()}, {os.cpu_count()} cores, load average {os.getloadavg()}")
+    print(f"ISA {processor()[1]}, {os.cpu_count()} cores, load average {os.getloadavg()}")
     done = stage("import", deepdsl + ["import", "gpt2small.py:gpt2_small", "--input", f"{args.batch}x1024:int64",
                                       "-o", "gpt2.py", "--force"], work)
     print("  " + done.stdout.splitlines()[0])

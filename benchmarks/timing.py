@@ -59,3 +59,20 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except (AttributeError, OSError):
         return "unknown"
+
+
+def processor() -> tuple[str, str]:
+    """(the processor's name, its widest vector extension: AVX-512, AVX2 or neither) from /proc/cpuinfo."""
+    name, flags = "unknown processor", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and name == "unknown processor":
+                    name = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        return name, "unknown"
+    return name, "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"

@@ -25,18 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def isa() -> str:
-    """The widest x86 vector extension this processor has (AVX-512F, AVX2, ...), from /proc/cpuinfo."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2")):
-        if flag in flags:
-            return name
-    return "unknown"
+from timing import processor  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 
 
 def main(argv=None) -> int:
@@ -72,7 +61,8 @@ def main(argv=None) -> int:
     except ImportError:
         print("tensorboardX not installed: no TensorBoard side")
     env = {**program_env(), "OMP_NUM_THREADS": str(args.threads)}
-    print(f"load average before: {os.getloadavg()}; ISA {isa()}; {args.network} batch {args.batch}, {args.iters} "
+    name, isa = processor()
+    print(f"load average before: {os.getloadavg()}; {name}, {isa}; {args.network} batch {args.batch}, {args.iters} "
           f"iterations, {args.threads} threads, {args.rounds} rounds")
     times: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
