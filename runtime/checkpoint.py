@@ -281,6 +281,17 @@ def recorded_text(path: str, field: str) -> str | None:
         return None
 
 
+def recorded_names(path: str, field: str) -> list[str]:
+    """A list of names a checkpoint at `path` records (`__classes__`: the class names of images read from files),
+    [] where there is none or it cannot be read: only that field is read."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            value = archive[field]
+            return [str(v) for v in value.reshape(-1)] if value.dtype.kind == "U" else []
+    except Exception:       # absent, not an archive, no such field: nothing recorded
+        return []
+
+
 def _entries(path: str) -> dict[str, np.ndarray]:
     """The arrays of an .npz file by name; any damage is a `CheckpointError` naming the file (and the field)."""
     if os.path.isdir(path):

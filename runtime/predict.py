@@ -182,7 +182,10 @@ def classify(model, args, augment: str) -> dict:
     elif args.files:
         if model.tokens:
             raise RunError(f"{model.name} takes tokens: give --data npz:PATH (integer arrays) or --prompt")
-        x, y, names, classes = _read_files(args.files, model, augment), None, list(args.files), []
+        # by the class names of the images the checkpoint was trained on, where it records them
+        classes = [c for c in ckpt.recorded_names(args.params, "__classes__") if c]
+        classes = classes if len(classes) == model.classes else []
+        x, y, names = _read_files(args.files, model, augment), None, list(args.files)
     else:
         raise RunError("nothing to predict: give --data SPEC, image files, or --prompt for a language model")
     if not len(x):

@@ -1166,7 +1166,8 @@ class _Run:
             from deepdsl_runtime.image_transforms import decoder_versions
             state.extra.update({"__data_digest__": np.array(self.pipeline.data.digest),
                                 "__decoder__": np.array(decoder_versions()),
-                                "__augment__": np.array(getattr(self.args, "augment", "none"))})
+                                "__augment__": np.array(getattr(self.args, "augment", "none")),
+                                "__classes__": np.array(list(self.pipeline.data.train.classes) or [""])})
         if self.best is not None:
             state.extra.update({"__best_metric__": np.array(self.args.keep_best),
                                 "__best_value__": np.array(self.best[0], dtype=np.float64),
