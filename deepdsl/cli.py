@@ -507,6 +507,28 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_predict_arguments(parser) -> None:
+    """The options of `deepdsl predict` after the network's (`deepdsl_runtime.predict` reads them)."""
+    parser.add_argument("files", nargs="*", help="image files to classify")
+    parser.add_argument("--params", required=True, metavar="P.npz",
+                        help="trained parameters: a checkpoint (or the --keep-best one), or an .npz/.safetensors "
+                             "of arrays by the network's or PyTorch's names")
+    parser.add_argument("--data", metavar="SPEC",
+                        help="the validation split of a data spec (digits, folder:DIR, ...), or all of npz:PATH")
+    parser.add_argument("--top", type=int, metavar="K", help="the K most probable classes (default: 5)")
+    parser.add_argument("--json", action="store_true", help="write the result as JSON")
+    parser.add_argument("-o", "--out", metavar="PATH", help="write to this file (atomically) instead of printing")
+    parser.add_argument("--prompt", metavar="TEXT", help="a language model: the text to continue")
+    parser.add_argument("--tokens", type=int, default=100, metavar="N", help="bytes to add to --prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                        help="sampling temperature of --prompt (0: always the most probable byte)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --prompt's sampling")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the predict step runs")
+    parser.add_argument("--threads", type=int, metavar="N", help="threads of the compiled kernels")
+    parser.add_argument("--kernels", choices=("auto", "compiled", "numpy"), default="auto",
+                        help="CPU kernels: the program's compiled library (built where missing), or numpy's")
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Compile the network (as `run` does: its program in .deepdsl/, its CPU kernels built), then run its predict
     step over what the options name (`deepdsl_runtime.predict`); what is not the result goes to standard error."""
@@ -653,8 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "files, the validation split of --data SPEC or an npz; a language model's "
                                    "continuation of --prompt.")
     _add_network_options(p)
-    from deepdsl_runtime.predict import add_arguments as add_predict_arguments
-    add_predict_arguments(p)
+    _add_predict_arguments(p)
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("import", help="a PyTorch nn.Module as a network file and its weights (torch.export)",

@@ -259,28 +259,6 @@ def continue_prompt(model, args) -> dict:
             "temperature": args.temperature, "seed": args.seed, **_memory(model)}
 
 
-def add_arguments(parser) -> None:
-    """The options of `deepdsl predict` after the network's."""
-    parser.add_argument("files", nargs="*", help="image files to classify")
-    parser.add_argument("--params", required=True, metavar="P.npz",
-                        help="trained parameters: a checkpoint (or the --keep-best one), or an .npz/.safetensors "
-                             "of arrays by the network's or PyTorch's names")
-    parser.add_argument("--data", metavar="SPEC",
-                        help="the validation split of a data spec (digits, folder:DIR, ...), or all of npz:PATH")
-    parser.add_argument("--top", type=int, metavar="K", help="the K most probable classes (default: 5)")
-    parser.add_argument("--json", action="store_true", help="write the result as JSON")
-    parser.add_argument("-o", "--out", metavar="PATH", help="write to this file (atomically) instead of printing")
-    parser.add_argument("--prompt", metavar="TEXT", help="a language model: the text to continue")
-    parser.add_argument("--tokens", type=int, default=100, metavar="N", help="bytes to add to --prompt")
-    parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                        help="sampling temperature of --prompt (0: always the most probable byte)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --prompt's sampling")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the predict step runs")
-    parser.add_argument("--threads", type=int, metavar="N", help="threads of the compiled kernels")
-    parser.add_argument("--kernels", choices=("auto", "compiled", "numpy"), default="auto",
-                        help="CPU kernels: the program's compiled library (built where missing), or numpy's")
-
-
 def _text(result: dict) -> str:
     """The result as lines for a terminal."""
     if "prompt" in result:
@@ -324,4 +302,4 @@ def predict(model_cls, args) -> int:
     return 0
 
 
-__all__ = ["Predictor", "add_arguments", "classify", "continue_prompt", "load_parameters", "predict"]
+__all__ = ["Predictor", "classify", "continue_prompt", "load_parameters", "predict"]

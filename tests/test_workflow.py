@@ -17,7 +17,8 @@ import pytest
 
 from deepdsl.codegen import program_env
 from deepdsl_runtime import checkpoint as ckpt
-from tests.support.program_helpers import ROOT, compile_program, run_cli
+from tests.support.program_helpers import ROOT, compile_program
+from tests.support.program_helpers import run_cli as _run_cli
 
 TIMEOUT = 300
 DIGITS_TRAIN, DIGITS_TEST, BATCH = 1497, 300, 50
@@ -28,6 +29,11 @@ EXACT = ("iteration", "epoch", "loss", "lr", "peak_bytes", "val_loss", "val_accu
 @pytest.fixture(scope="module")
 def lenet(tmp_path_factory):
     return compile_program("lenet", tmp_path_factory.mktemp("lenet"), batch=BATCH)[1]
+
+
+def run_cli(program: Path, *args: str, **options) -> subprocess.CompletedProcess:
+    """The program with numpy's kernels (no library built for the tests' programs; predict runs them too)."""
+    return _run_cli(program, *args, "--kernels", "numpy", **options)
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -90,7 +96,7 @@ def test_a_killed_run_resumed_continues_its_log_and_best_checkpoint_exactly(lene
                *options, timeout=TIMEOUT))
     params, log = tmp_path / "k.npz", tmp_path / "k.jsonl"
     process = subprocess.Popen([sys.executable, str(lenet), "--iters", "1000000", "--params", str(params),
-                                "--log", str(log), *options, "--quiet"], env=program_env(),
+                                "--log", str(log), *options, "--quiet", "--kernels", "numpy"], env=program_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -257,8 +263,7 @@ def test_predict_of_image_files_equals_predict_of_their_folder(tmp_path):
     params = tmp_path / "p.npz"
     program = compile_program("lenet", tmp_path / "program", batch=8)[1]
     ok(run_cli(program, "--iters", "3", "--data", f"folder:{folder}", "--params", str(params), "--workers", "0",
-               "--augment", "normalize:0.5/0.25", "--test-iters", "0", "--quiet", "--kernels", "numpy",
-               timeout=TIMEOUT))
+               "--augment", "normalize:0.5/0.25", "--test-iters", "0", "--quiet", timeout=TIMEOUT))
     assert ckpt.recorded_text(str(params), "__augment__") == "normalize:0.5/0.25"
     by_folder = json.loads(ok(predict(str(network), "--batch", "8", "--params", str(params), "--data",
                                       f"folder:{folder}", "--json", cwd=tmp_path)).stdout)
@@ -293,7 +298,7 @@ def test_a_language_model_continues_a_prompt_deterministically(tmp_path):
     params = tmp_path / "lm.npz"
     program = compile_program("char_lm", tmp_path / "program", batch=4)[1]
     ok(run_cli(program, "--iters", "6", "--data", f"text:{text}", "--params", str(params), "--test-iters", "0",
-               "--quiet", "--kernels", "numpy", timeout=TIMEOUT))
+               "--quiet", timeout=TIMEOUT))
 
     def continued(*extra: str) -> dict:
         return json.loads(ok(predict(str(network), "--batch", "4", "--params", str(params), "--prompt", "the qu",
