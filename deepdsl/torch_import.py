@@ -525,8 +525,8 @@ def _silu(walk: Walk, node) -> None:
 
 @handles("aten.dropout.default")
 def _dropout(walk: Walk, node) -> None:
-    x, p = node.args[:2]
-    _simple("dropout", f"D.dropout({float(p)!r})({{}})")(walk, node)
+    ratio = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    _simple("dropout", f"D.dropout({float(ratio)!r})({{}})")(walk, node)
 
 
 @handles("aten.max_pool2d.default")
@@ -682,7 +682,6 @@ for _op, _symbol, _name in (("aten.add.Tensor", "+", "add"), ("aten.add_.Tensor"
                             ("aten.mul.Tensor", "*", "mul"), ("aten.sub.Tensor", "-", "sub"),
                             ("aten.div.Tensor", "/", "div"), ("aten.matmul.default", "@", "matmul")):
     HANDLERS[_op] = _binary(_symbol, _name)
-_times = HANDLERS["aten.mul.Tensor"]
 
 
 # stochastic depth as torchvision writes it: noise = empty(N, 1, ..., 1).bernoulli_(keep).div_(keep); x * noise
@@ -728,7 +727,7 @@ def _multiply(walk: Walk, node) -> None:
     a, b = node.args[:2]
     found = walk.noise.get(getattr(b, "name", None)) or walk.noise.get(getattr(a, "name", None))
     if found is None:
-        _times(walk, node)
+        _binary("*", "mul")(walk, node)
         return
     x = a if walk.noise.get(getattr(b, "name", None)) else b
     shape, keep = found["shape"], found["keep"]
@@ -745,7 +744,6 @@ def _multiply(walk: Walk, node) -> None:
 
 
 HANDLERS["aten.mul.Tensor"] = _multiply
-_add = HANDLERS["aten.add_.Tensor"]
 
 
 def _add_in_place(walk: Walk, node) -> None:
@@ -754,7 +752,7 @@ def _add_in_place(walk: Walk, node) -> None:
     target = node.args[0]
     if target.op == "placeholder" and walk.param_of.get(target.name, "").endswith("num_batches_tracked"):
         return
-    _add(walk, node)
+    _binary("+", "add")(walk, node)
 
 
 HANDLERS["aten.add_.Tensor"] = _add_in_place
@@ -869,8 +867,8 @@ class Imported:
     module: object = None                 # the nn.Module exported
 
 
-def import_module(target: str, inputs: list[InputSpec], labels: int | None = None, name: str | None = None,
-                  batch_first: bool = True) -> Imported:
+def import_module(target: str, inputs: list[InputSpec], labels: int | None = None,
+                  name: str | None = None) -> Imported:
     """The network file and weights of FACTORY's module (see the module's docstring); `ImportProblem` naming every
     unsupported op at once."""
     try:
