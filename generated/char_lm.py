@@ -3258,7 +3258,8 @@ def main(argv=None):
     parser.add_argument("--decay", type=float, default=0.01,
                         help="decoupled weight decay (AdamW's): each step first shrinks the parameters by lr x decay")
     parser.add_argument("--data", metavar="SPEC", default=argparse.SUPPRESS,
-                        help="text:PATH (the file's bytes as tokens; its last tenth is the test set) or synthetic "
+                        help="text:PATH (the file's bytes as tokens; its last tenth is the test set), npz:PATH (x: N x T "
+                             "integer tokens, y: their labels) or synthetic "
                              "(random tokens) (default: synthetic; "
                              "when resuming, the data the checkpoint was trained on)")
     parser.add_argument("--augment", metavar="SPEC", default="none",
