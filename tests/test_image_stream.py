@@ -287,3 +287,17 @@ def test_options_of_the_pipeline_are_checked_at_start(lenet, few_digits, tmp_pat
                        str(tmp_path / "p.npz"), timeout=TIMEOUT)
         assert done.returncode == 1 and text in _one_line(done.stderr), done.stderr
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_validation_during_training_changes_no_training_bit(lenet, few_digits, tmp_path):
+    """The training stream gives its slots to the validation's test batches and goes on where it was: a run
+    validating every 4 iterations trains bit for bit as one that does not, and validates on all 30 test images."""
+    train(lenet, tmp_path / "plain.npz", few_digits["folder"], "--workers", "2")
+    log = tmp_path / "run.jsonl"
+    train(lenet, tmp_path / "validated.npz", few_digits["folder"], "--workers", "2", "--eval-every", "4",
+          "--log", str(log), "--top-k", "3")
+    assert_bitwise(tmp_path / "validated.npz", tmp_path / "plain.npz")
+    validated = [json.loads(line) for line in log.read_text().splitlines() if "val_loss" in line]
+    assert [e["iteration"] for e in validated] == [4, 8, 12]
+    assert all(e["val_examples"] == 30 and 0 <= e["val_accuracy"] <= e["val_top3"] <= 1 for e in validated)
+    assert all(e["data_wait"] is not None for e in validated)
