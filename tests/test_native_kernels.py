@@ -509,6 +509,32 @@ def test_rows_by_index_equal_numpy_bit_for_bit(lib, threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
+    """label_rank (ties, labels outside the row) and equal on tokens of the library against numpy's kernels."""
+    from deepdsl_runtime.cpu import loss, masks
+
+    rng = np.random.default_rng(13)
+    before = lib.threads
+    lib.set_threads(threads)
+    try:
+        x = np.round(rng.standard_normal((700, 37)) * 2).astype(np.float32)
+        labels = rng.integers(0, 37, 700).astype(np.int32)
+        labels[3], labels[9] = -1, 37
+        want, got = np.empty(700, np.float32), np.empty(700, np.float32)
+        loss.label_rank(x, labels, out=want)
+        assert lib.label_rank(x, labels, got)
+        np.testing.assert_array_equal(got, want)
+        tokens = rng.integers(0, 5, (40, 300)).astype(np.int32)
+        want, got = np.empty(tokens.shape, np.uint8), np.empty(tokens.shape, np.uint8)
+        masks.equal(tokens, out=want, value=0.0)
+        assert lib.equal_tokens(tokens, 0.0, got) and not lib.equal_tokens(tokens, 0.5, got)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        lib.set_threads(before)
+
+
+@needs_cc
 def test_broadcast_and_small_operands_run_numpy(lib):
     def kernel(out, v0, v1):
         np.add(v0, v1, out=out)

@@ -132,7 +132,7 @@ class Precision(Op):
 class LabelRank(Op):
     """Each row's rank of its label: how many scores come before the label's when the row is sorted by decreasing
     score, ties in column order (so rank 0 exactly where `precision` counts the row, rank < k where the label is
-    among the row's k best). As floats: exact up to 2^24 classes."""
+    among the row's k best; NaN for a label outside the row). As floats: exact up to 2^24 classes."""
 
     name = "label_rank"
 
@@ -145,9 +145,12 @@ class LabelRank(Op):
         return None, None
 
     def evaluate(self, ctx, x, labels):
-        own = x[np.arange(x.shape[0]), labels][:, None]
+        outside = (labels < 0) | (labels >= x.shape[1])          # a label outside the row: NaN
+        own = x[np.arange(x.shape[0]), np.where(outside, 0, labels)][:, None]
         before = np.arange(x.shape[1])[None, :] < labels[:, None]
-        return ((x > own) | ((x == own) & before)).sum(axis=1).astype(ctx.float_dtype)
+        ranks = ((x > own) | ((x == own) & before)).sum(axis=1).astype(ctx.float_dtype)
+        ranks[outside] = np.nan
+        return ranks
 
 
 def mean_over_batch(per_example: Node) -> Node:

@@ -60,7 +60,8 @@ __all__ = [
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows")
+             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
+             "label_rank", "equal")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

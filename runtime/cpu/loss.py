@@ -49,14 +49,18 @@ def precision(x, labels, *, out):
 RANK_CHUNK = 1 << 16      # scores compared at once by label_rank (its temporaries stay small for any vocabulary)
 
 
-def label_rank(x, labels, *, out):
+def label_rank(x, labels, *, out, native=None):
     """out[i] = how many scores of row i come before its label's when sorted by decreasing score, ties in column
     order (0 exactly where `precision` counts the row)."""
+    if native is not None and native.label_rank(x, labels, out):
+        return
     rows, classes = x.shape
     step = max(1, RANK_CHUNK // max(classes, 1))
     columns = np.arange(classes)
     for a in range(0, rows, step):
         xs, ls = x[a:a + step], labels[a:a + step].astype(np.intp, copy=False)
-        own = np.take_along_axis(xs, ls[:, None], axis=1)
+        outside = (ls < 0) | (ls >= classes)                      # a label outside the row: NaN
+        own = np.take_along_axis(xs, np.where(outside, 0, ls)[:, None], axis=1)
         ahead = (xs > own) | ((xs == own) & (columns[None, :] < ls[:, None]))
         out[a:a + step] = ahead.sum(axis=1)
+        out[a:a + step][outside] = np.nan

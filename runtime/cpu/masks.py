@@ -25,6 +25,8 @@ def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
         np.less(draws, keep, out=rows[a:b])
 
 
-def equal(x, *, out, value):
+def equal(x, *, out, value, native=None):
     """out = 1 where x equals `value`, else 0 (a uint8 mask)."""
+    if native is not None and native.equal_tokens(x, value, out):
+        return
     np.equal(x, value, out=out.view(np.bool_))

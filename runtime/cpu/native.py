@@ -211,6 +211,8 @@ class Native:
         lib.deepdsl_direct_conv.argtypes = [_P, _P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_take_rows.argtypes = [_P, _P, _L, _L, _L, _P]
+        lib.deepdsl_label_rank.argtypes = [_P, _P, _L, _L, _P]
+        lib.deepdsl_equal_tokens.argtypes = [_P, _L, _I, _P]
         lib.deepdsl_add_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
         lib.deepdsl_threads.restype = _I
@@ -384,6 +386,22 @@ class Native:
             return False
         self.lib.deepdsl_add_rows(g.ctypes.data, ids.ctypes.data, g.shape[0], g.shape[1], out.shape[0],
                                       out.ctypes.data)
+        return True
+
+    def label_rank(self, x: np.ndarray, labels: np.ndarray, out: np.ndarray) -> bool:
+        """Each row's rank of its label (`deepdsl_label_rank`); False as `gather_rows`."""
+        if not _plain(x, out, labels):
+            return False
+        self.lib.deepdsl_label_rank(x.ctypes.data, labels.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data)
+        return True
+
+    def equal_tokens(self, x: np.ndarray, value: float, out: np.ndarray) -> bool:
+        """out = 1 where the int32 tokens x equal `value` (`deepdsl_equal_tokens`); False for other inputs (a float
+        tensor, a value that is no integer)."""
+        if x.dtype != np.int32 or not x.flags.c_contiguous or not out.flags.c_contiguous or \
+                float(value) != int(value) or not -2 ** 31 <= value < 2 ** 31:
+            return False
+        self.lib.deepdsl_equal_tokens(x.ctypes.data, x.size, int(value), out.ctypes.data)
         return True
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:

@@ -686,6 +686,30 @@ void deepdsl_add_rows(const float* g, const int* ids, long m, long d, long rows,
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// a classifier's ranks of its labels and masks of tokens
+
+// out[i] = how many scores of row i come before its label's sorted by decreasing score, ties in column order (NaN
+// for a label outside the row); a thread ranks whole rows.
+void deepdsl_label_rank(const float* x, const int* labels, long rows, long classes, float* out) {
+#pragma omp parallel for schedule(static) if (rows * classes >= DEEPDSL_PARALLEL_MIN)
+    for (long i = 0; i < rows; ++i) {
+        const long label = labels[i];
+        if (label < 0 || label >= classes) { out[i] = __builtin_nanf(""); continue; }
+        const float* row = x + i * classes;
+        const float own = row[label];
+        long ahead = 0;
+        for (long j = 0; j < classes; ++j) ahead += (row[j] > own) | ((row[j] == own) & (j < label));
+        out[i] = (float)ahead;
+    }
+}
+
+// out[i] = 1 where the token x[i] equals value, else 0
+void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
+#pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
+    for (long i = 0; i < n; ++i) out[i] = x[i] == value;
+}
+
 // thin convolutions straight from the input
 #include "cpu_conv.c"
 
