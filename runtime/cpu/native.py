@@ -374,25 +374,23 @@ class Native:
     def gather_rows(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
         """out[i] = table[ids[i]] (`deepdsl_take_rows`); False where the arrays are not contiguous float32 and
         int32 (numpy's kernel then)."""
-        if not _plain(table, out, ids):
-            return False
-        self.lib.deepdsl_take_rows(table.ctypes.data, ids.ctypes.data, out.shape[0], out.shape[1], table.shape[0],
-                                     out.ctypes.data)
-        return True
+        return self._by_rows(self.lib.deepdsl_take_rows, table, ids, out, out.shape[0], out.shape[1], table.shape[0])
 
     def scatter_rows(self, g: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
         """out = 0; out[ids[i]] += g[i] in order (`deepdsl_add_rows`); False as `gather_rows`."""
-        if not _plain(g, out, ids):
-            return False
-        self.lib.deepdsl_add_rows(g.ctypes.data, ids.ctypes.data, g.shape[0], g.shape[1], out.shape[0],
-                                      out.ctypes.data)
-        return True
+        return self._by_rows(self.lib.deepdsl_add_rows, g, ids, out, g.shape[0], g.shape[1], out.shape[0])
 
     def label_rank(self, x: np.ndarray, labels: np.ndarray, out: np.ndarray) -> bool:
         """Each row's rank of its label (`deepdsl_label_rank`); False as `gather_rows`."""
-        if not _plain(x, out, labels):
+        return self._by_rows(self.lib.deepdsl_label_rank, x, labels, out, x.shape[0], x.shape[1])
+
+    @staticmethod
+    def _by_rows(function, floats: np.ndarray, ids: np.ndarray, out: np.ndarray, *sizes: int) -> bool:
+        """`function(floats, ids, *sizes, out)`, a kernel of rows picked by int32 numbers; False (numpy's kernel)
+        where the arrays are not contiguous float32 and int32."""
+        if not _plain(floats, out, ids):
             return False
-        self.lib.deepdsl_label_rank(x.ctypes.data, labels.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data)
+        function(floats.ctypes.data, ids.ctypes.data, *sizes, out.ctypes.data)
         return True
 
     def equal_tokens(self, x: np.ndarray, value: float, out: np.ndarray) -> bool:
