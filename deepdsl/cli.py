@@ -312,6 +312,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_program(path, args.program_args)
 
 
+def _run_program_text(text: str, path: Path, name: str) -> dict:
+    """The names a generated program's text defines, run as module `name` from `path` (where it finds its kernels'
+    library), without importing it by its path."""
+    program: dict = {"__name__": name, "__file__": str(path)}
+    exec(compile(text, str(path), "exec"), program)
+    return program
+
+
 def _program_help(args: argparse.Namespace) -> int:
     """`deepdsl run NET.py -- --help`: the program's own help, from its text in memory (compiled as `run` compiles
     it, from the compile caches where they hold it); nothing is written, built or run."""
@@ -320,8 +328,7 @@ def _program_help(args: argparse.Namespace) -> int:
     compiled = _compile(args)
     out = Path(args.output) if args.output else Path(".deepdsl") / f"{_run_name(compiled, args.network)}.py"
     text = generate(compiled, CodegenOptions(params_file=str(out.with_name(f"{out.stem}.params.npz"))))
-    program: dict = {"__name__": "deepdsl_help", "__file__": str(out)}
-    exec(compile(text, str(out), "exec"), program)
+    program = _run_program_text(text, out, "deepdsl_help")
     try:
         return program["main"](["--help"])
     except SystemExit as done:
@@ -550,8 +557,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         built, why = build_library(path.with_suffix(".c"))
         if built is None:
             print(not_built(why), file=sys.stderr)
-    program: dict = {"__name__": "deepdsl_predict", "__file__": str(path)}     # run as `run --help` runs it
-    exec(compile(path.read_text(), str(path), "exec"), program)
+    program = _run_program_text(path.read_text(), path, "deepdsl_predict")
     return predict(model_class(SimpleNamespace(**program)), args)
 
 

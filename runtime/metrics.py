@@ -68,15 +68,13 @@ class MetricLog:
         up to `start` and drops the others; a new run (`start` 0) finds no log there, or one it may replace
         (`fresh`: --fresh was given)."""
         self.path = path
-        kept, dropped, found = self._read(path)
-        if start == 0 and found and not fresh:
-            raise MetricsError(f"--log {path}: holds the log of another run (its last entry: iteration {found}), "
-                               "and this run starts at iteration 0; remove it, choose another file, or add --fresh "
-                               "to replace it")
-        if start == 0:
-            kept = []
-        kept = [line for line, iteration in kept if iteration <= start]
-        if dropped or start == 0 or len(kept) != self._count:
+        entries, dropped = self._read(path)
+        if start == 0 and entries and not fresh:
+            raise MetricsError(f"--log {path}: holds the log of another run (its last entry: iteration "
+                               f"{entries[-1][1]}), and this run starts at iteration 0; remove it, choose another "
+                               "file, or add --fresh to replace it")
+        kept = [] if start == 0 else [line for line, iteration in entries if iteration <= start]
+        if dropped or start == 0 or len(kept) != len(entries):
             text = "".join(kept).encode()
             try:
                 ckpt.atomic_write(path, lambda f: f.write(text))
@@ -87,16 +85,15 @@ class MetricLog:
         except OSError as err:
             raise MetricsError(f"cannot write --log {path}: {err.strerror or err}") from None
 
-    def _read(self, path: str) -> tuple[list[tuple[str, int]], bool, int]:
-        """The entries of an existing log as (line, iteration), whether a last line cut short was dropped, and the
-        last entry's iteration (0: no entry). A line that is no entry of a log (other than a last one cut short) is
-        an error naming the line."""
-        self._count = 0
+    @staticmethod
+    def _read(path: str) -> tuple[list[tuple[str, int]], bool]:
+        """The entries of an existing log as (line, iteration) and whether a last line cut short was dropped. A line
+        that is no entry of a log (other than a last one cut short) is an error naming the line."""
         try:
             with open(path, encoding="utf-8") as f:
                 lines = f.readlines()
         except FileNotFoundError:
-            return [], False, 0
+            return [], False
         except (OSError, UnicodeDecodeError) as err:
             raise MetricsError(f"--log {path}: cannot be read as a log ({getattr(err, 'strerror', None) or err}); "
                                "choose another file") from None
@@ -114,8 +111,7 @@ class MetricLog:
                 raise MetricsError(f"--log {path}: line {number} is no entry of a metric log (a JSON object with "
                                    "an integer 'iteration'); choose another file") from None
             entries.append((line, iteration))
-        self._count = len(entries)
-        return entries, dropped, entries[-1][1] if entries else 0
+        return entries, dropped
 
     def write(self, entry: dict) -> None:
         try:
