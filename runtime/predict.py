@@ -78,7 +78,7 @@ class Predictor:
             buffer[len(part):] = part[:1]
             out = self.model.predict_step(buffer)
             rows = out.reshape(self.batch, -1, *out.shape[1:]) if out.shape[0] != self.batch else out
-            results.append(np.array(rows[:len(part)]))
+            results.append(rows[:len(part)])          # predict_step's own copy: no second one
         return np.concatenate(results) if results else np.empty((0,))
 
 

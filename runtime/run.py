@@ -902,7 +902,7 @@ class _Run:
             raise RunError(str(err)) from None
 
     def close_logs(self) -> None:
-        for sink in getattr(self, "sinks", ()):
+        for sink in self.sinks:
             sink.close()
         self.sinks = []
 
