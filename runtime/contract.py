@@ -293,6 +293,26 @@ def bernoulli_scratch(shape) -> int:
     return _per_sample(shape)
 
 
+ATTENTION_ROWS = 64     # queries numpy's attention kernels take at a time (the compiled and CUDA ones need no scratch)
+
+
+def attention_rows(t: int) -> int:
+    """How many queries of a unit (one batch index and head) numpy's attention kernels weigh at a time."""
+    return min(t, ATTENTION_ROWS)
+
+
+def attention_scratch(t: int, s: int) -> int:
+    """attention, per unit of (T, d) queries against (S, d) keys: the weights of a block of queries."""
+    return attention_rows(t) * s
+
+
+def attention_grad_scratch(t: int, s: int, d: int, e: int) -> int:
+    """attention_grad, per unit: a block's weights and their gradient, and one block's share of the keys' and the
+    values' gradients (added up over the blocks); a unit's row statistics (log-sum-exp and dO . O) beside them."""
+    r = attention_rows(t)
+    return 2 * r * s + (s * max(d, e) if r < t else 0) + 2 * t
+
+
 EW_SUM_CHUNK_BYTES = 1 << 23      # an ew_sum's chunk of samples: cache-sized, so its two passes stay in the cache
 
 

@@ -535,6 +535,42 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None)
+    ((2, 3), 5, 7, 4, 6, False, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)), ((3,), 70, 90, 5, 2, False, (3, 1, 90)),
+    ((2,), 130, 130, 64, 64, True, None), ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((1, 2), 3, 2, 16, 16, True, None)])
+def test_attention_equals_numpy_at_any_thread_count(lib, case):
+    """The library's attention and its gradient (tiles of 16 queries by 64 keys, an online softmax) against numpy's
+    kernels within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled; features wider
+    than the tiles take numpy's kernels."""
+    from deepdsl_runtime import cpu
+
+    lead, t, s, d, e, causal, bias_shape = case
+    rng = np.random.default_rng(t * s)
+    q, k = rng.standard_normal((*lead, t, d)).astype(np.float32), rng.standard_normal((*lead, s, d)).astype(np.float32)
+    v, g = rng.standard_normal((*lead, s, e)).astype(np.float32), rng.standard_normal((*lead, t, e)).astype(np.float32)
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape).astype(np.float32)
+    want_o, want_g = np.empty((*lead, t, e), np.float32), np.empty(q.size + k.size + v.size, np.float32)
+    cpu.attention(q, k, v, bias, out=want_o, scale=0.25, causal=causal)
+    cpu.attention_grad(q, k, v, want_o, g, bias, out=want_g, scale=0.25, causal=causal)
+    before, results = lib.threads, []
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            o, grads = np.full_like(want_o, np.nan), np.full_like(want_g, np.nan)
+            assert lib.attention(q, k, v, bias, o, 0.25, causal)
+            assert lib.attention_grad(q, k, v, want_o, g, bias, grads, 0.25, causal)
+            results.append((o, grads))
+    finally:
+        lib.set_threads(before)
+    for o, grads in results[1:]:
+        assert o.tobytes() == results[0][0].tobytes() and grads.tobytes() == results[0][1].tobytes()
+    np.testing.assert_allclose(results[0][0], want_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[0][1], want_g, rtol=1e-5, atol=1e-5 * np.abs(want_g).max())
+    wide = np.zeros((1, 2, native.ATTENTION_MAX_WIDTH + 1), np.float32)
+    assert not lib.attention(wide, wide, wide, None, np.empty_like(wide), 1.0, False)
+
+
+@needs_cc
 def test_broadcast_and_small_operands_run_numpy(lib):
     def kernel(out, v0, v1):
         np.add(v0, v1, out=out)

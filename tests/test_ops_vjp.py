@@ -459,6 +459,21 @@ case("dsl_attention_causal_scaled",
      lambda q, k, v: D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v), causal=True, scale=0.3).node,
      lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
      {"q": randn(2, 4, 4), "k": randn(2, 4, 4), "v": randn(2, 4, 2)})
+# the op itself with a bias that has a gradient (broadcast over the batch, and over the queries); a key padding
+# mask from tokens (a bias without one)
+case("attention_bias", lambda q, k, v, b: make("attention", (q, k, v, b), scale=0.4),
+     lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=0.4),
+     {"q": randn(2, 3, 5, 4), "k": randn(2, 3, 6, 4), "v": randn(2, 3, 6, 3), "b": randn(1, 3, 5, 6)})
+case("attention_causal_key_bias", lambda q, k, v, b: make("attention", (q, k, v, b), scale=0.5, causal=True),
+     lambda q, k, v, b: F.scaled_dot_product_attention(
+         q, k, v, attn_mask=b + torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -np.inf),
+         scale=0.5),
+     {"q": randn(3, 5, 4), "k": randn(3, 5, 4), "v": randn(3, 5, 2), "b": randn(3, 1, 5)})
+case("dsl_attention_padding_mask",
+     lambda q, k, v, t: D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v),
+                                    mask=(1 - D.Tensor(t).eq(0)).reshape(2, 1, 1, 4)).node,
+     lambda q, k, v, t: F.scaled_dot_product_attention(q, k, v, attn_mask=(t != 0).reshape(2, 1, 1, 4)),
+     {"q": randn(2, 3, 5, 4), "k": randn(2, 3, 4, 4), "v": randn(2, 3, 4, 2)}, labels=_TOKENS)
 
 
 # mode-dependent layers, through `specialize`
@@ -635,6 +650,7 @@ NOT_DIFFERENTIATED = {
     # backward ops: they only appear in gradient graphs (no second derivatives)
     "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
     "avg_pool_bwd": "backward op", "lrn_bwd": "backward op", "max_pool_argmax": "backward op (integer output)",
+    "attention_grad": "backward op",
     # non-differentiable outputs
     "precision": "piecewise constant", "label_rank": "piecewise constant (a count)",
     "bernoulli": "random integer mask",

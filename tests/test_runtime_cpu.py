@@ -262,6 +262,30 @@ def test_losses():
     check(make("label_rank", (x, labels)), [scores, yv], exact=True)
 
 
+ATTENTION = [  # (units, T, S, d, e, causal, bias shape or None)
+    ((2, 3), 5, 7, 4, 6, False, None),
+    ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)),
+    ((3,), 70, 40, 5, 2, False, (3, 1, 40)),            # two blocks of queries (64 at a time)
+    ((2,), 130, 130, 8, 8, True, None),                 # three blocks, causal
+]
+
+
+@covers("attention", "attention_grad")
+@pytest.mark.parametrize("case", ATTENTION)
+@pytest.mark.parametrize("limit", [UNLIMITED, 1])
+def test_attention_and_its_gradient(case, limit):
+    """numpy's attention kernels against the reference, with the whole workspace and with one unit's (a limit of
+    one byte: unit by unit), blocks of queries, causal masks and broadcast biases."""
+    lead, t, s, d, e, causal, bias_shape = case
+    q, k, v = leaf("q", (*lead, t, d)), leaf("k", (*lead, s, d)), leaf("v", (*lead, s, e))
+    bias = () if bias_shape is None else (leaf("b", bias_shape),)
+    attrs = {"scale": 0.3, **({"causal": True} if causal else {})}
+    forward = make("attention", (q, k, v, *bias), **attrs)
+    check(forward, seed=1, limit=limit)
+    g = leaf("g", forward.shape)
+    check(make("attention_grad", (q, k, v, forward, g, *bias), **attrs), seed=2, limit=limit)
+
+
 @covers("equal")
 def test_equality_masks():
     tokens = np.array([[3, 0, 1, 0], [2, 2, 0, 5]], np.int32)

@@ -16,6 +16,7 @@ from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.conv import grouping
 from deepdsl.ops.shape import concat as _concat
 from deepdsl.ops.shape import slice_axis
+from deepdsl.ops.attention import attention as attention_node
 from deepdsl.frontend.core import (Layer, Param, Tensor, _ParamLayer, _flag, _fraction, _integer, _made, _name,
                                    _next_dropout_key, _node, _nonnegative_int, _nonnegative_number, _number,
                                    _positive_int, _positive_number, _reject, _spec, _state, _stored_name, constant,
@@ -682,17 +683,17 @@ def _causal_softmax(x: Node) -> Node:
 causal_softmax = _Op("causal_softmax", "causal softmax", _causal_softmax)
 
 
-def _scores_shaped(t, scores: Tensor, what: str) -> Tensor:
+def _scores_shaped(t, scores_shape: tuple[int, ...], what: str) -> Tensor:
     """A mask or bias of attention that broadcasts to the scores' shape (a one-line error otherwise)."""
     if not isinstance(t, Tensor):
         _reject("D.attention", f"{what} must be a tensor")
     try:
-        ok = broadcast_shapes(scores.shape, t.shape) == scores.shape
+        ok = broadcast_shapes(scores_shape, t.shape) == scores_shape
     except ValueError:
         ok = False
     if not ok:
         raise ShapeError(f"D.attention: a {what} of {dims(t.shape)} does not broadcast to the scores' "
-                         f"{dims(scores.shape)} (queries by keys)", user_location())
+                         f"{dims(scores_shape)} (queries by keys)", user_location())
     return t
 
 
@@ -703,7 +704,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     weighs only keys 0..i; `mask` (0/1, broadcast to (..., T, S)): the keys each query weighs are those of 1 (a
     boolean attn_mask; a key padding mask is `1 - tokens.eq(pad)` reshaped to (N, 1, 1, S)); `bias` (broadcast
     likewise): added to the scores (a float attn_mask: -inf leaves a key out); `dropout`: of the weights, while
-    training."""
+    training.
+
+    One statement (the op `attention`, `deepdsl.ops.attention`): the (T, S) weights live only inside it, never
+    between the forward and the backward. With `dropout` the weights must be drawn and kept: it is then written
+    with ordinary ops (the scores, their softmax, the dropout and the product)."""
     what = "D.attention"
     if not all(isinstance(t, Tensor) for t in (q, k, v)):
         _reject(what, "q, k and v must be tensors")
@@ -716,13 +721,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
                          f"{k.shape[-2]}", user_location())
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _number(what, "scale", scale, "a finite number",
                                                                         math.isfinite)
-    scores = (q @ k.transpose(-2, -1)) * float(scale)
-    if bias is not None:
-        scores = scores + _scores_shaped(bias, scores, "bias")
-    if mask is not None:
-        scores = where(_scores_shaped(mask, scores, "mask"), scores, -math.inf)
-    weights = causal_softmax(scores) if causal else softmax(scores)
+    scores_shape = (*q.shape[:-1], k.shape[-2])
     if dropout:
-        weights = _dropout_layer(dropout)(weights)
-    return weights @ v
+        scores = (q @ k.transpose(-2, -1)) * float(scale)
+        if bias is not None:
+            scores = scores + _scores_shaped(bias, scores_shape, "bias")
+        if mask is not None:
+            scores = where(_scores_shaped(mask, scores_shape, "mask"), scores, -math.inf)
+        weights = causal_softmax(scores) if causal else softmax(scores)
+        return _dropout_layer(dropout)(weights) @ v
+    added = None
+    if bias is not None:
+        added = _scores_shaped(bias, scores_shape, "bias")
+    if mask is not None:        # a key left out: the most negative float added to its score
+        left_out = where(_scores_shaped(mask, scores_shape, "mask"), 0.0, -math.inf)
+        added = left_out if added is None else added + left_out
+    if added is not None and len(added.shape) < len(scores_shape):
+        added = added.reshape(*(1,) * (len(scores_shape) - len(added.shape)), *added.shape)
+    return Tensor(attention_node(q.node, k.node, v.node, None if added is None else added.node, causal=causal,
+                                 scale=float(scale)))
+
+
 log_softmax = _Op("log_softmax", "log-softmax", lambda x: make("log_softmax", (x,)))

@@ -140,4 +140,4 @@ def dims(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) if shape else "scalar"
 
 
-from deepdsl.ops import leaf, elementwise, shape, linalg, conv, pool, norm, loss  # noqa: E402,F401  (registration)
+from deepdsl.ops import leaf, elementwise, shape, linalg, conv, pool, norm, loss, attention  # noqa: E402,F401  (registration)

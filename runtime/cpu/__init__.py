@@ -28,7 +28,7 @@ product; pooling windows one offset at a time) find it in the cache. Every float
 as Python floats or float32 (numpy keeps the array's precision), and no kernel upcasts.
 
 Modules, by op family: `transfer` (host <-> device), `scratch` (chunking and workspaces), `conv`, `pool`
-(pooling), `norm`, `loss`, `shape`, `linalg`, `elementwise`, `masks` (dropout); this package's namespace is the
+(pooling), `norm`, `loss`, `shape`, `linalg`, `attention`, `elementwise`, `masks` (dropout); this package's namespace is the
 backend: every op of `__all__` is importable from here.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ import functools
 import types
 
 from deepdsl_runtime.contract import out_size
+from deepdsl_runtime.cpu.attention import attention, attention_grad
 from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
 from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_pair, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
@@ -50,7 +51,7 @@ from deepdsl_runtime.cpu.shape import (broadcast_to, concat, gather_rows, pad_ax
 from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zeros
 
 __all__ = [
-    "DEVICE", "all_sum", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
+    "DEVICE", "all_sum", "asarray", "attention", "attention_grad", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
     "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_and_sum", "ew_pair",
     "equal", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool",
     "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape", "scalar",
@@ -58,10 +59,10 @@ __all__ = [
 ]
 
 DEVICE = "cpu"
-_PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
+_PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "attention", "attention_grad")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
              "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
-             "label_rank", "equal")
+             "label_rank", "equal", "attention", "attention_grad")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

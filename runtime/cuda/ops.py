@@ -14,9 +14,9 @@ gradient is a batched GEMM then col2im gathering per input element (no atomics: 
 more scratch per sample than the CPU kernels, so the workspace the plan gives is enough, often for larger chunks.
 
 Modules, by op family: `arrays` (the device, `DeviceArray`, copies, launches), `elementwise`, `shape`, `conv`
-(matrix products and convolution), `pool` (pooling), `norm`, `loss`, `masks` (dropout), `allocators`. An op runs on
-the device of its output; only making arrays names a device (`asarray`, `zeros` and `allocator` take `device=`).
-`on(device)` is the backend with one device behind it (what the host emulator's tests use);
+(matrix products and convolution), `attention`, `pool` (pooling), `norm`, `loss`, `masks` (dropout), `allocators`.
+An op runs on the device of its output; only making arrays names a device (`asarray`, `zeros` and `allocator` take
+`device=`). `on(device)` is the backend with one device behind it (what the host emulator's tests use);
 `deepdsl_runtime.cuda` is the one with the process's GPU behind it.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cuda.allocators import allocator
+from deepdsl_runtime.cuda.attention import attention, attention_grad
 from deepdsl_runtime.cuda.arrays import Device, DeviceArray, asarray, scalar, to_numpy, zeros
 from deepdsl_runtime.cuda.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter, matmul
 from deepdsl_runtime.cuda.elementwise import (all_sum, broadcast_to, const, copy, ew, ew_and_sum, ew_pair,
@@ -37,11 +38,12 @@ from deepdsl_runtime.cuda.pool import avg_pool, avg_pool_bwd, max_pool, max_pool
 from deepdsl_runtime.cuda.shape import concat, gather_rows, pad_axis, scatter_rows, slice, transpose
 
 __all__ = [
-    "DEVICE", "DeviceArray", "Device", "all_sum", "allocator", "asarray", "avg_pool", "avg_pool_bwd", "bernoulli",
-    "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
-    "equal", "ew", "ew_and_sum", "ew_pair", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd",
-    "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape",
-    "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros", "on",
+    "DEVICE", "DeviceArray", "Device", "all_sum", "allocator", "asarray", "attention", "attention_grad", "avg_pool",
+    "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data",
+    "conv2d_bwd_filter", "copy", "equal", "ew", "ew_and_sum", "ew_pair", "ew_sum", "gather_rows", "label_rank",
+    "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
+    "pick", "precision", "reshape", "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose",
+    "unpick", "zeros", "on",
 ]
 
 DEVICE = "cuda"

@@ -1,7 +1,8 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
 // the im2col copies and col2im additions of the convolutions (cpu_columns.c), their axis swaps, thin convolutions
-// and their filter gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient.
+// and their filter gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient,
+// attention and its gradient (cpu_attention.c).
 //
 // Each kernel computes what the numpy kernel it replaces computes (runtime/cpu/; exactly, but for the sums of thin
 // convolutions' filter gradients and LRN's power with beta 0.75, which round differently), on the same memory: no
@@ -712,6 +713,9 @@ void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 
 // thin convolutions straight from the input
 #include "cpu_conv.c"
+
+// attention and its gradient, tile by tile
+#include "cpu_attention.c"
 
 // matrix products on these threads
 #include "cpu_gemm.c"

@@ -159,6 +159,119 @@ DEEPDSL_HD void deepdsl_unpick_at(unsigned i, unsigned classes, const float* g, 
     out[i] = (static_cast<int>(i % classes) == labels[row]) ? g[row] : 0.0f;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// attention (deepdsl.ops.attention): one thread per query row (the output, the queries' gradient, the row
+// statistics) or key row (the keys' and values' gradients); each recomputes the scores it needs, so no (T, S)
+// matrix is stored. The bias of unit u starts at bias + AttLead::offset(u) (up to four leading axes, element strides
+// 0 where it broadcasts) and its element (i, j) is at i * row + j * col.
+struct AttLead {
+    unsigned size[4], stride[4];
+    DEEPDSL_HD unsigned offset(unsigned u) const {
+        unsigned at = 0;
+        for (int a = 3; a >= 0; --a) {
+            at += (u % size[a]) * stride[a];
+            u /= size[a];
+        }
+        return at;
+    }
+};
+struct AttShape {
+    unsigned t, s, d, e, row, col;
+    float scale;
+    int causal;
+};
+
+DEEPDSL_HD float deepdsl_att_score(const AttShape& a, const float* q, const float* k, const float* bias, unsigned i,
+                                   unsigned j) {
+    if (a.causal && j > i) return DEEPDSL_NEG_INF;
+    float dot = 0.0f;
+    for (unsigned x = 0; x < a.d; ++x) dot += q[i * a.d + x] * k[j * a.d + x];
+    dot *= a.scale;
+    return bias ? dot + bias[i * a.row + j * a.col] : dot;
+}
+
+// the log-sum-exp of query i's scores (-inf when every key is left out)
+DEEPDSL_HD float deepdsl_att_lse(const AttShape& a, const float* q, const float* k, const float* bias, unsigned i) {
+    float m = DEEPDSL_NEG_INF;
+    for (unsigned j = 0; j < a.s; ++j) m = deepdsl_maxf(m, deepdsl_att_score(a, q, k, bias, i, j));
+    if (m == DEEPDSL_NEG_INF) return m;
+    float total = 0.0f;
+    for (unsigned j = 0; j < a.s; ++j) total += expf(deepdsl_att_score(a, q, k, bias, i, j) - m);
+    return m + logf(total);
+}
+
+DEEPDSL_HD float deepdsl_att_weight(float score, float lse) { return score == DEEPDSL_NEG_INF ? 0.0f : expf(score - lse); }
+
+// item (u, i): out row i of unit u
+DEEPDSL_HD void deepdsl_attention_at(unsigned item, const AttShape& a, const AttLead& lead, const float* q,
+                                     const float* k, const float* v, const float* bias, float* out) {
+    const unsigned u = item / a.t, i = item % a.t;
+    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
+    v += static_cast<size_t>(u) * a.s * a.e, bias = bias ? bias + lead.offset(u) : bias;
+    float* o = out + static_cast<size_t>(item) * a.e;
+    const float lse = deepdsl_att_lse(a, q, k, bias, i);
+    for (unsigned x = 0; x < a.e; ++x) o[x] = 0.0f;
+    for (unsigned j = 0; j < a.s; ++j) {
+        const float p = lse == DEEPDSL_NEG_INF ? nanf("") : deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, j), lse);
+        for (unsigned x = 0; x < a.e; ++x) o[x] += p * v[j * a.e + x];
+    }
+}
+
+// item (u, i) of a chunk of units: the row's log-sum-exp and dO . O into stats (lse, then delta, per chunk)
+DEEPDSL_HD void deepdsl_attention_stats_at(unsigned item, unsigned items, const AttShape& a, const AttLead& lead,
+                                           unsigned first, const float* q, const float* k, const float* o,
+                                           const float* g, const float* bias, float* stats) {
+    const unsigned u = first + item / a.t, i = item % a.t;
+    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
+    bias = bias ? bias + lead.offset(u) : bias;
+    stats[item] = deepdsl_att_lse(a, q, k, bias, i);
+    float dot = 0.0f;
+    const size_t row = (static_cast<size_t>(u) * a.t + i) * a.e;
+    for (unsigned x = 0; x < a.e; ++x) dot += g[row + x] * o[row + x];
+    stats[items + item] = dot;
+}
+
+// the scores' gradient at (i, j): p (g_i . v_j - delta_i) * scale
+DEEPDSL_HD float deepdsl_att_dscore(const AttShape& a, float p, const float* g, const float* v, unsigned i,
+                                    unsigned j, float delta) {
+    float dot = 0.0f;
+    for (unsigned x = 0; x < a.e; ++x) dot += g[i * a.e + x] * v[j * a.e + x];
+    return p * (dot - delta) * a.scale;
+}
+
+// item (u, i) of a chunk: dq row i; item (u, j): dk and dv rows j (`keys`)
+DEEPDSL_HD void deepdsl_attention_grad_at(unsigned item, unsigned items, int keys, const AttShape& a,
+                                          const AttLead& lead, unsigned first, const float* q, const float* k,
+                                          const float* v, const float* g, const float* bias, const float* stats,
+                                          float* dq, float* dk, float* dv) {
+    const unsigned rows = keys ? a.s : a.t;
+    const unsigned u = first + item / rows, at = item % rows, base = (item / rows) * a.t;
+    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
+    v += static_cast<size_t>(u) * a.s * a.e, g += static_cast<size_t>(u) * a.t * a.e;
+    bias = bias ? bias + lead.offset(u) : bias;
+    const float *lse = stats + base, *delta = stats + items + base;
+    if (!keys) {
+        float* out = dq + (static_cast<size_t>(u) * a.t + at) * a.d;
+        for (unsigned x = 0; x < a.d; ++x) out[x] = 0.0f;
+        for (unsigned j = 0; j < a.s; ++j) {
+            const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, at, j), lse[at]);
+            const float ds = deepdsl_att_dscore(a, p, g, v, at, j, delta[at]);
+            for (unsigned x = 0; x < a.d; ++x) out[x] += ds * k[j * a.d + x];
+        }
+        return;
+    }
+    float* kout = dk + (static_cast<size_t>(u) * a.s + at) * a.d;
+    float* vout = dv + (static_cast<size_t>(u) * a.s + at) * a.e;
+    for (unsigned x = 0; x < a.d; ++x) kout[x] = 0.0f;
+    for (unsigned x = 0; x < a.e; ++x) vout[x] = 0.0f;
+    for (unsigned i = 0; i < a.t; ++i) {
+        const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, at), lse[i]);
+        const float ds = deepdsl_att_dscore(a, p, g, v, i, at, delta[i]);
+        for (unsigned x = 0; x < a.e; ++x) vout[x] += p * g[i * a.e + x];
+        for (unsigned x = 0; x < a.d; ++x) kout[x] += ds * q[i * a.d + x];
+    }
+}
+
 // 1 when the row's first largest score is at its label
 DEEPDSL_HD unsigned deepdsl_precision_row(unsigned i, unsigned classes, const float* x, const int* labels) {
     const float* row = x + static_cast<size_t>(i) * classes;
@@ -517,6 +630,20 @@ DEEPDSL_KERNEL deepdsl_sum_generic(unsigned n, SumShape s, unsigned count, const
 DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, float* out, int log_domain,
                                int causal) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_softmax_row(i, classes, x, out, log_domain, causal);
+}
+DEEPDSL_KERNEL deepdsl_attention(unsigned n, AttShape a, AttLead lead, const float* q, const float* k,
+                                 const float* v, const float* bias, float* out) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_attention_at(i, a, lead, q, k, v, bias, out);
+}
+DEEPDSL_KERNEL deepdsl_attention_stats(unsigned n, AttShape a, AttLead lead, unsigned first, const float* q,
+                                       const float* k, const float* o, const float* g, const float* bias,
+                                       float* stats) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_attention_stats_at(i, n, a, lead, first, q, k, o, g, bias, stats);
+}
+DEEPDSL_KERNEL deepdsl_attention_grad(unsigned n, unsigned items, int keys, AttShape a, AttLead lead, unsigned first,
+                                      const float* q, const float* k, const float* v, const float* g,
+                                      const float* bias, const float* stats, float* dq, float* dk, float* dv) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_attention_grad_at(i, items, keys, a, lead, first, q, k, v, g, bias, stats, dq, dk, dv);
 }
 DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_pick_at(i, classes, x, labels, out);
